@@ -1,0 +1,30 @@
+#pragma once
+/// @file
+/// Version and the engine switches. The engines are opt-in: the CMake target
+/// dtrain::dtrain defines DTRAIN_WITH_MPI / DTRAIN_WITH_GLOO / DTRAIN_WITH_NCCL
+/// for the engines it found; a user of the single header defines them before
+/// including it. Test them with the function-like macros below, so that a typo
+/// is a compile error rather than a silently false `#if`.
+
+#define DTRAIN_VERSION_MAJOR 0
+#define DTRAIN_VERSION_MINOR 1
+#define DTRAIN_VERSION_PATCH 0
+#define DTRAIN_VERSION_STRING "0.1.0"
+
+#if defined(DTRAIN_WITH_MPI) && (DTRAIN_WITH_MPI + 0)
+#define DTRAIN_HAS_MPI() 1
+#else
+#define DTRAIN_HAS_MPI() 0
+#endif
+
+#if defined(DTRAIN_WITH_GLOO) && (DTRAIN_WITH_GLOO + 0)
+#define DTRAIN_HAS_GLOO() 1
+#else
+#define DTRAIN_HAS_GLOO() 0
+#endif
+
+#if defined(DTRAIN_WITH_NCCL) && (DTRAIN_WITH_NCCL + 0)
+#define DTRAIN_HAS_NCCL() 1
+#else
+#define DTRAIN_HAS_NCCL() 0
+#endif

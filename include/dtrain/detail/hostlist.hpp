@@ -1,0 +1,211 @@
+#pragma once
+/// @file
+/// Slurm's compressed notations: host lists (`gpu-[01-03,07],cpu5`) and task
+/// counts per node (`2(x3),1`). Parsed without expanding, so a hostile or
+/// enormous list costs nothing until someone asks for its hosts.
+
+#include <dtrain/detail/parse.hpp>
+#include <dtrain/error.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// A parsed Slurm host list.
+class hostlist {
+ public:
+  /// Parses `text`; `what` names it in messages (`SLURM_STEP_NODELIST=...`).
+  static hostlist parse(std::string_view text, const std::string& what) {
+    hostlist list;
+    if (text.empty()) throw config_error(what + " is an empty host list");
+    std::size_t start = 0;
+    int depth = 0;
+    for (std::size_t i = 0; i <= text.size(); ++i) {
+      if (i < text.size() && text[i] == '[') {
+        if (++depth > 1)
+          throw config_error(what + " has nested '[' at offset " + std::to_string(i));
+      } else if (i < text.size() && text[i] == ']') {
+        if (--depth < 0)
+          throw config_error(what + " has ']' without '[' at offset " + std::to_string(i));
+      } else if (i == text.size() || (text[i] == ',' && depth == 0)) {
+        if (depth != 0) throw config_error(what + " has '[' without ']'");
+        list.patterns_.push_back(parse_pattern(text.substr(start, i - start), what));
+        start = i + 1;
+      }
+    }
+    return list;
+  }
+
+  /// Number of hosts, saturating at SIZE_MAX for absurd lists.
+  [[nodiscard]] std::size_t size() const {
+    std::size_t total = 0;
+    for (const auto& p : patterns_) total = saturating_add(total, pattern_size(p));
+    return total;
+  }
+
+  /// The first host: what Slurm-aware launchers use as the master.
+  [[nodiscard]] std::string front() const {
+    std::string host;
+    for (const auto& pc : patterns_.front()) {
+      host += pc.ranges.empty() ? pc.literal : pc.ranges.front().format(pc.ranges.front().first);
+    }
+    return host;
+  }
+
+  /// All hosts in order; config_error past `limit` hosts.
+  [[nodiscard]] std::vector<std::string> expand(std::size_t limit = 1u << 20) const {
+    if (size() > limit) {
+      throw config_error("host list of " + std::to_string(size()) + " hosts exceeds the limit of " +
+                         std::to_string(limit));
+    }
+    std::vector<std::string> hosts;
+    for (const auto& p : patterns_) {
+      std::vector<std::string> partial{""};
+      for (const auto& pc : p) {
+        std::vector<std::string> next;
+        if (pc.ranges.empty()) {
+          for (auto& s : partial) next.push_back(s + pc.literal);
+        } else {
+          for (auto& s : partial) {
+            for (const auto& r : pc.ranges) {
+              for (std::uint64_t n = r.first; n <= r.last; ++n) next.push_back(s + r.format(n));
+            }
+          }
+        }
+        partial = std::move(next);
+      }
+      hosts.insert(hosts.end(), partial.begin(), partial.end());
+    }
+    return hosts;
+  }
+
+ private:
+  struct range {
+    std::uint64_t first;
+    std::uint64_t last;
+    std::size_t width;  // digits of the lower bound as written: "01-10" pads to 2
+
+    [[nodiscard]] std::string format(std::uint64_t n) const {
+      std::string digits = std::to_string(n);
+      if (digits.size() < width) digits.insert(0, width - digits.size(), '0');
+      return digits;
+    }
+    [[nodiscard]] std::size_t count() const { return static_cast<std::size_t>(last - first + 1); }
+  };
+  // A piece is literal text, or a bracket of ranges when `ranges` is not empty.
+  struct piece {
+    std::string literal;
+    std::vector<range> ranges;
+  };
+  using pattern = std::vector<piece>;
+
+  static std::size_t saturating_add(std::size_t a, std::size_t b) {
+    return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                           : a + b;
+  }
+  static std::size_t saturating_mul(std::size_t a, std::size_t b) {
+    return b != 0 && a > std::numeric_limits<std::size_t>::max() / b
+               ? std::numeric_limits<std::size_t>::max()
+               : a * b;
+  }
+  static std::size_t pattern_size(const pattern& p) {
+    std::size_t n = 1;
+    for (const auto& pc : p) {
+      if (pc.ranges.empty()) continue;
+      std::size_t in_bracket = 0;
+      for (const auto& r : pc.ranges) in_bracket = saturating_add(in_bracket, r.count());
+      n = saturating_mul(n, in_bracket);
+    }
+    return n;
+  }
+
+  static std::uint64_t parse_bound(std::string_view digits, const std::string& what) {
+    if (digits.empty() || digits.size() > 18 ||
+        digits.find_first_not_of("0123456789") != std::string_view::npos) {
+      throw config_error(what + " has a bad range bound '" + std::string(digits) + "'");
+    }
+    return std::stoull(std::string(digits));
+  }
+
+  static pattern parse_pattern(std::string_view text, const std::string& what) {
+    if (text.empty()) throw config_error(what + " has an empty host name");
+    pattern p;
+    std::size_t i = 0;
+    while (i < text.size()) {
+      if (text[i] != '[') {
+        auto next = text.find('[', i);
+        p.push_back(piece{std::string(text.substr(i, next - i)), {}});
+        i = next == std::string_view::npos ? text.size() : next;
+        continue;
+      }
+      auto close = text.find(']', i);
+      auto body = text.substr(i + 1, close - i - 1);
+      if (body.empty()) throw config_error(what + " has an empty '[]'");
+      piece bracket;
+      std::size_t s = 0;
+      while (s <= body.size()) {
+        auto comma = body.find(',', s);
+        auto item =
+            body.substr(s, comma == std::string_view::npos ? std::string_view::npos : comma - s);
+        auto dash = item.find('-');
+        auto lo = item.substr(0, dash);
+        auto hi = dash == std::string_view::npos ? lo : item.substr(dash + 1);
+        range r{parse_bound(lo, what), parse_bound(hi, what), lo.size()};
+        if (r.last < r.first) {
+          throw config_error(what + " has a descending range '" + std::string(item) + "'");
+        }
+        bracket.ranges.push_back(r);
+        if (comma == std::string_view::npos) break;
+        s = comma + 1;
+      }
+      p.push_back(std::move(bracket));
+      i = close + 1;
+    }
+    return p;
+  }
+
+  std::vector<pattern> patterns_;
+};
+
+/// Expands Slurm's tasks-per-node notation (`2(x3),1` → 2,2,2,1). `what`
+/// names it in messages; config_error past `limit` nodes.
+inline std::vector<int> parse_tasks_per_node(std::string_view text, const std::string& what,
+                                             std::size_t limit = 1u << 20) {
+  std::vector<int> counts;
+  if (text.empty()) throw config_error(what + " is empty");
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    auto comma = text.find(',', start);
+    auto item = text.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    int repeat = 1;
+    auto paren = item.find('(');
+    if (paren != std::string_view::npos) {
+      if (item.size() < paren + 4 || item.substr(paren, 2) != "(x" || item.back() != ')') {
+        throw config_error(what + " has a malformed item '" + std::string(item) +
+                           "' (expected N or N(xM))");
+      }
+      repeat = parse_non_negative(what + " (repeat count in '" + std::string(item) + "')",
+                                  item.substr(paren + 2, item.size() - paren - 3));
+      item = item.substr(0, paren);
+    }
+    int count = parse_non_negative(what + " (task count '" + std::string(item) + "')", item);
+    if (repeat == 0 || count == 0) {
+      throw config_error(what + " lists a node with zero tasks or a zero repeat");
+    }
+    if (counts.size() + static_cast<std::size_t>(repeat) > limit) {
+      throw config_error(what + " describes more than " + std::to_string(limit) + " nodes");
+    }
+    counts.insert(counts.end(), static_cast<std::size_t>(repeat), count);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return counts;
+}
+
+}  // namespace dtrain::detail

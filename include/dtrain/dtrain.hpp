@@ -1,0 +1,9 @@
+#pragma once
+/// @file
+/// The one header users include. It only includes; it has no code of its own.
+
+#include <dtrain/config.hpp>
+#include <dtrain/env/discover.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/env/world.hpp>
+#include <dtrain/error.hpp>

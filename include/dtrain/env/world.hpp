@@ -1,0 +1,202 @@
+#pragma once
+/// @file
+/// `dtrain::world`: who this process is in the job, as the launcher told it.
+/// A plain value; discover_world() (env/discover.hpp) builds it.
+
+#include <array>
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// The launcher whose variables identified this process.
+enum class launcher {
+  none,       ///< no launcher variables: a single process
+  env,        ///< env:// (torchrun, dtrun, Azure ML PyTorch, Kubeflow, Lightning-style NODE_RANK)
+  open_mpi,   ///< Open MPI's mpirun (OMPI_COMM_WORLD_*)
+  hydra,      ///< MPICH / Intel MPI Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID)
+  slurm,      ///< srun (SLURM_PROCID, SLURM_NTASKS, ...)
+  horovod,    ///< horovodrun (HOROVOD_RANK, ...)
+  tf_config,  ///< TF_CONFIG (Kubeflow TFJob, Azure ML TensorFlow jobs)
+};
+
+/// The launcher's name as whoami and describe() print it.
+[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
+  switch (l) {
+    case launcher::none: return "none";
+    case launcher::env: return "env";
+    case launcher::open_mpi: return "open_mpi";
+    case launcher::hydra: return "hydra";
+    case launcher::slurm: return "slurm";
+    case launcher::horovod: return "horovod";
+    case launcher::tf_config: return "tf_config";
+  }
+  return "unknown";
+}
+
+/// What this process is in the job. Only workers hold a data-parallel rank.
+enum class process_role {
+  worker,            ///< a data-parallel rank
+  node_agent,        ///< a per-node launcher process that starts the workers of its node
+  parameter_server,  ///< TF_CONFIG task type "ps"
+  evaluator,         ///< TF_CONFIG task type "evaluator"
+};
+
+[[nodiscard]] constexpr std::string_view to_string(process_role r) noexcept {
+  switch (r) {
+    case process_role::worker: return "worker";
+    case process_role::node_agent: return "agent";
+    case process_role::parameter_server: return "ps";
+    case process_role::evaluator: return "evaluator";
+  }
+  return "unknown";
+}
+
+/// Who this process is. A field the environment does not determine is
+/// nullopt — unknown, never guessed; the runtime completes the node fields at
+/// rendezvous by grouping ranks by host name.
+struct world {
+  std::optional<int> rank;              ///< 0 .. world_size-1; unknown for agents, ps, evaluators
+  std::optional<int> world_size;        ///< number of data-parallel workers in the job
+  std::optional<int> local_rank;        ///< rank among the workers on this node
+  std::optional<int> local_world_size;  ///< workers on this node
+  std::optional<int> node_rank;         ///< index of this node, 0 .. num_nodes-1
+  std::optional<int> num_nodes;         ///< nodes in the job
+  std::optional<std::string> master_addr;  ///< where the rendezvous store listens
+  std::optional<int> master_port;
+  launcher source = launcher::none;
+  process_role role = process_role::worker;
+
+  /// The fields, in the order describe() and to_json() print them.
+  enum class field : std::size_t {
+    rank,
+    world_size,
+    local_rank,
+    local_world_size,
+    node_rank,
+    num_nodes,
+    master_addr,
+    master_port,
+  };
+  static constexpr std::size_t field_count = 8;
+  static constexpr std::array<std::string_view, field_count> field_names{
+      "rank",      "world_size", "local_rank",  "local_world_size",
+      "node_rank", "num_nodes",  "master_addr", "master_port"};
+
+  /// Where each known field came from, e.g. "RANK=3" or
+  /// "SLURM_STEP_TASKS_PER_NODE=2(x3),1 at SLURM_NODEID=3"; empty when unknown.
+  std::array<std::string, field_count> origins{};
+  /// Remarks for logs: outer launchers seen, variables deliberately not used.
+  std::string notes;
+
+  [[nodiscard]] const std::string& origin(field f) const {
+    return origins[static_cast<std::size_t>(f)];
+  }
+
+  /// True when every rank and node field is known (master fields excluded:
+  /// a single process needs none, and mpirun jobs agree on one through MPI).
+  [[nodiscard]] bool complete() const noexcept {
+    return rank && world_size && local_rank && local_world_size && node_rank && num_nodes;
+  }
+
+  /// One or two lines for logs: each field with the variable it came from.
+  [[nodiscard]] std::string describe() const {
+    std::string out = "dtrain world from ";
+    out += to_string(source);
+    if (role != process_role::worker) {
+      out += " (";
+      out += to_string(role);
+      out += ')';
+    }
+    out += ':';
+    std::array<std::string, field_count> values;
+    const std::array<const std::optional<int>*, 6> numbers{
+        &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
+    }
+    values[6] = master_addr.value_or("?");
+    values[7] = master_port ? std::to_string(*master_port) : "?";
+    // Consecutive fields with one origin share one parenthesis.
+    for (std::size_t i = 0; i < field_count; ++i) {
+      out += i == 0 ? " " : ", ";
+      out += field_names[i];
+      out += '=';
+      out += values[i];
+      if (i + 1 == field_count || origins[i + 1] != origins[i]) {
+        out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
+      }
+    }
+    if (!notes.empty()) {
+      out += "\n  note: ";
+      out += notes;
+    }
+    return out;
+  }
+};
+
+namespace detail {
+
+/// Appends `text` as a JSON string literal.
+inline void append_json_string(std::string& out, std::string_view text) {
+  static constexpr char hex[] = "0123456789abcdef";
+  out += '"';
+  for (char c : text) {
+    auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (u < 0x20) {
+      out += "\\u00";
+      out += hex[u >> 4];
+      out += hex[u & 0xF];
+    } else {
+      out += c;
+    }
+  }
+  out += '"';
+}
+
+}  // namespace detail
+
+/// The world as one JSON object on one line (no newline), with the keys rank,
+/// world_size, local_rank, local_world_size, node_rank, num_nodes,
+/// master_addr, master_port (null when unknown), source, and role when the
+/// process is not a plain worker. This is what `dtrain_whoami` prints.
+[[nodiscard]] inline std::string to_json(const world& w) {
+  std::string out = "{";
+  auto key = [&](std::string_view name) {
+    if (out.size() > 1) out += ',';
+    detail::append_json_string(out, name);
+    out += ':';
+  };
+  auto number = [&](std::string_view name, const std::optional<int>& v) {
+    key(name);
+    out += v ? std::to_string(*v) : "null";
+  };
+  number("rank", w.rank);
+  number("world_size", w.world_size);
+  number("local_rank", w.local_rank);
+  number("local_world_size", w.local_world_size);
+  number("node_rank", w.node_rank);
+  number("num_nodes", w.num_nodes);
+  key("master_addr");
+  if (w.master_addr) {
+    detail::append_json_string(out, *w.master_addr);
+  } else {
+    out += "null";
+  }
+  number("master_port", w.master_port);
+  key("source");
+  detail::append_json_string(out, to_string(w.source));
+  if (w.role != process_role::worker) {
+    key("role");
+    detail::append_json_string(out, to_string(w.role));
+  }
+  out += '}';
+  return out;
+}
+
+}  // namespace dtrain
