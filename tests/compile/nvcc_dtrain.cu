@@ -1,0 +1,14 @@
+// dtrain.hpp must get through nvcc: users include it from their .cu files.
+// Built twice, against include/ and against single_include/.
+#include <dtrain/dtrain.hpp>
+
+#include <cstdio>
+
+__global__ void dtrain_nvcc_kernel(int* out) { *out = DTRAIN_HAS_NCCL(); }
+
+int main() {
+  // No kernel launch: the test machines have the toolkit but no GPU.
+  std::printf("dtrain %s under nvcc (mpi=%d gloo=%d nccl=%d)\n", DTRAIN_VERSION_STRING, DTRAIN_HAS_MPI(),
+              DTRAIN_HAS_GLOO(), DTRAIN_HAS_NCCL());
+  return 0;
+}

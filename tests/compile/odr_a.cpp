@@ -1,0 +1,9 @@
+// One of three translation units that each include all of dtrain: anything
+// a header defines that is neither inline nor a template becomes a duplicate
+// symbol when dtrain_odr links.
+#include <dtrain/dtrain.hpp>
+
+#include <string>
+
+std::string odr_version_a();
+std::string odr_version_a() { return DTRAIN_VERSION_STRING; }
