@@ -46,12 +46,14 @@ inline void agree(observation& into, field f, const std::optional<sourced_int>& 
 /// what an agent (torchrun, dtrun) sets for its workers, or what a user's
 /// script copied from the outer launcher; Slurm comes last because mpirun and
 /// mpiexec start their daemons through srun inside an allocation.
-inline std::vector<observation> read_launchers(const environment& env, std::string& notes) {
+inline std::vector<observation> read_launchers(const environment& env, const observation& env_url,
+                                               std::string& notes) {
   std::vector<observation> found;
   auto keep = [&](observation o) {
     if (!o.note.empty()) notes += (notes.empty() ? "" : "; ") + o.note;
     if (o.is_launcher()) found.push_back(std::move(o));
   };
+  keep(env_url);
   keep(read_tf_config(env));
   keep(read_horovod(env));
   keep(read_open_mpi(env));
@@ -165,9 +167,7 @@ inline world to_world(const observation& o) {
 inline world discover_per_process(const environment& env, std::span<const std::string_view> args,
                                   std::string& notes) {
   observation loose = read_env_url(env);
-  std::vector<observation> launchers;
-  if (loose.is_launcher()) launchers.push_back(loose);
-  for (auto& o : read_launchers(env, notes)) launchers.push_back(std::move(o));
+  std::vector<observation> launchers = read_launchers(env, loose, notes);
 
   observation o;
   if (launchers.empty()) {
@@ -206,9 +206,7 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
                        " is a worker's argument; a per-node agent assigns local ranks itself");
   }
   observation loose = read_env_url(env);
-  std::vector<observation> launchers;
-  if (loose.is_launcher()) launchers.push_back(loose);
-  for (auto& o : read_launchers(env, notes)) launchers.push_back(std::move(o));
+  std::vector<observation> launchers = read_launchers(env, loose, notes);
 
   // The agents' own launcher ran one agent per node: its ranks are node ranks.
   observation node;
