@@ -7,3 +7,7 @@
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/server.hpp>
+#include <dtrain/rendezvous/client.hpp>
+#include <dtrain/rendezvous/store.hpp>

@@ -1739,6 +1739,1709 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 
 }  // namespace dtrain
 // ---- end dtrain/env/discover.hpp ----
+// ---- begin dtrain/rendezvous/options.hpp ----
+/// @file
+/// Options of the rendezvous store, server and client alike. Each default is
+/// defined here once; each can be overridden by the option and by an
+/// environment variable (store_options::from_env).
+
+
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Default for every blocking store operation (connect, get, wait, barrier),
+/// as c10d's store: 300 s. Environment: DTRAIN_STORE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
+
+/// How long the server gives a new connection to complete its handshake, and
+/// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
+
+/// Wire limits, checked before anything is allocated.
+struct store_limits {
+  std::uint32_t max_key_size = 4096;          ///< bytes per key
+  std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
+  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check
+  std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
+
+  /// The largest request frame these limits allow; a larger length prefix
+  /// closes the connection before a byte of it is buffered.
+  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
+    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+    return 64u + (keys > one ? keys : one);
+  }
+};
+
+/// Options of a store server or client. Aggregate: use designated initialisers,
+/// e.g. `{.timeout = 30s, .token = "secret"}`.
+struct store_options {
+  /// Default timeout of connect, get, wait and barrier.
+  std::chrono::milliseconds timeout = default_store_timeout;
+  /// Server: limit for a handshake or a started frame. Client: how long a
+  /// reply may take beyond the operation's own timeout before the server is
+  /// presumed dead.
+  std::chrono::milliseconds io_timeout = default_store_io_timeout;
+  /// Shared secret; the server serves nothing to a client whose token differs.
+  /// Environment: DTRAIN_STORE_TOKEN.
+  std::string token{};
+  store_limits limits{};
+  /// Server: where it reports closed connections and their reasons. Empty:
+  /// one line on stderr each.
+  std::function<void(std::string_view)> log{};
+
+  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT and
+  /// DTRAIN_STORE_TOKEN from `env` applied on top: the environment wins, as
+  /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
+  /// config_error naming the variable on a malformed value.
+  [[nodiscard]] store_options with_env(const environment& env) const {
+    store_options out = *this;
+    if (auto t = read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
+    if (auto t = read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
+    if (out.token.size() > out.limits.max_token_size) {
+      throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
+                         " bytes; the limit is " + std::to_string(out.limits.max_token_size));
+    }
+    return out;
+  }
+
+ private:
+  static std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                               std::string_view name) {
+    auto text = env.get(name);
+    if (!text) return std::nullopt;
+    const std::string what = detail::assignment(name, *text);
+    double seconds = 0;
+    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+    if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
+        !(seconds > 0) || seconds > 1e9) {
+      throw config_error(what + " is not a positive number of seconds");
+    }
+    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+  }
+};
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/options.hpp ----
+// ---- begin dtrain/rendezvous/server.hpp ----
+/// @file
+/// store_server: the key-value store every rank meets at. One coroutine per
+/// connection on an epoll reactor, on one background thread.
+
+// ---- begin dtrain/detail/sys.hpp ----
+/// @file
+/// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
+/// captures file:line, the call as written and strerror(errno).
+
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// "what: strerror(err) (at file:line)".
+inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
+  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
+         ":" + std::to_string(line) + ")";
+}
+
+/// An owned file descriptor, closed on destruction.
+class unique_fd {
+ public:
+  unique_fd() = default;
+  explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  unique_fd& operator=(unique_fd&& other) noexcept {
+    if (this != &other) reset(std::exchange(other.fd_, -1));
+    return *this;
+  }
+  unique_fd(const unique_fd&) = delete;
+  unique_fd& operator=(const unique_fd&) = delete;
+  ~unique_fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an OS call returning -1 on failure) and throws
+/// dtrain::error with the call, file:line and strerror(errno) when it fails.
+#define DTRAIN_SYSCALL(call)                                                          \
+  ([&]() {                                                                            \
+    auto dtrain_result_ = (call);                                                     \
+    if (dtrain_result_ == -1) {                                                       \
+      int dtrain_errno_ = errno;                                                      \
+      throw ::dtrain::error(                                                          \
+          ::dtrain::detail::os_error_text(#call, dtrain_errno_, __FILE__, __LINE__)); \
+    }                                                                                 \
+    return dtrain_result_;                                                            \
+  }())
+// ---- end dtrain/detail/sys.hpp ----
+// ---- begin dtrain/rendezvous/protocol.hpp ----
+/// @file
+/// The store's wire protocol. All integers are little-endian.
+///
+///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
+///               server → client: status u8, version u16
+///   request     length u32 (of the body), body: op u8, then the op's fields
+///   response    length u32, body: status u8, then the payload
+///
+/// bytes16 / bytes32 are a u16 / u32 length followed by that many bytes. A
+/// length beyond the configured limits closes the connection before anything
+/// is allocated for it.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail::wire {
+
+inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
+inline constexpr std::uint16_t version = 1;
+
+enum class op : std::uint8_t {
+  set = 1,          ///< key, value → ok
+  get = 2,          ///< key, timeout_ms u64 → ok + value | timeout
+  add = 3,          ///< key, delta i64 → ok + new value i64
+  compare_set = 4,  ///< key, expected, desired → ok + current value
+  wait = 5,         ///< count u32, keys, timeout_ms u64 → ok | timeout
+  check = 6,        ///< count u32, keys → ok + u8 (all present)
+  erase = 7,        ///< key → ok + u8 (existed)
+  num_keys = 8,     ///< → ok + u64
+  ping = 9,         ///< → ok
+};
+
+enum class status : std::uint8_t {
+  ok = 0,
+  timeout = 1,        ///< a wait expired on the server
+  error = 2,          ///< the request was understood and refused; bytes32 message follows
+  shutting_down = 3,  ///< the server is stopping; bytes32 message follows
+  bad_version = 4,    ///< handshake only
+  bad_token = 5,      ///< handshake only
+};
+
+/// A request or reply that breaks the protocol; the connection is closed.
+struct violation : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Appends little-endian fields to a buffer.
+class writer {
+ public:
+  explicit writer(std::string& out) : out_(out) {}
+  writer& u8(std::uint8_t v) {
+    out_ += static_cast<char>(v);
+    return *this;
+  }
+  writer& u16(std::uint16_t v) { return le(v, 2); }
+  writer& u32(std::uint32_t v) { return le(v, 4); }
+  writer& u64(std::uint64_t v) { return le(v, 8); }
+  writer& i64(std::int64_t v) { return le(static_cast<std::uint64_t>(v), 8); }
+  writer& bytes16(std::string_view s) {
+    u16(static_cast<std::uint16_t>(s.size()));
+    out_.append(s);
+    return *this;
+  }
+  writer& bytes32(std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    out_.append(s);
+    return *this;
+  }
+
+ private:
+  writer& le(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+    return *this;
+  }
+  std::string& out_;
+};
+
+/// Reads little-endian fields from a received body; every read is bounds
+/// checked and throws `violation` naming what was cut short.
+class reader {
+ public:
+  explicit reader(std::string_view in) : in_(in) {}
+  std::uint8_t u8(const char* what) { return static_cast<std::uint8_t>(le(1, what)); }
+  std::uint16_t u16(const char* what) { return static_cast<std::uint16_t>(le(2, what)); }
+  std::uint32_t u32(const char* what) { return static_cast<std::uint32_t>(le(4, what)); }
+  std::uint64_t u64(const char* what) { return le(8, what); }
+  std::int64_t i64(const char* what) { return static_cast<std::int64_t>(le(8, what)); }
+  std::string_view bytes32(const char* what, std::uint32_t limit) {
+    return sized(u32(what), what, limit);
+  }
+  std::string_view bytes16(const char* what, std::uint32_t limit) {
+    return sized(u16(what), what, limit);
+  }
+  void finish(const char* what) const {
+    if (pos_ != in_.size()) {
+      throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
+                      " unexpected trailing bytes");
+    }
+  }
+
+ private:
+  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit) {
+    if (n > limit) {
+      throw violation(std::string(what) + " of " + std::to_string(n) +
+                      " bytes exceeds the limit of " + std::to_string(limit));
+    }
+    return take(n, what);
+  }
+  std::string_view take(std::size_t n, const char* what) {
+    if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
+    auto out = in_.substr(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  std::uint64_t le(int n, const char* what) {
+    auto bytes = take(static_cast<std::size_t>(n), what);
+    std::uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i)
+      v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
+    return v;
+  }
+  std::string_view in_;
+  std::size_t pos_ = 0;
+};
+
+/// A frame: u32 length, then the body.
+inline std::string frame(const std::string& body) {
+  std::string out;
+  writer(out).u32(static_cast<std::uint32_t>(body.size()));
+  out += body;
+  return out;
+}
+
+/// The decoded u32 at the start of `header` (4 bytes).
+inline std::uint32_t frame_length(std::string_view header) {
+  return reader(header).u32("frame length");
+}
+
+/// Keys of a wait/check request, bounded by the limits.
+inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
+  std::uint32_t n = r.u32("key count");
+  if (n > limits.max_keys_per_request) {
+    throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
+                    std::to_string(limits.max_keys_per_request));
+  }
+  std::vector<std::string_view> keys;  // grows with keys actually present, not with n
+  for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
+  return keys;
+}
+
+}  // namespace dtrain::detail::wire
+// ---- end dtrain/rendezvous/protocol.hpp ----
+// ---- begin dtrain/rendezvous/reactor.hpp ----
+/// @file
+/// A small epoll reactor for C++20 coroutines, and the task type the store's
+/// server is written in. One thread runs the reactor; every coroutine runs on
+/// it, so the server's state needs no locks.
+
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <coroutine>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <map>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+
+namespace dtrain::detail {
+
+using steady = std::chrono::steady_clock;
+
+/// A lazily started coroutine returning T, awaitable from another task.
+/// Completion resumes the awaiting coroutine directly (symmetric transfer).
+template <class T = void>
+class task;
+
+namespace task_impl {
+
+struct promise_base {
+  std::coroutine_handle<> continuation{};
+  std::exception_ptr error{};
+
+  struct final_awaiter {
+    bool await_ready() const noexcept { return false; }
+    template <class P>
+    std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) const noexcept {
+      auto next = h.promise().continuation;
+      return next ? next : std::noop_coroutine();
+    }
+    void await_resume() const noexcept {}
+  };
+
+  std::suspend_always initial_suspend() const noexcept { return {}; }
+  final_awaiter final_suspend() const noexcept { return {}; }
+  void unhandled_exception() noexcept { error = std::current_exception(); }
+};
+
+template <class T>
+struct promise : promise_base {
+  std::optional<T> value{};
+  task<T> get_return_object() noexcept;
+  void return_value(T v) { value = std::move(v); }
+  T take() {
+    if (error) std::rethrow_exception(error);
+    return std::move(*value);
+  }
+};
+
+template <>
+struct promise<void> : promise_base {
+  task<void> get_return_object() noexcept;
+  void return_void() const noexcept {}
+  void take() const {
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+}  // namespace task_impl
+
+template <class T>
+class task {
+ public:
+  using promise_type = task_impl::promise<T>;
+  using handle_type = std::coroutine_handle<promise_type>;
+
+  task() = default;
+  explicit task(handle_type h) noexcept : h_(h) {}
+  task(task&& other) noexcept : h_(std::exchange(other.h_, {})) {}
+  task& operator=(task&& other) noexcept {
+    if (this != &other) {
+      if (h_) h_.destroy();
+      h_ = std::exchange(other.h_, {});
+    }
+    return *this;
+  }
+  task(const task&) = delete;
+  task& operator=(const task&) = delete;
+  ~task() {
+    if (h_) h_.destroy();
+  }
+
+  /// Runs a top-level task until its first suspension.
+  void start() { h_.resume(); }
+  [[nodiscard]] bool done() const noexcept { return !h_ || h_.done(); }
+  /// The exception a finished top-level task ended with, if any.
+  [[nodiscard]] std::exception_ptr error() const noexcept {
+    return h_ ? h_.promise().error : nullptr;
+  }
+
+  auto operator co_await() && noexcept {
+    struct awaiter {
+      handle_type h;
+      bool await_ready() const noexcept { return false; }
+      std::coroutine_handle<> await_suspend(std::coroutine_handle<> caller) noexcept {
+        h.promise().continuation = caller;
+        return h;
+      }
+      T await_resume() { return h.promise().take(); }
+    };
+    return awaiter{h_};
+  }
+
+ private:
+  handle_type h_{};
+};
+
+namespace task_impl {
+template <class T>
+task<T> promise<T>::get_return_object() noexcept {
+  return task<T>(std::coroutine_handle<promise<T>>::from_promise(*this));
+}
+inline task<void> promise<void>::get_return_object() noexcept {
+  return task<void>(std::coroutine_handle<promise<void>>::from_promise(*this));
+}
+}  // namespace task_impl
+
+/// Why a suspended coroutine was resumed.
+enum class wake { none, io, timeout, event, stop };
+
+/// The pending wait of one coroutine chain (one connection, or the acceptor).
+struct wait_slot {
+  std::coroutine_handle<> handle{};
+  wake reason = wake::none;
+  int fd = -1;
+  bool io_armed = false;
+  bool has_timer = false;
+  std::multimap<steady::time_point, wait_slot*>::iterator timer{};
+};
+
+/// epoll, a timer queue and a ready queue. Not thread-safe except
+/// request_stop(); everything else is called on the thread that runs it.
+class reactor {
+ public:
+  reactor()
+      : epoll_(DTRAIN_SYSCALL(::epoll_create1(EPOLL_CLOEXEC))),
+        wakeup_(DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = 0;  // id 0 is the wakeup eventfd
+    DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wakeup_.get(), &ev));
+  }
+  reactor(const reactor&) = delete;
+  reactor& operator=(const reactor&) = delete;
+
+  /// Watches `fd` for `slot` (disarmed until a wait arms it).
+  void add(int fd, wait_slot& slot) {
+    slot.fd = fd;
+    std::uint64_t id = next_id_++;
+    ids_[&slot] = id;
+    slots_[id] = &slot;
+    epoll_event ev{};
+    ev.events = EPOLLONESHOT;
+    ev.data.u64 = id;
+    DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev));
+  }
+
+  /// Stops watching the slot's fd and forgets the slot; pending events for it are dropped.
+  void remove(wait_slot& slot) {
+    disarm(slot);
+    if (slot.fd >= 0) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, slot.fd, nullptr);
+    if (auto it = ids_.find(&slot); it != ids_.end()) {
+      slots_.erase(it->second);
+      ids_.erase(it);
+    }
+    std::erase(ready_, &slot);
+  }
+
+  /// Awaitable: suspends until `slot`'s fd has `events` (0: none), the
+  /// deadline passes, wake_up(slot) is called, or the reactor stops.
+  struct until {
+    reactor& r;
+    wait_slot& slot;
+    std::uint32_t events;
+    std::optional<steady::time_point> deadline;
+
+    bool await_ready() const noexcept { return r.stopping_; }
+    void await_suspend(std::coroutine_handle<> h) {
+      slot.handle = h;
+      slot.reason = wake::none;
+      if (events != 0) r.arm(slot, events);
+      if (deadline) {
+        slot.timer = r.timers_.emplace(*deadline, &slot);
+        slot.has_timer = true;
+      }
+    }
+    wake await_resume() {
+      if (r.stopping_) {
+        r.disarm(slot);
+        return wake::stop;
+      }
+      r.disarm(slot);
+      return slot.reason;
+    }
+  };
+
+  until wait(wait_slot& slot, std::uint32_t events, std::optional<steady::time_point> deadline) {
+    return until{*this, slot, events, deadline};
+  }
+
+  /// Resumes a suspended slot with wake::event, after the running coroutine suspends.
+  void wake_up(wait_slot& slot) { make_ready(slot, wake::event); }
+
+  /// One round: resume what is ready, wait for I/O or the next timer (at most
+  /// `cap`), dispatch. Returns false once a stop was requested.
+  bool run_once(std::chrono::milliseconds cap) {
+    drain_ready();
+    if (stop_requested()) return false;
+    int timeout = static_cast<int>(cap.count());
+    if (!timers_.empty()) {
+      auto until_next =
+          std::chrono::ceil<std::chrono::milliseconds>(timers_.begin()->first - steady::now());
+      timeout = static_cast<int>(std::clamp<std::int64_t>(until_next.count(), 0, timeout));
+    }
+    epoll_event events[256];
+    int n = ::epoll_wait(epoll_.get(), events, 256, timeout);
+    if (n < 0 && errno != EINTR) DTRAIN_SYSCALL(n);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 == 0) {
+        std::uint64_t drained = 0;
+        (void)!::read(wakeup_.get(), &drained, sizeof drained);
+        continue;
+      }
+      auto it = slots_.find(events[i].data.u64);
+      if (it == slots_.end()) continue;
+      it->second->io_armed = false;  // EPOLLONESHOT disarmed it
+      make_ready(*it->second, wake::io);
+    }
+    auto now = steady::now();
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      wait_slot* slot = timers_.begin()->second;
+      timers_.erase(timers_.begin());
+      slot->has_timer = false;
+      make_ready(*slot, wake::timeout);
+    }
+    drain_ready();
+    return !stop_requested();
+  }
+
+  /// Thread-safe: makes run_once return false soon.
+  void request_stop() noexcept {
+    stop_flag_.store(true);
+    std::uint64_t one = 1;
+    (void)!::write(wakeup_.get(), &one, sizeof one);
+  }
+  [[nodiscard]] bool stop_requested() const noexcept { return stop_flag_.load(); }
+
+  /// After a stop: every await completes at once with wake::stop, and every
+  /// suspended slot is resumed so its coroutine can say goodbye and finish.
+  void stop_all(const std::vector<wait_slot*>& suspended) {
+    stopping_ = true;
+    for (wait_slot* s : suspended) make_ready(*s, wake::stop);
+    drain_ready();
+  }
+
+ private:
+  void arm(wait_slot& slot, std::uint32_t events) {
+    epoll_event ev{};
+    ev.events = events | EPOLLONESHOT;
+    ev.data.u64 = ids_.at(&slot);
+    DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, slot.fd, &ev));
+    slot.io_armed = true;
+  }
+
+  void disarm(wait_slot& slot) {
+    if (slot.io_armed) {
+      epoll_event ev{};
+      ev.events = EPOLLONESHOT;
+      ev.data.u64 = ids_.at(&slot);
+      ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, slot.fd, &ev);
+      slot.io_armed = false;
+    }
+    if (slot.has_timer) {
+      timers_.erase(slot.timer);
+      slot.has_timer = false;
+    }
+  }
+
+  void make_ready(wait_slot& slot, wake why) {
+    if (!slot.handle || slot.reason != wake::none) return;  // not waiting, or already woken
+    slot.reason = why;
+    ready_.push_back(&slot);
+  }
+
+  void drain_ready() {
+    while (!ready_.empty()) {
+      wait_slot* slot = ready_.front();
+      ready_.pop_front();
+      auto h = std::exchange(slot->handle, {});
+      if (h) h.resume();
+    }
+  }
+
+  unique_fd epoll_;
+  unique_fd wakeup_;
+  std::atomic<bool> stop_flag_{false};
+  bool stopping_ = false;
+  std::uint64_t next_id_ = 1;
+  std::unordered_map<std::uint64_t, wait_slot*> slots_;
+  std::unordered_map<const wait_slot*, std::uint64_t> ids_;
+  std::multimap<steady::time_point, wait_slot*> timers_;
+  std::deque<wait_slot*> ready_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/reactor.hpp ----
+// ---- begin dtrain/rendezvous/socket.hpp ----
+/// @file
+/// The few socket helpers the store's server and client share.
+
+
+#include <cerrno>
+#include <cstdint>
+#include <string>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+namespace dtrain::detail {
+
+/// "host:port", with brackets for IPv6 ("[::1]:29500").
+inline std::string endpoint_text(const std::string& host, int port) {
+  bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+/// The numeric address and port of a socket address.
+inline std::string endpoint_text(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+  }
+  return endpoint_text(host, port);
+}
+
+/// Disables Nagle: the store's requests are small and latency-bound.
+inline void set_no_delay(int fd) {
+  int one = 1;
+  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
+}
+
+/// getaddrinfo with its result owned.
+struct address_list {
+  addrinfo* head = nullptr;
+  address_list() = default;
+  address_list(const address_list&) = delete;
+  address_list& operator=(const address_list&) = delete;
+  ~address_list() {
+    if (head) ::freeaddrinfo(head);
+  }
+};
+
+/// Resolves host:port; returns the gai error code (0 on success).
+inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  std::string service = std::to_string(port);
+  return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/socket.hpp ----
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+namespace dtrain {
+
+/// A snapshot of what the server is doing, for tests and diagnostics.
+struct store_server_stats {
+  std::size_t connections = 0;         ///< open connections, handshaken or not
+  std::size_t waiting = 0;             ///< connections blocked in get / wait
+  std::uint64_t closed_for_cause = 0;  ///< connections closed for bad input or timeouts
+};
+
+/// Serves the store on `address:port` from a background thread until stop()
+/// or destruction. Construction binds and listens, so a port in use is a
+/// rendezvous_error thrown here; port 0 picks a free port (see port()).
+/// Bad input from a client closes that connection with a logged reason;
+/// everyone else is still served. stop() answers every pending get / wait
+/// with an error and closes every connection.
+class store_server {
+ public:
+  explicit store_server(std::string address = "0.0.0.0", int port = 0, store_options options = {})
+      : address_(std::move(address)), options_(std::move(options)) {
+    listen_on(port);
+    thread_ = std::thread([this] { serve_until_stopped(); });
+  }
+  store_server(const store_server&) = delete;
+  store_server& operator=(const store_server&) = delete;
+  ~store_server() { stop(); }
+
+  /// The port it listens on (the one picked when constructed with 0).
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] const std::string& address() const noexcept { return address_; }
+  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
+
+  [[nodiscard]] store_server_stats stats() const noexcept {
+    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load()};
+  }
+
+  /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
+  void stop() {
+    reactor_.request_stop();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct connection {
+    detail::unique_fd fd;
+    detail::wait_slot slot;
+    std::string peer;
+    bool in_request = false;
+    detail::task<void> job;
+  };
+
+  struct peer_gone {};  // the client closed its end: not an error
+  struct stopping {};   // the server is stopping
+
+  using steady = detail::steady;
+  using op = detail::wire::op;
+  using status = detail::wire::status;
+  using violation = detail::wire::violation;
+
+  void log(const std::string& message) const {
+    std::string line = "[dtrain store " + endpoint() + "] " + message;
+    if (options_.log) {
+      options_.log(line);
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+  }
+
+  void listen_on(int port) {
+    detail::address_list addrs;
+    if (int rc = detail::resolve(address_, port, true, addrs); rc != 0) {
+      throw rendezvous_error("cannot listen on " + detail::endpoint_text(address_, port) + ": " +
+                             ::gai_strerror(rc));
+    }
+    const addrinfo* a = addrs.head;
+    detail::unique_fd fd(
+        DTRAIN_SYSCALL(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)));
+    int one = 1;
+    DTRAIN_SYSCALL(::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
+    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      int err = errno;
+      throw rendezvous_error(
+          "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
+          (err == EADDRINUSE ? " (another store or program holds the port: pick another "
+                               "MASTER_PORT, or port 0 for a free one)"
+                             : ""));
+    }
+    DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len));
+    port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    listen_ = std::move(fd);
+    reactor_.add(listen_.get(), accept_slot_);
+  }
+
+  void serve_until_stopped() {
+    detail::task<void> acceptor = accept_loop();
+    acceptor.start();
+    try {
+      while (reactor_.run_once(std::chrono::milliseconds(1000))) reap();
+    } catch (const std::exception& e) {
+      log(std::string("reactor failed, stopping: ") + e.what());
+    }
+    std::vector<detail::wait_slot*> suspended{&accept_slot_};
+    for (auto& [raw, c] : connections_) suspended.push_back(&c->slot);
+    reactor_.stop_all(suspended);
+    reap();
+    connections_.clear();
+    connection_count_ = 0;
+    reactor_.remove(accept_slot_);
+    listen_.reset();
+  }
+
+  void reap() {
+    for (connection* c : finished_) {
+      reactor_.remove(c->slot);
+      connections_.erase(c);
+      --connection_count_;
+    }
+    finished_.clear();
+  }
+
+  detail::task<void> accept_loop() {
+    for (;;) {
+      sockaddr_storage peer{};
+      socklen_t len = sizeof peer;
+      int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&peer), &len,
+                         SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd >= 0) {
+        auto c = std::make_unique<connection>();
+        c->fd.reset(fd);
+        c->peer = detail::endpoint_text(reinterpret_cast<sockaddr*>(&peer));
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        reactor_.add(fd, c->slot);
+        connection* raw = c.get();
+        connections_.emplace(raw, std::move(c));
+        ++connection_count_;
+        raw->job = serve(*raw);
+        raw->job.start();
+        continue;
+      }
+      int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      detail::wake w;
+      if (err == EAGAIN || err == EWOULDBLOCK) {
+        w = co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt);
+      } else {
+        // Out of descriptors or memory: say so, and try again shortly instead of spinning.
+        log(std::string("cannot accept a connection: ") + std::strerror(err) +
+            "; retrying in 100 ms");
+        w = co_await reactor_.wait(accept_slot_, 0, steady::now() + std::chrono::milliseconds(100));
+      }
+      if (w == detail::wake::stop) co_return;
+    }
+  }
+
+  detail::task<void> serve(connection& c) {
+    std::string reason;
+    try {
+      if (co_await handshake(c)) {
+        while (co_await serve_one(c)) {
+        }
+      }
+    } catch (const peer_gone&) {
+    } catch (const stopping&) {
+      if (c.in_request) say_goodbye(c);
+    } catch (const violation& e) {
+      reason = std::string("protocol violation: ") + e.what();
+    } catch (const std::exception& e) {
+      reason = e.what();
+    }
+    if (!reason.empty()) {
+      ++closed_for_cause_;
+      log("closed connection from " + c.peer + ": " + reason);
+    }
+    finished_.push_back(&c);
+  }
+
+  // Best effort, without waiting: the client blocked in get / wait learns why.
+  void say_goodbye(connection& c) {
+    std::string body;
+    detail::wire::writer(body)
+        .u8(static_cast<std::uint8_t>(status::shutting_down))
+        .bytes32("the store server is shutting down");
+    auto frame = detail::wire::frame(body);
+    (void)!::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+
+  steady::time_point io_deadline() const { return steady::now() + options_.io_timeout; }
+
+  /// Appends exactly `n` bytes from the connection to `out`. Returns false on
+  /// a clean end of stream before the first byte when `eof_ok`.
+  detail::task<bool> read_exact(connection& c, std::string& out, std::size_t n,
+                                std::optional<steady::time_point> deadline, bool eof_ok,
+                                const char* what) {
+    const std::size_t start = out.size();
+    char chunk[16384];
+    while (out.size() - start < n) {
+      std::size_t want = std::min(sizeof chunk, n - (out.size() - start));
+      ssize_t got = ::recv(c.fd.get(), chunk, want, 0);
+      if (got > 0) {
+        out.append(chunk, static_cast<std::size_t>(
+                              got));  // grows with what arrives, not with what was declared
+        continue;
+      }
+      if (got == 0) {
+        if (eof_ok && out.size() == start) co_return false;
+        throw violation(std::string(what) + " cut short: the client closed the connection after " +
+                        std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes");
+      }
+      if (errno == EINTR) continue;
+      if (errno == ECONNRESET && eof_ok && out.size() == start) co_return false;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        throw std::system_error(errno, std::generic_category(), std::string("reading ") + what);
+      }
+      auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
+      if (w == detail::wake::stop) throw stopping{};
+      if (w == detail::wake::timeout) {
+        throw violation(std::string(what) + " not complete within " +
+                        std::to_string(options_.io_timeout.count()) + " ms (" +
+                        std::to_string(out.size() - start) + " of " + std::to_string(n) +
+                        " bytes)");
+      }
+    }
+    co_return true;
+  }
+
+  detail::task<void> write_all(connection& c, std::string_view data) {
+    auto deadline = io_deadline();
+    while (!data.empty()) {
+      ssize_t sent = ::send(c.fd.get(), data.data(), data.size(), MSG_NOSIGNAL);
+      if (sent > 0) {
+        data.remove_prefix(static_cast<std::size_t>(sent));
+        continue;
+      }
+      if (sent < 0 && errno == EINTR) continue;
+      if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) throw peer_gone{};
+      if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        throw std::system_error(errno, std::generic_category(), "sending a reply");
+      }
+      auto w = co_await reactor_.wait(c.slot, EPOLLOUT, deadline);
+      if (w == detail::wake::stop) throw stopping{};
+      if (w == detail::wake::timeout)
+        throw violation("the client did not read its reply within the io timeout");
+    }
+  }
+
+  detail::task<bool> handshake(connection& c) {
+    auto deadline = io_deadline();
+    std::string hello;
+    if (!co_await read_exact(c, hello, 8, deadline, true, "handshake")) co_return false;
+    detail::wire::reader r(hello);
+    auto magic = r.u32("magic");
+    if (magic != detail::wire::magic) {
+      char hex[16];
+      std::snprintf(hex, sizeof hex, "0x%08x", magic);
+      throw violation(std::string("bad magic ") + hex + ": not a dtrain store client");
+    }
+    auto version = r.u16("version");
+    auto token_size = r.u16("token length");
+    if (token_size > options_.limits.max_token_size) {
+      throw violation("token of " + std::to_string(token_size) + " bytes exceeds the limit of " +
+                      std::to_string(options_.limits.max_token_size));
+    }
+    std::string token;
+    co_await read_exact(c, token, token_size, deadline, false, "token");
+    auto reply = [&](status s) {
+      std::string body;
+      detail::wire::writer(body).u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
+      return body;
+    };
+    if (version != detail::wire::version) {
+      co_await write_all(c, reply(status::bad_version));
+      throw violation("client speaks protocol version " + std::to_string(version) +
+                      ", this server " + std::to_string(detail::wire::version));
+    }
+    if (!same_secret(token, options_.token)) {
+      co_await write_all(c, reply(status::bad_token));
+      throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
+    }
+    co_await write_all(c, reply(status::ok));
+    co_return true;
+  }
+
+  // Compares without an early exit, so timing does not reveal the token.
+  static bool same_secret(std::string_view a, std::string_view b) {
+    unsigned char diff = a.size() == b.size() ? 0 : 1;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+    }
+    return diff == 0;
+  }
+
+  detail::task<bool> serve_one(connection& c) {
+    std::string head;
+    if (!co_await read_exact(c, head, 1, std::nullopt, true, "request")) co_return false;
+    auto deadline = io_deadline();
+    co_await read_exact(c, head, 3, deadline, false, "request length");
+    std::uint32_t length = detail::wire::frame_length(head);
+    if (length == 0) throw violation("empty request frame");
+    if (length > options_.limits.max_frame_size()) {
+      throw violation("request frame of " + std::to_string(length) +
+                      " bytes exceeds the limit of " +
+                      std::to_string(options_.limits.max_frame_size()));
+    }
+    std::string body;
+    co_await read_exact(c, body, length, deadline, false, "request body");
+    c.in_request = true;
+    std::string reply = co_await execute(c, body);
+    c.in_request = false;
+    co_await write_all(c, detail::wire::frame(reply));
+    co_return true;
+  }
+
+  static steady::time_point deadline_after(std::uint64_t ms) {
+    constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
+    return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
+  }
+
+  static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
+
+  static std::string refusal(std::string_view message) {
+    std::string body;
+    detail::wire::writer(body).u8(static_cast<std::uint8_t>(status::error)).bytes32(message);
+    return body;
+  }
+
+  detail::task<std::string> execute(connection& c, std::string_view body) {
+    const auto& limits = options_.limits;
+    detail::wire::reader r(body);
+    auto code = r.u8("op");
+    std::string out = reply(status::ok);
+    detail::wire::writer w(out);
+    switch (static_cast<op>(code)) {
+      case op::set: {
+        auto key = r.bytes32("key", limits.max_key_size);
+        auto value = r.bytes32("value", limits.max_value_size);
+        r.finish("set request");
+        store(key, std::string(value));
+        break;
+      }
+      case op::get: {
+        auto key = r.bytes32("key", limits.max_key_size);
+        auto ms = r.u64("timeout");
+        r.finish("get request");
+        std::vector<std::string_view> keys{key};
+        if (!co_await wait_for(c, keys, deadline_after(ms))) co_return reply(status::timeout);
+        w.bytes32(data_.find(key)->second);
+        break;
+      }
+      case op::add: {
+        auto key = r.bytes32("key", limits.max_key_size);
+        auto delta = r.i64("delta");
+        r.finish("add request");
+        std::int64_t current = 0;
+        if (auto it = data_.find(key); it != data_.end()) {
+          const std::string& text = it->second;
+          auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), current);
+          if (ec != std::errc() || end != text.data() + text.size()) {
+            co_return refusal("add(\"" + std::string(key) +
+                              "\"): the key holds a value that is not an integer");
+          }
+        }
+        std::int64_t next = 0;
+        if (__builtin_add_overflow(current, delta, &next)) {
+          co_return refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
+        }
+        store(key, std::to_string(next));
+        w.i64(next);
+        break;
+      }
+      case op::compare_set: {
+        auto key = r.bytes32("key", limits.max_key_size);
+        auto expected = r.bytes32("expected value", limits.max_value_size);
+        auto desired = r.bytes32("desired value", limits.max_value_size);
+        r.finish("compare_set request");
+        auto it = data_.find(key);
+        bool matches = it == data_.end() ? expected.empty() : it->second == expected;
+        if (matches) store(key, std::string(desired));
+        it = data_.find(key);
+        w.bytes32(it == data_.end() ? std::string_view{} : std::string_view(it->second));
+        break;
+      }
+      case op::wait: {
+        auto keys = detail::wire::read_keys(r, limits);
+        auto ms = r.u64("timeout");
+        r.finish("wait request");
+        if (!co_await wait_for(c, keys, deadline_after(ms))) co_return reply(status::timeout);
+        break;
+      }
+      case op::check: {
+        auto keys = detail::wire::read_keys(r, limits);
+        r.finish("check request");
+        bool all = true;
+        for (auto k : keys) all = all && data_.contains(k);
+        w.u8(all ? 1 : 0);
+        break;
+      }
+      case op::erase: {
+        auto key = r.bytes32("key", limits.max_key_size);
+        r.finish("erase request");
+        if (auto it = data_.find(key); it != data_.end()) {
+          data_.erase(it);
+          w.u8(1);
+        } else {
+          w.u8(0);
+        }
+        break;
+      }
+      case op::num_keys:
+        r.finish("num_keys request");
+        w.u64(data_.size());
+        break;
+      case op::ping: r.finish("ping request"); break;
+      default: throw violation("unknown operation " + std::to_string(code));
+    }
+    co_return out;
+  }
+
+  void store(std::string_view key, std::string value) {
+    std::string k(key);
+    data_.insert_or_assign(k, std::move(value));
+    if (auto it = key_waiters_.find(k); it != key_waiters_.end()) {
+      auto waiters = std::move(it->second);
+      key_waiters_.erase(it);
+      for (connection* w : waiters) reactor_.wake_up(w->slot);
+    }
+  }
+
+  /// Waits until every key exists (true) or the deadline passes (false).
+  /// Watches the connection meanwhile: a client that goes away is cleaned up.
+  detail::task<bool> wait_for(connection& c, const std::vector<std::string_view>& keys,
+                              steady::time_point deadline) {
+    for (;;) {
+      std::vector<std::string> missing;
+      for (auto k : keys) {
+        if (!data_.contains(k)) missing.emplace_back(k);
+      }
+      if (missing.empty()) co_return true;
+      for (const auto& k : missing) key_waiters_[k].push_back(&c);
+      ++waiting_;
+      auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
+      --waiting_;
+      for (const auto& k : missing) {
+        auto it = key_waiters_.find(k);
+        if (it == key_waiters_.end()) continue;
+        std::erase(it->second, &c);
+        if (it->second.empty()) key_waiters_.erase(it);
+      }
+      switch (w) {
+        case detail::wake::event: continue;
+        case detail::wake::timeout: co_return false;
+        case detail::wake::stop: throw stopping{};
+        case detail::wake::io: {
+          char byte;
+          ssize_t n = ::recv(c.fd.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+          if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            log("client " + c.peer + " disconnected while waiting for \"" + missing.front() + "\"");
+            throw peer_gone{};
+          }
+          if (n > 0) throw violation("sent a new request while its wait was pending");
+          continue;
+        }
+        case detail::wake::none: continue;
+      }
+    }
+  }
+
+  std::string address_;
+  store_options options_;
+  int port_ = 0;
+  detail::reactor reactor_;
+  detail::unique_fd listen_;
+  detail::wait_slot accept_slot_;
+  std::unordered_map<connection*, std::unique_ptr<connection>> connections_;
+  std::vector<connection*> finished_;
+  // Transparent hashing: look keys up by string_view without copying them.
+  struct key_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept {
+      return std::hash<std::string_view>{}(s);
+    }
+  };
+  std::unordered_map<std::string, std::string, key_hash, std::equal_to<>> data_;
+  std::unordered_map<std::string, std::vector<connection*>, key_hash, std::equal_to<>> key_waiters_;
+  std::atomic<std::size_t> connection_count_{0};
+  std::atomic<std::size_t> waiting_{0};
+  std::atomic<std::uint64_t> closed_for_cause_{0};
+  std::thread thread_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/server.hpp ----
+// ---- begin dtrain/rendezvous/client.hpp ----
+/// @file
+/// store_client: a blocking client of store_server, safe to share between
+/// threads (requests are serialised on one connection).
+
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+namespace dtrain {
+
+/// A connection to a store_server. Every blocking call has a timeout: the
+/// options' `timeout` unless the call takes one. Throws timeout_error when it
+/// expires (naming what it waited for and how long), rendezvous_error when the
+/// server cannot be reached, refuses the client, or goes away.
+///
+/// Thread-safe, but requests on one client run one at a time: a thread blocked
+/// in get / wait / barrier holds the connection, so a thread that must set the
+/// awaited key meanwhile needs a store_client of its own. After a timeout or a
+/// lost connection the client is unusable (the reply stream cannot be trusted);
+/// make a new one.
+class store_client {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  /// Connects to host:port, retrying with backoff until `options.timeout`:
+  /// workers often start before the server does.
+  store_client(std::string host, int port, store_options options = {})
+      : host_(std::move(host)), port_(port), options_(std::move(options)) {
+    connect();
+  }
+
+  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(host_, port_); }
+  [[nodiscard]] const store_options& options() const noexcept { return options_; }
+
+  /// Sets key to value, waking everyone waiting for the key.
+  void set(std::string_view key, std::string_view value) {
+    std::string body = begin(detail::wire::op::set);
+    detail::wire::writer(body).bytes32(key).bytes32(value);
+    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
+  }
+
+  /// The value of `key`, waiting until it exists. Throws timeout_error naming
+  /// the key and how long it waited; never returns a sentinel.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::get);
+    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
+    auto what = "get(\"" + std::string(key) + "\")";
+    auto reply = call(body, timeout, what);
+    if (!reply)
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          " and the key was never set");
+    detail::wire::reader r(*reply);
+    auto value = r.bytes32("value", UINT32_MAX);
+    return std::string(value);
+  }
+
+  /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string body = begin(detail::wire::op::add);
+    detail::wire::writer(body).bytes32(key).i64(delta);
+    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).i64("counter");
+  }
+
+  /// Sets key to `desired` if it holds `expected` (a missing key matches an
+  /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    std::string body = begin(detail::wire::op::compare_set);
+    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
+    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+    detail::wire::reader r(*reply);
+    return std::string(r.bytes32("value", UINT32_MAX));
+  }
+
+  /// Waits until every key exists.
+  void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::wait);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    w.u64(as_ms(timeout));
+    auto what = "wait(" + key_list(keys) + ")";
+    if (!call(body, timeout, what)) {
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          "; missing keys are never set, or their setters are slow or dead");
+    }
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string body = begin(detail::wire::op::check);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
+    return detail::wire::reader(*reply).u8("present") != 0;
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string body = begin(detail::wire::op::erase);
+    detail::wire::writer(body).bytes32(key);
+    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).u8("existed") != 0;
+  }
+
+  /// Number of keys in the store (all prefixes).
+  [[nodiscard]] std::int64_t num_keys() {
+    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
+    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
+  }
+
+  /// Blocks until `count` callers have entered barrier `name`. A name can be
+  /// reused: each group of `count` arrivals is one generation. On timeout the
+  /// timeout_error says how many had arrived.
+  void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    if (count < 1)
+      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
+                         " must be at least 1");
+    const std::string arrived = std::string(name) + "/arrived";
+    std::int64_t n = add(arrived, 1);
+    std::int64_t generation = (n - 1) / count;
+    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
+    if (n % count == 0) set(done, "1");
+    try {
+      std::string keys[] = {done};
+      wait(keys, timeout);
+    } catch (const timeout_error&) {
+      std::int64_t now = add(arrived, 0) - generation * count;
+      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
+                          " timed out after " + seconds(timeout) + ": " +
+                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
+                          std::to_string(count) + " arrived");
+    }
+  }
+
+  /// Round trip without effect; a liveness check.
+  void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
+
+ private:
+  static std::string begin(detail::wire::op o) { return std::string(1, static_cast<char>(o)); }
+
+  static std::uint64_t as_ms(milliseconds t) {
+    return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
+  }
+
+  static std::string seconds(milliseconds t) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+    return text;
+  }
+
+  static std::string key_list(std::span<const std::string> keys) {
+    std::string out;
+    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
+      out += (i ? ", \"" : "\"") + keys[i] + "\"";
+    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
+    return out;
+  }
+
+  using steady = std::chrono::steady_clock;
+
+  void connect() {
+    const auto deadline = steady::now() + options_.timeout;
+    std::minstd_rand jitter(
+        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
+                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
+    milliseconds backoff(10);
+    std::string last_error;
+    for (;;) {
+      last_error = try_connect(deadline);
+      if (last_error.empty()) break;
+      auto left = deadline - steady::now();
+      if (left <= steady::duration::zero()) {
+        throw timeout_error("could not reach the store at " + endpoint() + " within " +
+                            seconds(options_.timeout) + " (last error: " + last_error +
+                            "); is the process hosting it (rank 0 or the node-0 agent) running, "
+                            "and is MASTER_ADDR:MASTER_PORT right?");
+      }
+      // Jittered exponential backoff, so a thousand workers do not knock in step.
+      auto pause =
+          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
+      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
+      backoff = std::min(backoff * 2, milliseconds(1000));
+    }
+    handshake(deadline);
+  }
+
+  // One attempt; returns the reason it failed, empty on success.
+  std::string try_connect(steady::time_point deadline) {
+    detail::address_list addrs;
+    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0)
+      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+    std::string why;
+    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
+      detail::unique_fd fd(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      if (!fd) {
+        why = std::strerror(errno);
+        continue;
+      }
+      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+        if (errno != EINPROGRESS) {
+          why = std::strerror(errno);
+          continue;
+        }
+        pollfd p{fd.get(), POLLOUT, 0};
+        int left = remaining_ms(deadline);
+        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
+          why = "connect timed out";
+          continue;
+        }
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) {
+          why = std::strerror(err);
+          continue;
+        }
+      }
+      detail::set_no_delay(fd.get());
+      fd_ = std::move(fd);
+      return {};
+    }
+    return why.empty() ? "no address" : why;
+  }
+
+  static int remaining_ms(steady::time_point deadline) {
+    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
+    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
+  }
+
+  void handshake(steady::time_point connect_deadline) {
+    std::string hello;
+    detail::wire::writer(hello)
+        .u32(detail::wire::magic)
+        .u16(detail::wire::version)
+        .bytes16(options_.token);
+    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
+    send_all(hello, deadline, "the handshake");
+    std::string reply = recv_exact(3, deadline, "the handshake reply");
+    detail::wire::reader r(reply);
+    auto s = static_cast<detail::wire::status>(r.u8("status"));
+    auto version = r.u16("version");
+    if (s == detail::wire::status::bad_token) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() +
+                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                             "token option) on every rank");
+    }
+    if (s == detail::wire::status::bad_version) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
+                             std::to_string(version) + ", this client " +
+                             std::to_string(detail::wire::version) +
+                             "; build every rank with the same dtrain");
+    }
+    if (s != detail::wire::status::ok) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
+                             std::to_string(static_cast<int>(s)));
+    }
+  }
+
+  // Sends a request and returns the reply payload; nullopt when the server
+  // reports that the wait timed out.
+  std::optional<std::string> call(const std::string& body, milliseconds server_wait,
+                                  const std::string& what) {
+    std::lock_guard lock(mutex_);
+    if (broken_)
+      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
+                             " was lost earlier");
+    // The reply may take the server-side wait, plus the io timeout before the server is presumed
+    // dead.
+    auto deadline = steady::now() + server_wait + options_.io_timeout;
+    try {
+      send_all(detail::wire::frame(body), deadline, what);
+      std::string head = recv_exact(4, deadline, what);
+      std::uint32_t length = detail::wire::frame_length(head);
+      if (length == 0 || length > options_.limits.max_frame_size()) {
+        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
+                               std::to_string(length) + " bytes");
+      }
+      std::string reply = recv_exact(length, deadline, what);
+      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
+      std::string_view payload = std::string_view(reply).substr(1);
+      switch (s) {
+        case detail::wire::status::ok: return std::string(payload);
+        case detail::wire::status::timeout: return std::nullopt;
+        case detail::wire::status::error:
+        case detail::wire::status::shutting_down: {
+          detail::wire::reader r(payload);
+          auto message = std::string(r.bytes32("message", UINT32_MAX));
+          if (s == detail::wire::status::shutting_down) broken_ = true;
+          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
+        }
+        default:
+          throw rendezvous_error(what + ": the store at " + endpoint() +
+                                 " answered with unknown status " +
+                                 std::to_string(static_cast<int>(s)));
+      }
+    } catch (const detail::wire::violation& e) {
+      broken_ = true;
+      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
+                             e.what());
+    } catch (const timeout_error&) {
+      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
+      throw;
+    }
+  }
+
+  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
+    while (!data.empty()) {
+      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        data.remove_prefix(static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLOUT, deadline, what);
+    }
+  }
+
+  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
+    std::string out;
+    char chunk[16384];
+    while (out.size() < size) {
+      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
+      if (n > 0) {
+        out.append(chunk, static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n == 0) lost(what, "the server closed the connection");
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLIN, deadline, what);
+    }
+    return out;
+  }
+
+  void await(short events, steady::time_point deadline, const std::string& what) {
+    pollfd p{fd_.get(), events, 0};
+    for (;;) {
+      int left = remaining_ms(deadline);
+      int rc = ::poll(&p, 1, left);
+      if (rc > 0) return;
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) lost(what, std::strerror(errno));
+      broken_ = true;
+      throw timeout_error(what + ": no reply from the store at " + endpoint() +
+                          " in time; the server is overloaded, hung or unreachable");
+    }
+  }
+
+  [[noreturn]] void lost(const std::string& what, const std::string& why) {
+    broken_ = true;
+    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
+                           why + "); did the process hosting it exit?");
+  }
+
+  std::string host_;
+  int port_;
+  store_options options_;
+  std::mutex mutex_;
+  detail::unique_fd fd_;
+  bool broken_ = false;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/client.hpp ----
+// ---- begin dtrain/rendezvous/store.hpp ----
+/// @file
+/// The `store` concept (what bootstraps the engines and runs barriers), and
+/// prefix_store, which gives each job, restart round and subsystem its own
+/// namespace within one store.
+
+
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// A key-value store that every rank reaches: set / get (waits) / add /
+/// compare_set / wait / check / erase, and barrier. Gloo's five-method store
+/// is the model.
+template <class S>
+concept store = requires(S& s, std::string_view key, std::span<const std::string> keys,
+                         std::chrono::milliseconds timeout) {
+  s.set(key, key);
+  { s.get(key) } -> std::convertible_to<std::string>;
+  { s.get(key, timeout) } -> std::convertible_to<std::string>;
+  { s.add(key, std::int64_t{1}) } -> std::convertible_to<std::int64_t>;
+  { s.compare_set(key, key, key) } -> std::convertible_to<std::string>;
+  s.wait(keys);
+  s.wait(keys, timeout);
+  { s.check(keys) } -> std::convertible_to<bool>;
+  { s.erase(key) } -> std::convertible_to<bool>;
+  s.barrier(key, 1);
+  s.barrier(key, 1, timeout);
+};
+
+/// A view of another store in which every key (and barrier name) is
+/// `prefix/key`. Nests: prefix_store(prefix_store(s, "job7"), "restart2").
+/// Does not own the underlying store, which must outlive it.
+template <store S>
+class prefix_store {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
+
+  void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
+  [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    return inner_.get(full(key), timeout);
+  }
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    return inner_.add(full(key), delta);
+  }
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    return inner_.compare_set(full(key), expected, desired);
+  }
+  void wait(std::span<const std::string> keys) { inner_.wait(full(keys)); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    inner_.wait(full(keys), timeout);
+  }
+  [[nodiscard]] bool check(std::span<const std::string> keys) { return inner_.check(full(keys)); }
+  bool erase(std::string_view key) { return inner_.erase(full(key)); }
+  void barrier(std::string_view name, int count) { inner_.barrier(full(name), count); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    inner_.barrier(full(name), count, timeout);
+  }
+
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+
+ private:
+  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  std::vector<std::string> full(std::span<const std::string> keys) const {
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& k : keys) out.push_back(full(k));
+    return out;
+  }
+
+  S& inner_;
+  std::string prefix_;
+};
+
+static_assert(store<store_client>);
+static_assert(store<prefix_store<store_client>>);
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/store.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 
 #endif  // DTRAIN_SINGLE_INCLUDE_DTRAIN_HPP

@@ -1,0 +1,61 @@
+#pragma once
+/// @file
+/// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
+/// captures file:line, the call as written and strerror(errno).
+
+#include <dtrain/error.hpp>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// "what: strerror(err) (at file:line)".
+inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
+  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
+         ":" + std::to_string(line) + ")";
+}
+
+/// An owned file descriptor, closed on destruction.
+class unique_fd {
+ public:
+  unique_fd() = default;
+  explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  unique_fd& operator=(unique_fd&& other) noexcept {
+    if (this != &other) reset(std::exchange(other.fd_, -1));
+    return *this;
+  }
+  unique_fd(const unique_fd&) = delete;
+  unique_fd& operator=(const unique_fd&) = delete;
+  ~unique_fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an OS call returning -1 on failure) and throws
+/// dtrain::error with the call, file:line and strerror(errno) when it fails.
+#define DTRAIN_SYSCALL(call)                                                          \
+  ([&]() {                                                                            \
+    auto dtrain_result_ = (call);                                                     \
+    if (dtrain_result_ == -1) {                                                       \
+      int dtrain_errno_ = errno;                                                      \
+      throw ::dtrain::error(                                                          \
+          ::dtrain::detail::os_error_text(#call, dtrain_errno_, __FILE__, __LINE__)); \
+    }                                                                                 \
+    return dtrain_result_;                                                            \
+  }())

@@ -1,0 +1,394 @@
+#pragma once
+/// @file
+/// store_client: a blocking client of store_server, safe to share between
+/// threads (requests are serialised on one connection).
+
+#include <dtrain/detail/sys.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/protocol.hpp>
+#include <dtrain/rendezvous/socket.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+namespace dtrain {
+
+/// A connection to a store_server. Every blocking call has a timeout: the
+/// options' `timeout` unless the call takes one. Throws timeout_error when it
+/// expires (naming what it waited for and how long), rendezvous_error when the
+/// server cannot be reached, refuses the client, or goes away.
+///
+/// Thread-safe, but requests on one client run one at a time: a thread blocked
+/// in get / wait / barrier holds the connection, so a thread that must set the
+/// awaited key meanwhile needs a store_client of its own. After a timeout or a
+/// lost connection the client is unusable (the reply stream cannot be trusted);
+/// make a new one.
+class store_client {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  /// Connects to host:port, retrying with backoff until `options.timeout`:
+  /// workers often start before the server does.
+  store_client(std::string host, int port, store_options options = {})
+      : host_(std::move(host)), port_(port), options_(std::move(options)) {
+    connect();
+  }
+
+  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(host_, port_); }
+  [[nodiscard]] const store_options& options() const noexcept { return options_; }
+
+  /// Sets key to value, waking everyone waiting for the key.
+  void set(std::string_view key, std::string_view value) {
+    std::string body = begin(detail::wire::op::set);
+    detail::wire::writer(body).bytes32(key).bytes32(value);
+    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
+  }
+
+  /// The value of `key`, waiting until it exists. Throws timeout_error naming
+  /// the key and how long it waited; never returns a sentinel.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::get);
+    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
+    auto what = "get(\"" + std::string(key) + "\")";
+    auto reply = call(body, timeout, what);
+    if (!reply)
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          " and the key was never set");
+    detail::wire::reader r(*reply);
+    auto value = r.bytes32("value", UINT32_MAX);
+    return std::string(value);
+  }
+
+  /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string body = begin(detail::wire::op::add);
+    detail::wire::writer(body).bytes32(key).i64(delta);
+    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).i64("counter");
+  }
+
+  /// Sets key to `desired` if it holds `expected` (a missing key matches an
+  /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    std::string body = begin(detail::wire::op::compare_set);
+    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
+    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+    detail::wire::reader r(*reply);
+    return std::string(r.bytes32("value", UINT32_MAX));
+  }
+
+  /// Waits until every key exists.
+  void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::wait);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    w.u64(as_ms(timeout));
+    auto what = "wait(" + key_list(keys) + ")";
+    if (!call(body, timeout, what)) {
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          "; missing keys are never set, or their setters are slow or dead");
+    }
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string body = begin(detail::wire::op::check);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
+    return detail::wire::reader(*reply).u8("present") != 0;
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string body = begin(detail::wire::op::erase);
+    detail::wire::writer(body).bytes32(key);
+    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).u8("existed") != 0;
+  }
+
+  /// Number of keys in the store (all prefixes).
+  [[nodiscard]] std::int64_t num_keys() {
+    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
+    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
+  }
+
+  /// Blocks until `count` callers have entered barrier `name`. A name can be
+  /// reused: each group of `count` arrivals is one generation. On timeout the
+  /// timeout_error says how many had arrived.
+  void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    if (count < 1)
+      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
+                         " must be at least 1");
+    const std::string arrived = std::string(name) + "/arrived";
+    std::int64_t n = add(arrived, 1);
+    std::int64_t generation = (n - 1) / count;
+    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
+    if (n % count == 0) set(done, "1");
+    try {
+      std::string keys[] = {done};
+      wait(keys, timeout);
+    } catch (const timeout_error&) {
+      std::int64_t now = add(arrived, 0) - generation * count;
+      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
+                          " timed out after " + seconds(timeout) + ": " +
+                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
+                          std::to_string(count) + " arrived");
+    }
+  }
+
+  /// Round trip without effect; a liveness check.
+  void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
+
+ private:
+  static std::string begin(detail::wire::op o) { return std::string(1, static_cast<char>(o)); }
+
+  static std::uint64_t as_ms(milliseconds t) {
+    return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
+  }
+
+  static std::string seconds(milliseconds t) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+    return text;
+  }
+
+  static std::string key_list(std::span<const std::string> keys) {
+    std::string out;
+    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
+      out += (i ? ", \"" : "\"") + keys[i] + "\"";
+    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
+    return out;
+  }
+
+  using steady = std::chrono::steady_clock;
+
+  void connect() {
+    const auto deadline = steady::now() + options_.timeout;
+    std::minstd_rand jitter(
+        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
+                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
+    milliseconds backoff(10);
+    std::string last_error;
+    for (;;) {
+      last_error = try_connect(deadline);
+      if (last_error.empty()) break;
+      auto left = deadline - steady::now();
+      if (left <= steady::duration::zero()) {
+        throw timeout_error("could not reach the store at " + endpoint() + " within " +
+                            seconds(options_.timeout) + " (last error: " + last_error +
+                            "); is the process hosting it (rank 0 or the node-0 agent) running, "
+                            "and is MASTER_ADDR:MASTER_PORT right?");
+      }
+      // Jittered exponential backoff, so a thousand workers do not knock in step.
+      auto pause =
+          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
+      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
+      backoff = std::min(backoff * 2, milliseconds(1000));
+    }
+    handshake(deadline);
+  }
+
+  // One attempt; returns the reason it failed, empty on success.
+  std::string try_connect(steady::time_point deadline) {
+    detail::address_list addrs;
+    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0)
+      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+    std::string why;
+    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
+      detail::unique_fd fd(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      if (!fd) {
+        why = std::strerror(errno);
+        continue;
+      }
+      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+        if (errno != EINPROGRESS) {
+          why = std::strerror(errno);
+          continue;
+        }
+        pollfd p{fd.get(), POLLOUT, 0};
+        int left = remaining_ms(deadline);
+        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
+          why = "connect timed out";
+          continue;
+        }
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) {
+          why = std::strerror(err);
+          continue;
+        }
+      }
+      detail::set_no_delay(fd.get());
+      fd_ = std::move(fd);
+      return {};
+    }
+    return why.empty() ? "no address" : why;
+  }
+
+  static int remaining_ms(steady::time_point deadline) {
+    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
+    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
+  }
+
+  void handshake(steady::time_point connect_deadline) {
+    std::string hello;
+    detail::wire::writer(hello)
+        .u32(detail::wire::magic)
+        .u16(detail::wire::version)
+        .bytes16(options_.token);
+    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
+    send_all(hello, deadline, "the handshake");
+    std::string reply = recv_exact(3, deadline, "the handshake reply");
+    detail::wire::reader r(reply);
+    auto s = static_cast<detail::wire::status>(r.u8("status"));
+    auto version = r.u16("version");
+    if (s == detail::wire::status::bad_token) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() +
+                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                             "token option) on every rank");
+    }
+    if (s == detail::wire::status::bad_version) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
+                             std::to_string(version) + ", this client " +
+                             std::to_string(detail::wire::version) +
+                             "; build every rank with the same dtrain");
+    }
+    if (s != detail::wire::status::ok) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
+                             std::to_string(static_cast<int>(s)));
+    }
+  }
+
+  // Sends a request and returns the reply payload; nullopt when the server
+  // reports that the wait timed out.
+  std::optional<std::string> call(const std::string& body, milliseconds server_wait,
+                                  const std::string& what) {
+    std::lock_guard lock(mutex_);
+    if (broken_)
+      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
+                             " was lost earlier");
+    // The reply may take the server-side wait, plus the io timeout before the server is presumed
+    // dead.
+    auto deadline = steady::now() + server_wait + options_.io_timeout;
+    try {
+      send_all(detail::wire::frame(body), deadline, what);
+      std::string head = recv_exact(4, deadline, what);
+      std::uint32_t length = detail::wire::frame_length(head);
+      if (length == 0 || length > options_.limits.max_frame_size()) {
+        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
+                               std::to_string(length) + " bytes");
+      }
+      std::string reply = recv_exact(length, deadline, what);
+      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
+      std::string_view payload = std::string_view(reply).substr(1);
+      switch (s) {
+        case detail::wire::status::ok: return std::string(payload);
+        case detail::wire::status::timeout: return std::nullopt;
+        case detail::wire::status::error:
+        case detail::wire::status::shutting_down: {
+          detail::wire::reader r(payload);
+          auto message = std::string(r.bytes32("message", UINT32_MAX));
+          if (s == detail::wire::status::shutting_down) broken_ = true;
+          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
+        }
+        default:
+          throw rendezvous_error(what + ": the store at " + endpoint() +
+                                 " answered with unknown status " +
+                                 std::to_string(static_cast<int>(s)));
+      }
+    } catch (const detail::wire::violation& e) {
+      broken_ = true;
+      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
+                             e.what());
+    } catch (const timeout_error&) {
+      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
+      throw;
+    }
+  }
+
+  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
+    while (!data.empty()) {
+      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        data.remove_prefix(static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLOUT, deadline, what);
+    }
+  }
+
+  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
+    std::string out;
+    char chunk[16384];
+    while (out.size() < size) {
+      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
+      if (n > 0) {
+        out.append(chunk, static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n == 0) lost(what, "the server closed the connection");
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLIN, deadline, what);
+    }
+    return out;
+  }
+
+  void await(short events, steady::time_point deadline, const std::string& what) {
+    pollfd p{fd_.get(), events, 0};
+    for (;;) {
+      int left = remaining_ms(deadline);
+      int rc = ::poll(&p, 1, left);
+      if (rc > 0) return;
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) lost(what, std::strerror(errno));
+      broken_ = true;
+      throw timeout_error(what + ": no reply from the store at " + endpoint() +
+                          " in time; the server is overloaded, hung or unreachable");
+    }
+  }
+
+  [[noreturn]] void lost(const std::string& what, const std::string& why) {
+    broken_ = true;
+    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
+                           why + "); did the process hosting it exit?");
+  }
+
+  std::string host_;
+  int port_;
+  store_options options_;
+  std::mutex mutex_;
+  detail::unique_fd fd_;
+  bool broken_ = false;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,95 @@
+#pragma once
+/// @file
+/// Options of the rendezvous store, server and client alike. Each default is
+/// defined here once; each can be overridden by the option and by an
+/// environment variable (store_options::from_env).
+
+#include <dtrain/detail/parse.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Default for every blocking store operation (connect, get, wait, barrier),
+/// as c10d's store: 300 s. Environment: DTRAIN_STORE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
+
+/// How long the server gives a new connection to complete its handshake, and
+/// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
+
+/// Wire limits, checked before anything is allocated.
+struct store_limits {
+  std::uint32_t max_key_size = 4096;          ///< bytes per key
+  std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
+  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check
+  std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
+
+  /// The largest request frame these limits allow; a larger length prefix
+  /// closes the connection before a byte of it is buffered.
+  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
+    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+    return 64u + (keys > one ? keys : one);
+  }
+};
+
+/// Options of a store server or client. Aggregate: use designated initialisers,
+/// e.g. `{.timeout = 30s, .token = "secret"}`.
+struct store_options {
+  /// Default timeout of connect, get, wait and barrier.
+  std::chrono::milliseconds timeout = default_store_timeout;
+  /// Server: limit for a handshake or a started frame. Client: how long a
+  /// reply may take beyond the operation's own timeout before the server is
+  /// presumed dead.
+  std::chrono::milliseconds io_timeout = default_store_io_timeout;
+  /// Shared secret; the server serves nothing to a client whose token differs.
+  /// Environment: DTRAIN_STORE_TOKEN.
+  std::string token{};
+  store_limits limits{};
+  /// Server: where it reports closed connections and their reasons. Empty:
+  /// one line on stderr each.
+  std::function<void(std::string_view)> log{};
+
+  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT and
+  /// DTRAIN_STORE_TOKEN from `env` applied on top: the environment wins, as
+  /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
+  /// config_error naming the variable on a malformed value.
+  [[nodiscard]] store_options with_env(const environment& env) const {
+    store_options out = *this;
+    if (auto t = read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
+    if (auto t = read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
+    if (out.token.size() > out.limits.max_token_size) {
+      throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
+                         " bytes; the limit is " + std::to_string(out.limits.max_token_size));
+    }
+    return out;
+  }
+
+ private:
+  static std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                               std::string_view name) {
+    auto text = env.get(name);
+    if (!text) return std::nullopt;
+    const std::string what = detail::assignment(name, *text);
+    double seconds = 0;
+    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+    if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
+        !(seconds > 0) || seconds > 1e9) {
+      throw config_error(what + " is not a positive number of seconds");
+    }
+    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+  }
+};
+
+}  // namespace dtrain

@@ -1,0 +1,57 @@
+// A separate process for the store tests.
+//   dtrain_store_peer serve               serve on 127.0.0.1 (free port), print the port, wait to
+//   be killed dtrain_store_peer work PORT RANK N    one of N ranks: meet, exchange, elect; exit 0
+//   when all checks hold
+#include <dtrain/dtrain.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include <unistd.h>
+
+using namespace std::chrono_literals;
+
+namespace {
+
+int work(int port, int rank, int world) {
+  dtrain::store_client client("127.0.0.1", port, {.timeout = 60s});
+  dtrain::prefix_store job(client, "job");
+  job.add("arrived", 1);
+  job.barrier("start", world);
+  job.set("rank/" + std::to_string(rank), std::to_string(rank * rank));
+  for (int peer = 0; peer < world; ++peer) {
+    auto value = job.get("rank/" + std::to_string(peer));
+    if (value != std::to_string(peer * peer)) {
+      std::cerr << "rank " << rank << ": rank/" << peer << " is '" << value << "'\n";
+      return 1;
+    }
+  }
+  // Exactly one rank wins the election; everyone sees the same winner.
+  auto leader = job.compare_set("leader", "", std::to_string(rank));
+  job.set("saw/" + std::to_string(rank), leader);
+  job.barrier("end", world);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string mode = argc > 1 ? argv[1] : "";
+    if (mode == "serve") {
+      dtrain::store_server server("127.0.0.1", 0);
+      std::printf("%d\n", server.port());
+      std::fflush(stdout);
+      for (;;) ::pause();
+    }
+    if (mode == "work" && argc == 5)
+      return work(std::stoi(argv[2]), std::stoi(argv[3]), std::stoi(argv[4]));
+    std::cerr << "usage: dtrain_store_peer serve | work PORT RANK N\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "dtrain_store_peer: " << e.what() << '\n';
+    return 1;
+  }
+}

@@ -1,0 +1,215 @@
+// The rendezvous store's operations, from threads and from processes.
+#include "store_support.hpp"
+
+#include <atomic>
+#include <set>
+
+using dtrain::store_client;
+using dtrain::store_options;
+using dtrain::store_server;
+using namespace std::chrono_literals;
+using dtrain_test::config_error_text;
+
+namespace {
+const store_options quick{.timeout = 20s};
+}
+
+TEST_CASE("store: every operation, with its results") {
+  store_server server("127.0.0.1", 0, quick);
+  REQUIRE(server.port() > 0);
+  store_client s("127.0.0.1", server.port(), quick);
+
+  s.set("a", "1");
+  CHECK(s.get("a") == "1");
+  s.set("a", std::string("bin\0ary", 7));
+  CHECK(s.get("a") == std::string("bin\0ary", 7));
+  s.set("empty", "");
+  CHECK(s.get("empty").empty());
+
+  CHECK(s.add("counter", 5) == 5);
+  CHECK(s.add("counter", -7) == -2);
+  CHECK(s.get("counter") == "-2");
+  CHECK(s.add("counter", 0) == -2);
+
+  // compare_set: a missing key matches an empty expected value.
+  CHECK(s.compare_set("cas", "x", "y").empty());
+  CHECK_FALSE(s.check(std::vector<std::string>{"cas"}));
+  CHECK(s.compare_set("cas", "", "first") == "first");
+  CHECK(s.compare_set("cas", "wrong", "second") == "first");
+  CHECK(s.compare_set("cas", "first", "second") == "second");
+
+  CHECK(s.check(std::vector<std::string>{"a", "counter"}));
+  CHECK_FALSE(s.check(std::vector<std::string>{"a", "nope"}));
+  CHECK(s.check(std::vector<std::string>{}));
+  s.wait(std::vector<std::string>{"a", "counter"}, 1s);
+
+  CHECK(s.num_keys() == 4);
+  CHECK(s.erase("a"));
+  CHECK_FALSE(s.erase("a"));
+  CHECK(s.num_keys() == 3);
+  s.ping();
+}
+
+TEST_CASE(
+    "store: get waits for the key; a timeout names the key and the time and keeps the client "
+    "usable") {
+  store_server server("127.0.0.1", 0, quick);
+  store_client waiter("127.0.0.1", server.port(), quick);
+  store_client setter("127.0.0.1", server.port(), quick);
+  std::thread t([&] {
+    std::this_thread::sleep_for(50ms);
+    setter.set("late", "here");
+  });
+  CHECK(waiter.get("late") == "here");
+  t.join();
+
+  try {
+    (void)waiter.get("never", 100ms);
+    FAIL("get of a missing key returned");
+  } catch (const dtrain::timeout_error& e) {
+    CHECK(std::string(e.what()) ==
+          "get(\"never\") on the store at 127.0.0.1:" + std::to_string(server.port()) +
+              " waited 0.1 s and the key was never set");
+  }
+  try {
+    waiter.wait(std::vector<std::string>{"late", "never"}, 100ms);
+    FAIL("wait for a missing key returned");
+  } catch (const dtrain::timeout_error& e) {
+    CHECK_CONTAINS(e.what(), "wait(\"late\", \"never\")");
+  }
+  CHECK(waiter.get("late") == "here");  // a server-side timeout leaves the connection sound
+}
+
+TEST_CASE("store: refused requests are errors with the server's reason") {
+  store_server server("127.0.0.1", 0, quick);
+  store_client s("127.0.0.1", server.port(), quick);
+  s.set("text", "not a number");
+  try {
+    s.add("text", 1);
+    FAIL("add on text succeeded");
+  } catch (const dtrain::rendezvous_error& e) {
+    CHECK_CONTAINS(e.what(), "add(\"text\"): the key holds a value that is not an integer");
+  }
+  s.set("big", "9223372036854775807");
+  CHECK_THROWS_AS(s.add("big", 1), dtrain::rendezvous_error);
+  CHECK(s.get("big") == "9223372036854775807");
+}
+
+TEST_CASE(
+    "store: barrier, reused by name across generations, and its timeout says who is missing") {
+  store_server server("127.0.0.1", 0, quick);
+  constexpr int n = 6;
+  std::vector<std::thread> threads;
+  std::atomic<int> passed{0};
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&] {
+      store_client c("127.0.0.1", server.port(), quick);
+      for (int round = 0; round < 3; ++round) {
+        c.barrier("sync", n);
+        ++passed;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(passed == 3 * n);
+
+  store_client lonely("127.0.0.1", server.port(), quick);
+  try {
+    lonely.barrier("pair", 2, 100ms);
+    FAIL("a barrier of 2 passed with 1");
+  } catch (const dtrain::timeout_error& e) {
+    CHECK_CONTAINS(e.what(), "barrier(\"pair\")");
+    CHECK_CONTAINS(e.what(), "1 of 2 arrived");
+  }
+  CHECK(config_error_text([&] { lonely.barrier("zero", 0); }) ==
+        "barrier(\"zero\") count 0 must be at least 1");
+}
+
+TEST_CASE("store: many threads, each with a client, add and set concurrently") {
+  store_server server("127.0.0.1", 0, quick);
+  constexpr int threads = 8, rounds = 200;
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&, i] {
+      store_client c("127.0.0.1", server.port(), quick);
+      for (int r = 0; r < rounds; ++r) c.add("total", 1);
+      c.set("thread/" + std::to_string(i), std::to_string(i));
+    });
+  }
+  for (auto& t : pool) t.join();
+  store_client c("127.0.0.1", server.port(), quick);
+  CHECK(c.get("total") == std::to_string(threads * rounds));
+  for (int i = 0; i < threads; ++i)
+    CHECK(c.get("thread/" + std::to_string(i)) == std::to_string(i));
+}
+
+TEST_CASE("store: ranks in separate processes meet, exchange and elect one leader") {
+  store_server server("127.0.0.1", 0, quick);
+  constexpr int world = 4;
+  std::vector<dtrain_test::child> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(
+        dtrain_test::spawn({dtrain_test::store_peer(), "work", std::to_string(server.port()),
+                            std::to_string(r), std::to_string(world)}));
+  }
+  for (auto& r : ranks) CHECK(r.wait() == 0);
+  store_client c("127.0.0.1", server.port(), quick);
+  dtrain::prefix_store job(c, "job");
+  CHECK(job.get("arrived") == std::to_string(world));
+  std::set<std::string> leaders;
+  for (int r = 0; r < world; ++r) leaders.insert(job.get("saw/" + std::to_string(r)));
+  REQUIRE(leaders.size() == 1);
+  CHECK(std::stoi(*leaders.begin()) < world);
+}
+
+TEST_CASE("prefix_store: namespaces nest and do not see each other") {
+  store_server server("127.0.0.1", 0, quick);
+  store_client c("127.0.0.1", server.port(), quick);
+  dtrain::prefix_store job(c, "job7");
+  dtrain::prefix_store round(job, "restart2");
+  round.set("id", "abc");
+  CHECK(c.get("job7/restart2/id") == "abc");
+  CHECK(job.get("restart2/id") == "abc");
+  CHECK_FALSE(c.check(std::vector<std::string>{"id"}));
+  CHECK(round.check(std::vector<std::string>{"id"}));
+  CHECK(round.add("n", 2) == 2);
+  CHECK(round.compare_set("id", "abc", "def") == "def");
+  round.barrier("b", 1);
+  CHECK(c.check(std::vector<std::string>{"job7/restart2/b/arrived"}));
+  CHECK(round.erase("id"));
+  CHECK(round.prefix() == "restart2/");
+}
+
+TEST_CASE("store options: defaults, and the environment wins with clear errors") {
+  store_options defaults;
+  CHECK(defaults.timeout == dtrain::default_store_timeout);
+  CHECK(dtrain::default_store_timeout == 300s);
+  auto tuned = defaults.with_env({{"DTRAIN_STORE_TIMEOUT", "2.5"},
+                                  {"DTRAIN_STORE_IO_TIMEOUT", "7"},
+                                  {"DTRAIN_STORE_TOKEN", "s3cret"}});
+  CHECK(tuned.timeout == 2500ms);
+  CHECK(tuned.io_timeout == 7000ms);
+  CHECK(tuned.token == "s3cret");
+  CHECK(config_error_text([] {
+          (void)store_options{}.with_env({{"DTRAIN_STORE_TIMEOUT", "soon"}});
+        }) == "DTRAIN_STORE_TIMEOUT=soon is not a positive number of seconds");
+  CHECK(config_error_text([] {
+          (void)store_options{}.with_env({{"DTRAIN_STORE_TIMEOUT", "-1"}});
+        }) == "DTRAIN_STORE_TIMEOUT=-1 is not a positive number of seconds");
+  CHECK_CONTAINS(config_error_text([] {
+                   (void)store_options{}.with_env({{"DTRAIN_STORE_TOKEN", std::string(2000, 'x')}});
+                 }),
+                 "is 2000 bytes; the limit is 1024");
+}
+
+TEST_CASE("store server: a port in use is an error naming the address and port") {
+  store_server first("127.0.0.1", 0, quick);
+  try {
+    store_server second("127.0.0.1", first.port(), quick);
+    FAIL("two servers listened on one port");
+  } catch (const dtrain::rendezvous_error& e) {
+    CHECK_CONTAINS(e.what(), "cannot listen on 127.0.0.1:" + std::to_string(first.port()));
+    CHECK_CONTAINS(e.what(), "Address already in use");
+  }
+  CHECK_THROWS_AS(store_server("no-such-host.invalid", 0, quick), dtrain::rendezvous_error);
+}
