@@ -4,6 +4,8 @@
 //   when all checks hold
 #include <dtrain/dtrain.hpp>
 
+#include "store_workload.hpp"
+
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -18,21 +20,10 @@ namespace {
 int work(int port, int rank, int world) {
   dtrain::store_client client("127.0.0.1", port, {.timeout = 60s});
   dtrain::prefix_store job(client, "job");
-  job.add("arrived", 1);
-  job.barrier("start", world);
-  job.set("rank/" + std::to_string(rank), std::to_string(rank * rank));
-  for (int peer = 0; peer < world; ++peer) {
-    auto value = job.get("rank/" + std::to_string(peer));
-    if (value != std::to_string(peer * peer)) {
-      std::cerr << "rank " << rank << ": rank/" << peer << " is '" << value << "'\n";
-      return 1;
-    }
-  }
-  // Exactly one rank wins the election; everyone sees the same winner.
-  auto leader = job.compare_set("leader", "", std::to_string(rank));
-  job.set("saw/" + std::to_string(rank), leader);
-  job.barrier("end", world);
-  return 0;
+  auto failure = dtrain_test::store_workload(job, rank, world);
+  if (failure.empty()) return 0;
+  std::cerr << "rank " << rank << ": " << failure << '\n';
+  return 1;
 }
 
 }  // namespace

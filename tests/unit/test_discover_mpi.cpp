@@ -27,7 +27,7 @@ environment open_mpi_rank_5_of_8_by_node() {
 }
 }  // namespace
 
-TEST_CASE("Open MPI: rank and local fields; the node index is unknown, never guessed") {
+TEST_CASE("Open MPI: rank and local fields, the node index is unknown, never guessed") {
   auto w = discover(open_mpi_rank_5_of_8_by_node());
   CHECK(w.source == launcher::open_mpi);
   CHECK(w.rank == 5);
@@ -84,7 +84,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "Open MPI: a script that copied OMPI_* into RANK / WORLD_SIZE agrees; a stale copy is caught") {
+    "Open MPI: a script that copied OMPI_* into RANK / WORLD_SIZE agrees, a stale copy is caught") {
   auto copied = open_mpi_rank_5_of_8_by_node()
                     .with("RANK", "5")
                     .with("WORLD_SIZE", "8")
@@ -141,7 +141,7 @@ TEST_CASE("Open MPI per-node launch: one agent per node, OMPI_COMM_WORLD_RANK is
         "per-node launch runs one agent per node, but OMPI_COMM_WORLD_LOCAL_SIZE=4");
 }
 
-TEST_CASE("Hydra (MPICH / Intel MPI): PMI_* and MPI_LOCAL*; node fields unknown") {
+TEST_CASE("Hydra (MPICH / Intel MPI): PMI_* and MPI_LOCAL*, node fields unknown") {
   environment env{{"PMI_RANK", "6"},        {"PMI_SIZE", "8"},
                   {"PMI_FD", "7"},          {"MPI_LOCALRANKID", "2"},
                   {"MPI_LOCALNRANKS", "4"}, {"I_MPI_ROOT", "/opt/intel/mpi"},

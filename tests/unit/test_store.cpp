@@ -1,4 +1,5 @@
 // The rendezvous store's operations, from threads and from processes.
+#include "../peers/store_workload.hpp"
 #include "store_support.hpp"
 
 #include <atomic>
@@ -51,7 +52,7 @@ TEST_CASE("store: every operation, with its results") {
 }
 
 TEST_CASE(
-    "store: get waits for the key; a timeout names the key and the time and keeps the client "
+    "store: get waits for the key, a timeout names the key and the time and keeps the client "
     "usable") {
   store_server server("127.0.0.1", 0, quick);
   store_client waiter("127.0.0.1", server.port(), quick);
@@ -125,25 +126,33 @@ TEST_CASE(
         "barrier(\"zero\") count 0 must be at least 1");
 }
 
-TEST_CASE("store: many threads, each with a client, add and set concurrently") {
+TEST_CASE("store: every operation from many threads at once, each with its own client") {
   store_server server("127.0.0.1", 0, quick);
-  constexpr int threads = 8, rounds = 200;
+  constexpr int world = 8;
+  std::vector<std::string> failures(world);
   std::vector<std::thread> pool;
-  for (int i = 0; i < threads; ++i) {
-    pool.emplace_back([&, i] {
+  for (int r = 0; r < world; ++r) {
+    pool.emplace_back([&, r] {
       store_client c("127.0.0.1", server.port(), quick);
-      for (int r = 0; r < rounds; ++r) c.add("total", 1);
-      c.set("thread/" + std::to_string(i), std::to_string(i));
+      dtrain::prefix_store job(c, "job");
+      failures[static_cast<std::size_t>(r)] = dtrain_test::store_workload(job, r, world);
+      for (int i = 0; i < 200; ++i) c.add("total", 1);
     });
   }
   for (auto& t : pool) t.join();
+  for (int r = 0; r < world; ++r)
+    CHECK_MESSAGE(failures[static_cast<std::size_t>(r)].empty(),
+                  "rank " << r << ": " << failures[static_cast<std::size_t>(r)]);
   store_client c("127.0.0.1", server.port(), quick);
-  CHECK(c.get("total") == std::to_string(threads * rounds));
-  for (int i = 0; i < threads; ++i)
-    CHECK(c.get("thread/" + std::to_string(i)) == std::to_string(i));
+  CHECK(c.get("total") == std::to_string(world * 200));
+  dtrain::prefix_store job(c, "job");
+  CHECK(job.get("arrived") == std::to_string(world));
+  std::set<std::string> leaders;
+  for (int r = 0; r < world; ++r) leaders.insert(job.get("saw/" + std::to_string(r)));
+  CHECK(leaders.size() == 1);
 }
 
-TEST_CASE("store: ranks in separate processes meet, exchange and elect one leader") {
+TEST_CASE("store: every operation from ranks in separate processes") {
   store_server server("127.0.0.1", 0, quick);
   constexpr int world = 4;
   std::vector<dtrain_test::child> ranks;

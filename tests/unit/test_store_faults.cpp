@@ -31,7 +31,7 @@ void still_serves(int port, const store_options& options) {
 
 }  // namespace
 
-TEST_CASE("store faults: bad clients are cut off with a logged reason; others are still served") {
+TEST_CASE("store faults: bad clients are cut off with a logged reason, others are still served") {
   dtrain_test::log_capture logs;
   store_options options{.timeout = 20s, .io_timeout = 300ms, .token = "s3cret", .log = logs.sink()};
   store_server server("127.0.0.1", 0, options);

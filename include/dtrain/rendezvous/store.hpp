@@ -31,6 +31,7 @@ concept store = requires(S& s, std::string_view key, std::span<const std::string
   s.wait(keys, timeout);
   { s.check(keys) } -> std::convertible_to<bool>;
   { s.erase(key) } -> std::convertible_to<bool>;
+  { s.num_keys() } -> std::convertible_to<std::int64_t>;
   s.barrier(key, 1);
   s.barrier(key, 1, timeout);
 };
@@ -63,6 +64,8 @@ class prefix_store {
   }
   [[nodiscard]] bool check(std::span<const std::string> keys) { return inner_.check(full(keys)); }
   bool erase(std::string_view key) { return inner_.erase(full(key)); }
+  /// Keys in the whole underlying store, not only under this prefix.
+  [[nodiscard]] std::int64_t num_keys() { return inner_.num_keys(); }
   void barrier(std::string_view name, int count) { inner_.barrier(full(name), count); }
   void barrier(std::string_view name, int count, milliseconds timeout) {
     inner_.barrier(full(name), count, timeout);
