@@ -28,3 +28,11 @@
 #else
 #define DTRAIN_HAS_NCCL() 0
 #endif
+
+// CUDA's runtime comes with NCCL (dtrain::dtrain links CUDA::cudart with it),
+// or on its own with DTRAIN_WITH_CUDA=1.
+#if DTRAIN_HAS_NCCL() || (defined(DTRAIN_WITH_CUDA) && (DTRAIN_WITH_CUDA + 0))
+#define DTRAIN_HAS_CUDA() 1
+#else
+#define DTRAIN_HAS_CUDA() 0
+#endif

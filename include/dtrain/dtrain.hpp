@@ -11,3 +11,10 @@
 #include <dtrain/rendezvous/server.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/store.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/backend/work.hpp>
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/mpi.hpp>
+#include <dtrain/backend/gloo.hpp>
+#include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/nccl.hpp>

@@ -40,6 +40,14 @@
 #else
 #define DTRAIN_HAS_NCCL() 0
 #endif
+
+// CUDA's runtime comes with NCCL (dtrain::dtrain links CUDA::cudart with it),
+// or on its own with DTRAIN_WITH_CUDA=1.
+#if DTRAIN_HAS_NCCL() || (defined(DTRAIN_WITH_CUDA) && (DTRAIN_WITH_CUDA + 0))
+#define DTRAIN_HAS_CUDA() 1
+#else
+#define DTRAIN_HAS_CUDA() 0
+#endif
 // ---- end dtrain/config.hpp ----
 // ---- begin dtrain/env/discover.hpp ----
 /// @file
@@ -3445,6 +3453,3212 @@ static_assert(store<prefix_store<store_client>>);
 
 }  // namespace dtrain
 // ---- end dtrain/rendezvous/store.hpp ----
+// ---- begin dtrain/backend/types.hpp ----
+/// @file
+/// What collectives move: element types (with portable float16 / bfloat16),
+/// reduction operations, and `buffer`, a view whose type is known at run time.
+
+
+#include <bit>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace dtrain {
+
+/// IEEE 754 binary16, stored as its bits. Converts to and from float with
+/// round-to-nearest-even; arithmetic goes through float.
+struct float16 {
+  std::uint16_t bits = 0;
+
+  float16() = default;
+  explicit float16(float f) noexcept : bits(from_float(f)) {}
+  explicit operator float() const noexcept { return to_float(bits); }
+  friend bool operator==(float16 a, float16 b) noexcept { return a.bits == b.bits; }
+
+  static std::uint16_t from_float(float f) noexcept {
+    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    std::uint32_t sign = (x >> 16) & 0x8000u;
+    std::uint32_t abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+    if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
+    if (abs < 0x38800000u) {                                                   // subnormal or zero
+      if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
+      std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
+      int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
+      std::uint32_t half = mant >> shift;
+      std::uint32_t rest = mant & ((1u << shift) - 1);
+      std::uint32_t mid = 1u << (shift - 1);
+      if (rest > mid || (rest == mid && (half & 1u))) ++half;
+      return static_cast<std::uint16_t>(sign | half);
+    }
+    std::uint32_t half = ((abs - 0x38000000u) >> 13);
+    std::uint32_t rest = abs & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+    return static_cast<std::uint16_t>(sign | half);
+  }
+
+  static float to_float(std::uint16_t h) noexcept {
+    std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+    std::uint32_t exp = (h >> 10) & 0x1fu;
+    std::uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {
+      if (mant == 0) return std::bit_cast<float>(sign);
+      float value = std::ldexp(static_cast<float>(mant), -24);
+      return sign ? -value : value;
+    }
+    return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+  }
+};
+
+/// bfloat16: the top half of a float32, rounded to nearest even.
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  bfloat16() = default;
+  explicit bfloat16(float f) noexcept : bits(from_float(f)) {}
+  explicit operator float() const noexcept { return to_float(bits); }
+  friend bool operator==(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+
+  static std::uint16_t from_float(float f) noexcept {
+    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return static_cast<std::uint16_t>(x >> 16);
+  }
+  static float to_float(std::uint16_t b) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+};
+
+/// The element types every engine moves.
+enum class dtype : std::uint8_t { float32, float64, float16, bfloat16, int32, int64, uint8 };
+
+template <class T>
+concept element = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, float16> ||
+                  std::same_as<T, bfloat16> || std::same_as<T, std::int32_t> ||
+                  std::same_as<T, std::int64_t> || std::same_as<T, std::uint8_t>;
+
+template <element T>
+inline constexpr dtype dtype_of = std::same_as<T, float>          ? dtype::float32
+                                  : std::same_as<T, double>       ? dtype::float64
+                                  : std::same_as<T, float16>      ? dtype::float16
+                                  : std::same_as<T, bfloat16>     ? dtype::bfloat16
+                                  : std::same_as<T, std::int32_t> ? dtype::int32
+                                  : std::same_as<T, std::int64_t> ? dtype::int64
+                                                                  : dtype::uint8;
+
+[[nodiscard]] constexpr std::size_t size_of(dtype t) noexcept {
+  switch (t) {
+    case dtype::float64:
+    case dtype::int64: return 8;
+    case dtype::float32:
+    case dtype::int32: return 4;
+    case dtype::float16:
+    case dtype::bfloat16: return 2;
+    case dtype::uint8: return 1;
+  }
+  return 0;
+}
+
+[[nodiscard]] constexpr std::string_view to_string(dtype t) noexcept {
+  switch (t) {
+    case dtype::float32: return "float32";
+    case dtype::float64: return "float64";
+    case dtype::float16: return "float16";
+    case dtype::bfloat16: return "bfloat16";
+    case dtype::int32: return "int32";
+    case dtype::int64: return "int64";
+    case dtype::uint8: return "uint8";
+  }
+  return "unknown";
+}
+
+[[nodiscard]] constexpr bool is_floating(dtype t) noexcept {
+  return t == dtype::float32 || t == dtype::float64 || t == dtype::float16 || t == dtype::bfloat16;
+}
+
+/// Reductions. `avg` is the sum divided by the number of ranks, for
+/// floating-point types only (an integer mean would silently truncate).
+enum class reduce_op : std::uint8_t { sum, avg, min, max, prod };
+
+[[nodiscard]] constexpr std::string_view to_string(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "sum";
+    case reduce_op::avg: return "avg";
+    case reduce_op::min: return "min";
+    case reduce_op::max: return "max";
+    case reduce_op::prod: return "prod";
+  }
+  return "unknown";
+}
+
+/// Where a buffer lives.
+enum class memory : std::uint8_t { host, device };
+
+/// A buffer whose element type is known at run time: what the engines see.
+struct buffer {
+  void* data = nullptr;
+  std::size_t count = 0;
+  dtype type = dtype::float32;
+  memory where = memory::host;
+
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
+};
+
+/// Views host memory as a buffer.
+template <element T>
+[[nodiscard]] buffer host_buffer(std::span<T> s) noexcept {
+  return {const_cast<std::remove_const_t<T>*>(s.data()), s.size(), dtype_of<std::remove_const_t<T>>, memory::host};
+}
+template <element T>
+[[nodiscard]] buffer host_buffer(std::span<const T> s) noexcept {
+  return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
+}
+
+/// A span of device (GPU) memory: the type says where it lives, so a backend
+/// that cannot reach device memory rejects it at compile time.
+template <element T>
+struct device_span {
+  T* data = nullptr;
+  std::size_t count = 0;
+  [[nodiscard]] buffer as_buffer() const noexcept {
+    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>, memory::device};
+  }
+};
+
+namespace detail {
+
+/// Reduces `in` into `inout` element-wise on the host (the engines' custom
+/// paths: 16-bit floats under MPI and Gloo). avg reduces as sum; the caller
+/// divides once at the end.
+template <element T>
+void reduce_host(T* inout, const T* in, std::size_t n, reduce_op op) noexcept {
+  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+    for (std::size_t i = 0; i < n; ++i) {
+      float a = static_cast<float>(inout[i]), b = static_cast<float>(in[i]);
+      float r = op == reduce_op::min   ? std::fmin(a, b)
+                : op == reduce_op::max ? std::fmax(a, b)
+                : op == reduce_op::prod ? a * b
+                                        : a + b;
+      inout[i] = T(r);
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      T a = inout[i], b = in[i];
+      inout[i] = op == reduce_op::min    ? (b < a ? b : a)
+                 : op == reduce_op::max  ? (a < b ? b : a)
+                 : op == reduce_op::prod ? static_cast<T>(a * b)
+                                         : static_cast<T>(a + b);
+    }
+  }
+}
+
+/// Calls f.template operator()<T>() for the buffer's element type.
+template <class F>
+decltype(auto) visit(dtype t, F&& f) {
+  switch (t) {
+    case dtype::float32: return f.template operator()<float>();
+    case dtype::float64: return f.template operator()<double>();
+    case dtype::float16: return f.template operator()<float16>();
+    case dtype::bfloat16: return f.template operator()<bfloat16>();
+    case dtype::int32: return f.template operator()<std::int32_t>();
+    case dtype::int64: return f.template operator()<std::int64_t>();
+    case dtype::uint8: return f.template operator()<std::uint8_t>();
+  }
+  return f.template operator()<float>();
+}
+
+/// Divides every element by `n` (the avg of a host buffer reduced as sum).
+inline void divide_host(buffer b, int n) noexcept {
+  visit(b.type, [&]<class T>() {
+    if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+      auto* p = static_cast<T*>(b.data);
+      for (std::size_t i = 0; i < b.count; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    } else if constexpr (std::floating_point<T>) {
+      auto* p = static_cast<T*>(b.data);
+      for (std::size_t i = 0; i < b.count; ++i) p[i] /= static_cast<T>(n);
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/backend/types.hpp ----
+// ---- begin dtrain/backend/work.hpp ----
+/// @file
+/// `work`: the handle every asynchronous collective returns.
+
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+namespace dtrain {
+
+/// Default limit for one collective to finish, as c10d's 10 minutes.
+/// Environment: DTRAIN_COLLECTIVE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_collective_timeout{600'000};
+
+/// Options every communicator takes. Aggregate: use designated initialisers.
+struct collective_options {
+  /// What work::wait() without an argument allows.
+  std::chrono::milliseconds timeout = default_collective_timeout;
+  /// Before each collective, compare what every rank passed (operation, count,
+  /// type, root) and report a mismatch instead of corrupting or hanging.
+  /// Costs one small allgather per collective. Environment: DTRAIN_CHECK_COLLECTIVES=1.
+  bool check = false;
+
+  /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
+  [[nodiscard]] collective_options with_env(const environment& env) const {
+    collective_options out = *this;
+    if (auto text = env.get("DTRAIN_COLLECTIVE_TIMEOUT")) {
+      double seconds = 0;
+      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+      if (text->empty() || ec != std::errc() || end != text->data() + text->size() || !(seconds > 0) || seconds > 1e9) {
+        throw config_error("DTRAIN_COLLECTIVE_TIMEOUT=" + std::string(*text) + " is not a positive number of seconds");
+      }
+      out.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+    }
+    if (auto text = env.get("DTRAIN_CHECK_COLLECTIVES")) {
+      if (*text == "1" || *text == "true") {
+        out.check = true;
+      } else if (*text == "0" || *text == "false") {
+        out.check = false;
+      } else {
+        throw config_error("DTRAIN_CHECK_COLLECTIVES=" + std::string(*text) + " is not 0, 1, true or false");
+      }
+    }
+    return out;
+  }
+};
+
+namespace detail {
+
+/// What a collective is, kept as plain fields so the hot path builds no
+/// strings; describe() formats it only when a message needs it.
+struct collective_info {
+  std::string_view collective;  ///< "allreduce"
+  std::string_view engine;      ///< "mpi"
+  int rank = 0;
+  int size = 1;
+  std::size_t count = 0;
+  std::uint8_t type = 0;        ///< a dtype
+  int op = -1;                  ///< a reduce_op, or -1
+  int root = -1;                ///< broadcast's root, or -1
+};
+
+/// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
+inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
+                            std::string_view engine) {
+  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " (" + std::string(engine) + ")";
+}
+
+inline std::string describe(const collective_info& info) {
+  std::string detail;
+  if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
+  if (info.collective != "barrier") {
+    detail += std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
+  }
+  if (info.root >= 0) detail += ", root " + std::to_string(info.root);
+  return describe(info.collective, detail, info.rank, info.size, info.engine);
+}
+
+/// One outstanding collective, as a backend tracks it.
+class work_state {
+ public:
+  explicit work_state(std::string description, std::chrono::milliseconds timeout)
+      : description_(std::move(description)), timeout_(timeout) {}
+  work_state(const collective_info& info, std::chrono::milliseconds timeout) : info_(info), timeout_(timeout) {}
+  virtual ~work_state() = default;
+  work_state(const work_state&) = delete;
+  work_state& operator=(const work_state&) = delete;
+
+  /// Makes progress; true once finished, successfully or not (see error()).
+  virtual bool poll() = 0;
+
+  /// Blocks until finished (true) or the deadline passes (false). The default
+  /// keeps calling poll(), for engines that advance only inside their test
+  /// call (MPI without a progress thread), yielding after a while so that
+  /// oversubscribed ranks can run. Engines that finish on threads of their
+  /// own (Gloo) override it to sleep instead of taking the CPU from them.
+  virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
+    for (std::uint64_t spins = 0;; ++spins) {
+      if (poll()) return true;
+      if (spins > 2000) std::this_thread::yield();
+      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) return poll();
+    }
+  }
+  /// A wait gave up: abort what the engine can abort, and mark the
+  /// communicator unusable where it cannot.
+  virtual void on_timeout() noexcept {}
+
+  [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
+  [[nodiscard]] const std::string& description() const {
+    if (description_.empty()) description_ = describe(info_);
+    return description_;
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+ protected:
+  void fail(std::exception_ptr e) noexcept {
+    if (!error_) error_ = std::move(e);
+  }
+
+ private:
+  mutable std::string description_;  // "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
+  collective_info info_{};
+  std::chrono::milliseconds timeout_;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// The handle of one asynchronous collective. Cheap to copy (shared state).
+class work {
+ public:
+  /// A handle that is already complete.
+  work() = default;
+  explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
+
+  /// True once the collective has finished, successfully or not. Never blocks.
+  [[nodiscard]] bool test() {
+    if (!state_ || done_) return true;
+    done_ = state_->poll();
+    return done_;
+  }
+
+  /// Waits for the communicator's timeout; see wait(timeout).
+  void wait() { wait(state_ ? state_->timeout() : std::chrono::milliseconds(0)); }
+
+  /// Waits until the collective finishes, then throws its error if it failed
+  /// (backend_error). Throws timeout_error naming the collective, the rank and
+  /// the time when it is not done within `timeout`; the communicator is then
+  /// aborted or marked unusable, as the engine allows.
+  void wait(std::chrono::milliseconds timeout) {
+    if (!state_) return;
+    if (!test()) {
+      if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) {
+        state_->on_timeout();
+        done_ = true;
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+        timed_out_ = std::make_exception_ptr(timeout_error(
+            state_->description() + " did not finish within " + seconds +
+            "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+            "compares what every rank passed)"));
+        std::rethrow_exception(timed_out_);
+      }
+      done_ = true;
+    }
+    if (auto e = exception()) std::rethrow_exception(e);
+  }
+
+  /// The error the collective failed with (or the timeout), once finished; null otherwise.
+  [[nodiscard]] std::exception_ptr exception() const noexcept {
+    if (timed_out_) return timed_out_;
+    return state_ && done_ ? state_->error() : nullptr;
+  }
+
+ private:
+  std::shared_ptr<detail::work_state> state_;
+  bool done_ = false;
+  std::exception_ptr timed_out_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/backend/work.hpp ----
+// ---- begin dtrain/backend/communicator.hpp ----
+/// @file
+/// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
+/// the argument checks they share, and the typed collectives users call.
+
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// A group of ranks that runs collectives. Every call is asynchronous and
+/// returns a work handle; buffers must stay alive until it completes. All
+/// ranks must call the same collectives in the same order.
+template <class C>
+concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int root) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  { c.allreduce(b, b, op) } -> std::same_as<work>;
+  { c.broadcast(b, root) } -> std::same_as<work>;
+  { c.allgather(b, b) } -> std::same_as<work>;
+  { c.reduce_scatter(b, b, op) } -> std::same_as<work>;
+  { c.barrier() } -> std::same_as<work>;
+  { c.split(root, root) } -> std::same_as<C>;
+  { C::reaches_device_memory } -> std::convertible_to<bool>;
+  { C::name } -> std::convertible_to<std::string_view>;
+};
+
+namespace detail {
+
+inline std::string shape(const buffer& b) { return std::to_string(b.count) + " x " + std::string(to_string(b.type)); }
+
+/// Checks what one rank can check alone; throws config_error naming the collective and the rank.
+struct argument_check {
+  std::string what;  // from describe(); empty when `info` describes the call
+  const collective_info* info = nullptr;
+
+  argument_check(std::string description) : what(std::move(description)) {}
+  argument_check(const collective_info& i) : info(&i) {}
+
+  void same_type(const buffer& in, const buffer& out) const {
+    if (in.type != out.type) fail("input is " + std::string(to_string(in.type)) + ", output " + std::string(to_string(out.type)));
+    if (in.where != out.where) fail("input and output live in different memories (host and device)");
+  }
+  void count(const buffer& b, std::size_t expected, std::string_view which) const {
+    if (b.count != expected) {
+      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " + std::to_string(expected));
+    }
+  }
+  void op_fits(reduce_op op, dtype t) const {
+    if (op == reduce_op::avg && !is_floating(t)) {
+      fail("avg of " + std::string(to_string(t)) + " would truncate; average floating-point data, or sum and divide");
+    }
+  }
+  void root(int r, int size) const {
+    if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
+  }
+  [[noreturn]] void fail(const std::string& why) const {
+    throw config_error((info ? describe(*info) : what) + ": " + why);
+  }
+};
+
+/// What a rank passed to a collective, compared across ranks in check mode.
+struct signature {
+  std::int64_t collective, count, type, op_or_root;
+  friend bool operator==(const signature&, const signature&) = default;
+};
+
+/// Gathers every rank's signature with `gather` (an allgather of int64s that
+/// is not itself checked) and throws backend_error naming the first rank
+/// whose call differs from this one's.
+inline void compare_signatures(const signature& mine, int rank, int size, const std::string& what,
+                               const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
+  const std::int64_t fields[4] = {mine.collective, mine.count, mine.type, mine.op_or_root};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 4);
+  gather(fields, all);
+  for (int r = 0; r < size; ++r) {
+    const std::int64_t* f = &all[static_cast<std::size_t>(r) * 4];
+    signature theirs{f[0], f[1], f[2], f[3]};
+    if (theirs != mine) {
+      throw backend_error(what + ": rank " + std::to_string(r) + " called collective #" + std::to_string(theirs.collective) +
+                              " with " + std::to_string(theirs.count) + " x " +
+                              std::string(to_string(static_cast<dtype>(theirs.type))) + " (op/root " +
+                              std::to_string(theirs.op_or_root) + "), rank " + std::to_string(rank) + " collective #" +
+                              std::to_string(mine.collective) + " with " + std::to_string(mine.count) + " x " +
+                              std::string(to_string(static_cast<dtype>(mine.type))) + " (op/root " +
+                              std::to_string(mine.op_or_root) + ")",
+                          0);
+    }
+  }
+}
+
+}  // namespace detail
+
+// Typed collectives. Host spans work with every backend; device_span only
+// with backends that reach device memory, which is checked at compile time.
+
+/// In place: every rank's `data` becomes the reduction over all ranks.
+template <communicator C, element T>
+work allreduce(C& c, std::span<T> data, reduce_op op = reduce_op::sum) {
+  return c.allreduce(host_buffer(data), host_buffer(data), op);
+}
+/// Out of place: `out` becomes the reduction of every rank's `in`.
+template <communicator C, element T>
+work allreduce(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+  return c.allreduce(host_buffer(in), host_buffer(out), op);
+}
+template <communicator C, element T>
+work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
+  static_assert(C::reaches_device_memory,
+                "this backend reduces host memory only: copy device data to the host first, or use "
+                "backend::nccl (or MPI built with CUDA)");
+  return c.allreduce(data.as_buffer(), data.as_buffer(), op);
+}
+
+/// `data` on every rank becomes root's.
+template <communicator C, element T>
+work broadcast(C& c, std::span<T> data, int root) {
+  return c.broadcast(host_buffer(data), root);
+}
+template <communicator C, element T>
+work broadcast(C& c, device_span<T> data, int root) {
+  static_assert(C::reaches_device_memory,
+                "this backend broadcasts host memory only: copy device data to the host first, or use "
+                "backend::nccl (or MPI built with CUDA)");
+  return c.broadcast(data.as_buffer(), root);
+}
+
+/// `out` (size() × in.size() elements) becomes every rank's `in`, in rank order.
+template <communicator C, element T>
+work allgather(C& c, std::span<const T> in, std::span<T> out) {
+  return c.allgather(host_buffer(in), host_buffer(out));
+}
+
+/// `in` (size() × out.size() elements) is reduced over ranks; rank r receives block r in `out`.
+template <communicator C, element T>
+work reduce_scatter(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+  return c.reduce_scatter(host_buffer(in), host_buffer(out), op);
+}
+
+}  // namespace dtrain
+// ---- end dtrain/backend/communicator.hpp ----
+// ---- begin dtrain/backend/mpi.hpp ----
+/// @file
+/// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
+/// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
+
+
+#if DTRAIN_HAS_MPI()
+
+#include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
+#endif
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
+#include <array>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+namespace detail {
+
+inline std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+// What a failed call was for: a plain text, or a collective described on demand.
+inline std::string what_text(const std::string& text) { return text; }
+inline std::string what_text(const char* text) { return text; }
+inline std::string what_text(const collective_info& info) { return describe(info); }
+
+inline std::string mpi_thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "thread level " + std::to_string(level);
+}
+
+}  // namespace detail
+
+/// Evaluates an MPI call; throws backend_error with file:line, the call, what
+/// it was for and MPI's message and code when it does not return MPI_SUCCESS.
+#define DTRAIN_MPI_CHECK(call, what)                                                                     \
+  do {                                                                                                   \
+    int dtrain_mpi_rc_ = (call);                                                                         \
+    if (dtrain_mpi_rc_ != MPI_SUCCESS) {                                                                 \
+      throw ::dtrain::backend_error(::dtrain::detail::what_text(what) + ": " #call " failed: " +         \
+                                        ::dtrain::detail::mpi_error_text(dtrain_mpi_rc_) + " (at " __FILE__ \
+                                        ":" + std::to_string(__LINE__) + ")",                            \
+                                    dtrain_mpi_rc_);                                                     \
+    }                                                                                                    \
+  } while (0)
+
+/// Options of the MPI backend.
+struct mpi_options {
+  collective_options collectives{};
+  /// The thread level dtrain requires: DDP's communication thread calls MPI
+  /// while other threads may too. Initialising MPI asks for MULTIPLE.
+  int required_thread_level = MPI_THREAD_MULTIPLE;
+  /// When dtrain initialises Open MPI and the user set no
+  /// OMPI_MCA_coll_libnbc_iallreduce_algorithm, ask for the ring algorithm:
+  /// Open MPI's default for the nonblocking allreduce dtrain uses is about
+  /// twice as slow as its blocking one from 4 KiB up (bench/allreduce_mpi).
+  bool tune_open_mpi = true;
+};
+
+/// Owns MPI's initialisation when dtrain did it: initialises only if nobody
+/// has, and then finalizes when the last communicator is gone.
+class mpi_environment {
+ public:
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true) {
+    int initialized = 0;
+    DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
+    int provided = MPI_THREAD_SINGLE;
+    if (!initialized) {
+      if (tune_open_mpi) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);  // never overrides the user
+      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS) throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+      owned_ = true;
+    } else {
+      DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
+    }
+    if (provided < required_level) {
+      throw backend_error("MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+                              detail::mpi_thread_level_name(required_level) +
+                              (owned_ ? "; use an MPI built with thread support"
+                                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+                          provided);
+    }
+  }
+  mpi_environment(const mpi_environment&) = delete;
+  mpi_environment& operator=(const mpi_environment&) = delete;
+  ~mpi_environment() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owned_ && !finalized) MPI_Finalize();
+  }
+  [[nodiscard]] bool owned() const noexcept { return owned_; }
+
+  /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
+  [[nodiscard]] static bool cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return false;
+#endif
+  }
+
+ private:
+  bool owned_ = false;
+};
+
+/// A communicator over MPI. Host memory always; device memory directly when
+/// the MPI is CUDA-aware, otherwise staged through pinned host buffers
+/// (compiled when CUDA is available). float16 and bfloat16 reduce through
+/// dtrain's own MPI_Op (MPI has no such types): converted to float, reduced,
+/// rounded back at each step.
+class mpi_communicator {
+ public:
+  static constexpr std::string_view name = "mpi";
+  static constexpr bool reaches_device_memory = DTRAIN_HAS_CUDA() != 0;
+
+  /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
+  static mpi_communicator world(mpi_options options = {}) {
+    auto env = std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
+    return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
+  }
+
+  /// Wraps a duplicate of `comm` (MPI already initialised by the caller).
+  static mpi_communicator from(MPI_Comm comm, mpi_options options = {}) {
+    auto env = std::make_shared<mpi_environment>(options.required_thread_level);
+    return mpi_communicator(std::move(env), comm, std::move(options));
+  }
+
+  mpi_communicator(mpi_communicator&& other) noexcept
+      : env_(std::move(other.env_)),
+        comm_(std::exchange(other.comm_, MPI_COMM_NULL)),
+        rank_(other.rank_),
+        size_(other.size_),
+        options_(other.options_),
+        sequence_(other.sequence_),
+        ops_(std::exchange(other.ops_, no_ops())),
+        health_(std::move(other.health_)) {}
+  mpi_communicator& operator=(mpi_communicator&&) = delete;
+  mpi_communicator(const mpi_communicator&) = delete;
+  mpi_communicator& operator=(const mpi_communicator&) = delete;
+  ~mpi_communicator() {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (MPI_Op& op : ops_) {
+      if (op != MPI_OP_NULL) MPI_Op_free(&op);
+    }
+    // A request given up after a timeout may still be progressed by MPI: keep
+    // the communicator allocated for it (a deliberate leak of a dead communicator).
+    if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+
+  work allreduce(buffer in, buffer out, reduce_op op) {
+    const auto what = info("allreduce", out, static_cast<int>(op), -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(out, in.count, "output");
+    check.op_fits(op, in.type);
+    usable(what);
+    verify(0, in, static_cast<std::int64_t>(op), what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    w->divide_by = op == reduce_op::avg ? size_ : 0;
+    if (out.count == 0) return work(w);
+    const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
+    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type), mpi_op(op, out.type),
+                                    comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work broadcast(buffer data, int root) {
+    const auto what = info("broadcast", data, -1, root);
+    detail::argument_check{what}.root(root, size_);
+    usable(what);
+    verify(1, data, root, what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(data, data, false);
+    if (data.count == 0) return work(w);
+    DTRAIN_MPI_CHECK(MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req), what);
+    return work(w);
+  }
+
+  work allgather(buffer in, buffer out) {
+    const auto what = info("allgather", in, -1, -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(out, in.count * static_cast<std::size_t>(size_), "output");
+    usable(what);
+    verify(2, in, 0, what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(in, out, false);
+    if (in.count == 0) return work(w);
+    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data, count(in, what),
+                                    datatype(in.type), comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+    const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(in, out.count * static_cast<std::size_t>(size_), "input");
+    check.op_fits(op, in.type);
+    usable(what);
+    verify(3, out, static_cast<std::int64_t>(op), what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    w->divide_by = op == reduce_op::avg ? size_ : 0;
+    if (out.count == 0) return work(w);
+    DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
+                                               mpi_op(op, out.type), comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work barrier() {
+    const auto what = info("barrier", buffer{}, -1, -1);
+    usable(what);
+    verify(4, buffer{}, 0, what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
+    return work(w);
+  }
+
+  /// The ranks with the same color, ordered by key (then by rank). Collective.
+  mpi_communicator split(int color, int key) {
+    auto what = detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key), rank_, size_, name);
+    if (color < 0) throw config_error(what + ": color must be non-negative");
+    usable(what);
+    MPI_Comm child = MPI_COMM_NULL;
+    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
+    mpi_communicator out(env_, child, options_);
+    MPI_Comm_free(&child);  // `out` holds its own duplicate
+    return out;
+  }
+
+ private:
+  struct health {
+    bool broken = false;
+    bool abandoned = false;  // a request was given up while MPI may still progress it
+    std::string why;
+  };
+
+  // One outstanding MPI request, with the staging and the avg division it needs when done.
+  struct request : detail::work_state {
+    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h)
+        : work_state(what, timeout), health_(std::move(h)) {}
+    ~request() override {
+      int finalized = 1;
+      MPI_Finalized(&finalized);
+      if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
+        // A handle dropped before completion: MPI still writes into the
+        // buffers, so finish it, for at most the timeout, rather than leave
+        // MPI holding freed memory.
+        auto deadline = std::chrono::steady_clock::now() + timeout();
+        int flag = 0;
+        while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+               std::chrono::steady_clock::now() < deadline) {
+        }
+        if (!flag) abandon();
+      }
+      if (!abandoned) release_staging();  // an abandoned request may still write into them
+    }
+
+    /// Chooses where MPI reads and writes: the user's buffers, or pinned host
+    /// copies of device buffers when the MPI is not CUDA-aware or when dtrain
+    /// does arithmetic on the host (avg, the 16-bit floats' MPI_Op).
+    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math) {
+      user_out = out;
+      src = in;
+      dst = out;
+#if DTRAIN_HAS_CUDA()
+      if (out.where == memory::device && (host_math || !mpi_environment::cuda_aware())) {
+        staged = true;
+        const bool same = in.data == out.data;
+        dst.data = pinned(out.bytes());
+        dst.where = memory::host;
+        if (same) {
+          src.data = dst.data;
+        } else {
+          src.data = pinned(in.bytes());
+        }
+        src.where = memory::host;
+        if (in.bytes() > 0) copy(src.data, in.data, in.bytes(), cudaMemcpyDeviceToHost);
+      }
+#endif
+    }
+
+    bool poll() override {
+      if (finished) return true;
+      if (req != MPI_REQUEST_NULL) {
+        int flag = 0;
+        int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) {
+          fail(std::make_exception_ptr(backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
+          health_->broken = true;
+          health_->why = description() + " failed";
+          finished = true;
+          return true;
+        }
+        if (!flag) return false;
+      }
+      try {
+        if (divide_by > 0) detail::divide_host(dst, divide_by);
+#if DTRAIN_HAS_CUDA()
+        if (staged && user_out.bytes() > 0) copy(user_out.data, dst.data, user_out.bytes(), cudaMemcpyHostToDevice);
+#endif
+      } catch (...) {
+        fail(std::current_exception());
+      }
+      release_staging();
+      finished = true;
+      return true;
+    }
+
+    void on_timeout() noexcept override { abandon(); }
+
+    // MPI cannot cancel a collective: the communicator is unusable from now on.
+    void abandon() noexcept {
+      abandoned = true;
+      health_->abandoned = true;
+      health_->broken = true;
+      health_->why = description() + " timed out";
+    }
+
+    MPI_Request req = MPI_REQUEST_NULL;
+    buffer src{}, dst{}, user_out{};
+    int divide_by = 0;
+    bool staged = false;
+    bool finished = false;
+    bool abandoned = false;
+
+   private:
+#if DTRAIN_HAS_CUDA()
+    void* pinned(std::size_t bytes) {
+      void* p = nullptr;
+      if (bytes == 0) return nullptr;
+      cudaError_t rc = cudaMallocHost(&p, bytes);
+      if (rc != cudaSuccess) {
+        throw backend_error(description() + ": cudaMallocHost(" + std::to_string(bytes) + ") for MPI staging failed: " +
+                                cudaGetErrorString(rc),
+                            static_cast<int>(rc));
+      }
+      pinned_.push_back(p);
+      return p;
+    }
+    void copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind) {
+      cudaError_t rc = cudaMemcpy(to, from, bytes, kind);
+      if (rc != cudaSuccess) {
+        throw backend_error(description() + ": cudaMemcpy for MPI staging failed: " + cudaGetErrorString(rc),
+                            static_cast<int>(rc));
+      }
+    }
+    std::vector<void*> pinned_;
+#endif
+    void release_staging() noexcept {
+#if DTRAIN_HAS_CUDA()
+      for (void* p : pinned_) cudaFreeHost(p);
+      pinned_.clear();
+#endif
+    }
+    std::shared_ptr<health> health_;
+  };
+
+  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
+      : env_(std::move(env)), options_(std::move(options)), health_(std::make_shared<health>()) {
+    DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
+    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
+    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  }
+
+  detail::collective_info info(std::string_view collective, const buffer& b, int op, int root) const noexcept {
+    return {collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
+  }
+
+  void usable(const detail::collective_info& what) const {
+    if (health_->broken) usable(detail::describe(what));
+  }
+  void usable(const std::string& what) const {
+    if (health_->broken) {
+      throw backend_error(what + ": this MPI communicator is unusable since " + health_->why +
+                              " (MPI cannot cancel a collective); end the job, or continue only on other "
+                              "communicators",
+                          0);
+    }
+  }
+
+  static int count(const buffer& b, const detail::collective_info& what) {
+    if (b.count > static_cast<std::size_t>(INT_MAX)) {
+      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) + " elements exceed MPI's int count; split the buffer");
+    }
+    return static_cast<int>(b.count);
+  }
+
+  // Whether MPI reduces the type itself (the 16-bit floats go through dtrain's MPI_Op).
+  static bool native(dtype t) noexcept { return t != dtype::float16 && t != dtype::bfloat16; }
+
+  static MPI_Datatype datatype(dtype t) {
+    switch (t) {
+      case dtype::float32: return MPI_FLOAT;
+      case dtype::float64: return MPI_DOUBLE;
+      case dtype::int32: return MPI_INT32_T;
+      case dtype::int64: return MPI_INT64_T;
+      case dtype::uint8: return MPI_UINT8_T;
+      case dtype::float16:
+      case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
+    }
+    return MPI_DATATYPE_NULL;
+  }
+
+  template <class T, reduce_op Op>
+  static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+    detail::reduce_host<T>(static_cast<T*>(inout), static_cast<const T*>(in), static_cast<std::size_t>(*len), Op);
+  }
+
+  MPI_Op mpi_op(reduce_op op, dtype t) {
+    if (t != dtype::float16 && t != dtype::bfloat16) {
+      switch (op) {
+        case reduce_op::sum:
+        case reduce_op::avg: return MPI_SUM;
+        case reduce_op::min: return MPI_MIN;
+        case reduce_op::max: return MPI_MAX;
+        case reduce_op::prod: return MPI_PROD;
+      }
+    }
+    // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
+    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) +
+                             (op == reduce_op::min ? 1u : op == reduce_op::max ? 2u : op == reduce_op::prod ? 3u : 0u);
+    if (ops_[slot] == MPI_OP_NULL) {
+      static MPI_User_function* const functions[8] = {
+          &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
+          &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
+          &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
+          &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
+      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]), "creating the 16-bit float MPI_Op");
+    }
+    return ops_[slot];
+  }
+
+  // Check mode: every rank passed the same collective, count, type and op/root.
+  void verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
+    ++sequence_;
+    if (!options_.collectives.check) return;
+    const std::string what = detail::describe(info);
+    detail::signature mine{sequence_ * 8 + collective, static_cast<std::int64_t>(b.count),
+                           static_cast<std::int64_t>(b.type), op_or_root};
+    detail::compare_signatures(mine, rank_, size_, what, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
+                                     static_cast<int>(in.size()), MPI_INT64_T, comm_),
+                       what + " (check mode)");
+    });
+  }
+
+  std::shared_ptr<mpi_environment> env_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  mpi_options options_;
+  std::int64_t sequence_ = 0;
+  // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
+  static std::array<MPI_Op, 8> no_ops() noexcept {
+    std::array<MPI_Op, 8> ops;
+    ops.fill(MPI_OP_NULL);
+    return ops;
+  }
+  std::array<MPI_Op, 8> ops_ = no_ops();
+  std::shared_ptr<health> health_;
+};
+
+static_assert(communicator<mpi_communicator>);
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_MPI()
+// ---- end dtrain/backend/mpi.hpp ----
+// ---- begin dtrain/backend/gloo.hpp ----
+/// @file
+/// gloo_communicator: the communicator concept on Gloo's TCP transport, for
+/// host memory. Bootstrapped through dtrain's store, so env:// jobs (torchrun
+/// style, no mpirun) run on CPUs. Gloo's calls block, so every communicator
+/// runs its collectives on one worker thread, in the order they were
+/// submitted; all ranks submit in the same order, so the queues stay matched.
+
+
+// ---- begin dtrain/backend/gloo_store.hpp ----
+/// @file
+/// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
+/// interface, and the choice of the network interface Gloo's TCP transport
+/// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
+
+
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/rendezvous/store.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// Any dtrain store, seen through the calls the Gloo backend makes, so that
+/// gloo_communicator is one type whatever store bootstrapped it (its splits
+/// bootstrap through the same store later). Refers to the store, which must
+/// outlive every communicator made from it.
+class gloo_store_ref {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  template <store S>
+  explicit gloo_store_ref(S& s)
+      : set_([p = &s](std::string_view key, std::string_view value) { p->set(key, value); }),
+        get_([p = &s](std::string_view key, milliseconds timeout) { return std::string(p->get(key, timeout)); }),
+        wait_([p = &s](std::span<const std::string> keys, milliseconds timeout) { p->wait(keys, timeout); }),
+        add_([p = &s](std::string_view key, std::int64_t delta) { return std::int64_t(p->add(key, delta)); }),
+        erase_([p = &s](std::string_view key) { p->erase(key); }) {}
+
+  void set(std::string_view key, std::string_view value) const { set_(key, value); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) const { return get_(key, timeout); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) const { wait_(keys, timeout); }
+  std::int64_t add(std::string_view key, std::int64_t delta) const { return add_(key, delta); }
+  void erase(std::string_view key) const { erase_(key); }
+
+ private:
+  std::function<void(std::string_view, std::string_view)> set_;
+  std::function<std::string(std::string_view, milliseconds)> get_;
+  std::function<void(std::span<const std::string>, milliseconds)> wait_;
+  std::function<std::int64_t(std::string_view, std::int64_t)> add_;
+  std::function<void(std::string_view)> erase_;
+};
+
+/// Gloo's five-method store on top of a dtrain store, every key under
+/// `prefix/`. Remembers the keys it wrote, so that they can be erased once
+/// every rank has connected (a full mesh of N ranks leaves N values of
+/// O(N) addresses each).
+class gloo_store_adapter final : public ::gloo::rendezvous::Store {
+ public:
+  gloo_store_adapter(const gloo_store_ref& store, std::string prefix, std::chrono::milliseconds timeout)
+      : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
+    written_.push_back(prefix_ + key);
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    std::string value = store_.get(prefix_ + key, timeout_);
+    return {value.begin(), value.end()};
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    full.reserve(keys.size());
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    // Gloo passes kNoTimeout (0) to mean "the default".
+    store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
+  }
+
+  [[nodiscard]] const std::vector<std::string>& written() const noexcept { return written_; }
+
+ private:
+  const gloo_store_ref& store_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::string> written_;
+};
+
+/// Where Gloo's TCP transport listens: a named interface, or an address.
+struct gloo_endpoint {
+  std::string iface;     ///< network interface name ("eth0"), or empty
+  std::string hostname;  ///< numeric address to bind, when no interface is named
+  std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
+};
+
+/// Names of the interfaces that carry an IPv4 or IPv6 address.
+inline std::vector<std::string> interfaces_with_address() {
+  std::vector<std::string> names;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return names;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6)) continue;
+    std::string name(i->ifa_name);
+    bool seen = false;
+    for (const auto& n : names) seen = seen || n == name;
+    if (!seen) names.push_back(std::move(name));
+  }
+  ::freeifaddrs(list);
+  return names;
+}
+
+/// Throws config_error naming `origin` when no interface `name` with an address exists here.
+inline void require_interface(const std::string& name, const std::string& origin) {
+  auto names = interfaces_with_address();
+  for (const auto& n : names) {
+    if (n == name) return;
+  }
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  throw config_error(origin + " names no network interface with an IP address on this host (interfaces: " +
+                     (known.empty() ? std::string("none") : known) +
+                     "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
+}
+
+/// The local address this host sends from to reach host:port (a UDP socket
+/// connected there, asked for its own name; nothing is sent).
+inline std::string local_address_towards(const std::string& host, int port, const std::string& origin) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port > 0 ? port : 9);
+  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    throw config_error(origin + " cannot be resolved (" + ::gai_strerror(rc) +
+                       "), so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
+  }
+  std::string why = "no address";
+  std::string address;
+  for (addrinfo* a = found; a && address.empty(); a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    char text[NI_MAXHOST] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      why = std::strerror(errno);
+    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
+      why = std::strerror(errno);
+    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text, sizeof text, nullptr, 0,
+                                      NI_NUMERICHOST);
+               rc != 0) {
+      why = ::gai_strerror(rc);
+    } else {
+      address = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  if (address.empty()) {
+    throw config_error("no local address reaches " + origin + " (" + why + "); set DTRAIN_GLOO_IFNAME");
+  }
+  return address;
+}
+
+/// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
+/// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
+/// address that reaches the master (`master_addr` option, else MASTER_ADDR),
+/// else 127.0.0.1 for a world of one and the host name otherwise. A named
+/// interface that does not exist is a config_error naming it.
+inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, const std::string& master_option,
+                                          const environment& env, int size) {
+  auto named = [](std::string name, std::string origin) {
+    require_interface(name, origin);
+    return gloo_endpoint{std::move(name), {}, std::move(origin)};
+  };
+  if (!interface_option.empty()) return named(interface_option, "gloo_options::interface=" + interface_option);
+  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
+    return named(std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v));
+  }
+  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
+    std::string first(v->substr(0, v->find(',')));
+    return named(first, "GLOO_SOCKET_IFNAME=" + std::string(*v));
+  }
+  std::string master = master_option;
+  std::string origin = "gloo_options::master_addr=" + master_option;
+  if (master.empty()) {
+    if (auto v = env.get("MASTER_ADDR"); v && !v->empty()) {
+      master = std::string(*v);
+      origin = "MASTER_ADDR=" + master;
+    }
+  }
+  if (!master.empty()) {
+    int port = 0;
+    if (auto p = env.get("MASTER_PORT")) port = std::atoi(std::string(*p).c_str());
+    std::string address = local_address_towards(master, port, origin);
+    return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
+  }
+  if (size == 1) return {{}, "127.0.0.1", "127.0.0.1 (a world of one, no MASTER_ADDR)"};
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return {{}, host, std::string("the host name ") + host + " (no interface named and no MASTER_ADDR)"};
+}
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()
+// ---- end dtrain/backend/gloo_store.hpp ----
+// ---- begin dtrain/backend/gloo_worker.hpp ----
+/// @file
+/// How a gloo_communicator runs its collectives: Gloo's calls block, so each
+/// communicator queues them for one worker thread, in submission order (all
+/// ranks submit in the same order, so the queues stay matched), and its work
+/// handles report their completion. Used by backend/gloo.hpp; compiles to
+/// nothing without Gloo.
+
+
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/logging.h>
+#include <gloo/context.h>
+#include <gloo/math.h>
+#include <gloo/transport/device.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+template <class T>
+inline constexpr bool is_half_float = std::same_as<T, float16> || std::same_as<T, bfloat16>;
+
+/// Gloo's element-wise reduction (c = a op b; c may be a or b) for T and op.
+/// Gloo's own functions for native types; reduce_host for our 16-bit floats,
+/// which Gloo does not know. avg reduces as sum; the caller divides.
+template <element T>
+::gloo::AllreduceOptions::Func gloo_reduce_function(reduce_op op) {
+  if constexpr (is_half_float<T>) {
+    return [op](void* c, const void* a, const void* b, std::size_t n) {
+      auto* out = static_cast<T*>(c);
+      const auto* x = static_cast<const T*>(a);
+      const auto* y = static_cast<const T*>(b);
+      if (out == y) {  // every reduce_op commutes
+        reduce_host(out, x, n, op);
+        return;
+      }
+      if (out != x) std::memcpy(out, x, n * sizeof(T));
+      reduce_host(out, y, n, op);
+    };
+  } else {
+    using function = void (*)(void*, const void*, const void*, std::size_t);
+    switch (op) {
+      case reduce_op::min: return static_cast<function>(&::gloo::min<T>);
+      case reduce_op::max: return static_cast<function>(&::gloo::max<T>);
+      case reduce_op::prod: return static_cast<function>(&::gloo::product<T>);
+      case reduce_op::sum:
+      case reduce_op::avg: break;
+    }
+    return static_cast<function>(&::gloo::sum<T>);
+  }
+}
+
+/// One collective as the worker runs it: plain fields, no allocation.
+struct gloo_call {
+  enum class kind : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, barrier, split };
+  kind what = kind::barrier;
+  buffer in{}, out{};
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  bool moves_data = true;  // false: zero-length, only compared in check mode
+};
+
+// Signature codes in check mode: the op, 10 + op, 20, 30, 40, or 100 + root,
+// so that different collectives with equal counts differ too.
+inline std::int64_t gloo_signature_code(const gloo_call& c) noexcept {
+  switch (c.what) {
+    case gloo_call::kind::allreduce: return static_cast<std::int64_t>(c.op);
+    case gloo_call::kind::reduce_scatter: return 10 + static_cast<std::int64_t>(c.op);
+    case gloo_call::kind::allgather: return 20;
+    case gloo_call::kind::barrier: return 30;
+    case gloo_call::kind::split: return 40;
+    case gloo_call::kind::broadcast: break;
+  }
+  return 100 + c.root;
+}
+
+class gloo_work;
+
+/// What the communicator, its worker thread and its work handles share.
+struct gloo_state {
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{};
+  bool check = false;
+  std::shared_ptr<::gloo::transport::Device> device;
+  std::shared_ptr<::gloo::Context> context;
+
+  struct task {
+    std::shared_ptr<gloo_work> work;
+    signature sig{};
+    gloo_call call{};
+  };
+  std::mutex mutex;
+  std::condition_variable wake;      // the worker: a task to run, or stop
+  std::condition_variable finished;  // waiters: a task finished
+  std::deque<task> queue;            // guarded by mutex
+  bool running = false;              // guarded by mutex: a task is running (worker or waiter)
+  bool stopping = false;             // guarded by mutex
+  std::int64_t submitted = 0;        // guarded by mutex: the collective sequence number
+  std::atomic<bool> unusable{false};
+  std::string failure;  // guarded by mutex: the first failure
+
+  void mark_unusable(const std::string& why) noexcept {
+    std::lock_guard lock(mutex);
+    if (!unusable.exchange(true)) failure = why;
+  }
+  [[nodiscard]] std::string unusable_text() {
+    std::lock_guard lock(mutex);
+    return "the communicator is unusable since an earlier failure (" + failure +
+           "); ranks cannot fall back into step after a failed collective, so make a new communicator";
+  }
+};
+
+inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept;
+
+class gloo_work final : public work_state {
+ public:
+  gloo_work(const collective_info& info, std::chrono::milliseconds timeout, std::weak_ptr<gloo_state> owner)
+      : work_state(info, timeout), owner_(std::move(owner)) {}
+
+  bool poll() override { return done_.load(std::memory_order_acquire); }
+
+  // Gloo cannot abort a collective in flight; its own timeout (the same
+  // length) ends it. Until then nothing else may run on this communicator.
+  void on_timeout() noexcept override {
+    if (auto s = owner_.lock()) s->mark_unusable(description() + " did not finish within its timeout");
+  }
+
+  /// Blocks until finished or `deadline`; true when finished. When this
+  /// collective is next in line and nothing runs, runs it on the calling
+  /// thread (with the time left as Gloo's timeout) rather than waking the
+  /// worker: submit-then-wait then costs no thread hand-off. Otherwise sleeps
+  /// until a collective finishes. Overrides work_state's wait hook, so waiting
+  /// sleeps instead of taking the CPU from Gloo's threads.
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
+    auto s = owner_.lock();
+    if (!s) return poll();
+    std::unique_lock lock(s->mutex);
+    for (;;) {
+      if (poll()) return true;
+      const auto now = std::chrono::steady_clock::now();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+      if (left.count() <= 0) return poll();
+      if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
+        gloo_state::task t = std::move(s->queue.front());
+        s->queue.pop_front();
+        s->running = true;
+        lock.unlock();
+        gloo_execute(*s, t, std::min(left, s->timeout));
+        lock.lock();
+        s->running = false;
+        lock.unlock();
+        s->wake.notify_one();
+        s->finished.notify_all();
+        return true;
+      }
+      s->finished.wait_until(lock, deadline);
+    }
+  }
+
+  void finish(std::exception_ptr e) noexcept {
+    if (e) fail(std::move(e));
+    done_.store(true, std::memory_order_release);
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::weak_ptr<gloo_state> owner_;
+};
+
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// A failure inside a call into Gloo, with the call as written, file:line
+/// and Gloo's message; gloo_failure() turns it into dtrain's errors.
+class gloo_exception : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class F>
+void gloo_checked(F&& call, const char* text, const char* file, int line) {
+  try {
+    call();
+  } catch (const error&) {
+    throw;  // dtrain's own (the store under connectFullMesh), already with context
+  } catch (const ::gloo::EnforceNotMet& e) {  // not a gloo::Exception
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
+  } catch (const std::exception& e) {
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
+  }
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates a call into Gloo, which reports failures by throwing; rethrows
+/// them as detail::gloo_exception naming the call, file:line and Gloo's message.
+#define DTRAIN_GLOO_CHECK(...) \
+  ::dtrain::detail::gloo_checked([&] { __VA_ARGS__; }, #__VA_ARGS__, __FILE__, __LINE__)
+
+namespace dtrain::detail {
+
+/// An exception from Gloo as dtrain's: timeout_error for Gloo's timeouts,
+/// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
+inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::string& what) {
+  std::string message;
+  try {
+    std::rethrow_exception(e);
+  } catch (const error&) {
+    return e;  // already dtrain's (a signature mismatch), with its context
+  } catch (const std::exception& x) {
+    message = x.what();
+  } catch (...) {
+    message = "an exception that is not a std::exception";
+  }
+  std::string lower = message;
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
+    return std::make_exception_ptr(timeout_error(
+        what + " timed out in Gloo (" + message +
+        "); a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares what "
+        "every rank passed)"));
+  }
+  return std::make_exception_ptr(backend_error(
+      what + " failed in Gloo: " + message +
+          "; a peer rank may have died or closed its communicator: look for the first error on the other ranks",
+      0));
+}
+
+// The collectives on host memory, with Gloo's timeout for this run. A world
+// of one never calls Gloo.
+
+template <element T>
+void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
+  if (s.size > 1) {
+    ::gloo::AllreduceOptions opts(s.context);
+    if (in.data != out.data) opts.setInput(static_cast<T*>(in.data), in.count);
+    opts.setOutput(static_cast<T*>(out.data), out.count);
+    opts.setReduceFunction(gloo_reduce_function<T>(op));
+    opts.setTimeout(timeout);
+    DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+    if (op == reduce_op::avg) divide_host(out, s.size);
+  } else if (in.data != out.data) {
+    std::memcpy(out.data, in.data, in.bytes());
+  }
+}
+
+inline void gloo_run_broadcast(gloo_state& s, buffer b, int root, std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BroadcastOptions opts(s.context);
+  opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
+  opts.setRoot(root);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
+}
+
+inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out, std::chrono::milliseconds timeout) {
+  auto* block = static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
+  if (s.size == 1) {
+    if (in.data != block) std::memcpy(block, in.data, in.bytes());
+    return;
+  }
+  ::gloo::AllgatherOptions opts(s.context);
+  if (in.data != block) opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
+  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
+}
+
+inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BarrierOptions opts(s.context);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
+}
+
+// Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
+// and on 3 ranks it returned corrupted blocks when two ran back to back (a
+// race between consecutive instances: a barrier before or after each one hid
+// it). So this is an allreduce of the whole input into a scratch buffer and a
+// copy of this rank's block: correct, at twice the traffic of a real
+// reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
+// input-sized allocation.
+template <element T>
+void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
+  const std::size_t n = out.count;
+  const std::size_t offset = static_cast<std::size_t>(s.rank) * n;
+  if (s.size == 1) {
+    std::memcpy(out.data, in.data, in.bytes());
+    return;
+  }
+  std::vector<T> scratch(in.count);
+  ::gloo::AllreduceOptions opts(s.context);
+  opts.setInput(static_cast<T*>(in.data), in.count);
+  opts.setOutput(scratch.data(), scratch.size());
+  opts.setReduceFunction(gloo_reduce_function<T>(op));
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+  std::memcpy(out.data, scratch.data() + offset, n * sizeof(T));
+  if (op == reduce_op::avg) divide_host(out, s.size);
+}
+
+inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
+  switch (c.what) {
+    case gloo_call::kind::allreduce:
+      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
+      break;
+    case gloo_call::kind::reduce_scatter:
+      visit(c.in.type, [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
+      break;
+    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
+    case gloo_call::kind::allgather:
+    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
+    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
+  }
+}
+
+/// Check mode: compares what every rank passed, over an allgather that is not itself checked.
+inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
+                                 std::chrono::milliseconds timeout) {
+  compare_signatures(sig, s.rank, s.size, what, [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+    buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
+    buffer out{all.data(), all.size(), dtype::int64, memory::host};
+    gloo_run_allgather(s, in, out, timeout);
+  });
+}
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure makes the communicator unusable; so does running after one.
+inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept {
+  std::exception_ptr failure;
+  try {
+    if (s.unusable.load()) {
+      throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
+    }
+    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
+    if (t.call.moves_data) gloo_run(s, t.call, timeout);
+  } catch (...) {
+    failure = gloo_failure(std::current_exception(), t.work->description());
+    s.mark_unusable(message_of(failure));
+  }
+  t.work->finish(std::move(failure));
+}
+
+/// The worker: runs the queue in order until the communicator stops and the queue is empty.
+inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
+  for (;;) {
+    gloo_state::task t;
+    {
+      std::unique_lock lock(s->mutex);
+      s->wake.wait(lock, [&] { return (s->stopping && s->queue.empty()) || (!s->running && !s->queue.empty()); });
+      if (s->queue.empty()) return;
+      t = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->running = true;
+    }
+    gloo_execute(*s, t, s->timeout);
+    {
+      std::lock_guard lock(s->mutex);
+      s->running = false;
+    }
+    s->finished.notify_all();
+  }
+}
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()
+// ---- end dtrain/backend/gloo_worker.hpp ----
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/context.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/tcp/attr.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Options of a gloo_communicator. Aggregate: use designated initialisers,
+/// `{.collectives = {.timeout = 30s}, .interface = "eth0"}`.
+struct gloo_options {
+  /// Timeout (also Gloo's own, so a dead or stuck peer makes Gloo fail) and check mode.
+  collective_options collectives{};
+  /// Network interface Gloo's TCP transport binds to ("eth0"). Empty:
+  /// DTRAIN_GLOO_IFNAME, else GLOO_SOCKET_IFNAME, else the interface whose
+  /// address reaches `master_addr`.
+  std::string interface{};
+  /// The host whose route chooses the interface when none is named. Empty: MASTER_ADDR.
+  std::string master_addr{};
+  /// Where the communicator's keys live in the store. The n-th communicator a
+  /// rank makes with one prefix uses `prefix/n`, so every rank must make its
+  /// communicators in the same order (as it runs its collectives).
+  std::string prefix = "dtrain/gloo";
+};
+
+namespace detail {
+
+/// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
+struct gloo_self {
+  std::shared_ptr<gloo_state> state;
+  std::thread worker;
+  std::shared_ptr<const gloo_store_ref> store;
+  gloo_options options;
+  gloo_endpoint endpoint;
+  std::string keys;         // this communicator's namespace in the store
+  std::int64_t splits = 0;  // split() calls so far: names the children's namespaces
+
+  gloo_self() = default;
+  gloo_self(const gloo_self&) = delete;
+  gloo_self& operator=(const gloo_self&) = delete;
+  // Runs what is queued (the peers expect it), then stops the worker. A
+  // collective stuck on a hung peer ends with Gloo's timeout.
+  ~gloo_self() {
+    if (state) {
+      {
+        std::lock_guard lock(state->mutex);
+        state->stopping = true;
+      }
+      state->wake.notify_all();
+    }
+    if (worker.joinable()) worker.join();
+  }
+};
+
+}  // namespace detail
+
+/// A communicator on Gloo (TCP), on host memory. Every call returns at once
+/// with a work handle; the collective runs on this communicator's worker
+/// thread after those submitted before it. Buffers must stay alive and
+/// untouched until the work completes. Calls may come from several threads;
+/// every rank must still make them in the same order.
+///
+/// Errors: config_error for arguments (thrown by the call); from work::wait,
+/// backend_error with Gloo's message (a peer died: at once) and timeout_error
+/// (Gloo's own timeout, the collective timeout). After any failure or timeout
+/// the communicator is unusable: later calls throw backend_error saying so.
+/// Destruction runs what is still queued and waits for the collective in
+/// flight, which Gloo cannot abort: at most its timeout.
+///
+/// float16 and bfloat16 reduce through dtrain's own element-wise functions
+/// (Gloo knows neither of dtrain's types); reduce_scatter is an allreduce and
+/// a copy (see gloo_run_reduce_scatter).
+class gloo_communicator {
+ public:
+  static constexpr bool reaches_device_memory = false;
+  static constexpr std::string_view name = "gloo";
+
+  /// Joins the group of `size` ranks that meet in `store`, which must outlive
+  /// this communicator and every split of it. Blocks until every rank has
+  /// connected; the store's waits use the collective timeout. Throws
+  /// config_error (rank, size, interface), timeout_error or rendezvous_error
+  /// (the store), backend_error (Gloo could not connect).
+  template <store S>
+  gloo_communicator(S& store, int rank, int size, gloo_options options = {})
+      : gloo_communicator(std::make_shared<const detail::gloo_store_ref>(store), rank, size, std::move(options)) {}
+
+  gloo_communicator(gloo_communicator&&) noexcept = default;
+  gloo_communicator& operator=(gloo_communicator&&) noexcept = default;
+  ~gloo_communicator() = default;
+
+  [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
+  [[nodiscard]] int size() const noexcept { return self_->state->size; }
+  [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
+
+  /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
+  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
+  [[nodiscard]] std::string describe() const {
+    return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
+           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " + self_->keys;
+  }
+
+  /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
+  /// it only while no work of this communicator is outstanding.
+  [[nodiscard]] std::shared_ptr<::gloo::Context> gloo_context() const { return self_->state->context; }
+
+  /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
+  work allreduce(buffer in, buffer out, reduce_op op) {
+    const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(out, in.count, "output");
+    check.op_fits(op, in.type);
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::allreduce, in, out, op, 0, in.count > 0});
+  }
+
+  /// `data` on every rank becomes root's.
+  work broadcast(buffer data, int root) {
+    const auto info = call_info("broadcast", data, -1, root);
+    detail::argument_check check{info};
+    check.root(root, size());
+    host_only(check, data);
+    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root, data.count > 0});
+  }
+
+  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
+  work allgather(buffer in, buffer out) {
+    const auto info = call_info("allgather", in, -1, -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(out, in.count * static_cast<std::size_t>(size()), "output");
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
+  }
+
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
+  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+    const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(in, out.count * static_cast<std::size_t>(size()), "input");
+    check.op_fits(op, in.type);
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::reduce_scatter, in, out, op, 0, out.count > 0});
+  }
+
+  /// Completes once every rank has called barrier().
+  work barrier() { return submit(call_info("barrier", buffer{}, -1, -1), {}); }
+
+  /// A communicator of the ranks that pass the same `color`, ranked by
+  /// (key, rank here). Collective over this communicator: every rank calls it,
+  /// in the same place among its collectives. Blocks until the new group has
+  /// connected, through the same store, under a namespace of its own.
+  gloo_communicator split(int color, int key) {
+    std::int64_t mine[2] = {color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    buffer in{mine, 2, dtype::int64, memory::host};
+    buffer out{all.data(), all.size(), dtype::int64, memory::host};
+    // An allgather of (color, key), told apart from a user's in check mode.
+    submit(call_info("split", in, -1, -1), {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
+        .wait();
+    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
+    for (int r = 0; r < size(); ++r) {
+      if (all[2 * static_cast<std::size_t>(r)] == color) members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+    }
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
+    std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
+    return gloo_communicator(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
+                             self_->endpoint, std::move(keys));
+  }
+
+ private:
+  // A new group: chooses the endpoint, then takes the next namespace under the prefix.
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options) {
+    if (size < 1) throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
+    if (rank < 0 || rank >= size) {
+      throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
+                         std::to_string(size));
+    }
+    auto endpoint = detail::choose_gloo_endpoint(options.interface, options.master_addr,
+                                                 environment::from_process(), size);
+    // Every rank counts the communicators it made under this prefix, so the
+    // n-th one of every rank meets under the same namespace.
+    const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
+    std::string keys = options.prefix + "/" + std::to_string(n);
+    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+  }
+
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
+                    detail::gloo_endpoint endpoint, std::string keys) {
+    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+  }
+
+  void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
+               detail::gloo_endpoint endpoint, std::string keys) {
+    auto state = std::make_shared<detail::gloo_state>();
+    state->rank = rank;
+    state->size = size;
+    state->timeout = options.collectives.timeout;
+    state->check = options.collectives.check;
+    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                              " (interface: " + endpoint.origin + "; store keys under " + keys + "/): ";
+    try {
+      ::gloo::transport::tcp::attr attr;
+      if (!endpoint.iface.empty()) {
+        attr.iface = endpoint.iface;
+      } else {
+        attr.hostname = endpoint.hostname;
+      }
+      DTRAIN_GLOO_CHECK(state->device = ::gloo::transport::tcp::CreateDevice(attr));
+      auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
+      context->setTimeout(state->timeout);
+      detail::gloo_store_adapter adapter(*store, keys, state->timeout);
+      DTRAIN_GLOO_CHECK(context->connectFullMesh(adapter, state->device));
+      state->context = context;
+      // Once every rank has connected, every rank has read every address: a
+      // barrier proves it, and the addresses can leave the store.
+      detail::gloo_run_barrier(*state, state->timeout);
+      for (const auto& key : adapter.written()) store->erase(key);
+    } catch (const timeout_error& e) {
+      throw timeout_error(where + e.what());
+    } catch (const rendezvous_error& e) {
+      throw rendezvous_error(where + e.what());
+    } catch (const error&) {
+      throw;
+    } catch (const std::exception& e) {  // Gloo's, through DTRAIN_GLOO_CHECK
+      throw backend_error(where + "Gloo: " + e.what(), 0);
+    }
+    self_ = std::make_unique<detail::gloo_self>();
+    self_->state = state;
+    self_->store = std::move(store);
+    self_->options = std::move(options);
+    self_->endpoint = std::move(endpoint);
+    self_->keys = std::move(keys);
+    self_->worker = std::thread([state] { detail::gloo_serve(state); });
+  }
+
+  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b, int op,
+                                                 int root) const noexcept {
+    return {collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
+  }
+  static void host_only(const detail::argument_check& check, const buffer& b) {
+    if (b.where != memory::host) {
+      check.fail("gloo reduces host memory only: copy device data to the host first, or use backend::nccl");
+    }
+  }
+
+  // Queues one collective. Zero-length ones move nothing and complete at once,
+  // except in check mode, where their signature is still compared.
+  work submit(const detail::collective_info& info, const detail::gloo_call& call) {
+    detail::gloo_state& s = *self_->state;
+    if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
+    std::unique_lock lock(s.mutex);
+    const detail::signature sig{++s.submitted, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
+                                static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
+    if (!call.moves_data && !s.check) return work{};
+    auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    s.queue.push_back({w, sig, call});
+    const bool idle = !s.running;
+    lock.unlock();
+    if (idle) s.wake.notify_one();
+    return work(std::move(w));
+  }
+
+  std::unique_ptr<detail::gloo_self> self_;
+};
+
+static_assert(communicator<gloo_communicator>);
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_GLOO()
+// ---- end dtrain/backend/gloo.hpp ----
+// ---- begin dtrain/backend/cuda.hpp ----
+/// @file
+/// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
+/// of a stream, an event and the current device. Host C++ only (the runtime
+/// API, never a kernel), so it builds with g++ and with nvcc alike. Compiles
+/// to nothing unless DTRAIN_HAS_CUDA().
+
+
+#include <new>
+#include <string>
+#include <utility>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+
+namespace dtrain::detail {
+
+/// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
+/// (cudaError_t 101, at file:line)".
+inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
+  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
+         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
+         ", at " + file + ":" + std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
+                                          int line) {
+  // Clear a non-sticky error, so that the next unrelated call does not report it again.
+  (void)cudaGetLastError();
+  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (a CUDA runtime function returning cudaError_t) and throws
+/// dtrain::backend_error with the call as written, file:line, the runtime's
+/// error name and string, and the code (backend_error::engine_code()).
+#define DTRAIN_CUDA_CHECK(call)                                                           \
+  do {                                                                                    \
+    const cudaError_t dtrain_cuda_status_ = (call);                                       \
+    if (dtrain_cuda_status_ != cudaSuccess)                                               \
+      ::dtrain::detail::throw_cuda_error(dtrain_cuda_status_, #call, __FILE__, __LINE__); \
+  } while (false)
+
+namespace dtrain::detail {
+
+/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
+/// wait: work still queued on the stream completes, then the stream goes.
+class cuda_stream {
+ public:
+  cuda_stream() = default;
+  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  cuda_stream& operator=(cuda_stream&& other) noexcept {
+    if (this != &other) {
+      reset();
+      stream_ = std::exchange(other.stream_, nullptr);
+    }
+    return *this;
+  }
+  cuda_stream(const cuda_stream&) = delete;
+  cuda_stream& operator=(const cuda_stream&) = delete;
+  ~cuda_stream() { reset(); }
+
+  /// A stream on the current device that does not synchronise with the legacy
+  /// default stream: ordering with the caller's streams is explicit (events).
+  [[nodiscard]] static cuda_stream non_blocking() {
+    cuda_stream s;
+    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
+
+ private:
+  void reset() noexcept {
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
+class cuda_event {
+ public:
+  cuda_event() = default;
+  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
+  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  cuda_event& operator=(cuda_event&& other) noexcept {
+    if (this != &other) {
+      reset();
+      event_ = std::exchange(other.event_, nullptr);
+    }
+    return *this;
+  }
+  cuda_event(const cuda_event&) = delete;
+  cuda_event& operator=(const cuda_event&) = delete;
+  ~cuda_event() { reset(); }
+
+  [[nodiscard]] static cuda_event create() {
+    cudaEvent_t e = nullptr;
+    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return cuda_event(e);
+  }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (event_) (void)cudaEventDestroy(event_);
+    event_ = nullptr;
+  }
+  cudaEvent_t event_ = nullptr;
+};
+
+/// Makes `device` current for a scope and restores the previous one after it.
+/// Switches only when needed (a cudaSetDevice costs more than a cudaGetDevice).
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
+  }
+  /// For destructors and other noexcept paths: failures are ignored.
+  device_guard(int device, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (previous_ != device) switched_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() {
+    if (switched_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_CUDA()
+// ---- end dtrain/backend/cuda.hpp ----
+// ---- begin dtrain/backend/nccl.hpp ----
+/// @file
+/// The NCCL backend: `nccl_communicator` runs collectives on device memory, on
+/// a CUDA stream of its own that is ordered after the caller's stream with
+/// events. Host C++ only (nccl.h and the CUDA runtime API): g++ builds it, and
+/// so does nvcc. Compiles to nothing unless DTRAIN_HAS_NCCL().
+
+// ---- begin dtrain/backend/nccl_engine.hpp ----
+/// @file
+/// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
+/// mapping of dtrain's types and ops onto NCCL's, the argument checks, and the
+/// state a communicator shares with its work handles (the NCCL communicator,
+/// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
+/// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
+
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Default limit for creating an NCCL communicator (ncclCommInitRankConfig,
+/// ncclCommSplit): every rank must have joined by then. Environment:
+/// DTRAIN_NCCL_INIT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_nccl_init_timeout{300'000};
+
+/// Default store key of the NCCL unique id.
+inline constexpr std::string_view default_nccl_store_key = "nccl/unique_id";
+
+/// Options of an NCCL communicator. Aggregate: use designated initialisers,
+/// `{.collectives = {.timeout = 30s}, .init_timeout = 60s}`.
+struct nccl_options {
+  /// Collective timeout (work::wait() without an argument; also bounds the
+  /// destructor's wait) and check mode.
+  collective_options collectives{};
+  /// Limit for ncclCommInitRankConfig and ncclCommSplit.
+  std::chrono::milliseconds init_timeout = default_nccl_init_timeout;
+  /// NCCL's blocking mode. Off (the default), dtrain polls NCCL, so that init
+  /// and enqueueing time out too; on, only completion can time out. NCCL's own
+  /// NCCL_COMM_BLOCKING overrides either.
+  bool blocking = false;
+  /// Where rank 0 publishes the unique id. Must differ for every communicator
+  /// made from one store: give each job and restart round its own
+  /// prefix_store, or each communicator its own key. split() needs no store.
+  std::string store_key{default_nccl_store_key};
+
+  /// These options with DTRAIN_NCCL_INIT_TIMEOUT, DTRAIN_COLLECTIVE_TIMEOUT and
+  /// DTRAIN_CHECK_COLLECTIVES applied on top. Throws config_error naming the
+  /// variable and its value when one is malformed.
+  [[nodiscard]] nccl_options with_env(const environment& env) const {
+    nccl_options out = *this;
+    out.collectives = collectives.with_env(env);
+    if (auto text = env.get("DTRAIN_NCCL_INIT_TIMEOUT")) {
+      double seconds = 0;
+      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+      if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
+          !(seconds > 0) || seconds > 1e9) {
+        throw config_error("DTRAIN_NCCL_INIT_TIMEOUT=" + std::string(*text) +
+                           " is not a positive number of seconds");
+      }
+      out.init_timeout =
+          std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+    }
+    return out;
+  }
+};
+
+}  // namespace dtrain
+
+#if DTRAIN_HAS_NCCL()
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace dtrain::detail {
+
+/// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
+/// error: ... (ncclResult_t 5, at file:line)".
+inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
+                                   int line) {
+  std::string text = std::string("NCCL call `") + call + "` failed: " + ncclGetErrorString(code);
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
+         std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
+                                          int line) {
+  throw backend_error(nccl_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an NCCL function) and yields its ncclResult_t. Throws
+/// dtrain::backend_error with the call as written, file:line, NCCL's error
+/// string and last error, and the code (backend_error::engine_code()), unless
+/// the result is ncclSuccess or ncclInProgress (a non-blocking communicator
+/// still working in the background: poll ncclCommGetAsyncError).
+#define DTRAIN_NCCL_CHECK(call)                                                           \
+  ([&]() -> ncclResult_t {                                                                \
+    const ncclResult_t dtrain_nccl_status_ = (call);                                      \
+    if (dtrain_nccl_status_ != ncclSuccess && dtrain_nccl_status_ != ncclInProgress)      \
+      ::dtrain::detail::throw_nccl_error(dtrain_nccl_status_, #call, __FILE__, __LINE__); \
+    return dtrain_nccl_status_;                                                           \
+  }())
+
+namespace dtrain::detail {
+
+/// NCCL's name for each element type; all seven are native.
+[[nodiscard]] constexpr ncclDataType_t nccl_type(dtype t) noexcept {
+  switch (t) {
+    case dtype::float32: return ncclFloat32;
+    case dtype::float64: return ncclFloat64;
+    case dtype::float16: return ncclFloat16;
+    case dtype::bfloat16: return ncclBfloat16;
+    case dtype::int32: return ncclInt32;
+    case dtype::int64: return ncclInt64;
+    case dtype::uint8: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+/// NCCL's op for each reduction; avg is ncclAvg (NCCL divides, in the type).
+[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return ncclSum;
+    case reduce_op::avg: return ncclAvg;
+    case reduce_op::min: return ncclMin;
+    case reduce_op::max: return ncclMax;
+    case reduce_op::prod: return ncclProd;
+  }
+  return ncclSum;
+}
+
+/// The collective field of a check-mode signature.
+enum class nccl_kind : std::int64_t {
+  allreduce = 1,
+  broadcast,
+  allgather,
+  reduce_scatter,
+  barrier,
+  allreduce_many,
+  split
+};
+
+[[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
+                                              std::int64_t op_or_root) noexcept {
+  return {static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
+          static_cast<std::int64_t>(type), op_or_root};
+}
+
+/// Prefixes an engine error with the operation it interrupted (once).
+[[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
+                                                     const backend_error& e) {
+  if (std::string_view(e.what()).starts_with(what)) return e;
+  return backend_error(what + ": " + e.what(), e.engine_code());
+}
+
+// Argument checks: what one rank can check alone, before any CUDA or NCCL call.
+
+inline void nccl_check_rank(int rank, int size) {
+  if (size < 1)
+    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
+  if (rank < 0 || rank >= size) {
+    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
+                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
+  }
+}
+
+inline void nccl_check_placement(int rank, int size, int device) {
+  nccl_check_rank(rank, size);
+  if (device < 0) {
+    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
+                       std::to_string(rank) + " is negative; pass the local rank");
+  }
+}
+
+inline void nccl_check_device(const argument_check& check, const buffer& b,
+                              std::string_view which) {
+  if (b.where != memory::device) {
+    check.fail(
+        std::string(which) +
+        " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
+        "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
+  }
+  if (b.data == nullptr && b.count > 0) {
+    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
+               " elements");
+  }
+}
+
+inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
+                                 reduce_op op) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(out, in.count, "output");
+  check.op_fits(op, in.type);
+}
+
+inline void nccl_check_broadcast(const argument_check& check, const buffer& data, int root,
+                                 int size) {
+  nccl_check_device(check, data, "data");
+  check.root(root, size);
+}
+
+inline void nccl_check_allgather(const argument_check& check, const buffer& in, const buffer& out,
+                                 int size) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(out, in.count * static_cast<std::size_t>(size), "output");
+}
+
+inline void nccl_check_reduce_scatter(const argument_check& check, const buffer& in,
+                                      const buffer& out, reduce_op op, int size) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(in, out.count * static_cast<std::size_t>(size), "input");
+  check.op_fits(op, out.type);
+}
+
+inline void nccl_check_many(const argument_check& check, std::span<const buffer> buffers,
+                            reduce_op op) {
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    nccl_check_device(check, buffers[i], "buffer " + std::to_string(i));
+    check.op_fits(op, buffers[i].type);
+  }
+}
+
+/// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
+[[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
+                                                      std::string_view key) {
+  ncclUniqueId id{};
+  if (value.size() != sizeof id.internal) {
+    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
+                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
+                           std::to_string(sizeof id.internal) +
+                           ": something else wrote that key; give each communicator its own key "
+                           "(nccl_options::store_key) or prefix_store");
+  }
+  value.copy(id.internal, sizeof id.internal);
+  return id;
+}
+
+/// Checks that `device` exists, then makes it current.
+inline void nccl_select_device(int device, int rank, int size) {
+  int count = 0;
+  if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw backend_error(
+        "no usable CUDA device: " +
+            cuda_error_text(found, "cudaGetDeviceCount(&count)", __FILE__, __LINE__) +
+            "; NCCL needs a GPU and its driver (does nvidia-smi list one?)",
+        static_cast<int>(found));
+  }
+  if (device >= count) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw config_error(
+        "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) +
+        " wants CUDA device " + std::to_string(device) + ", but this process sees " +
+        std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + (visible ? visible : "<unset>") +
+        "); pass the local rank, and start no more ranks on a node than it has GPUs");
+  }
+  DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+}
+
+inline std::string nccl_seconds(std::chrono::milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+  return text;
+}
+
+inline constexpr std::string_view nccl_timeout_hint =
+    "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
+    "what every "
+    "rank passed)";
+
+/// Polling back-off: yields at first, then short sleeps, so a long wait costs no core.
+struct nccl_backoff {
+  unsigned spins = 0;
+  void operator()() {
+    if (++spins < 128) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 50 : 1000));
+    }
+  }
+};
+
+/// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
+[[nodiscard]] inline bool nccl_stream_idle(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamQuery(stream);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
+  return true;
+}
+
+/// Whether `event` has completed; throws backend_error on a CUDA error.
+[[nodiscard]] inline bool nccl_event_done(cudaEvent_t event) {
+  const cudaError_t e = cudaEventQuery(event);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) throw_cuda_error(e, "cudaEventQuery(event)", __FILE__, __LINE__);
+  return true;
+}
+
+/// What a communicator and its work handles share. `mutex` guards `comm` (NCCL
+/// calls, polls, abort) and the abort state.
+struct nccl_shared {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+  nccl_options options{};
+  cuda_stream stream;                    // every collective runs here
+  void* scratch = nullptr;               // device: the check table, then the barrier word
+  std::int64_t* device_table = nullptr;  // check mode: 4 int64 per rank
+  std::int64_t* barrier_word = nullptr;
+  ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
+
+  std::mutex mutex;
+  bool aborted = false;
+  std::string abort_reason;
+  int abort_code = 0;
+
+  nccl_shared() = default;
+  nccl_shared(const nccl_shared&) = delete;
+  nccl_shared& operator=(const nccl_shared&) = delete;
+
+  /// The stream and scratch memory of a communicator on the current device; `comm` comes later.
+  [[nodiscard]] static std::shared_ptr<nccl_shared> create(int rank, int size, int device,
+                                                           nccl_options options) {
+    auto s = std::make_shared<nccl_shared>();
+    s->rank = rank;
+    s->size = size;
+    s->device = device;
+    s->options = std::move(options);
+    s->stream = cuda_stream::non_blocking();
+    const std::size_t words = 4 * static_cast<std::size_t>(size) + 1;
+    DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
+    s->device_table = static_cast<std::int64_t*>(s->scratch);
+    s->barrier_word = s->device_table + 4 * static_cast<std::size_t>(size);
+    return s;
+  }
+
+  [[nodiscard]] ncclConfig_t config() const noexcept {
+    ncclConfig_t out = NCCL_CONFIG_INITIALIZER;
+    out.blocking = options.blocking ? 1 : 0;
+    return out;
+  }
+
+  /// Pinned host memory for the check table (allocated on first use).
+  std::int64_t* host_table() {
+    if (!host_table_)
+      DTRAIN_CUDA_CHECK(
+          cudaMallocHost(&host_table_, 4 * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
+    return host_table_;
+  }
+
+  /// NCCL's asynchronous state: ncclSuccess, ncclInProgress (still
+  /// enqueueing or initialising), or an error. Call with `mutex` held.
+  [[nodiscard]] ncclResult_t async_state() const noexcept {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    return r != ncclSuccess ? r : state;
+  }
+
+  void throw_if_aborted(const std::string& what) const {
+    if (aborted) {
+      throw backend_error(
+          what + ": the communicator was aborted earlier (" + abort_reason +
+              "); its collectives cannot run any more: create a new communicator (restart the job)",
+          abort_code);
+    }
+  }
+
+  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
+  void abort_locked(std::string why, int code) noexcept {
+    if (comm) {
+      device_guard guard(device, std::nothrow);
+      (void)ncclCommAbort(comm);
+      comm = nullptr;
+    }
+    if (!aborted) {
+      aborted = true;
+      abort_code = code;
+      try {
+        abort_reason = std::move(why);
+      } catch (...) {
+      }
+    }
+  }
+
+  /// Polls until NCCL is idle (not in progress) and `finished()` holds. An
+  /// NCCL error aborts and throws backend_error; running past `limit` aborts
+  /// and throws timeout_error, with `hint` for the person reading it. Call
+  /// with `mutex` held (or before anyone else can see this state).
+  template <class Finished>
+  void wait(const std::string& what, std::chrono::milliseconds limit, std::string_view hint,
+            Finished&& finished) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    nccl_backoff pause;
+    for (;;) {
+      throw_if_aborted(what);
+      const ncclResult_t state = async_state();
+      if (state != ncclSuccess && state != ncclInProgress) {
+        std::string why = what + " failed: NCCL reports " + async_text(state);
+        abort_locked(why, static_cast<int>(state));
+        throw backend_error(why, static_cast<int>(state));
+      }
+      if (state == ncclSuccess && finished()) return;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string why = what + " did not finish within " + nccl_seconds(limit);
+        abort_locked(why, 0);
+        throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
+      }
+      pause();
+    }
+  }
+
+  [[nodiscard]] static std::string async_text(ncclResult_t state) {
+    std::string text = ncclGetErrorString(state);
+    const char* last = ncclGetLastError(nullptr);
+    if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+    return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
+  }
+
+  /// A completion event from the pool (created on the current device when the pool is empty).
+  [[nodiscard]] cudaEvent_t acquire_event() {
+    {
+      std::lock_guard lock(events_mutex_);
+      if (!free_events_.empty()) {
+        cudaEvent_t e = free_events_.back();
+        free_events_.pop_back();
+        return e;
+      }
+    }
+    return cuda_event::create().release();
+  }
+
+  /// Returns an event to the pool. A stream that waited on it keeps the point
+  /// it waited for, so it can be recorded again at once.
+  void release_event(cudaEvent_t e) noexcept {
+    try {
+      std::lock_guard lock(events_mutex_);
+      free_events_.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+
+  /// Lets the collectives finish (at most the collective timeout), then
+  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
+  ~nccl_shared() {
+    device_guard guard(device, std::nothrow);
+    if (comm) {
+      const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
+      // Finalize only a communicator that is idle and healthy; anything else is aborted.
+      bool clean = settle(deadline, [&] {
+        const cudaError_t e = cudaStreamQuery(stream.get());
+        return e == cudaSuccess         ? settled::done
+               : e == cudaErrorNotReady ? settled::pending
+                                        : settled::failed;
+      });
+      clean = clean && async_state() == ncclSuccess;
+      if (clean) {
+        const ncclResult_t r = ncclCommFinalize(comm);
+        clean = (r == ncclSuccess || r == ncclInProgress) && settle(deadline, [&] {
+                  const ncclResult_t state = async_state();
+                  return state == ncclSuccess      ? settled::done
+                         : state == ncclInProgress ? settled::pending
+                                                   : settled::failed;
+                });
+      }
+      if (clean) {
+        (void)ncclCommDestroy(comm);
+      } else {
+        (void)ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+    if (host_table_) (void)cudaFreeHost(host_table_);
+    if (scratch) (void)cudaFree(scratch);
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+  }
+
+ private:
+  enum class settled { done, pending, failed };
+
+  // Polls `query` until it is done (true), fails, or the deadline passes (false).
+  template <class Query>
+  static bool settle(std::chrono::steady_clock::time_point deadline, Query query) noexcept {
+    nccl_backoff pause;
+    for (;;) {
+      const settled state = query();
+      if (state == settled::done) return true;
+      if (state == settled::failed || std::chrono::steady_clock::now() >= deadline) return false;
+      try {
+        pause();
+      } catch (...) {
+        return false;
+      }
+    }
+  }
+
+  std::int64_t* host_table_ = nullptr;
+  std::mutex events_mutex_;
+  std::vector<cudaEvent_t> free_events_;
+};
+
+/// An event from the pool for one scope (or released to a work).
+class nccl_pooled_event {
+ public:
+  explicit nccl_pooled_event(nccl_shared& shared)
+      : shared_(shared), event_(shared.acquire_event()) {}
+  nccl_pooled_event(const nccl_pooled_event&) = delete;
+  nccl_pooled_event& operator=(const nccl_pooled_event&) = delete;
+  ~nccl_pooled_event() {
+    if (event_) shared_.release_event(event_);
+  }
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  nccl_shared& shared_;
+  cudaEvent_t event_;
+};
+
+/// One collective in flight: done when its completion event is; failed when
+/// NCCL reports an asynchronous error (the communicator is then aborted, as
+/// NCCL asks) or the communicator was aborted.
+class nccl_work final : public work_state {
+ public:
+  nccl_work(std::string what, std::chrono::milliseconds timeout,
+            std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
+      : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
+  ~nccl_work() override { shared_->release_event(done_); }
+
+  bool poll() override {
+    std::lock_guard lock(shared_->mutex);
+    if (shared_->aborted) {
+      fail(std::make_exception_ptr(
+          backend_error(description() + " did not complete: the communicator was aborted (" +
+                            shared_->abort_reason + ")",
+                        shared_->abort_code)));
+      return true;
+    }
+    const ncclResult_t state = shared_->async_state();
+    if (state != ncclSuccess && state != ncclInProgress) {
+      std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
+      shared_->abort_locked(why, static_cast<int>(state));
+      fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
+      return true;
+    }
+    const cudaError_t e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return false;
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail(std::make_exception_ptr(backend_error(
+          description() + " failed on the device: " + cudaGetErrorName(e) + ": " +
+              cudaGetErrorString(e) + " (cudaError_t " + std::to_string(static_cast<int>(e)) + ")",
+          static_cast<int>(e))));
+    }
+    return true;
+  }
+
+  void on_timeout() noexcept override {
+    std::lock_guard lock(shared_->mutex);
+    shared_->abort_locked(description() + " timed out", 0);
+  }
+
+ private:
+  std::shared_ptr<nccl_shared> shared_;
+  cudaEvent_t done_;
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_NCCL()
+// ---- end dtrain/backend/nccl_engine.hpp ----
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#if DTRAIN_HAS_NCCL()
+#include <cuda_runtime.h>
+#include <nccl.h>
+#if DTRAIN_HAS_MPI()
+#include <mpi.h>
+#endif
+
+namespace dtrain {
+
+/// A group of ranks, one CUDA device each, that runs NCCL collectives.
+///
+/// Every collective takes device buffers (a host buffer is a config_error) and
+/// an optional `stream` of the caller's (default 0, the default stream as the
+/// calling translation unit sees it). It is enqueued on this communicator's own
+/// non-blocking stream after everything already on `stream`, and returns at
+/// once with a work handle whose test() / wait() poll a completion event and
+/// NCCL's asynchronous error state. The caller's stream does not wait for the
+/// result: call `stream_wait(stream)` (no host block) or `work.wait()` (host
+/// block) before using it. A wait that times out aborts the communicator
+/// (ncclCommAbort): later calls throw backend_error, and work still on the
+/// device for it is lost; create a new communicator (in practice: restart).
+///
+/// Check mode (options.collectives.check, DTRAIN_CHECK_COLLECTIVES=1): before
+/// each collective the ranks gather what each passed (operation, count, type,
+/// op or root) with an unchecked ncclAllGather of 4 int64 per rank through
+/// device scratch memory, and the host waits for it (within the collective
+/// timeout). A difference throws backend_error on every rank, naming the first
+/// rank that differs, and the collective does not run. allreduce_many is
+/// compared as one call (op, total elements, first type).
+///
+/// Use one communicator from one thread at a time, like NCCL's own; work
+/// handles may be tested and waited on from any thread. Not for CUDA graph
+/// capture. Move-only.
+class nccl_communicator {
+ public:
+  static constexpr bool reaches_device_memory = true;
+  static constexpr std::string_view name = "nccl";
+
+  /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
+  /// the local rank; it becomes the calling thread's current device). Rank 0
+  /// creates the NCCL unique id and sets it in `store` under
+  /// `options.store_key`; the others get it, waiting as long as the store's
+  /// timeout allows. Then ncclCommInitRankConfig, non-blocking, waited for at
+  /// most `options.init_timeout`.
+  ///
+  /// Throws config_error for a bad rank, size or device; timeout_error (the
+  /// store's, or the init's) when a rank does not show up; rendezvous_error
+  /// for a malformed id in the store; backend_error for CUDA and NCCL failures.
+  template <store Store>
+  nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
+      // `options` is copied, not moved: the arguments are evaluated in no set order.
+      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key), rank, size,
+                          device, options) {}
+
+  /// Creates the communicator from an id every rank already has (from
+  /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
+  /// under MPI). Throws as the constructor above.
+  nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                    nccl_options options = {})
+      : rank_(rank), size_(size) {
+    detail::nccl_check_placement(rank, size, device);
+    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) +
+                             " of " + std::to_string(size) + " on CUDA device " +
+                             std::to_string(device);
+    try {
+      detail::nccl_select_device(device, rank, size);
+      auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
+      ncclConfig_t config = s->config();
+      try {
+        DTRAIN_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
+      } catch (...) {
+        if (s->comm) (void)ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        throw;
+      }
+      // Non-blocking: NCCL connects the ranks in the background; a rank that
+      // never comes would otherwise hang this call for ever.
+      s->wait(what, s->options.init_timeout,
+              "every rank must start and reach the others' network "
+              "interfaces (NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+              [] { return true; });
+      shared_ = std::move(s);
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  nccl_communicator(nccl_communicator&&) noexcept = default;
+  nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
+  nccl_communicator(const nccl_communicator&) = delete;
+  nccl_communicator& operator=(const nccl_communicator&) = delete;
+  /// Waits for this communicator's collectives (at most the collective
+  /// timeout, then aborts), then ncclCommFinalize + ncclCommDestroy. Work
+  /// handles still alive keep the communicator alive until they go.
+  ~nccl_communicator() = default;
+
+  /// A new NCCL unique id (ncclGetUniqueId; needs no GPU). Throws backend_error.
+  [[nodiscard]] static ncclUniqueId new_unique_id() {
+    ncclUniqueId id{};
+    DTRAIN_NCCL_CHECK(ncclGetUniqueId(&id));
+    return id;
+  }
+
+  /// Rank 0 creates an id and sets it under `key`; every other rank gets it
+  /// (the store's timeout applies). Throws config_error for a bad rank,
+  /// rendezvous_error for a value that is not an id, and what the store throws.
+  template <store Store>
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(
+      Store& store, int rank, int size, std::string_view key = default_nccl_store_key) {
+    detail::nccl_check_rank(rank, size);
+    if (rank == 0) {
+      ncclUniqueId id = new_unique_id();
+      store.set(key, std::string_view(id.internal, sizeof id.internal));
+      return id;
+    }
+    return detail::nccl_unique_id_from(store.get(key), key);
+  }
+
+  /// -1 and 0 for a rank that split() left out (negative color).
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  /// False when moved from, or when split() left this rank out.
+  [[nodiscard]] bool valid() const noexcept { return shared_ != nullptr; }
+  [[nodiscard]] int device() const noexcept { return shared_ ? shared_->device : -1; }
+  /// The stream every collective runs on (to order more work after them on the device).
+  [[nodiscard]] cudaStream_t stream() const noexcept {
+    return shared_ ? shared_->stream.get() : nullptr;
+  }
+  /// The NCCL communicator, for calls dtrain does not wrap (and benchmarks against the raw engine).
+  [[nodiscard]] ncclComm_t native_handle() const noexcept {
+    return shared_ ? shared_->comm : nullptr;
+  }
+  /// Whether a timeout, an engine error or abort() ended this communicator.
+  [[nodiscard]] bool aborted() const {
+    if (!shared_) return false;
+    std::lock_guard lock(shared_->mutex);
+    return shared_->aborted;
+  }
+
+  /// ncclCommAbort now: pending collectives end (their work fails) and every
+  /// later call throws. For a rank that learns a peer is gone.
+  void abort() noexcept {
+    if (!shared_) return;
+    std::lock_guard lock(shared_->mutex);
+    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
+  }
+
+  /// In place or out of place (`in` and `out` may be the same buffer): `out`
+  /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
+  work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
+    const std::string what =
+        describe("allreduce", std::string(to_string(op)) + ", " + detail::shape(in));
+    detail::nccl_check_allreduce({what}, in, out, op);
+    return launch(
+        what,
+        detail::nccl_signature(detail::nccl_kind::allreduce, in.count, in.type,
+                               static_cast<std::int64_t>(op)),
+        in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
+                                          detail::nccl_op(op), comm, own));
+        });
+  }
+
+  /// `data` on every rank becomes root's.
+  work broadcast(buffer data, int root, cudaStream_t stream = nullptr) {
+    const std::string what =
+        describe("broadcast", "root " + std::to_string(root) + ", " + detail::shape(data));
+    detail::nccl_check_broadcast({what}, data, root, size_);
+    return launch(what,
+                  detail::nccl_signature(detail::nccl_kind::broadcast, data.count, data.type, root),
+                  data.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
+                                                    detail::nccl_type(data.type), root, comm, own));
+                  });
+  }
+
+  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank
+  /// order. In place when `in` is this rank's block of `out`.
+  work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
+    const std::string what = describe("allgather", detail::shape(in));
+    detail::nccl_check_allgather({what}, in, out, size_);
+    return launch(what, detail::nccl_signature(detail::nccl_kind::allgather, in.count, in.type, 0),
+                  in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
+                                                    detail::nccl_type(in.type), comm, own));
+                  });
+  }
+
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
+  work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
+    const std::string what =
+        describe("reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(in));
+    detail::nccl_check_reduce_scatter({what}, in, out, op, size_);
+    return launch(what,
+                  detail::nccl_signature(detail::nccl_kind::reduce_scatter, out.count, out.type,
+                                         static_cast<std::int64_t>(op)),
+                  out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
+                                                        detail::nccl_type(out.type),
+                                                        detail::nccl_op(op), comm, own));
+                  });
+  }
+
+  /// Completes once every rank has reached it (and this rank's earlier
+  /// collectives, and its work on `stream` before the call, are done): an
+  /// allreduce of one int on the device.
+  work barrier(cudaStream_t stream = nullptr) {
+    const std::string what = describe("barrier", "");
+    return launch(what, detail::nccl_signature(detail::nccl_kind::barrier, 0, dtype::int32, 0),
+                  false, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    std::int64_t* word = shared_->barrier_word;
+                    DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+                  });
+  }
+
+  /// Reduces each buffer in place, in one NCCL group (ncclGroupStart/End):
+  /// one launch for many buffers, one work for all. Buffers may differ in type.
+  /// Check mode compares the op, the number of elements and the first type.
+  work allreduce_many(std::span<const buffer> buffers, reduce_op op,
+                      cudaStream_t stream = nullptr) {
+    std::size_t total = 0;
+    for (const buffer& b : buffers) total += b.count;
+    const std::string what = describe(
+        "allreduce_many", std::string(to_string(op)) + ", " + std::to_string(buffers.size()) +
+                              " buffers, " + std::to_string(total) + " elements");
+    detail::nccl_check_many({what}, buffers, op);
+    const dtype first = buffers.empty() ? dtype::float32 : buffers.front().type;
+    return launch(
+        what,
+        detail::nccl_signature(detail::nccl_kind::allreduce_many, total, first,
+                               static_cast<std::int64_t>(op)),
+        total == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclGroupStart());
+          try {
+            for (const buffer& b : buffers) {
+              if (b.count == 0) continue;
+              DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
+                                              detail::nccl_op(op), comm, own));
+            }
+          } catch (...) {
+            (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
+            throw;
+          }
+          DTRAIN_NCCL_CHECK(ncclGroupEnd());
+        });
+  }
+
+  /// Makes `stream` wait, on the device and without blocking the host, for
+  /// every collective enqueued on this communicator so far.
+  void stream_wait(cudaStream_t stream) {
+    const std::string what = describe("stream_wait", "");
+    detail::nccl_shared& s = usable(what);
+    std::lock_guard lock(s.mutex);
+    s.throw_if_aborted(what);
+    try {
+      detail::device_guard guard(s.device);
+      detail::nccl_pooled_event done(s);
+      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+      DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  /// ncclCommSplit: ranks passing the same `color` form a communicator, ordered
+  /// by `key` (then by rank here). A negative color leaves this rank out: it
+  /// gets a communicator with valid() false. Collective over this communicator;
+  /// waits for this communicator's collectives first (NCCL requires it), and
+  /// for the split itself at most options().init_timeout.
+  [[nodiscard]] nccl_communicator split(int color, int key) {
+    const std::string what =
+        describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key));
+    detail::nccl_shared& s = usable(what);
+    std::lock_guard lock(s.mutex);
+    s.throw_if_aborted(what);
+    try {
+      detail::device_guard guard(s.device);
+      if (s.options.collectives.check)
+        check_signature(s, detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0),
+                        what);
+      s.wait(what + " (waiting for earlier collectives)", s.options.collectives.timeout,
+             detail::nccl_timeout_hint, [&] { return detail::nccl_stream_idle(s.stream.get()); });
+      // The child's stream and scratch exist before the child does, so that no
+      // failure can strand a live NCCL communicator.
+      auto child = detail::nccl_shared::create(0, s.size, s.device, s.options);
+      ncclConfig_t config = s.config();
+      s.split_slot =
+          nullptr;  // written by NCCL when the split completes, maybe after the call returns
+      DTRAIN_NCCL_CHECK(ncclCommSplit(s.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
+                                      &s.split_slot, &config));
+      s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
+      child->comm = s.split_slot;
+      s.split_slot = nullptr;
+      if (!child->comm) return nccl_communicator(nullptr, -1, 0);
+      child->wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
+      DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
+      DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
+      const int child_rank = child->rank, child_size = child->size;
+      return nccl_communicator(std::move(child), child_rank, child_size);
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  [[nodiscard]] const nccl_options& options() const {
+    static const nccl_options none{};
+    return shared_ ? shared_->options : none;
+  }
+
+ private:
+  nccl_communicator(std::shared_ptr<detail::nccl_shared> shared, int rank, int size) noexcept
+      : shared_(std::move(shared)), rank_(rank), size_(size) {}
+
+  [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
+    return detail::describe(what, args, rank_, size_, name);
+  }
+
+  detail::nccl_shared& usable(const std::string& what) const {
+    if (shared_) return *shared_;
+    if (rank_ < 0) {
+      throw config_error(
+          what + ": this rank passed a negative color to split() and belongs to no communicator");
+    }
+    throw config_error(what + ": the communicator was moved from");
+  }
+
+  // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
+  // of 4 int64 per rank through device scratch memory and a pinned host copy.
+  // The host waits for it (at most the collective timeout).
+  void check_signature(detail::nccl_shared& s, const detail::signature& mine,
+                       const std::string& what) {
+    const std::string checking = "checking what every rank passed to " + what;
+    detail::compare_signatures(
+        mine, s.rank, s.size, what,
+        [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
+          try {
+            std::int64_t* host = s.host_table();
+            const std::size_t row = static_cast<std::size_t>(s.rank) * 4;
+            std::memcpy(host + row, fields.data(), 4 * sizeof(std::int64_t));
+            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(s.device_table + row, host + row,
+                                              4 * sizeof(std::int64_t), cudaMemcpyHostToDevice,
+                                              s.stream.get()));
+            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, 4, ncclInt64,
+                                            s.comm, s.stream.get()));
+            s.wait(checking, s.options.collectives.timeout, detail::nccl_timeout_hint,
+                   [] { return true; });
+            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, s.device_table,
+                                              all.size() * sizeof(std::int64_t),
+                                              cudaMemcpyDeviceToHost, s.stream.get()));
+            detail::nccl_pooled_event done(s);
+            DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+            s.wait(checking, s.options.collectives.timeout,
+                   "a rank did not call this collective, or called fewer collectives than this one",
+                   [&] { return detail::nccl_event_done(done.get()); });
+            std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
+          } catch (const backend_error& e) {
+            throw detail::nccl_with_context(checking, e);
+          }
+        });
+  }
+
+  // Orders the collective after `caller`, enqueues it on the own stream, and
+  // returns a work that polls its completion event.
+  template <class Enqueue>
+  work launch(const std::string& what, const detail::signature& sig, bool empty,
+              cudaStream_t caller, Enqueue&& enqueue) {
+    detail::nccl_shared& s = usable(what);
+    std::lock_guard lock(s.mutex);
+    s.throw_if_aborted(what);
+    if (empty && !s.options.collectives.check) return work();  // nothing to move, nothing to order
+    try {
+      detail::device_guard guard(s.device);
+      if (s.options.collectives.check) check_signature(s, sig, what);
+      if (empty) return work();
+      {
+        detail::nccl_pooled_event ready(s);
+        DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
+        DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
+      }  // the wait holds the recorded point; the event can be reused at once
+      enqueue(s.comm, s.stream.get());
+      // A non-blocking NCCL may still be enqueueing in the background; nothing
+      // may be added to its stream until it is done.
+      s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
+      detail::nccl_pooled_event done(s);
+      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+      return work(std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
+                                                      done.release()));
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  std::shared_ptr<detail::nccl_shared> shared_;
+  int rank_ = -1;
+  int size_ = 0;
+};
+
+static_assert(communicator<nccl_communicator>);
+
+#if DTRAIN_HAS_MPI()
+/// Rank `root` of `comm` creates an NCCL unique id and MPI_Bcasts it to every
+/// rank of `comm` (collective; returns the same id everywhere), for jobs
+/// started by mpirun that have no store. If the root cannot create an id,
+/// every rank throws backend_error rather than waiting. MPI errors are checked
+/// only if `comm` returns them (MPI_ERRORS_RETURN).
+inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
+  auto check = [](int rc, const char* call) {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING] = {};
+    int length = 0;
+    if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
+    throw backend_error(std::string("MPI call `") + call +
+                            "` failed while sharing the NCCL unique id: " +
+                            std::string(text, static_cast<std::size_t>(length)) + " (MPI error " +
+                            std::to_string(rc) + ")",
+                        rc);
+  };
+  int rank = -1;
+  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank(comm, &rank)");
+  // A status byte ahead of the id: a root that failed tells the others so.
+  unsigned char message[1 + sizeof(ncclUniqueId)] = {};
+  std::exception_ptr failure;
+  if (rank == root) {
+    try {
+      const ncclUniqueId id = nccl_communicator::new_unique_id();
+      message[0] = 1;
+      std::memcpy(message + 1, &id, sizeof id);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  check(MPI_Bcast(message, static_cast<int>(sizeof message), MPI_BYTE, root, comm),
+        "MPI_Bcast(message, 129, MPI_BYTE, root, comm)");
+  if (failure) std::rethrow_exception(failure);
+  if (message[0] != 1) {
+    throw backend_error("rank " + std::to_string(root) +
+                            " could not create the NCCL unique id (its own error says why); rank " +
+                            std::to_string(rank) + " cannot create its communicator",
+                        0);
+  }
+  ncclUniqueId id{};
+  std::memcpy(&id, message + 1, sizeof id);
+  return id;
+}
+#endif  // DTRAIN_HAS_MPI()
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_NCCL()
+// ---- end dtrain/backend/nccl.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 
 #endif  // DTRAIN_SINGLE_INCLUDE_DTRAIN_HPP

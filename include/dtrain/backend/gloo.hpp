@@ -1,0 +1,306 @@
+#pragma once
+/// @file
+/// gloo_communicator: the communicator concept on Gloo's TCP transport, for
+/// host memory. Bootstrapped through dtrain's store, so env:// jobs (torchrun
+/// style, no mpirun) run on CPUs. Gloo's calls block, so every communicator
+/// runs its collectives on one worker thread, in the order they were
+/// submitted; all ranks submit in the same order, so the queues stay matched.
+
+#include <dtrain/config.hpp>
+
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/gloo_store.hpp>
+#include <dtrain/backend/gloo_worker.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/backend/work.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/rendezvous/store.hpp>
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/context.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/tcp/attr.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Options of a gloo_communicator. Aggregate: use designated initialisers,
+/// `{.collectives = {.timeout = 30s}, .interface = "eth0"}`.
+struct gloo_options {
+  /// Timeout (also Gloo's own, so a dead or stuck peer makes Gloo fail) and check mode.
+  collective_options collectives{};
+  /// Network interface Gloo's TCP transport binds to ("eth0"). Empty:
+  /// DTRAIN_GLOO_IFNAME, else GLOO_SOCKET_IFNAME, else the interface whose
+  /// address reaches `master_addr`.
+  std::string interface{};
+  /// The host whose route chooses the interface when none is named. Empty: MASTER_ADDR.
+  std::string master_addr{};
+  /// Where the communicator's keys live in the store. The n-th communicator a
+  /// rank makes with one prefix uses `prefix/n`, so every rank must make its
+  /// communicators in the same order (as it runs its collectives).
+  std::string prefix = "dtrain/gloo";
+};
+
+namespace detail {
+
+/// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
+struct gloo_self {
+  std::shared_ptr<gloo_state> state;
+  std::thread worker;
+  std::shared_ptr<const gloo_store_ref> store;
+  gloo_options options;
+  gloo_endpoint endpoint;
+  std::string keys;         // this communicator's namespace in the store
+  std::int64_t splits = 0;  // split() calls so far: names the children's namespaces
+
+  gloo_self() = default;
+  gloo_self(const gloo_self&) = delete;
+  gloo_self& operator=(const gloo_self&) = delete;
+  // Runs what is queued (the peers expect it), then stops the worker. A
+  // collective stuck on a hung peer ends with Gloo's timeout.
+  ~gloo_self() {
+    if (state) {
+      {
+        std::lock_guard lock(state->mutex);
+        state->stopping = true;
+      }
+      state->wake.notify_all();
+    }
+    if (worker.joinable()) worker.join();
+  }
+};
+
+}  // namespace detail
+
+/// A communicator on Gloo (TCP), on host memory. Every call returns at once
+/// with a work handle; the collective runs on this communicator's worker
+/// thread after those submitted before it. Buffers must stay alive and
+/// untouched until the work completes. Calls may come from several threads;
+/// every rank must still make them in the same order.
+///
+/// Errors: config_error for arguments (thrown by the call); from work::wait,
+/// backend_error with Gloo's message (a peer died: at once) and timeout_error
+/// (Gloo's own timeout, the collective timeout). After any failure or timeout
+/// the communicator is unusable: later calls throw backend_error saying so.
+/// Destruction runs what is still queued and waits for the collective in
+/// flight, which Gloo cannot abort: at most its timeout.
+///
+/// float16 and bfloat16 reduce through dtrain's own element-wise functions
+/// (Gloo knows neither of dtrain's types); reduce_scatter is an allreduce and
+/// a copy (see gloo_run_reduce_scatter).
+class gloo_communicator {
+ public:
+  static constexpr bool reaches_device_memory = false;
+  static constexpr std::string_view name = "gloo";
+
+  /// Joins the group of `size` ranks that meet in `store`, which must outlive
+  /// this communicator and every split of it. Blocks until every rank has
+  /// connected; the store's waits use the collective timeout. Throws
+  /// config_error (rank, size, interface), timeout_error or rendezvous_error
+  /// (the store), backend_error (Gloo could not connect).
+  template <store S>
+  gloo_communicator(S& store, int rank, int size, gloo_options options = {})
+      : gloo_communicator(std::make_shared<const detail::gloo_store_ref>(store), rank, size, std::move(options)) {}
+
+  gloo_communicator(gloo_communicator&&) noexcept = default;
+  gloo_communicator& operator=(gloo_communicator&&) noexcept = default;
+  ~gloo_communicator() = default;
+
+  [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
+  [[nodiscard]] int size() const noexcept { return self_->state->size; }
+  [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
+
+  /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
+  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
+  [[nodiscard]] std::string describe() const {
+    return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
+           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " + self_->keys;
+  }
+
+  /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
+  /// it only while no work of this communicator is outstanding.
+  [[nodiscard]] std::shared_ptr<::gloo::Context> gloo_context() const { return self_->state->context; }
+
+  /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
+  work allreduce(buffer in, buffer out, reduce_op op) {
+    const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(out, in.count, "output");
+    check.op_fits(op, in.type);
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::allreduce, in, out, op, 0, in.count > 0});
+  }
+
+  /// `data` on every rank becomes root's.
+  work broadcast(buffer data, int root) {
+    const auto info = call_info("broadcast", data, -1, root);
+    detail::argument_check check{info};
+    check.root(root, size());
+    host_only(check, data);
+    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root, data.count > 0});
+  }
+
+  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
+  work allgather(buffer in, buffer out) {
+    const auto info = call_info("allgather", in, -1, -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(out, in.count * static_cast<std::size_t>(size()), "output");
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
+  }
+
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
+  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+    const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(in, out.count * static_cast<std::size_t>(size()), "input");
+    check.op_fits(op, in.type);
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::reduce_scatter, in, out, op, 0, out.count > 0});
+  }
+
+  /// Completes once every rank has called barrier().
+  work barrier() { return submit(call_info("barrier", buffer{}, -1, -1), {}); }
+
+  /// A communicator of the ranks that pass the same `color`, ranked by
+  /// (key, rank here). Collective over this communicator: every rank calls it,
+  /// in the same place among its collectives. Blocks until the new group has
+  /// connected, through the same store, under a namespace of its own.
+  gloo_communicator split(int color, int key) {
+    std::int64_t mine[2] = {color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    buffer in{mine, 2, dtype::int64, memory::host};
+    buffer out{all.data(), all.size(), dtype::int64, memory::host};
+    // An allgather of (color, key), told apart from a user's in check mode.
+    submit(call_info("split", in, -1, -1), {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
+        .wait();
+    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
+    for (int r = 0; r < size(); ++r) {
+      if (all[2 * static_cast<std::size_t>(r)] == color) members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+    }
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
+    std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
+    return gloo_communicator(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
+                             self_->endpoint, std::move(keys));
+  }
+
+ private:
+  // A new group: chooses the endpoint, then takes the next namespace under the prefix.
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options) {
+    if (size < 1) throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
+    if (rank < 0 || rank >= size) {
+      throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
+                         std::to_string(size));
+    }
+    auto endpoint = detail::choose_gloo_endpoint(options.interface, options.master_addr,
+                                                 environment::from_process(), size);
+    // Every rank counts the communicators it made under this prefix, so the
+    // n-th one of every rank meets under the same namespace.
+    const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
+    std::string keys = options.prefix + "/" + std::to_string(n);
+    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+  }
+
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
+                    detail::gloo_endpoint endpoint, std::string keys) {
+    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+  }
+
+  void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
+               detail::gloo_endpoint endpoint, std::string keys) {
+    auto state = std::make_shared<detail::gloo_state>();
+    state->rank = rank;
+    state->size = size;
+    state->timeout = options.collectives.timeout;
+    state->check = options.collectives.check;
+    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                              " (interface: " + endpoint.origin + "; store keys under " + keys + "/): ";
+    try {
+      ::gloo::transport::tcp::attr attr;
+      if (!endpoint.iface.empty()) {
+        attr.iface = endpoint.iface;
+      } else {
+        attr.hostname = endpoint.hostname;
+      }
+      DTRAIN_GLOO_CHECK(state->device = ::gloo::transport::tcp::CreateDevice(attr));
+      auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
+      context->setTimeout(state->timeout);
+      detail::gloo_store_adapter adapter(*store, keys, state->timeout);
+      DTRAIN_GLOO_CHECK(context->connectFullMesh(adapter, state->device));
+      state->context = context;
+      // Once every rank has connected, every rank has read every address: a
+      // barrier proves it, and the addresses can leave the store.
+      detail::gloo_run_barrier(*state, state->timeout);
+      for (const auto& key : adapter.written()) store->erase(key);
+    } catch (const timeout_error& e) {
+      throw timeout_error(where + e.what());
+    } catch (const rendezvous_error& e) {
+      throw rendezvous_error(where + e.what());
+    } catch (const error&) {
+      throw;
+    } catch (const std::exception& e) {  // Gloo's, through DTRAIN_GLOO_CHECK
+      throw backend_error(where + "Gloo: " + e.what(), 0);
+    }
+    self_ = std::make_unique<detail::gloo_self>();
+    self_->state = state;
+    self_->store = std::move(store);
+    self_->options = std::move(options);
+    self_->endpoint = std::move(endpoint);
+    self_->keys = std::move(keys);
+    self_->worker = std::thread([state] { detail::gloo_serve(state); });
+  }
+
+  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b, int op,
+                                                 int root) const noexcept {
+    return {collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
+  }
+  static void host_only(const detail::argument_check& check, const buffer& b) {
+    if (b.where != memory::host) {
+      check.fail("gloo reduces host memory only: copy device data to the host first, or use backend::nccl");
+    }
+  }
+
+  // Queues one collective. Zero-length ones move nothing and complete at once,
+  // except in check mode, where their signature is still compared.
+  work submit(const detail::collective_info& info, const detail::gloo_call& call) {
+    detail::gloo_state& s = *self_->state;
+    if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
+    std::unique_lock lock(s.mutex);
+    const detail::signature sig{++s.submitted, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
+                                static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
+    if (!call.moves_data && !s.check) return work{};
+    auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    s.queue.push_back({w, sig, call});
+    const bool idle = !s.running;
+    lock.unlock();
+    if (idle) s.wake.notify_one();
+    return work(std::move(w));
+  }
+
+  std::unique_ptr<detail::gloo_self> self_;
+};
+
+static_assert(communicator<gloo_communicator>);
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_GLOO()

@@ -1,0 +1,226 @@
+#pragma once
+/// @file
+/// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
+/// interface, and the choice of the network interface Gloo's TCP transport
+/// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
+
+#include <dtrain/config.hpp>
+
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/rendezvous/store.hpp>
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/rendezvous/store.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// Any dtrain store, seen through the calls the Gloo backend makes, so that
+/// gloo_communicator is one type whatever store bootstrapped it (its splits
+/// bootstrap through the same store later). Refers to the store, which must
+/// outlive every communicator made from it.
+class gloo_store_ref {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  template <store S>
+  explicit gloo_store_ref(S& s)
+      : set_([p = &s](std::string_view key, std::string_view value) { p->set(key, value); }),
+        get_([p = &s](std::string_view key, milliseconds timeout) { return std::string(p->get(key, timeout)); }),
+        wait_([p = &s](std::span<const std::string> keys, milliseconds timeout) { p->wait(keys, timeout); }),
+        add_([p = &s](std::string_view key, std::int64_t delta) { return std::int64_t(p->add(key, delta)); }),
+        erase_([p = &s](std::string_view key) { p->erase(key); }) {}
+
+  void set(std::string_view key, std::string_view value) const { set_(key, value); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) const { return get_(key, timeout); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) const { wait_(keys, timeout); }
+  std::int64_t add(std::string_view key, std::int64_t delta) const { return add_(key, delta); }
+  void erase(std::string_view key) const { erase_(key); }
+
+ private:
+  std::function<void(std::string_view, std::string_view)> set_;
+  std::function<std::string(std::string_view, milliseconds)> get_;
+  std::function<void(std::span<const std::string>, milliseconds)> wait_;
+  std::function<std::int64_t(std::string_view, std::int64_t)> add_;
+  std::function<void(std::string_view)> erase_;
+};
+
+/// Gloo's five-method store on top of a dtrain store, every key under
+/// `prefix/`. Remembers the keys it wrote, so that they can be erased once
+/// every rank has connected (a full mesh of N ranks leaves N values of
+/// O(N) addresses each).
+class gloo_store_adapter final : public ::gloo::rendezvous::Store {
+ public:
+  gloo_store_adapter(const gloo_store_ref& store, std::string prefix, std::chrono::milliseconds timeout)
+      : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
+    written_.push_back(prefix_ + key);
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    std::string value = store_.get(prefix_ + key, timeout_);
+    return {value.begin(), value.end()};
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    full.reserve(keys.size());
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    // Gloo passes kNoTimeout (0) to mean "the default".
+    store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
+  }
+
+  [[nodiscard]] const std::vector<std::string>& written() const noexcept { return written_; }
+
+ private:
+  const gloo_store_ref& store_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::string> written_;
+};
+
+/// Where Gloo's TCP transport listens: a named interface, or an address.
+struct gloo_endpoint {
+  std::string iface;     ///< network interface name ("eth0"), or empty
+  std::string hostname;  ///< numeric address to bind, when no interface is named
+  std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
+};
+
+/// Names of the interfaces that carry an IPv4 or IPv6 address.
+inline std::vector<std::string> interfaces_with_address() {
+  std::vector<std::string> names;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return names;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6)) continue;
+    std::string name(i->ifa_name);
+    bool seen = false;
+    for (const auto& n : names) seen = seen || n == name;
+    if (!seen) names.push_back(std::move(name));
+  }
+  ::freeifaddrs(list);
+  return names;
+}
+
+/// Throws config_error naming `origin` when no interface `name` with an address exists here.
+inline void require_interface(const std::string& name, const std::string& origin) {
+  auto names = interfaces_with_address();
+  for (const auto& n : names) {
+    if (n == name) return;
+  }
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  throw config_error(origin + " names no network interface with an IP address on this host (interfaces: " +
+                     (known.empty() ? std::string("none") : known) +
+                     "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
+}
+
+/// The local address this host sends from to reach host:port (a UDP socket
+/// connected there, asked for its own name; nothing is sent).
+inline std::string local_address_towards(const std::string& host, int port, const std::string& origin) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port > 0 ? port : 9);
+  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    throw config_error(origin + " cannot be resolved (" + ::gai_strerror(rc) +
+                       "), so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
+  }
+  std::string why = "no address";
+  std::string address;
+  for (addrinfo* a = found; a && address.empty(); a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    char text[NI_MAXHOST] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      why = std::strerror(errno);
+    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
+      why = std::strerror(errno);
+    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text, sizeof text, nullptr, 0,
+                                      NI_NUMERICHOST);
+               rc != 0) {
+      why = ::gai_strerror(rc);
+    } else {
+      address = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  if (address.empty()) {
+    throw config_error("no local address reaches " + origin + " (" + why + "); set DTRAIN_GLOO_IFNAME");
+  }
+  return address;
+}
+
+/// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
+/// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
+/// address that reaches the master (`master_addr` option, else MASTER_ADDR),
+/// else 127.0.0.1 for a world of one and the host name otherwise. A named
+/// interface that does not exist is a config_error naming it.
+inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, const std::string& master_option,
+                                          const environment& env, int size) {
+  auto named = [](std::string name, std::string origin) {
+    require_interface(name, origin);
+    return gloo_endpoint{std::move(name), {}, std::move(origin)};
+  };
+  if (!interface_option.empty()) return named(interface_option, "gloo_options::interface=" + interface_option);
+  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
+    return named(std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v));
+  }
+  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
+    std::string first(v->substr(0, v->find(',')));
+    return named(first, "GLOO_SOCKET_IFNAME=" + std::string(*v));
+  }
+  std::string master = master_option;
+  std::string origin = "gloo_options::master_addr=" + master_option;
+  if (master.empty()) {
+    if (auto v = env.get("MASTER_ADDR"); v && !v->empty()) {
+      master = std::string(*v);
+      origin = "MASTER_ADDR=" + master;
+    }
+  }
+  if (!master.empty()) {
+    int port = 0;
+    if (auto p = env.get("MASTER_PORT")) port = std::atoi(std::string(*p).c_str());
+    std::string address = local_address_towards(master, port, origin);
+    return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
+  }
+  if (size == 1) return {{}, "127.0.0.1", "127.0.0.1 (a world of one, no MASTER_ADDR)"};
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return {{}, host, std::string("the host name ") + host + " (no interface named and no MASTER_ADDR)"};
+}
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()

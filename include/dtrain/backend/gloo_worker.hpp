@@ -1,0 +1,402 @@
+#pragma once
+/// @file
+/// How a gloo_communicator runs its collectives: Gloo's calls block, so each
+/// communicator queues them for one worker thread, in submission order (all
+/// ranks submit in the same order, so the queues stay matched), and its work
+/// handles report their completion. Used by backend/gloo.hpp; compiles to
+/// nothing without Gloo.
+
+#include <dtrain/config.hpp>
+
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/backend/work.hpp>
+#include <dtrain/error.hpp>
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/logging.h>
+#include <gloo/context.h>
+#include <gloo/math.h>
+#include <gloo/transport/device.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+template <class T>
+inline constexpr bool is_half_float = std::same_as<T, float16> || std::same_as<T, bfloat16>;
+
+/// Gloo's element-wise reduction (c = a op b; c may be a or b) for T and op.
+/// Gloo's own functions for native types; reduce_host for our 16-bit floats,
+/// which Gloo does not know. avg reduces as sum; the caller divides.
+template <element T>
+::gloo::AllreduceOptions::Func gloo_reduce_function(reduce_op op) {
+  if constexpr (is_half_float<T>) {
+    return [op](void* c, const void* a, const void* b, std::size_t n) {
+      auto* out = static_cast<T*>(c);
+      const auto* x = static_cast<const T*>(a);
+      const auto* y = static_cast<const T*>(b);
+      if (out == y) {  // every reduce_op commutes
+        reduce_host(out, x, n, op);
+        return;
+      }
+      if (out != x) std::memcpy(out, x, n * sizeof(T));
+      reduce_host(out, y, n, op);
+    };
+  } else {
+    using function = void (*)(void*, const void*, const void*, std::size_t);
+    switch (op) {
+      case reduce_op::min: return static_cast<function>(&::gloo::min<T>);
+      case reduce_op::max: return static_cast<function>(&::gloo::max<T>);
+      case reduce_op::prod: return static_cast<function>(&::gloo::product<T>);
+      case reduce_op::sum:
+      case reduce_op::avg: break;
+    }
+    return static_cast<function>(&::gloo::sum<T>);
+  }
+}
+
+/// One collective as the worker runs it: plain fields, no allocation.
+struct gloo_call {
+  enum class kind : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, barrier, split };
+  kind what = kind::barrier;
+  buffer in{}, out{};
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  bool moves_data = true;  // false: zero-length, only compared in check mode
+};
+
+// Signature codes in check mode: the op, 10 + op, 20, 30, 40, or 100 + root,
+// so that different collectives with equal counts differ too.
+inline std::int64_t gloo_signature_code(const gloo_call& c) noexcept {
+  switch (c.what) {
+    case gloo_call::kind::allreduce: return static_cast<std::int64_t>(c.op);
+    case gloo_call::kind::reduce_scatter: return 10 + static_cast<std::int64_t>(c.op);
+    case gloo_call::kind::allgather: return 20;
+    case gloo_call::kind::barrier: return 30;
+    case gloo_call::kind::split: return 40;
+    case gloo_call::kind::broadcast: break;
+  }
+  return 100 + c.root;
+}
+
+class gloo_work;
+
+/// What the communicator, its worker thread and its work handles share.
+struct gloo_state {
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{};
+  bool check = false;
+  std::shared_ptr<::gloo::transport::Device> device;
+  std::shared_ptr<::gloo::Context> context;
+
+  struct task {
+    std::shared_ptr<gloo_work> work;
+    signature sig{};
+    gloo_call call{};
+  };
+  std::mutex mutex;
+  std::condition_variable wake;      // the worker: a task to run, or stop
+  std::condition_variable finished;  // waiters: a task finished
+  std::deque<task> queue;            // guarded by mutex
+  bool running = false;              // guarded by mutex: a task is running (worker or waiter)
+  bool stopping = false;             // guarded by mutex
+  std::int64_t submitted = 0;        // guarded by mutex: the collective sequence number
+  std::atomic<bool> unusable{false};
+  std::string failure;  // guarded by mutex: the first failure
+
+  void mark_unusable(const std::string& why) noexcept {
+    std::lock_guard lock(mutex);
+    if (!unusable.exchange(true)) failure = why;
+  }
+  [[nodiscard]] std::string unusable_text() {
+    std::lock_guard lock(mutex);
+    return "the communicator is unusable since an earlier failure (" + failure +
+           "); ranks cannot fall back into step after a failed collective, so make a new communicator";
+  }
+};
+
+inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept;
+
+class gloo_work final : public work_state {
+ public:
+  gloo_work(const collective_info& info, std::chrono::milliseconds timeout, std::weak_ptr<gloo_state> owner)
+      : work_state(info, timeout), owner_(std::move(owner)) {}
+
+  bool poll() override { return done_.load(std::memory_order_acquire); }
+
+  // Gloo cannot abort a collective in flight; its own timeout (the same
+  // length) ends it. Until then nothing else may run on this communicator.
+  void on_timeout() noexcept override {
+    if (auto s = owner_.lock()) s->mark_unusable(description() + " did not finish within its timeout");
+  }
+
+  /// Blocks until finished or `deadline`; true when finished. When this
+  /// collective is next in line and nothing runs, runs it on the calling
+  /// thread (with the time left as Gloo's timeout) rather than waking the
+  /// worker: submit-then-wait then costs no thread hand-off. Otherwise sleeps
+  /// until a collective finishes. Overrides work_state's wait hook, so waiting
+  /// sleeps instead of taking the CPU from Gloo's threads.
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
+    auto s = owner_.lock();
+    if (!s) return poll();
+    std::unique_lock lock(s->mutex);
+    for (;;) {
+      if (poll()) return true;
+      const auto now = std::chrono::steady_clock::now();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+      if (left.count() <= 0) return poll();
+      if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
+        gloo_state::task t = std::move(s->queue.front());
+        s->queue.pop_front();
+        s->running = true;
+        lock.unlock();
+        gloo_execute(*s, t, std::min(left, s->timeout));
+        lock.lock();
+        s->running = false;
+        lock.unlock();
+        s->wake.notify_one();
+        s->finished.notify_all();
+        return true;
+      }
+      s->finished.wait_until(lock, deadline);
+    }
+  }
+
+  void finish(std::exception_ptr e) noexcept {
+    if (e) fail(std::move(e));
+    done_.store(true, std::memory_order_release);
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::weak_ptr<gloo_state> owner_;
+};
+
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// A failure inside a call into Gloo, with the call as written, file:line
+/// and Gloo's message; gloo_failure() turns it into dtrain's errors.
+class gloo_exception : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class F>
+void gloo_checked(F&& call, const char* text, const char* file, int line) {
+  try {
+    call();
+  } catch (const error&) {
+    throw;  // dtrain's own (the store under connectFullMesh), already with context
+  } catch (const ::gloo::EnforceNotMet& e) {  // not a gloo::Exception
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
+  } catch (const std::exception& e) {
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
+  }
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates a call into Gloo, which reports failures by throwing; rethrows
+/// them as detail::gloo_exception naming the call, file:line and Gloo's message.
+#define DTRAIN_GLOO_CHECK(...) \
+  ::dtrain::detail::gloo_checked([&] { __VA_ARGS__; }, #__VA_ARGS__, __FILE__, __LINE__)
+
+namespace dtrain::detail {
+
+/// An exception from Gloo as dtrain's: timeout_error for Gloo's timeouts,
+/// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
+inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::string& what) {
+  std::string message;
+  try {
+    std::rethrow_exception(e);
+  } catch (const error&) {
+    return e;  // already dtrain's (a signature mismatch), with its context
+  } catch (const std::exception& x) {
+    message = x.what();
+  } catch (...) {
+    message = "an exception that is not a std::exception";
+  }
+  std::string lower = message;
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
+    return std::make_exception_ptr(timeout_error(
+        what + " timed out in Gloo (" + message +
+        "); a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares what "
+        "every rank passed)"));
+  }
+  return std::make_exception_ptr(backend_error(
+      what + " failed in Gloo: " + message +
+          "; a peer rank may have died or closed its communicator: look for the first error on the other ranks",
+      0));
+}
+
+// The collectives on host memory, with Gloo's timeout for this run. A world
+// of one never calls Gloo.
+
+template <element T>
+void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
+  if (s.size > 1) {
+    ::gloo::AllreduceOptions opts(s.context);
+    if (in.data != out.data) opts.setInput(static_cast<T*>(in.data), in.count);
+    opts.setOutput(static_cast<T*>(out.data), out.count);
+    opts.setReduceFunction(gloo_reduce_function<T>(op));
+    opts.setTimeout(timeout);
+    DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+    if (op == reduce_op::avg) divide_host(out, s.size);
+  } else if (in.data != out.data) {
+    std::memcpy(out.data, in.data, in.bytes());
+  }
+}
+
+inline void gloo_run_broadcast(gloo_state& s, buffer b, int root, std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BroadcastOptions opts(s.context);
+  opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
+  opts.setRoot(root);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
+}
+
+inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out, std::chrono::milliseconds timeout) {
+  auto* block = static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
+  if (s.size == 1) {
+    if (in.data != block) std::memcpy(block, in.data, in.bytes());
+    return;
+  }
+  ::gloo::AllgatherOptions opts(s.context);
+  if (in.data != block) opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
+  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
+}
+
+inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BarrierOptions opts(s.context);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
+}
+
+// Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
+// and on 3 ranks it returned corrupted blocks when two ran back to back (a
+// race between consecutive instances: a barrier before or after each one hid
+// it). So this is an allreduce of the whole input into a scratch buffer and a
+// copy of this rank's block: correct, at twice the traffic of a real
+// reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
+// input-sized allocation.
+template <element T>
+void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
+  const std::size_t n = out.count;
+  const std::size_t offset = static_cast<std::size_t>(s.rank) * n;
+  if (s.size == 1) {
+    std::memcpy(out.data, in.data, in.bytes());
+    return;
+  }
+  std::vector<T> scratch(in.count);
+  ::gloo::AllreduceOptions opts(s.context);
+  opts.setInput(static_cast<T*>(in.data), in.count);
+  opts.setOutput(scratch.data(), scratch.size());
+  opts.setReduceFunction(gloo_reduce_function<T>(op));
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+  std::memcpy(out.data, scratch.data() + offset, n * sizeof(T));
+  if (op == reduce_op::avg) divide_host(out, s.size);
+}
+
+inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
+  switch (c.what) {
+    case gloo_call::kind::allreduce:
+      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
+      break;
+    case gloo_call::kind::reduce_scatter:
+      visit(c.in.type, [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
+      break;
+    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
+    case gloo_call::kind::allgather:
+    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
+    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
+  }
+}
+
+/// Check mode: compares what every rank passed, over an allgather that is not itself checked.
+inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
+                                 std::chrono::milliseconds timeout) {
+  compare_signatures(sig, s.rank, s.size, what, [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+    buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
+    buffer out{all.data(), all.size(), dtype::int64, memory::host};
+    gloo_run_allgather(s, in, out, timeout);
+  });
+}
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure makes the communicator unusable; so does running after one.
+inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept {
+  std::exception_ptr failure;
+  try {
+    if (s.unusable.load()) {
+      throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
+    }
+    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
+    if (t.call.moves_data) gloo_run(s, t.call, timeout);
+  } catch (...) {
+    failure = gloo_failure(std::current_exception(), t.work->description());
+    s.mark_unusable(message_of(failure));
+  }
+  t.work->finish(std::move(failure));
+}
+
+/// The worker: runs the queue in order until the communicator stops and the queue is empty.
+inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
+  for (;;) {
+    gloo_state::task t;
+    {
+      std::unique_lock lock(s->mutex);
+      s->wake.wait(lock, [&] { return (s->stopping && s->queue.empty()) || (!s->running && !s->queue.empty()); });
+      if (s->queue.empty()) return;
+      t = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->running = true;
+    }
+    gloo_execute(*s, t, s->timeout);
+    {
+      std::lock_guard lock(s->mutex);
+      s->running = false;
+    }
+    s->finished.notify_all();
+  }
+}
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()

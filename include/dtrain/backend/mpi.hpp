@@ -1,0 +1,509 @@
+#pragma once
+/// @file
+/// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
+/// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
+
+#include <dtrain/config.hpp>
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/backend/work.hpp>
+#include <dtrain/error.hpp>
+
+#if DTRAIN_HAS_MPI()
+
+#include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
+#endif
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
+#include <array>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+namespace detail {
+
+inline std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+// What a failed call was for: a plain text, or a collective described on demand.
+inline std::string what_text(const std::string& text) { return text; }
+inline std::string what_text(const char* text) { return text; }
+inline std::string what_text(const collective_info& info) { return describe(info); }
+
+inline std::string mpi_thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "thread level " + std::to_string(level);
+}
+
+}  // namespace detail
+
+/// Evaluates an MPI call; throws backend_error with file:line, the call, what
+/// it was for and MPI's message and code when it does not return MPI_SUCCESS.
+#define DTRAIN_MPI_CHECK(call, what)                                                                     \
+  do {                                                                                                   \
+    int dtrain_mpi_rc_ = (call);                                                                         \
+    if (dtrain_mpi_rc_ != MPI_SUCCESS) {                                                                 \
+      throw ::dtrain::backend_error(::dtrain::detail::what_text(what) + ": " #call " failed: " +         \
+                                        ::dtrain::detail::mpi_error_text(dtrain_mpi_rc_) + " (at " __FILE__ \
+                                        ":" + std::to_string(__LINE__) + ")",                            \
+                                    dtrain_mpi_rc_);                                                     \
+    }                                                                                                    \
+  } while (0)
+
+/// Options of the MPI backend.
+struct mpi_options {
+  collective_options collectives{};
+  /// The thread level dtrain requires: DDP's communication thread calls MPI
+  /// while other threads may too. Initialising MPI asks for MULTIPLE.
+  int required_thread_level = MPI_THREAD_MULTIPLE;
+  /// When dtrain initialises Open MPI and the user set no
+  /// OMPI_MCA_coll_libnbc_iallreduce_algorithm, ask for the ring algorithm:
+  /// Open MPI's default for the nonblocking allreduce dtrain uses is about
+  /// twice as slow as its blocking one from 4 KiB up (bench/allreduce_mpi).
+  bool tune_open_mpi = true;
+};
+
+/// Owns MPI's initialisation when dtrain did it: initialises only if nobody
+/// has, and then finalizes when the last communicator is gone.
+class mpi_environment {
+ public:
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true) {
+    int initialized = 0;
+    DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
+    int provided = MPI_THREAD_SINGLE;
+    if (!initialized) {
+      if (tune_open_mpi) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);  // never overrides the user
+      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS) throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+      owned_ = true;
+    } else {
+      DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
+    }
+    if (provided < required_level) {
+      throw backend_error("MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+                              detail::mpi_thread_level_name(required_level) +
+                              (owned_ ? "; use an MPI built with thread support"
+                                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+                          provided);
+    }
+  }
+  mpi_environment(const mpi_environment&) = delete;
+  mpi_environment& operator=(const mpi_environment&) = delete;
+  ~mpi_environment() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owned_ && !finalized) MPI_Finalize();
+  }
+  [[nodiscard]] bool owned() const noexcept { return owned_; }
+
+  /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
+  [[nodiscard]] static bool cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return false;
+#endif
+  }
+
+ private:
+  bool owned_ = false;
+};
+
+/// A communicator over MPI. Host memory always; device memory directly when
+/// the MPI is CUDA-aware, otherwise staged through pinned host buffers
+/// (compiled when CUDA is available). float16 and bfloat16 reduce through
+/// dtrain's own MPI_Op (MPI has no such types): converted to float, reduced,
+/// rounded back at each step.
+class mpi_communicator {
+ public:
+  static constexpr std::string_view name = "mpi";
+  static constexpr bool reaches_device_memory = DTRAIN_HAS_CUDA() != 0;
+
+  /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
+  static mpi_communicator world(mpi_options options = {}) {
+    auto env = std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
+    return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
+  }
+
+  /// Wraps a duplicate of `comm` (MPI already initialised by the caller).
+  static mpi_communicator from(MPI_Comm comm, mpi_options options = {}) {
+    auto env = std::make_shared<mpi_environment>(options.required_thread_level);
+    return mpi_communicator(std::move(env), comm, std::move(options));
+  }
+
+  mpi_communicator(mpi_communicator&& other) noexcept
+      : env_(std::move(other.env_)),
+        comm_(std::exchange(other.comm_, MPI_COMM_NULL)),
+        rank_(other.rank_),
+        size_(other.size_),
+        options_(other.options_),
+        sequence_(other.sequence_),
+        ops_(std::exchange(other.ops_, no_ops())),
+        health_(std::move(other.health_)) {}
+  mpi_communicator& operator=(mpi_communicator&&) = delete;
+  mpi_communicator(const mpi_communicator&) = delete;
+  mpi_communicator& operator=(const mpi_communicator&) = delete;
+  ~mpi_communicator() {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (MPI_Op& op : ops_) {
+      if (op != MPI_OP_NULL) MPI_Op_free(&op);
+    }
+    // A request given up after a timeout may still be progressed by MPI: keep
+    // the communicator allocated for it (a deliberate leak of a dead communicator).
+    if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+
+  work allreduce(buffer in, buffer out, reduce_op op) {
+    const auto what = info("allreduce", out, static_cast<int>(op), -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(out, in.count, "output");
+    check.op_fits(op, in.type);
+    usable(what);
+    verify(0, in, static_cast<std::int64_t>(op), what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    w->divide_by = op == reduce_op::avg ? size_ : 0;
+    if (out.count == 0) return work(w);
+    const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
+    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type), mpi_op(op, out.type),
+                                    comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work broadcast(buffer data, int root) {
+    const auto what = info("broadcast", data, -1, root);
+    detail::argument_check{what}.root(root, size_);
+    usable(what);
+    verify(1, data, root, what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(data, data, false);
+    if (data.count == 0) return work(w);
+    DTRAIN_MPI_CHECK(MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req), what);
+    return work(w);
+  }
+
+  work allgather(buffer in, buffer out) {
+    const auto what = info("allgather", in, -1, -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(out, in.count * static_cast<std::size_t>(size_), "output");
+    usable(what);
+    verify(2, in, 0, what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(in, out, false);
+    if (in.count == 0) return work(w);
+    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data, count(in, what),
+                                    datatype(in.type), comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+    const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(in, out.count * static_cast<std::size_t>(size_), "input");
+    check.op_fits(op, in.type);
+    usable(what);
+    verify(3, out, static_cast<std::int64_t>(op), what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    w->divide_by = op == reduce_op::avg ? size_ : 0;
+    if (out.count == 0) return work(w);
+    DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
+                                               mpi_op(op, out.type), comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work barrier() {
+    const auto what = info("barrier", buffer{}, -1, -1);
+    usable(what);
+    verify(4, buffer{}, 0, what);
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
+    return work(w);
+  }
+
+  /// The ranks with the same color, ordered by key (then by rank). Collective.
+  mpi_communicator split(int color, int key) {
+    auto what = detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key), rank_, size_, name);
+    if (color < 0) throw config_error(what + ": color must be non-negative");
+    usable(what);
+    MPI_Comm child = MPI_COMM_NULL;
+    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
+    mpi_communicator out(env_, child, options_);
+    MPI_Comm_free(&child);  // `out` holds its own duplicate
+    return out;
+  }
+
+ private:
+  struct health {
+    bool broken = false;
+    bool abandoned = false;  // a request was given up while MPI may still progress it
+    std::string why;
+  };
+
+  // One outstanding MPI request, with the staging and the avg division it needs when done.
+  struct request : detail::work_state {
+    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h)
+        : work_state(what, timeout), health_(std::move(h)) {}
+    ~request() override {
+      int finalized = 1;
+      MPI_Finalized(&finalized);
+      if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
+        // A handle dropped before completion: MPI still writes into the
+        // buffers, so finish it, for at most the timeout, rather than leave
+        // MPI holding freed memory.
+        auto deadline = std::chrono::steady_clock::now() + timeout();
+        int flag = 0;
+        while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+               std::chrono::steady_clock::now() < deadline) {
+        }
+        if (!flag) abandon();
+      }
+      if (!abandoned) release_staging();  // an abandoned request may still write into them
+    }
+
+    /// Chooses where MPI reads and writes: the user's buffers, or pinned host
+    /// copies of device buffers when the MPI is not CUDA-aware or when dtrain
+    /// does arithmetic on the host (avg, the 16-bit floats' MPI_Op).
+    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math) {
+      user_out = out;
+      src = in;
+      dst = out;
+#if DTRAIN_HAS_CUDA()
+      if (out.where == memory::device && (host_math || !mpi_environment::cuda_aware())) {
+        staged = true;
+        const bool same = in.data == out.data;
+        dst.data = pinned(out.bytes());
+        dst.where = memory::host;
+        if (same) {
+          src.data = dst.data;
+        } else {
+          src.data = pinned(in.bytes());
+        }
+        src.where = memory::host;
+        if (in.bytes() > 0) copy(src.data, in.data, in.bytes(), cudaMemcpyDeviceToHost);
+      }
+#endif
+    }
+
+    bool poll() override {
+      if (finished) return true;
+      if (req != MPI_REQUEST_NULL) {
+        int flag = 0;
+        int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) {
+          fail(std::make_exception_ptr(backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
+          health_->broken = true;
+          health_->why = description() + " failed";
+          finished = true;
+          return true;
+        }
+        if (!flag) return false;
+      }
+      try {
+        if (divide_by > 0) detail::divide_host(dst, divide_by);
+#if DTRAIN_HAS_CUDA()
+        if (staged && user_out.bytes() > 0) copy(user_out.data, dst.data, user_out.bytes(), cudaMemcpyHostToDevice);
+#endif
+      } catch (...) {
+        fail(std::current_exception());
+      }
+      release_staging();
+      finished = true;
+      return true;
+    }
+
+    void on_timeout() noexcept override { abandon(); }
+
+    // MPI cannot cancel a collective: the communicator is unusable from now on.
+    void abandon() noexcept {
+      abandoned = true;
+      health_->abandoned = true;
+      health_->broken = true;
+      health_->why = description() + " timed out";
+    }
+
+    MPI_Request req = MPI_REQUEST_NULL;
+    buffer src{}, dst{}, user_out{};
+    int divide_by = 0;
+    bool staged = false;
+    bool finished = false;
+    bool abandoned = false;
+
+   private:
+#if DTRAIN_HAS_CUDA()
+    void* pinned(std::size_t bytes) {
+      void* p = nullptr;
+      if (bytes == 0) return nullptr;
+      cudaError_t rc = cudaMallocHost(&p, bytes);
+      if (rc != cudaSuccess) {
+        throw backend_error(description() + ": cudaMallocHost(" + std::to_string(bytes) + ") for MPI staging failed: " +
+                                cudaGetErrorString(rc),
+                            static_cast<int>(rc));
+      }
+      pinned_.push_back(p);
+      return p;
+    }
+    void copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind) {
+      cudaError_t rc = cudaMemcpy(to, from, bytes, kind);
+      if (rc != cudaSuccess) {
+        throw backend_error(description() + ": cudaMemcpy for MPI staging failed: " + cudaGetErrorString(rc),
+                            static_cast<int>(rc));
+      }
+    }
+    std::vector<void*> pinned_;
+#endif
+    void release_staging() noexcept {
+#if DTRAIN_HAS_CUDA()
+      for (void* p : pinned_) cudaFreeHost(p);
+      pinned_.clear();
+#endif
+    }
+    std::shared_ptr<health> health_;
+  };
+
+  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
+      : env_(std::move(env)), options_(std::move(options)), health_(std::make_shared<health>()) {
+    DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
+    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
+    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  }
+
+  detail::collective_info info(std::string_view collective, const buffer& b, int op, int root) const noexcept {
+    return {collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
+  }
+
+  void usable(const detail::collective_info& what) const {
+    if (health_->broken) usable(detail::describe(what));
+  }
+  void usable(const std::string& what) const {
+    if (health_->broken) {
+      throw backend_error(what + ": this MPI communicator is unusable since " + health_->why +
+                              " (MPI cannot cancel a collective); end the job, or continue only on other "
+                              "communicators",
+                          0);
+    }
+  }
+
+  static int count(const buffer& b, const detail::collective_info& what) {
+    if (b.count > static_cast<std::size_t>(INT_MAX)) {
+      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) + " elements exceed MPI's int count; split the buffer");
+    }
+    return static_cast<int>(b.count);
+  }
+
+  // Whether MPI reduces the type itself (the 16-bit floats go through dtrain's MPI_Op).
+  static bool native(dtype t) noexcept { return t != dtype::float16 && t != dtype::bfloat16; }
+
+  static MPI_Datatype datatype(dtype t) {
+    switch (t) {
+      case dtype::float32: return MPI_FLOAT;
+      case dtype::float64: return MPI_DOUBLE;
+      case dtype::int32: return MPI_INT32_T;
+      case dtype::int64: return MPI_INT64_T;
+      case dtype::uint8: return MPI_UINT8_T;
+      case dtype::float16:
+      case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
+    }
+    return MPI_DATATYPE_NULL;
+  }
+
+  template <class T, reduce_op Op>
+  static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+    detail::reduce_host<T>(static_cast<T*>(inout), static_cast<const T*>(in), static_cast<std::size_t>(*len), Op);
+  }
+
+  MPI_Op mpi_op(reduce_op op, dtype t) {
+    if (t != dtype::float16 && t != dtype::bfloat16) {
+      switch (op) {
+        case reduce_op::sum:
+        case reduce_op::avg: return MPI_SUM;
+        case reduce_op::min: return MPI_MIN;
+        case reduce_op::max: return MPI_MAX;
+        case reduce_op::prod: return MPI_PROD;
+      }
+    }
+    // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
+    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) +
+                             (op == reduce_op::min ? 1u : op == reduce_op::max ? 2u : op == reduce_op::prod ? 3u : 0u);
+    if (ops_[slot] == MPI_OP_NULL) {
+      static MPI_User_function* const functions[8] = {
+          &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
+          &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
+          &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
+          &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
+      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]), "creating the 16-bit float MPI_Op");
+    }
+    return ops_[slot];
+  }
+
+  // Check mode: every rank passed the same collective, count, type and op/root.
+  void verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
+    ++sequence_;
+    if (!options_.collectives.check) return;
+    const std::string what = detail::describe(info);
+    detail::signature mine{sequence_ * 8 + collective, static_cast<std::int64_t>(b.count),
+                           static_cast<std::int64_t>(b.type), op_or_root};
+    detail::compare_signatures(mine, rank_, size_, what, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+      DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
+                                     static_cast<int>(in.size()), MPI_INT64_T, comm_),
+                       what + " (check mode)");
+    });
+  }
+
+  std::shared_ptr<mpi_environment> env_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  mpi_options options_;
+  std::int64_t sequence_ = 0;
+  // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
+  static std::array<MPI_Op, 8> no_ops() noexcept {
+    std::array<MPI_Op, 8> ops;
+    ops.fill(MPI_OP_NULL);
+    return ops;
+  }
+  std::array<MPI_Op, 8> ops_ = no_ops();
+  std::shared_ptr<health> health_;
+};
+
+static_assert(communicator<mpi_communicator>);
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_MPI()

@@ -1,0 +1,594 @@
+#pragma once
+/// @file
+/// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
+/// mapping of dtrain's types and ops onto NCCL's, the argument checks, and the
+/// state a communicator shares with its work handles (the NCCL communicator,
+/// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
+/// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
+
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/backend/work.hpp>
+#include <dtrain/config.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Default limit for creating an NCCL communicator (ncclCommInitRankConfig,
+/// ncclCommSplit): every rank must have joined by then. Environment:
+/// DTRAIN_NCCL_INIT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_nccl_init_timeout{300'000};
+
+/// Default store key of the NCCL unique id.
+inline constexpr std::string_view default_nccl_store_key = "nccl/unique_id";
+
+/// Options of an NCCL communicator. Aggregate: use designated initialisers,
+/// `{.collectives = {.timeout = 30s}, .init_timeout = 60s}`.
+struct nccl_options {
+  /// Collective timeout (work::wait() without an argument; also bounds the
+  /// destructor's wait) and check mode.
+  collective_options collectives{};
+  /// Limit for ncclCommInitRankConfig and ncclCommSplit.
+  std::chrono::milliseconds init_timeout = default_nccl_init_timeout;
+  /// NCCL's blocking mode. Off (the default), dtrain polls NCCL, so that init
+  /// and enqueueing time out too; on, only completion can time out. NCCL's own
+  /// NCCL_COMM_BLOCKING overrides either.
+  bool blocking = false;
+  /// Where rank 0 publishes the unique id. Must differ for every communicator
+  /// made from one store: give each job and restart round its own
+  /// prefix_store, or each communicator its own key. split() needs no store.
+  std::string store_key{default_nccl_store_key};
+
+  /// These options with DTRAIN_NCCL_INIT_TIMEOUT, DTRAIN_COLLECTIVE_TIMEOUT and
+  /// DTRAIN_CHECK_COLLECTIVES applied on top. Throws config_error naming the
+  /// variable and its value when one is malformed.
+  [[nodiscard]] nccl_options with_env(const environment& env) const {
+    nccl_options out = *this;
+    out.collectives = collectives.with_env(env);
+    if (auto text = env.get("DTRAIN_NCCL_INIT_TIMEOUT")) {
+      double seconds = 0;
+      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+      if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
+          !(seconds > 0) || seconds > 1e9) {
+        throw config_error("DTRAIN_NCCL_INIT_TIMEOUT=" + std::string(*text) +
+                           " is not a positive number of seconds");
+      }
+      out.init_timeout =
+          std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+    }
+    return out;
+  }
+};
+
+}  // namespace dtrain
+
+#if DTRAIN_HAS_NCCL()
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace dtrain::detail {
+
+/// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
+/// error: ... (ncclResult_t 5, at file:line)".
+inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
+                                   int line) {
+  std::string text = std::string("NCCL call `") + call + "` failed: " + ncclGetErrorString(code);
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
+         std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
+                                          int line) {
+  throw backend_error(nccl_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an NCCL function) and yields its ncclResult_t. Throws
+/// dtrain::backend_error with the call as written, file:line, NCCL's error
+/// string and last error, and the code (backend_error::engine_code()), unless
+/// the result is ncclSuccess or ncclInProgress (a non-blocking communicator
+/// still working in the background: poll ncclCommGetAsyncError).
+#define DTRAIN_NCCL_CHECK(call)                                                           \
+  ([&]() -> ncclResult_t {                                                                \
+    const ncclResult_t dtrain_nccl_status_ = (call);                                      \
+    if (dtrain_nccl_status_ != ncclSuccess && dtrain_nccl_status_ != ncclInProgress)      \
+      ::dtrain::detail::throw_nccl_error(dtrain_nccl_status_, #call, __FILE__, __LINE__); \
+    return dtrain_nccl_status_;                                                           \
+  }())
+
+namespace dtrain::detail {
+
+/// NCCL's name for each element type; all seven are native.
+[[nodiscard]] constexpr ncclDataType_t nccl_type(dtype t) noexcept {
+  switch (t) {
+    case dtype::float32: return ncclFloat32;
+    case dtype::float64: return ncclFloat64;
+    case dtype::float16: return ncclFloat16;
+    case dtype::bfloat16: return ncclBfloat16;
+    case dtype::int32: return ncclInt32;
+    case dtype::int64: return ncclInt64;
+    case dtype::uint8: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+/// NCCL's op for each reduction; avg is ncclAvg (NCCL divides, in the type).
+[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return ncclSum;
+    case reduce_op::avg: return ncclAvg;
+    case reduce_op::min: return ncclMin;
+    case reduce_op::max: return ncclMax;
+    case reduce_op::prod: return ncclProd;
+  }
+  return ncclSum;
+}
+
+/// The collective field of a check-mode signature.
+enum class nccl_kind : std::int64_t {
+  allreduce = 1,
+  broadcast,
+  allgather,
+  reduce_scatter,
+  barrier,
+  allreduce_many,
+  split
+};
+
+[[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
+                                              std::int64_t op_or_root) noexcept {
+  return {static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
+          static_cast<std::int64_t>(type), op_or_root};
+}
+
+/// Prefixes an engine error with the operation it interrupted (once).
+[[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
+                                                     const backend_error& e) {
+  if (std::string_view(e.what()).starts_with(what)) return e;
+  return backend_error(what + ": " + e.what(), e.engine_code());
+}
+
+// Argument checks: what one rank can check alone, before any CUDA or NCCL call.
+
+inline void nccl_check_rank(int rank, int size) {
+  if (size < 1)
+    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
+  if (rank < 0 || rank >= size) {
+    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
+                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
+  }
+}
+
+inline void nccl_check_placement(int rank, int size, int device) {
+  nccl_check_rank(rank, size);
+  if (device < 0) {
+    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
+                       std::to_string(rank) + " is negative; pass the local rank");
+  }
+}
+
+inline void nccl_check_device(const argument_check& check, const buffer& b,
+                              std::string_view which) {
+  if (b.where != memory::device) {
+    check.fail(
+        std::string(which) +
+        " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
+        "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
+  }
+  if (b.data == nullptr && b.count > 0) {
+    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
+               " elements");
+  }
+}
+
+inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
+                                 reduce_op op) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(out, in.count, "output");
+  check.op_fits(op, in.type);
+}
+
+inline void nccl_check_broadcast(const argument_check& check, const buffer& data, int root,
+                                 int size) {
+  nccl_check_device(check, data, "data");
+  check.root(root, size);
+}
+
+inline void nccl_check_allgather(const argument_check& check, const buffer& in, const buffer& out,
+                                 int size) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(out, in.count * static_cast<std::size_t>(size), "output");
+}
+
+inline void nccl_check_reduce_scatter(const argument_check& check, const buffer& in,
+                                      const buffer& out, reduce_op op, int size) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(in, out.count * static_cast<std::size_t>(size), "input");
+  check.op_fits(op, out.type);
+}
+
+inline void nccl_check_many(const argument_check& check, std::span<const buffer> buffers,
+                            reduce_op op) {
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    nccl_check_device(check, buffers[i], "buffer " + std::to_string(i));
+    check.op_fits(op, buffers[i].type);
+  }
+}
+
+/// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
+[[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
+                                                      std::string_view key) {
+  ncclUniqueId id{};
+  if (value.size() != sizeof id.internal) {
+    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
+                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
+                           std::to_string(sizeof id.internal) +
+                           ": something else wrote that key; give each communicator its own key "
+                           "(nccl_options::store_key) or prefix_store");
+  }
+  value.copy(id.internal, sizeof id.internal);
+  return id;
+}
+
+/// Checks that `device` exists, then makes it current.
+inline void nccl_select_device(int device, int rank, int size) {
+  int count = 0;
+  if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw backend_error(
+        "no usable CUDA device: " +
+            cuda_error_text(found, "cudaGetDeviceCount(&count)", __FILE__, __LINE__) +
+            "; NCCL needs a GPU and its driver (does nvidia-smi list one?)",
+        static_cast<int>(found));
+  }
+  if (device >= count) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw config_error(
+        "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) +
+        " wants CUDA device " + std::to_string(device) + ", but this process sees " +
+        std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + (visible ? visible : "<unset>") +
+        "); pass the local rank, and start no more ranks on a node than it has GPUs");
+  }
+  DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+}
+
+inline std::string nccl_seconds(std::chrono::milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+  return text;
+}
+
+inline constexpr std::string_view nccl_timeout_hint =
+    "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
+    "what every "
+    "rank passed)";
+
+/// Polling back-off: yields at first, then short sleeps, so a long wait costs no core.
+struct nccl_backoff {
+  unsigned spins = 0;
+  void operator()() {
+    if (++spins < 128) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 50 : 1000));
+    }
+  }
+};
+
+/// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
+[[nodiscard]] inline bool nccl_stream_idle(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamQuery(stream);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
+  return true;
+}
+
+/// Whether `event` has completed; throws backend_error on a CUDA error.
+[[nodiscard]] inline bool nccl_event_done(cudaEvent_t event) {
+  const cudaError_t e = cudaEventQuery(event);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) throw_cuda_error(e, "cudaEventQuery(event)", __FILE__, __LINE__);
+  return true;
+}
+
+/// What a communicator and its work handles share. `mutex` guards `comm` (NCCL
+/// calls, polls, abort) and the abort state.
+struct nccl_shared {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+  nccl_options options{};
+  cuda_stream stream;                    // every collective runs here
+  void* scratch = nullptr;               // device: the check table, then the barrier word
+  std::int64_t* device_table = nullptr;  // check mode: 4 int64 per rank
+  std::int64_t* barrier_word = nullptr;
+  ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
+
+  std::mutex mutex;
+  bool aborted = false;
+  std::string abort_reason;
+  int abort_code = 0;
+
+  nccl_shared() = default;
+  nccl_shared(const nccl_shared&) = delete;
+  nccl_shared& operator=(const nccl_shared&) = delete;
+
+  /// The stream and scratch memory of a communicator on the current device; `comm` comes later.
+  [[nodiscard]] static std::shared_ptr<nccl_shared> create(int rank, int size, int device,
+                                                           nccl_options options) {
+    auto s = std::make_shared<nccl_shared>();
+    s->rank = rank;
+    s->size = size;
+    s->device = device;
+    s->options = std::move(options);
+    s->stream = cuda_stream::non_blocking();
+    const std::size_t words = 4 * static_cast<std::size_t>(size) + 1;
+    DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
+    s->device_table = static_cast<std::int64_t*>(s->scratch);
+    s->barrier_word = s->device_table + 4 * static_cast<std::size_t>(size);
+    return s;
+  }
+
+  [[nodiscard]] ncclConfig_t config() const noexcept {
+    ncclConfig_t out = NCCL_CONFIG_INITIALIZER;
+    out.blocking = options.blocking ? 1 : 0;
+    return out;
+  }
+
+  /// Pinned host memory for the check table (allocated on first use).
+  std::int64_t* host_table() {
+    if (!host_table_)
+      DTRAIN_CUDA_CHECK(
+          cudaMallocHost(&host_table_, 4 * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
+    return host_table_;
+  }
+
+  /// NCCL's asynchronous state: ncclSuccess, ncclInProgress (still
+  /// enqueueing or initialising), or an error. Call with `mutex` held.
+  [[nodiscard]] ncclResult_t async_state() const noexcept {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    return r != ncclSuccess ? r : state;
+  }
+
+  void throw_if_aborted(const std::string& what) const {
+    if (aborted) {
+      throw backend_error(
+          what + ": the communicator was aborted earlier (" + abort_reason +
+              "); its collectives cannot run any more: create a new communicator (restart the job)",
+          abort_code);
+    }
+  }
+
+  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
+  void abort_locked(std::string why, int code) noexcept {
+    if (comm) {
+      device_guard guard(device, std::nothrow);
+      (void)ncclCommAbort(comm);
+      comm = nullptr;
+    }
+    if (!aborted) {
+      aborted = true;
+      abort_code = code;
+      try {
+        abort_reason = std::move(why);
+      } catch (...) {
+      }
+    }
+  }
+
+  /// Polls until NCCL is idle (not in progress) and `finished()` holds. An
+  /// NCCL error aborts and throws backend_error; running past `limit` aborts
+  /// and throws timeout_error, with `hint` for the person reading it. Call
+  /// with `mutex` held (or before anyone else can see this state).
+  template <class Finished>
+  void wait(const std::string& what, std::chrono::milliseconds limit, std::string_view hint,
+            Finished&& finished) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    nccl_backoff pause;
+    for (;;) {
+      throw_if_aborted(what);
+      const ncclResult_t state = async_state();
+      if (state != ncclSuccess && state != ncclInProgress) {
+        std::string why = what + " failed: NCCL reports " + async_text(state);
+        abort_locked(why, static_cast<int>(state));
+        throw backend_error(why, static_cast<int>(state));
+      }
+      if (state == ncclSuccess && finished()) return;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string why = what + " did not finish within " + nccl_seconds(limit);
+        abort_locked(why, 0);
+        throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
+      }
+      pause();
+    }
+  }
+
+  [[nodiscard]] static std::string async_text(ncclResult_t state) {
+    std::string text = ncclGetErrorString(state);
+    const char* last = ncclGetLastError(nullptr);
+    if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+    return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
+  }
+
+  /// A completion event from the pool (created on the current device when the pool is empty).
+  [[nodiscard]] cudaEvent_t acquire_event() {
+    {
+      std::lock_guard lock(events_mutex_);
+      if (!free_events_.empty()) {
+        cudaEvent_t e = free_events_.back();
+        free_events_.pop_back();
+        return e;
+      }
+    }
+    return cuda_event::create().release();
+  }
+
+  /// Returns an event to the pool. A stream that waited on it keeps the point
+  /// it waited for, so it can be recorded again at once.
+  void release_event(cudaEvent_t e) noexcept {
+    try {
+      std::lock_guard lock(events_mutex_);
+      free_events_.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+
+  /// Lets the collectives finish (at most the collective timeout), then
+  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
+  ~nccl_shared() {
+    device_guard guard(device, std::nothrow);
+    if (comm) {
+      const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
+      // Finalize only a communicator that is idle and healthy; anything else is aborted.
+      bool clean = settle(deadline, [&] {
+        const cudaError_t e = cudaStreamQuery(stream.get());
+        return e == cudaSuccess         ? settled::done
+               : e == cudaErrorNotReady ? settled::pending
+                                        : settled::failed;
+      });
+      clean = clean && async_state() == ncclSuccess;
+      if (clean) {
+        const ncclResult_t r = ncclCommFinalize(comm);
+        clean = (r == ncclSuccess || r == ncclInProgress) && settle(deadline, [&] {
+                  const ncclResult_t state = async_state();
+                  return state == ncclSuccess      ? settled::done
+                         : state == ncclInProgress ? settled::pending
+                                                   : settled::failed;
+                });
+      }
+      if (clean) {
+        (void)ncclCommDestroy(comm);
+      } else {
+        (void)ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+    if (host_table_) (void)cudaFreeHost(host_table_);
+    if (scratch) (void)cudaFree(scratch);
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+  }
+
+ private:
+  enum class settled { done, pending, failed };
+
+  // Polls `query` until it is done (true), fails, or the deadline passes (false).
+  template <class Query>
+  static bool settle(std::chrono::steady_clock::time_point deadline, Query query) noexcept {
+    nccl_backoff pause;
+    for (;;) {
+      const settled state = query();
+      if (state == settled::done) return true;
+      if (state == settled::failed || std::chrono::steady_clock::now() >= deadline) return false;
+      try {
+        pause();
+      } catch (...) {
+        return false;
+      }
+    }
+  }
+
+  std::int64_t* host_table_ = nullptr;
+  std::mutex events_mutex_;
+  std::vector<cudaEvent_t> free_events_;
+};
+
+/// An event from the pool for one scope (or released to a work).
+class nccl_pooled_event {
+ public:
+  explicit nccl_pooled_event(nccl_shared& shared)
+      : shared_(shared), event_(shared.acquire_event()) {}
+  nccl_pooled_event(const nccl_pooled_event&) = delete;
+  nccl_pooled_event& operator=(const nccl_pooled_event&) = delete;
+  ~nccl_pooled_event() {
+    if (event_) shared_.release_event(event_);
+  }
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  nccl_shared& shared_;
+  cudaEvent_t event_;
+};
+
+/// One collective in flight: done when its completion event is; failed when
+/// NCCL reports an asynchronous error (the communicator is then aborted, as
+/// NCCL asks) or the communicator was aborted.
+class nccl_work final : public work_state {
+ public:
+  nccl_work(std::string what, std::chrono::milliseconds timeout,
+            std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
+      : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
+  ~nccl_work() override { shared_->release_event(done_); }
+
+  bool poll() override {
+    std::lock_guard lock(shared_->mutex);
+    if (shared_->aborted) {
+      fail(std::make_exception_ptr(
+          backend_error(description() + " did not complete: the communicator was aborted (" +
+                            shared_->abort_reason + ")",
+                        shared_->abort_code)));
+      return true;
+    }
+    const ncclResult_t state = shared_->async_state();
+    if (state != ncclSuccess && state != ncclInProgress) {
+      std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
+      shared_->abort_locked(why, static_cast<int>(state));
+      fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
+      return true;
+    }
+    const cudaError_t e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return false;
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail(std::make_exception_ptr(backend_error(
+          description() + " failed on the device: " + cudaGetErrorName(e) + ": " +
+              cudaGetErrorString(e) + " (cudaError_t " + std::to_string(static_cast<int>(e)) + ")",
+          static_cast<int>(e))));
+    }
+    return true;
+  }
+
+  void on_timeout() noexcept override {
+    std::lock_guard lock(shared_->mutex);
+    shared_->abort_locked(description() + " timed out", 0);
+  }
+
+ private:
+  std::shared_ptr<nccl_shared> shared_;
+  cudaEvent_t done_;
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_NCCL()

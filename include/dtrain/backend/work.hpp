@@ -1,0 +1,194 @@
+#pragma once
+/// @file
+/// `work`: the handle every asynchronous collective returns.
+
+#include <dtrain/backend/types.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+namespace dtrain {
+
+/// Default limit for one collective to finish, as c10d's 10 minutes.
+/// Environment: DTRAIN_COLLECTIVE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_collective_timeout{600'000};
+
+/// Options every communicator takes. Aggregate: use designated initialisers.
+struct collective_options {
+  /// What work::wait() without an argument allows.
+  std::chrono::milliseconds timeout = default_collective_timeout;
+  /// Before each collective, compare what every rank passed (operation, count,
+  /// type, root) and report a mismatch instead of corrupting or hanging.
+  /// Costs one small allgather per collective. Environment: DTRAIN_CHECK_COLLECTIVES=1.
+  bool check = false;
+
+  /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
+  [[nodiscard]] collective_options with_env(const environment& env) const {
+    collective_options out = *this;
+    if (auto text = env.get("DTRAIN_COLLECTIVE_TIMEOUT")) {
+      double seconds = 0;
+      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+      if (text->empty() || ec != std::errc() || end != text->data() + text->size() || !(seconds > 0) || seconds > 1e9) {
+        throw config_error("DTRAIN_COLLECTIVE_TIMEOUT=" + std::string(*text) + " is not a positive number of seconds");
+      }
+      out.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+    }
+    if (auto text = env.get("DTRAIN_CHECK_COLLECTIVES")) {
+      if (*text == "1" || *text == "true") {
+        out.check = true;
+      } else if (*text == "0" || *text == "false") {
+        out.check = false;
+      } else {
+        throw config_error("DTRAIN_CHECK_COLLECTIVES=" + std::string(*text) + " is not 0, 1, true or false");
+      }
+    }
+    return out;
+  }
+};
+
+namespace detail {
+
+/// What a collective is, kept as plain fields so the hot path builds no
+/// strings; describe() formats it only when a message needs it.
+struct collective_info {
+  std::string_view collective;  ///< "allreduce"
+  std::string_view engine;      ///< "mpi"
+  int rank = 0;
+  int size = 1;
+  std::size_t count = 0;
+  std::uint8_t type = 0;        ///< a dtype
+  int op = -1;                  ///< a reduce_op, or -1
+  int root = -1;                ///< broadcast's root, or -1
+};
+
+/// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
+inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
+                            std::string_view engine) {
+  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " (" + std::string(engine) + ")";
+}
+
+inline std::string describe(const collective_info& info) {
+  std::string detail;
+  if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
+  if (info.collective != "barrier") {
+    detail += std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
+  }
+  if (info.root >= 0) detail += ", root " + std::to_string(info.root);
+  return describe(info.collective, detail, info.rank, info.size, info.engine);
+}
+
+/// One outstanding collective, as a backend tracks it.
+class work_state {
+ public:
+  explicit work_state(std::string description, std::chrono::milliseconds timeout)
+      : description_(std::move(description)), timeout_(timeout) {}
+  work_state(const collective_info& info, std::chrono::milliseconds timeout) : info_(info), timeout_(timeout) {}
+  virtual ~work_state() = default;
+  work_state(const work_state&) = delete;
+  work_state& operator=(const work_state&) = delete;
+
+  /// Makes progress; true once finished, successfully or not (see error()).
+  virtual bool poll() = 0;
+
+  /// Blocks until finished (true) or the deadline passes (false). The default
+  /// keeps calling poll(), for engines that advance only inside their test
+  /// call (MPI without a progress thread), yielding after a while so that
+  /// oversubscribed ranks can run. Engines that finish on threads of their
+  /// own (Gloo) override it to sleep instead of taking the CPU from them.
+  virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
+    for (std::uint64_t spins = 0;; ++spins) {
+      if (poll()) return true;
+      if (spins > 2000) std::this_thread::yield();
+      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) return poll();
+    }
+  }
+  /// A wait gave up: abort what the engine can abort, and mark the
+  /// communicator unusable where it cannot.
+  virtual void on_timeout() noexcept {}
+
+  [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
+  [[nodiscard]] const std::string& description() const {
+    if (description_.empty()) description_ = describe(info_);
+    return description_;
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+ protected:
+  void fail(std::exception_ptr e) noexcept {
+    if (!error_) error_ = std::move(e);
+  }
+
+ private:
+  mutable std::string description_;  // "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
+  collective_info info_{};
+  std::chrono::milliseconds timeout_;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// The handle of one asynchronous collective. Cheap to copy (shared state).
+class work {
+ public:
+  /// A handle that is already complete.
+  work() = default;
+  explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
+
+  /// True once the collective has finished, successfully or not. Never blocks.
+  [[nodiscard]] bool test() {
+    if (!state_ || done_) return true;
+    done_ = state_->poll();
+    return done_;
+  }
+
+  /// Waits for the communicator's timeout; see wait(timeout).
+  void wait() { wait(state_ ? state_->timeout() : std::chrono::milliseconds(0)); }
+
+  /// Waits until the collective finishes, then throws its error if it failed
+  /// (backend_error). Throws timeout_error naming the collective, the rank and
+  /// the time when it is not done within `timeout`; the communicator is then
+  /// aborted or marked unusable, as the engine allows.
+  void wait(std::chrono::milliseconds timeout) {
+    if (!state_) return;
+    if (!test()) {
+      if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) {
+        state_->on_timeout();
+        done_ = true;
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+        timed_out_ = std::make_exception_ptr(timeout_error(
+            state_->description() + " did not finish within " + seconds +
+            "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+            "compares what every rank passed)"));
+        std::rethrow_exception(timed_out_);
+      }
+      done_ = true;
+    }
+    if (auto e = exception()) std::rethrow_exception(e);
+  }
+
+  /// The error the collective failed with (or the timeout), once finished; null otherwise.
+  [[nodiscard]] std::exception_ptr exception() const noexcept {
+    if (timed_out_) return timed_out_;
+    return state_ && done_ ? state_->error() : nullptr;
+  }
+
+ private:
+  std::shared_ptr<detail::work_state> state_;
+  bool done_ = false;
+  std::exception_ptr timed_out_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,107 @@
+// dtrain_mpi_tests: the MPI backend, run as every rank under mpirun.
+//   mpirun -np N dtrain_mpi_tests            the doctest suite
+//   mpirun -np 2 dtrain_mpi_tests --die      rank 1 exits mid-job; the job must end, not hang
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <dtrain/dtrain.hpp>
+#include <doctest/doctest.h>
+
+#include "collective_suite.hpp"
+#include "support.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <thread>
+
+#include <unistd.h>
+
+using namespace std::chrono_literals;
+
+namespace {
+std::optional<dtrain::mpi_communicator> world;
+}
+
+TEST_CASE("mpi: every collective x type x op against a serial computation") {
+  dtrain_test::run_collective_suite(*world);
+}
+
+TEST_CASE("mpi: split by parity, then reduce within each half") {
+  auto half = world->split(world->rank() % 2, world->rank());
+  const int members = (world->size() + 1 - world->rank() % 2) / 2;
+  CHECK(half.size() == members);
+  CHECK(half.rank() == world->rank() / 2);
+  std::vector<std::int64_t> v{world->rank()};
+  dtrain::allreduce(half, std::span(v)).wait();
+  std::int64_t expected = 0;
+  for (int r = world->rank() % 2; r < world->size(); r += 2) expected += r;
+  CHECK(v[0] == expected);
+  dtrain_test::run_collective_suite(half);
+}
+
+TEST_CASE("mpi: check mode reports a rank that passed a different size") {
+  auto checked = dtrain::mpi_communicator::world({.collectives = {.check = true}});
+  std::vector<float> right(4, 1.0f);
+  dtrain::allreduce(checked, std::span(right)).wait();  // agreeing calls pass
+  CHECK(right[0] == static_cast<float>(checked.size()));
+  if (checked.size() < 2) return;
+  std::vector<float> data(checked.rank() == 1 ? 5 : 4, 1.0f);
+  try {
+    dtrain::allreduce(checked, std::span(data)).wait();
+    FAIL("mismatched sizes were not reported");
+  } catch (const dtrain::backend_error& e) {
+    CHECK_CONTAINS(std::string(e.what()), checked.rank() == 1 ? "rank 0 called" : "rank 1 called");
+    CHECK_CONTAINS(std::string(e.what()), "x float32");
+  }
+}
+
+TEST_CASE("mpi: a collective a peer never joins times out, and the communicator refuses further use") {
+  auto group = world->split(0, world->rank());
+  if (group.size() < 2) return;
+  // Static: MPI may still write into it after rank 0 gave up on the collective.
+  static std::vector<float> v(16, 1.0f);
+  if (group.rank() == 0) {
+    auto w = dtrain::allreduce(group, std::span(v));
+    CHECK_THROWS_WITH_AS(w.wait(200ms), doctest::Contains("did not finish within 0.2 s"), dtrain::timeout_error);
+    CHECK_THROWS_WITH_AS(group.barrier(), doctest::Contains("unusable"), dtrain::backend_error);
+    world->barrier().wait();  // let the late ranks join now, so MPI can complete what it holds
+  } else {
+    world->barrier().wait();  // join only after rank 0 gave up
+    dtrain::allreduce(group, std::span(v)).wait();
+  }
+}
+
+TEST_CASE("mpi: MPI was initialised by dtrain, with the thread level it needs") {
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  CHECK(provided == MPI_THREAD_MULTIPLE);
+  MPI_Comm mine = world->native();
+  MPI_Errhandler handler;
+  MPI_Comm_get_errhandler(mine, &handler);
+  CHECK(handler == MPI_ERRORS_RETURN);
+  MPI_Errhandler_free(&handler);
+}
+
+int main(int argc, char** argv) {
+  try {
+    world.emplace(dtrain::mpi_communicator::world());
+    if (argc > 1 && std::strcmp(argv[1], "--die") == 0) {
+      std::vector<float> v(1 << 20, 1.0f);
+      if (world->rank() == 1) {
+        std::fprintf(stderr, "rank 1 exiting on purpose before the allreduce\n");
+        std::fflush(stderr);
+        ::_exit(3);
+      }
+      dtrain::allreduce(*world, std::span(v)).wait(30s);
+      std::fprintf(stderr, "rank %d: the allreduce finished without rank 1\n", world->rank());
+      return 0;
+    }
+    doctest::Context context(argc, argv);
+    int status = context.run();
+    world.reset();  // finalizes MPI
+    return status;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain_mpi_tests: %s\n", e.what());
+    return 1;
+  }
+}
