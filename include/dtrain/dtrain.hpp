@@ -18,3 +18,5 @@
 #include <dtrain/backend/gloo.hpp>
 #include <dtrain/backend/cuda.hpp>
 #include <dtrain/backend/nccl.hpp>
+#include <dtrain/topology/flat.hpp>
+#include <dtrain/policy.hpp>

@@ -26,6 +26,17 @@ TEST_CASE("mpi: every collective x type x op against a serial computation") {
   dtrain_test::run_collective_suite(*world);
 }
 
+TEST_CASE("mpi: topology::flat runs the collective on the world communicator") {
+  std::vector<double> v(5, 1.0);
+  dtrain::topology::flat::allreduce(*world, dtrain::host_buffer(std::span(v)), dtrain::host_buffer(std::span(v)),
+                                    dtrain::reduce_op::sum)
+      .wait();
+  CHECK(v[4] == static_cast<double>(world->size()));
+  std::vector<std::int32_t> b{world->rank()};
+  dtrain::topology::flat::broadcast(*world, dtrain::host_buffer(std::span(b)), world->size() - 1).wait();
+  CHECK(b[0] == world->size() - 1);
+}
+
 TEST_CASE("mpi: split by parity, then reduce within each half") {
   auto half = world->split(world->rank() % 2, world->rank());
   const int members = (world->size() + 1 - world->rank() % 2) / 2;
