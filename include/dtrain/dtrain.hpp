@@ -5,6 +5,7 @@
 #include <dtrain/config.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/placement.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/options.hpp>
@@ -20,3 +21,8 @@
 #include <dtrain/backend/nccl.hpp>
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/policy.hpp>
+#include <dtrain/launch/options.hpp>
+#include <dtrain/launch/process.hpp>
+#include <dtrain/launch/agent.hpp>
+#include <dtrain/context.hpp>
+#include <dtrain/run.hpp>

@@ -93,6 +93,10 @@ struct policy {
                 "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
                 "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
                 "DTRAIN_WITH_NCCL)");
+  static_assert(!(std::is_same_v<Launch, launch::per_node> && std::is_same_v<Backend, backend::mpi>),
+                "launch::per_node starts the workers itself, but MPI processes must be started by "
+                "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
+                "backend::nccl with launch::per_node");
   using launch_type = Launch;
   using backend_type = Backend;
   using topology_type = Topology;

@@ -195,11 +195,14 @@ class backend_error : public error {
 // ---- end dtrain/error.hpp ----
 
 #include <charconv>
+#include <chrono>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace dtrain::detail {
 
@@ -275,11 +278,53 @@ inline std::optional<sourced_text> read_text(const environment& env, std::string
   return sourced_text{std::string(*text), origin};
 }
 
+/// Reads a duration variable given in seconds (fractions allowed, e.g.
+/// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
+/// positive number.
+inline std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                             std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  double seconds = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
+      !(seconds > 0) || seconds > 1e9) {
+    throw config_error(assignment(name, *text) + " is not a positive number of seconds");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+
+/// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
+inline std::optional<bool> read_flag(const environment& env, std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  for (std::string_view yes : {"1", "true", "yes", "on"}) {
+    if (*text == yes) return true;
+  }
+  for (std::string_view no : {"0", "false", "no", "off"}) {
+    if (*text == no) return false;
+  }
+  throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
+}
+
 /// Reads MASTER_PORT-style variables: an integer in 1..65535.
 inline std::optional<sourced_int> read_port(const environment& env, std::string_view name) {
   auto port = read_int(env, name);
   if (port) check_port(port->origin, port->value);
   return port;
+}
+
+/// Splits `text` at every `separator` (an empty text gives no pieces).
+inline std::vector<std::string> split(std::string_view text, char separator) {
+  std::vector<std::string> out;
+  if (text.empty()) return out;
+  std::size_t start = 0;
+  while (true) {
+    auto end = text.find(separator, start);
+    out.emplace_back(text.substr(start, end == std::string_view::npos ? end : end - start));
+    if (end == std::string_view::npos) return out;
+    start = end + 1;
+  }
 }
 
 /// A host with an optional port.
@@ -1747,6 +1792,188 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 
 }  // namespace dtrain
 // ---- end dtrain/env/discover.hpp ----
+// ---- begin dtrain/env/placement.hpp ----
+/// @file
+/// Completing the world at rendezvous: every rank reports what its launcher
+/// told it and the name of its node; ranks that share a node name share a
+/// node. Open MPI and Hydra give no node index (and with `--map-by node`
+/// rank arithmetic is wrong), so this is how those fields become known.
+/// Pure functions; the runtime (run.hpp) carries the reports through the store.
+
+
+#include <array>
+#include <cstddef>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <unistd.h>
+
+namespace dtrain {
+
+/// The variable that overrides the host name as the node's identity (for
+/// containers that share a host name, or several "nodes" on one machine).
+inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
+
+/// This process's node name: DTRAIN_NODE_NAME, else the host name.
+[[nodiscard]] inline std::string node_name(const environment& env) {
+  if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0)
+    throw error("gethostname failed; set DTRAIN_NODE_NAME");
+  return host;
+}
+
+/// What one rank says about itself at rendezvous.
+struct rank_report {
+  std::string node_name;
+  world self;  ///< as discovered: fields may be unknown
+
+  // The fields a report carries, in wire order (the world's own order).
+  static constexpr std::array<world::field, 5> fields{
+      world::field::world_size, world::field::local_rank, world::field::local_world_size,
+      world::field::node_rank, world::field::num_nodes};
+  template <class W>
+  static auto slots(W& w) {
+    return std::array{&w.world_size, &w.local_rank, &w.local_world_size, &w.node_rank,
+                      &w.num_nodes};
+  }
+
+  /// One line per entry, each `<length>:<text>`, so origins may hold anything.
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    auto put = [&](std::string_view text) {
+      out += std::to_string(text.size());
+      out += ':';
+      out += text;
+    };
+    put(node_name);
+    const auto numbers = slots(self);
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      put(*numbers[i] ? std::to_string(**numbers[i]) : std::string());
+      put(self.origin(fields[i]));
+    }
+    return out;
+  }
+
+  /// The inverse of encode(); `what` names the input (e.g. the store key) in errors.
+  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& what) {
+    rank_report r;
+    std::size_t at = 0;
+    auto take = [&]() -> std::string {
+      auto colon = text.find(':', at);
+      std::size_t length = 0;
+      bool ok = colon != std::string_view::npos && colon > at;
+      for (std::size_t i = at; ok && i < colon; ++i) {
+        ok = text[i] >= '0' && text[i] <= '9' && length < (1u << 24);
+        length = length * 10 + static_cast<std::size_t>(text[i] - '0');
+      }
+      if (!ok || colon + 1 + length > text.size())
+        throw rendezvous_error(what + " is not a dtrain rank report");
+      std::string out(text.substr(colon + 1, length));
+      at = colon + 1 + length;
+      return out;
+    };
+    r.node_name = take();
+    const auto numbers = slots(r.self);
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      std::string value = take();
+      if (!value.empty()) {
+        try {
+          *numbers[i] = std::stoi(value);
+        } catch (const std::exception&) {
+          throw rendezvous_error(what + " is not a dtrain rank report");
+        }
+      }
+      r.self.origins[static_cast<std::size_t>(fields[i])] = take();
+    }
+    if (at != text.size()) throw rendezvous_error(what + " is not a dtrain rank report");
+    return r;
+  }
+
+  /// Whether the launcher placed this rank fully (its node and its place there).
+  [[nodiscard]] bool placed() const noexcept {
+    return self.local_rank && self.local_world_size && self.node_rank && self.num_nodes;
+  }
+};
+
+/// Where one rank sits.
+struct placement {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+
+  friend bool operator==(const placement&, const placement&) = default;
+};
+
+/// Places every rank (reports[i] is rank i). When every report is complete,
+/// each keeps what its launcher said. Otherwise ranks are grouped by node
+/// name: nodes are numbered in the order of their lowest rank, local ranks
+/// follow the rank order within a node. Throws config_error, naming the
+/// ranks and variables, when the ranks disagree about the world size or a
+/// known field contradicts the grouping.
+[[nodiscard]] inline std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
+  const int n = static_cast<int>(reports.size());
+  for (int r = 0; r < n; ++r) {
+    const auto& ws = reports[r].self.world_size;
+    if (ws && *ws != n) {
+      throw config_error("rank " + std::to_string(r) + " says the world has " +
+                         std::to_string(*ws) + " ranks (" +
+                         reports[r].self.origin(world::field::world_size) + "), but " +
+                         std::to_string(n) + " ranks met at rendezvous");
+    }
+  }
+  std::vector<placement> out(static_cast<std::size_t>(n));
+  bool all_complete = true;
+  for (const auto& r : reports) all_complete = all_complete && r.placed();
+  if (all_complete) {
+    for (int r = 0; r < n; ++r) {
+      const world& w = reports[r].self;
+      out[r] = {*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+    }
+    return out;
+  }
+  std::map<std::string, int> node_of;  // node name -> node index
+  std::vector<int> node_size;
+  for (int r = 0; r < n; ++r) {
+    auto [it, fresh] =
+        node_of.try_emplace(reports[r].node_name, static_cast<int>(node_size.size()));
+    if (fresh) node_size.push_back(0);
+    out[r].node_rank = it->second;
+    out[r].local_rank = node_size[it->second]++;
+  }
+  for (int r = 0; r < n; ++r) {
+    out[r].num_nodes = static_cast<int>(node_size.size());
+    out[r].local_world_size = node_size[out[r].node_rank];
+  }
+  // A field the launcher did give must match: otherwise the node names are wrong.
+  for (int r = 0; r < n; ++r) {
+    const world& w = reports[r].self;
+    auto check = [&](world::field f, const std::optional<int>& known, int grouped,
+                     std::string_view what) {
+      if (known && *known != grouped) {
+        throw config_error("rank " + std::to_string(r) + ": " + w.origin(f) + " gives " +
+                           std::string(what) + " " + std::to_string(*known) +
+                           ", but grouping the ranks by node name (\"" + reports[r].node_name +
+                           "\", the host name unless DTRAIN_NODE_NAME is set) gives " +
+                           std::to_string(grouped) +
+                           "; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK");
+      }
+    };
+    check(world::field::local_rank, w.local_rank, out[r].local_rank, "local rank");
+    check(world::field::local_world_size, w.local_world_size, out[r].local_world_size,
+          "local world size");
+    check(world::field::node_rank, w.node_rank, out[r].node_rank, "node rank");
+    check(world::field::num_nodes, w.num_nodes, out[r].num_nodes, "node count");
+  }
+  return out;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/env/placement.hpp ----
 // ---- begin dtrain/rendezvous/options.hpp ----
 /// @file
 /// Options of the rendezvous store, server and client alike. Each default is
@@ -1812,8 +2039,8 @@ struct store_options {
   /// config_error naming the variable on a malformed value.
   [[nodiscard]] store_options with_env(const environment& env) const {
     store_options out = *this;
-    if (auto t = read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
-    if (auto t = read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
     if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
     if (out.token.size() > out.limits.max_token_size) {
       throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
@@ -1822,20 +2049,6 @@ struct store_options {
     return out;
   }
 
- private:
-  static std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
-                                                               std::string_view name) {
-    auto text = env.get(name);
-    if (!text) return std::nullopt;
-    const std::string what = detail::assignment(name, *text);
-    double seconds = 0;
-    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-    if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
-        !(seconds > 0) || seconds > 1e9) {
-      throw config_error(what + " is not a positive number of seconds");
-    }
-    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-  }
 };
 
 }  // namespace dtrain
@@ -3724,23 +3937,8 @@ struct collective_options {
   /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
   [[nodiscard]] collective_options with_env(const environment& env) const {
     collective_options out = *this;
-    if (auto text = env.get("DTRAIN_COLLECTIVE_TIMEOUT")) {
-      double seconds = 0;
-      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-      if (text->empty() || ec != std::errc() || end != text->data() + text->size() || !(seconds > 0) || seconds > 1e9) {
-        throw config_error("DTRAIN_COLLECTIVE_TIMEOUT=" + std::string(*text) + " is not a positive number of seconds");
-      }
-      out.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-    }
-    if (auto text = env.get("DTRAIN_CHECK_COLLECTIVES")) {
-      if (*text == "1" || *text == "true") {
-        out.check = true;
-      } else if (*text == "0" || *text == "false") {
-        out.check = false;
-      } else {
-        throw config_error("DTRAIN_CHECK_COLLECTIVES=" + std::string(*text) + " is not 0, 1, true or false");
-      }
-    }
+    if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
+    if (auto check = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *check;
     return out;
   }
 };
@@ -5669,17 +5867,7 @@ struct nccl_options {
   [[nodiscard]] nccl_options with_env(const environment& env) const {
     nccl_options out = *this;
     out.collectives = collectives.with_env(env);
-    if (auto text = env.get("DTRAIN_NCCL_INIT_TIMEOUT")) {
-      double seconds = 0;
-      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-      if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
-          !(seconds > 0) || seconds > 1e9) {
-        throw config_error("DTRAIN_NCCL_INIT_TIMEOUT=" + std::string(*text) +
-                           " is not a positive number of seconds");
-      }
-      out.init_timeout =
-          std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-    }
+    if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
     return out;
   }
 };
@@ -6776,6 +6964,10 @@ struct policy {
                 "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
                 "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
                 "DTRAIN_WITH_NCCL)");
+  static_assert(!(std::is_same_v<Launch, launch::per_node> && std::is_same_v<Backend, backend::mpi>),
+                "launch::per_node starts the workers itself, but MPI processes must be started by "
+                "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
+                "backend::nccl with launch::per_node");
   using launch_type = Launch;
   using backend_type = Backend;
   using topology_type = Topology;
@@ -6787,6 +6979,1324 @@ struct policy {
 
 }  // namespace dtrain
 // ---- end dtrain/policy.hpp ----
+// ---- begin dtrain/launch/options.hpp ----
+/// @file
+/// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
+/// Every option can also come from an environment variable; see with_env().
+
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace dtrain {
+
+/// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
+/// Environment: DTRAIN_GRACE_PERIOD (seconds).
+inline constexpr std::chrono::milliseconds default_grace_period{10'000};
+
+/// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
+/// Unset values come from the environment or the outer launcher (see
+/// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
+/// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
+struct agent_options {
+  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
+  /// the number of visible CUDA devices for backend::nccl, else 1.
+  std::optional<int> nproc_per_node{};
+  /// Nodes (agents) in the job. Environment: DTRAIN_NNODES. Default: from the
+  /// outer launcher, else 1.
+  std::optional<int> nnodes{};
+  /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
+  /// and must agree).
+  std::optional<int> node_rank{};
+  /// Where node 0's agent serves the rendezvous store. Default: MASTER_ADDR,
+  /// else 127.0.0.1 on a single node; required with several nodes.
+  std::optional<std::string> master_addr{};
+  /// Its port. Default: MASTER_PORT, else a free port on a single node and
+  /// 29500 with several. 0 picks a free port (single node only).
+  std::optional<int> master_port{};
+  /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
+  int max_restarts = 0;
+  /// SIGTERM → SIGKILL delay when workers are stopped. Environment: DTRAIN_GRACE_PERIOD (seconds).
+  std::chrono::milliseconds grace_period = default_grace_period;
+  /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
+  /// Environment: DTRAIN_TEE=1.
+  bool tee = false;
+  /// When set, each worker's output (stdout and stderr) also goes to
+  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
+  std::string log_dir{};
+  /// Pass `--local_rank=N` as the workers' first argument, as
+  /// torch.distributed.launch did for Hugging Face style scripts.
+  /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
+  bool local_rank_arg = false;
+
+  /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
+  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD, DTRAIN_TEE,
+  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
+  /// wins, as for every dtrain option, so an operator can change a job without
+  /// rebuilding it. Throws config_error naming the variable and its value.
+  [[nodiscard]] agent_options with_env(const environment& env) const {
+    agent_options out = *this;
+    auto count = [&](const char* name, std::optional<int>& into, int least) {
+      if (auto v = detail::read_int(env, name)) {
+        if (v->value < least) {
+          throw config_error(v->origin + " must be at least " + std::to_string(least));
+        }
+        into = v->value;
+      }
+    };
+    count("DTRAIN_NPROC_PER_NODE", out.nproc_per_node, 1);
+    count("DTRAIN_NNODES", out.nnodes, 1);
+    count("DTRAIN_NODE_RANK", out.node_rank, 0);
+    if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
+    if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
+    if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
+    if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
+    if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
+    out.check();
+    return out;
+  }
+
+  /// Throws config_error when an option is out of range.
+  void check() const {
+    auto at_least = [](const char* name, const std::optional<int>& v, int least) {
+      if (v && *v < least) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " must be at least " + std::to_string(least));
+      }
+    };
+    at_least("nproc_per_node", nproc_per_node, 1);
+    at_least("nnodes", nnodes, 1);
+    at_least("node_rank", node_rank, 0);
+    if (max_restarts < 0) {
+      throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
+    }
+    if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+    if (master_port && *master_port != 0) {
+      detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
+    }
+    if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+  }
+};
+
+}  // namespace dtrain
+// ---- end dtrain/launch/options.hpp ----
+// ---- begin dtrain/launch/process.hpp ----
+/// @file
+/// The node agent's processes: starting a worker (fork + exec, dying with the
+/// agent), stopping a group (SIGTERM, grace period, SIGKILL), and carrying
+/// the workers' output with a `[rank N] ` prefix and into per-rank log files.
+
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// "exited with status 3", "was killed by SIGKILL (signal 9)".
+inline std::string describe_wait_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by " + (name ? "SIG" + std::string(name) : std::string("a signal")) +
+           " (signal " + std::to_string(sig) + ")";
+  }
+  return "stopped with wait status " + std::to_string(status);
+}
+
+/// The shell's convention: the exit status, or 128 + the signal.
+inline int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+/// Finds `program` on PATH the way execvp would, before fork (execvp itself
+/// is not async-signal-safe). Returns it unchanged when it has a '/'.
+inline std::string find_program(const std::string& program,
+                                std::optional<std::string_view> path_var) {
+  if (program.find('/') != std::string::npos) return program;
+  std::string path(path_var.value_or("/usr/local/bin:/usr/bin:/bin"));
+  std::size_t start = 0;
+  while (start <= path.size()) {
+    std::size_t end = path.find(':', start);
+    if (end == std::string::npos) end = path.size();
+    std::string dir = path.substr(start, end - start);
+    std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + program;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  throw config_error("cannot run \"" + program + "\": not found on PATH=" + path);
+}
+
+/// Carries the workers' output to the agent's stdout/stderr, each line
+/// prefixed with `[rank N] ` when `tee` is on, and to per-rank log files.
+/// One thread polls every pipe; lines are written whole, so ranks never
+/// interleave within a line.
+class output_relay {
+ public:
+  struct stream {
+    unique_fd pipe;  // read end
+    int rank = 0;
+    bool is_stderr = false;
+    std::string partial;
+  };
+
+  output_relay(bool tee, std::string log_dir) : tee_(tee), log_dir_(std::move(log_dir)) {}
+  output_relay(const output_relay&) = delete;
+  output_relay& operator=(const output_relay&) = delete;
+  ~output_relay() { finish(std::chrono::milliseconds(0)); }
+
+  /// Whether output passes through the relay at all (else workers inherit the agent's).
+  [[nodiscard]] bool active() const noexcept { return tee_ || !log_dir_.empty(); }
+
+  /// Opens the log files of one restart round: `<log_dir>/restart_<k>/rank_<N>.log`.
+  void open_logs(int restart, const std::vector<int>& ranks) {
+    if (log_dir_.empty()) return;
+    std::filesystem::path dir =
+        std::filesystem::path(log_dir_) / ("restart_" + std::to_string(restart));
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec)
+      throw config_error("cannot create the log directory " + dir.string() + ": " + ec.message());
+    std::lock_guard lock(mutex_);
+    logs_.clear();
+    for (int rank : ranks) {
+      auto path = dir / ("rank_" + std::to_string(rank) + ".log");
+      auto file = std::make_unique<std::ofstream>(path, std::ios::trunc);
+      if (!*file) throw config_error("cannot write the log file " + path.string());
+      logs_[rank] = std::move(file);
+    }
+  }
+
+  /// Hands the read ends of one worker's pipes to the relay thread.
+  void add(int rank, unique_fd out, unique_fd err) {
+    std::lock_guard lock(mutex_);
+    pending_.push_back(stream{std::move(out), rank, false, {}});
+    pending_.push_back(stream{std::move(err), rank, true, {}});
+    if (!thread_.joinable()) {
+      stop_ = false;
+      thread_ = std::thread([this] { pump(); });
+    }
+  }
+
+  /// Waits up to `drain` for the pipes to reach end-of-file (the workers are
+  /// gone, but their children may hold the pipes), then stops the thread.
+  void finish(std::chrono::milliseconds drain) {
+    if (!thread_.joinable()) return;
+    auto deadline = std::chrono::steady_clock::now() + drain;
+    while (std::chrono::steady_clock::now() < deadline && open_streams_.load() > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  void pump() {
+    std::vector<stream> streams;
+    std::vector<char> buffer(1 << 16);
+    while (true) {
+      {
+        std::lock_guard lock(mutex_);
+        for (auto& s : pending_) streams.push_back(std::move(s));
+        pending_.clear();
+        open_streams_ = streams.size();
+      }
+      if (stop_ && streams.empty()) break;
+      std::vector<pollfd> fds;
+      for (auto& s : streams) fds.push_back(pollfd{s.pipe.get(), POLLIN, 0});
+      int ready = ::poll(fds.data(), fds.size(), 20);
+      if (ready < 0 && errno != EINTR) break;
+      for (std::size_t i = 0; i < streams.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        ssize_t n = ::read(streams[i].pipe.get(), buffer.data(), buffer.size());
+        if (n > 0) {
+          streams[i].partial.append(buffer.data(), static_cast<std::size_t>(n));
+          emit_lines(streams[i], false);
+        } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+          emit_lines(streams[i], true);
+          streams[i].pipe.reset();
+        }
+      }
+      if (stop_) {
+        for (auto& s : streams) emit_lines(s, true);
+        streams.clear();
+      }
+      std::erase_if(streams, [](const stream& s) { return !s.pipe && s.partial.empty(); });
+    }
+    open_streams_ = 0;
+  }
+
+  void emit_lines(stream& s, bool at_end) {
+    std::size_t start = 0;
+    std::lock_guard lock(mutex_);
+    for (std::size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+      write_line(s, std::string_view(s.partial).substr(start, nl + 1 - start));
+    }
+    s.partial.erase(0, start);
+    if (at_end && !s.partial.empty()) {
+      write_line(s, s.partial + "\n");
+      s.partial.clear();
+    }
+  }
+
+  void write_line(const stream& s, std::string_view line) {
+    std::FILE* to = s.is_stderr ? stderr : stdout;
+    if (tee_) {
+      std::fprintf(to, "[rank %d] %.*s", s.rank, static_cast<int>(line.size()), line.data());
+      std::fflush(to);
+    }
+    if (auto it = logs_.find(s.rank); it != logs_.end()) {
+      it->second->write(line.data(), static_cast<std::streamsize>(line.size()));
+      it->second->flush();
+    }
+  }
+
+  bool tee_;
+  std::string log_dir_;
+  std::mutex mutex_;
+  std::vector<stream> pending_;
+  std::map<int, std::unique_ptr<std::ofstream>> logs_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::size_t> open_streams_{0};
+  std::thread thread_;
+};
+
+/// One started worker.
+struct worker_process {
+  int rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  unique_fd exit_fd;          ///< a pidfd: readable once the worker exits (Linux 5.3+)
+  std::optional<int> status;  ///< wait status, once reaped
+};
+
+/// What a worker is started with: argv[0] is the program (found on PATH).
+struct worker_command {
+  std::vector<std::string> argv;
+  std::vector<std::string> env;  ///< NAME=value entries, the whole environment
+};
+
+/// Starts a worker. The child asks for SIGKILL when the agent's thread that
+/// forked it dies (PR_SET_PDEATHSIG), so no worker outlives its agent, and
+/// starts with every signal unblocked and default. Only async-signal-safe
+/// calls happen between fork and exec; everything is prepared before.
+inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank) {
+  std::vector<char*> argv;
+  for (const auto& a : cmd.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& e : cmd.env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+
+  int out[2] = {-1, -1};
+  int err[2] = {-1, -1};
+  if (relay != nullptr) {
+    DTRAIN_SYSCALL(::pipe2(out, O_CLOEXEC));
+    DTRAIN_SYSCALL(::pipe2(err, O_CLOEXEC));
+  }
+  unique_fd out_read(out[0]), out_write(out[1]), err_read(err[0]), err_write(err[1]);
+  // A failed exec reports its errno through this pipe; it closes on a successful exec.
+  int report[2];
+  DTRAIN_SYSCALL(::pipe2(report, O_CLOEXEC));
+  unique_fd report_read(report[0]), report_write(report[1]);
+  const pid_t parent = ::getpid();
+
+  pid_t pid = DTRAIN_SYSCALL(::fork());
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);  // the agent died before prctl took effect
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    if (relay != nullptr &&
+        (::dup2(out[1], STDOUT_FILENO) < 0 || ::dup2(err[1], STDERR_FILENO) < 0)) {
+      int e = errno;
+      (void)!::write(report[1], &e, sizeof e);
+      ::_exit(127);
+    }
+    ::execve(argv[0], argv.data(), envp.data());
+    int e = errno;
+    (void)!::write(report[1], &e, sizeof e);
+    ::_exit(127);
+  }
+  report_write.reset();
+  int child_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(report_read.get(), &child_errno, sizeof child_errno);
+  } while (n < 0 && errno == EINTR);
+  if (n == static_cast<ssize_t>(sizeof child_errno)) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    throw error("cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
+                "): " + std::strerror(child_errno));
+  }
+  if (relay != nullptr) relay->add(rank, std::move(out_read), std::move(err_read));
+  return pid;
+}
+
+/// A pidfd for `pid`, or an empty one where the kernel has none.
+inline unique_fd open_exit_fd(pid_t pid) {
+  return unique_fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+}
+
+/// Waits up to `timeout` for a worker to exit and reaps whichever have.
+/// Returns the workers reaped in this call, in the order their exits were
+/// seen: the agent wakes the moment the first one exits, so the first
+/// failure reported is the root cause, not a peer that failed because of it.
+inline std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
+                                                std::chrono::milliseconds timeout) {
+  std::vector<pollfd> fds;
+  bool polled = true;
+  for (auto& w : workers) {
+    if (w.status || w.pid <= 0) continue;
+    if (!w.exit_fd) polled = false;
+    fds.push_back(pollfd{w.exit_fd.get(), POLLIN, 0});
+  }
+  if (fds.empty()) return {};
+  if (polled) {
+    if (::poll(fds.data(), fds.size(), static_cast<int>(timeout.count())) <= 0) return {};
+  } else {
+    std::this_thread::sleep_for(timeout);
+  }
+  std::vector<worker_process*> reaped;
+  for (auto& w : workers) {
+    if (w.status || w.pid <= 0) continue;
+    int status = 0;
+    if (::waitpid(w.pid, &status, WNOHANG) == w.pid) {
+      w.status = status;
+      w.exit_fd.reset();
+      reaped.push_back(&w);
+    }
+  }
+  return reaped;
+}
+
+/// Sends `sig` to the live workers, waits up to `grace` for them to exit,
+/// then SIGKILLs the rest and reaps everyone. Afterwards no worker is alive.
+inline void stop_workers(std::vector<worker_process>& workers, int sig,
+                         std::chrono::milliseconds grace) {
+  for (auto& w : workers) {
+    if (!w.status && w.pid > 0) ::kill(w.pid, sig);
+  }
+  auto deadline = std::chrono::steady_clock::now() + grace;
+  auto alive = [&] {
+    return std::any_of(workers.begin(), workers.end(),
+                       [](const worker_process& w) { return !w.status && w.pid > 0; });
+  };
+  while (alive() && std::chrono::steady_clock::now() < deadline)
+    reap_exited(workers, std::chrono::milliseconds(10));
+  for (auto& w : workers) {
+    if (w.status || w.pid <= 0) continue;
+    ::kill(w.pid, SIGKILL);
+    int status = 0;
+    while (::waitpid(w.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    w.status = status;
+  }
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/process.hpp ----
+// ---- begin dtrain/launch/agent.hpp ----
+/// @file
+/// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
+/// node's workers with torchrun's environment, hosts the rendezvous store on
+/// node 0, supervises the workers, stops the whole job on the first failure
+/// (on every node), restarts it up to a limit, and forwards signals.
+
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// The variable through which an agent tells its workers where its store is
+/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
+inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
+/// The variable that carries the restart round to the workers (torchrun's
+/// TORCHELASTIC_RESTART_COUNT is set too).
+inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+
+namespace detail {
+
+inline volatile std::sig_atomic_t agent_signal = 0;
+
+inline void record_agent_signal(int sig) { agent_signal = sig; }
+
+/// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
+/// them to the workers; restores the previous handlers afterwards.
+class agent_signal_scope {
+ public:
+  agent_signal_scope() {
+    agent_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = record_agent_signal;
+    sigemptyset(&sa.sa_mask);
+    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+  }
+  agent_signal_scope(const agent_signal_scope&) = delete;
+  agent_signal_scope& operator=(const agent_signal_scope&) = delete;
+  ~agent_signal_scope() {
+    for (std::size_t i = 0; i < signals.size(); ++i)
+      ::sigaction(signals[i], &previous_[i], nullptr);
+  }
+  static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
+
+ private:
+  std::array<struct sigaction, 3> previous_{};
+};
+
+/// A port nobody listens on now (it may be taken before it is used: the
+/// same race torchrun accepts for --standalone).
+inline int pick_free_port() {
+  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
+  return ntohs(addr.sin_port);
+}
+
+inline std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+/// How a restart round ended.
+struct round_end {
+  bool succeeded = false;
+  int status = 0;       ///< exit status for the agent when the job ends here
+  bool final = false;   ///< no restart: a signal or a lost peer ended the job
+  std::string message;  ///< who failed how
+};
+
+/// The agents' store key `what` of restart round `restart`.
+inline std::string round_key(int restart, std::string_view what) {
+  return "dtrain/agent/" + std::to_string(restart) + "/" + std::string(what);
+}
+
+/// Where the first failure of restart round `restart` is recorded.
+inline std::string failure_key(int restart) { return detail::round_key(restart, "failure"); }
+
+/// Records a failure unless one is recorded already: the first one is the
+/// root cause, later ones are usually its consequences.
+inline void record_failure(store_client& store, int restart, int status, bool final,
+                           const std::string& message) {
+  store.compare_set(failure_key(restart), "",
+                    std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
+}
+
+/// How one worker is named in failure messages.
+inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
+  return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
+         std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
+}
+
+}  // namespace detail
+
+/// The agent of one node. run() starts `nproc_per_node` workers running
+/// `command`, and returns the exit status the agent should exit with: 0 when
+/// every worker of every node succeeded, else the failing worker's status
+/// (128 + signal for a killed one). Throws config_error on bad options.
+///
+/// Each worker gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
+/// LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+/// ROLE_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, plus
+/// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE. MASTER_PORT is a port that
+/// node 0's agent picks for the workers in each round (a PyTorch worker's
+/// rank 0 binds its own store there); dtrain workers meet at the agent's
+/// store instead, which outlives restarts.
+class node_agent {
+ public:
+  /// `command` is the worker's argv; `env` the environment the workers
+  /// inherit (and where NODE_RANK, MASTER_ADDR, ... are read); `options` are
+  /// final (apply with_env() before).
+  node_agent(std::vector<std::string> command, agent_options options,
+             environment env = environment::from_process(), store_options store = {})
+      : command_(std::move(command)),
+        options_(std::move(options)),
+        env_(std::move(env)),
+        store_options_(std::move(store)) {
+    if (command_.empty()) throw config_error("node_agent: no worker command to run");
+    options_.check();
+    node_ = discover_world(env_, {},
+                           discover_options{.mode = launch_mode::per_node,
+                                            .nproc_per_node = options_.nproc_per_node.value_or(1),
+                                            .nnodes = options_.nnodes,
+                                            .node_rank = options_.node_rank});
+    if (!node_.node_rank || !node_.num_nodes) {
+      throw config_error(
+          "the node agent cannot tell which node it is: give node_rank and nnodes "
+          "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
+          "mpirun or srun");
+    }
+    nproc_ = *node_.local_world_size;
+    const bool single = *node_.num_nodes == 1;
+    if (options_.master_addr) {
+      master_addr_ = *options_.master_addr;
+    } else if (node_.master_addr) {
+      master_addr_ = *node_.master_addr;
+    } else if (single) {
+      master_addr_ = "127.0.0.1";
+    } else {
+      throw config_error("a job of " + std::to_string(*node_.num_nodes) +
+                         " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
+    }
+    if (options_.master_port) {
+      master_port_ = *options_.master_port;
+    } else if (node_.master_port) {
+      master_port_ = *node_.master_port;
+    } else {
+      master_port_ = single ? 0 : default_master_port;
+    }
+    if (master_port_ == 0 && !single) {
+      throw config_error(
+          "master_port 0 (a free port) works only on a single node: the other "
+          "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+    }
+  }
+
+  /// The node as the agent sees it (node_rank, num_nodes, nproc as local_world_size).
+  [[nodiscard]] const world& node() const noexcept { return node_; }
+
+  /// Runs the job to the end; see the class comment for the exit status.
+  int run() {
+    detail::agent_signal_scope signals;
+    detail::output_relay relay(options_.tee, options_.log_dir);
+    relay_ = &relay;
+    std::optional<store_server> server;
+    if (node_rank() == 0) {
+      server.emplace("0.0.0.0", master_port_, store_options_);
+      master_port_ = server->port();
+    }
+    store_client store(node_rank() == 0 ? "127.0.0.1" : master_addr_, master_port_, store_options_);
+    say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
+            std::to_string(nproc_) + " workers, store at " +
+            detail::endpoint_text(master_addr_, master_port_),
+        true);
+    int status = 1;
+    try {
+      join(store);
+      for (int restart = 0;; ++restart) {
+        detail::round_end end = run_round(store, restart);
+        if (end.succeeded) {
+          status = 0;
+          break;
+        }
+        if (end.final || restart >= options_.max_restarts) {
+          say(end.message + "; ending the job" +
+              (end.final ? std::string()
+                         : " (restarts used: " + std::to_string(restart) + " of " +
+                               std::to_string(options_.max_restarts) + ")"));
+          status = end.status;
+          break;
+        }
+        say(end.message + "; restarting every node's workers (restart " +
+            std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
+        meet(store, detail::round_key(restart, "stopped"), "every node to stop its workers");
+      }
+      leave(store, node_rank() == 0);
+    } catch (const rendezvous_error& e) {
+      stop(SIGTERM);
+      say(std::string("lost the rendezvous store (node 0's agent) at ") +
+          detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
+      status = 1;
+    } catch (...) {
+      // A signal that interrupted a wait ends the job like one during the run.
+      const int sig = detail::agent_signal;
+      stop(sig != 0 ? sig : SIGTERM);
+      relay.finish(std::chrono::milliseconds(200));
+      if (sig == 0) throw;
+      say("received signal " + std::to_string(sig) + "; stopped this node's workers");
+      status = 128 + sig;
+    }
+    relay.finish(std::chrono::milliseconds(200));
+    relay_ = nullptr;
+    return status;
+  }
+
+ private:
+  [[nodiscard]] int node_rank() const { return *node_.node_rank; }
+  [[nodiscard]] int nnodes() const { return *node_.num_nodes; }
+
+  void say(const std::string& text, bool verbose = false) const {
+    if (verbose && !options_.tee) return;
+    std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank(), nnodes(), text.c_str());
+    std::fflush(stderr);
+  }
+
+  /// Waits, polling the store, until `done()`; a signal to the agent or the
+  /// store timeout ends the wait with an exception.
+  template <class Done>
+  void wait_for(Done done, const std::string& what) {
+    auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+    while (!done()) {
+      if (detail::agent_signal != 0) {
+        throw error("received signal " + std::to_string(detail::agent_signal) +
+                    " while waiting for " + what);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error("the node agent waited " +
+                            std::to_string(store_options_.timeout.count() / 1000) + " s for " +
+                            what + " (DTRAIN_STORE_TIMEOUT)");
+      }
+      std::this_thread::sleep_for(poll_interval);
+    }
+  }
+
+  /// A barrier of all agents that a signal can interrupt.
+  void meet(store_client& store, const std::string& key, const std::string& what) {
+    store.add(key, 1);
+    wait_for([&] { return store.add(key, 0) >= nnodes(); }, what);
+  }
+
+  /// Registers this node and checks that every node runs the same job shape.
+  void join(store_client& store) {
+    const std::string me = std::to_string(nproc_) + " " + std::to_string(options_.max_restarts) +
+                           " " + detail::host_name() + ":" + std::to_string(::getpid());
+    const std::string key = "dtrain/agent/node/" + std::to_string(node_rank());
+    std::string holder = store.compare_set(key, "", me);
+    if (holder != me) {
+      throw config_error("node_rank " + std::to_string(node_rank()) +
+                         " is taken twice: by the agent " + holder.substr(holder.rfind(' ') + 1) +
+                         " and by this one (" + me.substr(me.rfind(' ') + 1) +
+                         "); give each agent its own --node-rank / NODE_RANK");
+    }
+    meet(store, "dtrain/agent/joined", "all " + std::to_string(nnodes()) + " node agents to join");
+    for (int n = 0; n < nnodes(); ++n) {
+      std::string other = store.get("dtrain/agent/node/" + std::to_string(n));
+      auto fields = detail::split(other, ' ');
+      if (fields.size() == 3 && fields[0] != std::to_string(nproc_)) {
+        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") runs " + fields[0] +
+                           " workers, this node " + std::to_string(nproc_) +
+                           "; every node must run the same nproc_per_node");
+      }
+      if (fields.size() == 3 && fields[1] != std::to_string(options_.max_restarts)) {
+        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") allows " +
+                           fields[1] + " restarts, this node " +
+                           std::to_string(options_.max_restarts) +
+                           "; every node must use the same max_restarts");
+      }
+    }
+  }
+
+  /// Node 0 keeps the store up until every agent has read how the job ended.
+  void leave(store_client& store, bool hosting) {
+    const std::string key = "dtrain/agent/left";
+    try {
+      store.add(key, 1);
+      if (!hosting) return;
+      auto deadline =
+          std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
+      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline &&
+             detail::agent_signal == 0) {
+        std::this_thread::sleep_for(poll_interval);
+      }
+    } catch (const rendezvous_error&) {
+      // The job has ended; a peer that cannot be told is not a new failure.
+    }
+  }
+
+  std::vector<std::string> worker_environment(const world& w, int restart, int worker_port) const {
+    auto vars = env_.vars();
+    auto set = [&](std::string name, const std::string& value) {
+      vars.insert_or_assign(std::move(name), value);
+    };
+    set("RANK", std::to_string(*w.rank));
+    set("LOCAL_RANK", std::to_string(*w.local_rank));
+    set("WORLD_SIZE", std::to_string(*w.world_size));
+    set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
+    set("GROUP_RANK", std::to_string(node_rank()));
+    set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
+    set("ROLE_RANK", std::to_string(*w.rank));
+    set("ROLE_WORLD_SIZE", std::to_string(*w.world_size));
+    set("ROLE_NAME", "default");
+    set("NODE_RANK", std::to_string(node_rank()));
+    set("MASTER_ADDR", master_addr_);
+    set("MASTER_PORT", std::to_string(worker_port));
+    set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+    set(std::string(restart_count_variable), std::to_string(restart));
+    set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+    // As torchrun: one thread per worker unless the user chose, so N workers
+    // do not each start one OpenMP thread per core.
+    if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+    std::vector<std::string> out;
+    out.reserve(vars.size());
+    for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
+    return out;
+  }
+
+  /// Starts this node's workers for one round and supervises them until the
+  /// round ends on every node.
+  detail::round_end run_round(store_client& store, int restart) {
+    const std::string port_key = detail::round_key(restart, "worker_port");
+    if (node_rank() == 0) store.set(port_key, std::to_string(detail::pick_free_port()));
+    wait_for([&] { return store.check(std::span<const std::string>(&port_key, 1)); },
+             "node 0 to pick the workers' port");
+    const int worker_port = std::stoi(store.get(port_key));
+
+    const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
+    std::vector<int> ranks;
+    for (int local = 0; local < nproc_; ++local) ranks.push_back(node_rank() * nproc_ + local);
+    if (relay_->active()) relay_->open_logs(restart, ranks);
+    workers_.clear();
+    for (int local = 0; local < nproc_; ++local) {
+      world w;
+      w.rank = node_rank() * nproc_ + local;
+      w.world_size = nnodes() * nproc_;
+      w.local_rank = local;
+      detail::worker_command cmd;
+      cmd.argv = command_;
+      cmd.argv.front() = program;
+      if (options_.local_rank_arg)
+        cmd.argv.insert(cmd.argv.begin() + 1, "--local_rank=" + std::to_string(local));
+      cmd.env = worker_environment(w, restart, worker_port);
+      detail::worker_process& p = workers_.emplace_back();
+      p.rank = *w.rank;
+      p.local_rank = local;
+      p.pid = detail::spawn_worker(cmd, relay_->active() ? relay_ : nullptr, *w.rank);
+      p.exit_fd = detail::open_exit_fd(p.pid);
+    }
+    return supervise(store, restart);
+  }
+
+  detail::round_end supervise(store_client& store, int restart) {
+    const std::string failure_key = detail::failure_key(restart);
+    const std::string success_key = detail::round_key(restart, "succeeded");
+    const std::span<const std::string> failure_keys(&failure_key, 1);
+    bool reported_success = false;
+    while (true) {
+      if (int sig = detail::agent_signal; sig != 0) {
+        std::string message = "node " + std::to_string(node_rank()) + "'s agent received signal " +
+                              std::to_string(sig) + " and stopped its workers";
+        detail::record_failure(store, restart, 128 + sig, true, message);
+        stop(sig);
+        return {false, 128 + sig, true, message};
+      }
+      for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
+        if (*w->status == 0) continue;
+        // A dtrain worker records its own failure, with its reason, before it exits.
+        std::string message = detail::worker_label(w->rank, node_rank(), w->local_rank, w->pid) +
+                              " " + detail::describe_wait_status(*w->status);
+        detail::record_failure(store, restart, detail::exit_code_of(*w->status), false, message);
+        break;
+      }
+      if (store.check(failure_keys)) {
+        detail::round_end end = read_failure(store.get(failure_key));
+        stop(SIGTERM);
+        return end;
+      }
+      const bool all_done =
+          std::all_of(workers_.begin(), workers_.end(),
+                      [](const detail::worker_process& w) { return w.status.has_value(); });
+      if (all_done && !reported_success) {
+        store.add(success_key, 1);
+        reported_success = true;
+      }
+      if (reported_success) {
+        if (store.add(success_key, 0) >= nnodes()) return {true, 0, false, {}};
+        std::this_thread::sleep_for(poll_interval);
+      }
+    }
+  }
+
+  static detail::round_end read_failure(const std::string& value) {
+    detail::round_end end;
+    auto first = value.find(' ');
+    auto second = value.find(' ', first + 1);
+    if (first == std::string::npos || second == std::string::npos) {
+      return {false, 1, true, "a malformed failure record in the store: " + value};
+    }
+    end.status = std::atoi(value.substr(0, first).c_str());
+    end.final = value.substr(first + 1, second - first - 1) == "1";
+    end.message = value.substr(second + 1);
+    return end;
+  }
+
+  void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
+
+  static constexpr std::chrono::milliseconds poll_interval{20};
+
+  std::vector<std::string> command_;
+  agent_options options_;
+  environment env_;
+  store_options store_options_;
+  world node_;
+  int nproc_ = 1;
+  std::string master_addr_;
+  int master_port_ = 0;
+  std::vector<detail::worker_process> workers_;
+  detail::output_relay* relay_ = nullptr;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/launch/agent.hpp ----
+// ---- begin dtrain/context.hpp ----
+/// @file
+/// dtrain::context<Policy>: what a worker's training function is handed by
+/// dtrain::run — the complete world, the rendezvous store, the communicator —
+/// and owns, torn down in reverse order of construction.
+
+
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
+/// Each part also reads its environment variables (the environment wins).
+struct run_options {
+  agent_options agent{};             ///< launch::per_node only
+  store_options store{};             ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
+  collective_options collectives{};  ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+};
+
+/// Where the store prefix of a job lives; a restart round gets its own.
+inline constexpr std::string_view job_store_prefix = "dtrain/job";
+
+/// A worker's view of the job. Built by dtrain::run; not copyable or movable
+/// (the communicator and store it owns are shared with no one else).
+template <class Policy>
+class context {
+ public:
+  using policy_type = Policy;
+  using communicator_type = typename Policy::communicator_type;
+  using store_type = prefix_store<store_client>;
+
+  /// Joins the job described by `w` (a worker's world, as discovered): starts
+  /// or joins the store, completes the world by grouping ranks by node name,
+  /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
+  /// by the store or collective timeout. Throws config_error for bad input,
+  /// rendezvous_error / backend_error / timeout_error when a peer fails.
+  context(dtrain::world w, const environment& env, const run_options& options)
+      : world_(std::move(w)),
+        store_options_(options.store.with_env(env)),
+        collectives_(options.collectives.with_env(env)) {
+    if (!world_.rank || !world_.world_size) {
+      throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
+                         std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
+    }
+    if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+    if constexpr (uses_mpi) {
+      // MPI knows its world already, and can tell every rank where rank 0's store is.
+      make_communicator(env);
+      open_store(env);
+      complete_world(env);
+    } else {
+      open_store(env);
+      complete_world(env);
+      make_communicator(env);
+    }
+  }
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+
+  /// The complete world, agreed by every rank.
+  [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
+  [[nodiscard]] int rank() const noexcept { return *world_.rank; }
+  [[nodiscard]] int size() const noexcept { return *world_.world_size; }
+  [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
+  [[nodiscard]] int local_size() const noexcept { return *world_.local_world_size; }
+  [[nodiscard]] int node_rank() const noexcept { return *world_.node_rank; }
+  [[nodiscard]] int num_nodes() const noexcept { return *world_.num_nodes; }
+  /// Rank 0: the one that logs, evaluates and saves checkpoints.
+  [[nodiscard]] bool is_main() const noexcept { return rank() == 0; }
+  /// Local rank 0: the one that prepares data once per node.
+  [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
+  /// How many times a per-node agent has restarted the job (0 at first).
+  [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
+  /// The CUDA device this rank uses (its local rank) with backend::nccl; -1 otherwise.
+  [[nodiscard]] int device() const noexcept {
+    return std::is_same_v<typename Policy::backend_type, backend::nccl> ? local_rank() : -1;
+  }
+
+  /// The rendezvous store, under this job's (and restart round's) prefix.
+  [[nodiscard]] store_type& store() noexcept { return *store_; }
+  [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
+
+  /// Waits until every rank has called barrier(), at most the collective
+  /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
+  void barrier() { communicator_->barrier().wait(collectives_.timeout); }
+
+  /// Called by run() when this rank fails (an exception, or a non-zero status
+  /// from the user's function), before anything is torn down: under a node
+  /// agent the failure is recorded in the agent's store while the peers still
+  /// run, so the agent names this rank, not a peer that failed because of it.
+  void record_failure(int status, const std::string& what) noexcept {
+    if (!under_agent_ || !client_) return;
+    try {
+      detail::record_failure(*client_, restart_count_, status, false,
+                             detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+                                 " exited with status " + std::to_string(status) +
+                                 (what.empty() ? "" : ": " + what));
+    } catch (...) {
+      // The agent still sees the exit status; the reason is only lost from its message.
+    }
+  }
+
+  /// Called by run() after the user's function returned normally: the store's
+  /// host (rank 0 under per-process launch) waits, at most the store timeout,
+  /// until every rank is done with the store before it stops serving.
+  void finish() {
+    communicator_.reset();
+    if (!client_) return;
+    const std::string all = "finished/all";
+    if (store_->add("finished", 1) == size()) store_->set(all, "1");
+    if (server_) {
+      const std::string keys[] = {all};
+      store_->wait(keys);
+    }
+  }
+
+ private:
+  /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
+  void open_store(const environment& env) {
+    if (auto agent = env.get(agent_store_variable)) {
+      auto where =
+          detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
+      if (!where.port) {
+        throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
+      }
+      client_.emplace(where.host, *where.port, store_options_);
+      store_.emplace(*client_,
+                     std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
+      under_agent_ = true;
+      return;
+    }
+    std::optional<std::string> host = world_.master_addr;
+    int port = world_.master_port.value_or(host || size() > 1 ? default_master_port : 0);
+    if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
+    if (rank() == 0) {
+      server_.emplace("0.0.0.0", port, store_options_);
+      port = server_->port();
+    }
+    if (!host) host = agree_store_address(port);
+    client_.emplace(rank() == 0 ? std::string("127.0.0.1") : *host, port, store_options_);
+    store_.emplace(*client_, std::string(job_store_prefix));
+  }
+
+  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI.
+  std::string agree_store_address(int& port) {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      std::string mine =
+          rank() == 0 ? detail::host_name() + " " + std::to_string(port) : std::string();
+      char text[320] = {};
+      mine.copy(text, sizeof text - 1);
+      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
+                       "broadcasting rank 0's store address");
+      std::string got(text);
+      auto space = got.rfind(' ');
+      port = std::stoi(got.substr(space + 1));
+      return got.substr(0, space);
+    }
+#endif
+    {
+      (void)port;
+      throw config_error(
+          "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
+          "an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
+          world_.describe() + ")");
+    }
+  }
+
+  /// Every rank reports; rank 0 places them all and publishes the result.
+  void complete_world(const environment& env) {
+    rank_report mine{node_name(env), world_};
+    store_->set("world/" + std::to_string(rank()), mine.encode());
+    const std::string table_key = "world/placement";
+    if (rank() == 0) {
+      std::string table;
+      try {
+        std::vector<rank_report> reports;
+        for (int r = 0; r < size(); ++r) {
+          const std::string key = "world/" + std::to_string(r);
+          reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
+        }
+        table = "ok";
+        for (const placement& p : place_ranks(reports)) {
+          table += " " + std::to_string(p.node_rank) + "," + std::to_string(p.num_nodes) + "," +
+                   std::to_string(p.local_rank) + "," + std::to_string(p.local_world_size);
+        }
+      } catch (const config_error& e) {
+        store_->set(table_key, std::string("error ") + e.what());
+        throw;
+      }
+      store_->set(table_key, table);
+    }
+    const std::string table = store_->get(table_key);
+    if (table.starts_with("error ")) throw config_error(table.substr(6));
+    // "ok" then one "node_rank,num_nodes,local_rank,local_world_size" per rank.
+    const auto entries = detail::split(table, ' ');
+    placement p;
+    if (entries.size() != static_cast<std::size_t>(size()) + 1 || entries[0] != "ok" ||
+        std::sscanf(entries[static_cast<std::size_t>(rank()) + 1].c_str(), "%d,%d,%d,%d",
+                    &p.node_rank, &p.num_nodes, &p.local_rank, &p.local_world_size) != 4) {
+      throw rendezvous_error("store key " + std::string(store_->prefix()) + table_key +
+                             " is not a dtrain placement table");
+    }
+    const std::string grouped = "grouped by node name at rendezvous";
+    auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
+      if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
+      field = value;
+    };
+    fill(world_.node_rank, dtrain::world::field::node_rank, p.node_rank);
+    fill(world_.num_nodes, dtrain::world::field::num_nodes, p.num_nodes);
+    fill(world_.local_rank, dtrain::world::field::local_rank, p.local_rank);
+    fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
+  }
+
+  void make_communicator(const environment& env) {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      communicator_.emplace(communicator_type::world(mpi_options{.collectives = collectives_}));
+      if (communicator_->size() != size() || communicator_->rank() != rank()) {
+        throw config_error("MPI_COMM_WORLD has rank " + std::to_string(communicator_->rank()) +
+                           " of " + std::to_string(communicator_->size()) +
+                           ", but the environment says rank " + std::to_string(rank()) + " of " +
+                           std::to_string(size()) + " (" +
+                           world_.origin(dtrain::world::field::rank) + ", " +
+                           world_.origin(dtrain::world::field::world_size) +
+                           "); start MPI jobs with mpirun or srun");
+      }
+    }
+#endif
+#if DTRAIN_HAS_GLOO()
+    if constexpr (std::is_same_v<typename Policy::backend_type, backend::gloo>) {
+      communicator_.emplace(*store_, rank(), size(),
+                            gloo_options{.collectives = collectives_,
+                                         .master_addr = world_.master_addr.value_or("")});
+    }
+#endif
+#if DTRAIN_HAS_NCCL()
+    if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
+      communicator_.emplace(*store_, rank(), size(), local_rank(),
+                            nccl_options{.collectives = collectives_}.with_env(env));
+    }
+#endif
+    (void)env;
+  }
+
+  static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
+
+  dtrain::world world_;
+  store_options store_options_;
+  collective_options collectives_;
+  int restart_count_ = 0;
+  bool under_agent_ = false;
+  // Declared in the order they are built, so they are torn down in reverse.
+  std::optional<store_server> server_;
+  std::optional<store_client> client_;
+  std::optional<store_type> store_;
+  std::optional<communicator_type> communicator_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/context.hpp ----
+// ---- begin dtrain/run.hpp ----
+/// @file
+/// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
+/// A worker discovers its world, joins the rendezvous, builds the
+/// communicator, runs `fn(context&)` and tears down; under launch::per_node
+/// the process first started is the node agent, which re-executes the
+/// program as the node's workers. Every failure becomes one rank-prefixed
+/// line on stderr and a non-zero exit status.
+
+
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
+namespace dtrain {
+
+/// Exit status of a process whose input (environment, options) was bad.
+inline constexpr int config_error_exit_status = 2;
+
+namespace detail {
+
+/// "[rank 3/8]", or what is known of it.
+inline std::string rank_label(const world* w) {
+  if (w == nullptr || !w->rank) return "[rank ?]";
+  return "[rank " + std::to_string(*w->rank) + "/" +
+         (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
+}
+
+/// The exit status and text of the exception in flight: 2 for a config_error, else 1.
+inline std::pair<int, std::string> current_failure() {
+  try {
+    throw;
+  } catch (const config_error& e) {
+    return {config_error_exit_status, e.what()};
+  } catch (const std::exception& e) {
+    return {1, e.what()};
+  } catch (...) {
+    return {1, "an exception that is not a std::exception"};
+  }
+}
+
+/// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
+inline int report_failure(const std::string& who, const std::pair<int, std::string>& failure) {
+  std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());
+  return failure.first;
+}
+
+/// This program's own path, for an agent that re-executes it.
+inline std::string own_executable() {
+  std::vector<char> path(4096);
+  ssize_t n = DTRAIN_SYSCALL(::readlink("/proc/self/exe", path.data(), path.size() - 1));
+  return std::string(path.data(), static_cast<std::size_t>(n));
+}
+
+/// Default workers per node: one per visible GPU for NCCL, else one.
+template <class Policy>
+int default_nproc_per_node() {
+#if DTRAIN_HAS_CUDA()
+  if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return count;
+    (void)cudaGetLastError();
+  }
+#endif
+  return 1;
+}
+
+}  // namespace detail
+
+/// Runs `fn` as one worker of a data-parallel job and returns the process's
+/// exit status, for `return dtrain::run<Policy>(argc, argv, fn);` in main.
+///
+/// `fn` is called as `fn(context<Policy>&)` and may return void (exit 0) or
+/// an int (the exit status). Under launch::per_node the process started by
+/// the user is the node agent: it starts `nproc_per_node` copies of this
+/// program (the same argv) as workers and returns the job's status (see
+/// node_agent). Workers are recognised by DTRAIN_AGENT_STORE in their
+/// environment.
+///
+/// Any exception ends the process's part in the job: one line on stderr,
+/// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
+template <class Policy, class Fn>
+requires std::is_invocable_v < Fn&, context<Policy>
+& > int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
+  const environment env = environment::from_process();
+  std::vector<std::string_view> args;
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  const bool agent =
+      Policy::launch_type::mode == launch_mode::per_node && !env.contains(agent_store_variable);
+
+  if (agent) {
+    std::string who = "[agent]";
+    try {
+      agent_options opts = options.agent;
+      if (!opts.nproc_per_node) opts.nproc_per_node = detail::default_nproc_per_node<Policy>();
+      opts = opts.with_env(env);
+      std::vector<std::string> command{detail::own_executable()};
+      for (int i = 1; i < argc; ++i) command.emplace_back(argv[i]);
+      node_agent node(std::move(command), opts, env, options.store.with_env(env));
+      who = "[agent node " + std::to_string(*node.node().node_rank) + "/" +
+            std::to_string(*node.node().num_nodes) + "]";
+      return node.run();
+    } catch (...) {
+      return detail::report_failure(who, detail::current_failure());
+    }
+  }
+
+  std::optional<world> w;
+  try {
+    w = discover_world(env, args);
+    context<Policy> ctx(*w, env, options);
+    w = ctx.world();
+    int status = 0;
+    try {
+      if constexpr (std::is_void_v<std::invoke_result_t<Fn&, context<Policy>&>>) {
+        fn(ctx);
+      } else {
+        status = static_cast<int>(fn(ctx));
+      }
+    } catch (...) {
+      auto failure = detail::current_failure();
+      ctx.record_failure(failure.first, failure.second);
+      return detail::report_failure(detail::rank_label(&*w), failure);
+    }
+    if (status != 0) {
+      ctx.record_failure(status, {});
+      return status;
+    }
+    ctx.finish();
+    return 0;
+  } catch (...) {
+    return detail::report_failure(detail::rank_label(w ? &*w : nullptr), detail::current_failure());
+  }
+}
+
+}  // namespace dtrain
+// ---- end dtrain/run.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 
 #endif  // DTRAIN_SINGLE_INCLUDE_DTRAIN_HPP

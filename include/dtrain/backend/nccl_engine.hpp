@@ -11,6 +11,7 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 
@@ -64,17 +65,7 @@ struct nccl_options {
   [[nodiscard]] nccl_options with_env(const environment& env) const {
     nccl_options out = *this;
     out.collectives = collectives.with_env(env);
-    if (auto text = env.get("DTRAIN_NCCL_INIT_TIMEOUT")) {
-      double seconds = 0;
-      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-      if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
-          !(seconds > 0) || seconds > 1e9) {
-        throw config_error("DTRAIN_NCCL_INIT_TIMEOUT=" + std::string(*text) +
-                           " is not a positive number of seconds");
-      }
-      out.init_timeout =
-          std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-    }
+    if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
     return out;
   }
 };

@@ -3,6 +3,7 @@
 /// `work`: the handle every asynchronous collective returns.
 
 #include <dtrain/backend/types.hpp>
+#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 
@@ -36,23 +37,8 @@ struct collective_options {
   /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
   [[nodiscard]] collective_options with_env(const environment& env) const {
     collective_options out = *this;
-    if (auto text = env.get("DTRAIN_COLLECTIVE_TIMEOUT")) {
-      double seconds = 0;
-      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-      if (text->empty() || ec != std::errc() || end != text->data() + text->size() || !(seconds > 0) || seconds > 1e9) {
-        throw config_error("DTRAIN_COLLECTIVE_TIMEOUT=" + std::string(*text) + " is not a positive number of seconds");
-      }
-      out.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-    }
-    if (auto text = env.get("DTRAIN_CHECK_COLLECTIVES")) {
-      if (*text == "1" || *text == "true") {
-        out.check = true;
-      } else if (*text == "0" || *text == "false") {
-        out.check = false;
-      } else {
-        throw config_error("DTRAIN_CHECK_COLLECTIVES=" + std::string(*text) + " is not 0, 1, true or false");
-      }
-    }
+    if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
+    if (auto check = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *check;
     return out;
   }
 };

@@ -8,11 +8,14 @@
 #include <dtrain/error.hpp>
 
 #include <charconv>
+#include <chrono>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace dtrain::detail {
 
@@ -88,11 +91,53 @@ inline std::optional<sourced_text> read_text(const environment& env, std::string
   return sourced_text{std::string(*text), origin};
 }
 
+/// Reads a duration variable given in seconds (fractions allowed, e.g.
+/// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
+/// positive number.
+inline std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                             std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  double seconds = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
+      !(seconds > 0) || seconds > 1e9) {
+    throw config_error(assignment(name, *text) + " is not a positive number of seconds");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+
+/// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
+inline std::optional<bool> read_flag(const environment& env, std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  for (std::string_view yes : {"1", "true", "yes", "on"}) {
+    if (*text == yes) return true;
+  }
+  for (std::string_view no : {"0", "false", "no", "off"}) {
+    if (*text == no) return false;
+  }
+  throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
+}
+
 /// Reads MASTER_PORT-style variables: an integer in 1..65535.
 inline std::optional<sourced_int> read_port(const environment& env, std::string_view name) {
   auto port = read_int(env, name);
   if (port) check_port(port->origin, port->value);
   return port;
+}
+
+/// Splits `text` at every `separator` (an empty text gives no pieces).
+inline std::vector<std::string> split(std::string_view text, char separator) {
+  std::vector<std::string> out;
+  if (text.empty()) return out;
+  std::size_t start = 0;
+  while (true) {
+    auto end = text.find(separator, start);
+    out.emplace_back(text.substr(start, end == std::string_view::npos ? end : end - start));
+    if (end == std::string_view::npos) return out;
+    start = end + 1;
+  }
 }
 
 /// A host with an optional port.

@@ -66,8 +66,8 @@ struct store_options {
   /// config_error naming the variable on a malformed value.
   [[nodiscard]] store_options with_env(const environment& env) const {
     store_options out = *this;
-    if (auto t = read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
-    if (auto t = read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
     if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
     if (out.token.size() > out.limits.max_token_size) {
       throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
@@ -76,20 +76,6 @@ struct store_options {
     return out;
   }
 
- private:
-  static std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
-                                                               std::string_view name) {
-    auto text = env.get(name);
-    if (!text) return std::nullopt;
-    const std::string what = detail::assignment(name, *text);
-    double seconds = 0;
-    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-    if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
-        !(seconds > 0) || seconds > 1e9) {
-      throw config_error(what + " is not a positive number of seconds");
-    }
-    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-  }
 };
 
 }  // namespace dtrain

@@ -1,0 +1,282 @@
+#pragma once
+/// @file
+/// dtrain::context<Policy>: what a worker's training function is handed by
+/// dtrain::run — the complete world, the rendezvous store, the communicator —
+/// and owns, torn down in reverse order of construction.
+
+#include <dtrain/backend/work.hpp>
+#include <dtrain/config.hpp>
+#include <dtrain/detail/parse.hpp>
+#include <dtrain/env/discover.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/env/placement.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/launch/agent.hpp>
+#include <dtrain/launch/options.hpp>
+#include <dtrain/policy.hpp>
+#include <dtrain/rendezvous/client.hpp>
+#include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/server.hpp>
+#include <dtrain/rendezvous/store.hpp>
+
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
+/// Each part also reads its environment variables (the environment wins).
+struct run_options {
+  agent_options agent{};             ///< launch::per_node only
+  store_options store{};             ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
+  collective_options collectives{};  ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+};
+
+/// Where the store prefix of a job lives; a restart round gets its own.
+inline constexpr std::string_view job_store_prefix = "dtrain/job";
+
+/// A worker's view of the job. Built by dtrain::run; not copyable or movable
+/// (the communicator and store it owns are shared with no one else).
+template <class Policy>
+class context {
+ public:
+  using policy_type = Policy;
+  using communicator_type = typename Policy::communicator_type;
+  using store_type = prefix_store<store_client>;
+
+  /// Joins the job described by `w` (a worker's world, as discovered): starts
+  /// or joins the store, completes the world by grouping ranks by node name,
+  /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
+  /// by the store or collective timeout. Throws config_error for bad input,
+  /// rendezvous_error / backend_error / timeout_error when a peer fails.
+  context(dtrain::world w, const environment& env, const run_options& options)
+      : world_(std::move(w)),
+        store_options_(options.store.with_env(env)),
+        collectives_(options.collectives.with_env(env)) {
+    if (!world_.rank || !world_.world_size) {
+      throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
+                         std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
+    }
+    if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+    if constexpr (uses_mpi) {
+      // MPI knows its world already, and can tell every rank where rank 0's store is.
+      make_communicator(env);
+      open_store(env);
+      complete_world(env);
+    } else {
+      open_store(env);
+      complete_world(env);
+      make_communicator(env);
+    }
+  }
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+
+  /// The complete world, agreed by every rank.
+  [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
+  [[nodiscard]] int rank() const noexcept { return *world_.rank; }
+  [[nodiscard]] int size() const noexcept { return *world_.world_size; }
+  [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
+  [[nodiscard]] int local_size() const noexcept { return *world_.local_world_size; }
+  [[nodiscard]] int node_rank() const noexcept { return *world_.node_rank; }
+  [[nodiscard]] int num_nodes() const noexcept { return *world_.num_nodes; }
+  /// Rank 0: the one that logs, evaluates and saves checkpoints.
+  [[nodiscard]] bool is_main() const noexcept { return rank() == 0; }
+  /// Local rank 0: the one that prepares data once per node.
+  [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
+  /// How many times a per-node agent has restarted the job (0 at first).
+  [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
+  /// The CUDA device this rank uses (its local rank) with backend::nccl; -1 otherwise.
+  [[nodiscard]] int device() const noexcept {
+    return std::is_same_v<typename Policy::backend_type, backend::nccl> ? local_rank() : -1;
+  }
+
+  /// The rendezvous store, under this job's (and restart round's) prefix.
+  [[nodiscard]] store_type& store() noexcept { return *store_; }
+  [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
+
+  /// Waits until every rank has called barrier(), at most the collective
+  /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
+  void barrier() { communicator_->barrier().wait(collectives_.timeout); }
+
+  /// Called by run() when this rank fails (an exception, or a non-zero status
+  /// from the user's function), before anything is torn down: under a node
+  /// agent the failure is recorded in the agent's store while the peers still
+  /// run, so the agent names this rank, not a peer that failed because of it.
+  void record_failure(int status, const std::string& what) noexcept {
+    if (!under_agent_ || !client_) return;
+    try {
+      detail::record_failure(*client_, restart_count_, status, false,
+                             detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+                                 " exited with status " + std::to_string(status) +
+                                 (what.empty() ? "" : ": " + what));
+    } catch (...) {
+      // The agent still sees the exit status; the reason is only lost from its message.
+    }
+  }
+
+  /// Called by run() after the user's function returned normally: the store's
+  /// host (rank 0 under per-process launch) waits, at most the store timeout,
+  /// until every rank is done with the store before it stops serving.
+  void finish() {
+    communicator_.reset();
+    if (!client_) return;
+    const std::string all = "finished/all";
+    if (store_->add("finished", 1) == size()) store_->set(all, "1");
+    if (server_) {
+      const std::string keys[] = {all};
+      store_->wait(keys);
+    }
+  }
+
+ private:
+  /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
+  void open_store(const environment& env) {
+    if (auto agent = env.get(agent_store_variable)) {
+      auto where =
+          detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
+      if (!where.port) {
+        throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
+      }
+      client_.emplace(where.host, *where.port, store_options_);
+      store_.emplace(*client_,
+                     std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
+      under_agent_ = true;
+      return;
+    }
+    std::optional<std::string> host = world_.master_addr;
+    int port = world_.master_port.value_or(host || size() > 1 ? default_master_port : 0);
+    if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
+    if (rank() == 0) {
+      server_.emplace("0.0.0.0", port, store_options_);
+      port = server_->port();
+    }
+    if (!host) host = agree_store_address(port);
+    client_.emplace(rank() == 0 ? std::string("127.0.0.1") : *host, port, store_options_);
+    store_.emplace(*client_, std::string(job_store_prefix));
+  }
+
+  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI.
+  std::string agree_store_address(int& port) {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      std::string mine =
+          rank() == 0 ? detail::host_name() + " " + std::to_string(port) : std::string();
+      char text[320] = {};
+      mine.copy(text, sizeof text - 1);
+      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
+                       "broadcasting rank 0's store address");
+      std::string got(text);
+      auto space = got.rfind(' ');
+      port = std::stoi(got.substr(space + 1));
+      return got.substr(0, space);
+    }
+#endif
+    {
+      (void)port;
+      throw config_error(
+          "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
+          "an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
+          world_.describe() + ")");
+    }
+  }
+
+  /// Every rank reports; rank 0 places them all and publishes the result.
+  void complete_world(const environment& env) {
+    rank_report mine{node_name(env), world_};
+    store_->set("world/" + std::to_string(rank()), mine.encode());
+    const std::string table_key = "world/placement";
+    if (rank() == 0) {
+      std::string table;
+      try {
+        std::vector<rank_report> reports;
+        for (int r = 0; r < size(); ++r) {
+          const std::string key = "world/" + std::to_string(r);
+          reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
+        }
+        table = "ok";
+        for (const placement& p : place_ranks(reports)) {
+          table += " " + std::to_string(p.node_rank) + "," + std::to_string(p.num_nodes) + "," +
+                   std::to_string(p.local_rank) + "," + std::to_string(p.local_world_size);
+        }
+      } catch (const config_error& e) {
+        store_->set(table_key, std::string("error ") + e.what());
+        throw;
+      }
+      store_->set(table_key, table);
+    }
+    const std::string table = store_->get(table_key);
+    if (table.starts_with("error ")) throw config_error(table.substr(6));
+    // "ok" then one "node_rank,num_nodes,local_rank,local_world_size" per rank.
+    const auto entries = detail::split(table, ' ');
+    placement p;
+    if (entries.size() != static_cast<std::size_t>(size()) + 1 || entries[0] != "ok" ||
+        std::sscanf(entries[static_cast<std::size_t>(rank()) + 1].c_str(), "%d,%d,%d,%d",
+                    &p.node_rank, &p.num_nodes, &p.local_rank, &p.local_world_size) != 4) {
+      throw rendezvous_error("store key " + std::string(store_->prefix()) + table_key +
+                             " is not a dtrain placement table");
+    }
+    const std::string grouped = "grouped by node name at rendezvous";
+    auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
+      if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
+      field = value;
+    };
+    fill(world_.node_rank, dtrain::world::field::node_rank, p.node_rank);
+    fill(world_.num_nodes, dtrain::world::field::num_nodes, p.num_nodes);
+    fill(world_.local_rank, dtrain::world::field::local_rank, p.local_rank);
+    fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
+  }
+
+  void make_communicator(const environment& env) {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      communicator_.emplace(communicator_type::world(mpi_options{.collectives = collectives_}));
+      if (communicator_->size() != size() || communicator_->rank() != rank()) {
+        throw config_error("MPI_COMM_WORLD has rank " + std::to_string(communicator_->rank()) +
+                           " of " + std::to_string(communicator_->size()) +
+                           ", but the environment says rank " + std::to_string(rank()) + " of " +
+                           std::to_string(size()) + " (" +
+                           world_.origin(dtrain::world::field::rank) + ", " +
+                           world_.origin(dtrain::world::field::world_size) +
+                           "); start MPI jobs with mpirun or srun");
+      }
+    }
+#endif
+#if DTRAIN_HAS_GLOO()
+    if constexpr (std::is_same_v<typename Policy::backend_type, backend::gloo>) {
+      communicator_.emplace(*store_, rank(), size(),
+                            gloo_options{.collectives = collectives_,
+                                         .master_addr = world_.master_addr.value_or("")});
+    }
+#endif
+#if DTRAIN_HAS_NCCL()
+    if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
+      communicator_.emplace(*store_, rank(), size(), local_rank(),
+                            nccl_options{.collectives = collectives_}.with_env(env));
+    }
+#endif
+    (void)env;
+  }
+
+  static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
+
+  dtrain::world world_;
+  store_options store_options_;
+  collective_options collectives_;
+  int restart_count_ = 0;
+  bool under_agent_ = false;
+  // Declared in the order they are built, so they are torn down in reverse.
+  std::optional<store_server> server_;
+  std::optional<store_client> client_;
+  std::optional<store_type> store_;
+  std::optional<communicator_type> communicator_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,462 @@
+#pragma once
+/// @file
+/// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
+/// node's workers with torchrun's environment, hosts the rendezvous store on
+/// node 0, supervises the workers, stops the whole job on the first failure
+/// (on every node), restarts it up to a limit, and forwards signals.
+
+#include <dtrain/env/discover.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/launch/options.hpp>
+#include <dtrain/launch/process.hpp>
+#include <dtrain/rendezvous/client.hpp>
+#include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/server.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// The variable through which an agent tells its workers where its store is
+/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
+inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
+/// The variable that carries the restart round to the workers (torchrun's
+/// TORCHELASTIC_RESTART_COUNT is set too).
+inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+
+namespace detail {
+
+inline volatile std::sig_atomic_t agent_signal = 0;
+
+inline void record_agent_signal(int sig) { agent_signal = sig; }
+
+/// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
+/// them to the workers; restores the previous handlers afterwards.
+class agent_signal_scope {
+ public:
+  agent_signal_scope() {
+    agent_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = record_agent_signal;
+    sigemptyset(&sa.sa_mask);
+    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+  }
+  agent_signal_scope(const agent_signal_scope&) = delete;
+  agent_signal_scope& operator=(const agent_signal_scope&) = delete;
+  ~agent_signal_scope() {
+    for (std::size_t i = 0; i < signals.size(); ++i)
+      ::sigaction(signals[i], &previous_[i], nullptr);
+  }
+  static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
+
+ private:
+  std::array<struct sigaction, 3> previous_{};
+};
+
+/// A port nobody listens on now (it may be taken before it is used: the
+/// same race torchrun accepts for --standalone).
+inline int pick_free_port() {
+  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
+  return ntohs(addr.sin_port);
+}
+
+inline std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+/// How a restart round ended.
+struct round_end {
+  bool succeeded = false;
+  int status = 0;       ///< exit status for the agent when the job ends here
+  bool final = false;   ///< no restart: a signal or a lost peer ended the job
+  std::string message;  ///< who failed how
+};
+
+/// The agents' store key `what` of restart round `restart`.
+inline std::string round_key(int restart, std::string_view what) {
+  return "dtrain/agent/" + std::to_string(restart) + "/" + std::string(what);
+}
+
+/// Where the first failure of restart round `restart` is recorded.
+inline std::string failure_key(int restart) { return detail::round_key(restart, "failure"); }
+
+/// Records a failure unless one is recorded already: the first one is the
+/// root cause, later ones are usually its consequences.
+inline void record_failure(store_client& store, int restart, int status, bool final,
+                           const std::string& message) {
+  store.compare_set(failure_key(restart), "",
+                    std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
+}
+
+/// How one worker is named in failure messages.
+inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
+  return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
+         std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
+}
+
+}  // namespace detail
+
+/// The agent of one node. run() starts `nproc_per_node` workers running
+/// `command`, and returns the exit status the agent should exit with: 0 when
+/// every worker of every node succeeded, else the failing worker's status
+/// (128 + signal for a killed one). Throws config_error on bad options.
+///
+/// Each worker gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
+/// LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+/// ROLE_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, plus
+/// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE. MASTER_PORT is a port that
+/// node 0's agent picks for the workers in each round (a PyTorch worker's
+/// rank 0 binds its own store there); dtrain workers meet at the agent's
+/// store instead, which outlives restarts.
+class node_agent {
+ public:
+  /// `command` is the worker's argv; `env` the environment the workers
+  /// inherit (and where NODE_RANK, MASTER_ADDR, ... are read); `options` are
+  /// final (apply with_env() before).
+  node_agent(std::vector<std::string> command, agent_options options,
+             environment env = environment::from_process(), store_options store = {})
+      : command_(std::move(command)),
+        options_(std::move(options)),
+        env_(std::move(env)),
+        store_options_(std::move(store)) {
+    if (command_.empty()) throw config_error("node_agent: no worker command to run");
+    options_.check();
+    node_ = discover_world(env_, {},
+                           discover_options{.mode = launch_mode::per_node,
+                                            .nproc_per_node = options_.nproc_per_node.value_or(1),
+                                            .nnodes = options_.nnodes,
+                                            .node_rank = options_.node_rank});
+    if (!node_.node_rank || !node_.num_nodes) {
+      throw config_error(
+          "the node agent cannot tell which node it is: give node_rank and nnodes "
+          "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
+          "mpirun or srun");
+    }
+    nproc_ = *node_.local_world_size;
+    const bool single = *node_.num_nodes == 1;
+    if (options_.master_addr) {
+      master_addr_ = *options_.master_addr;
+    } else if (node_.master_addr) {
+      master_addr_ = *node_.master_addr;
+    } else if (single) {
+      master_addr_ = "127.0.0.1";
+    } else {
+      throw config_error("a job of " + std::to_string(*node_.num_nodes) +
+                         " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
+    }
+    if (options_.master_port) {
+      master_port_ = *options_.master_port;
+    } else if (node_.master_port) {
+      master_port_ = *node_.master_port;
+    } else {
+      master_port_ = single ? 0 : default_master_port;
+    }
+    if (master_port_ == 0 && !single) {
+      throw config_error(
+          "master_port 0 (a free port) works only on a single node: the other "
+          "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+    }
+  }
+
+  /// The node as the agent sees it (node_rank, num_nodes, nproc as local_world_size).
+  [[nodiscard]] const world& node() const noexcept { return node_; }
+
+  /// Runs the job to the end; see the class comment for the exit status.
+  int run() {
+    detail::agent_signal_scope signals;
+    detail::output_relay relay(options_.tee, options_.log_dir);
+    relay_ = &relay;
+    std::optional<store_server> server;
+    if (node_rank() == 0) {
+      server.emplace("0.0.0.0", master_port_, store_options_);
+      master_port_ = server->port();
+    }
+    store_client store(node_rank() == 0 ? "127.0.0.1" : master_addr_, master_port_, store_options_);
+    say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
+            std::to_string(nproc_) + " workers, store at " +
+            detail::endpoint_text(master_addr_, master_port_),
+        true);
+    int status = 1;
+    try {
+      join(store);
+      for (int restart = 0;; ++restart) {
+        detail::round_end end = run_round(store, restart);
+        if (end.succeeded) {
+          status = 0;
+          break;
+        }
+        if (end.final || restart >= options_.max_restarts) {
+          say(end.message + "; ending the job" +
+              (end.final ? std::string()
+                         : " (restarts used: " + std::to_string(restart) + " of " +
+                               std::to_string(options_.max_restarts) + ")"));
+          status = end.status;
+          break;
+        }
+        say(end.message + "; restarting every node's workers (restart " +
+            std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
+        meet(store, detail::round_key(restart, "stopped"), "every node to stop its workers");
+      }
+      leave(store, node_rank() == 0);
+    } catch (const rendezvous_error& e) {
+      stop(SIGTERM);
+      say(std::string("lost the rendezvous store (node 0's agent) at ") +
+          detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
+      status = 1;
+    } catch (...) {
+      // A signal that interrupted a wait ends the job like one during the run.
+      const int sig = detail::agent_signal;
+      stop(sig != 0 ? sig : SIGTERM);
+      relay.finish(std::chrono::milliseconds(200));
+      if (sig == 0) throw;
+      say("received signal " + std::to_string(sig) + "; stopped this node's workers");
+      status = 128 + sig;
+    }
+    relay.finish(std::chrono::milliseconds(200));
+    relay_ = nullptr;
+    return status;
+  }
+
+ private:
+  [[nodiscard]] int node_rank() const { return *node_.node_rank; }
+  [[nodiscard]] int nnodes() const { return *node_.num_nodes; }
+
+  void say(const std::string& text, bool verbose = false) const {
+    if (verbose && !options_.tee) return;
+    std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank(), nnodes(), text.c_str());
+    std::fflush(stderr);
+  }
+
+  /// Waits, polling the store, until `done()`; a signal to the agent or the
+  /// store timeout ends the wait with an exception.
+  template <class Done>
+  void wait_for(Done done, const std::string& what) {
+    auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+    while (!done()) {
+      if (detail::agent_signal != 0) {
+        throw error("received signal " + std::to_string(detail::agent_signal) +
+                    " while waiting for " + what);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error("the node agent waited " +
+                            std::to_string(store_options_.timeout.count() / 1000) + " s for " +
+                            what + " (DTRAIN_STORE_TIMEOUT)");
+      }
+      std::this_thread::sleep_for(poll_interval);
+    }
+  }
+
+  /// A barrier of all agents that a signal can interrupt.
+  void meet(store_client& store, const std::string& key, const std::string& what) {
+    store.add(key, 1);
+    wait_for([&] { return store.add(key, 0) >= nnodes(); }, what);
+  }
+
+  /// Registers this node and checks that every node runs the same job shape.
+  void join(store_client& store) {
+    const std::string me = std::to_string(nproc_) + " " + std::to_string(options_.max_restarts) +
+                           " " + detail::host_name() + ":" + std::to_string(::getpid());
+    const std::string key = "dtrain/agent/node/" + std::to_string(node_rank());
+    std::string holder = store.compare_set(key, "", me);
+    if (holder != me) {
+      throw config_error("node_rank " + std::to_string(node_rank()) +
+                         " is taken twice: by the agent " + holder.substr(holder.rfind(' ') + 1) +
+                         " and by this one (" + me.substr(me.rfind(' ') + 1) +
+                         "); give each agent its own --node-rank / NODE_RANK");
+    }
+    meet(store, "dtrain/agent/joined", "all " + std::to_string(nnodes()) + " node agents to join");
+    for (int n = 0; n < nnodes(); ++n) {
+      std::string other = store.get("dtrain/agent/node/" + std::to_string(n));
+      auto fields = detail::split(other, ' ');
+      if (fields.size() == 3 && fields[0] != std::to_string(nproc_)) {
+        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") runs " + fields[0] +
+                           " workers, this node " + std::to_string(nproc_) +
+                           "; every node must run the same nproc_per_node");
+      }
+      if (fields.size() == 3 && fields[1] != std::to_string(options_.max_restarts)) {
+        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") allows " +
+                           fields[1] + " restarts, this node " +
+                           std::to_string(options_.max_restarts) +
+                           "; every node must use the same max_restarts");
+      }
+    }
+  }
+
+  /// Node 0 keeps the store up until every agent has read how the job ended.
+  void leave(store_client& store, bool hosting) {
+    const std::string key = "dtrain/agent/left";
+    try {
+      store.add(key, 1);
+      if (!hosting) return;
+      auto deadline =
+          std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
+      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline &&
+             detail::agent_signal == 0) {
+        std::this_thread::sleep_for(poll_interval);
+      }
+    } catch (const rendezvous_error&) {
+      // The job has ended; a peer that cannot be told is not a new failure.
+    }
+  }
+
+  std::vector<std::string> worker_environment(const world& w, int restart, int worker_port) const {
+    auto vars = env_.vars();
+    auto set = [&](std::string name, const std::string& value) {
+      vars.insert_or_assign(std::move(name), value);
+    };
+    set("RANK", std::to_string(*w.rank));
+    set("LOCAL_RANK", std::to_string(*w.local_rank));
+    set("WORLD_SIZE", std::to_string(*w.world_size));
+    set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
+    set("GROUP_RANK", std::to_string(node_rank()));
+    set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
+    set("ROLE_RANK", std::to_string(*w.rank));
+    set("ROLE_WORLD_SIZE", std::to_string(*w.world_size));
+    set("ROLE_NAME", "default");
+    set("NODE_RANK", std::to_string(node_rank()));
+    set("MASTER_ADDR", master_addr_);
+    set("MASTER_PORT", std::to_string(worker_port));
+    set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+    set(std::string(restart_count_variable), std::to_string(restart));
+    set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+    // As torchrun: one thread per worker unless the user chose, so N workers
+    // do not each start one OpenMP thread per core.
+    if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+    std::vector<std::string> out;
+    out.reserve(vars.size());
+    for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
+    return out;
+  }
+
+  /// Starts this node's workers for one round and supervises them until the
+  /// round ends on every node.
+  detail::round_end run_round(store_client& store, int restart) {
+    const std::string port_key = detail::round_key(restart, "worker_port");
+    if (node_rank() == 0) store.set(port_key, std::to_string(detail::pick_free_port()));
+    wait_for([&] { return store.check(std::span<const std::string>(&port_key, 1)); },
+             "node 0 to pick the workers' port");
+    const int worker_port = std::stoi(store.get(port_key));
+
+    const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
+    std::vector<int> ranks;
+    for (int local = 0; local < nproc_; ++local) ranks.push_back(node_rank() * nproc_ + local);
+    if (relay_->active()) relay_->open_logs(restart, ranks);
+    workers_.clear();
+    for (int local = 0; local < nproc_; ++local) {
+      world w;
+      w.rank = node_rank() * nproc_ + local;
+      w.world_size = nnodes() * nproc_;
+      w.local_rank = local;
+      detail::worker_command cmd;
+      cmd.argv = command_;
+      cmd.argv.front() = program;
+      if (options_.local_rank_arg)
+        cmd.argv.insert(cmd.argv.begin() + 1, "--local_rank=" + std::to_string(local));
+      cmd.env = worker_environment(w, restart, worker_port);
+      detail::worker_process& p = workers_.emplace_back();
+      p.rank = *w.rank;
+      p.local_rank = local;
+      p.pid = detail::spawn_worker(cmd, relay_->active() ? relay_ : nullptr, *w.rank);
+      p.exit_fd = detail::open_exit_fd(p.pid);
+    }
+    return supervise(store, restart);
+  }
+
+  detail::round_end supervise(store_client& store, int restart) {
+    const std::string failure_key = detail::failure_key(restart);
+    const std::string success_key = detail::round_key(restart, "succeeded");
+    const std::span<const std::string> failure_keys(&failure_key, 1);
+    bool reported_success = false;
+    while (true) {
+      if (int sig = detail::agent_signal; sig != 0) {
+        std::string message = "node " + std::to_string(node_rank()) + "'s agent received signal " +
+                              std::to_string(sig) + " and stopped its workers";
+        detail::record_failure(store, restart, 128 + sig, true, message);
+        stop(sig);
+        return {false, 128 + sig, true, message};
+      }
+      for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
+        if (*w->status == 0) continue;
+        // A dtrain worker records its own failure, with its reason, before it exits.
+        std::string message = detail::worker_label(w->rank, node_rank(), w->local_rank, w->pid) +
+                              " " + detail::describe_wait_status(*w->status);
+        detail::record_failure(store, restart, detail::exit_code_of(*w->status), false, message);
+        break;
+      }
+      if (store.check(failure_keys)) {
+        detail::round_end end = read_failure(store.get(failure_key));
+        stop(SIGTERM);
+        return end;
+      }
+      const bool all_done =
+          std::all_of(workers_.begin(), workers_.end(),
+                      [](const detail::worker_process& w) { return w.status.has_value(); });
+      if (all_done && !reported_success) {
+        store.add(success_key, 1);
+        reported_success = true;
+      }
+      if (reported_success) {
+        if (store.add(success_key, 0) >= nnodes()) return {true, 0, false, {}};
+        std::this_thread::sleep_for(poll_interval);
+      }
+    }
+  }
+
+  static detail::round_end read_failure(const std::string& value) {
+    detail::round_end end;
+    auto first = value.find(' ');
+    auto second = value.find(' ', first + 1);
+    if (first == std::string::npos || second == std::string::npos) {
+      return {false, 1, true, "a malformed failure record in the store: " + value};
+    }
+    end.status = std::atoi(value.substr(0, first).c_str());
+    end.final = value.substr(first + 1, second - first - 1) == "1";
+    end.message = value.substr(second + 1);
+    return end;
+  }
+
+  void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
+
+  static constexpr std::chrono::milliseconds poll_interval{20};
+
+  std::vector<std::string> command_;
+  agent_options options_;
+  environment env_;
+  store_options store_options_;
+  world node_;
+  int nproc_ = 1;
+  std::string master_addr_;
+  int master_port_ = 0;
+  std::vector<detail::worker_process> workers_;
+  detail::output_relay* relay_ = nullptr;
+};
+
+}  // namespace dtrain

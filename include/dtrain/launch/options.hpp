@@ -1,0 +1,104 @@
+#pragma once
+/// @file
+/// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
+/// Every option can also come from an environment variable; see with_env().
+
+#include <dtrain/detail/parse.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace dtrain {
+
+/// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
+/// Environment: DTRAIN_GRACE_PERIOD (seconds).
+inline constexpr std::chrono::milliseconds default_grace_period{10'000};
+
+/// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
+/// Unset values come from the environment or the outer launcher (see
+/// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
+/// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
+struct agent_options {
+  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
+  /// the number of visible CUDA devices for backend::nccl, else 1.
+  std::optional<int> nproc_per_node{};
+  /// Nodes (agents) in the job. Environment: DTRAIN_NNODES. Default: from the
+  /// outer launcher, else 1.
+  std::optional<int> nnodes{};
+  /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
+  /// and must agree).
+  std::optional<int> node_rank{};
+  /// Where node 0's agent serves the rendezvous store. Default: MASTER_ADDR,
+  /// else 127.0.0.1 on a single node; required with several nodes.
+  std::optional<std::string> master_addr{};
+  /// Its port. Default: MASTER_PORT, else a free port on a single node and
+  /// 29500 with several. 0 picks a free port (single node only).
+  std::optional<int> master_port{};
+  /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
+  int max_restarts = 0;
+  /// SIGTERM → SIGKILL delay when workers are stopped. Environment: DTRAIN_GRACE_PERIOD (seconds).
+  std::chrono::milliseconds grace_period = default_grace_period;
+  /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
+  /// Environment: DTRAIN_TEE=1.
+  bool tee = false;
+  /// When set, each worker's output (stdout and stderr) also goes to
+  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
+  std::string log_dir{};
+  /// Pass `--local_rank=N` as the workers' first argument, as
+  /// torch.distributed.launch did for Hugging Face style scripts.
+  /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
+  bool local_rank_arg = false;
+
+  /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
+  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD, DTRAIN_TEE,
+  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
+  /// wins, as for every dtrain option, so an operator can change a job without
+  /// rebuilding it. Throws config_error naming the variable and its value.
+  [[nodiscard]] agent_options with_env(const environment& env) const {
+    agent_options out = *this;
+    auto count = [&](const char* name, std::optional<int>& into, int least) {
+      if (auto v = detail::read_int(env, name)) {
+        if (v->value < least) {
+          throw config_error(v->origin + " must be at least " + std::to_string(least));
+        }
+        into = v->value;
+      }
+    };
+    count("DTRAIN_NPROC_PER_NODE", out.nproc_per_node, 1);
+    count("DTRAIN_NNODES", out.nnodes, 1);
+    count("DTRAIN_NODE_RANK", out.node_rank, 0);
+    if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
+    if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
+    if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
+    if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
+    if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
+    out.check();
+    return out;
+  }
+
+  /// Throws config_error when an option is out of range.
+  void check() const {
+    auto at_least = [](const char* name, const std::optional<int>& v, int least) {
+      if (v && *v < least) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " must be at least " + std::to_string(least));
+      }
+    };
+    at_least("nproc_per_node", nproc_per_node, 1);
+    at_least("nnodes", nnodes, 1);
+    at_least("node_rank", node_rank, 0);
+    if (max_restarts < 0) {
+      throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
+    }
+    if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+    if (master_port && *master_port != 0) {
+      detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
+    }
+    if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+  }
+};
+
+}  // namespace dtrain

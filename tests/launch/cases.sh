@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# The launch tests (issue 5): node agents, dtrun and dtrain::run, driven as a
+# user would drive them. One case per CTest test:
+#   PEER=... DTRUN=... WHOAMI=... MPIEXEC=... bash cases.sh <case>
+# PEER is dtrain_run_peer (tests/peers/run_peer.cpp). Every wait here is
+# bounded; CTest's TIMEOUT bounds the whole case.
+set -uo pipefail
+
+case_name=${1:?usage: cases.sh <case>}
+work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-launch.XXXXXX")
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+
+fail() {
+  echo "FAIL: $*" >&2
+  for f in "$work"/*.out "$work"/*.err; do
+    [[ -s $f ]] && { echo "--- $f" >&2; cat "$f" >&2; }
+  done
+  exit 1
+}
+expect_status() {  # expect_status <want> <got> <what>
+  [[ $2 == "$1" ]] || fail "$3 exited with status $2, expected $1"
+}
+expect_line() {  # expect_line <file> <extended regex> <what>
+  grep -Eq -- "$2" "$1" || fail "$3: no line matching /$2/ in $1"
+}
+count_lines() { grep -Ec -- "$2" "$1" || true; }
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+mpi() { OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$MPIEXEC" --oversubscribe "$@"; }
+
+# Waits (at most 60 s) until <dir> holds <n> pid files; prints nothing.
+wait_for_pids() {
+  for _ in $(seq 600); do
+    (($(ls "$1" 2>/dev/null | wc -l) >= $2)) && return 0
+    sleep 0.1
+  done
+  fail "only $(ls "$1" | wc -l) of $2 workers wrote their pid file"
+}
+# Fails when a process whose pid is in <dir> is still alive after 10 s.
+expect_all_gone() {
+  for _ in $(seq 100); do
+    local alive=0
+    for f in "$1"/*.pid; do
+      kill -0 "$(cat "$f")" 2>/dev/null && alive=1
+    done
+    ((alive == 0)) && return 0
+    sleep 0.1
+  done
+  fail "workers still alive: $(for f in "$1"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && echo "$(basename "$f" .pid)"; done | xargs)"
+}
+# One `peer {...}` line per rank with the expected placement: check_world <file> <world size> <nproc>
+check_world() {
+  local file=$1 size=$2 nproc=$3
+  for ((r = 0; r < size; ++r)); do
+    expect_line "$file" "^peer \{\"rank\":$r,\"world_size\":$size,\"local_rank\":$((r % nproc)),\"local_world_size\":$nproc,\"node_rank\":$((r / nproc)),\"num_nodes\":$((size / nproc))," "rank $r's world"
+    expect_line "$file" "^peer rank $r done sum=$((size * (size + 1) / 2))$" "rank $r's barrier and allreduce"
+  done
+}
+
+case $case_name in
+two_nodes)
+  # Two agents on this machine playing nodes 0 and 1 of one job, 2 workers each.
+  port=$(free_port)
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port
+  "$PEER" node-gloo --nproc-per-node 2 --nnodes 2 --node-rank 1 >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  "$PEER" node-gloo --nproc-per-node 2 --nnodes 2 --node-rank 0 >"$work/n0.out" 2>"$work/n0.err"
+  expect_status 0 $? "node 0's agent"
+  wait $n1
+  expect_status 0 $? "node 1's agent"
+  cat "$work/n0.out" "$work/n1.out" >"$work/all.out"
+  check_world "$work/all.out" 4 2
+  [[ $(count_lines "$work/n0.out" '^peer \{"rank":[01],') == 2 ]] || fail "node 0 did not run ranks 0 and 1"
+  ;;
+
+worker_fails)
+  # Rank 1 exits 3; the others hang ignoring SIGTERM, so the agent must SIGKILL them after the grace period.
+  mkdir "$work/pids"
+  "$PEER" node-gloo --nproc-per-node 3 --fail-rank 1 --hang "$work/pids" --ignore-term --grace-period 1 \
+    >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 3 $? "the agent"
+  expect_line "$work/agent.err" '^\[dtrain agent node 0/1\] rank 1 \(node 0, local rank 1, pid [0-9]+\) exited with status 3; ending the job' "the agent's message"
+  [[ $(ls "$work/pids" | wc -l) == 2 ]] || fail "expected ranks 0 and 2 to have started hanging"
+  expect_all_gone "$work/pids"
+  ;;
+
+worker_throws)
+  # A dtrain worker records why it failed before it exits: the agent names it and its reason,
+  # not the peer whose connection it closed.
+  "$PEER" node-gloo --nproc-per-node 3 --throw-rank 2 >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 1 $? "the agent"
+  expect_line "$work/agent.err" '^\[rank 2/3\] dtrain: peer failure on purpose$' "the worker's own line"
+  expect_line "$work/agent.err" '^\[dtrain agent node 0/1\] rank 2 \(node 0, local rank 2, pid [0-9]+\) exited with status 1: peer failure on purpose; ending the job' "the agent's message"
+  ;;
+
+remote_failure)
+  # A worker of node 1 fails: node 0's agent notices, stops its own workers and exits with the same status.
+  mkdir "$work/pids"
+  port=$(free_port)
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port
+  "$PEER" node-gloo --nproc-per-node 2 --nnodes 2 --node-rank 0 --fail-rank 3 --fail-code 5 --hang "$work/pids" \
+    >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  "$PEER" node-gloo --nproc-per-node 2 --nnodes 2 --node-rank 1 --fail-rank 3 --fail-code 5 --hang "$work/pids" \
+    >"$work/n1.out" 2>"$work/n1.err"
+  expect_status 5 $? "node 1's agent"
+  wait $n0
+  expect_status 5 $? "node 0's agent"
+  for n in 0 1; do
+    expect_line "$work/n$n.err" "^\[dtrain agent node $n/2\] rank 3 \(node 1, local rank 1, pid [0-9]+\) exited with status 5; ending the job" "node $n's message"
+  done
+  expect_all_gone "$work/pids"
+  ;;
+
+restart)
+  # Rank 1 fails on the first attempt only; max_restarts=1 completes the job, and the workers see restart=1.
+  "$PEER" node-gloo --nproc-per-node 3 --fail-rank 1 --fail-restarts 1 --max-restarts 1 \
+    >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 0 $? "the agent"
+  expect_line "$work/agent.err" 'rank 1 \(node 0, local rank 1, pid [0-9]+\) exited with status 3; restarting every node.s workers \(restart 1 of 1\)' "the restart message"
+  check_world "$work/agent.out" 3 3
+  [[ $(count_lines "$work/agent.out" ' restart=0$') == 3 ]] || fail "the first attempt did not start 3 workers"
+  [[ $(count_lines "$work/agent.out" ' restart=1$') == 3 ]] || fail "the restart did not start 3 workers"
+  ;;
+
+no_restarts_left)
+  # The same failure on every attempt: after max_restarts=1 restart the agent gives up with the status.
+  "$PEER" node-gloo --nproc-per-node 2 --fail-rank 0 --max-restarts 1 >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 3 $? "the agent"
+  expect_line "$work/agent.err" 'rank 0 .* exited with status 3; ending the job \(restarts used: 1 of 1\)' "the final message"
+  ;;
+
+sigterm)
+  mkdir "$work/pids"
+  "$PEER" node-gloo --nproc-per-node 2 --hang "$work/pids" >"$work/agent.out" 2>"$work/agent.err" &
+  agent=$!
+  wait_for_pids "$work/pids" 2
+  kill -TERM $agent
+  wait $agent
+  expect_status 143 $? "the agent after SIGTERM"
+  expect_line "$work/agent.err" "node 0's agent received signal 15" "the agent's message"
+  expect_all_gone "$work/pids"
+  ;;
+
+sigkill)
+  mkdir "$work/pids"
+  "$PEER" node-gloo --nproc-per-node 2 --hang "$work/pids" >"$work/agent.out" 2>"$work/agent.err" &
+  agent=$!
+  wait_for_pids "$work/pids" 2
+  kill -KILL $agent
+  wait $agent
+  expect_status 137 $? "the agent after SIGKILL"
+  expect_all_gone "$work/pids"
+  ;;
+
+local_rank_arg)
+  # --pass-local-rank gives each worker --local_rank=N; whoami checks it against LOCAL_RANK (it exits 2 if they differ).
+  "$DTRUN" --nproc-per-node 2 --pass-local-rank -- "$WHOAMI" >"$work/whoami.out" 2>"$work/whoami.err"
+  expect_status 0 $? "dtrun running whoami"
+  for r in 0 1; do
+    expect_line "$work/whoami.out" "^\{\"rank\":$r,\"world_size\":2,\"local_rank\":$r,\"local_world_size\":2,\"node_rank\":0,\"num_nodes\":1,\"master_addr\":\"127.0.0.1\",\"master_port\":[0-9]+,\"source\":\"env\"\}$" "whoami of rank $r"
+  done
+  # A worker handed a --local_rank that contradicts LOCAL_RANK must refuse, naming both.
+  LOCAL_RANK=1 RANK=1 WORLD_SIZE=2 "$WHOAMI" --local_rank=0 >"$work/bad.out" 2>"$work/bad.err"
+  expect_status 2 $? "whoami with a contradicting --local_rank"
+  expect_line "$work/bad.err" 'LOCAL_RANK=1' "the contradiction message"
+  # The same through dtrain::run's agent (DTRAIN_LOCAL_RANK_ARG): the peers accept it and finish.
+  DTRAIN_LOCAL_RANK_ARG=1 "$PEER" node-gloo --nproc-per-node 2 >"$work/peer.out" 2>"$work/peer.err"
+  expect_status 0 $? "the agent with DTRAIN_LOCAL_RANK_ARG=1"
+  check_world "$work/peer.out" 2 2
+  ;;
+
+tee_and_logs)
+  "$DTRUN" --nproc-per-node 2 --tee --log-dir "$work/logs" -- "$PEER" process-gloo >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 0 $? "dtrun --tee --log-dir"
+  for r in 0 1; do
+    expect_line "$work/dtrun.out" "^\[rank $r\] peer rank $r done sum=3$" "rank $r's prefixed line"
+    expect_line "$work/logs/restart_0/rank_$r.log" "^peer rank $r done sum=3$" "rank $r's log file"
+  done
+  [[ $(count_lines "$work/dtrun.out" '^\[rank [01]\] ') == $(wc -l <"$work/dtrun.out") ]] || fail "a line without a rank prefix"
+  ;;
+
+mpirun_per_node)
+  # `mpirun --map-by ppr:1:node` on two nodes, simulated: two agents under mpirun, each told it is alone
+  # on its node. Node ranks come from OMPI_COMM_WORLD_RANK.
+  port=$(free_port)
+  mpi -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port \
+    sh -c 'OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 exec "$0" node-gloo --nproc-per-node 2' "$PEER" \
+    >"$work/mpi.out" 2>"$work/mpi.err"
+  expect_status 0 $? "mpirun of two agents"
+  check_world "$work/mpi.out" 4 2
+  ;;
+
+process_mpi)
+  # launch::per_process under mpirun without MASTER_ADDR: rank 0's store address travels over MPI.
+  unset MASTER_ADDR MASTER_PORT
+  mpi -np 3 "$PEER" process-mpi >"$work/mpi.out" 2>"$work/mpi.err"
+  expect_status 0 $? "mpirun -np 3 of the MPI peer"
+  check_world "$work/mpi.out" 3 3
+  ;;
+
+node_names)
+  # Open MPI gives no node index: ranks are grouped by node name (here DTRAIN_NODE_NAME, as
+  # `--map-by node` on two hosts would place them: even ranks on host a, odd ranks on host b).
+  mpi -np 4 sh -c 'r=$OMPI_COMM_WORLD_RANK; DTRAIN_NODE_NAME=host$((r % 2)) OMPI_COMM_WORLD_LOCAL_RANK=$((r / 2)) OMPI_COMM_WORLD_LOCAL_SIZE=2 exec "$0" process-mpi' "$PEER" \
+    >"$work/mpi.out" 2>"$work/mpi.err"
+  expect_status 0 $? "mpirun of 4 ranks on two named nodes"
+  for r in 0 1 2 3; do
+    expect_line "$work/mpi.out" "^peer \{\"rank\":$r,\"world_size\":4,\"local_rank\":$((r / 2)),\"local_world_size\":2,\"node_rank\":$((r % 2)),\"num_nodes\":2," "rank $r's placement"
+  done
+  # Names that contradict the launcher (all on one node, but LOCAL_SIZE=2) are an error. Every rank
+  # gets it, but mpirun aborts the job at the first non-zero exit, so not every rank may print it.
+  mpi -np 4 sh -c 'r=$OMPI_COMM_WORLD_RANK; DTRAIN_NODE_NAME=same OMPI_COMM_WORLD_LOCAL_RANK=$((r / 2)) OMPI_COMM_WORLD_LOCAL_SIZE=2 exec "$0" process-mpi' "$PEER" \
+    >"$work/bad.out" 2>"$work/bad.err"
+  status=$?
+  ((status != 0)) || fail "contradicting node names were accepted"
+  expect_line "$work/bad.err" '^\[rank [0-3]/4\] dtrain: rank 0: OMPI_COMM_WORLD_LOCAL_SIZE=2 gives local world size 2, but grouping the ranks by node name \("same", the host name unless DTRAIN_NODE_NAME is set\) gives 4; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK$' "the contradiction"
+  ;;
+
+run_errors)
+  # A bad environment: one line naming the variables, exit 2.
+  env RANK=5 WORLD_SIZE=4 "$PEER" process-gloo >"$work/bad.out" 2>"$work/bad.err"
+  expect_status 2 $? "a worker with RANK=5 WORLD_SIZE=4"
+  expect_line "$work/bad.err" '^\[rank \?\] dtrain: RANK=5 is not below WORLD_SIZE=4$' "the config error"
+  # An exception in the user's function: `[rank 1/2] dtrain: ...` and a non-zero exit of the job.
+  "$LAUNCH" 2 "$PEER" process-gloo --throw-rank 1 >"$work/throw.out" 2>"$work/throw.err"
+  status=$?
+  ((status != 0)) || fail "a throwing rank ended with status 0"
+  expect_line "$work/throw.err" '^\[rank 1/2\] dtrain: peer failure on purpose$' "the rank-prefixed message"
+  # A Gloo job under mpirun without MASTER_ADDR: rank 1 cannot find rank 0's store. Say what to set.
+  env -u MASTER_ADDR -u MASTER_PORT OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=1 \
+    OMPI_COMM_WORLD_LOCAL_SIZE=2 "$PEER" process-gloo >"$work/nomaster.out" 2>"$work/nomaster.err"
+  expect_status 2 $? "a Gloo rank under mpirun without MASTER_ADDR"
+  expect_line "$work/nomaster.err" "^\[rank 1/2\] dtrain: rank 1 of 2 does not know where rank 0's rendezvous store is: set MASTER_ADDR \(and MASTER_PORT\)" "the message"
+  # A per-node job of two nodes without MASTER_ADDR cannot start: say so, exit 2.
+  env -u MASTER_ADDR "$PEER" node-gloo --nnodes 2 --node-rank 1 >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 2 $? "an agent of a 2-node job without MASTER_ADDR"
+  expect_line "$work/agent.err" 'needs the address of node 0: set MASTER_ADDR or --master-addr' "the agent's message"
+  ;;
+
+torch_env)
+  # An unmodified PyTorch script (init_process_group(init_method="env://")) under dtrun, as under
+  # torchrun: two nodes of two workers, so GROUP_RANK, ranks and the port dtrun picks all count.
+  port=$(free_port)
+  export MASTER_ADDR=127.0.0.1
+  pids=()
+  for n in 0 1; do
+    "$DTRUN" --nnodes 2 --node-rank $n --master-port "$port" --nproc-per-node 2 -- \
+      "$TORCH_PYTHON" "$SOURCE_DIR/tests/peers/torch_env_job.py" >"$work/n$n.out" 2>"$work/n$n.err" &
+    pids+=($!)
+  done
+  for n in 0 1; do
+    wait "${pids[n]}"
+    expect_status 0 $? "dtrun of node $n"
+  done
+  cat "$work/n0.out" "$work/n1.out" >"$work/all.out"
+  for r in 0 1 2 3; do
+    expect_line "$work/all.out" "^torch_env_job rank=$r world_size=4 local_rank=$((r % 2)) sum=10 ok$" "PyTorch rank $r"
+  done
+  ;;
+
+*)
+  fail "unknown case $case_name"
+  ;;
+esac
+echo "PASS: $case_name"

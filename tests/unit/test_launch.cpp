@@ -1,0 +1,201 @@
+// The pure parts of launching: agent options from the environment, the
+// node agent's view of its node, and completing the world by node name.
+// The processes themselves are tested in tests/launch/cases.sh.
+
+#include "support.hpp"
+
+#include <chrono>
+#include <vector>
+
+using namespace std::chrono_literals;
+using dtrain::agent_options;
+using dtrain::environment;
+using dtrain::placement;
+using dtrain::rank_report;
+using dtrain_test::config_error_text;
+
+TEST_CASE("agent options: every option has an environment variable, and the environment wins") {
+  agent_options coded{.nproc_per_node = 4, .max_restarts = 1};
+  auto tuned = coded.with_env({{"DTRAIN_NPROC_PER_NODE", "2"},
+                               {"DTRAIN_NNODES", "3"},
+                               {"DTRAIN_NODE_RANK", "1"},
+                               {"DTRAIN_MAX_RESTARTS", "5"},
+                               {"DTRAIN_GRACE_PERIOD", "0.5"},
+                               {"DTRAIN_TEE", "1"},
+                               {"DTRAIN_LOG_DIR", "/tmp/logs"},
+                               {"DTRAIN_LOCAL_RANK_ARG", "yes"}});
+  CHECK(tuned.nproc_per_node == 2);
+  CHECK(tuned.nnodes == 3);
+  CHECK(tuned.node_rank == 1);
+  CHECK(tuned.max_restarts == 5);
+  CHECK(tuned.grace_period == 500ms);
+  CHECK(tuned.tee);
+  CHECK(tuned.log_dir == "/tmp/logs");
+  CHECK(tuned.local_rank_arg);
+  auto same = coded.with_env({});
+  CHECK(same.nproc_per_node == 4);
+  CHECK(same.max_restarts == 1);
+  CHECK(same.grace_period == dtrain::default_grace_period);
+  CHECK_FALSE(same.tee);
+}
+
+TEST_CASE("agent options: bad values name the variable or option") {
+  CHECK(config_error_text([] {
+          (void)agent_options{}.with_env({{"DTRAIN_NPROC_PER_NODE", "0"}});
+        }) == "DTRAIN_NPROC_PER_NODE=0 must be at least 1");
+  CHECK(config_error_text([] {
+          (void)agent_options{}.with_env({{"DTRAIN_NNODES", "two"}});
+        }) == "DTRAIN_NNODES=two is not a non-negative integer");
+  CHECK(config_error_text([] {
+          (void)agent_options{}.with_env({{"DTRAIN_TEE", "maybe"}});
+        }) == "DTRAIN_TEE=maybe is not 0, 1, true, false, yes, no, on or off");
+  CHECK(config_error_text([] {
+          (void)agent_options{}.with_env({{"DTRAIN_GRACE_PERIOD", "0"}});
+        }) == "DTRAIN_GRACE_PERIOD=0 is not a positive number of seconds");
+  CHECK(config_error_text([] { agent_options{.max_restarts = -1}.check(); }) ==
+        "option max_restarts=-1 is negative");
+  CHECK(config_error_text([] { agent_options{.master_port = 70000}.check(); }) ==
+        "option master_port=70000 is outside the port range 1-65535");
+  CHECK(config_error_text([] { agent_options{.nproc_per_node = 0}.check(); }) ==
+        "option nproc_per_node=0 must be at least 1");
+}
+
+TEST_CASE("node agent: node, master and port come from options, NODE_RANK or the outer launcher") {
+  using dtrain::node_agent;
+  SUBCASE("a single node needs nothing: 127.0.0.1 and a free port") {
+    node_agent agent({"true"}, {.nproc_per_node = 3}, environment{});
+    CHECK(agent.node().node_rank == 0);
+    CHECK(agent.node().num_nodes == 1);
+    CHECK(agent.node().local_world_size == 3);
+    CHECK(agent.node().world_size == 3);
+  }
+  SUBCASE("Lightning / Azure ML style NODE_RANK with options") {
+    node_agent agent(
+        {"true"}, {.nproc_per_node = 2, .nnodes = 4},
+        environment{{"NODE_RANK", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "6105"}});
+    CHECK(agent.node().node_rank == 2);
+    CHECK(agent.node().world_size == 8);
+  }
+  SUBCASE("one agent per node under mpirun: the MPI rank is the node rank") {
+    node_agent agent({"true"}, {.nproc_per_node = 2},
+                     environment{{"OMPI_COMM_WORLD_RANK", "1"},
+                                 {"OMPI_COMM_WORLD_SIZE", "2"},
+                                 {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+                                 {"MASTER_ADDR", "node0"}});
+    CHECK(agent.node().node_rank == 1);
+    CHECK(agent.node().num_nodes == 2);
+  }
+  SUBCASE("several nodes without an address is an error that says what to set") {
+    CHECK(config_error_text([] {
+            node_agent({"true"}, {.nnodes = 2, .node_rank = 0}, environment{});
+          }) == "a job of 2 nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
+  }
+  SUBCASE("a free port cannot be shared with other nodes") {
+    CHECK_CONTAINS(config_error_text([] {
+                     node_agent({"true"},
+                                {.nnodes = 2, .node_rank = 1, .master_addr = "h", .master_port = 0},
+                                environment{});
+                   }),
+                   "master_port 0 (a free port) works only on a single node");
+  }
+  SUBCASE("NODE_RANK and the option must agree") {
+    CHECK_CONTAINS(config_error_text([] {
+                     node_agent({"true"}, {.nnodes = 2, .node_rank = 0},
+                                environment{{"NODE_RANK", "1"}, {"MASTER_ADDR", "h"}});
+                   }),
+                   "NODE_RANK=1");
+  }
+  SUBCASE("no command") {
+    CHECK(config_error_text([] { node_agent({}, {}, environment{}); }) ==
+          "node_agent: no worker command to run");
+  }
+}
+
+namespace {
+
+rank_report report(std::string node, std::optional<int> local_rank = {},
+                   std::optional<int> local_size = {}, std::optional<int> node_rank = {},
+                   std::optional<int> nodes = {}, std::optional<int> size = {}) {
+  rank_report r;
+  r.node_name = std::move(node);
+  r.self.world_size = size;
+  r.self.local_rank = local_rank;
+  r.self.local_world_size = local_size;
+  r.self.node_rank = node_rank;
+  r.self.num_nodes = nodes;
+  auto at = [](dtrain::world::field f) { return static_cast<std::size_t>(f); };
+  if (local_rank)
+    r.self.origins[at(dtrain::world::field::local_rank)] =
+        "OMPI_COMM_WORLD_LOCAL_RANK=" + std::to_string(*local_rank);
+  if (local_size)
+    r.self.origins[at(dtrain::world::field::local_world_size)] =
+        "OMPI_COMM_WORLD_LOCAL_SIZE=" + std::to_string(*local_size);
+  if (size)
+    r.self.origins[at(dtrain::world::field::world_size)] =
+        "OMPI_COMM_WORLD_SIZE=" + std::to_string(*size);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("placement: ranks are grouped by node name, nodes numbered by their lowest rank") {
+  // `mpirun --map-by node` on hosts b and a: ranks alternate between them.
+  std::vector<rank_report> reports{report("b"), report("a"), report("b"), report("a"), report("b")};
+  auto placed = dtrain::place_ranks(reports);
+  REQUIRE(placed.size() == 5);
+  CHECK(placed[0] == placement{0, 2, 0, 3});
+  CHECK(placed[1] == placement{1, 2, 0, 2});
+  CHECK(placed[2] == placement{0, 2, 1, 3});
+  CHECK(placed[3] == placement{1, 2, 1, 2});
+  CHECK(placed[4] == placement{0, 2, 2, 3});
+}
+
+TEST_CASE("placement: fields the launcher gave must match the grouping") {
+  std::vector<rank_report> ok{report("x", 0, 2), report("y", 0, 2), report("x", 1, 2),
+                              report("y", 1, 2)};
+  CHECK(dtrain::place_ranks(ok)[3] == placement{1, 2, 1, 2});
+  // One host name for all (containers that share it): LOCAL_SIZE=2 contradicts 4 on one node.
+  std::vector<rank_report> same{report("c", 0, 2), report("c", 1, 2), report("c", 0, 2),
+                                report("c", 1, 2)};
+  CHECK(config_error_text([&] { (void)dtrain::place_ranks(same); }) ==
+        "rank 0: OMPI_COMM_WORLD_LOCAL_SIZE=2 gives local world size 2, but grouping the ranks by "
+        "node name "
+        "(\"c\", the host name unless DTRAIN_NODE_NAME is set) gives 4; give every node a distinct "
+        "DTRAIN_NODE_NAME, or set NODE_RANK");
+}
+
+TEST_CASE("placement: complete reports are kept, even on one host (agents playing nodes)") {
+  std::vector<rank_report> agents{report("h", 0, 2, 0, 2), report("h", 1, 2, 0, 2),
+                                  report("h", 0, 2, 1, 2), report("h", 1, 2, 1, 2)};
+  auto placed = dtrain::place_ranks(agents);
+  CHECK(placed[2] == placement{1, 2, 0, 2});
+}
+
+TEST_CASE("placement: ranks that disagree about the world size are named") {
+  std::vector<rank_report> reports{report("a", {}, {}, {}, {}, 2), report("a", {}, {}, {}, {}, 3)};
+  CHECK(
+      config_error_text([&] { (void)dtrain::place_ranks(reports); }) ==
+      "rank 1 says the world has 3 ranks (OMPI_COMM_WORLD_SIZE=3), but 2 ranks met at rendezvous");
+}
+
+TEST_CASE("rank report: survives the store with its origins, and garbage is refused") {
+  rank_report r = report("node:7 with spaces", 1, 4, {}, {}, 8);
+  rank_report back = rank_report::decode(r.encode(), "key");
+  CHECK(back.node_name == r.node_name);
+  CHECK(back.self.local_rank == 1);
+  CHECK(back.self.local_world_size == 4);
+  CHECK_FALSE(back.self.node_rank);
+  CHECK(back.self.world_size == 8);
+  CHECK(back.self.origin(dtrain::world::field::local_world_size) == "OMPI_COMM_WORLD_LOCAL_SIZE=4");
+  for (const std::string& bad :
+       std::vector<std::string>{"", "3:ab", "x:abc", "1:a", r.encode() + "0:"}) {
+    CHECK_THROWS_WITH_AS((void)rank_report::decode(bad, "store key world/3"),
+                         "store key world/3 is not a dtrain rank report", dtrain::rendezvous_error);
+  }
+}
+
+TEST_CASE("node name: DTRAIN_NODE_NAME overrides the host name") {
+  CHECK(dtrain::node_name(environment{{"DTRAIN_NODE_NAME", "rack4-node2"}}) == "rack4-node2");
+  CHECK_FALSE(dtrain::node_name(environment{}).empty());
+}
