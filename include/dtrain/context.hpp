@@ -151,28 +151,42 @@ class context {
       return;
     }
     std::optional<std::string> host = world_.master_addr;
-    int port = world_.master_port.value_or(host || size() > 1 ? default_master_port : 0);
+    // Without an address nobody else can be told a fixed port either: rank 0
+    // picks a free one (and MPI carries it), unless MASTER_PORT names one.
+    int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
     if (rank() == 0) {
-      server_.emplace("0.0.0.0", port, store_options_);
-      port = server_->port();
+      try {
+        server_.emplace("0.0.0.0", port, store_options_);
+        port = server_->port();
+      } catch (const std::exception& e) {
+        // The others are waiting to hear where the store is: tell them it is not.
+        if (!host) (void)agree_store_address(port, e.what());
+        throw;
+      }
     }
     if (!host) host = agree_store_address(port);
     client_.emplace(rank() == 0 ? std::string("127.0.0.1") : *host, port, store_options_);
     store_.emplace(*client_, std::string(job_store_prefix));
   }
 
-  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI.
-  std::string agree_store_address(int& port) {
+  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
+  /// rank 0 sends `failure` instead when it could not start the store.
+  std::string agree_store_address(int& port, const char* failure = nullptr) {
 #if DTRAIN_HAS_MPI()
     if constexpr (uses_mpi) {
-      std::string mine =
-          rank() == 0 ? detail::host_name() + " " + std::to_string(port) : std::string();
+      std::string mine = rank() != 0 ? std::string()
+                         : failure   ? "!" + std::string(failure)
+                                     : detail::host_name() + " " + std::to_string(port);
       char text[320] = {};
       mine.copy(text, sizeof text - 1);
       DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
                        "broadcasting rank 0's store address");
       std::string got(text);
+      if (got.starts_with("!")) {
+        if (failure) return {};  // rank 0 rethrows its own error
+        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.substr(1));
+      }
       auto space = got.rfind(' ');
       port = std::stoi(got.substr(space + 1));
       return got.substr(0, space);
@@ -180,6 +194,7 @@ class context {
 #endif
     {
       (void)port;
+      if (failure) return {};
       throw config_error(
           "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
           " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "

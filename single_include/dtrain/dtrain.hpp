@@ -7097,7 +7097,6 @@ struct agent_options {
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -7112,6 +7111,8 @@ struct agent_options {
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+
+#include <pthread.h>
 #include <unistd.h>
 
 namespace dtrain::detail {
@@ -7164,6 +7165,7 @@ class output_relay {
     int rank = 0;
     bool is_stderr = false;
     std::string partial;
+    std::shared_ptr<std::FILE> log;  ///< this round's rank_<N>.log, or null
   };
 
   output_relay(bool tee, std::string log_dir) : tee_(tee), log_dir_(std::move(log_dir)) {}
@@ -7187,8 +7189,11 @@ class output_relay {
     logs_.clear();
     for (int rank : ranks) {
       auto path = dir / ("rank_" + std::to_string(rank) + ".log");
-      auto file = std::make_unique<std::ofstream>(path, std::ios::trunc);
-      if (!*file) throw config_error("cannot write the log file " + path.string());
+      // "e": O_CLOEXEC, so the workers started later do not inherit the file.
+      std::shared_ptr<std::FILE> file(std::fopen(path.c_str(), "we"), [](std::FILE* f) {
+        if (f) std::fclose(f);
+      });
+      if (!file) throw config_error("cannot write the log file " + path.string());
       logs_[rank] = std::move(file);
     }
   }
@@ -7196,8 +7201,12 @@ class output_relay {
   /// Hands the read ends of one worker's pipes to the relay thread.
   void add(int rank, unique_fd out, unique_fd err) {
     std::lock_guard lock(mutex_);
-    pending_.push_back(stream{std::move(out), rank, false, {}});
-    pending_.push_back(stream{std::move(err), rank, true, {}});
+    // Each stream keeps the log file of its own round: output of a round that
+    // is still being drained never lands in the next round's files.
+    auto it = logs_.find(rank);
+    std::shared_ptr<std::FILE> log = it == logs_.end() ? nullptr : it->second;
+    pending_.push_back(stream{std::move(out), rank, false, {}, log});
+    pending_.push_back(stream{std::move(err), rank, true, {}, log});
     if (!thread_.joinable()) {
       stop_ = false;
       thread_ = std::thread([this] { pump(); });
@@ -7271,9 +7280,9 @@ class output_relay {
       std::fprintf(to, "[rank %d] %.*s", s.rank, static_cast<int>(line.size()), line.data());
       std::fflush(to);
     }
-    if (auto it = logs_.find(s.rank); it != logs_.end()) {
-      it->second->write(line.data(), static_cast<std::streamsize>(line.size()));
-      it->second->flush();
+    if (s.log) {
+      std::fwrite(line.data(), 1, line.size(), s.log.get());
+      std::fflush(s.log.get());
     }
   }
 
@@ -7281,7 +7290,7 @@ class output_relay {
   std::string log_dir_;
   std::mutex mutex_;
   std::vector<stream> pending_;
-  std::map<int, std::unique_ptr<std::ofstream>> logs_;
+  std::map<int, std::shared_ptr<std::FILE>> logs_;  // the current round's, by rank
   std::atomic<bool> stop_{false};
   std::atomic<std::size_t> open_streams_{0};
   std::thread thread_;
@@ -7326,15 +7335,23 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
   DTRAIN_SYSCALL(::pipe2(report, O_CLOEXEC));
   unique_fd report_read(report[0]), report_write(report[1]);
   const pid_t parent = ::getpid();
+  // Signals stay blocked until the child has its default handlers back: a
+  // SIGTERM forwarded right after fork must not run the agent's handler in it.
+  sigset_t forwarded, previous;
+  sigemptyset(&forwarded);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&forwarded, sig);
+  ::pthread_sigmask(SIG_BLOCK, &forwarded, &previous);
 
-  pid_t pid = DTRAIN_SYSCALL(::fork());
+  pid_t pid = ::fork();
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);  // the agent died before prctl took effect
+    // Its own process group, so that stopping the worker stops what it started too.
+    ::setpgid(0, 0);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
     if (relay != nullptr &&
         (::dup2(out[1], STDOUT_FILENO) < 0 || ::dup2(err[1], STDERR_FILENO) < 0)) {
       int e = errno;
@@ -7346,6 +7363,13 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
     (void)!::write(report[1], &e, sizeof e);
     ::_exit(127);
   }
+  const int fork_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) {
+    throw error("cannot start rank " + std::to_string(rank) +
+                ": fork: " + std::strerror(fork_errno));
+  }
+  ::setpgid(pid, pid);  // also here: whichever runs first, the group exists before any kill
   report_write.reset();
   int child_errno = 0;
   ssize_t n;
@@ -7399,12 +7423,19 @@ inline std::vector<worker_process*> reap_exited(std::vector<worker_process>& wor
   return reaped;
 }
 
+/// Signals a worker's process group (the worker and what it started), or the
+/// worker alone if it has left its group.
+inline void signal_group(pid_t pid, int sig) {
+  if (::killpg(pid, sig) != 0) ::kill(pid, sig);
+}
+
 /// Sends `sig` to the live workers, waits up to `grace` for them to exit,
 /// then SIGKILLs the rest and reaps everyone. Afterwards no worker is alive.
 inline void stop_workers(std::vector<worker_process>& workers, int sig,
                          std::chrono::milliseconds grace) {
+  // Exited workers too: what they started may still run in their group.
   for (auto& w : workers) {
-    if (!w.status && w.pid > 0) ::kill(w.pid, sig);
+    if (w.pid > 0) signal_group(w.pid, sig);
   }
   auto deadline = std::chrono::steady_clock::now() + grace;
   auto alive = [&] {
@@ -7415,11 +7446,14 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
     reap_exited(workers, std::chrono::milliseconds(10));
   for (auto& w : workers) {
     if (w.status || w.pid <= 0) continue;
-    ::kill(w.pid, SIGKILL);
+    signal_group(w.pid, SIGKILL);
     int status = 0;
     while (::waitpid(w.pid, &status, 0) < 0 && errno == EINTR) {
     }
     w.status = status;
+  }
+  for (auto& w : workers) {
+    if (w.pid > 0) ::killpg(w.pid, SIGKILL);  // stragglers of the groups
   }
 }
 
@@ -7438,7 +7472,9 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -7626,6 +7662,7 @@ class node_agent {
     try {
       join(store);
       for (int restart = 0;; ++restart) {
+        round_ = restart;
         detail::round_end end = run_round(store, restart);
         if (end.succeeded) {
           status = 0;
@@ -7653,10 +7690,33 @@ class node_agent {
       // A signal that interrupted a wait ends the job like one during the run.
       const int sig = detail::agent_signal;
       stop(sig != 0 ? sig : SIGTERM);
+      std::string what = "received signal " + std::to_string(sig);
+      status = 128 + sig;
+      if (sig == 0) {
+        try {
+          throw;
+        } catch (const config_error& e) {
+          what = e.what();
+          status = 2;
+        } catch (const std::exception& e) {
+          what = e.what();
+          status = 1;
+        } catch (...) {
+          what = "an exception that is not a std::exception";
+          status = 1;
+        }
+      }
+      // Tell the other nodes, so that they end too instead of waiting for this one.
+      try {
+        detail::record_failure(store, round_, status, true,
+                               "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+        leave(store, node_rank() == 0);
+      } catch (...) {
+        // The store is gone too: the other agents notice that themselves.
+      }
       relay.finish(std::chrono::milliseconds(200));
       if (sig == 0) throw;
-      say("received signal " + std::to_string(sig) + "; stopped this node's workers");
-      status = 128 + sig;
+      say(what + "; stopped this node's workers");
     }
     relay.finish(std::chrono::milliseconds(200));
     relay_ = nullptr;
@@ -7736,8 +7796,7 @@ class node_agent {
       if (!hosting) return;
       auto deadline =
           std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
-      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline &&
-             detail::agent_signal == 0) {
+      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(poll_interval);
       }
     } catch (const rendezvous_error&) {
@@ -7814,12 +7873,24 @@ class node_agent {
     const std::string success_key = detail::round_key(restart, "succeeded");
     const std::span<const std::string> failure_keys(&failure_key, 1);
     bool reported_success = false;
+    heartbeat beats(nnodes());
     while (true) {
+      if (auto silent = beats.check(store, node_rank(), store_options_.io_timeout)) {
+        std::string message = "node " + std::to_string(*silent) +
+                              "'s agent stopped responding: no heartbeat for " +
+                              std::to_string(store_options_.io_timeout.count() / 1000) +
+                              " s (DTRAIN_STORE_IO_TIMEOUT)";
+        detail::record_failure(store, restart, 1, true, message);
+      }
       if (int sig = detail::agent_signal; sig != 0) {
         std::string message = "node " + std::to_string(node_rank()) + "'s agent received signal " +
                               std::to_string(sig) + " and stopped its workers";
-        detail::record_failure(store, restart, 128 + sig, true, message);
         stop(sig);
+        try {
+          detail::record_failure(store, restart, 128 + sig, true, message);
+        } catch (const rendezvous_error&) {
+          // Node 0 is gone: nobody is left to tell.
+        }
         return {false, 128 + sig, true, message};
       }
       for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
@@ -7864,6 +7935,42 @@ class node_agent {
 
   void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
 
+  /// Every agent bumps its counter about once a second and watches the
+  /// others': a node whose agent died (and with it its workers) is noticed
+  /// even while the other nodes' workers are busy computing.
+  class heartbeat {
+   public:
+    explicit heartbeat(int nodes)
+        : seen_(static_cast<std::size_t>(nodes), -1),
+          since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
+
+    /// Beats for `me`; returns a node silent for longer than `limit`.
+    std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
+      auto now = std::chrono::steady_clock::now();
+      if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+      last_ = now;
+      store.add(key(me), 1);
+      for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+        if (n == me) continue;
+        std::int64_t beat = store.add(key(n), 0);
+        auto i = static_cast<std::size_t>(n);
+        if (beat != seen_[i]) {
+          seen_[i] = beat;
+          since_[i] = now;
+        } else if (now - since_[i] > limit) {
+          return n;
+        }
+      }
+      return std::nullopt;
+    }
+
+   private:
+    static std::string key(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+    std::vector<std::int64_t> seen_;
+    std::vector<std::chrono::steady_clock::time_point> since_;
+    std::chrono::steady_clock::time_point last_{};
+  };
+
   static constexpr std::chrono::milliseconds poll_interval{20};
 
   std::vector<std::string> command_;
@@ -7874,6 +7981,7 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
+  int round_ = 0;  // the restart round under way
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
 };
@@ -8019,28 +8127,42 @@ class context {
       return;
     }
     std::optional<std::string> host = world_.master_addr;
-    int port = world_.master_port.value_or(host || size() > 1 ? default_master_port : 0);
+    // Without an address nobody else can be told a fixed port either: rank 0
+    // picks a free one (and MPI carries it), unless MASTER_PORT names one.
+    int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
     if (rank() == 0) {
-      server_.emplace("0.0.0.0", port, store_options_);
-      port = server_->port();
+      try {
+        server_.emplace("0.0.0.0", port, store_options_);
+        port = server_->port();
+      } catch (const std::exception& e) {
+        // The others are waiting to hear where the store is: tell them it is not.
+        if (!host) (void)agree_store_address(port, e.what());
+        throw;
+      }
     }
     if (!host) host = agree_store_address(port);
     client_.emplace(rank() == 0 ? std::string("127.0.0.1") : *host, port, store_options_);
     store_.emplace(*client_, std::string(job_store_prefix));
   }
 
-  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI.
-  std::string agree_store_address(int& port) {
+  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
+  /// rank 0 sends `failure` instead when it could not start the store.
+  std::string agree_store_address(int& port, const char* failure = nullptr) {
 #if DTRAIN_HAS_MPI()
     if constexpr (uses_mpi) {
-      std::string mine =
-          rank() == 0 ? detail::host_name() + " " + std::to_string(port) : std::string();
+      std::string mine = rank() != 0 ? std::string()
+                         : failure   ? "!" + std::string(failure)
+                                     : detail::host_name() + " " + std::to_string(port);
       char text[320] = {};
       mine.copy(text, sizeof text - 1);
       DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
                        "broadcasting rank 0's store address");
       std::string got(text);
+      if (got.starts_with("!")) {
+        if (failure) return {};  // rank 0 rethrows its own error
+        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.substr(1));
+      }
       auto space = got.rfind(' ');
       port = std::stoi(got.substr(space + 1));
       return got.substr(0, space);
@@ -8048,6 +8170,7 @@ class context {
 #endif
     {
       (void)port;
+      if (failure) return {};
       throw config_error(
           "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
           " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "

@@ -129,6 +129,48 @@ no_restarts_left)
   expect_line "$work/agent.err" 'rank 0 .* exited with status 3; ending the job \(restarts used: 1 of 1\)' "the final message"
   ;;
 
+remote_agent_dies)
+  # Node 1's agent is SIGKILLed while node 0's workers are busy: node 0 notices the missing
+  # heartbeat (DTRAIN_STORE_IO_TIMEOUT) and ends instead of waiting forever.
+  mkdir "$work/pids"
+  port=$(free_port)
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_STORE_IO_TIMEOUT=2
+  "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 1 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 1 --hang "$work/pids" >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  wait_for_pids "$work/pids" 2
+  kill -KILL $n1
+  wait $n0
+  expect_status 1 $? "node 0's agent"
+  expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_STORE_IO_TIMEOUT\); ending the job" "node 0's message"
+  expect_all_gone "$work/pids"
+  ;;
+
+remote_agent_fails)
+  # Node 1's agent cannot start its workers: node 0 ends with node 1's reason.
+  port=$(free_port)
+  "$DTRUN" --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- sleep 60 >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  "$DTRUN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- /nonexistent/program >"$work/n1.out" 2>"$work/n1.err"
+  expect_status 1 $? "node 1's dtrun"
+  wait $n0
+  expect_status 1 $? "node 0's dtrun"
+  expect_line "$work/n0.err" "node 1's agent failed: cannot start rank 1 \(/nonexistent/program\): No such file or directory; ending the job" "node 0's message"
+  ;;
+
+grandchildren)
+  # What a worker started dies with it: the agent stops each worker's process group.
+  mkdir "$work/pids"
+  export PIDS="$work/pids"
+  "$DTRUN" --nproc-per-node 2 --grace-period 1 -- sh -c \
+    'sleep 300 & echo $! >"$PIDS/$RANK.pid"; if [ "$RANK" = 1 ]; then sleep 0.5; exit 3; fi; wait' \
+    >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 3 $? "dtrun"
+  [[ $(ls "$work/pids" | wc -l) == 2 ]] || fail "the workers did not start their children"
+  expect_all_gone "$work/pids"
+  ;;
+
 sigterm)
   mkdir "$work/pids"
   "$PEER" node-gloo --nproc-per-node 2 --hang "$work/pids" >"$work/agent.out" 2>"$work/agent.err" &

@@ -19,7 +19,9 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -207,6 +209,7 @@ class node_agent {
     try {
       join(store);
       for (int restart = 0;; ++restart) {
+        round_ = restart;
         detail::round_end end = run_round(store, restart);
         if (end.succeeded) {
           status = 0;
@@ -234,10 +237,33 @@ class node_agent {
       // A signal that interrupted a wait ends the job like one during the run.
       const int sig = detail::agent_signal;
       stop(sig != 0 ? sig : SIGTERM);
+      std::string what = "received signal " + std::to_string(sig);
+      status = 128 + sig;
+      if (sig == 0) {
+        try {
+          throw;
+        } catch (const config_error& e) {
+          what = e.what();
+          status = 2;
+        } catch (const std::exception& e) {
+          what = e.what();
+          status = 1;
+        } catch (...) {
+          what = "an exception that is not a std::exception";
+          status = 1;
+        }
+      }
+      // Tell the other nodes, so that they end too instead of waiting for this one.
+      try {
+        detail::record_failure(store, round_, status, true,
+                               "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+        leave(store, node_rank() == 0);
+      } catch (...) {
+        // The store is gone too: the other agents notice that themselves.
+      }
       relay.finish(std::chrono::milliseconds(200));
       if (sig == 0) throw;
-      say("received signal " + std::to_string(sig) + "; stopped this node's workers");
-      status = 128 + sig;
+      say(what + "; stopped this node's workers");
     }
     relay.finish(std::chrono::milliseconds(200));
     relay_ = nullptr;
@@ -317,8 +343,7 @@ class node_agent {
       if (!hosting) return;
       auto deadline =
           std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
-      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline &&
-             detail::agent_signal == 0) {
+      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(poll_interval);
       }
     } catch (const rendezvous_error&) {
@@ -395,12 +420,24 @@ class node_agent {
     const std::string success_key = detail::round_key(restart, "succeeded");
     const std::span<const std::string> failure_keys(&failure_key, 1);
     bool reported_success = false;
+    heartbeat beats(nnodes());
     while (true) {
+      if (auto silent = beats.check(store, node_rank(), store_options_.io_timeout)) {
+        std::string message = "node " + std::to_string(*silent) +
+                              "'s agent stopped responding: no heartbeat for " +
+                              std::to_string(store_options_.io_timeout.count() / 1000) +
+                              " s (DTRAIN_STORE_IO_TIMEOUT)";
+        detail::record_failure(store, restart, 1, true, message);
+      }
       if (int sig = detail::agent_signal; sig != 0) {
         std::string message = "node " + std::to_string(node_rank()) + "'s agent received signal " +
                               std::to_string(sig) + " and stopped its workers";
-        detail::record_failure(store, restart, 128 + sig, true, message);
         stop(sig);
+        try {
+          detail::record_failure(store, restart, 128 + sig, true, message);
+        } catch (const rendezvous_error&) {
+          // Node 0 is gone: nobody is left to tell.
+        }
         return {false, 128 + sig, true, message};
       }
       for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
@@ -445,6 +482,42 @@ class node_agent {
 
   void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
 
+  /// Every agent bumps its counter about once a second and watches the
+  /// others': a node whose agent died (and with it its workers) is noticed
+  /// even while the other nodes' workers are busy computing.
+  class heartbeat {
+   public:
+    explicit heartbeat(int nodes)
+        : seen_(static_cast<std::size_t>(nodes), -1),
+          since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
+
+    /// Beats for `me`; returns a node silent for longer than `limit`.
+    std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
+      auto now = std::chrono::steady_clock::now();
+      if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+      last_ = now;
+      store.add(key(me), 1);
+      for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+        if (n == me) continue;
+        std::int64_t beat = store.add(key(n), 0);
+        auto i = static_cast<std::size_t>(n);
+        if (beat != seen_[i]) {
+          seen_[i] = beat;
+          since_[i] = now;
+        } else if (now - since_[i] > limit) {
+          return n;
+        }
+      }
+      return std::nullopt;
+    }
+
+   private:
+    static std::string key(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+    std::vector<std::int64_t> seen_;
+    std::vector<std::chrono::steady_clock::time_point> since_;
+    std::chrono::steady_clock::time_point last_{};
+  };
+
   static constexpr std::chrono::milliseconds poll_interval{20};
 
   std::vector<std::string> command_;
@@ -455,6 +528,7 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
+  int round_ = 0;  // the restart round under way
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
 };

@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -31,6 +30,8 @@
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+
+#include <pthread.h>
 #include <unistd.h>
 
 namespace dtrain::detail {
@@ -83,6 +84,7 @@ class output_relay {
     int rank = 0;
     bool is_stderr = false;
     std::string partial;
+    std::shared_ptr<std::FILE> log;  ///< this round's rank_<N>.log, or null
   };
 
   output_relay(bool tee, std::string log_dir) : tee_(tee), log_dir_(std::move(log_dir)) {}
@@ -106,8 +108,11 @@ class output_relay {
     logs_.clear();
     for (int rank : ranks) {
       auto path = dir / ("rank_" + std::to_string(rank) + ".log");
-      auto file = std::make_unique<std::ofstream>(path, std::ios::trunc);
-      if (!*file) throw config_error("cannot write the log file " + path.string());
+      // "e": O_CLOEXEC, so the workers started later do not inherit the file.
+      std::shared_ptr<std::FILE> file(std::fopen(path.c_str(), "we"), [](std::FILE* f) {
+        if (f) std::fclose(f);
+      });
+      if (!file) throw config_error("cannot write the log file " + path.string());
       logs_[rank] = std::move(file);
     }
   }
@@ -115,8 +120,12 @@ class output_relay {
   /// Hands the read ends of one worker's pipes to the relay thread.
   void add(int rank, unique_fd out, unique_fd err) {
     std::lock_guard lock(mutex_);
-    pending_.push_back(stream{std::move(out), rank, false, {}});
-    pending_.push_back(stream{std::move(err), rank, true, {}});
+    // Each stream keeps the log file of its own round: output of a round that
+    // is still being drained never lands in the next round's files.
+    auto it = logs_.find(rank);
+    std::shared_ptr<std::FILE> log = it == logs_.end() ? nullptr : it->second;
+    pending_.push_back(stream{std::move(out), rank, false, {}, log});
+    pending_.push_back(stream{std::move(err), rank, true, {}, log});
     if (!thread_.joinable()) {
       stop_ = false;
       thread_ = std::thread([this] { pump(); });
@@ -190,9 +199,9 @@ class output_relay {
       std::fprintf(to, "[rank %d] %.*s", s.rank, static_cast<int>(line.size()), line.data());
       std::fflush(to);
     }
-    if (auto it = logs_.find(s.rank); it != logs_.end()) {
-      it->second->write(line.data(), static_cast<std::streamsize>(line.size()));
-      it->second->flush();
+    if (s.log) {
+      std::fwrite(line.data(), 1, line.size(), s.log.get());
+      std::fflush(s.log.get());
     }
   }
 
@@ -200,7 +209,7 @@ class output_relay {
   std::string log_dir_;
   std::mutex mutex_;
   std::vector<stream> pending_;
-  std::map<int, std::unique_ptr<std::ofstream>> logs_;
+  std::map<int, std::shared_ptr<std::FILE>> logs_;  // the current round's, by rank
   std::atomic<bool> stop_{false};
   std::atomic<std::size_t> open_streams_{0};
   std::thread thread_;
@@ -245,15 +254,23 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
   DTRAIN_SYSCALL(::pipe2(report, O_CLOEXEC));
   unique_fd report_read(report[0]), report_write(report[1]);
   const pid_t parent = ::getpid();
+  // Signals stay blocked until the child has its default handlers back: a
+  // SIGTERM forwarded right after fork must not run the agent's handler in it.
+  sigset_t forwarded, previous;
+  sigemptyset(&forwarded);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&forwarded, sig);
+  ::pthread_sigmask(SIG_BLOCK, &forwarded, &previous);
 
-  pid_t pid = DTRAIN_SYSCALL(::fork());
+  pid_t pid = ::fork();
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);  // the agent died before prctl took effect
+    // Its own process group, so that stopping the worker stops what it started too.
+    ::setpgid(0, 0);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
     if (relay != nullptr &&
         (::dup2(out[1], STDOUT_FILENO) < 0 || ::dup2(err[1], STDERR_FILENO) < 0)) {
       int e = errno;
@@ -265,6 +282,13 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
     (void)!::write(report[1], &e, sizeof e);
     ::_exit(127);
   }
+  const int fork_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) {
+    throw error("cannot start rank " + std::to_string(rank) +
+                ": fork: " + std::strerror(fork_errno));
+  }
+  ::setpgid(pid, pid);  // also here: whichever runs first, the group exists before any kill
   report_write.reset();
   int child_errno = 0;
   ssize_t n;
@@ -318,12 +342,19 @@ inline std::vector<worker_process*> reap_exited(std::vector<worker_process>& wor
   return reaped;
 }
 
+/// Signals a worker's process group (the worker and what it started), or the
+/// worker alone if it has left its group.
+inline void signal_group(pid_t pid, int sig) {
+  if (::killpg(pid, sig) != 0) ::kill(pid, sig);
+}
+
 /// Sends `sig` to the live workers, waits up to `grace` for them to exit,
 /// then SIGKILLs the rest and reaps everyone. Afterwards no worker is alive.
 inline void stop_workers(std::vector<worker_process>& workers, int sig,
                          std::chrono::milliseconds grace) {
+  // Exited workers too: what they started may still run in their group.
   for (auto& w : workers) {
-    if (!w.status && w.pid > 0) ::kill(w.pid, sig);
+    if (w.pid > 0) signal_group(w.pid, sig);
   }
   auto deadline = std::chrono::steady_clock::now() + grace;
   auto alive = [&] {
@@ -334,11 +365,14 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
     reap_exited(workers, std::chrono::milliseconds(10));
   for (auto& w : workers) {
     if (w.status || w.pid <= 0) continue;
-    ::kill(w.pid, SIGKILL);
+    signal_group(w.pid, SIGKILL);
     int status = 0;
     while (::waitpid(w.pid, &status, 0) < 0 && errno == EINTR) {
     }
     w.status = status;
+  }
+  for (auto& w : workers) {
+    if (w.pid > 0) ::killpg(w.pid, SIGKILL);  // stragglers of the groups
   }
 }
 
