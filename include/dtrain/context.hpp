@@ -177,7 +177,7 @@ class context {
     if constexpr (uses_mpi) {
       std::string mine = rank() != 0 ? std::string()
                          : failure   ? "!" + std::string(failure)
-                                     : detail::host_name() + " " + std::to_string(port);
+                                   : detail::host_name().value_or("?") + " " + std::to_string(port);
       char text[320] = {};
       mine.copy(text, sizeof text - 1);
       DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),

@@ -1800,6 +1800,76 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 /// rank arithmetic is wrong), so this is how those fields become known.
 /// Pure functions; the runtime (run.hpp) carries the reports through the store.
 
+// ---- begin dtrain/detail/sys.hpp ----
+/// @file
+/// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
+/// captures file:line, the call as written and strerror(errno).
+
+
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// "what: strerror(err) (at file:line)".
+inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
+  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
+         ":" + std::to_string(line) + ")";
+}
+
+/// An owned file descriptor, closed on destruction.
+class unique_fd {
+ public:
+  unique_fd() = default;
+  explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  unique_fd& operator=(unique_fd&& other) noexcept {
+    if (this != &other) reset(std::exchange(other.fd_, -1));
+    return *this;
+  }
+  unique_fd(const unique_fd&) = delete;
+  unique_fd& operator=(const unique_fd&) = delete;
+  ~unique_fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+/// This machine's host name; nullopt when gethostname fails (each caller
+/// decides what that means for it).
+inline std::optional<std::string> host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
+  return std::string(name);
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an OS call returning -1 on failure) and throws
+/// dtrain::error with the call, file:line and strerror(errno) when it fails.
+#define DTRAIN_SYSCALL(call)                                                          \
+  ([&]() {                                                                            \
+    auto dtrain_result_ = (call);                                                     \
+    if (dtrain_result_ == -1) {                                                       \
+      int dtrain_errno_ = errno;                                                      \
+      throw ::dtrain::error(                                                          \
+          ::dtrain::detail::os_error_text(#call, dtrain_errno_, __FILE__, __LINE__)); \
+    }                                                                                 \
+    return dtrain_result_;                                                            \
+  }())
+// ---- end dtrain/detail/sys.hpp ----
 
 #include <array>
 #include <cstddef>
@@ -1808,8 +1878,6 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <unistd.h>
 
 namespace dtrain {
 
@@ -1820,10 +1888,9 @@ inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] inline std::string node_name(const environment& env) {
   if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0)
-    throw error("gethostname failed; set DTRAIN_NODE_NAME");
-  return host;
+  auto host = detail::host_name();
+  if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
+  return *host;
 }
 
 /// What one rank says about itself at rendezvous.
@@ -2058,67 +2125,6 @@ struct store_options {
 /// store_server: the key-value store every rank meets at. One coroutine per
 /// connection on an epoll reactor, on one background thread.
 
-// ---- begin dtrain/detail/sys.hpp ----
-/// @file
-/// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
-/// captures file:line, the call as written and strerror(errno).
-
-
-#include <cerrno>
-#include <cstring>
-#include <string>
-#include <utility>
-
-#include <unistd.h>
-
-namespace dtrain::detail {
-
-/// "what: strerror(err) (at file:line)".
-inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
-  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
-         ":" + std::to_string(line) + ")";
-}
-
-/// An owned file descriptor, closed on destruction.
-class unique_fd {
- public:
-  unique_fd() = default;
-  explicit unique_fd(int fd) noexcept : fd_(fd) {}
-  unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  unique_fd& operator=(unique_fd&& other) noexcept {
-    if (this != &other) reset(std::exchange(other.fd_, -1));
-    return *this;
-  }
-  unique_fd(const unique_fd&) = delete;
-  unique_fd& operator=(const unique_fd&) = delete;
-  ~unique_fd() { reset(); }
-
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-}  // namespace dtrain::detail
-
-/// Evaluates `call` (an OS call returning -1 on failure) and throws
-/// dtrain::error with the call, file:line and strerror(errno) when it fails.
-#define DTRAIN_SYSCALL(call)                                                          \
-  ([&]() {                                                                            \
-    auto dtrain_result_ = (call);                                                     \
-    if (dtrain_result_ == -1) {                                                       \
-      int dtrain_errno_ = errno;                                                      \
-      throw ::dtrain::error(                                                          \
-          ::dtrain::detail::os_error_text(#call, dtrain_errno_, __FILE__, __LINE__)); \
-    }                                                                                 \
-    return dtrain_result_;                                                            \
-  }())
-// ---- end dtrain/detail/sys.hpp ----
 // ---- begin dtrain/rendezvous/protocol.hpp ----
 /// @file
 /// The store's wire protocol. All integers are little-endian.
@@ -4954,9 +4960,8 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, c
     return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
   }
   if (size == 1) return {{}, "127.0.0.1", "127.0.0.1 (a world of one, no MASTER_ADDR)"};
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  return {{}, host, std::string("the host name ") + host + " (no interface named and no MASTER_ADDR)"};
+  const std::string host = host_name().value_or("");
+  return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
 }
 
 }  // namespace dtrain::detail
@@ -7539,12 +7544,6 @@ inline int pick_free_port() {
   return ntohs(addr.sin_port);
 }
 
-inline std::string host_name() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof name - 1) != 0) return "?";
-  return name;
-}
-
 /// How a restart round ended.
 struct round_end {
   bool succeeded = false;
@@ -7761,7 +7760,8 @@ class node_agent {
   /// Registers this node and checks that every node runs the same job shape.
   void join(store_client& store) {
     const std::string me = std::to_string(nproc_) + " " + std::to_string(options_.max_restarts) +
-                           " " + detail::host_name() + ":" + std::to_string(::getpid());
+                           " " + detail::host_name().value_or("?") + ":" +
+                           std::to_string(::getpid());
     const std::string key = "dtrain/agent/node/" + std::to_string(node_rank());
     std::string holder = store.compare_set(key, "", me);
     if (holder != me) {
@@ -8153,7 +8153,7 @@ class context {
     if constexpr (uses_mpi) {
       std::string mine = rank() != 0 ? std::string()
                          : failure   ? "!" + std::string(failure)
-                                     : detail::host_name() + " " + std::to_string(port);
+                                   : detail::host_name().value_or("?") + " " + std::to_string(port);
       char text[320] = {};
       mine.copy(text, sizeof text - 1);
       DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),

@@ -5,6 +5,7 @@
 /// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
 
 #include <dtrain/config.hpp>
+#include <dtrain/detail/sys.hpp>
 
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
@@ -216,9 +217,8 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, c
     return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
   }
   if (size == 1) return {{}, "127.0.0.1", "127.0.0.1 (a world of one, no MASTER_ADDR)"};
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  return {{}, host, std::string("the host name ") + host + " (no interface named and no MASTER_ADDR)"};
+  const std::string host = host_name().value_or("");
+  return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
 }
 
 }  // namespace dtrain::detail

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -44,6 +45,14 @@ class unique_fd {
  private:
   int fd_ = -1;
 };
+
+/// This machine's host name; nullopt when gethostname fails (each caller
+/// decides what that means for it).
+inline std::optional<std::string> host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
+  return std::string(name);
+}
 
 }  // namespace dtrain::detail
 

@@ -6,6 +6,7 @@
 /// rank arithmetic is wrong), so this is how those fields become known.
 /// Pure functions; the runtime (run.hpp) carries the reports through the store.
 
+#include <dtrain/detail/sys.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
@@ -18,8 +19,6 @@
 #include <string_view>
 #include <vector>
 
-#include <unistd.h>
-
 namespace dtrain {
 
 /// The variable that overrides the host name as the node's identity (for
@@ -29,10 +28,9 @@ inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] inline std::string node_name(const environment& env) {
   if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0)
-    throw error("gethostname failed; set DTRAIN_NODE_NAME");
-  return host;
+  auto host = detail::host_name();
+  if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
+  return *host;
 }
 
 /// What one rank says about itself at rendezvous.

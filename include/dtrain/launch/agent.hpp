@@ -5,6 +5,7 @@
 /// node 0, supervises the workers, stops the whole job on the first failure
 /// (on every node), restarts it up to a limit, and forwards signals.
 
+#include <dtrain/detail/sys.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
@@ -84,12 +85,6 @@ inline int pick_free_port() {
   DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
   DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
   return ntohs(addr.sin_port);
-}
-
-inline std::string host_name() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof name - 1) != 0) return "?";
-  return name;
 }
 
 /// How a restart round ended.
@@ -308,7 +303,8 @@ class node_agent {
   /// Registers this node and checks that every node runs the same job shape.
   void join(store_client& store) {
     const std::string me = std::to_string(nproc_) + " " + std::to_string(options_.max_restarts) +
-                           " " + detail::host_name() + ":" + std::to_string(::getpid());
+                           " " + detail::host_name().value_or("?") + ":" +
+                           std::to_string(::getpid());
     const std::string key = "dtrain/agent/node/" + std::to_string(node_rank());
     std::string holder = store.compare_set(key, "", me);
     if (holder != me) {
