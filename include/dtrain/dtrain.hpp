@@ -26,3 +26,10 @@
 #include <dtrain/launch/agent.hpp>
 #include <dtrain/context.hpp>
 #include <dtrain/run.hpp>
+#include <dtrain/ddp/parameter.hpp>
+#include <dtrain/ddp/bucket.hpp>
+#include <dtrain/ddp/options.hpp>
+#include <dtrain/ddp/storage.hpp>
+#include <dtrain/ddp/agreement.hpp>
+#include <dtrain/ddp/sampler.hpp>
+#include <dtrain/ddp/ddp.hpp>

@@ -8420,6 +8420,1477 @@ requires std::is_invocable_v < Fn&, context<Policy>
 
 }  // namespace dtrain
 // ---- end dtrain/run.hpp ----
+// ---- begin dtrain/ddp/parameter.hpp ----
+/// @file
+/// `dtrain::parameter`: how a model shows DistributedDataParallel its
+/// parameters — name, values, gradient, element count and type, device —
+/// without dtrain knowing the model's types. Models return a range of them
+/// from `parameters()` (and, for state that is not trained but must match
+/// across ranks, from `buffers()`).
+
+
+#include <concepts>
+#include <cstddef>
+#include <ranges>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace dtrain {
+
+/// One parameter as dtrain sees it: a view, never an owner.
+struct parameter {
+  /// Unique within the model; errors and mismatches across ranks name it.
+  std::string name;
+  /// The values: data, element count, element type, host or device memory.
+  buffer values;
+  /// Where the gradient is now (values.count elements of values.type); may
+  /// be null for a rebindable parameter (dtrain then provides zeroed storage).
+  void* gradient = nullptr;
+  /// The CUDA device of device memory; -1 for host memory.
+  int device = -1;
+
+  /// Set by param()/device_param() when the model keeps its gradient as a
+  /// pointer dtrain may repoint into its own flat bucket storage.
+  void* gradient_slot = nullptr;
+  void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+
+  [[nodiscard]] bool rebindable() const noexcept {
+    return gradient_slot != nullptr && rebind != nullptr;
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
+};
+
+namespace detail {
+
+template <class V>
+using range_element = std::remove_cv_t<std::ranges::range_value_t<V>>;
+
+template <element T>
+void rebind_pointer(void* slot, void* storage) noexcept {
+  *static_cast<T**>(slot) = static_cast<T*>(storage);
+}
+
+template <class V>
+concept element_range =
+    std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
+
+}  // namespace detail
+
+/// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
+/// dtrain may point it into its flat bucket storage (no copies; the gradient's
+/// current values move along). Read gradients through that pointer after
+/// construction and after each synchronize(): the first rebuild moves them.
+template <detail::element_range V>
+[[nodiscard]] parameter param(std::string name, V& values, detail::range_element<V>*& gradient) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = gradient,
+          .device = -1,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A host parameter whose gradient buffer the model owns and keeps: dtrain
+/// copies it in before the reduction and the mean back after.
+template <detail::element_range V, detail::element_range G>
+[[nodiscard]] parameter param(std::string name, V& values, G& gradient) {
+  using T = detail::range_element<V>;
+  static_assert(std::same_as<T, detail::range_element<G>>,
+                "a parameter and its gradient must have the same element type");
+  if (std::ranges::size(gradient) != std::ranges::size(values)) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(std::ranges::size(values)) +
+                       " values but a gradient of " + std::to_string(std::ranges::size(gradient)));
+  }
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = const_cast<T*>(std::ranges::data(gradient))};
+}
+
+/// A CUDA parameter of `count` elements on `device` whose gradient pointer
+/// dtrain may point into its flat bucket storage (see param()).
+template <element T>
+[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
+                                     int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device},
+          .gradient = gradient,
+          .device = device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
+template <element T>
+[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
+                                          std::size_t count, int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device},
+          .gradient = gradient,
+          .device = device};
+}
+
+/// Host state that is not trained but must agree across ranks (running
+/// statistics, step counters): broadcast from rank 0 at construction.
+template <detail::element_range V>
+[[nodiscard]] parameter model_buffer(std::string name, V& values) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host}};
+}
+
+/// Device state that must agree across ranks.
+template <element T>
+[[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device},
+          .device = device};
+}
+
+/// A range whose elements convert to dtrain::parameter.
+template <class R>
+concept parameter_range = std::ranges::input_range<R> &&
+    std::convertible_to<std::ranges::range_reference_t<R>, parameter>;
+
+/// What DistributedDataParallel wraps: anything with `parameters()`, and
+/// optionally `buffers()`, each a range of dtrain::parameter.
+template <class M>
+concept trainable_model = requires(M& m) {
+  { m.parameters() } -> parameter_range;
+};
+
+template <class M>
+concept model_with_buffers = trainable_model<M> && requires(M& m) {
+  { m.buffers() } -> parameter_range;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/parameter.hpp ----
+// ---- begin dtrain/ddp/bucket.hpp ----
+/// @file
+/// Which gradients travel together: the bucket assignment of
+/// DistributedDataParallel, as pure functions of the parameters and the
+/// order in which their gradients are expected to become ready.
+
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// One bucket: gradients of one element type on one device, laid out
+/// contiguously in `parameters` order and reduced by one collective.
+struct bucket_info {
+  std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
+  dtype type = dtype::float32;
+  int device = -1;        ///< -1: host memory
+  std::size_t count = 0;  ///< elements
+  std::size_t bytes = 0;
+};
+
+/// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
+[[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
+  if (!(mib > 0) || mib > 1e9) {
+    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
+                       " is not a bucket size in MiB (it must be above 0)");
+  }
+  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
+}
+
+namespace detail {
+
+/// n-1, n-2, ..., 0: gradients of the last layers are produced first.
+[[nodiscard]] inline std::vector<std::size_t> reverse_order(std::size_t n) {
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
+  return order;
+}
+
+/// Throws unless `order` names each of the n parameters exactly once.
+inline void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view what) {
+  std::vector<char> seen(n, 0);
+  if (order.size() != n) {
+    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
+                            " parameters, the model has " + std::to_string(n),
+                        0);
+  }
+  for (std::size_t i : order) {
+    if (i >= n || seen[i]) {
+      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
+                              (i >= n ? " of " + std::to_string(n) : " twice"),
+                          0);
+    }
+    seen[i] = 1;
+  }
+}
+
+/// Groups the parameters, taken in `order` (a permutation of their indices),
+/// into buckets per (element type, device). A group's first bucket closes once
+/// it holds `first_cap` bytes, later ones at `cap` (soft caps: a parameter
+/// larger than the cap gets a bucket of its own). Buckets are returned in the
+/// order of their first parameter in `order`, which is the launch order.
+[[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t first_cap,
+                                                             std::size_t cap) {
+  check_order(order, params.size(), "the bucket order");
+  struct open_bucket {
+    bucket_info bucket;
+    std::size_t first_position = 0;
+    bool first = true;  // still the group's first bucket
+  };
+  std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
+  std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
+  for (std::size_t position = 0; position < order.size(); ++position) {
+    const parameter& p = params[order[position]];
+    auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
+    open_bucket& b = it->second;
+    if (b.bucket.parameters.empty()) {
+      b.bucket.type = p.values.type;
+      b.bucket.device = p.device;
+      b.first_position = position;
+    }
+    b.bucket.parameters.push_back(order[position]);
+    b.bucket.count += p.values.count;
+    b.bucket.bytes += p.values.bytes();
+    if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
+  }
+  for (auto& [key, b] : open) {
+    if (!b.bucket.parameters.empty()) closed.emplace_back(b.first_position, std::move(b.bucket));
+  }
+  std::ranges::sort(closed, {}, &std::pair<std::size_t, bucket_info>::first);
+  std::vector<bucket_info> buckets;
+  buckets.reserve(closed.size());
+  for (auto& [position, b] : closed) buckets.push_back(std::move(b));
+  return buckets;
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/ddp/bucket.hpp ----
+// ---- begin dtrain/ddp/options.hpp ----
+/// @file
+/// What a user chooses about DistributedDataParallel: ddp_options, gradient
+/// compression, and the bucket a communication hook is handed.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
+namespace dtrain {
+
+/// How DistributedDataParallel sends float32 gradients.
+enum class gradient_compression : std::uint8_t {
+  none,      ///< as they are
+  float16,   ///< IEEE half: 10-bit mantissa, range ±65504 (scale losses that overflow)
+  bfloat16,  ///< float32's range with an 8-bit mantissa
+};
+
+[[nodiscard]] constexpr std::string_view to_string(gradient_compression c) noexcept {
+  switch (c) {
+    case gradient_compression::none: return "none";
+    case gradient_compression::float16: return "float16";
+    case gradient_compression::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
+/// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
+struct ddp_options {
+  /// A bucket closes once it holds this many MiB of gradients.
+  double bucket_cap_mb = 25;
+  /// The first bucket (the last layers' gradients, ready first) is small, so
+  /// that communication starts early in the backward pass.
+  double first_bucket_cap_mb = 1;
+  /// Point rebindable gradients (param() with a pointer) into the buckets:
+  /// no copies. false: copy every gradient in and the mean back out.
+  bool gradient_as_bucket_view = true;
+  /// Parameters never marked in a step contribute zero instead of being an
+  /// error (for models whose steps skip parts of the network).
+  bool find_unused_parameters = false;
+  /// After the first step, lay the buckets out once more in the order the
+  /// gradients actually became ready (rank 0's order, sent to every rank).
+  bool rebuild_buckets = true;
+  /// Construction copies rank 0's parameters and buffers to every rank.
+  bool broadcast_parameters = true;
+  /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
+  gradient_compression compression = gradient_compression::none;
+  /// false: nothing is sent before synchronize() (for measuring what overlap buys).
+  bool overlap = true;
+};
+
+/// One bucket, as a communication hook sees it.
+struct gradient_bucket {
+  std::size_t index = 0;  ///< launch order, 0 first
+  buffer data;            ///< the flat gradients: reduce them in place
+  int world_size = 1;
+  std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
+#if DTRAIN_HAS_CUDA()
+  cudaStream_t stream = nullptr;  ///< NCCL: the compute stream the bucket is ordered after
+#endif
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/options.hpp ----
+// ---- begin dtrain/ddp/storage.hpp ----
+/// @file
+/// The flat memory DistributedDataParallel keeps its buckets in, on the host
+/// or on a CUDA device, and the few operations it needs on it: zero, copy,
+/// and the 16-bit casts of gradient compression.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace dtrain {
+
+namespace detail {
+
+#if DTRAIN_HAS_CUDA()
+using compute_stream = cudaStream_t;
+#else
+using compute_stream = void*;
+#endif
+
+[[noreturn]] inline void no_cuda(const char* what) {
+  throw config_error(std::string(what) + " is in GPU memory, but dtrain was built without CUDA");
+}
+
+/// Zeroed bytes on the host (device < 0) or on a CUDA device; owned.
+class flat_storage {
+ public:
+  flat_storage() = default;
+  flat_storage(std::size_t bytes, int device) : bytes_(bytes), device_(device) {
+    if (device < 0) {
+      host_.reset(
+          new std::byte[bytes == 0 ? 1 : bytes]());  // operator new: aligned for any element type
+      data_ = host_.get();
+      return;
+    }
+#if DTRAIN_HAS_CUDA()
+    device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMalloc(&data_, bytes == 0 ? 1 : bytes));
+    DTRAIN_CUDA_CHECK(cudaMemset(data_, 0, bytes == 0 ? 1 : bytes));
+#else
+    no_cuda("a gradient bucket");
+#endif
+  }
+  flat_storage(flat_storage&& other) noexcept
+      : host_(std::move(other.host_)),
+        data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        device_(other.device_) {}
+  flat_storage& operator=(flat_storage&& other) noexcept {
+    if (this != &other) {
+      release();
+      host_ = std::move(other.host_);
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      device_ = other.device_;
+    }
+    return *this;
+  }
+  flat_storage(const flat_storage&) = delete;
+  flat_storage& operator=(const flat_storage&) = delete;
+  ~flat_storage() { release(); }
+
+  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+ private:
+  void release() noexcept {
+#if DTRAIN_HAS_CUDA()
+    if (device_ >= 0 && data_) {
+      device_guard on(device_, std::nothrow);
+      (void)cudaFree(data_);  // waits for the device: no copy from it is left in flight
+    }
+#endif
+    data_ = nullptr;
+  }
+
+  std::unique_ptr<std::byte[]> host_;
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  int device_ = -1;
+};
+
+/// dst = src (bytes), on the host or, for device memory, ordered on `stream`.
+inline void copy_bytes(void* dst, const void* src, std::size_t bytes, int device,
+                       compute_stream stream) {
+  if (dst == src || bytes == 0) return;
+  if (device < 0) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#if DTRAIN_HAS_CUDA()
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+#else
+  (void)stream;
+  no_cuda("a gradient");
+#endif
+}
+
+inline void zero_bytes(void* dst, std::size_t bytes, int device, compute_stream stream) {
+  if (bytes == 0) return;
+  if (device < 0) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+#if DTRAIN_HAS_CUDA()
+  DTRAIN_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));
+#else
+  (void)stream;
+  no_cuda("a gradient");
+#endif
+}
+
+#if defined(__CUDACC__)
+// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
+template <class Half>
+__device__ std::uint16_t dtrain_to_half_bits(float x) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  else
+    return __half_as_ushort(__float2half_rn(x));
+}
+template <class Half>
+__device__ float dtrain_from_half_bits(std::uint16_t b) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  else
+    return __half2float(__ushort_as_half(b));
+}
+template <class Half>
+__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
+                                       float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
+  }
+}
+template <class Half>
+__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_from_half_bits<Half>(in[i]);
+  }
+}
+inline unsigned cast_blocks(std::size_t n) {
+  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
+}
+#endif
+
+/// Whether 16-bit casts of device memory are compiled in: they are CUDA
+/// kernels, so only where the including translation unit is built by nvcc.
+[[nodiscard]] constexpr bool device_casts_compiled() noexcept {
+#if defined(__CUDACC__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+/// out[i] = Half(in[i] * scale): the pre-divided 16-bit copy of a float32 bucket.
+template <class Half>
+void compress(Half* out, const float* in, std::size_t n, float scale, int device,
+              compute_stream stream) {
+  if (device < 0) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = Half(in[i] * scale);
+    return;
+  }
+#if defined(__CUDACC__)
+  dtrain_compress_kernel<Half>
+      <<<cast_blocks(n), 256, 0, stream>>>(reinterpret_cast<std::uint16_t*>(out), in, n, scale);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+#else
+  (void)out, (void)in, (void)n, (void)scale, (void)stream;
+  throw config_error(
+      "gradient compression of GPU buckets needs the code that constructs "
+      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+#endif
+}
+
+/// out[i] = float(in[i]).
+template <class Half>
+void decompress(float* out, const Half* in, std::size_t n, int device, compute_stream stream) {
+  if (device < 0) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+    return;
+  }
+#if defined(__CUDACC__)
+  dtrain_decompress_kernel<Half>
+      <<<cast_blocks(n), 256, 0, stream>>>(out, reinterpret_cast<const std::uint16_t*>(in), n);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+#else
+  (void)out, (void)in, (void)n, (void)stream;
+  throw config_error(
+      "gradient compression of GPU buckets needs the code that constructs "
+      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+#endif
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/ddp/storage.hpp ----
+// ---- begin dtrain/ddp/agreement.hpp ----
+/// @file
+/// What every rank must agree on before DistributedDataParallel averages
+/// anything: the same parameters (names, counts, types) in the same order,
+/// and rank 0's values of them.
+
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// "parameter fc1.weight (1024 x float32 on the host)": what must match across ranks.
+inline std::string parameter_entry(const parameter& p, std::string_view kind) {
+  return std::string(kind) + " " + p.name + " (" + std::to_string(p.values.count) + " x " +
+         std::string(to_string(p.values.type)) +
+         (p.values.where == memory::host ? " on the host)" : " on a GPU)");
+}
+
+inline std::vector<std::string> model_entries(std::span<const parameter> params,
+                                              std::span<const parameter> buffers) {
+  std::vector<std::string> entries;
+  for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
+  for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
+  return entries;
+}
+
+inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const std::string& e : entries) {
+    for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    h = (h ^ 0x0au) * 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(h >> 1);
+}
+
+/// What one rank alone can find wrong with its model and options, as a
+/// message naming the parameter and the rank; empty when nothing is.
+inline std::string model_problem(std::span<const parameter> params,
+                                 std::span<const parameter> buffers, const ddp_options& options,
+                                 int rank, std::string_view backend, bool on_device, int device) {
+  const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
+  std::unordered_map<std::string_view, std::size_t> names;
+  std::unordered_map<const void*, std::size_t> data;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const parameter& p = params[i];
+    const std::string what = "parameter #" + std::to_string(i) + " '" + p.name + "'";
+    if (p.name.empty()) return who + what + " has no name";
+    if (auto [it, fresh] = names.emplace(p.name, i); !fresh) {
+      return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
+             " and #" + std::to_string(i) + ")";
+    }
+    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
+    if (!data.emplace(p.values.data, i).second)
+      return who + what + " shares its values with another parameter";
+    if (!is_floating(p.values.type)) {
+      return who + what + " is " + std::string(to_string(p.values.type)) +
+             ": only floating-point parameters have gradients to average (declare it in buffers())";
+    }
+    if (!p.gradient && !p.rebindable()) return who + what + " has no gradient buffer";
+    if (!p.gradient && !options.gradient_as_bucket_view) {
+      return who + what +
+             " has a null gradient pointer, which needs ddp_options::gradient_as_bucket_view";
+    }
+    if (on_device && p.values.where != memory::device) {
+      return who + what +
+             " is in host memory, but backend::nccl reduces GPU memory: use dtrain::device_param";
+    }
+    if (on_device && p.device != device) {
+      return who + what + " is on GPU " + std::to_string(p.device) +
+             ", but this rank's NCCL communicator is on GPU " + std::to_string(device);
+    }
+    if (!on_device && p.values.where != memory::host) {
+      return who + what + " is in GPU memory, but backend " + std::string(backend) +
+             " reduces host memory: keep gradients on the host, or use backend::nccl";
+    }
+  }
+  for (const parameter& b : buffers) {
+    if (!b.values.data && b.values.count) return who + "buffer '" + b.name + "' has no values";
+    if (b.values.where == memory::device && !on_device) {
+      return who + "buffer '" + b.name + "' is in GPU memory, but backend " + std::string(backend) +
+             " reaches host memory only";
+    }
+  }
+  try {
+    (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
+    (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
+  } catch (const config_error& e) {
+    return who + e.what();
+  }
+  return {};
+}
+
+/// Collective: every rank learns whether all ranks hold the same parameters
+/// and buffers. Throws config_error on every rank when not — naming the first
+/// differing entry and the ranks — or when some rank's own check failed
+/// (`local_problem`, which that rank reports in its own words).
+template <communicator C>
+void agree_on_model(C& comm, std::span<const parameter> params, std::span<const parameter> buffers,
+                    const std::string& local_problem) {
+  const int size = comm.size();
+  const std::vector<std::string> entries = model_entries(params, buffers);
+  const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
+                                static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
+  allgather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+
+  std::vector<int> troubled;
+  for (int r = 0; r < size; ++r) {
+    if (all[static_cast<std::size_t>(r) * 3] != 0) troubled.push_back(r);
+  }
+  if (!local_problem.empty()) throw config_error(local_problem);
+  if (!troubled.empty()) {
+    throw config_error("DistributedDataParallel: rank " + std::to_string(troubled.front()) +
+                       " rejected its model (its own message says why), so every rank stops");
+  }
+  bool same = true;
+  for (int r = 1; r < size; ++r) {
+    same = same && std::equal(&all[0], &all[3], &all[static_cast<std::size_t>(r) * 3]);
+  }
+  if (same) return;
+
+  // Rank 0's list to everyone; each rank finds where it departs from it.
+  std::string joined;
+  for (const std::string& e : entries) joined += e + '\n';
+  std::int64_t length = static_cast<std::int64_t>(joined.size());
+  broadcast(comm, std::span<std::int64_t>(&length, 1), 0).wait();
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
+  if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
+  if (!bytes.empty()) broadcast(comm, std::span<std::uint8_t>(bytes), 0).wait();
+  std::vector<std::string> reference;
+  std::string current;
+  for (std::uint8_t c : bytes) {
+    if (c == '\n') {
+      reference.push_back(std::move(current));
+      current.clear();
+    } else {
+      current += static_cast<char>(c);
+    }
+  }
+  std::int64_t first = -1;
+  for (std::size_t i = 0; i < std::max(reference.size(), entries.size()); ++i) {
+    if (i >= reference.size() || i >= entries.size() || reference[i] != entries[i]) {
+      first = static_cast<std::int64_t>(i);
+      break;
+    }
+  }
+  std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
+  allgather(comm, std::span<const std::int64_t>(&first, 1), std::span<std::int64_t>(firsts)).wait();
+  int culprit = -1;
+  std::string differing;
+  for (int r = 0; r < size; ++r) {
+    if (firsts[static_cast<std::size_t>(r)] < 0) continue;
+    if (culprit < 0) culprit = r;
+    differing += (differing.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (culprit < 0) return;  // equal lists after all (a hash collision)
+  const auto at = static_cast<std::size_t>(firsts[static_cast<std::size_t>(culprit)]);
+  // The culprit's entry to everyone, so that every rank prints the same message.
+  std::vector<std::uint8_t> text(512, 0);
+  if (comm.rank() == culprit) {
+    const std::string e = at < entries.size() ? entries[at] : "nothing";
+    std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
+  }
+  broadcast(comm, std::span<std::uint8_t>(text), culprit).wait();
+  const std::string theirs(reinterpret_cast<const char*>(text.data()));
+  const std::string ours = at < reference.size() ? reference[at] : "nothing";
+  throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
+                     std::to_string(at) + ": rank 0 has " + ours + ", rank " +
+                     std::to_string(culprit) + " has " + theirs +
+                     " (ranks that differ from rank 0: " + differing +
+                     "); every rank must build the same model in the same order");
+}
+
+/// Collective: every rank's parameter and buffer values become rank 0's.
+/// Host values travel as one packed message; device values one by one.
+template <communicator C>
+void broadcast_values(C& comm, std::span<const parameter> params,
+                      std::span<const parameter> buffers) {
+  std::vector<const parameter*> host, device;
+  for (auto list : {params, buffers}) {
+    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+  }
+  std::size_t total = 0;
+  for (const parameter* p : host) total += p->bytes();
+  if (total > 0) {
+    std::vector<std::uint8_t> packed(total);
+    std::size_t at = 0;
+    for (const parameter* p : host) {
+      std::memcpy(packed.data() + at, p->values.data, p->bytes());
+      at += p->bytes();
+    }
+    broadcast(comm, std::span<std::uint8_t>(packed), 0).wait();
+    at = 0;
+    for (const parameter* p : host) {
+      std::memcpy(p->values.data, packed.data() + at, p->bytes());
+      at += p->bytes();
+    }
+  }
+  for (const parameter* p : device) {
+    if (p->values.count > 0) comm.broadcast(p->values, 0).wait();
+  }
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/agreement.hpp ----
+// ---- begin dtrain/ddp/sampler.hpp ----
+/// @file
+/// distributed_sampler: each rank's share of a dataset's indices, as
+/// torch.utils.data.DistributedSampler — disjoint, shuffled by seed and
+/// epoch the same way on every rank, and equally long on every rank.
+
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+/// Options of distributed_sampler. Aggregate: `{.seed = 42, .drop_last = true}`.
+struct sampler_options {
+  bool shuffle = true;     ///< a new permutation every epoch (seed + epoch)
+  std::uint64_t seed = 0;  ///< must be the same on every rank
+  /// Drop the tail that does not divide evenly among the ranks, instead of
+  /// padding with indices from the start (which repeats a few samples).
+  bool drop_last = false;
+};
+
+/// Splits the indices 0..dataset_size-1 among the ranks.
+class distributed_sampler {
+ public:
+  /// This rank's share, with rank and world size from `w`. Throws
+  /// config_error when `w` lacks them or drop_last leaves a rank nothing.
+  distributed_sampler(std::size_t dataset_size, const world& w, sampler_options options = {})
+      : distributed_sampler(dataset_size, w.rank.value_or(-1), w.world_size.value_or(0), options) {}
+
+  distributed_sampler(std::size_t dataset_size, int rank, int world_size,
+                      sampler_options options = {})
+      : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), options_(options) {
+    if (world_size <= 0 || rank < 0 || rank >= world_size) {
+      throw config_error("distributed_sampler: rank " + std::to_string(rank) + " of world size " +
+                         std::to_string(world_size) + " is not a rank of a world");
+    }
+    const auto n = static_cast<std::size_t>(world_size);
+    per_rank_ = options.drop_last ? dataset_size / n : (dataset_size + n - 1) / n;
+    if (per_rank_ == 0) {
+      throw config_error("distributed_sampler: " + std::to_string(dataset_size) + " samples for " +
+                         std::to_string(world_size) + " ranks leaves rank " + std::to_string(rank) +
+                         " nothing" + (options.drop_last ? " with drop_last" : ""));
+    }
+    set_epoch(0);
+  }
+
+  /// Reshuffles for `epoch` (with shuffle on): every rank computes the same
+  /// permutation from seed + epoch, then takes every world_size-th index.
+  void set_epoch(std::uint64_t epoch) {
+    epoch_ = epoch;
+    std::vector<std::size_t> all(dataset_size_);
+    std::iota(all.begin(), all.end(), std::size_t{0});
+    if (options_.shuffle) shuffle(all, options_.seed + epoch);
+    const auto n = static_cast<std::size_t>(world_size_);
+    const std::size_t total = per_rank_ * n;
+    // Padding repeats the start of the list, as often as needed (tiny datasets).
+    for (std::size_t i = 0; all.size() < total; ++i) all.push_back(all[i]);
+    indices_.clear();
+    for (std::size_t i = static_cast<std::size_t>(rank_); i < total; i += n)
+      indices_.push_back(all[i]);
+  }
+
+  /// This rank's indices for the current epoch; size() of them.
+  [[nodiscard]] std::span<const std::size_t> indices() const noexcept { return indices_; }
+  /// Samples per rank: the same on every rank, so every rank runs the same steps.
+  [[nodiscard]] std::size_t size() const noexcept { return per_rank_; }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// indices() cut into batches of `batch_size` (the last one may be shorter;
+  /// every rank gets the same number of batches of the same sizes).
+  [[nodiscard]] std::vector<std::span<const std::size_t>> batches(std::size_t batch_size) const {
+    if (batch_size == 0) throw config_error("distributed_sampler::batches: batch_size is 0");
+    std::vector<std::span<const std::size_t>> out;
+    std::span<const std::size_t> all = indices_;
+    for (std::size_t at = 0; at < all.size(); at += batch_size) {
+      out.push_back(all.subspan(at, std::min(batch_size, all.size() - at)));
+    }
+    return out;
+  }
+
+ private:
+  // Fisher-Yates driven by splitmix64: the same permutation with every
+  // standard library (std::shuffle's algorithm is unspecified).
+  static void shuffle(std::vector<std::size_t>& v, std::uint64_t seed) {
+    std::uint64_t state = seed;
+    auto next = [&state] {
+      std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      return z ^ (z >> 31);
+    };
+    for (std::size_t i = v.size(); i > 1; --i) {
+      auto j = static_cast<std::size_t>(next() % i);  // bias below 2^-40 for any real dataset
+      std::swap(v[i - 1], v[j]);
+    }
+  }
+
+  std::size_t dataset_size_;
+  int rank_;
+  int world_size_;
+  sampler_options options_;
+  std::size_t per_rank_ = 0;
+  std::uint64_t epoch_ = 0;
+  std::vector<std::size_t> indices_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/sampler.hpp ----
+// ---- begin dtrain/ddp/ddp.hpp ----
+/// @file
+/// DistributedDataParallel<Model, Policy>: averages a model's gradients over
+/// the ranks while the backward pass is still running. Gradients live in
+/// flat buckets; the moment a bucket's last gradient is marked ready its
+/// allreduce starts — on the NCCL stream after an event on the compute
+/// stream, or on a communication thread for the host engines (MPI, Gloo).
+
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Data-parallel training of `Model` (anything with `parameters()`, see
+/// trainable_model) over the communicator of `Policy`.
+///
+/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
+/// is final, then synchronize(); gradients then hold the mean over ranks. Not
+/// thread-safe: call it from the training thread. Between mark_ready and
+/// synchronize() a gradient belongs to dtrain: do not touch it.
+template <class Model, class Policy>
+class DistributedDataParallel {
+  static_assert(
+      trainable_model<Model>,
+      "DistributedDataParallel<Model, Policy>: Model needs parameters() returning a range of "
+      "dtrain::parameter (see dtrain::param and dtrain::device_param)");
+
+ public:
+  using communicator_type = typename Policy::communicator_type;
+  /// A user reduction: must leave the mean over ranks in `bucket.data` once
+  /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
+  using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
+  static constexpr bool on_device = std::is_same_v<typename Policy::backend_type, backend::nccl>;
+
+  /// Collective over ctx's communicator; see the other constructor.
+  DistributedDataParallel(context<Policy>& ctx, Model& model, ddp_options options = {})
+      : DistributedDataParallel(ctx.communicator(), model, std::move(options)) {}
+
+  /// Collective: checks that every rank holds the same parameters (names,
+  /// counts, types; config_error naming the first difference and the ranks),
+  /// copies rank 0's values to all, lays the gradients out in buckets and,
+  /// for MPI and Gloo, starts the communication thread.
+  DistributedDataParallel(communicator_type& comm, Model& model, ddp_options options = {})
+      : comm_(comm),
+        model_(model),
+        options_(std::move(options)),
+        rank_(comm.rank()),
+        size_(comm.size()) {
+    for (auto&& p : model.parameters()) params_.push_back(static_cast<parameter>(p));
+    if constexpr (model_with_buffers<Model>) {
+      for (auto&& b : model.buffers()) buffers_.push_back(static_cast<parameter>(b));
+    }
+    detail::agree_on_model(
+        comm_, params_, buffers_,
+        detail::model_problem(params_, buffers_, options_, rank_, communicator_type::name,
+                              on_device, device_of_communicator()));
+    if (options_.broadcast_parameters) detail::broadcast_values(comm_, params_, buffers_);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      by_name_.emplace(params_[i].name, i);
+      by_data_.emplace(params_[i].values.data, i);
+      original_.push_back(params_[i].gradient);
+    }
+    marked_.assign(params_.size(), 0);
+    touched_.assign(params_.size(), 0);
+    lay_out(detail::reverse_order(params_.size()));
+    if constexpr (!on_device) thread_ = std::thread([this] { serve(); });
+  }
+
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// Waits for buckets still in flight, then gives the model its gradients
+  /// back: bucket views are copied to the model's own buffers (or set to null
+  /// where it had none), since the buckets go with this object.
+  ~DistributedDataParallel() {
+    if constexpr (!on_device) {
+      {
+        std::lock_guard lock(mutex_);
+        stopping_ = true;
+      }
+      wake_.notify_all();
+      thread_.join();
+    }
+    try {
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (!slots_[i].view) continue;
+        parameter& p = params_[i];
+        // The legacy default stream: the user's own stream may be gone already.
+        if (original_[i])
+          detail::copy_bytes(original_[i], p.gradient, p.bytes(), p.device, nullptr);
+        p.rebind(p.gradient_slot, original_[i]);
+      }
+#if DTRAIN_HAS_CUDA()
+      if constexpr (on_device) (void)cudaStreamSynchronize(nullptr);
+#endif
+    } catch (...) {
+      // A device that failed already reported it; the model's pointers are what they are.
+    }
+  }
+
+  /// Marks parameter `index` (its position in model.parameters()) ready for
+  /// this step. Throws dtrain::error naming it when it was marked already.
+  void mark_ready(std::size_t index) {
+    if (index >= params_.size()) {
+      throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
+                  " does not exist on rank " + std::to_string(rank_) + " (the model has " +
+                  std::to_string(params_.size()) + ")");
+    }
+    ready(index);
+  }
+  /// Marks the parameter called `name` ready.
+  void mark_ready(std::string_view name) {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) {
+      throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
+                  " has no parameter named '" + std::string(name) + "'");
+    }
+    ready(it->second);
+  }
+  /// Marks `p` ready, found by its values' address.
+  void mark_ready(const parameter& p) {
+    auto it = by_data_.find(p.values.data);
+    if (it == by_data_.end()) {
+      throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
+                  std::to_string(rank_) +
+                  " is not one of the model's parameters (its values are elsewhere)");
+    }
+    ready(it->second);
+  }
+  /// Marks each of `params` ready: parameters, indices or names.
+  template <std::ranges::input_range R>
+  requires(!std::convertible_to<R, std::string_view>) void mark_ready(R&& params) {
+    for (auto&& p : params) mark_ready(p);
+  }
+
+  /// Completes the step: launches what is left, waits until every bucket is
+  /// averaged (bounded by the collective timeout), and leaves the mean over
+  /// ranks in every gradient. Throws dtrain::error naming the parameters that
+  /// were never marked (unless find_unused_parameters), or the engine's error.
+  /// Inside no_sync() it does nothing. NCCL: the host waits for nothing; the
+  /// compute stream (set_stream) waits for the averaged gradients.
+  void synchronize() {
+    if (no_sync_depth_ > 0) return;
+    check_usable();
+    complete_marks();
+    if constexpr (on_device) {
+#if DTRAIN_HAS_CUDA()
+      comm_.stream_wait(stream_);
+      for (std::size_t b = 0; b < buckets_.size(); ++b) finish_bucket(b);
+      for (bucket_state& b : buckets_) {
+        if (b.handle.test()) {
+          if (auto e = b.handle.exception()) fail(e);
+        }
+      }
+#endif
+    } else {
+      std::unique_lock lock(mutex_);
+      done_wake_.wait(lock, [&] { return done_ == buckets_.size(); });
+      if (failure_) {
+        auto e = failure_;
+        lock.unlock();
+        fail(e);
+      }
+    }
+    end_step();
+  }
+
+#if DTRAIN_HAS_CUDA()
+  /// NCCL: the stream the backward pass runs on (default: the legacy default
+  /// stream). Buckets are ordered after the work on it when they are
+  /// launched; synchronize() makes it wait for the averaged gradients.
+  void set_stream(cudaStream_t compute) { stream_ = compute; }
+  /// set_stream(compute), then synchronize().
+  void synchronize(cudaStream_t compute) {
+    stream_ = compute;
+    synchronize();
+  }
+#endif
+
+  /// While alive, mark_ready only records and nothing is communicated;
+  /// gradients accumulate as the caller adds into them, and the next
+  /// synchronized step averages the sums.
+  class no_sync_guard {
+   public:
+    explicit no_sync_guard(DistributedDataParallel& ddp) noexcept : ddp_(&ddp) {
+      ++ddp.no_sync_depth_;
+    }
+    no_sync_guard(no_sync_guard&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)) {}
+    no_sync_guard(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(no_sync_guard&&) = delete;
+    ~no_sync_guard() {
+      if (ddp_) --ddp_->no_sync_depth_;
+    }
+
+   private:
+    DistributedDataParallel* ddp_;
+  };
+  /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
+  [[nodiscard]] no_sync_guard no_sync() {
+    if (any_marked_) {
+      throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
+                  " in the middle of a synchronized step (after mark_ready, before synchronize())");
+    }
+    return no_sync_guard(*this);
+  }
+
+  /// Sets every gradient to zero (between steps only).
+  void zero_grad() {
+    if (any_marked_ && no_sync_depth_ == 0) {
+      throw error("DistributedDataParallel::zero_grad() on rank " + std::to_string(rank_) +
+                  " in the middle of a step (after mark_ready, before synchronize())");
+    }
+    for (bucket_state& b : buckets_)
+      detail::zero_bytes(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!slots_[i].view)
+        detail::zero_bytes(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
+    }
+  }
+
+  /// Replaces the allreduce of each bucket by `hook` (all ranks must register
+  /// the same). Not with gradient compression, which is itself such a reduction.
+  void register_comm_hook(comm_hook hook) {
+    if (options_.compression != gradient_compression::none) {
+      throw config_error(
+          "DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
+          std::string(to_string(options_.compression)) +
+          "; a hook replaces the reduction, so compress inside the hook instead");
+    }
+    hook_ = std::move(hook);
+  }
+
+  /// The buckets, in launch order.
+  [[nodiscard]] const std::vector<bucket_info>& buckets() const noexcept { return info_; }
+  /// Whether the one rebuild from the observed ready order has happened.
+  [[nodiscard]] bool buckets_rebuilt() const noexcept { return rebuilt_; }
+  /// The parameters as dtrain sees them, gradient pointers current.
+  [[nodiscard]] std::span<const parameter> parameters() const noexcept { return params_; }
+  /// Synchronized steps completed.
+  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  [[nodiscard]] Model& module() noexcept { return model_; }
+  [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+
+ private:
+  struct slot {
+    std::size_t bucket = 0;
+    std::size_t offset = 0;  // bytes into the bucket
+    bool view = false;       // the gradient lives in the bucket
+  };
+  struct bucket_state {
+    detail::flat_storage grads;
+    detail::flat_storage wire;  // the 16-bit copy, with compression
+    std::size_t pending = 0;    // parameters not yet marked this step
+    bool ready = false;
+    work handle;
+  };
+
+  int device_of_communicator() const {
+    if constexpr (on_device) return comm_.device();
+    return -1;
+  }
+
+  /// Lays the gradients out in buckets filled in `order`, moving each
+  /// bucket-view gradient (and its values) to its new place.
+  void lay_out(std::span<const std::size_t> order) {
+    std::vector<bucket_info> info = detail::assign_buckets(
+        params_, order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
+        mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
+    std::vector<bucket_state> buckets(info.size());
+    std::vector<slot> slots(params_.size());
+    for (std::size_t b = 0; b < info.size(); ++b) {
+      buckets[b].grads = detail::flat_storage(info[b].bytes, info[b].device);
+      if (compressed(info[b]))
+        buckets[b].wire = detail::flat_storage(info[b].count * 2, info[b].device);
+      std::size_t offset = 0;
+      for (std::size_t i : info[b].parameters) {
+        parameter& p = params_[i];
+        slots[i] = {b, offset, options_.gradient_as_bucket_view && p.rebindable()};
+        if (slots[i].view) {
+          void* place = buckets[b].grads.data() + offset;
+          if (p.gradient) detail::copy_bytes(place, p.gradient, p.bytes(), p.device, stream_);
+          p.gradient = place;
+          p.rebind(p.gradient_slot, place);
+        }
+        offset += p.bytes();
+      }
+    }
+    info_ = std::move(info);
+    buckets_ = std::move(buckets);  // frees the old buckets (cudaFree waits for the copies)
+    slots_ = std::move(slots);
+    reset_step();
+  }
+
+  bool compressed(const bucket_info& b) const noexcept {
+    return options_.compression != gradient_compression::none && b.type == dtype::float32;
+  }
+
+  void ready(std::size_t i) {
+    check_usable();
+    if (no_sync_depth_ > 0) {
+      touched_[i] = 1;
+      return;
+    }
+    if (marked_[i]) {
+      throw error("DistributedDataParallel::mark_ready: parameter '" + params_[i].name + "' (#" +
+                  std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
+                  " on rank " + std::to_string(rank_) +
+                  "; mark each gradient once per step (accumulate inside no_sync())");
+    }
+    marked_[i] = touched_[i] = 1;
+    any_marked_ = true;
+    if (recording()) ready_order_.push_back(i);
+    bucket_state& b = buckets_[slots_[i].bucket];
+    if (--b.pending == 0) {
+      b.ready = true;
+      if (options_.overlap) launch_ready();
+    }
+  }
+
+  bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
+
+  /// Launches, in bucket order, every bucket whose turn it is and is ready.
+  void launch_ready() {
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
+  }
+
+  /// The unmarked parameters of this step: an error, or (find_unused_parameters)
+  /// zero contributions, marked now in index order on every rank.
+  void complete_marks() {
+    std::vector<std::size_t> missing;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!marked_[i]) missing.push_back(i);
+    }
+    if (!missing.empty() && !options_.find_unused_parameters) {
+      std::string names;
+      for (std::size_t k = 0; k < missing.size() && k < 8; ++k)
+        names += (k ? ", '" : "'") + params_[missing[k]].name + "'";
+      if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+      throw error(
+          "DistributedDataParallel::synchronize: rank " + std::to_string(rank_) + " never marked " +
+          std::to_string(missing.size()) + " of " + std::to_string(params_.size()) +
+          " parameters ready in step " + std::to_string(steps_) + ": " + names +
+          "; call mark_ready for every parameter, or set ddp_options::find_unused_parameters");
+    }
+    for (std::size_t i : missing) {
+      // Nothing accumulated in no_sync() either: this rank contributes zero.
+      if (!touched_[i]) zero_contribution(i);
+      ready(i);
+    }
+    for (bucket_state& b : buckets_) b.ready = true;
+    launch_ready();
+  }
+
+  void zero_contribution(std::size_t i) {
+    parameter& p = params_[i];
+    if (slots_[i].view) {
+      detail::zero_bytes(p.gradient, p.bytes(), p.device, stream_);
+    } else {
+      // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
+      detail::zero_bytes(buckets_[slots_[i].bucket].grads.data() + slots_[i].offset, p.bytes(),
+                         p.device, stream_);
+      skip_copy_in_[i] = 1;
+    }
+  }
+
+  /// Starts bucket b's reduction: a queue entry for the communication thread,
+  /// or (NCCL) the collective itself, ordered after the compute stream.
+  void launch(std::size_t b) {
+    if constexpr (on_device) {
+      prepare_bucket(b);
+      buckets_[b].handle = reduce(b);
+    } else {
+      {
+        std::lock_guard lock(mutex_);
+        queue_.push_back(b);
+      }
+      wake_.notify_one();
+    }
+  }
+
+  /// Copy-in and compression: what must happen before the collective.
+  void prepare_bucket(std::size_t b) {
+    bucket_state& s = buckets_[b];
+    for (std::size_t i : info_[b].parameters) {
+      if (slots_[i].view || skip_copy_in_[i]) continue;
+      detail::copy_bytes(s.grads.data() + slots_[i].offset, params_[i].gradient, params_[i].bytes(),
+                         info_[b].device, stream_);
+    }
+    if (!compressed(info_[b])) return;
+    const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
+    const auto* in = reinterpret_cast<const float*>(s.grads.data());
+    if (options_.compression == gradient_compression::float16) {
+      detail::compress(reinterpret_cast<float16*>(s.wire.data()), in, info_[b].count, scale,
+                       info_[b].device, stream_);
+    } else {
+      detail::compress(reinterpret_cast<bfloat16*>(s.wire.data()), in, info_[b].count, scale,
+                       info_[b].device, stream_);
+    }
+  }
+
+  /// The collective of bucket b (or the user's hook).
+  work reduce(std::size_t b) {
+    bucket_state& s = buckets_[b];
+    const bucket_info& info = info_[b];
+    const memory where = info.device < 0 ? memory::host : memory::device;
+    buffer data{s.grads.data(), info.count, info.type, where};
+    reduce_op op = reduce_op::avg;
+    if (compressed(info)) {
+      data = {
+          s.wire.data(), info.count,
+          options_.compression == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16,
+          where};
+      op = reduce_op::sum;
+    }
+    if (hook_) {
+      gradient_bucket view{
+          .index = b, .data = data, .world_size = size_, .parameters = info.parameters};
+#if DTRAIN_HAS_CUDA()
+      view.stream = stream_;
+#endif
+      return hook_(comm_, view);
+    }
+    if constexpr (on_device) {
+      return comm_.allreduce(data, data, op, stream_);
+    } else {
+      return comm_.allreduce(data, data, op);
+    }
+  }
+
+  /// Decompression and copy-out: what must happen after the collective.
+  void finish_bucket(std::size_t b) {
+    bucket_state& s = buckets_[b];
+    const bucket_info& info = info_[b];
+    if (compressed(info)) {
+      auto* out = reinterpret_cast<float*>(s.grads.data());
+      if (options_.compression == gradient_compression::float16) {
+        detail::decompress(out, reinterpret_cast<const float16*>(s.wire.data()), info.count,
+                           info.device, stream_);
+      } else {
+        detail::decompress(out, reinterpret_cast<const bfloat16*>(s.wire.data()), info.count,
+                           info.device, stream_);
+      }
+    }
+    for (std::size_t i : info.parameters) {
+      if (slots_[i].view) continue;
+      detail::copy_bytes(params_[i].gradient, s.grads.data() + slots_[i].offset, params_[i].bytes(),
+                         info.device, stream_);
+    }
+  }
+
+  /// The communication thread (MPI, Gloo): reduces buckets in launch order.
+  void serve() {
+    for (;;) {
+      std::size_t b = 0;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and nothing left in flight
+        b = queue_.front();
+        queue_.pop_front();
+        if (failure_) {  // the communicator failed already: do not wait for it again
+          ++done_;
+          done_wake_.notify_all();
+          continue;
+        }
+      }
+      std::exception_ptr failed;
+      try {
+        prepare_bucket(b);
+        work w = reduce(b);
+        w.wait();  // bounded by the collective timeout
+        finish_bucket(b);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      {
+        std::lock_guard lock(mutex_);
+        if (failed && !failure_) failure_ = failed;
+        ++done_;
+      }
+      done_wake_.notify_all();
+    }
+  }
+
+  /// After every bucket is averaged: the one rebuild, then a fresh step.
+  void end_step() {
+    const bool rebuild = recording();
+    ++steps_;
+    if (rebuild) {
+      // Rank 0's order wins, so that every rank lays its buckets out alike.
+      std::vector<std::int64_t> order(ready_order_.begin(), ready_order_.end());
+      broadcast(comm_, std::span<std::int64_t>(order), 0).wait();
+      std::vector<std::size_t> agreed(order.begin(), order.end());
+      detail::check_order(agreed, params_.size(),
+                          "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
+      rebuilt_ = true;
+      if (agreed != layout_order()) lay_out(agreed);
+    }
+    reset_step();
+  }
+
+  /// The parameters in the order the current buckets hold them.
+  std::vector<std::size_t> layout_order() const {
+    std::vector<std::size_t> order;
+    for (const bucket_info& b : info_)
+      order.insert(order.end(), b.parameters.begin(), b.parameters.end());
+    return order;
+  }
+
+  void reset_step() {
+    std::fill(marked_.begin(), marked_.end(), 0);
+    std::fill(touched_.begin(), touched_.end(), 0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      buckets_[b].pending = info_[b].parameters.size();
+      buckets_[b].ready = false;
+      buckets_[b].handle = work();
+    }
+    ready_order_.clear();
+    skip_copy_in_.assign(params_.size(), 0);
+    next_launch_ = 0;
+    any_marked_ = false;
+    std::lock_guard lock(mutex_);
+    done_ = 0;
+  }
+
+  void check_usable() const {
+    if (broken_) {
+      throw error("DistributedDataParallel on rank " + std::to_string(rank_) +
+                  " is unusable after an earlier failure: " + broken_message_);
+    }
+  }
+
+  [[noreturn]] void fail(std::exception_ptr e) {
+    broken_ = true;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      broken_message_ = x.what();
+      throw;
+    }
+  }
+
+  communicator_type& comm_;
+  Model& model_;
+  ddp_options options_;
+  int rank_;
+  int size_;
+  std::vector<parameter> params_;
+  std::vector<parameter> buffers_;
+  std::vector<void*> original_;  // the model's own gradient pointers, given back at the end
+  std::unordered_map<std::string_view, std::size_t> by_name_;
+  std::unordered_map<const void*, std::size_t> by_data_;
+  std::vector<bucket_info> info_;
+  std::vector<bucket_state> buckets_;
+  std::vector<slot> slots_;
+  std::vector<char> marked_;   // this step
+  std::vector<char> touched_;  // since the last synchronized step, no_sync() micro-steps included
+  std::vector<std::size_t> ready_order_;
+  std::vector<char>
+      skip_copy_in_;  // zeroed unused copy-mode slices (the thread reads its bucket's only)
+  std::size_t next_launch_ = 0;
+  std::size_t steps_ = 0;
+  bool rebuilt_ = false;
+  bool any_marked_ = false;
+  int no_sync_depth_ = 0;
+  bool broken_ = false;
+  std::string broken_message_;
+  comm_hook hook_;
+  detail::compute_stream stream_ = nullptr;
+  // The communication thread (MPI, Gloo) and what it shares with the caller.
+  std::mutex mutex_;
+  std::condition_variable wake_;       // work for the thread, or stop
+  std::condition_variable done_wake_;  // a bucket finished
+  std::deque<std::size_t> queue_;
+  std::size_t done_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/ddp.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 
 #endif  // DTRAIN_SINGLE_INCLUDE_DTRAIN_HPP

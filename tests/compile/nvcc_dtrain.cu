@@ -4,11 +4,26 @@
 
 #include <cstdio>
 
+#if DTRAIN_HAS_NCCL()
+// DistributedDataParallel for NCCL with every member, the compression kernels included.
+namespace {
+struct nvcc_model {
+  float* values = nullptr;
+  float* grad = nullptr;
+  std::vector<dtrain::parameter> parameters() {
+    return {dtrain::device_param("w", values, grad, 16, 0)};
+  }
+};
+}  // namespace
+template class dtrain::DistributedDataParallel<
+    nvcc_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::nccl>>;
+#endif
+
 __global__ void dtrain_nvcc_kernel(int* out) { *out = DTRAIN_HAS_NCCL(); }
 
 int main() {
   // No kernel launch: the test machines have the toolkit but no GPU.
-  std::printf("dtrain %s under nvcc (mpi=%d gloo=%d nccl=%d)\n", DTRAIN_VERSION_STRING, DTRAIN_HAS_MPI(),
-              DTRAIN_HAS_GLOO(), DTRAIN_HAS_NCCL());
+  std::printf("dtrain %s under nvcc (mpi=%d gloo=%d nccl=%d)\n", DTRAIN_VERSION_STRING,
+              DTRAIN_HAS_MPI(), DTRAIN_HAS_GLOO(), DTRAIN_HAS_NCCL());
   return 0;
 }

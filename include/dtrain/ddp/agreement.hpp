@@ -1,0 +1,217 @@
+#pragma once
+/// @file
+/// What every rank must agree on before DistributedDataParallel averages
+/// anything: the same parameters (names, counts, types) in the same order,
+/// and rank 0's values of them.
+
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/ddp/bucket.hpp>
+#include <dtrain/ddp/options.hpp>
+#include <dtrain/ddp/parameter.hpp>
+#include <dtrain/error.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// "parameter fc1.weight (1024 x float32 on the host)": what must match across ranks.
+inline std::string parameter_entry(const parameter& p, std::string_view kind) {
+  return std::string(kind) + " " + p.name + " (" + std::to_string(p.values.count) + " x " +
+         std::string(to_string(p.values.type)) +
+         (p.values.where == memory::host ? " on the host)" : " on a GPU)");
+}
+
+inline std::vector<std::string> model_entries(std::span<const parameter> params,
+                                              std::span<const parameter> buffers) {
+  std::vector<std::string> entries;
+  for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
+  for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
+  return entries;
+}
+
+inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const std::string& e : entries) {
+    for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    h = (h ^ 0x0au) * 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(h >> 1);
+}
+
+/// What one rank alone can find wrong with its model and options, as a
+/// message naming the parameter and the rank; empty when nothing is.
+inline std::string model_problem(std::span<const parameter> params,
+                                 std::span<const parameter> buffers, const ddp_options& options,
+                                 int rank, std::string_view backend, bool on_device, int device) {
+  const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
+  std::unordered_map<std::string_view, std::size_t> names;
+  std::unordered_map<const void*, std::size_t> data;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const parameter& p = params[i];
+    const std::string what = "parameter #" + std::to_string(i) + " '" + p.name + "'";
+    if (p.name.empty()) return who + what + " has no name";
+    if (auto [it, fresh] = names.emplace(p.name, i); !fresh) {
+      return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
+             " and #" + std::to_string(i) + ")";
+    }
+    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
+    if (!data.emplace(p.values.data, i).second)
+      return who + what + " shares its values with another parameter";
+    if (!is_floating(p.values.type)) {
+      return who + what + " is " + std::string(to_string(p.values.type)) +
+             ": only floating-point parameters have gradients to average (declare it in buffers())";
+    }
+    if (!p.gradient && !p.rebindable()) return who + what + " has no gradient buffer";
+    if (!p.gradient && !options.gradient_as_bucket_view) {
+      return who + what +
+             " has a null gradient pointer, which needs ddp_options::gradient_as_bucket_view";
+    }
+    if (on_device && p.values.where != memory::device) {
+      return who + what +
+             " is in host memory, but backend::nccl reduces GPU memory: use dtrain::device_param";
+    }
+    if (on_device && p.device != device) {
+      return who + what + " is on GPU " + std::to_string(p.device) +
+             ", but this rank's NCCL communicator is on GPU " + std::to_string(device);
+    }
+    if (!on_device && p.values.where != memory::host) {
+      return who + what + " is in GPU memory, but backend " + std::string(backend) +
+             " reduces host memory: keep gradients on the host, or use backend::nccl";
+    }
+  }
+  for (const parameter& b : buffers) {
+    if (!b.values.data && b.values.count) return who + "buffer '" + b.name + "' has no values";
+    if (b.values.where == memory::device && !on_device) {
+      return who + "buffer '" + b.name + "' is in GPU memory, but backend " + std::string(backend) +
+             " reaches host memory only";
+    }
+  }
+  try {
+    (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
+    (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
+  } catch (const config_error& e) {
+    return who + e.what();
+  }
+  return {};
+}
+
+/// Collective: every rank learns whether all ranks hold the same parameters
+/// and buffers. Throws config_error on every rank when not — naming the first
+/// differing entry and the ranks — or when some rank's own check failed
+/// (`local_problem`, which that rank reports in its own words).
+template <communicator C>
+void agree_on_model(C& comm, std::span<const parameter> params, std::span<const parameter> buffers,
+                    const std::string& local_problem) {
+  const int size = comm.size();
+  const std::vector<std::string> entries = model_entries(params, buffers);
+  const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
+                                static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
+  allgather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+
+  std::vector<int> troubled;
+  for (int r = 0; r < size; ++r) {
+    if (all[static_cast<std::size_t>(r) * 3] != 0) troubled.push_back(r);
+  }
+  if (!local_problem.empty()) throw config_error(local_problem);
+  if (!troubled.empty()) {
+    throw config_error("DistributedDataParallel: rank " + std::to_string(troubled.front()) +
+                       " rejected its model (its own message says why), so every rank stops");
+  }
+  bool same = true;
+  for (int r = 1; r < size; ++r) {
+    same = same && std::equal(&all[0], &all[3], &all[static_cast<std::size_t>(r) * 3]);
+  }
+  if (same) return;
+
+  // Rank 0's list to everyone; each rank finds where it departs from it.
+  std::string joined;
+  for (const std::string& e : entries) joined += e + '\n';
+  std::int64_t length = static_cast<std::int64_t>(joined.size());
+  broadcast(comm, std::span<std::int64_t>(&length, 1), 0).wait();
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
+  if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
+  if (!bytes.empty()) broadcast(comm, std::span<std::uint8_t>(bytes), 0).wait();
+  std::vector<std::string> reference;
+  std::string current;
+  for (std::uint8_t c : bytes) {
+    if (c == '\n') {
+      reference.push_back(std::move(current));
+      current.clear();
+    } else {
+      current += static_cast<char>(c);
+    }
+  }
+  std::int64_t first = -1;
+  for (std::size_t i = 0; i < std::max(reference.size(), entries.size()); ++i) {
+    if (i >= reference.size() || i >= entries.size() || reference[i] != entries[i]) {
+      first = static_cast<std::int64_t>(i);
+      break;
+    }
+  }
+  std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
+  allgather(comm, std::span<const std::int64_t>(&first, 1), std::span<std::int64_t>(firsts)).wait();
+  int culprit = -1;
+  std::string differing;
+  for (int r = 0; r < size; ++r) {
+    if (firsts[static_cast<std::size_t>(r)] < 0) continue;
+    if (culprit < 0) culprit = r;
+    differing += (differing.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (culprit < 0) return;  // equal lists after all (a hash collision)
+  const auto at = static_cast<std::size_t>(firsts[static_cast<std::size_t>(culprit)]);
+  // The culprit's entry to everyone, so that every rank prints the same message.
+  std::vector<std::uint8_t> text(512, 0);
+  if (comm.rank() == culprit) {
+    const std::string e = at < entries.size() ? entries[at] : "nothing";
+    std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
+  }
+  broadcast(comm, std::span<std::uint8_t>(text), culprit).wait();
+  const std::string theirs(reinterpret_cast<const char*>(text.data()));
+  const std::string ours = at < reference.size() ? reference[at] : "nothing";
+  throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
+                     std::to_string(at) + ": rank 0 has " + ours + ", rank " +
+                     std::to_string(culprit) + " has " + theirs +
+                     " (ranks that differ from rank 0: " + differing +
+                     "); every rank must build the same model in the same order");
+}
+
+/// Collective: every rank's parameter and buffer values become rank 0's.
+/// Host values travel as one packed message; device values one by one.
+template <communicator C>
+void broadcast_values(C& comm, std::span<const parameter> params,
+                      std::span<const parameter> buffers) {
+  std::vector<const parameter*> host, device;
+  for (auto list : {params, buffers}) {
+    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+  }
+  std::size_t total = 0;
+  for (const parameter* p : host) total += p->bytes();
+  if (total > 0) {
+    std::vector<std::uint8_t> packed(total);
+    std::size_t at = 0;
+    for (const parameter* p : host) {
+      std::memcpy(packed.data() + at, p->values.data, p->bytes());
+      at += p->bytes();
+    }
+    broadcast(comm, std::span<std::uint8_t>(packed), 0).wait();
+    at = 0;
+    for (const parameter* p : host) {
+      std::memcpy(p->values.data, packed.data() + at, p->bytes());
+      at += p->bytes();
+    }
+  }
+  for (const parameter* p : device) {
+    if (p->values.count > 0) comm.broadcast(p->values, 0).wait();
+  }
+}
+
+}  // namespace dtrain::detail

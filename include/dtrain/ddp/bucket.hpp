@@ -1,0 +1,113 @@
+#pragma once
+/// @file
+/// Which gradients travel together: the bucket assignment of
+/// DistributedDataParallel, as pure functions of the parameters and the
+/// order in which their gradients are expected to become ready.
+
+#include <dtrain/backend/types.hpp>
+#include <dtrain/ddp/parameter.hpp>
+#include <dtrain/error.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// One bucket: gradients of one element type on one device, laid out
+/// contiguously in `parameters` order and reduced by one collective.
+struct bucket_info {
+  std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
+  dtype type = dtype::float32;
+  int device = -1;        ///< -1: host memory
+  std::size_t count = 0;  ///< elements
+  std::size_t bytes = 0;
+};
+
+/// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
+[[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
+  if (!(mib > 0) || mib > 1e9) {
+    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
+                       " is not a bucket size in MiB (it must be above 0)");
+  }
+  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
+}
+
+namespace detail {
+
+/// n-1, n-2, ..., 0: gradients of the last layers are produced first.
+[[nodiscard]] inline std::vector<std::size_t> reverse_order(std::size_t n) {
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
+  return order;
+}
+
+/// Throws unless `order` names each of the n parameters exactly once.
+inline void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view what) {
+  std::vector<char> seen(n, 0);
+  if (order.size() != n) {
+    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
+                            " parameters, the model has " + std::to_string(n),
+                        0);
+  }
+  for (std::size_t i : order) {
+    if (i >= n || seen[i]) {
+      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
+                              (i >= n ? " of " + std::to_string(n) : " twice"),
+                          0);
+    }
+    seen[i] = 1;
+  }
+}
+
+/// Groups the parameters, taken in `order` (a permutation of their indices),
+/// into buckets per (element type, device). A group's first bucket closes once
+/// it holds `first_cap` bytes, later ones at `cap` (soft caps: a parameter
+/// larger than the cap gets a bucket of its own). Buckets are returned in the
+/// order of their first parameter in `order`, which is the launch order.
+[[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t first_cap,
+                                                             std::size_t cap) {
+  check_order(order, params.size(), "the bucket order");
+  struct open_bucket {
+    bucket_info bucket;
+    std::size_t first_position = 0;
+    bool first = true;  // still the group's first bucket
+  };
+  std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
+  std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
+  for (std::size_t position = 0; position < order.size(); ++position) {
+    const parameter& p = params[order[position]];
+    auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
+    open_bucket& b = it->second;
+    if (b.bucket.parameters.empty()) {
+      b.bucket.type = p.values.type;
+      b.bucket.device = p.device;
+      b.first_position = position;
+    }
+    b.bucket.parameters.push_back(order[position]);
+    b.bucket.count += p.values.count;
+    b.bucket.bytes += p.values.bytes();
+    if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
+  }
+  for (auto& [key, b] : open) {
+    if (!b.bucket.parameters.empty()) closed.emplace_back(b.first_position, std::move(b.bucket));
+  }
+  std::ranges::sort(closed, {}, &std::pair<std::size_t, bucket_info>::first);
+  std::vector<bucket_info> buckets;
+  buckets.reserve(closed.size());
+  for (auto& [position, b] : closed) buckets.push_back(std::move(b));
+  return buckets;
+}
+
+}  // namespace detail
+}  // namespace dtrain

@@ -1,0 +1,72 @@
+#pragma once
+/// @file
+/// What a user chooses about DistributedDataParallel: ddp_options, gradient
+/// compression, and the bucket a communication hook is handed.
+
+#include <dtrain/backend/types.hpp>
+#include <dtrain/config.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
+namespace dtrain {
+
+/// How DistributedDataParallel sends float32 gradients.
+enum class gradient_compression : std::uint8_t {
+  none,      ///< as they are
+  float16,   ///< IEEE half: 10-bit mantissa, range ±65504 (scale losses that overflow)
+  bfloat16,  ///< float32's range with an 8-bit mantissa
+};
+
+[[nodiscard]] constexpr std::string_view to_string(gradient_compression c) noexcept {
+  switch (c) {
+    case gradient_compression::none: return "none";
+    case gradient_compression::float16: return "float16";
+    case gradient_compression::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
+/// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
+struct ddp_options {
+  /// A bucket closes once it holds this many MiB of gradients.
+  double bucket_cap_mb = 25;
+  /// The first bucket (the last layers' gradients, ready first) is small, so
+  /// that communication starts early in the backward pass.
+  double first_bucket_cap_mb = 1;
+  /// Point rebindable gradients (param() with a pointer) into the buckets:
+  /// no copies. false: copy every gradient in and the mean back out.
+  bool gradient_as_bucket_view = true;
+  /// Parameters never marked in a step contribute zero instead of being an
+  /// error (for models whose steps skip parts of the network).
+  bool find_unused_parameters = false;
+  /// After the first step, lay the buckets out once more in the order the
+  /// gradients actually became ready (rank 0's order, sent to every rank).
+  bool rebuild_buckets = true;
+  /// Construction copies rank 0's parameters and buffers to every rank.
+  bool broadcast_parameters = true;
+  /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
+  gradient_compression compression = gradient_compression::none;
+  /// false: nothing is sent before synchronize() (for measuring what overlap buys).
+  bool overlap = true;
+};
+
+/// One bucket, as a communication hook sees it.
+struct gradient_bucket {
+  std::size_t index = 0;  ///< launch order, 0 first
+  buffer data;            ///< the flat gradients: reduce them in place
+  int world_size = 1;
+  std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
+#if DTRAIN_HAS_CUDA()
+  cudaStream_t stream = nullptr;  ///< NCCL: the compute stream the bucket is ordered after
+#endif
+};
+
+}  // namespace dtrain

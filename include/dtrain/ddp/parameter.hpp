@@ -1,0 +1,151 @@
+#pragma once
+/// @file
+/// `dtrain::parameter`: how a model shows DistributedDataParallel its
+/// parameters — name, values, gradient, element count and type, device —
+/// without dtrain knowing the model's types. Models return a range of them
+/// from `parameters()` (and, for state that is not trained but must match
+/// across ranks, from `buffers()`).
+
+#include <dtrain/backend/types.hpp>
+#include <dtrain/error.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <ranges>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace dtrain {
+
+/// One parameter as dtrain sees it: a view, never an owner.
+struct parameter {
+  /// Unique within the model; errors and mismatches across ranks name it.
+  std::string name;
+  /// The values: data, element count, element type, host or device memory.
+  buffer values;
+  /// Where the gradient is now (values.count elements of values.type); may
+  /// be null for a rebindable parameter (dtrain then provides zeroed storage).
+  void* gradient = nullptr;
+  /// The CUDA device of device memory; -1 for host memory.
+  int device = -1;
+
+  /// Set by param()/device_param() when the model keeps its gradient as a
+  /// pointer dtrain may repoint into its own flat bucket storage.
+  void* gradient_slot = nullptr;
+  void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+
+  [[nodiscard]] bool rebindable() const noexcept {
+    return gradient_slot != nullptr && rebind != nullptr;
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
+};
+
+namespace detail {
+
+template <class V>
+using range_element = std::remove_cv_t<std::ranges::range_value_t<V>>;
+
+template <element T>
+void rebind_pointer(void* slot, void* storage) noexcept {
+  *static_cast<T**>(slot) = static_cast<T*>(storage);
+}
+
+template <class V>
+concept element_range =
+    std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
+
+}  // namespace detail
+
+/// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
+/// dtrain may point it into its flat bucket storage (no copies; the gradient's
+/// current values move along). Read gradients through that pointer after
+/// construction and after each synchronize(): the first rebuild moves them.
+template <detail::element_range V>
+[[nodiscard]] parameter param(std::string name, V& values, detail::range_element<V>*& gradient) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = gradient,
+          .device = -1,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A host parameter whose gradient buffer the model owns and keeps: dtrain
+/// copies it in before the reduction and the mean back after.
+template <detail::element_range V, detail::element_range G>
+[[nodiscard]] parameter param(std::string name, V& values, G& gradient) {
+  using T = detail::range_element<V>;
+  static_assert(std::same_as<T, detail::range_element<G>>,
+                "a parameter and its gradient must have the same element type");
+  if (std::ranges::size(gradient) != std::ranges::size(values)) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(std::ranges::size(values)) +
+                       " values but a gradient of " + std::to_string(std::ranges::size(gradient)));
+  }
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = const_cast<T*>(std::ranges::data(gradient))};
+}
+
+/// A CUDA parameter of `count` elements on `device` whose gradient pointer
+/// dtrain may point into its flat bucket storage (see param()).
+template <element T>
+[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
+                                     int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device},
+          .gradient = gradient,
+          .device = device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
+template <element T>
+[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
+                                          std::size_t count, int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device},
+          .gradient = gradient,
+          .device = device};
+}
+
+/// Host state that is not trained but must agree across ranks (running
+/// statistics, step counters): broadcast from rank 0 at construction.
+template <detail::element_range V>
+[[nodiscard]] parameter model_buffer(std::string name, V& values) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host}};
+}
+
+/// Device state that must agree across ranks.
+template <element T>
+[[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device},
+          .device = device};
+}
+
+/// A range whose elements convert to dtrain::parameter.
+template <class R>
+concept parameter_range = std::ranges::input_range<R> &&
+    std::convertible_to<std::ranges::range_reference_t<R>, parameter>;
+
+/// What DistributedDataParallel wraps: anything with `parameters()`, and
+/// optionally `buffers()`, each a range of dtrain::parameter.
+template <class M>
+concept trainable_model = requires(M& m) {
+  { m.parameters() } -> parameter_range;
+};
+
+template <class M>
+concept model_with_buffers = trainable_model<M> && requires(M& m) {
+  { m.buffers() } -> parameter_range;
+};
+
+}  // namespace dtrain
