@@ -8654,6 +8654,12 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
     const parameter& p = params[order[position]];
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
+    // A parameter that fills a bucket by itself does not hold back the smaller ones before it.
+    if (!b.bucket.parameters.empty() && p.values.bytes() >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
     if (b.bucket.parameters.empty()) {
       b.bucket.type = p.values.type;
       b.bucket.device = p.device;
@@ -9349,9 +9355,10 @@ class DistributedDataParallel {
   /// Collective: checks that every rank holds the same parameters (names,
   /// counts, types; config_error naming the first difference and the ranks),
   /// copies rank 0's values to all, lays the gradients out in buckets and,
-  /// for MPI and Gloo, starts the communication thread.
+  /// for MPI and Gloo, starts the communication thread. Buckets travel on a
+  /// split of `comm` of their own: the caller may use `comm` at any time.
   DistributedDataParallel(communicator_type& comm, Model& model, ddp_options options = {})
-      : comm_(comm),
+      : comm_(comm.split(0, comm.rank())),
         model_(model),
         options_(std::move(options)),
         rank_(comm.rank()),
@@ -9373,6 +9380,10 @@ class DistributedDataParallel {
     marked_.assign(params_.size(), 0);
     touched_.assign(params_.size(), 0);
     lay_out(detail::reverse_order(params_.size()));
+#if DTRAIN_HAS_CUDA()
+    // The buckets were filled on the legacy default stream; the user's stream may not wait for it.
+    if constexpr (on_device) DTRAIN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+#endif
     if constexpr (!on_device) thread_ = std::thread([this] { serve(); });
   }
 
@@ -9550,6 +9561,7 @@ class DistributedDataParallel {
   /// Synchronized steps completed.
   [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
   [[nodiscard]] Model& module() noexcept { return model_; }
+  /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
 
  private:
@@ -9851,7 +9863,9 @@ class DistributedDataParallel {
     }
   }
 
-  communicator_type& comm_;
+  // A communicator of its own (a split of the user's), so that collectives the
+  // user issues during a step cannot interleave with the buckets' differently on different ranks.
+  communicator_type comm_;
   Model& model_;
   ddp_options options_;
   int rank_;

@@ -85,6 +85,12 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
     const parameter& p = params[order[position]];
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
+    // A parameter that fills a bucket by itself does not hold back the smaller ones before it.
+    if (!b.bucket.parameters.empty() && p.values.bytes() >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
     if (b.bucket.parameters.empty()) {
       b.bucket.type = p.values.type;
       b.bucket.device = p.device;

@@ -67,9 +67,10 @@ class DistributedDataParallel {
   /// Collective: checks that every rank holds the same parameters (names,
   /// counts, types; config_error naming the first difference and the ranks),
   /// copies rank 0's values to all, lays the gradients out in buckets and,
-  /// for MPI and Gloo, starts the communication thread.
+  /// for MPI and Gloo, starts the communication thread. Buckets travel on a
+  /// split of `comm` of their own: the caller may use `comm` at any time.
   DistributedDataParallel(communicator_type& comm, Model& model, ddp_options options = {})
-      : comm_(comm),
+      : comm_(comm.split(0, comm.rank())),
         model_(model),
         options_(std::move(options)),
         rank_(comm.rank()),
@@ -91,6 +92,10 @@ class DistributedDataParallel {
     marked_.assign(params_.size(), 0);
     touched_.assign(params_.size(), 0);
     lay_out(detail::reverse_order(params_.size()));
+#if DTRAIN_HAS_CUDA()
+    // The buckets were filled on the legacy default stream; the user's stream may not wait for it.
+    if constexpr (on_device) DTRAIN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+#endif
     if constexpr (!on_device) thread_ = std::thread([this] { serve(); });
   }
 
@@ -268,6 +273,7 @@ class DistributedDataParallel {
   /// Synchronized steps completed.
   [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
   [[nodiscard]] Model& module() noexcept { return model_; }
+  /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
 
  private:
@@ -569,7 +575,9 @@ class DistributedDataParallel {
     }
   }
 
-  communicator_type& comm_;
+  // A communicator of its own (a split of the user's), so that collectives the
+  // user issues during a step cannot interleave with the buckets' differently on different ranks.
+  communicator_type comm_;
   Model& model_;
   ddp_options options_;
   int rank_;
