@@ -1,0 +1,33 @@
+# nvcc for dtrain's own CUDA programs (examples, tests). There may be no GPU
+# to detect an architecture from, and CUDA 13 dropped the old ones, hence
+# sm_90 unless the user chose.
+include_guard(GLOBAL)
+include(CheckLanguage)
+
+# dtrain_find_cuda(): enables CUDA when nvcc is found (/usr/local/cuda too);
+# CMAKE_CUDA_COMPILER says whether it was. A macro: enable_language() must be
+# called at file scope.
+macro(dtrain_find_cuda)
+  if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(ENV{CUDACXX} /usr/local/cuda/bin/nvcc)
+  endif()
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+    set(CMAKE_CUDA_ARCHITECTURES 90)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+  endif()
+endmacro()
+
+# dtrain_cuda_program(<target>): C++20 under nvcc, dtrain's warnings, and one
+# CUDA runtime per process (the shared one that NCCL::NCCL brings).
+function(dtrain_cuda_program target)
+  set_target_properties(${target} PROPERTIES CUDA_RUNTIME_LIBRARY Shared)
+  if("cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)
+    set_target_properties(${target} PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
+  else()  # CMake before 3.26 does not know nvcc's C++20 flag
+    target_compile_options(${target} PRIVATE "$<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>")
+  endif()
+  dtrain_target_warnings(${target})
+endfunction()

@@ -1,0 +1,354 @@
+#pragma once
+/// @file
+/// A small multilayer perceptron for classification on the host, written
+/// out by hand so that every step of data-parallel training is visible:
+/// a synthetic dataset, linear and ReLU layers, softmax cross-entropy, a
+/// backward pass that reports each layer's finished gradients (where a
+/// DistributedDataParallel caller marks them ready), and SGD with momentum.
+///
+/// Everything is determined by seeds: the data, the initial weights, and so
+/// the whole training run. Used by examples/train_mlp.cpp and by the
+/// equivalence tests in tests/training/.
+
+#include <dtrain/dtrain.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mlp {
+
+/// splitmix64: a tiny generator whose output is the same everywhere (the
+/// std distributions are implementation-defined, so they are not used).
+class rng {
+ public:
+  explicit rng(std::uint64_t seed) : state_(seed) {}
+
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  /// Uniform in [0, 1), from the top 53 bits.
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  /// Uniform in [lo, hi).
+  double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
+  /// Approximately standard normal (Irwin-Hall: the sum of 12 uniforms,
+  /// minus 6); plain arithmetic, so identical on every machine.
+  double normal() {
+    double sum = 0;
+    for (int i = 0; i < 12; ++i) sum += uniform();
+    return sum - 6.0;
+  }
+  /// Uniform in [0, n).
+  std::size_t below(std::size_t n) { return static_cast<std::size_t>(next() % n); }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// What a synthetic classification problem looks like.
+struct problem {
+  std::size_t features = 16;
+  std::size_t classes = 4;
+  /// Gaussian blobs per class: with 2 or more, a class is not one convex
+  /// region, so a linear model cannot separate the classes but an MLP can.
+  std::size_t blobs_per_class = 3;
+  /// Standard deviation of each blob around its centre (centres lie in [-1, 1]^features).
+  double spread = 0.8;
+  std::uint64_t seed = 1;
+};
+
+/// Samples (row-major, features per row) and their labels.
+struct dataset {
+  std::size_t features = 0;
+  std::size_t classes = 0;
+  std::vector<float> x;
+  std::vector<int> y;
+
+  [[nodiscard]] std::size_t size() const noexcept { return y.size(); }
+  [[nodiscard]] std::span<const float> sample(std::size_t i) const {
+    return std::span(x).subspan(i * features, features);
+  }
+
+  /// `n` samples of problem `p`. The blob centres depend on p.seed only, so
+  /// a training set and a test set (another `stream`) come from one distribution.
+  static dataset generate(const problem& p, std::size_t n, std::uint64_t stream = 0) {
+    const std::size_t blobs = p.classes * p.blobs_per_class;
+    rng centre_rng(p.seed);
+    std::vector<double> centres(blobs * p.features);
+    for (double& c : centres) c = centre_rng.uniform(-1.0, 1.0);
+
+    dataset d{p.features, p.classes, std::vector<float>(n * p.features), std::vector<int>(n)};
+    rng sample_rng(p.seed ^ (0x5851f42d4c957f2dULL * (stream + 1)));
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t blob = sample_rng.below(blobs);
+      d.y[i] = static_cast<int>(blob % p.classes);
+      for (std::size_t f = 0; f < p.features; ++f) {
+        d.x[i * p.features + f] =
+            static_cast<float>(centres[blob * p.features + f] + p.spread * sample_rng.normal());
+      }
+    }
+    return d;
+  }
+};
+
+/// y = x Wᵀ + b. Weights are `out × in`, row-major. The gradients are
+/// reached through `grad_weight` and `grad_bias` only: DistributedDataParallel
+/// may repoint them into its buckets (dtrain::param's bucket view).
+struct linear {
+  std::string name;
+  std::size_t in = 0, out = 0;
+  std::vector<float> weight, bias;
+  float* grad_weight = nullptr;
+  float* grad_bias = nullptr;
+
+  linear(std::string layer_name, std::size_t inputs, std::size_t outputs, rng& init)
+      : name(std::move(layer_name)),
+        in(inputs),
+        out(outputs),
+        weight(inputs * outputs),
+        bias(outputs, 0.0f),
+        own_grad_weight_(weight.size(), 0.0f),
+        own_grad_bias_(bias.size(), 0.0f) {
+    grad_weight = own_grad_weight_.data();
+    grad_bias = own_grad_bias_.data();
+    // He (Kaiming) uniform initialisation, suited to ReLU.
+    const double bound = std::sqrt(6.0 / static_cast<double>(in));
+    for (float& w : weight) w = static_cast<float>(init.uniform(-bound, bound));
+  }
+  // The gradient pointers point into this object's own storage: no copies.
+  linear(const linear&) = delete;
+  linear& operator=(const linear&) = delete;
+  linear(linear&&) noexcept = default;  // vectors keep their storage when moved
+  linear& operator=(linear&&) noexcept = default;
+
+ private:
+  // Where the gradients live until DistributedDataParallel repoints them.
+  std::vector<float> own_grad_weight_, own_grad_bias_;
+};
+
+/// Loss and correct predictions over a batch.
+struct batch_result {
+  double loss = 0;  ///< mean cross-entropy over the batch
+  std::size_t correct = 0;
+  std::size_t count = 0;
+};
+
+/// An MLP: linear → ReLU → ... → linear, then softmax cross-entropy.
+class model {
+ public:
+  /// `widths` = {features, hidden..., classes}; weights from `seed`.
+  model(std::vector<std::size_t> widths, std::uint64_t seed) {
+    rng init(seed);
+    for (std::size_t l = 0; l + 1 < widths.size(); ++l) {
+      layers_.emplace_back("fc" + std::to_string(l + 1), widths[l], widths[l + 1], init);
+    }
+  }
+  model(const model&) = delete;
+  model& operator=(const model&) = delete;
+
+  [[nodiscard]] std::vector<linear>& layers() noexcept { return layers_; }
+  [[nodiscard]] const std::vector<linear>& layers() const noexcept { return layers_; }
+
+  /// Every parameter in forward order ("fc1.weight", "fc1.bias", "fc2.weight", ...),
+  /// gradients as bucket views: what DistributedDataParallel reduces.
+  [[nodiscard]] std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (linear& l : layers_) {
+      out.push_back(dtrain::param(l.name + ".weight", l.weight, l.grad_weight));
+      out.push_back(dtrain::param(l.name + ".bias", l.bias, l.grad_bias));
+    }
+    return out;
+  }
+  /// Positions of layer `l`'s parameters in parameters().
+  [[nodiscard]] static std::array<std::size_t, 2> parameter_indices(std::size_t l) {
+    return {2 * l, 2 * l + 1};
+  }
+
+  /// Runs the batch `indices` of `data` forward, keeping what backward() needs.
+  batch_result forward(const dataset& data, std::span<const std::size_t> indices) {
+    const std::size_t n = indices.size();
+    labels_.resize(n);
+    activations_.resize(layers_.size() + 1);
+    auto& input = activations_[0];
+    input.resize(n * data.features);
+    for (std::size_t i = 0; i < n; ++i) {
+      std::ranges::copy(data.sample(indices[i]),
+                        input.begin() + static_cast<std::ptrdiff_t>(i * data.features));
+      labels_[i] = data.y[indices[i]];
+    }
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const linear& layer = layers_[l];
+      const auto& x = activations_[l];
+      auto& y = activations_[l + 1];
+      y.assign(n * layer.out, 0.0f);
+      const bool relu = l + 1 < layers_.size();
+      for (std::size_t i = 0; i < n; ++i) {
+        for (std::size_t o = 0; o < layer.out; ++o) {
+          float sum = layer.bias[o];
+          for (std::size_t k = 0; k < layer.in; ++k)
+            sum += layer.weight[o * layer.in + k] * x[i * layer.in + k];
+          y[i * layer.out + o] = relu ? std::max(sum, 0.0f) : sum;
+        }
+      }
+    }
+    return softmax_cross_entropy();
+  }
+
+  /// Backpropagates the last forward() and ADDS the gradient of
+  /// `loss_sum / mean_over` to the gradients (loss_sum: the batch's summed
+  /// cross-entropy). With mean_over = the batch size (0 means that) the
+  /// gradient is the batch mean; gradient accumulation over micro-batches
+  /// passes the size of the whole step's batch instead.
+  ///
+  /// Layers are done last to first; `on_layer_ready(l)` is called as soon as
+  /// layer l's gradients are final, and they are not touched after it.
+  template <class OnLayerReady>
+  void backward(OnLayerReady&& on_layer_ready, std::size_t mean_over = 0) {
+    const std::size_t n = labels_.size();
+    const float scale = 1.0f / static_cast<float>(mean_over ? mean_over : n);
+    std::vector<float> grad_out(probabilities_.size());  // d loss / d logits
+    const std::size_t classes = layers_.back().out;
+    for (std::size_t i = 0; i < n; ++i) {
+      for (std::size_t c = 0; c < classes; ++c) {
+        const float target = static_cast<int>(c) == labels_[i] ? 1.0f : 0.0f;
+        grad_out[i * classes + c] = (probabilities_[i * classes + c] - target) * scale;
+      }
+    }
+    for (std::size_t l = layers_.size(); l-- > 0;) {
+      linear& layer = layers_[l];
+      const auto& x = activations_[l];
+      for (std::size_t o = 0; o < layer.out; ++o) {
+        double bias_sum = 0;
+        for (std::size_t i = 0; i < n; ++i) bias_sum += grad_out[i * layer.out + o];
+        layer.grad_bias[o] += static_cast<float>(bias_sum);
+        for (std::size_t k = 0; k < layer.in; ++k) {
+          double sum = 0;
+          for (std::size_t i = 0; i < n; ++i)
+            sum += grad_out[i * layer.out + o] * x[i * layer.in + k];
+          layer.grad_weight[o * layer.in + k] += static_cast<float>(sum);
+        }
+      }
+      on_layer_ready(l);
+      if (l == 0) break;  // no gradient is needed for the input
+      // Through the weights, then through the previous layer's ReLU (x > 0).
+      std::vector<float> grad_in(n * layer.in, 0.0f);
+      for (std::size_t i = 0; i < n; ++i) {
+        for (std::size_t o = 0; o < layer.out; ++o) {
+          const float g = grad_out[i * layer.out + o];
+          for (std::size_t k = 0; k < layer.in; ++k)
+            grad_in[i * layer.in + k] += g * layer.weight[o * layer.in + k];
+        }
+      }
+      for (std::size_t j = 0; j < grad_in.size(); ++j) {
+        if (x[j] <= 0.0f) grad_in[j] = 0.0f;
+      }
+      grad_out = std::move(grad_in);
+    }
+  }
+
+  /// Sets every gradient to zero (through the current gradient pointers).
+  void zero_grad() {
+    for (linear& l : layers_) {
+      std::fill_n(l.grad_weight, l.weight.size(), 0.0f);
+      std::fill_n(l.grad_bias, l.bias.size(), 0.0f);
+    }
+  }
+
+  /// Accuracy (fraction correct) and mean loss over the whole of `data`.
+  batch_result evaluate(const dataset& data) {
+    std::vector<std::size_t> all(data.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    return forward(data, all);
+  }
+
+ private:
+  batch_result softmax_cross_entropy() {
+    const auto& logits = activations_.back();
+    const std::size_t n = labels_.size(), classes = layers_.back().out;
+    probabilities_.resize(logits.size());
+    batch_result r{0.0, 0, n};
+    for (std::size_t i = 0; i < n; ++i) {
+      const float* z = &logits[i * classes];
+      float* p = &probabilities_[i * classes];
+      const float top = *std::max_element(z, z + classes);
+      double total = 0;
+      for (std::size_t c = 0; c < classes; ++c) total += std::exp(static_cast<double>(z[c] - top));
+      for (std::size_t c = 0; c < classes; ++c) {
+        p[c] = static_cast<float>(std::exp(static_cast<double>(z[c] - top)) / total);
+      }
+      const auto label = static_cast<std::size_t>(labels_[i]);
+      r.loss += std::log(total) - static_cast<double>(z[label] - top);
+      if (static_cast<std::size_t>(std::max_element(z, z + classes) - z) == label) ++r.correct;
+    }
+    if (n > 0) r.loss /= static_cast<double>(n);
+    return r;
+  }
+
+  std::vector<linear> layers_;
+  std::vector<std::vector<float>> activations_;  // [0] the input, [l + 1] layer l's output
+  std::vector<float> probabilities_;
+  std::vector<int> labels_;
+};
+
+/// Stochastic gradient descent with (optional) momentum, as torch.optim.SGD:
+/// v = momentum · v + g;  w -= lr · v.
+class sgd {
+ public:
+  explicit sgd(double learning_rate, double momentum = 0.0)
+      : lr_(learning_rate), momentum_(momentum) {}
+
+  void step(model& m) {
+    std::size_t slot = 0;
+    for (linear& l : m.layers()) {
+      update(l.weight, l.grad_weight, slot++);
+      update(l.bias, l.grad_bias, slot++);
+    }
+  }
+
+ private:
+  void update(std::vector<float>& w, const float* g, std::size_t slot) {
+    if (momentum_ == 0.0) {
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] -= static_cast<float>(lr_) * g[i];
+      return;
+    }
+    if (velocity_.size() <= slot) velocity_.resize(slot + 1);
+    auto& v = velocity_[slot];
+    if (v.empty()) {
+      v.assign(g, g + w.size());  // torch: the first step's velocity is the gradient
+    } else {
+      for (std::size_t i = 0; i < w.size(); ++i) v[i] = static_cast<float>(momentum_) * v[i] + g[i];
+    }
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] -= static_cast<float>(lr_) * v[i];
+  }
+
+  double lr_, momentum_;
+  std::vector<std::vector<float>> velocity_;
+};
+
+/// FNV-1a over the bytes of every weight and bias, in forward order: equal
+/// checksums mean (barring a 2⁻⁶⁴ accident) bit-identical models.
+inline std::uint64_t checksum(const model& m) {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  auto mix = [&](const std::vector<float>& values) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(values.data());
+    for (std::size_t i = 0; i < values.size() * sizeof(float); ++i) {
+      h = (h ^ bytes[i]) * 0x100000001b3ULL;
+    }
+  };
+  for (const linear& l : m.layers()) {
+    mix(l.weight);
+    mix(l.bias);
+  }
+  return h;
+}
+
+}  // namespace mlp

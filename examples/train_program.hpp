@@ -1,0 +1,169 @@
+#pragma once
+/// @file
+/// What the MLP demos (examples/train_mlp.cpp and examples/train_mlp_cuda.cu)
+/// share as programs:
+///
+/// - their command line: the flags they share, parsed and described once.
+///   Each program adds its own flags (--nproc-per-node, --min-accuracy)
+///   through command_line::parse and their help through command_line's
+///   constructor. --help prints the usage and exits 0; a bad flag or value
+///   exits 2 (dtrain::config_error_exit_status) with a line that names it;
+/// - their last check, that every rank ends with the same weights.
+///
+/// Compiles with g++ and with nvcc -std=c++20.
+
+#include <dtrain/dtrain.hpp>
+
+#include <bit>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+namespace mlp {
+
+/// What both demos train with; the defaults are those --help prints.
+struct settings {
+  std::size_t epochs = 5;
+  std::size_t batch_size = 32;  // per rank
+  double lr = 0.05;
+  double momentum = 0.9;
+  std::size_t samples = 8192;
+  std::uint64_t seed = 1;
+  std::size_t features = 32;
+  std::size_t classes = 8;
+  std::size_t hidden = 64;
+  std::optional<int> nproc_per_node;  // the node agent's option (per-node launch only)
+};
+
+/// The shared flags' synopsis (a program's own synopsis goes on from its end)
+/// and their descriptions (a program's own follow).
+inline constexpr const char* shared_synopsis =
+    " [--epochs N] [--batch-size N] [--lr X] [--momentum X] [--samples N]\n"
+    "          [--seed N] [--features N] [--classes N] [--hidden N]";
+inline constexpr const char* shared_options =
+    "  --epochs N          passes over the training set (5)\n"
+    "  --batch-size N      samples per step on each rank (32)\n"
+    "  --lr X              SGD learning rate (0.05)\n"
+    "  --momentum X        SGD momentum (0.9)\n"
+    "  --samples N         training samples; a quarter as many again for testing (8192)\n"
+    "  --seed N            seeds the data, the weights and the shuffling (1)\n"
+    "  --features N, --classes N, --hidden N   the problem's and the model's sizes (32, 8, 64)\n";
+
+/// One program's command line: its name (for messages) and the help of its
+/// own flags, `synopsis` after shared_synopsis, `options` after shared_options.
+class command_line {
+ public:
+  command_line(std::string_view program, const char* synopsis, const char* options)
+      : program_(program), synopsis_(synopsis), options_(options) {}
+
+  [[noreturn]] void bad_flag(const std::string& message) const {
+    std::fprintf(stderr, "%s: %s (see --help)\n", program_.data(), message.c_str());
+    std::exit(dtrain::config_error_exit_status);
+  }
+
+  template <class T>
+  T number(std::string_view flag, std::string_view text, T least) const {
+    T value{};
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || end != text.data() + text.size() || value < least) {
+      bad_flag(std::string(flag) + " " + std::string(text) + ": expected a number of at least " +
+               std::to_string(least));
+    }
+    return value;
+  }
+
+  /// Reads argv into `s`. A flag that is not a shared one goes to
+  /// own(flag, value), which returns whether it took the flag; value() reads
+  /// the flag's value (`--flag=V` or the next argument; exits 2 when missing).
+  template <class Own>
+  void parse(int argc, char** argv, settings& s, Own own) const {
+    for (int i = 1; i < argc; ++i) {
+      std::string_view arg = argv[i];
+      if (arg == "--help" || arg == "-h") {
+        std::printf("usage: %s%s%s\n%s%s", program_.data(), shared_synopsis, synopsis_,
+                    shared_options, options_);
+        std::exit(0);
+      }
+      // A launcher's --local_rank=N / --local-rank N is for dtrain's world discovery.
+      if (arg.starts_with("--local_rank=") || arg.starts_with("--local-rank=")) continue;
+      if (arg == "--local_rank" || arg == "--local-rank") {
+        ++i;
+        continue;
+      }
+      std::string_view flag = arg, text;
+      bool inline_value = false;
+      if (auto eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
+        flag = arg.substr(0, eq);
+        text = arg.substr(eq + 1);
+        inline_value = true;
+      }
+      auto value = [&]() -> std::string_view {
+        if (inline_value) return text;
+        if (i + 1 >= argc) bad_flag(std::string(flag) + " needs a value");
+        return argv[++i];
+      };
+      if (flag == "--epochs") {
+        s.epochs = number<std::size_t>(flag, value(), 1);
+      } else if (flag == "--batch-size") {
+        s.batch_size = number<std::size_t>(flag, value(), 1);
+      } else if (flag == "--lr") {
+        s.lr = number<double>(flag, value(), 0.0);
+      } else if (flag == "--momentum") {
+        s.momentum = number<double>(flag, value(), 0.0);
+      } else if (flag == "--samples") {
+        s.samples = number<std::size_t>(flag, value(), 4);
+      } else if (flag == "--seed") {
+        s.seed = number<std::uint64_t>(flag, value(), 0);
+      } else if (flag == "--features") {
+        s.features = number<std::size_t>(flag, value(), 1);
+      } else if (flag == "--classes") {
+        s.classes = number<std::size_t>(flag, value(), 2);
+      } else if (flag == "--hidden") {
+        s.hidden = number<std::size_t>(flag, value(), 1);
+      } else if (!own(flag, value)) {
+        bad_flag("unknown flag " + std::string(arg));
+      }
+    }
+    if (s.momentum >= 1.0) {
+      bad_flag("--momentum " + std::to_string(s.momentum) + ": must be below 1");
+    }
+  }
+
+ private:
+  std::string_view program_;  // a literal's view: data() is null-terminated
+  const char* synopsis_;
+  const char* options_;
+};
+
+/// The end of a data-parallel run: `checksums` holds every rank's weight
+/// checksum (mlp::checksum's bits), by rank. The main rank prints that they
+/// agree, or to stderr which ranks differ from rank 0. Returns whether they agree.
+inline bool weights_agree(std::string_view program, bool is_main,
+                          std::span<const std::int64_t> checksums) {
+  std::string differing;
+  for (std::size_t r = 1; r < checksums.size(); ++r) {
+    if (checksums[r] != checksums[0]) differing += " " + std::to_string(r);
+  }
+  if (is_main) {
+    const auto rank0 = static_cast<unsigned long long>(std::bit_cast<std::uint64_t>(checksums[0]));
+    if (differing.empty()) {
+      std::printf("all %zu ranks hold identical weights (checksum %016llx)\n", checksums.size(),
+                  rank0);
+    } else {
+      std::fprintf(stderr,
+                   "%s: the ranks' weights differ after training: ranks%s do not match rank 0 "
+                   "(checksum %016llx)\n",
+                   program.data(), differing.c_str(), rank0);
+    }
+  }
+  return differing.empty();
+}
+
+}  // namespace mlp

@@ -1,0 +1,118 @@
+# DistributedDataParallel across ranks (issue 6): included from tests/CMakeLists.txt.
+#
+# ddp.<case>.<backend>.<n>ranks runs tests/ddp/ddp_peer.cpp on n ranks: under
+# mpirun for MPI, under dtrain_test_launch for Gloo. mean, features and
+# interleaved must pass on every rank; ddp.error.* must fail with the right
+# status and message (tests/ddp/check_error.cmake).
+set(ddp_dir "${CMAKE_CURRENT_SOURCE_DIR}/ddp")
+set(ddp_backends "")
+if(DTRAIN_WITH_MPI AND MPIEXEC_EXECUTABLE)
+  list(APPEND ddp_backends mpi)
+endif()
+if(DTRAIN_WITH_GLOO)
+  list(APPEND ddp_backends gloo)
+endif()
+
+if(ddp_backends)
+  add_executable(dtrain_ddp_peer ddp/ddp_peer.cpp)
+  target_link_libraries(dtrain_ddp_peer PRIVATE dtrain::dtrain)
+  dtrain_target_warnings(dtrain_ddp_peer)
+  add_dependencies(dtrain_ddp_peer dtrain_test_launch)
+endif()
+
+# The command line that starts <ranks> ranks of the peer on <backend>, as a
+# list; `no_kill` keeps dtrain_test_launch from stopping the other ranks when
+# one fails (the error tests want every rank's own message and status).
+function(ddp_job out backend ranks)
+  if(backend STREQUAL "mpi")
+    set(job "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${ranks} ${MPIEXEC_PREFLAGS} ${DTRAIN_MPIEXEC_PREFLAGS}
+            $<TARGET_FILE:dtrain_ddp_peer> mpi ${ARGN} ${MPIEXEC_POSTFLAGS})
+  else()
+    set(job $<TARGET_FILE:dtrain_test_launch> --no-kill ${ranks} $<TARGET_FILE:dtrain_ddp_peer> gloo ${ARGN})
+  endif()
+  set(${out} ${job} PARENT_SCOPE)
+endfunction()
+
+# Cases that fail: <case>:<exit status>:<regexes the output must match, separated by '!'>.
+set(ddp_error_cases
+  "twice:1:\\[rank [01]/2\\] dtrain: .*layer03\\.view.*twice"
+  "unmarked:1:\\[rank [01]/2\\] dtrain: .*layer05\\.view!never marked|not marked|unmarked"
+  "unknown:1:\\[rank [01]/2\\] dtrain: .*no\\.such\\.parameter!mark_ready\\(999\\): .*999"
+  "mismatch-name:2:\\[rank [01]/2\\] dtrain: [^\n]*layer07\\.view!dtrain: [^\n]*layer07\\.renamed!dtrain: [^\n]*rank 0[^\n]*rank 1"
+  "mismatch-shape:2:\\[rank [01]/2\\] dtrain: [^\n]*layer04\\.view!dtrain: [^\n]*3005 x float32!dtrain: [^\n]*rank 0[^\n]*rank 1")
+
+foreach(backend IN ITEMS mpi gloo)
+  if(NOT backend IN_LIST ddp_backends)
+    if(backend STREQUAL "mpi")
+      set(why "needs MPI and mpiexec (DTRAIN_WITH_MPI is OFF)")
+    else()
+      set(why "needs Gloo (DTRAIN_WITH_GLOO is OFF; Debian: apt-get install libgloo-dev)")
+    endif()
+    foreach(ranks IN ITEMS 1 2 3 4)
+      dtrain_add_skipped_test(ddp.mean.${backend}.${ranks}ranks "${why}")
+      dtrain_add_skipped_test(ddp.features.${backend}.${ranks}ranks "${why}")
+    endforeach()
+    foreach(ranks IN ITEMS 2 3)
+      dtrain_add_skipped_test(ddp.interleaved.${backend}.${ranks}ranks "${why}")
+    endforeach()
+    foreach(entry IN LISTS ddp_error_cases)
+      string(REGEX MATCH "^[^:]+" case "${entry}")
+      dtrain_add_skipped_test(ddp.error.${case}.${backend}.2ranks "${why}")
+    endforeach()
+    continue()
+  endif()
+
+  foreach(ranks IN ITEMS 1 2 3 4)
+    foreach(case IN ITEMS mean features)
+      ddp_job(job ${backend} ${ranks} ${case})
+      if(backend STREQUAL "gloo")
+        list(REMOVE_ITEM job --no-kill)  # a failing rank stops the others: no hang to wait out
+      endif()
+      set(env "")
+      if(backend STREQUAL "mpi")
+        set(env ${DTRAIN_MPI_TEST_ENVIRONMENT})
+      endif()
+      dtrain_add_test(ddp.${case}.${backend}.${ranks}ranks COMMAND ${job} TIMEOUT 240
+        ENVIRONMENT ${env} DTRAIN_COLLECTIVE_TIMEOUT=120
+        PROPERTIES PROCESSORS ${ranks})
+    endforeach()
+  endforeach()
+
+  # The user's own collective on the same communicator while buckets are in flight.
+  foreach(ranks IN ITEMS 2 3)
+    ddp_job(job ${backend} ${ranks} interleaved)
+    list(REMOVE_ITEM job --no-kill)
+    set(env DTRAIN_COLLECTIVE_TIMEOUT=20)
+    if(backend STREQUAL "mpi")
+      list(APPEND env ${DTRAIN_MPI_TEST_ENVIRONMENT})
+    endif()
+    dtrain_add_test(ddp.interleaved.${backend}.${ranks}ranks COMMAND ${job} TIMEOUT 90
+      ENVIRONMENT ${env} PROPERTIES PROCESSORS ${ranks})
+  endforeach()
+
+  foreach(entry IN LISTS ddp_error_cases)
+    string(REGEX MATCH "^([^:]+):([0-9]+):(.*)$" matched "${entry}")
+    set(case "${CMAKE_MATCH_1}")
+    set(status "${CMAKE_MATCH_2}")
+    set(regexes "${CMAKE_MATCH_3}")
+    string(REPLACE "!" ";" regexes "${regexes}")
+    set(expect_args "")
+    set(n 0)
+    foreach(regex IN LISTS regexes)
+      math(EXPR n "${n} + 1")
+      list(APPEND expect_args "-DEXPECT_${n}=${regex}")
+    endforeach()
+    ddp_job(job ${backend} 2 ${case})
+    list(JOIN job "|" job)
+    set(env DTRAIN_COLLECTIVE_TIMEOUT=60)
+    if(backend STREQUAL "mpi")
+      list(APPEND env ${DTRAIN_MPI_TEST_ENVIRONMENT})
+    endif()
+    dtrain_add_test(ddp.error.${case}.${backend}.2ranks
+      COMMAND "${CMAKE_COMMAND}" "-DCOMMAND=${job}" -DEXPECT_STATUS=${status} ${expect_args}
+              -P "${ddp_dir}/check_error.cmake"
+      TIMEOUT 120
+      ENVIRONMENT ${env}
+      PROPERTIES PROCESSORS 2)
+  endforeach()
+endforeach()

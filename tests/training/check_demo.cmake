@@ -1,0 +1,59 @@
+# Runs the training demo briefly and checks what a user would look at: the
+# exit status, a line per epoch, and rank 0's verdict on the ranks' weights.
+#
+#   cmake -DCASE=<gloo|mpi|bad_flag> -DTRAIN=<dtrain_train_mlp or dtrain_train_mlp_mpi>
+#         [-DMPIEXEC=<mpiexec> -DMPIEXEC_ARGS=<args before the program, |-separated>]
+#         -P check_demo.cmake
+cmake_minimum_required(VERSION 3.21)
+include("${CMAKE_CURRENT_LIST_DIR}/../scripts/clean_env.cmake")
+
+function(fail)
+  string(JOIN "" why ${ARGN})
+  message(FATAL_ERROR "training.demo (${CASE}): ${why}\n--- stdout ---\n${out}\n--- stderr ---\n${err}")
+endfunction()
+
+# expect(<status> <regex>...): the exit status, and each regex somewhere in stdout + stderr.
+function(expect status)
+  if(NOT rc STREQUAL status)
+    fail("exit status ${rc}, expected ${status}")
+  endif()
+  foreach(regex IN LISTS ARGN)
+    if(NOT "${out}${err}" MATCHES "${regex}")
+      fail("no line matches \"${regex}\"")
+    endif()
+  endforeach()
+endfunction()
+
+dtrain_clean_launcher_env()
+unset(ENV{DTRAIN_NPROC_PER_NODE})  # the case says how many workers
+set(small --epochs 2 --samples 2048 --seed 5)
+
+if(CASE STREQUAL "gloo")
+  set(command "${TRAIN}" --nproc-per-node 4 ${small})
+  set(expected 0 "epoch 1/2 .*samples/s" "epoch 2/2 .*samples/s"
+               "all 4 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+elseif(CASE STREQUAL "mpi")
+  string(REPLACE "|" ";" mpiexec_args "${MPIEXEC_ARGS}")
+  set(command "${MPIEXEC}" ${mpiexec_args} "${TRAIN}" ${small})
+  set(expected 0 "epoch 2/2 .*samples/s" "all 2 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+elseif(CASE STREQUAL "bad_flag")
+  set(command "${TRAIN}" --epochs many)
+  set(expected 2 "--epochs many: expected a number")
+else()
+  message(FATAL_ERROR "check_demo.cmake: unknown CASE '${CASE}'")
+endif()
+
+execute_process(COMMAND ${command} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc
+                TIMEOUT 100)
+expect(${expected})
+if(CASE STREQUAL "gloo" OR CASE STREQUAL "mpi")
+  # Training must actually learn: 8 classes, so chance is 12.5%.
+  if(NOT out MATCHES "epoch 2/2 [^\n]*test accuracy +([0-9.]+)%")
+    fail("no test accuracy in the last epoch's line")
+  endif()
+  if(CMAKE_MATCH_1 LESS 50)
+    fail("test accuracy ${CMAKE_MATCH_1}% after 2 epochs; expected at least 50%")
+  endif()
+endif()
+message("${out}${err}")
+message("training.demo (${CASE}): ok")

@@ -1,0 +1,73 @@
+# Training equivalence and the demo (issue 6): included from tests/CMakeLists.txt.
+#
+# training.equivalence.*: N ranks training examples/mlp.hpp with
+# DistributedDataParallel end with the weights one process gets on the full
+# batch (equivalence.cpp), under mpirun and over Gloo (dtrain_test_launch).
+# training.demo.*: dtrain_train_mlp as a user runs it (check_demo.cmake).
+set(training_dir "${CMAKE_CURRENT_SOURCE_DIR}/training")
+set(training_ranks 2 4)
+
+if(DTRAIN_WITH_MPI)
+  add_executable(dtrain_training_equivalence_mpi training/equivalence.cpp)
+  target_link_libraries(dtrain_training_equivalence_mpi PRIVATE dtrain::dtrain)
+  target_include_directories(dtrain_training_equivalence_mpi PRIVATE "${PROJECT_SOURCE_DIR}/examples")
+  dtrain_target_warnings(dtrain_training_equivalence_mpi)
+  foreach(ranks IN LISTS training_ranks)
+    dtrain_add_mpi_test(training.equivalence.mpi RANKS ${ranks}
+      COMMAND $<TARGET_FILE:dtrain_training_equivalence_mpi> TIMEOUT 180)
+  endforeach()
+else()
+  foreach(ranks IN LISTS training_ranks)
+    dtrain_add_skipped_test(training.equivalence.mpi.${ranks}ranks "needs MPI (DTRAIN_WITH_MPI is OFF)")
+  endforeach()
+endif()
+
+if(DTRAIN_WITH_GLOO)
+  add_executable(dtrain_training_equivalence_gloo training/equivalence.cpp)
+  target_link_libraries(dtrain_training_equivalence_gloo PRIVATE dtrain::dtrain)
+  target_include_directories(dtrain_training_equivalence_gloo PRIVATE "${PROJECT_SOURCE_DIR}/examples")
+  target_compile_definitions(dtrain_training_equivalence_gloo PRIVATE DTRAIN_TEST_TRAINING_GLOO=1)
+  dtrain_target_warnings(dtrain_training_equivalence_gloo)
+  foreach(ranks IN LISTS training_ranks)
+    dtrain_add_test(training.equivalence.gloo.${ranks}ranks
+      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_training_equivalence_gloo>
+      TIMEOUT 180
+      PROPERTIES PROCESSORS ${ranks})
+  endforeach()
+else()
+  foreach(ranks IN LISTS training_ranks)
+    dtrain_add_skipped_test(training.equivalence.gloo.${ranks}ranks
+      "needs Gloo (DTRAIN_WITH_GLOO is OFF; Debian: apt-get install libgloo-dev)")
+  endforeach()
+endif()
+
+# The demo: its own per-node launcher with 4 Gloo workers, the MPI build under
+# mpirun, and a bad flag (exit status 2, the flag named).
+if(TARGET dtrain_train_mlp)
+  foreach(case IN ITEMS gloo bad_flag)
+    dtrain_add_test(training.demo.${case}
+      COMMAND "${CMAKE_COMMAND}" -DCASE=${case} "-DTRAIN=$<TARGET_FILE:dtrain_train_mlp>"
+              -P "${training_dir}/check_demo.cmake"
+      TIMEOUT 180
+      PROPERTIES PROCESSORS 4)
+  endforeach()
+else()
+  foreach(case IN ITEMS gloo bad_flag)
+    dtrain_add_skipped_test(training.demo.${case}
+      "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
+  endforeach()
+endif()
+if(TARGET dtrain_train_mlp_mpi AND MPIEXEC_EXECUTABLE)
+  set(mpiexec_args ${MPIEXEC_NUMPROC_FLAG} 2 ${MPIEXEC_PREFLAGS} ${DTRAIN_MPIEXEC_PREFLAGS})
+  list(JOIN mpiexec_args "|" mpiexec_args)  # one -D argument; the driver splits it again
+  dtrain_add_test(training.demo.mpi.2ranks
+    COMMAND "${CMAKE_COMMAND}" -DCASE=mpi "-DTRAIN=$<TARGET_FILE:dtrain_train_mlp_mpi>"
+            "-DMPIEXEC=${MPIEXEC_EXECUTABLE}" "-DMPIEXEC_ARGS=${mpiexec_args}"
+            -P "${training_dir}/check_demo.cmake"
+    TIMEOUT 180
+    ENVIRONMENT ${DTRAIN_MPI_TEST_ENVIRONMENT}
+    PROPERTIES PROCESSORS 2)
+else()
+  dtrain_add_skipped_test(training.demo.mpi.2ranks
+    "dtrain_train_mlp_mpi is not built (needs MPI, mpiexec and DTRAIN_BUILD_EXAMPLES)")
+endif()

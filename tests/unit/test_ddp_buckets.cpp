@@ -1,0 +1,275 @@
+// DistributedDataParallel's bucket assignment (dtrain::detail::assign_buckets):
+// a pure function of the parameters, the order their gradients become ready
+// and the caps, so it is tested here without any communication.
+
+#include "support.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using dtrain::bucket_info;
+using dtrain::dtype;
+using dtrain::parameter;
+using layout_t = std::vector<std::vector<std::size_t>>;
+
+/// A parameter as assign_buckets sees it: only name, count, type and device matter.
+parameter fake(std::string name, std::size_t count, dtype type = dtype::float32, int device = -1) {
+  parameter p;
+  p.name = std::move(name);
+  p.values = {nullptr, count, type, device < 0 ? dtrain::memory::host : dtrain::memory::device};
+  p.device = device;
+  return p;
+}
+
+/// `n` float parameters of `count` elements each, named p0, p1, ...
+std::vector<parameter> floats(std::size_t n, std::size_t count) {
+  std::vector<parameter> ps;
+  for (std::size_t i = 0; i < n; ++i) ps.push_back(fake("p" + std::to_string(i), count));
+  return ps;
+}
+
+layout_t layout(const std::vector<bucket_info>& buckets) {
+  layout_t out;
+  for (const auto& b : buckets) out.push_back(b.parameters);
+  return out;
+}
+
+std::string show(const std::vector<bucket_info>& buckets) {
+  std::string s;
+  for (const auto& b : buckets) {
+    s += "[";
+    for (std::size_t i = 0; i < b.parameters.size(); ++i)
+      s += (i ? "," : "") + std::to_string(b.parameters[i]);
+    s += " " + std::string(dtrain::to_string(b.type)) + " dev " + std::to_string(b.device) + " " +
+         std::to_string(b.bytes) + "B] ";
+  }
+  return s;
+}
+
+std::vector<bucket_info> assign(const std::vector<parameter>& ps,
+                                const std::vector<std::size_t>& order, std::size_t first_cap,
+                                std::size_t cap) {
+  return dtrain::detail::assign_buckets(ps, order, first_cap, cap);
+}
+
+/// Every parameter in exactly one bucket; each bucket one (type, device);
+/// count and bytes the sums of its parameters'.
+void check_partition(const std::vector<parameter>& ps, const std::vector<bucket_info>& buckets) {
+  std::vector<int> seen(ps.size(), 0);
+  for (const auto& b : buckets) {
+    CHECK_MESSAGE(!b.parameters.empty(), "an empty bucket in " << show(buckets));
+    std::size_t count = 0, bytes = 0;
+    for (std::size_t i : b.parameters) {
+      REQUIRE(i < ps.size());
+      ++seen[i];
+      CHECK_MESSAGE(ps[i].values.type == b.type,
+                    "parameter " << i << " of another type in " << show(buckets));
+      CHECK_MESSAGE(ps[i].device == b.device,
+                    "parameter " << i << " of another device in " << show(buckets));
+      count += ps[i].values.count;
+      bytes += ps[i].values.bytes();
+    }
+    CHECK(b.count == count);
+    CHECK(b.bytes == bytes);
+  }
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    CHECK_MESSAGE(seen[i] == 1,
+                  "parameter " << i << " is in " << seen[i] << " buckets: " << show(buckets));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("assign_buckets: reverse order, a small first bucket, then buckets closing at the cap") {
+  const auto ps = floats(6, 100);  // 400 bytes each
+  const auto order = dtrain::detail::reverse_order(ps.size());
+  CHECK(order == std::vector<std::size_t>{5, 4, 3, 2, 1, 0});
+  const auto buckets = assign(ps, order, 800, 1200);
+  check_partition(ps, buckets);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{5, 4}, {3, 2, 1}, {0}}), show(buckets));
+  REQUIRE(buckets.size() == 3);
+  CHECK(buckets[0].count == 200);
+  CHECK(buckets[0].bytes == 800);
+  CHECK(buckets[1].bytes == 1200);
+  CHECK(buckets[2].bytes == 400);
+  for (const auto& b : buckets) {
+    CHECK(b.type == dtype::float32);
+    CHECK(b.device == -1);
+  }
+}
+
+TEST_CASE("assign_buckets: caps are soft, a bucket closes once it reaches its cap") {
+  const auto ps = floats(5, 100);  // 400 bytes each
+  // 500 bytes: the second parameter takes the bucket past the cap, and closes it.
+  const auto buckets = assign(ps, dtrain::detail::reverse_order(5), 500, 500);
+  check_partition(ps, buckets);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{4, 3}, {2, 1}, {0}}), show(buckets));
+}
+
+TEST_CASE("assign_buckets: caps larger than the model give one bucket in the fill order") {
+  const auto ps = floats(7, 33);
+  const auto buckets = assign(ps, dtrain::detail::reverse_order(7), 1 << 20, 25 << 20);
+  check_partition(ps, buckets);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{6, 5, 4, 3, 2, 1, 0}}), show(buckets));
+}
+
+TEST_CASE("assign_buckets: a one-byte cap gives one bucket per parameter, in the fill order") {
+  const auto ps = floats(4, 10);
+  const std::vector<std::size_t> order{2, 0, 3, 1};
+  const auto buckets = assign(ps, order, 1, 1);
+  check_partition(ps, buckets);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{2}, {0}, {3}, {1}}), show(buckets));
+}
+
+TEST_CASE("assign_buckets: a parameter larger than the cap is alone in its bucket") {
+  // 40 B, 4000 B, 40 B, 40 B with a 100-byte cap: the big one is never
+  // batched with the small ones before or after it.
+  std::vector<parameter> ps{fake("a", 10), fake("big", 1000), fake("c", 10), fake("d", 10)};
+  const std::vector<std::size_t> order{0, 1, 2, 3};
+  const auto buckets = assign(ps, order, 100, 100);
+  check_partition(ps, buckets);
+  bool found = false;
+  for (const auto& b : buckets) {
+    if (std::ranges::find(b.parameters, std::size_t{1}) != b.parameters.end()) {
+      found = true;
+      CHECK_MESSAGE((b.parameters == std::vector<std::size_t>{1}),
+                    "the 4000-byte parameter shares its bucket (cap 100 bytes): " << show(buckets));
+    }
+  }
+  CHECK(found);
+}
+
+TEST_CASE(
+    "assign_buckets: element types are never mixed, buckets ordered by their first parameter") {
+  // f0 d1 f2 d3 f4 d5, filled in reverse: d5 comes first, so the float64 bucket launches first.
+  std::vector<parameter> ps;
+  for (std::size_t i = 0; i < 6; ++i) {
+    ps.push_back(fake("p" + std::to_string(i), 100, i % 2 ? dtype::float64 : dtype::float32));
+  }
+  const auto buckets = assign(ps, dtrain::detail::reverse_order(6), 1 << 20, 1 << 20);
+  check_partition(ps, buckets);
+  REQUIRE_MESSAGE(buckets.size() == 2, show(buckets));
+  CHECK(buckets[0].type == dtype::float64);
+  CHECK(buckets[0].parameters == std::vector<std::size_t>{5, 3, 1});
+  CHECK(buckets[0].bytes == 3 * 800);
+  CHECK(buckets[1].type == dtype::float32);
+  CHECK(buckets[1].parameters == std::vector<std::size_t>{4, 2, 0});
+  CHECK(buckets[1].bytes == 3 * 400);
+
+  // Forward: f0 comes first.
+  const std::vector<std::size_t> forward{0, 1, 2, 3, 4, 5};
+  const auto fwd = assign(ps, forward, 1 << 20, 1 << 20);
+  REQUIRE_MESSAGE(fwd.size() == 2, show(fwd));
+  CHECK(fwd[0].type == dtype::float32);
+  CHECK(fwd[0].parameters == std::vector<std::size_t>{0, 2, 4});
+}
+
+TEST_CASE("assign_buckets: each element type gets its own small first bucket") {
+  // Four floats (400 B) and four doubles (800 B), interleaved; first cap 400 B.
+  std::vector<parameter> ps;
+  for (std::size_t i = 0; i < 8; ++i) {
+    ps.push_back(fake("p" + std::to_string(i), 100, i % 2 ? dtype::float64 : dtype::float32));
+  }
+  const auto buckets = assign(ps, dtrain::detail::reverse_order(8), 400, 1 << 20);
+  check_partition(ps, buckets);
+  // d7 | f6 | d5 d3 d1 | f4 f2 f0, ordered by first position: d7 (0), f6 (1), d5 (2), f4 (3).
+  CHECK_MESSAGE((layout(buckets) == layout_t{{7}, {6}, {5, 3, 1}, {4, 2, 0}}), show(buckets));
+}
+
+TEST_CASE("assign_buckets: devices are never mixed") {
+  std::vector<parameter> ps{fake("h0", 10), fake("g0a", 10, dtype::float32, 0),
+                            fake("g1", 10, dtype::float32, 1), fake("g0b", 10, dtype::float32, 0),
+                            fake("h1", 10)};
+  const auto buckets = assign(ps, dtrain::detail::reverse_order(5), 1 << 20, 1 << 20);
+  check_partition(ps, buckets);
+  // h1 (host, position 0), g0b (device 0, position 1), g1 (device 1, position 2).
+  CHECK_MESSAGE((layout(buckets) == layout_t{{4, 0}, {3, 1}, {2}}), show(buckets));
+  REQUIRE(buckets.size() == 3);
+  CHECK(buckets[0].device == -1);
+  CHECK(buckets[1].device == 0);
+  CHECK(buckets[2].device == 1);
+}
+
+TEST_CASE("assign_buckets: a rebuild follows the observed ready order") {
+  const auto ps = floats(6, 100);  // 400 bytes each
+  const auto initial = assign(ps, dtrain::detail::reverse_order(6), 800, 800);
+  CHECK_MESSAGE((layout(initial) == layout_t{{5, 4}, {3, 2}, {1, 0}}), show(initial));
+  // Gradients became ready as 2, 0, 5, 1, 3, 4: buckets are cut along that order.
+  const std::vector<std::size_t> observed{2, 0, 5, 1, 3, 4};
+  const auto rebuilt = assign(ps, observed, 800, 800);
+  check_partition(ps, rebuilt);
+  CHECK_MESSAGE((layout(rebuilt) == layout_t{{2, 0}, {5, 1}, {3, 4}}), show(rebuilt));
+}
+
+TEST_CASE(
+    "assign_buckets: random models are partitioned, each bucket below its cap before its last "
+    "parameter") {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t n = 1 + rng() % 40;
+    std::vector<parameter> ps;
+    for (std::size_t i = 0; i < n; ++i) {
+      const dtype t =
+          rng() % 3 == 0 ? dtype::float64 : (rng() % 4 == 0 ? dtype::bfloat16 : dtype::float32);
+      ps.push_back(
+          fake("p" + std::to_string(i), 1 + rng() % 300, t, static_cast<int>(rng() % 2) - 1));
+    }
+    std::vector<std::size_t> order(n);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::shuffle(order.begin(), order.end(), rng);
+    const std::size_t first_cap = 1 + rng() % 3000, cap = 1 + rng() % 6000;
+    const auto buckets = assign(ps, order, first_cap, cap);
+    INFO("trial " << trial << ": " << n << " parameters, caps " << first_cap << "/" << cap << ": "
+                  << show(buckets));
+    check_partition(ps, buckets);
+
+    std::vector<std::size_t> position(n);
+    for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;
+    std::size_t previous_first = 0;
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const auto& params = buckets[b].parameters;
+      // Laid out in fill order, buckets in the order of their first parameter.
+      for (std::size_t k = 1; k < params.size(); ++k)
+        CHECK(position[params[k - 1]] < position[params[k]]);
+      if (b > 0) CHECK(position[params.front()] > previous_first);
+      previous_first = position[params.front()];
+      // Soft cap: the bucket was below the larger cap before its last parameter joined.
+      const std::size_t before_last = buckets[b].bytes - ps[params.back()].bytes();
+      CHECK(before_last < std::max(first_cap, cap));
+    }
+  }
+}
+
+TEST_CASE("assign_buckets: an order that is not a permutation of the parameters is refused") {
+  const auto ps = floats(4, 10);
+  const std::vector<std::size_t> duplicate{3, 2, 2, 0};
+  try {
+    (void)assign(ps, duplicate, 100, 100);
+    FAIL("a duplicate in the order was accepted");
+  } catch (const dtrain::error& e) {
+    CHECK_CONTAINS(e.what(), "#2 twice");
+  }
+  const std::vector<std::size_t> too_short{3, 2, 1};
+  CHECK_THROWS_AS((void)assign(ps, too_short, 100, 100), dtrain::error);
+  const std::vector<std::size_t> out_of_range{3, 2, 1, 4};
+  CHECK_THROWS_AS((void)assign(ps, out_of_range, 100, 100), dtrain::error);
+}
+
+TEST_CASE(
+    "mib_to_bytes: MiB as bucket_cap_mb means them, nonsense is a config_error naming the option") {
+  CHECK(dtrain::mib_to_bytes(25, "bucket_cap_mb") == 25u * 1024u * 1024u);
+  CHECK(dtrain::mib_to_bytes(0.5, "bucket_cap_mb") == 512u * 1024u);
+  CHECK(dtrain::mib_to_bytes(1e-12, "bucket_cap_mb") == 1u);  // never a zero cap
+  for (double bad : {0.0, -1.0, std::numeric_limits<double>::quiet_NaN()}) {
+    const auto text = dtrain_test::config_error_text(
+        [&] { (void)dtrain::mib_to_bytes(bad, "first_bucket_cap_mb"); });
+    CHECK_CONTAINS(text, "first_bucket_cap_mb");
+  }
+}
