@@ -1,0 +1,488 @@
+// bench/ddp_overlap: how much of DistributedDataParallel's communication the
+// backward pass hides, and what bucketing saves over one allreduce per
+// parameter (DESIGN.md, Performance model). Run as 2 ranks, either engine:
+//
+//   [OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (as root)]
+//     mpirun -np 2 --oversubscribe build/bench/ddp_overlap --backend mpi [options]
+//   build/bench/ddp_overlap --backend gloo [options]
+//     (the process is a node agent that starts 2 Gloo workers; DTRAIN_NPROC_PER_NODE=N for N)
+//
+// Table 1, a layered model: L layers of P float32 each; a layer's backward is
+// a "compute" of a chosen duration, then its gradient is final. Measured in
+// the same run, rounds interleaved (the order rotates), each figure the median
+// over rounds of the slowest rank's step:
+//   compute only   the backward without DDP (nothing marked);
+//   communication  every gradient marked ready at once, then synchronize();
+//   overlap on     mark_ready after each layer, then synchronize();
+//   overlap off    the same with ddp_options{.overlap = false}.
+// exposed = (step - compute) / communication: 0 is perfect overlap, 1 none.
+// `--compute sleep` (the default) sleeps: a GPU computing while the CPU is
+// free. `--compute spin` runs CPU arithmetic calibrated to the duration, and
+// then competes with the communication threads for the cores. Unless
+// --compute-us is given, a layer's compute is communication / L (compute ≈
+// communication), measured at start-up. A shared machine's load can move both
+// after calibration: when the rounds find the compute (spin) or the
+// communication over 30% off, they are run again, recalibrated (3 passes at most).
+// DDP_OVERLAP_DEBUG=1 prints every step's time (mpirun: add -x DDP_OVERLAP_DEBUG).
+//
+// Table 2, bucketing: N small parameters (default 1,000 x 256 float32), one
+// waited dtrain::allreduce per parameter against DDP with its default caps.
+//
+// Options: --backend mpi|gloo, --compute sleep|spin, --compute-us US (per
+// layer), --layers L (16), --floats P (1048576), --bucket-cap-mb MB (4: about
+// one layer per bucket), --first-bucket-cap-mb MB (1), --steps N (9),
+// --warmup N (2), --small-params N (1000), --small-floats N (256).
+// Goals are printed with the measured values; timings never fail the run.
+
+#include <dtrain/dtrain.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <numeric>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using steady = std::chrono::steady_clock;
+
+struct bench_options {
+  std::string backend;  // "mpi" or "gloo"; empty: mpi under mpirun, else gloo
+  bool spin = false;
+  double compute_us = -1;  // per layer; < 0: communication / layers
+  std::size_t layers = 16;
+  std::size_t floats = std::size_t{1} << 20;
+  double bucket_cap_mb = 4;
+  double first_bucket_cap_mb = 1;
+  int steps = 9;
+  int warmup = 2;
+  std::size_t small_params = 1000;
+  std::size_t small_floats = 256;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr,
+               "ddp_overlap: %s\nusage: ddp_overlap [--backend mpi|gloo] [--compute sleep|spin] "
+               "[--compute-us US] [--layers L] [--floats P] [--bucket-cap-mb MB] "
+               "[--first-bucket-cap-mb MB] [--steps N] [--warmup N] [--small-params N] "
+               "[--small-floats N]\n",
+               why.c_str());
+  std::exit(2);
+}
+
+bench_options parse(int argc, char** argv) {
+  bench_options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    auto number = [&] {
+      const std::string v = value();
+      char* end = nullptr;
+      const double d = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || d < 0)
+        usage(std::string(arg) + " " + v + " is not a number >= 0");
+      return d;
+    };
+    if (arg == "--backend") {
+      o.backend = value();
+      if (o.backend != "mpi" && o.backend != "gloo")
+        usage("--backend is mpi or gloo, not " + o.backend);
+    } else if (arg == "--compute") {
+      const std::string v = value();
+      if (v != "spin" && v != "sleep") usage("--compute is spin or sleep, not " + v);
+      o.spin = v == "spin";
+    } else if (arg == "--compute-us") {
+      o.compute_us = number();
+    } else if (arg == "--layers") {
+      o.layers = static_cast<std::size_t>(number());
+    } else if (arg == "--floats") {
+      o.floats = static_cast<std::size_t>(number());
+    } else if (arg == "--bucket-cap-mb") {
+      o.bucket_cap_mb = number();
+    } else if (arg == "--first-bucket-cap-mb") {
+      o.first_bucket_cap_mb = number();
+    } else if (arg == "--steps") {
+      o.steps = static_cast<int>(number());
+    } else if (arg == "--warmup") {
+      o.warmup = static_cast<int>(number());
+    } else if (arg == "--small-params") {
+      o.small_params = static_cast<std::size_t>(number());
+    } else if (arg == "--small-floats") {
+      o.small_floats = static_cast<std::size_t>(number());
+    } else if (arg.starts_with("--local-rank") || arg.starts_with("--local_rank")) {
+      if (arg.find('=') == std::string_view::npos) ++i;  // the launcher's, read by dtrain
+    } else {
+      usage("unknown argument " + std::string(arg));
+    }
+  }
+  if (o.layers < 1 || o.floats < 2 || o.steps < 1 || o.small_params < 1 || o.small_floats < 1) {
+    usage("--layers, --steps, --small-params and --small-floats must be >= 1, --floats >= 2");
+  }
+  return o;
+}
+
+// A layer's backward: sleeping (a GPU at work, the CPU free) or spinning on
+// dependent arithmetic calibrated once, before any communication thread runs.
+class compute_model {
+ public:
+  explicit compute_model(bool spin) : spin_(spin) {
+    if (!spin_) return;
+    constexpr long probe = 2'000'000;
+    std::vector<double> rates;
+    for (int i = 0; i < 7; ++i) {
+      const auto start = steady::now();
+      arithmetic(probe);
+      const double us = std::chrono::duration<double, std::micro>(steady::now() - start).count();
+      rates.push_back(static_cast<double>(probe) / us);
+    }
+    std::ranges::sort(rates);
+    iterations_per_us_ = rates[rates.size() / 2];
+  }
+
+  void run(double us) const {
+    if (us <= 0) return;
+    if (spin_) {
+      arithmetic(static_cast<long>(us * iterations_per_us_));
+    } else {
+      std::this_thread::sleep_until(steady::now() + std::chrono::duration<double, std::micro>(us));
+    }
+  }
+
+  // The arithmetic ran `factor` times too fast (under 1: too slow) for the time asked.
+  void rescale(double factor) noexcept { iterations_per_us_ *= factor; }
+  [[nodiscard]] bool spin() const noexcept { return spin_; }
+  [[nodiscard]] double iterations_per_us() const noexcept { return iterations_per_us_; }
+
+ private:
+  static void arithmetic(long iterations) {
+    double x = 1.0;
+    for (long i = 0; i < iterations; ++i) x = x * 0.999999937 + 1e-7;  // a dependent chain
+    sink_ = x;
+  }
+  static inline volatile double sink_ = 0;
+  bool spin_;
+  double iterations_per_us_ = 0;
+};
+
+// L parameters of P floats; gradients are pointers DDP points into its buckets.
+struct layered_model {
+  std::vector<std::vector<float>> weights;
+  std::vector<float*> gradients;  // sized once: DDP keeps the addresses of these slots
+
+  layered_model(std::size_t layers, std::size_t floats)
+      : weights(layers, std::vector<float>(floats, 0.5f)), gradients(layers, nullptr) {}
+
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    out.reserve(weights.size());
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      out.push_back(
+          dtrain::param("layer" + std::to_string(i) + ".weight", weights[i], gradients[i]));
+    }
+    return out;
+  }
+
+  // The backward's own writes: two elements, a known value per rank and layer
+  // (the rest of the gradient stays as the last reduction left it).
+  void write_gradient(std::size_t layer, int rank) {
+    const float v = static_cast<float>(rank + 1) + static_cast<float>(layer);
+    gradients[layer][0] = v;
+    gradients[layer][weights[layer].size() - 1] = v;
+  }
+
+  // After a synchronized step: is every gradient the mean over ranks?
+  [[nodiscard]] bool averaged(int size) const {
+    for (std::size_t l = 0; l < weights.size(); ++l) {
+      const float expected = static_cast<float>(size + 1) / 2.0f + static_cast<float>(l);
+      if (gradients[l][0] != expected || gradients[l][weights[l].size() - 1] != expected)
+        return false;
+    }
+    return true;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::ranges::sort(v);
+  return v[v.size() / 2];
+}
+
+template <class Comm>
+double slowest(Comm& comm, double mine) {
+  double value = mine;
+  dtrain::allreduce(comm, std::span<double>(&value, 1), dtrain::reduce_op::max).wait();
+  return value;
+}
+
+// One step's seconds on the slowest rank, the ranks released together.
+template <class Context>
+double timed_step(Context& ctx, const std::function<void()>& step) {
+  ctx.barrier();
+  const auto start = steady::now();
+  step();
+  return slowest(ctx.communicator(), std::chrono::duration<double>(steady::now() - start).count());
+}
+
+// "15 x (1 param, 4096 KiB), 1 x (2 params, 8 KiB)": runs of equal buckets, in launch order.
+std::string bucket_layout(const std::vector<dtrain::bucket_info>& buckets) {
+  std::string s;
+  for (std::size_t b = 0; b < buckets.size();) {
+    std::size_t e = b;
+    while (e < buckets.size() && buckets[e].parameters.size() == buckets[b].parameters.size() &&
+           buckets[e].bytes == buckets[b].bytes) {
+      ++e;
+    }
+    if (!s.empty()) s += ", ";
+    s += std::to_string(e - b) + " x (" + std::to_string(buckets[b].parameters.size()) +
+         (buckets[b].parameters.size() == 1 ? " param, " : " params, ") +
+         std::to_string(buckets[b].bytes >> 10) + " KiB)";
+    b = e;
+  }
+  return s;
+}
+
+template <class Policy>
+int bench(dtrain::context<Policy>& ctx, const bench_options& o) {
+  using ddp_type = dtrain::DistributedDataParallel<layered_model, Policy>;
+  const int rank = ctx.rank();
+  const int size = ctx.size();
+  const bool main = ctx.is_main();
+  compute_model compute(o.spin);
+  const std::size_t layers = o.layers;
+
+  // ---- table 1: overlap -----------------------------------------------------
+  layered_model model_on(layers, o.floats), model_off(layers, o.floats);
+  const dtrain::ddp_options caps{.bucket_cap_mb = o.bucket_cap_mb,
+                                 .first_bucket_cap_mb = o.first_bucket_cap_mb};
+  dtrain::ddp_options no_overlap = caps;
+  no_overlap.overlap = false;
+  ddp_type ddp_on(ctx, model_on, caps);
+  ddp_type ddp_off(ctx, model_off, no_overlap);
+
+  std::vector<std::size_t> all(layers);
+  std::iota(all.rbegin(), all.rend(), std::size_t{0});  // L-1, ..., 0: the backward's order
+  double layer_us = 0;
+  auto backward = [&](layered_model& m, ddp_type* ddp) {
+    for (std::size_t l = layers; l-- > 0;) {
+      compute.run(layer_us);
+      m.write_gradient(l, rank);
+      if (ddp) ddp->mark_ready(l);
+    }
+  };
+  auto compute_only = [&] { backward(model_on, nullptr); };
+  auto communication = [&] {
+    for (std::size_t l = 0; l < layers; ++l) model_on.write_gradient(l, rank);
+    ddp_on.mark_ready(all);
+    ddp_on.synchronize();
+  };
+  auto step_on = [&] {
+    backward(model_on, &ddp_on);
+    ddp_on.synchronize();
+  };
+  auto step_off = [&] {
+    backward(model_off, &ddp_off);
+    ddp_off.synchronize();
+  };
+
+  // Warm-up (the first steps rebuild the buckets), then check the averages once.
+  for (int i = 0; i < std::max(o.warmup, 1); ++i) {
+    step_on();
+    step_off();
+    communication();
+  }
+  step_on();
+  step_off();
+  const bool averaged =
+      slowest(ctx.communicator(),
+              model_on.averaged(size) && model_off.averaged(size) ? 0.0 : 1.0) == 0;
+
+  std::vector<double> probe;
+  for (int i = 0; i < std::max(o.steps, 5); ++i) probe.push_back(timed_step(ctx, communication));
+  const double comm_probe = median(probe);
+  const bool auto_compute = o.compute_us < 0;
+  layer_us = auto_compute ? comm_probe * 1e6 / static_cast<double>(layers) : o.compute_us;
+  std::vector<double> t_compute, t_comm, t_on, t_off;
+  const std::function<void()> kinds[4] = {compute_only, communication, step_on, step_off};
+  std::vector<double>* results[4] = {&t_compute, &t_comm, &t_on, &t_off};
+  // A loaded machine can change the communication time between the probe and
+  // the rounds: then the rounds are measured once more, calibrated on them.
+  int calibrations = 0;
+  for (;;) {
+    ++calibrations;
+    step_on();  // one untimed step at the chosen compute
+    step_off();
+    for (auto* r : results) r->clear();
+    for (int round = 0; round < o.steps; ++round) {
+      for (int k = 0; k < 4; ++k) {
+        const int kind = (round + k) % 4;
+        results[kind]->push_back(timed_step(ctx, kinds[kind]));
+      }
+    }
+    if (calibrations == 3) break;
+    bool again = false;
+    // Spinning: other load on the cores slows the arithmetic down after its calibration.
+    const double wanted = layer_us * static_cast<double>(layers) * 1e-6;
+    if (compute.spin() && wanted > 0 && std::abs(median(t_compute) - wanted) > 0.3 * wanted) {
+      compute.rescale(wanted / median(t_compute));  // the same on every rank
+      again = true;
+    }
+    const double measured = median(t_comm) * 1e6 / static_cast<double>(layers);
+    if (auto_compute && std::abs(measured - layer_us) > 0.3 * measured) {
+      layer_us = measured;
+      again = true;
+    }
+    if (!again) break;
+  }
+  if (std::getenv("DDP_OVERLAP_DEBUG") && main) {
+    for (auto* v : {&probe, &t_compute, &t_comm, &t_on, &t_off}) {
+      for (double t : *v) std::printf("%.1f ", t * 1e3);
+      std::printf("\n");
+    }
+  }
+  const double compute_s = median(t_compute), comm_s = median(t_comm), on_s = median(t_on),
+               off_s = median(t_off);
+  const double exposed_on = (on_s - compute_s) / comm_s, exposed_off = (off_s - compute_s) / comm_s;
+
+  if (main) {
+    const double layer_mib = static_cast<double>(o.floats * sizeof(float)) / (1 << 20);
+    std::printf(
+        "DDP overlap: %d ranks, backend %s, %zu layers x %zu float32 (%.1f MiB each, %.1f MiB in "
+        "all)\n",
+        size, std::string(Policy::backend_type::name).c_str(), layers, o.floats, layer_mib,
+        layer_mib * static_cast<double>(layers));
+    std::printf("buckets: %zu (bucket_cap_mb %g, first_bucket_cap_mb %g): %s\n",
+                ddp_on.buckets().size(), o.bucket_cap_mb, o.first_bucket_cap_mb,
+                bucket_layout(ddp_on.buckets()).c_str());
+    if (compute.spin()) {
+      std::printf(
+          "compute: spin (CPU arithmetic, %.0f iterations/us; competes with the communication "
+          "threads for the cores)\n",
+          compute.iterations_per_us());
+    } else {
+      std::printf("compute: sleep (models a GPU computing while the CPU is free)\n");
+    }
+    std::printf(
+        "per-layer compute: %.0f us (%s)\n", layer_us,
+        auto_compute ? "auto: communication / layers, so compute ~ communication" : "--compute-us");
+    if (auto_compute) {
+      std::printf("  calibrated on communication = %.2f ms (median of %zu steps)%s\n",
+                  comm_probe * 1e3, probe.size(), calibrations > 1 ? " at first" : "");
+    }
+    if (calibrations > 1) {
+      std::printf(
+          "  measured %d times: the compute or the communication of a pass was over 30%% "
+          "off its calibration, so the next pass was recalibrated on it (the last is shown)\n",
+          calibrations);
+    }
+    std::printf("gradients after a step: %s\n",
+                averaged ? "the mean over ranks (checked)" : "WRONG (not the mean over ranks)");
+    std::printf(
+        "time per step: median of %d interleaved rounds after %d warm-up steps, slowest rank\n",
+        o.steps, o.warmup);
+    std::printf("%-34s %10s %9s\n", "", "ms/step", "exposed");
+    std::printf("%-34s %10.2f %9s\n",
+                compute.spin() ? "compute only (spin)" : "compute only (sleep)", compute_s * 1e3,
+                "");
+    std::printf("%-34s %10.2f %9s\n", "communication only (all ready)", comm_s * 1e3, "");
+    std::printf("%-34s %10.2f %9.3f\n", "step, overlap on", on_s * 1e3, exposed_on);
+    std::printf("%-34s %10.2f %9.3f\n", "step, overlap off", off_s * 1e3, exposed_off);
+    std::printf(
+        "exposed = (step - compute) / communication; goal with overlap on: <= 0.25, measured %.3f "
+        "(off: %.3f)\n\n",
+        exposed_on, exposed_off);
+    std::fflush(stdout);
+  }
+
+  // ---- table 2: one allreduce per parameter vs buckets -----------------------
+  {
+    layered_model small(o.small_params, o.small_floats);
+    std::vector<std::vector<float>> raw(o.small_params, std::vector<float>(o.small_floats, 1.0f));
+    ddp_type ddp(ctx, small, dtrain::ddp_options{});
+    std::vector<std::size_t> order(o.small_params);
+    std::iota(order.rbegin(), order.rend(), std::size_t{0});
+    auto per_parameter = [&] {
+      for (std::size_t i : order) {
+        dtrain::allreduce(ctx.communicator(), std::span<float>(raw[i]), dtrain::reduce_op::avg)
+            .wait();
+      }
+    };
+    auto bucketed = [&] {
+      for (std::size_t i : order) small.write_gradient(i, rank);
+      ddp.mark_ready(order);
+      ddp.synchronize();
+    };
+    for (int i = 0; i < std::max(o.warmup, 1); ++i) {
+      per_parameter();
+      bucketed();
+    }
+    const bool small_ok = slowest(ctx.communicator(), small.averaged(size) ? 0.0 : 1.0) == 0;
+    std::vector<double> t_raw, t_bucket;
+    for (int round = 0; round < o.steps; ++round) {
+      if (round % 2 == 0) {
+        t_raw.push_back(timed_step(ctx, per_parameter));
+        t_bucket.push_back(timed_step(ctx, bucketed));
+      } else {
+        t_bucket.push_back(timed_step(ctx, bucketed));
+        t_raw.push_back(timed_step(ctx, per_parameter));
+      }
+    }
+    const double raw_s = median(t_raw), bucket_s = median(t_bucket);
+    if (main) {
+      std::printf(
+          "bucketing: %d ranks, backend %s, %zu parameters x %zu float32 (%.1f KiB in all)\n", size,
+          std::string(Policy::backend_type::name).c_str(), o.small_params, o.small_floats,
+          static_cast<double>(o.small_params * o.small_floats * sizeof(float)) / 1024);
+      std::printf("DDP with default caps (25 MiB, first 1 MiB): %zu bucket(s); gradients %s\n",
+                  ddp.buckets().size(),
+                  small_ok ? "the mean over ranks (checked)" : "WRONG (not the mean over ranks)");
+      std::printf("time per step: median of %d alternating rounds, slowest rank\n", o.steps);
+      std::printf("%-34s %10s %10s\n", "", "ms/step", "us/param");
+      std::printf("%-34s %10.2f %10.2f\n", "one allreduce per parameter", raw_s * 1e3,
+                  raw_s * 1e6 / static_cast<double>(o.small_params));
+      std::printf("%-34s %10.2f %10.2f\n", "DDP buckets", bucket_s * 1e3,
+                  bucket_s * 1e6 / static_cast<double>(o.small_params));
+      std::printf("per-parameter / buckets = %.1fx; goal: buckets >= 5x faster, measured %.1fx\n",
+                  raw_s / bucket_s, raw_s / bucket_s);
+      std::fflush(stdout);
+    }
+  }
+  return averaged ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench_options o = parse(argc, argv);
+  std::string backend = o.backend;
+  if (backend.empty()) {
+    const bool under_mpirun =
+        std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
+    backend = under_mpirun && DTRAIN_HAS_MPI() ? "mpi" : "gloo";
+  }
+  if (backend == "mpi") {
+#if DTRAIN_HAS_MPI()
+    using mpi_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::mpi>;
+    return dtrain::run<mpi_policy>(argc, argv,
+                                   [&](dtrain::context<mpi_policy>& ctx) { return bench(ctx, o); });
+#else
+    usage("this build has no MPI (DTRAIN_WITH_MPI is OFF)");
+#endif
+  }
+#if DTRAIN_HAS_GLOO()
+  using gloo_policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>;
+  return dtrain::run<gloo_policy>(argc, argv,
+                                  [&](dtrain::context<gloo_policy>& ctx) { return bench(ctx, o); },
+                                  {.agent = {.nproc_per_node = 2}});
+#else
+  usage("this build has no Gloo (DTRAIN_WITH_GLOO is OFF)");
+#endif
+}
