@@ -8931,6 +8931,12 @@ inline unsigned cast_blocks(std::size_t n) {
 #endif
 }
 
+[[noreturn]] inline void no_device_casts() {
+  throw config_error(
+      "gradient compression of GPU buckets needs the code that constructs "
+      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+}
+
 /// out[i] = Half(in[i] * scale): the pre-divided 16-bit copy of a float32 bucket.
 template <class Half>
 void compress(Half* out, const float* in, std::size_t n, float scale, int device,
@@ -8945,9 +8951,7 @@ void compress(Half* out, const float* in, std::size_t n, float scale, int device
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 #else
   (void)out, (void)in, (void)n, (void)scale, (void)stream;
-  throw config_error(
-      "gradient compression of GPU buckets needs the code that constructs "
-      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+  no_device_casts();
 #endif
 }
 
@@ -8964,10 +8968,33 @@ void decompress(float* out, const Half* in, std::size_t n, int device, compute_s
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 #else
   (void)out, (void)in, (void)n, (void)stream;
-  throw config_error(
-      "gradient compression of GPU buckets needs the code that constructs "
-      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+  no_device_casts();
 #endif
+}
+
+/// The element type float32 gradients travel as under `kind` (not none).
+[[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
+  return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
+}
+
+/// compress() into the 16-bit type `kind` names.
+inline void compress(void* out, const float* in, std::size_t n, float scale,
+                     gradient_compression kind, int device, compute_stream stream) {
+  if (kind == gradient_compression::float16) {
+    compress(static_cast<float16*>(out), in, n, scale, device, stream);
+  } else {
+    compress(static_cast<bfloat16*>(out), in, n, scale, device, stream);
+  }
+}
+
+/// decompress() from the 16-bit type `kind` names.
+inline void decompress(float* out, const void* in, std::size_t n, gradient_compression kind,
+                       int device, compute_stream stream) {
+  if (kind == gradient_compression::float16) {
+    decompress(out, static_cast<const float16*>(in), n, device, stream);
+  } else {
+    decompress(out, static_cast<const bfloat16*>(in), n, device, stream);
+  }
 }
 
 }  // namespace detail
@@ -9594,7 +9621,8 @@ class DistributedDataParallel {
     for (std::size_t b = 0; b < info.size(); ++b) {
       buckets[b].grads = detail::flat_storage(info[b].bytes, info[b].device);
       if (compressed(info[b]))
-        buckets[b].wire = detail::flat_storage(info[b].count * 2, info[b].device);
+        buckets[b].wire = detail::flat_storage(
+            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device);
       std::size_t offset = 0;
       for (std::size_t i : info[b].parameters) {
         parameter& p = params_[i];
@@ -9711,14 +9739,8 @@ class DistributedDataParallel {
     }
     if (!compressed(info_[b])) return;
     const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
-    const auto* in = reinterpret_cast<const float*>(s.grads.data());
-    if (options_.compression == gradient_compression::float16) {
-      detail::compress(reinterpret_cast<float16*>(s.wire.data()), in, info_[b].count, scale,
-                       info_[b].device, stream_);
-    } else {
-      detail::compress(reinterpret_cast<bfloat16*>(s.wire.data()), in, info_[b].count, scale,
-                       info_[b].device, stream_);
-    }
+    detail::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()), info_[b].count,
+                     scale, options_.compression, info_[b].device, stream_);
   }
 
   /// The collective of bucket b (or the user's hook).
@@ -9729,10 +9751,7 @@ class DistributedDataParallel {
     buffer data{s.grads.data(), info.count, info.type, where};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
-      data = {
-          s.wire.data(), info.count,
-          options_.compression == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16,
-          where};
+      data = {s.wire.data(), info.count, detail::wire_type(options_.compression), where};
       op = reduce_op::sum;
     }
     if (hook_) {
@@ -9755,14 +9774,8 @@ class DistributedDataParallel {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
     if (compressed(info)) {
-      auto* out = reinterpret_cast<float*>(s.grads.data());
-      if (options_.compression == gradient_compression::float16) {
-        detail::decompress(out, reinterpret_cast<const float16*>(s.wire.data()), info.count,
-                           info.device, stream_);
-      } else {
-        detail::decompress(out, reinterpret_cast<const bfloat16*>(s.wire.data()), info.count,
-                           info.device, stream_);
-      }
+      detail::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
+                         options_.compression, info.device, stream_);
     }
     for (std::size_t i : info.parameters) {
       if (slots_[i].view) continue;

@@ -306,7 +306,8 @@ class DistributedDataParallel {
     for (std::size_t b = 0; b < info.size(); ++b) {
       buckets[b].grads = detail::flat_storage(info[b].bytes, info[b].device);
       if (compressed(info[b]))
-        buckets[b].wire = detail::flat_storage(info[b].count * 2, info[b].device);
+        buckets[b].wire = detail::flat_storage(
+            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device);
       std::size_t offset = 0;
       for (std::size_t i : info[b].parameters) {
         parameter& p = params_[i];
@@ -423,14 +424,8 @@ class DistributedDataParallel {
     }
     if (!compressed(info_[b])) return;
     const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
-    const auto* in = reinterpret_cast<const float*>(s.grads.data());
-    if (options_.compression == gradient_compression::float16) {
-      detail::compress(reinterpret_cast<float16*>(s.wire.data()), in, info_[b].count, scale,
-                       info_[b].device, stream_);
-    } else {
-      detail::compress(reinterpret_cast<bfloat16*>(s.wire.data()), in, info_[b].count, scale,
-                       info_[b].device, stream_);
-    }
+    detail::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()), info_[b].count,
+                     scale, options_.compression, info_[b].device, stream_);
   }
 
   /// The collective of bucket b (or the user's hook).
@@ -441,10 +436,7 @@ class DistributedDataParallel {
     buffer data{s.grads.data(), info.count, info.type, where};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
-      data = {
-          s.wire.data(), info.count,
-          options_.compression == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16,
-          where};
+      data = {s.wire.data(), info.count, detail::wire_type(options_.compression), where};
       op = reduce_op::sum;
     }
     if (hook_) {
@@ -467,14 +459,8 @@ class DistributedDataParallel {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
     if (compressed(info)) {
-      auto* out = reinterpret_cast<float*>(s.grads.data());
-      if (options_.compression == gradient_compression::float16) {
-        detail::decompress(out, reinterpret_cast<const float16*>(s.wire.data()), info.count,
-                           info.device, stream_);
-      } else {
-        detail::decompress(out, reinterpret_cast<const bfloat16*>(s.wire.data()), info.count,
-                           info.device, stream_);
-      }
+      detail::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
+                         options_.compression, info.device, stream_);
     }
     for (std::size_t i : info.parameters) {
       if (slots_[i].view) continue;

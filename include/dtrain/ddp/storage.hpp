@@ -176,6 +176,12 @@ inline unsigned cast_blocks(std::size_t n) {
 #endif
 }
 
+[[noreturn]] inline void no_device_casts() {
+  throw config_error(
+      "gradient compression of GPU buckets needs the code that constructs "
+      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+}
+
 /// out[i] = Half(in[i] * scale): the pre-divided 16-bit copy of a float32 bucket.
 template <class Half>
 void compress(Half* out, const float* in, std::size_t n, float scale, int device,
@@ -190,9 +196,7 @@ void compress(Half* out, const float* in, std::size_t n, float scale, int device
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 #else
   (void)out, (void)in, (void)n, (void)scale, (void)stream;
-  throw config_error(
-      "gradient compression of GPU buckets needs the code that constructs "
-      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+  no_device_casts();
 #endif
 }
 
@@ -209,10 +213,33 @@ void decompress(float* out, const Half* in, std::size_t n, int device, compute_s
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 #else
   (void)out, (void)in, (void)n, (void)stream;
-  throw config_error(
-      "gradient compression of GPU buckets needs the code that constructs "
-      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
+  no_device_casts();
 #endif
+}
+
+/// The element type float32 gradients travel as under `kind` (not none).
+[[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
+  return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
+}
+
+/// compress() into the 16-bit type `kind` names.
+inline void compress(void* out, const float* in, std::size_t n, float scale,
+                     gradient_compression kind, int device, compute_stream stream) {
+  if (kind == gradient_compression::float16) {
+    compress(static_cast<float16*>(out), in, n, scale, device, stream);
+  } else {
+    compress(static_cast<bfloat16*>(out), in, n, scale, device, stream);
+  }
+}
+
+/// decompress() from the 16-bit type `kind` names.
+inline void decompress(float* out, const void* in, std::size_t n, gradient_compression kind,
+                       int device, compute_stream stream) {
+  if (kind == gradient_compression::float16) {
+    decompress(out, static_cast<const float16*>(in), n, device, stream);
+  } else {
+    decompress(out, static_cast<const bfloat16*>(in), n, device, stream);
+  }
 }
 
 }  // namespace detail
