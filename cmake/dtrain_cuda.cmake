@@ -1,6 +1,7 @@
 # nvcc for dtrain's own CUDA programs (examples, tests). There may be no GPU
-# to detect an architecture from, and CUDA 13 dropped the old ones, hence
-# sm_90 unless the user chose.
+# to detect an architecture from, so the default covers the GPUs in use from
+# Turing to Hopper (CUDA 13 dropped the older ones): 75;80;86;89;90. Set
+# CMAKE_CUDA_ARCHITECTURES (e.g. `native` on a GPU machine) or CUDAARCHS to choose.
 include_guard(GLOBAL)
 include(CheckLanguage)
 
@@ -12,7 +13,7 @@ macro(dtrain_find_cuda)
     set(ENV{CUDACXX} /usr/local/cuda/bin/nvcc)
   endif()
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
-    set(CMAKE_CUDA_ARCHITECTURES 90)
+    set(CMAKE_CUDA_ARCHITECTURES 75 80 86 89 90)
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)

@@ -487,18 +487,11 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     }
   }
 
-  // Same data-parallel steps from the same start: the weights must be bit-identical.
-  const auto mine = std::bit_cast<std::int64_t>(model.checksum());
-  const auto size = static_cast<std::size_t>(ctx.size());
-  std::int64_t* gathered = memory.alloc<std::int64_t>(size + 1);  // [0]: mine, [1..]: everyone's
-  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(gathered, &mine, sizeof mine, cudaMemcpyHostToDevice, stream));
-  ctx.communicator()
-      .allgather({gathered, 1, dtrain::dtype::int64, dtrain::memory::device},
-                 {gathered + 1, size, dtrain::dtype::int64, dtrain::memory::device}, stream)
-      .wait();
-  std::vector<std::int64_t> all(size);
-  DTRAIN_CUDA_CHECK(
-      cudaMemcpy(all.data(), gathered + 1, size * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+  // Same data-parallel steps from the same start: the weights must be bit-identical. The
+  // checksums are host metadata: they go over the context's control plane, not through NCCL.
+  const std::int64_t mine = std::bit_cast<std::int64_t>(model.checksum());
+  std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
+  ctx.control_plane().allgather(std::span<const std::int64_t>(&mine, 1), all);
 
   if (!mlp::weights_agree(program, ctx.is_main(), all)) return 1;
   if (ctx.is_main() && accuracy < s.min_accuracy) {

@@ -4,9 +4,11 @@
 /// dtrain::run — the complete world, the rendezvous store, the communicator —
 /// and owns, torn down in reverse order of construction.
 
+#include <dtrain/backend/control.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
+#include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/placement.hpp>
@@ -27,6 +29,10 @@
 #include <vector>
 
 #include <unistd.h>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
 
 namespace dtrain {
 
@@ -64,7 +70,7 @@ class context {
                          std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
     }
     if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
-    if constexpr (uses_mpi) {
+    if constexpr (!traits::needs_store) {
       // MPI knows its world already, and can tell every rank where rank 0's store is.
       make_communicator(env);
       open_store(env);
@@ -74,6 +80,7 @@ class context {
       complete_world(env);
       make_communicator(env);
     }
+    control_.emplace(*store_, rank(), size(), "control");
   }
   context(const context&) = delete;
   context& operator=(const context&) = delete;
@@ -92,14 +99,20 @@ class context {
   [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
   /// How many times a per-node agent has restarted the job (0 at first).
   [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
-  /// The CUDA device this rank uses (its local rank) with backend::nccl; -1 otherwise.
-  [[nodiscard]] int device() const noexcept {
-    return std::is_same_v<typename Policy::backend_type, backend::nccl> ? local_rank() : -1;
-  }
+  /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
+  /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
+  [[nodiscard]] int device() const noexcept { return device_; }
 
   /// The rendezvous store, under this job's (and restart round's) prefix.
   [[nodiscard]] store_type& store() noexcept { return *store_; }
   [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
+  /// The host control plane: small blocking collectives through the store,
+  /// for metadata that must not travel on a device engine (DistributedDataParallel's
+  /// model agreement and bucket order; your own checksums). Every rank calls the
+  /// same operations in the same order; each waits at most the store timeout.
+  [[nodiscard]] dtrain::control_plane control_plane() noexcept {
+    return dtrain::control_plane(*control_);
+  }
 
   /// Waits until every rank has called barrier(), at most the collective
   /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
@@ -250,48 +263,62 @@ class context {
   }
 
   void make_communicator(const environment& env) {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      communicator_.emplace(communicator_type::world(mpi_options{.collectives = collectives_}));
-      if (communicator_->size() != size() || communicator_->rank() != rank()) {
-        throw config_error("MPI_COMM_WORLD has rank " + std::to_string(communicator_->rank()) +
-                           " of " + std::to_string(communicator_->size()) +
-                           ", but the environment says rank " + std::to_string(rank()) + " of " +
-                           std::to_string(size()) + " (" +
-                           world_.origin(dtrain::world::field::rank) + ", " +
-                           world_.origin(dtrain::world::field::world_size) +
-                           "); start MPI jobs with mpirun or srun");
-      }
+    if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
+    communicator_setup<store_type> setup{
+        .store = store_ ? &*store_ : nullptr,
+        .rank = rank(),
+        .size = size(),
+        .device = device(),
+        .collectives = collectives_,
+        .master_addr = world_.master_addr.value_or(""),
+        .env = &env};
+    communicator_.emplace(traits::make(setup));
+    if (communicator_->size() != size() || communicator_->rank() != rank()) {
+      throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
+                         std::to_string(communicator_->rank()) + " of " +
+                         std::to_string(communicator_->size()) + ", but the environment says rank " +
+                         std::to_string(rank()) + " of " + std::to_string(size()) + " (" +
+                         world_.origin(dtrain::world::field::rank) + ", " +
+                         world_.origin(dtrain::world::field::world_size) +
+                         "); start MPI jobs with mpirun or srun");
     }
-#endif
-#if DTRAIN_HAS_GLOO()
-    if constexpr (std::is_same_v<typename Policy::backend_type, backend::gloo>) {
-      communicator_.emplace(*store_, rank(), size(),
-                            gloo_options{.collectives = collectives_,
-                                         .master_addr = world_.master_addr.value_or("")});
-    }
-#endif
-#if DTRAIN_HAS_NCCL()
-    if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
-      communicator_.emplace(*store_, rank(), size(), local_rank(),
-                            nccl_options{.collectives = collectives_}.with_env(env));
-    }
-#endif
-    (void)env;
   }
 
+  using traits = typename Policy::traits;
+
+  /// select_device() with the devices this process sees. When CUDA cannot count
+  /// them, the local rank: the communicator then reports CUDA's own error.
+  int gpu_of_this_rank(const environment& env) const {
+#if DTRAIN_HAS_CUDA()
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return local_rank();
+    }
+    try {
+      return select_device(local_rank(), local_size(), visible, env.get("CUDA_VISIBLE_DEVICES"));
+    } catch (const config_error& e) {
+      throw config_error("rank " + std::to_string(rank()) + ": " + e.what());
+    }
+#else
+    (void)env;
+    return local_rank();
+#endif
+  }
   static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
 
   dtrain::world world_;
   store_options store_options_;
   collective_options collectives_;
   int restart_count_ = 0;
+  int device_ = -1;
   bool under_agent_ = false;
   // Declared in the order they are built, so they are torn down in reverse.
   std::optional<store_server> server_;
   std::optional<store_client> client_;
   std::optional<store_type> store_;
   std::optional<communicator_type> communicator_;
+  std::optional<store_channel<store_type>> control_;
 };
 
 }  // namespace dtrain

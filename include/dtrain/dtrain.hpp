@@ -3,6 +3,7 @@
 /// The one header users include. It only includes; it has no code of its own.
 
 #include <dtrain/config.hpp>
+#include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/placement.hpp>
@@ -14,10 +15,13 @@
 #include <dtrain/rendezvous/store.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/mpi.hpp>
 #include <dtrain/backend/gloo.hpp>
 #include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/memory.hpp>
+#include <dtrain/backend/control.hpp>
 #include <dtrain/backend/nccl.hpp>
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/policy.hpp>
@@ -30,6 +34,7 @@
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/storage.hpp>
+#include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/agreement.hpp>
 #include <dtrain/ddp/sampler.hpp>
 #include <dtrain/ddp/ddp.hpp>

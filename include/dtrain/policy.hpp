@@ -6,11 +6,15 @@
 
 #include <dtrain/config.hpp>
 #include <dtrain/backend/gloo.hpp>
+#include <dtrain/backend/memory.hpp>
 #include <dtrain/backend/mpi.hpp>
 #include <dtrain/backend/nccl.hpp>
 #include <dtrain/env/discover.hpp>
+#include <dtrain/env/environment.hpp>
 #include <dtrain/topology/flat.hpp>
 
+#include <concepts>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -28,11 +32,6 @@ struct per_node {
 }  // namespace launch
 
 namespace backend {
-template <class Tag>
-struct communicator_of {
-  static_assert(!std::is_same_v<Tag, Tag>, "not a dtrain backend: use backend::mpi, backend::gloo or backend::nccl");
-};
-
 /// MPI (host memory; device memory too when CUDA is available).
 struct mpi {
   static constexpr bool available = DTRAIN_HAS_MPI() != 0;
@@ -58,31 +57,80 @@ struct nccl {
       "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
 };
 
+}  // namespace backend
+
+/// What a context hands a backend to build its communicator from.
+template <class Store>
+struct communicator_setup {
+  Store* store = nullptr;  ///< the job's store; null where the backend needs none (MPI)
+  int rank = 0;
+  int size = 1;
+  int device = -1;  ///< the CUDA device of this rank (backends that use GPUs), else -1
+  collective_options collectives{};
+  std::string master_addr;  ///< MASTER_ADDR as discovered, or empty
+  const environment* env = nullptr;
+};
+
+/// Everything a backend implies, in one place: its communicator, the memory
+/// space DistributedDataParallel keeps gradients in (which also decides how
+/// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
+/// and how the communicator is made. Adding an engine adds one
+/// specialisation here. A backend of one's own (tests do) specialises it too.
+template <class Backend>
+struct backend_traits;
+
 #if DTRAIN_HAS_MPI()
 template <>
-struct communicator_of<mpi> {
-  using type = mpi_communicator;
+struct backend_traits<backend::mpi> {
+  using communicator = mpi_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  /// MPI knows its world before any store exists (and carries rank 0's store address).
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return mpi_communicator::world(mpi_options{.collectives = s.collectives});
+  }
 };
 #endif
 #if DTRAIN_HAS_GLOO()
 template <>
-struct communicator_of<gloo> {
-  using type = gloo_communicator;
+struct backend_traits<backend::gloo> {
+  using communicator = gloo_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return gloo_communicator(*s.store, s.rank, s.size,
+                             gloo_options{.collectives = s.collectives, .master_addr = s.master_addr});
+  }
 };
 #endif
 #if DTRAIN_HAS_NCCL()
 template <>
-struct communicator_of<nccl> {
-  using type = nccl_communicator;
+struct backend_traits<backend::nccl> {
+  using communicator = nccl_communicator;
+  using memory_space = cuda_memory;
+  static constexpr bool uses_gpus = true;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return nccl_communicator(*s.store, s.rank, s.size, s.device,
+                             nccl_options{.collectives = s.collectives}.with_env(*s.env));
+  }
 };
 #endif
-}  // namespace backend
 
 template <class T>
 concept launch_policy = std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
+/// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
+/// with a backend_traits specialisation.
 template <class T>
-concept backend_policy = std::is_same_v<T, backend::mpi> || std::is_same_v<T, backend::gloo> ||
-                         std::is_same_v<T, backend::nccl>;
+concept backend_policy = requires {
+  { T::name } -> std::convertible_to<std::string_view>;
+  { T::available } -> std::convertible_to<bool>;
+};
 template <class T>
 concept topology_policy = std::is_same_v<T, topology::flat>;
 
@@ -100,8 +148,11 @@ struct policy {
   using launch_type = Launch;
   using backend_type = Backend;
   using topology_type = Topology;
-  using communicator_type = typename backend::communicator_of<Backend>::type;
+  using traits = backend_traits<Backend>;
+  using communicator_type = typename traits::communicator;
   static_assert(communicator<communicator_type>);
+  /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
+  using memory_space = typename traits::memory_space;
   /// Whether gradients may live on the GPU with this backend.
   static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
 };

@@ -70,11 +70,11 @@ inline std::string own_executable() {
   return std::string(path.data(), static_cast<std::size_t>(n));
 }
 
-/// Default workers per node: one per visible GPU for NCCL, else one.
+/// Default workers per node: one per visible GPU for backends that use GPUs (NCCL), else one.
 template <class Policy>
 int default_nproc_per_node() {
 #if DTRAIN_HAS_CUDA()
-  if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
+  if constexpr (Policy::traits::uses_gpus) {
     int count = 0;
     if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return count;
     (void)cudaGetLastError();

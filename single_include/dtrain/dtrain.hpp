@@ -49,6 +49,106 @@
 #define DTRAIN_HAS_CUDA() 0
 #endif
 // ---- end dtrain/config.hpp ----
+// ---- begin dtrain/env/device.hpp ----
+/// @file
+/// Which CUDA device a rank uses: a pure function of its local rank, the
+/// number of ranks on its node and the devices it can see, so every launcher
+/// and GPU binding is unit-testable without a GPU.
+
+// ---- begin dtrain/error.hpp ----
+/// @file
+/// The error hierarchy. Every failure dtrain reports is a dtrain::error; the
+/// children are the cases a caller can act on.
+
+#include <stdexcept>
+#include <string>
+
+namespace dtrain {
+
+/// Root of every exception dtrain throws.
+class error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Bad environment, argv or options. The message names each variable involved
+/// and its value (`RANK=7 is not below WORLD_SIZE=4`). `dtrain_whoami` and
+/// `dtrain::run` exit with status 2 on it.
+class config_error : public error {
+ public:
+  using error::error;
+};
+
+/// A blocking or awaited operation ran past its timeout; the message says what
+/// it waited for and how long.
+class timeout_error : public error {
+ public:
+  using error::error;
+};
+
+/// The rendezvous store could not be reached, served or trusted.
+class rendezvous_error : public error {
+ public:
+  using error::error;
+};
+
+/// A collective engine (MPI, Gloo, NCCL, CUDA) reported a failure. Keeps the
+/// engine's own code next to the message.
+class backend_error : public error {
+ public:
+  backend_error(const std::string& what, int engine_code)
+      : error(what), engine_code_(engine_code) {}
+
+  /// The engine's own status code (MPI error class, ncclResult_t, cudaError_t).
+  [[nodiscard]] int engine_code() const noexcept { return engine_code_; }
+
+ private:
+  int engine_code_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/error.hpp ----
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// The CUDA device of local rank `local_rank` of `local_world_size` when the
+/// process sees `visible` devices:
+/// - the local rank, when at least one device per local rank is visible (one
+///   process per GPU with every GPU visible: torchrun, mpirun, dtrun);
+/// - device 0, when exactly one is visible (per-task binding: SLURM
+///   `--gpus-per-task`, Kubernetes, CUDA_VISIBLE_DEVICES set per rank);
+/// - otherwise config_error naming CUDA_VISIBLE_DEVICES (`cuda_visible_devices`,
+///   as the environment has it, or unset), the local rank and the counts.
+[[nodiscard]] inline int select_device(int local_rank, int local_world_size, int visible,
+                                       std::optional<std::string_view> cuda_visible_devices) {
+  const std::string cvd = cuda_visible_devices
+                              ? "CUDA_VISIBLE_DEVICES=" + std::string(*cuda_visible_devices)
+                              : std::string("CUDA_VISIBLE_DEVICES unset");
+  if (local_rank < 0 || local_world_size < 1 || local_rank >= local_world_size) {
+    throw config_error("local rank " + std::to_string(local_rank) + " of " +
+                       std::to_string(local_world_size) +
+                       " ranks on this node cannot pick a GPU (" + cvd + ")");
+  }
+  if (visible >= local_world_size) return local_rank;
+  if (visible == 1) return 0;
+  if (visible <= 0) {
+    throw config_error("local rank " + std::to_string(local_rank) +
+                       " needs a GPU, but this process sees none (" + cvd +
+                       "); check the driver (nvidia-smi) and what the launcher exposes");
+  }
+  throw config_error(
+      "local rank " + std::to_string(local_rank) + " of " + std::to_string(local_world_size) +
+      " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
+      "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
+      "start no more ranks per node than it has GPUs");
+}
+
+}  // namespace dtrain
+// ---- end dtrain/env/device.hpp ----
 // ---- begin dtrain/env/discover.hpp ----
 /// @file
 /// discover_world(): who this process is, as a pure function of (environment,
@@ -140,59 +240,6 @@ class environment {
 
 }  // namespace dtrain
 // ---- end dtrain/env/environment.hpp ----
-// ---- begin dtrain/error.hpp ----
-/// @file
-/// The error hierarchy. Every failure dtrain reports is a dtrain::error; the
-/// children are the cases a caller can act on.
-
-#include <stdexcept>
-#include <string>
-
-namespace dtrain {
-
-/// Root of every exception dtrain throws.
-class error : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-/// Bad environment, argv or options. The message names each variable involved
-/// and its value (`RANK=7 is not below WORLD_SIZE=4`). `dtrain_whoami` and
-/// `dtrain::run` exit with status 2 on it.
-class config_error : public error {
- public:
-  using error::error;
-};
-
-/// A blocking or awaited operation ran past its timeout; the message says what
-/// it waited for and how long.
-class timeout_error : public error {
- public:
-  using error::error;
-};
-
-/// The rendezvous store could not be reached, served or trusted.
-class rendezvous_error : public error {
- public:
-  using error::error;
-};
-
-/// A collective engine (MPI, Gloo, NCCL, CUDA) reported a failure. Keeps the
-/// engine's own code next to the message.
-class backend_error : public error {
- public:
-  backend_error(const std::string& what, int engine_code)
-      : error(what), engine_code_(engine_code) {}
-
-  /// The engine's own status code (MPI error class, ncclResult_t, cudaError_t).
-  [[nodiscard]] int engine_code() const noexcept { return engine_code_; }
-
- private:
-  int engine_code_;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/error.hpp ----
 
 #include <charconv>
 #include <chrono>
@@ -3839,14 +3886,25 @@ template <element T>
   return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
 }
 
-/// A span of device (GPU) memory: the type says where it lives, so a backend
-/// that cannot reach device memory rejects it at compile time.
-template <element T>
+/// A span of device (GPU) memory: pointer, count and the CUDA device. The
+/// type says where the data lives, so a backend that cannot reach device
+/// memory rejects it at compile time (and NCCL rejects a std::span).
+template <class T>
+requires element<std::remove_const_t<T>>
 struct device_span {
   T* data = nullptr;
   std::size_t count = 0;
+  int device = -1;  ///< the CUDA device it was allocated on; -1: not stated
+
   [[nodiscard]] buffer as_buffer() const noexcept {
-    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>, memory::device};
+    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>,
+            memory::device};
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return count; }
+  /// The read-only view, for the inputs of allgather and reduce_scatter.
+  template <class U = T>
+  requires(!std::is_const_v<U>) [[nodiscard]] operator device_span<const U>() const noexcept {
+    return {data, count, device};
   }
 };
 
@@ -3981,6 +4039,25 @@ inline std::string describe(const collective_info& info) {
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
 
+/// How a thread waits for work that others (a device, an engine's thread, a
+/// peer) finish: spins first (a collective often ends within microseconds),
+/// then yields, then sleeps: 20 us at first (an engine that progresses only
+/// inside its test call, like MPI's, still gets polled often), `longest`
+/// once the wait has gone on for a while.
+struct backoff {
+  std::chrono::microseconds longest{200};
+  unsigned rounds = 0;
+  void operator()() {
+    ++rounds;
+    if (rounds < 64) return;
+    if (rounds < 256) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(rounds < 4096 ? std::chrono::microseconds(20) : longest);
+  }
+};
+
 /// One outstanding collective, as a backend tracks it.
 class work_state {
  public:
@@ -3996,14 +4073,16 @@ class work_state {
 
   /// Blocks until finished (true) or the deadline passes (false). The default
   /// keeps calling poll(), for engines that advance only inside their test
-  /// call (MPI without a progress thread), yielding after a while so that
-  /// oversubscribed ranks can run. Engines that finish on threads of their
-  /// own (Gloo) override it to sleep instead of taking the CPU from them.
+  /// call (MPI without a progress thread): a short spin, then yields, then
+  /// sleeps (detail::backoff), so a long wait costs no core.
+  /// Engines that finish on threads of their own (Gloo) override it to sleep
+  /// on a condition instead.
   virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
-    for (std::uint64_t spins = 0;; ++spins) {
+    backoff pause;
+    for (;;) {
       if (poll()) return true;
-      if (spins > 2000) std::this_thread::yield();
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) return poll();
+      if (std::chrono::steady_clock::now() > deadline) return poll();
+      pause();
     }
   }
   /// A wait gave up: abort what the engine can abort, and mark the
@@ -4071,6 +4150,11 @@ class work {
     if (auto e = exception()) std::rethrow_exception(e);
   }
 
+  /// The limit wait() without an argument allows (the communicator's collective timeout).
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return state_ ? state_->timeout() : std::chrono::milliseconds(0);
+  }
+
   /// The error the collective failed with (or the timeout), once finished; null otherwise.
   [[nodiscard]] std::exception_ptr exception() const noexcept {
     if (timed_out_) return timed_out_;
@@ -4085,6 +4169,128 @@ class work {
 
 }  // namespace dtrain
 // ---- end dtrain/backend/work.hpp ----
+// ---- begin dtrain/backend/watchdog.hpp ----
+/// @file
+/// `watchdog`: a host thread that follows work nobody waits for on the host
+/// (collectives on CUDA streams), as ProcessGroupNCCL's watchdog does. Each
+/// piece of work must finish within its collective timeout counted from when
+/// it was handed over; past it the watchdog calls the engine's timeout hook
+/// (NCCL: abort the communicator, which frees the stuck stream) and keeps the
+/// timeout_error naming the collective for the owner to report.
+
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace dtrain {
+
+class watchdog {
+ public:
+  using clock = std::chrono::steady_clock;
+
+  watchdog() = default;
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+  /// Waits for the work still watched (each within what is left of its
+  /// timeout), then stops the thread.
+  ~watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// Follows `w` from now on: it must finish within its timeout (work::timeout()).
+  /// Work is waited for in the order it was handed over (one stream runs it in order).
+  void watch(work w) {
+    const std::chrono::milliseconds timeout = w.timeout();
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back({std::move(w), clock::now() + timeout, timeout});
+      ++watched_;
+      if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+    }
+    wake_.notify_all();
+  }
+
+  /// The first failure seen (a timeout_error naming the collective, or the
+  /// engine's error), or null. Never blocks on the work.
+  [[nodiscard]] std::exception_ptr failure() const {
+    std::lock_guard lock(mutex_);
+    return failure_;
+  }
+
+  /// Blocks until every piece of work handed over so far has finished or
+  /// failed (each bounded by its timeout); returns failure().
+  std::exception_ptr drain() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = watched_;
+    settled_.wait(lock, [&] { return finished_ >= target; });
+    return failure_;
+  }
+
+ private:
+  struct entry {
+    work handle;
+    clock::time_point deadline;
+    std::chrono::milliseconds timeout;
+  };
+
+  void follow() {
+    for (;;) {
+      entry next;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        next = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::exception_ptr failed;
+      try {
+        const auto left =
+            std::max(std::chrono::milliseconds(0),
+                     std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
+        next.handle.wait(left);
+      } catch (const timeout_error& e) {
+        failed = std::make_exception_ptr(
+            timeout_error(std::string("watchdog: ") + e.what() + " (timeout " +
+                          std::to_string(next.timeout.count()) + " ms from launch)"));
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      {
+        std::lock_guard lock(mutex_);
+        if (failed && !failure_) failure_ = failed;
+        ++finished_;
+      }
+      settled_.notify_all();
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;     // work to follow, or stop
+  std::condition_variable settled_;  // a piece of work finished
+  std::deque<entry> queue_;
+  std::uint64_t watched_ = 0;
+  std::uint64_t finished_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/backend/watchdog.hpp ----
 // ---- begin dtrain/backend/communicator.hpp ----
 /// @file
 /// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
@@ -4097,6 +4303,7 @@ class work {
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace dtrain {
@@ -4115,6 +4322,7 @@ concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int r
   { c.barrier() } -> std::same_as<work>;
   { c.split(root, root) } -> std::same_as<C>;
   { C::reaches_device_memory } -> std::convertible_to<bool>;
+  { C::reaches_host_memory } -> std::convertible_to<bool>;
   { C::name } -> std::convertible_to<std::string_view>;
 };
 
@@ -4184,51 +4392,83 @@ inline void compare_signatures(const signature& mine, int rank, int size, const 
 
 }  // namespace detail
 
-// Typed collectives. Host spans work with every backend; device_span only
-// with backends that reach device memory, which is checked at compile time.
+// Typed collectives. A std::span is host memory and a device_span GPU
+// memory; each backend states which it reaches, and a wrong pairing is a
+// compile error (the engine's own run-time check is the second line).
+
+namespace detail {
+template <communicator C>
+inline constexpr bool host_ok = C::reaches_host_memory;
+template <communicator C>
+inline constexpr bool device_ok = C::reaches_device_memory;
+}  // namespace detail
+
+#define DTRAIN_HOST_ONLY_MESSAGE                                                              \
+  "this backend moves host memory only (std::span): copy device data to the host first, or " \
+  "use backend::nccl (or MPI built with CUDA) for device_span"
+#define DTRAIN_DEVICE_ONLY_MESSAGE                                                             \
+  "this backend moves GPU memory only (device_span): NCCL cannot read a host std::span; put " \
+  "the data on the device, or send host data over the host control plane (the store, or an " \
+  "MPI/Gloo communicator)"
 
 /// In place: every rank's `data` becomes the reduction over all ranks.
 template <communicator C, element T>
 work allreduce(C& c, std::span<T> data, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.allreduce(host_buffer(data), host_buffer(data), op);
 }
 /// Out of place: `out` becomes the reduction of every rank's `in`.
 template <communicator C, element T>
 work allreduce(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.allreduce(host_buffer(in), host_buffer(out), op);
 }
 template <communicator C, element T>
 work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
-  static_assert(C::reaches_device_memory,
-                "this backend reduces host memory only: copy device data to the host first, or use "
-                "backend::nccl (or MPI built with CUDA)");
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.allreduce(data.as_buffer(), data.as_buffer(), op);
 }
 
 /// `data` on every rank becomes root's.
 template <communicator C, element T>
 work broadcast(C& c, std::span<T> data, int root) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.broadcast(host_buffer(data), root);
 }
 template <communicator C, element T>
 work broadcast(C& c, device_span<T> data, int root) {
-  static_assert(C::reaches_device_memory,
-                "this backend broadcasts host memory only: copy device data to the host first, or use "
-                "backend::nccl (or MPI built with CUDA)");
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.broadcast(data.as_buffer(), root);
 }
 
 /// `out` (size() × in.size() elements) becomes every rank's `in`, in rank order.
 template <communicator C, element T>
 work allgather(C& c, std::span<const T> in, std::span<T> out) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.allgather(host_buffer(in), host_buffer(out));
+}
+template <communicator C, class In, element T>
+requires std::same_as<std::remove_const_t<In>, T>
+work allgather(C& c, device_span<In> in, device_span<T> out) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.allgather(in.as_buffer(), out.as_buffer());
 }
 
 /// `in` (size() × out.size() elements) is reduced over ranks; rank r receives block r in `out`.
 template <communicator C, element T>
 work reduce_scatter(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.reduce_scatter(host_buffer(in), host_buffer(out), op);
 }
+template <communicator C, class In, element T>
+requires std::same_as<std::remove_const_t<In>, T>
+work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);
+}
+
+#undef DTRAIN_HOST_ONLY_MESSAGE
+#undef DTRAIN_DEVICE_ONLY_MESSAGE
 
 }  // namespace dtrain
 // ---- end dtrain/backend/communicator.hpp ----
@@ -4370,6 +4610,7 @@ class mpi_communicator {
  public:
   static constexpr std::string_view name = "mpi";
   static constexpr bool reaches_device_memory = DTRAIN_HAS_CUDA() != 0;
+  static constexpr bool reaches_host_memory = true;
 
   /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
   static mpi_communicator world(mpi_options options = {}) {
@@ -5455,6 +5696,7 @@ struct gloo_self {
 class gloo_communicator {
  public:
   static constexpr bool reaches_device_memory = false;
+  static constexpr bool reaches_host_memory = true;
   static constexpr std::string_view name = "gloo";
 
   /// Joins the group of `size` ranks that meet in `store`, which must outlive
@@ -5806,6 +6048,474 @@ class device_guard {
 
 #endif  // DTRAIN_HAS_CUDA()
 // ---- end dtrain/backend/cuda.hpp ----
+// ---- begin dtrain/backend/memory.hpp ----
+/// @file
+/// Memory spaces: where a backend's data lives and the few operations
+/// DistributedDataParallel needs there (allocate zeroed, free, copy, zero, the
+/// 16-bit casts of gradient compression, and waiting for a stream). `host_memory`
+/// is plain memory handled on the calling thread; `cuda_memory` is one CUDA
+/// device, every operation ordered on a stream. A backend names its space in
+/// its backend_traits, so the algorithm that uses them reads the same for all.
+
+
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace dtrain {
+
+namespace detail {
+
+inline constexpr std::string_view device_casts_missing =
+    "gradient compression of GPU buckets needs CUDA kernels, and no translation unit of this "
+    "program was compiled by nvcc: include <dtrain/dtrain.hpp> in at least one .cu file that is "
+    "linked into the program (any one: the kernels are shared)";
+
+/// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
+inline void host_compress(void* out, const float* in, std::size_t n, float scale, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      auto* o = static_cast<Half*>(out);
+      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
+    }
+  });
+}
+inline void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      const auto* i16 = static_cast<const Half*>(in);
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
+    }
+  });
+}
+
+}  // namespace detail
+
+/// Host memory: allocation with operator new, memcpy, loops. The `stream`
+/// arguments are there so the code above reads the same for every space.
+struct host_memory {
+  using stream_type = std::nullptr_t;
+  static constexpr memory where = memory::host;
+  /// Buckets travel on a communication thread: the host is the device.
+  static constexpr bool on_stream = false;
+
+  [[nodiscard]] static void* allocate(std::size_t bytes, int /*device*/, stream_type) {
+    return ::operator new(bytes == 0 ? 1 : bytes);  // aligned for every element type
+  }
+  static void release(void* data, int /*device*/) noexcept { ::operator delete(data); }
+  static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
+    if (bytes) std::memset(data, 0, bytes);
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
+    if (dst != src && bytes) std::memcpy(dst, src, bytes);
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                       int /*device*/, stream_type) {
+    detail::host_compress(out, in, n, scale, wire);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int /*device*/,
+                         stream_type) {
+    detail::host_decompress(out, in, n, wire);
+  }
+  /// Everything above has happened by the time it returns.
+  static void synchronize(int /*device*/, stream_type) noexcept {}
+  /// Whether compress() and decompress() can run here.
+  [[nodiscard]] static bool casts_available() noexcept { return true; }
+  static void check_stream(int /*device*/, stream_type) noexcept {}
+};
+
+#if DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+/// The CUDA kernels of gradient compression. They exist only where a
+/// translation unit is compiled by nvcc: such a unit registers them here once
+/// at start-up, so every unit (g++ or nvcc) calls the same code through this
+/// one slot, and no function has two bodies (a g++ and an nvcc one).
+struct device_casts {
+  void (*compress)(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                   cudaStream_t stream);
+  void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
+};
+
+[[nodiscard]] inline std::atomic<const device_casts*>& device_casts_slot() noexcept {
+  static std::atomic<const device_casts*> slot{nullptr};
+  return slot;
+}
+
+/// The registered kernels; config_error when no unit of the program was built by nvcc.
+[[nodiscard]] inline const device_casts& registered_device_casts() {
+  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
+    return *casts;
+  throw config_error(std::string(device_casts_missing));
+}
+
+}  // namespace detail
+
+/// One CUDA device; every operation is ordered on `stream` (the compute
+/// stream) and runs with the device current, so that no other thread's
+/// device and no other device's context is touched.
+struct cuda_memory {
+  using stream_type = cudaStream_t;
+  static constexpr memory where = memory::device;
+  /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
+  static constexpr bool on_stream = true;
+
+  /// cudaMalloc, then zeroed on `stream` (never on the legacy default stream,
+  /// which a non-blocking compute stream would not wait for).
+  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
+    detail::device_guard on(device);
+    void* data = nullptr;
+    DTRAIN_CUDA_CHECK(cudaMalloc(&data, bytes == 0 ? 1 : bytes));
+    if (const cudaError_t rc = cudaMemsetAsync(data, 0, bytes == 0 ? 1 : bytes, stream);
+        rc != cudaSuccess) {
+      (void)cudaFree(data);
+      detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
+    }
+    return data;
+  }
+  /// Call only once the last use on any stream is complete (synchronize()).
+  static void release(void* data, int device) noexcept {
+    detail::device_guard on(device, std::nothrow);
+    (void)cudaFree(data);
+  }
+  static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream) {
+    if (dst == src || !bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                       int device, stream_type stream) {
+    const detail::device_casts& casts = detail::registered_device_casts();
+    detail::device_guard on(device);
+    casts.compress(out, in, n, scale, wire, stream);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
+                         stream_type stream) {
+    const detail::device_casts& casts = detail::registered_device_casts();
+    detail::device_guard on(device);
+    casts.decompress(out, in, n, wire, stream);
+  }
+  /// The kernels exist when some unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool casts_available() noexcept;
+  /// Blocks the host until everything on `stream` is done.
+  static void synchronize(int device, stream_type stream) {
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  /// A stream being captured into a CUDA graph cannot take DDP's work (its
+  /// events and host waits): config_error saying so.
+  static void check_stream(int device, stream_type stream) {
+    detail::device_guard on(device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status != cudaStreamCaptureStatusNone) {
+      throw config_error(
+          "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
+          "records events, polls them from the host and launches NCCL work that must not be "
+          "replayed, so run the DDP step outside the capture (capture the forward and backward "
+          "only)");
+    }
+  }
+};
+
+#endif  // DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+// What differs between a g++ and an nvcc translation unit lives in an inline
+// namespace named after the compiler: no symbol has two bodies (CCCL's rule).
+#if defined(__CUDACC__)
+inline namespace nvcc {
+#else
+inline namespace host_compiler {
+#endif
+
+/// "nvcc" or "host": which compiler built this translation unit's copy of
+/// dtrain (the mixed g++/nvcc link test asks each unit).
+[[nodiscard]] constexpr std::string_view compiled_by() noexcept {
+#if defined(__CUDACC__)
+  return "nvcc";
+#else
+  return "host";
+#endif
+}
+
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
+template <class Half>
+__device__ std::uint16_t dtrain_to_half_bits(float x) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  else
+    return __half_as_ushort(__float2half_rn(x));
+}
+template <class Half>
+__device__ float dtrain_from_half_bits(std::uint16_t b) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  else
+    return __half2float(__ushort_as_half(b));
+}
+template <class Half>
+__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
+                                       float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
+  }
+}
+template <class Half>
+__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_from_half_bits<Half>(in[i]);
+  }
+}
+inline unsigned cast_blocks(std::size_t n) {
+  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
+}
+inline void launch_compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  auto* o = static_cast<std::uint16_t*>(out);
+  if (wire == dtype::bfloat16)
+    dtrain_compress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  else
+    dtrain_compress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline void launch_decompress(float* out, const void* in, std::size_t n, dtype wire,
+                              cudaStream_t stream) {
+  if (n == 0) return;
+  const auto* i16 = static_cast<const std::uint16_t*>(in);
+  if (wire == dtype::bfloat16)
+    dtrain_decompress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  else
+    dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
+/// Registers the kernels at start-up in every program with an nvcc unit.
+inline const bool nvcc_device_casts_registered =
+    (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
+#endif
+
+}  // inline namespace nvcc / host_compiler
+
+/// Whether the program can cast GPU buckets (some unit was built by nvcc).
+[[nodiscard]] inline bool device_casts_available() noexcept {
+#if DTRAIN_HAS_CUDA()
+  return device_casts_slot().load(std::memory_order_acquire) != nullptr;
+#else
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+#if DTRAIN_HAS_CUDA()
+inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
+#endif
+}  // namespace dtrain
+// ---- end dtrain/backend/memory.hpp ----
+// ---- begin dtrain/backend/control.hpp ----
+/// @file
+/// The host control plane: small blocking collectives on host memory for
+/// what is metadata rather than gradients (model agreement, the bucket
+/// rebuild order, checksums, bootstrap). A device engine such as NCCL never
+/// carries them. Two channels: `store_channel` (over the rendezvous store;
+/// works for every backend) and `communicator_channel` (over a communicator
+/// that reaches host memory: MPI, Gloo). `control_plane` refers to either.
+
+
+#include <concepts>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Blocking host collectives among the ranks of a job. Every rank calls the
+/// same operations in the same order; each is bounded by the channel's
+/// timeout (the store's, or the communicator's collective timeout).
+template <class C>
+concept host_channel = requires(C& c, const C& cc, std::span<const std::int64_t> in,
+                                std::span<std::int64_t> out, std::span<std::uint8_t> bytes) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  c.allgather(in, out);   // out: size() * in.size(), in rank order
+  c.broadcast(bytes, 0);  // every rank passes the same length
+};
+
+/// Host collectives through the rendezvous store: allgather is a key per
+/// rank, broadcast one key from the root. The last rank to read a round
+/// erases its keys, so the store holds at most one round per channel.
+template <store Store>
+class store_channel {
+ public:
+  /// `prefix` names this channel's keys; every rank must use the same one.
+  store_channel(Store& store, int rank, int size, std::string prefix = "control")
+      : store_(store), rank_(rank), size_(size), prefix_(std::move(prefix) + "/") {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    const std::string round = next_round();
+    const std::size_t bytes = in.size_bytes();
+    if (out.size() != in.size() * static_cast<std::size_t>(size_)) {
+      throw config_error("store_channel::allgather on rank " + std::to_string(rank_) +
+                         ": output has " + std::to_string(out.size()) + " elements, expected " +
+                         std::to_string(in.size() * static_cast<std::size_t>(size_)));
+    }
+    store_.set(round + std::to_string(rank_),
+               std::string_view(reinterpret_cast<const char*>(in.data()), bytes));
+    for (int r = 0; r < size_; ++r) {
+      const std::string key = round + std::to_string(r);
+      const std::string value = r == rank_
+                                    ? std::string(reinterpret_cast<const char*>(in.data()), bytes)
+                                    : store_.get(key);
+      expect_length(key, value, bytes, r);
+      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), value.data(), bytes);
+    }
+    finish(round, [&] {
+      for (int r = 0; r < size_; ++r) store_.erase(round + std::to_string(r));
+    });
+  }
+
+  void broadcast(std::span<std::uint8_t> data, int root) {
+    if (root < 0 || root >= size_) {
+      throw config_error("store_channel::broadcast: root " + std::to_string(root) +
+                         " is not a rank of " + std::to_string(size_));
+    }
+    const std::string round = next_round();
+    const std::string key = round + "root";
+    if (rank_ == root) {
+      store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
+    } else {
+      const std::string value = store_.get(key);
+      expect_length(key, value, data.size(), root);
+      if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
+    }
+    finish(round, [&] { store_.erase(key); });
+  }
+
+ private:
+  std::string next_round() { return prefix_ + std::to_string(++round_) + "/"; }
+
+  void expect_length(const std::string& key, const std::string& value, std::size_t bytes,
+                     int from) const {
+    if (value.size() != bytes) {
+      throw rendezvous_error("control plane: store key " + key + " from rank " +
+                             std::to_string(from) + " has " + std::to_string(value.size()) +
+                             " bytes, rank " + std::to_string(rank_) + " expected " +
+                             std::to_string(bytes) +
+                             "; the ranks called different control operations, or another "
+                             "program wrote under this prefix");
+    }
+  }
+
+  template <class Erase>
+  void finish(const std::string& round, Erase&& erase) {
+    const std::string read = round + "read";
+    if (store_.add(read, 1) == size_) {
+      erase();
+      store_.erase(read);
+    }
+  }
+
+  Store& store_;
+  int rank_;
+  int size_;
+  std::string prefix_;
+  std::uint64_t round_ = 0;
+};
+
+/// Host collectives on a communicator that reaches host memory, each waited
+/// for within its collective timeout.
+template <communicator C>
+class communicator_channel {
+  static_assert(C::reaches_host_memory,
+                "communicator_channel needs a communicator that reaches host memory (MPI, "
+                "Gloo); for NCCL use the context's control plane or a store_channel");
+
+ public:
+  explicit communicator_channel(C& comm) noexcept : comm_(comm) {}
+  [[nodiscard]] int rank() const { return comm_.rank(); }
+  [[nodiscard]] int size() const { return comm_.size(); }
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    dtrain::allgather(comm_, in, out).wait();
+  }
+  void broadcast(std::span<std::uint8_t> data, int root) {
+    if (!data.empty()) dtrain::broadcast(comm_, data, root).wait();
+  }
+
+ private:
+  C& comm_;
+};
+
+class control_plane;
+
+/// A host_channel other than control_plane itself (which copies instead).
+template <class C>
+concept channel_to_refer_to = host_channel<C> && !std::same_as<C, control_plane>;
+
+/// A reference to any host_channel, for code that must not be a template on
+/// it (DistributedDataParallel keeps one). The channel must outlive it.
+class control_plane {
+ public:
+  template <channel_to_refer_to Channel>
+  explicit control_plane(Channel& channel) noexcept
+      : channel_(&channel),
+        rank_(channel.rank()),
+        size_(channel.size()),
+        allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+          static_cast<Channel*>(c)->allgather(in, out);
+        }),
+        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
+          static_cast<Channel*>(c)->broadcast(data, root);
+        }) {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    allgather_(channel_, in, out);
+  }
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
+
+ private:
+  void* channel_;
+  int rank_;
+  int size_;
+  void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
+  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
+};
+
+static_assert(host_channel<control_plane>);
+
+}  // namespace dtrain
+// ---- end dtrain/backend/control.hpp ----
 // ---- begin dtrain/backend/nccl.hpp ----
 /// @file
 /// The NCCL backend: `nccl_communicator` runs collectives on device memory, on
@@ -5822,6 +6532,7 @@ class device_guard {
 /// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
 
 
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -6089,16 +6800,9 @@ inline constexpr std::string_view nccl_timeout_hint =
     "what every "
     "rank passed)";
 
-/// Polling back-off: yields at first, then short sleeps, so a long wait costs no core.
-struct nccl_backoff {
-  unsigned spins = 0;
-  void operator()() {
-    if (++spins < 128) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 50 : 1000));
-    }
-  }
+/// Polling back-off for work the GPU finishes: sleeps grow to 1 ms.
+struct nccl_backoff : backoff {
+  nccl_backoff() : backoff{.longest = std::chrono::microseconds(1000)} {}
 };
 
 /// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
@@ -6132,6 +6836,10 @@ struct nccl_shared {
   ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
 
   std::mutex mutex;
+  /// Set by a watchdog (or any thread) that wants the communicator aborted:
+  /// every wait that holds `mutex` checks it each round and gives the lock up,
+  /// so an abort never waits for the wait it is meant to end.
+  std::atomic<bool> abort_requested{false};
   bool aborted = false;
   std::string abort_reason;
   int abort_code = 0;
@@ -6215,6 +6923,11 @@ struct nccl_shared {
     nccl_backoff pause;
     for (;;) {
       throw_if_aborted(what);
+      if (abort_requested.load(std::memory_order_acquire)) {
+        std::string why = what + " was interrupted: another thread aborted the communicator";
+        abort_locked(why, 0);
+        throw backend_error(why, 0);
+      }
       const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
         std::string why = what + " failed: NCCL reports " + async_text(state);
@@ -6266,6 +6979,12 @@ struct nccl_shared {
   /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
   ~nccl_shared() {
     device_guard guard(device, std::nothrow);
+    // While an exception unwinds (a peer may be gone) or after a timeout, waiting
+    // for collectives could take the whole timeout: abort instead of finalizing.
+    if (comm && (std::uncaught_exceptions() > 0 || abort_requested.load())) {
+      (void)ncclCommAbort(comm);
+      comm = nullptr;
+    }
     if (comm) {
       const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
       // Finalize only a communicator that is idle and healthy; anything else is aborted.
@@ -6377,7 +7096,10 @@ class nccl_work final : public work_state {
     return true;
   }
 
+  // Called by whoever waited (a watchdog thread included): the flag first, so
+  // that a wait holding the lock lets go of it within one polling round.
   void on_timeout() noexcept override {
+    shared_->abort_requested.store(true, std::memory_order_release);
     std::lock_guard lock(shared_->mutex);
     shared_->abort_locked(description() + " timed out", 0);
   }
@@ -6438,6 +7160,8 @@ namespace dtrain {
 class nccl_communicator {
  public:
   static constexpr bool reaches_device_memory = true;
+  /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
+  static constexpr bool reaches_host_memory = false;
   static constexpr std::string_view name = "nccl";
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
@@ -6887,6 +7611,8 @@ struct flat {
 /// static_assert that says why, not a run-time surprise.
 
 
+#include <concepts>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -6904,11 +7630,6 @@ struct per_node {
 }  // namespace launch
 
 namespace backend {
-template <class Tag>
-struct communicator_of {
-  static_assert(!std::is_same_v<Tag, Tag>, "not a dtrain backend: use backend::mpi, backend::gloo or backend::nccl");
-};
-
 /// MPI (host memory; device memory too when CUDA is available).
 struct mpi {
   static constexpr bool available = DTRAIN_HAS_MPI() != 0;
@@ -6934,31 +7655,80 @@ struct nccl {
       "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
 };
 
+}  // namespace backend
+
+/// What a context hands a backend to build its communicator from.
+template <class Store>
+struct communicator_setup {
+  Store* store = nullptr;  ///< the job's store; null where the backend needs none (MPI)
+  int rank = 0;
+  int size = 1;
+  int device = -1;  ///< the CUDA device of this rank (backends that use GPUs), else -1
+  collective_options collectives{};
+  std::string master_addr;  ///< MASTER_ADDR as discovered, or empty
+  const environment* env = nullptr;
+};
+
+/// Everything a backend implies, in one place: its communicator, the memory
+/// space DistributedDataParallel keeps gradients in (which also decides how
+/// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
+/// and how the communicator is made. Adding an engine adds one
+/// specialisation here. A backend of one's own (tests do) specialises it too.
+template <class Backend>
+struct backend_traits;
+
 #if DTRAIN_HAS_MPI()
 template <>
-struct communicator_of<mpi> {
-  using type = mpi_communicator;
+struct backend_traits<backend::mpi> {
+  using communicator = mpi_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  /// MPI knows its world before any store exists (and carries rank 0's store address).
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return mpi_communicator::world(mpi_options{.collectives = s.collectives});
+  }
 };
 #endif
 #if DTRAIN_HAS_GLOO()
 template <>
-struct communicator_of<gloo> {
-  using type = gloo_communicator;
+struct backend_traits<backend::gloo> {
+  using communicator = gloo_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return gloo_communicator(*s.store, s.rank, s.size,
+                             gloo_options{.collectives = s.collectives, .master_addr = s.master_addr});
+  }
 };
 #endif
 #if DTRAIN_HAS_NCCL()
 template <>
-struct communicator_of<nccl> {
-  using type = nccl_communicator;
+struct backend_traits<backend::nccl> {
+  using communicator = nccl_communicator;
+  using memory_space = cuda_memory;
+  static constexpr bool uses_gpus = true;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return nccl_communicator(*s.store, s.rank, s.size, s.device,
+                             nccl_options{.collectives = s.collectives}.with_env(*s.env));
+  }
 };
 #endif
-}  // namespace backend
 
 template <class T>
 concept launch_policy = std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
+/// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
+/// with a backend_traits specialisation.
 template <class T>
-concept backend_policy = std::is_same_v<T, backend::mpi> || std::is_same_v<T, backend::gloo> ||
-                         std::is_same_v<T, backend::nccl>;
+concept backend_policy = requires {
+  { T::name } -> std::convertible_to<std::string_view>;
+  { T::available } -> std::convertible_to<bool>;
+};
 template <class T>
 concept topology_policy = std::is_same_v<T, topology::flat>;
 
@@ -6976,8 +7746,11 @@ struct policy {
   using launch_type = Launch;
   using backend_type = Backend;
   using topology_type = Topology;
-  using communicator_type = typename backend::communicator_of<Backend>::type;
+  using traits = backend_traits<Backend>;
+  using communicator_type = typename traits::communicator;
   static_assert(communicator<communicator_type>);
+  /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
+  using memory_space = typename traits::memory_space;
   /// Whether gradients may live on the GPU with this backend.
   static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
 };
@@ -8004,6 +8777,10 @@ class node_agent {
 
 #include <unistd.h>
 
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
 namespace dtrain {
 
 /// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
@@ -8040,7 +8817,7 @@ class context {
                          std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
     }
     if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
-    if constexpr (uses_mpi) {
+    if constexpr (!traits::needs_store) {
       // MPI knows its world already, and can tell every rank where rank 0's store is.
       make_communicator(env);
       open_store(env);
@@ -8050,6 +8827,7 @@ class context {
       complete_world(env);
       make_communicator(env);
     }
+    control_.emplace(*store_, rank(), size(), "control");
   }
   context(const context&) = delete;
   context& operator=(const context&) = delete;
@@ -8068,14 +8846,20 @@ class context {
   [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
   /// How many times a per-node agent has restarted the job (0 at first).
   [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
-  /// The CUDA device this rank uses (its local rank) with backend::nccl; -1 otherwise.
-  [[nodiscard]] int device() const noexcept {
-    return std::is_same_v<typename Policy::backend_type, backend::nccl> ? local_rank() : -1;
-  }
+  /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
+  /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
+  [[nodiscard]] int device() const noexcept { return device_; }
 
   /// The rendezvous store, under this job's (and restart round's) prefix.
   [[nodiscard]] store_type& store() noexcept { return *store_; }
   [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
+  /// The host control plane: small blocking collectives through the store,
+  /// for metadata that must not travel on a device engine (DistributedDataParallel's
+  /// model agreement and bucket order; your own checksums). Every rank calls the
+  /// same operations in the same order; each waits at most the store timeout.
+  [[nodiscard]] dtrain::control_plane control_plane() noexcept {
+    return dtrain::control_plane(*control_);
+  }
 
   /// Waits until every rank has called barrier(), at most the collective
   /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
@@ -8226,48 +9010,62 @@ class context {
   }
 
   void make_communicator(const environment& env) {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      communicator_.emplace(communicator_type::world(mpi_options{.collectives = collectives_}));
-      if (communicator_->size() != size() || communicator_->rank() != rank()) {
-        throw config_error("MPI_COMM_WORLD has rank " + std::to_string(communicator_->rank()) +
-                           " of " + std::to_string(communicator_->size()) +
-                           ", but the environment says rank " + std::to_string(rank()) + " of " +
-                           std::to_string(size()) + " (" +
-                           world_.origin(dtrain::world::field::rank) + ", " +
-                           world_.origin(dtrain::world::field::world_size) +
-                           "); start MPI jobs with mpirun or srun");
-      }
+    if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
+    communicator_setup<store_type> setup{
+        .store = store_ ? &*store_ : nullptr,
+        .rank = rank(),
+        .size = size(),
+        .device = device(),
+        .collectives = collectives_,
+        .master_addr = world_.master_addr.value_or(""),
+        .env = &env};
+    communicator_.emplace(traits::make(setup));
+    if (communicator_->size() != size() || communicator_->rank() != rank()) {
+      throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
+                         std::to_string(communicator_->rank()) + " of " +
+                         std::to_string(communicator_->size()) + ", but the environment says rank " +
+                         std::to_string(rank()) + " of " + std::to_string(size()) + " (" +
+                         world_.origin(dtrain::world::field::rank) + ", " +
+                         world_.origin(dtrain::world::field::world_size) +
+                         "); start MPI jobs with mpirun or srun");
     }
-#endif
-#if DTRAIN_HAS_GLOO()
-    if constexpr (std::is_same_v<typename Policy::backend_type, backend::gloo>) {
-      communicator_.emplace(*store_, rank(), size(),
-                            gloo_options{.collectives = collectives_,
-                                         .master_addr = world_.master_addr.value_or("")});
-    }
-#endif
-#if DTRAIN_HAS_NCCL()
-    if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
-      communicator_.emplace(*store_, rank(), size(), local_rank(),
-                            nccl_options{.collectives = collectives_}.with_env(env));
-    }
-#endif
-    (void)env;
   }
 
+  using traits = typename Policy::traits;
+
+  /// select_device() with the devices this process sees. When CUDA cannot count
+  /// them, the local rank: the communicator then reports CUDA's own error.
+  int gpu_of_this_rank(const environment& env) const {
+#if DTRAIN_HAS_CUDA()
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return local_rank();
+    }
+    try {
+      return select_device(local_rank(), local_size(), visible, env.get("CUDA_VISIBLE_DEVICES"));
+    } catch (const config_error& e) {
+      throw config_error("rank " + std::to_string(rank()) + ": " + e.what());
+    }
+#else
+    (void)env;
+    return local_rank();
+#endif
+  }
   static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
 
   dtrain::world world_;
   store_options store_options_;
   collective_options collectives_;
   int restart_count_ = 0;
+  int device_ = -1;
   bool under_agent_ = false;
   // Declared in the order they are built, so they are torn down in reverse.
   std::optional<store_server> server_;
   std::optional<store_client> client_;
   std::optional<store_type> store_;
   std::optional<communicator_type> communicator_;
+  std::optional<store_channel<store_type>> control_;
 };
 
 }  // namespace dtrain
@@ -8337,11 +9135,11 @@ inline std::string own_executable() {
   return std::string(path.data(), static_cast<std::size_t>(n));
 }
 
-/// Default workers per node: one per visible GPU for NCCL, else one.
+/// Default workers per node: one per visible GPU for backends that use GPUs (NCCL), else one.
 template <class Policy>
 int default_nproc_per_node() {
 #if DTRAIN_HAS_CUDA()
-  if constexpr (std::is_same_v<typename Policy::backend_type, backend::nccl>) {
+  if constexpr (Policy::traits::uses_gpus) {
     int count = 0;
     if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return count;
     (void)cudaGetLastError();
@@ -8591,11 +9389,18 @@ namespace dtrain {
 /// contiguously in `parameters` order and reduced by one collective.
 struct bucket_info {
   std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
+  std::vector<std::size_t> offsets;     ///< bytes into the bucket of each (GPU: bucket_alignment apart)
   dtype type = dtype::float32;
   int device = -1;        ///< -1: host memory
-  std::size_t count = 0;  ///< elements
-  std::size_t bytes = 0;
+  std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them
+  std::size_t bytes = 0;  ///< count x the element size
 };
+
+/// Every parameter's slot in a GPU bucket starts on this boundary (bytes):
+/// views into the bucket are aligned for vectorised kernels and NCCL's fast
+/// paths. The padding between slots is zero and stays zero (its mean is
+/// zero); the collective moves it too (bucket_info::count includes it).
+inline constexpr std::size_t bucket_alignment = 256;
 
 /// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
 [[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
@@ -8665,9 +9470,13 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
       b.bucket.device = p.device;
       b.first_position = position;
     }
+    // GPU slots start on bucket_alignment; host slots are packed.
+    const std::size_t align = p.device >= 0 ? bucket_alignment : 1;
+    const std::size_t at = (b.bucket.bytes + align - 1) / align * align;
     b.bucket.parameters.push_back(order[position]);
-    b.bucket.count += p.values.count;
-    b.bucket.bytes += p.values.bytes();
+    b.bucket.offsets.push_back(at);
+    b.bucket.bytes = at + p.values.bytes();
+    b.bucket.count = b.bucket.bytes / size_of(p.values.type);
     if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
       closed.emplace_back(b.first_position, std::move(b.bucket));
       b.bucket = bucket_info{};
@@ -8745,85 +9554,56 @@ struct ddp_options {
   bool overlap = true;
 };
 
+/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
+/// that is always null: the type of `gradient_bucket::stream`.
+#if DTRAIN_HAS_CUDA()
+using stream_handle = cudaStream_t;
+#else
+using stream_handle = void*;
+#endif
+
 /// One bucket, as a communication hook sees it.
 struct gradient_bucket {
   std::size_t index = 0;  ///< launch order, 0 first
   buffer data;            ///< the flat gradients: reduce them in place
   int world_size = 1;
   std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
-#if DTRAIN_HAS_CUDA()
-  cudaStream_t stream = nullptr;  ///< NCCL: the compute stream the bucket is ordered after
-#endif
+  /// Backends on CUDA streams (NCCL): the compute stream the bucket is ordered
+  /// after; enqueue the reduction after it. Null for host backends.
+  stream_handle stream = nullptr;
 };
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/options.hpp ----
 // ---- begin dtrain/ddp/storage.hpp ----
 /// @file
-/// The flat memory DistributedDataParallel keeps its buckets in, on the host
-/// or on a CUDA device, and the few operations it needs on it: zero, copy,
-/// and the 16-bit casts of gradient compression.
+/// The flat memory DistributedDataParallel keeps its buckets in, in the
+/// memory space of its backend (host_memory, cuda_memory, ...).
 
 
 #include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <type_traits>
 #include <utility>
 
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-#if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#endif
+namespace dtrain::detail {
 
-namespace dtrain {
-
-namespace detail {
-
-#if DTRAIN_HAS_CUDA()
-using compute_stream = cudaStream_t;
-#else
-using compute_stream = void*;
-#endif
-
-[[noreturn]] inline void no_cuda(const char* what) {
-  throw config_error(std::string(what) + " is in GPU memory, but dtrain was built without CUDA");
-}
-
-/// Zeroed bytes on the host (device < 0) or on a CUDA device; owned.
+/// Zeroed bytes in `Memory` on `device`, owned. Zeroing is ordered on the
+/// stream given at construction; the owner frees it only after its last use
+/// on any stream is complete (see DistributedDataParallel::lay_out).
+template <class Memory>
 class flat_storage {
  public:
   flat_storage() = default;
-  flat_storage(std::size_t bytes, int device) : bytes_(bytes), device_(device) {
-    if (device < 0) {
-      host_.reset(
-          new std::byte[bytes == 0 ? 1 : bytes]());  // operator new: aligned for any element type
-      data_ = host_.get();
-      return;
-    }
-#if DTRAIN_HAS_CUDA()
-    device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMalloc(&data_, bytes == 0 ? 1 : bytes));
-    DTRAIN_CUDA_CHECK(cudaMemset(data_, 0, bytes == 0 ? 1 : bytes));
-#else
-    no_cuda("a gradient bucket");
-#endif
+  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
+      : data_(Memory::allocate(bytes, device, stream)), bytes_(bytes), device_(device) {
+    if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
   }
   flat_storage(flat_storage&& other) noexcept
-      : host_(std::move(other.host_)),
-        data_(std::exchange(other.data_, nullptr)),
+      : data_(std::exchange(other.data_, nullptr)),
         bytes_(std::exchange(other.bytes_, 0)),
         device_(other.device_) {}
   flat_storage& operator=(flat_storage&& other) noexcept {
     if (this != &other) {
       release();
-      host_ = std::move(other.host_);
       data_ = std::exchange(other.data_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
       device_ = other.device_;
@@ -8840,166 +9620,166 @@ class flat_storage {
 
  private:
   void release() noexcept {
-#if DTRAIN_HAS_CUDA()
-    if (device_ >= 0 && data_) {
-      device_guard on(device_, std::nothrow);
-      (void)cudaFree(data_);  // waits for the device: no copy from it is left in flight
-    }
-#endif
+    if (data_) Memory::release(data_, device_);
     data_ = nullptr;
   }
 
-  std::unique_ptr<std::byte[]> host_;
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
   int device_ = -1;
 };
-
-/// dst = src (bytes), on the host or, for device memory, ordered on `stream`.
-inline void copy_bytes(void* dst, const void* src, std::size_t bytes, int device,
-                       compute_stream stream) {
-  if (dst == src || bytes == 0) return;
-  if (device < 0) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-#if DTRAIN_HAS_CUDA()
-  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-#else
-  (void)stream;
-  no_cuda("a gradient");
-#endif
-}
-
-inline void zero_bytes(void* dst, std::size_t bytes, int device, compute_stream stream) {
-  if (bytes == 0) return;
-  if (device < 0) {
-    std::memset(dst, 0, bytes);
-    return;
-  }
-#if DTRAIN_HAS_CUDA()
-  DTRAIN_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream));
-#else
-  (void)stream;
-  no_cuda("a gradient");
-#endif
-}
-
-#if defined(__CUDACC__)
-// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
-template <class Half>
-__device__ std::uint16_t dtrain_to_half_bits(float x) {
-  if constexpr (std::is_same_v<Half, bfloat16>)
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-  else
-    return __half_as_ushort(__float2half_rn(x));
-}
-template <class Half>
-__device__ float dtrain_from_half_bits(std::uint16_t b) {
-  if constexpr (std::is_same_v<Half, bfloat16>)
-    return __bfloat162float(__ushort_as_bfloat16(b));
-  else
-    return __half2float(__ushort_as_half(b));
-}
-template <class Half>
-__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
-                                       float scale) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
-    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
-  }
-}
-template <class Half>
-__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
-    out[i] = dtrain_from_half_bits<Half>(in[i]);
-  }
-}
-inline unsigned cast_blocks(std::size_t n) {
-  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
-}
-#endif
-
-/// Whether 16-bit casts of device memory are compiled in: they are CUDA
-/// kernels, so only where the including translation unit is built by nvcc.
-[[nodiscard]] constexpr bool device_casts_compiled() noexcept {
-#if defined(__CUDACC__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-[[noreturn]] inline void no_device_casts() {
-  throw config_error(
-      "gradient compression of GPU buckets needs the code that constructs "
-      "DistributedDataParallel compiled by nvcc (its casts are CUDA kernels)");
-}
-
-/// out[i] = Half(in[i] * scale): the pre-divided 16-bit copy of a float32 bucket.
-template <class Half>
-void compress(Half* out, const float* in, std::size_t n, float scale, int device,
-              compute_stream stream) {
-  if (device < 0) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = Half(in[i] * scale);
-    return;
-  }
-#if defined(__CUDACC__)
-  dtrain_compress_kernel<Half>
-      <<<cast_blocks(n), 256, 0, stream>>>(reinterpret_cast<std::uint16_t*>(out), in, n, scale);
-  DTRAIN_CUDA_CHECK(cudaGetLastError());
-#else
-  (void)out, (void)in, (void)n, (void)scale, (void)stream;
-  no_device_casts();
-#endif
-}
-
-/// out[i] = float(in[i]).
-template <class Half>
-void decompress(float* out, const Half* in, std::size_t n, int device, compute_stream stream) {
-  if (device < 0) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
-    return;
-  }
-#if defined(__CUDACC__)
-  dtrain_decompress_kernel<Half>
-      <<<cast_blocks(n), 256, 0, stream>>>(out, reinterpret_cast<const std::uint16_t*>(in), n);
-  DTRAIN_CUDA_CHECK(cudaGetLastError());
-#else
-  (void)out, (void)in, (void)n, (void)stream;
-  no_device_casts();
-#endif
-}
 
 /// The element type float32 gradients travel as under `kind` (not none).
 [[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
   return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
 }
 
-/// compress() into the 16-bit type `kind` names.
-inline void compress(void* out, const float* in, std::size_t n, float scale,
-                     gradient_compression kind, int device, compute_stream stream) {
-  if (kind == gradient_compression::float16) {
-    compress(static_cast<float16*>(out), in, n, scale, device, stream);
-  } else {
-    compress(static_cast<bfloat16*>(out), in, n, scale, device, stream);
-  }
-}
-
-/// decompress() from the 16-bit type `kind` names.
-inline void decompress(float* out, const void* in, std::size_t n, gradient_compression kind,
-                       int device, compute_stream stream) {
-  if (kind == gradient_compression::float16) {
-    decompress(out, static_cast<const float16*>(in), n, device, stream);
-  } else {
-    decompress(out, static_cast<const bfloat16*>(in), n, device, stream);
-  }
-}
-
-}  // namespace detail
-}  // namespace dtrain
+}  // namespace dtrain::detail
 // ---- end dtrain/ddp/storage.hpp ----
+// ---- begin dtrain/ddp/runner.hpp ----
+/// @file
+/// How DistributedDataParallel's buckets travel, chosen from the memory space
+/// of the backend: `thread_runner` for host memory (a communication thread
+/// reduces buckets while the caller computes), `stream_runner` for CUDA
+/// streams (the caller enqueues, the device orders, a watchdog follows).
+/// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
+/// compression), reduce(b) (the collective, a work), finish_bucket(b)
+/// (decompression, copy-out), and for streams order_after_buckets().
+
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+namespace dtrain::detail {
+
+/// A thread of its own reduces buckets in launch order: each is prepared,
+/// reduced and waited for (within the collective timeout), then finished.
+template <class Owner>
+class thread_runner {
+ public:
+  explicit thread_runner(Owner& owner) : owner_(owner), thread_([this] { serve(); }) {}
+  thread_runner(const thread_runner&) = delete;
+  thread_runner& operator=(const thread_runner&) = delete;
+  /// Finishes what is queued (each bounded by its timeout), then joins.
+  ~thread_runner() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  void launch(std::size_t bucket) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(bucket);
+    }
+    wake_.notify_one();
+  }
+
+  /// Waits until the `count` buckets of this step are done; then the next
+  /// step starts counting from zero. Returns the first failure, or null.
+  std::exception_ptr complete(std::size_t count) {
+    std::unique_lock lock(mutex_);
+    done_wake_.wait(lock, [&] { return done_ == count; });
+    done_ = 0;
+    return failure_;
+  }
+
+ private:
+  void serve() {
+    for (;;) {
+      std::size_t b = 0;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and nothing left in flight
+        b = queue_.front();
+        queue_.pop_front();
+        if (failure_) {  // the communicator failed already: do not wait for it again
+          ++done_;
+          done_wake_.notify_all();
+          continue;
+        }
+      }
+      std::exception_ptr failed;
+      try {
+        owner_.prepare_bucket(b);
+        work w = owner_.reduce(b);
+        w.wait();  // bounded by the collective timeout
+        owner_.finish_bucket(b);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      {
+        std::lock_guard lock(mutex_);
+        if (failed && !failure_) failure_ = failed;
+        ++done_;
+      }
+      done_wake_.notify_all();
+    }
+  }
+
+  Owner& owner_;
+  std::mutex mutex_;
+  std::condition_variable wake_;       // work for the thread, or stop
+  std::condition_variable done_wake_;  // a bucket finished
+  std::deque<std::size_t> queue_;
+  std::size_t done_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;  // last: starts once everything above exists
+};
+
+/// The caller's thread enqueues each bucket on the device (after the compute
+/// stream); the host never waits for a bucket. A watchdog follows every
+/// collective and, past its timeout, aborts the communicator (which frees
+/// the stream) and keeps the timeout_error; complete() and the next
+/// launch() report it.
+template <class Owner>
+class stream_runner {
+ public:
+  explicit stream_runner(Owner& owner) : owner_(owner) {}
+
+  void launch(std::size_t bucket) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+    owner_.prepare_bucket(bucket);
+    watchdog_.watch(owner_.reduce(bucket));
+  }
+
+  /// Orders the compute stream after every bucket and enqueues their
+  /// finishing work there; the host does not wait. Returns the watchdog's
+  /// failure so far, or null.
+  std::exception_ptr complete(std::size_t count) {
+    if (auto e = watchdog_.failure()) return e;
+    try {
+      owner_.order_after_buckets();
+      for (std::size_t b = 0; b < count; ++b) owner_.finish_bucket(b);
+    } catch (...) {
+      // The watchdog's timeout says more than the aborted communicator's error it
+      // causes; it is recorded just after the abort, so let the watchdog settle.
+      if (auto e = watchdog_.drain()) return e;
+      return std::current_exception();
+    }
+    return watchdog_.failure();
+  }
+
+  /// Blocks until every bucket launched so far has completed on the device
+  /// (each within its timeout); returns the first failure, or null.
+  std::exception_ptr drain() { return watchdog_.drain(); }
+
+ private:
+  Owner& owner_;
+  watchdog watchdog_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/runner.hpp ----
 // ---- begin dtrain/ddp/agreement.hpp ----
 /// @file
 /// What every rank must agree on before DistributedDataParallel averages
@@ -9099,19 +9879,19 @@ inline std::string model_problem(std::span<const parameter> params,
   return {};
 }
 
-/// Collective: every rank learns whether all ranks hold the same parameters
-/// and buffers. Throws config_error on every rank when not — naming the first
-/// differing entry and the ranks — or when some rank's own check failed
-/// (`local_problem`, which that rank reports in its own words).
-template <communicator C>
-void agree_on_model(C& comm, std::span<const parameter> params, std::span<const parameter> buffers,
-                    const std::string& local_problem) {
+/// Collective over the host control plane: every rank learns whether all
+/// ranks hold the same parameters and buffers. Throws config_error on every
+/// rank when not — naming the first differing entry and the ranks — or when
+/// some rank's own check failed (`local_problem`, which that rank reports in
+/// its own words).
+inline void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                           std::span<const parameter> buffers, const std::string& local_problem) {
   const int size = comm.size();
   const std::vector<std::string> entries = model_entries(params, buffers);
   const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
                                 static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
-  allgather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+  comm.allgather(mine, all);
 
   std::vector<int> troubled;
   for (int r = 0; r < size; ++r) {
@@ -9132,10 +9912,13 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
   std::string joined;
   for (const std::string& e : entries) joined += e + '\n';
   std::int64_t length = static_cast<std::int64_t>(joined.size());
-  broadcast(comm, std::span<std::int64_t>(&length, 1), 0).wait();
+  std::uint8_t length_bytes[sizeof length];
+  std::memcpy(length_bytes, &length, sizeof length);
+  comm.broadcast(length_bytes, 0);
+  std::memcpy(&length, length_bytes, sizeof length);
   std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
   if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
-  if (!bytes.empty()) broadcast(comm, std::span<std::uint8_t>(bytes), 0).wait();
+  comm.broadcast(bytes, 0);
   std::vector<std::string> reference;
   std::string current;
   for (std::uint8_t c : bytes) {
@@ -9154,7 +9937,7 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
     }
   }
   std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
-  allgather(comm, std::span<const std::int64_t>(&first, 1), std::span<std::int64_t>(firsts)).wait();
+  comm.allgather(std::span<const std::int64_t>(&first, 1), firsts);
   int culprit = -1;
   std::string differing;
   for (int r = 0; r < size; ++r) {
@@ -9170,7 +9953,7 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
     const std::string e = at < entries.size() ? entries[at] : "nothing";
     std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
   }
-  broadcast(comm, std::span<std::uint8_t>(text), culprit).wait();
+  comm.broadcast(text, culprit);
   const std::string theirs(reinterpret_cast<const char*>(text.data()));
   const std::string ours = at < reference.size() ? reference[at] : "nothing";
   throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
@@ -9181,10 +9964,12 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
 }
 
 /// Collective: every rank's parameter and buffer values become rank 0's.
-/// Host values travel as one packed message; device values one by one.
-template <communicator C>
-void broadcast_values(C& comm, std::span<const parameter> params,
-                      std::span<const parameter> buffers) {
+/// Host values travel packed over the control plane; device values one by
+/// one through `device_broadcast(buffer)`, which returns once the broadcast is
+/// complete (the device engine: the only device traffic besides the buckets).
+template <class DeviceBroadcast>
+void broadcast_values(control_plane& control, std::span<const parameter> params,
+                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast) {
   std::vector<const parameter*> host, device;
   for (auto list : {params, buffers}) {
     for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
@@ -9198,7 +9983,7 @@ void broadcast_values(C& comm, std::span<const parameter> params,
       std::memcpy(packed.data() + at, p->values.data, p->bytes());
       at += p->bytes();
     }
-    broadcast(comm, std::span<std::uint8_t>(packed), 0).wait();
+    control.broadcast(packed, 0);
     at = 0;
     for (const parameter* p : host) {
       std::memcpy(p->values.data, packed.data() + at, p->bytes());
@@ -9206,7 +9991,7 @@ void broadcast_values(C& comm, std::span<const parameter> params,
     }
   }
   for (const parameter* p : device) {
-    if (p->values.count > 0) comm.broadcast(p->values, 0).wait();
+    if (p->values.count > 0) device_broadcast(p->values);
   }
 }
 
@@ -9329,27 +10114,30 @@ class distributed_sampler {
 /// @file
 /// DistributedDataParallel<Model, Policy>: averages a model's gradients over
 /// the ranks while the backward pass is still running. Gradients live in
-/// flat buckets; the moment a bucket's last gradient is marked ready its
-/// allreduce starts — on the NCCL stream after an event on the compute
-/// stream, or on a communication thread for the host engines (MPI, Gloo).
+/// flat buckets in the backend's memory space; the moment a bucket's last
+/// gradient is marked ready its allreduce starts — on a communication thread
+/// for host memory (MPI, Gloo), or on the communicator's stream after an
+/// event on the compute stream for CUDA (NCCL), followed by a watchdog.
+/// Metadata (model agreement, the rebuild order) goes over the host control
+/// plane, never through a device engine.
 
 
 #include <algorithm>
-#include <condition_variable>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
+#include <cstring>
 #include <exception>
 #include <functional>
-#include <mutex>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace dtrain {
@@ -9370,77 +10158,66 @@ class DistributedDataParallel {
 
  public:
   using communicator_type = typename Policy::communicator_type;
+  /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
+  using memory_space = typename Policy::memory_space;
+  /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
+  using stream_type = typename memory_space::stream_type;
   /// A user reduction: must leave the mean over ranks in `bucket.data` once
   /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
   using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
-  static constexpr bool on_device = std::is_same_v<typename Policy::backend_type, backend::nccl>;
+  static constexpr bool on_device = memory_space::where == memory::device;
 
-  /// Collective over ctx's communicator; see the other constructor.
+  /// Collective over ctx's communicator; metadata goes over ctx's control plane
+  /// where the communicator cannot carry host data (NCCL).
   DistributedDataParallel(context<Policy>& ctx, Model& model, ddp_options options = {})
-      : DistributedDataParallel(ctx.communicator(), model, std::move(options)) {}
+      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model,
+                                std::move(options)) {}
+
+  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
+  /// communicator that reaches host memory). A device-only backend (NCCL)
+  /// needs the constructor with a control plane.
+  /// (A template only so that an explicit instantiation of the class for NCCL
+  /// does not trip the static_assert.)
+  template <std::same_as<Model> M>
+  DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
+      : DistributedDataParallel(comm, nullptr, model, std::move(options)) {
+    static_assert(std::same_as<M, Model> && communicator_type::reaches_host_memory,
+                  "this backend moves device memory only, and DistributedDataParallel's metadata "
+                  "(model agreement, bucket order) is host data: construct it from the context, "
+                  "or pass a control plane: DistributedDataParallel(comm, "
+                  "dtrain::control_plane(channel), model) with a dtrain::store_channel");
+  }
 
   /// Collective: checks that every rank holds the same parameters (names,
-  /// counts, types; config_error naming the first difference and the ranks),
-  /// copies rank 0's values to all, lays the gradients out in buckets and,
-  /// for MPI and Gloo, starts the communication thread. Buckets travel on a
-  /// split of `comm` of their own: the caller may use `comm` at any time.
-  DistributedDataParallel(communicator_type& comm, Model& model, ddp_options options = {})
-      : comm_(comm.split(0, comm.rank())),
-        model_(model),
-        options_(std::move(options)),
-        rank_(comm.rank()),
-        size_(comm.size()) {
-    for (auto&& p : model.parameters()) params_.push_back(static_cast<parameter>(p));
-    if constexpr (model_with_buffers<Model>) {
-      for (auto&& b : model.buffers()) buffers_.push_back(static_cast<parameter>(b));
-    }
-    detail::agree_on_model(
-        comm_, params_, buffers_,
-        detail::model_problem(params_, buffers_, options_, rank_, communicator_type::name,
-                              on_device, device_of_communicator()));
-    if (options_.broadcast_parameters) detail::broadcast_values(comm_, params_, buffers_);
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      by_name_.emplace(params_[i].name, i);
-      by_data_.emplace(params_[i].values.data, i);
-      original_.push_back(params_[i].gradient);
-    }
-    marked_.assign(params_.size(), 0);
-    touched_.assign(params_.size(), 0);
-    lay_out(detail::reverse_order(params_.size()));
-#if DTRAIN_HAS_CUDA()
-    // The buckets were filled on the legacy default stream; the user's stream may not wait for it.
-    if constexpr (on_device) DTRAIN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-#endif
-    if constexpr (!on_device) thread_ = std::thread([this] { serve(); });
-  }
+  /// counts, types; config_error naming the first difference and the ranks)
+  /// over `control`, copies rank 0's values to all (complete when this
+  /// returns), lays the gradients out in buckets, and starts the bucket
+  /// runner. Buckets travel on a split of `comm` of their own: the caller may
+  /// use `comm` at any time. `control` carries the metadata when `comm` cannot
+  /// (device-only backends; otherwise DDP's own split of `comm` does), and must
+  /// outlive this object.
+  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
+                          ddp_options options = {})
+      : DistributedDataParallel(comm, &control, model, std::move(options)) {}
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  /// Waits for buckets still in flight, then gives the model its gradients
-  /// back: bucket views are copied to the model's own buffers (or set to null
-  /// where it had none), since the buckets go with this object.
+  /// Waits for buckets still in flight (each within its timeout), then gives
+  /// the model its gradients back: bucket views are copied to the model's own
+  /// buffers (or set to null where it had none), since the buckets go with
+  /// this object.
   ~DistributedDataParallel() {
-    if constexpr (!on_device) {
-      {
-        std::lock_guard lock(mutex_);
-        stopping_ = true;
-      }
-      wake_.notify_all();
-      thread_.join();
-    }
+    runner_.reset();  // joins the thread, or waits out the watchdog
     try {
       for (std::size_t i = 0; i < params_.size(); ++i) {
-        if (!slots_[i].view) continue;
+        if (!vars_[i].view) continue;
         parameter& p = params_[i];
-        // The legacy default stream: the user's own stream may be gone already.
-        if (original_[i])
-          detail::copy_bytes(original_[i], p.gradient, p.bytes(), p.device, nullptr);
-        p.rebind(p.gradient_slot, original_[i]);
+        if (vars_[i].original)
+          memory_space::copy(vars_[i].original, p.gradient, p.bytes(), p.device, stream_);
+        p.rebind(p.gradient_slot, vars_[i].original);
       }
-#if DTRAIN_HAS_CUDA()
-      if constexpr (on_device) (void)cudaStreamSynchronize(nullptr);
-#endif
+      memory_space::synchronize(device_, stream_);  // before the buckets are freed
     } catch (...) {
       // A device that failed already reported it; the model's pointers are what they are.
     }
@@ -9481,49 +10258,54 @@ class DistributedDataParallel {
     for (auto&& p : params) mark_ready(p);
   }
 
-  /// Completes the step: launches what is left, waits until every bucket is
-  /// averaged (bounded by the collective timeout), and leaves the mean over
-  /// ranks in every gradient. Throws dtrain::error naming the parameters that
-  /// were never marked (unless find_unused_parameters), or the engine's error.
-  /// Inside no_sync() it does nothing. NCCL: the host waits for nothing; the
-  /// compute stream (set_stream) waits for the averaged gradients.
+  /// Completes the step: launches what is left and leaves the mean over ranks
+  /// in every gradient. Host memory: waits until every bucket is averaged
+  /// (bounded by the collective timeout). CUDA: the host waits for nothing;
+  /// the compute stream waits for the averaged gradients, and a watchdog
+  /// bounds every bucket by the collective timeout (its timeout_error is
+  /// thrown here or by the next call). Throws dtrain::error naming the
+  /// parameters that were never marked (unless find_unused_parameters), or
+  /// the engine's error. Inside no_sync() it does nothing.
   void synchronize() {
     if (no_sync_depth_ > 0) return;
     check_usable();
     complete_marks();
-    if constexpr (on_device) {
-#if DTRAIN_HAS_CUDA()
-      comm_.stream_wait(stream_);
-      for (std::size_t b = 0; b < buckets_.size(); ++b) finish_bucket(b);
-      for (bucket_state& b : buckets_) {
-        if (b.handle.test()) {
-          if (auto e = b.handle.exception()) fail(e);
-        }
-      }
-#endif
-    } else {
-      std::unique_lock lock(mutex_);
-      done_wake_.wait(lock, [&] { return done_ == buckets_.size(); });
-      if (failure_) {
-        auto e = failure_;
-        lock.unlock();
-        fail(e);
-      }
-    }
+    if (auto e = runner_->complete(buckets_.size())) fail(e);
     end_step();
   }
 
-#if DTRAIN_HAS_CUDA()
-  /// NCCL: the stream the backward pass runs on (default: the legacy default
-  /// stream). Buckets are ordered after the work on it when they are
-  /// launched; synchronize() makes it wait for the averaged gradients.
-  void set_stream(cudaStream_t compute) { stream_ = compute; }
-  /// set_stream(compute), then synchronize().
-  void synchronize(cudaStream_t compute) {
+  /// The stream the backward pass runs on (CUDA; default: the legacy default
+  /// stream). Set it before a step, not between mark_ready and synchronize()
+  /// (config_error): buckets launched in a step are ordered after it.
+  void set_stream(stream_type compute) requires(memory_space::on_stream) {
+    if (compute == stream_) return;
+    if (any_marked_) {
+      throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
+                         " in the middle of step " + std::to_string(steps_) +
+                         " (after mark_ready, before synchronize()): buckets already launched "
+                         "are ordered after the old stream; set the stream before the step");
+    }
+    memory_space::check_stream(device_, compute);
     stream_ = compute;
+  }
+  /// set_stream(compute), then synchronize().
+  void synchronize(stream_type compute) requires(memory_space::on_stream) {
+    if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
+      throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
+                         std::to_string(rank_) + " with a stream other than the one step " +
+                         std::to_string(steps_) +
+                         " was marked on: call set_stream(stream) before the step instead");
+    }
+    set_stream(compute);
     synchronize();
   }
-#endif
+  /// Blocks the host until every bucket launched so far has been averaged
+  /// on the device (each within the collective timeout): for measuring, or
+  /// before reading gradients on the host. Throws what a bucket failed with.
+  void wait() {
+    if (auto e = runner_drain()) fail(e);
+    memory_space::synchronize(device_, stream_);
+  }
 
   /// While alive, mark_ready only records and nothing is communicated;
   /// gradients accumulate as the caller adds into them, and the next
@@ -9560,10 +10342,10 @@ class DistributedDataParallel {
                   " in the middle of a step (after mark_ready, before synchronize())");
     }
     for (bucket_state& b : buckets_)
-      detail::zero_bytes(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+      memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!slots_[i].view)
-        detail::zero_bytes(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
+      if (!vars_[i].view)
+        memory_space::zero(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
     }
   }
 
@@ -9590,55 +10372,146 @@ class DistributedDataParallel {
   [[nodiscard]] Model& module() noexcept { return model_; }
   /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+  /// Whether float32 buckets can be compressed here: always on the host; on
+  /// a GPU when some translation unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool compression_available() noexcept {
+    return memory_space::casts_available();
+  }
 
  private:
-  struct slot {
+  template <class>
+  friend class detail::thread_runner;
+  template <class>
+  friend class detail::stream_runner;
+
+  /// What DDP keeps per parameter (the Reducer's VariableIndex): the slot in
+  /// its bucket and this step's state.
+  struct variable {
+    void* original = nullptr;  // the model's own gradient pointer, given back at the end
     std::size_t bucket = 0;
     std::size_t offset = 0;  // bytes into the bucket
     bool view = false;       // the gradient lives in the bucket
+    bool marked = false;     // this step
+    bool touched = false;    // since the last synchronized step, no_sync() micro-steps included
+    bool zeroed = false;     // copy mode, unused this step: its slice was zeroed, skip copy-in
   };
   struct bucket_state {
-    detail::flat_storage grads;
-    detail::flat_storage wire;  // the 16-bit copy, with compression
-    std::size_t pending = 0;    // parameters not yet marked this step
+    detail::flat_storage<memory_space> grads;
+    detail::flat_storage<memory_space> wire;  // the 16-bit copy, with compression
+    std::size_t pending = 0;                  // parameters not yet marked this step
     bool ready = false;
-    work handle;
   };
+  using runner_type =
+      std::conditional_t<memory_space::on_stream, detail::stream_runner<DistributedDataParallel>,
+                         detail::thread_runner<DistributedDataParallel>>;
+  // The control plane DDP makes for itself over its own communicator (host backends).
+  using own_channel_type =
+      std::conditional_t<communicator_type::reaches_host_memory,
+                         communicator_channel<communicator_type>, std::monostate>;
 
-  int device_of_communicator() const {
-    if constexpr (on_device) return comm_.device();
-    return -1;
+  DistributedDataParallel(communicator_type& comm, control_plane* given, Model& model,
+                          ddp_options options)
+      : comm_(comm.split(0, comm.rank())),
+        own_channel_(make_own_channel()),
+        control_(control_for(given)),
+        model_(model),
+        options_(std::move(options)),
+        rank_(comm.rank()),
+        size_(comm.size()) {
+    for (auto&& p : model.parameters()) params_.push_back(static_cast<parameter>(p));
+    if constexpr (model_with_buffers<Model>) {
+      for (auto&& b : model.buffers()) buffers_.push_back(static_cast<parameter>(b));
+    }
+    device_ = device_of(comm_);
+    if (options_.compression != gradient_compression::none && !compression_available()) {
+      // Every rank of the same program sees the same; the agreement below stops them all alike.
+      problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
+                 std::string(detail::device_casts_missing);
+    }
+    detail::agree_on_model(control_, params_, buffers_,
+                           problem_.empty()
+                               ? detail::model_problem(params_, buffers_, options_, rank_,
+                                                       communicator_type::name, on_device, device_)
+                               : problem_);
+    if (options_.broadcast_parameters) {
+      detail::broadcast_values(control_, params_, buffers_, [&](const buffer& values) {
+        if constexpr (memory_space::on_stream) {
+          comm_.broadcast(values, 0, stream_).wait();
+        } else {
+          comm_.broadcast(values, 0).wait();
+        }
+      });
+    }
+    vars_.resize(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      by_name_.emplace(params_[i].name, i);
+      by_data_.emplace(params_[i].values.data, i);
+      vars_[i].original = params_[i].gradient;
+    }
+    lay_out(detail::reverse_order(params_.size()));
+    // The buckets were zeroed and filled on the compute stream: complete before the first step.
+    memory_space::synchronize(device_, stream_);
+    runner_.emplace(*this);
+  }
+
+  own_channel_type make_own_channel() {
+    if constexpr (communicator_type::reaches_host_memory) {
+      return own_channel_type(comm_);
+    } else {
+      return {};
+    }
+  }
+  // A communicator that reaches host memory carries the metadata itself (no
+  // store traffic, and packed host values of any size); a device-only one uses `given`.
+  control_plane control_for([[maybe_unused]] control_plane* given) {
+    if constexpr (communicator_type::reaches_host_memory) {
+      return control_plane(own_channel_);
+    } else {
+      return *given;  // the constructors without one do not compile for such a communicator
+    }
+  }
+
+  static int device_of(communicator_type& comm) {
+    if constexpr (on_device) {
+      return comm.device();
+    } else {
+      (void)comm;
+      return -1;
+    }
   }
 
   /// Lays the gradients out in buckets filled in `order`, moving each
-  /// bucket-view gradient (and its values) to its new place.
+  /// bucket-view gradient (and its values) to its new place. The old buckets
+  /// are freed only once the copies out of them are complete.
   void lay_out(std::span<const std::size_t> order) {
     std::vector<bucket_info> info = detail::assign_buckets(
         params_, order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
         mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
     std::vector<bucket_state> buckets(info.size());
-    std::vector<slot> slots(params_.size());
     for (std::size_t b = 0; b < info.size(); ++b) {
-      buckets[b].grads = detail::flat_storage(info[b].bytes, info[b].device);
+      buckets[b].grads = detail::flat_storage<memory_space>(info[b].bytes, info[b].device, stream_);
       if (compressed(info[b]))
-        buckets[b].wire = detail::flat_storage(
-            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device);
-      std::size_t offset = 0;
-      for (std::size_t i : info[b].parameters) {
+        buckets[b].wire = detail::flat_storage<memory_space>(
+            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device,
+            stream_);
+      for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
+        const std::size_t i = info[b].parameters[k];
         parameter& p = params_[i];
-        slots[i] = {b, offset, options_.gradient_as_bucket_view && p.rebindable()};
-        if (slots[i].view) {
-          void* place = buckets[b].grads.data() + offset;
-          if (p.gradient) detail::copy_bytes(place, p.gradient, p.bytes(), p.device, stream_);
+        variable& v = vars_[i];
+        v.bucket = b;
+        v.offset = info[b].offsets[k];
+        v.view = options_.gradient_as_bucket_view && p.rebindable();
+        if (v.view) {
+          void* place = buckets[b].grads.data() + v.offset;
+          if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
           p.gradient = place;
           p.rebind(p.gradient_slot, place);
         }
-        offset += p.bytes();
       }
     }
+    memory_space::synchronize(device_, stream_);  // the copies out of the old buckets are done
     info_ = std::move(info);
-    buckets_ = std::move(buckets);  // frees the old buckets (cudaFree waits for the copies)
-    slots_ = std::move(slots);
+    buckets_ = std::move(buckets);
     reset_step();
   }
 
@@ -9648,20 +10521,21 @@ class DistributedDataParallel {
 
   void ready(std::size_t i) {
     check_usable();
+    variable& v = vars_[i];
     if (no_sync_depth_ > 0) {
-      touched_[i] = 1;
+      v.touched = true;
       return;
     }
-    if (marked_[i]) {
+    if (v.marked) {
       throw error("DistributedDataParallel::mark_ready: parameter '" + params_[i].name + "' (#" +
                   std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
                   " on rank " + std::to_string(rank_) +
                   "; mark each gradient once per step (accumulate inside no_sync())");
     }
-    marked_[i] = touched_[i] = 1;
+    v.marked = v.touched = true;
     any_marked_ = true;
     if (recording()) ready_order_.push_back(i);
-    bucket_state& b = buckets_[slots_[i].bucket];
+    bucket_state& b = buckets_[v.bucket];
     if (--b.pending == 0) {
       b.ready = true;
       if (options_.overlap) launch_ready();
@@ -9672,7 +10546,13 @@ class DistributedDataParallel {
 
   /// Launches, in bucket order, every bucket whose turn it is and is ready.
   void launch_ready() {
-    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+      try {
+        runner_->launch(next_launch_++);
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    }
   }
 
   /// The unmarked parameters of this step: an error, or (find_unused_parameters)
@@ -9680,7 +10560,7 @@ class DistributedDataParallel {
   void complete_marks() {
     std::vector<std::size_t> missing;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!marked_[i]) missing.push_back(i);
+      if (!vars_[i].marked) missing.push_back(i);
     }
     if (!missing.empty() && !options_.find_unused_parameters) {
       std::string names;
@@ -9695,7 +10575,7 @@ class DistributedDataParallel {
     }
     for (std::size_t i : missing) {
       // Nothing accumulated in no_sync() either: this rank contributes zero.
-      if (!touched_[i]) zero_contribution(i);
+      if (!vars_[i].touched) zero_contribution(i);
       ready(i);
     }
     for (bucket_state& b : buckets_) b.ready = true;
@@ -9704,65 +10584,54 @@ class DistributedDataParallel {
 
   void zero_contribution(std::size_t i) {
     parameter& p = params_[i];
-    if (slots_[i].view) {
-      detail::zero_bytes(p.gradient, p.bytes(), p.device, stream_);
+    variable& v = vars_[i];
+    if (v.view) {
+      memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
     } else {
       // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
-      detail::zero_bytes(buckets_[slots_[i].bucket].grads.data() + slots_[i].offset, p.bytes(),
-                         p.device, stream_);
-      skip_copy_in_[i] = 1;
+      memory_space::zero(buckets_[v.bucket].grads.data() + v.offset, p.bytes(), p.device, stream_);
+      v.zeroed = true;
     }
   }
 
-  /// Starts bucket b's reduction: a queue entry for the communication thread,
-  /// or (NCCL) the collective itself, ordered after the compute stream.
-  void launch(std::size_t b) {
-    if constexpr (on_device) {
-      prepare_bucket(b);
-      buckets_[b].handle = reduce(b);
-    } else {
-      {
-        std::lock_guard lock(mutex_);
-        queue_.push_back(b);
-      }
-      wake_.notify_one();
-    }
-  }
+  // The runner's steps (detail::thread_runner, detail::stream_runner).
 
   /// Copy-in and compression: what must happen before the collective.
   void prepare_bucket(std::size_t b) {
     bucket_state& s = buckets_[b];
     for (std::size_t i : info_[b].parameters) {
-      if (slots_[i].view || skip_copy_in_[i]) continue;
-      detail::copy_bytes(s.grads.data() + slots_[i].offset, params_[i].gradient, params_[i].bytes(),
+      const variable& v = vars_[i];
+      if (v.view || v.zeroed) continue;
+      memory_space::copy(s.grads.data() + v.offset, params_[i].gradient, params_[i].bytes(),
                          info_[b].device, stream_);
     }
     if (!compressed(info_[b])) return;
     const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
-    detail::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()), info_[b].count,
-                     scale, options_.compression, info_[b].device, stream_);
+    memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
+                           info_[b].count, scale, detail::wire_type(options_.compression),
+                           info_[b].device, stream_);
   }
 
-  /// The collective of bucket b (or the user's hook).
+  /// The collective of bucket b (or the user's hook), ordered after the compute stream.
   work reduce(std::size_t b) {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
-    const memory where = info.device < 0 ? memory::host : memory::device;
-    buffer data{s.grads.data(), info.count, info.type, where};
+    buffer data{s.grads.data(), info.count, info.type, memory_space::where};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
-      data = {s.wire.data(), info.count, detail::wire_type(options_.compression), where};
+      data = {s.wire.data(), info.count, detail::wire_type(options_.compression),
+              memory_space::where};
       op = reduce_op::sum;
     }
     if (hook_) {
-      gradient_bucket view{
-          .index = b, .data = data, .world_size = size_, .parameters = info.parameters};
-#if DTRAIN_HAS_CUDA()
-      view.stream = stream_;
-#endif
+      gradient_bucket view{.index = b,
+                           .data = data,
+                           .world_size = size_,
+                           .parameters = info.parameters,
+                           .stream = stream_};
       return hook_(comm_, view);
     }
-    if constexpr (on_device) {
+    if constexpr (memory_space::on_stream) {
       return comm_.allreduce(data, data, op, stream_);
     } else {
       return comm_.allreduce(data, data, op);
@@ -9774,47 +10643,27 @@ class DistributedDataParallel {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
     if (compressed(info)) {
-      detail::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
-                         options_.compression, info.device, stream_);
+      memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
+                               detail::wire_type(options_.compression), info.device, stream_);
     }
     for (std::size_t i : info.parameters) {
-      if (slots_[i].view) continue;
-      detail::copy_bytes(params_[i].gradient, s.grads.data() + slots_[i].offset, params_[i].bytes(),
+      const variable& v = vars_[i];
+      if (v.view) continue;
+      memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
                          info.device, stream_);
     }
   }
 
-  /// The communication thread (MPI, Gloo): reduces buckets in launch order.
-  void serve() {
-    for (;;) {
-      std::size_t b = 0;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left in flight
-        b = queue_.front();
-        queue_.pop_front();
-        if (failure_) {  // the communicator failed already: do not wait for it again
-          ++done_;
-          done_wake_.notify_all();
-          continue;
-        }
-      }
-      std::exception_ptr failed;
-      try {
-        prepare_bucket(b);
-        work w = reduce(b);
-        w.wait();  // bounded by the collective timeout
-        finish_bucket(b);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++done_;
-      }
-      done_wake_.notify_all();
+  /// Streams: the compute stream waits (on the device) for every collective so far.
+  void order_after_buckets() {
+    if constexpr (memory_space::on_stream) comm_.stream_wait(stream_);
+  }
+
+  std::exception_ptr runner_drain() {
+    if constexpr (memory_space::on_stream) {
+      return runner_->drain();
+    } else {
+      return nullptr;  // synchronize() waited already
     }
   }
 
@@ -9824,13 +10673,26 @@ class DistributedDataParallel {
     ++steps_;
     if (rebuild) {
       // Rank 0's order wins, so that every rank lays its buckets out alike.
-      std::vector<std::int64_t> order(ready_order_.begin(), ready_order_.end());
-      broadcast(comm_, std::span<std::int64_t>(order), 0).wait();
-      std::vector<std::size_t> agreed(order.begin(), order.end());
+      std::vector<std::uint8_t> bytes(ready_order_.size() * sizeof(std::uint64_t));
+      for (std::size_t k = 0; k < ready_order_.size(); ++k) {
+        const std::uint64_t i = ready_order_[k];
+        std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
+      }
+      control_.broadcast(bytes, 0);
+      std::vector<std::size_t> agreed(ready_order_.size());
+      for (std::size_t k = 0; k < agreed.size(); ++k) {
+        std::uint64_t i = 0;
+        std::memcpy(&i, bytes.data() + k * sizeof i, sizeof i);
+        agreed[k] = static_cast<std::size_t>(i);
+      }
       detail::check_order(agreed, params_.size(),
                           "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
       rebuilt_ = true;
-      if (agreed != layout_order()) lay_out(agreed);
+      if (agreed != layout_order()) {
+        // The buckets in flight must be done before their storage goes.
+        if (auto e = runner_drain()) fail(e);
+        lay_out(agreed);
+      }
     }
     reset_step();
   }
@@ -9844,19 +10706,14 @@ class DistributedDataParallel {
   }
 
   void reset_step() {
-    std::fill(marked_.begin(), marked_.end(), 0);
-    std::fill(touched_.begin(), touched_.end(), 0);
+    for (variable& v : vars_) v.marked = v.touched = v.zeroed = false;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       buckets_[b].pending = info_[b].parameters.size();
       buckets_[b].ready = false;
-      buckets_[b].handle = work();
     }
     ready_order_.clear();
-    skip_copy_in_.assign(params_.size(), 0);
     next_launch_ = 0;
     any_marked_ = false;
-    std::lock_guard lock(mutex_);
-    done_ = 0;
   }
 
   void check_usable() const {
@@ -9879,23 +10736,22 @@ class DistributedDataParallel {
   // A communicator of its own (a split of the user's), so that collectives the
   // user issues during a step cannot interleave with the buckets' differently on different ranks.
   communicator_type comm_;
+  own_channel_type own_channel_;
+  control_plane control_;
   Model& model_;
   ddp_options options_;
   int rank_;
   int size_;
+  int device_ = -1;
+  std::string problem_;
   std::vector<parameter> params_;
   std::vector<parameter> buffers_;
-  std::vector<void*> original_;  // the model's own gradient pointers, given back at the end
+  std::vector<variable> vars_;  // per parameter, indexed like params_
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
   std::vector<bucket_info> info_;
   std::vector<bucket_state> buckets_;
-  std::vector<slot> slots_;
-  std::vector<char> marked_;   // this step
-  std::vector<char> touched_;  // since the last synchronized step, no_sync() micro-steps included
   std::vector<std::size_t> ready_order_;
-  std::vector<char>
-      skip_copy_in_;  // zeroed unused copy-mode slices (the thread reads its bucket's only)
   std::size_t next_launch_ = 0;
   std::size_t steps_ = 0;
   bool rebuilt_ = false;
@@ -9904,16 +10760,8 @@ class DistributedDataParallel {
   bool broken_ = false;
   std::string broken_message_;
   comm_hook hook_;
-  detail::compute_stream stream_ = nullptr;
-  // The communication thread (MPI, Gloo) and what it shares with the caller.
-  std::mutex mutex_;
-  std::condition_variable wake_;       // work for the thread, or stop
-  std::condition_variable done_wake_;  // a bucket finished
-  std::deque<std::size_t> queue_;
-  std::size_t done_ = 0;
-  bool stopping_ = false;
-  std::exception_ptr failure_;
-  std::thread thread_;
+  stream_type stream_ = nullptr;
+  std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
 
 }  // namespace dtrain

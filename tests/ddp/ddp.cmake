@@ -116,3 +116,32 @@ foreach(backend IN ITEMS mpi gloo)
       PROPERTIES PROCESSORS 2)
   endforeach()
 endforeach()
+
+# The GPU path without a GPU (issue 11): DistributedDataParallel on a backend with
+# NCCL's rules on host memory (device buffers only, streams, a watchdog), Gloo underneath.
+if(DTRAIN_WITH_GLOO)
+  add_executable(dtrain_ddp_device_rules ddp/ddp_device_rules.cpp)
+  target_link_libraries(dtrain_ddp_device_rules PRIVATE dtrain::dtrain)
+  dtrain_target_warnings(dtrain_ddp_device_rules)
+  add_dependencies(dtrain_ddp_device_rules dtrain_test_launch)
+  foreach(ranks IN ITEMS 1 2 3)
+    dtrain_add_test(ddp.device_rules.mean.${ranks}ranks
+      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> mean
+      TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
+  endforeach()
+  dtrain_add_test(ddp.device_rules.hung_peer.2ranks
+    COMMAND $<TARGET_FILE:dtrain_test_launch> --no-kill 2 $<TARGET_FILE:dtrain_ddp_device_rules> hung-peer
+    TIMEOUT 60 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3
+    PROPERTIES PROCESSORS 2 PASS_REGULAR_EXPRESSION "the watchdog reported the hung peer in time")
+  dtrain_add_test(ddp.device_rules.mismatch.2ranks
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--no-kill|2|$<TARGET_FILE:dtrain_ddp_device_rules>|mismatch"
+            -DEXPECT_STATUS=2 "-DEXPECT_1=\\[rank 0/2\\] dtrain: [^\n]*layer5[.]view"
+            "-DEXPECT_2=\\[rank 1/2\\] dtrain: [^\n]*layer5[.]renamed"
+            -P "${ddp_dir}/check_error.cmake"
+    TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 PROPERTIES PROCESSORS 2)
+else()
+  foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks hung_peer.2ranks mismatch.2ranks)
+    dtrain_add_skipped_test(ddp.device_rules.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
+  endforeach()
+endif()

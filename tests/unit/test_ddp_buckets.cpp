@@ -73,11 +73,25 @@ void check_partition(const std::vector<parameter>& ps, const std::vector<bucket_
                     "parameter " << i << " of another type in " << show(buckets));
       CHECK_MESSAGE(ps[i].device == b.device,
                     "parameter " << i << " of another device in " << show(buckets));
-      count += ps[i].values.count;
-      bytes += ps[i].values.bytes();
     }
-    CHECK(b.count == count);
+    // Slots in layout order, without overlap; GPU slots start on bucket_alignment,
+    // host slots are packed; bytes end at the last slot, count covers them.
+    REQUIRE(b.offsets.size() == b.parameters.size());
+    for (std::size_t k = 0; k < b.parameters.size(); ++k) {
+      const parameter& p = ps[b.parameters[k]];
+      if (b.device >= 0) {
+        CHECK(b.offsets[k] % dtrain::bucket_alignment == 0);
+        CHECK(b.offsets[k] < bytes + dtrain::bucket_alignment);
+      } else {
+        CHECK(b.offsets[k] == bytes);
+      }
+      CHECK(b.offsets[k] >= bytes);
+      bytes = b.offsets[k] + p.values.bytes();
+      count += p.values.count;
+    }
     CHECK(b.bytes == bytes);
+    CHECK(b.count * dtrain::size_of(b.type) == bytes);
+    CHECK(b.count >= count);
   }
   for (std::size_t i = 0; i < ps.size(); ++i) {
     CHECK_MESSAGE(seen[i] == 1,
@@ -195,6 +209,12 @@ TEST_CASE("assign_buckets: devices are never mixed") {
   CHECK(buckets[0].device == -1);
   CHECK(buckets[1].device == 0);
   CHECK(buckets[2].device == 1);
+  // Host slots are packed; GPU slots start 256 bytes apart (10 floats each).
+  CHECK(buckets[0].offsets == std::vector<std::size_t>{0, 40});
+  CHECK(buckets[0].count == 20);
+  CHECK(buckets[1].offsets == std::vector<std::size_t>{0, 256});
+  CHECK(buckets[1].bytes == 296);
+  CHECK(buckets[1].count == 74);
 }
 
 TEST_CASE("assign_buckets: a rebuild follows the observed ready order") {
@@ -241,7 +261,10 @@ TEST_CASE(
       if (b > 0) CHECK(position[params.front()] > previous_first);
       previous_first = position[params.front()];
       // Soft cap: the bucket was below the larger cap before its last parameter joined.
-      const std::size_t before_last = buckets[b].bytes - ps[params.back()].bytes();
+      // (GPU slots are aligned: the bucket ended where its second-to-last slot did.)
+      const std::size_t n_in = params.size();
+      const std::size_t before_last =
+          n_in < 2 ? 0 : buckets[b].offsets[n_in - 2] + ps[params[n_in - 2]].bytes();
       CHECK(before_last < std::max(first_cap, cap));
     }
   }

@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace dtrain {
@@ -31,6 +32,7 @@ concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int r
   { c.barrier() } -> std::same_as<work>;
   { c.split(root, root) } -> std::same_as<C>;
   { C::reaches_device_memory } -> std::convertible_to<bool>;
+  { C::reaches_host_memory } -> std::convertible_to<bool>;
   { C::name } -> std::convertible_to<std::string_view>;
 };
 
@@ -100,50 +102,82 @@ inline void compare_signatures(const signature& mine, int rank, int size, const 
 
 }  // namespace detail
 
-// Typed collectives. Host spans work with every backend; device_span only
-// with backends that reach device memory, which is checked at compile time.
+// Typed collectives. A std::span is host memory and a device_span GPU
+// memory; each backend states which it reaches, and a wrong pairing is a
+// compile error (the engine's own run-time check is the second line).
+
+namespace detail {
+template <communicator C>
+inline constexpr bool host_ok = C::reaches_host_memory;
+template <communicator C>
+inline constexpr bool device_ok = C::reaches_device_memory;
+}  // namespace detail
+
+#define DTRAIN_HOST_ONLY_MESSAGE                                                              \
+  "this backend moves host memory only (std::span): copy device data to the host first, or " \
+  "use backend::nccl (or MPI built with CUDA) for device_span"
+#define DTRAIN_DEVICE_ONLY_MESSAGE                                                             \
+  "this backend moves GPU memory only (device_span): NCCL cannot read a host std::span; put " \
+  "the data on the device, or send host data over the host control plane (the store, or an " \
+  "MPI/Gloo communicator)"
 
 /// In place: every rank's `data` becomes the reduction over all ranks.
 template <communicator C, element T>
 work allreduce(C& c, std::span<T> data, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.allreduce(host_buffer(data), host_buffer(data), op);
 }
 /// Out of place: `out` becomes the reduction of every rank's `in`.
 template <communicator C, element T>
 work allreduce(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.allreduce(host_buffer(in), host_buffer(out), op);
 }
 template <communicator C, element T>
 work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
-  static_assert(C::reaches_device_memory,
-                "this backend reduces host memory only: copy device data to the host first, or use "
-                "backend::nccl (or MPI built with CUDA)");
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.allreduce(data.as_buffer(), data.as_buffer(), op);
 }
 
 /// `data` on every rank becomes root's.
 template <communicator C, element T>
 work broadcast(C& c, std::span<T> data, int root) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.broadcast(host_buffer(data), root);
 }
 template <communicator C, element T>
 work broadcast(C& c, device_span<T> data, int root) {
-  static_assert(C::reaches_device_memory,
-                "this backend broadcasts host memory only: copy device data to the host first, or use "
-                "backend::nccl (or MPI built with CUDA)");
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.broadcast(data.as_buffer(), root);
 }
 
 /// `out` (size() × in.size() elements) becomes every rank's `in`, in rank order.
 template <communicator C, element T>
 work allgather(C& c, std::span<const T> in, std::span<T> out) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.allgather(host_buffer(in), host_buffer(out));
+}
+template <communicator C, class In, element T>
+requires std::same_as<std::remove_const_t<In>, T>
+work allgather(C& c, device_span<In> in, device_span<T> out) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.allgather(in.as_buffer(), out.as_buffer());
 }
 
 /// `in` (size() × out.size() elements) is reduced over ranks; rank r receives block r in `out`.
 template <communicator C, element T>
 work reduce_scatter(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
   return c.reduce_scatter(host_buffer(in), host_buffer(out), op);
 }
+template <communicator C, class In, element T>
+requires std::same_as<std::remove_const_t<In>, T>
+work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);
+}
+
+#undef DTRAIN_HOST_ONLY_MESSAGE
+#undef DTRAIN_DEVICE_ONLY_MESSAGE
 
 }  // namespace dtrain

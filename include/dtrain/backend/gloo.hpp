@@ -105,6 +105,7 @@ struct gloo_self {
 class gloo_communicator {
  public:
   static constexpr bool reaches_device_memory = false;
+  static constexpr bool reaches_host_memory = true;
   static constexpr std::string_view name = "gloo";
 
   /// Joins the group of `size` ranks that meet in `store`, which must outlive

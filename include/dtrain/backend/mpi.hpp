@@ -141,6 +141,7 @@ class mpi_communicator {
  public:
   static constexpr std::string_view name = "mpi";
   static constexpr bool reaches_device_memory = DTRAIN_HAS_CUDA() != 0;
+  static constexpr bool reaches_host_memory = true;
 
   /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
   static mpi_communicator world(mpi_options options = {}) {

@@ -60,6 +60,8 @@ namespace dtrain {
 class nccl_communicator {
  public:
   static constexpr bool reaches_device_memory = true;
+  /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
+  static constexpr bool reaches_host_memory = false;
   static constexpr std::string_view name = "nccl";
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally

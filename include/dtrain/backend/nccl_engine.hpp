@@ -15,6 +15,7 @@
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -282,16 +283,9 @@ inline constexpr std::string_view nccl_timeout_hint =
     "what every "
     "rank passed)";
 
-/// Polling back-off: yields at first, then short sleeps, so a long wait costs no core.
-struct nccl_backoff {
-  unsigned spins = 0;
-  void operator()() {
-    if (++spins < 128) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 50 : 1000));
-    }
-  }
+/// Polling back-off for work the GPU finishes: sleeps grow to 1 ms.
+struct nccl_backoff : backoff {
+  nccl_backoff() : backoff{.longest = std::chrono::microseconds(1000)} {}
 };
 
 /// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
@@ -325,6 +319,10 @@ struct nccl_shared {
   ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
 
   std::mutex mutex;
+  /// Set by a watchdog (or any thread) that wants the communicator aborted:
+  /// every wait that holds `mutex` checks it each round and gives the lock up,
+  /// so an abort never waits for the wait it is meant to end.
+  std::atomic<bool> abort_requested{false};
   bool aborted = false;
   std::string abort_reason;
   int abort_code = 0;
@@ -408,6 +406,11 @@ struct nccl_shared {
     nccl_backoff pause;
     for (;;) {
       throw_if_aborted(what);
+      if (abort_requested.load(std::memory_order_acquire)) {
+        std::string why = what + " was interrupted: another thread aborted the communicator";
+        abort_locked(why, 0);
+        throw backend_error(why, 0);
+      }
       const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
         std::string why = what + " failed: NCCL reports " + async_text(state);
@@ -459,6 +462,12 @@ struct nccl_shared {
   /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
   ~nccl_shared() {
     device_guard guard(device, std::nothrow);
+    // While an exception unwinds (a peer may be gone) or after a timeout, waiting
+    // for collectives could take the whole timeout: abort instead of finalizing.
+    if (comm && (std::uncaught_exceptions() > 0 || abort_requested.load())) {
+      (void)ncclCommAbort(comm);
+      comm = nullptr;
+    }
     if (comm) {
       const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
       // Finalize only a communicator that is idle and healthy; anything else is aborted.
@@ -570,7 +579,10 @@ class nccl_work final : public work_state {
     return true;
   }
 
+  // Called by whoever waited (a watchdog thread included): the flag first, so
+  // that a wait holding the lock lets go of it within one polling round.
   void on_timeout() noexcept override {
+    shared_->abort_requested.store(true, std::memory_order_release);
     std::lock_guard lock(shared_->mutex);
     shared_->abort_locked(description() + " timed out", 0);
   }

@@ -166,14 +166,25 @@ template <element T>
   return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
 }
 
-/// A span of device (GPU) memory: the type says where it lives, so a backend
-/// that cannot reach device memory rejects it at compile time.
-template <element T>
+/// A span of device (GPU) memory: pointer, count and the CUDA device. The
+/// type says where the data lives, so a backend that cannot reach device
+/// memory rejects it at compile time (and NCCL rejects a std::span).
+template <class T>
+requires element<std::remove_const_t<T>>
 struct device_span {
   T* data = nullptr;
   std::size_t count = 0;
+  int device = -1;  ///< the CUDA device it was allocated on; -1: not stated
+
   [[nodiscard]] buffer as_buffer() const noexcept {
-    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>, memory::device};
+    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>,
+            memory::device};
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return count; }
+  /// The read-only view, for the inputs of allgather and reduce_scatter.
+  template <class U = T>
+  requires(!std::is_const_v<U>) [[nodiscard]] operator device_span<const U>() const noexcept {
+    return {data, count, device};
   }
 };
 

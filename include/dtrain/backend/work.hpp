@@ -75,6 +75,25 @@ inline std::string describe(const collective_info& info) {
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
 
+/// How a thread waits for work that others (a device, an engine's thread, a
+/// peer) finish: spins first (a collective often ends within microseconds),
+/// then yields, then sleeps: 20 us at first (an engine that progresses only
+/// inside its test call, like MPI's, still gets polled often), `longest`
+/// once the wait has gone on for a while.
+struct backoff {
+  std::chrono::microseconds longest{200};
+  unsigned rounds = 0;
+  void operator()() {
+    ++rounds;
+    if (rounds < 64) return;
+    if (rounds < 256) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(rounds < 4096 ? std::chrono::microseconds(20) : longest);
+  }
+};
+
 /// One outstanding collective, as a backend tracks it.
 class work_state {
  public:
@@ -90,14 +109,16 @@ class work_state {
 
   /// Blocks until finished (true) or the deadline passes (false). The default
   /// keeps calling poll(), for engines that advance only inside their test
-  /// call (MPI without a progress thread), yielding after a while so that
-  /// oversubscribed ranks can run. Engines that finish on threads of their
-  /// own (Gloo) override it to sleep instead of taking the CPU from them.
+  /// call (MPI without a progress thread): a short spin, then yields, then
+  /// sleeps (detail::backoff), so a long wait costs no core.
+  /// Engines that finish on threads of their own (Gloo) override it to sleep
+  /// on a condition instead.
   virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
-    for (std::uint64_t spins = 0;; ++spins) {
+    backoff pause;
+    for (;;) {
       if (poll()) return true;
-      if (spins > 2000) std::this_thread::yield();
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() > deadline) return poll();
+      if (std::chrono::steady_clock::now() > deadline) return poll();
+      pause();
     }
   }
   /// A wait gave up: abort what the engine can abort, and mark the
@@ -163,6 +184,11 @@ class work {
       done_ = true;
     }
     if (auto e = exception()) std::rethrow_exception(e);
+  }
+
+  /// The limit wait() without an argument allows (the communicator's collective timeout).
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return state_ ? state_->timeout() : std::chrono::milliseconds(0);
   }
 
   /// The error the collective failed with (or the timeout), once finished; null otherwise.

@@ -5,6 +5,7 @@
 /// and rank 0's values of them.
 
 #include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/control.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
@@ -103,19 +104,19 @@ inline std::string model_problem(std::span<const parameter> params,
   return {};
 }
 
-/// Collective: every rank learns whether all ranks hold the same parameters
-/// and buffers. Throws config_error on every rank when not — naming the first
-/// differing entry and the ranks — or when some rank's own check failed
-/// (`local_problem`, which that rank reports in its own words).
-template <communicator C>
-void agree_on_model(C& comm, std::span<const parameter> params, std::span<const parameter> buffers,
-                    const std::string& local_problem) {
+/// Collective over the host control plane: every rank learns whether all
+/// ranks hold the same parameters and buffers. Throws config_error on every
+/// rank when not — naming the first differing entry and the ranks — or when
+/// some rank's own check failed (`local_problem`, which that rank reports in
+/// its own words).
+inline void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                           std::span<const parameter> buffers, const std::string& local_problem) {
   const int size = comm.size();
   const std::vector<std::string> entries = model_entries(params, buffers);
   const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
                                 static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
-  allgather(comm, std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+  comm.allgather(mine, all);
 
   std::vector<int> troubled;
   for (int r = 0; r < size; ++r) {
@@ -136,10 +137,13 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
   std::string joined;
   for (const std::string& e : entries) joined += e + '\n';
   std::int64_t length = static_cast<std::int64_t>(joined.size());
-  broadcast(comm, std::span<std::int64_t>(&length, 1), 0).wait();
+  std::uint8_t length_bytes[sizeof length];
+  std::memcpy(length_bytes, &length, sizeof length);
+  comm.broadcast(length_bytes, 0);
+  std::memcpy(&length, length_bytes, sizeof length);
   std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
   if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
-  if (!bytes.empty()) broadcast(comm, std::span<std::uint8_t>(bytes), 0).wait();
+  comm.broadcast(bytes, 0);
   std::vector<std::string> reference;
   std::string current;
   for (std::uint8_t c : bytes) {
@@ -158,7 +162,7 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
     }
   }
   std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
-  allgather(comm, std::span<const std::int64_t>(&first, 1), std::span<std::int64_t>(firsts)).wait();
+  comm.allgather(std::span<const std::int64_t>(&first, 1), firsts);
   int culprit = -1;
   std::string differing;
   for (int r = 0; r < size; ++r) {
@@ -174,7 +178,7 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
     const std::string e = at < entries.size() ? entries[at] : "nothing";
     std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
   }
-  broadcast(comm, std::span<std::uint8_t>(text), culprit).wait();
+  comm.broadcast(text, culprit);
   const std::string theirs(reinterpret_cast<const char*>(text.data()));
   const std::string ours = at < reference.size() ? reference[at] : "nothing";
   throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
@@ -185,10 +189,12 @@ void agree_on_model(C& comm, std::span<const parameter> params, std::span<const 
 }
 
 /// Collective: every rank's parameter and buffer values become rank 0's.
-/// Host values travel as one packed message; device values one by one.
-template <communicator C>
-void broadcast_values(C& comm, std::span<const parameter> params,
-                      std::span<const parameter> buffers) {
+/// Host values travel packed over the control plane; device values one by
+/// one through `device_broadcast(buffer)`, which returns once the broadcast is
+/// complete (the device engine: the only device traffic besides the buckets).
+template <class DeviceBroadcast>
+void broadcast_values(control_plane& control, std::span<const parameter> params,
+                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast) {
   std::vector<const parameter*> host, device;
   for (auto list : {params, buffers}) {
     for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
@@ -202,7 +208,7 @@ void broadcast_values(C& comm, std::span<const parameter> params,
       std::memcpy(packed.data() + at, p->values.data, p->bytes());
       at += p->bytes();
     }
-    broadcast(comm, std::span<std::uint8_t>(packed), 0).wait();
+    control.broadcast(packed, 0);
     at = 0;
     for (const parameter* p : host) {
       std::memcpy(p->values.data, packed.data() + at, p->bytes());
@@ -210,7 +216,7 @@ void broadcast_values(C& comm, std::span<const parameter> params,
     }
   }
   for (const parameter* p : device) {
-    if (p->values.count > 0) comm.broadcast(p->values, 0).wait();
+    if (p->values.count > 0) device_broadcast(p->values);
   }
 }
 

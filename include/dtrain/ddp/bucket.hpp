@@ -22,11 +22,18 @@ namespace dtrain {
 /// contiguously in `parameters` order and reduced by one collective.
 struct bucket_info {
   std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
+  std::vector<std::size_t> offsets;     ///< bytes into the bucket of each (GPU: bucket_alignment apart)
   dtype type = dtype::float32;
   int device = -1;        ///< -1: host memory
-  std::size_t count = 0;  ///< elements
-  std::size_t bytes = 0;
+  std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them
+  std::size_t bytes = 0;  ///< count x the element size
 };
+
+/// Every parameter's slot in a GPU bucket starts on this boundary (bytes):
+/// views into the bucket are aligned for vectorised kernels and NCCL's fast
+/// paths. The padding between slots is zero and stays zero (its mean is
+/// zero); the collective moves it too (bucket_info::count includes it).
+inline constexpr std::size_t bucket_alignment = 256;
 
 /// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
 [[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
@@ -96,9 +103,13 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
       b.bucket.device = p.device;
       b.first_position = position;
     }
+    // GPU slots start on bucket_alignment; host slots are packed.
+    const std::size_t align = p.device >= 0 ? bucket_alignment : 1;
+    const std::size_t at = (b.bucket.bytes + align - 1) / align * align;
     b.bucket.parameters.push_back(order[position]);
-    b.bucket.count += p.values.count;
-    b.bucket.bytes += p.values.bytes();
+    b.bucket.offsets.push_back(at);
+    b.bucket.bytes = at + p.values.bytes();
+    b.bucket.count = b.bucket.bytes / size_of(p.values.type);
     if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
       closed.emplace_back(b.first_position, std::move(b.bucket));
       b.bucket = bucket_info{};

@@ -2,12 +2,16 @@
 /// @file
 /// DistributedDataParallel<Model, Policy>: averages a model's gradients over
 /// the ranks while the backward pass is still running. Gradients live in
-/// flat buckets; the moment a bucket's last gradient is marked ready its
-/// allreduce starts — on the NCCL stream after an event on the compute
-/// stream, or on a communication thread for the host engines (MPI, Gloo).
+/// flat buckets in the backend's memory space; the moment a bucket's last
+/// gradient is marked ready its allreduce starts — on a communication thread
+/// for host memory (MPI, Gloo), or on the communicator's stream after an
+/// event on the compute stream for CUDA (NCCL), followed by a watchdog.
+/// Metadata (model agreement, the rebuild order) goes over the host control
+/// plane, never through a device engine.
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/control.hpp>
+#include <dtrain/backend/memory.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/context.hpp>
@@ -15,26 +19,27 @@
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
+#include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/policy.hpp>
 
 #include <algorithm>
-#include <condition_variable>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
+#include <cstring>
 #include <exception>
 #include <functional>
-#include <mutex>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace dtrain {
@@ -55,77 +60,66 @@ class DistributedDataParallel {
 
  public:
   using communicator_type = typename Policy::communicator_type;
+  /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
+  using memory_space = typename Policy::memory_space;
+  /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
+  using stream_type = typename memory_space::stream_type;
   /// A user reduction: must leave the mean over ranks in `bucket.data` once
   /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
   using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
-  static constexpr bool on_device = std::is_same_v<typename Policy::backend_type, backend::nccl>;
+  static constexpr bool on_device = memory_space::where == memory::device;
 
-  /// Collective over ctx's communicator; see the other constructor.
+  /// Collective over ctx's communicator; metadata goes over ctx's control plane
+  /// where the communicator cannot carry host data (NCCL).
   DistributedDataParallel(context<Policy>& ctx, Model& model, ddp_options options = {})
-      : DistributedDataParallel(ctx.communicator(), model, std::move(options)) {}
+      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model,
+                                std::move(options)) {}
+
+  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
+  /// communicator that reaches host memory). A device-only backend (NCCL)
+  /// needs the constructor with a control plane.
+  /// (A template only so that an explicit instantiation of the class for NCCL
+  /// does not trip the static_assert.)
+  template <std::same_as<Model> M>
+  DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
+      : DistributedDataParallel(comm, nullptr, model, std::move(options)) {
+    static_assert(std::same_as<M, Model> && communicator_type::reaches_host_memory,
+                  "this backend moves device memory only, and DistributedDataParallel's metadata "
+                  "(model agreement, bucket order) is host data: construct it from the context, "
+                  "or pass a control plane: DistributedDataParallel(comm, "
+                  "dtrain::control_plane(channel), model) with a dtrain::store_channel");
+  }
 
   /// Collective: checks that every rank holds the same parameters (names,
-  /// counts, types; config_error naming the first difference and the ranks),
-  /// copies rank 0's values to all, lays the gradients out in buckets and,
-  /// for MPI and Gloo, starts the communication thread. Buckets travel on a
-  /// split of `comm` of their own: the caller may use `comm` at any time.
-  DistributedDataParallel(communicator_type& comm, Model& model, ddp_options options = {})
-      : comm_(comm.split(0, comm.rank())),
-        model_(model),
-        options_(std::move(options)),
-        rank_(comm.rank()),
-        size_(comm.size()) {
-    for (auto&& p : model.parameters()) params_.push_back(static_cast<parameter>(p));
-    if constexpr (model_with_buffers<Model>) {
-      for (auto&& b : model.buffers()) buffers_.push_back(static_cast<parameter>(b));
-    }
-    detail::agree_on_model(
-        comm_, params_, buffers_,
-        detail::model_problem(params_, buffers_, options_, rank_, communicator_type::name,
-                              on_device, device_of_communicator()));
-    if (options_.broadcast_parameters) detail::broadcast_values(comm_, params_, buffers_);
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      by_name_.emplace(params_[i].name, i);
-      by_data_.emplace(params_[i].values.data, i);
-      original_.push_back(params_[i].gradient);
-    }
-    marked_.assign(params_.size(), 0);
-    touched_.assign(params_.size(), 0);
-    lay_out(detail::reverse_order(params_.size()));
-#if DTRAIN_HAS_CUDA()
-    // The buckets were filled on the legacy default stream; the user's stream may not wait for it.
-    if constexpr (on_device) DTRAIN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-#endif
-    if constexpr (!on_device) thread_ = std::thread([this] { serve(); });
-  }
+  /// counts, types; config_error naming the first difference and the ranks)
+  /// over `control`, copies rank 0's values to all (complete when this
+  /// returns), lays the gradients out in buckets, and starts the bucket
+  /// runner. Buckets travel on a split of `comm` of their own: the caller may
+  /// use `comm` at any time. `control` carries the metadata when `comm` cannot
+  /// (device-only backends; otherwise DDP's own split of `comm` does), and must
+  /// outlive this object.
+  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
+                          ddp_options options = {})
+      : DistributedDataParallel(comm, &control, model, std::move(options)) {}
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  /// Waits for buckets still in flight, then gives the model its gradients
-  /// back: bucket views are copied to the model's own buffers (or set to null
-  /// where it had none), since the buckets go with this object.
+  /// Waits for buckets still in flight (each within its timeout), then gives
+  /// the model its gradients back: bucket views are copied to the model's own
+  /// buffers (or set to null where it had none), since the buckets go with
+  /// this object.
   ~DistributedDataParallel() {
-    if constexpr (!on_device) {
-      {
-        std::lock_guard lock(mutex_);
-        stopping_ = true;
-      }
-      wake_.notify_all();
-      thread_.join();
-    }
+    runner_.reset();  // joins the thread, or waits out the watchdog
     try {
       for (std::size_t i = 0; i < params_.size(); ++i) {
-        if (!slots_[i].view) continue;
+        if (!vars_[i].view) continue;
         parameter& p = params_[i];
-        // The legacy default stream: the user's own stream may be gone already.
-        if (original_[i])
-          detail::copy_bytes(original_[i], p.gradient, p.bytes(), p.device, nullptr);
-        p.rebind(p.gradient_slot, original_[i]);
+        if (vars_[i].original)
+          memory_space::copy(vars_[i].original, p.gradient, p.bytes(), p.device, stream_);
+        p.rebind(p.gradient_slot, vars_[i].original);
       }
-#if DTRAIN_HAS_CUDA()
-      if constexpr (on_device) (void)cudaStreamSynchronize(nullptr);
-#endif
+      memory_space::synchronize(device_, stream_);  // before the buckets are freed
     } catch (...) {
       // A device that failed already reported it; the model's pointers are what they are.
     }
@@ -166,49 +160,54 @@ class DistributedDataParallel {
     for (auto&& p : params) mark_ready(p);
   }
 
-  /// Completes the step: launches what is left, waits until every bucket is
-  /// averaged (bounded by the collective timeout), and leaves the mean over
-  /// ranks in every gradient. Throws dtrain::error naming the parameters that
-  /// were never marked (unless find_unused_parameters), or the engine's error.
-  /// Inside no_sync() it does nothing. NCCL: the host waits for nothing; the
-  /// compute stream (set_stream) waits for the averaged gradients.
+  /// Completes the step: launches what is left and leaves the mean over ranks
+  /// in every gradient. Host memory: waits until every bucket is averaged
+  /// (bounded by the collective timeout). CUDA: the host waits for nothing;
+  /// the compute stream waits for the averaged gradients, and a watchdog
+  /// bounds every bucket by the collective timeout (its timeout_error is
+  /// thrown here or by the next call). Throws dtrain::error naming the
+  /// parameters that were never marked (unless find_unused_parameters), or
+  /// the engine's error. Inside no_sync() it does nothing.
   void synchronize() {
     if (no_sync_depth_ > 0) return;
     check_usable();
     complete_marks();
-    if constexpr (on_device) {
-#if DTRAIN_HAS_CUDA()
-      comm_.stream_wait(stream_);
-      for (std::size_t b = 0; b < buckets_.size(); ++b) finish_bucket(b);
-      for (bucket_state& b : buckets_) {
-        if (b.handle.test()) {
-          if (auto e = b.handle.exception()) fail(e);
-        }
-      }
-#endif
-    } else {
-      std::unique_lock lock(mutex_);
-      done_wake_.wait(lock, [&] { return done_ == buckets_.size(); });
-      if (failure_) {
-        auto e = failure_;
-        lock.unlock();
-        fail(e);
-      }
-    }
+    if (auto e = runner_->complete(buckets_.size())) fail(e);
     end_step();
   }
 
-#if DTRAIN_HAS_CUDA()
-  /// NCCL: the stream the backward pass runs on (default: the legacy default
-  /// stream). Buckets are ordered after the work on it when they are
-  /// launched; synchronize() makes it wait for the averaged gradients.
-  void set_stream(cudaStream_t compute) { stream_ = compute; }
-  /// set_stream(compute), then synchronize().
-  void synchronize(cudaStream_t compute) {
+  /// The stream the backward pass runs on (CUDA; default: the legacy default
+  /// stream). Set it before a step, not between mark_ready and synchronize()
+  /// (config_error): buckets launched in a step are ordered after it.
+  void set_stream(stream_type compute) requires(memory_space::on_stream) {
+    if (compute == stream_) return;
+    if (any_marked_) {
+      throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
+                         " in the middle of step " + std::to_string(steps_) +
+                         " (after mark_ready, before synchronize()): buckets already launched "
+                         "are ordered after the old stream; set the stream before the step");
+    }
+    memory_space::check_stream(device_, compute);
     stream_ = compute;
+  }
+  /// set_stream(compute), then synchronize().
+  void synchronize(stream_type compute) requires(memory_space::on_stream) {
+    if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
+      throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
+                         std::to_string(rank_) + " with a stream other than the one step " +
+                         std::to_string(steps_) +
+                         " was marked on: call set_stream(stream) before the step instead");
+    }
+    set_stream(compute);
     synchronize();
   }
-#endif
+  /// Blocks the host until every bucket launched so far has been averaged
+  /// on the device (each within the collective timeout): for measuring, or
+  /// before reading gradients on the host. Throws what a bucket failed with.
+  void wait() {
+    if (auto e = runner_drain()) fail(e);
+    memory_space::synchronize(device_, stream_);
+  }
 
   /// While alive, mark_ready only records and nothing is communicated;
   /// gradients accumulate as the caller adds into them, and the next
@@ -245,10 +244,10 @@ class DistributedDataParallel {
                   " in the middle of a step (after mark_ready, before synchronize())");
     }
     for (bucket_state& b : buckets_)
-      detail::zero_bytes(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+      memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!slots_[i].view)
-        detail::zero_bytes(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
+      if (!vars_[i].view)
+        memory_space::zero(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
     }
   }
 
@@ -275,55 +274,146 @@ class DistributedDataParallel {
   [[nodiscard]] Model& module() noexcept { return model_; }
   /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+  /// Whether float32 buckets can be compressed here: always on the host; on
+  /// a GPU when some translation unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool compression_available() noexcept {
+    return memory_space::casts_available();
+  }
 
  private:
-  struct slot {
+  template <class>
+  friend class detail::thread_runner;
+  template <class>
+  friend class detail::stream_runner;
+
+  /// What DDP keeps per parameter (the Reducer's VariableIndex): the slot in
+  /// its bucket and this step's state.
+  struct variable {
+    void* original = nullptr;  // the model's own gradient pointer, given back at the end
     std::size_t bucket = 0;
     std::size_t offset = 0;  // bytes into the bucket
     bool view = false;       // the gradient lives in the bucket
+    bool marked = false;     // this step
+    bool touched = false;    // since the last synchronized step, no_sync() micro-steps included
+    bool zeroed = false;     // copy mode, unused this step: its slice was zeroed, skip copy-in
   };
   struct bucket_state {
-    detail::flat_storage grads;
-    detail::flat_storage wire;  // the 16-bit copy, with compression
-    std::size_t pending = 0;    // parameters not yet marked this step
+    detail::flat_storage<memory_space> grads;
+    detail::flat_storage<memory_space> wire;  // the 16-bit copy, with compression
+    std::size_t pending = 0;                  // parameters not yet marked this step
     bool ready = false;
-    work handle;
   };
+  using runner_type =
+      std::conditional_t<memory_space::on_stream, detail::stream_runner<DistributedDataParallel>,
+                         detail::thread_runner<DistributedDataParallel>>;
+  // The control plane DDP makes for itself over its own communicator (host backends).
+  using own_channel_type =
+      std::conditional_t<communicator_type::reaches_host_memory,
+                         communicator_channel<communicator_type>, std::monostate>;
 
-  int device_of_communicator() const {
-    if constexpr (on_device) return comm_.device();
-    return -1;
+  DistributedDataParallel(communicator_type& comm, control_plane* given, Model& model,
+                          ddp_options options)
+      : comm_(comm.split(0, comm.rank())),
+        own_channel_(make_own_channel()),
+        control_(control_for(given)),
+        model_(model),
+        options_(std::move(options)),
+        rank_(comm.rank()),
+        size_(comm.size()) {
+    for (auto&& p : model.parameters()) params_.push_back(static_cast<parameter>(p));
+    if constexpr (model_with_buffers<Model>) {
+      for (auto&& b : model.buffers()) buffers_.push_back(static_cast<parameter>(b));
+    }
+    device_ = device_of(comm_);
+    if (options_.compression != gradient_compression::none && !compression_available()) {
+      // Every rank of the same program sees the same; the agreement below stops them all alike.
+      problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
+                 std::string(detail::device_casts_missing);
+    }
+    detail::agree_on_model(control_, params_, buffers_,
+                           problem_.empty()
+                               ? detail::model_problem(params_, buffers_, options_, rank_,
+                                                       communicator_type::name, on_device, device_)
+                               : problem_);
+    if (options_.broadcast_parameters) {
+      detail::broadcast_values(control_, params_, buffers_, [&](const buffer& values) {
+        if constexpr (memory_space::on_stream) {
+          comm_.broadcast(values, 0, stream_).wait();
+        } else {
+          comm_.broadcast(values, 0).wait();
+        }
+      });
+    }
+    vars_.resize(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      by_name_.emplace(params_[i].name, i);
+      by_data_.emplace(params_[i].values.data, i);
+      vars_[i].original = params_[i].gradient;
+    }
+    lay_out(detail::reverse_order(params_.size()));
+    // The buckets were zeroed and filled on the compute stream: complete before the first step.
+    memory_space::synchronize(device_, stream_);
+    runner_.emplace(*this);
+  }
+
+  own_channel_type make_own_channel() {
+    if constexpr (communicator_type::reaches_host_memory) {
+      return own_channel_type(comm_);
+    } else {
+      return {};
+    }
+  }
+  // A communicator that reaches host memory carries the metadata itself (no
+  // store traffic, and packed host values of any size); a device-only one uses `given`.
+  control_plane control_for([[maybe_unused]] control_plane* given) {
+    if constexpr (communicator_type::reaches_host_memory) {
+      return control_plane(own_channel_);
+    } else {
+      return *given;  // the constructors without one do not compile for such a communicator
+    }
+  }
+
+  static int device_of(communicator_type& comm) {
+    if constexpr (on_device) {
+      return comm.device();
+    } else {
+      (void)comm;
+      return -1;
+    }
   }
 
   /// Lays the gradients out in buckets filled in `order`, moving each
-  /// bucket-view gradient (and its values) to its new place.
+  /// bucket-view gradient (and its values) to its new place. The old buckets
+  /// are freed only once the copies out of them are complete.
   void lay_out(std::span<const std::size_t> order) {
     std::vector<bucket_info> info = detail::assign_buckets(
         params_, order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
         mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
     std::vector<bucket_state> buckets(info.size());
-    std::vector<slot> slots(params_.size());
     for (std::size_t b = 0; b < info.size(); ++b) {
-      buckets[b].grads = detail::flat_storage(info[b].bytes, info[b].device);
+      buckets[b].grads = detail::flat_storage<memory_space>(info[b].bytes, info[b].device, stream_);
       if (compressed(info[b]))
-        buckets[b].wire = detail::flat_storage(
-            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device);
-      std::size_t offset = 0;
-      for (std::size_t i : info[b].parameters) {
+        buckets[b].wire = detail::flat_storage<memory_space>(
+            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device,
+            stream_);
+      for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
+        const std::size_t i = info[b].parameters[k];
         parameter& p = params_[i];
-        slots[i] = {b, offset, options_.gradient_as_bucket_view && p.rebindable()};
-        if (slots[i].view) {
-          void* place = buckets[b].grads.data() + offset;
-          if (p.gradient) detail::copy_bytes(place, p.gradient, p.bytes(), p.device, stream_);
+        variable& v = vars_[i];
+        v.bucket = b;
+        v.offset = info[b].offsets[k];
+        v.view = options_.gradient_as_bucket_view && p.rebindable();
+        if (v.view) {
+          void* place = buckets[b].grads.data() + v.offset;
+          if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
           p.gradient = place;
           p.rebind(p.gradient_slot, place);
         }
-        offset += p.bytes();
       }
     }
+    memory_space::synchronize(device_, stream_);  // the copies out of the old buckets are done
     info_ = std::move(info);
-    buckets_ = std::move(buckets);  // frees the old buckets (cudaFree waits for the copies)
-    slots_ = std::move(slots);
+    buckets_ = std::move(buckets);
     reset_step();
   }
 
@@ -333,20 +423,21 @@ class DistributedDataParallel {
 
   void ready(std::size_t i) {
     check_usable();
+    variable& v = vars_[i];
     if (no_sync_depth_ > 0) {
-      touched_[i] = 1;
+      v.touched = true;
       return;
     }
-    if (marked_[i]) {
+    if (v.marked) {
       throw error("DistributedDataParallel::mark_ready: parameter '" + params_[i].name + "' (#" +
                   std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
                   " on rank " + std::to_string(rank_) +
                   "; mark each gradient once per step (accumulate inside no_sync())");
     }
-    marked_[i] = touched_[i] = 1;
+    v.marked = v.touched = true;
     any_marked_ = true;
     if (recording()) ready_order_.push_back(i);
-    bucket_state& b = buckets_[slots_[i].bucket];
+    bucket_state& b = buckets_[v.bucket];
     if (--b.pending == 0) {
       b.ready = true;
       if (options_.overlap) launch_ready();
@@ -357,7 +448,13 @@ class DistributedDataParallel {
 
   /// Launches, in bucket order, every bucket whose turn it is and is ready.
   void launch_ready() {
-    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+      try {
+        runner_->launch(next_launch_++);
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    }
   }
 
   /// The unmarked parameters of this step: an error, or (find_unused_parameters)
@@ -365,7 +462,7 @@ class DistributedDataParallel {
   void complete_marks() {
     std::vector<std::size_t> missing;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!marked_[i]) missing.push_back(i);
+      if (!vars_[i].marked) missing.push_back(i);
     }
     if (!missing.empty() && !options_.find_unused_parameters) {
       std::string names;
@@ -380,7 +477,7 @@ class DistributedDataParallel {
     }
     for (std::size_t i : missing) {
       // Nothing accumulated in no_sync() either: this rank contributes zero.
-      if (!touched_[i]) zero_contribution(i);
+      if (!vars_[i].touched) zero_contribution(i);
       ready(i);
     }
     for (bucket_state& b : buckets_) b.ready = true;
@@ -389,65 +486,54 @@ class DistributedDataParallel {
 
   void zero_contribution(std::size_t i) {
     parameter& p = params_[i];
-    if (slots_[i].view) {
-      detail::zero_bytes(p.gradient, p.bytes(), p.device, stream_);
+    variable& v = vars_[i];
+    if (v.view) {
+      memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
     } else {
       // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
-      detail::zero_bytes(buckets_[slots_[i].bucket].grads.data() + slots_[i].offset, p.bytes(),
-                         p.device, stream_);
-      skip_copy_in_[i] = 1;
+      memory_space::zero(buckets_[v.bucket].grads.data() + v.offset, p.bytes(), p.device, stream_);
+      v.zeroed = true;
     }
   }
 
-  /// Starts bucket b's reduction: a queue entry for the communication thread,
-  /// or (NCCL) the collective itself, ordered after the compute stream.
-  void launch(std::size_t b) {
-    if constexpr (on_device) {
-      prepare_bucket(b);
-      buckets_[b].handle = reduce(b);
-    } else {
-      {
-        std::lock_guard lock(mutex_);
-        queue_.push_back(b);
-      }
-      wake_.notify_one();
-    }
-  }
+  // The runner's steps (detail::thread_runner, detail::stream_runner).
 
   /// Copy-in and compression: what must happen before the collective.
   void prepare_bucket(std::size_t b) {
     bucket_state& s = buckets_[b];
     for (std::size_t i : info_[b].parameters) {
-      if (slots_[i].view || skip_copy_in_[i]) continue;
-      detail::copy_bytes(s.grads.data() + slots_[i].offset, params_[i].gradient, params_[i].bytes(),
+      const variable& v = vars_[i];
+      if (v.view || v.zeroed) continue;
+      memory_space::copy(s.grads.data() + v.offset, params_[i].gradient, params_[i].bytes(),
                          info_[b].device, stream_);
     }
     if (!compressed(info_[b])) return;
     const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
-    detail::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()), info_[b].count,
-                     scale, options_.compression, info_[b].device, stream_);
+    memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
+                           info_[b].count, scale, detail::wire_type(options_.compression),
+                           info_[b].device, stream_);
   }
 
-  /// The collective of bucket b (or the user's hook).
+  /// The collective of bucket b (or the user's hook), ordered after the compute stream.
   work reduce(std::size_t b) {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
-    const memory where = info.device < 0 ? memory::host : memory::device;
-    buffer data{s.grads.data(), info.count, info.type, where};
+    buffer data{s.grads.data(), info.count, info.type, memory_space::where};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
-      data = {s.wire.data(), info.count, detail::wire_type(options_.compression), where};
+      data = {s.wire.data(), info.count, detail::wire_type(options_.compression),
+              memory_space::where};
       op = reduce_op::sum;
     }
     if (hook_) {
-      gradient_bucket view{
-          .index = b, .data = data, .world_size = size_, .parameters = info.parameters};
-#if DTRAIN_HAS_CUDA()
-      view.stream = stream_;
-#endif
+      gradient_bucket view{.index = b,
+                           .data = data,
+                           .world_size = size_,
+                           .parameters = info.parameters,
+                           .stream = stream_};
       return hook_(comm_, view);
     }
-    if constexpr (on_device) {
+    if constexpr (memory_space::on_stream) {
       return comm_.allreduce(data, data, op, stream_);
     } else {
       return comm_.allreduce(data, data, op);
@@ -459,47 +545,27 @@ class DistributedDataParallel {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
     if (compressed(info)) {
-      detail::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
-                         options_.compression, info.device, stream_);
+      memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
+                               detail::wire_type(options_.compression), info.device, stream_);
     }
     for (std::size_t i : info.parameters) {
-      if (slots_[i].view) continue;
-      detail::copy_bytes(params_[i].gradient, s.grads.data() + slots_[i].offset, params_[i].bytes(),
+      const variable& v = vars_[i];
+      if (v.view) continue;
+      memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
                          info.device, stream_);
     }
   }
 
-  /// The communication thread (MPI, Gloo): reduces buckets in launch order.
-  void serve() {
-    for (;;) {
-      std::size_t b = 0;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left in flight
-        b = queue_.front();
-        queue_.pop_front();
-        if (failure_) {  // the communicator failed already: do not wait for it again
-          ++done_;
-          done_wake_.notify_all();
-          continue;
-        }
-      }
-      std::exception_ptr failed;
-      try {
-        prepare_bucket(b);
-        work w = reduce(b);
-        w.wait();  // bounded by the collective timeout
-        finish_bucket(b);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++done_;
-      }
-      done_wake_.notify_all();
+  /// Streams: the compute stream waits (on the device) for every collective so far.
+  void order_after_buckets() {
+    if constexpr (memory_space::on_stream) comm_.stream_wait(stream_);
+  }
+
+  std::exception_ptr runner_drain() {
+    if constexpr (memory_space::on_stream) {
+      return runner_->drain();
+    } else {
+      return nullptr;  // synchronize() waited already
     }
   }
 
@@ -509,13 +575,26 @@ class DistributedDataParallel {
     ++steps_;
     if (rebuild) {
       // Rank 0's order wins, so that every rank lays its buckets out alike.
-      std::vector<std::int64_t> order(ready_order_.begin(), ready_order_.end());
-      broadcast(comm_, std::span<std::int64_t>(order), 0).wait();
-      std::vector<std::size_t> agreed(order.begin(), order.end());
+      std::vector<std::uint8_t> bytes(ready_order_.size() * sizeof(std::uint64_t));
+      for (std::size_t k = 0; k < ready_order_.size(); ++k) {
+        const std::uint64_t i = ready_order_[k];
+        std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
+      }
+      control_.broadcast(bytes, 0);
+      std::vector<std::size_t> agreed(ready_order_.size());
+      for (std::size_t k = 0; k < agreed.size(); ++k) {
+        std::uint64_t i = 0;
+        std::memcpy(&i, bytes.data() + k * sizeof i, sizeof i);
+        agreed[k] = static_cast<std::size_t>(i);
+      }
       detail::check_order(agreed, params_.size(),
                           "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
       rebuilt_ = true;
-      if (agreed != layout_order()) lay_out(agreed);
+      if (agreed != layout_order()) {
+        // The buckets in flight must be done before their storage goes.
+        if (auto e = runner_drain()) fail(e);
+        lay_out(agreed);
+      }
     }
     reset_step();
   }
@@ -529,19 +608,14 @@ class DistributedDataParallel {
   }
 
   void reset_step() {
-    std::fill(marked_.begin(), marked_.end(), 0);
-    std::fill(touched_.begin(), touched_.end(), 0);
+    for (variable& v : vars_) v.marked = v.touched = v.zeroed = false;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       buckets_[b].pending = info_[b].parameters.size();
       buckets_[b].ready = false;
-      buckets_[b].handle = work();
     }
     ready_order_.clear();
-    skip_copy_in_.assign(params_.size(), 0);
     next_launch_ = 0;
     any_marked_ = false;
-    std::lock_guard lock(mutex_);
-    done_ = 0;
   }
 
   void check_usable() const {
@@ -564,23 +638,22 @@ class DistributedDataParallel {
   // A communicator of its own (a split of the user's), so that collectives the
   // user issues during a step cannot interleave with the buckets' differently on different ranks.
   communicator_type comm_;
+  own_channel_type own_channel_;
+  control_plane control_;
   Model& model_;
   ddp_options options_;
   int rank_;
   int size_;
+  int device_ = -1;
+  std::string problem_;
   std::vector<parameter> params_;
   std::vector<parameter> buffers_;
-  std::vector<void*> original_;  // the model's own gradient pointers, given back at the end
+  std::vector<variable> vars_;  // per parameter, indexed like params_
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
   std::vector<bucket_info> info_;
   std::vector<bucket_state> buckets_;
-  std::vector<slot> slots_;
-  std::vector<char> marked_;   // this step
-  std::vector<char> touched_;  // since the last synchronized step, no_sync() micro-steps included
   std::vector<std::size_t> ready_order_;
-  std::vector<char>
-      skip_copy_in_;  // zeroed unused copy-mode slices (the thread reads its bucket's only)
   std::size_t next_launch_ = 0;
   std::size_t steps_ = 0;
   bool rebuilt_ = false;
@@ -589,16 +662,8 @@ class DistributedDataParallel {
   bool broken_ = false;
   std::string broken_message_;
   comm_hook hook_;
-  detail::compute_stream stream_ = nullptr;
-  // The communication thread (MPI, Gloo) and what it shares with the caller.
-  std::mutex mutex_;
-  std::condition_variable wake_;       // work for the thread, or stop
-  std::condition_variable done_wake_;  // a bucket finished
-  std::deque<std::size_t> queue_;
-  std::size_t done_ = 0;
-  bool stopping_ = false;
-  std::exception_ptr failure_;
-  std::thread thread_;
+  stream_type stream_ = nullptr;
+  std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
 
 }  // namespace dtrain

@@ -58,15 +58,23 @@ struct ddp_options {
   bool overlap = true;
 };
 
+/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
+/// that is always null: the type of `gradient_bucket::stream`.
+#if DTRAIN_HAS_CUDA()
+using stream_handle = cudaStream_t;
+#else
+using stream_handle = void*;
+#endif
+
 /// One bucket, as a communication hook sees it.
 struct gradient_bucket {
   std::size_t index = 0;  ///< launch order, 0 first
   buffer data;            ///< the flat gradients: reduce them in place
   int world_size = 1;
   std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
-#if DTRAIN_HAS_CUDA()
-  cudaStream_t stream = nullptr;  ///< NCCL: the compute stream the bucket is ordered after
-#endif
+  /// Backends on CUDA streams (NCCL): the compute stream the bucket is ordered
+  /// after; enqueue the reduction after it. Null for host backends.
+  stream_handle stream = nullptr;
 };
 
 }  // namespace dtrain

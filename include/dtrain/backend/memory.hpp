@@ -1,0 +1,292 @@
+#pragma once
+/// @file
+/// Memory spaces: where a backend's data lives and the few operations
+/// DistributedDataParallel needs there (allocate zeroed, free, copy, zero, the
+/// 16-bit casts of gradient compression, and waiting for a stream). `host_memory`
+/// is plain memory handled on the calling thread; `cuda_memory` is one CUDA
+/// device, every operation ordered on a stream. A backend names its space in
+/// its backend_traits, so the algorithm that uses them reads the same for all.
+
+#include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/config.hpp>
+#include <dtrain/error.hpp>
+
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace dtrain {
+
+namespace detail {
+
+inline constexpr std::string_view device_casts_missing =
+    "gradient compression of GPU buckets needs CUDA kernels, and no translation unit of this "
+    "program was compiled by nvcc: include <dtrain/dtrain.hpp> in at least one .cu file that is "
+    "linked into the program (any one: the kernels are shared)";
+
+/// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
+inline void host_compress(void* out, const float* in, std::size_t n, float scale, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      auto* o = static_cast<Half*>(out);
+      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
+    }
+  });
+}
+inline void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      const auto* i16 = static_cast<const Half*>(in);
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
+    }
+  });
+}
+
+}  // namespace detail
+
+/// Host memory: allocation with operator new, memcpy, loops. The `stream`
+/// arguments are there so the code above reads the same for every space.
+struct host_memory {
+  using stream_type = std::nullptr_t;
+  static constexpr memory where = memory::host;
+  /// Buckets travel on a communication thread: the host is the device.
+  static constexpr bool on_stream = false;
+
+  [[nodiscard]] static void* allocate(std::size_t bytes, int /*device*/, stream_type) {
+    return ::operator new(bytes == 0 ? 1 : bytes);  // aligned for every element type
+  }
+  static void release(void* data, int /*device*/) noexcept { ::operator delete(data); }
+  static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
+    if (bytes) std::memset(data, 0, bytes);
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
+    if (dst != src && bytes) std::memcpy(dst, src, bytes);
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                       int /*device*/, stream_type) {
+    detail::host_compress(out, in, n, scale, wire);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int /*device*/,
+                         stream_type) {
+    detail::host_decompress(out, in, n, wire);
+  }
+  /// Everything above has happened by the time it returns.
+  static void synchronize(int /*device*/, stream_type) noexcept {}
+  /// Whether compress() and decompress() can run here.
+  [[nodiscard]] static bool casts_available() noexcept { return true; }
+  static void check_stream(int /*device*/, stream_type) noexcept {}
+};
+
+#if DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+/// The CUDA kernels of gradient compression. They exist only where a
+/// translation unit is compiled by nvcc: such a unit registers them here once
+/// at start-up, so every unit (g++ or nvcc) calls the same code through this
+/// one slot, and no function has two bodies (a g++ and an nvcc one).
+struct device_casts {
+  void (*compress)(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                   cudaStream_t stream);
+  void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
+};
+
+[[nodiscard]] inline std::atomic<const device_casts*>& device_casts_slot() noexcept {
+  static std::atomic<const device_casts*> slot{nullptr};
+  return slot;
+}
+
+/// The registered kernels; config_error when no unit of the program was built by nvcc.
+[[nodiscard]] inline const device_casts& registered_device_casts() {
+  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
+    return *casts;
+  throw config_error(std::string(device_casts_missing));
+}
+
+}  // namespace detail
+
+/// One CUDA device; every operation is ordered on `stream` (the compute
+/// stream) and runs with the device current, so that no other thread's
+/// device and no other device's context is touched.
+struct cuda_memory {
+  using stream_type = cudaStream_t;
+  static constexpr memory where = memory::device;
+  /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
+  static constexpr bool on_stream = true;
+
+  /// cudaMalloc, then zeroed on `stream` (never on the legacy default stream,
+  /// which a non-blocking compute stream would not wait for).
+  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
+    detail::device_guard on(device);
+    void* data = nullptr;
+    DTRAIN_CUDA_CHECK(cudaMalloc(&data, bytes == 0 ? 1 : bytes));
+    if (const cudaError_t rc = cudaMemsetAsync(data, 0, bytes == 0 ? 1 : bytes, stream);
+        rc != cudaSuccess) {
+      (void)cudaFree(data);
+      detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
+    }
+    return data;
+  }
+  /// Call only once the last use on any stream is complete (synchronize()).
+  static void release(void* data, int device) noexcept {
+    detail::device_guard on(device, std::nothrow);
+    (void)cudaFree(data);
+  }
+  static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream) {
+    if (dst == src || !bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                       int device, stream_type stream) {
+    const detail::device_casts& casts = detail::registered_device_casts();
+    detail::device_guard on(device);
+    casts.compress(out, in, n, scale, wire, stream);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
+                         stream_type stream) {
+    const detail::device_casts& casts = detail::registered_device_casts();
+    detail::device_guard on(device);
+    casts.decompress(out, in, n, wire, stream);
+  }
+  /// The kernels exist when some unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool casts_available() noexcept;
+  /// Blocks the host until everything on `stream` is done.
+  static void synchronize(int device, stream_type stream) {
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  /// A stream being captured into a CUDA graph cannot take DDP's work (its
+  /// events and host waits): config_error saying so.
+  static void check_stream(int device, stream_type stream) {
+    detail::device_guard on(device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status != cudaStreamCaptureStatusNone) {
+      throw config_error(
+          "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
+          "records events, polls them from the host and launches NCCL work that must not be "
+          "replayed, so run the DDP step outside the capture (capture the forward and backward "
+          "only)");
+    }
+  }
+};
+
+#endif  // DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+// What differs between a g++ and an nvcc translation unit lives in an inline
+// namespace named after the compiler: no symbol has two bodies (CCCL's rule).
+#if defined(__CUDACC__)
+inline namespace nvcc {
+#else
+inline namespace host_compiler {
+#endif
+
+/// "nvcc" or "host": which compiler built this translation unit's copy of
+/// dtrain (the mixed g++/nvcc link test asks each unit).
+[[nodiscard]] constexpr std::string_view compiled_by() noexcept {
+#if defined(__CUDACC__)
+  return "nvcc";
+#else
+  return "host";
+#endif
+}
+
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
+template <class Half>
+__device__ std::uint16_t dtrain_to_half_bits(float x) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  else
+    return __half_as_ushort(__float2half_rn(x));
+}
+template <class Half>
+__device__ float dtrain_from_half_bits(std::uint16_t b) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  else
+    return __half2float(__ushort_as_half(b));
+}
+template <class Half>
+__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
+                                       float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
+  }
+}
+template <class Half>
+__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_from_half_bits<Half>(in[i]);
+  }
+}
+inline unsigned cast_blocks(std::size_t n) {
+  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
+}
+inline void launch_compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  auto* o = static_cast<std::uint16_t*>(out);
+  if (wire == dtype::bfloat16)
+    dtrain_compress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  else
+    dtrain_compress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline void launch_decompress(float* out, const void* in, std::size_t n, dtype wire,
+                              cudaStream_t stream) {
+  if (n == 0) return;
+  const auto* i16 = static_cast<const std::uint16_t*>(in);
+  if (wire == dtype::bfloat16)
+    dtrain_decompress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  else
+    dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
+/// Registers the kernels at start-up in every program with an nvcc unit.
+inline const bool nvcc_device_casts_registered =
+    (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
+#endif
+
+}  // inline namespace nvcc / host_compiler
+
+/// Whether the program can cast GPU buckets (some unit was built by nvcc).
+[[nodiscard]] inline bool device_casts_available() noexcept {
+#if DTRAIN_HAS_CUDA()
+  return device_casts_slot().load(std::memory_order_acquire) != nullptr;
+#else
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+#if DTRAIN_HAS_CUDA()
+inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
+#endif
+}  // namespace dtrain

@@ -1,0 +1,199 @@
+// dtrain_ddp_device_rules: one rank of DistributedDataParallel on the
+// device-rules backend (tests/ddp/device_rules.hpp: NCCL's rules on host
+// memory), run under dtrain_test_launch. It is the GPU path without a GPU:
+// construction, agreement, rebuild and the buckets through a communicator
+// that rejects host memory, and the watchdog on a hung peer.
+//
+//   dtrain_ddp_device_rules mean       exact means over several steps, views and
+//                                      copies, a rebuild, bf16 compression, a hook
+//   dtrain_ddp_device_rules mismatch   the last rank renames a parameter: every
+//                                      rank fails with the agreement's message
+//   dtrain_ddp_device_rules hung-peer  rank 1 never steps: rank 0's synchronize()
+//                                      (or its next call) throws timeout_error
+//                                      within the timeout plus one second
+#include "device_rules.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using policy = dtrain::policy<dtrain::launch::per_process, device_rules::backend>;
+
+struct model {
+  // Host memory that DDP sees as GPU memory of device 0.
+  std::vector<std::vector<float>> values;
+  std::vector<float*> grads;                 // view parameters: DDP repoints these
+  std::vector<std::vector<float>> kept;      // copy parameters: the model keeps these
+  std::vector<float> step_counter = {0.0f};  // a buffer: broadcast from rank 0
+  std::string renamed;
+
+  explicit model(int rank) {
+    for (std::size_t p = 0; p < 9; ++p) {
+      const std::size_t count = 1 + (p * 131) % 700 + (p == 4 ? 5000 : 0);
+      values.emplace_back(count, static_cast<float>(rank * 1000 + p));
+      grads.push_back(nullptr);
+      kept.emplace_back(count, 0.0f);
+    }
+    step_counter[0] = static_cast<float>(rank + 7);
+  }
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t p = 0; p < values.size(); ++p) {
+      std::string name = "layer" + std::to_string(p) + (p % 3 == 1 ? ".copy" : ".view");
+      if (p == 5 && !renamed.empty()) name = renamed;
+      if (p % 3 == 1) {
+        out.push_back(
+            dtrain::device_param_copy(name, values[p].data(), kept[p].data(), values[p].size(), 0));
+      } else {
+        out.push_back(dtrain::device_param(name, values[p].data(), grads[p], values[p].size(), 0));
+      }
+    }
+    return out;
+  }
+  std::vector<dtrain::parameter> buffers() {
+    return {dtrain::device_buffer("step_counter", step_counter.data(), 1, 0)};
+  }
+  float* grad(std::size_t p) { return p % 3 == 1 ? kept[p].data() : grads[p]; }
+};
+
+// Rank r's gradient of element i of parameter p at step s: integers, so every mean is exact.
+float gradient(int rank, std::size_t p, std::size_t i, int step) {
+  return static_cast<float>(2 * (rank + 1) * ((static_cast<int>(p + i) + step) % 16));
+}
+
+int fail(const std::string& what) {
+  std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+  return 1;
+}
+
+int mean_case(dtrain::context<policy>& ctx, dtrain::gradient_compression compression, bool hook) {
+  const int rank = ctx.rank(), size = ctx.size();
+  model m(rank);
+  dtrain::DistributedDataParallel<model, policy> ddp(
+      ctx, m, {.bucket_cap_mb = 0.004, .first_bucket_cap_mb = 0.001, .compression = compression});
+  if (m.values[3][0] != 3.0f || m.step_counter[0] != 7.0f)
+    return fail("rank 0's values and buffers were not broadcast");
+  if (hook) {
+    ddp.register_comm_hook([](device_rules::communicator& c, dtrain::gradient_bucket& b) {
+      return c.allreduce(b.data, b.data, dtrain::reduce_op::avg, b.stream);
+    });
+  }
+  for (int step = 0; step < 4; ++step) {
+    for (std::size_t p = 0; p < m.values.size(); ++p) {
+      float* g = m.grad(p);
+      for (std::size_t i = 0; i < m.values[p].size(); ++i) g[i] = gradient(rank, p, i, step);
+    }
+    // Step 0 marks in an order other than the layout's, so the rebuild moves buckets.
+    const std::vector<std::size_t> order =
+        step == 0 ? std::vector<std::size_t>{0, 2, 4, 6, 8, 1, 3, 5, 7}
+                  : std::vector<std::size_t>{8, 7, 6, 5, 4, 3, 2, 1, 0};
+    for (std::size_t p : order) ddp.mark_ready(p);
+    ddp.synchronize(nullptr);
+    ddp.wait();
+    for (std::size_t p = 0; p < m.values.size(); ++p) {
+      const float* g = m.grad(p);
+      for (std::size_t i = 0; i < m.values[p].size(); ++i) {
+        float expected = 0;
+        for (int r = 0; r < size; ++r) expected += gradient(r, p, i, step);
+        expected /= static_cast<float>(size);
+        // bf16 keeps 8 significant bits of each rank's pre-divided share and of the sums.
+        const float tolerance =
+            compression == dtrain::gradient_compression::bfloat16 ? 2e-2f : 1e-6f;
+        if (std::fabs(g[i] - expected) > tolerance * std::max(1.0f, std::fabs(expected))) {
+          return fail("step " + std::to_string(step) + ": parameter " + std::to_string(p) + "[" +
+                      std::to_string(i) + "] is " + std::to_string(g[i]) + ", expected " +
+                      std::to_string(expected));
+        }
+      }
+    }
+  }
+  if (!ddp.buckets_rebuilt()) return fail("the buckets were not rebuilt after step 0");
+  for (const dtrain::bucket_info& b : ddp.buckets()) {
+    for (std::size_t offset : b.offsets) {
+      if (offset % dtrain::bucket_alignment != 0)
+        return fail("a bucket slot is not 256-byte aligned");
+    }
+  }
+  if (device_rules::communicator::host_buffers_seen() != 0)
+    return fail("DDP sent host memory to the device-only communicator");
+  std::printf(
+      "rank %d of %d: 4 steps averaged exactly (compression %s, hook %d, %zu buckets, rebuilt), "
+      "no host buffer reached the device engine\n",
+      rank, size, std::string(dtrain::to_string(compression)).c_str(), hook ? 1 : 0,
+      ddp.buckets().size());
+  return 0;
+}
+
+int mismatch_case(dtrain::context<policy>& ctx) {
+  model m(ctx.rank());
+  if (ctx.rank() == ctx.size() - 1) m.renamed = "layer5.renamed";
+  dtrain::DistributedDataParallel<model, policy> ddp(ctx, m);
+  return fail("the models differ, but the constructor returned");
+}
+
+int hung_peer_case(dtrain::context<policy>& ctx) {
+  model m(ctx.rank());
+  dtrain::DistributedDataParallel<model, policy> ddp(ctx, m);
+  const auto timeout = std::chrono::milliseconds(
+      static_cast<long>(std::atof(std::getenv("DTRAIN_COLLECTIVE_TIMEOUT")) * 1000));
+  if (ctx.rank() != 0) {
+    // Never steps: rank 0's buckets wait for it. Leave without tearing down the
+    // communicator rank 0 gave up on.
+    std::this_thread::sleep_for(timeout * 2 + std::chrono::seconds(2));
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  bool timed_out = false;
+  try {
+    for (std::size_t p = 0; p < m.values.size(); ++p) ddp.mark_ready(p);
+    ddp.synchronize();
+    ddp.mark_ready(std::size_t{0});  // the next call reports what the watchdog found
+  } catch (const dtrain::timeout_error& e) {
+    timed_out = true;
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - start);
+  std::printf("rank 0: after %lld ms: %s\n", static_cast<long long>(took.count()), message.c_str());
+  std::fflush(stdout);
+  int status = 0;
+  if (!timed_out) status = fail("expected a timeout_error");
+  if (message.find("allreduce") == std::string::npos)
+    status = fail("the message does not name the collective");
+  if (took > timeout + std::chrono::seconds(1))
+    status = fail("not reported within the timeout plus one second");
+  // The timeout counts from the bucket's launch, a moment after `start`.
+  if (took < timeout - std::chrono::milliseconds(100)) status = fail("reported before the timeout");
+  if (status == 0) std::printf("rank 0: the watchdog reported the hung peer in time\n");
+  std::fflush(stdout);
+  std::_Exit(status);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string_view which = argc > 1 ? argv[1] : "";
+  return dtrain::run<policy>(argc, argv, [&](dtrain::context<policy>& ctx) -> int {
+    if (which == "mean") {
+      int status = mean_case(ctx, dtrain::gradient_compression::none, false);
+      if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
+      if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::none, true);
+      return status;
+    }
+    if (which == "mismatch") return mismatch_case(ctx);
+    if (which == "hung-peer") return hung_peer_case(ctx);
+    return fail("unknown case '" + std::string(which) + "'");
+  });
+}

@@ -1,0 +1,161 @@
+// The host control plane (store_channel, control_plane) and the watchdog that
+// follows work nobody waits for on the host.
+#include "support.hpp"
+
+#include <dtrain/dtrain.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+
+namespace {
+
+const dtrain::store_options quick{.timeout = 20s};
+
+/// Work that never finishes on its own; counts the engine's timeout hook.
+class stuck_work final : public dtrain::detail::work_state {
+ public:
+  stuck_work(std::chrono::milliseconds timeout, std::atomic<int>& aborted, bool finish_when_aborted)
+      : work_state(dtrain::detail::collective_info{.collective = "allreduce",
+                                                   .engine = "test",
+                                                   .rank = 0,
+                                                   .size = 2,
+                                                   .count = 1024,
+                                                   .type = 0,
+                                                   .op = 0},
+                   timeout),
+        aborted_(aborted),
+        finish_when_aborted_(finish_when_aborted) {}
+  bool poll() override { return finish_when_aborted_ && aborted_ > 0; }
+  void on_timeout() noexcept override { ++aborted_; }
+
+ private:
+  std::atomic<int>& aborted_;
+  bool finish_when_aborted_;
+};
+
+class failing_work final : public dtrain::detail::work_state {
+ public:
+  failing_work() : work_state("broadcast(4 x int32) on rank 1 of 2 (test)", 10s) {
+    fail(std::make_exception_ptr(dtrain::backend_error("the engine says no", 7)));
+  }
+  bool poll() override { return true; }
+};
+
+}  // namespace
+
+TEST_CASE("control plane: store_channel allgathers and broadcasts among threads, and cleans up") {
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  constexpr int size = 4;
+  std::vector<std::vector<std::int64_t>> gathered(size);
+  std::vector<std::vector<std::uint8_t>> received(size);
+  std::vector<std::string> failures(size);
+  {
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < size; ++r) {
+      ranks.emplace_back([&, r] {
+        try {
+          dtrain::store_client client("127.0.0.1", server.port(), quick);
+          dtrain::store_channel channel(client, r, size, "test-control");
+          dtrain::control_plane plane(channel);
+          for (int round = 0; round < 3; ++round) {
+            const std::int64_t mine[2] = {r * 10 + round, -r};
+            gathered[static_cast<std::size_t>(r)].assign(2 * size, 0);
+            plane.allgather(mine, gathered[static_cast<std::size_t>(r)]);
+            std::vector<std::uint8_t> bytes(5, static_cast<std::uint8_t>(r == 2 ? 40 + round : 0));
+            plane.broadcast(bytes, 2);
+            received[static_cast<std::size_t>(r)] = bytes;
+          }
+        } catch (const std::exception& e) {
+          failures[static_cast<std::size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+  }
+  for (int r = 0; r < size; ++r) {
+    INFO("rank " << r);
+    CHECK(failures[static_cast<std::size_t>(r)].empty());
+    for (int from = 0; from < size; ++from) {
+      CHECK(gathered[static_cast<std::size_t>(r)][static_cast<std::size_t>(2 * from)] ==
+            from * 10 + 2);
+      CHECK(gathered[static_cast<std::size_t>(r)][static_cast<std::size_t>(2 * from + 1)] == -from);
+    }
+    CHECK(received[static_cast<std::size_t>(r)] == std::vector<std::uint8_t>(5, 42));
+  }
+  // The last reader of every round erased it: nothing is left behind.
+  dtrain::store_client check("127.0.0.1", server.port(), quick);
+  CHECK(check.num_keys() == 0);
+}
+
+TEST_CASE("control plane: a rank that sends another length is a rendezvous_error naming the key") {
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  std::string failure;
+  std::thread other([&] {
+    dtrain::store_client client("127.0.0.1", server.port(), quick);
+    dtrain::store_channel channel(client, 1, 2);
+    std::vector<std::uint8_t> longer(9, 1);
+    channel.broadcast(longer, 1);
+  });
+  dtrain::store_client client("127.0.0.1", server.port(), quick);
+  dtrain::store_channel channel(client, 0, 2);
+  std::vector<std::uint8_t> bytes(4, 0);
+  try {
+    channel.broadcast(bytes, 1);
+  } catch (const dtrain::rendezvous_error& e) {
+    failure = e.what();
+  }
+  other.join();
+  CHECK_CONTAINS(failure, "control/1/root");
+  CHECK_CONTAINS(failure, "has 9 bytes, rank 0 expected 4");
+}
+
+TEST_CASE("watchdog: work that never finishes is a timeout_error naming the collective, in time") {
+  std::atomic<int> aborted{0};
+  dtrain::watchdog dog;
+  const auto start = std::chrono::steady_clock::now();
+  dog.watch(dtrain::work(std::make_shared<stuck_work>(500ms, aborted, false)));
+  CHECK(dog.failure() == nullptr);  // nothing is known before the timeout
+  std::exception_ptr failure = dog.drain();
+  const auto took = std::chrono::steady_clock::now() - start;
+  REQUIRE(failure != nullptr);
+  CHECK(aborted == 1);  // the engine's hook ran: NCCL aborts its communicator there
+  CHECK(took >= 500ms);
+  CHECK(took < 1500ms);  // within the timeout plus one second
+  try {
+    std::rethrow_exception(failure);
+  } catch (const dtrain::timeout_error& e) {
+    CHECK_CONTAINS(std::string(e.what()), "allreduce(sum, 1024 x float32) on rank 0 of 2 (test)");
+    CHECK_CONTAINS(std::string(e.what()), "timeout 500 ms");
+  }
+  CHECK(dog.failure() == failure);
+}
+
+TEST_CASE("watchdog: the deadline counts from launch, work is followed in order, errors are kept") {
+  std::atomic<int> aborted{0};
+  dtrain::watchdog dog;
+  // Two stuck pieces with the same timeout, handed over together: both time
+  // out at about the same moment, not one after the other.
+  const auto start = std::chrono::steady_clock::now();
+  dog.watch(dtrain::work(std::make_shared<stuck_work>(400ms, aborted, false)));
+  dog.watch(dtrain::work(std::make_shared<stuck_work>(400ms, aborted, false)));
+  (void)dog.drain();
+  CHECK(aborted == 2);
+  CHECK(std::chrono::steady_clock::now() - start < 1400ms);
+
+  dtrain::watchdog second;
+  second.watch(dtrain::work(std::make_shared<failing_work>()));
+  std::exception_ptr failure = second.drain();
+  REQUIRE(failure != nullptr);
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(failure), doctest::Contains("the engine says no"),
+                       dtrain::backend_error);
+
+  dtrain::watchdog quiet;
+  quiet.watch(dtrain::work());  // already complete
+  CHECK(quiet.drain() == nullptr);
+}

@@ -1,0 +1,46 @@
+// select_device: which GPU a rank uses, from its local rank and what it sees.
+#include "support.hpp"
+
+#include <dtrain/dtrain.hpp>
+
+#include <string>
+
+using dtrain::select_device;
+
+TEST_CASE("select_device: one GPU per local rank, all visible: the local rank") {
+  CHECK(select_device(0, 4, 4, std::nullopt) == 0);
+  CHECK(select_device(3, 4, 4, std::nullopt) == 3);
+  CHECK(select_device(1, 2, 8, "0,1,2,3,4,5,6,7") == 1);  // more GPUs than ranks
+}
+
+TEST_CASE("select_device: per-task binding (one visible GPU) is device 0 for every rank") {
+  CHECK(select_device(0, 4, 1, "2") == 0);
+  CHECK(select_device(3, 4, 1, "GPU-8f1c") == 0);
+  CHECK(select_device(0, 1, 1, std::nullopt) == 0);
+}
+
+TEST_CASE(
+    "select_device: fewer GPUs than ranks is a config_error naming CUDA_VISIBLE_DEVICES and the "
+    "counts") {
+  std::string text;
+  try {
+    (void)select_device(2, 4, 2, "0,1");
+  } catch (const dtrain::config_error& e) {
+    text = e.what();
+  }
+  CHECK_CONTAINS(text, "local rank 2 of 4");
+  CHECK_CONTAINS(text, "sees 2 GPUs");
+  CHECK_CONTAINS(text, "CUDA_VISIBLE_DEVICES=0,1");
+
+  text.clear();
+  try {
+    (void)select_device(0, 2, 0, std::nullopt);
+  } catch (const dtrain::config_error& e) {
+    text = e.what();
+  }
+  CHECK_CONTAINS(text, "sees none");
+  CHECK_CONTAINS(text, "CUDA_VISIBLE_DEVICES unset");
+
+  CHECK_THROWS_AS((void)select_device(4, 4, 8, std::nullopt), dtrain::config_error);
+  CHECK_THROWS_AS((void)select_device(-1, 4, 8, std::nullopt), dtrain::config_error);
+}
