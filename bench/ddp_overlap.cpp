@@ -28,7 +28,14 @@
 // Table 2, bucketing: N small parameters (default 1,000 x 256 float32), one
 // waited dtrain::allreduce per parameter against DDP with its default caps.
 //
-// Options: --backend mpi|gloo, --compute sleep|spin, --compute-us US (per
+// `--backend nccl`: DDP's own cost on a GPU, world size 1 (one GPU cannot host
+// two NCCL ranks). The same layered model on the device; a layer's backward is
+// device-to-device copies on the compute stream calibrated to --compute-us
+// (default 1000); the loop without DDP against the same loop with mark_ready
+// after each layer and synchronize(stream). Goal: at most 2% overhead. Without
+// a GPU it prints "SKIPPED: no CUDA device" and exits 77.
+//
+// Options: --backend mpi|gloo|nccl, --compute sleep|spin, --compute-us US (per
 // layer), --layers L (16), --floats P (1048576), --bucket-cap-mb MB (4: about
 // one layer per bucket), --first-bucket-cap-mb MB (1), --steps N (9),
 // --warmup N (2), --small-params N (1000), --small-floats N (256).
@@ -68,12 +75,13 @@ struct bench_options {
 };
 
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr,
-               "ddp_overlap: %s\nusage: ddp_overlap [--backend mpi|gloo] [--compute sleep|spin] "
-               "[--compute-us US] [--layers L] [--floats P] [--bucket-cap-mb MB] "
-               "[--first-bucket-cap-mb MB] [--steps N] [--warmup N] [--small-params N] "
-               "[--small-floats N]\n",
-               why.c_str());
+  std::fprintf(
+      stderr,
+      "ddp_overlap: %s\nusage: ddp_overlap [--backend mpi|gloo|nccl] [--compute sleep|spin] "
+      "[--compute-us US] [--layers L] [--floats P] [--bucket-cap-mb MB] "
+      "[--first-bucket-cap-mb MB] [--steps N] [--warmup N] [--small-params N] "
+      "[--small-floats N]\n",
+      why.c_str());
   std::exit(2);
 }
 
@@ -95,8 +103,8 @@ bench_options parse(int argc, char** argv) {
     };
     if (arg == "--backend") {
       o.backend = value();
-      if (o.backend != "mpi" && o.backend != "gloo")
-        usage("--backend is mpi or gloo, not " + o.backend);
+      if (o.backend != "mpi" && o.backend != "gloo" && o.backend != "nccl")
+        usage("--backend is mpi, gloo or nccl, not " + o.backend);
     } else if (arg == "--compute") {
       const std::string v = value();
       if (v != "spin" && v != "sleep") usage("--compute is spin or sleep, not " + v);
@@ -458,6 +466,173 @@ int bench(dtrain::context<Policy>& ctx, const bench_options& o) {
   return averaged ? 0 : 1;
 }
 
+#if DTRAIN_HAS_NCCL()
+// ---- --backend nccl: DDP's overhead on one GPU -------------------------------
+
+// L layers of P float32 on GPU 0; gradients are device pointers DDP points into its buckets.
+struct device_layered_model {
+  std::vector<float*> weights, gradients, owned;
+
+  device_layered_model(std::size_t layers, std::size_t floats)
+      : weights(layers), gradients(layers), floats_(floats) {
+    for (std::size_t i = 0; i < layers; ++i) {
+      DTRAIN_CUDA_CHECK(cudaMalloc(&weights[i], floats * sizeof(float)));
+      DTRAIN_CUDA_CHECK(cudaMalloc(&gradients[i], floats * sizeof(float)));
+      DTRAIN_CUDA_CHECK(cudaMemset(weights[i], 0, floats * sizeof(float)));
+      DTRAIN_CUDA_CHECK(cudaMemset(gradients[i], 0, floats * sizeof(float)));
+      owned.push_back(weights[i]);
+      owned.push_back(gradients[i]);
+    }
+  }
+  device_layered_model(const device_layered_model&) = delete;
+  device_layered_model& operator=(const device_layered_model&) = delete;
+  ~device_layered_model() {
+    for (float* p : owned) (void)cudaFree(p);
+  }
+
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      out.push_back(dtrain::device_param("layer" + std::to_string(i) + ".weight", weights[i],
+                                         gradients[i], floats_, 0));
+    }
+    return out;
+  }
+
+ private:
+  std::size_t floats_;
+};
+
+int bench_nccl(const bench_options& o) {
+  using namespace std::chrono_literals;
+  int devices = 0;
+  const cudaError_t found = cudaGetDeviceCount(&devices);
+  if (found != cudaSuccess || devices == 0) {
+    std::printf("SKIPPED: no CUDA device (%s)\n",
+                found != cudaSuccess ? cudaGetErrorString(found) : "cudaGetDeviceCount found 0");
+    return 77;
+  }
+  DTRAIN_CUDA_CHECK(cudaSetDevice(0));
+  using policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl>;
+  using store_type = dtrain::prefix_store<dtrain::store_client>;
+  dtrain::store_server server("127.0.0.1", 0, {.timeout = 60s, .log = [](std::string_view) {}});
+  dtrain::store_client client("127.0.0.1", server.port(), {.timeout = 60s});
+  store_type store(client, "ddp-overlap");
+  dtrain::store_channel<store_type> channel(store, 0, 1);
+  dtrain::nccl_communicator comm(store, 0, 1, 0, {});
+
+  // The compute stream outlives the DDPs below (their destructors use it).
+  struct owned_stream {
+    owned_stream() { DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&get, cudaStreamNonBlocking)); }
+    owned_stream(const owned_stream&) = delete;
+    owned_stream& operator=(const owned_stream&) = delete;
+    ~owned_stream() { (void)cudaStreamDestroy(get); }
+    cudaStream_t get = nullptr;
+  } owned;
+  cudaStream_t stream = owned.get;
+  // A layer's backward: copies of a 64 MiB scratch buffer, as many as fit in --compute-us.
+  constexpr std::size_t scratch_bytes = std::size_t{64} << 20;
+  void* scratch[2] = {nullptr, nullptr};
+  DTRAIN_CUDA_CHECK(cudaMalloc(&scratch[0], scratch_bytes));
+  DTRAIN_CUDA_CHECK(cudaMalloc(&scratch[1], scratch_bytes));
+  cudaEvent_t begin = nullptr, end = nullptr;
+  DTRAIN_CUDA_CHECK(cudaEventCreate(&begin));
+  DTRAIN_CUDA_CHECK(cudaEventCreate(&end));
+  auto copy = [&] {
+    DTRAIN_CUDA_CHECK(
+        cudaMemcpyAsync(scratch[1], scratch[0], scratch_bytes, cudaMemcpyDeviceToDevice, stream));
+  };
+  std::vector<double> copy_us;
+  for (int i = 0; i < 9; ++i) {
+    DTRAIN_CUDA_CHECK(cudaEventRecord(begin, stream));
+    copy();
+    DTRAIN_CUDA_CHECK(cudaEventRecord(end, stream));
+    DTRAIN_CUDA_CHECK(cudaEventSynchronize(end));
+    float ms = 0;
+    DTRAIN_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
+    copy_us.push_back(static_cast<double>(ms) * 1e3);
+  }
+  const double one_copy_us = median(copy_us);
+  const double compute_us = o.compute_us >= 0 ? o.compute_us : 1000.0;
+  const int copies = std::max(1, static_cast<int>(std::lround(compute_us / one_copy_us)));
+
+  device_layered_model model(o.layers, o.floats), model_off(o.layers, o.floats);
+  using ddp_type = dtrain::DistributedDataParallel<device_layered_model, policy>;
+  ddp_type ddp(comm, dtrain::control_plane(channel), model,
+               {.bucket_cap_mb = o.bucket_cap_mb, .first_bucket_cap_mb = o.first_bucket_cap_mb});
+  ddp_type ddp_off(comm, dtrain::control_plane(channel), model_off,
+                   {.bucket_cap_mb = o.bucket_cap_mb,
+                    .first_bucket_cap_mb = o.first_bucket_cap_mb,
+                    .overlap = false});
+  ddp.set_stream(stream);
+  ddp_off.set_stream(stream);
+
+  auto backward = [&](ddp_type* d) {
+    for (std::size_t l = o.layers; l-- > 0;) {
+      for (int c = 0; c < copies; ++c) copy();
+      if (d) d->mark_ready(l);
+    }
+    if (d) d->synchronize(stream);
+    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+  auto timed = [&](ddp_type* d) {
+    const auto start = steady::now();
+    backward(d);
+    return std::chrono::duration<double>(steady::now() - start).count();
+  };
+  for (int i = 0; i < std::max(o.warmup, 2); ++i) {  // the first step rebuilds the buckets
+    backward(nullptr);
+    backward(&ddp);
+    backward(&ddp_off);
+  }
+  std::vector<double> t_plain, t_ddp, t_off;
+  for (int round = 0; round < o.steps; ++round) {
+    switch (round % 3) {  // the order rotates, so that drift hits every row alike
+      case 0:
+        t_plain.push_back(timed(nullptr));
+        t_ddp.push_back(timed(&ddp));
+        t_off.push_back(timed(&ddp_off));
+        break;
+      case 1:
+        t_ddp.push_back(timed(&ddp));
+        t_off.push_back(timed(&ddp_off));
+        t_plain.push_back(timed(nullptr));
+        break;
+      default:
+        t_off.push_back(timed(&ddp_off));
+        t_plain.push_back(timed(nullptr));
+        t_ddp.push_back(timed(&ddp));
+        break;
+    }
+  }
+  const double plain = median(t_plain), with = median(t_ddp), off = median(t_off);
+  cudaDeviceProp prop{};
+  DTRAIN_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("DDP over NCCL on one GPU (%s), world size 1: %zu layers x %zu float32 (%.1f MiB)\n",
+              prop.name, o.layers, o.floats,
+              static_cast<double>(o.layers * o.floats * sizeof(float)) / (1 << 20));
+  std::printf(
+      "a layer's backward: %d copies of 64 MiB on the compute stream (%.0f us each; "
+      "%.0f us asked)\n",
+      copies, one_copy_us, compute_us);
+  std::printf("buckets: %zu (%s); time per step: median of %d rotating rounds\n",
+              ddp.buckets().size(), bucket_layout(ddp.buckets()).c_str(), o.steps);
+  std::printf("%-34s %10s %10s\n", "", "ms/step", "overhead");
+  std::printf("%-34s %10.3f %10s\n", "backward without DDP", plain * 1e3, "-");
+  std::printf("%-34s %10.3f %9.2f%%\n", "DDP, overlap on", with * 1e3,
+              (with - plain) / plain * 100);
+  std::printf("%-34s %10.3f %9.2f%%\n", "DDP, overlap off", off * 1e3, (off - plain) / plain * 100);
+  std::printf("goal: DDP (overlap on) at most 2%% over the loop without it; measured %.2f%%\n",
+              (with - plain) / plain * 100);
+  std::fflush(stdout);
+  DTRAIN_CUDA_CHECK(cudaEventDestroy(begin));
+  DTRAIN_CUDA_CHECK(cudaEventDestroy(end));
+  DTRAIN_CUDA_CHECK(cudaFree(scratch[0]));
+  DTRAIN_CUDA_CHECK(cudaFree(scratch[1]));
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -467,6 +642,18 @@ int main(int argc, char** argv) {
     const bool under_mpirun =
         std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
     backend = under_mpirun && DTRAIN_HAS_MPI() ? "mpi" : "gloo";
+  }
+  if (backend == "nccl") {
+#if DTRAIN_HAS_NCCL()
+    try {
+      return bench_nccl(o);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ddp_overlap: %s\n", e.what());
+      return 1;
+    }
+#else
+    usage("this build has no NCCL (DTRAIN_WITH_NCCL is OFF)");
+#endif
   }
   if (backend == "mpi") {
 #if DTRAIN_HAS_MPI()

@@ -32,3 +32,13 @@ function(dtrain_cuda_program target)
   endif()
   dtrain_target_warnings(${target})
 endfunction()
+
+# dtrain_cuda_compile_check(<target>): a program that checks what nvcc makes of
+# dtrain's host code (it launches no kernel of its own): one architecture, the
+# first of CMAKE_CUDA_ARCHITECTURES, is enough, and each extra one costs a full
+# device-side pass over dtrain.hpp.
+function(dtrain_cuda_compile_check target)
+  dtrain_cuda_program(${target})
+  list(GET CMAKE_CUDA_ARCHITECTURES 0 first)
+  set_target_properties(${target} PROPERTIES CUDA_ARCHITECTURES "${first}")
+endfunction()

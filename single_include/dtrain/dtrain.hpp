@@ -3735,6 +3735,10 @@ static_assert(store<prefix_store<store_client>>);
 #include <string_view>
 #include <type_traits>
 
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
 namespace dtrain {
 
 /// IEEE 754 binary16, stored as its bits. Converts to and from float with
@@ -3872,6 +3876,9 @@ struct buffer {
   std::size_t count = 0;
   dtype type = dtype::float32;
   memory where = memory::host;
+  /// The CUDA device of device memory, when known (a device_span states it);
+  /// -1: host memory, or the caller's current device.
+  int device = -1;
 
   [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
 };
@@ -3886,6 +3893,15 @@ template <element T>
   return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
 }
 
+/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
+/// that is always null: how collectives that can order themselves after the
+/// caller's GPU work take the caller's stream (null: the legacy default stream).
+#if DTRAIN_HAS_CUDA()
+using stream_handle = cudaStream_t;
+#else
+using stream_handle = void*;
+#endif
+
 /// A span of device (GPU) memory: pointer, count and the CUDA device. The
 /// type says where the data lives, so a backend that cannot reach device
 /// memory rejects it at compile time (and NCCL rejects a std::span).
@@ -3898,7 +3914,7 @@ struct device_span {
 
   [[nodiscard]] buffer as_buffer() const noexcept {
     return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>,
-            memory::device};
+            memory::device, device};
   }
   [[nodiscard]] std::size_t size() const noexcept { return count; }
   /// The read-only view, for the inputs of allgather and reduce_scatter.
@@ -4477,6 +4493,292 @@ work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op =
 /// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
 /// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
 
+// ---- begin dtrain/backend/cuda.hpp ----
+/// @file
+/// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
+/// of a stream, an event and the current device. Host C++ only (the runtime
+/// API, never a kernel), so it builds with g++ and with nvcc alike. Compiles
+/// to nothing unless DTRAIN_HAS_CUDA().
+
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <new>
+#include <string>
+#include <utility>
+
+namespace dtrain::detail {
+
+/// The size of the pinned block that stages `bytes`: a power of two, 64 KiB
+/// at least, so that a pool of them is reused across calls of varying sizes
+/// and wastes at most half of a block.
+[[nodiscard]] constexpr std::size_t staging_block_bytes(std::size_t bytes) noexcept {
+  std::size_t block = std::size_t{64} << 10;
+  while (block < bytes && block <= (~std::size_t{0} >> 1)) block <<= 1;
+  return block < bytes ? bytes : block;
+}
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+
+namespace dtrain::detail {
+
+/// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
+/// (cudaError_t 101, at file:line)".
+inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
+  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
+         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
+         ", at " + file + ":" + std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
+                                          int line) {
+  // Clear a non-sticky error, so that the next unrelated call does not report it again.
+  (void)cudaGetLastError();
+  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (a CUDA runtime function returning cudaError_t) and throws
+/// dtrain::backend_error with the call as written, file:line, the runtime's
+/// error name and string, and the code (backend_error::engine_code()).
+#define DTRAIN_CUDA_CHECK(call)                                                           \
+  do {                                                                                    \
+    const cudaError_t dtrain_cuda_status_ = (call);                                       \
+    if (dtrain_cuda_status_ != cudaSuccess)                                               \
+      ::dtrain::detail::throw_cuda_error(dtrain_cuda_status_, #call, __FILE__, __LINE__); \
+  } while (false)
+
+namespace dtrain::detail {
+
+/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
+/// wait: work still queued on the stream completes, then the stream goes.
+class cuda_stream {
+ public:
+  cuda_stream() = default;
+  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  cuda_stream& operator=(cuda_stream&& other) noexcept {
+    if (this != &other) {
+      reset();
+      stream_ = std::exchange(other.stream_, nullptr);
+    }
+    return *this;
+  }
+  cuda_stream(const cuda_stream&) = delete;
+  cuda_stream& operator=(const cuda_stream&) = delete;
+  ~cuda_stream() { reset(); }
+
+  /// A stream on the current device that does not synchronise with the legacy
+  /// default stream: ordering with the caller's streams is explicit (events).
+  [[nodiscard]] static cuda_stream non_blocking() {
+    cuda_stream s;
+    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
+class cuda_event {
+ public:
+  cuda_event() = default;
+  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
+  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  cuda_event& operator=(cuda_event&& other) noexcept {
+    if (this != &other) {
+      reset();
+      event_ = std::exchange(other.event_, nullptr);
+    }
+    return *this;
+  }
+  cuda_event(const cuda_event&) = delete;
+  cuda_event& operator=(const cuda_event&) = delete;
+  ~cuda_event() { reset(); }
+
+  [[nodiscard]] static cuda_event create() {
+    cudaEvent_t e = nullptr;
+    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return cuda_event(e);
+  }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (event_) (void)cudaEventDestroy(event_);
+    event_ = nullptr;
+  }
+  cudaEvent_t event_ = nullptr;
+};
+
+/// Whether this thread has a current CUDA context, asked of the driver
+/// (cuCtxGetCurrent, found through the runtime, so nothing links libcuda).
+/// The runtime's cudaGetDevice answers 0 on a thread that never used a GPU,
+/// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
+/// GiB) for a rank that does not use it. True when the driver cannot say.
+[[nodiscard]] inline bool thread_has_cuda_context() noexcept {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static const get_current_fn get_current = []() noexcept -> get_current_fn {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t rc =
+        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t rc =
+        cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found);
+#endif
+    if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<get_current_fn>(fn);
+  }();
+  if (get_current == nullptr) return true;
+  void* context = nullptr;
+  return get_current(&context) == 0 && context != nullptr;
+#else
+  return true;
+#endif
+}
+
+/// Makes `device` current for a scope, and restores the previous device
+/// after it only where this thread had a context: on a fresh thread (a
+/// watchdog, a communication thread) the device stays `device`, so that no
+/// context is created on a GPU the rank does not use. Switches only when
+/// needed (a cudaSetDevice costs more than a cudaGetDevice).
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      const bool restore = thread_has_cuda_context();
+      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = restore;
+    }
+  }
+  /// For destructors and other noexcept paths: failures are ignored.
+  device_guard(int device, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (previous_ != device) {
+      const bool restore = thread_has_cuda_context();
+      switched_ = cudaSetDevice(device) == cudaSuccess && restore;
+    }
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() {
+    if (switched_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+/// Pinned (page-locked) host blocks for staging device buffers through host
+/// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens
+/// only when no free block of the size class is left. What the pool holds is
+/// bounded by the largest set of stagings in flight at once (each block at most
+/// twice its use). Also owns one non-blocking copy stream per device. Thread-safe.
+class pinned_pool {
+ public:
+  pinned_pool() = default;
+  pinned_pool(const pinned_pool&) = delete;
+  pinned_pool& operator=(const pinned_pool&) = delete;
+  ~pinned_pool() {
+    for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
+    for (auto& [device, stream] : streams_) {
+      device_guard on(device, std::nothrow);
+      (void)cudaStreamDestroy(stream);
+    }
+  }
+
+  /// A block of staging_block_bytes(bytes) (null for 0 bytes); give it back with give().
+  /// Call under a device_guard for the device being staged.
+  [[nodiscard]] void* take(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    const std::size_t size = staging_block_bytes(bytes);
+    {
+      std::lock_guard lock(mutex_);
+      auto it = free_.find(size);
+      if (it != free_.end()) {
+        void* block = it->second;
+        free_.erase(it);
+        return block;
+      }
+    }
+    void* block = nullptr;
+    DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
+    std::lock_guard lock(mutex_);
+    held_ += size;
+    return block;
+  }
+
+  /// Returns a block from take(bytes) for reuse.
+  void give(void* block, std::size_t bytes) noexcept {
+    if (block == nullptr) return;
+    try {
+      std::lock_guard lock(mutex_);
+      free_.emplace(staging_block_bytes(bytes), block);
+    } catch (...) {
+      (void)cudaFreeHost(block);
+      std::lock_guard lock(mutex_);
+      held_ -= staging_block_bytes(bytes);
+    }
+  }
+
+  /// The pool's copy stream on `device` (created on first use, under a guard).
+  [[nodiscard]] cudaStream_t copy_stream(int device) {
+    std::lock_guard lock(mutex_);
+    auto it = streams_.find(device);
+    if (it != streams_.end()) return it->second;
+    device_guard on(device);
+    cuda_stream s = cuda_stream::non_blocking();
+    cudaStream_t raw = s.get();
+    streams_.emplace(device, raw);
+    (void)s.release();
+    return raw;
+  }
+
+  /// Pinned bytes allocated and not freed: blocks in use and free ones.
+  [[nodiscard]] std::size_t held_bytes() const {
+    std::lock_guard lock(mutex_);
+    return held_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;
+  std::map<int, cudaStream_t> streams_;
+  std::size_t held_ = 0;
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_CUDA()
+// ---- end dtrain/backend/cuda.hpp ----
 
 #if DTRAIN_HAS_MPI()
 
@@ -4484,10 +4786,6 @@ work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op =
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
 #endif
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-
 #include <array>
 #include <chrono>
 #include <climits>
@@ -4553,6 +4851,12 @@ struct mpi_options {
   /// Open MPI's default for the nonblocking allreduce dtrain uses is about
   /// twice as slow as its blocking one from 4 KiB up (bench/allreduce_mpi).
   bool tune_open_mpi = true;
+  /// Device buffers go to MPI as they are (blocking collectives, since Open
+  /// MPI's nonblocking ones do not take CUDA memory), instead of being staged
+  /// through pooled pinned host memory. Opt-in, and only for an MPI built
+  /// with CUDA support (MPIX_Query_cuda_support(); otherwise a config_error).
+  /// A blocking call cannot be bounded by the collective timeout.
+  bool cuda_aware_direct = false;
 };
 
 /// Owns MPI's initialisation when dtrain did it: initialises only if nobody
@@ -4601,11 +4905,13 @@ class mpi_environment {
   bool owned_ = false;
 };
 
-/// A communicator over MPI. Host memory always; device memory directly when
-/// the MPI is CUDA-aware, otherwise staged through pinned host buffers
-/// (compiled when CUDA is available). float16 and bfloat16 reduce through
-/// dtrain's own MPI_Op (MPI has no such types): converted to float, reduced,
-/// rounded back at each step.
+/// A communicator over MPI. Host memory always; device memory (compiled when
+/// CUDA is available) staged through pooled pinned host blocks: copied out
+/// after the work queued on the caller's stream, reduced by MPI, copied back
+/// before the work completes. With mpi_options::cuda_aware_direct and a
+/// CUDA-aware MPI, device pointers go to MPI's blocking collectives instead.
+/// float16 and bfloat16 reduce through dtrain's own MPI_Op (MPI has no such
+/// types): converted to float, reduced, rounded back at each step.
 class mpi_communicator {
  public:
   static constexpr std::string_view name = "mpi";
@@ -4632,7 +4938,8 @@ class mpi_communicator {
         options_(other.options_),
         sequence_(other.sequence_),
         ops_(std::exchange(other.ops_, no_ops())),
-        health_(std::move(other.health_)) {}
+        health_(std::move(other.health_)),
+        staging_(std::move(other.staging_)) {}
   mpi_communicator& operator=(mpi_communicator&&) = delete;
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
@@ -4652,7 +4959,21 @@ class mpi_communicator {
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
 
-  work allreduce(buffer in, buffer out, reduce_op op) {
+  /// Pinned host bytes this communicator holds for staging device buffers
+  /// (in use and free for reuse); 0 without CUDA.
+  [[nodiscard]] std::size_t staging_bytes() const {
+#if DTRAIN_HAS_CUDA()
+    return staging_->pool.held_bytes();
+#else
+    return 0;
+#endif
+  }
+
+  // Device buffers: `stream` is the caller's stream whose work produced the
+  // input (null: the legacy default stream). The host waits for it before MPI
+  // reads the data; the output is on the device when the work completes.
+
+  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
     const auto what = info("allreduce", out, static_cast<int>(op), -1);
     detail::argument_check check{what};
     check.same_type(in, out);
@@ -4660,46 +4981,62 @@ class mpi_communicator {
     check.op_fits(op, in.type);
     usable(what);
     verify(0, in, static_cast<std::int64_t>(op), what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    auto w = make_request(what);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
     const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Allreduce(send, w->dst.data, count(out, what), datatype(out.type),
+                                     mpi_op(op, out.type), comm_),
+                       what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type), mpi_op(op, out.type),
                                     comm_, &w->req),
                      what);
     return work(w);
   }
 
-  work broadcast(buffer data, int root) {
+  work broadcast(buffer data, int root, stream_handle stream = nullptr) {
     const auto what = info("broadcast", data, -1, root);
     detail::argument_check{what}.root(root, size_);
     usable(what);
     verify(1, data, root, what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(data, data, false);
+    auto w = make_request(what);
+    w->stage(data, data, false, stream);
     if (data.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_), what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req), what);
     return work(w);
   }
 
-  work allgather(buffer in, buffer out) {
+  work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
     const auto what = info("allgather", in, -1, -1);
     detail::argument_check check{what};
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size_), "output");
     usable(what);
     verify(2, in, 0, what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(in, out, false);
+    auto w = make_request(what);
+    w->stage(in, out, false, stream);
     if (in.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Allgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
+                                     count(in, what), datatype(in.type), comm_),
+                       what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data, count(in, what),
                                     datatype(in.type), comm_, &w->req),
                      what);
     return work(w);
   }
 
-  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
     const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
     detail::argument_check check{what};
     check.same_type(in, out);
@@ -4707,10 +5044,16 @@ class mpi_communicator {
     check.op_fits(op, in.type);
     usable(what);
     verify(3, out, static_cast<std::int64_t>(op), what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    auto w = make_request(what);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(w->src.data, w->dst.data, count(out, what),
+                                                datatype(out.type), mpi_op(op, out.type), comm_),
+                       what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
                                                mpi_op(op, out.type), comm_, &w->req),
                      what);
@@ -4721,7 +5064,7 @@ class mpi_communicator {
     const auto what = info("barrier", buffer{}, -1, -1);
     usable(what);
     verify(4, buffer{}, 0, what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    auto w = make_request(what);
     DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
     return work(w);
   }
@@ -4745,10 +5088,20 @@ class mpi_communicator {
     std::string why;
   };
 
+  // How device buffers travel (CUDA builds): the pinned pool, and whether the
+  // MPI takes device pointers itself (mpi_options::cuda_aware_direct).
+  struct staging {
+#if DTRAIN_HAS_CUDA()
+    detail::pinned_pool pool;
+#endif
+    bool direct = false;
+  };
+
   // One outstanding MPI request, with the staging and the avg division it needs when done.
   struct request : detail::work_state {
-    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h)
-        : work_state(what, timeout), health_(std::move(h)) {}
+    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h,
+            std::shared_ptr<staging> st)
+        : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
     ~request() override {
       int finalized = 1;
       MPI_Finalized(&finalized);
@@ -4766,26 +5119,40 @@ class mpi_communicator {
       if (!abandoned) release_staging();  // an abandoned request may still write into them
     }
 
-    /// Chooses where MPI reads and writes: the user's buffers, or pinned host
-    /// copies of device buffers when the MPI is not CUDA-aware or when dtrain
-    /// does arithmetic on the host (avg, the 16-bit floats' MPI_Op).
-    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math) {
+    /// Chooses where MPI reads and writes: the user's buffers (host memory;
+    /// device memory when the MPI takes it directly and no host arithmetic is
+    /// needed), or pooled pinned copies of device buffers, filled once the
+    /// work queued on `stream` is done. Host arithmetic: avg's division and
+    /// the 16-bit floats' MPI_Op.
+    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math,
+               [[maybe_unused]] stream_handle stream) {
       user_out = out;
       src = in;
       dst = out;
 #if DTRAIN_HAS_CUDA()
-      if (out.where == memory::device && (host_math || !mpi_environment::cuda_aware())) {
+      if (out.where != memory::device) return;
+      try {
+        device = out.device;
+        if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
+        detail::device_guard on(device);
+        if (staging_->direct && !host_math) {
+          direct = true;  // MPI reads the device memory now: the caller's work first
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+          return;
+        }
         staged = true;
         const bool same = in.data == out.data;
-        dst.data = pinned(out.bytes());
+        dst.data = take(out.bytes(), dst_block);
         dst.where = memory::host;
-        if (same) {
-          src.data = dst.data;
-        } else {
-          src.data = pinned(in.bytes());
-        }
+        src.data = same ? dst.data : take(in.bytes(), src_block);
         src.where = memory::host;
-        if (in.bytes() > 0) copy(src.data, in.data, in.bytes(), cudaMemcpyDeviceToHost);
+        if (in.bytes() > 0) {
+          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+      } catch (const backend_error& e) {
+        throw backend_error(description() + ": staging the device buffer through pinned host memory: " + e.what(),
+                            e.engine_code());
       }
 #endif
     }
@@ -4807,8 +5174,16 @@ class mpi_communicator {
       try {
         if (divide_by > 0) detail::divide_host(dst, divide_by);
 #if DTRAIN_HAS_CUDA()
-        if (staged && user_out.bytes() > 0) copy(user_out.data, dst.data, user_out.bytes(), cudaMemcpyHostToDevice);
+        if (staged && user_out.bytes() > 0) {
+          detail::device_guard on(device);
+          cudaStream_t copy = staging_->pool.copy_stream(device);
+          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
+        }
 #endif
+      } catch (const backend_error& e) {
+        fail(std::make_exception_ptr(
+            backend_error(description() + ": copying the result back to the device: " + e.what(), e.engine_code())));
       } catch (...) {
         fail(std::current_exception());
       }
@@ -4830,44 +5205,56 @@ class mpi_communicator {
     MPI_Request req = MPI_REQUEST_NULL;
     buffer src{}, dst{}, user_out{};
     int divide_by = 0;
-    bool staged = false;
+    int device = -1;      // of the staged device buffers
+    bool staged = false;  // src/dst are pinned blocks from the pool
+    bool direct = false;  // device pointers to a blocking call: complete at launch
     bool finished = false;
     bool abandoned = false;
 
    private:
+    struct block {
+      void* data = nullptr;
+      std::size_t bytes = 0;
+    };
 #if DTRAIN_HAS_CUDA()
-    void* pinned(std::size_t bytes) {
-      void* p = nullptr;
-      if (bytes == 0) return nullptr;
-      cudaError_t rc = cudaMallocHost(&p, bytes);
-      if (rc != cudaSuccess) {
-        throw backend_error(description() + ": cudaMallocHost(" + std::to_string(bytes) + ") for MPI staging failed: " +
-                                cudaGetErrorString(rc),
-                            static_cast<int>(rc));
-      }
-      pinned_.push_back(p);
-      return p;
+    void* take(std::size_t bytes, block& b) {
+      b.data = staging_->pool.take(bytes);
+      b.bytes = bytes;
+      return b.data;
     }
-    void copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind) {
-      cudaError_t rc = cudaMemcpy(to, from, bytes, kind);
-      if (rc != cudaSuccess) {
-        throw backend_error(description() + ": cudaMemcpy for MPI staging failed: " + cudaGetErrorString(rc),
-                            static_cast<int>(rc));
-      }
-    }
-    std::vector<void*> pinned_;
 #endif
+    // Blocks go back to the pool for the next call (never while MPI may still
+    // write into them: an abandoned request keeps them).
     void release_staging() noexcept {
 #if DTRAIN_HAS_CUDA()
-      for (void* p : pinned_) cudaFreeHost(p);
-      pinned_.clear();
+      staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
+      staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
 #endif
     }
+    block src_block, dst_block;
     std::shared_ptr<health> health_;
+    std::shared_ptr<staging> staging_;
   };
 
+  std::shared_ptr<request> make_request(const detail::collective_info& what) {
+    return std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+  }
+
   mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
-      : env_(std::move(env)), options_(std::move(options)), health_(std::make_shared<health>()) {
+      : env_(std::move(env)),
+        options_(std::move(options)),
+        health_(std::make_shared<health>()),
+        staging_(std::make_shared<staging>()) {
+    if (options_.cuda_aware_direct) {
+      if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
+        throw config_error(
+            "mpi_options::cuda_aware_direct is set, but " +
+            std::string(DTRAIN_HAS_CUDA() ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
+                                          : "dtrain is built without CUDA") +
+            ": unset it, and device buffers are staged through pinned host memory");
+      }
+      staging_->direct = true;
+    }
     DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
     DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
     DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -4970,6 +5357,7 @@ class mpi_communicator {
   }
   std::array<MPI_Op, 8> ops_ = no_ops();
   std::shared_ptr<health> health_;
+  std::shared_ptr<staging> staging_;
 };
 
 static_assert(communicator<mpi_communicator>);
@@ -5897,157 +6285,6 @@ static_assert(communicator<gloo_communicator>);
 
 #endif  // DTRAIN_HAS_GLOO()
 // ---- end dtrain/backend/gloo.hpp ----
-// ---- begin dtrain/backend/cuda.hpp ----
-/// @file
-/// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
-/// of a stream, an event and the current device. Host C++ only (the runtime
-/// API, never a kernel), so it builds with g++ and with nvcc alike. Compiles
-/// to nothing unless DTRAIN_HAS_CUDA().
-
-
-#include <new>
-#include <string>
-#include <utility>
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-
-namespace dtrain::detail {
-
-/// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
-/// (cudaError_t 101, at file:line)".
-inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
-  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
-         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
-         ", at " + file + ":" + std::to_string(line) + ")";
-}
-
-[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
-                                          int line) {
-  // Clear a non-sticky error, so that the next unrelated call does not report it again.
-  (void)cudaGetLastError();
-  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
-}
-
-}  // namespace dtrain::detail
-
-/// Evaluates `call` (a CUDA runtime function returning cudaError_t) and throws
-/// dtrain::backend_error with the call as written, file:line, the runtime's
-/// error name and string, and the code (backend_error::engine_code()).
-#define DTRAIN_CUDA_CHECK(call)                                                           \
-  do {                                                                                    \
-    const cudaError_t dtrain_cuda_status_ = (call);                                       \
-    if (dtrain_cuda_status_ != cudaSuccess)                                               \
-      ::dtrain::detail::throw_cuda_error(dtrain_cuda_status_, #call, __FILE__, __LINE__); \
-  } while (false)
-
-namespace dtrain::detail {
-
-/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
-/// wait: work still queued on the stream completes, then the stream goes.
-class cuda_stream {
- public:
-  cuda_stream() = default;
-  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
-  cuda_stream& operator=(cuda_stream&& other) noexcept {
-    if (this != &other) {
-      reset();
-      stream_ = std::exchange(other.stream_, nullptr);
-    }
-    return *this;
-  }
-  cuda_stream(const cuda_stream&) = delete;
-  cuda_stream& operator=(const cuda_stream&) = delete;
-  ~cuda_stream() { reset(); }
-
-  /// A stream on the current device that does not synchronise with the legacy
-  /// default stream: ordering with the caller's streams is explicit (events).
-  [[nodiscard]] static cuda_stream non_blocking() {
-    cuda_stream s;
-    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
-    return s;
-  }
-
-  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
-
- private:
-  void reset() noexcept {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-    stream_ = nullptr;
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
-class cuda_event {
- public:
-  cuda_event() = default;
-  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
-  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
-  cuda_event& operator=(cuda_event&& other) noexcept {
-    if (this != &other) {
-      reset();
-      event_ = std::exchange(other.event_, nullptr);
-    }
-    return *this;
-  }
-  cuda_event(const cuda_event&) = delete;
-  cuda_event& operator=(const cuda_event&) = delete;
-  ~cuda_event() { reset(); }
-
-  [[nodiscard]] static cuda_event create() {
-    cudaEvent_t e = nullptr;
-    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return cuda_event(e);
-  }
-
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (event_) (void)cudaEventDestroy(event_);
-    event_ = nullptr;
-  }
-  cudaEvent_t event_ = nullptr;
-};
-
-/// Makes `device` current for a scope and restores the previous one after it.
-/// Switches only when needed (a cudaSetDevice costs more than a cudaGetDevice).
-class device_guard {
- public:
-  explicit device_guard(int device) {
-    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) {
-      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  /// For destructors and other noexcept paths: failures are ignored.
-  device_guard(int device, std::nothrow_t) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    if (previous_ != device) switched_ = cudaSetDevice(device) == cudaSuccess;
-  }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  ~device_guard() {
-    if (switched_) (void)cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
-}  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_CUDA()
-// ---- end dtrain/backend/cuda.hpp ----
 // ---- begin dtrain/backend/memory.hpp ----
 /// @file
 /// Memory spaces: where a backend's data lives and the few operations
@@ -7068,8 +7305,11 @@ class nccl_work final : public work_state {
       : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
   ~nccl_work() override { shared_->release_event(done_); }
 
+  // Runs on any thread that waits (the watchdog's included): the CUDA calls
+  // go to the communicator's device, never to a context on GPU 0.
   bool poll() override {
     std::lock_guard lock(shared_->mutex);
+    device_guard guard(shared_->device, std::nothrow);
     if (shared_->aborted) {
       fail(std::make_exception_ptr(
           backend_error(description() + " did not complete: the communicator was aborted (" +
@@ -9314,7 +9554,7 @@ template <element T>
 [[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
                                      int device) {
   return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device},
+          .values = {values, count, dtype_of<T>, memory::device, device},
           .gradient = gradient,
           .device = device,
           .gradient_slot = &gradient,
@@ -9326,7 +9566,7 @@ template <element T>
 [[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
                                           std::size_t count, int device) {
   return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device},
+          .values = {values, count, dtype_of<T>, memory::device, device},
           .gradient = gradient,
           .device = device};
 }
@@ -9345,7 +9585,7 @@ template <detail::element_range V>
 template <element T>
 [[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
   return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device},
+          .values = {values, count, dtype_of<T>, memory::device, device},
           .device = device};
 }
 
@@ -9507,10 +9747,6 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
 #include <span>
 #include <string_view>
 
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-
 namespace dtrain {
 
 /// How DistributedDataParallel sends float32 gradients.
@@ -9553,14 +9789,6 @@ struct ddp_options {
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
 };
-
-/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
-/// that is always null: the type of `gradient_bucket::stream`.
-#if DTRAIN_HAS_CUDA()
-using stream_handle = cudaStream_t;
-#else
-using stream_handle = void*;
-#endif
 
 /// One bucket, as a communication hook sees it.
 struct gradient_bucket {
@@ -10616,11 +10844,11 @@ class DistributedDataParallel {
   work reduce(std::size_t b) {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
-    buffer data{s.grads.data(), info.count, info.type, memory_space::where};
+    buffer data{s.grads.data(), info.count, info.type, memory_space::where, s.grads.device()};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
       data = {s.wire.data(), info.count, detail::wire_type(options_.compression),
-              memory_space::where};
+              memory_space::where, s.grads.device()};
       op = reduce_op::sum;
     }
     if (hook_) {

@@ -93,6 +93,21 @@ TEST_CASE("mpi: MPI was initialised by dtrain, with the thread level it needs") 
   MPI_Errhandler_free(&handler);
 }
 
+TEST_CASE("mpi: cuda_aware_direct is refused by an MPI that cannot take device pointers") {
+  // Collective (MPI_Comm_dup) only when it is accepted: every rank sees the same MPI.
+  if (DTRAIN_HAS_CUDA() && dtrain::mpi_environment::cuda_aware()) {
+    auto direct = dtrain::mpi_communicator::from(MPI_COMM_WORLD, {.cuda_aware_direct = true});
+    CHECK(direct.size() == world->size());
+    return;
+  }
+  CHECK_THROWS_WITH_AS(dtrain::mpi_communicator::from(MPI_COMM_WORLD, {.cuda_aware_direct = true}),
+                       doctest::Contains("mpi_options::cuda_aware_direct is set"), dtrain::config_error);
+  // Host buffers never touch the staging pool.
+  std::vector<float> v(1000, 1.0f);
+  dtrain::allreduce(*world, std::span(v)).wait();
+  CHECK(world->staging_bytes() == 0);
+}
+
 int main(int argc, char** argv) {
   try {
     world.emplace(dtrain::mpi_communicator::world());

@@ -1,8 +1,9 @@
 # Runs the training demo briefly and checks what a user would look at: the
 # exit status, a line per epoch, and rank 0's verdict on the ranks' weights.
 #
-#   cmake -DCASE=<gloo|mpi|bad_flag> -DTRAIN=<dtrain_train_mlp or dtrain_train_mlp_mpi>
+#   cmake -DCASE=<gloo|mpi|bad_flag|cuda_vs_cpu> -DTRAIN=<dtrain_train_mlp or dtrain_train_mlp_mpi>
 #         [-DMPIEXEC=<mpiexec> -DMPIEXEC_ARGS=<args before the program, |-separated>]
+#         [-DTRAIN_CUDA=<dtrain_train_mlp_cuda> (CASE cuda_vs_cpu)]
 #         -P check_demo.cmake
 cmake_minimum_required(VERSION 3.21)
 include("${CMAKE_CURRENT_LIST_DIR}/../scripts/clean_env.cmake")
@@ -36,6 +37,52 @@ elseif(CASE STREQUAL "mpi")
   string(REPLACE "|" ";" mpiexec_args "${MPIEXEC_ARGS}")
   set(command "${MPIEXEC}" ${mpiexec_args} "${TRAIN}" ${small})
   set(expected 0 "epoch 2/2 .*samples/s" "all 2 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+elseif(CASE STREQUAL "cuda_vs_cpu")
+  # One rank each, same flags: the final test accuracies must agree to within
+  # one point (the same samples and weights; only the float rounding differs).
+  set(same --epochs 3 --seed 5)
+  set(ENV{DTRAIN_NPROC_PER_NODE} 1)
+  execute_process(COMMAND "${TRAIN_CUDA}" ${same} OUTPUT_VARIABLE out ERROR_VARIABLE err
+                  RESULT_VARIABLE rc TIMEOUT 200)
+  if(rc EQUAL 77)
+    message("${out}${err}")
+    message("SKIPPED: the CUDA demo found no GPU")
+    return()
+  endif()
+  expect(0 "epoch 3/3 ")
+  if(NOT out MATCHES "epoch 3/3 [^\n]*test accuracy +([0-9.]+)%")
+    fail("no test accuracy in the CUDA demo's last epoch")
+  endif()
+  set(gpu_accuracy ${CMAKE_MATCH_1})
+  set(cuda_out "${out}")
+  execute_process(COMMAND "${TRAIN}" ${same} OUTPUT_VARIABLE out ERROR_VARIABLE err
+                  RESULT_VARIABLE rc TIMEOUT 200)
+  expect(0 "epoch 3/3 ")
+  if(NOT out MATCHES "epoch 3/3 [^\n]*test accuracy +([0-9.]+)%")
+    fail("no test accuracy in the CPU demo's last epoch")
+  endif()
+  set(cpu_accuracy ${CMAKE_MATCH_1})
+  message("${cuda_out}${out}")
+  message("training.demo (cuda_vs_cpu): GPU ${gpu_accuracy}%, CPU ${cpu_accuracy}%")
+  if(gpu_accuracy LESS 50 OR cpu_accuracy LESS 50)
+    fail("an accuracy below 50% after 3 epochs: GPU ${gpu_accuracy}%, CPU ${cpu_accuracy}%")
+  endif()
+  set(low ${cpu_accuracy})
+  set(high ${gpu_accuracy})
+  if(gpu_accuracy LESS cpu_accuracy)
+    set(low ${gpu_accuracy})
+    set(high ${cpu_accuracy})
+  endif()
+  # CMake has no floating point: compare in tenths of a point ("87.5" -> 875).
+  string(REPLACE "." "" low_tenths "${low}")
+  string(REPLACE "." "" high_tenths "${high}")
+  math(EXPR gap "${high_tenths} - ${low_tenths}")
+  if(gap GREATER 10)
+    fail("the CUDA demo reached ${gpu_accuracy}% test accuracy, the CPU demo ${cpu_accuracy}%: "
+         "more than one point apart")
+  endif()
+  message("training.demo (cuda_vs_cpu): ok")
+  return()
 elseif(CASE STREQUAL "bad_flag")
   set(command "${TRAIN}" --epochs many)
   set(expected 2 "--epochs many: expected a number")

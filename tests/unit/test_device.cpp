@@ -44,3 +44,15 @@ TEST_CASE(
   CHECK_THROWS_AS((void)select_device(4, 4, 8, std::nullopt), dtrain::config_error);
   CHECK_THROWS_AS((void)select_device(-1, 4, 8, std::nullopt), dtrain::config_error);
 }
+
+TEST_CASE("staging_block_bytes: powers of two from 64 KiB, never smaller than asked") {
+  using dtrain::detail::staging_block_bytes;
+  static_assert(staging_block_bytes(1) == 64 * 1024);
+  CHECK(staging_block_bytes(0) == 64 * 1024);
+  CHECK(staging_block_bytes(64 * 1024) == 64 * 1024);
+  CHECK(staging_block_bytes(64 * 1024 + 1) == 128 * 1024);
+  CHECK(staging_block_bytes(std::size_t{3} << 20) == std::size_t{4} << 20);
+  CHECK(staging_block_bytes(std::size_t{1} << 30) == std::size_t{1} << 30);
+  const std::size_t huge = (~std::size_t{0} >> 1) + 2;  // no power of two above it
+  CHECK(staging_block_bytes(huge) == huge);
+}

@@ -8,9 +8,25 @@
 #include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
+#include <cstddef>
+#include <map>
+#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
+
+namespace dtrain::detail {
+
+/// The size of the pinned block that stages `bytes`: a power of two, 64 KiB
+/// at least, so that a pool of them is reused across calls of varying sizes
+/// and wastes at most half of a block.
+[[nodiscard]] constexpr std::size_t staging_block_bytes(std::size_t bytes) noexcept {
+  std::size_t block = std::size_t{64} << 10;
+  while (block < bytes && block <= (~std::size_t{0} >> 1)) block <<= 1;
+  return block < bytes ? bytes : block;
+}
+
+}  // namespace dtrain::detail
 
 #if DTRAIN_HAS_CUDA()
 #include <cuda_runtime.h>
@@ -73,6 +89,8 @@ class cuda_stream {
 
   [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
   [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
 
  private:
   void reset() noexcept {
@@ -117,15 +135,51 @@ class cuda_event {
   cudaEvent_t event_ = nullptr;
 };
 
-/// Makes `device` current for a scope and restores the previous one after it.
-/// Switches only when needed (a cudaSetDevice costs more than a cudaGetDevice).
+/// Whether this thread has a current CUDA context, asked of the driver
+/// (cuCtxGetCurrent, found through the runtime, so nothing links libcuda).
+/// The runtime's cudaGetDevice answers 0 on a thread that never used a GPU,
+/// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
+/// GiB) for a rank that does not use it. True when the driver cannot say.
+[[nodiscard]] inline bool thread_has_cuda_context() noexcept {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static const get_current_fn get_current = []() noexcept -> get_current_fn {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t rc =
+        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t rc =
+        cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found);
+#endif
+    if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<get_current_fn>(fn);
+  }();
+  if (get_current == nullptr) return true;
+  void* context = nullptr;
+  return get_current(&context) == 0 && context != nullptr;
+#else
+  return true;
+#endif
+}
+
+/// Makes `device` current for a scope, and restores the previous device
+/// after it only where this thread had a context: on a fresh thread (a
+/// watchdog, a communication thread) the device stays `device`, so that no
+/// context is created on a GPU the rank does not use. Switches only when
+/// needed (a cudaSetDevice costs more than a cudaGetDevice).
 class device_guard {
  public:
   explicit device_guard(int device) {
     DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
     if (previous_ != device) {
+      const bool restore = thread_has_cuda_context();
       DTRAIN_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
+      switched_ = restore;
     }
   }
   /// For destructors and other noexcept paths: failures are ignored.
@@ -134,7 +188,10 @@ class device_guard {
       (void)cudaGetLastError();
       return;
     }
-    if (previous_ != device) switched_ = cudaSetDevice(device) == cudaSuccess;
+    if (previous_ != device) {
+      const bool restore = thread_has_cuda_context();
+      switched_ = cudaSetDevice(device) == cudaSuccess && restore;
+    }
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
@@ -145,6 +202,84 @@ class device_guard {
  private:
   int previous_ = 0;
   bool switched_ = false;
+};
+
+/// Pinned (page-locked) host blocks for staging device buffers through host
+/// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens
+/// only when no free block of the size class is left. What the pool holds is
+/// bounded by the largest set of stagings in flight at once (each block at most
+/// twice its use). Also owns one non-blocking copy stream per device. Thread-safe.
+class pinned_pool {
+ public:
+  pinned_pool() = default;
+  pinned_pool(const pinned_pool&) = delete;
+  pinned_pool& operator=(const pinned_pool&) = delete;
+  ~pinned_pool() {
+    for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
+    for (auto& [device, stream] : streams_) {
+      device_guard on(device, std::nothrow);
+      (void)cudaStreamDestroy(stream);
+    }
+  }
+
+  /// A block of staging_block_bytes(bytes) (null for 0 bytes); give it back with give().
+  /// Call under a device_guard for the device being staged.
+  [[nodiscard]] void* take(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    const std::size_t size = staging_block_bytes(bytes);
+    {
+      std::lock_guard lock(mutex_);
+      auto it = free_.find(size);
+      if (it != free_.end()) {
+        void* block = it->second;
+        free_.erase(it);
+        return block;
+      }
+    }
+    void* block = nullptr;
+    DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
+    std::lock_guard lock(mutex_);
+    held_ += size;
+    return block;
+  }
+
+  /// Returns a block from take(bytes) for reuse.
+  void give(void* block, std::size_t bytes) noexcept {
+    if (block == nullptr) return;
+    try {
+      std::lock_guard lock(mutex_);
+      free_.emplace(staging_block_bytes(bytes), block);
+    } catch (...) {
+      (void)cudaFreeHost(block);
+      std::lock_guard lock(mutex_);
+      held_ -= staging_block_bytes(bytes);
+    }
+  }
+
+  /// The pool's copy stream on `device` (created on first use, under a guard).
+  [[nodiscard]] cudaStream_t copy_stream(int device) {
+    std::lock_guard lock(mutex_);
+    auto it = streams_.find(device);
+    if (it != streams_.end()) return it->second;
+    device_guard on(device);
+    cuda_stream s = cuda_stream::non_blocking();
+    cudaStream_t raw = s.get();
+    streams_.emplace(device, raw);
+    (void)s.release();
+    return raw;
+  }
+
+  /// Pinned bytes allocated and not freed: blocks in use and free ones.
+  [[nodiscard]] std::size_t held_bytes() const {
+    std::lock_guard lock(mutex_);
+    return held_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;
+  std::map<int, cudaStream_t> streams_;
+  std::size_t held_ = 0;
 };
 
 }  // namespace dtrain::detail

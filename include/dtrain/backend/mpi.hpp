@@ -5,6 +5,7 @@
 
 #include <dtrain/config.hpp>
 #include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/cuda.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/error.hpp>
@@ -15,10 +16,6 @@
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
 #endif
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-
 #include <array>
 #include <chrono>
 #include <climits>
@@ -84,6 +81,12 @@ struct mpi_options {
   /// Open MPI's default for the nonblocking allreduce dtrain uses is about
   /// twice as slow as its blocking one from 4 KiB up (bench/allreduce_mpi).
   bool tune_open_mpi = true;
+  /// Device buffers go to MPI as they are (blocking collectives, since Open
+  /// MPI's nonblocking ones do not take CUDA memory), instead of being staged
+  /// through pooled pinned host memory. Opt-in, and only for an MPI built
+  /// with CUDA support (MPIX_Query_cuda_support(); otherwise a config_error).
+  /// A blocking call cannot be bounded by the collective timeout.
+  bool cuda_aware_direct = false;
 };
 
 /// Owns MPI's initialisation when dtrain did it: initialises only if nobody
@@ -132,11 +135,13 @@ class mpi_environment {
   bool owned_ = false;
 };
 
-/// A communicator over MPI. Host memory always; device memory directly when
-/// the MPI is CUDA-aware, otherwise staged through pinned host buffers
-/// (compiled when CUDA is available). float16 and bfloat16 reduce through
-/// dtrain's own MPI_Op (MPI has no such types): converted to float, reduced,
-/// rounded back at each step.
+/// A communicator over MPI. Host memory always; device memory (compiled when
+/// CUDA is available) staged through pooled pinned host blocks: copied out
+/// after the work queued on the caller's stream, reduced by MPI, copied back
+/// before the work completes. With mpi_options::cuda_aware_direct and a
+/// CUDA-aware MPI, device pointers go to MPI's blocking collectives instead.
+/// float16 and bfloat16 reduce through dtrain's own MPI_Op (MPI has no such
+/// types): converted to float, reduced, rounded back at each step.
 class mpi_communicator {
  public:
   static constexpr std::string_view name = "mpi";
@@ -163,7 +168,8 @@ class mpi_communicator {
         options_(other.options_),
         sequence_(other.sequence_),
         ops_(std::exchange(other.ops_, no_ops())),
-        health_(std::move(other.health_)) {}
+        health_(std::move(other.health_)),
+        staging_(std::move(other.staging_)) {}
   mpi_communicator& operator=(mpi_communicator&&) = delete;
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
@@ -183,7 +189,21 @@ class mpi_communicator {
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
 
-  work allreduce(buffer in, buffer out, reduce_op op) {
+  /// Pinned host bytes this communicator holds for staging device buffers
+  /// (in use and free for reuse); 0 without CUDA.
+  [[nodiscard]] std::size_t staging_bytes() const {
+#if DTRAIN_HAS_CUDA()
+    return staging_->pool.held_bytes();
+#else
+    return 0;
+#endif
+  }
+
+  // Device buffers: `stream` is the caller's stream whose work produced the
+  // input (null: the legacy default stream). The host waits for it before MPI
+  // reads the data; the output is on the device when the work completes.
+
+  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
     const auto what = info("allreduce", out, static_cast<int>(op), -1);
     detail::argument_check check{what};
     check.same_type(in, out);
@@ -191,46 +211,62 @@ class mpi_communicator {
     check.op_fits(op, in.type);
     usable(what);
     verify(0, in, static_cast<std::int64_t>(op), what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    auto w = make_request(what);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
     const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Allreduce(send, w->dst.data, count(out, what), datatype(out.type),
+                                     mpi_op(op, out.type), comm_),
+                       what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type), mpi_op(op, out.type),
                                     comm_, &w->req),
                      what);
     return work(w);
   }
 
-  work broadcast(buffer data, int root) {
+  work broadcast(buffer data, int root, stream_handle stream = nullptr) {
     const auto what = info("broadcast", data, -1, root);
     detail::argument_check{what}.root(root, size_);
     usable(what);
     verify(1, data, root, what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(data, data, false);
+    auto w = make_request(what);
+    w->stage(data, data, false, stream);
     if (data.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_), what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req), what);
     return work(w);
   }
 
-  work allgather(buffer in, buffer out) {
+  work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
     const auto what = info("allgather", in, -1, -1);
     detail::argument_check check{what};
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size_), "output");
     usable(what);
     verify(2, in, 0, what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(in, out, false);
+    auto w = make_request(what);
+    w->stage(in, out, false, stream);
     if (in.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Allgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
+                                     count(in, what), datatype(in.type), comm_),
+                       what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data, count(in, what),
                                     datatype(in.type), comm_, &w->req),
                      what);
     return work(w);
   }
 
-  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
     const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
     detail::argument_check check{what};
     check.same_type(in, out);
@@ -238,10 +274,16 @@ class mpi_communicator {
     check.op_fits(op, in.type);
     usable(what);
     verify(3, out, static_cast<std::int64_t>(op), what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
-    w->stage(in, out, op == reduce_op::avg || !native(out.type));
+    auto w = make_request(what);
+    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(w->src.data, w->dst.data, count(out, what),
+                                                datatype(out.type), mpi_op(op, out.type), comm_),
+                       what);
+      return work(w);
+    }
     DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
                                                mpi_op(op, out.type), comm_, &w->req),
                      what);
@@ -252,7 +294,7 @@ class mpi_communicator {
     const auto what = info("barrier", buffer{}, -1, -1);
     usable(what);
     verify(4, buffer{}, 0, what);
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_);
+    auto w = make_request(what);
     DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
     return work(w);
   }
@@ -276,10 +318,20 @@ class mpi_communicator {
     std::string why;
   };
 
+  // How device buffers travel (CUDA builds): the pinned pool, and whether the
+  // MPI takes device pointers itself (mpi_options::cuda_aware_direct).
+  struct staging {
+#if DTRAIN_HAS_CUDA()
+    detail::pinned_pool pool;
+#endif
+    bool direct = false;
+  };
+
   // One outstanding MPI request, with the staging and the avg division it needs when done.
   struct request : detail::work_state {
-    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h)
-        : work_state(what, timeout), health_(std::move(h)) {}
+    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h,
+            std::shared_ptr<staging> st)
+        : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
     ~request() override {
       int finalized = 1;
       MPI_Finalized(&finalized);
@@ -297,26 +349,40 @@ class mpi_communicator {
       if (!abandoned) release_staging();  // an abandoned request may still write into them
     }
 
-    /// Chooses where MPI reads and writes: the user's buffers, or pinned host
-    /// copies of device buffers when the MPI is not CUDA-aware or when dtrain
-    /// does arithmetic on the host (avg, the 16-bit floats' MPI_Op).
-    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math) {
+    /// Chooses where MPI reads and writes: the user's buffers (host memory;
+    /// device memory when the MPI takes it directly and no host arithmetic is
+    /// needed), or pooled pinned copies of device buffers, filled once the
+    /// work queued on `stream` is done. Host arithmetic: avg's division and
+    /// the 16-bit floats' MPI_Op.
+    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math,
+               [[maybe_unused]] stream_handle stream) {
       user_out = out;
       src = in;
       dst = out;
 #if DTRAIN_HAS_CUDA()
-      if (out.where == memory::device && (host_math || !mpi_environment::cuda_aware())) {
+      if (out.where != memory::device) return;
+      try {
+        device = out.device;
+        if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
+        detail::device_guard on(device);
+        if (staging_->direct && !host_math) {
+          direct = true;  // MPI reads the device memory now: the caller's work first
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+          return;
+        }
         staged = true;
         const bool same = in.data == out.data;
-        dst.data = pinned(out.bytes());
+        dst.data = take(out.bytes(), dst_block);
         dst.where = memory::host;
-        if (same) {
-          src.data = dst.data;
-        } else {
-          src.data = pinned(in.bytes());
-        }
+        src.data = same ? dst.data : take(in.bytes(), src_block);
         src.where = memory::host;
-        if (in.bytes() > 0) copy(src.data, in.data, in.bytes(), cudaMemcpyDeviceToHost);
+        if (in.bytes() > 0) {
+          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+      } catch (const backend_error& e) {
+        throw backend_error(description() + ": staging the device buffer through pinned host memory: " + e.what(),
+                            e.engine_code());
       }
 #endif
     }
@@ -338,8 +404,16 @@ class mpi_communicator {
       try {
         if (divide_by > 0) detail::divide_host(dst, divide_by);
 #if DTRAIN_HAS_CUDA()
-        if (staged && user_out.bytes() > 0) copy(user_out.data, dst.data, user_out.bytes(), cudaMemcpyHostToDevice);
+        if (staged && user_out.bytes() > 0) {
+          detail::device_guard on(device);
+          cudaStream_t copy = staging_->pool.copy_stream(device);
+          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
+        }
 #endif
+      } catch (const backend_error& e) {
+        fail(std::make_exception_ptr(
+            backend_error(description() + ": copying the result back to the device: " + e.what(), e.engine_code())));
       } catch (...) {
         fail(std::current_exception());
       }
@@ -361,44 +435,56 @@ class mpi_communicator {
     MPI_Request req = MPI_REQUEST_NULL;
     buffer src{}, dst{}, user_out{};
     int divide_by = 0;
-    bool staged = false;
+    int device = -1;      // of the staged device buffers
+    bool staged = false;  // src/dst are pinned blocks from the pool
+    bool direct = false;  // device pointers to a blocking call: complete at launch
     bool finished = false;
     bool abandoned = false;
 
    private:
+    struct block {
+      void* data = nullptr;
+      std::size_t bytes = 0;
+    };
 #if DTRAIN_HAS_CUDA()
-    void* pinned(std::size_t bytes) {
-      void* p = nullptr;
-      if (bytes == 0) return nullptr;
-      cudaError_t rc = cudaMallocHost(&p, bytes);
-      if (rc != cudaSuccess) {
-        throw backend_error(description() + ": cudaMallocHost(" + std::to_string(bytes) + ") for MPI staging failed: " +
-                                cudaGetErrorString(rc),
-                            static_cast<int>(rc));
-      }
-      pinned_.push_back(p);
-      return p;
+    void* take(std::size_t bytes, block& b) {
+      b.data = staging_->pool.take(bytes);
+      b.bytes = bytes;
+      return b.data;
     }
-    void copy(void* to, const void* from, std::size_t bytes, cudaMemcpyKind kind) {
-      cudaError_t rc = cudaMemcpy(to, from, bytes, kind);
-      if (rc != cudaSuccess) {
-        throw backend_error(description() + ": cudaMemcpy for MPI staging failed: " + cudaGetErrorString(rc),
-                            static_cast<int>(rc));
-      }
-    }
-    std::vector<void*> pinned_;
 #endif
+    // Blocks go back to the pool for the next call (never while MPI may still
+    // write into them: an abandoned request keeps them).
     void release_staging() noexcept {
 #if DTRAIN_HAS_CUDA()
-      for (void* p : pinned_) cudaFreeHost(p);
-      pinned_.clear();
+      staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
+      staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
 #endif
     }
+    block src_block, dst_block;
     std::shared_ptr<health> health_;
+    std::shared_ptr<staging> staging_;
   };
 
+  std::shared_ptr<request> make_request(const detail::collective_info& what) {
+    return std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+  }
+
   mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
-      : env_(std::move(env)), options_(std::move(options)), health_(std::make_shared<health>()) {
+      : env_(std::move(env)),
+        options_(std::move(options)),
+        health_(std::make_shared<health>()),
+        staging_(std::make_shared<staging>()) {
+    if (options_.cuda_aware_direct) {
+      if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
+        throw config_error(
+            "mpi_options::cuda_aware_direct is set, but " +
+            std::string(DTRAIN_HAS_CUDA() ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
+                                          : "dtrain is built without CUDA") +
+            ": unset it, and device buffers are staged through pinned host memory");
+      }
+      staging_->direct = true;
+    }
     DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
     DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
     DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -501,6 +587,7 @@ class mpi_communicator {
   }
   std::array<MPI_Op, 8> ops_ = no_ops();
   std::shared_ptr<health> health_;
+  std::shared_ptr<staging> staging_;
 };
 
 static_assert(communicator<mpi_communicator>);

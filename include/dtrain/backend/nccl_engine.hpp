@@ -551,8 +551,11 @@ class nccl_work final : public work_state {
       : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
   ~nccl_work() override { shared_->release_event(done_); }
 
+  // Runs on any thread that waits (the watchdog's included): the CUDA calls
+  // go to the communicator's device, never to a context on GPU 0.
   bool poll() override {
     std::lock_guard lock(shared_->mutex);
+    device_guard guard(shared_->device, std::nothrow);
     if (shared_->aborted) {
       fail(std::make_exception_ptr(
           backend_error(description() + " did not complete: the communicator was aborted (" +

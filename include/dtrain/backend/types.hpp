@@ -3,6 +3,7 @@
 /// What collectives move: element types (with portable float16 / bfloat16),
 /// reduction operations, and `buffer`, a view whose type is known at run time.
 
+#include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
 #include <bit>
@@ -14,6 +15,10 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
 
 namespace dtrain {
 
@@ -152,6 +157,9 @@ struct buffer {
   std::size_t count = 0;
   dtype type = dtype::float32;
   memory where = memory::host;
+  /// The CUDA device of device memory, when known (a device_span states it);
+  /// -1: host memory, or the caller's current device.
+  int device = -1;
 
   [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
 };
@@ -166,6 +174,15 @@ template <element T>
   return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
 }
 
+/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
+/// that is always null: how collectives that can order themselves after the
+/// caller's GPU work take the caller's stream (null: the legacy default stream).
+#if DTRAIN_HAS_CUDA()
+using stream_handle = cudaStream_t;
+#else
+using stream_handle = void*;
+#endif
+
 /// A span of device (GPU) memory: pointer, count and the CUDA device. The
 /// type says where the data lives, so a backend that cannot reach device
 /// memory rejects it at compile time (and NCCL rejects a std::span).
@@ -178,7 +195,7 @@ struct device_span {
 
   [[nodiscard]] buffer as_buffer() const noexcept {
     return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>,
-            memory::device};
+            memory::device, device};
   }
   [[nodiscard]] std::size_t size() const noexcept { return count; }
   /// The read-only view, for the inputs of allgather and reduce_scatter.

@@ -518,11 +518,11 @@ class DistributedDataParallel {
   work reduce(std::size_t b) {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
-    buffer data{s.grads.data(), info.count, info.type, memory_space::where};
+    buffer data{s.grads.data(), info.count, info.type, memory_space::where, s.grads.device()};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
       data = {s.wire.data(), info.count, detail::wire_type(options_.compression),
-              memory_space::where};
+              memory_space::where, s.grads.device()};
       op = reduce_op::sum;
     }
     if (hook_) {

@@ -11,10 +11,6 @@
 #include <span>
 #include <string_view>
 
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-
 namespace dtrain {
 
 /// How DistributedDataParallel sends float32 gradients.
@@ -57,14 +53,6 @@ struct ddp_options {
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
 };
-
-/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
-/// that is always null: the type of `gradient_bucket::stream`.
-#if DTRAIN_HAS_CUDA()
-using stream_handle = cudaStream_t;
-#else
-using stream_handle = void*;
-#endif
 
 /// One bucket, as a communication hook sees it.
 struct gradient_bucket {

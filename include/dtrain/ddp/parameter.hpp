@@ -96,7 +96,7 @@ template <element T>
 [[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
                                      int device) {
   return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device},
+          .values = {values, count, dtype_of<T>, memory::device, device},
           .gradient = gradient,
           .device = device,
           .gradient_slot = &gradient,
@@ -108,7 +108,7 @@ template <element T>
 [[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
                                           std::size_t count, int device) {
   return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device},
+          .values = {values, count, dtype_of<T>, memory::device, device},
           .gradient = gradient,
           .device = device};
 }
@@ -127,7 +127,7 @@ template <detail::element_range V>
 template <element T>
 [[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
   return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device},
+          .values = {values, count, dtype_of<T>, memory::device, device},
           .device = device};
 }
 
