@@ -75,10 +75,13 @@ int main(int argc, char** argv) {
     int port = w.master_port.value_or(0);
     std::unique_ptr<dtrain::store_server> server;
     if (rank == 0) {
-      server = std::make_unique<dtrain::store_server>(host, port);
+      // Every address of this host, as dtrain::run's store: MASTER_ADDR may name
+      // this host by a loopback address (Debian maps its own name to 127.0.1.1),
+      // which other nodes cannot reach.
+      server = std::make_unique<dtrain::store_server>("0.0.0.0", port);
       port = server->port();
     }
-    dtrain::store_client store(host, port);
+    dtrain::store_client store(rank == 0 ? std::string("127.0.0.1") : host, port);
     dtrain::gloo_communicator comm(store, rank, size, {.collectives = dtrain::collective_options{}.with_env(env)});
     const auto context = comm.gloo_context();
     const auto timeout = comm.options().collectives.timeout;

@@ -1308,11 +1308,14 @@ inline observation read_ranks(const environment& env, launcher source,
 
 /// Open MPI's mpirun. OMPI_COMM_WORLD_NODE_RANK is deliberately not read: it
 /// is the rank among this node's processes (like the local rank), not the
-/// node's index, and Open MPI gives no node index at all.
+/// node's index, and Open MPI gives no node index at all. Open MPI 4 exports
+/// the number of nodes in the job's map as OMPI_MCA_orte_num_nodes.
 inline observation read_open_mpi(const environment& env) {
-  return read_ranks(env, launcher::open_mpi,
-                    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                     "OMPI_COMM_WORLD_LOCAL_SIZE"});
+  observation o = read_ranks(env, launcher::open_mpi,
+                             {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                              "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"});
+  if (o[field::rank]) o[field::num_nodes] = read_int(env, "OMPI_MCA_orte_num_nodes");
+  return o;
 }
 
 /// MPICH / Intel MPI (Hydra). No node index or node count.
@@ -1672,6 +1675,13 @@ inline void complete_and_check(observation& o) {
     agree(o, field::node_rank, sourced_int{0, why});
     agree(o, field::num_nodes, sourced_int{1, why});
     agree(o, field::local_rank, o[field::rank]);
+  }
+  // As many nodes as processes: one process per node, whose node rank is its rank.
+  if (const auto& nn = o[field::num_nodes]; ws && nn && ws->value == nn->value) {
+    std::string why = "one process per node: " + nn->origin + " nodes for " + ws->origin;
+    agree(o, field::local_rank, sourced_int{0, why});
+    agree(o, field::local_world_size, sourced_int{1, why});
+    if (const auto& r = o[field::rank]) agree(o, field::node_rank, sourced_int{r->value, why});
   }
   for (field size : {field::world_size, field::local_world_size, field::num_nodes}) {
     if (const auto& s = o[size]; s && s->value < 1)
@@ -4148,22 +4158,39 @@ class work {
   /// the time when it is not done within `timeout`; the communicator is then
   /// aborted or marked unusable, as the engine allows.
   void wait(std::chrono::milliseconds timeout) {
-    if (!state_) return;
-    if (!test()) {
-      if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) {
-        state_->on_timeout();
-        done_ = true;
-        char seconds[32];
-        std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-        timed_out_ = std::make_exception_ptr(timeout_error(
-            state_->description() + " did not finish within " + seconds +
-            "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-            "compares what every rank passed)"));
-        std::rethrow_exception(timed_out_);
-      }
-      done_ = true;
-    }
+    if (!finish_within(timeout)) give_up(timeout);
     if (auto e = exception()) std::rethrow_exception(e);
+  }
+
+  /// Waits at most `timeout` and does nothing about it: true once finished
+  /// (exception() then says how), false while still running. For a watchdog,
+  /// which reports a timeout before it aborts: an abort may itself wait on a
+  /// device that never frees.
+  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
+    if (!state_ || test()) return true;
+    if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
+    done_ = true;
+    return true;
+  }
+
+  /// The timeout_error wait(timeout) throws: the collective, the rank, the time.
+  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+    return std::make_exception_ptr(timeout_error(
+        (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
+        seconds +
+        "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+        "compares what every rank passed)"));
+  }
+
+  /// After finish_within(timeout) returned false: aborts what the engine can
+  /// abort (or marks the communicator unusable) and throws timeout_exception().
+  [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
+    timed_out_ = timeout_exception(timeout);
+    if (state_) state_->on_timeout();
+    done_ = true;
+    std::rethrow_exception(timed_out_);
   }
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
@@ -4246,12 +4273,12 @@ class watchdog {
     return failure_;
   }
 
-  /// Blocks until every piece of work handed over so far has finished or
-  /// failed (each bounded by its timeout); returns failure().
+  /// Blocks until every piece of work handed over so far has finished, or
+  /// until one has failed (each bounded by its timeout); returns failure().
   std::exception_ptr drain() {
     std::unique_lock lock(mutex_);
     const std::uint64_t target = watched_;
-    settled_.wait(lock, [&] { return finished_ >= target; });
+    settled_.wait(lock, [&] { return finished_ >= target || failure_; });
     return failure_;
   }
 
@@ -4272,26 +4299,46 @@ class watchdog {
         next = std::move(queue_.front());
         queue_.pop_front();
       }
+      const auto left =
+          std::max(std::chrono::milliseconds(0),
+                   std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
       std::exception_ptr failed;
+      bool timed_out = false;
       try {
-        const auto left =
-            std::max(std::chrono::milliseconds(0),
-                     std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
-        next.handle.wait(left);
-      } catch (const timeout_error& e) {
-        failed = std::make_exception_ptr(
-            timeout_error(std::string("watchdog: ") + e.what() + " (timeout " +
-                          std::to_string(next.timeout.count()) + " ms from launch)"));
+        if (next.handle.finish_within(left)) {
+          failed = next.handle.exception();
+        } else {
+          timed_out = true;
+          try {
+            std::rethrow_exception(next.handle.timeout_exception(next.timeout));
+          } catch (const timeout_error& e) {
+            failed = std::make_exception_ptr(
+                timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
+          }
+        }
       } catch (...) {
         failed = std::current_exception();
       }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++finished_;
+      // The failure is known before the abort: an abort may wait on a device
+      // that never frees (a stream held by the host), and the owner must hear.
+      settle(failed);
+      if (timed_out) {
+        try {
+          next.handle.give_up(next.timeout);
+        } catch (...) {
+          // Reported above.
+        }
       }
-      settled_.notify_all();
     }
+  }
+
+  void settle(std::exception_ptr failed) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failed && !failure_) failure_ = failed;
+      ++finished_;
+    }
+    settled_.notify_all();
   }
 
   mutable std::mutex mutex_;
@@ -6352,7 +6399,7 @@ struct host_memory {
   [[nodiscard]] static void* allocate(std::size_t bytes, int /*device*/, stream_type) {
     return ::operator new(bytes == 0 ? 1 : bytes);  // aligned for every element type
   }
-  static void release(void* data, int /*device*/) noexcept { ::operator delete(data); }
+  static void release(void* data, int /*device*/, stream_type) noexcept { ::operator delete(data); }
   static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
     if (bytes) std::memset(data, 0, bytes);
   }
@@ -6372,6 +6419,7 @@ struct host_memory {
   /// Whether compress() and decompress() can run here.
   [[nodiscard]] static bool casts_available() noexcept { return true; }
   static void check_stream(int /*device*/, stream_type) noexcept {}
+  static void order_after(int /*device*/, stream_type, stream_type) noexcept {}
 };
 
 #if DTRAIN_HAS_CUDA()
@@ -6411,22 +6459,33 @@ struct cuda_memory {
   /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
   static constexpr bool on_stream = true;
 
-  /// cudaMalloc, then zeroed on `stream` (never on the legacy default stream,
-  /// which a non-blocking compute stream would not wait for).
+  /// Stream-ordered: allocated on `stream` (cudaMallocAsync where the device
+  /// has memory pools, else cudaMalloc), then zeroed there (never on the
+  /// legacy default stream, which a non-blocking compute stream would not
+  /// wait for). The host never waits, so a rebuild of the buckets does not
+  /// stall behind a busy compute stream.
   [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
     detail::device_guard on(device);
     void* data = nullptr;
-    DTRAIN_CUDA_CHECK(cudaMalloc(&data, bytes == 0 ? 1 : bytes));
-    if (const cudaError_t rc = cudaMemsetAsync(data, 0, bytes == 0 ? 1 : bytes, stream);
-        rc != cudaSuccess) {
-      (void)cudaFree(data);
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    if (pools(device)) {
+      DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
+    } else {
+      DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
+    }
+    if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
+      release(data, device, stream);
       detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
     }
     return data;
   }
-  /// Call only once the last use on any stream is complete (synchronize()).
-  static void release(void* data, int device) noexcept {
+  /// Frees on `stream` once everything before it there is done (cudaFreeAsync;
+  /// cudaFree, which waits for the device, without memory pools). Call it on
+  /// a stream ordered after the last use on any stream.
+  static void release(void* data, int device, stream_type stream) noexcept {
     detail::device_guard on(device, std::nothrow);
+    if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
+    (void)cudaGetLastError();
     (void)cudaFree(data);
   }
   static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
@@ -6457,6 +6516,24 @@ struct cuda_memory {
   static void synchronize(int device, stream_type stream) {
     detail::device_guard on(device);
     DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  /// Work enqueued on `waiter` from now on runs after everything on `before` so far.
+  static void order_after(int device, stream_type waiter, stream_type before) {
+    if (waiter == before) return;
+    detail::device_guard on(device);
+    const detail::cuda_event done = detail::cuda_event::create();
+    DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
+    DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
+  }
+  /// Whether `device` has stream-ordered memory pools (cudaMallocAsync).
+  [[nodiscard]] static bool pools(int device) noexcept {
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return supported != 0;
   }
   /// A stream being captured into a CUDA graph cannot take DDP's work (its
   /// events and host waits): config_error saying so.
@@ -6880,11 +6957,14 @@ namespace dtrain::detail {
   return ncclFloat32;
 }
 
-/// NCCL's op for each reduction; avg is ncclAvg (NCCL divides, in the type).
-[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op) noexcept {
+/// NCCL's op for each reduction over `ranks` ranks; avg is ncclAvg (NCCL
+/// divides, in the type), except on one rank, where the mean is the input and
+/// ncclSum gives it: NCCL 2.28.3's one-rank ncclAvg left every element from
+/// the 2^20th on unwritten out of place (seen on an H100).
+[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op, int ranks) noexcept {
   switch (op) {
     case reduce_op::sum: return ncclSum;
-    case reduce_op::avg: return ncclAvg;
+    case reduce_op::avg: return ranks == 1 ? ncclSum : ncclAvg;
     case reduce_op::min: return ncclMin;
     case reduce_op::max: return ncclMax;
     case reduce_op::prod: return ncclProd;
@@ -7525,7 +7605,7 @@ class nccl_communicator {
                                static_cast<std::int64_t>(op)),
         in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op), comm, own));
+                                          detail::nccl_op(op, size()), comm, own));
         });
   }
 
@@ -7565,7 +7645,7 @@ class nccl_communicator {
                   out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
                     DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
                                                         detail::nccl_type(out.type),
-                                                        detail::nccl_op(op), comm, own));
+                                                        detail::nccl_op(op, size()), comm, own));
                   });
   }
 
@@ -7603,7 +7683,7 @@ class nccl_communicator {
             for (const buffer& b : buffers) {
               if (b.count == 0) continue;
               DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op), comm, own));
+                                              detail::nccl_op(op, size()), comm, own));
             }
           } catch (...) {
             (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
@@ -9814,27 +9894,33 @@ struct gradient_bucket {
 
 namespace dtrain::detail {
 
-/// Zeroed bytes in `Memory` on `device`, owned. Zeroing is ordered on the
-/// stream given at construction; the owner frees it only after its last use
-/// on any stream is complete (see DistributedDataParallel::lay_out).
+/// Zeroed bytes in `Memory` on `device`, owned. Allocation and zeroing are
+/// ordered on the stream given at construction, the release on the stream
+/// set last (set_stream): the owner keeps that stream ordered after every
+/// use on any stream (see DistributedDataParallel::lay_out).
 template <class Memory>
 class flat_storage {
  public:
   flat_storage() = default;
   flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
-      : data_(Memory::allocate(bytes, device, stream)), bytes_(bytes), device_(device) {
+      : data_(Memory::allocate(bytes, device, stream)),
+        bytes_(bytes),
+        device_(device),
+        stream_(stream) {
     if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
   }
   flat_storage(flat_storage&& other) noexcept
       : data_(std::exchange(other.data_, nullptr)),
         bytes_(std::exchange(other.bytes_, 0)),
-        device_(other.device_) {}
+        device_(other.device_),
+        stream_(other.stream_) {}
   flat_storage& operator=(flat_storage&& other) noexcept {
     if (this != &other) {
       release();
       data_ = std::exchange(other.data_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
       device_ = other.device_;
+      stream_ = other.stream_;
     }
     return *this;
   }
@@ -9845,16 +9931,19 @@ class flat_storage {
   [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// The stream the release is ordered on from now on.
+  void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
 
  private:
   void release() noexcept {
-    if (data_) Memory::release(data_, device_);
+    if (data_) Memory::release(data_, device_, stream_);
     data_ = nullptr;
   }
 
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
   int device_ = -1;
+  typename Memory::stream_type stream_{};
 };
 
 /// The element type float32 gradients travel as under `kind` (not none).
@@ -10514,6 +10603,13 @@ class DistributedDataParallel {
                          "are ordered after the old stream; set the stream before the step");
     }
     memory_space::check_stream(device_, compute);
+    // What the old stream still does with the buckets comes first; their
+    // storage is released on the new one from now on.
+    memory_space::order_after(device_, compute, stream_);
+    for (bucket_state& b : buckets_) {
+      b.grads.set_stream(compute);
+      b.wire.set_stream(compute);
+    }
     stream_ = compute;
   }
   /// set_stream(compute), then synchronize().
@@ -10737,7 +10833,10 @@ class DistributedDataParallel {
         }
       }
     }
-    memory_space::synchronize(device_, stream_);  // the copies out of the old buckets are done
+    // The old buckets are released on the compute stream, after the copies
+    // out of them and (streams) after every collective on them: the compute
+    // stream waits for those already (order_after_buckets). The host does not
+    // wait, with CUDA as without.
     info_ = std::move(info);
     buckets_ = std::move(buckets);
     reset_step();
@@ -10916,11 +11015,10 @@ class DistributedDataParallel {
       detail::check_order(agreed, params_.size(),
                           "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
       rebuilt_ = true;
-      if (agreed != layout_order()) {
-        // The buckets in flight must be done before their storage goes.
-        if (auto e = runner_drain()) fail(e);
-        lay_out(agreed);
-      }
+      // The buckets of this step are done with (host memory) or ordered
+      // before everything that follows on the compute stream (streams), where
+      // lay_out() copies out of them and releases them.
+      if (agreed != layout_order()) lay_out(agreed);
     }
     reset_step();
   }

@@ -83,11 +83,12 @@ TEST_SUITE("nccl_host") {
     CHECK(nccl_type(dtype::int32) == ncclInt32);
     CHECK(nccl_type(dtype::int64) == ncclInt64);
     CHECK(nccl_type(dtype::uint8) == ncclUint8);
-    CHECK(nccl_op(reduce_op::sum) == ncclSum);
-    CHECK(nccl_op(reduce_op::avg) == ncclAvg);
-    CHECK(nccl_op(reduce_op::min) == ncclMin);
-    CHECK(nccl_op(reduce_op::max) == ncclMax);
-    CHECK(nccl_op(reduce_op::prod) == ncclProd);
+    CHECK(nccl_op(reduce_op::sum, 2) == ncclSum);
+    CHECK(nccl_op(reduce_op::avg, 2) == ncclAvg);
+    CHECK(nccl_op(reduce_op::avg, 1) == ncclSum);  // one rank: the mean is the input
+    CHECK(nccl_op(reduce_op::min, 2) == ncclMin);
+    CHECK(nccl_op(reduce_op::max, 2) == ncclMax);
+    CHECK(nccl_op(reduce_op::prod, 2) == ncclProd);
   }
 
   TEST_CASE("nccl_communicator models the communicator concept and reaches device memory") {

@@ -39,6 +39,22 @@ class stuck_work final : public dtrain::detail::work_state {
   bool finish_when_aborted_;
 };
 
+/// Work whose abort blocks until released, as ncclCommAbort does behind a
+/// CUDA stream that a host function holds.
+class abort_blocks_work final : public dtrain::detail::work_state {
+ public:
+  explicit abort_blocks_work(std::atomic<bool>& released)
+      : work_state("allreduce(sum, 8 x float32) on rank 0 of 2 (test)", 100ms),
+        released_(released) {}
+  bool poll() override { return false; }
+  void on_timeout() noexcept override {
+    while (!released_.load()) std::this_thread::sleep_for(1ms);
+  }
+
+ private:
+  std::atomic<bool>& released_;
+};
+
 class failing_work final : public dtrain::detail::work_state {
  public:
   failing_work() : work_state("broadcast(4 x int32) on rank 1 of 2 (test)", 10s) {
@@ -138,13 +154,20 @@ TEST_CASE("watchdog: work that never finishes is a timeout_error naming the coll
 
 TEST_CASE("watchdog: the deadline counts from launch, work is followed in order, errors are kept") {
   std::atomic<int> aborted{0};
-  dtrain::watchdog dog;
   // Two stuck pieces with the same timeout, handed over together: both time
   // out at about the same moment, not one after the other.
   const auto start = std::chrono::steady_clock::now();
-  dog.watch(dtrain::work(std::make_shared<stuck_work>(400ms, aborted, false)));
-  dog.watch(dtrain::work(std::make_shared<stuck_work>(400ms, aborted, false)));
-  (void)dog.drain();
+  {
+    dtrain::watchdog dog;
+    dog.watch(dtrain::work(std::make_shared<stuck_work>(400ms, aborted, false)));
+    dog.watch(dtrain::work(std::make_shared<stuck_work>(400ms, aborted, false)));
+    const std::exception_ptr first = dog.drain();  // returns at the first failure
+    REQUIRE(first != nullptr);
+    CHECK_THROWS_WITH_AS(
+        std::rethrow_exception(first),
+        doctest::Contains("watchdog: allreduce(sum, 1024 x float32) on rank 0 of 2"),
+        dtrain::timeout_error);
+  }  // the destructor follows the second to its end
   CHECK(aborted == 2);
   CHECK(std::chrono::steady_clock::now() - start < 1400ms);
 
@@ -158,4 +181,17 @@ TEST_CASE("watchdog: the deadline counts from launch, work is followed in order,
   dtrain::watchdog quiet;
   quiet.watch(dtrain::work());  // already complete
   CHECK(quiet.drain() == nullptr);
+}
+
+TEST_CASE("watchdog: a timeout is reported before the abort, which may block") {
+  std::atomic<bool> released{false};
+  dtrain::watchdog dog;
+  dog.watch(dtrain::work(std::make_shared<abort_blocks_work>(released)));
+  // Were the failure kept only after the abort, drain() would never return.
+  const std::exception_ptr failure = dog.drain();
+  REQUIRE(failure != nullptr);
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(failure), doctest::Contains("did not finish within"),
+                       dtrain::timeout_error);
+  CHECK(dog.failure() == failure);
+  released = true;  // the abort ends; the destructor joins
 }

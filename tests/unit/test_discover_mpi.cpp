@@ -56,6 +56,41 @@ TEST_CASE("Open MPI: single-node mpirun -np 4 is one node") {
 }
 
 TEST_CASE(
+    "Open MPI 4: OMPI_MCA_orte_num_nodes gives the node count; the node index stays unknown") {
+  environment env = open_mpi_rank_5_of_8_by_node();
+  env = env.with("OMPI_MCA_orte_num_nodes", "2");
+  auto w = discover(env);
+  CHECK(w.num_nodes == 2);
+  CHECK(w.origin(dtrain::world::field::num_nodes) == "OMPI_MCA_orte_num_nodes=2");
+  CHECK_FALSE(w.node_rank.has_value());  // completed at rendezvous by host name
+  CHECK(w.local_rank == 2);
+
+  env = env.with("OMPI_MCA_orte_num_nodes", "9");
+  CHECK(discover_error(env) == "OMPI_MCA_orte_num_nodes=9 is larger than OMPI_COMM_WORLD_SIZE=8");
+  env = env.with("OMPI_MCA_orte_num_nodes", "0");
+  CHECK(discover_error(env) == "OMPI_MCA_orte_num_nodes=0 must be at least 1");
+}
+
+TEST_CASE("as many nodes as processes: one process per node, and the node rank is the rank") {
+  // mpirun --map-by node -np 3 on a 3-node hostfile, rank 2 (Open MPI 4).
+  environment env{{"OMPI_COMM_WORLD_RANK", "2"},
+                  {"OMPI_COMM_WORLD_SIZE", "3"},
+                  {"OMPI_MCA_orte_num_nodes", "3"}};
+  auto w = discover(env);
+  CHECK(w.node_rank == 2);
+  CHECK(w.num_nodes == 3);
+  CHECK(w.local_rank == 0);
+  CHECK(w.local_world_size == 1);
+  CHECK(w.complete());
+  CHECK_CONTAINS(w.origin(dtrain::world::field::node_rank), "one process per node");
+
+  // A local size that contradicts it is refused, naming both.
+  env = env.with("OMPI_COMM_WORLD_LOCAL_SIZE", "2");
+  env = env.with("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+  CHECK_CONTAINS(discover_error(env), "disagree");
+}
+
+TEST_CASE(
     "Azure ML MPI job: master from AZ_BATCH_MASTER_NODE, or AZ_BATCHAI_MPI_MASTER_NODE on one "
     "node") {
   auto multi = open_mpi_rank_5_of_8_by_node().with("AZ_BATCH_MASTER_NODE", "10.0.0.4:6105");

@@ -69,7 +69,7 @@ struct host_memory {
   [[nodiscard]] static void* allocate(std::size_t bytes, int /*device*/, stream_type) {
     return ::operator new(bytes == 0 ? 1 : bytes);  // aligned for every element type
   }
-  static void release(void* data, int /*device*/) noexcept { ::operator delete(data); }
+  static void release(void* data, int /*device*/, stream_type) noexcept { ::operator delete(data); }
   static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
     if (bytes) std::memset(data, 0, bytes);
   }
@@ -89,6 +89,7 @@ struct host_memory {
   /// Whether compress() and decompress() can run here.
   [[nodiscard]] static bool casts_available() noexcept { return true; }
   static void check_stream(int /*device*/, stream_type) noexcept {}
+  static void order_after(int /*device*/, stream_type, stream_type) noexcept {}
 };
 
 #if DTRAIN_HAS_CUDA()
@@ -128,22 +129,33 @@ struct cuda_memory {
   /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
   static constexpr bool on_stream = true;
 
-  /// cudaMalloc, then zeroed on `stream` (never on the legacy default stream,
-  /// which a non-blocking compute stream would not wait for).
+  /// Stream-ordered: allocated on `stream` (cudaMallocAsync where the device
+  /// has memory pools, else cudaMalloc), then zeroed there (never on the
+  /// legacy default stream, which a non-blocking compute stream would not
+  /// wait for). The host never waits, so a rebuild of the buckets does not
+  /// stall behind a busy compute stream.
   [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
     detail::device_guard on(device);
     void* data = nullptr;
-    DTRAIN_CUDA_CHECK(cudaMalloc(&data, bytes == 0 ? 1 : bytes));
-    if (const cudaError_t rc = cudaMemsetAsync(data, 0, bytes == 0 ? 1 : bytes, stream);
-        rc != cudaSuccess) {
-      (void)cudaFree(data);
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    if (pools(device)) {
+      DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
+    } else {
+      DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
+    }
+    if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
+      release(data, device, stream);
       detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
     }
     return data;
   }
-  /// Call only once the last use on any stream is complete (synchronize()).
-  static void release(void* data, int device) noexcept {
+  /// Frees on `stream` once everything before it there is done (cudaFreeAsync;
+  /// cudaFree, which waits for the device, without memory pools). Call it on
+  /// a stream ordered after the last use on any stream.
+  static void release(void* data, int device, stream_type stream) noexcept {
     detail::device_guard on(device, std::nothrow);
+    if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
+    (void)cudaGetLastError();
     (void)cudaFree(data);
   }
   static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
@@ -174,6 +186,24 @@ struct cuda_memory {
   static void synchronize(int device, stream_type stream) {
     detail::device_guard on(device);
     DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  /// Work enqueued on `waiter` from now on runs after everything on `before` so far.
+  static void order_after(int device, stream_type waiter, stream_type before) {
+    if (waiter == before) return;
+    detail::device_guard on(device);
+    const detail::cuda_event done = detail::cuda_event::create();
+    DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
+    DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
+  }
+  /// Whether `device` has stream-ordered memory pools (cudaMallocAsync).
+  [[nodiscard]] static bool pools(int device) noexcept {
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return supported != 0;
   }
   /// A stream being captured into a CUDA graph cannot take DDP's work (its
   /// events and host waits): config_error saying so.

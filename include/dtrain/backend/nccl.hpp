@@ -185,7 +185,7 @@ class nccl_communicator {
                                static_cast<std::int64_t>(op)),
         in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op), comm, own));
+                                          detail::nccl_op(op, size()), comm, own));
         });
   }
 
@@ -225,7 +225,7 @@ class nccl_communicator {
                   out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
                     DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
                                                         detail::nccl_type(out.type),
-                                                        detail::nccl_op(op), comm, own));
+                                                        detail::nccl_op(op, size()), comm, own));
                   });
   }
 
@@ -263,7 +263,7 @@ class nccl_communicator {
             for (const buffer& b : buffers) {
               if (b.count == 0) continue;
               DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op), comm, own));
+                                              detail::nccl_op(op, size()), comm, own));
             }
           } catch (...) {
             (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls

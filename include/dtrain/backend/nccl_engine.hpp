@@ -126,11 +126,14 @@ namespace dtrain::detail {
   return ncclFloat32;
 }
 
-/// NCCL's op for each reduction; avg is ncclAvg (NCCL divides, in the type).
-[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op) noexcept {
+/// NCCL's op for each reduction over `ranks` ranks; avg is ncclAvg (NCCL
+/// divides, in the type), except on one rank, where the mean is the input and
+/// ncclSum gives it: NCCL 2.28.3's one-rank ncclAvg left every element from
+/// the 2^20th on unwritten out of place (seen on an H100).
+[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op, int ranks) noexcept {
   switch (op) {
     case reduce_op::sum: return ncclSum;
-    case reduce_op::avg: return ncclAvg;
+    case reduce_op::avg: return ranks == 1 ? ncclSum : ncclAvg;
     case reduce_op::min: return ncclMin;
     case reduce_op::max: return ncclMax;
     case reduce_op::prod: return ncclProd;

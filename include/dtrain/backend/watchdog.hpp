@@ -61,12 +61,12 @@ class watchdog {
     return failure_;
   }
 
-  /// Blocks until every piece of work handed over so far has finished or
-  /// failed (each bounded by its timeout); returns failure().
+  /// Blocks until every piece of work handed over so far has finished, or
+  /// until one has failed (each bounded by its timeout); returns failure().
   std::exception_ptr drain() {
     std::unique_lock lock(mutex_);
     const std::uint64_t target = watched_;
-    settled_.wait(lock, [&] { return finished_ >= target; });
+    settled_.wait(lock, [&] { return finished_ >= target || failure_; });
     return failure_;
   }
 
@@ -87,26 +87,46 @@ class watchdog {
         next = std::move(queue_.front());
         queue_.pop_front();
       }
+      const auto left =
+          std::max(std::chrono::milliseconds(0),
+                   std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
       std::exception_ptr failed;
+      bool timed_out = false;
       try {
-        const auto left =
-            std::max(std::chrono::milliseconds(0),
-                     std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
-        next.handle.wait(left);
-      } catch (const timeout_error& e) {
-        failed = std::make_exception_ptr(
-            timeout_error(std::string("watchdog: ") + e.what() + " (timeout " +
-                          std::to_string(next.timeout.count()) + " ms from launch)"));
+        if (next.handle.finish_within(left)) {
+          failed = next.handle.exception();
+        } else {
+          timed_out = true;
+          try {
+            std::rethrow_exception(next.handle.timeout_exception(next.timeout));
+          } catch (const timeout_error& e) {
+            failed = std::make_exception_ptr(
+                timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
+          }
+        }
       } catch (...) {
         failed = std::current_exception();
       }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++finished_;
+      // The failure is known before the abort: an abort may wait on a device
+      // that never frees (a stream held by the host), and the owner must hear.
+      settle(failed);
+      if (timed_out) {
+        try {
+          next.handle.give_up(next.timeout);
+        } catch (...) {
+          // Reported above.
+        }
       }
-      settled_.notify_all();
     }
+  }
+
+  void settle(std::exception_ptr failed) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failed && !failure_) failure_ = failed;
+      ++finished_;
+    }
+    settled_.notify_all();
   }
 
   mutable std::mutex mutex_;

@@ -168,22 +168,39 @@ class work {
   /// the time when it is not done within `timeout`; the communicator is then
   /// aborted or marked unusable, as the engine allows.
   void wait(std::chrono::milliseconds timeout) {
-    if (!state_) return;
-    if (!test()) {
-      if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) {
-        state_->on_timeout();
-        done_ = true;
-        char seconds[32];
-        std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-        timed_out_ = std::make_exception_ptr(timeout_error(
-            state_->description() + " did not finish within " + seconds +
-            "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-            "compares what every rank passed)"));
-        std::rethrow_exception(timed_out_);
-      }
-      done_ = true;
-    }
+    if (!finish_within(timeout)) give_up(timeout);
     if (auto e = exception()) std::rethrow_exception(e);
+  }
+
+  /// Waits at most `timeout` and does nothing about it: true once finished
+  /// (exception() then says how), false while still running. For a watchdog,
+  /// which reports a timeout before it aborts: an abort may itself wait on a
+  /// device that never frees.
+  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
+    if (!state_ || test()) return true;
+    if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
+    done_ = true;
+    return true;
+  }
+
+  /// The timeout_error wait(timeout) throws: the collective, the rank, the time.
+  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+    return std::make_exception_ptr(timeout_error(
+        (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
+        seconds +
+        "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+        "compares what every rank passed)"));
+  }
+
+  /// After finish_within(timeout) returned false: aborts what the engine can
+  /// abort (or marks the communicator unusable) and throws timeout_exception().
+  [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
+    timed_out_ = timeout_exception(timeout);
+    if (state_) state_->on_timeout();
+    done_ = true;
+    std::rethrow_exception(timed_out_);
   }
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).

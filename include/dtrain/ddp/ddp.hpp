@@ -188,6 +188,13 @@ class DistributedDataParallel {
                          "are ordered after the old stream; set the stream before the step");
     }
     memory_space::check_stream(device_, compute);
+    // What the old stream still does with the buckets comes first; their
+    // storage is released on the new one from now on.
+    memory_space::order_after(device_, compute, stream_);
+    for (bucket_state& b : buckets_) {
+      b.grads.set_stream(compute);
+      b.wire.set_stream(compute);
+    }
     stream_ = compute;
   }
   /// set_stream(compute), then synchronize().
@@ -411,7 +418,10 @@ class DistributedDataParallel {
         }
       }
     }
-    memory_space::synchronize(device_, stream_);  // the copies out of the old buckets are done
+    // The old buckets are released on the compute stream, after the copies
+    // out of them and (streams) after every collective on them: the compute
+    // stream waits for those already (order_after_buckets). The host does not
+    // wait, with CUDA as without.
     info_ = std::move(info);
     buckets_ = std::move(buckets);
     reset_step();
@@ -590,11 +600,10 @@ class DistributedDataParallel {
       detail::check_order(agreed, params_.size(),
                           "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
       rebuilt_ = true;
-      if (agreed != layout_order()) {
-        // The buckets in flight must be done before their storage goes.
-        if (auto e = runner_drain()) fail(e);
-        lay_out(agreed);
-      }
+      // The buckets of this step are done with (host memory) or ordered
+      // before everything that follows on the compute stream (streams), where
+      // lay_out() copies out of them and releases them.
+      if (agreed != layout_order()) lay_out(agreed);
     }
     reset_step();
   }

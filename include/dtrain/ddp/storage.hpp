@@ -12,27 +12,33 @@
 
 namespace dtrain::detail {
 
-/// Zeroed bytes in `Memory` on `device`, owned. Zeroing is ordered on the
-/// stream given at construction; the owner frees it only after its last use
-/// on any stream is complete (see DistributedDataParallel::lay_out).
+/// Zeroed bytes in `Memory` on `device`, owned. Allocation and zeroing are
+/// ordered on the stream given at construction, the release on the stream
+/// set last (set_stream): the owner keeps that stream ordered after every
+/// use on any stream (see DistributedDataParallel::lay_out).
 template <class Memory>
 class flat_storage {
  public:
   flat_storage() = default;
   flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
-      : data_(Memory::allocate(bytes, device, stream)), bytes_(bytes), device_(device) {
+      : data_(Memory::allocate(bytes, device, stream)),
+        bytes_(bytes),
+        device_(device),
+        stream_(stream) {
     if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
   }
   flat_storage(flat_storage&& other) noexcept
       : data_(std::exchange(other.data_, nullptr)),
         bytes_(std::exchange(other.bytes_, 0)),
-        device_(other.device_) {}
+        device_(other.device_),
+        stream_(other.stream_) {}
   flat_storage& operator=(flat_storage&& other) noexcept {
     if (this != &other) {
       release();
       data_ = std::exchange(other.data_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
       device_ = other.device_;
+      stream_ = other.stream_;
     }
     return *this;
   }
@@ -43,16 +49,19 @@ class flat_storage {
   [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// The stream the release is ordered on from now on.
+  void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
 
  private:
   void release() noexcept {
-    if (data_) Memory::release(data_, device_);
+    if (data_) Memory::release(data_, device_, stream_);
     data_ = nullptr;
   }
 
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
   int device_ = -1;
+  typename Memory::stream_type stream_{};
 };
 
 /// The element type float32 gradients travel as under `kind` (not none).

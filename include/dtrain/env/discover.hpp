@@ -124,6 +124,13 @@ inline void complete_and_check(observation& o) {
     agree(o, field::num_nodes, sourced_int{1, why});
     agree(o, field::local_rank, o[field::rank]);
   }
+  // As many nodes as processes: one process per node, whose node rank is its rank.
+  if (const auto& nn = o[field::num_nodes]; ws && nn && ws->value == nn->value) {
+    std::string why = "one process per node: " + nn->origin + " nodes for " + ws->origin;
+    agree(o, field::local_rank, sourced_int{0, why});
+    agree(o, field::local_world_size, sourced_int{1, why});
+    if (const auto& r = o[field::rank]) agree(o, field::node_rank, sourced_int{r->value, why});
+  }
   for (field size : {field::world_size, field::local_world_size, field::num_nodes}) {
     if (const auto& s = o[size]; s && s->value < 1)
       throw config_error(s->origin + " must be at least 1");

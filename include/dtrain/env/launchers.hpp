@@ -154,11 +154,14 @@ inline observation read_ranks(const environment& env, launcher source,
 
 /// Open MPI's mpirun. OMPI_COMM_WORLD_NODE_RANK is deliberately not read: it
 /// is the rank among this node's processes (like the local rank), not the
-/// node's index, and Open MPI gives no node index at all.
+/// node's index, and Open MPI gives no node index at all. Open MPI 4 exports
+/// the number of nodes in the job's map as OMPI_MCA_orte_num_nodes.
 inline observation read_open_mpi(const environment& env) {
-  return read_ranks(env, launcher::open_mpi,
-                    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                     "OMPI_COMM_WORLD_LOCAL_SIZE"});
+  observation o = read_ranks(env, launcher::open_mpi,
+                             {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                              "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"});
+  if (o[field::rank]) o[field::num_nodes] = read_int(env, "OMPI_MCA_orte_num_nodes");
+  return o;
 }
 
 /// MPICH / Intel MPI (Hydra). No node index or node count.

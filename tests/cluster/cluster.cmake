@@ -1,0 +1,19 @@
+# cluster.*: multi-node tests on a simulated cluster (tests/cluster/cluster.sh):
+# each node a network namespace with its own host name and address, 1 Gbit/s
+# links. They need root (network and UTS namespaces) and skip without it.
+# RUN_SERIAL: each starts 4+ processes that move real data over the links.
+set(cluster_dir "${CMAKE_CURRENT_LIST_DIR}")
+if(TARGET dtrun AND TARGET dtrain_whoami)
+  foreach(case IN ITEMS dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname
+                        killed_worker)
+    dtrain_add_test(cluster.${case}
+      COMMAND bash "${cluster_dir}/test_cluster.sh" ${case} "$<TARGET_FILE_DIR:dtrun>"
+      TIMEOUT 150
+      PROPERTIES RUN_SERIAL TRUE)
+  endforeach()
+else()
+  foreach(case IN ITEMS dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname
+                        killed_worker)
+    dtrain_add_skipped_test(cluster.${case} "dtrun and dtrain_whoami are not built (DTRAIN_BUILD_EXAMPLES=OFF)")
+  endforeach()
+endif()

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# tests/cluster/test_cluster.sh CASE BIN_DIR: one multi-node test on a
+# simulated cluster (cluster.sh): 2 nodes, each its own network namespace,
+# host name and address, joined at 1 Gbit/s. BIN_DIR holds dtrun,
+# dtrain_whoami and dtrain_train_mlp. Exit 0 pass, 1 fail, 77 skip.
+#
+#   dtrun_2x2          dtrun on both nodes, 2 workers each: the world every rank
+#                      completes at rendezvous (whoami --rendezvous)
+#   mpirun_by_node     mpirun --map-by node -np 4 across the nodes: the same
+#   mpirun_by_slot     mpirun --map-by slot -np 4
+#   demo_2x2           the demo on 2 nodes x 2 workers ends with the weights of 1 node x 4
+#   loopback_hostname  node1 maps its own name to 127.0.1.1 (Debian's default):
+#                      the job works, or fails at once saying what to set
+#   killed_worker      a worker killed on node2 ends the job on node1, naming the rank
+set -uo pipefail
+case_name=${1:?case}
+bin=${2:?bin dir}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/cluster.sh"
+
+for program in dtrun dtrain_whoami; do
+  [[ -x $bin/$program ]] || { echo "SKIPPED: $bin/$program is not built"; exit 77; }
+done
+work=$(mktemp -d)
+trap 'cluster_teardown; rm -rf "$work"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+port=29500
+limit=90  # seconds for any one job: a hang fails the test, with the output so far
+
+fail() {
+  echo "FAILED: $*"
+  for f in "$work"/*.out "$work"/*.err; do
+    [[ -s $f ]] && { echo "--- $(basename "$f")"; tail -n 30 "$f"; }
+  done
+  exit 1
+}
+
+# check_world FILE EXPECTED: FILE holds whoami --rendezvous lines (one per
+# rank, any order); EXPECTED is "rank:host:node_rank:local_rank ..." for a
+# job of that many ranks on 2 nodes with 2 ranks each.
+check_world() {
+  python3 - "$1" "$2" <<'PY' || fail "the completed world is wrong"
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+expected = {int(r): (h, int(n), int(l)) for r, h, n, l in (e.split(":") for e in sys.argv[2].split())}
+got = {w["rank"]: w for w in lines}
+ok = len(lines) == len(expected) and set(got) == set(expected)
+for rank, (host, node, local) in expected.items():
+    w = got.get(rank)
+    if w is None:
+        print(f"rank {rank}: no line"); continue
+    want = dict(world_size=len(expected), num_nodes=2, local_world_size=2, host=host,
+                node_rank=node, local_rank=local)
+    wrong = {k: (w.get(k), v) for k, v in want.items() if w.get(k) != v}
+    print(f"rank {rank}: {json.dumps(w)}" + (f"  WRONG (got, want): {wrong}" if wrong else ""))
+    ok = ok and not wrong
+sys.exit(0 if ok else 1)
+PY
+}
+
+# dtrun_on NODE NODE_RANK ARGS...: dtrun for a 2-node job whose store is on node1.
+dtrun_on() {
+  local node=$1 rank=$2
+  shift 2
+  cluster_run "$node" timeout "$limit" "$bin/dtrun" --nnodes 2 --node-rank "$rank" \
+    --nproc-per-node 2 --master-addr node1 --master-port "$port" -- "$@"
+}
+
+# two_nodes ARGS...: the same command under dtrun on both nodes; waits for both.
+two_nodes() {
+  dtrun_on node1 0 "$@" >"$work/node1.out" 2>"$work/node1.err" &
+  local first=$!
+  dtrun_on node2 1 "$@" >"$work/node2.out" 2>"$work/node2.err" &
+  local second=$!
+  wait "$first"
+  status1=$?
+  wait "$second"
+  status2=$?
+}
+
+mpirun_across() {
+  local mapping=$1
+  command -v mpirun >/dev/null || { echo "SKIPPED: mpirun not found"; exit 77; }
+  mpirun --version 2>&1 | grep -q "Open MPI" || { echo "SKIPPED: needs Open MPI's mpirun"; exit 77; }
+  printf 'node1 slots=2\nnode2 slots=2\n' >"$work/hosts"
+  cluster_run node1 timeout "$limit" mpirun --hostfile "$work/hosts" -np 4 --map-by "$mapping" \
+    --bind-to none --mca plm_rsh_agent "$(cluster_rsh)" --mca btl tcp,self,vader \
+    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
+    "$bin/dtrain_whoami" --rendezvous >"$work/mpirun.out" 2>"$work/mpirun.err" ||
+    fail "mpirun --map-by $mapping exited with $?"
+  cat "$work/mpirun.out"
+}
+
+case $case_name in
+  dtrun_2x2)
+    cluster_up 2 1gbit
+    two_nodes "$bin/dtrain_whoami" --rendezvous
+    ((status1 == 0 && status2 == 0)) || fail "dtrun exited with $status1 on node1, $status2 on node2"
+    cat "$work/node1.out" "$work/node2.out" >"$work/all.out"
+    check_world "$work/all.out" "0:node1:0:0 1:node1:0:1 2:node2:1:0 3:node2:1:1"
+    ;;
+  mpirun_by_node)
+    cluster_up 2 1gbit
+    mpirun_across node >/dev/null
+    check_world "$work/mpirun.out" "0:node1:0:0 1:node2:1:0 2:node1:0:1 3:node2:1:1"
+    ;;
+  mpirun_by_slot)
+    cluster_up 2 1gbit
+    mpirun_across slot >/dev/null
+    check_world "$work/mpirun.out" "0:node1:0:0 1:node1:0:1 2:node2:1:0 3:node2:1:1"
+    ;;
+  demo_2x2)
+    [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
+    demo=("$bin/dtrain_train_mlp" --epochs 2)
+    timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/one_node.out" 2>&1 ||
+      fail "the demo on one node x 4 exited with $?"
+    cluster_up 2 1gbit
+    pids=()
+    for n in 1 2; do
+      cluster_run node$n env DTRAIN_NNODES=2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+        MASTER_PORT=$port timeout "$limit" "${demo[@]}" --nproc-per-node 2 \
+        >"$work/node$n.out" 2>"$work/node$n.err" &
+      pids+=($!)
+    done
+    wait "${pids[0]}"; status1=$?
+    wait "${pids[1]}"; status2=$?
+    ((status1 == 0 && status2 == 0)) || fail "the demo exited with $status1 on node1, $status2 on node2"
+    one=$(grep -o 'all 4 ranks hold identical weights (checksum [0-9a-f]*)' "$work/one_node.out")
+    two=$(grep -o 'all 4 ranks hold identical weights (checksum [0-9a-f]*)' "$work/node1.out")
+    echo "1 node x 4:  $one"
+    echo "2 nodes x 2: $two"
+    [[ -n $one && $one == "$two" ]] || fail "the weights differ between 1 node x 4 and 2 nodes x 2"
+    ;;
+  loopback_hostname)
+    cluster_up 2 1gbit
+    cluster_hosts_loopback node1
+    start=$(date +%s)
+    two_nodes "$bin/dtrain_whoami" --rendezvous
+    took=$(($(date +%s) - start))
+    cat "$work/node1.out" "$work/node2.out" >"$work/all.out"
+    if ((status1 == 0 && status2 == 0)); then
+      check_world "$work/all.out" "0:node1:0:0 1:node1:0:1 2:node2:1:0 3:node2:1:1"
+      echo "works with node1 on 127.0.1.1 (${took} s)"
+    else
+      ((took < limit - 5)) || fail "the job ran into the test's limit (a hang) instead of failing at once"
+      grep -q "127.0.1.1" "$work/node1.err" "$work/node2.err" ||
+        fail "the job failed without naming 127.0.1.1 (exit $status1 / $status2)"
+      echo "failed at once (${took} s), saying:"; grep -h "127.0.1.1" "$work"/*.err | head -3
+    fi
+    # Per-process launch (torchrun's environment set by hand): rank 0 hosts the store.
+    pids=()
+    for r in 0 1 2 3; do
+      cluster_run "node$((r / 2 + 1))" env RANK=$r WORLD_SIZE=4 MASTER_ADDR=node1 MASTER_PORT=$((port + 1)) \
+        timeout "$limit" "$bin/dtrain_whoami" --rendezvous >"$work/rank$r.out" 2>"$work/rank$r.err" &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || fail "a per-process rank exited with $?"; done
+    cat "$work"/rank?.out >"$work/per_process.out"
+    check_world "$work/per_process.out" "0:node1:0:0 1:node1:0:1 2:node2:1:0 3:node2:1:1"
+    echo "per-process launch works with node1 on 127.0.1.1"
+    ;;
+  killed_worker)
+    cluster_up 2 1gbit
+    worker=(bash -c 'echo "rank $RANK on $(hostname): $$"; exec sleep 60')
+    dtrun_on node1 0 "${worker[@]}" >"$work/node1.out" 2>"$work/node1.err" &
+    first=$!
+    dtrun_on node2 1 "${worker[@]}" >"$work/node2.out" 2>"$work/node2.err" &
+    second=$!
+    victim=""
+    for _ in $(seq 100); do  # the workers of node2 start within seconds
+      victim=$(grep -ho 'rank [0-9]* on node2: [0-9]*' "$work/node2.out" 2>/dev/null | head -n 1)
+      [[ -n $victim ]] && break
+      sleep 0.1
+    done
+    [[ -n $victim ]] || fail "no worker started on node2"
+    rank=$(awk '{print $2}' <<<"$victim")
+    pid=$(awk '{print $5}' <<<"$victim")
+    start=$(date +%s)
+    kill -9 "$pid"
+    wait "$first"
+    status1=$?
+    took=$(($(date +%s) - start))
+    wait "$second"
+    echo "killed rank $rank (pid $pid) on node2; node1's dtrun exited with $status1 after ${took} s"
+    ((status1 != 0)) || fail "node1's dtrun exited with 0 after a worker of node2 was killed"
+    ((took < limit - 5)) || fail "node1's dtrun did not end before the test's limit"
+    grep -q "rank $rank" "$work/node1.err" || fail "node1's dtrun did not name rank $rank"
+    grep -h "rank $rank" "$work/node1.err" | head -3
+    ;;
+  *)
+    echo "test_cluster.sh: unknown case '$case_name'" >&2
+    exit 2
+    ;;
+esac
+echo "cluster.$case_name: ok"
