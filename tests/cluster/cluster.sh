@@ -12,6 +12,7 @@
 #   cluster_ip NODE              NODE's address
 #   cluster_hosts_loopback NODE  NODE's /etc/hosts maps NODE to 127.0.1.1, as
 #                                Debian does for a machine's own name
+#   cluster_exit_hook=CMD        also run CMD when the shell exits (set before cluster_up)
 #   cluster_rsh                  path of an ssh stand-in for mpirun
 #                                (--mca plm_rsh_agent), which runs in the named node
 #
@@ -89,9 +90,10 @@ cluster_up() {
   # One /24 per cluster, from the owner's pid, so that tests run side by side.
   cluster_net="10.$((100 + cluster_id % 100)).$(((cluster_id / 100) % 250))"
   mkdir -p "$cluster_dir"
-  trap 'cluster_teardown' EXIT
-  trap 'cluster_teardown; exit 143' TERM
-  trap 'cluster_teardown; exit 130' INT
+  # cluster_exit_hook: what the caller also wants done at exit (its own cleanup).
+  trap 'cluster_teardown; eval "${cluster_exit_hook:-}"' EXIT
+  trap 'exit 143' TERM
+  trap 'exit 130' INT
   # The guardian: removes the cluster once its owner is gone, however it went.
   # Started from a subshell, so it is no job of this shell (a bare `wait` returns).
   (setsid bash -c "source '$cluster_here/cluster.sh'; while kill -0 $cluster_id 2>/dev/null; do sleep 0.5; done; cluster_remove $cluster_id" \

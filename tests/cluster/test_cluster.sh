@@ -22,7 +22,8 @@ for program in dtrun dtrain_whoami; do
   [[ -x $bin/$program ]] || { echo "SKIPPED: $bin/$program is not built"; exit 77; }
 done
 work=$(mktemp -d)
-trap 'cluster_teardown; rm -rf "$work"' EXIT
+cluster_exit_hook='rm -rf "$work"'
+trap 'rm -rf "$work"' EXIT  # cluster_up replaces it with one that also removes the cluster
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 port=29500
 limit=90  # seconds for any one job: a hang fails the test, with the output so far
