@@ -115,8 +115,9 @@ cluster_up() {
     ip -n "$ns" addr add "$cluster_net.$i/24" dev eth0
     ip -n "$ns" link set eth0 up
     if [[ -n $rate ]]; then
-      tc qdisc add dev "$host_end" root tbf rate "$rate" burst 512kb latency 100ms || return 1
-      ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 512kb latency 100ms || return 1
+      tc qdisc add dev "$host_end" root tbf rate "$rate" burst 512kb latency 100ms 2>"$cluster_dir/error" &&
+        ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 512kb latency 100ms 2>"$cluster_dir/error" ||
+        cluster_skip "cannot limit a link with tc tbf ($(head -c 200 "$cluster_dir/error")); needs sch_tbf"
     fi
   done
   for ((i = 1; i <= n; i++)); do cluster_write_hosts "$i" ""; done
