@@ -21,7 +21,7 @@ __global__ void dtrain_nccl_nvcc_kernel(int* out) { *out = DTRAIN_HAS_NCCL(); }
 int main() {
   static_assert(dtrain::communicator<dtrain::nccl_communicator>);
   const bool mapped = dtrain::detail::nccl_type(dtrain::dtype::bfloat16) == ncclBfloat16 &&
-                      dtrain::detail::nccl_op(dtrain::reduce_op::avg) == ncclAvg;
+                      dtrain::detail::nccl_op(dtrain::reduce_op::avg, 2) == ncclAvg;
   std::printf("dtrain's %s backend under nvcc (NCCL %d.%d.%d): types %s\n",
               dtrain::nccl_communicator::name.data(), NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH,
               mapped ? "map" : "DO NOT MAP");

@@ -217,10 +217,11 @@ tee_and_logs)
 
 mpirun_per_node)
   # `mpirun --map-by ppr:1:node` on two nodes, simulated: two agents under mpirun, each told it is alone
-  # on its node. Node ranks come from OMPI_COMM_WORLD_RANK.
+  # on its node (and, as Open MPI 4 says on two hosts, that the job has 2 nodes). Node ranks come from
+  # OMPI_COMM_WORLD_RANK.
   port=$(free_port)
   mpi -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$port \
-    sh -c 'OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 exec "$0" node-gloo --nproc-per-node 2' "$PEER" \
+    sh -c 'OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_MCA_orte_num_nodes=2 exec "$0" node-gloo --nproc-per-node 2' "$PEER" \
     >"$work/mpi.out" 2>"$work/mpi.err"
   expect_status 0 $? "mpirun of two agents"
   check_world "$work/mpi.out" 4 2
@@ -236,8 +237,9 @@ process_mpi)
 
 node_names)
   # Open MPI gives no node index: ranks are grouped by node name (here DTRAIN_NODE_NAME, as
-  # `--map-by node` on two hosts would place them: even ranks on host a, odd ranks on host b).
-  mpi -np 4 sh -c 'r=$OMPI_COMM_WORLD_RANK; DTRAIN_NODE_NAME=host$((r % 2)) OMPI_COMM_WORLD_LOCAL_RANK=$((r / 2)) OMPI_COMM_WORLD_LOCAL_SIZE=2 exec "$0" process-mpi' "$PEER" \
+  # `--map-by node` on two hosts would place them: even ranks on host a, odd ranks on host b; and
+  # Open MPI 4 then says OMPI_MCA_orte_num_nodes=2).
+  mpi -np 4 sh -c 'r=$OMPI_COMM_WORLD_RANK; DTRAIN_NODE_NAME=host$((r % 2)) OMPI_COMM_WORLD_LOCAL_RANK=$((r / 2)) OMPI_COMM_WORLD_LOCAL_SIZE=2 OMPI_MCA_orte_num_nodes=2 exec "$0" process-mpi' "$PEER" \
     >"$work/mpi.out" 2>"$work/mpi.err"
   expect_status 0 $? "mpirun of 4 ranks on two named nodes"
   for r in 0 1 2 3; do
@@ -245,7 +247,7 @@ node_names)
   done
   # Names that contradict the launcher (all on one node, but LOCAL_SIZE=2) are an error. Every rank
   # gets it, but mpirun aborts the job at the first non-zero exit, so not every rank may print it.
-  mpi -np 4 sh -c 'r=$OMPI_COMM_WORLD_RANK; DTRAIN_NODE_NAME=same OMPI_COMM_WORLD_LOCAL_RANK=$((r / 2)) OMPI_COMM_WORLD_LOCAL_SIZE=2 exec "$0" process-mpi' "$PEER" \
+  mpi -np 4 sh -c 'r=$OMPI_COMM_WORLD_RANK; DTRAIN_NODE_NAME=same OMPI_COMM_WORLD_LOCAL_RANK=$((r / 2)) OMPI_COMM_WORLD_LOCAL_SIZE=2 OMPI_MCA_orte_num_nodes=2 exec "$0" process-mpi' "$PEER" \
     >"$work/bad.out" 2>"$work/bad.err"
   status=$?
   ((status != 0)) || fail "contradicting node names were accepted"

@@ -56,7 +56,7 @@ TEST_CASE("Open MPI: single-node mpirun -np 4 is one node") {
 }
 
 TEST_CASE(
-    "Open MPI 4: OMPI_MCA_orte_num_nodes gives the node count; the node index stays unknown") {
+    "Open MPI 4: OMPI_MCA_orte_num_nodes gives the node count, and the node index stays unknown") {
   environment env = open_mpi_rank_5_of_8_by_node();
   env = env.with("OMPI_MCA_orte_num_nodes", "2");
   auto w = discover(env);
