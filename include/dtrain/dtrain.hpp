@@ -23,7 +23,12 @@
 #include <dtrain/backend/memory.hpp>
 #include <dtrain/backend/control.hpp>
 #include <dtrain/backend/nccl.hpp>
+#include <dtrain/topology/layout.hpp>
+#include <dtrain/topology/sequence.hpp>
 #include <dtrain/topology/flat.hpp>
+#include <dtrain/topology/hierarchical.hpp>
+#include <dtrain/topology/network.hpp>
+#include <dtrain/topology/doctor.hpp>
 #include <dtrain/policy.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/process.hpp>

@@ -12,6 +12,7 @@
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/topology/flat.hpp>
+#include <dtrain/topology/hierarchical.hpp>
 
 #include <concepts>
 #include <string>
@@ -131,8 +132,10 @@ concept backend_policy = requires {
   { T::name } -> std::convertible_to<std::string_view>;
   { T::available } -> std::convertible_to<bool>;
 };
+/// A topology tag: topology::flat or topology::hierarchical.
 template <class T>
-concept topology_policy = std::is_same_v<T, topology::flat>;
+concept topology_policy =
+    std::is_same_v<T, topology::flat> || std::is_same_v<T, topology::hierarchical>;
 
 /// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
 template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
@@ -155,6 +158,12 @@ struct policy {
   using memory_space = typename traits::memory_space;
   /// Whether gradients may live on the GPU with this backend.
   static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
+  static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
+                    detail::stream_ordered<communicator_type>,
+                "topology::hierarchical enqueues its three steps on streams at once, each after "
+                "the last: a backend whose buckets travel on streams needs a communicator that "
+                "orders its collectives after the stream it is given (stream_ordered and "
+                "stream(), as nccl_communicator)");
 };
 
 }  // namespace dtrain

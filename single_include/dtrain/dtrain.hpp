@@ -4126,6 +4126,8 @@ class work_state {
   void fail(std::exception_ptr e) noexcept {
     if (!error_) error_ = std::move(e);
   }
+  /// For work whose limit is known only once it has started (a sequence takes its first step's).
+  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
 
  private:
   mutable std::string description_;  // "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
@@ -5428,6 +5430,144 @@ static_assert(communicator<mpi_communicator>);
 /// interface, and the choice of the network interface Gloo's TCP transport
 /// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
 
+// ---- begin dtrain/detail/net.hpp ----
+/// @file
+/// What this host's network looks like to a process: its interfaces and
+/// their addresses (getifaddrs), what a name resolves to, and which local
+/// address reaches a host. Plain facts for the engines' interface choice
+/// (backend/gloo_store.hpp) and for the network report (topology/network.hpp).
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// One address of one interface.
+struct interface_address {
+  std::string name;     ///< "eth0"
+  std::string address;  ///< numeric: "10.0.0.4", "fe80::1"
+  bool ipv6 = false;
+};
+
+/// Every IPv4 and IPv6 address of every interface (getifaddrs); empty when it fails.
+inline std::vector<interface_address> interface_addresses() {
+  std::vector<interface_address> out;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return out;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6))
+      continue;
+    const socklen_t length =
+        i->ifa_addr->sa_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    char text[NI_MAXHOST] = {};
+    if (::getnameinfo(i->ifa_addr, length, text, sizeof text, nullptr, 0, NI_NUMERICHOST) != 0)
+      continue;
+    out.push_back({i->ifa_name, text, i->ifa_addr->sa_family == AF_INET6});
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+/// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
+inline std::vector<std::string> interfaces_with_address() {
+  std::vector<std::string> names;
+  for (const auto& a : interface_addresses()) {
+    bool seen = false;
+    for (const auto& n : names) seen = seen || n == a.name;
+    if (!seen) names.push_back(a.name);
+  }
+  return names;
+}
+
+/// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
+/// error in `error`.
+struct resolved {
+  std::vector<std::string> addresses;
+  std::string error;  ///< empty on success
+};
+inline resolved resolve(const std::string& host) {
+  resolved out;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); rc != 0) {
+    out.error = ::gai_strerror(rc);
+    return out;
+  }
+  for (addrinfo* a = found; a; a = a->ai_next) {
+    char text[NI_MAXHOST] = {};
+    if (::getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof text, nullptr, 0, NI_NUMERICHOST) !=
+        0)
+      continue;
+    bool seen = false;
+    for (const auto& s : out.addresses) seen = seen || s == text;
+    if (!seen) out.addresses.emplace_back(text);
+  }
+  ::freeaddrinfo(found);
+  return out;
+}
+
+/// The local address this host sends from to reach host:port (a UDP socket
+/// connected there, asked for its own name; nothing is sent), or why not in `error`.
+struct route_source {
+  std::string address;
+  std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
+};
+inline route_source local_address_to(const std::string& host, int port) {
+  route_source out;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port > 0 ? port : 9);
+  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    out.error = std::string("cannot be resolved (") + ::gai_strerror(rc) + ")";
+    return out;
+  }
+  std::string why = "no address";
+  for (addrinfo* a = found; a && out.address.empty(); a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    char text[NI_MAXHOST] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      why = std::strerror(errno);
+    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
+      why = std::strerror(errno);
+    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text,
+                                      sizeof text, nullptr, 0, NI_NUMERICHOST);
+               rc != 0) {
+      why = ::gai_strerror(rc);
+    } else {
+      out.address = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  if (out.address.empty()) out.error = "no local address reaches it (" + why + ")";
+  return out;
+}
+
+/// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
+inline bool is_loopback_address(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "::1" || address.rfind("::ffff:127.", 0) == 0;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/detail/net.hpp ----
 
 
 #if DTRAIN_HAS_GLOO()
@@ -5530,22 +5670,6 @@ struct gloo_endpoint {
   std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
 };
 
-/// Names of the interfaces that carry an IPv4 or IPv6 address.
-inline std::vector<std::string> interfaces_with_address() {
-  std::vector<std::string> names;
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return names;
-  for (ifaddrs* i = list; i; i = i->ifa_next) {
-    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6)) continue;
-    std::string name(i->ifa_name);
-    bool seen = false;
-    for (const auto& n : names) seen = seen || n == name;
-    if (!seen) names.push_back(std::move(name));
-  }
-  ::freeifaddrs(list);
-  return names;
-}
-
 /// Throws config_error naming `origin` when no interface `name` with an address exists here.
 inline void require_interface(const std::string& name, const std::string& origin) {
   auto names = interfaces_with_address();
@@ -5559,47 +5683,18 @@ inline void require_interface(const std::string& name, const std::string& origin
                      "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
 }
 
-/// The local address this host sends from to reach host:port (a UDP socket
-/// connected there, asked for its own name; nothing is sent).
+/// The local address this host sends from to reach host:port; config_error
+/// naming `origin` when there is none.
 inline std::string local_address_towards(const std::string& host, int port, const std::string& origin) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port > 0 ? port : 9);
-  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    throw config_error(origin + " cannot be resolved (" + ::gai_strerror(rc) +
-                       "), so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
+  const route_source route = local_address_to(host, port);
+  if (route.error.rfind("cannot be resolved", 0) == 0) {
+    throw config_error(origin + " " + route.error +
+                       ", so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
   }
-  std::string why = "no address";
-  std::string address;
-  for (addrinfo* a = found; a && address.empty(); a = a->ai_next) {
-    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      why = std::strerror(errno);
-      continue;
-    }
-    sockaddr_storage local{};
-    socklen_t length = sizeof local;
-    char text[NI_MAXHOST] = {};
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
-      why = std::strerror(errno);
-    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
-      why = std::strerror(errno);
-    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text, sizeof text, nullptr, 0,
-                                      NI_NUMERICHOST);
-               rc != 0) {
-      why = ::gai_strerror(rc);
-    } else {
-      address = text;
-    }
-    ::close(fd);
+  if (!route.error.empty()) {
+    throw config_error(origin + ": " + route.error + "; set DTRAIN_GLOO_IFNAME");
   }
-  ::freeaddrinfo(found);
-  if (address.empty()) {
-    throw config_error("no local address reaches " + origin + " (" + why + "); set DTRAIN_GLOO_IFNAME");
-  }
-  return address;
+  return route.address;
 }
 
 /// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
@@ -7483,6 +7578,9 @@ class nccl_communicator {
   /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
   static constexpr bool reaches_host_memory = false;
   static constexpr std::string_view name = "nccl";
+  /// Collectives are enqueued on stream(), ordered after the caller's stream:
+  /// a topology can enqueue the steps of one collective at once, each after the last.
+  static constexpr bool stream_ordered = true;
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
   /// the local rank; it becomes the calling thread's current device). Rank 0
@@ -7896,13 +7994,428 @@ inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
 
 #endif  // DTRAIN_HAS_NCCL()
 // ---- end dtrain/backend/nccl.hpp ----
+// ---- begin dtrain/topology/layout.hpp ----
+/// @file
+/// Where each rank sits among the nodes, as a topology needs it: the
+/// `node_layout` of one rank, every rank's gathered over the host control
+/// plane, and the check that the nodes are alike enough for a hierarchical
+/// collective (every node the same number of ranks, local ranks 0..L-1).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// One rank's place among the nodes: what topology::hierarchical groups by.
+struct node_layout {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_size = 1;
+
+  /// The layout of a complete world (as dtrain::run hands it over); nullopt
+  /// when a field is unknown.
+  [[nodiscard]] static std::optional<node_layout> of(const world& w) {
+    if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+    return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+  }
+  friend bool operator==(const node_layout&, const node_layout&) = default;
+};
+
+namespace detail {
+
+/// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
+/// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
+/// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
+/// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
+[[nodiscard]] inline std::string hierarchy_problem(std::span<const node_layout> table) {
+  const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
+  if (table.empty()) return "no ranks";
+  std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const node_layout& l = table[r];
+    if (l.num_nodes != table[0].num_nodes) {
+      return rank(r) + " says there are " + std::to_string(l.num_nodes) + " nodes, rank 0 " +
+             std::to_string(table[0].num_nodes);
+    }
+    if (l.node_rank < 0 || l.node_rank >= l.num_nodes || l.local_rank < 0 ||
+        l.local_rank >= l.local_size) {
+      return rank(r) + " has node rank " + std::to_string(l.node_rank) + " of " +
+             std::to_string(l.num_nodes) + " and local rank " + std::to_string(l.local_rank) +
+             " of " + std::to_string(l.local_size);
+    }
+    nodes[l.node_rank].push_back(l.local_rank);
+  }
+  const int n = table[0].num_nodes;
+  if (static_cast<int>(nodes.size()) != n) {
+    return std::to_string(nodes.size()) + " of the " + std::to_string(n) + " nodes have ranks";
+  }
+  const std::size_t first = nodes.begin()->second.size();
+  for (const auto& [node, locals] : nodes) {
+    if (locals.size() != first) {
+      return "uneven nodes: node " + std::to_string(nodes.begin()->first) + " has " +
+             std::to_string(first) + " ranks, node " + std::to_string(node) + " has " +
+             std::to_string(locals.size()) +
+             " (hierarchical needs the same number of ranks on every node)";
+    }
+    std::vector<char> seen(first, 0);
+    for (int local : locals) {
+      if (static_cast<std::size_t>(local) >= first || seen[static_cast<std::size_t>(local)]) {
+        return "node " + std::to_string(node) + " does not number its " + std::to_string(first) +
+               " ranks 0.." + std::to_string(first - 1) + " (local rank " + std::to_string(local) +
+               ")";
+      }
+      seen[static_cast<std::size_t>(local)] = 1;
+    }
+  }
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    if (static_cast<std::size_t>(table[r].local_size) != first) {
+      return rank(r) + " says its node has " + std::to_string(table[r].local_size) +
+             " ranks, but " + std::to_string(first) + " met there";
+    }
+  }
+  if (n == 1) return "one node: nothing crosses nodes";
+  if (first == 1) return "one rank per node: the cross-node communicator would be the world";
+  return {};
+}
+
+/// Every rank's layout, in rank order, over `control` (collective).
+[[nodiscard]] inline std::vector<node_layout> gather_layouts(control_plane& control,
+                                                             const node_layout& mine) {
+  const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
+  control.allgather(fields, all);
+  std::vector<node_layout> table(static_cast<std::size_t>(control.size()));
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const std::int64_t* f = &all[4 * r];
+    table[r] = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                static_cast<int>(f[3])};
+  }
+  return table;
+}
+
+/// The layout of every rank from its node name alone (FNV-1a of it, gathered
+/// over `control`): nodes numbered by their lowest rank, local ranks in rank
+/// order, as dtrain::run completes a world. For communicators made without a
+/// context, which knows the launcher's own placement.
+[[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
+                                                        std::string_view node_name) {
+  std::uint64_t hash = 1469598103934665603ull;
+  for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
+  control.allgather(mine, all);
+  std::map<std::int64_t, int> node_of;
+  std::vector<int> sizes;
+  node_layout out;
+  for (int r = 0; r < control.size(); ++r) {
+    auto [it, fresh] =
+        node_of.try_emplace(all[static_cast<std::size_t>(r)], static_cast<int>(sizes.size()));
+    if (fresh) sizes.push_back(0);
+    if (r == control.rank()) {
+      out.node_rank = it->second;
+      out.local_rank = sizes[static_cast<std::size_t>(it->second)];
+    }
+    ++sizes[static_cast<std::size_t>(it->second)];
+  }
+  out.num_nodes = static_cast<int>(sizes.size());
+  out.local_size = sizes[static_cast<std::size_t>(out.node_rank)];
+  return out;
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/topology/layout.hpp ----
+// ---- begin dtrain/topology/sequence.hpp ----
+/// @file
+/// How a topology runs one collective as several on different communicators:
+/// `detail::work_sequence`, one work for the steps, and the calls that pass a
+/// stream only to engines that take one. Steps on engines that order their
+/// collectives on CUDA streams are all enqueued at once, each after the
+/// previous one's stream; on host engines each step starts when the one
+/// before it has finished, inside test() / wait() of the sequence.
+
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// Whether C enqueues its collectives on a device stream of its own, ordered
+/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
+/// steps of a sequence can then all be enqueued at once.
+template <class C>
+concept stream_ordered = requires(const C& c) {
+  requires C::stream_ordered;
+  { c.stream() } -> std::convertible_to<stream_handle>;
+};
+
+/// The stream that the next step must follow after a step on `c`: its own
+/// stream where it has one, else none (the step has finished on the host).
+template <communicator C>
+stream_handle stream_after(const C& c) noexcept {
+  if constexpr (stream_ordered<C>) {
+    return c.stream();
+  } else {
+    (void)c;
+    return nullptr;
+  }
+}
+
+// The collectives with the caller's stream, for the engines that take one
+// (NCCL, MPI with device buffers); the others never see it.
+template <communicator C>
+work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
+    return c.allreduce(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.allreduce(in, out, op);
+  }
+}
+template <communicator C>
+work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
+    return c.reduce_scatter(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.reduce_scatter(in, out, op);
+  }
+}
+template <communicator C>
+work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
+  if constexpr (requires { c.allgather(in, out, stream); }) {
+    return c.allgather(in, out, stream);
+  } else {
+    (void)stream;
+    return c.allgather(in, out);
+  }
+}
+
+/// One work for several collectives. `steps[i]` starts collective i and
+/// returns its work; it runs on communicator `lane` and needs step `after`
+/// finished first (`chain`: the step before it; -1: nothing). Steps of one
+/// lane start in list order, whatever finishes when, so every rank issues the
+/// same collectives on every communicator in the same order: a lane is a
+/// queue, and independent lanes overlap (a pipeline: step k+1 on one
+/// communicator while step k runs on another).
+///
+/// Eager: every step is started now, in list order (engines that order
+/// collectives on streams). Otherwise a step starts once it may, from
+/// whichever thread tests or waits on the sequence: drive a rank's sequences
+/// from one thread, in one order, as it issues collectives. The first failure
+/// ends the sequence, with `label` (the whole collective) and the step in its
+/// message. A timeout gives up every step still running (NCCL: aborts their
+/// communicators).
+class work_sequence final : public work_state {
+ public:
+  static constexpr int chain = -2;
+  struct step {
+    std::string name;             ///< "cross-node allreduce", for messages
+    std::function<work()> start;  ///< starts the collective; may throw
+    int lane = 0;                 ///< the communicator it runs on
+    int after = chain;            ///< the step it waits for: an index, chain, or -1
+  };
+
+  /// Starts what may start now (eager: every step); what a start throws
+  /// reaches the caller. The sequence's timeout is its steps' (the
+  /// communicators' collective timeout), counted for the whole sequence.
+  work_sequence(std::string label, std::vector<step> steps, bool eager,
+                std::shared_ptr<void> keep_alive = {})
+      : work_state(std::move(label), std::chrono::milliseconds(0)),
+        keep_alive_(std::move(keep_alive)) {
+    if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      int& a = steps[i].after;
+      if (a == chain) a = static_cast<int>(i) - 1;
+      if (a >= static_cast<int>(i)) {
+        throw dtrain::error("work_sequence: step " + std::to_string(i) +
+                            " waits for a later one (" + description() + ")");
+      }
+      slots_.push_back({std::move(steps[i]), {}, false, false});
+    }
+    if (eager) {
+      for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
+    } else {
+      start_ready();
+    }
+  }
+
+  bool poll() override {
+    std::lock_guard lock(mutex_);
+    return advance_locked();
+  }
+
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
+    backoff pause;
+    for (;;) {
+      std::optional<work> only;
+      {
+        std::lock_guard lock(mutex_);
+        if (advance_locked()) return true;
+        only = only_running_locked();
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        std::lock_guard lock(mutex_);
+        return advance_locked();
+      }
+      if (only) {
+        // One step in flight, and nothing else can start before it ends: the
+        // engine's own wait (Gloo runs a collective that is next in line on
+        // this thread; MPI progresses inside its test).
+        (void)only->finish_within(left);
+      } else {
+        pause();  // several in flight: poll them all, so that each finished one lets the next start
+      }
+    }
+  }
+
+  void on_timeout() noexcept override {
+    std::lock_guard lock(mutex_);
+    for (slot& s : slots_) {
+      if (!s.started || s.handle.test()) continue;
+      try {
+        s.handle.give_up(s.handle.timeout());  // the engine's abort
+      } catch (...) {
+      }
+    }
+  }
+
+ private:
+  // What the sequence knows of one step.
+  struct slot {
+    step what;
+    work handle;
+    bool started = false;
+    bool finished = false;
+  };
+
+  void start(std::size_t i) {
+    slot& s = slots_[i];
+    s.handle = s.what.start();
+    s.started = true;
+    // A step that completed at once (nothing to move) has no limit of its own.
+    if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
+  }
+
+  // Starts, in list order, every step whose predecessor has finished and
+  // whose lane has started everything listed before it.
+  void start_ready() {
+    std::vector<char> lane_blocked;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
+      if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
+      if (slots_[i].started) continue;
+      const int a = slots_[i].what.after;
+      const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
+      if (ready && !lane_blocked[lane]) {
+        start(i);
+      } else {
+        lane_blocked[lane] = 1;
+      }
+    }
+  }
+
+  // The one step in flight when exactly one is.
+  std::optional<work> only_running_locked() {
+    std::optional<work> found;
+    int running = 0;
+    for (const slot& s : slots_) {
+      if (s.started && !s.finished) {
+        found = s.handle;
+        ++running;
+      }
+    }
+    if (running != 1) return std::nullopt;
+    return found;
+  }
+
+  // True once every step has finished or one has failed; starts the steps
+  // that finished ones let start.
+  bool advance_locked() {
+    if (finished_) return true;
+    for (;;) {
+      bool progress = false;
+      for (std::size_t i = 0; i < slots_.size(); ++i) {
+        slot& s = slots_[i];
+        if (!s.started || s.finished || !s.handle.test()) continue;
+        if (auto e = s.handle.exception()) return end(e, i);
+        s.finished = true;
+        progress = true;
+      }
+      if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
+        finished_ = true;
+        return true;
+      }
+      if (!progress) return false;
+      try {
+        start_ready();
+      } catch (...) {
+        std::size_t failed = 0;
+        while (failed < slots_.size() && slots_[failed].started) ++failed;
+        return end(std::current_exception(), failed);
+      }
+    }
+  }
+
+  // The step's error, with the sequence and the step named; same exception type.
+  bool end(const std::exception_ptr& e, std::size_t i) {
+    const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
+                              std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
+    try {
+      std::rethrow_exception(e);
+    } catch (const config_error& x) {
+      fail(std::make_exception_ptr(config_error(where + x.what())));
+    } catch (const timeout_error& x) {
+      fail(std::make_exception_ptr(timeout_error(where + x.what())));
+    } catch (const backend_error& x) {
+      fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
+    } catch (const rendezvous_error& x) {
+      fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
+    } catch (const std::exception& x) {
+      fail(std::make_exception_ptr(dtrain::error(where + x.what())));
+    } catch (...) {
+      fail(e);
+    }
+    finished_ = true;
+    return true;
+  }
+
+  std::mutex mutex_;  // the watchdog and the owner may poll at once
+  std::vector<slot> slots_;
+  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
+  bool finished_ = false;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/topology/sequence.hpp ----
 // ---- begin dtrain/topology/flat.hpp ----
 /// @file
 /// topology::flat: every collective runs on one communicator over the world.
-/// A hierarchical topology (node-local and cross-node communicators built
-/// with split) is the other model of this slot, to come.
+/// The other model of the slot is topology::hierarchical (hierarchical.hpp).
 
 
+#include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace dtrain::topology {
@@ -7920,10 +8433,833 @@ struct flat {
   static work broadcast(C& world, buffer data, int root) {
     return world.broadcast(data, root);
   }
+
+  /// The communicators a topology runs its collectives on, made once per
+  /// user (DistributedDataParallel makes one). Flat: the world itself.
+  template <communicator C>
+  class group {
+   public:
+    /// Nothing collective happens: flat needs no layout and no new communicator.
+    group(C& world, control_plane /*control*/, const node_layout& /*mine*/) noexcept
+        : world_(&world) {}
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically (never, here).
+    [[nodiscard]] static constexpr bool hierarchical() noexcept { return false; }
+    /// A buffer whose length is a multiple of this many elements needs no extra collective.
+    [[nodiscard]] static constexpr std::size_t granularity() noexcept { return 1; }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs: none.
+    [[nodiscard]] static constexpr std::size_t shard_count(std::size_t /*count*/) noexcept {
+      return 0;
+    }
+    /// "flat (gloo, 4 ranks)"
+    [[nodiscard]] std::string describe() const {
+      return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) + " ranks)";
+    }
+
+    /// In place on `data`, ordered after `stream` where the engine takes one.
+    work allreduce(buffer data, buffer /*shard*/, reduce_op op, stream_handle stream = nullptr) {
+      return detail::allreduce_on(*world_, data, data, op, stream);
+    }
+    /// The same without scratch (flat needs none).
+    work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
+    /// Makes `stream` wait for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    { world_->stream_wait(stream); }
+
+   private:
+    C* world_;
+  };
 };
 
 }  // namespace dtrain::topology
 // ---- end dtrain/topology/flat.hpp ----
+// ---- begin dtrain/topology/hierarchical.hpp ----
+/// @file
+/// topology::hierarchical: an allreduce runs as a node-local reduce-scatter,
+/// a cross-node allreduce of each shard (one communicator per local rank),
+/// and a node-local allgather. Only 1/L of the data crosses the network per
+/// rank (L ranks per node), and the links between nodes carry each shard
+/// once per node rather than once per rank: the slow links carry (n-1)/n of
+/// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
+
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::topology {
+
+/// Node-local and cross-node communicators, split from the world.
+struct hierarchical {
+  static constexpr std::string_view name = "hierarchical";
+  /// On host engines, a buffer of more than this many bytes travels in chunks
+  /// of about this size (at most 8), pipelined: a chunk's node-local steps run
+  /// while another chunk crosses the nodes. 0: one piece.
+  static constexpr std::size_t default_chunk_bytes = std::size_t{2} << 20;
+
+  /// The communicators of one user (DistributedDataParallel makes one):
+  /// `local` (the ranks of this node, by local rank) and `cross` (the ranks
+  /// with this local rank, one per node, by node rank), or the world alone
+  /// when the nodes do not allow a hierarchy (see hierarchical()).
+  template <communicator C>
+  class group {
+   public:
+    /// Collective over `world`: every rank's layout is gathered over
+    /// `control`; when every node holds the same number L > 1 of ranks and
+    /// there are N > 1 nodes, `world` is split into `local` (color: node rank,
+    /// key: local rank) and `cross` (color: local rank, key: node rank).
+    /// Otherwise collectives run flat on `world`, and rank 0 prints one line
+    /// saying why. `world` must outlive the group. `chunk_bytes`: see
+    /// default_chunk_bytes (every rank must pass the same). Throws what
+    /// split() throws, and backend_error when a split does not give the expected size.
+    group(C& world, control_plane control, const node_layout& mine,
+          std::size_t chunk_bytes = default_chunk_bytes)
+        : world_(&world), chunk_bytes_(chunk_bytes) {
+      const std::vector<node_layout> table = detail::gather_layouts(control, mine);
+      why_flat_ = detail::hierarchy_problem(table);
+      if (!why_flat_.empty()) {
+        if (world.rank() == 0) {
+          std::fprintf(stderr, "dtrain: topology::hierarchical runs flat on %d ranks: %s\n",
+                       world.size(), why_flat_.c_str());
+          std::fflush(stderr);
+        }
+        return;
+      }
+      local_.emplace(world.split(mine.node_rank, mine.local_rank));
+      cross_.emplace(world.split(mine.local_rank, mine.node_rank));
+      if (local_->size() != mine.local_size || local_->rank() != mine.local_rank ||
+          cross_->size() != mine.num_nodes || cross_->rank() != mine.node_rank) {
+        throw backend_error(
+            "topology::hierarchical on rank " + std::to_string(world.rank()) + ": splitting " +
+                std::string(C::name) + " gave local rank " + std::to_string(local_->rank()) +
+                " of " + std::to_string(local_->size()) + " and cross rank " +
+                std::to_string(cross_->rank()) + " of " + std::to_string(cross_->size()) +
+                ", the layout says " + std::to_string(mine.local_rank) + " of " +
+                std::to_string(mine.local_size) + " and " + std::to_string(mine.node_rank) +
+                " of " + std::to_string(mine.num_nodes),
+            0);
+      }
+    }
+    group(const group&) = delete;
+    group& operator=(const group&) = delete;
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically; false when they run flat (why_flat() says why).
+    [[nodiscard]] bool hierarchical() const noexcept { return local_.has_value(); }
+    [[nodiscard]] const std::string& why_flat() const noexcept { return why_flat_; }
+    /// The node-local communicator; only when hierarchical().
+    [[nodiscard]] C& local() { return *local_; }
+    /// The cross-node communicator of this local rank; only when hierarchical().
+    [[nodiscard]] C& cross() { return *cross_; }
+
+    /// A buffer whose length is a multiple of this many elements (the ranks
+    /// per node) needs no extra collectives for a remainder.
+    [[nodiscard]] std::size_t granularity() const noexcept {
+      return local_ ? static_cast<std::size_t>(local_->size()) : 1;
+    }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs.
+    [[nodiscard]] std::size_t shard_count(std::size_t count) const noexcept {
+      return local_ ? count / granularity() : 0;
+    }
+    /// "hierarchical (gloo): 2 nodes x 2 ranks", or "flat (gloo, 3 ranks): uneven nodes: ..."
+    [[nodiscard]] std::string describe() const {
+      if (!local_) {
+        return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) +
+               " ranks): " + why_flat_;
+      }
+      return "hierarchical (" + std::string(C::name) + "): " + std::to_string(cross_->size()) +
+             " nodes x " + std::to_string(local_->size()) + " ranks";
+    }
+
+    /// In place on `data`: the reduction over every rank. `shard` is scratch
+    /// of at least shard_count(data.count) elements of data's type in the
+    /// same memory, untouched by anyone else until the work completes (one
+    /// per collective in flight). Steps: node-local reduce_scatter of the
+    /// first L x q elements (q = count / L) into `shard`, cross-node allreduce
+    /// of `shard`, node-local allgather back into `data`; the last count - L x q
+    /// elements (fewer than L) are reduced by a node-local and a cross-node
+    /// allreduce of their own. avg is avg at each step (sum / L, then / N).
+    /// On an engine that orders collectives on streams (NCCL) every step is
+    /// enqueued now, the first after `stream`; otherwise each step starts when
+    /// the previous one has finished, inside test() / wait() of the returned
+    /// work, so drive it from the thread that issues this group's collectives.
+    /// Throws config_error for a `shard` of the wrong type, memory or size.
+    work allreduce(buffer data, buffer shard, reduce_op op, stream_handle stream = nullptr) {
+      return run(data, shard, op, stream, nullptr);
+    }
+
+    /// The same for host memory, with scratch of its own (held by the work).
+    work allreduce(buffer data, reduce_op op) {
+      if (!local_ || data.count < granularity()) return run(data, {}, op, nullptr, nullptr);
+      if (data.where != memory::host) {
+        throw config_error(describe_call(data, op) +
+                           ": device memory needs a shard buffer of the caller's "
+                           "(allreduce(data, shard, op, stream))");
+      }
+      auto scratch =
+          std::make_shared<std::vector<std::byte>>(shard_count(data.count) * size_of(data.type));
+      buffer shard{scratch->data(), shard_count(data.count), data.type, memory::host};
+      return run(data, shard, op, nullptr, std::move(scratch));
+    }
+
+    /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    {
+      world_->stream_wait(stream);
+      if (local_) {
+        local_->stream_wait(stream);
+        cross_->stream_wait(stream);
+      }
+    }
+
+   private:
+    [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
+      return detail::describe("hierarchical allreduce",
+                              std::string(to_string(op)) + ", " + detail::shape(data),
+                              world_->rank(), world_->size(), C::name);
+    }
+
+    work run(buffer data, buffer shard, reduce_op op, stream_handle stream,
+             std::shared_ptr<void> keep_alive) {
+      const std::size_t per_node = granularity();
+      const std::size_t q = local_ ? data.count / per_node : 0;
+      if (q == 0) return detail::allreduce_on(*world_, data, data, op, stream);
+      detail::argument_check check{describe_call(data, op)};
+      check.same_type(data, shard);
+      if (shard.count < q) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(q) + " (shard_count(" + std::to_string(data.count) + "))");
+      }
+      check.op_fits(op, data.type);
+      buffer head = data;
+      head.count = q * per_node;
+      buffer part = shard;
+      part.count = q;
+      buffer rest = data;
+      rest.data = static_cast<std::byte*>(data.data) + head.bytes();
+      rest.count = data.count - head.count;
+
+      C& local = *local_;
+      C& cross = *cross_;
+      // Lanes: the communicators, each a queue of its own. On a host engine a
+      // large buffer travels in chunks, so that a chunk's node-local
+      // reduce-scatter overlaps the previous chunk's cross-node allreduce
+      // (bound by the slow link) and its allgather the next one's.
+      enum : int { on_local = 1, on_cross = 2 };
+      const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
+      std::vector<detail::work_sequence::step> rs, cross_steps, ag;
+      const std::string of = chunks > 1 ? " (chunk " : "";
+      for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
+        const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
+        buffer in = head, mine = part;
+        in.data = static_cast<std::byte*>(head.data) + begin * per_node * size_of(head.type);
+        in.count = n * per_node;
+        mine.data = static_cast<std::byte*>(part.data) + begin * size_of(part.type);
+        mine.count = n;
+        begin += n;
+        const std::string which =
+            chunks > 1 ? of + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")" : "";
+        rs.push_back(
+            {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, in, mine, op, stream] {
+               return detail::reduce_scatter_on(local, in, mine, op, stream);
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce over " + std::to_string(cross.size()) + " nodes" + which,
+             [&local, &cross, mine, op] {
+               return detail::allreduce_on(cross, mine, mine, op, detail::stream_after(local));
+             },
+             on_cross, -1});
+        ag.push_back(
+            {"node-local allgather over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, &cross, mine, in] {
+               return detail::allgather_on(local, mine, in, detail::stream_after(cross));
+             },
+             on_local, -1});
+      }
+      if (rest.count > 0) {
+        rs.push_back(
+            {"node-local allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&local, rest, op] {
+               return detail::allreduce_on(local, rest, rest, op, detail::stream_after(local));
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&cross, rest, op] {
+               return detail::allreduce_on(cross, rest, rest, op, detail::stream_after(cross));
+             },
+             on_cross, -1});
+      }
+      // List order is each lane's order: every reduce-scatter, then the
+      // cross-node steps, then the allgathers; each waits for its own chunk's step before.
+      std::vector<detail::work_sequence::step> steps;
+      const int crosses = static_cast<int>(rs.size());
+      for (auto& x : rs) steps.push_back(std::move(x));
+      for (std::size_t i = 0; i < cross_steps.size(); ++i) {
+        cross_steps[i].after = static_cast<int>(i);
+        steps.push_back(std::move(cross_steps[i]));
+      }
+      for (std::size_t i = 0; i < ag.size(); ++i) {
+        ag[i].after = crosses + static_cast<int>(i);
+        steps.push_back(std::move(ag[i]));
+      }
+      return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
+                                                          detail::stream_ordered<C>,
+                                                          std::move(keep_alive)));
+    }
+
+    // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
+    [[nodiscard]] std::size_t chunk_count(std::size_t bytes) const noexcept {
+      if (chunk_bytes_ == 0) return 1;
+      return std::clamp<std::size_t>(bytes / chunk_bytes_, 1, 8);
+    }
+
+    C* world_;
+    std::optional<C> local_;
+    std::optional<C> cross_;
+    std::string why_flat_;
+    std::size_t chunk_bytes_;
+  };
+};
+
+}  // namespace dtrain::topology
+// ---- end dtrain/topology/hierarchical.hpp ----
+// ---- begin dtrain/topology/network.hpp ----
+/// @file
+/// What the engines will find on this host: network interfaces (sysfs
+/// class/net, with addresses from getifaddrs), RDMA / InfiniBand ports
+/// (sysfs class/infiniband), NVIDIA GPUs on the PCI bus (sysfs bus/pci) and
+/// the driver's version, read under a sysfs root that tests replace with a
+/// tree of their own; and which interface Gloo, NCCL and Open MPI would use,
+/// by each engine's own rules and variables. dtrain_doctor prints it.
+
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// One network interface as sysfs and getifaddrs describe it.
+struct network_interface {
+  std::string name;                    ///< "eth0"
+  std::string state;                   ///< operstate: "up", "down", "unknown" (lo)
+  std::vector<std::string> addresses;  ///< numeric, IPv4 first
+  int mtu = -1;                        ///< -1: unknown
+  int speed_mbps = -1;                 ///< -1: unknown (virtual links report none)
+  bool loopback = false;
+  [[nodiscard]] bool up() const { return state == "up" || (loopback && state == "unknown"); }
+};
+
+/// One port of an RDMA device (InfiniBand, RoCE, iWARP).
+struct rdma_port {
+  std::string device;  ///< "mlx5_0"
+  int port = 1;
+  std::string state;       ///< "ACTIVE", "DOWN", "INIT", ... (sysfs "4: ACTIVE")
+  std::string phys_state;  ///< "LinkUp", "Disabled", ... (sysfs "5: LinkUp")
+  std::string rate;        ///< "200 Gb/sec (4X HDR)"
+  std::string link_layer;  ///< "InfiniBand" or "Ethernet" (RoCE)
+  [[nodiscard]] bool active() const { return state == "ACTIVE"; }
+};
+
+/// The host as the engines will find it.
+struct host_network {
+  std::string sysfs;  ///< the root it was read from ("/sys")
+  std::vector<network_interface> interfaces;
+  std::vector<rdma_port> rdma;
+  int nvidia_gpus = 0;        ///< NVIDIA display/3D controllers on the PCI bus
+  std::string nvidia_driver;  ///< module/nvidia/version, or empty
+  [[nodiscard]] const network_interface* find(std::string_view name) const {
+    for (const auto& i : interfaces) {
+      if (i.name == name) return &i;
+    }
+    return nullptr;
+  }
+  [[nodiscard]] bool rdma_active() const {
+    return std::any_of(rdma.begin(), rdma.end(), [](const rdma_port& p) { return p.active(); });
+  }
+};
+
+namespace detail {
+
+// The first line of a sysfs file, trimmed; nullopt when it cannot be read.
+inline std::optional<std::string> sysfs_line(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::string line;
+  if (!in || !std::getline(in, line)) return std::nullopt;
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' '))
+    line.pop_back();
+  return line;
+}
+
+inline int sysfs_int(const std::filesystem::path& file) {
+  auto text = sysfs_line(file);
+  if (!text || text->empty()) return -1;
+  char* end = nullptr;
+  const long v = std::strtol(text->c_str(), &end, 0);
+  return (*end == '\0' && v >= -1 && v < 1'000'000'000) ? static_cast<int>(v) : -1;
+}
+
+// "4: ACTIVE" -> "ACTIVE"
+inline std::string after_colon(const std::string& text) {
+  auto colon = text.find(':');
+  std::string out = colon == std::string::npos ? text : text.substr(colon + 1);
+  while (!out.empty() && out.front() == ' ') out.erase(out.begin());
+  return out;
+}
+
+inline std::vector<std::filesystem::path> sorted_entries(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace detail
+
+/// Reads the host under `sysfs` (normally "/sys"). Addresses come from
+/// getifaddrs only when `live` (the real system); a test's tree has none.
+/// Never throws: what cannot be read is left out.
+[[nodiscard]] inline host_network read_host_network(const std::string& sysfs = "/sys",
+                                                    bool live = true) {
+  namespace fs = std::filesystem;
+  host_network h;
+  h.sysfs = sysfs;
+  const fs::path root(sysfs);
+  const auto addresses =
+      live ? detail::interface_addresses() : std::vector<detail::interface_address>{};
+  for (const fs::path& dir : detail::sorted_entries(root / "class" / "net")) {
+    network_interface i;
+    i.name = dir.filename().string();
+    i.state = detail::sysfs_line(dir / "operstate").value_or("unknown");
+    i.mtu = detail::sysfs_int(dir / "mtu");
+    i.speed_mbps = detail::sysfs_int(dir / "speed");
+    i.loopback = detail::sysfs_int(dir / "type") == 772;  // ARPHRD_LOOPBACK
+    for (bool v6 : {false, true}) {
+      for (const auto& a : addresses) {
+        if (a.name == i.name && a.ipv6 == v6) i.addresses.push_back(a.address);
+      }
+    }
+    h.interfaces.push_back(std::move(i));
+  }
+  for (const fs::path& dev : detail::sorted_entries(root / "class" / "infiniband")) {
+    for (const fs::path& port : detail::sorted_entries(dev / "ports")) {
+      rdma_port p;
+      p.device = dev.filename().string();
+      p.port = std::atoi(port.filename().string().c_str());
+      p.state = detail::after_colon(detail::sysfs_line(port / "state").value_or("?"));
+      p.phys_state = detail::after_colon(detail::sysfs_line(port / "phys_state").value_or("?"));
+      p.rate = detail::sysfs_line(port / "rate").value_or("?");
+      p.link_layer = detail::sysfs_line(port / "link_layer").value_or("InfiniBand");
+      h.rdma.push_back(std::move(p));
+    }
+  }
+  for (const fs::path& dev : detail::sorted_entries(root / "bus" / "pci" / "devices")) {
+    // NVIDIA's vendor id; class 0x03xxxx: a display or 3D controller (not its audio function).
+    const auto vendor = detail::sysfs_line(dev / "vendor");
+    const auto cls = detail::sysfs_line(dev / "class");
+    if (vendor == "0x10de" && cls && cls->rfind("0x03", 0) == 0) ++h.nvidia_gpus;
+  }
+  h.nvidia_driver = detail::sysfs_line(root / "module" / "nvidia" / "version").value_or("");
+  return h;
+}
+
+/// Which interface an engine will use, and why.
+struct engine_interface {
+  std::string engine;  ///< "gloo", "nccl", "mpi"
+  std::string choice;  ///< "eth0", "eth0, eth1", or "?" when it cannot tell
+  std::string
+      why;  ///< "NCCL_SOCKET_IFNAME=eth", "the interface that reaches MASTER_ADDR=node1 (10.0.0.1)"
+  std::vector<std::string> missing;  ///< names the engine's variable asks for that this host lacks
+};
+
+namespace detail {
+
+/// NCCL_SOCKET_IFNAME's rules: a comma list of prefixes, `^` excludes them,
+/// `=` makes them exact names. Returns the matching interfaces; `missing`
+/// gets entries (of an including list) that match none.
+inline std::vector<std::string> match_interface_list(const host_network& h, std::string_view spec,
+                                                     std::vector<std::string>* missing) {
+  bool exclude = false;
+  if (!spec.empty() && spec.front() == '^') {
+    exclude = true;
+    spec.remove_prefix(1);
+  }
+  bool exact = false;
+  if (!spec.empty() && spec.front() == '=') {
+    exact = true;
+    spec.remove_prefix(1);
+  }
+  std::vector<std::string> entries;
+  for (std::size_t at = 0; at <= spec.size();) {
+    const std::size_t comma = std::min(spec.find(',', at), spec.size());
+    if (comma > at) entries.emplace_back(spec.substr(at, comma - at));
+    at = comma + 1;
+  }
+  auto matches = [&](const std::string& name, const std::string& entry) {
+    return exact ? name == entry : name.rfind(entry, 0) == 0;
+  };
+  std::vector<std::string> out;
+  for (const auto& i : h.interfaces) {
+    bool any = false;
+    for (const auto& e : entries) any = any || matches(i.name, e);
+    if (any != exclude) out.push_back(i.name);
+  }
+  if (missing && !exclude) {
+    for (const auto& e : entries) {
+      bool found = false;
+      for (const auto& i : h.interfaces) found = found || matches(i.name, e);
+      if (!found) missing->push_back(e);
+    }
+  }
+  return out;
+}
+
+inline std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
+}
+
+/// The interface that holds `address`, or empty.
+inline std::string interface_holding(const host_network& h, const std::string& address) {
+  for (const auto& i : h.interfaces) {
+    for (const auto& a : i.addresses) {
+      if (a == address) return i.name;
+    }
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// Gloo's interface as dtrain chooses it: DTRAIN_GLOO_IFNAME, else
+/// GLOO_SOCKET_IFNAME (its first entry), else the interface whose address
+/// reaches MASTER_ADDR (`route`: the local address towards it, from
+/// detail::local_address_to; empty when unknown).
+[[nodiscard]] inline engine_interface gloo_interface(const host_network& h, const environment& env,
+                                                     const std::string& route) {
+  engine_interface e{"gloo", "?", "", {}};
+  for (const char* var : {"DTRAIN_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    if (auto v = env.get(var); v && !v->empty()) {
+      const std::string first(v->substr(0, v->find(',')));
+      e.choice = first;
+      e.why = std::string(var) + "=" + std::string(*v);
+      if (!h.find(first)) e.missing.push_back(first);
+      return e;
+    }
+  }
+  const auto master = env.get("MASTER_ADDR");
+  if (master && !master->empty()) {
+    const std::string holder = route.empty() ? "" : detail::interface_holding(h, route);
+    e.choice = holder.empty() ? (route.empty() ? "?" : route) : holder;
+    e.why = "the interface whose address reaches MASTER_ADDR=" + std::string(*master) +
+            (route.empty() ? " (no route found)" : " (" + route + ")");
+    return e;
+  }
+  e.why = "no MASTER_ADDR and no DTRAIN_GLOO_IFNAME: the address the host name resolves to";
+  return e;
+}
+
+/// NCCL's socket interface: NCCL_SOCKET_IFNAME's list, else (NCCL's
+/// default) interfaces named ib* first, then any but lo and docker*. Its
+/// data goes over RDMA (NET/IB) when an active port exists and
+/// NCCL_IB_DISABLE is not 1; that is said in `why`.
+[[nodiscard]] inline engine_interface nccl_interface(const host_network& h,
+                                                     const environment& env) {
+  engine_interface e{"nccl", "?", "", {}};
+  const auto spec = env.get("NCCL_SOCKET_IFNAME");
+  std::vector<std::string> chosen;
+  if (spec && !spec->empty()) {
+    chosen = detail::match_interface_list(h, *spec, &e.missing);
+    e.why = "NCCL_SOCKET_IFNAME=" + std::string(*spec);
+  } else {
+    for (const auto& i : h.interfaces) {
+      if (i.name.rfind("ib", 0) == 0 && i.up()) chosen.push_back(i.name);
+    }
+    if (chosen.empty()) {
+      for (const auto& i : h.interfaces) {
+        if (i.up() && !i.loopback && i.name.rfind("docker", 0) != 0 && i.name.rfind("lo", 0) != 0)
+          chosen.push_back(i.name);
+      }
+    }
+    e.why = "NCCL's default (NCCL_SOCKET_IFNAME unset: ib* first, then any but lo and docker*)";
+  }
+  e.choice = chosen.empty() ? "none" : detail::joined(chosen);
+  const auto ib_disable = env.get("NCCL_IB_DISABLE");
+  const bool disabled = ib_disable && *ib_disable == "1";
+  if (h.rdma_active() && !disabled) {
+    std::string ports;
+    for (const auto& p : h.rdma) {
+      if (p.active())
+        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port);
+    }
+    e.why +=
+        "; data over RDMA (NET/IB) on " + ports +
+        (env.get("NCCL_IB_HCA") ? " filtered by NCCL_IB_HCA=" + std::string(*env.get("NCCL_IB_HCA"))
+                                : "");
+  } else {
+    e.why += disabled ? "; data over TCP sockets (NCCL_IB_DISABLE=1)"
+                      : "; data over TCP sockets (no active RDMA port)";
+  }
+  return e;
+}
+
+/// Open MPI's TCP interfaces: OMPI_MCA_btl_tcp_if_include, else every
+/// interface but those in OMPI_MCA_btl_tcp_if_exclude (default: loopback).
+/// With RDMA ports present, an Open MPI built with UCX uses them (UCX_NET_DEVICES).
+[[nodiscard]] inline engine_interface mpi_interface(const host_network& h, const environment& env) {
+  engine_interface e{"mpi", "?", "", {}};
+  std::vector<std::string> chosen;
+  if (auto inc = env.get("OMPI_MCA_btl_tcp_if_include"); inc && !inc->empty()) {
+    for (std::size_t at = 0; at <= inc->size();) {
+      const std::size_t comma = std::min(inc->find(',', at), inc->size());
+      const std::string name(inc->substr(at, comma - at));
+      at = comma + 1;
+      if (name.empty()) continue;
+      // An entry may be a subnet (10.0.0.0/24), which sysfs cannot check.
+      if (name.find('/') == std::string::npos && !h.find(name)) e.missing.push_back(name);
+      chosen.push_back(name);
+    }
+    e.why = "OMPI_MCA_btl_tcp_if_include=" + std::string(*inc);
+  } else {
+    std::vector<std::string> excluded{"lo"};
+    if (auto exc = env.get("OMPI_MCA_btl_tcp_if_exclude"); exc && !exc->empty()) {
+      excluded.clear();
+      for (std::size_t at = 0; at <= exc->size();) {
+        const std::size_t comma = std::min(exc->find(',', at), exc->size());
+        excluded.emplace_back(exc->substr(at, comma - at));
+        at = comma + 1;
+      }
+      e.why = "OMPI_MCA_btl_tcp_if_exclude=" + std::string(*exc);
+    } else {
+      e.why = "Open MPI's default (every interface but loopback)";
+    }
+    for (const auto& i : h.interfaces) {
+      if (i.loopback && excluded.size() == 1 && excluded[0] == "lo") continue;
+      if (std::find(excluded.begin(), excluded.end(), i.name) == excluded.end() && i.up())
+        chosen.push_back(i.name);
+    }
+  }
+  e.choice = detail::joined(chosen);
+  if (!h.rdma.empty()) {
+    e.why += "; RDMA ports are present: an Open MPI built with UCX uses them" +
+             std::string(env.get("UCX_NET_DEVICES")
+                             ? " (UCX_NET_DEVICES=" + std::string(*env.get("UCX_NET_DEVICES")) + ")"
+                             : "");
+  }
+  return e;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/topology/network.hpp ----
+// ---- begin dtrain/topology/doctor.hpp ----
+/// @file
+/// The checks dtrain_doctor runs for a multi-node job that will not start or
+/// is slow: known traps, each with the setting that fixes it. A pure function
+/// of what was gathered (environment, world, host network, resolver answers,
+/// GPU count), so every check is unit-tested with facts of its own.
+
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+/// What the doctor looked at.
+struct doctor_facts {
+  environment env;
+  std::optional<world> self;        ///< as discovered; nullopt when discovery failed
+  std::string world_error;          ///< discovery's error, when it failed
+  host_network host;                ///< interfaces, RDMA ports, GPUs on the bus
+  std::string host_name;            ///< gethostname()
+  detail::resolved host_addresses;  ///< what the host name resolves to
+  std::optional<detail::resolved> master_addresses;  ///< MASTER_ADDR's, when it is set
+  std::string route_to_master;  ///< the local address that reaches MASTER_ADDR, or empty
+  int visible_gpus = -1;        ///< CUDA's device count; -1: CUDA could not say
+};
+
+/// A trap found: what is wrong, and the setting that fixes it.
+struct doctor_finding {
+  std::string problem;
+  std::string fix;
+};
+
+namespace detail {
+
+inline std::optional<int> positive_variable(const environment& env, const char* name) {
+  auto v = env.get(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  const std::string text(*v);
+  const long n = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || n < 1 || n > 1'000'000) return std::nullopt;
+  return static_cast<int>(n);
+}
+
+/// Whether the job spans several nodes, as far as the facts tell.
+inline bool multi_node(const doctor_facts& f) {
+  if (f.self) {
+    if (f.self->num_nodes && *f.self->num_nodes > 1) return true;
+    if (f.self->world_size && f.self->local_world_size &&
+        *f.self->world_size > *f.self->local_world_size)
+      return true;
+  }
+  for (const char* var : {"DTRAIN_NNODES", "NNODES", "SLURM_NNODES", "OMPI_MCA_orte_num_nodes",
+                          "GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"}) {
+    if (auto n = positive_variable(f.env, var); n && *n > 1) return true;
+  }
+  return false;
+}
+
+/// Whether a launcher placed this process (else the doctor runs on its own, to check a node).
+inline bool launched(const doctor_facts& f) { return f.self && f.self->source != launcher::none; }
+
+/// GPUs this process may use: CUDA's count, else the NVIDIA GPUs on the bus
+/// limited by CUDA_VISIBLE_DEVICES; -1 when neither is known.
+inline int usable_gpus(const doctor_facts& f) {
+  if (f.visible_gpus >= 0) return f.visible_gpus;
+  int bus = f.host.nvidia_gpus;
+  if (auto v = f.env.get("CUDA_VISIBLE_DEVICES")) {
+    int listed = 0;
+    for (std::size_t at = 0; at <= v->size();) {
+      const std::size_t comma = std::min(v->find(',', at), v->size());
+      if (comma > at && (*v)[at] != '-') ++listed;  // "-1" hides every device
+      at = comma + 1;
+    }
+    bus = std::min(bus, listed);
+  }
+  return bus;
+}
+
+inline bool all_loopback(const std::vector<std::string>& addresses) {
+  if (addresses.empty()) return false;
+  for (const auto& a : addresses) {
+    if (!is_loopback_address(a)) return false;
+  }
+  return true;
+}
+
+}  // namespace detail
+
+/// Every known trap the facts show, most fundamental first.
+[[nodiscard]] inline std::vector<doctor_finding> diagnose(const doctor_facts& f) {
+  std::vector<doctor_finding> out;
+  const bool multi = detail::multi_node(f);
+  if (!f.world_error.empty()) {
+    out.push_back({"the launcher's environment is inconsistent: " + f.world_error,
+                   "fix or unset the variable it names; `dtrain_whoami` shows what dtrain reads"});
+  }
+
+  // Debian maps a machine's own name to 127.0.1.1: what other nodes are told
+  // by name, or what a process binds by name, is then a loopback address.
+  if ((multi || !detail::launched(f)) && detail::all_loopback(f.host_addresses.addresses)) {
+    out.push_back(
+        {"the host name " + f.host_name + " resolves to " +
+             detail::joined(f.host_addresses.addresses) +
+             " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1): other nodes cannot "
+             "reach this node by its name, and whatever binds to it listens on loopback only",
+         "map " + f.host_name +
+             " to this node's routable address in /etc/hosts (or DNS); set "
+             "MASTER_ADDR to a routable address of node 0, not its name; and name the interface: "
+             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / OMPI_MCA_btl_tcp_if_include=<eth0 or "
+             "ib0>"});
+  }
+
+  if (auto master = f.env.get("MASTER_ADDR"); master && f.master_addresses) {
+    if (!f.master_addresses->error.empty()) {
+      out.push_back({"MASTER_ADDR=" + std::string(*master) + " cannot be resolved (" +
+                         f.master_addresses->error + "): no rank can reach the store",
+                     "set MASTER_ADDR to node 0's address or a name this node resolves "
+                     "(getent hosts " +
+                         std::string(*master) + ")"});
+    } else if (multi && detail::all_loopback(f.master_addresses->addresses)) {
+      out.push_back(
+          {"MASTER_ADDR=" + std::string(*master) + " resolves to " +
+               detail::joined(f.master_addresses->addresses) +
+               " (loopback) in a job of several nodes: ranks on other nodes would "
+               "reach their own machine, not node 0",
+           "set MASTER_ADDR to node 0's routable address (e.g. its eth0 or ib0 address)"});
+    }
+  }
+
+  const auto ib = f.env.get("NCCL_IB_DISABLE");
+  if (ib && *ib == "1" && f.host.rdma_active()) {
+    std::string ports;
+    for (const auto& p : f.host.rdma) {
+      if (p.active())
+        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " (" +
+                 p.link_layer + ", " + p.rate + ")";
+    }
+    out.push_back(
+        {"NCCL_IB_DISABLE=1 while RDMA ports are active (" + ports +
+             "): NCCL moves data over TCP sockets instead, many times slower",
+         "unset NCCL_IB_DISABLE (or set it to 0); pick ports with NCCL_IB_HCA if needed"});
+  }
+  if (!f.host.rdma.empty() && !f.host.rdma_active()) {
+    std::string ports;
+    for (const auto& p : f.host.rdma)
+      ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " " +
+               p.state + "/" + p.phys_state;
+    out.push_back({"RDMA devices are present but no port is ACTIVE (" + ports +
+                       "): NCCL and MPI fall back to TCP",
+                   "check the cable and the subnet manager (ibstat; `opensm` on one node of an "
+                   "InfiniBand fabric), or the RoCE link"});
+  }
+
+  for (const engine_interface& e : {gloo_interface(f.host, f.env, f.route_to_master),
+                                    nccl_interface(f.host, f.env), mpi_interface(f.host, f.env)}) {
+    for (const auto& name : e.missing) {
+      std::string known;
+      for (const auto& i : f.host.interfaces) known += (known.empty() ? "" : ", ") + i.name;
+      out.push_back({e.why.substr(0, e.why.find(';')) + " names " + name +
+                         ", which this host does not have (interfaces: " +
+                         (known.empty() ? std::string("none") : known) + "): " + e.engine +
+                         " cannot start, or picks another network",
+                     "name an interface this node has, or unset the variable"});
+    }
+  }
+
+  std::optional<int> local;
+  if (f.self && f.self->local_world_size) local = *f.self->local_world_size;
+  for (const char* var : {"DTRAIN_NPROC_PER_NODE", "LOCAL_WORLD_SIZE"}) {
+    if (!local) local = detail::positive_variable(f.env, var);
+  }
+  const int gpus = detail::usable_gpus(f);
+  if (local && gpus >= 1 && gpus < *local) {
+    out.push_back({std::to_string(*local) + " ranks on this node but " + std::to_string(gpus) +
+                       " visible GPU" + (gpus == 1 ? "" : "s") +
+                       ": NCCL needs a GPU of its own for every rank (NCCL before 2.30 rejects a "
+                       "shared one)",
+                   "start " + std::to_string(gpus) + (gpus == 1 ? " worker" : " workers") +
+                       " per node (--nproc-per-node " + std::to_string(gpus) +
+                       "), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"});
+  }
+  return out;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/topology/doctor.hpp ----
 // ---- begin dtrain/policy.hpp ----
 /// @file
 /// dtrain::policy<Launch, Backend, Topology>: the compile-time choices of a
@@ -8049,8 +9385,10 @@ concept backend_policy = requires {
   { T::name } -> std::convertible_to<std::string_view>;
   { T::available } -> std::convertible_to<bool>;
 };
+/// A topology tag: topology::flat or topology::hierarchical.
 template <class T>
-concept topology_policy = std::is_same_v<T, topology::flat>;
+concept topology_policy =
+    std::is_same_v<T, topology::flat> || std::is_same_v<T, topology::hierarchical>;
 
 /// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
 template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
@@ -8073,6 +9411,12 @@ struct policy {
   using memory_space = typename traits::memory_space;
   /// Whether gradients may live on the GPU with this backend.
   static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
+  static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
+                    detail::stream_ordered<communicator_type>,
+                "topology::hierarchical enqueues its three steps on streams at once, each after "
+                "the last: a backend whose buckets travel on streams needs a communicator that "
+                "orders its collectives after the stream it is given (stream_ordered and "
+                "stream(), as nccl_communicator)");
 };
 
 }  // namespace dtrain
@@ -10475,6 +11819,10 @@ class DistributedDataParallel {
 
  public:
   using communicator_type = typename Policy::communicator_type;
+  /// The communicators a bucket's allreduce runs on (topology::flat::group,
+  /// topology::hierarchical::group), split from DDP's own communicator.
+  using topology_group =
+      typename Policy::topology_type::template group<typename Policy::communicator_type>;
   /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
   using memory_space = typename Policy::memory_space;
   /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
@@ -10485,10 +11833,11 @@ class DistributedDataParallel {
   static constexpr bool on_device = memory_space::where == memory::device;
 
   /// Collective over ctx's communicator; metadata goes over ctx's control plane
-  /// where the communicator cannot carry host data (NCCL).
+  /// where the communicator cannot carry host data (NCCL). The policy's
+  /// topology groups the ranks by ctx.world()'s nodes.
   DistributedDataParallel(context<Policy>& ctx, Model& model, ddp_options options = {})
-      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model,
-                                std::move(options)) {}
+      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model, std::move(options),
+                                node_layout::of(ctx.world())) {}
 
   /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
   /// communicator that reaches host memory). A device-only backend (NCCL)
@@ -10497,7 +11846,7 @@ class DistributedDataParallel {
   /// does not trip the static_assert.)
   template <std::same_as<Model> M>
   DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
-      : DistributedDataParallel(comm, nullptr, model, std::move(options)) {
+      : DistributedDataParallel(comm, nullptr, model, std::move(options), std::nullopt) {
     static_assert(std::same_as<M, Model> && communicator_type::reaches_host_memory,
                   "this backend moves device memory only, and DistributedDataParallel's metadata "
                   "(model agreement, bucket order) is host data: construct it from the context, "
@@ -10512,10 +11861,11 @@ class DistributedDataParallel {
   /// runner. Buckets travel on a split of `comm` of their own: the caller may
   /// use `comm` at any time. `control` carries the metadata when `comm` cannot
   /// (device-only backends; otherwise DDP's own split of `comm` does), and must
-  /// outlive this object.
+  /// outlive this object. With topology::hierarchical and no context, ranks
+  /// are grouped into nodes by node name (DTRAIN_NODE_NAME, else the host name).
   DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
                           ddp_options options = {})
-      : DistributedDataParallel(comm, &control, model, std::move(options)) {}
+      : DistributedDataParallel(comm, &control, model, std::move(options), std::nullopt) {}
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
@@ -10609,6 +11959,7 @@ class DistributedDataParallel {
     for (bucket_state& b : buckets_) {
       b.grads.set_stream(compute);
       b.wire.set_stream(compute);
+      b.shard.set_stream(compute);
     }
     stream_ = compute;
   }
@@ -10696,6 +12047,9 @@ class DistributedDataParallel {
   [[nodiscard]] Model& module() noexcept { return model_; }
   /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+  /// How buckets are reduced: the policy's topology over communicator()
+  /// (describe(), and for topology::hierarchical hierarchical() and why_flat()).
+  [[nodiscard]] const topology_group& topology() const noexcept { return topo_; }
   /// Whether float32 buckets can be compressed here: always on the host; on
   /// a GPU when some translation unit of the program was compiled by nvcc.
   [[nodiscard]] static bool compression_available() noexcept {
@@ -10721,8 +12075,10 @@ class DistributedDataParallel {
   };
   struct bucket_state {
     detail::flat_storage<memory_space> grads;
-    detail::flat_storage<memory_space> wire;  // the 16-bit copy, with compression
-    std::size_t pending = 0;                  // parameters not yet marked this step
+    detail::flat_storage<memory_space> wire;   // the 16-bit copy, with compression
+    detail::flat_storage<memory_space> shard;  // the topology's scratch (hierarchical)
+    std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
+    std::size_t pending = 0;  // parameters not yet marked this step
     bool ready = false;
   };
   using runner_type =
@@ -10733,11 +12089,16 @@ class DistributedDataParallel {
       std::conditional_t<communicator_type::reaches_host_memory,
                          communicator_channel<communicator_type>, std::monostate>;
 
+  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
+                          ddp_options options, std::optional<node_layout> layout)
+      : DistributedDataParallel(comm, &control, model, std::move(options), layout) {}
+
   DistributedDataParallel(communicator_type& comm, control_plane* given, Model& model,
-                          ddp_options options)
+                          ddp_options options, std::optional<node_layout> layout)
       : comm_(comm.split(0, comm.rank())),
         own_channel_(make_own_channel()),
         control_(control_for(given)),
+        topo_(comm_, control_, layout_of(layout)),
         model_(model),
         options_(std::move(options)),
         rank_(comm.rank()),
@@ -10795,6 +12156,16 @@ class DistributedDataParallel {
     }
   }
 
+  // The nodes as the launcher placed them, or (no context) as node names group them.
+  node_layout layout_of(const std::optional<node_layout>& given) {
+    if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
+      return given.value_or(node_layout{});  // flat needs none: nothing collective
+    } else {
+      if (given) return *given;
+      return detail::layout_from_node_names(control_, node_name(environment::from_process()));
+    }
+  }
+
   static int device_of(communicator_type& comm) {
     if constexpr (on_device) {
       return comm.device();
@@ -10813,11 +12184,21 @@ class DistributedDataParallel {
         mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
     std::vector<bucket_state> buckets(info.size());
     for (std::size_t b = 0; b < info.size(); ++b) {
-      buckets[b].grads = detail::flat_storage<memory_space>(info[b].bytes, info[b].device, stream_);
+      // A hierarchical topology splits a bucket into equal shards, one per
+      // rank of a node: zeros at the end make the count divide (GPU: every
+      // shard on bucket_alignment too). The padding stays zero.
+      std::size_t unit = topo_.granularity();
+      if (unit > 1 && info[b].device >= 0) unit *= bucket_alignment / size_of(info[b].type);
+      buckets[b].moved = (info[b].count + unit - 1) / unit * unit;
+      buckets[b].grads = detail::flat_storage<memory_space>(
+          buckets[b].moved * size_of(info[b].type), info[b].device, stream_);
       if (compressed(info[b]))
         buckets[b].wire = detail::flat_storage<memory_space>(
-            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device,
+            buckets[b].moved * size_of(detail::wire_type(options_.compression)), info[b].device,
             stream_);
+      if (const std::size_t shard = topo_.shard_count(buckets[b].moved); shard > 0)
+        buckets[b].shard = detail::flat_storage<memory_space>(shard * size_of(info[b].type),
+                                                              info[b].device, stream_);
       for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
         const std::size_t i = info[b].parameters[k];
         parameter& p = params_[i];
@@ -10943,11 +12324,11 @@ class DistributedDataParallel {
   work reduce(std::size_t b) {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
-    buffer data{s.grads.data(), info.count, info.type, memory_space::where, s.grads.device()};
+    buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
-      data = {s.wire.data(), info.count, detail::wire_type(options_.compression),
-              memory_space::where, s.grads.device()};
+      data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
+              s.grads.device()};
       op = reduce_op::sum;
     }
     if (hook_) {
@@ -10956,12 +12337,20 @@ class DistributedDataParallel {
                            .world_size = size_,
                            .parameters = info.parameters,
                            .stream = stream_};
+      view.data.count = info.count;  // the hook sees the slots, not the topology's padding
       return hook_(comm_, view);
     }
+    const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                       s.grads.device()};
+    return topo_.allreduce(data, shard, op, on_stream_or_null());
+  }
+
+  // The compute stream for engines that order after it; null for host memory.
+  stream_handle on_stream_or_null() const noexcept {
     if constexpr (memory_space::on_stream) {
-      return comm_.allreduce(data, data, op, stream_);
+      return stream_;
     } else {
-      return comm_.allreduce(data, data, op);
+      return nullptr;
     }
   }
 
@@ -10983,7 +12372,7 @@ class DistributedDataParallel {
 
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
-    if constexpr (memory_space::on_stream) comm_.stream_wait(stream_);
+    if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
   }
 
   std::exception_ptr runner_drain() {
@@ -11064,6 +12453,7 @@ class DistributedDataParallel {
   communicator_type comm_;
   own_channel_type own_channel_;
   control_plane control_;
+  topology_group topo_;  // after control_: made over it
   Model& model_;
   ddp_options options_;
   int rank_;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# tests/cluster/test_cluster.sh CASE BIN_DIR: one multi-node test on a
+# tests/cluster/test_cluster.sh CASE BIN_DIR [TESTS_DIR]: one multi-node test on a
 # simulated cluster (cluster.sh): 2 nodes, each its own network namespace,
 # host name and address, joined at 1 Gbit/s. BIN_DIR holds dtrun,
-# dtrain_whoami and dtrain_train_mlp. Exit 0 pass, 1 fail, 77 skip.
+# dtrain_whoami, dtrain_doctor and dtrain_train_mlp; TESTS_DIR dtrain_ddp_peer.
+# Exit 0 pass, 1 fail, 77 skip.
 #
 #   dtrun_2x2          dtrun on both nodes, 2 workers each: the world every rank
 #                      completes at rendezvous (whoami --rendezvous)
@@ -12,9 +13,15 @@
 #   loopback_hostname  node1 maps its own name to 127.0.1.1 (Debian's default):
 #                      the job works, or fails at once saying what to set
 #   killed_worker      a worker killed on node2 ends the job on node1, naming the rank
+#   hierarchical_gloo  DistributedDataParallel with topology::hierarchical under dtrun,
+#                      2 nodes x 2 workers: exact means, and the group equals flat
+#   hierarchical_mpi   the same under mpirun --map-by node (ranks not contiguous per node)
+#   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
+#                      trap and its fix; on a healthy node it finds none
 set -uo pipefail
 case_name=${1:?case}
 bin=${2:?bin dir}
+tests_bin=${3:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/cluster.sh"
 
@@ -79,17 +86,33 @@ two_nodes() {
   status2=$?
 }
 
+# mpirun_across MAPPING PROGRAM ARGS...: mpirun -np 4 over both nodes (default program: whoami --rendezvous).
 mpirun_across() {
   local mapping=$1
+  shift
+  (($# > 0)) || set -- "$bin/dtrain_whoami" --rendezvous
   command -v mpirun >/dev/null || { echo "SKIPPED: mpirun not found"; exit 77; }
   mpirun --version 2>&1 | grep -q "Open MPI" || { echo "SKIPPED: needs Open MPI's mpirun"; exit 77; }
   printf 'node1 slots=2\nnode2 slots=2\n' >"$work/hosts"
   cluster_run node1 timeout "$limit" mpirun --hostfile "$work/hosts" -np 4 --map-by "$mapping" \
     --bind-to none --mca plm_rsh_agent "$(cluster_rsh)" --mca btl tcp,self,vader \
     --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
-    "$bin/dtrain_whoami" --rendezvous >"$work/mpirun.out" 2>"$work/mpirun.err" ||
-    fail "mpirun --map-by $mapping exited with $?"
+    "$@" >"$work/mpirun.out" 2>"$work/mpirun.err" ||
+    fail "mpirun --map-by $mapping $* exited with $?"
   cat "$work/mpirun.out"
+}
+
+need_peer() {
+  [[ -n $tests_bin && -x $tests_bin/dtrain_ddp_peer ]] ||
+    { echo "SKIPPED: dtrain_ddp_peer is not built (DTRAIN_BUILD_TESTS with MPI or Gloo)"; exit 77; }
+}
+
+# expect_lines FILE COUNT TEXT: FILE has COUNT lines containing TEXT, and no FAILED.
+expect_lines() {
+  local got
+  got=$(grep -c -- "$3" "$1")
+  grep -h "FAILED" "$1" | head -5
+  ((got == $2)) && ! grep -q FAILED "$1" || fail "expected $2 lines with '$3' in $(basename "$1"), got $got"
 }
 
 case $case_name in
@@ -187,6 +210,49 @@ case $case_name in
     ((took < limit - 5)) || fail "node1's dtrun did not end before the test's limit"
     grep -q "rank $rank" "$work/node1.err" || fail "node1's dtrun did not name rank $rank"
     grep -h "rank $rank" "$work/node1.err" | head -3
+    ;;
+  hierarchical_gloo)
+    need_peer
+    cluster_up 2 1gbit
+    for case in topology mean; do
+      two_nodes env DTRAIN_COLLECTIVE_TIMEOUT=60 "$tests_bin/dtrain_ddp_peer" gloo "$case" hierarchical
+      ((status1 == 0 && status2 == 0)) || fail "the $case case exited with $status1 on node1, $status2 on node2"
+      cat "$work/node1.out" "$work/node2.out" >"$work/$case.out"
+    done
+    expect_lines "$work/topology.out" 4 "topology group: hierarchical (gloo): 2 nodes x 2 ranks"
+    expect_lines "$work/mean.out" 28 "gradients equal the mean"
+    grep -h "rank 0:" "$work/topology.out" "$work/mean.out" | head -4
+    ;;
+  hierarchical_mpi)
+    need_peer
+    cluster_up 2 1gbit
+    for case in topology mean; do
+      mpirun_across node -x DTRAIN_COLLECTIVE_TIMEOUT=60 "$tests_bin/dtrain_ddp_peer" mpi "$case" hierarchical \
+        >"$work/$case.out"
+    done
+    expect_lines "$work/topology.out" 4 "topology group: hierarchical (mpi): 2 nodes x 2 ranks"
+    expect_lines "$work/mean.out" 28 "gradients equal the mean"
+    grep -h "rank 0:" "$work/topology.out" "$work/mean.out" | head -4
+    ;;
+  doctor)
+    [[ -x $bin/dtrain_doctor ]] || { echo "SKIPPED: dtrain_doctor is not built"; exit 77; }
+    cluster_up 2 1gbit
+    cluster_hosts_loopback node1
+    cluster_run node1 env MASTER_ADDR=node2 "$bin/dtrain_doctor" >"$work/node1.out" 2>&1
+    status1=$?
+    cluster_run node2 env MASTER_ADDR=node1 "$bin/dtrain_doctor" >"$work/node2.out" 2>&1
+    status2=$?
+    cat "$work/node1.out"
+    ((status1 == 1)) || fail "the doctor on node1 (named on 127.0.1.1) exited with $status1, expected 1"
+    grep -q "! the host name node1 resolves to 127.0.1.1" "$work/node1.out" ||
+      fail "the doctor on node1 did not name the 127.0.1.1 host name"
+    grep -q "fix: map node1 to this node's routable address in /etc/hosts" "$work/node1.out" ||
+      fail "the doctor on node1 gave no fix for the 127.0.1.1 host name"
+    grep -q "gloo eth0: the interface whose address reaches MASTER_ADDR=node1" "$work/node2.out" ||
+      fail "the doctor on node2 did not find the interface towards node1"
+    grep -q "127.0.1.1" "$work/node2.out" && fail "the doctor on node2 reported node1's trap"
+    echo "--- node2 (exit $status2):"
+    grep -E "eth0|gloo" "$work/node2.out"
     ;;
   *)
     echo "test_cluster.sh: unknown case '$case_name'" >&2

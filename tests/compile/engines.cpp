@@ -20,15 +20,28 @@ struct engines_model {
   std::vector<dtrain::parameter> buffers() { return {dtrain::model_buffer("running", running)}; }
 };
 }  // namespace
+// Both topologies, and the hierarchical group with every member, for each.
 #if DTRAIN_HAS_MPI()
 template class dtrain::DistributedDataParallel<
     engines_model, dtrain::policy<dtrain::launch::per_process, dtrain::backend::mpi>>;
+template class dtrain::DistributedDataParallel<
+    engines_model, dtrain::policy<dtrain::launch::per_process, dtrain::backend::mpi,
+                                  dtrain::topology::hierarchical>>;
+template class dtrain::topology::hierarchical::group<dtrain::mpi_communicator>;
 #endif
 #if DTRAIN_HAS_GLOO()
 template class dtrain::DistributedDataParallel<
     engines_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>>;
+template class dtrain::DistributedDataParallel<
+    engines_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo,
+                                  dtrain::topology::hierarchical>>;
+template class dtrain::topology::hierarchical::group<dtrain::gloo_communicator>;
 #endif
 #if DTRAIN_HAS_NCCL()
 template class dtrain::DistributedDataParallel<
     engines_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::nccl>>;
+template class dtrain::DistributedDataParallel<
+    engines_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::nccl,
+                                  dtrain::topology::hierarchical>>;
+template class dtrain::topology::hierarchical::group<dtrain::nccl_communicator>;
 #endif

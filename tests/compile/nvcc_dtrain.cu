@@ -17,6 +17,11 @@ struct nvcc_model {
 }  // namespace
 template class dtrain::DistributedDataParallel<
     nvcc_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::nccl>>;
+// topology::hierarchical on NCCL streams: the group with every member.
+template class dtrain::DistributedDataParallel<
+    nvcc_model, dtrain::policy<dtrain::launch::per_node, dtrain::backend::nccl,
+                               dtrain::topology::hierarchical>>;
+template class dtrain::topology::hierarchical::group<dtrain::nccl_communicator>;
 #endif
 
 __global__ void dtrain_nvcc_kernel(int* out) { *out = DTRAIN_HAS_NCCL(); }

@@ -1,5 +1,5 @@
-# Runs a DistributedDataParallel job that must fail, and checks how: its exit
-# status and the text a user would read.
+# Runs a DistributedDataParallel job and checks how it ends: its exit status
+# (0 for a job that must succeed and say something) and the text a user would read.
 #
 #   cmake "-DCOMMAND=launcher|args|program|args" -DEXPECT_STATUS=2
 #         "-DEXPECT_1=regex" ["-DEXPECT_2=regex" ...] -P check_error.cmake
@@ -37,4 +37,4 @@ endforeach()
 if(failed)
   message(FATAL_ERROR "${failed}")
 endif()
-message("the job failed as it should: status ${status}, message as expected")
+message("the job ended as it should: status ${status}, messages as expected")

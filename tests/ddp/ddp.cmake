@@ -117,6 +117,31 @@ foreach(backend IN ITEMS mpi gloo)
   endforeach()
 endforeach()
 
+# topology::hierarchical (issue 12) on ranks that play 2 nodes of 2 (dtrain_test_launch
+# --nodes: DTRAIN_NODE_NAME per rank, grouped at rendezvous): the same cases must
+# give the same exact results as flat. On uneven nodes (2 + 1) the topology runs
+# flat and rank 0 says why in one line. MPI across real nodes: tests/cluster.
+if("gloo" IN_LIST ddp_backends)
+  foreach(case IN ITEMS mean features topology)
+    dtrain_add_test(ddp.${case}.gloo.hierarchical.2x2
+      COMMAND $<TARGET_FILE:dtrain_test_launch> --nodes 2,2 4 $<TARGET_FILE:dtrain_ddp_peer> gloo ${case} hierarchical
+      TIMEOUT 240 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=120 PROPERTIES PROCESSORS 4)
+  endforeach()
+  dtrain_add_test(ddp.topology.gloo.hierarchical.uneven
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,1|3|$<TARGET_FILE:dtrain_ddp_peer>|gloo|topology|hierarchical"
+            -DEXPECT_STATUS=0
+            "-DEXPECT_1=dtrain: topology::hierarchical runs flat on 3 ranks: uneven nodes: node 0 has 2 ranks, node 1 has 1"
+            "-DEXPECT_2=rank 2: topology group: flat [(]gloo, 3 ranks[)]: uneven nodes[^\n]*every result equals the flat"
+            -P "${ddp_dir}/check_error.cmake"
+    TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 3)
+else()
+  foreach(test IN ITEMS mean.gloo.hierarchical.2x2 features.gloo.hierarchical.2x2
+                        topology.gloo.hierarchical.2x2 topology.gloo.hierarchical.uneven)
+    dtrain_add_skipped_test(ddp.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
+  endforeach()
+endif()
+
 # The GPU path without a GPU (issue 11): DistributedDataParallel on a backend with
 # NCCL's rules on host memory (device buffers only, streams, a watchdog), Gloo underneath.
 if(DTRAIN_WITH_GLOO)
@@ -129,6 +154,15 @@ if(DTRAIN_WITH_GLOO)
       COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> mean
       TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
   endforeach()
+  # topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
+  dtrain_add_test(ddp.device_rules.mean.hierarchical.2x2
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,2|4|$<TARGET_FILE:dtrain_ddp_device_rules>|mean|hierarchical"
+            -DEXPECT_STATUS=0
+            "-DEXPECT_1=rank 0 of 4: 4 steps averaged exactly [(]compression none[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
+            "-DEXPECT_2=rank 3 of 4: 4 steps averaged exactly [(]compression bfloat16[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
+            -P "${ddp_dir}/check_error.cmake"
+    TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 4)
   dtrain_add_test(ddp.device_rules.hung_peer.2ranks
     COMMAND $<TARGET_FILE:dtrain_test_launch> --no-kill 2 $<TARGET_FILE:dtrain_ddp_device_rules> hung-peer
     TIMEOUT 60 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3
@@ -141,7 +175,8 @@ if(DTRAIN_WITH_GLOO)
             -P "${ddp_dir}/check_error.cmake"
     TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 PROPERTIES PROCESSORS 2)
 else()
-  foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks hung_peer.2ranks mismatch.2ranks)
+  foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks mean.hierarchical.2x2 hung_peer.2ranks
+                        mismatch.2ranks)
     dtrain_add_skipped_test(ddp.device_rules.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
   endforeach()
 endif()

@@ -11,6 +11,12 @@
 //   dtrain_ddp_device_rules hung-peer  rank 1 never steps: rank 0's synchronize()
 //                                      (or its next call) throws timeout_error
 //                                      within the timeout plus one second
+//   dtrain_ddp_device_rules mean hierarchical
+//                                      `mean` with topology::hierarchical (run the
+//                                      ranks as nodes: dtrain_test_launch --nodes 2,2):
+//                                      its steps enqueued at once on the streams of
+//                                      the node-local and cross-node communicators,
+//                                      as on NCCL
 #include "device_rules.hpp"
 
 #include <algorithm>
@@ -26,6 +32,8 @@
 namespace {
 
 using policy = dtrain::policy<dtrain::launch::per_process, device_rules::backend>;
+using hierarchical_policy = dtrain::policy<dtrain::launch::per_process, device_rules::backend,
+                                           dtrain::topology::hierarchical>;
 
 struct model {
   // Host memory that DDP sees as GPU memory of device 0.
@@ -74,10 +82,11 @@ int fail(const std::string& what) {
   return 1;
 }
 
-int mean_case(dtrain::context<policy>& ctx, dtrain::gradient_compression compression, bool hook) {
+template <class Policy>
+int mean_case(dtrain::context<Policy>& ctx, dtrain::gradient_compression compression, bool hook) {
   const int rank = ctx.rank(), size = ctx.size();
   model m(rank);
-  dtrain::DistributedDataParallel<model, policy> ddp(
+  dtrain::DistributedDataParallel<model, Policy> ddp(
       ctx, m, {.bucket_cap_mb = 0.004, .first_bucket_cap_mb = 0.001, .compression = compression});
   if (m.values[3][0] != 3.0f || m.step_counter[0] != 7.0f)
     return fail("rank 0's values and buffers were not broadcast");
@@ -126,9 +135,9 @@ int mean_case(dtrain::context<policy>& ctx, dtrain::gradient_compression compres
     return fail("DDP sent host memory to the device-only communicator");
   std::printf(
       "rank %d of %d: 4 steps averaged exactly (compression %s, hook %d, %zu buckets, rebuilt), "
-      "no host buffer reached the device engine\n",
+      "no host buffer reached the device engine; %s\n",
       rank, size, std::string(dtrain::to_string(compression)).c_str(), hook ? 1 : 0,
-      ddp.buckets().size());
+      ddp.buckets().size(), ddp.topology().describe().c_str());
   return 0;
 }
 
@@ -185,6 +194,14 @@ int hung_peer_case(dtrain::context<policy>& ctx) {
 
 int main(int argc, char** argv) {
   const std::string_view which = argc > 1 ? argv[1] : "";
+  if (which == "mean" && argc > 2 && std::string_view(argv[2]) == "hierarchical") {
+    return dtrain::run<hierarchical_policy>(
+        argc, argv, [&](dtrain::context<hierarchical_policy>& ctx) -> int {
+          int status = mean_case(ctx, dtrain::gradient_compression::none, false);
+          if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
+          return status;
+        });
+  }
   return dtrain::run<policy>(argc, argv, [&](dtrain::context<policy>& ctx) -> int {
     if (which == "mean") {
       int status = mean_case(ctx, dtrain::gradient_compression::none, false);

@@ -1,7 +1,11 @@
 // dtrain_ddp_peer: one rank of a DistributedDataParallel test, built on dtrain::run.
 //
-//   dtrain_ddp_peer mpi  <case>   launch::per_process, backend::mpi  (under mpirun)
-//   dtrain_ddp_peer gloo <case>   launch::per_process, backend::gloo (under dtrain_test_launch)
+//   dtrain_ddp_peer mpi  <case> [hierarchical]   per-process MPI (under mpirun)
+//   dtrain_ddp_peer gloo <case> [hierarchical]   per-process Gloo (under dtrain_test_launch)
+//
+// With `hierarchical` the policy's topology is topology::hierarchical (run the
+// ranks as several nodes: dtrain_test_launch --nodes 2,2, or a simulated cluster);
+// every case must give the same results as with the flat topology.
 //
 // Cases that must pass (exit 0, every rank prints what it checked):
 //   mean      gradients equal the exact mean over ranks, for several bucket caps,
@@ -11,6 +15,10 @@
 //             a communication hook
 //   interleaved  the user's own allreduce on the same communicator between
 //             mark_ready calls (buckets in flight): both results must be right
+//   topology  the policy's topology group on its own: allreduce of every op and
+//             element type, counts that divide by the ranks per node and counts
+//             that leave a remainder, in one piece and (hierarchical, above
+//             64 KiB) in pipelined chunks, equal to the same allreduce run flat
 // Cases that must fail (tests/ddp/check_error.cmake checks the status and the message):
 //   twice           a parameter marked ready twice
 //   unmarked        synchronize() with a parameter never marked
@@ -716,14 +724,113 @@ int error_case(dtrain::context<Policy>& ctx, std::string_view which) {
   return 1;
 }
 
+/// The topology group of the policy on its own, against the flat allreduce of
+/// the same data on the world communicator: every op (sum, avg, min, max,
+/// prod) on float32, avg on float64 and float16, sum on int32; counts that
+/// divide by the ranks per node, that leave a remainder, and that are smaller
+/// than the ranks per node. Values are small integers: every result is exact.
+template <class Policy>
+int topology_case(dtrain::context<Policy>& ctx) {
+  using group_type =
+      typename Policy::topology_type::template group<typename Policy::communicator_type>;
+  const int rank = ctx.rank(), size = ctx.size();
+  checker c{rank, "topology group"};
+  auto comm = ctx.communicator().split(0, rank);
+  dtrain::communicator_channel channel(comm);
+  // Hierarchical: chunks of 64 KiB, so that the larger counts run pipelined.
+  auto make_group = [&] {
+    if constexpr (std::is_same_v<typename Policy::topology_type, dtrain::topology::hierarchical>) {
+      return std::make_unique<group_type>(comm, dtrain::control_plane(channel),
+                                          *dtrain::node_layout::of(ctx.world()), 64 * 1024);
+    } else {
+      return std::make_unique<group_type>(comm, dtrain::control_plane(channel),
+                                          *dtrain::node_layout::of(ctx.world()));
+    }
+  };
+  const auto owner = make_group();
+  group_type& group = *owner;
+  const std::size_t per_node = group.granularity();
+  const std::size_t n = per_node;
+  const std::size_t counts[] = {1,         n > 1 ? n - 1 : 2, n,      6 * n,
+                                6 * n + 1, 1000 * n + n - 1,  250001, 400000};
+  std::size_t runs = 0;
+  auto check_one = [&]<class T>(std::size_t n, dtrain::reduce_op op, T) {
+    auto value = [&](std::size_t i, int r) {
+      // prod stays small: only every 7th element differs from 1
+      const int v = op == dtrain::reduce_op::prod
+                        ? (i % 7 == 0 ? (r % 2) + 1 : 1)
+                        : static_cast<int>((i * 13 + static_cast<std::size_t>(r) * 5) % 11) * size;
+      return T(static_cast<float>(v));
+    };
+    std::vector<T> mine(n), flat(n);
+    for (std::size_t i = 0; i < n; ++i) mine[i] = flat[i] = value(i, rank);
+    const dtrain::buffer data = dtrain::host_buffer(std::span<T>(mine));
+    group.allreduce(data, op).wait();
+    dtrain::allreduce(comm, std::span<T>(flat), op).wait();
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!(mine[i] == flat[i])) ++wrong;
+    }
+    c.expect(wrong == 0, std::to_string(wrong) + " of " + std::to_string(n) + " elements of " +
+                             std::string(dtrain::to_string(data.type)) + " " +
+                             std::string(dtrain::to_string(op)) +
+                             " differ from the flat allreduce");
+    ++runs;
+  };
+  for (std::size_t count : counts) {
+    for (dtrain::reduce_op op :
+         {dtrain::reduce_op::sum, dtrain::reduce_op::avg, dtrain::reduce_op::min,
+          dtrain::reduce_op::max, dtrain::reduce_op::prod}) {
+      check_one(count, op, float{});
+    }
+    check_one(count, dtrain::reduce_op::avg, double{});
+    check_one(count, dtrain::reduce_op::avg, dtrain::float16{});
+    check_one(count, dtrain::reduce_op::sum, std::int32_t{});
+  }
+  // Caller's scratch: too small a shard is refused, naming the sizes.
+  if (group.hierarchical()) {
+    std::vector<float> data(4 * per_node), shard(3);
+    try {
+      (void)group.allreduce(dtrain::host_buffer(std::span<float>(data)),
+                            dtrain::host_buffer(std::span<float>(shard)), dtrain::reduce_op::sum);
+      c.expect(false,
+               "a shard of 3 elements for 4 x " + std::to_string(per_node) + " was accepted");
+    } catch (const dtrain::config_error& e) {
+      c.expect(std::string(e.what()).find("needs 4") != std::string::npos,
+               std::string("the shard's config_error names what it needs: ") + e.what());
+    }
+  }
+  std::printf("rank %d: topology group: %s: %zu allreduces: %s (%zu checks)\n", rank,
+              group.describe().c_str(), runs,
+              c.failures ? "FAILED" : "every result equals the flat allreduce's", c.checked);
+  std::fflush(stdout);
+  return c.failures ? 1 : 0;
+}
+
 template <class Policy>
 int start(int argc, char** argv, std::string_view which) {
   return dtrain::run<Policy>(argc, argv, [&](dtrain::context<Policy>& ctx) -> int {
+    if constexpr (std::is_same_v<typename Policy::topology_type, dtrain::topology::hierarchical>) {
+      if (ctx.is_main()) {
+        std::printf("rank 0: topology::hierarchical, world of %d ranks on %d nodes\n", ctx.size(),
+                    ctx.num_nodes());
+      }
+    }
     if (which == "mean") return mean_case(ctx);
     if (which == "features") return features_case(ctx);
     if (which == "interleaved") return interleaved_case(ctx);
+    if (which == "topology") return topology_case(ctx);
     return error_case(ctx, which);
   });
+}
+
+template <class Backend>
+int start_with(int argc, char** argv, std::string_view which, std::string_view topology) {
+  using dtrain::launch::per_process;
+  if (topology == "hierarchical")
+    return start<dtrain::policy<per_process, Backend, dtrain::topology::hierarchical>>(argc, argv,
+                                                                                       which);
+  return start<dtrain::policy<per_process, Backend>>(argc, argv, which);
 }
 
 }  // namespace
@@ -731,23 +838,23 @@ int start(int argc, char** argv, std::string_view which) {
 int main(int argc, char** argv) {
   const std::string_view backend = argc > 1 ? argv[1] : "";
   const std::string_view which = argc > 2 ? argv[2] : "";
-  constexpr std::string_view cases[] = {"mean",     "features", "interleaved",   "twice",
-                                        "unmarked", "unknown",  "mismatch-name", "mismatch-shape"};
-  if (std::find(std::begin(cases), std::end(cases), which) == std::end(cases)) {
+  const std::string_view topology = argc > 3 ? argv[3] : "flat";
+  constexpr std::string_view cases[] = {"mean",     "features",      "interleaved",
+                                        "topology", "twice",         "unmarked",
+                                        "unknown",  "mismatch-name", "mismatch-shape"};
+  if (std::find(std::begin(cases), std::end(cases), which) == std::end(cases) ||
+      (topology != "flat" && topology != "hierarchical")) {
     std::fprintf(stderr,
                  "usage: dtrain_ddp_peer mpi|gloo "
-                 "mean|features|interleaved|twice|unmarked|unknown|mismatch-name|mismatch-shape\n");
+                 "mean|features|interleaved|topology|twice|unmarked|unknown|mismatch-name|"
+                 "mismatch-shape [flat|hierarchical]\n");
     return 2;
   }
 #if DTRAIN_HAS_MPI()
-  if (backend == "mpi")
-    return start<dtrain::policy<dtrain::launch::per_process, dtrain::backend::mpi>>(argc, argv,
-                                                                                    which);
+  if (backend == "mpi") return start_with<dtrain::backend::mpi>(argc, argv, which, topology);
 #endif
 #if DTRAIN_HAS_GLOO()
-  if (backend == "gloo")
-    return start<dtrain::policy<dtrain::launch::per_process, dtrain::backend::gloo>>(argc, argv,
-                                                                                     which);
+  if (backend == "gloo") return start_with<dtrain::backend::gloo>(argc, argv, which, topology);
 #endif
   std::fprintf(stderr, "dtrain_ddp_peer: backend '%s' is not in this build\n",
                std::string(backend).c_str());

@@ -3,7 +3,11 @@
 //   - the communicator accepts device buffers only (a host buffer is the
 //     config_error NCCL's own check gives) and reaches no host memory, so
 //     metadata must go over the control plane;
-//   - collectives take a stream and return at once; stream_wait() is where
+//   - collectives take a stream and return at once; each communicator runs
+//     them in order on a "stream" of its own (a thread), after everything
+//     enqueued so far on the stream passed in (another communicator's
+//     stream(), as NCCL orders after a cudaStream_t), so topology::hierarchical
+//     enqueues its steps at once as it does on NCCL; stream_wait() is where
 //     the "device" catches up; on_timeout() aborts, as ncclCommAbort does;
 //   - buckets live in `device_rules_memory`: host bytes tagged memory::device,
 //     handled by the stream runner with its watchdog.
@@ -14,7 +18,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,34 +38,122 @@ struct memory : dtrain::host_memory {
   static constexpr bool on_stream = true;
 };
 
-struct shared_state {
-  std::atomic<bool> aborted{false};
-  std::mutex mutex;
-  std::vector<dtrain::work> outstanding;  // what stream_wait() catches up on
+class rules_work;
+
+/// A device stream on the host: a thread that runs what is enqueued in order.
+/// A task may first wait until another stream has completed what had been
+/// enqueued there when the task was (an event recorded there, waited on here).
+class fake_stream {
+ public:
+  struct marker {
+    std::weak_ptr<fake_stream> stream;  // gone: its owner synchronized it before letting go
+    std::uint64_t count = 0;
+  };
+  fake_stream() : thread_([this] { serve(); }) {}
+  fake_stream(const fake_stream&) = delete;
+  fake_stream& operator=(const fake_stream&) = delete;
+  ~fake_stream() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  /// The point a task enqueued elsewhere now must wait for.
+  marker now(std::shared_ptr<fake_stream> self) {
+    std::lock_guard lock(mutex_);
+    return {std::move(self), enqueued_};
+  }
+  void enqueue(marker after, std::function<void()> task) {
+    {
+      std::lock_guard lock(mutex_);
+      ++enqueued_;
+      queue_.push_back({std::move(after), std::move(task)});
+    }
+    wake_.notify_all();
+  }
+  /// Blocks until everything enqueued so far has run, or `aborted` (checked every 10 ms).
+  void synchronize(const std::atomic<bool>& aborted) {
+    std::unique_lock lock(mutex_);
+    reach_locked(lock, enqueued_, aborted);
+  }
+  /// Blocks until `count` tasks have run here, or `aborted`.
+  void reached(std::uint64_t count, const std::atomic<bool>& aborted) {
+    std::unique_lock lock(mutex_);
+    reach_locked(lock, count, aborted);
+  }
+
+ private:
+  struct task {
+    marker after;
+    std::function<void()> run;
+  };
+  void reach_locked(std::unique_lock<std::mutex>& lock, std::uint64_t count,
+                    const std::atomic<bool>& aborted) {
+    while (completed_ < count && !aborted.load())
+      done_wake_.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  void serve() {
+    for (;;) {
+      task t;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      t.run();
+      t = {};  // what it holds goes before the stream says it is done (its owner may then go)
+      {
+        std::lock_guard lock(mutex_);
+        ++completed_;
+      }
+      done_wake_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_, done_wake_;
+  std::deque<task> queue_;
+  std::uint64_t enqueued_ = 0, completed_ = 0;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once everything above exists
 };
 
-/// One collective: done when Gloo's is; aborted by the watchdog's timeout.
+struct shared_state {
+  std::atomic<bool> aborted{false};
+};
+
+/// One collective: done once its stream has run it; aborted by the watchdog's timeout.
 class rules_work final : public dtrain::detail::work_state {
  public:
-  rules_work(std::string what, std::chrono::milliseconds timeout, dtrain::work inner,
+  rules_work(std::string what, std::chrono::milliseconds timeout,
              std::shared_ptr<shared_state> state)
-      : work_state(std::move(what), timeout), inner_(std::move(inner)), state_(std::move(state)) {}
+      : work_state(std::move(what), timeout), state_(std::move(state)) {}
   bool poll() override {
-    std::lock_guard lock(mutex_);  // the watchdog and stream_wait() poll alike
+    if (done_) return true;
     if (state_->aborted) {
+      std::lock_guard lock(mutex_);
       fail(std::make_exception_ptr(
           dtrain::backend_error(description() + ": the communicator was aborted", 0)));
       return true;
     }
-    if (!inner_.test()) return false;
-    if (auto e = inner_.exception()) fail(e);
-    return true;
+    return false;
   }
   void on_timeout() noexcept override { state_->aborted = true; }
+  void finish(std::exception_ptr e) {
+    if (e) {
+      std::lock_guard lock(mutex_);
+      fail(e);
+    }
+    done_ = true;
+  }
 
  private:
   std::mutex mutex_;
-  dtrain::work inner_;
+  std::atomic<bool> done_{false};
   std::shared_ptr<shared_state> state_;
 };
 
@@ -66,10 +162,23 @@ class communicator {
   static constexpr bool reaches_device_memory = true;
   static constexpr bool reaches_host_memory = false;
   static constexpr std::string_view name = "device-rules";
+  /// Collectives run on stream(), after the stream they are given: as NCCL's.
+  static constexpr bool stream_ordered = true;
   using stream_type = dtrain::stream_handle;  // what a hook passes on (gradient_bucket::stream)
 
   communicator(dtrain::gloo_communicator inner, std::chrono::milliseconds timeout)
-      : inner_(std::make_unique<dtrain::gloo_communicator>(std::move(inner))), timeout_(timeout) {}
+      : inner_(std::make_unique<dtrain::gloo_communicator>(std::move(inner))), timeout_(timeout) {
+    std::lock_guard lock(streams_mutex());
+    std::erase_if(streams(), [](const auto& w) { return w.expired(); });
+    streams().push_back(stream_);
+  }
+  communicator(communicator&&) noexcept = default;
+  communicator& operator=(communicator&&) noexcept = default;
+  /// Lets the stream finish what it holds (aborted tasks end at once): they use inner_.
+  ~communicator() {
+    static const std::atomic<bool> never{false};
+    if (stream_) stream_->synchronize(never);
+  }
 
   [[nodiscard]] int rank() const { return inner_->rank(); }
   [[nodiscard]] int size() const { return inner_->size(); }
@@ -81,42 +190,60 @@ class communicator {
   }
 
   dtrain::work allreduce(dtrain::buffer in, dtrain::buffer out, dtrain::reduce_op op,
-                         stream_type = nullptr) {
+                         stream_type after = nullptr) {
     check(in, "allreduce");
     check(out, "allreduce");
-    return track("allreduce", inner_->allreduce(host(in), host(out), op));
+    return enqueue("allreduce", after,
+                   [=, g = inner_.get()] { return g->allreduce(host(in), host(out), op); });
   }
-  dtrain::work broadcast(dtrain::buffer data, int root, stream_type = nullptr) {
+  dtrain::work broadcast(dtrain::buffer data, int root, stream_type after = nullptr) {
     check(data, "broadcast");
-    return track("broadcast", inner_->broadcast(host(data), root));
+    return enqueue("broadcast", after,
+                   [=, g = inner_.get()] { return g->broadcast(host(data), root); });
   }
-  dtrain::work allgather(dtrain::buffer in, dtrain::buffer out, stream_type = nullptr) {
+  dtrain::work allgather(dtrain::buffer in, dtrain::buffer out, stream_type after = nullptr) {
     check(in, "allgather");
     check(out, "allgather");
-    return track("allgather", inner_->allgather(host(in), host(out)));
+    return enqueue("allgather", after,
+                   [=, g = inner_.get()] { return g->allgather(host(in), host(out)); });
   }
   dtrain::work reduce_scatter(dtrain::buffer in, dtrain::buffer out, dtrain::reduce_op op,
-                              stream_type = nullptr) {
+                              stream_type after = nullptr) {
     check(in, "reduce_scatter");
     check(out, "reduce_scatter");
-    return track("reduce_scatter", inner_->reduce_scatter(host(in), host(out), op));
+    return enqueue("reduce_scatter", after,
+                   [=, g = inner_.get()] { return g->reduce_scatter(host(in), host(out), op); });
   }
-  dtrain::work barrier(stream_type = nullptr) { return track("barrier", inner_->barrier()); }
+  dtrain::work barrier(stream_type after = nullptr) {
+    return enqueue("barrier", after, [g = inner_.get()] { return g->barrier(); });
+  }
+  /// As ncclCommSplit: waits for this communicator's stream first.
   communicator split(int color, int key) {
+    stream_->synchronize(state_->aborted);
     return communicator(inner_->split(color, key), timeout_);
+  }
+
+  /// The stream collectives run on, to order other work after them.
+  [[nodiscard]] stream_type stream() const noexcept {
+    return reinterpret_cast<stream_type>(stream_.get());
+  }
+  /// Every stream() handed out so far, to find the stream a handle names.
+  [[nodiscard]] static std::mutex& streams_mutex() {
+    static std::mutex m;
+    return m;
+  }
+  [[nodiscard]] static std::vector<std::weak_ptr<fake_stream>>& streams() {
+    static std::vector<std::weak_ptr<fake_stream>> all;
+    return all;
   }
 
   /// The "device" catches up: blocks until every collective so far is done,
   /// or throws once the communicator was aborted (by the watchdog).
   void stream_wait(stream_type) {
-    std::vector<dtrain::work> pending;
-    {
-      std::lock_guard lock(state_->mutex);
-      pending.swap(state_->outstanding);
-    }
-    for (dtrain::work& w : pending) {
-      while (!w.test()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      if (auto e = w.exception()) std::rethrow_exception(e);
+    stream_->synchronize(state_->aborted);
+    if (state_->aborted) {
+      throw dtrain::backend_error(
+          "device-rules communicator of rank " + std::to_string(rank()) + " was aborted", 0);
     }
   }
 
@@ -133,18 +260,51 @@ class communicator {
     b.where = dtrain::memory::host;
     return b;
   }
-  dtrain::work track(const char* what, dtrain::work inner) {
-    dtrain::work w(std::make_shared<rules_work>(
+  // The stream a handle names: one of the device-rules streams, or none
+  // (null: the caller's compute stream, which has nothing to wait for here).
+  static std::shared_ptr<fake_stream> stream_of(stream_type handle) {
+    if (!handle) return nullptr;
+    std::lock_guard lock(streams_mutex());
+    for (const auto& weak : streams()) {
+      auto s = weak.lock();
+      if (s && reinterpret_cast<stream_type>(s.get()) == handle) return s;
+    }
+    return nullptr;
+  }
+
+  // Enqueues `launch` on this communicator's stream, after what `after` holds now.
+  template <class Launch>
+  dtrain::work enqueue(const char* what, stream_type after, Launch launch) {
+    auto w = std::make_shared<rules_work>(
         std::string(what) + " on rank " + std::to_string(rank()) + " (device-rules)", timeout_,
-        std::move(inner), state_));
-    std::lock_guard lock(state_->mutex);
-    state_->outstanding.push_back(w);
-    return w;
+        state_);
+    fake_stream::marker wait_for;
+    if (auto s = stream_of(after)) wait_for = s->now(s);
+    auto state = state_;
+    stream_->enqueue(wait_for, [w, state, wait_for, launch] {
+      if (auto other = wait_for.stream.lock()) other->reached(wait_for.count, state->aborted);
+      std::exception_ptr failure;
+      try {
+        if (state->aborted) throw dtrain::backend_error("aborted before it ran", 0);
+        dtrain::work inner = launch();
+        while (!inner.test()) {
+          if (state->aborted) throw dtrain::backend_error("aborted while it ran", 0);
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+        failure = inner.exception();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      w->finish(failure);
+    });
+    return dtrain::work(std::move(w));
   }
 
   std::unique_ptr<dtrain::gloo_communicator> inner_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<shared_state> state_ = std::make_shared<shared_state>();
+  std::shared_ptr<fake_stream> stream_ =
+      std::make_shared<fake_stream>();  // last: its tasks use inner_
 };
 
 static_assert(dtrain::communicator<communicator>);

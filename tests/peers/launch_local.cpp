@@ -1,11 +1,14 @@
 // dtrain_test_launch: starts N local ranks of a program with a torchrun-style
 // environment, for tests of engines that meet through the store (no mpirun).
 //
-//   dtrain_test_launch [--no-kill] N program [args...]
+//   dtrain_test_launch [--no-kill] [--nodes A,B,...] N program [args...]
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK=0,
 // GROUP_WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT; other
-// launchers' variables are removed. Exits with the worst status (128+signal
+// launchers' variables are removed. --nodes A,B,...: the ranks play nodes
+// of A, B, ... ranks (in rank order): each gets DTRAIN_NODE_NAME=test-node<i>
+// and no LOCAL_* / GROUP_* variables, so the runtime groups them by node name
+// as it does under mpirun. Exits with the worst status (128+signal
 // for a killed rank). When a rank fails the others are stopped, unless
 // --no-kill (tests that check how the survivors react to a dead peer).
 
@@ -66,17 +69,42 @@ int status_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128
 int main(int argc, char** argv) {
   int arg = 1;
   bool kill_on_failure = true;
-  if (arg < argc && std::string(argv[arg]) == "--no-kill") {
-    kill_on_failure = false;
-    ++arg;
+  std::vector<int> node_of;  // --nodes: the node of each rank
+  for (;;) {
+    if (arg < argc && std::string(argv[arg]) == "--no-kill") {
+      kill_on_failure = false;
+      ++arg;
+    } else if (arg + 1 < argc && std::string(argv[arg]) == "--nodes") {
+      std::string sizes = argv[arg + 1];
+      for (std::size_t at = 0, node = 0; at <= sizes.size(); ++node) {
+        const std::size_t comma = std::min(sizes.find(',', at), sizes.size());
+        const int count = std::atoi(sizes.substr(at, comma - at).c_str());
+        if (count < 1) {
+          std::fprintf(stderr, "dtrain_test_launch: --nodes %s: '%s' is not a positive count\n",
+                       sizes.c_str(), sizes.substr(at, comma - at).c_str());
+          return 2;
+        }
+        node_of.insert(node_of.end(), static_cast<std::size_t>(count), static_cast<int>(node));
+        at = comma + 1;
+      }
+      arg += 2;
+    } else {
+      break;
+    }
   }
   if (argc - arg < 2) {
-    std::fprintf(stderr, "usage: dtrain_test_launch [--no-kill] N program [args...]\n");
+    std::fprintf(stderr,
+                 "usage: dtrain_test_launch [--no-kill] [--nodes A,B,...] N program [args...]\n");
     return 2;
   }
   const int n = std::atoi(argv[arg]);
   if (n < 1) {
     std::fprintf(stderr, "dtrain_test_launch: N=%s is not a positive count\n", argv[arg]);
+    return 2;
+  }
+  if (!node_of.empty() && node_of.size() != static_cast<std::size_t>(n)) {
+    std::fprintf(stderr, "dtrain_test_launch: --nodes places %zu ranks, N is %d\n", node_of.size(),
+                 n);
     return 2;
   }
   char** program = argv + arg + 1;
@@ -98,6 +126,14 @@ int main(int argc, char** argv) {
       ::setenv("GROUP_WORLD_SIZE", "1", 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", port.c_str(), 1);
+      if (!node_of.empty()) {
+        for (const char* name :
+             {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"}) {
+          ::unsetenv(name);
+        }
+        const int node = node_of[static_cast<std::size_t>(r)];
+        ::setenv("DTRAIN_NODE_NAME", ("test-node" + std::to_string(node)).c_str(), 1);
+      }
       ::execvp(program[0], program);
       std::fprintf(stderr, "dtrain_test_launch: cannot run %s: %s\n", program[0], std::strerror(errno));
       std::_Exit(127);

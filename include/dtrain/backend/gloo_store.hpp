@@ -5,6 +5,7 @@
 /// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
 
 #include <dtrain/config.hpp>
+#include <dtrain/detail/net.hpp>
 #include <dtrain/detail/sys.hpp>
 
 #include <dtrain/env/environment.hpp>
@@ -111,22 +112,6 @@ struct gloo_endpoint {
   std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
 };
 
-/// Names of the interfaces that carry an IPv4 or IPv6 address.
-inline std::vector<std::string> interfaces_with_address() {
-  std::vector<std::string> names;
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return names;
-  for (ifaddrs* i = list; i; i = i->ifa_next) {
-    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6)) continue;
-    std::string name(i->ifa_name);
-    bool seen = false;
-    for (const auto& n : names) seen = seen || n == name;
-    if (!seen) names.push_back(std::move(name));
-  }
-  ::freeifaddrs(list);
-  return names;
-}
-
 /// Throws config_error naming `origin` when no interface `name` with an address exists here.
 inline void require_interface(const std::string& name, const std::string& origin) {
   auto names = interfaces_with_address();
@@ -140,47 +125,18 @@ inline void require_interface(const std::string& name, const std::string& origin
                      "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
 }
 
-/// The local address this host sends from to reach host:port (a UDP socket
-/// connected there, asked for its own name; nothing is sent).
+/// The local address this host sends from to reach host:port; config_error
+/// naming `origin` when there is none.
 inline std::string local_address_towards(const std::string& host, int port, const std::string& origin) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port > 0 ? port : 9);
-  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    throw config_error(origin + " cannot be resolved (" + ::gai_strerror(rc) +
-                       "), so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
+  const route_source route = local_address_to(host, port);
+  if (route.error.rfind("cannot be resolved", 0) == 0) {
+    throw config_error(origin + " " + route.error +
+                       ", so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
   }
-  std::string why = "no address";
-  std::string address;
-  for (addrinfo* a = found; a && address.empty(); a = a->ai_next) {
-    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      why = std::strerror(errno);
-      continue;
-    }
-    sockaddr_storage local{};
-    socklen_t length = sizeof local;
-    char text[NI_MAXHOST] = {};
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
-      why = std::strerror(errno);
-    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
-      why = std::strerror(errno);
-    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text, sizeof text, nullptr, 0,
-                                      NI_NUMERICHOST);
-               rc != 0) {
-      why = ::gai_strerror(rc);
-    } else {
-      address = text;
-    }
-    ::close(fd);
+  if (!route.error.empty()) {
+    throw config_error(origin + ": " + route.error + "; set DTRAIN_GLOO_IFNAME");
   }
-  ::freeaddrinfo(found);
-  if (address.empty()) {
-    throw config_error("no local address reaches " + origin + " (" + why + "); set DTRAIN_GLOO_IFNAME");
-  }
-  return address;
+  return route.address;
 }
 
 /// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,

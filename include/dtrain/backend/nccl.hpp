@@ -63,6 +63,9 @@ class nccl_communicator {
   /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
   static constexpr bool reaches_host_memory = false;
   static constexpr std::string_view name = "nccl";
+  /// Collectives are enqueued on stream(), ordered after the caller's stream:
+  /// a topology can enqueue the steps of one collective at once, each after the last.
+  static constexpr bool stream_ordered = true;
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
   /// the local rank; it becomes the calling thread's current device). Rank 0

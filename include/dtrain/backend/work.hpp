@@ -136,6 +136,8 @@ class work_state {
   void fail(std::exception_ptr e) noexcept {
     if (!error_) error_ = std::move(e);
   }
+  /// For work whose limit is known only once it has started (a sequence takes its first step's).
+  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
 
  private:
   mutable std::string description_;  // "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"

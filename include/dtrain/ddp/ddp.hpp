@@ -23,6 +23,7 @@
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/policy.hpp>
+#include <dtrain/topology/layout.hpp>
 
 #include <algorithm>
 #include <concepts>
@@ -60,6 +61,10 @@ class DistributedDataParallel {
 
  public:
   using communicator_type = typename Policy::communicator_type;
+  /// The communicators a bucket's allreduce runs on (topology::flat::group,
+  /// topology::hierarchical::group), split from DDP's own communicator.
+  using topology_group =
+      typename Policy::topology_type::template group<typename Policy::communicator_type>;
   /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
   using memory_space = typename Policy::memory_space;
   /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
@@ -70,10 +75,11 @@ class DistributedDataParallel {
   static constexpr bool on_device = memory_space::where == memory::device;
 
   /// Collective over ctx's communicator; metadata goes over ctx's control plane
-  /// where the communicator cannot carry host data (NCCL).
+  /// where the communicator cannot carry host data (NCCL). The policy's
+  /// topology groups the ranks by ctx.world()'s nodes.
   DistributedDataParallel(context<Policy>& ctx, Model& model, ddp_options options = {})
-      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model,
-                                std::move(options)) {}
+      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model, std::move(options),
+                                node_layout::of(ctx.world())) {}
 
   /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
   /// communicator that reaches host memory). A device-only backend (NCCL)
@@ -82,7 +88,7 @@ class DistributedDataParallel {
   /// does not trip the static_assert.)
   template <std::same_as<Model> M>
   DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
-      : DistributedDataParallel(comm, nullptr, model, std::move(options)) {
+      : DistributedDataParallel(comm, nullptr, model, std::move(options), std::nullopt) {
     static_assert(std::same_as<M, Model> && communicator_type::reaches_host_memory,
                   "this backend moves device memory only, and DistributedDataParallel's metadata "
                   "(model agreement, bucket order) is host data: construct it from the context, "
@@ -97,10 +103,11 @@ class DistributedDataParallel {
   /// runner. Buckets travel on a split of `comm` of their own: the caller may
   /// use `comm` at any time. `control` carries the metadata when `comm` cannot
   /// (device-only backends; otherwise DDP's own split of `comm` does), and must
-  /// outlive this object.
+  /// outlive this object. With topology::hierarchical and no context, ranks
+  /// are grouped into nodes by node name (DTRAIN_NODE_NAME, else the host name).
   DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
                           ddp_options options = {})
-      : DistributedDataParallel(comm, &control, model, std::move(options)) {}
+      : DistributedDataParallel(comm, &control, model, std::move(options), std::nullopt) {}
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
@@ -194,6 +201,7 @@ class DistributedDataParallel {
     for (bucket_state& b : buckets_) {
       b.grads.set_stream(compute);
       b.wire.set_stream(compute);
+      b.shard.set_stream(compute);
     }
     stream_ = compute;
   }
@@ -281,6 +289,9 @@ class DistributedDataParallel {
   [[nodiscard]] Model& module() noexcept { return model_; }
   /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+  /// How buckets are reduced: the policy's topology over communicator()
+  /// (describe(), and for topology::hierarchical hierarchical() and why_flat()).
+  [[nodiscard]] const topology_group& topology() const noexcept { return topo_; }
   /// Whether float32 buckets can be compressed here: always on the host; on
   /// a GPU when some translation unit of the program was compiled by nvcc.
   [[nodiscard]] static bool compression_available() noexcept {
@@ -306,8 +317,10 @@ class DistributedDataParallel {
   };
   struct bucket_state {
     detail::flat_storage<memory_space> grads;
-    detail::flat_storage<memory_space> wire;  // the 16-bit copy, with compression
-    std::size_t pending = 0;                  // parameters not yet marked this step
+    detail::flat_storage<memory_space> wire;   // the 16-bit copy, with compression
+    detail::flat_storage<memory_space> shard;  // the topology's scratch (hierarchical)
+    std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
+    std::size_t pending = 0;  // parameters not yet marked this step
     bool ready = false;
   };
   using runner_type =
@@ -318,11 +331,16 @@ class DistributedDataParallel {
       std::conditional_t<communicator_type::reaches_host_memory,
                          communicator_channel<communicator_type>, std::monostate>;
 
+  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
+                          ddp_options options, std::optional<node_layout> layout)
+      : DistributedDataParallel(comm, &control, model, std::move(options), layout) {}
+
   DistributedDataParallel(communicator_type& comm, control_plane* given, Model& model,
-                          ddp_options options)
+                          ddp_options options, std::optional<node_layout> layout)
       : comm_(comm.split(0, comm.rank())),
         own_channel_(make_own_channel()),
         control_(control_for(given)),
+        topo_(comm_, control_, layout_of(layout)),
         model_(model),
         options_(std::move(options)),
         rank_(comm.rank()),
@@ -380,6 +398,16 @@ class DistributedDataParallel {
     }
   }
 
+  // The nodes as the launcher placed them, or (no context) as node names group them.
+  node_layout layout_of(const std::optional<node_layout>& given) {
+    if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
+      return given.value_or(node_layout{});  // flat needs none: nothing collective
+    } else {
+      if (given) return *given;
+      return detail::layout_from_node_names(control_, node_name(environment::from_process()));
+    }
+  }
+
   static int device_of(communicator_type& comm) {
     if constexpr (on_device) {
       return comm.device();
@@ -398,11 +426,21 @@ class DistributedDataParallel {
         mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
     std::vector<bucket_state> buckets(info.size());
     for (std::size_t b = 0; b < info.size(); ++b) {
-      buckets[b].grads = detail::flat_storage<memory_space>(info[b].bytes, info[b].device, stream_);
+      // A hierarchical topology splits a bucket into equal shards, one per
+      // rank of a node: zeros at the end make the count divide (GPU: every
+      // shard on bucket_alignment too). The padding stays zero.
+      std::size_t unit = topo_.granularity();
+      if (unit > 1 && info[b].device >= 0) unit *= bucket_alignment / size_of(info[b].type);
+      buckets[b].moved = (info[b].count + unit - 1) / unit * unit;
+      buckets[b].grads = detail::flat_storage<memory_space>(
+          buckets[b].moved * size_of(info[b].type), info[b].device, stream_);
       if (compressed(info[b]))
         buckets[b].wire = detail::flat_storage<memory_space>(
-            info[b].count * size_of(detail::wire_type(options_.compression)), info[b].device,
+            buckets[b].moved * size_of(detail::wire_type(options_.compression)), info[b].device,
             stream_);
+      if (const std::size_t shard = topo_.shard_count(buckets[b].moved); shard > 0)
+        buckets[b].shard = detail::flat_storage<memory_space>(shard * size_of(info[b].type),
+                                                              info[b].device, stream_);
       for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
         const std::size_t i = info[b].parameters[k];
         parameter& p = params_[i];
@@ -528,11 +566,11 @@ class DistributedDataParallel {
   work reduce(std::size_t b) {
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
-    buffer data{s.grads.data(), info.count, info.type, memory_space::where, s.grads.device()};
+    buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};
     reduce_op op = reduce_op::avg;
     if (compressed(info)) {
-      data = {s.wire.data(), info.count, detail::wire_type(options_.compression),
-              memory_space::where, s.grads.device()};
+      data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
+              s.grads.device()};
       op = reduce_op::sum;
     }
     if (hook_) {
@@ -541,12 +579,20 @@ class DistributedDataParallel {
                            .world_size = size_,
                            .parameters = info.parameters,
                            .stream = stream_};
+      view.data.count = info.count;  // the hook sees the slots, not the topology's padding
       return hook_(comm_, view);
     }
+    const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                       s.grads.device()};
+    return topo_.allreduce(data, shard, op, on_stream_or_null());
+  }
+
+  // The compute stream for engines that order after it; null for host memory.
+  stream_handle on_stream_or_null() const noexcept {
     if constexpr (memory_space::on_stream) {
-      return comm_.allreduce(data, data, op, stream_);
+      return stream_;
     } else {
-      return comm_.allreduce(data, data, op);
+      return nullptr;
     }
   }
 
@@ -568,7 +614,7 @@ class DistributedDataParallel {
 
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
-    if constexpr (memory_space::on_stream) comm_.stream_wait(stream_);
+    if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
   }
 
   std::exception_ptr runner_drain() {
@@ -649,6 +695,7 @@ class DistributedDataParallel {
   communicator_type comm_;
   own_channel_type own_channel_;
   control_plane control_;
+  topology_group topo_;  // after control_: made over it
   Model& model_;
   ddp_options options_;
   int rank_;

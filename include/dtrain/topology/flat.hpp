@@ -1,13 +1,17 @@
 #pragma once
 /// @file
 /// topology::flat: every collective runs on one communicator over the world.
-/// A hierarchical topology (node-local and cross-node communicators built
-/// with split) is the other model of this slot, to come.
+/// The other model of the slot is topology::hierarchical (hierarchical.hpp).
 
 #include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/control.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/topology/layout.hpp>
+#include <dtrain/topology/sequence.hpp>
 
+#include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace dtrain::topology {
@@ -25,6 +29,45 @@ struct flat {
   static work broadcast(C& world, buffer data, int root) {
     return world.broadcast(data, root);
   }
+
+  /// The communicators a topology runs its collectives on, made once per
+  /// user (DistributedDataParallel makes one). Flat: the world itself.
+  template <communicator C>
+  class group {
+   public:
+    /// Nothing collective happens: flat needs no layout and no new communicator.
+    group(C& world, control_plane /*control*/, const node_layout& /*mine*/) noexcept
+        : world_(&world) {}
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically (never, here).
+    [[nodiscard]] static constexpr bool hierarchical() noexcept { return false; }
+    /// A buffer whose length is a multiple of this many elements needs no extra collective.
+    [[nodiscard]] static constexpr std::size_t granularity() noexcept { return 1; }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs: none.
+    [[nodiscard]] static constexpr std::size_t shard_count(std::size_t /*count*/) noexcept {
+      return 0;
+    }
+    /// "flat (gloo, 4 ranks)"
+    [[nodiscard]] std::string describe() const {
+      return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) + " ranks)";
+    }
+
+    /// In place on `data`, ordered after `stream` where the engine takes one.
+    work allreduce(buffer data, buffer /*shard*/, reduce_op op, stream_handle stream = nullptr) {
+      return detail::allreduce_on(*world_, data, data, op, stream);
+    }
+    /// The same without scratch (flat needs none).
+    work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
+    /// Makes `stream` wait for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    { world_->stream_wait(stream); }
+
+   private:
+    C* world_;
+  };
 };
 
 }  // namespace dtrain::topology

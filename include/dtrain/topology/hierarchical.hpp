@@ -1,0 +1,267 @@
+#pragma once
+/// @file
+/// topology::hierarchical: an allreduce runs as a node-local reduce-scatter,
+/// a cross-node allreduce of each shard (one communicator per local rank),
+/// and a node-local allgather. Only 1/L of the data crosses the network per
+/// rank (L ranks per node), and the links between nodes carry each shard
+/// once per node rather than once per rank: the slow links carry (n-1)/n of
+/// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
+
+#include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/control.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/backend/work.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/topology/layout.hpp>
+#include <dtrain/topology/sequence.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::topology {
+
+/// Node-local and cross-node communicators, split from the world.
+struct hierarchical {
+  static constexpr std::string_view name = "hierarchical";
+  /// On host engines, a buffer of more than this many bytes travels in chunks
+  /// of about this size (at most 8), pipelined: a chunk's node-local steps run
+  /// while another chunk crosses the nodes. 0: one piece.
+  static constexpr std::size_t default_chunk_bytes = std::size_t{2} << 20;
+
+  /// The communicators of one user (DistributedDataParallel makes one):
+  /// `local` (the ranks of this node, by local rank) and `cross` (the ranks
+  /// with this local rank, one per node, by node rank), or the world alone
+  /// when the nodes do not allow a hierarchy (see hierarchical()).
+  template <communicator C>
+  class group {
+   public:
+    /// Collective over `world`: every rank's layout is gathered over
+    /// `control`; when every node holds the same number L > 1 of ranks and
+    /// there are N > 1 nodes, `world` is split into `local` (color: node rank,
+    /// key: local rank) and `cross` (color: local rank, key: node rank).
+    /// Otherwise collectives run flat on `world`, and rank 0 prints one line
+    /// saying why. `world` must outlive the group. `chunk_bytes`: see
+    /// default_chunk_bytes (every rank must pass the same). Throws what
+    /// split() throws, and backend_error when a split does not give the expected size.
+    group(C& world, control_plane control, const node_layout& mine,
+          std::size_t chunk_bytes = default_chunk_bytes)
+        : world_(&world), chunk_bytes_(chunk_bytes) {
+      const std::vector<node_layout> table = detail::gather_layouts(control, mine);
+      why_flat_ = detail::hierarchy_problem(table);
+      if (!why_flat_.empty()) {
+        if (world.rank() == 0) {
+          std::fprintf(stderr, "dtrain: topology::hierarchical runs flat on %d ranks: %s\n",
+                       world.size(), why_flat_.c_str());
+          std::fflush(stderr);
+        }
+        return;
+      }
+      local_.emplace(world.split(mine.node_rank, mine.local_rank));
+      cross_.emplace(world.split(mine.local_rank, mine.node_rank));
+      if (local_->size() != mine.local_size || local_->rank() != mine.local_rank ||
+          cross_->size() != mine.num_nodes || cross_->rank() != mine.node_rank) {
+        throw backend_error(
+            "topology::hierarchical on rank " + std::to_string(world.rank()) + ": splitting " +
+                std::string(C::name) + " gave local rank " + std::to_string(local_->rank()) +
+                " of " + std::to_string(local_->size()) + " and cross rank " +
+                std::to_string(cross_->rank()) + " of " + std::to_string(cross_->size()) +
+                ", the layout says " + std::to_string(mine.local_rank) + " of " +
+                std::to_string(mine.local_size) + " and " + std::to_string(mine.node_rank) +
+                " of " + std::to_string(mine.num_nodes),
+            0);
+      }
+    }
+    group(const group&) = delete;
+    group& operator=(const group&) = delete;
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically; false when they run flat (why_flat() says why).
+    [[nodiscard]] bool hierarchical() const noexcept { return local_.has_value(); }
+    [[nodiscard]] const std::string& why_flat() const noexcept { return why_flat_; }
+    /// The node-local communicator; only when hierarchical().
+    [[nodiscard]] C& local() { return *local_; }
+    /// The cross-node communicator of this local rank; only when hierarchical().
+    [[nodiscard]] C& cross() { return *cross_; }
+
+    /// A buffer whose length is a multiple of this many elements (the ranks
+    /// per node) needs no extra collectives for a remainder.
+    [[nodiscard]] std::size_t granularity() const noexcept {
+      return local_ ? static_cast<std::size_t>(local_->size()) : 1;
+    }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs.
+    [[nodiscard]] std::size_t shard_count(std::size_t count) const noexcept {
+      return local_ ? count / granularity() : 0;
+    }
+    /// "hierarchical (gloo): 2 nodes x 2 ranks", or "flat (gloo, 3 ranks): uneven nodes: ..."
+    [[nodiscard]] std::string describe() const {
+      if (!local_) {
+        return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) +
+               " ranks): " + why_flat_;
+      }
+      return "hierarchical (" + std::string(C::name) + "): " + std::to_string(cross_->size()) +
+             " nodes x " + std::to_string(local_->size()) + " ranks";
+    }
+
+    /// In place on `data`: the reduction over every rank. `shard` is scratch
+    /// of at least shard_count(data.count) elements of data's type in the
+    /// same memory, untouched by anyone else until the work completes (one
+    /// per collective in flight). Steps: node-local reduce_scatter of the
+    /// first L x q elements (q = count / L) into `shard`, cross-node allreduce
+    /// of `shard`, node-local allgather back into `data`; the last count - L x q
+    /// elements (fewer than L) are reduced by a node-local and a cross-node
+    /// allreduce of their own. avg is avg at each step (sum / L, then / N).
+    /// On an engine that orders collectives on streams (NCCL) every step is
+    /// enqueued now, the first after `stream`; otherwise each step starts when
+    /// the previous one has finished, inside test() / wait() of the returned
+    /// work, so drive it from the thread that issues this group's collectives.
+    /// Throws config_error for a `shard` of the wrong type, memory or size.
+    work allreduce(buffer data, buffer shard, reduce_op op, stream_handle stream = nullptr) {
+      return run(data, shard, op, stream, nullptr);
+    }
+
+    /// The same for host memory, with scratch of its own (held by the work).
+    work allreduce(buffer data, reduce_op op) {
+      if (!local_ || data.count < granularity()) return run(data, {}, op, nullptr, nullptr);
+      if (data.where != memory::host) {
+        throw config_error(describe_call(data, op) +
+                           ": device memory needs a shard buffer of the caller's "
+                           "(allreduce(data, shard, op, stream))");
+      }
+      auto scratch =
+          std::make_shared<std::vector<std::byte>>(shard_count(data.count) * size_of(data.type));
+      buffer shard{scratch->data(), shard_count(data.count), data.type, memory::host};
+      return run(data, shard, op, nullptr, std::move(scratch));
+    }
+
+    /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    {
+      world_->stream_wait(stream);
+      if (local_) {
+        local_->stream_wait(stream);
+        cross_->stream_wait(stream);
+      }
+    }
+
+   private:
+    [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
+      return detail::describe("hierarchical allreduce",
+                              std::string(to_string(op)) + ", " + detail::shape(data),
+                              world_->rank(), world_->size(), C::name);
+    }
+
+    work run(buffer data, buffer shard, reduce_op op, stream_handle stream,
+             std::shared_ptr<void> keep_alive) {
+      const std::size_t per_node = granularity();
+      const std::size_t q = local_ ? data.count / per_node : 0;
+      if (q == 0) return detail::allreduce_on(*world_, data, data, op, stream);
+      detail::argument_check check{describe_call(data, op)};
+      check.same_type(data, shard);
+      if (shard.count < q) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(q) + " (shard_count(" + std::to_string(data.count) + "))");
+      }
+      check.op_fits(op, data.type);
+      buffer head = data;
+      head.count = q * per_node;
+      buffer part = shard;
+      part.count = q;
+      buffer rest = data;
+      rest.data = static_cast<std::byte*>(data.data) + head.bytes();
+      rest.count = data.count - head.count;
+
+      C& local = *local_;
+      C& cross = *cross_;
+      // Lanes: the communicators, each a queue of its own. On a host engine a
+      // large buffer travels in chunks, so that a chunk's node-local
+      // reduce-scatter overlaps the previous chunk's cross-node allreduce
+      // (bound by the slow link) and its allgather the next one's.
+      enum : int { on_local = 1, on_cross = 2 };
+      const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
+      std::vector<detail::work_sequence::step> rs, cross_steps, ag;
+      const std::string of = chunks > 1 ? " (chunk " : "";
+      for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
+        const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
+        buffer in = head, mine = part;
+        in.data = static_cast<std::byte*>(head.data) + begin * per_node * size_of(head.type);
+        in.count = n * per_node;
+        mine.data = static_cast<std::byte*>(part.data) + begin * size_of(part.type);
+        mine.count = n;
+        begin += n;
+        const std::string which =
+            chunks > 1 ? of + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")" : "";
+        rs.push_back(
+            {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, in, mine, op, stream] {
+               return detail::reduce_scatter_on(local, in, mine, op, stream);
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce over " + std::to_string(cross.size()) + " nodes" + which,
+             [&local, &cross, mine, op] {
+               return detail::allreduce_on(cross, mine, mine, op, detail::stream_after(local));
+             },
+             on_cross, -1});
+        ag.push_back(
+            {"node-local allgather over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, &cross, mine, in] {
+               return detail::allgather_on(local, mine, in, detail::stream_after(cross));
+             },
+             on_local, -1});
+      }
+      if (rest.count > 0) {
+        rs.push_back(
+            {"node-local allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&local, rest, op] {
+               return detail::allreduce_on(local, rest, rest, op, detail::stream_after(local));
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&cross, rest, op] {
+               return detail::allreduce_on(cross, rest, rest, op, detail::stream_after(cross));
+             },
+             on_cross, -1});
+      }
+      // List order is each lane's order: every reduce-scatter, then the
+      // cross-node steps, then the allgathers; each waits for its own chunk's step before.
+      std::vector<detail::work_sequence::step> steps;
+      const int crosses = static_cast<int>(rs.size());
+      for (auto& x : rs) steps.push_back(std::move(x));
+      for (std::size_t i = 0; i < cross_steps.size(); ++i) {
+        cross_steps[i].after = static_cast<int>(i);
+        steps.push_back(std::move(cross_steps[i]));
+      }
+      for (std::size_t i = 0; i < ag.size(); ++i) {
+        ag[i].after = crosses + static_cast<int>(i);
+        steps.push_back(std::move(ag[i]));
+      }
+      return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
+                                                          detail::stream_ordered<C>,
+                                                          std::move(keep_alive)));
+    }
+
+    // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
+    [[nodiscard]] std::size_t chunk_count(std::size_t bytes) const noexcept {
+      if (chunk_bytes_ == 0) return 1;
+      return std::clamp<std::size_t>(bytes / chunk_bytes_, 1, 8);
+    }
+
+    C* world_;
+    std::optional<C> local_;
+    std::optional<C> cross_;
+    std::string why_flat_;
+    std::size_t chunk_bytes_;
+  };
+};
+
+}  // namespace dtrain::topology

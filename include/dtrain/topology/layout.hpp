@@ -1,0 +1,141 @@
+#pragma once
+/// @file
+/// Where each rank sits among the nodes, as a topology needs it: the
+/// `node_layout` of one rank, every rank's gathered over the host control
+/// plane, and the check that the nodes are alike enough for a hierarchical
+/// collective (every node the same number of ranks, local ranks 0..L-1).
+
+#include <dtrain/backend/control.hpp>
+#include <dtrain/env/world.hpp>
+#include <dtrain/error.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// One rank's place among the nodes: what topology::hierarchical groups by.
+struct node_layout {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_size = 1;
+
+  /// The layout of a complete world (as dtrain::run hands it over); nullopt
+  /// when a field is unknown.
+  [[nodiscard]] static std::optional<node_layout> of(const world& w) {
+    if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+    return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+  }
+  friend bool operator==(const node_layout&, const node_layout&) = default;
+};
+
+namespace detail {
+
+/// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
+/// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
+/// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
+/// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
+[[nodiscard]] inline std::string hierarchy_problem(std::span<const node_layout> table) {
+  const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
+  if (table.empty()) return "no ranks";
+  std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const node_layout& l = table[r];
+    if (l.num_nodes != table[0].num_nodes) {
+      return rank(r) + " says there are " + std::to_string(l.num_nodes) + " nodes, rank 0 " +
+             std::to_string(table[0].num_nodes);
+    }
+    if (l.node_rank < 0 || l.node_rank >= l.num_nodes || l.local_rank < 0 ||
+        l.local_rank >= l.local_size) {
+      return rank(r) + " has node rank " + std::to_string(l.node_rank) + " of " +
+             std::to_string(l.num_nodes) + " and local rank " + std::to_string(l.local_rank) +
+             " of " + std::to_string(l.local_size);
+    }
+    nodes[l.node_rank].push_back(l.local_rank);
+  }
+  const int n = table[0].num_nodes;
+  if (static_cast<int>(nodes.size()) != n) {
+    return std::to_string(nodes.size()) + " of the " + std::to_string(n) + " nodes have ranks";
+  }
+  const std::size_t first = nodes.begin()->second.size();
+  for (const auto& [node, locals] : nodes) {
+    if (locals.size() != first) {
+      return "uneven nodes: node " + std::to_string(nodes.begin()->first) + " has " +
+             std::to_string(first) + " ranks, node " + std::to_string(node) + " has " +
+             std::to_string(locals.size()) +
+             " (hierarchical needs the same number of ranks on every node)";
+    }
+    std::vector<char> seen(first, 0);
+    for (int local : locals) {
+      if (static_cast<std::size_t>(local) >= first || seen[static_cast<std::size_t>(local)]) {
+        return "node " + std::to_string(node) + " does not number its " + std::to_string(first) +
+               " ranks 0.." + std::to_string(first - 1) + " (local rank " + std::to_string(local) +
+               ")";
+      }
+      seen[static_cast<std::size_t>(local)] = 1;
+    }
+  }
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    if (static_cast<std::size_t>(table[r].local_size) != first) {
+      return rank(r) + " says its node has " + std::to_string(table[r].local_size) +
+             " ranks, but " + std::to_string(first) + " met there";
+    }
+  }
+  if (n == 1) return "one node: nothing crosses nodes";
+  if (first == 1) return "one rank per node: the cross-node communicator would be the world";
+  return {};
+}
+
+/// Every rank's layout, in rank order, over `control` (collective).
+[[nodiscard]] inline std::vector<node_layout> gather_layouts(control_plane& control,
+                                                             const node_layout& mine) {
+  const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
+  control.allgather(fields, all);
+  std::vector<node_layout> table(static_cast<std::size_t>(control.size()));
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const std::int64_t* f = &all[4 * r];
+    table[r] = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                static_cast<int>(f[3])};
+  }
+  return table;
+}
+
+/// The layout of every rank from its node name alone (FNV-1a of it, gathered
+/// over `control`): nodes numbered by their lowest rank, local ranks in rank
+/// order, as dtrain::run completes a world. For communicators made without a
+/// context, which knows the launcher's own placement.
+[[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
+                                                        std::string_view node_name) {
+  std::uint64_t hash = 1469598103934665603ull;
+  for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
+  control.allgather(mine, all);
+  std::map<std::int64_t, int> node_of;
+  std::vector<int> sizes;
+  node_layout out;
+  for (int r = 0; r < control.size(); ++r) {
+    auto [it, fresh] =
+        node_of.try_emplace(all[static_cast<std::size_t>(r)], static_cast<int>(sizes.size()));
+    if (fresh) sizes.push_back(0);
+    if (r == control.rank()) {
+      out.node_rank = it->second;
+      out.local_rank = sizes[static_cast<std::size_t>(it->second)];
+    }
+    ++sizes[static_cast<std::size_t>(it->second)];
+  }
+  out.num_nodes = static_cast<int>(sizes.size());
+  out.local_size = sizes[static_cast<std::size_t>(out.node_rank)];
+  return out;
+}
+
+}  // namespace detail
+}  // namespace dtrain
