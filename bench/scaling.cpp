@@ -148,6 +148,16 @@ double slowest(Comm& comm, double mine) {
   return mine;
 }
 
+// One collective's time on the slowest rank, started together after a barrier.
+template <class Comm, class Start>
+double seconds_of(Comm& world, Start&& start) {
+  world.barrier().wait();
+  const auto begin = std::chrono::steady_clock::now();
+  start().wait();
+  return slowest(world,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+}
+
 // --what allreduce: one bucket, flat and hierarchical alternating.
 int allreduce_bench(dtrain::context<Flat>& ctx, const settings& s) {
   auto& world = ctx.communicator();
@@ -164,15 +174,10 @@ int allreduce_bench(dtrain::context<Flat>& ctx, const settings& s) {
     for (int which = 0; which < 2; ++which) {
       const bool flat_first = round % 2 == 0;
       const bool flat = (which == 0) == flat_first;
-      world.barrier().wait();
-      const auto start = std::chrono::steady_clock::now();
-      if (flat) {
-        world.allreduce(whole, whole, dtrain::reduce_op::avg).wait();
-      } else {
-        hier.allreduce(whole, scratch, dtrain::reduce_op::avg).wait();
-      }
-      const double took = slowest(
-          world, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      const double took = seconds_of(world, [&] {
+        return flat ? world.allreduce(whole, whole, dtrain::reduce_op::avg)
+                    : hier.allreduce(whole, scratch, dtrain::reduce_op::avg);
+      });
       if (round > 0) (flat ? flat_s : hier_s).push_back(took);
     }
   }
@@ -185,14 +190,8 @@ int allreduce_bench(dtrain::context<Flat>& ctx, const settings& s) {
     part.count = q;
     auto timed = [&](auto&& step) {
       std::vector<double> runs;
-      for (int round = 0; round < std::max(3, s.rounds / 2); ++round) {
-        world.barrier().wait();
-        const auto start = std::chrono::steady_clock::now();
-        step().wait();
-        runs.push_back(slowest(
-            world,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
-      }
+      for (int round = 0; round < std::max(3, s.rounds / 2); ++round)
+        runs.push_back(seconds_of(world, step));
       return median(runs);
     };
     rs_s = timed([&] { return hier.local().reduce_scatter(head, part, dtrain::reduce_op::avg); });

@@ -5428,7 +5428,8 @@ static_assert(communicator<mpi_communicator>);
 /// @file
 /// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
 /// interface, and the choice of the network interface Gloo's TCP transport
-/// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
+/// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
+/// interface variables is left (topology/network.hpp reports it).
 
 // ---- begin dtrain/detail/net.hpp ----
 /// @file
@@ -5570,6 +5571,33 @@ inline bool is_loopback_address(const std::string& address) {
 // ---- end dtrain/detail/net.hpp ----
 
 
+#include <optional>
+#include <string>
+
+namespace dtrain::detail {
+
+/// An interface named by a variable, with the variable as it was set.
+struct named_interface {
+  std::string name;    ///< "eth0"
+  std::string origin;  ///< "GLOO_SOCKET_IFNAME=eth0,eth1"
+};
+
+/// The interface the environment tells Gloo to use: DTRAIN_GLOO_IFNAME, else
+/// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
+/// when neither is set (then the interface that reaches MASTER_ADDR is used).
+inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
+  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v)};
+  }
+  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(v->substr(0, v->find(','))),
+                           "GLOO_SOCKET_IFNAME=" + std::string(*v)};
+  }
+  return std::nullopt;
+}
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_HAS_GLOO()
 
 #include <gloo/rendezvous/store.h>
@@ -5709,12 +5737,8 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, c
     return gloo_endpoint{std::move(name), {}, std::move(origin)};
   };
   if (!interface_option.empty()) return named(interface_option, "gloo_options::interface=" + interface_option);
-  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
-    return named(std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v));
-  }
-  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
-    std::string first(v->substr(0, v->find(',')));
-    return named(first, "GLOO_SOCKET_IFNAME=" + std::string(*v));
+  if (auto variable = gloo_interface_variable(env)) {
+    return named(std::move(variable->name), std::move(variable->origin));
   }
   std::string master = master_option;
   std::string origin = "gloo_options::master_addr=" + master_option;
@@ -8102,9 +8126,9 @@ namespace detail {
 }
 
 /// The layout of every rank from its node name alone (FNV-1a of it, gathered
-/// over `control`): nodes numbered by their lowest rank, local ranks in rank
-/// order, as dtrain::run completes a world. For communicators made without a
-/// context, which knows the launcher's own placement.
+/// over `control`), placed by place_ranks() as dtrain::run completes a world:
+/// nodes numbered by their lowest rank, local ranks in rank order. For
+/// communicators made without a context, which knows the launcher's own placement.
 [[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
                                                         std::string_view node_name) {
   std::uint64_t hash = 1469598103934665603ull;
@@ -8112,22 +8136,10 @@ namespace detail {
   const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
   control.allgather(mine, all);
-  std::map<std::int64_t, int> node_of;
-  std::vector<int> sizes;
-  node_layout out;
-  for (int r = 0; r < control.size(); ++r) {
-    auto [it, fresh] =
-        node_of.try_emplace(all[static_cast<std::size_t>(r)], static_cast<int>(sizes.size()));
-    if (fresh) sizes.push_back(0);
-    if (r == control.rank()) {
-      out.node_rank = it->second;
-      out.local_rank = sizes[static_cast<std::size_t>(it->second)];
-    }
-    ++sizes[static_cast<std::size_t>(it->second)];
-  }
-  out.num_nodes = static_cast<int>(sizes.size());
-  out.local_size = sizes[static_cast<std::size_t>(out.node_rank)];
-  return out;
+  std::vector<rank_report> reports(all.size());
+  for (std::size_t r = 0; r < all.size(); ++r) reports[r].node_name = std::to_string(all[r]);
+  const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
+  return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
 }
 
 }  // namespace detail
@@ -8659,7 +8671,6 @@ struct hierarchical {
       enum : int { on_local = 1, on_cross = 2 };
       const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
       std::vector<detail::work_sequence::step> rs, cross_steps, ag;
-      const std::string of = chunks > 1 ? " (chunk " : "";
       for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
         const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
         buffer in = head, mine = part;
@@ -8669,7 +8680,8 @@ struct hierarchical {
         mine.count = n;
         begin += n;
         const std::string which =
-            chunks > 1 ? of + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")" : "";
+            chunks > 1 ? " (chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")"
+                       : "";
         rs.push_back(
             {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
              [&local, in, mine, op, stream] {
@@ -8894,6 +8906,13 @@ struct engine_interface {
 
 namespace detail {
 
+/// The non-empty entries of a comma list ("eth0,,eth1" -> eth0, eth1).
+inline std::vector<std::string> list_entries(std::string_view text) {
+  std::vector<std::string> out = split(text, ',');
+  std::erase_if(out, [](const std::string& e) { return e.empty(); });
+  return out;
+}
+
 /// NCCL_SOCKET_IFNAME's rules: a comma list of prefixes, `^` excludes them,
 /// `=` makes them exact names. Returns the matching interfaces; `missing`
 /// gets entries (of an including list) that match none.
@@ -8909,12 +8928,7 @@ inline std::vector<std::string> match_interface_list(const host_network& h, std:
     exact = true;
     spec.remove_prefix(1);
   }
-  std::vector<std::string> entries;
-  for (std::size_t at = 0; at <= spec.size();) {
-    const std::size_t comma = std::min(spec.find(',', at), spec.size());
-    if (comma > at) entries.emplace_back(spec.substr(at, comma - at));
-    at = comma + 1;
-  }
+  const std::vector<std::string> entries = list_entries(spec);
   auto matches = [&](const std::string& name, const std::string& entry) {
     return exact ? name == entry : name.rfind(entry, 0) == 0;
   };
@@ -8959,14 +8973,11 @@ inline std::string interface_holding(const host_network& h, const std::string& a
 [[nodiscard]] inline engine_interface gloo_interface(const host_network& h, const environment& env,
                                                      const std::string& route) {
   engine_interface e{"gloo", "?", "", {}};
-  for (const char* var : {"DTRAIN_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
-    if (auto v = env.get(var); v && !v->empty()) {
-      const std::string first(v->substr(0, v->find(',')));
-      e.choice = first;
-      e.why = std::string(var) + "=" + std::string(*v);
-      if (!h.find(first)) e.missing.push_back(first);
-      return e;
-    }
+  if (auto named = detail::gloo_interface_variable(env)) {
+    e.choice = named->name;
+    e.why = named->origin;
+    if (!h.find(named->name)) e.missing.push_back(named->name);
+    return e;
   }
   const auto master = env.get("MASTER_ADDR");
   if (master && !master->empty()) {
@@ -9006,6 +9017,7 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   }
   e.choice = chosen.empty() ? "none" : detail::joined(chosen);
   const auto ib_disable = env.get("NCCL_IB_DISABLE");
+  const auto hca = env.get("NCCL_IB_HCA");
   const bool disabled = ib_disable && *ib_disable == "1";
   if (h.rdma_active() && !disabled) {
     std::string ports;
@@ -9013,10 +9025,8 @@ inline std::string interface_holding(const host_network& h, const std::string& a
       if (p.active())
         ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port);
     }
-    e.why +=
-        "; data over RDMA (NET/IB) on " + ports +
-        (env.get("NCCL_IB_HCA") ? " filtered by NCCL_IB_HCA=" + std::string(*env.get("NCCL_IB_HCA"))
-                                : "");
+    e.why += "; data over RDMA (NET/IB) on " + ports +
+             (hca ? " filtered by NCCL_IB_HCA=" + std::string(*hca) : "");
   } else {
     e.why += disabled ? "; data over TCP sockets (NCCL_IB_DISABLE=1)"
                       : "; data over TCP sockets (no active RDMA port)";
@@ -9031,11 +9041,7 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   engine_interface e{"mpi", "?", "", {}};
   std::vector<std::string> chosen;
   if (auto inc = env.get("OMPI_MCA_btl_tcp_if_include"); inc && !inc->empty()) {
-    for (std::size_t at = 0; at <= inc->size();) {
-      const std::size_t comma = std::min(inc->find(',', at), inc->size());
-      const std::string name(inc->substr(at, comma - at));
-      at = comma + 1;
-      if (name.empty()) continue;
+    for (const std::string& name : detail::list_entries(*inc)) {
       // An entry may be a subnet (10.0.0.0/24), which sysfs cannot check.
       if (name.find('/') == std::string::npos && !h.find(name)) e.missing.push_back(name);
       chosen.push_back(name);
@@ -9044,12 +9050,7 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   } else {
     std::vector<std::string> excluded{"lo"};
     if (auto exc = env.get("OMPI_MCA_btl_tcp_if_exclude"); exc && !exc->empty()) {
-      excluded.clear();
-      for (std::size_t at = 0; at <= exc->size();) {
-        const std::size_t comma = std::min(exc->find(',', at), exc->size());
-        excluded.emplace_back(exc->substr(at, comma - at));
-        at = comma + 1;
-      }
+      excluded = detail::list_entries(*exc);
       e.why = "OMPI_MCA_btl_tcp_if_exclude=" + std::string(*exc);
     } else {
       e.why = "Open MPI's default (every interface but loopback)";
@@ -9062,10 +9063,9 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   }
   e.choice = detail::joined(chosen);
   if (!h.rdma.empty()) {
+    const auto ucx = env.get("UCX_NET_DEVICES");
     e.why += "; RDMA ports are present: an Open MPI built with UCX uses them" +
-             std::string(env.get("UCX_NET_DEVICES")
-                             ? " (UCX_NET_DEVICES=" + std::string(*env.get("UCX_NET_DEVICES")) + ")"
-                             : "");
+             (ucx ? " (UCX_NET_DEVICES=" + std::string(*ucx) + ")" : std::string());
   }
   return e;
 }
@@ -9142,10 +9142,8 @@ inline int usable_gpus(const doctor_facts& f) {
   int bus = f.host.nvidia_gpus;
   if (auto v = f.env.get("CUDA_VISIBLE_DEVICES")) {
     int listed = 0;
-    for (std::size_t at = 0; at <= v->size();) {
-      const std::size_t comma = std::min(v->find(',', at), v->size());
-      if (comma > at && (*v)[at] != '-') ++listed;  // "-1" hides every device
-      at = comma + 1;
+    for (const std::string& device : list_entries(*v)) {
+      if (device.front() != '-') ++listed;  // "-1" hides every device
     }
     bus = std::min(bus, listed);
   }

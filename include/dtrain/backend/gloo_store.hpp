@@ -2,7 +2,8 @@
 /// @file
 /// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
 /// interface, and the choice of the network interface Gloo's TCP transport
-/// binds to. Used by backend/gloo.hpp; compiles to nothing without Gloo.
+/// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
+/// interface variables is left (topology/network.hpp reports it).
 
 #include <dtrain/config.hpp>
 #include <dtrain/detail/net.hpp>
@@ -11,6 +12,33 @@
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/store.hpp>
+
+#include <optional>
+#include <string>
+
+namespace dtrain::detail {
+
+/// An interface named by a variable, with the variable as it was set.
+struct named_interface {
+  std::string name;    ///< "eth0"
+  std::string origin;  ///< "GLOO_SOCKET_IFNAME=eth0,eth1"
+};
+
+/// The interface the environment tells Gloo to use: DTRAIN_GLOO_IFNAME, else
+/// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
+/// when neither is set (then the interface that reaches MASTER_ADDR is used).
+inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
+  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v)};
+  }
+  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(v->substr(0, v->find(','))),
+                           "GLOO_SOCKET_IFNAME=" + std::string(*v)};
+  }
+  return std::nullopt;
+}
+
+}  // namespace dtrain::detail
 
 #if DTRAIN_HAS_GLOO()
 
@@ -151,12 +179,8 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, c
     return gloo_endpoint{std::move(name), {}, std::move(origin)};
   };
   if (!interface_option.empty()) return named(interface_option, "gloo_options::interface=" + interface_option);
-  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
-    return named(std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v));
-  }
-  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
-    std::string first(v->substr(0, v->find(',')));
-    return named(first, "GLOO_SOCKET_IFNAME=" + std::string(*v));
+  if (auto variable = gloo_interface_variable(env)) {
+    return named(std::move(variable->name), std::move(variable->origin));
   }
   std::string master = master_option;
   std::string origin = "gloo_options::master_addr=" + master_option;

@@ -73,10 +73,8 @@ inline int usable_gpus(const doctor_facts& f) {
   int bus = f.host.nvidia_gpus;
   if (auto v = f.env.get("CUDA_VISIBLE_DEVICES")) {
     int listed = 0;
-    for (std::size_t at = 0; at <= v->size();) {
-      const std::size_t comma = std::min(v->find(',', at), v->size());
-      if (comma > at && (*v)[at] != '-') ++listed;  // "-1" hides every device
-      at = comma + 1;
+    for (const std::string& device : list_entries(*v)) {
+      if (device.front() != '-') ++listed;  // "-1" hides every device
     }
     bus = std::min(bus, listed);
   }

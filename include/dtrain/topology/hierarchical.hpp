@@ -188,7 +188,6 @@ struct hierarchical {
       enum : int { on_local = 1, on_cross = 2 };
       const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
       std::vector<detail::work_sequence::step> rs, cross_steps, ag;
-      const std::string of = chunks > 1 ? " (chunk " : "";
       for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
         const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
         buffer in = head, mine = part;
@@ -198,7 +197,8 @@ struct hierarchical {
         mine.count = n;
         begin += n;
         const std::string which =
-            chunks > 1 ? of + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")" : "";
+            chunks > 1 ? " (chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")"
+                       : "";
         rs.push_back(
             {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
              [&local, in, mine, op, stream] {

@@ -6,6 +6,7 @@
 /// collective (every node the same number of ranks, local ranks 0..L-1).
 
 #include <dtrain/backend/control.hpp>
+#include <dtrain/env/placement.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
@@ -109,9 +110,9 @@ namespace detail {
 }
 
 /// The layout of every rank from its node name alone (FNV-1a of it, gathered
-/// over `control`): nodes numbered by their lowest rank, local ranks in rank
-/// order, as dtrain::run completes a world. For communicators made without a
-/// context, which knows the launcher's own placement.
+/// over `control`), placed by place_ranks() as dtrain::run completes a world:
+/// nodes numbered by their lowest rank, local ranks in rank order. For
+/// communicators made without a context, which knows the launcher's own placement.
 [[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
                                                         std::string_view node_name) {
   std::uint64_t hash = 1469598103934665603ull;
@@ -119,22 +120,10 @@ namespace detail {
   const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
   control.allgather(mine, all);
-  std::map<std::int64_t, int> node_of;
-  std::vector<int> sizes;
-  node_layout out;
-  for (int r = 0; r < control.size(); ++r) {
-    auto [it, fresh] =
-        node_of.try_emplace(all[static_cast<std::size_t>(r)], static_cast<int>(sizes.size()));
-    if (fresh) sizes.push_back(0);
-    if (r == control.rank()) {
-      out.node_rank = it->second;
-      out.local_rank = sizes[static_cast<std::size_t>(it->second)];
-    }
-    ++sizes[static_cast<std::size_t>(it->second)];
-  }
-  out.num_nodes = static_cast<int>(sizes.size());
-  out.local_size = sizes[static_cast<std::size_t>(out.node_rank)];
-  return out;
+  std::vector<rank_report> reports(all.size());
+  for (std::size_t r = 0; r < all.size(); ++r) reports[r].node_name = std::to_string(all[r]);
+  const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
+  return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
 }
 
 }  // namespace detail

@@ -7,7 +7,9 @@
 /// tree of their own; and which interface Gloo, NCCL and Open MPI would use,
 /// by each engine's own rules and variables. dtrain_doctor prints it.
 
+#include <dtrain/backend/gloo_store.hpp>
 #include <dtrain/detail/net.hpp>
+#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
 
 #include <algorithm>
@@ -157,6 +159,13 @@ struct engine_interface {
 
 namespace detail {
 
+/// The non-empty entries of a comma list ("eth0,,eth1" -> eth0, eth1).
+inline std::vector<std::string> list_entries(std::string_view text) {
+  std::vector<std::string> out = split(text, ',');
+  std::erase_if(out, [](const std::string& e) { return e.empty(); });
+  return out;
+}
+
 /// NCCL_SOCKET_IFNAME's rules: a comma list of prefixes, `^` excludes them,
 /// `=` makes them exact names. Returns the matching interfaces; `missing`
 /// gets entries (of an including list) that match none.
@@ -172,12 +181,7 @@ inline std::vector<std::string> match_interface_list(const host_network& h, std:
     exact = true;
     spec.remove_prefix(1);
   }
-  std::vector<std::string> entries;
-  for (std::size_t at = 0; at <= spec.size();) {
-    const std::size_t comma = std::min(spec.find(',', at), spec.size());
-    if (comma > at) entries.emplace_back(spec.substr(at, comma - at));
-    at = comma + 1;
-  }
+  const std::vector<std::string> entries = list_entries(spec);
   auto matches = [&](const std::string& name, const std::string& entry) {
     return exact ? name == entry : name.rfind(entry, 0) == 0;
   };
@@ -222,14 +226,11 @@ inline std::string interface_holding(const host_network& h, const std::string& a
 [[nodiscard]] inline engine_interface gloo_interface(const host_network& h, const environment& env,
                                                      const std::string& route) {
   engine_interface e{"gloo", "?", "", {}};
-  for (const char* var : {"DTRAIN_GLOO_IFNAME", "GLOO_SOCKET_IFNAME"}) {
-    if (auto v = env.get(var); v && !v->empty()) {
-      const std::string first(v->substr(0, v->find(',')));
-      e.choice = first;
-      e.why = std::string(var) + "=" + std::string(*v);
-      if (!h.find(first)) e.missing.push_back(first);
-      return e;
-    }
+  if (auto named = detail::gloo_interface_variable(env)) {
+    e.choice = named->name;
+    e.why = named->origin;
+    if (!h.find(named->name)) e.missing.push_back(named->name);
+    return e;
   }
   const auto master = env.get("MASTER_ADDR");
   if (master && !master->empty()) {
@@ -269,6 +270,7 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   }
   e.choice = chosen.empty() ? "none" : detail::joined(chosen);
   const auto ib_disable = env.get("NCCL_IB_DISABLE");
+  const auto hca = env.get("NCCL_IB_HCA");
   const bool disabled = ib_disable && *ib_disable == "1";
   if (h.rdma_active() && !disabled) {
     std::string ports;
@@ -276,10 +278,8 @@ inline std::string interface_holding(const host_network& h, const std::string& a
       if (p.active())
         ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port);
     }
-    e.why +=
-        "; data over RDMA (NET/IB) on " + ports +
-        (env.get("NCCL_IB_HCA") ? " filtered by NCCL_IB_HCA=" + std::string(*env.get("NCCL_IB_HCA"))
-                                : "");
+    e.why += "; data over RDMA (NET/IB) on " + ports +
+             (hca ? " filtered by NCCL_IB_HCA=" + std::string(*hca) : "");
   } else {
     e.why += disabled ? "; data over TCP sockets (NCCL_IB_DISABLE=1)"
                       : "; data over TCP sockets (no active RDMA port)";
@@ -294,11 +294,7 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   engine_interface e{"mpi", "?", "", {}};
   std::vector<std::string> chosen;
   if (auto inc = env.get("OMPI_MCA_btl_tcp_if_include"); inc && !inc->empty()) {
-    for (std::size_t at = 0; at <= inc->size();) {
-      const std::size_t comma = std::min(inc->find(',', at), inc->size());
-      const std::string name(inc->substr(at, comma - at));
-      at = comma + 1;
-      if (name.empty()) continue;
+    for (const std::string& name : detail::list_entries(*inc)) {
       // An entry may be a subnet (10.0.0.0/24), which sysfs cannot check.
       if (name.find('/') == std::string::npos && !h.find(name)) e.missing.push_back(name);
       chosen.push_back(name);
@@ -307,12 +303,7 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   } else {
     std::vector<std::string> excluded{"lo"};
     if (auto exc = env.get("OMPI_MCA_btl_tcp_if_exclude"); exc && !exc->empty()) {
-      excluded.clear();
-      for (std::size_t at = 0; at <= exc->size();) {
-        const std::size_t comma = std::min(exc->find(',', at), exc->size());
-        excluded.emplace_back(exc->substr(at, comma - at));
-        at = comma + 1;
-      }
+      excluded = detail::list_entries(*exc);
       e.why = "OMPI_MCA_btl_tcp_if_exclude=" + std::string(*exc);
     } else {
       e.why = "Open MPI's default (every interface but loopback)";
@@ -325,10 +316,9 @@ inline std::string interface_holding(const host_network& h, const std::string& a
   }
   e.choice = detail::joined(chosen);
   if (!h.rdma.empty()) {
+    const auto ucx = env.get("UCX_NET_DEVICES");
     e.why += "; RDMA ports are present: an Open MPI built with UCX uses them" +
-             std::string(env.get("UCX_NET_DEVICES")
-                             ? " (UCX_NET_DEVICES=" + std::string(*env.get("UCX_NET_DEVICES")) + ")"
-                             : "");
+             (ucx ? " (UCX_NET_DEVICES=" + std::string(*ucx) + ")" : std::string());
   }
   return e;
 }
