@@ -28,7 +28,15 @@ namespace dtrain::detail {
 using steady = std::chrono::steady_clock;
 
 /// A lazily started coroutine returning T, awaitable from another task.
-/// Completion resumes the awaiting coroutine directly (symmetric transfer).
+///
+/// Awaiting a task runs it at once on the awaiter's stack, as a call would.
+/// If it finishes without suspending, its frame has returned before the
+/// awaiter goes on, so a loop over requests that never suspend (a client
+/// pipelining thousands of them) keeps a bounded stack. This does not rest
+/// on the compiler turning symmetric transfer into a tail call, which GCC
+/// does only at -O2: the store must not crash at -O0 or under sanitizers.
+/// Only a task that suspended (on the reactor) resumes its awaiter from its
+/// final suspension, one frame deep per level of nesting.
 template <class T = void>
 class task;
 
@@ -37,13 +45,16 @@ namespace task_impl {
 struct promise_base {
   std::coroutine_handle<> continuation{};
   std::exception_ptr error{};
+  bool running_inline = false;  // started by an awaiter that is still on the stack below it
 
   struct final_awaiter {
     bool await_ready() const noexcept { return false; }
     template <class P>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) const noexcept {
-      auto next = h.promise().continuation;
-      return next ? next : std::noop_coroutine();
+      const promise_base& p = h.promise();
+      // Finished inline: the awaiter's await_suspend is below us and goes on by returning.
+      if (p.running_inline || !p.continuation) return std::noop_coroutine();
+      return p.continuation;
     }
     void await_resume() const noexcept {}
   };
@@ -109,9 +120,15 @@ class task {
     struct awaiter {
       handle_type h;
       bool await_ready() const noexcept { return false; }
-      std::coroutine_handle<> await_suspend(std::coroutine_handle<> caller) noexcept {
-        h.promise().continuation = caller;
-        return h;
+      // Runs the task now; true (stay suspended) only if it suspended before finishing.
+      bool await_suspend(std::coroutine_handle<> caller) noexcept {
+        auto& p = h.promise();
+        p.continuation = caller;
+        p.running_inline = true;
+        h.resume();
+        if (h.done()) return false;
+        p.running_inline = false;  // from now on its final suspension resumes the caller
+        return true;
       }
       T await_resume() { return h.promise().take(); }
     };
