@@ -37,7 +37,9 @@ namespace dtrain {
 /// in get / wait / barrier holds the connection, so a thread that must set the
 /// awaited key meanwhile needs a store_client of its own. After a timeout or a
 /// lost connection the client is unusable (the reply stream cannot be trusted);
-/// make a new one.
+/// make a new one. The one exception: a connection the server closed because
+/// it was idle (store_options::idle_timeout) is reopened, once, by the next
+/// request; the server closes only connections with no request in flight.
 class store_client {
  public:
   using milliseconds = std::chrono::milliseconds;
@@ -184,8 +186,10 @@ class store_client {
 
   using steady = std::chrono::steady_clock;
 
-  void connect() {
-    const auto deadline = steady::now() + options_.timeout;
+  void connect() { connect(options_.timeout); }
+
+  void connect(milliseconds patience) {
+    const auto deadline = steady::now() + patience;
     std::minstd_rand jitter(
         static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
                               static_cast<unsigned>(steady::now().time_since_epoch().count())));
@@ -193,11 +197,13 @@ class store_client {
     std::string last_error;
     for (;;) {
       last_error = try_connect(deadline);
-      if (last_error.empty()) break;
+      // A server at its connection cap closes newcomers unanswered: knock again.
+      if (last_error.empty()) last_error = try_handshake(deadline);
+      if (last_error.empty()) return;
       auto left = deadline - steady::now();
       if (left <= steady::duration::zero()) {
         throw timeout_error("could not reach the store at " + endpoint() + " within " +
-                            seconds(options_.timeout) + " (last error: " + last_error +
+                            seconds(patience) + " (last error: " + last_error +
                             "); is the process hosting it (rank 0 or the node-0 agent) running, "
                             "and is MASTER_ADDR:MASTER_PORT right?");
       }
@@ -207,7 +213,20 @@ class store_client {
       std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
       backoff = std::min(backoff * 2, milliseconds(1000));
     }
-    handshake(deadline);
+  }
+
+  // The handshake; returns why the connection was lost during it (empty on
+  // success). A refusal (token, version) throws: knocking again cannot help.
+  std::string try_handshake(steady::time_point deadline) {
+    try {
+      handshake(deadline);
+      return {};
+    } catch (const error& e) {  // lost, or no answer in time
+      if (refused_) throw;
+      fd_.reset();
+      broken_ = false;
+      return e.what();
+    }
   }
 
   // One attempt; returns the reason it failed, empty on success.
@@ -266,6 +285,7 @@ class store_client {
     detail::wire::reader r(reply);
     auto s = static_cast<detail::wire::status>(r.u8("status"));
     auto version = r.u16("version");
+    refused_ = s != detail::wire::status::ok;
     if (s == detail::wire::status::bad_token) {
       broken_ = true;
       throw rendezvous_error("the store at " + endpoint() +
@@ -294,6 +314,47 @@ class store_client {
     if (broken_)
       throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
                              " was lost earlier");
+    // After a silence the server may have closed the connection as idle:
+    // reopen it rather than fail. If it closes just as this request leaves,
+    // no reply byte arrives, and the request is sent again once.
+    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+    if (closed_by_server()) reopen(what);
+    try {
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    } catch (const rendezvous_error&) {
+      if (!was_idle || reply_started_ || !broken_) throw;
+      reopen(what);
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    }
+  }
+
+  [[nodiscard]] bool closed_by_server() const {
+    char byte;
+    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
+  // A new connection within the io timeout; the old one is dropped unread.
+  void reopen(const std::string& what) {
+    fd_.reset();
+    broken_ = false;
+    try {
+      connect(options_.io_timeout);
+    } catch (const error& e) {
+      broken_ = true;
+      throw rendezvous_error(what + ": the store at " + endpoint() +
+                             " closed this idle connection and cannot be reached again: " +
+                             e.what());
+    }
+  }
+
+  std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
+                                      const std::string& what) {
+    reply_started_ = false;
     // The reply may take the server-side wait, plus the io timeout before the server is presumed
     // dead.
     auto deadline = steady::now() + server_wait + options_.io_timeout;
@@ -353,6 +414,7 @@ class store_client {
       ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
       if (n > 0) {
         out.append(chunk, static_cast<std::size_t>(n));
+        reply_started_ = true;
         continue;
       }
       if (n == 0) lost(what, "the server closed the connection");
@@ -389,6 +451,9 @@ class store_client {
   std::mutex mutex_;
   detail::unique_fd fd_;
   bool broken_ = false;
+  bool refused_ = false;        // the server answered the handshake with a refusal
+  bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
+  steady::time_point last_reply_ = steady::now();
 };
 
 }  // namespace dtrain

@@ -27,12 +27,31 @@ inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
 /// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
 inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
 
-/// Wire limits, checked before anything is allocated.
+/// How long the server keeps a connection that sends nothing after its
+/// handshake, unless it is in a get / wait it asked for. A client reconnects
+/// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
+
+/// Wire and resource limits, checked before anything is allocated. The
+/// defaults fit a 10,000-rank job (one connection per rank and per agent,
+/// a few KiB stored per rank) and bound what a flood can make the server hold
+/// to about max_stored_bytes + max_buffered_bytes.
 struct store_limits {
   std::uint32_t max_key_size = 4096;          ///< bytes per key
   std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
-  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check
+  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check: a connection's waiters
   std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
+  /// Open connections; more are accepted and closed at once, and the server
+  /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
+  /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
+  std::uint32_t max_connections = 16384;
+  /// Keys and values held; a set beyond it is refused with an error reply.
+  /// Environment: DTRAIN_STORE_MAX_BYTES.
+  std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
+  /// Request and reply bytes held for all connections together (a frame in
+  /// flight, a reply not yet read, the keys of a pending wait). A connection
+  /// that would pass it waits, at most the io timeout, for others to finish.
+  std::uint64_t max_buffered_bytes = std::uint64_t{256} << 20;
 
   /// The largest request frame these limits allow; a larger length prefix
   /// closes the connection before a byte of it is buffered.
@@ -52,8 +71,11 @@ struct store_options {
   /// reply may take beyond the operation's own timeout before the server is
   /// presumed dead.
   std::chrono::milliseconds io_timeout = default_store_io_timeout;
+  /// Server: how long a connection may stay silent between requests.
+  std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
   /// Shared secret; the server serves nothing to a client whose token differs.
-  /// Environment: DTRAIN_STORE_TOKEN.
+  /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
+  /// for every job (see the README's "Security"); empty here means none.
   std::string token{};
   store_limits limits{};
   /// Server: where it reports closed connections and their reasons. Empty:
@@ -68,6 +90,15 @@ struct store_options {
     store_options out = *this;
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
+    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
+    }
+    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_BYTES")) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
+    }
     if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
     if (out.token.size() > out.limits.max_token_size) {
       throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +

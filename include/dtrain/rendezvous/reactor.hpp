@@ -234,6 +234,8 @@ class reactor {
 
   /// Resumes a suspended slot with wake::event, after the running coroutine suspends.
   void wake_up(wait_slot& slot) { make_ready(slot, wake::event); }
+  /// Resumes a suspended slot with wake::stop, as stop_all does for one slot.
+  void cancel(wait_slot& slot) { make_ready(slot, wake::stop); }
 
   /// One round: resume what is ready, wait for I/O or the next timer (at most
   /// `cap`), dispatch. Returns false once a stop was requested.

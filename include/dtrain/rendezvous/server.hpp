@@ -8,6 +8,7 @@
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/protocol.hpp>
 #include <dtrain/rendezvous/reactor.hpp>
+#include <dtrain/rendezvous/server_limits.hpp>
 #include <dtrain/rendezvous/socket.hpp>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,6 +41,10 @@ struct store_server_stats {
   std::size_t connections = 0;         ///< open connections, handshaken or not
   std::size_t waiting = 0;             ///< connections blocked in get / wait
   std::uint64_t closed_for_cause = 0;  ///< connections closed for bad input or timeouts
+  std::uint64_t refused = 0;           ///< connections closed at accept (caps, descriptors)
+  std::uint64_t closed_idle = 0;       ///< connections closed after the idle timeout
+  std::uint64_t stored_bytes = 0;      ///< keys and values held
+  std::uint64_t buffered_bytes = 0;    ///< requests, replies and waits in flight
 };
 
 /// Serves the store on `address:port` from a background thread until stop()
@@ -47,10 +53,20 @@ struct store_server_stats {
 /// Bad input from a client closes that connection with a logged reason;
 /// everyone else is still served. stop() answers every pending get / wait
 /// with an error and closes every connection.
+///
+/// What clients can make it hold is capped (store_limits): connections,
+/// stored bytes, bytes in flight, keys in a wait. Connections silent for
+/// the idle timeout are closed. Rejections are logged a few in full, then as
+/// one summary line every 10 s. The address is the interface to listen on:
+/// dtrain::run and the node agent pass the one MASTER_ADDR names (loopback
+/// for a single-node job), not every interface.
 class store_server {
  public:
-  explicit store_server(std::string address = "0.0.0.0", int port = 0, store_options options = {})
-      : address_(std::move(address)), options_(std::move(options)) {
+  explicit store_server(std::string address = "127.0.0.1", int port = 0, store_options options = {})
+      : address_(std::move(address)),
+        options_(std::move(options)),
+        budget_(options_.limits.max_buffered_bytes),
+        connection_cap_(detail::connection_capacity(options_.limits.max_connections)) {
     listen_on(port);
     thread_ = std::thread([this] { serve_until_stopped(); });
   }
@@ -64,7 +80,8 @@ class store_server {
   [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
 
   [[nodiscard]] store_server_stats stats() const noexcept {
-    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load()};
+    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load(), refused_.load(),
+            closed_idle_.load(), stored_bytes_.load(), buffered_bytes_.load()};
   }
 
   /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
@@ -79,11 +96,36 @@ class store_server {
     detail::wait_slot slot;
     std::string peer;
     bool in_request = false;
+    bool authenticated = false;
+    bool evicted = false;
+    bool listed = false;  // in unproven_, at `unproven`, until the handshake succeeds
+    std::list<connection*>::iterator unproven{};
     detail::task<void> job;
   };
 
   struct peer_gone {};  // the client closed its end: not an error
   struct stopping {};   // the server is stopping
+  struct idle {};       // nothing arrived within the idle (or handshake) timeout
+
+  /// Bytes a connection holds against the shared budget, given back when it goes.
+  class held_bytes {
+   public:
+    explicit held_bytes(store_server& s) : s_(s) {}
+    held_bytes(const held_bytes&) = delete;
+    held_bytes& operator=(const held_bytes&) = delete;
+    ~held_bytes() { release(); }
+    void add(std::uint64_t n) { n_ += n; }
+    void release() {
+      if (n_ == 0) return;
+      s_.budget_.give_back(s_.reactor_, n_);
+      s_.buffered_bytes_ = s_.budget_.used();
+      n_ = 0;
+    }
+
+   private:
+    store_server& s_;
+    std::uint64_t n_ = 0;
+  };
 
   using steady = detail::steady;
   using op = detail::wire::op;
@@ -132,7 +174,10 @@ class store_server {
     detail::task<void> acceptor = accept_loop();
     acceptor.start();
     try {
-      while (reactor_.run_once(std::chrono::milliseconds(1000))) reap();
+      while (reactor_.run_once(std::chrono::milliseconds(1000))) {
+        reap();
+        if (auto line = rejections_.summary(steady::now())) log(*line);
+      }
     } catch (const std::exception& e) {
       log(std::string("reactor failed, stopping: ") + e.what());
     }
@@ -156,11 +201,37 @@ class store_server {
   }
 
   detail::task<void> accept_loop() {
-    for (;;) {
+    for (std::uint64_t accepted = 1;; ++accepted) {
+      // Now and then, let the reactor run a round (and reap what was closed)
+      // before the next accept, so that a backlog of thousands cannot starve it.
+      if (accepted % 64 == 0 &&
+          co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt) == detail::wake::stop) {
+        co_return;
+      }
       sockaddr_storage peer{};
       socklen_t len = sizeof peer;
       int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&peer), &len,
                          SOCK_NONBLOCK | SOCK_CLOEXEC);
+      // At the cap, a connection that has not proven its token yet makes room:
+      // a flood of strangers cannot lock the job's own ranks out.
+      if (fd >= 0 && connection_count_ >= connection_cap_ && !unproven_.empty()) {
+        connection* oldest = unproven_.front();
+        unproven_.pop_front();
+        oldest->listed = false;
+        oldest->evicted = true;
+        reactor_.cancel(oldest->slot);
+      } else if (fd >= 0 && connection_count_ >= connection_cap_) {
+        ::close(fd);
+        ++refused_;
+        if (rejections_.note(detail::rejection::over_connection_cap)) {
+          log("refused a connection from " +
+              detail::endpoint_text(reinterpret_cast<sockaddr*>(&peer)) + ": " +
+              std::to_string(connection_cap_) +
+              " connections are open (store_limits::max_connections, "
+              "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
+        }
+        continue;
+      }
       if (fd >= 0) {
         auto c = std::make_unique<connection>();
         c->fd.reset(fd);
@@ -170,6 +241,8 @@ class store_server {
         reactor_.add(fd, c->slot);
         connection* raw = c.get();
         connections_.emplace(raw, std::move(c));
+        raw->unproven = unproven_.insert(unproven_.end(), raw);
+        raw->listed = true;
         ++connection_count_;
         raw->job = serve(*raw);
         raw->job.start();
@@ -178,6 +251,14 @@ class store_server {
       int err = errno;
       if (err == EINTR || err == ECONNABORTED) continue;
       detail::wake w;
+      if ((err == EMFILE || err == ENFILE) && spare_.refuse_one(listen_.get())) {
+        // Keep the queue moving: the client learns at once instead of hanging in it.
+        ++refused_;
+        if (rejections_.note(detail::rejection::out_of_descriptors)) {
+          log(std::string("refused a connection: ") + std::strerror(err));
+        }
+        continue;
+      }
       if (err == EAGAIN || err == EWOULDBLOCK) {
         w = co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt);
       } else {
@@ -199,7 +280,23 @@ class store_server {
       }
     } catch (const peer_gone&) {
     } catch (const stopping&) {
-      if (c.in_request) say_goodbye(c);
+      if (c.evicted) {
+        ++refused_;
+        if (rejections_.note(detail::rejection::over_connection_cap)) {
+          log("closed connection from " + c.peer + " before its handshake: " +
+              std::to_string(connection_cap_) + " connections are open and a new one came");
+        }
+      } else if (c.in_request) {
+        say_goodbye(c);
+      }
+    } catch (const idle&) {
+      if (c.authenticated) {
+        ++closed_idle_;
+        rejections_.note(detail::rejection::idle);
+      } else {
+        reason = "handshake not complete within " + std::to_string(options_.io_timeout.count()) +
+                 " ms (nothing was sent)";
+      }
     } catch (const violation& e) {
       reason = std::string("protocol violation: ") + e.what();
     } catch (const std::exception& e) {
@@ -207,8 +304,12 @@ class store_server {
     }
     if (!reason.empty()) {
       ++closed_for_cause_;
-      log("closed connection from " + c.peer + ": " + reason);
+      if (rejections_.note(c.authenticated ? detail::rejection::protocol
+                                           : detail::rejection::handshake)) {
+        log("closed connection from " + c.peer + ": " + reason);
+      }
     }
+    if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
     finished_.push_back(&c);
   }
 
@@ -251,6 +352,7 @@ class store_server {
       }
       auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
       if (w == detail::wake::stop) throw stopping{};
+      if (w == detail::wake::timeout && eof_ok && out.size() == start) throw idle{};
       if (w == detail::wake::timeout) {
         throw violation(std::string(what) + " not complete within " +
                         std::to_string(options_.io_timeout.count()) + " ms (" +
@@ -315,6 +417,8 @@ class store_server {
       throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
     }
     co_await write_all(c, reply(status::ok));
+    c.authenticated = true;
+    if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
     co_return true;
   }
 
@@ -329,7 +433,8 @@ class store_server {
 
   detail::task<bool> serve_one(connection& c) {
     std::string head;
-    if (!co_await read_exact(c, head, 1, std::nullopt, true, "request")) co_return false;
+    if (!co_await read_exact(c, head, 1, steady::now() + options_.idle_timeout, true, "request"))
+      co_return false;
     auto deadline = io_deadline();
     co_await read_exact(c, head, 3, deadline, false, "request length");
     std::uint32_t length = detail::wire::frame_length(head);
@@ -339,13 +444,38 @@ class store_server {
                       " bytes exceeds the limit of " +
                       std::to_string(options_.limits.max_frame_size()));
     }
+    held_bytes held(*this);
+    co_await reserve(c, held, length, deadline, "a request of " + std::to_string(length) + " bytes");
     std::string body;
     co_await read_exact(c, body, length, deadline, false, "request body");
     c.in_request = true;
-    std::string reply = co_await execute(c, body);
+    std::string reply = co_await execute(c, held, body);
     c.in_request = false;
     co_await write_all(c, detail::wire::frame(reply));
     co_return true;
+  }
+
+  /// Takes `n` bytes from the shared budget for `held`, waiting until the
+  /// deadline for other connections to give some back.
+  detail::task<void> reserve(connection& c, held_bytes& held, std::uint64_t n,
+                             steady::time_point deadline, const std::string& what) {
+    if (n > budget_.cap()) {
+      throw violation(what + " exceeds the store's buffer cap of " + std::to_string(budget_.cap()) +
+                      " bytes (store_limits::max_buffered_bytes)");
+    }
+    while (!budget_.try_take(n)) {
+      budget_.wait_here(c.slot);
+      auto w = co_await reactor_.wait(c.slot, 0, deadline);
+      budget_.stop_waiting(c.slot);
+      if (w == detail::wake::stop) throw stopping{};
+      if (w == detail::wake::timeout) {
+        throw violation(what + " waited for the store's buffer (" + std::to_string(budget_.used()) +
+                        " of " + std::to_string(budget_.cap()) +
+                        " bytes held by other connections) past the io timeout");
+      }
+    }
+    held.add(n);
+    buffered_bytes_ = budget_.used();
   }
 
   static steady::time_point deadline_after(std::uint64_t ms) {
@@ -361,7 +491,23 @@ class store_server {
     return body;
   }
 
-  detail::task<std::string> execute(connection& c, std::string_view body) {
+  /// Reserves, before a reply that copies the value at `key` is built, what
+  /// that reply will hold until the client reads it. Returns false when the
+  /// key is gone meanwhile. Loops because the value may change while it waits.
+  detail::task<bool> reserve_value(connection& c, held_bytes& held, std::string_view key,
+                                   std::uint64_t& reserved) {
+    for (;;) {
+      auto it = data_.find(key);
+      if (it == data_.end()) co_return false;
+      if (it->second.size() <= reserved) co_return true;
+      const std::uint64_t more = it->second.size() - reserved;
+      co_await reserve(c, held, more, io_deadline(),
+                       "a reply of " + std::to_string(it->second.size()) + " bytes");
+      reserved += more;
+    }
+  }
+
+  detail::task<std::string> execute(connection& c, held_bytes& held, std::string_view body) {
     const auto& limits = options_.limits;
     detail::wire::reader r(body);
     auto code = r.u8("op");
@@ -372,7 +518,7 @@ class store_server {
         auto key = r.bytes32("key", limits.max_key_size);
         auto value = r.bytes32("value", limits.max_value_size);
         r.finish("set request");
-        store(key, std::string(value));
+        if (!store(key, value)) co_return over_capacity("set", key, value.size());
         break;
       }
       case op::get: {
@@ -380,7 +526,11 @@ class store_server {
         auto ms = r.u64("timeout");
         r.finish("get request");
         std::vector<std::string_view> keys{key};
-        if (!co_await wait_for(c, keys, deadline_after(ms))) co_return reply(status::timeout);
+        const auto deadline = deadline_after(ms);
+        std::uint64_t reserved = 0;
+        do {
+          if (!co_await wait_for(c, held, keys, deadline)) co_return reply(status::timeout);
+        } while (!co_await reserve_value(c, held, key, reserved));
         w.bytes32(data_.find(key)->second);
         break;
       }
@@ -401,7 +551,7 @@ class store_server {
         if (__builtin_add_overflow(current, delta, &next)) {
           co_return refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
         }
-        store(key, std::to_string(next));
+        if (!store(key, std::to_string(next))) co_return over_capacity("add", key, 20);
         w.i64(next);
         break;
       }
@@ -410,9 +560,11 @@ class store_server {
         auto expected = r.bytes32("expected value", limits.max_value_size);
         auto desired = r.bytes32("desired value", limits.max_value_size);
         r.finish("compare_set request");
+        std::uint64_t reserved = 0;
+        (void)co_await reserve_value(c, held, key, reserved);  // the reply may copy the value
         auto it = data_.find(key);
         bool matches = it == data_.end() ? expected.empty() : it->second == expected;
-        if (matches) store(key, std::string(desired));
+        if (matches && !store(key, desired)) co_return over_capacity("compare_set", key, desired.size());
         it = data_.find(key);
         w.bytes32(it == data_.end() ? std::string_view{} : std::string_view(it->second));
         break;
@@ -421,7 +573,7 @@ class store_server {
         auto keys = detail::wire::read_keys(r, limits);
         auto ms = r.u64("timeout");
         r.finish("wait request");
-        if (!co_await wait_for(c, keys, deadline_after(ms))) co_return reply(status::timeout);
+        if (!co_await wait_for(c, held, keys, deadline_after(ms))) co_return reply(status::timeout);
         break;
       }
       case op::check: {
@@ -436,6 +588,7 @@ class store_server {
         auto key = r.bytes32("key", limits.max_key_size);
         r.finish("erase request");
         if (auto it = data_.find(key); it != data_.end()) {
+          stored_bytes_ -= it->first.size() + it->second.size();
           data_.erase(it);
           w.u8(1);
         } else {
@@ -453,26 +606,55 @@ class store_server {
     co_return out;
   }
 
-  void store(std::string_view key, std::string value) {
-    std::string k(key);
-    data_.insert_or_assign(k, std::move(value));
-    if (auto it = key_waiters_.find(k); it != key_waiters_.end()) {
-      auto waiters = std::move(it->second);
-      key_waiters_.erase(it);
-      for (connection* w : waiters) reactor_.wake_up(w->slot);
+  std::string over_capacity(const char* what, std::string_view key, std::size_t value_size) const {
+    return refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
+                   std::to_string(value_size) + " bytes: the store holds " +
+                   std::to_string(stored_bytes_.load()) + " bytes and its cap is " +
+                   std::to_string(options_.limits.max_stored_bytes) +
+                   " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
+  }
+
+  /// Sets key to value and wakes its waiters; false, changing nothing, when
+  /// the stored bytes would pass their cap.
+  bool store(std::string_view key, std::string_view value) {
+    auto it = data_.find(key);
+    const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
+    const std::uint64_t after = stored_bytes_ - before + key.size() + value.size();
+    if (after > options_.limits.max_stored_bytes && after > stored_bytes_) return false;
+    stored_bytes_ = after;
+    if (it != data_.end()) {
+      it->second.assign(value);
+    } else {
+      data_.emplace(std::string(key), std::string(value));
     }
+    if (auto w = key_waiters_.find(key); w != key_waiters_.end()) {
+      auto waiters = std::move(w->second);
+      key_waiters_.erase(w);
+      for (connection* c : waiters) reactor_.wake_up(c->slot);
+    }
+    return true;
   }
 
   /// Waits until every key exists (true) or the deadline passes (false).
   /// Watches the connection meanwhile: a client that goes away is cleaned up.
-  detail::task<bool> wait_for(connection& c, const std::vector<std::string_view>& keys,
+  detail::task<bool> wait_for(connection& c, held_bytes& held,
+                              const std::vector<std::string_view>& keys,
                               steady::time_point deadline) {
+    bool charged = false;
     for (;;) {
       std::vector<std::string> missing;
       for (auto k : keys) {
         if (!data_.contains(k)) missing.emplace_back(k);
       }
       if (missing.empty()) co_return true;
+      if (!charged) {
+        // A wait holds a copy of each missing key twice (here and in key_waiters_).
+        std::uint64_t bytes = 0;
+        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
+        co_await reserve(c, held, bytes, io_deadline(), "a wait on " + std::to_string(missing.size()) + " keys");
+        charged = true;
+        continue;  // keys may have been set while it waited for the budget
+      }
       for (const auto& k : missing) key_waiters_[k].push_back(&c);
       ++waiting_;
       auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
@@ -510,6 +692,7 @@ class store_server {
   detail::wait_slot accept_slot_;
   std::unordered_map<connection*, std::unique_ptr<connection>> connections_;
   std::vector<connection*> finished_;
+  std::list<connection*> unproven_;  // connections before their handshake, oldest first
   // Transparent hashing: look keys up by string_view without copying them.
   struct key_hash {
     using is_transparent = void;
@@ -519,7 +702,15 @@ class store_server {
   };
   std::unordered_map<std::string, std::string, key_hash, std::equal_to<>> data_;
   std::unordered_map<std::string, std::vector<connection*>, key_hash, std::equal_to<>> key_waiters_;
+  detail::byte_budget budget_;
+  std::size_t connection_cap_;
+  detail::spare_descriptor spare_;
+  detail::rejection_log rejections_;
   std::atomic<std::size_t> connection_count_{0};
+  std::atomic<std::uint64_t> refused_{0};
+  std::atomic<std::uint64_t> closed_idle_{0};
+  std::atomic<std::uint64_t> stored_bytes_{0};
+  std::atomic<std::uint64_t> buffered_bytes_{0};
   std::atomic<std::size_t> waiting_{0};
   std::atomic<std::uint64_t> closed_for_cause_{0};
   std::thread thread_;
