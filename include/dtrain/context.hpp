@@ -18,11 +18,15 @@
 #include <dtrain/policy.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/security.hpp>
 #include <dtrain/rendezvous/server.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <optional>
+#include <thread>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -168,9 +172,14 @@ class context {
     // picks a free one (and MPI carries it), unless MASTER_PORT names one.
     int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
+    const bool one_node = single_node(host);
+    if (store_options_.token.empty()) choose_token(env, host, port, one_node);
+    const std::string bind =
+        detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
     if (rank() == 0) {
       try {
-        server_.emplace("0.0.0.0", port, store_options_);
+        if (token_file_) token_file_->publish(store_options_.token);
+        server_.emplace(bind, port, store_options_);
         port = server_->port();
       } catch (const std::exception& e) {
         // The others are waiting to hear where the store is: tell them it is not.
@@ -179,8 +188,83 @@ class context {
       }
     }
     if (!host) host = agree_store_address(port);
-    client_.emplace(rank() == 0 ? std::string("127.0.0.1") : *host, port, store_options_);
+    const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
+    if (token_file_ && rank() != 0) {
+      connect_with_token_file(where, port);
+    } else {
+      client_.emplace(where, port, store_options_);
+    }
     store_.emplace(*client_, std::string(job_store_prefix));
+  }
+
+  /// Whether every rank is known to run on this host: one process, a node
+  /// count or local size that says so, or a loopback MASTER_ADDR.
+  [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
+    if (size() == 1 || world_.num_nodes == 1) return true;
+    if (world_.local_world_size && *world_.local_world_size == size()) return true;
+    if (!host) return false;
+    const auto names = detail::resolve(*host);
+    if (!names.error.empty() || names.addresses.empty()) return false;
+    return std::all_of(names.addresses.begin(), names.addresses.end(),
+                       [](const std::string& a) { return detail::is_loopback_address(a); });
+  }
+
+  /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process
+  /// (one rank), by rank 0 and sent over MPI (the MPI backend), or by rank 0
+  /// and shared through a file only this user can read (one host). A job over
+  /// several hosts that none of these reach must set DTRAIN_STORE_TOKEN.
+  void choose_token(const environment& env, const std::optional<std::string>& host, int port,
+                    bool one_node) {
+    if (size() == 1) {
+      store_options_.token = detail::new_store_token();
+      return;
+    }
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      char text[64] = {};
+      if (rank() == 0) detail::new_store_token().copy(text, sizeof text - 1);
+      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
+                       "broadcasting the store token");
+      store_options_.token = text;
+      return;
+    }
+#endif
+    if (one_node && host) {
+      token_file_.emplace(env, port);
+      if (rank() == 0) store_options_.token = detail::new_store_token();
+      return;
+    }
+    if (!host) return;  // open_store reports the missing address first
+    throw config_error(
+        "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+        ": this job may span several hosts and no dtrain launcher started it, so its store "
+        "needs a shared secret: set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
+        "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
+        "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
+        world_.describe() + ")");
+  }
+
+  /// Reads the token rank 0 wrote, reading again while the store refuses it
+  /// (a file left by an earlier job on the same port), within the store timeout.
+  void connect_with_token_file(const std::string& where, int port) {
+    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+    for (;;) {
+      if (auto token = token_file_->read()) {
+        store_options_.token = *token;
+        try {
+          client_.emplace(where, port, store_options_);
+          return;
+        } catch (const rendezvous_error& e) {
+          if (std::string_view(e.what()).find("token") == std::string_view::npos) throw;
+        }
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error("rank " + std::to_string(rank()) + " found no valid store token in " +
+                            token_file_->path() + " within the store timeout; is rank 0 running "
+                            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
 
   /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
@@ -314,6 +398,7 @@ class context {
   int device_ = -1;
   bool under_agent_ = false;
   // Declared in the order they are built, so they are torn down in reverse.
+  std::optional<detail::token_file> token_file_;
   std::optional<store_server> server_;
   std::optional<store_client> client_;
   std::optional<store_type> store_;

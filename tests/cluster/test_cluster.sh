@@ -32,6 +32,8 @@ work=$(mktemp -d)
 cluster_exit_hook='rm -rf "$work"'
 trap 'rm -rf "$work"' EXIT  # cluster_up replaces it with one that also removes the cluster
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# A job over several hosts shares a store token, as a real cluster job must (README, "Security").
+export DTRAIN_STORE_TOKEN=cluster-tests-secret
 port=29500
 limit=90  # seconds for any one job: a hang fails the test, with the output so far
 
@@ -96,7 +98,7 @@ mpirun_across() {
   printf 'node1 slots=2\nnode2 slots=2\n' >"$work/hosts"
   cluster_run node1 timeout "$limit" mpirun --hostfile "$work/hosts" -np 4 --map-by "$mapping" \
     --bind-to none --mca plm_rsh_agent "$(cluster_rsh)" --mca btl tcp,self,vader \
-    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
+    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 -x DTRAIN_STORE_TOKEN \
     "$@" >"$work/mpirun.out" 2>"$work/mpirun.err" ||
     fail "mpirun --map-by $mapping $* exited with $?"
   cat "$work/mpirun.out"

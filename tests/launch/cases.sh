@@ -7,6 +7,8 @@
 set -uo pipefail
 
 case_name=${1:?usage: cases.sh <case>}
+# Jobs of several nodes need a shared store token, as on a real cluster (README, "Security").
+export DTRAIN_STORE_TOKEN=launch-tests-secret
 work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-launch.XXXXXX")
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 
@@ -273,6 +275,29 @@ run_errors)
   env -u MASTER_ADDR "$PEER" node-gloo --nnodes 2 --node-rank 1 >"$work/agent.out" 2>"$work/agent.err"
   expect_status 2 $? "an agent of a 2-node job without MASTER_ADDR"
   expect_line "$work/agent.err" 'needs the address of node 0: set MASTER_ADDR or --master-addr' "the agent's message"
+  ;;
+
+store_token)
+  # Two agents without a shared token cannot form a job: they say what to set, exit 2.
+  env -u DTRAIN_STORE_TOKEN MASTER_ADDR=127.0.0.1 "$PEER" node-gloo --nnodes 2 --node-rank 0 \
+    >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 2 $? "an agent of a 2-node job without DTRAIN_STORE_TOKEN"
+  expect_line "$work/agent.err" 'a job of 2 nodes needs DTRAIN_STORE_TOKEN' "the agent's message"
+  # A Gloo job of 2 ranks that may span hosts (a non-loopback MASTER_ADDR) without a token.
+  addr=$(hostname -I 2>/dev/null | awk '{print $1}')
+  if [[ -n $addr ]]; then
+    env -u DTRAIN_STORE_TOKEN MASTER_ADDR="$addr" MASTER_PORT=$(free_port) RANK=1 WORLD_SIZE=2 \
+      "$PEER" process-gloo >"$work/rank.out" 2>"$work/rank.err"
+    expect_status 2 $? "a rank of a multi-host job without DTRAIN_STORE_TOKEN"
+    expect_line "$work/rank.err" '^\[rank 1/2\] dtrain: rank 1 of 2: this job may span several hosts .* set DTRAIN_STORE_TOKEN' "the rank's message"
+  fi
+  # One node, no token set: the agent draws one; it is in no log and on no command line.
+  env -u DTRAIN_STORE_TOKEN "$DTRUN" --nproc-per-node 2 -- sh -c \
+    'test ${#DTRAIN_STORE_TOKEN} -eq 32 && ! tr "\0" " " </proc/$$/cmdline | grep -q "$DTRAIN_STORE_TOKEN" && echo "token ok $(echo $DTRAIN_STORE_TOKEN | md5sum | cut -c1-8)"' \
+    >"$work/one.out" 2>"$work/one.err"
+  expect_status 0 $? "dtrun of one node without DTRAIN_STORE_TOKEN"
+  [[ $(count_lines "$work/one.out" '^(\[rank [01]\] )?token ok') == 2 ]] || fail "each worker should see a 32-digit token"
+  [[ $(grep -o 'token ok [0-9a-f]*' "$work/one.out" | sort -u | wc -l) == 1 ]] || fail "the two workers saw different tokens"
   ;;
 
 torch_env)

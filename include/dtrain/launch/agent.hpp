@@ -13,6 +13,7 @@
 #include <dtrain/launch/process.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/security.hpp>
 #include <dtrain/rendezvous/server.hpp>
 
 #include <algorithm>
@@ -187,15 +188,29 @@ class node_agent {
 
   /// Runs the job to the end; see the class comment for the exit status.
   int run() {
+    if (store_options_.token.empty()) {
+      // One node: a fresh token, which reaches the workers only through their
+      // environment. Several: the agents must already share one.
+      if (nnodes() > 1) {
+        throw config_error(
+            "a job of " + std::to_string(nnodes()) +
+            " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
+            "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
+            "submitted); it authenticates every connection to node 0's store");
+      }
+      store_options_.token = detail::new_store_token();
+    }
     detail::agent_signal_scope signals;
     detail::output_relay relay(options_.tee, options_.log_dir);
     relay_ = &relay;
     std::optional<store_server> server;
+    const std::string bind = detail::store_bind_address(env_, master_addr_, nnodes() > 1);
     if (node_rank() == 0) {
-      server.emplace("0.0.0.0", master_port_, store_options_);
+      server.emplace(bind, master_port_, store_options_);
       master_port_ = server->port();
     }
-    store_client store(node_rank() == 0 ? "127.0.0.1" : master_addr_, master_port_, store_options_);
+    store_client store(node_rank() == 0 ? detail::local_store_address(bind) : master_addr_,
+                       master_port_, store_options_);
     say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
             std::to_string(nproc_) + " workers, store at " +
             detail::endpoint_text(master_addr_, master_port_),
@@ -368,6 +383,7 @@ class node_agent {
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
     set(std::string(restart_count_variable), std::to_string(restart));
     set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+    set("DTRAIN_STORE_TOKEN", store_options_.token);  // the environment only: never argv or a log
     // As torchrun: one thread per worker unless the user chose, so N workers
     // do not each start one OpenMP thread per core.
     if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
