@@ -189,6 +189,7 @@ class timeline {
   /// At most this many events per track are kept (about 48 MiB); the rest are
   /// counted, and the file says how many were dropped.
   static constexpr std::size_t max_events = std::size_t{1} << 20;
+  static constexpr std::size_t chunk_events = 4096;
 
  private:
   enum class kind : std::uint8_t {
@@ -212,7 +213,10 @@ class timeline {
 
   struct buffer {
     mutable std::mutex mutex;
-    std::vector<event> events;
+    // Fixed chunks, not one vector: growing never copies what was recorded
+    // (a doubling vector costs a step its whole history once in a while).
+    std::vector<std::vector<event>> chunks;
+    std::size_t count = 0;
     std::size_t dropped = 0;
   };
 
@@ -230,8 +234,12 @@ class timeline {
   void append(track t, const event& e) {
     buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
     std::lock_guard lock(b.mutex);
-    if (b.events.size() < max_events) {
-      b.events.push_back(e);
+    if (b.count < max_events) {
+      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+        b.chunks.emplace_back().reserve(chunk_events);
+      }
+      b.chunks.back().push_back(e);
+      ++b.count;
     } else {
       ++b.dropped;
     }
@@ -347,7 +355,9 @@ class timeline {
     for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
       const buffer& b = state_->tracks[t];
       std::lock_guard lock(b.mutex);
-      for (const event& e : b.events) render_event(out, static_cast<track>(t + 1), e);
+      for (const std::vector<event>& chunk : b.chunks) {
+        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+      }
     }
     out += "\n]}\n";
     return out;
