@@ -40,6 +40,7 @@
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/ddp/runner.hpp>
+#include <dtrain/ddp/timeline.hpp>
 #include <dtrain/ddp/agreement.hpp>
 #include <dtrain/ddp/sampler.hpp>
 #include <dtrain/ddp/ddp.hpp>

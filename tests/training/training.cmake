@@ -71,3 +71,36 @@ else()
   dtrain_add_skipped_test(training.demo.mpi.2ranks
     "dtrain_train_mlp_mpi is not built (needs MPI, mpiexec and DTRAIN_BUILD_EXAMPLES)")
 endif()
+
+# The DDP timeline (issue 13): the demo on 2 Gloo workers with DTRAIN_TIMELINE
+# set leaves one Chrome trace per rank; check_timeline.py parses them and checks
+# the kinds of events and that the spans nest. A directory that does not exist
+# stops every rank at construction, naming the file and the rank.
+find_package(Python3 COMPONENTS Interpreter QUIET)
+if(TARGET dtrain_train_mlp AND Python3_Interpreter_FOUND)
+  dtrain_add_test(training.timeline.gloo.2ranks
+    COMMAND "${Python3_EXECUTABLE}" "${training_dir}/check_timeline.py" 2
+            "${CMAKE_CURRENT_BINARY_DIR}/timeline" --
+            $<TARGET_FILE:dtrain_train_mlp> --nproc-per-node 2 --epochs 1 --samples 1024 --seed 5
+    TIMEOUT 180
+    ENVIRONMENT DTRAIN_NPROC_PER_NODE=2
+    PROPERTIES PROCESSORS 2)
+else()
+  dtrain_add_skipped_test(training.timeline.gloo.2ranks
+    "needs python3 and dtrain_train_mlp (Gloo and DTRAIN_BUILD_EXAMPLES)")
+endif()
+if(TARGET dtrain_train_mlp)
+  dtrain_add_test(training.timeline.bad_path
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=$<TARGET_FILE:dtrain_train_mlp>|--nproc-per-node|2|--epochs|1|--samples|256"
+            -DEXPECT_STATUS=2
+            "-DEXPECT_1=\\[rank 0/2\\] dtrain: DTRAIN_TIMELINE=[^\n]*/no-such-dir/trace[.]json: rank 0 cannot write [^\n]*/no-such-dir/trace[.]rank0[.]json: No such file"
+            "-DEXPECT_2=\\[rank 1/2\\] dtrain: [^\n]*rank 1 cannot write [^\n]*trace[.]rank1[.]json"
+            -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
+    TIMEOUT 120
+    ENVIRONMENT DTRAIN_NPROC_PER_NODE=2 "DTRAIN_TIMELINE=${CMAKE_CURRENT_BINARY_DIR}/no-such-dir/trace.json"
+    PROPERTIES PROCESSORS 2)
+else()
+  dtrain_add_skipped_test(training.timeline.bad_path
+    "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
+endif()

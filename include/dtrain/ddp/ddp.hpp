@@ -21,6 +21,7 @@
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/storage.hpp>
+#include <dtrain/ddp/timeline.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/policy.hpp>
 #include <dtrain/topology/layout.hpp>
@@ -118,6 +119,7 @@ class DistributedDataParallel {
   /// this object.
   ~DistributedDataParallel() {
     runner_.reset();  // joins the thread, or waits out the watchdog
+    timeline_.write_at_exit();
     try {
       for (std::size_t i = 0; i < params_.size(); ++i) {
         if (!vars_[i].view) continue;
@@ -177,11 +179,17 @@ class DistributedDataParallel {
   /// the engine's error. Inside no_sync() it does nothing.
   void synchronize() {
     if (no_sync_depth_ > 0) return;
+    const auto span = timeline_.synchronize(steps_);
     check_usable();
     complete_marks();
-    if (auto e = runner_->complete(buckets_.size())) fail(e);
+    if (auto e = complete_buckets()) fail(e);
     end_step();
   }
+
+  /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
+  /// far; the destructor writes it too. Call it between steps. Throws
+  /// dtrain::error naming the file and the rank when it cannot be written.
+  void flush_timeline() const { timeline_.write(); }
 
   /// The stream the backward pass runs on (CUDA; default: the legacy default
   /// stream). Set it before a step, not between mark_ready and synchronize()
@@ -322,6 +330,8 @@ class DistributedDataParallel {
     std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
     std::size_t pending = 0;  // parameters not yet marked this step
     bool ready = false;
+    std::uint64_t span = 0;        // its timeline span, from launch to completion
+    std::int64_t span_reduce = 0;  // when its reduction started (timeline on)
   };
   using runner_type =
       std::conditional_t<memory_space::on_stream, detail::stream_runner<DistributedDataParallel>,
@@ -354,6 +364,11 @@ class DistributedDataParallel {
       // Every rank of the same program sees the same; the agreement below stops them all alike.
       problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
                  std::string(detail::device_casts_missing);
+    }
+    try {
+      timeline_ = detail::timeline::of(options_.timeline, rank_, size_, params_);
+    } catch (const config_error& e) {
+      if (problem_.empty()) problem_ = e.what();  // the agreement stops every rank
     }
     detail::agree_on_model(control_, params_, buffers_,
                            problem_.empty()
@@ -472,6 +487,7 @@ class DistributedDataParallel {
   void ready(std::size_t i) {
     check_usable();
     variable& v = vars_[i];
+    const auto span = timeline_.mark_ready(i, v.bucket);
     if (no_sync_depth_ > 0) {
       v.touched = true;
       return;
@@ -498,6 +514,8 @@ class DistributedDataParallel {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
       try {
+        buckets_[next_launch_].span =
+            timeline_.bucket_launched(next_launch_, info_[next_launch_].count);
         runner_->launch(next_launch_++);
       } catch (...) {
         fail(std::current_exception());
@@ -549,6 +567,7 @@ class DistributedDataParallel {
   /// Copy-in and compression: what must happen before the collective.
   void prepare_bucket(std::size_t b) {
     bucket_state& s = buckets_[b];
+    if (timeline_.on()) s.span_reduce = detail::timeline::now();
     for (std::size_t i : info_[b].parameters) {
       const variable& v = vars_[i];
       if (v.view || v.zeroed) continue;
@@ -610,11 +629,17 @@ class DistributedDataParallel {
       memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
                          info.device, stream_);
     }
+    timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
   }
 
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
     if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
+  }
+
+  std::exception_ptr complete_buckets() {
+    const auto span = timeline_.wait(buckets_.size());
+    return runner_->complete(buckets_.size());
   }
 
   std::exception_ptr runner_drain() {
@@ -719,6 +744,7 @@ class DistributedDataParallel {
   std::string broken_message_;
   comm_hook hook_;
   stream_type stream_ = nullptr;
+  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
   std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
 

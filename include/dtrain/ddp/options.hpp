@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace dtrain {
@@ -52,6 +53,10 @@ struct ddp_options {
   gradient_compression compression = gradient_compression::none;
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
+  /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
+  /// the waits in synchronize()) goes to this file, the rank inserted
+  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
+  std::string timeline = {};
 };
 
 /// One bucket, as a communication hook sees it.

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// A small strict JSON reader (RFC 8259) for TF_CONFIG. A whole JSON library as
-/// a dependency of a single-header library, for one variable, is not worth it.
+/// A small strict JSON reader (RFC 8259) for TF_CONFIG, and a string writer
+/// for the files dtrain writes. A whole JSON library as a dependency of a
+/// single-header library, for one variable, is not worth it.
 /// Errors are config_errors that quote the input's name and the position.
 
 #include <dtrain/error.hpp>
@@ -324,6 +325,31 @@ class reader {
 /// Throws config_error quoting the offset, line and column of the first error.
 inline value parse(std::string_view text, std::string_view what) {
   return impl::reader(text, what).document();
+}
+
+/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
+/// files dtrain writes, such as the DDP timeline).
+inline void write_string(std::string& out, std::string_view text) {
+  out += '"';
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          constexpr char hex[] = "0123456789abcdef";
+          out += "\\u00";
+          out += hex[(c >> 4) & 0xF];
+          out += hex[c & 0xF];
+        } else {
+          out += c;
+        }
+    }
+  }
+  out += '"';
 }
 
 }  // namespace dtrain::detail::json

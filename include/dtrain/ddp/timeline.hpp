@@ -1,0 +1,369 @@
+#pragma once
+/// @file
+/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
+/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
+/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
+/// Off, a recorder is one null pointer: no allocation and no clock read, one
+/// branch per recording point. On, spans go into a buffer per track, each
+/// with its own (uncontended: one thread per track) mutex, and the file is
+/// written at the end, so nothing is formatted or written during a step.
+
+#include <dtrain/detail/json.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/error.hpp>
+
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
+/// the extension of the file name (trace.json -> trace.rank3.json), or is
+/// appended with ".json" when the name has none (trace -> trace.rank3.json).
+inline std::string timeline_file(std::string_view path, int rank) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
+  const std::size_t dot = path.rfind('.');
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
+  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
+}
+
+/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
+/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
+inline std::string timeline_setting(const environment& env, const std::string& option) {
+  if (auto v = env.get("DTRAIN_TIMELINE")) return std::string(*v);
+  return option;
+}
+
+/// One rank's recorder. Default-constructed it is off and records nothing.
+/// Recording is thread-safe; write() must not race with recording of the same
+/// step (call it between steps, or after the communication thread is joined).
+class timeline {
+ public:
+  /// The tracks, as Chrome trace threads of the rank's process.
+  enum class track : std::uint8_t { training = 1, communication = 2 };
+
+  timeline() noexcept = default;
+
+  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
+  /// Creates the file now, so that a path that cannot be written is a
+  /// config_error before training starts (naming the path and the rank).
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
+      : state_(std::make_unique<state>()) {
+    state_->file = timeline_file(path, rank);
+    state_->setting = "DTRAIN_TIMELINE=" + std::string(path);
+    state_->rank = rank;
+    state_->size = size;
+    state_->names = std::move(parameter_names);
+    if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+      std::fclose(f);
+    } else {
+      throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                         state_->file + ": " + std::strerror(errno));
+    }
+  }
+
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE (which
+  /// wins) or `option` names a file, naming the spans of `params` by their names.
+  template <class Parameters>
+  static timeline of(const std::string& option, int rank, int size, const Parameters& params) {
+    const std::string path = timeline_setting(environment::from_process(), option);
+    if (path.empty()) return {};
+    std::vector<std::string> names;
+    for (const auto& p : params) names.push_back(p.name);
+    return timeline(path, rank, size, std::move(names));
+  }
+
+  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
+  /// The file this rank writes; empty when off.
+  [[nodiscard]] std::string_view file() const noexcept {
+    return state_ ? std::string_view(state_->file) : std::string_view();
+  }
+
+  /// Nanoseconds on the steady clock (shared by the processes of a host, so
+  /// that their traces line up when merged).
+  [[nodiscard]] static std::int64_t now() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  /// A span from its construction to its destruction; nothing when off.
+  class scope {
+   public:
+    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
+          std::uint64_t index, std::uint64_t detail = 0) noexcept
+        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
+      if (t_) start_ = now();
+    }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope() {
+      if (t_) (t_->*done_)(start_, index_, detail_);
+    }
+
+   private:
+    timeline* t_;
+    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
+    std::uint64_t index_;
+    std::uint64_t detail_;
+    std::int64_t start_ = 0;
+  };
+
+  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
+  /// first mark of a step opens the step's span.
+  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
+    return scope(*this, &timeline::mark_done, index, bucket);
+  }
+  /// synchronize() of step `step`; when it ends, the step's span ends too.
+  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
+    return scope(*this, &timeline::synchronize_done, step);
+  }
+  /// The wait for the buckets inside synchronize().
+  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
+    return scope(*this, &timeline::wait_done, buckets);
+  }
+
+  /// Bucket `bucket` of `elements` is launched: returns the id of its span
+  /// (0 when off), which bucket_done() closes.
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements) {
+    if (!state_) return 0;
+    const std::uint64_t id = ++state_->launches;
+    append(track::training, {.what = kind::bucket_begin,
+                             .start = now(),
+                             .index = bucket,
+                             .detail = elements,
+                             .id = id});
+    return id;
+  }
+  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
+  /// to now (finished); `on_thread`: on the communication thread, which gets a
+  /// span of its own (on CUDA streams the host only enqueues, so no such span).
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread) {
+    if (!state_) return;
+    const std::int64_t end = now();
+    if (on_thread) {
+      append(track::communication,
+             {.what = kind::reduce, .start = started, .end = end, .index = bucket});
+    }
+    append(track::communication,
+           {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+  }
+
+  /// Writes the file (everything recorded so far). Throws dtrain::error naming
+  /// the file and the rank when it cannot be written.
+  void write() const {
+    if (!state_) return;
+    const std::string text = render();
+    std::FILE* f = std::fopen(state_->file.c_str(), "w");
+    bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    const int code = errno;
+    if (f != nullptr && std::fclose(f) != 0) ok = false;
+    if (!ok) {
+      throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                  state_->file + " (" + state_->setting + "): " + std::strerror(code));
+    }
+  }
+  /// write(), for destructors: a failure is one line on stderr, never an exception.
+  void write_at_exit() const noexcept {
+    try {
+      write();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
+    }
+  }
+
+  /// At most this many events per track are kept (about 48 MiB); the rest are
+  /// counted, and the file says how many were dropped.
+  static constexpr std::size_t max_events = std::size_t{1} << 20;
+  static constexpr std::size_t chunk_events = 4096;
+
+ private:
+  enum class kind : std::uint8_t {
+    step,
+    mark,
+    synchronize,
+    wait,
+    reduce,
+    bucket_begin,
+    bucket_end
+  };
+
+  struct event {
+    kind what = kind::step;
+    std::int64_t start = 0;  // ns, steady clock
+    std::int64_t end = 0;
+    std::uint64_t index = 0;   // step, parameter or bucket
+    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
+    std::uint64_t id = 0;      // bucket_begin / bucket_end
+  };
+
+  struct buffer {
+    mutable std::mutex mutex;
+    // Fixed chunks, not one vector: growing never copies what was recorded
+    // (a doubling vector costs a step its whole history once in a while).
+    std::vector<std::vector<event>> chunks;
+    std::size_t count = 0;
+    std::size_t dropped = 0;
+  };
+
+  struct state {
+    std::string file;
+    std::string setting;
+    int rank = 0;
+    int size = 1;
+    std::vector<std::string> names;
+    std::array<buffer, 2> tracks;
+    std::int64_t step_start = -1;  // training thread only
+    std::uint64_t launches = 0;    // training thread only
+  };
+
+  void append(track t, const event& e) {
+    buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+    std::lock_guard lock(b.mutex);
+    if (b.count < max_events) {
+      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+        b.chunks.emplace_back().reserve(chunk_events);
+      }
+      b.chunks.back().push_back(e);
+      ++b.count;
+    } else {
+      ++b.dropped;
+    }
+  }
+
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket) {
+    if (state_->step_start < 0) state_->step_start = start;
+    append(track::training,
+           {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+  }
+  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
+    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
+  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t) {
+    const std::int64_t end = now();
+    append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+    // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+    const std::int64_t from =
+        state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+    append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+    state_->step_start = -1;
+  }
+
+  static void microseconds(std::string& out, std::int64_t ns) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                  static_cast<long long>(ns % 1000));
+    out += text;
+  }
+
+  std::string name_of(const event& e) const {
+    switch (e.what) {
+      case kind::step: return "step " + std::to_string(e.index);
+      case kind::mark:
+        return e.index < state_->names.size() ? state_->names[e.index]
+                                              : "parameter #" + std::to_string(e.index);
+      case kind::synchronize: return "synchronize";
+      case kind::wait: return "wait for buckets";
+      case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+      case kind::bucket_begin:
+      case kind::bucket_end: return "bucket " + std::to_string(e.index);
+    }
+    return "?";
+  }
+
+  static const char* category_of(kind k) {
+    switch (k) {
+      case kind::step: return "step";
+      case kind::mark: return "mark_ready";
+      case kind::synchronize:
+      case kind::wait: return "synchronize";
+      case kind::reduce:
+      case kind::bucket_begin:
+      case kind::bucket_end: return "bucket";
+    }
+    return "?";
+  }
+
+  void render_event(std::string& out, track t, const event& e) const {
+    out += ",\n{\"name\":";
+    json::write_string(out, name_of(e));
+    out += ",\"cat\":\"";
+    out += category_of(e.what);
+    out += "\",\"pid\":" + std::to_string(state_->rank) +
+           ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+    microseconds(out, e.start);
+    if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+      out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+      out += ",\"id\":" + std::to_string(e.id);
+    } else {
+      out += ",\"ph\":\"X\",\"dur\":";
+      microseconds(out, e.end - e.start);
+    }
+    switch (e.what) {
+      case kind::mark:
+        out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+               ",\"bucket\":" + std::to_string(e.detail) + "}";
+        break;
+      case kind::bucket_begin:
+        out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+        break;
+      case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+      default: break;
+    }
+    out += "}";
+  }
+
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const {
+    out += ",\n{\"name\":\"";
+    out += what;
+    out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+    json::write_string(out, name);
+    out += "}}";
+  }
+
+  std::string render() const {
+    std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+    std::size_t dropped = 0;
+    for (const buffer& b : state_->tracks) {
+      std::lock_guard lock(b.mutex);
+      dropped += b.dropped;
+    }
+    out += "\"rank\":" + std::to_string(state_->rank) +
+           ",\"world_size\":" + std::to_string(state_->size) +
+           ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+    out +=
+        "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+        ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+    metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+    metadata(out, "thread_name", static_cast<int>(track::training), "training");
+    metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+    for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+      const buffer& b = state_->tracks[t];
+      std::lock_guard lock(b.mutex);
+      for (const std::vector<event>& chunk : b.chunks) {
+        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+      }
+    }
+    out += "\n]}\n";
+    return out;
+  }
+
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace dtrain::detail
