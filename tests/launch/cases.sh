@@ -254,6 +254,46 @@ node_names)
   expect_line "$work/bad.err" '^\[rank [0-3]/4\] dtrain: rank 0: OMPI_COMM_WORLD_LOCAL_SIZE=2 gives local world size 2, but grouping the ranks by node name \("same", the host name unless DTRAIN_NODE_NAME is set\) gives 4; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK$' "the contradiction"
   ;;
 
+mpi_rank_fails)
+  # A rank of an MPI job fails: it reports, then MPI_Abort ends every rank with its status, instead
+  # of leaving it in MPI_Finalize while its peers wait out their timeout. `timeout` only turns a
+  # hang into a failure with a message here.
+  unset MASTER_ADDR MASTER_PORT
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$MPIEXEC" --oversubscribe -np 3 "$PEER" process-mpi --fail-rank 1 --fail-code 5 >"$work/fail.out" 2>"$work/fail.err"
+  status=$?
+  ((status != 124)) || fail "the MPI job was still running 120 s after rank 1 returned 5"
+  expect_status 5 $status "mpirun after rank 1 returned 5"
+  expect_line "$work/fail.err" '^\[rank 1/3\] dtrain: the training function returned 5; aborting the MPI job$' "rank 1's line"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$MPIEXEC" --oversubscribe -np 3 "$PEER" process-mpi --throw-rank 2 >"$work/throw.out" 2>"$work/throw.err"
+  status=$?
+  ((status != 124)) || fail "the MPI job was still running 120 s after rank 2 threw"
+  expect_status 1 $status "mpirun after rank 2 threw"
+  expect_line "$work/throw.err" '^\[rank 2/3\] dtrain: peer failure on purpose$' "rank 2's line"
+  ;;
+
+peer_dies)
+  # Rank 1 is SIGKILLed mid-collective. Its peers write to its sockets: each ends with an error
+  # (exit 1) that says Gloo failed, never silently by SIGPIPE (141). Whether a write meets the
+  # closed socket is a race; broken_pipe below checks SIGPIPE deterministically.
+  "$LAUNCH" --no-kill 3 "$PEER" process-gloo --die-rank 1 >"$work/die.out" 2>"$work/die.err"
+  expect_status 137 $? "the job whose rank 1 was killed"
+  expect_line "$work/die.err" '^dtrain_test_launch: rank 1 exited with status 137$' "rank 1's death"
+  for r in 0 2; do
+    expect_line "$work/die.err" "^dtrain_test_launch: rank $r exited with status 1$" "rank $r's exit status"
+    expect_line "$work/die.err" "^\[rank $r/3\] dtrain: .*failed in Gloo" "rank $r's message"
+  done
+  ;;
+
+broken_pipe)
+  # The agent starts its workers with SIGPIPE at its default (fatal); dtrain::run ignores it, so a
+  # write to a closed pipe or socket is an error the worker sees (EPIPE), not a silent death.
+  "$PEER" node-gloo --nproc-per-node 2 --broken-pipe >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 0 $? "the agent"
+  for r in 0 1; do
+    expect_line "$work/agent.out" "^peer rank $r: write to a closed pipe: Broken pipe$" "rank $r's write"
+  done
+  ;;
+
 run_errors)
   # A bad environment: one line naming the variables, exit 2.
   env RANK=5 WORLD_SIZE=4 "$PEER" process-gloo >"$work/bad.out" 2>"$work/bad.err"
