@@ -131,11 +131,13 @@ no_restarts_left)
 
 remote_agent_dies)
   # Node 1's agent is SIGKILLed while node 0's workers are busy: node 0 notices the missing
-  # heartbeat (DTRAIN_STORE_IO_TIMEOUT) and ends instead of waiting forever.
+  # heartbeat (DTRAIN_HEARTBEAT_TIMEOUT) and ends instead of waiting forever. Node 0 does not wait
+  # for the lost agent to leave: with a grace period of 100 s it would still be waiting when
+  # `timeout` ends it.
   mkdir "$work/pids"
   port=$(free_port)
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_STORE_IO_TIMEOUT=2
-  "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 1 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_HEARTBEAT_TIMEOUT=2
+  timeout 60 "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 100 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
   "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 1 --hang "$work/pids" >"$work/n1.out" 2>"$work/n1.err" &
   n1=$!
@@ -143,7 +145,7 @@ remote_agent_dies)
   kill -KILL $n1
   wait $n0
   expect_status 1 $? "node 0's agent"
-  expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_STORE_IO_TIMEOUT\); ending the job" "node 0's message"
+  expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_HEARTBEAT_TIMEOUT\); ending the job" "node 0's message"
   expect_all_gone "$work/pids"
   ;;
 

@@ -111,6 +111,17 @@ inline void record_failure(store_client& store, int restart, int status, bool fi
                     std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
 }
 
+/// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
+}
+
 /// How one worker is named in failure messages.
 inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
   return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
@@ -339,7 +350,8 @@ class node_agent {
       if (!hosting) return;
       auto deadline =
           std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
-      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline) {
+      while (store.add(key, 0) < nnodes() - lost_nodes_ &&
+             std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(poll_interval);
       }
     } catch (const rendezvous_error&) {
@@ -418,11 +430,12 @@ class node_agent {
     bool reported_success = false;
     heartbeat beats(nnodes());
     while (true) {
-      if (auto silent = beats.check(store, node_rank(), store_options_.io_timeout)) {
+      if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
+        lost_nodes_ = 1;  // it will never leave(): node 0 must not wait for it
         std::string message = "node " + std::to_string(*silent) +
                               "'s agent stopped responding: no heartbeat for " +
-                              std::to_string(store_options_.io_timeout.count() / 1000) +
-                              " s (DTRAIN_STORE_IO_TIMEOUT)";
+                              detail::seconds_text(options_.heartbeat_timeout) +
+                              " s (DTRAIN_HEARTBEAT_TIMEOUT)";
         detail::record_failure(store, restart, 1, true, message);
       }
       if (int sig = detail::agent_signal; sig != 0) {
@@ -525,6 +538,7 @@ class node_agent {
   std::string master_addr_;
   int master_port_ = 0;
   int round_ = 0;  // the restart round under way
+  int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
 };
