@@ -256,6 +256,20 @@ node_names)
   expect_line "$work/bad.err" '^\[rank [0-3]/4\] dtrain: rank 0: OMPI_COMM_WORLD_LOCAL_SIZE=2 gives local world size 2, but grouping the ranks by node name \("same", the host name unless DTRAIN_NODE_NAME is set\) gives 4; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK$' "the contradiction"
   ;;
 
+bad_master_addr)
+  # A master address that does not resolve fails at once (no retries for the store timeout),
+  # naming the name and the resolver's reason: for an agent, and for a worker.
+  export DTRAIN_STORE_TIMEOUT=120
+  timeout 60 "$DTRUN" --nnodes 2 --node-rank 1 --master-addr no-such-host.invalid --master-port 29400 -- true \
+    >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 2 $? "dtrun with an unresolvable --master-addr"
+  expect_line "$work/dtrun.err" '^dtrun node 1: cannot resolve "no-such-host.invalid", the host of the store at no-such-host.invalid:29400: .+; check MASTER_ADDR' "dtrun's message"
+  env MASTER_ADDR=no-such-host.invalid MASTER_PORT=29400 RANK=1 WORLD_SIZE=2 timeout 60 "$PEER" process-gloo \
+    >"$work/peer.out" 2>"$work/peer.err"
+  expect_status 2 $? "a worker with an unresolvable MASTER_ADDR"
+  expect_line "$work/peer.err" '^\[rank 1/2\] dtrain: .*cannot resolve "no-such-host.invalid"' "the worker's message"
+  ;;
+
 mpi_rank_fails)
   # A rank of an MPI job fails: it reports, then MPI_Abort ends every rank with its status, instead
   # of leaving it in MPI_Finalize while its peers wait out their timeout. `timeout` only turns a
