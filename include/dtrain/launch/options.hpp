@@ -5,6 +5,7 @@
 
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
 #include <chrono>
@@ -100,6 +101,15 @@ struct agent_options {
     at_least("nproc_per_node", nproc_per_node, 1);
     at_least("nnodes", nnodes, 1);
     at_least("node_rank", node_rank, 0);
+    auto at_most = [](const char* name, const std::optional<int>& v) {
+      if (v && *v > max_world_size) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                           " ranks (max_world_size)");
+      }
+    };
+    at_most("nproc_per_node", nproc_per_node);
+    at_most("nnodes", nnodes);
     if (max_restarts < 0) {
       throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
     }
