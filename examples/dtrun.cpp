@@ -144,6 +144,9 @@ int main(int argc, char** argv) {
                              dtrain::store_options{}.with_env(env));
     who = "dtrun node " + std::to_string(*agent.node().node_rank);
     return agent.run();
+  } catch (const dtrain::program_error& e) {  // 127 missing, 126 not executable, as shells
+    std::cerr << who << ": " << e.what() << '\n';
+    return e.exit_status();
   } catch (const dtrain::config_error& e) {
     std::cerr << who << ": " << e.what() << '\n';
     return 2;

@@ -45,10 +45,13 @@ inline std::string rank_label(const world* w) {
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
 }
 
-/// The exit status and text of the exception in flight: 2 for a config_error, else 1.
+/// The exit status and text of the exception in flight: 2 for a config_error,
+/// 127 / 126 for a worker program that is missing / not executable, else 1.
 inline std::pair<int, std::string> current_failure() {
   try {
     throw;
+  } catch (const program_error& e) {
+    return {e.exit_status(), e.what()};
   } catch (const config_error& e) {
     return {config_error_exit_status, e.what()};
   } catch (const std::exception& e) {

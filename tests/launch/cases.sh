@@ -155,10 +155,10 @@ remote_agent_fails)
   "$DTRUN" --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- sleep 60 >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
   "$DTRUN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- /nonexistent/program >"$work/n1.out" 2>"$work/n1.err"
-  expect_status 1 $? "node 1's dtrun"
+  expect_status 127 $? "node 1's dtrun"
   wait $n0
-  expect_status 1 $? "node 0's dtrun"
-  expect_line "$work/n0.err" "node 1's agent failed: cannot start rank 1 \(/nonexistent/program\): No such file or directory; ending the job" "node 0's message"
+  expect_status 127 $? "node 0's dtrun"
+  expect_line "$work/n0.err" "node 1's agent failed: cannot run \"/nonexistent/program\": no such file; ending the job" "node 0's message"
   ;;
 
 grandchildren)
@@ -268,6 +268,22 @@ bad_master_addr)
     >"$work/peer.out" 2>"$work/peer.err"
   expect_status 2 $? "a worker with an unresolvable MASTER_ADDR"
   expect_line "$work/peer.err" '^\[rank 1/2\] dtrain: .*cannot resolve "no-such-host.invalid"' "the worker's message"
+  ;;
+
+missing_program)
+  # Every way a program can be missing gives 127, as a shell's "command not found"; one that is
+  # there but cannot be executed gives 126. dtrun says it once, naming the program.
+  printf 'not a program\n' >"$work/plain.txt"
+  check_missing() {  # check_missing <status> <program> <regex>
+    "$DTRUN" --nproc-per-node 2 -- "$2" >"$work/m.out" 2>"$work/m.err"
+    expect_status "$1" $? "dtrun -- $2"
+    expect_line "$work/m.err" "$3" "dtrun -- $2"
+    [[ $(count_lines "$work/m.err" 'cannot run') == 1 ]] || fail "dtrun -- $2 did not say it once: $(cat "$work/m.err")"
+  }
+  check_missing 127 dtrain-no-such-program '^dtrun node 0: cannot run "dtrain-no-such-program": not found on PATH='
+  check_missing 127 /nonexistent/program '^dtrun node 0: cannot run "/nonexistent/program": no such file$'
+  check_missing 126 "$work/plain.txt" "^dtrun node 0: cannot run \"$work/plain.txt\": it is not an executable file$"
+  check_missing 126 "$work" "^dtrun node 0: cannot run \"$work\": it is not an executable file$"
   ;;
 
 mpi_rank_fails)

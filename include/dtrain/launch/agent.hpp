@@ -248,6 +248,9 @@ class node_agent {
       if (sig == 0) {
         try {
           throw;
+        } catch (const program_error& e) {
+          what = e.what();
+          status = e.exit_status();
         } catch (const config_error& e) {
           what = e.what();
           status = 2;

@@ -34,7 +34,28 @@
 #include <pthread.h>
 #include <unistd.h>
 
+namespace dtrain {
+
+/// A worker's program cannot be started: it is missing (exit_status() 127,
+/// as a shell's "command not found") or not executable (126, as a shell's
+/// "permission denied"). The agent ends the job with that status.
+class program_error : public error {
+ public:
+  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
+  /// 127 for a missing program, 126 for one that cannot be executed.
+  [[nodiscard]] int exit_status() const noexcept { return status_; }
+
+ private:
+  int status_;
+};
+
+}  // namespace dtrain
+
 namespace dtrain::detail {
+
+/// Exit status of a job whose program is missing, or is not executable (the shell's).
+inline constexpr int program_missing_status = 127;
+inline constexpr int program_not_executable_status = 126;
 
 /// "exited with status 3", "was killed by SIGKILL (signal 9)".
 inline std::string describe_wait_status(int status) {
@@ -56,10 +77,21 @@ inline int exit_code_of(int status) {
 }
 
 /// Finds `program` on PATH the way execvp would, before fork (execvp itself
-/// is not async-signal-safe). Returns it unchanged when it has a '/'.
+/// is not async-signal-safe). Returns it unchanged when it has a '/'. Throws
+/// program_error (127 missing, 126 not executable) naming the program.
 inline std::string find_program(const std::string& program,
                                 std::optional<std::string_view> path_var) {
-  if (program.find('/') != std::string::npos) return program;
+  if (program.find('/') != std::string::npos) {
+    std::error_code ec;
+    if (!std::filesystem::exists(program, ec)) {
+      throw program_error("cannot run \"" + program + "\": no such file", program_missing_status);
+    }
+    if (std::filesystem::is_directory(program, ec) || ::access(program.c_str(), X_OK) != 0) {
+      throw program_error("cannot run \"" + program + "\": it is not an executable file",
+                          program_not_executable_status);
+    }
+    return program;
+  }
   std::string path(path_var.value_or("/usr/local/bin:/usr/bin:/bin"));
   std::size_t start = 0;
   while (start <= path.size()) {
@@ -70,7 +102,8 @@ inline std::string find_program(const std::string& program,
     if (::access(candidate.c_str(), X_OK) == 0) return candidate;
     start = end + 1;
   }
-  throw config_error("cannot run \"" + program + "\": not found on PATH=" + path);
+  throw program_error("cannot run \"" + program + "\": not found on PATH=" + path,
+                      program_missing_status);
 }
 
 /// Carries the workers' output to the agent's stdout/stderr, each line
@@ -298,8 +331,16 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
   if (n == static_cast<ssize_t>(sizeof child_errno)) {
     int status = 0;
     ::waitpid(pid, &status, 0);
-    throw error("cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
-                "): " + std::strerror(child_errno));
+    const std::string what = "cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
+                             "): " + std::strerror(child_errno);
+    if (child_errno == ENOENT || child_errno == ENOTDIR) {
+      throw program_error(what, program_missing_status);
+    }
+    if (child_errno == EACCES || child_errno == EPERM || child_errno == ENOEXEC ||
+        child_errno == EISDIR) {
+      throw program_error(what, program_not_executable_status);
+    }
+    throw error(what);
   }
   if (relay != nullptr) relay->add(rank, std::move(out_read), std::move(err_read));
   return pid;
