@@ -173,6 +173,24 @@ grandchildren)
   expect_all_gone "$work/pids"
   ;;
 
+orphans)
+  # Every worker starts `sleep 300`. After a job that succeeds, and after the agent is SIGKILLed
+  # (PR_SET_PDEATHSIG reaches only the workers; the agent's warden reaches their process groups),
+  # no sleep is left.
+  mkdir "$work/ok" "$work/killed"
+  "$PEER" node-gloo --nproc-per-node 2 --fork-child "$work/ok" >"$work/ok.out" 2>"$work/ok.err"
+  expect_status 0 $? "the agent of a job whose workers leave children"
+  [[ $(ls "$work/ok" | wc -l) == 2 ]] || fail "the workers did not start their children"
+  expect_all_gone "$work/ok"
+  "$PEER" node-gloo --nproc-per-node 2 --fork-child "$work/killed" --hang "$work/killed" >"$work/agent.out" 2>"$work/agent.err" &
+  agent=$!
+  wait_for_pids "$work/killed" 4
+  kill -KILL "$agent"
+  wait $agent
+  expect_status 137 $? "the agent after SIGKILL"
+  expect_all_gone "$work/killed"
+  ;;
+
 sigterm | sigkill)
   # SIGTERM is forwarded and ends the job with 143; after SIGKILL (137) PR_SET_PDEATHSIG ends the workers.
   mkdir "$work/pids"

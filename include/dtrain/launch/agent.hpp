@@ -199,6 +199,12 @@ class node_agent {
   /// Runs the job to the end; see the class comment for the exit status.
   int run() {
     detail::agent_signal_scope signals;
+    // Orphans of the workers come to this agent, and the warden takes the
+    // workers' groups down with it if it is SIGKILLed. The warden is forked
+    // first, before the store or the relay start a thread.
+    detail::become_subreaper();
+    detail::worker_warden warden(nproc_);
+    warden_ = &warden;
     detail::output_relay relay(options_.tee, options_.log_dir);
     relay_ = &relay;
     std::optional<store_server> server;
@@ -276,6 +282,7 @@ class node_agent {
     }
     relay.finish(std::chrono::milliseconds(200));
     relay_ = nullptr;
+    warden_ = nullptr;
     return status;
   }
 
@@ -422,6 +429,7 @@ class node_agent {
       p.local_rank = local;
       p.pid = detail::spawn_worker(cmd, relay_->active() ? relay_ : nullptr, *w.rank);
       p.exit_fd = detail::open_exit_fd(p.pid);
+      warden_->guard(local, p.pid);
     }
     return supervise(store, restart);
   }
@@ -473,7 +481,10 @@ class node_agent {
         reported_success = true;
       }
       if (reported_success) {
-        if (store.add(success_key, 0) >= nnodes()) return {true, 0, false, {}};
+        if (store.add(success_key, 0) >= nnodes()) {
+          detail::kill_leftovers(workers_, options_.grace_period);  // what the workers left running
+          return {true, 0, false, {}};
+        }
         std::this_thread::sleep_for(poll_interval);
       }
     }
@@ -492,7 +503,10 @@ class node_agent {
     return end;
   }
 
-  void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
+  void stop(int sig) {
+    detail::stop_workers(workers_, sig, options_.grace_period);
+    detail::kill_leftovers(workers_, options_.grace_period);
+  }
 
   /// Every agent bumps its counter about once a second and watches the
   /// others': a node whose agent died (and with it its workers) is noticed
@@ -544,6 +558,7 @@ class node_agent {
   int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
+  detail::worker_warden* warden_ = nullptr;  // run()'s, while it runs
 };
 
 }  // namespace dtrain
