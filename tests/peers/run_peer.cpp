@@ -133,6 +133,12 @@ int work(dtrain::context<Policy>& ctx, const peer_options& o) {
   if (ctx.rank() == o.throw_rank) throw std::runtime_error("peer failure on purpose");
   if (ctx.rank() == o.fail_rank && ctx.restart_count() < o.fail_restarts) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the others start waiting
+    // When it fails, for bench/failure_to_exit.sh (milliseconds since the epoch).
+    std::fprintf(stderr, "peer rank %d fails at %lld ms\n", ctx.rank(),
+                 static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            std::chrono::system_clock::now().time_since_epoch())
+                                            .count()));
+    std::fflush(stderr);
     return o.fail_code;
   }
   if (!o.hang_dir.empty()) {
