@@ -36,6 +36,8 @@ Options (torchrun's names; `_` may replace `-`; environment variable in brackets
   --standalone          one node, a free port on 127.0.0.1
   --max-restarts K      restart every node's workers up to K times after a failure [DTRAIN_MAX_RESTARTS] (0)
   --grace-period S      seconds between SIGTERM and SIGKILL    [DTRAIN_GRACE_PERIOD] (10)
+  --heartbeat-timeout S seconds of silence after which another node's agent is lost
+                                                               [DTRAIN_HEARTBEAT_TIMEOUT] (10)
   --tee                 prefix each output line with [rank N]  [DTRAIN_TEE=1]
   --log-dir DIR         also write DIR/restart_K/rank_N.log    [DTRAIN_LOG_DIR]
   --pass-local-rank     give workers --local_rank=N (Hugging Face / torch.distributed.launch style)
@@ -108,6 +110,8 @@ cli parse(int argc, char** argv, const dtrain::environment& env) {
       c.options.max_restarts = number(flag, take());
     } else if (flag == "--grace-period") {
       c.options.grace_period = std::chrono::seconds(number(flag, take()));
+    } else if (flag == "--heartbeat-timeout") {
+      c.options.heartbeat_timeout = std::chrono::seconds(number(flag, take()));
     } else if (flag == "--tee") {
       c.options.tee = true;
     } else if (flag == "--log-dir") {
@@ -140,6 +144,9 @@ int main(int argc, char** argv) {
                              dtrain::store_options{}.with_env(env));
     who = "dtrun node " + std::to_string(*agent.node().node_rank);
     return agent.run();
+  } catch (const dtrain::program_error& e) {  // 127 missing, 126 not executable, as shells
+    std::cerr << who << ": " << e.what() << '\n';
+    return e.exit_status();
   } catch (const dtrain::config_error& e) {
     std::cerr << who << ": " << e.what() << '\n';
     return 2;

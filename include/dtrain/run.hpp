@@ -13,6 +13,7 @@
 #include <dtrain/error.hpp>
 #include <dtrain/launch/agent.hpp>
 #include <dtrain/launch/options.hpp>
+#include <dtrain/launch/worker.hpp>
 #include <dtrain/policy.hpp>
 
 #include <cstdio>
@@ -44,10 +45,13 @@ inline std::string rank_label(const world* w) {
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
 }
 
-/// The exit status and text of the exception in flight: 2 for a config_error, else 1.
+/// The exit status and text of the exception in flight: 2 for a config_error,
+/// 127 / 126 for a worker program that is missing / not executable, else 1.
 inline std::pair<int, std::string> current_failure() {
   try {
     throw;
+  } catch (const program_error& e) {
+    return {e.exit_status(), e.what()};
   } catch (const config_error& e) {
     return {config_error_exit_status, e.what()};
   } catch (const std::exception& e) {
@@ -97,6 +101,10 @@ int default_nproc_per_node() {
 ///
 /// Any exception ends the process's part in the job: one line on stderr,
 /// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
+/// A worker ignores SIGPIPE (a dead peer is an error, not a silent death).
+/// When MPI is running (the MPI backend, or MPI initialised by the caller), a
+/// failed worker, or one whose `fn` returned non-zero, calls MPI_Abort with
+/// its exit status after its report, so mpirun ends the whole job at once.
 template <class Policy, class Fn>
 requires std::is_invocable_v < Fn&, context<Policy>
 & > int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
@@ -123,6 +131,7 @@ requires std::is_invocable_v < Fn&, context<Policy>
     }
   }
 
+  detail::ignore_sigpipe();
   std::optional<world> w;
   try {
     w = discover_world(env, args);
@@ -138,16 +147,27 @@ requires std::is_invocable_v < Fn&, context<Policy>
     } catch (...) {
       auto failure = detail::current_failure();
       ctx.record_failure(failure.first, failure.second);
-      return detail::report_failure(detail::rank_label(&*w), failure);
+      const int code = detail::report_failure(detail::rank_label(&*w), failure);
+      detail::abort_mpi_job(code);
+      return code;
     }
     if (status != 0) {
       ctx.record_failure(status, {});
+      if (detail::mpi_is_running()) {
+        detail::report_failure(detail::rank_label(&*w),
+                               {status, "the training function returned " +
+                                            std::to_string(status) + "; aborting the MPI job"});
+        detail::abort_mpi_job(status);
+      }
       return status;
     }
     ctx.finish();
     return 0;
   } catch (...) {
-    return detail::report_failure(detail::rank_label(w ? &*w : nullptr), detail::current_failure());
+    const int code =
+        detail::report_failure(detail::rank_label(w ? &*w : nullptr), detail::current_failure());
+    detail::abort_mpi_job(code);  // MPI initialised by the caller, with peers still waiting
+    return code;
   }
 }
 

@@ -133,11 +133,13 @@ no_restarts_left)
 
 remote_agent_dies)
   # Node 1's agent is SIGKILLed while node 0's workers are busy: node 0 notices the missing
-  # heartbeat (DTRAIN_STORE_IO_TIMEOUT) and ends instead of waiting forever.
+  # heartbeat (DTRAIN_HEARTBEAT_TIMEOUT) and ends instead of waiting forever. Node 0 does not wait
+  # for the lost agent to leave: with a grace period of 100 s it would still be waiting when
+  # `timeout` ends it.
   mkdir "$work/pids"
   port=$(free_port)
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_STORE_IO_TIMEOUT=2
-  "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 1 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_HEARTBEAT_TIMEOUT=2
+  timeout 60 "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 100 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
   "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 1 --hang "$work/pids" >"$work/n1.out" 2>"$work/n1.err" &
   n1=$!
@@ -145,7 +147,7 @@ remote_agent_dies)
   kill -KILL $n1
   wait $n0
   expect_status 1 $? "node 0's agent"
-  expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_STORE_IO_TIMEOUT\); ending the job" "node 0's message"
+  expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_HEARTBEAT_TIMEOUT\); ending the job" "node 0's message"
   expect_all_gone "$work/pids"
   ;;
 
@@ -155,10 +157,10 @@ remote_agent_fails)
   "$DTRUN" --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- sleep 60 >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
   "$DTRUN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- /nonexistent/program >"$work/n1.out" 2>"$work/n1.err"
-  expect_status 1 $? "node 1's dtrun"
+  expect_status 127 $? "node 1's dtrun"
   wait $n0
-  expect_status 1 $? "node 0's dtrun"
-  expect_line "$work/n0.err" "node 1's agent failed: cannot start rank 1 \(/nonexistent/program\): No such file or directory; ending the job" "node 0's message"
+  expect_status 127 $? "node 0's dtrun"
+  expect_line "$work/n0.err" "node 1's agent failed: cannot run \"/nonexistent/program\": no such file; ending the job" "node 0's message"
   ;;
 
 grandchildren)
@@ -171,6 +173,24 @@ grandchildren)
   expect_status 3 $? "dtrun"
   [[ $(ls "$work/pids" | wc -l) == 2 ]] || fail "the workers did not start their children"
   expect_all_gone "$work/pids"
+  ;;
+
+orphans)
+  # Every worker starts `sleep 300`. After a job that succeeds, and after the agent is SIGKILLed
+  # (PR_SET_PDEATHSIG reaches only the workers; the agent's warden reaches their process groups),
+  # no sleep is left.
+  mkdir "$work/ok" "$work/killed"
+  "$PEER" node-gloo --nproc-per-node 2 --fork-child "$work/ok" >"$work/ok.out" 2>"$work/ok.err"
+  expect_status 0 $? "the agent of a job whose workers leave children"
+  [[ $(ls "$work/ok" | wc -l) == 2 ]] || fail "the workers did not start their children"
+  expect_all_gone "$work/ok"
+  "$PEER" node-gloo --nproc-per-node 2 --fork-child "$work/killed" --hang "$work/killed" >"$work/agent.out" 2>"$work/agent.err" &
+  agent=$!
+  wait_for_pids "$work/killed" 4
+  kill -KILL "$agent"
+  wait $agent
+  expect_status 137 $? "the agent after SIGKILL"
+  expect_all_gone "$work/killed"
   ;;
 
 sigterm | sigkill)
@@ -254,6 +274,76 @@ node_names)
   status=$?
   ((status != 0)) || fail "contradicting node names were accepted"
   expect_line "$work/bad.err" '^\[rank [0-3]/4\] dtrain: rank 0: OMPI_COMM_WORLD_LOCAL_SIZE=2 gives local world size 2, but grouping the ranks by node name \("same", the host name unless DTRAIN_NODE_NAME is set\) gives 4; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK$' "the contradiction"
+  ;;
+
+bad_master_addr)
+  # A master address that does not resolve fails at once (no retries for the store timeout),
+  # naming the name and the resolver's reason: for an agent, and for a worker.
+  export DTRAIN_STORE_TIMEOUT=120
+  timeout 60 "$DTRUN" --nnodes 2 --node-rank 1 --master-addr no-such-host.invalid --master-port 29400 -- true \
+    >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 2 $? "dtrun with an unresolvable --master-addr"
+  expect_line "$work/dtrun.err" '^dtrun node 1: cannot resolve "no-such-host.invalid", the host of the store at no-such-host.invalid:29400: .+; check MASTER_ADDR' "dtrun's message"
+  env MASTER_ADDR=no-such-host.invalid MASTER_PORT=29400 RANK=1 WORLD_SIZE=2 timeout 60 "$PEER" process-gloo \
+    >"$work/peer.out" 2>"$work/peer.err"
+  expect_status 2 $? "a worker with an unresolvable MASTER_ADDR"
+  expect_line "$work/peer.err" '^\[rank 1/2\] dtrain: .*cannot resolve "no-such-host.invalid"' "the worker's message"
+  ;;
+
+missing_program)
+  # Every way a program can be missing gives 127, as a shell's "command not found"; one that is
+  # there but cannot be executed gives 126. dtrun says it once, naming the program.
+  printf 'not a program\n' >"$work/plain.txt"
+  check_missing() {  # check_missing <status> <program> <regex>
+    "$DTRUN" --nproc-per-node 2 -- "$2" >"$work/m.out" 2>"$work/m.err"
+    expect_status "$1" $? "dtrun -- $2"
+    expect_line "$work/m.err" "$3" "dtrun -- $2"
+    [[ $(count_lines "$work/m.err" 'cannot run') == 1 ]] || fail "dtrun -- $2 did not say it once: $(cat "$work/m.err")"
+  }
+  check_missing 127 dtrain-no-such-program '^dtrun node 0: cannot run "dtrain-no-such-program": not found on PATH='
+  check_missing 127 /nonexistent/program '^dtrun node 0: cannot run "/nonexistent/program": no such file$'
+  check_missing 126 "$work/plain.txt" "^dtrun node 0: cannot run \"$work/plain.txt\": it is not an executable file$"
+  check_missing 126 "$work" "^dtrun node 0: cannot run \"$work\": it is not an executable file$"
+  ;;
+
+mpi_rank_fails)
+  # A rank of an MPI job fails: it reports, then MPI_Abort ends every rank with its status, instead
+  # of leaving it in MPI_Finalize while its peers wait out their timeout. `timeout` only turns a
+  # hang into a failure with a message here.
+  unset MASTER_ADDR MASTER_PORT
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$MPIEXEC" --oversubscribe -np 3 "$PEER" process-mpi --fail-rank 1 --fail-code 5 >"$work/fail.out" 2>"$work/fail.err"
+  status=$?
+  ((status != 124)) || fail "the MPI job was still running 120 s after rank 1 returned 5"
+  expect_status 5 $status "mpirun after rank 1 returned 5"
+  expect_line "$work/fail.err" '^\[rank 1/3\] dtrain: the training function returned 5; aborting the MPI job$' "rank 1's line"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$MPIEXEC" --oversubscribe -np 3 "$PEER" process-mpi --throw-rank 2 >"$work/throw.out" 2>"$work/throw.err"
+  status=$?
+  ((status != 124)) || fail "the MPI job was still running 120 s after rank 2 threw"
+  expect_status 1 $status "mpirun after rank 2 threw"
+  expect_line "$work/throw.err" '^\[rank 2/3\] dtrain: peer failure on purpose$' "rank 2's line"
+  ;;
+
+peer_dies)
+  # Rank 1 is SIGKILLed mid-collective. Its peers write to its sockets: each ends with an error
+  # (exit 1) that says Gloo failed, never silently by SIGPIPE (141). Whether a write meets the
+  # closed socket is a race; broken_pipe below checks SIGPIPE deterministically.
+  "$LAUNCH" --no-kill 3 "$PEER" process-gloo --die-rank 1 >"$work/die.out" 2>"$work/die.err"
+  expect_status 137 $? "the job whose rank 1 was killed"
+  expect_line "$work/die.err" '^dtrain_test_launch: rank 1 exited with status 137$' "rank 1's death"
+  for r in 0 2; do
+    expect_line "$work/die.err" "^dtrain_test_launch: rank $r exited with status 1$" "rank $r's exit status"
+    expect_line "$work/die.err" "^\[rank $r/3\] dtrain: .*failed in Gloo" "rank $r's message"
+  done
+  ;;
+
+broken_pipe)
+  # The agent starts its workers with SIGPIPE at its default (fatal); dtrain::run ignores it, so a
+  # write to a closed pipe or socket is an error the worker sees (EPIPE), not a silent death.
+  "$PEER" node-gloo --nproc-per-node 2 --broken-pipe >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 0 $? "the agent"
+  for r in 0 1; do
+    expect_line "$work/agent.out" "^peer rank $r: write to a closed pipe: Broken pipe$" "rank $r's write"
+  done
   ;;
 
 run_errors)

@@ -13,16 +13,22 @@
 //   --throw-rank R      that rank throws std::runtime_error("peer failure on purpose")
 //   --hang DIR          every other rank writes DIR/<rank>.pid and sleeps until killed
 //   --ignore-term       hanging ranks ignore SIGTERM (the agent must SIGKILL them)
+//   --die-rank R        that rank SIGKILLs itself after the barrier, while the others stream
+//                       allreduces to it (a peer dying mid-collective)
+//   --broken-pipe       every rank writes to a pipe nobody reads and prints what write() said
+//   --fork-child DIR    every rank first starts `sleep 300` and writes its pid to DIR/child<rank>.pid
 //
 // Each worker prints `peer <world json> restart=<k>` and, after a barrier and
 // an allreduce whose result it checks, `peer rank <r> done sum=<s>`.
 
 #include <dtrain/dtrain.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <span>
 #include <stdexcept>
@@ -43,6 +49,9 @@ struct peer_options {
   int throw_rank = -1;
   std::string hang_dir;
   bool ignore_term = false;
+  int die_rank = -1;
+  bool broken_pipe = false;
+  std::string child_dir;
 };
 
 peer_options parse(int argc, char** argv) {
@@ -80,6 +89,12 @@ peer_options parse(int argc, char** argv) {
       o.hang_dir = next();
     else if (a == "--ignore-term")
       o.ignore_term = true;
+    else if (a == "--die-rank")
+      o.die_rank = std::stoi(next());
+    else if (a == "--broken-pipe")
+      o.broken_pipe = true;
+    else if (a == "--fork-child")
+      o.child_dir = next();
     else if (a.starts_with("--local_rank"))
       continue;  // checked by discovery against LOCAL_RANK
     else if (!a.starts_with("--"))
@@ -96,9 +111,34 @@ template <class Policy>
 int work(dtrain::context<Policy>& ctx, const peer_options& o) {
   std::printf("peer %s restart=%d\n", dtrain::to_json(ctx.world()).c_str(), ctx.restart_count());
   std::fflush(stdout);
+  if (!o.child_dir.empty()) {
+    pid_t child = ::fork();
+    if (child == 0) {
+      ::execlp("sleep", "sleep", "300", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    std::ofstream(o.child_dir + "/child" + std::to_string(ctx.rank()) + ".pid") << child << '\n';
+  }
+  if (o.broken_pipe) {
+    int fds[2];
+    if (::pipe(fds) != 0) return 1;
+    ::close(fds[0]);
+    const char byte = 'x';
+    const bool wrote = ::write(fds[1], &byte, 1) == 1;
+    std::printf("peer rank %d: write to a closed pipe: %s\n", ctx.rank(),
+                wrote ? "succeeded" : std::strerror(errno));
+    std::fflush(stdout);
+    ::close(fds[1]);
+  }
   if (ctx.rank() == o.throw_rank) throw std::runtime_error("peer failure on purpose");
   if (ctx.rank() == o.fail_rank && ctx.restart_count() < o.fail_restarts) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the others start waiting
+    // When it fails, for bench/failure_to_exit.sh (milliseconds since the epoch).
+    std::fprintf(stderr, "peer rank %d fails at %lld ms\n", ctx.rank(),
+                 static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            std::chrono::system_clock::now().time_since_epoch())
+                                            .count()));
+    std::fflush(stderr);
     return o.fail_code;
   }
   if (!o.hang_dir.empty()) {
@@ -107,6 +147,14 @@ int work(dtrain::context<Policy>& ctx, const peer_options& o) {
     while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
   ctx.barrier();
+  if (o.die_rank >= 0) {
+    if (ctx.rank() == o.die_rank) ::raise(SIGKILL);
+    // Enough traffic that the survivors write to the dead rank's sockets.
+    std::vector<float> big(1 << 20, 1.0f);
+    for (int i = 0; i < 10000; ++i)
+      dtrain::allreduce(ctx.communicator(), std::span<float>(big)).wait();
+    return 0;  // not reached: the dead rank's peers fail
+  }
   std::vector<std::int64_t> value{ctx.rank() + 1};
   dtrain::allreduce(ctx.communicator(), std::span<std::int64_t>(value)).wait();
   const std::int64_t n = ctx.size();

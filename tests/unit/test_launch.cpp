@@ -58,6 +58,32 @@ TEST_CASE("agent options: bad values name the variable or option") {
         "option master_port=70000 is outside the port range 1-65535");
   CHECK(config_error_text([] { agent_options{.nproc_per_node = 0}.check(); }) ==
         "option nproc_per_node=0 must be at least 1");
+  CHECK(config_error_text([] {
+          (void)agent_options{}.with_env({{"DTRAIN_HEARTBEAT_TIMEOUT", "0"}});
+        }) == "DTRAIN_HEARTBEAT_TIMEOUT=0 is not a positive number of seconds");
+}
+
+TEST_CASE("agent options: sizes are checked against max_world_size before anything is allocated") {
+  CHECK(config_error_text([] { agent_options{.nproc_per_node = 2'000'000'000}.check(); }) ==
+        "option nproc_per_node=2000000000 is more than dtrain's limit of 1048576 ranks "
+        "(max_world_size)");
+  CHECK(config_error_text([] {
+          (void)agent_options{}.with_env({{"DTRAIN_NNODES", "1048577"}});
+        }) == "option nnodes=1048577 is more than dtrain's limit of 1048576 ranks (max_world_size)");
+  agent_options{.nproc_per_node = dtrain::max_world_size, .nnodes = 1}.check();  // the limit itself
+  // Each fits, the product does not (it would overflow an int): discovery names both factors.
+  CHECK(dtrain_test::discover_error({{"NODE_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}}, {},
+                                    {.mode = dtrain::launch_mode::per_node,
+                                     .nproc_per_node = 65536,
+                                     .nnodes = 65536}) ==
+        "option nproc_per_node=65536 × option nnodes=65536 = 4294967296 ranks, more than dtrain's "
+        "limit of 1048576 (max_world_size)");
+}
+
+TEST_CASE("agent options: the heartbeat timeout has its own option and variable") {
+  CHECK(agent_options{}.heartbeat_timeout == dtrain::default_heartbeat_timeout);
+  CHECK(agent_options{}.with_env({{"DTRAIN_HEARTBEAT_TIMEOUT", "2.5"}}).heartbeat_timeout ==
+        2500ms);
 }
 
 TEST_CASE("node agent: node, master and port come from options, NODE_RANK or the outer launcher") {

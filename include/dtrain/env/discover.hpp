@@ -11,6 +11,7 @@
 #include <dtrain/error.hpp>
 
 #include <array>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
@@ -263,7 +264,14 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
   if (node[field::local_world_size] && node[field::num_nodes]) {
     const auto& per = *node[field::local_world_size];
     const auto& nn = *node[field::num_nodes];
-    node[field::world_size] = sourced_int{per.value * nn.value, per.origin + " × " + nn.origin};
+    const std::int64_t size = std::int64_t{per.value} * nn.value;  // two ints: no overflow here
+    if (size > max_world_size) {
+      throw config_error(per.origin + " × " + nn.origin + " = " + std::to_string(size) +
+                         " ranks, more than dtrain's limit of " + std::to_string(max_world_size) +
+                         " (max_world_size)");
+    }
+    node[field::world_size] =
+        sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
   }
   complete_and_check(node);
   world w = to_world(node);

@@ -54,6 +54,11 @@ enum class process_role {
   return "unknown";
 }
 
+/// The most ranks a dtrain job may have (1,048,576): sizes from options and
+/// the environment are checked against it before anything is allocated for
+/// them or multiplied, so that a typo is a config_error, not bad_alloc.
+inline constexpr int max_world_size = 1 << 20;
+
 /// Who this process is. A field the environment does not determine is
 /// nullopt — unknown, never guessed; the runtime completes the node fields at
 /// rendezvous by grouping ranks by host name.

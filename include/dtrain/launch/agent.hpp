@@ -112,6 +112,17 @@ inline void record_failure(store_client& store, int restart, int status, bool fi
                     std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
 }
 
+/// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
+}
+
 /// How one worker is named in failure messages.
 inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
   return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
@@ -201,6 +212,12 @@ class node_agent {
       store_options_.token = detail::new_store_token();
     }
     detail::agent_signal_scope signals;
+    // Orphans of the workers come to this agent, and the warden takes the
+    // workers' groups down with it if it is SIGKILLed. The warden is forked
+    // first, before the store or the relay start a thread.
+    detail::become_subreaper();
+    detail::worker_warden warden(nproc_);
+    warden_ = &warden;
     detail::output_relay relay(options_.tee, options_.log_dir);
     relay_ = &relay;
     std::optional<store_server> server;
@@ -252,6 +269,9 @@ class node_agent {
       if (sig == 0) {
         try {
           throw;
+        } catch (const program_error& e) {
+          what = e.what();
+          status = e.exit_status();
         } catch (const config_error& e) {
           what = e.what();
           status = 2;
@@ -277,6 +297,7 @@ class node_agent {
     }
     relay.finish(std::chrono::milliseconds(200));
     relay_ = nullptr;
+    warden_ = nullptr;
     return status;
   }
 
@@ -354,7 +375,8 @@ class node_agent {
       if (!hosting) return;
       auto deadline =
           std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
-      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline) {
+      while (store.add(key, 0) < nnodes() - lost_nodes_ &&
+             std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(poll_interval);
       }
     } catch (const rendezvous_error&) {
@@ -423,6 +445,7 @@ class node_agent {
       p.local_rank = local;
       p.pid = detail::spawn_worker(cmd, relay_->active() ? relay_ : nullptr, *w.rank);
       p.exit_fd = detail::open_exit_fd(p.pid);
+      warden_->guard(local, p.pid);
     }
     return supervise(store, restart);
   }
@@ -434,11 +457,12 @@ class node_agent {
     bool reported_success = false;
     heartbeat beats(nnodes());
     while (true) {
-      if (auto silent = beats.check(store, node_rank(), store_options_.io_timeout)) {
+      if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
+        lost_nodes_ = 1;  // it will never leave(): node 0 must not wait for it
         std::string message = "node " + std::to_string(*silent) +
                               "'s agent stopped responding: no heartbeat for " +
-                              std::to_string(store_options_.io_timeout.count() / 1000) +
-                              " s (DTRAIN_STORE_IO_TIMEOUT)";
+                              detail::seconds_text(options_.heartbeat_timeout) +
+                              " s (DTRAIN_HEARTBEAT_TIMEOUT)";
         detail::record_failure(store, restart, 1, true, message);
       }
       if (int sig = detail::agent_signal; sig != 0) {
@@ -473,7 +497,10 @@ class node_agent {
         reported_success = true;
       }
       if (reported_success) {
-        if (store.add(success_key, 0) >= nnodes()) return {true, 0, false, {}};
+        if (store.add(success_key, 0) >= nnodes()) {
+          detail::kill_leftovers(workers_, options_.grace_period);  // what the workers left running
+          return {true, 0, false, {}};
+        }
         std::this_thread::sleep_for(poll_interval);
       }
     }
@@ -492,7 +519,10 @@ class node_agent {
     return end;
   }
 
-  void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
+  void stop(int sig) {
+    detail::stop_workers(workers_, sig, options_.grace_period);
+    detail::kill_leftovers(workers_, options_.grace_period);
+  }
 
   /// Every agent bumps its counter about once a second and watches the
   /// others': a node whose agent died (and with it its workers) is noticed
@@ -541,8 +571,10 @@ class node_agent {
   std::string master_addr_;
   int master_port_ = 0;
   int round_ = 0;  // the restart round under way
+  int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
+  detail::worker_warden* warden_ = nullptr;  // run()'s, while it runs
 };
 
 }  // namespace dtrain

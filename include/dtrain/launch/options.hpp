@@ -5,6 +5,7 @@
 
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
 #include <chrono>
@@ -16,6 +17,11 @@ namespace dtrain {
 /// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
 /// Environment: DTRAIN_GRACE_PERIOD (seconds).
 inline constexpr std::chrono::milliseconds default_grace_period{10'000};
+
+/// How long an agent may go without beating its heartbeat in the store before
+/// the other agents declare its node lost and end the job. Environment:
+/// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
 
 /// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
 /// Unset values come from the environment or the outer launcher (see
@@ -41,6 +47,9 @@ struct agent_options {
   int max_restarts = 0;
   /// SIGTERM → SIGKILL delay when workers are stopped. Environment: DTRAIN_GRACE_PERIOD (seconds).
   std::chrono::milliseconds grace_period = default_grace_period;
+  /// A node whose agent is silent this long is lost: the others end the job.
+  /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
   /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
   /// Environment: DTRAIN_TEE=1.
   bool tee = false;
@@ -53,7 +62,8 @@ struct agent_options {
   bool local_rank_arg = false;
 
   /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
-  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD, DTRAIN_TEE,
+  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
+  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
   /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
   /// rebuilding it. Throws config_error naming the variable and its value.
@@ -72,6 +82,7 @@ struct agent_options {
     count("DTRAIN_NODE_RANK", out.node_rank, 0);
     if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
     if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_HEARTBEAT_TIMEOUT")) out.heartbeat_timeout = *t;
     if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
     if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
     if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
@@ -90,10 +101,23 @@ struct agent_options {
     at_least("nproc_per_node", nproc_per_node, 1);
     at_least("nnodes", nnodes, 1);
     at_least("node_rank", node_rank, 0);
+    auto at_most = [](const char* name, const std::optional<int>& v) {
+      if (v && *v > max_world_size) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                           " ranks (max_world_size)");
+      }
+    };
+    at_most("nproc_per_node", nproc_per_node);
+    at_most("nnodes", nnodes);
     if (max_restarts < 0) {
       throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
     }
     if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+    if (heartbeat_timeout.count() <= 0) {
+      throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
+                         " ms must be positive");
+    }
     if (master_port && *master_port != 0) {
       detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
     }

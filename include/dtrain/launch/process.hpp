@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// The node agent's processes: starting a worker (fork + exec, dying with the
-/// agent), stopping a group (SIGTERM, grace period, SIGKILL), and carrying
+/// agent), stopping a group (SIGTERM, grace period, SIGKILL), the warden and
+/// subreaper that take what the workers started with them, and carrying
 /// the workers' output with a `[rank N] ` prefix and into per-rank log files.
 
 #include <dtrain/detail/sys.hpp>
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -34,7 +36,28 @@
 #include <pthread.h>
 #include <unistd.h>
 
+namespace dtrain {
+
+/// A worker's program cannot be started: it is missing (exit_status() 127,
+/// as a shell's "command not found") or not executable (126, as a shell's
+/// "permission denied"). The agent ends the job with that status.
+class program_error : public error {
+ public:
+  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
+  /// 127 for a missing program, 126 for one that cannot be executed.
+  [[nodiscard]] int exit_status() const noexcept { return status_; }
+
+ private:
+  int status_;
+};
+
+}  // namespace dtrain
+
 namespace dtrain::detail {
+
+/// Exit status of a job whose program is missing, or is not executable (the shell's).
+inline constexpr int program_missing_status = 127;
+inline constexpr int program_not_executable_status = 126;
 
 /// "exited with status 3", "was killed by SIGKILL (signal 9)".
 inline std::string describe_wait_status(int status) {
@@ -56,10 +79,21 @@ inline int exit_code_of(int status) {
 }
 
 /// Finds `program` on PATH the way execvp would, before fork (execvp itself
-/// is not async-signal-safe). Returns it unchanged when it has a '/'.
+/// is not async-signal-safe). Returns it unchanged when it has a '/'. Throws
+/// program_error (127 missing, 126 not executable) naming the program.
 inline std::string find_program(const std::string& program,
                                 std::optional<std::string_view> path_var) {
-  if (program.find('/') != std::string::npos) return program;
+  if (program.find('/') != std::string::npos) {
+    std::error_code ec;
+    if (!std::filesystem::exists(program, ec)) {
+      throw program_error("cannot run \"" + program + "\": no such file", program_missing_status);
+    }
+    if (std::filesystem::is_directory(program, ec) || ::access(program.c_str(), X_OK) != 0) {
+      throw program_error("cannot run \"" + program + "\": it is not an executable file",
+                          program_not_executable_status);
+    }
+    return program;
+  }
   std::string path(path_var.value_or("/usr/local/bin:/usr/bin:/bin"));
   std::size_t start = 0;
   while (start <= path.size()) {
@@ -70,7 +104,8 @@ inline std::string find_program(const std::string& program,
     if (::access(candidate.c_str(), X_OK) == 0) return candidate;
     start = end + 1;
   }
-  throw config_error("cannot run \"" + program + "\": not found on PATH=" + path);
+  throw program_error("cannot run \"" + program + "\": not found on PATH=" + path,
+                      program_missing_status);
 }
 
 /// Carries the workers' output to the agent's stdout/stderr, each line
@@ -298,12 +333,112 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
   if (n == static_cast<ssize_t>(sizeof child_errno)) {
     int status = 0;
     ::waitpid(pid, &status, 0);
-    throw error("cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
-                "): " + std::strerror(child_errno));
+    const std::string what = "cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
+                             "): " + std::strerror(child_errno);
+    if (child_errno == ENOENT || child_errno == ENOTDIR) {
+      throw program_error(what, program_missing_status);
+    }
+    if (child_errno == EACCES || child_errno == EPERM || child_errno == ENOEXEC ||
+        child_errno == EISDIR) {
+      throw program_error(what, program_not_executable_status);
+    }
+    throw error(what);
   }
   if (relay != nullptr) relay->add(rank, std::move(out_read), std::move(err_read));
   return pid;
 }
+
+/// Makes this process the reaper of its descendants' orphans (Linux 3.4+;
+/// elsewhere nothing): what a worker started and left behind stays below the
+/// agent, which kills and reaps it, instead of escaping to init.
+inline void become_subreaper() noexcept {
+#ifdef PR_SET_CHILD_SUBREAPER
+  (void)::prctl(PR_SET_CHILD_SUBREAPER, 1);
+#endif
+}
+
+/// Kills what is left of each worker's process group (the workers are
+/// reaped) and reaps those of them that were orphaned to this subreaper,
+/// waiting at most `limit` for SIGKILL to take effect.
+inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::milliseconds limit) {
+  for (auto& w : workers) {
+    if (w.pid > 0) ::killpg(w.pid, SIGKILL);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (auto& w : workers) {
+    if (w.pid <= 0) continue;
+    int status = 0;
+    while (true) {
+      pid_t r = ::waitpid(-w.pid, &status, WNOHANG);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 || std::chrono::steady_clock::now() > deadline) break;  // ECHILD: all reaped
+      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+}
+
+/// A small child of the agent that outlives it by a moment: when the agent
+/// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
+/// every worker's process group. PR_SET_PDEATHSIG reaches only the workers
+/// themselves; this reaches what they started. Forked before the agent
+/// starts any thread, it only ever makes async-signal-safe calls.
+class worker_warden {
+ public:
+  /// Starts the warden for up to `slots` workers at a time (one per local rank).
+  explicit worker_warden(int slots) : groups_(static_cast<std::size_t>(slots), 0) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return;  // no warden: PDEATHSIG still ends the workers
+    unique_fd read_end(fds[0]), write_end(fds[1]);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      write_end.reset();
+      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_IGN);
+      watch(read_end.get());
+    }
+    if (pid > 0) {
+      pid_ = pid;
+      pipe_ = std::move(write_end);
+    }
+  }
+  worker_warden(const worker_warden&) = delete;
+  worker_warden& operator=(const worker_warden&) = delete;
+  /// The agent ends normally: it stopped its workers itself, so the warden
+  /// goes without killing anything (a group id may be reused by now).
+  ~worker_warden() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+
+  /// Tells the warden that local rank `slot` now runs in process group `pgid`.
+  void guard(int slot, pid_t pgid) noexcept {
+    if (!pipe_ || slot < 0 || static_cast<std::size_t>(slot) >= groups_.size()) return;
+    const std::int32_t message[2] = {slot, static_cast<std::int32_t>(pgid)};
+    (void)!::write(pipe_.get(), message, sizeof message);  // 8 bytes: atomic on a pipe
+  }
+
+ private:
+  [[noreturn]] void watch(int fd) noexcept {
+    std::int32_t message[2];
+    while (true) {
+      ssize_t n = ::read(fd, message, sizeof message);
+      if (n < 0 && errno == EINTR) continue;
+      if (n != static_cast<ssize_t>(sizeof message)) break;  // end-of-file: the agent is gone
+      if (message[0] >= 0 && static_cast<std::size_t>(message[0]) < groups_.size())
+        groups_[static_cast<std::size_t>(message[0])] = message[1];
+    }
+    for (pid_t pgid : groups_) {
+      if (pgid > 0) ::killpg(pgid, SIGKILL);
+    }
+    ::_exit(0);
+  }
+
+  std::vector<pid_t> groups_;  // allocated before fork: the child only writes into it
+  pid_t pid_ = -1;
+  unique_fd pipe_;
+};
 
 /// A pidfd for `pid`, or an empty one where the kernel has none.
 inline unique_fd open_exit_fd(pid_t pid) {

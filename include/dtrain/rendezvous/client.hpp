@@ -31,7 +31,9 @@ namespace dtrain {
 /// A connection to a store_server. Every blocking call has a timeout: the
 /// options' `timeout` unless the call takes one. Throws timeout_error when it
 /// expires (naming what it waited for and how long), rendezvous_error when the
-/// server cannot be reached, refuses the client, or goes away.
+/// server cannot be reached, refuses the client, or goes away, and
+/// config_error at once when its host name does not resolve (a temporary
+/// resolver failure, EAI_AGAIN, is retried for 5 s first).
 ///
 /// Thread-safe, but requests on one client run one at a time: a thread blocked
 /// in get / wait / barrier holds the connection, so a thread that must set the
@@ -186,6 +188,9 @@ class store_client {
 
   using steady = std::chrono::steady_clock;
 
+  /// How long a temporary resolver failure (EAI_AGAIN) is retried.
+  static constexpr milliseconds resolver_retry{5'000};
+
   void connect() { connect(options_.timeout); }
 
   void connect(milliseconds patience) {
@@ -195,8 +200,18 @@ class store_client {
                               static_cast<unsigned>(steady::now().time_since_epoch().count())));
     milliseconds backoff(10);
     std::string last_error;
+    // A name the resolver does not know will not appear by waiting: fail at
+    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
+    const auto resolve_deadline = std::min(deadline, steady::now() + resolver_retry);
     for (;;) {
-      last_error = try_connect(deadline);
+      int resolver_rc = 0;
+      last_error = try_connect(deadline, resolver_rc);
+      if (resolver_rc != 0 &&
+          (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
+        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
+                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
+                           "; check MASTER_ADDR (dtrun --master-addr)");
+      }
       // A server at its connection cap closes newcomers unanswered: knock again.
       if (last_error.empty()) last_error = try_handshake(deadline);
       if (last_error.empty()) return;
@@ -229,11 +244,14 @@ class store_client {
     }
   }
 
-  // One attempt; returns the reason it failed, empty on success.
-  std::string try_connect(steady::time_point deadline) {
+  // One attempt; returns the reason it failed, empty on success, and the
+  // resolver's error code in `resolver_rc` when the name did not resolve.
+  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
     detail::address_list addrs;
-    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0)
+    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
+      resolver_rc = rc;
       return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+    }
     std::string why;
     for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
       detail::unique_fd fd(
