@@ -124,6 +124,8 @@ class gloo_communicator {
   [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
   [[nodiscard]] int size() const noexcept { return self_->state->size; }
   [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return self_->state->ring; }
 
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
   /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
@@ -286,10 +288,15 @@ class gloo_communicator {
     detail::gloo_state& s = *self_->state;
     if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
     std::unique_lock lock(s.mutex);
-    const detail::signature sig{++s.submitted, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
+    const std::int64_t seq = detail::record(*s.ring, info);
+    const detail::signature sig{seq, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
                                 static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
-    if (!call.moves_data && !s.check) return work{};
+    if (!call.moves_data && !s.check) {
+      s.ring->settle(seq, detail::call_state::completed);
+      return work{};
+    }
     auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    w->track(s.ring, seq);
     s.queue.push_back({w, sig, call});
     const bool idle = !s.running;
     lock.unlock();
