@@ -14,6 +14,8 @@
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/store.hpp>
 #include <dtrain/backend/types.hpp>
+#include <dtrain/backend/ring.hpp>
+#include <dtrain/backend/desync.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/communicator.hpp>
