@@ -202,8 +202,10 @@ class gloo_communicator {
     int new_rank = 0;
     while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
     std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
-    return gloo_communicator(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
-                             self_->endpoint, std::move(keys));
+    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
+                            self_->endpoint, std::move(keys));
+    child.self_->state->ring = self_->state->ring->make_child(color);
+    return child;
   }
 
  private:

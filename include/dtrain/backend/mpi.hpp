@@ -304,6 +304,7 @@ class mpi_communicator {
     MPI_Comm child = MPI_COMM_NULL;
     DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
     mpi_communicator out(env_, child, options_);
+    out.ring_ = ring_->make_child(color);
     MPI_Comm_free(&child);  // `out` holds its own duplicate
     return out;
   }

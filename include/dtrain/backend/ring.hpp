@@ -10,9 +10,11 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace dtrain::detail {
@@ -96,6 +98,41 @@ inline std::string describe_call(const call_record& r, bool with_op = false) {
 class collective_ring {
  public:
   static constexpr std::size_t capacity = 64;
+  static constexpr std::size_t kept_splits = 8;
+
+  /// `name` tells the communicator apart from its splits: "world", "world/split 1 (color 0)".
+  explicit collective_ring(std::string name = "world") : name_(std::move(name)) {}
+
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+
+  /// The ring of a communicator split from this one with `color`. Its name
+  /// counts this ring's splits, so every rank that splits in the same order
+  /// (as it must) gives the same child the same name. This ring keeps the
+  /// last `kept_splits` children, even once their communicators are gone:
+  /// where a rank was on them still explains a stall.
+  std::shared_ptr<collective_ring> make_child(int color) {
+    std::lock_guard lock(mutex_);
+    auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
+                                                   " (color " + std::to_string(color) + ")");
+    if (children_.size() == kept_splits) children_.erase(children_.begin());
+    children_.push_back(child);
+    return child;
+  }
+
+  /// This ring and those of its kept splits (recursively), each with its name.
+  [[nodiscard]] std::vector<std::pair<std::string, std::vector<call_record>>> snapshot_all() const {
+    std::vector<std::pair<std::string, std::vector<call_record>>> out;
+    out.emplace_back(name_, snapshot());
+    std::vector<std::shared_ptr<collective_ring>> children;
+    {
+      std::lock_guard lock(mutex_);
+      children = children_;
+    }
+    for (const auto& ring : children) {
+      for (auto& entry : ring->snapshot_all()) out.push_back(std::move(entry));
+    }
+    return out;
+  }
 
   /// Records a new collective with the calling thread's label; returns its sequence number.
   std::int64_t issue(std::string_view kind, dtype type, std::size_t count, int op, int root) {
@@ -141,9 +178,12 @@ class collective_ring {
   }
 
  private:
+  std::string name_;
   mutable std::mutex mutex_;
   std::array<call_record, capacity> slots_{};
   std::int64_t last_ = 0;
+  std::int64_t splits_ = 0;
+  std::vector<std::shared_ptr<collective_ring>> children_;
 };
 
 }  // namespace dtrain::detail
