@@ -145,18 +145,60 @@ TEST_CASE("desync: rings travel through the store as text and come back the same
   std::vector<call_record> calls{call(7, 3, call_state::completed, "bucket 12", dtype::bfloat16),
                                  call(8, 0, call_state::timed_out, {}, dtype::int64, "barrier")};
   calls[1].root = 2;
-  const auto back = dtrain::detail::decode_ring(dtrain::detail::encode_ring(calls));
+  const dtrain::detail::named_rings rings{{"world", calls}, {"world/split 1 (color 0)", {}}};
+  const auto back = dtrain::detail::decode_rings(dtrain::detail::encode_rings(rings));
   REQUIRE(back);
   REQUIRE(back->size() == 2);
+  CHECK((*back)[1].first == "world/split 1 (color 0)");
+  CHECK((*back)[1].second.empty());
+  REQUIRE((*back)[0].second.size() == 2);
   for (std::size_t i = 0; i < 2; ++i) {
-    CHECK((*back)[i].same_call(calls[i]));
-    CHECK((*back)[i].seq == calls[i].seq);
-    CHECK((*back)[i].label == calls[i].label);
-    CHECK((*back)[i].state == calls[i].state);
+    const call_record& got = (*back)[0].second[i];
+    CHECK(got.same_call(calls[i]));
+    CHECK(got.seq == calls[i].seq);
+    CHECK(got.label == calls[i].label);
+    CHECK(got.state == calls[i].state);
   }
-  CHECK_FALSE(dtrain::detail::decode_ring("not a ring"));
-  CHECK_FALSE(dtrain::detail::decode_ring("dtrain-ring 1\n1 allreduce 99 4 0 -1 0 \n"));
-  CHECK_FALSE(dtrain::detail::decode_ring("dtrain-ring 1\n1 allreduce\n"));
+  CHECK_FALSE(dtrain::detail::decode_rings("not a ring"));
+  CHECK_FALSE(dtrain::detail::decode_rings(
+      "dtrain-rings 1\n1 allreduce 0 4 0 -1 0 \n"));  // no communicator
+  CHECK_FALSE(dtrain::detail::decode_rings("dtrain-rings 1\n= world\n1 allreduce 99 4 0 -1 0 \n"));
+  CHECK_FALSE(dtrain::detail::decode_rings("dtrain-rings 1\n= world\n1 allreduce\n"));
+}
+
+TEST_CASE("desync: the job's analysis picks the communicator that explains the stall") {
+  using dtrain::detail::rank_publication;
+  const std::vector<call_record> world{
+      call(1, 10, call_state::completed, {}, dtype::float32, "broadcast")};
+  const auto waiting = call(42, 65536, call_state::issued, "bucket 4");
+  auto rings = four_ranks({{waiting}, {waiting}, {}, {waiting}});
+  std::vector<rank_publication> ranks;
+  for (int r = 0; r < 4; ++r) {
+    ranks.push_back({r,
+                     true,
+                     {{"world", world},
+                      {"world/split 1 (color 0)", rings[static_cast<std::size_t>(r)].calls}}});
+  }
+  SUBCASE("a rank behind on the split") {
+    const auto report = dtrain::detail::analyse_job(ranks);
+    CHECK(report.summary.starts_with("rank 2 is at #41"));
+    CHECK(report.summary.ends_with("(on communicator world/split 1 (color 0))"));
+    CHECK(contains(report.details, "communicator world:"));
+  }
+  SUBCASE("a silent rank counts on the split every other rank has") {
+    ranks[1] = {1, false, {}};
+    ranks[2].rings[1].second.push_back(waiting);
+    const auto report = dtrain::detail::analyse_job(ranks);
+    CHECK(report.summary.starts_with(
+        "rank 1 did not answer (process gone, or frozen); ranks 0, 2, 3 wait in #42"));
+  }
+  SUBCASE("a split only some ranks have is analysed over them") {
+    for (int r : {2, 3})
+      ranks[static_cast<std::size_t>(r)].rings[1].first = "world/split 1 (color 1)";
+    const auto report = dtrain::detail::analyse_job(ranks);
+    CHECK(report.summary.starts_with("rank 2 is at #41"));
+    CHECK(report.summary.ends_with("(on communicator world/split 1 (color 1))"));
+  }
 }
 
 TEST_CASE("collective_ring: keeps the last collectives with their labels and how far each got") {

@@ -35,6 +35,9 @@ struct desync_report {
   std::string
       summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
   std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
+  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
+  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
+  int severity = 0;
 };
 
 /// "rank 2", "ranks 0, 1, 3".
@@ -205,10 +208,13 @@ inline desync_report analyse(std::span<const rank_ring> rings) {
 
   if (!mismatch.empty()) {
     report.summary = mismatch;
+    report.severity = 4;
   } else if (!behind.empty()) {
     report.summary = behind;
+    report.severity = 3;
   } else if (!gone.empty()) {
     report.summary = gone;
+    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
   } else if (!live.empty() && !live.front()->calls.empty()) {
     const call_record& last = live.front()->calls.back();
     report.summary =
@@ -227,47 +233,120 @@ inline std::string format_report(std::string_view header, const desync_report& r
   return out;
 }
 
-/// A ring as it travels through the store: "dtrain-ring 1\n" then one line
-/// per call, "seq kind type count op root state label" (label last: it may
-/// hold spaces). Plain text, so a person reading the store can follow it.
-inline std::string encode_ring(std::span<const call_record> calls) {
-  std::string out = "dtrain-ring 1\n";
-  for (const call_record& c : calls) {
-    out += std::to_string(c.seq) + " " + c.kind + " " + std::to_string(static_cast<int>(c.type)) +
-           " " + std::to_string(c.count) + " " + std::to_string(c.op) + " " +
-           std::to_string(c.root) + " " + std::to_string(static_cast<int>(c.state)) + " " +
-           c.label + "\n";
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store: "dtrain-rings 1", then per
+/// communicator a line "= <name>" and one line per call, "seq kind type count
+/// op root state label" (label last: it may hold spaces). Plain text, so a
+/// person reading the store can follow it.
+inline std::string encode_rings(const named_rings& rings) {
+  std::string out = "dtrain-rings 1\n";
+  for (const auto& [name, calls] : rings) {
+    out += "= " + name + "\n";
+    for (const call_record& c : calls) {
+      out += std::to_string(c.seq) + " " + c.kind + " " + std::to_string(static_cast<int>(c.type)) +
+             " " + std::to_string(c.count) + " " + std::to_string(c.op) + " " +
+             std::to_string(c.root) + " " + std::to_string(static_cast<int>(c.state)) + " " +
+             c.label + "\n";
+    }
   }
   return out;
 }
 
-/// The calls of encode_ring's text, or nothing when it is not such a text.
-inline std::optional<std::vector<call_record>> decode_ring(std::string_view text) {
+/// The rings of encode_rings' text, or nothing when it is not such a text.
+inline std::optional<named_rings> decode_rings(std::string_view text) {
   const auto lines = split(text, '\n');
-  if (lines.empty() || lines[0] != "dtrain-ring 1") return std::nullopt;
-  std::vector<call_record> calls;
+  if (lines.empty() || lines[0] != "dtrain-rings 1") return std::nullopt;
+  named_rings rings;
   for (std::size_t i = 1; i < lines.size(); ++i) {
-    if (lines[i].empty()) continue;
+    const std::string& line = lines[i];
+    if (line.empty()) continue;
+    if (line.starts_with("= ")) {
+      rings.emplace_back(line.substr(2), std::vector<call_record>{});
+      continue;
+    }
     char kind[32] = {};
     long long seq = 0;
     unsigned long long count = 0;
     int type = 0, op = 0, root = 0, state = 0, used = 0;
-    if (std::sscanf(lines[i].c_str(), "%lld %31s %d %llu %d %d %d %n", &seq, kind, &type, &count,
-                    &op, &root, &state, &used) != 7 ||
+    if (rings.empty() ||
+        std::sscanf(line.c_str(), "%lld %31s %d %llu %d %d %d %n", &seq, kind, &type, &count, &op,
+                    &root, &state, &used) != 7 ||
         type < 0 || type > static_cast<int>(dtype::uint8) || state < 0 ||
         state > static_cast<int>(call_state::timed_out)) {
       return std::nullopt;
     }
-    calls.push_back({.seq = seq,
-                     .kind = kind,
-                     .type = static_cast<dtype>(type),
-                     .count = static_cast<std::size_t>(count),
-                     .op = op,
-                     .root = root,
-                     .label = lines[i].substr(static_cast<std::size_t>(used)),
-                     .state = static_cast<call_state>(state)});
+    rings.back().second.push_back({.seq = seq,
+                                   .kind = kind,
+                                   .type = static_cast<dtype>(type),
+                                   .count = static_cast<std::size_t>(count),
+                                   .op = op,
+                                   .root = root,
+                                   .label = line.substr(static_cast<std::size_t>(used)),
+                                   .state = static_cast<call_state>(state)});
   }
-  return calls;
+  return rings;
+}
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+inline desync_report analyse_job(std::span<const rank_publication> ranks) {
+  std::vector<std::string> names;
+  int answering = 0;
+  for (const rank_publication& p : ranks) {
+    answering += p.answered ? 1 : 0;
+    for (const auto& entry : p.rings) {
+      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
+        names.push_back(entry.first);
+    }
+  }
+  if (names.empty()) names.push_back("world");
+  std::vector<std::pair<std::string, desync_report>> reports;
+  for (const std::string& name : names) {
+    std::vector<rank_ring> rings;
+    for (const rank_publication& p : ranks) {
+      if (!p.answered) {
+        rings.push_back({p.rank, false, {}});
+        continue;
+      }
+      for (const auto& entry : p.rings) {
+        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
+      }
+    }
+    const auto members =
+        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
+    if (members < answering) {
+      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
+    }
+    reports.emplace_back(name, analyse(rings));
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < reports.size(); ++i) {
+    if (reports[i].second.severity > reports[best].second.severity) best = i;
+  }
+  desync_report out = reports[best].second;
+  if (reports.size() > 1) {
+    out.summary += " (on communicator " + reports[best].first + ")";
+    out.details.clear();
+    for (const auto& [name, report] : reports) {
+      out.details.push_back("communicator " + name + ":" +
+                            (report.severity > 0 ? " " + report.summary : ""));
+      for (const std::string& d : report.details) out.details.push_back("  " + d);
+    }
+  }
+  return out;
 }
 
 }  // namespace dtrain::detail
