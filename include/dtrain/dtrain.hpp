@@ -35,6 +35,7 @@
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/process.hpp>
 #include <dtrain/launch/agent.hpp>
+#include <dtrain/diagnostics.hpp>
 #include <dtrain/context.hpp>
 #include <dtrain/run.hpp>
 #include <dtrain/ddp/parameter.hpp>

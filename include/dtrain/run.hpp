@@ -137,6 +137,7 @@ requires std::is_invocable_v < Fn&, context<Policy>
       }
     } catch (...) {
       auto failure = detail::current_failure();
+      if (auto summary = ctx.explain_failure(std::current_exception())) failure.second += "; diagnostics: " + *summary;
       ctx.record_failure(failure.first, failure.second);
       return detail::report_failure(detail::rank_label(&*w), failure);
     }
