@@ -26,6 +26,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -35,6 +36,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <pthread.h>
 
 namespace dtrain {
 
@@ -56,6 +59,23 @@ struct gloo_options {
 };
 
 namespace detail {
+
+/// Blocks SIGPIPE in the calling thread while it lives, and in the threads it starts meanwhile.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() noexcept {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
+  }
+  ~sigpipe_blocked() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+
+ private:
+  sigset_t previous_{};
+};
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -232,6 +252,11 @@ class gloo_communicator {
 
   void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
                detail::gloo_endpoint endpoint, std::string keys) {
+    // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
+    // would kill this process with SIGPIPE. Its threads and the worker start
+    // with SIGPIPE blocked (threads inherit the mask); such a write then fails
+    // with EPIPE, which Gloo reports as an error.
+    detail::sigpipe_blocked quiet;
     auto state = std::make_shared<detail::gloo_state>();
     state->rank = rank;
     state->size = size;
