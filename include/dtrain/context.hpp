@@ -132,9 +132,10 @@ class context {
   }
 
   /// Called by run() when this rank fails: a collective that timed out or
-  /// failed (a peer is stuck, behind, gone or called differently) is explained.
+  /// failed (a peer is stuck, behind, gone or called differently) is
+  /// explained; other failures (a store timeout) are not.
   std::optional<std::string> explain_failure(const std::exception_ptr& failure) {
-    if (!diagnostics_) return std::nullopt;
+    if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
     try {
       std::rethrow_exception(failure);
     } catch (const timeout_error&) {

@@ -124,6 +124,17 @@ class rank_diagnostics {
     ::close(wake_);
   }
 
+  /// Whether a collective of this rank failed or timed out (the ring says so):
+  /// only such a failure is worth a round; a store timeout, say, is not.
+  [[nodiscard]] bool collective_failed() const {
+    for (const auto& entry : ring_->snapshot_all()) {
+      for (const call_record& c : entry.second) {
+        if (c.state == call_state::failed || c.state == call_state::timed_out) return true;
+      }
+    }
+    return false;
+  }
+
   /// Asks every rank for its ring (joining the round another rank opened, if
   /// one is open), waits for them at most options.wait, and returns the
   /// analysis' summary line; one rank of the round prints the whole table on
