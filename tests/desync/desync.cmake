@@ -83,3 +83,12 @@ foreach(backend IN ITEMS mpi gloo)
       PROPERTIES PROCESSORS 4)
   endforeach()
 endforeach()
+
+# SIGUSR1 to dtrun: forwarded to the workers, who print the table (tests/launch/cases.sh).
+if("gloo" IN_LIST desync_backends AND DTRAIN_BASH AND TARGET dtrun)
+  dtrain_add_test(desync.sigusr1.dtrun.4ranks COMMAND "${DTRAIN_BASH}" "${launch_cases}" dtrun_sigusr1
+    TIMEOUT 120 ENVIRONMENT DTRUN=$<TARGET_FILE:dtrun> DESYNC=$<TARGET_FILE:dtrain_desync_peer>
+    PROPERTIES PROCESSORS 4)
+else()
+  dtrain_add_skipped_test(desync.sigusr1.dtrun.4ranks "needs Gloo, bash and the example dtrun")
+endif()

@@ -55,6 +55,7 @@ int job(dtrain::context<Policy>& ctx, std::string_view which) {
     if (last && me) {
       if (which == "signal") ::kill(::getpid(), SIGUSR1);
       if (which == "skip" || which == "signal") {
+        std::fprintf(stderr, "[rank %d] skipped the last step; waiting elsewhere\n", ctx.rank());
         // Stuck elsewhere (a data loader, say): a store key nobody sets, until
         // the job ends or 12 s (3 collective timeouts) pass.
         (void)ctx.store().get("desync-test/never-set", std::chrono::seconds(12));
