@@ -8,6 +8,7 @@
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
+#include <dtrain/diagnostics.hpp>
 #include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <optional>
 #include <thread>
 #include <string>
@@ -46,6 +48,7 @@ struct run_options {
   agent_options agent{};             ///< launch::per_node only
   store_options store{};             ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
   collective_options collectives{};  ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+  diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
 };
 
 /// Where the store prefix of a job lives; a restart round gets its own.
@@ -85,6 +88,7 @@ class context {
       make_communicator(env);
     }
     control_.emplace(*store_, rank(), size(), "control");
+    start_diagnostics(options.diagnostics.with_env(env));
   }
   context(const context&) = delete;
   context& operator=(const context&) = delete;
@@ -121,6 +125,31 @@ class context {
   /// Waits until every rank has called barrier(), at most the collective
   /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
   void barrier() { communicator_->barrier().wait(collectives_.timeout); }
+
+  /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
+  /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
+  /// started #42"); one rank prints the whole table on stderr. Waits at most
+  /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
+  std::string explain_stall(const std::string& reason) {
+    if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
+    return diagnostics_->explain(reason);
+  }
+
+  /// Called by run() when this rank fails: a collective that timed out or
+  /// failed (a peer is stuck, behind, gone or called differently) is
+  /// explained; other failures (a store timeout) are not.
+  std::optional<std::string> explain_failure(const std::exception_ptr& failure) {
+    if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
+    try {
+      std::rethrow_exception(failure);
+    } catch (const timeout_error&) {
+      return explain_stall("a timeout on rank " + std::to_string(rank()));
+    } catch (const backend_error&) {
+      return explain_stall("a failed collective on rank " + std::to_string(rank()));
+    } catch (...) {
+    }
+    return std::nullopt;
+  }
 
   /// Called by run() when this rank fails (an exception, or a non-zero status
   /// from the user's function), before anything is torn down: under a node
@@ -162,6 +191,7 @@ class context {
         throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
       }
       client_.emplace(where.host, *where.port, store_options_);
+      store_endpoint_ = {where.host, *where.port};
       store_.emplace(*client_,
                      std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
       under_agent_ = true;
@@ -189,6 +219,7 @@ class context {
     }
     if (!host) host = agree_store_address(port);
     const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
+    store_endpoint_ = {where, port};
     if (token_file_ && rank() != 0) {
       connect_with_token_file(where, port);
     } else {
@@ -368,6 +399,18 @@ class context {
     }
   }
 
+  /// Every rank watches for diagnostics rounds on a connection of its own.
+  void start_diagnostics(const diagnostics_options& options) {
+    if constexpr (requires(communicator_type& c) { c.ring(); }) {
+      if (!options.enabled) return;
+      std::string prefix = store_->prefix();
+      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_, prefix + "diag", rank(),
+                           size(), communicator_->ring(), std::string(Policy::backend_type::name), options);
+    } else {
+      (void)options;
+    }
+  }
+
   using traits = typename Policy::traits;
 
   /// select_device() with the devices this process sees. When CUDA cannot count
@@ -404,6 +447,8 @@ class context {
   std::optional<store_type> store_;
   std::optional<communicator_type> communicator_;
   std::optional<store_channel<store_type>> control_;
+  std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
+  std::optional<detail::rank_diagnostics> diagnostics_;
 };
 
 }  // namespace dtrain

@@ -14,6 +14,8 @@
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/store.hpp>
 #include <dtrain/backend/types.hpp>
+#include <dtrain/backend/ring.hpp>
+#include <dtrain/backend/desync.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/communicator.hpp>
@@ -33,6 +35,7 @@
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/process.hpp>
 #include <dtrain/launch/agent.hpp>
+#include <dtrain/diagnostics.hpp>
 #include <dtrain/context.hpp>
 #include <dtrain/run.hpp>
 #include <dtrain/ddp/parameter.hpp>

@@ -146,6 +146,7 @@ requires std::is_invocable_v < Fn&, context<Policy>
       }
     } catch (...) {
       auto failure = detail::current_failure();
+      if (auto summary = ctx.explain_failure(std::current_exception())) failure.second += "; diagnostics: " + *summary;
       ctx.record_failure(failure.first, failure.second);
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
       detail::abort_mpi_job(code);

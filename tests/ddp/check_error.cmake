@@ -4,6 +4,7 @@
 #   cmake "-DCOMMAND=launcher|args|program|args" -DEXPECT_STATUS=2
 #         "-DEXPECT_1=regex" ["-DEXPECT_2=regex" ...] -P check_error.cmake
 #
+# EXPECT_STATUS is a number or a regex of numbers ("[1-9][0-9]*": any failure).
 # COMMAND is the job's command line with '|' between the arguments. Every
 # EXPECT_<n> must match the job's combined stdout and stderr.
 foreach(var IN ITEMS COMMAND EXPECT_STATUS EXPECT_1)
@@ -22,7 +23,7 @@ execute_process(
 message("${out}${err}")
 
 set(failed "")
-if(NOT status STREQUAL "${EXPECT_STATUS}")
+if(NOT status MATCHES "^(${EXPECT_STATUS})$")
   string(APPEND failed "the job exited with '${status}', expected ${EXPECT_STATUS}\n")
 endif()
 foreach(n RANGE 1 9)

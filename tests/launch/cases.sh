@@ -210,6 +210,29 @@ sigterm | sigkill)
   expect_all_gone "$work/pids"
   ;;
 
+dtrun_sigusr1)
+  # SIGUSR1 to dtrun is forwarded to its workers and stops nothing: while rank 2
+  # of dtrain_desync_peer (DESYNC) waits elsewhere and the others wait in a
+  # bucket's allreduce, the workers print one desync table naming rank 2. The
+  # job then ends as it would (the collective timeout, 8 s, is not reached before the signal).
+  DTRAIN_COLLECTIVE_TIMEOUT=8 DTRAIN_DIAGNOSTICS_WAIT=3 "$DTRUN" --nproc-per-node 4 -- "$DESYNC" gloo skip \
+    >"$work/dtrun.out" 2>"$work/dtrun.err" &
+  agent=$!
+  for _ in $(seq 600); do
+    grep -q "skipped the last step" "$work/dtrun.err" && break
+    sleep 0.1
+  done
+  expect_line "$work/dtrun.err" "skipped the last step" "rank 2 reaching its stall"
+  kill -USR1 "$agent"
+  wait $agent
+  status=$?
+  expect_status 1 $status "dtrun after SIGUSR1 and the timeout"
+  expect_line "$work/dtrun.err" "forwarded SIGUSR1 to the workers" "the agent's message"
+  expect_line "$work/dtrun.err" "collective diagnostics, round 1, after SIGUSR1 on rank [0-3]" "the table's header"
+  expect_line "$work/dtrun.err" "^  rank 2 is at #[0-9]+ allreduce\(float32 .+ 262144, bucket 1\); ranks 0, 1, 3 wait in #[0-9]+ allreduce\(float32 .+ 65536, bucket 0\): rank 2 never started" "the table's finding"
+  cat "$work/dtrun.err"
+  ;;
+
 local_rank_arg)
   # --pass-local-rank gives each worker --local_rank=N; whoami checks it against LOCAL_RANK (it exits 2 if they differ).
   "$DTRUN" --nproc-per-node 2 --pass-local-rank -- "$WHOAMI" >"$work/whoami.out" 2>"$work/whoami.err"

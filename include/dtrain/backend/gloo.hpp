@@ -26,6 +26,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -35,6 +36,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <pthread.h>
 
 namespace dtrain {
 
@@ -56,6 +59,23 @@ struct gloo_options {
 };
 
 namespace detail {
+
+/// Blocks SIGPIPE in the calling thread while it lives, and in the threads it starts meanwhile.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() noexcept {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
+  }
+  ~sigpipe_blocked() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+
+ private:
+  sigset_t previous_{};
+};
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -124,6 +144,8 @@ class gloo_communicator {
   [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
   [[nodiscard]] int size() const noexcept { return self_->state->size; }
   [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return self_->state->ring; }
 
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
   /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
@@ -200,8 +222,10 @@ class gloo_communicator {
     int new_rank = 0;
     while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
     std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
-    return gloo_communicator(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
-                             self_->endpoint, std::move(keys));
+    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
+                            self_->endpoint, std::move(keys));
+    child.self_->state->ring = self_->state->ring->make_child(color);
+    return child;
   }
 
  private:
@@ -228,6 +252,11 @@ class gloo_communicator {
 
   void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
                detail::gloo_endpoint endpoint, std::string keys) {
+    // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
+    // would kill this process with SIGPIPE. Its threads and the worker start
+    // with SIGPIPE blocked (threads inherit the mask); such a write then fails
+    // with EPIPE, which Gloo reports as an error.
+    detail::sigpipe_blocked quiet;
     auto state = std::make_shared<detail::gloo_state>();
     state->rank = rank;
     state->size = size;
@@ -286,10 +315,15 @@ class gloo_communicator {
     detail::gloo_state& s = *self_->state;
     if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
     std::unique_lock lock(s.mutex);
-    const detail::signature sig{++s.submitted, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
+    const std::int64_t seq = detail::record(*s.ring, info);
+    const detail::signature sig{seq, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
                                 static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
-    if (!call.moves_data && !s.check) return work{};
+    if (!call.moves_data && !s.check) {
+      s.ring->settle(seq, detail::call_state::completed);
+      return work{};
+    }
     auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    w->track(s.ring, seq);
     s.queue.push_back({w, sig, call});
     const bool idle = !s.running;
     lock.unlock();

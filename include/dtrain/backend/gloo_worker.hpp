@@ -123,7 +123,8 @@ struct gloo_state {
   std::deque<task> queue;            // guarded by mutex
   bool running = false;              // guarded by mutex: a task is running (worker or waiter)
   bool stopping = false;             // guarded by mutex
-  std::int64_t submitted = 0;        // guarded by mutex: the collective sequence number
+  // Numbers the collectives; issued under mutex, so the numbers follow the queue.
+  std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
   std::atomic<bool> unusable{false};
   std::string failure;  // guarded by mutex: the first failure
 

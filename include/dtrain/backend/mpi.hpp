@@ -166,7 +166,7 @@ class mpi_communicator {
         rank_(other.rank_),
         size_(other.size_),
         options_(other.options_),
-        sequence_(other.sequence_),
+        ring_(std::move(other.ring_)),
         ops_(std::exchange(other.ops_, no_ops())),
         health_(std::move(other.health_)),
         staging_(std::move(other.staging_)) {}
@@ -188,6 +188,8 @@ class mpi_communicator {
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
 
   /// Pinned host bytes this communicator holds for staging device buffers
   /// (in use and free for reuse); 0 without CUDA.
@@ -210,8 +212,7 @@ class mpi_communicator {
     check.count(out, in.count, "output");
     check.op_fits(op, in.type);
     usable(what);
-    verify(0, in, static_cast<std::int64_t>(op), what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(0, in, static_cast<std::int64_t>(op), what));
     w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
@@ -232,8 +233,7 @@ class mpi_communicator {
     const auto what = info("broadcast", data, -1, root);
     detail::argument_check{what}.root(root, size_);
     usable(what);
-    verify(1, data, root, what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(1, data, root, what));
     w->stage(data, data, false, stream);
     if (data.count == 0) return work(w);
     if (w->direct) {
@@ -250,8 +250,7 @@ class mpi_communicator {
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size_), "output");
     usable(what);
-    verify(2, in, 0, what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(2, in, 0, what));
     w->stage(in, out, false, stream);
     if (in.count == 0) return work(w);
     if (w->direct) {
@@ -273,8 +272,7 @@ class mpi_communicator {
     check.count(in, out.count * static_cast<std::size_t>(size_), "input");
     check.op_fits(op, in.type);
     usable(what);
-    verify(3, out, static_cast<std::int64_t>(op), what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(3, out, static_cast<std::int64_t>(op), what));
     w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
@@ -293,8 +291,7 @@ class mpi_communicator {
   work barrier() {
     const auto what = info("barrier", buffer{}, -1, -1);
     usable(what);
-    verify(4, buffer{}, 0, what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(4, buffer{}, 0, what));
     DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
     return work(w);
   }
@@ -307,6 +304,7 @@ class mpi_communicator {
     MPI_Comm child = MPI_COMM_NULL;
     DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
     mpi_communicator out(env_, child, options_);
+    out.ring_ = ring_->make_child(color);
     MPI_Comm_free(&child);  // `out` holds its own duplicate
     return out;
   }
@@ -466,8 +464,10 @@ class mpi_communicator {
     std::shared_ptr<staging> staging_;
   };
 
-  std::shared_ptr<request> make_request(const detail::collective_info& what) {
-    return std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+  std::shared_ptr<request> make_request(const detail::collective_info& what, std::int64_t seq) {
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+    w->track(ring_, seq);
+    return w;
   }
 
   mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
@@ -559,18 +559,19 @@ class mpi_communicator {
     return ops_[slot];
   }
 
-  // Check mode: every rank passed the same collective, count, type and op/root.
-  void verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
-    ++sequence_;
-    if (!options_.collectives.check) return;
+  // Numbers the collective in the ring; check mode: every rank passed the same call, count, type, op/root.
+  std::int64_t verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
+    const std::int64_t sequence = detail::record(*ring_, info);
+    if (!options_.collectives.check) return sequence;
     const std::string what = detail::describe(info);
-    detail::signature mine{sequence_ * 8 + collective, static_cast<std::int64_t>(b.count),
+    detail::signature mine{sequence * 8 + collective, static_cast<std::int64_t>(b.count),
                            static_cast<std::int64_t>(b.type), op_or_root};
     detail::compare_signatures(mine, rank_, size_, what, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
       DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
                                      static_cast<int>(in.size()), MPI_INT64_T, comm_),
                        what + " (check mode)");
     });
+    return sequence;
   }
 
   std::shared_ptr<mpi_environment> env_;
@@ -578,7 +579,7 @@ class mpi_communicator {
   int rank_ = 0;
   int size_ = 1;
   mpi_options options_;
-  std::int64_t sequence_ = 0;
+  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
   static std::array<MPI_Op, 8> no_ops() noexcept {
     std::array<MPI_Op, 8> ops;

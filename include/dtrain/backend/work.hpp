@@ -2,6 +2,7 @@
 /// @file
 /// `work`: the handle every asynchronous collective returns.
 
+#include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
@@ -132,6 +133,16 @@ class work_state {
   }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
+  /// Records this collective's end in `ring` as number `seq` (see collective_ring).
+  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept {
+    ring_ = std::move(ring);
+    seq_ = seq;
+  }
+  /// Called by work once it saw the end (or gave up): the ring learns how far it got.
+  void settle(call_state state) noexcept {
+    if (ring_) ring_->settle(seq_, state);
+  }
+
  protected:
   void fail(std::exception_ptr e) noexcept {
     if (!error_) error_ = std::move(e);
@@ -144,7 +155,14 @@ class work_state {
   collective_info info_{};
   std::chrono::milliseconds timeout_;
   std::exception_ptr error_;
+  std::shared_ptr<collective_ring> ring_;
+  std::int64_t seq_ = 0;
 };
+
+/// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
+inline std::int64_t record(collective_ring& ring, const collective_info& info) {
+  return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
+}
 
 }  // namespace detail
 
@@ -158,7 +176,7 @@ class work {
   /// True once the collective has finished, successfully or not. Never blocks.
   [[nodiscard]] bool test() {
     if (!state_ || done_) return true;
-    done_ = state_->poll();
+    if (state_->poll()) ended();
     return done_;
   }
 
@@ -181,7 +199,7 @@ class work {
   [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
     if (!state_ || test()) return true;
     if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
-    done_ = true;
+    ended();
     return true;
   }
 
@@ -200,6 +218,7 @@ class work {
   /// abort (or marks the communicator unusable) and throws timeout_exception().
   [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
     timed_out_ = timeout_exception(timeout);
+    if (state_) state_->settle(detail::call_state::timed_out);
     if (state_) state_->on_timeout();
     done_ = true;
     std::rethrow_exception(timed_out_);
@@ -217,6 +236,11 @@ class work {
   }
 
  private:
+  void ended() noexcept {
+    done_ = true;
+    state_->settle(state_->error() ? detail::call_state::failed : detail::call_state::completed);
+  }
+
   std::shared_ptr<detail::work_state> state_;
   bool done_ = false;
   std::exception_ptr timed_out_;

@@ -583,6 +583,7 @@ class DistributedDataParallel {
 
   /// The collective of bucket b (or the user's hook), ordered after the compute stream.
   work reduce(std::size_t b) {
+    detail::label_scope label("bucket", static_cast<std::int64_t>(b));  // names it in desync diagnostics
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
     buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};

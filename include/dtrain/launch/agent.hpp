@@ -52,8 +52,15 @@ inline volatile std::sig_atomic_t agent_signal = 0;
 
 inline void record_agent_signal(int sig) { agent_signal = sig; }
 
+/// SIGUSR1s the agent received and has not forwarded yet: they ask the
+/// workers for desync diagnostics and stop nothing.
+inline volatile std::sig_atomic_t agent_diagnostics_requests = 0;
+
+inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
+
 /// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
-/// them to the workers; restores the previous handlers afterwards.
+/// them to the workers, and SIGUSR1, which it forwards without stopping them
+/// (desync diagnostics); restores the previous handlers afterwards.
 class agent_signal_scope {
  public:
   agent_signal_scope() {
@@ -62,17 +69,22 @@ class agent_signal_scope {
     sa.sa_handler = record_agent_signal;
     sigemptyset(&sa.sa_mask);
     for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+    agent_diagnostics_requests = 0;
+    sa.sa_handler = record_diagnostics_request;
+    ::sigaction(SIGUSR1, &sa, &previous_usr1_);
   }
   agent_signal_scope(const agent_signal_scope&) = delete;
   agent_signal_scope& operator=(const agent_signal_scope&) = delete;
   ~agent_signal_scope() {
     for (std::size_t i = 0; i < signals.size(); ++i)
       ::sigaction(signals[i], &previous_[i], nullptr);
+    ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
   }
   static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
 
  private:
   std::array<struct sigaction, 3> previous_{};
+  struct sigaction previous_usr1_ {};
 };
 
 /// A port nobody listens on now (it may be taken before it is used: the
@@ -475,6 +487,13 @@ class node_agent {
           // Node 0 is gone: nobody is left to tell.
         }
         return {false, 128 + sig, true, message};
+      }
+      if (detail::agent_diagnostics_requests != 0) {
+        detail::agent_diagnostics_requests = 0;
+        for (const detail::worker_process& w : workers_) {
+          if (!w.status) (void)::kill(w.pid, SIGUSR1);  // the worker only, not what it started
+        }
+        say("forwarded SIGUSR1 to the workers: each prints its part of the desync diagnostics");
       }
       for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
         if (*w->status == 0) continue;

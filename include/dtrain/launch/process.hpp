@@ -303,6 +303,9 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
     // Its own process group, so that stopping the worker stops what it started too.
     ::setpgid(0, 0);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    // A SIGUSR1 the agent forwards (desync diagnostics) must not end a worker
+    // that has not installed dtrain's handler yet: ignored until it does (exec keeps SIG_IGN).
+    ::signal(SIGUSR1, SIG_IGN);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -109,7 +109,8 @@ class work_sequence final : public work_state {
   work_sequence(std::string label, std::vector<step> steps, bool eager,
                 std::shared_ptr<void> keep_alive = {})
       : work_state(std::move(label), std::chrono::milliseconds(0)),
-        keep_alive_(std::move(keep_alive)) {
+        keep_alive_(std::move(keep_alive)),
+        call_label_(current_call_label()) {
     if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
     for (std::size_t i = 0; i < steps.size(); ++i) {
       int& a = steps[i].after;
@@ -180,6 +181,7 @@ class work_sequence final : public work_state {
 
   void start(std::size_t i) {
     slot& s = slots_[i];
+    label_scope label(call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
     s.handle = s.what.start();
     s.started = true;
     // A step that completed at once (nothing to move) has no limit of its own.
@@ -272,6 +274,7 @@ class work_sequence final : public work_state {
   std::mutex mutex_;  // the watchdog and the owner may poll at once
   std::vector<slot> slots_;
   std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
+  call_label call_label_;             // the caller's, for the steps started later
   bool finished_ = false;
 };
 

@@ -1,0 +1,352 @@
+#pragma once
+/// @file
+/// Desync analysis: from every rank's ring of last collectives (or its
+/// silence), which rank is behind, which collective it never started, what
+/// the others wait in, and which sequence numbers were called with different
+/// arguments. Pure functions over the rings, so they are unit-tested on the
+/// host; diagnostics.hpp gathers the rings through the store and prints.
+
+#include <dtrain/backend/ring.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/detail/parse.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's ring as the diagnostics round received it; `answered` false
+/// when the rank did not publish in time (its process is gone or frozen).
+struct rank_ring {
+  int rank = 0;
+  bool answered = false;
+  std::vector<call_record> calls;  ///< oldest first
+};
+
+/// What the analysis found: one line for the person at 3 a.m., and the details.
+struct desync_report {
+  std::string
+      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
+  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
+  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
+  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
+  int severity = 0;
+};
+
+/// "rank 2", "ranks 0, 1, 3".
+inline std::string name_ranks(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+namespace desync {
+
+inline std::string at(const call_record& r, bool with_op = false) {
+  return "#" + std::to_string(r.seq) + " " + describe_call(r, with_op);
+}
+
+// What differs between two calls with the same sequence number, for the summary.
+inline std::string difference(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return "the collectives differ";
+  if (a.type != b.type) return "the types differ";
+  if (a.count != b.count) return "the sizes differ";
+  if (a.op != b.op) return "the reduce ops differ";
+  return "the roots differ";
+}
+
+// Ranks grouped by what they called as number `seq`, the largest group first
+// (on a tie the group of the lowest rank): the odd ones out come after.
+struct call_group {
+  const call_record* call;
+  std::vector<int> ranks;
+};
+inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std::int64_t seq) {
+  std::vector<call_group> groups;
+  for (const rank_ring& r : rings) {
+    for (const call_record& c : r.calls) {
+      if (c.seq != seq) continue;
+      auto same = std::find_if(groups.begin(), groups.end(),
+                               [&](const call_group& g) { return g.call->same_call(c); });
+      if (same == groups.end()) {
+        groups.push_back({&c, {r.rank}});
+      } else {
+        same->ranks.push_back(r.rank);
+      }
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
+    return a.ranks.size() > b.ranks.size();
+  });
+  return groups;
+}
+
+}  // namespace desync
+
+/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
+/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
+/// missing; what cannot be decided is said so.
+inline desync_report analyse(std::span<const rank_ring> rings) {
+  desync_report report;
+  std::vector<int> silent;
+  std::vector<const rank_ring*> live;
+  for (const rank_ring& r : rings) {
+    if (r.answered) {
+      live.push_back(&r);
+    } else {
+      silent.push_back(r.rank);
+    }
+  }
+  auto top = [](const rank_ring& r) -> std::int64_t {
+    return r.calls.empty() ? 0 : r.calls.back().seq;
+  };
+
+  // One row per rank: the last collective it issued and how far it got.
+  for (const rank_ring& r : rings) {
+    std::string row = "rank " + std::to_string(r.rank) + ": ";
+    if (!r.answered) {
+      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
+    } else if (r.calls.empty()) {
+      row += "no collective issued yet";
+    } else {
+      const call_record& last = r.calls.back();
+      row += desync::at(last) + " " + std::string(to_string(last.state));
+      if (r.calls.size() > 1) {
+        const call_record& before = r.calls[r.calls.size() - 2];
+        row +=
+            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
+      }
+    }
+    report.details.push_back(std::move(row));
+  }
+
+  // Sequence numbers called with different arguments, oldest first.
+  std::string mismatch;
+  std::int64_t lowest = 0, highest = 0;
+  for (const rank_ring* r : live) {
+    if (r->calls.empty()) continue;
+    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
+    highest = std::max(highest, top(*r));
+  }
+  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
+    auto groups = desync::group_calls(rings, seq);
+    if (groups.size() < 2) continue;
+    bool ops = false;
+    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
+    std::string line;
+    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
+      line += (line.empty() ? "" : "; ") + name_ranks(groups[i].ranks) +
+              (groups[i].ranks.size() == 1 ? " is in " : " are in ") +
+              desync::at(*groups[i].call, ops);
+    }
+    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
+            " for the same collective";
+    report.details.push_back("mismatch: " + line);
+    if (mismatch.empty()) mismatch = line;
+  }
+
+  // The rank(s) behind: the lowest last sequence number among those that answered.
+  std::string behind;
+  if (!live.empty()) {
+    std::int64_t low = top(*live.front()), high = low;
+    for (const rank_ring* r : live) {
+      low = std::min(low, top(*r));
+      high = std::max(high, top(*r));
+    }
+    if (low < high) {
+      std::vector<int> late, waiting, past;
+      const call_record* missing = nullptr;
+      const call_record* last_late = nullptr;
+      for (const rank_ring* r : live) {
+        if (top(*r) == low) {
+          late.push_back(r->rank);
+          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
+          continue;
+        }
+        for (const call_record& c : r->calls) {
+          if (c.seq != low + 1) continue;
+          if (!missing) missing = &c;
+          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
+        }
+      }
+      const bool one = late.size() == 1;
+      behind = name_ranks(late) + (one ? " is at " : " are at ") +
+               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
+      if (!waiting.empty())
+        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
+      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
+      if (missing) {
+        behind += desync::at(*missing);
+      } else {
+        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
+      }
+      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
+    }
+  }
+
+  std::string gone;
+  if (!silent.empty()) {
+    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
+    std::vector<int> waiting;
+    const call_record* in = nullptr;
+    for (const rank_ring* r : live) {
+      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
+      waiting.push_back(r->rank);
+      if (!in) in = &r->calls.back();
+    }
+    if (in)
+      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
+              desync::at(*in);
+  }
+
+  if (!mismatch.empty()) {
+    report.summary = mismatch;
+    report.severity = 4;
+  } else if (!behind.empty()) {
+    report.summary = behind;
+    report.severity = 3;
+  } else if (!gone.empty()) {
+    report.summary = gone;
+    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
+  } else if (!live.empty() && !live.front()->calls.empty()) {
+    const call_record& last = live.front()->calls.back();
+    report.summary =
+        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
+  } else {
+    report.summary = "no rank has issued a collective yet";
+  }
+  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
+  return report;
+}
+
+/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
+inline std::string format_report(std::string_view header, const desync_report& report) {
+  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
+  for (const std::string& d : report.details) out += "    " + d + "\n";
+  return out;
+}
+
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store: "dtrain-rings 1", then per
+/// communicator a line "= <name>" and one line per call, "seq kind type count
+/// op root state label" (label last: it may hold spaces). Plain text, so a
+/// person reading the store can follow it.
+inline std::string encode_rings(const named_rings& rings) {
+  std::string out = "dtrain-rings 1\n";
+  for (const auto& [name, calls] : rings) {
+    out += "= " + name + "\n";
+    for (const call_record& c : calls) {
+      out += std::to_string(c.seq) + " " + c.kind + " " + std::to_string(static_cast<int>(c.type)) +
+             " " + std::to_string(c.count) + " " + std::to_string(c.op) + " " +
+             std::to_string(c.root) + " " + std::to_string(static_cast<int>(c.state)) + " " +
+             c.label + "\n";
+    }
+  }
+  return out;
+}
+
+/// The rings of encode_rings' text, or nothing when it is not such a text.
+inline std::optional<named_rings> decode_rings(std::string_view text) {
+  const auto lines = split(text, '\n');
+  if (lines.empty() || lines[0] != "dtrain-rings 1") return std::nullopt;
+  named_rings rings;
+  for (std::size_t i = 1; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    if (line.empty()) continue;
+    if (line.starts_with("= ")) {
+      rings.emplace_back(line.substr(2), std::vector<call_record>{});
+      continue;
+    }
+    char kind[32] = {};
+    long long seq = 0;
+    unsigned long long count = 0;
+    int type = 0, op = 0, root = 0, state = 0, used = 0;
+    if (rings.empty() ||
+        std::sscanf(line.c_str(), "%lld %31s %d %llu %d %d %d %n", &seq, kind, &type, &count, &op,
+                    &root, &state, &used) != 7 ||
+        type < 0 || type > static_cast<int>(dtype::uint8) || state < 0 ||
+        state > static_cast<int>(call_state::timed_out)) {
+      return std::nullopt;
+    }
+    rings.back().second.push_back({.seq = seq,
+                                   .kind = kind,
+                                   .type = static_cast<dtype>(type),
+                                   .count = static_cast<std::size_t>(count),
+                                   .op = op,
+                                   .root = root,
+                                   .label = line.substr(static_cast<std::size_t>(used)),
+                                   .state = static_cast<call_state>(state)});
+  }
+  return rings;
+}
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+inline desync_report analyse_job(std::span<const rank_publication> ranks) {
+  std::vector<std::string> names;
+  int answering = 0;
+  for (const rank_publication& p : ranks) {
+    answering += p.answered ? 1 : 0;
+    for (const auto& entry : p.rings) {
+      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
+        names.push_back(entry.first);
+    }
+  }
+  if (names.empty()) names.push_back("world");
+  std::vector<std::pair<std::string, desync_report>> reports;
+  for (const std::string& name : names) {
+    std::vector<rank_ring> rings;
+    for (const rank_publication& p : ranks) {
+      if (!p.answered) {
+        rings.push_back({p.rank, false, {}});
+        continue;
+      }
+      for (const auto& entry : p.rings) {
+        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
+      }
+    }
+    const auto members =
+        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
+    if (members < answering) {
+      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
+    }
+    reports.emplace_back(name, analyse(rings));
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < reports.size(); ++i) {
+    if (reports[i].second.severity > reports[best].second.severity) best = i;
+  }
+  desync_report out = reports[best].second;
+  if (reports.size() > 1) {
+    out.summary += " (on communicator " + reports[best].first + ")";
+    out.details.clear();
+    for (const auto& [name, report] : reports) {
+      out.details.push_back("communicator " + name + ":" +
+                            (report.severity > 0 ? " " + report.summary : ""));
+      for (const std::string& d : report.details) out.details.push_back("  " + d);
+    }
+  }
+  return out;
+}
+
+}  // namespace dtrain::detail

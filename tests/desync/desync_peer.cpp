@@ -1,0 +1,112 @@
+// dtrain_desync_peer: a job in which one rank (rank 2) misbehaves, for the
+// desync diagnostics tests (tests/desync/desync.cmake). Every rank trains a
+// two-layer toy model with DistributedDataParallel for three steps; on the
+// last one rank 2:
+//
+//   skip    skips the step (never starts its buckets' allreduces) and waits
+//           elsewhere (for a store key nobody sets) until the job ends;
+//   sleep   sleeps past the collective timeout before the step;
+//   size    (after the steps) calls a user allreduce with 0 elements, not 1000
+//           (an empty batch), then waits as skip does;
+//   gone    exits (its process is gone) before the step;
+//   signal  sends itself SIGUSR1, then does what skip does.
+//
+//   dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal
+//
+// The job must fail, and one table must name rank 2 and what it did.
+
+#include <dtrain/dtrain.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+struct toy_model {
+  std::vector<float> w0 = std::vector<float>(262144, 1.0f), g0 = std::vector<float>(262144);
+  std::vector<float> w1 = std::vector<float>(65536, 1.0f), g1 = std::vector<float>(65536);
+
+  std::vector<dtrain::parameter> parameters() {
+    return {dtrain::param("layer0.weight", w0, g0), dtrain::param("layer1.weight", w1, g1)};
+  }
+};
+
+template <class Policy>
+int job(dtrain::context<Policy>& ctx, std::string_view which) {
+  constexpr int faulty = 2;
+  const bool me = ctx.rank() == faulty;
+  toy_model model;
+  // Small buckets, so each layer travels in a bucket of its own.
+  dtrain::DistributedDataParallel<toy_model, Policy> ddp(
+      ctx, model, {.bucket_cap_mb = 0.5, .first_bucket_cap_mb = 0.5});
+  constexpr int steps = 3;
+  for (int step = 0; step < steps; ++step) {
+    const bool last = step == steps - 1;
+    if (last && me) {
+      if (which == "signal") ::kill(::getpid(), SIGUSR1);
+      if (which == "skip" || which == "signal") {
+        std::fprintf(stderr, "[rank %d] skipped the last step; waiting elsewhere\n", ctx.rank());
+        // Stuck elsewhere (a data loader, say): a store key nobody sets, until
+        // the job ends or 12 s (3 collective timeouts) pass.
+        (void)ctx.store().get("desync-test/never-set", std::chrono::seconds(12));
+        return 0;
+      }
+      if (which == "gone") std::_Exit(1);
+      if (which == "sleep") {
+        std::fprintf(stderr, "[rank %d] sleeping past the collective timeout\n", ctx.rank());
+        std::this_thread::sleep_for(std::chrono::seconds(12));
+      }
+    }
+    std::fill(model.g0.begin(), model.g0.end(), static_cast<float>(ctx.rank()));
+    std::fill(model.g1.begin(), model.g1.end(), static_cast<float>(ctx.rank()));
+    ddp.mark_ready("layer1.weight");  // backward: the last layer first
+    ddp.mark_ready("layer0.weight");
+    ddp.synchronize();
+  }
+  if (which == "size") {
+    // Gloo aborts the process on a size mismatch that moves data (an enforce
+    // on its I/O thread); an empty call moves nothing, so the others stall.
+    std::vector<float> values(me ? 0 : 1000, 1.0f);
+    dtrain::allreduce(ctx.communicator(), std::span<float>(values)).wait();
+    if (me) (void)ctx.store().get("desync-test/never-set", std::chrono::seconds(12));
+  }
+  return 0;
+}
+
+template <class Backend>
+int start(int argc, char** argv, std::string_view which) {
+  using Policy = dtrain::policy<dtrain::launch::per_process, Backend>;
+  return dtrain::run<Policy>(argc, argv,
+                             [&](dtrain::context<Policy>& ctx) { return job(ctx, which); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string_view backend = argc > 1 ? argv[1] : "";
+  const std::string_view which = argc > 2 ? argv[2] : "";
+  constexpr std::string_view cases[] = {"skip", "sleep", "size", "gone", "signal"};
+  if (std::find(std::begin(cases), std::end(cases), which) == std::end(cases)) {
+    std::fprintf(stderr, "usage: dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal\n");
+    return 2;
+  }
+#if DTRAIN_HAS_MPI()
+  if (backend == "mpi") return start<dtrain::backend::mpi>(argc, argv, which);
+#endif
+#if DTRAIN_HAS_GLOO()
+  if (backend == "gloo") return start<dtrain::backend::gloo>(argc, argv, which);
+#endif
+  std::fprintf(stderr, "dtrain_desync_peer: backend '%s' is not in this build\n",
+               std::string(backend).c_str());
+  return 2;
+}

@@ -1,0 +1,221 @@
+// Desync analysis (backend/desync.hpp): from the rings of every rank, who is
+// behind, what it never started, what the others wait in, which sequence
+// numbers were called with different arguments, who did not answer.
+#include <dtrain/dtrain.hpp>
+
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using dtrain::dtype;
+using dtrain::detail::call_record;
+using dtrain::detail::call_state;
+using dtrain::detail::rank_ring;
+
+call_record call(std::int64_t seq, std::size_t count, call_state state, std::string label = {},
+                 dtype type = dtype::float32, std::string kind = "allreduce") {
+  return {.seq = seq,
+          .kind = std::move(kind),
+          .type = type,
+          .count = count,
+          .op = 1,
+          .label = std::move(label),
+          .state = state};
+}
+
+// Four ranks that all completed #40 and #41; then `tail` per rank.
+std::vector<rank_ring> four_ranks(const std::vector<std::vector<call_record>>& tail) {
+  std::vector<rank_ring> rings;
+  for (int r = 0; r < 4; ++r) {
+    rank_ring ring{r,
+                   true,
+                   {call(40, 1024, call_state::completed, "bucket 2"),
+                    call(41, 262144, call_state::completed, "bucket 3")}};
+    for (const auto& c : tail[static_cast<std::size_t>(r)]) ring.calls.push_back(c);
+    rings.push_back(std::move(ring));
+  }
+  return rings;
+}
+
+bool contains(const std::vector<std::string>& lines, const std::string& part) {
+  for (const auto& l : lines) {
+    if (l.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "desync: the rank that never started the next collective is named, with what the others wait "
+    "in") {
+  const auto waiting = call(42, 65536, call_state::issued, "bucket 4");
+  auto rings = four_ranks({{waiting}, {waiting}, {}, {waiting}});
+  const auto report = dtrain::detail::analyse(rings);
+  CHECK(report.summary ==
+        "rank 2 is at #41 allreduce(float32 \u00d7 262144, bucket 3); ranks 0, 1, 3 wait in #42 "
+        "allreduce(float32 "
+        "\u00d7 65536, bucket 4): rank 2 never started #42");
+  CHECK(
+      contains(report.details, "rank 2: #41 allreduce(float32 \u00d7 262144, bucket 3) completed"));
+  CHECK(contains(report.details, "rank 0: #42 allreduce(float32 \u00d7 65536, bucket 4) waiting"));
+}
+
+TEST_CASE(
+    "desync: a different size for the same sequence number names the odd rank and both calls") {
+  const auto right = call(42, 65536, call_state::timed_out);
+  auto rings = four_ranks({{right}, {right}, {call(42, 100, call_state::issued)}, {right}});
+  const auto report = dtrain::detail::analyse(rings);
+  CHECK(report.summary ==
+        "rank 2 is in #42 allreduce(float32 \u00d7 100); ranks 0, 1, 3 are in #42 "
+        "allreduce(float32 \u00d7 65536): "
+        "the sizes differ for the same collective");
+  CHECK(contains(report.details, "mismatch: rank 2 is in #42"));
+}
+
+TEST_CASE("desync: a different type, op or collective is named as such") {
+  const auto right = call(42, 8, call_state::issued);
+  SUBCASE("type") {
+    auto rings = four_ranks(
+        {{right}, {call(42, 8, call_state::issued, {}, dtype::float64)}, {right}, {right}});
+    CHECK(dtrain::detail::analyse(rings).summary.find("rank 1 is in #42 allreduce(float64") == 0);
+    CHECK(dtrain::detail::analyse(rings).summary.ends_with(
+        "the types differ for the same collective"));
+  }
+  SUBCASE("op: shown only when it differs") {
+    auto other = right;
+    other.op = 0;
+    auto rings = four_ranks({{right}, {right}, {right}, {other}});
+    CHECK(dtrain::detail::analyse(rings).summary ==
+          "rank 3 is in #42 allreduce(sum, float32 \u00d7 8); ranks 0, 1, 2 are in #42 "
+          "allreduce(avg, float32 \u00d7 "
+          "8): the reduce ops differ for the same collective");
+  }
+  SUBCASE("collective") {
+    auto rings = four_ranks({{right},
+                             {right},
+                             {call(42, 8, call_state::issued, {}, dtype::float32, "broadcast")},
+                             {right}});
+    CHECK(dtrain::detail::analyse(rings).summary.ends_with(
+        "the collectives differ for the same collective"));
+  }
+}
+
+TEST_CASE("desync: a rank that did not answer is named, with what the others wait in") {
+  const auto waiting = call(42, 65536, call_state::timed_out, "bucket 4");
+  auto rings = four_ranks({{waiting}, {waiting}, {}, {waiting}});
+  rings[2] = rank_ring{2, false, {}};
+  const auto report = dtrain::detail::analyse(rings);
+  CHECK(report.summary ==
+        "rank 2 did not answer (process gone, or frozen); ranks 0, 1, 3 wait in #42 "
+        "allreduce(float32 \u00d7 65536, "
+        "bucket 4)");
+  CHECK(contains(report.details, "rank 2: no answer"));
+}
+
+TEST_CASE("desync: a rank behind and a silent rank are both reported") {
+  const auto waiting = call(42, 65536, call_state::issued);
+  auto rings = four_ranks({{waiting}, {}, {waiting}, {waiting}});
+  rings[3] = rank_ring{3, false, {}};
+  const auto report = dtrain::detail::analyse(rings);
+  CHECK(report.summary.find("rank 1 is at #41") == 0);
+  CHECK(contains(report.details, "also: rank 3 did not answer"));
+}
+
+TEST_CASE("desync: ranks that agree are said to agree; no collective at all is said so") {
+  auto rings = four_ranks({{}, {}, {}, {}});
+  CHECK(dtrain::detail::analyse(rings).summary.find("every rank is at #41") == 0);
+  std::vector<rank_ring> empty{{0, true, {}}, {1, true, {}}};
+  CHECK(dtrain::detail::analyse(empty).summary == "no rank has issued a collective yet");
+  CHECK(dtrain::detail::analyse(std::vector<rank_ring>{}).summary ==
+        "no rank has issued a collective yet");
+}
+
+TEST_CASE("desync: a rank with no collective yet is behind the others") {
+  std::vector<rank_ring> rings{{0, true, {call(1, 4, call_state::issued)}}, {1, true, {}}};
+  CHECK(dtrain::detail::analyse(rings).summary ==
+        "rank 1 is at no collective yet; rank 0 waits in #1 allreduce(float32 \u00d7 4): rank 1 "
+        "never started #1");
+}
+
+TEST_CASE("desync: rings travel through the store as text and come back the same") {
+  std::vector<call_record> calls{call(7, 3, call_state::completed, "bucket 12", dtype::bfloat16),
+                                 call(8, 0, call_state::timed_out, {}, dtype::int64, "barrier")};
+  calls[1].root = 2;
+  const dtrain::detail::named_rings rings{{"world", calls}, {"world/split 1 (color 0)", {}}};
+  const auto back = dtrain::detail::decode_rings(dtrain::detail::encode_rings(rings));
+  REQUIRE(back);
+  REQUIRE(back->size() == 2);
+  CHECK((*back)[1].first == "world/split 1 (color 0)");
+  CHECK((*back)[1].second.empty());
+  REQUIRE((*back)[0].second.size() == 2);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const call_record& got = (*back)[0].second[i];
+    CHECK(got.same_call(calls[i]));
+    CHECK(got.seq == calls[i].seq);
+    CHECK(got.label == calls[i].label);
+    CHECK(got.state == calls[i].state);
+  }
+  CHECK_FALSE(dtrain::detail::decode_rings("not a ring"));
+  CHECK_FALSE(dtrain::detail::decode_rings(
+      "dtrain-rings 1\n1 allreduce 0 4 0 -1 0 \n"));  // no communicator
+  CHECK_FALSE(dtrain::detail::decode_rings("dtrain-rings 1\n= world\n1 allreduce 99 4 0 -1 0 \n"));
+  CHECK_FALSE(dtrain::detail::decode_rings("dtrain-rings 1\n= world\n1 allreduce\n"));
+}
+
+TEST_CASE("desync: the job's analysis picks the communicator that explains the stall") {
+  using dtrain::detail::rank_publication;
+  const std::vector<call_record> world{
+      call(1, 10, call_state::completed, {}, dtype::float32, "broadcast")};
+  const auto waiting = call(42, 65536, call_state::issued, "bucket 4");
+  auto rings = four_ranks({{waiting}, {waiting}, {}, {waiting}});
+  std::vector<rank_publication> ranks;
+  for (int r = 0; r < 4; ++r) {
+    ranks.push_back({r,
+                     true,
+                     {{"world", world},
+                      {"world/split 1 (color 0)", rings[static_cast<std::size_t>(r)].calls}}});
+  }
+  SUBCASE("a rank behind on the split") {
+    const auto report = dtrain::detail::analyse_job(ranks);
+    CHECK(report.summary.starts_with("rank 2 is at #41"));
+    CHECK(report.summary.ends_with("(on communicator world/split 1 (color 0))"));
+    CHECK(contains(report.details, "communicator world:"));
+  }
+  SUBCASE("a silent rank counts on the split every other rank has") {
+    ranks[1] = {1, false, {}};
+    ranks[2].rings[1].second.push_back(waiting);
+    const auto report = dtrain::detail::analyse_job(ranks);
+    CHECK(report.summary.starts_with(
+        "rank 1 did not answer (process gone, or frozen); ranks 0, 2, 3 wait in #42"));
+  }
+  SUBCASE("a split only some ranks have is analysed over them") {
+    for (int r : {2, 3})
+      ranks[static_cast<std::size_t>(r)].rings[1].first = "world/split 1 (color 1)";
+    const auto report = dtrain::detail::analyse_job(ranks);
+    CHECK(report.summary.starts_with("rank 2 is at #41"));
+    CHECK(report.summary.ends_with("(on communicator world/split 1 (color 1))"));
+  }
+}
+
+TEST_CASE("collective_ring: keeps the last collectives with their labels and how far each got") {
+  dtrain::detail::collective_ring ring;
+  for (int i = 0; i < 100; ++i) {
+    dtrain::detail::label_scope label("bucket", i);
+    const auto seq = ring.issue("allreduce", dtype::float32, 10, 0, -1);
+    if (i < 99) ring.settle(seq, call_state::completed);
+  }
+  const auto calls = ring.snapshot();
+  REQUIRE(calls.size() == dtrain::detail::collective_ring::capacity);
+  CHECK(calls.front().seq == 100 - static_cast<std::int64_t>(calls.size()) + 1);
+  CHECK(calls.back().seq == 100);
+  CHECK(calls.back().label == "bucket 99");
+  CHECK(calls.back().state == call_state::issued);
+  CHECK(calls[calls.size() - 2].state == call_state::completed);
+  CHECK(dtrain::detail::current_call_label().what == nullptr);  // the scopes restored it
+  ring.settle(1, call_state::failed);                           // long gone: ignored
+  CHECK(ring.snapshot().front().seq == calls.front().seq);
+}
