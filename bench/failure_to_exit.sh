@@ -15,6 +15,8 @@ build=$(cd "${1:-$root/build}" && pwd) || exit 2
 peer=$build/tests/dtrain_run_peer
 [[ -x $peer ]] || { echo "failure_to_exit.sh: build dtrain_run_peer first" >&2; exit 2; }
 runs=${RUNS:-3}
+# Two agents form a multi-node job: they share a store token, as on a cluster.
+export DTRAIN_STORE_TOKEN=${DTRAIN_STORE_TOKEN:-failure-bench-secret}
 work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-failure.XXXXXX")
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 mpi() { OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpiexec --oversubscribe "$@"; }

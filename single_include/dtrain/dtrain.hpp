@@ -634,8 +634,9 @@ inline std::vector<int> parse_tasks_per_node(std::string_view text, const std::s
 // ---- end dtrain/detail/hostlist.hpp ----
 // ---- begin dtrain/detail/json.hpp ----
 /// @file
-/// A small strict JSON reader (RFC 8259) for TF_CONFIG. A whole JSON library as
-/// a dependency of a single-header library, for one variable, is not worth it.
+/// A small strict JSON reader (RFC 8259) for TF_CONFIG, and a string writer
+/// for the files dtrain writes. A whole JSON library as a dependency of a
+/// single-header library, for one variable, is not worth it.
 /// Errors are config_errors that quote the input's name and the position.
 
 
@@ -959,6 +960,31 @@ inline value parse(std::string_view text, std::string_view what) {
   return impl::reader(text, what).document();
 }
 
+/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
+/// files dtrain writes, such as the DDP timeline).
+inline void write_string(std::string& out, std::string_view text) {
+  out += '"';
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          constexpr char hex[] = "0123456789abcdef";
+          out += "\\u00";
+          out += hex[(c >> 4) & 0xF];
+          out += hex[c & 0xF];
+        } else {
+          out += c;
+        }
+    }
+  }
+  out += '"';
+}
+
 }  // namespace dtrain::detail::json
 // ---- end dtrain/detail/json.hpp ----
 // ---- begin dtrain/env/world.hpp ----
@@ -1016,6 +1042,11 @@ enum class process_role {
   }
   return "unknown";
 }
+
+/// The most ranks a dtrain job may have (1,048,576): sizes from options and
+/// the environment are checked against it before anything is allocated for
+/// them or multiplied, so that a typo is a config_error, not bad_alloc.
+inline constexpr int max_world_size = 1 << 20;
 
 /// Who this process is. A field the environment does not determine is
 /// nullopt — unknown, never guessed; the runtime completes the node fields at
@@ -1563,6 +1594,7 @@ inline explicit_master read_explicit_master(const environment& env) {
 // ---- end dtrain/env/launchers.hpp ----
 
 #include <array>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
@@ -1815,7 +1847,14 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
   if (node[field::local_world_size] && node[field::num_nodes]) {
     const auto& per = *node[field::local_world_size];
     const auto& nn = *node[field::num_nodes];
-    node[field::world_size] = sourced_int{per.value * nn.value, per.origin + " × " + nn.origin};
+    const std::int64_t size = std::int64_t{per.value} * nn.value;  // two ints: no overflow here
+    if (size > max_world_size) {
+      throw config_error(per.origin + " × " + nn.origin + " = " + std::to_string(size) +
+                         " ranks, more than dtrain's limit of " + std::to_string(max_world_size) +
+                         " (max_world_size)");
+    }
+    node[field::world_size] =
+        sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
   }
   complete_and_check(node);
   world w = to_world(node);
@@ -2124,12 +2163,31 @@ inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
 /// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
 inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
 
-/// Wire limits, checked before anything is allocated.
+/// How long the server keeps a connection that sends nothing after its
+/// handshake, unless it is in a get / wait it asked for. A client reconnects
+/// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
+
+/// Wire and resource limits, checked before anything is allocated. The
+/// defaults fit a 10,000-rank job (two connections per rank, one per agent,
+/// a few KiB stored per rank) and bound what a flood can make the server hold
+/// to about max_stored_bytes + max_buffered_bytes.
 struct store_limits {
   std::uint32_t max_key_size = 4096;          ///< bytes per key
   std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
-  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check
+  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check: a connection's waiters
   std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
+  /// Open connections; more are accepted and closed at once, and the server
+  /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
+  /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
+  std::uint32_t max_connections = 32768;
+  /// Keys and values held; a set beyond it is refused with an error reply.
+  /// Environment: DTRAIN_STORE_MAX_BYTES.
+  std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
+  /// Request and reply bytes held for all connections together (a frame in
+  /// flight, a reply not yet read, the keys of a pending wait). A connection
+  /// that would pass it waits, at most the io timeout, for others to finish.
+  std::uint64_t max_buffered_bytes = std::uint64_t{256} << 20;
 
   /// The largest request frame these limits allow; a larger length prefix
   /// closes the connection before a byte of it is buffered.
@@ -2149,8 +2207,11 @@ struct store_options {
   /// reply may take beyond the operation's own timeout before the server is
   /// presumed dead.
   std::chrono::milliseconds io_timeout = default_store_io_timeout;
+  /// Server: how long a connection may stay silent between requests.
+  std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
   /// Shared secret; the server serves nothing to a client whose token differs.
-  /// Environment: DTRAIN_STORE_TOKEN.
+  /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
+  /// for every job (see the README's "Security"); empty here means none.
   std::string token{};
   store_limits limits{};
   /// Server: where it reports closed connections and their reasons. Empty:
@@ -2165,6 +2226,15 @@ struct store_options {
     store_options out = *this;
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
+    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
+    }
+    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_BYTES")) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
+    }
     if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
     if (out.token.size() > out.limits.max_token_size) {
       throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
@@ -2368,7 +2438,15 @@ namespace dtrain::detail {
 using steady = std::chrono::steady_clock;
 
 /// A lazily started coroutine returning T, awaitable from another task.
-/// Completion resumes the awaiting coroutine directly (symmetric transfer).
+///
+/// Awaiting a task runs it at once on the awaiter's stack, as a call would.
+/// If it finishes without suspending, its frame has returned before the
+/// awaiter goes on, so a loop over requests that never suspend (a client
+/// pipelining thousands of them) keeps a bounded stack. This does not rest
+/// on the compiler turning symmetric transfer into a tail call, which GCC
+/// does only at -O2: the store must not crash at -O0 or under sanitizers.
+/// Only a task that suspended (on the reactor) resumes its awaiter from its
+/// final suspension, one frame deep per level of nesting.
 template <class T = void>
 class task;
 
@@ -2377,13 +2455,16 @@ namespace task_impl {
 struct promise_base {
   std::coroutine_handle<> continuation{};
   std::exception_ptr error{};
+  bool running_inline = false;  // started by an awaiter that is still on the stack below it
 
   struct final_awaiter {
     bool await_ready() const noexcept { return false; }
     template <class P>
     std::coroutine_handle<> await_suspend(std::coroutine_handle<P> h) const noexcept {
-      auto next = h.promise().continuation;
-      return next ? next : std::noop_coroutine();
+      const promise_base& p = h.promise();
+      // Finished inline: the awaiter's await_suspend is below us and goes on by returning.
+      if (p.running_inline || !p.continuation) return std::noop_coroutine();
+      return p.continuation;
     }
     void await_resume() const noexcept {}
   };
@@ -2449,9 +2530,15 @@ class task {
     struct awaiter {
       handle_type h;
       bool await_ready() const noexcept { return false; }
-      std::coroutine_handle<> await_suspend(std::coroutine_handle<> caller) noexcept {
-        h.promise().continuation = caller;
-        return h;
+      // Runs the task now; true (stay suspended) only if it suspended before finishing.
+      bool await_suspend(std::coroutine_handle<> caller) noexcept {
+        auto& p = h.promise();
+        p.continuation = caller;
+        p.running_inline = true;
+        h.resume();
+        if (h.done()) return false;
+        p.running_inline = false;  // from now on its final suspension resumes the caller
+        return true;
       }
       T await_resume() { return h.promise().take(); }
     };
@@ -2557,6 +2644,8 @@ class reactor {
 
   /// Resumes a suspended slot with wake::event, after the running coroutine suspends.
   void wake_up(wait_slot& slot) { make_ready(slot, wake::event); }
+  /// Resumes a suspended slot with wake::stop, as stop_all does for one slot.
+  void cancel(wait_slot& slot) { make_ready(slot, wake::stop); }
 
   /// One round: resume what is ready, wait for I/O or the next timer (at most
   /// `cap`), dispatch. Returns false once a stop was requested.
@@ -2661,6 +2750,167 @@ class reactor {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/reactor.hpp ----
+// ---- begin dtrain/rendezvous/server_limits.hpp ----
+/// @file
+/// What keeps the store server's resources bounded: a byte budget shared by
+/// its connections, a spare descriptor for refusing connections when the
+/// process has run out, and a log that summarises floods instead of writing
+/// a line per rejected connection. All run on the server's reactor thread.
+
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// Bytes that connections may hold at once. A connection that cannot take
+/// what it needs waits (see server's reserve()); give_back wakes the waiters.
+class byte_budget {
+ public:
+  explicit byte_budget(std::uint64_t cap) : cap_(cap) {}
+
+  [[nodiscard]] bool try_take(std::uint64_t n) {
+    if (n > cap_ - used_) return false;
+    used_ += n;
+    return true;
+  }
+  void give_back(reactor& r, std::uint64_t n) {
+    used_ -= std::min(n, used_);
+    for (wait_slot* s : waiters_) r.wake_up(*s);
+  }
+  void wait_here(wait_slot& s) { waiters_.push_back(&s); }
+  void stop_waiting(wait_slot& s) { std::erase(waiters_, &s); }
+  [[nodiscard]] std::uint64_t cap() const noexcept { return cap_; }
+  [[nodiscard]] std::uint64_t used() const noexcept { return used_; }
+
+ private:
+  std::uint64_t cap_;
+  std::uint64_t used_ = 0;
+  std::deque<wait_slot*> waiters_;
+};
+
+/// The connections the server can hold: its option, lowered to what the
+/// descriptor limit leaves after `reserve` descriptors for everything else.
+/// Raises the soft RLIMIT_NOFILE towards the hard limit first, as servers
+/// that expect thousands of clients do.
+inline std::size_t connection_capacity(std::size_t wanted, std::size_t reserve = 64) {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return wanted;
+  const rlim_t need = static_cast<rlim_t>(wanted + reserve);
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < need) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? need : std::min(need, lim.rlim_max);
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  if (lim.rlim_cur == RLIM_INFINITY) return wanted;
+  const auto limit = static_cast<std::size_t>(lim.rlim_cur);
+  return std::min(wanted, limit > reserve ? limit - reserve : std::size_t{1});
+}
+
+/// One descriptor kept open so that, when accept() fails for lack of
+/// descriptors, the server can still take the pending connection off the
+/// queue and close it, instead of leaving it to spin on the listen socket.
+class spare_descriptor {
+ public:
+  spare_descriptor() { open(); }
+  /// Accepts one pending connection on `listener` and closes it; true if one was.
+  bool refuse_one(int listener) {
+    fd_.reset();
+    int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) ::close(fd);
+    open();
+    return fd >= 0;
+  }
+
+ private:
+  void open() { fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
+  unique_fd fd_;
+};
+
+/// Why the server closed or refused a connection.
+enum class rejection : std::uint8_t {
+  over_connection_cap,
+  out_of_descriptors,
+  handshake,  ///< wrong token, version or magic, or too slow
+  protocol,   ///< a malformed or oversized request
+  idle,
+  count_
+};
+
+inline const char* describe(rejection r) {
+  switch (r) {
+    case rejection::over_connection_cap: return "over the connection cap";
+    case rejection::out_of_descriptors: return "out of file descriptors";
+    case rejection::handshake: return "failed handshake";
+    case rejection::protocol: return "protocol violation";
+    case rejection::idle: return "idle";
+    case rejection::count_: break;
+  }
+  return "?";
+}
+
+/// Logs the first few rejections of each period in full and the rest as one
+/// summary line per period, so a flood costs a few lines, not one per
+/// connection (a fuzzer once made 28.5 MB of log in ten minutes).
+class rejection_log {
+ public:
+  using clock = std::chrono::steady_clock;
+  static constexpr std::chrono::seconds period{10};
+  static constexpr std::uint64_t detailed_per_period = 5;
+
+  /// Counts one; true when it should be logged in full.
+  bool note(rejection r) {
+    ++counts_[static_cast<std::size_t>(r)];
+    ++total_;
+    return r != rejection::idle && ++detailed_ <= detailed_per_period;
+  }
+
+  /// Once per period, the summary of what was not logged in full (if any).
+  std::optional<std::string> summary(clock::time_point now) {
+    if (now - since_ < period) return std::nullopt;
+    std::optional<std::string> out;
+    const std::uint64_t hidden = total_ - std::min(detailed_, detailed_per_period) -
+                                 counts_[static_cast<std::size_t>(rejection::idle)];
+    if (hidden > 0) {
+      std::string text =
+          "refused or closed " + std::to_string(total_) + " connections in the last " +
+          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now - since_).count()) +
+          " s:";
+      const char* sep = " ";
+      for (std::size_t i = 0; i < counts_.size(); ++i) {
+        if (counts_[i] == 0) continue;
+        text += sep + std::to_string(counts_[i]) + " " + describe(static_cast<rejection>(i));
+        sep = ", ";
+      }
+      out = text + " (the first " + std::to_string(detailed_per_period) + " were logged in full)";
+    }
+    counts_.fill(0);
+    total_ = 0;
+    detailed_ = 0;
+    since_ = now;
+    return out;
+  }
+
+ private:
+  std::array<std::uint64_t, static_cast<std::size_t>(rejection::count_)> counts_{};
+  std::uint64_t total_ = 0;
+  std::uint64_t detailed_ = 0;
+  clock::time_point since_ = clock::now();
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/server_limits.hpp ----
 // ---- begin dtrain/rendezvous/socket.hpp ----
 /// @file
 /// The few socket helpers the store's server and client share.
@@ -2739,6 +2989,7 @@ inline int resolve(const std::string& host, int port, bool passive, address_list
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -2759,6 +3010,10 @@ struct store_server_stats {
   std::size_t connections = 0;         ///< open connections, handshaken or not
   std::size_t waiting = 0;             ///< connections blocked in get / wait
   std::uint64_t closed_for_cause = 0;  ///< connections closed for bad input or timeouts
+  std::uint64_t refused = 0;           ///< connections closed at accept (caps, descriptors)
+  std::uint64_t closed_idle = 0;       ///< connections closed after the idle timeout
+  std::uint64_t stored_bytes = 0;      ///< keys and values held
+  std::uint64_t buffered_bytes = 0;    ///< requests, replies and waits in flight
 };
 
 /// Serves the store on `address:port` from a background thread until stop()
@@ -2767,10 +3022,20 @@ struct store_server_stats {
 /// Bad input from a client closes that connection with a logged reason;
 /// everyone else is still served. stop() answers every pending get / wait
 /// with an error and closes every connection.
+///
+/// What clients can make it hold is capped (store_limits): connections,
+/// stored bytes, bytes in flight, keys in a wait. Connections silent for
+/// the idle timeout are closed. Rejections are logged a few in full, then as
+/// one summary line every 10 s. The address is the interface to listen on:
+/// dtrain::run and the node agent pass the one MASTER_ADDR names (loopback
+/// for a single-node job), not every interface.
 class store_server {
  public:
-  explicit store_server(std::string address = "0.0.0.0", int port = 0, store_options options = {})
-      : address_(std::move(address)), options_(std::move(options)) {
+  explicit store_server(std::string address = "127.0.0.1", int port = 0, store_options options = {})
+      : address_(std::move(address)),
+        options_(std::move(options)),
+        budget_(options_.limits.max_buffered_bytes),
+        connection_cap_(detail::connection_capacity(options_.limits.max_connections)) {
     listen_on(port);
     thread_ = std::thread([this] { serve_until_stopped(); });
   }
@@ -2784,7 +3049,8 @@ class store_server {
   [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
 
   [[nodiscard]] store_server_stats stats() const noexcept {
-    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load()};
+    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load(), refused_.load(),
+            closed_idle_.load(), stored_bytes_.load(), buffered_bytes_.load()};
   }
 
   /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
@@ -2799,11 +3065,36 @@ class store_server {
     detail::wait_slot slot;
     std::string peer;
     bool in_request = false;
+    bool authenticated = false;
+    bool evicted = false;
+    bool listed = false;  // in unproven_, at `unproven`, until the handshake succeeds
+    std::list<connection*>::iterator unproven{};
     detail::task<void> job;
   };
 
   struct peer_gone {};  // the client closed its end: not an error
   struct stopping {};   // the server is stopping
+  struct idle {};       // nothing arrived within the idle (or handshake) timeout
+
+  /// Bytes a connection holds against the shared budget, given back when it goes.
+  class held_bytes {
+   public:
+    explicit held_bytes(store_server& s) : s_(s) {}
+    held_bytes(const held_bytes&) = delete;
+    held_bytes& operator=(const held_bytes&) = delete;
+    ~held_bytes() { release(); }
+    void add(std::uint64_t n) { n_ += n; }
+    void release() {
+      if (n_ == 0) return;
+      s_.budget_.give_back(s_.reactor_, n_);
+      s_.buffered_bytes_ = s_.budget_.used();
+      n_ = 0;
+    }
+
+   private:
+    store_server& s_;
+    std::uint64_t n_ = 0;
+  };
 
   using steady = detail::steady;
   using op = detail::wire::op;
@@ -2852,7 +3143,10 @@ class store_server {
     detail::task<void> acceptor = accept_loop();
     acceptor.start();
     try {
-      while (reactor_.run_once(std::chrono::milliseconds(1000))) reap();
+      while (reactor_.run_once(std::chrono::milliseconds(1000))) {
+        reap();
+        if (auto line = rejections_.summary(steady::now())) log(*line);
+      }
     } catch (const std::exception& e) {
       log(std::string("reactor failed, stopping: ") + e.what());
     }
@@ -2876,11 +3170,37 @@ class store_server {
   }
 
   detail::task<void> accept_loop() {
-    for (;;) {
+    for (std::uint64_t accepted = 1;; ++accepted) {
+      // Now and then, let the reactor run a round (and reap what was closed)
+      // before the next accept, so that a backlog of thousands cannot starve it.
+      if (accepted % 64 == 0 &&
+          co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt) == detail::wake::stop) {
+        co_return;
+      }
       sockaddr_storage peer{};
       socklen_t len = sizeof peer;
       int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&peer), &len,
                          SOCK_NONBLOCK | SOCK_CLOEXEC);
+      // At the cap, a connection that has not proven its token yet makes room:
+      // a flood of strangers cannot lock the job's own ranks out.
+      if (fd >= 0 && connection_count_ >= connection_cap_ && !unproven_.empty()) {
+        connection* oldest = unproven_.front();
+        unproven_.pop_front();
+        oldest->listed = false;
+        oldest->evicted = true;
+        reactor_.cancel(oldest->slot);
+      } else if (fd >= 0 && connection_count_ >= connection_cap_) {
+        ::close(fd);
+        ++refused_;
+        if (rejections_.note(detail::rejection::over_connection_cap)) {
+          log("refused a connection from " +
+              detail::endpoint_text(reinterpret_cast<sockaddr*>(&peer)) + ": " +
+              std::to_string(connection_cap_) +
+              " connections are open (store_limits::max_connections, "
+              "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
+        }
+        continue;
+      }
       if (fd >= 0) {
         auto c = std::make_unique<connection>();
         c->fd.reset(fd);
@@ -2890,6 +3210,8 @@ class store_server {
         reactor_.add(fd, c->slot);
         connection* raw = c.get();
         connections_.emplace(raw, std::move(c));
+        raw->unproven = unproven_.insert(unproven_.end(), raw);
+        raw->listed = true;
         ++connection_count_;
         raw->job = serve(*raw);
         raw->job.start();
@@ -2898,6 +3220,14 @@ class store_server {
       int err = errno;
       if (err == EINTR || err == ECONNABORTED) continue;
       detail::wake w;
+      if ((err == EMFILE || err == ENFILE) && spare_.refuse_one(listen_.get())) {
+        // Keep the queue moving: the client learns at once instead of hanging in it.
+        ++refused_;
+        if (rejections_.note(detail::rejection::out_of_descriptors)) {
+          log(std::string("refused a connection: ") + std::strerror(err));
+        }
+        continue;
+      }
       if (err == EAGAIN || err == EWOULDBLOCK) {
         w = co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt);
       } else {
@@ -2919,7 +3249,23 @@ class store_server {
       }
     } catch (const peer_gone&) {
     } catch (const stopping&) {
-      if (c.in_request) say_goodbye(c);
+      if (c.evicted) {
+        ++refused_;
+        if (rejections_.note(detail::rejection::over_connection_cap)) {
+          log("closed connection from " + c.peer + " before its handshake: " +
+              std::to_string(connection_cap_) + " connections are open and a new one came");
+        }
+      } else if (c.in_request) {
+        say_goodbye(c);
+      }
+    } catch (const idle&) {
+      if (c.authenticated) {
+        ++closed_idle_;
+        rejections_.note(detail::rejection::idle);
+      } else {
+        reason = "handshake not complete within " + std::to_string(options_.io_timeout.count()) +
+                 " ms (nothing was sent)";
+      }
     } catch (const violation& e) {
       reason = std::string("protocol violation: ") + e.what();
     } catch (const std::exception& e) {
@@ -2927,8 +3273,12 @@ class store_server {
     }
     if (!reason.empty()) {
       ++closed_for_cause_;
-      log("closed connection from " + c.peer + ": " + reason);
+      if (rejections_.note(c.authenticated ? detail::rejection::protocol
+                                           : detail::rejection::handshake)) {
+        log("closed connection from " + c.peer + ": " + reason);
+      }
     }
+    if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
     finished_.push_back(&c);
   }
 
@@ -2971,6 +3321,7 @@ class store_server {
       }
       auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
       if (w == detail::wake::stop) throw stopping{};
+      if (w == detail::wake::timeout && eof_ok && out.size() == start) throw idle{};
       if (w == detail::wake::timeout) {
         throw violation(std::string(what) + " not complete within " +
                         std::to_string(options_.io_timeout.count()) + " ms (" +
@@ -3035,6 +3386,8 @@ class store_server {
       throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
     }
     co_await write_all(c, reply(status::ok));
+    c.authenticated = true;
+    if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
     co_return true;
   }
 
@@ -3049,7 +3402,8 @@ class store_server {
 
   detail::task<bool> serve_one(connection& c) {
     std::string head;
-    if (!co_await read_exact(c, head, 1, std::nullopt, true, "request")) co_return false;
+    if (!co_await read_exact(c, head, 1, steady::now() + options_.idle_timeout, true, "request"))
+      co_return false;
     auto deadline = io_deadline();
     co_await read_exact(c, head, 3, deadline, false, "request length");
     std::uint32_t length = detail::wire::frame_length(head);
@@ -3059,13 +3413,38 @@ class store_server {
                       " bytes exceeds the limit of " +
                       std::to_string(options_.limits.max_frame_size()));
     }
+    held_bytes held(*this);
+    co_await reserve(c, held, length, deadline, "a request of " + std::to_string(length) + " bytes");
     std::string body;
     co_await read_exact(c, body, length, deadline, false, "request body");
     c.in_request = true;
-    std::string reply = co_await execute(c, body);
+    std::string reply = co_await execute(c, held, body);
     c.in_request = false;
     co_await write_all(c, detail::wire::frame(reply));
     co_return true;
+  }
+
+  /// Takes `n` bytes from the shared budget for `held`, waiting until the
+  /// deadline for other connections to give some back.
+  detail::task<void> reserve(connection& c, held_bytes& held, std::uint64_t n,
+                             steady::time_point deadline, const std::string& what) {
+    if (n > budget_.cap()) {
+      throw violation(what + " exceeds the store's buffer cap of " + std::to_string(budget_.cap()) +
+                      " bytes (store_limits::max_buffered_bytes)");
+    }
+    while (!budget_.try_take(n)) {
+      budget_.wait_here(c.slot);
+      auto w = co_await reactor_.wait(c.slot, 0, deadline);
+      budget_.stop_waiting(c.slot);
+      if (w == detail::wake::stop) throw stopping{};
+      if (w == detail::wake::timeout) {
+        throw violation(what + " waited for the store's buffer (" + std::to_string(budget_.used()) +
+                        " of " + std::to_string(budget_.cap()) +
+                        " bytes held by other connections) past the io timeout");
+      }
+    }
+    held.add(n);
+    buffered_bytes_ = budget_.used();
   }
 
   static steady::time_point deadline_after(std::uint64_t ms) {
@@ -3081,7 +3460,23 @@ class store_server {
     return body;
   }
 
-  detail::task<std::string> execute(connection& c, std::string_view body) {
+  /// Reserves, before a reply that copies the value at `key` is built, what
+  /// that reply will hold until the client reads it. Returns false when the
+  /// key is gone meanwhile. Loops because the value may change while it waits.
+  detail::task<bool> reserve_value(connection& c, held_bytes& held, std::string_view key,
+                                   std::uint64_t& reserved) {
+    for (;;) {
+      auto it = data_.find(key);
+      if (it == data_.end()) co_return false;
+      if (it->second.size() <= reserved) co_return true;
+      const std::uint64_t more = it->second.size() - reserved;
+      co_await reserve(c, held, more, io_deadline(),
+                       "a reply of " + std::to_string(it->second.size()) + " bytes");
+      reserved += more;
+    }
+  }
+
+  detail::task<std::string> execute(connection& c, held_bytes& held, std::string_view body) {
     const auto& limits = options_.limits;
     detail::wire::reader r(body);
     auto code = r.u8("op");
@@ -3092,7 +3487,7 @@ class store_server {
         auto key = r.bytes32("key", limits.max_key_size);
         auto value = r.bytes32("value", limits.max_value_size);
         r.finish("set request");
-        store(key, std::string(value));
+        if (!store(key, value)) co_return over_capacity("set", key, value.size());
         break;
       }
       case op::get: {
@@ -3100,7 +3495,11 @@ class store_server {
         auto ms = r.u64("timeout");
         r.finish("get request");
         std::vector<std::string_view> keys{key};
-        if (!co_await wait_for(c, keys, deadline_after(ms))) co_return reply(status::timeout);
+        const auto deadline = deadline_after(ms);
+        std::uint64_t reserved = 0;
+        do {
+          if (!co_await wait_for(c, held, keys, deadline)) co_return reply(status::timeout);
+        } while (!co_await reserve_value(c, held, key, reserved));
         w.bytes32(data_.find(key)->second);
         break;
       }
@@ -3121,7 +3520,7 @@ class store_server {
         if (__builtin_add_overflow(current, delta, &next)) {
           co_return refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
         }
-        store(key, std::to_string(next));
+        if (!store(key, std::to_string(next))) co_return over_capacity("add", key, 20);
         w.i64(next);
         break;
       }
@@ -3130,9 +3529,11 @@ class store_server {
         auto expected = r.bytes32("expected value", limits.max_value_size);
         auto desired = r.bytes32("desired value", limits.max_value_size);
         r.finish("compare_set request");
+        std::uint64_t reserved = 0;
+        (void)co_await reserve_value(c, held, key, reserved);  // the reply may copy the value
         auto it = data_.find(key);
         bool matches = it == data_.end() ? expected.empty() : it->second == expected;
-        if (matches) store(key, std::string(desired));
+        if (matches && !store(key, desired)) co_return over_capacity("compare_set", key, desired.size());
         it = data_.find(key);
         w.bytes32(it == data_.end() ? std::string_view{} : std::string_view(it->second));
         break;
@@ -3141,7 +3542,7 @@ class store_server {
         auto keys = detail::wire::read_keys(r, limits);
         auto ms = r.u64("timeout");
         r.finish("wait request");
-        if (!co_await wait_for(c, keys, deadline_after(ms))) co_return reply(status::timeout);
+        if (!co_await wait_for(c, held, keys, deadline_after(ms))) co_return reply(status::timeout);
         break;
       }
       case op::check: {
@@ -3156,6 +3557,7 @@ class store_server {
         auto key = r.bytes32("key", limits.max_key_size);
         r.finish("erase request");
         if (auto it = data_.find(key); it != data_.end()) {
+          stored_bytes_ -= it->first.size() + it->second.size();
           data_.erase(it);
           w.u8(1);
         } else {
@@ -3173,26 +3575,55 @@ class store_server {
     co_return out;
   }
 
-  void store(std::string_view key, std::string value) {
-    std::string k(key);
-    data_.insert_or_assign(k, std::move(value));
-    if (auto it = key_waiters_.find(k); it != key_waiters_.end()) {
-      auto waiters = std::move(it->second);
-      key_waiters_.erase(it);
-      for (connection* w : waiters) reactor_.wake_up(w->slot);
+  std::string over_capacity(const char* what, std::string_view key, std::size_t value_size) const {
+    return refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
+                   std::to_string(value_size) + " bytes: the store holds " +
+                   std::to_string(stored_bytes_.load()) + " bytes and its cap is " +
+                   std::to_string(options_.limits.max_stored_bytes) +
+                   " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
+  }
+
+  /// Sets key to value and wakes its waiters; false, changing nothing, when
+  /// the stored bytes would pass their cap.
+  bool store(std::string_view key, std::string_view value) {
+    auto it = data_.find(key);
+    const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
+    const std::uint64_t after = stored_bytes_ - before + key.size() + value.size();
+    if (after > options_.limits.max_stored_bytes && after > stored_bytes_) return false;
+    stored_bytes_ = after;
+    if (it != data_.end()) {
+      it->second.assign(value);
+    } else {
+      data_.emplace(std::string(key), std::string(value));
     }
+    if (auto w = key_waiters_.find(key); w != key_waiters_.end()) {
+      auto waiters = std::move(w->second);
+      key_waiters_.erase(w);
+      for (connection* c : waiters) reactor_.wake_up(c->slot);
+    }
+    return true;
   }
 
   /// Waits until every key exists (true) or the deadline passes (false).
   /// Watches the connection meanwhile: a client that goes away is cleaned up.
-  detail::task<bool> wait_for(connection& c, const std::vector<std::string_view>& keys,
+  detail::task<bool> wait_for(connection& c, held_bytes& held,
+                              const std::vector<std::string_view>& keys,
                               steady::time_point deadline) {
+    bool charged = false;
     for (;;) {
       std::vector<std::string> missing;
       for (auto k : keys) {
         if (!data_.contains(k)) missing.emplace_back(k);
       }
       if (missing.empty()) co_return true;
+      if (!charged) {
+        // A wait holds a copy of each missing key twice (here and in key_waiters_).
+        std::uint64_t bytes = 0;
+        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
+        co_await reserve(c, held, bytes, io_deadline(), "a wait on " + std::to_string(missing.size()) + " keys");
+        charged = true;
+        continue;  // keys may have been set while it waited for the budget
+      }
       for (const auto& k : missing) key_waiters_[k].push_back(&c);
       ++waiting_;
       auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
@@ -3230,6 +3661,7 @@ class store_server {
   detail::wait_slot accept_slot_;
   std::unordered_map<connection*, std::unique_ptr<connection>> connections_;
   std::vector<connection*> finished_;
+  std::list<connection*> unproven_;  // connections before their handshake, oldest first
   // Transparent hashing: look keys up by string_view without copying them.
   struct key_hash {
     using is_transparent = void;
@@ -3239,7 +3671,15 @@ class store_server {
   };
   std::unordered_map<std::string, std::string, key_hash, std::equal_to<>> data_;
   std::unordered_map<std::string, std::vector<connection*>, key_hash, std::equal_to<>> key_waiters_;
+  detail::byte_budget budget_;
+  std::size_t connection_cap_;
+  detail::spare_descriptor spare_;
+  detail::rejection_log rejections_;
   std::atomic<std::size_t> connection_count_{0};
+  std::atomic<std::uint64_t> refused_{0};
+  std::atomic<std::uint64_t> closed_idle_{0};
+  std::atomic<std::uint64_t> stored_bytes_{0};
+  std::atomic<std::uint64_t> buffered_bytes_{0};
   std::atomic<std::size_t> waiting_{0};
   std::atomic<std::uint64_t> closed_for_cause_{0};
   std::thread thread_;
@@ -3275,13 +3715,17 @@ namespace dtrain {
 /// A connection to a store_server. Every blocking call has a timeout: the
 /// options' `timeout` unless the call takes one. Throws timeout_error when it
 /// expires (naming what it waited for and how long), rendezvous_error when the
-/// server cannot be reached, refuses the client, or goes away.
+/// server cannot be reached, refuses the client, or goes away, and
+/// config_error at once when its host name does not resolve (a temporary
+/// resolver failure, EAI_AGAIN, is retried for 5 s first).
 ///
 /// Thread-safe, but requests on one client run one at a time: a thread blocked
 /// in get / wait / barrier holds the connection, so a thread that must set the
 /// awaited key meanwhile needs a store_client of its own. After a timeout or a
 /// lost connection the client is unusable (the reply stream cannot be trusted);
-/// make a new one.
+/// make a new one. The one exception: a connection the server closed because
+/// it was idle (store_options::idle_timeout) is reopened, once, by the next
+/// request; the server closes only connections with no request in flight.
 class store_client {
  public:
   using milliseconds = std::chrono::milliseconds;
@@ -3428,20 +3872,37 @@ class store_client {
 
   using steady = std::chrono::steady_clock;
 
-  void connect() {
-    const auto deadline = steady::now() + options_.timeout;
+  /// How long a temporary resolver failure (EAI_AGAIN) is retried.
+  static constexpr milliseconds resolver_retry{5'000};
+
+  void connect() { connect(options_.timeout); }
+
+  void connect(milliseconds patience) {
+    const auto deadline = steady::now() + patience;
     std::minstd_rand jitter(
         static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
                               static_cast<unsigned>(steady::now().time_since_epoch().count())));
     milliseconds backoff(10);
     std::string last_error;
+    // A name the resolver does not know will not appear by waiting: fail at
+    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
+    const auto resolve_deadline = std::min(deadline, steady::now() + resolver_retry);
     for (;;) {
-      last_error = try_connect(deadline);
-      if (last_error.empty()) break;
+      int resolver_rc = 0;
+      last_error = try_connect(deadline, resolver_rc);
+      if (resolver_rc != 0 &&
+          (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
+        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
+                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
+                           "; check MASTER_ADDR (dtrun --master-addr)");
+      }
+      // A server at its connection cap closes newcomers unanswered: knock again.
+      if (last_error.empty()) last_error = try_handshake(deadline);
+      if (last_error.empty()) return;
       auto left = deadline - steady::now();
       if (left <= steady::duration::zero()) {
         throw timeout_error("could not reach the store at " + endpoint() + " within " +
-                            seconds(options_.timeout) + " (last error: " + last_error +
+                            seconds(patience) + " (last error: " + last_error +
                             "); is the process hosting it (rank 0 or the node-0 agent) running, "
                             "and is MASTER_ADDR:MASTER_PORT right?");
       }
@@ -3451,14 +3912,30 @@ class store_client {
       std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
       backoff = std::min(backoff * 2, milliseconds(1000));
     }
-    handshake(deadline);
   }
 
-  // One attempt; returns the reason it failed, empty on success.
-  std::string try_connect(steady::time_point deadline) {
+  // The handshake; returns why the connection was lost during it (empty on
+  // success). A refusal (token, version) throws: knocking again cannot help.
+  std::string try_handshake(steady::time_point deadline) {
+    try {
+      handshake(deadline);
+      return {};
+    } catch (const error& e) {  // lost, or no answer in time
+      if (refused_) throw;
+      fd_.reset();
+      broken_ = false;
+      return e.what();
+    }
+  }
+
+  // One attempt; returns the reason it failed, empty on success, and the
+  // resolver's error code in `resolver_rc` when the name did not resolve.
+  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
     detail::address_list addrs;
-    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0)
+    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
+      resolver_rc = rc;
       return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+    }
     std::string why;
     for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
       detail::unique_fd fd(
@@ -3510,6 +3987,7 @@ class store_client {
     detail::wire::reader r(reply);
     auto s = static_cast<detail::wire::status>(r.u8("status"));
     auto version = r.u16("version");
+    refused_ = s != detail::wire::status::ok;
     if (s == detail::wire::status::bad_token) {
       broken_ = true;
       throw rendezvous_error("the store at " + endpoint() +
@@ -3538,6 +4016,47 @@ class store_client {
     if (broken_)
       throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
                              " was lost earlier");
+    // After a silence the server may have closed the connection as idle:
+    // reopen it rather than fail. If it closes just as this request leaves,
+    // no reply byte arrives, and the request is sent again once.
+    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+    if (closed_by_server()) reopen(what);
+    try {
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    } catch (const rendezvous_error&) {
+      if (!was_idle || reply_started_ || !broken_) throw;
+      reopen(what);
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    }
+  }
+
+  [[nodiscard]] bool closed_by_server() const {
+    char byte;
+    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
+  // A new connection within the io timeout; the old one is dropped unread.
+  void reopen(const std::string& what) {
+    fd_.reset();
+    broken_ = false;
+    try {
+      connect(options_.io_timeout);
+    } catch (const error& e) {
+      broken_ = true;
+      throw rendezvous_error(what + ": the store at " + endpoint() +
+                             " closed this idle connection and cannot be reached again: " +
+                             e.what());
+    }
+  }
+
+  std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
+                                      const std::string& what) {
+    reply_started_ = false;
     // The reply may take the server-side wait, plus the io timeout before the server is presumed
     // dead.
     auto deadline = steady::now() + server_wait + options_.io_timeout;
@@ -3597,6 +4116,7 @@ class store_client {
       ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
       if (n > 0) {
         out.append(chunk, static_cast<std::size_t>(n));
+        reply_started_ = true;
         continue;
       }
       if (n == 0) lost(what, "the server closed the connection");
@@ -3633,6 +4153,9 @@ class store_client {
   std::mutex mutex_;
   detail::unique_fd fd_;
   bool broken_ = false;
+  bool refused_ = false;        // the server answered the handshake with a refusal
+  bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
+  steady::time_point last_reply_ = steady::now();
 };
 
 }  // namespace dtrain
@@ -3992,6 +4515,545 @@ inline void divide_host(buffer b, int n) noexcept {
 }  // namespace detail
 }  // namespace dtrain
 // ---- end dtrain/backend/types.hpp ----
+// ---- begin dtrain/backend/ring.hpp ----
+/// @file
+/// The ring of a communicator's last collectives: what each rank publishes
+/// when a collective times out or SIGUSR1 arrives, so that one table can name
+/// the rank that is behind (see backend/desync.hpp). Every engine records into
+/// it at the one place that numbers its collectives.
+
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// Where a collective comes from, when not straight from the user: "bucket" 3.
+/// Set by label_scope on the thread that issues the collective.
+struct call_label {
+  const char* what = nullptr;  ///< a string literal ("bucket"); null: a user call
+  std::int64_t index = -1;
+};
+
+/// The label the calling thread's collectives are recorded with.
+inline call_label& current_call_label() noexcept {
+  thread_local call_label label;
+  return label;
+}
+
+/// Labels the collectives this thread issues while it lives ("bucket 3").
+class label_scope {
+ public:
+  label_scope(const char* what, std::int64_t index) noexcept : saved_(current_call_label()) {
+    current_call_label() = {what, index};
+  }
+  explicit label_scope(call_label label) noexcept : saved_(current_call_label()) {
+    current_call_label() = label;
+  }
+  ~label_scope() { current_call_label() = saved_; }
+  label_scope(const label_scope&) = delete;
+  label_scope& operator=(const label_scope&) = delete;
+
+ private:
+  call_label saved_;
+};
+
+/// How far one collective got on this rank.
+enum class call_state : std::uint8_t { issued, completed, failed, timed_out };
+
+inline constexpr std::string_view to_string(call_state s) noexcept {
+  switch (s) {
+    case call_state::issued: return "waiting";
+    case call_state::completed: return "completed";
+    case call_state::failed: return "failed";
+    case call_state::timed_out: return "timed out";
+  }
+  return "?";
+}
+
+/// A collective's fingerprint as one rank saw it, "call #N: kind, type,
+/// count", with where it came from and how far it got. The same struct for
+/// every engine, in the ring, on the wire and in the analysis.
+struct call_record {
+  std::int64_t seq = 0;  ///< 1 for the communicator's first collective
+  std::string kind;      ///< "allreduce"
+  dtype type = dtype::float32;
+  std::size_t count = 0;
+  int op = -1;        ///< a reduce_op, or -1
+  int root = -1;      ///< broadcast's root, or -1
+  std::string label;  ///< "bucket 3"; empty: a user call
+  call_state state = call_state::issued;
+
+  /// What every rank must agree on for the same sequence number.
+  [[nodiscard]] bool same_call(const call_record& o) const noexcept {
+    return kind == o.kind && type == o.type && count == o.count && op == o.op && root == o.root;
+  }
+};
+
+/// "allreduce(float32 × 65536, bucket 4)"; the op only when `with_op`.
+inline std::string describe_call(const call_record& r, bool with_op = false) {
+  std::string out = r.kind + "(";
+  if (with_op && r.op >= 0) out += std::string(to_string(static_cast<reduce_op>(r.op))) + ", ";
+  if (r.kind != "barrier")
+    out += std::string(to_string(r.type)) + " \u00d7 " + std::to_string(r.count);
+  if (r.root >= 0) out += ", root " + std::to_string(r.root);
+  if (!r.label.empty()) out += (r.kind != "barrier" ? ", " : "") + r.label;
+  return out + ")";
+}
+
+/// The last `capacity` collectives of one communicator. Thread-safe: the
+/// engine records from the issuing thread, work handles settle from theirs,
+/// the diagnostics thread takes snapshots. One short lock per collective.
+class collective_ring {
+ public:
+  static constexpr std::size_t capacity = 64;
+  static constexpr std::size_t kept_splits = 8;
+
+  /// `name` tells the communicator apart from its splits: "world", "world/split 1 (color 0)".
+  explicit collective_ring(std::string name = "world") : name_(std::move(name)) {}
+
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+
+  /// The ring of a communicator split from this one with `color`. Its name
+  /// counts this ring's splits, so every rank that splits in the same order
+  /// (as it must) gives the same child the same name. This ring keeps the
+  /// last `kept_splits` children, even once their communicators are gone:
+  /// where a rank was on them still explains a stall.
+  std::shared_ptr<collective_ring> make_child(int color) {
+    std::lock_guard lock(mutex_);
+    auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
+                                                   " (color " + std::to_string(color) + ")");
+    if (children_.size() == kept_splits) children_.erase(children_.begin());
+    children_.push_back(child);
+    return child;
+  }
+
+  /// This ring and those of its kept splits (recursively), each with its name.
+  [[nodiscard]] std::vector<std::pair<std::string, std::vector<call_record>>> snapshot_all() const {
+    std::vector<std::pair<std::string, std::vector<call_record>>> out;
+    out.emplace_back(name_, snapshot());
+    std::vector<std::shared_ptr<collective_ring>> children;
+    {
+      std::lock_guard lock(mutex_);
+      children = children_;
+    }
+    for (const auto& ring : children) {
+      for (auto& entry : ring->snapshot_all()) out.push_back(std::move(entry));
+    }
+    return out;
+  }
+
+  /// Records a new collective with the calling thread's label; returns its sequence number.
+  std::int64_t issue(std::string_view kind, dtype type, std::size_t count, int op, int root) {
+    const call_label label = current_call_label();
+    std::lock_guard lock(mutex_);
+    const std::int64_t seq = ++last_;
+    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
+    r.seq = seq;
+    r.kind.assign(kind);  // short names: no allocation (small-string buffer)
+    r.type = type;
+    r.count = count;
+    r.op = op;
+    r.root = root;
+    r.label.clear();
+    if (label.what) r.label.append(label.what).append(" ").append(std::to_string(label.index));
+    r.state = call_state::issued;
+    return seq;
+  }
+
+  /// Marks collective `seq` finished (or failed, or given up); a no-op once it left the ring.
+  void settle(std::int64_t seq, call_state state) noexcept {
+    std::lock_guard lock(mutex_);
+    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
+    if (r.seq == seq && r.state == call_state::issued) r.state = state;
+  }
+
+  /// The recorded collectives, oldest first.
+  [[nodiscard]] std::vector<call_record> snapshot() const {
+    std::lock_guard lock(mutex_);
+    std::vector<call_record> out;
+    const std::int64_t first = last_ >= static_cast<std::int64_t>(capacity)
+                                   ? last_ - static_cast<std::int64_t>(capacity) + 1
+                                   : 1;
+    for (std::int64_t s = first; s <= last_; ++s)
+      out.push_back(slots_[static_cast<std::size_t>(s) % capacity]);
+    return out;
+  }
+
+  /// The sequence number of the last collective issued (0: none yet).
+  [[nodiscard]] std::int64_t last() const {
+    std::lock_guard lock(mutex_);
+    return last_;
+  }
+
+ private:
+  std::string name_;
+  mutable std::mutex mutex_;
+  std::array<call_record, capacity> slots_{};
+  std::int64_t last_ = 0;
+  std::int64_t splits_ = 0;
+  std::vector<std::shared_ptr<collective_ring>> children_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/ring.hpp ----
+// ---- begin dtrain/backend/desync.hpp ----
+/// @file
+/// Desync analysis: from every rank's ring of last collectives (or its
+/// silence), which rank is behind, which collective it never started, what
+/// the others wait in, and which sequence numbers were called with different
+/// arguments. Pure functions over the rings, so they are unit-tested on the
+/// host; diagnostics.hpp gathers the rings through the store and prints.
+
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's ring as the diagnostics round received it; `answered` false
+/// when the rank did not publish in time (its process is gone or frozen).
+struct rank_ring {
+  int rank = 0;
+  bool answered = false;
+  std::vector<call_record> calls;  ///< oldest first
+};
+
+/// What the analysis found: one line for the person at 3 a.m., and the details.
+struct desync_report {
+  std::string
+      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
+  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
+  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
+  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
+  int severity = 0;
+};
+
+/// "rank 2", "ranks 0, 1, 3".
+inline std::string name_ranks(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+namespace desync {
+
+inline std::string at(const call_record& r, bool with_op = false) {
+  return "#" + std::to_string(r.seq) + " " + describe_call(r, with_op);
+}
+
+// What differs between two calls with the same sequence number, for the summary.
+inline std::string difference(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return "the collectives differ";
+  if (a.type != b.type) return "the types differ";
+  if (a.count != b.count) return "the sizes differ";
+  if (a.op != b.op) return "the reduce ops differ";
+  return "the roots differ";
+}
+
+// Ranks grouped by what they called as number `seq`, the largest group first
+// (on a tie the group of the lowest rank): the odd ones out come after.
+struct call_group {
+  const call_record* call;
+  std::vector<int> ranks;
+};
+inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std::int64_t seq) {
+  std::vector<call_group> groups;
+  for (const rank_ring& r : rings) {
+    for (const call_record& c : r.calls) {
+      if (c.seq != seq) continue;
+      auto same = std::find_if(groups.begin(), groups.end(),
+                               [&](const call_group& g) { return g.call->same_call(c); });
+      if (same == groups.end()) {
+        groups.push_back({&c, {r.rank}});
+      } else {
+        same->ranks.push_back(r.rank);
+      }
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
+    return a.ranks.size() > b.ranks.size();
+  });
+  return groups;
+}
+
+}  // namespace desync
+
+/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
+/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
+/// missing; what cannot be decided is said so.
+inline desync_report analyse(std::span<const rank_ring> rings) {
+  desync_report report;
+  std::vector<int> silent;
+  std::vector<const rank_ring*> live;
+  for (const rank_ring& r : rings) {
+    if (r.answered) {
+      live.push_back(&r);
+    } else {
+      silent.push_back(r.rank);
+    }
+  }
+  auto top = [](const rank_ring& r) -> std::int64_t {
+    return r.calls.empty() ? 0 : r.calls.back().seq;
+  };
+
+  // One row per rank: the last collective it issued and how far it got.
+  for (const rank_ring& r : rings) {
+    std::string row = "rank " + std::to_string(r.rank) + ": ";
+    if (!r.answered) {
+      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
+    } else if (r.calls.empty()) {
+      row += "no collective issued yet";
+    } else {
+      const call_record& last = r.calls.back();
+      row += desync::at(last) + " " + std::string(to_string(last.state));
+      if (r.calls.size() > 1) {
+        const call_record& before = r.calls[r.calls.size() - 2];
+        row +=
+            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
+      }
+    }
+    report.details.push_back(std::move(row));
+  }
+
+  // Sequence numbers called with different arguments, oldest first.
+  std::string mismatch;
+  std::int64_t lowest = 0, highest = 0;
+  for (const rank_ring* r : live) {
+    if (r->calls.empty()) continue;
+    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
+    highest = std::max(highest, top(*r));
+  }
+  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
+    auto groups = desync::group_calls(rings, seq);
+    if (groups.size() < 2) continue;
+    bool ops = false;
+    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
+    std::string line;
+    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
+      line += (line.empty() ? "" : "; ") + name_ranks(groups[i].ranks) +
+              (groups[i].ranks.size() == 1 ? " is in " : " are in ") +
+              desync::at(*groups[i].call, ops);
+    }
+    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
+            " for the same collective";
+    report.details.push_back("mismatch: " + line);
+    if (mismatch.empty()) mismatch = line;
+  }
+
+  // The rank(s) behind: the lowest last sequence number among those that answered.
+  std::string behind;
+  if (!live.empty()) {
+    std::int64_t low = top(*live.front()), high = low;
+    for (const rank_ring* r : live) {
+      low = std::min(low, top(*r));
+      high = std::max(high, top(*r));
+    }
+    if (low < high) {
+      std::vector<int> late, waiting, past;
+      const call_record* missing = nullptr;
+      const call_record* last_late = nullptr;
+      for (const rank_ring* r : live) {
+        if (top(*r) == low) {
+          late.push_back(r->rank);
+          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
+          continue;
+        }
+        for (const call_record& c : r->calls) {
+          if (c.seq != low + 1) continue;
+          if (!missing) missing = &c;
+          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
+        }
+      }
+      const bool one = late.size() == 1;
+      behind = name_ranks(late) + (one ? " is at " : " are at ") +
+               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
+      if (!waiting.empty())
+        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
+      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
+      if (missing) {
+        behind += desync::at(*missing);
+      } else {
+        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
+      }
+      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
+    }
+  }
+
+  std::string gone;
+  if (!silent.empty()) {
+    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
+    std::vector<int> waiting;
+    const call_record* in = nullptr;
+    for (const rank_ring* r : live) {
+      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
+      waiting.push_back(r->rank);
+      if (!in) in = &r->calls.back();
+    }
+    if (in)
+      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
+              desync::at(*in);
+  }
+
+  if (!mismatch.empty()) {
+    report.summary = mismatch;
+    report.severity = 4;
+  } else if (!behind.empty()) {
+    report.summary = behind;
+    report.severity = 3;
+  } else if (!gone.empty()) {
+    report.summary = gone;
+    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
+  } else if (!live.empty() && !live.front()->calls.empty()) {
+    const call_record& last = live.front()->calls.back();
+    report.summary =
+        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
+  } else {
+    report.summary = "no rank has issued a collective yet";
+  }
+  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
+  return report;
+}
+
+/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
+inline std::string format_report(std::string_view header, const desync_report& report) {
+  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
+  for (const std::string& d : report.details) out += "    " + d + "\n";
+  return out;
+}
+
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store: "dtrain-rings 1", then per
+/// communicator a line "= <name>" and one line per call, "seq kind type count
+/// op root state label" (label last: it may hold spaces). Plain text, so a
+/// person reading the store can follow it.
+inline std::string encode_rings(const named_rings& rings) {
+  std::string out = "dtrain-rings 1\n";
+  for (const auto& [name, calls] : rings) {
+    out += "= " + name + "\n";
+    for (const call_record& c : calls) {
+      out += std::to_string(c.seq) + " " + c.kind + " " + std::to_string(static_cast<int>(c.type)) +
+             " " + std::to_string(c.count) + " " + std::to_string(c.op) + " " +
+             std::to_string(c.root) + " " + std::to_string(static_cast<int>(c.state)) + " " +
+             c.label + "\n";
+    }
+  }
+  return out;
+}
+
+/// The rings of encode_rings' text, or nothing when it is not such a text.
+inline std::optional<named_rings> decode_rings(std::string_view text) {
+  const auto lines = split(text, '\n');
+  if (lines.empty() || lines[0] != "dtrain-rings 1") return std::nullopt;
+  named_rings rings;
+  for (std::size_t i = 1; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    if (line.empty()) continue;
+    if (line.starts_with("= ")) {
+      rings.emplace_back(line.substr(2), std::vector<call_record>{});
+      continue;
+    }
+    char kind[32] = {};
+    long long seq = 0;
+    unsigned long long count = 0;
+    int type = 0, op = 0, root = 0, state = 0, used = 0;
+    if (rings.empty() ||
+        std::sscanf(line.c_str(), "%lld %31s %d %llu %d %d %d %n", &seq, kind, &type, &count, &op,
+                    &root, &state, &used) != 7 ||
+        type < 0 || type > static_cast<int>(dtype::uint8) || state < 0 ||
+        state > static_cast<int>(call_state::timed_out)) {
+      return std::nullopt;
+    }
+    rings.back().second.push_back({.seq = seq,
+                                   .kind = kind,
+                                   .type = static_cast<dtype>(type),
+                                   .count = static_cast<std::size_t>(count),
+                                   .op = op,
+                                   .root = root,
+                                   .label = line.substr(static_cast<std::size_t>(used)),
+                                   .state = static_cast<call_state>(state)});
+  }
+  return rings;
+}
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+inline desync_report analyse_job(std::span<const rank_publication> ranks) {
+  std::vector<std::string> names;
+  int answering = 0;
+  for (const rank_publication& p : ranks) {
+    answering += p.answered ? 1 : 0;
+    for (const auto& entry : p.rings) {
+      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
+        names.push_back(entry.first);
+    }
+  }
+  if (names.empty()) names.push_back("world");
+  std::vector<std::pair<std::string, desync_report>> reports;
+  for (const std::string& name : names) {
+    std::vector<rank_ring> rings;
+    for (const rank_publication& p : ranks) {
+      if (!p.answered) {
+        rings.push_back({p.rank, false, {}});
+        continue;
+      }
+      for (const auto& entry : p.rings) {
+        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
+      }
+    }
+    const auto members =
+        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
+    if (members < answering) {
+      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
+    }
+    reports.emplace_back(name, analyse(rings));
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < reports.size(); ++i) {
+    if (reports[i].second.severity > reports[best].second.severity) best = i;
+  }
+  desync_report out = reports[best].second;
+  if (reports.size() > 1) {
+    out.summary += " (on communicator " + reports[best].first + ")";
+    out.details.clear();
+    for (const auto& [name, report] : reports) {
+      out.details.push_back("communicator " + name + ":" +
+                            (report.severity > 0 ? " " + report.summary : ""));
+      for (const std::string& d : report.details) out.details.push_back("  " + d);
+    }
+  }
+  return out;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/desync.hpp ----
 // ---- begin dtrain/backend/work.hpp ----
 /// @file
 /// `work`: the handle every asynchronous collective returns.
@@ -4122,6 +5184,16 @@ class work_state {
   }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
+  /// Records this collective's end in `ring` as number `seq` (see collective_ring).
+  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept {
+    ring_ = std::move(ring);
+    seq_ = seq;
+  }
+  /// Called by work once it saw the end (or gave up): the ring learns how far it got.
+  void settle(call_state state) noexcept {
+    if (ring_) ring_->settle(seq_, state);
+  }
+
  protected:
   void fail(std::exception_ptr e) noexcept {
     if (!error_) error_ = std::move(e);
@@ -4134,7 +5206,14 @@ class work_state {
   collective_info info_{};
   std::chrono::milliseconds timeout_;
   std::exception_ptr error_;
+  std::shared_ptr<collective_ring> ring_;
+  std::int64_t seq_ = 0;
 };
+
+/// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
+inline std::int64_t record(collective_ring& ring, const collective_info& info) {
+  return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
+}
 
 }  // namespace detail
 
@@ -4148,7 +5227,7 @@ class work {
   /// True once the collective has finished, successfully or not. Never blocks.
   [[nodiscard]] bool test() {
     if (!state_ || done_) return true;
-    done_ = state_->poll();
+    if (state_->poll()) ended();
     return done_;
   }
 
@@ -4171,7 +5250,7 @@ class work {
   [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
     if (!state_ || test()) return true;
     if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
-    done_ = true;
+    ended();
     return true;
   }
 
@@ -4190,6 +5269,7 @@ class work {
   /// abort (or marks the communicator unusable) and throws timeout_exception().
   [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
     timed_out_ = timeout_exception(timeout);
+    if (state_) state_->settle(detail::call_state::timed_out);
     if (state_) state_->on_timeout();
     done_ = true;
     std::rethrow_exception(timed_out_);
@@ -4207,6 +5287,11 @@ class work {
   }
 
  private:
+  void ended() noexcept {
+    done_ = true;
+    state_->settle(state_->error() ? detail::call_state::failed : detail::call_state::completed);
+  }
+
   std::shared_ptr<detail::work_state> state_;
   bool done_ = false;
   std::exception_ptr timed_out_;
@@ -4985,7 +6070,7 @@ class mpi_communicator {
         rank_(other.rank_),
         size_(other.size_),
         options_(other.options_),
-        sequence_(other.sequence_),
+        ring_(std::move(other.ring_)),
         ops_(std::exchange(other.ops_, no_ops())),
         health_(std::move(other.health_)),
         staging_(std::move(other.staging_)) {}
@@ -5007,6 +6092,8 @@ class mpi_communicator {
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
 
   /// Pinned host bytes this communicator holds for staging device buffers
   /// (in use and free for reuse); 0 without CUDA.
@@ -5029,8 +6116,7 @@ class mpi_communicator {
     check.count(out, in.count, "output");
     check.op_fits(op, in.type);
     usable(what);
-    verify(0, in, static_cast<std::int64_t>(op), what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(0, in, static_cast<std::int64_t>(op), what));
     w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
@@ -5051,8 +6137,7 @@ class mpi_communicator {
     const auto what = info("broadcast", data, -1, root);
     detail::argument_check{what}.root(root, size_);
     usable(what);
-    verify(1, data, root, what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(1, data, root, what));
     w->stage(data, data, false, stream);
     if (data.count == 0) return work(w);
     if (w->direct) {
@@ -5069,8 +6154,7 @@ class mpi_communicator {
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size_), "output");
     usable(what);
-    verify(2, in, 0, what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(2, in, 0, what));
     w->stage(in, out, false, stream);
     if (in.count == 0) return work(w);
     if (w->direct) {
@@ -5092,8 +6176,7 @@ class mpi_communicator {
     check.count(in, out.count * static_cast<std::size_t>(size_), "input");
     check.op_fits(op, in.type);
     usable(what);
-    verify(3, out, static_cast<std::int64_t>(op), what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(3, out, static_cast<std::int64_t>(op), what));
     w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
@@ -5112,8 +6195,7 @@ class mpi_communicator {
   work barrier() {
     const auto what = info("barrier", buffer{}, -1, -1);
     usable(what);
-    verify(4, buffer{}, 0, what);
-    auto w = make_request(what);
+    auto w = make_request(what, verify(4, buffer{}, 0, what));
     DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
     return work(w);
   }
@@ -5126,6 +6208,7 @@ class mpi_communicator {
     MPI_Comm child = MPI_COMM_NULL;
     DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
     mpi_communicator out(env_, child, options_);
+    out.ring_ = ring_->make_child(color);
     MPI_Comm_free(&child);  // `out` holds its own duplicate
     return out;
   }
@@ -5285,8 +6368,10 @@ class mpi_communicator {
     std::shared_ptr<staging> staging_;
   };
 
-  std::shared_ptr<request> make_request(const detail::collective_info& what) {
-    return std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+  std::shared_ptr<request> make_request(const detail::collective_info& what, std::int64_t seq) {
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+    w->track(ring_, seq);
+    return w;
   }
 
   mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
@@ -5378,18 +6463,19 @@ class mpi_communicator {
     return ops_[slot];
   }
 
-  // Check mode: every rank passed the same collective, count, type and op/root.
-  void verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
-    ++sequence_;
-    if (!options_.collectives.check) return;
+  // Numbers the collective in the ring; check mode: every rank passed the same call, count, type, op/root.
+  std::int64_t verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
+    const std::int64_t sequence = detail::record(*ring_, info);
+    if (!options_.collectives.check) return sequence;
     const std::string what = detail::describe(info);
-    detail::signature mine{sequence_ * 8 + collective, static_cast<std::int64_t>(b.count),
+    detail::signature mine{sequence * 8 + collective, static_cast<std::int64_t>(b.count),
                            static_cast<std::int64_t>(b.type), op_or_root};
     detail::compare_signatures(mine, rank_, size_, what, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
       DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
                                      static_cast<int>(in.size()), MPI_INT64_T, comm_),
                        what + " (check mode)");
     });
+    return sequence;
   }
 
   std::shared_ptr<mpi_environment> env_;
@@ -5397,7 +6483,7 @@ class mpi_communicator {
   int rank_ = 0;
   int size_ = 1;
   mpi_options options_;
-  std::int64_t sequence_ = 0;
+  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
   static std::array<MPI_Op, 8> no_ops() noexcept {
     std::array<MPI_Op, 8> ops;
@@ -5883,7 +6969,8 @@ struct gloo_state {
   std::deque<task> queue;            // guarded by mutex
   bool running = false;              // guarded by mutex: a task is running (worker or waiter)
   bool stopping = false;             // guarded by mutex
-  std::int64_t submitted = 0;        // guarded by mutex: the collective sequence number
+  // Numbers the collectives; issued under mutex, so the numbers follow the queue.
+  std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
   std::atomic<bool> unusable{false};
   std::string failure;  // guarded by mutex: the first failure
 
@@ -6171,6 +7258,7 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 #include <gloo/transport/tcp/device.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -6180,6 +7268,8 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <pthread.h>
 
 namespace dtrain {
 
@@ -6201,6 +7291,23 @@ struct gloo_options {
 };
 
 namespace detail {
+
+/// Blocks SIGPIPE in the calling thread while it lives, and in the threads it starts meanwhile.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() noexcept {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
+  }
+  ~sigpipe_blocked() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+
+ private:
+  sigset_t previous_{};
+};
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -6269,6 +7376,8 @@ class gloo_communicator {
   [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
   [[nodiscard]] int size() const noexcept { return self_->state->size; }
   [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return self_->state->ring; }
 
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
   /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
@@ -6345,8 +7454,10 @@ class gloo_communicator {
     int new_rank = 0;
     while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
     std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
-    return gloo_communicator(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
-                             self_->endpoint, std::move(keys));
+    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
+                            self_->endpoint, std::move(keys));
+    child.self_->state->ring = self_->state->ring->make_child(color);
+    return child;
   }
 
  private:
@@ -6373,6 +7484,11 @@ class gloo_communicator {
 
   void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
                detail::gloo_endpoint endpoint, std::string keys) {
+    // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
+    // would kill this process with SIGPIPE. Its threads and the worker start
+    // with SIGPIPE blocked (threads inherit the mask); such a write then fails
+    // with EPIPE, which Gloo reports as an error.
+    detail::sigpipe_blocked quiet;
     auto state = std::make_shared<detail::gloo_state>();
     state->rank = rank;
     state->size = size;
@@ -6431,10 +7547,15 @@ class gloo_communicator {
     detail::gloo_state& s = *self_->state;
     if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
     std::unique_lock lock(s.mutex);
-    const detail::signature sig{++s.submitted, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
+    const std::int64_t seq = detail::record(*s.ring, info);
+    const detail::signature sig{seq, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
                                 static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
-    if (!call.moves_data && !s.check) return work{};
+    if (!call.moves_data && !s.check) {
+      s.ring->settle(seq, detail::call_state::completed);
+      return work{};
+    }
     auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    w->track(s.ring, seq);
     s.queue.push_back({w, sig, call});
     const bool idle = !s.running;
     lock.unlock();
@@ -8252,7 +9373,8 @@ class work_sequence final : public work_state {
   work_sequence(std::string label, std::vector<step> steps, bool eager,
                 std::shared_ptr<void> keep_alive = {})
       : work_state(std::move(label), std::chrono::milliseconds(0)),
-        keep_alive_(std::move(keep_alive)) {
+        keep_alive_(std::move(keep_alive)),
+        call_label_(current_call_label()) {
     if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
     for (std::size_t i = 0; i < steps.size(); ++i) {
       int& a = steps[i].after;
@@ -8323,6 +9445,7 @@ class work_sequence final : public work_state {
 
   void start(std::size_t i) {
     slot& s = slots_[i];
+    label_scope label(call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
     s.handle = s.what.start();
     s.started = true;
     // A step that completed at once (nothing to move) has no limit of its own.
@@ -8415,6 +9538,7 @@ class work_sequence final : public work_state {
   std::mutex mutex_;  // the watchdog and the owner may poll at once
   std::vector<slot> slots_;
   std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
+  call_label call_label_;             // the caller's, for the steps started later
   bool finished_ = false;
 };
 
@@ -9435,6 +10559,11 @@ namespace dtrain {
 /// Environment: DTRAIN_GRACE_PERIOD (seconds).
 inline constexpr std::chrono::milliseconds default_grace_period{10'000};
 
+/// How long an agent may go without beating its heartbeat in the store before
+/// the other agents declare its node lost and end the job. Environment:
+/// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
+
 /// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
 /// Unset values come from the environment or the outer launcher (see
 /// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
@@ -9459,6 +10588,9 @@ struct agent_options {
   int max_restarts = 0;
   /// SIGTERM → SIGKILL delay when workers are stopped. Environment: DTRAIN_GRACE_PERIOD (seconds).
   std::chrono::milliseconds grace_period = default_grace_period;
+  /// A node whose agent is silent this long is lost: the others end the job.
+  /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
   /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
   /// Environment: DTRAIN_TEE=1.
   bool tee = false;
@@ -9471,7 +10603,8 @@ struct agent_options {
   bool local_rank_arg = false;
 
   /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
-  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD, DTRAIN_TEE,
+  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
+  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
   /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
   /// rebuilding it. Throws config_error naming the variable and its value.
@@ -9490,6 +10623,7 @@ struct agent_options {
     count("DTRAIN_NODE_RANK", out.node_rank, 0);
     if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
     if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_HEARTBEAT_TIMEOUT")) out.heartbeat_timeout = *t;
     if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
     if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
     if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
@@ -9508,10 +10642,23 @@ struct agent_options {
     at_least("nproc_per_node", nproc_per_node, 1);
     at_least("nnodes", nnodes, 1);
     at_least("node_rank", node_rank, 0);
+    auto at_most = [](const char* name, const std::optional<int>& v) {
+      if (v && *v > max_world_size) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                           " ranks (max_world_size)");
+      }
+    };
+    at_most("nproc_per_node", nproc_per_node);
+    at_most("nnodes", nnodes);
     if (max_restarts < 0) {
       throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
     }
     if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+    if (heartbeat_timeout.count() <= 0) {
+      throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
+                         " ms must be positive");
+    }
     if (master_port && *master_port != 0) {
       detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
     }
@@ -9524,7 +10671,8 @@ struct agent_options {
 // ---- begin dtrain/launch/process.hpp ----
 /// @file
 /// The node agent's processes: starting a worker (fork + exec, dying with the
-/// agent), stopping a group (SIGTERM, grace period, SIGKILL), and carrying
+/// agent), stopping a group (SIGTERM, grace period, SIGKILL), the warden and
+/// subreaper that take what the workers started with them, and carrying
 /// the workers' output with a `[rank N] ` prefix and into per-rank log files.
 
 
@@ -9534,6 +10682,7 @@ struct agent_options {
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -9555,7 +10704,28 @@ struct agent_options {
 #include <pthread.h>
 #include <unistd.h>
 
+namespace dtrain {
+
+/// A worker's program cannot be started: it is missing (exit_status() 127,
+/// as a shell's "command not found") or not executable (126, as a shell's
+/// "permission denied"). The agent ends the job with that status.
+class program_error : public error {
+ public:
+  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
+  /// 127 for a missing program, 126 for one that cannot be executed.
+  [[nodiscard]] int exit_status() const noexcept { return status_; }
+
+ private:
+  int status_;
+};
+
+}  // namespace dtrain
+
 namespace dtrain::detail {
+
+/// Exit status of a job whose program is missing, or is not executable (the shell's).
+inline constexpr int program_missing_status = 127;
+inline constexpr int program_not_executable_status = 126;
 
 /// "exited with status 3", "was killed by SIGKILL (signal 9)".
 inline std::string describe_wait_status(int status) {
@@ -9577,10 +10747,21 @@ inline int exit_code_of(int status) {
 }
 
 /// Finds `program` on PATH the way execvp would, before fork (execvp itself
-/// is not async-signal-safe). Returns it unchanged when it has a '/'.
+/// is not async-signal-safe). Returns it unchanged when it has a '/'. Throws
+/// program_error (127 missing, 126 not executable) naming the program.
 inline std::string find_program(const std::string& program,
                                 std::optional<std::string_view> path_var) {
-  if (program.find('/') != std::string::npos) return program;
+  if (program.find('/') != std::string::npos) {
+    std::error_code ec;
+    if (!std::filesystem::exists(program, ec)) {
+      throw program_error("cannot run \"" + program + "\": no such file", program_missing_status);
+    }
+    if (std::filesystem::is_directory(program, ec) || ::access(program.c_str(), X_OK) != 0) {
+      throw program_error("cannot run \"" + program + "\": it is not an executable file",
+                          program_not_executable_status);
+    }
+    return program;
+  }
   std::string path(path_var.value_or("/usr/local/bin:/usr/bin:/bin"));
   std::size_t start = 0;
   while (start <= path.size()) {
@@ -9591,7 +10772,8 @@ inline std::string find_program(const std::string& program,
     if (::access(candidate.c_str(), X_OK) == 0) return candidate;
     start = end + 1;
   }
-  throw config_error("cannot run \"" + program + "\": not found on PATH=" + path);
+  throw program_error("cannot run \"" + program + "\": not found on PATH=" + path,
+                      program_missing_status);
 }
 
 /// Carries the workers' output to the agent's stdout/stderr, each line
@@ -9789,6 +10971,9 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
     // Its own process group, so that stopping the worker stops what it started too.
     ::setpgid(0, 0);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    // A SIGUSR1 the agent forwards (desync diagnostics) must not end a worker
+    // that has not installed dtrain's handler yet: ignored until it does (exec keeps SIG_IGN).
+    ::signal(SIGUSR1, SIG_IGN);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -9819,12 +11004,112 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
   if (n == static_cast<ssize_t>(sizeof child_errno)) {
     int status = 0;
     ::waitpid(pid, &status, 0);
-    throw error("cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
-                "): " + std::strerror(child_errno));
+    const std::string what = "cannot start rank " + std::to_string(rank) + " (" + cmd.argv[0] +
+                             "): " + std::strerror(child_errno);
+    if (child_errno == ENOENT || child_errno == ENOTDIR) {
+      throw program_error(what, program_missing_status);
+    }
+    if (child_errno == EACCES || child_errno == EPERM || child_errno == ENOEXEC ||
+        child_errno == EISDIR) {
+      throw program_error(what, program_not_executable_status);
+    }
+    throw error(what);
   }
   if (relay != nullptr) relay->add(rank, std::move(out_read), std::move(err_read));
   return pid;
 }
+
+/// Makes this process the reaper of its descendants' orphans (Linux 3.4+;
+/// elsewhere nothing): what a worker started and left behind stays below the
+/// agent, which kills and reaps it, instead of escaping to init.
+inline void become_subreaper() noexcept {
+#ifdef PR_SET_CHILD_SUBREAPER
+  (void)::prctl(PR_SET_CHILD_SUBREAPER, 1);
+#endif
+}
+
+/// Kills what is left of each worker's process group (the workers are
+/// reaped) and reaps those of them that were orphaned to this subreaper,
+/// waiting at most `limit` for SIGKILL to take effect.
+inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::milliseconds limit) {
+  for (auto& w : workers) {
+    if (w.pid > 0) ::killpg(w.pid, SIGKILL);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (auto& w : workers) {
+    if (w.pid <= 0) continue;
+    int status = 0;
+    while (true) {
+      pid_t r = ::waitpid(-w.pid, &status, WNOHANG);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 || std::chrono::steady_clock::now() > deadline) break;  // ECHILD: all reaped
+      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+}
+
+/// A small child of the agent that outlives it by a moment: when the agent
+/// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
+/// every worker's process group. PR_SET_PDEATHSIG reaches only the workers
+/// themselves; this reaches what they started. Forked before the agent
+/// starts any thread, it only ever makes async-signal-safe calls.
+class worker_warden {
+ public:
+  /// Starts the warden for up to `slots` workers at a time (one per local rank).
+  explicit worker_warden(int slots) : groups_(static_cast<std::size_t>(slots), 0) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return;  // no warden: PDEATHSIG still ends the workers
+    unique_fd read_end(fds[0]), write_end(fds[1]);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      write_end.reset();
+      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_IGN);
+      watch(read_end.get());
+    }
+    if (pid > 0) {
+      pid_ = pid;
+      pipe_ = std::move(write_end);
+    }
+  }
+  worker_warden(const worker_warden&) = delete;
+  worker_warden& operator=(const worker_warden&) = delete;
+  /// The agent ends normally: it stopped its workers itself, so the warden
+  /// goes without killing anything (a group id may be reused by now).
+  ~worker_warden() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+
+  /// Tells the warden that local rank `slot` now runs in process group `pgid`.
+  void guard(int slot, pid_t pgid) noexcept {
+    if (!pipe_ || slot < 0 || static_cast<std::size_t>(slot) >= groups_.size()) return;
+    const std::int32_t message[2] = {slot, static_cast<std::int32_t>(pgid)};
+    (void)!::write(pipe_.get(), message, sizeof message);  // 8 bytes: atomic on a pipe
+  }
+
+ private:
+  [[noreturn]] void watch(int fd) noexcept {
+    std::int32_t message[2];
+    while (true) {
+      ssize_t n = ::read(fd, message, sizeof message);
+      if (n < 0 && errno == EINTR) continue;
+      if (n != static_cast<ssize_t>(sizeof message)) break;  // end-of-file: the agent is gone
+      if (message[0] >= 0 && static_cast<std::size_t>(message[0]) < groups_.size())
+        groups_[static_cast<std::size_t>(message[0])] = message[1];
+    }
+    for (pid_t pgid : groups_) {
+      if (pgid > 0) ::killpg(pgid, SIGKILL);
+    }
+    ::_exit(0);
+  }
+
+  std::vector<pid_t> groups_;  // allocated before fork: the child only writes into it
+  pid_t pid_ = -1;
+  unique_fd pipe_;
+};
 
 /// A pidfd for `pid`, or an empty one where the kernel has none.
 inline unique_fd open_exit_fd(pid_t pid) {
@@ -9906,6 +11191,151 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
 /// node 0, supervises the workers, stops the whole job on the first failure
 /// (on every node), restarts it up to a limit, and forwards signals.
 
+// ---- begin dtrain/rendezvous/security.hpp ----
+/// @file
+/// Who may talk to a job's store, and where it listens: a fresh random token
+/// per job, handed to the ranks without a command line or a log, and the one
+/// interface that MASTER_ADDR names. See the README's "Security".
+
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Environment: the address the store listens on, instead of the one that
+/// MASTER_ADDR names ("0.0.0.0" for every interface).
+inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
+
+namespace detail {
+
+/// 128 random bits from the kernel, as 32 hex digits.
+inline std::string new_store_token() {
+  unsigned char bytes[16];
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
+    got += static_cast<std::size_t>(n);
+  }
+  std::string out;
+  for (unsigned char b : bytes) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", b);
+    out += hex;
+  }
+  return out;
+}
+
+/// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
+/// if set, else the local address that `master` names. Every interface ("0.0.0.0")
+/// only when that name is not an address of this host, or when it resolves to
+/// loopback here but the job spans nodes (Debian's /etc/hosts maps the host's
+/// own name to 127.0.1.1, which other nodes cannot reach).
+inline std::string store_bind_address(const environment& env, const std::string& master,
+                                      bool multi_node) {
+  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
+  const resolved names = resolve(master);
+  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
+  bool all_loopback = true;
+  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
+  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
+  for (const auto& a : names.addresses) {
+    for (const auto& local : interface_addresses()) {
+      if (local.address == a) return a;
+    }
+  }
+  return "0.0.0.0";
+}
+
+/// The address a client on the store's own host uses to reach it.
+inline std::string local_store_address(const std::string& bound) {
+  return bound == "0.0.0.0" || bound == "::" ? "127.0.0.1" : bound;
+}
+
+/// A token shared through a file only this user can read, for ranks on one
+/// host that no dtrain process launched (torchrun, mpirun with Gloo): rank 0
+/// writes it, the others read it. The file is named after the store's port,
+/// in $XDG_RUNTIME_DIR or /tmp/dtrain-<uid> (mode 0700, checked).
+class token_file {
+ public:
+  token_file(const environment& env, int port) {
+    std::string dir;
+    if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
+      dir = std::string(*runtime) + "/dtrain";
+    } else {
+      dir = "/tmp/dtrain-" + std::to_string(::getuid());
+    }
+    dir_ = dir;
+    path_ = dir + "/store-" + std::to_string(port) + ".token";
+  }
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+  /// Rank 0: writes `token` (replacing a stale file atomically).
+  void publish(const std::string& token) {
+    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
+    struct stat st {};
+    if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
+    if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
+      throw config_error(dir_ +
+                         " must be a directory that only this user can open (mode 0700) "
+                         "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
+    }
+    const std::string temp = path_ + "." + std::to_string(::getpid());
+    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) fail("cannot write", errno);
+    bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+    ok = ::close(fd) == 0 && ok;
+    if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
+      int err = errno;
+      ::unlink(temp.c_str());
+      fail("cannot write", err);
+    }
+    published_ = true;
+  }
+
+  /// The token in the file now, or nullopt if there is none yet.
+  [[nodiscard]] std::optional<std::string> read() const {
+    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return std::nullopt;
+    char text[128];
+    ssize_t n = ::read(fd, text, sizeof text);
+    ::close(fd);
+    if (n <= 0) return std::nullopt;
+    return std::string(text, static_cast<std::size_t>(n));
+  }
+
+  token_file(const token_file&) = delete;
+  token_file& operator=(const token_file&) = delete;
+  ~token_file() {
+    if (published_) ::unlink(path_.c_str());
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what, int err) const {
+    throw config_error(std::string(what) + " " + path_ + " for the store token: " +
+                       std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
+  }
+  std::string dir_;
+  std::string path_;
+  bool published_ = false;
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/security.hpp ----
 
 #include <algorithm>
 #include <array>
@@ -9943,8 +11373,15 @@ inline volatile std::sig_atomic_t agent_signal = 0;
 
 inline void record_agent_signal(int sig) { agent_signal = sig; }
 
+/// SIGUSR1s the agent received and has not forwarded yet: they ask the
+/// workers for desync diagnostics and stop nothing.
+inline volatile std::sig_atomic_t agent_diagnostics_requests = 0;
+
+inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
+
 /// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
-/// them to the workers; restores the previous handlers afterwards.
+/// them to the workers, and SIGUSR1, which it forwards without stopping them
+/// (desync diagnostics); restores the previous handlers afterwards.
 class agent_signal_scope {
  public:
   agent_signal_scope() {
@@ -9953,17 +11390,22 @@ class agent_signal_scope {
     sa.sa_handler = record_agent_signal;
     sigemptyset(&sa.sa_mask);
     for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+    agent_diagnostics_requests = 0;
+    sa.sa_handler = record_diagnostics_request;
+    ::sigaction(SIGUSR1, &sa, &previous_usr1_);
   }
   agent_signal_scope(const agent_signal_scope&) = delete;
   agent_signal_scope& operator=(const agent_signal_scope&) = delete;
   ~agent_signal_scope() {
     for (std::size_t i = 0; i < signals.size(); ++i)
       ::sigaction(signals[i], &previous_[i], nullptr);
+    ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
   }
   static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
 
  private:
   std::array<struct sigaction, 3> previous_{};
+  struct sigaction previous_usr1_ {};
 };
 
 /// A port nobody listens on now (it may be taken before it is used: the
@@ -10001,6 +11443,17 @@ inline void record_failure(store_client& store, int restart, int status, bool fi
                            const std::string& message) {
   store.compare_set(failure_key(restart), "",
                     std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
+}
+
+/// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
 }
 
 /// How one worker is named in failure messages.
@@ -10079,15 +11532,35 @@ class node_agent {
 
   /// Runs the job to the end; see the class comment for the exit status.
   int run() {
+    if (store_options_.token.empty()) {
+      // One node: a fresh token, which reaches the workers only through their
+      // environment. Several: the agents must already share one.
+      if (nnodes() > 1) {
+        throw config_error(
+            "a job of " + std::to_string(nnodes()) +
+            " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
+            "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
+            "submitted); it authenticates every connection to node 0's store");
+      }
+      store_options_.token = detail::new_store_token();
+    }
     detail::agent_signal_scope signals;
+    // Orphans of the workers come to this agent, and the warden takes the
+    // workers' groups down with it if it is SIGKILLed. The warden is forked
+    // first, before the store or the relay start a thread.
+    detail::become_subreaper();
+    detail::worker_warden warden(nproc_);
+    warden_ = &warden;
     detail::output_relay relay(options_.tee, options_.log_dir);
     relay_ = &relay;
     std::optional<store_server> server;
+    const std::string bind = detail::store_bind_address(env_, master_addr_, nnodes() > 1);
     if (node_rank() == 0) {
-      server.emplace("0.0.0.0", master_port_, store_options_);
+      server.emplace(bind, master_port_, store_options_);
       master_port_ = server->port();
     }
-    store_client store(node_rank() == 0 ? "127.0.0.1" : master_addr_, master_port_, store_options_);
+    store_client store(node_rank() == 0 ? detail::local_store_address(bind) : master_addr_,
+                       master_port_, store_options_);
     say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
             std::to_string(nproc_) + " workers, store at " +
             detail::endpoint_text(master_addr_, master_port_),
@@ -10129,6 +11602,9 @@ class node_agent {
       if (sig == 0) {
         try {
           throw;
+        } catch (const program_error& e) {
+          what = e.what();
+          status = e.exit_status();
         } catch (const config_error& e) {
           what = e.what();
           status = 2;
@@ -10154,6 +11630,7 @@ class node_agent {
     }
     relay.finish(std::chrono::milliseconds(200));
     relay_ = nullptr;
+    warden_ = nullptr;
     return status;
   }
 
@@ -10231,7 +11708,8 @@ class node_agent {
       if (!hosting) return;
       auto deadline =
           std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
-      while (store.add(key, 0) < nnodes() && std::chrono::steady_clock::now() < deadline) {
+      while (store.add(key, 0) < nnodes() - lost_nodes_ &&
+             std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(poll_interval);
       }
     } catch (const rendezvous_error&) {
@@ -10260,6 +11738,7 @@ class node_agent {
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
     set(std::string(restart_count_variable), std::to_string(restart));
     set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+    set("DTRAIN_STORE_TOKEN", store_options_.token);  // the environment only: never argv or a log
     // As torchrun: one thread per worker unless the user chose, so N workers
     // do not each start one OpenMP thread per core.
     if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
@@ -10299,6 +11778,7 @@ class node_agent {
       p.local_rank = local;
       p.pid = detail::spawn_worker(cmd, relay_->active() ? relay_ : nullptr, *w.rank);
       p.exit_fd = detail::open_exit_fd(p.pid);
+      warden_->guard(local, p.pid);
     }
     return supervise(store, restart);
   }
@@ -10310,11 +11790,12 @@ class node_agent {
     bool reported_success = false;
     heartbeat beats(nnodes());
     while (true) {
-      if (auto silent = beats.check(store, node_rank(), store_options_.io_timeout)) {
+      if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
+        lost_nodes_ = 1;  // it will never leave(): node 0 must not wait for it
         std::string message = "node " + std::to_string(*silent) +
                               "'s agent stopped responding: no heartbeat for " +
-                              std::to_string(store_options_.io_timeout.count() / 1000) +
-                              " s (DTRAIN_STORE_IO_TIMEOUT)";
+                              detail::seconds_text(options_.heartbeat_timeout) +
+                              " s (DTRAIN_HEARTBEAT_TIMEOUT)";
         detail::record_failure(store, restart, 1, true, message);
       }
       if (int sig = detail::agent_signal; sig != 0) {
@@ -10327,6 +11808,13 @@ class node_agent {
           // Node 0 is gone: nobody is left to tell.
         }
         return {false, 128 + sig, true, message};
+      }
+      if (detail::agent_diagnostics_requests != 0) {
+        detail::agent_diagnostics_requests = 0;
+        for (const detail::worker_process& w : workers_) {
+          if (!w.status) (void)::kill(w.pid, SIGUSR1);  // the worker only, not what it started
+        }
+        say("forwarded SIGUSR1 to the workers: each prints its part of the desync diagnostics");
       }
       for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
         if (*w->status == 0) continue;
@@ -10349,7 +11837,10 @@ class node_agent {
         reported_success = true;
       }
       if (reported_success) {
-        if (store.add(success_key, 0) >= nnodes()) return {true, 0, false, {}};
+        if (store.add(success_key, 0) >= nnodes()) {
+          detail::kill_leftovers(workers_, options_.grace_period);  // what the workers left running
+          return {true, 0, false, {}};
+        }
         std::this_thread::sleep_for(poll_interval);
       }
     }
@@ -10368,7 +11859,10 @@ class node_agent {
     return end;
   }
 
-  void stop(int sig) { detail::stop_workers(workers_, sig, options_.grace_period); }
+  void stop(int sig) {
+    detail::stop_workers(workers_, sig, options_.grace_period);
+    detail::kill_leftovers(workers_, options_.grace_period);
+  }
 
   /// Every agent bumps its counter about once a second and watches the
   /// others': a node whose agent died (and with it its workers) is noticed
@@ -10417,12 +11911,272 @@ class node_agent {
   std::string master_addr_;
   int master_port_ = 0;
   int round_ = 0;  // the restart round under way
+  int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
+  detail::worker_warden* warden_ = nullptr;  // run()'s, while it runs
 };
 
 }  // namespace dtrain
 // ---- end dtrain/launch/agent.hpp ----
+// ---- begin dtrain/diagnostics.hpp ----
+/// @file
+/// Desync and hang diagnostics. When a collective times out or fails, or a
+/// user sends SIGUSR1 to a rank (or to its node agent, which forwards it),
+/// every live rank publishes its communicator's ring of last collectives
+/// through the store; the rank that asked gathers them for a bounded time and
+/// one rank prints one table naming the rank that is behind, the collective
+/// it is missing, mismatched calls, and the ranks that did not answer.
+
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Options of the diagnostics every rank runs. Aggregate; each field also has
+/// an environment variable, which wins.
+struct diagnostics_options {
+  /// Run the diagnostics thread and catch SIGUSR1. Environment: DTRAIN_DIAGNOSTICS=0 turns it off.
+  bool enabled = true;
+  /// How long the rank that asked waits for the other rings before it prints
+  /// without them (their ranks are then named as not answering).
+  /// Environment: DTRAIN_DIAGNOSTICS_WAIT (seconds).
+  std::chrono::milliseconds wait{5000};
+  /// How often each rank's thread looks for a request in the store.
+  std::chrono::milliseconds poll{200};
+
+  [[nodiscard]] diagnostics_options with_env(const environment& env) const {
+    diagnostics_options out = *this;
+    if (auto on = detail::read_flag(env, "DTRAIN_DIAGNOSTICS")) out.enabled = *on;
+    if (auto t = detail::read_seconds(env, "DTRAIN_DIAGNOSTICS_WAIT")) out.wait = *t;
+    return out;
+  }
+};
+
+namespace detail {
+
+/// The eventfd that SIGUSR1 wakes (-1: none). A plain atomic int, so the
+/// handler only loads it and writes 8 bytes: both async-signal-safe.
+inline std::atomic<int> diagnostics_signal_fd{-1};
+
+inline void on_diagnostics_signal(int) {
+  const int saved = errno;
+  const int fd = diagnostics_signal_fd.load();
+  const std::uint64_t one = 1;
+  if (fd >= 0) (void)!::write(fd, &one, sizeof one);
+  errno = saved;
+}
+
+/// The store keys of the diagnostics rounds, under the job's prefix + "diag/":
+/// "round" counts the rounds, "open/<n>" elects the rank that opens round n,
+/// "<n>/ring/<rank>" holds a rank's rings (encode_rings), "<n>/reason" why it
+/// was asked, "<n>/printer" the rank that prints, "<n>/closed" once printed.
+struct diagnostics_keys {
+  static std::string ring(std::int64_t round, int rank) {
+    return std::to_string(round) + "/ring/" + std::to_string(rank);
+  }
+  static std::string of(std::int64_t round, std::string_view what) {
+    return std::to_string(round) + "/" + std::string(what);
+  }
+};
+
+/// One rank's part: a thread that publishes this rank's ring whenever a round
+/// is asked for, and explain(), which asks for one and returns its summary.
+/// Owns its own store connection: the context's may be blocked in a long wait.
+class rank_diagnostics {
+ public:
+  /// Connects to the store at host:port (keys under `prefix`), starts the
+  /// thread and catches SIGUSR1 until destroyed. `name` says which
+  /// communicator the ring is ("gloo"). Throws what connecting throws.
+  rank_diagnostics(const std::string& host, int port, store_options store, std::string prefix,
+                   int rank, int size, std::shared_ptr<collective_ring> ring, std::string name,
+                   diagnostics_options options)
+      : client_(host, port, bounded(std::move(store), options.wait)),
+        store_(client_, std::move(prefix)),
+        rank_(rank),
+        size_(size),
+        ring_(std::move(ring)),
+        name_(std::move(name)),
+        options_(options) {
+    wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    previous_fd_ = diagnostics_signal_fd.exchange(wake_);
+    struct sigaction sa {};
+    sa.sa_handler = on_diagnostics_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGUSR1, &sa, &previous_action_);
+    thread_ = std::thread([this] { serve(); });
+  }
+  rank_diagnostics(const rank_diagnostics&) = delete;
+  rank_diagnostics& operator=(const rank_diagnostics&) = delete;
+  /// Stops the thread: at most one store operation, each bounded by the wait.
+  ~rank_diagnostics() {
+    ::sigaction(SIGUSR1, &previous_action_, nullptr);
+    diagnostics_signal_fd.store(previous_fd_);
+    stopping_ = true;
+    wake();
+    thread_.join();
+    ::close(wake_);
+  }
+
+  /// Whether a collective of this rank failed or timed out (the ring says so):
+  /// only such a failure is worth a round; a store timeout, say, is not.
+  [[nodiscard]] bool collective_failed() const {
+    for (const auto& entry : ring_->snapshot_all()) {
+      for (const call_record& c : entry.second) {
+        if (c.state == call_state::failed || c.state == call_state::timed_out) return true;
+      }
+    }
+    return false;
+  }
+
+  /// Asks every rank for its ring (joining the round another rank opened, if
+  /// one is open), waits for them at most options.wait, and returns the
+  /// analysis' summary line; one rank of the round prints the whole table on
+  /// stderr. `reason` goes in the table's header ("a timeout on rank 0").
+  /// Never throws: a store that is gone makes the summary say so.
+  std::string explain(const std::string& reason) noexcept {
+    try {
+      const std::int64_t round = join_round();
+      const std::string why = store_.compare_set(diagnostics_keys::of(round, "reason"), "", reason);
+      publish(round);
+      const desync_report report = analyse_job(gather(round));
+      const std::string header = "collective diagnostics, round " + std::to_string(round) +
+                                 ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
+                                 " ranks; printed by rank " + std::to_string(rank_) + ")";
+      const std::string table = format_report(header, report);
+      const std::string closed = diagnostics_keys::of(round, "closed");
+      const std::string me = std::to_string(rank_);
+      if (store_.compare_set(diagnostics_keys::of(round, "printer"), "", me) == me) {
+        std::fputs(table.c_str(), stderr);
+        std::fflush(stderr);
+        store_.set(closed, "1");
+      } else {
+        // This rank may exit next, and a launcher stop the others: not before the table is out.
+        store_.wait(std::span<const std::string>(&closed, 1), options_.wait);
+      }
+      return report.summary;
+    } catch (const std::exception& e) {
+      return std::string("no diagnostics: ") + e.what();
+    }
+  }
+
+ private:
+  static store_options bounded(store_options o, std::chrono::milliseconds wait) {
+    o.timeout = std::min(o.timeout, wait);
+    o.io_timeout = std::min(o.io_timeout, wait);
+    return o;
+  }
+
+  void wake() noexcept {
+    const std::uint64_t one = 1;
+    (void)!::write(wake_, &one, sizeof one);
+  }
+
+  // The open round, or a new one; one rank opens each round, the others join it.
+  std::int64_t join_round() {
+    const std::int64_t current = store_.add("round", 0);
+    const std::string closed = diagnostics_keys::of(current, "closed");
+    if (current > 0 && !store_.check(std::span<const std::string>(&closed, 1))) return current;
+    const std::int64_t next = current + 1;
+    if (store_.compare_set("open/" + std::to_string(next), "", std::to_string(rank_)) ==
+        std::to_string(rank_)) {
+      store_.add("round", 1);  // every rank's thread now publishes for it
+    }
+    return next;
+  }
+
+  void publish(std::int64_t round) {
+    store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
+    published_ = std::max(published_.load(), round);
+  }
+
+  // Every rank's ring that arrives within the wait; the others did not answer.
+  std::vector<rank_publication> gather(std::int64_t round) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < size_; ++r) keys.push_back(diagnostics_keys::ring(round, r));
+    try {
+      store_.wait(keys, options_.wait);
+    } catch (const timeout_error&) {
+      // Some rank is silent: analysed as such below.
+    }
+    std::vector<rank_publication> ranks;
+    for (int r = 0; r < size_; ++r) {
+      rank_publication p{r, false, {}};
+      const std::string& key = keys[static_cast<std::size_t>(r)];
+      if (store_.check(std::span<const std::string>(&key, 1))) {
+        if (auto rings = decode_rings(store_.get(key))) {
+          p.answered = true;
+          p.rings = std::move(*rings);
+        }
+      }
+      ranks.push_back(std::move(p));
+    }
+    return ranks;
+  }
+
+  // Publishes the ring for every new round; explains on SIGUSR1. A store that
+  // stops answering (its host is gone) ends the polling, not the process.
+  void serve() {
+    pollfd p{wake_, POLLIN, 0};
+    bool store_ok = true;
+    while (!stopping_) {
+      const int ready = ::poll(&p, 1, static_cast<int>(options_.poll.count()));
+      if (stopping_) return;
+      if (ready > 0) {
+        std::uint64_t count = 0;
+        (void)!::read(wake_, &count, sizeof count);
+        if (!stopping_ && store_ok) {
+          const std::string summary = explain("SIGUSR1 on rank " + std::to_string(rank_));
+          std::fprintf(stderr, "[rank %d/%d] dtrain: SIGUSR1: %s\n", rank_, size_, summary.c_str());
+          std::fflush(stderr);
+        }
+      }
+      if (!store_ok) continue;
+      try {
+        const std::int64_t round = store_.add("round", 0);
+        if (round > published_) publish(round);
+      } catch (const std::exception&) {
+        store_ok = false;
+      }
+    }
+  }
+
+  store_client client_;
+  prefix_store<store_client> store_;
+  int rank_;
+  int size_;
+  std::shared_ptr<collective_ring> ring_;
+  std::string name_;
+  diagnostics_options options_;
+  int wake_ = -1;
+  int previous_fd_ = -1;
+  struct sigaction previous_action_ {};
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::int64_t> published_{0};
+  std::thread thread_;  // last: starts once everything above exists
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/diagnostics.hpp ----
 // ---- begin dtrain/context.hpp ----
 /// @file
 /// dtrain::context<Policy>: what a worker's training function is handed by
@@ -10430,8 +12184,12 @@ class node_agent {
 /// and owns, torn down in reverse order of construction.
 
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <exception>
 #include <optional>
+#include <thread>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -10451,6 +12209,7 @@ struct run_options {
   agent_options agent{};             ///< launch::per_node only
   store_options store{};             ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
   collective_options collectives{};  ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+  diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
 };
 
 /// Where the store prefix of a job lives; a restart round gets its own.
@@ -10490,6 +12249,7 @@ class context {
       make_communicator(env);
     }
     control_.emplace(*store_, rank(), size(), "control");
+    start_diagnostics(options.diagnostics.with_env(env));
   }
   context(const context&) = delete;
   context& operator=(const context&) = delete;
@@ -10526,6 +12286,31 @@ class context {
   /// Waits until every rank has called barrier(), at most the collective
   /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
   void barrier() { communicator_->barrier().wait(collectives_.timeout); }
+
+  /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
+  /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
+  /// started #42"); one rank prints the whole table on stderr. Waits at most
+  /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
+  std::string explain_stall(const std::string& reason) {
+    if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
+    return diagnostics_->explain(reason);
+  }
+
+  /// Called by run() when this rank fails: a collective that timed out or
+  /// failed (a peer is stuck, behind, gone or called differently) is
+  /// explained; other failures (a store timeout) are not.
+  std::optional<std::string> explain_failure(const std::exception_ptr& failure) {
+    if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
+    try {
+      std::rethrow_exception(failure);
+    } catch (const timeout_error&) {
+      return explain_stall("a timeout on rank " + std::to_string(rank()));
+    } catch (const backend_error&) {
+      return explain_stall("a failed collective on rank " + std::to_string(rank()));
+    } catch (...) {
+    }
+    return std::nullopt;
+  }
 
   /// Called by run() when this rank fails (an exception, or a non-zero status
   /// from the user's function), before anything is torn down: under a node
@@ -10567,6 +12352,7 @@ class context {
         throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
       }
       client_.emplace(where.host, *where.port, store_options_);
+      store_endpoint_ = {where.host, *where.port};
       store_.emplace(*client_,
                      std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
       under_agent_ = true;
@@ -10577,9 +12363,14 @@ class context {
     // picks a free one (and MPI carries it), unless MASTER_PORT names one.
     int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
+    const bool one_node = single_node(host);
+    if (store_options_.token.empty()) choose_token(env, host, port, one_node);
+    const std::string bind =
+        detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
     if (rank() == 0) {
       try {
-        server_.emplace("0.0.0.0", port, store_options_);
+        if (token_file_) token_file_->publish(store_options_.token);
+        server_.emplace(bind, port, store_options_);
         port = server_->port();
       } catch (const std::exception& e) {
         // The others are waiting to hear where the store is: tell them it is not.
@@ -10588,8 +12379,84 @@ class context {
       }
     }
     if (!host) host = agree_store_address(port);
-    client_.emplace(rank() == 0 ? std::string("127.0.0.1") : *host, port, store_options_);
+    const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
+    store_endpoint_ = {where, port};
+    if (token_file_ && rank() != 0) {
+      connect_with_token_file(where, port);
+    } else {
+      client_.emplace(where, port, store_options_);
+    }
     store_.emplace(*client_, std::string(job_store_prefix));
+  }
+
+  /// Whether every rank is known to run on this host: one process, a node
+  /// count or local size that says so, or a loopback MASTER_ADDR.
+  [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
+    if (size() == 1 || world_.num_nodes == 1) return true;
+    if (world_.local_world_size && *world_.local_world_size == size()) return true;
+    if (!host) return false;
+    const auto names = detail::resolve(*host);
+    if (!names.error.empty() || names.addresses.empty()) return false;
+    return std::all_of(names.addresses.begin(), names.addresses.end(),
+                       [](const std::string& a) { return detail::is_loopback_address(a); });
+  }
+
+  /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process
+  /// (one rank), by rank 0 and sent over MPI (the MPI backend), or by rank 0
+  /// and shared through a file only this user can read (one host). A job over
+  /// several hosts that none of these reach must set DTRAIN_STORE_TOKEN.
+  void choose_token(const environment& env, const std::optional<std::string>& host, int port,
+                    bool one_node) {
+    if (size() == 1) {
+      store_options_.token = detail::new_store_token();
+      return;
+    }
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      char text[64] = {};
+      if (rank() == 0) detail::new_store_token().copy(text, sizeof text - 1);
+      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
+                       "broadcasting the store token");
+      store_options_.token = text;
+      return;
+    }
+#endif
+    if (one_node && host) {
+      token_file_.emplace(env, port);
+      if (rank() == 0) store_options_.token = detail::new_store_token();
+      return;
+    }
+    if (!host) return;  // open_store reports the missing address first
+    throw config_error(
+        "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+        ": this job may span several hosts and no dtrain launcher started it, so its store "
+        "needs a shared secret: set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
+        "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
+        "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
+        world_.describe() + ")");
+  }
+
+  /// Reads the token rank 0 wrote, reading again while the store refuses it
+  /// (a file left by an earlier job on the same port), within the store timeout.
+  void connect_with_token_file(const std::string& where, int port) {
+    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+    for (;;) {
+      if (auto token = token_file_->read()) {
+        store_options_.token = *token;
+        try {
+          client_.emplace(where, port, store_options_);
+          return;
+        } catch (const rendezvous_error& e) {
+          if (std::string_view(e.what()).find("token") == std::string_view::npos) throw;
+        }
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error("rank " + std::to_string(rank()) + " found no valid store token in " +
+                            token_file_->path() + " within the store timeout; is rank 0 running "
+                            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
 
   /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
@@ -10693,6 +12560,18 @@ class context {
     }
   }
 
+  /// Every rank watches for diagnostics rounds on a connection of its own.
+  void start_diagnostics(const diagnostics_options& options) {
+    if constexpr (requires(communicator_type& c) { c.ring(); }) {
+      if (!options.enabled) return;
+      std::string prefix = store_->prefix();
+      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_, prefix + "diag", rank(),
+                           size(), communicator_->ring(), std::string(Policy::backend_type::name), options);
+    } else {
+      (void)options;
+    }
+  }
+
   using traits = typename Policy::traits;
 
   /// select_device() with the devices this process sees. When CUDA cannot count
@@ -10723,11 +12602,14 @@ class context {
   int device_ = -1;
   bool under_agent_ = false;
   // Declared in the order they are built, so they are torn down in reverse.
+  std::optional<detail::token_file> token_file_;
   std::optional<store_server> server_;
   std::optional<store_client> client_;
   std::optional<store_type> store_;
   std::optional<communicator_type> communicator_;
   std::optional<store_channel<store_type>> control_;
+  std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
+  std::optional<detail::rank_diagnostics> diagnostics_;
 };
 
 }  // namespace dtrain
@@ -10741,6 +12623,58 @@ class context {
 /// program as the node's workers. Every failure becomes one rank-prefixed
 /// line on stderr and a non-zero exit status.
 
+// ---- begin dtrain/launch/worker.hpp ----
+/// @file
+/// How a worker process ends its part in a job so that the job ends too:
+/// it ignores SIGPIPE (a write to a dead peer becomes an error that names
+/// the peer instead of a silent death), and a failed rank under MPI calls
+/// MPI_Abort, so that mpirun ends every rank at once instead of leaving the
+/// failed one blocked in MPI_Finalize while its peers wait out their timeout.
+
+
+#include <csignal>
+#include <cstdio>
+
+#if DTRAIN_HAS_MPI()
+#include <mpi.h>
+#endif
+
+namespace dtrain::detail {
+
+/// Ignores SIGPIPE in this process: a peer that dies mid-write gives EPIPE,
+/// which the engines and the store turn into an error naming the peer. Under
+/// an agent, a worker killed by SIGPIPE would otherwise be blamed as the
+/// root cause of a failure it only witnessed.
+inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
+
+/// Whether MPI is initialised and not yet finalised in this process (by
+/// dtrain's MPI backend or by the user); false in a build without MPI.
+inline bool mpi_is_running() noexcept {
+#if DTRAIN_HAS_MPI()
+  int initialized = 0;
+  int finalized = 0;
+  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
+  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
+#else
+  return false;
+#endif
+}
+
+/// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
+/// mpirun exits with it) when MPI is running and `status` is not 0; returns
+/// otherwise. Call it after the failure's one-line report: the report is
+/// flushed first, since MPI_Abort does not return.
+inline void abort_mpi_job(int status) noexcept {
+  if (status == 0 || !mpi_is_running()) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+#if DTRAIN_HAS_MPI()
+  MPI_Abort(MPI_COMM_WORLD, status);
+#endif
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/worker.hpp ----
 
 #include <cstdio>
 #include <exception>
@@ -10771,10 +12705,13 @@ inline std::string rank_label(const world* w) {
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
 }
 
-/// The exit status and text of the exception in flight: 2 for a config_error, else 1.
+/// The exit status and text of the exception in flight: 2 for a config_error,
+/// 127 / 126 for a worker program that is missing / not executable, else 1.
 inline std::pair<int, std::string> current_failure() {
   try {
     throw;
+  } catch (const program_error& e) {
+    return {e.exit_status(), e.what()};
   } catch (const config_error& e) {
     return {config_error_exit_status, e.what()};
   } catch (const std::exception& e) {
@@ -10824,6 +12761,10 @@ int default_nproc_per_node() {
 ///
 /// Any exception ends the process's part in the job: one line on stderr,
 /// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
+/// A worker ignores SIGPIPE (a dead peer is an error, not a silent death).
+/// When MPI is running (the MPI backend, or MPI initialised by the caller), a
+/// failed worker, or one whose `fn` returned non-zero, calls MPI_Abort with
+/// its exit status after its report, so mpirun ends the whole job at once.
 template <class Policy, class Fn>
 requires std::is_invocable_v < Fn&, context<Policy>
 & > int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
@@ -10850,6 +12791,7 @@ requires std::is_invocable_v < Fn&, context<Policy>
     }
   }
 
+  detail::ignore_sigpipe();
   std::optional<world> w;
   try {
     w = discover_world(env, args);
@@ -10864,17 +12806,29 @@ requires std::is_invocable_v < Fn&, context<Policy>
       }
     } catch (...) {
       auto failure = detail::current_failure();
+      if (auto summary = ctx.explain_failure(std::current_exception())) failure.second += "; diagnostics: " + *summary;
       ctx.record_failure(failure.first, failure.second);
-      return detail::report_failure(detail::rank_label(&*w), failure);
+      const int code = detail::report_failure(detail::rank_label(&*w), failure);
+      detail::abort_mpi_job(code);
+      return code;
     }
     if (status != 0) {
       ctx.record_failure(status, {});
+      if (detail::mpi_is_running()) {
+        detail::report_failure(detail::rank_label(&*w),
+                               {status, "the training function returned " +
+                                            std::to_string(status) + "; aborting the MPI job"});
+        detail::abort_mpi_job(status);
+      }
       return status;
     }
     ctx.finish();
     return 0;
   } catch (...) {
-    return detail::report_failure(detail::rank_label(w ? &*w : nullptr), detail::current_failure());
+    const int code =
+        detail::report_failure(detail::rank_label(w ? &*w : nullptr), detail::current_failure());
+    detail::abort_mpi_job(code);  // MPI initialised by the caller, with peers still waiting
+    return code;
   }
 }
 
@@ -11167,6 +13121,7 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace dtrain {
@@ -11210,6 +13165,10 @@ struct ddp_options {
   gradient_compression compression = gradient_compression::none;
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
+  /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
+  /// the waits in synchronize()) goes to this file, the rank inserted
+  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
+  std::string timeline = {};
 };
 
 /// One bucket, as a communication hook sees it.
@@ -11439,6 +13398,373 @@ class stream_runner {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/runner.hpp ----
+// ---- begin dtrain/ddp/timeline.hpp ----
+/// @file
+/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
+/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
+/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
+/// Off, a recorder is one null pointer: no allocation and no clock read, one
+/// branch per recording point. On, spans go into a buffer per track, each
+/// with its own (uncontended: one thread per track) mutex, and the file is
+/// written at the end, so nothing is formatted or written during a step.
+
+
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
+/// the extension of the file name (trace.json -> trace.rank3.json), or is
+/// appended with ".json" when the name has none (trace -> trace.rank3.json).
+inline std::string timeline_file(std::string_view path, int rank) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
+  const std::size_t dot = path.rfind('.');
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
+  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
+}
+
+/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
+/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
+inline std::string timeline_setting(const environment& env, const std::string& option) {
+  if (auto v = env.get("DTRAIN_TIMELINE")) return std::string(*v);
+  return option;
+}
+
+/// One rank's recorder. Default-constructed it is off and records nothing.
+/// Recording is thread-safe; write() must not race with recording of the same
+/// step (call it between steps, or after the communication thread is joined).
+class timeline {
+ public:
+  /// The tracks, as Chrome trace threads of the rank's process.
+  enum class track : std::uint8_t { training = 1, communication = 2 };
+
+  timeline() noexcept = default;
+
+  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
+  /// Creates the file now, so that a path that cannot be written is a
+  /// config_error before training starts (naming the path and the rank).
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
+      : state_(std::make_unique<state>()) {
+    state_->file = timeline_file(path, rank);
+    state_->setting = "DTRAIN_TIMELINE=" + std::string(path);
+    state_->rank = rank;
+    state_->size = size;
+    state_->names = std::move(parameter_names);
+    if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+      std::fclose(f);
+    } else {
+      throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                         state_->file + ": " + std::strerror(errno));
+    }
+  }
+
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE (which
+  /// wins) or `option` names a file, naming the spans of `params` by their names.
+  template <class Parameters>
+  static timeline of(const std::string& option, int rank, int size, const Parameters& params) {
+    const std::string path = timeline_setting(environment::from_process(), option);
+    if (path.empty()) return {};
+    std::vector<std::string> names;
+    for (const auto& p : params) names.push_back(p.name);
+    return timeline(path, rank, size, std::move(names));
+  }
+
+  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
+  /// The file this rank writes; empty when off.
+  [[nodiscard]] std::string_view file() const noexcept {
+    return state_ ? std::string_view(state_->file) : std::string_view();
+  }
+
+  /// Nanoseconds on the steady clock (shared by the processes of a host, so
+  /// that their traces line up when merged).
+  [[nodiscard]] static std::int64_t now() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  /// A span from its construction to its destruction; nothing when off.
+  class scope {
+   public:
+    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
+          std::uint64_t index, std::uint64_t detail = 0) noexcept
+        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
+      if (t_) start_ = now();
+    }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope() {
+      if (t_) (t_->*done_)(start_, index_, detail_);
+    }
+
+   private:
+    timeline* t_;
+    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
+    std::uint64_t index_;
+    std::uint64_t detail_;
+    std::int64_t start_ = 0;
+  };
+
+  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
+  /// first mark of a step opens the step's span.
+  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
+    return scope(*this, &timeline::mark_done, index, bucket);
+  }
+  /// synchronize() of step `step`; when it ends, the step's span ends too.
+  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
+    return scope(*this, &timeline::synchronize_done, step);
+  }
+  /// The wait for the buckets inside synchronize().
+  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
+    return scope(*this, &timeline::wait_done, buckets);
+  }
+
+  /// Bucket `bucket` of `elements` is launched: returns the id of its span
+  /// (0 when off), which bucket_done() closes.
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements) {
+    if (!state_) return 0;
+    const std::uint64_t id = ++state_->launches;
+    append(track::training, {.what = kind::bucket_begin,
+                             .start = now(),
+                             .index = bucket,
+                             .detail = elements,
+                             .id = id});
+    return id;
+  }
+  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
+  /// to now (finished); `on_thread`: on the communication thread, which gets a
+  /// span of its own (on CUDA streams the host only enqueues, so no such span).
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread) {
+    if (!state_) return;
+    const std::int64_t end = now();
+    if (on_thread) {
+      append(track::communication,
+             {.what = kind::reduce, .start = started, .end = end, .index = bucket});
+    }
+    append(track::communication,
+           {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+  }
+
+  /// Writes the file (everything recorded so far). Throws dtrain::error naming
+  /// the file and the rank when it cannot be written.
+  void write() const {
+    if (!state_) return;
+    const std::string text = render();
+    std::FILE* f = std::fopen(state_->file.c_str(), "w");
+    bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    const int code = errno;
+    if (f != nullptr && std::fclose(f) != 0) ok = false;
+    if (!ok) {
+      throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                  state_->file + " (" + state_->setting + "): " + std::strerror(code));
+    }
+  }
+  /// write(), for destructors: a failure is one line on stderr, never an exception.
+  void write_at_exit() const noexcept {
+    try {
+      write();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
+    }
+  }
+
+  /// At most this many events per track are kept (about 48 MiB); the rest are
+  /// counted, and the file says how many were dropped.
+  static constexpr std::size_t max_events = std::size_t{1} << 20;
+  static constexpr std::size_t chunk_events = 4096;
+
+ private:
+  enum class kind : std::uint8_t {
+    step,
+    mark,
+    synchronize,
+    wait,
+    reduce,
+    bucket_begin,
+    bucket_end
+  };
+
+  struct event {
+    kind what = kind::step;
+    std::int64_t start = 0;  // ns, steady clock
+    std::int64_t end = 0;
+    std::uint64_t index = 0;   // step, parameter or bucket
+    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
+    std::uint64_t id = 0;      // bucket_begin / bucket_end
+  };
+
+  struct buffer {
+    mutable std::mutex mutex;
+    // Fixed chunks, not one vector: growing never copies what was recorded
+    // (a doubling vector costs a step its whole history once in a while).
+    std::vector<std::vector<event>> chunks;
+    std::size_t count = 0;
+    std::size_t dropped = 0;
+  };
+
+  struct state {
+    std::string file;
+    std::string setting;
+    int rank = 0;
+    int size = 1;
+    std::vector<std::string> names;
+    std::array<buffer, 2> tracks;
+    std::int64_t step_start = -1;  // training thread only
+    std::uint64_t launches = 0;    // training thread only
+  };
+
+  void append(track t, const event& e) {
+    buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+    std::lock_guard lock(b.mutex);
+    if (b.count < max_events) {
+      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+        b.chunks.emplace_back().reserve(chunk_events);
+      }
+      b.chunks.back().push_back(e);
+      ++b.count;
+    } else {
+      ++b.dropped;
+    }
+  }
+
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket) {
+    if (state_->step_start < 0) state_->step_start = start;
+    append(track::training,
+           {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+  }
+  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
+    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
+  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t) {
+    const std::int64_t end = now();
+    append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+    // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+    const std::int64_t from =
+        state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+    append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+    state_->step_start = -1;
+  }
+
+  static void microseconds(std::string& out, std::int64_t ns) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                  static_cast<long long>(ns % 1000));
+    out += text;
+  }
+
+  std::string name_of(const event& e) const {
+    switch (e.what) {
+      case kind::step: return "step " + std::to_string(e.index);
+      case kind::mark:
+        return e.index < state_->names.size() ? state_->names[e.index]
+                                              : "parameter #" + std::to_string(e.index);
+      case kind::synchronize: return "synchronize";
+      case kind::wait: return "wait for buckets";
+      case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+      case kind::bucket_begin:
+      case kind::bucket_end: return "bucket " + std::to_string(e.index);
+    }
+    return "?";
+  }
+
+  static const char* category_of(kind k) {
+    switch (k) {
+      case kind::step: return "step";
+      case kind::mark: return "mark_ready";
+      case kind::synchronize:
+      case kind::wait: return "synchronize";
+      case kind::reduce:
+      case kind::bucket_begin:
+      case kind::bucket_end: return "bucket";
+    }
+    return "?";
+  }
+
+  void render_event(std::string& out, track t, const event& e) const {
+    out += ",\n{\"name\":";
+    json::write_string(out, name_of(e));
+    out += ",\"cat\":\"";
+    out += category_of(e.what);
+    out += "\",\"pid\":" + std::to_string(state_->rank) +
+           ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+    microseconds(out, e.start);
+    if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+      out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+      out += ",\"id\":" + std::to_string(e.id);
+    } else {
+      out += ",\"ph\":\"X\",\"dur\":";
+      microseconds(out, e.end - e.start);
+    }
+    switch (e.what) {
+      case kind::mark:
+        out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+               ",\"bucket\":" + std::to_string(e.detail) + "}";
+        break;
+      case kind::bucket_begin:
+        out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+        break;
+      case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+      default: break;
+    }
+    out += "}";
+  }
+
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const {
+    out += ",\n{\"name\":\"";
+    out += what;
+    out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+    json::write_string(out, name);
+    out += "}}";
+  }
+
+  std::string render() const {
+    std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+    std::size_t dropped = 0;
+    for (const buffer& b : state_->tracks) {
+      std::lock_guard lock(b.mutex);
+      dropped += b.dropped;
+    }
+    out += "\"rank\":" + std::to_string(state_->rank) +
+           ",\"world_size\":" + std::to_string(state_->size) +
+           ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+    out +=
+        "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+        ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+    metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+    metadata(out, "thread_name", static_cast<int>(track::training), "training");
+    metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+    for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+      const buffer& b = state_->tracks[t];
+      std::lock_guard lock(b.mutex);
+      for (const std::vector<event>& chunk : b.chunks) {
+        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+      }
+    }
+    out += "\n]}\n";
+    return out;
+  }
+
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/timeline.hpp ----
 // ---- begin dtrain/ddp/agreement.hpp ----
 /// @file
 /// What every rank must agree on before DistributedDataParallel averages
@@ -11874,6 +14200,7 @@ class DistributedDataParallel {
   /// this object.
   ~DistributedDataParallel() {
     runner_.reset();  // joins the thread, or waits out the watchdog
+    timeline_.write_at_exit();
     try {
       for (std::size_t i = 0; i < params_.size(); ++i) {
         if (!vars_[i].view) continue;
@@ -11933,11 +14260,17 @@ class DistributedDataParallel {
   /// the engine's error. Inside no_sync() it does nothing.
   void synchronize() {
     if (no_sync_depth_ > 0) return;
+    const auto span = timeline_.synchronize(steps_);
     check_usable();
     complete_marks();
-    if (auto e = runner_->complete(buckets_.size())) fail(e);
+    if (auto e = complete_buckets()) fail(e);
     end_step();
   }
+
+  /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
+  /// far; the destructor writes it too. Call it between steps. Throws
+  /// dtrain::error naming the file and the rank when it cannot be written.
+  void flush_timeline() const { timeline_.write(); }
 
   /// The stream the backward pass runs on (CUDA; default: the legacy default
   /// stream). Set it before a step, not between mark_ready and synchronize()
@@ -12078,6 +14411,8 @@ class DistributedDataParallel {
     std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
     std::size_t pending = 0;  // parameters not yet marked this step
     bool ready = false;
+    std::uint64_t span = 0;        // its timeline span, from launch to completion
+    std::int64_t span_reduce = 0;  // when its reduction started (timeline on)
   };
   using runner_type =
       std::conditional_t<memory_space::on_stream, detail::stream_runner<DistributedDataParallel>,
@@ -12110,6 +14445,11 @@ class DistributedDataParallel {
       // Every rank of the same program sees the same; the agreement below stops them all alike.
       problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
                  std::string(detail::device_casts_missing);
+    }
+    try {
+      timeline_ = detail::timeline::of(options_.timeline, rank_, size_, params_);
+    } catch (const config_error& e) {
+      if (problem_.empty()) problem_ = e.what();  // the agreement stops every rank
     }
     detail::agree_on_model(control_, params_, buffers_,
                            problem_.empty()
@@ -12228,6 +14568,7 @@ class DistributedDataParallel {
   void ready(std::size_t i) {
     check_usable();
     variable& v = vars_[i];
+    const auto span = timeline_.mark_ready(i, v.bucket);
     if (no_sync_depth_ > 0) {
       v.touched = true;
       return;
@@ -12254,6 +14595,8 @@ class DistributedDataParallel {
   void launch_ready() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
       try {
+        buckets_[next_launch_].span =
+            timeline_.bucket_launched(next_launch_, info_[next_launch_].count);
         runner_->launch(next_launch_++);
       } catch (...) {
         fail(std::current_exception());
@@ -12305,6 +14648,7 @@ class DistributedDataParallel {
   /// Copy-in and compression: what must happen before the collective.
   void prepare_bucket(std::size_t b) {
     bucket_state& s = buckets_[b];
+    if (timeline_.on()) s.span_reduce = detail::timeline::now();
     for (std::size_t i : info_[b].parameters) {
       const variable& v = vars_[i];
       if (v.view || v.zeroed) continue;
@@ -12320,6 +14664,7 @@ class DistributedDataParallel {
 
   /// The collective of bucket b (or the user's hook), ordered after the compute stream.
   work reduce(std::size_t b) {
+    detail::label_scope label("bucket", static_cast<std::int64_t>(b));  // names it in desync diagnostics
     bucket_state& s = buckets_[b];
     const bucket_info& info = info_[b];
     buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};
@@ -12366,11 +14711,17 @@ class DistributedDataParallel {
       memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
                          info.device, stream_);
     }
+    timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
   }
 
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
     if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
+  }
+
+  std::exception_ptr complete_buckets() {
+    const auto span = timeline_.wait(buckets_.size());
+    return runner_->complete(buckets_.size());
   }
 
   std::exception_ptr runner_drain() {
@@ -12475,6 +14826,7 @@ class DistributedDataParallel {
   std::string broken_message_;
   comm_hook hook_;
   stream_type stream_ = nullptr;
+  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
   std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
 

@@ -32,7 +32,9 @@ int main(int argc, char** argv) {
   try {
     std::string mode = argc > 1 ? argv[1] : "";
     if (mode == "serve") {
-      dtrain::store_server server("127.0.0.1", 0);
+      // DTRAIN_STORE_TOKEN, DTRAIN_STORE_IDLE_TIMEOUT, ... apply (bench/store_attack.py).
+      dtrain::store_server server("127.0.0.1", 0,
+                                  dtrain::store_options{}.with_env(dtrain::environment::from_process()));
       std::printf("%d\n", server.port());
       std::fflush(stdout);
       for (;;) ::pause();

@@ -33,7 +33,7 @@ inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
 inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
 
 /// Wire and resource limits, checked before anything is allocated. The
-/// defaults fit a 10,000-rank job (one connection per rank and per agent,
+/// defaults fit a 10,000-rank job (two connections per rank, one per agent,
 /// a few KiB stored per rank) and bound what a flood can make the server hold
 /// to about max_stored_bytes + max_buffered_bytes.
 struct store_limits {
@@ -44,7 +44,7 @@ struct store_limits {
   /// Open connections; more are accepted and closed at once, and the server
   /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
   /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
-  std::uint32_t max_connections = 16384;
+  std::uint32_t max_connections = 32768;
   /// Keys and values held; a set beyond it is refused with an error reply.
   /// Environment: DTRAIN_STORE_MAX_BYTES.
   std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
