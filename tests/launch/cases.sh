@@ -344,6 +344,16 @@ mpi_rank_fails)
   ((status != 124)) || fail "the MPI job was still running 120 s after rank 2 threw"
   expect_status 1 $status "mpirun after rank 2 threw"
   expect_line "$work/throw.err" '^\[rank 2/3\] dtrain: peer failure on purpose$' "rank 2's line"
+  # A rank that fails while joining, after MPI_Init (here: every rank is given its own store
+  # token, so rank 1 is refused) does not block in MPI_Finalize while unwinding: it reports and
+  # aborts the job.
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 "$MPIEXEC" --oversubscribe -np 2 \
+    sh -c 'export DTRAIN_STORE_TOKEN=token-of-rank-$OMPI_COMM_WORLD_RANK; exec "$0" process-mpi' "$PEER" \
+    >"$work/join.out" 2>"$work/join.err"
+  status=$?
+  ((status != 124)) || fail "the MPI job was still running 120 s after rank 1 failed to join"
+  expect_status 1 $status "mpirun after rank 1 failed to join"
+  expect_line "$work/join.err" "^\[rank 1/2\] dtrain: the store at .* rejected this client's token" "rank 1's line"
   ;;
 
 peer_dies)

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -93,7 +94,8 @@ struct mpi_options {
 /// has, and then finalizes when the last communicator is gone.
 class mpi_environment {
  public:
-  explicit mpi_environment(int required_level, bool tune_open_mpi = true) {
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true)
+      : unwinding_(std::uncaught_exceptions()) {
     int initialized = 0;
     DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
     int provided = MPI_THREAD_SINGLE;
@@ -115,10 +117,13 @@ class mpi_environment {
   }
   mpi_environment(const mpi_environment&) = delete;
   mpi_environment& operator=(const mpi_environment&) = delete;
+  /// Finalizes MPI if this object initialised it, except while an exception
+  /// unwinds: MPI_Finalize would wait for peers that wait for this rank, so
+  /// MPI is left up for dtrain::run to report the failure and MPI_Abort.
   ~mpi_environment() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized) MPI_Finalize();
+    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
   }
   [[nodiscard]] bool owned() const noexcept { return owned_; }
 
@@ -133,6 +138,7 @@ class mpi_environment {
 
  private:
   bool owned_ = false;
+  int unwinding_ = 0;  // exceptions in flight when it was made
 };
 
 /// A communicator over MPI. Host memory always; device memory (compiled when

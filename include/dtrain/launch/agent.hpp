@@ -470,7 +470,7 @@ class node_agent {
     heartbeat beats(nnodes());
     while (true) {
       if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
-        lost_nodes_ = 1;  // it will never leave(): node 0 must not wait for it
+        lost_nodes_ = beats.silent();  // they will never leave(): node 0 must not wait for them
         std::string message = "node " + std::to_string(*silent) +
                               "'s agent stopped responding: no heartbeat for " +
                               detail::seconds_text(options_.heartbeat_timeout) +
@@ -552,12 +552,14 @@ class node_agent {
         : seen_(static_cast<std::size_t>(nodes), -1),
           since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
 
-    /// Beats for `me`; returns a node silent for longer than `limit`.
+    /// Beats for `me`; returns the first node silent for longer than `limit`.
     std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
       auto now = std::chrono::steady_clock::now();
       if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
       last_ = now;
       store.add(key(me), 1);
+      std::optional<int> first;
+      silent_ = 0;
       for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
         if (n == me) continue;
         std::int64_t beat = store.add(key(n), 0);
@@ -566,17 +568,22 @@ class node_agent {
           seen_[i] = beat;
           since_[i] = now;
         } else if (now - since_[i] > limit) {
-          return n;
+          if (!first) first = n;
+          ++silent_;
         }
       }
-      return std::nullopt;
+      return first;
     }
+
+    /// How many nodes the last check() found silent.
+    [[nodiscard]] int silent() const noexcept { return silent_; }
 
    private:
     static std::string key(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
     std::vector<std::int64_t> seen_;
     std::vector<std::chrono::steady_clock::time_point> since_;
     std::chrono::steady_clock::time_point last_{};
+    int silent_ = 0;
   };
 
   static constexpr std::chrono::milliseconds poll_interval{20};
