@@ -203,6 +203,7 @@ class context {
     int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
     const bool one_node = single_node(host);
+    if constexpr (uses_mpi) share_token_over_mpi();
     if (store_options_.token.empty()) choose_token(env, host, port, one_node);
     const std::string bind =
         detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
@@ -250,16 +251,6 @@ class context {
       store_options_.token = detail::new_store_token();
       return;
     }
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      char text[64] = {};
-      if (rank() == 0) detail::new_store_token().copy(text, sizeof text - 1);
-      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
-                       "broadcasting the store token");
-      store_options_.token = text;
-      return;
-    }
-#endif
     if (one_node && host) {
       token_file_.emplace(env, port);
       if (rank() == 0) store_options_.token = detail::new_store_token();
@@ -273,6 +264,27 @@ class context {
         "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
         "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
         world_.describe() + ")");
+  }
+
+  /// With the MPI backend every rank takes part in one broadcast, whatever its
+  /// environment says (a collective must not depend on it): rank 0 sends its
+  /// DTRAIN_STORE_TOKEN, or one it draws; a rank that set its own keeps it, and
+  /// the store refuses it by name if it differs from rank 0's.
+  void share_token_over_mpi() {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      if (size() == 1) return;
+      char text[1100] = {};
+      if (rank() == 0) {
+        std::string mine =
+            store_options_.token.empty() ? detail::new_store_token() : store_options_.token;
+        mine.copy(text, sizeof text - 1);
+      }
+      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
+                       "broadcasting the store token");
+      if (store_options_.token.empty()) store_options_.token = text;
+    }
+#endif
   }
 
   /// Reads the token rank 0 wrote, reading again while the store refuses it

@@ -2,7 +2,6 @@
 // idle connections, and a log that summarises floods.
 #include "store_support.hpp"
 
-#include <dtrain/rendezvous/server_limits.hpp>
 
 #include <atomic>
 #include <memory>
