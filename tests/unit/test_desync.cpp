@@ -129,7 +129,7 @@ TEST_CASE("desync: a rank behind and a silent rank are both reported") {
   CHECK(contains(report.details, "also: rank 3 did not answer"));
 }
 
-TEST_CASE("desync: ranks that agree are said to agree; no collective at all is said so") {
+TEST_CASE("desync: ranks that agree are said to agree, and no collective at all is said so") {
   auto rings = four_ranks({{}, {}, {}, {}});
   CHECK(dtrain::detail::analyse(rings).summary.find("every rank is at #41") == 0);
   std::vector<rank_ring> empty{{0, true, {}}, {1, true, {}}};
@@ -225,7 +225,8 @@ TEST_CASE("collective_ring: keeps the last collectives with their labels and how
 }
 
 TEST_CASE(
-    "rank_diagnostics: a round gathers every rank's rings through the store; SIGUSR1 opens one") {
+    "rank_diagnostics: a round gathers every rank's rings through the store, and SIGUSR1 opens "
+    "one") {
   using namespace std::chrono_literals;
   using dtrain::detail::collective_ring;
   const dtrain::store_options quick{.timeout = 20s};
