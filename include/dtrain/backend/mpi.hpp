@@ -115,12 +115,15 @@ class mpi_environment {
   }
   mpi_environment(const mpi_environment&) = delete;
   mpi_environment& operator=(const mpi_environment&) = delete;
+  // After a collective was given up, MPI_Finalize would wait for ranks that may
+  // never come (frozen, or stuck elsewhere): the process leaves without it.
   ~mpi_environment() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized) MPI_Finalize();
+    if (owned_ && !finalized && !abandoned_) MPI_Finalize();
   }
   [[nodiscard]] bool owned() const noexcept { return owned_; }
+  void abandon() noexcept { abandoned_ = true; }
 
   /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
   [[nodiscard]] static bool cuda_aware() noexcept {
@@ -133,6 +136,7 @@ class mpi_environment {
 
  private:
   bool owned_ = false;
+  bool abandoned_ = false;
 };
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
@@ -182,6 +186,7 @@ class mpi_communicator {
     }
     // A request given up after a timeout may still be progressed by MPI: keep
     // the communicator allocated for it (a deliberate leak of a dead communicator).
+    if (health_ && health_->abandoned) env_->abandon();
     if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
   }
 
