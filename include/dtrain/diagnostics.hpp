@@ -115,9 +115,13 @@ class rank_diagnostics {
   rank_diagnostics(const rank_diagnostics&) = delete;
   rank_diagnostics& operator=(const rank_diagnostics&) = delete;
   /// Stops the thread: at most one store operation, each bounded by the wait.
+  /// SIGUSR1 reaches the newest instance; instances end in reverse order
+  /// (one per context), and one that is not the newest leaves the signal alone.
   ~rank_diagnostics() {
-    ::sigaction(SIGUSR1, &previous_action_, nullptr);
-    diagnostics_signal_fd.store(previous_fd_);
+    int mine = wake_;
+    if (diagnostics_signal_fd.compare_exchange_strong(mine, previous_fd_)) {
+      ::sigaction(SIGUSR1, &previous_action_, nullptr);
+    }
     stopping_ = true;
     wake();
     thread_.join();

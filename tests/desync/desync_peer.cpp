@@ -8,7 +8,8 @@
 //   sleep   sleeps past the collective timeout before the step;
 //   size    (after the steps) calls a user allreduce with 0 elements, not 1000
 //           (an empty batch), then waits as skip does;
-//   gone    exits (its process is gone) before the step;
+//   gone    exits (its process is gone) before the step; under mpirun, which
+//           would stop the job at once, it freezes (SIGSTOP) instead;
 //   signal  sends itself SIGUSR1, then does what skip does.
 //
 //   dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal
@@ -26,6 +27,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>
@@ -61,7 +63,14 @@ int job(dtrain::context<Policy>& ctx, std::string_view which) {
         (void)ctx.store().get("desync-test/never-set", std::chrono::seconds(12));
         return 0;
       }
-      if (which == "gone") std::_Exit(1);
+      if (which == "gone") {
+        // mpirun stops the whole job the moment a rank exits, before anyone
+        // could notice: under MPI rank 2 freezes instead, which the others
+        // see the same way (no answer). mpirun kills it with the job.
+        if constexpr (std::is_same_v<typename Policy::backend_type, dtrain::backend::mpi>)
+          ::raise(SIGSTOP);
+        std::_Exit(1);
+      }
       if (which == "sleep") {
         std::fprintf(stderr, "[rank %d] sleeping past the collective timeout\n", ctx.rank());
         std::this_thread::sleep_for(std::chrono::seconds(12));

@@ -5,7 +5,11 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <csignal>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -125,7 +129,7 @@ TEST_CASE("desync: a rank behind and a silent rank are both reported") {
   CHECK(contains(report.details, "also: rank 3 did not answer"));
 }
 
-TEST_CASE("desync: ranks that agree are said to agree; no collective at all is said so") {
+TEST_CASE("desync: ranks that agree are said to agree, and no collective at all is said so") {
   auto rings = four_ranks({{}, {}, {}, {}});
   CHECK(dtrain::detail::analyse(rings).summary.find("every rank is at #41") == 0);
   std::vector<rank_ring> empty{{0, true, {}}, {1, true, {}}};
@@ -218,4 +222,47 @@ TEST_CASE("collective_ring: keeps the last collectives with their labels and how
   CHECK(dtrain::detail::current_call_label().what == nullptr);  // the scopes restored it
   ring.settle(1, call_state::failed);                           // long gone: ignored
   CHECK(ring.snapshot().front().seq == calls.front().seq);
+}
+
+TEST_CASE(
+    "rank_diagnostics: a round gathers every rank's rings through the store, and SIGUSR1 opens "
+    "one") {
+  using namespace std::chrono_literals;
+  using dtrain::detail::collective_ring;
+  const dtrain::store_options quick{.timeout = 20s};
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  // Ranks 0, 1 and 3 wait in #2; rank 2 completed #1 only; rank 3 has no diagnostics (its process
+  // is gone).
+  std::vector<std::shared_ptr<collective_ring>> rings;
+  for (int r = 0; r < 4; ++r) {
+    auto ring = std::make_shared<collective_ring>();
+    ring->settle(ring->issue("allreduce", dtype::float32, 262144, 1, -1), call_state::completed);
+    if (r != 2) ring->issue("allreduce", dtype::float32, 65536, 1, -1);
+    rings.push_back(std::move(ring));
+  }
+  std::vector<std::unique_ptr<dtrain::detail::rank_diagnostics>> ranks;
+  for (int r = 0; r < 3; ++r) {
+    ranks.push_back(std::make_unique<dtrain::detail::rank_diagnostics>(
+        "127.0.0.1", server.port(), quick, "job/diag", r, 4, rings[static_cast<std::size_t>(r)],
+        "test", dtrain::diagnostics_options{.wait = 2s, .poll = 20ms}));
+  }
+  const std::string summary = ranks[1]->explain("a test on rank 1");
+  CHECK(summary ==
+        "rank 2 is at #1 allreduce(float32 \u00d7 262144); ranks 0, 1 wait in #2 allreduce(float32 "
+        "\u00d7 65536): "
+        "rank 2 never started #2");
+
+  dtrain::store_client client("127.0.0.1", server.port(), quick);
+  dtrain::prefix_store<dtrain::store_client> diag(client, "job/diag");
+  CHECK(diag.get("1/reason") == "a test on rank 1");
+  CHECK(diag.check(std::vector<std::string>{"1/ring/0", "1/ring/1", "1/ring/2", "1/closed"}));
+  CHECK_FALSE(diag.check(std::vector<std::string>{"1/ring/3"}));
+
+  // SIGUSR1 wakes the newest instance's thread, which opens round 2.
+  std::raise(SIGUSR1);
+  const std::vector<std::string> closed{"2/closed"};
+  diag.wait(closed, 20s);
+  CHECK(diag.get("2/reason") == "SIGUSR1 on rank 2");
+  while (!ranks.empty())
+    ranks.pop_back();  // newest first: each gives SIGUSR1 back to the one before
 }

@@ -327,11 +327,16 @@ class nccl_communicator {
       DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
       DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
       const int child_rank = child->rank, child_size = child->size;
-      return nccl_communicator(std::move(child), child_rank, child_size);
+      nccl_communicator out(std::move(child), child_rank, child_size);
+      out.ring_ = ring_->make_child(color);
+      return out;
     } catch (const backend_error& e) {
       throw detail::nccl_with_context(what, e);
     }
   }
+
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
 
   [[nodiscard]] const nccl_options& options() const {
     static const nccl_options none{};
@@ -398,11 +403,18 @@ class nccl_communicator {
     detail::nccl_shared& s = usable(what);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
-    if (empty && !s.options.collectives.check) return work();  // nothing to move, nothing to order
+    const std::int64_t seq = record(sig);
+    if (empty && !s.options.collectives.check) {
+      ring_->settle(seq, detail::call_state::completed);
+      return work();  // nothing to move, nothing to order
+    }
     try {
       detail::device_guard guard(s.device);
       if (s.options.collectives.check) check_signature(s, sig, what);
-      if (empty) return work();
+      if (empty) {
+        ring_->settle(seq, detail::call_state::completed);
+        return work();
+      }
       {
         detail::nccl_pooled_event ready(s);
         DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
@@ -414,14 +426,33 @@ class nccl_communicator {
       s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
       detail::nccl_pooled_event done(s);
       DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      return work(std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
-                                                      done.release()));
+      auto w = std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
+                                                   done.release());
+      w->track(ring_, seq);
+      return work(std::move(w));
     } catch (const backend_error& e) {
       throw detail::nccl_with_context(what, e);
     }
   }
 
+  // Numbers this communicator's collectives in its ring (desync diagnostics)
+  // from a check-mode signature: {kind, count, type, op or root}.
+  std::int64_t record(const detail::signature& sig) {
+    using detail::nccl_kind;
+    const auto kind = static_cast<nccl_kind>(sig.collective);
+    static constexpr std::string_view names[] = {"?",       "allreduce", "broadcast",      "allgather",
+                                                 "reduce_scatter", "barrier",   "allreduce_many", "split"};
+    const auto index = static_cast<std::size_t>(sig.collective);
+    const bool rooted = kind == nccl_kind::broadcast;
+    const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
+                         kind == nccl_kind::allreduce_many;
+    return ring_->issue(index < std::size(names) ? names[index] : "?", static_cast<dtype>(sig.type),
+                        static_cast<std::size_t>(sig.count), reduces ? static_cast<int>(sig.op_or_root) : -1,
+                        rooted ? static_cast<int>(sig.op_or_root) : -1);
+  }
+
   std::shared_ptr<detail::nccl_shared> shared_;
+  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   int rank_ = -1;
   int size_ = 0;
 };
