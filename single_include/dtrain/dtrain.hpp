@@ -5926,6 +5926,7 @@ class pinned_pool {
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -5997,7 +5998,8 @@ struct mpi_options {
 /// has, and then finalizes when the last communicator is gone.
 class mpi_environment {
  public:
-  explicit mpi_environment(int required_level, bool tune_open_mpi = true) {
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true)
+      : unwinding_(std::uncaught_exceptions()) {
     int initialized = 0;
     DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
     int provided = MPI_THREAD_SINGLE;
@@ -6019,12 +6021,18 @@ class mpi_environment {
   }
   mpi_environment(const mpi_environment&) = delete;
   mpi_environment& operator=(const mpi_environment&) = delete;
+  /// Finalizes MPI if this object initialised it, except while an exception
+  /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
+  /// MPI is left up for dtrain::run to report the failure and MPI_Abort), and
+  /// except after a collective was given up (its peers may never come).
   ~mpi_environment() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized) MPI_Finalize();
+    if (owned_ && !finalized && !abandoned_ && std::uncaught_exceptions() <= unwinding_)
+      MPI_Finalize();
   }
   [[nodiscard]] bool owned() const noexcept { return owned_; }
+  void abandon() noexcept { abandoned_ = true; }
 
   /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
   [[nodiscard]] static bool cuda_aware() noexcept {
@@ -6037,6 +6045,8 @@ class mpi_environment {
 
  private:
   bool owned_ = false;
+  int unwinding_ = 0;  // exceptions in flight when it was made
+  bool abandoned_ = false;
 };
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
@@ -6086,6 +6096,7 @@ class mpi_communicator {
     }
     // A request given up after a timeout may still be progressed by MPI: keep
     // the communicator allocated for it (a deliberate leak of a dead communicator).
+    if (health_ && health_->abandoned) env_->abandon();
     if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
   }
 
@@ -8987,11 +8998,16 @@ class nccl_communicator {
       DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
       DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
       const int child_rank = child->rank, child_size = child->size;
-      return nccl_communicator(std::move(child), child_rank, child_size);
+      nccl_communicator out(std::move(child), child_rank, child_size);
+      out.ring_ = ring_->make_child(color);
+      return out;
     } catch (const backend_error& e) {
       throw detail::nccl_with_context(what, e);
     }
   }
+
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
 
   [[nodiscard]] const nccl_options& options() const {
     static const nccl_options none{};
@@ -9058,11 +9074,18 @@ class nccl_communicator {
     detail::nccl_shared& s = usable(what);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
-    if (empty && !s.options.collectives.check) return work();  // nothing to move, nothing to order
+    const std::int64_t seq = record(sig);
+    if (empty && !s.options.collectives.check) {
+      ring_->settle(seq, detail::call_state::completed);
+      return work();  // nothing to move, nothing to order
+    }
     try {
       detail::device_guard guard(s.device);
       if (s.options.collectives.check) check_signature(s, sig, what);
-      if (empty) return work();
+      if (empty) {
+        ring_->settle(seq, detail::call_state::completed);
+        return work();
+      }
       {
         detail::nccl_pooled_event ready(s);
         DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
@@ -9074,14 +9097,33 @@ class nccl_communicator {
       s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
       detail::nccl_pooled_event done(s);
       DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      return work(std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
-                                                      done.release()));
+      auto w = std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
+                                                   done.release());
+      w->track(ring_, seq);
+      return work(std::move(w));
     } catch (const backend_error& e) {
       throw detail::nccl_with_context(what, e);
     }
   }
 
+  // Numbers this communicator's collectives in its ring (desync diagnostics)
+  // from a check-mode signature: {kind, count, type, op or root}.
+  std::int64_t record(const detail::signature& sig) {
+    using detail::nccl_kind;
+    const auto kind = static_cast<nccl_kind>(sig.collective);
+    static constexpr std::string_view names[] = {"?",       "allreduce", "broadcast",      "allgather",
+                                                 "reduce_scatter", "barrier",   "allreduce_many", "split"};
+    const auto index = static_cast<std::size_t>(sig.collective);
+    const bool rooted = kind == nccl_kind::broadcast;
+    const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
+                         kind == nccl_kind::allreduce_many;
+    return ring_->issue(index < std::size(names) ? names[index] : "?", static_cast<dtype>(sig.type),
+                        static_cast<std::size_t>(sig.count), reduces ? static_cast<int>(sig.op_or_root) : -1,
+                        rooted ? static_cast<int>(sig.op_or_root) : -1);
+  }
+
   std::shared_ptr<detail::nccl_shared> shared_;
+  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   int rank_ = -1;
   int size_ = 0;
 };
@@ -11791,7 +11833,7 @@ class node_agent {
     heartbeat beats(nnodes());
     while (true) {
       if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
-        lost_nodes_ = 1;  // it will never leave(): node 0 must not wait for it
+        lost_nodes_ = beats.silent();  // they will never leave(): node 0 must not wait for them
         std::string message = "node " + std::to_string(*silent) +
                               "'s agent stopped responding: no heartbeat for " +
                               detail::seconds_text(options_.heartbeat_timeout) +
@@ -11873,12 +11915,14 @@ class node_agent {
         : seen_(static_cast<std::size_t>(nodes), -1),
           since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
 
-    /// Beats for `me`; returns a node silent for longer than `limit`.
+    /// Beats for `me`; returns the first node silent for longer than `limit`.
     std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
       auto now = std::chrono::steady_clock::now();
       if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
       last_ = now;
       store.add(key(me), 1);
+      std::optional<int> first;
+      silent_ = 0;
       for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
         if (n == me) continue;
         std::int64_t beat = store.add(key(n), 0);
@@ -11887,17 +11931,22 @@ class node_agent {
           seen_[i] = beat;
           since_[i] = now;
         } else if (now - since_[i] > limit) {
-          return n;
+          if (!first) first = n;
+          ++silent_;
         }
       }
-      return std::nullopt;
+      return first;
     }
+
+    /// How many nodes the last check() found silent.
+    [[nodiscard]] int silent() const noexcept { return silent_; }
 
    private:
     static std::string key(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
     std::vector<std::int64_t> seen_;
     std::vector<std::chrono::steady_clock::time_point> since_;
     std::chrono::steady_clock::time_point last_{};
+    int silent_ = 0;
   };
 
   static constexpr std::chrono::milliseconds poll_interval{20};
@@ -12027,9 +12076,13 @@ class rank_diagnostics {
   rank_diagnostics(const rank_diagnostics&) = delete;
   rank_diagnostics& operator=(const rank_diagnostics&) = delete;
   /// Stops the thread: at most one store operation, each bounded by the wait.
+  /// SIGUSR1 reaches the newest instance; instances end in reverse order
+  /// (one per context), and one that is not the newest leaves the signal alone.
   ~rank_diagnostics() {
-    ::sigaction(SIGUSR1, &previous_action_, nullptr);
-    diagnostics_signal_fd.store(previous_fd_);
+    int mine = wake_;
+    if (diagnostics_signal_fd.compare_exchange_strong(mine, previous_fd_)) {
+      ::sigaction(SIGUSR1, &previous_action_, nullptr);
+    }
     stopping_ = true;
     wake();
     thread_.join();
@@ -12364,6 +12417,7 @@ class context {
     int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
     const bool one_node = single_node(host);
+    if constexpr (uses_mpi) share_token_over_mpi();
     if (store_options_.token.empty()) choose_token(env, host, port, one_node);
     const std::string bind =
         detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
@@ -12411,16 +12465,6 @@ class context {
       store_options_.token = detail::new_store_token();
       return;
     }
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      char text[64] = {};
-      if (rank() == 0) detail::new_store_token().copy(text, sizeof text - 1);
-      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
-                       "broadcasting the store token");
-      store_options_.token = text;
-      return;
-    }
-#endif
     if (one_node && host) {
       token_file_.emplace(env, port);
       if (rank() == 0) store_options_.token = detail::new_store_token();
@@ -12434,6 +12478,27 @@ class context {
         "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
         "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
         world_.describe() + ")");
+  }
+
+  /// With the MPI backend every rank takes part in one broadcast, whatever its
+  /// environment says (a collective must not depend on it): rank 0 sends its
+  /// DTRAIN_STORE_TOKEN, or one it draws; a rank that set its own keeps it, and
+  /// the store refuses it by name if it differs from rank 0's.
+  void share_token_over_mpi() {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      if (size() == 1) return;
+      char text[1100] = {};
+      if (rank() == 0) {
+        std::string mine =
+            store_options_.token.empty() ? detail::new_store_token() : store_options_.token;
+        mine.copy(text, sizeof text - 1);
+      }
+      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
+                       "broadcasting the store token");
+      if (store_options_.token.empty()) store_options_.token = text;
+    }
+#endif
   }
 
   /// Reads the token rank 0 wrote, reading again while the store refuses it
