@@ -33,7 +33,7 @@
 
 namespace {
 
-std::string version_text(int v) {  // CUDA's 13000 -> 13.0
+[[maybe_unused]] std::string version_text(int v) {  // CUDA's 13000 -> 13.0
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
 }
 

@@ -230,15 +230,13 @@ class context {
   }
 
   /// Whether every rank is known to run on this host: one process, a node
-  /// count or local size that says so, or a loopback MASTER_ADDR.
+  /// count or local size that says so, or a loopback MASTER_ADDR (127.x, ::1, localhost).
   [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
     if (size() == 1 || world_.num_nodes == 1) return true;
     if (world_.local_world_size && *world_.local_world_size == size()) return true;
-    if (!host) return false;
-    const auto names = detail::resolve(*host);
-    if (!names.error.empty() || names.addresses.empty()) return false;
-    return std::all_of(names.addresses.begin(), names.addresses.end(),
-                       [](const std::string& a) { return detail::is_loopback_address(a); });
+    // Only a loopback address itself: a host name that resolves to loopback
+    // here (Debian's 127.0.1.1) may name this host for the other nodes.
+    return host && (*host == "localhost" || detail::is_loopback_address(*host));
   }
 
   /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process

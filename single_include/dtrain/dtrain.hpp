@@ -6023,16 +6023,14 @@ class mpi_environment {
   mpi_environment& operator=(const mpi_environment&) = delete;
   /// Finalizes MPI if this object initialised it, except while an exception
   /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
-  /// MPI is left up for dtrain::run to report the failure and MPI_Abort), and
-  /// except after a collective was given up (its peers may never come).
+  /// MPI is left up for dtrain::run to report the failure and MPI_Abort).
   ~mpi_environment() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized && !abandoned_ && std::uncaught_exceptions() <= unwinding_)
+    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_)
       MPI_Finalize();
   }
   [[nodiscard]] bool owned() const noexcept { return owned_; }
-  void abandon() noexcept { abandoned_ = true; }
 
   /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
   [[nodiscard]] static bool cuda_aware() noexcept {
@@ -6046,7 +6044,6 @@ class mpi_environment {
  private:
   bool owned_ = false;
   int unwinding_ = 0;  // exceptions in flight when it was made
-  bool abandoned_ = false;
 };
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
@@ -6096,7 +6093,6 @@ class mpi_communicator {
     }
     // A request given up after a timeout may still be progressed by MPI: keep
     // the communicator allocated for it (a deliberate leak of a dead communicator).
-    if (health_ && health_->abandoned) env_->abandon();
     if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
   }
 
@@ -12444,15 +12440,13 @@ class context {
   }
 
   /// Whether every rank is known to run on this host: one process, a node
-  /// count or local size that says so, or a loopback MASTER_ADDR.
+  /// count or local size that says so, or a loopback MASTER_ADDR (127.x, ::1, localhost).
   [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
     if (size() == 1 || world_.num_nodes == 1) return true;
     if (world_.local_world_size && *world_.local_world_size == size()) return true;
-    if (!host) return false;
-    const auto names = detail::resolve(*host);
-    if (!names.error.empty() || names.addresses.empty()) return false;
-    return std::all_of(names.addresses.begin(), names.addresses.end(),
-                       [](const std::string& a) { return detail::is_loopback_address(a); });
+    // Only a loopback address itself: a host name that resolves to loopback
+    // here (Debian's 127.0.1.1) may name this host for the other nodes.
+    return host && (*host == "localhost" || detail::is_loopback_address(*host));
   }
 
   /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process

@@ -89,7 +89,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "store limits: stored bytes are capped; a set past the cap is refused and changes nothing") {
+    "store limits: stored bytes are capped, a set past the cap is refused and changes nothing") {
   store_options options{.timeout = 20s, .token = "t"};
   options.limits.max_stored_bytes = 1000;
   store_server server("127.0.0.1", 0, options);

@@ -37,7 +37,7 @@ TEST_CASE("timeline: the rank goes before the file name's extension") {
   CHECK(timeline_file("./.hidden", 2) == "./.hidden.rank2.json");
 }
 
-TEST_CASE("timeline: DTRAIN_TIMELINE wins over the option; empty turns it off") {
+TEST_CASE("timeline: DTRAIN_TIMELINE wins over the option, empty turns it off") {
   using dtrain::detail::timeline_setting;
   CHECK(timeline_setting(dtrain::environment{}, "opt.json") == "opt.json");
   CHECK(timeline_setting(dtrain::environment{{"DTRAIN_TIMELINE", "env.json"}}, "opt.json") ==

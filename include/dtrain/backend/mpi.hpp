@@ -119,16 +119,14 @@ class mpi_environment {
   mpi_environment& operator=(const mpi_environment&) = delete;
   /// Finalizes MPI if this object initialised it, except while an exception
   /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
-  /// MPI is left up for dtrain::run to report the failure and MPI_Abort), and
-  /// except after a collective was given up (its peers may never come).
+  /// MPI is left up for dtrain::run to report the failure and MPI_Abort).
   ~mpi_environment() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized && !abandoned_ && std::uncaught_exceptions() <= unwinding_)
+    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_)
       MPI_Finalize();
   }
   [[nodiscard]] bool owned() const noexcept { return owned_; }
-  void abandon() noexcept { abandoned_ = true; }
 
   /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
   [[nodiscard]] static bool cuda_aware() noexcept {
@@ -142,7 +140,6 @@ class mpi_environment {
  private:
   bool owned_ = false;
   int unwinding_ = 0;  // exceptions in flight when it was made
-  bool abandoned_ = false;
 };
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
@@ -192,7 +189,6 @@ class mpi_communicator {
     }
     // A request given up after a timeout may still be progressed by MPI: keep
     // the communicator allocated for it (a deliberate leak of a dead communicator).
-    if (health_ && health_->abandoned) env_->abandon();
     if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
   }
 
