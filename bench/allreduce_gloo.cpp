@@ -26,8 +26,8 @@
 #include <vector>
 
 #include <gloo/allreduce.h>
-#include <gloo/config.h>
 #include <gloo/barrier.h>
+#include <gloo/config.h>
 #include <gloo/math.h>
 
 namespace {
@@ -51,7 +51,8 @@ double slowest(const std::shared_ptr<gloo::Context>& context, double mine) {
   return value;
 }
 
-double mean_seconds(const std::shared_ptr<gloo::Context>& context, int calls, const std::function<void()>& call) {
+double mean_seconds(const std::shared_ptr<gloo::Context>& context, int calls,
+                    const std::function<void()>& call) {
   raw_barrier(context);
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < calls; ++i) call();
@@ -82,19 +83,24 @@ int main(int argc, char** argv) {
       port = server->port();
     }
     dtrain::store_client store(rank == 0 ? std::string("127.0.0.1") : host, port);
-    dtrain::gloo_communicator comm(store, rank, size, {.collectives = dtrain::collective_options{}.with_env(env)});
+    dtrain::gloo_communicator comm(
+        store, rank, size, {.collectives = dtrain::collective_options{}.with_env(env), .env = env});
     const auto context = comm.gloo_context();
     const auto timeout = comm.options().collectives.timeout;
-    const std::size_t max_bytes = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : (std::size_t{256} << 20);
+    const std::size_t max_bytes =
+        argc > 1 ? std::strtoull(argv[1], nullptr, 10) : (std::size_t{256} << 20);
 
     if (rank == 0) {
-      std::printf("allreduce (sum, float32, in place), %d ranks, Gloo %d.%d.%d TCP (%s)\n", size, GLOO_VERSION_MAJOR,
-                  GLOO_VERSION_MINOR, GLOO_VERSION_PATCH, comm.describe().c_str());
-      std::printf("time per call: median over rounds of a batch's mean, slowest rank; rounds alternate which goes first\n");
-      std::printf("%10s %6s | %11s %11s | %9s %9s | %8s %9s\n", "bytes", "calls", "dtrain", "raw gloo", "algbw",
-                  "busbw", "dtrain/", "dtrain-");
-      std::printf("%10s %6s | %11s %11s | %9s %9s | %8s %9s\n", "", "xround", "us", "us", "GB/s", "GB/s", "raw",
-                  "raw us");
+      std::printf("allreduce (sum, float32, in place), %d ranks, Gloo %d.%d.%d TCP (%s)\n", size,
+                  GLOO_VERSION_MAJOR, GLOO_VERSION_MINOR, GLOO_VERSION_PATCH,
+                  comm.describe().c_str());
+      std::printf(
+          "time per call: median over rounds of a batch's mean, slowest rank; rounds alternate "
+          "which goes first\n");
+      std::printf("%10s %6s | %11s %11s | %9s %9s | %8s %9s\n", "bytes", "calls", "dtrain",
+                  "raw gloo", "algbw", "busbw", "dtrain/", "dtrain-");
+      std::printf("%10s %6s | %11s %11s | %9s %9s | %8s %9s\n", "", "xround", "us", "us", "GB/s",
+                  "GB/s", "raw", "raw us");
     }
     // Zeros: a sum that stays finite however many rounds run.
     std::vector<float> data(max_bytes / sizeof(float) + 1, 0.0f);
@@ -103,8 +109,11 @@ int main(int argc, char** argv) {
       std::span<float> buffer(data.data(), count);
       // Short batches (at most 20 calls, about 2 MiB), many rounds: the median
       // then shrugs off a noisy neighbour. Fewer rounds at the largest sizes.
-      const int calls = static_cast<int>(std::clamp<std::size_t>((std::size_t{2} << 20) / bytes, 1, 20));
-      const int rounds = bytes >= (std::size_t{64} << 20) ? 5 : bytes > (std::size_t{1} << 20) ? 9 : 11;
+      const int calls =
+          static_cast<int>(std::clamp<std::size_t>((std::size_t{2} << 20) / bytes, 1, 20));
+      const int rounds = bytes >= (std::size_t{64} << 20) ? 5
+                         : bytes > (std::size_t{1} << 20) ? 9
+                                                          : 11;
 
       auto through_dtrain = [&] { dtrain::allreduce(comm, buffer).wait(); };
       auto raw = [&] {
@@ -131,8 +140,9 @@ int main(int argc, char** argv) {
       if (rank == 0) {
         const double algbw = static_cast<double>(bytes) / t_ours / 1e9;
         const double busbw = algbw * 2.0 * (size - 1) / size;
-        std::printf("%10zu %6d | %11.1f %11.1f | %9.3f %9.3f | %8.3f %9.1f\n", bytes, calls, t_ours * 1e6,
-                    t_raw * 1e6, algbw, busbw, t_ours / t_raw, (t_ours - t_raw) * 1e6);
+        std::printf("%10zu %6d | %11.1f %11.1f | %9.3f %9.3f | %8.3f %9.1f\n", bytes, calls,
+                    t_ours * 1e6, t_raw * 1e6, algbw, busbw, t_ours / t_raw,
+                    (t_ours - t_raw) * 1e6);
         std::fflush(stdout);
       }
     }

@@ -1,6 +1,9 @@
-# `cmake --install`: the headers, and a CMake package so that users can write
-# find_package(dtrain) and link dtrain::dtrain. dtrain has no compiled code,
-# hence one ARCH_INDEPENDENT package under share/.
+# `cmake --install`: the headers, dtrun and dtrain_whoami, and a CMake package:
+# find_package(dtrain [COMPONENTS gloo mpi nccl]) gives dtrain::core, one
+# dtrain::<engine> per engine this build had, dtrain::dtrain (all of them) and
+# the imported executables dtrain::dtrun and dtrain::dtrain_whoami. The library
+# has no compiled code, hence an ARCH_INDEPENDENT package under share/; the
+# tools are programs to run, not to link, so they do not change that.
 include_guard(GLOBAL)
 include(CMakePackageConfigHelpers)
 
@@ -9,8 +12,14 @@ set(DTRAIN_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/dtrain"
 mark_as_advanced(DTRAIN_INSTALL_CMAKEDIR)
 
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/dtrain" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
-install(TARGETS dtrain EXPORT dtrainTargets)
+install(TARGETS ${DTRAIN_LIBRARY_TARGETS} EXPORT dtrainTargets)
 install(EXPORT dtrainTargets NAMESPACE dtrain:: DESTINATION "${DTRAIN_INSTALL_CMAKEDIR}")
+# In their own export file, which dtrainConfig.cmake includes when present
+# (absent when dtrain was installed with DTRAIN_BUILD_TOOLS=OFF).
+if(TARGET dtrun)
+  install(TARGETS dtrun dtrain_whoami EXPORT dtrainToolsTargets RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+  install(EXPORT dtrainToolsTargets NAMESPACE dtrain:: DESTINATION "${DTRAIN_INSTALL_CMAKEDIR}")
+endif()
 
 # The NCCL search the installed package repeats must find what this build found.
 if(DTRAIN_WITH_NCCL)

@@ -29,12 +29,15 @@ constexpr std::string_view usage = R"(usage: dtrun [options] [--] program [args.
 Starts the workers of one node and supervises them (dtrain's per-node agent).
 Options (torchrun's names; `_` may replace `-`; environment variable in brackets):
   --nproc-per-node N    workers on this node                   [DTRAIN_NPROC_PER_NODE] (1)
-  --nnodes N            nodes in the job                       [DTRAIN_NNODES] (1, or the outer launcher's)
+  --nnodes N            nodes in the job                       [DTRAIN_NNODES]
+                        (1, or the outer launcher's)
   --node-rank N         this node's index                      [DTRAIN_NODE_RANK, NODE_RANK]
   --master-addr HOST    node 0's address                       [MASTER_ADDR] (127.0.0.1 on one node)
-  --master-port PORT    node 0's agent store port; 0 = free    [MASTER_PORT] (free on one node, else 29500)
+  --master-port PORT    node 0's agent store port; 0 = free    [MASTER_PORT]
+                        (free on one node, else 29500)
   --standalone          one node, a free port on 127.0.0.1
-  --max-restarts K      restart every node's workers up to K times after a failure [DTRAIN_MAX_RESTARTS] (0)
+  --max-restarts K      restart the workers of every node up to K times after a failure
+                                                               [DTRAIN_MAX_RESTARTS] (0)
   --grace-period S      seconds between SIGTERM and SIGKILL    [DTRAIN_GRACE_PERIOD] (10)
   --heartbeat-timeout S seconds of silence after which another node's agent is lost
                                                                [DTRAIN_HEARTBEAT_TIMEOUT] (10)
@@ -144,14 +147,9 @@ int main(int argc, char** argv) {
                              dtrain::store_options{}.with_env(env));
     who = "dtrun node " + std::to_string(*agent.node().node_rank);
     return agent.run();
-  } catch (const dtrain::program_error& e) {  // 127 missing, 126 not executable, as shells
-    std::cerr << who << ": " << e.what() << '\n';
-    return e.exit_status();
-  } catch (const dtrain::config_error& e) {
-    std::cerr << who << ": " << e.what() << '\n';
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << who << ": " << e.what() << '\n';
-    return 1;
+  } catch (...) {  // 127 missing, 126 not executable (as shells), 2 bad input, else 1
+    const auto [status, what] = dtrain::detail::current_failure();
+    std::cerr << who << ": " << what << '\n';
+    return status;
   }
 }

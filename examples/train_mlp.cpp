@@ -98,7 +98,7 @@ int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
       totals[1] += static_cast<double>(r.correct);
       totals[2] += static_cast<double>(r.count);
     }
-    dtrain::allreduce(ctx.communicator(), std::span<double>(totals), dtrain::reduce_op::sum).wait();
+    dtrain::allreduce(ctx.communicator(), totals, dtrain::reduce_op::sum).wait();
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
     if (ctx.is_main()) {
       const mlp::batch_result test = model.evaluate(test_set);
@@ -115,8 +115,7 @@ int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
   // Same data-parallel steps from the same start: the weights must be bit-identical.
   const auto mine = std::bit_cast<std::int64_t>(mlp::checksum(model));
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
-  dtrain::allgather(ctx.communicator(), std::span<const std::int64_t>(&mine, 1), std::span(all))
-      .wait();
+  dtrain::allgather(ctx.communicator(), std::array{mine}, all).wait();
   return mlp::weights_agree(program, ctx.is_main(), all) ? 0 : 1;
 }
 

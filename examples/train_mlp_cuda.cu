@@ -194,7 +194,7 @@ struct device_memory {
 };
 
 // y = x Wᵀ + b, W `out × in` row-major. The gradient pointers are the ones DDP
-// may repoint into its buckets (device_param): read them afresh every step.
+// may repoint into its buckets (param with a device_span): read them afresh every step.
 struct device_linear {
   std::string name;
   int in = 0, out = 0;
@@ -248,10 +248,13 @@ class device_mlp {
   [[nodiscard]] std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
     for (device_linear& l : layers_) {
-      out.push_back(dtrain::device_param(l.name + ".weight", l.weight, l.grad_weight,
-                                         static_cast<std::size_t>(l.in) * l.out, device_));
-      out.push_back(dtrain::device_param(l.name + ".bias", l.bias, l.grad_bias,
-                                         static_cast<std::size_t>(l.out), device_));
+      const std::size_t weights = static_cast<std::size_t>(l.in) * l.out;
+      out.push_back(dtrain::param(l.name + ".weight",
+                                  dtrain::device_span<float>{l.weight, weights, device_},
+                                  l.grad_weight));
+      out.push_back(dtrain::param(l.name + ".bias",
+                                  dtrain::device_span<float>{l.bias, std::size_t(l.out), device_},
+                                  l.grad_bias));
     }
     return out;
   }

@@ -94,7 +94,7 @@ std::string completed_json(const dtrain::world& w) {
   std::string json = dtrain::to_json(w);
   json.pop_back();  // '}'
   json += ",\"host\":";
-  dtrain::detail::append_json_string(json, dtrain::detail::host_name().value_or("?"));
+  dtrain::detail::json::write_string(json, dtrain::detail::host_name().value_or("?"));
   return json + "}";
 }
 

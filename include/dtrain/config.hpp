@@ -13,6 +13,15 @@
 
 #if defined(DTRAIN_WITH_MPI) && (DTRAIN_WITH_MPI + 0)
 #define DTRAIN_HAS_MPI() 1
+// dtrain calls MPI's C API only. Without these, a plain g++ build against Open
+// MPI 4 or MPICH also needs their deprecated C++ bindings (libmpi_cxx). A
+// program that wants those bindings includes <mpi.h> before dtrain.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #else
 #define DTRAIN_HAS_MPI() 0
 #endif

@@ -13,9 +13,10 @@
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/placement.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
-#include <dtrain/launch/agent.hpp>
 #include <dtrain/launch/options.hpp>
+#include <dtrain/launch/protocol.hpp>
 #include <dtrain/policy.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
@@ -28,8 +29,8 @@
 #include <cstdio>
 #include <exception>
 #include <optional>
-#include <thread>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -45,9 +46,9 @@ namespace dtrain {
 /// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
 /// Each part also reads its environment variables (the environment wins).
 struct run_options {
-  agent_options agent{};             ///< launch::per_node only
-  store_options store{};             ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
-  collective_options collectives{};  ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+  agent_options agent{};              ///< launch::per_node only
+  store_options store{};              ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
+  collective_options collectives{};   ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
   diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
 };
 
@@ -68,28 +69,8 @@ class context {
   /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
   /// by the store or collective timeout. Throws config_error for bad input,
   /// rendezvous_error / backend_error / timeout_error when a peer fails.
-  context(dtrain::world w, const environment& env, const run_options& options)
-      : world_(std::move(w)),
-        store_options_(options.store.with_env(env)),
-        collectives_(options.collectives.with_env(env)) {
-    if (!world_.rank || !world_.world_size) {
-      throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
-                         std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
-    }
-    if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
-    if constexpr (!traits::needs_store) {
-      // MPI knows its world already, and can tell every rank where rank 0's store is.
-      make_communicator(env);
-      open_store(env);
-      complete_world(env);
-    } else {
-      open_store(env);
-      complete_world(env);
-      make_communicator(env);
-    }
-    control_.emplace(*store_, rank(), size(), "control");
-    start_diagnostics(options.diagnostics.with_env(env));
-  }
+  context(dtrain::world w, const environment& env, const run_options& options);
+  ~context();
   context(const context&) = delete;
   context& operator=(const context&) = delete;
 
@@ -118,68 +99,33 @@ class context {
   /// for metadata that must not travel on a device engine (DistributedDataParallel's
   /// model agreement and bucket order; your own checksums). Every rank calls the
   /// same operations in the same order; each waits at most the store timeout.
-  [[nodiscard]] dtrain::control_plane control_plane() noexcept {
-    return dtrain::control_plane(*control_);
-  }
+  [[nodiscard]] dtrain::control_plane control_plane() noexcept;
 
   /// Waits until every rank has called barrier(), at most the collective
   /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
-  void barrier() { communicator_->barrier().wait(collectives_.timeout); }
+  void barrier();
 
   /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
   /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
   /// started #42"); one rank prints the whole table on stderr. Waits at most
   /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
-  std::string explain_stall(const std::string& reason) {
-    if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
-    return diagnostics_->explain(reason);
-  }
+  std::string explain_stall(const std::string& reason);
 
   /// Called by run() when this rank fails: a collective that timed out or
   /// failed (a peer is stuck, behind, gone or called differently) is
   /// explained; other failures (a store timeout) are not.
-  std::optional<std::string> explain_failure(const std::exception_ptr& failure) {
-    if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
-    try {
-      std::rethrow_exception(failure);
-    } catch (const timeout_error&) {
-      return explain_stall("a timeout on rank " + std::to_string(rank()));
-    } catch (const backend_error&) {
-      return explain_stall("a failed collective on rank " + std::to_string(rank()));
-    } catch (...) {
-    }
-    return std::nullopt;
-  }
+  std::optional<std::string> explain_failure(const std::exception_ptr& failure);
 
   /// Called by run() when this rank fails (an exception, or a non-zero status
   /// from the user's function), before anything is torn down: under a node
   /// agent the failure is recorded in the agent's store while the peers still
   /// run, so the agent names this rank, not a peer that failed because of it.
-  void record_failure(int status, const std::string& what) noexcept {
-    if (!under_agent_ || !client_) return;
-    try {
-      detail::record_failure(*client_, restart_count_, status, false,
-                             detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
-                                 " exited with status " + std::to_string(status) +
-                                 (what.empty() ? "" : ": " + what));
-    } catch (...) {
-      // The agent still sees the exit status; the reason is only lost from its message.
-    }
-  }
+  void record_failure(int status, const std::string& what) noexcept;
 
   /// Called by run() after the user's function returned normally: the store's
   /// host (rank 0 under per-process launch) waits, at most the store timeout,
   /// until every rank is done with the store before it stops serving.
-  void finish() {
-    communicator_.reset();
-    if (!client_) return;
-    const std::string all = "finished/all";
-    if (store_->add("finished", 1) == size()) store_->set(all, "1");
-    if (server_) {
-      const std::string keys[] = {all};
-      store_->wait(keys);
-    }
-  }
+  void finish();
 
  private:
   /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
@@ -205,8 +151,7 @@ class context {
     const bool one_node = single_node(host);
     if constexpr (uses_mpi) share_token_over_mpi();
     if (store_options_.token.empty()) choose_token(env, host, port, one_node);
-    const std::string bind =
-        detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
+    const std::string bind = detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
     if (rank() == 0) {
       try {
         if (token_file_) token_file_->publish(store_options_.token);
@@ -272,15 +217,16 @@ class context {
 #if DTRAIN_HAS_MPI()
     if constexpr (uses_mpi) {
       if (size() == 1) return;
-      char text[1100] = {};
+      std::string value;
       if (rank() == 0) {
-        std::string mine =
-            store_options_.token.empty() ? detail::new_store_token() : store_options_.token;
-        mine.copy(text, sizeof text - 1);
+        value = detail::wire::encode_text(store_options_.token.empty() ? detail::new_store_token()
+                                                                       : store_options_.token);
       }
-      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
-                       "broadcasting the store token");
-      if (store_options_.token.empty()) store_options_.token = text;
+      detail::mpi_broadcast_value(communicator_->native(), 0, value,
+                                  "broadcasting the store token");
+      const std::string token =
+          detail::wire::decode_text("rank 0's broadcast", value, "a store token");
+      if (store_options_.token.empty()) store_options_.token = token;
     }
 #endif
   }
@@ -296,13 +242,17 @@ class context {
           client_.emplace(where, port, store_options_);
           return;
         } catch (const rendezvous_error& e) {
-          if (std::string_view(e.what()).find("token") == std::string_view::npos) throw;
+          if (std::string_view(e.what()).find("rejected this client's token") ==
+              std::string_view::npos)
+            throw;
         }
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error("rank " + std::to_string(rank()) + " found no valid store token in " +
-                            token_file_->path() + " within the store timeout; is rank 0 running "
-                            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+        throw timeout_error(
+            "rank " + std::to_string(rank()) + " found no valid store token in " +
+            token_file_->path() +
+            " within the store timeout; is rank 0 running "
+            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -313,21 +263,21 @@ class context {
   std::string agree_store_address(int& port, const char* failure = nullptr) {
 #if DTRAIN_HAS_MPI()
     if constexpr (uses_mpi) {
-      std::string mine = rank() != 0 ? std::string()
-                         : failure   ? "!" + std::string(failure)
-                                   : detail::host_name().value_or("?") + " " + std::to_string(port);
-      char text[320] = {};
-      mine.copy(text, sizeof text - 1);
-      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
-                       "broadcasting rank 0's store address");
-      std::string got(text);
-      if (got.starts_with("!")) {
-        if (failure) return {};  // rank 0 rethrows its own error
-        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.substr(1));
+      std::string value;
+      if (rank() == 0) {
+        value = (failure ? detail::store_address::failed(failure)
+                         : detail::store_address::serving(detail::host_name().value_or("?"), port))
+                    .encode();
       }
-      auto space = got.rfind(' ');
-      port = std::stoi(got.substr(space + 1));
-      return got.substr(0, space);
+      detail::mpi_broadcast_value(communicator_->native(), 0, value,
+                                  "broadcasting rank 0's store address");
+      const detail::store_address got = detail::store_address::decode(value);
+      if (!got.ok) {
+        if (failure) return {};  // rank 0 rethrows its own error
+        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.failure);
+      }
+      port = got.port;
+      return got.host;
     }
 #endif
     {
@@ -344,38 +294,25 @@ class context {
   /// Every rank reports; rank 0 places them all and publishes the result.
   void complete_world(const environment& env) {
     rank_report mine{node_name(env), world_};
-    store_->set("world/" + std::to_string(rank()), mine.encode());
-    const std::string table_key = "world/placement";
+    store_->set(detail::job_keys::report(rank()), mine.encode());
+    const std::string table_key(detail::job_keys::placement);
     if (rank() == 0) {
       std::string table;
       try {
         std::vector<rank_report> reports;
         for (int r = 0; r < size(); ++r) {
-          const std::string key = "world/" + std::to_string(r);
+          const std::string key = detail::job_keys::report(r);
           reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
         }
-        table = "ok";
-        for (const placement& p : place_ranks(reports)) {
-          table += " " + std::to_string(p.node_rank) + "," + std::to_string(p.num_nodes) + "," +
-                   std::to_string(p.local_rank) + "," + std::to_string(p.local_world_size);
-        }
+        table = encode_placements(place_ranks(reports));
       } catch (const config_error& e) {
-        store_->set(table_key, std::string("error ") + e.what());
+        store_->set(table_key, encode_placement_error(e.what()));
         throw;
       }
       store_->set(table_key, table);
     }
-    const std::string table = store_->get(table_key);
-    if (table.starts_with("error ")) throw config_error(table.substr(6));
-    // "ok" then one "node_rank,num_nodes,local_rank,local_world_size" per rank.
-    const auto entries = detail::split(table, ' ');
-    placement p;
-    if (entries.size() != static_cast<std::size_t>(size()) + 1 || entries[0] != "ok" ||
-        std::sscanf(entries[static_cast<std::size_t>(rank()) + 1].c_str(), "%d,%d,%d,%d",
-                    &p.node_rank, &p.num_nodes, &p.local_rank, &p.local_world_size) != 4) {
-      throw rendezvous_error("store key " + std::string(store_->prefix()) + table_key +
-                             " is not a dtrain placement table");
-    }
+    const placement p = decode_placement("store key " + store_->prefix() + table_key,
+                                         store_->get(table_key), rank(), size());
     const std::string grouped = "grouped by node name at rendezvous";
     auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
       if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
@@ -389,33 +326,33 @@ class context {
 
   void make_communicator(const environment& env) {
     if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
-    communicator_setup<store_type> setup{
-        .store = store_ ? &*store_ : nullptr,
-        .rank = rank(),
-        .size = size(),
-        .device = device(),
-        .collectives = collectives_,
-        .master_addr = world_.master_addr.value_or(""),
-        .env = &env};
+    communicator_setup<store_type> setup{.store = store_ ? &*store_ : nullptr,
+                                         .rank = rank(),
+                                         .size = size(),
+                                         .device = device(),
+                                         .collectives = collectives_,
+                                         .master_addr = world_.master_addr.value_or(""),
+                                         .env = &env};
     communicator_.emplace(traits::make(setup));
     if (communicator_->size() != size() || communicator_->rank() != rank()) {
       throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
                          std::to_string(communicator_->rank()) + " of " +
-                         std::to_string(communicator_->size()) + ", but the environment says rank " +
-                         std::to_string(rank()) + " of " + std::to_string(size()) + " (" +
-                         world_.origin(dtrain::world::field::rank) + ", " +
-                         world_.origin(dtrain::world::field::world_size) +
+                         std::to_string(communicator_->size()) +
+                         ", but the environment says rank " + std::to_string(rank()) + " of " +
+                         std::to_string(size()) + " (" + world_.origin(dtrain::world::field::rank) +
+                         ", " + world_.origin(dtrain::world::field::world_size) +
                          "); start MPI jobs with mpirun or srun");
     }
   }
 
   /// Every rank watches for diagnostics rounds on a connection of its own.
   void start_diagnostics(const diagnostics_options& options) {
-    if constexpr (requires(communicator_type& c) { c.ring(); }) {
+    if constexpr (requires { communicator_->ring(); }) {
       if (!options.enabled) return;
       std::string prefix = store_->prefix();
-      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_, prefix + "diag", rank(),
-                           size(), communicator_->ring(), std::string(Policy::backend_type::name), options);
+      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_,
+                           prefix + "diag", rank(), size(), communicator_->ring(),
+                           std::string(Policy::backend_type::name), options);
     } else {
       (void)options;
     }
@@ -460,5 +397,94 @@ class context {
   std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
   std::optional<detail::rank_diagnostics> diagnostics_;
 };
+
+// What builds, uses and tears down the job is defined out of the class and not
+// inline: under `extern template class context<P>` (dtrain/compiled.hpp) none of
+// it, nor the store, agent and engine code it calls, is compiled in a user's TU.
+
+template <class Policy>
+context<Policy>::context(dtrain::world w, const environment& env, const run_options& options)
+    : world_(std::move(w)),
+      store_options_(options.store.with_env(env)),
+      collectives_(options.collectives.with_env(env)) {
+  if (!world_.rank || !world_.world_size) {
+    throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
+                       std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
+  }
+  if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+  if constexpr (!traits::needs_store) {
+    // MPI knows its world already, and can tell every rank where rank 0's store is.
+    make_communicator(env);
+    open_store(env);
+    complete_world(env);
+  } else {
+    open_store(env);
+    complete_world(env);
+    make_communicator(env);
+  }
+  control_.emplace(*store_, rank(), size(), "control");
+  start_diagnostics(options.diagnostics.with_env(env));
+}
+
+template <class Policy>
+context<Policy>::~context() = default;
+
+// Out of the class, so that a TU that only declares context<Policy> (separate
+// compilation) does not compile the store channel behind it.
+template <class Policy>
+dtrain::control_plane context<Policy>::control_plane() noexcept {
+  return dtrain::control_plane(*control_);
+}
+
+template <class Policy>
+void context<Policy>::barrier() {
+  communicator_->barrier().wait(collectives_.timeout);
+}
+
+template <class Policy>
+std::string context<Policy>::explain_stall(const std::string& reason) {
+  if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
+  return diagnostics_->explain(reason);
+}
+
+template <class Policy>
+std::optional<std::string> context<Policy>::explain_failure(const std::exception_ptr& failure) {
+  if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const timeout_error&) {
+    return explain_stall("a timeout on rank " + std::to_string(rank()));
+  } catch (const backend_error&) {
+    return explain_stall("a failed collective on rank " + std::to_string(rank()));
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+template <class Policy>
+void context<Policy>::record_failure(int status, const std::string& what) noexcept {
+  if (!under_agent_ || !client_) return;
+  try {
+    detail::record_failure(*client_, restart_count_, status, false,
+                           detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+                               " exited with status " + std::to_string(status) +
+                               (what.empty() ? "" : ": " + what));
+  } catch (...) {
+    // The agent still sees the exit status; the reason is only lost from its message.
+  }
+}
+
+template <class Policy>
+void context<Policy>::finish() {
+  communicator_.reset();
+  if (!client_) return;
+  const std::string all(detail::job_keys::finished_all);
+  if (store_->add(detail::job_keys::finished, 1) == size())
+    store_->set(all, detail::present_value());
+  if (server_) {
+    const std::string keys[] = {all};
+    store_->wait(keys);
+  }
+}
 
 }  // namespace dtrain

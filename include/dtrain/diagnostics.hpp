@@ -9,10 +9,11 @@
 
 #include <dtrain/backend/desync.hpp>
 #include <dtrain/backend/ring.hpp>
-#include <dtrain/detail/parse.hpp>
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/launch/protocol.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/store.hpp>
@@ -71,19 +72,6 @@ inline void on_diagnostics_signal(int) {
   if (fd >= 0) (void)!::write(fd, &one, sizeof one);
   errno = saved;
 }
-
-/// The store keys of the diagnostics rounds, under the job's prefix + "diag/":
-/// "round" counts the rounds, "open/<n>" elects the rank that opens round n,
-/// "<n>/ring/<rank>" holds a rank's rings (encode_rings), "<n>/reason" why it
-/// was asked, "<n>/printer" the rank that prints, "<n>/closed" once printed.
-struct diagnostics_keys {
-  static std::string ring(std::int64_t round, int rank) {
-    return std::to_string(round) + "/ring/" + std::to_string(rank);
-  }
-  static std::string of(std::int64_t round, std::string_view what) {
-    return std::to_string(round) + "/" + std::string(what);
-  }
-};
 
 /// One rank's part: a thread that publishes this rank's ring whenever a round
 /// is asked for, and explain(), which asks for one and returns its summary.
@@ -147,7 +135,10 @@ class rank_diagnostics {
   std::string explain(const std::string& reason) noexcept {
     try {
       const std::int64_t round = join_round();
-      const std::string why = store_.compare_set(diagnostics_keys::of(round, "reason"), "", reason);
+      const std::string reason_key = diagnostics_keys::of(round, "reason");
+      const std::string why = wire::decode_text(
+          "store key " + store_.prefix() + reason_key,
+          store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
       publish(round);
       const desync_report report = analyse_job(gather(round));
       const std::string header = "collective diagnostics, round " + std::to_string(round) +
@@ -155,11 +146,11 @@ class rank_diagnostics {
                                  " ranks; printed by rank " + std::to_string(rank_) + ")";
       const std::string table = format_report(header, report);
       const std::string closed = diagnostics_keys::of(round, "closed");
-      const std::string me = std::to_string(rank_);
+      const std::string me = wire::encode_int(rank_);
       if (store_.compare_set(diagnostics_keys::of(round, "printer"), "", me) == me) {
         std::fputs(table.c_str(), stderr);
         std::fflush(stderr);
-        store_.set(closed, "1");
+        store_.set(closed, present_value());
       } else {
         // This rank may exit next, and a launcher stop the others: not before the table is out.
         store_.wait(std::span<const std::string>(&closed, 1), options_.wait);
@@ -188,8 +179,8 @@ class rank_diagnostics {
     const std::string closed = diagnostics_keys::of(current, "closed");
     if (current > 0 && !store_.check(std::span<const std::string>(&closed, 1))) return current;
     const std::int64_t next = current + 1;
-    if (store_.compare_set("open/" + std::to_string(next), "", std::to_string(rank_)) ==
-        std::to_string(rank_)) {
+    const std::string me = wire::encode_int(rank_);
+    if (store_.compare_set(diagnostics_keys::open(next), "", me) == me) {
       store_.add("round", 1);  // every rank's thread now publishes for it
     }
     return next;

@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace dtrain {
 
@@ -48,5 +49,43 @@ class backend_error : public error {
  private:
   int engine_code_;
 };
+
+/// A worker's program cannot be started: it is missing (exit_status() 127,
+/// as a shell's "command not found") or not executable (126, as a shell's
+/// "permission denied"). The agent ends the job with that status.
+class program_error : public error {
+ public:
+  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
+  /// 127 for a missing program, 126 for one that cannot be executed.
+  [[nodiscard]] int exit_status() const noexcept { return status_; }
+
+ private:
+  int status_;
+};
+
+/// Exit status of a process whose input (environment, options) was bad.
+inline constexpr int config_error_exit_status = 2;
+
+namespace detail {
+
+/// The exit status and text of the exception in flight (call it in a catch
+/// block): a program_error's own status (127 / 126), 2 for a config_error,
+/// else 1. The one mapping from failure to exit status: dtrain::run, the
+/// node agent and dtrun all end with it.
+inline std::pair<int, std::string> current_failure() {
+  try {
+    throw;
+  } catch (const program_error& e) {
+    return {e.exit_status(), e.what()};
+  } catch (const config_error& e) {
+    return {config_error_exit_status, e.what()};
+  } catch (const std::exception& e) {
+    return {1, e.what()};
+  } catch (...) {
+    return {1, "an exception that is not a std::exception"};
+  }
+}
+
+}  // namespace detail
 
 }  // namespace dtrain

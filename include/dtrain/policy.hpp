@@ -4,11 +4,11 @@
 /// job. Each slot is a small tag type; a combination that cannot work is a
 /// static_assert that says why, not a run-time surprise.
 
-#include <dtrain/config.hpp>
 #include <dtrain/backend/gloo.hpp>
 #include <dtrain/backend/memory.hpp>
 #include <dtrain/backend/mpi.hpp>
 #include <dtrain/backend/nccl.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/topology/flat.hpp>
@@ -38,7 +38,8 @@ struct mpi {
   static constexpr bool available = DTRAIN_HAS_MPI() != 0;
   static constexpr std::string_view name = "mpi";
   static constexpr std::string_view missing =
-      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) and link dtrain::dtrain, "
+      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) and link "
+      "dtrain::dtrain, "
       "or define DTRAIN_WITH_MPI=1 and link MPI yourself";
 };
 /// Gloo over TCP (host memory).
@@ -46,7 +47,8 @@ struct gloo {
   static constexpr bool available = DTRAIN_HAS_GLOO() != 0;
   static constexpr std::string_view name = "gloo";
   static constexpr std::string_view missing =
-      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, or define "
+      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, or "
+      "define "
       "DTRAIN_WITH_GLOO=1 and link gloo yourself";
 };
 /// NCCL (device memory).
@@ -54,7 +56,8 @@ struct nccl {
   static constexpr bool available = DTRAIN_HAS_NCCL() != 0;
   static constexpr std::string_view name = "nccl";
   static constexpr std::string_view missing =
-      "dtrain was built without NCCL: install the CUDA toolkit with NCCL and link dtrain::dtrain, or define "
+      "dtrain was built without NCCL: install the CUDA toolkit with NCCL and link dtrain::dtrain, "
+      "or define "
       "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
 };
 
@@ -90,7 +93,9 @@ struct backend_traits<backend::mpi> {
   static constexpr bool needs_store = false;
   template <class Store>
   static communicator make(const communicator_setup<Store>& s) {
-    return mpi_communicator::world(mpi_options{.collectives = s.collectives});
+    mpi_options options{.collectives = s.collectives};
+    if (s.env) options = options.with_env(*s.env);
+    return mpi_communicator::world(std::move(options));
   }
 };
 #endif
@@ -104,7 +109,9 @@ struct backend_traits<backend::gloo> {
   template <class Store>
   static communicator make(const communicator_setup<Store>& s) {
     return gloo_communicator(*s.store, s.rank, s.size,
-                             gloo_options{.collectives = s.collectives, .master_addr = s.master_addr});
+                             gloo_options{.collectives = s.collectives,
+                                          .master_addr = s.master_addr,
+                                          .env = s.env ? *s.env : environment{}});
   }
 };
 #endif
@@ -123,8 +130,36 @@ struct backend_traits<backend::nccl> {
 };
 #endif
 
+namespace detail {
+/// What policy<> uses in place of backend_traits<B> when B is not compiled in:
+/// a communicator that is only declared, so that the policy's static_assert
+/// is the one error, not the first of many. Nothing here is ever defined.
+struct missing_backend_traits {
+  struct communicator {
+    static constexpr bool reaches_device_memory = false;
+    static constexpr bool reaches_host_memory = true;
+    static constexpr std::string_view name = "not compiled in";
+    int rank() const;
+    int size() const;
+    bool valid() const;
+    work allreduce(buffer, buffer, reduce_op);
+    work broadcast(buffer, int);
+    work allgather(buffer, buffer);
+    work reduce_scatter(buffer, buffer, reduce_op);
+    work barrier();
+    communicator split(int, int);
+  };
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>&);
+};
+}  // namespace detail
+
 template <class T>
-concept launch_policy = std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
+concept launch_policy =
+    std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
 /// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
 /// with a backend_traits specialisation.
 template <class T>
@@ -140,18 +175,23 @@ concept topology_policy =
 /// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
 template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
 struct policy {
-  static_assert(Backend::available,
-                "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
-                "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
-                "DTRAIN_WITH_NCCL)");
-  static_assert(!(std::is_same_v<Launch, launch::per_node> && std::is_same_v<Backend, backend::mpi>),
+  static_assert(
+      Backend::available,
+      "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
+      "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
+      "DTRAIN_WITH_NCCL)");
+  static_assert(!(std::is_same_v<Launch, launch::per_node> &&
+                  std::is_same_v<Backend, backend::mpi>),
                 "launch::per_node starts the workers itself, but MPI processes must be started by "
                 "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
                 "backend::nccl with launch::per_node");
   using launch_type = Launch;
   using backend_type = Backend;
   using topology_type = Topology;
-  using traits = backend_traits<Backend>;
+  // A backend that is not compiled in has no traits: a stand-in keeps the
+  // static_assert above the only error, instead of the first of many.
+  using traits = std::conditional_t<Backend::available, backend_traits<Backend>,
+                                    detail::missing_backend_traits>;
   using communicator_type = typename traits::communicator;
   static_assert(communicator<communicator_type>);
   /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.

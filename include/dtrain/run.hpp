@@ -8,17 +8,22 @@
 /// line on stderr and a non-zero exit status.
 
 #include <dtrain/context.hpp>
+#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/launch/agent.hpp>
 #include <dtrain/launch/options.hpp>
+#include <dtrain/launch/protocol.hpp>
 #include <dtrain/launch/worker.hpp>
 #include <dtrain/policy.hpp>
 
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -33,9 +38,6 @@
 
 namespace dtrain {
 
-/// Exit status of a process whose input (environment, options) was bad.
-inline constexpr int config_error_exit_status = 2;
-
 namespace detail {
 
 /// "[rank 3/8]", or what is known of it.
@@ -43,22 +45,6 @@ inline std::string rank_label(const world* w) {
   if (w == nullptr || !w->rank) return "[rank ?]";
   return "[rank " + std::to_string(*w->rank) + "/" +
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
-}
-
-/// The exit status and text of the exception in flight: 2 for a config_error,
-/// 127 / 126 for a worker program that is missing / not executable, else 1.
-inline std::pair<int, std::string> current_failure() {
-  try {
-    throw;
-  } catch (const program_error& e) {
-    return {e.exit_status(), e.what()};
-  } catch (const config_error& e) {
-    return {config_error_exit_status, e.what()};
-  } catch (const std::exception& e) {
-    return {1, e.what()};
-  } catch (...) {
-    return {1, "an exception that is not a std::exception"};
-  }
 }
 
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
@@ -87,6 +73,77 @@ int default_nproc_per_node() {
   return 1;
 }
 
+/// The workers per node that the command line asks for, torchrun's way:
+/// `--nproc-per-node N`, `--nproc-per-node=N`, or the same with
+/// `--nproc_per_node`; the last one counts, and nothing after `--`. Nullopt
+/// when absent; config_error naming the flag when its value is not a positive
+/// integer.
+[[nodiscard]] inline std::optional<int> nproc_per_node_from_args(
+    std::span<const std::string_view> args) {
+  std::optional<int> found;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view a = args[i];
+    if (a == "--") break;
+    std::string_view flag, value;
+    for (std::string_view name : {"--nproc-per-node", "--nproc_per_node"}) {
+      if (a == name) {
+        if (i + 1 >= args.size()) {
+          throw config_error(std::string(name) + " on the command line needs a value (workers " +
+                             "per node, e.g. " + std::string(name) + " 4)");
+        }
+        flag = name;
+        value = args[++i];
+      } else if (a.size() > name.size() && a.starts_with(name) && a[name.size()] == '=') {
+        flag = name;
+        value = a.substr(name.size() + 1);
+      }
+    }
+    if (flag.empty()) continue;
+    const std::string what = std::string(flag) + "=" + std::string(value) + " on the command line";
+    const int n = parse_non_negative(what, value);
+    if (n < 1) throw config_error(what + " must be at least 1 (workers per node)");
+    found = n;
+  }
+  return found;
+}
+
+/// What run() accepts: called as fn(context<Policy>&), returning void or an int.
+template <class Fn, class Policy>
+concept training_function_for = requires(Fn& fn, context<Policy>& ctx) {
+  fn(ctx);
+};
+
+/// The training function as run_process sees it: one signature, whatever the
+/// lambda, so run_process depends on the policy only (and can be compiled once,
+/// dtrain/compiled.hpp). Refers to `fn`, which must outlive it.
+template <class Policy>
+class training_function {
+ public:
+  template <class Fn>
+  explicit training_function(Fn& fn) noexcept
+      : fn_(const_cast<void*>(static_cast<const void*>(std::addressof(fn)))), call_(&call<Fn>) {}
+  /// Calls fn(ctx): its int result, or 0 when it returns void.
+  int operator()(context<Policy>& ctx) const { return call_(fn_, ctx); }
+
+ private:
+  template <class Fn>
+  static int call(void* fn, context<Policy>& ctx) {
+    if constexpr (std::is_void_v<std::invoke_result_t<Fn&, context<Policy>&>>) {
+      (*static_cast<Fn*>(fn))(ctx);
+      return 0;
+    } else {
+      return static_cast<int>((*static_cast<Fn*>(fn))(ctx));
+    }
+  }
+
+  void* fn_;
+  int (*call_)(void*, context<Policy>&);
+};
+
+/// dtrain::run without the function's type: the agent, or a worker that runs `fn`.
+template <class Policy>
+int run_process(int argc, char** argv, training_function<Policy> fn, const run_options& options);
+
 }  // namespace detail
 
 /// Runs `fn` as one worker of a data-parallel job and returns the process's
@@ -95,9 +152,13 @@ int default_nproc_per_node() {
 /// `fn` is called as `fn(context<Policy>&)` and may return void (exit 0) or
 /// an int (the exit status). Under launch::per_node the process started by
 /// the user is the node agent: it starts `nproc_per_node` copies of this
-/// program (the same argv) as workers and returns the job's status (see
-/// node_agent). Workers are recognised by DTRAIN_AGENT_STORE in their
-/// environment.
+/// program (the same argv, unchanged) as workers and returns the job's
+/// status (see node_agent). Workers are recognised by DTRAIN_AGENT_STORE in
+/// their environment. The number of workers per node comes from, first to
+/// last: DTRAIN_NPROC_PER_NODE, run_options::agent.nproc_per_node,
+/// `--nproc-per-node N` (or `=N`, or `--nproc_per_node`) on the command line,
+/// then one per visible GPU for NCCL, else 1. A bad value is a config_error
+/// naming its source (exit status 2).
 ///
 /// Any exception ends the process's part in the job: one line on stderr,
 /// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
@@ -105,9 +166,22 @@ int default_nproc_per_node() {
 /// When MPI is running (the MPI backend, or MPI initialised by the caller), a
 /// failed worker, or one whose `fn` returned non-zero, calls MPI_Abort with
 /// its exit status after its report, so mpirun ends the whole job at once.
-template <class Policy, class Fn>
-requires std::is_invocable_v < Fn&, context<Policy>
-& > int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
+template <class Policy, detail::training_function_for<Policy> Fn>
+int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
+  if constexpr (std::is_function_v<std::remove_reference_t<Fn>>) {
+    auto* function = &fn;  // a function is no object: it is called through a pointer
+    return detail::run_process<Policy>(argc, argv, detail::training_function<Policy>(function),
+                                       options);
+  } else {
+    return detail::run_process<Policy>(argc, argv, detail::training_function<Policy>(fn), options);
+  }
+}
+
+// Not inline: under `extern template` (dtrain/compiled.hpp) the agent, the store
+// and the engine stay out of the user's translation unit.
+template <class Policy>
+int detail::run_process(int argc, char** argv, training_function<Policy> fn,
+                        const run_options& options) {
   const environment env = environment::from_process();
   std::vector<std::string_view> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
@@ -118,6 +192,8 @@ requires std::is_invocable_v < Fn&, context<Policy>
     std::string who = "[agent]";
     try {
       agent_options opts = options.agent;
+      // The environment (with_env) wins over the program's options, which win over its argv.
+      if (!opts.nproc_per_node) opts.nproc_per_node = detail::nproc_per_node_from_args(args);
       if (!opts.nproc_per_node) opts.nproc_per_node = detail::default_nproc_per_node<Policy>();
       opts = opts.with_env(env);
       std::vector<std::string> command{detail::own_executable()};
@@ -139,14 +215,11 @@ requires std::is_invocable_v < Fn&, context<Policy>
     w = ctx.world();
     int status = 0;
     try {
-      if constexpr (std::is_void_v<std::invoke_result_t<Fn&, context<Policy>&>>) {
-        fn(ctx);
-      } else {
-        status = static_cast<int>(fn(ctx));
-      }
+      status = fn(ctx);
     } catch (...) {
       auto failure = detail::current_failure();
-      if (auto summary = ctx.explain_failure(std::current_exception())) failure.second += "; diagnostics: " + *summary;
+      if (auto summary = ctx.explain_failure(std::current_exception()))
+        failure.second += "; diagnostics: " + *summary;
       ctx.record_failure(failure.first, failure.second);
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
       detail::abort_mpi_job(code);
@@ -156,8 +229,8 @@ requires std::is_invocable_v < Fn&, context<Policy>
       ctx.record_failure(status, {});
       if (detail::mpi_is_running()) {
         detail::report_failure(detail::rank_label(&*w),
-                               {status, "the training function returned " +
-                                            std::to_string(status) + "; aborting the MPI job"});
+                               {status, "the training function returned " + std::to_string(status) +
+                                            "; aborting the MPI job"});
         detail::abort_mpi_job(status);
       }
       return status;

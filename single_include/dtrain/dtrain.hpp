@@ -10,6 +10,23 @@
 /// @file
 /// The one header users include. It only includes; it has no code of its own.
 
+// ---- begin dtrain/backend/communicator.hpp ----
+/// @file
+/// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
+/// the argument checks they share, and the typed collectives users call.
+
+// ---- begin dtrain/backend/ring.hpp ----
+/// @file
+/// The ring of a communicator's last collectives: what each rank publishes
+/// when a collective times out or SIGUSR1 arrives, so that one table can name
+/// the rank that is behind (see backend/desync.hpp). Every engine records into
+/// it at the one place that numbers its collectives.
+
+// ---- begin dtrain/backend/types.hpp ----
+/// @file
+/// What collectives move: element types (with portable float16 / bfloat16),
+/// reduction operations, and `buffer`, a view whose type is known at run time.
+
 // ---- begin dtrain/config.hpp ----
 /// @file
 /// Version and the engine switches. The engines are opt-in: the CMake target
@@ -25,6 +42,15 @@
 
 #if defined(DTRAIN_WITH_MPI) && (DTRAIN_WITH_MPI + 0)
 #define DTRAIN_HAS_MPI() 1
+// dtrain calls MPI's C API only. Without these, a plain g++ build against Open
+// MPI 4 or MPICH also needs their deprecated C++ bindings (libmpi_cxx). A
+// program that wants those bindings includes <mpi.h> before dtrain.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #else
 #define DTRAIN_HAS_MPI() 0
 #endif
@@ -49,12 +75,6 @@
 #define DTRAIN_HAS_CUDA() 0
 #endif
 // ---- end dtrain/config.hpp ----
-// ---- begin dtrain/env/device.hpp ----
-/// @file
-/// Which CUDA device a rank uses: a pure function of its local rank, the
-/// number of ranks on its node and the devices it can see, so every launcher
-/// and GPU binding is unit-testable without a GPU.
-
 // ---- begin dtrain/error.hpp ----
 /// @file
 /// The error hierarchy. Every failure dtrain reports is a dtrain::error; the
@@ -62,6 +82,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace dtrain {
 
@@ -106,60 +127,496 @@ class backend_error : public error {
   int engine_code_;
 };
 
+/// A worker's program cannot be started: it is missing (exit_status() 127,
+/// as a shell's "command not found") or not executable (126, as a shell's
+/// "permission denied"). The agent ends the job with that status.
+class program_error : public error {
+ public:
+  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
+  /// 127 for a missing program, 126 for one that cannot be executed.
+  [[nodiscard]] int exit_status() const noexcept { return status_; }
+
+ private:
+  int status_;
+};
+
+/// Exit status of a process whose input (environment, options) was bad.
+inline constexpr int config_error_exit_status = 2;
+
+namespace detail {
+
+/// The exit status and text of the exception in flight (call it in a catch
+/// block): a program_error's own status (127 / 126), 2 for a config_error,
+/// else 1. The one mapping from failure to exit status: dtrain::run, the
+/// node agent and dtrun all end with it.
+inline std::pair<int, std::string> current_failure() {
+  try {
+    throw;
+  } catch (const program_error& e) {
+    return {e.exit_status(), e.what()};
+  } catch (const config_error& e) {
+    return {config_error_exit_status, e.what()};
+  } catch (const std::exception& e) {
+    return {1, e.what()};
+  } catch (...) {
+    return {1, "an exception that is not a std::exception"};
+  }
+}
+
+}  // namespace detail
+
 }  // namespace dtrain
 // ---- end dtrain/error.hpp ----
 
-#include <optional>
+#include <bit>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
 
 namespace dtrain {
 
-/// The CUDA device of local rank `local_rank` of `local_world_size` when the
-/// process sees `visible` devices:
-/// - the local rank, when at least one device per local rank is visible (one
-///   process per GPU with every GPU visible: torchrun, mpirun, dtrun);
-/// - device 0, when exactly one is visible (per-task binding: SLURM
-///   `--gpus-per-task`, Kubernetes, CUDA_VISIBLE_DEVICES set per rank);
-/// - otherwise config_error naming CUDA_VISIBLE_DEVICES (`cuda_visible_devices`,
-///   as the environment has it, or unset), the local rank and the counts.
-[[nodiscard]] inline int select_device(int local_rank, int local_world_size, int visible,
-                                       std::optional<std::string_view> cuda_visible_devices) {
-  const std::string cvd = cuda_visible_devices
-                              ? "CUDA_VISIBLE_DEVICES=" + std::string(*cuda_visible_devices)
-                              : std::string("CUDA_VISIBLE_DEVICES unset");
-  if (local_rank < 0 || local_world_size < 1 || local_rank >= local_world_size) {
-    throw config_error("local rank " + std::to_string(local_rank) + " of " +
-                       std::to_string(local_world_size) +
-                       " ranks on this node cannot pick a GPU (" + cvd + ")");
+/// IEEE 754 binary16, stored as its bits. Converts to and from float with
+/// round-to-nearest-even; arithmetic goes through float.
+struct float16 {
+  std::uint16_t bits = 0;
+
+  float16() = default;
+  explicit float16(float f) noexcept : bits(from_float(f)) {}
+  explicit operator float() const noexcept { return to_float(bits); }
+  friend bool operator==(float16 a, float16 b) noexcept { return a.bits == b.bits; }
+
+  static std::uint16_t from_float(float f) noexcept {
+    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    std::uint32_t sign = (x >> 16) & 0x8000u;
+    std::uint32_t abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u)
+      return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+    if (abs >= 0x477ff000u)
+      return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
+    if (abs < 0x38800000u) {                              // subnormal or zero
+      if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
+      std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
+      int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
+      std::uint32_t half = mant >> shift;
+      std::uint32_t rest = mant & ((1u << shift) - 1);
+      std::uint32_t mid = 1u << (shift - 1);
+      if (rest > mid || (rest == mid && (half & 1u))) ++half;
+      return static_cast<std::uint16_t>(sign | half);
+    }
+    std::uint32_t half = ((abs - 0x38000000u) >> 13);
+    std::uint32_t rest = abs & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+    return static_cast<std::uint16_t>(sign | half);
   }
-  if (visible >= local_world_size) return local_rank;
-  if (visible == 1) return 0;
-  if (visible <= 0) {
-    throw config_error("local rank " + std::to_string(local_rank) +
-                       " needs a GPU, but this process sees none (" + cvd +
-                       "); check the driver (nvidia-smi) and what the launcher exposes");
+
+  static float to_float(std::uint16_t h) noexcept {
+    std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+    std::uint32_t exp = (h >> 10) & 0x1fu;
+    std::uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {
+      if (mant == 0) return std::bit_cast<float>(sign);
+      float value = std::ldexp(static_cast<float>(mant), -24);
+      return sign ? -value : value;
+    }
+    return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
   }
-  throw config_error(
-      "local rank " + std::to_string(local_rank) + " of " + std::to_string(local_world_size) +
-      " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
-      "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
-      "start no more ranks per node than it has GPUs");
+};
+
+/// bfloat16: the top half of a float32, rounded to nearest even.
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  bfloat16() = default;
+  explicit bfloat16(float f) noexcept : bits(from_float(f)) {}
+  explicit operator float() const noexcept { return to_float(bits); }
+  friend bool operator==(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+
+  static std::uint16_t from_float(float f) noexcept {
+    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+      return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return static_cast<std::uint16_t>(x >> 16);
+  }
+  static float to_float(std::uint16_t b) noexcept {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+  }
+};
+
+/// The element types every engine moves.
+enum class dtype : std::uint8_t { float32, float64, float16, bfloat16, int32, int64, uint8 };
+
+template <class T>
+concept element = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, float16> ||
+    std::same_as<T, bfloat16> || std::same_as<T, std::int32_t> || std::same_as<T, std::int64_t> ||
+    std::same_as<T, std::uint8_t>;
+
+template <element T>
+inline constexpr dtype dtype_of = std::same_as<T, float>          ? dtype::float32
+                                  : std::same_as<T, double>       ? dtype::float64
+                                  : std::same_as<T, float16>      ? dtype::float16
+                                  : std::same_as<T, bfloat16>     ? dtype::bfloat16
+                                  : std::same_as<T, std::int32_t> ? dtype::int32
+                                  : std::same_as<T, std::int64_t> ? dtype::int64
+                                                                  : dtype::uint8;
+
+[[nodiscard]] constexpr std::size_t size_of(dtype t) noexcept {
+  switch (t) {
+    case dtype::float64:
+    case dtype::int64: return 8;
+    case dtype::float32:
+    case dtype::int32: return 4;
+    case dtype::float16:
+    case dtype::bfloat16: return 2;
+    case dtype::uint8: return 1;
+  }
+  return 0;
 }
 
-}  // namespace dtrain
-// ---- end dtrain/env/device.hpp ----
-// ---- begin dtrain/env/discover.hpp ----
-/// @file
-/// discover_world(): who this process is, as a pure function of (environment,
-/// argv, options). See the README's launcher table for what each launcher
-/// sets and how dtrain reads it.
+[[nodiscard]] constexpr std::string_view to_string(dtype t) noexcept {
+  switch (t) {
+    case dtype::float32: return "float32";
+    case dtype::float64: return "float64";
+    case dtype::float16: return "float16";
+    case dtype::bfloat16: return "bfloat16";
+    case dtype::int32: return "int32";
+    case dtype::int64: return "int64";
+    case dtype::uint8: return "uint8";
+  }
+  return "unknown";
+}
 
-// ---- begin dtrain/detail/parse.hpp ----
+[[nodiscard]] constexpr bool is_floating(dtype t) noexcept {
+  return t == dtype::float32 || t == dtype::float64 || t == dtype::float16 || t == dtype::bfloat16;
+}
+
+/// Reductions. `avg` is the sum divided by the number of ranks, for
+/// floating-point types only (an integer mean would silently truncate).
+enum class reduce_op : std::uint8_t { sum, avg, min, max, prod };
+
+[[nodiscard]] constexpr std::string_view to_string(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "sum";
+    case reduce_op::avg: return "avg";
+    case reduce_op::min: return "min";
+    case reduce_op::max: return "max";
+    case reduce_op::prod: return "prod";
+  }
+  return "unknown";
+}
+
+/// Where a buffer lives.
+enum class memory : std::uint8_t { host, device };
+
+/// A buffer whose element type is known at run time: what the engines see.
+struct buffer {
+  void* data = nullptr;
+  std::size_t count = 0;
+  dtype type = dtype::float32;
+  memory where = memory::host;
+  /// The CUDA device of device memory, when known (a device_span states it);
+  /// -1: host memory, or the caller's current device.
+  int device = -1;
+
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
+};
+
+/// Views host memory as a buffer.
+template <element T>
+[[nodiscard]] buffer host_buffer(std::span<T> s) noexcept {
+  return {const_cast<std::remove_const_t<T>*>(s.data()), s.size(), dtype_of<std::remove_const_t<T>>,
+          memory::host};
+}
+template <element T>
+[[nodiscard]] buffer host_buffer(std::span<const T> s) noexcept {
+  return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
+}
+
+/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
+/// that is always null: how collectives that can order themselves after the
+/// caller's GPU work take the caller's stream (null: the legacy default stream).
+#if DTRAIN_HAS_CUDA()
+using stream_handle = cudaStream_t;
+#else
+using stream_handle = void*;
+#endif
+
+/// A span of device (GPU) memory: pointer, count and the CUDA device. The
+/// type says where the data lives, so a backend that cannot reach device
+/// memory rejects it at compile time (and NCCL rejects a std::span).
+template <class T>
+requires element<std::remove_const_t<T>>
+struct device_span {
+  T* data = nullptr;
+  std::size_t count = 0;
+  int device = -1;  ///< the CUDA device it was allocated on; -1: not stated
+
+  [[nodiscard]] buffer as_buffer() const noexcept {
+    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>,
+            memory::device, device};
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return count; }
+  /// The read-only view, for the inputs of allgather and reduce_scatter.
+  template <class U = T>
+  requires(!std::is_const_v<U>) [[nodiscard]] operator device_span<const U>() const noexcept {
+    return {data, count, device};
+  }
+};
+
+namespace detail {
+
+/// Reduces `in` into `inout` element-wise on the host (the engines' custom
+/// paths: 16-bit floats under MPI and Gloo). avg reduces as sum; the caller
+/// divides once at the end.
+template <element T>
+void reduce_host(T* inout, const T* in, std::size_t n, reduce_op op) noexcept {
+  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+    for (std::size_t i = 0; i < n; ++i) {
+      float a = static_cast<float>(inout[i]), b = static_cast<float>(in[i]);
+      float r = op == reduce_op::min    ? std::fmin(a, b)
+                : op == reduce_op::max  ? std::fmax(a, b)
+                : op == reduce_op::prod ? a * b
+                                        : a + b;
+      inout[i] = T(r);
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      T a = inout[i], b = in[i];
+      inout[i] = op == reduce_op::min    ? (b < a ? b : a)
+                 : op == reduce_op::max  ? (a < b ? b : a)
+                 : op == reduce_op::prod ? static_cast<T>(a * b)
+                                         : static_cast<T>(a + b);
+    }
+  }
+}
+
+/// Calls f.template operator()<T>() for the buffer's element type.
+template <class F>
+decltype(auto) visit(dtype t, F&& f) {
+  switch (t) {
+    case dtype::float32: return f.template operator()<float>();
+    case dtype::float64: return f.template operator()<double>();
+    case dtype::float16: return f.template operator()<float16>();
+    case dtype::bfloat16: return f.template operator()<bfloat16>();
+    case dtype::int32: return f.template operator()<std::int32_t>();
+    case dtype::int64: return f.template operator()<std::int64_t>();
+    case dtype::uint8: return f.template operator()<std::uint8_t>();
+  }
+  return f.template operator()<float>();
+}
+
+/// Divides every element by `n` (the avg of a host buffer reduced as sum).
+inline void divide_host(buffer b, int n) noexcept {
+  visit(b.type, [&]<class T>() {
+    if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+      auto* p = static_cast<T*>(b.data);
+      for (std::size_t i = 0; i < b.count; ++i)
+        p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    } else if constexpr (std::floating_point<T>) {
+      auto* p = static_cast<T*>(b.data);
+      for (std::size_t i = 0; i < b.count; ++i) p[i] /= static_cast<T>(n);
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/backend/types.hpp ----
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// Where a collective comes from, when not straight from the user: "bucket" 3.
+/// Set by label_scope on the thread that issues the collective.
+struct call_label {
+  const char* what = nullptr;  ///< a string literal ("bucket"); null: a user call
+  std::int64_t index = -1;
+};
+
+/// The label the calling thread's collectives are recorded with.
+inline call_label& current_call_label() noexcept {
+  thread_local call_label label;
+  return label;
+}
+
+/// Labels the collectives this thread issues while it lives ("bucket 3").
+class label_scope {
+ public:
+  label_scope(const char* what, std::int64_t index) noexcept : saved_(current_call_label()) {
+    current_call_label() = {what, index};
+  }
+  explicit label_scope(call_label label) noexcept : saved_(current_call_label()) {
+    current_call_label() = label;
+  }
+  ~label_scope() { current_call_label() = saved_; }
+  label_scope(const label_scope&) = delete;
+  label_scope& operator=(const label_scope&) = delete;
+
+ private:
+  call_label saved_;
+};
+
+/// How far one collective got on this rank.
+enum class call_state : std::uint8_t { issued, completed, failed, timed_out };
+
+inline constexpr std::string_view to_string(call_state s) noexcept {
+  switch (s) {
+    case call_state::issued: return "waiting";
+    case call_state::completed: return "completed";
+    case call_state::failed: return "failed";
+    case call_state::timed_out: return "timed out";
+  }
+  return "?";
+}
+
+/// A collective's fingerprint as one rank saw it, "call #N: kind, type,
+/// count", with where it came from and how far it got. The same struct for
+/// every engine, in the ring, on the wire and in the analysis.
+struct call_record {
+  std::int64_t seq = 0;  ///< 1 for the communicator's first collective
+  std::string kind;      ///< "allreduce"
+  dtype type = dtype::float32;
+  std::size_t count = 0;
+  int op = -1;        ///< a reduce_op, or -1
+  int root = -1;      ///< broadcast's root, or -1
+  std::string label;  ///< "bucket 3"; empty: a user call
+  call_state state = call_state::issued;
+
+  /// What every rank must agree on for the same sequence number.
+  [[nodiscard]] bool same_call(const call_record& o) const noexcept {
+    return kind == o.kind && type == o.type && count == o.count && op == o.op && root == o.root;
+  }
+};
+
+/// "allreduce(float32 × 65536, bucket 4)"; the op only when `with_op`.
+inline std::string describe_call(const call_record& r, bool with_op = false) {
+  std::string out = r.kind + "(";
+  if (with_op && r.op >= 0) out += std::string(to_string(static_cast<reduce_op>(r.op))) + ", ";
+  if (r.kind != "barrier")
+    out += std::string(to_string(r.type)) + " \u00d7 " + std::to_string(r.count);
+  if (r.root >= 0) out += ", root " + std::to_string(r.root);
+  if (!r.label.empty()) out += (r.kind != "barrier" ? ", " : "") + r.label;
+  return out + ")";
+}
+
+/// The last `capacity` collectives of one communicator. Thread-safe: the
+/// engine records from the issuing thread, work handles settle from theirs,
+/// the diagnostics thread takes snapshots. One short lock per collective.
+class collective_ring {
+ public:
+  static constexpr std::size_t capacity = 64;
+  static constexpr std::size_t kept_splits = 8;
+
+  /// `name` tells the communicator apart from its splits: "world", "world/split 1 (color 0)".
+  explicit collective_ring(std::string name = "world") : name_(std::move(name)) {}
+
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+
+  /// The ring of a communicator split from this one with `color`. Its name
+  /// counts this ring's splits, so every rank that splits in the same order
+  /// (as it must) gives the same child the same name. This ring keeps the
+  /// last `kept_splits` children, even once their communicators are gone:
+  /// where a rank was on them still explains a stall.
+  std::shared_ptr<collective_ring> make_child(int color) {
+    std::lock_guard lock(mutex_);
+    auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
+                                                   " (color " + std::to_string(color) + ")");
+    if (children_.size() == kept_splits) children_.erase(children_.begin());
+    children_.push_back(child);
+    return child;
+  }
+
+  /// This ring and those of its kept splits (recursively), each with its name.
+  [[nodiscard]] std::vector<std::pair<std::string, std::vector<call_record>>> snapshot_all() const {
+    std::vector<std::pair<std::string, std::vector<call_record>>> out;
+    out.emplace_back(name_, snapshot());
+    std::vector<std::shared_ptr<collective_ring>> children;
+    {
+      std::lock_guard lock(mutex_);
+      children = children_;
+    }
+    for (const auto& ring : children) {
+      for (auto& entry : ring->snapshot_all()) out.push_back(std::move(entry));
+    }
+    return out;
+  }
+
+  /// Records a new collective with the calling thread's label; returns its sequence number.
+  std::int64_t issue(std::string_view kind, dtype type, std::size_t count, int op, int root) {
+    const call_label label = current_call_label();
+    std::lock_guard lock(mutex_);
+    const std::int64_t seq = ++last_;
+    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
+    r.seq = seq;
+    r.kind.assign(kind);  // short names: no allocation (small-string buffer)
+    r.type = type;
+    r.count = count;
+    r.op = op;
+    r.root = root;
+    r.label.clear();
+    if (label.what) r.label.append(label.what).append(" ").append(std::to_string(label.index));
+    r.state = call_state::issued;
+    return seq;
+  }
+
+  /// Marks collective `seq` finished (or failed, or given up); a no-op once it left the ring.
+  void settle(std::int64_t seq, call_state state) noexcept {
+    std::lock_guard lock(mutex_);
+    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
+    if (r.seq == seq && r.state == call_state::issued) r.state = state;
+  }
+
+  /// The recorded collectives, oldest first.
+  [[nodiscard]] std::vector<call_record> snapshot() const {
+    std::lock_guard lock(mutex_);
+    std::vector<call_record> out;
+    const std::int64_t first = last_ >= static_cast<std::int64_t>(capacity)
+                                   ? last_ - static_cast<std::int64_t>(capacity) + 1
+                                   : 1;
+    for (std::int64_t s = first; s <= last_; ++s)
+      out.push_back(slots_[static_cast<std::size_t>(s) % capacity]);
+    return out;
+  }
+
+  /// The sequence number of the last collective issued (0: none yet).
+  [[nodiscard]] std::int64_t last() const {
+    std::lock_guard lock(mutex_);
+    return last_;
+  }
+
+ private:
+  std::string name_;
+  mutable std::mutex mutex_;
+  std::array<call_record, capacity> slots_{};
+  std::int64_t last_ = 0;
+  std::int64_t splits_ = 0;
+  std::vector<std::shared_ptr<collective_ring>> children_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/ring.hpp ----
+// ---- begin dtrain/backend/work.hpp ----
 /// @file
-/// Strict readers for the small values launchers hand us: counts, ports and
-/// `host:port`. Each failure is a config_error that quotes the variable and its
-/// value, because the person reading it has to find which launcher set what.
+/// `work`: the handle every asynchronous collective returns.
 
 // ---- begin dtrain/env/environment.hpp ----
 /// @file
@@ -240,10 +697,21 @@ class environment {
 
 }  // namespace dtrain
 // ---- end dtrain/env/environment.hpp ----
+// ---- begin dtrain/env/variables.hpp ----
+/// @file
+/// Typed readers of environment variables from a snapshot (dtrain::environment):
+/// counts, text, durations, switches and ports. Each failure is a config_error
+/// that quotes the variable and its value (detail/parse.hpp does the parsing).
+
+// ---- begin dtrain/detail/parse.hpp ----
+/// @file
+/// Strict parsers for the small values launchers hand us: counts, ports and
+/// `host:port`. Each failure is a config_error that quotes the variable and its
+/// value, because the person reading it has to find which launcher set what.
+/// Text in, value out: reading them from an environment is env/variables.hpp.
+
 
 #include <charconv>
-#include <chrono>
-#include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
@@ -302,65 +770,6 @@ inline int check_port(const std::string& what, int port) {
   return port;
 }
 
-/// Reads an integer variable; nullopt when unset, config_error when set but
-/// empty or not a non-negative integer.
-inline std::optional<sourced_int> read_int(const environment& env, std::string_view name) {
-  auto text = env.get(name);
-  if (!text) return std::nullopt;
-  auto origin = assignment(name, *text);
-  if (text->empty()) throw config_error(std::string(name) + " is set but empty");
-  return sourced_int{parse_non_negative(origin, *text), origin};
-}
-
-/// Reads a text variable; nullopt when unset, config_error when set but empty
-/// or when it has blanks (a host name never does; a stray space is a typo).
-inline std::optional<sourced_text> read_text(const environment& env, std::string_view name) {
-  auto text = env.get(name);
-  if (!text) return std::nullopt;
-  auto origin = assignment(name, *text);
-  if (text->empty()) throw config_error(std::string(name) + " is set but empty");
-  if (text->find_first_of(" \t\r\n") != std::string_view::npos) {
-    throw config_error(origin + " contains blanks");
-  }
-  return sourced_text{std::string(*text), origin};
-}
-
-/// Reads a duration variable given in seconds (fractions allowed, e.g.
-/// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
-/// positive number.
-inline std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
-                                                             std::string_view name) {
-  auto text = env.get(name);
-  if (!text) return std::nullopt;
-  double seconds = 0;
-  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-  if (text->empty() || ec != std::errc() || end != text->data() + text->size() ||
-      !(seconds > 0) || seconds > 1e9) {
-    throw config_error(assignment(name, *text) + " is not a positive number of seconds");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
-}
-
-/// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
-inline std::optional<bool> read_flag(const environment& env, std::string_view name) {
-  auto text = env.get(name);
-  if (!text) return std::nullopt;
-  for (std::string_view yes : {"1", "true", "yes", "on"}) {
-    if (*text == yes) return true;
-  }
-  for (std::string_view no : {"0", "false", "no", "off"}) {
-    if (*text == no) return false;
-  }
-  throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
-}
-
-/// Reads MASTER_PORT-style variables: an integer in 1..65535.
-inline std::optional<sourced_int> read_port(const environment& env, std::string_view name) {
-  auto port = read_int(env, name);
-  if (port) check_port(port->origin, port->value);
-  return port;
-}
-
 /// Splits `text` at every `separator` (an empty text gives no pieces).
 inline std::vector<std::string> split(std::string_view text, char separator) {
   std::vector<std::string> out;
@@ -416,6 +825,6454 @@ inline host_port split_host_port(const std::string& what, std::string_view text)
 
 }  // namespace dtrain::detail
 // ---- end dtrain/detail/parse.hpp ----
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+namespace dtrain::detail {
+
+/// Reads an integer variable; nullopt when unset, config_error when set but
+/// empty or not a non-negative integer.
+inline std::optional<sourced_int> read_int(const environment& env, std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  auto origin = assignment(name, *text);
+  if (text->empty()) throw config_error(std::string(name) + " is set but empty");
+  return sourced_int{parse_non_negative(origin, *text), origin};
+}
+
+/// Reads a text variable; nullopt when unset, config_error when set but empty
+/// or when it has blanks (a host name never does; a stray space is a typo).
+inline std::optional<sourced_text> read_text(const environment& env, std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  auto origin = assignment(name, *text);
+  if (text->empty()) throw config_error(std::string(name) + " is set but empty");
+  if (text->find_first_of(" \t\r\n") != std::string_view::npos) {
+    throw config_error(origin + " contains blanks");
+  }
+  return sourced_text{std::string(*text), origin};
+}
+
+/// Reads a duration variable given in seconds (fractions allowed, e.g.
+/// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
+/// positive number.
+inline std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                             std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  double seconds = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || end != text->data() + text->size() || !(seconds > 0) ||
+      seconds > 1e9) {
+    throw config_error(assignment(name, *text) + " is not a positive number of seconds");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+
+/// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
+inline std::optional<bool> read_flag(const environment& env, std::string_view name) {
+  auto text = env.get(name);
+  if (!text) return std::nullopt;
+  for (std::string_view yes : {"1", "true", "yes", "on"}) {
+    if (*text == yes) return true;
+  }
+  for (std::string_view no : {"0", "false", "no", "off"}) {
+    if (*text == no) return false;
+  }
+  throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
+}
+
+/// Reads MASTER_PORT-style variables: an integer in 1..65535.
+inline std::optional<sourced_int> read_port(const environment& env, std::string_view name) {
+  auto port = read_int(env, name);
+  if (port) check_port(port->origin, port->value);
+  return port;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/env/variables.hpp ----
+
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+namespace dtrain {
+
+/// Default limit for one collective to finish, as c10d's 10 minutes.
+/// Environment: DTRAIN_COLLECTIVE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_collective_timeout{600'000};
+
+/// Options every communicator takes. Aggregate: use designated initialisers.
+struct collective_options {
+  /// What work::wait() without an argument allows.
+  std::chrono::milliseconds timeout = default_collective_timeout;
+  /// Before each collective, compare what every rank passed (operation, count,
+  /// type, root) and report a mismatch instead of corrupting or hanging.
+  /// Costs one small allgather per collective. Environment: DTRAIN_CHECK_COLLECTIVES=1.
+  bool check = false;
+
+  /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
+  [[nodiscard]] collective_options with_env(const environment& env) const {
+    collective_options out = *this;
+    if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
+    if (auto flag = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *flag;
+    return out;
+  }
+};
+
+namespace detail {
+
+/// What a collective is, kept as plain fields so the hot path builds no
+/// strings; describe() formats it only when a message needs it.
+struct collective_info {
+  std::string_view collective;  ///< "allreduce"
+  std::string_view engine;      ///< "mpi"
+  int rank = 0;
+  int size = 1;
+  std::size_t count = 0;
+  std::uint8_t type = 0;  ///< a dtype
+  int op = -1;            ///< a reduce_op, or -1
+  int root = -1;          ///< broadcast's root, or -1
+};
+
+/// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
+inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
+                            std::string_view engine) {
+  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) +
+         " of " + std::to_string(size) + " (" + std::string(engine) + ")";
+}
+
+inline std::string describe(const collective_info& info) {
+  std::string detail;
+  if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
+  if (info.collective != "barrier") {
+    detail +=
+        std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
+  }
+  if (info.root >= 0) detail += ", root " + std::to_string(info.root);
+  return describe(info.collective, detail, info.rank, info.size, info.engine);
+}
+
+/// How a thread waits for work that others (a device, an engine's thread, a
+/// peer) finish: spins first (a collective often ends within microseconds),
+/// then yields, then sleeps: 20 us at first (an engine that progresses only
+/// inside its test call, like MPI's, still gets polled often), `longest`
+/// once the wait has gone on for a while.
+struct backoff {
+  std::chrono::microseconds longest{200};
+  unsigned rounds = 0;
+  void operator()() {
+    ++rounds;
+    if (rounds < 64) return;
+    if (rounds < 256) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(rounds < 4096 ? std::chrono::microseconds(20) : longest);
+  }
+};
+
+/// One outstanding collective, as a backend tracks it.
+class work_state {
+ public:
+  explicit work_state(std::string description, std::chrono::milliseconds timeout)
+      : description_(std::move(description)), timeout_(timeout) {}
+  work_state(const collective_info& info, std::chrono::milliseconds timeout)
+      : info_(info), timeout_(timeout) {}
+  virtual ~work_state() = default;
+  work_state(const work_state&) = delete;
+  work_state& operator=(const work_state&) = delete;
+
+  /// Makes progress; true once finished, successfully or not (see error()).
+  virtual bool poll() = 0;
+
+  /// Blocks until finished (true) or the deadline passes (false). The default
+  /// keeps calling poll(), for engines that advance only inside their test
+  /// call (MPI without a progress thread): a short spin, then yields, then
+  /// sleeps (detail::backoff), so a long wait costs no core.
+  /// Engines that finish on threads of their own (Gloo) override it to sleep
+  /// on a condition instead.
+  virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
+    backoff pause;
+    for (;;) {
+      if (poll()) return true;
+      if (std::chrono::steady_clock::now() > deadline) return poll();
+      pause();
+    }
+  }
+  /// A wait gave up: abort what the engine can abort, and mark the
+  /// communicator unusable where it cannot.
+  virtual void on_timeout() noexcept {}
+
+  [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
+  [[nodiscard]] const std::string& description() const {
+    if (description_.empty()) description_ = describe(info_);
+    return description_;
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+  /// Records this collective's end in `ring` as number `seq` (see collective_ring).
+  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept {
+    ring_ = std::move(ring);
+    seq_ = seq;
+  }
+  /// Called by work once it saw the end (or gave up): the ring learns how far it got.
+  void settle(call_state state) noexcept {
+    if (ring_) ring_->settle(seq_, state);
+  }
+
+  /// What every copy of a work handle shares: whether one of them saw the end
+  /// (then `poll()` is not called again), and the timeout one of them gave up
+  /// with. The first to see the end settles the ring; the rest see it done.
+  [[nodiscard]] bool seen_done() const noexcept {
+    return seen_done_.load(std::memory_order_acquire);
+  }
+  void see_done(call_state state) noexcept {
+    std::lock_guard lock(end_mutex_);
+    if (seen_done_.load(std::memory_order_relaxed)) return;
+    seen_done_.store(true, std::memory_order_release);
+    settle(state);
+  }
+  /// A handle gave up waiting: every copy now reports `timeout`. False when
+  /// a copy had seen the end first (nothing is recorded then).
+  bool see_timeout(std::exception_ptr timeout) noexcept {
+    std::lock_guard lock(end_mutex_);
+    if (seen_done_.load(std::memory_order_relaxed)) return false;
+    timed_out_ = std::move(timeout);
+    seen_done_.store(true, std::memory_order_release);
+    settle(call_state::timed_out);
+    return true;
+  }
+  [[nodiscard]] std::exception_ptr timed_out() const noexcept {
+    std::lock_guard lock(end_mutex_);
+    return timed_out_;
+  }
+
+ protected:
+  void fail(std::exception_ptr e) noexcept {
+    if (!error_) error_ = std::move(e);
+  }
+  /// For work whose limit is known only once it has started (a sequence takes its first step's).
+  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
+
+ private:
+  mutable std::string description_;  // "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
+  collective_info info_{};
+  std::chrono::milliseconds timeout_;
+  std::exception_ptr error_;
+  std::shared_ptr<collective_ring> ring_;
+  std::int64_t seq_ = 0;
+  std::atomic<bool> seen_done_{false};
+  mutable std::mutex end_mutex_;  // orders seen_done_ with timed_out_
+  std::exception_ptr timed_out_;
+};
+
+/// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
+inline std::int64_t record(collective_ring& ring, const collective_info& info) {
+  return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
+}
+
+}  // namespace detail
+
+/// The handle of one asynchronous collective. Cheap to copy: copies share
+/// their state, so what one copy saw (the end, a timeout) every copy sees.
+class work {
+ public:
+  /// A handle that is already complete.
+  work() = default;
+  explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
+
+  /// True once the collective has finished, successfully or not. Never blocks.
+  [[nodiscard]] bool test() {
+    if (!state_ || state_->seen_done()) return true;
+    if (state_->poll()) ended();
+    return state_->seen_done();
+  }
+
+  /// Waits for the communicator's timeout; see wait(timeout).
+  void wait() { wait(state_ ? state_->timeout() : std::chrono::milliseconds(0)); }
+
+  /// Waits until the collective finishes, then throws its error if it failed
+  /// (backend_error). Throws timeout_error naming the collective, the rank and
+  /// the time when it is not done within `timeout`; the communicator is then
+  /// aborted or marked unusable, as the engine allows.
+  void wait(std::chrono::milliseconds timeout) {
+    if (!finish_within(timeout)) give_up(timeout);
+    if (auto e = exception()) std::rethrow_exception(e);
+  }
+
+  /// Waits at most `timeout` and does nothing about it: true once finished
+  /// (exception() then says how), false while still running. For a watchdog,
+  /// which reports a timeout before it aborts: an abort may itself wait on a
+  /// device that never frees.
+  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
+    if (!state_ || test()) return true;
+    if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
+    ended();
+    return true;
+  }
+
+  /// The timeout_error wait(timeout) throws: the collective, the rank, the time.
+  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+    return std::make_exception_ptr(timeout_error(
+        (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
+        seconds +
+        "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+        "compares what every rank passed)"));
+  }
+
+  /// After finish_within(timeout) returned false: aborts what the engine can
+  /// abort (or marks the communicator unusable) and throws timeout_exception().
+  [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
+    auto e = timeout_exception(timeout);
+    if (state_ && state_->see_timeout(e)) state_->on_timeout();
+    std::rethrow_exception(e);
+  }
+
+  /// The limit wait() without an argument allows (the communicator's collective timeout).
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return state_ ? state_->timeout() : std::chrono::milliseconds(0);
+  }
+
+  /// The error the collective failed with (or the timeout), once finished; null otherwise.
+  [[nodiscard]] std::exception_ptr exception() const noexcept {
+    if (!state_ || !state_->seen_done()) return nullptr;
+    if (auto e = state_->timed_out()) return e;
+    return state_->error();
+  }
+
+ private:
+  void ended() noexcept {
+    state_->see_done(state_->error() ? detail::call_state::failed : detail::call_state::completed);
+  }
+
+  std::shared_ptr<detail::work_state> state_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/backend/work.hpp ----
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <iterator>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace dtrain {
+
+/// A group of ranks that runs collectives. Every call is asynchronous and
+/// returns a work handle; buffers must stay alive until it completes. All
+/// ranks must call the same collectives in the same order.
+///
+/// `split(color, key)` is collective: the ranks that pass the same color form
+/// a new communicator, ranked by key (then by rank here). A negative color
+/// means the same on every engine (MPI_UNDEFINED, NCCL_SPLIT_NOCOLOR): this
+/// rank joins no group, and gets a communicator whose `valid()` is false,
+/// `rank()` -1 and `size()` 0, on which every collective is a config_error.
+template <class C>
+concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int root) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  { c.allreduce(b, b, op) } -> std::same_as<work>;
+  { c.broadcast(b, root) } -> std::same_as<work>;
+  { c.allgather(b, b) } -> std::same_as<work>;
+  { c.reduce_scatter(b, b, op) } -> std::same_as<work>;
+  { c.barrier() } -> std::same_as<work>;
+  { c.split(root, root) } -> std::same_as<C>;
+  { cc.valid() } -> std::convertible_to<bool>;
+  { C::reaches_device_memory } -> std::convertible_to<bool>;
+  { C::reaches_host_memory } -> std::convertible_to<bool>;
+  { C::name } -> std::convertible_to<std::string_view>;
+};
+
+namespace detail {
+
+inline std::string shape(const buffer& b) {
+  return std::to_string(b.count) + " x " + std::string(to_string(b.type));
+}
+
+/// What a collective throws on a communicator that is not valid(): one that
+/// split() gave this rank for a negative color (`left_out`), or a moved-from one.
+[[noreturn]] inline void throw_invalid(const std::string& what, bool left_out) {
+  throw config_error(what + (left_out ? ": this rank passed a negative color to split() and "
+                                        "belongs to no communicator"
+                                      : ": the communicator was moved from"));
+}
+
+/// Checks what one rank can check alone; throws config_error naming the collective and the rank.
+struct argument_check {
+  std::string what;  // from describe(); empty when `info` describes the call
+  const collective_info* info = nullptr;
+
+  argument_check(std::string description) : what(std::move(description)) {}
+  argument_check(const collective_info& i) : info(&i) {}
+
+  void same_type(const buffer& in, const buffer& out) const {
+    if (in.type != out.type)
+      fail("input is " + std::string(to_string(in.type)) + ", output " +
+           std::string(to_string(out.type)));
+    if (in.where != out.where)
+      fail("input and output live in different memories (host and device)");
+  }
+  void count(const buffer& b, std::size_t expected, std::string_view which) const {
+    if (b.count != expected) {
+      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
+           std::to_string(expected));
+    }
+  }
+  void op_fits(reduce_op op, dtype t) const {
+    if (op == reduce_op::avg && !is_floating(t)) {
+      fail("avg of " + std::string(to_string(t)) +
+           " would truncate; average floating-point data, or sum and divide");
+    }
+  }
+  void root(int r, int size) const {
+    if (r < 0 || r >= size)
+      fail("root " + std::to_string(r) + " is not a rank of this communicator");
+  }
+  [[noreturn]] void fail(const std::string& why) const {
+    throw config_error((info ? describe(*info) : what) + ": " + why);
+  }
+};
+
+/// The collectives check mode knows by code, in every engine (0: another).
+inline constexpr std::string_view collective_kinds[] = {
+    "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
+    "barrier", "allreduce_many", "split"};
+
+[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
+  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
+    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  }
+  return 0;
+}
+
+/// What a rank passed to its `seq`-th collective on a communicator, compared
+/// across ranks in check mode: the ring's fingerprint (call_record) as int64s,
+/// built and compared the same way by every engine.
+struct signature {
+  std::int64_t seq = 0;   ///< the communicator's sequence number, as in its ring
+  std::int64_t kind = 0;  ///< collective_kind_code()
+  std::int64_t count = 0;
+  std::int64_t type = 0;  ///< a dtype
+  std::int64_t op = -1;   ///< a reduce_op, or -1
+  std::int64_t root = -1;
+  static constexpr std::size_t fields = 6;
+  friend bool operator==(const signature&, const signature&) = default;
+};
+
+/// The signature of collective number `seq`, described by `info`.
+[[nodiscard]] inline signature signature_of(std::int64_t seq,
+                                            const collective_info& info) noexcept {
+  return {seq,
+          collective_kind_code(info.collective),
+          static_cast<std::int64_t>(info.count),
+          static_cast<std::int64_t>(info.type),
+          info.op,
+          info.root};
+}
+
+/// How check mode names a call, for every engine: "collective #3:
+/// allreduce(sum, float32 × 5)" (the ring's describe_call).
+[[nodiscard]] inline std::string describe_collective(const signature& s) {
+  const auto kind = static_cast<std::size_t>(s.kind);
+  call_record r;
+  r.seq = s.seq;
+  r.kind = kind < std::size(collective_kinds) ? collective_kinds[kind] : collective_kinds[0];
+  r.type = static_cast<dtype>(s.type);
+  r.count = static_cast<std::size_t>(s.count);
+  r.op = static_cast<int>(s.op);
+  r.root = static_cast<int>(s.root);
+  return "collective #" + std::to_string(s.seq) + ": " + describe_call(r, true);
+}
+
+/// Gathers every rank's signature with `gather` (an allgather of int64s that
+/// is not itself checked) and throws backend_error naming the first rank
+/// whose call differs from this one's.
+inline void compare_signatures(
+    const signature& mine, int rank, int size, const std::string& what,
+    const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
+  const std::int64_t fields[signature::fields] = {mine.seq,  mine.kind, mine.count,
+                                                  mine.type, mine.op,   mine.root};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * signature::fields);
+  gather(fields, all);
+  for (int r = 0; r < size; ++r) {
+    const std::int64_t* f = &all[static_cast<std::size_t>(r) * signature::fields];
+    const signature theirs{f[0], f[1], f[2], f[3], f[4], f[5]};
+    if (theirs != mine) {
+      throw backend_error(what + ": rank " + std::to_string(r) + " called " +
+                              describe_collective(theirs) + ", rank " + std::to_string(rank) +
+                              " called " + describe_collective(mine),
+                          0);
+    }
+  }
+}
+
+}  // namespace detail
+
+// Typed collectives. A contiguous range (std::vector, std::array,
+// std::span, a C array) is host memory and a device_span GPU memory; each backend states which it
+// reaches, and a wrong pairing is a compile error (the engine's own run-time check is the second
+// line).
+
+namespace detail {
+template <communicator C>
+inline constexpr bool host_ok = C::reaches_host_memory;
+template <communicator C>
+inline constexpr bool device_ok = C::reaches_device_memory;
+}  // namespace detail
+
+#define DTRAIN_HOST_ONLY_MESSAGE                                                             \
+  "this backend moves host memory only (std::span): copy device data to the host first, or " \
+  "use backend::nccl (or MPI built with CUDA) for device_span"
+#define DTRAIN_DEVICE_ONLY_MESSAGE                                                            \
+  "this backend moves GPU memory only (device_span): NCCL cannot read a host std::span; put " \
+  "the data on the device, or send host data over the host control plane (the store, or an "  \
+  "MPI/Gloo communicator)"
+
+namespace detail {
+/// Host data a typed collective takes: any contiguous sized range of a
+/// dtrain element type (std::vector, std::array, std::span, a C array).
+template <class R>
+concept host_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
+    element<std::remove_cv_t<std::ranges::range_value_t<R>>>;
+/// A host_range whose elements may be written (an output).
+template <class R>
+concept writable_host_range =
+    host_range<R> && !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
+template <host_range R>
+using host_element = std::remove_cv_t<std::ranges::range_value_t<R>>;
+
+/// The buffer a host range is, by its data and size (no copy).
+template <host_range R>
+[[nodiscard]] buffer host_view(R&& r) noexcept {
+  using T = host_element<R>;
+  return {const_cast<T*>(std::ranges::data(r)), std::ranges::size(r), dtype_of<T>, memory::host};
+}
+/// `In` is `T` or `const T`: an input span may be read-only.
+template <class In, class T>
+concept element_or_const = std::same_as<std::remove_const_t<In>, T>;
+}  // namespace detail
+
+/// In place: every rank's `data` becomes the reduction over all ranks.
+/// `data`: a std::vector, std::array, std::span or C array of an element type.
+template <communicator C, detail::host_range R>
+work allreduce(C& c, R&& data, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(detail::writable_host_range<R>,
+                "allreduce in place writes `data`: pass it non-const");
+  return c.allreduce(detail::host_view(data), detail::host_view(data), op);
+}
+/// Out of place: `out` becomes the reduction of every rank's `in` (same element type).
+template <communicator C, detail::host_range In, detail::host_range Out>
+work allreduce(C& c, const In& in, Out&& out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "allreduce: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "allreduce writes `out`: pass it non-const");
+  return c.allreduce(detail::host_view(in), detail::host_view(out), op);
+}
+template <communicator C, element T>
+work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.allreduce(data.as_buffer(), data.as_buffer(), op);
+}
+
+/// `data` on every rank becomes root's.
+template <communicator C, detail::host_range R>
+work broadcast(C& c, R&& data, int root) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(detail::writable_host_range<R>, "broadcast writes `data`: pass it non-const");
+  return c.broadcast(detail::host_view(data), root);
+}
+template <communicator C, element T>
+work broadcast(C& c, device_span<T> data, int root) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.broadcast(data.as_buffer(), root);
+}
+
+/// `out` (size() × in.size() elements) becomes every rank's `in`, in rank order.
+template <communicator C, detail::host_range In, detail::host_range Out>
+work allgather(C& c, const In& in, Out&& out) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "allgather: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "allgather writes `out`: pass it non-const");
+  return c.allgather(detail::host_view(in), detail::host_view(out));
+}
+template <communicator C, element T, detail::element_or_const<T> In>
+work allgather(C& c, device_span<In> in, device_span<T> out) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.allgather(in.as_buffer(), out.as_buffer());
+}
+
+/// `in` (size() × out.size() elements) is reduced over ranks; rank r receives block r in `out`.
+template <communicator C, detail::host_range In, detail::host_range Out>
+work reduce_scatter(C& c, const In& in, Out&& out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "reduce_scatter: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "reduce_scatter writes `out`: pass it non-const");
+  return c.reduce_scatter(detail::host_view(in), detail::host_view(out), op);
+}
+template <communicator C, element T, detail::element_or_const<T> In>
+work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);
+}
+
+#undef DTRAIN_HOST_ONLY_MESSAGE
+#undef DTRAIN_DEVICE_ONLY_MESSAGE
+
+}  // namespace dtrain
+// ---- end dtrain/backend/communicator.hpp ----
+// ---- begin dtrain/backend/control.hpp ----
+/// @file
+/// The host control plane: small blocking collectives on host memory for
+/// what is metadata rather than gradients (model agreement, the bucket
+/// rebuild order, checksums, bootstrap). A device engine such as NCCL never
+/// carries them. Two channels: `store_channel` (over the rendezvous store;
+/// works for every backend) and `communicator_channel` (over a communicator
+/// that reaches host memory: MPI, Gloo). `control_plane` refers to either.
+
+// ---- begin dtrain/rendezvous/store.hpp ----
+/// @file
+/// The `store` concept (what bootstraps the engines and runs barriers), and
+/// prefix_store, which gives each job, restart round and subsystem its own
+/// namespace within one store.
+
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// A key-value store that every rank reaches: set / get (waits) / add /
+/// compare_set / wait / check / erase, and barrier. Gloo's five-method store
+/// is the model.
+template <class S>
+concept store = requires(S& s, std::string_view key, std::span<const std::string> keys,
+                         std::chrono::milliseconds timeout) {
+  s.set(key, key);
+  { s.get(key) } -> std::convertible_to<std::string>;
+  { s.get(key, timeout) } -> std::convertible_to<std::string>;
+  { s.add(key, std::int64_t{1}) } -> std::convertible_to<std::int64_t>;
+  { s.compare_set(key, key, key) } -> std::convertible_to<std::string>;
+  s.wait(keys);
+  s.wait(keys, timeout);
+  { s.check(keys) } -> std::convertible_to<bool>;
+  { s.erase(key) } -> std::convertible_to<bool>;
+  { s.num_keys() } -> std::convertible_to<std::int64_t>;
+  s.barrier(key, 1);
+  s.barrier(key, 1, timeout);
+};
+
+/// A view of another store in which every key (and barrier name) is
+/// `prefix/key`. Nests: prefix_store(prefix_store(s, "job7"), "restart2").
+/// Does not own the underlying store, which must outlive it.
+template <store S>
+class prefix_store {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
+
+  void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
+  [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    return inner_.get(full(key), timeout);
+  }
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    return inner_.add(full(key), delta);
+  }
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    return inner_.compare_set(full(key), expected, desired);
+  }
+  void wait(std::span<const std::string> keys) { inner_.wait(full(keys)); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    inner_.wait(full(keys), timeout);
+  }
+  [[nodiscard]] bool check(std::span<const std::string> keys) { return inner_.check(full(keys)); }
+  bool erase(std::string_view key) { return inner_.erase(full(key)); }
+  /// Keys in the whole underlying store, not only under this prefix.
+  [[nodiscard]] std::int64_t num_keys() { return inner_.num_keys(); }
+  void barrier(std::string_view name, int count) { inner_.barrier(full(name), count); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    inner_.barrier(full(name), count, timeout);
+  }
+
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+
+ private:
+  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  std::vector<std::string> full(std::span<const std::string> keys) const {
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& k : keys) out.push_back(full(k));
+    return out;
+  }
+
+  S& inner_;
+  std::string prefix_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/store.hpp ----
+
+#include <concepts>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Blocking host collectives among the ranks of a job. Every rank calls the
+/// same operations in the same order; each is bounded by the channel's
+/// timeout (the store's, or the communicator's collective timeout).
+template <class C>
+concept host_channel = requires(C& c, const C& cc, std::span<const std::int64_t> in,
+                                std::span<std::int64_t> out, std::span<std::uint8_t> bytes) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  c.allgather(in, out);   // out: size() * in.size(), in rank order
+  c.broadcast(bytes, 0);  // every rank passes the same length
+};
+
+/// Host collectives through the rendezvous store: allgather is a key per
+/// rank, broadcast one key from the root. The last rank to read a round
+/// erases its keys, so the store holds at most one round per channel.
+template <store Store>
+class store_channel {
+ public:
+  /// `prefix` names this channel's keys; every rank must use the same one.
+  store_channel(Store& store, int rank, int size, std::string prefix = "control")
+      : store_(store), rank_(rank), size_(size), prefix_(std::move(prefix) + "/") {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    const std::string round = next_round();
+    const std::size_t bytes = in.size_bytes();
+    if (out.size() != in.size() * static_cast<std::size_t>(size_)) {
+      throw config_error("store_channel::allgather on rank " + std::to_string(rank_) +
+                         ": output has " + std::to_string(out.size()) + " elements, expected " +
+                         std::to_string(in.size() * static_cast<std::size_t>(size_)));
+    }
+    store_.set(round + std::to_string(rank_),
+               std::string_view(reinterpret_cast<const char*>(in.data()), bytes));
+    for (int r = 0; r < size_; ++r) {
+      const std::string key = round + std::to_string(r);
+      const std::string value = r == rank_
+                                    ? std::string(reinterpret_cast<const char*>(in.data()), bytes)
+                                    : store_.get(key);
+      expect_length(key, value, bytes, r);
+      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), value.data(), bytes);
+    }
+    finish(round, [&] {
+      for (int r = 0; r < size_; ++r) store_.erase(round + std::to_string(r));
+    });
+  }
+
+  void broadcast(std::span<std::uint8_t> data, int root) {
+    if (root < 0 || root >= size_) {
+      throw config_error("store_channel::broadcast: root " + std::to_string(root) +
+                         " is not a rank of " + std::to_string(size_));
+    }
+    const std::string round = next_round();
+    const std::string key = round + "root";
+    if (rank_ == root) {
+      store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
+    } else {
+      const std::string value = store_.get(key);
+      expect_length(key, value, data.size(), root);
+      if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
+    }
+    finish(round, [&] { store_.erase(key); });
+  }
+
+ private:
+  std::string next_round() { return prefix_ + std::to_string(++round_) + "/"; }
+
+  void expect_length(const std::string& key, const std::string& value, std::size_t bytes,
+                     int from) const {
+    if (value.size() != bytes) {
+      throw rendezvous_error("control plane: store key " + key + " from rank " +
+                             std::to_string(from) + " has " + std::to_string(value.size()) +
+                             " bytes, rank " + std::to_string(rank_) + " expected " +
+                             std::to_string(bytes) +
+                             "; the ranks called different control operations, or another "
+                             "program wrote under this prefix");
+    }
+  }
+
+  template <class Erase>
+  void finish(const std::string& round, Erase&& erase) {
+    const std::string read = round + "read";
+    if (store_.add(read, 1) == size_) {
+      erase();
+      store_.erase(read);
+    }
+  }
+
+  Store& store_;
+  int rank_;
+  int size_;
+  std::string prefix_;
+  std::uint64_t round_ = 0;
+};
+
+/// Host collectives on a communicator that reaches host memory, each waited
+/// for within its collective timeout.
+template <communicator C>
+class communicator_channel {
+  static_assert(C::reaches_host_memory,
+                "communicator_channel needs a communicator that reaches host memory (MPI, "
+                "Gloo); for NCCL use the context's control plane or a store_channel");
+
+ public:
+  explicit communicator_channel(C& comm) noexcept : comm_(comm) {}
+  [[nodiscard]] int rank() const { return comm_.rank(); }
+  [[nodiscard]] int size() const { return comm_.size(); }
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    dtrain::allgather(comm_, in, out).wait();
+  }
+  void broadcast(std::span<std::uint8_t> data, int root) {
+    if (!data.empty()) dtrain::broadcast(comm_, data, root).wait();
+  }
+
+ private:
+  C& comm_;
+};
+
+class control_plane;
+
+/// A host_channel other than control_plane itself (which copies instead).
+template <class C>
+concept channel_to_refer_to = host_channel<C> && !std::same_as<C, control_plane>;
+
+/// A reference to any host_channel, for code that must not be a template on
+/// it (DistributedDataParallel keeps one). The channel must outlive it.
+class control_plane {
+ public:
+  template <channel_to_refer_to Channel>
+  explicit control_plane(Channel& channel) noexcept
+      : channel_(&channel),
+        rank_(channel.rank()),
+        size_(channel.size()),
+        allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+          static_cast<Channel*>(c)->allgather(in, out);
+        }),
+        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
+          static_cast<Channel*>(c)->broadcast(data, root);
+        }) {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    allgather_(channel_, in, out);
+  }
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
+
+ private:
+  void* channel_;
+  int rank_;
+  int size_;
+  void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
+  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
+};
+
+static_assert(host_channel<control_plane>);
+
+}  // namespace dtrain
+// ---- end dtrain/backend/control.hpp ----
+// ---- begin dtrain/backend/cuda.hpp ----
+/// @file
+/// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
+/// of a stream, an event and the current device. Host C++ only (the runtime
+/// API, never a kernel), so it builds with g++ and with nvcc alike. Compiles
+/// to nothing unless DTRAIN_HAS_CUDA().
+
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <new>
+#include <string>
+#include <utility>
+
+namespace dtrain::detail {
+
+/// The size of the pinned block that stages `bytes`: a power of two, 64 KiB
+/// at least, so that a pool of them is reused across calls of varying sizes
+/// and wastes at most half of a block.
+[[nodiscard]] constexpr std::size_t staging_block_bytes(std::size_t bytes) noexcept {
+  std::size_t block = std::size_t{64} << 10;
+  while (block < bytes && block <= (~std::size_t{0} >> 1)) block <<= 1;
+  return block < bytes ? bytes : block;
+}
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+
+namespace dtrain::detail {
+
+/// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
+/// (cudaError_t 101, at file:line)".
+inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
+  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
+         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
+         ", at " + file + ":" + std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
+                                          int line) {
+  // Clear a non-sticky error, so that the next unrelated call does not report it again.
+  (void)cudaGetLastError();
+  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (a CUDA runtime function returning cudaError_t) and throws
+/// dtrain::backend_error with the call as written, file:line, the runtime's
+/// error name and string, and the code (backend_error::engine_code()).
+#define DTRAIN_CUDA_CHECK(call)                                                           \
+  do {                                                                                    \
+    const cudaError_t dtrain_cuda_status_ = (call);                                       \
+    if (dtrain_cuda_status_ != cudaSuccess)                                               \
+      ::dtrain::detail::throw_cuda_error(dtrain_cuda_status_, #call, __FILE__, __LINE__); \
+  } while (false)
+
+namespace dtrain::detail {
+
+/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
+/// wait: work still queued on the stream completes, then the stream goes.
+class cuda_stream {
+ public:
+  cuda_stream() = default;
+  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  cuda_stream& operator=(cuda_stream&& other) noexcept {
+    if (this != &other) {
+      reset();
+      stream_ = std::exchange(other.stream_, nullptr);
+    }
+    return *this;
+  }
+  cuda_stream(const cuda_stream&) = delete;
+  cuda_stream& operator=(const cuda_stream&) = delete;
+  ~cuda_stream() { reset(); }
+
+  /// A stream on the current device that does not synchronise with the legacy
+  /// default stream: ordering with the caller's streams is explicit (events).
+  [[nodiscard]] static cuda_stream non_blocking() {
+    cuda_stream s;
+    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
+class cuda_event {
+ public:
+  cuda_event() = default;
+  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
+  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  cuda_event& operator=(cuda_event&& other) noexcept {
+    if (this != &other) {
+      reset();
+      event_ = std::exchange(other.event_, nullptr);
+    }
+    return *this;
+  }
+  cuda_event(const cuda_event&) = delete;
+  cuda_event& operator=(const cuda_event&) = delete;
+  ~cuda_event() { reset(); }
+
+  [[nodiscard]] static cuda_event create() {
+    cudaEvent_t e = nullptr;
+    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return cuda_event(e);
+  }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (event_) (void)cudaEventDestroy(event_);
+    event_ = nullptr;
+  }
+  cudaEvent_t event_ = nullptr;
+};
+
+/// Whether this thread has a current CUDA context, asked of the driver
+/// (cuCtxGetCurrent, found through the runtime, so nothing links libcuda).
+/// The runtime's cudaGetDevice answers 0 on a thread that never used a GPU,
+/// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
+/// GiB) for a rank that does not use it. True when the driver cannot say.
+[[nodiscard]] inline bool thread_has_cuda_context() noexcept {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static const get_current_fn get_current = []() noexcept -> get_current_fn {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t rc =
+        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t rc =
+        cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found);
+#endif
+    if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<get_current_fn>(fn);
+  }();
+  if (get_current == nullptr) return true;
+  void* context = nullptr;
+  return get_current(&context) == 0 && context != nullptr;
+#else
+  return true;
+#endif
+}
+
+/// Makes `device` current for a scope, and restores the previous device
+/// after it only where this thread had a context: on a fresh thread (a
+/// watchdog, a communication thread) the device stays `device`, so that no
+/// context is created on a GPU the rank does not use. Switches only when
+/// needed (a cudaSetDevice costs more than a cudaGetDevice).
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      const bool restore = thread_has_cuda_context();
+      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = restore;
+    }
+  }
+  /// For destructors and other noexcept paths: failures are ignored.
+  device_guard(int device, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (previous_ != device) {
+      const bool restore = thread_has_cuda_context();
+      switched_ = cudaSetDevice(device) == cudaSuccess && restore;
+    }
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() {
+    if (switched_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+/// Pinned (page-locked) host blocks for staging device buffers through host
+/// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens
+/// only when no free block of the size class is left. What the pool holds is
+/// bounded by the largest set of stagings in flight at once (each block at most
+/// twice its use). Also owns one non-blocking copy stream per device. Thread-safe.
+class pinned_pool {
+ public:
+  pinned_pool() = default;
+  pinned_pool(const pinned_pool&) = delete;
+  pinned_pool& operator=(const pinned_pool&) = delete;
+  ~pinned_pool() {
+    for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
+    for (auto& [device, stream] : streams_) {
+      device_guard on(device, std::nothrow);
+      (void)cudaStreamDestroy(stream);
+    }
+  }
+
+  /// A block of staging_block_bytes(bytes) (null for 0 bytes); give it back with give().
+  /// Call under a device_guard for the device being staged.
+  [[nodiscard]] void* take(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    const std::size_t size = staging_block_bytes(bytes);
+    {
+      std::lock_guard lock(mutex_);
+      auto it = free_.find(size);
+      if (it != free_.end()) {
+        void* block = it->second;
+        free_.erase(it);
+        return block;
+      }
+    }
+    void* block = nullptr;
+    DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
+    std::lock_guard lock(mutex_);
+    held_ += size;
+    return block;
+  }
+
+  /// Returns a block from take(bytes) for reuse.
+  void give(void* block, std::size_t bytes) noexcept {
+    if (block == nullptr) return;
+    try {
+      std::lock_guard lock(mutex_);
+      free_.emplace(staging_block_bytes(bytes), block);
+    } catch (...) {
+      (void)cudaFreeHost(block);
+      std::lock_guard lock(mutex_);
+      held_ -= staging_block_bytes(bytes);
+    }
+  }
+
+  /// The pool's copy stream on `device` (created on first use, under a guard).
+  [[nodiscard]] cudaStream_t copy_stream(int device) {
+    std::lock_guard lock(mutex_);
+    auto it = streams_.find(device);
+    if (it != streams_.end()) return it->second;
+    device_guard on(device);
+    cuda_stream s = cuda_stream::non_blocking();
+    cudaStream_t raw = s.get();
+    streams_.emplace(device, raw);
+    (void)s.release();
+    return raw;
+  }
+
+  /// Pinned bytes allocated and not freed: blocks in use and free ones.
+  [[nodiscard]] std::size_t held_bytes() const {
+    std::lock_guard lock(mutex_);
+    return held_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;
+  std::map<int, cudaStream_t> streams_;
+  std::size_t held_ = 0;
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_CUDA()
+// ---- end dtrain/backend/cuda.hpp ----
+// ---- begin dtrain/backend/desync.hpp ----
+/// @file
+/// Desync analysis: from every rank's ring of last collectives (or its
+/// silence), which rank is behind, which collective it never started, what
+/// the others wait in, and which sequence numbers were called with different
+/// arguments. Pure functions over the rings, so they are unit-tested on the
+/// host; diagnostics.hpp gathers the rings through the store and prints.
+
+// ---- begin dtrain/detail/wire.hpp ----
+/// @file
+/// The one binary format of everything dtrain sends between processes: the
+/// store's protocol (rendezvous/protocol.hpp) and every value dtrain keeps in
+/// the store or broadcasts (launch/protocol.hpp, env/placement.hpp, the rings
+/// of backend/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
+/// u16 / u32 length followed by that many bytes. Every read is bounds checked.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace dtrain::detail::wire {
+
+/// A request or reply that breaks the protocol; the connection is closed.
+struct violation : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Appends little-endian fields to a buffer.
+class writer {
+ public:
+  explicit writer(std::string& out) : out_(out) {}
+  writer& u8(std::uint8_t v) {
+    out_ += static_cast<char>(v);
+    return *this;
+  }
+  writer& u16(std::uint16_t v) { return le(v, 2); }
+  writer& u32(std::uint32_t v) { return le(v, 4); }
+  writer& u64(std::uint64_t v) { return le(v, 8); }
+  writer& i64(std::int64_t v) { return le(static_cast<std::uint64_t>(v), 8); }
+  writer& bytes16(std::string_view s) {
+    u16(static_cast<std::uint16_t>(s.size()));
+    out_.append(s);
+    return *this;
+  }
+  writer& bytes32(std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    out_.append(s);
+    return *this;
+  }
+
+ private:
+  writer& le(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+    return *this;
+  }
+  std::string& out_;
+};
+
+/// Reads little-endian fields from a received body; every read is bounds
+/// checked and throws `violation` naming what was cut short.
+class reader {
+ public:
+  explicit reader(std::string_view in) : in_(in) {}
+  std::uint8_t u8(const char* what) { return static_cast<std::uint8_t>(le(1, what)); }
+  std::uint16_t u16(const char* what) { return static_cast<std::uint16_t>(le(2, what)); }
+  std::uint32_t u32(const char* what) { return static_cast<std::uint32_t>(le(4, what)); }
+  std::uint64_t u64(const char* what) { return le(8, what); }
+  std::int64_t i64(const char* what) { return static_cast<std::int64_t>(le(8, what)); }
+  std::string_view bytes32(const char* what, std::uint32_t limit) {
+    return sized(u32(what), what, limit);
+  }
+  std::string_view bytes16(const char* what, std::uint32_t limit) {
+    return sized(u16(what), what, limit);
+  }
+  /// A bytes32 field bounded only by what is left of the input.
+  std::string_view bytes32(const char* what) { return take(u32(what), what); }
+  [[nodiscard]] bool at_end() const noexcept { return pos_ == in_.size(); }
+  void finish(const char* what) const {
+    if (pos_ != in_.size()) {
+      throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
+                      " unexpected trailing bytes");
+    }
+  }
+
+ private:
+  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit) {
+    if (n > limit) {
+      throw violation(std::string(what) + " of " + std::to_string(n) +
+                      " bytes exceeds the limit of " + std::to_string(limit));
+    }
+    return take(n, what);
+  }
+  std::string_view take(std::size_t n, const char* what) {
+    if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
+    auto out = in_.substr(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  std::uint64_t le(int n, const char* what) {
+    auto bytes = take(static_cast<std::size_t>(n), what);
+    std::uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i)
+      v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
+    return v;
+  }
+  std::string_view in_;
+  std::size_t pos_ = 0;
+};
+
+/// Decodes `value`, which `where` ("store key dtrain/agent/0/failure", "rank
+/// 0's broadcast") should hold as `what` ("a node agent's failure record"):
+/// `read(reader&)` reads the fields and every byte must be used. A short, long
+/// or otherwise malformed value (a codec throws `violation` for a field out of
+/// range) becomes a rendezvous_error naming where, what and what was wrong.
+template <class Read>
+auto decode_value(std::string_view where, std::string_view value, std::string_view what,
+                  Read&& read) {
+  try {
+    reader r(value);
+    auto out = std::forward<Read>(read)(r);
+    r.finish("the value");
+    return out;
+  } catch (const violation& e) {
+    throw rendezvous_error(std::string(where) + " does not hold " + std::string(what) + " (" +
+                           std::to_string(value.size()) + " bytes): " + e.what() +
+                           "; another program, or another dtrain version, wrote it");
+  }
+}
+
+/// A value of one int64 (a rank, a port, a present-flag).
+inline std::string encode_int(std::int64_t v) {
+  std::string out;
+  writer(out).i64(v);
+  return out;
+}
+inline std::int64_t decode_int(std::string_view where, std::string_view value,
+                               std::string_view what) {
+  return decode_value(where, value, what, [](reader& r) { return r.i64("the number"); });
+}
+
+/// A value of one text (a reason, a token).
+inline std::string encode_text(std::string_view text) {
+  std::string out;
+  writer(out).bytes32(text);
+  return out;
+}
+inline std::string decode_text(std::string_view where, std::string_view value,
+                               std::string_view what) {
+  return decode_value(where, value, what,
+                      [](reader& r) { return std::string(r.bytes32("the text")); });
+}
+
+}  // namespace dtrain::detail::wire
+// ---- end dtrain/detail/wire.hpp ----
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's ring as the diagnostics round received it; `answered` false
+/// when the rank did not publish in time (its process is gone or frozen).
+struct rank_ring {
+  int rank = 0;
+  bool answered = false;
+  std::vector<call_record> calls;  ///< oldest first
+};
+
+/// What the analysis found: one line for the person at 3 a.m., and the details.
+struct desync_report {
+  std::string
+      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
+  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
+  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
+  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
+  int severity = 0;
+};
+
+/// "rank 2", "ranks 0, 1, 3".
+inline std::string name_ranks(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+namespace desync {
+
+inline std::string at(const call_record& r, bool with_op = false) {
+  return "#" + std::to_string(r.seq) + " " + describe_call(r, with_op);
+}
+
+// What differs between two calls with the same sequence number, for the summary.
+inline std::string difference(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return "the collectives differ";
+  if (a.type != b.type) return "the types differ";
+  if (a.count != b.count) return "the sizes differ";
+  if (a.op != b.op) return "the reduce ops differ";
+  return "the roots differ";
+}
+
+// Ranks grouped by what they called as number `seq`, the largest group first
+// (on a tie the group of the lowest rank): the odd ones out come after.
+struct call_group {
+  const call_record* call;
+  std::vector<int> ranks;
+};
+inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std::int64_t seq) {
+  std::vector<call_group> groups;
+  for (const rank_ring& r : rings) {
+    for (const call_record& c : r.calls) {
+      if (c.seq != seq) continue;
+      auto same = std::find_if(groups.begin(), groups.end(),
+                               [&](const call_group& g) { return g.call->same_call(c); });
+      if (same == groups.end()) {
+        groups.push_back({&c, {r.rank}});
+      } else {
+        same->ranks.push_back(r.rank);
+      }
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
+    return a.ranks.size() > b.ranks.size();
+  });
+  return groups;
+}
+
+}  // namespace desync
+
+/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
+/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
+/// missing; what cannot be decided is said so.
+inline desync_report analyse(std::span<const rank_ring> rings) {
+  desync_report report;
+  std::vector<int> silent;
+  std::vector<const rank_ring*> live;
+  for (const rank_ring& r : rings) {
+    if (r.answered) {
+      live.push_back(&r);
+    } else {
+      silent.push_back(r.rank);
+    }
+  }
+  auto top = [](const rank_ring& r) -> std::int64_t {
+    return r.calls.empty() ? 0 : r.calls.back().seq;
+  };
+
+  // One row per rank: the last collective it issued and how far it got.
+  for (const rank_ring& r : rings) {
+    std::string row = "rank " + std::to_string(r.rank) + ": ";
+    if (!r.answered) {
+      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
+    } else if (r.calls.empty()) {
+      row += "no collective issued yet";
+    } else {
+      const call_record& last = r.calls.back();
+      row += desync::at(last) + " " + std::string(to_string(last.state));
+      if (r.calls.size() > 1) {
+        const call_record& before = r.calls[r.calls.size() - 2];
+        row +=
+            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
+      }
+    }
+    report.details.push_back(std::move(row));
+  }
+
+  // Sequence numbers called with different arguments, oldest first.
+  std::string mismatch;
+  std::int64_t lowest = 0, highest = 0;
+  for (const rank_ring* r : live) {
+    if (r->calls.empty()) continue;
+    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
+    highest = std::max(highest, top(*r));
+  }
+  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
+    auto groups = desync::group_calls(rings, seq);
+    if (groups.size() < 2) continue;
+    bool ops = false;
+    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
+    std::string line;
+    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
+      line += (line.empty() ? "" : "; ") + name_ranks(groups[i].ranks) +
+              (groups[i].ranks.size() == 1 ? " is in " : " are in ") +
+              desync::at(*groups[i].call, ops);
+    }
+    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
+            " for the same collective";
+    report.details.push_back("mismatch: " + line);
+    if (mismatch.empty()) mismatch = line;
+  }
+
+  // The rank(s) behind: the lowest last sequence number among those that answered.
+  std::string behind;
+  if (!live.empty()) {
+    std::int64_t low = top(*live.front()), high = low;
+    for (const rank_ring* r : live) {
+      low = std::min(low, top(*r));
+      high = std::max(high, top(*r));
+    }
+    if (low < high) {
+      std::vector<int> late, waiting, past;
+      const call_record* missing = nullptr;
+      const call_record* last_late = nullptr;
+      for (const rank_ring* r : live) {
+        if (top(*r) == low) {
+          late.push_back(r->rank);
+          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
+          continue;
+        }
+        for (const call_record& c : r->calls) {
+          if (c.seq != low + 1) continue;
+          if (!missing) missing = &c;
+          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
+        }
+      }
+      const bool one = late.size() == 1;
+      behind = name_ranks(late) + (one ? " is at " : " are at ") +
+               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
+      if (!waiting.empty())
+        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
+      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
+      if (missing) {
+        behind += desync::at(*missing);
+      } else {
+        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
+      }
+      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
+    }
+  }
+
+  std::string gone;
+  if (!silent.empty()) {
+    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
+    std::vector<int> waiting;
+    const call_record* in = nullptr;
+    for (const rank_ring* r : live) {
+      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
+      waiting.push_back(r->rank);
+      if (!in) in = &r->calls.back();
+    }
+    if (in)
+      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
+              desync::at(*in);
+  }
+
+  if (!mismatch.empty()) {
+    report.summary = mismatch;
+    report.severity = 4;
+  } else if (!behind.empty()) {
+    report.summary = behind;
+    report.severity = 3;
+  } else if (!gone.empty()) {
+    report.summary = gone;
+    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
+  } else if (!live.empty() && !live.front()->calls.empty()) {
+    const call_record& last = live.front()->calls.back();
+    report.summary =
+        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
+  } else {
+    report.summary = "no rank has issued a collective yet";
+  }
+  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
+  return report;
+}
+
+/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
+inline std::string format_report(std::string_view header, const desync_report& report) {
+  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
+  for (const std::string& d : report.details) out += "    " + d + "\n";
+  return out;
+}
+
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
+/// ring count u32, then per communicator its name bytes32, call count u32 and
+/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
+/// state u8, label bytes32.
+inline std::string encode_rings(const named_rings& rings) {
+  std::string out;
+  wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
+  for (const auto& [name, calls] : rings) {
+    w.bytes32(name).u32(static_cast<std::uint32_t>(calls.size()));
+    for (const call_record& c : calls) {
+      w.i64(c.seq)
+          .bytes32(c.kind)
+          .u8(static_cast<std::uint8_t>(c.type))
+          .u64(c.count)
+          .i64(c.op)
+          .i64(c.root)
+          .u8(static_cast<std::uint8_t>(c.state))
+          .bytes32(c.label);
+    }
+  }
+  return out;
+}
+
+/// The rings of encode_rings' value; nothing when it is not such a value (the
+/// rank then counts as not answering: diagnostics never throw).
+inline std::optional<named_rings> decode_rings(std::string_view value) {
+  try {
+    return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
+      if (const auto version = r.u8("the version"); version != 1) {
+        throw wire::violation("version " + std::to_string(version) + " is not 1");
+      }
+      named_rings rings;
+      const std::uint32_t count = r.u32("the ring count");
+      for (std::uint32_t i = 0; i < count; ++i) {
+        auto& [name, calls] =
+            rings.emplace_back(std::string(r.bytes32("a ring's name")), std::vector<call_record>{});
+        const std::uint32_t n = r.u32("the call count");
+        for (std::uint32_t k = 0; k < n; ++k) {
+          call_record c;
+          c.seq = r.i64("seq");
+          c.kind = r.bytes32("kind");
+          const std::uint8_t type = r.u8("type");
+          if (type > static_cast<std::uint8_t>(dtype::uint8)) throw wire::violation("a bad type");
+          c.type = static_cast<dtype>(type);
+          c.count = static_cast<std::size_t>(r.u64("count"));
+          c.op = static_cast<int>(r.i64("op"));
+          c.root = static_cast<int>(r.i64("root"));
+          const std::uint8_t state = r.u8("state");
+          if (state > static_cast<std::uint8_t>(call_state::timed_out)) {
+            throw wire::violation("a bad state");
+          }
+          c.state = static_cast<call_state>(state);
+          c.label = r.bytes32("label");
+          calls.push_back(std::move(c));
+        }
+      }
+      return rings;
+    });
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
+  }
+}
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+inline desync_report analyse_job(std::span<const rank_publication> ranks) {
+  std::vector<std::string> names;
+  int answering = 0;
+  for (const rank_publication& p : ranks) {
+    answering += p.answered ? 1 : 0;
+    for (const auto& entry : p.rings) {
+      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
+        names.push_back(entry.first);
+    }
+  }
+  if (names.empty()) names.push_back("world");
+  std::vector<std::pair<std::string, desync_report>> reports;
+  for (const std::string& name : names) {
+    std::vector<rank_ring> rings;
+    for (const rank_publication& p : ranks) {
+      if (!p.answered) {
+        rings.push_back({p.rank, false, {}});
+        continue;
+      }
+      for (const auto& entry : p.rings) {
+        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
+      }
+    }
+    const auto members =
+        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
+    if (members < answering) {
+      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
+    }
+    reports.emplace_back(name, analyse(rings));
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < reports.size(); ++i) {
+    if (reports[i].second.severity > reports[best].second.severity) best = i;
+  }
+  desync_report out = reports[best].second;
+  if (reports.size() > 1) {
+    out.summary += " (on communicator " + reports[best].first + ")";
+    out.details.clear();
+    for (const auto& [name, report] : reports) {
+      out.details.push_back("communicator " + name + ":" +
+                            (report.severity > 0 ? " " + report.summary : ""));
+      for (const std::string& d : report.details) out.details.push_back("  " + d);
+    }
+  }
+  return out;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/desync.hpp ----
+// ---- begin dtrain/backend/gloo.hpp ----
+/// @file
+/// gloo_communicator: the communicator concept on Gloo's TCP transport, for
+/// host memory. Bootstrapped through dtrain's store, so env:// jobs (torchrun
+/// style, no mpirun) run on CPUs. Gloo's calls block, so every communicator
+/// runs its collectives on one worker thread, in the order they were
+/// submitted; all ranks submit in the same order, so the queues stay matched.
+
+
+// ---- begin dtrain/backend/gloo_store.hpp ----
+/// @file
+/// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
+/// interface, and the choice of the network interface Gloo's TCP transport
+/// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
+/// interface variables is left (topology/network.hpp reports it).
+
+// ---- begin dtrain/detail/net.hpp ----
+/// @file
+/// What this host's network looks like to a process: its interfaces and
+/// their addresses (getifaddrs), what a name resolves to, and which local
+/// address reaches a host. Plain facts for the engines' interface choice
+/// (backend/gloo_store.hpp) and for the network report (topology/network.hpp).
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// One address of one interface.
+struct interface_address {
+  std::string name;     ///< "eth0"
+  std::string address;  ///< numeric: "10.0.0.4", "fe80::1"
+  bool ipv6 = false;
+};
+
+/// Every IPv4 and IPv6 address of every interface (getifaddrs); empty when it fails.
+inline std::vector<interface_address> interface_addresses() {
+  std::vector<interface_address> out;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return out;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6))
+      continue;
+    const socklen_t length =
+        i->ifa_addr->sa_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    char text[NI_MAXHOST] = {};
+    if (::getnameinfo(i->ifa_addr, length, text, sizeof text, nullptr, 0, NI_NUMERICHOST) != 0)
+      continue;
+    out.push_back({i->ifa_name, text, i->ifa_addr->sa_family == AF_INET6});
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+/// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
+inline std::vector<std::string> interfaces_with_address() {
+  std::vector<std::string> names;
+  for (const auto& a : interface_addresses()) {
+    bool seen = false;
+    for (const auto& n : names) seen = seen || n == a.name;
+    if (!seen) names.push_back(a.name);
+  }
+  return names;
+}
+
+/// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
+/// error in `error`.
+struct resolved {
+  std::vector<std::string> addresses;
+  std::string error;  ///< empty on success
+};
+inline resolved resolve(const std::string& host) {
+  resolved out;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); rc != 0) {
+    out.error = ::gai_strerror(rc);
+    return out;
+  }
+  for (addrinfo* a = found; a; a = a->ai_next) {
+    char text[NI_MAXHOST] = {};
+    if (::getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof text, nullptr, 0, NI_NUMERICHOST) !=
+        0)
+      continue;
+    bool seen = false;
+    for (const auto& s : out.addresses) seen = seen || s == text;
+    if (!seen) out.addresses.emplace_back(text);
+  }
+  ::freeaddrinfo(found);
+  return out;
+}
+
+/// The local address this host sends from to reach host:port (a UDP socket
+/// connected there, asked for its own name; nothing is sent), or why not in `error`.
+struct route_source {
+  std::string address;
+  std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
+};
+inline route_source local_address_to(const std::string& host, int port) {
+  route_source out;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port > 0 ? port : 9);
+  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
+    out.error = std::string("cannot be resolved (") + ::gai_strerror(rc) + ")";
+    return out;
+  }
+  std::string why = "no address";
+  for (addrinfo* a = found; a && out.address.empty(); a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    char text[NI_MAXHOST] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      why = std::strerror(errno);
+    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
+      why = std::strerror(errno);
+    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text,
+                                      sizeof text, nullptr, 0, NI_NUMERICHOST);
+               rc != 0) {
+      why = ::gai_strerror(rc);
+    } else {
+      out.address = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  if (out.address.empty()) out.error = "no local address reaches it (" + why + ")";
+  return out;
+}
+
+/// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
+inline bool is_loopback_address(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "::1" || address.rfind("::ffff:127.", 0) == 0;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/detail/net.hpp ----
+// ---- begin dtrain/detail/sys.hpp ----
+/// @file
+/// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
+/// captures file:line, the call as written and strerror(errno).
+
+
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// "what: strerror(err) (at file:line)".
+inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
+  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
+         ":" + std::to_string(line) + ")";
+}
+
+/// An owned file descriptor, closed on destruction.
+class unique_fd {
+ public:
+  unique_fd() = default;
+  explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  unique_fd& operator=(unique_fd&& other) noexcept {
+    if (this != &other) reset(std::exchange(other.fd_, -1));
+    return *this;
+  }
+  unique_fd(const unique_fd&) = delete;
+  unique_fd& operator=(const unique_fd&) = delete;
+  ~unique_fd() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+/// This machine's host name; nullopt when gethostname fails (each caller
+/// decides what that means for it).
+inline std::optional<std::string> host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
+  return std::string(name);
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an OS call returning -1 on failure) and throws
+/// dtrain::error with the call, file:line and strerror(errno) when it fails.
+#define DTRAIN_SYSCALL(call)                                                          \
+  ([&]() {                                                                            \
+    auto dtrain_result_ = (call);                                                     \
+    if (dtrain_result_ == -1) {                                                       \
+      int dtrain_errno_ = errno;                                                      \
+      throw ::dtrain::error(                                                          \
+          ::dtrain::detail::os_error_text(#call, dtrain_errno_, __FILE__, __LINE__)); \
+    }                                                                                 \
+    return dtrain_result_;                                                            \
+  }())
+// ---- end dtrain/detail/sys.hpp ----
+
+
+#include <optional>
+#include <string>
+
+namespace dtrain::detail {
+
+/// An interface named by a variable, with the variable as it was set.
+struct named_interface {
+  std::string name;    ///< "eth0"
+  std::string origin;  ///< "GLOO_SOCKET_IFNAME=eth0,eth1"
+};
+
+/// The interface the environment tells Gloo to use: DTRAIN_GLOO_IFNAME, else
+/// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
+/// when neither is set (then the interface that reaches MASTER_ADDR is used).
+inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
+  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v)};
+  }
+  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(v->substr(0, v->find(','))),
+                           "GLOO_SOCKET_IFNAME=" + std::string(*v)};
+  }
+  return std::nullopt;
+}
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/rendezvous/store.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+/// Any dtrain store, seen through the calls the Gloo backend makes, so that
+/// gloo_communicator is one type whatever store bootstrapped it (its splits
+/// bootstrap through the same store later). Refers to the store, which must
+/// outlive every communicator made from it.
+class gloo_store_ref {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  template <store S>
+  explicit gloo_store_ref(S& s)
+      : set_([p = &s](std::string_view key, std::string_view value) { p->set(key, value); }),
+        get_([p = &s](std::string_view key, milliseconds timeout) {
+          return std::string(p->get(key, timeout));
+        }),
+        wait_([p = &s](std::span<const std::string> keys, milliseconds timeout) {
+          p->wait(keys, timeout);
+        }),
+        add_([p = &s](std::string_view key, std::int64_t delta) {
+          return std::int64_t(p->add(key, delta));
+        }),
+        erase_([p = &s](std::string_view key) { p->erase(key); }) {}
+
+  void set(std::string_view key, std::string_view value) const { set_(key, value); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) const {
+    return get_(key, timeout);
+  }
+  void wait(std::span<const std::string> keys, milliseconds timeout) const { wait_(keys, timeout); }
+  std::int64_t add(std::string_view key, std::int64_t delta) const { return add_(key, delta); }
+  void erase(std::string_view key) const { erase_(key); }
+
+ private:
+  std::function<void(std::string_view, std::string_view)> set_;
+  std::function<std::string(std::string_view, milliseconds)> get_;
+  std::function<void(std::span<const std::string>, milliseconds)> wait_;
+  std::function<std::int64_t(std::string_view, std::int64_t)> add_;
+  std::function<void(std::string_view)> erase_;
+};
+
+/// Gloo's five-method store on top of a dtrain store, every key under
+/// `prefix/`. Remembers the keys it wrote, so that they can be erased once
+/// every rank has connected (a full mesh of N ranks leaves N values of
+/// O(N) addresses each).
+class gloo_store_adapter final : public ::gloo::rendezvous::Store {
+ public:
+  gloo_store_adapter(const gloo_store_ref& store, std::string prefix,
+                     std::chrono::milliseconds timeout)
+      : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
+    written_.push_back(prefix_ + key);
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    std::string value = store_.get(prefix_ + key, timeout_);
+    return {value.begin(), value.end()};
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    full.reserve(keys.size());
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    // Gloo passes kNoTimeout (0) to mean "the default".
+    store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
+  }
+
+  [[nodiscard]] const std::vector<std::string>& written() const noexcept { return written_; }
+
+ private:
+  const gloo_store_ref& store_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::string> written_;
+};
+
+/// Where Gloo's TCP transport listens: a named interface, or an address.
+struct gloo_endpoint {
+  std::string iface;     ///< network interface name ("eth0"), or empty
+  std::string hostname;  ///< numeric address to bind, when no interface is named
+  std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
+};
+
+/// Throws config_error naming `origin` when no interface `name` with an address exists here.
+inline void require_interface(const std::string& name, const std::string& origin) {
+  auto names = interfaces_with_address();
+  for (const auto& n : names) {
+    if (n == name) return;
+  }
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  throw config_error(
+      origin + " names no network interface with an IP address on this host (interfaces: " +
+      (known.empty() ? std::string("none") : known) +
+      "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
+}
+
+/// The local address this host sends from to reach host:port; config_error
+/// naming `origin` when there is none.
+inline std::string local_address_towards(const std::string& host, int port,
+                                         const std::string& origin) {
+  const route_source route = local_address_to(host, port);
+  if (route.error.rfind("cannot be resolved", 0) == 0) {
+    throw config_error(origin + " " + route.error +
+                       ", so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
+  }
+  if (!route.error.empty()) {
+    throw config_error(origin + ": " + route.error + "; set DTRAIN_GLOO_IFNAME");
+  }
+  return route.address;
+}
+
+/// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
+/// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
+/// address that reaches the master (`master_addr` option, else MASTER_ADDR),
+/// else 127.0.0.1 for a world of one and the host name otherwise. A named
+/// interface that does not exist is a config_error naming it.
+inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                          const std::string& master_option, const environment& env,
+                                          int size) {
+  auto named = [](std::string name, std::string origin) {
+    require_interface(name, origin);
+    return gloo_endpoint{std::move(name), {}, std::move(origin)};
+  };
+  if (!interface_option.empty())
+    return named(interface_option, "gloo_options::interface=" + interface_option);
+  if (auto variable = gloo_interface_variable(env)) {
+    return named(std::move(variable->name), std::move(variable->origin));
+  }
+  std::string master = master_option;
+  std::string origin = "gloo_options::master_addr=" + master_option;
+  if (master.empty()) {
+    if (auto v = env.get("MASTER_ADDR"); v && !v->empty()) {
+      master = std::string(*v);
+      origin = "MASTER_ADDR=" + master;
+    }
+  }
+  if (!master.empty()) {
+    const int port = read_port(env, "MASTER_PORT").value_or(sourced_int{0, {}}).value;
+    std::string address = local_address_towards(master, port, origin);
+    return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
+  }
+  if (size == 1) return {{}, "127.0.0.1", "127.0.0.1 (a world of one, no MASTER_ADDR)"};
+  const std::string host = host_name().value_or("");
+  return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
+}
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()
+// ---- end dtrain/backend/gloo_store.hpp ----
+// ---- begin dtrain/backend/gloo_worker.hpp ----
+/// @file
+/// How a gloo_communicator runs its collectives: Gloo's calls block, so each
+/// communicator queues them for one worker thread, in submission order (all
+/// ranks submit in the same order, so the queues stay matched), and its work
+/// handles report their completion. Used by backend/gloo.hpp; compiles to
+/// nothing without Gloo.
+
+
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/logging.h>
+#include <gloo/context.h>
+#include <gloo/math.h>
+#include <gloo/transport/device.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+template <class T>
+inline constexpr bool is_half_float = std::same_as<T, float16> || std::same_as<T, bfloat16>;
+
+/// Gloo's element-wise reduction (c = a op b; c may be a or b) for T and op.
+/// Gloo's own functions for native types; reduce_host for our 16-bit floats,
+/// which Gloo does not know. avg reduces as sum; the caller divides.
+template <element T>
+::gloo::AllreduceOptions::Func gloo_reduce_function(reduce_op op) {
+  if constexpr (is_half_float<T>) {
+    return [op](void* c, const void* a, const void* b, std::size_t n) {
+      auto* out = static_cast<T*>(c);
+      const auto* x = static_cast<const T*>(a);
+      const auto* y = static_cast<const T*>(b);
+      if (out == y) {  // every reduce_op commutes
+        reduce_host(out, x, n, op);
+        return;
+      }
+      if (out != x) std::memcpy(out, x, n * sizeof(T));
+      reduce_host(out, y, n, op);
+    };
+  } else {
+    using function = void (*)(void*, const void*, const void*, std::size_t);
+    switch (op) {
+      case reduce_op::min: return static_cast<function>(&::gloo::min<T>);
+      case reduce_op::max: return static_cast<function>(&::gloo::max<T>);
+      case reduce_op::prod: return static_cast<function>(&::gloo::product<T>);
+      case reduce_op::sum:
+      case reduce_op::avg: break;
+    }
+    return static_cast<function>(&::gloo::sum<T>);
+  }
+}
+
+/// One collective as the worker runs it: plain fields, no allocation.
+struct gloo_call {
+  enum class kind : std::uint8_t {
+    allreduce,
+    broadcast,
+    allgather,
+    reduce_scatter,
+    barrier,
+    split
+  };
+  kind what = kind::barrier;
+  buffer in{}, out{};
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  bool moves_data = true;  // false: zero-length, only compared in check mode
+};
+
+class gloo_work;
+
+/// What the communicator, its worker thread and its work handles share.
+struct gloo_state {
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{};
+  bool check = false;
+  std::shared_ptr<::gloo::transport::Device> device;
+  std::shared_ptr<::gloo::Context> context;
+
+  struct task {
+    std::shared_ptr<gloo_work> work;
+    signature sig{};
+    gloo_call call{};
+  };
+  std::mutex mutex;
+  std::condition_variable wake;      // the worker: a task to run, or stop
+  std::condition_variable finished;  // waiters: a task finished
+  std::deque<task> queue;            // guarded by mutex
+  bool running = false;              // guarded by mutex: a task is running (worker or waiter)
+  bool stopping = false;             // guarded by mutex
+  // Numbers the collectives; issued under mutex, so the numbers follow the queue.
+  std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
+  std::atomic<bool> unusable{false};
+  std::string failure;  // guarded by mutex: the first failure
+
+  void mark_unusable(const std::string& why) noexcept {
+    std::lock_guard lock(mutex);
+    if (!unusable.exchange(true)) failure = why;
+  }
+  [[nodiscard]] std::string unusable_text() {
+    std::lock_guard lock(mutex);
+    return "the communicator is unusable since an earlier failure (" + failure +
+           "); ranks cannot fall back into step after a failed collective, so make a new "
+           "communicator";
+  }
+};
+
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept;
+
+class gloo_work final : public work_state {
+ public:
+  gloo_work(const collective_info& info, std::chrono::milliseconds timeout,
+            std::weak_ptr<gloo_state> owner)
+      : work_state(info, timeout), owner_(std::move(owner)) {}
+
+  bool poll() override { return done_.load(std::memory_order_acquire); }
+
+  // Gloo cannot abort a collective in flight; its own timeout (the same
+  // length) ends it. Until then nothing else may run on this communicator.
+  void on_timeout() noexcept override {
+    if (auto s = owner_.lock())
+      s->mark_unusable(description() + " did not finish within its timeout");
+  }
+
+  /// Blocks until finished or `deadline`; true when finished. When this
+  /// collective is next in line and nothing runs, runs it on the calling
+  /// thread (with the time left as Gloo's timeout) rather than waking the
+  /// worker: submit-then-wait then costs no thread hand-off. Otherwise sleeps
+  /// until a collective finishes. Overrides work_state's wait hook, so waiting
+  /// sleeps instead of taking the CPU from Gloo's threads.
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
+    auto s = owner_.lock();
+    if (!s) return poll();
+    std::unique_lock lock(s->mutex);
+    for (;;) {
+      if (poll()) return true;
+      const auto now = std::chrono::steady_clock::now();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+      if (left.count() <= 0) return poll();
+      if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
+        gloo_state::task t = std::move(s->queue.front());
+        s->queue.pop_front();
+        s->running = true;
+        lock.unlock();
+        gloo_execute(*s, t, std::min(left, s->timeout));
+        lock.lock();
+        s->running = false;
+        lock.unlock();
+        s->wake.notify_one();
+        s->finished.notify_all();
+        return true;
+      }
+      s->finished.wait_until(lock, deadline);
+    }
+  }
+
+  void finish(std::exception_ptr e) noexcept {
+    if (e) fail(std::move(e));
+    done_.store(true, std::memory_order_release);
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::weak_ptr<gloo_state> owner_;
+};
+
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// A failure inside a call into Gloo, with the call as written, file:line
+/// and Gloo's message; gloo_failure() turns it into dtrain's errors.
+class gloo_exception : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class F>
+void gloo_checked(F&& call, const char* text, const char* file, int line) {
+  try {
+    call();
+  } catch (const error&) {
+    throw;  // dtrain's own (the store under connectFullMesh), already with context
+  } catch (const ::gloo::EnforceNotMet& e) {  // not a gloo::Exception
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) +
+                         "): " + e.what());
+  } catch (const std::exception& e) {
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) +
+                         "): " + e.what());
+  }
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates a call into Gloo, which reports failures by throwing; rethrows
+/// them as detail::gloo_exception naming the call, file:line and Gloo's message.
+#define DTRAIN_GLOO_CHECK(...) \
+  ::dtrain::detail::gloo_checked([&] { __VA_ARGS__; }, #__VA_ARGS__, __FILE__, __LINE__)
+
+namespace dtrain::detail {
+
+/// An exception from Gloo as dtrain's: timeout_error for Gloo's timeouts,
+/// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
+inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::string& what) {
+  std::string message;
+  try {
+    std::rethrow_exception(e);
+  } catch (const error&) {
+    return e;  // already dtrain's (a signature mismatch), with its context
+  } catch (const std::exception& x) {
+    message = x.what();
+  } catch (...) {
+    message = "an exception that is not a std::exception";
+  }
+  std::string lower = message;
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
+    return std::make_exception_ptr(
+        timeout_error(what + " timed out in Gloo (" + message +
+                      "); a peer is slow, dead or called a different collective "
+                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what "
+                      "every rank passed)"));
+  }
+  return std::make_exception_ptr(
+      backend_error(what + " failed in Gloo: " + message +
+                        "; a peer rank may have died or closed its communicator: look for the "
+                        "first error on the other ranks",
+                    0));
+}
+
+// The collectives on host memory, with Gloo's timeout for this run. A world
+// of one never calls Gloo.
+
+template <element T>
+void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
+                        std::chrono::milliseconds timeout) {
+  if (s.size > 1) {
+    ::gloo::AllreduceOptions opts(s.context);
+    if (in.data != out.data) opts.setInput(static_cast<T*>(in.data), in.count);
+    opts.setOutput(static_cast<T*>(out.data), out.count);
+    opts.setReduceFunction(gloo_reduce_function<T>(op));
+    opts.setTimeout(timeout);
+    DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+    if (op == reduce_op::avg) divide_host(out, s.size);
+  } else if (in.data != out.data) {
+    std::memcpy(out.data, in.data, in.bytes());
+  }
+}
+
+inline void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                               std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BroadcastOptions opts(s.context);
+  opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
+  opts.setRoot(root);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
+}
+
+inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                               std::chrono::milliseconds timeout) {
+  auto* block =
+      static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
+  if (s.size == 1) {
+    if (in.data != block) std::memcpy(block, in.data, in.bytes());
+    return;
+  }
+  ::gloo::AllgatherOptions opts(s.context);
+  if (in.data != block) opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
+  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
+}
+
+inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BarrierOptions opts(s.context);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
+}
+
+// Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
+// and on 3 ranks it returned corrupted blocks when two ran back to back (a
+// race between consecutive instances: a barrier before or after each one hid
+// it). So this is an allreduce of the whole input into a scratch buffer and a
+// copy of this rank's block: correct, at twice the traffic of a real
+// reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
+// input-sized allocation.
+template <element T>
+void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
+                             std::chrono::milliseconds timeout) {
+  const std::size_t n = out.count;
+  const std::size_t offset = static_cast<std::size_t>(s.rank) * n;
+  if (s.size == 1) {
+    std::memcpy(out.data, in.data, in.bytes());
+    return;
+  }
+  std::vector<T> scratch(in.count);
+  ::gloo::AllreduceOptions opts(s.context);
+  opts.setInput(static_cast<T*>(in.data), in.count);
+  opts.setOutput(scratch.data(), scratch.size());
+  opts.setReduceFunction(gloo_reduce_function<T>(op));
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+  std::memcpy(out.data, scratch.data() + offset, n * sizeof(T));
+  if (op == reduce_op::avg) divide_host(out, s.size);
+}
+
+inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
+  switch (c.what) {
+    case gloo_call::kind::allreduce:
+      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
+      break;
+    case gloo_call::kind::reduce_scatter:
+      visit(c.in.type,
+            [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
+      break;
+    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
+    case gloo_call::kind::allgather:
+    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
+    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
+  }
+}
+
+/// Check mode: compares what every rank passed, over an allgather that is not itself checked.
+inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
+                                 std::chrono::milliseconds timeout) {
+  compare_signatures(
+      sig, s.rank, s.size, what,
+      [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+        buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
+        buffer out{all.data(), all.size(), dtype::int64, memory::host};
+        gloo_run_allgather(s, in, out, timeout);
+      });
+}
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure makes the communicator unusable; so does running after one.
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept {
+  std::exception_ptr failure;
+  try {
+    if (s.unusable.load()) {
+      throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
+    }
+    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
+    if (t.call.moves_data) gloo_run(s, t.call, timeout);
+  } catch (...) {
+    failure = gloo_failure(std::current_exception(), t.work->description());
+    s.mark_unusable(message_of(failure));
+  }
+  t.work->finish(std::move(failure));
+}
+
+/// The worker: runs the queue in order until the communicator stops and the queue is empty.
+inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
+  for (;;) {
+    gloo_state::task t;
+    {
+      std::unique_lock lock(s->mutex);
+      s->wake.wait(lock, [&] {
+        return (s->stopping && s->queue.empty()) || (!s->running && !s->queue.empty());
+      });
+      if (s->queue.empty()) return;
+      t = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->running = true;
+    }
+    gloo_execute(*s, t, s->timeout);
+    {
+      std::lock_guard lock(s->mutex);
+      s->running = false;
+    }
+    s->finished.notify_all();
+  }
+}
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()
+// ---- end dtrain/backend/gloo_worker.hpp ----
+
+#if DTRAIN_HAS_GLOO()
+
+#include <gloo/context.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/tcp/attr.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <pthread.h>
+
+namespace dtrain {
+
+/// Options of a gloo_communicator. Aggregate: use designated initialisers,
+/// `{.collectives = {.timeout = 30s}, .interface = "eth0"}`.
+struct gloo_options {
+  /// Timeout (also Gloo's own, so a dead or stuck peer makes Gloo fail) and check mode.
+  collective_options collectives{};
+  /// Network interface Gloo's TCP transport binds to ("eth0"). Empty:
+  /// DTRAIN_GLOO_IFNAME, else GLOO_SOCKET_IFNAME (from `env`), else the
+  /// interface whose address reaches `master_addr`.
+  std::string interface {};
+  /// The host whose route chooses the interface when none is named. Empty:
+  /// MASTER_ADDR (from `env`).
+  std::string master_addr{};
+  /// Where the communicator's keys live in the store. The n-th communicator a
+  /// rank makes with one prefix uses `prefix/n`, so every rank must make its
+  /// communicators in the same order (as it runs its collectives).
+  std::string prefix = "dtrain/gloo";
+  /// The environment snapshot DTRAIN_GLOO_IFNAME, GLOO_SOCKET_IFNAME,
+  /// MASTER_ADDR and MASTER_PORT are read from; the communicator never reads
+  /// the process's own. dtrain::run passes its snapshot; empty: none is set.
+  environment env{};
+};
+
+namespace detail {
+
+/// Blocks SIGPIPE in the calling thread while it lives, and in the threads it starts meanwhile.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() noexcept {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
+  }
+  ~sigpipe_blocked() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+
+ private:
+  sigset_t previous_{};
+};
+
+/// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
+struct gloo_self {
+  std::shared_ptr<gloo_state> state;
+  std::thread worker;
+  std::shared_ptr<const gloo_store_ref> store;
+  gloo_options options;
+  gloo_endpoint endpoint;
+  std::string keys;         // this communicator's namespace in the store
+  std::int64_t splits = 0;  // split() calls so far: names the children's namespaces
+
+  gloo_self() = default;
+  gloo_self(const gloo_self&) = delete;
+  gloo_self& operator=(const gloo_self&) = delete;
+  // Runs what is queued (the peers expect it), then stops the worker. A
+  // collective stuck on a hung peer ends with Gloo's timeout.
+  ~gloo_self() {
+    if (state) {
+      {
+        std::lock_guard lock(state->mutex);
+        state->stopping = true;
+      }
+      state->wake.notify_all();
+    }
+    if (worker.joinable()) worker.join();
+  }
+};
+
+}  // namespace detail
+
+/// A communicator on Gloo (TCP), on host memory. Every call returns at once
+/// with a work handle; the collective runs on this communicator's worker
+/// thread after those submitted before it. Buffers must stay alive and
+/// untouched until the work completes. Calls may come from several threads;
+/// every rank must still make them in the same order.
+///
+/// Errors: config_error for arguments (thrown by the call); from work::wait,
+/// backend_error with Gloo's message (a peer died: at once) and timeout_error
+/// (Gloo's own timeout, the collective timeout). After any failure or timeout
+/// the communicator is unusable: later calls throw backend_error saying so.
+/// Destruction runs what is still queued and waits for the collective in
+/// flight, which Gloo cannot abort: at most its timeout.
+///
+/// float16 and bfloat16 reduce through dtrain's own element-wise functions
+/// (Gloo knows neither of dtrain's types); reduce_scatter is an allreduce and
+/// a copy (see gloo_run_reduce_scatter).
+class gloo_communicator {
+ public:
+  static constexpr bool reaches_device_memory = false;
+  static constexpr bool reaches_host_memory = true;
+  static constexpr std::string_view name = "gloo";
+
+  /// Joins the group of `size` ranks that meet in `store`, which must outlive
+  /// this communicator and every split of it. Blocks until every rank has
+  /// connected; the store's waits use the collective timeout. Throws
+  /// config_error (rank, size, interface), timeout_error or rendezvous_error
+  /// (the store), backend_error (Gloo could not connect).
+  template <store S>
+  gloo_communicator(S& store, int rank, int size, gloo_options options = {})
+      : gloo_communicator(std::make_shared<const detail::gloo_store_ref>(store), rank, size,
+                          std::move(options)) {}
+
+  gloo_communicator(gloo_communicator&&) noexcept = default;
+  gloo_communicator& operator=(gloo_communicator&&) noexcept = default;
+  ~gloo_communicator() = default;
+
+  /// -1 and 0 for a rank that split() left out (negative color).
+  [[nodiscard]] int rank() const noexcept { return self_ ? self_->state->rank : -1; }
+  [[nodiscard]] int size() const noexcept { return self_ ? self_->state->size : 0; }
+  /// False when moved from, or when split() left this rank out.
+  [[nodiscard]] bool valid() const noexcept { return self_ != nullptr; }
+  /// Only while valid().
+  [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
+  /// This communicator's last collectives, for desync diagnostics (null when not valid()).
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept {
+    return self_ ? self_->state->ring : nullptr;
+  }
+
+  /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
+  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
+  [[nodiscard]] std::string describe() const {
+    if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
+    return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
+           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " +
+           self_->keys;
+  }
+
+  /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
+  /// it only while no work of this communicator is outstanding.
+  [[nodiscard]] std::shared_ptr<::gloo::Context> gloo_context() const {
+    return self_ ? self_->state->context : nullptr;
+  }
+
+  /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
+  work allreduce(buffer in, buffer out, reduce_op op) {
+    const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(out, in.count, "output");
+    check.op_fits(op, in.type);
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::allreduce, in, out, op, 0, in.count > 0});
+  }
+
+  /// `data` on every rank becomes root's.
+  work broadcast(buffer data, int root) {
+    const auto info = call_info("broadcast", data, -1, root);
+    detail::argument_check check{info};
+    check.root(root, size());
+    host_only(check, data);
+    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root,
+                         data.count > 0});
+  }
+
+  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
+  work allgather(buffer in, buffer out) {
+    const auto info = call_info("allgather", in, -1, -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(out, in.count * static_cast<std::size_t>(size()), "output");
+    host_only(check, in);
+    return submit(info,
+                  {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
+  }
+
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
+  work reduce_scatter(buffer in, buffer out, reduce_op op) {
+    const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
+    detail::argument_check check{info};
+    check.same_type(in, out);
+    check.count(in, out.count * static_cast<std::size_t>(size()), "input");
+    check.op_fits(op, in.type);
+    host_only(check, in);
+    return submit(info, {detail::gloo_call::kind::reduce_scatter, in, out, op, 0, out.count > 0});
+  }
+
+  /// Completes once every rank has called barrier().
+  work barrier() { return submit(call_info("barrier", buffer{}, -1, -1), {}); }
+
+  /// A communicator of the ranks that pass the same `color`, ranked by
+  /// (key, rank here). Collective over this communicator: every rank calls it,
+  /// in the same place among its collectives. Blocks until the new group has
+  /// connected, through the same store, under a namespace of its own. A
+  /// negative color leaves this rank out: it gets a communicator with valid()
+  /// false (see the `communicator` concept).
+  gloo_communicator split(int color, int key) {
+    std::int64_t mine[2] = {color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    buffer in{mine, 2, dtype::int64, memory::host};
+    buffer out{all.data(), all.size(), dtype::int64, memory::host};
+    // An allgather of (color, key), told apart from a user's in check mode.
+    submit(call_info("split", in, -1, -1),  // throws when not valid()
+           {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
+        .wait();
+    // Every rank counts the split, left out or not: the next one's keys must agree.
+    const auto number = self_->splits++;
+    if (color < 0) return gloo_communicator(left_out_tag{});
+    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
+    for (int r = 0; r < size(); ++r) {
+      if (all[2 * static_cast<std::size_t>(r)] == color)
+        members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+    }
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
+    std::string keys =
+        self_->keys + "/split/" + std::to_string(number) + "/" + std::to_string(color);
+    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()),
+                            self_->options, self_->endpoint, std::move(keys));
+    child.self_->state->ring = self_->state->ring->make_child(color);
+    return child;
+  }
+
+ private:
+  struct left_out_tag {};
+  explicit gloo_communicator(left_out_tag) noexcept : left_out_(true) {}
+
+  // A new group: chooses the endpoint, then takes the next namespace under the prefix.
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
+                    gloo_options options) {
+    if (size < 1)
+      throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
+    if (rank < 0 || rank >= size) {
+      throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
+                         std::to_string(size));
+    }
+    auto endpoint =
+        detail::choose_gloo_endpoint(options.interface, options.master_addr, options.env, size);
+    // Every rank counts the communicators it made under this prefix, so the
+    // n-th one of every rank meets under the same namespace.
+    const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
+    std::string keys = options.prefix + "/" + std::to_string(n);
+    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+  }
+
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
+                    gloo_options options, detail::gloo_endpoint endpoint, std::string keys) {
+    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+  }
+
+  void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
+               gloo_options options, detail::gloo_endpoint endpoint, std::string keys) {
+    // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
+    // would kill this process with SIGPIPE. Its threads and the worker start
+    // with SIGPIPE blocked (threads inherit the mask); such a write then fails
+    // with EPIPE, which Gloo reports as an error.
+    detail::sigpipe_blocked quiet;
+    auto state = std::make_shared<detail::gloo_state>();
+    state->rank = rank;
+    state->size = size;
+    state->timeout = options.collectives.timeout;
+    state->check = options.collectives.check;
+    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " +
+                              std::to_string(size) + " (interface: " + endpoint.origin +
+                              "; store keys under " + keys + "/): ";
+    try {
+      ::gloo::transport::tcp::attr attr;
+      if (!endpoint.iface.empty()) {
+        attr.iface = endpoint.iface;
+      } else {
+        attr.hostname = endpoint.hostname;
+      }
+      DTRAIN_GLOO_CHECK(state->device = ::gloo::transport::tcp::CreateDevice(attr));
+      auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
+      context->setTimeout(state->timeout);
+      detail::gloo_store_adapter adapter(*store, keys, state->timeout);
+      DTRAIN_GLOO_CHECK(context->connectFullMesh(adapter, state->device));
+      state->context = context;
+      // Once every rank has connected, every rank has read every address: a
+      // barrier proves it, and the addresses can leave the store.
+      detail::gloo_run_barrier(*state, state->timeout);
+      for (const auto& key : adapter.written()) store->erase(key);
+    } catch (const timeout_error& e) {
+      throw timeout_error(where + e.what());
+    } catch (const rendezvous_error& e) {
+      throw rendezvous_error(where + e.what());
+    } catch (const error&) {
+      throw;
+    } catch (const std::exception& e) {  // Gloo's, through DTRAIN_GLOO_CHECK
+      throw backend_error(where + "Gloo: " + e.what(), 0);
+    }
+    self_ = std::make_unique<detail::gloo_self>();
+    self_->state = state;
+    self_->store = std::move(store);
+    self_->options = std::move(options);
+    self_->endpoint = std::move(endpoint);
+    self_->keys = std::move(keys);
+    self_->worker = std::thread([state] { detail::gloo_serve(state); });
+  }
+
+  // Every collective starts here, so a left-out rank fails before any check.
+  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b,
+                                                  int op, int root) const {
+    detail::collective_info info{
+        collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
+    if (!self_) detail::throw_invalid(detail::describe(info), left_out_);
+    return info;
+  }
+  static void host_only(const detail::argument_check& check, const buffer& b) {
+    if (b.where != memory::host) {
+      check.fail(
+          "gloo reduces host memory only: copy device data to the host first, or use "
+          "backend::nccl");
+    }
+  }
+
+  // Queues one collective. Zero-length ones move nothing and complete at once,
+  // except in check mode, where their signature is still compared.
+  work submit(const detail::collective_info& info, const detail::gloo_call& call) {
+    detail::gloo_state& s = *self_->state;
+    if (s.unusable.load())
+      throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
+    std::unique_lock lock(s.mutex);
+    const std::int64_t seq = detail::record(*s.ring, info);
+    const detail::signature sig = detail::signature_of(seq, info);
+    if (!call.moves_data && !s.check) {
+      s.ring->settle(seq, detail::call_state::completed);
+      return work{};
+    }
+    auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    w->track(s.ring, seq);
+    s.queue.push_back({w, sig, call});
+    const bool idle = !s.running;
+    lock.unlock();
+    if (idle) s.wake.notify_one();
+    return work(std::move(w));
+  }
+
+  std::unique_ptr<detail::gloo_self> self_;
+  bool left_out_ = false;  // split() gave this rank a negative color
+};
+
+static_assert(communicator<gloo_communicator>);
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_GLOO()
+// ---- end dtrain/backend/gloo.hpp ----
+// ---- begin dtrain/backend/memory.hpp ----
+/// @file
+/// Memory spaces: where a backend's data lives and the few operations
+/// DistributedDataParallel needs there (allocate zeroed, free, copy, zero, the
+/// 16-bit casts of gradient compression, and waiting for a stream). `host_memory`
+/// is plain memory handled on the calling thread; `cuda_memory` is one CUDA
+/// device, every operation ordered on a stream. A backend names its space in
+/// its backend_traits, so the algorithm that uses them reads the same for all.
+
+
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace dtrain {
+
+namespace detail {
+
+inline constexpr std::string_view device_casts_missing =
+    "gradient compression of GPU buckets needs CUDA kernels, and no translation unit of this "
+    "program was compiled by nvcc: include <dtrain/dtrain.hpp> in at least one .cu file that is "
+    "linked into the program (any one: the kernels are shared)";
+
+/// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
+inline void host_compress(void* out, const float* in, std::size_t n, float scale, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      auto* o = static_cast<Half*>(out);
+      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
+    }
+  });
+}
+inline void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      const auto* i16 = static_cast<const Half*>(in);
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
+    }
+  });
+}
+
+}  // namespace detail
+
+/// Host memory: allocation with operator new, memcpy, loops. The `stream`
+/// arguments are there so the code above reads the same for every space.
+struct host_memory {
+  using stream_type = std::nullptr_t;
+  static constexpr memory where = memory::host;
+  /// Buckets travel on a communication thread: the host is the device.
+  static constexpr bool on_stream = false;
+
+  [[nodiscard]] static void* allocate(std::size_t bytes, int /*device*/, stream_type) {
+    return ::operator new(bytes == 0 ? 1 : bytes);  // aligned for every element type
+  }
+  static void release(void* data, int /*device*/, stream_type) noexcept { ::operator delete(data); }
+  static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
+    if (bytes) std::memset(data, 0, bytes);
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
+    if (dst != src && bytes) std::memcpy(dst, src, bytes);
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                       int /*device*/, stream_type) {
+    detail::host_compress(out, in, n, scale, wire);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int /*device*/,
+                         stream_type) {
+    detail::host_decompress(out, in, n, wire);
+  }
+  /// Everything above has happened by the time it returns.
+  static void synchronize(int /*device*/, stream_type) noexcept {}
+  /// Whether compress() and decompress() can run here.
+  [[nodiscard]] static bool casts_available() noexcept { return true; }
+  static void check_stream(int /*device*/, stream_type) noexcept {}
+  static void order_after(int /*device*/, stream_type, stream_type) noexcept {}
+};
+
+#if DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+/// The CUDA kernels of gradient compression. They exist only where a
+/// translation unit is compiled by nvcc: such a unit registers them here once
+/// at start-up, so every unit (g++ or nvcc) calls the same code through this
+/// one slot, and no function has two bodies (a g++ and an nvcc one).
+struct device_casts {
+  void (*compress)(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                   cudaStream_t stream);
+  void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
+};
+
+[[nodiscard]] inline std::atomic<const device_casts*>& device_casts_slot() noexcept {
+  static std::atomic<const device_casts*> slot{nullptr};
+  return slot;
+}
+
+/// The registered kernels; config_error when no unit of the program was built by nvcc.
+[[nodiscard]] inline const device_casts& registered_device_casts() {
+  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
+    return *casts;
+  throw config_error(std::string(device_casts_missing));
+}
+
+}  // namespace detail
+
+/// One CUDA device; every operation is ordered on `stream` (the compute
+/// stream) and runs with the device current, so that no other thread's
+/// device and no other device's context is touched.
+struct cuda_memory {
+  using stream_type = cudaStream_t;
+  static constexpr memory where = memory::device;
+  /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
+  static constexpr bool on_stream = true;
+
+  /// Stream-ordered: allocated on `stream` (cudaMallocAsync where the device
+  /// has memory pools, else cudaMalloc), then zeroed there (never on the
+  /// legacy default stream, which a non-blocking compute stream would not
+  /// wait for). The host never waits, so a rebuild of the buckets does not
+  /// stall behind a busy compute stream.
+  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
+    detail::device_guard on(device);
+    void* data = nullptr;
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    if (pools(device)) {
+      DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
+    } else {
+      DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
+    }
+    if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
+      release(data, device, stream);
+      detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
+    }
+    return data;
+  }
+  /// Frees on `stream` once everything before it there is done (cudaFreeAsync;
+  /// cudaFree, which waits for the device, without memory pools). Call it on
+  /// a stream ordered after the last use on any stream.
+  static void release(void* data, int device, stream_type stream) noexcept {
+    detail::device_guard on(device, std::nothrow);
+    if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
+    (void)cudaGetLastError();
+    (void)cudaFree(data);
+  }
+  static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream) {
+    if (dst == src || !bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                       int device, stream_type stream) {
+    const detail::device_casts& casts = detail::registered_device_casts();
+    detail::device_guard on(device);
+    casts.compress(out, in, n, scale, wire, stream);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
+                         stream_type stream) {
+    const detail::device_casts& casts = detail::registered_device_casts();
+    detail::device_guard on(device);
+    casts.decompress(out, in, n, wire, stream);
+  }
+  /// The kernels exist when some unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool casts_available() noexcept;
+  /// Blocks the host until everything on `stream` is done.
+  static void synchronize(int device, stream_type stream) {
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  /// Work enqueued on `waiter` from now on runs after everything on `before` so far.
+  static void order_after(int device, stream_type waiter, stream_type before) {
+    if (waiter == before) return;
+    detail::device_guard on(device);
+    const detail::cuda_event done = detail::cuda_event::create();
+    DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
+    DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
+  }
+  /// Whether `device` has stream-ordered memory pools (cudaMallocAsync).
+  [[nodiscard]] static bool pools(int device) noexcept {
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return supported != 0;
+  }
+  /// A stream being captured into a CUDA graph cannot take DDP's work (its
+  /// events and host waits): config_error saying so.
+  static void check_stream(int device, stream_type stream) {
+    detail::device_guard on(device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status != cudaStreamCaptureStatusNone) {
+      throw config_error(
+          "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
+          "records events, polls them from the host and launches NCCL work that must not be "
+          "replayed, so run the DDP step outside the capture (capture the forward and backward "
+          "only)");
+    }
+  }
+};
+
+#endif  // DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+// What differs between a g++ and an nvcc translation unit lives in an inline
+// namespace named after the compiler: no symbol has two bodies (CCCL's rule).
+#if defined(__CUDACC__)
+inline namespace nvcc {
+#else
+inline namespace host_compiler {
+#endif
+
+/// "nvcc" or "host": which compiler built this translation unit's copy of
+/// dtrain (the mixed g++/nvcc link test asks each unit).
+[[nodiscard]] constexpr std::string_view compiled_by() noexcept {
+#if defined(__CUDACC__)
+  return "nvcc";
+#else
+  return "host";
+#endif
+}
+
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
+template <class Half>
+__device__ std::uint16_t dtrain_to_half_bits(float x) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  else
+    return __half_as_ushort(__float2half_rn(x));
+}
+template <class Half>
+__device__ float dtrain_from_half_bits(std::uint16_t b) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  else
+    return __half2float(__ushort_as_half(b));
+}
+template <class Half>
+__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
+                                       float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
+  }
+}
+template <class Half>
+__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_from_half_bits<Half>(in[i]);
+  }
+}
+inline unsigned cast_blocks(std::size_t n) {
+  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
+}
+inline void launch_compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  auto* o = static_cast<std::uint16_t*>(out);
+  if (wire == dtype::bfloat16)
+    dtrain_compress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  else
+    dtrain_compress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline void launch_decompress(float* out, const void* in, std::size_t n, dtype wire,
+                              cudaStream_t stream) {
+  if (n == 0) return;
+  const auto* i16 = static_cast<const std::uint16_t*>(in);
+  if (wire == dtype::bfloat16)
+    dtrain_decompress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  else
+    dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
+/// Registers the kernels at start-up in every program with an nvcc unit.
+inline const bool nvcc_device_casts_registered =
+    (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
+#endif
+
+}  // inline namespace nvcc / host_compiler
+
+/// Whether the program can cast GPU buckets (some unit was built by nvcc).
+[[nodiscard]] inline bool device_casts_available() noexcept {
+#if DTRAIN_HAS_CUDA()
+  return device_casts_slot().load(std::memory_order_acquire) != nullptr;
+#else
+  return false;
+#endif
+}
+
+}  // namespace detail
+
+#if DTRAIN_HAS_CUDA()
+inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
+#endif
+}  // namespace dtrain
+// ---- end dtrain/backend/memory.hpp ----
+// ---- begin dtrain/backend/mpi.hpp ----
+/// @file
+/// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
+/// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
+
+
+#if DTRAIN_HAS_MPI()
+
+#include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
+#endif
+#include <array>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+namespace detail {
+
+inline std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+// What a failed call was for: a plain text, or a collective described on demand.
+inline std::string what_text(const std::string& text) { return text; }
+inline std::string what_text(const char* text) { return text; }
+inline std::string what_text(const collective_info& info) { return describe(info); }
+
+inline std::string mpi_thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "thread level " + std::to_string(level);
+}
+
+}  // namespace detail
+
+/// Evaluates an MPI call; throws backend_error with file:line, the call, what
+/// it was for and MPI's message and code when it does not return MPI_SUCCESS.
+#define DTRAIN_MPI_CHECK(call, what)                                                             \
+  do {                                                                                           \
+    int dtrain_mpi_rc_ = (call);                                                                 \
+    if (dtrain_mpi_rc_ != MPI_SUCCESS) {                                                         \
+      throw ::dtrain::backend_error(::dtrain::detail::what_text(what) + ": " #call " failed: " + \
+                                        ::dtrain::detail::mpi_error_text(dtrain_mpi_rc_) +       \
+                                        " (at " __FILE__ ":" + std::to_string(__LINE__) + ")",   \
+                                    dtrain_mpi_rc_);                                             \
+    }                                                                                            \
+  } while (0)
+
+/// Options of the MPI backend.
+struct mpi_options {
+  collective_options collectives{};
+  /// The thread level dtrain requires: DDP's communication thread calls MPI
+  /// while other threads may too. Initialising MPI asks for MULTIPLE.
+  int required_thread_level = MPI_THREAD_MULTIPLE;
+  /// When dtrain initialises Open MPI and the user set no
+  /// OMPI_MCA_coll_libnbc_iallreduce_algorithm, ask for the ring algorithm:
+  /// Open MPI's default for the nonblocking allreduce dtrain uses is about
+  /// twice as slow as its blocking one from 4 KiB up (bench/allreduce_mpi).
+  bool tune_open_mpi = true;
+  /// Device buffers go to MPI as they are (blocking collectives, since Open
+  /// MPI's nonblocking ones do not take CUDA memory), instead of being staged
+  /// through pooled pinned host memory. Opt-in, and only for an MPI built
+  /// with CUDA support (MPIX_Query_cuda_support(); otherwise a config_error).
+  /// A blocking call cannot be bounded by the collective timeout.
+  bool cuda_aware_direct = false;
+
+  /// These options for a job whose environment snapshot is `env`: no tuning
+  /// when the user chose OMPI_MCA_coll_libnbc_iallreduce_algorithm there.
+  [[nodiscard]] mpi_options with_env(const environment& env) const {
+    mpi_options out = *this;
+    if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
+    return out;
+  }
+  static constexpr const char* open_mpi_iallreduce_variable =
+      "OMPI_MCA_coll_libnbc_iallreduce_algorithm";
+};
+
+/// Owns MPI's initialisation when dtrain did it: initialises only if nobody
+/// has, and then finalizes when the last communicator is gone.
+class mpi_environment {
+ public:
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true)
+      : unwinding_(std::uncaught_exceptions()) {
+    int initialized = 0;
+    DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
+    int provided = MPI_THREAD_SINGLE;
+    if (!initialized) {
+      // The one write to the process's environment in dtrain, and why: Open MPI
+      // takes MCA parameters at MPI_Init_thread from the environment (or
+      // parameter files) only; MPI_Init_thread has no argument for them, and
+      // MPI_T can write this one only where an Open MPI version registers it
+      // as settable. Set just before dtrain itself initialises MPI, never when
+      // the user's environment (options.with_env) or the process has it already.
+      if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
+      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      if (rc != MPI_SUCCESS)
+        throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+      owned_ = true;
+    } else {
+      DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
+    }
+    if (provided < required_level) {
+      throw backend_error(
+          "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+              detail::mpi_thread_level_name(required_level) +
+              (owned_ ? "; use an MPI built with thread support"
+                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+          provided);
+    }
+  }
+  mpi_environment(const mpi_environment&) = delete;
+  mpi_environment& operator=(const mpi_environment&) = delete;
+  /// Finalizes MPI if this object initialised it, except while an exception
+  /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
+  /// MPI is left up for dtrain::run to report the failure and MPI_Abort).
+  ~mpi_environment() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
+  }
+  [[nodiscard]] bool owned() const noexcept { return owned_; }
+
+  /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
+  [[nodiscard]] static bool cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return false;
+#endif
+  }
+
+ private:
+  bool owned_ = false;
+  int unwinding_ = 0;  // exceptions in flight when it was made
+};
+
+/// A communicator over MPI. Host memory always; device memory (compiled when
+/// CUDA is available) staged through pooled pinned host blocks: copied out
+/// after the work queued on the caller's stream, reduced by MPI, copied back
+/// before the work completes. With mpi_options::cuda_aware_direct and a
+/// CUDA-aware MPI, device pointers go to MPI's blocking collectives instead.
+/// float16 and bfloat16 reduce through dtrain's own MPI_Op (MPI has no such
+/// types): converted to float, reduced, rounded back at each step.
+class mpi_communicator {
+ public:
+  static constexpr std::string_view name = "mpi";
+  static constexpr bool reaches_device_memory = DTRAIN_HAS_CUDA() != 0;
+  static constexpr bool reaches_host_memory = true;
+
+  /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
+  static mpi_communicator world(mpi_options options = {}) {
+    auto env =
+        std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
+    return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
+  }
+
+  /// Wraps a duplicate of `comm` (MPI already initialised by the caller).
+  static mpi_communicator from(MPI_Comm comm, mpi_options options = {}) {
+    auto env = std::make_shared<mpi_environment>(options.required_thread_level);
+    return mpi_communicator(std::move(env), comm, std::move(options));
+  }
+
+  mpi_communicator(mpi_communicator&& other) noexcept
+      : env_(std::move(other.env_)),
+        comm_(std::exchange(other.comm_, MPI_COMM_NULL)),
+        rank_(other.rank_),
+        size_(other.size_),
+        options_(other.options_),
+        ring_(std::move(other.ring_)),
+        ops_(std::exchange(other.ops_, no_ops())),
+        health_(std::move(other.health_)),
+        staging_(std::move(other.staging_)) {}
+  mpi_communicator& operator=(mpi_communicator&&) = delete;
+  mpi_communicator(const mpi_communicator&) = delete;
+  mpi_communicator& operator=(const mpi_communicator&) = delete;
+  ~mpi_communicator() {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (MPI_Op& op : ops_) {
+      if (op != MPI_OP_NULL) MPI_Op_free(&op);
+    }
+    // A request given up after a timeout may still be progressed by MPI: keep
+    // the communicator allocated for it (a deliberate leak of a dead communicator).
+    if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
+  }
+
+  /// -1 and 0 for a rank that split() left out (negative color).
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  /// False when moved from, or when split() left this rank out.
+  [[nodiscard]] bool valid() const noexcept { return comm_ != MPI_COMM_NULL; }
+  [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
+
+  /// Pinned host bytes this communicator holds for staging device buffers
+  /// (in use and free for reuse); 0 without CUDA.
+  [[nodiscard]] std::size_t staging_bytes() const {
+#if DTRAIN_HAS_CUDA()
+    return staging_->pool.held_bytes();
+#else
+    return 0;
+#endif
+  }
+
+  // Device buffers: `stream` is the caller's stream whose work produced the
+  // input (null: the legacy default stream). The host waits for it before MPI
+  // reads the data; the output is on the device when the work completes.
+
+  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
+    const auto what = info("allreduce", out, static_cast<int>(op), -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(out, in.count, "output");
+    check.op_fits(op, in.type);
+    usable(what);
+    auto w = make_request(what, verify(what));
+    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
+    w->divide_by = op == reduce_op::avg ? size_ : 0;
+    if (out.count == 0) return work(w);
+    const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Allreduce(send, w->dst.data, count(out, what), datatype(out.type),
+                                     mpi_op(op, out.type), comm_),
+                       what);
+      return work(w);
+    }
+    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type),
+                                    mpi_op(op, out.type), comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work broadcast(buffer data, int root, stream_handle stream = nullptr) {
+    const auto what = info("broadcast", data, -1, root);
+    detail::argument_check{what}.root(root, size_);
+    usable(what);
+    auto w = make_request(what, verify(what));
+    w->stage(data, data, false, stream);
+    if (data.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_),
+                       what);
+      return work(w);
+    }
+    DTRAIN_MPI_CHECK(
+        MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req),
+        what);
+    return work(w);
+  }
+
+  work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
+    const auto what = info("allgather", in, -1, -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(out, in.count * static_cast<std::size_t>(size_), "output");
+    usable(what);
+    auto w = make_request(what, verify(what));
+    w->stage(in, out, false, stream);
+    if (in.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Allgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
+                                     count(in, what), datatype(in.type), comm_),
+                       what);
+      return work(w);
+    }
+    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
+                                    count(in, what), datatype(in.type), comm_, &w->req),
+                     what);
+    return work(w);
+  }
+
+  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
+    const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
+    detail::argument_check check{what};
+    check.same_type(in, out);
+    check.count(in, out.count * static_cast<std::size_t>(size_), "input");
+    check.op_fits(op, in.type);
+    usable(what);
+    auto w = make_request(what, verify(what));
+    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
+    w->divide_by = op == reduce_op::avg ? size_ : 0;
+    if (out.count == 0) return work(w);
+    if (w->direct) {
+      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(w->src.data, w->dst.data, count(out, what),
+                                                datatype(out.type), mpi_op(op, out.type), comm_),
+                       what);
+      return work(w);
+    }
+    DTRAIN_MPI_CHECK(
+        MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
+                                  mpi_op(op, out.type), comm_, &w->req),
+        what);
+    return work(w);
+  }
+
+  work barrier() {
+    const auto what = info("barrier", buffer{}, -1, -1);
+    usable(what);
+    auto w = make_request(what, verify(what));
+    DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
+    return work(w);
+  }
+
+  /// The ranks with the same color, ordered by key (then by rank). Collective.
+  /// A negative color leaves this rank out (MPI_UNDEFINED): it gets a
+  /// communicator with valid() false (see the `communicator` concept).
+  mpi_communicator split(int color, int key) {
+    auto what =
+        detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key),
+                         rank_, size_, name);
+    if (!valid()) detail::throw_invalid(what, rank_ < 0);
+    usable(what);
+    MPI_Comm child = MPI_COMM_NULL;
+    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), what);
+    if (child == MPI_COMM_NULL) return mpi_communicator(env_, options_);
+    mpi_communicator out(env_, child, options_);
+    out.ring_ = ring_->make_child(color);
+    MPI_Comm_free(&child);  // `out` holds its own duplicate
+    return out;
+  }
+
+ private:
+  struct health {
+    bool broken = false;
+    bool abandoned = false;  // a request was given up while MPI may still progress it
+    std::string why;
+  };
+
+  // How device buffers travel (CUDA builds): the pinned pool, and whether the
+  // MPI takes device pointers itself (mpi_options::cuda_aware_direct).
+  struct staging {
+#if DTRAIN_HAS_CUDA()
+    detail::pinned_pool pool;
+#endif
+    bool direct = false;
+  };
+
+  // One outstanding MPI request, with the staging and the avg division it needs when done.
+  struct request : detail::work_state {
+    request(const detail::collective_info& what, std::chrono::milliseconds timeout,
+            std::shared_ptr<health> h, std::shared_ptr<staging> st)
+        : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
+    ~request() override {
+      int finalized = 1;
+      MPI_Finalized(&finalized);
+      if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
+        // A handle dropped before completion: MPI still writes into the
+        // buffers, so finish it, for at most the timeout, rather than leave
+        // MPI holding freed memory.
+        auto deadline = std::chrono::steady_clock::now() + timeout();
+        int flag = 0;
+        while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+               std::chrono::steady_clock::now() < deadline) {
+        }
+        if (!flag) abandon();
+      }
+      if (!abandoned) release_staging();  // an abandoned request may still write into them
+    }
+
+    /// Chooses where MPI reads and writes: the user's buffers (host memory;
+    /// device memory when the MPI takes it directly and no host arithmetic is
+    /// needed), or pooled pinned copies of device buffers, filled once the
+    /// work queued on `stream` is done. Host arithmetic: avg's division and
+    /// the 16-bit floats' MPI_Op.
+    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math,
+               [[maybe_unused]] stream_handle stream) {
+      user_out = out;
+      src = in;
+      dst = out;
+#if DTRAIN_HAS_CUDA()
+      if (out.where != memory::device) return;
+      try {
+        device = out.device;
+        if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
+        detail::device_guard on(device);
+        if (staging_->direct && !host_math) {
+          direct = true;  // MPI reads the device memory now: the caller's work first
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+          return;
+        }
+        staged = true;
+        const bool same = in.data == out.data;
+        dst.data = take(out.bytes(), dst_block);
+        dst.where = memory::host;
+        src.data = same ? dst.data : take(in.bytes(), src_block);
+        src.where = memory::host;
+        if (in.bytes() > 0) {
+          DTRAIN_CUDA_CHECK(
+              cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+      } catch (const backend_error& e) {
+        throw backend_error(
+            description() + ": staging the device buffer through pinned host memory: " + e.what(),
+            e.engine_code());
+      }
+#endif
+    }
+
+    bool poll() override {
+      if (finished) return true;
+      if (req != MPI_REQUEST_NULL) {
+        int flag = 0;
+        int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) {
+          fail(std::make_exception_ptr(
+              backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
+          health_->broken = true;
+          health_->why = description() + " failed";
+          finished = true;
+          return true;
+        }
+        if (!flag) return false;
+      }
+      try {
+        if (divide_by > 0) detail::divide_host(dst, divide_by);
+#if DTRAIN_HAS_CUDA()
+        if (staged && user_out.bytes() > 0) {
+          detail::device_guard on(device);
+          cudaStream_t copy = staging_->pool.copy_stream(device);
+          DTRAIN_CUDA_CHECK(
+              cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
+          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
+        }
+#endif
+      } catch (const backend_error& e) {
+        fail(std::make_exception_ptr(
+            backend_error(description() + ": copying the result back to the device: " + e.what(),
+                          e.engine_code())));
+      } catch (...) {
+        fail(std::current_exception());
+      }
+      release_staging();
+      finished = true;
+      return true;
+    }
+
+    void on_timeout() noexcept override { abandon(); }
+
+    // MPI cannot cancel a collective: the communicator is unusable from now on.
+    void abandon() noexcept {
+      abandoned = true;
+      health_->abandoned = true;
+      health_->broken = true;
+      health_->why = description() + " timed out";
+    }
+
+    MPI_Request req = MPI_REQUEST_NULL;
+    buffer src{}, dst{}, user_out{};
+    int divide_by = 0;
+    int device = -1;      // of the staged device buffers
+    bool staged = false;  // src/dst are pinned blocks from the pool
+    bool direct = false;  // device pointers to a blocking call: complete at launch
+    bool finished = false;
+    bool abandoned = false;
+
+   private:
+    struct block {
+      void* data = nullptr;
+      std::size_t bytes = 0;
+    };
+#if DTRAIN_HAS_CUDA()
+    void* take(std::size_t bytes, block& b) {
+      b.data = staging_->pool.take(bytes);
+      b.bytes = bytes;
+      return b.data;
+    }
+#endif
+    // Blocks go back to the pool for the next call (never while MPI may still
+    // write into them: an abandoned request keeps them).
+    void release_staging() noexcept {
+#if DTRAIN_HAS_CUDA()
+      staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
+      staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
+#endif
+    }
+    block src_block, dst_block;
+    std::shared_ptr<health> health_;
+    std::shared_ptr<staging> staging_;
+  };
+
+  std::shared_ptr<request> make_request(const detail::collective_info& what, std::int64_t seq) {
+    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
+    w->track(ring_, seq);
+    return w;
+  }
+
+  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
+      : env_(std::move(env)),
+        options_(std::move(options)),
+        health_(std::make_shared<health>()),
+        staging_(std::make_shared<staging>()) {
+    if (options_.cuda_aware_direct) {
+      if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
+        throw config_error(
+            "mpi_options::cuda_aware_direct is set, but " +
+            std::string(DTRAIN_HAS_CUDA()
+                            ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
+                            : "dtrain is built without CUDA") +
+            ": unset it, and device buffers are staged through pinned host memory");
+      }
+      staging_->direct = true;
+    }
+    DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
+    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
+                     "setting MPI_ERRORS_RETURN");
+    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  }
+
+  // A left-out (or moved-from) communicator: what split() returns to a rank
+  // that passed a negative color.
+  mpi_communicator(std::shared_ptr<mpi_environment> env, mpi_options options)
+      : env_(std::move(env)),
+        rank_(-1),
+        size_(0),
+        options_(std::move(options)),
+        health_(std::make_shared<health>()),
+        staging_(std::make_shared<staging>()) {}
+
+  // Every collective starts here, so a left-out rank fails before any check.
+  detail::collective_info info(std::string_view collective, const buffer& b, int op,
+                               int root) const {
+    detail::collective_info out{
+        collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
+    if (!valid()) detail::throw_invalid(detail::describe(out), rank_ < 0);
+    return out;
+  }
+
+  void usable(const detail::collective_info& what) const {
+    if (health_->broken) usable(detail::describe(what));
+  }
+  void usable(const std::string& what) const {
+    if (health_->broken) {
+      throw backend_error(
+          what + ": this MPI communicator is unusable since " + health_->why +
+              " (MPI cannot cancel a collective); end the job, or continue only on other "
+              "communicators",
+          0);
+    }
+  }
+
+  static int count(const buffer& b, const detail::collective_info& what) {
+    if (b.count > static_cast<std::size_t>(INT_MAX)) {
+      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) +
+                         " elements exceed MPI's int count; split the buffer");
+    }
+    return static_cast<int>(b.count);
+  }
+
+  // Whether MPI reduces the type itself (the 16-bit floats go through dtrain's MPI_Op).
+  static bool native(dtype t) noexcept { return t != dtype::float16 && t != dtype::bfloat16; }
+
+  static MPI_Datatype datatype(dtype t) {
+    switch (t) {
+      case dtype::float32: return MPI_FLOAT;
+      case dtype::float64: return MPI_DOUBLE;
+      case dtype::int32: return MPI_INT32_T;
+      case dtype::int64: return MPI_INT64_T;
+      case dtype::uint8: return MPI_UINT8_T;
+      case dtype::float16:
+      case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
+    }
+    return MPI_DATATYPE_NULL;
+  }
+
+  template <class T, reduce_op Op>
+  static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+    detail::reduce_host<T>(static_cast<T*>(inout), static_cast<const T*>(in),
+                           static_cast<std::size_t>(*len), Op);
+  }
+
+  MPI_Op mpi_op(reduce_op op, dtype t) {
+    if (t != dtype::float16 && t != dtype::bfloat16) {
+      switch (op) {
+        case reduce_op::sum:
+        case reduce_op::avg: return MPI_SUM;
+        case reduce_op::min: return MPI_MIN;
+        case reduce_op::max: return MPI_MAX;
+        case reduce_op::prod: return MPI_PROD;
+      }
+    }
+    // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
+    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) + (op == reduce_op::min    ? 1u
+                                                                 : op == reduce_op::max  ? 2u
+                                                                 : op == reduce_op::prod ? 3u
+                                                                                         : 0u);
+    if (ops_[slot] == MPI_OP_NULL) {
+      static MPI_User_function* const functions[8] = {
+          &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
+          &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
+          &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
+          &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
+      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]),
+                       "creating the 16-bit float MPI_Op");
+    }
+    return ops_[slot];
+  }
+
+  // Numbers the collective in the ring; check mode: every rank passed the same call, count, type,
+  // op/root.
+  std::int64_t verify(const detail::collective_info& info) {
+    const std::int64_t sequence = detail::record(*ring_, info);
+    if (!options_.collectives.check) return sequence;
+    const std::string what = detail::describe(info);
+    detail::compare_signatures(
+        detail::signature_of(sequence, info), rank_, size_, what,
+        [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+          DTRAIN_MPI_CHECK(
+              MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
+                            static_cast<int>(in.size()), MPI_INT64_T, comm_),
+              what + " (check mode)");
+        });
+    return sequence;
+  }
+
+  std::shared_ptr<mpi_environment> env_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  mpi_options options_;
+  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
+  // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
+  static std::array<MPI_Op, 8> no_ops() noexcept {
+    std::array<MPI_Op, 8> ops;
+    ops.fill(MPI_OP_NULL);
+    return ops;
+  }
+  std::array<MPI_Op, 8> ops_ = no_ops();
+  std::shared_ptr<health> health_;
+  std::shared_ptr<staging> staging_;
+};
+
+static_assert(communicator<mpi_communicator>);
+
+namespace detail {
+
+/// Broadcasts `value` (a wire-encoded value: launch/protocol.hpp) from `root`
+/// to every rank of `comm`: its length, then its bytes, so no rank guesses a
+/// buffer size. A collective: every rank calls it, whatever it holds.
+inline void mpi_broadcast_value(MPI_Comm comm, int root, std::string& value,
+                                const std::string& what) {
+  std::uint64_t length = value.size();
+  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root, comm), what);
+  if (length > (std::uint64_t{1} << 20)) {
+    throw backend_error(what + ": rank " + std::to_string(root) + " sent a value of " +
+                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                        0);
+  }
+  value.resize(static_cast<std::size_t>(length));
+  if (length > 0) {
+    DTRAIN_MPI_CHECK(MPI_Bcast(value.data(), static_cast<int>(length), MPI_BYTE, root, comm), what);
+  }
+}
+
+}  // namespace detail
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_MPI()
+// ---- end dtrain/backend/mpi.hpp ----
+// ---- begin dtrain/backend/nccl.hpp ----
+/// @file
+/// The NCCL backend: `nccl_communicator` runs collectives on device memory, on
+/// a CUDA stream of its own that is ordered after the caller's stream with
+/// events. Host C++ only (nccl.h and the CUDA runtime API): g++ builds it, and
+/// so does nvcc. Compiles to nothing unless DTRAIN_HAS_NCCL().
+
+// ---- begin dtrain/backend/nccl_engine.hpp ----
+/// @file
+/// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
+/// mapping of dtrain's types and ops onto NCCL's, the argument checks, and the
+/// state a communicator shares with its work handles (the NCCL communicator,
+/// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
+/// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
+
+
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Default limit for creating an NCCL communicator (ncclCommInitRankConfig,
+/// ncclCommSplit): every rank must have joined by then. Environment:
+/// DTRAIN_NCCL_INIT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_nccl_init_timeout{300'000};
+
+/// Default store key of the NCCL unique id.
+inline constexpr std::string_view default_nccl_store_key = "nccl/unique_id";
+
+/// Options of an NCCL communicator. Aggregate: use designated initialisers,
+/// `{.collectives = {.timeout = 30s}, .init_timeout = 60s}`.
+struct nccl_options {
+  /// Collective timeout (work::wait() without an argument; also bounds the
+  /// destructor's wait) and check mode.
+  collective_options collectives{};
+  /// Limit for ncclCommInitRankConfig and ncclCommSplit.
+  std::chrono::milliseconds init_timeout = default_nccl_init_timeout;
+  /// NCCL's blocking mode. Off (the default), dtrain polls NCCL, so that init
+  /// and enqueueing time out too; on, only completion can time out. NCCL's own
+  /// NCCL_COMM_BLOCKING overrides either.
+  bool blocking = false;
+  /// Where rank 0 publishes the unique id. Must differ for every communicator
+  /// made from one store: give each job and restart round its own
+  /// prefix_store, or each communicator its own key. split() needs no store.
+  std::string store_key{default_nccl_store_key};
+  /// CUDA_VISIBLE_DEVICES as the job's environment set it (with_env() fills
+  /// it), for the message when a rank wants a device it cannot see.
+  std::optional<std::string> cuda_visible_devices{};
+
+  /// These options with DTRAIN_NCCL_INIT_TIMEOUT, DTRAIN_COLLECTIVE_TIMEOUT and
+  /// DTRAIN_CHECK_COLLECTIVES applied on top, and CUDA_VISIBLE_DEVICES kept.
+  /// Throws config_error naming the variable and its value when one is malformed.
+  [[nodiscard]] nccl_options with_env(const environment& env) const {
+    nccl_options out = *this;
+    out.collectives = collectives.with_env(env);
+    if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
+    if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
+    return out;
+  }
+};
+
+}  // namespace dtrain
+
+#if DTRAIN_HAS_NCCL()
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace dtrain::detail {
+
+/// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
+/// error: ... (ncclResult_t 5, at file:line)".
+inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
+                                   int line) {
+  std::string text = std::string("NCCL call `") + call + "` failed: " + ncclGetErrorString(code);
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
+         std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
+                                          int line) {
+  throw backend_error(nccl_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an NCCL function) and yields its ncclResult_t. Throws
+/// dtrain::backend_error with the call as written, file:line, NCCL's error
+/// string and last error, and the code (backend_error::engine_code()), unless
+/// the result is ncclSuccess or ncclInProgress (a non-blocking communicator
+/// still working in the background: poll ncclCommGetAsyncError).
+#define DTRAIN_NCCL_CHECK(call)                                                           \
+  ([&]() -> ncclResult_t {                                                                \
+    const ncclResult_t dtrain_nccl_status_ = (call);                                      \
+    if (dtrain_nccl_status_ != ncclSuccess && dtrain_nccl_status_ != ncclInProgress)      \
+      ::dtrain::detail::throw_nccl_error(dtrain_nccl_status_, #call, __FILE__, __LINE__); \
+    return dtrain_nccl_status_;                                                           \
+  }())
+
+namespace dtrain::detail {
+
+/// NCCL's name for each element type; all seven are native.
+[[nodiscard]] constexpr ncclDataType_t nccl_type(dtype t) noexcept {
+  switch (t) {
+    case dtype::float32: return ncclFloat32;
+    case dtype::float64: return ncclFloat64;
+    case dtype::float16: return ncclFloat16;
+    case dtype::bfloat16: return ncclBfloat16;
+    case dtype::int32: return ncclInt32;
+    case dtype::int64: return ncclInt64;
+    case dtype::uint8: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+/// NCCL's op for each reduction over `ranks` ranks; avg is ncclAvg (NCCL
+/// divides, in the type), except on one rank, where the mean is the input and
+/// ncclSum gives it: NCCL 2.28.3's one-rank ncclAvg left every element from
+/// the 2^20th on unwritten out of place (seen on an H100).
+[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op, int ranks) noexcept {
+  switch (op) {
+    case reduce_op::sum: return ncclSum;
+    case reduce_op::avg: return ranks == 1 ? ncclSum : ncclAvg;
+    case reduce_op::min: return ncclMin;
+    case reduce_op::max: return ncclMax;
+    case reduce_op::prod: return ncclProd;
+  }
+  return ncclSum;
+}
+
+/// The collectives of nccl_communicator, numbered as collective_kinds.
+enum class nccl_kind : std::int64_t {
+  allreduce = 1,
+  broadcast,
+  allgather,
+  reduce_scatter,
+  barrier,
+  allreduce_many,
+  split
+};
+
+/// A call's signature before the ring numbers it (launch() sets `seq`).
+[[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
+                                              std::int64_t op_or_root) noexcept {
+  const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
+                       kind == nccl_kind::allreduce_many;
+  return {.seq = 0,
+          .kind = static_cast<std::int64_t>(kind),
+          .count = static_cast<std::int64_t>(count),
+          .type = static_cast<std::int64_t>(type),
+          .op = reduces ? op_or_root : -1,
+          .root = kind == nccl_kind::broadcast ? op_or_root : -1};
+}
+
+/// Prefixes an engine error with the operation it interrupted (once).
+[[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
+                                                     const backend_error& e) {
+  if (std::string_view(e.what()).starts_with(what)) return e;
+  return backend_error(what + ": " + e.what(), e.engine_code());
+}
+
+// Argument checks: what one rank can check alone, before any CUDA or NCCL call.
+
+inline void nccl_check_rank(int rank, int size) {
+  if (size < 1)
+    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
+  if (rank < 0 || rank >= size) {
+    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
+                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
+  }
+}
+
+inline void nccl_check_placement(int rank, int size, int device) {
+  nccl_check_rank(rank, size);
+  if (device < 0) {
+    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
+                       std::to_string(rank) + " is negative; pass the local rank");
+  }
+}
+
+inline void nccl_check_device(const argument_check& check, const buffer& b,
+                              std::string_view which) {
+  if (b.where != memory::device) {
+    check.fail(
+        std::string(which) +
+        " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
+        "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
+  }
+  if (b.data == nullptr && b.count > 0) {
+    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
+               " elements");
+  }
+}
+
+inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
+                                 reduce_op op) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(out, in.count, "output");
+  check.op_fits(op, in.type);
+}
+
+inline void nccl_check_broadcast(const argument_check& check, const buffer& data, int root,
+                                 int size) {
+  nccl_check_device(check, data, "data");
+  check.root(root, size);
+}
+
+inline void nccl_check_allgather(const argument_check& check, const buffer& in, const buffer& out,
+                                 int size) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(out, in.count * static_cast<std::size_t>(size), "output");
+}
+
+inline void nccl_check_reduce_scatter(const argument_check& check, const buffer& in,
+                                      const buffer& out, reduce_op op, int size) {
+  nccl_check_device(check, in, "input");
+  nccl_check_device(check, out, "output");
+  check.same_type(in, out);
+  check.count(in, out.count * static_cast<std::size_t>(size), "input");
+  check.op_fits(op, out.type);
+}
+
+inline void nccl_check_many(const argument_check& check, std::span<const buffer> buffers,
+                            reduce_op op) {
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    nccl_check_device(check, buffers[i], "buffer " + std::to_string(i));
+    check.op_fits(op, buffers[i].type);
+  }
+}
+
+/// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
+[[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
+                                                      std::string_view key) {
+  ncclUniqueId id{};
+  if (value.size() != sizeof id.internal) {
+    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
+                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
+                           std::to_string(sizeof id.internal) +
+                           ": something else wrote that key; give each communicator its own key "
+                           "(nccl_options::store_key) or prefix_store");
+  }
+  value.copy(id.internal, sizeof id.internal);
+  return id;
+}
+
+/// Checks that `device` exists, then makes it current. `visible` is
+/// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
+inline void nccl_select_device(int device, int rank, int size,
+                               const std::optional<std::string>& visible) {
+  int count = 0;
+  if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw backend_error(
+        "no usable CUDA device: " +
+            cuda_error_text(found, "cudaGetDeviceCount(&count)", __FILE__, __LINE__) +
+            "; NCCL needs a GPU and its driver (does nvidia-smi list one?)",
+        static_cast<int>(found));
+  }
+  if (device >= count) {
+    throw config_error(
+        "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) +
+        " wants CUDA device " + std::to_string(device) + ", but this process sees " +
+        std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + visible.value_or("<unset>") +
+        "); pass the local rank, and start no more ranks on a node than it has GPUs");
+  }
+  DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+}
+
+inline std::string nccl_seconds(std::chrono::milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+  return text;
+}
+
+inline constexpr std::string_view nccl_timeout_hint =
+    "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
+    "what every "
+    "rank passed)";
+
+/// Polling back-off for work the GPU finishes: sleeps grow to 1 ms.
+struct nccl_backoff : backoff {
+  nccl_backoff() : backoff{.longest = std::chrono::microseconds(1000)} {}
+};
+
+/// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
+[[nodiscard]] inline bool nccl_stream_idle(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamQuery(stream);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
+  return true;
+}
+
+/// Whether `event` has completed; throws backend_error on a CUDA error.
+[[nodiscard]] inline bool nccl_event_done(cudaEvent_t event) {
+  const cudaError_t e = cudaEventQuery(event);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) throw_cuda_error(e, "cudaEventQuery(event)", __FILE__, __LINE__);
+  return true;
+}
+
+/// What a communicator and its work handles share. `mutex` guards `comm` (NCCL
+/// calls, polls, abort) and the abort state.
+struct nccl_shared {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 0;
+  int device = 0;
+  nccl_options options{};
+  cuda_stream stream;                    // every collective runs here
+  void* scratch = nullptr;               // device: the check table, then the barrier word
+  std::int64_t* device_table = nullptr;  // check mode: signature::fields int64 per rank
+  std::int64_t* barrier_word = nullptr;
+  ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
+
+  std::mutex mutex;
+  /// Set by a watchdog (or any thread) that wants the communicator aborted:
+  /// every wait that holds `mutex` checks it each round and gives the lock up,
+  /// so an abort never waits for the wait it is meant to end.
+  std::atomic<bool> abort_requested{false};
+  bool aborted = false;
+  std::string abort_reason;
+  int abort_code = 0;
+
+  nccl_shared() = default;
+  nccl_shared(const nccl_shared&) = delete;
+  nccl_shared& operator=(const nccl_shared&) = delete;
+
+  /// The stream and scratch memory of a communicator on the current device; `comm` comes later.
+  [[nodiscard]] static std::shared_ptr<nccl_shared> create(int rank, int size, int device,
+                                                           nccl_options options) {
+    auto s = std::make_shared<nccl_shared>();
+    s->rank = rank;
+    s->size = size;
+    s->device = device;
+    s->options = std::move(options);
+    s->stream = cuda_stream::non_blocking();
+    const std::size_t words = signature::fields * static_cast<std::size_t>(size) + 1;
+    DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
+    s->device_table = static_cast<std::int64_t*>(s->scratch);
+    s->barrier_word = s->device_table + signature::fields * static_cast<std::size_t>(size);
+    return s;
+  }
+
+  [[nodiscard]] ncclConfig_t config() const noexcept {
+    ncclConfig_t out = NCCL_CONFIG_INITIALIZER;
+    out.blocking = options.blocking ? 1 : 0;
+    return out;
+  }
+
+  /// Pinned host memory for the check table (allocated on first use).
+  std::int64_t* host_table() {
+    if (!host_table_)
+      DTRAIN_CUDA_CHECK(cudaMallocHost(
+          &host_table_, signature::fields * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
+    return host_table_;
+  }
+
+  /// NCCL's asynchronous state: ncclSuccess, ncclInProgress (still
+  /// enqueueing or initialising), or an error. Call with `mutex` held.
+  [[nodiscard]] ncclResult_t async_state() const noexcept {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    return r != ncclSuccess ? r : state;
+  }
+
+  void throw_if_aborted(const std::string& what) const {
+    if (aborted) {
+      throw backend_error(
+          what + ": the communicator was aborted earlier (" + abort_reason +
+              "); its collectives cannot run any more: create a new communicator (restart the job)",
+          abort_code);
+    }
+  }
+
+  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
+  void abort_locked(std::string why, int code) noexcept {
+    if (comm) {
+      device_guard guard(device, std::nothrow);
+      (void)ncclCommAbort(comm);
+      comm = nullptr;
+    }
+    if (!aborted) {
+      aborted = true;
+      abort_code = code;
+      try {
+        abort_reason = std::move(why);
+      } catch (...) {
+      }
+    }
+  }
+
+  /// Polls until NCCL is idle (not in progress) and `finished()` holds. An
+  /// NCCL error aborts and throws backend_error; running past `limit` aborts
+  /// and throws timeout_error, with `hint` for the person reading it. Call
+  /// with `mutex` held (or before anyone else can see this state).
+  template <class Finished>
+  void wait(const std::string& what, std::chrono::milliseconds limit, std::string_view hint,
+            Finished&& finished) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    nccl_backoff pause;
+    for (;;) {
+      throw_if_aborted(what);
+      if (abort_requested.load(std::memory_order_acquire)) {
+        std::string why = what + " was interrupted: another thread aborted the communicator";
+        abort_locked(why, 0);
+        throw backend_error(why, 0);
+      }
+      const ncclResult_t state = async_state();
+      if (state != ncclSuccess && state != ncclInProgress) {
+        std::string why = what + " failed: NCCL reports " + async_text(state);
+        abort_locked(why, static_cast<int>(state));
+        throw backend_error(why, static_cast<int>(state));
+      }
+      if (state == ncclSuccess && finished()) return;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string why = what + " did not finish within " + nccl_seconds(limit);
+        abort_locked(why, 0);
+        throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
+      }
+      pause();
+    }
+  }
+
+  [[nodiscard]] static std::string async_text(ncclResult_t state) {
+    std::string text = ncclGetErrorString(state);
+    const char* last = ncclGetLastError(nullptr);
+    if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+    return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
+  }
+
+  /// A completion event from the pool (created on the current device when the pool is empty).
+  [[nodiscard]] cudaEvent_t acquire_event() {
+    {
+      std::lock_guard lock(events_mutex_);
+      if (!free_events_.empty()) {
+        cudaEvent_t e = free_events_.back();
+        free_events_.pop_back();
+        return e;
+      }
+    }
+    return cuda_event::create().release();
+  }
+
+  /// Returns an event to the pool. A stream that waited on it keeps the point
+  /// it waited for, so it can be recorded again at once.
+  void release_event(cudaEvent_t e) noexcept {
+    try {
+      std::lock_guard lock(events_mutex_);
+      free_events_.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+
+  /// Lets the collectives finish (at most the collective timeout), then
+  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
+  ~nccl_shared() {
+    device_guard guard(device, std::nothrow);
+    // While an exception unwinds (a peer may be gone) or after a timeout, waiting
+    // for collectives could take the whole timeout: abort instead of finalizing.
+    if (comm && (std::uncaught_exceptions() > 0 || abort_requested.load())) {
+      (void)ncclCommAbort(comm);
+      comm = nullptr;
+    }
+    if (comm) {
+      const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
+      // Finalize only a communicator that is idle and healthy; anything else is aborted.
+      bool clean = settle(deadline, [&] {
+        const cudaError_t e = cudaStreamQuery(stream.get());
+        return e == cudaSuccess         ? settled::done
+               : e == cudaErrorNotReady ? settled::pending
+                                        : settled::failed;
+      });
+      clean = clean && async_state() == ncclSuccess;
+      if (clean) {
+        const ncclResult_t r = ncclCommFinalize(comm);
+        clean = (r == ncclSuccess || r == ncclInProgress) && settle(deadline, [&] {
+                  const ncclResult_t state = async_state();
+                  return state == ncclSuccess      ? settled::done
+                         : state == ncclInProgress ? settled::pending
+                                                   : settled::failed;
+                });
+      }
+      if (clean) {
+        (void)ncclCommDestroy(comm);
+      } else {
+        (void)ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+    if (host_table_) (void)cudaFreeHost(host_table_);
+    if (scratch) (void)cudaFree(scratch);
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+  }
+
+ private:
+  enum class settled { done, pending, failed };
+
+  // Polls `query` until it is done (true), fails, or the deadline passes (false).
+  template <class Query>
+  static bool settle(std::chrono::steady_clock::time_point deadline, Query query) noexcept {
+    nccl_backoff pause;
+    for (;;) {
+      const settled state = query();
+      if (state == settled::done) return true;
+      if (state == settled::failed || std::chrono::steady_clock::now() >= deadline) return false;
+      try {
+        pause();
+      } catch (...) {
+        return false;
+      }
+    }
+  }
+
+  std::int64_t* host_table_ = nullptr;
+  std::mutex events_mutex_;
+  std::vector<cudaEvent_t> free_events_;
+};
+
+/// An event from the pool for one scope (or released to a work).
+class nccl_pooled_event {
+ public:
+  explicit nccl_pooled_event(nccl_shared& shared)
+      : shared_(shared), event_(shared.acquire_event()) {}
+  nccl_pooled_event(const nccl_pooled_event&) = delete;
+  nccl_pooled_event& operator=(const nccl_pooled_event&) = delete;
+  ~nccl_pooled_event() {
+    if (event_) shared_.release_event(event_);
+  }
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  nccl_shared& shared_;
+  cudaEvent_t event_;
+};
+
+/// One collective in flight: done when its completion event is; failed when
+/// NCCL reports an asynchronous error (the communicator is then aborted, as
+/// NCCL asks) or the communicator was aborted.
+class nccl_work final : public work_state {
+ public:
+  nccl_work(std::string what, std::chrono::milliseconds timeout,
+            std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
+      : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
+  ~nccl_work() override { shared_->release_event(done_); }
+
+  // Runs on any thread that waits (the watchdog's included): the CUDA calls
+  // go to the communicator's device, never to a context on GPU 0.
+  bool poll() override {
+    std::lock_guard lock(shared_->mutex);
+    device_guard guard(shared_->device, std::nothrow);
+    if (shared_->aborted) {
+      fail(std::make_exception_ptr(
+          backend_error(description() + " did not complete: the communicator was aborted (" +
+                            shared_->abort_reason + ")",
+                        shared_->abort_code)));
+      return true;
+    }
+    const ncclResult_t state = shared_->async_state();
+    if (state != ncclSuccess && state != ncclInProgress) {
+      std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
+      shared_->abort_locked(why, static_cast<int>(state));
+      fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
+      return true;
+    }
+    const cudaError_t e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return false;
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail(std::make_exception_ptr(backend_error(
+          description() + " failed on the device: " + cudaGetErrorName(e) + ": " +
+              cudaGetErrorString(e) + " (cudaError_t " + std::to_string(static_cast<int>(e)) + ")",
+          static_cast<int>(e))));
+    }
+    return true;
+  }
+
+  // Called by whoever waited (a watchdog thread included): the flag first, so
+  // that a wait holding the lock lets go of it within one polling round.
+  void on_timeout() noexcept override {
+    shared_->abort_requested.store(true, std::memory_order_release);
+    std::lock_guard lock(shared_->mutex);
+    shared_->abort_locked(description() + " timed out", 0);
+  }
+
+ private:
+  std::shared_ptr<nccl_shared> shared_;
+  cudaEvent_t done_;
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_NCCL()
+// ---- end dtrain/backend/nccl_engine.hpp ----
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#if DTRAIN_HAS_NCCL()
+#include <cuda_runtime.h>
+#include <nccl.h>
+#if DTRAIN_HAS_MPI()
+#include <mpi.h>
+#endif
+
+namespace dtrain {
+
+/// A group of ranks, one CUDA device each, that runs NCCL collectives.
+///
+/// Every collective takes device buffers (a host buffer is a config_error) and
+/// an optional `stream` of the caller's (default 0, the default stream as the
+/// calling translation unit sees it). It is enqueued on this communicator's own
+/// non-blocking stream after everything already on `stream`, and returns at
+/// once with a work handle whose test() / wait() poll a completion event and
+/// NCCL's asynchronous error state. The caller's stream does not wait for the
+/// result: call `stream_wait(stream)` (no host block) or `work.wait()` (host
+/// block) before using it. A wait that times out aborts the communicator
+/// (ncclCommAbort): later calls throw backend_error, and work still on the
+/// device for it is lost; create a new communicator (in practice: restart).
+///
+/// Check mode (options.collectives.check, DTRAIN_CHECK_COLLECTIVES=1): before
+/// each collective the ranks gather what each passed (operation, count, type,
+/// op or root) with an unchecked ncclAllGather of 4 int64 per rank through
+/// device scratch memory, and the host waits for it (within the collective
+/// timeout). A difference throws backend_error on every rank, naming the first
+/// rank that differs, and the collective does not run. allreduce_many is
+/// compared as one call (op, total elements, first type).
+///
+/// Use one communicator from one thread at a time, like NCCL's own; work
+/// handles may be tested and waited on from any thread. Not for CUDA graph
+/// capture. Move-only.
+class nccl_communicator {
+ public:
+  static constexpr bool reaches_device_memory = true;
+  /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
+  static constexpr bool reaches_host_memory = false;
+  static constexpr std::string_view name = "nccl";
+  /// Collectives are enqueued on stream(), ordered after the caller's stream:
+  /// a topology can enqueue the steps of one collective at once, each after the last.
+  static constexpr bool stream_ordered = true;
+
+  /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
+  /// the local rank; it becomes the calling thread's current device). Rank 0
+  /// creates the NCCL unique id and sets it in `store` under
+  /// `options.store_key`; the others get it, waiting as long as the store's
+  /// timeout allows. Then ncclCommInitRankConfig, non-blocking, waited for at
+  /// most `options.init_timeout`.
+  ///
+  /// Throws config_error for a bad rank, size or device; timeout_error (the
+  /// store's, or the init's) when a rank does not show up; rendezvous_error
+  /// for a malformed id in the store; backend_error for CUDA and NCCL failures.
+  template <store Store>
+  nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
+      // `options` is copied, not moved: the arguments are evaluated in no set order.
+      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key), rank, size,
+                          device, options) {}
+
+  /// Creates the communicator from an id every rank already has (from
+  /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
+  /// under MPI). Throws as the constructor above.
+  nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                    nccl_options options = {})
+      : rank_(rank), size_(size) {
+    detail::nccl_check_placement(rank, size, device);
+    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) +
+                             " of " + std::to_string(size) + " on CUDA device " +
+                             std::to_string(device);
+    try {
+      detail::nccl_select_device(device, rank, size, options.cuda_visible_devices);
+      auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
+      ncclConfig_t config = s->config();
+      try {
+        DTRAIN_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
+      } catch (...) {
+        if (s->comm) (void)ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        throw;
+      }
+      // Non-blocking: NCCL connects the ranks in the background; a rank that
+      // never comes would otherwise hang this call for ever.
+      s->wait(what, s->options.init_timeout,
+              "every rank must start and reach the others' network "
+              "interfaces (NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+              [] { return true; });
+      shared_ = std::move(s);
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  nccl_communicator(nccl_communicator&&) noexcept = default;
+  nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
+  nccl_communicator(const nccl_communicator&) = delete;
+  nccl_communicator& operator=(const nccl_communicator&) = delete;
+  /// Waits for this communicator's collectives (at most the collective
+  /// timeout, then aborts), then ncclCommFinalize + ncclCommDestroy. Work
+  /// handles still alive keep the communicator alive until they go.
+  ~nccl_communicator() = default;
+
+  /// A new NCCL unique id (ncclGetUniqueId; needs no GPU). Throws backend_error.
+  [[nodiscard]] static ncclUniqueId new_unique_id() {
+    ncclUniqueId id{};
+    DTRAIN_NCCL_CHECK(ncclGetUniqueId(&id));
+    return id;
+  }
+
+  /// Rank 0 creates an id and sets it under `key`; every other rank gets it
+  /// (the store's timeout applies). Throws config_error for a bad rank,
+  /// rendezvous_error for a value that is not an id, and what the store throws.
+  template <store Store>
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(
+      Store& store, int rank, int size, std::string_view key = default_nccl_store_key) {
+    detail::nccl_check_rank(rank, size);
+    if (rank == 0) {
+      ncclUniqueId id = new_unique_id();
+      store.set(key, std::string_view(id.internal, sizeof id.internal));
+      return id;
+    }
+    return detail::nccl_unique_id_from(store.get(key), key);
+  }
+
+  /// -1 and 0 for a rank that split() left out (negative color).
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  /// False when moved from, or when split() left this rank out.
+  [[nodiscard]] bool valid() const noexcept { return shared_ != nullptr; }
+  [[nodiscard]] int device() const noexcept { return shared_ ? shared_->device : -1; }
+  /// The stream every collective runs on (to order more work after them on the device).
+  [[nodiscard]] cudaStream_t stream() const noexcept {
+    return shared_ ? shared_->stream.get() : nullptr;
+  }
+  /// The NCCL communicator, for calls dtrain does not wrap (and benchmarks against the raw engine).
+  [[nodiscard]] ncclComm_t native_handle() const noexcept {
+    return shared_ ? shared_->comm : nullptr;
+  }
+  /// Whether a timeout, an engine error or abort() ended this communicator.
+  [[nodiscard]] bool aborted() const {
+    if (!shared_) return false;
+    std::lock_guard lock(shared_->mutex);
+    return shared_->aborted;
+  }
+
+  /// ncclCommAbort now: pending collectives end (their work fails) and every
+  /// later call throws. For a rank that learns a peer is gone.
+  void abort() noexcept {
+    if (!shared_) return;
+    std::lock_guard lock(shared_->mutex);
+    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
+  }
+
+  /// In place or out of place (`in` and `out` may be the same buffer): `out`
+  /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
+  work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
+    const std::string what =
+        describe("allreduce", std::string(to_string(op)) + ", " + detail::shape(in));
+    detail::nccl_check_allreduce({what}, in, out, op);
+    return launch(
+        what,
+        detail::nccl_signature(detail::nccl_kind::allreduce, in.count, in.type,
+                               static_cast<std::int64_t>(op)),
+        in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
+                                          detail::nccl_op(op, size()), comm, own));
+        });
+  }
+
+  /// `data` on every rank becomes root's.
+  work broadcast(buffer data, int root, cudaStream_t stream = nullptr) {
+    const std::string what =
+        describe("broadcast", "root " + std::to_string(root) + ", " + detail::shape(data));
+    detail::nccl_check_broadcast({what}, data, root, size_);
+    return launch(what,
+                  detail::nccl_signature(detail::nccl_kind::broadcast, data.count, data.type, root),
+                  data.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
+                                                    detail::nccl_type(data.type), root, comm, own));
+                  });
+  }
+
+  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank
+  /// order. In place when `in` is this rank's block of `out`.
+  work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
+    const std::string what = describe("allgather", detail::shape(in));
+    detail::nccl_check_allgather({what}, in, out, size_);
+    return launch(what, detail::nccl_signature(detail::nccl_kind::allgather, in.count, in.type, 0),
+                  in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
+                                                    detail::nccl_type(in.type), comm, own));
+                  });
+  }
+
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
+  work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
+    const std::string what =
+        describe("reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(in));
+    detail::nccl_check_reduce_scatter({what}, in, out, op, size_);
+    return launch(what,
+                  detail::nccl_signature(detail::nccl_kind::reduce_scatter, out.count, out.type,
+                                         static_cast<std::int64_t>(op)),
+                  out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
+                                                        detail::nccl_type(out.type),
+                                                        detail::nccl_op(op, size()), comm, own));
+                  });
+  }
+
+  /// Completes once every rank has reached it (and this rank's earlier
+  /// collectives, and its work on `stream` before the call, are done): an
+  /// allreduce of one int on the device.
+  work barrier(cudaStream_t stream = nullptr) {
+    const std::string what = describe("barrier", "");
+    return launch(what, detail::nccl_signature(detail::nccl_kind::barrier, 0, dtype::int32, 0),
+                  false, stream, [&](ncclComm_t comm, cudaStream_t own) {
+                    std::int64_t* word = shared_->barrier_word;
+                    DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+                  });
+  }
+
+  /// Reduces each buffer in place, in one NCCL group (ncclGroupStart/End):
+  /// one launch for many buffers, one work for all. Buffers may differ in type.
+  /// Check mode compares the op, the number of elements and the first type.
+  work allreduce_many(std::span<const buffer> buffers, reduce_op op,
+                      cudaStream_t stream = nullptr) {
+    std::size_t total = 0;
+    for (const buffer& b : buffers) total += b.count;
+    const std::string what = describe(
+        "allreduce_many", std::string(to_string(op)) + ", " + std::to_string(buffers.size()) +
+                              " buffers, " + std::to_string(total) + " elements");
+    detail::nccl_check_many({what}, buffers, op);
+    const dtype first = buffers.empty() ? dtype::float32 : buffers.front().type;
+    return launch(
+        what,
+        detail::nccl_signature(detail::nccl_kind::allreduce_many, total, first,
+                               static_cast<std::int64_t>(op)),
+        total == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclGroupStart());
+          try {
+            for (const buffer& b : buffers) {
+              if (b.count == 0) continue;
+              DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
+                                              detail::nccl_op(op, size()), comm, own));
+            }
+          } catch (...) {
+            (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
+            throw;
+          }
+          DTRAIN_NCCL_CHECK(ncclGroupEnd());
+        });
+  }
+
+  /// Makes `stream` wait, on the device and without blocking the host, for
+  /// every collective enqueued on this communicator so far.
+  void stream_wait(cudaStream_t stream) {
+    const std::string what = describe("stream_wait", "");
+    detail::nccl_shared& s = usable(what);
+    std::lock_guard lock(s.mutex);
+    s.throw_if_aborted(what);
+    try {
+      detail::device_guard guard(s.device);
+      detail::nccl_pooled_event done(s);
+      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+      DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  /// ncclCommSplit: ranks passing the same `color` form a communicator, ordered
+  /// by `key` (then by rank here). A negative color leaves this rank out: it
+  /// gets a communicator with valid() false. Collective over this communicator;
+  /// waits for this communicator's collectives first (NCCL requires it), and
+  /// for the split itself at most options().init_timeout.
+  [[nodiscard]] nccl_communicator split(int color, int key) {
+    const std::string what =
+        describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key));
+    detail::nccl_shared& s = usable(what);
+    std::lock_guard lock(s.mutex);
+    s.throw_if_aborted(what);
+    // Numbered in the ring like any collective (as Gloo's split), so that check
+    // mode and the desync table name it alike.
+    detail::signature sig = detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0);
+    sig.seq = record(sig);
+    auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
+    try {
+      detail::device_guard guard(s.device);
+      if (s.options.collectives.check) check_signature(s, sig, what);
+      s.wait(what + " (waiting for earlier collectives)", s.options.collectives.timeout,
+             detail::nccl_timeout_hint, [&] { return detail::nccl_stream_idle(s.stream.get()); });
+      // The child's stream and scratch exist before the child does, so that no
+      // failure can strand a live NCCL communicator.
+      auto child = detail::nccl_shared::create(0, s.size, s.device, s.options);
+      ncclConfig_t config = s.config();
+      s.split_slot =
+          nullptr;  // written by NCCL when the split completes, maybe after the call returns
+      DTRAIN_NCCL_CHECK(ncclCommSplit(s.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
+                                      &s.split_slot, &config));
+      s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
+      child->comm = s.split_slot;
+      s.split_slot = nullptr;
+      if (!child->comm) {
+        settle(detail::call_state::completed);
+        return nccl_communicator(nullptr, -1, 0);
+      }
+      child->wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
+      DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
+      DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
+      const int child_rank = child->rank, child_size = child->size;
+      nccl_communicator out(std::move(child), child_rank, child_size);
+      out.ring_ = ring_->make_child(color);
+      settle(detail::call_state::completed);
+      return out;
+    } catch (const backend_error& e) {
+      settle(detail::call_state::failed);
+      throw detail::nccl_with_context(what, e);
+    } catch (...) {
+      settle(detail::call_state::failed);
+      throw;
+    }
+  }
+
+  /// This communicator's last collectives, for desync diagnostics.
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
+
+  [[nodiscard]] const nccl_options& options() const {
+    static const nccl_options none{};
+    return shared_ ? shared_->options : none;
+  }
+
+ private:
+  nccl_communicator(std::shared_ptr<detail::nccl_shared> shared, int rank, int size) noexcept
+      : shared_(std::move(shared)), rank_(rank), size_(size) {}
+
+  [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
+    return detail::describe(what, args, rank_, size_, name);
+  }
+
+  detail::nccl_shared& usable(const std::string& what) const {
+    if (shared_) return *shared_;
+    detail::throw_invalid(what, rank_ < 0);
+  }
+
+  // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
+  // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
+  // The host waits for it (at most the collective timeout).
+  void check_signature(detail::nccl_shared& s, const detail::signature& mine,
+                       const std::string& what) {
+    const std::string checking = "checking what every rank passed to " + what;
+    detail::compare_signatures(
+        mine, s.rank, s.size, what,
+        [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
+          try {
+            std::int64_t* host = s.host_table();
+            constexpr std::size_t width = detail::signature::fields;
+            const std::size_t row = static_cast<std::size_t>(s.rank) * width;
+            std::memcpy(host + row, fields.data(), width * sizeof(std::int64_t));
+            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(s.device_table + row, host + row,
+                                              width * sizeof(std::int64_t), cudaMemcpyHostToDevice,
+                                              s.stream.get()));
+            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, width, ncclInt64,
+                                            s.comm, s.stream.get()));
+            s.wait(checking, s.options.collectives.timeout, detail::nccl_timeout_hint,
+                   [] { return true; });
+            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, s.device_table,
+                                              all.size() * sizeof(std::int64_t),
+                                              cudaMemcpyDeviceToHost, s.stream.get()));
+            detail::nccl_pooled_event done(s);
+            DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+            s.wait(checking, s.options.collectives.timeout,
+                   "a rank did not call this collective, or called fewer collectives than this one",
+                   [&] { return detail::nccl_event_done(done.get()); });
+            std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
+          } catch (const backend_error& e) {
+            throw detail::nccl_with_context(checking, e);
+          }
+        });
+  }
+
+  // Orders the collective after `caller`, enqueues it on the own stream, and
+  // returns a work that polls its completion event.
+  template <class Enqueue>
+  work launch(const std::string& what, const detail::signature& sig, bool empty,
+              cudaStream_t caller, Enqueue&& enqueue) {
+    detail::nccl_shared& s = usable(what);
+    std::lock_guard lock(s.mutex);
+    s.throw_if_aborted(what);
+    const std::int64_t seq = record(sig);
+    detail::signature numbered = sig;
+    numbered.seq = seq;
+    if (empty && !s.options.collectives.check) {
+      ring_->settle(seq, detail::call_state::completed);
+      return work();  // nothing to move, nothing to order
+    }
+    try {
+      detail::device_guard guard(s.device);
+      if (s.options.collectives.check) check_signature(s, numbered, what);
+      if (empty) {
+        ring_->settle(seq, detail::call_state::completed);
+        return work();
+      }
+      {
+        detail::nccl_pooled_event ready(s);
+        DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
+        DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
+      }  // the wait holds the recorded point; the event can be reused at once
+      enqueue(s.comm, s.stream.get());
+      // A non-blocking NCCL may still be enqueueing in the background; nothing
+      // may be added to its stream until it is done.
+      s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
+      detail::nccl_pooled_event done(s);
+      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+      auto w = std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
+                                                   done.release());
+      w->track(ring_, seq);
+      return work(std::move(w));
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
+  // Numbers this communicator's collectives in its ring (desync diagnostics)
+  // from a signature; returns its sequence number.
+  std::int64_t record(const detail::signature& sig) {
+    const auto kind = static_cast<std::size_t>(sig.kind);
+    return ring_->issue(
+        kind < std::size(detail::collective_kinds) ? detail::collective_kinds[kind] : "?",
+        static_cast<dtype>(sig.type), static_cast<std::size_t>(sig.count), static_cast<int>(sig.op),
+        static_cast<int>(sig.root));
+  }
+
+  std::shared_ptr<detail::nccl_shared> shared_;
+  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
+  int rank_ = -1;
+  int size_ = 0;
+};
+
+static_assert(communicator<nccl_communicator>);
+
+#if DTRAIN_HAS_MPI()
+/// Rank `root` of `comm` creates an NCCL unique id and MPI_Bcasts it to every
+/// rank of `comm` (collective; returns the same id everywhere), for jobs
+/// started by mpirun that have no store. If the root cannot create an id,
+/// every rank throws backend_error rather than waiting. MPI errors are checked
+/// only if `comm` returns them (MPI_ERRORS_RETURN).
+inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
+  auto check = [](int rc, const char* call) {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING] = {};
+    int length = 0;
+    if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
+    throw backend_error(std::string("MPI call `") + call +
+                            "` failed while sharing the NCCL unique id: " +
+                            std::string(text, static_cast<std::size_t>(length)) + " (MPI error " +
+                            std::to_string(rc) + ")",
+                        rc);
+  };
+  int rank = -1;
+  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank(comm, &rank)");
+  // A status byte ahead of the id: a root that failed tells the others so.
+  unsigned char message[1 + sizeof(ncclUniqueId)] = {};
+  std::exception_ptr failure;
+  if (rank == root) {
+    try {
+      const ncclUniqueId id = nccl_communicator::new_unique_id();
+      message[0] = 1;
+      std::memcpy(message + 1, &id, sizeof id);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  check(MPI_Bcast(message, static_cast<int>(sizeof message), MPI_BYTE, root, comm),
+        "MPI_Bcast(message, 129, MPI_BYTE, root, comm)");
+  if (failure) std::rethrow_exception(failure);
+  if (message[0] != 1) {
+    throw backend_error("rank " + std::to_string(root) +
+                            " could not create the NCCL unique id (its own error says why); rank " +
+                            std::to_string(rank) + " cannot create its communicator",
+                        0);
+  }
+  ncclUniqueId id{};
+  std::memcpy(&id, message + 1, sizeof id);
+  return id;
+}
+#endif  // DTRAIN_HAS_MPI()
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_NCCL()
+// ---- end dtrain/backend/nccl.hpp ----
+// ---- begin dtrain/backend/watchdog.hpp ----
+/// @file
+/// `watchdog`: a host thread that follows work nobody waits for on the host
+/// (collectives on CUDA streams), as ProcessGroupNCCL's watchdog does. Each
+/// piece of work must finish within its collective timeout counted from when
+/// it was handed over; past it the watchdog calls the engine's timeout hook
+/// (NCCL: abort the communicator, which frees the stuck stream) and keeps the
+/// timeout_error naming the collective for the owner to report.
+
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace dtrain {
+
+class watchdog {
+ public:
+  using clock = std::chrono::steady_clock;
+
+  watchdog() = default;
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+  /// Waits for the work still watched (each within what is left of its
+  /// timeout), then stops the thread.
+  ~watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// Follows `w` from now on: it must finish within its timeout (work::timeout()).
+  /// Work is waited for in the order it was handed over (one stream runs it in order).
+  void watch(work w) {
+    const std::chrono::milliseconds timeout = w.timeout();
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back({std::move(w), clock::now() + timeout, timeout});
+      ++watched_;
+      if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+    }
+    wake_.notify_all();
+  }
+
+  /// The first failure seen (a timeout_error naming the collective, or the
+  /// engine's error), or null. Never blocks on the work.
+  [[nodiscard]] std::exception_ptr failure() const {
+    std::lock_guard lock(mutex_);
+    return failure_;
+  }
+
+  /// Blocks until every piece of work handed over so far has finished, or
+  /// until one has failed (each bounded by its timeout); returns failure().
+  std::exception_ptr drain() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = watched_;
+    settled_.wait(lock, [&] { return finished_ >= target || failure_; });
+    return failure_;
+  }
+
+ private:
+  struct entry {
+    work handle;
+    clock::time_point deadline;
+    std::chrono::milliseconds timeout;
+  };
+
+  void follow() {
+    for (;;) {
+      entry next;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        next = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const auto left =
+          std::max(std::chrono::milliseconds(0),
+                   std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
+      std::exception_ptr failed;
+      bool timed_out = false;
+      try {
+        if (next.handle.finish_within(left)) {
+          failed = next.handle.exception();
+        } else {
+          timed_out = true;
+          try {
+            std::rethrow_exception(next.handle.timeout_exception(next.timeout));
+          } catch (const timeout_error& e) {
+            failed = std::make_exception_ptr(
+                timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      // The failure is known before the abort: an abort may wait on a device
+      // that never frees (a stream held by the host), and the owner must hear.
+      settle(failed);
+      if (timed_out) {
+        try {
+          next.handle.give_up(next.timeout);
+        } catch (...) {
+          // Reported above.
+        }
+      }
+    }
+  }
+
+  void settle(std::exception_ptr failed) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failed && !failure_) failure_ = failed;
+      ++finished_;
+    }
+    settled_.notify_all();
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;     // work to follow, or stop
+  std::condition_variable settled_;  // a piece of work finished
+  std::deque<entry> queue_;
+  std::uint64_t watched_ = 0;
+  std::uint64_t finished_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/backend/watchdog.hpp ----
+// ---- begin dtrain/compiled.hpp ----
+/// @file
+/// Separate compilation: the policy-dependent code of dtrain (context, run's
+/// agent and worker, and with them the store, the agent and the engine glue)
+/// compiled once in a library instead of in every translation unit that calls
+/// dtrain::run. Header-only stays the default; this header does nothing unless
+/// DTRAIN_SEPARATE_COMPILATION=1 is defined.
+///
+/// With DTRAIN_SEPARATE_COMPILATION=1, every TU that includes this header (as
+/// dtrain.hpp does) declares `extern template` for the standard policies below,
+/// and one TU of the program must instantiate them:
+///   - CMake: configure with -DDTRAIN_SEPARATE_COMPILATION=ON and link
+///     dtrain::compiled (src/*.cpp), which defines the macro for its users;
+///   - by hand (e.g. with the single header): compile every TU with
+///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, put
+///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after the #include.
+/// Policies not in the list (a backend of one's own) are compiled in the TU
+/// that uses them, as in header-only mode. Every TU and the library must agree
+/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL), or the link fails.
+
+// ---- begin dtrain/context.hpp ----
+/// @file
+/// dtrain::context<Policy>: what a worker's training function is handed by
+/// dtrain::run — the complete world, the rendezvous store, the communicator —
+/// and owns, torn down in reverse order of construction.
+
+// ---- begin dtrain/diagnostics.hpp ----
+/// @file
+/// Desync and hang diagnostics. When a collective times out or fails, or a
+/// user sends SIGUSR1 to a rank (or to its node agent, which forwards it),
+/// every live rank publishes its communicator's ring of last collectives
+/// through the store; the rank that asked gathers them for a bounded time and
+/// one rank prints one table naming the rank that is behind, the collective
+/// it is missing, mismatched calls, and the ranks that did not answer.
+
+// ---- begin dtrain/launch/protocol.hpp ----
+/// @file
+/// The job's protocol: the variables a node agent hands its workers
+/// (agent_store_variable, restart_count_variable and rendezvous/options.hpp's
+/// store_token_variable, next to torchrun's), the store keys that the agents,
+/// the workers (context.hpp) and the diagnostics share, and the format of
+/// every value under them. Every value is written and read here (or by the
+/// codec next to its type: rank_report and placements in env/placement.hpp,
+/// rings in backend/desync.hpp), through detail::wire; a malformed one is a
+/// rendezvous_error naming the key.
+///
+///   agent keys (unprefixed; one store per job, outliving restarts)
+///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64
+///     dtrain/agent/joined, left     counters (store add)
+///     dtrain/agent/beat/<n>         counter: node n's heartbeat
+///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32
+///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
+///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
+///   worker keys (under context.hpp's job_store_prefix)
+///     world/<rank>                  rank_report (env/placement.hpp)
+///     world/placement               placement table (env/placement.hpp)
+///     finished                      counter
+///     finished/all                  i64 1, once every rank is done
+///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
+///     round                         counter
+///     open/<n>, <n>/printer         i64: a rank
+///     <n>/reason                    bytes32
+///     <n>/ring/<rank>               rings (backend/desync.hpp)
+///     <n>/closed                    i64 1
+///   MPI broadcasts from rank 0 (before any store)
+///     the store token               bytes32
+///     the store's address           ok u8 1, host bytes32, port i64; or u8 0, error bytes32
+
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace dtrain {
+
+/// The variable through which an agent tells its workers where its store is
+/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
+inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
+/// The variable that carries the restart round to the workers (torchrun's
+/// TORCHELASTIC_RESTART_COUNT is set too).
+inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+
+namespace detail {
+
+/// The agents' keys (see the table above).
+struct agent_keys {
+  /// Key `what` of restart round `restart`: "dtrain/agent/3/failure".
+  static std::string of_round(int restart, std::string_view what) {
+    return "dtrain/agent/" + std::to_string(restart) + "/" + std::string(what);
+  }
+  static std::string failure(int restart) { return of_round(restart, "failure"); }
+  static std::string worker_port(int restart) { return of_round(restart, "worker_port"); }
+  static std::string stopped(int restart) { return of_round(restart, "stopped"); }
+  static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
+  static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
+  static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+  static constexpr std::string_view joined = "dtrain/agent/joined";
+  static constexpr std::string_view left = "dtrain/agent/left";
+};
+
+/// The workers' keys under the job prefix (see the table above).
+struct job_keys {
+  static std::string report(int rank) { return std::string("world/").append(std::to_string(rank)); }
+  static constexpr std::string_view placement = "world/placement";
+  static constexpr std::string_view finished = "finished";
+  static constexpr std::string_view finished_all = "finished/all";
+};
+
+/// The store keys of the diagnostics rounds, under the job's prefix + "diag/":
+/// "round" counts the rounds, "open/<n>" elects the rank that opens round n,
+/// "<n>/ring/<rank>" holds a rank's rings (encode_rings), "<n>/reason" why it
+/// was asked, "<n>/printer" the rank that prints, "<n>/closed" once printed.
+struct diagnostics_keys {
+  static std::string open(std::int64_t round) { return "open/" + std::to_string(round); }
+  static std::string ring(std::int64_t round, int rank) {
+    return std::to_string(round) + "/ring/" + std::to_string(rank);
+  }
+  static std::string of(std::int64_t round, std::string_view what) {
+    return std::to_string(round) + "/" + std::string(what);
+  }
+};
+
+/// The value of a key that only has to exist ("finished/all", "<n>/closed").
+inline std::string present_value() { return wire::encode_int(1); }
+
+/// The first failure of a restart round, as the agents and the workers record it.
+struct failure_record {
+  int status = 1;       ///< exit status for the job
+  bool final = false;   ///< no restart: a signal or a lost peer ended the job
+  std::string message;  ///< who failed how
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer(out).i64(status).u8(final ? 1 : 0).bytes32(message);
+    return out;
+  }
+  [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
+    return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
+      failure_record f;
+      const std::int64_t status = r.i64("the exit status");
+      if (status < 0 || status > 255) {
+        throw wire::violation("the exit status " + std::to_string(status) + " is not in 0..255");
+      }
+      f.status = static_cast<int>(status);
+      const std::uint8_t final = r.u8("the final flag");
+      if (final > 1)
+        throw wire::violation("the final flag is " + std::to_string(final) + ", not 0 or 1");
+      f.final = final == 1;
+      f.message = r.bytes32("the message");
+      return f;
+    });
+  }
+};
+
+/// Records a failure of round `restart` unless one is recorded already: the
+/// first one is the root cause, later ones are usually its consequences.
+template <store Store>
+void record_failure(Store& store, int restart, int status, bool final, const std::string& message) {
+  store.compare_set(agent_keys::failure(restart), "",
+                    failure_record{status, final, message}.encode());
+}
+
+/// What a node agent says about itself when it joins: every node must run
+/// the same number of workers and allow the same restarts.
+struct node_record {
+  std::int64_t nproc = 0;
+  std::int64_t max_restarts = 0;
+  std::string host;
+  std::int64_t pid = 0;
+
+  /// "host:pid", how messages name the agent.
+  [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
+    return out;
+  }
+  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value) {
+    return wire::decode_value("store key " + key, value, "a node agent's record",
+                              [](wire::reader& r) {
+                                node_record n;
+                                n.nproc = r.i64("nproc");
+                                n.max_restarts = r.i64("max_restarts");
+                                n.host = r.bytes32("the host name");
+                                n.pid = r.i64("the pid");
+                                return n;
+                              });
+  }
+};
+
+/// A port, as the agents share the workers' MASTER_PORT.
+inline std::string encode_port(int port) { return wire::encode_int(port); }
+inline int decode_port(const std::string& key, std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a port", [](wire::reader& r) {
+    const std::int64_t port = r.i64("the port");
+    if (port < 1 || port > 65535) {
+      throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
+    }
+    return static_cast<int>(port);
+  });
+}
+
+/// Where rank 0 serves the store, as it tells the other ranks over MPI when
+/// no MASTER_ADDR does; or why it could not start it.
+struct store_address {
+  bool ok = true;
+  std::string host;     ///< ok: rank 0's host name
+  int port = 0;         ///< ok: the port it listens on
+  std::string failure;  ///< !ok: rank 0's error
+
+  static store_address serving(std::string host, int port) {
+    store_address a;
+    a.host = std::move(host);
+    a.port = port;
+    return a;
+  }
+  static store_address failed(std::string why) {
+    store_address a;
+    a.ok = false;
+    a.failure = std::move(why);
+    return a;
+  }
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer w(out);
+    w.u8(ok ? 1 : 0);
+    if (ok) {
+      w.bytes32(host).i64(port);
+    } else {
+      w.bytes32(failure);
+    }
+    return out;
+  }
+  [[nodiscard]] static store_address decode(std::string_view value) {
+    return wire::decode_value(
+        "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
+          store_address a;
+          const std::uint8_t ok = r.u8("the ok flag");
+          if (ok > 1)
+            throw wire::violation("the ok flag is " + std::to_string(ok) + ", not 0 or 1");
+          a.ok = ok == 1;
+          if (!a.ok) {
+            a.failure = r.bytes32("rank 0's error");
+            return a;
+          }
+          a.host = r.bytes32("the host name");
+          const std::int64_t port = r.i64("the port");
+          if (port < 1 || port > 65535) {
+            throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
+          }
+          a.port = static_cast<int>(port);
+          return a;
+        });
+  }
+};
+
+/// How one worker is named in failure messages, by its agent and by itself.
+inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
+  return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
+         std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/launch/protocol.hpp ----
+// ---- begin dtrain/rendezvous/client.hpp ----
+/// @file
+/// store_client: a blocking client of store_server, safe to share between
+/// threads (requests are serialised on one connection).
+
+// ---- begin dtrain/rendezvous/options.hpp ----
+/// @file
+/// Options of the rendezvous store, server and client alike. Each default is
+/// defined here once; each can be overridden by the option and by an
+/// environment variable (store_options::from_env).
+
+
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Default for every blocking store operation (connect, get, wait, barrier),
+/// as c10d's store: 300 s. Environment: DTRAIN_STORE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
+
+/// How long the server gives a new connection to complete its handshake, and
+/// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
+
+/// How long the server keeps a connection that sends nothing after its
+/// handshake, unless it is in a get / wait it asked for. A client reconnects
+/// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
+
+/// Wire and resource limits, checked before anything is allocated. The
+/// defaults fit a 10,000-rank job (two connections per rank, one per agent,
+/// a few KiB stored per rank) and bound what a flood can make the server hold
+/// to about max_stored_bytes + max_buffered_bytes.
+struct store_limits {
+  std::uint32_t max_key_size = 4096;          ///< bytes per key
+  std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
+  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check: a connection's waiters
+  std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
+  /// Open connections; more are accepted and closed at once, and the server
+  /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
+  /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
+  std::uint32_t max_connections = 32768;
+  /// Keys and values held; a set beyond it is refused with an error reply.
+  /// Environment: DTRAIN_STORE_MAX_BYTES.
+  std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
+  /// Request and reply bytes held for all connections together (a frame in
+  /// flight, a reply not yet read, the keys of a pending wait). A connection
+  /// that would pass it waits, at most the io timeout, for others to finish.
+  std::uint64_t max_buffered_bytes = std::uint64_t{256} << 20;
+
+  /// The largest request frame these limits allow; a larger length prefix
+  /// closes the connection before a byte of it is buffered.
+  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
+    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+    return 64u + (keys > one ? keys : one);
+  }
+};
+
+/// The variable that carries the store's shared secret (a node agent hands
+/// it to its workers in their environment, never on argv).
+inline constexpr std::string_view store_token_variable = "DTRAIN_STORE_TOKEN";
+
+/// Options of a store server or client. Aggregate: use designated initialisers,
+/// e.g. `{.timeout = 30s, .token = "secret"}`.
+struct store_options {
+  /// Default timeout of connect, get, wait and barrier.
+  std::chrono::milliseconds timeout = default_store_timeout;
+  /// Server: limit for a handshake or a started frame. Client: how long a
+  /// reply may take beyond the operation's own timeout before the server is
+  /// presumed dead.
+  std::chrono::milliseconds io_timeout = default_store_io_timeout;
+  /// Server: how long a connection may stay silent between requests.
+  std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
+  /// Shared secret; the server serves nothing to a client whose token differs.
+  /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
+  /// for every job (see the README's "Security"); empty here means none.
+  std::string token{};
+  store_limits limits{};
+  /// Server: where it reports closed connections and their reasons. Empty:
+  /// one line on stderr each.
+  std::function<void(std::string_view)> log{};
+
+  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT and
+  /// DTRAIN_STORE_TOKEN from `env` applied on top: the environment wins, as
+  /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
+  /// config_error naming the variable on a malformed value.
+  [[nodiscard]] store_options with_env(const environment& env) const {
+    store_options out = *this;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
+    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
+    }
+    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_BYTES")) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
+    }
+    if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
+    if (out.token.size() > out.limits.max_token_size) {
+      throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
+                         " bytes; the limit is " + std::to_string(out.limits.max_token_size));
+    }
+    return out;
+  }
+};
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/options.hpp ----
+// ---- begin dtrain/rendezvous/protocol.hpp ----
+/// @file
+/// The store's wire protocol. All integers are little-endian.
+///
+///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
+///               server → client: status u8, version u16
+///   request     length u32 (of the body), body: op u8, then the op's fields
+///   response    length u32, body: status u8, then the payload
+///
+/// bytes16 / bytes32 are a u16 / u32 length followed by that many bytes. A
+/// length beyond the configured limits closes the connection before anything
+/// is allocated for it.
+
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail::wire {
+
+inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
+inline constexpr std::uint16_t version = 1;
+
+enum class op : std::uint8_t {
+  set = 1,          ///< key, value → ok
+  get = 2,          ///< key, timeout_ms u64 → ok + value | timeout
+  add = 3,          ///< key, delta i64 → ok + new value i64
+  compare_set = 4,  ///< key, expected, desired → ok + current value
+  wait = 5,         ///< count u32, keys, timeout_ms u64 → ok | timeout
+  check = 6,        ///< count u32, keys → ok + u8 (all present)
+  erase = 7,        ///< key → ok + u8 (existed)
+  num_keys = 8,     ///< → ok + u64
+  ping = 9,         ///< → ok
+};
+
+enum class status : std::uint8_t {
+  ok = 0,
+  timeout = 1,        ///< a wait expired on the server
+  error = 2,          ///< the request was understood and refused; bytes32 message follows
+  shutting_down = 3,  ///< the server is stopping; bytes32 message follows
+  bad_version = 4,    ///< handshake only
+  bad_token = 5,      ///< handshake only
+};
+
+/// A frame: u32 length, then the body.
+inline std::string frame(const std::string& body) {
+  std::string out;
+  writer(out).u32(static_cast<std::uint32_t>(body.size()));
+  out += body;
+  return out;
+}
+
+/// The decoded u32 at the start of `header` (4 bytes).
+inline std::uint32_t frame_length(std::string_view header) {
+  return reader(header).u32("frame length");
+}
+
+/// Keys of a wait/check request, bounded by the limits.
+inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
+  std::uint32_t n = r.u32("key count");
+  if (n > limits.max_keys_per_request) {
+    throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
+                    std::to_string(limits.max_keys_per_request));
+  }
+  std::vector<std::string_view> keys;  // grows with keys actually present, not with n
+  for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
+  return keys;
+}
+
+}  // namespace dtrain::detail::wire
+// ---- end dtrain/rendezvous/protocol.hpp ----
+// ---- begin dtrain/rendezvous/socket.hpp ----
+/// @file
+/// The few socket helpers the store's server and client share.
+
+
+#include <cerrno>
+#include <cstdint>
+#include <string>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+namespace dtrain::detail {
+
+/// "host:port", with brackets for IPv6 ("[::1]:29500").
+inline std::string endpoint_text(const std::string& host, int port) {
+  bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+/// The numeric address and port of a socket address.
+inline std::string endpoint_text(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+  }
+  return endpoint_text(host, port);
+}
+
+/// Disables Nagle: the store's requests are small and latency-bound.
+inline void set_no_delay(int fd) {
+  int one = 1;
+  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
+}
+
+/// getaddrinfo with its result owned.
+struct address_list {
+  addrinfo* head = nullptr;
+  address_list() = default;
+  address_list(const address_list&) = delete;
+  address_list& operator=(const address_list&) = delete;
+  ~address_list() {
+    if (head) ::freeaddrinfo(head);
+  }
+};
+
+/// Resolves host:port; returns the gai error code (0 on success).
+inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  std::string service = std::to_string(port);
+  return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/socket.hpp ----
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+namespace dtrain {
+
+/// A connection to a store_server. Every blocking call has a timeout: the
+/// options' `timeout` unless the call takes one. Throws timeout_error when it
+/// expires (naming what it waited for and how long), rendezvous_error when the
+/// server cannot be reached, refuses the client, or goes away, and
+/// config_error at once when its host name does not resolve (a temporary
+/// resolver failure, EAI_AGAIN, is retried for 5 s first).
+///
+/// Thread-safe, but requests on one client run one at a time: a thread blocked
+/// in get / wait / barrier holds the connection, so a thread that must set the
+/// awaited key meanwhile needs a store_client of its own. After a timeout or a
+/// lost connection the client is unusable (the reply stream cannot be trusted);
+/// make a new one. The one exception: a connection the server closed because
+/// it was idle (store_options::idle_timeout) is reopened, once, by the next
+/// request; the server closes only connections with no request in flight.
+class store_client {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  /// Connects to host:port, retrying with backoff until `options.timeout`:
+  /// workers often start before the server does.
+  store_client(std::string host, int port, store_options options = {})
+      : host_(std::move(host)), port_(port), options_(std::move(options)) {
+    connect();
+  }
+
+  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(host_, port_); }
+  [[nodiscard]] const store_options& options() const noexcept { return options_; }
+
+  /// Sets key to value, waking everyone waiting for the key.
+  void set(std::string_view key, std::string_view value) {
+    std::string body = begin(detail::wire::op::set);
+    detail::wire::writer(body).bytes32(key).bytes32(value);
+    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
+  }
+
+  /// The value of `key`, waiting until it exists. Throws timeout_error naming
+  /// the key and how long it waited; never returns a sentinel.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::get);
+    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
+    auto what = "get(\"" + std::string(key) + "\")";
+    auto reply = call(body, timeout, what);
+    if (!reply)
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          " and the key was never set");
+    detail::wire::reader r(*reply);
+    auto value = r.bytes32("value", UINT32_MAX);
+    return std::string(value);
+  }
+
+  /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string body = begin(detail::wire::op::add);
+    detail::wire::writer(body).bytes32(key).i64(delta);
+    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).i64("counter");
+  }
+
+  /// Sets key to `desired` if it holds `expected` (a missing key matches an
+  /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    std::string body = begin(detail::wire::op::compare_set);
+    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
+    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+    detail::wire::reader r(*reply);
+    return std::string(r.bytes32("value", UINT32_MAX));
+  }
+
+  /// Waits until every key exists.
+  void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::wait);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    w.u64(as_ms(timeout));
+    auto what = "wait(" + key_list(keys) + ")";
+    if (!call(body, timeout, what)) {
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          "; missing keys are never set, or their setters are slow or dead");
+    }
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string body = begin(detail::wire::op::check);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
+    return detail::wire::reader(*reply).u8("present") != 0;
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string body = begin(detail::wire::op::erase);
+    detail::wire::writer(body).bytes32(key);
+    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).u8("existed") != 0;
+  }
+
+  /// Number of keys in the store (all prefixes).
+  [[nodiscard]] std::int64_t num_keys() {
+    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
+    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
+  }
+
+  /// Blocks until `count` callers have entered barrier `name`. A name can be
+  /// reused: each group of `count` arrivals is one generation. On timeout the
+  /// timeout_error says how many had arrived.
+  void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    if (count < 1)
+      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
+                         " must be at least 1");
+    const std::string arrived = std::string(name) + "/arrived";
+    std::int64_t n = add(arrived, 1);
+    std::int64_t generation = (n - 1) / count;
+    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
+    if (n % count == 0) set(done, "1");
+    try {
+      std::string keys[] = {done};
+      wait(keys, timeout);
+    } catch (const timeout_error&) {
+      std::int64_t now = add(arrived, 0) - generation * count;
+      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
+                          " timed out after " + seconds(timeout) + ": " +
+                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
+                          std::to_string(count) + " arrived");
+    }
+  }
+
+  /// Round trip without effect; a liveness check.
+  void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
+
+ private:
+  static std::string begin(detail::wire::op o) { return std::string(1, static_cast<char>(o)); }
+
+  static std::uint64_t as_ms(milliseconds t) {
+    return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
+  }
+
+  static std::string seconds(milliseconds t) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+    return text;
+  }
+
+  static std::string key_list(std::span<const std::string> keys) {
+    std::string out;
+    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
+      out += (i ? ", \"" : "\"") + keys[i] + "\"";
+    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
+    return out;
+  }
+
+  using steady = std::chrono::steady_clock;
+
+  /// How long a temporary resolver failure (EAI_AGAIN) is retried.
+  static constexpr milliseconds resolver_retry{5'000};
+
+  void connect() { connect(options_.timeout); }
+
+  void connect(milliseconds patience) {
+    const auto deadline = steady::now() + patience;
+    std::minstd_rand jitter(
+        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
+                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
+    milliseconds backoff(10);
+    std::string last_error;
+    // A name the resolver does not know will not appear by waiting: fail at
+    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
+    const auto resolve_deadline = std::min(deadline, steady::now() + resolver_retry);
+    for (;;) {
+      int resolver_rc = 0;
+      last_error = try_connect(deadline, resolver_rc);
+      if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
+        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
+                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
+                           "; check MASTER_ADDR (dtrun --master-addr)");
+      }
+      // A server at its connection cap closes newcomers unanswered: knock again.
+      if (last_error.empty()) last_error = try_handshake(deadline);
+      if (last_error.empty()) return;
+      auto left = deadline - steady::now();
+      if (left <= steady::duration::zero()) {
+        throw timeout_error("could not reach the store at " + endpoint() + " within " +
+                            seconds(patience) + " (last error: " + last_error +
+                            "); is the process hosting it (rank 0 or the node-0 agent) running, "
+                            "and is MASTER_ADDR:MASTER_PORT right?");
+      }
+      // Jittered exponential backoff, so a thousand workers do not knock in step.
+      auto pause =
+          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
+      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
+      backoff = std::min(backoff * 2, milliseconds(1000));
+    }
+  }
+
+  // The handshake; returns why the connection was lost during it (empty on
+  // success). A refusal (token, version) throws: knocking again cannot help.
+  std::string try_handshake(steady::time_point deadline) {
+    try {
+      handshake(deadline);
+      return {};
+    } catch (const error& e) {  // lost, or no answer in time
+      if (refused_) throw;
+      fd_.reset();
+      broken_ = false;
+      return e.what();
+    }
+  }
+
+  // One attempt; returns the reason it failed, empty on success, and the
+  // resolver's error code in `resolver_rc` when the name did not resolve.
+  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
+    detail::address_list addrs;
+    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
+      resolver_rc = rc;
+      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+    }
+    std::string why;
+    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
+      detail::unique_fd fd(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      if (!fd) {
+        why = std::strerror(errno);
+        continue;
+      }
+      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+        if (errno != EINPROGRESS) {
+          why = std::strerror(errno);
+          continue;
+        }
+        pollfd p{fd.get(), POLLOUT, 0};
+        int left = remaining_ms(deadline);
+        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
+          why = "connect timed out";
+          continue;
+        }
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) {
+          why = std::strerror(err);
+          continue;
+        }
+      }
+      detail::set_no_delay(fd.get());
+      fd_ = std::move(fd);
+      return {};
+    }
+    return why.empty() ? "no address" : why;
+  }
+
+  static int remaining_ms(steady::time_point deadline) {
+    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
+    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
+  }
+
+  void handshake(steady::time_point connect_deadline) {
+    std::string hello;
+    detail::wire::writer(hello)
+        .u32(detail::wire::magic)
+        .u16(detail::wire::version)
+        .bytes16(options_.token);
+    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
+    send_all(hello, deadline, "the handshake");
+    std::string reply = recv_exact(3, deadline, "the handshake reply");
+    detail::wire::reader r(reply);
+    auto s = static_cast<detail::wire::status>(r.u8("status"));
+    auto version = r.u16("version");
+    refused_ = s != detail::wire::status::ok;
+    if (s == detail::wire::status::bad_token) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() +
+                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                             "token option) on every rank");
+    }
+    if (s == detail::wire::status::bad_version) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
+                             std::to_string(version) + ", this client " +
+                             std::to_string(detail::wire::version) +
+                             "; build every rank with the same dtrain");
+    }
+    if (s != detail::wire::status::ok) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
+                             std::to_string(static_cast<int>(s)));
+    }
+  }
+
+  // Sends a request and returns the reply payload; nullopt when the server
+  // reports that the wait timed out.
+  std::optional<std::string> call(const std::string& body, milliseconds server_wait,
+                                  const std::string& what) {
+    std::lock_guard lock(mutex_);
+    if (broken_)
+      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
+                             " was lost earlier");
+    // After a silence the server may have closed the connection as idle:
+    // reopen it rather than fail. If it closes just as this request leaves,
+    // no reply byte arrives, and the request is sent again once.
+    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+    if (closed_by_server()) reopen(what);
+    try {
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    } catch (const rendezvous_error&) {
+      if (!was_idle || reply_started_ || !broken_) throw;
+      reopen(what);
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    }
+  }
+
+  [[nodiscard]] bool closed_by_server() const {
+    char byte;
+    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
+  // A new connection within the io timeout; the old one is dropped unread.
+  void reopen(const std::string& what) {
+    fd_.reset();
+    broken_ = false;
+    try {
+      connect(options_.io_timeout);
+    } catch (const error& e) {
+      broken_ = true;
+      throw rendezvous_error(
+          what + ": the store at " + endpoint() +
+          " closed this idle connection and cannot be reached again: " + e.what());
+    }
+  }
+
+  std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
+                                      const std::string& what) {
+    reply_started_ = false;
+    // The reply may take the server-side wait, plus the io timeout before the server is presumed
+    // dead.
+    auto deadline = steady::now() + server_wait + options_.io_timeout;
+    try {
+      send_all(detail::wire::frame(body), deadline, what);
+      std::string head = recv_exact(4, deadline, what);
+      std::uint32_t length = detail::wire::frame_length(head);
+      if (length == 0 || length > options_.limits.max_frame_size()) {
+        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
+                               std::to_string(length) + " bytes");
+      }
+      std::string reply = recv_exact(length, deadline, what);
+      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
+      std::string_view payload = std::string_view(reply).substr(1);
+      switch (s) {
+        case detail::wire::status::ok: return std::string(payload);
+        case detail::wire::status::timeout: return std::nullopt;
+        case detail::wire::status::error:
+        case detail::wire::status::shutting_down: {
+          detail::wire::reader r(payload);
+          auto message = std::string(r.bytes32("message", UINT32_MAX));
+          if (s == detail::wire::status::shutting_down) broken_ = true;
+          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
+        }
+        default:
+          throw rendezvous_error(what + ": the store at " + endpoint() +
+                                 " answered with unknown status " +
+                                 std::to_string(static_cast<int>(s)));
+      }
+    } catch (const detail::wire::violation& e) {
+      broken_ = true;
+      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
+                             e.what());
+    } catch (const timeout_error&) {
+      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
+      throw;
+    }
+  }
+
+  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
+    while (!data.empty()) {
+      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        data.remove_prefix(static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLOUT, deadline, what);
+    }
+  }
+
+  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
+    std::string out;
+    char chunk[16384];
+    while (out.size() < size) {
+      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
+      if (n > 0) {
+        out.append(chunk, static_cast<std::size_t>(n));
+        reply_started_ = true;
+        continue;
+      }
+      if (n == 0) lost(what, "the server closed the connection");
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLIN, deadline, what);
+    }
+    return out;
+  }
+
+  void await(short events, steady::time_point deadline, const std::string& what) {
+    pollfd p{fd_.get(), events, 0};
+    for (;;) {
+      int left = remaining_ms(deadline);
+      int rc = ::poll(&p, 1, left);
+      if (rc > 0) return;
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) lost(what, std::strerror(errno));
+      broken_ = true;
+      throw timeout_error(what + ": no reply from the store at " + endpoint() +
+                          " in time; the server is overloaded, hung or unreachable");
+    }
+  }
+
+  [[noreturn]] void lost(const std::string& what, const std::string& why) {
+    broken_ = true;
+    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
+                           why + "); did the process hosting it exit?");
+  }
+
+  std::string host_;
+  int port_;
+  store_options options_;
+  std::mutex mutex_;
+  detail::unique_fd fd_;
+  bool broken_ = false;
+  bool refused_ = false;        // the server answered the handshake with a refusal
+  bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
+  steady::time_point last_reply_ = steady::now();
+};
+
+// The client is a store, alone and under a prefix (checked here, next to it:
+// the concept's header does not include an implementation).
+static_assert(store<store_client>);
+static_assert(store<prefix_store<store_client>>);
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/client.hpp ----
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Options of the diagnostics every rank runs. Aggregate; each field also has
+/// an environment variable, which wins.
+struct diagnostics_options {
+  /// Run the diagnostics thread and catch SIGUSR1. Environment: DTRAIN_DIAGNOSTICS=0 turns it off.
+  bool enabled = true;
+  /// How long the rank that asked waits for the other rings before it prints
+  /// without them (their ranks are then named as not answering).
+  /// Environment: DTRAIN_DIAGNOSTICS_WAIT (seconds).
+  std::chrono::milliseconds wait{5000};
+  /// How often each rank's thread looks for a request in the store.
+  std::chrono::milliseconds poll{200};
+
+  [[nodiscard]] diagnostics_options with_env(const environment& env) const {
+    diagnostics_options out = *this;
+    if (auto on = detail::read_flag(env, "DTRAIN_DIAGNOSTICS")) out.enabled = *on;
+    if (auto t = detail::read_seconds(env, "DTRAIN_DIAGNOSTICS_WAIT")) out.wait = *t;
+    return out;
+  }
+};
+
+namespace detail {
+
+/// The eventfd that SIGUSR1 wakes (-1: none). A plain atomic int, so the
+/// handler only loads it and writes 8 bytes: both async-signal-safe.
+inline std::atomic<int> diagnostics_signal_fd{-1};
+
+inline void on_diagnostics_signal(int) {
+  const int saved = errno;
+  const int fd = diagnostics_signal_fd.load();
+  const std::uint64_t one = 1;
+  if (fd >= 0) (void)!::write(fd, &one, sizeof one);
+  errno = saved;
+}
+
+/// One rank's part: a thread that publishes this rank's ring whenever a round
+/// is asked for, and explain(), which asks for one and returns its summary.
+/// Owns its own store connection: the context's may be blocked in a long wait.
+class rank_diagnostics {
+ public:
+  /// Connects to the store at host:port (keys under `prefix`), starts the
+  /// thread and catches SIGUSR1 until destroyed. `name` says which
+  /// communicator the ring is ("gloo"). Throws what connecting throws.
+  rank_diagnostics(const std::string& host, int port, store_options store, std::string prefix,
+                   int rank, int size, std::shared_ptr<collective_ring> ring, std::string name,
+                   diagnostics_options options)
+      : client_(host, port, bounded(std::move(store), options.wait)),
+        store_(client_, std::move(prefix)),
+        rank_(rank),
+        size_(size),
+        ring_(std::move(ring)),
+        name_(std::move(name)),
+        options_(options) {
+    wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    previous_fd_ = diagnostics_signal_fd.exchange(wake_);
+    struct sigaction sa {};
+    sa.sa_handler = on_diagnostics_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGUSR1, &sa, &previous_action_);
+    thread_ = std::thread([this] { serve(); });
+  }
+  rank_diagnostics(const rank_diagnostics&) = delete;
+  rank_diagnostics& operator=(const rank_diagnostics&) = delete;
+  /// Stops the thread: at most one store operation, each bounded by the wait.
+  /// SIGUSR1 reaches the newest instance; instances end in reverse order
+  /// (one per context), and one that is not the newest leaves the signal alone.
+  ~rank_diagnostics() {
+    int mine = wake_;
+    if (diagnostics_signal_fd.compare_exchange_strong(mine, previous_fd_)) {
+      ::sigaction(SIGUSR1, &previous_action_, nullptr);
+    }
+    stopping_ = true;
+    wake();
+    thread_.join();
+    ::close(wake_);
+  }
+
+  /// Whether a collective of this rank failed or timed out (the ring says so):
+  /// only such a failure is worth a round; a store timeout, say, is not.
+  [[nodiscard]] bool collective_failed() const {
+    for (const auto& entry : ring_->snapshot_all()) {
+      for (const call_record& c : entry.second) {
+        if (c.state == call_state::failed || c.state == call_state::timed_out) return true;
+      }
+    }
+    return false;
+  }
+
+  /// Asks every rank for its ring (joining the round another rank opened, if
+  /// one is open), waits for them at most options.wait, and returns the
+  /// analysis' summary line; one rank of the round prints the whole table on
+  /// stderr. `reason` goes in the table's header ("a timeout on rank 0").
+  /// Never throws: a store that is gone makes the summary say so.
+  std::string explain(const std::string& reason) noexcept {
+    try {
+      const std::int64_t round = join_round();
+      const std::string reason_key = diagnostics_keys::of(round, "reason");
+      const std::string why = wire::decode_text(
+          "store key " + store_.prefix() + reason_key,
+          store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
+      publish(round);
+      const desync_report report = analyse_job(gather(round));
+      const std::string header = "collective diagnostics, round " + std::to_string(round) +
+                                 ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
+                                 " ranks; printed by rank " + std::to_string(rank_) + ")";
+      const std::string table = format_report(header, report);
+      const std::string closed = diagnostics_keys::of(round, "closed");
+      const std::string me = wire::encode_int(rank_);
+      if (store_.compare_set(diagnostics_keys::of(round, "printer"), "", me) == me) {
+        std::fputs(table.c_str(), stderr);
+        std::fflush(stderr);
+        store_.set(closed, present_value());
+      } else {
+        // This rank may exit next, and a launcher stop the others: not before the table is out.
+        store_.wait(std::span<const std::string>(&closed, 1), options_.wait);
+      }
+      return report.summary;
+    } catch (const std::exception& e) {
+      return std::string("no diagnostics: ") + e.what();
+    }
+  }
+
+ private:
+  static store_options bounded(store_options o, std::chrono::milliseconds wait) {
+    o.timeout = std::min(o.timeout, wait);
+    o.io_timeout = std::min(o.io_timeout, wait);
+    return o;
+  }
+
+  void wake() noexcept {
+    const std::uint64_t one = 1;
+    (void)!::write(wake_, &one, sizeof one);
+  }
+
+  // The open round, or a new one; one rank opens each round, the others join it.
+  std::int64_t join_round() {
+    const std::int64_t current = store_.add("round", 0);
+    const std::string closed = diagnostics_keys::of(current, "closed");
+    if (current > 0 && !store_.check(std::span<const std::string>(&closed, 1))) return current;
+    const std::int64_t next = current + 1;
+    const std::string me = wire::encode_int(rank_);
+    if (store_.compare_set(diagnostics_keys::open(next), "", me) == me) {
+      store_.add("round", 1);  // every rank's thread now publishes for it
+    }
+    return next;
+  }
+
+  void publish(std::int64_t round) {
+    store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
+    published_ = std::max(published_.load(), round);
+  }
+
+  // Every rank's ring that arrives within the wait; the others did not answer.
+  std::vector<rank_publication> gather(std::int64_t round) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < size_; ++r) keys.push_back(diagnostics_keys::ring(round, r));
+    try {
+      store_.wait(keys, options_.wait);
+    } catch (const timeout_error&) {
+      // Some rank is silent: analysed as such below.
+    }
+    std::vector<rank_publication> ranks;
+    for (int r = 0; r < size_; ++r) {
+      rank_publication p{r, false, {}};
+      const std::string& key = keys[static_cast<std::size_t>(r)];
+      if (store_.check(std::span<const std::string>(&key, 1))) {
+        if (auto rings = decode_rings(store_.get(key))) {
+          p.answered = true;
+          p.rings = std::move(*rings);
+        }
+      }
+      ranks.push_back(std::move(p));
+    }
+    return ranks;
+  }
+
+  // Publishes the ring for every new round; explains on SIGUSR1. A store that
+  // stops answering (its host is gone) ends the polling, not the process.
+  void serve() {
+    pollfd p{wake_, POLLIN, 0};
+    bool store_ok = true;
+    while (!stopping_) {
+      const int ready = ::poll(&p, 1, static_cast<int>(options_.poll.count()));
+      if (stopping_) return;
+      if (ready > 0) {
+        std::uint64_t count = 0;
+        (void)!::read(wake_, &count, sizeof count);
+        if (!stopping_ && store_ok) {
+          const std::string summary = explain("SIGUSR1 on rank " + std::to_string(rank_));
+          std::fprintf(stderr, "[rank %d/%d] dtrain: SIGUSR1: %s\n", rank_, size_, summary.c_str());
+          std::fflush(stderr);
+        }
+      }
+      if (!store_ok) continue;
+      try {
+        const std::int64_t round = store_.add("round", 0);
+        if (round > published_) publish(round);
+      } catch (const std::exception&) {
+        store_ok = false;
+      }
+    }
+  }
+
+  store_client client_;
+  prefix_store<store_client> store_;
+  int rank_;
+  int size_;
+  std::shared_ptr<collective_ring> ring_;
+  std::string name_;
+  diagnostics_options options_;
+  int wake_ = -1;
+  int previous_fd_ = -1;
+  struct sigaction previous_action_ {};
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::int64_t> published_{0};
+  std::thread thread_;  // last: starts once everything above exists
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/diagnostics.hpp ----
+// ---- begin dtrain/env/device.hpp ----
+/// @file
+/// Which CUDA device a rank uses: a pure function of its local rank, the
+/// number of ranks on its node and the devices it can see, so every launcher
+/// and GPU binding is unit-testable without a GPU.
+
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// The CUDA device of local rank `local_rank` of `local_world_size` when the
+/// process sees `visible` devices:
+/// - the local rank, when at least one device per local rank is visible (one
+///   process per GPU with every GPU visible: torchrun, mpirun, dtrun);
+/// - device 0, when exactly one is visible (per-task binding: SLURM
+///   `--gpus-per-task`, Kubernetes, CUDA_VISIBLE_DEVICES set per rank);
+/// - otherwise config_error naming CUDA_VISIBLE_DEVICES (`cuda_visible_devices`,
+///   as the environment has it, or unset), the local rank and the counts.
+[[nodiscard]] inline int select_device(int local_rank, int local_world_size, int visible,
+                                       std::optional<std::string_view> cuda_visible_devices) {
+  const std::string cvd = cuda_visible_devices
+                              ? "CUDA_VISIBLE_DEVICES=" + std::string(*cuda_visible_devices)
+                              : std::string("CUDA_VISIBLE_DEVICES unset");
+  if (local_rank < 0 || local_world_size < 1 || local_rank >= local_world_size) {
+    throw config_error("local rank " + std::to_string(local_rank) + " of " +
+                       std::to_string(local_world_size) +
+                       " ranks on this node cannot pick a GPU (" + cvd + ")");
+  }
+  if (visible >= local_world_size) return local_rank;
+  if (visible == 1) return 0;
+  if (visible <= 0) {
+    throw config_error("local rank " + std::to_string(local_rank) +
+                       " needs a GPU, but this process sees none (" + cvd +
+                       "); check the driver (nvidia-smi) and what the launcher exposes");
+  }
+  throw config_error(
+      "local rank " + std::to_string(local_rank) + " of " + std::to_string(local_world_size) +
+      " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
+      "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
+      "start no more ranks per node than it has GPUs");
+}
+
+}  // namespace dtrain
+// ---- end dtrain/env/device.hpp ----
+// ---- begin dtrain/env/discover.hpp ----
+/// @file
+/// discover_world(): who this process is, as a pure function of (environment,
+/// argv, options). See the README's launcher table for what each launcher
+/// sets and how dtrain reads it.
+
 // ---- begin dtrain/env/launchers.hpp ----
 /// @file
 /// One reader per launcher. Each turns that launcher's variables into an
@@ -992,6 +7849,7 @@ inline void write_string(std::string& out, std::string_view text) {
 /// `dtrain::world`: who this process is in the job, as the launcher told it.
 /// A plain value; discover_world() (env/discover.hpp) builds it.
 
+
 #include <array>
 #include <cstddef>
 #include <optional>
@@ -1131,30 +7989,6 @@ struct world {
   }
 };
 
-namespace detail {
-
-/// Appends `text` as a JSON string literal.
-inline void append_json_string(std::string& out, std::string_view text) {
-  static constexpr char hex[] = "0123456789abcdef";
-  out += '"';
-  for (char c : text) {
-    auto u = static_cast<unsigned char>(c);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (u < 0x20) {
-      out += "\\u00";
-      out += hex[u >> 4];
-      out += hex[u & 0xF];
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-}
-
-}  // namespace detail
-
 /// The world as one JSON object on one line (no newline), with the keys rank,
 /// world_size, local_rank, local_world_size, node_rank, num_nodes,
 /// master_addr, master_port (null when unknown), source, and role when the
@@ -1163,7 +7997,7 @@ inline void append_json_string(std::string& out, std::string_view text) {
   std::string out = "{";
   auto key = [&](std::string_view name) {
     if (out.size() > 1) out += ',';
-    detail::append_json_string(out, name);
+    detail::json::write_string(out, name);
     out += ':';
   };
   auto number = [&](std::string_view name, const std::optional<int>& v) {
@@ -1178,16 +8012,16 @@ inline void append_json_string(std::string& out, std::string_view text) {
   number("num_nodes", w.num_nodes);
   key("master_addr");
   if (w.master_addr) {
-    detail::append_json_string(out, *w.master_addr);
+    detail::json::write_string(out, *w.master_addr);
   } else {
     out += "null";
   }
   number("master_port", w.master_port);
   key("source");
-  detail::append_json_string(out, to_string(w.source));
+  detail::json::write_string(out, to_string(w.source));
   if (w.role != process_role::worker) {
     key("role");
-    detail::append_json_string(out, to_string(w.role));
+    detail::json::write_string(out, to_string(w.role));
   }
   out += '}';
   return out;
@@ -1853,8 +8687,7 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
                          " ranks, more than dtrain's limit of " + std::to_string(max_world_size) +
                          " (max_world_size)");
     }
-    node[field::world_size] =
-        sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
+    node[field::world_size] = sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
   }
   complete_and_check(node);
   world w = to_world(node);
@@ -1894,81 +8727,13 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 /// told it and the name of its node; ranks that share a node name share a
 /// node. Open MPI and Hydra give no node index (and with `--map-by node`
 /// rank arithmetic is wrong), so this is how those fields become known.
-/// Pure functions; the runtime (run.hpp) carries the reports through the store.
+/// Pure functions and the codecs of the reports and the table; the runtime
+/// (context.hpp) carries them through the store.
 
-// ---- begin dtrain/detail/sys.hpp ----
-/// @file
-/// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
-/// captures file:line, the call as written and strerror(errno).
-
-
-#include <cerrno>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <utility>
-
-#include <unistd.h>
-
-namespace dtrain::detail {
-
-/// "what: strerror(err) (at file:line)".
-inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
-  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
-         ":" + std::to_string(line) + ")";
-}
-
-/// An owned file descriptor, closed on destruction.
-class unique_fd {
- public:
-  unique_fd() = default;
-  explicit unique_fd(int fd) noexcept : fd_(fd) {}
-  unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  unique_fd& operator=(unique_fd&& other) noexcept {
-    if (this != &other) reset(std::exchange(other.fd_, -1));
-    return *this;
-  }
-  unique_fd(const unique_fd&) = delete;
-  unique_fd& operator=(const unique_fd&) = delete;
-  ~unique_fd() { reset(); }
-
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-/// This machine's host name; nullopt when gethostname fails (each caller
-/// decides what that means for it).
-inline std::optional<std::string> host_name() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
-  return std::string(name);
-}
-
-}  // namespace dtrain::detail
-
-/// Evaluates `call` (an OS call returning -1 on failure) and throws
-/// dtrain::error with the call, file:line and strerror(errno) when it fails.
-#define DTRAIN_SYSCALL(call)                                                          \
-  ([&]() {                                                                            \
-    auto dtrain_result_ = (call);                                                     \
-    if (dtrain_result_ == -1) {                                                       \
-      int dtrain_errno_ = errno;                                                      \
-      throw ::dtrain::error(                                                          \
-          ::dtrain::detail::os_error_text(#call, dtrain_errno_, __FILE__, __LINE__)); \
-    }                                                                                 \
-    return dtrain_result_;                                                            \
-  }())
-// ---- end dtrain/detail/sys.hpp ----
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -2004,56 +8769,45 @@ struct rank_report {
                       &w.num_nodes};
   }
 
-  /// One line per entry, each `<length>:<text>`, so origins may hold anything.
+  /// The report as a store value (detail/wire.hpp): node name bytes32, then
+  /// per field a known flag u8, the value i64 when known, its origin bytes32.
   [[nodiscard]] std::string encode() const {
     std::string out;
-    auto put = [&](std::string_view text) {
-      out += std::to_string(text.size());
-      out += ':';
-      out += text;
-    };
-    put(node_name);
+    detail::wire::writer w(out);
+    w.bytes32(node_name);
     const auto numbers = slots(self);
     for (std::size_t i = 0; i < numbers.size(); ++i) {
-      put(*numbers[i] ? std::to_string(**numbers[i]) : std::string());
-      put(self.origin(fields[i]));
+      w.u8(*numbers[i] ? 1 : 0);
+      if (*numbers[i]) w.i64(**numbers[i]);
+      w.bytes32(self.origin(fields[i]));
     }
     return out;
   }
 
-  /// The inverse of encode(); `what` names the input (e.g. the store key) in errors.
-  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& what) {
-    rank_report r;
-    std::size_t at = 0;
-    auto take = [&]() -> std::string {
-      auto colon = text.find(':', at);
-      std::size_t length = 0;
-      bool ok = colon != std::string_view::npos && colon > at;
-      for (std::size_t i = at; ok && i < colon; ++i) {
-        ok = text[i] >= '0' && text[i] <= '9' && length < (1u << 24);
-        length = length * 10 + static_cast<std::size_t>(text[i] - '0');
-      }
-      if (!ok || colon + 1 + length > text.size())
-        throw rendezvous_error(what + " is not a dtrain rank report");
-      std::string out(text.substr(colon + 1, length));
-      at = colon + 1 + length;
-      return out;
-    };
-    r.node_name = take();
-    const auto numbers = slots(r.self);
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      std::string value = take();
-      if (!value.empty()) {
-        try {
-          *numbers[i] = std::stoi(value);
-        } catch (const std::exception&) {
-          throw rendezvous_error(what + " is not a dtrain rank report");
+  /// The inverse of encode(); `where` names the input ("store key world/3") in
+  /// the rendezvous_error a malformed value gives.
+  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where) {
+    return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
+      rank_report r;
+      r.node_name = in.bytes32("the node name");
+      const auto numbers = slots(r.self);
+      for (std::size_t i = 0; i < numbers.size(); ++i) {
+        const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
+        const std::uint8_t known = in.u8(name);
+        if (known > 1)
+          throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
+        if (known == 1) {
+          const std::int64_t value = in.i64(name);
+          if (value < 0 || value > max_world_size) {
+            throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
+                                          " is not in 0.." + std::to_string(max_world_size));
+          }
+          *numbers[i] = static_cast<int>(value);
         }
+        r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
       }
-      r.self.origins[static_cast<std::size_t>(fields[i])] = take();
-    }
-    if (at != text.size()) throw rendezvous_error(what + " is not a dtrain rank report");
-    return r;
+      return r;
+    });
   }
 
   /// Whether the launcher placed this rank fully (its node and its place there).
@@ -2072,6 +8826,59 @@ struct placement {
   friend bool operator==(const placement&, const placement&) = default;
 };
 
+/// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
+/// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
+/// config_error that placing the ranks gave (bytes32), for every rank to throw.
+[[nodiscard]] inline std::string encode_placements(const std::vector<placement>& ranks) {
+  std::string out;
+  detail::wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(ranks.size()));
+  for (const placement& p : ranks)
+    w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
+  return out;
+}
+[[nodiscard]] inline std::string encode_placement_error(std::string_view message) {
+  std::string out;
+  detail::wire::writer(out).u8(0).bytes32(message);
+  return out;
+}
+
+/// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
+/// config_error when placing failed there, and a rendezvous_error naming
+/// `where` ("store key dtrain/job/world/placement") when the value is malformed.
+[[nodiscard]] inline placement decode_placement(const std::string& where, std::string_view value,
+                                                int rank, int size) {
+  std::optional<std::string> failure;
+  placement mine =
+      detail::wire::decode_value(where, value, "a placement table", [&](detail::wire::reader& in) {
+        placement out;
+        if (in.u8("the ok flag") == 0) {
+          failure = in.bytes32("rank 0's error");
+          return out;
+        }
+        const std::uint32_t n = in.u32("the rank count");
+        if (static_cast<std::int64_t>(n) != size) {
+          throw detail::wire::violation("it places " + std::to_string(n) + " ranks, not " +
+                                        std::to_string(size));
+        }
+        for (std::uint32_t r = 0; r < n; ++r) {
+          std::int64_t f[4];
+          for (std::int64_t& v : f) {
+            v = in.i64("a placement");
+            if (v < 0 || v > max_world_size)
+              throw detail::wire::violation("a placement field is " + std::to_string(v));
+          }
+          if (static_cast<int>(r) == rank) {
+            out = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                   static_cast<int>(f[3])};
+          }
+        }
+        return out;
+      });
+  if (failure) throw config_error(*failure);
+  return mine;
+}
+
 /// Places every rank (reports[i] is rank i). When every report is complete,
 /// each keeps what its launcher said. Otherwise ranks are grouped by node
 /// name: nodes are numbered in the order of their lowest rank, local ranks
@@ -2080,7 +8887,7 @@ struct placement {
 /// known field contradicts the grouping.
 [[nodiscard]] inline std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
   const int n = static_cast<int>(reports.size());
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     const auto& ws = reports[r].self.world_size;
     if (ws && *ws != n) {
       throw config_error("rank " + std::to_string(r) + " says the world has " +
@@ -2093,7 +8900,7 @@ struct placement {
   bool all_complete = true;
   for (const auto& r : reports) all_complete = all_complete && r.placed();
   if (all_complete) {
-    for (int r = 0; r < n; ++r) {
+    for (std::size_t r = 0; r < reports.size(); ++r) {
       const world& w = reports[r].self;
       out[r] = {*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
     }
@@ -2101,19 +8908,19 @@ struct placement {
   }
   std::map<std::string, int> node_of;  // node name -> node index
   std::vector<int> node_size;
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     auto [it, fresh] =
         node_of.try_emplace(reports[r].node_name, static_cast<int>(node_size.size()));
     if (fresh) node_size.push_back(0);
     out[r].node_rank = it->second;
-    out[r].local_rank = node_size[it->second]++;
+    out[r].local_rank = node_size[static_cast<std::size_t>(it->second)]++;
   }
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     out[r].num_nodes = static_cast<int>(node_size.size());
-    out[r].local_world_size = node_size[out[r].node_rank];
+    out[r].local_world_size = node_size[static_cast<std::size_t>(out[r].node_rank)];
   }
   // A field the launcher did give must match: otherwise the node names are wrong.
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     const world& w = reports[r].self;
     auto check = [&](world::field f, const std::optional<int>& known, int grouped,
                      std::string_view what) {
@@ -2137,279 +8944,1219 @@ struct placement {
 
 }  // namespace dtrain
 // ---- end dtrain/env/placement.hpp ----
-// ---- begin dtrain/rendezvous/options.hpp ----
+// ---- begin dtrain/launch/options.hpp ----
 /// @file
-/// Options of the rendezvous store, server and client alike. Each default is
-/// defined here once; each can be overridden by the option and by an
-/// environment variable (store_options::from_env).
+/// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
+/// Every option can also come from an environment variable; see with_env().
 
 
-#include <charconv>
 #include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
 #include <optional>
 #include <string>
-#include <string_view>
 
 namespace dtrain {
 
-/// Default for every blocking store operation (connect, get, wait, barrier),
-/// as c10d's store: 300 s. Environment: DTRAIN_STORE_TIMEOUT (seconds).
-inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
+/// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
+/// Environment: DTRAIN_GRACE_PERIOD (seconds).
+inline constexpr std::chrono::milliseconds default_grace_period{10'000};
 
-/// How long the server gives a new connection to complete its handshake, and
-/// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
-inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
+/// How long an agent may go without beating its heartbeat in the store before
+/// the other agents declare its node lost and end the job. Environment:
+/// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
 
-/// How long the server keeps a connection that sends nothing after its
-/// handshake, unless it is in a get / wait it asked for. A client reconnects
-/// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
-inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
+/// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
+/// Unset values come from the environment or the outer launcher (see
+/// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
+/// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
+struct agent_options {
+  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
+  /// the number of visible CUDA devices for backend::nccl, else 1.
+  std::optional<int> nproc_per_node{};
+  /// Nodes (agents) in the job. Environment: DTRAIN_NNODES. Default: from the
+  /// outer launcher, else 1.
+  std::optional<int> nnodes{};
+  /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
+  /// and must agree).
+  std::optional<int> node_rank{};
+  /// Where node 0's agent serves the rendezvous store. Default: MASTER_ADDR,
+  /// else 127.0.0.1 on a single node; required with several nodes.
+  std::optional<std::string> master_addr{};
+  /// Its port. Default: MASTER_PORT, else a free port on a single node and
+  /// 29500 with several. 0 picks a free port (single node only).
+  std::optional<int> master_port{};
+  /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
+  int max_restarts = 0;
+  /// SIGTERM → SIGKILL delay when workers are stopped.
+  /// Environment: DTRAIN_GRACE_PERIOD (seconds).
+  std::chrono::milliseconds grace_period = default_grace_period;
+  /// A node whose agent is silent this long is lost: the others end the job.
+  /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
+  /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
+  /// Environment: DTRAIN_TEE=1.
+  bool tee = false;
+  /// When set, each worker's output (stdout and stderr) also goes to
+  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
+  std::string log_dir{};
+  /// Pass `--local_rank=N` as the workers' first argument, as
+  /// torch.distributed.launch did for Hugging Face style scripts.
+  /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
+  bool local_rank_arg = false;
 
-/// Wire and resource limits, checked before anything is allocated. The
-/// defaults fit a 10,000-rank job (two connections per rank, one per agent,
-/// a few KiB stored per rank) and bound what a flood can make the server hold
-/// to about max_stored_bytes + max_buffered_bytes.
-struct store_limits {
-  std::uint32_t max_key_size = 4096;          ///< bytes per key
-  std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
-  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check: a connection's waiters
-  std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
-  /// Open connections; more are accepted and closed at once, and the server
-  /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
-  /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
-  std::uint32_t max_connections = 32768;
-  /// Keys and values held; a set beyond it is refused with an error reply.
-  /// Environment: DTRAIN_STORE_MAX_BYTES.
-  std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
-  /// Request and reply bytes held for all connections together (a frame in
-  /// flight, a reply not yet read, the keys of a pending wait). A connection
-  /// that would pass it waits, at most the io timeout, for others to finish.
-  std::uint64_t max_buffered_bytes = std::uint64_t{256} << 20;
-
-  /// The largest request frame these limits allow; a larger length prefix
-  /// closes the connection before a byte of it is buffered.
-  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
-    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
-    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
-    return 64u + (keys > one ? keys : one);
-  }
-};
-
-/// Options of a store server or client. Aggregate: use designated initialisers,
-/// e.g. `{.timeout = 30s, .token = "secret"}`.
-struct store_options {
-  /// Default timeout of connect, get, wait and barrier.
-  std::chrono::milliseconds timeout = default_store_timeout;
-  /// Server: limit for a handshake or a started frame. Client: how long a
-  /// reply may take beyond the operation's own timeout before the server is
-  /// presumed dead.
-  std::chrono::milliseconds io_timeout = default_store_io_timeout;
-  /// Server: how long a connection may stay silent between requests.
-  std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
-  /// Shared secret; the server serves nothing to a client whose token differs.
-  /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
-  /// for every job (see the README's "Security"); empty here means none.
-  std::string token{};
-  store_limits limits{};
-  /// Server: where it reports closed connections and their reasons. Empty:
-  /// one line on stderr each.
-  std::function<void(std::string_view)> log{};
-
-  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT and
-  /// DTRAIN_STORE_TOKEN from `env` applied on top: the environment wins, as
-  /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
-  /// config_error naming the variable on a malformed value.
-  [[nodiscard]] store_options with_env(const environment& env) const {
-    store_options out = *this;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
-    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
-    }
-    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_BYTES")) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
-    }
-    if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
-    if (out.token.size() > out.limits.max_token_size) {
-      throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
-                         " bytes; the limit is " + std::to_string(out.limits.max_token_size));
-    }
+  /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
+  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
+  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
+  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
+  /// wins, as for every dtrain option, so an operator can change a job without
+  /// rebuilding it. Throws config_error naming the variable and its value.
+  [[nodiscard]] agent_options with_env(const environment& env) const {
+    agent_options out = *this;
+    auto count = [&](const char* name, std::optional<int>& into, int least) {
+      if (auto v = detail::read_int(env, name)) {
+        if (v->value < least) {
+          throw config_error(v->origin + " must be at least " + std::to_string(least));
+        }
+        into = v->value;
+      }
+    };
+    count("DTRAIN_NPROC_PER_NODE", out.nproc_per_node, 1);
+    count("DTRAIN_NNODES", out.nnodes, 1);
+    count("DTRAIN_NODE_RANK", out.node_rank, 0);
+    if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
+    if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_HEARTBEAT_TIMEOUT")) out.heartbeat_timeout = *t;
+    if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
+    if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
+    if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
+    out.check();
     return out;
   }
 
+  /// Throws config_error when an option is out of range.
+  void check() const {
+    auto at_least = [](const char* name, const std::optional<int>& v, int least) {
+      if (v && *v < least) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " must be at least " + std::to_string(least));
+      }
+    };
+    at_least("nproc_per_node", nproc_per_node, 1);
+    at_least("nnodes", nnodes, 1);
+    at_least("node_rank", node_rank, 0);
+    auto at_most = [](const char* name, const std::optional<int>& v) {
+      if (v && *v > max_world_size) {
+        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                           " ranks (max_world_size)");
+      }
+    };
+    at_most("nproc_per_node", nproc_per_node);
+    at_most("nnodes", nnodes);
+    if (max_restarts < 0) {
+      throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
+    }
+    if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+    if (heartbeat_timeout.count() <= 0) {
+      throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
+                         " ms must be positive");
+    }
+    if (master_port && *master_port != 0) {
+      detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
+    }
+    if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+  }
 };
 
 }  // namespace dtrain
-// ---- end dtrain/rendezvous/options.hpp ----
+// ---- end dtrain/launch/options.hpp ----
+// ---- begin dtrain/policy.hpp ----
+/// @file
+/// dtrain::policy<Launch, Backend, Topology>: the compile-time choices of a
+/// job. Each slot is a small tag type; a combination that cannot work is a
+/// static_assert that says why, not a run-time surprise.
+
+// ---- begin dtrain/topology/flat.hpp ----
+/// @file
+/// topology::flat: every collective runs on one communicator over the world.
+/// The other model of the slot is topology::hierarchical (hierarchical.hpp).
+
+// ---- begin dtrain/topology/layout.hpp ----
+/// @file
+/// Where each rank sits among the nodes, as a topology needs it: the
+/// `node_layout` of one rank, every rank's gathered over the host control
+/// plane, and the check that the nodes are alike enough for a hierarchical
+/// collective (every node the same number of ranks, local ranks 0..L-1).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// One rank's place among the nodes: what topology::hierarchical groups by.
+struct node_layout {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_size = 1;
+
+  /// The layout of a complete world (as dtrain::run hands it over); nullopt
+  /// when a field is unknown.
+  [[nodiscard]] static std::optional<node_layout> of(const world& w) {
+    if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+    return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+  }
+  friend bool operator==(const node_layout&, const node_layout&) = default;
+};
+
+namespace detail {
+
+/// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
+/// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
+/// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
+/// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
+[[nodiscard]] inline std::string hierarchy_problem(std::span<const node_layout> table) {
+  const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
+  if (table.empty()) return "no ranks";
+  std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const node_layout& l = table[r];
+    if (l.num_nodes != table[0].num_nodes) {
+      return rank(r) + " says there are " + std::to_string(l.num_nodes) + " nodes, rank 0 " +
+             std::to_string(table[0].num_nodes);
+    }
+    if (l.node_rank < 0 || l.node_rank >= l.num_nodes || l.local_rank < 0 ||
+        l.local_rank >= l.local_size) {
+      return rank(r) + " has node rank " + std::to_string(l.node_rank) + " of " +
+             std::to_string(l.num_nodes) + " and local rank " + std::to_string(l.local_rank) +
+             " of " + std::to_string(l.local_size);
+    }
+    nodes[l.node_rank].push_back(l.local_rank);
+  }
+  const int n = table[0].num_nodes;
+  if (static_cast<int>(nodes.size()) != n) {
+    return std::to_string(nodes.size()) + " of the " + std::to_string(n) + " nodes have ranks";
+  }
+  const std::size_t first = nodes.begin()->second.size();
+  for (const auto& [node, locals] : nodes) {
+    if (locals.size() != first) {
+      return "uneven nodes: node " + std::to_string(nodes.begin()->first) + " has " +
+             std::to_string(first) + " ranks, node " + std::to_string(node) + " has " +
+             std::to_string(locals.size()) +
+             " (hierarchical needs the same number of ranks on every node)";
+    }
+    std::vector<char> seen(first, 0);
+    for (int local : locals) {
+      if (static_cast<std::size_t>(local) >= first || seen[static_cast<std::size_t>(local)]) {
+        return "node " + std::to_string(node) + " does not number its " + std::to_string(first) +
+               " ranks 0.." + std::to_string(first - 1) + " (local rank " + std::to_string(local) +
+               ")";
+      }
+      seen[static_cast<std::size_t>(local)] = 1;
+    }
+  }
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    if (static_cast<std::size_t>(table[r].local_size) != first) {
+      return rank(r) + " says its node has " + std::to_string(table[r].local_size) +
+             " ranks, but " + std::to_string(first) + " met there";
+    }
+  }
+  if (n == 1) return "one node: nothing crosses nodes";
+  if (first == 1) return "one rank per node: the cross-node communicator would be the world";
+  return {};
+}
+
+/// Every rank's layout, in rank order, over `control` (collective).
+[[nodiscard]] inline std::vector<node_layout> gather_layouts(control_plane& control,
+                                                             const node_layout& mine) {
+  const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
+  control.allgather(fields, all);
+  std::vector<node_layout> table(static_cast<std::size_t>(control.size()));
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const std::int64_t* f = &all[4 * r];
+    table[r] = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                static_cast<int>(f[3])};
+  }
+  return table;
+}
+
+/// The layout of every rank from its node name alone (FNV-1a of it, gathered
+/// over `control`), placed by place_ranks() as dtrain::run completes a world:
+/// nodes numbered by their lowest rank, local ranks in rank order. For
+/// communicators made without a context, which knows the launcher's own placement.
+[[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
+                                                        std::string_view node_name) {
+  std::uint64_t hash = 1469598103934665603ull;
+  for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
+  control.allgather(mine, all);
+  std::vector<rank_report> reports(all.size());
+  for (std::size_t r = 0; r < all.size(); ++r) reports[r].node_name = std::to_string(all[r]);
+  const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
+  return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/topology/layout.hpp ----
+// ---- begin dtrain/topology/sequence.hpp ----
+/// @file
+/// How a topology runs one collective as several on different communicators:
+/// `detail::work_sequence`, one work for the steps, and the calls that pass a
+/// stream only to engines that take one. Steps on engines that order their
+/// collectives on CUDA streams are all enqueued at once, each after the
+/// previous one's stream; on host engines each step starts when the one
+/// before it has finished, inside test() / wait() of the sequence.
+
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// Whether C enqueues its collectives on a device stream of its own, ordered
+/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
+/// steps of a sequence can then all be enqueued at once.
+template <class C>
+concept stream_ordered = requires(const C& c) {
+  requires C::stream_ordered;
+  { c.stream() } -> std::convertible_to<stream_handle>;
+};
+
+/// The stream that the next step must follow after a step on `c`: its own
+/// stream where it has one, else none (the step has finished on the host).
+template <communicator C>
+stream_handle stream_after(const C& c) noexcept {
+  if constexpr (stream_ordered<C>) {
+    return c.stream();
+  } else {
+    (void)c;
+    return nullptr;
+  }
+}
+
+// The collectives with the caller's stream, for the engines that take one
+// (NCCL, MPI with device buffers); the others never see it.
+template <communicator C>
+work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
+    return c.allreduce(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.allreduce(in, out, op);
+  }
+}
+template <communicator C>
+work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
+    return c.reduce_scatter(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.reduce_scatter(in, out, op);
+  }
+}
+template <communicator C>
+work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
+  if constexpr (requires { c.allgather(in, out, stream); }) {
+    return c.allgather(in, out, stream);
+  } else {
+    (void)stream;
+    return c.allgather(in, out);
+  }
+}
+
+/// One work for several collectives. `steps[i]` starts collective i and
+/// returns its work; it runs on communicator `lane` and needs step `after`
+/// finished first (`chain`: the step before it; -1: nothing). Steps of one
+/// lane start in list order, whatever finishes when, so every rank issues the
+/// same collectives on every communicator in the same order: a lane is a
+/// queue, and independent lanes overlap (a pipeline: step k+1 on one
+/// communicator while step k runs on another).
+///
+/// Eager: every step is started now, in list order (engines that order
+/// collectives on streams). Otherwise a step starts once it may, from
+/// whichever thread tests or waits on the sequence: drive a rank's sequences
+/// from one thread, in one order, as it issues collectives. The first failure
+/// ends the sequence, with `label` (the whole collective) and the step in its
+/// message. A timeout gives up every step still running (NCCL: aborts their
+/// communicators).
+class work_sequence final : public work_state {
+ public:
+  static constexpr int chain = -2;
+  struct step {
+    std::string name;             ///< "cross-node allreduce", for messages
+    std::function<work()> start;  ///< starts the collective; may throw
+    int lane = 0;                 ///< the communicator it runs on
+    int after = chain;            ///< the step it waits for: an index, chain, or -1
+  };
+
+  /// Starts what may start now (eager: every step); what a start throws
+  /// reaches the caller. The sequence's timeout is its steps' (the
+  /// communicators' collective timeout), counted for the whole sequence.
+  work_sequence(std::string label, std::vector<step> steps, bool eager,
+                std::shared_ptr<void> keep_alive = {})
+      : work_state(std::move(label), std::chrono::milliseconds(0)),
+        keep_alive_(std::move(keep_alive)),
+        call_label_(current_call_label()) {
+    if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      int& a = steps[i].after;
+      if (a == chain) a = static_cast<int>(i) - 1;
+      if (a >= static_cast<int>(i)) {
+        throw dtrain::error("work_sequence: step " + std::to_string(i) +
+                            " waits for a later one (" + description() + ")");
+      }
+      slots_.push_back({std::move(steps[i]), {}, false, false});
+    }
+    if (eager) {
+      for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
+    } else {
+      start_ready();
+    }
+  }
+
+  bool poll() override {
+    std::lock_guard lock(mutex_);
+    return advance_locked();
+  }
+
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
+    backoff pause;
+    for (;;) {
+      std::optional<work> only;
+      {
+        std::lock_guard lock(mutex_);
+        if (advance_locked()) return true;
+        only = only_running_locked();
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        std::lock_guard lock(mutex_);
+        return advance_locked();
+      }
+      if (only) {
+        // One step in flight, and nothing else can start before it ends: the
+        // engine's own wait (Gloo runs a collective that is next in line on
+        // this thread; MPI progresses inside its test).
+        (void)only->finish_within(left);
+      } else {
+        pause();  // several in flight: poll them all, so that each finished one lets the next start
+      }
+    }
+  }
+
+  void on_timeout() noexcept override {
+    std::lock_guard lock(mutex_);
+    for (slot& s : slots_) {
+      if (!s.started || s.handle.test()) continue;
+      try {
+        s.handle.give_up(s.handle.timeout());  // the engine's abort
+      } catch (...) {
+      }
+    }
+  }
+
+ private:
+  // What the sequence knows of one step.
+  struct slot {
+    step what;
+    work handle;
+    bool started = false;
+    bool finished = false;
+  };
+
+  void start(std::size_t i) {
+    slot& s = slots_[i];
+    label_scope label(
+        call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
+    s.handle = s.what.start();
+    s.started = true;
+    // A step that completed at once (nothing to move) has no limit of its own.
+    if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
+  }
+
+  // Starts, in list order, every step whose predecessor has finished and
+  // whose lane has started everything listed before it.
+  void start_ready() {
+    std::vector<char> lane_blocked;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
+      if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
+      if (slots_[i].started) continue;
+      const int a = slots_[i].what.after;
+      const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
+      if (ready && !lane_blocked[lane]) {
+        start(i);
+      } else {
+        lane_blocked[lane] = 1;
+      }
+    }
+  }
+
+  // The one step in flight when exactly one is.
+  std::optional<work> only_running_locked() {
+    std::optional<work> found;
+    int running = 0;
+    for (const slot& s : slots_) {
+      if (s.started && !s.finished) {
+        found = s.handle;
+        ++running;
+      }
+    }
+    if (running != 1) return std::nullopt;
+    return found;
+  }
+
+  // True once every step has finished or one has failed; starts the steps
+  // that finished ones let start.
+  bool advance_locked() {
+    if (finished_) return true;
+    for (;;) {
+      bool progress = false;
+      for (std::size_t i = 0; i < slots_.size(); ++i) {
+        slot& s = slots_[i];
+        if (!s.started || s.finished || !s.handle.test()) continue;
+        if (auto e = s.handle.exception()) return end(e, i);
+        s.finished = true;
+        progress = true;
+      }
+      if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
+        finished_ = true;
+        return true;
+      }
+      if (!progress) return false;
+      try {
+        start_ready();
+      } catch (...) {
+        std::size_t failed = 0;
+        while (failed < slots_.size() && slots_[failed].started) ++failed;
+        return end(std::current_exception(), failed);
+      }
+    }
+  }
+
+  // The step's error, with the sequence and the step named; same exception type.
+  bool end(const std::exception_ptr& e, std::size_t i) {
+    const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
+                              std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
+    try {
+      std::rethrow_exception(e);
+    } catch (const config_error& x) {
+      fail(std::make_exception_ptr(config_error(where + x.what())));
+    } catch (const timeout_error& x) {
+      fail(std::make_exception_ptr(timeout_error(where + x.what())));
+    } catch (const backend_error& x) {
+      fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
+    } catch (const rendezvous_error& x) {
+      fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
+    } catch (const std::exception& x) {
+      fail(std::make_exception_ptr(dtrain::error(where + x.what())));
+    } catch (...) {
+      fail(e);
+    }
+    finished_ = true;
+    return true;
+  }
+
+  std::mutex mutex_;  // the watchdog and the owner may poll at once
+  std::vector<slot> slots_;
+  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
+  call_label call_label_;             // the caller's, for the steps started later
+  bool finished_ = false;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/topology/sequence.hpp ----
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace dtrain::topology {
+
+/// One communicator over the world; collectives go to it unchanged.
+struct flat {
+  static constexpr std::string_view name = "flat";
+
+  /// How this topology runs an allreduce on `world`: directly.
+  template <communicator C>
+  static work allreduce(C& world, buffer in, buffer out, reduce_op op) {
+    return world.allreduce(in, out, op);
+  }
+  template <communicator C>
+  static work broadcast(C& world, buffer data, int root) {
+    return world.broadcast(data, root);
+  }
+
+  /// The communicators a topology runs its collectives on, made once per
+  /// user (DistributedDataParallel makes one). Flat: the world itself.
+  template <communicator C>
+  class group {
+   public:
+    /// Nothing collective happens: flat needs no layout and no new communicator.
+    group(C& world, control_plane /*control*/, const node_layout& /*mine*/) noexcept
+        : world_(&world) {}
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically (never, here).
+    [[nodiscard]] static constexpr bool hierarchical() noexcept { return false; }
+    /// A buffer whose length is a multiple of this many elements needs no extra collective.
+    [[nodiscard]] static constexpr std::size_t granularity() noexcept { return 1; }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs: none.
+    [[nodiscard]] static constexpr std::size_t shard_count(std::size_t /*count*/) noexcept {
+      return 0;
+    }
+    /// "flat (gloo, 4 ranks)"
+    [[nodiscard]] std::string describe() const {
+      return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) + " ranks)";
+    }
+
+    /// In place on `data`, ordered after `stream` where the engine takes one.
+    work allreduce(buffer data, buffer /*shard*/, reduce_op op, stream_handle stream = nullptr) {
+      return detail::allreduce_on(*world_, data, data, op, stream);
+    }
+    /// The same without scratch (flat needs none).
+    work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
+    /// Makes `stream` wait for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    { world_->stream_wait(stream); }
+
+   private:
+    C* world_;
+  };
+};
+
+}  // namespace dtrain::topology
+// ---- end dtrain/topology/flat.hpp ----
+// ---- begin dtrain/topology/hierarchical.hpp ----
+/// @file
+/// topology::hierarchical: an allreduce runs as a node-local reduce-scatter,
+/// a cross-node allreduce of each shard (one communicator per local rank),
+/// and a node-local allgather. Only 1/L of the data crosses the network per
+/// rank (L ranks per node), and the links between nodes carry each shard
+/// once per node rather than once per rank: the slow links carry (n-1)/n of
+/// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
+
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::topology {
+
+/// Node-local and cross-node communicators, split from the world.
+struct hierarchical {
+  static constexpr std::string_view name = "hierarchical";
+  /// On host engines, a buffer of more than this many bytes travels in chunks
+  /// of about this size (at most 8), pipelined: a chunk's node-local steps run
+  /// while another chunk crosses the nodes. 0: one piece.
+  static constexpr std::size_t default_chunk_bytes = std::size_t{2} << 20;
+
+  /// The communicators of one user (DistributedDataParallel makes one):
+  /// `local` (the ranks of this node, by local rank) and `cross` (the ranks
+  /// with this local rank, one per node, by node rank), or the world alone
+  /// when the nodes do not allow a hierarchy (see hierarchical()).
+  template <communicator C>
+  class group {
+   public:
+    /// Collective over `world`: every rank's layout is gathered over
+    /// `control`; when every node holds the same number L > 1 of ranks and
+    /// there are N > 1 nodes, `world` is split into `local` (color: node rank,
+    /// key: local rank) and `cross` (color: local rank, key: node rank).
+    /// Otherwise collectives run flat on `world`, and rank 0 prints one line
+    /// saying why. `world` must outlive the group. `chunk_bytes`: see
+    /// default_chunk_bytes (every rank must pass the same). Throws what
+    /// split() throws, and backend_error when a split does not give the expected size.
+    group(C& world, control_plane control, const node_layout& mine,
+          std::size_t chunk_bytes = default_chunk_bytes)
+        : world_(&world), chunk_bytes_(chunk_bytes) {
+      const std::vector<node_layout> table = detail::gather_layouts(control, mine);
+      why_flat_ = detail::hierarchy_problem(table);
+      if (!why_flat_.empty()) {
+        if (world.rank() == 0) {
+          std::fprintf(stderr, "dtrain: topology::hierarchical runs flat on %d ranks: %s\n",
+                       world.size(), why_flat_.c_str());
+          std::fflush(stderr);
+        }
+        return;
+      }
+      local_.emplace(world.split(mine.node_rank, mine.local_rank));
+      cross_.emplace(world.split(mine.local_rank, mine.node_rank));
+      if (local_->size() != mine.local_size || local_->rank() != mine.local_rank ||
+          cross_->size() != mine.num_nodes || cross_->rank() != mine.node_rank) {
+        throw backend_error(
+            "topology::hierarchical on rank " + std::to_string(world.rank()) + ": splitting " +
+                std::string(C::name) + " gave local rank " + std::to_string(local_->rank()) +
+                " of " + std::to_string(local_->size()) + " and cross rank " +
+                std::to_string(cross_->rank()) + " of " + std::to_string(cross_->size()) +
+                ", the layout says " + std::to_string(mine.local_rank) + " of " +
+                std::to_string(mine.local_size) + " and " + std::to_string(mine.node_rank) +
+                " of " + std::to_string(mine.num_nodes),
+            0);
+      }
+    }
+    group(const group&) = delete;
+    group& operator=(const group&) = delete;
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically; false when they run flat (why_flat() says why).
+    [[nodiscard]] bool hierarchical() const noexcept { return local_.has_value(); }
+    [[nodiscard]] const std::string& why_flat() const noexcept { return why_flat_; }
+    /// The node-local communicator; only when hierarchical().
+    [[nodiscard]] C& local() { return *local_; }
+    /// The cross-node communicator of this local rank; only when hierarchical().
+    [[nodiscard]] C& cross() { return *cross_; }
+
+    /// A buffer whose length is a multiple of this many elements (the ranks
+    /// per node) needs no extra collectives for a remainder.
+    [[nodiscard]] std::size_t granularity() const noexcept {
+      return local_ ? static_cast<std::size_t>(local_->size()) : 1;
+    }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs.
+    [[nodiscard]] std::size_t shard_count(std::size_t count) const noexcept {
+      return local_ ? count / granularity() : 0;
+    }
+    /// "hierarchical (gloo): 2 nodes x 2 ranks", or "flat (gloo, 3 ranks): uneven nodes: ..."
+    [[nodiscard]] std::string describe() const {
+      if (!local_) {
+        return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) +
+               " ranks): " + why_flat_;
+      }
+      return "hierarchical (" + std::string(C::name) + "): " + std::to_string(cross_->size()) +
+             " nodes x " + std::to_string(local_->size()) + " ranks";
+    }
+
+    /// In place on `data`: the reduction over every rank. `shard` is scratch
+    /// of at least shard_count(data.count) elements of data's type in the
+    /// same memory, untouched by anyone else until the work completes (one
+    /// per collective in flight). Steps: node-local reduce_scatter of the
+    /// first L x q elements (q = count / L) into `shard`, cross-node allreduce
+    /// of `shard`, node-local allgather back into `data`; the last count - L x q
+    /// elements (fewer than L) are reduced by a node-local and a cross-node
+    /// allreduce of their own. avg is avg at each step (sum / L, then / N).
+    /// On an engine that orders collectives on streams (NCCL) every step is
+    /// enqueued now, the first after `stream`; otherwise each step starts when
+    /// the previous one has finished, inside test() / wait() of the returned
+    /// work, so drive it from the thread that issues this group's collectives.
+    /// Throws config_error for a `shard` of the wrong type, memory or size.
+    work allreduce(buffer data, buffer shard, reduce_op op, stream_handle stream = nullptr) {
+      return run(data, shard, op, stream, nullptr);
+    }
+
+    /// The same for host memory, with scratch of its own (held by the work).
+    work allreduce(buffer data, reduce_op op) {
+      if (!local_ || data.count < granularity()) return run(data, {}, op, nullptr, nullptr);
+      if (data.where != memory::host) {
+        throw config_error(describe_call(data, op) +
+                           ": device memory needs a shard buffer of the caller's "
+                           "(allreduce(data, shard, op, stream))");
+      }
+      auto scratch =
+          std::make_shared<std::vector<std::byte>>(shard_count(data.count) * size_of(data.type));
+      buffer shard{scratch->data(), shard_count(data.count), data.type, memory::host};
+      return run(data, shard, op, nullptr, std::move(scratch));
+    }
+
+    /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    {
+      world_->stream_wait(stream);
+      if (local_) {
+        local_->stream_wait(stream);
+        cross_->stream_wait(stream);
+      }
+    }
+
+   private:
+    [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
+      return detail::describe("hierarchical allreduce",
+                              std::string(to_string(op)) + ", " + detail::shape(data),
+                              world_->rank(), world_->size(), C::name);
+    }
+
+    work run(buffer data, buffer shard, reduce_op op, stream_handle stream,
+             std::shared_ptr<void> keep_alive) {
+      const std::size_t per_node = granularity();
+      const std::size_t q = local_ ? data.count / per_node : 0;
+      if (q == 0) return detail::allreduce_on(*world_, data, data, op, stream);
+      detail::argument_check check{describe_call(data, op)};
+      check.same_type(data, shard);
+      if (shard.count < q) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(q) + " (shard_count(" + std::to_string(data.count) + "))");
+      }
+      check.op_fits(op, data.type);
+      buffer head = data;
+      head.count = q * per_node;
+      buffer part = shard;
+      part.count = q;
+      buffer rest = data;
+      rest.data = static_cast<std::byte*>(data.data) + head.bytes();
+      rest.count = data.count - head.count;
+
+      C& local = *local_;
+      C& cross = *cross_;
+      // Lanes: the communicators, each a queue of its own. On a host engine a
+      // large buffer travels in chunks, so that a chunk's node-local
+      // reduce-scatter overlaps the previous chunk's cross-node allreduce
+      // (bound by the slow link) and its allgather the next one's.
+      enum : int { on_local = 1, on_cross = 2 };
+      const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
+      std::vector<detail::work_sequence::step> rs, cross_steps, ag;
+      for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
+        const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
+        buffer in = head, mine = part;
+        in.data = static_cast<std::byte*>(head.data) + begin * per_node * size_of(head.type);
+        in.count = n * per_node;
+        mine.data = static_cast<std::byte*>(part.data) + begin * size_of(part.type);
+        mine.count = n;
+        begin += n;
+        const std::string which =
+            chunks > 1 ? " (chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")"
+                       : "";
+        rs.push_back(
+            {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, in, mine, op, stream] {
+               return detail::reduce_scatter_on(local, in, mine, op, stream);
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce over " + std::to_string(cross.size()) + " nodes" + which,
+             [&local, &cross, mine, op] {
+               return detail::allreduce_on(cross, mine, mine, op, detail::stream_after(local));
+             },
+             on_cross, -1});
+        ag.push_back(
+            {"node-local allgather over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, &cross, mine, in] {
+               return detail::allgather_on(local, mine, in, detail::stream_after(cross));
+             },
+             on_local, -1});
+      }
+      if (rest.count > 0) {
+        rs.push_back(
+            {"node-local allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&local, rest, op] {
+               return detail::allreduce_on(local, rest, rest, op, detail::stream_after(local));
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&cross, rest, op] {
+               return detail::allreduce_on(cross, rest, rest, op, detail::stream_after(cross));
+             },
+             on_cross, -1});
+      }
+      // List order is each lane's order: every reduce-scatter, then the
+      // cross-node steps, then the allgathers; each waits for its own chunk's step before.
+      std::vector<detail::work_sequence::step> steps;
+      const int crosses = static_cast<int>(rs.size());
+      for (auto& x : rs) steps.push_back(std::move(x));
+      for (std::size_t i = 0; i < cross_steps.size(); ++i) {
+        cross_steps[i].after = static_cast<int>(i);
+        steps.push_back(std::move(cross_steps[i]));
+      }
+      for (std::size_t i = 0; i < ag.size(); ++i) {
+        ag[i].after = crosses + static_cast<int>(i);
+        steps.push_back(std::move(ag[i]));
+      }
+      return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
+                                                          detail::stream_ordered<C>,
+                                                          std::move(keep_alive)));
+    }
+
+    // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
+    [[nodiscard]] std::size_t chunk_count(std::size_t bytes) const noexcept {
+      if (chunk_bytes_ == 0) return 1;
+      return std::clamp<std::size_t>(bytes / chunk_bytes_, 1, 8);
+    }
+
+    C* world_;
+    std::optional<C> local_;
+    std::optional<C> cross_;
+    std::string why_flat_;
+    std::size_t chunk_bytes_;
+  };
+};
+
+}  // namespace dtrain::topology
+// ---- end dtrain/topology/hierarchical.hpp ----
+
+#include <concepts>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace dtrain {
+
+namespace launch {
+/// Every process was started by the outside launcher (mpirun, srun, torchrun).
+struct per_process {
+  static constexpr launch_mode mode = launch_mode::per_process;
+};
+/// This process is its node's agent and starts the node's workers.
+struct per_node {
+  static constexpr launch_mode mode = launch_mode::per_node;
+};
+}  // namespace launch
+
+namespace backend {
+/// MPI (host memory; device memory too when CUDA is available).
+struct mpi {
+  static constexpr bool available = DTRAIN_HAS_MPI() != 0;
+  static constexpr std::string_view name = "mpi";
+  static constexpr std::string_view missing =
+      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) and link "
+      "dtrain::dtrain, "
+      "or define DTRAIN_WITH_MPI=1 and link MPI yourself";
+};
+/// Gloo over TCP (host memory).
+struct gloo {
+  static constexpr bool available = DTRAIN_HAS_GLOO() != 0;
+  static constexpr std::string_view name = "gloo";
+  static constexpr std::string_view missing =
+      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, or "
+      "define "
+      "DTRAIN_WITH_GLOO=1 and link gloo yourself";
+};
+/// NCCL (device memory).
+struct nccl {
+  static constexpr bool available = DTRAIN_HAS_NCCL() != 0;
+  static constexpr std::string_view name = "nccl";
+  static constexpr std::string_view missing =
+      "dtrain was built without NCCL: install the CUDA toolkit with NCCL and link dtrain::dtrain, "
+      "or define "
+      "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
+};
+
+}  // namespace backend
+
+/// What a context hands a backend to build its communicator from.
+template <class Store>
+struct communicator_setup {
+  Store* store = nullptr;  ///< the job's store; null where the backend needs none (MPI)
+  int rank = 0;
+  int size = 1;
+  int device = -1;  ///< the CUDA device of this rank (backends that use GPUs), else -1
+  collective_options collectives{};
+  std::string master_addr;  ///< MASTER_ADDR as discovered, or empty
+  const environment* env = nullptr;
+};
+
+/// Everything a backend implies, in one place: its communicator, the memory
+/// space DistributedDataParallel keeps gradients in (which also decides how
+/// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
+/// and how the communicator is made. Adding an engine adds one
+/// specialisation here. A backend of one's own (tests do) specialises it too.
+template <class Backend>
+struct backend_traits;
+
+#if DTRAIN_HAS_MPI()
+template <>
+struct backend_traits<backend::mpi> {
+  using communicator = mpi_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  /// MPI knows its world before any store exists (and carries rank 0's store address).
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    mpi_options options{.collectives = s.collectives};
+    if (s.env) options = options.with_env(*s.env);
+    return mpi_communicator::world(std::move(options));
+  }
+};
+#endif
+#if DTRAIN_HAS_GLOO()
+template <>
+struct backend_traits<backend::gloo> {
+  using communicator = gloo_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return gloo_communicator(*s.store, s.rank, s.size,
+                             gloo_options{.collectives = s.collectives,
+                                          .master_addr = s.master_addr,
+                                          .env = s.env ? *s.env : environment{}});
+  }
+};
+#endif
+#if DTRAIN_HAS_NCCL()
+template <>
+struct backend_traits<backend::nccl> {
+  using communicator = nccl_communicator;
+  using memory_space = cuda_memory;
+  static constexpr bool uses_gpus = true;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return nccl_communicator(*s.store, s.rank, s.size, s.device,
+                             nccl_options{.collectives = s.collectives}.with_env(*s.env));
+  }
+};
+#endif
+
+namespace detail {
+/// What policy<> uses in place of backend_traits<B> when B is not compiled in:
+/// a communicator that is only declared, so that the policy's static_assert
+/// is the one error, not the first of many. Nothing here is ever defined.
+struct missing_backend_traits {
+  struct communicator {
+    static constexpr bool reaches_device_memory = false;
+    static constexpr bool reaches_host_memory = true;
+    static constexpr std::string_view name = "not compiled in";
+    int rank() const;
+    int size() const;
+    bool valid() const;
+    work allreduce(buffer, buffer, reduce_op);
+    work broadcast(buffer, int);
+    work allgather(buffer, buffer);
+    work reduce_scatter(buffer, buffer, reduce_op);
+    work barrier();
+    communicator split(int, int);
+  };
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>&);
+};
+}  // namespace detail
+
+template <class T>
+concept launch_policy =
+    std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
+/// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
+/// with a backend_traits specialisation.
+template <class T>
+concept backend_policy = requires {
+  { T::name } -> std::convertible_to<std::string_view>;
+  { T::available } -> std::convertible_to<bool>;
+};
+/// A topology tag: topology::flat or topology::hierarchical.
+template <class T>
+concept topology_policy =
+    std::is_same_v<T, topology::flat> || std::is_same_v<T, topology::hierarchical>;
+
+/// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
+template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
+struct policy {
+  static_assert(
+      Backend::available,
+      "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
+      "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
+      "DTRAIN_WITH_NCCL)");
+  static_assert(!(std::is_same_v<Launch, launch::per_node> &&
+                  std::is_same_v<Backend, backend::mpi>),
+                "launch::per_node starts the workers itself, but MPI processes must be started by "
+                "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
+                "backend::nccl with launch::per_node");
+  using launch_type = Launch;
+  using backend_type = Backend;
+  using topology_type = Topology;
+  // A backend that is not compiled in has no traits: a stand-in keeps the
+  // static_assert above the only error, instead of the first of many.
+  using traits = std::conditional_t<Backend::available, backend_traits<Backend>,
+                                    detail::missing_backend_traits>;
+  using communicator_type = typename traits::communicator;
+  static_assert(communicator<communicator_type>);
+  /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
+  using memory_space = typename traits::memory_space;
+  /// Whether gradients may live on the GPU with this backend.
+  static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
+  static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
+                    detail::stream_ordered<communicator_type>,
+                "topology::hierarchical enqueues its three steps on streams at once, each after "
+                "the last: a backend whose buckets travel on streams needs a communicator that "
+                "orders its collectives after the stream it is given (stream_ordered and "
+                "stream(), as nccl_communicator)");
+};
+
+}  // namespace dtrain
+// ---- end dtrain/policy.hpp ----
+// ---- begin dtrain/rendezvous/security.hpp ----
+/// @file
+/// Who may talk to a job's store, and where it listens: a fresh random token
+/// per job, handed to the ranks without a command line or a log, and the one
+/// interface that MASTER_ADDR names. See the README's "Security".
+
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Environment: the address the store listens on, instead of the one that
+/// MASTER_ADDR names ("0.0.0.0" for every interface).
+inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
+
+namespace detail {
+
+/// 128 random bits from the kernel, as 32 hex digits.
+inline std::string new_store_token() {
+  unsigned char bytes[16];
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
+    got += static_cast<std::size_t>(n);
+  }
+  std::string out;
+  for (unsigned char b : bytes) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", b);
+    out += hex;
+  }
+  return out;
+}
+
+/// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
+/// if set, else the local address that `master` names. Every interface ("0.0.0.0")
+/// only when that name is not an address of this host, or when it resolves to
+/// loopback here but the job spans nodes (Debian's /etc/hosts maps the host's
+/// own name to 127.0.1.1, which other nodes cannot reach).
+inline std::string store_bind_address(const environment& env, const std::string& master,
+                                      bool multi_node) {
+  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
+  const resolved names = resolve(master);
+  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
+  bool all_loopback = true;
+  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
+  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
+  const auto locals = interface_addresses();
+  for (const auto& a : names.addresses) {
+    for (const auto& local : locals) {
+      if (local.address == a) return a;
+    }
+  }
+  return "0.0.0.0";
+}
+
+/// The address a client on the store's own host uses to reach it.
+inline std::string local_store_address(const std::string& bound) {
+  return bound == "0.0.0.0" || bound == "::" ? "127.0.0.1" : bound;
+}
+
+/// A token shared through a file only this user can read, for ranks on one
+/// host that no dtrain process launched (torchrun, mpirun with Gloo): rank 0
+/// writes it, the others read it. The file is named after the store's port,
+/// in $XDG_RUNTIME_DIR or /tmp/dtrain-<uid> (mode 0700, checked).
+class token_file {
+ public:
+  token_file(const environment& env, int port) {
+    std::string dir;
+    if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
+      dir = std::string(*runtime) + "/dtrain";
+    } else {
+      dir = "/tmp/dtrain-" + std::to_string(::getuid());
+    }
+    dir_ = dir;
+    path_ = dir + "/store-" + std::to_string(port) + ".token";
+  }
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+  /// Rank 0: writes `token` (replacing a stale file atomically).
+  void publish(const std::string& token) {
+    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
+    struct stat st {};
+    if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
+    if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
+      throw config_error(dir_ +
+                         " must be a directory that only this user can open (mode 0700) "
+                         "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
+    }
+    const std::string temp = path_ + "." + std::to_string(::getpid());
+    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) fail("cannot write", errno);
+    bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+    ok = ::close(fd) == 0 && ok;
+    if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
+      int err = errno;
+      ::unlink(temp.c_str());
+      fail("cannot write", err);
+    }
+    published_ = true;
+  }
+
+  /// The token in the file now, or nullopt if there is none yet.
+  [[nodiscard]] std::optional<std::string> read() const {
+    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return std::nullopt;
+    char text[128];
+    ssize_t n = ::read(fd, text, sizeof text);
+    ::close(fd);
+    if (n <= 0) return std::nullopt;
+    return std::string(text, static_cast<std::size_t>(n));
+  }
+
+  token_file(const token_file&) = delete;
+  token_file& operator=(const token_file&) = delete;
+  ~token_file() {
+    if (published_) ::unlink(path_.c_str());
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what, int err) const {
+    throw config_error(std::string(what) + " " + path_ + " for the store token: " +
+                       std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
+  }
+  std::string dir_;
+  std::string path_;
+  bool published_ = false;
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/security.hpp ----
 // ---- begin dtrain/rendezvous/server.hpp ----
 /// @file
 /// store_server: the key-value store every rank meets at. One coroutine per
 /// connection on an epoll reactor, on one background thread.
 
-// ---- begin dtrain/rendezvous/protocol.hpp ----
-/// @file
-/// The store's wire protocol. All integers are little-endian.
-///
-///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
-///               server → client: status u8, version u16
-///   request     length u32 (of the body), body: op u8, then the op's fields
-///   response    length u32, body: status u8, then the payload
-///
-/// bytes16 / bytes32 are a u16 / u32 length followed by that many bytes. A
-/// length beyond the configured limits closes the connection before anything
-/// is allocated for it.
-
-
-#include <cstddef>
-#include <cstdint>
-#include <stdexcept>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain::detail::wire {
-
-inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
-inline constexpr std::uint16_t version = 1;
-
-enum class op : std::uint8_t {
-  set = 1,          ///< key, value → ok
-  get = 2,          ///< key, timeout_ms u64 → ok + value | timeout
-  add = 3,          ///< key, delta i64 → ok + new value i64
-  compare_set = 4,  ///< key, expected, desired → ok + current value
-  wait = 5,         ///< count u32, keys, timeout_ms u64 → ok | timeout
-  check = 6,        ///< count u32, keys → ok + u8 (all present)
-  erase = 7,        ///< key → ok + u8 (existed)
-  num_keys = 8,     ///< → ok + u64
-  ping = 9,         ///< → ok
-};
-
-enum class status : std::uint8_t {
-  ok = 0,
-  timeout = 1,        ///< a wait expired on the server
-  error = 2,          ///< the request was understood and refused; bytes32 message follows
-  shutting_down = 3,  ///< the server is stopping; bytes32 message follows
-  bad_version = 4,    ///< handshake only
-  bad_token = 5,      ///< handshake only
-};
-
-/// A request or reply that breaks the protocol; the connection is closed.
-struct violation : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-/// Appends little-endian fields to a buffer.
-class writer {
- public:
-  explicit writer(std::string& out) : out_(out) {}
-  writer& u8(std::uint8_t v) {
-    out_ += static_cast<char>(v);
-    return *this;
-  }
-  writer& u16(std::uint16_t v) { return le(v, 2); }
-  writer& u32(std::uint32_t v) { return le(v, 4); }
-  writer& u64(std::uint64_t v) { return le(v, 8); }
-  writer& i64(std::int64_t v) { return le(static_cast<std::uint64_t>(v), 8); }
-  writer& bytes16(std::string_view s) {
-    u16(static_cast<std::uint16_t>(s.size()));
-    out_.append(s);
-    return *this;
-  }
-  writer& bytes32(std::string_view s) {
-    u32(static_cast<std::uint32_t>(s.size()));
-    out_.append(s);
-    return *this;
-  }
-
- private:
-  writer& le(std::uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
-    return *this;
-  }
-  std::string& out_;
-};
-
-/// Reads little-endian fields from a received body; every read is bounds
-/// checked and throws `violation` naming what was cut short.
-class reader {
- public:
-  explicit reader(std::string_view in) : in_(in) {}
-  std::uint8_t u8(const char* what) { return static_cast<std::uint8_t>(le(1, what)); }
-  std::uint16_t u16(const char* what) { return static_cast<std::uint16_t>(le(2, what)); }
-  std::uint32_t u32(const char* what) { return static_cast<std::uint32_t>(le(4, what)); }
-  std::uint64_t u64(const char* what) { return le(8, what); }
-  std::int64_t i64(const char* what) { return static_cast<std::int64_t>(le(8, what)); }
-  std::string_view bytes32(const char* what, std::uint32_t limit) {
-    return sized(u32(what), what, limit);
-  }
-  std::string_view bytes16(const char* what, std::uint32_t limit) {
-    return sized(u16(what), what, limit);
-  }
-  void finish(const char* what) const {
-    if (pos_ != in_.size()) {
-      throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
-                      " unexpected trailing bytes");
-    }
-  }
-
- private:
-  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit) {
-    if (n > limit) {
-      throw violation(std::string(what) + " of " + std::to_string(n) +
-                      " bytes exceeds the limit of " + std::to_string(limit));
-    }
-    return take(n, what);
-  }
-  std::string_view take(std::size_t n, const char* what) {
-    if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
-    auto out = in_.substr(pos_, n);
-    pos_ += n;
-    return out;
-  }
-  std::uint64_t le(int n, const char* what) {
-    auto bytes = take(static_cast<std::size_t>(n), what);
-    std::uint64_t v = 0;
-    for (int i = n - 1; i >= 0; --i)
-      v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
-    return v;
-  }
-  std::string_view in_;
-  std::size_t pos_ = 0;
-};
-
-/// A frame: u32 length, then the body.
-inline std::string frame(const std::string& body) {
-  std::string out;
-  writer(out).u32(static_cast<std::uint32_t>(body.size()));
-  out += body;
-  return out;
-}
-
-/// The decoded u32 at the start of `header` (4 bytes).
-inline std::uint32_t frame_length(std::string_view header) {
-  return reader(header).u32("frame length");
-}
-
-/// Keys of a wait/check request, bounded by the limits.
-inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
-  std::uint32_t n = r.u32("key count");
-  if (n > limits.max_keys_per_request) {
-    throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
-                    std::to_string(limits.max_keys_per_request));
-  }
-  std::vector<std::string_view> keys;  // grows with keys actually present, not with n
-  for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
-  return keys;
-}
-
-}  // namespace dtrain::detail::wire
-// ---- end dtrain/rendezvous/protocol.hpp ----
 // ---- begin dtrain/rendezvous/reactor.hpp ----
 /// @file
 /// A small epoll reactor for C++20 coroutines, and the task type the store's
@@ -2911,74 +10658,6 @@ class rejection_log {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/server_limits.hpp ----
-// ---- begin dtrain/rendezvous/socket.hpp ----
-/// @file
-/// The few socket helpers the store's server and client share.
-
-
-#include <cerrno>
-#include <cstdint>
-#include <string>
-
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-
-namespace dtrain::detail {
-
-/// "host:port", with brackets for IPv6 ("[::1]:29500").
-inline std::string endpoint_text(const std::string& host, int port) {
-  bool v6 = host.find(':') != std::string::npos;
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-
-/// The numeric address and port of a socket address.
-inline std::string endpoint_text(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (sa->sa_family == AF_INET) {
-    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
-    port = ntohs(in->sin_port);
-  } else if (sa->sa_family == AF_INET6) {
-    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
-    port = ntohs(in6->sin6_port);
-  }
-  return endpoint_text(host, port);
-}
-
-/// Disables Nagle: the store's requests are small and latency-bound.
-inline void set_no_delay(int fd) {
-  int one = 1;
-  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
-}
-
-/// getaddrinfo with its result owned.
-struct address_list {
-  addrinfo* head = nullptr;
-  address_list() = default;
-  address_list(const address_list&) = delete;
-  address_list& operator=(const address_list&) = delete;
-  ~address_list() {
-    if (head) ::freeaddrinfo(head);
-  }
-};
-
-/// Resolves host:port; returns the gai error code (0 on success).
-inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  std::string service = std::to_string(port);
-  return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/rendezvous/socket.hpp ----
 
 #include <algorithm>
 #include <atomic>
@@ -3049,8 +10728,9 @@ class store_server {
   [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
 
   [[nodiscard]] store_server_stats stats() const noexcept {
-    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load(), refused_.load(),
-            closed_idle_.load(), stored_bytes_.load(), buffered_bytes_.load()};
+    return {connection_count_.load(), waiting_.load(),     closed_for_cause_.load(),
+            refused_.load(),          closed_idle_.load(), stored_bytes_.load(),
+            buffered_bytes_.load()};
   }
 
   /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
@@ -3163,8 +10843,8 @@ class store_server {
   void reap() {
     for (connection* c : finished_) {
       reactor_.remove(c->slot);
+      --connection_count_;  // first: whoever sees the socket close sees the count without it
       connections_.erase(c);
-      --connection_count_;
     }
     finished_.clear();
   }
@@ -3414,7 +11094,8 @@ class store_server {
                       std::to_string(options_.limits.max_frame_size()));
     }
     held_bytes held(*this);
-    co_await reserve(c, held, length, deadline, "a request of " + std::to_string(length) + " bytes");
+    co_await reserve(c, held, length, deadline,
+                     "a request of " + std::to_string(length) + " bytes");
     std::string body;
     co_await read_exact(c, body, length, deadline, false, "request body");
     c.in_request = true;
@@ -3533,7 +11214,8 @@ class store_server {
         (void)co_await reserve_value(c, held, key, reserved);  // the reply may copy the value
         auto it = data_.find(key);
         bool matches = it == data_.end() ? expected.empty() : it->second == expected;
-        if (matches && !store(key, desired)) co_return over_capacity("compare_set", key, desired.size());
+        if (matches && !store(key, desired))
+          co_return over_capacity("compare_set", key, desired.size());
         it = data_.find(key);
         w.bytes32(it == data_.end() ? std::string_view{} : std::string_view(it->second));
         break;
@@ -3620,7 +11302,8 @@ class store_server {
         // A wait holds a copy of each missing key twice (here and in key_waiters_).
         std::uint64_t bytes = 0;
         for (const auto& k : missing) bytes += 2 * (k.size() + 64);
-        co_await reserve(c, held, bytes, io_deadline(), "a wait on " + std::to_string(missing.size()) + " keys");
+        co_await reserve(c, held, bytes, io_deadline(),
+                         "a wait on " + std::to_string(missing.size()) + " keys");
         charged = true;
         continue;  // keys may have been set while it waited for the budget
       }
@@ -3687,586 +11370,19 @@ class store_server {
 
 }  // namespace dtrain
 // ---- end dtrain/rendezvous/server.hpp ----
-// ---- begin dtrain/rendezvous/client.hpp ----
-/// @file
-/// store_client: a blocking client of store_server, safe to share between
-/// threads (requests are serialised on one connection).
-
 
 #include <algorithm>
 #include <chrono>
-#include <cstdint>
-#include <cstring>
-#include <mutex>
+#include <cstdio>
+#include <exception>
 #include <optional>
-#include <random>
-#include <span>
 #include <string>
-#include <string_view>
 #include <thread>
-#include <vector>
-
-#include <fcntl.h>
-#include <poll.h>
-#include <sys/socket.h>
-
-namespace dtrain {
-
-/// A connection to a store_server. Every blocking call has a timeout: the
-/// options' `timeout` unless the call takes one. Throws timeout_error when it
-/// expires (naming what it waited for and how long), rendezvous_error when the
-/// server cannot be reached, refuses the client, or goes away, and
-/// config_error at once when its host name does not resolve (a temporary
-/// resolver failure, EAI_AGAIN, is retried for 5 s first).
-///
-/// Thread-safe, but requests on one client run one at a time: a thread blocked
-/// in get / wait / barrier holds the connection, so a thread that must set the
-/// awaited key meanwhile needs a store_client of its own. After a timeout or a
-/// lost connection the client is unusable (the reply stream cannot be trusted);
-/// make a new one. The one exception: a connection the server closed because
-/// it was idle (store_options::idle_timeout) is reopened, once, by the next
-/// request; the server closes only connections with no request in flight.
-class store_client {
- public:
-  using milliseconds = std::chrono::milliseconds;
-
-  /// Connects to host:port, retrying with backoff until `options.timeout`:
-  /// workers often start before the server does.
-  store_client(std::string host, int port, store_options options = {})
-      : host_(std::move(host)), port_(port), options_(std::move(options)) {
-    connect();
-  }
-
-  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(host_, port_); }
-  [[nodiscard]] const store_options& options() const noexcept { return options_; }
-
-  /// Sets key to value, waking everyone waiting for the key.
-  void set(std::string_view key, std::string_view value) {
-    std::string body = begin(detail::wire::op::set);
-    detail::wire::writer(body).bytes32(key).bytes32(value);
-    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
-  }
-
-  /// The value of `key`, waiting until it exists. Throws timeout_error naming
-  /// the key and how long it waited; never returns a sentinel.
-  [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
-    std::string body = begin(detail::wire::op::get);
-    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
-    auto what = "get(\"" + std::string(key) + "\")";
-    auto reply = call(body, timeout, what);
-    if (!reply)
-      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
-                          " and the key was never set");
-    detail::wire::reader r(*reply);
-    auto value = r.bytes32("value", UINT32_MAX);
-    return std::string(value);
-  }
-
-  /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    std::string body = begin(detail::wire::op::add);
-    detail::wire::writer(body).bytes32(key).i64(delta);
-    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
-    return detail::wire::reader(*reply).i64("counter");
-  }
-
-  /// Sets key to `desired` if it holds `expected` (a missing key matches an
-  /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
-  std::string compare_set(std::string_view key, std::string_view expected,
-                          std::string_view desired) {
-    std::string body = begin(detail::wire::op::compare_set);
-    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
-    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
-    detail::wire::reader r(*reply);
-    return std::string(r.bytes32("value", UINT32_MAX));
-  }
-
-  /// Waits until every key exists.
-  void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
-  void wait(std::span<const std::string> keys, milliseconds timeout) {
-    std::string body = begin(detail::wire::op::wait);
-    detail::wire::writer w(body);
-    w.u32(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.bytes32(k);
-    w.u64(as_ms(timeout));
-    auto what = "wait(" + key_list(keys) + ")";
-    if (!call(body, timeout, what)) {
-      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
-                          "; missing keys are never set, or their setters are slow or dead");
-    }
-  }
-
-  /// Whether every key exists, without waiting.
-  [[nodiscard]] bool check(std::span<const std::string> keys) {
-    std::string body = begin(detail::wire::op::check);
-    detail::wire::writer w(body);
-    w.u32(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.bytes32(k);
-    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
-    return detail::wire::reader(*reply).u8("present") != 0;
-  }
-
-  /// Removes key; returns whether it existed.
-  bool erase(std::string_view key) {
-    std::string body = begin(detail::wire::op::erase);
-    detail::wire::writer(body).bytes32(key);
-    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
-    return detail::wire::reader(*reply).u8("existed") != 0;
-  }
-
-  /// Number of keys in the store (all prefixes).
-  [[nodiscard]] std::int64_t num_keys() {
-    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
-    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
-  }
-
-  /// Blocks until `count` callers have entered barrier `name`. A name can be
-  /// reused: each group of `count` arrivals is one generation. On timeout the
-  /// timeout_error says how many had arrived.
-  void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
-  void barrier(std::string_view name, int count, milliseconds timeout) {
-    if (count < 1)
-      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
-                         " must be at least 1");
-    const std::string arrived = std::string(name) + "/arrived";
-    std::int64_t n = add(arrived, 1);
-    std::int64_t generation = (n - 1) / count;
-    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
-    if (n % count == 0) set(done, "1");
-    try {
-      std::string keys[] = {done};
-      wait(keys, timeout);
-    } catch (const timeout_error&) {
-      std::int64_t now = add(arrived, 0) - generation * count;
-      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
-                          " timed out after " + seconds(timeout) + ": " +
-                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
-                          std::to_string(count) + " arrived");
-    }
-  }
-
-  /// Round trip without effect; a liveness check.
-  void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
-
- private:
-  static std::string begin(detail::wire::op o) { return std::string(1, static_cast<char>(o)); }
-
-  static std::uint64_t as_ms(milliseconds t) {
-    return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
-  }
-
-  static std::string seconds(milliseconds t) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
-    return text;
-  }
-
-  static std::string key_list(std::span<const std::string> keys) {
-    std::string out;
-    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
-      out += (i ? ", \"" : "\"") + keys[i] + "\"";
-    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
-    return out;
-  }
-
-  using steady = std::chrono::steady_clock;
-
-  /// How long a temporary resolver failure (EAI_AGAIN) is retried.
-  static constexpr milliseconds resolver_retry{5'000};
-
-  void connect() { connect(options_.timeout); }
-
-  void connect(milliseconds patience) {
-    const auto deadline = steady::now() + patience;
-    std::minstd_rand jitter(
-        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
-                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
-    milliseconds backoff(10);
-    std::string last_error;
-    // A name the resolver does not know will not appear by waiting: fail at
-    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
-    const auto resolve_deadline = std::min(deadline, steady::now() + resolver_retry);
-    for (;;) {
-      int resolver_rc = 0;
-      last_error = try_connect(deadline, resolver_rc);
-      if (resolver_rc != 0 &&
-          (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
-        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
-                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
-                           "; check MASTER_ADDR (dtrun --master-addr)");
-      }
-      // A server at its connection cap closes newcomers unanswered: knock again.
-      if (last_error.empty()) last_error = try_handshake(deadline);
-      if (last_error.empty()) return;
-      auto left = deadline - steady::now();
-      if (left <= steady::duration::zero()) {
-        throw timeout_error("could not reach the store at " + endpoint() + " within " +
-                            seconds(patience) + " (last error: " + last_error +
-                            "); is the process hosting it (rank 0 or the node-0 agent) running, "
-                            "and is MASTER_ADDR:MASTER_PORT right?");
-      }
-      // Jittered exponential backoff, so a thousand workers do not knock in step.
-      auto pause =
-          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
-      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
-      backoff = std::min(backoff * 2, milliseconds(1000));
-    }
-  }
-
-  // The handshake; returns why the connection was lost during it (empty on
-  // success). A refusal (token, version) throws: knocking again cannot help.
-  std::string try_handshake(steady::time_point deadline) {
-    try {
-      handshake(deadline);
-      return {};
-    } catch (const error& e) {  // lost, or no answer in time
-      if (refused_) throw;
-      fd_.reset();
-      broken_ = false;
-      return e.what();
-    }
-  }
-
-  // One attempt; returns the reason it failed, empty on success, and the
-  // resolver's error code in `resolver_rc` when the name did not resolve.
-  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
-    detail::address_list addrs;
-    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
-      resolver_rc = rc;
-      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
-    }
-    std::string why;
-    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
-      detail::unique_fd fd(
-          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-      if (!fd) {
-        why = std::strerror(errno);
-        continue;
-      }
-      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
-        if (errno != EINPROGRESS) {
-          why = std::strerror(errno);
-          continue;
-        }
-        pollfd p{fd.get(), POLLOUT, 0};
-        int left = remaining_ms(deadline);
-        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
-          why = "connect timed out";
-          continue;
-        }
-        int err = 0;
-        socklen_t len = sizeof err;
-        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err != 0) {
-          why = std::strerror(err);
-          continue;
-        }
-      }
-      detail::set_no_delay(fd.get());
-      fd_ = std::move(fd);
-      return {};
-    }
-    return why.empty() ? "no address" : why;
-  }
-
-  static int remaining_ms(steady::time_point deadline) {
-    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
-    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
-  }
-
-  void handshake(steady::time_point connect_deadline) {
-    std::string hello;
-    detail::wire::writer(hello)
-        .u32(detail::wire::magic)
-        .u16(detail::wire::version)
-        .bytes16(options_.token);
-    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
-    send_all(hello, deadline, "the handshake");
-    std::string reply = recv_exact(3, deadline, "the handshake reply");
-    detail::wire::reader r(reply);
-    auto s = static_cast<detail::wire::status>(r.u8("status"));
-    auto version = r.u16("version");
-    refused_ = s != detail::wire::status::ok;
-    if (s == detail::wire::status::bad_token) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() +
-                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                             "token option) on every rank");
-    }
-    if (s == detail::wire::status::bad_version) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
-                             std::to_string(version) + ", this client " +
-                             std::to_string(detail::wire::version) +
-                             "; build every rank with the same dtrain");
-    }
-    if (s != detail::wire::status::ok) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
-                             std::to_string(static_cast<int>(s)));
-    }
-  }
-
-  // Sends a request and returns the reply payload; nullopt when the server
-  // reports that the wait timed out.
-  std::optional<std::string> call(const std::string& body, milliseconds server_wait,
-                                  const std::string& what) {
-    std::lock_guard lock(mutex_);
-    if (broken_)
-      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
-                             " was lost earlier");
-    // After a silence the server may have closed the connection as idle:
-    // reopen it rather than fail. If it closes just as this request leaves,
-    // no reply byte arrives, and the request is sent again once.
-    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
-    if (closed_by_server()) reopen(what);
-    try {
-      auto reply = exchange(body, server_wait, what);
-      last_reply_ = steady::now();
-      return reply;
-    } catch (const rendezvous_error&) {
-      if (!was_idle || reply_started_ || !broken_) throw;
-      reopen(what);
-      auto reply = exchange(body, server_wait, what);
-      last_reply_ = steady::now();
-      return reply;
-    }
-  }
-
-  [[nodiscard]] bool closed_by_server() const {
-    char byte;
-    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-  }
-
-  // A new connection within the io timeout; the old one is dropped unread.
-  void reopen(const std::string& what) {
-    fd_.reset();
-    broken_ = false;
-    try {
-      connect(options_.io_timeout);
-    } catch (const error& e) {
-      broken_ = true;
-      throw rendezvous_error(what + ": the store at " + endpoint() +
-                             " closed this idle connection and cannot be reached again: " +
-                             e.what());
-    }
-  }
-
-  std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
-                                      const std::string& what) {
-    reply_started_ = false;
-    // The reply may take the server-side wait, plus the io timeout before the server is presumed
-    // dead.
-    auto deadline = steady::now() + server_wait + options_.io_timeout;
-    try {
-      send_all(detail::wire::frame(body), deadline, what);
-      std::string head = recv_exact(4, deadline, what);
-      std::uint32_t length = detail::wire::frame_length(head);
-      if (length == 0 || length > options_.limits.max_frame_size()) {
-        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
-                               std::to_string(length) + " bytes");
-      }
-      std::string reply = recv_exact(length, deadline, what);
-      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
-      std::string_view payload = std::string_view(reply).substr(1);
-      switch (s) {
-        case detail::wire::status::ok: return std::string(payload);
-        case detail::wire::status::timeout: return std::nullopt;
-        case detail::wire::status::error:
-        case detail::wire::status::shutting_down: {
-          detail::wire::reader r(payload);
-          auto message = std::string(r.bytes32("message", UINT32_MAX));
-          if (s == detail::wire::status::shutting_down) broken_ = true;
-          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
-        }
-        default:
-          throw rendezvous_error(what + ": the store at " + endpoint() +
-                                 " answered with unknown status " +
-                                 std::to_string(static_cast<int>(s)));
-      }
-    } catch (const detail::wire::violation& e) {
-      broken_ = true;
-      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
-                             e.what());
-    } catch (const timeout_error&) {
-      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
-      throw;
-    }
-  }
-
-  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
-    while (!data.empty()) {
-      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
-      if (n > 0) {
-        data.remove_prefix(static_cast<std::size_t>(n));
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
-      await(POLLOUT, deadline, what);
-    }
-  }
-
-  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
-    std::string out;
-    char chunk[16384];
-    while (out.size() < size) {
-      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
-      if (n > 0) {
-        out.append(chunk, static_cast<std::size_t>(n));
-        reply_started_ = true;
-        continue;
-      }
-      if (n == 0) lost(what, "the server closed the connection");
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
-      await(POLLIN, deadline, what);
-    }
-    return out;
-  }
-
-  void await(short events, steady::time_point deadline, const std::string& what) {
-    pollfd p{fd_.get(), events, 0};
-    for (;;) {
-      int left = remaining_ms(deadline);
-      int rc = ::poll(&p, 1, left);
-      if (rc > 0) return;
-      if (rc < 0 && errno == EINTR) continue;
-      if (rc < 0) lost(what, std::strerror(errno));
-      broken_ = true;
-      throw timeout_error(what + ": no reply from the store at " + endpoint() +
-                          " in time; the server is overloaded, hung or unreachable");
-    }
-  }
-
-  [[noreturn]] void lost(const std::string& what, const std::string& why) {
-    broken_ = true;
-    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
-                           why + "); did the process hosting it exit?");
-  }
-
-  std::string host_;
-  int port_;
-  store_options options_;
-  std::mutex mutex_;
-  detail::unique_fd fd_;
-  bool broken_ = false;
-  bool refused_ = false;        // the server answered the handshake with a refusal
-  bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
-  steady::time_point last_reply_ = steady::now();
-};
-
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/client.hpp ----
-// ---- begin dtrain/rendezvous/store.hpp ----
-/// @file
-/// The `store` concept (what bootstraps the engines and runs barriers), and
-/// prefix_store, which gives each job, restart round and subsystem its own
-/// namespace within one store.
-
-
-#include <chrono>
-#include <concepts>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// A key-value store that every rank reaches: set / get (waits) / add /
-/// compare_set / wait / check / erase, and barrier. Gloo's five-method store
-/// is the model.
-template <class S>
-concept store = requires(S& s, std::string_view key, std::span<const std::string> keys,
-                         std::chrono::milliseconds timeout) {
-  s.set(key, key);
-  { s.get(key) } -> std::convertible_to<std::string>;
-  { s.get(key, timeout) } -> std::convertible_to<std::string>;
-  { s.add(key, std::int64_t{1}) } -> std::convertible_to<std::int64_t>;
-  { s.compare_set(key, key, key) } -> std::convertible_to<std::string>;
-  s.wait(keys);
-  s.wait(keys, timeout);
-  { s.check(keys) } -> std::convertible_to<bool>;
-  { s.erase(key) } -> std::convertible_to<bool>;
-  { s.num_keys() } -> std::convertible_to<std::int64_t>;
-  s.barrier(key, 1);
-  s.barrier(key, 1, timeout);
-};
-
-/// A view of another store in which every key (and barrier name) is
-/// `prefix/key`. Nests: prefix_store(prefix_store(s, "job7"), "restart2").
-/// Does not own the underlying store, which must outlive it.
-template <store S>
-class prefix_store {
- public:
-  using milliseconds = std::chrono::milliseconds;
-
-  prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
-
-  void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
-  [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
-    return inner_.get(full(key), timeout);
-  }
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    return inner_.add(full(key), delta);
-  }
-  std::string compare_set(std::string_view key, std::string_view expected,
-                          std::string_view desired) {
-    return inner_.compare_set(full(key), expected, desired);
-  }
-  void wait(std::span<const std::string> keys) { inner_.wait(full(keys)); }
-  void wait(std::span<const std::string> keys, milliseconds timeout) {
-    inner_.wait(full(keys), timeout);
-  }
-  [[nodiscard]] bool check(std::span<const std::string> keys) { return inner_.check(full(keys)); }
-  bool erase(std::string_view key) { return inner_.erase(full(key)); }
-  /// Keys in the whole underlying store, not only under this prefix.
-  [[nodiscard]] std::int64_t num_keys() { return inner_.num_keys(); }
-  void barrier(std::string_view name, int count) { inner_.barrier(full(name), count); }
-  void barrier(std::string_view name, int count, milliseconds timeout) {
-    inner_.barrier(full(name), count, timeout);
-  }
-
-  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
-
- private:
-  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
-  std::vector<std::string> full(std::span<const std::string> keys) const {
-    std::vector<std::string> out;
-    out.reserve(keys.size());
-    for (const auto& k : keys) out.push_back(full(k));
-    return out;
-  }
-
-  S& inner_;
-  std::string prefix_;
-};
-
-static_assert(store<store_client>);
-static_assert(store<prefix_store<store_client>>);
-
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/store.hpp ----
-// ---- begin dtrain/backend/types.hpp ----
-/// @file
-/// What collectives move: element types (with portable float16 / bfloat16),
-/// reduction operations, and `buffer`, a view whose type is known at run time.
-
-
-#include <bit>
-#include <cmath>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
 #include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
 
 #if DTRAIN_HAS_CUDA()
 #include <cuda_runtime.h>
@@ -4274,6438 +11390,2583 @@ static_assert(store<prefix_store<store_client>>);
 
 namespace dtrain {
 
-/// IEEE 754 binary16, stored as its bits. Converts to and from float with
-/// round-to-nearest-even; arithmetic goes through float.
-struct float16 {
-  std::uint16_t bits = 0;
-
-  float16() = default;
-  explicit float16(float f) noexcept : bits(from_float(f)) {}
-  explicit operator float() const noexcept { return to_float(bits); }
-  friend bool operator==(float16 a, float16 b) noexcept { return a.bits == b.bits; }
-
-  static std::uint16_t from_float(float f) noexcept {
-    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-    std::uint32_t sign = (x >> 16) & 0x8000u;
-    std::uint32_t abs = x & 0x7fffffffu;
-    if (abs >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
-    if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
-    if (abs < 0x38800000u) {                                                   // subnormal or zero
-      if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
-      std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
-      int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
-      std::uint32_t half = mant >> shift;
-      std::uint32_t rest = mant & ((1u << shift) - 1);
-      std::uint32_t mid = 1u << (shift - 1);
-      if (rest > mid || (rest == mid && (half & 1u))) ++half;
-      return static_cast<std::uint16_t>(sign | half);
-    }
-    std::uint32_t half = ((abs - 0x38000000u) >> 13);
-    std::uint32_t rest = abs & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-    return static_cast<std::uint16_t>(sign | half);
-  }
-
-  static float to_float(std::uint16_t h) noexcept {
-    std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-    std::uint32_t exp = (h >> 10) & 0x1fu;
-    std::uint32_t mant = h & 0x3ffu;
-    if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
-    if (exp == 0) {
-      if (mant == 0) return std::bit_cast<float>(sign);
-      float value = std::ldexp(static_cast<float>(mant), -24);
-      return sign ? -value : value;
-    }
-    return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
-  }
+/// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
+/// Each part also reads its environment variables (the environment wins).
+struct run_options {
+  agent_options agent{};              ///< launch::per_node only
+  store_options store{};              ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
+  collective_options collectives{};   ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+  diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
 };
 
-/// bfloat16: the top half of a float32, rounded to nearest even.
-struct bfloat16 {
-  std::uint16_t bits = 0;
+/// Where the store prefix of a job lives; a restart round gets its own.
+inline constexpr std::string_view job_store_prefix = "dtrain/job";
 
-  bfloat16() = default;
-  explicit bfloat16(float f) noexcept : bits(from_float(f)) {}
-  explicit operator float() const noexcept { return to_float(bits); }
-  friend bool operator==(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+/// A worker's view of the job. Built by dtrain::run; not copyable or movable
+/// (the communicator and store it owns are shared with no one else).
+template <class Policy>
+class context {
+ public:
+  using policy_type = Policy;
+  using communicator_type = typename Policy::communicator_type;
+  using store_type = prefix_store<store_client>;
 
-  static std::uint16_t from_float(float f) noexcept {
-    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return static_cast<std::uint16_t>(x >> 16);
+  /// Joins the job described by `w` (a worker's world, as discovered): starts
+  /// or joins the store, completes the world by grouping ranks by node name,
+  /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
+  /// by the store or collective timeout. Throws config_error for bad input,
+  /// rendezvous_error / backend_error / timeout_error when a peer fails.
+  context(dtrain::world w, const environment& env, const run_options& options);
+  ~context();
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+
+  /// The complete world, agreed by every rank.
+  [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
+  [[nodiscard]] int rank() const noexcept { return *world_.rank; }
+  [[nodiscard]] int size() const noexcept { return *world_.world_size; }
+  [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
+  [[nodiscard]] int local_size() const noexcept { return *world_.local_world_size; }
+  [[nodiscard]] int node_rank() const noexcept { return *world_.node_rank; }
+  [[nodiscard]] int num_nodes() const noexcept { return *world_.num_nodes; }
+  /// Rank 0: the one that logs, evaluates and saves checkpoints.
+  [[nodiscard]] bool is_main() const noexcept { return rank() == 0; }
+  /// Local rank 0: the one that prepares data once per node.
+  [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
+  /// How many times a per-node agent has restarted the job (0 at first).
+  [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
+  /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
+  /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  /// The rendezvous store, under this job's (and restart round's) prefix.
+  [[nodiscard]] store_type& store() noexcept { return *store_; }
+  [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
+  /// The host control plane: small blocking collectives through the store,
+  /// for metadata that must not travel on a device engine (DistributedDataParallel's
+  /// model agreement and bucket order; your own checksums). Every rank calls the
+  /// same operations in the same order; each waits at most the store timeout.
+  [[nodiscard]] dtrain::control_plane control_plane() noexcept;
+
+  /// Waits until every rank has called barrier(), at most the collective
+  /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
+  void barrier();
+
+  /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
+  /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
+  /// started #42"); one rank prints the whole table on stderr. Waits at most
+  /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
+  std::string explain_stall(const std::string& reason);
+
+  /// Called by run() when this rank fails: a collective that timed out or
+  /// failed (a peer is stuck, behind, gone or called differently) is
+  /// explained; other failures (a store timeout) are not.
+  std::optional<std::string> explain_failure(const std::exception_ptr& failure);
+
+  /// Called by run() when this rank fails (an exception, or a non-zero status
+  /// from the user's function), before anything is torn down: under a node
+  /// agent the failure is recorded in the agent's store while the peers still
+  /// run, so the agent names this rank, not a peer that failed because of it.
+  void record_failure(int status, const std::string& what) noexcept;
+
+  /// Called by run() after the user's function returned normally: the store's
+  /// host (rank 0 under per-process launch) waits, at most the store timeout,
+  /// until every rank is done with the store before it stops serving.
+  void finish();
+
+ private:
+  /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
+  void open_store(const environment& env) {
+    if (auto agent = env.get(agent_store_variable)) {
+      auto where =
+          detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
+      if (!where.port) {
+        throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
+      }
+      client_.emplace(where.host, *where.port, store_options_);
+      store_endpoint_ = {where.host, *where.port};
+      store_.emplace(*client_,
+                     std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
+      under_agent_ = true;
+      return;
+    }
+    std::optional<std::string> host = world_.master_addr;
+    // Without an address nobody else can be told a fixed port either: rank 0
+    // picks a free one (and MPI carries it), unless MASTER_PORT names one.
+    int port = world_.master_port.value_or(host ? default_master_port : 0);
+    if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
+    const bool one_node = single_node(host);
+    if constexpr (uses_mpi) share_token_over_mpi();
+    if (store_options_.token.empty()) choose_token(env, host, port, one_node);
+    const std::string bind = detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
+    if (rank() == 0) {
+      try {
+        if (token_file_) token_file_->publish(store_options_.token);
+        server_.emplace(bind, port, store_options_);
+        port = server_->port();
+      } catch (const std::exception& e) {
+        // The others are waiting to hear where the store is: tell them it is not.
+        if (!host) (void)agree_store_address(port, e.what());
+        throw;
+      }
+    }
+    if (!host) host = agree_store_address(port);
+    const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
+    store_endpoint_ = {where, port};
+    if (token_file_ && rank() != 0) {
+      connect_with_token_file(where, port);
+    } else {
+      client_.emplace(where, port, store_options_);
+    }
+    store_.emplace(*client_, std::string(job_store_prefix));
   }
-  static float to_float(std::uint16_t b) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+
+  /// Whether every rank is known to run on this host: one process, a node
+  /// count or local size that says so, or a loopback MASTER_ADDR (127.x, ::1, localhost).
+  [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
+    if (size() == 1 || world_.num_nodes == 1) return true;
+    if (world_.local_world_size && *world_.local_world_size == size()) return true;
+    // Only a loopback address itself: a host name that resolves to loopback
+    // here (Debian's 127.0.1.1) may name this host for the other nodes.
+    return host && (*host == "localhost" || detail::is_loopback_address(*host));
+  }
+
+  /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process
+  /// (one rank), by rank 0 and sent over MPI (the MPI backend), or by rank 0
+  /// and shared through a file only this user can read (one host). A job over
+  /// several hosts that none of these reach must set DTRAIN_STORE_TOKEN.
+  void choose_token(const environment& env, const std::optional<std::string>& host, int port,
+                    bool one_node) {
+    if (size() == 1) {
+      store_options_.token = detail::new_store_token();
+      return;
+    }
+    if (one_node && host) {
+      token_file_.emplace(env, port);
+      if (rank() == 0) store_options_.token = detail::new_store_token();
+      return;
+    }
+    if (!host) return;  // open_store reports the missing address first
+    throw config_error(
+        "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+        ": this job may span several hosts and no dtrain launcher started it, so its store "
+        "needs a shared secret: set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
+        "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
+        "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
+        world_.describe() + ")");
+  }
+
+  /// With the MPI backend every rank takes part in one broadcast, whatever its
+  /// environment says (a collective must not depend on it): rank 0 sends its
+  /// DTRAIN_STORE_TOKEN, or one it draws; a rank that set its own keeps it, and
+  /// the store refuses it by name if it differs from rank 0's.
+  void share_token_over_mpi() {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      if (size() == 1) return;
+      std::string value;
+      if (rank() == 0) {
+        value = detail::wire::encode_text(store_options_.token.empty() ? detail::new_store_token()
+                                                                       : store_options_.token);
+      }
+      detail::mpi_broadcast_value(communicator_->native(), 0, value,
+                                  "broadcasting the store token");
+      const std::string token =
+          detail::wire::decode_text("rank 0's broadcast", value, "a store token");
+      if (store_options_.token.empty()) store_options_.token = token;
+    }
+#endif
+  }
+
+  /// Reads the token rank 0 wrote, reading again while the store refuses it
+  /// (a file left by an earlier job on the same port), within the store timeout.
+  void connect_with_token_file(const std::string& where, int port) {
+    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
+    for (;;) {
+      if (auto token = token_file_->read()) {
+        store_options_.token = *token;
+        try {
+          client_.emplace(where, port, store_options_);
+          return;
+        } catch (const rendezvous_error& e) {
+          if (std::string_view(e.what()).find("rejected this client's token") ==
+              std::string_view::npos)
+            throw;
+        }
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error(
+            "rank " + std::to_string(rank()) + " found no valid store token in " +
+            token_file_->path() +
+            " within the store timeout; is rank 0 running "
+            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
+  /// rank 0 sends `failure` instead when it could not start the store.
+  std::string agree_store_address(int& port, const char* failure = nullptr) {
+#if DTRAIN_HAS_MPI()
+    if constexpr (uses_mpi) {
+      std::string value;
+      if (rank() == 0) {
+        value = (failure ? detail::store_address::failed(failure)
+                         : detail::store_address::serving(detail::host_name().value_or("?"), port))
+                    .encode();
+      }
+      detail::mpi_broadcast_value(communicator_->native(), 0, value,
+                                  "broadcasting rank 0's store address");
+      const detail::store_address got = detail::store_address::decode(value);
+      if (!got.ok) {
+        if (failure) return {};  // rank 0 rethrows its own error
+        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.failure);
+      }
+      port = got.port;
+      return got.host;
+    }
+#endif
+    {
+      (void)port;
+      if (failure) return {};
+      throw config_error(
+          "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
+          "an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
+          world_.describe() + ")");
+    }
+  }
+
+  /// Every rank reports; rank 0 places them all and publishes the result.
+  void complete_world(const environment& env) {
+    rank_report mine{node_name(env), world_};
+    store_->set(detail::job_keys::report(rank()), mine.encode());
+    const std::string table_key(detail::job_keys::placement);
+    if (rank() == 0) {
+      std::string table;
+      try {
+        std::vector<rank_report> reports;
+        for (int r = 0; r < size(); ++r) {
+          const std::string key = detail::job_keys::report(r);
+          reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
+        }
+        table = encode_placements(place_ranks(reports));
+      } catch (const config_error& e) {
+        store_->set(table_key, encode_placement_error(e.what()));
+        throw;
+      }
+      store_->set(table_key, table);
+    }
+    const placement p = decode_placement("store key " + store_->prefix() + table_key,
+                                         store_->get(table_key), rank(), size());
+    const std::string grouped = "grouped by node name at rendezvous";
+    auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
+      if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
+      field = value;
+    };
+    fill(world_.node_rank, dtrain::world::field::node_rank, p.node_rank);
+    fill(world_.num_nodes, dtrain::world::field::num_nodes, p.num_nodes);
+    fill(world_.local_rank, dtrain::world::field::local_rank, p.local_rank);
+    fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
+  }
+
+  void make_communicator(const environment& env) {
+    if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
+    communicator_setup<store_type> setup{.store = store_ ? &*store_ : nullptr,
+                                         .rank = rank(),
+                                         .size = size(),
+                                         .device = device(),
+                                         .collectives = collectives_,
+                                         .master_addr = world_.master_addr.value_or(""),
+                                         .env = &env};
+    communicator_.emplace(traits::make(setup));
+    if (communicator_->size() != size() || communicator_->rank() != rank()) {
+      throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
+                         std::to_string(communicator_->rank()) + " of " +
+                         std::to_string(communicator_->size()) +
+                         ", but the environment says rank " + std::to_string(rank()) + " of " +
+                         std::to_string(size()) + " (" + world_.origin(dtrain::world::field::rank) +
+                         ", " + world_.origin(dtrain::world::field::world_size) +
+                         "); start MPI jobs with mpirun or srun");
+    }
+  }
+
+  /// Every rank watches for diagnostics rounds on a connection of its own.
+  void start_diagnostics(const diagnostics_options& options) {
+    if constexpr (requires { communicator_->ring(); }) {
+      if (!options.enabled) return;
+      std::string prefix = store_->prefix();
+      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_,
+                           prefix + "diag", rank(), size(), communicator_->ring(),
+                           std::string(Policy::backend_type::name), options);
+    } else {
+      (void)options;
+    }
+  }
+
+  using traits = typename Policy::traits;
+
+  /// select_device() with the devices this process sees. When CUDA cannot count
+  /// them, the local rank: the communicator then reports CUDA's own error.
+  int gpu_of_this_rank(const environment& env) const {
+#if DTRAIN_HAS_CUDA()
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return local_rank();
+    }
+    try {
+      return select_device(local_rank(), local_size(), visible, env.get("CUDA_VISIBLE_DEVICES"));
+    } catch (const config_error& e) {
+      throw config_error("rank " + std::to_string(rank()) + ": " + e.what());
+    }
+#else
+    (void)env;
+    return local_rank();
+#endif
+  }
+  static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
+
+  dtrain::world world_;
+  store_options store_options_;
+  collective_options collectives_;
+  int restart_count_ = 0;
+  int device_ = -1;
+  bool under_agent_ = false;
+  // Declared in the order they are built, so they are torn down in reverse.
+  std::optional<detail::token_file> token_file_;
+  std::optional<store_server> server_;
+  std::optional<store_client> client_;
+  std::optional<store_type> store_;
+  std::optional<communicator_type> communicator_;
+  std::optional<store_channel<store_type>> control_;
+  std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
+  std::optional<detail::rank_diagnostics> diagnostics_;
 };
 
-/// The element types every engine moves.
-enum class dtype : std::uint8_t { float32, float64, float16, bfloat16, int32, int64, uint8 };
+// What builds, uses and tears down the job is defined out of the class and not
+// inline: under `extern template class context<P>` (dtrain/compiled.hpp) none of
+// it, nor the store, agent and engine code it calls, is compiled in a user's TU.
 
-template <class T>
-concept element = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, float16> ||
-                  std::same_as<T, bfloat16> || std::same_as<T, std::int32_t> ||
-                  std::same_as<T, std::int64_t> || std::same_as<T, std::uint8_t>;
-
-template <element T>
-inline constexpr dtype dtype_of = std::same_as<T, float>          ? dtype::float32
-                                  : std::same_as<T, double>       ? dtype::float64
-                                  : std::same_as<T, float16>      ? dtype::float16
-                                  : std::same_as<T, bfloat16>     ? dtype::bfloat16
-                                  : std::same_as<T, std::int32_t> ? dtype::int32
-                                  : std::same_as<T, std::int64_t> ? dtype::int64
-                                                                  : dtype::uint8;
-
-[[nodiscard]] constexpr std::size_t size_of(dtype t) noexcept {
-  switch (t) {
-    case dtype::float64:
-    case dtype::int64: return 8;
-    case dtype::float32:
-    case dtype::int32: return 4;
-    case dtype::float16:
-    case dtype::bfloat16: return 2;
-    case dtype::uint8: return 1;
+template <class Policy>
+context<Policy>::context(dtrain::world w, const environment& env, const run_options& options)
+    : world_(std::move(w)),
+      store_options_(options.store.with_env(env)),
+      collectives_(options.collectives.with_env(env)) {
+  if (!world_.rank || !world_.world_size) {
+    throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
+                       std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
   }
-  return 0;
-}
-
-[[nodiscard]] constexpr std::string_view to_string(dtype t) noexcept {
-  switch (t) {
-    case dtype::float32: return "float32";
-    case dtype::float64: return "float64";
-    case dtype::float16: return "float16";
-    case dtype::bfloat16: return "bfloat16";
-    case dtype::int32: return "int32";
-    case dtype::int64: return "int64";
-    case dtype::uint8: return "uint8";
+  if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+  if constexpr (!traits::needs_store) {
+    // MPI knows its world already, and can tell every rank where rank 0's store is.
+    make_communicator(env);
+    open_store(env);
+    complete_world(env);
+  } else {
+    open_store(env);
+    complete_world(env);
+    make_communicator(env);
   }
-  return "unknown";
+  control_.emplace(*store_, rank(), size(), "control");
+  start_diagnostics(options.diagnostics.with_env(env));
 }
 
-[[nodiscard]] constexpr bool is_floating(dtype t) noexcept {
-  return t == dtype::float32 || t == dtype::float64 || t == dtype::float16 || t == dtype::bfloat16;
+template <class Policy>
+context<Policy>::~context() = default;
+
+// Out of the class, so that a TU that only declares context<Policy> (separate
+// compilation) does not compile the store channel behind it.
+template <class Policy>
+dtrain::control_plane context<Policy>::control_plane() noexcept {
+  return dtrain::control_plane(*control_);
 }
 
-/// Reductions. `avg` is the sum divided by the number of ranks, for
-/// floating-point types only (an integer mean would silently truncate).
-enum class reduce_op : std::uint8_t { sum, avg, min, max, prod };
+template <class Policy>
+void context<Policy>::barrier() {
+  communicator_->barrier().wait(collectives_.timeout);
+}
 
-[[nodiscard]] constexpr std::string_view to_string(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return "sum";
-    case reduce_op::avg: return "avg";
-    case reduce_op::min: return "min";
-    case reduce_op::max: return "max";
-    case reduce_op::prod: return "prod";
+template <class Policy>
+std::string context<Policy>::explain_stall(const std::string& reason) {
+  if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
+  return diagnostics_->explain(reason);
+}
+
+template <class Policy>
+std::optional<std::string> context<Policy>::explain_failure(const std::exception_ptr& failure) {
+  if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const timeout_error&) {
+    return explain_stall("a timeout on rank " + std::to_string(rank()));
+  } catch (const backend_error&) {
+    return explain_stall("a failed collective on rank " + std::to_string(rank()));
+  } catch (...) {
   }
-  return "unknown";
+  return std::nullopt;
 }
 
-/// Where a buffer lives.
-enum class memory : std::uint8_t { host, device };
+template <class Policy>
+void context<Policy>::record_failure(int status, const std::string& what) noexcept {
+  if (!under_agent_ || !client_) return;
+  try {
+    detail::record_failure(*client_, restart_count_, status, false,
+                           detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+                               " exited with status " + std::to_string(status) +
+                               (what.empty() ? "" : ": " + what));
+  } catch (...) {
+    // The agent still sees the exit status; the reason is only lost from its message.
+  }
+}
 
-/// A buffer whose element type is known at run time: what the engines see.
-struct buffer {
-  void* data = nullptr;
-  std::size_t count = 0;
-  dtype type = dtype::float32;
-  memory where = memory::host;
-  /// The CUDA device of device memory, when known (a device_span states it);
-  /// -1: host memory, or the caller's current device.
+template <class Policy>
+void context<Policy>::finish() {
+  communicator_.reset();
+  if (!client_) return;
+  const std::string all(detail::job_keys::finished_all);
+  if (store_->add(detail::job_keys::finished, 1) == size())
+    store_->set(all, detail::present_value());
+  if (server_) {
+    const std::string keys[] = {all};
+    store_->wait(keys);
+  }
+}
+
+}  // namespace dtrain
+// ---- end dtrain/context.hpp ----
+// ---- begin dtrain/ddp/basic_ddp.hpp ----
+/// @file
+/// basic_ddp<Policy>: everything of DistributedDataParallel that does not
+/// depend on the model's type. It is built from the parameter and buffer
+/// lists, and averages the gradients over the ranks while the backward pass
+/// is still running. Gradients live in flat buckets in the backend's memory
+/// space; the moment a bucket's last gradient is marked ready its allreduce
+/// starts — on a communication thread for host memory (MPI, Gloo), or on the
+/// communicator's stream after an event on the compute stream for CUDA
+/// (NCCL), followed by a watchdog. Metadata (model agreement, the rebuild
+/// order) goes over the host control plane, never through a device engine.
+///
+/// Every member that is more than a line or two is defined out of the class,
+/// as a non-inline template member: a compiled library may then hold
+/// `template class dtrain::basic_ddp<P>;` and its users
+/// `extern template class dtrain::basic_ddp<P>;`, and none of those bodies
+/// is compiled again in the users' translation units (GCC instantiates
+/// in-class members of an extern template at -O2 anyway, out-of-class ones not).
+
+// ---- begin dtrain/ddp/agreement.hpp ----
+/// @file
+/// What every rank must agree on before DistributedDataParallel averages
+/// anything: the same parameters (names, counts, types) in the same order,
+/// and rank 0's values of them.
+
+// ---- begin dtrain/ddp/bucket.hpp ----
+/// @file
+/// Which gradients travel together: the bucket assignment of
+/// DistributedDataParallel, as pure functions of the parameters and the
+/// order in which their gradients are expected to become ready.
+
+// ---- begin dtrain/ddp/parameter.hpp ----
+/// @file
+/// `dtrain::parameter`: how a model shows DistributedDataParallel its
+/// parameters — name, values, gradient, element count and type, device —
+/// without dtrain knowing the model's types. Models return a range of them
+/// from `parameters()` (and, for state that is not trained but must match
+/// across ranks, from `buffers()`).
+
+
+#include <concepts>
+#include <cstddef>
+#include <ranges>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace dtrain {
+
+/// One parameter as dtrain sees it: a view, never an owner.
+struct parameter {
+  /// Unique within the model; errors and mismatches across ranks name it.
+  std::string name;
+  /// The values: data, element count, element type, host or device memory.
+  buffer values;
+  /// Where the gradient is now (values.count elements of values.type); may
+  /// be null for a rebindable parameter (dtrain then provides zeroed storage).
+  void* gradient = nullptr;
+  /// The CUDA device of device memory; -1 for host memory.
   int device = -1;
 
-  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
-};
+  /// Set by param() when the model keeps its gradient as a
+  /// pointer dtrain may repoint into its own flat bucket storage.
+  void* gradient_slot = nullptr;
+  void (*rebind)(void* slot, void* storage) noexcept = nullptr;
 
-/// Views host memory as a buffer.
-template <element T>
-[[nodiscard]] buffer host_buffer(std::span<T> s) noexcept {
-  return {const_cast<std::remove_const_t<T>*>(s.data()), s.size(), dtype_of<std::remove_const_t<T>>, memory::host};
-}
-template <element T>
-[[nodiscard]] buffer host_buffer(std::span<const T> s) noexcept {
-  return {const_cast<T*>(s.data()), s.size(), dtype_of<T>, memory::host};
-}
-
-/// A CUDA stream where CUDA is compiled in (cudaStream_t), else a pointer
-/// that is always null: how collectives that can order themselves after the
-/// caller's GPU work take the caller's stream (null: the legacy default stream).
-#if DTRAIN_HAS_CUDA()
-using stream_handle = cudaStream_t;
-#else
-using stream_handle = void*;
-#endif
-
-/// A span of device (GPU) memory: pointer, count and the CUDA device. The
-/// type says where the data lives, so a backend that cannot reach device
-/// memory rejects it at compile time (and NCCL rejects a std::span).
-template <class T>
-requires element<std::remove_const_t<T>>
-struct device_span {
-  T* data = nullptr;
-  std::size_t count = 0;
-  int device = -1;  ///< the CUDA device it was allocated on; -1: not stated
-
-  [[nodiscard]] buffer as_buffer() const noexcept {
-    return {const_cast<std::remove_const_t<T>*>(data), count, dtype_of<std::remove_const_t<T>>,
-            memory::device, device};
+  [[nodiscard]] bool rebindable() const noexcept {
+    return gradient_slot != nullptr && rebind != nullptr;
   }
-  [[nodiscard]] std::size_t size() const noexcept { return count; }
-  /// The read-only view, for the inputs of allgather and reduce_scatter.
-  template <class U = T>
-  requires(!std::is_const_v<U>) [[nodiscard]] operator device_span<const U>() const noexcept {
-    return {data, count, device};
-  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
 };
 
 namespace detail {
 
-/// Reduces `in` into `inout` element-wise on the host (the engines' custom
-/// paths: 16-bit floats under MPI and Gloo). avg reduces as sum; the caller
-/// divides once at the end.
+template <class V>
+using range_element = std::remove_cv_t<std::ranges::range_value_t<V>>;
+
 template <element T>
-void reduce_host(T* inout, const T* in, std::size_t n, reduce_op op) noexcept {
-  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
-    for (std::size_t i = 0; i < n; ++i) {
-      float a = static_cast<float>(inout[i]), b = static_cast<float>(in[i]);
-      float r = op == reduce_op::min   ? std::fmin(a, b)
-                : op == reduce_op::max ? std::fmax(a, b)
-                : op == reduce_op::prod ? a * b
-                                        : a + b;
-      inout[i] = T(r);
+void rebind_pointer(void* slot, void* storage) noexcept {
+  *static_cast<T**>(slot) = static_cast<T*>(storage);
+}
+
+template <class V>
+concept element_range =
+    std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
+
+}  // namespace detail
+
+// One overload set, `param`, makes every view. Where the values are is
+// told by their type: a contiguous range (std::vector, std::array, std::span,
+// a C array) is host memory, a device_span GPU memory. The third argument
+// says how the gradient is kept: a pointer dtrain may repoint (T*&), a buffer
+// the model keeps (a range, or a device_span), or none (a buffer: state that
+// is not trained, returned from buffers()).
+
+/// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
+/// dtrain may point it into its flat bucket storage (no copies; the gradient's
+/// current values move along). Read gradients through that pointer after
+/// construction and after each synchronize(): the first rebuild moves them.
+template <detail::element_range V>
+[[nodiscard]] parameter param(std::string name, V& values, detail::range_element<V>*& gradient) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = gradient,
+          .device = -1,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A host parameter whose gradient buffer the model owns and keeps: dtrain
+/// copies it in before the reduction and the mean back after.
+template <detail::element_range V, detail::element_range G>
+[[nodiscard]] parameter param(std::string name, V& values, G& gradient) {
+  using T = detail::range_element<V>;
+  static_assert(std::same_as<T, detail::range_element<G>>,
+                "a parameter and its gradient must have the same element type");
+  if (std::ranges::size(gradient) != std::ranges::size(values)) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(std::ranges::size(values)) +
+                       " values but a gradient of " + std::to_string(std::ranges::size(gradient)));
+  }
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = const_cast<T*>(std::ranges::data(gradient))};
+}
+
+/// Host state that is not trained but must agree across ranks (running
+/// statistics, step counters), for buffers(): broadcast from rank 0 at construction.
+template <detail::element_range V>
+[[nodiscard]] parameter param(std::string name, V& values) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host}};
+}
+
+/// A CUDA parameter whose gradient pointer dtrain may point into its flat
+/// bucket storage: `param("w", device_span<float>{w, n, dev}, grad_w)`.
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values, T*& gradient) {
+  return {.name = std::move(name),
+          .values = values.as_buffer(),
+          .gradient = gradient,
+          .device = values.device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values, device_span<T> gradient) {
+  if (gradient.count != values.count) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(values.count) +
+                       " values but a gradient of " + std::to_string(gradient.count));
+  }
+  return {.name = std::move(name),
+          .values = values.as_buffer(),
+          .gradient = gradient.data,
+          .device = values.device};
+}
+
+/// Device state that must agree across ranks, for buffers().
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values) {
+  return {.name = std::move(name), .values = values.as_buffer(), .device = values.device};
+}
+
+// The names before param() was one overload set; kept for existing code.
+
+/// param(name, device_span<T>{values, count, device}, gradient).
+template <element T>
+[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
+                                     int device) {
+  return param(std::move(name), device_span<T>{values, count, device}, gradient);
+}
+
+/// param(name, device_span<T>{values, count, device}, device_span<T>{gradient, count, device}).
+template <element T>
+[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
+                                          std::size_t count, int device) {
+  return param(std::move(name), device_span<T>{values, count, device},
+               device_span<T>{gradient, count, device});
+}
+
+/// param(name, values).
+template <detail::element_range V>
+[[nodiscard]] parameter model_buffer(std::string name, V& values) {
+  return param(std::move(name), values);
+}
+
+/// param(name, device_span<T>{values, count, device}).
+template <element T>
+[[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
+  return param(std::move(name), device_span<T>{values, count, device});
+}
+
+/// A range whose elements convert to dtrain::parameter.
+template <class R>
+concept parameter_range = std::ranges::input_range<R> &&
+    std::convertible_to<std::ranges::range_reference_t<R>, parameter>;
+
+/// What DistributedDataParallel wraps: anything with `parameters()`, and
+/// optionally `buffers()`, each a range of dtrain::parameter.
+template <class M>
+concept trainable_model = requires(M& m) {
+  { m.parameters() } -> parameter_range;
+};
+
+template <class M>
+concept model_with_buffers = trainable_model<M> && requires(M& m) {
+  { m.buffers() } -> parameter_range;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/parameter.hpp ----
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// One bucket: gradients of one element type on one device, laid out
+/// contiguously in `parameters` order and reduced by one collective.
+struct bucket_info {
+  std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
+  std::vector<std::size_t>
+      offsets;  ///< bytes into the bucket of each (GPU: bucket_alignment apart)
+  dtype type = dtype::float32;
+  int device = -1;        ///< -1: host memory
+  std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them
+  std::size_t bytes = 0;  ///< count x the element size
+};
+
+/// Every parameter's slot in a GPU bucket starts on this boundary (bytes):
+/// views into the bucket are aligned for vectorised kernels and NCCL's fast
+/// paths. The padding between slots is zero and stays zero (its mean is
+/// zero); the collective moves it too (bucket_info::count includes it).
+inline constexpr std::size_t bucket_alignment = 256;
+
+/// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
+[[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
+  if (!(mib > 0) || mib > 1e9) {
+    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
+                       " is not a bucket size in MiB (it must be above 0)");
+  }
+  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
+}
+
+namespace detail {
+
+/// n-1, n-2, ..., 0: gradients of the last layers are produced first.
+[[nodiscard]] inline std::vector<std::size_t> reverse_order(std::size_t n) {
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
+  return order;
+}
+
+/// Throws unless `order` names each of the n parameters exactly once.
+inline void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view what) {
+  std::vector<char> seen(n, 0);
+  if (order.size() != n) {
+    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
+                            " parameters, the model has " + std::to_string(n),
+                        0);
+  }
+  for (std::size_t i : order) {
+    if (i >= n || seen[i]) {
+      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
+                              (i >= n ? " of " + std::to_string(n) : " twice"),
+                          0);
     }
-  } else {
-    for (std::size_t i = 0; i < n; ++i) {
-      T a = inout[i], b = in[i];
-      inout[i] = op == reduce_op::min    ? (b < a ? b : a)
-                 : op == reduce_op::max  ? (a < b ? b : a)
-                 : op == reduce_op::prod ? static_cast<T>(a * b)
-                                         : static_cast<T>(a + b);
-    }
+    seen[i] = 1;
   }
 }
 
-/// Calls f.template operator()<T>() for the buffer's element type.
-template <class F>
-decltype(auto) visit(dtype t, F&& f) {
-  switch (t) {
-    case dtype::float32: return f.template operator()<float>();
-    case dtype::float64: return f.template operator()<double>();
-    case dtype::float16: return f.template operator()<float16>();
-    case dtype::bfloat16: return f.template operator()<bfloat16>();
-    case dtype::int32: return f.template operator()<std::int32_t>();
-    case dtype::int64: return f.template operator()<std::int64_t>();
-    case dtype::uint8: return f.template operator()<std::uint8_t>();
-  }
-  return f.template operator()<float>();
-}
-
-/// Divides every element by `n` (the avg of a host buffer reduced as sum).
-inline void divide_host(buffer b, int n) noexcept {
-  visit(b.type, [&]<class T>() {
-    if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
-      auto* p = static_cast<T*>(b.data);
-      for (std::size_t i = 0; i < b.count; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-    } else if constexpr (std::floating_point<T>) {
-      auto* p = static_cast<T*>(b.data);
-      for (std::size_t i = 0; i < b.count; ++i) p[i] /= static_cast<T>(n);
+/// Groups the parameters, taken in `order` (a permutation of their indices),
+/// into buckets per (element type, device). A group's first bucket closes once
+/// it holds `first_cap` bytes, later ones at `cap` (soft caps: a parameter
+/// larger than the cap gets a bucket of its own). Buckets are returned in the
+/// order of their first parameter in `order`, which is the launch order.
+[[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t first_cap,
+                                                             std::size_t cap) {
+  check_order(order, params.size(), "the bucket order");
+  struct open_bucket {
+    bucket_info bucket;
+    std::size_t first_position = 0;
+    bool first = true;  // still the group's first bucket
+  };
+  std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
+  std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
+  for (std::size_t position = 0; position < order.size(); ++position) {
+    const parameter& p = params[order[position]];
+    auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
+    open_bucket& b = it->second;
+    // A parameter that fills a bucket by itself does not hold back the smaller ones before it.
+    if (!b.bucket.parameters.empty() && p.values.bytes() >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
     }
-  });
+    if (b.bucket.parameters.empty()) {
+      b.bucket.type = p.values.type;
+      b.bucket.device = p.device;
+      b.first_position = position;
+    }
+    // GPU slots start on bucket_alignment; host slots are packed.
+    const std::size_t align = p.device >= 0 ? bucket_alignment : 1;
+    const std::size_t at = (b.bucket.bytes + align - 1) / align * align;
+    b.bucket.parameters.push_back(order[position]);
+    b.bucket.offsets.push_back(at);
+    b.bucket.bytes = at + p.values.bytes();
+    b.bucket.count = b.bucket.bytes / size_of(p.values.type);
+    if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
+  }
+  for (auto& [key, b] : open) {
+    if (!b.bucket.parameters.empty()) closed.emplace_back(b.first_position, std::move(b.bucket));
+  }
+  std::ranges::sort(closed, {}, &std::pair<std::size_t, bucket_info>::first);
+  std::vector<bucket_info> buckets;
+  buckets.reserve(closed.size());
+  for (auto& [position, b] : closed) buckets.push_back(std::move(b));
+  return buckets;
 }
 
 }  // namespace detail
 }  // namespace dtrain
-// ---- end dtrain/backend/types.hpp ----
-// ---- begin dtrain/backend/ring.hpp ----
+// ---- end dtrain/ddp/bucket.hpp ----
+// ---- begin dtrain/ddp/options.hpp ----
 /// @file
-/// The ring of a communicator's last collectives: what each rank publishes
-/// when a collective times out or SIGUSR1 arrives, so that one table can name
-/// the rank that is behind (see backend/desync.hpp). Every engine records into
-/// it at the one place that numbers its collectives.
+/// What a user chooses about DistributedDataParallel: ddp_options, gradient
+/// compression, and the bucket a communication hook is handed.
 
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// Where a collective comes from, when not straight from the user: "bucket" 3.
-/// Set by label_scope on the thread that issues the collective.
-struct call_label {
-  const char* what = nullptr;  ///< a string literal ("bucket"); null: a user call
-  std::int64_t index = -1;
-};
-
-/// The label the calling thread's collectives are recorded with.
-inline call_label& current_call_label() noexcept {
-  thread_local call_label label;
-  return label;
-}
-
-/// Labels the collectives this thread issues while it lives ("bucket 3").
-class label_scope {
- public:
-  label_scope(const char* what, std::int64_t index) noexcept : saved_(current_call_label()) {
-    current_call_label() = {what, index};
-  }
-  explicit label_scope(call_label label) noexcept : saved_(current_call_label()) {
-    current_call_label() = label;
-  }
-  ~label_scope() { current_call_label() = saved_; }
-  label_scope(const label_scope&) = delete;
-  label_scope& operator=(const label_scope&) = delete;
-
- private:
-  call_label saved_;
-};
-
-/// How far one collective got on this rank.
-enum class call_state : std::uint8_t { issued, completed, failed, timed_out };
-
-inline constexpr std::string_view to_string(call_state s) noexcept {
-  switch (s) {
-    case call_state::issued: return "waiting";
-    case call_state::completed: return "completed";
-    case call_state::failed: return "failed";
-    case call_state::timed_out: return "timed out";
-  }
-  return "?";
-}
-
-/// A collective's fingerprint as one rank saw it, "call #N: kind, type,
-/// count", with where it came from and how far it got. The same struct for
-/// every engine, in the ring, on the wire and in the analysis.
-struct call_record {
-  std::int64_t seq = 0;  ///< 1 for the communicator's first collective
-  std::string kind;      ///< "allreduce"
-  dtype type = dtype::float32;
-  std::size_t count = 0;
-  int op = -1;        ///< a reduce_op, or -1
-  int root = -1;      ///< broadcast's root, or -1
-  std::string label;  ///< "bucket 3"; empty: a user call
-  call_state state = call_state::issued;
-
-  /// What every rank must agree on for the same sequence number.
-  [[nodiscard]] bool same_call(const call_record& o) const noexcept {
-    return kind == o.kind && type == o.type && count == o.count && op == o.op && root == o.root;
-  }
-};
-
-/// "allreduce(float32 × 65536, bucket 4)"; the op only when `with_op`.
-inline std::string describe_call(const call_record& r, bool with_op = false) {
-  std::string out = r.kind + "(";
-  if (with_op && r.op >= 0) out += std::string(to_string(static_cast<reduce_op>(r.op))) + ", ";
-  if (r.kind != "barrier")
-    out += std::string(to_string(r.type)) + " \u00d7 " + std::to_string(r.count);
-  if (r.root >= 0) out += ", root " + std::to_string(r.root);
-  if (!r.label.empty()) out += (r.kind != "barrier" ? ", " : "") + r.label;
-  return out + ")";
-}
-
-/// The last `capacity` collectives of one communicator. Thread-safe: the
-/// engine records from the issuing thread, work handles settle from theirs,
-/// the diagnostics thread takes snapshots. One short lock per collective.
-class collective_ring {
- public:
-  static constexpr std::size_t capacity = 64;
-  static constexpr std::size_t kept_splits = 8;
-
-  /// `name` tells the communicator apart from its splits: "world", "world/split 1 (color 0)".
-  explicit collective_ring(std::string name = "world") : name_(std::move(name)) {}
-
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
-
-  /// The ring of a communicator split from this one with `color`. Its name
-  /// counts this ring's splits, so every rank that splits in the same order
-  /// (as it must) gives the same child the same name. This ring keeps the
-  /// last `kept_splits` children, even once their communicators are gone:
-  /// where a rank was on them still explains a stall.
-  std::shared_ptr<collective_ring> make_child(int color) {
-    std::lock_guard lock(mutex_);
-    auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
-                                                   " (color " + std::to_string(color) + ")");
-    if (children_.size() == kept_splits) children_.erase(children_.begin());
-    children_.push_back(child);
-    return child;
-  }
-
-  /// This ring and those of its kept splits (recursively), each with its name.
-  [[nodiscard]] std::vector<std::pair<std::string, std::vector<call_record>>> snapshot_all() const {
-    std::vector<std::pair<std::string, std::vector<call_record>>> out;
-    out.emplace_back(name_, snapshot());
-    std::vector<std::shared_ptr<collective_ring>> children;
-    {
-      std::lock_guard lock(mutex_);
-      children = children_;
-    }
-    for (const auto& ring : children) {
-      for (auto& entry : ring->snapshot_all()) out.push_back(std::move(entry));
-    }
-    return out;
-  }
-
-  /// Records a new collective with the calling thread's label; returns its sequence number.
-  std::int64_t issue(std::string_view kind, dtype type, std::size_t count, int op, int root) {
-    const call_label label = current_call_label();
-    std::lock_guard lock(mutex_);
-    const std::int64_t seq = ++last_;
-    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
-    r.seq = seq;
-    r.kind.assign(kind);  // short names: no allocation (small-string buffer)
-    r.type = type;
-    r.count = count;
-    r.op = op;
-    r.root = root;
-    r.label.clear();
-    if (label.what) r.label.append(label.what).append(" ").append(std::to_string(label.index));
-    r.state = call_state::issued;
-    return seq;
-  }
-
-  /// Marks collective `seq` finished (or failed, or given up); a no-op once it left the ring.
-  void settle(std::int64_t seq, call_state state) noexcept {
-    std::lock_guard lock(mutex_);
-    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
-    if (r.seq == seq && r.state == call_state::issued) r.state = state;
-  }
-
-  /// The recorded collectives, oldest first.
-  [[nodiscard]] std::vector<call_record> snapshot() const {
-    std::lock_guard lock(mutex_);
-    std::vector<call_record> out;
-    const std::int64_t first = last_ >= static_cast<std::int64_t>(capacity)
-                                   ? last_ - static_cast<std::int64_t>(capacity) + 1
-                                   : 1;
-    for (std::int64_t s = first; s <= last_; ++s)
-      out.push_back(slots_[static_cast<std::size_t>(s) % capacity]);
-    return out;
-  }
-
-  /// The sequence number of the last collective issued (0: none yet).
-  [[nodiscard]] std::int64_t last() const {
-    std::lock_guard lock(mutex_);
-    return last_;
-  }
-
- private:
-  std::string name_;
-  mutable std::mutex mutex_;
-  std::array<call_record, capacity> slots_{};
-  std::int64_t last_ = 0;
-  std::int64_t splits_ = 0;
-  std::vector<std::shared_ptr<collective_ring>> children_;
-};
-
-}  // namespace dtrain::detail
-// ---- end dtrain/backend/ring.hpp ----
-// ---- begin dtrain/backend/desync.hpp ----
-/// @file
-/// Desync analysis: from every rank's ring of last collectives (or its
-/// silence), which rank is behind, which collective it never started, what
-/// the others wait in, and which sequence numbers were called with different
-/// arguments. Pure functions over the rings, so they are unit-tested on the
-/// host; diagnostics.hpp gathers the rings through the store and prints.
-
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <map>
-#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+
+namespace dtrain {
+
+/// How DistributedDataParallel sends float32 gradients.
+enum class gradient_compression : std::uint8_t {
+  none,      ///< as they are
+  float16,   ///< IEEE half: 10-bit mantissa, range ±65504 (scale losses that overflow)
+  bfloat16,  ///< float32's range with an 8-bit mantissa
+};
+
+[[nodiscard]] constexpr std::string_view to_string(gradient_compression c) noexcept {
+  switch (c) {
+    case gradient_compression::none: return "none";
+    case gradient_compression::float16: return "float16";
+    case gradient_compression::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
+/// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
+struct ddp_options {
+  /// A bucket closes once it holds this many MiB of gradients.
+  double bucket_cap_mb = 25;
+  /// The first bucket (the last layers' gradients, ready first) is small, so
+  /// that communication starts early in the backward pass.
+  double first_bucket_cap_mb = 1;
+  /// Point rebindable gradients (param() with a pointer) into the buckets:
+  /// no copies. false: copy every gradient in and the mean back out.
+  bool gradient_as_bucket_view = true;
+  /// Parameters never marked in a step contribute zero instead of being an
+  /// error (for models whose steps skip parts of the network). "Unused"
+  /// means "not marked": dtrain has no autograd graph to find them.
+  bool find_unused_parameters = false;
+  /// With find_unused_parameters: name, once, on rank 0's stderr the
+  /// parameters that no rank marked in the first steps (a forgotten
+  /// mark_ready looks just like an unused parameter). false: silent.
+  bool report_unused_parameters = true;
+  /// After the first step, lay the buckets out once more in the order the
+  /// gradients actually became ready (rank 0's order, sent to every rank).
+  bool rebuild_buckets = true;
+  /// Construction copies rank 0's parameters and buffers to every rank.
+  bool broadcast_parameters = true;
+  /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
+  gradient_compression compression = gradient_compression::none;
+  /// false: nothing is sent before synchronize() (for measuring what overlap buys).
+  bool overlap = true;
+  /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
+  /// the waits in synchronize()) goes to this file, the rank inserted
+  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
+  std::string timeline = {};
+};
+
+/// One bucket, as a communication hook sees it.
+struct gradient_bucket {
+  std::size_t index = 0;  ///< launch order, 0 first
+  buffer data;            ///< the flat gradients: reduce them in place
+  int world_size = 1;
+  std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
+  /// Backends on CUDA streams (NCCL): the compute stream the bucket is ordered
+  /// after; enqueue the reduction after it. Null for host backends.
+  stream_handle stream = nullptr;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/options.hpp ----
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace dtrain::detail {
 
-/// One rank's ring as the diagnostics round received it; `answered` false
-/// when the rank did not publish in time (its process is gone or frozen).
-struct rank_ring {
-  int rank = 0;
-  bool answered = false;
-  std::vector<call_record> calls;  ///< oldest first
-};
-
-/// What the analysis found: one line for the person at 3 a.m., and the details.
-struct desync_report {
-  std::string
-      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
-  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
-  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
-  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
-  int severity = 0;
-};
-
-/// "rank 2", "ranks 0, 1, 3".
-inline std::string name_ranks(std::span<const int> ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out;
+/// "parameter fc1.weight (1024 x float32 on the host)": what must match across ranks.
+inline std::string parameter_entry(const parameter& p, std::string_view kind) {
+  return std::string(kind) + " " + p.name + " (" + std::to_string(p.values.count) + " x " +
+         std::string(to_string(p.values.type)) +
+         (p.values.where == memory::host ? " on the host)" : " on a GPU)");
 }
 
-namespace desync {
-
-inline std::string at(const call_record& r, bool with_op = false) {
-  return "#" + std::to_string(r.seq) + " " + describe_call(r, with_op);
+inline std::vector<std::string> model_entries(std::span<const parameter> params,
+                                              std::span<const parameter> buffers) {
+  std::vector<std::string> entries;
+  for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
+  for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
+  return entries;
 }
 
-// What differs between two calls with the same sequence number, for the summary.
-inline std::string difference(const call_record& a, const call_record& b) {
-  if (a.kind != b.kind) return "the collectives differ";
-  if (a.type != b.type) return "the types differ";
-  if (a.count != b.count) return "the sizes differ";
-  if (a.op != b.op) return "the reduce ops differ";
-  return "the roots differ";
+inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const std::string& e : entries) {
+    for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    h = (h ^ 0x0au) * 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(h >> 1);
 }
 
-// Ranks grouped by what they called as number `seq`, the largest group first
-// (on a tie the group of the lowest rank): the odd ones out come after.
-struct call_group {
-  const call_record* call;
-  std::vector<int> ranks;
-};
-inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std::int64_t seq) {
-  std::vector<call_group> groups;
-  for (const rank_ring& r : rings) {
-    for (const call_record& c : r.calls) {
-      if (c.seq != seq) continue;
-      auto same = std::find_if(groups.begin(), groups.end(),
-                               [&](const call_group& g) { return g.call->same_call(c); });
-      if (same == groups.end()) {
-        groups.push_back({&c, {r.rank}});
-      } else {
-        same->ranks.push_back(r.rank);
-      }
+/// What one rank alone can find wrong with its model and options, as a
+/// message naming the parameter and the rank; empty when nothing is.
+inline std::string model_problem(std::span<const parameter> params,
+                                 std::span<const parameter> buffers, const ddp_options& options,
+                                 int rank, std::string_view backend, bool on_device, int device) {
+  const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
+  std::unordered_map<std::string_view, std::size_t> names;
+  std::unordered_map<const void*, std::size_t> data;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const parameter& p = params[i];
+    const std::string what = "parameter #" + std::to_string(i) + " '" + p.name + "'";
+    if (p.name.empty()) return who + what + " has no name";
+    if (auto [it, fresh] = names.emplace(p.name, i); !fresh) {
+      return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
+             " and #" + std::to_string(i) + ")";
+    }
+    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
+    if (!data.emplace(p.values.data, i).second)
+      return who + what + " shares its values with another parameter";
+    if (!is_floating(p.values.type)) {
+      return who + what + " is " + std::string(to_string(p.values.type)) +
+             ": only floating-point parameters have gradients to average (declare it in buffers())";
+    }
+    if (!p.gradient && !p.rebindable()) return who + what + " has no gradient buffer";
+    if (!p.gradient && !options.gradient_as_bucket_view) {
+      return who + what +
+             " has a null gradient pointer, which needs ddp_options::gradient_as_bucket_view";
+    }
+    if (on_device && p.values.where != memory::device) {
+      return who + what +
+             " is in host memory, but backend::nccl reduces GPU memory: use dtrain::device_param";
+    }
+    if (on_device && p.device != device) {
+      return who + what + " is on GPU " + std::to_string(p.device) +
+             ", but this rank's NCCL communicator is on GPU " + std::to_string(device);
+    }
+    if (!on_device && p.values.where != memory::host) {
+      return who + what + " is in GPU memory, but backend " + std::string(backend) +
+             " reduces host memory: keep gradients on the host, or use backend::nccl";
     }
   }
-  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
-    return a.ranks.size() > b.ranks.size();
-  });
-  return groups;
+  for (const parameter& b : buffers) {
+    if (!b.values.data && b.values.count) return who + "buffer '" + b.name + "' has no values";
+    if (b.values.where == memory::device && !on_device) {
+      return who + "buffer '" + b.name + "' is in GPU memory, but backend " + std::string(backend) +
+             " reaches host memory only";
+    }
+  }
+  try {
+    (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
+    (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
+  } catch (const config_error& e) {
+    return who + e.what();
+  }
+  return {};
 }
 
-}  // namespace desync
+/// Collective over the host control plane: every rank learns whether all
+/// ranks hold the same parameters and buffers. Throws config_error on every
+/// rank when not — naming the first differing entry and the ranks — or when
+/// some rank's own check failed (`local_problem`, which that rank reports in
+/// its own words).
+inline void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                           std::span<const parameter> buffers, const std::string& local_problem) {
+  const int size = comm.size();
+  const std::vector<std::string> entries = model_entries(params, buffers);
+  const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
+                                static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
+  comm.allgather(mine, all);
 
-/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
-/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
-/// missing; what cannot be decided is said so.
-inline desync_report analyse(std::span<const rank_ring> rings) {
-  desync_report report;
-  std::vector<int> silent;
-  std::vector<const rank_ring*> live;
-  for (const rank_ring& r : rings) {
-    if (r.answered) {
-      live.push_back(&r);
+  std::vector<int> troubled;
+  for (int r = 0; r < size; ++r) {
+    if (all[static_cast<std::size_t>(r) * 3] != 0) troubled.push_back(r);
+  }
+  if (!local_problem.empty()) throw config_error(local_problem);
+  if (!troubled.empty()) {
+    throw config_error("DistributedDataParallel: rank " + std::to_string(troubled.front()) +
+                       " rejected its model (its own message says why), so every rank stops");
+  }
+  bool same = true;
+  for (int r = 1; r < size; ++r) {
+    same = same && std::equal(&all[0], &all[3], &all[static_cast<std::size_t>(r) * 3]);
+  }
+  if (same) return;
+
+  // Rank 0's list to everyone; each rank finds where it departs from it.
+  std::string joined;
+  for (const std::string& e : entries) joined += e + '\n';
+  std::int64_t length = static_cast<std::int64_t>(joined.size());
+  std::uint8_t length_bytes[sizeof length];
+  std::memcpy(length_bytes, &length, sizeof length);
+  comm.broadcast(length_bytes, 0);
+  std::memcpy(&length, length_bytes, sizeof length);
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
+  if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
+  comm.broadcast(bytes, 0);
+  std::vector<std::string> reference;
+  std::string current;
+  for (std::uint8_t c : bytes) {
+    if (c == '\n') {
+      reference.push_back(std::move(current));
+      current.clear();
     } else {
-      silent.push_back(r.rank);
+      current += static_cast<char>(c);
     }
   }
-  auto top = [](const rank_ring& r) -> std::int64_t {
-    return r.calls.empty() ? 0 : r.calls.back().seq;
-  };
-
-  // One row per rank: the last collective it issued and how far it got.
-  for (const rank_ring& r : rings) {
-    std::string row = "rank " + std::to_string(r.rank) + ": ";
-    if (!r.answered) {
-      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
-    } else if (r.calls.empty()) {
-      row += "no collective issued yet";
-    } else {
-      const call_record& last = r.calls.back();
-      row += desync::at(last) + " " + std::string(to_string(last.state));
-      if (r.calls.size() > 1) {
-        const call_record& before = r.calls[r.calls.size() - 2];
-        row +=
-            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
-      }
-    }
-    report.details.push_back(std::move(row));
-  }
-
-  // Sequence numbers called with different arguments, oldest first.
-  std::string mismatch;
-  std::int64_t lowest = 0, highest = 0;
-  for (const rank_ring* r : live) {
-    if (r->calls.empty()) continue;
-    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
-    highest = std::max(highest, top(*r));
-  }
-  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
-    auto groups = desync::group_calls(rings, seq);
-    if (groups.size() < 2) continue;
-    bool ops = false;
-    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
-    std::string line;
-    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
-      line += (line.empty() ? "" : "; ") + name_ranks(groups[i].ranks) +
-              (groups[i].ranks.size() == 1 ? " is in " : " are in ") +
-              desync::at(*groups[i].call, ops);
-    }
-    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
-            " for the same collective";
-    report.details.push_back("mismatch: " + line);
-    if (mismatch.empty()) mismatch = line;
-  }
-
-  // The rank(s) behind: the lowest last sequence number among those that answered.
-  std::string behind;
-  if (!live.empty()) {
-    std::int64_t low = top(*live.front()), high = low;
-    for (const rank_ring* r : live) {
-      low = std::min(low, top(*r));
-      high = std::max(high, top(*r));
-    }
-    if (low < high) {
-      std::vector<int> late, waiting, past;
-      const call_record* missing = nullptr;
-      const call_record* last_late = nullptr;
-      for (const rank_ring* r : live) {
-        if (top(*r) == low) {
-          late.push_back(r->rank);
-          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
-          continue;
-        }
-        for (const call_record& c : r->calls) {
-          if (c.seq != low + 1) continue;
-          if (!missing) missing = &c;
-          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
-        }
-      }
-      const bool one = late.size() == 1;
-      behind = name_ranks(late) + (one ? " is at " : " are at ") +
-               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
-      if (!waiting.empty())
-        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
-      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
-      if (missing) {
-        behind += desync::at(*missing);
-      } else {
-        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
-      }
-      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
+  std::int64_t first = -1;
+  for (std::size_t i = 0; i < std::max(reference.size(), entries.size()); ++i) {
+    if (i >= reference.size() || i >= entries.size() || reference[i] != entries[i]) {
+      first = static_cast<std::int64_t>(i);
+      break;
     }
   }
-
-  std::string gone;
-  if (!silent.empty()) {
-    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
-    std::vector<int> waiting;
-    const call_record* in = nullptr;
-    for (const rank_ring* r : live) {
-      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
-      waiting.push_back(r->rank);
-      if (!in) in = &r->calls.back();
-    }
-    if (in)
-      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
-              desync::at(*in);
+  std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
+  comm.allgather(std::span<const std::int64_t>(&first, 1), firsts);
+  int culprit = -1;
+  std::string differing;
+  for (int r = 0; r < size; ++r) {
+    if (firsts[static_cast<std::size_t>(r)] < 0) continue;
+    if (culprit < 0) culprit = r;
+    differing += (differing.empty() ? "" : ", ") + std::to_string(r);
   }
-
-  if (!mismatch.empty()) {
-    report.summary = mismatch;
-    report.severity = 4;
-  } else if (!behind.empty()) {
-    report.summary = behind;
-    report.severity = 3;
-  } else if (!gone.empty()) {
-    report.summary = gone;
-    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
-  } else if (!live.empty() && !live.front()->calls.empty()) {
-    const call_record& last = live.front()->calls.back();
-    report.summary =
-        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
-  } else {
-    report.summary = "no rank has issued a collective yet";
+  if (culprit < 0) return;  // equal lists after all (a hash collision)
+  const auto at = static_cast<std::size_t>(firsts[static_cast<std::size_t>(culprit)]);
+  // The culprit's entry to everyone, so that every rank prints the same message.
+  std::vector<std::uint8_t> text(512, 0);
+  if (comm.rank() == culprit) {
+    const std::string e = at < entries.size() ? entries[at] : "nothing";
+    std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
   }
-  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
-  return report;
+  comm.broadcast(text, culprit);
+  const std::string theirs(reinterpret_cast<const char*>(text.data()));
+  const std::string ours = at < reference.size() ? reference[at] : "nothing";
+  throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
+                     std::to_string(at) + ": rank 0 has " + ours + ", rank " +
+                     std::to_string(culprit) + " has " + theirs +
+                     " (ranks that differ from rank 0: " + differing +
+                     "); every rank must build the same model in the same order");
 }
 
-/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
-inline std::string format_report(std::string_view header, const desync_report& report) {
-  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
-  for (const std::string& d : report.details) out += "    " + d + "\n";
-  return out;
-}
-
-/// The rings one rank publishes: its world communicator's and its splits', by name.
-using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
-
-/// What one rank published in a diagnostics round (`answered` false: nothing in time).
-struct rank_publication {
-  int rank = 0;
-  bool answered = false;
-  named_rings rings;
-};
-
-/// Rings as they travel through the store: "dtrain-rings 1", then per
-/// communicator a line "= <name>" and one line per call, "seq kind type count
-/// op root state label" (label last: it may hold spaces). Plain text, so a
-/// person reading the store can follow it.
-inline std::string encode_rings(const named_rings& rings) {
-  std::string out = "dtrain-rings 1\n";
-  for (const auto& [name, calls] : rings) {
-    out += "= " + name + "\n";
-    for (const call_record& c : calls) {
-      out += std::to_string(c.seq) + " " + c.kind + " " + std::to_string(static_cast<int>(c.type)) +
-             " " + std::to_string(c.count) + " " + std::to_string(c.op) + " " +
-             std::to_string(c.root) + " " + std::to_string(static_cast<int>(c.state)) + " " +
-             c.label + "\n";
+/// Collective: every rank's parameter and buffer values become rank 0's.
+/// Host values travel packed over the control plane; device values one by
+/// one through `device_broadcast(buffer)`, which returns once the broadcast is
+/// complete (the device engine: the only device traffic besides the buckets).
+template <class DeviceBroadcast>
+void broadcast_values(control_plane& control, std::span<const parameter> params,
+                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast) {
+  std::vector<const parameter*> host, device;
+  for (auto list : {params, buffers}) {
+    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+  }
+  std::size_t total = 0;
+  for (const parameter* p : host) total += p->bytes();
+  if (total > 0) {
+    std::vector<std::uint8_t> packed(total);
+    std::size_t at = 0;
+    for (const parameter* p : host) {
+      std::memcpy(packed.data() + at, p->values.data, p->bytes());
+      at += p->bytes();
+    }
+    control.broadcast(packed, 0);
+    at = 0;
+    for (const parameter* p : host) {
+      std::memcpy(p->values.data, packed.data() + at, p->bytes());
+      at += p->bytes();
     }
   }
-  return out;
-}
-
-/// The rings of encode_rings' text, or nothing when it is not such a text.
-inline std::optional<named_rings> decode_rings(std::string_view text) {
-  const auto lines = split(text, '\n');
-  if (lines.empty() || lines[0] != "dtrain-rings 1") return std::nullopt;
-  named_rings rings;
-  for (std::size_t i = 1; i < lines.size(); ++i) {
-    const std::string& line = lines[i];
-    if (line.empty()) continue;
-    if (line.starts_with("= ")) {
-      rings.emplace_back(line.substr(2), std::vector<call_record>{});
-      continue;
-    }
-    char kind[32] = {};
-    long long seq = 0;
-    unsigned long long count = 0;
-    int type = 0, op = 0, root = 0, state = 0, used = 0;
-    if (rings.empty() ||
-        std::sscanf(line.c_str(), "%lld %31s %d %llu %d %d %d %n", &seq, kind, &type, &count, &op,
-                    &root, &state, &used) != 7 ||
-        type < 0 || type > static_cast<int>(dtype::uint8) || state < 0 ||
-        state > static_cast<int>(call_state::timed_out)) {
-      return std::nullopt;
-    }
-    rings.back().second.push_back({.seq = seq,
-                                   .kind = kind,
-                                   .type = static_cast<dtype>(type),
-                                   .count = static_cast<std::size_t>(count),
-                                   .op = op,
-                                   .root = root,
-                                   .label = line.substr(static_cast<std::size_t>(used)),
-                                   .state = static_cast<call_state>(state)});
+  for (const parameter* p : device) {
+    if (p->values.count > 0) device_broadcast(p->values);
   }
-  return rings;
-}
-
-/// Analyses every communicator the ranks published (the world's first, then
-/// the splits, by name) and returns the report of the one that explains most
-/// (a mismatch, then a rank behind, then silent ranks), its details preceded
-/// by the others' findings. Silent ranks count as members of the world and
-/// of every split that all answering ranks have (DistributedDataParallel's
-/// own split); a split that only some ranks have (a node's) is analysed over them.
-inline desync_report analyse_job(std::span<const rank_publication> ranks) {
-  std::vector<std::string> names;
-  int answering = 0;
-  for (const rank_publication& p : ranks) {
-    answering += p.answered ? 1 : 0;
-    for (const auto& entry : p.rings) {
-      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
-        names.push_back(entry.first);
-    }
-  }
-  if (names.empty()) names.push_back("world");
-  std::vector<std::pair<std::string, desync_report>> reports;
-  for (const std::string& name : names) {
-    std::vector<rank_ring> rings;
-    for (const rank_publication& p : ranks) {
-      if (!p.answered) {
-        rings.push_back({p.rank, false, {}});
-        continue;
-      }
-      for (const auto& entry : p.rings) {
-        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
-      }
-    }
-    const auto members =
-        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
-    if (members < answering) {
-      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
-    }
-    reports.emplace_back(name, analyse(rings));
-  }
-  std::size_t best = 0;
-  for (std::size_t i = 1; i < reports.size(); ++i) {
-    if (reports[i].second.severity > reports[best].second.severity) best = i;
-  }
-  desync_report out = reports[best].second;
-  if (reports.size() > 1) {
-    out.summary += " (on communicator " + reports[best].first + ")";
-    out.details.clear();
-    for (const auto& [name, report] : reports) {
-      out.details.push_back("communicator " + name + ":" +
-                            (report.severity > 0 ? " " + report.summary : ""));
-      for (const std::string& d : report.details) out.details.push_back("  " + d);
-    }
-  }
-  return out;
 }
 
 }  // namespace dtrain::detail
-// ---- end dtrain/backend/desync.hpp ----
-// ---- begin dtrain/backend/work.hpp ----
+// ---- end dtrain/ddp/agreement.hpp ----
+// ---- begin dtrain/ddp/runner.hpp ----
 /// @file
-/// `work`: the handle every asynchronous collective returns.
+/// How DistributedDataParallel's buckets travel, chosen from the memory space
+/// of the backend: `thread_runner` for host memory (a communication thread
+/// reduces buckets while the caller computes), `stream_runner` for CUDA
+/// streams (the caller enqueues, the device orders, a watchdog follows).
+/// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
+/// compression), reduce(b) (the collective, a work), finish_bucket(b)
+/// (decompression, copy-out), and for streams order_after_buckets().
 
 
-#include <charconv>
-#include <chrono>
-#include <cstdio>
-#include <cstdint>
-#include <exception>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <utility>
-
-namespace dtrain {
-
-/// Default limit for one collective to finish, as c10d's 10 minutes.
-/// Environment: DTRAIN_COLLECTIVE_TIMEOUT (seconds).
-inline constexpr std::chrono::milliseconds default_collective_timeout{600'000};
-
-/// Options every communicator takes. Aggregate: use designated initialisers.
-struct collective_options {
-  /// What work::wait() without an argument allows.
-  std::chrono::milliseconds timeout = default_collective_timeout;
-  /// Before each collective, compare what every rank passed (operation, count,
-  /// type, root) and report a mismatch instead of corrupting or hanging.
-  /// Costs one small allgather per collective. Environment: DTRAIN_CHECK_COLLECTIVES=1.
-  bool check = false;
-
-  /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
-  [[nodiscard]] collective_options with_env(const environment& env) const {
-    collective_options out = *this;
-    if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
-    if (auto check = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *check;
-    return out;
-  }
-};
-
-namespace detail {
-
-/// What a collective is, kept as plain fields so the hot path builds no
-/// strings; describe() formats it only when a message needs it.
-struct collective_info {
-  std::string_view collective;  ///< "allreduce"
-  std::string_view engine;      ///< "mpi"
-  int rank = 0;
-  int size = 1;
-  std::size_t count = 0;
-  std::uint8_t type = 0;        ///< a dtype
-  int op = -1;                  ///< a reduce_op, or -1
-  int root = -1;                ///< broadcast's root, or -1
-};
-
-/// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
-inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
-                            std::string_view engine) {
-  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) + " of " +
-         std::to_string(size) + " (" + std::string(engine) + ")";
-}
-
-inline std::string describe(const collective_info& info) {
-  std::string detail;
-  if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
-  if (info.collective != "barrier") {
-    detail += std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
-  }
-  if (info.root >= 0) detail += ", root " + std::to_string(info.root);
-  return describe(info.collective, detail, info.rank, info.size, info.engine);
-}
-
-/// How a thread waits for work that others (a device, an engine's thread, a
-/// peer) finish: spins first (a collective often ends within microseconds),
-/// then yields, then sleeps: 20 us at first (an engine that progresses only
-/// inside its test call, like MPI's, still gets polled often), `longest`
-/// once the wait has gone on for a while.
-struct backoff {
-  std::chrono::microseconds longest{200};
-  unsigned rounds = 0;
-  void operator()() {
-    ++rounds;
-    if (rounds < 64) return;
-    if (rounds < 256) {
-      std::this_thread::yield();
-      return;
-    }
-    std::this_thread::sleep_for(rounds < 4096 ? std::chrono::microseconds(20) : longest);
-  }
-};
-
-/// One outstanding collective, as a backend tracks it.
-class work_state {
- public:
-  explicit work_state(std::string description, std::chrono::milliseconds timeout)
-      : description_(std::move(description)), timeout_(timeout) {}
-  work_state(const collective_info& info, std::chrono::milliseconds timeout) : info_(info), timeout_(timeout) {}
-  virtual ~work_state() = default;
-  work_state(const work_state&) = delete;
-  work_state& operator=(const work_state&) = delete;
-
-  /// Makes progress; true once finished, successfully or not (see error()).
-  virtual bool poll() = 0;
-
-  /// Blocks until finished (true) or the deadline passes (false). The default
-  /// keeps calling poll(), for engines that advance only inside their test
-  /// call (MPI without a progress thread): a short spin, then yields, then
-  /// sleeps (detail::backoff), so a long wait costs no core.
-  /// Engines that finish on threads of their own (Gloo) override it to sleep
-  /// on a condition instead.
-  virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
-    backoff pause;
-    for (;;) {
-      if (poll()) return true;
-      if (std::chrono::steady_clock::now() > deadline) return poll();
-      pause();
-    }
-  }
-  /// A wait gave up: abort what the engine can abort, and mark the
-  /// communicator unusable where it cannot.
-  virtual void on_timeout() noexcept {}
-
-  [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
-  [[nodiscard]] const std::string& description() const {
-    if (description_.empty()) description_ = describe(info_);
-    return description_;
-  }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-
-  /// Records this collective's end in `ring` as number `seq` (see collective_ring).
-  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept {
-    ring_ = std::move(ring);
-    seq_ = seq;
-  }
-  /// Called by work once it saw the end (or gave up): the ring learns how far it got.
-  void settle(call_state state) noexcept {
-    if (ring_) ring_->settle(seq_, state);
-  }
-
- protected:
-  void fail(std::exception_ptr e) noexcept {
-    if (!error_) error_ = std::move(e);
-  }
-  /// For work whose limit is known only once it has started (a sequence takes its first step's).
-  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
-
- private:
-  mutable std::string description_;  // "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
-  collective_info info_{};
-  std::chrono::milliseconds timeout_;
-  std::exception_ptr error_;
-  std::shared_ptr<collective_ring> ring_;
-  std::int64_t seq_ = 0;
-};
-
-/// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
-inline std::int64_t record(collective_ring& ring, const collective_info& info) {
-  return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
-}
-
-}  // namespace detail
-
-/// The handle of one asynchronous collective. Cheap to copy (shared state).
-class work {
- public:
-  /// A handle that is already complete.
-  work() = default;
-  explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
-
-  /// True once the collective has finished, successfully or not. Never blocks.
-  [[nodiscard]] bool test() {
-    if (!state_ || done_) return true;
-    if (state_->poll()) ended();
-    return done_;
-  }
-
-  /// Waits for the communicator's timeout; see wait(timeout).
-  void wait() { wait(state_ ? state_->timeout() : std::chrono::milliseconds(0)); }
-
-  /// Waits until the collective finishes, then throws its error if it failed
-  /// (backend_error). Throws timeout_error naming the collective, the rank and
-  /// the time when it is not done within `timeout`; the communicator is then
-  /// aborted or marked unusable, as the engine allows.
-  void wait(std::chrono::milliseconds timeout) {
-    if (!finish_within(timeout)) give_up(timeout);
-    if (auto e = exception()) std::rethrow_exception(e);
-  }
-
-  /// Waits at most `timeout` and does nothing about it: true once finished
-  /// (exception() then says how), false while still running. For a watchdog,
-  /// which reports a timeout before it aborts: an abort may itself wait on a
-  /// device that never frees.
-  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
-    if (!state_ || test()) return true;
-    if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
-    ended();
-    return true;
-  }
-
-  /// The timeout_error wait(timeout) throws: the collective, the rank, the time.
-  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const {
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-    return std::make_exception_ptr(timeout_error(
-        (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
-        seconds +
-        "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-        "compares what every rank passed)"));
-  }
-
-  /// After finish_within(timeout) returned false: aborts what the engine can
-  /// abort (or marks the communicator unusable) and throws timeout_exception().
-  [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
-    timed_out_ = timeout_exception(timeout);
-    if (state_) state_->settle(detail::call_state::timed_out);
-    if (state_) state_->on_timeout();
-    done_ = true;
-    std::rethrow_exception(timed_out_);
-  }
-
-  /// The limit wait() without an argument allows (the communicator's collective timeout).
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
-    return state_ ? state_->timeout() : std::chrono::milliseconds(0);
-  }
-
-  /// The error the collective failed with (or the timeout), once finished; null otherwise.
-  [[nodiscard]] std::exception_ptr exception() const noexcept {
-    if (timed_out_) return timed_out_;
-    return state_ && done_ ? state_->error() : nullptr;
-  }
-
- private:
-  void ended() noexcept {
-    done_ = true;
-    state_->settle(state_->error() ? detail::call_state::failed : detail::call_state::completed);
-  }
-
-  std::shared_ptr<detail::work_state> state_;
-  bool done_ = false;
-  std::exception_ptr timed_out_;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/backend/work.hpp ----
-// ---- begin dtrain/backend/watchdog.hpp ----
-/// @file
-/// `watchdog`: a host thread that follows work nobody waits for on the host
-/// (collectives on CUDA streams), as ProcessGroupNCCL's watchdog does. Each
-/// piece of work must finish within its collective timeout counted from when
-/// it was handed over; past it the watchdog calls the engine's timeout hook
-/// (NCCL: abort the communicator, which frees the stuck stream) and keeps the
-/// timeout_error naming the collective for the owner to report.
-
-
-#include <algorithm>
-#include <chrono>
 #include <condition_variable>
-#include <cstdint>
+#include <cstddef>
 #include <deque>
 #include <exception>
 #include <mutex>
-#include <string>
 #include <thread>
-#include <utility>
 
-namespace dtrain {
+namespace dtrain::detail {
 
-class watchdog {
+/// A thread of its own reduces buckets in launch order: each is prepared,
+/// reduced and waited for (within the collective timeout), then finished.
+template <class Owner>
+class thread_runner {
  public:
-  using clock = std::chrono::steady_clock;
-
-  watchdog() = default;
-  watchdog(const watchdog&) = delete;
-  watchdog& operator=(const watchdog&) = delete;
-  /// Waits for the work still watched (each within what is left of its
-  /// timeout), then stops the thread.
-  ~watchdog() {
+  explicit thread_runner(Owner& owner) : owner_(owner), thread_([this] { serve(); }) {}
+  thread_runner(const thread_runner&) = delete;
+  thread_runner& operator=(const thread_runner&) = delete;
+  /// Finishes what is queued (each bounded by its timeout), then joins.
+  ~thread_runner() {
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
     }
     wake_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    thread_.join();
   }
 
-  /// Follows `w` from now on: it must finish within its timeout (work::timeout()).
-  /// Work is waited for in the order it was handed over (one stream runs it in order).
-  void watch(work w) {
-    const std::chrono::milliseconds timeout = w.timeout();
+  void launch(std::size_t bucket) {
     {
       std::lock_guard lock(mutex_);
-      queue_.push_back({std::move(w), clock::now() + timeout, timeout});
-      ++watched_;
-      if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+      queue_.push_back(bucket);
     }
-    wake_.notify_all();
+    wake_.notify_one();
   }
 
-  /// The first failure seen (a timeout_error naming the collective, or the
-  /// engine's error), or null. Never blocks on the work.
-  [[nodiscard]] std::exception_ptr failure() const {
-    std::lock_guard lock(mutex_);
-    return failure_;
-  }
-
-  /// Blocks until every piece of work handed over so far has finished, or
-  /// until one has failed (each bounded by its timeout); returns failure().
-  std::exception_ptr drain() {
+  /// Waits until the `count` buckets of this step are done; then the next
+  /// step starts counting from zero. Returns the first failure, or null.
+  std::exception_ptr complete(std::size_t count) {
     std::unique_lock lock(mutex_);
-    const std::uint64_t target = watched_;
-    settled_.wait(lock, [&] { return finished_ >= target || failure_; });
+    done_wake_.wait(lock, [&] { return done_ == count; });
+    done_ = 0;
     return failure_;
   }
 
  private:
-  struct entry {
-    work handle;
-    clock::time_point deadline;
-    std::chrono::milliseconds timeout;
-  };
-
-  void follow() {
+  void serve() {
     for (;;) {
-      entry next;
+      std::size_t b = 0;
       {
         std::unique_lock lock(mutex_);
         wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        next = std::move(queue_.front());
+        if (queue_.empty()) return;  // stopping, and nothing left in flight
+        b = queue_.front();
         queue_.pop_front();
-      }
-      const auto left =
-          std::max(std::chrono::milliseconds(0),
-                   std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
-      std::exception_ptr failed;
-      bool timed_out = false;
-      try {
-        if (next.handle.finish_within(left)) {
-          failed = next.handle.exception();
-        } else {
-          timed_out = true;
-          try {
-            std::rethrow_exception(next.handle.timeout_exception(next.timeout));
-          } catch (const timeout_error& e) {
-            failed = std::make_exception_ptr(
-                timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
-          }
+        if (failure_) {  // the communicator failed already: do not wait for it again
+          ++done_;
+          done_wake_.notify_all();
+          continue;
         }
+      }
+      std::exception_ptr failed;
+      try {
+        owner_.prepare_bucket(b);
+        work w = owner_.reduce(b);
+        w.wait();  // bounded by the collective timeout
+        owner_.finish_bucket(b);
       } catch (...) {
         failed = std::current_exception();
       }
-      // The failure is known before the abort: an abort may wait on a device
-      // that never frees (a stream held by the host), and the owner must hear.
-      settle(failed);
-      if (timed_out) {
-        try {
-          next.handle.give_up(next.timeout);
-        } catch (...) {
-          // Reported above.
-        }
+      {
+        std::lock_guard lock(mutex_);
+        if (failed && !failure_) failure_ = failed;
+        ++done_;
       }
+      done_wake_.notify_all();
     }
   }
 
-  void settle(std::exception_ptr failed) {
-    {
-      std::lock_guard lock(mutex_);
-      if (failed && !failure_) failure_ = failed;
-      ++finished_;
-    }
-    settled_.notify_all();
-  }
-
-  mutable std::mutex mutex_;
-  std::condition_variable wake_;     // work to follow, or stop
-  std::condition_variable settled_;  // a piece of work finished
-  std::deque<entry> queue_;
-  std::uint64_t watched_ = 0;
-  std::uint64_t finished_ = 0;
+  Owner& owner_;
+  std::mutex mutex_;
+  std::condition_variable wake_;       // work for the thread, or stop
+  std::condition_variable done_wake_;  // a bucket finished
+  std::deque<std::size_t> queue_;
+  std::size_t done_ = 0;
   bool stopping_ = false;
   std::exception_ptr failure_;
-  std::thread thread_;
+  std::thread thread_;  // last: starts once everything above exists
 };
 
-}  // namespace dtrain
-// ---- end dtrain/backend/watchdog.hpp ----
-// ---- begin dtrain/backend/communicator.hpp ----
-/// @file
-/// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
-/// the argument checks they share, and the typed collectives users call.
-
-
-#include <concepts>
-#include <cstdint>
-#include <functional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <vector>
-
-namespace dtrain {
-
-/// A group of ranks that runs collectives. Every call is asynchronous and
-/// returns a work handle; buffers must stay alive until it completes. All
-/// ranks must call the same collectives in the same order.
-template <class C>
-concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int root) {
-  { cc.rank() } -> std::convertible_to<int>;
-  { cc.size() } -> std::convertible_to<int>;
-  { c.allreduce(b, b, op) } -> std::same_as<work>;
-  { c.broadcast(b, root) } -> std::same_as<work>;
-  { c.allgather(b, b) } -> std::same_as<work>;
-  { c.reduce_scatter(b, b, op) } -> std::same_as<work>;
-  { c.barrier() } -> std::same_as<work>;
-  { c.split(root, root) } -> std::same_as<C>;
-  { C::reaches_device_memory } -> std::convertible_to<bool>;
-  { C::reaches_host_memory } -> std::convertible_to<bool>;
-  { C::name } -> std::convertible_to<std::string_view>;
-};
-
-namespace detail {
-
-inline std::string shape(const buffer& b) { return std::to_string(b.count) + " x " + std::string(to_string(b.type)); }
-
-/// Checks what one rank can check alone; throws config_error naming the collective and the rank.
-struct argument_check {
-  std::string what;  // from describe(); empty when `info` describes the call
-  const collective_info* info = nullptr;
-
-  argument_check(std::string description) : what(std::move(description)) {}
-  argument_check(const collective_info& i) : info(&i) {}
-
-  void same_type(const buffer& in, const buffer& out) const {
-    if (in.type != out.type) fail("input is " + std::string(to_string(in.type)) + ", output " + std::string(to_string(out.type)));
-    if (in.where != out.where) fail("input and output live in different memories (host and device)");
-  }
-  void count(const buffer& b, std::size_t expected, std::string_view which) const {
-    if (b.count != expected) {
-      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " + std::to_string(expected));
-    }
-  }
-  void op_fits(reduce_op op, dtype t) const {
-    if (op == reduce_op::avg && !is_floating(t)) {
-      fail("avg of " + std::string(to_string(t)) + " would truncate; average floating-point data, or sum and divide");
-    }
-  }
-  void root(int r, int size) const {
-    if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
-  }
-  [[noreturn]] void fail(const std::string& why) const {
-    throw config_error((info ? describe(*info) : what) + ": " + why);
-  }
-};
-
-/// What a rank passed to a collective, compared across ranks in check mode.
-struct signature {
-  std::int64_t collective, count, type, op_or_root;
-  friend bool operator==(const signature&, const signature&) = default;
-};
-
-/// Gathers every rank's signature with `gather` (an allgather of int64s that
-/// is not itself checked) and throws backend_error naming the first rank
-/// whose call differs from this one's.
-inline void compare_signatures(const signature& mine, int rank, int size, const std::string& what,
-                               const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
-  const std::int64_t fields[4] = {mine.collective, mine.count, mine.type, mine.op_or_root};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 4);
-  gather(fields, all);
-  for (int r = 0; r < size; ++r) {
-    const std::int64_t* f = &all[static_cast<std::size_t>(r) * 4];
-    signature theirs{f[0], f[1], f[2], f[3]};
-    if (theirs != mine) {
-      throw backend_error(what + ": rank " + std::to_string(r) + " called collective #" + std::to_string(theirs.collective) +
-                              " with " + std::to_string(theirs.count) + " x " +
-                              std::string(to_string(static_cast<dtype>(theirs.type))) + " (op/root " +
-                              std::to_string(theirs.op_or_root) + "), rank " + std::to_string(rank) + " collective #" +
-                              std::to_string(mine.collective) + " with " + std::to_string(mine.count) + " x " +
-                              std::string(to_string(static_cast<dtype>(mine.type))) + " (op/root " +
-                              std::to_string(mine.op_or_root) + ")",
-                          0);
-    }
-  }
-}
-
-}  // namespace detail
-
-// Typed collectives. A std::span is host memory and a device_span GPU
-// memory; each backend states which it reaches, and a wrong pairing is a
-// compile error (the engine's own run-time check is the second line).
-
-namespace detail {
-template <communicator C>
-inline constexpr bool host_ok = C::reaches_host_memory;
-template <communicator C>
-inline constexpr bool device_ok = C::reaches_device_memory;
-}  // namespace detail
-
-#define DTRAIN_HOST_ONLY_MESSAGE                                                              \
-  "this backend moves host memory only (std::span): copy device data to the host first, or " \
-  "use backend::nccl (or MPI built with CUDA) for device_span"
-#define DTRAIN_DEVICE_ONLY_MESSAGE                                                             \
-  "this backend moves GPU memory only (device_span): NCCL cannot read a host std::span; put " \
-  "the data on the device, or send host data over the host control plane (the store, or an " \
-  "MPI/Gloo communicator)"
-
-/// In place: every rank's `data` becomes the reduction over all ranks.
-template <communicator C, element T>
-work allreduce(C& c, std::span<T> data, reduce_op op = reduce_op::sum) {
-  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.allreduce(host_buffer(data), host_buffer(data), op);
-}
-/// Out of place: `out` becomes the reduction of every rank's `in`.
-template <communicator C, element T>
-work allreduce(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
-  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.allreduce(host_buffer(in), host_buffer(out), op);
-}
-template <communicator C, element T>
-work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
-  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
-  return c.allreduce(data.as_buffer(), data.as_buffer(), op);
-}
-
-/// `data` on every rank becomes root's.
-template <communicator C, element T>
-work broadcast(C& c, std::span<T> data, int root) {
-  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.broadcast(host_buffer(data), root);
-}
-template <communicator C, element T>
-work broadcast(C& c, device_span<T> data, int root) {
-  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
-  return c.broadcast(data.as_buffer(), root);
-}
-
-/// `out` (size() × in.size() elements) becomes every rank's `in`, in rank order.
-template <communicator C, element T>
-work allgather(C& c, std::span<const T> in, std::span<T> out) {
-  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.allgather(host_buffer(in), host_buffer(out));
-}
-template <communicator C, class In, element T>
-requires std::same_as<std::remove_const_t<In>, T>
-work allgather(C& c, device_span<In> in, device_span<T> out) {
-  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
-  return c.allgather(in.as_buffer(), out.as_buffer());
-}
-
-/// `in` (size() × out.size() elements) is reduced over ranks; rank r receives block r in `out`.
-template <communicator C, element T>
-work reduce_scatter(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
-  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.reduce_scatter(host_buffer(in), host_buffer(out), op);
-}
-template <communicator C, class In, element T>
-requires std::same_as<std::remove_const_t<In>, T>
-work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op = reduce_op::sum) {
-  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
-  return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);
-}
-
-#undef DTRAIN_HOST_ONLY_MESSAGE
-#undef DTRAIN_DEVICE_ONLY_MESSAGE
-
-}  // namespace dtrain
-// ---- end dtrain/backend/communicator.hpp ----
-// ---- begin dtrain/backend/mpi.hpp ----
-/// @file
-/// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
-/// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
-
-// ---- begin dtrain/backend/cuda.hpp ----
-/// @file
-/// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
-/// of a stream, an event and the current device. Host C++ only (the runtime
-/// API, never a kernel), so it builds with g++ and with nvcc alike. Compiles
-/// to nothing unless DTRAIN_HAS_CUDA().
-
-
-#include <cstddef>
-#include <map>
-#include <mutex>
-#include <new>
-#include <string>
-#include <utility>
-
-namespace dtrain::detail {
-
-/// The size of the pinned block that stages `bytes`: a power of two, 64 KiB
-/// at least, so that a pool of them is reused across calls of varying sizes
-/// and wastes at most half of a block.
-[[nodiscard]] constexpr std::size_t staging_block_bytes(std::size_t bytes) noexcept {
-  std::size_t block = std::size_t{64} << 10;
-  while (block < bytes && block <= (~std::size_t{0} >> 1)) block <<= 1;
-  return block < bytes ? bytes : block;
-}
-
-}  // namespace dtrain::detail
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-
-namespace dtrain::detail {
-
-/// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
-/// (cudaError_t 101, at file:line)".
-inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
-  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
-         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
-         ", at " + file + ":" + std::to_string(line) + ")";
-}
-
-[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
-                                          int line) {
-  // Clear a non-sticky error, so that the next unrelated call does not report it again.
-  (void)cudaGetLastError();
-  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
-}
-
-}  // namespace dtrain::detail
-
-/// Evaluates `call` (a CUDA runtime function returning cudaError_t) and throws
-/// dtrain::backend_error with the call as written, file:line, the runtime's
-/// error name and string, and the code (backend_error::engine_code()).
-#define DTRAIN_CUDA_CHECK(call)                                                           \
-  do {                                                                                    \
-    const cudaError_t dtrain_cuda_status_ = (call);                                       \
-    if (dtrain_cuda_status_ != cudaSuccess)                                               \
-      ::dtrain::detail::throw_cuda_error(dtrain_cuda_status_, #call, __FILE__, __LINE__); \
-  } while (false)
-
-namespace dtrain::detail {
-
-/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
-/// wait: work still queued on the stream completes, then the stream goes.
-class cuda_stream {
+/// The caller's thread enqueues each bucket on the device (after the compute
+/// stream); the host never waits for a bucket. A watchdog follows every
+/// collective and, past its timeout, aborts the communicator (which frees
+/// the stream) and keeps the timeout_error; complete() and the next
+/// launch() report it.
+template <class Owner>
+class stream_runner {
  public:
-  cuda_stream() = default;
-  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
-  cuda_stream& operator=(cuda_stream&& other) noexcept {
-    if (this != &other) {
-      reset();
-      stream_ = std::exchange(other.stream_, nullptr);
-    }
-    return *this;
-  }
-  cuda_stream(const cuda_stream&) = delete;
-  cuda_stream& operator=(const cuda_stream&) = delete;
-  ~cuda_stream() { reset(); }
+  explicit stream_runner(Owner& owner) : owner_(owner) {}
 
-  /// A stream on the current device that does not synchronise with the legacy
-  /// default stream: ordering with the caller's streams is explicit (events).
-  [[nodiscard]] static cuda_stream non_blocking() {
-    cuda_stream s;
-    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
-    return s;
+  void launch(std::size_t bucket) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+    owner_.prepare_bucket(bucket);
+    watchdog_.watch(owner_.reduce(bucket));
   }
 
-  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-    stream_ = nullptr;
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
-class cuda_event {
- public:
-  cuda_event() = default;
-  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
-  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
-  cuda_event& operator=(cuda_event&& other) noexcept {
-    if (this != &other) {
-      reset();
-      event_ = std::exchange(other.event_, nullptr);
-    }
-    return *this;
-  }
-  cuda_event(const cuda_event&) = delete;
-  cuda_event& operator=(const cuda_event&) = delete;
-  ~cuda_event() { reset(); }
-
-  [[nodiscard]] static cuda_event create() {
-    cudaEvent_t e = nullptr;
-    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return cuda_event(e);
-  }
-
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (event_) (void)cudaEventDestroy(event_);
-    event_ = nullptr;
-  }
-  cudaEvent_t event_ = nullptr;
-};
-
-/// Whether this thread has a current CUDA context, asked of the driver
-/// (cuCtxGetCurrent, found through the runtime, so nothing links libcuda).
-/// The runtime's cudaGetDevice answers 0 on a thread that never used a GPU,
-/// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
-/// GiB) for a rank that does not use it. True when the driver cannot say.
-[[nodiscard]] inline bool thread_has_cuda_context() noexcept {
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-  using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
-  static const get_current_fn get_current = []() noexcept -> get_current_fn {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t rc =
-        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found);
-#else
-    const cudaError_t rc =
-        cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found);
-#endif
-    if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<get_current_fn>(fn);
-  }();
-  if (get_current == nullptr) return true;
-  void* context = nullptr;
-  return get_current(&context) == 0 && context != nullptr;
-#else
-  return true;
-#endif
-}
-
-/// Makes `device` current for a scope, and restores the previous device
-/// after it only where this thread had a context: on a fresh thread (a
-/// watchdog, a communication thread) the device stays `device`, so that no
-/// context is created on a GPU the rank does not use. Switches only when
-/// needed (a cudaSetDevice costs more than a cudaGetDevice).
-class device_guard {
- public:
-  explicit device_guard(int device) {
-    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) {
-      const bool restore = thread_has_cuda_context();
-      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = restore;
-    }
-  }
-  /// For destructors and other noexcept paths: failures are ignored.
-  device_guard(int device, std::nothrow_t) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    if (previous_ != device) {
-      const bool restore = thread_has_cuda_context();
-      switched_ = cudaSetDevice(device) == cudaSuccess && restore;
-    }
-  }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  ~device_guard() {
-    if (switched_) (void)cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
-/// Pinned (page-locked) host blocks for staging device buffers through host
-/// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens
-/// only when no free block of the size class is left. What the pool holds is
-/// bounded by the largest set of stagings in flight at once (each block at most
-/// twice its use). Also owns one non-blocking copy stream per device. Thread-safe.
-class pinned_pool {
- public:
-  pinned_pool() = default;
-  pinned_pool(const pinned_pool&) = delete;
-  pinned_pool& operator=(const pinned_pool&) = delete;
-  ~pinned_pool() {
-    for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
-    for (auto& [device, stream] : streams_) {
-      device_guard on(device, std::nothrow);
-      (void)cudaStreamDestroy(stream);
-    }
-  }
-
-  /// A block of staging_block_bytes(bytes) (null for 0 bytes); give it back with give().
-  /// Call under a device_guard for the device being staged.
-  [[nodiscard]] void* take(std::size_t bytes) {
-    if (bytes == 0) return nullptr;
-    const std::size_t size = staging_block_bytes(bytes);
-    {
-      std::lock_guard lock(mutex_);
-      auto it = free_.find(size);
-      if (it != free_.end()) {
-        void* block = it->second;
-        free_.erase(it);
-        return block;
-      }
-    }
-    void* block = nullptr;
-    DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
-    std::lock_guard lock(mutex_);
-    held_ += size;
-    return block;
-  }
-
-  /// Returns a block from take(bytes) for reuse.
-  void give(void* block, std::size_t bytes) noexcept {
-    if (block == nullptr) return;
+  /// Orders the compute stream after every bucket and enqueues their
+  /// finishing work there; the host does not wait. Returns the watchdog's
+  /// failure so far, or null.
+  std::exception_ptr complete(std::size_t count) {
+    if (auto e = watchdog_.failure()) return e;
     try {
-      std::lock_guard lock(mutex_);
-      free_.emplace(staging_block_bytes(bytes), block);
+      owner_.order_after_buckets();
+      for (std::size_t b = 0; b < count; ++b) owner_.finish_bucket(b);
     } catch (...) {
-      (void)cudaFreeHost(block);
-      std::lock_guard lock(mutex_);
-      held_ -= staging_block_bytes(bytes);
+      // The watchdog's timeout says more than the aborted communicator's error it
+      // causes; it is recorded just after the abort, so let the watchdog settle.
+      if (auto e = watchdog_.drain()) return e;
+      return std::current_exception();
     }
+    return watchdog_.failure();
   }
 
-  /// The pool's copy stream on `device` (created on first use, under a guard).
-  [[nodiscard]] cudaStream_t copy_stream(int device) {
-    std::lock_guard lock(mutex_);
-    auto it = streams_.find(device);
-    if (it != streams_.end()) return it->second;
-    device_guard on(device);
-    cuda_stream s = cuda_stream::non_blocking();
-    cudaStream_t raw = s.get();
-    streams_.emplace(device, raw);
-    (void)s.release();
-    return raw;
-  }
-
-  /// Pinned bytes allocated and not freed: blocks in use and free ones.
-  [[nodiscard]] std::size_t held_bytes() const {
-    std::lock_guard lock(mutex_);
-    return held_;
-  }
+  /// Blocks until every bucket launched so far has completed on the device
+  /// (each within its timeout); returns the first failure, or null.
+  std::exception_ptr drain() { return watchdog_.drain(); }
 
  private:
-  mutable std::mutex mutex_;
-  std::multimap<std::size_t, void*> free_;
-  std::map<int, cudaStream_t> streams_;
-  std::size_t held_ = 0;
+  Owner& owner_;
+  watchdog watchdog_;
 };
 
 }  // namespace dtrain::detail
+// ---- end dtrain/ddp/runner.hpp ----
+// ---- begin dtrain/ddp/storage.hpp ----
+/// @file
+/// The flat memory DistributedDataParallel keeps its buckets in, in the
+/// memory space of its backend (host_memory, cuda_memory, ...).
 
-#endif  // DTRAIN_HAS_CUDA()
-// ---- end dtrain/backend/cuda.hpp ----
 
-#if DTRAIN_HAS_MPI()
+#include <cstddef>
+#include <utility>
 
-#include <mpi.h>
-#if __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support
-#endif
+namespace dtrain::detail {
+
+/// Zeroed bytes in `Memory` on `device`, owned. Allocation and zeroing are
+/// ordered on the stream given at construction, the release on the stream
+/// set last (set_stream): the owner keeps that stream ordered after every
+/// use on any stream (see DistributedDataParallel::lay_out).
+template <class Memory>
+class flat_storage {
+ public:
+  flat_storage() = default;
+  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
+      : data_(Memory::allocate(bytes, device, stream)),
+        bytes_(bytes),
+        device_(device),
+        stream_(stream) {
+    if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
+  }
+  flat_storage(flat_storage&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        device_(other.device_),
+        stream_(other.stream_) {}
+  flat_storage& operator=(flat_storage&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      device_ = other.device_;
+      stream_ = other.stream_;
+    }
+    return *this;
+  }
+  flat_storage(const flat_storage&) = delete;
+  flat_storage& operator=(const flat_storage&) = delete;
+  ~flat_storage() { release(); }
+
+  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  /// The stream the release is ordered on from now on.
+  void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
+
+ private:
+  void release() noexcept {
+    if (data_) Memory::release(data_, device_, stream_);
+    data_ = nullptr;
+  }
+
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  int device_ = -1;
+  typename Memory::stream_type stream_{};
+};
+
+/// The element type float32 gradients travel as under `kind` (not none).
+[[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
+  return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/storage.hpp ----
+// ---- begin dtrain/ddp/timeline.hpp ----
+/// @file
+/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
+/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
+/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
+/// Off, a recorder is one null pointer: no allocation and no clock read, one
+/// branch per recording point. On, spans go into a buffer per track, each
+/// with its own (uncontended: one thread per track) mutex, and the file is
+/// written at the end, so nothing is formatted or written during a step.
+
+
 #include <array>
-#include <chrono>
-#include <climits>
-#include <cstdlib>
-#include <cstdint>
-#include <cstring>
-#include <exception>
-#include <memory>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain {
-
-namespace detail {
-
-inline std::string mpi_error_text(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<std::size_t>(length));
-}
-
-// What a failed call was for: a plain text, or a collective described on demand.
-inline std::string what_text(const std::string& text) { return text; }
-inline std::string what_text(const char* text) { return text; }
-inline std::string what_text(const collective_info& info) { return describe(info); }
-
-inline std::string mpi_thread_level_name(int level) {
-  switch (level) {
-    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
-    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
-    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
-    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
-  }
-  return "thread level " + std::to_string(level);
-}
-
-}  // namespace detail
-
-/// Evaluates an MPI call; throws backend_error with file:line, the call, what
-/// it was for and MPI's message and code when it does not return MPI_SUCCESS.
-#define DTRAIN_MPI_CHECK(call, what)                                                                     \
-  do {                                                                                                   \
-    int dtrain_mpi_rc_ = (call);                                                                         \
-    if (dtrain_mpi_rc_ != MPI_SUCCESS) {                                                                 \
-      throw ::dtrain::backend_error(::dtrain::detail::what_text(what) + ": " #call " failed: " +         \
-                                        ::dtrain::detail::mpi_error_text(dtrain_mpi_rc_) + " (at " __FILE__ \
-                                        ":" + std::to_string(__LINE__) + ")",                            \
-                                    dtrain_mpi_rc_);                                                     \
-    }                                                                                                    \
-  } while (0)
-
-/// Options of the MPI backend.
-struct mpi_options {
-  collective_options collectives{};
-  /// The thread level dtrain requires: DDP's communication thread calls MPI
-  /// while other threads may too. Initialising MPI asks for MULTIPLE.
-  int required_thread_level = MPI_THREAD_MULTIPLE;
-  /// When dtrain initialises Open MPI and the user set no
-  /// OMPI_MCA_coll_libnbc_iallreduce_algorithm, ask for the ring algorithm:
-  /// Open MPI's default for the nonblocking allreduce dtrain uses is about
-  /// twice as slow as its blocking one from 4 KiB up (bench/allreduce_mpi).
-  bool tune_open_mpi = true;
-  /// Device buffers go to MPI as they are (blocking collectives, since Open
-  /// MPI's nonblocking ones do not take CUDA memory), instead of being staged
-  /// through pooled pinned host memory. Opt-in, and only for an MPI built
-  /// with CUDA support (MPIX_Query_cuda_support(); otherwise a config_error).
-  /// A blocking call cannot be bounded by the collective timeout.
-  bool cuda_aware_direct = false;
-};
-
-/// Owns MPI's initialisation when dtrain did it: initialises only if nobody
-/// has, and then finalizes when the last communicator is gone.
-class mpi_environment {
- public:
-  explicit mpi_environment(int required_level, bool tune_open_mpi = true)
-      : unwinding_(std::uncaught_exceptions()) {
-    int initialized = 0;
-    DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
-    int provided = MPI_THREAD_SINGLE;
-    if (!initialized) {
-      if (tune_open_mpi) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);  // never overrides the user
-      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS) throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
-      owned_ = true;
-    } else {
-      DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
-    }
-    if (provided < required_level) {
-      throw backend_error("MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
-                              detail::mpi_thread_level_name(required_level) +
-                              (owned_ ? "; use an MPI built with thread support"
-                                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
-                          provided);
-    }
-  }
-  mpi_environment(const mpi_environment&) = delete;
-  mpi_environment& operator=(const mpi_environment&) = delete;
-  /// Finalizes MPI if this object initialised it, except while an exception
-  /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
-  /// MPI is left up for dtrain::run to report the failure and MPI_Abort).
-  ~mpi_environment() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_)
-      MPI_Finalize();
-  }
-  [[nodiscard]] bool owned() const noexcept { return owned_; }
-
-  /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
-  [[nodiscard]] static bool cuda_aware() noexcept {
-#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
-    return MPIX_Query_cuda_support() == 1;
-#else
-    return false;
-#endif
-  }
-
- private:
-  bool owned_ = false;
-  int unwinding_ = 0;  // exceptions in flight when it was made
-};
-
-/// A communicator over MPI. Host memory always; device memory (compiled when
-/// CUDA is available) staged through pooled pinned host blocks: copied out
-/// after the work queued on the caller's stream, reduced by MPI, copied back
-/// before the work completes. With mpi_options::cuda_aware_direct and a
-/// CUDA-aware MPI, device pointers go to MPI's blocking collectives instead.
-/// float16 and bfloat16 reduce through dtrain's own MPI_Op (MPI has no such
-/// types): converted to float, reduced, rounded back at each step.
-class mpi_communicator {
- public:
-  static constexpr std::string_view name = "mpi";
-  static constexpr bool reaches_device_memory = DTRAIN_HAS_CUDA() != 0;
-  static constexpr bool reaches_host_memory = true;
-
-  /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
-  static mpi_communicator world(mpi_options options = {}) {
-    auto env = std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
-    return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
-  }
-
-  /// Wraps a duplicate of `comm` (MPI already initialised by the caller).
-  static mpi_communicator from(MPI_Comm comm, mpi_options options = {}) {
-    auto env = std::make_shared<mpi_environment>(options.required_thread_level);
-    return mpi_communicator(std::move(env), comm, std::move(options));
-  }
-
-  mpi_communicator(mpi_communicator&& other) noexcept
-      : env_(std::move(other.env_)),
-        comm_(std::exchange(other.comm_, MPI_COMM_NULL)),
-        rank_(other.rank_),
-        size_(other.size_),
-        options_(other.options_),
-        ring_(std::move(other.ring_)),
-        ops_(std::exchange(other.ops_, no_ops())),
-        health_(std::move(other.health_)),
-        staging_(std::move(other.staging_)) {}
-  mpi_communicator& operator=(mpi_communicator&&) = delete;
-  mpi_communicator(const mpi_communicator&) = delete;
-  mpi_communicator& operator=(const mpi_communicator&) = delete;
-  ~mpi_communicator() {
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    for (MPI_Op& op : ops_) {
-      if (op != MPI_OP_NULL) MPI_Op_free(&op);
-    }
-    // A request given up after a timeout may still be progressed by MPI: keep
-    // the communicator allocated for it (a deliberate leak of a dead communicator).
-    if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
-  }
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
-  /// This communicator's last collectives, for desync diagnostics.
-  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
-
-  /// Pinned host bytes this communicator holds for staging device buffers
-  /// (in use and free for reuse); 0 without CUDA.
-  [[nodiscard]] std::size_t staging_bytes() const {
-#if DTRAIN_HAS_CUDA()
-    return staging_->pool.held_bytes();
-#else
-    return 0;
-#endif
-  }
-
-  // Device buffers: `stream` is the caller's stream whose work produced the
-  // input (null: the legacy default stream). The host waits for it before MPI
-  // reads the data; the output is on the device when the work completes.
-
-  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    const auto what = info("allreduce", out, static_cast<int>(op), -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(out, in.count, "output");
-    check.op_fits(op, in.type);
-    usable(what);
-    auto w = make_request(what, verify(0, in, static_cast<std::int64_t>(op), what));
-    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
-    w->divide_by = op == reduce_op::avg ? size_ : 0;
-    if (out.count == 0) return work(w);
-    const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Allreduce(send, w->dst.data, count(out, what), datatype(out.type),
-                                     mpi_op(op, out.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type), mpi_op(op, out.type),
-                                    comm_, &w->req),
-                     what);
-    return work(w);
-  }
-
-  work broadcast(buffer data, int root, stream_handle stream = nullptr) {
-    const auto what = info("broadcast", data, -1, root);
-    detail::argument_check{what}.root(root, size_);
-    usable(what);
-    auto w = make_request(what, verify(1, data, root, what));
-    w->stage(data, data, false, stream);
-    if (data.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_), what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req), what);
-    return work(w);
-  }
-
-  work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
-    const auto what = info("allgather", in, -1, -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(out, in.count * static_cast<std::size_t>(size_), "output");
-    usable(what);
-    auto w = make_request(what, verify(2, in, 0, what));
-    w->stage(in, out, false, stream);
-    if (in.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Allgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
-                                     count(in, what), datatype(in.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data, count(in, what),
-                                    datatype(in.type), comm_, &w->req),
-                     what);
-    return work(w);
-  }
-
-  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(in, out.count * static_cast<std::size_t>(size_), "input");
-    check.op_fits(op, in.type);
-    usable(what);
-    auto w = make_request(what, verify(3, out, static_cast<std::int64_t>(op), what));
-    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
-    w->divide_by = op == reduce_op::avg ? size_ : 0;
-    if (out.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(w->src.data, w->dst.data, count(out, what),
-                                                datatype(out.type), mpi_op(op, out.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
-                                               mpi_op(op, out.type), comm_, &w->req),
-                     what);
-    return work(w);
-  }
-
-  work barrier() {
-    const auto what = info("barrier", buffer{}, -1, -1);
-    usable(what);
-    auto w = make_request(what, verify(4, buffer{}, 0, what));
-    DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
-    return work(w);
-  }
-
-  /// The ranks with the same color, ordered by key (then by rank). Collective.
-  mpi_communicator split(int color, int key) {
-    auto what = detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key), rank_, size_, name);
-    if (color < 0) throw config_error(what + ": color must be non-negative");
-    usable(what);
-    MPI_Comm child = MPI_COMM_NULL;
-    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
-    mpi_communicator out(env_, child, options_);
-    out.ring_ = ring_->make_child(color);
-    MPI_Comm_free(&child);  // `out` holds its own duplicate
-    return out;
-  }
-
- private:
-  struct health {
-    bool broken = false;
-    bool abandoned = false;  // a request was given up while MPI may still progress it
-    std::string why;
-  };
-
-  // How device buffers travel (CUDA builds): the pinned pool, and whether the
-  // MPI takes device pointers itself (mpi_options::cuda_aware_direct).
-  struct staging {
-#if DTRAIN_HAS_CUDA()
-    detail::pinned_pool pool;
-#endif
-    bool direct = false;
-  };
-
-  // One outstanding MPI request, with the staging and the avg division it needs when done.
-  struct request : detail::work_state {
-    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h,
-            std::shared_ptr<staging> st)
-        : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
-    ~request() override {
-      int finalized = 1;
-      MPI_Finalized(&finalized);
-      if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
-        // A handle dropped before completion: MPI still writes into the
-        // buffers, so finish it, for at most the timeout, rather than leave
-        // MPI holding freed memory.
-        auto deadline = std::chrono::steady_clock::now() + timeout();
-        int flag = 0;
-        while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
-               std::chrono::steady_clock::now() < deadline) {
-        }
-        if (!flag) abandon();
-      }
-      if (!abandoned) release_staging();  // an abandoned request may still write into them
-    }
-
-    /// Chooses where MPI reads and writes: the user's buffers (host memory;
-    /// device memory when the MPI takes it directly and no host arithmetic is
-    /// needed), or pooled pinned copies of device buffers, filled once the
-    /// work queued on `stream` is done. Host arithmetic: avg's division and
-    /// the 16-bit floats' MPI_Op.
-    void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math,
-               [[maybe_unused]] stream_handle stream) {
-      user_out = out;
-      src = in;
-      dst = out;
-#if DTRAIN_HAS_CUDA()
-      if (out.where != memory::device) return;
-      try {
-        device = out.device;
-        if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
-        detail::device_guard on(device);
-        if (staging_->direct && !host_math) {
-          direct = true;  // MPI reads the device memory now: the caller's work first
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-          return;
-        }
-        staged = true;
-        const bool same = in.data == out.data;
-        dst.data = take(out.bytes(), dst_block);
-        dst.where = memory::host;
-        src.data = same ? dst.data : take(in.bytes(), src_block);
-        src.where = memory::host;
-        if (in.bytes() > 0) {
-          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-        }
-      } catch (const backend_error& e) {
-        throw backend_error(description() + ": staging the device buffer through pinned host memory: " + e.what(),
-                            e.engine_code());
-      }
-#endif
-    }
-
-    bool poll() override {
-      if (finished) return true;
-      if (req != MPI_REQUEST_NULL) {
-        int flag = 0;
-        int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) {
-          fail(std::make_exception_ptr(backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
-          health_->broken = true;
-          health_->why = description() + " failed";
-          finished = true;
-          return true;
-        }
-        if (!flag) return false;
-      }
-      try {
-        if (divide_by > 0) detail::divide_host(dst, divide_by);
-#if DTRAIN_HAS_CUDA()
-        if (staged && user_out.bytes() > 0) {
-          detail::device_guard on(device);
-          cudaStream_t copy = staging_->pool.copy_stream(device);
-          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
-        }
-#endif
-      } catch (const backend_error& e) {
-        fail(std::make_exception_ptr(
-            backend_error(description() + ": copying the result back to the device: " + e.what(), e.engine_code())));
-      } catch (...) {
-        fail(std::current_exception());
-      }
-      release_staging();
-      finished = true;
-      return true;
-    }
-
-    void on_timeout() noexcept override { abandon(); }
-
-    // MPI cannot cancel a collective: the communicator is unusable from now on.
-    void abandon() noexcept {
-      abandoned = true;
-      health_->abandoned = true;
-      health_->broken = true;
-      health_->why = description() + " timed out";
-    }
-
-    MPI_Request req = MPI_REQUEST_NULL;
-    buffer src{}, dst{}, user_out{};
-    int divide_by = 0;
-    int device = -1;      // of the staged device buffers
-    bool staged = false;  // src/dst are pinned blocks from the pool
-    bool direct = false;  // device pointers to a blocking call: complete at launch
-    bool finished = false;
-    bool abandoned = false;
-
-   private:
-    struct block {
-      void* data = nullptr;
-      std::size_t bytes = 0;
-    };
-#if DTRAIN_HAS_CUDA()
-    void* take(std::size_t bytes, block& b) {
-      b.data = staging_->pool.take(bytes);
-      b.bytes = bytes;
-      return b.data;
-    }
-#endif
-    // Blocks go back to the pool for the next call (never while MPI may still
-    // write into them: an abandoned request keeps them).
-    void release_staging() noexcept {
-#if DTRAIN_HAS_CUDA()
-      staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
-      staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
-#endif
-    }
-    block src_block, dst_block;
-    std::shared_ptr<health> health_;
-    std::shared_ptr<staging> staging_;
-  };
-
-  std::shared_ptr<request> make_request(const detail::collective_info& what, std::int64_t seq) {
-    auto w = std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
-    w->track(ring_, seq);
-    return w;
-  }
-
-  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
-      : env_(std::move(env)),
-        options_(std::move(options)),
-        health_(std::make_shared<health>()),
-        staging_(std::make_shared<staging>()) {
-    if (options_.cuda_aware_direct) {
-      if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
-        throw config_error(
-            "mpi_options::cuda_aware_direct is set, but " +
-            std::string(DTRAIN_HAS_CUDA() ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
-                                          : "dtrain is built without CUDA") +
-            ": unset it, and device buffers are staged through pinned host memory");
-      }
-      staging_->direct = true;
-    }
-    DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
-    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
-    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-  }
-
-  detail::collective_info info(std::string_view collective, const buffer& b, int op, int root) const noexcept {
-    return {collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
-  }
-
-  void usable(const detail::collective_info& what) const {
-    if (health_->broken) usable(detail::describe(what));
-  }
-  void usable(const std::string& what) const {
-    if (health_->broken) {
-      throw backend_error(what + ": this MPI communicator is unusable since " + health_->why +
-                              " (MPI cannot cancel a collective); end the job, or continue only on other "
-                              "communicators",
-                          0);
-    }
-  }
-
-  static int count(const buffer& b, const detail::collective_info& what) {
-    if (b.count > static_cast<std::size_t>(INT_MAX)) {
-      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) + " elements exceed MPI's int count; split the buffer");
-    }
-    return static_cast<int>(b.count);
-  }
-
-  // Whether MPI reduces the type itself (the 16-bit floats go through dtrain's MPI_Op).
-  static bool native(dtype t) noexcept { return t != dtype::float16 && t != dtype::bfloat16; }
-
-  static MPI_Datatype datatype(dtype t) {
-    switch (t) {
-      case dtype::float32: return MPI_FLOAT;
-      case dtype::float64: return MPI_DOUBLE;
-      case dtype::int32: return MPI_INT32_T;
-      case dtype::int64: return MPI_INT64_T;
-      case dtype::uint8: return MPI_UINT8_T;
-      case dtype::float16:
-      case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
-    }
-    return MPI_DATATYPE_NULL;
-  }
-
-  template <class T, reduce_op Op>
-  static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
-    detail::reduce_host<T>(static_cast<T*>(inout), static_cast<const T*>(in), static_cast<std::size_t>(*len), Op);
-  }
-
-  MPI_Op mpi_op(reduce_op op, dtype t) {
-    if (t != dtype::float16 && t != dtype::bfloat16) {
-      switch (op) {
-        case reduce_op::sum:
-        case reduce_op::avg: return MPI_SUM;
-        case reduce_op::min: return MPI_MIN;
-        case reduce_op::max: return MPI_MAX;
-        case reduce_op::prod: return MPI_PROD;
-      }
-    }
-    // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
-    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) +
-                             (op == reduce_op::min ? 1u : op == reduce_op::max ? 2u : op == reduce_op::prod ? 3u : 0u);
-    if (ops_[slot] == MPI_OP_NULL) {
-      static MPI_User_function* const functions[8] = {
-          &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
-          &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
-          &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
-          &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
-      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]), "creating the 16-bit float MPI_Op");
-    }
-    return ops_[slot];
-  }
-
-  // Numbers the collective in the ring; check mode: every rank passed the same call, count, type, op/root.
-  std::int64_t verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
-    const std::int64_t sequence = detail::record(*ring_, info);
-    if (!options_.collectives.check) return sequence;
-    const std::string what = detail::describe(info);
-    detail::signature mine{sequence * 8 + collective, static_cast<std::int64_t>(b.count),
-                           static_cast<std::int64_t>(b.type), op_or_root};
-    detail::compare_signatures(mine, rank_, size_, what, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-      DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
-                                     static_cast<int>(in.size()), MPI_INT64_T, comm_),
-                       what + " (check mode)");
-    });
-    return sequence;
-  }
-
-  std::shared_ptr<mpi_environment> env_;
-  MPI_Comm comm_ = MPI_COMM_NULL;
-  int rank_ = 0;
-  int size_ = 1;
-  mpi_options options_;
-  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
-  // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
-  static std::array<MPI_Op, 8> no_ops() noexcept {
-    std::array<MPI_Op, 8> ops;
-    ops.fill(MPI_OP_NULL);
-    return ops;
-  }
-  std::array<MPI_Op, 8> ops_ = no_ops();
-  std::shared_ptr<health> health_;
-  std::shared_ptr<staging> staging_;
-};
-
-static_assert(communicator<mpi_communicator>);
-
-}  // namespace dtrain
-
-#endif  // DTRAIN_HAS_MPI()
-// ---- end dtrain/backend/mpi.hpp ----
-// ---- begin dtrain/backend/gloo.hpp ----
-/// @file
-/// gloo_communicator: the communicator concept on Gloo's TCP transport, for
-/// host memory. Bootstrapped through dtrain's store, so env:// jobs (torchrun
-/// style, no mpirun) run on CPUs. Gloo's calls block, so every communicator
-/// runs its collectives on one worker thread, in the order they were
-/// submitted; all ranks submit in the same order, so the queues stay matched.
-
-
-// ---- begin dtrain/backend/gloo_store.hpp ----
-/// @file
-/// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
-/// interface, and the choice of the network interface Gloo's TCP transport
-/// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
-/// interface variables is left (topology/network.hpp reports it).
-
-// ---- begin dtrain/detail/net.hpp ----
-/// @file
-/// What this host's network looks like to a process: its interfaces and
-/// their addresses (getifaddrs), what a name resolves to, and which local
-/// address reaches a host. Plain facts for the engines' interface choice
-/// (backend/gloo_store.hpp) and for the network report (topology/network.hpp).
-
-#include <cerrno>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#include <ifaddrs.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-namespace dtrain::detail {
-
-/// One address of one interface.
-struct interface_address {
-  std::string name;     ///< "eth0"
-  std::string address;  ///< numeric: "10.0.0.4", "fe80::1"
-  bool ipv6 = false;
-};
-
-/// Every IPv4 and IPv6 address of every interface (getifaddrs); empty when it fails.
-inline std::vector<interface_address> interface_addresses() {
-  std::vector<interface_address> out;
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return out;
-  for (ifaddrs* i = list; i; i = i->ifa_next) {
-    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6))
-      continue;
-    const socklen_t length =
-        i->ifa_addr->sa_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
-    char text[NI_MAXHOST] = {};
-    if (::getnameinfo(i->ifa_addr, length, text, sizeof text, nullptr, 0, NI_NUMERICHOST) != 0)
-      continue;
-    out.push_back({i->ifa_name, text, i->ifa_addr->sa_family == AF_INET6});
-  }
-  ::freeifaddrs(list);
-  return out;
-}
-
-/// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
-inline std::vector<std::string> interfaces_with_address() {
-  std::vector<std::string> names;
-  for (const auto& a : interface_addresses()) {
-    bool seen = false;
-    for (const auto& n : names) seen = seen || n == a.name;
-    if (!seen) names.push_back(a.name);
-  }
-  return names;
-}
-
-/// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
-/// error in `error`.
-struct resolved {
-  std::vector<std::string> addresses;
-  std::string error;  ///< empty on success
-};
-inline resolved resolve(const std::string& host) {
-  resolved out;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); rc != 0) {
-    out.error = ::gai_strerror(rc);
-    return out;
-  }
-  for (addrinfo* a = found; a; a = a->ai_next) {
-    char text[NI_MAXHOST] = {};
-    if (::getnameinfo(a->ai_addr, a->ai_addrlen, text, sizeof text, nullptr, 0, NI_NUMERICHOST) !=
-        0)
-      continue;
-    bool seen = false;
-    for (const auto& s : out.addresses) seen = seen || s == text;
-    if (!seen) out.addresses.emplace_back(text);
-  }
-  ::freeaddrinfo(found);
-  return out;
-}
-
-/// The local address this host sends from to reach host:port (a UDP socket
-/// connected there, asked for its own name; nothing is sent), or why not in `error`.
-struct route_source {
-  std::string address;
-  std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
-};
-inline route_source local_address_to(const std::string& host, int port) {
-  route_source out;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port > 0 ? port : 9);
-  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    out.error = std::string("cannot be resolved (") + ::gai_strerror(rc) + ")";
-    return out;
-  }
-  std::string why = "no address";
-  for (addrinfo* a = found; a && out.address.empty(); a = a->ai_next) {
-    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      why = std::strerror(errno);
-      continue;
-    }
-    sockaddr_storage local{};
-    socklen_t length = sizeof local;
-    char text[NI_MAXHOST] = {};
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
-      why = std::strerror(errno);
-    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0) {
-      why = std::strerror(errno);
-    } else if (int rc = ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text,
-                                      sizeof text, nullptr, 0, NI_NUMERICHOST);
-               rc != 0) {
-      why = ::gai_strerror(rc);
-    } else {
-      out.address = text;
-    }
-    ::close(fd);
-  }
-  ::freeaddrinfo(found);
-  if (out.address.empty()) out.error = "no local address reaches it (" + why + ")";
-  return out;
-}
-
-/// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
-inline bool is_loopback_address(const std::string& address) {
-  return address.rfind("127.", 0) == 0 || address == "::1" || address.rfind("::ffff:127.", 0) == 0;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/detail/net.hpp ----
-
-
-#include <optional>
-#include <string>
-
-namespace dtrain::detail {
-
-/// An interface named by a variable, with the variable as it was set.
-struct named_interface {
-  std::string name;    ///< "eth0"
-  std::string origin;  ///< "GLOO_SOCKET_IFNAME=eth0,eth1"
-};
-
-/// The interface the environment tells Gloo to use: DTRAIN_GLOO_IFNAME, else
-/// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
-/// when neither is set (then the interface that reaches MASTER_ADDR is used).
-inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
-  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
-    return named_interface{std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v)};
-  }
-  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
-    return named_interface{std::string(v->substr(0, v->find(','))),
-                           "GLOO_SOCKET_IFNAME=" + std::string(*v)};
-  }
-  return std::nullopt;
-}
-
-}  // namespace dtrain::detail
-
-#if DTRAIN_HAS_GLOO()
-
-#include <gloo/rendezvous/store.h>
-
 #include <cerrno>
 #include <chrono>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <memory>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-#include <ifaddrs.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-namespace dtrain::detail {
-
-/// Any dtrain store, seen through the calls the Gloo backend makes, so that
-/// gloo_communicator is one type whatever store bootstrapped it (its splits
-/// bootstrap through the same store later). Refers to the store, which must
-/// outlive every communicator made from it.
-class gloo_store_ref {
- public:
-  using milliseconds = std::chrono::milliseconds;
-
-  template <store S>
-  explicit gloo_store_ref(S& s)
-      : set_([p = &s](std::string_view key, std::string_view value) { p->set(key, value); }),
-        get_([p = &s](std::string_view key, milliseconds timeout) { return std::string(p->get(key, timeout)); }),
-        wait_([p = &s](std::span<const std::string> keys, milliseconds timeout) { p->wait(keys, timeout); }),
-        add_([p = &s](std::string_view key, std::int64_t delta) { return std::int64_t(p->add(key, delta)); }),
-        erase_([p = &s](std::string_view key) { p->erase(key); }) {}
-
-  void set(std::string_view key, std::string_view value) const { set_(key, value); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) const { return get_(key, timeout); }
-  void wait(std::span<const std::string> keys, milliseconds timeout) const { wait_(keys, timeout); }
-  std::int64_t add(std::string_view key, std::int64_t delta) const { return add_(key, delta); }
-  void erase(std::string_view key) const { erase_(key); }
-
- private:
-  std::function<void(std::string_view, std::string_view)> set_;
-  std::function<std::string(std::string_view, milliseconds)> get_;
-  std::function<void(std::span<const std::string>, milliseconds)> wait_;
-  std::function<std::int64_t(std::string_view, std::int64_t)> add_;
-  std::function<void(std::string_view)> erase_;
-};
-
-/// Gloo's five-method store on top of a dtrain store, every key under
-/// `prefix/`. Remembers the keys it wrote, so that they can be erased once
-/// every rank has connected (a full mesh of N ranks leaves N values of
-/// O(N) addresses each).
-class gloo_store_adapter final : public ::gloo::rendezvous::Store {
- public:
-  gloo_store_adapter(const gloo_store_ref& store, std::string prefix, std::chrono::milliseconds timeout)
-      : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
-    written_.push_back(prefix_ + key);
-  }
-
-  std::vector<char> get(const std::string& key) override {
-    std::string value = store_.get(prefix_ + key, timeout_);
-    return {value.begin(), value.end()};
-  }
-
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    std::vector<std::string> full;
-    full.reserve(keys.size());
-    for (const auto& k : keys) full.push_back(prefix_ + k);
-    // Gloo passes kNoTimeout (0) to mean "the default".
-    store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
-  }
-
-  [[nodiscard]] const std::vector<std::string>& written() const noexcept { return written_; }
-
- private:
-  const gloo_store_ref& store_;
-  std::string prefix_;
-  std::chrono::milliseconds timeout_;
-  std::vector<std::string> written_;
-};
-
-/// Where Gloo's TCP transport listens: a named interface, or an address.
-struct gloo_endpoint {
-  std::string iface;     ///< network interface name ("eth0"), or empty
-  std::string hostname;  ///< numeric address to bind, when no interface is named
-  std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
-};
-
-/// Throws config_error naming `origin` when no interface `name` with an address exists here.
-inline void require_interface(const std::string& name, const std::string& origin) {
-  auto names = interfaces_with_address();
-  for (const auto& n : names) {
-    if (n == name) return;
-  }
-  std::string known;
-  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-  throw config_error(origin + " names no network interface with an IP address on this host (interfaces: " +
-                     (known.empty() ? std::string("none") : known) +
-                     "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
-}
-
-/// The local address this host sends from to reach host:port; config_error
-/// naming `origin` when there is none.
-inline std::string local_address_towards(const std::string& host, int port, const std::string& origin) {
-  const route_source route = local_address_to(host, port);
-  if (route.error.rfind("cannot be resolved", 0) == 0) {
-    throw config_error(origin + " " + route.error +
-                       ", so no interface for Gloo can be chosen from it; set DTRAIN_GLOO_IFNAME");
-  }
-  if (!route.error.empty()) {
-    throw config_error(origin + ": " + route.error + "; set DTRAIN_GLOO_IFNAME");
-  }
-  return route.address;
-}
-
-/// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
-/// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
-/// address that reaches the master (`master_addr` option, else MASTER_ADDR),
-/// else 127.0.0.1 for a world of one and the host name otherwise. A named
-/// interface that does not exist is a config_error naming it.
-inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, const std::string& master_option,
-                                          const environment& env, int size) {
-  auto named = [](std::string name, std::string origin) {
-    require_interface(name, origin);
-    return gloo_endpoint{std::move(name), {}, std::move(origin)};
-  };
-  if (!interface_option.empty()) return named(interface_option, "gloo_options::interface=" + interface_option);
-  if (auto variable = gloo_interface_variable(env)) {
-    return named(std::move(variable->name), std::move(variable->origin));
-  }
-  std::string master = master_option;
-  std::string origin = "gloo_options::master_addr=" + master_option;
-  if (master.empty()) {
-    if (auto v = env.get("MASTER_ADDR"); v && !v->empty()) {
-      master = std::string(*v);
-      origin = "MASTER_ADDR=" + master;
-    }
-  }
-  if (!master.empty()) {
-    int port = 0;
-    if (auto p = env.get("MASTER_PORT")) port = std::atoi(std::string(*p).c_str());
-    std::string address = local_address_towards(master, port, origin);
-    return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
-  }
-  if (size == 1) return {{}, "127.0.0.1", "127.0.0.1 (a world of one, no MASTER_ADDR)"};
-  const std::string host = host_name().value_or("");
-  return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
-}
-
-}  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_GLOO()
-// ---- end dtrain/backend/gloo_store.hpp ----
-// ---- begin dtrain/backend/gloo_worker.hpp ----
-/// @file
-/// How a gloo_communicator runs its collectives: Gloo's calls block, so each
-/// communicator queues them for one worker thread, in submission order (all
-/// ranks submit in the same order, so the queues stay matched), and its work
-/// handles report their completion. Used by backend/gloo.hpp; compiles to
-/// nothing without Gloo.
-
-
-
-#if DTRAIN_HAS_GLOO()
-
-#include <gloo/allgather.h>
-#include <gloo/allreduce.h>
-#include <gloo/barrier.h>
-#include <gloo/broadcast.h>
-#include <gloo/common/logging.h>
-#include <gloo/context.h>
-#include <gloo/math.h>
-#include <gloo/transport/device.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cctype>
-#include <chrono>
-#include <condition_variable>
 #include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <deque>
-#include <exception>
-#include <memory>
-#include <mutex>
-#include <span>
-#include <stdexcept>
-#include <string>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-template <class T>
-inline constexpr bool is_half_float = std::same_as<T, float16> || std::same_as<T, bfloat16>;
-
-/// Gloo's element-wise reduction (c = a op b; c may be a or b) for T and op.
-/// Gloo's own functions for native types; reduce_host for our 16-bit floats,
-/// which Gloo does not know. avg reduces as sum; the caller divides.
-template <element T>
-::gloo::AllreduceOptions::Func gloo_reduce_function(reduce_op op) {
-  if constexpr (is_half_float<T>) {
-    return [op](void* c, const void* a, const void* b, std::size_t n) {
-      auto* out = static_cast<T*>(c);
-      const auto* x = static_cast<const T*>(a);
-      const auto* y = static_cast<const T*>(b);
-      if (out == y) {  // every reduce_op commutes
-        reduce_host(out, x, n, op);
-        return;
-      }
-      if (out != x) std::memcpy(out, x, n * sizeof(T));
-      reduce_host(out, y, n, op);
-    };
-  } else {
-    using function = void (*)(void*, const void*, const void*, std::size_t);
-    switch (op) {
-      case reduce_op::min: return static_cast<function>(&::gloo::min<T>);
-      case reduce_op::max: return static_cast<function>(&::gloo::max<T>);
-      case reduce_op::prod: return static_cast<function>(&::gloo::product<T>);
-      case reduce_op::sum:
-      case reduce_op::avg: break;
-    }
-    return static_cast<function>(&::gloo::sum<T>);
-  }
-}
-
-/// One collective as the worker runs it: plain fields, no allocation.
-struct gloo_call {
-  enum class kind : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, barrier, split };
-  kind what = kind::barrier;
-  buffer in{}, out{};
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  bool moves_data = true;  // false: zero-length, only compared in check mode
-};
-
-// Signature codes in check mode: the op, 10 + op, 20, 30, 40, or 100 + root,
-// so that different collectives with equal counts differ too.
-inline std::int64_t gloo_signature_code(const gloo_call& c) noexcept {
-  switch (c.what) {
-    case gloo_call::kind::allreduce: return static_cast<std::int64_t>(c.op);
-    case gloo_call::kind::reduce_scatter: return 10 + static_cast<std::int64_t>(c.op);
-    case gloo_call::kind::allgather: return 20;
-    case gloo_call::kind::barrier: return 30;
-    case gloo_call::kind::split: return 40;
-    case gloo_call::kind::broadcast: break;
-  }
-  return 100 + c.root;
-}
-
-class gloo_work;
-
-/// What the communicator, its worker thread and its work handles share.
-struct gloo_state {
-  int rank = 0;
-  int size = 1;
-  std::chrono::milliseconds timeout{};
-  bool check = false;
-  std::shared_ptr<::gloo::transport::Device> device;
-  std::shared_ptr<::gloo::Context> context;
-
-  struct task {
-    std::shared_ptr<gloo_work> work;
-    signature sig{};
-    gloo_call call{};
-  };
-  std::mutex mutex;
-  std::condition_variable wake;      // the worker: a task to run, or stop
-  std::condition_variable finished;  // waiters: a task finished
-  std::deque<task> queue;            // guarded by mutex
-  bool running = false;              // guarded by mutex: a task is running (worker or waiter)
-  bool stopping = false;             // guarded by mutex
-  // Numbers the collectives; issued under mutex, so the numbers follow the queue.
-  std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
-  std::atomic<bool> unusable{false};
-  std::string failure;  // guarded by mutex: the first failure
-
-  void mark_unusable(const std::string& why) noexcept {
-    std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure = why;
-  }
-  [[nodiscard]] std::string unusable_text() {
-    std::lock_guard lock(mutex);
-    return "the communicator is unusable since an earlier failure (" + failure +
-           "); ranks cannot fall back into step after a failed collective, so make a new communicator";
-  }
-};
-
-inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept;
-
-class gloo_work final : public work_state {
- public:
-  gloo_work(const collective_info& info, std::chrono::milliseconds timeout, std::weak_ptr<gloo_state> owner)
-      : work_state(info, timeout), owner_(std::move(owner)) {}
-
-  bool poll() override { return done_.load(std::memory_order_acquire); }
-
-  // Gloo cannot abort a collective in flight; its own timeout (the same
-  // length) ends it. Until then nothing else may run on this communicator.
-  void on_timeout() noexcept override {
-    if (auto s = owner_.lock()) s->mark_unusable(description() + " did not finish within its timeout");
-  }
-
-  /// Blocks until finished or `deadline`; true when finished. When this
-  /// collective is next in line and nothing runs, runs it on the calling
-  /// thread (with the time left as Gloo's timeout) rather than waking the
-  /// worker: submit-then-wait then costs no thread hand-off. Otherwise sleeps
-  /// until a collective finishes. Overrides work_state's wait hook, so waiting
-  /// sleeps instead of taking the CPU from Gloo's threads.
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
-    auto s = owner_.lock();
-    if (!s) return poll();
-    std::unique_lock lock(s->mutex);
-    for (;;) {
-      if (poll()) return true;
-      const auto now = std::chrono::steady_clock::now();
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-      if (left.count() <= 0) return poll();
-      if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
-        gloo_state::task t = std::move(s->queue.front());
-        s->queue.pop_front();
-        s->running = true;
-        lock.unlock();
-        gloo_execute(*s, t, std::min(left, s->timeout));
-        lock.lock();
-        s->running = false;
-        lock.unlock();
-        s->wake.notify_one();
-        s->finished.notify_all();
-        return true;
-      }
-      s->finished.wait_until(lock, deadline);
-    }
-  }
-
-  void finish(std::exception_ptr e) noexcept {
-    if (e) fail(std::move(e));
-    done_.store(true, std::memory_order_release);
-  }
-
- private:
-  std::atomic<bool> done_{false};
-  std::weak_ptr<gloo_state> owner_;
-};
-
-inline std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-
-/// A failure inside a call into Gloo, with the call as written, file:line
-/// and Gloo's message; gloo_failure() turns it into dtrain's errors.
-class gloo_exception : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-template <class F>
-void gloo_checked(F&& call, const char* text, const char* file, int line) {
-  try {
-    call();
-  } catch (const error&) {
-    throw;  // dtrain's own (the store under connectFullMesh), already with context
-  } catch (const ::gloo::EnforceNotMet& e) {  // not a gloo::Exception
-    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
-  } catch (const std::exception& e) {
-    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
-  }
-}
-
-}  // namespace dtrain::detail
-
-/// Evaluates a call into Gloo, which reports failures by throwing; rethrows
-/// them as detail::gloo_exception naming the call, file:line and Gloo's message.
-#define DTRAIN_GLOO_CHECK(...) \
-  ::dtrain::detail::gloo_checked([&] { __VA_ARGS__; }, #__VA_ARGS__, __FILE__, __LINE__)
-
-namespace dtrain::detail {
-
-/// An exception from Gloo as dtrain's: timeout_error for Gloo's timeouts,
-/// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
-inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::string& what) {
-  std::string message;
-  try {
-    std::rethrow_exception(e);
-  } catch (const error&) {
-    return e;  // already dtrain's (a signature mismatch), with its context
-  } catch (const std::exception& x) {
-    message = x.what();
-  } catch (...) {
-    message = "an exception that is not a std::exception";
-  }
-  std::string lower = message;
-  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
-    return std::make_exception_ptr(timeout_error(
-        what + " timed out in Gloo (" + message +
-        "); a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares what "
-        "every rank passed)"));
-  }
-  return std::make_exception_ptr(backend_error(
-      what + " failed in Gloo: " + message +
-          "; a peer rank may have died or closed its communicator: look for the first error on the other ranks",
-      0));
-}
-
-// The collectives on host memory, with Gloo's timeout for this run. A world
-// of one never calls Gloo.
-
-template <element T>
-void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
-  if (s.size > 1) {
-    ::gloo::AllreduceOptions opts(s.context);
-    if (in.data != out.data) opts.setInput(static_cast<T*>(in.data), in.count);
-    opts.setOutput(static_cast<T*>(out.data), out.count);
-    opts.setReduceFunction(gloo_reduce_function<T>(op));
-    opts.setTimeout(timeout);
-    DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
-    if (op == reduce_op::avg) divide_host(out, s.size);
-  } else if (in.data != out.data) {
-    std::memcpy(out.data, in.data, in.bytes());
-  }
-}
-
-inline void gloo_run_broadcast(gloo_state& s, buffer b, int root, std::chrono::milliseconds timeout) {
-  if (s.size == 1) return;
-  ::gloo::BroadcastOptions opts(s.context);
-  opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
-  opts.setRoot(root);
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
-}
-
-inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out, std::chrono::milliseconds timeout) {
-  auto* block = static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
-  if (s.size == 1) {
-    if (in.data != block) std::memcpy(block, in.data, in.bytes());
-    return;
-  }
-  ::gloo::AllgatherOptions opts(s.context);
-  if (in.data != block) opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
-  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
-}
-
-inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
-  if (s.size == 1) return;
-  ::gloo::BarrierOptions opts(s.context);
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
-}
-
-// Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
-// and on 3 ranks it returned corrupted blocks when two ran back to back (a
-// race between consecutive instances: a barrier before or after each one hid
-// it). So this is an allreduce of the whole input into a scratch buffer and a
-// copy of this rank's block: correct, at twice the traffic of a real
-// reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
-// input-sized allocation.
-template <element T>
-void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
-  const std::size_t n = out.count;
-  const std::size_t offset = static_cast<std::size_t>(s.rank) * n;
-  if (s.size == 1) {
-    std::memcpy(out.data, in.data, in.bytes());
-    return;
-  }
-  std::vector<T> scratch(in.count);
-  ::gloo::AllreduceOptions opts(s.context);
-  opts.setInput(static_cast<T*>(in.data), in.count);
-  opts.setOutput(scratch.data(), scratch.size());
-  opts.setReduceFunction(gloo_reduce_function<T>(op));
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
-  std::memcpy(out.data, scratch.data() + offset, n * sizeof(T));
-  if (op == reduce_op::avg) divide_host(out, s.size);
-}
-
-inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
-  switch (c.what) {
-    case gloo_call::kind::allreduce:
-      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::reduce_scatter:
-      visit(c.in.type, [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
-    case gloo_call::kind::allgather:
-    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
-    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
-  }
-}
-
-/// Check mode: compares what every rank passed, over an allgather that is not itself checked.
-inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
-                                 std::chrono::milliseconds timeout) {
-  compare_signatures(sig, s.rank, s.size, what, [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
-    buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
-    buffer out{all.data(), all.size(), dtype::int64, memory::host};
-    gloo_run_allgather(s, in, out, timeout);
-  });
-}
-
-/// Runs one task (on the worker, or on a thread waiting for it) and completes
-/// its work. A failure makes the communicator unusable; so does running after one.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept {
-  std::exception_ptr failure;
-  try {
-    if (s.unusable.load()) {
-      throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
-    }
-    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
-    if (t.call.moves_data) gloo_run(s, t.call, timeout);
-  } catch (...) {
-    failure = gloo_failure(std::current_exception(), t.work->description());
-    s.mark_unusable(message_of(failure));
-  }
-  t.work->finish(std::move(failure));
-}
-
-/// The worker: runs the queue in order until the communicator stops and the queue is empty.
-inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
-  for (;;) {
-    gloo_state::task t;
-    {
-      std::unique_lock lock(s->mutex);
-      s->wake.wait(lock, [&] { return (s->stopping && s->queue.empty()) || (!s->running && !s->queue.empty()); });
-      if (s->queue.empty()) return;
-      t = std::move(s->queue.front());
-      s->queue.pop_front();
-      s->running = true;
-    }
-    gloo_execute(*s, t, s->timeout);
-    {
-      std::lock_guard lock(s->mutex);
-      s->running = false;
-    }
-    s->finished.notify_all();
-  }
-}
-
-}  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_GLOO()
-// ---- end dtrain/backend/gloo_worker.hpp ----
-
-#if DTRAIN_HAS_GLOO()
-
-#include <gloo/context.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/transport/device.h>
-#include <gloo/transport/tcp/attr.h>
-#include <gloo/transport/tcp/device.h>
-
-#include <algorithm>
-#include <csignal>
-#include <chrono>
-#include <cstdint>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <utility>
-#include <vector>
-
-#include <pthread.h>
-
-namespace dtrain {
-
-/// Options of a gloo_communicator. Aggregate: use designated initialisers,
-/// `{.collectives = {.timeout = 30s}, .interface = "eth0"}`.
-struct gloo_options {
-  /// Timeout (also Gloo's own, so a dead or stuck peer makes Gloo fail) and check mode.
-  collective_options collectives{};
-  /// Network interface Gloo's TCP transport binds to ("eth0"). Empty:
-  /// DTRAIN_GLOO_IFNAME, else GLOO_SOCKET_IFNAME, else the interface whose
-  /// address reaches `master_addr`.
-  std::string interface{};
-  /// The host whose route chooses the interface when none is named. Empty: MASTER_ADDR.
-  std::string master_addr{};
-  /// Where the communicator's keys live in the store. The n-th communicator a
-  /// rank makes with one prefix uses `prefix/n`, so every rank must make its
-  /// communicators in the same order (as it runs its collectives).
-  std::string prefix = "dtrain/gloo";
-};
-
-namespace detail {
-
-/// Blocks SIGPIPE in the calling thread while it lives, and in the threads it starts meanwhile.
-class sigpipe_blocked {
- public:
-  sigpipe_blocked() noexcept {
-    sigset_t pipe;
-    sigemptyset(&pipe);
-    sigaddset(&pipe, SIGPIPE);
-    ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
-  }
-  ~sigpipe_blocked() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
-  sigpipe_blocked(const sigpipe_blocked&) = delete;
-  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
-
- private:
-  sigset_t previous_{};
-};
-
-/// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
-struct gloo_self {
-  std::shared_ptr<gloo_state> state;
-  std::thread worker;
-  std::shared_ptr<const gloo_store_ref> store;
-  gloo_options options;
-  gloo_endpoint endpoint;
-  std::string keys;         // this communicator's namespace in the store
-  std::int64_t splits = 0;  // split() calls so far: names the children's namespaces
-
-  gloo_self() = default;
-  gloo_self(const gloo_self&) = delete;
-  gloo_self& operator=(const gloo_self&) = delete;
-  // Runs what is queued (the peers expect it), then stops the worker. A
-  // collective stuck on a hung peer ends with Gloo's timeout.
-  ~gloo_self() {
-    if (state) {
-      {
-        std::lock_guard lock(state->mutex);
-        state->stopping = true;
-      }
-      state->wake.notify_all();
-    }
-    if (worker.joinable()) worker.join();
-  }
-};
-
-}  // namespace detail
-
-/// A communicator on Gloo (TCP), on host memory. Every call returns at once
-/// with a work handle; the collective runs on this communicator's worker
-/// thread after those submitted before it. Buffers must stay alive and
-/// untouched until the work completes. Calls may come from several threads;
-/// every rank must still make them in the same order.
-///
-/// Errors: config_error for arguments (thrown by the call); from work::wait,
-/// backend_error with Gloo's message (a peer died: at once) and timeout_error
-/// (Gloo's own timeout, the collective timeout). After any failure or timeout
-/// the communicator is unusable: later calls throw backend_error saying so.
-/// Destruction runs what is still queued and waits for the collective in
-/// flight, which Gloo cannot abort: at most its timeout.
-///
-/// float16 and bfloat16 reduce through dtrain's own element-wise functions
-/// (Gloo knows neither of dtrain's types); reduce_scatter is an allreduce and
-/// a copy (see gloo_run_reduce_scatter).
-class gloo_communicator {
- public:
-  static constexpr bool reaches_device_memory = false;
-  static constexpr bool reaches_host_memory = true;
-  static constexpr std::string_view name = "gloo";
-
-  /// Joins the group of `size` ranks that meet in `store`, which must outlive
-  /// this communicator and every split of it. Blocks until every rank has
-  /// connected; the store's waits use the collective timeout. Throws
-  /// config_error (rank, size, interface), timeout_error or rendezvous_error
-  /// (the store), backend_error (Gloo could not connect).
-  template <store S>
-  gloo_communicator(S& store, int rank, int size, gloo_options options = {})
-      : gloo_communicator(std::make_shared<const detail::gloo_store_ref>(store), rank, size, std::move(options)) {}
-
-  gloo_communicator(gloo_communicator&&) noexcept = default;
-  gloo_communicator& operator=(gloo_communicator&&) noexcept = default;
-  ~gloo_communicator() = default;
-
-  [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
-  [[nodiscard]] int size() const noexcept { return self_->state->size; }
-  [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
-  /// This communicator's last collectives, for desync diagnostics.
-  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return self_->state->ring; }
-
-  /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
-  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
-  [[nodiscard]] std::string describe() const {
-    return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
-           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " + self_->keys;
-  }
-
-  /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
-  /// it only while no work of this communicator is outstanding.
-  [[nodiscard]] std::shared_ptr<::gloo::Context> gloo_context() const { return self_->state->context; }
-
-  /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
-  work allreduce(buffer in, buffer out, reduce_op op) {
-    const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(out, in.count, "output");
-    check.op_fits(op, in.type);
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::allreduce, in, out, op, 0, in.count > 0});
-  }
-
-  /// `data` on every rank becomes root's.
-  work broadcast(buffer data, int root) {
-    const auto info = call_info("broadcast", data, -1, root);
-    detail::argument_check check{info};
-    check.root(root, size());
-    host_only(check, data);
-    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root, data.count > 0});
-  }
-
-  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
-  work allgather(buffer in, buffer out) {
-    const auto info = call_info("allgather", in, -1, -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(out, in.count * static_cast<std::size_t>(size()), "output");
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
-  }
-
-  /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
-  work reduce_scatter(buffer in, buffer out, reduce_op op) {
-    const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(in, out.count * static_cast<std::size_t>(size()), "input");
-    check.op_fits(op, in.type);
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::reduce_scatter, in, out, op, 0, out.count > 0});
-  }
-
-  /// Completes once every rank has called barrier().
-  work barrier() { return submit(call_info("barrier", buffer{}, -1, -1), {}); }
-
-  /// A communicator of the ranks that pass the same `color`, ranked by
-  /// (key, rank here). Collective over this communicator: every rank calls it,
-  /// in the same place among its collectives. Blocks until the new group has
-  /// connected, through the same store, under a namespace of its own.
-  gloo_communicator split(int color, int key) {
-    std::int64_t mine[2] = {color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    buffer in{mine, 2, dtype::int64, memory::host};
-    buffer out{all.data(), all.size(), dtype::int64, memory::host};
-    // An allgather of (color, key), told apart from a user's in check mode.
-    submit(call_info("split", in, -1, -1), {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
-        .wait();
-    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
-    for (int r = 0; r < size(); ++r) {
-      if (all[2 * static_cast<std::size_t>(r)] == color) members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
-    }
-    std::sort(members.begin(), members.end());
-    int new_rank = 0;
-    while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
-    std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
-    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
-                            self_->endpoint, std::move(keys));
-    child.self_->state->ring = self_->state->ring->make_child(color);
-    return child;
-  }
-
- private:
-  // A new group: chooses the endpoint, then takes the next namespace under the prefix.
-  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options) {
-    if (size < 1) throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
-    if (rank < 0 || rank >= size) {
-      throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
-                         std::to_string(size));
-    }
-    auto endpoint = detail::choose_gloo_endpoint(options.interface, options.master_addr,
-                                                 environment::from_process(), size);
-    // Every rank counts the communicators it made under this prefix, so the
-    // n-th one of every rank meets under the same namespace.
-    const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
-    std::string keys = options.prefix + "/" + std::to_string(n);
-    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
-  }
-
-  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
-                    detail::gloo_endpoint endpoint, std::string keys) {
-    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
-  }
-
-  void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
-               detail::gloo_endpoint endpoint, std::string keys) {
-    // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
-    // would kill this process with SIGPIPE. Its threads and the worker start
-    // with SIGPIPE blocked (threads inherit the mask); such a write then fails
-    // with EPIPE, which Gloo reports as an error.
-    detail::sigpipe_blocked quiet;
-    auto state = std::make_shared<detail::gloo_state>();
-    state->rank = rank;
-    state->size = size;
-    state->timeout = options.collectives.timeout;
-    state->check = options.collectives.check;
-    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                              " (interface: " + endpoint.origin + "; store keys under " + keys + "/): ";
-    try {
-      ::gloo::transport::tcp::attr attr;
-      if (!endpoint.iface.empty()) {
-        attr.iface = endpoint.iface;
-      } else {
-        attr.hostname = endpoint.hostname;
-      }
-      DTRAIN_GLOO_CHECK(state->device = ::gloo::transport::tcp::CreateDevice(attr));
-      auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
-      context->setTimeout(state->timeout);
-      detail::gloo_store_adapter adapter(*store, keys, state->timeout);
-      DTRAIN_GLOO_CHECK(context->connectFullMesh(adapter, state->device));
-      state->context = context;
-      // Once every rank has connected, every rank has read every address: a
-      // barrier proves it, and the addresses can leave the store.
-      detail::gloo_run_barrier(*state, state->timeout);
-      for (const auto& key : adapter.written()) store->erase(key);
-    } catch (const timeout_error& e) {
-      throw timeout_error(where + e.what());
-    } catch (const rendezvous_error& e) {
-      throw rendezvous_error(where + e.what());
-    } catch (const error&) {
-      throw;
-    } catch (const std::exception& e) {  // Gloo's, through DTRAIN_GLOO_CHECK
-      throw backend_error(where + "Gloo: " + e.what(), 0);
-    }
-    self_ = std::make_unique<detail::gloo_self>();
-    self_->state = state;
-    self_->store = std::move(store);
-    self_->options = std::move(options);
-    self_->endpoint = std::move(endpoint);
-    self_->keys = std::move(keys);
-    self_->worker = std::thread([state] { detail::gloo_serve(state); });
-  }
-
-  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b, int op,
-                                                 int root) const noexcept {
-    return {collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
-  }
-  static void host_only(const detail::argument_check& check, const buffer& b) {
-    if (b.where != memory::host) {
-      check.fail("gloo reduces host memory only: copy device data to the host first, or use backend::nccl");
-    }
-  }
-
-  // Queues one collective. Zero-length ones move nothing and complete at once,
-  // except in check mode, where their signature is still compared.
-  work submit(const detail::collective_info& info, const detail::gloo_call& call) {
-    detail::gloo_state& s = *self_->state;
-    if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
-    std::unique_lock lock(s.mutex);
-    const std::int64_t seq = detail::record(*s.ring, info);
-    const detail::signature sig{seq, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
-                                static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
-    if (!call.moves_data && !s.check) {
-      s.ring->settle(seq, detail::call_state::completed);
-      return work{};
-    }
-    auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
-    w->track(s.ring, seq);
-    s.queue.push_back({w, sig, call});
-    const bool idle = !s.running;
-    lock.unlock();
-    if (idle) s.wake.notify_one();
-    return work(std::move(w));
-  }
-
-  std::unique_ptr<detail::gloo_self> self_;
-};
-
-static_assert(communicator<gloo_communicator>);
-
-}  // namespace dtrain
-
-#endif  // DTRAIN_HAS_GLOO()
-// ---- end dtrain/backend/gloo.hpp ----
-// ---- begin dtrain/backend/memory.hpp ----
-/// @file
-/// Memory spaces: where a backend's data lives and the few operations
-/// DistributedDataParallel needs there (allocate zeroed, free, copy, zero, the
-/// 16-bit casts of gradient compression, and waiting for a stream). `host_memory`
-/// is plain memory handled on the calling thread; `cuda_memory` is one CUDA
-/// device, every operation ordered on a stream. A backend names its space in
-/// its backend_traits, so the algorithm that uses them reads the same for all.
-
-
-#include <atomic>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#endif
-
-namespace dtrain {
-
-namespace detail {
-
-inline constexpr std::string_view device_casts_missing =
-    "gradient compression of GPU buckets needs CUDA kernels, and no translation unit of this "
-    "program was compiled by nvcc: include <dtrain/dtrain.hpp> in at least one .cu file that is "
-    "linked into the program (any one: the kernels are shared)";
-
-/// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
-inline void host_compress(void* out, const float* in, std::size_t n, float scale, dtype wire) {
-  visit(wire, [&]<class Half>() {
-    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
-      auto* o = static_cast<Half*>(out);
-      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
-    }
-  });
-}
-inline void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
-  visit(wire, [&]<class Half>() {
-    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
-      const auto* i16 = static_cast<const Half*>(in);
-      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
-    }
-  });
-}
-
-}  // namespace detail
-
-/// Host memory: allocation with operator new, memcpy, loops. The `stream`
-/// arguments are there so the code above reads the same for every space.
-struct host_memory {
-  using stream_type = std::nullptr_t;
-  static constexpr memory where = memory::host;
-  /// Buckets travel on a communication thread: the host is the device.
-  static constexpr bool on_stream = false;
-
-  [[nodiscard]] static void* allocate(std::size_t bytes, int /*device*/, stream_type) {
-    return ::operator new(bytes == 0 ? 1 : bytes);  // aligned for every element type
-  }
-  static void release(void* data, int /*device*/, stream_type) noexcept { ::operator delete(data); }
-  static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
-    if (bytes) std::memset(data, 0, bytes);
-  }
-  static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
-    if (dst != src && bytes) std::memcpy(dst, src, bytes);
-  }
-  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                       int /*device*/, stream_type) {
-    detail::host_compress(out, in, n, scale, wire);
-  }
-  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int /*device*/,
-                         stream_type) {
-    detail::host_decompress(out, in, n, wire);
-  }
-  /// Everything above has happened by the time it returns.
-  static void synchronize(int /*device*/, stream_type) noexcept {}
-  /// Whether compress() and decompress() can run here.
-  [[nodiscard]] static bool casts_available() noexcept { return true; }
-  static void check_stream(int /*device*/, stream_type) noexcept {}
-  static void order_after(int /*device*/, stream_type, stream_type) noexcept {}
-};
-
-#if DTRAIN_HAS_CUDA()
-
-namespace detail {
-
-/// The CUDA kernels of gradient compression. They exist only where a
-/// translation unit is compiled by nvcc: such a unit registers them here once
-/// at start-up, so every unit (g++ or nvcc) calls the same code through this
-/// one slot, and no function has two bodies (a g++ and an nvcc one).
-struct device_casts {
-  void (*compress)(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                   cudaStream_t stream);
-  void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
-};
-
-[[nodiscard]] inline std::atomic<const device_casts*>& device_casts_slot() noexcept {
-  static std::atomic<const device_casts*> slot{nullptr};
-  return slot;
-}
-
-/// The registered kernels; config_error when no unit of the program was built by nvcc.
-[[nodiscard]] inline const device_casts& registered_device_casts() {
-  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
-    return *casts;
-  throw config_error(std::string(device_casts_missing));
-}
-
-}  // namespace detail
-
-/// One CUDA device; every operation is ordered on `stream` (the compute
-/// stream) and runs with the device current, so that no other thread's
-/// device and no other device's context is touched.
-struct cuda_memory {
-  using stream_type = cudaStream_t;
-  static constexpr memory where = memory::device;
-  /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
-  static constexpr bool on_stream = true;
-
-  /// Stream-ordered: allocated on `stream` (cudaMallocAsync where the device
-  /// has memory pools, else cudaMalloc), then zeroed there (never on the
-  /// legacy default stream, which a non-blocking compute stream would not
-  /// wait for). The host never waits, so a rebuild of the buckets does not
-  /// stall behind a busy compute stream.
-  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
-    detail::device_guard on(device);
-    void* data = nullptr;
-    const std::size_t n = bytes == 0 ? 1 : bytes;
-    if (pools(device)) {
-      DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
-    } else {
-      DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
-    }
-    if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
-      release(data, device, stream);
-      detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
-    }
-    return data;
-  }
-  /// Frees on `stream` once everything before it there is done (cudaFreeAsync;
-  /// cudaFree, which waits for the device, without memory pools). Call it on
-  /// a stream ordered after the last use on any stream.
-  static void release(void* data, int device, stream_type stream) noexcept {
-    detail::device_guard on(device, std::nothrow);
-    if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
-    (void)cudaGetLastError();
-    (void)cudaFree(data);
-  }
-  static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
-  }
-  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream) {
-    if (dst == src || !bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-  }
-  static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                       int device, stream_type stream) {
-    const detail::device_casts& casts = detail::registered_device_casts();
-    detail::device_guard on(device);
-    casts.compress(out, in, n, scale, wire, stream);
-  }
-  static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
-                         stream_type stream) {
-    const detail::device_casts& casts = detail::registered_device_casts();
-    detail::device_guard on(device);
-    casts.decompress(out, in, n, wire, stream);
-  }
-  /// The kernels exist when some unit of the program was compiled by nvcc.
-  [[nodiscard]] static bool casts_available() noexcept;
-  /// Blocks the host until everything on `stream` is done.
-  static void synchronize(int device, stream_type stream) {
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
-  /// Work enqueued on `waiter` from now on runs after everything on `before` so far.
-  static void order_after(int device, stream_type waiter, stream_type before) {
-    if (waiter == before) return;
-    detail::device_guard on(device);
-    const detail::cuda_event done = detail::cuda_event::create();
-    DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
-    DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
-  }
-  /// Whether `device` has stream-ordered memory pools (cudaMallocAsync).
-  [[nodiscard]] static bool pools(int device) noexcept {
-    int supported = 0;
-    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return supported != 0;
-  }
-  /// A stream being captured into a CUDA graph cannot take DDP's work (its
-  /// events and host waits): config_error saying so.
-  static void check_stream(int device, stream_type stream) {
-    detail::device_guard on(device);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status != cudaStreamCaptureStatusNone) {
-      throw config_error(
-          "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
-          "records events, polls them from the host and launches NCCL work that must not be "
-          "replayed, so run the DDP step outside the capture (capture the forward and backward "
-          "only)");
-    }
-  }
-};
-
-#endif  // DTRAIN_HAS_CUDA()
-
-namespace detail {
-
-// What differs between a g++ and an nvcc translation unit lives in an inline
-// namespace named after the compiler: no symbol has two bodies (CCCL's rule).
-#if defined(__CUDACC__)
-inline namespace nvcc {
-#else
-inline namespace host_compiler {
-#endif
-
-/// "nvcc" or "host": which compiler built this translation unit's copy of
-/// dtrain (the mixed g++/nvcc link test asks each unit).
-[[nodiscard]] constexpr std::string_view compiled_by() noexcept {
-#if defined(__CUDACC__)
-  return "nvcc";
-#else
-  return "host";
-#endif
-}
-
-#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
-// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
-template <class Half>
-__device__ std::uint16_t dtrain_to_half_bits(float x) {
-  if constexpr (std::is_same_v<Half, bfloat16>)
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-  else
-    return __half_as_ushort(__float2half_rn(x));
-}
-template <class Half>
-__device__ float dtrain_from_half_bits(std::uint16_t b) {
-  if constexpr (std::is_same_v<Half, bfloat16>)
-    return __bfloat162float(__ushort_as_bfloat16(b));
-  else
-    return __half2float(__ushort_as_half(b));
-}
-template <class Half>
-__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
-                                       float scale) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
-    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
-  }
-}
-template <class Half>
-__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
-    out[i] = dtrain_from_half_bits<Half>(in[i]);
-  }
-}
-inline unsigned cast_blocks(std::size_t n) {
-  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
-}
-inline void launch_compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                            cudaStream_t stream) {
-  if (n == 0) return;
-  auto* o = static_cast<std::uint16_t*>(out);
-  if (wire == dtype::bfloat16)
-    dtrain_compress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
-  else
-    dtrain_compress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
-  DTRAIN_CUDA_CHECK(cudaGetLastError());
-}
-inline void launch_decompress(float* out, const void* in, std::size_t n, dtype wire,
-                              cudaStream_t stream) {
-  if (n == 0) return;
-  const auto* i16 = static_cast<const std::uint16_t*>(in);
-  if (wire == dtype::bfloat16)
-    dtrain_decompress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
-  else
-    dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
-  DTRAIN_CUDA_CHECK(cudaGetLastError());
-}
-inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
-/// Registers the kernels at start-up in every program with an nvcc unit.
-inline const bool nvcc_device_casts_registered =
-    (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
-#endif
-
-}  // inline namespace nvcc / host_compiler
-
-/// Whether the program can cast GPU buckets (some unit was built by nvcc).
-[[nodiscard]] inline bool device_casts_available() noexcept {
-#if DTRAIN_HAS_CUDA()
-  return device_casts_slot().load(std::memory_order_acquire) != nullptr;
-#else
-  return false;
-#endif
-}
-
-}  // namespace detail
-
-#if DTRAIN_HAS_CUDA()
-inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
-#endif
-}  // namespace dtrain
-// ---- end dtrain/backend/memory.hpp ----
-// ---- begin dtrain/backend/control.hpp ----
-/// @file
-/// The host control plane: small blocking collectives on host memory for
-/// what is metadata rather than gradients (model agreement, the bucket
-/// rebuild order, checksums, bootstrap). A device engine such as NCCL never
-/// carries them. Two channels: `store_channel` (over the rendezvous store;
-/// works for every backend) and `communicator_channel` (over a communicator
-/// that reaches host memory: MPI, Gloo). `control_plane` refers to either.
-
-
-#include <concepts>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-
-namespace dtrain {
-
-/// Blocking host collectives among the ranks of a job. Every rank calls the
-/// same operations in the same order; each is bounded by the channel's
-/// timeout (the store's, or the communicator's collective timeout).
-template <class C>
-concept host_channel = requires(C& c, const C& cc, std::span<const std::int64_t> in,
-                                std::span<std::int64_t> out, std::span<std::uint8_t> bytes) {
-  { cc.rank() } -> std::convertible_to<int>;
-  { cc.size() } -> std::convertible_to<int>;
-  c.allgather(in, out);   // out: size() * in.size(), in rank order
-  c.broadcast(bytes, 0);  // every rank passes the same length
-};
-
-/// Host collectives through the rendezvous store: allgather is a key per
-/// rank, broadcast one key from the root. The last rank to read a round
-/// erases its keys, so the store holds at most one round per channel.
-template <store Store>
-class store_channel {
- public:
-  /// `prefix` names this channel's keys; every rank must use the same one.
-  store_channel(Store& store, int rank, int size, std::string prefix = "control")
-      : store_(store), rank_(rank), size_(size), prefix_(std::move(prefix) + "/") {}
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-
-  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-    const std::string round = next_round();
-    const std::size_t bytes = in.size_bytes();
-    if (out.size() != in.size() * static_cast<std::size_t>(size_)) {
-      throw config_error("store_channel::allgather on rank " + std::to_string(rank_) +
-                         ": output has " + std::to_string(out.size()) + " elements, expected " +
-                         std::to_string(in.size() * static_cast<std::size_t>(size_)));
-    }
-    store_.set(round + std::to_string(rank_),
-               std::string_view(reinterpret_cast<const char*>(in.data()), bytes));
-    for (int r = 0; r < size_; ++r) {
-      const std::string key = round + std::to_string(r);
-      const std::string value = r == rank_
-                                    ? std::string(reinterpret_cast<const char*>(in.data()), bytes)
-                                    : store_.get(key);
-      expect_length(key, value, bytes, r);
-      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), value.data(), bytes);
-    }
-    finish(round, [&] {
-      for (int r = 0; r < size_; ++r) store_.erase(round + std::to_string(r));
-    });
-  }
-
-  void broadcast(std::span<std::uint8_t> data, int root) {
-    if (root < 0 || root >= size_) {
-      throw config_error("store_channel::broadcast: root " + std::to_string(root) +
-                         " is not a rank of " + std::to_string(size_));
-    }
-    const std::string round = next_round();
-    const std::string key = round + "root";
-    if (rank_ == root) {
-      store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
-    } else {
-      const std::string value = store_.get(key);
-      expect_length(key, value, data.size(), root);
-      if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
-    }
-    finish(round, [&] { store_.erase(key); });
-  }
-
- private:
-  std::string next_round() { return prefix_ + std::to_string(++round_) + "/"; }
-
-  void expect_length(const std::string& key, const std::string& value, std::size_t bytes,
-                     int from) const {
-    if (value.size() != bytes) {
-      throw rendezvous_error("control plane: store key " + key + " from rank " +
-                             std::to_string(from) + " has " + std::to_string(value.size()) +
-                             " bytes, rank " + std::to_string(rank_) + " expected " +
-                             std::to_string(bytes) +
-                             "; the ranks called different control operations, or another "
-                             "program wrote under this prefix");
-    }
-  }
-
-  template <class Erase>
-  void finish(const std::string& round, Erase&& erase) {
-    const std::string read = round + "read";
-    if (store_.add(read, 1) == size_) {
-      erase();
-      store_.erase(read);
-    }
-  }
-
-  Store& store_;
-  int rank_;
-  int size_;
-  std::string prefix_;
-  std::uint64_t round_ = 0;
-};
-
-/// Host collectives on a communicator that reaches host memory, each waited
-/// for within its collective timeout.
-template <communicator C>
-class communicator_channel {
-  static_assert(C::reaches_host_memory,
-                "communicator_channel needs a communicator that reaches host memory (MPI, "
-                "Gloo); for NCCL use the context's control plane or a store_channel");
-
- public:
-  explicit communicator_channel(C& comm) noexcept : comm_(comm) {}
-  [[nodiscard]] int rank() const { return comm_.rank(); }
-  [[nodiscard]] int size() const { return comm_.size(); }
-  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-    dtrain::allgather(comm_, in, out).wait();
-  }
-  void broadcast(std::span<std::uint8_t> data, int root) {
-    if (!data.empty()) dtrain::broadcast(comm_, data, root).wait();
-  }
-
- private:
-  C& comm_;
-};
-
-class control_plane;
-
-/// A host_channel other than control_plane itself (which copies instead).
-template <class C>
-concept channel_to_refer_to = host_channel<C> && !std::same_as<C, control_plane>;
-
-/// A reference to any host_channel, for code that must not be a template on
-/// it (DistributedDataParallel keeps one). The channel must outlive it.
-class control_plane {
- public:
-  template <channel_to_refer_to Channel>
-  explicit control_plane(Channel& channel) noexcept
-      : channel_(&channel),
-        rank_(channel.rank()),
-        size_(channel.size()),
-        allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-          static_cast<Channel*>(c)->allgather(in, out);
-        }),
-        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
-          static_cast<Channel*>(c)->broadcast(data, root);
-        }) {}
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-    allgather_(channel_, in, out);
-  }
-  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
-
- private:
-  void* channel_;
-  int rank_;
-  int size_;
-  void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
-  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
-};
-
-static_assert(host_channel<control_plane>);
-
-}  // namespace dtrain
-// ---- end dtrain/backend/control.hpp ----
-// ---- begin dtrain/backend/nccl.hpp ----
-/// @file
-/// The NCCL backend: `nccl_communicator` runs collectives on device memory, on
-/// a CUDA stream of its own that is ordered after the caller's stream with
-/// events. Host C++ only (nccl.h and the CUDA runtime API): g++ builds it, and
-/// so does nvcc. Compiles to nothing unless DTRAIN_HAS_NCCL().
-
-// ---- begin dtrain/backend/nccl_engine.hpp ----
-/// @file
-/// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
-/// mapping of dtrain's types and ops onto NCCL's, the argument checks, and the
-/// state a communicator shares with its work handles (the NCCL communicator,
-/// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
-/// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
-
-
-#include <atomic>
-#include <charconv>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <exception>
+#include <cstring>
 #include <memory>
 #include <mutex>
-#include <new>
-#include <span>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
-namespace dtrain {
-
-/// Default limit for creating an NCCL communicator (ncclCommInitRankConfig,
-/// ncclCommSplit): every rank must have joined by then. Environment:
-/// DTRAIN_NCCL_INIT_TIMEOUT (seconds).
-inline constexpr std::chrono::milliseconds default_nccl_init_timeout{300'000};
-
-/// Default store key of the NCCL unique id.
-inline constexpr std::string_view default_nccl_store_key = "nccl/unique_id";
-
-/// Options of an NCCL communicator. Aggregate: use designated initialisers,
-/// `{.collectives = {.timeout = 30s}, .init_timeout = 60s}`.
-struct nccl_options {
-  /// Collective timeout (work::wait() without an argument; also bounds the
-  /// destructor's wait) and check mode.
-  collective_options collectives{};
-  /// Limit for ncclCommInitRankConfig and ncclCommSplit.
-  std::chrono::milliseconds init_timeout = default_nccl_init_timeout;
-  /// NCCL's blocking mode. Off (the default), dtrain polls NCCL, so that init
-  /// and enqueueing time out too; on, only completion can time out. NCCL's own
-  /// NCCL_COMM_BLOCKING overrides either.
-  bool blocking = false;
-  /// Where rank 0 publishes the unique id. Must differ for every communicator
-  /// made from one store: give each job and restart round its own
-  /// prefix_store, or each communicator its own key. split() needs no store.
-  std::string store_key{default_nccl_store_key};
-
-  /// These options with DTRAIN_NCCL_INIT_TIMEOUT, DTRAIN_COLLECTIVE_TIMEOUT and
-  /// DTRAIN_CHECK_COLLECTIVES applied on top. Throws config_error naming the
-  /// variable and its value when one is malformed.
-  [[nodiscard]] nccl_options with_env(const environment& env) const {
-    nccl_options out = *this;
-    out.collectives = collectives.with_env(env);
-    if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
-    return out;
-  }
-};
-
-}  // namespace dtrain
-
-#if DTRAIN_HAS_NCCL()
-#include <cuda_runtime.h>
-#include <nccl.h>
-
 namespace dtrain::detail {
 
-/// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
-/// error: ... (ncclResult_t 5, at file:line)".
-inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
-                                   int line) {
-  std::string text = std::string("NCCL call `") + call + "` failed: " + ncclGetErrorString(code);
-  const char* last = ncclGetLastError(nullptr);
-  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
-  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
-         std::to_string(line) + ")";
+/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
+/// the extension of the file name (trace.json -> trace.rank3.json), or is
+/// appended with ".json" when the name has none (trace -> trace.rank3.json).
+inline std::string timeline_file(std::string_view path, int rank) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
+  const std::size_t dot = path.rfind('.');
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
+  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
 }
 
-[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
-                                          int line) {
-  throw backend_error(nccl_error_text(code, call, file, line), static_cast<int>(code));
+/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
+/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
+inline std::string timeline_setting(const environment& env, const std::string& option) {
+  if (auto v = env.get("DTRAIN_TIMELINE")) return std::string(*v);
+  return option;
 }
 
-}  // namespace dtrain::detail
-
-/// Evaluates `call` (an NCCL function) and yields its ncclResult_t. Throws
-/// dtrain::backend_error with the call as written, file:line, NCCL's error
-/// string and last error, and the code (backend_error::engine_code()), unless
-/// the result is ncclSuccess or ncclInProgress (a non-blocking communicator
-/// still working in the background: poll ncclCommGetAsyncError).
-#define DTRAIN_NCCL_CHECK(call)                                                           \
-  ([&]() -> ncclResult_t {                                                                \
-    const ncclResult_t dtrain_nccl_status_ = (call);                                      \
-    if (dtrain_nccl_status_ != ncclSuccess && dtrain_nccl_status_ != ncclInProgress)      \
-      ::dtrain::detail::throw_nccl_error(dtrain_nccl_status_, #call, __FILE__, __LINE__); \
-    return dtrain_nccl_status_;                                                           \
-  }())
-
-namespace dtrain::detail {
-
-/// NCCL's name for each element type; all seven are native.
-[[nodiscard]] constexpr ncclDataType_t nccl_type(dtype t) noexcept {
-  switch (t) {
-    case dtype::float32: return ncclFloat32;
-    case dtype::float64: return ncclFloat64;
-    case dtype::float16: return ncclFloat16;
-    case dtype::bfloat16: return ncclBfloat16;
-    case dtype::int32: return ncclInt32;
-    case dtype::int64: return ncclInt64;
-    case dtype::uint8: return ncclUint8;
-  }
-  return ncclFloat32;
-}
-
-/// NCCL's op for each reduction over `ranks` ranks; avg is ncclAvg (NCCL
-/// divides, in the type), except on one rank, where the mean is the input and
-/// ncclSum gives it: NCCL 2.28.3's one-rank ncclAvg left every element from
-/// the 2^20th on unwritten out of place (seen on an H100).
-[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op, int ranks) noexcept {
-  switch (op) {
-    case reduce_op::sum: return ncclSum;
-    case reduce_op::avg: return ranks == 1 ? ncclSum : ncclAvg;
-    case reduce_op::min: return ncclMin;
-    case reduce_op::max: return ncclMax;
-    case reduce_op::prod: return ncclProd;
-  }
-  return ncclSum;
-}
-
-/// The collective field of a check-mode signature.
-enum class nccl_kind : std::int64_t {
-  allreduce = 1,
-  broadcast,
-  allgather,
-  reduce_scatter,
-  barrier,
-  allreduce_many,
-  split
-};
-
-[[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
-                                              std::int64_t op_or_root) noexcept {
-  return {static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
-          static_cast<std::int64_t>(type), op_or_root};
-}
-
-/// Prefixes an engine error with the operation it interrupted (once).
-[[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
-                                                     const backend_error& e) {
-  if (std::string_view(e.what()).starts_with(what)) return e;
-  return backend_error(what + ": " + e.what(), e.engine_code());
-}
-
-// Argument checks: what one rank can check alone, before any CUDA or NCCL call.
-
-inline void nccl_check_rank(int rank, int size) {
-  if (size < 1)
-    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
-  if (rank < 0 || rank >= size) {
-    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
-                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
-  }
-}
-
-inline void nccl_check_placement(int rank, int size, int device) {
-  nccl_check_rank(rank, size);
-  if (device < 0) {
-    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
-                       std::to_string(rank) + " is negative; pass the local rank");
-  }
-}
-
-inline void nccl_check_device(const argument_check& check, const buffer& b,
-                              std::string_view which) {
-  if (b.where != memory::device) {
-    check.fail(
-        std::string(which) +
-        " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
-        "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
-  }
-  if (b.data == nullptr && b.count > 0) {
-    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
-               " elements");
-  }
-}
-
-inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
-                                 reduce_op op) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(out, in.count, "output");
-  check.op_fits(op, in.type);
-}
-
-inline void nccl_check_broadcast(const argument_check& check, const buffer& data, int root,
-                                 int size) {
-  nccl_check_device(check, data, "data");
-  check.root(root, size);
-}
-
-inline void nccl_check_allgather(const argument_check& check, const buffer& in, const buffer& out,
-                                 int size) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(out, in.count * static_cast<std::size_t>(size), "output");
-}
-
-inline void nccl_check_reduce_scatter(const argument_check& check, const buffer& in,
-                                      const buffer& out, reduce_op op, int size) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(in, out.count * static_cast<std::size_t>(size), "input");
-  check.op_fits(op, out.type);
-}
-
-inline void nccl_check_many(const argument_check& check, std::span<const buffer> buffers,
-                            reduce_op op) {
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    nccl_check_device(check, buffers[i], "buffer " + std::to_string(i));
-    check.op_fits(op, buffers[i].type);
-  }
-}
-
-/// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
-[[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
-                                                      std::string_view key) {
-  ncclUniqueId id{};
-  if (value.size() != sizeof id.internal) {
-    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
-                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
-                           std::to_string(sizeof id.internal) +
-                           ": something else wrote that key; give each communicator its own key "
-                           "(nccl_options::store_key) or prefix_store");
-  }
-  value.copy(id.internal, sizeof id.internal);
-  return id;
-}
-
-/// Checks that `device` exists, then makes it current.
-inline void nccl_select_device(int device, int rank, int size) {
-  int count = 0;
-  if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw backend_error(
-        "no usable CUDA device: " +
-            cuda_error_text(found, "cudaGetDeviceCount(&count)", __FILE__, __LINE__) +
-            "; NCCL needs a GPU and its driver (does nvidia-smi list one?)",
-        static_cast<int>(found));
-  }
-  if (device >= count) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw config_error(
-        "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) +
-        " wants CUDA device " + std::to_string(device) + ", but this process sees " +
-        std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + (visible ? visible : "<unset>") +
-        "); pass the local rank, and start no more ranks on a node than it has GPUs");
-  }
-  DTRAIN_CUDA_CHECK(cudaSetDevice(device));
-}
-
-inline std::string nccl_seconds(std::chrono::milliseconds t) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
-  return text;
-}
-
-inline constexpr std::string_view nccl_timeout_hint =
-    "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
-    "what every "
-    "rank passed)";
-
-/// Polling back-off for work the GPU finishes: sleeps grow to 1 ms.
-struct nccl_backoff : backoff {
-  nccl_backoff() : backoff{.longest = std::chrono::microseconds(1000)} {}
-};
-
-/// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
-[[nodiscard]] inline bool nccl_stream_idle(cudaStream_t stream) {
-  const cudaError_t e = cudaStreamQuery(stream);
-  if (e == cudaErrorNotReady) return false;
-  if (e != cudaSuccess) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
-  return true;
-}
-
-/// Whether `event` has completed; throws backend_error on a CUDA error.
-[[nodiscard]] inline bool nccl_event_done(cudaEvent_t event) {
-  const cudaError_t e = cudaEventQuery(event);
-  if (e == cudaErrorNotReady) return false;
-  if (e != cudaSuccess) throw_cuda_error(e, "cudaEventQuery(event)", __FILE__, __LINE__);
-  return true;
-}
-
-/// What a communicator and its work handles share. `mutex` guards `comm` (NCCL
-/// calls, polls, abort) and the abort state.
-struct nccl_shared {
-  ncclComm_t comm = nullptr;
-  int rank = 0;
-  int size = 0;
-  int device = 0;
-  nccl_options options{};
-  cuda_stream stream;                    // every collective runs here
-  void* scratch = nullptr;               // device: the check table, then the barrier word
-  std::int64_t* device_table = nullptr;  // check mode: 4 int64 per rank
-  std::int64_t* barrier_word = nullptr;
-  ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
-
-  std::mutex mutex;
-  /// Set by a watchdog (or any thread) that wants the communicator aborted:
-  /// every wait that holds `mutex` checks it each round and gives the lock up,
-  /// so an abort never waits for the wait it is meant to end.
-  std::atomic<bool> abort_requested{false};
-  bool aborted = false;
-  std::string abort_reason;
-  int abort_code = 0;
-
-  nccl_shared() = default;
-  nccl_shared(const nccl_shared&) = delete;
-  nccl_shared& operator=(const nccl_shared&) = delete;
-
-  /// The stream and scratch memory of a communicator on the current device; `comm` comes later.
-  [[nodiscard]] static std::shared_ptr<nccl_shared> create(int rank, int size, int device,
-                                                           nccl_options options) {
-    auto s = std::make_shared<nccl_shared>();
-    s->rank = rank;
-    s->size = size;
-    s->device = device;
-    s->options = std::move(options);
-    s->stream = cuda_stream::non_blocking();
-    const std::size_t words = 4 * static_cast<std::size_t>(size) + 1;
-    DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
-    s->device_table = static_cast<std::int64_t*>(s->scratch);
-    s->barrier_word = s->device_table + 4 * static_cast<std::size_t>(size);
-    return s;
-  }
-
-  [[nodiscard]] ncclConfig_t config() const noexcept {
-    ncclConfig_t out = NCCL_CONFIG_INITIALIZER;
-    out.blocking = options.blocking ? 1 : 0;
-    return out;
-  }
-
-  /// Pinned host memory for the check table (allocated on first use).
-  std::int64_t* host_table() {
-    if (!host_table_)
-      DTRAIN_CUDA_CHECK(
-          cudaMallocHost(&host_table_, 4 * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
-    return host_table_;
-  }
-
-  /// NCCL's asynchronous state: ncclSuccess, ncclInProgress (still
-  /// enqueueing or initialising), or an error. Call with `mutex` held.
-  [[nodiscard]] ncclResult_t async_state() const noexcept {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-    return r != ncclSuccess ? r : state;
-  }
-
-  void throw_if_aborted(const std::string& what) const {
-    if (aborted) {
-      throw backend_error(
-          what + ": the communicator was aborted earlier (" + abort_reason +
-              "); its collectives cannot run any more: create a new communicator (restart the job)",
-          abort_code);
-    }
-  }
-
-  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
-  void abort_locked(std::string why, int code) noexcept {
-    if (comm) {
-      device_guard guard(device, std::nothrow);
-      (void)ncclCommAbort(comm);
-      comm = nullptr;
-    }
-    if (!aborted) {
-      aborted = true;
-      abort_code = code;
-      try {
-        abort_reason = std::move(why);
-      } catch (...) {
-      }
-    }
-  }
-
-  /// Polls until NCCL is idle (not in progress) and `finished()` holds. An
-  /// NCCL error aborts and throws backend_error; running past `limit` aborts
-  /// and throws timeout_error, with `hint` for the person reading it. Call
-  /// with `mutex` held (or before anyone else can see this state).
-  template <class Finished>
-  void wait(const std::string& what, std::chrono::milliseconds limit, std::string_view hint,
-            Finished&& finished) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    nccl_backoff pause;
-    for (;;) {
-      throw_if_aborted(what);
-      if (abort_requested.load(std::memory_order_acquire)) {
-        std::string why = what + " was interrupted: another thread aborted the communicator";
-        abort_locked(why, 0);
-        throw backend_error(why, 0);
-      }
-      const ncclResult_t state = async_state();
-      if (state != ncclSuccess && state != ncclInProgress) {
-        std::string why = what + " failed: NCCL reports " + async_text(state);
-        abort_locked(why, static_cast<int>(state));
-        throw backend_error(why, static_cast<int>(state));
-      }
-      if (state == ncclSuccess && finished()) return;
-      if (std::chrono::steady_clock::now() >= deadline) {
-        std::string why = what + " did not finish within " + nccl_seconds(limit);
-        abort_locked(why, 0);
-        throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
-      }
-      pause();
-    }
-  }
-
-  [[nodiscard]] static std::string async_text(ncclResult_t state) {
-    std::string text = ncclGetErrorString(state);
-    const char* last = ncclGetLastError(nullptr);
-    if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
-    return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
-  }
-
-  /// A completion event from the pool (created on the current device when the pool is empty).
-  [[nodiscard]] cudaEvent_t acquire_event() {
-    {
-      std::lock_guard lock(events_mutex_);
-      if (!free_events_.empty()) {
-        cudaEvent_t e = free_events_.back();
-        free_events_.pop_back();
-        return e;
-      }
-    }
-    return cuda_event::create().release();
-  }
-
-  /// Returns an event to the pool. A stream that waited on it keeps the point
-  /// it waited for, so it can be recorded again at once.
-  void release_event(cudaEvent_t e) noexcept {
-    try {
-      std::lock_guard lock(events_mutex_);
-      free_events_.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
-  }
-
-  /// Lets the collectives finish (at most the collective timeout), then
-  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
-  ~nccl_shared() {
-    device_guard guard(device, std::nothrow);
-    // While an exception unwinds (a peer may be gone) or after a timeout, waiting
-    // for collectives could take the whole timeout: abort instead of finalizing.
-    if (comm && (std::uncaught_exceptions() > 0 || abort_requested.load())) {
-      (void)ncclCommAbort(comm);
-      comm = nullptr;
-    }
-    if (comm) {
-      const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
-      // Finalize only a communicator that is idle and healthy; anything else is aborted.
-      bool clean = settle(deadline, [&] {
-        const cudaError_t e = cudaStreamQuery(stream.get());
-        return e == cudaSuccess         ? settled::done
-               : e == cudaErrorNotReady ? settled::pending
-                                        : settled::failed;
-      });
-      clean = clean && async_state() == ncclSuccess;
-      if (clean) {
-        const ncclResult_t r = ncclCommFinalize(comm);
-        clean = (r == ncclSuccess || r == ncclInProgress) && settle(deadline, [&] {
-                  const ncclResult_t state = async_state();
-                  return state == ncclSuccess      ? settled::done
-                         : state == ncclInProgress ? settled::pending
-                                                   : settled::failed;
-                });
-      }
-      if (clean) {
-        (void)ncclCommDestroy(comm);
-      } else {
-        (void)ncclCommAbort(comm);
-      }
-      comm = nullptr;
-    }
-    if (host_table_) (void)cudaFreeHost(host_table_);
-    if (scratch) (void)cudaFree(scratch);
-    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
-  }
-
- private:
-  enum class settled { done, pending, failed };
-
-  // Polls `query` until it is done (true), fails, or the deadline passes (false).
-  template <class Query>
-  static bool settle(std::chrono::steady_clock::time_point deadline, Query query) noexcept {
-    nccl_backoff pause;
-    for (;;) {
-      const settled state = query();
-      if (state == settled::done) return true;
-      if (state == settled::failed || std::chrono::steady_clock::now() >= deadline) return false;
-      try {
-        pause();
-      } catch (...) {
-        return false;
-      }
-    }
-  }
-
-  std::int64_t* host_table_ = nullptr;
-  std::mutex events_mutex_;
-  std::vector<cudaEvent_t> free_events_;
-};
-
-/// An event from the pool for one scope (or released to a work).
-class nccl_pooled_event {
+/// One rank's recorder. Default-constructed it is off and records nothing.
+/// Recording is thread-safe; write() must not race with recording of the same
+/// step (call it between steps, or after the communication thread is joined).
+class timeline {
  public:
-  explicit nccl_pooled_event(nccl_shared& shared)
-      : shared_(shared), event_(shared.acquire_event()) {}
-  nccl_pooled_event(const nccl_pooled_event&) = delete;
-  nccl_pooled_event& operator=(const nccl_pooled_event&) = delete;
-  ~nccl_pooled_event() {
-    if (event_) shared_.release_event(event_);
-  }
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+  /// The tracks, as Chrome trace threads of the rank's process.
+  enum class track : std::uint8_t { training = 1, communication = 2 };
 
- private:
-  nccl_shared& shared_;
-  cudaEvent_t event_;
-};
+  timeline() noexcept = default;
 
-/// One collective in flight: done when its completion event is; failed when
-/// NCCL reports an asynchronous error (the communicator is then aborted, as
-/// NCCL asks) or the communicator was aborted.
-class nccl_work final : public work_state {
- public:
-  nccl_work(std::string what, std::chrono::milliseconds timeout,
-            std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
-      : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
-  ~nccl_work() override { shared_->release_event(done_); }
-
-  // Runs on any thread that waits (the watchdog's included): the CUDA calls
-  // go to the communicator's device, never to a context on GPU 0.
-  bool poll() override {
-    std::lock_guard lock(shared_->mutex);
-    device_guard guard(shared_->device, std::nothrow);
-    if (shared_->aborted) {
-      fail(std::make_exception_ptr(
-          backend_error(description() + " did not complete: the communicator was aborted (" +
-                            shared_->abort_reason + ")",
-                        shared_->abort_code)));
-      return true;
-    }
-    const ncclResult_t state = shared_->async_state();
-    if (state != ncclSuccess && state != ncclInProgress) {
-      std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
-      shared_->abort_locked(why, static_cast<int>(state));
-      fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
-      return true;
-    }
-    const cudaError_t e = cudaEventQuery(done_);
-    if (e == cudaErrorNotReady) return false;
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      fail(std::make_exception_ptr(backend_error(
-          description() + " failed on the device: " + cudaGetErrorName(e) + ": " +
-              cudaGetErrorString(e) + " (cudaError_t " + std::to_string(static_cast<int>(e)) + ")",
-          static_cast<int>(e))));
-    }
-    return true;
-  }
-
-  // Called by whoever waited (a watchdog thread included): the flag first, so
-  // that a wait holding the lock lets go of it within one polling round.
-  void on_timeout() noexcept override {
-    shared_->abort_requested.store(true, std::memory_order_release);
-    std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(description() + " timed out", 0);
-  }
-
- private:
-  std::shared_ptr<nccl_shared> shared_;
-  cudaEvent_t done_;
-};
-
-}  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_NCCL()
-// ---- end dtrain/backend/nccl_engine.hpp ----
-
-#include <cstdint>
-#include <cstring>
-#include <exception>
-#include <memory>
-#include <mutex>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-
-#if DTRAIN_HAS_NCCL()
-#include <cuda_runtime.h>
-#include <nccl.h>
-#if DTRAIN_HAS_MPI()
-#include <mpi.h>
-#endif
-
-namespace dtrain {
-
-/// A group of ranks, one CUDA device each, that runs NCCL collectives.
-///
-/// Every collective takes device buffers (a host buffer is a config_error) and
-/// an optional `stream` of the caller's (default 0, the default stream as the
-/// calling translation unit sees it). It is enqueued on this communicator's own
-/// non-blocking stream after everything already on `stream`, and returns at
-/// once with a work handle whose test() / wait() poll a completion event and
-/// NCCL's asynchronous error state. The caller's stream does not wait for the
-/// result: call `stream_wait(stream)` (no host block) or `work.wait()` (host
-/// block) before using it. A wait that times out aborts the communicator
-/// (ncclCommAbort): later calls throw backend_error, and work still on the
-/// device for it is lost; create a new communicator (in practice: restart).
-///
-/// Check mode (options.collectives.check, DTRAIN_CHECK_COLLECTIVES=1): before
-/// each collective the ranks gather what each passed (operation, count, type,
-/// op or root) with an unchecked ncclAllGather of 4 int64 per rank through
-/// device scratch memory, and the host waits for it (within the collective
-/// timeout). A difference throws backend_error on every rank, naming the first
-/// rank that differs, and the collective does not run. allreduce_many is
-/// compared as one call (op, total elements, first type).
-///
-/// Use one communicator from one thread at a time, like NCCL's own; work
-/// handles may be tested and waited on from any thread. Not for CUDA graph
-/// capture. Move-only.
-class nccl_communicator {
- public:
-  static constexpr bool reaches_device_memory = true;
-  /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
-  static constexpr bool reaches_host_memory = false;
-  static constexpr std::string_view name = "nccl";
-  /// Collectives are enqueued on stream(), ordered after the caller's stream:
-  /// a topology can enqueue the steps of one collective at once, each after the last.
-  static constexpr bool stream_ordered = true;
-
-  /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
-  /// the local rank; it becomes the calling thread's current device). Rank 0
-  /// creates the NCCL unique id and sets it in `store` under
-  /// `options.store_key`; the others get it, waiting as long as the store's
-  /// timeout allows. Then ncclCommInitRankConfig, non-blocking, waited for at
-  /// most `options.init_timeout`.
-  ///
-  /// Throws config_error for a bad rank, size or device; timeout_error (the
-  /// store's, or the init's) when a rank does not show up; rendezvous_error
-  /// for a malformed id in the store; backend_error for CUDA and NCCL failures.
-  template <store Store>
-  nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
-      // `options` is copied, not moved: the arguments are evaluated in no set order.
-      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key), rank, size,
-                          device, options) {}
-
-  /// Creates the communicator from an id every rank already has (from
-  /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
-  /// under MPI). Throws as the constructor above.
-  nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
-                    nccl_options options = {})
-      : rank_(rank), size_(size) {
-    detail::nccl_check_placement(rank, size, device);
-    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) +
-                             " of " + std::to_string(size) + " on CUDA device " +
-                             std::to_string(device);
-    try {
-      detail::nccl_select_device(device, rank, size);
-      auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
-      ncclConfig_t config = s->config();
-      try {
-        DTRAIN_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
-      } catch (...) {
-        if (s->comm) (void)ncclCommAbort(s->comm);
-        s->comm = nullptr;
-        throw;
-      }
-      // Non-blocking: NCCL connects the ranks in the background; a rank that
-      // never comes would otherwise hang this call for ever.
-      s->wait(what, s->options.init_timeout,
-              "every rank must start and reach the others' network "
-              "interfaces (NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
-              [] { return true; });
-      shared_ = std::move(s);
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
+  /// Creates the file now, so that a path that cannot be written is a
+  /// config_error before training starts (naming the path and the rank).
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
+      : state_(std::make_unique<state>()) {
+    state_->file = timeline_file(path, rank);
+    state_->setting = "DTRAIN_TIMELINE=" + std::string(path);
+    state_->rank = rank;
+    state_->size = size;
+    state_->names = std::move(parameter_names);
+    if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+      std::fclose(f);
+    } else {
+      throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                         state_->file + ": " + std::strerror(errno));
     }
   }
 
-  nccl_communicator(nccl_communicator&&) noexcept = default;
-  nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
-  nccl_communicator(const nccl_communicator&) = delete;
-  nccl_communicator& operator=(const nccl_communicator&) = delete;
-  /// Waits for this communicator's collectives (at most the collective
-  /// timeout, then aborts), then ncclCommFinalize + ncclCommDestroy. Work
-  /// handles still alive keep the communicator alive until they go.
-  ~nccl_communicator() = default;
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE (which
+  /// wins) or `option` names a file, naming the spans of `params` by their names.
+  template <class Parameters>
+  static timeline of(const std::string& option, int rank, int size, const Parameters& params) {
+    const std::string path = timeline_setting(environment::from_process(), option);
+    if (path.empty()) return {};
+    std::vector<std::string> names;
+    for (const auto& p : params) names.push_back(p.name);
+    return timeline(path, rank, size, std::move(names));
+  }
 
-  /// A new NCCL unique id (ncclGetUniqueId; needs no GPU). Throws backend_error.
-  [[nodiscard]] static ncclUniqueId new_unique_id() {
-    ncclUniqueId id{};
-    DTRAIN_NCCL_CHECK(ncclGetUniqueId(&id));
+  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
+  /// The file this rank writes; empty when off.
+  [[nodiscard]] std::string_view file() const noexcept {
+    return state_ ? std::string_view(state_->file) : std::string_view();
+  }
+
+  /// Nanoseconds on the steady clock (shared by the processes of a host, so
+  /// that their traces line up when merged).
+  [[nodiscard]] static std::int64_t now() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  /// A span from its construction to its destruction; nothing when off.
+  class scope {
+   public:
+    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
+          std::uint64_t index, std::uint64_t detail = 0) noexcept
+        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
+      if (t_) start_ = now();
+    }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope() {
+      if (t_) (t_->*done_)(start_, index_, detail_);
+    }
+
+   private:
+    timeline* t_;
+    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
+    std::uint64_t index_;
+    std::uint64_t detail_;
+    std::int64_t start_ = 0;
+  };
+
+  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
+  /// first mark of a step opens the step's span.
+  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
+    return scope(*this, &timeline::mark_done, index, bucket);
+  }
+  /// synchronize() of step `step`; when it ends, the step's span ends too.
+  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
+    return scope(*this, &timeline::synchronize_done, step);
+  }
+  /// The wait for the buckets inside synchronize().
+  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
+    return scope(*this, &timeline::wait_done, buckets);
+  }
+
+  /// Bucket `bucket` of `elements` is launched: returns the id of its span
+  /// (0 when off), which bucket_done() closes.
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements) {
+    if (!state_) return 0;
+    const std::uint64_t id = ++state_->launches;
+    append(track::training, {.what = kind::bucket_begin,
+                             .start = now(),
+                             .index = bucket,
+                             .detail = elements,
+                             .id = id});
     return id;
   }
-
-  /// Rank 0 creates an id and sets it under `key`; every other rank gets it
-  /// (the store's timeout applies). Throws config_error for a bad rank,
-  /// rendezvous_error for a value that is not an id, and what the store throws.
-  template <store Store>
-  [[nodiscard]] static ncclUniqueId exchange_unique_id(
-      Store& store, int rank, int size, std::string_view key = default_nccl_store_key) {
-    detail::nccl_check_rank(rank, size);
-    if (rank == 0) {
-      ncclUniqueId id = new_unique_id();
-      store.set(key, std::string_view(id.internal, sizeof id.internal));
-      return id;
+  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
+  /// to now (finished); `on_thread`: on the communication thread, which gets a
+  /// span of its own (on CUDA streams the host only enqueues, so no such span).
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread) {
+    if (!state_) return;
+    const std::int64_t end = now();
+    if (on_thread) {
+      append(track::communication,
+             {.what = kind::reduce, .start = started, .end = end, .index = bucket});
     }
-    return detail::nccl_unique_id_from(store.get(key), key);
+    append(track::communication,
+           {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
   }
 
-  /// -1 and 0 for a rank that split() left out (negative color).
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  /// False when moved from, or when split() left this rank out.
-  [[nodiscard]] bool valid() const noexcept { return shared_ != nullptr; }
-  [[nodiscard]] int device() const noexcept { return shared_ ? shared_->device : -1; }
-  /// The stream every collective runs on (to order more work after them on the device).
-  [[nodiscard]] cudaStream_t stream() const noexcept {
-    return shared_ ? shared_->stream.get() : nullptr;
+  /// Writes the file (everything recorded so far). Throws dtrain::error naming
+  /// the file and the rank when it cannot be written.
+  void write() const {
+    if (!state_) return;
+    const std::string text = render();
+    std::FILE* f = std::fopen(state_->file.c_str(), "w");
+    bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    const int code = errno;
+    if (f != nullptr && std::fclose(f) != 0) ok = false;
+    if (!ok) {
+      throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                  state_->file + " (" + state_->setting + "): " + std::strerror(code));
+    }
   }
-  /// The NCCL communicator, for calls dtrain does not wrap (and benchmarks against the raw engine).
-  [[nodiscard]] ncclComm_t native_handle() const noexcept {
-    return shared_ ? shared_->comm : nullptr;
-  }
-  /// Whether a timeout, an engine error or abort() ended this communicator.
-  [[nodiscard]] bool aborted() const {
-    if (!shared_) return false;
-    std::lock_guard lock(shared_->mutex);
-    return shared_->aborted;
-  }
-
-  /// ncclCommAbort now: pending collectives end (their work fails) and every
-  /// later call throws. For a rank that learns a peer is gone.
-  void abort() noexcept {
-    if (!shared_) return;
-    std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
-  }
-
-  /// In place or out of place (`in` and `out` may be the same buffer): `out`
-  /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
-  work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("allreduce", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_allreduce({what}, in, out, op);
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce, in.count, in.type,
-                               static_cast<std::int64_t>(op)),
-        in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op, size()), comm, own));
-        });
-  }
-
-  /// `data` on every rank becomes root's.
-  work broadcast(buffer data, int root, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("broadcast", "root " + std::to_string(root) + ", " + detail::shape(data));
-    detail::nccl_check_broadcast({what}, data, root, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::broadcast, data.count, data.type, root),
-                  data.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
-                                                    detail::nccl_type(data.type), root, comm, own));
-                  });
-  }
-
-  /// `out` (size() × in.count elements) becomes every rank's `in`, in rank
-  /// order. In place when `in` is this rank's block of `out`.
-  work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
-    const std::string what = describe("allgather", detail::shape(in));
-    detail::nccl_check_allgather({what}, in, out, size_);
-    return launch(what, detail::nccl_signature(detail::nccl_kind::allgather, in.count, in.type, 0),
-                  in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
-                                                    detail::nccl_type(in.type), comm, own));
-                  });
-  }
-
-  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
-  work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_reduce_scatter({what}, in, out, op, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::reduce_scatter, out.count, out.type,
-                                         static_cast<std::int64_t>(op)),
-                  out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
-                                                        detail::nccl_type(out.type),
-                                                        detail::nccl_op(op, size()), comm, own));
-                  });
-  }
-
-  /// Completes once every rank has reached it (and this rank's earlier
-  /// collectives, and its work on `stream` before the call, are done): an
-  /// allreduce of one int on the device.
-  work barrier(cudaStream_t stream = nullptr) {
-    const std::string what = describe("barrier", "");
-    return launch(what, detail::nccl_signature(detail::nccl_kind::barrier, 0, dtype::int32, 0),
-                  false, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    std::int64_t* word = shared_->barrier_word;
-                    DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
-                  });
-  }
-
-  /// Reduces each buffer in place, in one NCCL group (ncclGroupStart/End):
-  /// one launch for many buffers, one work for all. Buffers may differ in type.
-  /// Check mode compares the op, the number of elements and the first type.
-  work allreduce_many(std::span<const buffer> buffers, reduce_op op,
-                      cudaStream_t stream = nullptr) {
-    std::size_t total = 0;
-    for (const buffer& b : buffers) total += b.count;
-    const std::string what = describe(
-        "allreduce_many", std::string(to_string(op)) + ", " + std::to_string(buffers.size()) +
-                              " buffers, " + std::to_string(total) + " elements");
-    detail::nccl_check_many({what}, buffers, op);
-    const dtype first = buffers.empty() ? dtype::float32 : buffers.front().type;
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce_many, total, first,
-                               static_cast<std::int64_t>(op)),
-        total == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclGroupStart());
-          try {
-            for (const buffer& b : buffers) {
-              if (b.count == 0) continue;
-              DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op, size()), comm, own));
-            }
-          } catch (...) {
-            (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
-            throw;
-          }
-          DTRAIN_NCCL_CHECK(ncclGroupEnd());
-        });
-  }
-
-  /// Makes `stream` wait, on the device and without blocking the host, for
-  /// every collective enqueued on this communicator so far.
-  void stream_wait(cudaStream_t stream) {
-    const std::string what = describe("stream_wait", "");
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+  /// write(), for destructors: a failure is one line on stderr, never an exception.
+  void write_at_exit() const noexcept {
     try {
-      detail::device_guard guard(s.device);
-      detail::nccl_pooled_event done(s);
-      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      write();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
     }
   }
 
-  /// ncclCommSplit: ranks passing the same `color` form a communicator, ordered
-  /// by `key` (then by rank here). A negative color leaves this rank out: it
-  /// gets a communicator with valid() false. Collective over this communicator;
-  /// waits for this communicator's collectives first (NCCL requires it), and
-  /// for the split itself at most options().init_timeout.
-  [[nodiscard]] nccl_communicator split(int color, int key) {
-    const std::string what =
-        describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key));
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
-    try {
-      detail::device_guard guard(s.device);
-      if (s.options.collectives.check)
-        check_signature(s, detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0),
-                        what);
-      s.wait(what + " (waiting for earlier collectives)", s.options.collectives.timeout,
-             detail::nccl_timeout_hint, [&] { return detail::nccl_stream_idle(s.stream.get()); });
-      // The child's stream and scratch exist before the child does, so that no
-      // failure can strand a live NCCL communicator.
-      auto child = detail::nccl_shared::create(0, s.size, s.device, s.options);
-      ncclConfig_t config = s.config();
-      s.split_slot =
-          nullptr;  // written by NCCL when the split completes, maybe after the call returns
-      DTRAIN_NCCL_CHECK(ncclCommSplit(s.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
-                                      &s.split_slot, &config));
-      s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
-      child->comm = s.split_slot;
-      s.split_slot = nullptr;
-      if (!child->comm) return nccl_communicator(nullptr, -1, 0);
-      child->wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
-      DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
-      DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
-      const int child_rank = child->rank, child_size = child->size;
-      nccl_communicator out(std::move(child), child_rank, child_size);
-      out.ring_ = ring_->make_child(color);
-      return out;
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
-    }
-  }
-
-  /// This communicator's last collectives, for desync diagnostics.
-  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
-
-  [[nodiscard]] const nccl_options& options() const {
-    static const nccl_options none{};
-    return shared_ ? shared_->options : none;
-  }
+  /// At most this many events per track are kept (about 48 MiB); the rest are
+  /// counted, and the file says how many were dropped.
+  static constexpr std::size_t max_events = std::size_t{1} << 20;
+  static constexpr std::size_t chunk_events = 4096;
 
  private:
-  nccl_communicator(std::shared_ptr<detail::nccl_shared> shared, int rank, int size) noexcept
-      : shared_(std::move(shared)), rank_(rank), size_(size) {}
-
-  [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
-    return detail::describe(what, args, rank_, size_, name);
-  }
-
-  detail::nccl_shared& usable(const std::string& what) const {
-    if (shared_) return *shared_;
-    if (rank_ < 0) {
-      throw config_error(
-          what + ": this rank passed a negative color to split() and belongs to no communicator");
-    }
-    throw config_error(what + ": the communicator was moved from");
-  }
-
-  // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
-  // of 4 int64 per rank through device scratch memory and a pinned host copy.
-  // The host waits for it (at most the collective timeout).
-  void check_signature(detail::nccl_shared& s, const detail::signature& mine,
-                       const std::string& what) {
-    const std::string checking = "checking what every rank passed to " + what;
-    detail::compare_signatures(
-        mine, s.rank, s.size, what,
-        [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
-          try {
-            std::int64_t* host = s.host_table();
-            const std::size_t row = static_cast<std::size_t>(s.rank) * 4;
-            std::memcpy(host + row, fields.data(), 4 * sizeof(std::int64_t));
-            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(s.device_table + row, host + row,
-                                              4 * sizeof(std::int64_t), cudaMemcpyHostToDevice,
-                                              s.stream.get()));
-            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, 4, ncclInt64,
-                                            s.comm, s.stream.get()));
-            s.wait(checking, s.options.collectives.timeout, detail::nccl_timeout_hint,
-                   [] { return true; });
-            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, s.device_table,
-                                              all.size() * sizeof(std::int64_t),
-                                              cudaMemcpyDeviceToHost, s.stream.get()));
-            detail::nccl_pooled_event done(s);
-            DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-            s.wait(checking, s.options.collectives.timeout,
-                   "a rank did not call this collective, or called fewer collectives than this one",
-                   [&] { return detail::nccl_event_done(done.get()); });
-            std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
-          } catch (const backend_error& e) {
-            throw detail::nccl_with_context(checking, e);
-          }
-        });
-  }
-
-  // Orders the collective after `caller`, enqueues it on the own stream, and
-  // returns a work that polls its completion event.
-  template <class Enqueue>
-  work launch(const std::string& what, const detail::signature& sig, bool empty,
-              cudaStream_t caller, Enqueue&& enqueue) {
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
-    const std::int64_t seq = record(sig);
-    if (empty && !s.options.collectives.check) {
-      ring_->settle(seq, detail::call_state::completed);
-      return work();  // nothing to move, nothing to order
-    }
-    try {
-      detail::device_guard guard(s.device);
-      if (s.options.collectives.check) check_signature(s, sig, what);
-      if (empty) {
-        ring_->settle(seq, detail::call_state::completed);
-        return work();
-      }
-      {
-        detail::nccl_pooled_event ready(s);
-        DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
-        DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
-      }  // the wait holds the recorded point; the event can be reused at once
-      enqueue(s.comm, s.stream.get());
-      // A non-blocking NCCL may still be enqueueing in the background; nothing
-      // may be added to its stream until it is done.
-      s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
-      detail::nccl_pooled_event done(s);
-      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      auto w = std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
-                                                   done.release());
-      w->track(ring_, seq);
-      return work(std::move(w));
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
-    }
-  }
-
-  // Numbers this communicator's collectives in its ring (desync diagnostics)
-  // from a check-mode signature: {kind, count, type, op or root}.
-  std::int64_t record(const detail::signature& sig) {
-    using detail::nccl_kind;
-    const auto kind = static_cast<nccl_kind>(sig.collective);
-    static constexpr std::string_view names[] = {"?",       "allreduce", "broadcast",      "allgather",
-                                                 "reduce_scatter", "barrier",   "allreduce_many", "split"};
-    const auto index = static_cast<std::size_t>(sig.collective);
-    const bool rooted = kind == nccl_kind::broadcast;
-    const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
-                         kind == nccl_kind::allreduce_many;
-    return ring_->issue(index < std::size(names) ? names[index] : "?", static_cast<dtype>(sig.type),
-                        static_cast<std::size_t>(sig.count), reduces ? static_cast<int>(sig.op_or_root) : -1,
-                        rooted ? static_cast<int>(sig.op_or_root) : -1);
-  }
-
-  std::shared_ptr<detail::nccl_shared> shared_;
-  std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
-  int rank_ = -1;
-  int size_ = 0;
-};
-
-static_assert(communicator<nccl_communicator>);
-
-#if DTRAIN_HAS_MPI()
-/// Rank `root` of `comm` creates an NCCL unique id and MPI_Bcasts it to every
-/// rank of `comm` (collective; returns the same id everywhere), for jobs
-/// started by mpirun that have no store. If the root cannot create an id,
-/// every rank throws backend_error rather than waiting. MPI errors are checked
-/// only if `comm` returns them (MPI_ERRORS_RETURN).
-inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
-  auto check = [](int rc, const char* call) {
-    if (rc == MPI_SUCCESS) return;
-    char text[MPI_MAX_ERROR_STRING] = {};
-    int length = 0;
-    if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
-    throw backend_error(std::string("MPI call `") + call +
-                            "` failed while sharing the NCCL unique id: " +
-                            std::string(text, static_cast<std::size_t>(length)) + " (MPI error " +
-                            std::to_string(rc) + ")",
-                        rc);
-  };
-  int rank = -1;
-  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank(comm, &rank)");
-  // A status byte ahead of the id: a root that failed tells the others so.
-  unsigned char message[1 + sizeof(ncclUniqueId)] = {};
-  std::exception_ptr failure;
-  if (rank == root) {
-    try {
-      const ncclUniqueId id = nccl_communicator::new_unique_id();
-      message[0] = 1;
-      std::memcpy(message + 1, &id, sizeof id);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  check(MPI_Bcast(message, static_cast<int>(sizeof message), MPI_BYTE, root, comm),
-        "MPI_Bcast(message, 129, MPI_BYTE, root, comm)");
-  if (failure) std::rethrow_exception(failure);
-  if (message[0] != 1) {
-    throw backend_error("rank " + std::to_string(root) +
-                            " could not create the NCCL unique id (its own error says why); rank " +
-                            std::to_string(rank) + " cannot create its communicator",
-                        0);
-  }
-  ncclUniqueId id{};
-  std::memcpy(&id, message + 1, sizeof id);
-  return id;
-}
-#endif  // DTRAIN_HAS_MPI()
-
-}  // namespace dtrain
-
-#endif  // DTRAIN_HAS_NCCL()
-// ---- end dtrain/backend/nccl.hpp ----
-// ---- begin dtrain/topology/layout.hpp ----
-/// @file
-/// Where each rank sits among the nodes, as a topology needs it: the
-/// `node_layout` of one rank, every rank's gathered over the host control
-/// plane, and the check that the nodes are alike enough for a hierarchical
-/// collective (every node the same number of ranks, local ranks 0..L-1).
-
-
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// One rank's place among the nodes: what topology::hierarchical groups by.
-struct node_layout {
-  int node_rank = 0;
-  int num_nodes = 1;
-  int local_rank = 0;
-  int local_size = 1;
-
-  /// The layout of a complete world (as dtrain::run hands it over); nullopt
-  /// when a field is unknown.
-  [[nodiscard]] static std::optional<node_layout> of(const world& w) {
-    if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
-    return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
-  }
-  friend bool operator==(const node_layout&, const node_layout&) = default;
-};
-
-namespace detail {
-
-/// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
-/// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
-/// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
-/// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
-[[nodiscard]] inline std::string hierarchy_problem(std::span<const node_layout> table) {
-  const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
-  if (table.empty()) return "no ranks";
-  std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
-  for (std::size_t r = 0; r < table.size(); ++r) {
-    const node_layout& l = table[r];
-    if (l.num_nodes != table[0].num_nodes) {
-      return rank(r) + " says there are " + std::to_string(l.num_nodes) + " nodes, rank 0 " +
-             std::to_string(table[0].num_nodes);
-    }
-    if (l.node_rank < 0 || l.node_rank >= l.num_nodes || l.local_rank < 0 ||
-        l.local_rank >= l.local_size) {
-      return rank(r) + " has node rank " + std::to_string(l.node_rank) + " of " +
-             std::to_string(l.num_nodes) + " and local rank " + std::to_string(l.local_rank) +
-             " of " + std::to_string(l.local_size);
-    }
-    nodes[l.node_rank].push_back(l.local_rank);
-  }
-  const int n = table[0].num_nodes;
-  if (static_cast<int>(nodes.size()) != n) {
-    return std::to_string(nodes.size()) + " of the " + std::to_string(n) + " nodes have ranks";
-  }
-  const std::size_t first = nodes.begin()->second.size();
-  for (const auto& [node, locals] : nodes) {
-    if (locals.size() != first) {
-      return "uneven nodes: node " + std::to_string(nodes.begin()->first) + " has " +
-             std::to_string(first) + " ranks, node " + std::to_string(node) + " has " +
-             std::to_string(locals.size()) +
-             " (hierarchical needs the same number of ranks on every node)";
-    }
-    std::vector<char> seen(first, 0);
-    for (int local : locals) {
-      if (static_cast<std::size_t>(local) >= first || seen[static_cast<std::size_t>(local)]) {
-        return "node " + std::to_string(node) + " does not number its " + std::to_string(first) +
-               " ranks 0.." + std::to_string(first - 1) + " (local rank " + std::to_string(local) +
-               ")";
-      }
-      seen[static_cast<std::size_t>(local)] = 1;
-    }
-  }
-  for (std::size_t r = 0; r < table.size(); ++r) {
-    if (static_cast<std::size_t>(table[r].local_size) != first) {
-      return rank(r) + " says its node has " + std::to_string(table[r].local_size) +
-             " ranks, but " + std::to_string(first) + " met there";
-    }
-  }
-  if (n == 1) return "one node: nothing crosses nodes";
-  if (first == 1) return "one rank per node: the cross-node communicator would be the world";
-  return {};
-}
-
-/// Every rank's layout, in rank order, over `control` (collective).
-[[nodiscard]] inline std::vector<node_layout> gather_layouts(control_plane& control,
-                                                             const node_layout& mine) {
-  const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
-  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
-  control.allgather(fields, all);
-  std::vector<node_layout> table(static_cast<std::size_t>(control.size()));
-  for (std::size_t r = 0; r < table.size(); ++r) {
-    const std::int64_t* f = &all[4 * r];
-    table[r] = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
-                static_cast<int>(f[3])};
-  }
-  return table;
-}
-
-/// The layout of every rank from its node name alone (FNV-1a of it, gathered
-/// over `control`), placed by place_ranks() as dtrain::run completes a world:
-/// nodes numbered by their lowest rank, local ranks in rank order. For
-/// communicators made without a context, which knows the launcher's own placement.
-[[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
-                                                        std::string_view node_name) {
-  std::uint64_t hash = 1469598103934665603ull;
-  for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
-  control.allgather(mine, all);
-  std::vector<rank_report> reports(all.size());
-  for (std::size_t r = 0; r < all.size(); ++r) reports[r].node_name = std::to_string(all[r]);
-  const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
-  return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
-}
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/topology/layout.hpp ----
-// ---- begin dtrain/topology/sequence.hpp ----
-/// @file
-/// How a topology runs one collective as several on different communicators:
-/// `detail::work_sequence`, one work for the steps, and the calls that pass a
-/// stream only to engines that take one. Steps on engines that order their
-/// collectives on CUDA streams are all enqueued at once, each after the
-/// previous one's stream; on host engines each step starts when the one
-/// before it has finished, inside test() / wait() of the sequence.
-
-
-#include <algorithm>
-#include <chrono>
-#include <concepts>
-#include <cstddef>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// Whether C enqueues its collectives on a device stream of its own, ordered
-/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
-/// steps of a sequence can then all be enqueued at once.
-template <class C>
-concept stream_ordered = requires(const C& c) {
-  requires C::stream_ordered;
-  { c.stream() } -> std::convertible_to<stream_handle>;
-};
-
-/// The stream that the next step must follow after a step on `c`: its own
-/// stream where it has one, else none (the step has finished on the host).
-template <communicator C>
-stream_handle stream_after(const C& c) noexcept {
-  if constexpr (stream_ordered<C>) {
-    return c.stream();
-  } else {
-    (void)c;
-    return nullptr;
-  }
-}
-
-// The collectives with the caller's stream, for the engines that take one
-// (NCCL, MPI with device buffers); the others never see it.
-template <communicator C>
-work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
-  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
-    return c.allreduce(in, out, op, stream);
-  } else {
-    (void)stream;
-    return c.allreduce(in, out, op);
-  }
-}
-template <communicator C>
-work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
-  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
-    return c.reduce_scatter(in, out, op, stream);
-  } else {
-    (void)stream;
-    return c.reduce_scatter(in, out, op);
-  }
-}
-template <communicator C>
-work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
-  if constexpr (requires { c.allgather(in, out, stream); }) {
-    return c.allgather(in, out, stream);
-  } else {
-    (void)stream;
-    return c.allgather(in, out);
-  }
-}
-
-/// One work for several collectives. `steps[i]` starts collective i and
-/// returns its work; it runs on communicator `lane` and needs step `after`
-/// finished first (`chain`: the step before it; -1: nothing). Steps of one
-/// lane start in list order, whatever finishes when, so every rank issues the
-/// same collectives on every communicator in the same order: a lane is a
-/// queue, and independent lanes overlap (a pipeline: step k+1 on one
-/// communicator while step k runs on another).
-///
-/// Eager: every step is started now, in list order (engines that order
-/// collectives on streams). Otherwise a step starts once it may, from
-/// whichever thread tests or waits on the sequence: drive a rank's sequences
-/// from one thread, in one order, as it issues collectives. The first failure
-/// ends the sequence, with `label` (the whole collective) and the step in its
-/// message. A timeout gives up every step still running (NCCL: aborts their
-/// communicators).
-class work_sequence final : public work_state {
- public:
-  static constexpr int chain = -2;
-  struct step {
-    std::string name;             ///< "cross-node allreduce", for messages
-    std::function<work()> start;  ///< starts the collective; may throw
-    int lane = 0;                 ///< the communicator it runs on
-    int after = chain;            ///< the step it waits for: an index, chain, or -1
+  enum class kind : std::uint8_t {
+    step,
+    mark,
+    synchronize,
+    wait,
+    reduce,
+    bucket_begin,
+    bucket_end
   };
 
-  /// Starts what may start now (eager: every step); what a start throws
-  /// reaches the caller. The sequence's timeout is its steps' (the
-  /// communicators' collective timeout), counted for the whole sequence.
-  work_sequence(std::string label, std::vector<step> steps, bool eager,
-                std::shared_ptr<void> keep_alive = {})
-      : work_state(std::move(label), std::chrono::milliseconds(0)),
-        keep_alive_(std::move(keep_alive)),
-        call_label_(current_call_label()) {
-    if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
-    for (std::size_t i = 0; i < steps.size(); ++i) {
-      int& a = steps[i].after;
-      if (a == chain) a = static_cast<int>(i) - 1;
-      if (a >= static_cast<int>(i)) {
-        throw dtrain::error("work_sequence: step " + std::to_string(i) +
-                            " waits for a later one (" + description() + ")");
+  struct event {
+    kind what = kind::step;
+    std::int64_t start = 0;  // ns, steady clock
+    std::int64_t end = 0;
+    std::uint64_t index = 0;   // step, parameter or bucket
+    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
+    std::uint64_t id = 0;      // bucket_begin / bucket_end
+  };
+
+  struct buffer {
+    mutable std::mutex mutex;
+    // Fixed chunks, not one vector: growing never copies what was recorded
+    // (a doubling vector costs a step its whole history once in a while).
+    std::vector<std::vector<event>> chunks;
+    std::size_t count = 0;
+    std::size_t dropped = 0;
+  };
+
+  struct state {
+    std::string file;
+    std::string setting;
+    int rank = 0;
+    int size = 1;
+    std::vector<std::string> names;
+    std::array<buffer, 2> tracks;
+    std::int64_t step_start = -1;  // training thread only
+    std::uint64_t launches = 0;    // training thread only
+  };
+
+  void append(track t, const event& e) {
+    buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+    std::lock_guard lock(b.mutex);
+    if (b.count < max_events) {
+      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+        b.chunks.emplace_back().reserve(chunk_events);
       }
-      slots_.push_back({std::move(steps[i]), {}, false, false});
-    }
-    if (eager) {
-      for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
+      b.chunks.back().push_back(e);
+      ++b.count;
     } else {
-      start_ready();
+      ++b.dropped;
     }
   }
 
-  bool poll() override {
-    std::lock_guard lock(mutex_);
-    return advance_locked();
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket) {
+    if (state_->step_start < 0) state_->step_start = start;
+    append(track::training,
+           {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+  }
+  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
+    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
+  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t) {
+    const std::int64_t end = now();
+    append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+    // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+    const std::int64_t from =
+        state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+    append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+    state_->step_start = -1;
   }
 
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
-    backoff pause;
-    for (;;) {
-      std::optional<work> only;
-      {
-        std::lock_guard lock(mutex_);
-        if (advance_locked()) return true;
-        only = only_running_locked();
-      }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) {
-        std::lock_guard lock(mutex_);
-        return advance_locked();
-      }
-      if (only) {
-        // One step in flight, and nothing else can start before it ends: the
-        // engine's own wait (Gloo runs a collective that is next in line on
-        // this thread; MPI progresses inside its test).
-        (void)only->finish_within(left);
-      } else {
-        pause();  // several in flight: poll them all, so that each finished one lets the next start
-      }
-    }
+  static void microseconds(std::string& out, std::int64_t ns) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                  static_cast<long long>(ns % 1000));
+    out += text;
   }
 
-  void on_timeout() noexcept override {
-    std::lock_guard lock(mutex_);
-    for (slot& s : slots_) {
-      if (!s.started || s.handle.test()) continue;
-      try {
-        s.handle.give_up(s.handle.timeout());  // the engine's abort
-      } catch (...) {
-      }
+  std::string name_of(const event& e) const {
+    switch (e.what) {
+      case kind::step: return "step " + std::to_string(e.index);
+      case kind::mark:
+        return e.index < state_->names.size() ? state_->names[e.index]
+                                              : "parameter #" + std::to_string(e.index);
+      case kind::synchronize: return "synchronize";
+      case kind::wait: return "wait for buckets";
+      case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+      case kind::bucket_begin:
+      case kind::bucket_end: return "bucket " + std::to_string(e.index);
     }
+    return "?";
   }
 
- private:
-  // What the sequence knows of one step.
-  struct slot {
-    step what;
-    work handle;
-    bool started = false;
-    bool finished = false;
-  };
-
-  void start(std::size_t i) {
-    slot& s = slots_[i];
-    label_scope label(call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
-    s.handle = s.what.start();
-    s.started = true;
-    // A step that completed at once (nothing to move) has no limit of its own.
-    if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
+  static const char* category_of(kind k) {
+    switch (k) {
+      case kind::step: return "step";
+      case kind::mark: return "mark_ready";
+      case kind::synchronize:
+      case kind::wait: return "synchronize";
+      case kind::reduce:
+      case kind::bucket_begin:
+      case kind::bucket_end: return "bucket";
+    }
+    return "?";
   }
 
-  // Starts, in list order, every step whose predecessor has finished and
-  // whose lane has started everything listed before it.
-  void start_ready() {
-    std::vector<char> lane_blocked;
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
-      if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
-      if (slots_[i].started) continue;
-      const int a = slots_[i].what.after;
-      const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
-      if (ready && !lane_blocked[lane]) {
-        start(i);
-      } else {
-        lane_blocked[lane] = 1;
-      }
-    }
-  }
-
-  // The one step in flight when exactly one is.
-  std::optional<work> only_running_locked() {
-    std::optional<work> found;
-    int running = 0;
-    for (const slot& s : slots_) {
-      if (s.started && !s.finished) {
-        found = s.handle;
-        ++running;
-      }
-    }
-    if (running != 1) return std::nullopt;
-    return found;
-  }
-
-  // True once every step has finished or one has failed; starts the steps
-  // that finished ones let start.
-  bool advance_locked() {
-    if (finished_) return true;
-    for (;;) {
-      bool progress = false;
-      for (std::size_t i = 0; i < slots_.size(); ++i) {
-        slot& s = slots_[i];
-        if (!s.started || s.finished || !s.handle.test()) continue;
-        if (auto e = s.handle.exception()) return end(e, i);
-        s.finished = true;
-        progress = true;
-      }
-      if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
-        finished_ = true;
-        return true;
-      }
-      if (!progress) return false;
-      try {
-        start_ready();
-      } catch (...) {
-        std::size_t failed = 0;
-        while (failed < slots_.size() && slots_[failed].started) ++failed;
-        return end(std::current_exception(), failed);
-      }
-    }
-  }
-
-  // The step's error, with the sequence and the step named; same exception type.
-  bool end(const std::exception_ptr& e, std::size_t i) {
-    const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
-                              std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
-    try {
-      std::rethrow_exception(e);
-    } catch (const config_error& x) {
-      fail(std::make_exception_ptr(config_error(where + x.what())));
-    } catch (const timeout_error& x) {
-      fail(std::make_exception_ptr(timeout_error(where + x.what())));
-    } catch (const backend_error& x) {
-      fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
-    } catch (const rendezvous_error& x) {
-      fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
-    } catch (const std::exception& x) {
-      fail(std::make_exception_ptr(dtrain::error(where + x.what())));
-    } catch (...) {
-      fail(e);
-    }
-    finished_ = true;
-    return true;
-  }
-
-  std::mutex mutex_;  // the watchdog and the owner may poll at once
-  std::vector<slot> slots_;
-  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
-  call_label call_label_;             // the caller's, for the steps started later
-  bool finished_ = false;
-};
-
-}  // namespace dtrain::detail
-// ---- end dtrain/topology/sequence.hpp ----
-// ---- begin dtrain/topology/flat.hpp ----
-/// @file
-/// topology::flat: every collective runs on one communicator over the world.
-/// The other model of the slot is topology::hierarchical (hierarchical.hpp).
-
-
-#include <cstddef>
-#include <string>
-#include <string_view>
-
-namespace dtrain::topology {
-
-/// One communicator over the world; collectives go to it unchanged.
-struct flat {
-  static constexpr std::string_view name = "flat";
-
-  /// How this topology runs an allreduce on `world`: directly.
-  template <communicator C>
-  static work allreduce(C& world, buffer in, buffer out, reduce_op op) {
-    return world.allreduce(in, out, op);
-  }
-  template <communicator C>
-  static work broadcast(C& world, buffer data, int root) {
-    return world.broadcast(data, root);
-  }
-
-  /// The communicators a topology runs its collectives on, made once per
-  /// user (DistributedDataParallel makes one). Flat: the world itself.
-  template <communicator C>
-  class group {
-   public:
-    /// Nothing collective happens: flat needs no layout and no new communicator.
-    group(C& world, control_plane /*control*/, const node_layout& /*mine*/) noexcept
-        : world_(&world) {}
-
-    [[nodiscard]] C& world() noexcept { return *world_; }
-    /// Whether collectives run hierarchically (never, here).
-    [[nodiscard]] static constexpr bool hierarchical() noexcept { return false; }
-    /// A buffer whose length is a multiple of this many elements needs no extra collective.
-    [[nodiscard]] static constexpr std::size_t granularity() noexcept { return 1; }
-    /// Elements of scratch (`shard`) an allreduce of `count` elements needs: none.
-    [[nodiscard]] static constexpr std::size_t shard_count(std::size_t /*count*/) noexcept {
-      return 0;
-    }
-    /// "flat (gloo, 4 ranks)"
-    [[nodiscard]] std::string describe() const {
-      return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) + " ranks)";
-    }
-
-    /// In place on `data`, ordered after `stream` where the engine takes one.
-    work allreduce(buffer data, buffer /*shard*/, reduce_op op, stream_handle stream = nullptr) {
-      return detail::allreduce_on(*world_, data, data, op, stream);
-    }
-    /// The same without scratch (flat needs none).
-    work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
-    /// Makes `stream` wait for every collective so far (engines on streams).
-    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
-      c.stream_wait(s);
-    }
-    { world_->stream_wait(stream); }
-
-   private:
-    C* world_;
-  };
-};
-
-}  // namespace dtrain::topology
-// ---- end dtrain/topology/flat.hpp ----
-// ---- begin dtrain/topology/hierarchical.hpp ----
-/// @file
-/// topology::hierarchical: an allreduce runs as a node-local reduce-scatter,
-/// a cross-node allreduce of each shard (one communicator per local rank),
-/// and a node-local allgather. Only 1/L of the data crosses the network per
-/// rank (L ranks per node), and the links between nodes carry each shard
-/// once per node rather than once per rank: the slow links carry (n-1)/n of
-/// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
-
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdio>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::topology {
-
-/// Node-local and cross-node communicators, split from the world.
-struct hierarchical {
-  static constexpr std::string_view name = "hierarchical";
-  /// On host engines, a buffer of more than this many bytes travels in chunks
-  /// of about this size (at most 8), pipelined: a chunk's node-local steps run
-  /// while another chunk crosses the nodes. 0: one piece.
-  static constexpr std::size_t default_chunk_bytes = std::size_t{2} << 20;
-
-  /// The communicators of one user (DistributedDataParallel makes one):
-  /// `local` (the ranks of this node, by local rank) and `cross` (the ranks
-  /// with this local rank, one per node, by node rank), or the world alone
-  /// when the nodes do not allow a hierarchy (see hierarchical()).
-  template <communicator C>
-  class group {
-   public:
-    /// Collective over `world`: every rank's layout is gathered over
-    /// `control`; when every node holds the same number L > 1 of ranks and
-    /// there are N > 1 nodes, `world` is split into `local` (color: node rank,
-    /// key: local rank) and `cross` (color: local rank, key: node rank).
-    /// Otherwise collectives run flat on `world`, and rank 0 prints one line
-    /// saying why. `world` must outlive the group. `chunk_bytes`: see
-    /// default_chunk_bytes (every rank must pass the same). Throws what
-    /// split() throws, and backend_error when a split does not give the expected size.
-    group(C& world, control_plane control, const node_layout& mine,
-          std::size_t chunk_bytes = default_chunk_bytes)
-        : world_(&world), chunk_bytes_(chunk_bytes) {
-      const std::vector<node_layout> table = detail::gather_layouts(control, mine);
-      why_flat_ = detail::hierarchy_problem(table);
-      if (!why_flat_.empty()) {
-        if (world.rank() == 0) {
-          std::fprintf(stderr, "dtrain: topology::hierarchical runs flat on %d ranks: %s\n",
-                       world.size(), why_flat_.c_str());
-          std::fflush(stderr);
-        }
-        return;
-      }
-      local_.emplace(world.split(mine.node_rank, mine.local_rank));
-      cross_.emplace(world.split(mine.local_rank, mine.node_rank));
-      if (local_->size() != mine.local_size || local_->rank() != mine.local_rank ||
-          cross_->size() != mine.num_nodes || cross_->rank() != mine.node_rank) {
-        throw backend_error(
-            "topology::hierarchical on rank " + std::to_string(world.rank()) + ": splitting " +
-                std::string(C::name) + " gave local rank " + std::to_string(local_->rank()) +
-                " of " + std::to_string(local_->size()) + " and cross rank " +
-                std::to_string(cross_->rank()) + " of " + std::to_string(cross_->size()) +
-                ", the layout says " + std::to_string(mine.local_rank) + " of " +
-                std::to_string(mine.local_size) + " and " + std::to_string(mine.node_rank) +
-                " of " + std::to_string(mine.num_nodes),
-            0);
-      }
-    }
-    group(const group&) = delete;
-    group& operator=(const group&) = delete;
-
-    [[nodiscard]] C& world() noexcept { return *world_; }
-    /// Whether collectives run hierarchically; false when they run flat (why_flat() says why).
-    [[nodiscard]] bool hierarchical() const noexcept { return local_.has_value(); }
-    [[nodiscard]] const std::string& why_flat() const noexcept { return why_flat_; }
-    /// The node-local communicator; only when hierarchical().
-    [[nodiscard]] C& local() { return *local_; }
-    /// The cross-node communicator of this local rank; only when hierarchical().
-    [[nodiscard]] C& cross() { return *cross_; }
-
-    /// A buffer whose length is a multiple of this many elements (the ranks
-    /// per node) needs no extra collectives for a remainder.
-    [[nodiscard]] std::size_t granularity() const noexcept {
-      return local_ ? static_cast<std::size_t>(local_->size()) : 1;
-    }
-    /// Elements of scratch (`shard`) an allreduce of `count` elements needs.
-    [[nodiscard]] std::size_t shard_count(std::size_t count) const noexcept {
-      return local_ ? count / granularity() : 0;
-    }
-    /// "hierarchical (gloo): 2 nodes x 2 ranks", or "flat (gloo, 3 ranks): uneven nodes: ..."
-    [[nodiscard]] std::string describe() const {
-      if (!local_) {
-        return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) +
-               " ranks): " + why_flat_;
-      }
-      return "hierarchical (" + std::string(C::name) + "): " + std::to_string(cross_->size()) +
-             " nodes x " + std::to_string(local_->size()) + " ranks";
-    }
-
-    /// In place on `data`: the reduction over every rank. `shard` is scratch
-    /// of at least shard_count(data.count) elements of data's type in the
-    /// same memory, untouched by anyone else until the work completes (one
-    /// per collective in flight). Steps: node-local reduce_scatter of the
-    /// first L x q elements (q = count / L) into `shard`, cross-node allreduce
-    /// of `shard`, node-local allgather back into `data`; the last count - L x q
-    /// elements (fewer than L) are reduced by a node-local and a cross-node
-    /// allreduce of their own. avg is avg at each step (sum / L, then / N).
-    /// On an engine that orders collectives on streams (NCCL) every step is
-    /// enqueued now, the first after `stream`; otherwise each step starts when
-    /// the previous one has finished, inside test() / wait() of the returned
-    /// work, so drive it from the thread that issues this group's collectives.
-    /// Throws config_error for a `shard` of the wrong type, memory or size.
-    work allreduce(buffer data, buffer shard, reduce_op op, stream_handle stream = nullptr) {
-      return run(data, shard, op, stream, nullptr);
-    }
-
-    /// The same for host memory, with scratch of its own (held by the work).
-    work allreduce(buffer data, reduce_op op) {
-      if (!local_ || data.count < granularity()) return run(data, {}, op, nullptr, nullptr);
-      if (data.where != memory::host) {
-        throw config_error(describe_call(data, op) +
-                           ": device memory needs a shard buffer of the caller's "
-                           "(allreduce(data, shard, op, stream))");
-      }
-      auto scratch =
-          std::make_shared<std::vector<std::byte>>(shard_count(data.count) * size_of(data.type));
-      buffer shard{scratch->data(), shard_count(data.count), data.type, memory::host};
-      return run(data, shard, op, nullptr, std::move(scratch));
-    }
-
-    /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
-    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
-      c.stream_wait(s);
-    }
-    {
-      world_->stream_wait(stream);
-      if (local_) {
-        local_->stream_wait(stream);
-        cross_->stream_wait(stream);
-      }
-    }
-
-   private:
-    [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
-      return detail::describe("hierarchical allreduce",
-                              std::string(to_string(op)) + ", " + detail::shape(data),
-                              world_->rank(), world_->size(), C::name);
-    }
-
-    work run(buffer data, buffer shard, reduce_op op, stream_handle stream,
-             std::shared_ptr<void> keep_alive) {
-      const std::size_t per_node = granularity();
-      const std::size_t q = local_ ? data.count / per_node : 0;
-      if (q == 0) return detail::allreduce_on(*world_, data, data, op, stream);
-      detail::argument_check check{describe_call(data, op)};
-      check.same_type(data, shard);
-      if (shard.count < q) {
-        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
-                   std::to_string(q) + " (shard_count(" + std::to_string(data.count) + "))");
-      }
-      check.op_fits(op, data.type);
-      buffer head = data;
-      head.count = q * per_node;
-      buffer part = shard;
-      part.count = q;
-      buffer rest = data;
-      rest.data = static_cast<std::byte*>(data.data) + head.bytes();
-      rest.count = data.count - head.count;
-
-      C& local = *local_;
-      C& cross = *cross_;
-      // Lanes: the communicators, each a queue of its own. On a host engine a
-      // large buffer travels in chunks, so that a chunk's node-local
-      // reduce-scatter overlaps the previous chunk's cross-node allreduce
-      // (bound by the slow link) and its allgather the next one's.
-      enum : int { on_local = 1, on_cross = 2 };
-      const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
-      std::vector<detail::work_sequence::step> rs, cross_steps, ag;
-      for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
-        const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
-        buffer in = head, mine = part;
-        in.data = static_cast<std::byte*>(head.data) + begin * per_node * size_of(head.type);
-        in.count = n * per_node;
-        mine.data = static_cast<std::byte*>(part.data) + begin * size_of(part.type);
-        mine.count = n;
-        begin += n;
-        const std::string which =
-            chunks > 1 ? " (chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")"
-                       : "";
-        rs.push_back(
-            {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
-             [&local, in, mine, op, stream] {
-               return detail::reduce_scatter_on(local, in, mine, op, stream);
-             },
-             on_local, -1});
-        cross_steps.push_back(
-            {"cross-node allreduce over " + std::to_string(cross.size()) + " nodes" + which,
-             [&local, &cross, mine, op] {
-               return detail::allreduce_on(cross, mine, mine, op, detail::stream_after(local));
-             },
-             on_cross, -1});
-        ag.push_back(
-            {"node-local allgather over " + std::to_string(local.size()) + " ranks" + which,
-             [&local, &cross, mine, in] {
-               return detail::allgather_on(local, mine, in, detail::stream_after(cross));
-             },
-             on_local, -1});
-      }
-      if (rest.count > 0) {
-        rs.push_back(
-            {"node-local allreduce of the last " + std::to_string(rest.count) + " elements",
-             [&local, rest, op] {
-               return detail::allreduce_on(local, rest, rest, op, detail::stream_after(local));
-             },
-             on_local, -1});
-        cross_steps.push_back(
-            {"cross-node allreduce of the last " + std::to_string(rest.count) + " elements",
-             [&cross, rest, op] {
-               return detail::allreduce_on(cross, rest, rest, op, detail::stream_after(cross));
-             },
-             on_cross, -1});
-      }
-      // List order is each lane's order: every reduce-scatter, then the
-      // cross-node steps, then the allgathers; each waits for its own chunk's step before.
-      std::vector<detail::work_sequence::step> steps;
-      const int crosses = static_cast<int>(rs.size());
-      for (auto& x : rs) steps.push_back(std::move(x));
-      for (std::size_t i = 0; i < cross_steps.size(); ++i) {
-        cross_steps[i].after = static_cast<int>(i);
-        steps.push_back(std::move(cross_steps[i]));
-      }
-      for (std::size_t i = 0; i < ag.size(); ++i) {
-        ag[i].after = crosses + static_cast<int>(i);
-        steps.push_back(std::move(ag[i]));
-      }
-      return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
-                                                          detail::stream_ordered<C>,
-                                                          std::move(keep_alive)));
-    }
-
-    // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
-    [[nodiscard]] std::size_t chunk_count(std::size_t bytes) const noexcept {
-      if (chunk_bytes_ == 0) return 1;
-      return std::clamp<std::size_t>(bytes / chunk_bytes_, 1, 8);
-    }
-
-    C* world_;
-    std::optional<C> local_;
-    std::optional<C> cross_;
-    std::string why_flat_;
-    std::size_t chunk_bytes_;
-  };
-};
-
-}  // namespace dtrain::topology
-// ---- end dtrain/topology/hierarchical.hpp ----
-// ---- begin dtrain/topology/network.hpp ----
-/// @file
-/// What the engines will find on this host: network interfaces (sysfs
-/// class/net, with addresses from getifaddrs), RDMA / InfiniBand ports
-/// (sysfs class/infiniband), NVIDIA GPUs on the PCI bus (sysfs bus/pci) and
-/// the driver's version, read under a sysfs root that tests replace with a
-/// tree of their own; and which interface Gloo, NCCL and Open MPI would use,
-/// by each engine's own rules and variables. dtrain_doctor prints it.
-
-
-#include <algorithm>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// One network interface as sysfs and getifaddrs describe it.
-struct network_interface {
-  std::string name;                    ///< "eth0"
-  std::string state;                   ///< operstate: "up", "down", "unknown" (lo)
-  std::vector<std::string> addresses;  ///< numeric, IPv4 first
-  int mtu = -1;                        ///< -1: unknown
-  int speed_mbps = -1;                 ///< -1: unknown (virtual links report none)
-  bool loopback = false;
-  [[nodiscard]] bool up() const { return state == "up" || (loopback && state == "unknown"); }
-};
-
-/// One port of an RDMA device (InfiniBand, RoCE, iWARP).
-struct rdma_port {
-  std::string device;  ///< "mlx5_0"
-  int port = 1;
-  std::string state;       ///< "ACTIVE", "DOWN", "INIT", ... (sysfs "4: ACTIVE")
-  std::string phys_state;  ///< "LinkUp", "Disabled", ... (sysfs "5: LinkUp")
-  std::string rate;        ///< "200 Gb/sec (4X HDR)"
-  std::string link_layer;  ///< "InfiniBand" or "Ethernet" (RoCE)
-  [[nodiscard]] bool active() const { return state == "ACTIVE"; }
-};
-
-/// The host as the engines will find it.
-struct host_network {
-  std::string sysfs;  ///< the root it was read from ("/sys")
-  std::vector<network_interface> interfaces;
-  std::vector<rdma_port> rdma;
-  int nvidia_gpus = 0;        ///< NVIDIA display/3D controllers on the PCI bus
-  std::string nvidia_driver;  ///< module/nvidia/version, or empty
-  [[nodiscard]] const network_interface* find(std::string_view name) const {
-    for (const auto& i : interfaces) {
-      if (i.name == name) return &i;
-    }
-    return nullptr;
-  }
-  [[nodiscard]] bool rdma_active() const {
-    return std::any_of(rdma.begin(), rdma.end(), [](const rdma_port& p) { return p.active(); });
-  }
-};
-
-namespace detail {
-
-// The first line of a sysfs file, trimmed; nullopt when it cannot be read.
-inline std::optional<std::string> sysfs_line(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  std::string line;
-  if (!in || !std::getline(in, line)) return std::nullopt;
-  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' '))
-    line.pop_back();
-  return line;
-}
-
-inline int sysfs_int(const std::filesystem::path& file) {
-  auto text = sysfs_line(file);
-  if (!text || text->empty()) return -1;
-  char* end = nullptr;
-  const long v = std::strtol(text->c_str(), &end, 0);
-  return (*end == '\0' && v >= -1 && v < 1'000'000'000) ? static_cast<int>(v) : -1;
-}
-
-// "4: ACTIVE" -> "ACTIVE"
-inline std::string after_colon(const std::string& text) {
-  auto colon = text.find(':');
-  std::string out = colon == std::string::npos ? text : text.substr(colon + 1);
-  while (!out.empty() && out.front() == ' ') out.erase(out.begin());
-  return out;
-}
-
-inline std::vector<std::filesystem::path> sorted_entries(const std::filesystem::path& dir) {
-  std::vector<std::filesystem::path> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) out.push_back(e.path());
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-}  // namespace detail
-
-/// Reads the host under `sysfs` (normally "/sys"). Addresses come from
-/// getifaddrs only when `live` (the real system); a test's tree has none.
-/// Never throws: what cannot be read is left out.
-[[nodiscard]] inline host_network read_host_network(const std::string& sysfs = "/sys",
-                                                    bool live = true) {
-  namespace fs = std::filesystem;
-  host_network h;
-  h.sysfs = sysfs;
-  const fs::path root(sysfs);
-  const auto addresses =
-      live ? detail::interface_addresses() : std::vector<detail::interface_address>{};
-  for (const fs::path& dir : detail::sorted_entries(root / "class" / "net")) {
-    network_interface i;
-    i.name = dir.filename().string();
-    i.state = detail::sysfs_line(dir / "operstate").value_or("unknown");
-    i.mtu = detail::sysfs_int(dir / "mtu");
-    i.speed_mbps = detail::sysfs_int(dir / "speed");
-    i.loopback = detail::sysfs_int(dir / "type") == 772;  // ARPHRD_LOOPBACK
-    for (bool v6 : {false, true}) {
-      for (const auto& a : addresses) {
-        if (a.name == i.name && a.ipv6 == v6) i.addresses.push_back(a.address);
-      }
-    }
-    h.interfaces.push_back(std::move(i));
-  }
-  for (const fs::path& dev : detail::sorted_entries(root / "class" / "infiniband")) {
-    for (const fs::path& port : detail::sorted_entries(dev / "ports")) {
-      rdma_port p;
-      p.device = dev.filename().string();
-      p.port = std::atoi(port.filename().string().c_str());
-      p.state = detail::after_colon(detail::sysfs_line(port / "state").value_or("?"));
-      p.phys_state = detail::after_colon(detail::sysfs_line(port / "phys_state").value_or("?"));
-      p.rate = detail::sysfs_line(port / "rate").value_or("?");
-      p.link_layer = detail::sysfs_line(port / "link_layer").value_or("InfiniBand");
-      h.rdma.push_back(std::move(p));
-    }
-  }
-  for (const fs::path& dev : detail::sorted_entries(root / "bus" / "pci" / "devices")) {
-    // NVIDIA's vendor id; class 0x03xxxx: a display or 3D controller (not its audio function).
-    const auto vendor = detail::sysfs_line(dev / "vendor");
-    const auto cls = detail::sysfs_line(dev / "class");
-    if (vendor == "0x10de" && cls && cls->rfind("0x03", 0) == 0) ++h.nvidia_gpus;
-  }
-  h.nvidia_driver = detail::sysfs_line(root / "module" / "nvidia" / "version").value_or("");
-  return h;
-}
-
-/// Which interface an engine will use, and why.
-struct engine_interface {
-  std::string engine;  ///< "gloo", "nccl", "mpi"
-  std::string choice;  ///< "eth0", "eth0, eth1", or "?" when it cannot tell
-  std::string
-      why;  ///< "NCCL_SOCKET_IFNAME=eth", "the interface that reaches MASTER_ADDR=node1 (10.0.0.1)"
-  std::vector<std::string> missing;  ///< names the engine's variable asks for that this host lacks
-};
-
-namespace detail {
-
-/// The non-empty entries of a comma list ("eth0,,eth1" -> eth0, eth1).
-inline std::vector<std::string> list_entries(std::string_view text) {
-  std::vector<std::string> out = split(text, ',');
-  std::erase_if(out, [](const std::string& e) { return e.empty(); });
-  return out;
-}
-
-/// NCCL_SOCKET_IFNAME's rules: a comma list of prefixes, `^` excludes them,
-/// `=` makes them exact names. Returns the matching interfaces; `missing`
-/// gets entries (of an including list) that match none.
-inline std::vector<std::string> match_interface_list(const host_network& h, std::string_view spec,
-                                                     std::vector<std::string>* missing) {
-  bool exclude = false;
-  if (!spec.empty() && spec.front() == '^') {
-    exclude = true;
-    spec.remove_prefix(1);
-  }
-  bool exact = false;
-  if (!spec.empty() && spec.front() == '=') {
-    exact = true;
-    spec.remove_prefix(1);
-  }
-  const std::vector<std::string> entries = list_entries(spec);
-  auto matches = [&](const std::string& name, const std::string& entry) {
-    return exact ? name == entry : name.rfind(entry, 0) == 0;
-  };
-  std::vector<std::string> out;
-  for (const auto& i : h.interfaces) {
-    bool any = false;
-    for (const auto& e : entries) any = any || matches(i.name, e);
-    if (any != exclude) out.push_back(i.name);
-  }
-  if (missing && !exclude) {
-    for (const auto& e : entries) {
-      bool found = false;
-      for (const auto& i : h.interfaces) found = found || matches(i.name, e);
-      if (!found) missing->push_back(e);
-    }
-  }
-  return out;
-}
-
-inline std::string joined(const std::vector<std::string>& names) {
-  std::string out;
-  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
-  return out.empty() ? "none" : out;
-}
-
-/// The interface that holds `address`, or empty.
-inline std::string interface_holding(const host_network& h, const std::string& address) {
-  for (const auto& i : h.interfaces) {
-    for (const auto& a : i.addresses) {
-      if (a == address) return i.name;
-    }
-  }
-  return {};
-}
-
-}  // namespace detail
-
-/// Gloo's interface as dtrain chooses it: DTRAIN_GLOO_IFNAME, else
-/// GLOO_SOCKET_IFNAME (its first entry), else the interface whose address
-/// reaches MASTER_ADDR (`route`: the local address towards it, from
-/// detail::local_address_to; empty when unknown).
-[[nodiscard]] inline engine_interface gloo_interface(const host_network& h, const environment& env,
-                                                     const std::string& route) {
-  engine_interface e{"gloo", "?", "", {}};
-  if (auto named = detail::gloo_interface_variable(env)) {
-    e.choice = named->name;
-    e.why = named->origin;
-    if (!h.find(named->name)) e.missing.push_back(named->name);
-    return e;
-  }
-  const auto master = env.get("MASTER_ADDR");
-  if (master && !master->empty()) {
-    const std::string holder = route.empty() ? "" : detail::interface_holding(h, route);
-    e.choice = holder.empty() ? (route.empty() ? "?" : route) : holder;
-    e.why = "the interface whose address reaches MASTER_ADDR=" + std::string(*master) +
-            (route.empty() ? " (no route found)" : " (" + route + ")");
-    return e;
-  }
-  e.why = "no MASTER_ADDR and no DTRAIN_GLOO_IFNAME: the address the host name resolves to";
-  return e;
-}
-
-/// NCCL's socket interface: NCCL_SOCKET_IFNAME's list, else (NCCL's
-/// default) interfaces named ib* first, then any but lo and docker*. Its
-/// data goes over RDMA (NET/IB) when an active port exists and
-/// NCCL_IB_DISABLE is not 1; that is said in `why`.
-[[nodiscard]] inline engine_interface nccl_interface(const host_network& h,
-                                                     const environment& env) {
-  engine_interface e{"nccl", "?", "", {}};
-  const auto spec = env.get("NCCL_SOCKET_IFNAME");
-  std::vector<std::string> chosen;
-  if (spec && !spec->empty()) {
-    chosen = detail::match_interface_list(h, *spec, &e.missing);
-    e.why = "NCCL_SOCKET_IFNAME=" + std::string(*spec);
-  } else {
-    for (const auto& i : h.interfaces) {
-      if (i.name.rfind("ib", 0) == 0 && i.up()) chosen.push_back(i.name);
-    }
-    if (chosen.empty()) {
-      for (const auto& i : h.interfaces) {
-        if (i.up() && !i.loopback && i.name.rfind("docker", 0) != 0 && i.name.rfind("lo", 0) != 0)
-          chosen.push_back(i.name);
-      }
-    }
-    e.why = "NCCL's default (NCCL_SOCKET_IFNAME unset: ib* first, then any but lo and docker*)";
-  }
-  e.choice = chosen.empty() ? "none" : detail::joined(chosen);
-  const auto ib_disable = env.get("NCCL_IB_DISABLE");
-  const auto hca = env.get("NCCL_IB_HCA");
-  const bool disabled = ib_disable && *ib_disable == "1";
-  if (h.rdma_active() && !disabled) {
-    std::string ports;
-    for (const auto& p : h.rdma) {
-      if (p.active())
-        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port);
-    }
-    e.why += "; data over RDMA (NET/IB) on " + ports +
-             (hca ? " filtered by NCCL_IB_HCA=" + std::string(*hca) : "");
-  } else {
-    e.why += disabled ? "; data over TCP sockets (NCCL_IB_DISABLE=1)"
-                      : "; data over TCP sockets (no active RDMA port)";
-  }
-  return e;
-}
-
-/// Open MPI's TCP interfaces: OMPI_MCA_btl_tcp_if_include, else every
-/// interface but those in OMPI_MCA_btl_tcp_if_exclude (default: loopback).
-/// With RDMA ports present, an Open MPI built with UCX uses them (UCX_NET_DEVICES).
-[[nodiscard]] inline engine_interface mpi_interface(const host_network& h, const environment& env) {
-  engine_interface e{"mpi", "?", "", {}};
-  std::vector<std::string> chosen;
-  if (auto inc = env.get("OMPI_MCA_btl_tcp_if_include"); inc && !inc->empty()) {
-    for (const std::string& name : detail::list_entries(*inc)) {
-      // An entry may be a subnet (10.0.0.0/24), which sysfs cannot check.
-      if (name.find('/') == std::string::npos && !h.find(name)) e.missing.push_back(name);
-      chosen.push_back(name);
-    }
-    e.why = "OMPI_MCA_btl_tcp_if_include=" + std::string(*inc);
-  } else {
-    std::vector<std::string> excluded{"lo"};
-    if (auto exc = env.get("OMPI_MCA_btl_tcp_if_exclude"); exc && !exc->empty()) {
-      excluded = detail::list_entries(*exc);
-      e.why = "OMPI_MCA_btl_tcp_if_exclude=" + std::string(*exc);
+  void render_event(std::string& out, track t, const event& e) const {
+    out += ",\n{\"name\":";
+    json::write_string(out, name_of(e));
+    out += ",\"cat\":\"";
+    out += category_of(e.what);
+    out += "\",\"pid\":" + std::to_string(state_->rank) +
+           ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+    microseconds(out, e.start);
+    if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+      out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+      out += ",\"id\":" + std::to_string(e.id);
     } else {
-      e.why = "Open MPI's default (every interface but loopback)";
+      out += ",\"ph\":\"X\",\"dur\":";
+      microseconds(out, e.end - e.start);
     }
-    for (const auto& i : h.interfaces) {
-      if (i.loopback && excluded.size() == 1 && excluded[0] == "lo") continue;
-      if (std::find(excluded.begin(), excluded.end(), i.name) == excluded.end() && i.up())
-        chosen.push_back(i.name);
+    switch (e.what) {
+      case kind::mark:
+        out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+               ",\"bucket\":" + std::to_string(e.detail) + "}";
+        break;
+      case kind::bucket_begin:
+        out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+        break;
+      case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+      default: break;
     }
+    out += "}";
   }
-  e.choice = detail::joined(chosen);
-  if (!h.rdma.empty()) {
-    const auto ucx = env.get("UCX_NET_DEVICES");
-    e.why += "; RDMA ports are present: an Open MPI built with UCX uses them" +
-             (ucx ? " (UCX_NET_DEVICES=" + std::string(*ucx) + ")" : std::string());
+
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const {
+    out += ",\n{\"name\":\"";
+    out += what;
+    out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+    json::write_string(out, name);
+    out += "}}";
   }
-  return e;
-}
 
-}  // namespace dtrain
-// ---- end dtrain/topology/network.hpp ----
-// ---- begin dtrain/topology/doctor.hpp ----
-/// @file
-/// The checks dtrain_doctor runs for a multi-node job that will not start or
-/// is slow: known traps, each with the setting that fixes it. A pure function
-/// of what was gathered (environment, world, host network, resolver answers,
-/// GPU count), so every check is unit-tested with facts of its own.
-
-
-#include <optional>
-#include <string>
-#include <vector>
-
-namespace dtrain {
-
-/// What the doctor looked at.
-struct doctor_facts {
-  environment env;
-  std::optional<world> self;        ///< as discovered; nullopt when discovery failed
-  std::string world_error;          ///< discovery's error, when it failed
-  host_network host;                ///< interfaces, RDMA ports, GPUs on the bus
-  std::string host_name;            ///< gethostname()
-  detail::resolved host_addresses;  ///< what the host name resolves to
-  std::optional<detail::resolved> master_addresses;  ///< MASTER_ADDR's, when it is set
-  std::string route_to_master;  ///< the local address that reaches MASTER_ADDR, or empty
-  int visible_gpus = -1;        ///< CUDA's device count; -1: CUDA could not say
-};
-
-/// A trap found: what is wrong, and the setting that fixes it.
-struct doctor_finding {
-  std::string problem;
-  std::string fix;
-};
-
-namespace detail {
-
-inline std::optional<int> positive_variable(const environment& env, const char* name) {
-  auto v = env.get(name);
-  if (!v) return std::nullopt;
-  char* end = nullptr;
-  const std::string text(*v);
-  const long n = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || n < 1 || n > 1'000'000) return std::nullopt;
-  return static_cast<int>(n);
-}
-
-/// Whether the job spans several nodes, as far as the facts tell.
-inline bool multi_node(const doctor_facts& f) {
-  if (f.self) {
-    if (f.self->num_nodes && *f.self->num_nodes > 1) return true;
-    if (f.self->world_size && f.self->local_world_size &&
-        *f.self->world_size > *f.self->local_world_size)
-      return true;
-  }
-  for (const char* var : {"DTRAIN_NNODES", "NNODES", "SLURM_NNODES", "OMPI_MCA_orte_num_nodes",
-                          "GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"}) {
-    if (auto n = positive_variable(f.env, var); n && *n > 1) return true;
-  }
-  return false;
-}
-
-/// Whether a launcher placed this process (else the doctor runs on its own, to check a node).
-inline bool launched(const doctor_facts& f) { return f.self && f.self->source != launcher::none; }
-
-/// GPUs this process may use: CUDA's count, else the NVIDIA GPUs on the bus
-/// limited by CUDA_VISIBLE_DEVICES; -1 when neither is known.
-inline int usable_gpus(const doctor_facts& f) {
-  if (f.visible_gpus >= 0) return f.visible_gpus;
-  int bus = f.host.nvidia_gpus;
-  if (auto v = f.env.get("CUDA_VISIBLE_DEVICES")) {
-    int listed = 0;
-    for (const std::string& device : list_entries(*v)) {
-      if (device.front() != '-') ++listed;  // "-1" hides every device
+  std::string render() const {
+    std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+    std::size_t dropped = 0;
+    for (const buffer& b : state_->tracks) {
+      std::lock_guard lock(b.mutex);
+      dropped += b.dropped;
     }
-    bus = std::min(bus, listed);
-  }
-  return bus;
-}
-
-inline bool all_loopback(const std::vector<std::string>& addresses) {
-  if (addresses.empty()) return false;
-  for (const auto& a : addresses) {
-    if (!is_loopback_address(a)) return false;
-  }
-  return true;
-}
-
-}  // namespace detail
-
-/// Every known trap the facts show, most fundamental first.
-[[nodiscard]] inline std::vector<doctor_finding> diagnose(const doctor_facts& f) {
-  std::vector<doctor_finding> out;
-  const bool multi = detail::multi_node(f);
-  if (!f.world_error.empty()) {
-    out.push_back({"the launcher's environment is inconsistent: " + f.world_error,
-                   "fix or unset the variable it names; `dtrain_whoami` shows what dtrain reads"});
-  }
-
-  // Debian maps a machine's own name to 127.0.1.1: what other nodes are told
-  // by name, or what a process binds by name, is then a loopback address.
-  if ((multi || !detail::launched(f)) && detail::all_loopback(f.host_addresses.addresses)) {
-    out.push_back(
-        {"the host name " + f.host_name + " resolves to " +
-             detail::joined(f.host_addresses.addresses) +
-             " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1): other nodes cannot "
-             "reach this node by its name, and whatever binds to it listens on loopback only",
-         "map " + f.host_name +
-             " to this node's routable address in /etc/hosts (or DNS); set "
-             "MASTER_ADDR to a routable address of node 0, not its name; and name the interface: "
-             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / OMPI_MCA_btl_tcp_if_include=<eth0 or "
-             "ib0>"});
-  }
-
-  if (auto master = f.env.get("MASTER_ADDR"); master && f.master_addresses) {
-    if (!f.master_addresses->error.empty()) {
-      out.push_back({"MASTER_ADDR=" + std::string(*master) + " cannot be resolved (" +
-                         f.master_addresses->error + "): no rank can reach the store",
-                     "set MASTER_ADDR to node 0's address or a name this node resolves "
-                     "(getent hosts " +
-                         std::string(*master) + ")"});
-    } else if (multi && detail::all_loopback(f.master_addresses->addresses)) {
-      out.push_back(
-          {"MASTER_ADDR=" + std::string(*master) + " resolves to " +
-               detail::joined(f.master_addresses->addresses) +
-               " (loopback) in a job of several nodes: ranks on other nodes would "
-               "reach their own machine, not node 0",
-           "set MASTER_ADDR to node 0's routable address (e.g. its eth0 or ib0 address)"});
-    }
-  }
-
-  const auto ib = f.env.get("NCCL_IB_DISABLE");
-  if (ib && *ib == "1" && f.host.rdma_active()) {
-    std::string ports;
-    for (const auto& p : f.host.rdma) {
-      if (p.active())
-        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " (" +
-                 p.link_layer + ", " + p.rate + ")";
-    }
-    out.push_back(
-        {"NCCL_IB_DISABLE=1 while RDMA ports are active (" + ports +
-             "): NCCL moves data over TCP sockets instead, many times slower",
-         "unset NCCL_IB_DISABLE (or set it to 0); pick ports with NCCL_IB_HCA if needed"});
-  }
-  if (!f.host.rdma.empty() && !f.host.rdma_active()) {
-    std::string ports;
-    for (const auto& p : f.host.rdma)
-      ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " " +
-               p.state + "/" + p.phys_state;
-    out.push_back({"RDMA devices are present but no port is ACTIVE (" + ports +
-                       "): NCCL and MPI fall back to TCP",
-                   "check the cable and the subnet manager (ibstat; `opensm` on one node of an "
-                   "InfiniBand fabric), or the RoCE link"});
-  }
-
-  for (const engine_interface& e : {gloo_interface(f.host, f.env, f.route_to_master),
-                                    nccl_interface(f.host, f.env), mpi_interface(f.host, f.env)}) {
-    for (const auto& name : e.missing) {
-      std::string known;
-      for (const auto& i : f.host.interfaces) known += (known.empty() ? "" : ", ") + i.name;
-      out.push_back({e.why.substr(0, e.why.find(';')) + " names " + name +
-                         ", which this host does not have (interfaces: " +
-                         (known.empty() ? std::string("none") : known) + "): " + e.engine +
-                         " cannot start, or picks another network",
-                     "name an interface this node has, or unset the variable"});
-    }
-  }
-
-  std::optional<int> local;
-  if (f.self && f.self->local_world_size) local = *f.self->local_world_size;
-  for (const char* var : {"DTRAIN_NPROC_PER_NODE", "LOCAL_WORLD_SIZE"}) {
-    if (!local) local = detail::positive_variable(f.env, var);
-  }
-  const int gpus = detail::usable_gpus(f);
-  if (local && gpus >= 1 && gpus < *local) {
-    out.push_back({std::to_string(*local) + " ranks on this node but " + std::to_string(gpus) +
-                       " visible GPU" + (gpus == 1 ? "" : "s") +
-                       ": NCCL needs a GPU of its own for every rank (NCCL before 2.30 rejects a "
-                       "shared one)",
-                   "start " + std::to_string(gpus) + (gpus == 1 ? " worker" : " workers") +
-                       " per node (--nproc-per-node " + std::to_string(gpus) +
-                       "), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"});
-  }
-  return out;
-}
-
-}  // namespace dtrain
-// ---- end dtrain/topology/doctor.hpp ----
-// ---- begin dtrain/policy.hpp ----
-/// @file
-/// dtrain::policy<Launch, Backend, Topology>: the compile-time choices of a
-/// job. Each slot is a small tag type; a combination that cannot work is a
-/// static_assert that says why, not a run-time surprise.
-
-
-#include <concepts>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-namespace dtrain {
-
-namespace launch {
-/// Every process was started by the outside launcher (mpirun, srun, torchrun).
-struct per_process {
-  static constexpr launch_mode mode = launch_mode::per_process;
-};
-/// This process is its node's agent and starts the node's workers.
-struct per_node {
-  static constexpr launch_mode mode = launch_mode::per_node;
-};
-}  // namespace launch
-
-namespace backend {
-/// MPI (host memory; device memory too when CUDA is available).
-struct mpi {
-  static constexpr bool available = DTRAIN_HAS_MPI() != 0;
-  static constexpr std::string_view name = "mpi";
-  static constexpr std::string_view missing =
-      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) and link dtrain::dtrain, "
-      "or define DTRAIN_WITH_MPI=1 and link MPI yourself";
-};
-/// Gloo over TCP (host memory).
-struct gloo {
-  static constexpr bool available = DTRAIN_HAS_GLOO() != 0;
-  static constexpr std::string_view name = "gloo";
-  static constexpr std::string_view missing =
-      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, or define "
-      "DTRAIN_WITH_GLOO=1 and link gloo yourself";
-};
-/// NCCL (device memory).
-struct nccl {
-  static constexpr bool available = DTRAIN_HAS_NCCL() != 0;
-  static constexpr std::string_view name = "nccl";
-  static constexpr std::string_view missing =
-      "dtrain was built without NCCL: install the CUDA toolkit with NCCL and link dtrain::dtrain, or define "
-      "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
-};
-
-}  // namespace backend
-
-/// What a context hands a backend to build its communicator from.
-template <class Store>
-struct communicator_setup {
-  Store* store = nullptr;  ///< the job's store; null where the backend needs none (MPI)
-  int rank = 0;
-  int size = 1;
-  int device = -1;  ///< the CUDA device of this rank (backends that use GPUs), else -1
-  collective_options collectives{};
-  std::string master_addr;  ///< MASTER_ADDR as discovered, or empty
-  const environment* env = nullptr;
-};
-
-/// Everything a backend implies, in one place: its communicator, the memory
-/// space DistributedDataParallel keeps gradients in (which also decides how
-/// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
-/// and how the communicator is made. Adding an engine adds one
-/// specialisation here. A backend of one's own (tests do) specialises it too.
-template <class Backend>
-struct backend_traits;
-
-#if DTRAIN_HAS_MPI()
-template <>
-struct backend_traits<backend::mpi> {
-  using communicator = mpi_communicator;
-  using memory_space = host_memory;
-  static constexpr bool uses_gpus = false;
-  /// MPI knows its world before any store exists (and carries rank 0's store address).
-  static constexpr bool needs_store = false;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>& s) {
-    return mpi_communicator::world(mpi_options{.collectives = s.collectives});
-  }
-};
-#endif
-#if DTRAIN_HAS_GLOO()
-template <>
-struct backend_traits<backend::gloo> {
-  using communicator = gloo_communicator;
-  using memory_space = host_memory;
-  static constexpr bool uses_gpus = false;
-  static constexpr bool needs_store = true;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>& s) {
-    return gloo_communicator(*s.store, s.rank, s.size,
-                             gloo_options{.collectives = s.collectives, .master_addr = s.master_addr});
-  }
-};
-#endif
-#if DTRAIN_HAS_NCCL()
-template <>
-struct backend_traits<backend::nccl> {
-  using communicator = nccl_communicator;
-  using memory_space = cuda_memory;
-  static constexpr bool uses_gpus = true;
-  static constexpr bool needs_store = true;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>& s) {
-    return nccl_communicator(*s.store, s.rank, s.size, s.device,
-                             nccl_options{.collectives = s.collectives}.with_env(*s.env));
-  }
-};
-#endif
-
-template <class T>
-concept launch_policy = std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
-/// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
-/// with a backend_traits specialisation.
-template <class T>
-concept backend_policy = requires {
-  { T::name } -> std::convertible_to<std::string_view>;
-  { T::available } -> std::convertible_to<bool>;
-};
-/// A topology tag: topology::flat or topology::hierarchical.
-template <class T>
-concept topology_policy =
-    std::is_same_v<T, topology::flat> || std::is_same_v<T, topology::hierarchical>;
-
-/// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
-template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
-struct policy {
-  static_assert(Backend::available,
-                "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
-                "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
-                "DTRAIN_WITH_NCCL)");
-  static_assert(!(std::is_same_v<Launch, launch::per_node> && std::is_same_v<Backend, backend::mpi>),
-                "launch::per_node starts the workers itself, but MPI processes must be started by "
-                "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
-                "backend::nccl with launch::per_node");
-  using launch_type = Launch;
-  using backend_type = Backend;
-  using topology_type = Topology;
-  using traits = backend_traits<Backend>;
-  using communicator_type = typename traits::communicator;
-  static_assert(communicator<communicator_type>);
-  /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
-  using memory_space = typename traits::memory_space;
-  /// Whether gradients may live on the GPU with this backend.
-  static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
-  static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
-                    detail::stream_ordered<communicator_type>,
-                "topology::hierarchical enqueues its three steps on streams at once, each after "
-                "the last: a backend whose buckets travel on streams needs a communicator that "
-                "orders its collectives after the stream it is given (stream_ordered and "
-                "stream(), as nccl_communicator)");
-};
-
-}  // namespace dtrain
-// ---- end dtrain/policy.hpp ----
-// ---- begin dtrain/launch/options.hpp ----
-/// @file
-/// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
-/// Every option can also come from an environment variable; see with_env().
-
-
-#include <chrono>
-#include <optional>
-#include <string>
-
-namespace dtrain {
-
-/// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
-/// Environment: DTRAIN_GRACE_PERIOD (seconds).
-inline constexpr std::chrono::milliseconds default_grace_period{10'000};
-
-/// How long an agent may go without beating its heartbeat in the store before
-/// the other agents declare its node lost and end the job. Environment:
-/// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
-inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
-
-/// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
-/// Unset values come from the environment or the outer launcher (see
-/// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
-/// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
-struct agent_options {
-  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
-  /// the number of visible CUDA devices for backend::nccl, else 1.
-  std::optional<int> nproc_per_node{};
-  /// Nodes (agents) in the job. Environment: DTRAIN_NNODES. Default: from the
-  /// outer launcher, else 1.
-  std::optional<int> nnodes{};
-  /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
-  /// and must agree).
-  std::optional<int> node_rank{};
-  /// Where node 0's agent serves the rendezvous store. Default: MASTER_ADDR,
-  /// else 127.0.0.1 on a single node; required with several nodes.
-  std::optional<std::string> master_addr{};
-  /// Its port. Default: MASTER_PORT, else a free port on a single node and
-  /// 29500 with several. 0 picks a free port (single node only).
-  std::optional<int> master_port{};
-  /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
-  int max_restarts = 0;
-  /// SIGTERM → SIGKILL delay when workers are stopped. Environment: DTRAIN_GRACE_PERIOD (seconds).
-  std::chrono::milliseconds grace_period = default_grace_period;
-  /// A node whose agent is silent this long is lost: the others end the job.
-  /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
-  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
-  /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
-  /// Environment: DTRAIN_TEE=1.
-  bool tee = false;
-  /// When set, each worker's output (stdout and stderr) also goes to
-  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
-  std::string log_dir{};
-  /// Pass `--local_rank=N` as the workers' first argument, as
-  /// torch.distributed.launch did for Hugging Face style scripts.
-  /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
-  bool local_rank_arg = false;
-
-  /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
-  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
-  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
-  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
-  /// wins, as for every dtrain option, so an operator can change a job without
-  /// rebuilding it. Throws config_error naming the variable and its value.
-  [[nodiscard]] agent_options with_env(const environment& env) const {
-    agent_options out = *this;
-    auto count = [&](const char* name, std::optional<int>& into, int least) {
-      if (auto v = detail::read_int(env, name)) {
-        if (v->value < least) {
-          throw config_error(v->origin + " must be at least " + std::to_string(least));
-        }
-        into = v->value;
+    out += "\"rank\":" + std::to_string(state_->rank) +
+           ",\"world_size\":" + std::to_string(state_->size) +
+           ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+    out +=
+        "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+        ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+    metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+    metadata(out, "thread_name", static_cast<int>(track::training), "training");
+    metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+    for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+      const buffer& b = state_->tracks[t];
+      std::lock_guard lock(b.mutex);
+      for (const std::vector<event>& chunk : b.chunks) {
+        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
       }
-    };
-    count("DTRAIN_NPROC_PER_NODE", out.nproc_per_node, 1);
-    count("DTRAIN_NNODES", out.nnodes, 1);
-    count("DTRAIN_NODE_RANK", out.node_rank, 0);
-    if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
-    if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_HEARTBEAT_TIMEOUT")) out.heartbeat_timeout = *t;
-    if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
-    if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
-    if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
-    out.check();
+    }
+    out += "\n]}\n";
     return out;
   }
 
-  /// Throws config_error when an option is out of range.
-  void check() const {
-    auto at_least = [](const char* name, const std::optional<int>& v, int least) {
-      if (v && *v < least) {
-        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                           " must be at least " + std::to_string(least));
-      }
-    };
-    at_least("nproc_per_node", nproc_per_node, 1);
-    at_least("nnodes", nnodes, 1);
-    at_least("node_rank", node_rank, 0);
-    auto at_most = [](const char* name, const std::optional<int>& v) {
-      if (v && *v > max_world_size) {
-        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
-                           " ranks (max_world_size)");
-      }
-    };
-    at_most("nproc_per_node", nproc_per_node);
-    at_most("nnodes", nnodes);
-    if (max_restarts < 0) {
-      throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
-    }
-    if (grace_period.count() < 0) throw config_error("option grace_period is negative");
-    if (heartbeat_timeout.count() <= 0) {
-      throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
-                         " ms must be positive");
-    }
-    if (master_port && *master_port != 0) {
-      detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
-    }
-    if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
-  }
+  std::unique_ptr<state> state_;
 };
 
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/timeline.hpp ----
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <initializer_list>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace dtrain {
+
+/// What a DDP takes its communicator, host control plane and world from:
+/// dtrain::context<Policy>. A concept, so that DDP does not include the
+/// runtime (agent, store server) that context.hpp brings.
+template <class C, class Policy>
+concept ddp_context = requires(C& c) {
+  { c.communicator() } -> std::same_as<typename Policy::communicator_type&>;
+  { c.control_plane() } -> std::convertible_to<control_plane>;
+  { c.world() } -> std::convertible_to<const world&>;
+};
+
+/// The model-free core of DistributedDataParallel, over the communicator of
+/// `Policy`, built from the parameters (and buffers) as dtrain sees them.
+///
+/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
+/// is final, or all at once after the backward pass (mark_all_ready), then
+/// synchronize(); gradients then hold the mean over ranks. Not thread-safe:
+/// call it from the training thread. Between mark_ready and synchronize() a
+/// gradient belongs to dtrain: do not touch it.
+template <class Policy>
+class basic_ddp {
+ public:
+  using communicator_type = typename Policy::communicator_type;
+  /// The communicators a bucket's allreduce runs on (topology::flat::group,
+  /// topology::hierarchical::group), split from DDP's own communicator.
+  using topology_group =
+      typename Policy::topology_type::template group<typename Policy::communicator_type>;
+  /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
+  using memory_space = typename Policy::memory_space;
+  /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
+  using stream_type = typename memory_space::stream_type;
+  /// A user reduction: must leave the mean over ranks in `bucket.data` once
+  /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
+  using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
+  static constexpr bool on_device = memory_space::where == memory::device;
+  /// With ddp_options::find_unused_parameters, the parameters that no rank
+  /// marked in this many first synchronized steps are named once on rank 0's
+  /// stderr (ddp_options::report_unused_parameters = false silences it).
+  static constexpr std::size_t unused_report_steps = 2;
+
+  /// Collective over ctx's communicator (a dtrain::context<Policy>); metadata
+  /// goes over ctx's control plane where the communicator cannot carry host
+  /// data (NCCL). The policy's topology groups the ranks by ctx.world()'s nodes.
+  template <ddp_context<Policy> Context>
+  basic_ddp(Context& ctx, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
+            ddp_options options = {})
+      : basic_ddp(ctx.communicator(), ctx.control_plane(), std::move(parameters),
+                  std::move(buffers), std::move(options), node_layout::of(ctx.world())) {}
+
+  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
+  /// communicator that reaches host memory). A device-only backend (NCCL)
+  /// needs the constructor with a control plane.
+  /// (A template only so that an explicit instantiation of the class for NCCL
+  /// does not trip the static_assert.)
+  template <std::same_as<communicator_type> Comm>
+  basic_ddp(Comm& comm, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
+            ddp_options options = {})
+      : basic_ddp(comm, nullptr, std::move(parameters), std::move(buffers), std::move(options),
+                  std::nullopt) {
+    static_assert(std::same_as<Comm, communicator_type> && communicator_type::reaches_host_memory,
+                  "this backend moves device memory only, and DistributedDataParallel's metadata "
+                  "(model agreement, bucket order) is host data: construct it from the context, "
+                  "or pass a control plane: DistributedDataParallel(comm, "
+                  "dtrain::control_plane(channel), model) with a dtrain::store_channel");
+  }
+
+  /// Collective: checks that every rank holds the same parameters (names,
+  /// counts, types; config_error naming the first difference and the ranks)
+  /// over `control`, copies rank 0's values to all (complete when this
+  /// returns), lays the gradients out in buckets, and starts the bucket
+  /// runner. Buckets travel on a split of `comm` of their own: the caller may
+  /// use `comm` at any time. `control` carries the metadata when `comm` cannot
+  /// (device-only backends; otherwise DDP's own split of `comm` does), and must
+  /// outlive this object. With topology::hierarchical and no context, ranks
+  /// are grouped into nodes by node name (DTRAIN_NODE_NAME, else the host name).
+  basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
+            std::vector<parameter> buffers = {}, ddp_options options = {})
+      : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
+                  std::nullopt) {}
+
+  basic_ddp(const basic_ddp&) = delete;
+  basic_ddp& operator=(const basic_ddp&) = delete;
+
+  /// Waits for buckets still in flight (each within its timeout), then gives
+  /// the model its gradients back: bucket views are copied to the model's own
+  /// buffers (or set to null where it had none), since the buckets go with
+  /// this object.
+  ~basic_ddp();
+
+  /// Marks parameter `index` (its position in parameters()) ready for this
+  /// step. Throws dtrain::error naming it when it was marked already.
+  void mark_ready(std::size_t index) {
+    if (index >= params_.size()) no_such_index(index);
+    ready(index);
+  }
+  /// Marks the parameter called `name` ready.
+  void mark_ready(std::string_view name) {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) no_such_name(name);
+    ready(it->second);
+  }
+  /// Marks `p` ready, found by its values' address.
+  void mark_ready(const parameter& p) {
+    auto it = by_data_.find(p.values.data);
+    if (it == by_data_.end()) not_a_parameter(p);
+    ready(it->second);
+  }
+  /// Marks each of a braced list ready: `mark_ready({"fc2.w", "fc2.b"})`.
+  /// (Without these, `{"a", "b"}` would build one string_view from the two
+  /// pointers as an iterator range.)
+  void mark_ready(std::initializer_list<std::string_view> names) {
+    for (std::string_view n : names) mark_ready(n);
+  }
+  /// `mark_ready({4, 5})`: by index.
+  void mark_ready(std::initializer_list<std::size_t> indices) {
+    for (std::size_t i : indices) mark_ready(i);
+  }
+  /// `mark_ready({p, q})`: by parameter.
+  void mark_ready(std::initializer_list<std::reference_wrapper<const parameter>> params) {
+    for (const parameter& p : params) mark_ready(p);
+  }
+  /// Marks each of `params` ready: parameters, indices or names.
+  template <std::ranges::input_range R>
+  requires(!std::convertible_to<R, std::string_view>) void mark_ready(R&& params) {
+    for (auto&& p : params) mark_ready(p);
+  }
+  /// Marks every parameter not yet marked in this step, last parameter
+  /// first (the order a backward pass finishes them). After the whole
+  /// backward pass, `ddp.mark_all_ready(); ddp.synchronize();` is the minimal
+  /// correct step (no overlap: every bucket starts here).
+  void mark_all_ready();
+
+  /// Completes the step: launches what is left and leaves the mean over ranks
+  /// in every gradient. Host memory: waits until every bucket is averaged
+  /// (bounded by the collective timeout). CUDA: the host waits for nothing;
+  /// the compute stream waits for the averaged gradients, and a watchdog
+  /// bounds every bucket by the collective timeout (its timeout_error is
+  /// thrown here or by the next call). Throws dtrain::error naming the
+  /// parameters that were never marked (unless find_unused_parameters), or
+  /// the engine's error. Inside no_sync() it does nothing.
+  void synchronize();
+
+  /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
+  /// far; the destructor writes it too. Call it between steps. Throws
+  /// dtrain::error naming the file and the rank when it cannot be written.
+  void flush_timeline() const { timeline_.write(); }
+
+  /// The stream the backward pass runs on (CUDA; default: the legacy default
+  /// stream). Set it before a step, not between mark_ready and synchronize()
+  /// (config_error): buckets launched in a step are ordered after it.
+  void set_stream(stream_type compute) requires(memory_space::on_stream) { change_stream(compute); }
+  /// set_stream(compute), then synchronize().
+  void synchronize(stream_type compute) requires(memory_space::on_stream) {
+    synchronize_on(compute);
+  }
+  /// Blocks the host until every bucket launched so far has been averaged
+  /// on the device (each within the collective timeout): for measuring, or
+  /// before reading gradients on the host. Throws what a bucket failed with.
+  void wait();
+
+  /// While alive, mark_ready only records and nothing is communicated;
+  /// gradients accumulate as the caller adds into them, and the next
+  /// synchronized step averages the sums.
+  class no_sync_guard {
+   public:
+    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) { ++ddp.no_sync_depth_; }
+    no_sync_guard(no_sync_guard&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)) {}
+    no_sync_guard(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(no_sync_guard&&) = delete;
+    ~no_sync_guard() {
+      if (ddp_) --ddp_->no_sync_depth_;
+    }
+
+   private:
+    basic_ddp* ddp_;
+  };
+  /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
+  [[nodiscard]] no_sync_guard no_sync();
+
+  /// Sets every gradient to zero (between steps only).
+  void zero_grad();
+
+  /// Replaces the allreduce of each bucket by `hook` (all ranks must register
+  /// the same). Not with gradient compression, which is itself such a reduction.
+  void register_comm_hook(comm_hook hook);
+
+  /// The buckets, in launch order.
+  [[nodiscard]] const std::vector<bucket_info>& buckets() const noexcept { return info_; }
+  /// Whether the one rebuild from the observed ready order has happened.
+  [[nodiscard]] bool buckets_rebuilt() const noexcept { return rebuilt_; }
+  /// The parameters as dtrain sees them, gradient pointers current.
+  [[nodiscard]] std::span<const parameter> parameters() const noexcept { return params_; }
+  /// Synchronized steps completed.
+  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  /// The communicator the buckets travel on: DDP's own split of the user's.
+  [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+  /// How buckets are reduced: the policy's topology over communicator()
+  /// (describe(), and for topology::hierarchical hierarchical() and why_flat()).
+  [[nodiscard]] const topology_group& topology() const noexcept { return topo_; }
+  /// Whether float32 buckets can be compressed here: always on the host; on
+  /// a GPU when some translation unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool compression_available() noexcept {
+    return memory_space::casts_available();
+  }
+
+ protected:
+  // For DistributedDataParallel's context constructor (the layout from the world).
+  basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
+            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout)
+      : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
+                  layout) {}
+
+ private:
+  template <class>
+  friend class detail::thread_runner;
+  template <class>
+  friend class detail::stream_runner;
+
+  /// What DDP keeps per parameter (the Reducer's VariableIndex): the slot in
+  /// its bucket and this step's state.
+  struct variable {
+    void* original = nullptr;  // the model's own gradient pointer, given back at the end
+    std::size_t bucket = 0;
+    std::size_t offset = 0;  // bytes into the bucket
+    bool view = false;       // the gradient lives in the bucket
+    bool marked = false;     // this step
+    bool touched = false;    // since the last synchronized step, no_sync() micro-steps included
+    bool zeroed = false;     // copy mode, unused this step: its slice was zeroed, skip copy-in
+    bool used = false;       // marked by this rank in some step so far (find_unused_parameters)
+  };
+  struct bucket_state {
+    detail::flat_storage<memory_space> grads;
+    detail::flat_storage<memory_space> wire;   // the 16-bit copy, with compression
+    detail::flat_storage<memory_space> shard;  // the topology's scratch (hierarchical)
+    std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
+    std::size_t pending = 0;  // parameters not yet marked this step
+    bool ready = false;
+    std::uint64_t span = 0;        // its timeline span, from launch to completion
+    std::int64_t span_reduce = 0;  // when its reduction started (timeline on)
+  };
+  using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
+                                         detail::thread_runner<basic_ddp>>;
+  // The control plane DDP makes for itself over its own communicator (host backends).
+  using own_channel_type =
+      std::conditional_t<communicator_type::reaches_host_memory,
+                         communicator_channel<communicator_type>, std::monostate>;
+
+  basic_ddp(communicator_type& comm, control_plane* given, std::vector<parameter> parameters,
+            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout);
+
+  own_channel_type make_own_channel();
+  control_plane control_for(control_plane* given);
+  node_layout layout_of(const std::optional<node_layout>& given);
+  static int device_of(communicator_type& comm);
+  void lay_out(std::span<const std::size_t> order);
+
+  bool compressed(const bucket_info& b) const noexcept {
+    return options_.compression != gradient_compression::none && b.type == dtype::float32;
+  }
+
+  // The hot path of mark_ready; what it throws is built out of line.
+  void ready(std::size_t i) {
+    check_usable();
+    variable& v = vars_[i];
+    const auto span = timeline_.mark_ready(i, v.bucket);
+    if (no_sync_depth_ > 0) {
+      v.touched = true;
+      return;
+    }
+    if (v.marked) marked_twice(i);
+    v.marked = v.touched = true;
+    any_marked_ = true;
+    if (recording()) ready_order_.push_back(i);
+    bucket_state& b = buckets_[v.bucket];
+    if (--b.pending == 0) {
+      b.ready = true;
+      if (options_.overlap) launch_ready();
+    }
+  }
+  [[noreturn]] void no_such_index(std::size_t index) const;
+  [[noreturn]] void no_such_name(std::string_view name) const;
+  [[noreturn]] void not_a_parameter(const parameter& p) const;
+  [[noreturn]] void marked_twice(std::size_t i) const;
+
+  bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
+
+  void change_stream(stream_type compute);
+  void synchronize_on(stream_type compute);
+  void launch_ready();
+  void complete_marks();
+  void report_unused();
+  void zero_contribution(std::size_t i);
+
+  // The runner's steps (detail::thread_runner, detail::stream_runner).
+  void prepare_bucket(std::size_t b);
+  work reduce(std::size_t b);
+  void finish_bucket(std::size_t b);
+  /// Streams: the compute stream waits (on the device) for every collective so far.
+  void order_after_buckets() {
+    if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
+  }
+
+  // The compute stream for engines that order after it; null for host memory.
+  stream_handle on_stream_or_null() const noexcept {
+    if constexpr (memory_space::on_stream) {
+      return stream_;
+    } else {
+      return nullptr;
+    }
+  }
+
+  std::exception_ptr complete_buckets();
+  std::exception_ptr runner_drain();
+  void end_step();
+  std::vector<std::size_t> layout_order() const;
+  void reset_step();
+
+  void check_usable() const {
+    if (broken_) unusable();
+  }
+  [[noreturn]] void unusable() const;
+  [[noreturn]] void fail(std::exception_ptr e);
+
+  // A communicator of its own (a split of the user's), so that collectives the
+  // user issues during a step cannot interleave with the buckets' differently on different ranks.
+  communicator_type comm_;
+  own_channel_type own_channel_;
+  control_plane control_;
+  topology_group topo_;  // after control_: made over it
+  ddp_options options_;
+  int rank_;
+  int size_;
+  int device_ = -1;
+  std::string problem_;
+  std::vector<parameter> params_;
+  std::vector<parameter> buffers_;
+  std::vector<variable> vars_;  // per parameter, indexed like params_
+  std::unordered_map<std::string_view, std::size_t> by_name_;
+  std::unordered_map<const void*, std::size_t> by_data_;
+  std::vector<bucket_info> info_;
+  std::vector<bucket_state> buckets_;
+  std::vector<std::size_t> ready_order_;
+  std::size_t next_launch_ = 0;
+  std::size_t steps_ = 0;
+  bool rebuilt_ = false;
+  bool any_marked_ = false;
+  int no_sync_depth_ = 0;
+  bool broken_ = false;
+  std::string broken_message_;
+  comm_hook hook_;
+  stream_type stream_ = nullptr;
+  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
+  std::optional<runner_type> runner_;  // last: it calls back into everything above
+};
+
+// ---------------------------------------------------------------------------
+// Out of class: see the file comment.
+
+template <class Policy>
+basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
+                             std::vector<parameter> parameters, std::vector<parameter> buffers,
+                             ddp_options options, std::optional<node_layout> layout)
+    : comm_(comm.split(0, comm.rank())),
+      own_channel_(make_own_channel()),
+      control_(control_for(given)),
+      topo_(comm_, control_, layout_of(layout)),
+      options_(std::move(options)),
+      rank_(comm.rank()),
+      size_(comm.size()),
+      params_(std::move(parameters)),
+      buffers_(std::move(buffers)) {
+  device_ = device_of(comm_);
+  if (options_.compression != gradient_compression::none && !compression_available()) {
+    // Every rank of the same program sees the same; the agreement below stops them all alike.
+    problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
+               std::string(detail::device_casts_missing);
+  }
+  try {
+    timeline_ = detail::timeline::of(options_.timeline, rank_, size_, params_);
+  } catch (const config_error& e) {
+    if (problem_.empty()) problem_ = e.what();  // the agreement stops every rank
+  }
+  detail::agree_on_model(control_, params_, buffers_,
+                         problem_.empty()
+                             ? detail::model_problem(params_, buffers_, options_, rank_,
+                                                     communicator_type::name, on_device, device_)
+                             : problem_);
+  if (options_.broadcast_parameters) {
+    detail::broadcast_values(control_, params_, buffers_, [&](const buffer& values) {
+      if constexpr (memory_space::on_stream) {
+        comm_.broadcast(values, 0, stream_).wait();
+      } else {
+        comm_.broadcast(values, 0).wait();
+      }
+    });
+  }
+  vars_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    by_name_.emplace(params_[i].name, i);
+    by_data_.emplace(params_[i].values.data, i);
+    vars_[i].original = params_[i].gradient;
+  }
+  lay_out(detail::reverse_order(params_.size()));
+  // The buckets were zeroed and filled on the compute stream: complete before the first step.
+  memory_space::synchronize(device_, stream_);
+  runner_.emplace(*this);
+}
+
+template <class Policy>
+basic_ddp<Policy>::~basic_ddp() {
+  runner_.reset();  // joins the thread, or waits out the watchdog
+  timeline_.write_at_exit();
+  try {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!vars_[i].view) continue;
+      parameter& p = params_[i];
+      if (vars_[i].original)
+        memory_space::copy(vars_[i].original, p.gradient, p.bytes(), p.device, stream_);
+      p.rebind(p.gradient_slot, vars_[i].original);
+    }
+    memory_space::synchronize(device_, stream_);  // before the buckets are freed
+  } catch (...) {
+    // A device that failed already reported it; the model's pointers are what they are.
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::no_such_index(std::size_t index) const {
+  throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
+              " does not exist on rank " + std::to_string(rank_) + " (the model has " +
+              std::to_string(params_.size()) + ")");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::no_such_name(std::string_view name) const {
+  throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
+              " has no parameter named '" + std::string(name) + "'");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::not_a_parameter(const parameter& p) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
+              std::to_string(rank_) +
+              " is not one of the model's parameters (its values are elsewhere)");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::marked_twice(std::size_t i) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + params_[i].name + "' (#" +
+              std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
+              " on rank " + std::to_string(rank_) +
+              "; mark each gradient once per step (accumulate inside no_sync())");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::mark_all_ready() {
+  // Last first, as a backward pass finishes them and as the first layout
+  // fills the buckets: recorded for the rebuild, this order changes nothing.
+  for (std::size_t i = params_.size(); i-- > 0;) {
+    if (!vars_[i].marked) ready(i);
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize() {
+  if (no_sync_depth_ > 0) return;
+  {
+    const auto span = timeline_.synchronize(steps_);
+    check_usable();
+    complete_marks();
+    if (auto e = complete_buckets()) fail(e);
+    end_step();
+  }
+  if (options_.find_unused_parameters && options_.report_unused_parameters &&
+      steps_ == unused_report_steps)
+    report_unused();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::change_stream(stream_type compute) {
+  if (compute == stream_) return;
+  if (any_marked_) {
+    throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
+                       " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): buckets already launched "
+                       "are ordered after the old stream; set the stream before the step");
+  }
+  memory_space::check_stream(device_, compute);
+  // What the old stream still does with the buckets comes first; their
+  // storage is released on the new one from now on.
+  memory_space::order_after(device_, compute, stream_);
+  for (bucket_state& b : buckets_) {
+    b.grads.set_stream(compute);
+    b.wire.set_stream(compute);
+    b.shard.set_stream(compute);
+  }
+  stream_ = compute;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize_on(stream_type compute) {
+  if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
+    throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
+                       std::to_string(rank_) + " with a stream other than the one step " +
+                       std::to_string(steps_) +
+                       " was marked on: call set_stream(stream) before the step instead");
+  }
+  change_stream(compute);
+  synchronize();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::wait() {
+  if (auto e = runner_drain()) fail(e);
+  memory_space::synchronize(device_, stream_);
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::no_sync_guard basic_ddp<Policy>::no_sync() {
+  if (any_marked_) {
+    throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
+                " in the middle of a synchronized step (after mark_ready, before synchronize())");
+  }
+  return no_sync_guard(*this);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::zero_grad() {
+  if (any_marked_ && no_sync_depth_ == 0) {
+    throw error("DistributedDataParallel::zero_grad() on rank " + std::to_string(rank_) +
+                " in the middle of a step (after mark_ready, before synchronize())");
+  }
+  for (bucket_state& b : buckets_)
+    memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!vars_[i].view)
+      memory_space::zero(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
+  if (options_.compression != gradient_compression::none) {
+    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
+                       std::string(to_string(options_.compression)) +
+                       "; a hook replaces the reduction, so compress inside the hook instead");
+  }
+  hook_ = std::move(hook);
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::own_channel_type basic_ddp<Policy>::make_own_channel() {
+  if constexpr (communicator_type::reaches_host_memory) {
+    return own_channel_type(comm_);
+  } else {
+    return {};
+  }
+}
+
+// A communicator that reaches host memory carries the metadata itself (no
+// store traffic, and packed host values of any size); a device-only one uses `given`.
+template <class Policy>
+control_plane basic_ddp<Policy>::control_for([[maybe_unused]] control_plane* given) {
+  if constexpr (communicator_type::reaches_host_memory) {
+    return control_plane(own_channel_);
+  } else {
+    return *given;  // the constructors without one do not compile for such a communicator
+  }
+}
+
+// The nodes as the launcher placed them, or (no context) as node names group them.
+template <class Policy>
+node_layout basic_ddp<Policy>::layout_of(const std::optional<node_layout>& given) {
+  if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
+    return given.value_or(node_layout{});  // flat needs none: nothing collective
+  } else {
+    if (given) return *given;
+    return detail::layout_from_node_names(control_, node_name(environment::from_process()));
+  }
+}
+
+template <class Policy>
+int basic_ddp<Policy>::device_of(communicator_type& comm) {
+  if constexpr (on_device) {
+    return comm.device();
+  } else {
+    (void)comm;
+    return -1;
+  }
+}
+
+/// Lays the gradients out in buckets filled in `order`, moving each
+/// bucket-view gradient (and its values) to its new place. The old buckets
+/// are freed only once the copies out of them are complete.
+template <class Policy>
+void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
+  std::vector<bucket_info> info = detail::assign_buckets(
+      params_, order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
+      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
+  std::vector<bucket_state> buckets(info.size());
+  for (std::size_t b = 0; b < info.size(); ++b) {
+    // A hierarchical topology splits a bucket into equal shards, one per
+    // rank of a node: zeros at the end make the count divide (GPU: every
+    // shard on bucket_alignment too). The padding stays zero.
+    std::size_t unit = topo_.granularity();
+    if (unit > 1 && info[b].device >= 0) unit *= bucket_alignment / size_of(info[b].type);
+    buckets[b].moved = (info[b].count + unit - 1) / unit * unit;
+    buckets[b].grads = detail::flat_storage<memory_space>(buckets[b].moved * size_of(info[b].type),
+                                                          info[b].device, stream_);
+    if (compressed(info[b]))
+      buckets[b].wire = detail::flat_storage<memory_space>(
+          buckets[b].moved * size_of(detail::wire_type(options_.compression)), info[b].device,
+          stream_);
+    if (const std::size_t shard = topo_.shard_count(buckets[b].moved); shard > 0)
+      buckets[b].shard = detail::flat_storage<memory_space>(shard * size_of(info[b].type),
+                                                            info[b].device, stream_);
+    for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
+      const std::size_t i = info[b].parameters[k];
+      parameter& p = params_[i];
+      variable& v = vars_[i];
+      v.bucket = b;
+      v.offset = info[b].offsets[k];
+      v.view = options_.gradient_as_bucket_view && p.rebindable();
+      if (v.view) {
+        void* place = buckets[b].grads.data() + v.offset;
+        if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
+        p.gradient = place;
+        p.rebind(p.gradient_slot, place);
+      }
+    }
+  }
+  // The old buckets are released on the compute stream, after the copies
+  // out of them and (streams) after every collective on them: the compute
+  // stream waits for those already (order_after_buckets). The host does not
+  // wait, with CUDA as without.
+  info_ = std::move(info);
+  buckets_ = std::move(buckets);
+  reset_step();
+}
+
+/// Launches, in bucket order, every bucket whose turn it is and is ready.
+template <class Policy>
+void basic_ddp<Policy>::launch_ready() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+    try {
+      buckets_[next_launch_].span =
+          timeline_.bucket_launched(next_launch_, info_[next_launch_].count);
+      runner_->launch(next_launch_++);
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+}
+
+/// The unmarked parameters of this step: an error, or (find_unused_parameters)
+/// zero contributions, marked now in index order on every rank.
+template <class Policy>
+void basic_ddp<Policy>::complete_marks() {
+  std::vector<std::size_t> missing;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (vars_[i].touched) vars_[i].used = true;  // before the unused are marked below
+    if (!vars_[i].marked) missing.push_back(i);
+  }
+  if (!missing.empty() && !options_.find_unused_parameters) {
+    std::string names;
+    for (std::size_t k = 0; k < missing.size() && k < 8; ++k)
+      names += (k ? ", '" : "'") + params_[missing[k]].name + "'";
+    if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+    throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
+                " never marked " + std::to_string(missing.size()) + " of " +
+                std::to_string(params_.size()) + " parameters ready in step " +
+                std::to_string(steps_) + ": " + names +
+                "; call mark_ready for every parameter (or mark_all_ready() after the backward "
+                "pass), or set ddp_options::find_unused_parameters");
+  }
+  for (std::size_t i : missing) {
+    // Nothing accumulated in no_sync() either: this rank contributes zero.
+    if (!vars_[i].touched) zero_contribution(i);
+    ready(i);
+  }
+  for (bucket_state& b : buckets_) b.ready = true;
+  launch_ready();
+}
+
+/// Once, after the first unused_report_steps steps: the parameters that no
+/// rank marked are named on rank 0 (a parameter one rank marked is used).
+/// Collective over the control plane; every rank reaches it in the same step.
+template <class Policy>
+void basic_ddp<Policy>::report_unused() {
+  const std::size_t words = (params_.size() + 63) / 64;
+  if (words == 0) return;
+  std::vector<std::int64_t> mine(words, 0);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (vars_[i].used) mine[i / 64] |= std::int64_t{1} << (i % 64);
+  }
+  std::vector<std::int64_t> all(words * static_cast<std::size_t>(size_));
+  control_.allgather(mine, all);
+  if (rank_ != 0) return;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
+    for (std::size_t w = 0; w < words; ++w) mine[w] |= all[r * words + w];
+  }
+  std::string names;
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (mine[i / 64] & (std::int64_t{1} << (i % 64))) continue;
+    if (count < 8) names += (count ? ", '" : "'") + params_[i].name + "'";
+    ++count;
+  }
+  if (count == 0) return;
+  if (count > 8) names += " and " + std::to_string(count - 8) + " more";
+  std::fprintf(
+      stderr,
+      "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "
+      "%zu steps; with find_unused_parameters %s treated as unused and %s zeroed. If a "
+      "mark_ready was forgotten, add it (or call mark_all_ready() after the backward "
+      "pass); if the parameter is unused on purpose, set "
+      "ddp_options::report_unused_parameters = false to silence this\n",
+      size_, count == 1 ? "parameter" : "parameters", names.c_str(), unused_report_steps,
+      count == 1 ? "it is" : "they are", count == 1 ? "its gradient" : "their gradients");
+  std::fflush(stderr);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::zero_contribution(std::size_t i) {
+  parameter& p = params_[i];
+  variable& v = vars_[i];
+  if (v.view) {
+    memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
+  } else {
+    // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
+    memory_space::zero(buckets_[v.bucket].grads.data() + v.offset, p.bytes(), p.device, stream_);
+    v.zeroed = true;
+  }
+}
+
+/// Copy-in and compression: what must happen before the collective.
+template <class Policy>
+void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
+  bucket_state& s = buckets_[b];
+  if (timeline_.on()) s.span_reduce = detail::timeline::now();
+  for (std::size_t i : info_[b].parameters) {
+    const variable& v = vars_[i];
+    if (v.view || v.zeroed) continue;
+    memory_space::copy(s.grads.data() + v.offset, params_[i].gradient, params_[i].bytes(),
+                       info_[b].device, stream_);
+  }
+  if (!compressed(info_[b])) return;
+  const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
+  memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
+                         info_[b].count, scale, detail::wire_type(options_.compression),
+                         info_[b].device, stream_);
+}
+
+/// The collective of bucket b (or the user's hook), ordered after the compute stream.
+template <class Policy>
+work basic_ddp<Policy>::reduce(std::size_t b) {
+  detail::label_scope label("bucket",
+                            static_cast<std::int64_t>(b));  // names it in desync diagnostics
+  bucket_state& s = buckets_[b];
+  const bucket_info& info = info_[b];
+  buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};
+  reduce_op op = reduce_op::avg;
+  if (compressed(info)) {
+    data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
+            s.grads.device()};
+    op = reduce_op::sum;
+  }
+  if (hook_) {
+    gradient_bucket view{.index = b,
+                         .data = data,
+                         .world_size = size_,
+                         .parameters = info.parameters,
+                         .stream = stream_};
+    view.data.count = info.count;  // the hook sees the slots, not the topology's padding
+    return hook_(comm_, view);
+  }
+  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                     s.grads.device()};
+  return topo_.allreduce(data, shard, op, on_stream_or_null());
+}
+
+/// Decompression and copy-out: what must happen after the collective.
+template <class Policy>
+void basic_ddp<Policy>::finish_bucket(std::size_t b) {
+  bucket_state& s = buckets_[b];
+  const bucket_info& info = info_[b];
+  if (compressed(info)) {
+    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
+                             detail::wire_type(options_.compression), info.device, stream_);
+  }
+  for (std::size_t i : info.parameters) {
+    const variable& v = vars_[i];
+    if (v.view) continue;
+    memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
+                       info.device, stream_);
+  }
+  timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
+}
+
+template <class Policy>
+std::exception_ptr basic_ddp<Policy>::complete_buckets() {
+  const auto span = timeline_.wait(buckets_.size());
+  return runner_->complete(buckets_.size());
+}
+
+template <class Policy>
+std::exception_ptr basic_ddp<Policy>::runner_drain() {
+  if constexpr (memory_space::on_stream) {
+    return runner_->drain();
+  } else {
+    return nullptr;  // synchronize() waited already
+  }
+}
+
+/// After every bucket is averaged: the one rebuild, then a fresh step.
+template <class Policy>
+void basic_ddp<Policy>::end_step() {
+  const bool rebuild = recording();
+  ++steps_;
+  if (rebuild) {
+    // Rank 0's order wins, so that every rank lays its buckets out alike.
+    std::vector<std::uint8_t> bytes(ready_order_.size() * sizeof(std::uint64_t));
+    for (std::size_t k = 0; k < ready_order_.size(); ++k) {
+      const std::uint64_t i = ready_order_[k];
+      std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
+    }
+    control_.broadcast(bytes, 0);
+    std::vector<std::size_t> agreed(ready_order_.size());
+    for (std::size_t k = 0; k < agreed.size(); ++k) {
+      std::uint64_t i = 0;
+      std::memcpy(&i, bytes.data() + k * sizeof i, sizeof i);
+      agreed[k] = static_cast<std::size_t>(i);
+    }
+    detail::check_order(agreed, params_.size(),
+                        "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
+    rebuilt_ = true;
+    // The buckets of this step are done with (host memory) or ordered
+    // before everything that follows on the compute stream (streams), where
+    // lay_out() copies out of them and releases them.
+    if (agreed != layout_order()) lay_out(agreed);
+  }
+  reset_step();
+}
+
+/// The parameters in the order the current buckets hold them.
+template <class Policy>
+std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
+  std::vector<std::size_t> order;
+  for (const bucket_info& b : info_)
+    order.insert(order.end(), b.parameters.begin(), b.parameters.end());
+  return order;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::reset_step() {
+  for (variable& v : vars_) v.marked = v.touched = v.zeroed = false;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].pending = info_[b].parameters.size();
+    buckets_[b].ready = false;
+  }
+  ready_order_.clear();
+  next_launch_ = 0;
+  any_marked_ = false;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::unusable() const {
+  throw error("DistributedDataParallel on rank " + std::to_string(rank_) +
+              " is unusable after an earlier failure: " + broken_message_);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::fail(std::exception_ptr e) {
+  broken_ = true;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    broken_message_ = x.what();
+    throw;
+  }
+}
+
 }  // namespace dtrain
-// ---- end dtrain/launch/options.hpp ----
+// ---- end dtrain/ddp/basic_ddp.hpp ----
+// ---- begin dtrain/run.hpp ----
+/// @file
+/// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
+/// A worker discovers its world, joins the rendezvous, builds the
+/// communicator, runs `fn(context&)` and tears down; under launch::per_node
+/// the process first started is the node agent, which re-executes the
+/// program as the node's workers. Every failure becomes one rank-prefixed
+/// line on stderr and a non-zero exit status.
+
+// ---- begin dtrain/launch/agent.hpp ----
+/// @file
+/// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
+/// node's workers with torchrun's environment, hosts the rendezvous store on
+/// node 0, supervises the workers, stops the whole job on the first failure
+/// (on every node), restarts it up to a limit, and forwards signals.
+
 // ---- begin dtrain/launch/process.hpp ----
 /// @file
 /// The node agent's processes: starting a worker (fork + exec, dying with the
@@ -10719,8 +13980,8 @@ struct agent_options {
 #include <cerrno>
 #include <chrono>
 #include <csignal>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -10741,23 +14002,6 @@ struct agent_options {
 
 #include <pthread.h>
 #include <unistd.h>
-
-namespace dtrain {
-
-/// A worker's program cannot be started: it is missing (exit_status() 127,
-/// as a shell's "command not found") or not executable (126, as a shell's
-/// "permission denied"). The agent ends the job with that status.
-class program_error : public error {
- public:
-  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
-  /// 127 for a missing program, 126 for one that cannot be executed.
-  [[nodiscard]] int exit_status() const noexcept { return status_; }
-
- private:
-  int status_;
-};
-
-}  // namespace dtrain
 
 namespace dtrain::detail {
 
@@ -11222,158 +14466,6 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/process.hpp ----
-// ---- begin dtrain/launch/agent.hpp ----
-/// @file
-/// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
-/// node's workers with torchrun's environment, hosts the rendezvous store on
-/// node 0, supervises the workers, stops the whole job on the first failure
-/// (on every node), restarts it up to a limit, and forwards signals.
-
-// ---- begin dtrain/rendezvous/security.hpp ----
-/// @file
-/// Who may talk to a job's store, and where it listens: a fresh random token
-/// per job, handed to the ranks without a command line or a log, and the one
-/// interface that MASTER_ADDR names. See the README's "Security".
-
-
-#include <cerrno>
-#include <chrono>
-#include <cstdio>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <thread>
-
-#include <fcntl.h>
-#include <sys/random.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-namespace dtrain {
-
-/// Environment: the address the store listens on, instead of the one that
-/// MASTER_ADDR names ("0.0.0.0" for every interface).
-inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
-
-namespace detail {
-
-/// 128 random bits from the kernel, as 32 hex digits.
-inline std::string new_store_token() {
-  unsigned char bytes[16];
-  std::size_t got = 0;
-  while (got < sizeof bytes) {
-    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
-    got += static_cast<std::size_t>(n);
-  }
-  std::string out;
-  for (unsigned char b : bytes) {
-    char hex[3];
-    std::snprintf(hex, sizeof hex, "%02x", b);
-    out += hex;
-  }
-  return out;
-}
-
-/// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
-/// if set, else the local address that `master` names. Every interface ("0.0.0.0")
-/// only when that name is not an address of this host, or when it resolves to
-/// loopback here but the job spans nodes (Debian's /etc/hosts maps the host's
-/// own name to 127.0.1.1, which other nodes cannot reach).
-inline std::string store_bind_address(const environment& env, const std::string& master,
-                                      bool multi_node) {
-  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
-  const resolved names = resolve(master);
-  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
-  bool all_loopback = true;
-  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
-  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
-  for (const auto& a : names.addresses) {
-    for (const auto& local : interface_addresses()) {
-      if (local.address == a) return a;
-    }
-  }
-  return "0.0.0.0";
-}
-
-/// The address a client on the store's own host uses to reach it.
-inline std::string local_store_address(const std::string& bound) {
-  return bound == "0.0.0.0" || bound == "::" ? "127.0.0.1" : bound;
-}
-
-/// A token shared through a file only this user can read, for ranks on one
-/// host that no dtrain process launched (torchrun, mpirun with Gloo): rank 0
-/// writes it, the others read it. The file is named after the store's port,
-/// in $XDG_RUNTIME_DIR or /tmp/dtrain-<uid> (mode 0700, checked).
-class token_file {
- public:
-  token_file(const environment& env, int port) {
-    std::string dir;
-    if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
-      dir = std::string(*runtime) + "/dtrain";
-    } else {
-      dir = "/tmp/dtrain-" + std::to_string(::getuid());
-    }
-    dir_ = dir;
-    path_ = dir + "/store-" + std::to_string(port) + ".token";
-  }
-  [[nodiscard]] const std::string& path() const noexcept { return path_; }
-
-  /// Rank 0: writes `token` (replacing a stale file atomically).
-  void publish(const std::string& token) {
-    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
-    struct stat st {};
-    if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
-    if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
-      throw config_error(dir_ +
-                         " must be a directory that only this user can open (mode 0700) "
-                         "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
-    }
-    const std::string temp = path_ + "." + std::to_string(::getpid());
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0) fail("cannot write", errno);
-    bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
-    ok = ::close(fd) == 0 && ok;
-    if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
-      int err = errno;
-      ::unlink(temp.c_str());
-      fail("cannot write", err);
-    }
-    published_ = true;
-  }
-
-  /// The token in the file now, or nullopt if there is none yet.
-  [[nodiscard]] std::optional<std::string> read() const {
-    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) return std::nullopt;
-    char text[128];
-    ssize_t n = ::read(fd, text, sizeof text);
-    ::close(fd);
-    if (n <= 0) return std::nullopt;
-    return std::string(text, static_cast<std::size_t>(n));
-  }
-
-  token_file(const token_file&) = delete;
-  token_file& operator=(const token_file&) = delete;
-  ~token_file() {
-    if (published_) ::unlink(path_.c_str());
-  }
-
- private:
-  [[noreturn]] void fail(const char* what, int err) const {
-    throw config_error(std::string(what) + " " + path_ + " for the store token: " +
-                       std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
-  }
-  std::string dir_;
-  std::string path_;
-  bool published_ = false;
-};
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/security.hpp ----
 
 #include <algorithm>
 #include <array>
@@ -11390,6 +14482,7 @@ class token_file {
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <netinet/in.h>
@@ -11397,13 +14490,6 @@ class token_file {
 #include <unistd.h>
 
 namespace dtrain {
-
-/// The variable through which an agent tells its workers where its store is
-/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
-inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
-/// The variable that carries the restart round to the workers (torchrun's
-/// TORCHELASTIC_RESTART_COUNT is set too).
-inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
 
 namespace detail {
 
@@ -11467,22 +14553,6 @@ struct round_end {
   std::string message;  ///< who failed how
 };
 
-/// The agents' store key `what` of restart round `restart`.
-inline std::string round_key(int restart, std::string_view what) {
-  return "dtrain/agent/" + std::to_string(restart) + "/" + std::string(what);
-}
-
-/// Where the first failure of restart round `restart` is recorded.
-inline std::string failure_key(int restart) { return detail::round_key(restart, "failure"); }
-
-/// Records a failure unless one is recorded already: the first one is the
-/// root cause, later ones are usually its consequences.
-inline void record_failure(store_client& store, int restart, int status, bool final,
-                           const std::string& message) {
-  store.compare_set(failure_key(restart), "",
-                    std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
-}
-
 /// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
 inline std::string seconds_text(std::chrono::milliseconds t) {
   std::string text = std::to_string(t.count() / 1000);
@@ -11492,12 +14562,6 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
     text += "." + frac;
   }
   return text;
-}
-
-/// How one worker is named in failure messages.
-inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
-  return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
-         std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
 }
 
 }  // namespace detail
@@ -11623,7 +14687,7 @@ class node_agent {
         }
         say(end.message + "; restarting every node's workers (restart " +
             std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
-        meet(store, detail::round_key(restart, "stopped"), "every node to stop its workers");
+        meet(store, detail::agent_keys::stopped(restart), "every node to stop its workers");
       }
       leave(store, node_rank() == 0);
     } catch (const rendezvous_error& e) {
@@ -11637,23 +14701,7 @@ class node_agent {
       stop(sig != 0 ? sig : SIGTERM);
       std::string what = "received signal " + std::to_string(sig);
       status = 128 + sig;
-      if (sig == 0) {
-        try {
-          throw;
-        } catch (const program_error& e) {
-          what = e.what();
-          status = e.exit_status();
-        } catch (const config_error& e) {
-          what = e.what();
-          status = 2;
-        } catch (const std::exception& e) {
-          what = e.what();
-          status = 1;
-        } catch (...) {
-          what = "an exception that is not a std::exception";
-          status = 1;
-        }
-      }
+      if (sig == 0) std::tie(status, what) = detail::current_failure();
       // Tell the other nodes, so that they end too instead of waiting for this one.
       try {
         detail::record_failure(store, round_, status, true,
@@ -11709,29 +14757,31 @@ class node_agent {
 
   /// Registers this node and checks that every node runs the same job shape.
   void join(store_client& store) {
-    const std::string me = std::to_string(nproc_) + " " + std::to_string(options_.max_restarts) +
-                           " " + detail::host_name().value_or("?") + ":" +
-                           std::to_string(::getpid());
-    const std::string key = "dtrain/agent/node/" + std::to_string(node_rank());
-    std::string holder = store.compare_set(key, "", me);
-    if (holder != me) {
+    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
+                                 ::getpid()};
+    const std::string key = detail::agent_keys::node(node_rank());
+    const std::string holder = store.compare_set(key, "", me.encode());
+    if (holder != me.encode()) {
       throw config_error("node_rank " + std::to_string(node_rank()) +
-                         " is taken twice: by the agent " + holder.substr(holder.rfind(' ') + 1) +
-                         " and by this one (" + me.substr(me.rfind(' ') + 1) +
-                         "); give each agent its own --node-rank / NODE_RANK");
+                         " is taken twice: by the agent " +
+                         detail::node_record::decode(key, holder).who() + " and by this one (" +
+                         me.who() + "); give each agent its own --node-rank / NODE_RANK");
     }
-    meet(store, "dtrain/agent/joined", "all " + std::to_string(nnodes()) + " node agents to join");
+    meet(store, std::string(detail::agent_keys::joined),
+         "all " + std::to_string(nnodes()) + " node agents to join");
     for (int n = 0; n < nnodes(); ++n) {
-      std::string other = store.get("dtrain/agent/node/" + std::to_string(n));
-      auto fields = detail::split(other, ' ');
-      if (fields.size() == 3 && fields[0] != std::to_string(nproc_)) {
-        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") runs " + fields[0] +
-                           " workers, this node " + std::to_string(nproc_) +
+      const std::string other_key = detail::agent_keys::node(n);
+      const detail::node_record other =
+          detail::node_record::decode(other_key, store.get(other_key));
+      if (other.nproc != nproc_) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                           std::to_string(other.nproc) + " workers, this node " +
+                           std::to_string(nproc_) +
                            "; every node must run the same nproc_per_node");
       }
-      if (fields.size() == 3 && fields[1] != std::to_string(options_.max_restarts)) {
-        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") allows " +
-                           fields[1] + " restarts, this node " +
+      if (other.max_restarts != options_.max_restarts) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                           std::to_string(other.max_restarts) + " restarts, this node " +
                            std::to_string(options_.max_restarts) +
                            "; every node must use the same max_restarts");
       }
@@ -11740,7 +14790,7 @@ class node_agent {
 
   /// Node 0 keeps the store up until every agent has read how the job ended.
   void leave(store_client& store, bool hosting) {
-    const std::string key = "dtrain/agent/left";
+    const std::string key(detail::agent_keys::left);
     try {
       store.add(key, 1);
       if (!hosting) return;
@@ -11776,7 +14826,8 @@ class node_agent {
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
     set(std::string(restart_count_variable), std::to_string(restart));
     set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
-    set("DTRAIN_STORE_TOKEN", store_options_.token);  // the environment only: never argv or a log
+    // The token goes in the environment only: never on argv or in a log.
+    set(std::string(store_token_variable), store_options_.token);
     // As torchrun: one thread per worker unless the user chose, so N workers
     // do not each start one OpenMP thread per core.
     if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
@@ -11789,11 +14840,11 @@ class node_agent {
   /// Starts this node's workers for one round and supervises them until the
   /// round ends on every node.
   detail::round_end run_round(store_client& store, int restart) {
-    const std::string port_key = detail::round_key(restart, "worker_port");
-    if (node_rank() == 0) store.set(port_key, std::to_string(detail::pick_free_port()));
+    const std::string port_key = detail::agent_keys::worker_port(restart);
+    if (node_rank() == 0) store.set(port_key, detail::encode_port(detail::pick_free_port()));
     wait_for([&] { return store.check(std::span<const std::string>(&port_key, 1)); },
              "node 0 to pick the workers' port");
-    const int worker_port = std::stoi(store.get(port_key));
+    const int worker_port = detail::decode_port(port_key, store.get(port_key));
 
     const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
     std::vector<int> ranks;
@@ -11822,18 +14873,17 @@ class node_agent {
   }
 
   detail::round_end supervise(store_client& store, int restart) {
-    const std::string failure_key = detail::failure_key(restart);
-    const std::string success_key = detail::round_key(restart, "succeeded");
+    const std::string failure_key = detail::agent_keys::failure(restart);
+    const std::string success_key = detail::agent_keys::succeeded(restart);
     const std::span<const std::string> failure_keys(&failure_key, 1);
     bool reported_success = false;
     heartbeat beats(nnodes());
     while (true) {
       if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
         lost_nodes_ = beats.silent();  // they will never leave(): node 0 must not wait for them
-        std::string message = "node " + std::to_string(*silent) +
-                              "'s agent stopped responding: no heartbeat for " +
-                              detail::seconds_text(options_.heartbeat_timeout) +
-                              " s (DTRAIN_HEARTBEAT_TIMEOUT)";
+        std::string message =
+            "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
+            detail::seconds_text(options_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)";
         detail::record_failure(store, restart, 1, true, message);
       }
       if (int sig = detail::agent_signal; sig != 0) {
@@ -11863,7 +14913,7 @@ class node_agent {
         break;
       }
       if (store.check(failure_keys)) {
-        detail::round_end end = read_failure(store.get(failure_key));
+        detail::round_end end = read_failure(failure_key, store.get(failure_key));
         stop(SIGTERM);
         return end;
       }
@@ -11884,17 +14934,13 @@ class node_agent {
     }
   }
 
-  static detail::round_end read_failure(const std::string& value) {
-    detail::round_end end;
-    auto first = value.find(' ');
-    auto second = value.find(' ', first + 1);
-    if (first == std::string::npos || second == std::string::npos) {
-      return {false, 1, true, "a malformed failure record in the store: " + value};
+  static detail::round_end read_failure(const std::string& key, const std::string& value) {
+    try {
+      const detail::failure_record f = detail::failure_record::decode(key, value);
+      return {false, f.status, f.final, f.message};
+    } catch (const rendezvous_error& e) {
+      return {false, 1, true, e.what()};
     }
-    end.status = std::atoi(value.substr(0, first).c_str());
-    end.final = value.substr(first + 1, second - first - 1) == "1";
-    end.message = value.substr(second + 1);
-    return end;
   }
 
   void stop(int sig) {
@@ -11938,7 +14984,7 @@ class node_agent {
     [[nodiscard]] int silent() const noexcept { return silent_; }
 
    private:
-    static std::string key(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+    static std::string key(int node) { return detail::agent_keys::beat(node); }
     std::vector<std::int64_t> seen_;
     std::vector<std::chrono::steady_clock::time_point> since_;
     std::chrono::steady_clock::time_point last_{};
@@ -11955,7 +15001,7 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
-  int round_ = 0;  // the restart round under way
+  int round_ = 0;       // the restart round under way
   int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;
@@ -11964,724 +15010,6 @@ class node_agent {
 
 }  // namespace dtrain
 // ---- end dtrain/launch/agent.hpp ----
-// ---- begin dtrain/diagnostics.hpp ----
-/// @file
-/// Desync and hang diagnostics. When a collective times out or fails, or a
-/// user sends SIGUSR1 to a rank (or to its node agent, which forwards it),
-/// every live rank publishes its communicator's ring of last collectives
-/// through the store; the rank that asked gathers them for a bounded time and
-/// one rank prints one table naming the rank that is behind, the collective
-/// it is missing, mismatched calls, and the ranks that did not answer.
-
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <chrono>
-#include <csignal>
-#include <cstdint>
-#include <cstdio>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <utility>
-#include <vector>
-
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
-namespace dtrain {
-
-/// Options of the diagnostics every rank runs. Aggregate; each field also has
-/// an environment variable, which wins.
-struct diagnostics_options {
-  /// Run the diagnostics thread and catch SIGUSR1. Environment: DTRAIN_DIAGNOSTICS=0 turns it off.
-  bool enabled = true;
-  /// How long the rank that asked waits for the other rings before it prints
-  /// without them (their ranks are then named as not answering).
-  /// Environment: DTRAIN_DIAGNOSTICS_WAIT (seconds).
-  std::chrono::milliseconds wait{5000};
-  /// How often each rank's thread looks for a request in the store.
-  std::chrono::milliseconds poll{200};
-
-  [[nodiscard]] diagnostics_options with_env(const environment& env) const {
-    diagnostics_options out = *this;
-    if (auto on = detail::read_flag(env, "DTRAIN_DIAGNOSTICS")) out.enabled = *on;
-    if (auto t = detail::read_seconds(env, "DTRAIN_DIAGNOSTICS_WAIT")) out.wait = *t;
-    return out;
-  }
-};
-
-namespace detail {
-
-/// The eventfd that SIGUSR1 wakes (-1: none). A plain atomic int, so the
-/// handler only loads it and writes 8 bytes: both async-signal-safe.
-inline std::atomic<int> diagnostics_signal_fd{-1};
-
-inline void on_diagnostics_signal(int) {
-  const int saved = errno;
-  const int fd = diagnostics_signal_fd.load();
-  const std::uint64_t one = 1;
-  if (fd >= 0) (void)!::write(fd, &one, sizeof one);
-  errno = saved;
-}
-
-/// The store keys of the diagnostics rounds, under the job's prefix + "diag/":
-/// "round" counts the rounds, "open/<n>" elects the rank that opens round n,
-/// "<n>/ring/<rank>" holds a rank's rings (encode_rings), "<n>/reason" why it
-/// was asked, "<n>/printer" the rank that prints, "<n>/closed" once printed.
-struct diagnostics_keys {
-  static std::string ring(std::int64_t round, int rank) {
-    return std::to_string(round) + "/ring/" + std::to_string(rank);
-  }
-  static std::string of(std::int64_t round, std::string_view what) {
-    return std::to_string(round) + "/" + std::string(what);
-  }
-};
-
-/// One rank's part: a thread that publishes this rank's ring whenever a round
-/// is asked for, and explain(), which asks for one and returns its summary.
-/// Owns its own store connection: the context's may be blocked in a long wait.
-class rank_diagnostics {
- public:
-  /// Connects to the store at host:port (keys under `prefix`), starts the
-  /// thread and catches SIGUSR1 until destroyed. `name` says which
-  /// communicator the ring is ("gloo"). Throws what connecting throws.
-  rank_diagnostics(const std::string& host, int port, store_options store, std::string prefix,
-                   int rank, int size, std::shared_ptr<collective_ring> ring, std::string name,
-                   diagnostics_options options)
-      : client_(host, port, bounded(std::move(store), options.wait)),
-        store_(client_, std::move(prefix)),
-        rank_(rank),
-        size_(size),
-        ring_(std::move(ring)),
-        name_(std::move(name)),
-        options_(options) {
-    wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    previous_fd_ = diagnostics_signal_fd.exchange(wake_);
-    struct sigaction sa {};
-    sa.sa_handler = on_diagnostics_signal;
-    sa.sa_flags = SA_RESTART;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGUSR1, &sa, &previous_action_);
-    thread_ = std::thread([this] { serve(); });
-  }
-  rank_diagnostics(const rank_diagnostics&) = delete;
-  rank_diagnostics& operator=(const rank_diagnostics&) = delete;
-  /// Stops the thread: at most one store operation, each bounded by the wait.
-  /// SIGUSR1 reaches the newest instance; instances end in reverse order
-  /// (one per context), and one that is not the newest leaves the signal alone.
-  ~rank_diagnostics() {
-    int mine = wake_;
-    if (diagnostics_signal_fd.compare_exchange_strong(mine, previous_fd_)) {
-      ::sigaction(SIGUSR1, &previous_action_, nullptr);
-    }
-    stopping_ = true;
-    wake();
-    thread_.join();
-    ::close(wake_);
-  }
-
-  /// Whether a collective of this rank failed or timed out (the ring says so):
-  /// only such a failure is worth a round; a store timeout, say, is not.
-  [[nodiscard]] bool collective_failed() const {
-    for (const auto& entry : ring_->snapshot_all()) {
-      for (const call_record& c : entry.second) {
-        if (c.state == call_state::failed || c.state == call_state::timed_out) return true;
-      }
-    }
-    return false;
-  }
-
-  /// Asks every rank for its ring (joining the round another rank opened, if
-  /// one is open), waits for them at most options.wait, and returns the
-  /// analysis' summary line; one rank of the round prints the whole table on
-  /// stderr. `reason` goes in the table's header ("a timeout on rank 0").
-  /// Never throws: a store that is gone makes the summary say so.
-  std::string explain(const std::string& reason) noexcept {
-    try {
-      const std::int64_t round = join_round();
-      const std::string why = store_.compare_set(diagnostics_keys::of(round, "reason"), "", reason);
-      publish(round);
-      const desync_report report = analyse_job(gather(round));
-      const std::string header = "collective diagnostics, round " + std::to_string(round) +
-                                 ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
-                                 " ranks; printed by rank " + std::to_string(rank_) + ")";
-      const std::string table = format_report(header, report);
-      const std::string closed = diagnostics_keys::of(round, "closed");
-      const std::string me = std::to_string(rank_);
-      if (store_.compare_set(diagnostics_keys::of(round, "printer"), "", me) == me) {
-        std::fputs(table.c_str(), stderr);
-        std::fflush(stderr);
-        store_.set(closed, "1");
-      } else {
-        // This rank may exit next, and a launcher stop the others: not before the table is out.
-        store_.wait(std::span<const std::string>(&closed, 1), options_.wait);
-      }
-      return report.summary;
-    } catch (const std::exception& e) {
-      return std::string("no diagnostics: ") + e.what();
-    }
-  }
-
- private:
-  static store_options bounded(store_options o, std::chrono::milliseconds wait) {
-    o.timeout = std::min(o.timeout, wait);
-    o.io_timeout = std::min(o.io_timeout, wait);
-    return o;
-  }
-
-  void wake() noexcept {
-    const std::uint64_t one = 1;
-    (void)!::write(wake_, &one, sizeof one);
-  }
-
-  // The open round, or a new one; one rank opens each round, the others join it.
-  std::int64_t join_round() {
-    const std::int64_t current = store_.add("round", 0);
-    const std::string closed = diagnostics_keys::of(current, "closed");
-    if (current > 0 && !store_.check(std::span<const std::string>(&closed, 1))) return current;
-    const std::int64_t next = current + 1;
-    if (store_.compare_set("open/" + std::to_string(next), "", std::to_string(rank_)) ==
-        std::to_string(rank_)) {
-      store_.add("round", 1);  // every rank's thread now publishes for it
-    }
-    return next;
-  }
-
-  void publish(std::int64_t round) {
-    store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
-    published_ = std::max(published_.load(), round);
-  }
-
-  // Every rank's ring that arrives within the wait; the others did not answer.
-  std::vector<rank_publication> gather(std::int64_t round) {
-    std::vector<std::string> keys;
-    for (int r = 0; r < size_; ++r) keys.push_back(diagnostics_keys::ring(round, r));
-    try {
-      store_.wait(keys, options_.wait);
-    } catch (const timeout_error&) {
-      // Some rank is silent: analysed as such below.
-    }
-    std::vector<rank_publication> ranks;
-    for (int r = 0; r < size_; ++r) {
-      rank_publication p{r, false, {}};
-      const std::string& key = keys[static_cast<std::size_t>(r)];
-      if (store_.check(std::span<const std::string>(&key, 1))) {
-        if (auto rings = decode_rings(store_.get(key))) {
-          p.answered = true;
-          p.rings = std::move(*rings);
-        }
-      }
-      ranks.push_back(std::move(p));
-    }
-    return ranks;
-  }
-
-  // Publishes the ring for every new round; explains on SIGUSR1. A store that
-  // stops answering (its host is gone) ends the polling, not the process.
-  void serve() {
-    pollfd p{wake_, POLLIN, 0};
-    bool store_ok = true;
-    while (!stopping_) {
-      const int ready = ::poll(&p, 1, static_cast<int>(options_.poll.count()));
-      if (stopping_) return;
-      if (ready > 0) {
-        std::uint64_t count = 0;
-        (void)!::read(wake_, &count, sizeof count);
-        if (!stopping_ && store_ok) {
-          const std::string summary = explain("SIGUSR1 on rank " + std::to_string(rank_));
-          std::fprintf(stderr, "[rank %d/%d] dtrain: SIGUSR1: %s\n", rank_, size_, summary.c_str());
-          std::fflush(stderr);
-        }
-      }
-      if (!store_ok) continue;
-      try {
-        const std::int64_t round = store_.add("round", 0);
-        if (round > published_) publish(round);
-      } catch (const std::exception&) {
-        store_ok = false;
-      }
-    }
-  }
-
-  store_client client_;
-  prefix_store<store_client> store_;
-  int rank_;
-  int size_;
-  std::shared_ptr<collective_ring> ring_;
-  std::string name_;
-  diagnostics_options options_;
-  int wake_ = -1;
-  int previous_fd_ = -1;
-  struct sigaction previous_action_ {};
-  std::atomic<bool> stopping_{false};
-  std::atomic<std::int64_t> published_{0};
-  std::thread thread_;  // last: starts once everything above exists
-};
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/diagnostics.hpp ----
-// ---- begin dtrain/context.hpp ----
-/// @file
-/// dtrain::context<Policy>: what a worker's training function is handed by
-/// dtrain::run — the complete world, the rendezvous store, the communicator —
-/// and owns, torn down in reverse order of construction.
-
-
-#include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <exception>
-#include <optional>
-#include <thread>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#include <unistd.h>
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-
-namespace dtrain {
-
-/// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
-/// Each part also reads its environment variables (the environment wins).
-struct run_options {
-  agent_options agent{};             ///< launch::per_node only
-  store_options store{};             ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
-  collective_options collectives{};  ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
-  diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
-};
-
-/// Where the store prefix of a job lives; a restart round gets its own.
-inline constexpr std::string_view job_store_prefix = "dtrain/job";
-
-/// A worker's view of the job. Built by dtrain::run; not copyable or movable
-/// (the communicator and store it owns are shared with no one else).
-template <class Policy>
-class context {
- public:
-  using policy_type = Policy;
-  using communicator_type = typename Policy::communicator_type;
-  using store_type = prefix_store<store_client>;
-
-  /// Joins the job described by `w` (a worker's world, as discovered): starts
-  /// or joins the store, completes the world by grouping ranks by node name,
-  /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
-  /// by the store or collective timeout. Throws config_error for bad input,
-  /// rendezvous_error / backend_error / timeout_error when a peer fails.
-  context(dtrain::world w, const environment& env, const run_options& options)
-      : world_(std::move(w)),
-        store_options_(options.store.with_env(env)),
-        collectives_(options.collectives.with_env(env)) {
-    if (!world_.rank || !world_.world_size) {
-      throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
-                         std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
-    }
-    if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
-    if constexpr (!traits::needs_store) {
-      // MPI knows its world already, and can tell every rank where rank 0's store is.
-      make_communicator(env);
-      open_store(env);
-      complete_world(env);
-    } else {
-      open_store(env);
-      complete_world(env);
-      make_communicator(env);
-    }
-    control_.emplace(*store_, rank(), size(), "control");
-    start_diagnostics(options.diagnostics.with_env(env));
-  }
-  context(const context&) = delete;
-  context& operator=(const context&) = delete;
-
-  /// The complete world, agreed by every rank.
-  [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
-  [[nodiscard]] int rank() const noexcept { return *world_.rank; }
-  [[nodiscard]] int size() const noexcept { return *world_.world_size; }
-  [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
-  [[nodiscard]] int local_size() const noexcept { return *world_.local_world_size; }
-  [[nodiscard]] int node_rank() const noexcept { return *world_.node_rank; }
-  [[nodiscard]] int num_nodes() const noexcept { return *world_.num_nodes; }
-  /// Rank 0: the one that logs, evaluates and saves checkpoints.
-  [[nodiscard]] bool is_main() const noexcept { return rank() == 0; }
-  /// Local rank 0: the one that prepares data once per node.
-  [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
-  /// How many times a per-node agent has restarted the job (0 at first).
-  [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
-  /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
-  /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
-  [[nodiscard]] int device() const noexcept { return device_; }
-
-  /// The rendezvous store, under this job's (and restart round's) prefix.
-  [[nodiscard]] store_type& store() noexcept { return *store_; }
-  [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
-  /// The host control plane: small blocking collectives through the store,
-  /// for metadata that must not travel on a device engine (DistributedDataParallel's
-  /// model agreement and bucket order; your own checksums). Every rank calls the
-  /// same operations in the same order; each waits at most the store timeout.
-  [[nodiscard]] dtrain::control_plane control_plane() noexcept {
-    return dtrain::control_plane(*control_);
-  }
-
-  /// Waits until every rank has called barrier(), at most the collective
-  /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
-  void barrier() { communicator_->barrier().wait(collectives_.timeout); }
-
-  /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
-  /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
-  /// started #42"); one rank prints the whole table on stderr. Waits at most
-  /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
-  std::string explain_stall(const std::string& reason) {
-    if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
-    return diagnostics_->explain(reason);
-  }
-
-  /// Called by run() when this rank fails: a collective that timed out or
-  /// failed (a peer is stuck, behind, gone or called differently) is
-  /// explained; other failures (a store timeout) are not.
-  std::optional<std::string> explain_failure(const std::exception_ptr& failure) {
-    if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
-    try {
-      std::rethrow_exception(failure);
-    } catch (const timeout_error&) {
-      return explain_stall("a timeout on rank " + std::to_string(rank()));
-    } catch (const backend_error&) {
-      return explain_stall("a failed collective on rank " + std::to_string(rank()));
-    } catch (...) {
-    }
-    return std::nullopt;
-  }
-
-  /// Called by run() when this rank fails (an exception, or a non-zero status
-  /// from the user's function), before anything is torn down: under a node
-  /// agent the failure is recorded in the agent's store while the peers still
-  /// run, so the agent names this rank, not a peer that failed because of it.
-  void record_failure(int status, const std::string& what) noexcept {
-    if (!under_agent_ || !client_) return;
-    try {
-      detail::record_failure(*client_, restart_count_, status, false,
-                             detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
-                                 " exited with status " + std::to_string(status) +
-                                 (what.empty() ? "" : ": " + what));
-    } catch (...) {
-      // The agent still sees the exit status; the reason is only lost from its message.
-    }
-  }
-
-  /// Called by run() after the user's function returned normally: the store's
-  /// host (rank 0 under per-process launch) waits, at most the store timeout,
-  /// until every rank is done with the store before it stops serving.
-  void finish() {
-    communicator_.reset();
-    if (!client_) return;
-    const std::string all = "finished/all";
-    if (store_->add("finished", 1) == size()) store_->set(all, "1");
-    if (server_) {
-      const std::string keys[] = {all};
-      store_->wait(keys);
-    }
-  }
-
- private:
-  /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
-  void open_store(const environment& env) {
-    if (auto agent = env.get(agent_store_variable)) {
-      auto where =
-          detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
-      if (!where.port) {
-        throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
-      }
-      client_.emplace(where.host, *where.port, store_options_);
-      store_endpoint_ = {where.host, *where.port};
-      store_.emplace(*client_,
-                     std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
-      under_agent_ = true;
-      return;
-    }
-    std::optional<std::string> host = world_.master_addr;
-    // Without an address nobody else can be told a fixed port either: rank 0
-    // picks a free one (and MPI carries it), unless MASTER_PORT names one.
-    int port = world_.master_port.value_or(host ? default_master_port : 0);
-    if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
-    const bool one_node = single_node(host);
-    if constexpr (uses_mpi) share_token_over_mpi();
-    if (store_options_.token.empty()) choose_token(env, host, port, one_node);
-    const std::string bind =
-        detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
-    if (rank() == 0) {
-      try {
-        if (token_file_) token_file_->publish(store_options_.token);
-        server_.emplace(bind, port, store_options_);
-        port = server_->port();
-      } catch (const std::exception& e) {
-        // The others are waiting to hear where the store is: tell them it is not.
-        if (!host) (void)agree_store_address(port, e.what());
-        throw;
-      }
-    }
-    if (!host) host = agree_store_address(port);
-    const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
-    store_endpoint_ = {where, port};
-    if (token_file_ && rank() != 0) {
-      connect_with_token_file(where, port);
-    } else {
-      client_.emplace(where, port, store_options_);
-    }
-    store_.emplace(*client_, std::string(job_store_prefix));
-  }
-
-  /// Whether every rank is known to run on this host: one process, a node
-  /// count or local size that says so, or a loopback MASTER_ADDR (127.x, ::1, localhost).
-  [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
-    if (size() == 1 || world_.num_nodes == 1) return true;
-    if (world_.local_world_size && *world_.local_world_size == size()) return true;
-    // Only a loopback address itself: a host name that resolves to loopback
-    // here (Debian's 127.0.1.1) may name this host for the other nodes.
-    return host && (*host == "localhost" || detail::is_loopback_address(*host));
-  }
-
-  /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process
-  /// (one rank), by rank 0 and sent over MPI (the MPI backend), or by rank 0
-  /// and shared through a file only this user can read (one host). A job over
-  /// several hosts that none of these reach must set DTRAIN_STORE_TOKEN.
-  void choose_token(const environment& env, const std::optional<std::string>& host, int port,
-                    bool one_node) {
-    if (size() == 1) {
-      store_options_.token = detail::new_store_token();
-      return;
-    }
-    if (one_node && host) {
-      token_file_.emplace(env, port);
-      if (rank() == 0) store_options_.token = detail::new_store_token();
-      return;
-    }
-    if (!host) return;  // open_store reports the missing address first
-    throw config_error(
-        "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-        ": this job may span several hosts and no dtrain launcher started it, so its store "
-        "needs a shared secret: set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
-        "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
-        "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
-        world_.describe() + ")");
-  }
-
-  /// With the MPI backend every rank takes part in one broadcast, whatever its
-  /// environment says (a collective must not depend on it): rank 0 sends its
-  /// DTRAIN_STORE_TOKEN, or one it draws; a rank that set its own keeps it, and
-  /// the store refuses it by name if it differs from rank 0's.
-  void share_token_over_mpi() {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      if (size() == 1) return;
-      char text[1100] = {};
-      if (rank() == 0) {
-        std::string mine =
-            store_options_.token.empty() ? detail::new_store_token() : store_options_.token;
-        mine.copy(text, sizeof text - 1);
-      }
-      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
-                       "broadcasting the store token");
-      if (store_options_.token.empty()) store_options_.token = text;
-    }
-#endif
-  }
-
-  /// Reads the token rank 0 wrote, reading again while the store refuses it
-  /// (a file left by an earlier job on the same port), within the store timeout.
-  void connect_with_token_file(const std::string& where, int port) {
-    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
-    for (;;) {
-      if (auto token = token_file_->read()) {
-        store_options_.token = *token;
-        try {
-          client_.emplace(where, port, store_options_);
-          return;
-        } catch (const rendezvous_error& e) {
-          if (std::string_view(e.what()).find("token") == std::string_view::npos) throw;
-        }
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error("rank " + std::to_string(rank()) + " found no valid store token in " +
-                            token_file_->path() + " within the store timeout; is rank 0 running "
-                            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
-
-  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
-  /// rank 0 sends `failure` instead when it could not start the store.
-  std::string agree_store_address(int& port, const char* failure = nullptr) {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      std::string mine = rank() != 0 ? std::string()
-                         : failure   ? "!" + std::string(failure)
-                                   : detail::host_name().value_or("?") + " " + std::to_string(port);
-      char text[320] = {};
-      mine.copy(text, sizeof text - 1);
-      DTRAIN_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, 0, communicator_->native()),
-                       "broadcasting rank 0's store address");
-      std::string got(text);
-      if (got.starts_with("!")) {
-        if (failure) return {};  // rank 0 rethrows its own error
-        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.substr(1));
-      }
-      auto space = got.rfind(' ');
-      port = std::stoi(got.substr(space + 1));
-      return got.substr(0, space);
-    }
-#endif
-    {
-      (void)port;
-      if (failure) return {};
-      throw config_error(
-          "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
-          "an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
-          world_.describe() + ")");
-    }
-  }
-
-  /// Every rank reports; rank 0 places them all and publishes the result.
-  void complete_world(const environment& env) {
-    rank_report mine{node_name(env), world_};
-    store_->set("world/" + std::to_string(rank()), mine.encode());
-    const std::string table_key = "world/placement";
-    if (rank() == 0) {
-      std::string table;
-      try {
-        std::vector<rank_report> reports;
-        for (int r = 0; r < size(); ++r) {
-          const std::string key = "world/" + std::to_string(r);
-          reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
-        }
-        table = "ok";
-        for (const placement& p : place_ranks(reports)) {
-          table += " " + std::to_string(p.node_rank) + "," + std::to_string(p.num_nodes) + "," +
-                   std::to_string(p.local_rank) + "," + std::to_string(p.local_world_size);
-        }
-      } catch (const config_error& e) {
-        store_->set(table_key, std::string("error ") + e.what());
-        throw;
-      }
-      store_->set(table_key, table);
-    }
-    const std::string table = store_->get(table_key);
-    if (table.starts_with("error ")) throw config_error(table.substr(6));
-    // "ok" then one "node_rank,num_nodes,local_rank,local_world_size" per rank.
-    const auto entries = detail::split(table, ' ');
-    placement p;
-    if (entries.size() != static_cast<std::size_t>(size()) + 1 || entries[0] != "ok" ||
-        std::sscanf(entries[static_cast<std::size_t>(rank()) + 1].c_str(), "%d,%d,%d,%d",
-                    &p.node_rank, &p.num_nodes, &p.local_rank, &p.local_world_size) != 4) {
-      throw rendezvous_error("store key " + std::string(store_->prefix()) + table_key +
-                             " is not a dtrain placement table");
-    }
-    const std::string grouped = "grouped by node name at rendezvous";
-    auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
-      if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
-      field = value;
-    };
-    fill(world_.node_rank, dtrain::world::field::node_rank, p.node_rank);
-    fill(world_.num_nodes, dtrain::world::field::num_nodes, p.num_nodes);
-    fill(world_.local_rank, dtrain::world::field::local_rank, p.local_rank);
-    fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
-  }
-
-  void make_communicator(const environment& env) {
-    if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
-    communicator_setup<store_type> setup{
-        .store = store_ ? &*store_ : nullptr,
-        .rank = rank(),
-        .size = size(),
-        .device = device(),
-        .collectives = collectives_,
-        .master_addr = world_.master_addr.value_or(""),
-        .env = &env};
-    communicator_.emplace(traits::make(setup));
-    if (communicator_->size() != size() || communicator_->rank() != rank()) {
-      throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
-                         std::to_string(communicator_->rank()) + " of " +
-                         std::to_string(communicator_->size()) + ", but the environment says rank " +
-                         std::to_string(rank()) + " of " + std::to_string(size()) + " (" +
-                         world_.origin(dtrain::world::field::rank) + ", " +
-                         world_.origin(dtrain::world::field::world_size) +
-                         "); start MPI jobs with mpirun or srun");
-    }
-  }
-
-  /// Every rank watches for diagnostics rounds on a connection of its own.
-  void start_diagnostics(const diagnostics_options& options) {
-    if constexpr (requires(communicator_type& c) { c.ring(); }) {
-      if (!options.enabled) return;
-      std::string prefix = store_->prefix();
-      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_, prefix + "diag", rank(),
-                           size(), communicator_->ring(), std::string(Policy::backend_type::name), options);
-    } else {
-      (void)options;
-    }
-  }
-
-  using traits = typename Policy::traits;
-
-  /// select_device() with the devices this process sees. When CUDA cannot count
-  /// them, the local rank: the communicator then reports CUDA's own error.
-  int gpu_of_this_rank(const environment& env) const {
-#if DTRAIN_HAS_CUDA()
-    int visible = 0;
-    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return local_rank();
-    }
-    try {
-      return select_device(local_rank(), local_size(), visible, env.get("CUDA_VISIBLE_DEVICES"));
-    } catch (const config_error& e) {
-      throw config_error("rank " + std::to_string(rank()) + ": " + e.what());
-    }
-#else
-    (void)env;
-    return local_rank();
-#endif
-  }
-  static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
-
-  dtrain::world world_;
-  store_options store_options_;
-  collective_options collectives_;
-  int restart_count_ = 0;
-  int device_ = -1;
-  bool under_agent_ = false;
-  // Declared in the order they are built, so they are torn down in reverse.
-  std::optional<detail::token_file> token_file_;
-  std::optional<store_server> server_;
-  std::optional<store_client> client_;
-  std::optional<store_type> store_;
-  std::optional<communicator_type> communicator_;
-  std::optional<store_channel<store_type>> control_;
-  std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
-  std::optional<detail::rank_diagnostics> diagnostics_;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/context.hpp ----
-// ---- begin dtrain/run.hpp ----
-/// @file
-/// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
-/// A worker discovers its world, joins the rendezvous, builds the
-/// communicator, runs `fn(context&)` and tears down; under launch::per_node
-/// the process first started is the node agent, which re-executes the
-/// program as the node's workers. Every failure becomes one rank-prefixed
-/// line on stderr and a non-zero exit status.
-
 // ---- begin dtrain/launch/worker.hpp ----
 /// @file
 /// How a worker process ends its part in a job so that the job ends too:
@@ -12738,6 +15066,9 @@ inline void abort_mpi_job(int status) noexcept {
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -12752,9 +15083,6 @@ inline void abort_mpi_job(int status) noexcept {
 
 namespace dtrain {
 
-/// Exit status of a process whose input (environment, options) was bad.
-inline constexpr int config_error_exit_status = 2;
-
 namespace detail {
 
 /// "[rank 3/8]", or what is known of it.
@@ -12762,22 +15090,6 @@ inline std::string rank_label(const world* w) {
   if (w == nullptr || !w->rank) return "[rank ?]";
   return "[rank " + std::to_string(*w->rank) + "/" +
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
-}
-
-/// The exit status and text of the exception in flight: 2 for a config_error,
-/// 127 / 126 for a worker program that is missing / not executable, else 1.
-inline std::pair<int, std::string> current_failure() {
-  try {
-    throw;
-  } catch (const program_error& e) {
-    return {e.exit_status(), e.what()};
-  } catch (const config_error& e) {
-    return {config_error_exit_status, e.what()};
-  } catch (const std::exception& e) {
-    return {1, e.what()};
-  } catch (...) {
-    return {1, "an exception that is not a std::exception"};
-  }
 }
 
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
@@ -12806,6 +15118,77 @@ int default_nproc_per_node() {
   return 1;
 }
 
+/// The workers per node that the command line asks for, torchrun's way:
+/// `--nproc-per-node N`, `--nproc-per-node=N`, or the same with
+/// `--nproc_per_node`; the last one counts, and nothing after `--`. Nullopt
+/// when absent; config_error naming the flag when its value is not a positive
+/// integer.
+[[nodiscard]] inline std::optional<int> nproc_per_node_from_args(
+    std::span<const std::string_view> args) {
+  std::optional<int> found;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view a = args[i];
+    if (a == "--") break;
+    std::string_view flag, value;
+    for (std::string_view name : {"--nproc-per-node", "--nproc_per_node"}) {
+      if (a == name) {
+        if (i + 1 >= args.size()) {
+          throw config_error(std::string(name) + " on the command line needs a value (workers " +
+                             "per node, e.g. " + std::string(name) + " 4)");
+        }
+        flag = name;
+        value = args[++i];
+      } else if (a.size() > name.size() && a.starts_with(name) && a[name.size()] == '=') {
+        flag = name;
+        value = a.substr(name.size() + 1);
+      }
+    }
+    if (flag.empty()) continue;
+    const std::string what = std::string(flag) + "=" + std::string(value) + " on the command line";
+    const int n = parse_non_negative(what, value);
+    if (n < 1) throw config_error(what + " must be at least 1 (workers per node)");
+    found = n;
+  }
+  return found;
+}
+
+/// What run() accepts: called as fn(context<Policy>&), returning void or an int.
+template <class Fn, class Policy>
+concept training_function_for = requires(Fn& fn, context<Policy>& ctx) {
+  fn(ctx);
+};
+
+/// The training function as run_process sees it: one signature, whatever the
+/// lambda, so run_process depends on the policy only (and can be compiled once,
+/// dtrain/compiled.hpp). Refers to `fn`, which must outlive it.
+template <class Policy>
+class training_function {
+ public:
+  template <class Fn>
+  explicit training_function(Fn& fn) noexcept
+      : fn_(const_cast<void*>(static_cast<const void*>(std::addressof(fn)))), call_(&call<Fn>) {}
+  /// Calls fn(ctx): its int result, or 0 when it returns void.
+  int operator()(context<Policy>& ctx) const { return call_(fn_, ctx); }
+
+ private:
+  template <class Fn>
+  static int call(void* fn, context<Policy>& ctx) {
+    if constexpr (std::is_void_v<std::invoke_result_t<Fn&, context<Policy>&>>) {
+      (*static_cast<Fn*>(fn))(ctx);
+      return 0;
+    } else {
+      return static_cast<int>((*static_cast<Fn*>(fn))(ctx));
+    }
+  }
+
+  void* fn_;
+  int (*call_)(void*, context<Policy>&);
+};
+
+/// dtrain::run without the function's type: the agent, or a worker that runs `fn`.
+template <class Policy>
+int run_process(int argc, char** argv, training_function<Policy> fn, const run_options& options);
+
 }  // namespace detail
 
 /// Runs `fn` as one worker of a data-parallel job and returns the process's
@@ -12814,9 +15197,13 @@ int default_nproc_per_node() {
 /// `fn` is called as `fn(context<Policy>&)` and may return void (exit 0) or
 /// an int (the exit status). Under launch::per_node the process started by
 /// the user is the node agent: it starts `nproc_per_node` copies of this
-/// program (the same argv) as workers and returns the job's status (see
-/// node_agent). Workers are recognised by DTRAIN_AGENT_STORE in their
-/// environment.
+/// program (the same argv, unchanged) as workers and returns the job's
+/// status (see node_agent). Workers are recognised by DTRAIN_AGENT_STORE in
+/// their environment. The number of workers per node comes from, first to
+/// last: DTRAIN_NPROC_PER_NODE, run_options::agent.nproc_per_node,
+/// `--nproc-per-node N` (or `=N`, or `--nproc_per_node`) on the command line,
+/// then one per visible GPU for NCCL, else 1. A bad value is a config_error
+/// naming its source (exit status 2).
 ///
 /// Any exception ends the process's part in the job: one line on stderr,
 /// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
@@ -12824,9 +15211,22 @@ int default_nproc_per_node() {
 /// When MPI is running (the MPI backend, or MPI initialised by the caller), a
 /// failed worker, or one whose `fn` returned non-zero, calls MPI_Abort with
 /// its exit status after its report, so mpirun ends the whole job at once.
-template <class Policy, class Fn>
-requires std::is_invocable_v < Fn&, context<Policy>
-& > int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
+template <class Policy, detail::training_function_for<Policy> Fn>
+int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
+  if constexpr (std::is_function_v<std::remove_reference_t<Fn>>) {
+    auto* function = &fn;  // a function is no object: it is called through a pointer
+    return detail::run_process<Policy>(argc, argv, detail::training_function<Policy>(function),
+                                       options);
+  } else {
+    return detail::run_process<Policy>(argc, argv, detail::training_function<Policy>(fn), options);
+  }
+}
+
+// Not inline: under `extern template` (dtrain/compiled.hpp) the agent, the store
+// and the engine stay out of the user's translation unit.
+template <class Policy>
+int detail::run_process(int argc, char** argv, training_function<Policy> fn,
+                        const run_options& options) {
   const environment env = environment::from_process();
   std::vector<std::string_view> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
@@ -12837,6 +15237,8 @@ requires std::is_invocable_v < Fn&, context<Policy>
     std::string who = "[agent]";
     try {
       agent_options opts = options.agent;
+      // The environment (with_env) wins over the program's options, which win over its argv.
+      if (!opts.nproc_per_node) opts.nproc_per_node = detail::nproc_per_node_from_args(args);
       if (!opts.nproc_per_node) opts.nproc_per_node = detail::default_nproc_per_node<Policy>();
       opts = opts.with_env(env);
       std::vector<std::string> command{detail::own_executable()};
@@ -12858,14 +15260,11 @@ requires std::is_invocable_v < Fn&, context<Policy>
     w = ctx.world();
     int status = 0;
     try {
-      if constexpr (std::is_void_v<std::invoke_result_t<Fn&, context<Policy>&>>) {
-        fn(ctx);
-      } else {
-        status = static_cast<int>(fn(ctx));
-      }
+      status = fn(ctx);
     } catch (...) {
       auto failure = detail::current_failure();
-      if (auto summary = ctx.explain_failure(std::current_exception())) failure.second += "; diagnostics: " + *summary;
+      if (auto summary = ctx.explain_failure(std::current_exception()))
+        failure.second += "; diagnostics: " + *summary;
       ctx.record_failure(failure.first, failure.second);
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
       detail::abort_mpi_job(code);
@@ -12875,8 +15274,8 @@ requires std::is_invocable_v < Fn&, context<Policy>
       ctx.record_failure(status, {});
       if (detail::mpi_is_running()) {
         detail::report_failure(detail::rank_label(&*w),
-                               {status, "the training function returned " +
-                                            std::to_string(status) + "; aborting the MPI job"});
+                               {status, "the training function returned " + std::to_string(status) +
+                                            "; aborting the MPI job"});
         detail::abort_mpi_job(status);
       }
       return status;
@@ -12893,1154 +15292,146 @@ requires std::is_invocable_v < Fn&, context<Policy>
 
 }  // namespace dtrain
 // ---- end dtrain/run.hpp ----
-// ---- begin dtrain/ddp/parameter.hpp ----
+
+#if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
+#define DTRAIN_HAS_SEPARATE_COMPILATION() 1
+#else
+#define DTRAIN_HAS_SEPARATE_COMPILATION() 0
+#endif
+
+// The policies compiled in the library, per engine: X(policy type) for each.
+#define DTRAIN_DETAIL_POLICY(L, B, T) \
+  ::dtrain::policy<::dtrain::launch::L, ::dtrain::backend::B, ::dtrain::topology::T>
+#if DTRAIN_HAS_GLOO()
+#define DTRAIN_FOR_EACH_GLOO_POLICY(X)                  \
+  X(DTRAIN_DETAIL_POLICY(per_node, gloo, flat))         \
+  X(DTRAIN_DETAIL_POLICY(per_node, gloo, hierarchical)) \
+  X(DTRAIN_DETAIL_POLICY(per_process, gloo, flat))      \
+  X(DTRAIN_DETAIL_POLICY(per_process, gloo, hierarchical))
+#else
+#define DTRAIN_FOR_EACH_GLOO_POLICY(X)
+#endif
+#if DTRAIN_HAS_MPI()  // launch::per_node cannot start MPI processes (policy.hpp)
+#define DTRAIN_FOR_EACH_MPI_POLICY(X)             \
+  X(DTRAIN_DETAIL_POLICY(per_process, mpi, flat)) \
+  X(DTRAIN_DETAIL_POLICY(per_process, mpi, hierarchical))
+#else
+#define DTRAIN_FOR_EACH_MPI_POLICY(X)
+#endif
+#if DTRAIN_HAS_NCCL()
+#define DTRAIN_FOR_EACH_NCCL_POLICY(X)                  \
+  X(DTRAIN_DETAIL_POLICY(per_node, nccl, flat))         \
+  X(DTRAIN_DETAIL_POLICY(per_node, nccl, hierarchical)) \
+  X(DTRAIN_DETAIL_POLICY(per_process, nccl, flat))      \
+  X(DTRAIN_DETAIL_POLICY(per_process, nccl, hierarchical))
+#else
+#define DTRAIN_FOR_EACH_NCCL_POLICY(X)
+#endif
+/// Every standard policy whose engine is compiled in.
+#define DTRAIN_FOR_EACH_COMPILED_POLICY(X) \
+  DTRAIN_FOR_EACH_GLOO_POLICY(X) DTRAIN_FOR_EACH_MPI_POLICY(X) DTRAIN_FOR_EACH_NCCL_POLICY(X)
+
+/// The templates compiled once per policy, the one list of them: `EXTERN` is
+/// `extern` (a declaration, in every user TU) or empty (the definition, in the
+/// library). A class template here must define its heavy members out of the
+/// class and not inline, or GCC still compiles them in every TU (basic_ddp is
+/// DistributedDataParallel's Model-free part, which holds all its machinery).
+#define DTRAIN_DETAIL_COMPILED_TEMPLATES(EXTERN, ...)                \
+  EXTERN template class ::dtrain::context<__VA_ARGS__>;              \
+  EXTERN template class ::dtrain::basic_ddp<__VA_ARGS__>;            \
+  EXTERN template int ::dtrain::detail::run_process<__VA_ARGS__>(    \
+      int, char**, ::dtrain::detail::training_function<__VA_ARGS__>, \
+      const ::dtrain::run_options&);
+
+#define DTRAIN_DETAIL_DECLARE_COMPILED(...) DTRAIN_DETAIL_COMPILED_TEMPLATES(extern, __VA_ARGS__)
+#define DTRAIN_DETAIL_DEFINE_COMPILED(...) DTRAIN_DETAIL_COMPILED_TEMPLATES(, __VA_ARGS__)
+
+/// Instantiates, in the one TU that writes it (at namespace scope, after the
+/// #include), everything the other TUs declared `extern template`.
+#define DTRAIN_INSTANTIATE_COMPILED_POLICIES() \
+  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED)
+
+#if DTRAIN_HAS_SEPARATE_COMPILATION()
+DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DECLARE_COMPILED)
+#endif
+// ---- end dtrain/compiled.hpp ----
+// ---- begin dtrain/ddp/ddp.hpp ----
 /// @file
-/// `dtrain::parameter`: how a model shows DistributedDataParallel its
-/// parameters — name, values, gradient, element count and type, device —
-/// without dtrain knowing the model's types. Models return a range of them
-/// from `parameters()` (and, for state that is not trained but must match
-/// across ranks, from `buffers()`).
+/// DistributedDataParallel<Model, Policy>: averages a model's gradients over
+/// the ranks while the backward pass is still running. A thin layer over
+/// basic_ddp<Policy> (ddp/basic_ddp.hpp), which does the work and does not
+/// depend on the model's type: this one asks the model for its parameters()
+/// (and buffers()) and keeps it for module().
 
 
 #include <concepts>
-#include <cstddef>
-#include <ranges>
-#include <string>
-#include <type_traits>
-#include <utility>
-
-namespace dtrain {
-
-/// One parameter as dtrain sees it: a view, never an owner.
-struct parameter {
-  /// Unique within the model; errors and mismatches across ranks name it.
-  std::string name;
-  /// The values: data, element count, element type, host or device memory.
-  buffer values;
-  /// Where the gradient is now (values.count elements of values.type); may
-  /// be null for a rebindable parameter (dtrain then provides zeroed storage).
-  void* gradient = nullptr;
-  /// The CUDA device of device memory; -1 for host memory.
-  int device = -1;
-
-  /// Set by param()/device_param() when the model keeps its gradient as a
-  /// pointer dtrain may repoint into its own flat bucket storage.
-  void* gradient_slot = nullptr;
-  void (*rebind)(void* slot, void* storage) noexcept = nullptr;
-
-  [[nodiscard]] bool rebindable() const noexcept {
-    return gradient_slot != nullptr && rebind != nullptr;
-  }
-  [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
-};
-
-namespace detail {
-
-template <class V>
-using range_element = std::remove_cv_t<std::ranges::range_value_t<V>>;
-
-template <element T>
-void rebind_pointer(void* slot, void* storage) noexcept {
-  *static_cast<T**>(slot) = static_cast<T*>(storage);
-}
-
-template <class V>
-concept element_range =
-    std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
-
-}  // namespace detail
-
-/// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
-/// dtrain may point it into its flat bucket storage (no copies; the gradient's
-/// current values move along). Read gradients through that pointer after
-/// construction and after each synchronize(): the first rebuild moves them.
-template <detail::element_range V>
-[[nodiscard]] parameter param(std::string name, V& values, detail::range_element<V>*& gradient) {
-  using T = detail::range_element<V>;
-  return {.name = std::move(name),
-          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
-                     dtype_of<T>, memory::host},
-          .gradient = gradient,
-          .device = -1,
-          .gradient_slot = &gradient,
-          .rebind = &detail::rebind_pointer<T>};
-}
-
-/// A host parameter whose gradient buffer the model owns and keeps: dtrain
-/// copies it in before the reduction and the mean back after.
-template <detail::element_range V, detail::element_range G>
-[[nodiscard]] parameter param(std::string name, V& values, G& gradient) {
-  using T = detail::range_element<V>;
-  static_assert(std::same_as<T, detail::range_element<G>>,
-                "a parameter and its gradient must have the same element type");
-  if (std::ranges::size(gradient) != std::ranges::size(values)) {
-    throw config_error("parameter '" + name + "' has " + std::to_string(std::ranges::size(values)) +
-                       " values but a gradient of " + std::to_string(std::ranges::size(gradient)));
-  }
-  return {.name = std::move(name),
-          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
-                     dtype_of<T>, memory::host},
-          .gradient = const_cast<T*>(std::ranges::data(gradient))};
-}
-
-/// A CUDA parameter of `count` elements on `device` whose gradient pointer
-/// dtrain may point into its flat bucket storage (see param()).
-template <element T>
-[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
-                                     int device) {
-  return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device, device},
-          .gradient = gradient,
-          .device = device,
-          .gradient_slot = &gradient,
-          .rebind = &detail::rebind_pointer<T>};
-}
-
-/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
-template <element T>
-[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
-                                          std::size_t count, int device) {
-  return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device, device},
-          .gradient = gradient,
-          .device = device};
-}
-
-/// Host state that is not trained but must agree across ranks (running
-/// statistics, step counters): broadcast from rank 0 at construction.
-template <detail::element_range V>
-[[nodiscard]] parameter model_buffer(std::string name, V& values) {
-  using T = detail::range_element<V>;
-  return {.name = std::move(name),
-          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
-                     dtype_of<T>, memory::host}};
-}
-
-/// Device state that must agree across ranks.
-template <element T>
-[[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
-  return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device, device},
-          .device = device};
-}
-
-/// A range whose elements convert to dtrain::parameter.
-template <class R>
-concept parameter_range = std::ranges::input_range<R> &&
-    std::convertible_to<std::ranges::range_reference_t<R>, parameter>;
-
-/// What DistributedDataParallel wraps: anything with `parameters()`, and
-/// optionally `buffers()`, each a range of dtrain::parameter.
-template <class M>
-concept trainable_model = requires(M& m) {
-  { m.parameters() } -> parameter_range;
-};
-
-template <class M>
-concept model_with_buffers = trainable_model<M> && requires(M& m) {
-  { m.buffers() } -> parameter_range;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/parameter.hpp ----
-// ---- begin dtrain/ddp/bucket.hpp ----
-/// @file
-/// Which gradients travel together: the bucket assignment of
-/// DistributedDataParallel, as pure functions of the parameters and the
-/// order in which their gradients are expected to become ready.
-
-
-#include <algorithm>
-#include <cstddef>
-#include <map>
-#include <span>
-#include <string>
 #include <utility>
 #include <vector>
 
 namespace dtrain {
 
-/// One bucket: gradients of one element type on one device, laid out
-/// contiguously in `parameters` order and reduced by one collective.
-struct bucket_info {
-  std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
-  std::vector<std::size_t> offsets;     ///< bytes into the bucket of each (GPU: bucket_alignment apart)
-  dtype type = dtype::float32;
-  int device = -1;        ///< -1: host memory
-  std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them
-  std::size_t bytes = 0;  ///< count x the element size
-};
+/// Data-parallel training of `Model` (anything with `parameters()`, see
+/// trainable_model) over the communicator of `Policy`.
+///
+/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
+/// is final, or all of them after the backward pass (mark_all_ready), then
+/// synchronize(); gradients then hold the mean over ranks. Everything but
+/// the constructors and module() is basic_ddp<Policy>'s.
+template <class Model, class Policy>
+class DistributedDataParallel : public basic_ddp<Policy> {
+  static_assert(
+      trainable_model<Model>,
+      "DistributedDataParallel<Model, Policy>: Model needs parameters() returning a range of "
+      "dtrain::parameter (see dtrain::param)");
+  using base = basic_ddp<Policy>;
 
-/// Every parameter's slot in a GPU bucket starts on this boundary (bytes):
-/// views into the bucket are aligned for vectorised kernels and NCCL's fast
-/// paths. The padding between slots is zero and stays zero (its mean is
-/// zero); the collective moves it too (bucket_info::count includes it).
-inline constexpr std::size_t bucket_alignment = 256;
-
-/// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
-[[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
-  if (!(mib > 0) || mib > 1e9) {
-    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
-                       " is not a bucket size in MiB (it must be above 0)");
-  }
-  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
-}
-
-namespace detail {
-
-/// n-1, n-2, ..., 0: gradients of the last layers are produced first.
-[[nodiscard]] inline std::vector<std::size_t> reverse_order(std::size_t n) {
-  std::vector<std::size_t> order(n);
-  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
-  return order;
-}
-
-/// Throws unless `order` names each of the n parameters exactly once.
-inline void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view what) {
-  std::vector<char> seen(n, 0);
-  if (order.size() != n) {
-    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
-                            " parameters, the model has " + std::to_string(n),
-                        0);
-  }
-  for (std::size_t i : order) {
-    if (i >= n || seen[i]) {
-      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
-                              (i >= n ? " of " + std::to_string(n) : " twice"),
-                          0);
-    }
-    seen[i] = 1;
-  }
-}
-
-/// Groups the parameters, taken in `order` (a permutation of their indices),
-/// into buckets per (element type, device). A group's first bucket closes once
-/// it holds `first_cap` bytes, later ones at `cap` (soft caps: a parameter
-/// larger than the cap gets a bucket of its own). Buckets are returned in the
-/// order of their first parameter in `order`, which is the launch order.
-[[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
-                                                             std::span<const std::size_t> order,
-                                                             std::size_t first_cap,
-                                                             std::size_t cap) {
-  check_order(order, params.size(), "the bucket order");
-  struct open_bucket {
-    bucket_info bucket;
-    std::size_t first_position = 0;
-    bool first = true;  // still the group's first bucket
-  };
-  std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
-  std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
-  for (std::size_t position = 0; position < order.size(); ++position) {
-    const parameter& p = params[order[position]];
-    auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
-    open_bucket& b = it->second;
-    // A parameter that fills a bucket by itself does not hold back the smaller ones before it.
-    if (!b.bucket.parameters.empty() && p.values.bytes() >= (b.first ? first_cap : cap)) {
-      closed.emplace_back(b.first_position, std::move(b.bucket));
-      b.bucket = bucket_info{};
-      b.first = false;
-    }
-    if (b.bucket.parameters.empty()) {
-      b.bucket.type = p.values.type;
-      b.bucket.device = p.device;
-      b.first_position = position;
-    }
-    // GPU slots start on bucket_alignment; host slots are packed.
-    const std::size_t align = p.device >= 0 ? bucket_alignment : 1;
-    const std::size_t at = (b.bucket.bytes + align - 1) / align * align;
-    b.bucket.parameters.push_back(order[position]);
-    b.bucket.offsets.push_back(at);
-    b.bucket.bytes = at + p.values.bytes();
-    b.bucket.count = b.bucket.bytes / size_of(p.values.type);
-    if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
-      closed.emplace_back(b.first_position, std::move(b.bucket));
-      b.bucket = bucket_info{};
-      b.first = false;
-    }
-  }
-  for (auto& [key, b] : open) {
-    if (!b.bucket.parameters.empty()) closed.emplace_back(b.first_position, std::move(b.bucket));
-  }
-  std::ranges::sort(closed, {}, &std::pair<std::size_t, bucket_info>::first);
-  std::vector<bucket_info> buckets;
-  buckets.reserve(closed.size());
-  for (auto& [position, b] : closed) buckets.push_back(std::move(b));
-  return buckets;
-}
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/ddp/bucket.hpp ----
-// ---- begin dtrain/ddp/options.hpp ----
-/// @file
-/// What a user chooses about DistributedDataParallel: ddp_options, gradient
-/// compression, and the bucket a communication hook is handed.
-
-
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
-
-namespace dtrain {
-
-/// How DistributedDataParallel sends float32 gradients.
-enum class gradient_compression : std::uint8_t {
-  none,      ///< as they are
-  float16,   ///< IEEE half: 10-bit mantissa, range ±65504 (scale losses that overflow)
-  bfloat16,  ///< float32's range with an 8-bit mantissa
-};
-
-[[nodiscard]] constexpr std::string_view to_string(gradient_compression c) noexcept {
-  switch (c) {
-    case gradient_compression::none: return "none";
-    case gradient_compression::float16: return "float16";
-    case gradient_compression::bfloat16: return "bfloat16";
-  }
-  return "unknown";
-}
-
-/// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
-/// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
-struct ddp_options {
-  /// A bucket closes once it holds this many MiB of gradients.
-  double bucket_cap_mb = 25;
-  /// The first bucket (the last layers' gradients, ready first) is small, so
-  /// that communication starts early in the backward pass.
-  double first_bucket_cap_mb = 1;
-  /// Point rebindable gradients (param() with a pointer) into the buckets:
-  /// no copies. false: copy every gradient in and the mean back out.
-  bool gradient_as_bucket_view = true;
-  /// Parameters never marked in a step contribute zero instead of being an
-  /// error (for models whose steps skip parts of the network).
-  bool find_unused_parameters = false;
-  /// After the first step, lay the buckets out once more in the order the
-  /// gradients actually became ready (rank 0's order, sent to every rank).
-  bool rebuild_buckets = true;
-  /// Construction copies rank 0's parameters and buffers to every rank.
-  bool broadcast_parameters = true;
-  /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
-  gradient_compression compression = gradient_compression::none;
-  /// false: nothing is sent before synchronize() (for measuring what overlap buys).
-  bool overlap = true;
-  /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
-  /// the waits in synchronize()) goes to this file, the rank inserted
-  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
-  std::string timeline = {};
-};
-
-/// One bucket, as a communication hook sees it.
-struct gradient_bucket {
-  std::size_t index = 0;  ///< launch order, 0 first
-  buffer data;            ///< the flat gradients: reduce them in place
-  int world_size = 1;
-  std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
-  /// Backends on CUDA streams (NCCL): the compute stream the bucket is ordered
-  /// after; enqueue the reduction after it. Null for host backends.
-  stream_handle stream = nullptr;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/options.hpp ----
-// ---- begin dtrain/ddp/storage.hpp ----
-/// @file
-/// The flat memory DistributedDataParallel keeps its buckets in, in the
-/// memory space of its backend (host_memory, cuda_memory, ...).
-
-
-#include <cstddef>
-#include <utility>
-
-namespace dtrain::detail {
-
-/// Zeroed bytes in `Memory` on `device`, owned. Allocation and zeroing are
-/// ordered on the stream given at construction, the release on the stream
-/// set last (set_stream): the owner keeps that stream ordered after every
-/// use on any stream (see DistributedDataParallel::lay_out).
-template <class Memory>
-class flat_storage {
  public:
-  flat_storage() = default;
-  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
-      : data_(Memory::allocate(bytes, device, stream)),
-        bytes_(bytes),
-        device_(device),
-        stream_(stream) {
-    if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
-  }
-  flat_storage(flat_storage&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)),
-        bytes_(std::exchange(other.bytes_, 0)),
-        device_(other.device_),
-        stream_(other.stream_) {}
-  flat_storage& operator=(flat_storage&& other) noexcept {
-    if (this != &other) {
-      release();
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-      device_ = other.device_;
-      stream_ = other.stream_;
-    }
-    return *this;
-  }
-  flat_storage(const flat_storage&) = delete;
-  flat_storage& operator=(const flat_storage&) = delete;
-  ~flat_storage() { release(); }
+  using typename base::communicator_type;
 
-  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
-  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-  [[nodiscard]] int device() const noexcept { return device_; }
-  /// The stream the release is ordered on from now on.
-  void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
+  /// Collective over ctx's communicator (ctx: the dtrain::context<Policy>
+  /// that dtrain::run hands over); metadata goes over ctx's control plane
+  /// where the communicator cannot carry host data (NCCL). The policy's
+  /// topology groups the ranks by ctx.world()'s nodes.
+  template <ddp_context<Policy> Context>
+  DistributedDataParallel(Context& ctx, Model& model, ddp_options options = {})
+      : base(ctx, parameters_of(model), buffers_of(model), std::move(options)), model_(model) {}
+
+  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
+  /// communicator that reaches host memory). A device-only backend (NCCL)
+  /// needs the constructor with a control plane (a static_assert says so).
+  template <std::same_as<Model> M>
+  DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
+      : base(comm, parameters_of(model), buffers_of(model), std::move(options)), model_(model) {}
+
+  /// Collective over `comm`, metadata over `control` (see basic_ddp).
+  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
+                          ddp_options options = {})
+      : base(comm, control, parameters_of(model), buffers_of(model), std::move(options)),
+        model_(model) {}
+
+  [[nodiscard]] Model& module() noexcept { return model_; }
 
  private:
-  void release() noexcept {
-    if (data_) Memory::release(data_, device_, stream_);
-    data_ = nullptr;
-  }
-
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-  int device_ = -1;
-  typename Memory::stream_type stream_{};
-};
-
-/// The element type float32 gradients travel as under `kind` (not none).
-[[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
-  return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/storage.hpp ----
-// ---- begin dtrain/ddp/runner.hpp ----
-/// @file
-/// How DistributedDataParallel's buckets travel, chosen from the memory space
-/// of the backend: `thread_runner` for host memory (a communication thread
-/// reduces buckets while the caller computes), `stream_runner` for CUDA
-/// streams (the caller enqueues, the device orders, a watchdog follows).
-/// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
-/// compression), reduce(b) (the collective, a work), finish_bucket(b)
-/// (decompression, copy-out), and for streams order_after_buckets().
-
-
-#include <condition_variable>
-#include <cstddef>
-#include <deque>
-#include <exception>
-#include <mutex>
-#include <thread>
-
-namespace dtrain::detail {
-
-/// A thread of its own reduces buckets in launch order: each is prepared,
-/// reduced and waited for (within the collective timeout), then finished.
-template <class Owner>
-class thread_runner {
- public:
-  explicit thread_runner(Owner& owner) : owner_(owner), thread_([this] { serve(); }) {}
-  thread_runner(const thread_runner&) = delete;
-  thread_runner& operator=(const thread_runner&) = delete;
-  /// Finishes what is queued (each bounded by its timeout), then joins.
-  ~thread_runner() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
+  static std::vector<parameter> parameters_of(Model& model) {
+    std::vector<parameter> out;
+    if constexpr (trainable_model<Model>) {
+      for (auto&& p : model.parameters()) out.push_back(static_cast<parameter>(p));
     }
-    wake_.notify_all();
-    thread_.join();
+    return out;
   }
-
-  void launch(std::size_t bucket) {
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(bucket);
+  static std::vector<parameter> buffers_of([[maybe_unused]] Model& model) {
+    std::vector<parameter> out;
+    if constexpr (model_with_buffers<Model>) {
+      for (auto&& b : model.buffers()) out.push_back(static_cast<parameter>(b));
     }
-    wake_.notify_one();
-  }
-
-  /// Waits until the `count` buckets of this step are done; then the next
-  /// step starts counting from zero. Returns the first failure, or null.
-  std::exception_ptr complete(std::size_t count) {
-    std::unique_lock lock(mutex_);
-    done_wake_.wait(lock, [&] { return done_ == count; });
-    done_ = 0;
-    return failure_;
-  }
-
- private:
-  void serve() {
-    for (;;) {
-      std::size_t b = 0;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left in flight
-        b = queue_.front();
-        queue_.pop_front();
-        if (failure_) {  // the communicator failed already: do not wait for it again
-          ++done_;
-          done_wake_.notify_all();
-          continue;
-        }
-      }
-      std::exception_ptr failed;
-      try {
-        owner_.prepare_bucket(b);
-        work w = owner_.reduce(b);
-        w.wait();  // bounded by the collective timeout
-        owner_.finish_bucket(b);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++done_;
-      }
-      done_wake_.notify_all();
-    }
-  }
-
-  Owner& owner_;
-  std::mutex mutex_;
-  std::condition_variable wake_;       // work for the thread, or stop
-  std::condition_variable done_wake_;  // a bucket finished
-  std::deque<std::size_t> queue_;
-  std::size_t done_ = 0;
-  bool stopping_ = false;
-  std::exception_ptr failure_;
-  std::thread thread_;  // last: starts once everything above exists
-};
-
-/// The caller's thread enqueues each bucket on the device (after the compute
-/// stream); the host never waits for a bucket. A watchdog follows every
-/// collective and, past its timeout, aborts the communicator (which frees
-/// the stream) and keeps the timeout_error; complete() and the next
-/// launch() report it.
-template <class Owner>
-class stream_runner {
- public:
-  explicit stream_runner(Owner& owner) : owner_(owner) {}
-
-  void launch(std::size_t bucket) {
-    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
-    owner_.prepare_bucket(bucket);
-    watchdog_.watch(owner_.reduce(bucket));
-  }
-
-  /// Orders the compute stream after every bucket and enqueues their
-  /// finishing work there; the host does not wait. Returns the watchdog's
-  /// failure so far, or null.
-  std::exception_ptr complete(std::size_t count) {
-    if (auto e = watchdog_.failure()) return e;
-    try {
-      owner_.order_after_buckets();
-      for (std::size_t b = 0; b < count; ++b) owner_.finish_bucket(b);
-    } catch (...) {
-      // The watchdog's timeout says more than the aborted communicator's error it
-      // causes; it is recorded just after the abort, so let the watchdog settle.
-      if (auto e = watchdog_.drain()) return e;
-      return std::current_exception();
-    }
-    return watchdog_.failure();
-  }
-
-  /// Blocks until every bucket launched so far has completed on the device
-  /// (each within its timeout); returns the first failure, or null.
-  std::exception_ptr drain() { return watchdog_.drain(); }
-
- private:
-  Owner& owner_;
-  watchdog watchdog_;
-};
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/runner.hpp ----
-// ---- begin dtrain/ddp/timeline.hpp ----
-/// @file
-/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
-/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
-/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
-/// Off, a recorder is one null pointer: no allocation and no clock read, one
-/// branch per recording point. On, spans go into a buffer per track, each
-/// with its own (uncontended: one thread per track) mutex, and the file is
-/// written at the end, so nothing is formatted or written during a step.
-
-
-#include <array>
-#include <cerrno>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
-/// the extension of the file name (trace.json -> trace.rank3.json), or is
-/// appended with ".json" when the name has none (trace -> trace.rank3.json).
-inline std::string timeline_file(std::string_view path, int rank) {
-  const std::size_t slash = path.rfind('/');
-  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
-  const std::size_t dot = path.rfind('.');
-  const std::string tag = ".rank" + std::to_string(rank);
-  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
-  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
-}
-
-/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
-/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-inline std::string timeline_setting(const environment& env, const std::string& option) {
-  if (auto v = env.get("DTRAIN_TIMELINE")) return std::string(*v);
-  return option;
-}
-
-/// One rank's recorder. Default-constructed it is off and records nothing.
-/// Recording is thread-safe; write() must not race with recording of the same
-/// step (call it between steps, or after the communication thread is joined).
-class timeline {
- public:
-  /// The tracks, as Chrome trace threads of the rank's process.
-  enum class track : std::uint8_t { training = 1, communication = 2 };
-
-  timeline() noexcept = default;
-
-  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
-  /// Creates the file now, so that a path that cannot be written is a
-  /// config_error before training starts (naming the path and the rank).
-  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
-      : state_(std::make_unique<state>()) {
-    state_->file = timeline_file(path, rank);
-    state_->setting = "DTRAIN_TIMELINE=" + std::string(path);
-    state_->rank = rank;
-    state_->size = size;
-    state_->names = std::move(parameter_names);
-    if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
-      std::fclose(f);
-    } else {
-      throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
-                         state_->file + ": " + std::strerror(errno));
-    }
-  }
-
-  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE (which
-  /// wins) or `option` names a file, naming the spans of `params` by their names.
-  template <class Parameters>
-  static timeline of(const std::string& option, int rank, int size, const Parameters& params) {
-    const std::string path = timeline_setting(environment::from_process(), option);
-    if (path.empty()) return {};
-    std::vector<std::string> names;
-    for (const auto& p : params) names.push_back(p.name);
-    return timeline(path, rank, size, std::move(names));
-  }
-
-  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
-  /// The file this rank writes; empty when off.
-  [[nodiscard]] std::string_view file() const noexcept {
-    return state_ ? std::string_view(state_->file) : std::string_view();
-  }
-
-  /// Nanoseconds on the steady clock (shared by the processes of a host, so
-  /// that their traces line up when merged).
-  [[nodiscard]] static std::int64_t now() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-
-  /// A span from its construction to its destruction; nothing when off.
-  class scope {
-   public:
-    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
-          std::uint64_t index, std::uint64_t detail = 0) noexcept
-        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
-      if (t_) start_ = now();
-    }
-    scope(const scope&) = delete;
-    scope& operator=(const scope&) = delete;
-    ~scope() {
-      if (t_) (t_->*done_)(start_, index_, detail_);
-    }
-
-   private:
-    timeline* t_;
-    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
-    std::uint64_t index_;
-    std::uint64_t detail_;
-    std::int64_t start_ = 0;
-  };
-
-  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
-  /// first mark of a step opens the step's span.
-  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
-    return scope(*this, &timeline::mark_done, index, bucket);
-  }
-  /// synchronize() of step `step`; when it ends, the step's span ends too.
-  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
-    return scope(*this, &timeline::synchronize_done, step);
-  }
-  /// The wait for the buckets inside synchronize().
-  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
-    return scope(*this, &timeline::wait_done, buckets);
-  }
-
-  /// Bucket `bucket` of `elements` is launched: returns the id of its span
-  /// (0 when off), which bucket_done() closes.
-  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements) {
-    if (!state_) return 0;
-    const std::uint64_t id = ++state_->launches;
-    append(track::training, {.what = kind::bucket_begin,
-                             .start = now(),
-                             .index = bucket,
-                             .detail = elements,
-                             .id = id});
-    return id;
-  }
-  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
-  /// to now (finished); `on_thread`: on the communication thread, which gets a
-  /// span of its own (on CUDA streams the host only enqueues, so no such span).
-  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread) {
-    if (!state_) return;
-    const std::int64_t end = now();
-    if (on_thread) {
-      append(track::communication,
-             {.what = kind::reduce, .start = started, .end = end, .index = bucket});
-    }
-    append(track::communication,
-           {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
-  }
-
-  /// Writes the file (everything recorded so far). Throws dtrain::error naming
-  /// the file and the rank when it cannot be written.
-  void write() const {
-    if (!state_) return;
-    const std::string text = render();
-    std::FILE* f = std::fopen(state_->file.c_str(), "w");
-    bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    const int code = errno;
-    if (f != nullptr && std::fclose(f) != 0) ok = false;
-    if (!ok) {
-      throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
-                  state_->file + " (" + state_->setting + "): " + std::strerror(code));
-    }
-  }
-  /// write(), for destructors: a failure is one line on stderr, never an exception.
-  void write_at_exit() const noexcept {
-    try {
-      write();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
-    }
-  }
-
-  /// At most this many events per track are kept (about 48 MiB); the rest are
-  /// counted, and the file says how many were dropped.
-  static constexpr std::size_t max_events = std::size_t{1} << 20;
-  static constexpr std::size_t chunk_events = 4096;
-
- private:
-  enum class kind : std::uint8_t {
-    step,
-    mark,
-    synchronize,
-    wait,
-    reduce,
-    bucket_begin,
-    bucket_end
-  };
-
-  struct event {
-    kind what = kind::step;
-    std::int64_t start = 0;  // ns, steady clock
-    std::int64_t end = 0;
-    std::uint64_t index = 0;   // step, parameter or bucket
-    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
-    std::uint64_t id = 0;      // bucket_begin / bucket_end
-  };
-
-  struct buffer {
-    mutable std::mutex mutex;
-    // Fixed chunks, not one vector: growing never copies what was recorded
-    // (a doubling vector costs a step its whole history once in a while).
-    std::vector<std::vector<event>> chunks;
-    std::size_t count = 0;
-    std::size_t dropped = 0;
-  };
-
-  struct state {
-    std::string file;
-    std::string setting;
-    int rank = 0;
-    int size = 1;
-    std::vector<std::string> names;
-    std::array<buffer, 2> tracks;
-    std::int64_t step_start = -1;  // training thread only
-    std::uint64_t launches = 0;    // training thread only
-  };
-
-  void append(track t, const event& e) {
-    buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
-    std::lock_guard lock(b.mutex);
-    if (b.count < max_events) {
-      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
-        b.chunks.emplace_back().reserve(chunk_events);
-      }
-      b.chunks.back().push_back(e);
-      ++b.count;
-    } else {
-      ++b.dropped;
-    }
-  }
-
-  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket) {
-    if (state_->step_start < 0) state_->step_start = start;
-    append(track::training,
-           {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
-  }
-  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
-    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
-  }
-  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t) {
-    const std::int64_t end = now();
-    append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
-    // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
-    const std::int64_t from =
-        state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
-    append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
-    state_->step_start = -1;
-  }
-
-  static void microseconds(std::string& out, std::int64_t ns) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
-                  static_cast<long long>(ns % 1000));
-    out += text;
-  }
-
-  std::string name_of(const event& e) const {
-    switch (e.what) {
-      case kind::step: return "step " + std::to_string(e.index);
-      case kind::mark:
-        return e.index < state_->names.size() ? state_->names[e.index]
-                                              : "parameter #" + std::to_string(e.index);
-      case kind::synchronize: return "synchronize";
-      case kind::wait: return "wait for buckets";
-      case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
-      case kind::bucket_begin:
-      case kind::bucket_end: return "bucket " + std::to_string(e.index);
-    }
-    return "?";
-  }
-
-  static const char* category_of(kind k) {
-    switch (k) {
-      case kind::step: return "step";
-      case kind::mark: return "mark_ready";
-      case kind::synchronize:
-      case kind::wait: return "synchronize";
-      case kind::reduce:
-      case kind::bucket_begin:
-      case kind::bucket_end: return "bucket";
-    }
-    return "?";
-  }
-
-  void render_event(std::string& out, track t, const event& e) const {
-    out += ",\n{\"name\":";
-    json::write_string(out, name_of(e));
-    out += ",\"cat\":\"";
-    out += category_of(e.what);
-    out += "\",\"pid\":" + std::to_string(state_->rank) +
-           ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
-    microseconds(out, e.start);
-    if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
-      out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
-      out += ",\"id\":" + std::to_string(e.id);
-    } else {
-      out += ",\"ph\":\"X\",\"dur\":";
-      microseconds(out, e.end - e.start);
-    }
-    switch (e.what) {
-      case kind::mark:
-        out += ",\"args\":{\"index\":" + std::to_string(e.index) +
-               ",\"bucket\":" + std::to_string(e.detail) + "}";
-        break;
-      case kind::bucket_begin:
-        out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
-        break;
-      case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
-      default: break;
-    }
-    out += "}";
-  }
-
-  void metadata(std::string& out, const char* what, int tid, std::string_view name) const {
-    out += ",\n{\"name\":\"";
-    out += what;
-    out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
-    json::write_string(out, name);
-    out += "}}";
-  }
-
-  std::string render() const {
-    std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
-    std::size_t dropped = 0;
-    for (const buffer& b : state_->tracks) {
-      std::lock_guard lock(b.mutex);
-      dropped += b.dropped;
-    }
-    out += "\"rank\":" + std::to_string(state_->rank) +
-           ",\"world_size\":" + std::to_string(state_->size) +
-           ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
-    out +=
-        "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-        ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
-    metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
-    metadata(out, "thread_name", static_cast<int>(track::training), "training");
-    metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
-    for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
-      const buffer& b = state_->tracks[t];
-      std::lock_guard lock(b.mutex);
-      for (const std::vector<event>& chunk : b.chunks) {
-        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
-      }
-    }
-    out += "\n]}\n";
     return out;
   }
 
-  std::unique_ptr<state> state_;
+  Model& model_;
 };
 
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/timeline.hpp ----
-// ---- begin dtrain/ddp/agreement.hpp ----
-/// @file
-/// What every rank must agree on before DistributedDataParallel averages
-/// anything: the same parameters (names, counts, types) in the same order,
-/// and rank 0's values of them.
-
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-#include <unordered_map>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// "parameter fc1.weight (1024 x float32 on the host)": what must match across ranks.
-inline std::string parameter_entry(const parameter& p, std::string_view kind) {
-  return std::string(kind) + " " + p.name + " (" + std::to_string(p.values.count) + " x " +
-         std::string(to_string(p.values.type)) +
-         (p.values.where == memory::host ? " on the host)" : " on a GPU)");
-}
-
-inline std::vector<std::string> model_entries(std::span<const parameter> params,
-                                              std::span<const parameter> buffers) {
-  std::vector<std::string> entries;
-  for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
-  for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
-  return entries;
-}
-
-inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const std::string& e : entries) {
-    for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    h = (h ^ 0x0au) * 1099511628211ull;
-  }
-  return static_cast<std::int64_t>(h >> 1);
-}
-
-/// What one rank alone can find wrong with its model and options, as a
-/// message naming the parameter and the rank; empty when nothing is.
-inline std::string model_problem(std::span<const parameter> params,
-                                 std::span<const parameter> buffers, const ddp_options& options,
-                                 int rank, std::string_view backend, bool on_device, int device) {
-  const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
-  std::unordered_map<std::string_view, std::size_t> names;
-  std::unordered_map<const void*, std::size_t> data;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const parameter& p = params[i];
-    const std::string what = "parameter #" + std::to_string(i) + " '" + p.name + "'";
-    if (p.name.empty()) return who + what + " has no name";
-    if (auto [it, fresh] = names.emplace(p.name, i); !fresh) {
-      return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
-             " and #" + std::to_string(i) + ")";
-    }
-    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
-    if (!data.emplace(p.values.data, i).second)
-      return who + what + " shares its values with another parameter";
-    if (!is_floating(p.values.type)) {
-      return who + what + " is " + std::string(to_string(p.values.type)) +
-             ": only floating-point parameters have gradients to average (declare it in buffers())";
-    }
-    if (!p.gradient && !p.rebindable()) return who + what + " has no gradient buffer";
-    if (!p.gradient && !options.gradient_as_bucket_view) {
-      return who + what +
-             " has a null gradient pointer, which needs ddp_options::gradient_as_bucket_view";
-    }
-    if (on_device && p.values.where != memory::device) {
-      return who + what +
-             " is in host memory, but backend::nccl reduces GPU memory: use dtrain::device_param";
-    }
-    if (on_device && p.device != device) {
-      return who + what + " is on GPU " + std::to_string(p.device) +
-             ", but this rank's NCCL communicator is on GPU " + std::to_string(device);
-    }
-    if (!on_device && p.values.where != memory::host) {
-      return who + what + " is in GPU memory, but backend " + std::string(backend) +
-             " reduces host memory: keep gradients on the host, or use backend::nccl";
-    }
-  }
-  for (const parameter& b : buffers) {
-    if (!b.values.data && b.values.count) return who + "buffer '" + b.name + "' has no values";
-    if (b.values.where == memory::device && !on_device) {
-      return who + "buffer '" + b.name + "' is in GPU memory, but backend " + std::string(backend) +
-             " reaches host memory only";
-    }
-  }
-  try {
-    (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
-    (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
-  } catch (const config_error& e) {
-    return who + e.what();
-  }
-  return {};
-}
-
-/// Collective over the host control plane: every rank learns whether all
-/// ranks hold the same parameters and buffers. Throws config_error on every
-/// rank when not — naming the first differing entry and the ranks — or when
-/// some rank's own check failed (`local_problem`, which that rank reports in
-/// its own words).
-inline void agree_on_model(control_plane& comm, std::span<const parameter> params,
-                           std::span<const parameter> buffers, const std::string& local_problem) {
-  const int size = comm.size();
-  const std::vector<std::string> entries = model_entries(params, buffers);
-  const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
-                                static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
-  comm.allgather(mine, all);
-
-  std::vector<int> troubled;
-  for (int r = 0; r < size; ++r) {
-    if (all[static_cast<std::size_t>(r) * 3] != 0) troubled.push_back(r);
-  }
-  if (!local_problem.empty()) throw config_error(local_problem);
-  if (!troubled.empty()) {
-    throw config_error("DistributedDataParallel: rank " + std::to_string(troubled.front()) +
-                       " rejected its model (its own message says why), so every rank stops");
-  }
-  bool same = true;
-  for (int r = 1; r < size; ++r) {
-    same = same && std::equal(&all[0], &all[3], &all[static_cast<std::size_t>(r) * 3]);
-  }
-  if (same) return;
-
-  // Rank 0's list to everyone; each rank finds where it departs from it.
-  std::string joined;
-  for (const std::string& e : entries) joined += e + '\n';
-  std::int64_t length = static_cast<std::int64_t>(joined.size());
-  std::uint8_t length_bytes[sizeof length];
-  std::memcpy(length_bytes, &length, sizeof length);
-  comm.broadcast(length_bytes, 0);
-  std::memcpy(&length, length_bytes, sizeof length);
-  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
-  if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
-  comm.broadcast(bytes, 0);
-  std::vector<std::string> reference;
-  std::string current;
-  for (std::uint8_t c : bytes) {
-    if (c == '\n') {
-      reference.push_back(std::move(current));
-      current.clear();
-    } else {
-      current += static_cast<char>(c);
-    }
-  }
-  std::int64_t first = -1;
-  for (std::size_t i = 0; i < std::max(reference.size(), entries.size()); ++i) {
-    if (i >= reference.size() || i >= entries.size() || reference[i] != entries[i]) {
-      first = static_cast<std::int64_t>(i);
-      break;
-    }
-  }
-  std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
-  comm.allgather(std::span<const std::int64_t>(&first, 1), firsts);
-  int culprit = -1;
-  std::string differing;
-  for (int r = 0; r < size; ++r) {
-    if (firsts[static_cast<std::size_t>(r)] < 0) continue;
-    if (culprit < 0) culprit = r;
-    differing += (differing.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (culprit < 0) return;  // equal lists after all (a hash collision)
-  const auto at = static_cast<std::size_t>(firsts[static_cast<std::size_t>(culprit)]);
-  // The culprit's entry to everyone, so that every rank prints the same message.
-  std::vector<std::uint8_t> text(512, 0);
-  if (comm.rank() == culprit) {
-    const std::string e = at < entries.size() ? entries[at] : "nothing";
-    std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
-  }
-  comm.broadcast(text, culprit);
-  const std::string theirs(reinterpret_cast<const char*>(text.data()));
-  const std::string ours = at < reference.size() ? reference[at] : "nothing";
-  throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
-                     std::to_string(at) + ": rank 0 has " + ours + ", rank " +
-                     std::to_string(culprit) + " has " + theirs +
-                     " (ranks that differ from rank 0: " + differing +
-                     "); every rank must build the same model in the same order");
-}
-
-/// Collective: every rank's parameter and buffer values become rank 0's.
-/// Host values travel packed over the control plane; device values one by
-/// one through `device_broadcast(buffer)`, which returns once the broadcast is
-/// complete (the device engine: the only device traffic besides the buckets).
-template <class DeviceBroadcast>
-void broadcast_values(control_plane& control, std::span<const parameter> params,
-                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast) {
-  std::vector<const parameter*> host, device;
-  for (auto list : {params, buffers}) {
-    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
-  }
-  std::size_t total = 0;
-  for (const parameter* p : host) total += p->bytes();
-  if (total > 0) {
-    std::vector<std::uint8_t> packed(total);
-    std::size_t at = 0;
-    for (const parameter* p : host) {
-      std::memcpy(packed.data() + at, p->values.data, p->bytes());
-      at += p->bytes();
-    }
-    control.broadcast(packed, 0);
-    at = 0;
-    for (const parameter* p : host) {
-      std::memcpy(p->values.data, packed.data() + at, p->bytes());
-      at += p->bytes();
-    }
-  }
-  for (const parameter* p : device) {
-    if (p->values.count > 0) device_broadcast(p->values);
-  }
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/agreement.hpp ----
+}  // namespace dtrain
+// ---- end dtrain/ddp/ddp.hpp ----
 // ---- begin dtrain/ddp/sampler.hpp ----
 /// @file
 /// distributed_sampler: each rank's share of a dataset's indices, as
@@ -14154,743 +15545,515 @@ class distributed_sampler {
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/sampler.hpp ----
-// ---- begin dtrain/ddp/ddp.hpp ----
+// ---- begin dtrain/topology/doctor.hpp ----
 /// @file
-/// DistributedDataParallel<Model, Policy>: averages a model's gradients over
-/// the ranks while the backward pass is still running. Gradients live in
-/// flat buckets in the backend's memory space; the moment a bucket's last
-/// gradient is marked ready its allreduce starts — on a communication thread
-/// for host memory (MPI, Gloo), or on the communicator's stream after an
-/// event on the compute stream for CUDA (NCCL), followed by a watchdog.
-/// Metadata (model agreement, the rebuild order) goes over the host control
-/// plane, never through a device engine.
+/// The checks dtrain_doctor runs for a multi-node job that will not start or
+/// is slow: known traps, each with the setting that fixes it. A pure function
+/// of what was gathered (environment, world, host network, resolver answers,
+/// GPU count), so every check is unit-tested with facts of its own.
+
+// ---- begin dtrain/topology/network.hpp ----
+/// @file
+/// What the engines will find on this host: network interfaces (sysfs
+/// class/net, with addresses from getifaddrs), RDMA / InfiniBand ports
+/// (sysfs class/infiniband), NVIDIA GPUs on the PCI bus (sysfs bus/pci) and
+/// the driver's version, read under a sysfs root that tests replace with a
+/// tree of their own; and which interface Gloo, NCCL and Open MPI would use,
+/// by each engine's own rules and variables. dtrain_doctor prints it.
 
 
 #include <algorithm>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <exception>
-#include <functional>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <optional>
-#include <ranges>
-#include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
-#include <unordered_map>
-#include <utility>
-#include <variant>
 #include <vector>
 
 namespace dtrain {
 
-/// Data-parallel training of `Model` (anything with `parameters()`, see
-/// trainable_model) over the communicator of `Policy`.
-///
-/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
-/// is final, then synchronize(); gradients then hold the mean over ranks. Not
-/// thread-safe: call it from the training thread. Between mark_ready and
-/// synchronize() a gradient belongs to dtrain: do not touch it.
-template <class Model, class Policy>
-class DistributedDataParallel {
-  static_assert(
-      trainable_model<Model>,
-      "DistributedDataParallel<Model, Policy>: Model needs parameters() returning a range of "
-      "dtrain::parameter (see dtrain::param and dtrain::device_param)");
-
- public:
-  using communicator_type = typename Policy::communicator_type;
-  /// The communicators a bucket's allreduce runs on (topology::flat::group,
-  /// topology::hierarchical::group), split from DDP's own communicator.
-  using topology_group =
-      typename Policy::topology_type::template group<typename Policy::communicator_type>;
-  /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
-  using memory_space = typename Policy::memory_space;
-  /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
-  using stream_type = typename memory_space::stream_type;
-  /// A user reduction: must leave the mean over ranks in `bucket.data` once
-  /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
-  using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
-  static constexpr bool on_device = memory_space::where == memory::device;
-
-  /// Collective over ctx's communicator; metadata goes over ctx's control plane
-  /// where the communicator cannot carry host data (NCCL). The policy's
-  /// topology groups the ranks by ctx.world()'s nodes.
-  DistributedDataParallel(context<Policy>& ctx, Model& model, ddp_options options = {})
-      : DistributedDataParallel(ctx.communicator(), ctx.control_plane(), model, std::move(options),
-                                node_layout::of(ctx.world())) {}
-
-  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
-  /// communicator that reaches host memory). A device-only backend (NCCL)
-  /// needs the constructor with a control plane.
-  /// (A template only so that an explicit instantiation of the class for NCCL
-  /// does not trip the static_assert.)
-  template <std::same_as<Model> M>
-  DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
-      : DistributedDataParallel(comm, nullptr, model, std::move(options), std::nullopt) {
-    static_assert(std::same_as<M, Model> && communicator_type::reaches_host_memory,
-                  "this backend moves device memory only, and DistributedDataParallel's metadata "
-                  "(model agreement, bucket order) is host data: construct it from the context, "
-                  "or pass a control plane: DistributedDataParallel(comm, "
-                  "dtrain::control_plane(channel), model) with a dtrain::store_channel");
-  }
-
-  /// Collective: checks that every rank holds the same parameters (names,
-  /// counts, types; config_error naming the first difference and the ranks)
-  /// over `control`, copies rank 0's values to all (complete when this
-  /// returns), lays the gradients out in buckets, and starts the bucket
-  /// runner. Buckets travel on a split of `comm` of their own: the caller may
-  /// use `comm` at any time. `control` carries the metadata when `comm` cannot
-  /// (device-only backends; otherwise DDP's own split of `comm` does), and must
-  /// outlive this object. With topology::hierarchical and no context, ranks
-  /// are grouped into nodes by node name (DTRAIN_NODE_NAME, else the host name).
-  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
-                          ddp_options options = {})
-      : DistributedDataParallel(comm, &control, model, std::move(options), std::nullopt) {}
-
-  DistributedDataParallel(const DistributedDataParallel&) = delete;
-  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
-
-  /// Waits for buckets still in flight (each within its timeout), then gives
-  /// the model its gradients back: bucket views are copied to the model's own
-  /// buffers (or set to null where it had none), since the buckets go with
-  /// this object.
-  ~DistributedDataParallel() {
-    runner_.reset();  // joins the thread, or waits out the watchdog
-    timeline_.write_at_exit();
-    try {
-      for (std::size_t i = 0; i < params_.size(); ++i) {
-        if (!vars_[i].view) continue;
-        parameter& p = params_[i];
-        if (vars_[i].original)
-          memory_space::copy(vars_[i].original, p.gradient, p.bytes(), p.device, stream_);
-        p.rebind(p.gradient_slot, vars_[i].original);
-      }
-      memory_space::synchronize(device_, stream_);  // before the buckets are freed
-    } catch (...) {
-      // A device that failed already reported it; the model's pointers are what they are.
-    }
-  }
-
-  /// Marks parameter `index` (its position in model.parameters()) ready for
-  /// this step. Throws dtrain::error naming it when it was marked already.
-  void mark_ready(std::size_t index) {
-    if (index >= params_.size()) {
-      throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
-                  " does not exist on rank " + std::to_string(rank_) + " (the model has " +
-                  std::to_string(params_.size()) + ")");
-    }
-    ready(index);
-  }
-  /// Marks the parameter called `name` ready.
-  void mark_ready(std::string_view name) {
-    auto it = by_name_.find(name);
-    if (it == by_name_.end()) {
-      throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
-                  " has no parameter named '" + std::string(name) + "'");
-    }
-    ready(it->second);
-  }
-  /// Marks `p` ready, found by its values' address.
-  void mark_ready(const parameter& p) {
-    auto it = by_data_.find(p.values.data);
-    if (it == by_data_.end()) {
-      throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
-                  std::to_string(rank_) +
-                  " is not one of the model's parameters (its values are elsewhere)");
-    }
-    ready(it->second);
-  }
-  /// Marks each of `params` ready: parameters, indices or names.
-  template <std::ranges::input_range R>
-  requires(!std::convertible_to<R, std::string_view>) void mark_ready(R&& params) {
-    for (auto&& p : params) mark_ready(p);
-  }
-
-  /// Completes the step: launches what is left and leaves the mean over ranks
-  /// in every gradient. Host memory: waits until every bucket is averaged
-  /// (bounded by the collective timeout). CUDA: the host waits for nothing;
-  /// the compute stream waits for the averaged gradients, and a watchdog
-  /// bounds every bucket by the collective timeout (its timeout_error is
-  /// thrown here or by the next call). Throws dtrain::error naming the
-  /// parameters that were never marked (unless find_unused_parameters), or
-  /// the engine's error. Inside no_sync() it does nothing.
-  void synchronize() {
-    if (no_sync_depth_ > 0) return;
-    const auto span = timeline_.synchronize(steps_);
-    check_usable();
-    complete_marks();
-    if (auto e = complete_buckets()) fail(e);
-    end_step();
-  }
-
-  /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
-  /// far; the destructor writes it too. Call it between steps. Throws
-  /// dtrain::error naming the file and the rank when it cannot be written.
-  void flush_timeline() const { timeline_.write(); }
-
-  /// The stream the backward pass runs on (CUDA; default: the legacy default
-  /// stream). Set it before a step, not between mark_ready and synchronize()
-  /// (config_error): buckets launched in a step are ordered after it.
-  void set_stream(stream_type compute) requires(memory_space::on_stream) {
-    if (compute == stream_) return;
-    if (any_marked_) {
-      throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
-                         " in the middle of step " + std::to_string(steps_) +
-                         " (after mark_ready, before synchronize()): buckets already launched "
-                         "are ordered after the old stream; set the stream before the step");
-    }
-    memory_space::check_stream(device_, compute);
-    // What the old stream still does with the buckets comes first; their
-    // storage is released on the new one from now on.
-    memory_space::order_after(device_, compute, stream_);
-    for (bucket_state& b : buckets_) {
-      b.grads.set_stream(compute);
-      b.wire.set_stream(compute);
-      b.shard.set_stream(compute);
-    }
-    stream_ = compute;
-  }
-  /// set_stream(compute), then synchronize().
-  void synchronize(stream_type compute) requires(memory_space::on_stream) {
-    if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
-      throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
-                         std::to_string(rank_) + " with a stream other than the one step " +
-                         std::to_string(steps_) +
-                         " was marked on: call set_stream(stream) before the step instead");
-    }
-    set_stream(compute);
-    synchronize();
-  }
-  /// Blocks the host until every bucket launched so far has been averaged
-  /// on the device (each within the collective timeout): for measuring, or
-  /// before reading gradients on the host. Throws what a bucket failed with.
-  void wait() {
-    if (auto e = runner_drain()) fail(e);
-    memory_space::synchronize(device_, stream_);
-  }
-
-  /// While alive, mark_ready only records and nothing is communicated;
-  /// gradients accumulate as the caller adds into them, and the next
-  /// synchronized step averages the sums.
-  class no_sync_guard {
-   public:
-    explicit no_sync_guard(DistributedDataParallel& ddp) noexcept : ddp_(&ddp) {
-      ++ddp.no_sync_depth_;
-    }
-    no_sync_guard(no_sync_guard&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)) {}
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(no_sync_guard&&) = delete;
-    ~no_sync_guard() {
-      if (ddp_) --ddp_->no_sync_depth_;
-    }
-
-   private:
-    DistributedDataParallel* ddp_;
-  };
-  /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
-  [[nodiscard]] no_sync_guard no_sync() {
-    if (any_marked_) {
-      throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
-                  " in the middle of a synchronized step (after mark_ready, before synchronize())");
-    }
-    return no_sync_guard(*this);
-  }
-
-  /// Sets every gradient to zero (between steps only).
-  void zero_grad() {
-    if (any_marked_ && no_sync_depth_ == 0) {
-      throw error("DistributedDataParallel::zero_grad() on rank " + std::to_string(rank_) +
-                  " in the middle of a step (after mark_ready, before synchronize())");
-    }
-    for (bucket_state& b : buckets_)
-      memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!vars_[i].view)
-        memory_space::zero(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
-    }
-  }
-
-  /// Replaces the allreduce of each bucket by `hook` (all ranks must register
-  /// the same). Not with gradient compression, which is itself such a reduction.
-  void register_comm_hook(comm_hook hook) {
-    if (options_.compression != gradient_compression::none) {
-      throw config_error(
-          "DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
-          std::string(to_string(options_.compression)) +
-          "; a hook replaces the reduction, so compress inside the hook instead");
-    }
-    hook_ = std::move(hook);
-  }
-
-  /// The buckets, in launch order.
-  [[nodiscard]] const std::vector<bucket_info>& buckets() const noexcept { return info_; }
-  /// Whether the one rebuild from the observed ready order has happened.
-  [[nodiscard]] bool buckets_rebuilt() const noexcept { return rebuilt_; }
-  /// The parameters as dtrain sees them, gradient pointers current.
-  [[nodiscard]] std::span<const parameter> parameters() const noexcept { return params_; }
-  /// Synchronized steps completed.
-  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
-  [[nodiscard]] Model& module() noexcept { return model_; }
-  /// The communicator the buckets travel on: DDP's own split of the user's.
-  [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
-  /// How buckets are reduced: the policy's topology over communicator()
-  /// (describe(), and for topology::hierarchical hierarchical() and why_flat()).
-  [[nodiscard]] const topology_group& topology() const noexcept { return topo_; }
-  /// Whether float32 buckets can be compressed here: always on the host; on
-  /// a GPU when some translation unit of the program was compiled by nvcc.
-  [[nodiscard]] static bool compression_available() noexcept {
-    return memory_space::casts_available();
-  }
-
- private:
-  template <class>
-  friend class detail::thread_runner;
-  template <class>
-  friend class detail::stream_runner;
-
-  /// What DDP keeps per parameter (the Reducer's VariableIndex): the slot in
-  /// its bucket and this step's state.
-  struct variable {
-    void* original = nullptr;  // the model's own gradient pointer, given back at the end
-    std::size_t bucket = 0;
-    std::size_t offset = 0;  // bytes into the bucket
-    bool view = false;       // the gradient lives in the bucket
-    bool marked = false;     // this step
-    bool touched = false;    // since the last synchronized step, no_sync() micro-steps included
-    bool zeroed = false;     // copy mode, unused this step: its slice was zeroed, skip copy-in
-  };
-  struct bucket_state {
-    detail::flat_storage<memory_space> grads;
-    detail::flat_storage<memory_space> wire;   // the 16-bit copy, with compression
-    detail::flat_storage<memory_space> shard;  // the topology's scratch (hierarchical)
-    std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
-    std::size_t pending = 0;  // parameters not yet marked this step
-    bool ready = false;
-    std::uint64_t span = 0;        // its timeline span, from launch to completion
-    std::int64_t span_reduce = 0;  // when its reduction started (timeline on)
-  };
-  using runner_type =
-      std::conditional_t<memory_space::on_stream, detail::stream_runner<DistributedDataParallel>,
-                         detail::thread_runner<DistributedDataParallel>>;
-  // The control plane DDP makes for itself over its own communicator (host backends).
-  using own_channel_type =
-      std::conditional_t<communicator_type::reaches_host_memory,
-                         communicator_channel<communicator_type>, std::monostate>;
-
-  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
-                          ddp_options options, std::optional<node_layout> layout)
-      : DistributedDataParallel(comm, &control, model, std::move(options), layout) {}
-
-  DistributedDataParallel(communicator_type& comm, control_plane* given, Model& model,
-                          ddp_options options, std::optional<node_layout> layout)
-      : comm_(comm.split(0, comm.rank())),
-        own_channel_(make_own_channel()),
-        control_(control_for(given)),
-        topo_(comm_, control_, layout_of(layout)),
-        model_(model),
-        options_(std::move(options)),
-        rank_(comm.rank()),
-        size_(comm.size()) {
-    for (auto&& p : model.parameters()) params_.push_back(static_cast<parameter>(p));
-    if constexpr (model_with_buffers<Model>) {
-      for (auto&& b : model.buffers()) buffers_.push_back(static_cast<parameter>(b));
-    }
-    device_ = device_of(comm_);
-    if (options_.compression != gradient_compression::none && !compression_available()) {
-      // Every rank of the same program sees the same; the agreement below stops them all alike.
-      problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
-                 std::string(detail::device_casts_missing);
-    }
-    try {
-      timeline_ = detail::timeline::of(options_.timeline, rank_, size_, params_);
-    } catch (const config_error& e) {
-      if (problem_.empty()) problem_ = e.what();  // the agreement stops every rank
-    }
-    detail::agree_on_model(control_, params_, buffers_,
-                           problem_.empty()
-                               ? detail::model_problem(params_, buffers_, options_, rank_,
-                                                       communicator_type::name, on_device, device_)
-                               : problem_);
-    if (options_.broadcast_parameters) {
-      detail::broadcast_values(control_, params_, buffers_, [&](const buffer& values) {
-        if constexpr (memory_space::on_stream) {
-          comm_.broadcast(values, 0, stream_).wait();
-        } else {
-          comm_.broadcast(values, 0).wait();
-        }
-      });
-    }
-    vars_.resize(params_.size());
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      by_name_.emplace(params_[i].name, i);
-      by_data_.emplace(params_[i].values.data, i);
-      vars_[i].original = params_[i].gradient;
-    }
-    lay_out(detail::reverse_order(params_.size()));
-    // The buckets were zeroed and filled on the compute stream: complete before the first step.
-    memory_space::synchronize(device_, stream_);
-    runner_.emplace(*this);
-  }
-
-  own_channel_type make_own_channel() {
-    if constexpr (communicator_type::reaches_host_memory) {
-      return own_channel_type(comm_);
-    } else {
-      return {};
-    }
-  }
-  // A communicator that reaches host memory carries the metadata itself (no
-  // store traffic, and packed host values of any size); a device-only one uses `given`.
-  control_plane control_for([[maybe_unused]] control_plane* given) {
-    if constexpr (communicator_type::reaches_host_memory) {
-      return control_plane(own_channel_);
-    } else {
-      return *given;  // the constructors without one do not compile for such a communicator
-    }
-  }
-
-  // The nodes as the launcher placed them, or (no context) as node names group them.
-  node_layout layout_of(const std::optional<node_layout>& given) {
-    if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
-      return given.value_or(node_layout{});  // flat needs none: nothing collective
-    } else {
-      if (given) return *given;
-      return detail::layout_from_node_names(control_, node_name(environment::from_process()));
-    }
-  }
-
-  static int device_of(communicator_type& comm) {
-    if constexpr (on_device) {
-      return comm.device();
-    } else {
-      (void)comm;
-      return -1;
-    }
-  }
-
-  /// Lays the gradients out in buckets filled in `order`, moving each
-  /// bucket-view gradient (and its values) to its new place. The old buckets
-  /// are freed only once the copies out of them are complete.
-  void lay_out(std::span<const std::size_t> order) {
-    std::vector<bucket_info> info = detail::assign_buckets(
-        params_, order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
-        mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
-    std::vector<bucket_state> buckets(info.size());
-    for (std::size_t b = 0; b < info.size(); ++b) {
-      // A hierarchical topology splits a bucket into equal shards, one per
-      // rank of a node: zeros at the end make the count divide (GPU: every
-      // shard on bucket_alignment too). The padding stays zero.
-      std::size_t unit = topo_.granularity();
-      if (unit > 1 && info[b].device >= 0) unit *= bucket_alignment / size_of(info[b].type);
-      buckets[b].moved = (info[b].count + unit - 1) / unit * unit;
-      buckets[b].grads = detail::flat_storage<memory_space>(
-          buckets[b].moved * size_of(info[b].type), info[b].device, stream_);
-      if (compressed(info[b]))
-        buckets[b].wire = detail::flat_storage<memory_space>(
-            buckets[b].moved * size_of(detail::wire_type(options_.compression)), info[b].device,
-            stream_);
-      if (const std::size_t shard = topo_.shard_count(buckets[b].moved); shard > 0)
-        buckets[b].shard = detail::flat_storage<memory_space>(shard * size_of(info[b].type),
-                                                              info[b].device, stream_);
-      for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
-        const std::size_t i = info[b].parameters[k];
-        parameter& p = params_[i];
-        variable& v = vars_[i];
-        v.bucket = b;
-        v.offset = info[b].offsets[k];
-        v.view = options_.gradient_as_bucket_view && p.rebindable();
-        if (v.view) {
-          void* place = buckets[b].grads.data() + v.offset;
-          if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
-          p.gradient = place;
-          p.rebind(p.gradient_slot, place);
-        }
-      }
-    }
-    // The old buckets are released on the compute stream, after the copies
-    // out of them and (streams) after every collective on them: the compute
-    // stream waits for those already (order_after_buckets). The host does not
-    // wait, with CUDA as without.
-    info_ = std::move(info);
-    buckets_ = std::move(buckets);
-    reset_step();
-  }
-
-  bool compressed(const bucket_info& b) const noexcept {
-    return options_.compression != gradient_compression::none && b.type == dtype::float32;
-  }
-
-  void ready(std::size_t i) {
-    check_usable();
-    variable& v = vars_[i];
-    const auto span = timeline_.mark_ready(i, v.bucket);
-    if (no_sync_depth_ > 0) {
-      v.touched = true;
-      return;
-    }
-    if (v.marked) {
-      throw error("DistributedDataParallel::mark_ready: parameter '" + params_[i].name + "' (#" +
-                  std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
-                  " on rank " + std::to_string(rank_) +
-                  "; mark each gradient once per step (accumulate inside no_sync())");
-    }
-    v.marked = v.touched = true;
-    any_marked_ = true;
-    if (recording()) ready_order_.push_back(i);
-    bucket_state& b = buckets_[v.bucket];
-    if (--b.pending == 0) {
-      b.ready = true;
-      if (options_.overlap) launch_ready();
-    }
-  }
-
-  bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
-
-  /// Launches, in bucket order, every bucket whose turn it is and is ready.
-  void launch_ready() {
-    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
-      try {
-        buckets_[next_launch_].span =
-            timeline_.bucket_launched(next_launch_, info_[next_launch_].count);
-        runner_->launch(next_launch_++);
-      } catch (...) {
-        fail(std::current_exception());
-      }
-    }
-  }
-
-  /// The unmarked parameters of this step: an error, or (find_unused_parameters)
-  /// zero contributions, marked now in index order on every rank.
-  void complete_marks() {
-    std::vector<std::size_t> missing;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!vars_[i].marked) missing.push_back(i);
-    }
-    if (!missing.empty() && !options_.find_unused_parameters) {
-      std::string names;
-      for (std::size_t k = 0; k < missing.size() && k < 8; ++k)
-        names += (k ? ", '" : "'") + params_[missing[k]].name + "'";
-      if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
-      throw error(
-          "DistributedDataParallel::synchronize: rank " + std::to_string(rank_) + " never marked " +
-          std::to_string(missing.size()) + " of " + std::to_string(params_.size()) +
-          " parameters ready in step " + std::to_string(steps_) + ": " + names +
-          "; call mark_ready for every parameter, or set ddp_options::find_unused_parameters");
-    }
-    for (std::size_t i : missing) {
-      // Nothing accumulated in no_sync() either: this rank contributes zero.
-      if (!vars_[i].touched) zero_contribution(i);
-      ready(i);
-    }
-    for (bucket_state& b : buckets_) b.ready = true;
-    launch_ready();
-  }
-
-  void zero_contribution(std::size_t i) {
-    parameter& p = params_[i];
-    variable& v = vars_[i];
-    if (v.view) {
-      memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
-    } else {
-      // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
-      memory_space::zero(buckets_[v.bucket].grads.data() + v.offset, p.bytes(), p.device, stream_);
-      v.zeroed = true;
-    }
-  }
-
-  // The runner's steps (detail::thread_runner, detail::stream_runner).
-
-  /// Copy-in and compression: what must happen before the collective.
-  void prepare_bucket(std::size_t b) {
-    bucket_state& s = buckets_[b];
-    if (timeline_.on()) s.span_reduce = detail::timeline::now();
-    for (std::size_t i : info_[b].parameters) {
-      const variable& v = vars_[i];
-      if (v.view || v.zeroed) continue;
-      memory_space::copy(s.grads.data() + v.offset, params_[i].gradient, params_[i].bytes(),
-                         info_[b].device, stream_);
-    }
-    if (!compressed(info_[b])) return;
-    const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
-    memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
-                           info_[b].count, scale, detail::wire_type(options_.compression),
-                           info_[b].device, stream_);
-  }
-
-  /// The collective of bucket b (or the user's hook), ordered after the compute stream.
-  work reduce(std::size_t b) {
-    detail::label_scope label("bucket", static_cast<std::int64_t>(b));  // names it in desync diagnostics
-    bucket_state& s = buckets_[b];
-    const bucket_info& info = info_[b];
-    buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};
-    reduce_op op = reduce_op::avg;
-    if (compressed(info)) {
-      data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
-              s.grads.device()};
-      op = reduce_op::sum;
-    }
-    if (hook_) {
-      gradient_bucket view{.index = b,
-                           .data = data,
-                           .world_size = size_,
-                           .parameters = info.parameters,
-                           .stream = stream_};
-      view.data.count = info.count;  // the hook sees the slots, not the topology's padding
-      return hook_(comm_, view);
-    }
-    const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
-                       s.grads.device()};
-    return topo_.allreduce(data, shard, op, on_stream_or_null());
-  }
-
-  // The compute stream for engines that order after it; null for host memory.
-  stream_handle on_stream_or_null() const noexcept {
-    if constexpr (memory_space::on_stream) {
-      return stream_;
-    } else {
-      return nullptr;
-    }
-  }
-
-  /// Decompression and copy-out: what must happen after the collective.
-  void finish_bucket(std::size_t b) {
-    bucket_state& s = buckets_[b];
-    const bucket_info& info = info_[b];
-    if (compressed(info)) {
-      memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
-                               detail::wire_type(options_.compression), info.device, stream_);
-    }
-    for (std::size_t i : info.parameters) {
-      const variable& v = vars_[i];
-      if (v.view) continue;
-      memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
-                         info.device, stream_);
-    }
-    timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
-  }
-
-  /// Streams: the compute stream waits (on the device) for every collective so far.
-  void order_after_buckets() {
-    if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
-  }
-
-  std::exception_ptr complete_buckets() {
-    const auto span = timeline_.wait(buckets_.size());
-    return runner_->complete(buckets_.size());
-  }
-
-  std::exception_ptr runner_drain() {
-    if constexpr (memory_space::on_stream) {
-      return runner_->drain();
-    } else {
-      return nullptr;  // synchronize() waited already
-    }
-  }
-
-  /// After every bucket is averaged: the one rebuild, then a fresh step.
-  void end_step() {
-    const bool rebuild = recording();
-    ++steps_;
-    if (rebuild) {
-      // Rank 0's order wins, so that every rank lays its buckets out alike.
-      std::vector<std::uint8_t> bytes(ready_order_.size() * sizeof(std::uint64_t));
-      for (std::size_t k = 0; k < ready_order_.size(); ++k) {
-        const std::uint64_t i = ready_order_[k];
-        std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
-      }
-      control_.broadcast(bytes, 0);
-      std::vector<std::size_t> agreed(ready_order_.size());
-      for (std::size_t k = 0; k < agreed.size(); ++k) {
-        std::uint64_t i = 0;
-        std::memcpy(&i, bytes.data() + k * sizeof i, sizeof i);
-        agreed[k] = static_cast<std::size_t>(i);
-      }
-      detail::check_order(agreed, params_.size(),
-                          "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
-      rebuilt_ = true;
-      // The buckets of this step are done with (host memory) or ordered
-      // before everything that follows on the compute stream (streams), where
-      // lay_out() copies out of them and releases them.
-      if (agreed != layout_order()) lay_out(agreed);
-    }
-    reset_step();
-  }
-
-  /// The parameters in the order the current buckets hold them.
-  std::vector<std::size_t> layout_order() const {
-    std::vector<std::size_t> order;
-    for (const bucket_info& b : info_)
-      order.insert(order.end(), b.parameters.begin(), b.parameters.end());
-    return order;
-  }
-
-  void reset_step() {
-    for (variable& v : vars_) v.marked = v.touched = v.zeroed = false;
-    for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      buckets_[b].pending = info_[b].parameters.size();
-      buckets_[b].ready = false;
-    }
-    ready_order_.clear();
-    next_launch_ = 0;
-    any_marked_ = false;
-  }
-
-  void check_usable() const {
-    if (broken_) {
-      throw error("DistributedDataParallel on rank " + std::to_string(rank_) +
-                  " is unusable after an earlier failure: " + broken_message_);
-    }
-  }
-
-  [[noreturn]] void fail(std::exception_ptr e) {
-    broken_ = true;
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      broken_message_ = x.what();
-      throw;
-    }
-  }
-
-  // A communicator of its own (a split of the user's), so that collectives the
-  // user issues during a step cannot interleave with the buckets' differently on different ranks.
-  communicator_type comm_;
-  own_channel_type own_channel_;
-  control_plane control_;
-  topology_group topo_;  // after control_: made over it
-  Model& model_;
-  ddp_options options_;
-  int rank_;
-  int size_;
-  int device_ = -1;
-  std::string problem_;
-  std::vector<parameter> params_;
-  std::vector<parameter> buffers_;
-  std::vector<variable> vars_;  // per parameter, indexed like params_
-  std::unordered_map<std::string_view, std::size_t> by_name_;
-  std::unordered_map<const void*, std::size_t> by_data_;
-  std::vector<bucket_info> info_;
-  std::vector<bucket_state> buckets_;
-  std::vector<std::size_t> ready_order_;
-  std::size_t next_launch_ = 0;
-  std::size_t steps_ = 0;
-  bool rebuilt_ = false;
-  bool any_marked_ = false;
-  int no_sync_depth_ = 0;
-  bool broken_ = false;
-  std::string broken_message_;
-  comm_hook hook_;
-  stream_type stream_ = nullptr;
-  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
-  std::optional<runner_type> runner_;  // last: it calls back into everything above
+/// One network interface as sysfs and getifaddrs describe it.
+struct network_interface {
+  std::string name;                    ///< "eth0"
+  std::string state;                   ///< operstate: "up", "down", "unknown" (lo)
+  std::vector<std::string> addresses;  ///< numeric, IPv4 first
+  int mtu = -1;                        ///< -1: unknown
+  int speed_mbps = -1;                 ///< -1: unknown (virtual links report none)
+  bool loopback = false;
+  [[nodiscard]] bool up() const { return state == "up" || (loopback && state == "unknown"); }
 };
 
+/// One port of an RDMA device (InfiniBand, RoCE, iWARP).
+struct rdma_port {
+  std::string device;  ///< "mlx5_0"
+  int port = 1;
+  std::string state;       ///< "ACTIVE", "DOWN", "INIT", ... (sysfs "4: ACTIVE")
+  std::string phys_state;  ///< "LinkUp", "Disabled", ... (sysfs "5: LinkUp")
+  std::string rate;        ///< "200 Gb/sec (4X HDR)"
+  std::string link_layer;  ///< "InfiniBand" or "Ethernet" (RoCE)
+  [[nodiscard]] bool active() const { return state == "ACTIVE"; }
+};
+
+/// The host as the engines will find it.
+struct host_network {
+  std::string sysfs;  ///< the root it was read from ("/sys")
+  std::vector<network_interface> interfaces;
+  std::vector<rdma_port> rdma;
+  int nvidia_gpus = 0;        ///< NVIDIA display/3D controllers on the PCI bus
+  std::string nvidia_driver;  ///< module/nvidia/version, or empty
+  [[nodiscard]] const network_interface* find(std::string_view name) const {
+    for (const auto& i : interfaces) {
+      if (i.name == name) return &i;
+    }
+    return nullptr;
+  }
+  [[nodiscard]] bool rdma_active() const {
+    return std::any_of(rdma.begin(), rdma.end(), [](const rdma_port& p) { return p.active(); });
+  }
+};
+
+namespace detail {
+
+// The first line of a sysfs file, trimmed; nullopt when it cannot be read.
+inline std::optional<std::string> sysfs_line(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::string line;
+  if (!in || !std::getline(in, line)) return std::nullopt;
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' '))
+    line.pop_back();
+  return line;
+}
+
+inline int sysfs_int(const std::filesystem::path& file) {
+  auto text = sysfs_line(file);
+  if (!text || text->empty()) return -1;
+  char* end = nullptr;
+  const long v = std::strtol(text->c_str(), &end, 0);
+  return (*end == '\0' && v >= -1 && v < 1'000'000'000) ? static_cast<int>(v) : -1;
+}
+
+// "4: ACTIVE" -> "ACTIVE"
+inline std::string after_colon(const std::string& text) {
+  auto colon = text.find(':');
+  std::string out = colon == std::string::npos ? text : text.substr(colon + 1);
+  while (!out.empty() && out.front() == ' ') out.erase(out.begin());
+  return out;
+}
+
+inline std::vector<std::filesystem::path> sorted_entries(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace detail
+
+/// Reads the host under `sysfs` (normally "/sys"). Addresses come from
+/// getifaddrs only when `live` (the real system); a test's tree has none.
+/// Never throws: what cannot be read is left out.
+[[nodiscard]] inline host_network read_host_network(const std::string& sysfs = "/sys",
+                                                    bool live = true) {
+  namespace fs = std::filesystem;
+  host_network h;
+  h.sysfs = sysfs;
+  const fs::path root(sysfs);
+  const auto addresses =
+      live ? detail::interface_addresses() : std::vector<detail::interface_address>{};
+  for (const fs::path& dir : detail::sorted_entries(root / "class" / "net")) {
+    network_interface i;
+    i.name = dir.filename().string();
+    i.state = detail::sysfs_line(dir / "operstate").value_or("unknown");
+    i.mtu = detail::sysfs_int(dir / "mtu");
+    i.speed_mbps = detail::sysfs_int(dir / "speed");
+    i.loopback = detail::sysfs_int(dir / "type") == 772;  // ARPHRD_LOOPBACK
+    for (bool v6 : {false, true}) {
+      for (const auto& a : addresses) {
+        if (a.name == i.name && a.ipv6 == v6) i.addresses.push_back(a.address);
+      }
+    }
+    h.interfaces.push_back(std::move(i));
+  }
+  for (const fs::path& dev : detail::sorted_entries(root / "class" / "infiniband")) {
+    for (const fs::path& port : detail::sorted_entries(dev / "ports")) {
+      rdma_port p;
+      p.device = dev.filename().string();
+      p.port = std::atoi(port.filename().string().c_str());
+      p.state = detail::after_colon(detail::sysfs_line(port / "state").value_or("?"));
+      p.phys_state = detail::after_colon(detail::sysfs_line(port / "phys_state").value_or("?"));
+      p.rate = detail::sysfs_line(port / "rate").value_or("?");
+      p.link_layer = detail::sysfs_line(port / "link_layer").value_or("InfiniBand");
+      h.rdma.push_back(std::move(p));
+    }
+  }
+  for (const fs::path& dev : detail::sorted_entries(root / "bus" / "pci" / "devices")) {
+    // NVIDIA's vendor id; class 0x03xxxx: a display or 3D controller (not its audio function).
+    const auto vendor = detail::sysfs_line(dev / "vendor");
+    const auto cls = detail::sysfs_line(dev / "class");
+    if (vendor == "0x10de" && cls && cls->rfind("0x03", 0) == 0) ++h.nvidia_gpus;
+  }
+  h.nvidia_driver = detail::sysfs_line(root / "module" / "nvidia" / "version").value_or("");
+  return h;
+}
+
+/// Which interface an engine will use, and why.
+struct engine_interface {
+  std::string engine;  ///< "gloo", "nccl", "mpi"
+  std::string choice;  ///< "eth0", "eth0, eth1", or "?" when it cannot tell
+  std::string
+      why;  ///< "NCCL_SOCKET_IFNAME=eth", "the interface that reaches MASTER_ADDR=node1 (10.0.0.1)"
+  std::vector<std::string> missing;  ///< names the engine's variable asks for that this host lacks
+};
+
+namespace detail {
+
+/// The non-empty entries of a comma list ("eth0,,eth1" -> eth0, eth1).
+inline std::vector<std::string> list_entries(std::string_view text) {
+  std::vector<std::string> out = split(text, ',');
+  std::erase_if(out, [](const std::string& e) { return e.empty(); });
+  return out;
+}
+
+/// NCCL_SOCKET_IFNAME's rules: a comma list of prefixes, `^` excludes them,
+/// `=` makes them exact names. Returns the matching interfaces; `missing`
+/// gets entries (of an including list) that match none.
+inline std::vector<std::string> match_interface_list(const host_network& h, std::string_view spec,
+                                                     std::vector<std::string>* missing) {
+  bool exclude = false;
+  if (!spec.empty() && spec.front() == '^') {
+    exclude = true;
+    spec.remove_prefix(1);
+  }
+  bool exact = false;
+  if (!spec.empty() && spec.front() == '=') {
+    exact = true;
+    spec.remove_prefix(1);
+  }
+  const std::vector<std::string> entries = list_entries(spec);
+  auto matches = [&](const std::string& name, const std::string& entry) {
+    return exact ? name == entry : name.rfind(entry, 0) == 0;
+  };
+  std::vector<std::string> out;
+  for (const auto& i : h.interfaces) {
+    bool any = false;
+    for (const auto& e : entries) any = any || matches(i.name, e);
+    if (any != exclude) out.push_back(i.name);
+  }
+  if (missing && !exclude) {
+    for (const auto& e : entries) {
+      bool found = false;
+      for (const auto& i : h.interfaces) found = found || matches(i.name, e);
+      if (!found) missing->push_back(e);
+    }
+  }
+  return out;
+}
+
+inline std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
+}
+
+/// The interface that holds `address`, or empty.
+inline std::string interface_holding(const host_network& h, const std::string& address) {
+  for (const auto& i : h.interfaces) {
+    for (const auto& a : i.addresses) {
+      if (a == address) return i.name;
+    }
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// Gloo's interface as dtrain chooses it: DTRAIN_GLOO_IFNAME, else
+/// GLOO_SOCKET_IFNAME (its first entry), else the interface whose address
+/// reaches MASTER_ADDR (`route`: the local address towards it, from
+/// detail::local_address_to; empty when unknown).
+[[nodiscard]] inline engine_interface gloo_interface(const host_network& h, const environment& env,
+                                                     const std::string& route) {
+  engine_interface e{"gloo", "?", "", {}};
+  if (auto named = detail::gloo_interface_variable(env)) {
+    e.choice = named->name;
+    e.why = named->origin;
+    if (!h.find(named->name)) e.missing.push_back(named->name);
+    return e;
+  }
+  const auto master = env.get("MASTER_ADDR");
+  if (master && !master->empty()) {
+    const std::string holder = route.empty() ? "" : detail::interface_holding(h, route);
+    e.choice = holder.empty() ? (route.empty() ? "?" : route) : holder;
+    e.why = "the interface whose address reaches MASTER_ADDR=" + std::string(*master) +
+            (route.empty() ? " (no route found)" : " (" + route + ")");
+    return e;
+  }
+  e.why = "no MASTER_ADDR and no DTRAIN_GLOO_IFNAME: the address the host name resolves to";
+  return e;
+}
+
+/// NCCL's socket interface: NCCL_SOCKET_IFNAME's list, else (NCCL's
+/// default) interfaces named ib* first, then any but lo and docker*. Its
+/// data goes over RDMA (NET/IB) when an active port exists and
+/// NCCL_IB_DISABLE is not 1; that is said in `why`.
+[[nodiscard]] inline engine_interface nccl_interface(const host_network& h,
+                                                     const environment& env) {
+  engine_interface e{"nccl", "?", "", {}};
+  const auto spec = env.get("NCCL_SOCKET_IFNAME");
+  std::vector<std::string> chosen;
+  if (spec && !spec->empty()) {
+    chosen = detail::match_interface_list(h, *spec, &e.missing);
+    e.why = "NCCL_SOCKET_IFNAME=" + std::string(*spec);
+  } else {
+    for (const auto& i : h.interfaces) {
+      if (i.name.rfind("ib", 0) == 0 && i.up()) chosen.push_back(i.name);
+    }
+    if (chosen.empty()) {
+      for (const auto& i : h.interfaces) {
+        if (i.up() && !i.loopback && i.name.rfind("docker", 0) != 0 && i.name.rfind("lo", 0) != 0)
+          chosen.push_back(i.name);
+      }
+    }
+    e.why = "NCCL's default (NCCL_SOCKET_IFNAME unset: ib* first, then any but lo and docker*)";
+  }
+  e.choice = chosen.empty() ? "none" : detail::joined(chosen);
+  const auto ib_disable = env.get("NCCL_IB_DISABLE");
+  const auto hca = env.get("NCCL_IB_HCA");
+  const bool disabled = ib_disable && *ib_disable == "1";
+  if (h.rdma_active() && !disabled) {
+    std::string ports;
+    for (const auto& p : h.rdma) {
+      if (p.active())
+        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port);
+    }
+    e.why += "; data over RDMA (NET/IB) on " + ports +
+             (hca ? " filtered by NCCL_IB_HCA=" + std::string(*hca) : "");
+  } else {
+    e.why += disabled ? "; data over TCP sockets (NCCL_IB_DISABLE=1)"
+                      : "; data over TCP sockets (no active RDMA port)";
+  }
+  return e;
+}
+
+/// Open MPI's TCP interfaces: OMPI_MCA_btl_tcp_if_include, else every
+/// interface but those in OMPI_MCA_btl_tcp_if_exclude (default: loopback).
+/// With RDMA ports present, an Open MPI built with UCX uses them (UCX_NET_DEVICES).
+[[nodiscard]] inline engine_interface mpi_interface(const host_network& h, const environment& env) {
+  engine_interface e{"mpi", "?", "", {}};
+  std::vector<std::string> chosen;
+  if (auto inc = env.get("OMPI_MCA_btl_tcp_if_include"); inc && !inc->empty()) {
+    for (const std::string& name : detail::list_entries(*inc)) {
+      // An entry may be a subnet (10.0.0.0/24), which sysfs cannot check.
+      if (name.find('/') == std::string::npos && !h.find(name)) e.missing.push_back(name);
+      chosen.push_back(name);
+    }
+    e.why = "OMPI_MCA_btl_tcp_if_include=" + std::string(*inc);
+  } else {
+    std::vector<std::string> excluded{"lo"};
+    if (auto exc = env.get("OMPI_MCA_btl_tcp_if_exclude"); exc && !exc->empty()) {
+      excluded = detail::list_entries(*exc);
+      e.why = "OMPI_MCA_btl_tcp_if_exclude=" + std::string(*exc);
+    } else {
+      e.why = "Open MPI's default (every interface but loopback)";
+    }
+    for (const auto& i : h.interfaces) {
+      if (i.loopback && excluded.size() == 1 && excluded[0] == "lo") continue;
+      if (std::find(excluded.begin(), excluded.end(), i.name) == excluded.end() && i.up())
+        chosen.push_back(i.name);
+    }
+  }
+  e.choice = detail::joined(chosen);
+  if (!h.rdma.empty()) {
+    const auto ucx = env.get("UCX_NET_DEVICES");
+    e.why += "; RDMA ports are present: an Open MPI built with UCX uses them" +
+             (ucx ? " (UCX_NET_DEVICES=" + std::string(*ucx) + ")" : std::string());
+  }
+  return e;
+}
+
 }  // namespace dtrain
-// ---- end dtrain/ddp/ddp.hpp ----
+// ---- end dtrain/topology/network.hpp ----
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+/// What the doctor looked at.
+struct doctor_facts {
+  environment env;
+  std::optional<world> self;        ///< as discovered; nullopt when discovery failed
+  std::string world_error;          ///< discovery's error, when it failed
+  host_network host;                ///< interfaces, RDMA ports, GPUs on the bus
+  std::string host_name;            ///< gethostname()
+  detail::resolved host_addresses;  ///< what the host name resolves to
+  std::optional<detail::resolved> master_addresses;  ///< MASTER_ADDR's, when it is set
+  std::string route_to_master;  ///< the local address that reaches MASTER_ADDR, or empty
+  int visible_gpus = -1;        ///< CUDA's device count; -1: CUDA could not say
+};
+
+/// A trap found: what is wrong, and the setting that fixes it.
+struct doctor_finding {
+  std::string problem;
+  std::string fix;
+};
+
+namespace detail {
+
+inline std::optional<int> positive_variable(const environment& env, const char* name) {
+  auto v = env.get(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  const std::string text(*v);
+  const long n = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || n < 1 || n > 1'000'000) return std::nullopt;
+  return static_cast<int>(n);
+}
+
+/// Whether the job spans several nodes, as far as the facts tell.
+inline bool multi_node(const doctor_facts& f) {
+  if (f.self) {
+    if (f.self->num_nodes && *f.self->num_nodes > 1) return true;
+    if (f.self->world_size && f.self->local_world_size &&
+        *f.self->world_size > *f.self->local_world_size)
+      return true;
+  }
+  for (const char* var : {"DTRAIN_NNODES", "NNODES", "SLURM_NNODES", "OMPI_MCA_orte_num_nodes",
+                          "GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"}) {
+    if (auto n = positive_variable(f.env, var); n && *n > 1) return true;
+  }
+  return false;
+}
+
+/// Whether a launcher placed this process (else the doctor runs on its own, to check a node).
+inline bool launched(const doctor_facts& f) { return f.self && f.self->source != launcher::none; }
+
+/// GPUs this process may use: CUDA's count, else the NVIDIA GPUs on the bus
+/// limited by CUDA_VISIBLE_DEVICES; -1 when neither is known.
+inline int usable_gpus(const doctor_facts& f) {
+  if (f.visible_gpus >= 0) return f.visible_gpus;
+  int bus = f.host.nvidia_gpus;
+  if (auto v = f.env.get("CUDA_VISIBLE_DEVICES")) {
+    int listed = 0;
+    for (const std::string& device : list_entries(*v)) {
+      if (device.front() != '-') ++listed;  // "-1" hides every device
+    }
+    bus = std::min(bus, listed);
+  }
+  return bus;
+}
+
+inline bool all_loopback(const std::vector<std::string>& addresses) {
+  if (addresses.empty()) return false;
+  for (const auto& a : addresses) {
+    if (!is_loopback_address(a)) return false;
+  }
+  return true;
+}
+
+}  // namespace detail
+
+/// Every known trap the facts show, most fundamental first.
+[[nodiscard]] inline std::vector<doctor_finding> diagnose(const doctor_facts& f) {
+  std::vector<doctor_finding> out;
+  const bool multi = detail::multi_node(f);
+  if (!f.world_error.empty()) {
+    out.push_back({"the launcher's environment is inconsistent: " + f.world_error,
+                   "fix or unset the variable it names; `dtrain_whoami` shows what dtrain reads"});
+  }
+
+  // Debian maps a machine's own name to 127.0.1.1: what other nodes are told
+  // by name, or what a process binds by name, is then a loopback address.
+  if ((multi || !detail::launched(f)) && detail::all_loopback(f.host_addresses.addresses)) {
+    out.push_back(
+        {"the host name " + f.host_name + " resolves to " +
+             detail::joined(f.host_addresses.addresses) +
+             " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1): other nodes cannot "
+             "reach this node by its name, and whatever binds to it listens on loopback only",
+         "map " + f.host_name +
+             " to this node's routable address in /etc/hosts (or DNS); set "
+             "MASTER_ADDR to a routable address of node 0, not its name; and name the interface: "
+             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / OMPI_MCA_btl_tcp_if_include=<eth0 or "
+             "ib0>"});
+  }
+
+  if (auto master = f.env.get("MASTER_ADDR"); master && f.master_addresses) {
+    if (!f.master_addresses->error.empty()) {
+      out.push_back({"MASTER_ADDR=" + std::string(*master) + " cannot be resolved (" +
+                         f.master_addresses->error + "): no rank can reach the store",
+                     "set MASTER_ADDR to node 0's address or a name this node resolves "
+                     "(getent hosts " +
+                         std::string(*master) + ")"});
+    } else if (multi && detail::all_loopback(f.master_addresses->addresses)) {
+      out.push_back(
+          {"MASTER_ADDR=" + std::string(*master) + " resolves to " +
+               detail::joined(f.master_addresses->addresses) +
+               " (loopback) in a job of several nodes: ranks on other nodes would "
+               "reach their own machine, not node 0",
+           "set MASTER_ADDR to node 0's routable address (e.g. its eth0 or ib0 address)"});
+    }
+  }
+
+  const auto ib = f.env.get("NCCL_IB_DISABLE");
+  if (ib && *ib == "1" && f.host.rdma_active()) {
+    std::string ports;
+    for (const auto& p : f.host.rdma) {
+      if (p.active())
+        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " (" +
+                 p.link_layer + ", " + p.rate + ")";
+    }
+    out.push_back(
+        {"NCCL_IB_DISABLE=1 while RDMA ports are active (" + ports +
+             "): NCCL moves data over TCP sockets instead, many times slower",
+         "unset NCCL_IB_DISABLE (or set it to 0); pick ports with NCCL_IB_HCA if needed"});
+  }
+  if (!f.host.rdma.empty() && !f.host.rdma_active()) {
+    std::string ports;
+    for (const auto& p : f.host.rdma)
+      ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " " +
+               p.state + "/" + p.phys_state;
+    out.push_back({"RDMA devices are present but no port is ACTIVE (" + ports +
+                       "): NCCL and MPI fall back to TCP",
+                   "check the cable and the subnet manager (ibstat; `opensm` on one node of an "
+                   "InfiniBand fabric), or the RoCE link"});
+  }
+
+  for (const engine_interface& e : {gloo_interface(f.host, f.env, f.route_to_master),
+                                    nccl_interface(f.host, f.env), mpi_interface(f.host, f.env)}) {
+    for (const auto& name : e.missing) {
+      std::string known;
+      for (const auto& i : f.host.interfaces) known += (known.empty() ? "" : ", ") + i.name;
+      out.push_back({e.why.substr(0, e.why.find(';')) + " names " + name +
+                         ", which this host does not have (interfaces: " +
+                         (known.empty() ? std::string("none") : known) + "): " + e.engine +
+                         " cannot start, or picks another network",
+                     "name an interface this node has, or unset the variable"});
+    }
+  }
+
+  std::optional<int> local;
+  if (f.self && f.self->local_world_size) local = *f.self->local_world_size;
+  for (const char* var : {"DTRAIN_NPROC_PER_NODE", "LOCAL_WORLD_SIZE"}) {
+    if (!local) local = detail::positive_variable(f.env, var);
+  }
+  const int gpus = detail::usable_gpus(f);
+  if (local && gpus >= 1 && gpus < *local) {
+    out.push_back({std::to_string(*local) + " ranks on this node but " + std::to_string(gpus) +
+                       " visible GPU" + (gpus == 1 ? "" : "s") +
+                       ": NCCL needs a GPU of its own for every rank (NCCL before 2.30 rejects a "
+                       "shared one)",
+                   "start " + std::to_string(gpus) + (gpus == 1 ? " worker" : " workers") +
+                       " per node (--nproc-per-node " + std::to_string(gpus) +
+                       "), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"});
+  }
+  return out;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/topology/doctor.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 
 #endif  // DTRAIN_SINGLE_INCLUDE_DTRAIN_HPP

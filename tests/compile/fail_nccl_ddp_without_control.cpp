@@ -11,7 +11,9 @@
 struct gpu_model {
   float* values = nullptr;
   float* grad = nullptr;
-  std::vector<dtrain::parameter> parameters() { return {dtrain::device_param("w", values, grad, 16, 0)}; }
+  std::vector<dtrain::parameter> parameters() {
+    return {dtrain::device_param("w", values, grad, 16, 0)};
+  }
 };
 using job = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl>;
 

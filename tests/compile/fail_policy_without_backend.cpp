@@ -7,5 +7,6 @@
 #error "this check needs a build without Gloo (see tests/CMakeLists.txt)"
 #endif
 
-using job = dtrain::policy<dtrain::launch::per_process, dtrain::backend::gloo, dtrain::topology::flat>;
+using job =
+    dtrain::policy<dtrain::launch::per_process, dtrain::backend::gloo, dtrain::topology::flat>;
 job::communicator_type* unused = nullptr;

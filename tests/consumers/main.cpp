@@ -4,6 +4,11 @@
 
 #include <iostream>
 
+#if DTRAIN_CONSUMER_GLOO_ONLY  // linked to dtrain::gloo alone
+static_assert(DTRAIN_HAS_GLOO() && !DTRAIN_HAS_MPI() && !DTRAIN_HAS_NCCL(),
+              "dtrain::gloo must switch on Gloo and nothing else");
+#endif
+
 int main(int argc, char** argv) {
   auto w = dtrain::discover_world(argc, argv);
   std::cout << DTRAIN_VERSION_STRING << ' ' << dtrain::to_json(w) << '\n';

@@ -35,6 +35,16 @@ using policy = dtrain::policy<dtrain::launch::per_process, device_rules::backend
 using hierarchical_policy = dtrain::policy<dtrain::launch::per_process, device_rules::backend,
                                            dtrain::topology::hierarchical>;
 
+}  // namespace
+
+// A compiled library's explicit instantiation for a backend on streams that
+// reaches no host memory (NCCL's rules): every member defined, no
+// static_assert of the host-only constructor tripped.
+template class dtrain::basic_ddp<policy>;
+template class dtrain::basic_ddp<hierarchical_policy>;
+
+namespace {
+
 struct model {
   // Host memory that DDP sees as GPU memory of device 0.
   std::vector<std::vector<float>> values;
@@ -58,16 +68,18 @@ struct model {
       std::string name = "layer" + std::to_string(p) + (p % 3 == 1 ? ".copy" : ".view");
       if (p == 5 && !renamed.empty()) name = renamed;
       if (p % 3 == 1) {
-        out.push_back(
-            dtrain::device_param_copy(name, values[p].data(), kept[p].data(), values[p].size(), 0));
+        const std::size_t n = values[p].size();
+        out.push_back(dtrain::param(name, dtrain::device_span<float>{values[p].data(), n, 0},
+                                    dtrain::device_span<float>{kept[p].data(), n, 0}));
       } else {
+        // The name before param() took a device_span, kept for existing code.
         out.push_back(dtrain::device_param(name, values[p].data(), grads[p], values[p].size(), 0));
       }
     }
     return out;
   }
   std::vector<dtrain::parameter> buffers() {
-    return {dtrain::device_buffer("step_counter", step_counter.data(), 1, 0)};
+    return {dtrain::param("step_counter", dtrain::device_span<float>{step_counter.data(), 1, 0})};
   }
   float* grad(std::size_t p) { return p % 3 == 1 ? kept[p].data() : grads[p]; }
 };

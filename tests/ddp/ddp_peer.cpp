@@ -11,8 +11,8 @@
 //   mean      gradients equal the exact mean over ranks, for several bucket caps,
 //             ready orders and steps (the rebuild included), both gradient modes;
 //             rank 0's parameters and buffers everywhere after construction; zero_grad
-//   features  no_sync accumulation, bf16/fp16 compression, find_unused_parameters,
-//             a communication hook
+//   features  no_sync accumulation, bf16/fp16 compression, find_unused_parameters
+//             (and rank 0's one-line report of what no rank marked), a communication hook
 //   interleaved  the user's own allreduce on the same communicator between
 //             mark_ready calls (buckets in flight): both results must be right
 //   topology  the policy's topology group on its own: allreduce of every op and
@@ -43,6 +43,8 @@
 #include <string_view>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -155,8 +157,7 @@ struct toy_model {
     return out;
   }
   std::vector<dtrain::parameter> buffers() {
-    return {dtrain::model_buffer("bn.running_mean", running),
-            dtrain::model_buffer("steps", counter)};
+    return {dtrain::param("bn.running_mean", running), dtrain::param("steps", counter)};
   }
 
   /// The gradient as the model sees it now (through its own pointer or buffer).
@@ -210,6 +211,43 @@ struct checker {
                    what.c_str(), got, expected);
     }
   }
+};
+
+/// Collects what this process writes to stderr (fd 2) from construction to end().
+class stderr_capture {
+ public:
+  stderr_capture() {
+    std::fflush(stderr);
+    std::snprintf(path_, sizeof path_, "%s", "/tmp/dtrain-ddp-peer-stderr.XXXXXX");
+    file_ = ::mkstemp(path_);
+    saved_ = ::dup(2);
+    if (file_ >= 0) ::dup2(file_, 2);
+  }
+  stderr_capture(const stderr_capture&) = delete;
+  stderr_capture& operator=(const stderr_capture&) = delete;
+  ~stderr_capture() { (void)end(); }
+  std::string end() {
+    if (saved_ < 0) return text_;
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    saved_ = -1;
+    if (file_ >= 0) {
+      char chunk[4096];
+      ::lseek(file_, 0, SEEK_SET);
+      for (ssize_t n; (n = ::read(file_, chunk, sizeof chunk)) > 0;)
+        text_.append(chunk, static_cast<std::size_t>(n));
+      ::close(file_);
+      ::unlink(path_);
+    }
+    return text_;
+  }
+
+ private:
+  char path_[64];
+  int file_ = -1;
+  int saved_ = -1;
+  std::string text_;
 };
 
 std::string at(const toy_model& m, std::size_t p, std::size_t i) {
@@ -563,6 +601,9 @@ std::size_t unused_case(dtrain::context<Policy>& ctx) {
   const std::size_t never = 9;
   double even_ranks = 0;  // sum of (r + 1) over the ranks that use layer05 and layer16
   for (int r = 0; r < size; r += 2) even_ranks += r + 1;
+  // After step 1 (unused_report_steps = 2) rank 0 names the parameters that
+  // no rank marked: layer09 only (layer05 and layer16 are used on even ranks).
+  stderr_capture report;
   for (int s = 0; s < 3; ++s) {
     ddp.zero_grad();
     for (std::size_t p : ready_order(s, s, rank)) {
@@ -589,6 +630,18 @@ std::size_t unused_case(dtrain::context<Policy>& ctx) {
       }
     }
   }
+  const std::string text = report.end();
+  const auto lines = std::count(text.begin(), text.end(), '\n');
+  if (rank == 0) {
+    c.expect(lines == 1 && text.find("[rank 0/" + std::to_string(size) +
+                                     "] dtrain: DistributedDataParallel: no rank marked "
+                                     "parameter 'layer09.view' ready in the first 2 steps") !=
+                               std::string::npos,
+             "rank 0's report of the unused parameters, once: got \"" + text + "\"");
+  } else {
+    c.expect(text.empty(), "only rank 0 reports; got \"" + text + "\"");
+  }
+  std::fputs(text.c_str(), stderr);  // as the user would see it
   std::printf(
       "rank %d: find_unused_parameters: layer05/layer16 unused on odd ranks, layer09 on all, 3 "
       "steps: %s (%zu checks)\n",

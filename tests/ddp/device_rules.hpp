@@ -182,6 +182,7 @@ class communicator {
 
   [[nodiscard]] int rank() const { return inner_->rank(); }
   [[nodiscard]] int size() const { return inner_->size(); }
+  [[nodiscard]] bool valid() const { return inner_ && inner_->valid(); }
   [[nodiscard]] int device() const noexcept { return 0; }
   /// Every host buffer any of DDP's code sent here.
   [[nodiscard]] static std::atomic<int>& host_buffers_seen() {
@@ -328,10 +329,8 @@ struct dtrain::backend_traits<device_rules::backend> {
     // Gloo's own timeout is longer, so that the watchdog is what ends a hung collective.
     dtrain::collective_options inner = s.collectives;
     inner.timeout = s.collectives.timeout * 3;
-    return communicator(
-        dtrain::gloo_communicator(
-            *s.store, s.rank, s.size,
-            dtrain::gloo_options{.collectives = inner, .master_addr = s.master_addr}),
-        s.collectives.timeout);
+    dtrain::gloo_options options{.collectives = inner, .master_addr = s.master_addr, .env = *s.env};
+    return communicator(dtrain::gloo_communicator(*s.store, s.rank, s.size, std::move(options)),
+                        s.collectives.timeout);
   }
 };

@@ -48,7 +48,8 @@ job* the_job = nullptr;
 job& world() { return *the_job; }
 
 dtrain::gloo_options options_with(dtrain::collective_options collectives) {
-  return {.collectives = collectives};
+  // The interface variables and MASTER_ADDR come from this process's environment, as under run().
+  return {.collectives = collectives, .env = dtrain::environment::from_process()};
 }
 
 using seconds = std::chrono::duration<double>;
@@ -57,7 +58,7 @@ using seconds = std::chrono::duration<double>;
 // Failure modes: run instead of doctest.
 
 int dead_peer(job& j) {
-  j.comm->barrier().wait();  // everyone is connected
+  j.comm->barrier().wait();                             // everyone is connected
   std::vector<float> data(std::size_t{1} << 24, 1.0f);  // 64 MiB: still moving when rank 1 dies
   if (j.rank == 1) {
     auto pending = dtrain::allreduce(*j.comm, std::span(data));
@@ -72,10 +73,12 @@ int dead_peer(job& j) {
     return 1;
   } catch (const dtrain::error& e) {
     const double took = seconds(std::chrono::steady_clock::now() - start).count();
-    const bool expected = dynamic_cast<const dtrain::backend_error*>(&e) || dynamic_cast<const dtrain::timeout_error*>(&e);
+    const bool expected = dynamic_cast<const dtrain::backend_error*>(&e) ||
+                          dynamic_cast<const dtrain::timeout_error*>(&e);
     const double limit = seconds(j.collectives.timeout).count();
     std::printf("rank %d: dead-peer %s after %.1f s (timeout %.1f s): %s\n", j.rank,
-                expected && took < limit + 5 ? "detected" : "NOT detected as expected", took, limit, e.what());
+                expected && took < limit + 5 ? "detected" : "NOT detected as expected", took, limit,
+                e.what());
     std::fflush(stdout);
     if (!expected || took >= limit + 5) return 1;
   }
@@ -153,8 +156,9 @@ TEST_CASE("gloo: collectives queued without waiting complete in order") {
   const std::int64_t n = comm.size();
   for (int k = 0; k < count; ++k) {
     const std::int64_t want = n * (n - 1) / 2 + n * k;
-    CHECK_MESSAGE(std::all_of(data[k].begin(), data[k].end(), [&](std::int64_t v) { return v == want; }),
-                  "allreduce #" << k);
+    CHECK_MESSAGE(
+        std::all_of(data[k].begin(), data[k].end(), [&](std::int64_t v) { return v == want; }),
+        "allreduce #" << k);
   }
   CHECK(std::all_of(twice.begin(), twice.end(), [&](std::int64_t v) { return v == n * n; }));
 }
@@ -169,10 +173,12 @@ TEST_CASE("gloo: reduce_scatters back to back, mixed with other collectives") {
     for (std::size_t n : {std::size_t{1000}, std::size_t{333}}) {
       for (auto op : {dtrain::reduce_op::sum, dtrain::reduce_op::max}) {
         std::vector<double> in(n * static_cast<std::size_t>(size)), out(n);
-        for (std::size_t j = 0; j < in.size(); ++j) in[j] = dtrain_test::input_value(op, rank, j + static_cast<std::size_t>(round));
+        for (std::size_t j = 0; j < in.size(); ++j)
+          in[j] = dtrain_test::input_value(op, rank, j + static_cast<std::size_t>(round));
         dtrain::reduce_scatter(comm, std::span<const double>(in), std::span(out), op).wait();
         for (std::size_t i = 0; i < n; ++i) {
-          const std::size_t j = static_cast<std::size_t>(rank) * n + i + static_cast<std::size_t>(round);
+          const std::size_t j =
+              static_cast<std::size_t>(rank) * n + i + static_cast<std::size_t>(round);
           all_right = all_right && out[i] == dtrain_test::reduce_serial(op, size, j);
         }
       }
@@ -198,11 +204,14 @@ TEST_CASE("gloo: allgather in place, reduce_scatter and allreduce of 16-bit floa
   }
 
   std::vector<float> in(n * static_cast<std::size_t>(size)), out(n);
-  for (std::size_t j = 0; j < in.size(); ++j) in[j] = static_cast<float>(rank + 1) * static_cast<float>(j);
-  dtrain::reduce_scatter(comm, std::span<const float>(in), std::span(out), dtrain::reduce_op::avg).wait();
+  for (std::size_t j = 0; j < in.size(); ++j)
+    in[j] = static_cast<float>(rank + 1) * static_cast<float>(j);
+  dtrain::reduce_scatter(comm, std::span<const float>(in), std::span(out), dtrain::reduce_op::avg)
+      .wait();
   const float mean_factor = static_cast<float>(size + 1) / 2.0f;  // mean of 1..size
   for (std::size_t i = 0; i < n; ++i) {
-    CHECK(out[i] == doctest::Approx(mean_factor * static_cast<float>(static_cast<std::size_t>(rank) * n + i)));
+    CHECK(out[i] == doctest::Approx(mean_factor *
+                                    static_cast<float>(static_cast<std::size_t>(rank) * n + i)));
   }
 
   std::vector<dtrain::bfloat16> halves(3, dtrain::bfloat16(static_cast<float>(rank)));
@@ -213,15 +222,19 @@ TEST_CASE("gloo: allgather in place, reduce_scatter and allreduce of 16-bit floa
 TEST_CASE("gloo: errors name the collective, the rank and the engine") {
   auto& comm = *world().comm;
   std::vector<float> data(8), small(3);
-  const std::string where = "on rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) + " (gloo)";
+  const std::string where =
+      "on rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) + " (gloo)";
   CHECK_THROWS_WITH_AS(dtrain::allgather(comm, std::span<const float>(data), std::span(small)),
-                       doctest::Contains(("allgather(8 x float32) " + where).c_str()), dtrain::config_error);
-  std::vector<double> in(3 * static_cast<std::size_t>(comm.size()) + 1), out(3);
-  CHECK_THROWS_WITH_AS(dtrain::reduce_scatter(comm, std::span<const double>(in), std::span(out)),
-                       doctest::Contains(("input has " + std::to_string(in.size()) + " elements").c_str()), dtrain::config_error);
-  dtrain::buffer wrong{data.data(), data.size(), dtrain::dtype::float32, dtrain::memory::device};
-  CHECK_THROWS_WITH_AS(comm.allreduce(wrong, wrong, dtrain::reduce_op::sum), doctest::Contains("host memory only"),
+                       doctest::Contains(("allgather(8 x float32) " + where).c_str()),
                        dtrain::config_error);
+  std::vector<double> in(3 * static_cast<std::size_t>(comm.size()) + 1), out(3);
+  CHECK_THROWS_WITH_AS(
+      dtrain::reduce_scatter(comm, std::span<const double>(in), std::span(out)),
+      doctest::Contains(("input has " + std::to_string(in.size()) + " elements").c_str()),
+      dtrain::config_error);
+  dtrain::buffer wrong{data.data(), data.size(), dtrain::dtype::float32, dtrain::memory::device};
+  CHECK_THROWS_WITH_AS(comm.allreduce(wrong, wrong, dtrain::reduce_op::sum),
+                       doctest::Contains("host memory only"), dtrain::config_error);
   // Nothing was queued by the rejected calls: the communicator still works.
   std::vector<float> ok(5, 1.0f);
   dtrain::allreduce(comm, std::span(ok)).wait();
@@ -242,13 +255,15 @@ TEST_CASE("gloo: split into even and odd ranks, ordered by key") {
   CHECK(members[static_cast<std::size_t>(half.rank())] == comm.rank());
 
   std::vector<double> data(10007);
-  for (std::size_t i = 0; i < data.size(); ++i) data[i] = comm.rank() + 1.0 + static_cast<double>(i % 3);
+  for (std::size_t i = 0; i < data.size(); ++i)
+    data[i] = comm.rank() + 1.0 + static_cast<double>(i % 3);
   dtrain::allreduce(half, std::span(data)).wait();
   double members_sum = 0;
   for (int r : members) members_sum += r + 1.0;
   bool all_right = true;
   for (std::size_t i = 0; i < data.size(); ++i) {
-    all_right = all_right && data[i] == members_sum + static_cast<double>(members.size()) * static_cast<double>(i % 3);
+    all_right = all_right && data[i] == members_sum + static_cast<double>(members.size()) *
+                                                          static_cast<double>(i % 3);
   }
   CHECK(all_right);
 
@@ -267,6 +282,10 @@ TEST_CASE("gloo: split into even and odd ranks, ordered by key") {
   std::vector<float> all(4, 1.0f);
   dtrain::allreduce(comm, std::span(all)).wait();
   CHECK(all[0] == static_cast<float>(comm.size()));
+}
+
+TEST_CASE("gloo: a negative color to split() leaves the rank out") {
+  dtrain_test::run_left_out_split(*world().comm);
 }
 
 TEST_CASE("gloo: the collective suite on a split with reversed ranks") {
@@ -291,13 +310,15 @@ TEST_CASE("gloo: check mode reports a count that differs between ranks") {
 
   // Rank 0 passes 4 elements, the others 5: reported, not a hang or garbage.
   std::vector<float> data(w.rank == 0 ? 4 : 5, 1.0f);
-  const std::string other = w.rank == 0 ? "rank 1 called collective #3 with 5 x float32"
-                                        : "rank 0 called collective #3 with 4 x float32";
+  const std::string other = w.rank == 0
+                                ? "rank 1 called collective #3: allreduce(sum, float32 \u00d7 5)"
+                                : "rank 0 called collective #3: allreduce(sum, float32 \u00d7 4)";
   auto pending = dtrain::allreduce(checked, std::span(data));
   CHECK_THROWS_WITH_AS(pending.wait(), doctest::Contains(other.c_str()), dtrain::backend_error);
-  CHECK_THROWS_WITH_AS(pending.wait(), doctest::Contains(("allreduce(sum, " + std::to_string(data.size()) +
-                                                          " x float32) on rank " + std::to_string(w.rank))
-                                                             .c_str()),
+  CHECK_THROWS_WITH_AS(pending.wait(),
+                       doctest::Contains(("allreduce(sum, " + std::to_string(data.size()) +
+                                          " x float32) on rank " + std::to_string(w.rank))
+                                             .c_str()),
                        dtrain::backend_error);
   CHECK(data[0] == 1.0f);  // the mismatched collective did not run
   // The communicator is now unusable, and says so at once.
@@ -308,30 +329,43 @@ TEST_CASE("gloo: an interface that does not exist is a config_error naming it") 
   auto& w = world();
   auto options = options_with(w.collectives);
   options.interface = "dtrain-nope0";
-  CHECK_THROWS_WITH_AS(dtrain::gloo_communicator(*w.store, w.rank, w.size, options),
-                       doctest::Contains("gloo_options::interface=dtrain-nope0 names no network interface"),
+  CHECK_THROWS_WITH_AS(
+      dtrain::gloo_communicator(*w.store, w.rank, w.size, options),
+      doctest::Contains("gloo_options::interface=dtrain-nope0 names no network interface"),
+      dtrain::config_error);
+  CHECK_THROWS_WITH_AS(dtrain::detail::choose_gloo_endpoint(
+                           "", "", dtrain::environment{{"DTRAIN_GLOO_IFNAME", "nope1"}}, 2),
+                       doctest::Contains("DTRAIN_GLOO_IFNAME=nope1 names no network interface"),
                        dtrain::config_error);
-  CHECK_THROWS_WITH_AS(dtrain::detail::choose_gloo_endpoint("", "", dtrain::environment{{"DTRAIN_GLOO_IFNAME", "nope1"}}, 2),
-                       doctest::Contains("DTRAIN_GLOO_IFNAME=nope1 names no network interface"), dtrain::config_error);
-  CHECK_THROWS_WITH_AS(dtrain::detail::choose_gloo_endpoint("", "", dtrain::environment{{"GLOO_SOCKET_IFNAME", "nope2,lo"}}, 2),
-                       doctest::Contains("GLOO_SOCKET_IFNAME=nope2,lo names no network interface"), dtrain::config_error);
-  CHECK_THROWS_AS(dtrain::gloo_communicator(*w.store, w.rank, w.rank, options), dtrain::config_error);
+  CHECK_THROWS_WITH_AS(dtrain::detail::choose_gloo_endpoint(
+                           "", "", dtrain::environment{{"GLOO_SOCKET_IFNAME", "nope2,lo"}}, 2),
+                       doctest::Contains("GLOO_SOCKET_IFNAME=nope2,lo names no network interface"),
+                       dtrain::config_error);
+  CHECK_THROWS_AS(dtrain::gloo_communicator(*w.store, w.rank, w.rank, options),
+                  dtrain::config_error);
 }
 
-TEST_CASE("gloo: the interface comes from the option, the environment, or the route to MASTER_ADDR") {
+TEST_CASE(
+    "gloo: the interface comes from the option, the environment, or the route to MASTER_ADDR") {
   using dtrain::detail::choose_gloo_endpoint;
-  const dtrain::environment env{{"DTRAIN_GLOO_IFNAME", "lo"}, {"GLOO_SOCKET_IFNAME", "nope"}, {"MASTER_ADDR", "10.9.9.9"}};
-  CHECK(choose_gloo_endpoint("lo", "", dtrain::environment{{"DTRAIN_GLOO_IFNAME", "nope"}}, 4).iface == "lo");
+  const dtrain::environment env{
+      {"DTRAIN_GLOO_IFNAME", "lo"}, {"GLOO_SOCKET_IFNAME", "nope"}, {"MASTER_ADDR", "10.9.9.9"}};
+  CHECK(choose_gloo_endpoint("lo", "", dtrain::environment{{"DTRAIN_GLOO_IFNAME", "nope"}}, 4)
+            .iface == "lo");
   CHECK(choose_gloo_endpoint("", "", env, 4).iface == "lo");
-  CHECK(choose_gloo_endpoint("", "", dtrain::environment{{"GLOO_SOCKET_IFNAME", "lo,eth7"}}, 4).iface == "lo");
-  auto routed = choose_gloo_endpoint("", "", dtrain::environment{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}, 4);
+  CHECK(choose_gloo_endpoint("", "", dtrain::environment{{"GLOO_SOCKET_IFNAME", "lo,eth7"}}, 4)
+            .iface == "lo");
+  auto routed = choose_gloo_endpoint(
+      "", "", dtrain::environment{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}, 4);
   CHECK(routed.iface.empty());
   CHECK(routed.hostname == "127.0.0.1");
   CHECK(routed.origin.find("MASTER_ADDR=127.0.0.1") != std::string::npos);
-  CHECK(choose_gloo_endpoint("", "127.0.0.1", dtrain::environment{{"MASTER_ADDR", "nowhere.invalid"}}, 4).hostname ==
-        "127.0.0.1");
-  CHECK_THROWS_WITH_AS(choose_gloo_endpoint("", "", dtrain::environment{{"MASTER_ADDR", "nowhere.invalid"}}, 4),
-                       doctest::Contains("MASTER_ADDR=nowhere.invalid cannot be resolved"), dtrain::config_error);
+  CHECK(choose_gloo_endpoint("", "127.0.0.1",
+                             dtrain::environment{{"MASTER_ADDR", "nowhere.invalid"}}, 4)
+            .hostname == "127.0.0.1");
+  CHECK_THROWS_WITH_AS(
+      choose_gloo_endpoint("", "", dtrain::environment{{"MASTER_ADDR", "nowhere.invalid"}}, 4),
+      doctest::Contains("MASTER_ADDR=nowhere.invalid cannot be resolved"), dtrain::config_error);
   CHECK(choose_gloo_endpoint("", "", dtrain::environment{}, 1).hostname == "127.0.0.1");
 }
 
@@ -373,7 +407,8 @@ int main(int argc, char** argv) {
       port = j.server->port();
     }
     j.store = std::make_unique<dtrain::store_client>(host, port);
-    j.comm = std::make_unique<dtrain::gloo_communicator>(*j.store, j.rank, j.size, options_with(j.collectives));
+    j.comm = std::make_unique<dtrain::gloo_communicator>(*j.store, j.rank, j.size,
+                                                         options_with(j.collectives));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain_gloo_tests: setting up: %s\n", e.what());
     return 1;
@@ -392,7 +427,8 @@ int main(int argc, char** argv) {
   try {
     j.comm->barrier().wait();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dtrain_gloo_tests: rank %d: the closing barrier failed: %s\n", j.rank, e.what());
+    std::fprintf(stderr, "dtrain_gloo_tests: rank %d: the closing barrier failed: %s\n", j.rank,
+                 e.what());
     return status != 0 ? status : 1;
   }
   return status;

@@ -12,7 +12,7 @@
 #include <doctest/doctest.h>
 
 #include "collective_suite.hpp"  // make, value_of
-#include "support.hpp"  // CHECK_CONTAINS, config_error_text
+#include "support.hpp"           // CHECK_CONTAINS, config_error_text
 
 #include <dtrain/backend/nccl.hpp>
 #include <dtrain/rendezvous/client.hpp>

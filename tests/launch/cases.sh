@@ -74,6 +74,28 @@ two_nodes)
   [[ $(count_lines "$work/n0.out" '^peer \{"rank":[01],') == 2 ]] || fail "node 0 did not run ranks 0 and 1"
   ;;
 
+nproc_from_argv)
+  # dtrain::run reads --nproc-per-node from argv when run_options leave it unset
+  # (the peer's --nproc-from-argv); DTRAIN_NPROC_PER_NODE wins over both; a bad
+  # value is a config error naming the flag. Workers see argv unchanged.
+  "$PEER" node-gloo --nproc-from-argv --nproc-per-node 3 >"$work/a.out" 2>"$work/a.err"
+  expect_status 0 $? "--nproc-per-node 3"
+  check_world "$work/a.out" 3 3
+  "$PEER" node-gloo --nproc-from-argv --nproc_per_node=2 >"$work/b.out" 2>"$work/b.err"
+  expect_status 0 $? "--nproc_per_node=2"
+  check_world "$work/b.out" 2 2
+  DTRAIN_NPROC_PER_NODE=1 "$PEER" node-gloo --nproc-from-argv --nproc-per-node=3 >"$work/c.out" 2>"$work/c.err"
+  expect_status 0 $? "DTRAIN_NPROC_PER_NODE=1 with --nproc-per-node=3"
+  check_world "$work/c.out" 1 1
+  # run_options (the peer's own --nproc-per-node 2) win over a later --nproc_per_node=3.
+  "$PEER" node-gloo --nproc-per-node 2 --nproc_per_node=3 >"$work/e.out" 2>"$work/e.err"
+  expect_status 0 $? "run_options 2 with --nproc_per_node=3"
+  check_world "$work/e.out" 2 2
+  "$PEER" node-gloo --nproc-from-argv --nproc-per-node=x >"$work/d.out" 2>"$work/d.err"
+  expect_status 2 $? "--nproc-per-node=x"
+  expect_line "$work/d.err" '^\[agent\] dtrain: --nproc-per-node=x on the command line is not a non-negative integer' "the bad flag's message"
+  ;;
+
 worker_fails)
   # Rank 1 exits 3; the others hang ignoring SIGTERM, so the agent must SIGKILL them after the grace period.
   mkdir "$work/pids"

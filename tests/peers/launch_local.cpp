@@ -49,8 +49,9 @@ int free_port() {
 }
 
 void drop_launcher_variables() {
-  static const char* const prefixes[] = {"OMPI_COMM_WORLD", "PMI_", "PMIX_RANK", "MPI_LOCAL", "SLURM_", "HOROVOD_",
-                                         "TF_CONFIG", "AZ_BATCH", "NODE_RANK"};
+  static const char* const prefixes[] = {"OMPI_COMM_WORLD", "PMI_",     "PMIX_RANK",
+                                         "MPI_LOCAL",       "SLURM_",   "HOROVOD_",
+                                         "TF_CONFIG",       "AZ_BATCH", "NODE_RANK"};
   std::vector<std::string> names;
   for (char** e = environ; *e; ++e) {
     std::string entry(*e);
@@ -62,7 +63,9 @@ void drop_launcher_variables() {
   for (const auto& n : names) ::unsetenv(n.c_str());
 }
 
-int status_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+int status_of(int status) {
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
 
 }  // namespace
 
@@ -135,7 +138,8 @@ int main(int argc, char** argv) {
         ::setenv("DTRAIN_NODE_NAME", ("test-node" + std::to_string(node)).c_str(), 1);
       }
       ::execvp(program[0], program);
-      std::fprintf(stderr, "dtrain_test_launch: cannot run %s: %s\n", program[0], std::strerror(errno));
+      std::fprintf(stderr, "dtrain_test_launch: cannot run %s: %s\n", program[0],
+                   std::strerror(errno));
       std::_Exit(127);
     }
     ranks.push_back(pid);
@@ -152,7 +156,9 @@ int main(int argc, char** argv) {
     --left;
     int code = status_of(status);
     auto rank = std::find(ranks.begin(), ranks.end(), pid) - ranks.begin();
-    if (code != 0) std::fprintf(stderr, "dtrain_test_launch: rank %ld exited with status %d\n", static_cast<long>(rank), code);
+    if (code != 0)
+      std::fprintf(stderr, "dtrain_test_launch: rank %ld exited with status %d\n",
+                   static_cast<long>(rank), code);
     worst = std::max(worst, code);
     if (code != 0 && kill_on_failure) {
       for (pid_t p : ranks) ::kill(p, SIGTERM);

@@ -8,6 +8,7 @@
 //
 // Options (agent options go into run_options; workers see the same argv):
 //   --nproc-per-node N --nnodes N --node-rank N --master-port P --max-restarts K --grace-period S
+//   --nproc-from-argv   leave --nproc-per-node out of run_options: dtrain::run reads argv itself
 //   --fail-rank R       that rank exits with --fail-code (default 3) ...
 //   --fail-restarts A   ... only while the restart count is below A (default: always)
 //   --throw-rank R      that rank throws std::runtime_error("peer failure on purpose")
@@ -16,7 +17,8 @@
 //   --die-rank R        that rank SIGKILLs itself after the barrier, while the others stream
 //                       allreduces to it (a peer dying mid-collective)
 //   --broken-pipe       every rank writes to a pipe nobody reads and prints what write() said
-//   --fork-child DIR    every rank first starts `sleep 300` and writes its pid to DIR/child<rank>.pid
+//   --fork-child DIR    every rank first starts `sleep 300` and writes its pid to
+//   DIR/child<rank>.pid
 //
 // Each worker prints `peer <world json> restart=<k>` and, after a barrier and
 // an allreduce whose result it checks, `peer rank <r> done sum=<s>`.
@@ -52,6 +54,7 @@ struct peer_options {
   int die_rank = -1;
   bool broken_pipe = false;
   std::string child_dir;
+  bool nproc_from_argv = false;
 };
 
 peer_options parse(int argc, char** argv) {
@@ -65,8 +68,12 @@ peer_options parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--nproc-per-node")
+    if (a == "--nproc-from-argv")
+      o.nproc_from_argv = true;
+    else if (a == "--nproc-per-node" || a == "--nproc_per_node")
       o.run.agent.nproc_per_node = std::stoi(next());
+    else if (a.starts_with("--nproc-per-node=") || a.starts_with("--nproc_per_node="))
+      continue;  // only dtrain::run reads these (--nproc-from-argv)
     else if (a == "--nnodes")
       o.run.agent.nnodes = std::stoi(next());
     else if (a == "--node-rank")
@@ -104,6 +111,7 @@ peer_options parse(int argc, char** argv) {
       std::exit(2);
     }
   }
+  if (o.nproc_from_argv) o.run.agent.nproc_per_node.reset();
   return o;
 }
 

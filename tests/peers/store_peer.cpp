@@ -33,8 +33,8 @@ int main(int argc, char** argv) {
     std::string mode = argc > 1 ? argv[1] : "";
     if (mode == "serve") {
       // DTRAIN_STORE_TOKEN, DTRAIN_STORE_IDLE_TIMEOUT, ... apply (bench/store_attack.py).
-      dtrain::store_server server("127.0.0.1", 0,
-                                  dtrain::store_options{}.with_env(dtrain::environment::from_process()));
+      dtrain::store_server server(
+          "127.0.0.1", 0, dtrain::store_options{}.with_env(dtrain::environment::from_process()));
       std::printf("%d\n", server.port());
       std::fflush(stdout);
       for (;;) ::pause();

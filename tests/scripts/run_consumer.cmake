@@ -71,3 +71,32 @@ if(NOT world_size STREQUAL "1")
   message(FATAL_ERROR "consumer.${CONSUMER}: world_size ${world_size}, expected 1: ${json}")
 endif()
 message(STATUS "consumer.${CONSUMER}: ${out}")
+
+if(CONSUMER STREQUAL "single_header")
+  return()
+endif()
+include("${WORK_DIR}/dtrain_consumer_paths.cmake")  # DTRUN, GLOO_PROGRAM (common.cmake)
+
+# dtrun: a subproject builds it on request (it is not in `all` there); an
+# installed package brings it along.
+if(NOT CONSUMER STREQUAL "find_package")
+  step("build dtrun" "${CMAKE_COMMAND}" --build "${WORK_DIR}" ${config_args} --target dtrun)
+endif()
+step("dtrun --help" "${DTRUN}" --help)
+if(NOT out MATCHES "usage: dtrun ")
+  message(FATAL_ERROR "consumer.${CONSUMER}: ${DTRUN} --help printed no usage:\n${out}")
+endif()
+message(STATUS "consumer.${CONSUMER}: ${DTRUN} --help works")
+
+# A program linked to dtrain::gloo loads Gloo and no other engine.
+if(GLOO_PROGRAM)
+  step("ldd" ldd "${GLOO_PROGRAM}")
+  if(NOT out MATCHES "libgloo")
+    message(FATAL_ERROR "consumer.${CONSUMER}: ${GLOO_PROGRAM} does not load libgloo:\n${out}")
+  endif()
+  if(out MATCHES "(libmpi[^ ]*|libnccl[^ ]*|libcudart[^ ]*)")
+    message(FATAL_ERROR "consumer.${CONSUMER}: ${GLOO_PROGRAM}, linked to dtrain::gloo alone, "
+                        "loads ${CMAKE_MATCH_1}:\n${out}")
+  endif()
+  message(STATUS "consumer.${CONSUMER}: a dtrain::gloo program loads no MPI, NCCL or CUDA runtime")
+endif()

@@ -64,7 +64,44 @@ class failing_work final : public dtrain::detail::work_state {
   bool poll() override { return true; }
 };
 
+/// Work that finishes at its `polls_needed`-th poll, and counts its polls.
+class counted_work final : public dtrain::detail::work_state {
+ public:
+  explicit counted_work(int polls_needed)
+      : work_state("barrier() on rank 0 of 2 (test)", 10s), needed_(polls_needed) {}
+  bool poll() override { return ++polls >= needed_; }
+  int polls = 0;
+
+ private:
+  int needed_;
+};
+
 }  // namespace
+
+TEST_CASE("work: copies share the end, and the timeout, that one of them saw") {
+  auto counted = std::make_shared<counted_work>(3);
+  dtrain::work first(counted);
+  const dtrain::work copy = first;
+  first.wait();
+  CHECK(counted->polls == 3);
+  dtrain::work second = copy;
+  CHECK(second.test());  // done, without asking the engine again
+  CHECK(second.exception() == nullptr);
+  CHECK(counted->polls == 3);
+
+  std::atomic<int> aborted{0};
+  dtrain::work stuck(std::make_shared<stuck_work>(200ms, aborted, false));
+  dtrain::work other = stuck;
+  CHECK_FALSE(other.test());
+  CHECK_THROWS_WITH_AS(stuck.wait(), doctest::Contains("did not finish within 0.2 s"),
+                       dtrain::timeout_error);
+  CHECK(aborted == 1);
+  CHECK(other.test());  // the copy knows it is over: it neither waits nor aborts again
+  REQUIRE(other.exception() != nullptr);
+  CHECK_THROWS_WITH_AS(other.wait(), doctest::Contains("did not finish within 0.2 s"),
+                       dtrain::timeout_error);
+  CHECK(aborted == 1);
+}
 
 TEST_CASE("control plane: store_channel allgathers and broadcasts among threads, and cleans up") {
   dtrain::store_server server("127.0.0.1", 0, quick);

@@ -5,9 +5,13 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
+#include <iterator>
 #include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -145,7 +149,7 @@ TEST_CASE("desync: a rank with no collective yet is behind the others") {
         "never started #1");
 }
 
-TEST_CASE("desync: rings travel through the store as text and come back the same") {
+TEST_CASE("desync: rings travel through the store and come back the same") {
   std::vector<call_record> calls{call(7, 3, call_state::completed, "bucket 12", dtype::bfloat16),
                                  call(8, 0, call_state::timed_out, {}, dtype::int64, "barrier")};
   calls[1].root = 2;
@@ -163,11 +167,17 @@ TEST_CASE("desync: rings travel through the store as text and come back the same
     CHECK(got.label == calls[i].label);
     CHECK(got.state == calls[i].state);
   }
+  const std::string value = dtrain::detail::encode_rings(rings);
   CHECK_FALSE(dtrain::detail::decode_rings("not a ring"));
-  CHECK_FALSE(dtrain::detail::decode_rings(
-      "dtrain-rings 1\n1 allreduce 0 4 0 -1 0 \n"));  // no communicator
-  CHECK_FALSE(dtrain::detail::decode_rings("dtrain-rings 1\n= world\n1 allreduce 99 4 0 -1 0 \n"));
-  CHECK_FALSE(dtrain::detail::decode_rings("dtrain-rings 1\n= world\n1 allreduce\n"));
+  CHECK_FALSE(dtrain::detail::decode_rings(value.substr(0, value.size() - 1)));  // cut short
+  CHECK_FALSE(dtrain::detail::decode_rings(value + "x"));                        // trailing bytes
+  std::string bad_version = value;
+  bad_version[0] = 2;
+  CHECK_FALSE(dtrain::detail::decode_rings(bad_version));
+  // world's first call: version, ring count, name, call count, seq, kind; then its type byte.
+  std::string bad_type = value;
+  bad_type[1 + 4 + 4 + 5 + 4 + 8 + 4 + 9] = 99;
+  CHECK_FALSE(dtrain::detail::decode_rings(bad_type));
 }
 
 TEST_CASE("desync: the job's analysis picks the communicator that explains the stall") {
@@ -254,7 +264,8 @@ TEST_CASE(
 
   dtrain::store_client client("127.0.0.1", server.port(), quick);
   dtrain::prefix_store<dtrain::store_client> diag(client, "job/diag");
-  CHECK(diag.get("1/reason") == "a test on rank 1");
+  CHECK(dtrain::detail::wire::decode_text("1/reason", diag.get("1/reason"), "a reason") ==
+        "a test on rank 1");
   CHECK(diag.check(std::vector<std::string>{"1/ring/0", "1/ring/1", "1/ring/2", "1/closed"}));
   CHECK_FALSE(diag.check(std::vector<std::string>{"1/ring/3"}));
 
@@ -262,7 +273,39 @@ TEST_CASE(
   std::raise(SIGUSR1);
   const std::vector<std::string> closed{"2/closed"};
   diag.wait(closed, 20s);
-  CHECK(diag.get("2/reason") == "SIGUSR1 on rank 2");
+  CHECK(dtrain::detail::wire::decode_text("2/reason", diag.get("2/reason"), "a reason") ==
+        "SIGUSR1 on rank 2");
   while (!ranks.empty())
     ranks.pop_back();  // newest first: each gives SIGUSR1 back to the one before
+}
+
+TEST_CASE("check mode: every engine names a mismatched call as the ring does") {
+  using dtrain::detail::collective_info;
+  using dtrain::detail::signature;
+  const collective_info mine{"allreduce", "mpi", 0, 2, 4, static_cast<std::uint8_t>(dtype::float32),
+                             0,           -1};
+  const collective_info theirs{
+      "broadcast", "mpi", 1, 2, 4, static_cast<std::uint8_t>(dtype::float32), -1, 1};
+  const signature a = dtrain::detail::signature_of(7, mine);
+  CHECK(dtrain::detail::describe_collective(a) ==
+        "collective #7: allreduce(sum, float32 \u00d7 4)");
+  CHECK(dtrain::detail::describe_collective(dtrain::detail::signature_of(7, theirs)) ==
+        "collective #7: broadcast(float32 \u00d7 4, root 1)");
+  // A fake allgather: rank 1 passed `theirs` as its 7th collective.
+  auto gather = [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    const signature b = dtrain::detail::signature_of(7, theirs);
+    const std::int64_t other[] = {b.seq, b.kind, b.count, b.type, b.op, b.root};
+    std::copy(in.begin(), in.end(), out.begin());
+    std::copy(std::begin(other), std::end(other),
+              out.begin() + static_cast<std::ptrdiff_t>(in.size()));
+  };
+  CHECK_THROWS_WITH_AS(
+      dtrain::detail::compare_signatures(a, 0, 2, "allreduce(...)", gather),
+      "allreduce(...): rank 1 called collective #7: broadcast(float32 \u00d7 4, root 1), "
+      "rank 0 called collective #7: allreduce(sum, float32 \u00d7 4)",
+      dtrain::backend_error);
+  CHECK_NOTHROW(dtrain::detail::compare_signatures(
+      a, 0, 1, "x", [](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+        std::copy(in.begin(), in.end(), out.begin());
+      }));
 }

@@ -69,13 +69,13 @@ TEST_CASE("agent options: sizes are checked against max_world_size before anythi
         "(max_world_size)");
   CHECK(config_error_text([] {
           (void)agent_options{}.with_env({{"DTRAIN_NNODES", "1048577"}});
-        }) == "option nnodes=1048577 is more than dtrain's limit of 1048576 ranks (max_world_size)");
+        }) ==
+        "option nnodes=1048577 is more than dtrain's limit of 1048576 ranks (max_world_size)");
   agent_options{.nproc_per_node = dtrain::max_world_size, .nnodes = 1}.check();  // the limit itself
   // Each fits, the product does not (it would overflow an int): discovery names both factors.
-  CHECK(dtrain_test::discover_error({{"NODE_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}}, {},
-                                    {.mode = dtrain::launch_mode::per_node,
-                                     .nproc_per_node = 65536,
-                                     .nnodes = 65536}) ==
+  CHECK(dtrain_test::discover_error(
+            {{"NODE_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}}, {},
+            {.mode = dtrain::launch_mode::per_node, .nproc_per_node = 65536, .nnodes = 65536}) ==
         "option nproc_per_node=65536 × option nnodes=65536 = 4294967296 ranks, more than dtrain's "
         "limit of 1048576 (max_world_size)");
 }
@@ -214,14 +214,70 @@ TEST_CASE("rank report: survives the store with its origins, and garbage is refu
   CHECK_FALSE(back.self.node_rank);
   CHECK(back.self.world_size == 8);
   CHECK(back.self.origin(dtrain::world::field::local_world_size) == "OMPI_COMM_WORLD_LOCAL_SIZE=4");
-  for (const std::string& bad :
-       std::vector<std::string>{"", "3:ab", "x:abc", "1:a", r.encode() + "0:"}) {
+  std::string bad_flag = r.encode();
+  bad_flag[4 + r.node_name.size()] = 7;  // world_size's known flag
+  for (const std::string& bad : std::vector<std::string>{
+           "", "3:ab", "x:abc", "1:a", r.encode() + "0:", r.encode().substr(0, 20), bad_flag}) {
     CHECK_THROWS_WITH_AS((void)rank_report::decode(bad, "store key world/3"),
-                         "store key world/3 is not a dtrain rank report", dtrain::rendezvous_error);
+                         doctest::Contains("store key world/3 does not hold a rank report"),
+                         dtrain::rendezvous_error);
   }
 }
 
 TEST_CASE("node name: DTRAIN_NODE_NAME overrides the host name") {
   CHECK(dtrain::node_name(environment{{"DTRAIN_NODE_NAME", "rack4-node2"}}) == "rack4-node2");
   CHECK_FALSE(dtrain::node_name(environment{}).empty());
+}
+
+TEST_CASE("placement table: survives the store, carries rank 0's error, and garbage is refused") {
+  const std::vector<placement> table{{0, 2, 0, 2}, {1, 2, 0, 1}, {0, 2, 1, 2}};
+  const std::string value = dtrain::encode_placements(table);
+  for (int r = 0; r < 3; ++r) {
+    CHECK(dtrain::decode_placement("store key world/placement", value, r, 3) ==
+          table[static_cast<std::size_t>(r)]);
+  }
+  CHECK_THROWS_WITH_AS(
+      (void)dtrain::decode_placement("k", dtrain::encode_placement_error("RANK=7 is bad"), 0, 3),
+      "RANK=7 is bad", dtrain::config_error);
+  CHECK_THROWS_WITH_AS(
+      (void)dtrain::decode_placement("store key dtrain/job/world/placement", value, 0, 4),
+      doctest::Contains("store key dtrain/job/world/placement does not hold a placement "
+                        "table (101 bytes): it places 3 ranks, not 4"),
+      dtrain::rendezvous_error);
+  CHECK_THROWS_AS((void)dtrain::decode_placement("k", "ok 0,1,0,1", 0, 1),
+                  dtrain::rendezvous_error);
+}
+
+TEST_CASE("agent protocol: failure and node records survive the store, garbage names its key") {
+  using dtrain::detail::failure_record;
+  using dtrain::detail::node_record;
+  const failure_record f{127, true, "cannot run \"x\": no such file"};
+  const failure_record back = failure_record::decode("k", f.encode());
+  CHECK(back.status == 127);
+  CHECK(back.final);
+  CHECK(back.message == f.message);
+  CHECK_THROWS_WITH_AS(
+      (void)failure_record::decode("dtrain/agent/0/failure", "3 0 old format"),
+      doctest::Contains("store key dtrain/agent/0/failure does not hold a failure record"),
+      dtrain::rendezvous_error);
+  const node_record n{4, 2, "host-a", 1234};
+  const node_record m = node_record::decode("k", n.encode());
+  CHECK(m.nproc == 4);
+  CHECK(m.max_restarts == 2);
+  CHECK(m.who() == "host-a:1234");
+  CHECK_THROWS_AS((void)node_record::decode("k", n.encode() + "!"), dtrain::rendezvous_error);
+  CHECK(dtrain::detail::decode_port("k", dtrain::detail::encode_port(29500)) == 29500);
+  CHECK_THROWS_WITH_AS((void)dtrain::detail::decode_port("dtrain/agent/0/worker_port",
+                                                         dtrain::detail::wire::encode_int(70000)),
+                       doctest::Contains("the port 70000 is not in 1..65535"),
+                       dtrain::rendezvous_error);
+  const auto a = dtrain::detail::store_address::decode(
+      dtrain::detail::store_address::serving("h", 5).encode());
+  CHECK((a.ok && a.host == "h" && a.port == 5));
+  const auto failed =
+      dtrain::detail::store_address::decode(dtrain::detail::store_address::failed("no").encode());
+  CHECK((!failed.ok && failed.failure == "no"));
+  CHECK_THROWS_WITH_AS((void)dtrain::detail::store_address::decode("host 29500"),
+                       doctest::Contains("rank 0's broadcast does not hold the store's address"),
+                       dtrain::rendezvous_error);
 }

@@ -2,7 +2,6 @@
 // idle connections, and a log that summarises floods.
 #include "store_support.hpp"
 
-
 #include <atomic>
 #include <memory>
 #include <vector>

@@ -1,7 +1,6 @@
 // The store's token and where it listens (rendezvous/security.hpp).
 #include "store_support.hpp"
 
-
 #include <set>
 
 using dtrain::environment;

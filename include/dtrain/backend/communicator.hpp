@@ -3,6 +3,7 @@
 /// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
 /// the argument checks they share, and the typed collectives users call.
 
+#include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/error.hpp>
@@ -10,6 +11,8 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <iterator>
+#include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21,6 +24,12 @@ namespace dtrain {
 /// A group of ranks that runs collectives. Every call is asynchronous and
 /// returns a work handle; buffers must stay alive until it completes. All
 /// ranks must call the same collectives in the same order.
+///
+/// `split(color, key)` is collective: the ranks that pass the same color form
+/// a new communicator, ranked by key (then by rank here). A negative color
+/// means the same on every engine (MPI_UNDEFINED, NCCL_SPLIT_NOCOLOR): this
+/// rank joins no group, and gets a communicator whose `valid()` is false,
+/// `rank()` -1 and `size()` 0, on which every collective is a config_error.
 template <class C>
 concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int root) {
   { cc.rank() } -> std::convertible_to<int>;
@@ -31,6 +40,7 @@ concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int r
   { c.reduce_scatter(b, b, op) } -> std::same_as<work>;
   { c.barrier() } -> std::same_as<work>;
   { c.split(root, root) } -> std::same_as<C>;
+  { cc.valid() } -> std::convertible_to<bool>;
   { C::reaches_device_memory } -> std::convertible_to<bool>;
   { C::reaches_host_memory } -> std::convertible_to<bool>;
   { C::name } -> std::convertible_to<std::string_view>;
@@ -38,7 +48,17 @@ concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int r
 
 namespace detail {
 
-inline std::string shape(const buffer& b) { return std::to_string(b.count) + " x " + std::string(to_string(b.type)); }
+inline std::string shape(const buffer& b) {
+  return std::to_string(b.count) + " x " + std::string(to_string(b.type));
+}
+
+/// What a collective throws on a communicator that is not valid(): one that
+/// split() gave this rank for a negative color (`left_out`), or a moved-from one.
+[[noreturn]] inline void throw_invalid(const std::string& what, bool left_out) {
+  throw config_error(what + (left_out ? ": this rank passed a negative color to split() and "
+                                        "belongs to no communicator"
+                                      : ": the communicator was moved from"));
+}
 
 /// Checks what one rank can check alone; throws config_error naming the collective and the rank.
 struct argument_check {
@@ -49,52 +69,101 @@ struct argument_check {
   argument_check(const collective_info& i) : info(&i) {}
 
   void same_type(const buffer& in, const buffer& out) const {
-    if (in.type != out.type) fail("input is " + std::string(to_string(in.type)) + ", output " + std::string(to_string(out.type)));
-    if (in.where != out.where) fail("input and output live in different memories (host and device)");
+    if (in.type != out.type)
+      fail("input is " + std::string(to_string(in.type)) + ", output " +
+           std::string(to_string(out.type)));
+    if (in.where != out.where)
+      fail("input and output live in different memories (host and device)");
   }
   void count(const buffer& b, std::size_t expected, std::string_view which) const {
     if (b.count != expected) {
-      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " + std::to_string(expected));
+      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
+           std::to_string(expected));
     }
   }
   void op_fits(reduce_op op, dtype t) const {
     if (op == reduce_op::avg && !is_floating(t)) {
-      fail("avg of " + std::string(to_string(t)) + " would truncate; average floating-point data, or sum and divide");
+      fail("avg of " + std::string(to_string(t)) +
+           " would truncate; average floating-point data, or sum and divide");
     }
   }
   void root(int r, int size) const {
-    if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
+    if (r < 0 || r >= size)
+      fail("root " + std::to_string(r) + " is not a rank of this communicator");
   }
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
 };
 
-/// What a rank passed to a collective, compared across ranks in check mode.
+/// The collectives check mode knows by code, in every engine (0: another).
+inline constexpr std::string_view collective_kinds[] = {
+    "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
+    "barrier", "allreduce_many", "split"};
+
+[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
+  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
+    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  }
+  return 0;
+}
+
+/// What a rank passed to its `seq`-th collective on a communicator, compared
+/// across ranks in check mode: the ring's fingerprint (call_record) as int64s,
+/// built and compared the same way by every engine.
 struct signature {
-  std::int64_t collective, count, type, op_or_root;
+  std::int64_t seq = 0;   ///< the communicator's sequence number, as in its ring
+  std::int64_t kind = 0;  ///< collective_kind_code()
+  std::int64_t count = 0;
+  std::int64_t type = 0;  ///< a dtype
+  std::int64_t op = -1;   ///< a reduce_op, or -1
+  std::int64_t root = -1;
+  static constexpr std::size_t fields = 6;
   friend bool operator==(const signature&, const signature&) = default;
 };
+
+/// The signature of collective number `seq`, described by `info`.
+[[nodiscard]] inline signature signature_of(std::int64_t seq,
+                                            const collective_info& info) noexcept {
+  return {seq,
+          collective_kind_code(info.collective),
+          static_cast<std::int64_t>(info.count),
+          static_cast<std::int64_t>(info.type),
+          info.op,
+          info.root};
+}
+
+/// How check mode names a call, for every engine: "collective #3:
+/// allreduce(sum, float32 × 5)" (the ring's describe_call).
+[[nodiscard]] inline std::string describe_collective(const signature& s) {
+  const auto kind = static_cast<std::size_t>(s.kind);
+  call_record r;
+  r.seq = s.seq;
+  r.kind = kind < std::size(collective_kinds) ? collective_kinds[kind] : collective_kinds[0];
+  r.type = static_cast<dtype>(s.type);
+  r.count = static_cast<std::size_t>(s.count);
+  r.op = static_cast<int>(s.op);
+  r.root = static_cast<int>(s.root);
+  return "collective #" + std::to_string(s.seq) + ": " + describe_call(r, true);
+}
 
 /// Gathers every rank's signature with `gather` (an allgather of int64s that
 /// is not itself checked) and throws backend_error naming the first rank
 /// whose call differs from this one's.
-inline void compare_signatures(const signature& mine, int rank, int size, const std::string& what,
-                               const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
-  const std::int64_t fields[4] = {mine.collective, mine.count, mine.type, mine.op_or_root};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 4);
+inline void compare_signatures(
+    const signature& mine, int rank, int size, const std::string& what,
+    const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
+  const std::int64_t fields[signature::fields] = {mine.seq,  mine.kind, mine.count,
+                                                  mine.type, mine.op,   mine.root};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * signature::fields);
   gather(fields, all);
   for (int r = 0; r < size; ++r) {
-    const std::int64_t* f = &all[static_cast<std::size_t>(r) * 4];
-    signature theirs{f[0], f[1], f[2], f[3]};
+    const std::int64_t* f = &all[static_cast<std::size_t>(r) * signature::fields];
+    const signature theirs{f[0], f[1], f[2], f[3], f[4], f[5]};
     if (theirs != mine) {
-      throw backend_error(what + ": rank " + std::to_string(r) + " called collective #" + std::to_string(theirs.collective) +
-                              " with " + std::to_string(theirs.count) + " x " +
-                              std::string(to_string(static_cast<dtype>(theirs.type))) + " (op/root " +
-                              std::to_string(theirs.op_or_root) + "), rank " + std::to_string(rank) + " collective #" +
-                              std::to_string(mine.collective) + " with " + std::to_string(mine.count) + " x " +
-                              std::string(to_string(static_cast<dtype>(mine.type))) + " (op/root " +
-                              std::to_string(mine.op_or_root) + ")",
+      throw backend_error(what + ": rank " + std::to_string(r) + " called " +
+                              describe_collective(theirs) + ", rank " + std::to_string(rank) +
+                              " called " + describe_collective(mine),
                           0);
     }
   }
@@ -102,9 +171,10 @@ inline void compare_signatures(const signature& mine, int rank, int size, const 
 
 }  // namespace detail
 
-// Typed collectives. A std::span is host memory and a device_span GPU
-// memory; each backend states which it reaches, and a wrong pairing is a
-// compile error (the engine's own run-time check is the second line).
+// Typed collectives. A contiguous range (std::vector, std::array,
+// std::span, a C array) is host memory and a device_span GPU memory; each backend states which it
+// reaches, and a wrong pairing is a compile error (the engine's own run-time check is the second
+// line).
 
 namespace detail {
 template <communicator C>
@@ -113,25 +183,55 @@ template <communicator C>
 inline constexpr bool device_ok = C::reaches_device_memory;
 }  // namespace detail
 
-#define DTRAIN_HOST_ONLY_MESSAGE                                                              \
+#define DTRAIN_HOST_ONLY_MESSAGE                                                             \
   "this backend moves host memory only (std::span): copy device data to the host first, or " \
   "use backend::nccl (or MPI built with CUDA) for device_span"
-#define DTRAIN_DEVICE_ONLY_MESSAGE                                                             \
+#define DTRAIN_DEVICE_ONLY_MESSAGE                                                            \
   "this backend moves GPU memory only (device_span): NCCL cannot read a host std::span; put " \
-  "the data on the device, or send host data over the host control plane (the store, or an " \
+  "the data on the device, or send host data over the host control plane (the store, or an "  \
   "MPI/Gloo communicator)"
 
-/// In place: every rank's `data` becomes the reduction over all ranks.
-template <communicator C, element T>
-work allreduce(C& c, std::span<T> data, reduce_op op = reduce_op::sum) {
-  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.allreduce(host_buffer(data), host_buffer(data), op);
+namespace detail {
+/// Host data a typed collective takes: any contiguous sized range of a
+/// dtrain element type (std::vector, std::array, std::span, a C array).
+template <class R>
+concept host_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
+    element<std::remove_cv_t<std::ranges::range_value_t<R>>>;
+/// A host_range whose elements may be written (an output).
+template <class R>
+concept writable_host_range =
+    host_range<R> && !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
+template <host_range R>
+using host_element = std::remove_cv_t<std::ranges::range_value_t<R>>;
+
+/// The buffer a host range is, by its data and size (no copy).
+template <host_range R>
+[[nodiscard]] buffer host_view(R&& r) noexcept {
+  using T = host_element<R>;
+  return {const_cast<T*>(std::ranges::data(r)), std::ranges::size(r), dtype_of<T>, memory::host};
 }
-/// Out of place: `out` becomes the reduction of every rank's `in`.
-template <communicator C, element T>
-work allreduce(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+/// `In` is `T` or `const T`: an input span may be read-only.
+template <class In, class T>
+concept element_or_const = std::same_as<std::remove_const_t<In>, T>;
+}  // namespace detail
+
+/// In place: every rank's `data` becomes the reduction over all ranks.
+/// `data`: a std::vector, std::array, std::span or C array of an element type.
+template <communicator C, detail::host_range R>
+work allreduce(C& c, R&& data, reduce_op op = reduce_op::sum) {
   static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.allreduce(host_buffer(in), host_buffer(out), op);
+  static_assert(detail::writable_host_range<R>,
+                "allreduce in place writes `data`: pass it non-const");
+  return c.allreduce(detail::host_view(data), detail::host_view(data), op);
+}
+/// Out of place: `out` becomes the reduction of every rank's `in` (same element type).
+template <communicator C, detail::host_range In, detail::host_range Out>
+work allreduce(C& c, const In& in, Out&& out, reduce_op op = reduce_op::sum) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "allreduce: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "allreduce writes `out`: pass it non-const");
+  return c.allreduce(detail::host_view(in), detail::host_view(out), op);
 }
 template <communicator C, element T>
 work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
@@ -140,10 +240,11 @@ work allreduce(C& c, device_span<T> data, reduce_op op = reduce_op::sum) {
 }
 
 /// `data` on every rank becomes root's.
-template <communicator C, element T>
-work broadcast(C& c, std::span<T> data, int root) {
+template <communicator C, detail::host_range R>
+work broadcast(C& c, R&& data, int root) {
   static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.broadcast(host_buffer(data), root);
+  static_assert(detail::writable_host_range<R>, "broadcast writes `data`: pass it non-const");
+  return c.broadcast(detail::host_view(data), root);
 }
 template <communicator C, element T>
 work broadcast(C& c, device_span<T> data, int root) {
@@ -152,26 +253,30 @@ work broadcast(C& c, device_span<T> data, int root) {
 }
 
 /// `out` (size() × in.size() elements) becomes every rank's `in`, in rank order.
-template <communicator C, element T>
-work allgather(C& c, std::span<const T> in, std::span<T> out) {
+template <communicator C, detail::host_range In, detail::host_range Out>
+work allgather(C& c, const In& in, Out&& out) {
   static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.allgather(host_buffer(in), host_buffer(out));
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "allgather: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "allgather writes `out`: pass it non-const");
+  return c.allgather(detail::host_view(in), detail::host_view(out));
 }
-template <communicator C, class In, element T>
-requires std::same_as<std::remove_const_t<In>, T>
+template <communicator C, element T, detail::element_or_const<T> In>
 work allgather(C& c, device_span<In> in, device_span<T> out) {
   static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.allgather(in.as_buffer(), out.as_buffer());
 }
 
 /// `in` (size() × out.size() elements) is reduced over ranks; rank r receives block r in `out`.
-template <communicator C, element T>
-work reduce_scatter(C& c, std::span<const T> in, std::span<T> out, reduce_op op = reduce_op::sum) {
+template <communicator C, detail::host_range In, detail::host_range Out>
+work reduce_scatter(C& c, const In& in, Out&& out, reduce_op op = reduce_op::sum) {
   static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
-  return c.reduce_scatter(host_buffer(in), host_buffer(out), op);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "reduce_scatter: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "reduce_scatter writes `out`: pass it non-const");
+  return c.reduce_scatter(detail::host_view(in), detail::host_view(out), op);
 }
-template <communicator C, class In, element T>
-requires std::same_as<std::remove_const_t<In>, T>
+template <communicator C, element T, detail::element_or_const<T> In>
 work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op = reduce_op::sum) {
   static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);

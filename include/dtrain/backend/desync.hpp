@@ -8,11 +8,11 @@
 
 #include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
-#include <dtrain/detail/parse.hpp>
+#include <dtrain/detail/wire.hpp>
+#include <dtrain/error.hpp>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <map>
 #include <optional>
 #include <span>
@@ -243,57 +243,68 @@ struct rank_publication {
   named_rings rings;
 };
 
-/// Rings as they travel through the store: "dtrain-rings 1", then per
-/// communicator a line "= <name>" and one line per call, "seq kind type count
-/// op root state label" (label last: it may hold spaces). Plain text, so a
-/// person reading the store can follow it.
+/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
+/// ring count u32, then per communicator its name bytes32, call count u32 and
+/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
+/// state u8, label bytes32.
 inline std::string encode_rings(const named_rings& rings) {
-  std::string out = "dtrain-rings 1\n";
+  std::string out;
+  wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
   for (const auto& [name, calls] : rings) {
-    out += "= " + name + "\n";
+    w.bytes32(name).u32(static_cast<std::uint32_t>(calls.size()));
     for (const call_record& c : calls) {
-      out += std::to_string(c.seq) + " " + c.kind + " " + std::to_string(static_cast<int>(c.type)) +
-             " " + std::to_string(c.count) + " " + std::to_string(c.op) + " " +
-             std::to_string(c.root) + " " + std::to_string(static_cast<int>(c.state)) + " " +
-             c.label + "\n";
+      w.i64(c.seq)
+          .bytes32(c.kind)
+          .u8(static_cast<std::uint8_t>(c.type))
+          .u64(c.count)
+          .i64(c.op)
+          .i64(c.root)
+          .u8(static_cast<std::uint8_t>(c.state))
+          .bytes32(c.label);
     }
   }
   return out;
 }
 
-/// The rings of encode_rings' text, or nothing when it is not such a text.
-inline std::optional<named_rings> decode_rings(std::string_view text) {
-  const auto lines = split(text, '\n');
-  if (lines.empty() || lines[0] != "dtrain-rings 1") return std::nullopt;
-  named_rings rings;
-  for (std::size_t i = 1; i < lines.size(); ++i) {
-    const std::string& line = lines[i];
-    if (line.empty()) continue;
-    if (line.starts_with("= ")) {
-      rings.emplace_back(line.substr(2), std::vector<call_record>{});
-      continue;
-    }
-    char kind[32] = {};
-    long long seq = 0;
-    unsigned long long count = 0;
-    int type = 0, op = 0, root = 0, state = 0, used = 0;
-    if (rings.empty() ||
-        std::sscanf(line.c_str(), "%lld %31s %d %llu %d %d %d %n", &seq, kind, &type, &count, &op,
-                    &root, &state, &used) != 7 ||
-        type < 0 || type > static_cast<int>(dtype::uint8) || state < 0 ||
-        state > static_cast<int>(call_state::timed_out)) {
-      return std::nullopt;
-    }
-    rings.back().second.push_back({.seq = seq,
-                                   .kind = kind,
-                                   .type = static_cast<dtype>(type),
-                                   .count = static_cast<std::size_t>(count),
-                                   .op = op,
-                                   .root = root,
-                                   .label = line.substr(static_cast<std::size_t>(used)),
-                                   .state = static_cast<call_state>(state)});
+/// The rings of encode_rings' value; nothing when it is not such a value (the
+/// rank then counts as not answering: diagnostics never throw).
+inline std::optional<named_rings> decode_rings(std::string_view value) {
+  try {
+    return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
+      if (const auto version = r.u8("the version"); version != 1) {
+        throw wire::violation("version " + std::to_string(version) + " is not 1");
+      }
+      named_rings rings;
+      const std::uint32_t count = r.u32("the ring count");
+      for (std::uint32_t i = 0; i < count; ++i) {
+        auto& [name, calls] =
+            rings.emplace_back(std::string(r.bytes32("a ring's name")), std::vector<call_record>{});
+        const std::uint32_t n = r.u32("the call count");
+        for (std::uint32_t k = 0; k < n; ++k) {
+          call_record c;
+          c.seq = r.i64("seq");
+          c.kind = r.bytes32("kind");
+          const std::uint8_t type = r.u8("type");
+          if (type > static_cast<std::uint8_t>(dtype::uint8)) throw wire::violation("a bad type");
+          c.type = static_cast<dtype>(type);
+          c.count = static_cast<std::size_t>(r.u64("count"));
+          c.op = static_cast<int>(r.i64("op"));
+          c.root = static_cast<int>(r.i64("root"));
+          const std::uint8_t state = r.u8("state");
+          if (state > static_cast<std::uint8_t>(call_state::timed_out)) {
+            throw wire::violation("a bad state");
+          }
+          c.state = static_cast<call_state>(state);
+          c.label = r.bytes32("label");
+          calls.push_back(std::move(c));
+        }
+      }
+      return rings;
+    });
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
   }
-  return rings;
 }
 
 /// Analyses every communicator the ranks published (the world's first, then

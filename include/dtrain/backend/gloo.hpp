@@ -26,8 +26,8 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <algorithm>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -47,15 +47,20 @@ struct gloo_options {
   /// Timeout (also Gloo's own, so a dead or stuck peer makes Gloo fail) and check mode.
   collective_options collectives{};
   /// Network interface Gloo's TCP transport binds to ("eth0"). Empty:
-  /// DTRAIN_GLOO_IFNAME, else GLOO_SOCKET_IFNAME, else the interface whose
-  /// address reaches `master_addr`.
-  std::string interface{};
-  /// The host whose route chooses the interface when none is named. Empty: MASTER_ADDR.
+  /// DTRAIN_GLOO_IFNAME, else GLOO_SOCKET_IFNAME (from `env`), else the
+  /// interface whose address reaches `master_addr`.
+  std::string interface {};
+  /// The host whose route chooses the interface when none is named. Empty:
+  /// MASTER_ADDR (from `env`).
   std::string master_addr{};
   /// Where the communicator's keys live in the store. The n-th communicator a
   /// rank makes with one prefix uses `prefix/n`, so every rank must make its
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
+  /// The environment snapshot DTRAIN_GLOO_IFNAME, GLOO_SOCKET_IFNAME,
+  /// MASTER_ADDR and MASTER_PORT are read from; the communicator never reads
+  /// the process's own. dtrain::run passes its snapshot; empty: none is set.
+  environment env{};
 };
 
 namespace detail {
@@ -135,28 +140,39 @@ class gloo_communicator {
   /// (the store), backend_error (Gloo could not connect).
   template <store S>
   gloo_communicator(S& store, int rank, int size, gloo_options options = {})
-      : gloo_communicator(std::make_shared<const detail::gloo_store_ref>(store), rank, size, std::move(options)) {}
+      : gloo_communicator(std::make_shared<const detail::gloo_store_ref>(store), rank, size,
+                          std::move(options)) {}
 
   gloo_communicator(gloo_communicator&&) noexcept = default;
   gloo_communicator& operator=(gloo_communicator&&) noexcept = default;
   ~gloo_communicator() = default;
 
-  [[nodiscard]] int rank() const noexcept { return self_->state->rank; }
-  [[nodiscard]] int size() const noexcept { return self_->state->size; }
+  /// -1 and 0 for a rank that split() left out (negative color).
+  [[nodiscard]] int rank() const noexcept { return self_ ? self_->state->rank : -1; }
+  [[nodiscard]] int size() const noexcept { return self_ ? self_->state->size : 0; }
+  /// False when moved from, or when split() left this rank out.
+  [[nodiscard]] bool valid() const noexcept { return self_ != nullptr; }
+  /// Only while valid().
   [[nodiscard]] const gloo_options& options() const noexcept { return self_->options; }
-  /// This communicator's last collectives, for desync diagnostics.
-  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return self_->state->ring; }
+  /// This communicator's last collectives, for desync diagnostics (null when not valid()).
+  [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept {
+    return self_ ? self_->state->ring : nullptr;
+  }
 
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
   /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
   [[nodiscard]] std::string describe() const {
+    if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
     return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
-           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " + self_->keys;
+           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " +
+           self_->keys;
   }
 
   /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
   /// it only while no work of this communicator is outstanding.
-  [[nodiscard]] std::shared_ptr<::gloo::Context> gloo_context() const { return self_->state->context; }
+  [[nodiscard]] std::shared_ptr<::gloo::Context> gloo_context() const {
+    return self_ ? self_->state->context : nullptr;
+  }
 
   /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
   work allreduce(buffer in, buffer out, reduce_op op) {
@@ -175,7 +191,8 @@ class gloo_communicator {
     detail::argument_check check{info};
     check.root(root, size());
     host_only(check, data);
-    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root, data.count > 0});
+    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root,
+                         data.count > 0});
   }
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
@@ -185,7 +202,8 @@ class gloo_communicator {
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size()), "output");
     host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
+    return submit(info,
+                  {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
@@ -205,39 +223,52 @@ class gloo_communicator {
   /// A communicator of the ranks that pass the same `color`, ranked by
   /// (key, rank here). Collective over this communicator: every rank calls it,
   /// in the same place among its collectives. Blocks until the new group has
-  /// connected, through the same store, under a namespace of its own.
+  /// connected, through the same store, under a namespace of its own. A
+  /// negative color leaves this rank out: it gets a communicator with valid()
+  /// false (see the `communicator` concept).
   gloo_communicator split(int color, int key) {
     std::int64_t mine[2] = {color, key};
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
     buffer in{mine, 2, dtype::int64, memory::host};
     buffer out{all.data(), all.size(), dtype::int64, memory::host};
     // An allgather of (color, key), told apart from a user's in check mode.
-    submit(call_info("split", in, -1, -1), {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
+    submit(call_info("split", in, -1, -1),  // throws when not valid()
+           {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
         .wait();
+    // Every rank counts the split, left out or not: the next one's keys must agree.
+    const auto number = self_->splits++;
+    if (color < 0) return gloo_communicator(left_out_tag{});
     std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
     for (int r = 0; r < size(); ++r) {
-      if (all[2 * static_cast<std::size_t>(r)] == color) members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+      if (all[2 * static_cast<std::size_t>(r)] == color)
+        members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
     }
     std::sort(members.begin(), members.end());
     int new_rank = 0;
     while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
-    std::string keys = self_->keys + "/split/" + std::to_string(self_->splits++) + "/" + std::to_string(color);
-    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
-                            self_->endpoint, std::move(keys));
+    std::string keys =
+        self_->keys + "/split/" + std::to_string(number) + "/" + std::to_string(color);
+    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()),
+                            self_->options, self_->endpoint, std::move(keys));
     child.self_->state->ring = self_->state->ring->make_child(color);
     return child;
   }
 
  private:
+  struct left_out_tag {};
+  explicit gloo_communicator(left_out_tag) noexcept : left_out_(true) {}
+
   // A new group: chooses the endpoint, then takes the next namespace under the prefix.
-  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options) {
-    if (size < 1) throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
+                    gloo_options options) {
+    if (size < 1)
+      throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
     if (rank < 0 || rank >= size) {
       throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
                          std::to_string(size));
     }
-    auto endpoint = detail::choose_gloo_endpoint(options.interface, options.master_addr,
-                                                 environment::from_process(), size);
+    auto endpoint =
+        detail::choose_gloo_endpoint(options.interface, options.master_addr, options.env, size);
     // Every rank counts the communicators it made under this prefix, so the
     // n-th one of every rank meets under the same namespace.
     const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
@@ -245,13 +276,13 @@ class gloo_communicator {
     connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
   }
 
-  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
-                    detail::gloo_endpoint endpoint, std::string keys) {
+  gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
+                    gloo_options options, detail::gloo_endpoint endpoint, std::string keys) {
     connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
   }
 
-  void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
-               detail::gloo_endpoint endpoint, std::string keys) {
+  void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
+               gloo_options options, detail::gloo_endpoint endpoint, std::string keys) {
     // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
     // would kill this process with SIGPIPE. Its threads and the worker start
     // with SIGPIPE blocked (threads inherit the mask); such a write then fails
@@ -262,8 +293,9 @@ class gloo_communicator {
     state->size = size;
     state->timeout = options.collectives.timeout;
     state->check = options.collectives.check;
-    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                              " (interface: " + endpoint.origin + "; store keys under " + keys + "/): ";
+    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " +
+                              std::to_string(size) + " (interface: " + endpoint.origin +
+                              "; store keys under " + keys + "/): ";
     try {
       ::gloo::transport::tcp::attr attr;
       if (!endpoint.iface.empty()) {
@@ -299,13 +331,19 @@ class gloo_communicator {
     self_->worker = std::thread([state] { detail::gloo_serve(state); });
   }
 
-  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b, int op,
-                                                 int root) const noexcept {
-    return {collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
+  // Every collective starts here, so a left-out rank fails before any check.
+  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b,
+                                                  int op, int root) const {
+    detail::collective_info info{
+        collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
+    if (!self_) detail::throw_invalid(detail::describe(info), left_out_);
+    return info;
   }
   static void host_only(const detail::argument_check& check, const buffer& b) {
     if (b.where != memory::host) {
-      check.fail("gloo reduces host memory only: copy device data to the host first, or use backend::nccl");
+      check.fail(
+          "gloo reduces host memory only: copy device data to the host first, or use "
+          "backend::nccl");
     }
   }
 
@@ -313,11 +351,11 @@ class gloo_communicator {
   // except in check mode, where their signature is still compared.
   work submit(const detail::collective_info& info, const detail::gloo_call& call) {
     detail::gloo_state& s = *self_->state;
-    if (s.unusable.load()) throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
+    if (s.unusable.load())
+      throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
     std::unique_lock lock(s.mutex);
     const std::int64_t seq = detail::record(*s.ring, info);
-    const detail::signature sig{seq, static_cast<std::int64_t>(call.what == detail::gloo_call::kind::reduce_scatter ? call.out.count : call.in.count),
-                                static_cast<std::int64_t>(call.in.type), detail::gloo_signature_code(call)};
+    const detail::signature sig = detail::signature_of(seq, info);
     if (!call.moves_data && !s.check) {
       s.ring->settle(seq, detail::call_state::completed);
       return work{};
@@ -332,6 +370,7 @@ class gloo_communicator {
   }
 
   std::unique_ptr<detail::gloo_self> self_;
+  bool left_out_ = false;  // split() gave this rank a negative color
 };
 
 static_assert(communicator<gloo_communicator>);

@@ -10,6 +10,7 @@
 #include <dtrain/detail/sys.hpp>
 
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
@@ -76,13 +77,21 @@ class gloo_store_ref {
   template <store S>
   explicit gloo_store_ref(S& s)
       : set_([p = &s](std::string_view key, std::string_view value) { p->set(key, value); }),
-        get_([p = &s](std::string_view key, milliseconds timeout) { return std::string(p->get(key, timeout)); }),
-        wait_([p = &s](std::span<const std::string> keys, milliseconds timeout) { p->wait(keys, timeout); }),
-        add_([p = &s](std::string_view key, std::int64_t delta) { return std::int64_t(p->add(key, delta)); }),
+        get_([p = &s](std::string_view key, milliseconds timeout) {
+          return std::string(p->get(key, timeout));
+        }),
+        wait_([p = &s](std::span<const std::string> keys, milliseconds timeout) {
+          p->wait(keys, timeout);
+        }),
+        add_([p = &s](std::string_view key, std::int64_t delta) {
+          return std::int64_t(p->add(key, delta));
+        }),
         erase_([p = &s](std::string_view key) { p->erase(key); }) {}
 
   void set(std::string_view key, std::string_view value) const { set_(key, value); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) const { return get_(key, timeout); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) const {
+    return get_(key, timeout);
+  }
   void wait(std::span<const std::string> keys, milliseconds timeout) const { wait_(keys, timeout); }
   std::int64_t add(std::string_view key, std::int64_t delta) const { return add_(key, delta); }
   void erase(std::string_view key) const { erase_(key); }
@@ -101,7 +110,8 @@ class gloo_store_ref {
 /// O(N) addresses each).
 class gloo_store_adapter final : public ::gloo::rendezvous::Store {
  public:
-  gloo_store_adapter(const gloo_store_ref& store, std::string prefix, std::chrono::milliseconds timeout)
+  gloo_store_adapter(const gloo_store_ref& store, std::string prefix,
+                     std::chrono::milliseconds timeout)
       : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -116,7 +126,8 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
 
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
 
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     full.reserve(keys.size());
     for (const auto& k : keys) full.push_back(prefix_ + k);
@@ -148,14 +159,16 @@ inline void require_interface(const std::string& name, const std::string& origin
   }
   std::string known;
   for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-  throw config_error(origin + " names no network interface with an IP address on this host (interfaces: " +
-                     (known.empty() ? std::string("none") : known) +
-                     "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
+  throw config_error(
+      origin + " names no network interface with an IP address on this host (interfaces: " +
+      (known.empty() ? std::string("none") : known) +
+      "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
 }
 
 /// The local address this host sends from to reach host:port; config_error
 /// naming `origin` when there is none.
-inline std::string local_address_towards(const std::string& host, int port, const std::string& origin) {
+inline std::string local_address_towards(const std::string& host, int port,
+                                         const std::string& origin) {
   const route_source route = local_address_to(host, port);
   if (route.error.rfind("cannot be resolved", 0) == 0) {
     throw config_error(origin + " " + route.error +
@@ -172,13 +185,15 @@ inline std::string local_address_towards(const std::string& host, int port, cons
 /// address that reaches the master (`master_addr` option, else MASTER_ADDR),
 /// else 127.0.0.1 for a world of one and the host name otherwise. A named
 /// interface that does not exist is a config_error naming it.
-inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, const std::string& master_option,
-                                          const environment& env, int size) {
+inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                          const std::string& master_option, const environment& env,
+                                          int size) {
   auto named = [](std::string name, std::string origin) {
     require_interface(name, origin);
     return gloo_endpoint{std::move(name), {}, std::move(origin)};
   };
-  if (!interface_option.empty()) return named(interface_option, "gloo_options::interface=" + interface_option);
+  if (!interface_option.empty())
+    return named(interface_option, "gloo_options::interface=" + interface_option);
   if (auto variable = gloo_interface_variable(env)) {
     return named(std::move(variable->name), std::move(variable->origin));
   }
@@ -191,8 +206,7 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option, c
     }
   }
   if (!master.empty()) {
-    int port = 0;
-    if (auto p = env.get("MASTER_PORT")) port = std::atoi(std::string(*p).c_str());
+    const int port = read_port(env, "MASTER_PORT").value_or(sourced_int{0, {}}).value;
     std::string address = local_address_towards(master, port, origin);
     return {{}, address, "the address that reaches " + origin + " (" + address + ")"};
   }

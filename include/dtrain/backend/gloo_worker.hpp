@@ -79,27 +79,20 @@ template <element T>
 
 /// One collective as the worker runs it: plain fields, no allocation.
 struct gloo_call {
-  enum class kind : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, barrier, split };
+  enum class kind : std::uint8_t {
+    allreduce,
+    broadcast,
+    allgather,
+    reduce_scatter,
+    barrier,
+    split
+  };
   kind what = kind::barrier;
   buffer in{}, out{};
   reduce_op op = reduce_op::sum;
   int root = 0;
   bool moves_data = true;  // false: zero-length, only compared in check mode
 };
-
-// Signature codes in check mode: the op, 10 + op, 20, 30, 40, or 100 + root,
-// so that different collectives with equal counts differ too.
-inline std::int64_t gloo_signature_code(const gloo_call& c) noexcept {
-  switch (c.what) {
-    case gloo_call::kind::allreduce: return static_cast<std::int64_t>(c.op);
-    case gloo_call::kind::reduce_scatter: return 10 + static_cast<std::int64_t>(c.op);
-    case gloo_call::kind::allgather: return 20;
-    case gloo_call::kind::barrier: return 30;
-    case gloo_call::kind::split: return 40;
-    case gloo_call::kind::broadcast: break;
-  }
-  return 100 + c.root;
-}
 
 class gloo_work;
 
@@ -135,15 +128,18 @@ struct gloo_state {
   [[nodiscard]] std::string unusable_text() {
     std::lock_guard lock(mutex);
     return "the communicator is unusable since an earlier failure (" + failure +
-           "); ranks cannot fall back into step after a failed collective, so make a new communicator";
+           "); ranks cannot fall back into step after a failed collective, so make a new "
+           "communicator";
   }
 };
 
-inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept;
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept;
 
 class gloo_work final : public work_state {
  public:
-  gloo_work(const collective_info& info, std::chrono::milliseconds timeout, std::weak_ptr<gloo_state> owner)
+  gloo_work(const collective_info& info, std::chrono::milliseconds timeout,
+            std::weak_ptr<gloo_state> owner)
       : work_state(info, timeout), owner_(std::move(owner)) {}
 
   bool poll() override { return done_.load(std::memory_order_acquire); }
@@ -151,7 +147,8 @@ class gloo_work final : public work_state {
   // Gloo cannot abort a collective in flight; its own timeout (the same
   // length) ends it. Until then nothing else may run on this communicator.
   void on_timeout() noexcept override {
-    if (auto s = owner_.lock()) s->mark_unusable(description() + " did not finish within its timeout");
+    if (auto s = owner_.lock())
+      s->mark_unusable(description() + " did not finish within its timeout");
   }
 
   /// Blocks until finished or `deadline`; true when finished. When this
@@ -220,9 +217,11 @@ void gloo_checked(F&& call, const char* text, const char* file, int line) {
   } catch (const error&) {
     throw;  // dtrain's own (the store under connectFullMesh), already with context
   } catch (const ::gloo::EnforceNotMet& e) {  // not a gloo::Exception
-    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) +
+                         "): " + e.what());
   } catch (const std::exception& e) {
-    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) + "): " + e.what());
+    throw gloo_exception(std::string(text) + " (" + file + ":" + std::to_string(line) +
+                         "): " + e.what());
   }
 }
 
@@ -251,22 +250,25 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
   std::string lower = message;
   for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
-    return std::make_exception_ptr(timeout_error(
-        what + " timed out in Gloo (" + message +
-        "); a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares what "
-        "every rank passed)"));
+    return std::make_exception_ptr(
+        timeout_error(what + " timed out in Gloo (" + message +
+                      "); a peer is slow, dead or called a different collective "
+                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what "
+                      "every rank passed)"));
   }
-  return std::make_exception_ptr(backend_error(
-      what + " failed in Gloo: " + message +
-          "; a peer rank may have died or closed its communicator: look for the first error on the other ranks",
-      0));
+  return std::make_exception_ptr(
+      backend_error(what + " failed in Gloo: " + message +
+                        "; a peer rank may have died or closed its communicator: look for the "
+                        "first error on the other ranks",
+                    0));
 }
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo.
 
 template <element T>
-void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
+void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
+                        std::chrono::milliseconds timeout) {
   if (s.size > 1) {
     ::gloo::AllreduceOptions opts(s.context);
     if (in.data != out.data) opts.setInput(static_cast<T*>(in.data), in.count);
@@ -280,7 +282,8 @@ void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op, std:
   }
 }
 
-inline void gloo_run_broadcast(gloo_state& s, buffer b, int root, std::chrono::milliseconds timeout) {
+inline void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                               std::chrono::milliseconds timeout) {
   if (s.size == 1) return;
   ::gloo::BroadcastOptions opts(s.context);
   opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
@@ -289,8 +292,10 @@ inline void gloo_run_broadcast(gloo_state& s, buffer b, int root, std::chrono::m
   DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
 }
 
-inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out, std::chrono::milliseconds timeout) {
-  auto* block = static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
+inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                               std::chrono::milliseconds timeout) {
+  auto* block =
+      static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
   if (s.size == 1) {
     if (in.data != block) std::memcpy(block, in.data, in.bytes());
     return;
@@ -317,7 +322,8 @@ inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
 // reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
 // input-sized allocation.
 template <element T>
-void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op, std::chrono::milliseconds timeout) {
+void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
+                             std::chrono::milliseconds timeout) {
   const std::size_t n = out.count;
   const std::size_t offset = static_cast<std::size_t>(s.rank) * n;
   if (s.size == 1) {
@@ -341,7 +347,8 @@ inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::millisecond
       visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
       break;
     case gloo_call::kind::reduce_scatter:
-      visit(c.in.type, [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
+      visit(c.in.type,
+            [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
       break;
     case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
     case gloo_call::kind::allgather:
@@ -353,16 +360,19 @@ inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::millisecond
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
 inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
                                  std::chrono::milliseconds timeout) {
-  compare_signatures(sig, s.rank, s.size, what, [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
-    buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
-    buffer out{all.data(), all.size(), dtype::int64, memory::host};
-    gloo_run_allgather(s, in, out, timeout);
-  });
+  compare_signatures(
+      sig, s.rank, s.size, what,
+      [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
+        buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
+        buffer out{all.data(), all.size(), dtype::int64, memory::host};
+        gloo_run_allgather(s, in, out, timeout);
+      });
 }
 
 /// Runs one task (on the worker, or on a thread waiting for it) and completes
 /// its work. A failure makes the communicator unusable; so does running after one.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t, std::chrono::milliseconds timeout) noexcept {
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept {
   std::exception_ptr failure;
   try {
     if (s.unusable.load()) {
@@ -383,7 +393,9 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
     gloo_state::task t;
     {
       std::unique_lock lock(s->mutex);
-      s->wake.wait(lock, [&] { return (s->stopping && s->queue.empty()) || (!s->running && !s->queue.empty()); });
+      s->wake.wait(lock, [&] {
+        return (s->stopping && s->queue.empty()) || (!s->running && !s->queue.empty());
+      });
       if (s->queue.empty()) return;
       t = std::move(s->queue.front());
       s->queue.pop_front();

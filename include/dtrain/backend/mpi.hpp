@@ -3,11 +3,12 @@
 /// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
 /// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
 
-#include <dtrain/config.hpp>
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/cuda.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/config.hpp>
+#include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 
 #if DTRAIN_HAS_MPI()
@@ -19,8 +20,8 @@
 #include <array>
 #include <chrono>
 #include <climits>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -37,7 +38,8 @@ namespace detail {
 inline std::string mpi_error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(code);
   return std::string(text, static_cast<std::size_t>(length));
 }
 
@@ -60,15 +62,15 @@ inline std::string mpi_thread_level_name(int level) {
 
 /// Evaluates an MPI call; throws backend_error with file:line, the call, what
 /// it was for and MPI's message and code when it does not return MPI_SUCCESS.
-#define DTRAIN_MPI_CHECK(call, what)                                                                     \
-  do {                                                                                                   \
-    int dtrain_mpi_rc_ = (call);                                                                         \
-    if (dtrain_mpi_rc_ != MPI_SUCCESS) {                                                                 \
-      throw ::dtrain::backend_error(::dtrain::detail::what_text(what) + ": " #call " failed: " +         \
-                                        ::dtrain::detail::mpi_error_text(dtrain_mpi_rc_) + " (at " __FILE__ \
-                                        ":" + std::to_string(__LINE__) + ")",                            \
-                                    dtrain_mpi_rc_);                                                     \
-    }                                                                                                    \
+#define DTRAIN_MPI_CHECK(call, what)                                                             \
+  do {                                                                                           \
+    int dtrain_mpi_rc_ = (call);                                                                 \
+    if (dtrain_mpi_rc_ != MPI_SUCCESS) {                                                         \
+      throw ::dtrain::backend_error(::dtrain::detail::what_text(what) + ": " #call " failed: " + \
+                                        ::dtrain::detail::mpi_error_text(dtrain_mpi_rc_) +       \
+                                        " (at " __FILE__ ":" + std::to_string(__LINE__) + ")",   \
+                                    dtrain_mpi_rc_);                                             \
+    }                                                                                            \
   } while (0)
 
 /// Options of the MPI backend.
@@ -88,6 +90,16 @@ struct mpi_options {
   /// with CUDA support (MPIX_Query_cuda_support(); otherwise a config_error).
   /// A blocking call cannot be bounded by the collective timeout.
   bool cuda_aware_direct = false;
+
+  /// These options for a job whose environment snapshot is `env`: no tuning
+  /// when the user chose OMPI_MCA_coll_libnbc_iallreduce_algorithm there.
+  [[nodiscard]] mpi_options with_env(const environment& env) const {
+    mpi_options out = *this;
+    if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
+    return out;
+  }
+  static constexpr const char* open_mpi_iallreduce_variable =
+      "OMPI_MCA_coll_libnbc_iallreduce_algorithm";
 };
 
 /// Owns MPI's initialisation when dtrain did it: initialises only if nobody
@@ -100,19 +112,27 @@ class mpi_environment {
     DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
     int provided = MPI_THREAD_SINGLE;
     if (!initialized) {
-      if (tune_open_mpi) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);  // never overrides the user
+      // The one write to the process's environment in dtrain, and why: Open MPI
+      // takes MCA parameters at MPI_Init_thread from the environment (or
+      // parameter files) only; MPI_Init_thread has no argument for them, and
+      // MPI_T can write this one only where an Open MPI version registers it
+      // as settable. Set just before dtrain itself initialises MPI, never when
+      // the user's environment (options.with_env) or the process has it already.
+      if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
       int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS) throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+      if (rc != MPI_SUCCESS)
+        throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
       owned_ = true;
     } else {
       DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
     }
     if (provided < required_level) {
-      throw backend_error("MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
-                              detail::mpi_thread_level_name(required_level) +
-                              (owned_ ? "; use an MPI built with thread support"
-                                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
-                          provided);
+      throw backend_error(
+          "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+              detail::mpi_thread_level_name(required_level) +
+              (owned_ ? "; use an MPI built with thread support"
+                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+          provided);
     }
   }
   mpi_environment(const mpi_environment&) = delete;
@@ -123,8 +143,7 @@ class mpi_environment {
   ~mpi_environment() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_)
-      MPI_Finalize();
+    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
   }
   [[nodiscard]] bool owned() const noexcept { return owned_; }
 
@@ -157,7 +176,8 @@ class mpi_communicator {
 
   /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
   static mpi_communicator world(mpi_options options = {}) {
-    auto env = std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
+    auto env =
+        std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
     return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
   }
 
@@ -192,8 +212,11 @@ class mpi_communicator {
     if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
   }
 
+  /// -1 and 0 for a rank that split() left out (negative color).
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// False when moved from, or when split() left this rank out.
+  [[nodiscard]] bool valid() const noexcept { return comm_ != MPI_COMM_NULL; }
   [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
   /// This communicator's last collectives, for desync diagnostics.
   [[nodiscard]] std::shared_ptr<detail::collective_ring> ring() const noexcept { return ring_; }
@@ -219,7 +242,7 @@ class mpi_communicator {
     check.count(out, in.count, "output");
     check.op_fits(op, in.type);
     usable(what);
-    auto w = make_request(what, verify(0, in, static_cast<std::int64_t>(op), what));
+    auto w = make_request(what, verify(what));
     w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
@@ -230,8 +253,8 @@ class mpi_communicator {
                        what);
       return work(w);
     }
-    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type), mpi_op(op, out.type),
-                                    comm_, &w->req),
+    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type),
+                                    mpi_op(op, out.type), comm_, &w->req),
                      what);
     return work(w);
   }
@@ -240,14 +263,17 @@ class mpi_communicator {
     const auto what = info("broadcast", data, -1, root);
     detail::argument_check{what}.root(root, size_);
     usable(what);
-    auto w = make_request(what, verify(1, data, root, what));
+    auto w = make_request(what, verify(what));
     w->stage(data, data, false, stream);
     if (data.count == 0) return work(w);
     if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_), what);
+      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_),
+                       what);
       return work(w);
     }
-    DTRAIN_MPI_CHECK(MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req), what);
+    DTRAIN_MPI_CHECK(
+        MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req),
+        what);
     return work(w);
   }
 
@@ -257,7 +283,7 @@ class mpi_communicator {
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size_), "output");
     usable(what);
-    auto w = make_request(what, verify(2, in, 0, what));
+    auto w = make_request(what, verify(what));
     w->stage(in, out, false, stream);
     if (in.count == 0) return work(w);
     if (w->direct) {
@@ -266,8 +292,8 @@ class mpi_communicator {
                        what);
       return work(w);
     }
-    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data, count(in, what),
-                                    datatype(in.type), comm_, &w->req),
+    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
+                                    count(in, what), datatype(in.type), comm_, &w->req),
                      what);
     return work(w);
   }
@@ -279,7 +305,7 @@ class mpi_communicator {
     check.count(in, out.count * static_cast<std::size_t>(size_), "input");
     check.op_fits(op, in.type);
     usable(what);
-    auto w = make_request(what, verify(3, out, static_cast<std::int64_t>(op), what));
+    auto w = make_request(what, verify(what));
     w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
     w->divide_by = op == reduce_op::avg ? size_ : 0;
     if (out.count == 0) return work(w);
@@ -289,27 +315,33 @@ class mpi_communicator {
                        what);
       return work(w);
     }
-    DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
-                                               mpi_op(op, out.type), comm_, &w->req),
-                     what);
+    DTRAIN_MPI_CHECK(
+        MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
+                                  mpi_op(op, out.type), comm_, &w->req),
+        what);
     return work(w);
   }
 
   work barrier() {
     const auto what = info("barrier", buffer{}, -1, -1);
     usable(what);
-    auto w = make_request(what, verify(4, buffer{}, 0, what));
+    auto w = make_request(what, verify(what));
     DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
     return work(w);
   }
 
   /// The ranks with the same color, ordered by key (then by rank). Collective.
+  /// A negative color leaves this rank out (MPI_UNDEFINED): it gets a
+  /// communicator with valid() false (see the `communicator` concept).
   mpi_communicator split(int color, int key) {
-    auto what = detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key), rank_, size_, name);
-    if (color < 0) throw config_error(what + ": color must be non-negative");
+    auto what =
+        detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key),
+                         rank_, size_, name);
+    if (!valid()) detail::throw_invalid(what, rank_ < 0);
     usable(what);
     MPI_Comm child = MPI_COMM_NULL;
-    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &child), what);
+    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), what);
+    if (child == MPI_COMM_NULL) return mpi_communicator(env_, options_);
     mpi_communicator out(env_, child, options_);
     out.ring_ = ring_->make_child(color);
     MPI_Comm_free(&child);  // `out` holds its own duplicate
@@ -334,8 +366,8 @@ class mpi_communicator {
 
   // One outstanding MPI request, with the staging and the avg division it needs when done.
   struct request : detail::work_state {
-    request(const detail::collective_info& what, std::chrono::milliseconds timeout, std::shared_ptr<health> h,
-            std::shared_ptr<staging> st)
+    request(const detail::collective_info& what, std::chrono::milliseconds timeout,
+            std::shared_ptr<health> h, std::shared_ptr<staging> st)
         : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
     ~request() override {
       int finalized = 1;
@@ -382,12 +414,14 @@ class mpi_communicator {
         src.data = same ? dst.data : take(in.bytes(), src_block);
         src.where = memory::host;
         if (in.bytes() > 0) {
-          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
+          DTRAIN_CUDA_CHECK(
+              cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
           DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
         }
       } catch (const backend_error& e) {
-        throw backend_error(description() + ": staging the device buffer through pinned host memory: " + e.what(),
-                            e.engine_code());
+        throw backend_error(
+            description() + ": staging the device buffer through pinned host memory: " + e.what(),
+            e.engine_code());
       }
 #endif
     }
@@ -398,7 +432,8 @@ class mpi_communicator {
         int flag = 0;
         int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
         if (rc != MPI_SUCCESS) {
-          fail(std::make_exception_ptr(backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
+          fail(std::make_exception_ptr(
+              backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
           health_->broken = true;
           health_->why = description() + " failed";
           finished = true;
@@ -412,13 +447,15 @@ class mpi_communicator {
         if (staged && user_out.bytes() > 0) {
           detail::device_guard on(device);
           cudaStream_t copy = staging_->pool.copy_stream(device);
-          DTRAIN_CUDA_CHECK(cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
+          DTRAIN_CUDA_CHECK(
+              cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
           DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
         }
 #endif
       } catch (const backend_error& e) {
         fail(std::make_exception_ptr(
-            backend_error(description() + ": copying the result back to the device: " + e.what(), e.engine_code())));
+            backend_error(description() + ": copying the result back to the device: " + e.what(),
+                          e.engine_code())));
       } catch (...) {
         fail(std::current_exception());
       }
@@ -486,20 +523,37 @@ class mpi_communicator {
       if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
         throw config_error(
             "mpi_options::cuda_aware_direct is set, but " +
-            std::string(DTRAIN_HAS_CUDA() ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
-                                          : "dtrain is built without CUDA") +
+            std::string(DTRAIN_HAS_CUDA()
+                            ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
+                            : "dtrain is built without CUDA") +
             ": unset it, and device buffers are staged through pinned host memory");
       }
       staging_->direct = true;
     }
     DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
-    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
+    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
+                     "setting MPI_ERRORS_RETURN");
     DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
   }
 
-  detail::collective_info info(std::string_view collective, const buffer& b, int op, int root) const noexcept {
-    return {collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
+  // A left-out (or moved-from) communicator: what split() returns to a rank
+  // that passed a negative color.
+  mpi_communicator(std::shared_ptr<mpi_environment> env, mpi_options options)
+      : env_(std::move(env)),
+        rank_(-1),
+        size_(0),
+        options_(std::move(options)),
+        health_(std::make_shared<health>()),
+        staging_(std::make_shared<staging>()) {}
+
+  // Every collective starts here, so a left-out rank fails before any check.
+  detail::collective_info info(std::string_view collective, const buffer& b, int op,
+                               int root) const {
+    detail::collective_info out{
+        collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
+    if (!valid()) detail::throw_invalid(detail::describe(out), rank_ < 0);
+    return out;
   }
 
   void usable(const detail::collective_info& what) const {
@@ -507,16 +561,18 @@ class mpi_communicator {
   }
   void usable(const std::string& what) const {
     if (health_->broken) {
-      throw backend_error(what + ": this MPI communicator is unusable since " + health_->why +
-                              " (MPI cannot cancel a collective); end the job, or continue only on other "
-                              "communicators",
-                          0);
+      throw backend_error(
+          what + ": this MPI communicator is unusable since " + health_->why +
+              " (MPI cannot cancel a collective); end the job, or continue only on other "
+              "communicators",
+          0);
     }
   }
 
   static int count(const buffer& b, const detail::collective_info& what) {
     if (b.count > static_cast<std::size_t>(INT_MAX)) {
-      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) + " elements exceed MPI's int count; split the buffer");
+      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) +
+                         " elements exceed MPI's int count; split the buffer");
     }
     return static_cast<int>(b.count);
   }
@@ -539,7 +595,8 @@ class mpi_communicator {
 
   template <class T, reduce_op Op>
   static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
-    detail::reduce_host<T>(static_cast<T*>(inout), static_cast<const T*>(in), static_cast<std::size_t>(*len), Op);
+    detail::reduce_host<T>(static_cast<T*>(inout), static_cast<const T*>(in),
+                           static_cast<std::size_t>(*len), Op);
   }
 
   MPI_Op mpi_op(reduce_op op, dtype t) {
@@ -553,31 +610,36 @@ class mpi_communicator {
       }
     }
     // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
-    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) +
-                             (op == reduce_op::min ? 1u : op == reduce_op::max ? 2u : op == reduce_op::prod ? 3u : 0u);
+    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) + (op == reduce_op::min    ? 1u
+                                                                 : op == reduce_op::max  ? 2u
+                                                                 : op == reduce_op::prod ? 3u
+                                                                                         : 0u);
     if (ops_[slot] == MPI_OP_NULL) {
       static MPI_User_function* const functions[8] = {
           &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
           &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
           &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
           &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
-      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]), "creating the 16-bit float MPI_Op");
+      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]),
+                       "creating the 16-bit float MPI_Op");
     }
     return ops_[slot];
   }
 
-  // Numbers the collective in the ring; check mode: every rank passed the same call, count, type, op/root.
-  std::int64_t verify(std::int64_t collective, const buffer& b, std::int64_t op_or_root, const detail::collective_info& info) {
+  // Numbers the collective in the ring; check mode: every rank passed the same call, count, type,
+  // op/root.
+  std::int64_t verify(const detail::collective_info& info) {
     const std::int64_t sequence = detail::record(*ring_, info);
     if (!options_.collectives.check) return sequence;
     const std::string what = detail::describe(info);
-    detail::signature mine{sequence * 8 + collective, static_cast<std::int64_t>(b.count),
-                           static_cast<std::int64_t>(b.type), op_or_root};
-    detail::compare_signatures(mine, rank_, size_, what, [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-      DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
-                                     static_cast<int>(in.size()), MPI_INT64_T, comm_),
-                       what + " (check mode)");
-    });
+    detail::compare_signatures(
+        detail::signature_of(sequence, info), rank_, size_, what,
+        [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+          DTRAIN_MPI_CHECK(
+              MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
+                            static_cast<int>(in.size()), MPI_INT64_T, comm_),
+              what + " (check mode)");
+        });
     return sequence;
   }
 
@@ -599,6 +661,28 @@ class mpi_communicator {
 };
 
 static_assert(communicator<mpi_communicator>);
+
+namespace detail {
+
+/// Broadcasts `value` (a wire-encoded value: launch/protocol.hpp) from `root`
+/// to every rank of `comm`: its length, then its bytes, so no rank guesses a
+/// buffer size. A collective: every rank calls it, whatever it holds.
+inline void mpi_broadcast_value(MPI_Comm comm, int root, std::string& value,
+                                const std::string& what) {
+  std::uint64_t length = value.size();
+  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root, comm), what);
+  if (length > (std::uint64_t{1} << 20)) {
+    throw backend_error(what + ": rank " + std::to_string(root) + " sent a value of " +
+                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                        0);
+  }
+  value.resize(static_cast<std::size_t>(length));
+  if (length > 0) {
+    DTRAIN_MPI_CHECK(MPI_Bcast(value.data(), static_cast<int>(length), MPI_BYTE, root, comm), what);
+  }
+}
+
+}  // namespace detail
 
 }  // namespace dtrain
 

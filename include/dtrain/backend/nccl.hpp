@@ -94,7 +94,7 @@ class nccl_communicator {
                              " of " + std::to_string(size) + " on CUDA device " +
                              std::to_string(device);
     try {
-      detail::nccl_select_device(device, rank, size);
+      detail::nccl_select_device(device, rank, size, options.cuda_visible_devices);
       auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
       ncclConfig_t config = s->config();
       try {
@@ -304,11 +304,14 @@ class nccl_communicator {
     detail::nccl_shared& s = usable(what);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
+    // Numbered in the ring like any collective (as Gloo's split), so that check
+    // mode and the desync table name it alike.
+    detail::signature sig = detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0);
+    sig.seq = record(sig);
+    auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
     try {
       detail::device_guard guard(s.device);
-      if (s.options.collectives.check)
-        check_signature(s, detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0),
-                        what);
+      if (s.options.collectives.check) check_signature(s, sig, what);
       s.wait(what + " (waiting for earlier collectives)", s.options.collectives.timeout,
              detail::nccl_timeout_hint, [&] { return detail::nccl_stream_idle(s.stream.get()); });
       // The child's stream and scratch exist before the child does, so that no
@@ -322,16 +325,24 @@ class nccl_communicator {
       s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
       child->comm = s.split_slot;
       s.split_slot = nullptr;
-      if (!child->comm) return nccl_communicator(nullptr, -1, 0);
+      if (!child->comm) {
+        settle(detail::call_state::completed);
+        return nccl_communicator(nullptr, -1, 0);
+      }
       child->wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
       DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
       DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
       const int child_rank = child->rank, child_size = child->size;
       nccl_communicator out(std::move(child), child_rank, child_size);
       out.ring_ = ring_->make_child(color);
+      settle(detail::call_state::completed);
       return out;
     } catch (const backend_error& e) {
+      settle(detail::call_state::failed);
       throw detail::nccl_with_context(what, e);
+    } catch (...) {
+      settle(detail::call_state::failed);
+      throw;
     }
   }
 
@@ -353,15 +364,11 @@ class nccl_communicator {
 
   detail::nccl_shared& usable(const std::string& what) const {
     if (shared_) return *shared_;
-    if (rank_ < 0) {
-      throw config_error(
-          what + ": this rank passed a negative color to split() and belongs to no communicator");
-    }
-    throw config_error(what + ": the communicator was moved from");
+    detail::throw_invalid(what, rank_ < 0);
   }
 
   // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
-  // of 4 int64 per rank through device scratch memory and a pinned host copy.
+  // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
   // The host waits for it (at most the collective timeout).
   void check_signature(detail::nccl_shared& s, const detail::signature& mine,
                        const std::string& what) {
@@ -371,12 +378,13 @@ class nccl_communicator {
         [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
           try {
             std::int64_t* host = s.host_table();
-            const std::size_t row = static_cast<std::size_t>(s.rank) * 4;
-            std::memcpy(host + row, fields.data(), 4 * sizeof(std::int64_t));
+            constexpr std::size_t width = detail::signature::fields;
+            const std::size_t row = static_cast<std::size_t>(s.rank) * width;
+            std::memcpy(host + row, fields.data(), width * sizeof(std::int64_t));
             DTRAIN_CUDA_CHECK(cudaMemcpyAsync(s.device_table + row, host + row,
-                                              4 * sizeof(std::int64_t), cudaMemcpyHostToDevice,
+                                              width * sizeof(std::int64_t), cudaMemcpyHostToDevice,
                                               s.stream.get()));
-            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, 4, ncclInt64,
+            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, width, ncclInt64,
                                             s.comm, s.stream.get()));
             s.wait(checking, s.options.collectives.timeout, detail::nccl_timeout_hint,
                    [] { return true; });
@@ -404,13 +412,15 @@ class nccl_communicator {
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
     const std::int64_t seq = record(sig);
+    detail::signature numbered = sig;
+    numbered.seq = seq;
     if (empty && !s.options.collectives.check) {
       ring_->settle(seq, detail::call_state::completed);
       return work();  // nothing to move, nothing to order
     }
     try {
       detail::device_guard guard(s.device);
-      if (s.options.collectives.check) check_signature(s, sig, what);
+      if (s.options.collectives.check) check_signature(s, numbered, what);
       if (empty) {
         ring_->settle(seq, detail::call_state::completed);
         return work();
@@ -436,19 +446,13 @@ class nccl_communicator {
   }
 
   // Numbers this communicator's collectives in its ring (desync diagnostics)
-  // from a check-mode signature: {kind, count, type, op or root}.
+  // from a signature; returns its sequence number.
   std::int64_t record(const detail::signature& sig) {
-    using detail::nccl_kind;
-    const auto kind = static_cast<nccl_kind>(sig.collective);
-    static constexpr std::string_view names[] = {"?",       "allreduce", "broadcast",      "allgather",
-                                                 "reduce_scatter", "barrier",   "allreduce_many", "split"};
-    const auto index = static_cast<std::size_t>(sig.collective);
-    const bool rooted = kind == nccl_kind::broadcast;
-    const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
-                         kind == nccl_kind::allreduce_many;
-    return ring_->issue(index < std::size(names) ? names[index] : "?", static_cast<dtype>(sig.type),
-                        static_cast<std::size_t>(sig.count), reduces ? static_cast<int>(sig.op_or_root) : -1,
-                        rooted ? static_cast<int>(sig.op_or_root) : -1);
+    const auto kind = static_cast<std::size_t>(sig.kind);
+    return ring_->issue(
+        kind < std::size(detail::collective_kinds) ? detail::collective_kinds[kind] : "?",
+        static_cast<dtype>(sig.type), static_cast<std::size_t>(sig.count), static_cast<int>(sig.op),
+        static_cast<int>(sig.root));
   }
 
   std::shared_ptr<detail::nccl_shared> shared_;

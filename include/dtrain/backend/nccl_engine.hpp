@@ -11,8 +11,8 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
-#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
 
 #include <atomic>
@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -59,14 +60,18 @@ struct nccl_options {
   /// made from one store: give each job and restart round its own
   /// prefix_store, or each communicator its own key. split() needs no store.
   std::string store_key{default_nccl_store_key};
+  /// CUDA_VISIBLE_DEVICES as the job's environment set it (with_env() fills
+  /// it), for the message when a rank wants a device it cannot see.
+  std::optional<std::string> cuda_visible_devices{};
 
   /// These options with DTRAIN_NCCL_INIT_TIMEOUT, DTRAIN_COLLECTIVE_TIMEOUT and
-  /// DTRAIN_CHECK_COLLECTIVES applied on top. Throws config_error naming the
-  /// variable and its value when one is malformed.
+  /// DTRAIN_CHECK_COLLECTIVES applied on top, and CUDA_VISIBLE_DEVICES kept.
+  /// Throws config_error naming the variable and its value when one is malformed.
   [[nodiscard]] nccl_options with_env(const environment& env) const {
     nccl_options out = *this;
     out.collectives = collectives.with_env(env);
     if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
+    if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
     return out;
   }
 };
@@ -141,7 +146,7 @@ namespace dtrain::detail {
   return ncclSum;
 }
 
-/// The collective field of a check-mode signature.
+/// The collectives of nccl_communicator, numbered as collective_kinds.
 enum class nccl_kind : std::int64_t {
   allreduce = 1,
   broadcast,
@@ -152,10 +157,17 @@ enum class nccl_kind : std::int64_t {
   split
 };
 
+/// A call's signature before the ring numbers it (launch() sets `seq`).
 [[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
                                               std::int64_t op_or_root) noexcept {
-  return {static_cast<std::int64_t>(kind), static_cast<std::int64_t>(count),
-          static_cast<std::int64_t>(type), op_or_root};
+  const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
+                       kind == nccl_kind::allreduce_many;
+  return {.seq = 0,
+          .kind = static_cast<std::int64_t>(kind),
+          .count = static_cast<std::int64_t>(count),
+          .type = static_cast<std::int64_t>(type),
+          .op = reduces ? op_or_root : -1,
+          .root = kind == nccl_kind::broadcast ? op_or_root : -1};
 }
 
 /// Prefixes an engine error with the operation it interrupted (once).
@@ -253,8 +265,10 @@ inline void nccl_check_many(const argument_check& check, std::span<const buffer>
   return id;
 }
 
-/// Checks that `device` exists, then makes it current.
-inline void nccl_select_device(int device, int rank, int size) {
+/// Checks that `device` exists, then makes it current. `visible` is
+/// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
+inline void nccl_select_device(int device, int rank, int size,
+                               const std::optional<std::string>& visible) {
   int count = 0;
   if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
     (void)cudaGetLastError();
@@ -265,11 +279,10 @@ inline void nccl_select_device(int device, int rank, int size) {
         static_cast<int>(found));
   }
   if (device >= count) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
     throw config_error(
         "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) +
         " wants CUDA device " + std::to_string(device) + ", but this process sees " +
-        std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + (visible ? visible : "<unset>") +
+        std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + visible.value_or("<unset>") +
         "); pass the local rank, and start no more ranks on a node than it has GPUs");
   }
   DTRAIN_CUDA_CHECK(cudaSetDevice(device));
@@ -317,7 +330,7 @@ struct nccl_shared {
   nccl_options options{};
   cuda_stream stream;                    // every collective runs here
   void* scratch = nullptr;               // device: the check table, then the barrier word
-  std::int64_t* device_table = nullptr;  // check mode: 4 int64 per rank
+  std::int64_t* device_table = nullptr;  // check mode: signature::fields int64 per rank
   std::int64_t* barrier_word = nullptr;
   ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
 
@@ -343,10 +356,10 @@ struct nccl_shared {
     s->device = device;
     s->options = std::move(options);
     s->stream = cuda_stream::non_blocking();
-    const std::size_t words = 4 * static_cast<std::size_t>(size) + 1;
+    const std::size_t words = signature::fields * static_cast<std::size_t>(size) + 1;
     DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
     s->device_table = static_cast<std::int64_t*>(s->scratch);
-    s->barrier_word = s->device_table + 4 * static_cast<std::size_t>(size);
+    s->barrier_word = s->device_table + signature::fields * static_cast<std::size_t>(size);
     return s;
   }
 
@@ -359,8 +372,8 @@ struct nccl_shared {
   /// Pinned host memory for the check table (allocated on first use).
   std::int64_t* host_table() {
     if (!host_table_)
-      DTRAIN_CUDA_CHECK(
-          cudaMallocHost(&host_table_, 4 * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
+      DTRAIN_CUDA_CHECK(cudaMallocHost(
+          &host_table_, signature::fields * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
     return host_table_;
   }
 

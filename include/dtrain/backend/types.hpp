@@ -36,9 +36,11 @@ struct float16 {
     std::uint32_t x = std::bit_cast<std::uint32_t>(f);
     std::uint32_t sign = (x >> 16) & 0x8000u;
     std::uint32_t abs = x & 0x7fffffffu;
-    if (abs >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
-    if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
-    if (abs < 0x38800000u) {                                                   // subnormal or zero
+    if (abs >= 0x7f800000u)
+      return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+    if (abs >= 0x477ff000u)
+      return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
+    if (abs < 0x38800000u) {                              // subnormal or zero
       if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
       std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
       int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
@@ -79,11 +81,14 @@ struct bfloat16 {
 
   static std::uint16_t from_float(float f) noexcept {
     std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+      return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
     x += 0x7fffu + ((x >> 16) & 1u);
     return static_cast<std::uint16_t>(x >> 16);
   }
-  static float to_float(std::uint16_t b) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+  static float to_float(std::uint16_t b) noexcept {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+  }
 };
 
 /// The element types every engine moves.
@@ -91,8 +96,8 @@ enum class dtype : std::uint8_t { float32, float64, float16, bfloat16, int32, in
 
 template <class T>
 concept element = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, float16> ||
-                  std::same_as<T, bfloat16> || std::same_as<T, std::int32_t> ||
-                  std::same_as<T, std::int64_t> || std::same_as<T, std::uint8_t>;
+    std::same_as<T, bfloat16> || std::same_as<T, std::int32_t> || std::same_as<T, std::int64_t> ||
+    std::same_as<T, std::uint8_t>;
 
 template <element T>
 inline constexpr dtype dtype_of = std::same_as<T, float>          ? dtype::float32
@@ -167,7 +172,8 @@ struct buffer {
 /// Views host memory as a buffer.
 template <element T>
 [[nodiscard]] buffer host_buffer(std::span<T> s) noexcept {
-  return {const_cast<std::remove_const_t<T>*>(s.data()), s.size(), dtype_of<std::remove_const_t<T>>, memory::host};
+  return {const_cast<std::remove_const_t<T>*>(s.data()), s.size(), dtype_of<std::remove_const_t<T>>,
+          memory::host};
 }
 template <element T>
 [[nodiscard]] buffer host_buffer(std::span<const T> s) noexcept {
@@ -215,8 +221,8 @@ void reduce_host(T* inout, const T* in, std::size_t n, reduce_op op) noexcept {
   if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
     for (std::size_t i = 0; i < n; ++i) {
       float a = static_cast<float>(inout[i]), b = static_cast<float>(in[i]);
-      float r = op == reduce_op::min   ? std::fmin(a, b)
-                : op == reduce_op::max ? std::fmax(a, b)
+      float r = op == reduce_op::min    ? std::fmin(a, b)
+                : op == reduce_op::max  ? std::fmax(a, b)
                 : op == reduce_op::prod ? a * b
                                         : a + b;
       inout[i] = T(r);
@@ -252,7 +258,8 @@ inline void divide_host(buffer b, int n) noexcept {
   visit(b.type, [&]<class T>() {
     if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
       auto* p = static_cast<T*>(b.data);
-      for (std::size_t i = 0; i < b.count; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+      for (std::size_t i = 0; i < b.count; ++i)
+        p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
     } else if constexpr (std::floating_point<T>) {
       auto* p = static_cast<T*>(b.data);
       for (std::size_t i = 0; i < b.count; ++i) p[i] /= static_cast<T>(n);

@@ -4,16 +4,18 @@
 
 #include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
-#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
 
+#include <atomic>
 #include <charconv>
 #include <chrono>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -39,7 +41,7 @@ struct collective_options {
   [[nodiscard]] collective_options with_env(const environment& env) const {
     collective_options out = *this;
     if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
-    if (auto check = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *check;
+    if (auto flag = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *flag;
     return out;
   }
 };
@@ -54,23 +56,24 @@ struct collective_info {
   int rank = 0;
   int size = 1;
   std::size_t count = 0;
-  std::uint8_t type = 0;        ///< a dtype
-  int op = -1;                  ///< a reduce_op, or -1
-  int root = -1;                ///< broadcast's root, or -1
+  std::uint8_t type = 0;  ///< a dtype
+  int op = -1;            ///< a reduce_op, or -1
+  int root = -1;          ///< broadcast's root, or -1
 };
 
 /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
 inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
                             std::string_view engine) {
-  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) + " of " +
-         std::to_string(size) + " (" + std::string(engine) + ")";
+  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) +
+         " of " + std::to_string(size) + " (" + std::string(engine) + ")";
 }
 
 inline std::string describe(const collective_info& info) {
   std::string detail;
   if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
   if (info.collective != "barrier") {
-    detail += std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
+    detail +=
+        std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
   }
   if (info.root >= 0) detail += ", root " + std::to_string(info.root);
   return describe(info.collective, detail, info.rank, info.size, info.engine);
@@ -100,7 +103,8 @@ class work_state {
  public:
   explicit work_state(std::string description, std::chrono::milliseconds timeout)
       : description_(std::move(description)), timeout_(timeout) {}
-  work_state(const collective_info& info, std::chrono::milliseconds timeout) : info_(info), timeout_(timeout) {}
+  work_state(const collective_info& info, std::chrono::milliseconds timeout)
+      : info_(info), timeout_(timeout) {}
   virtual ~work_state() = default;
   work_state(const work_state&) = delete;
   work_state& operator=(const work_state&) = delete;
@@ -143,6 +147,33 @@ class work_state {
     if (ring_) ring_->settle(seq_, state);
   }
 
+  /// What every copy of a work handle shares: whether one of them saw the end
+  /// (then `poll()` is not called again), and the timeout one of them gave up
+  /// with. The first to see the end settles the ring; the rest see it done.
+  [[nodiscard]] bool seen_done() const noexcept {
+    return seen_done_.load(std::memory_order_acquire);
+  }
+  void see_done(call_state state) noexcept {
+    std::lock_guard lock(end_mutex_);
+    if (seen_done_.load(std::memory_order_relaxed)) return;
+    seen_done_.store(true, std::memory_order_release);
+    settle(state);
+  }
+  /// A handle gave up waiting: every copy now reports `timeout`. False when
+  /// a copy had seen the end first (nothing is recorded then).
+  bool see_timeout(std::exception_ptr timeout) noexcept {
+    std::lock_guard lock(end_mutex_);
+    if (seen_done_.load(std::memory_order_relaxed)) return false;
+    timed_out_ = std::move(timeout);
+    seen_done_.store(true, std::memory_order_release);
+    settle(call_state::timed_out);
+    return true;
+  }
+  [[nodiscard]] std::exception_ptr timed_out() const noexcept {
+    std::lock_guard lock(end_mutex_);
+    return timed_out_;
+  }
+
  protected:
   void fail(std::exception_ptr e) noexcept {
     if (!error_) error_ = std::move(e);
@@ -157,6 +188,9 @@ class work_state {
   std::exception_ptr error_;
   std::shared_ptr<collective_ring> ring_;
   std::int64_t seq_ = 0;
+  std::atomic<bool> seen_done_{false};
+  mutable std::mutex end_mutex_;  // orders seen_done_ with timed_out_
+  std::exception_ptr timed_out_;
 };
 
 /// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
@@ -166,7 +200,8 @@ inline std::int64_t record(collective_ring& ring, const collective_info& info) {
 
 }  // namespace detail
 
-/// The handle of one asynchronous collective. Cheap to copy (shared state).
+/// The handle of one asynchronous collective. Cheap to copy: copies share
+/// their state, so what one copy saw (the end, a timeout) every copy sees.
 class work {
  public:
   /// A handle that is already complete.
@@ -175,9 +210,9 @@ class work {
 
   /// True once the collective has finished, successfully or not. Never blocks.
   [[nodiscard]] bool test() {
-    if (!state_ || done_) return true;
+    if (!state_ || state_->seen_done()) return true;
     if (state_->poll()) ended();
-    return done_;
+    return state_->seen_done();
   }
 
   /// Waits for the communicator's timeout; see wait(timeout).
@@ -217,11 +252,9 @@ class work {
   /// After finish_within(timeout) returned false: aborts what the engine can
   /// abort (or marks the communicator unusable) and throws timeout_exception().
   [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
-    timed_out_ = timeout_exception(timeout);
-    if (state_) state_->settle(detail::call_state::timed_out);
-    if (state_) state_->on_timeout();
-    done_ = true;
-    std::rethrow_exception(timed_out_);
+    auto e = timeout_exception(timeout);
+    if (state_ && state_->see_timeout(e)) state_->on_timeout();
+    std::rethrow_exception(e);
   }
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
@@ -231,19 +264,17 @@ class work {
 
   /// The error the collective failed with (or the timeout), once finished; null otherwise.
   [[nodiscard]] std::exception_ptr exception() const noexcept {
-    if (timed_out_) return timed_out_;
-    return state_ && done_ ? state_->error() : nullptr;
+    if (!state_ || !state_->seen_done()) return nullptr;
+    if (auto e = state_->timed_out()) return e;
+    return state_->error();
   }
 
  private:
   void ended() noexcept {
-    done_ = true;
-    state_->settle(state_->error() ? detail::call_state::failed : detail::call_state::completed);
+    state_->see_done(state_->error() ? detail::call_state::failed : detail::call_state::completed);
   }
 
   std::shared_ptr<detail::work_state> state_;
-  bool done_ = false;
-  std::exception_ptr timed_out_;
 };
 
 }  // namespace dtrain

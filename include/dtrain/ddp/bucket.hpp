@@ -22,7 +22,8 @@ namespace dtrain {
 /// contiguously in `parameters` order and reduced by one collective.
 struct bucket_info {
   std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
-  std::vector<std::size_t> offsets;     ///< bytes into the bucket of each (GPU: bucket_alignment apart)
+  std::vector<std::size_t>
+      offsets;  ///< bytes into the bucket of each (GPU: bucket_alignment apart)
   dtype type = dtype::float32;
   int device = -1;        ///< -1: host memory
   std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them

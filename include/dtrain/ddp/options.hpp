@@ -42,8 +42,13 @@ struct ddp_options {
   /// no copies. false: copy every gradient in and the mean back out.
   bool gradient_as_bucket_view = true;
   /// Parameters never marked in a step contribute zero instead of being an
-  /// error (for models whose steps skip parts of the network).
+  /// error (for models whose steps skip parts of the network). "Unused"
+  /// means "not marked": dtrain has no autograd graph to find them.
   bool find_unused_parameters = false;
+  /// With find_unused_parameters: name, once, on rank 0's stderr the
+  /// parameters that no rank marked in the first steps (a forgotten
+  /// mark_ready looks just like an unused parameter). false: silent.
+  bool report_unused_parameters = true;
   /// After the first step, lay the buckets out once more in the order the
   /// gradients actually became ready (rank 0's order, sent to every rank).
   bool rebuild_buckets = true;

@@ -30,7 +30,7 @@ struct parameter {
   /// The CUDA device of device memory; -1 for host memory.
   int device = -1;
 
-  /// Set by param()/device_param() when the model keeps its gradient as a
+  /// Set by param() when the model keeps its gradient as a
   /// pointer dtrain may repoint into its own flat bucket storage.
   void* gradient_slot = nullptr;
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
@@ -56,6 +56,13 @@ concept element_range =
     std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
 
 }  // namespace detail
+
+// One overload set, `param`, makes every view. Where the values are is
+// told by their type: a contiguous range (std::vector, std::array, std::span,
+// a C array) is host memory, a device_span GPU memory. The third argument
+// says how the gradient is kept: a pointer dtrain may repoint (T*&), a buffer
+// the model keeps (a range, or a device_span), or none (a buffer: state that
+// is not trained, returned from buffers()).
 
 /// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
 /// dtrain may point it into its flat bucket storage (no copies; the gradient's
@@ -90,45 +97,74 @@ template <detail::element_range V, detail::element_range G>
           .gradient = const_cast<T*>(std::ranges::data(gradient))};
 }
 
-/// A CUDA parameter of `count` elements on `device` whose gradient pointer
-/// dtrain may point into its flat bucket storage (see param()).
-template <element T>
-[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
-                                     int device) {
-  return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device, device},
-          .gradient = gradient,
-          .device = device,
-          .gradient_slot = &gradient,
-          .rebind = &detail::rebind_pointer<T>};
-}
-
-/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
-template <element T>
-[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
-                                          std::size_t count, int device) {
-  return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device, device},
-          .gradient = gradient,
-          .device = device};
-}
-
 /// Host state that is not trained but must agree across ranks (running
-/// statistics, step counters): broadcast from rank 0 at construction.
+/// statistics, step counters), for buffers(): broadcast from rank 0 at construction.
 template <detail::element_range V>
-[[nodiscard]] parameter model_buffer(std::string name, V& values) {
+[[nodiscard]] parameter param(std::string name, V& values) {
   using T = detail::range_element<V>;
   return {.name = std::move(name),
           .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
                      dtype_of<T>, memory::host}};
 }
 
-/// Device state that must agree across ranks.
+/// A CUDA parameter whose gradient pointer dtrain may point into its flat
+/// bucket storage: `param("w", device_span<float>{w, n, dev}, grad_w)`.
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values, T*& gradient) {
+  return {.name = std::move(name),
+          .values = values.as_buffer(),
+          .gradient = gradient,
+          .device = values.device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values, device_span<T> gradient) {
+  if (gradient.count != values.count) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(values.count) +
+                       " values but a gradient of " + std::to_string(gradient.count));
+  }
+  return {.name = std::move(name),
+          .values = values.as_buffer(),
+          .gradient = gradient.data,
+          .device = values.device};
+}
+
+/// Device state that must agree across ranks, for buffers().
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values) {
+  return {.name = std::move(name), .values = values.as_buffer(), .device = values.device};
+}
+
+// The names before param() was one overload set; kept for existing code.
+
+/// param(name, device_span<T>{values, count, device}, gradient).
+template <element T>
+[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
+                                     int device) {
+  return param(std::move(name), device_span<T>{values, count, device}, gradient);
+}
+
+/// param(name, device_span<T>{values, count, device}, device_span<T>{gradient, count, device}).
+template <element T>
+[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
+                                          std::size_t count, int device) {
+  return param(std::move(name), device_span<T>{values, count, device},
+               device_span<T>{gradient, count, device});
+}
+
+/// param(name, values).
+template <detail::element_range V>
+[[nodiscard]] parameter model_buffer(std::string name, V& values) {
+  return param(std::move(name), values);
+}
+
+/// param(name, device_span<T>{values, count, device}).
 template <element T>
 [[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
-  return {.name = std::move(name),
-          .values = {values, count, dtype_of<T>, memory::device, device},
-          .device = device};
+  return param(std::move(name), device_span<T>{values, count, device});
 }
 
 /// A range whose elements convert to dtrain::parameter.

@@ -270,8 +270,7 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
                          " ranks, more than dtrain's limit of " + std::to_string(max_world_size) +
                          " (max_world_size)");
     }
-    node[field::world_size] =
-        sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
+    node[field::world_size] = sourced_int{static_cast<int>(size), per.origin + " × " + nn.origin};
   }
   complete_and_check(node);
   world w = to_world(node);

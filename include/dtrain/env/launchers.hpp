@@ -8,6 +8,7 @@
 #include <dtrain/detail/json.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 

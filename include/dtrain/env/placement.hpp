@@ -4,15 +4,18 @@
 /// told it and the name of its node; ranks that share a node name share a
 /// node. Open MPI and Hydra give no node index (and with `--map-by node`
 /// rank arithmetic is wrong), so this is how those fields become known.
-/// Pure functions; the runtime (run.hpp) carries the reports through the store.
+/// Pure functions and the codecs of the reports and the table; the runtime
+/// (context.hpp) carries them through the store.
 
 #include <dtrain/detail/sys.hpp>
+#include <dtrain/detail/wire.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -48,56 +51,45 @@ struct rank_report {
                       &w.num_nodes};
   }
 
-  /// One line per entry, each `<length>:<text>`, so origins may hold anything.
+  /// The report as a store value (detail/wire.hpp): node name bytes32, then
+  /// per field a known flag u8, the value i64 when known, its origin bytes32.
   [[nodiscard]] std::string encode() const {
     std::string out;
-    auto put = [&](std::string_view text) {
-      out += std::to_string(text.size());
-      out += ':';
-      out += text;
-    };
-    put(node_name);
+    detail::wire::writer w(out);
+    w.bytes32(node_name);
     const auto numbers = slots(self);
     for (std::size_t i = 0; i < numbers.size(); ++i) {
-      put(*numbers[i] ? std::to_string(**numbers[i]) : std::string());
-      put(self.origin(fields[i]));
+      w.u8(*numbers[i] ? 1 : 0);
+      if (*numbers[i]) w.i64(**numbers[i]);
+      w.bytes32(self.origin(fields[i]));
     }
     return out;
   }
 
-  /// The inverse of encode(); `what` names the input (e.g. the store key) in errors.
-  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& what) {
-    rank_report r;
-    std::size_t at = 0;
-    auto take = [&]() -> std::string {
-      auto colon = text.find(':', at);
-      std::size_t length = 0;
-      bool ok = colon != std::string_view::npos && colon > at;
-      for (std::size_t i = at; ok && i < colon; ++i) {
-        ok = text[i] >= '0' && text[i] <= '9' && length < (1u << 24);
-        length = length * 10 + static_cast<std::size_t>(text[i] - '0');
-      }
-      if (!ok || colon + 1 + length > text.size())
-        throw rendezvous_error(what + " is not a dtrain rank report");
-      std::string out(text.substr(colon + 1, length));
-      at = colon + 1 + length;
-      return out;
-    };
-    r.node_name = take();
-    const auto numbers = slots(r.self);
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      std::string value = take();
-      if (!value.empty()) {
-        try {
-          *numbers[i] = std::stoi(value);
-        } catch (const std::exception&) {
-          throw rendezvous_error(what + " is not a dtrain rank report");
+  /// The inverse of encode(); `where` names the input ("store key world/3") in
+  /// the rendezvous_error a malformed value gives.
+  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where) {
+    return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
+      rank_report r;
+      r.node_name = in.bytes32("the node name");
+      const auto numbers = slots(r.self);
+      for (std::size_t i = 0; i < numbers.size(); ++i) {
+        const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
+        const std::uint8_t known = in.u8(name);
+        if (known > 1)
+          throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
+        if (known == 1) {
+          const std::int64_t value = in.i64(name);
+          if (value < 0 || value > max_world_size) {
+            throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
+                                          " is not in 0.." + std::to_string(max_world_size));
+          }
+          *numbers[i] = static_cast<int>(value);
         }
+        r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
       }
-      r.self.origins[static_cast<std::size_t>(fields[i])] = take();
-    }
-    if (at != text.size()) throw rendezvous_error(what + " is not a dtrain rank report");
-    return r;
+      return r;
+    });
   }
 
   /// Whether the launcher placed this rank fully (its node and its place there).
@@ -116,6 +108,59 @@ struct placement {
   friend bool operator==(const placement&, const placement&) = default;
 };
 
+/// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
+/// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
+/// config_error that placing the ranks gave (bytes32), for every rank to throw.
+[[nodiscard]] inline std::string encode_placements(const std::vector<placement>& ranks) {
+  std::string out;
+  detail::wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(ranks.size()));
+  for (const placement& p : ranks)
+    w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
+  return out;
+}
+[[nodiscard]] inline std::string encode_placement_error(std::string_view message) {
+  std::string out;
+  detail::wire::writer(out).u8(0).bytes32(message);
+  return out;
+}
+
+/// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
+/// config_error when placing failed there, and a rendezvous_error naming
+/// `where` ("store key dtrain/job/world/placement") when the value is malformed.
+[[nodiscard]] inline placement decode_placement(const std::string& where, std::string_view value,
+                                                int rank, int size) {
+  std::optional<std::string> failure;
+  placement mine =
+      detail::wire::decode_value(where, value, "a placement table", [&](detail::wire::reader& in) {
+        placement out;
+        if (in.u8("the ok flag") == 0) {
+          failure = in.bytes32("rank 0's error");
+          return out;
+        }
+        const std::uint32_t n = in.u32("the rank count");
+        if (static_cast<std::int64_t>(n) != size) {
+          throw detail::wire::violation("it places " + std::to_string(n) + " ranks, not " +
+                                        std::to_string(size));
+        }
+        for (std::uint32_t r = 0; r < n; ++r) {
+          std::int64_t f[4];
+          for (std::int64_t& v : f) {
+            v = in.i64("a placement");
+            if (v < 0 || v > max_world_size)
+              throw detail::wire::violation("a placement field is " + std::to_string(v));
+          }
+          if (static_cast<int>(r) == rank) {
+            out = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                   static_cast<int>(f[3])};
+          }
+        }
+        return out;
+      });
+  if (failure) throw config_error(*failure);
+  return mine;
+}
+
 /// Places every rank (reports[i] is rank i). When every report is complete,
 /// each keeps what its launcher said. Otherwise ranks are grouped by node
 /// name: nodes are numbered in the order of their lowest rank, local ranks
@@ -124,7 +169,7 @@ struct placement {
 /// known field contradicts the grouping.
 [[nodiscard]] inline std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
   const int n = static_cast<int>(reports.size());
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     const auto& ws = reports[r].self.world_size;
     if (ws && *ws != n) {
       throw config_error("rank " + std::to_string(r) + " says the world has " +
@@ -137,7 +182,7 @@ struct placement {
   bool all_complete = true;
   for (const auto& r : reports) all_complete = all_complete && r.placed();
   if (all_complete) {
-    for (int r = 0; r < n; ++r) {
+    for (std::size_t r = 0; r < reports.size(); ++r) {
       const world& w = reports[r].self;
       out[r] = {*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
     }
@@ -145,19 +190,19 @@ struct placement {
   }
   std::map<std::string, int> node_of;  // node name -> node index
   std::vector<int> node_size;
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     auto [it, fresh] =
         node_of.try_emplace(reports[r].node_name, static_cast<int>(node_size.size()));
     if (fresh) node_size.push_back(0);
     out[r].node_rank = it->second;
-    out[r].local_rank = node_size[it->second]++;
+    out[r].local_rank = node_size[static_cast<std::size_t>(it->second)]++;
   }
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     out[r].num_nodes = static_cast<int>(node_size.size());
-    out[r].local_world_size = node_size[out[r].node_rank];
+    out[r].local_world_size = node_size[static_cast<std::size_t>(out[r].node_rank)];
   }
   // A field the launcher did give must match: otherwise the node names are wrong.
-  for (int r = 0; r < n; ++r) {
+  for (std::size_t r = 0; r < reports.size(); ++r) {
     const world& w = reports[r].self;
     auto check = [&](world::field f, const std::optional<int>& known, int grouped,
                      std::string_view what) {

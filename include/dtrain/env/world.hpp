@@ -3,6 +3,8 @@
 /// `dtrain::world`: who this process is in the job, as the launcher told it.
 /// A plain value; discover_world() (env/discover.hpp) builds it.
 
+#include <dtrain/detail/json.hpp>
+
 #include <array>
 #include <cstddef>
 #include <optional>
@@ -142,30 +144,6 @@ struct world {
   }
 };
 
-namespace detail {
-
-/// Appends `text` as a JSON string literal.
-inline void append_json_string(std::string& out, std::string_view text) {
-  static constexpr char hex[] = "0123456789abcdef";
-  out += '"';
-  for (char c : text) {
-    auto u = static_cast<unsigned char>(c);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (u < 0x20) {
-      out += "\\u00";
-      out += hex[u >> 4];
-      out += hex[u & 0xF];
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-}
-
-}  // namespace detail
-
 /// The world as one JSON object on one line (no newline), with the keys rank,
 /// world_size, local_rank, local_world_size, node_rank, num_nodes,
 /// master_addr, master_port (null when unknown), source, and role when the
@@ -174,7 +152,7 @@ inline void append_json_string(std::string& out, std::string_view text) {
   std::string out = "{";
   auto key = [&](std::string_view name) {
     if (out.size() > 1) out += ',';
-    detail::append_json_string(out, name);
+    detail::json::write_string(out, name);
     out += ':';
   };
   auto number = [&](std::string_view name, const std::optional<int>& v) {
@@ -189,16 +167,16 @@ inline void append_json_string(std::string& out, std::string_view text) {
   number("num_nodes", w.num_nodes);
   key("master_addr");
   if (w.master_addr) {
-    detail::append_json_string(out, *w.master_addr);
+    detail::json::write_string(out, *w.master_addr);
   } else {
     out += "null";
   }
   number("master_port", w.master_port);
   key("source");
-  detail::append_json_string(out, to_string(w.source));
+  detail::json::write_string(out, to_string(w.source));
   if (w.role != process_role::worker) {
     key("role");
-    detail::append_json_string(out, to_string(w.role));
+    detail::json::write_string(out, to_string(w.role));
   }
   out += '}';
   return out;

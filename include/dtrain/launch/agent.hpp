@@ -11,6 +11,7 @@
 #include <dtrain/error.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/process.hpp>
+#include <dtrain/launch/protocol.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/security.hpp>
@@ -31,6 +32,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <netinet/in.h>
@@ -38,13 +40,6 @@
 #include <unistd.h>
 
 namespace dtrain {
-
-/// The variable through which an agent tells its workers where its store is
-/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
-inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
-/// The variable that carries the restart round to the workers (torchrun's
-/// TORCHELASTIC_RESTART_COUNT is set too).
-inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
 
 namespace detail {
 
@@ -108,22 +103,6 @@ struct round_end {
   std::string message;  ///< who failed how
 };
 
-/// The agents' store key `what` of restart round `restart`.
-inline std::string round_key(int restart, std::string_view what) {
-  return "dtrain/agent/" + std::to_string(restart) + "/" + std::string(what);
-}
-
-/// Where the first failure of restart round `restart` is recorded.
-inline std::string failure_key(int restart) { return detail::round_key(restart, "failure"); }
-
-/// Records a failure unless one is recorded already: the first one is the
-/// root cause, later ones are usually its consequences.
-inline void record_failure(store_client& store, int restart, int status, bool final,
-                           const std::string& message) {
-  store.compare_set(failure_key(restart), "",
-                    std::to_string(status) + " " + (final ? "1" : "0") + " " + message);
-}
-
 /// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
 inline std::string seconds_text(std::chrono::milliseconds t) {
   std::string text = std::to_string(t.count() / 1000);
@@ -133,12 +112,6 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
     text += "." + frac;
   }
   return text;
-}
-
-/// How one worker is named in failure messages.
-inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
-  return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
-         std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
 }
 
 }  // namespace detail
@@ -264,7 +237,7 @@ class node_agent {
         }
         say(end.message + "; restarting every node's workers (restart " +
             std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
-        meet(store, detail::round_key(restart, "stopped"), "every node to stop its workers");
+        meet(store, detail::agent_keys::stopped(restart), "every node to stop its workers");
       }
       leave(store, node_rank() == 0);
     } catch (const rendezvous_error& e) {
@@ -278,23 +251,7 @@ class node_agent {
       stop(sig != 0 ? sig : SIGTERM);
       std::string what = "received signal " + std::to_string(sig);
       status = 128 + sig;
-      if (sig == 0) {
-        try {
-          throw;
-        } catch (const program_error& e) {
-          what = e.what();
-          status = e.exit_status();
-        } catch (const config_error& e) {
-          what = e.what();
-          status = 2;
-        } catch (const std::exception& e) {
-          what = e.what();
-          status = 1;
-        } catch (...) {
-          what = "an exception that is not a std::exception";
-          status = 1;
-        }
-      }
+      if (sig == 0) std::tie(status, what) = detail::current_failure();
       // Tell the other nodes, so that they end too instead of waiting for this one.
       try {
         detail::record_failure(store, round_, status, true,
@@ -350,29 +307,31 @@ class node_agent {
 
   /// Registers this node and checks that every node runs the same job shape.
   void join(store_client& store) {
-    const std::string me = std::to_string(nproc_) + " " + std::to_string(options_.max_restarts) +
-                           " " + detail::host_name().value_or("?") + ":" +
-                           std::to_string(::getpid());
-    const std::string key = "dtrain/agent/node/" + std::to_string(node_rank());
-    std::string holder = store.compare_set(key, "", me);
-    if (holder != me) {
+    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
+                                 ::getpid()};
+    const std::string key = detail::agent_keys::node(node_rank());
+    const std::string holder = store.compare_set(key, "", me.encode());
+    if (holder != me.encode()) {
       throw config_error("node_rank " + std::to_string(node_rank()) +
-                         " is taken twice: by the agent " + holder.substr(holder.rfind(' ') + 1) +
-                         " and by this one (" + me.substr(me.rfind(' ') + 1) +
-                         "); give each agent its own --node-rank / NODE_RANK");
+                         " is taken twice: by the agent " +
+                         detail::node_record::decode(key, holder).who() + " and by this one (" +
+                         me.who() + "); give each agent its own --node-rank / NODE_RANK");
     }
-    meet(store, "dtrain/agent/joined", "all " + std::to_string(nnodes()) + " node agents to join");
+    meet(store, std::string(detail::agent_keys::joined),
+         "all " + std::to_string(nnodes()) + " node agents to join");
     for (int n = 0; n < nnodes(); ++n) {
-      std::string other = store.get("dtrain/agent/node/" + std::to_string(n));
-      auto fields = detail::split(other, ' ');
-      if (fields.size() == 3 && fields[0] != std::to_string(nproc_)) {
-        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") runs " + fields[0] +
-                           " workers, this node " + std::to_string(nproc_) +
+      const std::string other_key = detail::agent_keys::node(n);
+      const detail::node_record other =
+          detail::node_record::decode(other_key, store.get(other_key));
+      if (other.nproc != nproc_) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                           std::to_string(other.nproc) + " workers, this node " +
+                           std::to_string(nproc_) +
                            "; every node must run the same nproc_per_node");
       }
-      if (fields.size() == 3 && fields[1] != std::to_string(options_.max_restarts)) {
-        throw config_error("node " + std::to_string(n) + " (" + fields[2] + ") allows " +
-                           fields[1] + " restarts, this node " +
+      if (other.max_restarts != options_.max_restarts) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                           std::to_string(other.max_restarts) + " restarts, this node " +
                            std::to_string(options_.max_restarts) +
                            "; every node must use the same max_restarts");
       }
@@ -381,7 +340,7 @@ class node_agent {
 
   /// Node 0 keeps the store up until every agent has read how the job ended.
   void leave(store_client& store, bool hosting) {
-    const std::string key = "dtrain/agent/left";
+    const std::string key(detail::agent_keys::left);
     try {
       store.add(key, 1);
       if (!hosting) return;
@@ -417,7 +376,8 @@ class node_agent {
     set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
     set(std::string(restart_count_variable), std::to_string(restart));
     set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
-    set("DTRAIN_STORE_TOKEN", store_options_.token);  // the environment only: never argv or a log
+    // The token goes in the environment only: never on argv or in a log.
+    set(std::string(store_token_variable), store_options_.token);
     // As torchrun: one thread per worker unless the user chose, so N workers
     // do not each start one OpenMP thread per core.
     if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
@@ -430,11 +390,11 @@ class node_agent {
   /// Starts this node's workers for one round and supervises them until the
   /// round ends on every node.
   detail::round_end run_round(store_client& store, int restart) {
-    const std::string port_key = detail::round_key(restart, "worker_port");
-    if (node_rank() == 0) store.set(port_key, std::to_string(detail::pick_free_port()));
+    const std::string port_key = detail::agent_keys::worker_port(restart);
+    if (node_rank() == 0) store.set(port_key, detail::encode_port(detail::pick_free_port()));
     wait_for([&] { return store.check(std::span<const std::string>(&port_key, 1)); },
              "node 0 to pick the workers' port");
-    const int worker_port = std::stoi(store.get(port_key));
+    const int worker_port = detail::decode_port(port_key, store.get(port_key));
 
     const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
     std::vector<int> ranks;
@@ -463,18 +423,17 @@ class node_agent {
   }
 
   detail::round_end supervise(store_client& store, int restart) {
-    const std::string failure_key = detail::failure_key(restart);
-    const std::string success_key = detail::round_key(restart, "succeeded");
+    const std::string failure_key = detail::agent_keys::failure(restart);
+    const std::string success_key = detail::agent_keys::succeeded(restart);
     const std::span<const std::string> failure_keys(&failure_key, 1);
     bool reported_success = false;
     heartbeat beats(nnodes());
     while (true) {
       if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
         lost_nodes_ = beats.silent();  // they will never leave(): node 0 must not wait for them
-        std::string message = "node " + std::to_string(*silent) +
-                              "'s agent stopped responding: no heartbeat for " +
-                              detail::seconds_text(options_.heartbeat_timeout) +
-                              " s (DTRAIN_HEARTBEAT_TIMEOUT)";
+        std::string message =
+            "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
+            detail::seconds_text(options_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)";
         detail::record_failure(store, restart, 1, true, message);
       }
       if (int sig = detail::agent_signal; sig != 0) {
@@ -504,7 +463,7 @@ class node_agent {
         break;
       }
       if (store.check(failure_keys)) {
-        detail::round_end end = read_failure(store.get(failure_key));
+        detail::round_end end = read_failure(failure_key, store.get(failure_key));
         stop(SIGTERM);
         return end;
       }
@@ -525,17 +484,13 @@ class node_agent {
     }
   }
 
-  static detail::round_end read_failure(const std::string& value) {
-    detail::round_end end;
-    auto first = value.find(' ');
-    auto second = value.find(' ', first + 1);
-    if (first == std::string::npos || second == std::string::npos) {
-      return {false, 1, true, "a malformed failure record in the store: " + value};
+  static detail::round_end read_failure(const std::string& key, const std::string& value) {
+    try {
+      const detail::failure_record f = detail::failure_record::decode(key, value);
+      return {false, f.status, f.final, f.message};
+    } catch (const rendezvous_error& e) {
+      return {false, 1, true, e.what()};
     }
-    end.status = std::atoi(value.substr(0, first).c_str());
-    end.final = value.substr(first + 1, second - first - 1) == "1";
-    end.message = value.substr(second + 1);
-    return end;
   }
 
   void stop(int sig) {
@@ -579,7 +534,7 @@ class node_agent {
     [[nodiscard]] int silent() const noexcept { return silent_; }
 
    private:
-    static std::string key(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+    static std::string key(int node) { return detail::agent_keys::beat(node); }
     std::vector<std::int64_t> seen_;
     std::vector<std::chrono::steady_clock::time_point> since_;
     std::chrono::steady_clock::time_point last_{};
@@ -596,7 +551,7 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
-  int round_ = 0;  // the restart round under way
+  int round_ = 0;       // the restart round under way
   int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
   std::vector<detail::worker_process> workers_;
   detail::output_relay* relay_ = nullptr;

@@ -5,6 +5,7 @@
 
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
@@ -45,7 +46,8 @@ struct agent_options {
   std::optional<int> master_port{};
   /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
   int max_restarts = 0;
-  /// SIGTERM → SIGKILL delay when workers are stopped. Environment: DTRAIN_GRACE_PERIOD (seconds).
+  /// SIGTERM → SIGKILL delay when workers are stopped.
+  /// Environment: DTRAIN_GRACE_PERIOD (seconds).
   std::chrono::milliseconds grace_period = default_grace_period;
   /// A node whose agent is silent this long is lost: the others end the job.
   /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).

@@ -13,8 +13,8 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -35,23 +35,6 @@
 
 #include <pthread.h>
 #include <unistd.h>
-
-namespace dtrain {
-
-/// A worker's program cannot be started: it is missing (exit_status() 127,
-/// as a shell's "command not found") or not executable (126, as a shell's
-/// "permission denied"). The agent ends the job with that status.
-class program_error : public error {
- public:
-  program_error(const std::string& what, int exit_status) : error(what), status_(exit_status) {}
-  /// 127 for a missing program, 126 for one that cannot be executed.
-  [[nodiscard]] int exit_status() const noexcept { return status_; }
-
- private:
-  int status_;
-};
-
-}  // namespace dtrain
 
 namespace dtrain::detail {
 

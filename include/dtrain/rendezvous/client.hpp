@@ -8,6 +8,7 @@
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/protocol.hpp>
 #include <dtrain/rendezvous/socket.hpp>
+#include <dtrain/rendezvous/store.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -206,8 +207,7 @@ class store_client {
     for (;;) {
       int resolver_rc = 0;
       last_error = try_connect(deadline, resolver_rc);
-      if (resolver_rc != 0 &&
-          (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
+      if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
         throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
                            endpoint() + ": " + ::gai_strerror(resolver_rc) +
                            "; check MASTER_ADDR (dtrun --master-addr)");
@@ -364,9 +364,9 @@ class store_client {
       connect(options_.io_timeout);
     } catch (const error& e) {
       broken_ = true;
-      throw rendezvous_error(what + ": the store at " + endpoint() +
-                             " closed this idle connection and cannot be reached again: " +
-                             e.what());
+      throw rendezvous_error(
+          what + ": the store at " + endpoint() +
+          " closed this idle connection and cannot be reached again: " + e.what());
     }
   }
 
@@ -473,5 +473,10 @@ class store_client {
   bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
   steady::time_point last_reply_ = steady::now();
 };
+
+// The client is a store, alone and under a prefix (checked here, next to it:
+// the concept's header does not include an implementation).
+static_assert(store<store_client>);
+static_assert(store<prefix_store<store_client>>);
 
 }  // namespace dtrain

@@ -4,8 +4,8 @@
 /// defined here once; each can be overridden by the option and by an
 /// environment variable (store_options::from_env).
 
-#include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
 
 #include <charconv>
@@ -62,6 +62,10 @@ struct store_limits {
   }
 };
 
+/// The variable that carries the store's shared secret (a node agent hands
+/// it to its workers in their environment, never on argv).
+inline constexpr std::string_view store_token_variable = "DTRAIN_STORE_TOKEN";
+
 /// Options of a store server or client. Aggregate: use designated initialisers,
 /// e.g. `{.timeout = 30s, .token = "secret"}`.
 struct store_options {
@@ -99,14 +103,13 @@ struct store_options {
       if (n->value < 1) throw config_error(n->origin + " must be at least 1");
       out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
     }
-    if (auto secret = env.get("DTRAIN_STORE_TOKEN")) out.token = std::string(*secret);
+    if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
     if (out.token.size() > out.limits.max_token_size) {
       throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
                          " bytes; the limit is " + std::to_string(out.limits.max_token_size));
     }
     return out;
   }
-
 };
 
 }  // namespace dtrain

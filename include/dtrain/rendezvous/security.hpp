@@ -62,8 +62,9 @@ inline std::string store_bind_address(const environment& env, const std::string&
   bool all_loopback = true;
   for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
   if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
+  const auto locals = interface_addresses();
   for (const auto& a : names.addresses) {
-    for (const auto& local : interface_addresses()) {
+    for (const auto& local : locals) {
       if (local.address == a) return a;
     }
   }

@@ -80,8 +80,9 @@ class store_server {
   [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
 
   [[nodiscard]] store_server_stats stats() const noexcept {
-    return {connection_count_.load(), waiting_.load(), closed_for_cause_.load(), refused_.load(),
-            closed_idle_.load(), stored_bytes_.load(), buffered_bytes_.load()};
+    return {connection_count_.load(), waiting_.load(),     closed_for_cause_.load(),
+            refused_.load(),          closed_idle_.load(), stored_bytes_.load(),
+            buffered_bytes_.load()};
   }
 
   /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
@@ -194,8 +195,8 @@ class store_server {
   void reap() {
     for (connection* c : finished_) {
       reactor_.remove(c->slot);
+      --connection_count_;  // first: whoever sees the socket close sees the count without it
       connections_.erase(c);
-      --connection_count_;
     }
     finished_.clear();
   }
@@ -445,7 +446,8 @@ class store_server {
                       std::to_string(options_.limits.max_frame_size()));
     }
     held_bytes held(*this);
-    co_await reserve(c, held, length, deadline, "a request of " + std::to_string(length) + " bytes");
+    co_await reserve(c, held, length, deadline,
+                     "a request of " + std::to_string(length) + " bytes");
     std::string body;
     co_await read_exact(c, body, length, deadline, false, "request body");
     c.in_request = true;
@@ -564,7 +566,8 @@ class store_server {
         (void)co_await reserve_value(c, held, key, reserved);  // the reply may copy the value
         auto it = data_.find(key);
         bool matches = it == data_.end() ? expected.empty() : it->second == expected;
-        if (matches && !store(key, desired)) co_return over_capacity("compare_set", key, desired.size());
+        if (matches && !store(key, desired))
+          co_return over_capacity("compare_set", key, desired.size());
         it = data_.find(key);
         w.bytes32(it == data_.end() ? std::string_view{} : std::string_view(it->second));
         break;
@@ -651,7 +654,8 @@ class store_server {
         // A wait holds a copy of each missing key twice (here and in key_waiters_).
         std::uint64_t bytes = 0;
         for (const auto& k : missing) bytes += 2 * (k.size() + 64);
-        co_await reserve(c, held, bytes, io_deadline(), "a wait on " + std::to_string(missing.size()) + " keys");
+        co_await reserve(c, held, bytes, io_deadline(),
+                         "a wait on " + std::to_string(missing.size()) + " keys");
         charged = true;
         continue;  // keys may have been set while it waited for the budget
       }

@@ -4,8 +4,6 @@
 /// prefix_store, which gives each job, restart round and subsystem its own
 /// namespace within one store.
 
-#include <dtrain/rendezvous/client.hpp>
-
 #include <chrono>
 #include <concepts>
 #include <cstdint>
@@ -85,8 +83,5 @@ class prefix_store {
   S& inner_;
   std::string prefix_;
 };
-
-static_assert(store<store_client>);
-static_assert(store<prefix_store<store_client>>);
 
 }  // namespace dtrain

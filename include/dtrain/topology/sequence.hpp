@@ -181,7 +181,8 @@ class work_sequence final : public work_state {
 
   void start(std::size_t i) {
     slot& s = slots_[i];
-    label_scope label(call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
+    label_scope label(
+        call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
     s.handle = s.what.start();
     s.started = true;
     // A step that completed at once (nothing to move) has no limit of its own.

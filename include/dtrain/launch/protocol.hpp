@@ -1,0 +1,236 @@
+#pragma once
+/// @file
+/// The job's protocol: the variables a node agent hands its workers
+/// (agent_store_variable, restart_count_variable and rendezvous/options.hpp's
+/// store_token_variable, next to torchrun's), the store keys that the agents,
+/// the workers (context.hpp) and the diagnostics share, and the format of
+/// every value under them. Every value is written and read here (or by the
+/// codec next to its type: rank_report and placements in env/placement.hpp,
+/// rings in backend/desync.hpp), through detail::wire; a malformed one is a
+/// rendezvous_error naming the key.
+///
+///   agent keys (unprefixed; one store per job, outliving restarts)
+///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64
+///     dtrain/agent/joined, left     counters (store add)
+///     dtrain/agent/beat/<n>         counter: node n's heartbeat
+///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32
+///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
+///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
+///   worker keys (under context.hpp's job_store_prefix)
+///     world/<rank>                  rank_report (env/placement.hpp)
+///     world/placement               placement table (env/placement.hpp)
+///     finished                      counter
+///     finished/all                  i64 1, once every rank is done
+///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
+///     round                         counter
+///     open/<n>, <n>/printer         i64: a rank
+///     <n>/reason                    bytes32
+///     <n>/ring/<rank>               rings (backend/desync.hpp)
+///     <n>/closed                    i64 1
+///   MPI broadcasts from rank 0 (before any store)
+///     the store token               bytes32
+///     the store's address           ok u8 1, host bytes32, port i64; or u8 0, error bytes32
+
+#include <dtrain/detail/wire.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/rendezvous/store.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace dtrain {
+
+/// The variable through which an agent tells its workers where its store is
+/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
+inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
+/// The variable that carries the restart round to the workers (torchrun's
+/// TORCHELASTIC_RESTART_COUNT is set too).
+inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+
+namespace detail {
+
+/// The agents' keys (see the table above).
+struct agent_keys {
+  /// Key `what` of restart round `restart`: "dtrain/agent/3/failure".
+  static std::string of_round(int restart, std::string_view what) {
+    return "dtrain/agent/" + std::to_string(restart) + "/" + std::string(what);
+  }
+  static std::string failure(int restart) { return of_round(restart, "failure"); }
+  static std::string worker_port(int restart) { return of_round(restart, "worker_port"); }
+  static std::string stopped(int restart) { return of_round(restart, "stopped"); }
+  static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
+  static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
+  static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+  static constexpr std::string_view joined = "dtrain/agent/joined";
+  static constexpr std::string_view left = "dtrain/agent/left";
+};
+
+/// The workers' keys under the job prefix (see the table above).
+struct job_keys {
+  static std::string report(int rank) { return std::string("world/").append(std::to_string(rank)); }
+  static constexpr std::string_view placement = "world/placement";
+  static constexpr std::string_view finished = "finished";
+  static constexpr std::string_view finished_all = "finished/all";
+};
+
+/// The store keys of the diagnostics rounds, under the job's prefix + "diag/":
+/// "round" counts the rounds, "open/<n>" elects the rank that opens round n,
+/// "<n>/ring/<rank>" holds a rank's rings (encode_rings), "<n>/reason" why it
+/// was asked, "<n>/printer" the rank that prints, "<n>/closed" once printed.
+struct diagnostics_keys {
+  static std::string open(std::int64_t round) { return "open/" + std::to_string(round); }
+  static std::string ring(std::int64_t round, int rank) {
+    return std::to_string(round) + "/ring/" + std::to_string(rank);
+  }
+  static std::string of(std::int64_t round, std::string_view what) {
+    return std::to_string(round) + "/" + std::string(what);
+  }
+};
+
+/// The value of a key that only has to exist ("finished/all", "<n>/closed").
+inline std::string present_value() { return wire::encode_int(1); }
+
+/// The first failure of a restart round, as the agents and the workers record it.
+struct failure_record {
+  int status = 1;       ///< exit status for the job
+  bool final = false;   ///< no restart: a signal or a lost peer ended the job
+  std::string message;  ///< who failed how
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer(out).i64(status).u8(final ? 1 : 0).bytes32(message);
+    return out;
+  }
+  [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
+    return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
+      failure_record f;
+      const std::int64_t status = r.i64("the exit status");
+      if (status < 0 || status > 255) {
+        throw wire::violation("the exit status " + std::to_string(status) + " is not in 0..255");
+      }
+      f.status = static_cast<int>(status);
+      const std::uint8_t final = r.u8("the final flag");
+      if (final > 1)
+        throw wire::violation("the final flag is " + std::to_string(final) + ", not 0 or 1");
+      f.final = final == 1;
+      f.message = r.bytes32("the message");
+      return f;
+    });
+  }
+};
+
+/// Records a failure of round `restart` unless one is recorded already: the
+/// first one is the root cause, later ones are usually its consequences.
+template <store Store>
+void record_failure(Store& store, int restart, int status, bool final, const std::string& message) {
+  store.compare_set(agent_keys::failure(restart), "",
+                    failure_record{status, final, message}.encode());
+}
+
+/// What a node agent says about itself when it joins: every node must run
+/// the same number of workers and allow the same restarts.
+struct node_record {
+  std::int64_t nproc = 0;
+  std::int64_t max_restarts = 0;
+  std::string host;
+  std::int64_t pid = 0;
+
+  /// "host:pid", how messages name the agent.
+  [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
+    return out;
+  }
+  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value) {
+    return wire::decode_value("store key " + key, value, "a node agent's record",
+                              [](wire::reader& r) {
+                                node_record n;
+                                n.nproc = r.i64("nproc");
+                                n.max_restarts = r.i64("max_restarts");
+                                n.host = r.bytes32("the host name");
+                                n.pid = r.i64("the pid");
+                                return n;
+                              });
+  }
+};
+
+/// A port, as the agents share the workers' MASTER_PORT.
+inline std::string encode_port(int port) { return wire::encode_int(port); }
+inline int decode_port(const std::string& key, std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a port", [](wire::reader& r) {
+    const std::int64_t port = r.i64("the port");
+    if (port < 1 || port > 65535) {
+      throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
+    }
+    return static_cast<int>(port);
+  });
+}
+
+/// Where rank 0 serves the store, as it tells the other ranks over MPI when
+/// no MASTER_ADDR does; or why it could not start it.
+struct store_address {
+  bool ok = true;
+  std::string host;     ///< ok: rank 0's host name
+  int port = 0;         ///< ok: the port it listens on
+  std::string failure;  ///< !ok: rank 0's error
+
+  static store_address serving(std::string host, int port) {
+    store_address a;
+    a.host = std::move(host);
+    a.port = port;
+    return a;
+  }
+  static store_address failed(std::string why) {
+    store_address a;
+    a.ok = false;
+    a.failure = std::move(why);
+    return a;
+  }
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer w(out);
+    w.u8(ok ? 1 : 0);
+    if (ok) {
+      w.bytes32(host).i64(port);
+    } else {
+      w.bytes32(failure);
+    }
+    return out;
+  }
+  [[nodiscard]] static store_address decode(std::string_view value) {
+    return wire::decode_value(
+        "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
+          store_address a;
+          const std::uint8_t ok = r.u8("the ok flag");
+          if (ok > 1)
+            throw wire::violation("the ok flag is " + std::to_string(ok) + ", not 0 or 1");
+          a.ok = ok == 1;
+          if (!a.ok) {
+            a.failure = r.bytes32("rank 0's error");
+            return a;
+          }
+          a.host = r.bytes32("the host name");
+          const std::int64_t port = r.i64("the port");
+          if (port < 1 || port > 65535) {
+            throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
+          }
+          a.port = static_cast<int>(port);
+          return a;
+        });
+  }
+};
+
+/// How one worker is named in failure messages, by its agent and by itself.
+inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
+  return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
+         std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
+}
+
+}  // namespace detail
+}  // namespace dtrain

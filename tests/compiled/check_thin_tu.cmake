@@ -1,0 +1,38 @@
+# Checks that an object compiled in separate mode defines none of what
+# dtrain::compiled holds: what a TU compiles is what it costs.
+#
+#   cmake -DOBJECTS=<object files, ;-separated> -DNM=<nm> -P check_thin_tu.cmake
+cmake_minimum_required(VERSION 3.21)
+
+# Symbols (as nm -C prints them) that only the library may define.
+set(library_only
+  "dtrain::context<[^\n]*>::context\\("
+  "dtrain::context<[^\n]*>::~context\\("
+  "dtrain::detail::run_process<"
+  "dtrain::store_server::"
+  "dtrain::node_agent::"
+  "dtrain::gloo_communicator::"
+  "dtrain::basic_ddp<"
+  "dtrain::store_client::"
+  "dtrain::store_channel<")
+
+foreach(object IN LISTS OBJECTS)
+  execute_process(COMMAND "${NM}" -C --defined-only "${object}"
+                  OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${NM} failed on ${object}")
+  endif()
+  if(NOT symbols MATCHES " T main\n")
+    message(FATAL_ERROR "no main in ${object}: not the object of run_only.cpp or demo.cpp?\n${symbols}")
+  endif()
+  foreach(pattern IN LISTS library_only)
+    if(symbols MATCHES "[^\n]*${pattern}[^\n]*")
+      message(FATAL_ERROR "${object} defines ${CMAKE_MATCH_0}: code that dtrain::compiled should "
+                          "hold is compiled in the user's TU (a heavy member defined in the class, "
+                          "or a policy missing from DTRAIN_FOR_EACH_COMPILED_POLICY?)")
+    endif()
+  endforeach()
+  string(REGEX MATCHALL "\n[0-9a-f]+ [TW] " defined "\n${symbols}")
+  list(LENGTH defined count)
+  message("${object}: ${count} functions defined, none of them dtrain::compiled's")
+endforeach()

@@ -1,0 +1,114 @@
+# Includes point down (STYLE.md): every `#include <dtrain/...>` in a header
+# under INCLUDE_DIR/dtrain names a header of the same layer or a lower one.
+#
+#   cmake -DINCLUDE_DIR=<dir with dtrain/> -P check_layers.cmake
+#
+# The layers, lowest first (a header may include its own layer and those before it):
+#
+#   0 base        config.hpp, error.hpp
+#   1 detail      detail/        parsing, JSON, the wire format, sockets, system calls
+#   2 env         env/           the environment snapshot and world discovery
+#   3 rendezvous  rendezvous/    the store: concept, protocol, server, client
+#   4 backend     backend/       communicators (MPI, Gloo, NCCL), work, rings, the control plane
+#   5 topology    topology/      flat and hierarchical collectives, the network
+#   6 policy      policy.hpp     launch x backend x topology, and backend_traits
+#   7 ddp         ddp/           DistributedDataParallel and its parts
+#   8 launch      launch/        the node agent, its protocol, the worker's end
+#   9 runtime     diagnostics.hpp, context.hpp, run.hpp, compiled.hpp
+#  10 all         dtrain.hpp     includes everything
+#
+# A header that fits no layer fails the check too: place it here first.
+
+cmake_minimum_required(VERSION 3.21)
+
+if(NOT INCLUDE_DIR)
+  message(FATAL_ERROR "check_layers.cmake: give -DINCLUDE_DIR=<directory that holds dtrain/>")
+endif()
+get_filename_component(INCLUDE_DIR "${INCLUDE_DIR}" ABSOLUTE)
+
+set(layer_names base detail env rendezvous backend topology policy ddp launch runtime all)
+
+# Edges that break the order today, each with why it is allowed. Drop one as
+# soon as the change named next to it lands: the check then says it is unused.
+set(allowed_exceptions)
+
+# The layer index of header `path` (relative to dtrain/), in `out`.
+function(layer_of path out)
+  if(path MATCHES "^(config|error)\\.hpp$")
+    set(layer 0)
+  elseif(path MATCHES "^detail/")
+    set(layer 1)
+  elseif(path MATCHES "^env/")
+    set(layer 2)
+  elseif(path MATCHES "^rendezvous/")
+    set(layer 3)
+  elseif(path MATCHES "^backend/")
+    set(layer 4)
+  elseif(path MATCHES "^topology/")
+    set(layer 5)
+  elseif(path STREQUAL "policy.hpp")
+    set(layer 6)
+  elseif(path MATCHES "^ddp/")
+    set(layer 7)
+  elseif(path MATCHES "^launch/")
+    set(layer 8)
+  elseif(path MATCHES "^(diagnostics|context|run|compiled)\\.hpp$")
+    set(layer 9)
+  elseif(path STREQUAL "dtrain.hpp")
+    set(layer 10)
+  else()
+    set(layer -1)
+  endif()
+  set(${out} ${layer} PARENT_SCOPE)
+endfunction()
+
+file(GLOB_RECURSE headers RELATIVE "${INCLUDE_DIR}/dtrain" "${INCLUDE_DIR}/dtrain/*.hpp")
+list(SORT headers)
+if(NOT headers)
+  message(FATAL_ERROR "check_layers.cmake: no headers under ${INCLUDE_DIR}/dtrain")
+endif()
+
+set(violations "")
+set(used_exceptions "")
+set(edges 0)
+foreach(header IN LISTS headers)
+  layer_of("${header}" from)
+  if(from EQUAL -1)
+    string(APPEND violations "\n  ${header} belongs to no layer (add it to tests/scripts/check_layers.cmake)")
+    continue()
+  endif()
+  file(STRINGS "${INCLUDE_DIR}/dtrain/${header}" lines REGEX "^[ \t]*#[ \t]*include[ \t]*<dtrain/")
+  foreach(line IN LISTS lines)
+    string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*<dtrain/([^>]+)>.*$" "\\1" target "${line}")
+    math(EXPR edges "${edges} + 1")
+    layer_of("${target}" to)
+    set(edge "${header} -> ${target}")
+    if(to EQUAL -1)
+      string(APPEND violations "\n  ${edge}: ${target} belongs to no layer")
+    elseif(to GREATER from)
+      if(edge IN_LIST allowed_exceptions)
+        list(APPEND used_exceptions "${edge}")
+      else()
+        list(GET layer_names ${from} from_name)
+        list(GET layer_names ${to} to_name)
+        string(APPEND violations
+               "\n  ${edge}: layer ${from} (${from_name}) includes layer ${to} (${to_name})")
+      endif()
+    endif()
+  endforeach()
+endforeach()
+
+foreach(exception IN LISTS allowed_exceptions)
+  if(NOT exception IN_LIST used_exceptions)
+    message(WARNING "check_layers.cmake: the allowed exception \"${exception}\" is no longer "
+                    "used: remove it from allowed_exceptions")
+  endif()
+endforeach()
+
+list(LENGTH headers header_count)
+if(violations)
+  message(FATAL_ERROR "Includes must point down (tests/scripts/check_layers.cmake lists the "
+                      "layers); these point up:${violations}")
+endif()
+message(STATUS "layering: ${header_count} headers, ${edges} dtrain includes, all pointing down "
+               "(allowed for now: ${used_exceptions})")

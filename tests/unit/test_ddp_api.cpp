@@ -1,0 +1,327 @@
+// The API a newcomer meets first (issue 14): mark_ready with a braced list,
+// mark_all_ready, the report of parameters no rank marked, collectives on
+// any contiguous range, the param() overload set, and --nproc-per-node on
+// the command line. DDP runs here on one rank over `solo`, a communicator
+// of world size 1 that only records what it is given.
+
+#include "support.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+/// What the last collective was given.
+struct solo_log {
+  int calls = 0;
+  std::size_t count = 0;
+  dtrain::dtype type = dtrain::dtype::float32;
+  dtrain::memory where = dtrain::memory::device;
+};
+
+/// World size 1, host memory: a collective copies `in` to `out` and is complete.
+class solo {
+ public:
+  static constexpr bool reaches_device_memory = false;
+  static constexpr bool reaches_host_memory = true;
+  static constexpr std::string_view name = "solo";
+
+  static solo_log& log() {
+    static solo_log l;
+    return l;
+  }
+  [[nodiscard]] int rank() const { return 0; }
+  [[nodiscard]] int size() const { return 1; }
+  [[nodiscard]] bool valid() const { return true; }
+  dtrain::work allreduce(dtrain::buffer in, dtrain::buffer out, dtrain::reduce_op) {
+    return copy(in, out);
+  }
+  dtrain::work broadcast(dtrain::buffer data, int) { return copy(data, data); }
+  dtrain::work allgather(dtrain::buffer in, dtrain::buffer out) { return copy(in, out); }
+  dtrain::work reduce_scatter(dtrain::buffer in, dtrain::buffer out, dtrain::reduce_op) {
+    return copy(in, out);
+  }
+  dtrain::work barrier() { return {}; }
+  solo split(int, int) { return {}; }
+
+ private:
+  static dtrain::work copy(const dtrain::buffer& in, const dtrain::buffer& out) {
+    log() = {log().calls + 1, in.count, in.type, in.where};
+    if (in.data != out.data && in.count > 0) std::memmove(out.data, in.data, in.bytes());
+    return {};
+  }
+};
+static_assert(dtrain::communicator<solo>);
+
+struct solo_backend {
+  static constexpr bool available = true;
+  static constexpr std::string_view name = "solo";
+};
+
+}  // namespace
+
+template <>
+struct dtrain::backend_traits<solo_backend> {
+  using communicator = solo;
+  using memory_space = dtrain::host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = false;
+};
+
+namespace {
+
+using solo_policy = dtrain::policy<dtrain::launch::per_process, solo_backend>;
+
+/// Two layers, gradients kept as pointers (bucket views).
+struct two_layers {
+  std::vector<float> w1 = {1, 2, 3, 4}, b1 = {5, 6}, w2 = {7, 8}, b2 = {9};
+  float *g_w1 = nullptr, *g_b1 = nullptr, *g_w2 = nullptr, *g_b2 = nullptr;
+  std::vector<dtrain::parameter> parameters() {
+    return {dtrain::param("w1", w1, g_w1), dtrain::param("b1", b1, g_b1),
+            dtrain::param("w2", w2, g_w2), dtrain::param("b2", b2, g_b2)};
+  }
+  /// A backward pass: gradient = 10 * value.
+  void backward() {
+    for (std::size_t i = 0; i < w1.size(); ++i) g_w1[i] = 10 * w1[i];
+    for (std::size_t i = 0; i < b1.size(); ++i) g_b1[i] = 10 * b1[i];
+    for (std::size_t i = 0; i < w2.size(); ++i) g_w2[i] = 10 * w2[i];
+    for (std::size_t i = 0; i < b2.size(); ++i) g_b2[i] = 10 * b2[i];
+  }
+};
+
+using ddp_t = dtrain::DistributedDataParallel<two_layers, solo_policy>;
+
+/// Everything written to stderr (fd 2) while `f` runs.
+template <class F>
+std::string stderr_of(F&& f) {
+  std::fflush(stderr);
+  char path[] = "/tmp/dtrain-unit-stderr.XXXXXX";
+  const int file = ::mkstemp(path);
+  REQUIRE(file >= 0);
+  const int saved = ::dup(2);
+  ::dup2(file, 2);
+  try {
+    f();
+  } catch (...) {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    ::close(file);
+    ::unlink(path);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  ::close(file);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  ::unlink(path);
+  return text.str();
+}
+
+}  // namespace
+
+TEST_CASE("ddp.mark_ready takes a braced list of names, as a newcomer writes it") {
+  solo comm;
+  two_layers m;
+  ddp_t ddp(comm, m);
+  m.backward();
+  // {"w2", "b2"} once picked string_view's (first, last) constructor and
+  // threw "no parameter named 'w2..." at run time.
+  ddp.mark_ready({"w2", "b2"});
+  ddp.mark_ready({"w1", "b1"});
+  ddp.synchronize();
+  CHECK(ddp.steps() == 1);
+  CHECK(m.g_w2[1] == doctest::Approx(80));  // one rank: the mean is the gradient
+  CHECK(m.g_b2[0] == doctest::Approx(90));
+}
+
+TEST_CASE("ddp.mark_ready takes braced lists of indices and of parameters") {
+  solo comm;
+  two_layers m;
+  ddp_t ddp(comm, m);
+  m.backward();
+  ddp.mark_ready({3, 2});
+  ddp.mark_ready({ddp.parameters()[1], ddp.parameters()[0]});
+  ddp.synchronize();
+  CHECK(ddp.steps() == 1);
+  // The old overloads still work: one name, one index, a range.
+  ddp.mark_ready(std::string_view("b2"));
+  ddp.mark_ready(std::size_t{2});
+  ddp.mark_ready(std::vector<std::string>{"b1", "w1"});
+  ddp.synchronize();
+  CHECK(ddp.steps() == 2);
+  // An unknown name in a list still names it.
+  CHECK_THROWS_WITH_AS(ddp.mark_ready({"w2", "w3"}), doctest::Contains("no parameter named 'w3'"),
+                       dtrain::error);
+}
+
+TEST_CASE("ddp.mark_all_ready is the one-line step") {
+  solo comm;
+  two_layers m;
+  ddp_t ddp(comm, m);
+  const auto layout = ddp.buckets();
+  for (int step = 0; step < 3; ++step) {
+    m.backward();
+    ddp.mark_all_ready();
+    ddp.synchronize();
+  }
+  CHECK(ddp.steps() == 3);
+  CHECK(m.g_w1[3] == doctest::Approx(40));
+  // Last parameter first, the order of the first layout: the rebuild changes nothing.
+  REQUIRE(ddp.buckets().size() == layout.size());
+  for (std::size_t b = 0; b < layout.size(); ++b)
+    CHECK(ddp.buckets()[b].parameters == layout[b].parameters);
+  // Marks only what is left: after the last layer's own mark, no "marked twice".
+  m.backward();
+  ddp.mark_ready({"w2", "b2"});
+  ddp.mark_all_ready();
+  ddp.synchronize();
+  CHECK(ddp.steps() == 4);
+}
+
+TEST_CASE("ddp.find_unused_parameters names what no rank marked, once") {
+  solo comm;
+  two_layers m;
+  ddp_t ddp(comm, m, {.find_unused_parameters = true});
+  CHECK(ddp_t::unused_report_steps == 2);
+  const auto step = [&](bool mark_w1) {
+    m.backward();
+    ddp.mark_ready({"b2", "b1"});  // "w2" forgotten; "w1" only when asked
+    if (mark_w1) ddp.mark_ready("w1");
+    ddp.synchronize();
+  };
+  CHECK(stderr_of([&] { step(false); }).empty());  // not after one step
+  const std::string report = stderr_of([&] { step(true); });
+  CHECK_CONTAINS(report,
+                 "[rank 0/1] dtrain: DistributedDataParallel: no rank marked parameter 'w2' ready "
+                 "in the first 2 steps");
+  CHECK_CONTAINS(report, "treated as unused and its gradient zeroed");
+  CHECK_CONTAINS(report, "report_unused_parameters = false");
+  CHECK(report.find("'w1'") == std::string::npos);  // marked in step 2: used
+  CHECK(std::count(report.begin(), report.end(), '\n') == 1);
+  CHECK(m.g_w2[0] == 0.0f);                        // what the report warns about
+  CHECK(stderr_of([&] { step(false); }).empty());  // once
+}
+
+TEST_CASE("ddp.report_unused_parameters = false is silent") {
+  solo comm;
+  two_layers m;
+  ddp_t ddp(comm, m, {.find_unused_parameters = true, .report_unused_parameters = false});
+  const std::string text = stderr_of([&] {
+    for (int s = 0; s < 3; ++s) {
+      m.backward();
+      ddp.mark_ready({"b2", "b1", "w1"});
+      ddp.synchronize();
+    }
+  });
+  CHECK(text.empty());
+}
+
+TEST_CASE("ddp.basic_ddp works from parameter lists, without a model type") {
+  solo comm;
+  std::vector<double> w = {1, 2}, gw = {0.5, 0.25};
+  std::vector<std::int64_t> counter = {7};
+  dtrain::basic_ddp<solo_policy> ddp(comm, {dtrain::param("w", w, gw)},
+                                     {dtrain::param("counter", counter)});
+  ddp.mark_all_ready();
+  ddp.synchronize();
+  CHECK(gw[1] == doctest::Approx(0.25));
+  CHECK(ddp.parameters().size() == 1);
+}
+
+TEST_CASE("collectives take any contiguous range of an element type") {
+  solo comm;
+  solo_log& log = solo::log();
+  std::vector<float> v = {1, 2, 3};
+  std::array<double, 2> a = {1, 2};
+  std::int32_t c[4] = {1, 2, 3, 4};
+  dtrain::allreduce(comm, v).wait();
+  CHECK(
+      (log.count == 3 && log.type == dtrain::dtype::float32 && log.where == dtrain::memory::host));
+  dtrain::allreduce(comm, a, dtrain::reduce_op::avg).wait();
+  CHECK((log.count == 2 && log.type == dtrain::dtype::float64));
+  dtrain::allreduce(comm, c, dtrain::reduce_op::max).wait();
+  CHECK((log.count == 4 && log.type == dtrain::dtype::int32));
+  dtrain::broadcast(comm, v, 0).wait();
+  CHECK(log.count == 3);
+  // Out of place: a const input of one kind of range, an output of another.
+  const std::vector<double> in = {3, 4};
+  dtrain::allreduce(comm, in, a).wait();
+  CHECK(a[1] == 4);
+  std::vector<std::int32_t> gathered(4);
+  dtrain::allgather(comm, c, gathered).wait();
+  CHECK(gathered[3] == 4);
+  std::array<float, 3> scattered{};
+  dtrain::reduce_scatter(comm, v, scattered).wait();
+  CHECK(scattered[2] == 3);
+  // Spans, as before.
+  dtrain::allreduce(comm, std::span(v)).wait();
+  dtrain::allgather(comm, std::span<const std::int32_t>(c), std::span(gathered)).wait();
+  CHECK(log.count == 4);
+}
+
+TEST_CASE("param is one overload set: host ranges, device spans, buffers") {
+  std::vector<float> values(6), grad(6);
+  float* grad_ptr = nullptr;
+  const dtrain::parameter view = dtrain::param("a", values, grad_ptr);
+  CHECK((view.rebindable() && view.values.where == dtrain::memory::host && view.device == -1));
+  const dtrain::parameter copy = dtrain::param("b", values, grad);
+  CHECK((!copy.rebindable() && copy.gradient == grad.data()));
+  const dtrain::parameter state = dtrain::param("c", values);
+  CHECK((state.gradient == nullptr && state.values.count == 6));
+
+  // Device memory is a type, not another function name (no GPU needed: views only).
+  float* dptr = values.data();
+  float* dgrad = nullptr;
+  const dtrain::parameter dview = dtrain::param("d", dtrain::device_span<float>{dptr, 6, 1}, dgrad);
+  CHECK((dview.rebindable() && dview.values.where == dtrain::memory::device && dview.device == 1 &&
+         dview.values.device == 1));
+  const dtrain::parameter dcopy = dtrain::param("e", dtrain::device_span<float>{dptr, 6, 1},
+                                                dtrain::device_span<float>{grad.data(), 6, 1});
+  CHECK((!dcopy.rebindable() && dcopy.gradient == grad.data() && dcopy.device == 1));
+  const dtrain::parameter dstate = dtrain::param("f", dtrain::device_span<float>{dptr, 6, 1});
+  CHECK((dstate.gradient == nullptr && dstate.values.where == dtrain::memory::device));
+  CHECK_THROWS_AS(dtrain::param("g", dtrain::device_span<float>{dptr, 6, 1},
+                                dtrain::device_span<float>{grad.data(), 5, 1}),
+                  dtrain::config_error);
+  // The old names are the same views.
+  const dtrain::parameter old = dtrain::device_param("d", dptr, dgrad, 6, 1);
+  CHECK((old.values.data == dview.values.data && old.device == 1 && old.rebindable()));
+  CHECK(dtrain::device_buffer("f", dptr, 6, 1).values.where == dtrain::memory::device);
+  CHECK(dtrain::model_buffer("c", values).gradient == nullptr);
+}
+
+TEST_CASE("run reads --nproc-per-node from the command line, torchrun's spellings") {
+  using dtrain::detail::nproc_per_node_from_args;
+  using args = std::vector<std::string_view>;
+  CHECK(!nproc_per_node_from_args(args{"--epochs", "2"}).has_value());
+  CHECK(nproc_per_node_from_args(args{"--nproc-per-node", "3"}) == 3);
+  CHECK(nproc_per_node_from_args(args{"--epochs", "2", "--nproc-per-node=4"}) == 4);
+  CHECK(nproc_per_node_from_args(args{"--nproc_per_node", "5"}) == 5);
+  CHECK(nproc_per_node_from_args(args{"--nproc_per_node=6", "--lr", "0.1"}) == 6);
+  CHECK(nproc_per_node_from_args(args{"--nproc-per-node=2", "--nproc-per-node", "7"}) == 7);
+  CHECK(!nproc_per_node_from_args(args{"--", "--nproc-per-node", "3"}).has_value());
+  CHECK(!nproc_per_node_from_args(args{"--nproc-per-nodes=3"}).has_value());
+  CHECK_CONTAINS(dtrain_test::config_error_text(
+                     [] { (void)nproc_per_node_from_args(args{"--nproc-per-node=x"}); }),
+                 "--nproc-per-node=x on the command line is not a non-negative integer");
+  CHECK_CONTAINS(dtrain_test::config_error_text([] {
+                   (void)nproc_per_node_from_args(args{"--nproc_per_node", "0"});
+                 }),
+                 "--nproc_per_node=0 on the command line must be at least 1");
+  CHECK_CONTAINS(dtrain_test::config_error_text(
+                     [] { (void)nproc_per_node_from_args(args{"--nproc-per-node"}); }),
+                 "--nproc-per-node on the command line needs a value");
+}
