@@ -12119,9 +12119,12 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
 }
 
 /// Groups the parameters, taken in `order` (a permutation of their indices),
-/// into buckets per (element type, device). A group's first bucket closes once
-/// it holds `first_cap` bytes, later ones at `cap` (soft caps: a parameter
-/// larger than the cap gets a bucket of its own). Buckets are returned in the
+/// into buckets per (element type, device), as PyTorch DDP's
+/// compute_bucket_assignment_by_size does: each parameter joins its group's
+/// open bucket, and the bucket closes as soon as it holds at least its cap
+/// (`first_cap` for a group's first bucket, `cap` after). So a bucket closes
+/// after the parameter that passes the cap, never before it, and only a
+/// group's last bucket may hold less than its cap. Buckets are returned in the
 /// order of their first parameter in `order`, which is the launch order.
 [[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
                                                              std::span<const std::size_t> order,
@@ -12139,12 +12142,6 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
     const parameter& p = params[order[position]];
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
-    // A parameter that fills a bucket by itself does not hold back the smaller ones before it.
-    if (!b.bucket.parameters.empty() && p.values.bytes() >= (b.first ? first_cap : cap)) {
-      closed.emplace_back(b.first_position, std::move(b.bucket));
-      b.bucket = bucket_info{};
-      b.first = false;
-    }
     if (b.bucket.parameters.empty()) {
       b.bucket.type = p.values.type;
       b.bucket.device = p.device;
@@ -12209,10 +12206,15 @@ enum class gradient_compression : std::uint8_t {
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
 /// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
 struct ddp_options {
-  /// A bucket closes once it holds this many MiB of gradients.
+  /// The bucket rule is PyTorch DDP's: gradients join the open bucket of
+  /// their (type, device) in the order they become ready, and a bucket closes
+  /// right after the gradient that brings it to its cap, however large that
+  /// gradient is. A bucket is never closed early to keep a large gradient out,
+  /// so only the last bucket of each (type, device) holds less than its cap.
+  /// The cap of every bucket after the first, in MiB.
   double bucket_cap_mb = 25;
-  /// The first bucket (the last layers' gradients, ready first) is small, so
-  /// that communication starts early in the backward pass.
+  /// The cap of the first bucket (the last layers' gradients, ready first):
+  /// small, so that communication starts early in the backward pass.
   double first_bucket_cap_mb = 1;
   /// Point rebindable gradients (param() with a pointer) into the buckets:
   /// no copies. false: copy every gradient in and the mean back out.

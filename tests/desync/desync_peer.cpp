@@ -48,9 +48,9 @@ int job(dtrain::context<Policy>& ctx, std::string_view which) {
   constexpr int faulty = 2;
   const bool me = ctx.rank() == faulty;
   toy_model model;
-  // Small buckets, so each layer travels in a bucket of its own.
+  // Caps below either layer (256 KiB and 1 MiB), so each layer closes a bucket of its own.
   dtrain::DistributedDataParallel<toy_model, Policy> ddp(
-      ctx, model, {.bucket_cap_mb = 0.5, .first_bucket_cap_mb = 0.5});
+      ctx, model, {.bucket_cap_mb = 0.125, .first_bucket_cap_mb = 0.125});
   constexpr int steps = 3;
   for (int step = 0; step < steps; ++step) {
     const bool last = step == steps - 1;

@@ -1,12 +1,20 @@
 // DistributedDataParallel's bucket assignment (dtrain::detail::assign_buckets):
 // a pure function of the parameters, the order their gradients become ready
 // and the caps, so it is tested here without any communication.
+//
+// The rule is PyTorch DDP's. Every layout marked "PyTorch:" below is what
+// torch.distributed._compute_bucket_assignment_by_size (PyTorch 1.13,
+// Debian's python3-torch) returns for the same sizes, types, caps and order:
+//   f([tensors[i] for i in order], [first_cap, cap], [False] * n, order)[0]
+// (PyTorch lists buckets in the order they close; dtrain in the order of their
+// first parameter, which is their launch order: same buckets, maybe reordered.)
 
 #include "support.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -59,6 +67,22 @@ std::vector<bucket_info> assign(const std::vector<parameter>& ps,
   return dtrain::detail::assign_buckets(ps, order, first_cap, cap);
 }
 
+/// The same buckets, in any order: what PyTorch's layout is compared by.
+layout_t sorted(layout_t l) {
+  std::ranges::sort(l);
+  return l;
+}
+
+/// An MLP's parameters, as its layers list them: w1 (in x out), b1, w2, b2, ...
+std::vector<parameter> mlp(const std::vector<std::size_t>& dims) {
+  std::vector<parameter> ps;
+  for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
+    ps.push_back(fake("w" + std::to_string(l + 1), dims[l] * dims[l + 1]));
+    ps.push_back(fake("b" + std::to_string(l + 1), dims[l + 1]));
+  }
+  return ps;
+}
+
 /// Every parameter in exactly one bucket; each bucket one (type, device);
 /// count and bytes the sums of its parameters'.
 void check_partition(const std::vector<parameter>& ps, const std::vector<bucket_info>& buckets) {
@@ -107,6 +131,7 @@ TEST_CASE("assign_buckets: reverse order, a small first bucket, then buckets clo
   CHECK(order == std::vector<std::size_t>{5, 4, 3, 2, 1, 0});
   const auto buckets = assign(ps, order, 800, 1200);
   check_partition(ps, buckets);
+  // PyTorch: [[5, 4], [3, 2, 1], [0]]
   CHECK_MESSAGE((layout(buckets) == layout_t{{5, 4}, {3, 2, 1}, {0}}), show(buckets));
   REQUIRE(buckets.size() == 3);
   CHECK(buckets[0].count == 200);
@@ -124,6 +149,7 @@ TEST_CASE("assign_buckets: caps are soft, a bucket closes once it reaches its ca
   // 500 bytes: the second parameter takes the bucket past the cap, and closes it.
   const auto buckets = assign(ps, dtrain::detail::reverse_order(5), 500, 500);
   check_partition(ps, buckets);
+  // PyTorch: [[4, 3], [2, 1], [0]]
   CHECK_MESSAGE((layout(buckets) == layout_t{{4, 3}, {2, 1}, {0}}), show(buckets));
 }
 
@@ -139,25 +165,45 @@ TEST_CASE("assign_buckets: a one-byte cap gives one bucket per parameter, in the
   const std::vector<std::size_t> order{2, 0, 3, 1};
   const auto buckets = assign(ps, order, 1, 1);
   check_partition(ps, buckets);
+  // PyTorch: [[2], [0], [3], [1]]
   CHECK_MESSAGE((layout(buckets) == layout_t{{2}, {0}, {3}, {1}}), show(buckets));
 }
 
-TEST_CASE("assign_buckets: a parameter larger than the cap is alone in its bucket") {
-  // 40 B, 4000 B, 40 B, 40 B with a 100-byte cap: the big one is never
-  // batched with the small ones before or after it.
+TEST_CASE("assign_buckets: a parameter larger than the cap joins the open bucket and closes it") {
+  // 40 B, 4000 B, 40 B, 40 B with a 100-byte cap: the big one closes the bucket
+  // the small one before it opened; no bucket is cut short to keep it out.
   std::vector<parameter> ps{fake("a", 10), fake("big", 1000), fake("c", 10), fake("d", 10)};
   const std::vector<std::size_t> order{0, 1, 2, 3};
   const auto buckets = assign(ps, order, 100, 100);
   check_partition(ps, buckets);
-  bool found = false;
-  for (const auto& b : buckets) {
-    if (std::ranges::find(b.parameters, std::size_t{1}) != b.parameters.end()) {
-      found = true;
-      CHECK_MESSAGE((b.parameters == std::vector<std::size_t>{1}),
-                    "the 4000-byte parameter shares its bucket (cap 100 bytes): " << show(buckets));
-    }
+  // PyTorch: [[0, 1], [2, 3]]
+  CHECK_MESSAGE((layout(buckets) == layout_t{{0, 1}, {2, 3}}), show(buckets));
+}
+
+TEST_CASE("assign_buckets: MLPs get PyTorch DDP's buckets, for the demo's caps and the defaults") {
+  const std::size_t KiB = 1024, MiB = 1024 * 1024;
+  struct example {
+    std::vector<std::size_t> dims;
+    std::size_t first_cap, cap;
+    layout_t pytorch;
+  };
+  const std::vector<example> examples{
+      // The demo (examples/train_mlp.cpp): 32-64-64-8 with 4 KiB / 16 KiB caps.
+      {{32, 64, 64, 8}, 4 * KiB, 16 * KiB, {{5, 4, 3, 2}, {1, 0}}},
+      {{32, 64, 64, 8}, 1 * MiB, 25 * MiB, {{5, 4, 3, 2, 1, 0}}},
+      // The wide model: 1024-1024-1024-8.
+      {{1024, 1024, 1024, 8}, 4 * KiB, 16 * KiB, {{5, 4}, {3, 2}, {1, 0}}},
+      {{1024, 1024, 1024, 8}, 1 * MiB, 25 * MiB, {{5, 4, 3, 2}, {1, 0}}},
+      {{32, 1024, 1024, 8}, 1 * MiB, 25 * MiB, {{5, 4, 3, 2}, {1, 0}}},
+  };
+  for (const auto& e : examples) {
+    const auto ps = mlp(e.dims);
+    const auto buckets = assign(ps, dtrain::detail::reverse_order(ps.size()), e.first_cap, e.cap);
+    INFO("dims " << e.dims.size() << " layers from " << e.dims.front() << ", caps " << e.first_cap
+                 << "/" << e.cap);
+    check_partition(ps, buckets);
+    CHECK_MESSAGE(layout(buckets) == e.pytorch, show(buckets));
   }
-  CHECK(found);
 }
 
 TEST_CASE(
@@ -169,6 +215,8 @@ TEST_CASE(
   }
   const auto buckets = assign(ps, dtrain::detail::reverse_order(6), 1 << 20, 1 << 20);
   check_partition(ps, buckets);
+  // PyTorch: [[4, 2, 0], [5, 3, 1]], and forward [[1, 3, 5], [0, 2, 4]]: the same buckets.
+  CHECK(sorted(layout(buckets)) == sorted({{4, 2, 0}, {5, 3, 1}}));
   REQUIRE_MESSAGE(buckets.size() == 2, show(buckets));
   CHECK(buckets[0].type == dtype::float64);
   CHECK(buckets[0].parameters == std::vector<std::size_t>{5, 3, 1});
@@ -194,6 +242,8 @@ TEST_CASE("assign_buckets: each element type gets its own small first bucket") {
   const auto buckets = assign(ps, dtrain::detail::reverse_order(8), 400, 1 << 20);
   check_partition(ps, buckets);
   // d7 | f6 | d5 d3 d1 | f4 f2 f0, ordered by first position: d7 (0), f6 (1), d5 (2), f4 (3).
+  // PyTorch: [[7], [6], [4, 2, 0], [5, 3, 1]]: the same buckets.
+  CHECK(sorted(layout(buckets)) == sorted({{7}, {6}, {4, 2, 0}, {5, 3, 1}}));
   CHECK_MESSAGE((layout(buckets) == layout_t{{7}, {6}, {5, 3, 1}, {4, 2, 0}}), show(buckets));
 }
 
@@ -220,6 +270,7 @@ TEST_CASE("assign_buckets: devices are never mixed") {
 TEST_CASE("assign_buckets: a rebuild follows the observed ready order") {
   const auto ps = floats(6, 100);  // 400 bytes each
   const auto initial = assign(ps, dtrain::detail::reverse_order(6), 800, 800);
+  // PyTorch: [[5, 4], [3, 2], [1, 0]], then [[2, 0], [5, 1], [3, 4]] for the observed order.
   CHECK_MESSAGE((layout(initial) == layout_t{{5, 4}, {3, 2}, {1, 0}}), show(initial));
   // Gradients became ready as 2, 0, 5, 1, 3, 4: buckets are cut along that order.
   const std::vector<std::size_t> observed{2, 0, 5, 1, 3, 4};
@@ -249,6 +300,16 @@ TEST_CASE(
     INFO("trial " << trial << ": " << n << " parameters, caps " << first_cap << "/" << cap << ": "
                   << show(buckets));
     check_partition(ps, buckets);
+
+    // No bucket is smaller than it needs to be: every bucket but the last of
+    // its (type, device) holds at least its cap (the group's first: first_cap).
+    std::map<std::pair<int, int>, std::vector<std::size_t>>
+        groups;  // bucket sizes, in launch order
+    for (const auto& b : buckets) groups[{static_cast<int>(b.type), b.device}].push_back(b.bytes);
+    for (const auto& [key, sizes] : groups) {
+      for (std::size_t k = 0; k + 1 < sizes.size(); ++k)
+        CHECK(sizes[k] >= (k == 0 ? first_cap : cap));
+    }
 
     std::vector<std::size_t> position(n);
     for (std::size_t k = 0; k < n; ++k) position[order[k]] = k;

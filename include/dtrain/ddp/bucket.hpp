@@ -73,9 +73,12 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
 }
 
 /// Groups the parameters, taken in `order` (a permutation of their indices),
-/// into buckets per (element type, device). A group's first bucket closes once
-/// it holds `first_cap` bytes, later ones at `cap` (soft caps: a parameter
-/// larger than the cap gets a bucket of its own). Buckets are returned in the
+/// into buckets per (element type, device), as PyTorch DDP's
+/// compute_bucket_assignment_by_size does: each parameter joins its group's
+/// open bucket, and the bucket closes as soon as it holds at least its cap
+/// (`first_cap` for a group's first bucket, `cap` after). So a bucket closes
+/// after the parameter that passes the cap, never before it, and only a
+/// group's last bucket may hold less than its cap. Buckets are returned in the
 /// order of their first parameter in `order`, which is the launch order.
 [[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
                                                              std::span<const std::size_t> order,
@@ -93,12 +96,6 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
     const parameter& p = params[order[position]];
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
-    // A parameter that fills a bucket by itself does not hold back the smaller ones before it.
-    if (!b.bucket.parameters.empty() && p.values.bytes() >= (b.first ? first_cap : cap)) {
-      closed.emplace_back(b.first_position, std::move(b.bucket));
-      b.bucket = bucket_info{};
-      b.first = false;
-    }
     if (b.bucket.parameters.empty()) {
       b.bucket.type = p.values.type;
       b.bucket.device = p.device;

@@ -33,10 +33,15 @@ enum class gradient_compression : std::uint8_t {
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
 /// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
 struct ddp_options {
-  /// A bucket closes once it holds this many MiB of gradients.
+  /// The bucket rule is PyTorch DDP's: gradients join the open bucket of
+  /// their (type, device) in the order they become ready, and a bucket closes
+  /// right after the gradient that brings it to its cap, however large that
+  /// gradient is. A bucket is never closed early to keep a large gradient out,
+  /// so only the last bucket of each (type, device) holds less than its cap.
+  /// The cap of every bucket after the first, in MiB.
   double bucket_cap_mb = 25;
-  /// The first bucket (the last layers' gradients, ready first) is small, so
-  /// that communication starts early in the backward pass.
+  /// The cap of the first bucket (the last layers' gradients, ready first):
+  /// small, so that communication starts early in the backward pass.
   double first_bucket_cap_mb = 1;
   /// Point rebindable gradients (param() with a pointer) into the buckets:
   /// no copies. false: copy every gradient in and the mean back out.
