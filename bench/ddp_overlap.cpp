@@ -28,6 +28,16 @@
 // Table 2, bucketing: N small parameters (default 1,000 x 256 float32), one
 // waited dtrain::allreduce per parameter against DDP with its default caps.
 //
+// Table 3, the hand-off: an MLP's gradients (--mlp, default the demo's
+// 32,64,64,8, with the demo's caps) marked ready at once, then synchronize(),
+// against the raw engine allreduces of the same buckets one after the other.
+// Goal: DDP / engine at most 1.1.
+//
+// Table 4, world size 1: each rank alone (a split of one rank), the same MLP's
+// backward as --solo-compute-us of CPU arithmetic per step, with DDP marking
+// each layer and synchronizing, against the same loop without DDP. Goal: at
+// most 1% over it.
+//
 // `--backend nccl`: DDP's own cost on a GPU, world size 1 (one GPU cannot host
 // two NCCL ranks). The same layered model on the device; a layer's backward is
 // device-to-device copies on the compute stream calibrated to --compute-us
@@ -38,7 +48,9 @@
 // Options: --backend mpi|gloo|nccl, --compute sleep|spin, --compute-us US (per
 // layer), --layers L (16), --floats P (1048576), --bucket-cap-mb MB (4: about
 // one layer per bucket), --first-bucket-cap-mb MB (1), --steps N (9),
-// --warmup N (2), --small-params N (1000), --small-floats N (256).
+// --warmup N (2), --small-params N (1000), --small-floats N (256), --mlp W,W,...
+// (32,64,64,8), --solo-compute-us US (100), --tables overlap,buckets,handoff,solo
+// (all four).
 // Goals are printed with the measured values; timings never fail the run.
 
 #include <dtrain/dtrain.hpp>
@@ -72,6 +84,18 @@ struct bench_options {
   int warmup = 2;
   std::size_t small_params = 1000;
   std::size_t small_floats = 256;
+  std::vector<std::size_t> mlp{32, 64, 64, 8};  // tables 3 and 4: the demo's model
+  double solo_compute_us = 100;                 // table 4: a step's compute
+  std::string tables = "overlap,buckets,handoff,solo";
+  [[nodiscard]] bool wants(std::string_view table) const {
+    for (std::size_t at = 0; at <= tables.size();) {
+      std::size_t end = tables.find(',', at);
+      if (end == std::string::npos) end = tables.size();
+      if (std::string_view(tables).substr(at, end - at) == table) return true;
+      at = end + 1;
+    }
+    return false;
+  }
 };
 
 [[noreturn]] void usage(const std::string& why) {
@@ -80,7 +104,7 @@ struct bench_options {
       "ddp_overlap: %s\nusage: ddp_overlap [--backend mpi|gloo|nccl] [--compute sleep|spin] "
       "[--compute-us US] [--layers L] [--floats P] [--bucket-cap-mb MB] "
       "[--first-bucket-cap-mb MB] [--steps N] [--warmup N] [--small-params N] "
-      "[--small-floats N]\n",
+      "[--small-floats N] [--mlp W,W,...] [--solo-compute-us US] [--tables LIST]\n",
       why.c_str());
   std::exit(2);
 }
@@ -127,6 +151,33 @@ bench_options parse(int argc, char** argv) {
       o.small_params = static_cast<std::size_t>(number());
     } else if (arg == "--small-floats") {
       o.small_floats = static_cast<std::size_t>(number());
+    } else if (arg == "--mlp") {
+      o.mlp.clear();
+      const std::string v = value();
+      for (std::size_t at = 0; at <= v.size();) {
+        std::size_t end = v.find(',', at);
+        if (end == std::string::npos) end = v.size();
+        const std::string part = v.substr(at, end - at);
+        char* stop = nullptr;
+        const unsigned long width = std::strtoul(part.c_str(), &stop, 10);
+        if (part.empty() || *stop != '\0' || width == 0)
+          usage("--mlp " + v + ": widths are numbers >= 1, separated by commas");
+        o.mlp.push_back(width);
+        at = end + 1;
+      }
+      if (o.mlp.size() < 2) usage("--mlp " + v + " needs two widths at least (inputs,outputs)");
+    } else if (arg == "--solo-compute-us") {
+      o.solo_compute_us = number();
+    } else if (arg == "--tables") {
+      o.tables = value();
+      for (std::size_t at = 0; at <= o.tables.size();) {
+        std::size_t end = o.tables.find(',', at);
+        if (end == std::string::npos) end = o.tables.size();
+        const std::string t = o.tables.substr(at, end - at);
+        if (t != "overlap" && t != "buckets" && t != "handoff" && t != "solo")
+          usage("--tables " + o.tables + ": the tables are overlap, buckets, handoff, solo");
+        at = end + 1;
+      }
     } else if (arg.starts_with("--local-rank") || arg.starts_with("--local_rank")) {
       if (arg.find('=') == std::string_view::npos) ++i;  // the launcher's, read by dtrain
     } else {
@@ -219,6 +270,66 @@ struct layered_model {
   }
 };
 
+// An MLP's parameters without its arithmetic: weights (out x in) and biases,
+// fc1 first; gradients start in storage of the model's own.
+struct shaped_model {
+  std::vector<std::string> names;
+  std::vector<std::vector<float>> values, own;
+  std::vector<float*> gradients;  // sized once: DDP keeps the addresses of these slots
+
+  explicit shaped_model(const std::vector<std::size_t>& widths) {
+    for (std::size_t l = 0; l + 1 < widths.size(); ++l) {
+      add("fc" + std::to_string(l + 1) + ".weight", widths[l] * widths[l + 1]);
+      add("fc" + std::to_string(l + 1) + ".bias", widths[l + 1]);
+    }
+    for (std::size_t i = 0; i < values.size(); ++i) gradients.push_back(own[i].data());
+  }
+
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t i = 0; i < values.size(); ++i)
+      out.push_back(dtrain::param(names[i], values[i], gradients[i]));
+    return out;
+  }
+  [[nodiscard]] std::size_t layers() const noexcept { return values.size() / 2; }
+
+  // Layer l's backward writes its whole gradient: a known value per rank and parameter.
+  void write_layer(std::size_t l, int rank) {
+    for (std::size_t i : {2 * l, 2 * l + 1}) {
+      const float v = static_cast<float>(rank + 1) + static_cast<float>(i);
+      std::fill_n(gradients[i], values[i].size(), v);
+    }
+  }
+  void zero() {
+    for (std::size_t i = 0; i < values.size(); ++i)
+      std::fill_n(gradients[i], values[i].size(), 0.0f);
+  }
+  [[nodiscard]] bool averaged(int size) const {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const float expected = static_cast<float>(size + 1) / 2.0f + static_cast<float>(i);
+      if (gradients[i][0] != expected || gradients[i][values[i].size() - 1] != expected)
+        return false;
+    }
+    return true;
+  }
+
+ private:
+  void add(std::string name, std::size_t count) {
+    names.push_back(std::move(name));
+    values.emplace_back(count, 0.5f);
+    own.emplace_back(count, 0.0f);
+  }
+};
+
+std::string widths_text(const std::vector<std::size_t>& widths) {
+  std::string s;
+  for (std::size_t w : widths) {
+    if (!s.empty()) s += '-';
+    s += std::to_string(w);
+  }
+  return s;
+}
+
 double median(std::vector<double> v) {
   std::ranges::sort(v);
   return v[v.size() / 2];
@@ -258,6 +369,165 @@ std::string bucket_layout(const std::vector<dtrain::bucket_info>& buckets) {
   return s;
 }
 
+// The demo's bucket caps (examples/train_mlp.cpp): 16 KiB, the first 4 KiB.
+const dtrain::ddp_options demo_caps{.bucket_cap_mb = 16.0 / 1024,
+                                    .first_bucket_cap_mb = 4.0 / 1024};
+
+// ---- table 3: the hand-off ---------------------------------------------------
+// What DDP adds to the engine: the MLP's gradients marked ready at once, then
+// synchronize(), against the raw engine allreduces of the same buckets, one
+// after the other on the calling thread (submit, wait), in the same run.
+template <class Policy>
+bool handoff_table(dtrain::context<Policy>& ctx, const bench_options& o) {
+  using ddp_type = dtrain::DistributedDataParallel<shaped_model, Policy>;
+  const int rank = ctx.rank();
+  shaped_model model(o.mlp);
+  ddp_type ddp(ctx, model, demo_caps);
+  auto step = [&] {
+    for (std::size_t l = model.layers(); l-- > 0;) model.write_layer(l, rank);
+    ddp.mark_all_ready();
+    ddp.synchronize();
+  };
+  step();  // the first step rebuilds the buckets
+  step();
+  std::vector<std::vector<float>> raw;
+  for (const dtrain::bucket_info& b : ddp.buckets()) raw.emplace_back(b.count, 1.0f);
+  auto engine = [&] {
+    for (auto& r : raw)
+      dtrain::allreduce(ctx.communicator(), std::span<float>(r), dtrain::reduce_op::avg).wait();
+  };
+  const bool ok = slowest(ctx.communicator(), model.averaged(ctx.size()) ? 0.0 : 1.0) == 0;
+  // Each figure: a block of steps, timed on the slowest rank; the median block.
+  constexpr int block = 50;
+  auto timed_block = [&](const std::function<void()>& f) {
+    return timed_step(ctx,
+                      [&] {
+                        for (int i = 0; i < block; ++i) f();
+                      }) /
+           block;
+  };
+  for (int i = 0; i < 5; ++i) {
+    engine();
+    step();
+  }
+  std::vector<double> t_engine, t_ddp;
+  for (int round = 0; round < std::max(o.steps, 9); ++round) {
+    if (round % 2 == 0) {
+      t_engine.push_back(timed_block(engine));
+      t_ddp.push_back(timed_block(step));
+    } else {
+      t_ddp.push_back(timed_block(step));
+      t_engine.push_back(timed_block(engine));
+    }
+  }
+  const double engine_s = median(t_engine), ddp_s = median(t_ddp);
+  if (ctx.is_main()) {
+    std::printf("hand-off: %d ranks, backend %s, a %s MLP, the demo's caps (16 KiB, first 4 KiB)\n",
+                ctx.size(), std::string(Policy::backend_type::name).c_str(),
+                widths_text(o.mlp).c_str());
+    std::printf("buckets: %zu: %s; gradients %s\n", ddp.buckets().size(),
+                bucket_layout(ddp.buckets()).c_str(),
+                ok ? "the mean over ranks (checked)" : "WRONG (not the mean over ranks)");
+    std::printf("time per step: median of %d alternating blocks of %d steps, slowest rank\n",
+                std::max(o.steps, 9), block);
+    std::printf("%-44s %10s\n", "", "us/step");
+    std::printf("%-44s %10.1f\n", "engine allreduces of the buckets, one by one", engine_s * 1e6);
+    std::printf("%-44s %10.1f\n", "DDP: mark_all_ready(), synchronize()", ddp_s * 1e6);
+    std::printf("DDP / engine = %.3f; goal: at most 1.1\n\n", ddp_s / engine_s);
+    std::fflush(stdout);
+  }
+  return ok;
+}
+
+// ---- table 4: world size 1 ---------------------------------------------------
+// Each rank alone (a split of one rank): the MLP's backward (spinning CPU
+// arithmetic, then each layer's gradient written whole) with DDP marking each
+// layer and synchronizing, against the same loop without DDP.
+template <class Policy>
+bool solo_table(dtrain::context<Policy>& ctx, const bench_options& o) {
+  using ddp_type = dtrain::DistributedDataParallel<shaped_model, Policy>;
+  const int rank = ctx.rank();
+  auto alone = ctx.communicator().split(rank, 0);
+  compute_model compute(true);
+  shaped_model plain(o.mlp), model(o.mlp);
+  ddp_type ddp(alone, model, demo_caps);
+  const std::size_t layers = model.layers();
+  const double layer_us = o.solo_compute_us / static_cast<double>(layers);
+  auto without = [&] {
+    for (std::size_t l = layers; l-- > 0;) {
+      compute.run(layer_us);
+      plain.write_layer(l, rank);
+    }
+    plain.zero();
+  };
+  auto with = [&] {
+    for (std::size_t l = layers; l-- > 0;) {
+      compute.run(layer_us);
+      model.write_layer(l, rank);
+      ddp.mark_ready({2 * l, 2 * l + 1});
+    }
+    ddp.synchronize();
+    ddp.zero_grad();
+  };
+  const int block = std::max(1, static_cast<int>(20'000 / std::max(o.solo_compute_us, 1.0)));
+  auto timed_block = [&](const std::function<void()>& f) {
+    const auto start = steady::now();
+    for (int i = 0; i < block; ++i) f();
+    return std::chrono::duration<double>(steady::now() - start).count() / block;
+  };
+  for (int i = 0; i < 3; ++i) {
+    without();
+    with();
+  }
+  // The step's gradients, once more, as DDP leaves them at world size 1: untouched.
+  for (std::size_t l = layers; l-- > 0;) {
+    model.write_layer(l, rank);
+    ddp.mark_ready({2 * l, 2 * l + 1});
+  }
+  ddp.synchronize();
+  bool ok = true;
+  for (std::size_t i = 0; i < model.values.size(); ++i) {
+    const float expected = static_cast<float>(rank + 1) + static_cast<float>(i);
+    ok = ok && model.gradients[i][0] == expected;
+  }
+  ddp.zero_grad();
+  std::vector<double> t_without, t_with;
+  const int rounds = std::max(o.steps, 15);
+  for (int round = 0; round < rounds; ++round) {
+    if (round % 2 == 0) {
+      t_without.push_back(timed_block(without));
+      t_with.push_back(timed_block(with));
+    } else {
+      t_with.push_back(timed_block(with));
+      t_without.push_back(timed_block(without));
+    }
+  }
+  const double without_s = median(t_without), with_s = median(t_with);
+  const double mine = (with_s - without_s) / without_s;
+  const double worst = slowest(ctx.communicator(), mine);
+  ok = slowest(ctx.communicator(), ok ? 0.0 : 1.0) == 0;
+  if (ctx.is_main()) {
+    std::printf(
+        "world size 1: every rank alone (a split of one rank), backend %s, a %s MLP, the demo's "
+        "caps\n",
+        std::string(Policy::backend_type::name).c_str(), widths_text(o.mlp).c_str());
+    std::printf("a step: %.0f us of CPU arithmetic, each layer's gradient written whole; %s\n",
+                o.solo_compute_us,
+                ok ? "gradients untouched by DDP (checked)" : "gradients CHANGED by DDP (wrong)");
+    std::printf("time per step: median of %d alternating blocks of %d steps (rank 0)\n", rounds,
+                block);
+    std::printf("%-44s %10s %10s\n", "", "us/step", "overhead");
+    std::printf("%-44s %10.2f %10s\n", "the loop without DDP", without_s * 1e6, "-");
+    std::printf("%-44s %10.2f %9.2f%%\n", "DDP: mark_ready per layer, synchronize()", with_s * 1e6,
+                mine * 100);
+    std::printf(
+        "goal: DDP at most 1%% over the loop without it; measured %.2f%% (worst rank %.2f%%)\n",
+        mine * 100, worst * 100);
+    std::fflush(stdout);
+  }
+  return ok;
+}
+
 template <class Policy>
 int bench(dtrain::context<Policy>& ctx, const bench_options& o) {
   using ddp_type = dtrain::DistributedDataParallel<layered_model, Policy>;
@@ -267,151 +537,158 @@ int bench(dtrain::context<Policy>& ctx, const bench_options& o) {
   compute_model compute(o.spin);
   const std::size_t layers = o.layers;
 
+  bool ok = true;
   // ---- table 1: overlap -----------------------------------------------------
-  layered_model model_on(layers, o.floats), model_off(layers, o.floats);
-  const dtrain::ddp_options caps{.bucket_cap_mb = o.bucket_cap_mb,
-                                 .first_bucket_cap_mb = o.first_bucket_cap_mb};
-  dtrain::ddp_options no_overlap = caps;
-  no_overlap.overlap = false;
-  ddp_type ddp_on(ctx, model_on, caps);
-  ddp_type ddp_off(ctx, model_off, no_overlap);
+  if (o.wants("overlap")) {
+    layered_model model_on(layers, o.floats), model_off(layers, o.floats);
+    const dtrain::ddp_options caps{.bucket_cap_mb = o.bucket_cap_mb,
+                                   .first_bucket_cap_mb = o.first_bucket_cap_mb};
+    dtrain::ddp_options no_overlap = caps;
+    no_overlap.overlap = false;
+    ddp_type ddp_on(ctx, model_on, caps);
+    ddp_type ddp_off(ctx, model_off, no_overlap);
 
-  std::vector<std::size_t> all(layers);
-  std::iota(all.rbegin(), all.rend(), std::size_t{0});  // L-1, ..., 0: the backward's order
-  double layer_us = 0;
-  auto backward = [&](layered_model& m, ddp_type* ddp) {
-    for (std::size_t l = layers; l-- > 0;) {
-      compute.run(layer_us);
-      m.write_gradient(l, rank);
-      if (ddp) ddp->mark_ready(l);
+    std::vector<std::size_t> all(layers);
+    std::iota(all.rbegin(), all.rend(), std::size_t{0});  // L-1, ..., 0: the backward's order
+    double layer_us = 0;
+    auto backward = [&](layered_model& m, ddp_type* ddp) {
+      for (std::size_t l = layers; l-- > 0;) {
+        compute.run(layer_us);
+        m.write_gradient(l, rank);
+        if (ddp) ddp->mark_ready(l);
+      }
+    };
+    auto compute_only = [&] { backward(model_on, nullptr); };
+    auto communication = [&] {
+      for (std::size_t l = 0; l < layers; ++l) model_on.write_gradient(l, rank);
+      ddp_on.mark_ready(all);
+      ddp_on.synchronize();
+    };
+    auto step_on = [&] {
+      backward(model_on, &ddp_on);
+      ddp_on.synchronize();
+    };
+    auto step_off = [&] {
+      backward(model_off, &ddp_off);
+      ddp_off.synchronize();
+    };
+
+    // Warm-up (the first steps rebuild the buckets), then check the averages once.
+    for (int i = 0; i < std::max(o.warmup, 1); ++i) {
+      step_on();
+      step_off();
+      communication();
     }
-  };
-  auto compute_only = [&] { backward(model_on, nullptr); };
-  auto communication = [&] {
-    for (std::size_t l = 0; l < layers; ++l) model_on.write_gradient(l, rank);
-    ddp_on.mark_ready(all);
-    ddp_on.synchronize();
-  };
-  auto step_on = [&] {
-    backward(model_on, &ddp_on);
-    ddp_on.synchronize();
-  };
-  auto step_off = [&] {
-    backward(model_off, &ddp_off);
-    ddp_off.synchronize();
-  };
-
-  // Warm-up (the first steps rebuild the buckets), then check the averages once.
-  for (int i = 0; i < std::max(o.warmup, 1); ++i) {
     step_on();
     step_off();
-    communication();
-  }
-  step_on();
-  step_off();
-  const bool averaged =
-      slowest(ctx.communicator(),
-              model_on.averaged(size) && model_off.averaged(size) ? 0.0 : 1.0) == 0;
+    const bool averaged =
+        slowest(ctx.communicator(),
+                model_on.averaged(size) && model_off.averaged(size) ? 0.0 : 1.0) == 0;
 
-  std::vector<double> probe;
-  for (int i = 0; i < std::max(o.steps, 5); ++i) probe.push_back(timed_step(ctx, communication));
-  const double comm_probe = median(probe);
-  const bool auto_compute = o.compute_us < 0;
-  layer_us = auto_compute ? comm_probe * 1e6 / static_cast<double>(layers) : o.compute_us;
-  std::vector<double> t_compute, t_comm, t_on, t_off;
-  const std::function<void()> kinds[4] = {compute_only, communication, step_on, step_off};
-  std::vector<double>* results[4] = {&t_compute, &t_comm, &t_on, &t_off};
-  // A loaded machine can change the communication time between the probe and
-  // the rounds: then the rounds are measured once more, calibrated on them.
-  int calibrations = 0;
-  for (;;) {
-    ++calibrations;
-    step_on();  // one untimed step at the chosen compute
-    step_off();
-    for (auto* r : results) r->clear();
-    for (int round = 0; round < o.steps; ++round) {
-      for (int k = 0; k < 4; ++k) {
-        const int kind = (round + k) % 4;
-        results[kind]->push_back(timed_step(ctx, kinds[kind]));
+    std::vector<double> probe;
+    for (int i = 0; i < std::max(o.steps, 5); ++i) probe.push_back(timed_step(ctx, communication));
+    const double comm_probe = median(probe);
+    const bool auto_compute = o.compute_us < 0;
+    layer_us = auto_compute ? comm_probe * 1e6 / static_cast<double>(layers) : o.compute_us;
+    std::vector<double> t_compute, t_comm, t_on, t_off;
+    const std::function<void()> kinds[4] = {compute_only, communication, step_on, step_off};
+    std::vector<double>* results[4] = {&t_compute, &t_comm, &t_on, &t_off};
+    // A loaded machine can change the communication time between the probe and
+    // the rounds: then the rounds are measured once more, calibrated on them.
+    int calibrations = 0;
+    for (;;) {
+      ++calibrations;
+      step_on();  // one untimed step at the chosen compute
+      step_off();
+      for (auto* r : results) r->clear();
+      for (int round = 0; round < o.steps; ++round) {
+        for (int k = 0; k < 4; ++k) {
+          const int kind = (round + k) % 4;
+          results[kind]->push_back(timed_step(ctx, kinds[kind]));
+        }
+      }
+      if (calibrations == 3) break;
+      bool again = false;
+      // Spinning: other load on the cores slows the arithmetic down after its calibration.
+      const double wanted = layer_us * static_cast<double>(layers) * 1e-6;
+      if (compute.spin() && wanted > 0 && std::abs(median(t_compute) - wanted) > 0.3 * wanted) {
+        compute.rescale(wanted / median(t_compute));  // the same on every rank
+        again = true;
+      }
+      const double measured = median(t_comm) * 1e6 / static_cast<double>(layers);
+      if (auto_compute && std::abs(measured - layer_us) > 0.3 * measured) {
+        layer_us = measured;
+        again = true;
+      }
+      if (!again) break;
+    }
+    if (std::getenv("DDP_OVERLAP_DEBUG") && main) {
+      for (auto* v : {&probe, &t_compute, &t_comm, &t_on, &t_off}) {
+        for (double t : *v) std::printf("%.1f ", t * 1e3);
+        std::printf("\n");
       }
     }
-    if (calibrations == 3) break;
-    bool again = false;
-    // Spinning: other load on the cores slows the arithmetic down after its calibration.
-    const double wanted = layer_us * static_cast<double>(layers) * 1e-6;
-    if (compute.spin() && wanted > 0 && std::abs(median(t_compute) - wanted) > 0.3 * wanted) {
-      compute.rescale(wanted / median(t_compute));  // the same on every rank
-      again = true;
-    }
-    const double measured = median(t_comm) * 1e6 / static_cast<double>(layers);
-    if (auto_compute && std::abs(measured - layer_us) > 0.3 * measured) {
-      layer_us = measured;
-      again = true;
-    }
-    if (!again) break;
-  }
-  if (std::getenv("DDP_OVERLAP_DEBUG") && main) {
-    for (auto* v : {&probe, &t_compute, &t_comm, &t_on, &t_off}) {
-      for (double t : *v) std::printf("%.1f ", t * 1e3);
-      std::printf("\n");
-    }
-  }
-  const double compute_s = median(t_compute), comm_s = median(t_comm), on_s = median(t_on),
-               off_s = median(t_off);
-  const double exposed_on = (on_s - compute_s) / comm_s, exposed_off = (off_s - compute_s) / comm_s;
+    const double compute_s = median(t_compute), comm_s = median(t_comm), on_s = median(t_on),
+                 off_s = median(t_off);
+    const double exposed_on = (on_s - compute_s) / comm_s,
+                 exposed_off = (off_s - compute_s) / comm_s;
 
-  if (main) {
-    const double layer_mib = static_cast<double>(o.floats * sizeof(float)) / (1 << 20);
-    std::printf(
-        "DDP overlap: %d ranks, backend %s, %zu layers x %zu float32 (%.1f MiB each, %.1f MiB in "
-        "all)\n",
-        size, std::string(Policy::backend_type::name).c_str(), layers, o.floats, layer_mib,
-        layer_mib * static_cast<double>(layers));
-    std::printf("buckets: %zu (bucket_cap_mb %g, first_bucket_cap_mb %g): %s\n",
-                ddp_on.buckets().size(), o.bucket_cap_mb, o.first_bucket_cap_mb,
-                bucket_layout(ddp_on.buckets()).c_str());
-    if (compute.spin()) {
+    if (main) {
+      const double layer_mib = static_cast<double>(o.floats * sizeof(float)) / (1 << 20);
       std::printf(
-          "compute: spin (CPU arithmetic, %.0f iterations/us; competes with the communication "
-          "threads for the cores)\n",
-          compute.iterations_per_us());
-    } else {
-      std::printf("compute: sleep (models a GPU computing while the CPU is free)\n");
-    }
-    std::printf(
-        "per-layer compute: %.0f us (%s)\n", layer_us,
-        auto_compute ? "auto: communication / layers, so compute ~ communication" : "--compute-us");
-    if (auto_compute) {
-      std::printf("  calibrated on communication = %.2f ms (median of %zu steps)%s\n",
-                  comm_probe * 1e3, probe.size(), calibrations > 1 ? " at first" : "");
-    }
-    if (calibrations > 1) {
+          "DDP overlap: %d ranks, backend %s, %zu layers x %zu float32 (%.1f MiB each, %.1f MiB in "
+          "all)\n",
+          size, std::string(Policy::backend_type::name).c_str(), layers, o.floats, layer_mib,
+          layer_mib * static_cast<double>(layers));
+      std::printf("buckets: %zu (bucket_cap_mb %g, first_bucket_cap_mb %g): %s\n",
+                  ddp_on.buckets().size(), o.bucket_cap_mb, o.first_bucket_cap_mb,
+                  bucket_layout(ddp_on.buckets()).c_str());
+      if (compute.spin()) {
+        std::printf(
+            "compute: spin (CPU arithmetic, %.0f iterations/us; competes with the communication "
+            "threads for the cores)\n",
+            compute.iterations_per_us());
+      } else {
+        std::printf("compute: sleep (models a GPU computing while the CPU is free)\n");
+      }
+      std::printf("per-layer compute: %.0f us (%s)\n", layer_us,
+                  auto_compute ? "auto: communication / layers, so compute ~ communication"
+                               : "--compute-us");
+      if (auto_compute) {
+        std::printf("  calibrated on communication = %.2f ms (median of %zu steps)%s\n",
+                    comm_probe * 1e3, probe.size(), calibrations > 1 ? " at first" : "");
+      }
+      if (calibrations > 1) {
+        std::printf(
+            "  measured %d times: the compute or the communication of a pass was over 30%% "
+            "off its calibration, so the next pass was recalibrated on it (the last is shown)\n",
+            calibrations);
+      }
+      std::printf("gradients after a step: %s\n",
+                  averaged ? "the mean over ranks (checked)" : "WRONG (not the mean over ranks)");
       std::printf(
-          "  measured %d times: the compute or the communication of a pass was over 30%% "
-          "off its calibration, so the next pass was recalibrated on it (the last is shown)\n",
-          calibrations);
+          "time per step: median of %d interleaved rounds after %d warm-up steps, slowest rank\n",
+          o.steps, o.warmup);
+      std::printf("%-34s %10s %9s\n", "", "ms/step", "exposed");
+      std::printf("%-34s %10.2f %9s\n",
+                  compute.spin() ? "compute only (spin)" : "compute only (sleep)", compute_s * 1e3,
+                  "");
+      std::printf("%-34s %10.2f %9s\n", "communication only (all ready)", comm_s * 1e3, "");
+      std::printf("%-34s %10.2f %9.3f\n", "step, overlap on", on_s * 1e3, exposed_on);
+      std::printf("%-34s %10.2f %9.3f\n", "step, overlap off", off_s * 1e3, exposed_off);
+      std::printf(
+          "exposed = (step - compute) / communication; goal with overlap on: <= 0.25, measured "
+          "%.3f "
+          "(off: %.3f)\n\n",
+          exposed_on, exposed_off);
+      std::fflush(stdout);
     }
-    std::printf("gradients after a step: %s\n",
-                averaged ? "the mean over ranks (checked)" : "WRONG (not the mean over ranks)");
-    std::printf(
-        "time per step: median of %d interleaved rounds after %d warm-up steps, slowest rank\n",
-        o.steps, o.warmup);
-    std::printf("%-34s %10s %9s\n", "", "ms/step", "exposed");
-    std::printf("%-34s %10.2f %9s\n",
-                compute.spin() ? "compute only (spin)" : "compute only (sleep)", compute_s * 1e3,
-                "");
-    std::printf("%-34s %10.2f %9s\n", "communication only (all ready)", comm_s * 1e3, "");
-    std::printf("%-34s %10.2f %9.3f\n", "step, overlap on", on_s * 1e3, exposed_on);
-    std::printf("%-34s %10.2f %9.3f\n", "step, overlap off", off_s * 1e3, exposed_off);
-    std::printf(
-        "exposed = (step - compute) / communication; goal with overlap on: <= 0.25, measured %.3f "
-        "(off: %.3f)\n\n",
-        exposed_on, exposed_off);
-    std::fflush(stdout);
+
+    ok = ok && averaged;
   }
 
   // ---- table 2: one allreduce per parameter vs buckets -----------------------
-  {
+  if (o.wants("buckets")) {
     layered_model small(o.small_params, o.small_floats);
     std::vector<std::vector<float>> raw(o.small_params, std::vector<float>(o.small_floats, 1.0f));
     ddp_type ddp(ctx, small, dtrain::ddp_options{});
@@ -433,6 +710,7 @@ int bench(dtrain::context<Policy>& ctx, const bench_options& o) {
       bucketed();
     }
     const bool small_ok = slowest(ctx.communicator(), small.averaged(size) ? 0.0 : 1.0) == 0;
+    ok = ok && small_ok;
     std::vector<double> t_raw, t_bucket;
     for (int round = 0; round < o.steps; ++round) {
       if (round % 2 == 0) {
@@ -463,7 +741,9 @@ int bench(dtrain::context<Policy>& ctx, const bench_options& o) {
       std::fflush(stdout);
     }
   }
-  return averaged ? 0 : 1;
+  if (o.wants("handoff")) ok = handoff_table(ctx, o) && ok;
+  if (o.wants("solo")) ok = solo_table(ctx, o) && ok;
+  return ok ? 0 : 1;
 }
 
 #if DTRAIN_HAS_NCCL()

@@ -60,12 +60,13 @@ mlp::settings parse_flags(int argc, char** argv) {
 }
 
 int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
+  mlp::flush_denormals();  // this thread does (and, one BLAS thread per rank, has) the arithmetic
   const mlp::problem problem{.features = s.features, .classes = s.classes, .seed = s.seed};
   const mlp::dataset train_set = mlp::dataset::generate(problem, s.samples, 0);
   const mlp::dataset test_set = mlp::dataset::generate(problem, s.samples / 4, 1);
 
   // Every rank builds the same model; DDP broadcasts rank 0's weights anyway.
-  mlp::model model({s.features, s.hidden, s.hidden, s.classes}, s.seed);
+  mlp::model model(s.widths(), s.seed);
   // A model this small fits one default (25 MiB) bucket; small buckets let the
   // last layers' gradients travel while backward is still busy, as in a real model.
   dtrain::DistributedDataParallel<mlp::model, Policy> ddp(
@@ -75,11 +76,11 @@ int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
 
   if (ctx.is_main()) {
     std::printf(
-        "training a %zu-%zu-%zu-%zu MLP on %zu samples: %d ranks x batch %zu (global batch %zu), "
-        "lr %g, momentum %g, %zu gradient buckets, backend %s\n",
-        s.features, s.hidden, s.hidden, s.classes, train_set.size(), ctx.size(), s.batch_size,
+        "training a %s MLP on %zu samples: %d ranks x batch %zu (global batch %zu), "
+        "lr %g, momentum %g, %zu gradient buckets, backend %s, matrix products: %s\n",
+        s.widths_text().c_str(), train_set.size(), ctx.size(), s.batch_size,
         s.batch_size * static_cast<std::size_t>(ctx.size()), s.lr, s.momentum, ddp.buckets().size(),
-        Policy::backend_type::name.data());
+        Policy::backend_type::name.data(), mlp::gemm_engine());
     std::fflush(stdout);
   }
 

@@ -414,7 +414,7 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   const device_dataset train_set(train_host, memory);
   const device_dataset test_set(test_host, memory);
   // Every rank builds the same model; DDP broadcasts rank 0's weights anyway.
-  const mlp::model initial({s.features, s.hidden, s.hidden, s.classes}, s.seed);
+  const mlp::model initial(s.widths(), s.seed);
   const owned_stream compute;  // outlives the model and DDP, which use it
   const cudaStream_t stream = compute.get();
   device_mlp model(initial, device, std::max(s.batch_size, test_host.size()));
@@ -434,9 +434,9 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
 
   if (ctx.is_main()) {
     std::printf(
-        "training a %zu-%zu-%zu-%zu MLP on %zu samples: %d ranks (GPUs) x batch %zu (global "
+        "training a %s MLP on %zu samples: %d ranks (GPUs) x batch %zu (global "
         "batch %zu), lr %g, momentum %g, %zu gradient buckets, backend %s\n",
-        s.features, s.hidden, s.hidden, s.classes, train_host.size(), ctx.size(), s.batch_size,
+        s.widths_text().c_str(), train_host.size(), ctx.size(), s.batch_size,
         s.batch_size * static_cast<std::size_t>(ctx.size()), s.lr, s.momentum, ddp.buckets().size(),
         Policy::backend_type::name.data());
     std::fflush(stdout);

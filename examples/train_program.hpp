@@ -25,6 +25,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace mlp {
 
@@ -39,14 +40,32 @@ struct settings {
   std::size_t features = 32;
   std::size_t classes = 8;
   std::size_t hidden = 64;
+  std::size_t depth = 2;              // hidden layers
   std::optional<int> nproc_per_node;  // the node agent's option (per-node launch only)
+
+  /// The model's layer widths: features, `depth` hidden layers of `hidden`, classes.
+  [[nodiscard]] std::vector<std::size_t> widths() const {
+    std::vector<std::size_t> w{features};
+    w.insert(w.end(), depth, hidden);
+    w.push_back(classes);
+    return w;
+  }
+  /// "32-64-64-8"
+  [[nodiscard]] std::string widths_text() const {
+    std::string text;
+    for (std::size_t w : widths()) {
+      if (!text.empty()) text += '-';
+      text += std::to_string(w);
+    }
+    return text;
+  }
 };
 
 /// The shared flags' synopsis (a program's own synopsis goes on from its end)
 /// and their descriptions (a program's own follow).
 inline constexpr const char* shared_synopsis =
     " [--epochs N] [--batch-size N] [--lr X] [--momentum X] [--samples N]\n"
-    "          [--seed N] [--features N] [--classes N] [--hidden N]";
+    "          [--seed N] [--features N] [--classes N] [--hidden N] [--depth N]";
 inline constexpr const char* shared_options =
     "  --epochs N          passes over the training set (5)\n"
     "  --batch-size N      samples per step on each rank (32)\n"
@@ -54,7 +73,10 @@ inline constexpr const char* shared_options =
     "  --momentum X        SGD momentum (0.9)\n"
     "  --samples N         training samples; a quarter as many again for testing (8192)\n"
     "  --seed N            seeds the data, the weights and the shuffling (1)\n"
-    "  --features N, --classes N, --hidden N   the problem's and the model's sizes (32, 8, 64)\n";
+    "  --features N, --classes N   the problem's size (32, 8)\n"
+    "  --hidden N, --depth N       the model: N hidden layers of that width (64, 2); a wide\n"
+    "                      model (--features 1024 --hidden 1024) is compute-bound, the\n"
+    "                      default one communication-bound\n";
 
 /// One program's command line: its name (for messages) and the help of its
 /// own flags, `synopsis` after shared_synopsis, `options` after shared_options.
@@ -127,6 +149,8 @@ class command_line {
         s.classes = number<std::size_t>(flag, value(), 2);
       } else if (flag == "--hidden") {
         s.hidden = number<std::size_t>(flag, value(), 1);
+      } else if (flag == "--depth") {
+        s.depth = number<std::size_t>(flag, value(), 1);
       } else if (!own(flag, value)) {
         bad_flag("unknown flag " + std::string(arg));
       }

@@ -3206,11 +3206,26 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo.
 
+/// Up to this many bytes an allreduce on 3 or more ranks uses Gloo's BCUBE
+/// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)
+/// sequential steps where the ring takes 2(n−1) (4 against 6 on 4 ranks; a
+/// direct exchange in 2 steps when n has no factor 2), with the same bytes
+/// per rank on a power of two. Small buckets are all latency, and on a
+/// machine with fewer cores than ranks every step waits for a process to be
+/// scheduled. Above it the ring, which pipelines 1 MiB segments (BCUBE also
+/// allocates a buffer-sized scratch per call), and below one element per rank
+/// (the ring then skips its empty hops). Every rank decides alike: the rule
+/// depends on the element count, its size and the world size only.
+inline constexpr std::size_t gloo_bcube_max_bytes = std::size_t{1} << 20;
+
 template <element T>
 void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
                         std::chrono::milliseconds timeout) {
   if (s.size > 1) {
     ::gloo::AllreduceOptions opts(s.context);
+    if (s.size > 2 && out.count > static_cast<std::size_t>(s.size) &&
+        out.bytes() <= gloo_bcube_max_bytes)
+      opts.setAlgorithm(::gloo::AllreduceOptions::Algorithm::BCUBE);
     if (in.data != out.data) opts.setInput(static_cast<T*>(in.data), in.count);
     opts.setOutput(static_cast<T*>(out.data), out.count);
     opts.setReduceFunction(gloo_reduce_function<T>(op));
@@ -12236,6 +12251,12 @@ struct ddp_options {
   gradient_compression compression = gradient_compression::none;
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
+  /// At world size 1 DDP communicates nothing: the mean over one rank is its
+  /// gradient, so no collective is issued, no thread woken, no copy made
+  /// (compression still rounds, as it would on more ranks; a comm hook still
+  /// runs). true: reduce every bucket as on more ranks (to exercise an
+  /// engine's path with one GPU).
+  bool always_reduce = false;
   /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
   /// the waits in synchronize()) goes to this file, the rank inserted
   /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
@@ -12470,7 +12491,8 @@ void broadcast_values(control_plane& control, std::span<const parameter> params,
 /// @file
 /// How DistributedDataParallel's buckets travel, chosen from the memory space
 /// of the backend: `thread_runner` for host memory (a communication thread
-/// reduces buckets while the caller computes), `stream_runner` for CUDA
+/// reduces buckets while the caller computes; the caller takes over what is
+/// left once it waits), `stream_runner` for CUDA
 /// streams (the caller enqueues, the device orders, a watchdog follows).
 /// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
 /// compression), reduce(b) (the collective, a work), finish_bucket(b)
@@ -12486,8 +12508,14 @@ void broadcast_values(control_plane& control, std::span<const parameter> params,
 
 namespace dtrain::detail {
 
-/// A thread of its own reduces buckets in launch order: each is prepared,
+/// Buckets are reduced one at a time, in launch order: each is prepared,
 /// reduced and waited for (within the collective timeout), then finished.
+/// A thread of its own takes the buckets launched while the caller is still
+/// computing. Once the caller is in complete(), the queue is the caller's: it
+/// reduces what is left on its own thread (after the bucket the thread holds,
+/// if any), and the thread takes nothing more. The last buckets of a step
+/// (launched as the backward pass ends) then cost no thread wake-up, which on
+/// a loaded machine can cost more than the collective.
 template <class Owner>
 class thread_runner {
  public:
@@ -12505,39 +12533,56 @@ class thread_runner {
   }
 
   void launch(std::size_t bucket) {
+    bool idle = false;
     {
       std::lock_guard lock(mutex_);
       queue_.push_back(bucket);
+      idle = !busy_;
     }
-    wake_.notify_one();
+    if (idle) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
-  /// Waits until the `count` buckets of this step are done; then the next
-  /// step starts counting from zero. Returns the first failure, or null.
+  /// Waits until the `count` buckets of this step are done, reducing queued
+  /// ones on the calling thread while the runner's thread is idle; then the
+  /// next step starts counting from zero. Returns the first failure, or null.
   std::exception_ptr complete(std::size_t count) {
     std::unique_lock lock(mutex_);
-    done_wake_.wait(lock, [&] { return done_ == count; });
+    completing_ = true;
+    while (done_ != count) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        done_wake_.wait(lock);
+      }
+    }
+    completing_ = false;
     done_ = 0;
     return failure_;
   }
 
  private:
   void serve() {
+    std::unique_lock lock(mutex_);
     for (;;) {
-      std::size_t b = 0;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left in flight
-        b = queue_.front();
-        queue_.pop_front();
-        if (failure_) {  // the communicator failed already: do not wait for it again
-          ++done_;
-          done_wake_.notify_all();
-          continue;
-        }
+      if (!completing_ && !busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else if (stopping_ && queue_.empty() && !busy_) {
+        return;  // nothing left in flight
+      } else {
+        wake_.wait(lock);
       }
-      std::exception_ptr failed;
+    }
+  }
+
+  /// Reduces the bucket at the front of the queue; `lock` is held on entry
+  /// and on return, and released while the bucket travels.
+  void run_front(std::unique_lock<std::mutex>& lock) {
+    const std::size_t b = queue_.front();
+    queue_.pop_front();
+    std::exception_ptr failed;
+    if (!failure_) {  // once the communicator failed, do not wait for it again
+      busy_ = true;
+      lock.unlock();
       try {
         owner_.prepare_bucket(b);
         work w = owner_.reduce(b);
@@ -12546,21 +12591,24 @@ class thread_runner {
       } catch (...) {
         failed = std::current_exception();
       }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++done_;
-      }
-      done_wake_.notify_all();
+      lock.lock();
+      busy_ = false;
     }
+    if (failed && !failure_) failure_ = failed;
+    ++done_;
+    // Once the caller waits in complete(), the queue is the caller's: the
+    // thread finishes the bucket it holds and hands over (one wake-up).
+    if (completing_) done_wake_.notify_one();
   }
 
   Owner& owner_;
   std::mutex mutex_;
-  std::condition_variable wake_;       // work for the thread, or stop
-  std::condition_variable done_wake_;  // a bucket finished
+  std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
+  std::condition_variable done_wake_;  // the caller in complete(): the queue ran dry
   std::deque<std::size_t> queue_;
   std::size_t done_ = 0;
+  bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
+  bool completing_ = false;  // the caller is in complete(): the queue is its own
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -13354,10 +13402,13 @@ class basic_ddp {
   [[noreturn]] void marked_twice(std::size_t i) const;
 
   bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
+  /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
+  bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
   void change_stream(stream_type compute);
   void synchronize_on(stream_type compute);
   void launch_ready();
+  void finish_alone(std::size_t b);
   void complete_marks();
   void report_unused();
   void zero_contribution(std::size_t i);
@@ -13611,6 +13662,11 @@ void basic_ddp<Policy>::zero_grad() {
 
 template <class Policy>
 void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
+  if (any_marked_ || next_launch_ > 0) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): register it between steps");
+  }
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
@@ -13713,13 +13769,30 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
 template <class Policy>
 void basic_ddp<Policy>::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+    const std::size_t b = next_launch_++;
     try {
-      buckets_[next_launch_].span =
-          timeline_.bucket_launched(next_launch_, info_[next_launch_].count);
-      runner_->launch(next_launch_++);
+      buckets_[b].span = timeline_.bucket_launched(b, info_[b].count);
+      if (alone()) {
+        finish_alone(b);
+      } else {
+        runner_->launch(b);
+      }
     } catch (...) {
       fail(std::current_exception());
     }
+  }
+}
+
+/// World size 1: the bucket's mean is its gradients. Only compression has
+/// something to do (round through the wire type, as on more ranks), on the
+/// caller's thread or the compute stream; the timeline still sees the bucket.
+template <class Policy>
+void basic_ddp<Policy>::finish_alone(std::size_t b) {
+  if (compressed(info_[b])) {
+    prepare_bucket(b);
+    finish_bucket(b);
+  } else {
+    timeline_.bucket_done(b, buckets_[b].span, detail::timeline::now(), false);
   }
 }
 
@@ -13765,7 +13838,11 @@ void basic_ddp<Policy>::report_unused() {
     if (vars_[i].used) mine[i / 64] |= std::int64_t{1} << (i % 64);
   }
   std::vector<std::int64_t> all(words * static_cast<std::size_t>(size_));
-  control_.allgather(mine, all);
+  if (size_ > 1) {
+    control_.allgather(mine, all);
+  } else {
+    all = mine;
+  }
   if (rank_ != 0) return;
   for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
     for (std::size_t w = 0; w < words; ++w) mine[w] |= all[r * words + w];
@@ -13795,7 +13872,8 @@ template <class Policy>
 void basic_ddp<Policy>::zero_contribution(std::size_t i) {
   parameter& p = params_[i];
   variable& v = vars_[i];
-  if (v.view) {
+  if (v.view || (alone() && !compressed(info_[v.bucket]))) {
+    // World size 1 leaves a copy-mode gradient where it is: zero it there.
     memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
   } else {
     // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
@@ -13870,6 +13948,7 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
 
 template <class Policy>
 std::exception_ptr basic_ddp<Policy>::complete_buckets() {
+  if (alone()) return nullptr;  // each bucket was finished as it was launched
   const auto span = timeline_.wait(buckets_.size());
   return runner_->complete(buckets_.size());
 }
@@ -13895,7 +13974,7 @@ void basic_ddp<Policy>::end_step() {
       const std::uint64_t i = ready_order_[k];
       std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
     }
-    control_.broadcast(bytes, 0);
+    if (size_ > 1) control_.broadcast(bytes, 0);
     std::vector<std::size_t> agreed(ready_order_.size());
     for (std::size_t k = 0; k < agreed.size(); ++k) {
       std::uint64_t i = 0;

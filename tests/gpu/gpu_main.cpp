@@ -6,7 +6,9 @@
 //                                 NCCL ranks): views and copies, a rebuild, fp16/bf16
 //                                 compression against the host casts, a compute
 //                                 stream held by cudaLaunchHostFunc, comm hooks with
-//                                 and without a stream. Registered as gpu.ddp.1rank.
+//                                 and without a stream (each with always_reduce, so
+//                                 that NCCL runs), and world size 1 as users get it (no
+//                                 collective). Registered as gpu.ddp.1rank.
 //   dtrain_gpu_tests --hang       the watchdog on a real hang: the compute stream is
 //                                 held past the collective timeout; wait() must throw
 //                                 timeout_error naming the allreduce within the timeout
@@ -171,14 +173,16 @@ float through(dtrain::gradient_compression c, float x) {
 /// the layout), each step's means checked bit for bit against the host.
 void train_and_check(
     bool copies, dtrain::gradient_compression compression, cudaStream_t stream,
-    std::function<void(dtrain::DistributedDataParallel<device_model, policy>&)> setup = {}) {
+    std::function<void(dtrain::DistributedDataParallel<device_model, policy>&)> setup = {},
+    bool always_reduce = true) {
   world_of_one world;
   device_model model(copies);
   dtrain::DistributedDataParallel<device_model, policy> ddp(world.comm, world.control, model,
                                                             {.bucket_cap_mb = 0.1,
                                                              .first_bucket_cap_mb = 0.01,
                                                              .gradient_as_bucket_view = !copies,
-                                                             .compression = compression});
+                                                             .compression = compression,
+                                                             .always_reduce = always_reduce});
   if (stream) ddp.set_stream(stream);
   if (setup) setup(ddp);
   for (int step = 0; step < 3; ++step) {
@@ -251,6 +255,16 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("world size 1 as users get it: no collective, the same gradients, compression rounds") {
+    const test_stream owned;
+    for (auto c : {dtrain::gradient_compression::none, dtrain::gradient_compression::bfloat16}) {
+      CAPTURE(dtrain::to_string(c));
+      train_and_check(false, c, owned.stream, {}, false);
+      train_and_check(true, c, owned.stream, {}, false);
+      train_and_check(true, c, nullptr, {}, false);
+    }
+  }
+
   TEST_CASE("comm hooks see the bucket on the device and the compute stream") {
     const test_stream owned;
     cudaStream_t stream = owned.stream;
@@ -277,8 +291,9 @@ TEST_SUITE("gpu") {
     cudaStream_t stream = owned.stream;
     world_of_one world;
     device_model model(true);
-    dtrain::DistributedDataParallel<device_model, policy> ddp(world.comm, world.control, model,
-                                                              {.gradient_as_bucket_view = false});
+    dtrain::DistributedDataParallel<device_model, policy> ddp(
+        world.comm, world.control, model,
+        {.gradient_as_bucket_view = false, .always_reduce = true});
     ddp.set_stream(stream);
 
     // The compute stream stops at a host function until the test lets it go;
@@ -358,7 +373,8 @@ int hang_case() {
   GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   world_of_one world(timeout);
   device_model model(false);
-  dtrain::DistributedDataParallel<device_model, policy> ddp(world.comm, world.control, model);
+  dtrain::DistributedDataParallel<device_model, policy> ddp(world.comm, world.control, model,
+                                                            {.always_reduce = true});
   ddp.set_stream(stream);
   GPU_CHECK(cudaLaunchHostFunc(
       stream, [](void*) { std::this_thread::sleep_for(std::chrono::hours(1)); }, nullptr));

@@ -5,11 +5,12 @@
 # batch (equivalence.cpp), under mpirun and over Gloo (dtrain_test_launch).
 # training.demo.*: dtrain_train_mlp as a user runs it (check_demo.cmake).
 set(training_dir "${CMAKE_CURRENT_SOURCE_DIR}/training")
+include(dtrain_example_blas)  # the demo's model multiplies as the demo does
 set(training_ranks 2 4)
 
 if(DTRAIN_WITH_MPI)
   add_executable(dtrain_training_equivalence_mpi training/equivalence.cpp)
-  target_link_libraries(dtrain_training_equivalence_mpi PRIVATE dtrain::dtrain)
+  target_link_libraries(dtrain_training_equivalence_mpi PRIVATE dtrain::dtrain dtrain_example_blas)
   target_include_directories(dtrain_training_equivalence_mpi PRIVATE "${PROJECT_SOURCE_DIR}/examples")
   dtrain_target_warnings(dtrain_training_equivalence_mpi)
   foreach(ranks IN LISTS training_ranks)
@@ -24,7 +25,7 @@ endif()
 
 if(DTRAIN_WITH_GLOO)
   add_executable(dtrain_training_equivalence_gloo training/equivalence.cpp)
-  target_link_libraries(dtrain_training_equivalence_gloo PRIVATE dtrain::dtrain)
+  target_link_libraries(dtrain_training_equivalence_gloo PRIVATE dtrain::dtrain dtrain_example_blas)
   target_include_directories(dtrain_training_equivalence_gloo PRIVATE "${PROJECT_SOURCE_DIR}/examples")
   target_compile_definitions(dtrain_training_equivalence_gloo PRIVATE DTRAIN_TEST_TRAINING_GLOO=1)
   dtrain_target_warnings(dtrain_training_equivalence_gloo)
@@ -88,6 +89,21 @@ if(TARGET dtrain_train_mlp AND Python3_Interpreter_FOUND)
 else()
   dtrain_add_skipped_test(training.timeline.gloo.2ranks
     "needs python3 and dtrain_train_mlp (Gloo and DTRAIN_BUILD_EXAMPLES)")
+endif()
+# bench/vs_pytorch.py compares the demo with a PyTorch DDP twin of it; this
+# keeps the twin honest: both train 2 epochs on 2 ranks and must print the same
+# losses (the first epoch's to 4 decimals; exit 1 otherwise; 77, skipped,
+# without Debian's python3-torch).
+if(TARGET dtrain_train_mlp AND EXISTS /usr/bin/python3)
+  dtrain_add_test(training.vs_pytorch.parity
+    COMMAND /usr/bin/python3 "${PROJECT_SOURCE_DIR}/bench/vs_pytorch.py"
+            --demo $<TARGET_FILE:dtrain_train_mlp> --ranks 2 --models default --repeats 1
+            --epochs 2
+    TIMEOUT 240
+    PROPERTIES PROCESSORS 2)
+else()
+  dtrain_add_skipped_test(training.vs_pytorch.parity
+    "needs /usr/bin/python3 (Debian's, with python3-torch) and dtrain_train_mlp")
 endif()
 if(TARGET dtrain_train_mlp)
   dtrain_add_test(training.timeline.bad_path

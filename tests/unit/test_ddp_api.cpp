@@ -241,6 +241,76 @@ TEST_CASE("ddp.basic_ddp works from parameter lists, without a model type") {
   CHECK(ddp.parameters().size() == 1);
 }
 
+TEST_CASE("ddp at world size 1 communicates nothing, unless always_reduce") {
+  solo comm;
+  const auto calls = [] { return solo::log().calls; };
+  SUBCASE("views: the gradients are the mean as they are") {
+    two_layers m;
+    ddp_t ddp(comm, m);
+    const int before = calls();
+    for (int step = 0; step < 3; ++step) {  // the rebuild included
+      m.backward();
+      ddp.mark_all_ready();
+      ddp.synchronize();
+    }
+    CHECK(calls() == before);
+    CHECK(m.g_w1[3] == 40.0f);
+    CHECK(ddp.buckets_rebuilt());
+  }
+  SUBCASE("copies: an unused gradient is zeroed where the model keeps it") {
+    std::vector<float> w = {1, 2}, gw = {3, 4}, u = {5}, gu = {6};
+    dtrain::basic_ddp<solo_policy> ddp(
+        comm, {dtrain::param("w", w, gw), dtrain::param("u", u, gu)}, {},
+        {.find_unused_parameters = true, .report_unused_parameters = false});
+    const int before = calls();
+    ddp.mark_ready("w");
+    ddp.synchronize();
+    CHECK(calls() == before);
+    CHECK(gw == std::vector<float>{3, 4});
+    CHECK(gu[0] == 0.0f);
+  }
+  SUBCASE("compression still rounds through the wire type, without a collective") {
+    std::vector<float> x = {1, 2}, gx = {1.0f + 1.0f / 1024, 3};  // 1 + 2^-10: no bfloat16
+    dtrain::basic_ddp<solo_policy> ddp(comm, {dtrain::param("x", x, gx)}, {},
+                                       {.compression = dtrain::gradient_compression::bfloat16});
+    const int before = calls();
+    ddp.mark_all_ready();
+    ddp.synchronize();
+    CHECK(calls() == before);
+    CHECK(gx[0] == 1.0f);
+    CHECK(gx[1] == 3.0f);
+  }
+  SUBCASE("always_reduce: one allreduce per bucket, as on more ranks") {
+    two_layers m;
+    ddp_t ddp(comm, m, {.first_bucket_cap_mb = 8.0 / (1 << 20), .always_reduce = true});
+    REQUIRE(ddp.buckets().size() > 1);
+    const int before = calls();
+    m.backward();
+    ddp.mark_all_ready();
+    ddp.synchronize();
+    CHECK(calls() == before + static_cast<int>(ddp.buckets().size()));
+    CHECK(m.g_b2[0] == 90.0f);
+  }
+  SUBCASE("a comm hook still runs; it is registered between steps only") {
+    two_layers m;
+    ddp_t ddp(comm, m);
+    std::size_t hooked = 0;
+    auto hook = [&](solo& c, dtrain::gradient_bucket& b) {
+      ++hooked;
+      return c.allreduce(b.data, b.data, dtrain::reduce_op::avg);
+    };
+    ddp.register_comm_hook(hook);
+    m.backward();
+    ddp.mark_all_ready();
+    ddp.synchronize();
+    CHECK(hooked == ddp.buckets().size());
+    m.backward();
+    ddp.mark_ready("b2");
+    CHECK_THROWS_WITH_AS(ddp.register_comm_hook(hook), doctest::Contains("between steps"),
+                         dtrain::config_error);
+  }
+}
+
 TEST_CASE("collectives take any contiguous range of an element type") {
   solo comm;
   solo_log& log = solo::log();

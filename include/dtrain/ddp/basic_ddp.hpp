@@ -343,10 +343,13 @@ class basic_ddp {
   [[noreturn]] void marked_twice(std::size_t i) const;
 
   bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
+  /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
+  bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
   void change_stream(stream_type compute);
   void synchronize_on(stream_type compute);
   void launch_ready();
+  void finish_alone(std::size_t b);
   void complete_marks();
   void report_unused();
   void zero_contribution(std::size_t i);
@@ -600,6 +603,11 @@ void basic_ddp<Policy>::zero_grad() {
 
 template <class Policy>
 void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
+  if (any_marked_ || next_launch_ > 0) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): register it between steps");
+  }
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
@@ -702,13 +710,30 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
 template <class Policy>
 void basic_ddp<Policy>::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+    const std::size_t b = next_launch_++;
     try {
-      buckets_[next_launch_].span =
-          timeline_.bucket_launched(next_launch_, info_[next_launch_].count);
-      runner_->launch(next_launch_++);
+      buckets_[b].span = timeline_.bucket_launched(b, info_[b].count);
+      if (alone()) {
+        finish_alone(b);
+      } else {
+        runner_->launch(b);
+      }
     } catch (...) {
       fail(std::current_exception());
     }
+  }
+}
+
+/// World size 1: the bucket's mean is its gradients. Only compression has
+/// something to do (round through the wire type, as on more ranks), on the
+/// caller's thread or the compute stream; the timeline still sees the bucket.
+template <class Policy>
+void basic_ddp<Policy>::finish_alone(std::size_t b) {
+  if (compressed(info_[b])) {
+    prepare_bucket(b);
+    finish_bucket(b);
+  } else {
+    timeline_.bucket_done(b, buckets_[b].span, detail::timeline::now(), false);
   }
 }
 
@@ -754,7 +779,11 @@ void basic_ddp<Policy>::report_unused() {
     if (vars_[i].used) mine[i / 64] |= std::int64_t{1} << (i % 64);
   }
   std::vector<std::int64_t> all(words * static_cast<std::size_t>(size_));
-  control_.allgather(mine, all);
+  if (size_ > 1) {
+    control_.allgather(mine, all);
+  } else {
+    all = mine;
+  }
   if (rank_ != 0) return;
   for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
     for (std::size_t w = 0; w < words; ++w) mine[w] |= all[r * words + w];
@@ -784,7 +813,8 @@ template <class Policy>
 void basic_ddp<Policy>::zero_contribution(std::size_t i) {
   parameter& p = params_[i];
   variable& v = vars_[i];
-  if (v.view) {
+  if (v.view || (alone() && !compressed(info_[v.bucket]))) {
+    // World size 1 leaves a copy-mode gradient where it is: zero it there.
     memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
   } else {
     // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
@@ -859,6 +889,7 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
 
 template <class Policy>
 std::exception_ptr basic_ddp<Policy>::complete_buckets() {
+  if (alone()) return nullptr;  // each bucket was finished as it was launched
   const auto span = timeline_.wait(buckets_.size());
   return runner_->complete(buckets_.size());
 }
@@ -884,7 +915,7 @@ void basic_ddp<Policy>::end_step() {
       const std::uint64_t i = ready_order_[k];
       std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
     }
-    control_.broadcast(bytes, 0);
+    if (size_ > 1) control_.broadcast(bytes, 0);
     std::vector<std::size_t> agreed(ready_order_.size());
     for (std::size_t k = 0; k < agreed.size(); ++k) {
       std::uint64_t i = 0;

@@ -63,6 +63,12 @@ struct ddp_options {
   gradient_compression compression = gradient_compression::none;
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
+  /// At world size 1 DDP communicates nothing: the mean over one rank is its
+  /// gradient, so no collective is issued, no thread woken, no copy made
+  /// (compression still rounds, as it would on more ranks; a comm hook still
+  /// runs). true: reduce every bucket as on more ranks (to exercise an
+  /// engine's path with one GPU).
+  bool always_reduce = false;
   /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
   /// the waits in synchronize()) goes to this file, the rank inserted
   /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.

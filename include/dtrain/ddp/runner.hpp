@@ -2,7 +2,8 @@
 /// @file
 /// How DistributedDataParallel's buckets travel, chosen from the memory space
 /// of the backend: `thread_runner` for host memory (a communication thread
-/// reduces buckets while the caller computes), `stream_runner` for CUDA
+/// reduces buckets while the caller computes; the caller takes over what is
+/// left once it waits), `stream_runner` for CUDA
 /// streams (the caller enqueues, the device orders, a watchdog follows).
 /// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
 /// compression), reduce(b) (the collective, a work), finish_bucket(b)
@@ -20,8 +21,14 @@
 
 namespace dtrain::detail {
 
-/// A thread of its own reduces buckets in launch order: each is prepared,
+/// Buckets are reduced one at a time, in launch order: each is prepared,
 /// reduced and waited for (within the collective timeout), then finished.
+/// A thread of its own takes the buckets launched while the caller is still
+/// computing. Once the caller is in complete(), the queue is the caller's: it
+/// reduces what is left on its own thread (after the bucket the thread holds,
+/// if any), and the thread takes nothing more. The last buckets of a step
+/// (launched as the backward pass ends) then cost no thread wake-up, which on
+/// a loaded machine can cost more than the collective.
 template <class Owner>
 class thread_runner {
  public:
@@ -39,39 +46,56 @@ class thread_runner {
   }
 
   void launch(std::size_t bucket) {
+    bool idle = false;
     {
       std::lock_guard lock(mutex_);
       queue_.push_back(bucket);
+      idle = !busy_;
     }
-    wake_.notify_one();
+    if (idle) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
-  /// Waits until the `count` buckets of this step are done; then the next
-  /// step starts counting from zero. Returns the first failure, or null.
+  /// Waits until the `count` buckets of this step are done, reducing queued
+  /// ones on the calling thread while the runner's thread is idle; then the
+  /// next step starts counting from zero. Returns the first failure, or null.
   std::exception_ptr complete(std::size_t count) {
     std::unique_lock lock(mutex_);
-    done_wake_.wait(lock, [&] { return done_ == count; });
+    completing_ = true;
+    while (done_ != count) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        done_wake_.wait(lock);
+      }
+    }
+    completing_ = false;
     done_ = 0;
     return failure_;
   }
 
  private:
   void serve() {
+    std::unique_lock lock(mutex_);
     for (;;) {
-      std::size_t b = 0;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left in flight
-        b = queue_.front();
-        queue_.pop_front();
-        if (failure_) {  // the communicator failed already: do not wait for it again
-          ++done_;
-          done_wake_.notify_all();
-          continue;
-        }
+      if (!completing_ && !busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else if (stopping_ && queue_.empty() && !busy_) {
+        return;  // nothing left in flight
+      } else {
+        wake_.wait(lock);
       }
-      std::exception_ptr failed;
+    }
+  }
+
+  /// Reduces the bucket at the front of the queue; `lock` is held on entry
+  /// and on return, and released while the bucket travels.
+  void run_front(std::unique_lock<std::mutex>& lock) {
+    const std::size_t b = queue_.front();
+    queue_.pop_front();
+    std::exception_ptr failed;
+    if (!failure_) {  // once the communicator failed, do not wait for it again
+      busy_ = true;
+      lock.unlock();
       try {
         owner_.prepare_bucket(b);
         work w = owner_.reduce(b);
@@ -80,21 +104,24 @@ class thread_runner {
       } catch (...) {
         failed = std::current_exception();
       }
-      {
-        std::lock_guard lock(mutex_);
-        if (failed && !failure_) failure_ = failed;
-        ++done_;
-      }
-      done_wake_.notify_all();
+      lock.lock();
+      busy_ = false;
     }
+    if (failed && !failure_) failure_ = failed;
+    ++done_;
+    // Once the caller waits in complete(), the queue is the caller's: the
+    // thread finishes the bucket it holds and hands over (one wake-up).
+    if (completing_) done_wake_.notify_one();
   }
 
   Owner& owner_;
   std::mutex mutex_;
-  std::condition_variable wake_;       // work for the thread, or stop
-  std::condition_variable done_wake_;  // a bucket finished
+  std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
+  std::condition_variable done_wake_;  // the caller in complete(): the queue ran dry
   std::deque<std::size_t> queue_;
   std::size_t done_ = 0;
+  bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
+  bool completing_ = false;  // the caller is in complete(): the queue is its own
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
