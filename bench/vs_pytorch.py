@@ -3,8 +3,13 @@
 # twin in PyTorch, DistributedDataParallel over Gloo, on this machine:
 #
 #   /usr/bin/python3 bench/vs_pytorch.py [--demo build/examples/dtrain_train_mlp]
-#       [--ranks 1,2,4] [--repeats 3] [--models default,wide] [--epochs N]
-#       [--depth N] [--timeout S]
+#       [--demo-mpi build/examples/dtrain_train_mlp_mpi] [--ranks 1,2,4] [--repeats 3]
+#       [--models default,wide] [--epochs N] [--depth N] [--timeout S]
+#
+# The demo over Gloo is the like-for-like column (PyTorch's engine); the MPI
+# build of the demo, under mpirun, is a column of its own when it and mpirun
+# exist (--demo-mpi '' leaves it out): Open MPI moves a node's buckets through
+# shared memory, and Debian's torch has no MPI backend to set against it.
 #   /usr/bin/python3 bench/vs_pytorch.py --twin --nproc-per-node N [the demo's flags, --depth N]
 #       (the twin alone: prints the demo's lines, for the same flags the same losses)
 #
@@ -50,6 +55,7 @@ import datetime
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -330,7 +336,17 @@ def child_env():
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     if openblas_coretype():
         env["OPENBLAS_CORETYPE"] = openblas_coretype()
+    if os.geteuid() == 0:  # mpirun refuses root without these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
+
+
+def mpi_command(mpirun, demo_mpi, n, flags):
+    """The MPI build of the demo on n local ranks, with the children's BLAS settings."""
+    exported = [x for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE")
+                if name in child_env() for x in ("-x", name)]
+    return [mpirun, "-np", str(n), "--oversubscribe", "--bind-to", "none", *exported,
+            demo_mpi, *flags]
 
 
 def run_child(name, command, timeout):
@@ -390,6 +406,9 @@ def runner_main(argv):
     p = argparse.ArgumentParser(prog="vs_pytorch.py",
                                 description="dtrain's MLP demo against its PyTorch DDP twin")
     p.add_argument("--demo", default=os.path.join(here, "..", "build", "examples", "dtrain_train_mlp"))
+    p.add_argument("--demo-mpi",
+                   default=os.path.join(here, "..", "build", "examples", "dtrain_train_mlp_mpi"),
+                   help="the MPI build of the demo, run under mpirun ('' leaves it out)")
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--models", default="default,wide")
@@ -406,15 +425,21 @@ def runner_main(argv):
     if not os.access(a.demo, os.X_OK):
         print(f"SKIPPED: no demo binary at {a.demo} (build target dtrain_train_mlp, or give --demo)")
         return SKIPPED
+    mpirun = shutil.which("mpirun")
+    with_mpi = bool(a.demo_mpi) and os.access(a.demo_mpi, os.X_OK) and mpirun is not None
 
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     print(f"machine: nproc {len(os.sched_getaffinity(0))}, load (1 min) {load_before:.2f}; "
           f"torch {torch.__version__}, {blas_in_use()}")
-    print(f"demo {os.path.normpath(a.demo)}; {a.repeats} repeats; OMP_NUM_THREADS=1 "
-          f"OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={openblas_coretype() or '(detected)'}; "
-          "both flush denormals to zero", flush=True)
+    print(f"demo {os.path.normpath(a.demo)} (Gloo)"
+          + (f" and {os.path.normpath(a.demo_mpi)} (MPI, under mpirun)" if with_mpi else
+             " (no MPI build or mpirun: the MPI column is left out)")
+          + f"; {a.repeats} repeats; OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "
+          f"OPENBLAS_CORETYPE={openblas_coretype() or '(detected)'}; all flush denormals to zero",
+          flush=True)
 
+    names = ["dtrain", "PyTorch"] + (["dtrain MPI"] if with_mpi else [])
     rows, mismatches, runs = [], [], 0
     for m in models:
         settings = dict(MODELS[m])
@@ -427,9 +452,11 @@ def runner_main(argv):
                 "PyTorch": [sys.executable, os.path.abspath(__file__), "--twin",
                             "--nproc-per-node", str(n), *flags],
             }
-            figures = {"dtrain": [], "PyTorch": []}
+            if with_mpi:
+                programs["dtrain MPI"] = mpi_command(mpirun, a.demo_mpi, n, flags)
+            figures = {name: [] for name in names}
             for r in range(a.repeats):
-                order = ["dtrain", "PyTorch"] if r % 2 == 0 else ["PyTorch", "dtrain"]
+                order = names[r % len(names):] + names[:r % len(names)]  # who goes first rotates
                 losses = {}
                 for name in order:
                     try:
@@ -443,35 +470,49 @@ def runner_main(argv):
                         print(f"  {name}: {next(iter(out.splitlines()), '')}", flush=True)
                     figures[name].append(figure(epochs))
                     losses[name] = [loss for loss, _ in epochs]
-                runs += 1
-                if not losses_agree(losses["dtrain"], losses["PyTorch"]):
-                    mismatches.append(f"{m} x{n} repeat {r + 1}: dtrain {' '.join(losses['dtrain'])}"
-                                      f" / PyTorch {' '.join(losses['PyTorch'])}")
-            mine, theirs = (statistics.median(figures[k]) for k in ("dtrain", "PyTorch"))
-            rows.append((m, n, mine, theirs, mine / theirs))
-            print(f"  {m} x{n}: dtrain {', '.join(f'{v:.0f}' for v in figures['dtrain'])}; "
-                  f"PyTorch {', '.join(f'{v:.0f}' for v in figures['PyTorch'])} samples/s",
-                  flush=True)
+                for name in names:
+                    if name == "PyTorch":
+                        continue
+                    runs += 1
+                    if not losses_agree(losses[name], losses["PyTorch"]):
+                        mismatches.append(f"{m} x{n} repeat {r + 1}: {name} "
+                                          f"{' '.join(losses[name])} / PyTorch "
+                                          f"{' '.join(losses['PyTorch'])}")
+            medians = {name: statistics.median(figures[name]) for name in names}
+            rows.append((m, n, medians))
+            print(f"  {m} x{n}: " + "; ".join(
+                f"{name} {', '.join(f'{v:.0f}' for v in figures[name])}" for name in names)
+                + " samples/s", flush=True)
 
     print(f"\nload (1 min) before {load_before:.2f}, after {os.getloadavg()[0]:.2f}; "
           f"wall time {time.monotonic() - started:.0f} s\n")
-    print("| model | ranks | dtrain samples/s | PyTorch samples/s | dtrain / PyTorch |")
-    print("|---|---:|---:|---:|---:|")
-    for m, n, mine, theirs, ratio in rows:
-        print(f"| {m} | {n} | {mine:,.0f} | {theirs:,.0f} | {ratio:.2f} |")
-    met = [f"{m} x{n}" for m, n, _, _, ratio in rows if ratio >= 1.3]
-    missed = [f"{m} x{n} ({ratio:.2f})" for m, n, _, _, ratio in rows if ratio < 1.3]
+    mpi_head = " dtrain MPI samples/s |" if with_mpi else ""
+    mpi_ratio_head = " dtrain MPI / PyTorch |" if with_mpi else ""
+    print(f"| model | ranks | dtrain samples/s |{mpi_head} PyTorch samples/s | dtrain / PyTorch |"
+          f"{mpi_ratio_head}")
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if with_mpi else ""))
+    for m, n, v in rows:
+        mpi_cell = f" {v['dtrain MPI']:,.0f} |" if with_mpi else ""
+        mpi_ratio = f" {v['dtrain MPI'] / v['PyTorch']:.2f} |" if with_mpi else ""
+        print(f"| {m} | {n} | {v['dtrain']:,.0f} |{mpi_cell} {v['PyTorch']:,.0f} | "
+              f"{v['dtrain'] / v['PyTorch']:.2f} |{mpi_ratio}")
     print("\ngoal: dtrain / PyTorch >= 1.3 at every rank count, for both models")
-    print(f"  met: {', '.join(met) or 'none'}")
-    print(f"  not met: {', '.join(missed) or 'none'}")
+    for name, what in (("dtrain", "the demo over Gloo (PyTorch's engine too)"),
+                       ("dtrain MPI", "the demo over MPI (Debian's torch has no MPI backend)")):
+        if name not in names:
+            continue
+        met = [f"{m} x{n}" for m, n, v in rows if v[name] / v["PyTorch"] >= 1.3]
+        missed = [f"{m} x{n} ({v[name] / v['PyTorch']:.2f})" for m, n, v in rows
+                  if v[name] / v["PyTorch"] < 1.3]
+        print(f"  {what}: met: {', '.join(met) or 'none'}; not met: {', '.join(missed) or 'none'}")
     if mismatches:
-        print(f"\nFAILED: the losses differ in {len(mismatches)} of {runs} runs: the two "
+        print(f"\nFAILED: the losses differ in {len(mismatches)} of {runs} comparisons: the "
               "programs did not train alike, so the comparison does not hold")
         for line in mismatches:
             print(f"  {line}")
         return 1
-    print(f"\nlosses: dtrain and PyTorch agree in all {runs} runs (the first epoch to 4 decimals, "
-          "the others within 1%)")
+    print(f"\nlosses: every dtrain run agrees with its PyTorch run ({runs} comparisons; the first "
+          "epoch to 4 decimals, the others within 1%)")
     return 0
 
 

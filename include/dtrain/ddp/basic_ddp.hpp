@@ -186,7 +186,8 @@ class basic_ddp {
   /// Marks every parameter not yet marked in this step, last parameter
   /// first (the order a backward pass finishes them). After the whole
   /// backward pass, `ddp.mark_all_ready(); ddp.synchronize();` is the minimal
-  /// correct step (no overlap: every bucket starts here).
+  /// correct step (no overlap: the buckets are queued here without waking the
+  /// communication thread, and synchronize() reduces them on its own thread).
   void mark_all_ready();
 
   /// Completes the step: launches what is left and leaves the mean over ranks
@@ -408,6 +409,7 @@ class basic_ddp {
   bool rebuilt_ = false;
   bool any_marked_ = false;
   int no_sync_depth_ = 0;
+  bool in_bulk_ = false;  // mark_all_ready() or synchronize() launching: no thread wake-up
   bool broken_ = false;
   std::string broken_message_;
   comm_hook hook_;
@@ -519,9 +521,18 @@ template <class Policy>
 void basic_ddp<Policy>::mark_all_ready() {
   // Last first, as a backward pass finishes them and as the first layout
   // fills the buckets: recorded for the rebuild, this order changes nothing.
-  for (std::size_t i = params_.size(); i-- > 0;) {
-    if (!vars_[i].marked) ready(i);
+  // The backward pass is over: the caller reduces these buckets itself in
+  // synchronize(), without waking the communication thread.
+  in_bulk_ = true;
+  try {
+    for (std::size_t i = params_.size(); i-- > 0;) {
+      if (!vars_[i].marked) ready(i);
+    }
+  } catch (...) {
+    in_bulk_ = false;
+    throw;
   }
+  in_bulk_ = false;
 }
 
 template <class Policy>
@@ -715,8 +726,10 @@ void basic_ddp<Policy>::launch_ready() {
       buckets_[b].span = timeline_.bucket_launched(b, info_[b].count);
       if (alone()) {
         finish_alone(b);
-      } else {
+      } else if constexpr (memory_space::on_stream) {
         runner_->launch(b);
+      } else {
+        runner_->launch(b, !in_bulk_);
       }
     } catch (...) {
       fail(std::current_exception());
@@ -764,7 +777,9 @@ void basic_ddp<Policy>::complete_marks() {
     ready(i);
   }
   for (bucket_state& b : buckets_) b.ready = true;
+  in_bulk_ = true;  // synchronize() reduces these on the caller's thread next
   launch_ready();
+  in_bulk_ = false;
 }
 
 /// Once, after the first unused_report_steps steps: the parameters that no

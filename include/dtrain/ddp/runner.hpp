@@ -45,14 +45,17 @@ class thread_runner {
     thread_.join();
   }
 
-  void launch(std::size_t bucket) {
+  /// Queues `bucket`; `wake` false leaves the thread asleep, for a bucket the
+  /// caller is about to reduce itself in complete() (launched by
+  /// mark_all_ready() or synchronize(): nothing left to overlap with).
+  void launch(std::size_t bucket, bool wake = true) {
     bool idle = false;
     {
       std::lock_guard lock(mutex_);
       queue_.push_back(bucket);
       idle = !busy_;
     }
-    if (idle) wake_.notify_one();  // a busy thread takes it next by itself
+    if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
   /// Waits until the `count` buckets of this step are done, reducing queued
