@@ -745,7 +745,7 @@ void basic_ddp<Policy>::finish_alone(std::size_t b) {
   if (compressed(info_[b])) {
     prepare_bucket(b);
     finish_bucket(b);
-  } else {
+  } else if (timeline_.on()) {
     timeline_.bucket_done(b, buckets_[b].span, detail::timeline::now(), false);
   }
 }

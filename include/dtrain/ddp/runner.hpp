@@ -120,7 +120,7 @@ class thread_runner {
   Owner& owner_;
   std::mutex mutex_;
   std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
-  std::condition_variable done_wake_;  // the caller in complete(): the queue ran dry
+  std::condition_variable done_wake_;  // the caller in complete(): the thread let go of a bucket
   std::deque<std::size_t> queue_;
   std::size_t done_ = 0;
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
