@@ -27,8 +27,8 @@
 # every run, exit 1 otherwise.
 #
 # Models: default = the demo's defaults (32-64-64-8, 8,192 samples, 5 epochs);
-# wide = 1024-1024-1024-8 (1,024 samples, 3 epochs: dtrain's hand-written loops
-# take seconds an epoch at this width). --depth N (hidden layers, 2) is passed
+# wide = 1024-1024-1024-8 (1,024 samples, 3 epochs: enough for a steady rate,
+# short enough for the bench). --depth N (hidden layers, 2) is passed
 # to the demo only when it is not 2, so binaries without the flag still run.
 #
 # For each model and rank count the demo and the twin run --repeats times
@@ -43,8 +43,8 @@
 # denormals to zero (the demo always; the twin with torch.set_flush_denormal).
 # Goal: dtrain / PyTorch >= 1.3 at every rank count, for both models.
 #
-# The whole default bench takes about 7 minutes on 2 cores (the wide model's
-# dtrain runs are most of it). Timings never fail it; losses that differ
+# The whole default bench takes 2-3 minutes on 2 cores (PyTorch's runs are
+# most of it). Timings never fail it; losses that differ
 # (the twin no longer trains what the demo trains) do, exit 1. When a child fails,
 # prints too few epoch lines or outlives --timeout (300 s; then it is killed
 # with its workers), the bench prints the end of its output and exits 1.
