@@ -87,16 +87,25 @@ struct bench_options {
   std::vector<std::size_t> mlp{32, 64, 64, 8};  // tables 3 and 4: the demo's model
   double solo_compute_us = 100;                 // table 4: a step's compute
   std::string tables = "overlap,buckets,handoff,solo";
-  [[nodiscard]] bool wants(std::string_view table) const {
-    for (std::size_t at = 0; at <= tables.size();) {
-      std::size_t end = tables.find(',', at);
-      if (end == std::string::npos) end = tables.size();
-      if (std::string_view(tables).substr(at, end - at) == table) return true;
-      at = end + 1;
-    }
-    return false;
-  }
+  [[nodiscard]] bool wants(std::string_view table) const;
 };
+
+// "a,b,,c" -> {"a", "b", "", "c"}: a flag's comma-separated values, empty ones kept.
+std::vector<std::string> comma_list(std::string_view text) {
+  std::vector<std::string> parts;
+  for (std::size_t at = 0; at <= text.size();) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string_view::npos) end = text.size();
+    parts.emplace_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  return parts;
+}
+
+bool bench_options::wants(std::string_view table) const {
+  const std::vector<std::string> listed = comma_list(tables);
+  return std::ranges::find(listed, table) != listed.end();
+}
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(
@@ -154,29 +163,21 @@ bench_options parse(int argc, char** argv) {
     } else if (arg == "--mlp") {
       o.mlp.clear();
       const std::string v = value();
-      for (std::size_t at = 0; at <= v.size();) {
-        std::size_t end = v.find(',', at);
-        if (end == std::string::npos) end = v.size();
-        const std::string part = v.substr(at, end - at);
+      for (const std::string& part : comma_list(v)) {
         char* stop = nullptr;
         const unsigned long width = std::strtoul(part.c_str(), &stop, 10);
         if (part.empty() || *stop != '\0' || width == 0)
           usage("--mlp " + v + ": widths are numbers >= 1, separated by commas");
         o.mlp.push_back(width);
-        at = end + 1;
       }
       if (o.mlp.size() < 2) usage("--mlp " + v + " needs two widths at least (inputs,outputs)");
     } else if (arg == "--solo-compute-us") {
       o.solo_compute_us = number();
     } else if (arg == "--tables") {
       o.tables = value();
-      for (std::size_t at = 0; at <= o.tables.size();) {
-        std::size_t end = o.tables.find(',', at);
-        if (end == std::string::npos) end = o.tables.size();
-        const std::string t = o.tables.substr(at, end - at);
+      for (const std::string& t : comma_list(o.tables)) {
         if (t != "overlap" && t != "buckets" && t != "handoff" && t != "solo")
           usage("--tables " + o.tables + ": the tables are overlap, buckets, handoff, solo");
-        at = end + 1;
       }
     } else if (arg.starts_with("--local-rank") || arg.starts_with("--local_rank")) {
       if (arg.find('=') == std::string_view::npos) ++i;  // the launcher's, read by dtrain
