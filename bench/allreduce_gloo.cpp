@@ -1,5 +1,8 @@
 // bench/allreduce_gloo: dtrain's Gloo allreduce against the raw Gloo call on
-// the same buffer, same context and same options, in the same run.
+// the same buffer, same context and same options, in the same run. With every
+// rank on one host, dtrain's goes through shared memory (backend/shm.hpp) and
+// the raw one through Gloo's TCP; DTRAIN_GLOO_SHM=0 makes both TCP, for
+// dtrain's own overhead on Gloo.
 //
 //   dtrain_test_launch N build/bench/allreduce_gloo [max_bytes]
 //   (or RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set by hand; rank 0

@@ -6,10 +6,12 @@
 #       [--demo-mpi build/examples/dtrain_train_mlp_mpi] [--ranks 1,2,4] [--repeats 3]
 #       [--models default,wide] [--epochs N] [--depth N] [--timeout S]
 #
-# The demo over Gloo is the like-for-like column (PyTorch's engine); the MPI
-# build of the demo, under mpirun, is a column of its own when it and mpirun
-# exist (--demo-mpi '' leaves it out): Open MPI moves a node's buckets through
-# shared memory, and Debian's torch has no MPI backend to set against it.
+# The demo over Gloo is the like-for-like column (PyTorch's engine; on one
+# host dtrain's Gloo communicator allreduces through shared memory where
+# PyTorch's goes through TCP on loopback: DTRAIN_GLOO_SHM=0 in this script's
+# environment makes the demo use TCP too); the MPI build of the demo, under
+# mpirun, is a column of its own when it and mpirun exist (--demo-mpi ''
+# leaves it out): Debian's torch has no MPI backend to set against it.
 #   /usr/bin/python3 bench/vs_pytorch.py --twin --nproc-per-node N [the demo's flags, --depth N]
 #       (the twin alone: prints the demo's lines, for the same flags the same losses)
 #
@@ -432,7 +434,10 @@ def runner_main(argv):
     load_before = os.getloadavg()[0]
     print(f"machine: nproc {len(os.sched_getaffinity(0))}, load (1 min) {load_before:.2f}; "
           f"torch {torch.__version__}, {blas_in_use()}")
-    print(f"demo {os.path.normpath(a.demo)} (Gloo)"
+    shm = os.environ.get("DTRAIN_GLOO_SHM")
+    print(f"demo {os.path.normpath(a.demo)} (Gloo, "
+          + ("allreduces over TCP: DTRAIN_GLOO_SHM=" + shm if shm in ("0", "false", "no", "off")
+             else "allreduces through shared memory, PyTorch's over TCP") + ")"
           + (f" and {os.path.normpath(a.demo_mpi)} (MPI, under mpirun)" if with_mpi else
              " (no MPI build or mpirun: the MPI column is left out)")
           + f"; {a.repeats} repeats; OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "

@@ -11,6 +11,7 @@
 #include <dtrain/backend/mpi.hpp>
 #include <dtrain/backend/nccl.hpp>
 #include <dtrain/backend/ring.hpp>
+#include <dtrain/backend/shm.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/work.hpp>

@@ -2952,6 +2952,461 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
 /// nothing without Gloo.
 
 
+// ---- begin dtrain/backend/shm.hpp ----
+/// @file
+/// The same-host path of the Gloo communicator: an allreduce through one
+/// shared-memory segment that every rank of a communicator maps, for when all
+/// of them run on one host. Gloo has no shared-memory transport (NCCL and
+/// Open MPI have theirs), so between processes on one host it sends every
+/// byte through TCP over loopback, across the kernel twice per hop. Here each
+/// rank copies into its slot the parts of its input that the others reduce,
+/// reduces its own part over every rank's data (in rank order) into the
+/// result slot and its output, and copies the others' parts of the result
+/// out: about two passes over memory, and two waits for the slowest rank.
+///
+/// The segment (shm_open) is made by rank 0 under a random name with mode
+/// 0600 and is unlinked once every rank has opened it (backend/gloo.hpp runs
+/// that over Gloo); its size is fixed when it is made: (ranks + 1) slots of
+/// shm_slot_bytes(ranks). Ranks wait for each other on futexes, never by
+/// spinning for long. Every rank holds a lock on one byte of the segment's
+/// file while it lives, which the kernel drops when the process dies: so a
+/// waiting rank tells a dead peer from a slow one (and, unlike a pid, in any
+/// pid namespace). A rank that gives up (timeout, dead peer) says so in the
+/// segment, and the others stop waiting at once. Linux only; this header
+/// needs neither Gloo nor MPI, so the unit tests run it between forked
+/// processes.
+
+
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#define DTRAIN_HAS_SHM() 1
+#else
+#define DTRAIN_HAS_SHM() 0
+#endif
+
+namespace dtrain::detail {
+
+/// A failure on the shared-memory path: a peer that died, gave up or did not
+/// come within the timeout (`timed_out`), or a segment that cannot be made.
+class shm_failure : public std::runtime_error {
+ public:
+  shm_failure(const std::string& what, bool timed_out)
+      : std::runtime_error(what), timed_out_(timed_out) {}
+  [[nodiscard]] bool timed_out() const noexcept { return timed_out_; }
+
+ private:
+  bool timed_out_;
+};
+
+/// The bytes of one slot for a group of `ranks`: 1 MiB, less when the
+/// (ranks + 1) slots would pass 16 MiB (so 15 ranks or more), never below
+/// 4 KiB. A larger allreduce runs as a sequence of slot-sized chunks.
+[[nodiscard]] constexpr std::size_t shm_slot_bytes(int ranks) noexcept {
+  constexpr std::size_t most = std::size_t{1} << 20;
+  constexpr std::size_t budget = std::size_t{16} << 20;
+  constexpr std::size_t page = 4096;
+  const std::size_t share = budget / (static_cast<std::size_t>(ranks < 1 ? 1 : ranks) + 1);
+  const std::size_t slot = share < most ? share / page * page : most;
+  return slot < page ? page : slot;
+}
+
+/// Calls `loop(f)` with f(x, y) the element-wise `op` on T (avg as sum), so
+/// that the op is chosen once per call, not per element.
+template <element T, class Loop>
+void shm_with_op(reduce_op op, Loop&& loop) {
+  switch (op) {
+    case reduce_op::min: loop([](T x, T y) { return y < x ? y : x; }); break;
+    case reduce_op::max: loop([](T x, T y) { return x < y ? y : x; }); break;
+    case reduce_op::prod: loop([](T x, T y) { return static_cast<T>(x * y); }); break;
+    case reduce_op::sum:
+    case reduce_op::avg: loop([](T x, T y) { return static_cast<T>(x + y); }); break;
+  }
+}
+
+/// `out` = `a` op `b`, element-wise (avg as sum), over three distinct
+/// buffers, in blocks of 16 elements, which GCC and Clang vectorise at -O2.
+template <element T>
+void shm_combine(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n,
+                 reduce_op op) noexcept {
+  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+    std::memcpy(out, a, n * sizeof(T));
+    reduce_host(out, b, n, op);
+  } else {
+    shm_with_op<T>(op, [&](auto f) {
+      std::size_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        for (std::size_t j = 0; j < 16; ++j) out[i + j] = f(a[i + j], b[i + j]);
+      }
+      for (; i < n; ++i) out[i] = f(a[i], b[i]);
+    });
+  }
+}
+
+/// `inout` op= `in`, element-wise (avg as sum), as shm_combine.
+template <element T>
+void shm_reduce(T* __restrict inout, const T* __restrict in, std::size_t n, reduce_op op) noexcept {
+  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+    reduce_host(inout, in, n, op);
+  } else {
+    shm_with_op<T>(op, [&](auto f) {
+      std::size_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        for (std::size_t j = 0; j < 16; ++j) inout[i + j] = f(inout[i + j], in[i + j]);
+      }
+      for (; i < n; ++i) inout[i] = f(inout[i], in[i]);
+    });
+  }
+}
+
+#if DTRAIN_HAS_SHM()
+
+/// One mapped segment, as one rank of the group sees it. Move-only; unmaps,
+/// closes (dropping this rank's lock) and never unlinks on destruction.
+class shm_segment {
+ public:
+  static constexpr std::uint64_t magic = 0x31'6d'68'73'6e'72'74'64ULL;  // "dtrnshm1"
+
+  shm_segment() = default;
+  shm_segment(shm_segment&& o) noexcept { swap(o); }
+  shm_segment& operator=(shm_segment&& o) noexcept {
+    shm_segment(std::move(o)).swap(*this);
+    return *this;
+  }
+  shm_segment(const shm_segment&) = delete;
+  shm_segment& operator=(const shm_segment&) = delete;
+  ~shm_segment() {
+    if (base_) ::munmap(base_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  /// Rank 0: makes the segment `name` ("/dtrain-..."), which must not exist,
+  /// for `size` ranks. Throws shm_failure (not timed out) saying which call failed.
+  static shm_segment create(const std::string& name, int size) {
+    shm_segment s;
+    s.rank_ = 0;
+    s.size_ = size;
+    s.slot_ = shm_slot_bytes(size);
+    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, S_IRUSR | S_IWUSR);
+    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_CREAT | O_EXCL, 0600)");
+    try {
+      // Reserve every page now: a tmpfs that is full (a container's 64 MiB
+      // /dev/shm) fails here, not with SIGBUS on a later write.
+      if (const int e = ::posix_fallocate(s.fd_, 0, static_cast<off_t>(s.bytes_)); e != 0) {
+        errno = e;
+        fail_call("posix_fallocate(" + name + ", " + std::to_string(s.bytes_) + " bytes)");
+      }
+      s.map(name);
+      auto* c = new (s.base_) control{};
+      c->size = static_cast<std::uint32_t>(size);
+      c->slot_bytes = s.slot_;
+      for (int r = 0; r < size; ++r) new (&s.flags(r)) rank_flags{};
+      c->magic = magic;  // last: a segment with the magic is complete
+      s.lock_own_byte(name);
+    } catch (...) {
+      unlink(name);  // nothing of a segment that failed stays behind
+      throw;
+    }
+    return s;
+  }
+
+  /// Every other rank: opens the segment rank 0 made and checks that it was
+  /// made for `size` ranks. Throws shm_failure (not timed out).
+  static shm_segment open(const std::string& name, int rank, int size) {
+    shm_segment s;
+    s.rank_ = rank;
+    s.size_ = size;
+    s.slot_ = shm_slot_bytes(size);
+    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_RDWR)");
+    struct stat st {};
+    if (::fstat(s.fd_, &st) != 0) fail_call("fstat(" + name + ")");
+    if (static_cast<std::size_t>(st.st_size) != s.bytes_) {
+      throw shm_failure("segment " + name + " holds " + std::to_string(st.st_size) +
+                            " bytes, not the " + std::to_string(s.bytes_) + " of a group of " +
+                            std::to_string(size),
+                        false);
+    }
+    s.map(name);
+    const control& c = s.head();
+    if (c.magic != magic || c.size != static_cast<std::uint32_t>(size) || c.slot_bytes != s.slot_) {
+      throw shm_failure(
+          "segment " + name + " was not made by dtrain for a group of " + std::to_string(size),
+          false);
+    }
+    s.lock_own_byte(name);
+    return s;
+  }
+
+  /// Removes the name (every rank keeps its mapping). Rank 0, once all have opened it.
+  static void unlink(const std::string& name) noexcept { ::shm_unlink(name.c_str()); }
+
+  [[nodiscard]] bool valid() const noexcept { return base_ != nullptr; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_; }
+
+  /// `out` (count elements) becomes the reduction of every rank's `in` (in
+  /// place when they are the same). Every rank of the group must call it with
+  /// the same count, type and op, in the same order among its allreduces. avg
+  /// sums, then divides each element once by the group's size. The result is
+  /// the same bits on every rank: element i is reduced by one rank, in rank
+  /// order. Throws shm_failure: timed out when a peer did not come within
+  /// `timeout` (for the whole call), not timed out when one died or gave up.
+  /// Either way the segment is then unusable, and so are the peers' copies.
+  template <element T>
+  void allreduce(const T* in, T* out, std::size_t count, reduce_op op,
+                 std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const std::size_t chunk = slot_ / sizeof(T);
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const std::size_t chunks = (count + chunk - 1) / chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * chunk;
+      const std::size_t n = count - offset < chunk ? count - offset : chunk;
+      const std::uint32_t k = ++chunk_;
+      // This rank reduces elements [lo, hi) of the chunk; the others, the rest.
+      const std::size_t lo = n * me / ranks, hi = n * (me + 1) / ranks;
+      const T* own = in + offset;
+      // 1. The parts the others reduce, into this rank's slot (its own part
+      //    it reads where it is). Every rank finished reading the slots of
+      //    the previous chunk before it announced that chunk reduced.
+      std::memcpy(slot<T>(me), own, lo * sizeof(T));
+      std::memcpy(slot<T>(me) + hi, own + hi, (n - hi) * sizeof(T));
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. This rank's part, over every rank's data in rank order, into the
+      //    result slot and into `out` (in place too: nobody reads this part
+      //    of `in` after this). Every rank finished copying the previous
+      //    chunk's result out before it announced this chunk's input.
+      if (hi > lo) {
+        const auto from = [&](std::size_t q) { return (q == me ? own : slot<T>(q)) + lo; };
+        T* result = slot<T>(ranks) + lo;
+        shm_combine(result, from(0), from(1), hi - lo, op);
+        for (std::size_t q = 2; q < ranks; ++q) shm_reduce(result, from(q), hi - lo, op);
+        if (op == reduce_op::avg) divide_host(buffer{result, hi - lo, dtype_of<T>}, size_);
+        std::memcpy(out + offset + lo, result, (hi - lo) * sizeof(T));
+      }
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "reduce", c, chunks);
+      // 3. The other ranks' parts of the result out.
+      std::memcpy(out + offset, slot<T>(ranks), lo * sizeof(T));
+      std::memcpy(out + offset + hi, slot<T>(ranks) + hi, (n - hi) * sizeof(T));
+    }
+  }
+
+  /// Tells the peers that this rank gave up, and `why`, waking any that wait.
+  /// The first rank to give up is the one they name.
+  void abandon(std::string_view why = {}) noexcept {
+    if (!base_) return;
+    control& c = head();
+    if (c.claimed.exchange(1) == 0) {
+      const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
+      std::memcpy(c.why, why.data(), n);
+      c.why[n] = '\0';
+      c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
+    }
+    for (int r = 0; r < size_; ++r) {
+      wake(flags(r).arrived);
+      wake(flags(r).reduced);
+    }
+  }
+
+ private:
+  /// A futex word and the count of ranks sleeping on it (so that a rank that
+  /// announces progress makes a system call only when someone sleeps).
+  struct alignas(64) flag {
+    std::atomic<std::uint32_t> value{0};
+    std::atomic<std::uint32_t> sleepers{0};
+  };
+  /// One rank's progress: the last chunk it copied in, and the last it reduced.
+  struct rank_flags {
+    flag arrived;
+    flag reduced;
+  };
+  struct alignas(64) control {
+    std::uint64_t magic = 0;
+    std::uint64_t slot_bytes = 0;
+    std::uint32_t size = 0;
+    std::atomic<std::uint32_t> claimed{0};       // 1 once a rank gives up
+    std::atomic<std::uint32_t> abandoned_by{0};  // then 1 + that rank, once `why` is written
+    char why[240] = {};
+  };
+  static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
+                std::atomic<std::uint32_t>::is_always_lock_free);
+
+  static constexpr std::size_t data_offset(int size) noexcept {
+    const std::size_t end = sizeof(control) + static_cast<std::size_t>(size) * sizeof(rank_flags);
+    return (end + 4095) / 4096 * 4096;
+  }
+
+  [[noreturn]] static void fail_call(const std::string& call) {
+    throw shm_failure(call + ": " + std::strerror(errno), false);
+  }
+
+  void map(const std::string& name) {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) fail_call("mmap(" + name + ")");
+    base_ = p;
+  }
+
+  // An open-file-description lock on byte `rank` of the file: it lives as
+  // long as this mapping's descriptor, and no longer than the process.
+  void lock_own_byte(const std::string& name) {
+    struct flock l {};
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    l.l_start = rank_;
+    l.l_len = 1;
+    if (::fcntl(fd_, F_OFD_SETLK, &l) != 0) fail_call("fcntl(" + name + ", F_OFD_SETLK)");
+  }
+
+  // False only when the peer's lock is gone: it exited. True when unsure.
+  [[nodiscard]] bool alive(int peer) const noexcept {
+    struct flock l {};
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    l.l_start = peer;
+    l.l_len = 1;
+    if (::fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
+    return l.l_type != F_UNLCK;
+  }
+
+  [[nodiscard]] control& head() const noexcept {
+    return *std::launder(static_cast<control*>(base_));
+  }
+  [[nodiscard]] rank_flags& flags(int r) const noexcept {
+    auto* p = static_cast<unsigned char*>(base_) + sizeof(control) +
+              static_cast<std::size_t>(r) * sizeof(rank_flags);
+    return *std::launder(reinterpret_cast<rank_flags*>(p));
+  }
+  // Slot q of the ranks; slot `size` is the result.
+  template <class T>
+  [[nodiscard]] T* slot(std::size_t q) const noexcept {
+    return reinterpret_cast<T*>(static_cast<unsigned char*>(base_) + data_offset(size_) +
+                                q * slot_);
+  }
+
+  static long futex(std::atomic<std::uint32_t>& word, int op, std::uint32_t value,
+                    const timespec* wait) noexcept {
+    return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, wait, nullptr,
+                     0);
+  }
+  static void wake(flag& f) noexcept {
+    futex(f.value, FUTEX_WAKE, static_cast<std::uint32_t>(INT_MAX), nullptr);
+  }
+  static void publish(flag& f, std::uint32_t k) noexcept {
+    f.value.store(k, std::memory_order_seq_cst);
+    if (f.sleepers.load(std::memory_order_seq_cst) != 0) wake(f);
+  }
+  static bool reached(std::uint32_t value, std::uint32_t k) noexcept {
+    return static_cast<std::int32_t>(value - k) >= 0;  // counts wrap after 2^32 chunks
+  }
+
+  // Waits until every rank's `which` reached chunk k: spins briefly (the peer
+  // is often on another core, a few microseconds away), then sleeps on the
+  // futex in slices, checking between them for a peer that gave up or died
+  // and for the deadline.
+  void wait_all(flag rank_flags::*which, std::uint32_t k,
+                std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                const char* phase, std::size_t c, std::size_t chunks) {
+    for (int q = 0; q < size_; ++q) {
+      flag& f = flags(q).*which;
+      for (int spin = 0; spin < 256 && !reached(f.value.load(std::memory_order_acquire), k);
+           ++spin) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+      while (!reached(f.value.load(std::memory_order_acquire), k)) {
+        // The rank waited for first: its death is the cause, another's giving up a consequence.
+        if (!alive(q)) {
+          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                            " exited or closed its communicator (its lock on the segment is "
+                            "gone)";
+          abandon(why);
+          throw shm_failure(why, false);
+        }
+        if (const std::uint32_t by = head().abandoned_by.load(std::memory_order_acquire); by != 0) {
+          const char* why = head().why;
+          throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
+                                std::string(why, ::strnlen(why, sizeof head().why)),
+                            false);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= deadline) {
+          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                            " did not come within the timeout (" + std::to_string(timeout.count()) +
+                            " ms): timed out";
+          abandon(why);
+          throw shm_failure(why, true);
+        }
+        const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+        const auto slice = left < std::chrono::milliseconds(20)
+                               ? left
+                               : std::chrono::nanoseconds(std::chrono::milliseconds(20));
+        const timespec wait{static_cast<time_t>(slice.count() / 1'000'000'000),
+                            static_cast<long>(slice.count() % 1'000'000'000)};
+        f.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        const std::uint32_t seen = f.value.load(std::memory_order_seq_cst);
+        if (!reached(seen, k)) futex(f.value, FUTEX_WAIT, seen, &wait);
+        f.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      }
+    }
+  }
+
+  [[nodiscard]] std::string where(int q, const char* phase, std::size_t c,
+                                  std::size_t chunks) const {
+    return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+           " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
+           std::to_string(c + 1) + " of " + std::to_string(chunks);
+  }
+
+  void swap(shm_segment& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(slot_, o.slot_);
+    std::swap(fd_, o.fd_);
+    std::swap(rank_, o.rank_);
+    std::swap(size_, o.size_);
+    std::swap(chunk_, o.chunk_);
+  }
+
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::size_t slot_ = 0;
+  int fd_ = -1;
+  int rank_ = 0;
+  int size_ = 1;
+  std::uint32_t chunk_ = 0;  // chunks this rank has run: the same count on every rank
+};
+
+#endif  // DTRAIN_HAS_SHM()
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/shm.hpp ----
 
 #if DTRAIN_HAS_GLOO()
 
@@ -3044,6 +3499,10 @@ struct gloo_state {
   bool check = false;
   std::shared_ptr<::gloo::transport::Device> device;
   std::shared_ptr<::gloo::Context> context;
+#if DTRAIN_HAS_SHM()
+  shm_segment shm;  // valid: every rank runs on this host, and allreduces go through it
+#endif
+  std::string shm_text = "off";  // for describe(): "on (...)" or "off (why)"
 
   struct task {
     std::shared_ptr<gloo_work> work;
@@ -3182,6 +3641,15 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
     std::rethrow_exception(e);
   } catch (const error&) {
     return e;  // already dtrain's (a signature mismatch), with its context
+  } catch (const shm_failure& x) {
+    if (x.timed_out()) {
+      return std::make_exception_ptr(
+          timeout_error(what + " timed out (" + x.what() +
+                        "); a peer is slow, dead or called a different collective "
+                        "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
+    }
+    return std::make_exception_ptr(backend_error(
+        what + " failed (" + x.what() + "); look for the first error on the other ranks", 0));
   } catch (const std::exception& x) {
     message = x.what();
   } catch (...) {
@@ -3204,9 +3672,10 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
 }
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
-// of one never calls Gloo.
+// of one never calls Gloo. When every rank runs on this host, allreduces go
+// through the communicator's shared-memory segment (backend/shm.hpp) instead.
 
-/// Up to this many bytes an allreduce on 3 or more ranks uses Gloo's BCUBE
+/// Up to this many bytes an allreduce over TCP on 3 or more ranks uses Gloo's BCUBE
 /// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)
 /// sequential steps where the ring takes 2(n−1) (4 against 6 on 4 ranks; a
 /// direct exchange in 2 steps when n has no factor 2), with the same bytes
@@ -3221,6 +3690,13 @@ inline constexpr std::size_t gloo_bcube_max_bytes = std::size_t{1} << 20;
 template <element T>
 void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
                         std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.shm.valid()) {  // every rank on this host: no TCP (avg divides inside)
+    s.shm.allreduce(static_cast<const T*>(in.data), static_cast<T*>(out.data), out.count, op,
+                    timeout);
+    return;
+  }
+#endif
   if (s.size > 1) {
     ::gloo::AllreduceOptions opts(s.context);
     if (s.size > 2 && out.count > static_cast<std::size_t>(s.size) &&
@@ -3275,7 +3751,7 @@ inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
 // it). So this is an allreduce of the whole input into a scratch buffer and a
 // copy of this rank's block: correct, at twice the traffic of a real
 // reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
-// input-sized allocation.
+// input-sized allocation. On one host the allreduce goes through shared memory.
 template <element T>
 void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
                              std::chrono::milliseconds timeout) {
@@ -3286,12 +3762,8 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
     return;
   }
   std::vector<T> scratch(in.count);
-  ::gloo::AllreduceOptions opts(s.context);
-  opts.setInput(static_cast<T*>(in.data), in.count);
-  opts.setOutput(scratch.data(), scratch.size());
-  opts.setReduceFunction(gloo_reduce_function<T>(op));
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+  const reduce_op sum_op = op == reduce_op::avg ? reduce_op::sum : op;  // divide this block only
+  gloo_run_allreduce<T>(s, in, buffer{scratch.data(), scratch.size(), in.type}, sum_op, timeout);
   std::memcpy(out.data, scratch.data() + offset, n * sizeof(T));
   if (op == reduce_op::avg) divide_host(out, s.size);
 }
@@ -3338,6 +3810,9 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
   } catch (...) {
     failure = gloo_failure(std::current_exception(), t.work->description());
     s.mark_unusable(message_of(failure));
+#if DTRAIN_HAS_SHM()
+    s.shm.abandon(message_of(failure));  // peers waiting in the segment stop now
+#endif
   }
   t.work->finish(std::move(failure));
 }
@@ -3369,6 +3844,152 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 
 #endif  // DTRAIN_HAS_GLOO()
 // ---- end dtrain/backend/gloo_worker.hpp ----
+// ---- begin dtrain/rendezvous/security.hpp ----
+/// @file
+/// Who may talk to a job's store, and where it listens: a fresh random token
+/// per job, handed to the ranks without a command line or a log, and the one
+/// interface that MASTER_ADDR names. See the README's "Security".
+
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace dtrain {
+
+/// Environment: the address the store listens on, instead of the one that
+/// MASTER_ADDR names ("0.0.0.0" for every interface).
+inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
+
+namespace detail {
+
+/// 128 random bits from the kernel, as 32 hex digits.
+inline std::string new_store_token() {
+  unsigned char bytes[16];
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
+    got += static_cast<std::size_t>(n);
+  }
+  std::string out;
+  for (unsigned char b : bytes) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", b);
+    out += hex;
+  }
+  return out;
+}
+
+/// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
+/// if set, else the local address that `master` names. Every interface ("0.0.0.0")
+/// only when that name is not an address of this host, or when it resolves to
+/// loopback here but the job spans nodes (Debian's /etc/hosts maps the host's
+/// own name to 127.0.1.1, which other nodes cannot reach).
+inline std::string store_bind_address(const environment& env, const std::string& master,
+                                      bool multi_node) {
+  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
+  const resolved names = resolve(master);
+  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
+  bool all_loopback = true;
+  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
+  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
+  const auto locals = interface_addresses();
+  for (const auto& a : names.addresses) {
+    for (const auto& local : locals) {
+      if (local.address == a) return a;
+    }
+  }
+  return "0.0.0.0";
+}
+
+/// The address a client on the store's own host uses to reach it.
+inline std::string local_store_address(const std::string& bound) {
+  return bound == "0.0.0.0" || bound == "::" ? "127.0.0.1" : bound;
+}
+
+/// A token shared through a file only this user can read, for ranks on one
+/// host that no dtrain process launched (torchrun, mpirun with Gloo): rank 0
+/// writes it, the others read it. The file is named after the store's port,
+/// in $XDG_RUNTIME_DIR or /tmp/dtrain-<uid> (mode 0700, checked).
+class token_file {
+ public:
+  token_file(const environment& env, int port) {
+    std::string dir;
+    if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
+      dir = std::string(*runtime) + "/dtrain";
+    } else {
+      dir = "/tmp/dtrain-" + std::to_string(::getuid());
+    }
+    dir_ = dir;
+    path_ = dir + "/store-" + std::to_string(port) + ".token";
+  }
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+  /// Rank 0: writes `token` (replacing a stale file atomically).
+  void publish(const std::string& token) {
+    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
+    struct stat st {};
+    if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
+    if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
+      throw config_error(dir_ +
+                         " must be a directory that only this user can open (mode 0700) "
+                         "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
+    }
+    const std::string temp = path_ + "." + std::to_string(::getpid());
+    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) fail("cannot write", errno);
+    bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+    ok = ::close(fd) == 0 && ok;
+    if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
+      int err = errno;
+      ::unlink(temp.c_str());
+      fail("cannot write", err);
+    }
+    published_ = true;
+  }
+
+  /// The token in the file now, or nullopt if there is none yet.
+  [[nodiscard]] std::optional<std::string> read() const {
+    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return std::nullopt;
+    char text[128];
+    ssize_t n = ::read(fd, text, sizeof text);
+    ::close(fd);
+    if (n <= 0) return std::nullopt;
+    return std::string(text, static_cast<std::size_t>(n));
+  }
+
+  token_file(const token_file&) = delete;
+  token_file& operator=(const token_file&) = delete;
+  ~token_file() {
+    if (published_) ::unlink(path_.c_str());
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what, int err) const {
+    throw config_error(std::string(what) + " " + path_ + " for the store token: " +
+                       std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
+  }
+  std::string dir_;
+  std::string path_;
+  bool published_ = false;
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/security.hpp ----
 
 #if DTRAIN_HAS_GLOO()
 
@@ -3382,8 +4003,11 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -3391,6 +4015,7 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 #include <vector>
 
 #include <pthread.h>
+#include <unistd.h>
 
 namespace dtrain {
 
@@ -3410,6 +4035,13 @@ struct gloo_options {
   /// rank makes with one prefix uses `prefix/n`, so every rank must make its
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
+  /// Allreduces (and reduce_scatters) through one shared-memory segment when
+  /// every rank of the communicator runs on this host (backend/shm.hpp), not
+  /// through TCP over loopback. true: required (making the communicator fails
+  /// when it cannot be used); false: off. Unset: DTRAIN_GLOO_SHM from `env`
+  /// (1 required, 0 off), else used wherever it can be. Every rank must
+  /// allow it, or none uses it; describe() says which, and why not.
+  std::optional<bool> shared_memory{};
   /// The environment snapshot DTRAIN_GLOO_IFNAME, GLOO_SOCKET_IFNAME,
   /// MASTER_ADDR and MASTER_PORT are read from; the communicator never reads
   /// the process's own. dtrain::run passes its snapshot; empty: none is set.
@@ -3434,6 +4066,137 @@ class sigpipe_blocked {
  private:
   sigset_t previous_{};
 };
+
+/// Whether a communicator may use shared memory: off, where it can, or required.
+enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
+
+inline shm_mode shm_mode_of(const gloo_options& o) {
+  std::optional<bool> on = o.shared_memory;
+  if (!on) on = read_flag(o.env, "DTRAIN_GLOO_SHM");
+  if (!on) return shm_mode::automatic;
+  return *on ? shm_mode::required : shm_mode::off;
+}
+
+/// What tells this host apart from the ranks' point of view: the boot, the
+/// host name, and the network and mount namespaces (ranks in other ones, as
+/// on hosts simulated with network namespaces, are other hosts: their
+/// traffic is what is being tested, and /dev/shm may differ).
+inline std::string shm_host_identity() {
+  std::string id;
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char boot[64] = {};
+    if (std::fgets(boot, sizeof boot, f)) id += boot;
+    std::fclose(f);
+  }
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) == 0) id += host;
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt"}) {
+    char link[128] = {};
+    const auto n = ::readlink(ns, link, sizeof link - 1);
+    id += "|";
+    if (n > 0) id.append(link, static_cast<std::size_t>(n));
+  }
+  return id;
+}
+
+/// A fixed-size record of text for Gloo's allgather and broadcast: a status
+/// byte, then text cut at `record_bytes` - 2.
+inline constexpr std::size_t shm_record_bytes = 256;
+inline void shm_put(std::uint8_t* record, char status, const std::string& text) {
+  std::memset(record, 0, shm_record_bytes);
+  record[0] = static_cast<std::uint8_t>(status);
+  std::memcpy(record + 1, text.data(), std::min(text.size(), shm_record_bytes - 2));
+}
+inline std::string shm_text_of(const std::uint8_t* record) {
+  const char* text = reinterpret_cast<const char*>(record + 1);
+  return std::string(text, ::strnlen(text, shm_record_bytes - 1));
+}
+
+/// Sets up s.shm over the freshly connected Gloo context, collectively (every
+/// rank calls it; all reach the same decision from the same allgathered
+/// records), and returns the describe() text. Throws config_error when a
+/// rank requires shared memory and it cannot be used.
+inline std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
+  if (s.size == 1) return "off (a world of one)";
+#if !DTRAIN_HAS_SHM()
+  if (mode == shm_mode::required) {
+    throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory) on rank " +
+                       std::to_string(s.rank) + ": this platform has no shared-memory path");
+  }
+  return "off (not on this platform)";
+#else
+  const auto ranks = static_cast<std::size_t>(s.size);
+  const auto everyone = [&](const std::uint8_t* own, std::vector<std::uint8_t>& into) {
+    into.assign(ranks * shm_record_bytes, 0);
+    gloo_run_allgather(s, buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
+                       buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
+  };
+  const auto record = [&](const std::vector<std::uint8_t>& records, int r) {
+    return records.data() + static_cast<std::size_t>(r) * shm_record_bytes;
+  };
+  std::uint8_t mine[shm_record_bytes];
+  std::vector<std::uint8_t> all;
+  // 1. Does every rank allow it, and run on this host?
+  shm_put(mine, static_cast<char>(mode), shm_host_identity());
+  everyone(mine, all);
+  int required_by = -1;
+  std::string why_not;
+  for (int r = 0; r < s.size; ++r) {
+    const auto m = static_cast<shm_mode>(record(all, r)[0]);
+    if (m == shm_mode::required && required_by < 0) required_by = r;
+    if (m == shm_mode::off && why_not.empty())
+      why_not =
+          "DTRAIN_GLOO_SHM=0 or gloo_options::shared_memory = false on rank " + std::to_string(r);
+  }
+  for (int r = 1; r < s.size && why_not.empty(); ++r) {
+    if (shm_text_of(record(all, r)) != shm_text_of(record(all, 0)))
+      why_not = "ranks 0 and " + std::to_string(r) + " run on different hosts";
+  }
+  // 2. Rank 0 makes the segment and tells the others its name, or why not.
+  if (why_not.empty()) {
+    if (s.rank == 0) {
+      try {
+        const std::string name = "/dtrain-gloo-" + new_store_token();
+        s.shm = shm_segment::create(name, s.size);
+        shm_put(mine, 'y', name);
+      } catch (const shm_failure& e) {
+        shm_put(mine, 'n', std::string("rank 0: ") + e.what());
+      }
+    }
+    gloo_run_broadcast(s, buffer{mine, shm_record_bytes, dtype::uint8}, 0, s.timeout);
+    if (mine[0] != 'y') why_not = shm_text_of(mine);
+  }
+  // 3. The others open it; every rank hears how each fared; rank 0 unlinks.
+  if (why_not.empty()) {
+    const std::string made = shm_text_of(mine);
+    std::uint8_t status[shm_record_bytes];
+    shm_put(status, 'y', "");
+    if (s.rank != 0) {
+      try {
+        s.shm = shm_segment::open(made, s.rank, s.size);
+      } catch (const shm_failure& e) {
+        shm_put(status, 'n', "rank " + std::to_string(s.rank) + ": " + e.what());
+      }
+    }
+    everyone(status, all);
+    if (s.rank == 0) shm_segment::unlink(made);
+    for (int r = 0; r < s.size && why_not.empty(); ++r) {
+      if (record(all, r)[0] != 'y') why_not = shm_text_of(record(all, r));
+    }
+  }
+  if (!why_not.empty()) {
+    s.shm = shm_segment{};
+    if (required_by >= 0) {
+      throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory = true) on rank " +
+                         std::to_string(required_by) +
+                         ", but shared memory cannot be used: " + why_not);
+    }
+    return "off (" + why_not + ")";
+  }
+  return "on (" + std::to_string(s.shm.bytes() >> 10) + " KiB segment, " +
+         std::to_string(s.shm.slot_bytes() >> 10) + " KiB slots)";
+#endif
+}
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -3513,12 +4276,13 @@ class gloo_communicator {
   }
 
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
-  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
+  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0,
+  /// shared memory on (3076 KiB segment, 1024 KiB slots)", or "shared memory off (why)".
   [[nodiscard]] std::string describe() const {
     if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
     return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
            self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " +
-           self_->keys;
+           self_->keys + ", shared memory " + self_->state->shm_text;
   }
 
   /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
@@ -3620,6 +4384,7 @@ class gloo_communicator {
       throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
                          std::to_string(size));
     }
+    (void)detail::shm_mode_of(options);  // a bad DTRAIN_GLOO_SHM fails before the store counts
     auto endpoint =
         detail::choose_gloo_endpoint(options.interface, options.master_addr, options.env, size);
     // Every rank counts the communicators it made under this prefix, so the
@@ -3641,6 +4406,7 @@ class gloo_communicator {
     // with SIGPIPE blocked (threads inherit the mask); such a write then fails
     // with EPIPE, which Gloo reports as an error.
     detail::sigpipe_blocked quiet;
+    const detail::shm_mode shm = detail::shm_mode_of(options);  // DTRAIN_GLOO_SHM=bad fails here
     auto state = std::make_shared<detail::gloo_state>();
     state->rank = rank;
     state->size = size;
@@ -3666,6 +4432,7 @@ class gloo_communicator {
       // barrier proves it, and the addresses can leave the store.
       detail::gloo_run_barrier(*state, state->timeout);
       for (const auto& key : adapter.written()) store->erase(key);
+      state->shm_text = detail::gloo_join_shm(*state, shm);
     } catch (const timeout_error& e) {
       throw timeout_error(where + e.what());
     } catch (const rendezvous_error& e) {
@@ -6134,15 +6901,15 @@ struct failure_record {
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
     return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
       failure_record f;
-      const std::int64_t status = r.i64("the exit status");
-      if (status < 0 || status > 255) {
-        throw wire::violation("the exit status " + std::to_string(status) + " is not in 0..255");
+      const std::int64_t code = r.i64("the exit status");
+      if (code < 0 || code > 255) {
+        throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
       }
-      f.status = static_cast<int>(status);
-      const std::uint8_t final = r.u8("the final flag");
-      if (final > 1)
-        throw wire::violation("the final flag is " + std::to_string(final) + ", not 0 or 1");
-      f.final = final == 1;
+      f.status = static_cast<int>(code);
+      const std::uint8_t flag = r.u8("the final flag");
+      if (flag > 1)
+        throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
+      f.final = flag == 1;
       f.message = r.bytes32("the message");
       return f;
     });
@@ -6234,20 +7001,20 @@ struct store_address {
     return wire::decode_value(
         "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
           store_address a;
-          const std::uint8_t ok = r.u8("the ok flag");
-          if (ok > 1)
-            throw wire::violation("the ok flag is " + std::to_string(ok) + ", not 0 or 1");
-          a.ok = ok == 1;
+          const std::uint8_t flag = r.u8("the ok flag");
+          if (flag > 1)
+            throw wire::violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
+          a.ok = flag == 1;
           if (!a.ok) {
             a.failure = r.bytes32("rank 0's error");
             return a;
           }
           a.host = r.bytes32("the host name");
-          const std::int64_t port = r.i64("the port");
-          if (port < 1 || port > 65535) {
-            throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
+          const std::int64_t number = r.i64("the port");
+          if (number < 1 || number > 65535) {
+            throw wire::violation("the port " + std::to_string(number) + " is not in 1..65535");
           }
-          a.port = static_cast<int>(port);
+          a.port = static_cast<int>(number);
           return a;
         });
   }
@@ -10021,152 +10788,6 @@ struct policy {
 
 }  // namespace dtrain
 // ---- end dtrain/policy.hpp ----
-// ---- begin dtrain/rendezvous/security.hpp ----
-/// @file
-/// Who may talk to a job's store, and where it listens: a fresh random token
-/// per job, handed to the ranks without a command line or a log, and the one
-/// interface that MASTER_ADDR names. See the README's "Security".
-
-
-#include <cerrno>
-#include <chrono>
-#include <cstdio>
-#include <cstring>
-#include <optional>
-#include <string>
-#include <thread>
-
-#include <fcntl.h>
-#include <sys/random.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-namespace dtrain {
-
-/// Environment: the address the store listens on, instead of the one that
-/// MASTER_ADDR names ("0.0.0.0" for every interface).
-inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
-
-namespace detail {
-
-/// 128 random bits from the kernel, as 32 hex digits.
-inline std::string new_store_token() {
-  unsigned char bytes[16];
-  std::size_t got = 0;
-  while (got < sizeof bytes) {
-    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
-    got += static_cast<std::size_t>(n);
-  }
-  std::string out;
-  for (unsigned char b : bytes) {
-    char hex[3];
-    std::snprintf(hex, sizeof hex, "%02x", b);
-    out += hex;
-  }
-  return out;
-}
-
-/// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
-/// if set, else the local address that `master` names. Every interface ("0.0.0.0")
-/// only when that name is not an address of this host, or when it resolves to
-/// loopback here but the job spans nodes (Debian's /etc/hosts maps the host's
-/// own name to 127.0.1.1, which other nodes cannot reach).
-inline std::string store_bind_address(const environment& env, const std::string& master,
-                                      bool multi_node) {
-  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
-  const resolved names = resolve(master);
-  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
-  bool all_loopback = true;
-  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
-  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
-  const auto locals = interface_addresses();
-  for (const auto& a : names.addresses) {
-    for (const auto& local : locals) {
-      if (local.address == a) return a;
-    }
-  }
-  return "0.0.0.0";
-}
-
-/// The address a client on the store's own host uses to reach it.
-inline std::string local_store_address(const std::string& bound) {
-  return bound == "0.0.0.0" || bound == "::" ? "127.0.0.1" : bound;
-}
-
-/// A token shared through a file only this user can read, for ranks on one
-/// host that no dtrain process launched (torchrun, mpirun with Gloo): rank 0
-/// writes it, the others read it. The file is named after the store's port,
-/// in $XDG_RUNTIME_DIR or /tmp/dtrain-<uid> (mode 0700, checked).
-class token_file {
- public:
-  token_file(const environment& env, int port) {
-    std::string dir;
-    if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
-      dir = std::string(*runtime) + "/dtrain";
-    } else {
-      dir = "/tmp/dtrain-" + std::to_string(::getuid());
-    }
-    dir_ = dir;
-    path_ = dir + "/store-" + std::to_string(port) + ".token";
-  }
-  [[nodiscard]] const std::string& path() const noexcept { return path_; }
-
-  /// Rank 0: writes `token` (replacing a stale file atomically).
-  void publish(const std::string& token) {
-    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
-    struct stat st {};
-    if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
-    if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
-      throw config_error(dir_ +
-                         " must be a directory that only this user can open (mode 0700) "
-                         "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
-    }
-    const std::string temp = path_ + "." + std::to_string(::getpid());
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0) fail("cannot write", errno);
-    bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
-    ok = ::close(fd) == 0 && ok;
-    if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
-      int err = errno;
-      ::unlink(temp.c_str());
-      fail("cannot write", err);
-    }
-    published_ = true;
-  }
-
-  /// The token in the file now, or nullopt if there is none yet.
-  [[nodiscard]] std::optional<std::string> read() const {
-    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) return std::nullopt;
-    char text[128];
-    ssize_t n = ::read(fd, text, sizeof text);
-    ::close(fd);
-    if (n <= 0) return std::nullopt;
-    return std::string(text, static_cast<std::size_t>(n));
-  }
-
-  token_file(const token_file&) = delete;
-  token_file& operator=(const token_file&) = delete;
-  ~token_file() {
-    if (published_) ::unlink(path_.c_str());
-  }
-
- private:
-  [[noreturn]] void fail(const char* what, int err) const {
-    throw config_error(std::string(what) + " " + path_ + " for the store token: " +
-                       std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
-  }
-  std::string dir_;
-  std::string path_;
-  bool published_ = false;
-};
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/security.hpp ----
 // ---- begin dtrain/rendezvous/server.hpp ----
 /// @file
 /// store_server: the key-value store every rank meets at. One coroutine per

@@ -10,6 +10,7 @@
 #   mpirun_by_node     mpirun --map-by node -np 4 across the nodes: the same
 #   mpirun_by_slot     mpirun --map-by slot -np 4
 #   demo_2x2           the demo on 2 nodes x 2 workers ends with the weights of 1 node x 4
+#                      (over TCP; through shared memory, with the same losses)
 #   loopback_hostname  node1 maps its own name to 127.0.1.1 (Debian's default):
 #                      the job works, or fails at once saying what to set
 #   killed_worker      a worker killed on node2 ends the job on node1, naming the rank
@@ -138,8 +139,14 @@ case $case_name in
   demo_2x2)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
     demo=("$bin/dtrain_train_mlp" --epochs 2)
-    timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/one_node.out" 2>&1 ||
-      fail "the demo on one node x 4 exited with $?"
+    # Bit for bit needs the same reduction order: on one host dtrain's Gloo
+    # allreduces through shared memory (rank order), across hosts Gloo's TCP
+    # ring. So the bitwise run uses TCP, and the shared-memory run must print
+    # the same losses.
+    DTRAIN_GLOO_SHM=0 timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/one_node.out" 2>&1 ||
+      fail "the demo on one node x 4 (TCP) exited with $?"
+    timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/one_node_shm.out" 2>&1 ||
+      fail "the demo on one node x 4 (shared memory) exited with $?"
     cluster_up 2 1gbit
     pids=()
     for n in 1 2; do
@@ -156,6 +163,9 @@ case $case_name in
     echo "1 node x 4:  $one"
     echo "2 nodes x 2: $two"
     [[ -n $one && $one == "$two" ]] || fail "the weights differ between 1 node x 4 and 2 nodes x 2"
+    losses() { grep -o '^epoch [0-9/]*  loss [0-9.]*' "$1"; }
+    [[ -n $(losses "$work/one_node_shm.out") && $(losses "$work/one_node_shm.out") == "$(losses "$work/node1.out")" ]] ||
+      fail "the losses through shared memory differ from those over TCP"
     ;;
   loopback_hostname)
     cluster_up 2 1gbit

@@ -4,8 +4,9 @@
 //
 //   dtrain_gloo_tests [doctest options]       the suite and the Gloo tests
 //   dtrain_gloo_tests --mode=dead-peer        rank 1 dies in the middle of a
-//                                             64 MiB allreduce; the others must
-//                                             fail at once, not hang
+//                                             64 MiB allreduce (or, through shared
+//                                             memory, before the next); the others
+//                                             must fail at once, not hang
 //   dtrain_gloo_tests --mode=hung-peer        rank 1 never joins an allreduce;
 //                                             the others must time out
 // In the failure modes each surviving rank prints one line
@@ -21,9 +22,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -59,7 +62,8 @@ using seconds = std::chrono::duration<double>;
 
 int dead_peer(job& j) {
   j.comm->barrier().wait();                             // everyone is connected
-  std::vector<float> data(std::size_t{1} << 24, 1.0f);  // 64 MiB: still moving when rank 1 dies
+  std::vector<float> data(std::size_t{1} << 24, 1.0f);  // 64 MiB: over TCP, still moving when
+                                                        // rank 1 dies
   if (j.rank == 1) {
     auto pending = dtrain::allreduce(*j.comm, std::span(data));
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
@@ -68,8 +72,11 @@ int dead_peer(job& j) {
   }
   const auto start = std::chrono::steady_clock::now();
   try {
+    // Through shared memory the first one can finish before rank 1 dies;
+    // rank 1 never starts the second.
     dtrain::allreduce(*j.comm, std::span(data)).wait();
-    std::printf("rank %d: the allreduce succeeded although rank 1 is dead\n", j.rank);
+    dtrain::allreduce(*j.comm, std::span(data)).wait();
+    std::printf("rank %d: the allreduces succeeded although rank 1 is dead\n", j.rank);
     return 1;
   } catch (const dtrain::error& e) {
     const double took = seconds(std::chrono::steady_clock::now() - start).count();
@@ -323,6 +330,86 @@ TEST_CASE("gloo: check mode reports a count that differs between ranks") {
   CHECK(data[0] == 1.0f);  // the mismatched collective did not run
   // The communicator is now unusable, and says so at once.
   CHECK_THROWS_WITH_AS(checked.barrier(), doctest::Contains("unusable"), dtrain::backend_error);
+}
+
+// Every rank of these tests runs on this host, so allreduces go through shared
+// memory (backend/shm.hpp) unless DTRAIN_GLOO_SHM=0. Against a second
+// communicator on Gloo's TCP: the same sums (bit for bit on 2 ranks, where
+// the order cannot differ), the same bits on every rank, across the slots.
+TEST_CASE("gloo: shared memory on one host, against Gloo's TCP") {
+  auto& w = world();
+  auto& comm = *w.comm;
+  const auto env = dtrain::environment::from_process();
+  const auto setting = env.get("DTRAIN_GLOO_SHM");
+  if (comm.size() == 1) {
+    CHECK(comm.describe().find("shared memory off (a world of one)") != std::string::npos);
+    return;
+  }
+  const bool off = setting && (*setting == "0" || *setting == "false");
+  CHECK_MESSAGE(comm.describe().find(off ? "shared memory off (DTRAIN_GLOO_SHM=0"
+                                         : "shared memory on (") != std::string::npos,
+                comm.describe());
+  auto options = options_with(w.collectives);
+  options.shared_memory = false;
+  dtrain::gloo_communicator tcp(*w.store, w.rank, w.size, options);
+  CHECK_MESSAGE(
+      tcp.describe().find("shared memory off (DTRAIN_GLOO_SHM=0 or "
+                          "gloo_options::shared_memory = false on rank 0)") != std::string::npos,
+      tcp.describe());
+
+  // Floats that round: 2.5 slots of them, different on every rank.
+  const std::size_t n = dtrain::detail::shm_slot_bytes(w.size) / sizeof(float) * 5 / 2 + 3;
+  std::vector<float> mine(n);
+  for (std::size_t i = 0; i < n; ++i)
+    mine[i] = 1.0f / static_cast<float>(i + 1) + 0.37f * static_cast<float>(w.rank + 1);
+  std::vector<float> through_shm(n), through_tcp(n);
+  dtrain::allreduce(comm, std::span<const float>(mine), std::span(through_shm)).wait();
+  dtrain::allreduce(tcp, std::span<const float>(mine), std::span(through_tcp)).wait();
+  std::size_t differ = 0, far = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    differ += through_shm[i] != through_tcp[i];
+    far += std::abs(through_shm[i] - through_tcp[i]) > 1e-6f * std::abs(through_tcp[i]);
+  }
+  CHECK(far == 0);
+  if (w.size == 2) CHECK(differ == 0);
+  // Every rank holds the same bits (a sum of the bits is enough to differ).
+  std::int64_t bits = 0;
+  for (float v : through_shm) {
+    std::uint32_t u = 0;
+    std::memcpy(&u, &v, sizeof u);
+    bits += u;
+  }
+  std::vector<std::int64_t> everyone(static_cast<std::size_t>(w.size));
+  dtrain::allgather(tcp, std::span<const std::int64_t>(&bits, 1), std::span(everyone)).wait();
+  CHECK(std::all_of(everyone.begin(), everyone.end(), [&](std::int64_t b) { return b == bits; }));
+
+  // Wider and narrower types cross the slots at other element counts.
+  const auto slots_of = [&]<class T>(T value) {
+    const std::size_t count = dtrain::detail::shm_slot_bytes(w.size) / sizeof(T) * 2 + 1;
+    std::vector<T> data(count, value);
+    dtrain::allreduce(comm, std::span(data)).wait();
+    return dtrain_test::value_of(data.front()) + dtrain_test::value_of(data.back());
+  };
+  CHECK(slots_of(2.0) == 4.0 * w.size);
+  CHECK(slots_of(std::int64_t{3}) == 6.0 * w.size);
+  CHECK(slots_of(dtrain::bfloat16(1.0f)) == 2.0 * w.size);
+}
+
+TEST_CASE("gloo: DTRAIN_GLOO_SHM must be a switch, read before anything connects") {
+  auto& w = world();
+  auto options = options_with(w.collectives);
+  options.env = dtrain::environment{{"DTRAIN_GLOO_SHM", "sometimes"}};
+  CHECK_THROWS_WITH_AS(dtrain::gloo_communicator(*w.store, w.rank, w.size, options),
+                       doctest::Contains("DTRAIN_GLOO_SHM=sometimes is not 0, 1"),
+                       dtrain::config_error);
+  // Required, and on one host: it is used.
+  options.env = dtrain::environment{{"DTRAIN_GLOO_SHM", "1"}};
+  dtrain::gloo_communicator required(*w.store, w.rank, w.size, options);
+  CHECK(required.describe().find(w.size == 1 ? "shared memory off (a world of one)"
+                                             : "shared memory on (") != std::string::npos);
+  std::vector<double> one(3, 1.0);
+  dtrain::allreduce(required, std::span(one)).wait();
+  CHECK(one[2] == w.size);
 }
 
 TEST_CASE("gloo: an interface that does not exist is a config_error naming it") {

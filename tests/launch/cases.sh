@@ -379,15 +379,23 @@ mpi_rank_fails)
   ;;
 
 peer_dies)
-  # Rank 1 is SIGKILLed mid-collective. Its peers write to its sockets: each ends with an error
-  # (exit 1) that says Gloo failed, never silently by SIGPIPE (141). Whether a write meets the
-  # closed socket is a race; broken_pipe below checks SIGPIPE deterministically.
-  "$LAUNCH" --no-kill 3 "$PEER" process-gloo --die-rank 1 >"$work/die.out" 2>"$work/die.err"
+  # Rank 1 is SIGKILLed mid-collective. Over Gloo's TCP its peers write to its sockets: each
+  # ends with an error (exit 1) that says Gloo failed, never silently by SIGPIPE (141). Whether
+  # a write meets the closed socket is a race; broken_pipe below checks SIGPIPE
+  # deterministically. Through shared memory (all ranks on this host) the peers see rank 1's
+  # lock on the segment go, and name it.
+  DTRAIN_GLOO_SHM=0 "$LAUNCH" --no-kill 3 "$PEER" process-gloo --die-rank 1 >"$work/die.out" 2>"$work/die.err"
   expect_status 137 $? "the job whose rank 1 was killed"
   expect_line "$work/die.err" '^dtrain_test_launch: rank 1 exited with status 137$' "rank 1's death"
   for r in 0 2; do
     expect_line "$work/die.err" "^dtrain_test_launch: rank $r exited with status 1$" "rank $r's exit status"
     expect_line "$work/die.err" "^\[rank $r/3\] dtrain: .*failed in Gloo" "rank $r's message"
+  done
+  DTRAIN_GLOO_SHM=1 "$LAUNCH" --no-kill 3 "$PEER" process-gloo --die-rank 1 >"$work/die_shm.out" 2>"$work/die_shm.err"
+  expect_status 137 $? "the job whose rank 1 was killed (shared memory)"
+  for r in 0 2; do
+    expect_line "$work/die_shm.err" "^dtrain_test_launch: rank $r exited with status 1$" "rank $r's exit status (shared memory)"
+    expect_line "$work/die_shm.err" "^\[rank $r/3\] dtrain: .*rank 1 exited or closed its communicator" "rank $r's message (shared memory)"
   done
   ;;
 

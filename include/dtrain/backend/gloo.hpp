@@ -14,7 +14,9 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/rendezvous/security.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
 #if DTRAIN_HAS_GLOO()
@@ -29,8 +31,11 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -38,6 +43,7 @@
 #include <vector>
 
 #include <pthread.h>
+#include <unistd.h>
 
 namespace dtrain {
 
@@ -57,6 +63,13 @@ struct gloo_options {
   /// rank makes with one prefix uses `prefix/n`, so every rank must make its
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
+  /// Allreduces (and reduce_scatters) through one shared-memory segment when
+  /// every rank of the communicator runs on this host (backend/shm.hpp), not
+  /// through TCP over loopback. true: required (making the communicator fails
+  /// when it cannot be used); false: off. Unset: DTRAIN_GLOO_SHM from `env`
+  /// (1 required, 0 off), else used wherever it can be. Every rank must
+  /// allow it, or none uses it; describe() says which, and why not.
+  std::optional<bool> shared_memory{};
   /// The environment snapshot DTRAIN_GLOO_IFNAME, GLOO_SOCKET_IFNAME,
   /// MASTER_ADDR and MASTER_PORT are read from; the communicator never reads
   /// the process's own. dtrain::run passes its snapshot; empty: none is set.
@@ -81,6 +94,137 @@ class sigpipe_blocked {
  private:
   sigset_t previous_{};
 };
+
+/// Whether a communicator may use shared memory: off, where it can, or required.
+enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
+
+inline shm_mode shm_mode_of(const gloo_options& o) {
+  std::optional<bool> on = o.shared_memory;
+  if (!on) on = read_flag(o.env, "DTRAIN_GLOO_SHM");
+  if (!on) return shm_mode::automatic;
+  return *on ? shm_mode::required : shm_mode::off;
+}
+
+/// What tells this host apart from the ranks' point of view: the boot, the
+/// host name, and the network and mount namespaces (ranks in other ones, as
+/// on hosts simulated with network namespaces, are other hosts: their
+/// traffic is what is being tested, and /dev/shm may differ).
+inline std::string shm_host_identity() {
+  std::string id;
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char boot[64] = {};
+    if (std::fgets(boot, sizeof boot, f)) id += boot;
+    std::fclose(f);
+  }
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) == 0) id += host;
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt"}) {
+    char link[128] = {};
+    const auto n = ::readlink(ns, link, sizeof link - 1);
+    id += "|";
+    if (n > 0) id.append(link, static_cast<std::size_t>(n));
+  }
+  return id;
+}
+
+/// A fixed-size record of text for Gloo's allgather and broadcast: a status
+/// byte, then text cut at `record_bytes` - 2.
+inline constexpr std::size_t shm_record_bytes = 256;
+inline void shm_put(std::uint8_t* record, char status, const std::string& text) {
+  std::memset(record, 0, shm_record_bytes);
+  record[0] = static_cast<std::uint8_t>(status);
+  std::memcpy(record + 1, text.data(), std::min(text.size(), shm_record_bytes - 2));
+}
+inline std::string shm_text_of(const std::uint8_t* record) {
+  const char* text = reinterpret_cast<const char*>(record + 1);
+  return std::string(text, ::strnlen(text, shm_record_bytes - 1));
+}
+
+/// Sets up s.shm over the freshly connected Gloo context, collectively (every
+/// rank calls it; all reach the same decision from the same allgathered
+/// records), and returns the describe() text. Throws config_error when a
+/// rank requires shared memory and it cannot be used.
+inline std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
+  if (s.size == 1) return "off (a world of one)";
+#if !DTRAIN_HAS_SHM()
+  if (mode == shm_mode::required) {
+    throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory) on rank " +
+                       std::to_string(s.rank) + ": this platform has no shared-memory path");
+  }
+  return "off (not on this platform)";
+#else
+  const auto ranks = static_cast<std::size_t>(s.size);
+  const auto everyone = [&](const std::uint8_t* own, std::vector<std::uint8_t>& into) {
+    into.assign(ranks * shm_record_bytes, 0);
+    gloo_run_allgather(s, buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
+                       buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
+  };
+  const auto record = [&](const std::vector<std::uint8_t>& records, int r) {
+    return records.data() + static_cast<std::size_t>(r) * shm_record_bytes;
+  };
+  std::uint8_t mine[shm_record_bytes];
+  std::vector<std::uint8_t> all;
+  // 1. Does every rank allow it, and run on this host?
+  shm_put(mine, static_cast<char>(mode), shm_host_identity());
+  everyone(mine, all);
+  int required_by = -1;
+  std::string why_not;
+  for (int r = 0; r < s.size; ++r) {
+    const auto m = static_cast<shm_mode>(record(all, r)[0]);
+    if (m == shm_mode::required && required_by < 0) required_by = r;
+    if (m == shm_mode::off && why_not.empty())
+      why_not =
+          "DTRAIN_GLOO_SHM=0 or gloo_options::shared_memory = false on rank " + std::to_string(r);
+  }
+  for (int r = 1; r < s.size && why_not.empty(); ++r) {
+    if (shm_text_of(record(all, r)) != shm_text_of(record(all, 0)))
+      why_not = "ranks 0 and " + std::to_string(r) + " run on different hosts";
+  }
+  // 2. Rank 0 makes the segment and tells the others its name, or why not.
+  if (why_not.empty()) {
+    if (s.rank == 0) {
+      try {
+        const std::string name = "/dtrain-gloo-" + new_store_token();
+        s.shm = shm_segment::create(name, s.size);
+        shm_put(mine, 'y', name);
+      } catch (const shm_failure& e) {
+        shm_put(mine, 'n', std::string("rank 0: ") + e.what());
+      }
+    }
+    gloo_run_broadcast(s, buffer{mine, shm_record_bytes, dtype::uint8}, 0, s.timeout);
+    if (mine[0] != 'y') why_not = shm_text_of(mine);
+  }
+  // 3. The others open it; every rank hears how each fared; rank 0 unlinks.
+  if (why_not.empty()) {
+    const std::string made = shm_text_of(mine);
+    std::uint8_t status[shm_record_bytes];
+    shm_put(status, 'y', "");
+    if (s.rank != 0) {
+      try {
+        s.shm = shm_segment::open(made, s.rank, s.size);
+      } catch (const shm_failure& e) {
+        shm_put(status, 'n', "rank " + std::to_string(s.rank) + ": " + e.what());
+      }
+    }
+    everyone(status, all);
+    if (s.rank == 0) shm_segment::unlink(made);
+    for (int r = 0; r < s.size && why_not.empty(); ++r) {
+      if (record(all, r)[0] != 'y') why_not = shm_text_of(record(all, r));
+    }
+  }
+  if (!why_not.empty()) {
+    s.shm = shm_segment{};
+    if (required_by >= 0) {
+      throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory = true) on rank " +
+                         std::to_string(required_by) +
+                         ", but shared memory cannot be used: " + why_not);
+    }
+    return "off (" + why_not + ")";
+  }
+  return "on (" + std::to_string(s.shm.bytes() >> 10) + " KiB segment, " +
+         std::to_string(s.shm.slot_bytes() >> 10) + " KiB slots)";
+#endif
+}
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -160,12 +304,13 @@ class gloo_communicator {
   }
 
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
-  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0".
+  /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0,
+  /// shared memory on (3076 KiB segment, 1024 KiB slots)", or "shared memory off (why)".
   [[nodiscard]] std::string describe() const {
     if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
     return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
            self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " +
-           self_->keys;
+           self_->keys + ", shared memory " + self_->state->shm_text;
   }
 
   /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
@@ -267,6 +412,7 @@ class gloo_communicator {
       throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
                          std::to_string(size));
     }
+    (void)detail::shm_mode_of(options);  // a bad DTRAIN_GLOO_SHM fails before the store counts
     auto endpoint =
         detail::choose_gloo_endpoint(options.interface, options.master_addr, options.env, size);
     // Every rank counts the communicators it made under this prefix, so the
@@ -288,6 +434,7 @@ class gloo_communicator {
     // with SIGPIPE blocked (threads inherit the mask); such a write then fails
     // with EPIPE, which Gloo reports as an error.
     detail::sigpipe_blocked quiet;
+    const detail::shm_mode shm = detail::shm_mode_of(options);  // DTRAIN_GLOO_SHM=bad fails here
     auto state = std::make_shared<detail::gloo_state>();
     state->rank = rank;
     state->size = size;
@@ -313,6 +460,7 @@ class gloo_communicator {
       // barrier proves it, and the addresses can leave the store.
       detail::gloo_run_barrier(*state, state->timeout);
       for (const auto& key : adapter.written()) store->erase(key);
+      state->shm_text = detail::gloo_join_shm(*state, shm);
     } catch (const timeout_error& e) {
       throw timeout_error(where + e.what());
     } catch (const rendezvous_error& e) {

@@ -9,6 +9,7 @@
 #include <dtrain/config.hpp>
 
 #include <dtrain/backend/communicator.hpp>
+#include <dtrain/backend/shm.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/error.hpp>
@@ -104,6 +105,10 @@ struct gloo_state {
   bool check = false;
   std::shared_ptr<::gloo::transport::Device> device;
   std::shared_ptr<::gloo::Context> context;
+#if DTRAIN_HAS_SHM()
+  shm_segment shm;  // valid: every rank runs on this host, and allreduces go through it
+#endif
+  std::string shm_text = "off";  // for describe(): "on (...)" or "off (why)"
 
   struct task {
     std::shared_ptr<gloo_work> work;
@@ -242,6 +247,15 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
     std::rethrow_exception(e);
   } catch (const error&) {
     return e;  // already dtrain's (a signature mismatch), with its context
+  } catch (const shm_failure& x) {
+    if (x.timed_out()) {
+      return std::make_exception_ptr(
+          timeout_error(what + " timed out (" + x.what() +
+                        "); a peer is slow, dead or called a different collective "
+                        "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
+    }
+    return std::make_exception_ptr(backend_error(
+        what + " failed (" + x.what() + "); look for the first error on the other ranks", 0));
   } catch (const std::exception& x) {
     message = x.what();
   } catch (...) {
@@ -264,9 +278,10 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
 }
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
-// of one never calls Gloo.
+// of one never calls Gloo. When every rank runs on this host, allreduces go
+// through the communicator's shared-memory segment (backend/shm.hpp) instead.
 
-/// Up to this many bytes an allreduce on 3 or more ranks uses Gloo's BCUBE
+/// Up to this many bytes an allreduce over TCP on 3 or more ranks uses Gloo's BCUBE
 /// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)
 /// sequential steps where the ring takes 2(n−1) (4 against 6 on 4 ranks; a
 /// direct exchange in 2 steps when n has no factor 2), with the same bytes
@@ -281,6 +296,13 @@ inline constexpr std::size_t gloo_bcube_max_bytes = std::size_t{1} << 20;
 template <element T>
 void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
                         std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.shm.valid()) {  // every rank on this host: no TCP (avg divides inside)
+    s.shm.allreduce(static_cast<const T*>(in.data), static_cast<T*>(out.data), out.count, op,
+                    timeout);
+    return;
+  }
+#endif
   if (s.size > 1) {
     ::gloo::AllreduceOptions opts(s.context);
     if (s.size > 2 && out.count > static_cast<std::size_t>(s.size) &&
@@ -335,7 +357,7 @@ inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
 // it). So this is an allreduce of the whole input into a scratch buffer and a
 // copy of this rank's block: correct, at twice the traffic of a real
 // reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
-// input-sized allocation.
+// input-sized allocation. On one host the allreduce goes through shared memory.
 template <element T>
 void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
                              std::chrono::milliseconds timeout) {
@@ -346,12 +368,8 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
     return;
   }
   std::vector<T> scratch(in.count);
-  ::gloo::AllreduceOptions opts(s.context);
-  opts.setInput(static_cast<T*>(in.data), in.count);
-  opts.setOutput(scratch.data(), scratch.size());
-  opts.setReduceFunction(gloo_reduce_function<T>(op));
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::allreduce(opts));
+  const reduce_op sum_op = op == reduce_op::avg ? reduce_op::sum : op;  // divide this block only
+  gloo_run_allreduce<T>(s, in, buffer{scratch.data(), scratch.size(), in.type}, sum_op, timeout);
   std::memcpy(out.data, scratch.data() + offset, n * sizeof(T));
   if (op == reduce_op::avg) divide_host(out, s.size);
 }
@@ -398,6 +416,9 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
   } catch (...) {
     failure = gloo_failure(std::current_exception(), t.work->description());
     s.mark_unusable(message_of(failure));
+#if DTRAIN_HAS_SHM()
+    s.shm.abandon(message_of(failure));  // peers waiting in the segment stop now
+#endif
   }
   t.work->finish(std::move(failure));
 }

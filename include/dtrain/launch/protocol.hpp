@@ -107,15 +107,15 @@ struct failure_record {
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
     return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
       failure_record f;
-      const std::int64_t status = r.i64("the exit status");
-      if (status < 0 || status > 255) {
-        throw wire::violation("the exit status " + std::to_string(status) + " is not in 0..255");
+      const std::int64_t code = r.i64("the exit status");
+      if (code < 0 || code > 255) {
+        throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
       }
-      f.status = static_cast<int>(status);
-      const std::uint8_t final = r.u8("the final flag");
-      if (final > 1)
-        throw wire::violation("the final flag is " + std::to_string(final) + ", not 0 or 1");
-      f.final = final == 1;
+      f.status = static_cast<int>(code);
+      const std::uint8_t flag = r.u8("the final flag");
+      if (flag > 1)
+        throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
+      f.final = flag == 1;
       f.message = r.bytes32("the message");
       return f;
     });
@@ -207,20 +207,20 @@ struct store_address {
     return wire::decode_value(
         "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
           store_address a;
-          const std::uint8_t ok = r.u8("the ok flag");
-          if (ok > 1)
-            throw wire::violation("the ok flag is " + std::to_string(ok) + ", not 0 or 1");
-          a.ok = ok == 1;
+          const std::uint8_t flag = r.u8("the ok flag");
+          if (flag > 1)
+            throw wire::violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
+          a.ok = flag == 1;
           if (!a.ok) {
             a.failure = r.bytes32("rank 0's error");
             return a;
           }
           a.host = r.bytes32("the host name");
-          const std::int64_t port = r.i64("the port");
-          if (port < 1 || port > 65535) {
-            throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
+          const std::int64_t number = r.i64("the port");
+          if (number < 1 || number > 65535) {
+            throw wire::violation("the port " + std::to_string(number) + " is not in 1..65535");
           }
-          a.port = static_cast<int>(port);
+          a.port = static_cast<int>(number);
           return a;
         });
   }

@@ -1,0 +1,456 @@
+#pragma once
+/// @file
+/// The same-host path of the Gloo communicator: an allreduce through one
+/// shared-memory segment that every rank of a communicator maps, for when all
+/// of them run on one host. Gloo has no shared-memory transport (NCCL and
+/// Open MPI have theirs), so between processes on one host it sends every
+/// byte through TCP over loopback, across the kernel twice per hop. Here each
+/// rank copies into its slot the parts of its input that the others reduce,
+/// reduces its own part over every rank's data (in rank order) into the
+/// result slot and its output, and copies the others' parts of the result
+/// out: about two passes over memory, and two waits for the slowest rank.
+///
+/// The segment (shm_open) is made by rank 0 under a random name with mode
+/// 0600 and is unlinked once every rank has opened it (backend/gloo.hpp runs
+/// that over Gloo); its size is fixed when it is made: (ranks + 1) slots of
+/// shm_slot_bytes(ranks). Ranks wait for each other on futexes, never by
+/// spinning for long. Every rank holds a lock on one byte of the segment's
+/// file while it lives, which the kernel drops when the process dies: so a
+/// waiting rank tells a dead peer from a slow one (and, unlike a pid, in any
+/// pid namespace). A rank that gives up (timeout, dead peer) says so in the
+/// segment, and the others stop waiting at once. Linux only; this header
+/// needs neither Gloo nor MPI, so the unit tests run it between forked
+/// processes.
+
+#include <dtrain/config.hpp>
+
+#include <dtrain/backend/types.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#define DTRAIN_HAS_SHM() 1
+#else
+#define DTRAIN_HAS_SHM() 0
+#endif
+
+namespace dtrain::detail {
+
+/// A failure on the shared-memory path: a peer that died, gave up or did not
+/// come within the timeout (`timed_out`), or a segment that cannot be made.
+class shm_failure : public std::runtime_error {
+ public:
+  shm_failure(const std::string& what, bool timed_out)
+      : std::runtime_error(what), timed_out_(timed_out) {}
+  [[nodiscard]] bool timed_out() const noexcept { return timed_out_; }
+
+ private:
+  bool timed_out_;
+};
+
+/// The bytes of one slot for a group of `ranks`: 1 MiB, less when the
+/// (ranks + 1) slots would pass 16 MiB (so 15 ranks or more), never below
+/// 4 KiB. A larger allreduce runs as a sequence of slot-sized chunks.
+[[nodiscard]] constexpr std::size_t shm_slot_bytes(int ranks) noexcept {
+  constexpr std::size_t most = std::size_t{1} << 20;
+  constexpr std::size_t budget = std::size_t{16} << 20;
+  constexpr std::size_t page = 4096;
+  const std::size_t share = budget / (static_cast<std::size_t>(ranks < 1 ? 1 : ranks) + 1);
+  const std::size_t slot = share < most ? share / page * page : most;
+  return slot < page ? page : slot;
+}
+
+/// Calls `loop(f)` with f(x, y) the element-wise `op` on T (avg as sum), so
+/// that the op is chosen once per call, not per element.
+template <element T, class Loop>
+void shm_with_op(reduce_op op, Loop&& loop) {
+  switch (op) {
+    case reduce_op::min: loop([](T x, T y) { return y < x ? y : x; }); break;
+    case reduce_op::max: loop([](T x, T y) { return x < y ? y : x; }); break;
+    case reduce_op::prod: loop([](T x, T y) { return static_cast<T>(x * y); }); break;
+    case reduce_op::sum:
+    case reduce_op::avg: loop([](T x, T y) { return static_cast<T>(x + y); }); break;
+  }
+}
+
+/// `out` = `a` op `b`, element-wise (avg as sum), over three distinct
+/// buffers, in blocks of 16 elements, which GCC and Clang vectorise at -O2.
+template <element T>
+void shm_combine(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n,
+                 reduce_op op) noexcept {
+  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+    std::memcpy(out, a, n * sizeof(T));
+    reduce_host(out, b, n, op);
+  } else {
+    shm_with_op<T>(op, [&](auto f) {
+      std::size_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        for (std::size_t j = 0; j < 16; ++j) out[i + j] = f(a[i + j], b[i + j]);
+      }
+      for (; i < n; ++i) out[i] = f(a[i], b[i]);
+    });
+  }
+}
+
+/// `inout` op= `in`, element-wise (avg as sum), as shm_combine.
+template <element T>
+void shm_reduce(T* __restrict inout, const T* __restrict in, std::size_t n, reduce_op op) noexcept {
+  if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
+    reduce_host(inout, in, n, op);
+  } else {
+    shm_with_op<T>(op, [&](auto f) {
+      std::size_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        for (std::size_t j = 0; j < 16; ++j) inout[i + j] = f(inout[i + j], in[i + j]);
+      }
+      for (; i < n; ++i) inout[i] = f(inout[i], in[i]);
+    });
+  }
+}
+
+#if DTRAIN_HAS_SHM()
+
+/// One mapped segment, as one rank of the group sees it. Move-only; unmaps,
+/// closes (dropping this rank's lock) and never unlinks on destruction.
+class shm_segment {
+ public:
+  static constexpr std::uint64_t magic = 0x31'6d'68'73'6e'72'74'64ULL;  // "dtrnshm1"
+
+  shm_segment() = default;
+  shm_segment(shm_segment&& o) noexcept { swap(o); }
+  shm_segment& operator=(shm_segment&& o) noexcept {
+    shm_segment(std::move(o)).swap(*this);
+    return *this;
+  }
+  shm_segment(const shm_segment&) = delete;
+  shm_segment& operator=(const shm_segment&) = delete;
+  ~shm_segment() {
+    if (base_) ::munmap(base_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  /// Rank 0: makes the segment `name` ("/dtrain-..."), which must not exist,
+  /// for `size` ranks. Throws shm_failure (not timed out) saying which call failed.
+  static shm_segment create(const std::string& name, int size) {
+    shm_segment s;
+    s.rank_ = 0;
+    s.size_ = size;
+    s.slot_ = shm_slot_bytes(size);
+    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, S_IRUSR | S_IWUSR);
+    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_CREAT | O_EXCL, 0600)");
+    try {
+      // Reserve every page now: a tmpfs that is full (a container's 64 MiB
+      // /dev/shm) fails here, not with SIGBUS on a later write.
+      if (const int e = ::posix_fallocate(s.fd_, 0, static_cast<off_t>(s.bytes_)); e != 0) {
+        errno = e;
+        fail_call("posix_fallocate(" + name + ", " + std::to_string(s.bytes_) + " bytes)");
+      }
+      s.map(name);
+      auto* c = new (s.base_) control{};
+      c->size = static_cast<std::uint32_t>(size);
+      c->slot_bytes = s.slot_;
+      for (int r = 0; r < size; ++r) new (&s.flags(r)) rank_flags{};
+      c->magic = magic;  // last: a segment with the magic is complete
+      s.lock_own_byte(name);
+    } catch (...) {
+      unlink(name);  // nothing of a segment that failed stays behind
+      throw;
+    }
+    return s;
+  }
+
+  /// Every other rank: opens the segment rank 0 made and checks that it was
+  /// made for `size` ranks. Throws shm_failure (not timed out).
+  static shm_segment open(const std::string& name, int rank, int size) {
+    shm_segment s;
+    s.rank_ = rank;
+    s.size_ = size;
+    s.slot_ = shm_slot_bytes(size);
+    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_RDWR)");
+    struct stat st {};
+    if (::fstat(s.fd_, &st) != 0) fail_call("fstat(" + name + ")");
+    if (static_cast<std::size_t>(st.st_size) != s.bytes_) {
+      throw shm_failure("segment " + name + " holds " + std::to_string(st.st_size) +
+                            " bytes, not the " + std::to_string(s.bytes_) + " of a group of " +
+                            std::to_string(size),
+                        false);
+    }
+    s.map(name);
+    const control& c = s.head();
+    if (c.magic != magic || c.size != static_cast<std::uint32_t>(size) || c.slot_bytes != s.slot_) {
+      throw shm_failure(
+          "segment " + name + " was not made by dtrain for a group of " + std::to_string(size),
+          false);
+    }
+    s.lock_own_byte(name);
+    return s;
+  }
+
+  /// Removes the name (every rank keeps its mapping). Rank 0, once all have opened it.
+  static void unlink(const std::string& name) noexcept { ::shm_unlink(name.c_str()); }
+
+  [[nodiscard]] bool valid() const noexcept { return base_ != nullptr; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_; }
+
+  /// `out` (count elements) becomes the reduction of every rank's `in` (in
+  /// place when they are the same). Every rank of the group must call it with
+  /// the same count, type and op, in the same order among its allreduces. avg
+  /// sums, then divides each element once by the group's size. The result is
+  /// the same bits on every rank: element i is reduced by one rank, in rank
+  /// order. Throws shm_failure: timed out when a peer did not come within
+  /// `timeout` (for the whole call), not timed out when one died or gave up.
+  /// Either way the segment is then unusable, and so are the peers' copies.
+  template <element T>
+  void allreduce(const T* in, T* out, std::size_t count, reduce_op op,
+                 std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const std::size_t chunk = slot_ / sizeof(T);
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const std::size_t chunks = (count + chunk - 1) / chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * chunk;
+      const std::size_t n = count - offset < chunk ? count - offset : chunk;
+      const std::uint32_t k = ++chunk_;
+      // This rank reduces elements [lo, hi) of the chunk; the others, the rest.
+      const std::size_t lo = n * me / ranks, hi = n * (me + 1) / ranks;
+      const T* own = in + offset;
+      // 1. The parts the others reduce, into this rank's slot (its own part
+      //    it reads where it is). Every rank finished reading the slots of
+      //    the previous chunk before it announced that chunk reduced.
+      std::memcpy(slot<T>(me), own, lo * sizeof(T));
+      std::memcpy(slot<T>(me) + hi, own + hi, (n - hi) * sizeof(T));
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. This rank's part, over every rank's data in rank order, into the
+      //    result slot and into `out` (in place too: nobody reads this part
+      //    of `in` after this). Every rank finished copying the previous
+      //    chunk's result out before it announced this chunk's input.
+      if (hi > lo) {
+        const auto from = [&](std::size_t q) { return (q == me ? own : slot<T>(q)) + lo; };
+        T* result = slot<T>(ranks) + lo;
+        shm_combine(result, from(0), from(1), hi - lo, op);
+        for (std::size_t q = 2; q < ranks; ++q) shm_reduce(result, from(q), hi - lo, op);
+        if (op == reduce_op::avg) divide_host(buffer{result, hi - lo, dtype_of<T>}, size_);
+        std::memcpy(out + offset + lo, result, (hi - lo) * sizeof(T));
+      }
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "reduce", c, chunks);
+      // 3. The other ranks' parts of the result out.
+      std::memcpy(out + offset, slot<T>(ranks), lo * sizeof(T));
+      std::memcpy(out + offset + hi, slot<T>(ranks) + hi, (n - hi) * sizeof(T));
+    }
+  }
+
+  /// Tells the peers that this rank gave up, and `why`, waking any that wait.
+  /// The first rank to give up is the one they name.
+  void abandon(std::string_view why = {}) noexcept {
+    if (!base_) return;
+    control& c = head();
+    if (c.claimed.exchange(1) == 0) {
+      const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
+      std::memcpy(c.why, why.data(), n);
+      c.why[n] = '\0';
+      c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
+    }
+    for (int r = 0; r < size_; ++r) {
+      wake(flags(r).arrived);
+      wake(flags(r).reduced);
+    }
+  }
+
+ private:
+  /// A futex word and the count of ranks sleeping on it (so that a rank that
+  /// announces progress makes a system call only when someone sleeps).
+  struct alignas(64) flag {
+    std::atomic<std::uint32_t> value{0};
+    std::atomic<std::uint32_t> sleepers{0};
+  };
+  /// One rank's progress: the last chunk it copied in, and the last it reduced.
+  struct rank_flags {
+    flag arrived;
+    flag reduced;
+  };
+  struct alignas(64) control {
+    std::uint64_t magic = 0;
+    std::uint64_t slot_bytes = 0;
+    std::uint32_t size = 0;
+    std::atomic<std::uint32_t> claimed{0};       // 1 once a rank gives up
+    std::atomic<std::uint32_t> abandoned_by{0};  // then 1 + that rank, once `why` is written
+    char why[240] = {};
+  };
+  static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
+                std::atomic<std::uint32_t>::is_always_lock_free);
+
+  static constexpr std::size_t data_offset(int size) noexcept {
+    const std::size_t end = sizeof(control) + static_cast<std::size_t>(size) * sizeof(rank_flags);
+    return (end + 4095) / 4096 * 4096;
+  }
+
+  [[noreturn]] static void fail_call(const std::string& call) {
+    throw shm_failure(call + ": " + std::strerror(errno), false);
+  }
+
+  void map(const std::string& name) {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) fail_call("mmap(" + name + ")");
+    base_ = p;
+  }
+
+  // An open-file-description lock on byte `rank` of the file: it lives as
+  // long as this mapping's descriptor, and no longer than the process.
+  void lock_own_byte(const std::string& name) {
+    struct flock l {};
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    l.l_start = rank_;
+    l.l_len = 1;
+    if (::fcntl(fd_, F_OFD_SETLK, &l) != 0) fail_call("fcntl(" + name + ", F_OFD_SETLK)");
+  }
+
+  // False only when the peer's lock is gone: it exited. True when unsure.
+  [[nodiscard]] bool alive(int peer) const noexcept {
+    struct flock l {};
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    l.l_start = peer;
+    l.l_len = 1;
+    if (::fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
+    return l.l_type != F_UNLCK;
+  }
+
+  [[nodiscard]] control& head() const noexcept {
+    return *std::launder(static_cast<control*>(base_));
+  }
+  [[nodiscard]] rank_flags& flags(int r) const noexcept {
+    auto* p = static_cast<unsigned char*>(base_) + sizeof(control) +
+              static_cast<std::size_t>(r) * sizeof(rank_flags);
+    return *std::launder(reinterpret_cast<rank_flags*>(p));
+  }
+  // Slot q of the ranks; slot `size` is the result.
+  template <class T>
+  [[nodiscard]] T* slot(std::size_t q) const noexcept {
+    return reinterpret_cast<T*>(static_cast<unsigned char*>(base_) + data_offset(size_) +
+                                q * slot_);
+  }
+
+  static long futex(std::atomic<std::uint32_t>& word, int op, std::uint32_t value,
+                    const timespec* wait) noexcept {
+    return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, wait, nullptr,
+                     0);
+  }
+  static void wake(flag& f) noexcept {
+    futex(f.value, FUTEX_WAKE, static_cast<std::uint32_t>(INT_MAX), nullptr);
+  }
+  static void publish(flag& f, std::uint32_t k) noexcept {
+    f.value.store(k, std::memory_order_seq_cst);
+    if (f.sleepers.load(std::memory_order_seq_cst) != 0) wake(f);
+  }
+  static bool reached(std::uint32_t value, std::uint32_t k) noexcept {
+    return static_cast<std::int32_t>(value - k) >= 0;  // counts wrap after 2^32 chunks
+  }
+
+  // Waits until every rank's `which` reached chunk k: spins briefly (the peer
+  // is often on another core, a few microseconds away), then sleeps on the
+  // futex in slices, checking between them for a peer that gave up or died
+  // and for the deadline.
+  void wait_all(flag rank_flags::*which, std::uint32_t k,
+                std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                const char* phase, std::size_t c, std::size_t chunks) {
+    for (int q = 0; q < size_; ++q) {
+      flag& f = flags(q).*which;
+      for (int spin = 0; spin < 256 && !reached(f.value.load(std::memory_order_acquire), k);
+           ++spin) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+      }
+      while (!reached(f.value.load(std::memory_order_acquire), k)) {
+        // The rank waited for first: its death is the cause, another's giving up a consequence.
+        if (!alive(q)) {
+          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                            " exited or closed its communicator (its lock on the segment is "
+                            "gone)";
+          abandon(why);
+          throw shm_failure(why, false);
+        }
+        if (const std::uint32_t by = head().abandoned_by.load(std::memory_order_acquire); by != 0) {
+          const char* why = head().why;
+          throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
+                                std::string(why, ::strnlen(why, sizeof head().why)),
+                            false);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= deadline) {
+          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                            " did not come within the timeout (" + std::to_string(timeout.count()) +
+                            " ms): timed out";
+          abandon(why);
+          throw shm_failure(why, true);
+        }
+        const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+        const auto slice = left < std::chrono::milliseconds(20)
+                               ? left
+                               : std::chrono::nanoseconds(std::chrono::milliseconds(20));
+        const timespec wait{static_cast<time_t>(slice.count() / 1'000'000'000),
+                            static_cast<long>(slice.count() % 1'000'000'000)};
+        f.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        const std::uint32_t seen = f.value.load(std::memory_order_seq_cst);
+        if (!reached(seen, k)) futex(f.value, FUTEX_WAIT, seen, &wait);
+        f.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      }
+    }
+  }
+
+  [[nodiscard]] std::string where(int q, const char* phase, std::size_t c,
+                                  std::size_t chunks) const {
+    return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+           " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
+           std::to_string(c + 1) + " of " + std::to_string(chunks);
+  }
+
+  void swap(shm_segment& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(slot_, o.slot_);
+    std::swap(fd_, o.fd_);
+    std::swap(rank_, o.rank_);
+    std::swap(size_, o.size_);
+    std::swap(chunk_, o.chunk_);
+  }
+
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::size_t slot_ = 0;
+  int fd_ = -1;
+  int rank_ = 0;
+  int size_ = 1;
+  std::uint32_t chunk_ = 0;  // chunks this rank has run: the same count on every rank
+};
+
+#endif  // DTRAIN_HAS_SHM()
+
+}  // namespace dtrain::detail
