@@ -275,6 +275,16 @@ TEST_CASE(
   CHECK_MESSAGE(abandoned.find("rank 1 gave up on this allreduce") != std::string::npos, abandoned);
 }
 
+TEST_CASE("shm: a group of one copies") {
+  const std::string name = fresh_name();
+  shm_segment alone = shm_segment::create(name, 1);
+  shm_segment::unlink(name);
+  const std::vector<float> in{1.0f, 2.0f, 3.0f};
+  std::vector<float> out(3, 0.0f);
+  alone.allreduce(in.data(), out.data(), in.size(), reduce_op::avg, 1s);
+  CHECK(out == in);
+}
+
 TEST_CASE("shm: a name that exists, or a segment of another size, is refused") {
   const std::string name = fresh_name();
   shm_segment made = shm_segment::create(name, 3);
