@@ -5,6 +5,8 @@
 
 #include "support.hpp"
 
+#include "../engines/collective_suite.hpp"
+
 #if DTRAIN_HAS_SHM()
 
 #include <chrono>
@@ -87,28 +89,12 @@ struct group {
   }
 };
 
+// Rank r's element i, and its value as a double: the engines' collective suite's.
 template <dtrain::element T>
 T value(reduce_op op, int rank, std::size_t i) {
-  double v = op == reduce_op::prod
-                 ? 1.0 + static_cast<double>((static_cast<std::size_t>(rank) + i) % 2)
-             : op == reduce_op::min || op == reduce_op::max
-                 ? static_cast<double>((static_cast<std::size_t>(rank) * 3 + i) % 7)
-                 : static_cast<double>(rank + 1) + static_cast<double>(i % 5);
-  if constexpr (std::same_as<T, dtrain::float16> || std::same_as<T, dtrain::bfloat16>) {
-    return T(static_cast<float>(v));
-  } else {
-    return static_cast<T>(v);
-  }
+  return dtrain_test::make<T>(dtrain_test::input_value(op, rank, i));
 }
-
-template <dtrain::element T>
-double as_double(T v) {
-  if constexpr (std::same_as<T, dtrain::float16> || std::same_as<T, dtrain::bfloat16>) {
-    return static_cast<double>(static_cast<float>(v));
-  } else {
-    return static_cast<double>(v);
-  }
-}
+using dtrain_test::value_of;
 
 // 0 when every element of every op is right, in place and out of place.
 template <dtrain::element T>
@@ -123,22 +109,14 @@ int check_type(shm_segment& s, int rank, int size, const std::vector<std::size_t
       s.allreduce(in.data(), out.data(), n, op, 10s);
       s.allreduce(place.data(), place.data(), n, op, 10s);
       for (std::size_t i = 0; i < n; ++i) {
-        double want = as_double(value<T>(op, 0, i));
-        for (int r = 1; r < size; ++r) {
-          const double v = as_double(value<T>(op, r, i));
-          want = op == reduce_op::min    ? std::min(want, v)
-                 : op == reduce_op::max  ? std::max(want, v)
-                 : op == reduce_op::prod ? want * v
-                                         : want + v;
-        }
-        if (op == reduce_op::avg) want /= size;
+        const double want = dtrain_test::reduce_serial(op, size, i);
         const double tolerance = op == reduce_op::avg ? 1e-2 * std::max(1.0, want) : 0.0;
-        if (std::abs(as_double(out[i]) - want) > tolerance ||
-            std::abs(as_double(place[i]) - want) > tolerance ||
-            as_double(in[i]) != as_double(value<T>(op, rank, i))) {
+        if (std::abs(value_of(out[i]) - want) > tolerance ||
+            std::abs(value_of(place[i]) - want) > tolerance ||
+            value_of(in[i]) != value_of(value<T>(op, rank, i))) {
           std::fprintf(stderr, "rank %d: %s %s, %zu elements: element %zu is %g / %g, want %g\n",
                        rank, dtrain::to_string(dtrain::dtype_of<T>).data(),
-                       dtrain::to_string(op).data(), n, i, as_double(out[i]), as_double(place[i]),
+                       dtrain::to_string(op).data(), n, i, value_of(out[i]), value_of(place[i]),
                        want);
           return 1;
         }
