@@ -101,16 +101,17 @@ class command_line {
     return value;
   }
 
-  /// Reads argv into `s`. A flag that is not a shared one goes to
-  /// own(flag, value), which returns whether it took the flag; value() reads
-  /// the flag's value (`--flag=V` or the next argument; exits 2 when missing).
-  template <class Own>
-  void parse(int argc, char** argv, settings& s, Own own) const {
+  /// Walks argv: `--help` / `-h` prints `usage` and exits 0; a launcher's
+  /// `--local_rank` is skipped; every other flag goes to handle(flag, value,
+  /// arg), which returns whether it took the flag (otherwise: exit 2, naming
+  /// it). value() reads the flag's value (`--flag=V` or the next argument;
+  /// exits 2 when missing).
+  template <class Handle>
+  void each_flag(int argc, char** argv, const std::string& usage, Handle handle) const {
     for (int i = 1; i < argc; ++i) {
       std::string_view arg = argv[i];
       if (arg == "--help" || arg == "-h") {
-        std::printf("usage: %s%s%s\n%s%s", program_.data(), shared_synopsis, synopsis_,
-                    shared_options, options_);
+        std::printf("%s", usage.c_str());
         std::exit(0);
       }
       // A launcher's --local_rank=N / --local-rank N is for dtrain's world discovery.
@@ -131,6 +132,18 @@ class command_line {
         if (i + 1 >= argc) bad_flag(std::string(flag) + " needs a value");
         return argv[++i];
       };
+      if (!handle(flag, value)) bad_flag("unknown flag " + std::string(arg));
+    }
+  }
+
+  /// Reads argv into `s`. A flag that is not a shared one goes to
+  /// own(flag, value), which returns whether it took the flag; value() reads
+  /// the flag's value (`--flag=V` or the next argument; exits 2 when missing).
+  template <class Own>
+  void parse(int argc, char** argv, settings& s, Own own) const {
+    const std::string usage = "usage: " + std::string(program_) + shared_synopsis + synopsis_ +
+                              "\n" + shared_options + options_;
+    each_flag(argc, argv, usage, [&](std::string_view flag, auto& value) {
       if (flag == "--epochs") {
         s.epochs = number<std::size_t>(flag, value(), 1);
       } else if (flag == "--batch-size") {
@@ -151,10 +164,11 @@ class command_line {
         s.hidden = number<std::size_t>(flag, value(), 1);
       } else if (flag == "--depth") {
         s.depth = number<std::size_t>(flag, value(), 1);
-      } else if (!own(flag, value)) {
-        bad_flag("unknown flag " + std::string(arg));
+      } else {
+        return own(flag, value);
       }
-    }
+      return true;
+    });
     if (s.momentum >= 1.0) {
       bad_flag("--momentum " + std::to_string(s.momentum) + ": must be below 1");
     }

@@ -4071,6 +4071,48 @@ class sigpipe_blocked {
   sigset_t previous_{};
 };
 
+/// The file mapped at `address` in this process (/proc/self/maps), or empty.
+inline std::string mapped_file_of(const void* address) {
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (!maps) return {};
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  std::string found;
+  char line[4096];
+  while (found.empty() && std::fgets(line, sizeof line, maps)) {
+    unsigned long long begin = 0, end = 0;
+    int path_at = 0;
+    if (std::sscanf(line, "%llx-%llx %*s %*s %*s %*s %n", &begin, &end, &path_at) < 2) continue;
+    if (at < begin || at >= end || path_at <= 0) continue;
+    found = line + path_at;
+    while (!found.empty() && (found.back() == '\n' || found.back() == ' ')) found.pop_back();
+  }
+  std::fclose(maps);
+  return found;
+}
+
+/// Refuses, naming the library, a process where Gloo's functions resolve to
+/// a LibTorch's own copy of Gloo (pytorch.org's and PyPI's LibTorch export
+/// one) rather than to the libgloo whose headers dtrain was compiled
+/// against: another version, whose calls crash. It happens when LibTorch
+/// comes before libgloo on the link line.
+inline void check_gloo_library(int rank) {
+  using create_device =
+      std::shared_ptr<::gloo::transport::Device> (*)(const ::gloo::transport::tcp::attr&);
+  const create_device create = &::gloo::transport::tcp::CreateDevice;
+  const void* code = nullptr;
+  std::memcpy(&code, &create, sizeof code);
+  const std::string file = mapped_file_of(code);
+  const std::string base = file.substr(file.find_last_of('/') + 1);
+  if (!base.starts_with("libtorch")) return;
+  throw config_error(
+      "gloo_communicator on rank " + std::to_string(rank) + ": Gloo's functions resolve to " +
+      file +
+      ", the copy of Gloo inside LibTorch, not to the libgloo dtrain was compiled against "
+      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: list "
+      "dtrain::gloo before the torch libraries), or use dtrain's MPI or NCCL engine with this "
+      "LibTorch");
+}
+
 /// Whether a communicator may use shared memory: off, where it can, or required.
 enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
 
@@ -4410,6 +4452,7 @@ class gloo_communicator {
     // with SIGPIPE blocked (threads inherit the mask); such a write then fails
     // with EPIPE, which Gloo reports as an error.
     detail::sigpipe_blocked quiet;
+    detail::check_gloo_library(rank);
     const detail::shm_mode shm = detail::shm_mode_of(options);  // DTRAIN_GLOO_SHM=bad fails here
     auto state = std::make_shared<detail::gloo_state>();
     state->rank = rank;
@@ -13761,8 +13804,10 @@ concept ddp_context = requires(C& c) {
 /// Per step: mark each parameter ready (mark_ready) as soon as its gradient
 /// is final, or all at once after the backward pass (mark_all_ready), then
 /// synchronize(); gradients then hold the mean over ranks. Not thread-safe:
-/// call it from the training thread. Between mark_ready and synchronize() a
-/// gradient belongs to dtrain: do not touch it.
+/// call it from one thread at a time. Another thread may call mark_ready
+/// while the training thread waits for it (autograd's hooks during
+/// backward(), as dtrain/torch.hpp does), but never two at once. Between
+/// mark_ready and synchronize() a gradient belongs to dtrain: do not touch it.
 template <class Policy>
 class basic_ddp {
  public:

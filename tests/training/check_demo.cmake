@@ -1,7 +1,7 @@
 # Runs the training demo briefly and checks what a user would look at: the
 # exit status, a line per epoch, and rank 0's verdict on the ranks' weights.
 #
-#   cmake -DCASE=<gloo|mpi|bad_flag|cuda_vs_cpu> -DTRAIN=<dtrain_train_mlp or dtrain_train_mlp_mpi>
+#   cmake -DCASE=<gloo|torch|mpi|bad_flag|cuda_vs_cpu> -DTRAIN=<dtrain_train_mlp or dtrain_train_mlp_mpi>
 #         [-DMPIEXEC=<mpiexec> -DMPIEXEC_ARGS=<args before the program, |-separated>]
 #         [-DTRAIN_CUDA=<dtrain_train_mlp_cuda> (CASE cuda_vs_cpu)]
 #         -P check_demo.cmake
@@ -33,6 +33,11 @@ if(CASE STREQUAL "gloo")
   set(command "${TRAIN}" --nproc-per-node 4 ${small})
   set(expected 0 "epoch 1/2 .*samples/s" "epoch 2/2 .*samples/s"
                "all 4 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+elseif(CASE STREQUAL "torch")
+  # dtrain_train_torch (examples/train_torch.cpp): the same lines as the MLP demo.
+  set(command "${TRAIN}" --nproc-per-node 4 ${small})
+  set(expected 0 "training a CNN .* 4 ranks x batch" "epoch 1/2 .*samples/s"
+               "epoch 2/2 .*samples/s" "all 4 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
 elseif(CASE STREQUAL "mpi")
   string(REPLACE "|" ";" mpiexec_args "${MPIEXEC_ARGS}")
   set(command "${MPIEXEC}" ${mpiexec_args} "${TRAIN}" ${small})

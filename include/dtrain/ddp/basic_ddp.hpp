@@ -74,8 +74,10 @@ concept ddp_context = requires(C& c) {
 /// Per step: mark each parameter ready (mark_ready) as soon as its gradient
 /// is final, or all at once after the backward pass (mark_all_ready), then
 /// synchronize(); gradients then hold the mean over ranks. Not thread-safe:
-/// call it from the training thread. Between mark_ready and synchronize() a
-/// gradient belongs to dtrain: do not touch it.
+/// call it from one thread at a time. Another thread may call mark_ready
+/// while the training thread waits for it (autograd's hooks during
+/// backward(), as dtrain/torch.hpp does), but never two at once. Between
+/// mark_ready and synchronize() a gradient belongs to dtrain: do not touch it.
 template <class Policy>
 class basic_ddp {
  public:

@@ -1,0 +1,240 @@
+// bench/torch_ddp: the step time of the LibTorch CNN of dtrain_train_torch
+// (examples/torch_cnn.hpp) with dtrain::torch::DistributedDataParallel,
+// against the same loop with one blocking allreduce of every gradient after
+// backward() (what LibTorch's C++ examples do today), per rank count.
+//
+//   build/bench/torch_ddp [--ranks 1,2,4] [options]
+//
+// For each rank count the program starts itself as a node agent with that
+// many Gloo workers. In each run the two loops alternate, in rounds of
+// --steps steps after --warmup steps each; a round's figure is the slowest
+// rank's mean step (forward, backward, the averaging, the optimizer step), and
+// the table shows the median over --rounds rounds. ratio = blocking / dtrain:
+// above 1, dtrain's step is faster. Goal: at least 1.3 at 4 ranks. Both loops
+// use the same engine (dtrain's Gloo communicator), so the ratio is what
+// buckets and overlap buy. Timings never fail the run.
+//
+// A third loop, the same without any allreduce, gives the compute alone; the
+// communication's share of a step is (step - compute) / step.
+//
+// Options (the defaults are the example's): --ranks LIST (1,2,4),
+// --batch-size N (32, per rank), --channels N (16), --hidden N (128: a
+// 256 x N fully connected layer, the bulk of the gradients), --steps N (10),
+// --warmup N (3), --rounds N (5), --bucket-cap-mb MB (0.25),
+// --first-bucket-cap-mb MB (0.05).
+// Internal: --nproc-per-node N runs one rank count and prints its row.
+
+#include "torch_cnn.hpp"
+
+#include <dtrain/torch.hpp>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+using Policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>;
+
+struct settings {
+  std::vector<int> ranks{1, 2, 4};
+  int nproc_per_node = 0;  // 0: the driver, which runs each rank count
+  std::int64_t batch_size = 32;
+  std::int64_t channels = 16;
+  std::int64_t hidden = 128;
+  int steps = 10;
+  int warmup = 3;
+  int rounds = 5;
+  double bucket_cap_mb = 0.25;  // the example's caps
+  double first_bucket_cap_mb = 0.05;
+};
+
+[[noreturn]] void bad_flag(const std::string& message) {
+  std::fprintf(stderr, "dtrain_bench_torch_ddp: %s\n", message.c_str());
+  std::exit(dtrain::config_error_exit_status);
+}
+
+double number(std::string_view flag, const char* text, double least) {
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(v >= least)) {
+    bad_flag(std::string(flag) + " " + text + ": expected a number of at least " +
+             std::to_string(least));
+  }
+  return v;
+}
+
+settings parse(int argc, char** argv) {
+  settings s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    if (i + 1 >= argc) bad_flag(std::string(flag) + ": unknown flag, or it needs a value");
+    const char* value = argv[++i];
+    if (flag == "--ranks") {
+      s.ranks.clear();
+      std::string list = value;
+      for (std::size_t at = 0; at <= list.size();) {
+        const std::size_t comma = std::min(list.find(',', at), list.size());
+        s.ranks.push_back(static_cast<int>(number(flag, list.substr(at, comma - at).c_str(), 1)));
+        at = comma + 1;
+      }
+    } else if (flag == "--nproc-per-node") {
+      s.nproc_per_node = static_cast<int>(number(flag, value, 1));
+    } else if (flag == "--batch-size") {
+      s.batch_size = static_cast<std::int64_t>(number(flag, value, 1));
+    } else if (flag == "--channels") {
+      s.channels = static_cast<std::int64_t>(number(flag, value, 2));
+    } else if (flag == "--hidden") {
+      s.hidden = static_cast<std::int64_t>(number(flag, value, 1));
+    } else if (flag == "--steps") {
+      s.steps = static_cast<int>(number(flag, value, 1));
+    } else if (flag == "--warmup") {
+      s.warmup = static_cast<int>(number(flag, value, 0));
+    } else if (flag == "--rounds") {
+      s.rounds = static_cast<int>(number(flag, value, 1));
+    } else if (flag == "--bucket-cap-mb") {
+      s.bucket_cap_mb = number(flag, value, 0);
+    } else if (flag == "--first-bucket-cap-mb") {
+      s.first_bucket_cap_mb = number(flag, value, 0);
+    } else {
+      bad_flag("unknown flag " + std::string(flag));
+    }
+  }
+  return s;
+}
+
+// One rank count: both loops, alternating; rank 0 prints one row.
+int measure(dtrain::context<Policy>& ctx, const settings& s) {
+  torch::set_num_threads(1);
+  const cnn::images data = cnn::generate(static_cast<std::size_t>(s.batch_size) * 8, 1);
+  torch::manual_seed(1);
+  cnn::Cnn model(s.channels, s.hidden);
+  auto ddp = dtrain::torch::DistributedDataParallel(
+      ctx, model, {.bucket_cap_mb = s.bucket_cap_mb, .first_bucket_cap_mb = s.first_bucket_cap_mb});
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  // The baseline trains a model of its own, not wrapped, from the same start.
+  torch::manual_seed(1);
+  cnn::Cnn plain(s.channels, s.hidden);
+  torch::optim::SGD plain_optimizer(plain->parameters(),
+                                    torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto& comm = ctx.communicator();
+  std::int64_t at = 0;
+  auto batch = [&] {
+    at = (at + 1) % 8;
+    return std::pair{data.x.narrow(0, at * s.batch_size, s.batch_size),
+                     data.y.narrow(0, at * s.batch_size, s.batch_size)};
+  };
+  auto dtrain_step = [&] {
+    const auto [x, y] = batch();
+    torch::nn::functional::cross_entropy(ddp(x), y).backward();
+    ddp.synchronize();
+    optimizer.step();
+    ddp.zero_grad();
+  };
+  auto blocking_step = [&](bool communicate) {
+    const auto [x, y] = batch();
+    torch::nn::functional::cross_entropy(plain->forward(x), y).backward();
+    // What the C++ examples do: after backward(), one waited allreduce per gradient.
+    for (const torch::Tensor& p : plain->parameters()) {
+      if (!communicate) break;
+      const torch::Tensor g = p.grad();
+      dtrain::buffer b{g.data_ptr(), static_cast<std::size_t>(g.numel()), dtrain::dtype::float32,
+                       dtrain::memory::host};
+      comm.allreduce(b, b, dtrain::reduce_op::avg).wait();
+    }
+    plain_optimizer.step();
+    plain_optimizer.zero_grad();
+  };
+  auto round = [&](auto step) {
+    ctx.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < s.steps; ++i) step();
+    std::array<double, 1> mean{
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+            .count() /
+        s.steps};
+    dtrain::allreduce(comm, mean, dtrain::reduce_op::max).wait();
+    return mean[0];
+  };
+  auto blocking = [&] { blocking_step(true); };
+  auto compute_only = [&] { blocking_step(false); };
+  for (int i = 0; i < s.warmup; ++i) {
+    dtrain_step();
+    blocking();
+    compute_only();
+  }
+  std::vector<double> ours, theirs, alone;
+  for (int r = 0; r < s.rounds; ++r) {
+    // Rotate the order, so that no loop always follows the same one.
+    for (int k = 0; k < 3; ++k) {
+      switch ((r + k) % 3) {
+        case 0: ours.push_back(round(dtrain_step)); break;
+        case 1: theirs.push_back(round(blocking)); break;
+        default: alone.push_back(round(compute_only)); break;
+      }
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  if (ctx.is_main()) {
+    std::size_t floats = 0;
+    for (const torch::Tensor& p : model->parameters())
+      floats += static_cast<std::size_t>(p.numel());
+    const double a = median(alone), d = median(ours), b = median(theirs);
+    std::printf("| %5d | %10zu | %7zu | %12.0f | %15.0f | %13.0f | %5.2f | %4.0f%% | %4.0f%% |\n",
+                ctx.size(), floats, ddp.buckets().size(), a, d, b, b / d, 100 * (b - a) / b,
+                100 * (d - a) / d);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const settings s = parse(argc, argv);
+  if (s.nproc_per_node > 0) {
+    dtrain::run_options options;
+    options.agent.nproc_per_node = s.nproc_per_node;
+    return dtrain::run<Policy>(
+        argc, argv, [&](dtrain::context<Policy>& ctx) { return measure(ctx, s); }, options);
+  }
+  std::printf(
+      "LibTorch %s CNN (conv %lld-%lld, fc %lld-%lld), batch %lld per rank, Gloo; "
+      "step time in us, median of %d rounds of %d steps\n",
+      TORCH_VERSION, static_cast<long long>(s.channels / 2), static_cast<long long>(s.channels),
+      static_cast<long long>(s.hidden), static_cast<long long>(cnn::classes),
+      static_cast<long long>(s.batch_size), s.rounds, s.steps);
+  std::printf(
+      "| ranks | parameters | buckets | compute (us) | dtrain DDP (us) | blocking (us) | ratio | "
+      "comm. share, blocking | comm. share, dtrain |\n"
+      "|------:|-----------:|--------:|-------------:|----------------:|--------------:|------:|"
+      "------:|------:|\n");
+  std::fflush(stdout);
+  std::array<char, 4096> self{};
+  const ssize_t length = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  if (length <= 0) bad_flag("cannot find its own executable (/proc/self/exe)");
+  int status = 0;
+  for (int ranks : s.ranks) {
+    std::string command = "'" + std::string(self.data(), static_cast<std::size_t>(length)) + "'";
+    for (int i = 1; i < argc; ++i) command += std::string(" '") + argv[i] + "'";
+    command += " --nproc-per-node " + std::to_string(ranks);
+    const int rc = std::system(command.c_str());
+    if (rc != 0) {
+      std::fprintf(stderr, "dtrain_bench_torch_ddp: the run with %d ranks failed (status %d)\n",
+                   ranks, rc);
+      status = 1;
+    }
+  }
+  std::printf("goal: ratio at least 1.3 at 4 ranks\n");
+  return status;
+}

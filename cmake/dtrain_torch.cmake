@@ -1,0 +1,36 @@
+# LibTorch, for dtrain/torch.hpp (dtrain::torch::DistributedDataParallel): an
+# optional integration, found only when LibTorch is present. Its test, example
+# and benchmark are built when it is found and skipped, with the reason,
+# otherwise. Debian: apt-get install libtorch-dev (1.13); elsewhere point
+# CMAKE_PREFIX_PATH (or Torch_DIR) at a LibTorch download.
+#
+# Defines DTRAIN_TORCH_FOUND, DTRAIN_TORCH_VERSION and, when found, the
+# target dtrain_torch_libraries (LibTorch's libraries and include dirs, with
+# its own compile flags; link it beside a dtrain engine target).
+option(DTRAIN_WITH_TORCH "Build the LibTorch integration's tests, example and benchmark when LibTorch is found" ON)
+set(DTRAIN_TORCH_FOUND OFF)
+set(DTRAIN_TORCH_VERSION "")
+set(DTRAIN_TORCH_MISSING "")
+if(NOT DTRAIN_WITH_TORCH)
+  set(DTRAIN_TORCH_MISSING "DTRAIN_WITH_TORCH is OFF")
+else()
+  find_package(Torch QUIET)
+  if(NOT Torch_FOUND)
+    set(DTRAIN_TORCH_MISSING "needs LibTorch (find_package(Torch) found none; Debian: apt-get install libtorch-dev, or set Torch_DIR)")
+  else()
+    set(DTRAIN_TORCH_FOUND ON)
+    set(DTRAIN_TORCH_VERSION "${Torch_VERSION}")
+    add_library(dtrain_torch_libraries INTERFACE)
+    target_link_libraries(dtrain_torch_libraries INTERFACE ${TORCH_LIBRARIES})
+    # SYSTEM: LibTorch's headers do not pass dtrain's -Wpedantic -Werror.
+    target_include_directories(dtrain_torch_libraries SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
+    if(TORCH_CXX_FLAGS)
+      separate_arguments(_dtrain_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+      target_compile_options(dtrain_torch_libraries INTERFACE ${_dtrain_torch_flags})
+    endif()
+    message(STATUS "dtrain: LibTorch ${Torch_VERSION} found: dtrain/torch.hpp's tests, example and benchmark are built")
+  endif()
+endif()
+if(DTRAIN_TORCH_MISSING)
+  message(STATUS "dtrain: ${DTRAIN_TORCH_MISSING}: dtrain/torch.hpp's tests, example and benchmark are skipped")
+endif()

@@ -1,0 +1,31 @@
+// compile.strict_torch_<engine>: dtrain/torch.hpp under the warnings careful
+// users turn on (-Wall -Wextra -Wpedantic -Wshadow -Wconversion
+// -Wsign-conversion -Werror), dtrain's headers not as system headers and
+// LibTorch's as system headers. Every member of the wrapper is instantiated:
+// over Gloo (CPU tensors), and over NCCL (CUDA tensors on the current stream)
+// where NCCL is on. Compiled only, never run.
+#include <dtrain/torch.hpp>
+
+#if DTRAIN_STRICT_ENGINE_NCCL
+using strict_policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::nccl>;
+#elif DTRAIN_STRICT_ENGINE_GLOO
+using strict_policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>;
+#else
+#error "define DTRAIN_STRICT_ENGINE_GLOO or DTRAIN_STRICT_ENGINE_NCCL"
+#endif
+
+template class dtrain::torch::DistributedDataParallel<strict_policy, torch::nn::Linear>;
+
+int strict_torch_step(dtrain::context<strict_policy>& ctx, torch::nn::Linear& model) {
+  auto ddp = dtrain::torch::DistributedDataParallel(ctx, model, {.find_unused_parameters = true});
+  {
+    auto guard = ddp.no_sync();
+    ddp(torch::ones({2, model->options.in_features()})).sum().backward();
+  }
+  ddp->forward(torch::ones({2, model->options.in_features()})).sum().backward();
+  ddp.synchronize();
+  ddp.zero_grad();
+  dtrain::torch::distributed_sampler sampler(10, ctx.world());
+  sampler.set_epoch(1);
+  return static_cast<int>(sampler.next(4)->size() + ddp.buckets().size());
+}

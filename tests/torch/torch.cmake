@@ -1,0 +1,106 @@
+# dtrain/torch.hpp (issue 16): dtrain::torch::DistributedDataParallel on a
+# LibTorch model. Included from tests/CMakeLists.txt; LibTorch is found (or
+# not) by cmake/dtrain_torch.cmake.
+#
+# torch.ddp.<engine>.<N>ranks: N ranks end with the weights of one process on
+#   the full batch (plain, no_sync, unused branch, compression), .grad() are
+#   bucket views, buffers are broadcast, the first bucket starts inside
+#   backward(), a differing module is refused (torch_ddp.cpp).
+# torch.demo: dtrain_train_torch under its own per-node launcher, 4 workers.
+# compile.torch_strict_<engine>: the header under users' strict warnings (Release
+#   stage only: tools/test's Debug stage runs compile.strict_*).
+# torch.ddp.nccl.1rank: CUDA tensors over NCCL (needs a LibTorch built with
+#   CUDA, and a GPU at run time: exit 77, skipped, without one).
+set(torch_ranks 2 4)
+set(torch_tests torch.ddp.gloo.1rank torch.ddp.mpi.2ranks torch.ddp.mpi.4ranks torch.demo
+                compile.torch_strict_gloo compile.torch_strict_nccl torch.ddp.nccl.1rank)
+foreach(ranks IN LISTS torch_ranks)
+  list(APPEND torch_tests torch.ddp.gloo.${ranks}ranks)
+endforeach()
+if(NOT DTRAIN_TORCH_FOUND)
+  foreach(test IN LISTS torch_tests)
+    dtrain_add_skipped_test(${test} "${DTRAIN_TORCH_MISSING}")
+  endforeach()
+  return()
+endif()
+
+# LibTorch's CUDA headers: a CPU-only LibTorch (Debian's) lacks them or ships them incomplete.
+set(torch_cuda_headers OFF)
+foreach(dir IN LISTS TORCH_INCLUDE_DIRS)
+  if(EXISTS "${dir}/c10/cuda/impl/cuda_cmake_macros.h")
+    set(torch_cuda_headers ON)
+  endif()
+endforeach()
+
+function(add_torch_test_program target engine)
+  add_executable(${target} torch/torch_ddp.cpp)
+  target_link_libraries(${target} PRIVATE dtrain::${engine} dtrain_torch_libraries)
+  string(TOUPPER "${engine}" upper)
+  target_compile_definitions(${target} PRIVATE DTRAIN_TEST_TORCH_${upper}=1)
+  dtrain_target_warnings(${target})
+endfunction()
+
+if(DTRAIN_WITH_GLOO)
+  add_torch_test_program(dtrain_torch_ddp_gloo gloo)
+  dtrain_add_test(torch.ddp.gloo.1rank COMMAND $<TARGET_FILE:dtrain_test_launch> 1
+                  $<TARGET_FILE:dtrain_torch_ddp_gloo> TIMEOUT 180)
+  foreach(ranks IN LISTS torch_ranks)
+    dtrain_add_test(torch.ddp.gloo.${ranks}ranks
+      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_torch_ddp_gloo>
+      TIMEOUT 180
+      PROPERTIES PROCESSORS ${ranks})
+  endforeach()
+else()
+  dtrain_add_skipped_test(torch.ddp.gloo.1rank "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
+  foreach(ranks IN LISTS torch_ranks)
+    dtrain_add_skipped_test(torch.ddp.gloo.${ranks}ranks "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
+  endforeach()
+endif()
+
+if(DTRAIN_WITH_MPI)
+  add_torch_test_program(dtrain_torch_ddp_mpi mpi)
+endif()
+foreach(ranks IN LISTS torch_ranks)
+  dtrain_add_mpi_test(torch.ddp.mpi RANKS ${ranks} COMMAND $<TARGET_FILE:dtrain_torch_ddp_mpi>
+                      TIMEOUT 180)
+endforeach()
+
+if(TARGET dtrain_train_torch)
+  dtrain_add_test(torch.demo
+    COMMAND "${CMAKE_COMMAND}" -DCASE=torch "-DTRAIN=$<TARGET_FILE:dtrain_train_torch>"
+            -P "${CMAKE_CURRENT_SOURCE_DIR}/training/check_demo.cmake"
+    TIMEOUT 180
+    PROPERTIES PROCESSORS 4)
+else()
+  dtrain_add_skipped_test(torch.demo "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
+endif()
+
+foreach(engine IN ITEMS GLOO NCCL)
+  string(TOLOWER "${engine}" component)
+  if(NOT TARGET dtrain::${component})
+    dtrain_add_skipped_test(compile.torch_strict_${component} "DTRAIN_WITH_${engine} is OFF")
+  elseif(engine STREQUAL "NCCL" AND NOT torch_cuda_headers)
+    dtrain_add_skipped_test(compile.torch_strict_${component}
+      "LibTorch ${DTRAIN_TORCH_VERSION} has no CUDA headers (a CPU-only build)")
+  elseif(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    # LibTorch 1.13's own headers do not compile under clang in C++20.
+    dtrain_add_skipped_test(compile.torch_strict_${component} "needs GCC (LibTorch's headers)")
+  else()
+    add_library(dtrain_strict_torch_${component} OBJECT EXCLUDE_FROM_ALL compile/strict_torch.cpp)
+    target_link_libraries(dtrain_strict_torch_${component} PRIVATE dtrain::${component} dtrain_torch_libraries)
+    target_compile_definitions(dtrain_strict_torch_${component} PRIVATE DTRAIN_STRICT_ENGINE_${engine}=1)
+    target_compile_options(dtrain_strict_torch_${component} PRIVATE ${strict_warnings})
+    dtrain_add_test(compile.torch_strict_${component}
+      COMMAND "${CMAKE_COMMAND}" --build "${CMAKE_BINARY_DIR}" --target dtrain_strict_torch_${component}
+      TIMEOUT 300)
+  endif()
+endforeach()
+
+if(TARGET dtrain::nccl AND torch_cuda_headers)
+  add_torch_test_program(dtrain_torch_ddp_nccl nccl)
+  # Alone (world size 1, one GPU), with always_reduce: the buckets still go through NCCL.
+  dtrain_add_test(torch.ddp.nccl.1rank COMMAND $<TARGET_FILE:dtrain_torch_ddp_nccl> TIMEOUT 300)
+else()
+  dtrain_add_skipped_test(torch.ddp.nccl.1rank
+    "needs NCCL and a LibTorch built with CUDA (LibTorch ${DTRAIN_TORCH_VERSION} is CPU-only)")
+endif()

@@ -1,0 +1,382 @@
+// dtrain::torch::DistributedDataParallel on N ranks (Gloo under
+// dtrain_test_launch, or MPI under mpirun) against one process on the full
+// batch: a conv + batch-norm + linear LibTorch model must end with the same
+// weights, plainly, with no_sync() accumulation, with an unused branch and
+// find_unused_parameters, and with bf16 compression (within its rounding).
+// Also: every .grad() is a view of the buckets, the buffers are broadcast,
+// the first bucket's allreduce starts before backward() returns, and a
+// module that differs across ranks is refused, naming the parameter.
+//
+// Exit status 0 when every check passes; 1 and the failed checks on stderr otherwise.
+
+#include <dtrain/torch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+#if DTRAIN_TEST_TORCH_MPI
+using Policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::mpi>;
+#elif DTRAIN_TEST_TORCH_NCCL
+using Policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl>;
+#else
+using Policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::gloo>;
+#endif
+
+constexpr std::int64_t global_batch = 32;  // divides among 1, 2 and 4 ranks
+constexpr int steps = 4;                   // the bucket rebuild happens after the first
+// CUDA tensors over NCCL (one GPU, so one rank: always_reduce sends the
+// buckets through NCCL all the same); CPU tensors over Gloo and MPI.
+constexpr bool on_gpu = Policy::memory_space::where == dtrain::memory::device;
+torch::Device device() {
+  return on_gpu ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+}
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(std::int64_t classes = 10, bool branches = false) {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(4));
+    fc = register_module("fc", torch::nn::Linear(4 * 8 * 8, classes));
+    if (branches) {
+      aux = register_module("aux", torch::nn::Linear(classes, classes));
+      never = register_module("never", torch::nn::Linear(classes, classes));
+    }
+    bn->eval();  // running statistics (buffers) normalise: per sample, as on the full batch
+  }
+  // `aux` adds to the samples that `mask` selects, and is not called at all
+  // when it selects none; `never` is never used.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor mask = {}, bool gate = false);
+
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Linear fc{nullptr}, aux{nullptr}, never{nullptr};
+};
+TORCH_MODULE(Net);
+
+// The overlap check: a layer whose backward waits (at most 10 s) until the
+// first bucket's allreduce has started. It sits after the convolution, so its
+// backward runs after fc's gradients (bucket 0) and before conv's.
+std::atomic<bool> bucket_started{false};
+std::atomic<bool> started_in_backward{false};
+std::chrono::steady_clock::time_point bucket_start_time, backward_end_time;
+
+struct gate : torch::autograd::Function<gate> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!bucket_started.load() && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    started_in_backward = bucket_started.load();
+    return grads;
+  }
+};
+
+torch::Tensor NetImpl::forward(torch::Tensor x, torch::Tensor mask, bool with_gate) {
+  torch::Tensor h = conv(x);
+  if (with_gate) h = gate::apply(h);
+  h = torch::relu(bn(h)).flatten(1);
+  h = fc(h);
+  if (mask.defined() && mask.any().item<bool>()) h = h + aux(torch::tanh(h)) * mask.unsqueeze(1);
+  return h;
+}
+
+struct batch {
+  torch::Tensor x, y;
+};
+batch data(int step, int micro) {
+  torch::manual_seed(static_cast<std::uint64_t>(7000 + 17 * step + micro));
+  return {torch::randn({global_batch, 1, 8, 8}).to(device()),
+          torch::randint(0, 10, {global_batch}).to(device())};
+}
+
+Net make_net(std::uint64_t seed, bool branches = false, std::int64_t classes = 10) {
+  torch::manual_seed(seed);
+  Net net(classes, branches);
+  torch::NoGradGuard no_grad;
+  net->bn->running_mean.uniform_(-0.5, 0.5);
+  net->bn->running_var.uniform_(0.5, 2.0);
+  net->to(device());
+  return net;
+}
+
+struct variant {
+  const char* name;
+  int micro = 1;  // micro-batches per step (all but the last under no_sync())
+  bool branches = false;
+  dtrain::gradient_compression compression = dtrain::gradient_compression::none;
+  // How gradients are cleared after each step: the optimizer's zero_grad()
+  // (LibTorch 1.13 zeroes them in place, 2.x drops them), ddp.zero_grad(), or
+  // dropped by hand (set to none: autograd then writes new tensors, which DDP
+  // must copy into its buckets, and an unused parameter's stale bucket slot
+  // must not be sent).
+  enum { optimizer, ddp, none } zeroing = optimizer;
+  double tolerance = 1e-5;
+};
+
+// The reference's part: as the variant clears gradients (ddp.zero_grad()
+// keeps them, zeroed in place, whatever the LibTorch version).
+void clear(const variant& v, torch::optim::Optimizer& opt, Net& net) {
+  if (v.zeroing == variant::none) {
+    for (torch::Tensor& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+  } else if (v.zeroing == variant::ddp) {
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor& p : net->parameters()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  } else {
+    opt.zero_grad();
+  }
+}
+
+// Which samples of the global batch `aux` adds to in `step` (undefined: none).
+// Odd steps: none, so no rank uses it. Even steps: one rank's shard only, a
+// different rank's each time, so the others do not use it locally and must
+// send zeros (and not the stale mean still in its bucket slot).
+torch::Tensor branch_of(const variant& v, int step, int size) {
+  if (!v.branches || step % 2 == 1) return {};
+  const std::int64_t shard = global_batch / size, user = (step / 2) % size;
+  return (torch::arange(global_batch).div(shard, "floor") == user).to(device(), torch::kFloat);
+}
+
+// One process on the full batch: the reference.
+Net train_reference(const variant& v, int size) {
+  Net net = make_net(1000, v.branches);
+  torch::optim::SGD opt(net->parameters(),
+                        torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+  for (int step = 0; step < steps; ++step) {
+    for (int m = 0; m < v.micro; ++m) {
+      const batch b = data(step, m);
+      torch::nn::functional::cross_entropy(net->forward(b.x, branch_of(v, step, size)), b.y)
+          .backward();
+    }
+    opt.step();
+    clear(v, opt, net);
+  }
+  return net;
+}
+
+int failures = 0;
+void check(bool ok, int rank, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::fprintf(stderr, "FAIL (rank %d): %s\n", rank, what.c_str());
+  }
+}
+
+void train_data_parallel(dtrain::context<Policy>& ctx, const variant& v) {
+  const int rank = ctx.rank(), size = ctx.size();
+  const std::int64_t shard = global_batch / size;
+  // Each rank starts elsewhere: DDP must broadcast rank 0's parameters and buffers.
+  Net net = make_net(1000 + static_cast<std::uint64_t>(rank), v.branches);
+  dtrain::torch::DistributedDataParallel ddp(ctx, net,
+                                             {.bucket_cap_mb = 2.0 / 1024,
+                                              .first_bucket_cap_mb = 1.0 / 1024,
+                                              .find_unused_parameters = v.branches,
+                                              .compression = v.compression,
+                                              .always_reduce = on_gpu});
+  torch::optim::SGD opt(net->parameters(),
+                        torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+  for (int step = 0; step < steps; ++step) {
+    if (step == 1 && rank != 0) {
+      torch::NoGradGuard no_grad;
+      net->bn->running_mean.add_(1.0);  // the next forward() must undo this
+    }
+    for (int m = 0; m < v.micro; ++m) {
+      const batch b = data(step, m);
+      auto x = b.x.narrow(0, rank * shard, shard), y = b.y.narrow(0, rank * shard, shard);
+      torch::Tensor mask = branch_of(v, step, size);
+      if (mask.defined()) mask = mask.narrow(0, rank * shard, shard);
+      auto loss = [&] { return torch::nn::functional::cross_entropy(ddp(x, mask), y); };
+      if (m + 1 < v.micro) {
+        auto guard = ddp.no_sync();
+        loss().backward();
+      } else {
+        loss().backward();
+      }
+    }
+    ddp.synchronize();
+    if (step == 1) {
+      const auto ref = make_net(1000, v.branches);
+      check(torch::equal(net->bn->running_mean, ref->bn->running_mean), rank,
+            std::string(v.name) + ": bn.running_mean was not rank 0's after forward()");
+    }
+    // Every gradient (of a parameter some rank used) is a view of the buckets.
+    const auto params = ddp.core().parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor p = net->named_parameters()[params[i].name];
+      if (!p.grad().defined()) continue;
+      check(p.grad().data_ptr() == params[i].gradient, rank,
+            std::string(v.name) + ": the .grad() of '" + params[i].name +
+                "' is not its bucket view after step " + std::to_string(step));
+    }
+    opt.step();
+    if (v.zeroing == variant::ddp) {
+      ddp.zero_grad();
+    } else {
+      clear(v, opt, net);
+    }
+  }
+  const Net ref = train_reference(v, size);
+  for (const auto& item : ref->named_parameters()) {
+    const torch::Tensor mine = net->named_parameters()[item.key()];
+    const double diff = (mine - item.value()).abs().max().item<double>();
+    check(diff <= v.tolerance, rank,
+          std::string(v.name) + ": parameter '" + item.key() + "' differs from one process on " +
+              "the full batch by " + std::to_string(diff));
+    check(mine.grad().defined() == item.value().grad().defined(), rank,
+          std::string(v.name) + ": the .grad() of '" + item.key() + "' is " +
+              (mine.grad().defined() ? "defined" : "undefined") + ", in one process it is not");
+  }
+  if (rank == 0) {
+    std::printf("%-28s %d ranks: %zu buckets (rebuilt: %s), weights match one process\n", v.name,
+                size, ddp.buckets().size(), ddp.core().buckets_rebuilt() ? "yes" : "no");
+  }
+}
+
+// The first bucket's allreduce starts while backward() is still running.
+// With `unused`, bucket 0 also holds the parameters of `aux` and `never`,
+// which this step does not use: forward() must find them (find_unused_parameters).
+void check_overlap(dtrain::context<Policy>& ctx, bool unused) {
+  bucket_started = false;
+  started_in_backward = false;
+  Net net = make_net(1000, unused);
+  dtrain::torch::DistributedDataParallel ddp(ctx, net,
+                                             {.bucket_cap_mb = 2.0 / 1024,
+                                              .first_bucket_cap_mb = 1.0 / 1024,
+                                              .find_unused_parameters = unused,
+                                              .always_reduce = on_gpu});
+  ddp.register_comm_hook([](auto& comm, dtrain::gradient_bucket& b) {
+    if (b.index == 0 && !bucket_started.exchange(true))
+      bucket_start_time = std::chrono::steady_clock::now();
+    if constexpr (on_gpu) {
+      return comm.allreduce(b.data, b.data, dtrain::reduce_op::avg, b.stream);
+    } else {
+      return comm.allreduce(b.data, b.data, dtrain::reduce_op::avg);
+    }
+  });
+  const batch b = data(0, 0);
+  const auto start = std::chrono::steady_clock::now();
+  torch::nn::functional::cross_entropy(ddp(b.x, torch::Tensor(), true), b.y).backward();
+  backward_end_time = std::chrono::steady_clock::now();
+  ddp.synchronize();
+  const auto us = [&](auto t) {
+    return std::chrono::duration_cast<std::chrono::microseconds>(t - start).count();
+  };
+  check(started_in_backward.load(), ctx.rank(),
+        std::string("overlap") + (unused ? " (unused parameters)" : "") +
+            ": bucket 0's allreduce had not started when conv's backward was reached");
+  check(bucket_start_time < backward_end_time, ctx.rank(),
+        std::string("overlap") + (unused ? " (unused parameters)" : "") +
+            ": bucket 0's allreduce started after backward() returned");
+  if (ctx.rank() == 0) {
+    std::printf(
+        "overlap%s: bucket 0 (%zu parameters) started %lld us into backward(), which "
+        "returned at %lld us\n",
+        unused ? " (unused parameters in it)" : "", ddp.buckets()[0].parameters.size(),
+        static_cast<long long>(us(bucket_start_time)),
+        static_cast<long long>(us(backward_end_time)));
+  }
+}
+
+// With find_unused_parameters, a gradient for a parameter that the graph walk
+// after ddp(x) found unused (here: used only in the loss) stops backward()
+// with an error naming it, rather than being dropped.
+void check_walk_error(dtrain::context<Policy>& ctx) {
+  Net net = make_net(1000, true);
+  dtrain::torch::DistributedDataParallel ddp(ctx, net, {.find_unused_parameters = true});
+  const batch b = data(0, 0);
+  try {
+    auto loss = torch::nn::functional::cross_entropy(ddp(b.x), b.y) + net->never->bias.sum();
+    loss.backward();
+    check(false, ctx.rank(), "walk: a gradient for a parameter found unused was accepted");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    check(what.find("'never.bias'") != std::string::npos &&
+              what.find("graph walk") != std::string::npos,
+          ctx.rank(), "walk: the error does not name 'never.bias' and the graph walk: " + what);
+    if (ctx.rank() == 0) std::printf("gradient of a parameter found unused: refused\n");
+  }
+}
+
+// A module that differs across ranks is refused on every rank, naming the parameter.
+void check_mismatch(dtrain::context<Policy>& ctx) {
+  if (ctx.size() < 2) return;
+  Net net = make_net(1000, false, ctx.rank() == 1 ? 11 : 10);  // rank 1: fc has 11 outputs
+  try {
+    dtrain::torch::DistributedDataParallel ddp(ctx, net);
+    check(false, ctx.rank(), "mismatch: a module that differs across ranks was accepted");
+  } catch (const dtrain::config_error& e) {
+    const std::string what = e.what();
+    check(what.find("fc.weight") != std::string::npos, ctx.rank(),
+          "mismatch: the error does not name 'fc.weight': " + what);
+    if (ctx.rank() == 0) std::printf("mismatch refused: %s\n", e.what());
+  }
+}
+
+// The torch::data sampler: next() walks this rank's shard, reset() starts over.
+void check_sampler(int rank) {
+  dtrain::torch::distributed_sampler sampler(37, 1, 4, {.seed = 3});
+  std::vector<std::size_t> got;
+  while (auto b = sampler.next(4)) got.insert(got.end(), b->begin(), b->end());
+  const auto shard = sampler.shard().indices();
+  check(got == std::vector<std::size_t>(shard.begin(), shard.end()) && got.size() == 10, rank,
+        "sampler: next() did not walk the shard of 10 indices");
+  sampler.reset(torch::nullopt);
+  check(sampler.next(100)->size() == 10, rank, "sampler: reset() did not start the epoch over");
+  sampler.set_epoch(1);
+  const auto again = sampler.shard().indices();
+  check(std::vector<std::size_t>(again.begin(), again.end()) != got, rank,
+        "sampler: set_epoch(1) did not reshuffle");
+  sampler.reset(8);
+  check(sampler.size() == 2 && sampler.next(100)->size() == 2, rank,
+        "sampler: reset(8) did not lay out 8 samples over 4 ranks");
+}
+
+int run_checks(dtrain::context<Policy>& ctx) {
+  torch::set_num_threads(1);
+  const variant variants[] = {
+      {.name = "plain"},
+      {.name = "plain, ddp.zero_grad()", .zeroing = variant::ddp},
+      {.name = "plain, grads set to none", .zeroing = variant::none},
+      {.name = "no_sync (2 micro-batches)", .micro = 2},
+      {.name = "unused branch", .branches = true},
+      {.name = "unused branch + no_sync", .micro = 2, .branches = true},
+      {.name = "unused, grads set to none", .branches = true, .zeroing = variant::none},
+      {.name = "bf16 compression",
+       .compression = dtrain::gradient_compression::bfloat16,
+       .tolerance = 2e-2},
+  };
+  for (const variant& v : variants) train_data_parallel(ctx, v);
+  check_overlap(ctx, false);
+  check_overlap(ctx, true);
+  check_walk_error(ctx);
+  check_mismatch(ctx);
+  check_sampler(ctx.rank());
+  std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
+  dtrain::allgather(ctx.communicator(), std::array<std::int64_t, 1>{failures}, all).wait();
+  std::int64_t total = 0;
+  for (auto f : all) total += f;
+  if (ctx.rank() == 0) {
+    std::printf(total == 0 ? "PASS: LibTorch %s, %d ranks\n" : "FAILED: LibTorch %s, %d ranks\n",
+                TORCH_VERSION, ctx.size());
+  }
+  return total == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (on_gpu && !torch::cuda::is_available()) {
+    std::printf("SKIPPED: no CUDA device (LibTorch %s sees none)\n", TORCH_VERSION);
+    return 77;
+  }
+  return dtrain::run<Policy>(argc, argv, run_checks);
+}
