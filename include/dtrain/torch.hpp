@@ -8,9 +8,9 @@
 ///   auto loss = loss_fn(ddp(x), y); loss.backward(); ddp.synchronize(); optimizer.step();
 ///
 /// It is basic_ddp<Policy> (ddp/basic_ddp.hpp) fed from the module:
-/// - the parameters that require a gradient come from named_parameters(), the
-///   buffers (and frozen parameters) from named_buffers(); names, shapes, types
-///   and devices are checked across ranks, and rank 0's values broadcast;
+/// - the parameters that require a gradient come from named_parameters(); the
+///   frozen ones and named_buffers() are state to agree on; names, shapes,
+///   types and devices are checked across ranks, and rank 0's values broadcast;
 /// - each parameter's gradient accumulator gets a post-hook (as c10d's Reducer
 ///   does) that marks it ready, so buckets are reduced during backward();
 /// - each parameter's .grad() is a tensor over dtrain's bucket storage (no copy
@@ -60,8 +60,9 @@ namespace dtrain::torch {
 /// What dtrain::torch::DistributedDataParallel adds to ddp_options.
 struct module_options {
   /// PyTorch DDP's broadcast_buffers: every forward() through the wrapper
-  /// first copies rank 0's buffers (batch-norm running statistics, frozen
-  /// parameters) to every rank. Construction always does (broadcast_parameters).
+  /// (with gradients enabled) first copies rank 0's named_buffers() (batch-norm
+  /// running statistics) to every rank. Construction copies them, and the
+  /// frozen parameters, anyway (ddp_options::broadcast_parameters).
   bool broadcast_buffers = true;
 };
 
@@ -403,18 +404,23 @@ class DistributedDataParallel {
   }
 
   void collect(std::vector<parameter>& params, std::vector<parameter>& buffers) {
-    const auto named = module_->named_parameters(/*recurse=*/true);
+    // A tensor registered twice (tied weights) is one parameter, under its first name.
+    std::vector<std::pair<std::string, ::torch::Tensor>> named;
+    std::unordered_set<const void*> seen;
+    for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second)
+        named.emplace_back(item.key(), item.value());
+    }
     std::size_t trained = 0;
     for (const auto& item : named)
-      if (item.value().requires_grad()) ++trained;
+      if (item.second.requires_grad()) ++trained;
     slots_ = std::vector<detail::gradient_slot>(trained);  // never resized: rebind points here
-    for (const auto& item : named) {
-      const ::torch::Tensor& t = item.value();
+    for (const auto& [key, t] : named) {
       const std::string what =
-          (t.requires_grad() ? "parameter '" : "frozen parameter '") + item.key() + "'";
+          (t.requires_grad() ? "parameter '" : "frozen parameter '") + key + "'";
       const buffer values = detail::buffer_of(t, what, rank_);
       if (!t.requires_grad()) {
-        buffers.push_back({.name = item.key(), .values = values, .device = values.device});
+        buffers.push_back({.name = key, .values = values, .device = values.device});
         continue;
       }
       if (!t.is_leaf()) {
@@ -435,7 +441,7 @@ class DistributedDataParallel {
         }
         gradient = g.data;
       }
-      params.push_back({.name = item.key(),
+      params.push_back({.name = key,
                         .values = values,
                         .gradient = gradient,
                         .device = values.device,
@@ -443,7 +449,9 @@ class DistributedDataParallel {
                         .rebind = &detail::rebind_gradient});
     }
     for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
-      if (!item.value().defined()) continue;  // an optional buffer left unset
+      // An optional buffer left unset, or one registered twice.
+      if (!item.value().defined() || !seen.insert(item.value().unsafeGetTensorImpl()).second)
+        continue;
       const buffer values = detail::buffer_of(item.value(), "buffer '" + item.key() + "'", rank_);
       buffers.push_back({.name = item.key(), .values = values, .device = values.device});
       buffer_tensors_.push_back(item.value());  // broadcast by each forward(), as PyTorch does

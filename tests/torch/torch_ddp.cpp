@@ -306,6 +306,36 @@ void check_walk_error(dtrain::context<Policy>& ctx) {
   }
 }
 
+// Tied weights: a module registered twice holds one parameter per tensor
+// (under its first name), whose gradient sums both uses, as in one process.
+void check_tied(dtrain::context<Policy>& ctx) {
+  torch::manual_seed(5);
+  torch::nn::Linear lin(6, 6);
+  torch::nn::Sequential seq(lin, torch::nn::Tanh(), lin);  // "0.*" and "2.*" are the same tensors
+  seq->to(device());
+  torch::manual_seed(6);
+  const torch::Tensor x = torch::randn({global_batch, 6}).to(device());
+  seq->forward(x).square().mean().backward();  // one process, the full batch
+  std::vector<torch::Tensor> expected;
+  for (torch::Tensor& p : lin->parameters()) {
+    expected.push_back(p.grad().clone());
+    p.mutable_grad() = torch::Tensor();
+  }
+  dtrain::torch::DistributedDataParallel ddp(ctx, seq, {.always_reduce = on_gpu});
+  const std::int64_t shard = global_batch / ctx.size();
+  ddp(x.narrow(0, ctx.rank() * shard, shard)).square().mean().backward();
+  ddp.synchronize();
+  check(ddp.core().parameters().size() == 2, ctx.rank(),
+        "tied: " + std::to_string(ddp.core().parameters().size()) + " parameters, expected 2");
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const double diff = (lin->parameters()[i].grad() - expected[i]).abs().max().item<double>();
+    check(diff <= 1e-6, ctx.rank(),
+          "tied: gradient " + std::to_string(i) + " differs from one process by " +
+              std::to_string(diff));
+  }
+  if (ctx.rank() == 0) std::printf("tied weights: one parameter each, gradients match\n");
+}
+
 // A module that differs across ranks is refused on every rank, naming the parameter.
 void check_mismatch(dtrain::context<Policy>& ctx) {
   if (ctx.size() < 2) return;
@@ -358,6 +388,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_overlap(ctx, false);
   check_overlap(ctx, true);
   check_walk_error(ctx);
+  check_tied(ctx);
   check_mismatch(ctx);
   check_sampler(ctx.rank());
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
