@@ -102,10 +102,10 @@ class command_line {
   }
 
   /// Walks argv: `--help` / `-h` prints `usage` and exits 0; a launcher's
-  /// `--local_rank` is skipped; every other flag goes to handle(flag, value,
-  /// arg), which returns whether it took the flag (otherwise: exit 2, naming
-  /// it). value() reads the flag's value (`--flag=V` or the next argument;
-  /// exits 2 when missing).
+  /// `--local_rank` is skipped; every other flag goes to handle(flag, value),
+  /// which returns whether it took the flag (otherwise: exit 2, naming it).
+  /// value() reads the flag's value (`--flag=V` or the next argument; exits 2
+  /// when missing).
   template <class Handle>
   void each_flag(int argc, char** argv, const std::string& usage, Handle handle) const {
     for (int i = 1; i < argc; ++i) {

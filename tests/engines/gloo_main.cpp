@@ -412,6 +412,24 @@ TEST_CASE("gloo: DTRAIN_GLOO_SHM must be a switch, read before anything connects
   CHECK(one[2] == w.size);
 }
 
+TEST_CASE("gloo: where Gloo's code comes from is read from /proc/self/maps") {
+  // The check against LibTorch's bundled Gloo names the file that maps a
+  // function; here Gloo is the system's libgloo, so the check passes.
+  using create_device =
+      std::shared_ptr<::gloo::transport::Device> (*)(const ::gloo::transport::tcp::attr&);
+  const create_device create = &::gloo::transport::tcp::CreateDevice;
+  const void* code = nullptr;
+  std::memcpy(&code, &create, sizeof code);
+  const std::string gloo_file = dtrain::detail::mapped_file_of(code);
+  CHECK(gloo_file.find("libgloo") != std::string::npos);
+  auto* const open_file = &::fopen;  // libc's
+  const void* libc_code = nullptr;
+  std::memcpy(&libc_code, &open_file, sizeof libc_code);
+  CHECK(dtrain::detail::mapped_file_of(libc_code).find("libc") != std::string::npos);
+  CHECK(dtrain::detail::mapped_file_of(nullptr).empty());
+  CHECK_NOTHROW(dtrain::detail::check_gloo_library(world().rank));
+}
+
 TEST_CASE("gloo: an interface that does not exist is a config_error naming it") {
   auto& w = world();
   auto options = options_with(w.collectives);
