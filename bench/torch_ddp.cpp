@@ -25,6 +25,7 @@
 // Internal: --nproc-per-node N runs one rank count and prints its row.
 
 #include "torch_cnn.hpp"
+#include "train_program.hpp"
 
 #include <dtrain/torch.hpp>
 
@@ -56,57 +57,47 @@ struct settings {
   double first_bucket_cap_mb = 0.05;
 };
 
-[[noreturn]] void bad_flag(const std::string& message) {
-  std::fprintf(stderr, "dtrain_bench_torch_ddp: %s\n", message.c_str());
-  std::exit(dtrain::config_error_exit_status);
-}
+constexpr const char* usage =
+    "usage: torch_ddp [--ranks LIST] [--batch-size N] [--channels N] [--hidden N] [--steps N]\n"
+    "          [--warmup N] [--rounds N] [--bucket-cap-mb MB] [--first-bucket-cap-mb MB]\n"
+    "  (see the comment at the top of bench/torch_ddp.cpp)\n";
 
-double number(std::string_view flag, const char* text, double least) {
-  char* end = nullptr;
-  const double v = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(v >= least)) {
-    bad_flag(std::string(flag) + " " + text + ": expected a number of at least " +
-             std::to_string(least));
-  }
-  return v;
-}
-
+// The flags, read by the examples' command_line (examples/train_program.hpp).
 settings parse(int argc, char** argv) {
+  const mlp::command_line line("dtrain_bench_torch_ddp", "", "");
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    if (i + 1 >= argc) bad_flag(std::string(flag) + ": unknown flag, or it needs a value");
-    const char* value = argv[++i];
+  line.each_flag(argc, argv, usage, [&](std::string_view flag, auto& value) {
     if (flag == "--ranks") {
       s.ranks.clear();
-      std::string list = value;
+      const std::string_view list = value();
       for (std::size_t at = 0; at <= list.size();) {
         const std::size_t comma = std::min(list.find(',', at), list.size());
-        s.ranks.push_back(static_cast<int>(number(flag, list.substr(at, comma - at).c_str(), 1)));
+        s.ranks.push_back(line.number<int>(flag, list.substr(at, comma - at), 1));
         at = comma + 1;
       }
     } else if (flag == "--nproc-per-node") {
-      s.nproc_per_node = static_cast<int>(number(flag, value, 1));
+      s.nproc_per_node = line.number<int>(flag, value(), 1);
     } else if (flag == "--batch-size") {
-      s.batch_size = static_cast<std::int64_t>(number(flag, value, 1));
+      s.batch_size = line.number<std::int64_t>(flag, value(), 1);
     } else if (flag == "--channels") {
-      s.channels = static_cast<std::int64_t>(number(flag, value, 2));
+      s.channels = line.number<std::int64_t>(flag, value(), 2);
     } else if (flag == "--hidden") {
-      s.hidden = static_cast<std::int64_t>(number(flag, value, 1));
+      s.hidden = line.number<std::int64_t>(flag, value(), 1);
     } else if (flag == "--steps") {
-      s.steps = static_cast<int>(number(flag, value, 1));
+      s.steps = line.number<int>(flag, value(), 1);
     } else if (flag == "--warmup") {
-      s.warmup = static_cast<int>(number(flag, value, 0));
+      s.warmup = line.number<int>(flag, value(), 0);
     } else if (flag == "--rounds") {
-      s.rounds = static_cast<int>(number(flag, value, 1));
+      s.rounds = line.number<int>(flag, value(), 1);
     } else if (flag == "--bucket-cap-mb") {
-      s.bucket_cap_mb = number(flag, value, 0);
+      s.bucket_cap_mb = line.number<double>(flag, value(), 0.0);
     } else if (flag == "--first-bucket-cap-mb") {
-      s.first_bucket_cap_mb = number(flag, value, 0);
+      s.first_bucket_cap_mb = line.number<double>(flag, value(), 0.0);
     } else {
-      bad_flag("unknown flag " + std::string(flag));
+      return false;
     }
-  }
+    return true;
+  });
   return s;
 }
 
@@ -144,9 +135,7 @@ int measure(dtrain::context<Policy>& ctx, const settings& s) {
     // What the C++ examples do: after backward(), one waited allreduce per gradient.
     for (const torch::Tensor& p : plain->parameters()) {
       if (!communicate) break;
-      const torch::Tensor g = p.grad();
-      dtrain::buffer b{g.data_ptr(), static_cast<std::size_t>(g.numel()), dtrain::dtype::float32,
-                       dtrain::memory::host};
+      const dtrain::buffer b = dtrain::torch::detail::buffer_of(p.grad(), "a gradient", ctx.rank());
       comm.allreduce(b, b, dtrain::reduce_op::avg).wait();
     }
     plain_optimizer.step();
@@ -209,7 +198,7 @@ int main(int argc, char** argv) {
         argc, argv, [&](dtrain::context<Policy>& ctx) { return measure(ctx, s); }, options);
   }
   std::printf(
-      "LibTorch %s CNN (conv %lld-%lld, fc %lld-%lld), batch %lld per rank, Gloo; "
+      "LibTorch %s CNN (4 conv blocks %lld-%lld, fc %lld-%lld), batch %lld per rank, Gloo; "
       "step time in us, median of %d rounds of %d steps\n",
       TORCH_VERSION, static_cast<long long>(s.channels / 2), static_cast<long long>(s.channels),
       static_cast<long long>(s.hidden), static_cast<long long>(cnn::classes),
@@ -222,7 +211,11 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   std::array<char, 4096> self{};
   const ssize_t length = readlink("/proc/self/exe", self.data(), self.size() - 1);
-  if (length <= 0) bad_flag("cannot find its own executable (/proc/self/exe)");
+  if (length <= 0) {
+    std::fprintf(stderr,
+                 "dtrain_bench_torch_ddp: cannot find its own executable (/proc/self/exe)\n");
+    return 1;
+  }
   int status = 0;
   for (int ranks : s.ranks) {
     std::string command = "'" + std::string(self.data(), static_cast<std::size_t>(length)) + "'";
