@@ -3222,14 +3222,16 @@ class shm_segment {
   }
 
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
-  /// The first rank to give up is the one they name.
-  void abandon(std::string_view why = {}) noexcept {
+  /// The first rank to give up is the one they name; `timed_out` (it gave up
+  /// at the timeout) makes their failures timeouts too.
+  void abandon(std::string_view why = {}, bool timed_out = false) noexcept {
     if (!base_) return;
     control& c = head();
     if (c.claimed.exchange(1) == 0) {
       const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
       std::memcpy(c.why, why.data(), n);
       c.why[n] = '\0';
+      c.timed_out.store(timed_out ? 1 : 0, std::memory_order_relaxed);
       c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
     }
     for (int r = 0; r < size_; ++r) {
@@ -3256,7 +3258,8 @@ class shm_segment {
     std::uint32_t size = 0;
     std::atomic<std::uint32_t> claimed{0};       // 1 once a rank gives up
     std::atomic<std::uint32_t> abandoned_by{0};  // then 1 + that rank, once `why` is written
-    char why[240] = {};
+    std::atomic<std::uint32_t> timed_out{0};     // written before abandoned_by: 1 for a timeout
+    char why[236] = {};
   };
   static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
                 std::atomic<std::uint32_t>::is_always_lock_free);
@@ -3357,14 +3360,14 @@ class shm_segment {
           const char* why = head().why;
           throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
                                 std::string(why, ::strnlen(why, sizeof head().why)),
-                            false);
+                            head().timed_out.load(std::memory_order_relaxed) != 0);
         }
         const auto now = std::chrono::steady_clock::now();
         if (now >= deadline) {
           std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
                             " did not come within the timeout (" + std::to_string(timeout.count()) +
                             " ms): timed out";
-          abandon(why);
+          abandon(why, true);
           throw shm_failure(why, true);
         }
         const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
@@ -3815,7 +3818,15 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
     failure = gloo_failure(std::current_exception(), t.work->description());
     s.mark_unusable(message_of(failure));
 #if DTRAIN_HAS_SHM()
-    s.shm.abandon(message_of(failure));  // peers waiting in the segment stop now
+    // Peers waiting in the segment stop now, with a timeout if this was one.
+    bool timed_out = false;
+    try {
+      std::rethrow_exception(failure);
+    } catch (const timeout_error&) {
+      timed_out = true;
+    } catch (...) {
+    }
+    s.shm.abandon(message_of(failure), timed_out);
 #endif
   }
   t.work->finish(std::move(failure));

@@ -214,6 +214,7 @@ TEST_CASE(
   group g{2, {}, {}};
   std::string stalled, abandoned;
   bool timed_out = false;
+  bool abandoned_timed_out = true;
   g.run([&](shm_segment& s, int rank) {
     std::vector<double> data(10, 1.0);
     if (rank == 1) {  // alive, but late for the first, then gives up
@@ -247,10 +248,34 @@ TEST_CASE(
       s.allreduce(data.data(), data.data(), data.size(), reduce_op::sum, 20s);
     } catch (const shm_failure& e) {
       abandoned = e.what();
+      abandoned_timed_out = e.timed_out();
     }
     return 0;
   });
   CHECK_MESSAGE(abandoned.find("rank 1 gave up on this allreduce") != std::string::npos, abandoned);
+  CHECK_FALSE(abandoned_timed_out);
+
+  // A peer that gave up at its timeout makes this rank's failure a timeout too.
+  group t{2, {}, {}};
+  t.run([&](shm_segment& s, int rank) {
+    std::vector<double> data(10, 1.0);
+    if (rank == 1) {
+      s.abandon("rank 2 did not come within the timeout", true);
+      ::usleep(300'000);
+      return 0;
+    }
+    try {
+      s.allreduce(data.data(), data.data(), data.size(), reduce_op::sum, 20s);
+    } catch (const shm_failure& e) {
+      abandoned = e.what();
+      abandoned_timed_out = e.timed_out();
+    }
+    return 0;
+  });
+  CHECK_MESSAGE(
+      abandoned.find("rank 1 gave up on this allreduce: rank 2 did not come") != std::string::npos,
+      abandoned);
+  CHECK(abandoned_timed_out);
 }
 
 TEST_CASE("shm: a group of one copies") {

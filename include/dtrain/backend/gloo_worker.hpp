@@ -417,7 +417,15 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
     failure = gloo_failure(std::current_exception(), t.work->description());
     s.mark_unusable(message_of(failure));
 #if DTRAIN_HAS_SHM()
-    s.shm.abandon(message_of(failure));  // peers waiting in the segment stop now
+    // Peers waiting in the segment stop now, with a timeout if this was one.
+    bool timed_out = false;
+    try {
+      std::rethrow_exception(failure);
+    } catch (const timeout_error&) {
+      timed_out = true;
+    } catch (...) {
+    }
+    s.shm.abandon(message_of(failure), timed_out);
 #endif
   }
   t.work->finish(std::move(failure));
