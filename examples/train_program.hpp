@@ -105,7 +105,8 @@ class command_line {
   /// `--local_rank` is skipped; every other flag goes to handle(flag, value),
   /// which returns whether it took the flag (otherwise: exit 2, naming it).
   /// value() reads the flag's value (`--flag=V` or the next argument; exits 2
-  /// when missing).
+  /// when missing). A flag taken without reading its value is a switch, and
+  /// `--switch=V` exits 2.
   template <class Handle>
   void each_flag(int argc, char** argv, const std::string& usage, Handle handle) const {
     for (int i = 1; i < argc; ++i) {
@@ -127,12 +128,17 @@ class command_line {
         text = arg.substr(eq + 1);
         inline_value = true;
       }
+      bool read = false;
       auto value = [&]() -> std::string_view {
+        read = true;
         if (inline_value) return text;
         if (i + 1 >= argc) bad_flag(std::string(flag) + " needs a value");
         return argv[++i];
       };
       if (!handle(flag, value)) bad_flag("unknown flag " + std::string(arg));
+      // A switch (a flag the handler took without its value) given one: --no-overlap=0.
+      if (inline_value && !read)
+        bad_flag(std::string(flag) + " takes no value: " + std::string(arg));
     }
   }
 
