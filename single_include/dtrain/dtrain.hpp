@@ -2193,14 +2193,23 @@ struct desync_report {
 /// "rank 2", "ranks 0, 1, 3".
 inline std::string name_ranks(std::span<const int> ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
   return out;
 }
 
 namespace desync {
 
 inline std::string at(const call_record& r, bool with_op = false) {
-  return "#" + std::to_string(r.seq) + " " + describe_call(r, with_op);
+  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
+  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
+  std::string out = "#";
+  out += std::to_string(r.seq);
+  out += ' ';
+  out += describe_call(r, with_op);
+  return out;
 }
 
 // What differs between two calls with the same sequence number, for the summary.
@@ -2292,9 +2301,10 @@ inline desync_report analyse(std::span<const rank_ring> rings) {
     for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
     std::string line;
     for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
-      line += (line.empty() ? "" : "; ") + name_ranks(groups[i].ranks) +
-              (groups[i].ranks.size() == 1 ? " is in " : " are in ") +
-              desync::at(*groups[i].call, ops);
+      if (!line.empty()) line += "; ";
+      line += name_ranks(groups[i].ranks);
+      line += groups[i].ranks.size() == 1 ? " is in " : " are in ";
+      line += desync::at(*groups[i].call, ops);
     }
     line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
             " for the same collective";

@@ -104,8 +104,10 @@ std::string describe(const std::vector<std::vector<std::size_t>>& layout) {
   std::string out;
   for (const auto& bucket : layout) {
     out += out.empty() ? "{" : " {";
-    for (std::size_t i = 0; i < bucket.size(); ++i)
-      out += (i ? "," : "") + std::to_string(bucket[i]);
+    for (std::size_t i = 0; i < bucket.size(); ++i) {
+      if (i) out += ",";
+      out += std::to_string(bucket[i]);
+    }
     out += "}";
   }
   return out;

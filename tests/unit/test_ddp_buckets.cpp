@@ -27,6 +27,13 @@ using dtrain::dtype;
 using dtrain::parameter;
 using layout_t = std::vector<std::vector<std::size_t>>;
 
+/// "p3": appended, as GCC 12 reports a false -Wrestrict for "p" + std::to_string(3) at -O2.
+std::string numbered(const char* prefix, std::size_t i) {
+  std::string name = prefix;
+  name += std::to_string(i);
+  return name;
+}
+
 /// A parameter as assign_buckets sees it: only name, count, type and device matter.
 parameter fake(std::string name, std::size_t count, dtype type = dtype::float32, int device = -1) {
   parameter p;
@@ -39,7 +46,7 @@ parameter fake(std::string name, std::size_t count, dtype type = dtype::float32,
 /// `n` float parameters of `count` elements each, named p0, p1, ...
 std::vector<parameter> floats(std::size_t n, std::size_t count) {
   std::vector<parameter> ps;
-  for (std::size_t i = 0; i < n; ++i) ps.push_back(fake("p" + std::to_string(i), count));
+  for (std::size_t i = 0; i < n; ++i) ps.push_back(fake(numbered("p", i), count));
   return ps;
 }
 
@@ -53,10 +60,17 @@ std::string show(const std::vector<bucket_info>& buckets) {
   std::string s;
   for (const auto& b : buckets) {
     s += "[";
-    for (std::size_t i = 0; i < b.parameters.size(); ++i)
-      s += (i ? "," : "") + std::to_string(b.parameters[i]);
-    s += " " + std::string(dtrain::to_string(b.type)) + " dev " + std::to_string(b.device) + " " +
-         std::to_string(b.bytes) + "B] ";
+    for (std::size_t i = 0; i < b.parameters.size(); ++i) {
+      if (i) s += ",";
+      s += std::to_string(b.parameters[i]);
+    }
+    s += " ";
+    s += dtrain::to_string(b.type);
+    s += " dev ";
+    s += std::to_string(b.device);
+    s += " ";
+    s += std::to_string(b.bytes);
+    s += "B] ";
   }
   return s;
 }
@@ -77,8 +91,8 @@ layout_t sorted(layout_t l) {
 std::vector<parameter> mlp(const std::vector<std::size_t>& dims) {
   std::vector<parameter> ps;
   for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
-    ps.push_back(fake("w" + std::to_string(l + 1), dims[l] * dims[l + 1]));
-    ps.push_back(fake("b" + std::to_string(l + 1), dims[l + 1]));
+    ps.push_back(fake(numbered("w", l + 1), dims[l] * dims[l + 1]));
+    ps.push_back(fake(numbered("b", l + 1), dims[l + 1]));
   }
   return ps;
 }
@@ -211,7 +225,7 @@ TEST_CASE(
   // f0 d1 f2 d3 f4 d5, filled in reverse: d5 comes first, so the float64 bucket launches first.
   std::vector<parameter> ps;
   for (std::size_t i = 0; i < 6; ++i) {
-    ps.push_back(fake("p" + std::to_string(i), 100, i % 2 ? dtype::float64 : dtype::float32));
+    ps.push_back(fake(numbered("p", i), 100, i % 2 ? dtype::float64 : dtype::float32));
   }
   const auto buckets = assign(ps, dtrain::detail::reverse_order(6), 1 << 20, 1 << 20);
   check_partition(ps, buckets);
@@ -237,7 +251,7 @@ TEST_CASE("assign_buckets: each element type gets its own small first bucket") {
   // Four floats (400 B) and four doubles (800 B), interleaved; first cap 400 B.
   std::vector<parameter> ps;
   for (std::size_t i = 0; i < 8; ++i) {
-    ps.push_back(fake("p" + std::to_string(i), 100, i % 2 ? dtype::float64 : dtype::float32));
+    ps.push_back(fake(numbered("p", i), 100, i % 2 ? dtype::float64 : dtype::float32));
   }
   const auto buckets = assign(ps, dtrain::detail::reverse_order(8), 400, 1 << 20);
   check_partition(ps, buckets);
@@ -289,8 +303,7 @@ TEST_CASE(
     for (std::size_t i = 0; i < n; ++i) {
       const dtype t =
           rng() % 3 == 0 ? dtype::float64 : (rng() % 4 == 0 ? dtype::bfloat16 : dtype::float32);
-      ps.push_back(
-          fake("p" + std::to_string(i), 1 + rng() % 300, t, static_cast<int>(rng() % 2) - 1));
+      ps.push_back(fake(numbered("p", i), 1 + rng() % 300, t, static_cast<int>(rng() % 2) - 1));
     }
     std::vector<std::size_t> order(n);
     std::iota(order.begin(), order.end(), std::size_t{0});
