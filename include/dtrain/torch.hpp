@@ -215,15 +215,24 @@ class DistributedDataParallel {
         comm_(ctx.communicator().split(0, ctx.communicator().rank())),
         rank_(ctx.communicator().rank()),
         size_(ctx.communicator().size()) {
-    if (!options.gradient_as_bucket_view) {
-      throw config_error(
-          "dtrain::torch::DistributedDataParallel on rank " + std::to_string(rank_) +
-          ": ddp_options::gradient_as_bucket_view = false is not supported; every .grad() is a "
-          "view of dtrain's bucket storage (no copies), and stays one after synchronize()");
-    }
     std::vector<parameter> params;
     std::vector<parameter> buffers;
-    collect(params, buffers);
+    std::string problem;
+    if (!options.gradient_as_bucket_view) {
+      problem =
+          "dtrain::torch::DistributedDataParallel on rank " + std::to_string(rank_) +
+          ": ddp_options::gradient_as_bucket_view = false is not supported; every .grad() is a "
+          "view of dtrain's bucket storage (no copies), and stays one after synchronize()";
+    } else {
+      try {
+        collect(params, buffers);
+      } catch (const config_error& e) {
+        problem = e.what();
+      }
+    }
+    // A module this rank cannot take stops every rank, each with a message (not only this one,
+    // leaving the others to find it gone).
+    agree_on(ctx, problem);
     stream_type stream = current_stream();
     core_.emplace(ctx, std::move(params), std::move(buffers), std::move(options));
     if constexpr (memory_space::on_stream) core_->set_stream(stream);
@@ -458,6 +467,20 @@ class DistributedDataParallel {
     }
     touched_.assign(slots_.size(), false);
     walked_unused_.assign(slots_.size(), false);
+  }
+
+  /// Collective: throws config_error on every rank when some rank has a
+  /// problem (that rank's own message; the others name it).
+  template <class Context>
+  void agree_on(Context& ctx, const std::string& problem) {
+    if constexpr (communicator_type::reaches_host_memory) {
+      communicator_channel<communicator_type> channel(comm_);
+      control_plane control(channel);
+      dtrain::detail::agree_on_model(control, {}, {}, problem);
+    } else {
+      control_plane control = ctx.control_plane();
+      dtrain::detail::agree_on_model(control, {}, {}, problem);
+    }
   }
 
   void hook() {

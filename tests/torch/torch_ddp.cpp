@@ -5,7 +5,8 @@
 // find_unused_parameters, and with bf16 compression (within its rounding).
 // Also: every .grad() is a view of the buckets, the buffers are broadcast,
 // the first bucket's allreduce starts before backward() returns, and a
-// module that differs across ranks is refused, naming the parameter.
+// module that differs across ranks, or that one rank cannot take, is refused
+// on every rank, naming the parameter.
 //
 // Exit status 0 when every check passes; 1 and the failed checks on stderr otherwise.
 
@@ -351,6 +352,29 @@ void check_mismatch(dtrain::context<Policy>& ctx) {
   }
 }
 
+// A module that one rank cannot take (there: a parameter that is not
+// contiguous) is refused on every rank: that rank names the parameter, the
+// others name that rank (before, they waited in the model agreement for a
+// rank that had gone on without them).
+void check_local_refusal(dtrain::context<Policy>& ctx) {
+  if (ctx.size() < 2) return;
+  Net net = make_net(1000);
+  if (ctx.rank() == 1) {
+    const torch::NoGradGuard no_grad;
+    net->fc->weight.set_data(net->fc->weight.detach().t().contiguous().t());
+  }
+  try {
+    dtrain::torch::DistributedDataParallel ddp(ctx, net);
+    check(false, ctx.rank(), "local refusal: a non-contiguous parameter was accepted");
+  } catch (const dtrain::config_error& e) {
+    const std::string what = e.what();
+    const std::string expected = ctx.rank() == 1 ? "'fc.weight' is not contiguous" : "rank 1";
+    check(what.find(expected) != std::string::npos, ctx.rank(),
+          "local refusal: the error does not say \"" + expected + "\": " + what);
+    if (ctx.rank() == 0) std::printf("a rank's refusal stops every rank: %s\n", e.what());
+  }
+}
+
 // The torch::data sampler: next() walks this rank's shard, reset() starts over.
 void check_sampler(int rank) {
   dtrain::torch::distributed_sampler sampler(37, 1, 4, {.seed = 3});
@@ -390,6 +414,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_walk_error(ctx);
   check_tied(ctx);
   check_mismatch(ctx);
+  check_local_refusal(ctx);
   check_sampler(ctx.rank());
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array<std::int64_t, 1>{failures}, all).wait();
