@@ -145,8 +145,7 @@ int measure(dtrain::context<Policy>& ctx, const settings& s) {
   };
   auto dtrain_step = [&] {
     const auto [x, y] = batch();
-    torch::nn::functional::cross_entropy(ddp(x), y).backward();
-    ddp.synchronize();
+    torch::nn::functional::cross_entropy(ddp(x), y).backward();  // returns with averaged grads
     optimizer.step();
     ddp.zero_grad();
   };

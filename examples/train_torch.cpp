@@ -131,8 +131,9 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
                           y = train_set.y.index_select(0, index);
       const torch::Tensor logits = ddp(x);
       const torch::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
-      loss.backward();    // buckets are averaged as autograd finishes their gradients
-      ddp.synchronize();  // every .grad() now holds the mean over every rank's batch
+      // Buckets are averaged as autograd finishes their gradients; when backward() returns,
+      // every .grad() holds the mean over every rank's batch, as with PyTorch's DDP.
+      loss.backward();
       optimizer.step();
       ddp.zero_grad();
       totals[0] += loss.item<double>() * static_cast<double>(x.size(0));

@@ -15,7 +15,7 @@
 #   7 ddp         ddp/           DistributedDataParallel and its parts
 #   8 launch      launch/        the node agent, its protocol, the worker's end
 #   9 runtime     diagnostics.hpp, context.hpp, run.hpp, compiled.hpp
-#  10 all         dtrain.hpp     includes everything; torch.hpp (LibTorch, optional) builds on it
+#  10 all         dtrain.hpp     includes everything; torch.hpp, torch/ (LibTorch, optional) build on it
 #
 # A header that fits no layer fails the check too: place it here first.
 
@@ -54,7 +54,7 @@ function(layer_of path out)
     set(layer 8)
   elseif(path MATCHES "^(diagnostics|context|run|compiled)\\.hpp$")
     set(layer 9)
-  elseif(path MATCHES "^(dtrain|torch)\\.hpp$")
+  elseif(path MATCHES "^(dtrain|torch)\\.hpp$" OR path MATCHES "^torch/")
     set(layer 10)
   else()
     set(layer -1)

@@ -3,9 +3,11 @@
 # not) by cmake/dtrain_torch.cmake.
 #
 # torch.ddp.<engine>.<N>ranks: N ranks end with the weights of one process on
-#   the full batch (plain, no_sync, unused branch, compression), .grad() are
-#   bucket views, buffers are broadcast, the first bucket starts inside
-#   backward(), a differing module is refused (torch_ddp.cpp).
+#   the full batch (plain, no_sync, unused branch, compression), with backward()
+#   alone completing each step, .grad() are bucket views, buffers are
+#   broadcast, the first bucket starts inside backward(), a differing module
+#   and an incomplete step are errors naming the parameters (torch_ddp.cpp).
+# dtrain_torch_header_checks: each header under dtrain/torch/ compiles on its own.
 # torch.demo: dtrain_train_torch under its own per-node launcher, 4 workers.
 # compile.torch_strict_<engine>: the header under users' strict warnings (Release
 #   stage only: tools/test's Debug stage runs compile.strict_*).
@@ -31,6 +33,14 @@ foreach(dir IN LISTS TORCH_INCLUDE_DIRS)
     set(torch_cuda_headers ON)
   endif()
 endforeach()
+
+# Each header under dtrain/torch/ on its own, as dtrain_header_checks does the others.
+if(TARGET dtrain::gloo)
+  file(GLOB torch_headers CONFIGURE_DEPENDS RELATIVE "${PROJECT_SOURCE_DIR}/include"
+       "${PROJECT_SOURCE_DIR}/include/dtrain/torch/*.hpp")
+  dtrain_add_header_checks(dtrain_torch_header_checks "${torch_headers}" dtrain::gloo
+                           dtrain_torch_libraries)
+endif()
 
 function(add_torch_test_program target engine)
   add_executable(${target} torch/torch_ddp.cpp)

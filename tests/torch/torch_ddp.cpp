@@ -3,10 +3,14 @@
 // batch: a conv + batch-norm + linear LibTorch model must end with the same
 // weights, plainly, with no_sync() accumulation, with an unused branch and
 // find_unused_parameters, and with bf16 compression (within its rounding).
+// backward() alone completes each step, as in PyTorch; synchronize() after it
+// changes nothing, and completes a step that backward() could not.
 // Also: every .grad() is a view of the buckets, the buffers are broadcast,
 // the first bucket's allreduce starts before backward() returns, and a
 // module that differs across ranks, or that one rank cannot take, is refused
-// on every rank, naming the parameter.
+// on every rank, naming the parameter; a step left incomplete (parameters
+// without a gradient) is an error naming them; an undefined gradient is a
+// zero contribution.
 //
 // Exit status 0 when every check passes; 1 and the failed checks on stderr otherwise.
 
@@ -119,6 +123,10 @@ struct variant {
   // must copy into its buckets, and an unused parameter's stale bucket slot
   // must not be sent).
   enum { optimizer, ddp, none } zeroing = optimizer;
+  // How each step is completed: by backward() alone (as in PyTorch), by
+  // synchronize() after it as well, or (with `ddp->forward(x)`, which walks
+  // no graph for unused parameters) by synchronize() only.
+  enum { by_backward, synchronize_after, forward_without_walk } completion = by_backward;
   double tolerance = 1e-5;
 };
 
@@ -186,16 +194,21 @@ void train_data_parallel(dtrain::context<Policy>& ctx, const variant& v) {
   torch::optim::SGD opt(net->parameters(),
                         torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
   for (int step = 0; step < steps; ++step) {
-    if (step == 1 && rank != 0) {
+    // The next ddp(x) must undo this (ddp->forward(x) broadcasts no buffers).
+    if (step == 1 && rank != 0 && v.completion != variant::forward_without_walk) {
       torch::NoGradGuard no_grad;
-      net->bn->running_mean.add_(1.0);  // the next forward() must undo this
+      net->bn->running_mean.add_(1.0);
     }
     for (int m = 0; m < v.micro; ++m) {
       const batch b = data(step, m);
       auto x = b.x.narrow(0, rank * shard, shard), y = b.y.narrow(0, rank * shard, shard);
       torch::Tensor mask = branch_of(v, step, size);
       if (mask.defined()) mask = mask.narrow(0, rank * shard, shard);
-      auto loss = [&] { return torch::nn::functional::cross_entropy(ddp(x, mask), y); };
+      auto loss = [&] {
+        return torch::nn::functional::cross_entropy(
+            v.completion == variant::forward_without_walk ? ddp->forward(x, mask) : ddp(x, mask),
+            y);
+      };
       if (m + 1 < v.micro) {
         auto guard = ddp.no_sync();
         loss().backward();
@@ -203,8 +216,8 @@ void train_data_parallel(dtrain::context<Policy>& ctx, const variant& v) {
         loss().backward();
       }
     }
-    ddp.synchronize();
-    if (step == 1) {
+    if (v.completion != variant::by_backward) ddp.synchronize();
+    if (step == 1 && v.completion != variant::forward_without_walk) {
       const auto ref = make_net(1000, v.branches);
       check(torch::equal(net->bn->running_mean, ref->bn->running_mean), rank,
             std::string(v.name) + ": bn.running_mean was not rank 0's after forward()");
@@ -375,6 +388,118 @@ void check_local_refusal(dtrain::context<Policy>& ctx) {
   }
 }
 
+// `call` must throw dtrain::error with every one of `words` in its message.
+template <class Call>
+void expect_error(int rank, const std::string& what, Call&& call,
+                  std::initializer_list<const char*> words) {
+  try {
+    call();
+    check(false, rank, what + ": no error");
+  } catch (const dtrain::error& e) {
+    const std::string message = e.what();
+    for (const char* word : words) {
+      check(message.find(word) != std::string::npos, rank,
+            what + ": the error does not say \"" + word + "\": " + message);
+    }
+    if (rank == 0) std::printf("%s: %s\n", what.c_str(), e.what());
+  }
+}
+
+// A step that backward() cannot complete (parameters that got no gradient)
+// is an error naming them at whatever would begin the next step: ddp(x),
+// the next backward() (after ddp->forward(x)), zero_grad(); and, without
+// find_unused_parameters, at synchronize(). With it, synchronize() completes
+// the step with zeros for them.
+void check_incomplete_step(dtrain::context<Policy>& ctx) {
+  const batch b = data(0, 0);
+  const std::int64_t shard = global_batch / ctx.size();
+  const auto x = b.x.narrow(0, ctx.rank() * shard, shard);
+  const auto y = b.y.narrow(0, ctx.rank() * shard, shard);
+  {
+    Net net = make_net(1000, true);  // aux and never are not used
+    dtrain::torch::DistributedDataParallel ddp(ctx, net, {.always_reduce = on_gpu});
+    torch::nn::functional::cross_entropy(ddp(x), y).backward();
+    const auto words = {"step 0 is not complete", "no gradient to 4 of 10 parameters",
+                        "'aux.weight', 'aux.bias', 'never.weight', 'never.bias'",
+                        "find_unused_parameters = true"};
+    expect_error(
+        ctx.rank(), "ddp(x) after an incomplete step", [&] { ddp(x); }, words);
+    expect_error(
+        ctx.rank(), "zero_grad() in an incomplete step", [&] { ddp.zero_grad(); }, words);
+    expect_error(
+        ctx.rank(), "synchronize() without find_unused_parameters", [&] { ddp.synchronize(); },
+        words);
+  }
+  {
+    Net net = make_net(1000, true);
+    dtrain::torch::DistributedDataParallel ddp(
+        ctx, net, {.find_unused_parameters = true, .always_reduce = on_gpu});
+    auto step = [&] { torch::nn::functional::cross_entropy(ddp->forward(x), y).backward(); };
+    step();
+    expect_error(ctx.rank(), "a second backward() after ddp->forward(x)", step,
+                 {"step 0 is not complete", "autograd wrote the gradient of 'fc.bias'",
+                  "'aux.weight', 'aux.bias', 'never.weight', 'never.bias'", "through ddp(x)",
+                  "ddp.synchronize()"});
+    ddp.synchronize();  // completes step 0 (zeros for aux and never)
+    check(ddp.steps() == 1, ctx.rank(),
+          "incomplete step: synchronize() with find_unused_parameters did not complete it");
+  }
+  {
+    // Two forward passes before one backward(): the graph walk of the last one counts, as in
+    // PyTorch (the first finds aux unused, the second uses it).
+    Net net = make_net(1000, true);
+    dtrain::torch::DistributedDataParallel ddp(
+        ctx, net, {.find_unused_parameters = true, .always_reduce = on_gpu});
+    (void)ddp(x);
+    torch::nn::functional::cross_entropy(ddp(x, torch::ones({shard}, device())), y).backward();
+    check(ddp.steps() == 1 && net->aux->weight.grad().defined(), ctx.rank(),
+          "two forwards: the step after the second forward's walk did not complete with aux used");
+  }
+}
+
+// Autograd may reach a parameter's accumulator with no gradient at all (a
+// function whose backward returns an undefined tensor). Its .grad() then
+// contributes zero, as in PyTorch's DDP, and not what its bucket slot held
+// from the step before.
+struct no_gradient : torch::autograd::Function<no_gradient> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    return {torch::Tensor()};
+  }
+};
+struct PairImpl : torch::nn::Module {
+  PairImpl() {
+    a = register_module("a", torch::nn::Linear(6, 3));
+    b = register_module("b", torch::nn::Linear(6, 3));
+  }
+  torch::Tensor forward(torch::Tensor x, bool drop_b) {
+    const torch::Tensor h = b(x);
+    return a(x) + (drop_b ? no_gradient::apply(h) : h);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Pair);
+
+void check_undefined_gradient(dtrain::context<Policy>& ctx) {
+  torch::manual_seed(9);
+  Pair pair;
+  pair->to(device());
+  dtrain::torch::DistributedDataParallel ddp(ctx, pair, {.always_reduce = on_gpu});
+  torch::manual_seed(10 + static_cast<std::uint64_t>(ctx.rank()));
+  const torch::Tensor x = torch::randn({4, 6}).to(device());
+  ddp(x, false).square().mean().backward();  // b's bucket slots now hold its mean gradient
+  for (torch::Tensor& p : pair->parameters()) p.mutable_grad() = torch::Tensor();
+  ddp(x, true).square().mean().backward();
+  for (const torch::Tensor& g : {pair->b->weight.grad(), pair->b->bias.grad()}) {
+    check(g.defined() && g.abs().max().item<double>() == 0.0, ctx.rank(),
+          "undefined gradient: b's .grad() is not zero after a backward() that gave it none");
+  }
+  if (ctx.rank() == 0) std::printf("an undefined gradient contributes zero\n");
+}
+
 // The torch::data sampler: next() walks this rank's shard, reset() starts over.
 void check_sampler(int rank) {
   dtrain::torch::distributed_sampler sampler(37, 1, 4, {.seed = 3});
@@ -398,12 +523,16 @@ int run_checks(dtrain::context<Policy>& ctx) {
   torch::set_num_threads(1);
   const variant variants[] = {
       {.name = "plain"},
+      {.name = "plain, synchronize()", .completion = variant::synchronize_after},
       {.name = "plain, ddp.zero_grad()", .zeroing = variant::ddp},
       {.name = "plain, grads set to none", .zeroing = variant::none},
       {.name = "no_sync (2 micro-batches)", .micro = 2},
       {.name = "unused branch", .branches = true},
       {.name = "unused branch + no_sync", .micro = 2, .branches = true},
       {.name = "unused, grads set to none", .branches = true, .zeroing = variant::none},
+      {.name = "unused, ddp->forward(x)",
+       .branches = true,
+       .completion = variant::forward_without_walk},
       {.name = "bf16 compression",
        .compression = dtrain::gradient_compression::bfloat16,
        .tolerance = 2e-2},
@@ -415,6 +544,8 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_tied(ctx);
   check_mismatch(ctx);
   check_local_refusal(ctx);
+  check_incomplete_step(ctx);
+  check_undefined_gradient(ctx);
   check_sampler(ctx.rank());
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array<std::int64_t, 1>{failures}, all).wait();

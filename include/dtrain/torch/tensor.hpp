@@ -1,0 +1,98 @@
+#pragma once
+/// @file
+/// LibTorch tensors as dtrain sees them: their memory as a dtrain::buffer
+/// (a config_error naming the tensor when dtrain cannot move it), and the
+/// slot through which a parameter's .grad() follows its bucket.
+
+#include <dtrain/dtrain.hpp>
+
+#include <torch/torch.h>
+
+#include <cstddef>
+#include <exception>
+#include <optional>
+#include <string>
+
+namespace dtrain::torch::detail {
+
+/// The dtrain element type of a LibTorch scalar type, if dtrain moves it.
+[[nodiscard]] inline std::optional<dtype> element_of(c10::ScalarType t) noexcept {
+  switch (t) {
+    case c10::ScalarType::Float: return dtype::float32;
+    case c10::ScalarType::Double: return dtype::float64;
+    case c10::ScalarType::Half: return dtype::float16;
+    case c10::ScalarType::BFloat16: return dtype::bfloat16;
+    case c10::ScalarType::Int: return dtype::int32;
+    case c10::ScalarType::Long: return dtype::int64;
+    case c10::ScalarType::Byte: return dtype::uint8;
+    default: return std::nullopt;
+  }
+}
+
+/// The tensor's memory as a dtrain buffer; config_error naming `what` and
+/// the rank when dtrain cannot move it as it is.
+[[nodiscard]] inline buffer buffer_of(const ::torch::Tensor& t, const std::string& what, int rank) {
+  auto refuse = [&](const std::string& why) {
+    throw config_error("dtrain::torch::DistributedDataParallel on rank " + std::to_string(rank) +
+                       ": " + what + " " + why);
+  };
+  if (!t.defined()) refuse("is undefined");
+  if (t.layout() != c10::kStrided)
+    refuse("is not a dense tensor (sparse tensors are not supported)");
+  if (!t.is_contiguous()) {
+    refuse("is not contiguous (shape " + c10::str(t.sizes()) + ", strides " +
+           c10::str(t.strides()) + "); make it contiguous before wrapping the module");
+  }
+  const std::optional<dtype> type = element_of(t.scalar_type());
+  if (!type)
+    refuse(std::string("has element type ") + c10::toString(t.scalar_type()) +
+           ", which dtrain does not move");
+  if (t.is_cuda()) {
+    return {t.data_ptr(), static_cast<std::size_t>(t.numel()), *type, memory::device,
+            t.device().index()};
+  }
+  if (!t.is_cpu())
+    refuse("is on device " + t.device().str() + "; dtrain moves CPU and CUDA tensors");
+  return {t.data_ptr(), static_cast<std::size_t>(t.numel()), *type, memory::host, -1};
+}
+
+/// Where a parameter's .grad() lives while DDP holds it; dtrain::parameter's
+/// gradient_slot points here, and rebind_gradient moves .grad() when the
+/// buckets are laid out again.
+struct gradient_slot {
+  ::torch::Tensor param;  // shares the parameter's TensorImpl: .grad() is set through it
+  ::torch::Tensor
+      original;           // its .grad() when DDP took it (undefined if none): given back at the end
+  void* place = nullptr;  // the bucket storage of its gradient now
+  std::string failure;    // what went wrong in rebind_gradient (it may not throw)
+
+  /// A tensor over the bucket storage, shaped and typed like the parameter.
+  [[nodiscard]] ::torch::Tensor view() const {
+    return ::torch::from_blob(
+        place, param.sizes(),
+        ::torch::TensorOptions().dtype(param.scalar_type()).device(param.device()));
+  }
+};
+
+/// dtrain::parameter::rebind for a LibTorch parameter. `storage` is the new
+/// bucket place; at the end it is the original gradient's storage, or null.
+inline void rebind_gradient(void* slot, void* storage) noexcept {
+  auto& s = *static_cast<gradient_slot*>(slot);
+  try {
+    ::torch::Tensor& grad = s.param.mutable_grad();
+    const bool had = grad.defined();  // an undefined .grad() stays so (the parameter is unused)
+    if (storage == nullptr) {
+      // DDP ends and the module had no gradient of its own: keep the values.
+      if (had) grad = grad.clone();
+    } else if (s.original.defined() && storage == s.original.data_ptr()) {
+      if (had) grad = s.original;
+    } else {
+      s.place = storage;
+      if (had) grad = s.view();
+    }
+  } catch (const std::exception& e) {
+    if (s.failure.empty()) s.failure = e.what();
+  }
+}
+
+}  // namespace dtrain::torch::detail
