@@ -519,6 +519,43 @@ void check_sampler(int rank) {
         "sampler: reset(8) did not lay out 8 samples over 4 ranks");
 }
 
+// Each sample is its own index, so a data loader's batches show the order it drew.
+struct index_dataset : torch::data::datasets::Dataset<index_dataset> {
+  torch::data::Example<> get(std::size_t i) override {
+    return {torch::tensor(static_cast<std::int64_t>(i)), torch::tensor(0)};
+  }
+  torch::optional<std::size_t> size() const override { return 37; }
+};
+
+// With torch::data::make_data_loader, which keeps a copy of the sampler: each
+// epoch is this rank's shard, and set_epoch() on the caller's sampler
+// reshuffles the loader's (with and without worker threads).
+void check_sampler_in_loader(int rank) {
+  for (const std::size_t workers : {0, 2}) {
+    dtrain::torch::distributed_sampler sampler(37, 1, 4, {.seed = 3});
+    auto loader = torch::data::make_data_loader(
+        index_dataset{}.map(torch::data::transforms::Stack<>()), sampler,
+        torch::data::DataLoaderOptions().batch_size(4).workers(workers));
+    std::vector<std::size_t> previous;
+    for (std::uint64_t epoch = 0; epoch < 3; ++epoch) {
+      sampler.set_epoch(epoch);
+      std::vector<std::size_t> drawn;
+      for (const auto& batch : *loader) {
+        for (std::int64_t k = 0; k < batch.data.size(0); ++k)
+          drawn.push_back(static_cast<std::size_t>(batch.data[k].item<std::int64_t>()));
+      }
+      const auto shard = sampler.shard().indices();
+      const std::string where = "sampler in a data loader (" + std::to_string(workers) +
+                                " workers), epoch " + std::to_string(epoch);
+      check(drawn == std::vector<std::size_t>(shard.begin(), shard.end()), rank,
+            where + ": the loader did not draw this epoch's shard");
+      check(drawn != previous, rank, where + ": the same order as the epoch before");
+      previous = drawn;
+    }
+  }
+  if (rank == 0) std::printf("sampler in torch::data::make_data_loader: reshuffled per epoch\n");
+}
+
 int run_checks(dtrain::context<Policy>& ctx) {
   torch::set_num_threads(1);
   const variant variants[] = {
@@ -547,6 +584,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_incomplete_step(ctx);
   check_undefined_gradient(ctx);
   check_sampler(ctx.rank());
+  check_sampler_in_loader(ctx.rank());
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array<std::int64_t, 1>{failures}, all).wait();
   std::int64_t total = 0;
