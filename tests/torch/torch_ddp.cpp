@@ -500,6 +500,32 @@ void check_undefined_gradient(dtrain::context<Policy>& ctx) {
   if (ctx.rank() == 0) std::printf("an undefined gradient contributes zero\n");
 }
 
+// What fails while backward() completes the step (here a communication hook,
+// on every rank alike) is thrown by backward(), with its type and message;
+// the wrapper then refuses further steps, naming that failure.
+void check_failure_in_backward(dtrain::context<Policy>& ctx) {
+  Net net = make_net(1000);
+  dtrain::torch::DistributedDataParallel ddp(ctx, net, {.always_reduce = on_gpu});
+  ddp.register_comm_hook([](auto&, dtrain::gradient_bucket&) -> dtrain::work {
+    throw dtrain::backend_error("test: the communication hook fails", 7);
+  });
+  const batch b = data(0, 0);
+  const std::int64_t shard = global_batch / ctx.size();
+  auto step = [&] {
+    torch::nn::functional::cross_entropy(ddp(b.x.narrow(0, ctx.rank() * shard, shard)),
+                                         b.y.narrow(0, ctx.rank() * shard, shard))
+        .backward();
+  };
+  try {
+    step();
+    check(false, ctx.rank(), "failure in backward(): backward() returned");
+  } catch (const dtrain::backend_error& e) {
+    check(std::string(e.what()).find("the communication hook fails") != std::string::npos,
+          ctx.rank(), std::string("failure in backward(): another message: ") + e.what());
+  }
+  expect_error(ctx.rank(), "the step after a failed one", step, {"the communication hook fails"});
+}
+
 // The torch::data sampler: next() walks this rank's shard, reset() starts over.
 void check_sampler(int rank) {
   dtrain::torch::distributed_sampler sampler(37, 1, 4, {.seed = 3});
@@ -583,6 +609,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_local_refusal(ctx);
   check_incomplete_step(ctx);
   check_undefined_gradient(ctx);
+  check_failure_in_backward(ctx);
   check_sampler(ctx.rank());
   check_sampler_in_loader(ctx.rank());
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
