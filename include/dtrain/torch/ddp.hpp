@@ -152,8 +152,9 @@ class DistributedDataParallel {
       }
     }
     // A module this rank cannot take stops every rank, each with a message (not only this one,
-    // leaving the others to find it gone).
-    agree_on(ctx, problem);
+    // leaving the others to find it gone), over the control plane basic_ddp agrees on next.
+    control_plane control = ctx.control_plane();
+    dtrain::detail::agree_on_model(control, {}, {}, problem);
     stream_type stream = current_stream();
     // basic_ddp's report names parameters nobody marked, against a forgotten
     // mark_ready; autograd marks here, and PyTorch reports nothing either.
@@ -321,9 +322,8 @@ class DistributedDataParallel {
       core_->mark_ready(i);  // recorded as accumulated; nothing is sent
       return;
     }
-    if (!backward_began_) {
+    if (!step_open()) {
       // As c10d's Reducer: what the graph walk found unused is ready once backward() begins.
-      backward_began_ = true;
       for (std::size_t k = 0; k < slots_.size(); ++k) {
         slot_state& unused = slots_[k];
         if (!unused.walked_unused || unused.ready) continue;
@@ -415,20 +415,6 @@ class DistributedDataParallel {
     }
   }
 
-  /// Collective: throws config_error on every rank when some rank has a
-  /// problem (that rank's own message; the others name it).
-  template <class Context>
-  void agree_on(Context& ctx, const std::string& problem) {
-    if constexpr (communicator_type::reaches_host_memory) {
-      communicator_channel<communicator_type> channel(comm_);
-      control_plane control(channel);
-      dtrain::detail::agree_on_model(control, {}, {}, problem);
-    } else {
-      control_plane control = ctx.control_plane();
-      dtrain::detail::agree_on_model(control, {}, {}, problem);
-    }
-  }
-
   void hook() {
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       slot_state& s = slots_[i];
@@ -495,7 +481,6 @@ class DistributedDataParallel {
       ~next_step() {
         for (slot_state& s : ddp.slots_) s.touched = s.ready = s.walked_unused = false;
         ddp.unready_ = ddp.slots_.size();
-        ddp.backward_began_ = false;
       }
     } at_exit{*this};
     if constexpr (memory_space::on_stream) {
@@ -513,10 +498,13 @@ class DistributedDataParallel {
     completed_ = true;
   }
 
-  /// Throws when some gradient of this step has arrived but the step was
-  /// not completed (`what` the user did cannot start the next one).
+  /// Whether some parameter is ready in this step (a gradient arrived outside
+  /// no_sync()) and the step is not complete yet.
+  [[nodiscard]] bool step_open() const noexcept { return unready_ != slots_.size(); }
+
+  /// Throws when the step is open (`what` the user did cannot start the next one).
   void check_step_closed(const std::string& what) const {
-    if (backward_began_ && no_sync_depth_ == 0) throw error(no_gradient_message(what));
+    if (step_open() && no_sync_depth_ == 0) throw error(no_gradient_message(what));
   }
 
   /// Why the step is still open, after `what`: the parameters that got no
@@ -662,9 +650,8 @@ class DistributedDataParallel {
   int size_;
   std::vector<slot_state> slots_;  // never resized after construction
   std::vector<::torch::Tensor> buffer_tensors_;
-  std::size_t unready_ = 0;      // parameters not ready in this step
-  bool backward_began_ = false;  // a gradient of this step arrived (outside no_sync())
-  bool completed_ = false;       // the last step is complete and nothing arrived since
+  std::size_t unready_ = 0;  // parameters not ready in this step
+  bool completed_ = false;   // the last step is complete and nothing arrived since
   int no_sync_depth_ = 0;
   std::mutex mutex_;  // autograd may run hooks on several threads (CPU and each GPU)
   std::optional<core_type> core_;
