@@ -12583,6 +12583,7 @@ void context<Policy>::finish() {
 #include <concepts>
 #include <cstddef>
 #include <ranges>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -12625,6 +12626,29 @@ void rebind_pointer(void* slot, void* storage) noexcept {
 template <class V>
 concept element_range =
     std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
+
+/// The parameters `pick(i)` selects, for a message: their names quoted and
+/// comma-separated, the first `shown` of them and then " and N more".
+struct picked_names {
+  std::string names;
+  std::size_t count = 0;
+};
+template <class Pick>
+[[nodiscard]] picked_names pick_names(std::span<const parameter> params, Pick&& pick,
+                                      std::size_t shown = 8) {
+  picked_names out;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!pick(i)) continue;
+    if (out.count < shown) {
+      out.names += out.count ? ", '" : "'";
+      out.names += params[i].name;
+      out.names += "'";
+    }
+    ++out.count;
+  }
+  if (out.count > shown) out.names += " and " + std::to_string(out.count - shown) + " more";
+  return out;
+}
 
 }  // namespace detail
 
@@ -14513,10 +14537,8 @@ void basic_ddp<Policy>::complete_marks() {
     if (!vars_[i].marked) missing.push_back(i);
   }
   if (!missing.empty() && !options_.find_unused_parameters) {
-    std::string names;
-    for (std::size_t k = 0; k < missing.size() && k < 8; ++k)
-      names += (k ? ", '" : "'") + params_[missing[k]].name + "'";
-    if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+    const std::string names =
+        detail::pick_names(params_, [&](std::size_t i) { return !vars_[i].marked; }).names;
     throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
                 " never marked " + std::to_string(missing.size()) + " of " +
                 std::to_string(params_.size()) + " parameters ready in step " +
@@ -14556,15 +14578,9 @@ void basic_ddp<Policy>::report_unused() {
   for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
     for (std::size_t w = 0; w < words; ++w) mine[w] |= all[r * words + w];
   }
-  std::string names;
-  std::size_t count = 0;
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (mine[i / 64] & (std::int64_t{1} << (i % 64))) continue;
-    if (count < 8) names += (count ? ", '" : "'") + params_[i].name + "'";
-    ++count;
-  }
+  const auto [names, count] = detail::pick_names(
+      params_, [&](std::size_t i) { return (mine[i / 64] & (std::int64_t{1} << (i % 64))) == 0; });
   if (count == 0) return;
-  if (count > 8) names += " and " + std::to_string(count - 8) + " more";
   std::fprintf(
       stderr,
       "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "

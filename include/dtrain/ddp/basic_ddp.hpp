@@ -762,10 +762,8 @@ void basic_ddp<Policy>::complete_marks() {
     if (!vars_[i].marked) missing.push_back(i);
   }
   if (!missing.empty() && !options_.find_unused_parameters) {
-    std::string names;
-    for (std::size_t k = 0; k < missing.size() && k < 8; ++k)
-      names += (k ? ", '" : "'") + params_[missing[k]].name + "'";
-    if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+    const std::string names =
+        detail::pick_names(params_, [&](std::size_t i) { return !vars_[i].marked; }).names;
     throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
                 " never marked " + std::to_string(missing.size()) + " of " +
                 std::to_string(params_.size()) + " parameters ready in step " +
@@ -805,15 +803,9 @@ void basic_ddp<Policy>::report_unused() {
   for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
     for (std::size_t w = 0; w < words; ++w) mine[w] |= all[r * words + w];
   }
-  std::string names;
-  std::size_t count = 0;
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (mine[i / 64] & (std::int64_t{1} << (i % 64))) continue;
-    if (count < 8) names += (count ? ", '" : "'") + params_[i].name + "'";
-    ++count;
-  }
+  const auto [names, count] = detail::pick_names(
+      params_, [&](std::size_t i) { return (mine[i / 64] & (std::int64_t{1} << (i % 64))) == 0; });
   if (count == 0) return;
-  if (count > 8) names += " and " + std::to_string(count - 8) + " more";
   std::fprintf(
       stderr,
       "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "

@@ -12,6 +12,7 @@
 #include <concepts>
 #include <cstddef>
 #include <ranges>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -54,6 +55,29 @@ void rebind_pointer(void* slot, void* storage) noexcept {
 template <class V>
 concept element_range =
     std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
+
+/// The parameters `pick(i)` selects, for a message: their names quoted and
+/// comma-separated, the first `shown` of them and then " and N more".
+struct picked_names {
+  std::string names;
+  std::size_t count = 0;
+};
+template <class Pick>
+[[nodiscard]] picked_names pick_names(std::span<const parameter> params, Pick&& pick,
+                                      std::size_t shown = 8) {
+  picked_names out;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!pick(i)) continue;
+    if (out.count < shown) {
+      out.names += out.count ? ", '" : "'";
+      out.names += params[i].name;
+      out.names += "'";
+    }
+    ++out.count;
+  }
+  if (out.count > shown) out.names += " and " + std::to_string(out.count - shown) + " more";
+  return out;
+}
 
 }  // namespace detail
 

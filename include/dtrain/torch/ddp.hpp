@@ -510,18 +510,8 @@ class DistributedDataParallel {
   /// Why the step is still open, after `what`: the parameters that got no
   /// gradient, and what to do about them.
   [[nodiscard]] std::string no_gradient_message(const std::string& what) const {
-    std::string names;
-    std::size_t count = 0;
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      if (slots_[i].ready) continue;
-      if (count < 8) {
-        names += count ? ", '" : "'";
-        names += name_of(i);
-        names += "'";
-      }
-      ++count;
-    }
-    if (count > 8) names += " and " + std::to_string(count - 8) + " more";
+    const auto [names, count] = dtrain::detail::pick_names(
+        core_->parameters(), [&](std::size_t i) { return !slots_[i].ready; });
     std::string out = "dtrain::torch::DistributedDataParallel on rank " + std::to_string(rank_) +
                       ": step " + std::to_string(core_->steps()) + " is not complete, and " + what +
                       ": backward() gave no gradient to " + std::to_string(count) + " of " +
