@@ -19,7 +19,8 @@ if(NOT DTRAIN_SEPARATE_COMPILATION AND NOT DTRAIN_BUILD_TESTS)
   return()
 endif()
 
-# One source per engine (src/<engine>.cpp), so that they build in parallel.
+# One source per engine (src/<engine>.cpp), so that they build in parallel, and
+# the link check's symbols (src/link_check.cpp, dtrain/detail/link_check.hpp).
 set(_dtrain_compiled_sources "")
 foreach(_engine IN LISTS DTRAIN_ENGINES)
   string(TOLOWER "${_engine}" _engine)
@@ -27,6 +28,7 @@ foreach(_engine IN LISTS DTRAIN_ENGINES)
 endforeach()
 
 if(_dtrain_compiled_sources)
+  list(APPEND _dtrain_compiled_sources "${PROJECT_SOURCE_DIR}/src/link_check.cpp")
   # Static unless BUILD_SHARED_LIBS; position-independent, so a shared library may link it.
   add_library(dtrain_compiled ${_dtrain_compiled_sources})
   set_target_properties(dtrain_compiled PROPERTIES POSITION_INDEPENDENT_CODE ON
