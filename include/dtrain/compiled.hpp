@@ -91,5 +91,8 @@
 
 #if DTRAIN_HAS_SEPARATE_COMPILATION()
 DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DECLARE_COMPILED)
+// An undefined reference to link_check::library_built_with_engines_<set> from
+// this line: no dtrain library built for this TU's engines is linked (see
+// dtrain/detail/link_check.hpp; with CMake, link the same dtrain target everywhere).
 DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 #endif
