@@ -87,6 +87,12 @@ struct argument_check {
            " would truncate; average floating-point data, or sum and divide");
     }
   }
+  /// An engine reads `count` elements at `data`: a null pointer with elements would crash it.
+  void not_null(const buffer& b, std::string_view which) const {
+    if (b.data == nullptr && b.count > 0) {
+      fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) + " elements");
+    }
+  }
   void root(int r, int size) const {
     if (r < 0 || r >= size)
       fail("root " + std::to_string(r) + " is not a rank of this communicator");

@@ -365,6 +365,8 @@ class gloo_communicator {
   work allreduce(buffer in, buffer out, reduce_op op) {
     const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
     detail::argument_check check{info};
+    check.not_null(in, "input");
+    check.not_null(out, "output");
     check.same_type(in, out);
     check.count(out, in.count, "output");
     check.op_fits(op, in.type);
@@ -376,6 +378,7 @@ class gloo_communicator {
   work broadcast(buffer data, int root) {
     const auto info = call_info("broadcast", data, -1, root);
     detail::argument_check check{info};
+    check.not_null(data, "data");
     check.root(root, size());
     host_only(check, data);
     return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root,
@@ -386,6 +389,8 @@ class gloo_communicator {
   work allgather(buffer in, buffer out) {
     const auto info = call_info("allgather", in, -1, -1);
     detail::argument_check check{info};
+    check.not_null(in, "input");
+    check.not_null(out, "output");
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size()), "output");
     host_only(check, in);
@@ -397,6 +402,8 @@ class gloo_communicator {
   work reduce_scatter(buffer in, buffer out, reduce_op op) {
     const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
     detail::argument_check check{info};
+    check.not_null(in, "input");
+    check.not_null(out, "output");
     check.same_type(in, out);
     check.count(in, out.count * static_cast<std::size_t>(size()), "input");
     check.op_fits(op, in.type);

@@ -238,6 +238,8 @@ class mpi_communicator {
   work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
     const auto what = info("allreduce", out, static_cast<int>(op), -1);
     detail::argument_check check{what};
+    check.not_null(in, "input");
+    check.not_null(out, "output");
     check.same_type(in, out);
     check.count(out, in.count, "output");
     check.op_fits(op, in.type);
@@ -261,7 +263,9 @@ class mpi_communicator {
 
   work broadcast(buffer data, int root, stream_handle stream = nullptr) {
     const auto what = info("broadcast", data, -1, root);
-    detail::argument_check{what}.root(root, size_);
+    detail::argument_check check{what};
+    check.not_null(data, "data");
+    check.root(root, size_);
     usable(what);
     auto w = make_request(what, verify(what));
     w->stage(data, data, false, stream);
@@ -280,6 +284,8 @@ class mpi_communicator {
   work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
     const auto what = info("allgather", in, -1, -1);
     detail::argument_check check{what};
+    check.not_null(in, "input");
+    check.not_null(out, "output");
     check.same_type(in, out);
     check.count(out, in.count * static_cast<std::size_t>(size_), "output");
     usable(what);
@@ -301,6 +307,8 @@ class mpi_communicator {
   work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
     const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
     detail::argument_check check{what};
+    check.not_null(in, "input");
+    check.not_null(out, "output");
     check.same_type(in, out);
     check.count(in, out.count * static_cast<std::size_t>(size_), "input");
     check.op_fits(op, in.type);

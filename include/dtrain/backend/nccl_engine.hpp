@@ -204,10 +204,7 @@ inline void nccl_check_device(const argument_check& check, const buffer& b,
         " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
         "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
   }
-  if (b.data == nullptr && b.count > 0) {
-    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
-               " elements");
-  }
+  check.not_null(b, which);
 }
 
 inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
