@@ -78,22 +78,12 @@ template <element T>
   }
 }
 
-/// One collective as the worker runs it: plain fields, no allocation.
-struct gloo_call {
-  enum class kind : std::uint8_t {
-    allreduce,
-    broadcast,
-    allgather,
-    reduce_scatter,
-    barrier,
-    split
-  };
-  kind what = kind::barrier;
-  buffer in{}, out{};
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  bool moves_data = true;  // false: zero-length, only compared in check mode
-};
+struct gloo_state;
+
+/// What the worker runs for one collective: Gloo's call for `call`, with
+/// Gloo's timeout for this run. Each collective of gloo_communicator is one.
+using gloo_runner = void (*)(gloo_state& s, const collective_call& call,
+                             std::chrono::milliseconds timeout);
 
 class gloo_work;
 
@@ -110,10 +100,12 @@ struct gloo_state {
 #endif
   std::string shm_text = "off";  // for describe(): "on (...)" or "off (why)"
 
+  /// One queued collective: plain fields (the buffers stay the caller's).
   struct task {
     std::shared_ptr<gloo_work> work;
     signature sig{};
-    gloo_call call{};
+    collective_call call{};
+    gloo_runner run = nullptr;
   };
   std::mutex mutex;
   std::condition_variable wake;      // the worker: a task to run, or stop
@@ -197,16 +189,6 @@ class gloo_work final : public work_state {
   std::atomic<bool> done_{false};
   std::weak_ptr<gloo_state> owner_;
 };
-
-inline std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
 
 /// A failure inside a call into Gloo, with the call as written, file:line
 /// and Gloo's message; gloo_failure() turns it into dtrain's errors.
@@ -374,22 +356,6 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
   if (op == reduce_op::avg) divide_host(out, s.size);
 }
 
-inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
-  switch (c.what) {
-    case gloo_call::kind::allreduce:
-      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::reduce_scatter:
-      visit(c.in.type,
-            [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
-    case gloo_call::kind::allgather:
-    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
-    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
-  }
-}
-
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
 inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
                                  std::chrono::milliseconds timeout) {
@@ -412,7 +378,7 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
       throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
     }
     if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
-    if (t.call.moves_data) gloo_run(s, t.call, timeout);
+    if (t.call.moves_data()) t.run(s, t.call, timeout);
   } catch (...) {
     failure = gloo_failure(std::current_exception(), t.work->description());
     s.mark_unusable(message_of(failure));

@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 namespace dtrain {
@@ -79,6 +80,26 @@ inline std::string describe(const collective_info& info) {
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
 
+// What a failure was about, put into words only when a message needs it: a
+// text, a collective (described from its fields), or a function that says it.
+inline std::string what_text(const std::string& text) { return text; }
+inline std::string what_text(const char* text) { return text; }
+inline std::string what_text(const collective_info& info) { return describe(info); }
+template <class Describe>
+requires std::is_invocable_r_v<std::string, const Describe&>
+inline std::string what_text(const Describe& describe_it) { return describe_it(); }
+
+/// The message of an exception, whatever its type.
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 /// How a thread waits for work that others (a device, an engine's thread, a
 /// peer) finish: spins first (a collective often ends within microseconds),
 /// then yields, then sleeps: 20 us at first (an engine that progresses only
@@ -131,6 +152,8 @@ class work_state {
   virtual void on_timeout() noexcept {}
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
+  /// The collective's fields (empty for work described by a text).
+  [[nodiscard]] const collective_info& info() const noexcept { return info_; }
   [[nodiscard]] const std::string& description() const {
     if (description_.empty()) description_ = describe(info_);
     return description_;
