@@ -116,15 +116,21 @@ struct gloo_state {
   // Numbers the collectives; issued under mutex, so the numbers follow the queue.
   std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
   std::atomic<bool> unusable{false};
-  std::string failure;  // guarded by mutex: the first failure
+  failure_cause failure;  // guarded by mutex: the first failure
 
-  void mark_unusable(const std::string& why) noexcept {
+  /// Records the first failure without allocating: the timeout hook and
+  /// gloo_execute, both noexcept, call these.
+  void mark_unusable(std::exception_ptr why) noexcept {
     std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure = why;
+    if (!unusable.exchange(true)) failure.set(std::move(why));
+  }
+  void mark_unusable(const collective_info& call, const char* how) noexcept {
+    std::lock_guard lock(mutex);
+    if (!unusable.exchange(true)) failure.set(call, how);
   }
   [[nodiscard]] std::string unusable_text() {
     std::lock_guard lock(mutex);
-    return "the communicator is unusable since an earlier failure (" + failure +
+    return "the communicator is unusable since an earlier failure (" + failure.text() +
            "); ranks cannot fall back into step after a failed collective, so make a new "
            "communicator";
   }
@@ -144,8 +150,7 @@ class gloo_work final : public work_state {
   // Gloo cannot abort a collective in flight; its own timeout (the same
   // length) ends it. Until then nothing else may run on this communicator.
   void on_timeout() noexcept override {
-    if (auto s = owner_.lock())
-      s->mark_unusable(description() + " did not finish within its timeout");
+    if (auto s = owner_.lock()) s->mark_unusable(info(), "did not finish within its timeout");
   }
 
   /// Blocks until finished or `deadline`; true when finished. When this
@@ -357,7 +362,7 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
 }
 
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
-inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
+inline void gloo_check_signature(gloo_state& s, const signature& sig, const collective_info& what,
                                  std::chrono::milliseconds timeout) {
   compare_signatures(
       sig, s.rank, s.size, what,
@@ -368,22 +373,21 @@ inline void gloo_check_signature(gloo_state& s, const signature& sig, const std:
       });
 }
 
-/// Runs one task (on the worker, or on a thread waiting for it) and completes
-/// its work. A failure makes the communicator unusable; so does running after one.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t,
-                         std::chrono::milliseconds timeout) noexcept {
-  std::exception_ptr failure;
+/// Runs one task's collective (its signature first, in check mode). Throws
+/// what failed as dtrain's error (gloo_failure), and tells peers waiting in
+/// the shared-memory segment to stop, with a timeout if this was one.
+inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                          std::chrono::milliseconds timeout) {
   try {
     if (s.unusable.load()) {
       throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
     }
-    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
+    if (s.check) gloo_check_signature(s, t.sig, t.work->info(), timeout);
     if (t.call.moves_data()) t.run(s, t.call, timeout);
   } catch (...) {
-    failure = gloo_failure(std::current_exception(), t.work->description());
-    s.mark_unusable(message_of(failure));
+    const std::exception_ptr failure =
+        gloo_failure(std::current_exception(), t.work->description());
 #if DTRAIN_HAS_SHM()
-    // Peers waiting in the segment stop now, with a timeout if this was one.
     bool timed_out = false;
     try {
       std::rethrow_exception(failure);
@@ -392,6 +396,28 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
     } catch (...) {
     }
     s.shm.abandon(message_of(failure), timed_out);
+#endif
+    std::rethrow_exception(failure);
+  }
+}
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure, whatever it is (out of memory while putting one into
+/// words too), reaches the work's wait() and makes the communicator unusable;
+/// so does running after one. Allocates nothing itself: everything that may
+/// is inside gloo_run_task, whose exception it catches.
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept {
+  std::exception_ptr failure;
+  try {
+    gloo_run_task(s, t, timeout);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    s.mark_unusable(failure);
+#if DTRAIN_HAS_SHM()
+    s.shm.abandon();  // peers waiting in the segment stop (a no-op once gloo_run_task did)
 #endif
   }
   t.work->finish(std::move(failure));

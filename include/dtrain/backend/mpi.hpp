@@ -325,8 +325,8 @@ class mpi_communicator {
  private:
   struct health {
     bool broken = false;
-    bool abandoned = false;  // a request was given up while MPI may still progress it
-    std::string why;
+    bool abandoned = false;     // a request was given up while MPI may still progress it
+    detail::failure_cause why;  // the first failure (recorded without allocating)
   };
 
   // How device buffers travel (CUDA builds): the pinned pool, and whether the
@@ -409,7 +409,7 @@ class mpi_communicator {
           fail(std::make_exception_ptr(
               backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
           health_->broken = true;
-          health_->why = description() + " failed";
+          health_->why.set(info(), "failed");
           finished = true;
           return true;
         }
@@ -441,11 +441,12 @@ class mpi_communicator {
     void on_timeout() noexcept override { abandon(); }
 
     // MPI cannot cancel a collective: the communicator is unusable from now on.
+    // Allocates nothing (a timeout hook, and the destructor, call it).
     void abandon() noexcept {
       abandoned = true;
       health_->abandoned = true;
       health_->broken = true;
-      health_->why = description() + " timed out";
+      health_->why.set(info(), "timed out");
     }
 
     MPI_Request req = MPI_REQUEST_NULL;
@@ -537,13 +538,12 @@ class mpi_communicator {
         health_(std::make_shared<health>()),
         staging_(std::make_shared<staging>()) {}
 
-  void usable(const detail::collective_info& what) const {
-    if (health_->broken) usable(detail::describe(what));
-  }
-  void usable(const std::string& what) const {
+  template <class What>
+  void usable(const What& what) const {
     if (health_->broken) {
       throw backend_error(
-          what + ": this MPI communicator is unusable since " + health_->why +
+          detail::what_text(what) + ": this MPI communicator is unusable since " +
+              health_->why.text() +
               " (MPI cannot cancel a collective); end the job, or continue only on other "
               "communicators",
           0);

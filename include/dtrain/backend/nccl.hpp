@@ -173,7 +173,7 @@ class nccl_communicator {
   void abort() noexcept {
     if (!shared_) return;
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
+    shared_->abort_locked(0, "abort() was called", rank_);
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`

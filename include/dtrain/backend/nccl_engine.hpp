@@ -270,7 +270,7 @@ struct nccl_shared {
   /// so an abort never waits for the wait it is meant to end.
   std::atomic<bool> abort_requested{false};
   bool aborted = false;
-  std::string abort_reason;
+  failure_cause abort_reason;  // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
 
   nccl_shared() = default;
@@ -319,14 +319,18 @@ struct nccl_shared {
   void throw_if_aborted(const What& what) const {
     if (aborted) {
       throw backend_error(
-          what_text(what) + ": the communicator was aborted earlier (" + abort_reason +
+          what_text(what) + ": the communicator was aborted earlier (" + abort_reason.text() +
               "); its collectives cannot run any more: create a new communicator (restart the job)",
           abort_code);
     }
   }
 
-  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
-  void abort_locked(std::string why, int code) noexcept {
+  /// ncclCommAbort, once; later calls see `aborted`, `abort_code` and the
+  /// first reason, `why`: what failure_cause::set takes (a text moved in, a
+  /// collective and how it ended, what was done on which rank). Allocates
+  /// nothing, as abort() and the timeout hook need. Call with `mutex` held.
+  template <class... Why>
+  void abort_locked(int code, Why&&... why) noexcept {
     if (comm) {
       device_guard guard(device, std::nothrow);
       (void)ncclCommAbort(comm);
@@ -335,10 +339,7 @@ struct nccl_shared {
     if (!aborted) {
       aborted = true;
       abort_code = code;
-      try {
-        abort_reason = std::move(why);
-      } catch (...) {
-      }
+      abort_reason.set(std::forward<Why>(why)...);
     }
   }
 
@@ -357,19 +358,19 @@ struct nccl_shared {
       if (abort_requested.load(std::memory_order_acquire)) {
         std::string why =
             what_text(what) + " was interrupted: another thread aborted the communicator";
-        abort_locked(why, 0);
+        abort_locked(0, std::string(why));
         throw backend_error(why, 0);
       }
       const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
         std::string why = what_text(what) + " failed: NCCL reports " + async_text(state);
-        abort_locked(why, static_cast<int>(state));
+        abort_locked(static_cast<int>(state), std::string(why));
         throw backend_error(why, static_cast<int>(state));
       }
       if (state == ncclSuccess && finished()) return;
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string why = what_text(what) + " did not finish within " + nccl_seconds(limit);
-        abort_locked(why, 0);
+        abort_locked(0, std::string(why));
         throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
       }
       pause();
@@ -383,28 +384,28 @@ struct nccl_shared {
     return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
   }
 
-  /// A completion event from the pool (created on the current device when the pool is empty).
+  /// A completion event from the pool (created on the current device when the
+  /// pool is empty). The pool makes room for every event it hands out, so that
+  /// release_event() never allocates.
   [[nodiscard]] cudaEvent_t acquire_event() {
-    {
-      std::lock_guard lock(events_mutex_);
-      if (!free_events_.empty()) {
-        cudaEvent_t e = free_events_.back();
-        free_events_.pop_back();
-        return e;
-      }
+    std::lock_guard lock(events_mutex_);
+    if (!free_events_.empty()) {
+      cudaEvent_t e = free_events_.back();
+      free_events_.pop_back();
+      return e;
     }
-    return cuda_event::create().release();
+    free_events_.reserve(events_made_ + 1);
+    cudaEvent_t e = cuda_event::create().release();
+    ++events_made_;
+    return e;
   }
 
   /// Returns an event to the pool. A stream that waited on it keeps the point
-  /// it waited for, so it can be recorded again at once.
+  /// it waited for, so it can be recorded again at once. Allocates nothing:
+  /// the pool holds at most the events made, and has room for them all.
   void release_event(cudaEvent_t e) noexcept {
-    try {
-      std::lock_guard lock(events_mutex_);
-      free_events_.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
+    std::lock_guard lock(events_mutex_);
+    free_events_.push_back(e);
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
@@ -469,7 +470,8 @@ struct nccl_shared {
 
   std::int64_t* host_table_ = nullptr;
   std::mutex events_mutex_;
-  std::vector<cudaEvent_t> free_events_;
+  std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
+  std::size_t events_made_ = 0;
 };
 
 /// An event from the pool for one scope (or released to a work).
@@ -508,14 +510,14 @@ class nccl_work final : public work_state {
     if (shared_->aborted) {
       fail(std::make_exception_ptr(
           backend_error(description() + " did not complete: the communicator was aborted (" +
-                            shared_->abort_reason + ")",
+                            shared_->abort_reason.text() + ")",
                         shared_->abort_code)));
       return true;
     }
     const ncclResult_t state = shared_->async_state();
     if (state != ncclSuccess && state != ncclInProgress) {
       std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
-      shared_->abort_locked(why, static_cast<int>(state));
+      shared_->abort_locked(static_cast<int>(state), std::string(why));
       fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
       return true;
     }
@@ -536,7 +538,7 @@ class nccl_work final : public work_state {
   void on_timeout() noexcept override {
     shared_->abort_requested.store(true, std::memory_order_release);
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(description() + " timed out", 0);
+    shared_->abort_locked(0, info(), "timed out");
   }
 
  private:
