@@ -173,75 +173,59 @@ class nccl_communicator {
   void abort() noexcept {
     if (!shared_) return;
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
+    shared_->abort_locked(0, "abort() was called", rank_);
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
   /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("allreduce", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_allreduce({what}, in, out, op);
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce, in.count, in.type,
-                               static_cast<std::int64_t>(op)),
-        in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+    return collective(
+        detail::collective_call::allreduce(in, out, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op, size()), comm, own));
+                                          detail::nccl_op(op, size_), comm, own));
         });
   }
 
   /// `data` on every rank becomes root's.
   work broadcast(buffer data, int root, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("broadcast", "root " + std::to_string(root) + ", " + detail::shape(data));
-    detail::nccl_check_broadcast({what}, data, root, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::broadcast, data.count, data.type, root),
-                  data.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
-                                                    detail::nccl_type(data.type), root, comm, own));
-                  });
+    return collective(
+        detail::collective_call::broadcast(data, root), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
+                                          detail::nccl_type(data.type), root, comm, own));
+        });
   }
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank
   /// order. In place when `in` is this rank's block of `out`.
   work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
-    const std::string what = describe("allgather", detail::shape(in));
-    detail::nccl_check_allgather({what}, in, out, size_);
-    return launch(what, detail::nccl_signature(detail::nccl_kind::allgather, in.count, in.type, 0),
-                  in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
-                                                    detail::nccl_type(in.type), comm, own));
-                  });
+    return collective(detail::collective_call::allgather(in, out), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
+                                                        detail::nccl_type(in.type), comm, own));
+                      });
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_reduce_scatter({what}, in, out, op, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::reduce_scatter, out.count, out.type,
-                                         static_cast<std::int64_t>(op)),
-                  out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
-                                                        detail::nccl_type(out.type),
-                                                        detail::nccl_op(op, size()), comm, own));
-                  });
+    return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
+                                                            detail::nccl_type(out.type),
+                                                            detail::nccl_op(op, size_), comm, own));
+                      });
   }
 
   /// Completes once every rank has reached it (and this rank's earlier
   /// collectives, and its work on `stream` before the call, are done): an
   /// allreduce of one int on the device.
   work barrier(cudaStream_t stream = nullptr) {
-    const std::string what = describe("barrier", "");
-    return launch(what, detail::nccl_signature(detail::nccl_kind::barrier, 0, dtype::int32, 0),
-                  false, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    std::int64_t* word = shared_->barrier_word;
-                    DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
-                  });
+    return collective(
+        detail::collective_call::barrier(), stream, [&](ncclComm_t comm, cudaStream_t own) {
+          std::int64_t* word = shared_->barrier_word;
+          DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+        });
   }
 
   /// Reduces each buffer in place, in one NCCL group (ncclGroupStart/End):
@@ -249,24 +233,15 @@ class nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
-    std::size_t total = 0;
-    for (const buffer& b : buffers) total += b.count;
-    const std::string what = describe(
-        "allreduce_many", std::string(to_string(op)) + ", " + std::to_string(buffers.size()) +
-                              " buffers, " + std::to_string(total) + " elements");
-    detail::nccl_check_many({what}, buffers, op);
-    const dtype first = buffers.empty() ? dtype::float32 : buffers.front().type;
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce_many, total, first,
-                               static_cast<std::int64_t>(op)),
-        total == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+    return collective(
+        detail::collective_call::allreduce_many(buffers, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclGroupStart());
           try {
             for (const buffer& b : buffers) {
               if (b.count == 0) continue;
               DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op, size()), comm, own));
+                                              detail::nccl_op(op, size_), comm, own));
             }
           } catch (...) {
             (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
@@ -279,7 +254,7 @@ class nccl_communicator {
   /// Makes `stream` wait, on the device and without blocking the host, for
   /// every collective enqueued on this communicator so far.
   void stream_wait(cudaStream_t stream) {
-    const std::string what = describe("stream_wait", "");
+    const auto what = [this] { return describe("stream_wait", ""); };  // on failure only
     detail::nccl_shared& s = usable(what);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
@@ -289,7 +264,7 @@ class nccl_communicator {
       DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
       DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
     } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      throw detail::nccl_with_context(what(), e);
     }
   }
 
@@ -306,8 +281,9 @@ class nccl_communicator {
     s.throw_if_aborted(what);
     // Numbered in the ring like any collective (as Gloo's split), so that check
     // mode and the desync table name it alike.
-    detail::signature sig = detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0);
-    sig.seq = record(sig);
+    const detail::collective_info call{
+        "split", name, rank_, size_, 0, static_cast<std::uint8_t>(dtype::int32), -1, -1};
+    const detail::signature sig = detail::signature_of(detail::record(*ring_, call), call);
     auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
     try {
       detail::device_guard guard(s.device);
@@ -362,17 +338,21 @@ class nccl_communicator {
     return detail::describe(what, args, rank_, size_, name);
   }
 
-  detail::nccl_shared& usable(const std::string& what) const {
+  // A left-out (or moved-from) communicator fails here, before anything else.
+  template <class What>
+  detail::nccl_shared& usable(const What& what) const {
     if (shared_) return *shared_;
-    detail::throw_invalid(what, rank_ < 0);
+    detail::throw_invalid(detail::what_text(what), rank_ < 0);
   }
 
   // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
   // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
   // The host waits for it (at most the collective timeout).
-  void check_signature(detail::nccl_shared& s, const detail::signature& mine,
-                       const std::string& what) {
-    const std::string checking = "checking what every rank passed to " + what;
+  template <class What>
+  void check_signature(detail::nccl_shared& s, const detail::signature& mine, const What& what) {
+    const auto checking = [&] {
+      return "checking what every rank passed to " + detail::what_text(what);
+    };
     detail::compare_signatures(
         mine, s.rank, s.size, what,
         [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
@@ -398,30 +378,34 @@ class nccl_communicator {
                    [&] { return detail::nccl_event_done(done.get()); });
             std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
           } catch (const backend_error& e) {
-            throw detail::nccl_with_context(checking, e);
+            throw detail::nccl_with_context(checking(), e);
           }
         });
   }
 
-  // Orders the collective after `caller`, enqueues it on the own stream, and
-  // returns a work that polls its completion event.
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; an aborted communicator; the ring's
+  // number (check mode: every rank's signature compared); the stream order
+  // (the own stream waits for what `caller` holds now); last the engine's
+  // call, `enqueue(comm, own stream)`, and the event the work polls. Nothing
+  // is built into words here: `what` describes the call on failure only.
   template <class Enqueue>
-  work launch(const std::string& what, const detail::signature& sig, bool empty,
-              cudaStream_t caller, Enqueue&& enqueue) {
+  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
+    const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared& s = usable(what);
+    detail::check_arguments(call, what, detail::nccl_memory);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
-    const std::int64_t seq = record(sig);
-    detail::signature numbered = sig;
-    numbered.seq = seq;
-    if (empty && !s.options.collectives.check) {
+    const std::int64_t seq = detail::record(*ring_, what);
+    const bool moves = call.moves_data();
+    if (!moves && !s.options.collectives.check) {
       ring_->settle(seq, detail::call_state::completed);
       return work();  // nothing to move, nothing to order
     }
     try {
       detail::device_guard guard(s.device);
-      if (s.options.collectives.check) check_signature(s, numbered, what);
-      if (empty) {
+      if (s.options.collectives.check) check_signature(s, detail::signature_of(seq, what), what);
+      if (!moves) {
         ring_->settle(seq, detail::call_state::completed);
         return work();
       }
@@ -441,18 +425,8 @@ class nccl_communicator {
       w->track(ring_, seq);
       return work(std::move(w));
     } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      throw detail::nccl_with_context(detail::describe(what), e);
     }
-  }
-
-  // Numbers this communicator's collectives in its ring (desync diagnostics)
-  // from a signature; returns its sequence number.
-  std::int64_t record(const detail::signature& sig) {
-    const auto kind = static_cast<std::size_t>(sig.kind);
-    return ring_->issue(
-        kind < std::size(detail::collective_kinds) ? detail::collective_kinds[kind] : "?",
-        static_cast<dtype>(sig.type), static_cast<std::size_t>(sig.count), static_cast<int>(sig.op),
-        static_cast<int>(sig.root));
   }
 
   std::shared_ptr<detail::nccl_shared> shared_;
