@@ -206,7 +206,8 @@ class store_operations {
 
   // Waits until every key exists (true) or the deadline passes (false).
   // Watches the connection meanwhile: a client that goes away ends the wait,
-  // with a reason to log.
+  // quietly when it closed its end (it exited, or gave up), with a reason to
+  // log when its connection broke.
   task<bool> wait_for(store_request& q, std::span<const std::string_view> keys,
                       steady::time_point deadline) {
     bool charged = false;
@@ -237,7 +238,7 @@ class store_operations {
         case hangup::none: continue;
         case hangup::request:
           throw wire::violation("sent a new request while its wait was pending");
-        case hangup::orderly:
+        case hangup::orderly: throw client_gone{};
         case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
       }
     }
