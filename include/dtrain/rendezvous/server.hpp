@@ -268,7 +268,7 @@ class store_server {
         }
       }
     } catch (const detail::client_gone& gone) {
-      if (!gone.broken_while.empty()) {
+      if (!gone.broken_while.empty() && rejections_.note(detail::rejection::broken)) {
         log("client " + c.io.peer() + " disconnected while " + gone.broken_while);
       }
     } catch (const detail::server_stopping&) {

@@ -100,6 +100,7 @@ enum class rejection : std::uint8_t {
   handshake,  ///< wrong token, version or magic, or too slow
   protocol,   ///< a malformed or oversized request
   idle,
+  broken,  ///< a client's connection broke (a reset) while it waited
   count_
 };
 
@@ -110,6 +111,7 @@ inline const char* describe(rejection r) {
     case rejection::handshake: return "failed handshake";
     case rejection::protocol: return "protocol violation";
     case rejection::idle: return "idle";
+    case rejection::broken: return "broken while waiting";
     case rejection::count_: break;
   }
   return "?";
