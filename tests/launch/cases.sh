@@ -116,6 +116,33 @@ worker_throws)
   expect_line "$work/agent.err" '^\[dtrain agent node 0/1\] rank 2 \(node 0, local rank 2, pid [0-9]+\) exited with status 1: peer failure on purpose; ending the job' "the agent's message"
   ;;
 
+quiet_store)
+  # A rank that exits while it waits on the store, as its diagnostics do when the agent ends the
+  # job after a clean error on another rank, is no news: the store reports a connection that breaks,
+  # not one closed in good order ("client ... disconnected while waiting for ..." was noise).
+  for i in 1 2; do  # rank 1 throws; rank 0 is often ended while its diagnostics wait for rank 1
+    "$PEER" node-gloo --nproc-per-node 2 --throw-rank 1 >"$work/throw$i.out" 2>"$work/throw$i.err"
+    expect_status 1 $? "the agent of a job whose rank 1 throws"
+    expect_line "$work/throw$i.err" '^\[rank 1/2\] dtrain: peer failure on purpose$' "the worker's own line"
+  done
+  # Always: rank 1 frozen, SIGUSR1 makes rank 0's diagnostics wait for rank 1's ring, the job ends.
+  mkdir "$work/pids"
+  DTRAIN_DIAGNOSTICS_WAIT=60 "$PEER" node-gloo --nproc-per-node 2 --hang "$work/pids" --grace-period 1 \
+    >"$work/stop.out" 2>"$work/stop.err" &
+  agent=$!
+  wait_for_pids "$work/pids" 2
+  kill -STOP "$(cat "$work/pids/1.pid")"
+  kill -USR1 "$(cat "$work/pids/0.pid")"
+  sleep 1  # rank 0's diagnostics thread opens a round and waits for rank 1's ring
+  kill -TERM "$agent"
+  wait $agent
+  expect_status 143 $? "the agent after SIGTERM"
+  expect_all_gone "$work/pids"
+  if grep -h "disconnected while" "$work"/*.err; then
+    fail "the store reported ranks that exited while they waited"
+  fi
+  ;;
+
 remote_failure)
   # A worker of node 1 fails: node 0's agent notices, stops its own workers and exits with the same status.
   mkdir "$work/pids"
