@@ -25,12 +25,10 @@
 #include <dtrain/rendezvous/store.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <optional>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -167,7 +165,7 @@ class context {
     const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
     store_endpoint_ = {where, port};
     if (token_file_ && rank() != 0) {
-      connect_with_token_file(where, port);
+      detail::connect_with_token_file(client_, *token_file_, where, port, store_options_, rank());
     } else {
       client_.emplace(where, port, store_options_);
     }
@@ -229,33 +227,6 @@ class context {
       if (store_options_.token.empty()) store_options_.token = token;
     }
 #endif
-  }
-
-  /// Reads the token rank 0 wrote, reading again while the store refuses it
-  /// (a file left by an earlier job on the same port), within the store timeout.
-  void connect_with_token_file(const std::string& where, int port) {
-    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
-    for (;;) {
-      if (auto token = token_file_->read()) {
-        store_options_.token = *token;
-        try {
-          client_.emplace(where, port, store_options_);
-          return;
-        } catch (const rendezvous_error& e) {
-          if (std::string_view(e.what()).find("rejected this client's token") ==
-              std::string_view::npos)
-            throw;
-        }
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error(
-            "rank " + std::to_string(rank()) + " found no valid store token in " +
-            token_file_->path() +
-            " within the store timeout; is rank 0 running "
-            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
   }
 
   /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;

@@ -32,9 +32,10 @@ namespace dtrain {
 /// A connection to a store_server. Every blocking call has a timeout: the
 /// options' `timeout` unless the call takes one. Throws timeout_error when it
 /// expires (naming what it waited for and how long), rendezvous_error when the
-/// server cannot be reached, refuses the client, or goes away, and
-/// config_error at once when its host name does not resolve (a temporary
-/// resolver failure, EAI_AGAIN, is retried for 5 s first).
+/// server cannot be reached, refuses the client, or goes away (token_error
+/// when it refuses the client's token), and config_error at once when its
+/// host name does not resolve (a temporary resolver failure, EAI_AGAIN, is
+/// retried for 5 s first).
 ///
 /// Thread-safe, but requests on one client run one at a time: a thread blocked
 /// in get / wait / barrier holds the connection, so a thread that must set the
@@ -306,9 +307,9 @@ class store_client {
     refused_ = s != detail::wire::status::ok;
     if (s == detail::wire::status::bad_token) {
       broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() +
-                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                             "token option) on every rank");
+      throw token_error("the store at " + endpoint() +
+                        " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                        "token option) on every rank");
     }
     if (s == detail::wire::status::bad_version) {
       broken_ = true;
