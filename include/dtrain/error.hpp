@@ -30,7 +30,9 @@ class timeout_error : public error {
   using error::error;
 };
 
-/// The rendezvous store could not be reached, served or trusted.
+/// The rendezvous store could not be reached, served or trusted, or the rank
+/// that bootstraps a value for every rank (rank 0: the store's address, the
+/// store token, the NCCL unique id) failed to provide it.
 class rendezvous_error : public error {
  public:
   using error::error;

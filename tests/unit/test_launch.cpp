@@ -5,6 +5,10 @@
 #include "support.hpp"
 
 #include <chrono>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
 #include <vector>
 
 using namespace std::chrono_literals;
@@ -271,13 +275,77 @@ TEST_CASE("agent protocol: failure and node records survive the store, garbage n
                                                          dtrain::detail::wire::encode_int(70000)),
                        doctest::Contains("the port 70000 is not in 1..65535"),
                        dtrain::rendezvous_error);
-  const auto a = dtrain::detail::store_address::decode(
-      dtrain::detail::store_address::serving("h", 5).encode());
-  CHECK((a.ok && a.host == "h" && a.port == 5));
-  const auto failed =
-      dtrain::detail::store_address::decode(dtrain::detail::store_address::failed("no").encode());
-  CHECK((!failed.ok && failed.failure == "no"));
+  const auto a =
+      dtrain::detail::store_address::decode(dtrain::detail::store_address{"h", 5}.encode());
+  CHECK((a.host == "h" && a.port == 5));
   CHECK_THROWS_WITH_AS((void)dtrain::detail::store_address::decode("host 29500"),
                        doctest::Contains("rank 0's broadcast does not hold the store's address"),
                        dtrain::rendezvous_error);
+  CHECK_THROWS_WITH_AS(
+      (void)dtrain::detail::store_address::decode(dtrain::detail::store_address{"h", 0}.encode()),
+      doctest::Contains("the port 0 is not in 1..65535"), dtrain::rendezvous_error);
+}
+
+namespace {
+
+/// A relay between two threads in one process, as MPI's broadcast is between
+/// two processes: rank 1 receives what rank 0 sends.
+struct thread_relay {
+  struct line {
+    std::promise<std::string> sent;
+    std::shared_future<std::string> received = sent.get_future().share();
+  };
+  std::shared_ptr<line> shared;
+  int rank;
+  void carry(std::string& message, const std::string&) {
+    if (rank == 0) {
+      shared->sent.set_value(message);
+    } else {
+      message = shared->received.get();
+    }
+  }
+  [[nodiscard]] int root() const { return 0; }
+  [[nodiscard]] bool is_root() const { return rank == 0; }
+  [[nodiscard]] std::string where() const { return "rank 0's broadcast"; }
+};
+
+}  // namespace
+
+TEST_CASE("store address: rank 0's failure to start the store reaches the others in its words") {
+  // What context does without MASTER_ADDR, through the backend's pre-store channel.
+  auto shared = std::make_shared<thread_relay::line>();
+  std::string rank1;
+  std::thread other([&] {
+    try {
+      (void)dtrain::detail::broadcast_or_fail(thread_relay{shared, 1}, "the store's address",
+                                              [] { return std::string(); });
+    } catch (const dtrain::rendezvous_error& e) {
+      rank1 = e.what();
+    }
+  });
+  CHECK_THROWS_WITH_AS(
+      (void)dtrain::detail::broadcast_or_fail(thread_relay{shared, 0}, "the store's address",
+                                              []() -> std::string {
+                                                throw dtrain::config_error(
+                                                    "cannot listen on 0.0.0.0:80: Permission "
+                                                    "denied");
+                                              }),
+      "cannot listen on 0.0.0.0:80: Permission denied", dtrain::config_error);
+  other.join();
+  CHECK(rank1 ==
+        "rank 0 could not provide the store's address: cannot listen on 0.0.0.0:80: Permission "
+        "denied");
+  // And when it serves, every rank learns where.
+  auto next = std::make_shared<thread_relay::line>();
+  std::string heard;
+  std::thread listener([&] {
+    heard = dtrain::detail::broadcast_or_fail(thread_relay{next, 1}, "the store's address",
+                                              [] { return std::string(); });
+  });
+  (void)dtrain::detail::broadcast_or_fail(thread_relay{next, 0}, "the store's address", [] {
+    return dtrain::detail::store_address{"node-a", 29500}.encode();
+  });
+  listener.join();
+  const auto where = dtrain::detail::store_address::decode(heard);
+  CHECK((where.host == "node-a" && where.port == 29500));
 }
