@@ -20,6 +20,7 @@
 ///   worker keys (under context.hpp's job_store_prefix)
 ///     world/<rank>                  rank_report (env/placement.hpp)
 ///     world/placement               placement table (env/placement.hpp)
+///     nccl/unique_id                outcome: the NCCL unique id (nccl_options::store_key)
 ///     finished                      counter
 ///     finished/all                  i64 1, once every rank is done
 ///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
