@@ -15,6 +15,7 @@
 #include <dtrain/env/placement.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/launch/join.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/protocol.hpp>
 #include <dtrain/policy.hpp>
@@ -30,6 +31,7 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -254,13 +256,22 @@ class context {
     }
   }
 
-  /// Every rank reports; rank 0 places them all and publishes the result.
+  /// Every rank reports; rank 0 waits for them all (saying who is missing
+  /// every progress interval), places them and publishes the result.
   void complete_world(const environment& env) {
-    rank_report mine{node_name(env), world_};
-    store_->set(detail::job_keys::report(rank()), mine.encode());
+    detail::rendezvous_wait<store_type> waiting(
+        *store_, {.endpoint = client_->endpoint(),
+                  .rank = rank(),
+                  .size = size(),
+                  .timeout = store_options_.timeout,
+                  .interval = store_options_.progress_interval,
+                  .say = store_options_.progress,
+                  .world_size_origin = world_.origin(dtrain::world::field::world_size)});
+    waiting.join(rank_report{node_name(env), world_}.encode());
     const std::string table_key(detail::job_keys::placement);
+    std::string table;
     if (rank() == 0) {
-      std::string table;
+      waiting.await_everyone();
       try {
         std::vector<rank_report> reports;
         for (int r = 0; r < size(); ++r) {
@@ -273,9 +284,11 @@ class context {
         throw;
       }
       store_->set(table_key, table);
+    } else {
+      table = waiting.await_answer(table_key);
     }
-    const placement p = decode_placement("store key " + store_->prefix() + table_key,
-                                         store_->get(table_key), rank(), size());
+    const placement p =
+        decode_placement("store key " + store_->prefix() + table_key, table, rank(), size());
     const std::string grouped = "grouped by node name at rendezvous";
     auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
       if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
@@ -374,6 +387,13 @@ context<Policy>::context(dtrain::world w, const environment& env, const run_opti
                        std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
   }
   if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+  if (!store_options_.progress) {
+    // Rendezvous progress goes where this rank's failures go: a rank-prefixed line on stderr.
+    store_options_.progress = [label = detail::rank_label(&world_)](std::string_view text) {
+      std::fprintf(stderr, "%s dtrain: %.*s\n", label.c_str(), static_cast<int>(text.size()),
+                   text.data());
+    };
+  }
   if constexpr (!traits::needs_store) {
     // MPI knows its world already, and can tell every rank where rank 0's store is.
     make_communicator(env);

@@ -19,6 +19,8 @@
 ///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
 ///   worker keys (under context.hpp's job_store_prefix)
 ///     world/<rank>                  rank_report (env/placement.hpp)
+///     world/joined                  counter: ranks whose report is set
+///     world/joined/all              i64 1, once every rank has joined
 ///     world/placement               placement table (env/placement.hpp)
 ///     nccl/unique_id                outcome: the NCCL unique id (nccl_options::store_key)
 ///     finished                      counter
@@ -39,6 +41,7 @@
 /// 0's message when rank 0 cannot produce the value.
 
 #include <dtrain/detail/wire.hpp>
+#include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
@@ -77,6 +80,8 @@ struct agent_keys {
 /// The workers' keys under the job prefix (see the table above).
 struct job_keys {
   static std::string report(int rank) { return std::string("world/").append(std::to_string(rank)); }
+  static constexpr std::string_view joined = "world/joined";
+  static constexpr std::string_view joined_all = "world/joined/all";
   static constexpr std::string_view placement = "world/placement";
   static constexpr std::string_view finished = "finished";
   static constexpr std::string_view finished_all = "finished/all";
@@ -202,6 +207,13 @@ struct store_address {
         });
   }
 };
+
+/// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
+inline std::string rank_label(const world* w) {
+  if (w == nullptr || !w->rank) return "[rank ?]";
+  return "[rank " + std::to_string(*w->rank) + "/" +
+         (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
+}
 
 /// How one worker is named in failure messages, by its agent and by itself.
 inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
