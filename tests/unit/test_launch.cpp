@@ -406,7 +406,8 @@ TEST_CASE("rendezvous: rank 0 says who has joined and who has not, then names wh
   CHECK(unused.empty());
 }
 
-TEST_CASE("rendezvous: the last rank to join ends rank 0's wait; many missing ranks are counted") {
+TEST_CASE(
+    "rendezvous: the last rank to join ends rank 0's wait, and many missing ranks are counted") {
   job_on_store store;
   auto& job = store.job;
   std::vector<std::string> lines;
@@ -454,4 +455,47 @@ TEST_CASE("rendezvous: a rank waiting for rank 0's answer is quiet while rank 0 
   // An answer ends the wait.
   job.set("world/placement", "table");
   CHECK(rank1.await_answer("world/placement") == "table");
+}
+
+TEST_CASE("rendezvous: a progress interval of zero reports nothing, and the timeout still holds") {
+  job_on_store store;
+  std::vector<std::string> lines;
+  dtrain::detail::rendezvous_wait<job_store> rank0(
+      store.job, {.endpoint = "127.0.0.1:29541",
+                  .rank = 0,
+                  .size = 2,
+                  .timeout = 300ms,
+                  .interval = 0ms,
+                  .say = [&lines](std::string_view line) { lines.emplace_back(line); },
+                  .world_size_origin = "WORLD_SIZE=2"});
+  rank0.join("r0");
+  CHECK_THROWS_WITH_AS(rank0.await_everyone(), doctest::Contains("rank 1 never did"),
+                       dtrain::timeout_error);
+  CHECK(lines.empty());
+  // Nor does a client that cannot connect.
+  CHECK_THROWS_AS(dtrain::store_client(
+                      "127.0.0.1", 1,
+                      {.timeout = 300ms,
+                       .progress_interval = 0ms,
+                       .progress = [&lines](std::string_view line) { lines.emplace_back(line); }}),
+                  dtrain::timeout_error);
+  CHECK(lines.empty());
+}
+
+TEST_CASE("store client: while it cannot connect it says so every progress interval") {
+  std::vector<std::string> lines;
+  try {
+    dtrain::store_client(
+        "127.0.0.1", 1,
+        {.timeout = 1s, .progress_interval = 100ms, .progress = [&lines](std::string_view line) {
+           lines.emplace_back(line);
+         }});
+    FAIL("connected to port 1");
+  } catch (const dtrain::timeout_error& e) {
+    CHECK_CONTAINS(e.what(), "could not reach the store at 127.0.0.1:1 within 1.0 s");
+    CHECK_CONTAINS(e.what(), "that MASTER_ADDR and MASTER_PORT are the same on every rank");
+  }
+  REQUIRE(!lines.empty());
+  CHECK(lines.front().starts_with("still trying to connect to the store at 127.0.0.1:1 ("));
+  CHECK(lines.front().ends_with(" of 1 s; last error: Connection refused)"));
 }

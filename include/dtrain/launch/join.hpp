@@ -99,7 +99,7 @@ class rendezvous_wait {
       const auto left = std::chrono::ceil<milliseconds>(deadline - steady::now());
       if (left <= milliseconds::zero()) return false;
       try {
-        store_.wait(keys, std::min(left, s_.interval));
+        store_.wait(keys, s_.interval > milliseconds::zero() ? std::min(left, s_.interval) : left);
         return true;
       } catch (const timeout_error&) {
         // The store ended this slice of the wait; the connection stays sound.

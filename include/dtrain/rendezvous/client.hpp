@@ -229,7 +229,7 @@ class store_client {
                             "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
                             "rank, and that no firewall blocks the port");
       }
-      if (now >= next_report) {
+      if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
         detail::say(
             options_.progress,
             "still trying to connect to the store at " + endpoint() + " (" +

@@ -91,7 +91,8 @@ struct store_options {
   /// Server: where it reports closed connections and their reasons. Empty:
   /// one line on stderr each.
   std::function<void(std::string_view)> log{};
-  /// Client and rendezvous: how often a wait that is still going on is reported.
+  /// Client and rendezvous: how often a wait that is still going on is
+  /// reported; zero (or less) reports nothing.
   std::chrono::milliseconds progress_interval = default_rendezvous_progress_interval;
   /// Client and rendezvous: where such a report goes ("still trying to connect
   /// to the store at HOST:PORT ..."). Empty: one line on stderr, `dtrain: <text>`.
