@@ -261,10 +261,12 @@ TEST_SUITE("nccl_host") {
       CHECK_MESSAGE(std::memcmp(&ids[0], &ids[static_cast<std::size_t>(r)], sizeof zero) == 0,
                     "rank " << r << " got a different id");
     }
-    // Under the documented key, as 128 raw bytes.
+    // Under the documented key, as the 128 bytes in broadcast_or_fail's outcome.
     dtrain::store_client client("127.0.0.1", server.port(), {.timeout = 30s});
     const std::string stored = client.get("job7/" + std::string(dtrain::default_nccl_store_key));
-    CHECK(stored == std::string(ids[0].internal, sizeof ids[0].internal));
+    CHECK(stored ==
+          dtrain::detail::wire::outcome{true, std::string(ids[0].internal, sizeof ids[0].internal)}
+              .encode());
     // A rank that does not exist never reaches the store.
     dtrain::prefix_store<dtrain::store_client> job(client, "job7");
     CHECK_CONTAINS(dtrain_test::config_error_text(
@@ -276,7 +278,7 @@ TEST_SUITE("nccl_host") {
     dtrain::store_server server("127.0.0.1", 0, {.timeout = 30s, .log = [](std::string_view) {}});
     dtrain::store_client client("127.0.0.1", server.port(), {.timeout = 30s});
     dtrain::prefix_store<dtrain::store_client> job(client, "job8");
-    job.set("ids/first", "short");
+    job.set("ids/first", dtrain::detail::wire::outcome{true, "short"}.encode());
     try {
       (void)dtrain::nccl_communicator::exchange_unique_id(job, 1, 2, "ids/first");
       FAIL("a 5-byte value was taken for an NCCL unique id");

@@ -457,6 +457,29 @@ run_errors)
   expect_line "$work/agent.err" 'needs the address of node 0: set MASTER_ADDR or --master-addr' "the agent's message"
   ;;
 
+rendezvous_progress)
+  # One of two ranks never joins: it was given another MASTER_PORT. While they wait, rank 0 says
+  # every second (DTRAIN_RENDEZVOUS_PROGRESS=1) who has joined and who has not, and rank 1 that
+  # it is still trying to connect; at the store timeout rank 0 names rank 1 and the likely causes,
+  # and rank 1 says what to check. Both exit 1, in the store timeout, not the default 300 s.
+  port=$(free_port)
+  wrong=$(free_port)
+  while [[ $wrong == "$port" ]]; do wrong=$(free_port); done
+  export DTRAIN_STORE_TIMEOUT=6 DTRAIN_RENDEZVOUS_PROGRESS=1
+  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 timeout 60 "$PEER" process-gloo \
+    >"$work/r0.out" 2>"$work/r0.err" &
+  r0=$!
+  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$wrong RANK=1 WORLD_SIZE=2 timeout 60 "$PEER" process-gloo \
+    >"$work/r1.out" 2>"$work/r1.err"
+  expect_status 1 $? "rank 1, given another MASTER_PORT"
+  wait $r0
+  expect_status 1 $? "rank 0, waiting for rank 1"
+  expect_line "$work/r0.err" "^\[rank 0/2\] dtrain: rendezvous at 127\.0\.0\.1:$port: 1 of 2 ranks joined; waiting for rank 1 \([0-9]+ s of 6 s\)$" "rank 0's progress"
+  expect_line "$work/r0.err" "^\[rank 0/2\] dtrain: rendezvous at 127\.0\.0\.1:$port timed out after 6 s: 1 of 2 ranks joined; rank 1 never did\. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks \(this rank met at 127\.0\.0\.1:$port\), a firewall blocks that port, that rank never started or failed before joining \(see its output\), or the world size \(WORLD_SIZE=2\) is larger than the number of ranks started$" "rank 0's timeout"
+  expect_line "$work/r1.err" "^\[rank 1/2\] dtrain: still trying to connect to the store at 127\.0\.0\.1:$wrong \([0-9]+ s of 6 s; last error: Connection refused\)$" "rank 1's progress"
+  expect_line "$work/r1.err" "^\[rank 1/2\] dtrain: could not reach the store at 127\.0\.0\.1:$wrong within 6\.0 s \(last error: Connection refused\); check that the process hosting it \(rank 0, or the node-0 agent\) is running, that MASTER_ADDR and MASTER_PORT are the same on every rank, and that no firewall blocks the port$" "rank 1's timeout"
+  ;;
+
 store_token)
   # Two agents without a shared token cannot form a job: they say what to set, exit 2.
   env -u DTRAIN_STORE_TOKEN MASTER_ADDR=127.0.0.1 "$PEER" node-gloo --nnodes 2 --node-rank 0 \

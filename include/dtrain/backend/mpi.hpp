@@ -644,23 +644,44 @@ static_assert(communicator<mpi_communicator>);
 
 namespace detail {
 
-/// Broadcasts `value` (a wire-encoded value: launch/protocol.hpp) from `root`
-/// to every rank of `comm`: its length, then its bytes, so no rank guesses a
-/// buffer size. A collective: every rank calls it, whatever it holds.
-inline void mpi_broadcast_value(MPI_Comm comm, int root, std::string& value,
-                                const std::string& what) {
-  std::uint64_t length = value.size();
-  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root, comm), what);
-  if (length > (std::uint64_t{1} << 20)) {
-    throw backend_error(what + ": rank " + std::to_string(root) + " sent a value of " +
-                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
-                        0);
+/// An MPI broadcast from `root` over `comm` as broadcast_or_fail's channel
+/// (rendezvous/broadcast.hpp), usable before any store exists: the message's
+/// length, then its bytes, so no rank guesses a buffer size. Every rank of
+/// `comm` calls it. MPI errors are reported only where `comm` returns them
+/// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
+class mpi_relay {
+ public:
+  explicit mpi_relay(MPI_Comm comm, int root = 0) : comm_(comm), root_(root) {
+    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
+                     "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
   }
-  value.resize(static_cast<std::size_t>(length));
-  if (length > 0) {
-    DTRAIN_MPI_CHECK(MPI_Bcast(value.data(), static_cast<int>(length), MPI_BYTE, root, comm), what);
+
+  void carry(std::string& message, const std::string& what) {
+    std::uint64_t length = message.size();
+    DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
+    if (length > max_length) {
+      throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
+                              std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                          0);
+    }
+    message.resize(static_cast<std::size_t>(length));
+    if (length > 0) {
+      DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
+                       what);
+    }
   }
-}
+  [[nodiscard]] int root() const noexcept { return root_; }
+  [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
+  [[nodiscard]] std::string where() const {
+    return "rank " + std::to_string(root_) + "'s MPI broadcast";
+  }
+
+ private:
+  static constexpr std::uint64_t max_length = std::uint64_t{1} << 20;
+  MPI_Comm comm_;
+  int root_;
+  int rank_ = -1;
+};
 
 }  // namespace detail
 

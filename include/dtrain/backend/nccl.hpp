@@ -7,11 +7,13 @@
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/mpi.hpp>
 #include <dtrain/backend/nccl_engine.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/rendezvous/broadcast.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
 #include <cstdint>
@@ -19,6 +21,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -27,11 +30,31 @@
 #if DTRAIN_HAS_NCCL()
 #include <cuda_runtime.h>
 #include <nccl.h>
-#if DTRAIN_HAS_MPI()
-#include <mpi.h>
-#endif
 
 namespace dtrain {
+
+namespace detail {
+/// An id's bytes as broadcast_or_fail carries them; nccl_unique_id_from reads them back.
+inline std::string nccl_unique_id_text(const ncclUniqueId& id) {
+  return std::string(id.internal, sizeof id.internal);
+}
+/// What creating a communicator is called in its errors.
+inline std::string nccl_creating(int rank, int size, int device) {
+  return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " on CUDA device " + std::to_string(device);
+}
+/// Checks `device` and makes it current, as creating the communicator does
+/// (and with the same errors).
+inline void nccl_claim_device(int rank, int size, int device,
+                              const std::optional<std::string>& visible) {
+  nccl_check_placement(rank, size, device);
+  try {
+    nccl_select_device(device, rank, size, visible);
+  } catch (const backend_error& e) {
+    throw nccl_with_context(nccl_creating(rank, size, device), e);
+  }
+}
+}  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
 ///
@@ -69,19 +92,27 @@ class nccl_communicator {
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
   /// the local rank; it becomes the calling thread's current device). Rank 0
-  /// creates the NCCL unique id and sets it in `store` under
-  /// `options.store_key`; the others get it, waiting as long as the store's
-  /// timeout allows. Then ncclCommInitRankConfig, non-blocking, waited for at
-  /// most `options.init_timeout`.
+  /// selects its device and creates the NCCL unique id, and sets it in `store`
+  /// under `options.store_key` (broadcast_or_fail); the others get it, waiting
+  /// as long as the store's timeout allows. Then ncclCommInitRankConfig,
+  /// non-blocking, waited for at most `options.init_timeout`.
   ///
   /// Throws config_error for a bad rank, size or device; timeout_error (the
   /// store's, or the init's) when a rank does not show up; rendezvous_error
-  /// for a malformed id in the store; backend_error for CUDA and NCCL failures.
+  /// for a malformed id in the store, and on every other rank at once when
+  /// rank 0 cannot select its device or create the id (with rank 0's own
+  /// message); backend_error for CUDA and NCCL failures.
   template <store Store>
   nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
-      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key), rank, size,
-                          device, options) {}
+      // Rank 0 claims its device first: if it has none, nobody waits for its id.
+      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key,
+                                             [&] {
+                                               detail::nccl_claim_device(
+                                                   rank, size, device,
+                                                   options.cuda_visible_devices);
+                                             }),
+                          rank, size, device, options) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
@@ -89,12 +120,9 @@ class nccl_communicator {
   nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
                     nccl_options options = {})
       : rank_(rank), size_(size) {
-    detail::nccl_check_placement(rank, size, device);
-    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) +
-                             " of " + std::to_string(size) + " on CUDA device " +
-                             std::to_string(device);
+    detail::nccl_claim_device(rank, size, device, options.cuda_visible_devices);
+    const std::string what = detail::nccl_creating(rank, size, device);
     try {
-      detail::nccl_select_device(device, rank, size, options.cuda_visible_devices);
       auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
       ncclConfig_t config = s->config();
       try {
@@ -132,19 +160,24 @@ class nccl_communicator {
     return id;
   }
 
-  /// Rank 0 creates an id and sets it under `key`; every other rank gets it
-  /// (the store's timeout applies). Throws config_error for a bad rank,
-  /// rendezvous_error for a value that is not an id, and what the store throws.
-  template <store Store>
+  /// Rank 0 calls `prepare()`, creates an id and sets it under `key`; every
+  /// other rank gets it (the store's timeout applies). When rank 0 fails (in
+  /// `prepare`, or creating the id), it sets its error under `key` instead
+  /// and throws it; every other rank throws rendezvous_error at once, with
+  /// rank 0's message (broadcast_or_fail, rendezvous/broadcast.hpp). Throws
+  /// config_error for a bad rank, rendezvous_error for a value that is not an
+  /// id, and what the store throws.
+  template <store Store, class Prepare = void (*)()>
   [[nodiscard]] static ncclUniqueId exchange_unique_id(
-      Store& store, int rank, int size, std::string_view key = default_nccl_store_key) {
+      Store& store, int rank, int size, std::string_view key = default_nccl_store_key,
+      Prepare&& prepare = [] {}) {
     detail::nccl_check_rank(rank, size);
-    if (rank == 0) {
-      ncclUniqueId id = new_unique_id();
-      store.set(key, std::string_view(id.internal, sizeof id.internal));
-      return id;
-    }
-    return detail::nccl_unique_id_from(store.get(key), key);
+    const std::string value = detail::broadcast_or_fail(
+        detail::store_relay<Store>(store, std::string(key), rank), "the NCCL unique id", [&] {
+          prepare();
+          return detail::nccl_unique_id_text(new_unique_id());
+        });
+    return detail::nccl_unique_id_from(value, key);
   }
 
   /// -1 and 0 for a rank that split() left out (negative color).
@@ -440,47 +473,16 @@ static_assert(communicator<nccl_communicator>);
 #if DTRAIN_HAS_MPI()
 /// Rank `root` of `comm` creates an NCCL unique id and MPI_Bcasts it to every
 /// rank of `comm` (collective; returns the same id everywhere), for jobs
-/// started by mpirun that have no store. If the root cannot create an id,
-/// every rank throws backend_error rather than waiting. MPI errors are checked
-/// only if `comm` returns them (MPI_ERRORS_RETURN).
+/// started by mpirun that have no store. If the root cannot create an id, it
+/// throws its own error and every other rank throws rendezvous_error with
+/// the root's message, rather than waiting (broadcast_or_fail). MPI errors
+/// are checked only if `comm` returns them (MPI_ERRORS_RETURN).
 inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
-  auto check = [](int rc, const char* call) {
-    if (rc == MPI_SUCCESS) return;
-    char text[MPI_MAX_ERROR_STRING] = {};
-    int length = 0;
-    if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
-    throw backend_error(std::string("MPI call `") + call +
-                            "` failed while sharing the NCCL unique id: " +
-                            std::string(text, static_cast<std::size_t>(length)) + " (MPI error " +
-                            std::to_string(rc) + ")",
-                        rc);
-  };
-  int rank = -1;
-  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank(comm, &rank)");
-  // A status byte ahead of the id: a root that failed tells the others so.
-  unsigned char message[1 + sizeof(ncclUniqueId)] = {};
-  std::exception_ptr failure;
-  if (rank == root) {
-    try {
-      const ncclUniqueId id = nccl_communicator::new_unique_id();
-      message[0] = 1;
-      std::memcpy(message + 1, &id, sizeof id);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  check(MPI_Bcast(message, static_cast<int>(sizeof message), MPI_BYTE, root, comm),
-        "MPI_Bcast(message, 129, MPI_BYTE, root, comm)");
-  if (failure) std::rethrow_exception(failure);
-  if (message[0] != 1) {
-    throw backend_error("rank " + std::to_string(root) +
-                            " could not create the NCCL unique id (its own error says why); rank " +
-                            std::to_string(rank) + " cannot create its communicator",
-                        0);
-  }
-  ncclUniqueId id{};
-  std::memcpy(&id, message + 1, sizeof id);
-  return id;
+  detail::mpi_relay relay(comm, root);
+  const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
+    return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
+  });
+  return detail::nccl_unique_id_from(value, relay.where());
 }
 #endif  // DTRAIN_HAS_MPI()
 
