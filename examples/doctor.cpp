@@ -100,7 +100,7 @@ std::string mpi_report() {
 
 int main(int argc, char** argv) {
   const auto env = dtrain::environment::from_process();
-  std::string sysfs = std::string(env.get("DTRAIN_SYSFS_ROOT").value_or("/sys"));
+  std::string sysfs = std::string(env.get(dtrain::sysfs_root_variable).value_or("/sys"));
   std::vector<std::string_view> rest;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];

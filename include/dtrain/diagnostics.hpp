@@ -53,8 +53,8 @@ struct diagnostics_options {
 
   [[nodiscard]] diagnostics_options with_env(const environment& env) const {
     diagnostics_options out = *this;
-    if (auto on = detail::read_flag(env, "DTRAIN_DIAGNOSTICS")) out.enabled = *on;
-    if (auto t = detail::read_seconds(env, "DTRAIN_DIAGNOSTICS_WAIT")) out.wait = *t;
+    if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
+    if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
     return out;
   }
 };

@@ -142,7 +142,7 @@ enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
 
 inline shm_mode shm_mode_of(const gloo_options& o) {
   std::optional<bool> on = o.shared_memory;
-  if (!on) on = read_flag(o.env, "DTRAIN_GLOO_SHM");
+  if (!on) on = read_flag(o.env, gloo_shm_variable);
   if (!on) return shm_mode::automatic;
   return *on ? shm_mode::required : shm_mode::off;
 }

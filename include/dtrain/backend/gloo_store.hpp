@@ -29,8 +29,8 @@ struct named_interface {
 /// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
 /// when neither is set (then the interface that reaches MASTER_ADDR is used).
 inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
-  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
-    return named_interface{std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v)};
+  if (auto v = env.get(gloo_ifname_variable); v && !v->empty()) {
+    return named_interface{std::string(*v), assignment(gloo_ifname_variable, *v)};
   }
   if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
     return named_interface{std::string(v->substr(0, v->find(','))),

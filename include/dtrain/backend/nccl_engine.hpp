@@ -70,7 +70,7 @@ struct nccl_options {
   [[nodiscard]] nccl_options with_env(const environment& env) const {
     nccl_options out = *this;
     out.collectives = collectives.with_env(env);
-    if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
+    if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
     if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
     return out;
   }

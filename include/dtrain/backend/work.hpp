@@ -41,8 +41,8 @@ struct collective_options {
   /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
   [[nodiscard]] collective_options with_env(const environment& env) const {
     collective_options out = *this;
-    if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
-    if (auto flag = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *flag;
+    if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
+    if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
     return out;
   }
 };

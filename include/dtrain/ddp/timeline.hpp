@@ -10,6 +10,7 @@
 
 #include <dtrain/detail/json.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/error.hpp>
 
 #include <array>
@@ -44,7 +45,7 @@ inline std::string timeline_file(std::string_view path, int rank) {
 /// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
 /// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
 inline std::string timeline_setting(const environment& env, const std::string& option) {
-  if (auto v = env.get("DTRAIN_TIMELINE")) return std::string(*v);
+  if (auto v = env.get(timeline_variable)) return std::string(*v);
   return option;
 }
 
@@ -64,7 +65,7 @@ class timeline {
   timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
       : state_(std::make_unique<state>()) {
     state_->file = timeline_file(path, rank);
-    state_->setting = "DTRAIN_TIMELINE=" + std::string(path);
+    state_->setting = std::string(timeline_variable) + "=" + std::string(path);
     state_->rank = rank;
     state_->size = size;
     state_->names = std::move(parameter_names);

@@ -10,8 +10,10 @@
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/doctor/network.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/env/world.hpp>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,7 +41,7 @@ struct doctor_finding {
 
 namespace detail {
 
-inline std::optional<int> positive_variable(const environment& env, const char* name) {
+inline std::optional<int> positive_variable(const environment& env, std::string_view name) {
   auto v = env.get(name);
   if (!v) return std::nullopt;
   char* end = nullptr;
@@ -57,8 +59,9 @@ inline bool multi_node(const doctor_facts& f) {
         *f.self->world_size > *f.self->local_world_size)
       return true;
   }
-  for (const char* var : {"DTRAIN_NNODES", "NNODES", "SLURM_NNODES", "OMPI_MCA_orte_num_nodes",
-                          "GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"}) {
+  for (std::string_view var : std::initializer_list<std::string_view>{
+           nnodes_variable, "NNODES", "SLURM_NNODES", "OMPI_MCA_orte_num_nodes", "GROUP_WORLD_SIZE",
+           "HOROVOD_CROSS_SIZE"}) {
     if (auto n = positive_variable(f.env, var); n && *n > 1) return true;
   }
   return false;
@@ -172,7 +175,7 @@ inline bool all_loopback(const std::vector<std::string>& addresses) {
 
   std::optional<int> local;
   if (f.self && f.self->local_world_size) local = *f.self->local_world_size;
-  for (const char* var : {"DTRAIN_NPROC_PER_NODE", "LOCAL_WORLD_SIZE"}) {
+  for (std::string_view var : {nproc_per_node_variable, std::string_view("LOCAL_WORLD_SIZE")}) {
     if (!local) local = detail::positive_variable(f.env, var);
   }
   const int gpus = detail::usable_gpus(f);

@@ -10,6 +10,7 @@
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/detail/wire.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
@@ -23,10 +24,6 @@
 #include <vector>
 
 namespace dtrain {
-
-/// The variable that overrides the host name as the node's identity (for
-/// containers that share a host name, or several "nodes" on one machine).
-inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
 
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] inline std::string node_name(const environment& env) {

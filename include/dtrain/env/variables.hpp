@@ -6,6 +6,7 @@
 
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/error.hpp>
 
 #include <charconv>

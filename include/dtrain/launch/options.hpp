@@ -12,6 +12,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace dtrain {
 
@@ -71,7 +72,7 @@ struct agent_options {
   /// rebuilding it. Throws config_error naming the variable and its value.
   [[nodiscard]] agent_options with_env(const environment& env) const {
     agent_options out = *this;
-    auto count = [&](const char* name, std::optional<int>& into, int least) {
+    auto count = [&](std::string_view name, std::optional<int>& into, int least) {
       if (auto v = detail::read_int(env, name)) {
         if (v->value < least) {
           throw config_error(v->origin + " must be at least " + std::to_string(least));
@@ -79,15 +80,15 @@ struct agent_options {
         into = v->value;
       }
     };
-    count("DTRAIN_NPROC_PER_NODE", out.nproc_per_node, 1);
-    count("DTRAIN_NNODES", out.nnodes, 1);
-    count("DTRAIN_NODE_RANK", out.node_rank, 0);
-    if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
-    if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_HEARTBEAT_TIMEOUT")) out.heartbeat_timeout = *t;
-    if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
-    if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
-    if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
+    count(nproc_per_node_variable, out.nproc_per_node, 1);
+    count(nnodes_variable, out.nnodes, 1);
+    count(node_rank_variable, out.node_rank, 0);
+    if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
+    if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
+    if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
+    if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
+    if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
+    if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
     out.check();
     return out;
   }

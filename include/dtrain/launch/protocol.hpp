@@ -1,8 +1,8 @@
 #pragma once
 /// @file
 /// The job's protocol: the variables a node agent hands its workers
-/// (agent_store_variable, restart_count_variable and rendezvous/options.hpp's
-/// store_token_variable, next to torchrun's), the store keys that the agents,
+/// (agent_store_variable, restart_count_variable and store_token_variable,
+/// named in env/names.hpp, next to torchrun's), the store keys that the agents,
 /// the workers (context.hpp) and the diagnostics share, and the format of
 /// every value under them. Every value is written and read here (or by the
 /// codec next to its type: rank_report and placements in env/placement.hpp,
@@ -41,6 +41,7 @@
 /// 0's message when rank 0 cannot produce the value.
 
 #include <dtrain/detail/wire.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/store.hpp>
@@ -51,14 +52,6 @@
 #include <utility>
 
 namespace dtrain {
-
-/// The variable through which an agent tells its workers where its store is
-/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
-inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
-/// The variable that carries the restart round to the workers (torchrun's
-/// TORCHELASTIC_RESTART_COUNT is set too).
-inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
-
 namespace detail {
 
 /// The agents' keys (see the table above).

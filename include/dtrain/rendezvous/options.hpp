@@ -68,10 +68,6 @@ struct store_limits {
   }
 };
 
-/// The variable that carries the store's shared secret (a node agent hands
-/// it to its workers in their environment, never on argv).
-inline constexpr std::string_view store_token_variable = "DTRAIN_STORE_TOKEN";
-
 /// Options of a store server or client. Aggregate: use designated initialisers,
 /// e.g. `{.timeout = 30s, .token = "secret"}`.
 struct store_options {
@@ -100,29 +96,30 @@ struct store_options {
 
   /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT,
   /// DTRAIN_RENDEZVOUS_PROGRESS and DTRAIN_STORE_TOKEN from `env` applied on
-  /// top (and the other DTRAIN_STORE_* limits): the environment wins, as
+  /// top (and DTRAIN_STORE_MAX_CONNECTIONS, DTRAIN_STORE_MAX_BYTES): the environment wins, as
   /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
   /// config_error naming the variable on a malformed value.
   [[nodiscard]] store_options with_env(const environment& env) const {
     store_options out = *this;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_RENDEZVOUS_PROGRESS")) {
+    if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
+    if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
+    if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
       out.progress_interval = *t;
     }
-    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
+    if (auto n = detail::read_int(env, store_max_connections_variable)) {
       if (n->value < 1) throw config_error(n->origin + " must be at least 1");
       out.limits.max_connections = static_cast<std::uint32_t>(n->value);
     }
-    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_BYTES")) {
+    if (auto n = detail::read_int(env, store_max_bytes_variable)) {
       if (n->value < 1) throw config_error(n->origin + " must be at least 1");
       out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
     }
     if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
     if (out.token.size() > out.limits.max_token_size) {
-      throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
-                         " bytes; the limit is " + std::to_string(out.limits.max_token_size));
+      throw config_error(std::string(store_token_variable) + " / token is " +
+                         std::to_string(out.token.size()) + " bytes; the limit is " +
+                         std::to_string(out.limits.max_token_size));
     }
     return out;
   }

@@ -6,6 +6,7 @@
 
 #include <dtrain/detail/net.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
@@ -24,10 +25,6 @@
 #include <unistd.h>
 
 namespace dtrain {
-
-/// Environment: the address the store listens on, instead of the one that
-/// MASTER_ADDR names ("0.0.0.0" for every interface).
-inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
 
 namespace detail {
 

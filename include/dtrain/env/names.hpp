@@ -1,0 +1,127 @@
+#pragma once
+/// @file
+/// Every environment variable of dtrain's own (`DTRAIN_*`), by name, in one
+/// place: the code reads and names them only through these constants, and
+/// docs/reference.md's table is checked against this list (the test
+/// docs.environment_reference). The launchers' variables (RANK, WORLD_SIZE,
+/// MASTER_ADDR, OMPI_COMM_WORLD_*, SLURM_*, ...) are read by env/launchers.hpp.
+
+#include <array>
+#include <string_view>
+
+namespace dtrain {
+
+// --- the store and rendezvous (rendezvous/options.hpp, rendezvous/security.hpp)
+
+/// The store's shared secret: every client proves it in the handshake.
+inline constexpr std::string_view store_token_variable = "DTRAIN_STORE_TOKEN";
+/// The address the store listens on instead of the one MASTER_ADDR names
+/// ("0.0.0.0": every interface).
+inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
+/// Seconds of a store client's connect, get, wait and barrier (default 300).
+inline constexpr std::string_view store_timeout_variable = "DTRAIN_STORE_TIMEOUT";
+/// Seconds one read or write on a store connection may take.
+inline constexpr std::string_view store_io_timeout_variable = "DTRAIN_STORE_IO_TIMEOUT";
+/// Seconds the store keeps a silent connection open.
+inline constexpr std::string_view store_idle_timeout_variable = "DTRAIN_STORE_IDLE_TIMEOUT";
+/// The most connections the store holds at once.
+inline constexpr std::string_view store_max_connections_variable = "DTRAIN_STORE_MAX_CONNECTIONS";
+/// The most bytes of keys and values the store holds.
+inline constexpr std::string_view store_max_bytes_variable = "DTRAIN_STORE_MAX_BYTES";
+/// Seconds between reports of a rendezvous or connection still waiting.
+inline constexpr std::string_view rendezvous_progress_variable = "DTRAIN_RENDEZVOUS_PROGRESS";
+
+// --- world discovery (env/placement.hpp)
+
+/// This node's name for placement (default: the host name).
+inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
+
+// --- the node agent and dtrun (launch/)
+
+/// Workers per node (dtrun --nproc-per-node).
+inline constexpr std::string_view nproc_per_node_variable = "DTRAIN_NPROC_PER_NODE";
+/// Nodes in the job (dtrun --nnodes).
+inline constexpr std::string_view nnodes_variable = "DTRAIN_NNODES";
+/// This node's rank (dtrun --node-rank).
+inline constexpr std::string_view node_rank_variable = "DTRAIN_NODE_RANK";
+/// Restarts of the whole job after a failure (dtrun --max-restarts).
+inline constexpr std::string_view max_restarts_variable = "DTRAIN_MAX_RESTARTS";
+/// Seconds between SIGTERM and SIGKILL (dtrun --grace-period).
+inline constexpr std::string_view grace_period_variable = "DTRAIN_GRACE_PERIOD";
+/// Seconds without an agent's heartbeat before its node is declared lost.
+inline constexpr std::string_view heartbeat_timeout_variable = "DTRAIN_HEARTBEAT_TIMEOUT";
+/// Switch: prefix every line the workers print with `[rank N] ` (dtrun --tee).
+inline constexpr std::string_view tee_variable = "DTRAIN_TEE";
+/// A directory for each worker's output, DIR/restart_K/rank_N.log (dtrun --log-dir).
+inline constexpr std::string_view log_dir_variable = "DTRAIN_LOG_DIR";
+/// Switch: give each worker `--local_rank=N` (dtrun --pass-local-rank).
+inline constexpr std::string_view local_rank_arg_variable = "DTRAIN_LOCAL_RANK_ARG";
+/// Set by the agent for its workers: the agents' store (HOST:PORT).
+inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
+/// Set by the agent for its workers: how many times the job was restarted.
+inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+
+// --- collectives and engines (backend/)
+
+/// Seconds a collective may take before it is a timeout_error.
+inline constexpr std::string_view collective_timeout_variable = "DTRAIN_COLLECTIVE_TIMEOUT";
+/// Switch: compare every collective's signature across ranks before it runs.
+inline constexpr std::string_view check_collectives_variable = "DTRAIN_CHECK_COLLECTIVES";
+/// Seconds NCCL's communicator set-up may take.
+inline constexpr std::string_view nccl_init_timeout_variable = "DTRAIN_NCCL_INIT_TIMEOUT";
+/// The network interface Gloo uses (before GLOO_SOCKET_IFNAME).
+inline constexpr std::string_view gloo_ifname_variable = "DTRAIN_GLOO_IFNAME";
+/// Switch: Gloo's allreduces through shared memory when all ranks share a host.
+inline constexpr std::string_view gloo_shm_variable = "DTRAIN_GLOO_SHM";
+
+// --- failure diagnostics and timelines
+
+/// Switch: on a failure, gather and print the ranks' collective tables.
+inline constexpr std::string_view diagnostics_variable = "DTRAIN_DIAGNOSTICS";
+/// Seconds a failing rank waits for the other ranks' tables.
+inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTICS_WAIT";
+/// A file for DDP's timeline (one per rank); empty: none.
+inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
+
+// --- the doctor (examples/doctor.cpp)
+
+/// The directory the doctor reads as /sys (to inspect a captured host).
+inline constexpr std::string_view sysfs_root_variable = "DTRAIN_SYSFS_ROOT";
+
+namespace detail {
+
+/// Every name above, for checks and listings.
+inline constexpr std::array dtrain_variables{
+    store_token_variable,
+    store_bind_variable,
+    store_timeout_variable,
+    store_io_timeout_variable,
+    store_idle_timeout_variable,
+    store_max_connections_variable,
+    store_max_bytes_variable,
+    rendezvous_progress_variable,
+    node_name_variable,
+    nproc_per_node_variable,
+    nnodes_variable,
+    node_rank_variable,
+    max_restarts_variable,
+    grace_period_variable,
+    heartbeat_timeout_variable,
+    tee_variable,
+    log_dir_variable,
+    local_rank_arg_variable,
+    agent_store_variable,
+    restart_count_variable,
+    collective_timeout_variable,
+    check_collectives_variable,
+    nccl_init_timeout_variable,
+    gloo_ifname_variable,
+    gloo_shm_variable,
+    diagnostics_variable,
+    diagnostics_wait_variable,
+    timeline_variable,
+    sysfs_root_variable,
+};
+
+}  // namespace detail
+}  // namespace dtrain
