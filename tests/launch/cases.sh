@@ -107,6 +107,27 @@ worker_fails)
   expect_all_gone "$work/pids"
   ;;
 
+program_flags)
+  # A self-launching program reads dtrun's flags from its own command line (the peer's
+  # --agent-flags-from-argv leaves them out of run_options): a bad value is an error naming it,
+  # exit 2; --max-restarts and --master-port are obeyed; the program's own flags (--fail-rank ...)
+  # pass through to the workers.
+  "$PEER" node-gloo --agent-flags-from-argv --nproc-per-node 2 --master-port 70000 >"$work/bad.out" 2>"$work/bad.err"
+  expect_status 2 $? "--master-port 70000"
+  expect_line "$work/bad.err" '^\[agent\] dtrain: --master-port=70000 on the command line is outside the port range 1-65535$' "the bad flag's message"
+  "$PEER" node-gloo --agent-flags-from-argv --nproc-per-node 2 --max-restarts 1 --fail-rank 1 --fail-restarts 1 \
+    >"$work/restart.out" 2>"$work/restart.err"
+  expect_status 0 $? "--nproc-per-node 2 --max-restarts 1"
+  expect_line "$work/restart.err" 'rank 1 \(node 0, local rank 1, pid [0-9]+\) exited with status 3; restarting every node.s workers \(restart 1 of 1\)' "the restart"
+  check_world "$work/restart.out" 2 2
+  [[ $(count_lines "$work/restart.out" ' restart=1$') == 2 ]] || fail "the restart did not start 2 workers"
+  port=$(free_port)
+  "$PEER" node-gloo --agent-flags-from-argv --nproc_per_node=2 --master-port="$port" --tee >"$work/port.out" 2>"$work/port.err"
+  expect_status 0 $? "--master-port=$port --tee"
+  expect_line "$work/port.err" "^\[dtrain agent node 0/1\] node 0 of 1, 2 workers, store at 127\.0\.0\.1:$port$" "the store on --master-port"
+  [[ $(count_lines "$work/port.out" '^\[rank [01]\] peer rank [01] done sum=3$') == 2 ]] || fail "--tee did not prefix the workers' lines"
+  ;;
+
 worker_throws)
   # A dtrain worker records why it failed before it exits: the agent names it and its reason,
   # not the peer whose connection it closed.

@@ -5,6 +5,8 @@
 #include "support.hpp"
 
 #include <chrono>
+#include <string>
+#include <string_view>
 #include <vector>
 
 using namespace std::chrono_literals;
@@ -280,4 +282,89 @@ TEST_CASE("agent protocol: failure and node records survive the store, garbage n
   CHECK_THROWS_WITH_AS((void)dtrain::detail::store_address::decode("host 29500"),
                        doctest::Contains("rank 0's broadcast does not hold the store's address"),
                        dtrain::rendezvous_error);
+}
+
+namespace {
+
+using dtrain::detail::agent_flags;
+using sv_args = std::vector<std::string_view>;
+
+}  // namespace
+
+TEST_CASE("dtrun's flags: dtrun reads its flags, then the program after them") {
+  auto flags = agent_flags::of_launcher(sv_args{
+      "--nproc_per_node=4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
+      "--master-port=29400", "--tee", "--max-restarts", "3", "--", "./train", "--tee", "x"});
+  dtrain::agent_options o;
+  flags.apply(o);
+  CHECK(o.nproc_per_node == 4);
+  CHECK(o.nnodes == 2);
+  CHECK(o.node_rank == 1);
+  CHECK(o.master_addr == "node0");
+  CHECK(o.master_port == 29400);
+  CHECK(o.tee);
+  CHECK(o.max_restarts == 3);
+  CHECK(flags.program() == std::vector<std::string>{"./train", "--tee", "x"});
+  // The first argument that is not a flag starts the program; --standalone sets four options.
+  flags = agent_flags::of_launcher(
+      sv_args{"--standalone", "--grace-period", "0", "--no-python", "t.py", "--nnodes", "9"});
+  CHECK(flags.program() == std::vector<std::string>{"t.py", "--nnodes", "9"});
+  CHECK(flags.no_python());
+  CHECK(flags.values().nnodes == 1);
+  CHECK(flags.values().master_addr == "127.0.0.1");
+  CHECK(flags.values().master_port == 0);
+  CHECK(flags.values().grace_period == 0ms);
+  CHECK(agent_flags::of_launcher(sv_args{"--log-dir", "d", "-h", "--nnodes=x"}).help());
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--nprocs", "2", "t"});
+        }) == "unknown option --nprocs (see dtrun --help)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--tee=1", "t"});
+        }) == "--tee=1 on the command line: --tee takes no value");
+}
+
+TEST_CASE("dtrun's flags: a self-launching program's own arguments pass, dtrun's are read") {
+  const auto flags = agent_flags::of_program(
+      sv_args{"--epochs", "3", "--master-port", "29501", "data/", "--max_restarts=2", "--help",
+              "--no-python", "--nproc-per-node", "2", "--nproc-per-node=3", "--", "--nnodes", "x"});
+  CHECK(flags.values().master_port == 29501);
+  CHECK(flags.values().max_restarts == 2);
+  CHECK(flags.values().nproc_per_node == 3);                      // the last one counts
+  CHECK_FALSE(flags.given(dtrain::detail::agent_field::nnodes));  // after `--`
+  CHECK_FALSE(flags.help());                                      // the program's
+  CHECK_FALSE(flags.no_python());
+  CHECK(flags.program().empty());
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_program(sv_args{"--lr", "0.1", "--master-port", "70000"});
+        }) == "--master-port=70000 on the command line is outside the port range 1-65535");
+  CHECK(config_error_text([] { (void)agent_flags::of_program(sv_args{"--nnodes=0"}); }) ==
+        "--nnodes=0 on the command line must be at least 1 (nodes)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_program(sv_args{"--max-restarts", "-1"});
+        }) ==
+        "--max-restarts=-1 on the command line is negative: ranks, sizes and indices count from 0");
+  CHECK(config_error_text([] { (void)agent_flags::of_program(sv_args{"--master-addr="}); }) ==
+        "--master-addr= on the command line is empty");
+  CHECK(config_error_text([] { (void)agent_flags::of_program(sv_args{"--log-dir"}); }) ==
+        "--log-dir on the command line needs a value (a directory, e.g. --log-dir logs)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_program(sv_args{"--heartbeat-timeout", "0"});
+        }) == "--heartbeat-timeout=0 on the command line must be at least 1 (seconds)");
+}
+
+TEST_CASE("dtrun's flags: dtrun's win over what is set, a program's code wins over its flags") {
+  const auto flags = agent_flags::of_program(
+      sv_args{"--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "3", "--tee"});
+  dtrain::agent_options coded{.nproc_per_node = 4, .grace_period = 5s};
+  dtrain::agent_options filled = coded;
+  flags.fill(filled);
+  CHECK(filled.nproc_per_node == 4);  // set in the code
+  CHECK(filled.grace_period == 5s);   // set in the code (not the default)
+  CHECK(filled.max_restarts == 1);    // left at the default
+  CHECK(filled.tee);
+  CHECK_FALSE(filled.nnodes);  // no flag
+  dtrain::agent_options applied = coded;
+  flags.apply(applied);
+  CHECK(applied.nproc_per_node == 2);
+  CHECK(applied.grace_period == 3s);
 }
