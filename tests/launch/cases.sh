@@ -128,6 +128,78 @@ program_flags)
   [[ $(count_lines "$work/port.out" '^\[rank [01]\] peer rank [01] done sum=3$') == 2 ]] || fail "--tee did not prefix the workers' lines"
   ;;
 
+agent_failure_paths)
+  # The agent's ways out other than the end of a round, under AddressSanitizer and UBSan
+  # (DTRUN_ASAN: dtrun built with them). Each must end with its status and message, stop the
+  # workers, and print the workers' output once and whole, before the agent's last line.
+  export ASAN_OPTIONS=exitcode=86:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:exitcode=86:print_stacktrace=1
+  no_sanitizer_report() {
+    ! grep -Eq 'AddressSanitizer|LeakSanitizer|runtime error:' "$1" || fail "a sanitizer report in $1"
+  }
+  # A round whose program cannot be started (the exception leaves run() through its catch).
+  "$DTRUN_ASAN" --tee --nproc-per-node 2 -- /nonexistent/program >"$work/missing.out" 2>"$work/missing.err"
+  expect_status 127 $? "dtrun -- /nonexistent/program"
+  [[ $(count_lines "$work/missing.err" 'cannot run') == 1 ]] || fail "the missing program was not named once"
+  no_sanitizer_report "$work/missing.err"
+  # A failing round with --tee: a grandchild outside the workers' groups (setsid) holds their
+  # output open, so only the round's end drains it. Every line once, the unfinished last one
+  # too, and all before the agent's summary. Rank 1 fails once rank 0 has printed its lines.
+  mkdir "$work/pids"
+  export PIDS="$work/pids"
+  "$DTRUN_ASAN" --tee --grace-period 1 --nproc-per-node 2 -- sh -c '
+    setsid sleep 30 & echo $! >"$PIDS/setsid$RANK.pid"
+    echo "first line of $RANK"; printf "last words of $RANK"
+    [ "$RANK" = 0 ] && { touch "$PIDS/printed"; exec sleep 30; }
+    for _ in $(seq 600); do [ -e "$PIDS/printed" ] && break; sleep 0.1; done
+    exit 3' >"$work/tee.all" 2>&1
+  expect_status 3 $? "dtrun whose workers exit 3"
+  for f in "$work"/pids/setsid*.pid; do kill "$(cat "$f")" 2>/dev/null; done
+  for r in 0 1; do
+    [[ $(count_lines "$work/tee.all" "^\[rank $r\] first line of $r$") == 1 ]] || fail "rank $r's first line is not there once"
+    [[ $(count_lines "$work/tee.all" "^\[rank $r\] last words of $r$") == 1 ]] || fail "rank $r's last words are not there once, whole"
+  done
+  summary=$(grep -n 'rank 1 .* exited with status 3; ending the job' "$work/tee.all" | cut -d: -f1)
+  [[ -n $summary ]] || fail "no summary line"
+  last=$(grep -n '^\[rank [01]\] ' "$work/tee.all" | tail -1 | cut -d: -f1)
+  ((last < summary)) || fail "a worker's line came after the agent's summary"
+  no_sanitizer_report "$work/tee.all"
+  # A signal during a wait: node 1 of a 3-node job waits for node 2, which never comes.
+  port=$(free_port)
+  "$DTRUN" --nnodes 3 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- true >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  "$DTRUN_ASAN" --nnodes 3 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" --tee -- true >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  for _ in $(seq 600); do
+    grep -q 'store at' "$work/n1.err" && break
+    sleep 0.1
+  done
+  kill -TERM $n1  # its handler is in place once it has printed where the store is
+  wait $n1
+  expect_status 143 $? "node 1's dtrun after SIGTERM"
+  expect_line "$work/n1.err" '^\[dtrain agent node 1/3\] received signal 15; stopped this node.s workers$' "node 1's message"
+  no_sanitizer_report "$work/n1.err"
+  kill -KILL $n0
+  wait $n0 2>/dev/null
+  # The store lost: node 0's agent is SIGKILLed while node 1's workers run.
+  rm -f "$work"/pids/*
+  port=$(free_port)
+  # Node 1 tries to reach the store again for DTRAIN_STORE_IO_TIMEOUT before it gives up.
+  "$DTRUN" --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
+    >"$work/s0.out" 2>"$work/s0.err" &
+  s0=$!
+  DTRAIN_STORE_IO_TIMEOUT=2 "$DTRUN_ASAN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
+    >"$work/s1.out" 2>"$work/s1.err" &
+  s1=$!
+  wait_for_pids "$work/pids" 2
+  kill -KILL $s0
+  wait $s0 2>/dev/null
+  wait $s1
+  expect_status 1 $? "node 1's dtrun after node 0's agent died"
+  expect_line "$work/s1.err" '^\[dtrain agent node 1/2\] lost the rendezvous store \(node 0.s agent\) at 127\.0\.0\.1:[0-9]+: ' "node 1's message"
+  expect_all_gone "$work/pids"
+  no_sanitizer_report "$work/s1.err"
+  ;;
+
 worker_throws)
   # A dtrain worker records why it failed before it exits: the agent names it and its reason,
   # not the peer whose connection it closed.

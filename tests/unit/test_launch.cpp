@@ -5,9 +5,12 @@
 #include "support.hpp"
 
 #include <chrono>
+#include <csignal>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <sys/types.h>
 
 using namespace std::chrono_literals;
 using dtrain::agent_options;
@@ -367,4 +370,79 @@ TEST_CASE("dtrun's flags: dtrun's win over what is set, a program's code wins ov
   flags.apply(applied);
   CHECK(applied.nproc_per_node == 2);
   CHECK(applied.grace_period == 3s);
+}
+
+namespace {
+
+// A store served here, and node 0's agent side of it, for rounds run in this process.
+struct one_node_store {
+  dtrain::store_options options{.timeout = 20s, .token = "unit-test-agent-round"};
+  dtrain::detail::agent_store store{0, 1, "127.0.0.1", "127.0.0.1", 0, options};
+};
+
+dtrain::detail::round_settings settings_of(int nproc) {
+  return {.restart = 0,
+          .node_rank = 0,
+          .nnodes = 1,
+          .nproc = nproc,
+          .tee = false,
+          .log_dir = {},
+          .grace_period = 2s,
+          .heartbeat_timeout = 10s};
+}
+
+dtrain::detail::worker_start shell(int rank, std::string script) {
+  dtrain::detail::worker_start w;
+  w.rank = rank;
+  w.local_rank = rank;
+  w.command.argv = {"/bin/sh", "-c", std::move(script)};
+  w.command.env = {"PATH=/usr/bin:/bin"};
+  return w;
+}
+
+bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+}  // namespace
+
+TEST_CASE("agent round: starting, running, ended, and how it ended") {
+  using state = dtrain::detail::agent_round::state;
+  one_node_store s;
+  SUBCASE("a worker fails: the others are stopped, the round names it") {
+    dtrain::detail::agent_round round(settings_of(2));
+    CHECK(round.current() == state::starting);
+    round.start({shell(0, "exec sleep 30"), shell(1, "exit 3")});
+    CHECK(round.current() == state::running);
+    const auto end = round.supervise(s.store);
+    CHECK(round.current() == state::ended);
+    CHECK_FALSE(end.succeeded);
+    CHECK(end.status == 3);
+    CHECK_FALSE(end.final);
+    CHECK_CONTAINS(end.message, "rank 1 (node 0, local rank 1, pid ");
+    CHECK_CONTAINS(end.message, ") exited with status 3");
+    for (const auto& w : round.workers()) CHECK_FALSE(alive(w.pid));
+  }
+  SUBCASE("every worker succeeds") {
+    dtrain::detail::agent_round round(settings_of(2));
+    round.start({shell(0, "true"), shell(1, "true")});
+    const auto end = round.supervise(s.store);
+    CHECK(end.succeeded);
+    CHECK(end.status == 0);
+    CHECK(round.current() == state::ended);
+  }
+}
+
+TEST_CASE("agent round: one destroyed before it ended stops what it started, once") {
+  one_node_store s;
+  pid_t started = -1;
+  {
+    dtrain::detail::agent_round round(settings_of(2));
+    dtrain::detail::worker_start missing = shell(1, "");
+    missing.command.argv = {"/nonexistent/program"};
+    CHECK_THROWS_AS(round.start({shell(0, "exec sleep 30"), missing}), dtrain::program_error);
+    REQUIRE(round.workers().size() == 1);
+    started = round.workers()[0].pid;
+    CHECK(alive(started));
+    CHECK(round.current() == dtrain::detail::agent_round::state::starting);
+  }
+  CHECK_FALSE(alive(started));  // stopped and reaped: not even a zombie
 }
