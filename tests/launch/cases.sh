@@ -107,6 +107,17 @@ worker_fails)
   expect_all_gone "$work/pids"
   ;;
 
+exited_early)
+  # Rank 1 leaves after the barrier with status 0, one collective short (as a rank that skipped a
+  # backward()); ranks 0 and 2 then fail in the allreduce it never joined. The agent names rank 1
+  # first, not the rank that waited for it.
+  DTRAIN_COLLECTIVE_TIMEOUT=5 DTRAIN_DIAGNOSTICS_WAIT=2 "$PEER" node-gloo --nproc-per-node 3 --skip-rank 1 \
+    >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 1 $? "the agent"
+  expect_line "$work/agent.out" '^peer rank 1 skips the allreduce$' "rank 1's early exit"
+  expect_line "$work/agent.err" '^\[dtrain agent node 0/1\] rank 1 \(node 0, local rank 1, pid [0-9]+\) exited with status 0 after [0-9]+ collectives? while rank [02] waited in collective #[0-9]+; then rank [02] \(node 0, local rank [02], pid [0-9]+\) exited with status 1: .+; ending the job' "the agent's summary"
+  ;;
+
 program_flags)
   # A self-launching program reads dtrun's flags from its own command line (the peer's
   # --agent-flags-from-argv leaves them out of run_options): a bad value is an error naming it,
@@ -346,6 +357,17 @@ dtrun_sigusr1)
   expect_line "$work/dtrun.err" "collective diagnostics, round 1, after SIGUSR1 on rank [0-3]" "the table's header"
   expect_line "$work/dtrun.err" "^  rank 2 is at #[0-9]+ allreduce\(float32 .+ 262144, bucket 1\); ranks 0, 1, 3 wait in #[0-9]+ allreduce\(float32 .+ 65536, bucket 0\): rank 2 never started" "the table's finding"
   cat "$work/dtrun.err"
+  ;;
+
+dtrun_exit)
+  # Rank 2 of dtrain_desync_peer (DESYNC) skips the last step and returns 0, as a rank that skipped
+  # a backward(); the others fail in the bucket's allreduce it never started. dtrun's summary
+  # names rank 2 first, with how many collectives it issued, not the rank that waited for it.
+  DTRAIN_COLLECTIVE_TIMEOUT=8 DTRAIN_DIAGNOSTICS_WAIT=3 "$DTRUN" --nproc-per-node 4 -- "$DESYNC" gloo exit \
+    >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 1 $? "dtrun"
+  expect_line "$work/dtrun.err" "skipped the last step; returning 0" "rank 2 leaving"
+  expect_line "$work/dtrun.err" '^\[dtrain agent node 0/1\] rank 2 \(node 0, local rank 2, pid [0-9]+\) exited with status 0 after [0-9]+ collectives on communicator world/split 1 \(color 0\) while rank [013] waited in collective #[0-9]+; then rank [013] \(node 0, local rank [013], pid [0-9]+\) exited with status 1: ' "the agent's summary"
   ;;
 
 local_rank_arg)

@@ -16,6 +16,7 @@
 //   --throw-rank R      that rank throws std::runtime_error("peer failure on purpose")
 //   --hang DIR          every other rank writes DIR/<rank>.pid and sleeps until killed
 //   --ignore-term       hanging ranks ignore SIGTERM (the agent must SIGKILL them)
+//   --skip-rank R       that rank skips the allreduce (one collective fewer) and returns 0
 //   --die-rank R        that rank SIGKILLs itself after the barrier, while the others stream
 //                       allreduces to it (a peer dying mid-collective)
 //   --broken-pipe       every rank writes to a pipe nobody reads and prints what write() said
@@ -58,6 +59,7 @@ struct peer_options {
   std::string child_dir;
   bool nproc_from_argv = false;
   bool agent_flags_from_argv = false;
+  int skip_rank = -1;
 };
 
 peer_options parse(int argc, char** argv) {
@@ -77,6 +79,8 @@ peer_options parse(int argc, char** argv) {
       o.nproc_from_argv = true;
     else if (a == "--agent-flags-from-argv")
       continue;  // read above
+    else if (a == "--skip-rank")
+      o.skip_rank = std::stoi(next());
     else if (a == "--nproc-per-node" || a == "--nproc_per_node")
       o.run.agent.nproc_per_node = std::stoi(next());
     else if (a.starts_with("--nproc-per-node=") || a.starts_with("--nproc_per_node="))
@@ -165,6 +169,12 @@ int work(dtrain::context<Policy>& ctx, const peer_options& o) {
     while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
   ctx.barrier();
+  if (ctx.rank() == o.skip_rank) {
+    // Leaves early, as a rank that skipped a backward(): its peers wait in the allreduce.
+    std::printf("peer rank %d skips the allreduce\n", ctx.rank());
+    std::fflush(stdout);
+    return 0;
+  }
   if (o.die_rank >= 0) {
     if (ctx.rank() == o.die_rank) ::raise(SIGKILL);
     // Enough traffic that the survivors write to the dead rank's sockets.

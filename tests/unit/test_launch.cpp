@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -285,6 +286,67 @@ TEST_CASE("agent protocol: failure and node records survive the store, garbage n
   CHECK_THROWS_WITH_AS((void)dtrain::detail::store_address::decode("host 29500"),
                        doctest::Contains("rank 0's broadcast does not hold the store's address"),
                        dtrain::rendezvous_error);
+}
+
+TEST_CASE("agent protocol: a failure keeps its rank and collective, a clean exit its counts") {
+  using dtrain::detail::exit_record;
+  using dtrain::detail::failure_record;
+  const failure_record f{1, false, "rank 0 (...) exited with status 1: timeout", 0, 42, "world"};
+  const failure_record back = failure_record::decode("k", f.encode());
+  CHECK(back.rank == 0);
+  CHECK(back.collective == 42);
+  CHECK(back.communicator == "world");
+  const exit_record e{
+      1, "rank 1 (node 0, local rank 1, pid 7)", {{"world", 2}, {"world/split 1", 41}}};
+  const exit_record same = exit_record::decode("k", e.encode());
+  CHECK(same.rank == 1);
+  CHECK(same.label == e.label);
+  CHECK(same.issued_on("world/split 1") == 41);
+  CHECK(same.issued_on("world") == 2);
+  CHECK(same.issued_on("world/split 2") == 0);
+  CHECK_THROWS_WITH_AS((void)exit_record::decode("dtrain/agent/0/exited", "1 41"),
+                       doctest::Contains("store key dtrain/agent/0/exited does not hold a "
+                                         "worker's exit"),
+                       dtrain::rendezvous_error);
+  CHECK_THROWS_WITH_AS(
+      (void)failure_record::decode("k", failure_record{1, false, "x", -2, 0, ""}.encode()),
+      doctest::Contains("the rank -2 is not a rank or -1"), dtrain::rendezvous_error);
+}
+
+TEST_CASE("agent summary: a rank that exited well before its peers' collective is named first") {
+  using dtrain::detail::describe_failure;
+  using dtrain::detail::exit_record;
+  using dtrain::detail::failure_record;
+  const failure_record timeout{1,
+                               false,
+                               "rank 0 (node 0, local rank 0, pid 5) exited with status 1: "
+                               "allreduce timed out",
+                               0,
+                               42,
+                               "world"};
+  const exit_record early{1, "rank 1 (node 0, local rank 1, pid 6)", {{"world", 41}}};
+  CHECK(describe_failure(timeout, early) ==
+        "rank 1 (node 0, local rank 1, pid 6) exited with status 0 after 41 collectives while "
+        "rank 0 waited in collective #42; then rank 0 (node 0, local rank 0, pid 5) exited with "
+        "status 1: allreduce timed out");
+  CHECK_CONTAINS(describe_failure(timeout, exit_record{1, "rank 1", {{"world", 1}}}),
+                 "rank 1 exited with status 0 after 1 collective while");
+  // DDP's buckets travel on a split of the world: the counts of that communicator compare.
+  failure_record on_split = timeout;
+  on_split.communicator = "world/split 1 (color 0)";
+  on_split.collective = 8;
+  CHECK_CONTAINS(
+      describe_failure(on_split,
+                       exit_record{1, "rank 1", {{"world", 3}, {on_split.communicator, 7}}}),
+      "rank 1 exited with status 0 after 7 collectives on communicator world/split 1 (color 0) "
+      "while rank 0 waited in collective #8; then ");
+  // Not its doing: no clean exit, one that got as far, the same rank, or a failure outside a
+  // collective (a user's exception, an agent's record).
+  CHECK(describe_failure(timeout, std::nullopt) == timeout.message);
+  CHECK(describe_failure(timeout, exit_record{1, "rank 1", {{"world", 42}}}) == timeout.message);
+  CHECK(describe_failure(timeout, exit_record{0, "rank 0", {{"world", 3}}}) == timeout.message);
+  CHECK(describe_failure(failure_record{1, false, "threw", 0, 0, ""}, early) == "threw");
+  CHECK(describe_failure(failure_record{137, true, "node 1's agent"}, early) == "node 1's agent");
 }
 
 namespace {

@@ -36,6 +36,9 @@ namespace dtrain {
 /// `command`, and returns the exit status the agent should exit with: 0 when
 /// every worker of every node succeeded, else the failing worker's status
 /// (128 + signal for a killed one). Throws config_error on bad options.
+/// The summary it prints names the worker that went wrong: the first failure,
+/// or, when that was a collective that a worker which had already ended well
+/// never issued, that worker first (it left its peers waiting).
 ///
 /// Each worker gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
 /// LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,

@@ -2,8 +2,9 @@
 /// @file
 /// The node agents' side of the job's store: node 0's agent serves it, every
 /// agent joins it, meets the others there between restart rounds, beats its
-/// heartbeat, records and reads how a round failed, and leaves. The keys
-/// and the format of their values are launch/protocol.hpp's.
+/// heartbeat, records and reads how a round failed (naming the worker that
+/// went wrong), and leaves. The keys and the format of their values are
+/// launch/protocol.hpp's.
 
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/error.hpp>
@@ -53,6 +54,25 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
     text += "." + frac;
   }
   return text;
+}
+
+/// The agents' summary of a round's first failure. When the failing worker
+/// gave up a collective that a worker which had already ended well never
+/// issued, that worker comes first: it left early (it skipped a step, say),
+/// and the failure is the consequence.
+inline std::string describe_failure(const failure_record& failure,
+                                    const std::optional<exit_record>& first_exit) {
+  if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
+      first_exit->rank == failure.rank) {
+    return failure.message;
+  }
+  const std::int64_t issued = first_exit->issued_on(failure.communicator);
+  if (issued >= failure.collective) return failure.message;
+  return first_exit->label + " exited with status 0 after " + std::to_string(issued) +
+         " collective" + (issued == 1 ? "" : "s") +
+         (failure.communicator == "world" ? "" : " on communicator " + failure.communicator) +
+         " while rank " + std::to_string(failure.rank) + " waited in collective #" +
+         std::to_string(failure.collective) + "; then " + failure.message;
 }
 
 /// Every agent bumps its counter about once a second and watches the
@@ -187,19 +207,24 @@ class agent_store {
 
   /// Records a failure of round `restart` unless one is recorded already.
   void record_failure(int restart, int status, bool final, const std::string& message) {
-    detail::record_failure(client_, restart, status, final, message);
+    detail::record_failure(client_, restart, {status, final, message});
   }
 
-  /// Round `restart`'s first failure, if one is recorded. A record that
-  /// cannot be read ends the job with its own reason.
+  /// Round `restart`'s first failure, if one is recorded, with its message
+  /// as the agents print it (describe_failure). A record that cannot be read
+  /// ends the job with its own reason.
   std::optional<failure_record> failure(int restart) {
     const std::string key = agent_keys::failure(restart);
     if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+    const std::string value = client_.get(key);
+    failure_record f;
     try {
-      return failure_record::decode(key, client_.get(key));
+      f = failure_record::decode(key, value);
     } catch (const rendezvous_error& e) {
       return failure_record{1, true, e.what()};
     }
+    f.message = describe_failure(f, first_exit(restart));
+    return f;
   }
 
   /// Reports that this node's workers of round `restart` all succeeded.
@@ -230,6 +255,18 @@ class agent_store {
   }
 
  private:
+  // The first worker of the round that ended well; a record that cannot be
+  // read only loses that hint.
+  std::optional<exit_record> first_exit(int restart) {
+    const std::string key = agent_keys::exited(restart);
+    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+    try {
+      return exit_record::decode(key, client_.get(key));
+    } catch (const rendezvous_error&) {
+      return std::nullopt;
+    }
+  }
+
   int node_rank_;
   int nnodes_;
   std::chrono::milliseconds timeout_;
