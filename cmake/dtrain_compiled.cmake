@@ -1,78 +1,101 @@
-# Separate compilation (issue 14): dtrain::compiled, a library of the
-# policy-dependent code (context, run's agent and worker, and with them the
-# store, the agent and the engine glue) for the standard policies, so that a
-# program's own translation units only declare it (`extern template`,
-# include/dtrain/compiled.hpp). Header-only dtrain::dtrain stays the default.
+# The library targets (issue 30): compiled by default, as fmt and spdlog do it.
+# A program's translation units only declare the policy-dependent code
+# (`extern template`, include/dtrain/compiled.hpp) and link it from a library
+# built once, so they compile in seconds instead of half a minute.
 #
-#   cmake -DDTRAIN_SEPARATE_COMPILATION=ON ...   then link dtrain::compiled
+#   dtrain::core          headers, C++20, threads; no engine (header-only: it has no policy)
+#   dtrain::gloo / dtrain::mpi / dtrain::nccl
+#                         libdtrain_<engine>: src/<engine>.cpp built with that engine
+#                         alone, its libraries and DTRAIN_WITH_<X>=1; defined only
+#                         when DTRAIN_WITH_<X> is ON (the engine was found)
+#   dtrain::dtrain        libdtrain: every engine that is switched on, each src/<engine>.cpp
+#                         built with all of them
+#   dtrain::header_only   dtrain::dtrain's headers and engines, without the library
+#   dtrain::compiled      an alias of dtrain::dtrain (its name before issue 30)
+# The libraries define DTRAIN_SEPARATE_COMPILATION=1 for their users.
 #
-# dtrain::compiled brings dtrain::dtrain (headers, engines) and defines
-# DTRAIN_SEPARATE_COMPILATION=1 for its users. dtrain's own tests build it
-# whatever the option, to check that the separate mode builds and runs.
+# DTRAIN_HEADER_ONLY=ON makes dtrain::dtrain and dtrain::<engine> header-only
+# (what they were before issue 30): no library is built or installed.
+#
+# Why one library per set of engines, and not the engine parts shared: the
+# engines change what the same code does (with NCCL, CUDA is compiled in and
+# the MPI engine reaches device memory; with MPI, a failed rank ends the MPI
+# job), and every TU of a program must see the bodies its library holds. So a
+# TU compiled for dtrain::gloo (Gloo alone) links libdtrain_gloo, one compiled
+# for dtrain::dtrain links libdtrain, and a program that mixes the two does not
+# link: the link check (include/dtrain/detail/link_check.hpp, src/link_check.cpp)
+# makes it a multiple definition of
+# `dtrain::detail::link_check::every_unit_must_use_the_same_dtrain_engines`,
+# where link order would otherwise pick one body silently. With one engine
+# switched on, dtrain::<engine> is dtrain::dtrain's library: the sets are equal.
 include_guard(GLOBAL)
 
-option(DTRAIN_SEPARATE_COMPILATION
-       "Build dtrain::compiled: dtrain's policy code compiled once, for faster builds of programs that link it"
+option(DTRAIN_HEADER_ONLY
+       "dtrain::dtrain and dtrain::<engine> header-only: build and install no library (dtrain::header_only is header-only either way)"
        OFF)
-
-if(NOT DTRAIN_SEPARATE_COMPILATION AND NOT DTRAIN_BUILD_TESTS)
-  return()
+if(DEFINED DTRAIN_SEPARATE_COMPILATION AND NOT DTRAIN_SEPARATE_COMPILATION STREQUAL "")
+  message(WARNING "DTRAIN_SEPARATE_COMPILATION=${DTRAIN_SEPARATE_COMPILATION} is no longer used: "
+                  "dtrain::dtrain is compiled by default (dtrain::compiled is an alias of it); "
+                  "configure with -DDTRAIN_HEADER_ONLY=ON, or link dtrain::header_only, for the "
+                  "header-only form.")
 endif()
 
-# One source per engine (src/<engine>.cpp), so that they build in parallel.
-set(_dtrain_compiled_sources "")
-foreach(_engine IN LISTS DTRAIN_ENGINES)
-  string(TOLOWER "${_engine}" _engine)
-  list(APPEND _dtrain_compiled_sources "${PROJECT_SOURCE_DIR}/src/${_engine}.cpp")
-endforeach()
+add_library(dtrain_header_only INTERFACE)
+add_library(dtrain::header_only ALIAS dtrain_header_only)
+set_target_properties(dtrain_header_only PROPERTIES EXPORT_NAME header_only)
+target_link_libraries(dtrain_header_only INTERFACE dtrain_core)
+dtrain_link_engines(dtrain_header_only INTERFACE ${DTRAIN_ENGINES})
 
-if(_dtrain_compiled_sources)
-  # Static unless BUILD_SHARED_LIBS; position-independent, so a shared library may link it.
-  add_library(dtrain_compiled ${_dtrain_compiled_sources})
-  set_target_properties(dtrain_compiled PROPERTIES POSITION_INDEPENDENT_CODE ON
-                                                   OUTPUT_NAME dtrain_compiled)
-  target_link_libraries(dtrain_compiled PUBLIC dtrain::dtrain)
-  target_compile_definitions(dtrain_compiled PUBLIC DTRAIN_SEPARATE_COMPILATION=1)
-  if(PROJECT_IS_TOP_LEVEL)  # a user's newer compiler must not fail the user's build on a warning
-    dtrain_target_warnings(dtrain_compiled)
+# _dtrain_library(<target> <export name> <engine>...): dtrain::<export name>,
+# the library of those engines (its file: lib<target>.a), or with
+# DTRAIN_HEADER_ONLY the same usage requirements without it.
+function(_dtrain_library target export_name)
+  if(DTRAIN_HEADER_ONLY)
+    add_library(${target} INTERFACE)
+    target_link_libraries(${target} INTERFACE dtrain_core)
+    dtrain_link_engines(${target} INTERFACE ${ARGN})
+  else()
+    set(sources "${PROJECT_SOURCE_DIR}/src/link_check.cpp")
+    foreach(engine IN LISTS ARGN)
+      string(TOLOWER "${engine}" engine)
+      list(APPEND sources "${PROJECT_SOURCE_DIR}/src/${engine}.cpp")  # one per engine: parallel builds
+    endforeach()
+    # Static unless BUILD_SHARED_LIBS; position-independent, so a shared library may link it.
+    # Under add_subdirectory/FetchContent, built only when something links it.
+    add_library(${target} ${_dtrain_library_exclude} ${sources})
+    set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+    target_link_libraries(${target} PUBLIC dtrain_core)
+    dtrain_link_engines(${target} PUBLIC ${ARGN})
+    target_compile_definitions(${target} PUBLIC DTRAIN_SEPARATE_COMPILATION=1)
+    if(PROJECT_IS_TOP_LEVEL)  # a user's newer compiler must not fail the user's build on a warning
+      dtrain_target_warnings(${target})
+    endif()
   endif()
-else()
-  # No engine, no policy to compile: the headers alone.
-  add_library(dtrain_compiled INTERFACE)
-  target_link_libraries(dtrain_compiled INTERFACE dtrain::dtrain)
-endif()
-add_library(dtrain::compiled ALIAS dtrain_compiled)
-unset(_dtrain_compiled_sources)
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${export_name})
+  add_library(dtrain::${export_name} ALIAS ${target})
+  set_property(GLOBAL APPEND PROPERTY DTRAIN_LIBRARY_TARGETS ${target})
+endfunction()
 
-if(NOT DTRAIN_BUILD_TESTS)
-  return()
+set(_dtrain_library_exclude "")
+if(NOT PROJECT_IS_TOP_LEVEL AND NOT DTRAIN_INSTALL)  # what is installed must be built
+  set(_dtrain_library_exclude EXCLUDE_FROM_ALL)
 endif()
-if(NOT DTRAIN_WITH_GLOO)
-  foreach(_test IN ITEMS demo thin_tu)
-    dtrain_add_skipped_test(compiled.${_test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
-  endforeach()
-  return()
-endif()
-
-# compiled.demo: the training demo built against dtrain::compiled trains, and
-# its ranks end with identical weights (the check of training.demo.gloo).
-add_executable(dtrain_train_mlp_compiled "${PROJECT_SOURCE_DIR}/examples/train_mlp.cpp")
-target_link_libraries(dtrain_train_mlp_compiled PRIVATE dtrain::compiled)
-dtrain_target_warnings(dtrain_train_mlp_compiled)
-dtrain_add_test(compiled.demo
-  COMMAND "${CMAKE_COMMAND}" -DCASE=gloo "-DTRAIN=$<TARGET_FILE:dtrain_train_mlp_compiled>"
-          -P "${PROJECT_SOURCE_DIR}/tests/training/check_demo.cmake"
-  TIMEOUT 180
-  PROPERTIES PROCESSORS 4)
-
-# compiled.thin_tu: a program's TU that calls run<> (and one that also builds a
-# DistributedDataParallel) in separate mode defines none of the code that
-# dtrain::compiled holds (context's constructor, run's process, the store
-# server and client, the node agent, basic_ddp): what makes it compile fast.
-add_library(dtrain_compiled_thin_tu OBJECT "${PROJECT_SOURCE_DIR}/bench/compile_time/run_only.cpp"
-                                           "${PROJECT_SOURCE_DIR}/bench/compile_time/demo.cpp")
-target_link_libraries(dtrain_compiled_thin_tu PRIVATE dtrain::compiled)
-dtrain_target_warnings(dtrain_compiled_thin_tu)
-dtrain_add_test(compiled.thin_tu
-  COMMAND "${CMAKE_COMMAND}" "-DOBJECTS=$<TARGET_OBJECTS:dtrain_compiled_thin_tu>"
-          "-DNM=${CMAKE_NM}" -P "${PROJECT_SOURCE_DIR}/tests/compiled/check_thin_tu.cmake")
+set_property(GLOBAL PROPERTY DTRAIN_LIBRARY_TARGETS dtrain_core dtrain_header_only)
+_dtrain_library(dtrain dtrain ${DTRAIN_ENGINES})
+foreach(_dtrain_engine IN LISTS DTRAIN_ENGINES)
+  string(TOLOWER "${_dtrain_engine}" _dtrain_component)
+  if(DTRAIN_ENGINES STREQUAL _dtrain_engine)  # the only engine: the same set as dtrain::dtrain
+    add_library(dtrain_${_dtrain_component} INTERFACE)
+    target_link_libraries(dtrain_${_dtrain_component} INTERFACE dtrain)
+    set_target_properties(dtrain_${_dtrain_component} PROPERTIES EXPORT_NAME ${_dtrain_component})
+    add_library(dtrain::${_dtrain_component} ALIAS dtrain_${_dtrain_component})
+    set_property(GLOBAL APPEND PROPERTY DTRAIN_LIBRARY_TARGETS dtrain_${_dtrain_component})
+  else()
+    _dtrain_library(dtrain_${_dtrain_component} ${_dtrain_component} ${_dtrain_engine})
+  endif()
+endforeach()
+unset(_dtrain_engine)
+unset(_dtrain_component)
+unset(_dtrain_library_exclude)
+add_library(dtrain::compiled ALIAS dtrain)
+get_property(DTRAIN_LIBRARY_TARGETS GLOBAL PROPERTY DTRAIN_LIBRARY_TARGETS)

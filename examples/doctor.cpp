@@ -15,9 +15,9 @@
 // Exit status: 0 when no trap was found, 1 when some were (each printed with
 // its fix), 2 for bad arguments.
 
+#include <dtrain/doctor/diagnose.hpp>
+#include <dtrain/doctor/network.hpp>
 #include <dtrain/dtrain.hpp>
-#include <dtrain/topology/doctor.hpp>
-#include <dtrain/topology/network.hpp>
 
 #include <cstdio>
 #include <string>

@@ -1,26 +1,30 @@
 #pragma once
 /// @file
 /// Separate compilation: the policy-dependent code of dtrain (context, run's
-/// agent and worker, and with them the store, the agent and the engine glue)
-/// compiled once in a library instead of in every translation unit that calls
-/// dtrain::run. Header-only stays the default; this header does nothing unless
-/// DTRAIN_SEPARATE_COMPILATION=1 is defined.
+/// agent and worker, DistributedDataParallel's machinery, and with them the
+/// store, the agent and the engine glue) compiled once in a library instead of
+/// in every translation unit that calls dtrain::run. This header does nothing
+/// unless DTRAIN_SEPARATE_COMPILATION=1 is defined.
 ///
 /// With DTRAIN_SEPARATE_COMPILATION=1, every TU that includes this header (as
 /// dtrain.hpp does) declares `extern template` for the standard policies below,
-/// and one TU of the program must instantiate them:
-///   - CMake: configure with -DDTRAIN_SEPARATE_COMPILATION=ON and link
-///     dtrain::compiled (src/*.cpp), which defines the macro for its users;
+/// and the program must link their instantiations:
+///   - CMake: dtrain::dtrain, dtrain::gloo, dtrain::mpi and dtrain::nccl are
+///     that library (src/*.cpp, cmake/dtrain_compiled.cmake), built with the
+///     target's engines, and define the macro for their users (the default;
+///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
 ///   - by hand (e.g. with the single header): compile every TU with
 ///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, put
 ///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after the #include.
 /// Policies not in the list (a backend of one's own) are compiled in the TU
 /// that uses them, as in header-only mode. Every TU and the library must agree
-/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL), or the link fails.
+/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
+/// makes a mismatch a link error that names it.
 
 #include <dtrain/config.hpp>
 #include <dtrain/context.hpp>
 #include <dtrain/ddp/basic_ddp.hpp>
+#include <dtrain/detail/link_check.hpp>
 #include <dtrain/policy.hpp>
 #include <dtrain/run.hpp>
 
@@ -78,10 +82,17 @@
 #define DTRAIN_DETAIL_DEFINE_COMPILED(...) DTRAIN_DETAIL_COMPILED_TEMPLATES(, __VA_ARGS__)
 
 /// Instantiates, in the one TU that writes it (at namespace scope, after the
-/// #include), everything the other TUs declared `extern template`.
-#define DTRAIN_INSTANTIATE_COMPILED_POLICIES() \
-  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED)
+/// #include), everything the other TUs declared `extern template`, and
+/// defines the link check's symbols for this TU's engines (link_check.hpp).
+/// Not beside a dtrain library: the link check refuses two definitions.
+#define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                   \
+  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED) \
+  DTRAIN_DETAIL_DEFINE_LINK_CHECK()
 
 #if DTRAIN_HAS_SEPARATE_COMPILATION()
 DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DECLARE_COMPILED)
+// An undefined reference to link_check::library_built_with_engines_<set> from
+// this line: no dtrain library built for this TU's engines is linked (see
+// dtrain/detail/link_check.hpp; with CMake, link the same dtrain target everywhere).
+DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 #endif

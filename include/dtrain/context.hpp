@@ -15,10 +15,12 @@
 #include <dtrain/env/placement.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/launch/join.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/protocol.hpp>
 #include <dtrain/launch/worker.hpp>
 #include <dtrain/policy.hpp>
+#include <dtrain/rendezvous/broadcast.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/security.hpp>
@@ -26,13 +28,11 @@
 #include <dtrain/rendezvous/store.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <optional>
 #include <string>
-#include <thread>
-#include <type_traits>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -146,29 +146,26 @@ class context {
     }
     std::optional<std::string> host = world_.master_addr;
     // Without an address nobody else can be told a fixed port either: rank 0
-    // picks a free one (and MPI carries it), unless MASTER_PORT names one.
+    // picks a free one (and the pre-store channel carries it), unless MASTER_PORT names one.
     int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
     const bool one_node = single_node(host);
-    if constexpr (uses_mpi) share_token_over_mpi();
-    if (store_options_.token.empty()) choose_token(env, host, port, one_node);
+    choose_token(env, host, port, one_node);
     const std::string bind = detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
-    if (rank() == 0) {
-      try {
-        if (token_file_) token_file_->publish(store_options_.token);
-        server_.emplace(bind, port, store_options_);
-        port = server_->port();
-      } catch (const std::exception& e) {
-        // The others are waiting to hear where the store is: tell them it is not.
-        if (!host) (void)agree_store_address(port, e.what());
-        throw;
-      }
+    auto serve = [&] {
+      if (token_file_) token_file_->publish(store_options_.token);
+      server_.emplace(bind, port, store_options_);
+      port = server_->port();
+    };
+    if (!host) {
+      host = agree_store_address(serve, port);
+    } else if (rank() == 0) {
+      serve();
     }
-    if (!host) host = agree_store_address(port);
     const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
     store_endpoint_ = {where, port};
     if (token_file_ && rank() != 0) {
-      connect_with_token_file(where, port);
+      detail::connect_with_token_file(client_, *token_file_, where, port, store_options_, rank());
     } else {
       client_.emplace(where, port, store_options_);
     }
@@ -185,12 +182,37 @@ class context {
     return host && (*host == "localhost" || detail::is_loopback_address(*host));
   }
 
-  /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process
-  /// (one rank), by rank 0 and sent over MPI (the MPI backend), or by rank 0
-  /// and shared through a file only this user can read (one host). A job over
-  /// several hosts that none of these reach must set DTRAIN_STORE_TOKEN.
+  /// Chooses this rank's store token. The first that applies wins:
+  ///  1. its own: DTRAIN_STORE_TOKEN, or store_options::token;
+  ///  2. rank 0's, sent through the backend's pre-store channel (MPI): rank 0
+  ///     sends its own or one it draws. Every rank takes part in that
+  ///     broadcast, whatever it holds (a collective must not depend on the
+  ///     environment), and one with a token of its own keeps it: the store
+  ///     refuses it by name if it differs from rank 0's;
+  ///  3. one it draws, in a world of one;
+  ///  4. rank 0's through a file only this user can read, when every rank
+  ///     runs on this host and the store's address is known: rank 0 draws it,
+  ///     the others read it (detail::connect_with_token_file);
+  ///  5. none yet when the store's address is unknown: open_store says so.
+  /// Otherwise the job may span hosts that none of these reach: config_error,
+  /// asking for DTRAIN_STORE_TOKEN.
   void choose_token(const environment& env, const std::optional<std::string>& host, int port,
                     bool one_node) {
+    std::optional<std::string> from_rank0;
+    if constexpr (detail::has_pre_store_relay<traits>) {
+      if (size() > 1) {
+        from_rank0 = detail::broadcast_or_fail(
+            traits::pre_store_relay(*communicator_), "the store token", [&] {
+              return store_options_.token.empty() ? detail::new_store_token()
+                                                  : store_options_.token;
+            });
+      }
+    }
+    if (!store_options_.token.empty()) return;
+    if (from_rank0) {
+      store_options_.token = std::move(*from_rank0);
+      return;
+    }
     if (size() == 1) {
       store_options_.token = detail::new_store_token();
       return;
@@ -210,80 +232,23 @@ class context {
         world_.describe() + ")");
   }
 
-  /// With the MPI backend every rank takes part in one broadcast, whatever its
-  /// environment says (a collective must not depend on it): rank 0 sends its
-  /// DTRAIN_STORE_TOKEN, or one it draws; a rank that set its own keeps it, and
-  /// the store refuses it by name if it differs from rank 0's.
-  void share_token_over_mpi() {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      if (size() == 1) return;
-      std::string value;
-      if (rank() == 0) {
-        value = detail::wire::encode_text(store_options_.token.empty() ? detail::new_store_token()
-                                                                       : store_options_.token);
-      }
-      detail::mpi_broadcast_value(communicator_->native(), 0, value,
-                                  "broadcasting the store token");
-      const std::string token =
-          detail::wire::decode_text("rank 0's broadcast", value, "a store token");
-      if (store_options_.token.empty()) store_options_.token = token;
-    }
-#endif
-  }
-
-  /// Reads the token rank 0 wrote, reading again while the store refuses it
-  /// (a file left by an earlier job on the same port), within the store timeout.
-  void connect_with_token_file(const std::string& where, int port) {
-    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
-    for (;;) {
-      if (auto token = token_file_->read()) {
-        store_options_.token = *token;
-        try {
-          client_.emplace(where, port, store_options_);
-          return;
-        } catch (const rendezvous_error& e) {
-          if (std::string_view(e.what()).find("rejected this client's token") ==
-              std::string_view::npos)
-            throw;
-        }
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error(
-            "rank " + std::to_string(rank()) + " found no valid store token in " +
-            token_file_->path() +
-            " within the store timeout; is rank 0 running "
-            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
-
-  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
-  /// rank 0 sends `failure` instead when it could not start the store.
-  std::string agree_store_address(int& port, const char* failure = nullptr) {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      std::string value;
-      if (rank() == 0) {
-        value = (failure ? detail::store_address::failed(failure)
-                         : detail::store_address::serving(detail::host_name().value_or("?"), port))
-                    .encode();
-      }
-      detail::mpi_broadcast_value(communicator_->native(), 0, value,
-                                  "broadcasting rank 0's store address");
-      const detail::store_address got = detail::store_address::decode(value);
-      if (!got.ok) {
-        if (failure) return {};  // rank 0 rethrows its own error
-        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.failure);
-      }
+  /// Without MASTER_ADDR: rank 0 starts the store (`serve`, which sets `port`)
+  /// and tells every rank where, through the backend's pre-store channel (or
+  /// its failure, which every rank then throws). Returns rank 0's host name.
+  /// Without such a channel nobody can know: config_error on every rank.
+  template <class Serve>
+  std::string agree_store_address(Serve& serve, int& port) {
+    if constexpr (detail::has_pre_store_relay<traits>) {
+      const detail::store_address got = detail::store_address::decode(detail::broadcast_or_fail(
+          traits::pre_store_relay(*communicator_), "the store's address", [&] {
+            serve();
+            return detail::store_address{detail::host_name().value_or("?"), port}.encode();
+          }));
       port = got.port;
       return got.host;
-    }
-#endif
-    {
+    } else {
+      (void)serve;
       (void)port;
-      if (failure) return {};
       throw config_error(
           "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
           " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
@@ -292,13 +257,22 @@ class context {
     }
   }
 
-  /// Every rank reports; rank 0 places them all and publishes the result.
+  /// Every rank reports; rank 0 waits for them all (saying who is missing
+  /// every progress interval), places them and publishes the result.
   void complete_world(const environment& env) {
-    rank_report mine{node_name(env), world_};
-    store_->set(detail::job_keys::report(rank()), mine.encode());
+    detail::rendezvous_wait<store_type> waiting(
+        *store_, {.endpoint = client_->endpoint(),
+                  .rank = rank(),
+                  .size = size(),
+                  .timeout = store_options_.timeout,
+                  .interval = store_options_.progress_interval,
+                  .say = store_options_.progress,
+                  .world_size_origin = world_.origin(dtrain::world::field::world_size)});
+    waiting.join(rank_report{node_name(env), world_}.encode());
     const std::string table_key(detail::job_keys::placement);
+    std::string table;
     if (rank() == 0) {
-      std::string table;
+      waiting.await_everyone();
       try {
         std::vector<rank_report> reports;
         for (int r = 0; r < size(); ++r) {
@@ -311,9 +285,11 @@ class context {
         throw;
       }
       store_->set(table_key, table);
+    } else {
+      table = waiting.await_answer(table_key);
     }
-    const placement p = decode_placement("store key " + store_->prefix() + table_key,
-                                         store_->get(table_key), rank(), size());
+    const placement p =
+        decode_placement("store key " + store_->prefix() + table_key, table, rank(), size());
     const std::string grouped = "grouped by node name at rendezvous";
     auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
       if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
@@ -380,7 +356,6 @@ class context {
     return local_rank();
 #endif
   }
-  static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
 
   dtrain::world world_;
   store_options store_options_;
@@ -413,6 +388,13 @@ context<Policy>::context(dtrain::world w, const environment& env, const run_opti
                        std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
   }
   if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+  if (!store_options_.progress) {
+    // Rendezvous progress goes where this rank's failures go: a rank-prefixed line on stderr.
+    store_options_.progress = [label = detail::rank_label(&world_)](std::string_view text) {
+      std::fprintf(stderr, "%s dtrain: %.*s\n", label.c_str(), static_cast<int>(text.size()),
+                   text.data());
+    };
+  }
   if constexpr (!traits::needs_store) {
     // MPI knows its world already, and can tell every rank where rank 0's store is.
     make_communicator(env);

@@ -1,6 +1,8 @@
 #pragma once
 /// @file
 /// The one header users include. It only includes; it has no code of its own.
+/// dtrain_doctor's host inspection (dtrain/doctor/) and the LibTorch
+/// integration (dtrain/torch.hpp) are not part of it: include them directly.
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/control.hpp>
@@ -46,9 +48,7 @@
 #include <dtrain/rendezvous/server.hpp>
 #include <dtrain/rendezvous/store.hpp>
 #include <dtrain/run.hpp>
-#include <dtrain/topology/doctor.hpp>
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/hierarchical.hpp>
 #include <dtrain/topology/layout.hpp>
-#include <dtrain/topology/network.hpp>
 #include <dtrain/topology/sequence.hpp>

@@ -30,10 +30,21 @@ class timeout_error : public error {
   using error::error;
 };
 
-/// The rendezvous store could not be reached, served or trusted.
+/// The rendezvous store could not be reached, served or trusted, or the rank
+/// that bootstraps a value for every rank (rank 0: the store's address, the
+/// store token, the NCCL unique id) failed to provide it.
 class rendezvous_error : public error {
  public:
   using error::error;
+};
+
+/// The store refused this client's token: the token differs from the one the
+/// store was started with (DTRAIN_STORE_TOKEN or store_options::token set
+/// differently on some rank, or a token file left by an earlier job). Knocking
+/// again with the same token cannot help; reading the token again may.
+class token_error : public rendezvous_error {
+ public:
+  using rendezvous_error::rendezvous_error;
 };
 
 /// A collective engine (MPI, Gloo, NCCL, CUDA) reported a failure. Keeps the

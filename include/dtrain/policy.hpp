@@ -11,6 +11,7 @@
 #include <dtrain/config.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/rendezvous/broadcast.hpp>
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/hierarchical.hpp>
 
@@ -78,10 +79,25 @@ struct communicator_setup {
 /// Everything a backend implies, in one place: its communicator, the memory
 /// space DistributedDataParallel keeps gradients in (which also decides how
 /// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
-/// and how the communicator is made. Adding an engine adds one
-/// specialisation here. A backend of one's own (tests do) specialises it too.
+/// whether the communicator needs the store (needs_store), how it is made,
+/// and, optionally, a channel that works before any store exists
+/// (pre_store_relay, see detail::has_pre_store_relay). Adding an engine adds
+/// one specialisation here. A backend of one's own (tests do) specialises it
+/// too; what it does not declare is off.
 template <class Backend>
 struct backend_traits;
+
+namespace detail {
+/// Whether backend traits `T` can broadcast before the store exists:
+/// `T::pre_store_relay(communicator&)` returns a broadcast_relay from rank 0
+/// (rendezvous/broadcast.hpp). With it, rank 0 sends the others the store
+/// token and, without MASTER_ADDR, the store's address; the communicator is
+/// then made before the store (needs_store = false). MPI has one.
+template <class T>
+concept has_pre_store_relay = requires(typename T::communicator& c) {
+  { T::pre_store_relay(c) } -> broadcast_relay;
+};
+}  // namespace detail
 
 #if DTRAIN_HAS_MPI()
 template <>
@@ -89,13 +105,17 @@ struct backend_traits<backend::mpi> {
   using communicator = mpi_communicator;
   using memory_space = host_memory;
   static constexpr bool uses_gpus = false;
-  /// MPI knows its world before any store exists (and carries rank 0's store address).
+  /// MPI knows its world before any store exists...
   static constexpr bool needs_store = false;
   template <class Store>
   static communicator make(const communicator_setup<Store>& s) {
     mpi_options options{.collectives = s.collectives};
     if (s.env) options = options.with_env(*s.env);
     return mpi_communicator::world(std::move(options));
+  }
+  /// ... and carries rank 0's store token and address to every rank.
+  static detail::mpi_relay pre_store_relay(communicator& c) {
+    return detail::mpi_relay(c.native(), 0);
   }
 };
 #endif
@@ -194,6 +214,9 @@ struct policy {
                                     detail::missing_backend_traits>;
   using communicator_type = typename traits::communicator;
   static_assert(communicator<communicator_type>);
+  static_assert(!detail::has_pre_store_relay<traits> || !traits::needs_store,
+                "a backend whose traits have a pre_store_relay carries values before the store "
+                "exists, so its communicator must be made without one: set needs_store = false");
   /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
   using memory_space = typename traits::memory_space;
   /// Whether gradients may live on the GPU with this backend.

@@ -41,13 +41,6 @@ namespace dtrain {
 
 namespace detail {
 
-/// "[rank 3/8]", or what is known of it.
-inline std::string rank_label(const world* w) {
-  if (w == nullptr || !w->rank) return "[rank ?]";
-  return "[rank " + std::to_string(*w->rank) + "/" +
-         (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
-}
-
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
 inline int report_failure(const std::string& who, const std::pair<int, std::string>& failure) {
   std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());

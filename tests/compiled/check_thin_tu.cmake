@@ -1,5 +1,5 @@
-# Checks that an object compiled in separate mode defines none of what
-# dtrain::compiled holds: what a TU compiles is what it costs.
+# Checks that an object compiled in separate mode (linked to dtrain::dtrain)
+# defines none of what dtrain's library holds: what a TU compiles is what it costs.
 #
 #   cmake -DOBJECTS=<object files, ;-separated> -DNM=<nm> -P check_thin_tu.cmake
 cmake_minimum_required(VERSION 3.21)
@@ -27,12 +27,12 @@ foreach(object IN LISTS OBJECTS)
   endif()
   foreach(pattern IN LISTS library_only)
     if(symbols MATCHES "[^\n]*${pattern}[^\n]*")
-      message(FATAL_ERROR "${object} defines ${CMAKE_MATCH_0}: code that dtrain::compiled should "
+      message(FATAL_ERROR "${object} defines ${CMAKE_MATCH_0}: code that dtrain's library should "
                           "hold is compiled in the user's TU (a heavy member defined in the class, "
                           "or a policy missing from DTRAIN_FOR_EACH_COMPILED_POLICY?)")
     endif()
   endforeach()
   string(REGEX MATCHALL "\n[0-9a-f]+ [TW] " defined "\n${symbols}")
   list(LENGTH defined count)
-  message("${object}: ${count} functions defined, none of them dtrain::compiled's")
+  message("${object}: ${count} functions defined, none of them the library's")
 endforeach()

@@ -1,6 +1,12 @@
 # dtrain_doctor (issue 12) on a captured sysfs tree (tests/doctor/sysfs-ib: two
 # InfiniBand HCAs, one active; four NVIDIA GPUs): what it prints, its traps and
 # its exit status. A 127.0.1.1 host name on a real (simulated) node: tests/cluster.
+#
+# The doctor's own headers (dtrain/doctor/) are not in dtrain.hpp, so neither in
+# the single header: their unit tests (unit.network:*, unit.doctor:*) are part of
+# dtrain_unit only.
+target_sources(dtrain_unit PRIVATE "${CMAKE_CURRENT_LIST_DIR}/test_doctor.cpp")
+
 set(doctor_dir "${CMAKE_CURRENT_SOURCE_DIR}/doctor")
 if(TARGET dtrain_doctor)
   # Node 0 of a 2-node torchrun job with 8 workers per node, and every trap set.

@@ -191,6 +191,23 @@ void run_collective_suite(C& comm) {
   const std::string bad_root = "root " + std::to_string(comm.size()) + " is not a rank";
   CHECK_THROWS_WITH_AS(dtrain::broadcast(comm, std::span(ints), comm.size()),
                        doctest::Contains(bad_root.c_str()), dtrain::config_error);
+  // A null pointer with elements is refused before the engine reads it (not a crash).
+  const dtrain::buffer null4{nullptr, 4, dtrain::dtype::float32, dtrain::memory::host};
+  std::vector<float> four(4, 1.0f);
+  const dtrain::buffer floats = dtrain::host_buffer(std::span(four));
+  CHECK_THROWS_WITH_AS(comm.allreduce(null4, null4, dtrain::reduce_op::sum),
+                       doctest::Contains("input is a null pointer with 4 elements"),
+                       dtrain::config_error);
+  CHECK_THROWS_WITH_AS(comm.allreduce(floats, null4, dtrain::reduce_op::sum),
+                       doctest::Contains("output is a null pointer with 4 elements"),
+                       dtrain::config_error);
+  CHECK_THROWS_WITH_AS(comm.broadcast(null4, 0),
+                       doctest::Contains("data is a null pointer with 4 elements"),
+                       dtrain::config_error);
+  // Nothing was started by the refused calls: the communicator still works.
+  std::vector<std::int32_t> ones(3, 1);
+  dtrain::allreduce(comm, std::span(ones)).wait();
+  CHECK(ones[2] == comm.size());
 }
 
 /// split() with a negative color leaves a rank out, the same on every engine:

@@ -28,12 +28,26 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <unistd.h>
+
+// While set, every allocation of this thread through operator new fails: how
+// the tests below run the execution path out of memory. Off, operator new is
+// malloc, as the library's own.
+thread_local bool allocations_fail = false;
+
+void* operator new(std::size_t bytes) {
+  if (allocations_fail) throw std::bad_alloc();
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -410,6 +424,47 @@ TEST_CASE("gloo: DTRAIN_GLOO_SHM must be a switch, read before anything connects
   std::vector<double> one(3, 1.0);
   dtrain::allreduce(required, std::span(one)).wait();
   CHECK(one[2] == w.size);
+}
+
+// The execution path runs on the worker, or on a thread that waits; nothing
+// there may end the process. A collective whose run throws, with no memory
+// left to put the failure into words, still fails its work: wait() throws it,
+// and the communicator says it is unusable, and why.
+TEST_CASE("gloo: a failed collective reaches wait(), even when no memory is left to describe it") {
+  using namespace dtrain::detail;
+  auto state = std::make_shared<gloo_state>();  // a world of one, as the worker sees it
+  state->timeout = std::chrono::seconds(10);
+  const collective_info what{
+      "allreduce", "gloo", 0, 1, 4, static_cast<std::uint8_t>(dtrain::dtype::float32), 0, -1};
+  gloo_state::task t;
+  t.work = std::make_shared<gloo_work>(what, state->timeout, state);
+  t.call = collective_call::barrier();
+  t.run = [](gloo_state&, const collective_call&, std::chrono::milliseconds) {
+    throw std::bad_alloc();  // as Gloo would, out of memory
+  };
+  allocations_fail = true;  // describing the failure allocates: that fails too
+  gloo_execute(*state, t, state->timeout);
+  allocations_fail = false;
+  dtrain::work handle(t.work);
+  CHECK(handle.test());
+  CHECK_THROWS_AS(handle.wait(), std::bad_alloc);
+  CHECK(state->unusable.load());
+  CHECK(state->unusable_text().find("unusable since an earlier failure (std::bad_alloc)") !=
+        std::string::npos);
+}
+
+TEST_CASE("gloo: a timeout marks the communicator unusable without allocating") {
+  using namespace dtrain::detail;
+  auto state = std::make_shared<gloo_state>();
+  const collective_info what{
+      "allreduce", "gloo", 0, 2, 4, static_cast<std::uint8_t>(dtrain::dtype::float32), 0, -1};
+  auto w = std::make_shared<gloo_work>(what, std::chrono::seconds(10), state);
+  allocations_fail = true;
+  w->on_timeout();  // noexcept: an allocation here would end the process
+  allocations_fail = false;
+  CHECK(state->unusable.load());
+  CHECK(state->unusable_text().find("(allreduce(sum, 4 x float32) on rank 0 of 2 (gloo) did not "
+                                    "finish within its timeout)") != std::string::npos);
 }
 
 TEST_CASE("gloo: where Gloo's code comes from is read from /proc/self/maps") {

@@ -64,8 +64,11 @@ buffer device_buffer(void* data, std::size_t count, dtype type) {
   return {data, count, type, memory::device};
 }
 
-std::string describe(std::string_view what, std::string_view args, int rank = 0, int size = 2) {
-  return dtrain::detail::describe(what, args, rank, size, "nccl");
+/// NCCL's argument checks: the ones every engine shares, with where NCCL finds
+/// buffers, for `call` on the last rank of `size`.
+void check(const dtrain::detail::collective_call& call, int size = 2) {
+  dtrain::detail::check_arguments(call, call.info("nccl", size - 1, size),
+                                  dtrain::detail::nccl_memory);
 }
 
 // ===========================================================================
@@ -109,27 +112,24 @@ TEST_SUITE("nccl_host") {
     const buffer h = dtrain::host_buffer(std::span<float>(host));
     float* fake_device = host;  // never dereferenced: the checks run before any CUDA call
     const buffer d = device_buffer(fake_device, 4, dtype::float32);
-    const std::string what = describe("allreduce", "sum, 4 x float32", 1, 2);
+    using call = dtrain::detail::collective_call;
 
-    auto text = dtrain_test::config_error_text(
-        [&] { dtrain::detail::nccl_check_allreduce({what}, h, h, reduce_op::sum); });
+    auto text =
+        dtrain_test::config_error_text([&] { check(call::allreduce(h, h, reduce_op::sum)); });
     CHECK_CONTAINS(text, "allreduce(sum, 4 x float32) on rank 1 of 2 (nccl)");
     CHECK_CONTAINS(text, "input is host memory, and NCCL reduces device memory only");
-    text = dtrain_test::config_error_text(
-        [&] { dtrain::detail::nccl_check_allreduce({what}, d, h, reduce_op::sum); });
+    text = dtrain_test::config_error_text([&] { check(call::allreduce(d, h, reduce_op::sum)); });
     CHECK_CONTAINS(text, "output is host memory");
-    text = dtrain_test::config_error_text(
-        [&] { dtrain::detail::nccl_check_broadcast({what}, h, 0, 2); });
+    text = dtrain_test::config_error_text([&] { check(call::broadcast(h, 0)); });
     CHECK_CONTAINS(text, "data is host memory");
-    text = dtrain_test::config_error_text(
-        [&] { dtrain::detail::nccl_check_allgather({what}, h, h, 1); });
+    text = dtrain_test::config_error_text([&] { check(call::allgather(h, h), 1); });
     CHECK_CONTAINS(text, "NCCL reduces device memory only");
     text = dtrain_test::config_error_text(
-        [&] { dtrain::detail::nccl_check_reduce_scatter({what}, d, h, reduce_op::sum, 1); });
+        [&] { check(call::reduce_scatter(d, h, reduce_op::sum), 1); });
     CHECK_CONTAINS(text, "output is host memory");
     const buffer many[] = {d, h};
-    text = dtrain_test::config_error_text(
-        [&] { dtrain::detail::nccl_check_many({what}, many, reduce_op::sum); });
+    text =
+        dtrain_test::config_error_text([&] { check(call::allreduce_many(many, reduce_op::sum)); });
     CHECK_CONTAINS(text, "buffer 1 is host memory");
   }
 
@@ -140,38 +140,34 @@ TEST_SUITE("nccl_host") {
     const buffer i4 = device_buffer(storage, 4, dtype::int32);
     const buffer null4 = device_buffer(nullptr, 4, dtype::float32);
     const buffer empty = device_buffer(nullptr, 0, dtype::float32);
-    const std::string what = describe("allreduce", "x");
-    using namespace dtrain::detail;
+    using call = dtrain::detail::collective_call;
+    using dtrain_test::config_error_text;
 
-    CHECK_CONTAINS(dtrain_test::config_error_text(
-                       [&] { nccl_check_allreduce({what}, d4, d8, reduce_op::sum); }),
+    CHECK_CONTAINS(config_error_text([&] { check(call::allreduce(d4, d8, reduce_op::sum)); }),
                    "output has 8 elements, expected 4");
-    CHECK_CONTAINS(dtrain_test::config_error_text(
-                       [&] { nccl_check_allreduce({what}, d4, i4, reduce_op::sum); }),
+    CHECK_CONTAINS(config_error_text([&] { check(call::allreduce(d4, i4, reduce_op::sum)); }),
                    "input is float32, output int32");
-    CHECK_CONTAINS(dtrain_test::config_error_text(
-                       [&] { nccl_check_allreduce({what}, i4, i4, reduce_op::avg); }),
+    CHECK_CONTAINS(config_error_text([&] { check(call::allreduce(i4, i4, reduce_op::avg)); }),
                    "avg of int32 would truncate");
-    CHECK_CONTAINS(dtrain_test::config_error_text(
-                       [&] { nccl_check_allreduce({what}, null4, null4, reduce_op::sum); }),
+    CHECK_CONTAINS(config_error_text([&] { check(call::allreduce(null4, null4, reduce_op::sum)); }),
                    "input is a null pointer with 4 elements");
-    CHECK_CONTAINS(dtrain_test::config_error_text([&] { nccl_check_broadcast({what}, d4, 2, 2); }),
+    CHECK_CONTAINS(config_error_text([&] { check(call::broadcast(d4, 2), 2); }),
                    "root 2 is not a rank of this communicator");
-    CHECK_CONTAINS(dtrain_test::config_error_text([&] { nccl_check_allgather({what}, d4, d4, 2); }),
+    CHECK_CONTAINS(config_error_text([&] { check(call::allgather(d4, d4), 2); }),
                    "output has 4 elements, expected 8");
-    CHECK_CONTAINS(dtrain_test::config_error_text(
-                       [&] { nccl_check_reduce_scatter({what}, d4, d4, reduce_op::sum, 2); }),
-                   "input has 4 elements, expected 8");
-    CHECK_CONTAINS(dtrain_test::config_error_text(
-                       [&] { nccl_check_reduce_scatter({what}, i4, i4, reduce_op::avg, 1); }),
-                   "avg of int32");
+    CHECK_CONTAINS(
+        config_error_text([&] { check(call::reduce_scatter(d4, d4, reduce_op::sum), 2); }),
+        "input has 4 elements, expected 8");
+    CHECK_CONTAINS(
+        config_error_text([&] { check(call::reduce_scatter(i4, i4, reduce_op::avg), 1); }),
+        "avg of int32");
 
     // What is fine passes: zero-length null buffers, matching shapes, avg of floats.
-    CHECK_NOTHROW(nccl_check_allreduce({what}, empty, empty, reduce_op::avg));
-    CHECK_NOTHROW(nccl_check_allreduce({what}, d4, d4, reduce_op::avg));
-    CHECK_NOTHROW(nccl_check_allgather({what}, d4, d8, 2));
-    CHECK_NOTHROW(nccl_check_reduce_scatter({what}, d8, d4, reduce_op::max, 2));
-    CHECK_NOTHROW(nccl_check_broadcast({what}, d4, 1, 2));
+    CHECK_NOTHROW(check(call::allreduce(empty, empty, reduce_op::avg)));
+    CHECK_NOTHROW(check(call::allreduce(d4, d4, reduce_op::avg)));
+    CHECK_NOTHROW(check(call::allgather(d4, d8), 2));
+    CHECK_NOTHROW(check(call::reduce_scatter(d8, d4, reduce_op::max), 2));
+    CHECK_NOTHROW(check(call::broadcast(d4, 1), 2));
   }
 
   TEST_CASE("a bad rank, size or device is a config_error before any CUDA call") {
@@ -265,10 +261,12 @@ TEST_SUITE("nccl_host") {
       CHECK_MESSAGE(std::memcmp(&ids[0], &ids[static_cast<std::size_t>(r)], sizeof zero) == 0,
                     "rank " << r << " got a different id");
     }
-    // Under the documented key, as 128 raw bytes.
+    // Under the documented key, as the 128 bytes in broadcast_or_fail's outcome.
     dtrain::store_client client("127.0.0.1", server.port(), {.timeout = 30s});
     const std::string stored = client.get("job7/" + std::string(dtrain::default_nccl_store_key));
-    CHECK(stored == std::string(ids[0].internal, sizeof ids[0].internal));
+    CHECK(stored ==
+          dtrain::detail::wire::outcome{true, std::string(ids[0].internal, sizeof ids[0].internal)}
+              .encode());
     // A rank that does not exist never reaches the store.
     dtrain::prefix_store<dtrain::store_client> job(client, "job7");
     CHECK_CONTAINS(dtrain_test::config_error_text(
@@ -280,7 +278,7 @@ TEST_SUITE("nccl_host") {
     dtrain::store_server server("127.0.0.1", 0, {.timeout = 30s, .log = [](std::string_view) {}});
     dtrain::store_client client("127.0.0.1", server.port(), {.timeout = 30s});
     dtrain::prefix_store<dtrain::store_client> job(client, "job8");
-    job.set("ids/first", "short");
+    job.set("ids/first", dtrain::detail::wire::outcome{true, "short"}.encode());
     try {
       (void)dtrain::nccl_communicator::exchange_unique_id(job, 1, 2, "ids/first");
       FAIL("a 5-byte value was taken for an NCCL unique id");

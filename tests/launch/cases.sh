@@ -220,6 +220,33 @@ worker_throws)
   expect_line "$work/agent.err" '^\[dtrain agent node 0/1\] rank 2 \(node 0, local rank 2, pid [0-9]+\) exited with status 1: peer failure on purpose; ending the job' "the agent's message"
   ;;
 
+quiet_store)
+  # A rank that exits while it waits on the store, as its diagnostics do when the agent ends the
+  # job after a clean error on another rank, is no news: the store reports a connection that breaks,
+  # not one closed in good order ("client ... disconnected while waiting for ..." was noise).
+  for i in 1 2; do  # rank 1 throws; rank 0 is often ended while its diagnostics wait for rank 1
+    "$PEER" node-gloo --nproc-per-node 2 --throw-rank 1 >"$work/throw$i.out" 2>"$work/throw$i.err"
+    expect_status 1 $? "the agent of a job whose rank 1 throws"
+    expect_line "$work/throw$i.err" '^\[rank 1/2\] dtrain: peer failure on purpose$' "the worker's own line"
+  done
+  # Always: rank 1 frozen, SIGUSR1 makes rank 0's diagnostics wait for rank 1's ring, the job ends.
+  mkdir "$work/pids"
+  DTRAIN_DIAGNOSTICS_WAIT=60 "$PEER" node-gloo --nproc-per-node 2 --hang "$work/pids" --grace-period 1 \
+    >"$work/stop.out" 2>"$work/stop.err" &
+  agent=$!
+  wait_for_pids "$work/pids" 2
+  kill -STOP "$(cat "$work/pids/1.pid")"
+  kill -USR1 "$(cat "$work/pids/0.pid")"
+  sleep 1  # rank 0's diagnostics thread opens a round and waits for rank 1's ring
+  kill -TERM "$agent"
+  wait $agent
+  expect_status 143 $? "the agent after SIGTERM"
+  expect_all_gone "$work/pids"
+  if grep -h "disconnected while" "$work"/*.err; then
+    fail "the store reported ranks that exited while they waited"
+  fi
+  ;;
+
 remote_failure)
   # A worker of node 1 fails: node 0's agent notices, stops its own workers and exits with the same status.
   mkdir "$work/pids"
@@ -543,6 +570,29 @@ run_errors)
   env -u MASTER_ADDR "$PEER" node-gloo --nnodes 2 --node-rank 1 >"$work/agent.out" 2>"$work/agent.err"
   expect_status 2 $? "an agent of a 2-node job without MASTER_ADDR"
   expect_line "$work/agent.err" 'needs the address of node 0: set MASTER_ADDR or --master-addr' "the agent's message"
+  ;;
+
+rendezvous_progress)
+  # One of two ranks never joins: it was given another MASTER_PORT. While they wait, rank 0 says
+  # every second (DTRAIN_RENDEZVOUS_PROGRESS=1) who has joined and who has not, and rank 1 that
+  # it is still trying to connect; at the store timeout rank 0 names rank 1 and the likely causes,
+  # and rank 1 says what to check. Both exit 1, in the store timeout, not the default 300 s.
+  port=$(free_port)
+  wrong=$(free_port)
+  while [[ $wrong == "$port" ]]; do wrong=$(free_port); done
+  export DTRAIN_STORE_TIMEOUT=6 DTRAIN_RENDEZVOUS_PROGRESS=1
+  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=2 timeout 60 "$PEER" process-gloo \
+    >"$work/r0.out" 2>"$work/r0.err" &
+  r0=$!
+  env MASTER_ADDR=127.0.0.1 MASTER_PORT=$wrong RANK=1 WORLD_SIZE=2 timeout 60 "$PEER" process-gloo \
+    >"$work/r1.out" 2>"$work/r1.err"
+  expect_status 1 $? "rank 1, given another MASTER_PORT"
+  wait $r0
+  expect_status 1 $? "rank 0, waiting for rank 1"
+  expect_line "$work/r0.err" "^\[rank 0/2\] dtrain: rendezvous at 127\.0\.0\.1:$port: 1 of 2 ranks joined; waiting for rank 1 \([0-9]+ s of 6 s\)$" "rank 0's progress"
+  expect_line "$work/r0.err" "^\[rank 0/2\] dtrain: rendezvous at 127\.0\.0\.1:$port timed out after 6 s: 1 of 2 ranks joined; rank 1 never did\. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks \(this rank met at 127\.0\.0\.1:$port\), a firewall blocks that port, that rank never started or failed before joining \(see its output\), or the world size \(WORLD_SIZE=2\) is larger than the number of ranks started$" "rank 0's timeout"
+  expect_line "$work/r1.err" "^\[rank 1/2\] dtrain: still trying to connect to the store at 127\.0\.0\.1:$wrong \([0-9]+ s of 6 s; last error: Connection refused\)$" "rank 1's progress"
+  expect_line "$work/r1.err" "^\[rank 1/2\] dtrain: could not reach the store at 127\.0\.0\.1:$wrong within 6\.0 s \(last error: Connection refused\); check that the process hosting it \(rank 0, or the node-0 agent\) is running, that MASTER_ADDR and MASTER_PORT are the same on every rank, and that no firewall blocks the port$" "rank 1's timeout"
   ;;
 
 store_token)

@@ -14,10 +14,15 @@
 #   6 policy      policy.hpp     launch x backend x topology, and backend_traits
 #   7 ddp         ddp/           DistributedDataParallel and its parts
 #   8 launch      launch/        the node agent, its protocol, the worker's end
-#   9 runtime     diagnostics.hpp, context.hpp, run.hpp, compiled.hpp
-#  10 all         dtrain.hpp     includes everything; torch.hpp, torch/ (LibTorch, optional) build on it
+#   9 runtime     diagnostics.hpp, context.hpp, run.hpp, compiled.hpp; doctor/ (dtrain_doctor's
+#                 host inspection and checks, beside the diagnostics)
+#  10 all         dtrain.hpp     includes everything else; torch.hpp, torch/ (LibTorch, optional) build on it
 #
 # A header that fits no layer fails the check too: place it here first.
+#
+# And what dtrain.hpp includes, directly or not, is what every user translation
+# unit compiles: the headers matching `not_in_dtrain_hpp` (the doctor's host
+# inspection, the LibTorch integration) must stay out of it.
 
 cmake_minimum_required(VERSION 3.21)
 
@@ -27,6 +32,7 @@ endif()
 get_filename_component(INCLUDE_DIR "${INCLUDE_DIR}" ABSOLUTE)
 
 set(layer_names base detail env rendezvous backend topology policy ddp launch runtime all)
+set(not_in_dtrain_hpp "^doctor/" "^torch(\\.hpp|/)")
 
 # Edges that break the order today, each with why it is allowed. Drop one as
 # soon as the change named next to it lands: the check then says it is unused.
@@ -52,7 +58,7 @@ function(layer_of path out)
     set(layer 7)
   elseif(path MATCHES "^launch/")
     set(layer 8)
-  elseif(path MATCHES "^(diagnostics|context|run|compiled)\\.hpp$")
+  elseif(path MATCHES "^(diagnostics|context|run|compiled)\\.hpp$" OR path MATCHES "^doctor/")
     set(layer 9)
   elseif(path MATCHES "^(dtrain|torch)\\.hpp$" OR path MATCHES "^torch/")
     set(layer 10)
@@ -71,6 +77,7 @@ endif()
 set(violations "")
 set(used_exceptions "")
 set(edges 0)
+set(includes_of_dtrain_hpp "")
 foreach(header IN LISTS headers)
   layer_of("${header}" from)
   if(from EQUAL -1)
@@ -81,6 +88,8 @@ foreach(header IN LISTS headers)
   foreach(line IN LISTS lines)
     string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*<dtrain/([^>]+)>.*$" "\\1" target "${line}")
     math(EXPR edges "${edges} + 1")
+    string(MAKE_C_IDENTIFIER "${header}" from_id)
+    list(APPEND includes_${from_id} "${target}")
     layer_of("${target}" to)
     set(edge "${header} -> ${target}")
     if(to EQUAL -1)
@@ -98,6 +107,32 @@ foreach(header IN LISTS headers)
   endforeach()
 endforeach()
 
+# The closure of dtrain.hpp, and what of it must not be there (with the path that brings it).
+if(EXISTS "${INCLUDE_DIR}/dtrain/dtrain.hpp")
+  set(reached dtrain.hpp)
+  set(outside "")
+  set(via_dtrain_hpp "dtrain.hpp")
+  set(queue dtrain.hpp)
+  while(queue)
+    list(POP_FRONT queue current)
+    string(MAKE_C_IDENTIFIER "${current}" current_id)
+    foreach(next IN LISTS includes_${current_id})
+      if(NOT next IN_LIST reached)
+        list(APPEND reached "${next}")
+        list(APPEND queue "${next}")
+        string(MAKE_C_IDENTIFIER "${next}" next_id)
+        set(via_${next_id} "${via_${current_id}} -> ${next}")
+        foreach(pattern IN LISTS not_in_dtrain_hpp)
+          if(next MATCHES "${pattern}")
+            string(APPEND outside "\n  ${via_${next_id}}: ${next} must stay out of what dtrain.hpp "
+                                  "includes (every user translation unit would compile it)")
+          endif()
+        endforeach()
+      endif()
+    endforeach()
+  endwhile()
+endif()
+
 foreach(exception IN LISTS allowed_exceptions)
   if(NOT exception IN_LIST used_exceptions)
     message(WARNING "check_layers.cmake: the allowed exception \"${exception}\" is no longer "
@@ -110,5 +145,10 @@ if(violations)
   message(FATAL_ERROR "Includes must point down (tests/scripts/check_layers.cmake lists the "
                       "layers); these point up:${violations}")
 endif()
+if(outside)
+  message(FATAL_ERROR "dtrain.hpp includes what only some programs need:${outside}")
+endif()
+list(LENGTH reached reached_count)
 message(STATUS "layering: ${header_count} headers, ${edges} dtrain includes, all pointing down "
-               "(allowed for now: ${used_exceptions})")
+               "(allowed for now: ${used_exceptions}); dtrain.hpp reaches ${reached_count} of "
+               "them, none of the doctor's or LibTorch's")

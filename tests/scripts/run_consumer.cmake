@@ -2,9 +2,14 @@
 # program that uses dtrain the way a user's project would, entirely offline.
 #
 #   cmake -DCONSUMER=<find_package|add_subdirectory|fetch_content|single_header>
+#         [-DMODE=<compiled|header_only>] [-DPREFIX_PATH=<dirs, |-separated>]
 #         -DSOURCE_DIR=<dtrain checkout> -DWORK_DIR=<scratch dir>
 #         -DINIT_CACHE=<settings of this build> -DGENERATOR=<generator> -DCONFIG=<config>
 #         -DVERSION=<dtrain version> -P run_consumer.cmake
+#
+# MODE is the form of dtrain the consumer gets: `compiled` (the default) or
+# `header_only` (DTRAIN_HEADER_ONLY=ON in the consumer's build; for find_package,
+# the header-only install on PREFIX_PATH, which has no tools).
 cmake_minimum_required(VERSION 3.21)
 include("${CMAKE_CURRENT_LIST_DIR}/clean_env.cmake")
 
@@ -18,7 +23,21 @@ endfunction()
 
 dtrain_clean_launcher_env()
 
-set(extra_args "")
+if(NOT MODE)
+  set(MODE compiled)
+endif()
+set(extra_args "-DDTRAIN_CONSUMER_MODE=${MODE}")
+if(PREFIX_PATH)
+  string(REPLACE "|" ";" PREFIX_PATH "${PREFIX_PATH}")
+  list(APPEND extra_args "-DCMAKE_PREFIX_PATH=${PREFIX_PATH}")
+endif()
+if(MODE STREQUAL "header_only")
+  if(CONSUMER STREQUAL "find_package")
+    list(APPEND extra_args -DDTRAIN_CONSUMER_WITHOUT_TOOLS=ON)
+  else()
+    list(APPEND extra_args -DDTRAIN_HEADER_ONLY=ON)
+  endif()
+endif()
 if(CONSUMER STREQUAL "fetch_content")
   # FetchContent clones commits, so this consumer needs the checkout's HEAD.
   execute_process(COMMAND git -C "${SOURCE_DIR}" rev-parse --show-toplevel
@@ -40,7 +59,7 @@ if(CONSUMER STREQUAL "fetch_content")
     return()
   endif()
   message(STATUS "consumer.fetch_content: fetching commit ${head} (without uncommitted changes)")
-  set(extra_args "-DDTRAIN_GIT_TAG=${head}")
+  list(APPEND extra_args "-DDTRAIN_GIT_TAG=${head}")
 endif()
 
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -53,40 +72,80 @@ if(CONFIG)
 endif()
 step("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}" ${config_args})
 
-find_program(program dtrain_consumer PATHS "${WORK_DIR}" "${WORK_DIR}/${CONFIG}" NO_DEFAULT_PATH)
-execute_process(COMMAND "${program}" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "consumer.${CONSUMER}: dtrain_consumer exited ${rc}:\n${out}${err}")
-endif()
-# Expected: "<version> <world as JSON>", world size 1 (no launcher variables).
-if(NOT out MATCHES "^([^ ]+) ({[^\n]*})\n?$")
-  message(FATAL_ERROR "consumer.${CONSUMER}: unexpected output:\n${out}")
-endif()
-set(json "${CMAKE_MATCH_2}")
-if(NOT CMAKE_MATCH_1 STREQUAL VERSION)
-  message(FATAL_ERROR "consumer.${CONSUMER}: printed version ${CMAKE_MATCH_1}, expected ${VERSION}")
-endif()
-string(JSON world_size GET "${json}" world_size)
-if(NOT world_size STREQUAL "1")
-  message(FATAL_ERROR "consumer.${CONSUMER}: world_size ${world_size}, expected 1: ${json}")
-endif()
-message(STATUS "consumer.${CONSUMER}: ${out}")
+# check_program(<path>): runs a build of main.cpp; it prints "<version> <world
+# as JSON>", world size 1 (no launcher variables).
+function(check_program program)
+  execute_process(COMMAND "${program}" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer.${CONSUMER}: ${program} exited ${rc}:\n${out}${err}")
+  endif()
+  if(NOT out MATCHES "^([^ ]+) ({[^\n]*})\n?$")
+    message(FATAL_ERROR "consumer.${CONSUMER}: unexpected output of ${program}:\n${out}")
+  endif()
+  set(json "${CMAKE_MATCH_2}")
+  if(NOT CMAKE_MATCH_1 STREQUAL VERSION)
+    message(FATAL_ERROR "consumer.${CONSUMER}: printed version ${CMAKE_MATCH_1}, expected ${VERSION}")
+  endif()
+  string(JSON world_size GET "${json}" world_size)
+  if(NOT world_size STREQUAL "1")
+    message(FATAL_ERROR "consumer.${CONSUMER}: world_size ${world_size}, expected 1: ${json}")
+  endif()
+  message(STATUS "consumer.${CONSUMER}: ${program}: ${out}")
+endfunction()
 
+find_program(program dtrain_consumer PATHS "${WORK_DIR}" "${WORK_DIR}/${CONFIG}" NO_DEFAULT_PATH)
+check_program("${program}")
 if(CONSUMER STREQUAL "single_header")
   return()
 endif()
-include("${WORK_DIR}/dtrain_consumer_paths.cmake")  # DTRUN, GLOO_PROGRAM (common.cmake)
+# DTRUN, GLOO_PROGRAM, HEADER_ONLY_PROGRAM, LINK_CHECKS (common.cmake)
+include("${WORK_DIR}/dtrain_consumer_paths.cmake")
+if(HEADER_ONLY_PROGRAM)
+  check_program("${HEADER_ONLY_PROGRAM}")
+endif()
 
 # dtrun: a subproject builds it on request (it is not in `all` there); an
-# installed package brings it along.
-if(NOT CONSUMER STREQUAL "find_package")
+# installed package brings it along (the header-only test install has no
+# tools, and dtrun is the same program in both forms: checked once).
+if(NOT CONSUMER STREQUAL "find_package" AND MODE STREQUAL "compiled")
   step("build dtrun" "${CMAKE_COMMAND}" --build "${WORK_DIR}" ${config_args} --target dtrun)
 endif()
-step("dtrun --help" "${DTRUN}" --help)
-if(NOT out MATCHES "usage: dtrun ")
-  message(FATAL_ERROR "consumer.${CONSUMER}: ${DTRUN} --help printed no usage:\n${out}")
+if(DTRUN AND EXISTS "${DTRUN}")
+  step("dtrun --help" "${DTRUN}" --help)
+  if(NOT out MATCHES "usage: dtrun ")
+    message(FATAL_ERROR "consumer.${CONSUMER}: ${DTRUN} --help printed no usage:\n${out}")
+  endif()
+  message(STATUS "consumer.${CONSUMER}: ${DTRUN} --help works")
+elseif(MODE STREQUAL "compiled")
+  message(FATAL_ERROR "consumer.${CONSUMER}: no dtrun at '${DTRUN}'")
 endif()
-message(STATUS "consumer.${CONSUMER}: ${DTRUN} --help works")
+
+# A program whose TUs and libraries disagree on the engines does not link, and
+# the linker names the check (dtrain/detail/link_check.hpp).
+# expect_link_failure(<target> <regex> <what>)
+function(expect_link_failure target regex what)
+  execute_process(COMMAND "${CMAKE_COMMAND}" --build "${WORK_DIR}" ${config_args} --target ${target}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(rc EQUAL 0)
+    message(FATAL_ERROR "consumer.${CONSUMER}: ${target} (${what}) linked; it must not")
+  endif()
+  if(NOT out MATCHES "${regex}")
+    message(FATAL_ERROR "consumer.${CONSUMER}: ${target} (${what}) failed without naming the "
+                        "link check (no match for \"${regex}\"):\n${out}")
+  endif()
+  message(STATUS "consumer.${CONSUMER}: ${what} does not link: ${CMAKE_MATCH_0}")
+endfunction()
+if(LINK_CHECKS)
+  expect_link_failure(dtrain_consumer_wrong_library
+    "undefined reference to .dtrain::detail::link_check::library_built_with_engines_[a-z_]+."
+    "a TU for dtrain::dtrain linked to dtrain::gloo's library")
+  expect_link_failure(dtrain_consumer_mixed
+    "(multiple definition of|duplicate symbol:?) .?dtrain::detail::link_check::every_unit_must_use_the_same_dtrain_engines.?"
+    "a TU for dtrain::gloo beside one for dtrain::dtrain")
+elseif(MODE STREQUAL "compiled" AND GLOO_PROGRAM)
+  message(STATUS "consumer.${CONSUMER}: dtrain::gloo is dtrain::dtrain's library (Gloo is the "
+                 "only engine): no mix to check")
+endif()
 
 # A program linked to dtrain::gloo loads Gloo and no other engine.
 if(GLOO_PROGRAM)

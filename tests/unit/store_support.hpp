@@ -125,6 +125,12 @@ class raw_socket {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
   }
+  /// Closes with a reset (RST) instead of an orderly end of stream: a broken connection.
+  void reset() {
+    linger abort{1, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &abort, sizeof abort);
+    close();
+  }
 
  private:
   int fd_;

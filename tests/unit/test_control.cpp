@@ -169,6 +169,95 @@ TEST_CASE("control plane: a rank that sends another length is a rendezvous_error
   CHECK_CONTAINS(failure, "has 9 bytes, rank 0 expected 4");
 }
 
+namespace {
+
+/// What each of `size` ranks (threads, each with its own client) got from
+/// broadcast_or_fail under store key "boot/value": the value, or its error.
+struct bootstrap_results {
+  std::vector<std::string> values, errors;
+  std::vector<bool> was_rendezvous_error, was_config_error;
+};
+template <class Produce>
+bootstrap_results bootstrap_over_store(int size, Produce produce) {
+  dtrain::store_server server("127.0.0.1", 0, {.timeout = 20s, .log = [](std::string_view) {}});
+  const auto n = static_cast<std::size_t>(size);
+  bootstrap_results out{std::vector<std::string>(n), std::vector<std::string>(n),
+                        std::vector<bool>(n), std::vector<bool>(n)};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < size; ++r) {
+    ranks.emplace_back([&, r] {
+      const auto i = static_cast<std::size_t>(r);
+      try {
+        dtrain::store_client client("127.0.0.1", server.port(), quick);
+        dtrain::prefix_store<dtrain::store_client> job(client, "job");
+        out.values[i] = dtrain::detail::broadcast_or_fail(
+            dtrain::detail::store_relay(job, "boot/value", r), "the test value", produce);
+      } catch (const dtrain::config_error& e) {
+        out.errors[i] = e.what();
+        out.was_config_error[i] = true;
+      } catch (const dtrain::rendezvous_error& e) {
+        out.errors[i] = e.what();
+        out.was_rendezvous_error[i] = true;
+      } catch (const std::exception& e) {
+        out.errors[i] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("broadcast_or_fail: rank 0's value reaches every rank through the store") {
+  int calls = 0;
+  const auto got = bootstrap_over_store(3, [&] {
+    ++calls;
+    return std::string("v\0lue", 5);
+  });
+  CHECK(calls == 1);  // only rank 0 produces it
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK(got.errors[static_cast<std::size_t>(r)].empty());
+    CHECK(got.values[static_cast<std::size_t>(r)] == std::string("v\0lue", 5));
+  }
+}
+
+TEST_CASE("broadcast_or_fail: when rank 0 fails, every rank fails at once with rank 0's message") {
+  // The store waits 20 s: a rank that waited for a value instead would end with a timeout_error.
+  const auto got = bootstrap_over_store(
+      3, []() -> std::string { throw dtrain::config_error("DEVICE=7 is not a device here"); });
+  CHECK(got.was_config_error[0]);  // rank 0 throws its own error, unchanged
+  CHECK(got.errors[0] == "DEVICE=7 is not a device here");
+  for (int r = 1; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK(got.was_rendezvous_error[static_cast<std::size_t>(r)]);
+    CHECK(got.errors[static_cast<std::size_t>(r)] ==
+          "rank 0 could not provide the test value: DEVICE=7 is not a device here");
+  }
+}
+
+TEST_CASE(
+    "broadcast_or_fail: a value that is not an outcome is a rendezvous_error naming the key") {
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  dtrain::store_client client("127.0.0.1", server.port(), quick);
+  client.set("boot/value", "written by someone else");
+  try {
+    (void)dtrain::detail::broadcast_or_fail(dtrain::detail::store_relay(client, "boot/value", 1),
+                                            "the test value", [] { return std::string(); });
+    FAIL("a foreign value was accepted");
+  } catch (const dtrain::rendezvous_error& e) {
+    CHECK_CONTAINS(e.what(), "store key \"boot/value\" does not hold the test value");
+    CHECK_CONTAINS(e.what(), "the ok flag is 119, not 0 or 1");
+  }
+  // The one format: a flag, then the value or the producer's error.
+  using dtrain::detail::wire::outcome;
+  const outcome failed = outcome::decode("k", outcome{false, "why"}.encode(), "x");
+  CHECK((!failed.ok && failed.text == "why"));
+  CHECK_THROWS_AS((void)outcome::decode("k", outcome{true, "v"}.encode() + "!", "x"),
+                  dtrain::rendezvous_error);
+}
+
 TEST_CASE("watchdog: work that never finishes is a timeout_error naming the collective, in time") {
   std::atomic<int> aborted{0};
   std::optional<dtrain::watchdog> dog(std::in_place);

@@ -6,9 +6,12 @@
 
 #include <chrono>
 #include <csignal>
+#include <future>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <sys/types.h>
@@ -277,15 +280,229 @@ TEST_CASE("agent protocol: failure and node records survive the store, garbage n
                                                          dtrain::detail::wire::encode_int(70000)),
                        doctest::Contains("the port 70000 is not in 1..65535"),
                        dtrain::rendezvous_error);
-  const auto a = dtrain::detail::store_address::decode(
-      dtrain::detail::store_address::serving("h", 5).encode());
-  CHECK((a.ok && a.host == "h" && a.port == 5));
-  const auto failed =
-      dtrain::detail::store_address::decode(dtrain::detail::store_address::failed("no").encode());
-  CHECK((!failed.ok && failed.failure == "no"));
+  const auto a =
+      dtrain::detail::store_address::decode(dtrain::detail::store_address{"h", 5}.encode());
+  CHECK((a.host == "h" && a.port == 5));
   CHECK_THROWS_WITH_AS((void)dtrain::detail::store_address::decode("host 29500"),
                        doctest::Contains("rank 0's broadcast does not hold the store's address"),
                        dtrain::rendezvous_error);
+  CHECK_THROWS_WITH_AS(
+      (void)dtrain::detail::store_address::decode(dtrain::detail::store_address{"h", 0}.encode()),
+      doctest::Contains("the port 0 is not in 1..65535"), dtrain::rendezvous_error);
+}
+
+namespace {
+
+/// A relay between two threads in one process, as MPI's broadcast is between
+/// two processes: rank 1 receives what rank 0 sends.
+struct thread_relay {
+  struct line {
+    std::promise<std::string> sent;
+    std::shared_future<std::string> received = sent.get_future().share();
+  };
+  std::shared_ptr<line> shared;
+  int rank;
+  void carry(std::string& message, const std::string&) {
+    if (rank == 0) {
+      shared->sent.set_value(message);
+    } else {
+      message = shared->received.get();
+    }
+  }
+  [[nodiscard]] int root() const { return 0; }
+  [[nodiscard]] bool is_root() const { return rank == 0; }
+  [[nodiscard]] std::string where() const { return "rank 0's broadcast"; }
+};
+
+}  // namespace
+
+TEST_CASE("store address: rank 0's failure to start the store reaches the others in its words") {
+  // What context does without MASTER_ADDR, through the backend's pre-store channel.
+  auto shared = std::make_shared<thread_relay::line>();
+  std::string rank1;
+  std::thread other([&] {
+    try {
+      (void)dtrain::detail::broadcast_or_fail(thread_relay{shared, 1}, "the store's address",
+                                              [] { return std::string(); });
+    } catch (const dtrain::rendezvous_error& e) {
+      rank1 = e.what();
+    }
+  });
+  CHECK_THROWS_WITH_AS(
+      (void)dtrain::detail::broadcast_or_fail(thread_relay{shared, 0}, "the store's address",
+                                              []() -> std::string {
+                                                throw dtrain::config_error(
+                                                    "cannot listen on 0.0.0.0:80: Permission "
+                                                    "denied");
+                                              }),
+      "cannot listen on 0.0.0.0:80: Permission denied", dtrain::config_error);
+  other.join();
+  CHECK(rank1 ==
+        "rank 0 could not provide the store's address: cannot listen on 0.0.0.0:80: Permission "
+        "denied");
+  // And when it serves, every rank learns where.
+  auto next = std::make_shared<thread_relay::line>();
+  std::string heard;
+  std::thread listener([&] {
+    heard = dtrain::detail::broadcast_or_fail(thread_relay{next, 1}, "the store's address",
+                                              [] { return std::string(); });
+  });
+  (void)dtrain::detail::broadcast_or_fail(thread_relay{next, 0}, "the store's address", [] {
+    return dtrain::detail::store_address{"node-a", 29500}.encode();
+  });
+  listener.join();
+  const auto where = dtrain::detail::store_address::decode(heard);
+  CHECK((where.host == "node-a" && where.port == 29500));
+}
+
+namespace {
+
+using job_store = dtrain::prefix_store<dtrain::store_client>;
+
+/// A rendezvous_wait of `rank` of `size` on `store`, whose reports land in `lines`.
+dtrain::detail::rendezvous_wait<job_store> waiting(job_store& store, int rank, int size,
+                                                   std::vector<std::string>& lines,
+                                                   std::chrono::milliseconds timeout) {
+  return {store,
+          {.endpoint = "127.0.0.1:29541",
+           .rank = rank,
+           .size = size,
+           .timeout = timeout,
+           .interval = timeout / 20,
+           .say = [&lines](std::string_view line) { lines.emplace_back(line); },
+           .world_size_origin = "WORLD_SIZE=" + std::to_string(size)}};
+}
+
+/// A store and a connection to it under the job's prefix.
+struct job_on_store {
+  dtrain::store_server server{"127.0.0.1", 0, {.timeout = 30s, .log = [](std::string_view) {}}};
+  dtrain::store_client client{"127.0.0.1", server.port(), {.timeout = 30s}};
+  job_store job{client, "dtrain/job"};
+};
+
+}  // namespace
+
+TEST_CASE("rendezvous: rank 0 says who has joined and who has not, then names who never came") {
+  job_on_store store;
+  auto& job = store.job;
+  dtrain::store_client other_client("127.0.0.1", store.server.port(), {.timeout = 30s});
+  job_store other(other_client, "dtrain/job");
+  std::vector<std::string> lines, unused;
+  // Ranks 0 and 2 of 4 join; 1 and 3 never do.
+  auto rank0 = waiting(job, 0, 4, lines, 2s);
+  rank0.join("report of rank 0");
+  waiting(other, 2, 4, unused, 2s).join("report of rank 2");
+  CHECK(rank0.progress() == "2 of 4 ranks joined; waiting for ranks 1, 3");
+  try {
+    rank0.await_everyone();
+    FAIL("rank 0 stopped waiting while ranks 1 and 3 are missing");
+  } catch (const dtrain::timeout_error& e) {
+    CHECK(std::string(e.what()) ==
+          "rendezvous at 127.0.0.1:29541 timed out after 2 s: 2 of 4 ranks joined; ranks 1, 3 "
+          "never did. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks (this rank "
+          "met at 127.0.0.1:29541), a firewall blocks that port, those ranks never started or "
+          "failed before joining (see their output), or the world size (WORLD_SIZE=4) is larger "
+          "than the number of ranks started");
+  }
+  REQUIRE(!lines.empty());  // every 0.1 s of 2 s
+  CHECK(lines.front().starts_with(
+      "rendezvous at 127.0.0.1:29541: 2 of 4 ranks joined; waiting for ranks 1, 3 ("));
+  CHECK(lines.front().ends_with(" of 2 s)"));
+  CHECK(unused.empty());
+}
+
+TEST_CASE(
+    "rendezvous: the last rank to join ends rank 0's wait, and many missing ranks are counted") {
+  job_on_store store;
+  auto& job = store.job;
+  std::vector<std::string> lines;
+  auto rank0 = waiting(job, 0, 2000, lines, 30s);
+  rank0.join("r0");
+  for (int r : {1, 2, 3, 5, 7, 8, 9, 10, 11, 12}) waiting(job, r, 2000, lines, 30s).join("r");
+  CHECK(rank0.progress() ==
+        "11 of 2000 ranks joined; waiting for 1989 ranks, among them 4, 6, 13, 14, 15, 16, 17, 18");
+  // The others join from another thread; rank 0 returns once the last has.
+  std::thread rest([&] {
+    dtrain::store_client mine("127.0.0.1", store.server.port(), {.timeout = 30s});
+    job_store theirs(mine, "dtrain/job");
+    std::vector<std::string> ignored;
+    for (int r = 4; r < 2000; ++r) {
+      if (r == 5 || (r >= 7 && r <= 12)) continue;
+      waiting(theirs, r, 2000, ignored, 30s).join("r");
+    }
+  });
+  rank0.await_everyone();
+  rest.join();
+  CHECK(rank0.progress() == "2000 of 2000 ranks joined");
+}
+
+TEST_CASE("rendezvous: a rank waiting for rank 0's answer is quiet while rank 0 has joined") {
+  job_on_store store;
+  auto& job = store.job;
+  std::vector<std::string> lines;
+  // Rank 0 has not joined: rank 1 says so, and names it at its timeout.
+  auto rank1 = waiting(job, 1, 2, lines, 1s);
+  rank1.join("r1");
+  CHECK_THROWS_WITH_AS((void)rank1.await_answer("world/placement"),
+                       doctest::Contains("1 of 2 ranks joined; rank 0 never did"),
+                       dtrain::timeout_error);
+  REQUIRE(!lines.empty());
+  CHECK_CONTAINS(lines.front(), "1 of 2 ranks joined; waiting for rank 0 (");
+  // Rank 0 joined but never answers: rank 1 says nothing until its timeout, which names rank 0.
+  lines.clear();
+  waiting(job, 0, 2, lines, 1s).join("r0");
+  CHECK_THROWS_WITH_AS((void)rank1.await_answer("world/placement"),
+                       "rendezvous at 127.0.0.1:29541 timed out after 1 s: every rank joined, but "
+                       "rank 0 did not answer (store key \"world/placement\"); see rank 0's "
+                       "output for why",
+                       dtrain::timeout_error);
+  CHECK(lines.empty());
+  // An answer ends the wait.
+  job.set("world/placement", "table");
+  CHECK(rank1.await_answer("world/placement") == "table");
+}
+
+TEST_CASE("rendezvous: a progress interval of zero reports nothing, and the timeout still holds") {
+  job_on_store store;
+  std::vector<std::string> lines;
+  dtrain::detail::rendezvous_wait<job_store> rank0(
+      store.job, {.endpoint = "127.0.0.1:29541",
+                  .rank = 0,
+                  .size = 2,
+                  .timeout = 300ms,
+                  .interval = 0ms,
+                  .say = [&lines](std::string_view line) { lines.emplace_back(line); },
+                  .world_size_origin = "WORLD_SIZE=2"});
+  rank0.join("r0");
+  CHECK_THROWS_WITH_AS(rank0.await_everyone(), doctest::Contains("rank 1 never did"),
+                       dtrain::timeout_error);
+  CHECK(lines.empty());
+  // Nor does a client that cannot connect.
+  CHECK_THROWS_AS(dtrain::store_client(
+                      "127.0.0.1", 1,
+                      {.timeout = 300ms,
+                       .progress_interval = 0ms,
+                       .progress = [&lines](std::string_view line) { lines.emplace_back(line); }}),
+                  dtrain::timeout_error);
+  CHECK(lines.empty());
+}
+
+TEST_CASE("store client: while it cannot connect it says so every progress interval") {
+  std::vector<std::string> lines;
+  try {
+    dtrain::store_client(
+        "127.0.0.1", 1,
+        {.timeout = 1s, .progress_interval = 100ms, .progress = [&lines](std::string_view line) {
+           lines.emplace_back(line);
+         }});
+    FAIL("connected to port 1");
+  } catch (const dtrain::timeout_error& e) {
+    CHECK_CONTAINS(e.what(), "could not reach the store at 127.0.0.1:1 within 1.0 s");
+    CHECK_CONTAINS(e.what(), "that MASTER_ADDR and MASTER_PORT are the same on every rank");
+  }
+  REQUIRE(!lines.empty());
+  CHECK(lines.front().starts_with("still trying to connect to the store at 127.0.0.1:1 ("));
+  CHECK(lines.front().ends_with(" of 1 s; last error: Connection refused)"));
 }
 
 TEST_CASE("agent protocol: a failure keeps its rank and collective, a clean exit its counts") {

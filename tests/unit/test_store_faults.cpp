@@ -117,15 +117,23 @@ TEST_CASE("store faults: bad clients are cut off with a logged reason, others ar
 TEST_CASE("store faults: a client that disconnects while waiting is cleaned up") {
   dtrain_test::log_capture logs;
   store_server server("127.0.0.1", 0, {.timeout = 20s, .log = logs.sink()});
-  {
-    raw_socket waiter(server.port());
-    waiter.handshake();
-    waiter.send(request(wire::op::get, [](wire::writer& w) { w.bytes32("never").u64(60'000); }));
-    REQUIRE(dtrain_test::eventually([&] { return server.stats().waiting == 1; }));
-  }  // hang up mid-wait
-  CHECK(dtrain_test::eventually(
-      [&] { return server.stats().waiting == 0 && server.stats().connections == 0; }));
-  CHECK_CONTAINS(logs.wait_for("disconnected while waiting"), "\"never\"");
+  raw_socket waiter(server.port());
+  waiter.handshake();
+  waiter.send(request(wire::op::get, [](wire::writer& w) { w.bytes32("never").u64(60'000); }));
+  REQUIRE(dtrain_test::eventually([&] { return server.stats().waiting == 1; }));
+  SUBCASE("it closes its end (a rank that exits while its diagnostics wait): quietly") {
+    waiter.close();
+    CHECK(dtrain_test::eventually(
+        [&] { return server.stats().waiting == 0 && server.stats().connections == 0; }));
+    CHECK(logs.all().find("disconnected") == std::string::npos);
+  }
+  SUBCASE("its connection breaks (a reset): the log says who and what it waited for") {
+    waiter.reset();
+    CHECK(dtrain_test::eventually(
+        [&] { return server.stats().waiting == 0 && server.stats().connections == 0; }));
+    CHECK_CONTAINS(logs.wait_for("disconnected while waiting"), "\"never\"");
+    CHECK_CONTAINS(logs.all(), "client 127.0.0.1:");
+  }
   store_client c("127.0.0.1", server.port(), {.timeout = 20s});
   c.set("never", "now");  // nobody left to wake: must not touch the dead waiter
   CHECK(c.get("never") == "now");

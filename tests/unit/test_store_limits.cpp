@@ -21,6 +21,12 @@ std::string set_request(std::string_view key, std::string_view value) {
   return wire::frame(body);
 }
 
+std::string get_request(std::string_view key) {
+  std::string body(1, static_cast<char>(wire::op::get));
+  wire::writer(body).bytes32(key).u64(60'000);
+  return wire::frame(body);
+}
+
 }  // namespace
 
 TEST_CASE("store limits: an idle connection is closed, and its client reopens it by itself") {
@@ -169,4 +175,24 @@ TEST_CASE("store limits: a flood of bad connections is logged as a summary, not 
   CHECK_CONTAINS(*line, "refused or closed 1020 connections");
   CHECK_CONTAINS(*line, "20 over the connection cap, 1000 failed handshake");
   CHECK(!log.summary(start + 22s));  // a quiet period says nothing
+}
+
+TEST_CASE("store limits: connections that break while waiting are logged a few in full, not each") {
+  dtrain_test::log_capture logs;
+  store_server server("127.0.0.1", 0, {.timeout = 20s, .token = "t", .log = logs.sink()});
+  for (int i = 0; i < 12; ++i) {
+    raw_socket waiter(server.port());
+    waiter.handshake("t");
+    waiter.send(get_request("never"));
+    REQUIRE(dtrain_test::eventually([&] { return server.stats().waiting == 1; }));
+    waiter.reset();
+    REQUIRE(dtrain_test::eventually([&] { return server.stats().connections == 0; }));
+  }
+  std::size_t lines = 0;
+  const std::string all = logs.all();
+  for (std::size_t at = 0; (at = all.find("disconnected while waiting", at)) != std::string::npos;
+       ++at)
+    ++lines;
+  CHECK(lines == dtrain::detail::rejection_log::detailed_per_period);
+  CHECK(server.stats().closed_for_cause == 0);  // the client broke it: not the server's verdict
 }

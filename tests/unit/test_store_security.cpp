@@ -1,9 +1,13 @@
 // The store's token and where it listens (rendezvous/security.hpp).
 #include "store_support.hpp"
 
+#include <optional>
 #include <set>
+#include <string>
+#include <thread>
 
 using dtrain::environment;
+using namespace std::chrono_literals;
 
 TEST_CASE("store security: a token is 128 random bits, fresh each time") {
   std::set<std::string> seen;
@@ -71,6 +75,49 @@ TEST_CASE("store security: a token shared through a private file") {
   dtrain::detail::token_file open_dir(env, 1);
   CHECK_THROWS_WITH_AS(open_dir.publish("x"), doctest::Contains("only this user can open"),
                        dtrain::config_error);
+  ::rmdir((runtime + "/dtrain").c_str());
+  ::rmdir(runtime.c_str());
+}
+
+TEST_CASE("store security: a refused token is a token_error, and the token file is read again") {
+  dtrain::store_server server("127.0.0.1", 0,
+                              {.timeout = 20s, .token = "fresh", .log = [](std::string_view) {}});
+  CHECK_THROWS_WITH_AS(
+      dtrain::store_client("127.0.0.1", server.port(), {.timeout = 20s, .token = "stale"}),
+      doctest::Contains("rejected this client's token"), dtrain::token_error);
+
+  // A file left by an earlier job on the same port holds a stale token until
+  // rank 0 replaces it: the reader knocks again on token_error only.
+  char dir_template[] = "/tmp/dtrain-token-retry.XXXXXX";
+  REQUIRE(::mkdtemp(dir_template) != nullptr);
+  const std::string runtime = dir_template;
+  const environment env{{"XDG_RUNTIME_DIR", runtime}};
+  {
+    dtrain::detail::token_file rank0(env, server.port());
+    rank0.publish("stale");
+    const dtrain::detail::token_file file(env, server.port());
+    std::optional<dtrain::store_client> client;
+    dtrain::store_options options{.timeout = 20s};
+    std::string failure;
+    const auto refused_before = server.stats().closed_for_cause;
+    std::thread rank1([&] {
+      try {
+        dtrain::detail::connect_with_token_file(client, file, "127.0.0.1", server.port(), options,
+                                                1);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    });
+    // Replace the file once the reader has been refused at least once.
+    CHECK(
+        dtrain_test::eventually([&] { return server.stats().closed_for_cause > refused_before; }));
+    rank0.publish("fresh");
+    rank1.join();
+    CHECK(failure.empty());
+    CHECK(options.token == "fresh");
+    REQUIRE(client.has_value());
+    client->set("k", "v");
+  }
   ::rmdir((runtime + "/dtrain").c_str());
   ::rmdir(runtime.c_str());
 }

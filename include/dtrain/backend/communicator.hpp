@@ -9,8 +9,8 @@
 #include <dtrain/error.hpp>
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <iterator>
 #include <ranges>
 #include <span>
@@ -60,6 +60,38 @@ inline std::string shape(const buffer& b) {
                                       : ": the communicator was moved from"));
 }
 
+/// The collectives every engine knows, numbered as check mode sends them.
+enum class collective_kind : std::uint8_t {
+  other,
+  allreduce,
+  broadcast,
+  allgather,
+  reduce_scatter,
+  barrier,
+  allreduce_many,
+  split
+};
+
+/// Their names, indexed by collective_kind ("?": another).
+inline constexpr std::string_view collective_kinds[] = {
+    "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
+    "barrier", "allreduce_many", "split"};
+
+[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
+  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
+    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  }
+  return 0;
+}
+
+/// Where an engine's collectives find their buffers. A buffer elsewhere is a
+/// config_error: "input is host memory, and <rule>".
+struct memory_reach {
+  bool host = true;
+  bool device = true;
+  std::string_view rule{};  ///< "NCCL reduces device memory only: pass GPU memory ..."
+};
+
 /// Checks what one rank can check alone; throws config_error naming the collective and the rank.
 struct argument_check {
   std::string what;  // from describe(); empty when `info` describes the call
@@ -87,6 +119,18 @@ struct argument_check {
            " would truncate; average floating-point data, or sum and divide");
     }
   }
+  /// `b` (`which`, or "buffer <index>") lives where the engine reaches, and is
+  /// not a null pointer with elements (the engine would read them and crash).
+  void reachable(const buffer& b, std::string_view which, const memory_reach& reach,
+                 std::ptrdiff_t index = -1) const {
+    const bool on_host = b.where == memory::host;
+    if (!(on_host ? reach.host : reach.device)) {
+      fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
+           std::string(reach.rule));
+    }
+    if (b.data == nullptr && b.count > 0)
+      fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
+  }
   void root(int r, int size) const {
     if (r < 0 || r >= size)
       fail("root " + std::to_string(r) + " is not a rank of this communicator");
@@ -94,18 +138,121 @@ struct argument_check {
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
+
+ private:
+  static std::string name(std::string_view which, std::ptrdiff_t index) {
+    return index < 0 ? std::string(which) : std::string(which) + " " + std::to_string(index);
+  }
 };
 
-/// The collectives check mode knows by code, in every engine (0: another).
-inline constexpr std::string_view collective_kinds[] = {
-    "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
-    "barrier", "allreduce_many", "split"};
+/// One collective as an engine receives it. Every engine's chain checks it
+/// (check_arguments), numbers it in its ring and compares it in check mode
+/// from this one description, so a call reads the same on MPI, Gloo and NCCL.
+struct collective_call {
+  collective_kind kind = collective_kind::barrier;
+  buffer in{};   ///< broadcast: the data
+  buffer out{};  ///< broadcast: the data
+  int op = -1;   ///< a reduce_op, or -1
+  int root = -1;
+  std::span<const buffer> many{};  ///< allreduce_many: each buffer reduced in place
 
-[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
-  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
-    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  [[nodiscard]] static collective_call allreduce(buffer in, buffer out, reduce_op op) noexcept {
+    return {collective_kind::allreduce, in, out, static_cast<int>(op), -1, {}};
   }
-  return 0;
+  [[nodiscard]] static collective_call broadcast(buffer data, int root) noexcept {
+    return {collective_kind::broadcast, data, data, -1, root, {}};
+  }
+  [[nodiscard]] static collective_call allgather(buffer in, buffer out) noexcept {
+    return {collective_kind::allgather, in, out, -1, -1, {}};
+  }
+  [[nodiscard]] static collective_call reduce_scatter(buffer in, buffer out,
+                                                      reduce_op op) noexcept {
+    return {collective_kind::reduce_scatter, in, out, static_cast<int>(op), -1, {}};
+  }
+  [[nodiscard]] static collective_call barrier() noexcept { return {}; }
+  [[nodiscard]] static collective_call allreduce_many(std::span<const buffer> buffers,
+                                                      reduce_op op) noexcept {
+    return {collective_kind::allreduce_many, {}, {}, static_cast<int>(op), -1, buffers};
+  }
+
+  /// What the ring, check mode and messages say of it: the elements every
+  /// rank must agree on (the input's; reduce_scatter: the output's;
+  /// allreduce_many: all of them, with the first buffer's type).
+  [[nodiscard]] collective_info info(std::string_view engine, int rank, int size) const noexcept {
+    buffer counted = kind == collective_kind::reduce_scatter ? out : in;
+    if (kind == collective_kind::allreduce_many) {
+      counted = {};
+      if (!many.empty()) counted.type = many.front().type;
+      for (const buffer& b : many) counted.count += b.count;
+    }
+    return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
+            static_cast<std::uint8_t>(counted.type),          op,     root};
+  }
+
+  /// False for a call with no elements: it completes at once (after its
+  /// signature is compared, in check mode). A barrier always moves.
+  [[nodiscard]] bool moves_data() const noexcept {
+    switch (kind) {
+      case collective_kind::barrier:
+      case collective_kind::split:
+      case collective_kind::other: return true;
+      case collective_kind::allreduce:
+      case collective_kind::broadcast:
+      case collective_kind::allgather: return in.count > 0;
+      case collective_kind::reduce_scatter: return out.count > 0;
+      case collective_kind::allreduce_many:
+        for (const buffer& b : many) {
+          if (b.count > 0) return true;
+        }
+        return false;
+    }
+    return true;
+  }
+};
+
+/// The argument checks of every engine, per collective: buffers where the
+/// engine reaches (`reach`), types and counts that fit, an op the type allows,
+/// a root that is a rank. `info` names the call (call.info()).
+inline void check_arguments(const collective_call& call, const collective_info& info,
+                            const memory_reach& reach) {
+  const argument_check check{info};
+  const auto ranks = static_cast<std::size_t>(info.size);
+  const auto op = static_cast<reduce_op>(call.op);
+  switch (call.kind) {
+    case collective_kind::allreduce:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count, "output");
+      check.op_fits(op, call.in.type);
+      return;
+    case collective_kind::broadcast:
+      check.reachable(call.in, "data", reach);
+      check.root(call.root, info.size);
+      return;
+    case collective_kind::allgather:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count * ranks, "output");
+      return;
+    case collective_kind::reduce_scatter:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.in, call.out.count * ranks, "input");
+      check.op_fits(op, call.out.type);
+      return;
+    case collective_kind::allreduce_many:
+      for (std::size_t i = 0; i < call.many.size(); ++i) {
+        check.reachable(call.many[i], "buffer", reach, static_cast<std::ptrdiff_t>(i));
+        check.op_fits(op, call.many[i].type);
+      }
+      return;
+    case collective_kind::barrier:
+    case collective_kind::split:
+    case collective_kind::other: return;
+  }
 }
 
 /// What a rank passed to its `seq`-th collective on a communicator, compared
@@ -149,19 +296,20 @@ struct signature {
 
 /// Gathers every rank's signature with `gather` (an allgather of int64s that
 /// is not itself checked) and throws backend_error naming the first rank
-/// whose call differs from this one's.
-inline void compare_signatures(
-    const signature& mine, int rank, int size, const std::string& what,
-    const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
+/// whose call differs from this one's. `what` names this call (what_text()),
+/// put into words only then.
+template <class What, class Gather>
+void compare_signatures(const signature& mine, int rank, int size, const What& what,
+                        Gather&& gather) {
   const std::int64_t fields[signature::fields] = {mine.seq,  mine.kind, mine.count,
                                                   mine.type, mine.op,   mine.root};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * signature::fields);
-  gather(fields, all);
+  gather(std::span<const std::int64_t>(fields), std::span<std::int64_t>(all));
   for (int r = 0; r < size; ++r) {
     const std::int64_t* f = &all[static_cast<std::size_t>(r) * signature::fields];
     const signature theirs{f[0], f[1], f[2], f[3], f[4], f[5]};
     if (theirs != mine) {
-      throw backend_error(what + ": rank " + std::to_string(r) + " called " +
+      throw backend_error(what_text(what) + ": rank " + std::to_string(r) + " called " +
                               describe_collective(theirs) + ", rank " + std::to_string(rank) +
                               " called " + describe_collective(mine),
                           0);

@@ -363,49 +363,45 @@ class gloo_communicator {
 
   /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
   work allreduce(buffer in, buffer out, reduce_op op) {
-    const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(out, in.count, "output");
-    check.op_fits(op, in.type);
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::allreduce, in, out, op, 0, in.count > 0});
+    return collective(detail::collective_call::allreduce(in, out, op),
+                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                        detail::visit(c.in.type, [&]<class T>() {
+                          detail::gloo_run_allreduce<T>(s, c.in, c.out, reduce_op(c.op), timeout);
+                        });
+                      });
   }
 
   /// `data` on every rank becomes root's.
   work broadcast(buffer data, int root) {
-    const auto info = call_info("broadcast", data, -1, root);
-    detail::argument_check check{info};
-    check.root(root, size());
-    host_only(check, data);
-    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root,
-                         data.count > 0});
+    return collective(detail::collective_call::broadcast(data, root),
+                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                        detail::gloo_run_broadcast(s, c.out, c.root, timeout);
+                      });
   }
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
   work allgather(buffer in, buffer out) {
-    const auto info = call_info("allgather", in, -1, -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(out, in.count * static_cast<std::size_t>(size()), "output");
-    host_only(check, in);
-    return submit(info,
-                  {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
+    return collective(detail::collective_call::allgather(in, out), &run_allgather);
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
   work reduce_scatter(buffer in, buffer out, reduce_op op) {
-    const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(in, out.count * static_cast<std::size_t>(size()), "input");
-    check.op_fits(op, in.type);
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::reduce_scatter, in, out, op, 0, out.count > 0});
+    return collective(detail::collective_call::reduce_scatter(in, out, op),
+                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                        detail::visit(c.in.type, [&]<class T>() {
+                          detail::gloo_run_reduce_scatter<T>(s, c.in, c.out, reduce_op(c.op),
+                                                             timeout);
+                        });
+                      });
   }
 
   /// Completes once every rank has called barrier().
-  work barrier() { return submit(call_info("barrier", buffer{}, -1, -1), {}); }
+  work barrier() {
+    return collective(detail::collective_call::barrier(),
+                      [](detail::gloo_state& s, const detail::collective_call&, ms timeout) {
+                        detail::gloo_run_barrier(s, timeout);
+                      });
+  }
 
   /// A communicator of the ranks that pass the same `color`, ranked by
   /// (key, rank here). Collective over this communicator: every rank calls it,
@@ -419,9 +415,10 @@ class gloo_communicator {
     buffer in{mine, 2, dtype::int64, memory::host};
     buffer out{all.data(), all.size(), dtype::int64, memory::host};
     // An allgather of (color, key), told apart from a user's in check mode.
-    submit(call_info("split", in, -1, -1),  // throws when not valid()
-           {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
-        .wait();
+    // Throws when not valid().
+    const detail::collective_call exchange{
+        .kind = detail::collective_kind::split, .in = in, .out = out};
+    collective(exchange, &run_allgather).wait();
     // Every rank counts the split, left out or not: the next one's keys must agree.
     const auto number = self_->splits++;
     if (color < 0) return gloo_communicator(left_out_tag{});
@@ -522,38 +519,40 @@ class gloo_communicator {
     self_->worker = std::thread([state] { detail::gloo_serve(state); });
   }
 
-  // Every collective starts here, so a left-out rank fails before any check.
-  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b,
-                                                  int op, int root) const {
-    detail::collective_info info{
-        collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
-    if (!self_) detail::throw_invalid(detail::describe(info), left_out_);
-    return info;
-  }
-  static void host_only(const detail::argument_check& check, const buffer& b) {
-    if (b.where != memory::host) {
-      check.fail(
-          "gloo reduces host memory only: copy device data to the host first, or use "
-          "backend::nccl");
-    }
+  using ms = std::chrono::milliseconds;
+
+  static void run_allgather(detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+    detail::gloo_run_allgather(s, c.in, c.out, timeout);
   }
 
-  // Queues one collective. Zero-length ones move nothing and complete at once,
-  // except in check mode, where their signature is still compared.
-  work submit(const detail::collective_info& info, const detail::gloo_call& call) {
+  static constexpr detail::memory_reach host_memory{
+      .host = true,
+      .device = false,
+      .rule =
+          "gloo reduces host memory only: copy device data to the host first, or use "
+          "backend::nccl"};
+
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; a broken communicator; the ring's
+  // number and the signature check mode compares (on the worker, before the
+  // collective); then the queue, in submission order. Nothing moves for a
+  // zero-length call: complete at once, except in check mode.
+  work collective(const detail::collective_call& call, detail::gloo_runner run) {
+    const detail::collective_info what = call.info(name, rank(), size());
+    if (!self_) detail::throw_invalid(detail::describe(what), left_out_);
+    detail::check_arguments(call, what, host_memory);
     detail::gloo_state& s = *self_->state;
     if (s.unusable.load())
-      throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
+      throw backend_error(detail::describe(what) + ": " + s.unusable_text(), 0);
     std::unique_lock lock(s.mutex);
-    const std::int64_t seq = detail::record(*s.ring, info);
-    const detail::signature sig = detail::signature_of(seq, info);
-    if (!call.moves_data && !s.check) {
+    const std::int64_t seq = detail::record(*s.ring, what);
+    if (!call.moves_data() && !s.check) {
       s.ring->settle(seq, detail::call_state::completed);
       return work{};
     }
-    auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    auto w = std::make_shared<detail::gloo_work>(what, s.timeout, self_->state);
     w->track(s.ring, seq);
-    s.queue.push_back({w, sig, call});
+    s.queue.push_back({w, detail::signature_of(seq, what), call, run});
     const bool idle = !s.running;
     lock.unlock();
     if (idle) s.wake.notify_one();

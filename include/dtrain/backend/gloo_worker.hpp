@@ -78,22 +78,12 @@ template <element T>
   }
 }
 
-/// One collective as the worker runs it: plain fields, no allocation.
-struct gloo_call {
-  enum class kind : std::uint8_t {
-    allreduce,
-    broadcast,
-    allgather,
-    reduce_scatter,
-    barrier,
-    split
-  };
-  kind what = kind::barrier;
-  buffer in{}, out{};
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  bool moves_data = true;  // false: zero-length, only compared in check mode
-};
+struct gloo_state;
+
+/// What the worker runs for one collective: Gloo's call for `call`, with
+/// Gloo's timeout for this run. Each collective of gloo_communicator is one.
+using gloo_runner = void (*)(gloo_state& s, const collective_call& call,
+                             std::chrono::milliseconds timeout);
 
 class gloo_work;
 
@@ -110,10 +100,12 @@ struct gloo_state {
 #endif
   std::string shm_text = "off";  // for describe(): "on (...)" or "off (why)"
 
+  /// One queued collective: plain fields (the buffers stay the caller's).
   struct task {
     std::shared_ptr<gloo_work> work;
     signature sig{};
-    gloo_call call{};
+    collective_call call{};
+    gloo_runner run = nullptr;
   };
   std::mutex mutex;
   std::condition_variable wake;      // the worker: a task to run, or stop
@@ -124,15 +116,21 @@ struct gloo_state {
   // Numbers the collectives; issued under mutex, so the numbers follow the queue.
   std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
   std::atomic<bool> unusable{false};
-  std::string failure;  // guarded by mutex: the first failure
+  failure_cause failure;  // guarded by mutex: the first failure
 
-  void mark_unusable(const std::string& why) noexcept {
+  /// Records the first failure without allocating: the timeout hook and
+  /// gloo_execute, both noexcept, call these.
+  void mark_unusable(std::exception_ptr why) noexcept {
     std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure = why;
+    if (!unusable.exchange(true)) failure.set(std::move(why));
+  }
+  void mark_unusable(const collective_info& call, const char* how) noexcept {
+    std::lock_guard lock(mutex);
+    if (!unusable.exchange(true)) failure.set(call, how);
   }
   [[nodiscard]] std::string unusable_text() {
     std::lock_guard lock(mutex);
-    return "the communicator is unusable since an earlier failure (" + failure +
+    return "the communicator is unusable since an earlier failure (" + failure.text() +
            "); ranks cannot fall back into step after a failed collective, so make a new "
            "communicator";
   }
@@ -152,8 +150,7 @@ class gloo_work final : public work_state {
   // Gloo cannot abort a collective in flight; its own timeout (the same
   // length) ends it. Until then nothing else may run on this communicator.
   void on_timeout() noexcept override {
-    if (auto s = owner_.lock())
-      s->mark_unusable(description() + " did not finish within its timeout");
+    if (auto s = owner_.lock()) s->mark_unusable(info(), "did not finish within its timeout");
   }
 
   /// Blocks until finished or `deadline`; true when finished. When this
@@ -197,16 +194,6 @@ class gloo_work final : public work_state {
   std::atomic<bool> done_{false};
   std::weak_ptr<gloo_state> owner_;
 };
-
-inline std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
 
 /// A failure inside a call into Gloo, with the call as written, file:line
 /// and Gloo's message; gloo_failure() turns it into dtrain's errors.
@@ -374,24 +361,8 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
   if (op == reduce_op::avg) divide_host(out, s.size);
 }
 
-inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
-  switch (c.what) {
-    case gloo_call::kind::allreduce:
-      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::reduce_scatter:
-      visit(c.in.type,
-            [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
-    case gloo_call::kind::allgather:
-    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
-    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
-  }
-}
-
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
-inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
+inline void gloo_check_signature(gloo_state& s, const signature& sig, const collective_info& what,
                                  std::chrono::milliseconds timeout) {
   compare_signatures(
       sig, s.rank, s.size, what,
@@ -402,22 +373,21 @@ inline void gloo_check_signature(gloo_state& s, const signature& sig, const std:
       });
 }
 
-/// Runs one task (on the worker, or on a thread waiting for it) and completes
-/// its work. A failure makes the communicator unusable; so does running after one.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t,
-                         std::chrono::milliseconds timeout) noexcept {
-  std::exception_ptr failure;
+/// Runs one task's collective (its signature first, in check mode). Throws
+/// what failed as dtrain's error (gloo_failure), and tells peers waiting in
+/// the shared-memory segment to stop, with a timeout if this was one.
+inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                          std::chrono::milliseconds timeout) {
   try {
     if (s.unusable.load()) {
       throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
     }
-    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
-    if (t.call.moves_data) gloo_run(s, t.call, timeout);
+    if (s.check) gloo_check_signature(s, t.sig, t.work->info(), timeout);
+    if (t.call.moves_data()) t.run(s, t.call, timeout);
   } catch (...) {
-    failure = gloo_failure(std::current_exception(), t.work->description());
-    s.mark_unusable(message_of(failure));
+    const std::exception_ptr failure =
+        gloo_failure(std::current_exception(), t.work->description());
 #if DTRAIN_HAS_SHM()
-    // Peers waiting in the segment stop now, with a timeout if this was one.
     bool timed_out = false;
     try {
       std::rethrow_exception(failure);
@@ -426,6 +396,28 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
     } catch (...) {
     }
     s.shm.abandon(message_of(failure), timed_out);
+#endif
+    std::rethrow_exception(failure);
+  }
+}
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure, whatever it is (out of memory while putting one into
+/// words too), reaches the work's wait() and makes the communicator unusable;
+/// so does running after one. Allocates nothing itself: everything that may
+/// is inside gloo_run_task, whose exception it catches.
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept {
+  std::exception_ptr failure;
+  try {
+    gloo_run_task(s, t, timeout);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    s.mark_unusable(failure);
+#if DTRAIN_HAS_SHM()
+    s.shm.abandon();  // peers waiting in the segment stop (a no-op once gloo_run_task did)
 #endif
   }
   t.work->finish(std::move(failure));

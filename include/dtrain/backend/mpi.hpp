@@ -43,11 +43,6 @@ inline std::string mpi_error_text(int code) {
   return std::string(text, static_cast<std::size_t>(length));
 }
 
-// What a failed call was for: a plain text, or a collective described on demand.
-inline std::string what_text(const std::string& text) { return text; }
-inline std::string what_text(const char* text) { return text; }
-inline std::string what_text(const collective_info& info) { return describe(info); }
-
 inline std::string mpi_thread_level_name(int level) {
   switch (level) {
     case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
@@ -236,98 +231,77 @@ class mpi_communicator {
   // reads the data; the output is on the device when the work completes.
 
   work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    const auto what = info("allreduce", out, static_cast<int>(op), -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(out, in.count, "output");
-    check.op_fits(op, in.type);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
-    w->divide_by = op == reduce_op::avg ? size_ : 0;
-    if (out.count == 0) return work(w);
-    const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Allreduce(send, w->dst.data, count(out, what), datatype(out.type),
-                                     mpi_op(op, out.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type),
-                                    mpi_op(op, out.type), comm_, &w->req),
-                     what);
-    return work(w);
+    return collective(
+        detail::collective_call::allreduce(in, out, op), stream,
+        [&](request& w, const detail::collective_info& what) {
+          const void* send = w.src.data == w.dst.data ? MPI_IN_PLACE : w.src.data;
+          if (w.direct) {
+            DTRAIN_MPI_CHECK(MPI_Allreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                           mpi_op(op, out.type), comm_),
+                             what);
+          } else {
+            DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                            mpi_op(op, out.type), comm_, &w.req),
+                             what);
+          }
+        });
   }
 
   work broadcast(buffer data, int root, stream_handle stream = nullptr) {
-    const auto what = info("broadcast", data, -1, root);
-    detail::argument_check{what}.root(root, size_);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(data, data, false, stream);
-    if (data.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(
-        MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req),
-        what);
-    return work(w);
+    return collective(
+        detail::collective_call::broadcast(data, root), stream,
+        [&](request& w, const detail::collective_info& what) {
+          if (w.direct) {
+            DTRAIN_MPI_CHECK(
+                MPI_Bcast(w.dst.data, count(data, what), datatype(data.type), root, comm_), what);
+          } else {
+            DTRAIN_MPI_CHECK(
+                MPI_Ibcast(w.dst.data, count(data, what), datatype(data.type), root, comm_, &w.req),
+                what);
+          }
+        });
   }
 
   work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
-    const auto what = info("allgather", in, -1, -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(out, in.count * static_cast<std::size_t>(size_), "output");
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(in, out, false, stream);
-    if (in.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Allgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
-                                     count(in, what), datatype(in.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
-                                    count(in, what), datatype(in.type), comm_, &w->req),
-                     what);
-    return work(w);
+    return collective(detail::collective_call::allgather(in, out), stream,
+                      [&](request& w, const detail::collective_info& what) {
+                        const int n = count(in, what);
+                        if (w.direct) {
+                          DTRAIN_MPI_CHECK(MPI_Allgather(w.src.data, n, datatype(in.type),
+                                                         w.dst.data, n, datatype(in.type), comm_),
+                                           what);
+                        } else {
+                          DTRAIN_MPI_CHECK(
+                              MPI_Iallgather(w.src.data, n, datatype(in.type), w.dst.data, n,
+                                             datatype(in.type), comm_, &w.req),
+                              what);
+                        }
+                      });
   }
 
   work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(in, out.count * static_cast<std::size_t>(size_), "input");
-    check.op_fits(op, in.type);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
-    w->divide_by = op == reduce_op::avg ? size_ : 0;
-    if (out.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(w->src.data, w->dst.data, count(out, what),
-                                                datatype(out.type), mpi_op(op, out.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(
-        MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
-                                  mpi_op(op, out.type), comm_, &w->req),
-        what);
-    return work(w);
+    return collective(
+        detail::collective_call::reduce_scatter(in, out, op), stream,
+        [&](request& w, const detail::collective_info& what) {
+          if (w.direct) {
+            DTRAIN_MPI_CHECK(
+                MPI_Reduce_scatter_block(w.src.data, w.dst.data, count(out, what),
+                                         datatype(out.type), mpi_op(op, out.type), comm_),
+                what);
+          } else {
+            DTRAIN_MPI_CHECK(
+                MPI_Ireduce_scatter_block(w.src.data, w.dst.data, count(out, what),
+                                          datatype(out.type), mpi_op(op, out.type), comm_, &w.req),
+                what);
+          }
+        });
   }
 
   work barrier() {
-    const auto what = info("barrier", buffer{}, -1, -1);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
-    return work(w);
+    return collective(detail::collective_call::barrier(), nullptr,
+                      [&](request& w, const detail::collective_info& what) {
+                        DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w.req), what);
+                      });
   }
 
   /// The ranks with the same color, ordered by key (then by rank). Collective.
@@ -351,8 +325,8 @@ class mpi_communicator {
  private:
   struct health {
     bool broken = false;
-    bool abandoned = false;  // a request was given up while MPI may still progress it
-    std::string why;
+    bool abandoned = false;     // a request was given up while MPI may still progress it
+    detail::failure_cause why;  // the first failure (recorded without allocating)
   };
 
   // How device buffers travel (CUDA builds): the pinned pool, and whether the
@@ -435,7 +409,7 @@ class mpi_communicator {
           fail(std::make_exception_ptr(
               backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
           health_->broken = true;
-          health_->why = description() + " failed";
+          health_->why.set(info(), "failed");
           finished = true;
           return true;
         }
@@ -467,11 +441,12 @@ class mpi_communicator {
     void on_timeout() noexcept override { abandon(); }
 
     // MPI cannot cancel a collective: the communicator is unusable from now on.
+    // Allocates nothing (a timeout hook, and the destructor, call it).
     void abandon() noexcept {
       abandoned = true;
       health_->abandoned = true;
       health_->broken = true;
-      health_->why = description() + " timed out";
+      health_->why.set(info(), "timed out");
     }
 
     MPI_Request req = MPI_REQUEST_NULL;
@@ -508,10 +483,26 @@ class mpi_communicator {
     std::shared_ptr<staging> staging_;
   };
 
-  std::shared_ptr<request> make_request(const detail::collective_info& what, std::int64_t seq) {
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; a broken communicator; the ring's
+  // number (check mode: every rank's signature compared); staging (device
+  // buffers through pinned host memory, and the avg division on completion);
+  // last the engine's call, `submit(request, what)`, unless nothing moves.
+  template <class Submit>
+  work collective(const detail::collective_call& call, stream_handle stream, Submit&& submit) {
+    const detail::collective_info what = call.info(name, rank_, size_);
+    if (!valid()) detail::throw_invalid(detail::describe(what), rank_ < 0);
+    detail::check_arguments(call, what, detail::memory_reach{});
+    usable(what);
+    const std::int64_t seq = verify(what);
     auto w = std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
     w->track(ring_, seq);
-    return w;
+    const bool avg = call.op == static_cast<int>(reduce_op::avg);
+    // avg's division and the 16-bit floats' MPI_Op run on the host.
+    w->stage(call.in, call.out, avg || (call.op >= 0 && !native(call.out.type)), stream);
+    w->divide_by = avg ? size_ : 0;
+    if (call.moves_data()) submit(*w, what);
+    return work(std::move(w));
   }
 
   mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
@@ -547,22 +538,12 @@ class mpi_communicator {
         health_(std::make_shared<health>()),
         staging_(std::make_shared<staging>()) {}
 
-  // Every collective starts here, so a left-out rank fails before any check.
-  detail::collective_info info(std::string_view collective, const buffer& b, int op,
-                               int root) const {
-    detail::collective_info out{
-        collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
-    if (!valid()) detail::throw_invalid(detail::describe(out), rank_ < 0);
-    return out;
-  }
-
-  void usable(const detail::collective_info& what) const {
-    if (health_->broken) usable(detail::describe(what));
-  }
-  void usable(const std::string& what) const {
+  template <class What>
+  void usable(const What& what) const {
     if (health_->broken) {
       throw backend_error(
-          what + ": this MPI communicator is unusable since " + health_->why +
+          detail::what_text(what) + ": this MPI communicator is unusable since " +
+              health_->why.text() +
               " (MPI cannot cancel a collective); end the job, or continue only on other "
               "communicators",
           0);
@@ -631,14 +612,13 @@ class mpi_communicator {
   std::int64_t verify(const detail::collective_info& info) {
     const std::int64_t sequence = detail::record(*ring_, info);
     if (!options_.collectives.check) return sequence;
-    const std::string what = detail::describe(info);
     detail::compare_signatures(
-        detail::signature_of(sequence, info), rank_, size_, what,
+        detail::signature_of(sequence, info), rank_, size_, info,
         [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
           DTRAIN_MPI_CHECK(
               MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
                             static_cast<int>(in.size()), MPI_INT64_T, comm_),
-              what + " (check mode)");
+              detail::describe(info) + " (check mode)");
         });
     return sequence;
   }
@@ -664,23 +644,44 @@ static_assert(communicator<mpi_communicator>);
 
 namespace detail {
 
-/// Broadcasts `value` (a wire-encoded value: launch/protocol.hpp) from `root`
-/// to every rank of `comm`: its length, then its bytes, so no rank guesses a
-/// buffer size. A collective: every rank calls it, whatever it holds.
-inline void mpi_broadcast_value(MPI_Comm comm, int root, std::string& value,
-                                const std::string& what) {
-  std::uint64_t length = value.size();
-  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root, comm), what);
-  if (length > (std::uint64_t{1} << 20)) {
-    throw backend_error(what + ": rank " + std::to_string(root) + " sent a value of " +
-                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
-                        0);
+/// An MPI broadcast from `root` over `comm` as broadcast_or_fail's channel
+/// (rendezvous/broadcast.hpp), usable before any store exists: the message's
+/// length, then its bytes, so no rank guesses a buffer size. Every rank of
+/// `comm` calls it. MPI errors are reported only where `comm` returns them
+/// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
+class mpi_relay {
+ public:
+  explicit mpi_relay(MPI_Comm comm, int root = 0) : comm_(comm), root_(root) {
+    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
+                     "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
   }
-  value.resize(static_cast<std::size_t>(length));
-  if (length > 0) {
-    DTRAIN_MPI_CHECK(MPI_Bcast(value.data(), static_cast<int>(length), MPI_BYTE, root, comm), what);
+
+  void carry(std::string& message, const std::string& what) {
+    std::uint64_t length = message.size();
+    DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
+    if (length > max_length) {
+      throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
+                              std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                          0);
+    }
+    message.resize(static_cast<std::size_t>(length));
+    if (length > 0) {
+      DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
+                       what);
+    }
   }
-}
+  [[nodiscard]] int root() const noexcept { return root_; }
+  [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
+  [[nodiscard]] std::string where() const {
+    return "rank " + std::to_string(root_) + "'s MPI broadcast";
+  }
+
+ private:
+  static constexpr std::uint64_t max_length = std::uint64_t{1} << 20;
+  MPI_Comm comm_;
+  int root_;
+  int rank_ = -1;
+};
 
 }  // namespace detail
 

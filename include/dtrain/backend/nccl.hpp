@@ -7,11 +7,13 @@
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/mpi.hpp>
 #include <dtrain/backend/nccl_engine.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/rendezvous/broadcast.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
 #include <cstdint>
@@ -19,6 +21,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -27,11 +30,31 @@
 #if DTRAIN_HAS_NCCL()
 #include <cuda_runtime.h>
 #include <nccl.h>
-#if DTRAIN_HAS_MPI()
-#include <mpi.h>
-#endif
 
 namespace dtrain {
+
+namespace detail {
+/// An id's bytes as broadcast_or_fail carries them; nccl_unique_id_from reads them back.
+inline std::string nccl_unique_id_text(const ncclUniqueId& id) {
+  return std::string(id.internal, sizeof id.internal);
+}
+/// What creating a communicator is called in its errors.
+inline std::string nccl_creating(int rank, int size, int device) {
+  return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " on CUDA device " + std::to_string(device);
+}
+/// Checks `device` and makes it current, as creating the communicator does
+/// (and with the same errors).
+inline void nccl_claim_device(int rank, int size, int device,
+                              const std::optional<std::string>& visible) {
+  nccl_check_placement(rank, size, device);
+  try {
+    nccl_select_device(device, rank, size, visible);
+  } catch (const backend_error& e) {
+    throw nccl_with_context(nccl_creating(rank, size, device), e);
+  }
+}
+}  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
 ///
@@ -69,19 +92,27 @@ class nccl_communicator {
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
   /// the local rank; it becomes the calling thread's current device). Rank 0
-  /// creates the NCCL unique id and sets it in `store` under
-  /// `options.store_key`; the others get it, waiting as long as the store's
-  /// timeout allows. Then ncclCommInitRankConfig, non-blocking, waited for at
-  /// most `options.init_timeout`.
+  /// selects its device and creates the NCCL unique id, and sets it in `store`
+  /// under `options.store_key` (broadcast_or_fail); the others get it, waiting
+  /// as long as the store's timeout allows. Then ncclCommInitRankConfig,
+  /// non-blocking, waited for at most `options.init_timeout`.
   ///
   /// Throws config_error for a bad rank, size or device; timeout_error (the
   /// store's, or the init's) when a rank does not show up; rendezvous_error
-  /// for a malformed id in the store; backend_error for CUDA and NCCL failures.
+  /// for a malformed id in the store, and on every other rank at once when
+  /// rank 0 cannot select its device or create the id (with rank 0's own
+  /// message); backend_error for CUDA and NCCL failures.
   template <store Store>
   nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
-      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key), rank, size,
-                          device, options) {}
+      // Rank 0 claims its device first: if it has none, nobody waits for its id.
+      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key,
+                                             [&] {
+                                               detail::nccl_claim_device(
+                                                   rank, size, device,
+                                                   options.cuda_visible_devices);
+                                             }),
+                          rank, size, device, options) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
@@ -89,12 +120,9 @@ class nccl_communicator {
   nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
                     nccl_options options = {})
       : rank_(rank), size_(size) {
-    detail::nccl_check_placement(rank, size, device);
-    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) +
-                             " of " + std::to_string(size) + " on CUDA device " +
-                             std::to_string(device);
+    detail::nccl_claim_device(rank, size, device, options.cuda_visible_devices);
+    const std::string what = detail::nccl_creating(rank, size, device);
     try {
-      detail::nccl_select_device(device, rank, size, options.cuda_visible_devices);
       auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
       ncclConfig_t config = s->config();
       try {
@@ -132,19 +160,24 @@ class nccl_communicator {
     return id;
   }
 
-  /// Rank 0 creates an id and sets it under `key`; every other rank gets it
-  /// (the store's timeout applies). Throws config_error for a bad rank,
-  /// rendezvous_error for a value that is not an id, and what the store throws.
-  template <store Store>
+  /// Rank 0 calls `prepare()`, creates an id and sets it under `key`; every
+  /// other rank gets it (the store's timeout applies). When rank 0 fails (in
+  /// `prepare`, or creating the id), it sets its error under `key` instead
+  /// and throws it; every other rank throws rendezvous_error at once, with
+  /// rank 0's message (broadcast_or_fail, rendezvous/broadcast.hpp). Throws
+  /// config_error for a bad rank, rendezvous_error for a value that is not an
+  /// id, and what the store throws.
+  template <store Store, class Prepare = void (*)()>
   [[nodiscard]] static ncclUniqueId exchange_unique_id(
-      Store& store, int rank, int size, std::string_view key = default_nccl_store_key) {
+      Store& store, int rank, int size, std::string_view key = default_nccl_store_key,
+      Prepare&& prepare = [] {}) {
     detail::nccl_check_rank(rank, size);
-    if (rank == 0) {
-      ncclUniqueId id = new_unique_id();
-      store.set(key, std::string_view(id.internal, sizeof id.internal));
-      return id;
-    }
-    return detail::nccl_unique_id_from(store.get(key), key);
+    const std::string value = detail::broadcast_or_fail(
+        detail::store_relay<Store>(store, std::string(key), rank), "the NCCL unique id", [&] {
+          prepare();
+          return detail::nccl_unique_id_text(new_unique_id());
+        });
+    return detail::nccl_unique_id_from(value, key);
   }
 
   /// -1 and 0 for a rank that split() left out (negative color).
@@ -173,75 +206,59 @@ class nccl_communicator {
   void abort() noexcept {
     if (!shared_) return;
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
+    shared_->abort_locked(0, "abort() was called", rank_);
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
   /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("allreduce", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_allreduce({what}, in, out, op);
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce, in.count, in.type,
-                               static_cast<std::int64_t>(op)),
-        in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+    return collective(
+        detail::collective_call::allreduce(in, out, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op, size()), comm, own));
+                                          detail::nccl_op(op, size_), comm, own));
         });
   }
 
   /// `data` on every rank becomes root's.
   work broadcast(buffer data, int root, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("broadcast", "root " + std::to_string(root) + ", " + detail::shape(data));
-    detail::nccl_check_broadcast({what}, data, root, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::broadcast, data.count, data.type, root),
-                  data.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
-                                                    detail::nccl_type(data.type), root, comm, own));
-                  });
+    return collective(
+        detail::collective_call::broadcast(data, root), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
+                                          detail::nccl_type(data.type), root, comm, own));
+        });
   }
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank
   /// order. In place when `in` is this rank's block of `out`.
   work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
-    const std::string what = describe("allgather", detail::shape(in));
-    detail::nccl_check_allgather({what}, in, out, size_);
-    return launch(what, detail::nccl_signature(detail::nccl_kind::allgather, in.count, in.type, 0),
-                  in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
-                                                    detail::nccl_type(in.type), comm, own));
-                  });
+    return collective(detail::collective_call::allgather(in, out), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
+                                                        detail::nccl_type(in.type), comm, own));
+                      });
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_reduce_scatter({what}, in, out, op, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::reduce_scatter, out.count, out.type,
-                                         static_cast<std::int64_t>(op)),
-                  out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
-                                                        detail::nccl_type(out.type),
-                                                        detail::nccl_op(op, size()), comm, own));
-                  });
+    return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
+                                                            detail::nccl_type(out.type),
+                                                            detail::nccl_op(op, size_), comm, own));
+                      });
   }
 
   /// Completes once every rank has reached it (and this rank's earlier
   /// collectives, and its work on `stream` before the call, are done): an
   /// allreduce of one int on the device.
   work barrier(cudaStream_t stream = nullptr) {
-    const std::string what = describe("barrier", "");
-    return launch(what, detail::nccl_signature(detail::nccl_kind::barrier, 0, dtype::int32, 0),
-                  false, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    std::int64_t* word = shared_->barrier_word;
-                    DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
-                  });
+    return collective(
+        detail::collective_call::barrier(), stream, [&](ncclComm_t comm, cudaStream_t own) {
+          std::int64_t* word = shared_->barrier_word;
+          DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+        });
   }
 
   /// Reduces each buffer in place, in one NCCL group (ncclGroupStart/End):
@@ -249,24 +266,15 @@ class nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
-    std::size_t total = 0;
-    for (const buffer& b : buffers) total += b.count;
-    const std::string what = describe(
-        "allreduce_many", std::string(to_string(op)) + ", " + std::to_string(buffers.size()) +
-                              " buffers, " + std::to_string(total) + " elements");
-    detail::nccl_check_many({what}, buffers, op);
-    const dtype first = buffers.empty() ? dtype::float32 : buffers.front().type;
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce_many, total, first,
-                               static_cast<std::int64_t>(op)),
-        total == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+    return collective(
+        detail::collective_call::allreduce_many(buffers, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclGroupStart());
           try {
             for (const buffer& b : buffers) {
               if (b.count == 0) continue;
               DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op, size()), comm, own));
+                                              detail::nccl_op(op, size_), comm, own));
             }
           } catch (...) {
             (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
@@ -279,7 +287,7 @@ class nccl_communicator {
   /// Makes `stream` wait, on the device and without blocking the host, for
   /// every collective enqueued on this communicator so far.
   void stream_wait(cudaStream_t stream) {
-    const std::string what = describe("stream_wait", "");
+    const auto what = [this] { return describe("stream_wait", ""); };  // on failure only
     detail::nccl_shared& s = usable(what);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
@@ -289,7 +297,7 @@ class nccl_communicator {
       DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
       DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
     } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      throw detail::nccl_with_context(what(), e);
     }
   }
 
@@ -306,8 +314,9 @@ class nccl_communicator {
     s.throw_if_aborted(what);
     // Numbered in the ring like any collective (as Gloo's split), so that check
     // mode and the desync table name it alike.
-    detail::signature sig = detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0);
-    sig.seq = record(sig);
+    const detail::collective_info call{
+        "split", name, rank_, size_, 0, static_cast<std::uint8_t>(dtype::int32), -1, -1};
+    const detail::signature sig = detail::signature_of(detail::record(*ring_, call), call);
     auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
     try {
       detail::device_guard guard(s.device);
@@ -362,17 +371,21 @@ class nccl_communicator {
     return detail::describe(what, args, rank_, size_, name);
   }
 
-  detail::nccl_shared& usable(const std::string& what) const {
+  // A left-out (or moved-from) communicator fails here, before anything else.
+  template <class What>
+  detail::nccl_shared& usable(const What& what) const {
     if (shared_) return *shared_;
-    detail::throw_invalid(what, rank_ < 0);
+    detail::throw_invalid(detail::what_text(what), rank_ < 0);
   }
 
   // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
   // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
   // The host waits for it (at most the collective timeout).
-  void check_signature(detail::nccl_shared& s, const detail::signature& mine,
-                       const std::string& what) {
-    const std::string checking = "checking what every rank passed to " + what;
+  template <class What>
+  void check_signature(detail::nccl_shared& s, const detail::signature& mine, const What& what) {
+    const auto checking = [&] {
+      return "checking what every rank passed to " + detail::what_text(what);
+    };
     detail::compare_signatures(
         mine, s.rank, s.size, what,
         [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
@@ -398,30 +411,34 @@ class nccl_communicator {
                    [&] { return detail::nccl_event_done(done.get()); });
             std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
           } catch (const backend_error& e) {
-            throw detail::nccl_with_context(checking, e);
+            throw detail::nccl_with_context(checking(), e);
           }
         });
   }
 
-  // Orders the collective after `caller`, enqueues it on the own stream, and
-  // returns a work that polls its completion event.
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; an aborted communicator; the ring's
+  // number (check mode: every rank's signature compared); the stream order
+  // (the own stream waits for what `caller` holds now); last the engine's
+  // call, `enqueue(comm, own stream)`, and the event the work polls. Nothing
+  // is built into words here: `what` describes the call on failure only.
   template <class Enqueue>
-  work launch(const std::string& what, const detail::signature& sig, bool empty,
-              cudaStream_t caller, Enqueue&& enqueue) {
+  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
+    const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared& s = usable(what);
+    detail::check_arguments(call, what, detail::nccl_memory);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
-    const std::int64_t seq = record(sig);
-    detail::signature numbered = sig;
-    numbered.seq = seq;
-    if (empty && !s.options.collectives.check) {
+    const std::int64_t seq = detail::record(*ring_, what);
+    const bool moves = call.moves_data();
+    if (!moves && !s.options.collectives.check) {
       ring_->settle(seq, detail::call_state::completed);
       return work();  // nothing to move, nothing to order
     }
     try {
       detail::device_guard guard(s.device);
-      if (s.options.collectives.check) check_signature(s, numbered, what);
-      if (empty) {
+      if (s.options.collectives.check) check_signature(s, detail::signature_of(seq, what), what);
+      if (!moves) {
         ring_->settle(seq, detail::call_state::completed);
         return work();
       }
@@ -441,18 +458,8 @@ class nccl_communicator {
       w->track(ring_, seq);
       return work(std::move(w));
     } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      throw detail::nccl_with_context(detail::describe(what), e);
     }
-  }
-
-  // Numbers this communicator's collectives in its ring (desync diagnostics)
-  // from a signature; returns its sequence number.
-  std::int64_t record(const detail::signature& sig) {
-    const auto kind = static_cast<std::size_t>(sig.kind);
-    return ring_->issue(
-        kind < std::size(detail::collective_kinds) ? detail::collective_kinds[kind] : "?",
-        static_cast<dtype>(sig.type), static_cast<std::size_t>(sig.count), static_cast<int>(sig.op),
-        static_cast<int>(sig.root));
   }
 
   std::shared_ptr<detail::nccl_shared> shared_;
@@ -466,47 +473,16 @@ static_assert(communicator<nccl_communicator>);
 #if DTRAIN_HAS_MPI()
 /// Rank `root` of `comm` creates an NCCL unique id and MPI_Bcasts it to every
 /// rank of `comm` (collective; returns the same id everywhere), for jobs
-/// started by mpirun that have no store. If the root cannot create an id,
-/// every rank throws backend_error rather than waiting. MPI errors are checked
-/// only if `comm` returns them (MPI_ERRORS_RETURN).
+/// started by mpirun that have no store. If the root cannot create an id, it
+/// throws its own error and every other rank throws rendezvous_error with
+/// the root's message, rather than waiting (broadcast_or_fail). MPI errors
+/// are checked only if `comm` returns them (MPI_ERRORS_RETURN).
 inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
-  auto check = [](int rc, const char* call) {
-    if (rc == MPI_SUCCESS) return;
-    char text[MPI_MAX_ERROR_STRING] = {};
-    int length = 0;
-    if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
-    throw backend_error(std::string("MPI call `") + call +
-                            "` failed while sharing the NCCL unique id: " +
-                            std::string(text, static_cast<std::size_t>(length)) + " (MPI error " +
-                            std::to_string(rc) + ")",
-                        rc);
-  };
-  int rank = -1;
-  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank(comm, &rank)");
-  // A status byte ahead of the id: a root that failed tells the others so.
-  unsigned char message[1 + sizeof(ncclUniqueId)] = {};
-  std::exception_ptr failure;
-  if (rank == root) {
-    try {
-      const ncclUniqueId id = nccl_communicator::new_unique_id();
-      message[0] = 1;
-      std::memcpy(message + 1, &id, sizeof id);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  check(MPI_Bcast(message, static_cast<int>(sizeof message), MPI_BYTE, root, comm),
-        "MPI_Bcast(message, 129, MPI_BYTE, root, comm)");
-  if (failure) std::rethrow_exception(failure);
-  if (message[0] != 1) {
-    throw backend_error("rank " + std::to_string(root) +
-                            " could not create the NCCL unique id (its own error says why); rank " +
-                            std::to_string(rank) + " cannot create its communicator",
-                        0);
-  }
-  ncclUniqueId id{};
-  std::memcpy(&id, message + 1, sizeof id);
-  return id;
+  detail::mpi_relay relay(comm, root);
+  const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
+    return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
+  });
+  return detail::nccl_unique_id_from(value, relay.where());
 }
 #endif  // DTRAIN_HAS_MPI()
 

@@ -1,7 +1,7 @@
 #pragma once
 /// @file
 /// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
-/// mapping of dtrain's types and ops onto NCCL's, the argument checks, and the
+/// mapping of dtrain's types and ops onto NCCL's, where it finds buffers, and the
 /// state a communicator shares with its work handles (the NCCL communicator,
 /// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
 /// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
@@ -146,30 +146,6 @@ namespace dtrain::detail {
   return ncclSum;
 }
 
-/// The collectives of nccl_communicator, numbered as collective_kinds.
-enum class nccl_kind : std::int64_t {
-  allreduce = 1,
-  broadcast,
-  allgather,
-  reduce_scatter,
-  barrier,
-  allreduce_many,
-  split
-};
-
-/// A call's signature before the ring numbers it (launch() sets `seq`).
-[[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
-                                              std::int64_t op_or_root) noexcept {
-  const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
-                       kind == nccl_kind::allreduce_many;
-  return {.seq = 0,
-          .kind = static_cast<std::int64_t>(kind),
-          .count = static_cast<std::int64_t>(count),
-          .type = static_cast<std::int64_t>(type),
-          .op = reduces ? op_or_root : -1,
-          .root = kind == nccl_kind::broadcast ? op_or_root : -1};
-}
-
 /// Prefixes an engine error with the operation it interrupted (once).
 [[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
                                                      const backend_error& e) {
@@ -177,7 +153,7 @@ enum class nccl_kind : std::int64_t {
   return backend_error(what + ": " + e.what(), e.engine_code());
 }
 
-// Argument checks: what one rank can check alone, before any CUDA or NCCL call.
+// What a new communicator's rank, size and device must be, before any CUDA or NCCL call.
 
 inline void nccl_check_rank(int rank, int size) {
   if (size < 1)
@@ -196,59 +172,13 @@ inline void nccl_check_placement(int rank, int size, int device) {
   }
 }
 
-inline void nccl_check_device(const argument_check& check, const buffer& b,
-                              std::string_view which) {
-  if (b.where != memory::device) {
-    check.fail(
-        std::string(which) +
-        " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
-        "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
-  }
-  if (b.data == nullptr && b.count > 0) {
-    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
-               " elements");
-  }
-}
-
-inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
-                                 reduce_op op) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(out, in.count, "output");
-  check.op_fits(op, in.type);
-}
-
-inline void nccl_check_broadcast(const argument_check& check, const buffer& data, int root,
-                                 int size) {
-  nccl_check_device(check, data, "data");
-  check.root(root, size);
-}
-
-inline void nccl_check_allgather(const argument_check& check, const buffer& in, const buffer& out,
-                                 int size) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(out, in.count * static_cast<std::size_t>(size), "output");
-}
-
-inline void nccl_check_reduce_scatter(const argument_check& check, const buffer& in,
-                                      const buffer& out, reduce_op op, int size) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(in, out.count * static_cast<std::size_t>(size), "input");
-  check.op_fits(op, out.type);
-}
-
-inline void nccl_check_many(const argument_check& check, std::span<const buffer> buffers,
-                            reduce_op op) {
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    nccl_check_device(check, buffers[i], "buffer " + std::to_string(i));
-    check.op_fits(op, buffers[i].type);
-  }
-}
+/// Where NCCL's collectives find their buffers (check_arguments).
+inline constexpr memory_reach nccl_memory{
+    .host = false,
+    .device = true,
+    .rule =
+        "NCCL reduces device memory only: pass GPU memory (device_span, or a buffer with where "
+        "= memory::device), or reduce host data with the mpi or gloo backend"};
 
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
 [[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
@@ -340,7 +270,7 @@ struct nccl_shared {
   /// so an abort never waits for the wait it is meant to end.
   std::atomic<bool> abort_requested{false};
   bool aborted = false;
-  std::string abort_reason;
+  failure_cause abort_reason;  // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
 
   nccl_shared() = default;
@@ -385,17 +315,22 @@ struct nccl_shared {
     return r != ncclSuccess ? r : state;
   }
 
-  void throw_if_aborted(const std::string& what) const {
+  template <class What>
+  void throw_if_aborted(const What& what) const {
     if (aborted) {
       throw backend_error(
-          what + ": the communicator was aborted earlier (" + abort_reason +
+          what_text(what) + ": the communicator was aborted earlier (" + abort_reason.text() +
               "); its collectives cannot run any more: create a new communicator (restart the job)",
           abort_code);
     }
   }
 
-  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
-  void abort_locked(std::string why, int code) noexcept {
+  /// ncclCommAbort, once; later calls see `aborted`, `abort_code` and the
+  /// first reason, `why`: what failure_cause::set takes (a text moved in, a
+  /// collective and how it ended, what was done on which rank). Allocates
+  /// nothing, as abort() and the timeout hook need. Call with `mutex` held.
+  template <class... Why>
+  void abort_locked(int code, Why&&... why) noexcept {
     if (comm) {
       device_guard guard(device, std::nothrow);
       (void)ncclCommAbort(comm);
@@ -404,10 +339,7 @@ struct nccl_shared {
     if (!aborted) {
       aborted = true;
       abort_code = code;
-      try {
-        abort_reason = std::move(why);
-      } catch (...) {
-      }
+      abort_reason.set(std::forward<Why>(why)...);
     }
   }
 
@@ -415,28 +347,30 @@ struct nccl_shared {
   /// NCCL error aborts and throws backend_error; running past `limit` aborts
   /// and throws timeout_error, with `hint` for the person reading it. Call
   /// with `mutex` held (or before anyone else can see this state).
-  template <class Finished>
-  void wait(const std::string& what, std::chrono::milliseconds limit, std::string_view hint,
+  /// `what` names the operation (what_text()), put into words only on failure.
+  template <class What, class Finished>
+  void wait(const What& what, std::chrono::milliseconds limit, std::string_view hint,
             Finished&& finished) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     nccl_backoff pause;
     for (;;) {
       throw_if_aborted(what);
       if (abort_requested.load(std::memory_order_acquire)) {
-        std::string why = what + " was interrupted: another thread aborted the communicator";
-        abort_locked(why, 0);
+        std::string why =
+            what_text(what) + " was interrupted: another thread aborted the communicator";
+        abort_locked(0, std::string(why));
         throw backend_error(why, 0);
       }
       const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
-        std::string why = what + " failed: NCCL reports " + async_text(state);
-        abort_locked(why, static_cast<int>(state));
+        std::string why = what_text(what) + " failed: NCCL reports " + async_text(state);
+        abort_locked(static_cast<int>(state), std::string(why));
         throw backend_error(why, static_cast<int>(state));
       }
       if (state == ncclSuccess && finished()) return;
       if (std::chrono::steady_clock::now() >= deadline) {
-        std::string why = what + " did not finish within " + nccl_seconds(limit);
-        abort_locked(why, 0);
+        std::string why = what_text(what) + " did not finish within " + nccl_seconds(limit);
+        abort_locked(0, std::string(why));
         throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
       }
       pause();
@@ -450,28 +384,28 @@ struct nccl_shared {
     return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
   }
 
-  /// A completion event from the pool (created on the current device when the pool is empty).
+  /// A completion event from the pool (created on the current device when the
+  /// pool is empty). The pool makes room for every event it hands out, so that
+  /// release_event() never allocates.
   [[nodiscard]] cudaEvent_t acquire_event() {
-    {
-      std::lock_guard lock(events_mutex_);
-      if (!free_events_.empty()) {
-        cudaEvent_t e = free_events_.back();
-        free_events_.pop_back();
-        return e;
-      }
+    std::lock_guard lock(events_mutex_);
+    if (!free_events_.empty()) {
+      cudaEvent_t e = free_events_.back();
+      free_events_.pop_back();
+      return e;
     }
-    return cuda_event::create().release();
+    free_events_.reserve(events_made_ + 1);
+    cudaEvent_t e = cuda_event::create().release();
+    ++events_made_;
+    return e;
   }
 
   /// Returns an event to the pool. A stream that waited on it keeps the point
-  /// it waited for, so it can be recorded again at once.
+  /// it waited for, so it can be recorded again at once. Allocates nothing:
+  /// the pool holds at most the events made, and has room for them all.
   void release_event(cudaEvent_t e) noexcept {
-    try {
-      std::lock_guard lock(events_mutex_);
-      free_events_.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
+    std::lock_guard lock(events_mutex_);
+    free_events_.push_back(e);
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
@@ -536,7 +470,8 @@ struct nccl_shared {
 
   std::int64_t* host_table_ = nullptr;
   std::mutex events_mutex_;
-  std::vector<cudaEvent_t> free_events_;
+  std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
+  std::size_t events_made_ = 0;
 };
 
 /// An event from the pool for one scope (or released to a work).
@@ -562,9 +497,9 @@ class nccl_pooled_event {
 /// NCCL asks) or the communicator was aborted.
 class nccl_work final : public work_state {
  public:
-  nccl_work(std::string what, std::chrono::milliseconds timeout,
+  nccl_work(const collective_info& what, std::chrono::milliseconds timeout,
             std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
-      : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
+      : work_state(what, timeout), shared_(std::move(shared)), done_(done) {}
   ~nccl_work() override { shared_->release_event(done_); }
 
   // Runs on any thread that waits (the watchdog's included): the CUDA calls
@@ -575,14 +510,14 @@ class nccl_work final : public work_state {
     if (shared_->aborted) {
       fail(std::make_exception_ptr(
           backend_error(description() + " did not complete: the communicator was aborted (" +
-                            shared_->abort_reason + ")",
+                            shared_->abort_reason.text() + ")",
                         shared_->abort_code)));
       return true;
     }
     const ncclResult_t state = shared_->async_state();
     if (state != ncclSuccess && state != ncclInProgress) {
       std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
-      shared_->abort_locked(why, static_cast<int>(state));
+      shared_->abort_locked(static_cast<int>(state), std::string(why));
       fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
       return true;
     }
@@ -603,7 +538,7 @@ class nccl_work final : public work_state {
   void on_timeout() noexcept override {
     shared_->abort_requested.store(true, std::memory_order_release);
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(description() + " timed out", 0);
+    shared_->abort_locked(0, info(), "timed out");
   }
 
  private:

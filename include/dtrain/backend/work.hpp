@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 namespace dtrain {
@@ -79,6 +80,80 @@ inline std::string describe(const collective_info& info) {
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
 
+// What a failure was about, put into words only when a message needs it: a
+// text, a collective (described from its fields), or a function that says it.
+inline std::string what_text(const std::string& text) { return text; }
+inline std::string what_text(const char* text) { return text; }
+inline std::string what_text(const collective_info& info) { return describe(info); }
+template <class Describe>
+requires std::is_invocable_r_v<std::string, const Describe&>
+inline std::string what_text(const Describe& describe_it) { return describe_it(); }
+
+/// The message of an exception, whatever its type.
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// Why a communicator can no longer be used: its first failure. Recorded
+/// without allocating, since the hooks that record it (a timeout's, abort())
+/// are noexcept, and put into words only when a later call reports it. The
+/// owner guards it (one communicator's lock).
+class failure_cause {
+ public:
+  /// A failure that carries its message: an exception, or a text (built by
+  /// the caller, where allocating may throw; moving it in does not allocate).
+  void set(std::exception_ptr error) noexcept {
+    if (!*this) error_ = std::move(error);
+  }
+  void set(std::string&& text) noexcept {
+    if (!*this) {
+      text_ = std::move(text);
+      has_text_ = true;
+    }
+  }
+  /// Collective `call` ended as `how` (a string literal) says: "timed out".
+  void set(const collective_info& call, const char* how) noexcept {
+    if (!*this) {
+      call_ = call;
+      how_ = how;
+    }
+  }
+  /// `what` (a string literal) happened on `rank`: "abort() was called" on rank 1.
+  void set(const char* what, int rank) noexcept {
+    if (!*this) {
+      call_ = collective_info{};
+      call_.rank = rank;
+      how_ = what;
+    }
+  }
+  [[nodiscard]] explicit operator bool() const noexcept {
+    return error_ || has_text_ || how_ != nullptr;
+  }
+  /// "allreduce(sum, 4 x float32) on rank 0 of 2 (mpi) timed out", the
+  /// failure's message, or "abort() was called on rank 1"; empty when none.
+  [[nodiscard]] std::string text() const {
+    if (error_) return message_of(error_);
+    if (has_text_) return text_;
+    if (how_ == nullptr) return {};
+    if (call_.collective.empty())
+      return std::string(how_) + " on rank " + std::to_string(call_.rank);
+    return describe(call_) + " " + how_;
+  }
+
+ private:
+  std::exception_ptr error_;
+  std::string text_;
+  bool has_text_ = false;
+  collective_info call_{};
+  const char* how_ = nullptr;
+};
+
 /// How a thread waits for work that others (a device, an engine's thread, a
 /// peer) finish: spins first (a collective often ends within microseconds),
 /// then yields, then sleeps: 20 us at first (an engine that progresses only
@@ -131,6 +206,8 @@ class work_state {
   virtual void on_timeout() noexcept {}
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
+  /// The collective's fields (empty for work described by a text).
+  [[nodiscard]] const collective_info& info() const noexcept { return info_; }
   [[nodiscard]] const std::string& description() const {
     if (description_.empty()) description_ = describe(info_);
     return description_;

@@ -147,4 +147,30 @@ inline std::string decode_text(std::string_view where, std::string_view value,
                       [](reader& r) { return std::string(r.bytes32("the text")); });
 }
 
+/// A value that one rank produced for every rank, or why it could not
+/// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
+/// bytes32, or u8 0 and the producer's error message as bytes32.
+struct outcome {
+  bool ok = true;
+  std::string text;  ///< ok: the value; else the producer's error message
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    writer(out).u8(ok ? 1 : 0).bytes32(text);
+    return out;
+  }
+  /// `where` and `what` name the value in the error when it is not an outcome.
+  [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
+                                      std::string_view what) {
+    return decode_value(where, value, what, [](reader& r) {
+      outcome o;
+      const std::uint8_t flag = r.u8("the ok flag");
+      if (flag > 1) throw violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
+      o.ok = flag == 1;
+      o.text = std::string(r.bytes32(o.ok ? "the value" : "the producer's error"));
+      return o;
+    });
+  }
+};
+
 }  // namespace dtrain::detail::wire

@@ -23,7 +23,10 @@
 ///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
 ///   worker keys (under context.hpp's job_store_prefix)
 ///     world/<rank>                  rank_report (env/placement.hpp)
+///     world/joined                  counter: ranks whose report is set
+///     world/joined/all              i64 1, once every rank has joined
 ///     world/placement               placement table (env/placement.hpp)
+///     nccl/unique_id                outcome: the NCCL unique id (nccl_options::store_key)
 ///     finished                      counter
 ///     finished/all                  i64 1, once every rank is done
 ///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
@@ -32,11 +35,17 @@
 ///     <n>/reason                    bytes32
 ///     <n>/ring/<rank>               rings (backend/desync.hpp)
 ///     <n>/closed                    i64 1
-///   MPI broadcasts from rank 0 (before any store)
-///     the store token               bytes32
-///     the store's address           ok u8 1, host bytes32, port i64; or u8 0, error bytes32
+///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
+///     the store token               outcome: the token's bytes
+///     the store's address           outcome: store_address (host bytes32, port i64)
+///
+/// An "outcome" (wire::outcome, detail/wire.hpp) is what broadcast_or_fail
+/// sends (rendezvous/broadcast.hpp): u8 1 and the value as bytes32, or u8 0
+/// and rank 0's error as bytes32, so that every rank fails at once with rank
+/// 0's message when rank 0 cannot produce the value.
 
 #include <dtrain/detail/wire.hpp>
+#include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
@@ -77,6 +86,8 @@ struct agent_keys {
 /// The workers' keys under the job prefix (see the table above).
 struct job_keys {
   static std::string report(int rank) { return std::string("world/").append(std::to_string(rank)); }
+  static constexpr std::string_view joined = "world/joined";
+  static constexpr std::string_view joined_all = "world/joined/all";
   static constexpr std::string_view placement = "world/placement";
   static constexpr std::string_view finished = "finished";
   static constexpr std::string_view finished_all = "finished/all";
@@ -246,50 +257,21 @@ inline int decode_port(const std::string& key, std::string_view value) {
   });
 }
 
-/// Where rank 0 serves the store, as it tells the other ranks over MPI when
-/// no MASTER_ADDR does; or why it could not start it.
+/// Where rank 0 serves the store, as it tells the other ranks through the
+/// backend's pre-store channel when no MASTER_ADDR does (inside an outcome).
 struct store_address {
-  bool ok = true;
-  std::string host;     ///< ok: rank 0's host name
-  int port = 0;         ///< ok: the port it listens on
-  std::string failure;  ///< !ok: rank 0's error
-
-  static store_address serving(std::string host, int port) {
-    store_address a;
-    a.host = std::move(host);
-    a.port = port;
-    return a;
-  }
-  static store_address failed(std::string why) {
-    store_address a;
-    a.ok = false;
-    a.failure = std::move(why);
-    return a;
-  }
+  std::string host;  ///< rank 0's host name
+  int port = 0;      ///< the port it listens on
 
   [[nodiscard]] std::string encode() const {
     std::string out;
-    wire::writer w(out);
-    w.u8(ok ? 1 : 0);
-    if (ok) {
-      w.bytes32(host).i64(port);
-    } else {
-      w.bytes32(failure);
-    }
+    wire::writer(out).bytes32(host).i64(port);
     return out;
   }
   [[nodiscard]] static store_address decode(std::string_view value) {
     return wire::decode_value(
         "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
           store_address a;
-          const std::uint8_t flag = r.u8("the ok flag");
-          if (flag > 1)
-            throw wire::violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
-          a.ok = flag == 1;
-          if (!a.ok) {
-            a.failure = r.bytes32("rank 0's error");
-            return a;
-          }
           a.host = r.bytes32("the host name");
           const std::int64_t number = r.i64("the port");
           if (number < 1 || number > 65535) {
@@ -300,6 +282,13 @@ struct store_address {
         });
   }
 };
+
+/// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
+inline std::string rank_label(const world* w) {
+  if (w == nullptr || !w->rank) return "[rank ?]";
+  return "[rank " + std::to_string(*w->rank) + "/" +
+         (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
+}
 
 /// How one worker is named in failure messages, by its agent and by itself.
 inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {

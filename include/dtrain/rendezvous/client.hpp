@@ -32,23 +32,26 @@ namespace dtrain {
 /// A connection to a store_server. Every blocking call has a timeout: the
 /// options' `timeout` unless the call takes one. Throws timeout_error when it
 /// expires (naming what it waited for and how long), rendezvous_error when the
-/// server cannot be reached, refuses the client, or goes away, and
-/// config_error at once when its host name does not resolve (a temporary
-/// resolver failure, EAI_AGAIN, is retried for 5 s first).
+/// server cannot be reached, refuses the client, or goes away (token_error
+/// when it refuses the client's token), and config_error at once when its
+/// host name does not resolve (a temporary resolver failure, EAI_AGAIN, is
+/// retried for 5 s first).
 ///
 /// Thread-safe, but requests on one client run one at a time: a thread blocked
 /// in get / wait / barrier holds the connection, so a thread that must set the
-/// awaited key meanwhile needs a store_client of its own. After a timeout or a
-/// lost connection the client is unusable (the reply stream cannot be trusted);
-/// make a new one. The one exception: a connection the server closed because
-/// it was idle (store_options::idle_timeout) is reopened, once, by the next
-/// request; the server closes only connections with no request in flight.
+/// awaited key meanwhile needs a store_client of its own. A get or wait that
+/// the server ends at its timeout leaves the client usable; after a reply that
+/// never came or a lost connection it is not (the reply stream cannot be
+/// trusted): make a new one. The one exception: a connection the server closed
+/// because it was idle (store_options::idle_timeout) is reopened, once, by the
+/// next request; the server closes only connections with no request in flight.
 class store_client {
  public:
   using milliseconds = std::chrono::milliseconds;
 
   /// Connects to host:port, retrying with backoff until `options.timeout`:
-  /// workers often start before the server does.
+  /// workers often start before the server does. While it retries it says so
+  /// every `options.progress_interval` (options.progress).
   store_client(std::string host, int port, store_options options = {})
       : host_(std::move(host)), port_(port), options_(std::move(options)) {
     connect();
@@ -203,7 +206,9 @@ class store_client {
     std::string last_error;
     // A name the resolver does not know will not appear by waiting: fail at
     // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
-    const auto resolve_deadline = std::min(deadline, steady::now() + resolver_retry);
+    const auto start = steady::now();
+    const auto resolve_deadline = std::min(deadline, start + resolver_retry);
+    auto next_report = start + options_.progress_interval;
     for (;;) {
       int resolver_rc = 0;
       last_error = try_connect(deadline, resolver_rc);
@@ -215,12 +220,22 @@ class store_client {
       // A server at its connection cap closes newcomers unanswered: knock again.
       if (last_error.empty()) last_error = try_handshake(deadline);
       if (last_error.empty()) return;
-      auto left = deadline - steady::now();
+      const auto now = steady::now();
+      auto left = deadline - now;
       if (left <= steady::duration::zero()) {
         throw timeout_error("could not reach the store at " + endpoint() + " within " +
                             seconds(patience) + " (last error: " + last_error +
-                            "); is the process hosting it (rank 0 or the node-0 agent) running, "
-                            "and is MASTER_ADDR:MASTER_PORT right?");
+                            "); check that the process hosting it (rank 0, or the node-0 agent) "
+                            "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
+                            "rank, and that no firewall blocks the port");
+      }
+      if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
+        detail::say(
+            options_.progress,
+            "still trying to connect to the store at " + endpoint() + " (" +
+                detail::whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
+                " of " + detail::whole_seconds(patience) + "; last error: " + last_error + ")");
+        next_report = now + options_.progress_interval;
       }
       // Jittered exponential backoff, so a thousand workers do not knock in step.
       auto pause =
@@ -306,9 +321,9 @@ class store_client {
     refused_ = s != detail::wire::status::ok;
     if (s == detail::wire::status::bad_token) {
       broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() +
-                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                             "token option) on every rank");
+      throw token_error("the store at " + endpoint() +
+                        " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                        "token option) on every rank");
     }
     if (s == detail::wire::status::bad_version) {
       broken_ = true;

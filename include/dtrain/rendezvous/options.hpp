@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <optional>
 #include <string>
@@ -31,6 +32,11 @@ inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
 /// handshake, unless it is in a get / wait it asked for. A client reconnects
 /// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
 inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
+
+/// How often a rank that waits at rendezvous says so: a client still trying
+/// to connect, and rank 0 waiting for the others to join (who has, who has
+/// not). Environment: DTRAIN_RENDEZVOUS_PROGRESS (seconds).
+inline constexpr std::chrono::milliseconds default_rendezvous_progress_interval{5'000};
 
 /// Wire and resource limits, checked before anything is allocated. The
 /// defaults fit a 10,000-rank job (two connections per rank, one per agent,
@@ -85,9 +91,16 @@ struct store_options {
   /// Server: where it reports closed connections and their reasons. Empty:
   /// one line on stderr each.
   std::function<void(std::string_view)> log{};
+  /// Client and rendezvous: how often a wait that is still going on is
+  /// reported; zero (or less) reports nothing.
+  std::chrono::milliseconds progress_interval = default_rendezvous_progress_interval;
+  /// Client and rendezvous: where such a report goes ("still trying to connect
+  /// to the store at HOST:PORT ..."). Empty: one line on stderr, `dtrain: <text>`.
+  std::function<void(std::string_view)> progress{};
 
-  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT and
-  /// DTRAIN_STORE_TOKEN from `env` applied on top: the environment wins, as
+  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT,
+  /// DTRAIN_RENDEZVOUS_PROGRESS and DTRAIN_STORE_TOKEN from `env` applied on
+  /// top (and the other DTRAIN_STORE_* limits): the environment wins, as
   /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
   /// config_error naming the variable on a malformed value.
   [[nodiscard]] store_options with_env(const environment& env) const {
@@ -95,6 +108,9 @@ struct store_options {
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
     if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
+    if (auto t = detail::read_seconds(env, "DTRAIN_RENDEZVOUS_PROGRESS")) {
+      out.progress_interval = *t;
+    }
     if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
       if (n->value < 1) throw config_error(n->origin + " must be at least 1");
       out.limits.max_connections = static_cast<std::uint32_t>(n->value);
@@ -111,5 +127,24 @@ struct store_options {
     return out;
   }
 };
+
+namespace detail {
+
+/// A duration in whole seconds, as progress reports count them: "12 s".
+inline std::string whole_seconds(std::chrono::milliseconds t) {
+  return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(t).count()) + " s";
+}
+
+/// Hands a progress report to `sink` (store_options::progress), or prints it
+/// on stderr as `dtrain: <text>` when there is none.
+inline void say(const std::function<void(std::string_view)>& sink, const std::string& text) {
+  if (sink) {
+    sink(text);
+  } else {
+    std::fprintf(stderr, "dtrain: %s\n", text.c_str());
+  }
+}
+
+}  // namespace detail
 
 }  // namespace dtrain

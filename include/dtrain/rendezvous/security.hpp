@@ -7,6 +7,8 @@
 #include <dtrain/detail/net.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/rendezvous/client.hpp>
+#include <dtrain/rendezvous/options.hpp>
 
 #include <cerrno>
 #include <chrono>
@@ -143,6 +145,36 @@ class token_file {
   std::string path_;
   bool published_ = false;
 };
+
+/// Connects `client` to the store at host:port with the token in `file`,
+/// reading the file again while the store refuses it (token_error: a file
+/// left by an earlier job on the same port, which rank 0 has not replaced
+/// yet, or no file yet), within `options.timeout`; then `options.token` is
+/// the accepted token. Other failures are thrown as they come. Throws
+/// timeout_error naming the file when no valid token appears in time.
+inline void connect_with_token_file(std::optional<store_client>& client, const token_file& file,
+                                    const std::string& host, int port, store_options& options,
+                                    int rank) {
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  for (;;) {
+    if (auto token = file.read()) {
+      options.token = *token;
+      try {
+        client.emplace(host, port, options);
+        return;
+      } catch (const token_error&) {
+        // A stale file: read it again.
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw timeout_error("rank " + std::to_string(rank) + " found no valid store token in " +
+                          file.path() +
+                          " within the store timeout; is rank 0 running "
+                          "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
 
 }  // namespace detail
 }  // namespace dtrain

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -25,28 +26,32 @@
 namespace dtrain::detail {
 
 /// Bytes that connections may hold at once. A connection that cannot take
-/// what it needs waits (see server's reserve()); give_back wakes the waiters.
+/// what it needs waits (server_connection::reserve); give_back wakes the waiters.
 class byte_budget {
  public:
   explicit byte_budget(std::uint64_t cap) : cap_(cap) {}
 
   [[nodiscard]] bool try_take(std::uint64_t n) {
-    if (n > cap_ - used_) return false;
-    used_ += n;
+    const std::uint64_t used = used_.load();
+    if (n > cap_ - used) return false;
+    used_.store(used + n);
     return true;
   }
   void give_back(reactor& r, std::uint64_t n) {
-    used_ -= std::min(n, used_);
+    const std::uint64_t used = used_.load();
+    used_.store(used - std::min(n, used));
     for (wait_slot* s : waiters_) r.wake_up(*s);
   }
   void wait_here(wait_slot& s) { waiters_.push_back(&s); }
   void stop_waiting(wait_slot& s) { std::erase(waiters_, &s); }
   [[nodiscard]] std::uint64_t cap() const noexcept { return cap_; }
-  [[nodiscard]] std::uint64_t used() const noexcept { return used_; }
+  /// Bytes held now. Unlike the rest, callable from any thread (for stats()).
+  [[nodiscard]] std::uint64_t used() const noexcept { return used_.load(); }
 
  private:
   std::uint64_t cap_;
-  std::uint64_t used_ = 0;
+  // Changed on the reactor thread only; atomic so that stats() can read it from others.
+  std::atomic<std::uint64_t> used_{0};
   std::deque<wait_slot*> waiters_;
 };
 
@@ -95,6 +100,7 @@ enum class rejection : std::uint8_t {
   handshake,  ///< wrong token, version or magic, or too slow
   protocol,   ///< a malformed or oversized request
   idle,
+  broken,  ///< a client's connection broke (a reset) while it waited
   count_
 };
 
@@ -105,6 +111,7 @@ inline const char* describe(rejection r) {
     case rejection::handshake: return "failed handshake";
     case rejection::protocol: return "protocol violation";
     case rejection::idle: return "idle";
+    case rejection::broken: return "broken while waiting";
     case rejection::count_: break;
   }
   return "?";

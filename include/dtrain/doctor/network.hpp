@@ -5,7 +5,8 @@
 /// (sysfs class/infiniband), NVIDIA GPUs on the PCI bus (sysfs bus/pci) and
 /// the driver's version, read under a sysfs root that tests replace with a
 /// tree of their own; and which interface Gloo, NCCL and Open MPI would use,
-/// by each engine's own rules and variables. dtrain_doctor prints it.
+/// by each engine's own rules and variables. dtrain_doctor prints it; the
+/// engines do not read it (dtrain.hpp does not include it).
 
 #include <dtrain/backend/gloo_store.hpp>
 #include <dtrain/detail/net.hpp>

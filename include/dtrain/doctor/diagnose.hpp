@@ -3,13 +3,14 @@
 /// The checks dtrain_doctor runs for a multi-node job that will not start or
 /// is slow: known traps, each with the setting that fixes it. A pure function
 /// of what was gathered (environment, world, host network, resolver answers,
-/// GPU count), so every check is unit-tested with facts of its own.
+/// GPU count), so every check is unit-tested with facts of its own. Only the
+/// doctor includes it: dtrain.hpp does not, so no training program compiles it.
 
 #include <dtrain/detail/net.hpp>
 #include <dtrain/detail/parse.hpp>
+#include <dtrain/doctor/network.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/world.hpp>
-#include <dtrain/topology/network.hpp>
 
 #include <optional>
 #include <string>

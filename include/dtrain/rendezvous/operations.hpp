@@ -1,0 +1,254 @@
+#pragma once
+/// @file
+/// The store's operations as the wire carries them (protocol.hpp): one
+/// handler per operation code, each of which parses its request's fields,
+/// asks the state (kv_state.hpp) and builds the reply. A get or wait on a
+/// missing key suspends its connection until the key is set, the deadline
+/// passes or the client goes away. Runs on the server's reactor thread.
+
+#include <dtrain/rendezvous/kv_state.hpp>
+#include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/protocol.hpp>
+#include <dtrain/rendezvous/reactor.hpp>
+#include <dtrain/rendezvous/server_connection.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <sys/epoll.h>
+
+namespace dtrain::detail {
+
+/// One request on its way through a handler: its connection, the bytes it
+/// holds against the budget, and its fields after the operation code.
+struct store_request {
+  server_connection& c;
+  held_bytes& held;
+  wire::reader& fields;
+};
+
+/// The store's state and the handlers of its operations.
+class store_operations {
+ public:
+  explicit store_operations(const store_limits& limits)
+      : limits_(limits), state_(limits.max_stored_bytes) {}
+  store_operations(const store_operations&) = delete;
+  store_operations& operator=(const store_operations&) = delete;
+
+  /// The reply body to the request whose body `q.fields` reads, from the
+  /// handler of its operation code. Throws wire::violation for an unknown or
+  /// malformed request (the connection is closed), store_refusal for one the
+  /// state refused (an error reply), and what the connection's I/O throws.
+  task<std::string> handle(store_request& q) {  // not a coroutine: runs the handler's
+    const std::uint8_t code = q.fields.u8("op");
+    const handler h = handlers()[code];
+    if (h == nullptr) throw wire::violation("unknown operation " + std::to_string(code));
+    return (this->*h)(q);
+  }
+
+  /// Bytes of the keys and values held. Callable from any thread.
+  [[nodiscard]] std::uint64_t stored_bytes() const noexcept { return stored_bytes_.load(); }
+  /// Connections suspended in a get or wait. Callable from any thread.
+  [[nodiscard]] std::size_t waiting() const noexcept { return waiting_.load(); }
+
+  /// The reply that tells a client the store refused its request.
+  static std::string refusal(std::string_view message) {
+    std::string body;
+    wire::writer(body).u8(static_cast<std::uint8_t>(wire::status::error)).bytes32(message);
+    return body;
+  }
+
+ private:
+  using handler = task<std::string> (store_operations::*)(store_request&);
+  using op = wire::op;
+  using status = wire::status;
+
+  // The handler of each operation code; null for codes that name none.
+  static const std::array<handler, 256>& handlers() {
+    static constexpr std::array<handler, 256> table = [] {
+      std::array<handler, 256> t{};
+      auto at = [&t](op o) -> handler& { return t[static_cast<std::uint8_t>(o)]; };
+      at(op::set) = &store_operations::set;
+      at(op::get) = &store_operations::get;
+      at(op::add) = &store_operations::add;
+      at(op::compare_set) = &store_operations::compare_set;
+      at(op::wait) = &store_operations::wait;
+      at(op::check) = &store_operations::check;
+      at(op::erase) = &store_operations::erase;
+      at(op::num_keys) = &store_operations::num_keys;
+      at(op::ping) = &store_operations::ping;
+      return t;
+    }();
+    return table;
+  }
+
+  static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
+
+  // status::ok followed by what `fill` writes.
+  template <class Fill>
+  static std::string ok(Fill&& fill) {
+    std::string out = reply(status::ok);
+    wire::writer w(out);
+    std::forward<Fill>(fill)(w);
+    return out;
+  }
+
+  static steady::time_point deadline_after(std::uint64_t ms) {
+    constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
+    return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
+  }
+
+  std::string_view read_key(store_request& q) {
+    return q.fields.bytes32("key", limits_.max_key_size);
+  }
+
+  // Every handler that changes the state ends here, for stored_bytes().
+  void changed() { stored_bytes_ = state_.stored_bytes(); }
+
+  task<std::string> set(store_request& q) {
+    auto key = read_key(q);
+    auto value = q.fields.bytes32("value", limits_.max_value_size);
+    q.fields.finish("set request");
+    state_.set(key, value);
+    changed();
+    co_return reply(status::ok);
+  }
+
+  task<std::string> get(store_request& q) {
+    auto key = read_key(q);
+    auto ms = q.fields.u64("timeout");
+    q.fields.finish("get request");
+    const std::array<std::string_view, 1> keys{key};
+    const auto deadline = deadline_after(ms);
+    std::uint64_t reserved = 0;
+    do {
+      if (!co_await wait_for(q, keys, deadline)) co_return reply(status::timeout);
+    } while (!co_await reserve_value(q, key, reserved));
+    co_return ok([&](wire::writer& w) { w.bytes32(*state_.find(key)); });
+  }
+
+  task<std::string> add(store_request& q) {
+    auto key = read_key(q);
+    auto delta = q.fields.i64("delta");
+    q.fields.finish("add request");
+    const std::int64_t sum = state_.add(key, delta);
+    changed();
+    co_return ok([&](wire::writer& w) { w.i64(sum); });
+  }
+
+  task<std::string> compare_set(store_request& q) {
+    auto key = read_key(q);
+    auto expected = q.fields.bytes32("expected value", limits_.max_value_size);
+    auto desired = q.fields.bytes32("desired value", limits_.max_value_size);
+    q.fields.finish("compare_set request");
+    std::uint64_t reserved = 0;
+    (void)co_await reserve_value(q, key, reserved);  // the reply may copy the value
+    const std::string_view now = state_.compare_set(key, expected, desired);
+    changed();
+    co_return ok([&](wire::writer& w) { w.bytes32(now); });
+  }
+
+  task<std::string> wait(store_request& q) {
+    auto keys = wire::read_keys(q.fields, limits_);
+    auto ms = q.fields.u64("timeout");
+    q.fields.finish("wait request");
+    if (!co_await wait_for(q, keys, deadline_after(ms))) co_return reply(status::timeout);
+    co_return reply(status::ok);
+  }
+
+  task<std::string> check(store_request& q) {
+    auto keys = wire::read_keys(q.fields, limits_);
+    q.fields.finish("check request");
+    const bool all = state_.check(keys);
+    co_return ok([&](wire::writer& w) { w.u8(all ? 1 : 0); });
+  }
+
+  task<std::string> erase(store_request& q) {
+    auto key = read_key(q);
+    q.fields.finish("erase request");
+    const bool existed = state_.erase(key);
+    changed();
+    co_return ok([&](wire::writer& w) { w.u8(existed ? 1 : 0); });
+  }
+
+  task<std::string> num_keys(store_request& q) {
+    q.fields.finish("num_keys request");
+    co_return ok([&](wire::writer& w) { w.u64(state_.size()); });
+  }
+
+  task<std::string> ping(store_request& q) {
+    q.fields.finish("ping request");
+    co_return reply(status::ok);
+  }
+
+  // Reserves, before a reply that copies the value at `key` is built, what
+  // that reply will hold until the client reads it. False when the key is
+  // gone meanwhile. Loops because the value may change while it waits.
+  task<bool> reserve_value(store_request& q, std::string_view key, std::uint64_t& reserved) {
+    for (;;) {
+      const std::string* value = state_.find(key);
+      if (value == nullptr) co_return false;
+      const std::uint64_t size = value->size();
+      if (size <= reserved) co_return true;
+      co_await q.c.reserve(q.held, size - reserved, q.c.io_deadline(),
+                           "a reply of " + std::to_string(size) + " bytes");
+      reserved = size;
+    }
+  }
+
+  // Waits until every key exists (true) or the deadline passes (false).
+  // Watches the connection meanwhile: a client that goes away ends the wait,
+  // quietly when it closed its end (it exited, or gave up), with a reason to
+  // log when its connection broke.
+  task<bool> wait_for(store_request& q, std::span<const std::string_view> keys,
+                      steady::time_point deadline) {
+    bool charged = false;
+    for (;;) {
+      std::vector<std::string> missing = state_.missing(keys);
+      if (missing.empty()) co_return true;
+      if (!charged) {
+        // A wait holds a copy of each missing key twice (here and in the state's waiters).
+        std::uint64_t bytes = 0;
+        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
+        co_await q.c.reserve(q.held, bytes, q.c.io_deadline(),
+                             "a wait on " + std::to_string(missing.size()) + " keys");
+        charged = true;
+        continue;  // keys may have been set while it waited for the budget
+      }
+      const kv_state::watch watching(state_, q.c.waiter(), std::move(missing));
+      ++waiting_;
+      const wake w = co_await q.c.wait(EPOLLIN | EPOLLRDHUP, deadline);
+      --waiting_;
+      switch (w) {
+        case wake::event:
+        case wake::none: continue;
+        case wake::timeout: co_return false;
+        case wake::stop: throw server_stopping{};
+        case wake::io: break;
+      }
+      switch (q.c.peek()) {
+        case hangup::none: continue;
+        case hangup::request:
+          throw wire::violation("sent a new request while its wait was pending");
+        case hangup::orderly: throw client_gone{};
+        case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
+      }
+    }
+  }
+
+  const store_limits limits_;
+  kv_state state_;
+  // Mirrors for the server's stats(), read from other threads: written here, never read here.
+  std::atomic<std::uint64_t> stored_bytes_{0};  // state_.stored_bytes() after the last change
+  std::atomic<std::size_t> waiting_{0};         // connections suspended in wait_for
+};
+
+}  // namespace dtrain::detail
