@@ -1,9 +1,11 @@
 // dtrun: dtrain's per-node agent for any program, with torchrun's flag names.
 //
 //   dtrun --nproc-per-node 4 -- ./train args...
-//   dtrun --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --nproc-per-node 8 --
-//   ./train dtrun --nproc-per-node 2 -- script.py args...        (a .py script runs under python3
-//   -u, as torchrun)
+//   dtrun --nnodes 2 --node-rank 0 --master-addr node0 --nproc-per-node 8 -- ./train
+//   dtrun --nproc-per-node 2 -- script.py args...   (runs under python3 -u, as torchrun)
+//
+// A program built on dtrain::run with launch::per_node takes the same flags on its own command
+// line (./train --nproc-per-node 2 --epochs 3): both read them with dtrain's one parser.
 //
 // Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 // NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so PyTorch scripts using
@@ -15,7 +17,6 @@
 
 #include <dtrain/dtrain.hpp>
 
-#include <charconv>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -48,88 +49,26 @@ Options (torchrun's names; `_` may replace `-`; environment variable in brackets
   --no-python           run a .py program directly instead of under python3 -u
 )";
 
-int number(std::string_view flag, std::string_view text) {
-  int value = -1;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < 0) {
-    throw dtrain::config_error("dtrun " + std::string(flag) + " " + std::string(text) +
-                               ": expected a non-negative integer");
-  }
-  return value;
-}
-
 struct cli {
   dtrain::agent_options options;
   std::vector<std::string> command;
-  bool no_python = false;
 };
 
+// The flags are dtrain's own parser's (dtrain/launch/command_line.hpp), the one a self-launching
+// program (dtrain::run under launch::per_node) reads its command line with.
 cli parse(int argc, char** argv, const dtrain::environment& env) {
+  const std::vector<std::string_view> args(argv + 1, argv + argc);
+  const auto flags = dtrain::detail::agent_flags::of_launcher(args);
+  if (flags.help()) {
+    std::cout << usage;
+    std::exit(0);
+  }
   cli c;
   c.options = dtrain::agent_options{}.with_env(env);
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (!arg.starts_with("--")) break;  // the program
-    std::string flag = arg;
-    std::string value;
-    bool inline_value = false;
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      flag = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      inline_value = true;
-    }
-    for (char& ch : flag) {
-      if (ch == '_') ch = '-';
-    }
-    auto take = [&]() -> std::string {
-      if (inline_value) return value;
-      if (i + 1 >= argc) throw dtrain::config_error("dtrun " + flag + " needs a value");
-      return argv[++i];
-    };
-    if (flag == "--help" || flag == "-h") {
-      std::cout << usage;
-      std::exit(0);
-    } else if (flag == "--nproc-per-node") {
-      c.options.nproc_per_node = number(flag, take());
-    } else if (flag == "--nnodes") {
-      c.options.nnodes = number(flag, take());
-    } else if (flag == "--node-rank") {
-      c.options.node_rank = number(flag, take());
-    } else if (flag == "--master-addr") {
-      c.options.master_addr = take();
-    } else if (flag == "--master-port") {
-      c.options.master_port = number(flag, take());
-    } else if (flag == "--standalone") {
-      c.options.nnodes = 1;
-      c.options.node_rank = 0;
-      c.options.master_addr = "127.0.0.1";
-      c.options.master_port = 0;
-    } else if (flag == "--max-restarts") {
-      c.options.max_restarts = number(flag, take());
-    } else if (flag == "--grace-period") {
-      c.options.grace_period = std::chrono::seconds(number(flag, take()));
-    } else if (flag == "--heartbeat-timeout") {
-      c.options.heartbeat_timeout = std::chrono::seconds(number(flag, take()));
-    } else if (flag == "--tee") {
-      c.options.tee = true;
-    } else if (flag == "--log-dir") {
-      c.options.log_dir = take();
-    } else if (flag == "--pass-local-rank") {
-      c.options.local_rank_arg = true;
-    } else if (flag == "--no-python") {
-      c.no_python = true;
-    } else {
-      throw dtrain::config_error("dtrun: unknown option " + arg + " (see dtrun --help)");
-    }
-  }
-  for (; i < argc; ++i) c.command.emplace_back(argv[i]);
-  if (c.command.empty()) throw dtrain::config_error("dtrun: no program to run (see dtrun --help)");
-  if (!c.no_python && c.command.front().ends_with(".py")) {
+  flags.apply(c.options);  // the flags win over the environment
+  c.command = flags.program();
+  if (c.command.empty()) throw dtrain::config_error("no program to run (see dtrun --help)");
+  if (!flags.no_python() && c.command.front().ends_with(".py")) {
     c.command.insert(c.command.begin(), {"python3", "-u"});
   }
   c.options.check();

@@ -18,6 +18,7 @@
 #include <dtrain/launch/join.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/protocol.hpp>
+#include <dtrain/launch/worker.hpp>
 #include <dtrain/policy.hpp>
 #include <dtrain/rendezvous/broadcast.hpp>
 #include <dtrain/rendezvous/client.hpp>
@@ -447,10 +448,13 @@ template <class Policy>
 void context<Policy>::record_failure(int status, const std::string& what) noexcept {
   if (!under_agent_ || !client_) return;
   try {
-    detail::record_failure(*client_, restart_count_, status, false,
-                           detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
-                               " exited with status " + std::to_string(status) +
-                               (what.empty() ? "" : ": " + what));
+    const detail::collective_progress progress = detail::progress_of(communicator_);
+    detail::record_failure(
+        *client_, restart_count_,
+        {status, false,
+         detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+             " exited with status " + std::to_string(status) + (what.empty() ? "" : ": " + what),
+         rank(), progress.failed_at, progress.failed_on});
   } catch (...) {
     // The agent still sees the exit status; the reason is only lost from its message.
   }
@@ -458,6 +462,13 @@ void context<Policy>::record_failure(int status, const std::string& what) noexce
 
 template <class Policy>
 void context<Policy>::finish() {
+  // Before the communicator closes: a peer that fails because of it finds this record.
+  if (under_agent_ && client_) {
+    detail::record_exit(
+        *client_, restart_count_,
+        {rank(), detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()),
+         detail::progress_of(communicator_).issued});
+  }
   communicator_.reset();
   if (!client_) return;
   const std::string all(detail::job_keys::finished_all);

@@ -13,6 +13,7 @@
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/launch/agent.hpp>
+#include <dtrain/launch/command_line.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/protocol.hpp>
 #include <dtrain/launch/worker.hpp>
@@ -70,34 +71,10 @@ int default_nproc_per_node() {
 /// `--nproc-per-node N`, `--nproc-per-node=N`, or the same with
 /// `--nproc_per_node`; the last one counts, and nothing after `--`. Nullopt
 /// when absent; config_error naming the flag when its value is not a positive
-/// integer.
+/// integer, or when another of dtrun's flags has a bad value (agent_flags).
 [[nodiscard]] inline std::optional<int> nproc_per_node_from_args(
     std::span<const std::string_view> args) {
-  std::optional<int> found;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string_view a = args[i];
-    if (a == "--") break;
-    std::string_view flag, value;
-    for (std::string_view name : {"--nproc-per-node", "--nproc_per_node"}) {
-      if (a == name) {
-        if (i + 1 >= args.size()) {
-          throw config_error(std::string(name) + " on the command line needs a value (workers " +
-                             "per node, e.g. " + std::string(name) + " 4)");
-        }
-        flag = name;
-        value = args[++i];
-      } else if (a.size() > name.size() && a.starts_with(name) && a[name.size()] == '=') {
-        flag = name;
-        value = a.substr(name.size() + 1);
-      }
-    }
-    if (flag.empty()) continue;
-    const std::string what = std::string(flag) + "=" + std::string(value) + " on the command line";
-    const int n = parse_non_negative(what, value);
-    if (n < 1) throw config_error(what + " must be at least 1 (workers per node)");
-    found = n;
-  }
-  return found;
+  return agent_flags::of_program(args).values().nproc_per_node;
 }
 
 /// What run() accepts: called as fn(context<Policy>&), returning void or an int.
@@ -147,11 +124,23 @@ int run_process(int argc, char** argv, training_function<Policy> fn, const run_o
 /// the user is the node agent: it starts `nproc_per_node` copies of this
 /// program (the same argv, unchanged) as workers and returns the job's
 /// status (see node_agent). Workers are recognised by DTRAIN_AGENT_STORE in
-/// their environment. The number of workers per node comes from, first to
-/// last: DTRAIN_NPROC_PER_NODE, run_options::agent.nproc_per_node,
-/// `--nproc-per-node N` (or `=N`, or `--nproc_per_node`) on the command line,
-/// then one per visible GPU for NCCL, else 1. A bad value is a config_error
-/// naming its source (exit status 2).
+/// their environment.
+///
+/// The agent takes dtrun's flags from the program's command line, as torchrun
+/// users expect: `./train --nproc-per-node 2 --max-restarts 1 --epochs 3`.
+/// Every flag of `dtrun --help` is read (`--nproc-per-node`, `--nnodes`,
+/// `--node-rank`, `--master-addr`, `--master-port`, `--standalone`,
+/// `--max-restarts`, `--grace-period`, `--heartbeat-timeout`, `--tee`,
+/// `--log-dir`, `--pass-local-rank`; `--flag value` or `--flag=value`, `_`
+/// for `-`), except `--help` and `--no-python`, which stay the program's.
+/// Every other argument is the program's own; nothing after `--` is read; the
+/// workers get the whole argv unchanged. Each option comes from, first to
+/// last: its environment variable (DTRAIN_NPROC_PER_NODE, ...; see
+/// agent_options::with_env), run_options::agent when it differs from
+/// agent_options' default, the flag, then the default (for nproc_per_node:
+/// one per visible GPU for NCCL, else 1). A bad value is a config_error
+/// naming its source, e.g. `--master-port=70000 on the command line is
+/// outside the port range 1-65535` (exit status 2).
 ///
 /// Any exception ends the process's part in the job: one line on stderr,
 /// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
@@ -186,7 +175,7 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
     try {
       agent_options opts = options.agent;
       // The environment (with_env) wins over the program's options, which win over its argv.
-      if (!opts.nproc_per_node) opts.nproc_per_node = detail::nproc_per_node_from_args(args);
+      detail::agent_flags::of_program(args).fill(opts);
       if (!opts.nproc_per_node) opts.nproc_per_node = detail::default_nproc_per_node<Policy>();
       opts = opts.with_env(env);
       std::vector<std::string> command{detail::own_executable()};

@@ -10,9 +10,11 @@
 //           (an empty batch), then waits as skip does;
 //   gone    exits (its process is gone) before the step; under mpirun, which
 //           would stop the job at once, it freezes (SIGSTOP) instead;
-//   signal  sends itself SIGUSR1, then does what skip does.
+//   signal  sends itself SIGUSR1, then does what skip does;
+//   exit    skips the step and returns 0: its training function ends well, one
+//           step short (for the agent's summary under dtrun, tests/launch/cases.sh).
 //
-//   dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal
+//   dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal|exit
 //
 // The job must fail, and one table must name rank 2 and what it did.
 
@@ -63,6 +65,10 @@ int job(dtrain::context<Policy>& ctx, std::string_view which) {
         (void)ctx.store().get("desync-test/never-set", std::chrono::seconds(12));
         return 0;
       }
+      if (which == "exit") {
+        std::fprintf(stderr, "[rank %d] skipped the last step; returning 0\n", ctx.rank());
+        return 0;
+      }
       if (which == "gone") {
         // mpirun stops the whole job the moment a rank exits, before anyone
         // could notice: under MPI rank 2 freezes instead, which the others
@@ -104,9 +110,9 @@ int start(int argc, char** argv, std::string_view which) {
 int main(int argc, char** argv) {
   const std::string_view backend = argc > 1 ? argv[1] : "";
   const std::string_view which = argc > 2 ? argv[2] : "";
-  constexpr std::string_view cases[] = {"skip", "sleep", "size", "gone", "signal"};
+  constexpr std::string_view cases[] = {"skip", "sleep", "size", "gone", "signal", "exit"};
   if (std::find(std::begin(cases), std::end(cases), which) == std::end(cases)) {
-    std::fprintf(stderr, "usage: dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal\n");
+    std::fprintf(stderr, "usage: dtrain_desync_peer mpi|gloo skip|sleep|size|gone|signal|exit\n");
     return 2;
   }
 #if DTRAIN_HAS_MPI()

@@ -107,6 +107,110 @@ worker_fails)
   expect_all_gone "$work/pids"
   ;;
 
+exited_early)
+  # Rank 1 leaves after the barrier with status 0, one collective short (as a rank that skipped a
+  # backward()); ranks 0 and 2 then fail in the allreduce it never joined. The agent names rank 1
+  # first, not the rank that waited for it.
+  DTRAIN_COLLECTIVE_TIMEOUT=5 DTRAIN_DIAGNOSTICS_WAIT=2 "$PEER" node-gloo --nproc-per-node 3 --skip-rank 1 \
+    >"$work/agent.out" 2>"$work/agent.err"
+  expect_status 1 $? "the agent"
+  expect_line "$work/agent.out" '^peer rank 1 skips the allreduce$' "rank 1's early exit"
+  expect_line "$work/agent.err" '^\[dtrain agent node 0/1\] rank 1 \(node 0, local rank 1, pid [0-9]+\) exited with status 0 after [0-9]+ collectives? while rank [02] waited in collective #[0-9]+; then rank [02] \(node 0, local rank [02], pid [0-9]+\) exited with status 1: .+; ending the job' "the agent's summary"
+  ;;
+
+program_flags)
+  # A self-launching program reads dtrun's flags from its own command line (the peer's
+  # --agent-flags-from-argv leaves them out of run_options): a bad value is an error naming it,
+  # exit 2; --max-restarts and --master-port are obeyed; the program's own flags (--fail-rank ...)
+  # pass through to the workers.
+  "$PEER" node-gloo --agent-flags-from-argv --nproc-per-node 2 --master-port 70000 >"$work/bad.out" 2>"$work/bad.err"
+  expect_status 2 $? "--master-port 70000"
+  expect_line "$work/bad.err" '^\[agent\] dtrain: --master-port=70000 on the command line is outside the port range 1-65535$' "the bad flag's message"
+  "$PEER" node-gloo --agent-flags-from-argv --nproc-per-node 2 --max-restarts 1 --fail-rank 1 --fail-restarts 1 \
+    >"$work/restart.out" 2>"$work/restart.err"
+  expect_status 0 $? "--nproc-per-node 2 --max-restarts 1"
+  expect_line "$work/restart.err" 'rank 1 \(node 0, local rank 1, pid [0-9]+\) exited with status 3; restarting every node.s workers \(restart 1 of 1\)' "the restart"
+  check_world "$work/restart.out" 2 2
+  [[ $(count_lines "$work/restart.out" ' restart=1$') == 2 ]] || fail "the restart did not start 2 workers"
+  port=$(free_port)
+  "$PEER" node-gloo --agent-flags-from-argv --nproc_per_node=2 --master-port="$port" --tee >"$work/port.out" 2>"$work/port.err"
+  expect_status 0 $? "--master-port=$port --tee"
+  expect_line "$work/port.err" "^\[dtrain agent node 0/1\] node 0 of 1, 2 workers, store at 127\.0\.0\.1:$port$" "the store on --master-port"
+  [[ $(count_lines "$work/port.out" '^\[rank [01]\] peer rank [01] done sum=3$') == 2 ]] || fail "--tee did not prefix the workers' lines"
+  ;;
+
+agent_failure_paths)
+  # The agent's ways out other than the end of a round, under AddressSanitizer and UBSan
+  # (DTRUN_ASAN: dtrun built with them). Each must end with its status and message, stop the
+  # workers, and print the workers' output once and whole, before the agent's last line.
+  export ASAN_OPTIONS=exitcode=86:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:exitcode=86:print_stacktrace=1
+  no_sanitizer_report() {
+    ! grep -Eq 'AddressSanitizer|LeakSanitizer|runtime error:' "$1" || fail "a sanitizer report in $1"
+  }
+  # A round whose program cannot be started (the exception leaves run() through its catch).
+  "$DTRUN_ASAN" --tee --nproc-per-node 2 -- /nonexistent/program >"$work/missing.out" 2>"$work/missing.err"
+  expect_status 127 $? "dtrun -- /nonexistent/program"
+  [[ $(count_lines "$work/missing.err" 'cannot run') == 1 ]] || fail "the missing program was not named once"
+  no_sanitizer_report "$work/missing.err"
+  # A failing round with --tee: a grandchild outside the workers' groups (setsid) holds their
+  # output open, so only the round's end drains it. Every line once, the unfinished last one
+  # too, and all before the agent's summary. Rank 1 fails once rank 0 has printed its lines.
+  mkdir "$work/pids"
+  export PIDS="$work/pids"
+  "$DTRUN_ASAN" --tee --grace-period 1 --nproc-per-node 2 -- sh -c '
+    setsid sleep 30 & echo $! >"$PIDS/setsid$RANK.pid"
+    echo "first line of $RANK"; printf "last words of $RANK"
+    [ "$RANK" = 0 ] && { touch "$PIDS/printed"; exec sleep 30; }
+    for _ in $(seq 600); do [ -e "$PIDS/printed" ] && break; sleep 0.1; done
+    exit 3' >"$work/tee.all" 2>&1
+  expect_status 3 $? "dtrun whose workers exit 3"
+  for f in "$work"/pids/setsid*.pid; do kill "$(cat "$f")" 2>/dev/null; done
+  for r in 0 1; do
+    [[ $(count_lines "$work/tee.all" "^\[rank $r\] first line of $r$") == 1 ]] || fail "rank $r's first line is not there once"
+    [[ $(count_lines "$work/tee.all" "^\[rank $r\] last words of $r$") == 1 ]] || fail "rank $r's last words are not there once, whole"
+  done
+  summary=$(grep -n 'rank 1 .* exited with status 3; ending the job' "$work/tee.all" | cut -d: -f1)
+  [[ -n $summary ]] || fail "no summary line"
+  last=$(grep -n '^\[rank [01]\] ' "$work/tee.all" | tail -1 | cut -d: -f1)
+  ((last < summary)) || fail "a worker's line came after the agent's summary"
+  no_sanitizer_report "$work/tee.all"
+  # A signal during a wait: node 1 of a 3-node job waits for node 2, which never comes.
+  port=$(free_port)
+  "$DTRUN" --nnodes 3 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- true >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  "$DTRUN_ASAN" --nnodes 3 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" --tee -- true >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  for _ in $(seq 600); do
+    grep -q 'store at' "$work/n1.err" && break
+    sleep 0.1
+  done
+  kill -TERM $n1  # its handler is in place once it has printed where the store is
+  wait $n1
+  expect_status 143 $? "node 1's dtrun after SIGTERM"
+  expect_line "$work/n1.err" '^\[dtrain agent node 1/3\] received signal 15; stopped this node.s workers$' "node 1's message"
+  no_sanitizer_report "$work/n1.err"
+  kill -KILL $n0
+  wait $n0 2>/dev/null
+  # The store lost: node 0's agent is SIGKILLed while node 1's workers run.
+  rm -f "$work"/pids/*
+  port=$(free_port)
+  # Node 1 tries to reach the store again for DTRAIN_STORE_IO_TIMEOUT before it gives up.
+  "$DTRUN" --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
+    >"$work/s0.out" 2>"$work/s0.err" &
+  s0=$!
+  DTRAIN_STORE_IO_TIMEOUT=2 "$DTRUN_ASAN" --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port "$port" -- sh -c 'echo $$ >"$PIDS/$RANK.pid"; exec sleep 60' \
+    >"$work/s1.out" 2>"$work/s1.err" &
+  s1=$!
+  wait_for_pids "$work/pids" 2
+  kill -KILL $s0
+  wait $s0 2>/dev/null
+  wait $s1
+  expect_status 1 $? "node 1's dtrun after node 0's agent died"
+  expect_line "$work/s1.err" '^\[dtrain agent node 1/2\] lost the rendezvous store \(node 0.s agent\) at 127\.0\.0\.1:[0-9]+: ' "node 1's message"
+  expect_all_gone "$work/pids"
+  no_sanitizer_report "$work/s1.err"
+  ;;
+
 worker_throws)
   # A dtrain worker records why it failed before it exits: the agent names it and its reason,
   # not the peer whose connection it closed.
@@ -280,6 +384,17 @@ dtrun_sigusr1)
   expect_line "$work/dtrun.err" "collective diagnostics, round 1, after SIGUSR1 on rank [0-3]" "the table's header"
   expect_line "$work/dtrun.err" "^  rank 2 is at #[0-9]+ allreduce\(float32 .+ 262144, bucket 1\); ranks 0, 1, 3 wait in #[0-9]+ allreduce\(float32 .+ 65536, bucket 0\): rank 2 never started" "the table's finding"
   cat "$work/dtrun.err"
+  ;;
+
+dtrun_exit)
+  # Rank 2 of dtrain_desync_peer (DESYNC) skips the last step and returns 0, as a rank that skipped
+  # a backward(); the others fail in the bucket's allreduce it never started. dtrun's summary
+  # names rank 2 first, with how many collectives it issued, not the rank that waited for it.
+  DTRAIN_COLLECTIVE_TIMEOUT=8 DTRAIN_DIAGNOSTICS_WAIT=3 "$DTRUN" --nproc-per-node 4 -- "$DESYNC" gloo exit \
+    >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 1 $? "dtrun"
+  expect_line "$work/dtrun.err" "skipped the last step; returning 0" "rank 2 leaving"
+  expect_line "$work/dtrun.err" '^\[dtrain agent node 0/1\] rank 2 \(node 0, local rank 2, pid [0-9]+\) exited with status 0 after [0-9]+ collectives on communicator world/split 1 \(color 0\) while rank [013] waited in collective #[0-9]+; then rank [013] \(node 0, local rank [013], pid [0-9]+\) exited with status 1: ' "the agent's summary"
   ;;
 
 local_rank_arg)

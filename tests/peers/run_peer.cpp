@@ -9,11 +9,14 @@
 // Options (agent options go into run_options; workers see the same argv):
 //   --nproc-per-node N --nnodes N --node-rank N --master-port P --max-restarts K --grace-period S
 //   --nproc-from-argv   leave --nproc-per-node out of run_options: dtrain::run reads argv itself
+//   --agent-flags-from-argv  leave every agent option out of run_options: dtrain::run reads
+//                       dtrun's flags (--nproc-per-node, --master-port, --max-restarts, ...) itself
 //   --fail-rank R       that rank exits with --fail-code (default 3) ...
 //   --fail-restarts A   ... only while the restart count is below A (default: always)
 //   --throw-rank R      that rank throws std::runtime_error("peer failure on purpose")
 //   --hang DIR          every other rank writes DIR/<rank>.pid and sleeps until killed
 //   --ignore-term       hanging ranks ignore SIGTERM (the agent must SIGKILL them)
+//   --skip-rank R       that rank skips the allreduce (one collective fewer) and returns 0
 //   --die-rank R        that rank SIGKILLs itself after the barrier, while the others stream
 //                       allreduces to it (a peer dying mid-collective)
 //   --broken-pipe       every rank writes to a pipe nobody reads and prints what write() said
@@ -55,10 +58,14 @@ struct peer_options {
   bool broken_pipe = false;
   std::string child_dir;
   bool nproc_from_argv = false;
+  bool agent_flags_from_argv = false;
+  int skip_rank = -1;
 };
 
 peer_options parse(int argc, char** argv) {
   peer_options o;
+  for (int i = 1; i < argc; ++i)
+    o.agent_flags_from_argv |= std::string_view(argv[i]) == "--agent-flags-from-argv";
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     auto next = [&]() -> std::string {
@@ -70,6 +77,10 @@ peer_options parse(int argc, char** argv) {
     };
     if (a == "--nproc-from-argv")
       o.nproc_from_argv = true;
+    else if (a == "--agent-flags-from-argv")
+      continue;  // read above
+    else if (a == "--skip-rank")
+      o.skip_rank = std::stoi(next());
     else if (a == "--nproc-per-node" || a == "--nproc_per_node")
       o.run.agent.nproc_per_node = std::stoi(next());
     else if (a.starts_with("--nproc-per-node=") || a.starts_with("--nproc_per_node="))
@@ -106,12 +117,15 @@ peer_options parse(int argc, char** argv) {
       continue;  // checked by discovery against LOCAL_RANK
     else if (!a.starts_with("--"))
       continue;  // the mode
+    else if (o.agent_flags_from_argv)
+      continue;  // dtrun's flags (--tee, --master-port=P, ...): dtrain::run reads them
     else {
       std::fprintf(stderr, "dtrain_run_peer: unknown option %s\n", argv[i]);
       std::exit(2);
     }
   }
   if (o.nproc_from_argv) o.run.agent.nproc_per_node.reset();
+  if (o.agent_flags_from_argv) o.run.agent = {};
   return o;
 }
 
@@ -155,6 +169,12 @@ int work(dtrain::context<Policy>& ctx, const peer_options& o) {
     while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
   ctx.barrier();
+  if (ctx.rank() == o.skip_rank) {
+    // Leaves early, as a rank that skipped a backward(): its peers wait in the allreduce.
+    std::printf("peer rank %d skips the allreduce\n", ctx.rank());
+    std::fflush(stdout);
+    return 0;
+  }
   if (o.die_rank >= 0) {
     if (ctx.rank() == o.die_rank) ::raise(SIGKILL);
     // Enough traffic that the survivors write to the dead rank's sockets.

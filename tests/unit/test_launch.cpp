@@ -5,11 +5,16 @@
 #include "support.hpp"
 
 #include <chrono>
+#include <csignal>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
+
+#include <sys/types.h>
 
 using namespace std::chrono_literals;
 using dtrain::agent_options;
@@ -498,4 +503,225 @@ TEST_CASE("store client: while it cannot connect it says so every progress inter
   REQUIRE(!lines.empty());
   CHECK(lines.front().starts_with("still trying to connect to the store at 127.0.0.1:1 ("));
   CHECK(lines.front().ends_with(" of 1 s; last error: Connection refused)"));
+}
+
+TEST_CASE("agent protocol: a failure keeps its rank and collective, a clean exit its counts") {
+  using dtrain::detail::exit_record;
+  using dtrain::detail::failure_record;
+  const failure_record f{1, false, "rank 0 (...) exited with status 1: timeout", 0, 42, "world"};
+  const failure_record back = failure_record::decode("k", f.encode());
+  CHECK(back.rank == 0);
+  CHECK(back.collective == 42);
+  CHECK(back.communicator == "world");
+  const exit_record e{
+      1, "rank 1 (node 0, local rank 1, pid 7)", {{"world", 2}, {"world/split 1", 41}}};
+  const exit_record same = exit_record::decode("k", e.encode());
+  CHECK(same.rank == 1);
+  CHECK(same.label == e.label);
+  CHECK(same.issued_on("world/split 1") == 41);
+  CHECK(same.issued_on("world") == 2);
+  CHECK(same.issued_on("world/split 2") == 0);
+  CHECK_THROWS_WITH_AS((void)exit_record::decode("dtrain/agent/0/exited", "1 41"),
+                       doctest::Contains("store key dtrain/agent/0/exited does not hold a "
+                                         "worker's exit"),
+                       dtrain::rendezvous_error);
+  CHECK_THROWS_WITH_AS(
+      (void)failure_record::decode("k", failure_record{1, false, "x", -2, 0, ""}.encode()),
+      doctest::Contains("the rank -2 is not a rank or -1"), dtrain::rendezvous_error);
+}
+
+TEST_CASE("agent summary: a rank that exited well before its peers' collective is named first") {
+  using dtrain::detail::describe_failure;
+  using dtrain::detail::exit_record;
+  using dtrain::detail::failure_record;
+  const failure_record timeout{1,
+                               false,
+                               "rank 0 (node 0, local rank 0, pid 5) exited with status 1: "
+                               "allreduce timed out",
+                               0,
+                               42,
+                               "world"};
+  const exit_record early{1, "rank 1 (node 0, local rank 1, pid 6)", {{"world", 41}}};
+  CHECK(describe_failure(timeout, early) ==
+        "rank 1 (node 0, local rank 1, pid 6) exited with status 0 after 41 collectives while "
+        "rank 0 waited in collective #42; then rank 0 (node 0, local rank 0, pid 5) exited with "
+        "status 1: allreduce timed out");
+  CHECK_CONTAINS(describe_failure(timeout, exit_record{1, "rank 1", {{"world", 1}}}),
+                 "rank 1 exited with status 0 after 1 collective while");
+  // DDP's buckets travel on a split of the world: the counts of that communicator compare.
+  failure_record on_split = timeout;
+  on_split.communicator = "world/split 1 (color 0)";
+  on_split.collective = 8;
+  CHECK_CONTAINS(
+      describe_failure(on_split,
+                       exit_record{1, "rank 1", {{"world", 3}, {on_split.communicator, 7}}}),
+      "rank 1 exited with status 0 after 7 collectives on communicator world/split 1 (color 0) "
+      "while rank 0 waited in collective #8; then ");
+  // Not its doing: no clean exit, one that got as far, the same rank, or a failure outside a
+  // collective (a user's exception, an agent's record).
+  CHECK(describe_failure(timeout, std::nullopt) == timeout.message);
+  CHECK(describe_failure(timeout, exit_record{1, "rank 1", {{"world", 42}}}) == timeout.message);
+  CHECK(describe_failure(timeout, exit_record{0, "rank 0", {{"world", 3}}}) == timeout.message);
+  CHECK(describe_failure(failure_record{1, false, "threw", 0, 0, ""}, early) == "threw");
+  CHECK(describe_failure(failure_record{137, true, "node 1's agent"}, early) == "node 1's agent");
+}
+
+namespace {
+
+using dtrain::detail::agent_flags;
+using sv_args = std::vector<std::string_view>;
+
+}  // namespace
+
+TEST_CASE("dtrun's flags: dtrun reads its flags, then the program after them") {
+  auto flags = agent_flags::of_launcher(sv_args{
+      "--nproc_per_node=4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
+      "--master-port=29400", "--tee", "--max-restarts", "3", "--", "./train", "--tee", "x"});
+  dtrain::agent_options o;
+  flags.apply(o);
+  CHECK(o.nproc_per_node == 4);
+  CHECK(o.nnodes == 2);
+  CHECK(o.node_rank == 1);
+  CHECK(o.master_addr == "node0");
+  CHECK(o.master_port == 29400);
+  CHECK(o.tee);
+  CHECK(o.max_restarts == 3);
+  CHECK(flags.program() == std::vector<std::string>{"./train", "--tee", "x"});
+  // The first argument that is not a flag starts the program; --standalone sets four options.
+  flags = agent_flags::of_launcher(
+      sv_args{"--standalone", "--grace-period", "0", "--no-python", "t.py", "--nnodes", "9"});
+  CHECK(flags.program() == std::vector<std::string>{"t.py", "--nnodes", "9"});
+  CHECK(flags.no_python());
+  CHECK(flags.values().nnodes == 1);
+  CHECK(flags.values().master_addr == "127.0.0.1");
+  CHECK(flags.values().master_port == 0);
+  CHECK(flags.values().grace_period == 0ms);
+  CHECK(agent_flags::of_launcher(sv_args{"--log-dir", "d", "-h", "--nnodes=x"}).help());
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--nprocs", "2", "t"});
+        }) == "unknown option --nprocs (see dtrun --help)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--tee=1", "t"});
+        }) == "--tee=1 on the command line: --tee takes no value");
+}
+
+TEST_CASE("dtrun's flags: a self-launching program's own arguments pass, dtrun's are read") {
+  const auto flags = agent_flags::of_program(
+      sv_args{"--epochs", "3", "--master-port", "29501", "data/", "--max_restarts=2", "--help",
+              "--no-python", "--nproc-per-node", "2", "--nproc-per-node=3", "--", "--nnodes", "x"});
+  CHECK(flags.values().master_port == 29501);
+  CHECK(flags.values().max_restarts == 2);
+  CHECK(flags.values().nproc_per_node == 3);                      // the last one counts
+  CHECK_FALSE(flags.given(dtrain::detail::agent_field::nnodes));  // after `--`
+  CHECK_FALSE(flags.help());                                      // the program's
+  CHECK_FALSE(flags.no_python());
+  CHECK(flags.program().empty());
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_program(sv_args{"--lr", "0.1", "--master-port", "70000"});
+        }) == "--master-port=70000 on the command line is outside the port range 1-65535");
+  CHECK(config_error_text([] { (void)agent_flags::of_program(sv_args{"--nnodes=0"}); }) ==
+        "--nnodes=0 on the command line must be at least 1 (nodes)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_program(sv_args{"--max-restarts", "-1"});
+        }) ==
+        "--max-restarts=-1 on the command line is negative: ranks, sizes and indices count from 0");
+  CHECK(config_error_text([] { (void)agent_flags::of_program(sv_args{"--master-addr="}); }) ==
+        "--master-addr= on the command line is empty");
+  CHECK(config_error_text([] { (void)agent_flags::of_program(sv_args{"--log-dir"}); }) ==
+        "--log-dir on the command line needs a value (a directory, e.g. --log-dir logs)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_program(sv_args{"--heartbeat-timeout", "0"});
+        }) == "--heartbeat-timeout=0 on the command line must be at least 1 (seconds)");
+}
+
+TEST_CASE("dtrun's flags: dtrun's win over what is set, a program's code wins over its flags") {
+  const auto flags = agent_flags::of_program(
+      sv_args{"--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "3", "--tee"});
+  dtrain::agent_options coded{.nproc_per_node = 4, .grace_period = 5s};
+  dtrain::agent_options filled = coded;
+  flags.fill(filled);
+  CHECK(filled.nproc_per_node == 4);  // set in the code
+  CHECK(filled.grace_period == 5s);   // set in the code (not the default)
+  CHECK(filled.max_restarts == 1);    // left at the default
+  CHECK(filled.tee);
+  CHECK_FALSE(filled.nnodes);  // no flag
+  dtrain::agent_options applied = coded;
+  flags.apply(applied);
+  CHECK(applied.nproc_per_node == 2);
+  CHECK(applied.grace_period == 3s);
+}
+
+namespace {
+
+// A store served here, and node 0's agent side of it, for rounds run in this process.
+struct one_node_store {
+  dtrain::store_options options{.timeout = 20s, .token = "unit-test-agent-round"};
+  dtrain::detail::agent_store store{0, 1, "127.0.0.1", "127.0.0.1", 0, options};
+};
+
+dtrain::detail::round_settings settings_of(int nproc) {
+  return {.restart = 0,
+          .node_rank = 0,
+          .nnodes = 1,
+          .nproc = nproc,
+          .tee = false,
+          .log_dir = {},
+          .grace_period = 2s,
+          .heartbeat_timeout = 10s};
+}
+
+dtrain::detail::worker_start shell(int rank, std::string script) {
+  dtrain::detail::worker_start w;
+  w.rank = rank;
+  w.local_rank = rank;
+  w.command.argv = {"/bin/sh", "-c", std::move(script)};
+  w.command.env = {"PATH=/usr/bin:/bin"};
+  return w;
+}
+
+bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+}  // namespace
+
+TEST_CASE("agent round: starting, running, ended, and how it ended") {
+  using state = dtrain::detail::agent_round::state;
+  one_node_store s;
+  SUBCASE("a worker fails: the others are stopped, the round names it") {
+    dtrain::detail::agent_round round(settings_of(2));
+    CHECK(round.current() == state::starting);
+    round.start({shell(0, "exec sleep 30"), shell(1, "exit 3")});
+    CHECK(round.current() == state::running);
+    const auto end = round.supervise(s.store);
+    CHECK(round.current() == state::ended);
+    CHECK_FALSE(end.succeeded);
+    CHECK(end.status == 3);
+    CHECK_FALSE(end.final);
+    CHECK_CONTAINS(end.message, "rank 1 (node 0, local rank 1, pid ");
+    CHECK_CONTAINS(end.message, ") exited with status 3");
+    for (const auto& w : round.workers()) CHECK_FALSE(alive(w.pid));
+  }
+  SUBCASE("every worker succeeds") {
+    dtrain::detail::agent_round round(settings_of(2));
+    round.start({shell(0, "true"), shell(1, "true")});
+    const auto end = round.supervise(s.store);
+    CHECK(end.succeeded);
+    CHECK(end.status == 0);
+    CHECK(round.current() == state::ended);
+  }
+}
+
+TEST_CASE("agent round: one destroyed before it ended stops what it started, once") {
+  one_node_store s;
+  pid_t started = -1;
+  {
+    dtrain::detail::agent_round round(settings_of(2));
+    dtrain::detail::worker_start missing = shell(1, "");
+    missing.command.argv = {"/nonexistent/program"};
+    CHECK_THROWS_AS(round.start({shell(0, "exec sleep 30"), missing}), dtrain::program_error);
+    REQUIRE(round.workers().size() == 1);
+    started = round.workers()[0].pid;
+    CHECK(alive(started));
+    CHECK(round.current() == dtrain::detail::agent_round::state::starting);
+  }
+  CHECK_FALSE(alive(started));  // stopped and reaped: not even a zombie
 }

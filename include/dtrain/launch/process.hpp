@@ -366,8 +366,10 @@ inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::mi
 /// A small child of the agent that outlives it by a moment: when the agent
 /// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
 /// every worker's process group. PR_SET_PDEATHSIG reaches only the workers
-/// themselves; this reaches what they started. Forked before the agent
-/// starts any thread, it only ever makes async-signal-safe calls.
+/// themselves; this reaches what they started. One per restart round
+/// (agent_round), forked before the round's relay starts its thread; the
+/// child only ever makes async-signal-safe calls, so the store's thread may
+/// run in the agent meanwhile.
 class worker_warden {
  public:
   /// Starts the warden for up to `slots` workers at a time (one per local rank).
@@ -378,6 +380,7 @@ class worker_warden {
     pid_t pid = ::fork();
     if (pid == 0) {
       write_end.reset();
+      close_inherited(read_end.get());
       for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_IGN);
       watch(read_end.get());
     }
@@ -406,6 +409,19 @@ class worker_warden {
   }
 
  private:
+  // The agent's other descriptors, the store's sockets among them (the warden
+  // is forked while the store runs): held here, a connection the store closes
+  // would stay open for its peer until the round ends. Kernels before 5.9 keep them.
+  static void close_inherited(int keep) noexcept {
+#ifdef SYS_close_range
+    const auto fd = static_cast<unsigned>(keep);
+    if (fd > 3) (void)::syscall(SYS_close_range, 3U, fd - 1, 0U);
+    (void)::syscall(SYS_close_range, fd + 1, ~0U, 0U);
+#else
+    (void)keep;
+#endif
+  }
+
   [[noreturn]] void watch(int fd) noexcept {
     std::int32_t message[2];
     while (true) {

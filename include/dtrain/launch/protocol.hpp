@@ -14,7 +14,11 @@
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
-///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32
+///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32, rank i64,
+///                                   collective i64, communicator bytes32
+///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
+///                                   bytes32, collectives i64): the first worker of round r
+///                                   that ended well
 ///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
 ///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
 ///   worker keys (under context.hpp's job_store_prefix)
@@ -50,6 +54,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace dtrain {
 namespace detail {
@@ -64,6 +69,7 @@ struct agent_keys {
   static std::string worker_port(int restart) { return of_round(restart, "worker_port"); }
   static std::string stopped(int restart) { return of_round(restart, "stopped"); }
   static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
+  static std::string exited(int restart) { return of_round(restart, "exited"); }
   static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
   static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
   static constexpr std::string_view joined = "dtrain/agent/joined";
@@ -99,13 +105,22 @@ inline std::string present_value() { return wire::encode_int(1); }
 
 /// The first failure of a restart round, as the agents and the workers record it.
 struct failure_record {
-  int status = 1;       ///< exit status for the job
-  bool final = false;   ///< no restart: a signal or a lost peer ended the job
-  std::string message;  ///< who failed how
+  int status = 1;               ///< exit status for the job
+  bool final = false;           ///< no restart: a signal or a lost peer ended the job
+  std::string message;          ///< who failed how
+  int rank = -1;                ///< the worker that recorded it; -1: an agent
+  std::int64_t collective = 0;  ///< its first collective that failed or timed out (#N); 0: none
+  std::string communicator{};   ///< the ring name of that collective's communicator ("world")
 
   [[nodiscard]] std::string encode() const {
     std::string out;
-    wire::writer(out).i64(status).u8(final ? 1 : 0).bytes32(message);
+    wire::writer(out)
+        .i64(status)
+        .u8(final ? 1 : 0)
+        .bytes32(message)
+        .i64(rank)
+        .i64(collective)
+        .bytes32(communicator);
     return out;
   }
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
@@ -121,6 +136,14 @@ struct failure_record {
         throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
       f.final = flag == 1;
       f.message = r.bytes32("the message");
+      const std::int64_t rank = r.i64("the rank");
+      if (rank < -1 || rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank or -1");
+      f.rank = static_cast<int>(rank);
+      f.collective = r.i64("the collective");
+      if (f.collective < 0)
+        throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
+      f.communicator = r.bytes32("the communicator");
       return f;
     });
   }
@@ -129,9 +152,61 @@ struct failure_record {
 /// Records a failure of round `restart` unless one is recorded already: the
 /// first one is the root cause, later ones are usually its consequences.
 template <store Store>
-void record_failure(Store& store, int restart, int status, bool final, const std::string& message) {
-  store.compare_set(agent_keys::failure(restart), "",
-                    failure_record{status, final, message}.encode());
+void record_failure(Store& store, int restart, const failure_record& failure) {
+  store.compare_set(agent_keys::failure(restart), "", failure.encode());
+}
+
+/// A worker whose training function returned 0, and how many collectives it
+/// had issued on each communicator: when a peer then fails in a later
+/// collective, the agents name this worker first (it left early), not the
+/// peer that waited for it.
+struct exit_record {
+  int rank = 0;
+  std::string label;  ///< worker_label()
+  /// Collectives issued, by communicator (its ring's name: "world", "world/split 1 (color 0)").
+  std::vector<std::pair<std::string, std::int64_t>> issued;
+
+  /// The collectives issued on `communicator` (0 when it had none).
+  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const {
+    for (const auto& [name, count] : issued) {
+      if (name == communicator) return count;
+    }
+    return 0;
+  }
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer w(out);
+    w.i64(rank).bytes32(label).u32(static_cast<std::uint32_t>(issued.size()));
+    for (const auto& [name, count] : issued) w.bytes32(name).i64(count);
+    return out;
+  }
+  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value) {
+    return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
+      exit_record e;
+      const std::int64_t rank = r.i64("the rank");
+      if (rank < 0 || rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank");
+      e.rank = static_cast<int>(rank);
+      e.label = r.bytes32("the worker");
+      const std::uint32_t n = r.u32("the communicator count");
+      if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
+      for (std::uint32_t i = 0; i < n; ++i) {
+        std::string name(r.bytes32("a communicator"));
+        const std::int64_t count = r.i64("its collectives");
+        if (count < 0) throw wire::violation(std::to_string(count) + " collectives is negative");
+        e.issued.emplace_back(std::move(name), count);
+      }
+      return e;
+    });
+  }
+};
+
+/// Records that a worker of round `restart` ended well, unless one did already:
+/// the first one is the one that may have left its peers waiting.
+template <store Store>
+void record_exit(Store& store, int restart, const exit_record& exit) {
+  store.compare_set(agent_keys::exited(restart), "", exit.encode());
 }
 
 /// What a node agent says about itself when it joins: every node must run

@@ -5,11 +5,19 @@
 /// the peer instead of a silent death), and a failed rank under MPI calls
 /// MPI_Abort, so that mpirun ends every rank at once instead of leaving the
 /// failed one blocked in MPI_Finalize while its peers wait out their timeout.
+/// It also tells its agent how far its communicator got (collective_progress),
+/// so that the agent can name a rank that left its peers waiting.
 
+#include <dtrain/backend/ring.hpp>
 #include <dtrain/config.hpp>
 
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #if DTRAIN_HAS_MPI()
 #include <mpi.h>
@@ -47,6 +55,38 @@ inline void abort_mpi_job(int status) noexcept {
 #if DTRAIN_HAS_MPI()
   MPI_Abort(MPI_COMM_WORLD, status);
 #endif
+}
+
+/// How far a worker's communicators got, as its agent reports it. Each is
+/// named by its ring ("world", "world/split 1 (color 0)"): every rank that
+/// splits in the same order gives the same split the same name, so counts
+/// of the same name compare across ranks.
+struct collective_progress {
+  std::vector<std::pair<std::string, std::int64_t>> issued;  ///< collectives issued, by ring
+  std::string failed_on;       ///< the ring of the first collective that failed or timed out
+  std::int64_t failed_at = 0;  ///< that collective's number (#N); 0: none failed
+};
+
+/// The progress of `communicator` and its kept splits; nothing when there is
+/// no communicator yet, or its engine keeps no ring of its collectives.
+template <class Communicator>
+collective_progress progress_of(const std::optional<Communicator>& communicator) {
+  collective_progress p;
+  if constexpr (requires { communicator->ring(); }) {
+    const auto ring = communicator ? communicator->ring() : nullptr;
+    if (!ring) return p;
+    for (auto& [name, calls] : ring->snapshot_all()) {
+      p.issued.emplace_back(name, calls.empty() ? 0 : calls.back().seq);
+      for (const call_record& c : calls) {
+        if (p.failed_at != 0) break;
+        if (c.state == call_state::failed || c.state == call_state::timed_out) {
+          p.failed_on = name;
+          p.failed_at = c.seq;
+        }
+      }
+    }
+  }
+  return p;
 }
 
 }  // namespace dtrain::detail

@@ -1,0 +1,279 @@
+#pragma once
+/// @file
+/// The node agents' side of the job's store: node 0's agent serves it, every
+/// agent joins it, meets the others there between restart rounds, beats its
+/// heartbeat, records and reads how a round failed (naming the worker that
+/// went wrong), and leaves. The keys and the format of their values are
+/// launch/protocol.hpp's.
+
+#include <dtrain/detail/sys.hpp>
+#include <dtrain/error.hpp>
+#include <dtrain/launch/protocol.hpp>
+#include <dtrain/launch/signals.hpp>
+#include <dtrain/rendezvous/client.hpp>
+#include <dtrain/rendezvous/options.hpp>
+#include <dtrain/rendezvous/security.hpp>
+#include <dtrain/rendezvous/server.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+namespace dtrain::detail {
+
+/// How often an agent looks at its workers and the store while it waits.
+inline constexpr std::chrono::milliseconds agent_poll_interval{20};
+
+/// A port nobody listens on now (it may be taken before it is used: the
+/// same race torchrun accepts for --standalone).
+inline int pick_free_port() {
+  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
+  return ntohs(addr.sin_port);
+}
+
+/// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
+}
+
+/// The agents' summary of a round's first failure. When the failing worker
+/// gave up a collective that a worker which had already ended well never
+/// issued, that worker comes first: it left early (it skipped a step, say),
+/// and the failure is the consequence.
+inline std::string describe_failure(const failure_record& failure,
+                                    const std::optional<exit_record>& first_exit) {
+  if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
+      first_exit->rank == failure.rank) {
+    return failure.message;
+  }
+  const std::int64_t issued = first_exit->issued_on(failure.communicator);
+  if (issued >= failure.collective) return failure.message;
+  return first_exit->label + " exited with status 0 after " + std::to_string(issued) +
+         " collective" + (issued == 1 ? "" : "s") +
+         (failure.communicator == "world" ? "" : " on communicator " + failure.communicator) +
+         " while rank " + std::to_string(failure.rank) + " waited in collective #" +
+         std::to_string(failure.collective) + "; then " + failure.message;
+}
+
+/// Every agent bumps its counter about once a second and watches the
+/// others': a node whose agent died (and with it its workers) is noticed
+/// even while the other nodes' workers are busy computing.
+class heartbeat {
+ public:
+  explicit heartbeat(int nodes)
+      : seen_(static_cast<std::size_t>(nodes), -1),
+        since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
+
+  /// Beats for `me`; returns the first node silent for longer than `limit`.
+  std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
+    auto now = std::chrono::steady_clock::now();
+    if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+    last_ = now;
+    store.add(agent_keys::beat(me), 1);
+    std::optional<int> first;
+    silent_ = 0;
+    for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+      if (n == me) continue;
+      std::int64_t beat = store.add(agent_keys::beat(n), 0);
+      auto i = static_cast<std::size_t>(n);
+      if (beat != seen_[i]) {
+        seen_[i] = beat;
+        since_[i] = now;
+      } else if (now - since_[i] > limit) {
+        if (!first) first = n;
+        ++silent_;
+      }
+    }
+    return first;
+  }
+
+  /// How many nodes the last check() found silent.
+  [[nodiscard]] int silent() const noexcept { return silent_; }
+
+ private:
+  std::vector<std::int64_t> seen_;
+  std::vector<std::chrono::steady_clock::time_point> since_;
+  std::chrono::steady_clock::time_point last_{};
+  int silent_ = 0;
+};
+
+/// One agent's connection to the job's store, which node 0's agent also
+/// serves. Every wait is bounded by the store timeout and ends early when a
+/// signal asks the agent to stop. Store operations throw rendezvous_error
+/// when the store is gone.
+class agent_store {
+ public:
+  /// Node 0 serves the store on `bind`:`port` (0: a free port) and connects
+  /// to it; the other nodes connect to `master_addr`:`port`.
+  agent_store(int node_rank, int nnodes, const std::string& bind, const std::string& master_addr,
+              int port, const store_options& options)
+      : node_rank_(node_rank),
+        nnodes_(nnodes),
+        timeout_(options.timeout),
+        server_(node_rank == 0 ? std::optional<store_server>(std::in_place, bind, port, options)
+                               : std::nullopt),
+        port_(server_ ? server_->port() : port),
+        client_(node_rank == 0 ? local_store_address(bind) : master_addr, port_, options) {}
+  agent_store(const agent_store&) = delete;
+  agent_store& operator=(const agent_store&) = delete;
+
+  /// The port of the store (node 0's choice when it was 0).
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] store_client& client() noexcept { return client_; }
+
+  /// Waits, polling, until `done()`; throws error when a signal asks the
+  /// agent to stop, timeout_error after the store timeout.
+  template <class Done>
+  void wait_for(Done done, const std::string& what) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!done()) {
+      if (const int sig = pending_agent_signal(); sig != 0) {
+        throw error("received signal " + std::to_string(sig) + " while waiting for " + what);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error("the node agent waited " + std::to_string(timeout_.count() / 1000) +
+                            " s for " + what + " (DTRAIN_STORE_TIMEOUT)");
+      }
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+  }
+
+  /// A barrier of all agents that a signal can interrupt.
+  void meet(const std::string& key, const std::string& what) {
+    client_.add(key, 1);
+    wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
+  }
+
+  /// Registers this node, waits for every node, and checks that they all
+  /// run the same job shape (config_error naming the node that differs).
+  void join(const node_record& me) {
+    const std::string key = agent_keys::node(node_rank_);
+    const std::string holder = client_.compare_set(key, "", me.encode());
+    if (holder != me.encode()) {
+      throw config_error("node_rank " + std::to_string(node_rank_) +
+                         " is taken twice: by the agent " + node_record::decode(key, holder).who() +
+                         " and by this one (" + me.who() +
+                         "); give each agent its own --node-rank / NODE_RANK");
+    }
+    meet(std::string(agent_keys::joined),
+         "all " + std::to_string(nnodes_) + " node agents to join");
+    for (int n = 0; n < nnodes_; ++n) {
+      const std::string other_key = agent_keys::node(n);
+      const node_record other = node_record::decode(other_key, client_.get(other_key));
+      if (other.nproc != me.nproc) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                           std::to_string(other.nproc) + " workers, this node " +
+                           std::to_string(me.nproc) +
+                           "; every node must run the same nproc_per_node");
+      }
+      if (other.max_restarts != me.max_restarts) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                           std::to_string(other.max_restarts) + " restarts, this node " +
+                           std::to_string(me.max_restarts) +
+                           "; every node must use the same max_restarts");
+      }
+    }
+  }
+
+  /// The MASTER_PORT of round `restart`'s workers: node 0 picks a free port,
+  /// every node reads it.
+  int worker_port(int restart) {
+    const std::string key = agent_keys::worker_port(restart);
+    if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
+    wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+             "node 0 to pick the workers' port");
+    return decode_port(key, client_.get(key));
+  }
+
+  /// Records a failure of round `restart` unless one is recorded already.
+  void record_failure(int restart, int status, bool final, const std::string& message) {
+    detail::record_failure(client_, restart, {status, final, message});
+  }
+
+  /// Round `restart`'s first failure, if one is recorded, with its message
+  /// as the agents print it (describe_failure). A record that cannot be read
+  /// ends the job with its own reason.
+  std::optional<failure_record> failure(int restart) {
+    const std::string key = agent_keys::failure(restart);
+    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+    const std::string value = client_.get(key);
+    failure_record f;
+    try {
+      f = failure_record::decode(key, value);
+    } catch (const rendezvous_error& e) {
+      return failure_record{1, true, e.what()};
+    }
+    f.message = describe_failure(f, first_exit(restart));
+    return f;
+  }
+
+  /// Reports that this node's workers of round `restart` all succeeded.
+  void report_success(int restart) { client_.add(agent_keys::succeeded(restart), 1); }
+  /// Whether every node reported success for round `restart`.
+  [[nodiscard]] bool all_succeeded(int restart) {
+    return client_.add(agent_keys::succeeded(restart), 0) >= nnodes_;
+  }
+
+  /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
+  void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
+
+  /// Says this agent is done. Node 0 keeps the store up until every agent
+  /// has read how the job ended, at most `grace` + 10 s.
+  void leave(std::chrono::milliseconds grace) {
+    const std::string key(agent_keys::left);
+    try {
+      client_.add(key, 1);
+      if (!server_) return;
+      const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
+      while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(agent_poll_interval);
+      }
+    } catch (const rendezvous_error&) {
+      // The job has ended; a peer that cannot be told is not a new failure.
+    }
+  }
+
+ private:
+  // The first worker of the round that ended well; a record that cannot be
+  // read only loses that hint.
+  std::optional<exit_record> first_exit(int restart) {
+    const std::string key = agent_keys::exited(restart);
+    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+    try {
+      return exit_record::decode(key, client_.get(key));
+    } catch (const rendezvous_error&) {
+      return std::nullopt;
+    }
+  }
+
+  int node_rank_;
+  int nnodes_;
+  std::chrono::milliseconds timeout_;
+  std::optional<store_server> server_;
+  int port_;
+  store_client client_;
+  int lost_nodes_ = 0;
+};
+
+}  // namespace dtrain::detail
