@@ -9,6 +9,8 @@
 // ---- begin dtrain/dtrain.hpp ----
 /// @file
 /// The one header users include. It only includes; it has no code of its own.
+/// dtrain_doctor's host inspection (dtrain/doctor/) and the LibTorch
+/// integration (dtrain/torch.hpp) are not part of it: include them directly.
 
 // ---- begin dtrain/backend/communicator.hpp ----
 /// @file
@@ -107,10 +109,21 @@ class timeout_error : public error {
   using error::error;
 };
 
-/// The rendezvous store could not be reached, served or trusted.
+/// The rendezvous store could not be reached, served or trusted, or the rank
+/// that bootstraps a value for every rank (rank 0: the store's address, the
+/// store token, the NCCL unique id) failed to provide it.
 class rendezvous_error : public error {
  public:
   using error::error;
+};
+
+/// The store refused this client's token: the token differs from the one the
+/// store was started with (DTRAIN_STORE_TOKEN or store_options::token set
+/// differently on some rank, or a token file left by an earlier job). Knocking
+/// again with the same token cannot help; reading the token again may.
+class token_error : public rendezvous_error {
+ public:
+  using rendezvous_error::rendezvous_error;
 };
 
 /// A collective engine (MPI, Gloo, NCCL, CUDA) reported a failure. Keeps the
@@ -825,6 +838,134 @@ inline host_port split_host_port(const std::string& what, std::string_view text)
 
 }  // namespace dtrain::detail
 // ---- end dtrain/detail/parse.hpp ----
+// ---- begin dtrain/env/names.hpp ----
+/// @file
+/// Every environment variable of dtrain's own (`DTRAIN_*`), by name, in one
+/// place: the code reads and names them only through these constants, and
+/// docs/reference.md's table is checked against this list (the test
+/// docs.environment_reference). The launchers' variables (RANK, WORLD_SIZE,
+/// MASTER_ADDR, OMPI_COMM_WORLD_*, SLURM_*, ...) are read by env/launchers.hpp.
+
+#include <array>
+#include <string_view>
+
+namespace dtrain {
+
+// --- the store and rendezvous (rendezvous/options.hpp, rendezvous/security.hpp)
+
+/// The store's shared secret: every client proves it in the handshake.
+inline constexpr std::string_view store_token_variable = "DTRAIN_STORE_TOKEN";
+/// The address the store listens on instead of the one MASTER_ADDR names
+/// ("0.0.0.0": every interface).
+inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
+/// Seconds of a store client's connect, get, wait and barrier (default 300).
+inline constexpr std::string_view store_timeout_variable = "DTRAIN_STORE_TIMEOUT";
+/// Seconds one read or write on a store connection may take.
+inline constexpr std::string_view store_io_timeout_variable = "DTRAIN_STORE_IO_TIMEOUT";
+/// Seconds the store keeps a silent connection open.
+inline constexpr std::string_view store_idle_timeout_variable = "DTRAIN_STORE_IDLE_TIMEOUT";
+/// The most connections the store holds at once.
+inline constexpr std::string_view store_max_connections_variable = "DTRAIN_STORE_MAX_CONNECTIONS";
+/// The most bytes of keys and values the store holds.
+inline constexpr std::string_view store_max_bytes_variable = "DTRAIN_STORE_MAX_BYTES";
+/// Seconds between reports of a rendezvous or connection still waiting.
+inline constexpr std::string_view rendezvous_progress_variable = "DTRAIN_RENDEZVOUS_PROGRESS";
+
+// --- world discovery (env/placement.hpp)
+
+/// This node's name for placement (default: the host name).
+inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
+
+// --- the node agent and dtrun (launch/)
+
+/// Workers per node (dtrun --nproc-per-node).
+inline constexpr std::string_view nproc_per_node_variable = "DTRAIN_NPROC_PER_NODE";
+/// Nodes in the job (dtrun --nnodes).
+inline constexpr std::string_view nnodes_variable = "DTRAIN_NNODES";
+/// This node's rank (dtrun --node-rank).
+inline constexpr std::string_view node_rank_variable = "DTRAIN_NODE_RANK";
+/// Restarts of the whole job after a failure (dtrun --max-restarts).
+inline constexpr std::string_view max_restarts_variable = "DTRAIN_MAX_RESTARTS";
+/// Seconds between SIGTERM and SIGKILL (dtrun --grace-period).
+inline constexpr std::string_view grace_period_variable = "DTRAIN_GRACE_PERIOD";
+/// Seconds without an agent's heartbeat before its node is declared lost.
+inline constexpr std::string_view heartbeat_timeout_variable = "DTRAIN_HEARTBEAT_TIMEOUT";
+/// Switch: prefix every line the workers print with `[rank N] ` (dtrun --tee).
+inline constexpr std::string_view tee_variable = "DTRAIN_TEE";
+/// A directory for each worker's output, DIR/restart_K/rank_N.log (dtrun --log-dir).
+inline constexpr std::string_view log_dir_variable = "DTRAIN_LOG_DIR";
+/// Switch: give each worker `--local_rank=N` (dtrun --pass-local-rank).
+inline constexpr std::string_view local_rank_arg_variable = "DTRAIN_LOCAL_RANK_ARG";
+/// Set by the agent for its workers: the agents' store (HOST:PORT).
+inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
+/// Set by the agent for its workers: how many times the job was restarted.
+inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+
+// --- collectives and engines (backend/)
+
+/// Seconds a collective may take before it is a timeout_error.
+inline constexpr std::string_view collective_timeout_variable = "DTRAIN_COLLECTIVE_TIMEOUT";
+/// Switch: compare every collective's signature across ranks before it runs.
+inline constexpr std::string_view check_collectives_variable = "DTRAIN_CHECK_COLLECTIVES";
+/// Seconds NCCL's communicator set-up may take.
+inline constexpr std::string_view nccl_init_timeout_variable = "DTRAIN_NCCL_INIT_TIMEOUT";
+/// The network interface Gloo uses (before GLOO_SOCKET_IFNAME).
+inline constexpr std::string_view gloo_ifname_variable = "DTRAIN_GLOO_IFNAME";
+/// Switch: Gloo's allreduces through shared memory when all ranks share a host.
+inline constexpr std::string_view gloo_shm_variable = "DTRAIN_GLOO_SHM";
+
+// --- failure diagnostics and timelines
+
+/// Switch: on a failure, gather and print the ranks' collective tables.
+inline constexpr std::string_view diagnostics_variable = "DTRAIN_DIAGNOSTICS";
+/// Seconds a failing rank waits for the other ranks' tables.
+inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTICS_WAIT";
+/// A file for DDP's timeline (one per rank); empty: none.
+inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
+
+// --- the doctor (examples/doctor.cpp)
+
+/// The directory the doctor reads as /sys (to inspect a captured host).
+inline constexpr std::string_view sysfs_root_variable = "DTRAIN_SYSFS_ROOT";
+
+namespace detail {
+
+/// Every name above, for checks and listings.
+inline constexpr std::array dtrain_variables{
+    store_token_variable,
+    store_bind_variable,
+    store_timeout_variable,
+    store_io_timeout_variable,
+    store_idle_timeout_variable,
+    store_max_connections_variable,
+    store_max_bytes_variable,
+    rendezvous_progress_variable,
+    node_name_variable,
+    nproc_per_node_variable,
+    nnodes_variable,
+    node_rank_variable,
+    max_restarts_variable,
+    grace_period_variable,
+    heartbeat_timeout_variable,
+    tee_variable,
+    log_dir_variable,
+    local_rank_arg_variable,
+    agent_store_variable,
+    restart_count_variable,
+    collective_timeout_variable,
+    check_collectives_variable,
+    nccl_init_timeout_variable,
+    gloo_ifname_variable,
+    gloo_shm_variable,
+    diagnostics_variable,
+    diagnostics_wait_variable,
+    timeline_variable,
+    sysfs_root_variable,
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/env/names.hpp ----
 
 #include <charconv>
 #include <chrono>
@@ -910,6 +1051,7 @@ inline std::optional<sourced_int> read_port(const environment& env, std::string_
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 namespace dtrain {
@@ -930,8 +1072,8 @@ struct collective_options {
   /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
   [[nodiscard]] collective_options with_env(const environment& env) const {
     collective_options out = *this;
-    if (auto t = detail::read_seconds(env, "DTRAIN_COLLECTIVE_TIMEOUT")) out.timeout = *t;
-    if (auto flag = detail::read_flag(env, "DTRAIN_CHECK_COLLECTIVES")) out.check = *flag;
+    if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
+    if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
     return out;
   }
 };
@@ -968,6 +1110,80 @@ inline std::string describe(const collective_info& info) {
   if (info.root >= 0) detail += ", root " + std::to_string(info.root);
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
+
+// What a failure was about, put into words only when a message needs it: a
+// text, a collective (described from its fields), or a function that says it.
+inline std::string what_text(const std::string& text) { return text; }
+inline std::string what_text(const char* text) { return text; }
+inline std::string what_text(const collective_info& info) { return describe(info); }
+template <class Describe>
+requires std::is_invocable_r_v<std::string, const Describe&>
+inline std::string what_text(const Describe& describe_it) { return describe_it(); }
+
+/// The message of an exception, whatever its type.
+inline std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+/// Why a communicator can no longer be used: its first failure. Recorded
+/// without allocating, since the hooks that record it (a timeout's, abort())
+/// are noexcept, and put into words only when a later call reports it. The
+/// owner guards it (one communicator's lock).
+class failure_cause {
+ public:
+  /// A failure that carries its message: an exception, or a text (built by
+  /// the caller, where allocating may throw; moving it in does not allocate).
+  void set(std::exception_ptr error) noexcept {
+    if (!*this) error_ = std::move(error);
+  }
+  void set(std::string&& text) noexcept {
+    if (!*this) {
+      text_ = std::move(text);
+      has_text_ = true;
+    }
+  }
+  /// Collective `call` ended as `how` (a string literal) says: "timed out".
+  void set(const collective_info& call, const char* how) noexcept {
+    if (!*this) {
+      call_ = call;
+      how_ = how;
+    }
+  }
+  /// `what` (a string literal) happened on `rank`: "abort() was called" on rank 1.
+  void set(const char* what, int rank) noexcept {
+    if (!*this) {
+      call_ = collective_info{};
+      call_.rank = rank;
+      how_ = what;
+    }
+  }
+  [[nodiscard]] explicit operator bool() const noexcept {
+    return error_ || has_text_ || how_ != nullptr;
+  }
+  /// "allreduce(sum, 4 x float32) on rank 0 of 2 (mpi) timed out", the
+  /// failure's message, or "abort() was called on rank 1"; empty when none.
+  [[nodiscard]] std::string text() const {
+    if (error_) return message_of(error_);
+    if (has_text_) return text_;
+    if (how_ == nullptr) return {};
+    if (call_.collective.empty())
+      return std::string(how_) + " on rank " + std::to_string(call_.rank);
+    return describe(call_) + " " + how_;
+  }
+
+ private:
+  std::exception_ptr error_;
+  std::string text_;
+  bool has_text_ = false;
+  collective_info call_{};
+  const char* how_ = nullptr;
+};
 
 /// How a thread waits for work that others (a device, an engine's thread, a
 /// peer) finish: spins first (a collective often ends within microseconds),
@@ -1021,6 +1237,8 @@ class work_state {
   virtual void on_timeout() noexcept {}
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
+  /// The collective's fields (empty for work described by a text).
+  [[nodiscard]] const collective_info& info() const noexcept { return info_; }
   [[nodiscard]] const std::string& description() const {
     if (description_.empty()) description_ = describe(info_);
     return description_;
@@ -1171,8 +1389,8 @@ class work {
 // ---- end dtrain/backend/work.hpp ----
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <iterator>
 #include <ranges>
 #include <span>
@@ -1222,6 +1440,38 @@ inline std::string shape(const buffer& b) {
                                       : ": the communicator was moved from"));
 }
 
+/// The collectives every engine knows, numbered as check mode sends them.
+enum class collective_kind : std::uint8_t {
+  other,
+  allreduce,
+  broadcast,
+  allgather,
+  reduce_scatter,
+  barrier,
+  allreduce_many,
+  split
+};
+
+/// Their names, indexed by collective_kind ("?": another).
+inline constexpr std::string_view collective_kinds[] = {
+    "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
+    "barrier", "allreduce_many", "split"};
+
+[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
+  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
+    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  }
+  return 0;
+}
+
+/// Where an engine's collectives find their buffers. A buffer elsewhere is a
+/// config_error: "input is host memory, and <rule>".
+struct memory_reach {
+  bool host = true;
+  bool device = true;
+  std::string_view rule{};  ///< "NCCL reduces device memory only: pass GPU memory ..."
+};
+
 /// Checks what one rank can check alone; throws config_error naming the collective and the rank.
 struct argument_check {
   std::string what;  // from describe(); empty when `info` describes the call
@@ -1249,6 +1499,18 @@ struct argument_check {
            " would truncate; average floating-point data, or sum and divide");
     }
   }
+  /// `b` (`which`, or "buffer <index>") lives where the engine reaches, and is
+  /// not a null pointer with elements (the engine would read them and crash).
+  void reachable(const buffer& b, std::string_view which, const memory_reach& reach,
+                 std::ptrdiff_t index = -1) const {
+    const bool on_host = b.where == memory::host;
+    if (!(on_host ? reach.host : reach.device)) {
+      fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
+           std::string(reach.rule));
+    }
+    if (b.data == nullptr && b.count > 0)
+      fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
+  }
   void root(int r, int size) const {
     if (r < 0 || r >= size)
       fail("root " + std::to_string(r) + " is not a rank of this communicator");
@@ -1256,18 +1518,121 @@ struct argument_check {
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
+
+ private:
+  static std::string name(std::string_view which, std::ptrdiff_t index) {
+    return index < 0 ? std::string(which) : std::string(which) + " " + std::to_string(index);
+  }
 };
 
-/// The collectives check mode knows by code, in every engine (0: another).
-inline constexpr std::string_view collective_kinds[] = {
-    "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
-    "barrier", "allreduce_many", "split"};
+/// One collective as an engine receives it. Every engine's chain checks it
+/// (check_arguments), numbers it in its ring and compares it in check mode
+/// from this one description, so a call reads the same on MPI, Gloo and NCCL.
+struct collective_call {
+  collective_kind kind = collective_kind::barrier;
+  buffer in{};   ///< broadcast: the data
+  buffer out{};  ///< broadcast: the data
+  int op = -1;   ///< a reduce_op, or -1
+  int root = -1;
+  std::span<const buffer> many{};  ///< allreduce_many: each buffer reduced in place
 
-[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
-  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
-    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  [[nodiscard]] static collective_call allreduce(buffer in, buffer out, reduce_op op) noexcept {
+    return {collective_kind::allreduce, in, out, static_cast<int>(op), -1, {}};
   }
-  return 0;
+  [[nodiscard]] static collective_call broadcast(buffer data, int root) noexcept {
+    return {collective_kind::broadcast, data, data, -1, root, {}};
+  }
+  [[nodiscard]] static collective_call allgather(buffer in, buffer out) noexcept {
+    return {collective_kind::allgather, in, out, -1, -1, {}};
+  }
+  [[nodiscard]] static collective_call reduce_scatter(buffer in, buffer out,
+                                                      reduce_op op) noexcept {
+    return {collective_kind::reduce_scatter, in, out, static_cast<int>(op), -1, {}};
+  }
+  [[nodiscard]] static collective_call barrier() noexcept { return {}; }
+  [[nodiscard]] static collective_call allreduce_many(std::span<const buffer> buffers,
+                                                      reduce_op op) noexcept {
+    return {collective_kind::allreduce_many, {}, {}, static_cast<int>(op), -1, buffers};
+  }
+
+  /// What the ring, check mode and messages say of it: the elements every
+  /// rank must agree on (the input's; reduce_scatter: the output's;
+  /// allreduce_many: all of them, with the first buffer's type).
+  [[nodiscard]] collective_info info(std::string_view engine, int rank, int size) const noexcept {
+    buffer counted = kind == collective_kind::reduce_scatter ? out : in;
+    if (kind == collective_kind::allreduce_many) {
+      counted = {};
+      if (!many.empty()) counted.type = many.front().type;
+      for (const buffer& b : many) counted.count += b.count;
+    }
+    return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
+            static_cast<std::uint8_t>(counted.type),          op,     root};
+  }
+
+  /// False for a call with no elements: it completes at once (after its
+  /// signature is compared, in check mode). A barrier always moves.
+  [[nodiscard]] bool moves_data() const noexcept {
+    switch (kind) {
+      case collective_kind::barrier:
+      case collective_kind::split:
+      case collective_kind::other: return true;
+      case collective_kind::allreduce:
+      case collective_kind::broadcast:
+      case collective_kind::allgather: return in.count > 0;
+      case collective_kind::reduce_scatter: return out.count > 0;
+      case collective_kind::allreduce_many:
+        for (const buffer& b : many) {
+          if (b.count > 0) return true;
+        }
+        return false;
+    }
+    return true;
+  }
+};
+
+/// The argument checks of every engine, per collective: buffers where the
+/// engine reaches (`reach`), types and counts that fit, an op the type allows,
+/// a root that is a rank. `info` names the call (call.info()).
+inline void check_arguments(const collective_call& call, const collective_info& info,
+                            const memory_reach& reach) {
+  const argument_check check{info};
+  const auto ranks = static_cast<std::size_t>(info.size);
+  const auto op = static_cast<reduce_op>(call.op);
+  switch (call.kind) {
+    case collective_kind::allreduce:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count, "output");
+      check.op_fits(op, call.in.type);
+      return;
+    case collective_kind::broadcast:
+      check.reachable(call.in, "data", reach);
+      check.root(call.root, info.size);
+      return;
+    case collective_kind::allgather:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count * ranks, "output");
+      return;
+    case collective_kind::reduce_scatter:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.in, call.out.count * ranks, "input");
+      check.op_fits(op, call.out.type);
+      return;
+    case collective_kind::allreduce_many:
+      for (std::size_t i = 0; i < call.many.size(); ++i) {
+        check.reachable(call.many[i], "buffer", reach, static_cast<std::ptrdiff_t>(i));
+        check.op_fits(op, call.many[i].type);
+      }
+      return;
+    case collective_kind::barrier:
+    case collective_kind::split:
+    case collective_kind::other: return;
+  }
 }
 
 /// What a rank passed to its `seq`-th collective on a communicator, compared
@@ -1311,19 +1676,20 @@ struct signature {
 
 /// Gathers every rank's signature with `gather` (an allgather of int64s that
 /// is not itself checked) and throws backend_error naming the first rank
-/// whose call differs from this one's.
-inline void compare_signatures(
-    const signature& mine, int rank, int size, const std::string& what,
-    const std::function<void(std::span<const std::int64_t>, std::span<std::int64_t>)>& gather) {
+/// whose call differs from this one's. `what` names this call (what_text()),
+/// put into words only then.
+template <class What, class Gather>
+void compare_signatures(const signature& mine, int rank, int size, const What& what,
+                        Gather&& gather) {
   const std::int64_t fields[signature::fields] = {mine.seq,  mine.kind, mine.count,
                                                   mine.type, mine.op,   mine.root};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * signature::fields);
-  gather(fields, all);
+  gather(std::span<const std::int64_t>(fields), std::span<std::int64_t>(all));
   for (int r = 0; r < size; ++r) {
     const std::int64_t* f = &all[static_cast<std::size_t>(r) * signature::fields];
     const signature theirs{f[0], f[1], f[2], f[3], f[4], f[5]};
     if (theirs != mine) {
-      throw backend_error(what + ": rank " + std::to_string(r) + " called " +
+      throw backend_error(what_text(what) + ": rank " + std::to_string(r) + " called " +
                               describe_collective(theirs) + ", rank " + std::to_string(rank) +
                               " called " + describe_collective(mine),
                           0);
@@ -2158,6 +2524,32 @@ inline std::string decode_text(std::string_view where, std::string_view value,
                       [](reader& r) { return std::string(r.bytes32("the text")); });
 }
 
+/// A value that one rank produced for every rank, or why it could not
+/// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
+/// bytes32, or u8 0 and the producer's error message as bytes32.
+struct outcome {
+  bool ok = true;
+  std::string text;  ///< ok: the value; else the producer's error message
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    writer(out).u8(ok ? 1 : 0).bytes32(text);
+    return out;
+  }
+  /// `where` and `what` name the value in the error when it is not an outcome.
+  [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
+                                      std::string_view what) {
+    return decode_value(where, value, what, [](reader& r) {
+      outcome o;
+      const std::uint8_t flag = r.u8("the ok flag");
+      if (flag > 1) throw violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
+      o.ok = flag == 1;
+      o.text = std::string(r.bytes32(o.ok ? "the value" : "the producer's error"));
+      return o;
+    });
+  }
+};
+
 }  // namespace dtrain::detail::wire
 // ---- end dtrain/detail/wire.hpp ----
 
@@ -2536,14 +2928,14 @@ inline desync_report analyse_job(std::span<const rank_publication> ranks) {
 /// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
 /// interface, and the choice of the network interface Gloo's TCP transport
 /// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
-/// interface variables is left (topology/network.hpp reports it).
+/// interface variables is left (doctor/network.hpp reports it).
 
 // ---- begin dtrain/detail/net.hpp ----
 /// @file
 /// What this host's network looks like to a process: its interfaces and
 /// their addresses (getifaddrs), what a name resolves to, and which local
 /// address reaches a host. Plain facts for the engines' interface choice
-/// (backend/gloo_store.hpp) and for the network report (topology/network.hpp).
+/// (backend/gloo_store.hpp) and for the network report (doctor/network.hpp).
 
 #include <cerrno>
 #include <cstring>
@@ -2763,8 +3155,8 @@ struct named_interface {
 /// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
 /// when neither is set (then the interface that reaches MASTER_ADDR is used).
 inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
-  if (auto v = env.get("DTRAIN_GLOO_IFNAME"); v && !v->empty()) {
-    return named_interface{std::string(*v), "DTRAIN_GLOO_IFNAME=" + std::string(*v)};
+  if (auto v = env.get(gloo_ifname_variable); v && !v->empty()) {
+    return named_interface{std::string(*v), assignment(gloo_ifname_variable, *v)};
   }
   if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
     return named_interface{std::string(v->substr(0, v->find(','))),
@@ -3489,22 +3881,12 @@ template <element T>
   }
 }
 
-/// One collective as the worker runs it: plain fields, no allocation.
-struct gloo_call {
-  enum class kind : std::uint8_t {
-    allreduce,
-    broadcast,
-    allgather,
-    reduce_scatter,
-    barrier,
-    split
-  };
-  kind what = kind::barrier;
-  buffer in{}, out{};
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  bool moves_data = true;  // false: zero-length, only compared in check mode
-};
+struct gloo_state;
+
+/// What the worker runs for one collective: Gloo's call for `call`, with
+/// Gloo's timeout for this run. Each collective of gloo_communicator is one.
+using gloo_runner = void (*)(gloo_state& s, const collective_call& call,
+                             std::chrono::milliseconds timeout);
 
 class gloo_work;
 
@@ -3521,10 +3903,12 @@ struct gloo_state {
 #endif
   std::string shm_text = "off";  // for describe(): "on (...)" or "off (why)"
 
+  /// One queued collective: plain fields (the buffers stay the caller's).
   struct task {
     std::shared_ptr<gloo_work> work;
     signature sig{};
-    gloo_call call{};
+    collective_call call{};
+    gloo_runner run = nullptr;
   };
   std::mutex mutex;
   std::condition_variable wake;      // the worker: a task to run, or stop
@@ -3535,15 +3919,21 @@ struct gloo_state {
   // Numbers the collectives; issued under mutex, so the numbers follow the queue.
   std::shared_ptr<collective_ring> ring = std::make_shared<collective_ring>();
   std::atomic<bool> unusable{false};
-  std::string failure;  // guarded by mutex: the first failure
+  failure_cause failure;  // guarded by mutex: the first failure
 
-  void mark_unusable(const std::string& why) noexcept {
+  /// Records the first failure without allocating: the timeout hook and
+  /// gloo_execute, both noexcept, call these.
+  void mark_unusable(std::exception_ptr why) noexcept {
     std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure = why;
+    if (!unusable.exchange(true)) failure.set(std::move(why));
+  }
+  void mark_unusable(const collective_info& call, const char* how) noexcept {
+    std::lock_guard lock(mutex);
+    if (!unusable.exchange(true)) failure.set(call, how);
   }
   [[nodiscard]] std::string unusable_text() {
     std::lock_guard lock(mutex);
-    return "the communicator is unusable since an earlier failure (" + failure +
+    return "the communicator is unusable since an earlier failure (" + failure.text() +
            "); ranks cannot fall back into step after a failed collective, so make a new "
            "communicator";
   }
@@ -3563,8 +3953,7 @@ class gloo_work final : public work_state {
   // Gloo cannot abort a collective in flight; its own timeout (the same
   // length) ends it. Until then nothing else may run on this communicator.
   void on_timeout() noexcept override {
-    if (auto s = owner_.lock())
-      s->mark_unusable(description() + " did not finish within its timeout");
+    if (auto s = owner_.lock()) s->mark_unusable(info(), "did not finish within its timeout");
   }
 
   /// Blocks until finished or `deadline`; true when finished. When this
@@ -3608,16 +3997,6 @@ class gloo_work final : public work_state {
   std::atomic<bool> done_{false};
   std::weak_ptr<gloo_state> owner_;
 };
-
-inline std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
 
 /// A failure inside a call into Gloo, with the call as written, file:line
 /// and Gloo's message; gloo_failure() turns it into dtrain's errors.
@@ -3785,24 +4164,8 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
   if (op == reduce_op::avg) divide_host(out, s.size);
 }
 
-inline void gloo_run(gloo_state& s, const gloo_call& c, std::chrono::milliseconds timeout) {
-  switch (c.what) {
-    case gloo_call::kind::allreduce:
-      visit(c.in.type, [&]<class T>() { gloo_run_allreduce<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::reduce_scatter:
-      visit(c.in.type,
-            [&]<class T>() { gloo_run_reduce_scatter<T>(s, c.in, c.out, c.op, timeout); });
-      break;
-    case gloo_call::kind::broadcast: gloo_run_broadcast(s, c.out, c.root, timeout); break;
-    case gloo_call::kind::allgather:
-    case gloo_call::kind::split: gloo_run_allgather(s, c.in, c.out, timeout); break;
-    case gloo_call::kind::barrier: gloo_run_barrier(s, timeout); break;
-  }
-}
-
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
-inline void gloo_check_signature(gloo_state& s, const signature& sig, const std::string& what,
+inline void gloo_check_signature(gloo_state& s, const signature& sig, const collective_info& what,
                                  std::chrono::milliseconds timeout) {
   compare_signatures(
       sig, s.rank, s.size, what,
@@ -3813,22 +4176,21 @@ inline void gloo_check_signature(gloo_state& s, const signature& sig, const std:
       });
 }
 
-/// Runs one task (on the worker, or on a thread waiting for it) and completes
-/// its work. A failure makes the communicator unusable; so does running after one.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t,
-                         std::chrono::milliseconds timeout) noexcept {
-  std::exception_ptr failure;
+/// Runs one task's collective (its signature first, in check mode). Throws
+/// what failed as dtrain's error (gloo_failure), and tells peers waiting in
+/// the shared-memory segment to stop, with a timeout if this was one.
+inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                          std::chrono::milliseconds timeout) {
   try {
     if (s.unusable.load()) {
       throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
     }
-    if (s.check) gloo_check_signature(s, t.sig, t.work->description(), timeout);
-    if (t.call.moves_data) gloo_run(s, t.call, timeout);
+    if (s.check) gloo_check_signature(s, t.sig, t.work->info(), timeout);
+    if (t.call.moves_data()) t.run(s, t.call, timeout);
   } catch (...) {
-    failure = gloo_failure(std::current_exception(), t.work->description());
-    s.mark_unusable(message_of(failure));
+    const std::exception_ptr failure =
+        gloo_failure(std::current_exception(), t.work->description());
 #if DTRAIN_HAS_SHM()
-    // Peers waiting in the segment stop now, with a timeout if this was one.
     bool timed_out = false;
     try {
       std::rethrow_exception(failure);
@@ -3837,6 +4199,28 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
     } catch (...) {
     }
     s.shm.abandon(message_of(failure), timed_out);
+#endif
+    std::rethrow_exception(failure);
+  }
+}
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure, whatever it is (out of memory while putting one into
+/// words too), reaches the work's wait() and makes the communicator unusable;
+/// so does running after one. Allocates nothing itself: everything that may
+/// is inside gloo_run_task, whose exception it catches.
+inline void gloo_execute(gloo_state& s, gloo_state::task& t,
+                         std::chrono::milliseconds timeout) noexcept {
+  std::exception_ptr failure;
+  try {
+    gloo_run_task(s, t, timeout);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (failure) {
+    s.mark_unusable(failure);
+#if DTRAIN_HAS_SHM()
+    s.shm.abandon();  // peers waiting in the segment stop (a no-op once gloo_run_task did)
 #endif
   }
   t.work->finish(std::move(failure));
@@ -3875,6 +4259,783 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 /// per job, handed to the ranks without a command line or a log, and the one
 /// interface that MASTER_ADDR names. See the README's "Security".
 
+// ---- begin dtrain/rendezvous/client.hpp ----
+/// @file
+/// store_client: a blocking client of store_server, safe to share between
+/// threads (requests are serialised on one connection).
+
+// ---- begin dtrain/rendezvous/options.hpp ----
+/// @file
+/// Options of the rendezvous store, server and client alike. Each default is
+/// defined here once; each can be overridden by the option and by an
+/// environment variable (store_options::from_env).
+
+
+#include <charconv>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Default for every blocking store operation (connect, get, wait, barrier),
+/// as c10d's store: 300 s. Environment: DTRAIN_STORE_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
+
+/// How long the server gives a new connection to complete its handshake, and
+/// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
+
+/// How long the server keeps a connection that sends nothing after its
+/// handshake, unless it is in a get / wait it asked for. A client reconnects
+/// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
+inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
+
+/// How often a rank that waits at rendezvous says so: a client still trying
+/// to connect, and rank 0 waiting for the others to join (who has, who has
+/// not). Environment: DTRAIN_RENDEZVOUS_PROGRESS (seconds).
+inline constexpr std::chrono::milliseconds default_rendezvous_progress_interval{5'000};
+
+/// Wire and resource limits, checked before anything is allocated. The
+/// defaults fit a 10,000-rank job (two connections per rank, one per agent,
+/// a few KiB stored per rank) and bound what a flood can make the server hold
+/// to about max_stored_bytes + max_buffered_bytes.
+struct store_limits {
+  std::uint32_t max_key_size = 4096;          ///< bytes per key
+  std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
+  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check: a connection's waiters
+  std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
+  /// Open connections; more are accepted and closed at once, and the server
+  /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
+  /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
+  std::uint32_t max_connections = 32768;
+  /// Keys and values held; a set beyond it is refused with an error reply.
+  /// Environment: DTRAIN_STORE_MAX_BYTES.
+  std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
+  /// Request and reply bytes held for all connections together (a frame in
+  /// flight, a reply not yet read, the keys of a pending wait). A connection
+  /// that would pass it waits, at most the io timeout, for others to finish.
+  std::uint64_t max_buffered_bytes = std::uint64_t{256} << 20;
+
+  /// The largest request frame these limits allow; a larger length prefix
+  /// closes the connection before a byte of it is buffered.
+  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
+    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+    return 64u + (keys > one ? keys : one);
+  }
+};
+
+/// Options of a store server or client. Aggregate: use designated initialisers,
+/// e.g. `{.timeout = 30s, .token = "secret"}`.
+struct store_options {
+  /// Default timeout of connect, get, wait and barrier.
+  std::chrono::milliseconds timeout = default_store_timeout;
+  /// Server: limit for a handshake or a started frame. Client: how long a
+  /// reply may take beyond the operation's own timeout before the server is
+  /// presumed dead.
+  std::chrono::milliseconds io_timeout = default_store_io_timeout;
+  /// Server: how long a connection may stay silent between requests.
+  std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
+  /// Shared secret; the server serves nothing to a client whose token differs.
+  /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
+  /// for every job (see the README's "Security"); empty here means none.
+  std::string token{};
+  store_limits limits{};
+  /// Server: where it reports closed connections and their reasons. Empty:
+  /// one line on stderr each.
+  std::function<void(std::string_view)> log{};
+  /// Client and rendezvous: how often a wait that is still going on is
+  /// reported; zero (or less) reports nothing.
+  std::chrono::milliseconds progress_interval = default_rendezvous_progress_interval;
+  /// Client and rendezvous: where such a report goes ("still trying to connect
+  /// to the store at HOST:PORT ..."). Empty: one line on stderr, `dtrain: <text>`.
+  std::function<void(std::string_view)> progress{};
+
+  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT,
+  /// DTRAIN_RENDEZVOUS_PROGRESS and DTRAIN_STORE_TOKEN from `env` applied on
+  /// top (and DTRAIN_STORE_MAX_CONNECTIONS, DTRAIN_STORE_MAX_BYTES): the environment wins, as
+  /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
+  /// config_error naming the variable on a malformed value.
+  [[nodiscard]] store_options with_env(const environment& env) const {
+    store_options out = *this;
+    if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
+    if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
+    if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
+    if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
+      out.progress_interval = *t;
+    }
+    if (auto n = detail::read_int(env, store_max_connections_variable)) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
+    }
+    if (auto n = detail::read_int(env, store_max_bytes_variable)) {
+      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
+    }
+    if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
+    if (out.token.size() > out.limits.max_token_size) {
+      throw config_error(std::string(store_token_variable) + " / token is " +
+                         std::to_string(out.token.size()) + " bytes; the limit is " +
+                         std::to_string(out.limits.max_token_size));
+    }
+    return out;
+  }
+};
+
+namespace detail {
+
+/// A duration in whole seconds, as progress reports count them: "12 s".
+inline std::string whole_seconds(std::chrono::milliseconds t) {
+  return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(t).count()) + " s";
+}
+
+/// Hands a progress report to `sink` (store_options::progress), or prints it
+/// on stderr as `dtrain: <text>` when there is none.
+inline void say(const std::function<void(std::string_view)>& sink, const std::string& text) {
+  if (sink) {
+    sink(text);
+  } else {
+    std::fprintf(stderr, "dtrain: %s\n", text.c_str());
+  }
+}
+
+}  // namespace detail
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/options.hpp ----
+// ---- begin dtrain/rendezvous/protocol.hpp ----
+/// @file
+/// The store's wire protocol. All integers are little-endian.
+///
+///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
+///               server → client: status u8, version u16
+///   request     length u32 (of the body), body: op u8, then the op's fields
+///   response    length u32, body: status u8, then the payload
+///
+/// bytes16 / bytes32 are a u16 / u32 length followed by that many bytes. A
+/// length beyond the configured limits closes the connection before anything
+/// is allocated for it.
+
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail::wire {
+
+inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
+inline constexpr std::uint16_t version = 1;
+
+enum class op : std::uint8_t {
+  set = 1,          ///< key, value → ok
+  get = 2,          ///< key, timeout_ms u64 → ok + value | timeout
+  add = 3,          ///< key, delta i64 → ok + new value i64
+  compare_set = 4,  ///< key, expected, desired → ok + current value
+  wait = 5,         ///< count u32, keys, timeout_ms u64 → ok | timeout
+  check = 6,        ///< count u32, keys → ok + u8 (all present)
+  erase = 7,        ///< key → ok + u8 (existed)
+  num_keys = 8,     ///< → ok + u64
+  ping = 9,         ///< → ok
+};
+
+enum class status : std::uint8_t {
+  ok = 0,
+  timeout = 1,        ///< a wait expired on the server
+  error = 2,          ///< the request was understood and refused; bytes32 message follows
+  shutting_down = 3,  ///< the server is stopping; bytes32 message follows
+  bad_version = 4,    ///< handshake only
+  bad_token = 5,      ///< handshake only
+};
+
+/// A frame: u32 length, then the body.
+inline std::string frame(const std::string& body) {
+  std::string out;
+  writer(out).u32(static_cast<std::uint32_t>(body.size()));
+  out += body;
+  return out;
+}
+
+/// The decoded u32 at the start of `header` (4 bytes).
+inline std::uint32_t frame_length(std::string_view header) {
+  return reader(header).u32("frame length");
+}
+
+/// Keys of a wait/check request, bounded by the limits.
+inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
+  std::uint32_t n = r.u32("key count");
+  if (n > limits.max_keys_per_request) {
+    throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
+                    std::to_string(limits.max_keys_per_request));
+  }
+  std::vector<std::string_view> keys;  // grows with keys actually present, not with n
+  for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
+  return keys;
+}
+
+}  // namespace dtrain::detail::wire
+// ---- end dtrain/rendezvous/protocol.hpp ----
+// ---- begin dtrain/rendezvous/socket.hpp ----
+/// @file
+/// The few socket helpers the store's server and client share.
+
+
+#include <cerrno>
+#include <cstdint>
+#include <string>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+namespace dtrain::detail {
+
+/// "host:port", with brackets for IPv6 ("[::1]:29500").
+inline std::string endpoint_text(const std::string& host, int port) {
+  bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+/// The numeric address and port of a socket address.
+inline std::string endpoint_text(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+  }
+  return endpoint_text(host, port);
+}
+
+/// Disables Nagle: the store's requests are small and latency-bound.
+inline void set_no_delay(int fd) {
+  int one = 1;
+  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
+}
+
+/// getaddrinfo with its result owned.
+struct address_list {
+  addrinfo* head = nullptr;
+  address_list() = default;
+  address_list(const address_list&) = delete;
+  address_list& operator=(const address_list&) = delete;
+  ~address_list() {
+    if (head) ::freeaddrinfo(head);
+  }
+};
+
+/// Resolves host:port; returns the gai error code (0 on success).
+inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  std::string service = std::to_string(port);
+  return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/socket.hpp ----
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+namespace dtrain {
+
+/// A connection to a store_server. Every blocking call has a timeout: the
+/// options' `timeout` unless the call takes one. Throws timeout_error when it
+/// expires (naming what it waited for and how long), rendezvous_error when the
+/// server cannot be reached, refuses the client, or goes away (token_error
+/// when it refuses the client's token), and config_error at once when its
+/// host name does not resolve (a temporary resolver failure, EAI_AGAIN, is
+/// retried for 5 s first).
+///
+/// Thread-safe, but requests on one client run one at a time: a thread blocked
+/// in get / wait / barrier holds the connection, so a thread that must set the
+/// awaited key meanwhile needs a store_client of its own. A get or wait that
+/// the server ends at its timeout leaves the client usable; after a reply that
+/// never came or a lost connection it is not (the reply stream cannot be
+/// trusted): make a new one. The one exception: a connection the server closed
+/// because it was idle (store_options::idle_timeout) is reopened, once, by the
+/// next request; the server closes only connections with no request in flight.
+class store_client {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  /// Connects to host:port, retrying with backoff until `options.timeout`:
+  /// workers often start before the server does. While it retries it says so
+  /// every `options.progress_interval` (options.progress).
+  store_client(std::string host, int port, store_options options = {})
+      : host_(std::move(host)), port_(port), options_(std::move(options)) {
+    connect();
+  }
+
+  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(host_, port_); }
+  [[nodiscard]] const store_options& options() const noexcept { return options_; }
+
+  /// Sets key to value, waking everyone waiting for the key.
+  void set(std::string_view key, std::string_view value) {
+    std::string body = begin(detail::wire::op::set);
+    detail::wire::writer(body).bytes32(key).bytes32(value);
+    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
+  }
+
+  /// The value of `key`, waiting until it exists. Throws timeout_error naming
+  /// the key and how long it waited; never returns a sentinel.
+  [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::get);
+    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
+    auto what = "get(\"" + std::string(key) + "\")";
+    auto reply = call(body, timeout, what);
+    if (!reply)
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          " and the key was never set");
+    detail::wire::reader r(*reply);
+    auto value = r.bytes32("value", UINT32_MAX);
+    return std::string(value);
+  }
+
+  /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::string body = begin(detail::wire::op::add);
+    detail::wire::writer(body).bytes32(key).i64(delta);
+    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).i64("counter");
+  }
+
+  /// Sets key to `desired` if it holds `expected` (a missing key matches an
+  /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    std::string body = begin(detail::wire::op::compare_set);
+    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
+    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+    detail::wire::reader r(*reply);
+    return std::string(r.bytes32("value", UINT32_MAX));
+  }
+
+  /// Waits until every key exists.
+  void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    std::string body = begin(detail::wire::op::wait);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    w.u64(as_ms(timeout));
+    auto what = "wait(" + key_list(keys) + ")";
+    if (!call(body, timeout, what)) {
+      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                          "; missing keys are never set, or their setters are slow or dead");
+    }
+  }
+
+  /// Whether every key exists, without waiting.
+  [[nodiscard]] bool check(std::span<const std::string> keys) {
+    std::string body = begin(detail::wire::op::check);
+    detail::wire::writer w(body);
+    w.u32(static_cast<std::uint32_t>(keys.size()));
+    for (const auto& k : keys) w.bytes32(k);
+    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
+    return detail::wire::reader(*reply).u8("present") != 0;
+  }
+
+  /// Removes key; returns whether it existed.
+  bool erase(std::string_view key) {
+    std::string body = begin(detail::wire::op::erase);
+    detail::wire::writer(body).bytes32(key);
+    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
+    return detail::wire::reader(*reply).u8("existed") != 0;
+  }
+
+  /// Number of keys in the store (all prefixes).
+  [[nodiscard]] std::int64_t num_keys() {
+    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
+    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
+  }
+
+  /// Blocks until `count` callers have entered barrier `name`. A name can be
+  /// reused: each group of `count` arrivals is one generation. On timeout the
+  /// timeout_error says how many had arrived.
+  void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    if (count < 1)
+      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
+                         " must be at least 1");
+    const std::string arrived = std::string(name) + "/arrived";
+    std::int64_t n = add(arrived, 1);
+    std::int64_t generation = (n - 1) / count;
+    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
+    if (n % count == 0) set(done, "1");
+    try {
+      std::string keys[] = {done};
+      wait(keys, timeout);
+    } catch (const timeout_error&) {
+      std::int64_t now = add(arrived, 0) - generation * count;
+      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
+                          " timed out after " + seconds(timeout) + ": " +
+                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
+                          std::to_string(count) + " arrived");
+    }
+  }
+
+  /// Round trip without effect; a liveness check.
+  void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
+
+ private:
+  static std::string begin(detail::wire::op o) { return std::string(1, static_cast<char>(o)); }
+
+  static std::uint64_t as_ms(milliseconds t) {
+    return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
+  }
+
+  static std::string seconds(milliseconds t) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+    return text;
+  }
+
+  static std::string key_list(std::span<const std::string> keys) {
+    std::string out;
+    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
+      out += (i ? ", \"" : "\"") + keys[i] + "\"";
+    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
+    return out;
+  }
+
+  using steady = std::chrono::steady_clock;
+
+  /// How long a temporary resolver failure (EAI_AGAIN) is retried.
+  static constexpr milliseconds resolver_retry{5'000};
+
+  void connect() { connect(options_.timeout); }
+
+  void connect(milliseconds patience) {
+    const auto deadline = steady::now() + patience;
+    std::minstd_rand jitter(
+        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
+                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
+    milliseconds backoff(10);
+    std::string last_error;
+    // A name the resolver does not know will not appear by waiting: fail at
+    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
+    const auto start = steady::now();
+    const auto resolve_deadline = std::min(deadline, start + resolver_retry);
+    auto next_report = start + options_.progress_interval;
+    for (;;) {
+      int resolver_rc = 0;
+      last_error = try_connect(deadline, resolver_rc);
+      if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
+        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
+                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
+                           "; check MASTER_ADDR (dtrun --master-addr)");
+      }
+      // A server at its connection cap closes newcomers unanswered: knock again.
+      if (last_error.empty()) last_error = try_handshake(deadline);
+      if (last_error.empty()) return;
+      const auto now = steady::now();
+      auto left = deadline - now;
+      if (left <= steady::duration::zero()) {
+        throw timeout_error("could not reach the store at " + endpoint() + " within " +
+                            seconds(patience) + " (last error: " + last_error +
+                            "); check that the process hosting it (rank 0, or the node-0 agent) "
+                            "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
+                            "rank, and that no firewall blocks the port");
+      }
+      if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
+        detail::say(
+            options_.progress,
+            "still trying to connect to the store at " + endpoint() + " (" +
+                detail::whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
+                " of " + detail::whole_seconds(patience) + "; last error: " + last_error + ")");
+        next_report = now + options_.progress_interval;
+      }
+      // Jittered exponential backoff, so a thousand workers do not knock in step.
+      auto pause =
+          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
+      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
+      backoff = std::min(backoff * 2, milliseconds(1000));
+    }
+  }
+
+  // The handshake; returns why the connection was lost during it (empty on
+  // success). A refusal (token, version) throws: knocking again cannot help.
+  std::string try_handshake(steady::time_point deadline) {
+    try {
+      handshake(deadline);
+      return {};
+    } catch (const error& e) {  // lost, or no answer in time
+      if (refused_) throw;
+      fd_.reset();
+      broken_ = false;
+      return e.what();
+    }
+  }
+
+  // One attempt; returns the reason it failed, empty on success, and the
+  // resolver's error code in `resolver_rc` when the name did not resolve.
+  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
+    detail::address_list addrs;
+    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
+      resolver_rc = rc;
+      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+    }
+    std::string why;
+    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
+      detail::unique_fd fd(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      if (!fd) {
+        why = std::strerror(errno);
+        continue;
+      }
+      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+        if (errno != EINPROGRESS) {
+          why = std::strerror(errno);
+          continue;
+        }
+        pollfd p{fd.get(), POLLOUT, 0};
+        int left = remaining_ms(deadline);
+        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
+          why = "connect timed out";
+          continue;
+        }
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) {
+          why = std::strerror(err);
+          continue;
+        }
+      }
+      detail::set_no_delay(fd.get());
+      fd_ = std::move(fd);
+      return {};
+    }
+    return why.empty() ? "no address" : why;
+  }
+
+  static int remaining_ms(steady::time_point deadline) {
+    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
+    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
+  }
+
+  void handshake(steady::time_point connect_deadline) {
+    std::string hello;
+    detail::wire::writer(hello)
+        .u32(detail::wire::magic)
+        .u16(detail::wire::version)
+        .bytes16(options_.token);
+    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
+    send_all(hello, deadline, "the handshake");
+    std::string reply = recv_exact(3, deadline, "the handshake reply");
+    detail::wire::reader r(reply);
+    auto s = static_cast<detail::wire::status>(r.u8("status"));
+    auto version = r.u16("version");
+    refused_ = s != detail::wire::status::ok;
+    if (s == detail::wire::status::bad_token) {
+      broken_ = true;
+      throw token_error("the store at " + endpoint() +
+                        " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                        "token option) on every rank");
+    }
+    if (s == detail::wire::status::bad_version) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
+                             std::to_string(version) + ", this client " +
+                             std::to_string(detail::wire::version) +
+                             "; build every rank with the same dtrain");
+    }
+    if (s != detail::wire::status::ok) {
+      broken_ = true;
+      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
+                             std::to_string(static_cast<int>(s)));
+    }
+  }
+
+  // Sends a request and returns the reply payload; nullopt when the server
+  // reports that the wait timed out.
+  std::optional<std::string> call(const std::string& body, milliseconds server_wait,
+                                  const std::string& what) {
+    std::lock_guard lock(mutex_);
+    if (broken_)
+      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
+                             " was lost earlier");
+    // After a silence the server may have closed the connection as idle:
+    // reopen it rather than fail. If it closes just as this request leaves,
+    // no reply byte arrives, and the request is sent again once.
+    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+    if (closed_by_server()) reopen(what);
+    try {
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    } catch (const rendezvous_error&) {
+      if (!was_idle || reply_started_ || !broken_) throw;
+      reopen(what);
+      auto reply = exchange(body, server_wait, what);
+      last_reply_ = steady::now();
+      return reply;
+    }
+  }
+
+  [[nodiscard]] bool closed_by_server() const {
+    char byte;
+    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
+  // A new connection within the io timeout; the old one is dropped unread.
+  void reopen(const std::string& what) {
+    fd_.reset();
+    broken_ = false;
+    try {
+      connect(options_.io_timeout);
+    } catch (const error& e) {
+      broken_ = true;
+      throw rendezvous_error(
+          what + ": the store at " + endpoint() +
+          " closed this idle connection and cannot be reached again: " + e.what());
+    }
+  }
+
+  std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
+                                      const std::string& what) {
+    reply_started_ = false;
+    // The reply may take the server-side wait, plus the io timeout before the server is presumed
+    // dead.
+    auto deadline = steady::now() + server_wait + options_.io_timeout;
+    try {
+      send_all(detail::wire::frame(body), deadline, what);
+      std::string head = recv_exact(4, deadline, what);
+      std::uint32_t length = detail::wire::frame_length(head);
+      if (length == 0 || length > options_.limits.max_frame_size()) {
+        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
+                               std::to_string(length) + " bytes");
+      }
+      std::string reply = recv_exact(length, deadline, what);
+      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
+      std::string_view payload = std::string_view(reply).substr(1);
+      switch (s) {
+        case detail::wire::status::ok: return std::string(payload);
+        case detail::wire::status::timeout: return std::nullopt;
+        case detail::wire::status::error:
+        case detail::wire::status::shutting_down: {
+          detail::wire::reader r(payload);
+          auto message = std::string(r.bytes32("message", UINT32_MAX));
+          if (s == detail::wire::status::shutting_down) broken_ = true;
+          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
+        }
+        default:
+          throw rendezvous_error(what + ": the store at " + endpoint() +
+                                 " answered with unknown status " +
+                                 std::to_string(static_cast<int>(s)));
+      }
+    } catch (const detail::wire::violation& e) {
+      broken_ = true;
+      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
+                             e.what());
+    } catch (const timeout_error&) {
+      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
+      throw;
+    }
+  }
+
+  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
+    while (!data.empty()) {
+      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        data.remove_prefix(static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLOUT, deadline, what);
+    }
+  }
+
+  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
+    std::string out;
+    char chunk[16384];
+    while (out.size() < size) {
+      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
+      if (n > 0) {
+        out.append(chunk, static_cast<std::size_t>(n));
+        reply_started_ = true;
+        continue;
+      }
+      if (n == 0) lost(what, "the server closed the connection");
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+      await(POLLIN, deadline, what);
+    }
+    return out;
+  }
+
+  void await(short events, steady::time_point deadline, const std::string& what) {
+    pollfd p{fd_.get(), events, 0};
+    for (;;) {
+      int left = remaining_ms(deadline);
+      int rc = ::poll(&p, 1, left);
+      if (rc > 0) return;
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) lost(what, std::strerror(errno));
+      broken_ = true;
+      throw timeout_error(what + ": no reply from the store at " + endpoint() +
+                          " in time; the server is overloaded, hung or unreachable");
+    }
+  }
+
+  [[noreturn]] void lost(const std::string& what, const std::string& why) {
+    broken_ = true;
+    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
+                           why + "); did the process hosting it exit?");
+  }
+
+  std::string host_;
+  int port_;
+  store_options options_;
+  std::mutex mutex_;
+  detail::unique_fd fd_;
+  bool broken_ = false;
+  bool refused_ = false;        // the server answered the handshake with a refusal
+  bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
+  steady::time_point last_reply_ = steady::now();
+};
+
+// The client is a store, alone and under a prefix (checked here, next to it:
+// the concept's header does not include an implementation).
+static_assert(store<store_client>);
+static_assert(store<prefix_store<store_client>>);
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/client.hpp ----
 
 #include <cerrno>
 #include <chrono>
@@ -3890,10 +5051,6 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 #include <unistd.h>
 
 namespace dtrain {
-
-/// Environment: the address the store listens on, instead of the one that
-/// MASTER_ADDR names ("0.0.0.0" for every interface).
-inline constexpr std::string_view store_bind_variable = "DTRAIN_STORE_BIND";
 
 namespace detail {
 
@@ -4011,6 +5168,36 @@ class token_file {
   std::string path_;
   bool published_ = false;
 };
+
+/// Connects `client` to the store at host:port with the token in `file`,
+/// reading the file again while the store refuses it (token_error: a file
+/// left by an earlier job on the same port, which rank 0 has not replaced
+/// yet, or no file yet), within `options.timeout`; then `options.token` is
+/// the accepted token. Other failures are thrown as they come. Throws
+/// timeout_error naming the file when no valid token appears in time.
+inline void connect_with_token_file(std::optional<store_client>& client, const token_file& file,
+                                    const std::string& host, int port, store_options& options,
+                                    int rank) {
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  for (;;) {
+    if (auto token = file.read()) {
+      options.token = *token;
+      try {
+        client.emplace(host, port, options);
+        return;
+      } catch (const token_error&) {
+        // A stale file: read it again.
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw timeout_error("rank " + std::to_string(rank) + " found no valid store token in " +
+                          file.path() +
+                          " within the store timeout; is rank 0 running "
+                          "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
 
 }  // namespace detail
 }  // namespace dtrain
@@ -4139,7 +5326,7 @@ enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
 
 inline shm_mode shm_mode_of(const gloo_options& o) {
   std::optional<bool> on = o.shared_memory;
-  if (!on) on = read_flag(o.env, "DTRAIN_GLOO_SHM");
+  if (!on) on = read_flag(o.env, gloo_shm_variable);
   if (!on) return shm_mode::automatic;
   return *on ? shm_mode::required : shm_mode::off;
 }
@@ -4360,49 +5547,45 @@ class gloo_communicator {
 
   /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
   work allreduce(buffer in, buffer out, reduce_op op) {
-    const auto info = call_info("allreduce", in, static_cast<int>(op), -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(out, in.count, "output");
-    check.op_fits(op, in.type);
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::allreduce, in, out, op, 0, in.count > 0});
+    return collective(detail::collective_call::allreduce(in, out, op),
+                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                        detail::visit(c.in.type, [&]<class T>() {
+                          detail::gloo_run_allreduce<T>(s, c.in, c.out, reduce_op(c.op), timeout);
+                        });
+                      });
   }
 
   /// `data` on every rank becomes root's.
   work broadcast(buffer data, int root) {
-    const auto info = call_info("broadcast", data, -1, root);
-    detail::argument_check check{info};
-    check.root(root, size());
-    host_only(check, data);
-    return submit(info, {detail::gloo_call::kind::broadcast, data, data, reduce_op::sum, root,
-                         data.count > 0});
+    return collective(detail::collective_call::broadcast(data, root),
+                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                        detail::gloo_run_broadcast(s, c.out, c.root, timeout);
+                      });
   }
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
   work allgather(buffer in, buffer out) {
-    const auto info = call_info("allgather", in, -1, -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(out, in.count * static_cast<std::size_t>(size()), "output");
-    host_only(check, in);
-    return submit(info,
-                  {detail::gloo_call::kind::allgather, in, out, reduce_op::sum, 0, in.count > 0});
+    return collective(detail::collective_call::allgather(in, out), &run_allgather);
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
   work reduce_scatter(buffer in, buffer out, reduce_op op) {
-    const auto info = call_info("reduce_scatter", out, static_cast<int>(op), -1);
-    detail::argument_check check{info};
-    check.same_type(in, out);
-    check.count(in, out.count * static_cast<std::size_t>(size()), "input");
-    check.op_fits(op, in.type);
-    host_only(check, in);
-    return submit(info, {detail::gloo_call::kind::reduce_scatter, in, out, op, 0, out.count > 0});
+    return collective(detail::collective_call::reduce_scatter(in, out, op),
+                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                        detail::visit(c.in.type, [&]<class T>() {
+                          detail::gloo_run_reduce_scatter<T>(s, c.in, c.out, reduce_op(c.op),
+                                                             timeout);
+                        });
+                      });
   }
 
   /// Completes once every rank has called barrier().
-  work barrier() { return submit(call_info("barrier", buffer{}, -1, -1), {}); }
+  work barrier() {
+    return collective(detail::collective_call::barrier(),
+                      [](detail::gloo_state& s, const detail::collective_call&, ms timeout) {
+                        detail::gloo_run_barrier(s, timeout);
+                      });
+  }
 
   /// A communicator of the ranks that pass the same `color`, ranked by
   /// (key, rank here). Collective over this communicator: every rank calls it,
@@ -4416,9 +5599,10 @@ class gloo_communicator {
     buffer in{mine, 2, dtype::int64, memory::host};
     buffer out{all.data(), all.size(), dtype::int64, memory::host};
     // An allgather of (color, key), told apart from a user's in check mode.
-    submit(call_info("split", in, -1, -1),  // throws when not valid()
-           {detail::gloo_call::kind::split, in, out, reduce_op::sum, 0, true})
-        .wait();
+    // Throws when not valid().
+    const detail::collective_call exchange{
+        .kind = detail::collective_kind::split, .in = in, .out = out};
+    collective(exchange, &run_allgather).wait();
     // Every rank counts the split, left out or not: the next one's keys must agree.
     const auto number = self_->splits++;
     if (color < 0) return gloo_communicator(left_out_tag{});
@@ -4519,38 +5703,40 @@ class gloo_communicator {
     self_->worker = std::thread([state] { detail::gloo_serve(state); });
   }
 
-  // Every collective starts here, so a left-out rank fails before any check.
-  [[nodiscard]] detail::collective_info call_info(std::string_view collective, const buffer& b,
-                                                  int op, int root) const {
-    detail::collective_info info{
-        collective, name, rank(), size(), b.count, static_cast<std::uint8_t>(b.type), op, root};
-    if (!self_) detail::throw_invalid(detail::describe(info), left_out_);
-    return info;
-  }
-  static void host_only(const detail::argument_check& check, const buffer& b) {
-    if (b.where != memory::host) {
-      check.fail(
-          "gloo reduces host memory only: copy device data to the host first, or use "
-          "backend::nccl");
-    }
+  using ms = std::chrono::milliseconds;
+
+  static void run_allgather(detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+    detail::gloo_run_allgather(s, c.in, c.out, timeout);
   }
 
-  // Queues one collective. Zero-length ones move nothing and complete at once,
-  // except in check mode, where their signature is still compared.
-  work submit(const detail::collective_info& info, const detail::gloo_call& call) {
+  static constexpr detail::memory_reach host_memory{
+      .host = true,
+      .device = false,
+      .rule =
+          "gloo reduces host memory only: copy device data to the host first, or use "
+          "backend::nccl"};
+
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; a broken communicator; the ring's
+  // number and the signature check mode compares (on the worker, before the
+  // collective); then the queue, in submission order. Nothing moves for a
+  // zero-length call: complete at once, except in check mode.
+  work collective(const detail::collective_call& call, detail::gloo_runner run) {
+    const detail::collective_info what = call.info(name, rank(), size());
+    if (!self_) detail::throw_invalid(detail::describe(what), left_out_);
+    detail::check_arguments(call, what, host_memory);
     detail::gloo_state& s = *self_->state;
     if (s.unusable.load())
-      throw backend_error(detail::describe(info) + ": " + s.unusable_text(), 0);
+      throw backend_error(detail::describe(what) + ": " + s.unusable_text(), 0);
     std::unique_lock lock(s.mutex);
-    const std::int64_t seq = detail::record(*s.ring, info);
-    const detail::signature sig = detail::signature_of(seq, info);
-    if (!call.moves_data && !s.check) {
+    const std::int64_t seq = detail::record(*s.ring, what);
+    if (!call.moves_data() && !s.check) {
       s.ring->settle(seq, detail::call_state::completed);
       return work{};
     }
-    auto w = std::make_shared<detail::gloo_work>(info, s.timeout, self_->state);
+    auto w = std::make_shared<detail::gloo_work>(what, s.timeout, self_->state);
     w->track(s.ring, seq);
-    s.queue.push_back({w, sig, call});
+    s.queue.push_back({w, detail::signature_of(seq, what), call, run});
     const bool idle = !s.running;
     lock.unlock();
     if (idle) s.wake.notify_one();
@@ -4924,11 +6110,6 @@ inline std::string mpi_error_text(int code) {
   return std::string(text, static_cast<std::size_t>(length));
 }
 
-// What a failed call was for: a plain text, or a collective described on demand.
-inline std::string what_text(const std::string& text) { return text; }
-inline std::string what_text(const char* text) { return text; }
-inline std::string what_text(const collective_info& info) { return describe(info); }
-
 inline std::string mpi_thread_level_name(int level) {
   switch (level) {
     case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
@@ -5117,98 +6298,77 @@ class mpi_communicator {
   // reads the data; the output is on the device when the work completes.
 
   work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    const auto what = info("allreduce", out, static_cast<int>(op), -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(out, in.count, "output");
-    check.op_fits(op, in.type);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
-    w->divide_by = op == reduce_op::avg ? size_ : 0;
-    if (out.count == 0) return work(w);
-    const void* send = w->src.data == w->dst.data ? MPI_IN_PLACE : w->src.data;
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Allreduce(send, w->dst.data, count(out, what), datatype(out.type),
-                                     mpi_op(op, out.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w->dst.data, count(out, what), datatype(out.type),
-                                    mpi_op(op, out.type), comm_, &w->req),
-                     what);
-    return work(w);
+    return collective(
+        detail::collective_call::allreduce(in, out, op), stream,
+        [&](request& w, const detail::collective_info& what) {
+          const void* send = w.src.data == w.dst.data ? MPI_IN_PLACE : w.src.data;
+          if (w.direct) {
+            DTRAIN_MPI_CHECK(MPI_Allreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                           mpi_op(op, out.type), comm_),
+                             what);
+          } else {
+            DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                            mpi_op(op, out.type), comm_, &w.req),
+                             what);
+          }
+        });
   }
 
   work broadcast(buffer data, int root, stream_handle stream = nullptr) {
-    const auto what = info("broadcast", data, -1, root);
-    detail::argument_check{what}.root(root, size_);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(data, data, false, stream);
-    if (data.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Bcast(w->dst.data, count(data, what), datatype(data.type), root, comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(
-        MPI_Ibcast(w->dst.data, count(data, what), datatype(data.type), root, comm_, &w->req),
-        what);
-    return work(w);
+    return collective(
+        detail::collective_call::broadcast(data, root), stream,
+        [&](request& w, const detail::collective_info& what) {
+          if (w.direct) {
+            DTRAIN_MPI_CHECK(
+                MPI_Bcast(w.dst.data, count(data, what), datatype(data.type), root, comm_), what);
+          } else {
+            DTRAIN_MPI_CHECK(
+                MPI_Ibcast(w.dst.data, count(data, what), datatype(data.type), root, comm_, &w.req),
+                what);
+          }
+        });
   }
 
   work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
-    const auto what = info("allgather", in, -1, -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(out, in.count * static_cast<std::size_t>(size_), "output");
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(in, out, false, stream);
-    if (in.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Allgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
-                                     count(in, what), datatype(in.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(MPI_Iallgather(w->src.data, count(in, what), datatype(in.type), w->dst.data,
-                                    count(in, what), datatype(in.type), comm_, &w->req),
-                     what);
-    return work(w);
+    return collective(detail::collective_call::allgather(in, out), stream,
+                      [&](request& w, const detail::collective_info& what) {
+                        const int n = count(in, what);
+                        if (w.direct) {
+                          DTRAIN_MPI_CHECK(MPI_Allgather(w.src.data, n, datatype(in.type),
+                                                         w.dst.data, n, datatype(in.type), comm_),
+                                           what);
+                        } else {
+                          DTRAIN_MPI_CHECK(
+                              MPI_Iallgather(w.src.data, n, datatype(in.type), w.dst.data, n,
+                                             datatype(in.type), comm_, &w.req),
+                              what);
+                        }
+                      });
   }
 
   work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    const auto what = info("reduce_scatter", out, static_cast<int>(op), -1);
-    detail::argument_check check{what};
-    check.same_type(in, out);
-    check.count(in, out.count * static_cast<std::size_t>(size_), "input");
-    check.op_fits(op, in.type);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    w->stage(in, out, op == reduce_op::avg || !native(out.type), stream);
-    w->divide_by = op == reduce_op::avg ? size_ : 0;
-    if (out.count == 0) return work(w);
-    if (w->direct) {
-      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(w->src.data, w->dst.data, count(out, what),
-                                                datatype(out.type), mpi_op(op, out.type), comm_),
-                       what);
-      return work(w);
-    }
-    DTRAIN_MPI_CHECK(
-        MPI_Ireduce_scatter_block(w->src.data, w->dst.data, count(out, what), datatype(out.type),
-                                  mpi_op(op, out.type), comm_, &w->req),
-        what);
-    return work(w);
+    return collective(
+        detail::collective_call::reduce_scatter(in, out, op), stream,
+        [&](request& w, const detail::collective_info& what) {
+          if (w.direct) {
+            DTRAIN_MPI_CHECK(
+                MPI_Reduce_scatter_block(w.src.data, w.dst.data, count(out, what),
+                                         datatype(out.type), mpi_op(op, out.type), comm_),
+                what);
+          } else {
+            DTRAIN_MPI_CHECK(
+                MPI_Ireduce_scatter_block(w.src.data, w.dst.data, count(out, what),
+                                          datatype(out.type), mpi_op(op, out.type), comm_, &w.req),
+                what);
+          }
+        });
   }
 
   work barrier() {
-    const auto what = info("barrier", buffer{}, -1, -1);
-    usable(what);
-    auto w = make_request(what, verify(what));
-    DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w->req), what);
-    return work(w);
+    return collective(detail::collective_call::barrier(), nullptr,
+                      [&](request& w, const detail::collective_info& what) {
+                        DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w.req), what);
+                      });
   }
 
   /// The ranks with the same color, ordered by key (then by rank). Collective.
@@ -5232,8 +6392,8 @@ class mpi_communicator {
  private:
   struct health {
     bool broken = false;
-    bool abandoned = false;  // a request was given up while MPI may still progress it
-    std::string why;
+    bool abandoned = false;     // a request was given up while MPI may still progress it
+    detail::failure_cause why;  // the first failure (recorded without allocating)
   };
 
   // How device buffers travel (CUDA builds): the pinned pool, and whether the
@@ -5316,7 +6476,7 @@ class mpi_communicator {
           fail(std::make_exception_ptr(
               backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
           health_->broken = true;
-          health_->why = description() + " failed";
+          health_->why.set(info(), "failed");
           finished = true;
           return true;
         }
@@ -5348,11 +6508,12 @@ class mpi_communicator {
     void on_timeout() noexcept override { abandon(); }
 
     // MPI cannot cancel a collective: the communicator is unusable from now on.
+    // Allocates nothing (a timeout hook, and the destructor, call it).
     void abandon() noexcept {
       abandoned = true;
       health_->abandoned = true;
       health_->broken = true;
-      health_->why = description() + " timed out";
+      health_->why.set(info(), "timed out");
     }
 
     MPI_Request req = MPI_REQUEST_NULL;
@@ -5389,10 +6550,26 @@ class mpi_communicator {
     std::shared_ptr<staging> staging_;
   };
 
-  std::shared_ptr<request> make_request(const detail::collective_info& what, std::int64_t seq) {
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; a broken communicator; the ring's
+  // number (check mode: every rank's signature compared); staging (device
+  // buffers through pinned host memory, and the avg division on completion);
+  // last the engine's call, `submit(request, what)`, unless nothing moves.
+  template <class Submit>
+  work collective(const detail::collective_call& call, stream_handle stream, Submit&& submit) {
+    const detail::collective_info what = call.info(name, rank_, size_);
+    if (!valid()) detail::throw_invalid(detail::describe(what), rank_ < 0);
+    detail::check_arguments(call, what, detail::memory_reach{});
+    usable(what);
+    const std::int64_t seq = verify(what);
     auto w = std::make_shared<request>(what, options_.collectives.timeout, health_, staging_);
     w->track(ring_, seq);
-    return w;
+    const bool avg = call.op == static_cast<int>(reduce_op::avg);
+    // avg's division and the 16-bit floats' MPI_Op run on the host.
+    w->stage(call.in, call.out, avg || (call.op >= 0 && !native(call.out.type)), stream);
+    w->divide_by = avg ? size_ : 0;
+    if (call.moves_data()) submit(*w, what);
+    return work(std::move(w));
   }
 
   mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
@@ -5428,22 +6605,12 @@ class mpi_communicator {
         health_(std::make_shared<health>()),
         staging_(std::make_shared<staging>()) {}
 
-  // Every collective starts here, so a left-out rank fails before any check.
-  detail::collective_info info(std::string_view collective, const buffer& b, int op,
-                               int root) const {
-    detail::collective_info out{
-        collective, name, rank_, size_, b.count, static_cast<std::uint8_t>(b.type), op, root};
-    if (!valid()) detail::throw_invalid(detail::describe(out), rank_ < 0);
-    return out;
-  }
-
-  void usable(const detail::collective_info& what) const {
-    if (health_->broken) usable(detail::describe(what));
-  }
-  void usable(const std::string& what) const {
+  template <class What>
+  void usable(const What& what) const {
     if (health_->broken) {
       throw backend_error(
-          what + ": this MPI communicator is unusable since " + health_->why +
+          detail::what_text(what) + ": this MPI communicator is unusable since " +
+              health_->why.text() +
               " (MPI cannot cancel a collective); end the job, or continue only on other "
               "communicators",
           0);
@@ -5512,14 +6679,13 @@ class mpi_communicator {
   std::int64_t verify(const detail::collective_info& info) {
     const std::int64_t sequence = detail::record(*ring_, info);
     if (!options_.collectives.check) return sequence;
-    const std::string what = detail::describe(info);
     detail::compare_signatures(
-        detail::signature_of(sequence, info), rank_, size_, what,
+        detail::signature_of(sequence, info), rank_, size_, info,
         [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
           DTRAIN_MPI_CHECK(
               MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
                             static_cast<int>(in.size()), MPI_INT64_T, comm_),
-              what + " (check mode)");
+              detail::describe(info) + " (check mode)");
         });
     return sequence;
   }
@@ -5545,23 +6711,44 @@ static_assert(communicator<mpi_communicator>);
 
 namespace detail {
 
-/// Broadcasts `value` (a wire-encoded value: launch/protocol.hpp) from `root`
-/// to every rank of `comm`: its length, then its bytes, so no rank guesses a
-/// buffer size. A collective: every rank calls it, whatever it holds.
-inline void mpi_broadcast_value(MPI_Comm comm, int root, std::string& value,
-                                const std::string& what) {
-  std::uint64_t length = value.size();
-  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root, comm), what);
-  if (length > (std::uint64_t{1} << 20)) {
-    throw backend_error(what + ": rank " + std::to_string(root) + " sent a value of " +
-                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
-                        0);
+/// An MPI broadcast from `root` over `comm` as broadcast_or_fail's channel
+/// (rendezvous/broadcast.hpp), usable before any store exists: the message's
+/// length, then its bytes, so no rank guesses a buffer size. Every rank of
+/// `comm` calls it. MPI errors are reported only where `comm` returns them
+/// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
+class mpi_relay {
+ public:
+  explicit mpi_relay(MPI_Comm comm, int root = 0) : comm_(comm), root_(root) {
+    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
+                     "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
   }
-  value.resize(static_cast<std::size_t>(length));
-  if (length > 0) {
-    DTRAIN_MPI_CHECK(MPI_Bcast(value.data(), static_cast<int>(length), MPI_BYTE, root, comm), what);
+
+  void carry(std::string& message, const std::string& what) {
+    std::uint64_t length = message.size();
+    DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
+    if (length > max_length) {
+      throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
+                              std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                          0);
+    }
+    message.resize(static_cast<std::size_t>(length));
+    if (length > 0) {
+      DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
+                       what);
+    }
   }
-}
+  [[nodiscard]] int root() const noexcept { return root_; }
+  [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
+  [[nodiscard]] std::string where() const {
+    return "rank " + std::to_string(root_) + "'s MPI broadcast";
+  }
+
+ private:
+  static constexpr std::uint64_t max_length = std::uint64_t{1} << 20;
+  MPI_Comm comm_;
+  int root_;
+  int rank_ = -1;
+};
 
 }  // namespace detail
 
@@ -5579,7 +6766,7 @@ inline void mpi_broadcast_value(MPI_Comm comm, int root, std::string& value,
 // ---- begin dtrain/backend/nccl_engine.hpp ----
 /// @file
 /// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
-/// mapping of dtrain's types and ops onto NCCL's, the argument checks, and the
+/// mapping of dtrain's types and ops onto NCCL's, where it finds buffers, and the
 /// state a communicator shares with its work handles (the NCCL communicator,
 /// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
 /// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
@@ -5640,7 +6827,7 @@ struct nccl_options {
   [[nodiscard]] nccl_options with_env(const environment& env) const {
     nccl_options out = *this;
     out.collectives = collectives.with_env(env);
-    if (auto t = detail::read_seconds(env, "DTRAIN_NCCL_INIT_TIMEOUT")) out.init_timeout = *t;
+    if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
     if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
     return out;
   }
@@ -5716,30 +6903,6 @@ namespace dtrain::detail {
   return ncclSum;
 }
 
-/// The collectives of nccl_communicator, numbered as collective_kinds.
-enum class nccl_kind : std::int64_t {
-  allreduce = 1,
-  broadcast,
-  allgather,
-  reduce_scatter,
-  barrier,
-  allreduce_many,
-  split
-};
-
-/// A call's signature before the ring numbers it (launch() sets `seq`).
-[[nodiscard]] inline signature nccl_signature(nccl_kind kind, std::size_t count, dtype type,
-                                              std::int64_t op_or_root) noexcept {
-  const bool reduces = kind == nccl_kind::allreduce || kind == nccl_kind::reduce_scatter ||
-                       kind == nccl_kind::allreduce_many;
-  return {.seq = 0,
-          .kind = static_cast<std::int64_t>(kind),
-          .count = static_cast<std::int64_t>(count),
-          .type = static_cast<std::int64_t>(type),
-          .op = reduces ? op_or_root : -1,
-          .root = kind == nccl_kind::broadcast ? op_or_root : -1};
-}
-
 /// Prefixes an engine error with the operation it interrupted (once).
 [[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
                                                      const backend_error& e) {
@@ -5747,7 +6910,7 @@ enum class nccl_kind : std::int64_t {
   return backend_error(what + ": " + e.what(), e.engine_code());
 }
 
-// Argument checks: what one rank can check alone, before any CUDA or NCCL call.
+// What a new communicator's rank, size and device must be, before any CUDA or NCCL call.
 
 inline void nccl_check_rank(int rank, int size) {
   if (size < 1)
@@ -5766,59 +6929,13 @@ inline void nccl_check_placement(int rank, int size, int device) {
   }
 }
 
-inline void nccl_check_device(const argument_check& check, const buffer& b,
-                              std::string_view which) {
-  if (b.where != memory::device) {
-    check.fail(
-        std::string(which) +
-        " is host memory, and NCCL reduces device memory only: pass GPU memory (device_span, or a "
-        "buffer with where = memory::device), or reduce host data with the mpi or gloo backend");
-  }
-  if (b.data == nullptr && b.count > 0) {
-    check.fail(std::string(which) + " is a null pointer with " + std::to_string(b.count) +
-               " elements");
-  }
-}
-
-inline void nccl_check_allreduce(const argument_check& check, const buffer& in, const buffer& out,
-                                 reduce_op op) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(out, in.count, "output");
-  check.op_fits(op, in.type);
-}
-
-inline void nccl_check_broadcast(const argument_check& check, const buffer& data, int root,
-                                 int size) {
-  nccl_check_device(check, data, "data");
-  check.root(root, size);
-}
-
-inline void nccl_check_allgather(const argument_check& check, const buffer& in, const buffer& out,
-                                 int size) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(out, in.count * static_cast<std::size_t>(size), "output");
-}
-
-inline void nccl_check_reduce_scatter(const argument_check& check, const buffer& in,
-                                      const buffer& out, reduce_op op, int size) {
-  nccl_check_device(check, in, "input");
-  nccl_check_device(check, out, "output");
-  check.same_type(in, out);
-  check.count(in, out.count * static_cast<std::size_t>(size), "input");
-  check.op_fits(op, out.type);
-}
-
-inline void nccl_check_many(const argument_check& check, std::span<const buffer> buffers,
-                            reduce_op op) {
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    nccl_check_device(check, buffers[i], "buffer " + std::to_string(i));
-    check.op_fits(op, buffers[i].type);
-  }
-}
+/// Where NCCL's collectives find their buffers (check_arguments).
+inline constexpr memory_reach nccl_memory{
+    .host = false,
+    .device = true,
+    .rule =
+        "NCCL reduces device memory only: pass GPU memory (device_span, or a buffer with where "
+        "= memory::device), or reduce host data with the mpi or gloo backend"};
 
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
 [[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
@@ -5910,7 +7027,7 @@ struct nccl_shared {
   /// so an abort never waits for the wait it is meant to end.
   std::atomic<bool> abort_requested{false};
   bool aborted = false;
-  std::string abort_reason;
+  failure_cause abort_reason;  // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
 
   nccl_shared() = default;
@@ -5955,17 +7072,22 @@ struct nccl_shared {
     return r != ncclSuccess ? r : state;
   }
 
-  void throw_if_aborted(const std::string& what) const {
+  template <class What>
+  void throw_if_aborted(const What& what) const {
     if (aborted) {
       throw backend_error(
-          what + ": the communicator was aborted earlier (" + abort_reason +
+          what_text(what) + ": the communicator was aborted earlier (" + abort_reason.text() +
               "); its collectives cannot run any more: create a new communicator (restart the job)",
           abort_code);
     }
   }
 
-  /// ncclCommAbort, once; later calls see `aborted`. Call with `mutex` held.
-  void abort_locked(std::string why, int code) noexcept {
+  /// ncclCommAbort, once; later calls see `aborted`, `abort_code` and the
+  /// first reason, `why`: what failure_cause::set takes (a text moved in, a
+  /// collective and how it ended, what was done on which rank). Allocates
+  /// nothing, as abort() and the timeout hook need. Call with `mutex` held.
+  template <class... Why>
+  void abort_locked(int code, Why&&... why) noexcept {
     if (comm) {
       device_guard guard(device, std::nothrow);
       (void)ncclCommAbort(comm);
@@ -5974,10 +7096,7 @@ struct nccl_shared {
     if (!aborted) {
       aborted = true;
       abort_code = code;
-      try {
-        abort_reason = std::move(why);
-      } catch (...) {
-      }
+      abort_reason.set(std::forward<Why>(why)...);
     }
   }
 
@@ -5985,28 +7104,30 @@ struct nccl_shared {
   /// NCCL error aborts and throws backend_error; running past `limit` aborts
   /// and throws timeout_error, with `hint` for the person reading it. Call
   /// with `mutex` held (or before anyone else can see this state).
-  template <class Finished>
-  void wait(const std::string& what, std::chrono::milliseconds limit, std::string_view hint,
+  /// `what` names the operation (what_text()), put into words only on failure.
+  template <class What, class Finished>
+  void wait(const What& what, std::chrono::milliseconds limit, std::string_view hint,
             Finished&& finished) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     nccl_backoff pause;
     for (;;) {
       throw_if_aborted(what);
       if (abort_requested.load(std::memory_order_acquire)) {
-        std::string why = what + " was interrupted: another thread aborted the communicator";
-        abort_locked(why, 0);
+        std::string why =
+            what_text(what) + " was interrupted: another thread aborted the communicator";
+        abort_locked(0, std::string(why));
         throw backend_error(why, 0);
       }
       const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
-        std::string why = what + " failed: NCCL reports " + async_text(state);
-        abort_locked(why, static_cast<int>(state));
+        std::string why = what_text(what) + " failed: NCCL reports " + async_text(state);
+        abort_locked(static_cast<int>(state), std::string(why));
         throw backend_error(why, static_cast<int>(state));
       }
       if (state == ncclSuccess && finished()) return;
       if (std::chrono::steady_clock::now() >= deadline) {
-        std::string why = what + " did not finish within " + nccl_seconds(limit);
-        abort_locked(why, 0);
+        std::string why = what_text(what) + " did not finish within " + nccl_seconds(limit);
+        abort_locked(0, std::string(why));
         throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
       }
       pause();
@@ -6020,28 +7141,28 @@ struct nccl_shared {
     return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
   }
 
-  /// A completion event from the pool (created on the current device when the pool is empty).
+  /// A completion event from the pool (created on the current device when the
+  /// pool is empty). The pool makes room for every event it hands out, so that
+  /// release_event() never allocates.
   [[nodiscard]] cudaEvent_t acquire_event() {
-    {
-      std::lock_guard lock(events_mutex_);
-      if (!free_events_.empty()) {
-        cudaEvent_t e = free_events_.back();
-        free_events_.pop_back();
-        return e;
-      }
+    std::lock_guard lock(events_mutex_);
+    if (!free_events_.empty()) {
+      cudaEvent_t e = free_events_.back();
+      free_events_.pop_back();
+      return e;
     }
-    return cuda_event::create().release();
+    free_events_.reserve(events_made_ + 1);
+    cudaEvent_t e = cuda_event::create().release();
+    ++events_made_;
+    return e;
   }
 
   /// Returns an event to the pool. A stream that waited on it keeps the point
-  /// it waited for, so it can be recorded again at once.
+  /// it waited for, so it can be recorded again at once. Allocates nothing:
+  /// the pool holds at most the events made, and has room for them all.
   void release_event(cudaEvent_t e) noexcept {
-    try {
-      std::lock_guard lock(events_mutex_);
-      free_events_.push_back(e);
-    } catch (...) {
-      (void)cudaEventDestroy(e);
-    }
+    std::lock_guard lock(events_mutex_);
+    free_events_.push_back(e);
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
@@ -6106,7 +7227,8 @@ struct nccl_shared {
 
   std::int64_t* host_table_ = nullptr;
   std::mutex events_mutex_;
-  std::vector<cudaEvent_t> free_events_;
+  std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
+  std::size_t events_made_ = 0;
 };
 
 /// An event from the pool for one scope (or released to a work).
@@ -6132,9 +7254,9 @@ class nccl_pooled_event {
 /// NCCL asks) or the communicator was aborted.
 class nccl_work final : public work_state {
  public:
-  nccl_work(std::string what, std::chrono::milliseconds timeout,
+  nccl_work(const collective_info& what, std::chrono::milliseconds timeout,
             std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
-      : work_state(std::move(what), timeout), shared_(std::move(shared)), done_(done) {}
+      : work_state(what, timeout), shared_(std::move(shared)), done_(done) {}
   ~nccl_work() override { shared_->release_event(done_); }
 
   // Runs on any thread that waits (the watchdog's included): the CUDA calls
@@ -6145,14 +7267,14 @@ class nccl_work final : public work_state {
     if (shared_->aborted) {
       fail(std::make_exception_ptr(
           backend_error(description() + " did not complete: the communicator was aborted (" +
-                            shared_->abort_reason + ")",
+                            shared_->abort_reason.text() + ")",
                         shared_->abort_code)));
       return true;
     }
     const ncclResult_t state = shared_->async_state();
     if (state != ncclSuccess && state != ncclInProgress) {
       std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
-      shared_->abort_locked(why, static_cast<int>(state));
+      shared_->abort_locked(static_cast<int>(state), std::string(why));
       fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
       return true;
     }
@@ -6173,7 +7295,7 @@ class nccl_work final : public work_state {
   void on_timeout() noexcept override {
     shared_->abort_requested.store(true, std::memory_order_release);
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(description() + " timed out", 0);
+    shared_->abort_locked(0, info(), "timed out");
   }
 
  private:
@@ -6185,12 +7307,115 @@ class nccl_work final : public work_state {
 
 #endif  // DTRAIN_HAS_NCCL()
 // ---- end dtrain/backend/nccl_engine.hpp ----
+// ---- begin dtrain/rendezvous/broadcast.hpp ----
+/// @file
+/// broadcast_or_fail: one rank produces a value that every rank needs to
+/// start (the store's address, the store token, an NCCL unique id), and every
+/// rank returns it; or, when that rank fails to produce it, every rank fails
+/// at once with that rank's own message instead of waiting out a timeout for
+/// a value that never comes. The channel (a relay) is the caller's: a key of
+/// the store (store_relay, here), or an MPI broadcast before any store exists
+/// (backend/mpi.hpp's mpi_relay). The message is a wire::outcome, whatever
+/// the channel.
+
+
+#include <concepts>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace dtrain::detail {
+
+/// What carries broadcast_or_fail's message: `carry(message, what)` sends
+/// `message` on the root and replaces it with the root's on every other rank
+/// (`what` names the broadcast in the channel's own errors); `root()` is the
+/// producing rank, `is_root()` whether this is it, and `where()` names the
+/// channel in errors ("store key dtrain/job/nccl/unique_id").
+template <class R>
+concept broadcast_relay = requires(R& r, std::string& message, const std::string& what) {
+  r.carry(message, what);
+  { r.root() } -> std::convertible_to<int>;
+  { r.is_root() } -> std::convertible_to<bool>;
+  { r.where() } -> std::convertible_to<std::string>;
+};
+
+/// A key of the store as broadcast_or_fail's channel: the root sets it, every
+/// other rank gets it, waiting at most the store's timeout. Give each value
+/// its own key: the key is never erased (a late rank still finds it).
+template <store Store>
+class store_relay {
+ public:
+  store_relay(Store& store, std::string key, int rank, int root = 0)
+      : store_(store), key_(std::move(key)), rank_(rank), root_(root) {}
+
+  void carry(std::string& message, const std::string& /*what*/) {
+    if (is_root()) {
+      store_.set(key_, message);
+    } else {
+      message = store_.get(key_);
+    }
+  }
+  [[nodiscard]] int root() const noexcept { return root_; }
+  [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
+  [[nodiscard]] std::string where() const { return "store key \"" + key_ + "\""; }
+
+ private:
+  Store& store_;
+  std::string key_;
+  int rank_;
+  int root_;
+};
+
+/// Rank `relay.root()` calls `produce()` (which returns the value as a
+/// std::string) and every rank returns that value. Every rank calls it, as a
+/// collective, whatever it holds.
+///
+/// When `produce()` throws, the root sends its message in place of the value
+/// and then rethrows its own exception, unchanged; every other rank throws
+/// rendezvous_error "rank R could not provide <what>: <R's message>". A
+/// message that is not a wire::outcome is a rendezvous_error naming `where()`
+/// and `what`; a failure of the channel itself (the store's timeout, an MPI
+/// error) propagates, except on a root that has failed already, which throws
+/// its own failure.
+template <broadcast_relay Relay, class Produce>
+[[nodiscard]] std::string broadcast_or_fail(Relay&& relay, std::string_view what,
+                                            Produce&& produce) {
+  const std::string about(what);
+  std::string message;
+  std::exception_ptr failure;
+  if (relay.is_root()) {
+    try {
+      message = wire::outcome{true, std::forward<Produce>(produce)()}.encode();
+    } catch (...) {
+      failure = std::current_exception();
+      message = wire::outcome{false, current_failure().second}.encode();
+    }
+  }
+  try {
+    relay.carry(message, "broadcasting " + about);
+  } catch (...) {
+    if (failure) std::rethrow_exception(failure);
+    throw;
+  }
+  if (failure) std::rethrow_exception(failure);
+  wire::outcome got = wire::outcome::decode(relay.where(), message, about);
+  if (!got.ok) {
+    throw rendezvous_error("rank " + std::to_string(relay.root()) + " could not provide " + about +
+                           ": " + got.text);
+  }
+  return std::move(got.text);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/broadcast.hpp ----
 
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -6199,11 +7424,31 @@ class nccl_work final : public work_state {
 #if DTRAIN_HAS_NCCL()
 #include <cuda_runtime.h>
 #include <nccl.h>
-#if DTRAIN_HAS_MPI()
-#include <mpi.h>
-#endif
 
 namespace dtrain {
+
+namespace detail {
+/// An id's bytes as broadcast_or_fail carries them; nccl_unique_id_from reads them back.
+inline std::string nccl_unique_id_text(const ncclUniqueId& id) {
+  return std::string(id.internal, sizeof id.internal);
+}
+/// What creating a communicator is called in its errors.
+inline std::string nccl_creating(int rank, int size, int device) {
+  return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " on CUDA device " + std::to_string(device);
+}
+/// Checks `device` and makes it current, as creating the communicator does
+/// (and with the same errors).
+inline void nccl_claim_device(int rank, int size, int device,
+                              const std::optional<std::string>& visible) {
+  nccl_check_placement(rank, size, device);
+  try {
+    nccl_select_device(device, rank, size, visible);
+  } catch (const backend_error& e) {
+    throw nccl_with_context(nccl_creating(rank, size, device), e);
+  }
+}
+}  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
 ///
@@ -6241,19 +7486,27 @@ class nccl_communicator {
 
   /// Creates the communicator of `rank` of `size` on CUDA `device` (normally
   /// the local rank; it becomes the calling thread's current device). Rank 0
-  /// creates the NCCL unique id and sets it in `store` under
-  /// `options.store_key`; the others get it, waiting as long as the store's
-  /// timeout allows. Then ncclCommInitRankConfig, non-blocking, waited for at
-  /// most `options.init_timeout`.
+  /// selects its device and creates the NCCL unique id, and sets it in `store`
+  /// under `options.store_key` (broadcast_or_fail); the others get it, waiting
+  /// as long as the store's timeout allows. Then ncclCommInitRankConfig,
+  /// non-blocking, waited for at most `options.init_timeout`.
   ///
   /// Throws config_error for a bad rank, size or device; timeout_error (the
   /// store's, or the init's) when a rank does not show up; rendezvous_error
-  /// for a malformed id in the store; backend_error for CUDA and NCCL failures.
+  /// for a malformed id in the store, and on every other rank at once when
+  /// rank 0 cannot select its device or create the id (with rank 0's own
+  /// message); backend_error for CUDA and NCCL failures.
   template <store Store>
   nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
-      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key), rank, size,
-                          device, options) {}
+      // Rank 0 claims its device first: if it has none, nobody waits for its id.
+      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key,
+                                             [&] {
+                                               detail::nccl_claim_device(
+                                                   rank, size, device,
+                                                   options.cuda_visible_devices);
+                                             }),
+                          rank, size, device, options) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
@@ -6261,12 +7514,9 @@ class nccl_communicator {
   nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
                     nccl_options options = {})
       : rank_(rank), size_(size) {
-    detail::nccl_check_placement(rank, size, device);
-    const std::string what = "creating the NCCL communicator of rank " + std::to_string(rank) +
-                             " of " + std::to_string(size) + " on CUDA device " +
-                             std::to_string(device);
+    detail::nccl_claim_device(rank, size, device, options.cuda_visible_devices);
+    const std::string what = detail::nccl_creating(rank, size, device);
     try {
-      detail::nccl_select_device(device, rank, size, options.cuda_visible_devices);
       auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
       ncclConfig_t config = s->config();
       try {
@@ -6304,19 +7554,24 @@ class nccl_communicator {
     return id;
   }
 
-  /// Rank 0 creates an id and sets it under `key`; every other rank gets it
-  /// (the store's timeout applies). Throws config_error for a bad rank,
-  /// rendezvous_error for a value that is not an id, and what the store throws.
-  template <store Store>
+  /// Rank 0 calls `prepare()`, creates an id and sets it under `key`; every
+  /// other rank gets it (the store's timeout applies). When rank 0 fails (in
+  /// `prepare`, or creating the id), it sets its error under `key` instead
+  /// and throws it; every other rank throws rendezvous_error at once, with
+  /// rank 0's message (broadcast_or_fail, rendezvous/broadcast.hpp). Throws
+  /// config_error for a bad rank, rendezvous_error for a value that is not an
+  /// id, and what the store throws.
+  template <store Store, class Prepare = void (*)()>
   [[nodiscard]] static ncclUniqueId exchange_unique_id(
-      Store& store, int rank, int size, std::string_view key = default_nccl_store_key) {
+      Store& store, int rank, int size, std::string_view key = default_nccl_store_key,
+      Prepare&& prepare = [] {}) {
     detail::nccl_check_rank(rank, size);
-    if (rank == 0) {
-      ncclUniqueId id = new_unique_id();
-      store.set(key, std::string_view(id.internal, sizeof id.internal));
-      return id;
-    }
-    return detail::nccl_unique_id_from(store.get(key), key);
+    const std::string value = detail::broadcast_or_fail(
+        detail::store_relay<Store>(store, std::string(key), rank), "the NCCL unique id", [&] {
+          prepare();
+          return detail::nccl_unique_id_text(new_unique_id());
+        });
+    return detail::nccl_unique_id_from(value, key);
   }
 
   /// -1 and 0 for a rank that split() left out (negative color).
@@ -6345,75 +7600,59 @@ class nccl_communicator {
   void abort() noexcept {
     if (!shared_) return;
     std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked("abort() was called on rank " + std::to_string(rank_), 0);
+    shared_->abort_locked(0, "abort() was called", rank_);
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
   /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("allreduce", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_allreduce({what}, in, out, op);
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce, in.count, in.type,
-                               static_cast<std::int64_t>(op)),
-        in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+    return collective(
+        detail::collective_call::allreduce(in, out, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op, size()), comm, own));
+                                          detail::nccl_op(op, size_), comm, own));
         });
   }
 
   /// `data` on every rank becomes root's.
   work broadcast(buffer data, int root, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("broadcast", "root " + std::to_string(root) + ", " + detail::shape(data));
-    detail::nccl_check_broadcast({what}, data, root, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::broadcast, data.count, data.type, root),
-                  data.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
-                                                    detail::nccl_type(data.type), root, comm, own));
-                  });
+    return collective(
+        detail::collective_call::broadcast(data, root), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
+                                          detail::nccl_type(data.type), root, comm, own));
+        });
   }
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank
   /// order. In place when `in` is this rank's block of `out`.
   work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
-    const std::string what = describe("allgather", detail::shape(in));
-    detail::nccl_check_allgather({what}, in, out, size_);
-    return launch(what, detail::nccl_signature(detail::nccl_kind::allgather, in.count, in.type, 0),
-                  in.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
-                                                    detail::nccl_type(in.type), comm, own));
-                  });
+    return collective(detail::collective_call::allgather(in, out), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
+                                                        detail::nccl_type(in.type), comm, own));
+                      });
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    const std::string what =
-        describe("reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(in));
-    detail::nccl_check_reduce_scatter({what}, in, out, op, size_);
-    return launch(what,
-                  detail::nccl_signature(detail::nccl_kind::reduce_scatter, out.count, out.type,
-                                         static_cast<std::int64_t>(op)),
-                  out.count == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
-                                                        detail::nccl_type(out.type),
-                                                        detail::nccl_op(op, size()), comm, own));
-                  });
+    return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
+                                                            detail::nccl_type(out.type),
+                                                            detail::nccl_op(op, size_), comm, own));
+                      });
   }
 
   /// Completes once every rank has reached it (and this rank's earlier
   /// collectives, and its work on `stream` before the call, are done): an
   /// allreduce of one int on the device.
   work barrier(cudaStream_t stream = nullptr) {
-    const std::string what = describe("barrier", "");
-    return launch(what, detail::nccl_signature(detail::nccl_kind::barrier, 0, dtype::int32, 0),
-                  false, stream, [&](ncclComm_t comm, cudaStream_t own) {
-                    std::int64_t* word = shared_->barrier_word;
-                    DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
-                  });
+    return collective(
+        detail::collective_call::barrier(), stream, [&](ncclComm_t comm, cudaStream_t own) {
+          std::int64_t* word = shared_->barrier_word;
+          DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+        });
   }
 
   /// Reduces each buffer in place, in one NCCL group (ncclGroupStart/End):
@@ -6421,24 +7660,15 @@ class nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
-    std::size_t total = 0;
-    for (const buffer& b : buffers) total += b.count;
-    const std::string what = describe(
-        "allreduce_many", std::string(to_string(op)) + ", " + std::to_string(buffers.size()) +
-                              " buffers, " + std::to_string(total) + " elements");
-    detail::nccl_check_many({what}, buffers, op);
-    const dtype first = buffers.empty() ? dtype::float32 : buffers.front().type;
-    return launch(
-        what,
-        detail::nccl_signature(detail::nccl_kind::allreduce_many, total, first,
-                               static_cast<std::int64_t>(op)),
-        total == 0, stream, [&](ncclComm_t comm, cudaStream_t own) {
+    return collective(
+        detail::collective_call::allreduce_many(buffers, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
           DTRAIN_NCCL_CHECK(ncclGroupStart());
           try {
             for (const buffer& b : buffers) {
               if (b.count == 0) continue;
               DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op, size()), comm, own));
+                                              detail::nccl_op(op, size_), comm, own));
             }
           } catch (...) {
             (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
@@ -6451,7 +7681,7 @@ class nccl_communicator {
   /// Makes `stream` wait, on the device and without blocking the host, for
   /// every collective enqueued on this communicator so far.
   void stream_wait(cudaStream_t stream) {
-    const std::string what = describe("stream_wait", "");
+    const auto what = [this] { return describe("stream_wait", ""); };  // on failure only
     detail::nccl_shared& s = usable(what);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
@@ -6461,7 +7691,7 @@ class nccl_communicator {
       DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
       DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
     } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      throw detail::nccl_with_context(what(), e);
     }
   }
 
@@ -6478,8 +7708,9 @@ class nccl_communicator {
     s.throw_if_aborted(what);
     // Numbered in the ring like any collective (as Gloo's split), so that check
     // mode and the desync table name it alike.
-    detail::signature sig = detail::nccl_signature(detail::nccl_kind::split, 0, dtype::int32, 0);
-    sig.seq = record(sig);
+    const detail::collective_info call{
+        "split", name, rank_, size_, 0, static_cast<std::uint8_t>(dtype::int32), -1, -1};
+    const detail::signature sig = detail::signature_of(detail::record(*ring_, call), call);
     auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
     try {
       detail::device_guard guard(s.device);
@@ -6534,17 +7765,21 @@ class nccl_communicator {
     return detail::describe(what, args, rank_, size_, name);
   }
 
-  detail::nccl_shared& usable(const std::string& what) const {
+  // A left-out (or moved-from) communicator fails here, before anything else.
+  template <class What>
+  detail::nccl_shared& usable(const What& what) const {
     if (shared_) return *shared_;
-    detail::throw_invalid(what, rank_ < 0);
+    detail::throw_invalid(detail::what_text(what), rank_ < 0);
   }
 
   // Check mode: every rank's signature, gathered by an (unchecked) ncclAllGather
   // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
   // The host waits for it (at most the collective timeout).
-  void check_signature(detail::nccl_shared& s, const detail::signature& mine,
-                       const std::string& what) {
-    const std::string checking = "checking what every rank passed to " + what;
+  template <class What>
+  void check_signature(detail::nccl_shared& s, const detail::signature& mine, const What& what) {
+    const auto checking = [&] {
+      return "checking what every rank passed to " + detail::what_text(what);
+    };
     detail::compare_signatures(
         mine, s.rank, s.size, what,
         [&](std::span<const std::int64_t> fields, std::span<std::int64_t> all) {
@@ -6570,30 +7805,34 @@ class nccl_communicator {
                    [&] { return detail::nccl_event_done(done.get()); });
             std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
           } catch (const backend_error& e) {
-            throw detail::nccl_with_context(checking, e);
+            throw detail::nccl_with_context(checking(), e);
           }
         });
   }
 
-  // Orders the collective after `caller`, enqueues it on the own stream, and
-  // returns a work that polls its completion event.
+  // Every collective, in this order: a left-out rank fails first; then the
+  // argument checks every engine shares; an aborted communicator; the ring's
+  // number (check mode: every rank's signature compared); the stream order
+  // (the own stream waits for what `caller` holds now); last the engine's
+  // call, `enqueue(comm, own stream)`, and the event the work polls. Nothing
+  // is built into words here: `what` describes the call on failure only.
   template <class Enqueue>
-  work launch(const std::string& what, const detail::signature& sig, bool empty,
-              cudaStream_t caller, Enqueue&& enqueue) {
+  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
+    const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared& s = usable(what);
+    detail::check_arguments(call, what, detail::nccl_memory);
     std::lock_guard lock(s.mutex);
     s.throw_if_aborted(what);
-    const std::int64_t seq = record(sig);
-    detail::signature numbered = sig;
-    numbered.seq = seq;
-    if (empty && !s.options.collectives.check) {
+    const std::int64_t seq = detail::record(*ring_, what);
+    const bool moves = call.moves_data();
+    if (!moves && !s.options.collectives.check) {
       ring_->settle(seq, detail::call_state::completed);
       return work();  // nothing to move, nothing to order
     }
     try {
       detail::device_guard guard(s.device);
-      if (s.options.collectives.check) check_signature(s, numbered, what);
-      if (empty) {
+      if (s.options.collectives.check) check_signature(s, detail::signature_of(seq, what), what);
+      if (!moves) {
         ring_->settle(seq, detail::call_state::completed);
         return work();
       }
@@ -6613,18 +7852,8 @@ class nccl_communicator {
       w->track(ring_, seq);
       return work(std::move(w));
     } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
+      throw detail::nccl_with_context(detail::describe(what), e);
     }
-  }
-
-  // Numbers this communicator's collectives in its ring (desync diagnostics)
-  // from a signature; returns its sequence number.
-  std::int64_t record(const detail::signature& sig) {
-    const auto kind = static_cast<std::size_t>(sig.kind);
-    return ring_->issue(
-        kind < std::size(detail::collective_kinds) ? detail::collective_kinds[kind] : "?",
-        static_cast<dtype>(sig.type), static_cast<std::size_t>(sig.count), static_cast<int>(sig.op),
-        static_cast<int>(sig.root));
   }
 
   std::shared_ptr<detail::nccl_shared> shared_;
@@ -6638,47 +7867,16 @@ static_assert(communicator<nccl_communicator>);
 #if DTRAIN_HAS_MPI()
 /// Rank `root` of `comm` creates an NCCL unique id and MPI_Bcasts it to every
 /// rank of `comm` (collective; returns the same id everywhere), for jobs
-/// started by mpirun that have no store. If the root cannot create an id,
-/// every rank throws backend_error rather than waiting. MPI errors are checked
-/// only if `comm` returns them (MPI_ERRORS_RETURN).
+/// started by mpirun that have no store. If the root cannot create an id, it
+/// throws its own error and every other rank throws rendezvous_error with
+/// the root's message, rather than waiting (broadcast_or_fail). MPI errors
+/// are checked only if `comm` returns them (MPI_ERRORS_RETURN).
 inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
-  auto check = [](int rc, const char* call) {
-    if (rc == MPI_SUCCESS) return;
-    char text[MPI_MAX_ERROR_STRING] = {};
-    int length = 0;
-    if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
-    throw backend_error(std::string("MPI call `") + call +
-                            "` failed while sharing the NCCL unique id: " +
-                            std::string(text, static_cast<std::size_t>(length)) + " (MPI error " +
-                            std::to_string(rc) + ")",
-                        rc);
-  };
-  int rank = -1;
-  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank(comm, &rank)");
-  // A status byte ahead of the id: a root that failed tells the others so.
-  unsigned char message[1 + sizeof(ncclUniqueId)] = {};
-  std::exception_ptr failure;
-  if (rank == root) {
-    try {
-      const ncclUniqueId id = nccl_communicator::new_unique_id();
-      message[0] = 1;
-      std::memcpy(message + 1, &id, sizeof id);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  check(MPI_Bcast(message, static_cast<int>(sizeof message), MPI_BYTE, root, comm),
-        "MPI_Bcast(message, 129, MPI_BYTE, root, comm)");
-  if (failure) std::rethrow_exception(failure);
-  if (message[0] != 1) {
-    throw backend_error("rank " + std::to_string(root) +
-                            " could not create the NCCL unique id (its own error says why); rank " +
-                            std::to_string(rank) + " cannot create its communicator",
-                        0);
-  }
-  ncclUniqueId id{};
-  std::memcpy(&id, message + 1, sizeof id);
-  return id;
+  detail::mpi_relay relay(comm, root);
+  const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
+    return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
+  });
+  return detail::nccl_unique_id_from(value, relay.where());
 }
 #endif  // DTRAIN_HAS_MPI()
 
@@ -6831,22 +8029,25 @@ class watchdog {
 // ---- begin dtrain/compiled.hpp ----
 /// @file
 /// Separate compilation: the policy-dependent code of dtrain (context, run's
-/// agent and worker, and with them the store, the agent and the engine glue)
-/// compiled once in a library instead of in every translation unit that calls
-/// dtrain::run. Header-only stays the default; this header does nothing unless
-/// DTRAIN_SEPARATE_COMPILATION=1 is defined.
+/// agent and worker, DistributedDataParallel's machinery, and with them the
+/// store, the agent and the engine glue) compiled once in a library instead of
+/// in every translation unit that calls dtrain::run. This header does nothing
+/// unless DTRAIN_SEPARATE_COMPILATION=1 is defined.
 ///
 /// With DTRAIN_SEPARATE_COMPILATION=1, every TU that includes this header (as
 /// dtrain.hpp does) declares `extern template` for the standard policies below,
-/// and one TU of the program must instantiate them:
-///   - CMake: configure with -DDTRAIN_SEPARATE_COMPILATION=ON and link
-///     dtrain::compiled (src/*.cpp), which defines the macro for its users;
+/// and the program must link their instantiations:
+///   - CMake: dtrain::dtrain, dtrain::gloo, dtrain::mpi and dtrain::nccl are
+///     that library (src/*.cpp, cmake/dtrain_compiled.cmake), built with the
+///     target's engines, and define the macro for their users (the default;
+///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
 ///   - by hand (e.g. with the single header): compile every TU with
 ///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, put
 ///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after the #include.
 /// Policies not in the list (a backend of one's own) are compiled in the TU
 /// that uses them, as in header-only mode. Every TU and the library must agree
-/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL), or the link fails.
+/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
+/// makes a mismatch a link error that names it.
 
 // ---- begin dtrain/context.hpp ----
 /// @file
@@ -6866,8 +8067,8 @@ class watchdog {
 // ---- begin dtrain/launch/protocol.hpp ----
 /// @file
 /// The job's protocol: the variables a node agent hands its workers
-/// (agent_store_variable, restart_count_variable and rendezvous/options.hpp's
-/// store_token_variable, next to torchrun's), the store keys that the agents,
+/// (agent_store_variable, restart_count_variable and store_token_variable,
+/// named in env/names.hpp, next to torchrun's), the store keys that the agents,
 /// the workers (context.hpp) and the diagnostics share, and the format of
 /// every value under them. Every value is written and read here (or by the
 /// codec next to its type: rank_report and placements in env/placement.hpp,
@@ -6879,12 +8080,19 @@ class watchdog {
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
-///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32
+///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32, rank i64,
+///                                   collective i64, communicator bytes32
+///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
+///                                   bytes32, collectives i64): the first worker of round r
+///                                   that ended well
 ///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
 ///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
 ///   worker keys (under context.hpp's job_store_prefix)
 ///     world/<rank>                  rank_report (env/placement.hpp)
+///     world/joined                  counter: ranks whose report is set
+///     world/joined/all              i64 1, once every rank has joined
 ///     world/placement               placement table (env/placement.hpp)
+///     nccl/unique_id                outcome: the NCCL unique id (nccl_options::store_key)
 ///     finished                      counter
 ///     finished/all                  i64 1, once every rank is done
 ///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
@@ -6893,25 +8101,563 @@ class watchdog {
 ///     <n>/reason                    bytes32
 ///     <n>/ring/<rank>               rings (backend/desync.hpp)
 ///     <n>/closed                    i64 1
-///   MPI broadcasts from rank 0 (before any store)
-///     the store token               bytes32
-///     the store's address           ok u8 1, host bytes32, port i64; or u8 0, error bytes32
+///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
+///     the store token               outcome: the token's bytes
+///     the store's address           outcome: store_address (host bytes32, port i64)
+///
+/// An "outcome" (wire::outcome, detail/wire.hpp) is what broadcast_or_fail
+/// sends (rendezvous/broadcast.hpp): u8 1 and the value as bytes32, or u8 0
+/// and rank 0's error as bytes32, so that every rank fails at once with rank
+/// 0's message when rank 0 cannot produce the value.
+
+// ---- begin dtrain/env/world.hpp ----
+/// @file
+/// `dtrain::world`: who this process is in the job, as the launcher told it.
+/// A plain value; discover_world() (env/discover.hpp) builds it.
+
+// ---- begin dtrain/detail/json.hpp ----
+/// @file
+/// A small strict JSON reader (RFC 8259) for TF_CONFIG, and a string writer
+/// for the files dtrain writes. A whole JSON library as a dependency of a
+/// single-header library, for one variable, is not worth it.
+/// Errors are config_errors that quote the input's name and the position.
 
 
 #include <cstdint>
 #include <string>
 #include <string_view>
-#include <utility>
+#include <vector>
+
+namespace dtrain::detail::json {
+
+struct member;
+
+/// A parsed JSON value. Numbers keep their text; as_index() reads the integers
+/// that TF_CONFIG needs without a round trip through double.
+struct value {
+  enum class kind { null, boolean, number, string, array, object };
+
+  kind type = kind::null;
+  bool boolean = false;
+  std::string text;  // the string's content, or the number as written
+  std::vector<value> items;
+  std::vector<member> members;  // in document order; keys are unique
+
+  [[nodiscard]] const value* find(std::string_view key) const;
+  [[nodiscard]] bool is(kind k) const noexcept { return type == k; }
+};
+
+struct member {
+  std::string key;
+  value val;
+};
+
+inline const value* value::find(std::string_view key) const {
+  for (const auto& m : members) {
+    if (m.key == key) return &m.val;
+  }
+  return nullptr;
+}
+
+/// The name of a kind, for messages ("expected an array, found a string").
+inline const char* kind_name(value::kind k) {
+  switch (k) {
+    case value::kind::null: return "null";
+    case value::kind::boolean: return "a boolean";
+    case value::kind::number: return "a number";
+    case value::kind::string: return "a string";
+    case value::kind::array: return "an array";
+    case value::kind::object: return "an object";
+  }
+  return "a value";
+}
+
+namespace impl {
+
+class reader {
+ public:
+  reader(std::string_view text, std::string_view what) : text_(text), what_(what) {}
+
+  value document() {
+    skip_blanks();
+    value v = parse_value(0);
+    skip_blanks();
+    if (pos_ != text_.size()) fail("unexpected text after the JSON value");
+    return v;
+  }
+
+ private:
+  static constexpr int max_depth = 64;
+
+  [[noreturn]] void fail(const std::string& why) const {
+    std::size_t line = 1, column = 1;
+    for (std::size_t i = 0; i < pos_ && i < text_.size(); ++i) {
+      if (text_[i] == '\n') {
+        ++line;
+        column = 1;
+      } else {
+        ++column;
+      }
+    }
+    std::string near(text_.substr(pos_ < text_.size() ? pos_ : text_.size(), 16));
+    for (char& c : near) {
+      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+    }
+    throw config_error(
+        std::string(what_) + " is not valid JSON: " + why + " at offset " + std::to_string(pos_) +
+        " (line " + std::to_string(line) + ", column " + std::to_string(column) + ")" +
+        (near.empty() ? std::string(", at the end of the text") : ", near '" + near + "'"));
+  }
+
+  void skip_blanks() {
+    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
+                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
+      ++pos_;
+    }
+  }
+
+  bool at_end() const { return pos_ >= text_.size(); }
+  char peek() const { return text_[pos_]; }
+
+  void expect_word(std::string_view word) {
+    if (text_.substr(pos_, word.size()) != word) fail("expected '" + std::string(word) + "'");
+    pos_ += word.size();
+  }
+
+  value parse_value(int depth) {
+    if (depth > max_depth) fail("nesting deeper than " + std::to_string(max_depth) + " levels");
+    if (at_end()) fail("expected a value");
+    value v;
+    switch (peek()) {
+      case '{': parse_object(v, depth); break;
+      case '[': parse_array(v, depth); break;
+      case '"':
+        v.type = value::kind::string;
+        v.text = parse_string();
+        break;
+      case 't':
+        expect_word("true");
+        v.type = value::kind::boolean;
+        v.boolean = true;
+        break;
+      case 'f':
+        expect_word("false");
+        v.type = value::kind::boolean;
+        break;
+      case 'n': expect_word("null"); break;
+      default:
+        if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
+          v.type = value::kind::number;
+          v.text = parse_number();
+        } else {
+          fail("expected a value");
+        }
+    }
+    return v;
+  }
+
+  void parse_object(value& v, int depth) {
+    v.type = value::kind::object;
+    ++pos_;  // '{'
+    skip_blanks();
+    if (!at_end() && peek() == '}') {
+      ++pos_;
+      return;
+    }
+    for (;;) {
+      skip_blanks();
+      if (at_end() || peek() != '"') fail("expected a string key");
+      std::size_t key_pos = pos_;
+      std::string key = parse_string();
+      if (v.find(key) != nullptr) {
+        pos_ = key_pos;
+        fail("duplicate key \"" + key + "\"");
+      }
+      skip_blanks();
+      if (at_end() || peek() != ':') fail("expected ':' after an object key");
+      ++pos_;
+      skip_blanks();
+      value item = parse_value(depth + 1);
+      v.members.push_back(member{std::move(key), std::move(item)});
+      skip_blanks();
+      if (at_end()) fail("expected ',' or '}'");
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() == '}') {
+        ++pos_;
+        return;
+      }
+      fail("expected ',' or '}'");
+    }
+  }
+
+  void parse_array(value& v, int depth) {
+    v.type = value::kind::array;
+    ++pos_;  // '['
+    skip_blanks();
+    if (!at_end() && peek() == ']') {
+      ++pos_;
+      return;
+    }
+    for (;;) {
+      skip_blanks();
+      v.items.push_back(parse_value(depth + 1));
+      skip_blanks();
+      if (at_end()) fail("expected ',' or ']'");
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() == ']') {
+        ++pos_;
+        return;
+      }
+      fail("expected ',' or ']'");
+    }
+  }
+
+  std::string parse_number() {
+    std::size_t start = pos_;
+    auto digits = [&] {
+      std::size_t first = pos_;
+      while (!at_end() && peek() >= '0' && peek() <= '9') ++pos_;
+      return pos_ - first;
+    };
+    if (peek() == '-') ++pos_;
+    if (at_end()) fail("expected a digit");
+    if (peek() == '0') {
+      ++pos_;
+      if (!at_end() && peek() >= '0' && peek() <= '9') fail("leading zeros are not allowed");
+    } else if (digits() == 0) {
+      fail("expected a digit");
+    }
+    if (!at_end() && peek() == '.') {
+      ++pos_;
+      if (digits() == 0) fail("expected a digit after '.'");
+    }
+    if (!at_end() && (peek() == 'e' || peek() == 'E')) {
+      ++pos_;
+      if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
+      if (digits() == 0) fail("expected a digit in the exponent");
+    }
+    return std::string(text_.substr(start, pos_ - start));
+  }
+
+  unsigned read_hex4() {
+    if (text_.size() - pos_ < 4) fail("expected four hex digits after \\u");
+    unsigned code = 0;
+    for (int i = 0; i < 4; ++i) {
+      char c = text_[pos_++];
+      code <<= 4;
+      if (c >= '0' && c <= '9') {
+        code |= static_cast<unsigned>(c - '0');
+      } else if (c >= 'a' && c <= 'f') {
+        code |= static_cast<unsigned>(c - 'a' + 10);
+      } else if (c >= 'A' && c <= 'F') {
+        code |= static_cast<unsigned>(c - 'A' + 10);
+      } else {
+        --pos_;
+        fail("expected four hex digits after \\u");
+      }
+    }
+    return code;
+  }
+
+  static void append_utf8(std::string& out, std::uint32_t cp) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+
+  std::string parse_string() {
+    ++pos_;  // opening quote
+    std::string out;
+    for (;;) {
+      if (at_end()) fail("unterminated string");
+      char c = text_[pos_];
+      if (c == '"') {
+        ++pos_;
+        return out;
+      }
+      if (static_cast<unsigned char>(c) < 0x20) fail("unescaped control character in a string");
+      if (c != '\\') {
+        out += c;
+        ++pos_;
+        continue;
+      }
+      ++pos_;
+      if (at_end()) fail("unterminated escape");
+      char e = text_[pos_++];
+      switch (e) {
+        case '"': out += '"'; break;
+        case '\\': out += '\\'; break;
+        case '/': out += '/'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          std::uint32_t cp = read_hex4();
+          if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (text_.substr(pos_, 2) != "\\u") fail("a high surrogate must be followed by \\u");
+            pos_ += 2;
+            std::uint32_t low = read_hex4();
+            if (low < 0xDC00 || low > 0xDFFF) fail("invalid low surrogate");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            fail("a low surrogate without a high one");
+          }
+          append_utf8(out, cp);
+          break;
+        }
+        default: --pos_; fail(std::string("invalid escape '\\") + e + "'");
+      }
+    }
+  }
+
+  std::string_view text_;
+  std::string_view what_;
+  std::size_t pos_ = 0;
+};
+
+}  // namespace impl
+
+/// Parses one JSON document. `what` names the input in messages ("TF_CONFIG").
+/// Throws config_error quoting the offset, line and column of the first error.
+inline value parse(std::string_view text, std::string_view what) {
+  return impl::reader(text, what).document();
+}
+
+/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
+/// files dtrain writes, such as the DDP timeline).
+inline void write_string(std::string& out, std::string_view text) {
+  out += '"';
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          constexpr char hex[] = "0123456789abcdef";
+          out += "\\u00";
+          out += hex[(c >> 4) & 0xF];
+          out += hex[c & 0xF];
+        } else {
+          out += c;
+        }
+    }
+  }
+  out += '"';
+}
+
+}  // namespace dtrain::detail::json
+// ---- end dtrain/detail/json.hpp ----
+
+#include <array>
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
 
 namespace dtrain {
 
-/// The variable through which an agent tells its workers where its store is
-/// ("host:port"); a dtrain program that finds it is a worker, not an agent.
-inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
-/// The variable that carries the restart round to the workers (torchrun's
-/// TORCHELASTIC_RESTART_COUNT is set too).
-inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+/// The launcher whose variables identified this process.
+enum class launcher {
+  none,       ///< no launcher variables: a single process
+  env,        ///< env:// (torchrun, dtrun, Azure ML PyTorch, Kubeflow, Lightning-style NODE_RANK)
+  open_mpi,   ///< Open MPI's mpirun (OMPI_COMM_WORLD_*)
+  hydra,      ///< MPICH / Intel MPI Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID)
+  slurm,      ///< srun (SLURM_PROCID, SLURM_NTASKS, ...)
+  horovod,    ///< horovodrun (HOROVOD_RANK, ...)
+  tf_config,  ///< TF_CONFIG (Kubeflow TFJob, Azure ML TensorFlow jobs)
+};
 
+/// The launcher's name as whoami and describe() print it.
+[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
+  switch (l) {
+    case launcher::none: return "none";
+    case launcher::env: return "env";
+    case launcher::open_mpi: return "open_mpi";
+    case launcher::hydra: return "hydra";
+    case launcher::slurm: return "slurm";
+    case launcher::horovod: return "horovod";
+    case launcher::tf_config: return "tf_config";
+  }
+  return "unknown";
+}
+
+/// What this process is in the job. Only workers hold a data-parallel rank.
+enum class process_role {
+  worker,            ///< a data-parallel rank
+  node_agent,        ///< a per-node launcher process that starts the workers of its node
+  parameter_server,  ///< TF_CONFIG task type "ps"
+  evaluator,         ///< TF_CONFIG task type "evaluator"
+};
+
+[[nodiscard]] constexpr std::string_view to_string(process_role r) noexcept {
+  switch (r) {
+    case process_role::worker: return "worker";
+    case process_role::node_agent: return "agent";
+    case process_role::parameter_server: return "ps";
+    case process_role::evaluator: return "evaluator";
+  }
+  return "unknown";
+}
+
+/// The most ranks a dtrain job may have (1,048,576): sizes from options and
+/// the environment are checked against it before anything is allocated for
+/// them or multiplied, so that a typo is a config_error, not bad_alloc.
+inline constexpr int max_world_size = 1 << 20;
+
+/// Who this process is. A field the environment does not determine is
+/// nullopt — unknown, never guessed; the runtime completes the node fields at
+/// rendezvous by grouping ranks by host name.
+struct world {
+  std::optional<int> rank;              ///< 0 .. world_size-1; unknown for agents, ps, evaluators
+  std::optional<int> world_size;        ///< number of data-parallel workers in the job
+  std::optional<int> local_rank;        ///< rank among the workers on this node
+  std::optional<int> local_world_size;  ///< workers on this node
+  std::optional<int> node_rank;         ///< index of this node, 0 .. num_nodes-1
+  std::optional<int> num_nodes;         ///< nodes in the job
+  std::optional<std::string> master_addr;  ///< where the rendezvous store listens
+  std::optional<int> master_port;
+  launcher source = launcher::none;
+  process_role role = process_role::worker;
+
+  /// The fields, in the order describe() and to_json() print them.
+  enum class field : std::size_t {
+    rank,
+    world_size,
+    local_rank,
+    local_world_size,
+    node_rank,
+    num_nodes,
+    master_addr,
+    master_port,
+  };
+  static constexpr std::size_t field_count = 8;
+  static constexpr std::array<std::string_view, field_count> field_names{
+      "rank",      "world_size", "local_rank",  "local_world_size",
+      "node_rank", "num_nodes",  "master_addr", "master_port"};
+
+  /// Where each known field came from, e.g. "RANK=3" or
+  /// "SLURM_STEP_TASKS_PER_NODE=2(x3),1 at SLURM_NODEID=3"; empty when unknown.
+  std::array<std::string, field_count> origins{};
+  /// Remarks for logs: outer launchers seen, variables deliberately not used.
+  std::string notes;
+
+  [[nodiscard]] const std::string& origin(field f) const {
+    return origins[static_cast<std::size_t>(f)];
+  }
+
+  /// True when every rank and node field is known (master fields excluded:
+  /// a single process needs none, and mpirun jobs agree on one through MPI).
+  [[nodiscard]] bool complete() const noexcept {
+    return rank && world_size && local_rank && local_world_size && node_rank && num_nodes;
+  }
+
+  /// One or two lines for logs: each field with the variable it came from.
+  [[nodiscard]] std::string describe() const {
+    std::string out = "dtrain world from ";
+    out += to_string(source);
+    if (role != process_role::worker) {
+      out += " (";
+      out += to_string(role);
+      out += ')';
+    }
+    out += ':';
+    std::array<std::string, field_count> values;
+    const std::array<const std::optional<int>*, 6> numbers{
+        &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
+    }
+    values[6] = master_addr.value_or("?");
+    values[7] = master_port ? std::to_string(*master_port) : "?";
+    // Consecutive fields with one origin share one parenthesis.
+    for (std::size_t i = 0; i < field_count; ++i) {
+      out += i == 0 ? " " : ", ";
+      out += field_names[i];
+      out += '=';
+      out += values[i];
+      if (i + 1 == field_count || origins[i + 1] != origins[i]) {
+        out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
+      }
+    }
+    if (!notes.empty()) {
+      out += "\n  note: ";
+      out += notes;
+    }
+    return out;
+  }
+};
+
+/// The world as one JSON object on one line (no newline), with the keys rank,
+/// world_size, local_rank, local_world_size, node_rank, num_nodes,
+/// master_addr, master_port (null when unknown), source, and role when the
+/// process is not a plain worker. This is what `dtrain_whoami` prints.
+[[nodiscard]] inline std::string to_json(const world& w) {
+  std::string out = "{";
+  auto key = [&](std::string_view name) {
+    if (out.size() > 1) out += ',';
+    detail::json::write_string(out, name);
+    out += ':';
+  };
+  auto number = [&](std::string_view name, const std::optional<int>& v) {
+    key(name);
+    out += v ? std::to_string(*v) : "null";
+  };
+  number("rank", w.rank);
+  number("world_size", w.world_size);
+  number("local_rank", w.local_rank);
+  number("local_world_size", w.local_world_size);
+  number("node_rank", w.node_rank);
+  number("num_nodes", w.num_nodes);
+  key("master_addr");
+  if (w.master_addr) {
+    detail::json::write_string(out, *w.master_addr);
+  } else {
+    out += "null";
+  }
+  number("master_port", w.master_port);
+  key("source");
+  detail::json::write_string(out, to_string(w.source));
+  if (w.role != process_role::worker) {
+    key("role");
+    detail::json::write_string(out, to_string(w.role));
+  }
+  out += '}';
+  return out;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/env/world.hpp ----
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
 namespace detail {
 
 /// The agents' keys (see the table above).
@@ -6924,6 +8670,7 @@ struct agent_keys {
   static std::string worker_port(int restart) { return of_round(restart, "worker_port"); }
   static std::string stopped(int restart) { return of_round(restart, "stopped"); }
   static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
+  static std::string exited(int restart) { return of_round(restart, "exited"); }
   static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
   static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
   static constexpr std::string_view joined = "dtrain/agent/joined";
@@ -6933,6 +8680,8 @@ struct agent_keys {
 /// The workers' keys under the job prefix (see the table above).
 struct job_keys {
   static std::string report(int rank) { return std::string("world/").append(std::to_string(rank)); }
+  static constexpr std::string_view joined = "world/joined";
+  static constexpr std::string_view joined_all = "world/joined/all";
   static constexpr std::string_view placement = "world/placement";
   static constexpr std::string_view finished = "finished";
   static constexpr std::string_view finished_all = "finished/all";
@@ -6957,13 +8706,22 @@ inline std::string present_value() { return wire::encode_int(1); }
 
 /// The first failure of a restart round, as the agents and the workers record it.
 struct failure_record {
-  int status = 1;       ///< exit status for the job
-  bool final = false;   ///< no restart: a signal or a lost peer ended the job
-  std::string message;  ///< who failed how
+  int status = 1;               ///< exit status for the job
+  bool final = false;           ///< no restart: a signal or a lost peer ended the job
+  std::string message;          ///< who failed how
+  int rank = -1;                ///< the worker that recorded it; -1: an agent
+  std::int64_t collective = 0;  ///< its first collective that failed or timed out (#N); 0: none
+  std::string communicator{};   ///< the ring name of that collective's communicator ("world")
 
   [[nodiscard]] std::string encode() const {
     std::string out;
-    wire::writer(out).i64(status).u8(final ? 1 : 0).bytes32(message);
+    wire::writer(out)
+        .i64(status)
+        .u8(final ? 1 : 0)
+        .bytes32(message)
+        .i64(rank)
+        .i64(collective)
+        .bytes32(communicator);
     return out;
   }
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
@@ -6979,6 +8737,14 @@ struct failure_record {
         throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
       f.final = flag == 1;
       f.message = r.bytes32("the message");
+      const std::int64_t rank = r.i64("the rank");
+      if (rank < -1 || rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank or -1");
+      f.rank = static_cast<int>(rank);
+      f.collective = r.i64("the collective");
+      if (f.collective < 0)
+        throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
+      f.communicator = r.bytes32("the communicator");
       return f;
     });
   }
@@ -6987,9 +8753,61 @@ struct failure_record {
 /// Records a failure of round `restart` unless one is recorded already: the
 /// first one is the root cause, later ones are usually its consequences.
 template <store Store>
-void record_failure(Store& store, int restart, int status, bool final, const std::string& message) {
-  store.compare_set(agent_keys::failure(restart), "",
-                    failure_record{status, final, message}.encode());
+void record_failure(Store& store, int restart, const failure_record& failure) {
+  store.compare_set(agent_keys::failure(restart), "", failure.encode());
+}
+
+/// A worker whose training function returned 0, and how many collectives it
+/// had issued on each communicator: when a peer then fails in a later
+/// collective, the agents name this worker first (it left early), not the
+/// peer that waited for it.
+struct exit_record {
+  int rank = 0;
+  std::string label;  ///< worker_label()
+  /// Collectives issued, by communicator (its ring's name: "world", "world/split 1 (color 0)").
+  std::vector<std::pair<std::string, std::int64_t>> issued;
+
+  /// The collectives issued on `communicator` (0 when it had none).
+  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const {
+    for (const auto& [name, count] : issued) {
+      if (name == communicator) return count;
+    }
+    return 0;
+  }
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer w(out);
+    w.i64(rank).bytes32(label).u32(static_cast<std::uint32_t>(issued.size()));
+    for (const auto& [name, count] : issued) w.bytes32(name).i64(count);
+    return out;
+  }
+  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value) {
+    return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
+      exit_record e;
+      const std::int64_t rank = r.i64("the rank");
+      if (rank < 0 || rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank");
+      e.rank = static_cast<int>(rank);
+      e.label = r.bytes32("the worker");
+      const std::uint32_t n = r.u32("the communicator count");
+      if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
+      for (std::uint32_t i = 0; i < n; ++i) {
+        std::string name(r.bytes32("a communicator"));
+        const std::int64_t count = r.i64("its collectives");
+        if (count < 0) throw wire::violation(std::to_string(count) + " collectives is negative");
+        e.issued.emplace_back(std::move(name), count);
+      }
+      return e;
+    });
+  }
+};
+
+/// Records that a worker of round `restart` ended well, unless one did already:
+/// the first one is the one that may have left its peers waiting.
+template <store Store>
+void record_exit(Store& store, int restart, const exit_record& exit) {
+  store.compare_set(agent_keys::exited(restart), "", exit.encode());
 }
 
 /// What a node agent says about itself when it joins: every node must run
@@ -7033,50 +8851,21 @@ inline int decode_port(const std::string& key, std::string_view value) {
   });
 }
 
-/// Where rank 0 serves the store, as it tells the other ranks over MPI when
-/// no MASTER_ADDR does; or why it could not start it.
+/// Where rank 0 serves the store, as it tells the other ranks through the
+/// backend's pre-store channel when no MASTER_ADDR does (inside an outcome).
 struct store_address {
-  bool ok = true;
-  std::string host;     ///< ok: rank 0's host name
-  int port = 0;         ///< ok: the port it listens on
-  std::string failure;  ///< !ok: rank 0's error
-
-  static store_address serving(std::string host, int port) {
-    store_address a;
-    a.host = std::move(host);
-    a.port = port;
-    return a;
-  }
-  static store_address failed(std::string why) {
-    store_address a;
-    a.ok = false;
-    a.failure = std::move(why);
-    return a;
-  }
+  std::string host;  ///< rank 0's host name
+  int port = 0;      ///< the port it listens on
 
   [[nodiscard]] std::string encode() const {
     std::string out;
-    wire::writer w(out);
-    w.u8(ok ? 1 : 0);
-    if (ok) {
-      w.bytes32(host).i64(port);
-    } else {
-      w.bytes32(failure);
-    }
+    wire::writer(out).bytes32(host).i64(port);
     return out;
   }
   [[nodiscard]] static store_address decode(std::string_view value) {
     return wire::decode_value(
         "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
           store_address a;
-          const std::uint8_t flag = r.u8("the ok flag");
-          if (flag > 1)
-            throw wire::violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
-          a.ok = flag == 1;
-          if (!a.ok) {
-            a.failure = r.bytes32("rank 0's error");
-            return a;
-          }
           a.host = r.bytes32("the host name");
           const std::int64_t number = r.i64("the port");
           if (number < 1 || number > 65535) {
@@ -7088,6 +8877,13 @@ struct store_address {
   }
 };
 
+/// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
+inline std::string rank_label(const world* w) {
+  if (w == nullptr || !w->rank) return "[rank ?]";
+  return "[rank " + std::to_string(*w->rank) + "/" +
+         (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
+}
+
 /// How one worker is named in failure messages, by its agent and by itself.
 inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
   return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
@@ -7097,736 +8893,6 @@ inline std::string worker_label(int rank, int node_rank, int local_rank, long pi
 }  // namespace detail
 }  // namespace dtrain
 // ---- end dtrain/launch/protocol.hpp ----
-// ---- begin dtrain/rendezvous/client.hpp ----
-/// @file
-/// store_client: a blocking client of store_server, safe to share between
-/// threads (requests are serialised on one connection).
-
-// ---- begin dtrain/rendezvous/options.hpp ----
-/// @file
-/// Options of the rendezvous store, server and client alike. Each default is
-/// defined here once; each can be overridden by the option and by an
-/// environment variable (store_options::from_env).
-
-
-#include <charconv>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <optional>
-#include <string>
-#include <string_view>
-
-namespace dtrain {
-
-/// Default for every blocking store operation (connect, get, wait, barrier),
-/// as c10d's store: 300 s. Environment: DTRAIN_STORE_TIMEOUT (seconds).
-inline constexpr std::chrono::milliseconds default_store_timeout{300'000};
-
-/// How long the server gives a new connection to complete its handshake, and
-/// a started request frame to arrive whole. Environment: DTRAIN_STORE_IO_TIMEOUT.
-inline constexpr std::chrono::milliseconds default_store_io_timeout{30'000};
-
-/// How long the server keeps a connection that sends nothing after its
-/// handshake, unless it is in a get / wait it asked for. A client reconnects
-/// by itself on its next request. Environment: DTRAIN_STORE_IDLE_TIMEOUT.
-inline constexpr std::chrono::milliseconds default_store_idle_timeout{600'000};
-
-/// Wire and resource limits, checked before anything is allocated. The
-/// defaults fit a 10,000-rank job (two connections per rank, one per agent,
-/// a few KiB stored per rank) and bound what a flood can make the server hold
-/// to about max_stored_bytes + max_buffered_bytes.
-struct store_limits {
-  std::uint32_t max_key_size = 4096;          ///< bytes per key
-  std::uint32_t max_value_size = 64u << 20;   ///< bytes per value (64 MiB)
-  std::uint32_t max_keys_per_request = 4096;  ///< keys in one wait/check: a connection's waiters
-  std::uint32_t max_token_size = 1024;        ///< bytes of the shared token
-  /// Open connections; more are accepted and closed at once, and the server
-  /// also keeps below the process's descriptor limit (RLIMIT_NOFILE), which it
-  /// raises towards the hard limit. Environment: DTRAIN_STORE_MAX_CONNECTIONS.
-  std::uint32_t max_connections = 32768;
-  /// Keys and values held; a set beyond it is refused with an error reply.
-  /// Environment: DTRAIN_STORE_MAX_BYTES.
-  std::uint64_t max_stored_bytes = std::uint64_t{1} << 30;
-  /// Request and reply bytes held for all connections together (a frame in
-  /// flight, a reply not yet read, the keys of a pending wait). A connection
-  /// that would pass it waits, at most the io timeout, for others to finish.
-  std::uint64_t max_buffered_bytes = std::uint64_t{256} << 20;
-
-  /// The largest request frame these limits allow; a larger length prefix
-  /// closes the connection before a byte of it is buffered.
-  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
-    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
-    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
-    return 64u + (keys > one ? keys : one);
-  }
-};
-
-/// The variable that carries the store's shared secret (a node agent hands
-/// it to its workers in their environment, never on argv).
-inline constexpr std::string_view store_token_variable = "DTRAIN_STORE_TOKEN";
-
-/// Options of a store server or client. Aggregate: use designated initialisers,
-/// e.g. `{.timeout = 30s, .token = "secret"}`.
-struct store_options {
-  /// Default timeout of connect, get, wait and barrier.
-  std::chrono::milliseconds timeout = default_store_timeout;
-  /// Server: limit for a handshake or a started frame. Client: how long a
-  /// reply may take beyond the operation's own timeout before the server is
-  /// presumed dead.
-  std::chrono::milliseconds io_timeout = default_store_io_timeout;
-  /// Server: how long a connection may stay silent between requests.
-  std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
-  /// Shared secret; the server serves nothing to a client whose token differs.
-  /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
-  /// for every job (see the README's "Security"); empty here means none.
-  std::string token{};
-  store_limits limits{};
-  /// Server: where it reports closed connections and their reasons. Empty:
-  /// one line on stderr each.
-  std::function<void(std::string_view)> log{};
-
-  /// These options with DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_IO_TIMEOUT and
-  /// DTRAIN_STORE_TOKEN from `env` applied on top: the environment wins, as
-  /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
-  /// config_error naming the variable on a malformed value.
-  [[nodiscard]] store_options with_env(const environment& env) const {
-    store_options out = *this;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_TIMEOUT")) out.timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IO_TIMEOUT")) out.io_timeout = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_STORE_IDLE_TIMEOUT")) out.idle_timeout = *t;
-    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_CONNECTIONS")) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
-    }
-    if (auto n = detail::read_int(env, "DTRAIN_STORE_MAX_BYTES")) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
-    }
-    if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
-    if (out.token.size() > out.limits.max_token_size) {
-      throw config_error("DTRAIN_STORE_TOKEN / token is " + std::to_string(out.token.size()) +
-                         " bytes; the limit is " + std::to_string(out.limits.max_token_size));
-    }
-    return out;
-  }
-};
-
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/options.hpp ----
-// ---- begin dtrain/rendezvous/protocol.hpp ----
-/// @file
-/// The store's wire protocol. All integers are little-endian.
-///
-///   handshake   client → server: magic u32 "DTRZ", version u16, token: bytes16
-///               server → client: status u8, version u16
-///   request     length u32 (of the body), body: op u8, then the op's fields
-///   response    length u32, body: status u8, then the payload
-///
-/// bytes16 / bytes32 are a u16 / u32 length followed by that many bytes. A
-/// length beyond the configured limits closes the connection before anything
-/// is allocated for it.
-
-
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain::detail::wire {
-
-inline constexpr std::uint32_t magic = 0x5a525444;  // "DTRZ" as little-endian bytes
-inline constexpr std::uint16_t version = 1;
-
-enum class op : std::uint8_t {
-  set = 1,          ///< key, value → ok
-  get = 2,          ///< key, timeout_ms u64 → ok + value | timeout
-  add = 3,          ///< key, delta i64 → ok + new value i64
-  compare_set = 4,  ///< key, expected, desired → ok + current value
-  wait = 5,         ///< count u32, keys, timeout_ms u64 → ok | timeout
-  check = 6,        ///< count u32, keys → ok + u8 (all present)
-  erase = 7,        ///< key → ok + u8 (existed)
-  num_keys = 8,     ///< → ok + u64
-  ping = 9,         ///< → ok
-};
-
-enum class status : std::uint8_t {
-  ok = 0,
-  timeout = 1,        ///< a wait expired on the server
-  error = 2,          ///< the request was understood and refused; bytes32 message follows
-  shutting_down = 3,  ///< the server is stopping; bytes32 message follows
-  bad_version = 4,    ///< handshake only
-  bad_token = 5,      ///< handshake only
-};
-
-/// A frame: u32 length, then the body.
-inline std::string frame(const std::string& body) {
-  std::string out;
-  writer(out).u32(static_cast<std::uint32_t>(body.size()));
-  out += body;
-  return out;
-}
-
-/// The decoded u32 at the start of `header` (4 bytes).
-inline std::uint32_t frame_length(std::string_view header) {
-  return reader(header).u32("frame length");
-}
-
-/// Keys of a wait/check request, bounded by the limits.
-inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
-  std::uint32_t n = r.u32("key count");
-  if (n > limits.max_keys_per_request) {
-    throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
-                    std::to_string(limits.max_keys_per_request));
-  }
-  std::vector<std::string_view> keys;  // grows with keys actually present, not with n
-  for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
-  return keys;
-}
-
-}  // namespace dtrain::detail::wire
-// ---- end dtrain/rendezvous/protocol.hpp ----
-// ---- begin dtrain/rendezvous/socket.hpp ----
-/// @file
-/// The few socket helpers the store's server and client share.
-
-
-#include <cerrno>
-#include <cstdint>
-#include <string>
-
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-
-namespace dtrain::detail {
-
-/// "host:port", with brackets for IPv6 ("[::1]:29500").
-inline std::string endpoint_text(const std::string& host, int port) {
-  bool v6 = host.find(':') != std::string::npos;
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-
-/// The numeric address and port of a socket address.
-inline std::string endpoint_text(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (sa->sa_family == AF_INET) {
-    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
-    port = ntohs(in->sin_port);
-  } else if (sa->sa_family == AF_INET6) {
-    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
-    port = ntohs(in6->sin6_port);
-  }
-  return endpoint_text(host, port);
-}
-
-/// Disables Nagle: the store's requests are small and latency-bound.
-inline void set_no_delay(int fd) {
-  int one = 1;
-  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
-}
-
-/// getaddrinfo with its result owned.
-struct address_list {
-  addrinfo* head = nullptr;
-  address_list() = default;
-  address_list(const address_list&) = delete;
-  address_list& operator=(const address_list&) = delete;
-  ~address_list() {
-    if (head) ::freeaddrinfo(head);
-  }
-};
-
-/// Resolves host:port; returns the gai error code (0 on success).
-inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  std::string service = std::to_string(port);
-  return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/rendezvous/socket.hpp ----
-
-#include <algorithm>
-#include <chrono>
-#include <cstdint>
-#include <cstring>
-#include <mutex>
-#include <optional>
-#include <random>
-#include <span>
-#include <string>
-#include <string_view>
-#include <thread>
-#include <vector>
-
-#include <fcntl.h>
-#include <poll.h>
-#include <sys/socket.h>
-
-namespace dtrain {
-
-/// A connection to a store_server. Every blocking call has a timeout: the
-/// options' `timeout` unless the call takes one. Throws timeout_error when it
-/// expires (naming what it waited for and how long), rendezvous_error when the
-/// server cannot be reached, refuses the client, or goes away, and
-/// config_error at once when its host name does not resolve (a temporary
-/// resolver failure, EAI_AGAIN, is retried for 5 s first).
-///
-/// Thread-safe, but requests on one client run one at a time: a thread blocked
-/// in get / wait / barrier holds the connection, so a thread that must set the
-/// awaited key meanwhile needs a store_client of its own. After a timeout or a
-/// lost connection the client is unusable (the reply stream cannot be trusted);
-/// make a new one. The one exception: a connection the server closed because
-/// it was idle (store_options::idle_timeout) is reopened, once, by the next
-/// request; the server closes only connections with no request in flight.
-class store_client {
- public:
-  using milliseconds = std::chrono::milliseconds;
-
-  /// Connects to host:port, retrying with backoff until `options.timeout`:
-  /// workers often start before the server does.
-  store_client(std::string host, int port, store_options options = {})
-      : host_(std::move(host)), port_(port), options_(std::move(options)) {
-    connect();
-  }
-
-  [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(host_, port_); }
-  [[nodiscard]] const store_options& options() const noexcept { return options_; }
-
-  /// Sets key to value, waking everyone waiting for the key.
-  void set(std::string_view key, std::string_view value) {
-    std::string body = begin(detail::wire::op::set);
-    detail::wire::writer(body).bytes32(key).bytes32(value);
-    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
-  }
-
-  /// The value of `key`, waiting until it exists. Throws timeout_error naming
-  /// the key and how long it waited; never returns a sentinel.
-  [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
-    std::string body = begin(detail::wire::op::get);
-    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
-    auto what = "get(\"" + std::string(key) + "\")";
-    auto reply = call(body, timeout, what);
-    if (!reply)
-      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
-                          " and the key was never set");
-    detail::wire::reader r(*reply);
-    auto value = r.bytes32("value", UINT32_MAX);
-    return std::string(value);
-  }
-
-  /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    std::string body = begin(detail::wire::op::add);
-    detail::wire::writer(body).bytes32(key).i64(delta);
-    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
-    return detail::wire::reader(*reply).i64("counter");
-  }
-
-  /// Sets key to `desired` if it holds `expected` (a missing key matches an
-  /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
-  std::string compare_set(std::string_view key, std::string_view expected,
-                          std::string_view desired) {
-    std::string body = begin(detail::wire::op::compare_set);
-    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
-    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
-    detail::wire::reader r(*reply);
-    return std::string(r.bytes32("value", UINT32_MAX));
-  }
-
-  /// Waits until every key exists.
-  void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
-  void wait(std::span<const std::string> keys, milliseconds timeout) {
-    std::string body = begin(detail::wire::op::wait);
-    detail::wire::writer w(body);
-    w.u32(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.bytes32(k);
-    w.u64(as_ms(timeout));
-    auto what = "wait(" + key_list(keys) + ")";
-    if (!call(body, timeout, what)) {
-      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
-                          "; missing keys are never set, or their setters are slow or dead");
-    }
-  }
-
-  /// Whether every key exists, without waiting.
-  [[nodiscard]] bool check(std::span<const std::string> keys) {
-    std::string body = begin(detail::wire::op::check);
-    detail::wire::writer w(body);
-    w.u32(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.bytes32(k);
-    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
-    return detail::wire::reader(*reply).u8("present") != 0;
-  }
-
-  /// Removes key; returns whether it existed.
-  bool erase(std::string_view key) {
-    std::string body = begin(detail::wire::op::erase);
-    detail::wire::writer(body).bytes32(key);
-    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
-    return detail::wire::reader(*reply).u8("existed") != 0;
-  }
-
-  /// Number of keys in the store (all prefixes).
-  [[nodiscard]] std::int64_t num_keys() {
-    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
-    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
-  }
-
-  /// Blocks until `count` callers have entered barrier `name`. A name can be
-  /// reused: each group of `count` arrivals is one generation. On timeout the
-  /// timeout_error says how many had arrived.
-  void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
-  void barrier(std::string_view name, int count, milliseconds timeout) {
-    if (count < 1)
-      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
-                         " must be at least 1");
-    const std::string arrived = std::string(name) + "/arrived";
-    std::int64_t n = add(arrived, 1);
-    std::int64_t generation = (n - 1) / count;
-    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
-    if (n % count == 0) set(done, "1");
-    try {
-      std::string keys[] = {done};
-      wait(keys, timeout);
-    } catch (const timeout_error&) {
-      std::int64_t now = add(arrived, 0) - generation * count;
-      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
-                          " timed out after " + seconds(timeout) + ": " +
-                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
-                          std::to_string(count) + " arrived");
-    }
-  }
-
-  /// Round trip without effect; a liveness check.
-  void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
-
- private:
-  static std::string begin(detail::wire::op o) { return std::string(1, static_cast<char>(o)); }
-
-  static std::uint64_t as_ms(milliseconds t) {
-    return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
-  }
-
-  static std::string seconds(milliseconds t) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
-    return text;
-  }
-
-  static std::string key_list(std::span<const std::string> keys) {
-    std::string out;
-    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
-      out += (i ? ", \"" : "\"") + keys[i] + "\"";
-    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
-    return out;
-  }
-
-  using steady = std::chrono::steady_clock;
-
-  /// How long a temporary resolver failure (EAI_AGAIN) is retried.
-  static constexpr milliseconds resolver_retry{5'000};
-
-  void connect() { connect(options_.timeout); }
-
-  void connect(milliseconds patience) {
-    const auto deadline = steady::now() + patience;
-    std::minstd_rand jitter(
-        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
-                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
-    milliseconds backoff(10);
-    std::string last_error;
-    // A name the resolver does not know will not appear by waiting: fail at
-    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
-    const auto resolve_deadline = std::min(deadline, steady::now() + resolver_retry);
-    for (;;) {
-      int resolver_rc = 0;
-      last_error = try_connect(deadline, resolver_rc);
-      if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
-        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
-                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
-                           "; check MASTER_ADDR (dtrun --master-addr)");
-      }
-      // A server at its connection cap closes newcomers unanswered: knock again.
-      if (last_error.empty()) last_error = try_handshake(deadline);
-      if (last_error.empty()) return;
-      auto left = deadline - steady::now();
-      if (left <= steady::duration::zero()) {
-        throw timeout_error("could not reach the store at " + endpoint() + " within " +
-                            seconds(patience) + " (last error: " + last_error +
-                            "); is the process hosting it (rank 0 or the node-0 agent) running, "
-                            "and is MASTER_ADDR:MASTER_PORT right?");
-      }
-      // Jittered exponential backoff, so a thousand workers do not knock in step.
-      auto pause =
-          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
-      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
-      backoff = std::min(backoff * 2, milliseconds(1000));
-    }
-  }
-
-  // The handshake; returns why the connection was lost during it (empty on
-  // success). A refusal (token, version) throws: knocking again cannot help.
-  std::string try_handshake(steady::time_point deadline) {
-    try {
-      handshake(deadline);
-      return {};
-    } catch (const error& e) {  // lost, or no answer in time
-      if (refused_) throw;
-      fd_.reset();
-      broken_ = false;
-      return e.what();
-    }
-  }
-
-  // One attempt; returns the reason it failed, empty on success, and the
-  // resolver's error code in `resolver_rc` when the name did not resolve.
-  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
-    detail::address_list addrs;
-    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
-      resolver_rc = rc;
-      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
-    }
-    std::string why;
-    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
-      detail::unique_fd fd(
-          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-      if (!fd) {
-        why = std::strerror(errno);
-        continue;
-      }
-      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
-        if (errno != EINPROGRESS) {
-          why = std::strerror(errno);
-          continue;
-        }
-        pollfd p{fd.get(), POLLOUT, 0};
-        int left = remaining_ms(deadline);
-        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
-          why = "connect timed out";
-          continue;
-        }
-        int err = 0;
-        socklen_t len = sizeof err;
-        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err != 0) {
-          why = std::strerror(err);
-          continue;
-        }
-      }
-      detail::set_no_delay(fd.get());
-      fd_ = std::move(fd);
-      return {};
-    }
-    return why.empty() ? "no address" : why;
-  }
-
-  static int remaining_ms(steady::time_point deadline) {
-    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
-    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
-  }
-
-  void handshake(steady::time_point connect_deadline) {
-    std::string hello;
-    detail::wire::writer(hello)
-        .u32(detail::wire::magic)
-        .u16(detail::wire::version)
-        .bytes16(options_.token);
-    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
-    send_all(hello, deadline, "the handshake");
-    std::string reply = recv_exact(3, deadline, "the handshake reply");
-    detail::wire::reader r(reply);
-    auto s = static_cast<detail::wire::status>(r.u8("status"));
-    auto version = r.u16("version");
-    refused_ = s != detail::wire::status::ok;
-    if (s == detail::wire::status::bad_token) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() +
-                             " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                             "token option) on every rank");
-    }
-    if (s == detail::wire::status::bad_version) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
-                             std::to_string(version) + ", this client " +
-                             std::to_string(detail::wire::version) +
-                             "; build every rank with the same dtrain");
-    }
-    if (s != detail::wire::status::ok) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
-                             std::to_string(static_cast<int>(s)));
-    }
-  }
-
-  // Sends a request and returns the reply payload; nullopt when the server
-  // reports that the wait timed out.
-  std::optional<std::string> call(const std::string& body, milliseconds server_wait,
-                                  const std::string& what) {
-    std::lock_guard lock(mutex_);
-    if (broken_)
-      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
-                             " was lost earlier");
-    // After a silence the server may have closed the connection as idle:
-    // reopen it rather than fail. If it closes just as this request leaves,
-    // no reply byte arrives, and the request is sent again once.
-    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
-    if (closed_by_server()) reopen(what);
-    try {
-      auto reply = exchange(body, server_wait, what);
-      last_reply_ = steady::now();
-      return reply;
-    } catch (const rendezvous_error&) {
-      if (!was_idle || reply_started_ || !broken_) throw;
-      reopen(what);
-      auto reply = exchange(body, server_wait, what);
-      last_reply_ = steady::now();
-      return reply;
-    }
-  }
-
-  [[nodiscard]] bool closed_by_server() const {
-    char byte;
-    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-  }
-
-  // A new connection within the io timeout; the old one is dropped unread.
-  void reopen(const std::string& what) {
-    fd_.reset();
-    broken_ = false;
-    try {
-      connect(options_.io_timeout);
-    } catch (const error& e) {
-      broken_ = true;
-      throw rendezvous_error(
-          what + ": the store at " + endpoint() +
-          " closed this idle connection and cannot be reached again: " + e.what());
-    }
-  }
-
-  std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
-                                      const std::string& what) {
-    reply_started_ = false;
-    // The reply may take the server-side wait, plus the io timeout before the server is presumed
-    // dead.
-    auto deadline = steady::now() + server_wait + options_.io_timeout;
-    try {
-      send_all(detail::wire::frame(body), deadline, what);
-      std::string head = recv_exact(4, deadline, what);
-      std::uint32_t length = detail::wire::frame_length(head);
-      if (length == 0 || length > options_.limits.max_frame_size()) {
-        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
-                               std::to_string(length) + " bytes");
-      }
-      std::string reply = recv_exact(length, deadline, what);
-      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
-      std::string_view payload = std::string_view(reply).substr(1);
-      switch (s) {
-        case detail::wire::status::ok: return std::string(payload);
-        case detail::wire::status::timeout: return std::nullopt;
-        case detail::wire::status::error:
-        case detail::wire::status::shutting_down: {
-          detail::wire::reader r(payload);
-          auto message = std::string(r.bytes32("message", UINT32_MAX));
-          if (s == detail::wire::status::shutting_down) broken_ = true;
-          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
-        }
-        default:
-          throw rendezvous_error(what + ": the store at " + endpoint() +
-                                 " answered with unknown status " +
-                                 std::to_string(static_cast<int>(s)));
-      }
-    } catch (const detail::wire::violation& e) {
-      broken_ = true;
-      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
-                             e.what());
-    } catch (const timeout_error&) {
-      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
-      throw;
-    }
-  }
-
-  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
-    while (!data.empty()) {
-      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
-      if (n > 0) {
-        data.remove_prefix(static_cast<std::size_t>(n));
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
-      await(POLLOUT, deadline, what);
-    }
-  }
-
-  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
-    std::string out;
-    char chunk[16384];
-    while (out.size() < size) {
-      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
-      if (n > 0) {
-        out.append(chunk, static_cast<std::size_t>(n));
-        reply_started_ = true;
-        continue;
-      }
-      if (n == 0) lost(what, "the server closed the connection");
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
-      await(POLLIN, deadline, what);
-    }
-    return out;
-  }
-
-  void await(short events, steady::time_point deadline, const std::string& what) {
-    pollfd p{fd_.get(), events, 0};
-    for (;;) {
-      int left = remaining_ms(deadline);
-      int rc = ::poll(&p, 1, left);
-      if (rc > 0) return;
-      if (rc < 0 && errno == EINTR) continue;
-      if (rc < 0) lost(what, std::strerror(errno));
-      broken_ = true;
-      throw timeout_error(what + ": no reply from the store at " + endpoint() +
-                          " in time; the server is overloaded, hung or unreachable");
-    }
-  }
-
-  [[noreturn]] void lost(const std::string& what, const std::string& why) {
-    broken_ = true;
-    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
-                           why + "); did the process hosting it exit?");
-  }
-
-  std::string host_;
-  int port_;
-  store_options options_;
-  std::mutex mutex_;
-  detail::unique_fd fd_;
-  bool broken_ = false;
-  bool refused_ = false;        // the server answered the handshake with a refusal
-  bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
-  steady::time_point last_reply_ = steady::now();
-};
-
-// The client is a store, alone and under a prefix (checked here, next to it:
-// the concept's header does not include an implementation).
-static_assert(store<store_client>);
-static_assert(store<prefix_store<store_client>>);
-
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/client.hpp ----
 
 #include <algorithm>
 #include <atomic>
@@ -7863,8 +8929,8 @@ struct diagnostics_options {
 
   [[nodiscard]] diagnostics_options with_env(const environment& env) const {
     diagnostics_options out = *this;
-    if (auto on = detail::read_flag(env, "DTRAIN_DIAGNOSTICS")) out.enabled = *on;
-    if (auto t = detail::read_seconds(env, "DTRAIN_DIAGNOSTICS_WAIT")) out.wait = *t;
+    if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
+    if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
     return out;
   }
 };
@@ -8339,546 +9405,6 @@ inline std::vector<int> parse_tasks_per_node(std::string_view text, const std::s
 
 }  // namespace dtrain::detail
 // ---- end dtrain/detail/hostlist.hpp ----
-// ---- begin dtrain/detail/json.hpp ----
-/// @file
-/// A small strict JSON reader (RFC 8259) for TF_CONFIG, and a string writer
-/// for the files dtrain writes. A whole JSON library as a dependency of a
-/// single-header library, for one variable, is not worth it.
-/// Errors are config_errors that quote the input's name and the position.
-
-
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain::detail::json {
-
-struct member;
-
-/// A parsed JSON value. Numbers keep their text; as_index() reads the integers
-/// that TF_CONFIG needs without a round trip through double.
-struct value {
-  enum class kind { null, boolean, number, string, array, object };
-
-  kind type = kind::null;
-  bool boolean = false;
-  std::string text;  // the string's content, or the number as written
-  std::vector<value> items;
-  std::vector<member> members;  // in document order; keys are unique
-
-  [[nodiscard]] const value* find(std::string_view key) const;
-  [[nodiscard]] bool is(kind k) const noexcept { return type == k; }
-};
-
-struct member {
-  std::string key;
-  value val;
-};
-
-inline const value* value::find(std::string_view key) const {
-  for (const auto& m : members) {
-    if (m.key == key) return &m.val;
-  }
-  return nullptr;
-}
-
-/// The name of a kind, for messages ("expected an array, found a string").
-inline const char* kind_name(value::kind k) {
-  switch (k) {
-    case value::kind::null: return "null";
-    case value::kind::boolean: return "a boolean";
-    case value::kind::number: return "a number";
-    case value::kind::string: return "a string";
-    case value::kind::array: return "an array";
-    case value::kind::object: return "an object";
-  }
-  return "a value";
-}
-
-namespace impl {
-
-class reader {
- public:
-  reader(std::string_view text, std::string_view what) : text_(text), what_(what) {}
-
-  value document() {
-    skip_blanks();
-    value v = parse_value(0);
-    skip_blanks();
-    if (pos_ != text_.size()) fail("unexpected text after the JSON value");
-    return v;
-  }
-
- private:
-  static constexpr int max_depth = 64;
-
-  [[noreturn]] void fail(const std::string& why) const {
-    std::size_t line = 1, column = 1;
-    for (std::size_t i = 0; i < pos_ && i < text_.size(); ++i) {
-      if (text_[i] == '\n') {
-        ++line;
-        column = 1;
-      } else {
-        ++column;
-      }
-    }
-    std::string near(text_.substr(pos_ < text_.size() ? pos_ : text_.size(), 16));
-    for (char& c : near) {
-      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-    }
-    throw config_error(
-        std::string(what_) + " is not valid JSON: " + why + " at offset " + std::to_string(pos_) +
-        " (line " + std::to_string(line) + ", column " + std::to_string(column) + ")" +
-        (near.empty() ? std::string(", at the end of the text") : ", near '" + near + "'"));
-  }
-
-  void skip_blanks() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
-                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
-      ++pos_;
-    }
-  }
-
-  bool at_end() const { return pos_ >= text_.size(); }
-  char peek() const { return text_[pos_]; }
-
-  void expect_word(std::string_view word) {
-    if (text_.substr(pos_, word.size()) != word) fail("expected '" + std::string(word) + "'");
-    pos_ += word.size();
-  }
-
-  value parse_value(int depth) {
-    if (depth > max_depth) fail("nesting deeper than " + std::to_string(max_depth) + " levels");
-    if (at_end()) fail("expected a value");
-    value v;
-    switch (peek()) {
-      case '{': parse_object(v, depth); break;
-      case '[': parse_array(v, depth); break;
-      case '"':
-        v.type = value::kind::string;
-        v.text = parse_string();
-        break;
-      case 't':
-        expect_word("true");
-        v.type = value::kind::boolean;
-        v.boolean = true;
-        break;
-      case 'f':
-        expect_word("false");
-        v.type = value::kind::boolean;
-        break;
-      case 'n': expect_word("null"); break;
-      default:
-        if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
-          v.type = value::kind::number;
-          v.text = parse_number();
-        } else {
-          fail("expected a value");
-        }
-    }
-    return v;
-  }
-
-  void parse_object(value& v, int depth) {
-    v.type = value::kind::object;
-    ++pos_;  // '{'
-    skip_blanks();
-    if (!at_end() && peek() == '}') {
-      ++pos_;
-      return;
-    }
-    for (;;) {
-      skip_blanks();
-      if (at_end() || peek() != '"') fail("expected a string key");
-      std::size_t key_pos = pos_;
-      std::string key = parse_string();
-      if (v.find(key) != nullptr) {
-        pos_ = key_pos;
-        fail("duplicate key \"" + key + "\"");
-      }
-      skip_blanks();
-      if (at_end() || peek() != ':') fail("expected ':' after an object key");
-      ++pos_;
-      skip_blanks();
-      value item = parse_value(depth + 1);
-      v.members.push_back(member{std::move(key), std::move(item)});
-      skip_blanks();
-      if (at_end()) fail("expected ',' or '}'");
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() == '}') {
-        ++pos_;
-        return;
-      }
-      fail("expected ',' or '}'");
-    }
-  }
-
-  void parse_array(value& v, int depth) {
-    v.type = value::kind::array;
-    ++pos_;  // '['
-    skip_blanks();
-    if (!at_end() && peek() == ']') {
-      ++pos_;
-      return;
-    }
-    for (;;) {
-      skip_blanks();
-      v.items.push_back(parse_value(depth + 1));
-      skip_blanks();
-      if (at_end()) fail("expected ',' or ']'");
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() == ']') {
-        ++pos_;
-        return;
-      }
-      fail("expected ',' or ']'");
-    }
-  }
-
-  std::string parse_number() {
-    std::size_t start = pos_;
-    auto digits = [&] {
-      std::size_t first = pos_;
-      while (!at_end() && peek() >= '0' && peek() <= '9') ++pos_;
-      return pos_ - first;
-    };
-    if (peek() == '-') ++pos_;
-    if (at_end()) fail("expected a digit");
-    if (peek() == '0') {
-      ++pos_;
-      if (!at_end() && peek() >= '0' && peek() <= '9') fail("leading zeros are not allowed");
-    } else if (digits() == 0) {
-      fail("expected a digit");
-    }
-    if (!at_end() && peek() == '.') {
-      ++pos_;
-      if (digits() == 0) fail("expected a digit after '.'");
-    }
-    if (!at_end() && (peek() == 'e' || peek() == 'E')) {
-      ++pos_;
-      if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
-      if (digits() == 0) fail("expected a digit in the exponent");
-    }
-    return std::string(text_.substr(start, pos_ - start));
-  }
-
-  unsigned read_hex4() {
-    if (text_.size() - pos_ < 4) fail("expected four hex digits after \\u");
-    unsigned code = 0;
-    for (int i = 0; i < 4; ++i) {
-      char c = text_[pos_++];
-      code <<= 4;
-      if (c >= '0' && c <= '9') {
-        code |= static_cast<unsigned>(c - '0');
-      } else if (c >= 'a' && c <= 'f') {
-        code |= static_cast<unsigned>(c - 'a' + 10);
-      } else if (c >= 'A' && c <= 'F') {
-        code |= static_cast<unsigned>(c - 'A' + 10);
-      } else {
-        --pos_;
-        fail("expected four hex digits after \\u");
-      }
-    }
-    return code;
-  }
-
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
-  std::string parse_string() {
-    ++pos_;  // opening quote
-    std::string out;
-    for (;;) {
-      if (at_end()) fail("unterminated string");
-      char c = text_[pos_];
-      if (c == '"') {
-        ++pos_;
-        return out;
-      }
-      if (static_cast<unsigned char>(c) < 0x20) fail("unescaped control character in a string");
-      if (c != '\\') {
-        out += c;
-        ++pos_;
-        continue;
-      }
-      ++pos_;
-      if (at_end()) fail("unterminated escape");
-      char e = text_[pos_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          std::uint32_t cp = read_hex4();
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (text_.substr(pos_, 2) != "\\u") fail("a high surrogate must be followed by \\u");
-            pos_ += 2;
-            std::uint32_t low = read_hex4();
-            if (low < 0xDC00 || low > 0xDFFF) fail("invalid low surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-            fail("a low surrogate without a high one");
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default: --pos_; fail(std::string("invalid escape '\\") + e + "'");
-      }
-    }
-  }
-
-  std::string_view text_;
-  std::string_view what_;
-  std::size_t pos_ = 0;
-};
-
-}  // namespace impl
-
-/// Parses one JSON document. `what` names the input in messages ("TF_CONFIG").
-/// Throws config_error quoting the offset, line and column of the first error.
-inline value parse(std::string_view text, std::string_view what) {
-  return impl::reader(text, what).document();
-}
-
-/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
-/// files dtrain writes, such as the DDP timeline).
-inline void write_string(std::string& out, std::string_view text) {
-  out += '"';
-  for (char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          constexpr char hex[] = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[(c >> 4) & 0xF];
-          out += hex[c & 0xF];
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += '"';
-}
-
-}  // namespace dtrain::detail::json
-// ---- end dtrain/detail/json.hpp ----
-// ---- begin dtrain/env/world.hpp ----
-/// @file
-/// `dtrain::world`: who this process is in the job, as the launcher told it.
-/// A plain value; discover_world() (env/discover.hpp) builds it.
-
-
-#include <array>
-#include <cstddef>
-#include <optional>
-#include <string>
-#include <string_view>
-
-namespace dtrain {
-
-/// The launcher whose variables identified this process.
-enum class launcher {
-  none,       ///< no launcher variables: a single process
-  env,        ///< env:// (torchrun, dtrun, Azure ML PyTorch, Kubeflow, Lightning-style NODE_RANK)
-  open_mpi,   ///< Open MPI's mpirun (OMPI_COMM_WORLD_*)
-  hydra,      ///< MPICH / Intel MPI Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID)
-  slurm,      ///< srun (SLURM_PROCID, SLURM_NTASKS, ...)
-  horovod,    ///< horovodrun (HOROVOD_RANK, ...)
-  tf_config,  ///< TF_CONFIG (Kubeflow TFJob, Azure ML TensorFlow jobs)
-};
-
-/// The launcher's name as whoami and describe() print it.
-[[nodiscard]] constexpr std::string_view to_string(launcher l) noexcept {
-  switch (l) {
-    case launcher::none: return "none";
-    case launcher::env: return "env";
-    case launcher::open_mpi: return "open_mpi";
-    case launcher::hydra: return "hydra";
-    case launcher::slurm: return "slurm";
-    case launcher::horovod: return "horovod";
-    case launcher::tf_config: return "tf_config";
-  }
-  return "unknown";
-}
-
-/// What this process is in the job. Only workers hold a data-parallel rank.
-enum class process_role {
-  worker,            ///< a data-parallel rank
-  node_agent,        ///< a per-node launcher process that starts the workers of its node
-  parameter_server,  ///< TF_CONFIG task type "ps"
-  evaluator,         ///< TF_CONFIG task type "evaluator"
-};
-
-[[nodiscard]] constexpr std::string_view to_string(process_role r) noexcept {
-  switch (r) {
-    case process_role::worker: return "worker";
-    case process_role::node_agent: return "agent";
-    case process_role::parameter_server: return "ps";
-    case process_role::evaluator: return "evaluator";
-  }
-  return "unknown";
-}
-
-/// The most ranks a dtrain job may have (1,048,576): sizes from options and
-/// the environment are checked against it before anything is allocated for
-/// them or multiplied, so that a typo is a config_error, not bad_alloc.
-inline constexpr int max_world_size = 1 << 20;
-
-/// Who this process is. A field the environment does not determine is
-/// nullopt — unknown, never guessed; the runtime completes the node fields at
-/// rendezvous by grouping ranks by host name.
-struct world {
-  std::optional<int> rank;              ///< 0 .. world_size-1; unknown for agents, ps, evaluators
-  std::optional<int> world_size;        ///< number of data-parallel workers in the job
-  std::optional<int> local_rank;        ///< rank among the workers on this node
-  std::optional<int> local_world_size;  ///< workers on this node
-  std::optional<int> node_rank;         ///< index of this node, 0 .. num_nodes-1
-  std::optional<int> num_nodes;         ///< nodes in the job
-  std::optional<std::string> master_addr;  ///< where the rendezvous store listens
-  std::optional<int> master_port;
-  launcher source = launcher::none;
-  process_role role = process_role::worker;
-
-  /// The fields, in the order describe() and to_json() print them.
-  enum class field : std::size_t {
-    rank,
-    world_size,
-    local_rank,
-    local_world_size,
-    node_rank,
-    num_nodes,
-    master_addr,
-    master_port,
-  };
-  static constexpr std::size_t field_count = 8;
-  static constexpr std::array<std::string_view, field_count> field_names{
-      "rank",      "world_size", "local_rank",  "local_world_size",
-      "node_rank", "num_nodes",  "master_addr", "master_port"};
-
-  /// Where each known field came from, e.g. "RANK=3" or
-  /// "SLURM_STEP_TASKS_PER_NODE=2(x3),1 at SLURM_NODEID=3"; empty when unknown.
-  std::array<std::string, field_count> origins{};
-  /// Remarks for logs: outer launchers seen, variables deliberately not used.
-  std::string notes;
-
-  [[nodiscard]] const std::string& origin(field f) const {
-    return origins[static_cast<std::size_t>(f)];
-  }
-
-  /// True when every rank and node field is known (master fields excluded:
-  /// a single process needs none, and mpirun jobs agree on one through MPI).
-  [[nodiscard]] bool complete() const noexcept {
-    return rank && world_size && local_rank && local_world_size && node_rank && num_nodes;
-  }
-
-  /// One or two lines for logs: each field with the variable it came from.
-  [[nodiscard]] std::string describe() const {
-    std::string out = "dtrain world from ";
-    out += to_string(source);
-    if (role != process_role::worker) {
-      out += " (";
-      out += to_string(role);
-      out += ')';
-    }
-    out += ':';
-    std::array<std::string, field_count> values;
-    const std::array<const std::optional<int>*, 6> numbers{
-        &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
-    }
-    values[6] = master_addr.value_or("?");
-    values[7] = master_port ? std::to_string(*master_port) : "?";
-    // Consecutive fields with one origin share one parenthesis.
-    for (std::size_t i = 0; i < field_count; ++i) {
-      out += i == 0 ? " " : ", ";
-      out += field_names[i];
-      out += '=';
-      out += values[i];
-      if (i + 1 == field_count || origins[i + 1] != origins[i]) {
-        out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
-      }
-    }
-    if (!notes.empty()) {
-      out += "\n  note: ";
-      out += notes;
-    }
-    return out;
-  }
-};
-
-/// The world as one JSON object on one line (no newline), with the keys rank,
-/// world_size, local_rank, local_world_size, node_rank, num_nodes,
-/// master_addr, master_port (null when unknown), source, and role when the
-/// process is not a plain worker. This is what `dtrain_whoami` prints.
-[[nodiscard]] inline std::string to_json(const world& w) {
-  std::string out = "{";
-  auto key = [&](std::string_view name) {
-    if (out.size() > 1) out += ',';
-    detail::json::write_string(out, name);
-    out += ':';
-  };
-  auto number = [&](std::string_view name, const std::optional<int>& v) {
-    key(name);
-    out += v ? std::to_string(*v) : "null";
-  };
-  number("rank", w.rank);
-  number("world_size", w.world_size);
-  number("local_rank", w.local_rank);
-  number("local_world_size", w.local_world_size);
-  number("node_rank", w.node_rank);
-  number("num_nodes", w.num_nodes);
-  key("master_addr");
-  if (w.master_addr) {
-    detail::json::write_string(out, *w.master_addr);
-  } else {
-    out += "null";
-  }
-  number("master_port", w.master_port);
-  key("source");
-  detail::json::write_string(out, to_string(w.source));
-  if (w.role != process_role::worker) {
-    key("role");
-    detail::json::write_string(out, to_string(w.role));
-  }
-  out += '}';
-  return out;
-}
-
-}  // namespace dtrain
-// ---- end dtrain/env/world.hpp ----
 
 #include <array>
 #include <cstddef>
@@ -9592,10 +10118,6 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 
 namespace dtrain {
 
-/// The variable that overrides the host name as the node's identity (for
-/// containers that share a host name, or several "nodes" on one machine).
-inline constexpr std::string_view node_name_variable = "DTRAIN_NODE_NAME";
-
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] inline std::string node_name(const environment& env) {
   if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
@@ -9794,6 +10316,178 @@ struct placement {
 
 }  // namespace dtrain
 // ---- end dtrain/env/placement.hpp ----
+// ---- begin dtrain/launch/join.hpp ----
+/// @file
+/// How a worker waits for the others at rendezvous, and says so. Every rank
+/// sets its report and counts itself in (launch/protocol.hpp's job_keys);
+/// rank 0 waits until everyone has joined and then places them. While a rank
+/// waits it says every few seconds who has joined and who has not ("1 of 2
+/// ranks joined; waiting for rank 1"), and at its timeout it names the ranks
+/// that never came and the likely causes, instead of a store key.
+
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's wait at rendezvous, through `Store` (the job's prefix store).
+template <store Store>
+class rendezvous_wait {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  struct setup {
+    std::string endpoint;  ///< "host:port" of the store, for messages
+    int rank = 0;
+    int size = 1;
+    milliseconds timeout{};                       ///< how long a rank waits for the others
+    milliseconds interval{};                      ///< how often it says so
+    std::function<void(std::string_view)> say{};  ///< where it says so (detail::say)
+    std::string world_size_origin;                ///< "WORLD_SIZE=4", for the likely causes
+  };
+
+  rendezvous_wait(Store& store, setup s) : store_(store), s_(std::move(s)) {}
+
+  /// Sets this rank's report and counts it in; the last rank to join marks
+  /// everyone joined.
+  void join(std::string_view report) {
+    store_.set(job_keys::report(s_.rank), report);
+    if (store_.add(job_keys::joined, 1) == s_.size) {
+      store_.set(job_keys::joined_all, present_value());
+    }
+  }
+
+  /// Rank 0: waits until every rank has joined, saying who is missing every
+  /// interval. Throws timeout_error naming the missing ranks and the likely
+  /// causes after the timeout.
+  void await_everyone() {
+    const std::string all(job_keys::joined_all);
+    if (!await(all, true)) throw timeout_error(never_joined());
+  }
+
+  /// Every other rank: the value of `key` (rank 0's answer), once set. While
+  /// rank 0 itself has not joined, says who is missing every interval (rank 0
+  /// says it otherwise). Throws timeout_error after the timeout, naming the
+  /// missing ranks, or rank 0 when everyone joined but no answer came.
+  [[nodiscard]] std::string await_answer(std::string_view key) {
+    const std::string wanted(key);
+    if (await(wanted, false)) return store_.get(wanted);
+    if (joined() < s_.size) throw timeout_error(never_joined());
+    throw timeout_error(prefix() + " timed out after " + whole_seconds(s_.timeout) +
+                        ": every rank joined, but rank 0 did not answer (store key \"" + wanted +
+                        "\"); see rank 0's output for why");
+  }
+
+  /// What the wait looks like now: "1 of 2 ranks joined; waiting for rank 1".
+  [[nodiscard]] std::string progress() {
+    const std::int64_t count = joined();
+    const std::vector<int> missing = missing_ranks();
+    std::string out = std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined";
+    if (!missing.empty()) out += "; waiting for " + rank_list(missing, s_.size - count);
+    return out;
+  }
+
+ private:
+  using steady = std::chrono::steady_clock;
+
+  /// The most ranks a message names.
+  static constexpr std::size_t named_ranks = 8;
+  /// The most keys one check() asks for (the store's default limit is 4096).
+  static constexpr int keys_per_check = 1024;
+
+  // Waits for `key` in slices of the interval; reports between slices (rank
+  // 0 always, the others while rank 0 is missing). False at the timeout.
+  bool await(const std::string& key, bool report_always) {
+    const auto start = steady::now();
+    const auto deadline = start + s_.timeout;
+    const std::string keys[] = {key};
+    for (;;) {
+      const auto left = std::chrono::ceil<milliseconds>(deadline - steady::now());
+      if (left <= milliseconds::zero()) return false;
+      try {
+        store_.wait(keys, s_.interval > milliseconds::zero() ? std::min(left, s_.interval) : left);
+        return true;
+      } catch (const timeout_error&) {
+        // The store ended this slice of the wait; the connection stays sound.
+      }
+      const auto now = steady::now();
+      if (now >= deadline) return false;
+      if (report_always || !store_.check(std::vector<std::string>{job_keys::report(0)})) {
+        say(s_.say, prefix() + ": " + progress() + " (" +
+                        whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
+                        " of " + whole_seconds(s_.timeout) + ")");
+      }
+    }
+  }
+
+  [[nodiscard]] std::string prefix() const { return "rendezvous at " + s_.endpoint; }
+
+  [[nodiscard]] std::int64_t joined() { return store_.add(job_keys::joined, 0); }
+
+  // The first named_ranks ranks whose report is missing, found by halving
+  // ranges whose check() fails: a few requests when few are missing.
+  [[nodiscard]] std::vector<int> missing_ranks() {
+    std::vector<int> out;
+    find_missing(0, s_.size, out);
+    return out;
+  }
+  void find_missing(int lo, int hi, std::vector<int>& out) {
+    if (lo >= hi || out.size() >= named_ranks) return;
+    if (hi - lo <= keys_per_check) {
+      std::vector<std::string> keys;
+      for (int r = lo; r < hi; ++r) keys.push_back(job_keys::report(r));
+      if (store_.check(keys)) return;
+      if (hi - lo == 1) {
+        out.push_back(lo);
+        return;
+      }
+    }
+    const int mid = lo + (hi - lo) / 2;
+    find_missing(lo, mid, out);
+    find_missing(mid, hi, out);
+  }
+
+  // "rank 1", "ranks 1, 3", "998 ranks, among them 1, 2, ..., 8".
+  static std::string rank_list(const std::vector<int>& ranks, std::int64_t total) {
+    std::string names;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      names += (i ? ", " : "") + std::to_string(ranks[i]);
+    }
+    if (total > static_cast<std::int64_t>(ranks.size())) {
+      return std::to_string(total) + " ranks, among them " + names;
+    }
+    return (ranks.size() == 1 ? "rank " : "ranks ") + names;
+  }
+
+  [[nodiscard]] std::string never_joined() {
+    const std::int64_t count = joined();
+    const std::vector<int> missing = missing_ranks();
+    const std::string who = rank_list(missing, s_.size - count);
+    const bool one = s_.size - count == 1;
+    return prefix() + " timed out after " + whole_seconds(s_.timeout) + ": " +
+           std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined; " + who +
+           " never did. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks (this rank "
+           "met at " +
+           s_.endpoint + "), a firewall blocks that port, " + (one ? "that rank" : "those ranks") +
+           " never started or failed before joining (see " + (one ? "its" : "their") +
+           " output), or the world size (" + s_.world_size_origin +
+           ") is larger than the number of ranks started";
+  }
+
+  Store& store_;
+  setup s_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/join.hpp ----
 // ---- begin dtrain/launch/options.hpp ----
 /// @file
 /// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
@@ -9803,6 +10497,7 @@ struct placement {
 #include <chrono>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace dtrain {
 
@@ -9862,7 +10557,7 @@ struct agent_options {
   /// rebuilding it. Throws config_error naming the variable and its value.
   [[nodiscard]] agent_options with_env(const environment& env) const {
     agent_options out = *this;
-    auto count = [&](const char* name, std::optional<int>& into, int least) {
+    auto count = [&](std::string_view name, std::optional<int>& into, int least) {
       if (auto v = detail::read_int(env, name)) {
         if (v->value < least) {
           throw config_error(v->origin + " must be at least " + std::to_string(least));
@@ -9870,15 +10565,15 @@ struct agent_options {
         into = v->value;
       }
     };
-    count("DTRAIN_NPROC_PER_NODE", out.nproc_per_node, 1);
-    count("DTRAIN_NNODES", out.nnodes, 1);
-    count("DTRAIN_NODE_RANK", out.node_rank, 0);
-    if (auto v = detail::read_int(env, "DTRAIN_MAX_RESTARTS")) out.max_restarts = v->value;
-    if (auto t = detail::read_seconds(env, "DTRAIN_GRACE_PERIOD")) out.grace_period = *t;
-    if (auto t = detail::read_seconds(env, "DTRAIN_HEARTBEAT_TIMEOUT")) out.heartbeat_timeout = *t;
-    if (auto f = detail::read_flag(env, "DTRAIN_TEE")) out.tee = *f;
-    if (auto dir = env.get("DTRAIN_LOG_DIR"); dir && !dir->empty()) out.log_dir = std::string(*dir);
-    if (auto f = detail::read_flag(env, "DTRAIN_LOCAL_RANK_ARG")) out.local_rank_arg = *f;
+    count(nproc_per_node_variable, out.nproc_per_node, 1);
+    count(nnodes_variable, out.nnodes, 1);
+    count(node_rank_variable, out.node_rank, 0);
+    if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
+    if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
+    if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
+    if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
+    if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
+    if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
     out.check();
     return out;
   }
@@ -9920,6 +10615,97 @@ struct agent_options {
 
 }  // namespace dtrain
 // ---- end dtrain/launch/options.hpp ----
+// ---- begin dtrain/launch/worker.hpp ----
+/// @file
+/// How a worker process ends its part in a job so that the job ends too:
+/// it ignores SIGPIPE (a write to a dead peer becomes an error that names
+/// the peer instead of a silent death), and a failed rank under MPI calls
+/// MPI_Abort, so that mpirun ends every rank at once instead of leaving the
+/// failed one blocked in MPI_Finalize while its peers wait out their timeout.
+/// It also tells its agent how far its communicator got (collective_progress),
+/// so that the agent can name a rank that left its peers waiting.
+
+
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if DTRAIN_HAS_MPI()
+#include <mpi.h>
+#endif
+
+namespace dtrain::detail {
+
+/// Ignores SIGPIPE in this process: a peer that dies mid-write gives EPIPE,
+/// which the engines and the store turn into an error naming the peer. Under
+/// an agent, a worker killed by SIGPIPE would otherwise be blamed as the
+/// root cause of a failure it only witnessed.
+inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
+
+/// Whether MPI is initialised and not yet finalised in this process (by
+/// dtrain's MPI backend or by the user); false in a build without MPI.
+inline bool mpi_is_running() noexcept {
+#if DTRAIN_HAS_MPI()
+  int initialized = 0;
+  int finalized = 0;
+  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
+  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
+#else
+  return false;
+#endif
+}
+
+/// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
+/// mpirun exits with it) when MPI is running and `status` is not 0; returns
+/// otherwise. Call it after the failure's one-line report: the report is
+/// flushed first, since MPI_Abort does not return.
+inline void abort_mpi_job(int status) noexcept {
+  if (status == 0 || !mpi_is_running()) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+#if DTRAIN_HAS_MPI()
+  MPI_Abort(MPI_COMM_WORLD, status);
+#endif
+}
+
+/// How far a worker's communicators got, as its agent reports it. Each is
+/// named by its ring ("world", "world/split 1 (color 0)"): every rank that
+/// splits in the same order gives the same split the same name, so counts
+/// of the same name compare across ranks.
+struct collective_progress {
+  std::vector<std::pair<std::string, std::int64_t>> issued;  ///< collectives issued, by ring
+  std::string failed_on;       ///< the ring of the first collective that failed or timed out
+  std::int64_t failed_at = 0;  ///< that collective's number (#N); 0: none failed
+};
+
+/// The progress of `communicator` and its kept splits; nothing when there is
+/// no communicator yet, or its engine keeps no ring of its collectives.
+template <class Communicator>
+collective_progress progress_of(const std::optional<Communicator>& communicator) {
+  collective_progress p;
+  if constexpr (requires { communicator->ring(); }) {
+    const auto ring = communicator ? communicator->ring() : nullptr;
+    if (!ring) return p;
+    for (auto& [name, calls] : ring->snapshot_all()) {
+      p.issued.emplace_back(name, calls.empty() ? 0 : calls.back().seq);
+      for (const call_record& c : calls) {
+        if (p.failed_at != 0) break;
+        if (c.state == call_state::failed || c.state == call_state::timed_out) {
+          p.failed_on = name;
+          p.failed_at = c.seq;
+        }
+      }
+    }
+  }
+  return p;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/worker.hpp ----
 // ---- begin dtrain/policy.hpp ----
 /// @file
 /// dtrain::policy<Launch, Backend, Topology>: the compile-time choices of a
@@ -10726,10 +11512,25 @@ struct communicator_setup {
 /// Everything a backend implies, in one place: its communicator, the memory
 /// space DistributedDataParallel keeps gradients in (which also decides how
 /// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
-/// and how the communicator is made. Adding an engine adds one
-/// specialisation here. A backend of one's own (tests do) specialises it too.
+/// whether the communicator needs the store (needs_store), how it is made,
+/// and, optionally, a channel that works before any store exists
+/// (pre_store_relay, see detail::has_pre_store_relay). Adding an engine adds
+/// one specialisation here. A backend of one's own (tests do) specialises it
+/// too; what it does not declare is off.
 template <class Backend>
 struct backend_traits;
+
+namespace detail {
+/// Whether backend traits `T` can broadcast before the store exists:
+/// `T::pre_store_relay(communicator&)` returns a broadcast_relay from rank 0
+/// (rendezvous/broadcast.hpp). With it, rank 0 sends the others the store
+/// token and, without MASTER_ADDR, the store's address; the communicator is
+/// then made before the store (needs_store = false). MPI has one.
+template <class T>
+concept has_pre_store_relay = requires(typename T::communicator& c) {
+  { T::pre_store_relay(c) } -> broadcast_relay;
+};
+}  // namespace detail
 
 #if DTRAIN_HAS_MPI()
 template <>
@@ -10737,13 +11538,17 @@ struct backend_traits<backend::mpi> {
   using communicator = mpi_communicator;
   using memory_space = host_memory;
   static constexpr bool uses_gpus = false;
-  /// MPI knows its world before any store exists (and carries rank 0's store address).
+  /// MPI knows its world before any store exists...
   static constexpr bool needs_store = false;
   template <class Store>
   static communicator make(const communicator_setup<Store>& s) {
     mpi_options options{.collectives = s.collectives};
     if (s.env) options = options.with_env(*s.env);
     return mpi_communicator::world(std::move(options));
+  }
+  /// ... and carries rank 0's store token and address to every rank.
+  static detail::mpi_relay pre_store_relay(communicator& c) {
+    return detail::mpi_relay(c.native(), 0);
   }
 };
 #endif
@@ -10842,6 +11647,9 @@ struct policy {
                                     detail::missing_backend_traits>;
   using communicator_type = typename traits::communicator;
   static_assert(communicator<communicator_type>);
+  static_assert(!detail::has_pre_store_relay<traits> || !traits::needs_store,
+                "a backend whose traits have a pre_store_relay carries values before the store "
+                "exists, so its communicator must be made without one: set needs_store = false");
   /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
   using memory_space = typename traits::memory_space;
   /// Whether gradients may live on the GPU with this backend.
@@ -10858,9 +11666,216 @@ struct policy {
 // ---- end dtrain/policy.hpp ----
 // ---- begin dtrain/rendezvous/server.hpp ----
 /// @file
-/// store_server: the key-value store every rank meets at. One coroutine per
-/// connection on an epoll reactor, on one background thread.
+/// store_server: the key-value store every rank meets at. It admits
+/// connections (caps, eviction of strangers, the token handshake), reads each
+/// request, hands it to the handler of its operation, and writes the reply:
+/// one coroutine per connection (server_connection.hpp) on an epoll reactor,
+/// on one background thread. What the store holds and what its operations
+/// mean is kv_state (kv_state.hpp).
 
+// ---- begin dtrain/rendezvous/operations.hpp ----
+/// @file
+/// The store's operations as the wire carries them (protocol.hpp): one
+/// handler per operation code, each of which parses its request's fields,
+/// asks the state (kv_state.hpp) and builds the reply. A get or wait on a
+/// missing key suspends its connection until the key is set, the deadline
+/// passes or the client goes away. Runs on the server's reactor thread.
+
+// ---- begin dtrain/rendezvous/kv_state.hpp ----
+/// @file
+/// What the store holds and what its operations mean, apart from how clients
+/// reach it: the keys and values, who waits for which key, and the cap on the
+/// bytes stored. The server (server.hpp) parses a request and calls one
+/// function here; no socket, coroutine or reactor is involved, so the store's
+/// meaning is tested without a connection (tests/unit/test_kv_state.cpp).
+/// Like the server's reactor, it is used from one thread.
+
+
+#include <algorithm>
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// A request the store understood and refused (a counter that is not a
+/// number, a value past the cap). The message goes to the client in an error
+/// reply, and its connection stays open.
+class store_refusal : public rendezvous_error {
+ public:
+  using rendezvous_error::rendezvous_error;
+};
+
+/// Whoever waits for keys to be set: called once a key it watches is set.
+/// The server's resumes the waiting connection.
+using kv_waiter = std::function<void()>;
+
+/// The store's keys and values, their waiters and the stored-bytes cap.
+class kv_state {
+  // Transparent hashing: look keys up by string_view without copying them.
+  struct key_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept {
+      return std::hash<std::string_view>{}(s);
+    }
+  };
+  template <class T>
+  using by_key = std::unordered_map<std::string, T, key_hash, std::equal_to<>>;
+
+ public:
+  /// A state that refuses to hold more than `max_stored_bytes` of keys and
+  /// values (store_limits::max_stored_bytes).
+  explicit kv_state(std::uint64_t max_stored_bytes) : cap_(max_stored_bytes) {}
+  kv_state(const kv_state&) = delete;
+  kv_state& operator=(const kv_state&) = delete;
+
+  /// A waiter's registration for keys; it ends, and the waiter is forgotten,
+  /// when this is destroyed (the wait is over or its client went away).
+  class watch {
+   public:
+    watch(kv_state& state, const kv_waiter& waiter, std::vector<std::string> keys)
+        : state_(&state), waiter_(&waiter), keys_(std::move(keys)) {
+      for (const auto& k : keys_) state_->waiters_[k].push_back(waiter_);
+    }
+    watch(const watch&) = delete;
+    watch& operator=(const watch&) = delete;
+    ~watch() {
+      for (const auto& k : keys_) {
+        auto it = state_->waiters_.find(k);
+        if (it == state_->waiters_.end()) continue;  // set meanwhile: its waiters were woken
+        std::erase(it->second, waiter_);
+        if (it->second.empty()) state_->waiters_.erase(it);
+      }
+    }
+    /// The keys watched, in the order given.
+    [[nodiscard]] const std::vector<std::string>& keys() const noexcept { return keys_; }
+
+   private:
+    kv_state* state_;
+    const kv_waiter* waiter_;
+    std::vector<std::string> keys_;
+  };
+
+  /// The value at `key`, or null; valid until the next change.
+  [[nodiscard]] const std::string* find(std::string_view key) const {
+    auto it = data_.find(key);
+    return it == data_.end() ? nullptr : &it->second;
+  }
+
+  /// Which of `keys` are not set, in their order.
+  [[nodiscard]] std::vector<std::string> missing(std::span<const std::string_view> keys) const {
+    std::vector<std::string> out;
+    for (auto k : keys) {
+      if (!data_.contains(k)) out.emplace_back(k);
+    }
+    return out;
+  }
+
+  /// Whether every one of `keys` is set (true for none).
+  [[nodiscard]] bool check(std::span<const std::string_view> keys) const {
+    return std::all_of(keys.begin(), keys.end(), [&](auto k) { return data_.contains(k); });
+  }
+
+  /// Sets `key` to `value` and wakes its waiters. Throws store_refusal,
+  /// changing nothing, when the stored bytes would pass the cap.
+  void set(std::string_view key, std::string_view value) {
+    if (!store(key, value)) throw over_capacity("set", key, value.size());
+  }
+
+  /// Adds `delta` to the decimal integer at `key` (0 when missing) and returns
+  /// the sum. Throws store_refusal when the key holds something else, the sum
+  /// would overflow, or the cap would be passed.
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    std::int64_t current = 0;
+    if (const std::string* text = find(key)) {
+      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), current);
+      if (ec != std::errc() || end != text->data() + text->size()) {
+        throw store_refusal("add(\"" + std::string(key) +
+                            "\"): the key holds a value that is not an integer");
+      }
+    }
+    std::int64_t next = 0;
+    if (__builtin_add_overflow(current, delta, &next)) {
+      throw store_refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
+    }
+    if (!store(key, std::to_string(next))) throw over_capacity("add", key, 20);
+    return next;
+  }
+
+  /// Sets `key` to `desired` if it holds `expected` (a missing key matches an
+  /// empty `expected`), and returns what it holds then (empty when missing),
+  /// valid until the next change. Throws store_refusal as set() does.
+  std::string_view compare_set(std::string_view key, std::string_view expected,
+                               std::string_view desired) {
+    const std::string* current = find(key);
+    const bool matches = current ? *current == expected : expected.empty();
+    if (matches && !store(key, desired)) throw over_capacity("compare_set", key, desired.size());
+    current = find(key);
+    return current ? std::string_view(*current) : std::string_view{};
+  }
+
+  /// Removes `key`; false if it was not set. Its waiters go on waiting.
+  bool erase(std::string_view key) {
+    auto it = data_.find(key);
+    if (it == data_.end()) return false;
+    stored_ -= it->first.size() + it->second.size();
+    data_.erase(it);
+    return true;
+  }
+
+  /// Keys set.
+  [[nodiscard]] std::size_t size() const noexcept { return data_.size(); }
+  /// Bytes of the keys and values held, the figure the cap bounds.
+  [[nodiscard]] std::uint64_t stored_bytes() const noexcept { return stored_; }
+  /// Keys that someone waits for.
+  [[nodiscard]] std::size_t watched_keys() const noexcept { return waiters_.size(); }
+
+ private:
+  // Sets key to value and wakes its waiters; false, changing nothing, when the
+  // stored bytes would pass the cap (a change that does not grow them always passes).
+  bool store(std::string_view key, std::string_view value) {
+    auto it = data_.find(key);
+    const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
+    const std::uint64_t after = stored_ - before + key.size() + value.size();
+    if (after > cap_ && after > stored_) return false;
+    stored_ = after;
+    if (it != data_.end()) {
+      it->second.assign(value);
+    } else {
+      data_.emplace(std::string(key), std::string(value));
+    }
+    if (auto w = waiters_.find(key); w != waiters_.end()) {
+      auto woken = std::move(w->second);
+      waiters_.erase(w);
+      for (const kv_waiter* waiter : woken) (*waiter)();
+    }
+    return true;
+  }
+
+  store_refusal over_capacity(const char* what, std::string_view key,
+                              std::size_t value_size) const {
+    return store_refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
+                         std::to_string(value_size) + " bytes: the store holds " +
+                         std::to_string(stored_) + " bytes and its cap is " + std::to_string(cap_) +
+                         " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
+  }
+
+  std::uint64_t cap_;
+  std::uint64_t stored_ = 0;
+  by_key<std::string> data_;
+  by_key<std::vector<const kv_waiter*>> waiters_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/kv_state.hpp ----
 // ---- begin dtrain/rendezvous/reactor.hpp ----
 /// @file
 /// A small epoll reactor for C++20 coroutines, and the task type the store's
@@ -11201,6 +12216,13 @@ class reactor {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/reactor.hpp ----
+// ---- begin dtrain/rendezvous/server_connection.hpp ----
+/// @file
+/// One client's connection on the store server: its socket, the slot its
+/// coroutine waits on, and the reads and writes of that coroutine, each
+/// bounded by a deadline, with the bytes it buffers taken from the budget
+/// that every connection shares. Runs on the server's reactor thread.
+
 // ---- begin dtrain/rendezvous/server_limits.hpp ----
 /// @file
 /// What keeps the store server's resources bounded: a byte budget shared by
@@ -11211,6 +12233,7 @@ class reactor {
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -11226,28 +12249,32 @@ class reactor {
 namespace dtrain::detail {
 
 /// Bytes that connections may hold at once. A connection that cannot take
-/// what it needs waits (see server's reserve()); give_back wakes the waiters.
+/// what it needs waits (server_connection::reserve); give_back wakes the waiters.
 class byte_budget {
  public:
   explicit byte_budget(std::uint64_t cap) : cap_(cap) {}
 
   [[nodiscard]] bool try_take(std::uint64_t n) {
-    if (n > cap_ - used_) return false;
-    used_ += n;
+    const std::uint64_t used = used_.load();
+    if (n > cap_ - used) return false;
+    used_.store(used + n);
     return true;
   }
   void give_back(reactor& r, std::uint64_t n) {
-    used_ -= std::min(n, used_);
+    const std::uint64_t used = used_.load();
+    used_.store(used - std::min(n, used));
     for (wait_slot* s : waiters_) r.wake_up(*s);
   }
   void wait_here(wait_slot& s) { waiters_.push_back(&s); }
   void stop_waiting(wait_slot& s) { std::erase(waiters_, &s); }
   [[nodiscard]] std::uint64_t cap() const noexcept { return cap_; }
-  [[nodiscard]] std::uint64_t used() const noexcept { return used_; }
+  /// Bytes held now. Unlike the rest, callable from any thread (for stats()).
+  [[nodiscard]] std::uint64_t used() const noexcept { return used_.load(); }
 
  private:
   std::uint64_t cap_;
-  std::uint64_t used_ = 0;
+  // Changed on the reactor thread only; atomic so that stats() can read it from others.
+  std::atomic<std::uint64_t> used_{0};
   std::deque<wait_slot*> waiters_;
 };
 
@@ -11296,6 +12323,7 @@ enum class rejection : std::uint8_t {
   handshake,  ///< wrong token, version or magic, or too slow
   protocol,   ///< a malformed or oversized request
   idle,
+  broken,  ///< a client's connection broke (a reset) while it waited
   count_
 };
 
@@ -11306,6 +12334,7 @@ inline const char* describe(rejection r) {
     case rejection::handshake: return "failed handshake";
     case rejection::protocol: return "protocol violation";
     case rejection::idle: return "idle";
+    case rejection::broken: return "broken while waiting";
     case rejection::count_: break;
   }
   return "?";
@@ -11364,20 +12393,463 @@ class rejection_log {
 // ---- end dtrain/rendezvous/server_limits.hpp ----
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+namespace dtrain::detail {
+
+/// Why a connection's coroutine ends, thrown from its I/O; none is a protocol violation.
+struct client_gone {         ///< the client closed its end, or its connection broke
+  std::string broken_while;  ///< what the server was doing when it broke ("" when closed)
+};
+struct server_stopping {};  ///< the server is stopping, or closed this connection to make room
+struct client_idle {};      ///< nothing arrived within the idle (or handshake) timeout
+
+/// Bytes a request holds against the shared budget, given back when it ends.
+class held_bytes {
+ public:
+  held_bytes(byte_budget& budget, reactor& r) : budget_(budget), reactor_(r) {}
+  held_bytes(const held_bytes&) = delete;
+  held_bytes& operator=(const held_bytes&) = delete;
+  ~held_bytes() { release(); }
+  void add(std::uint64_t n) { n_ += n; }
+  void release() {
+    if (n_ == 0) return;
+    budget_.give_back(reactor_, n_);
+    n_ = 0;
+  }
+
+ private:
+  byte_budget& budget_;
+  reactor& reactor_;
+  std::uint64_t n_ = 0;
+};
+
+/// What a look at a waiting client's socket found.
+enum class hangup {
+  none,     ///< nothing arrived
+  request,  ///< bytes arrived: a new request while one is pending
+  orderly,  ///< the client closed its end (it exited, or gave up the wait)
+  broken,   ///< the connection was reset or failed
+};
+
+/// The socket of one accepted client and its I/O on the reactor.
+class server_connection {
+ public:
+  using steady = detail::steady;
+
+  /// Watches `fd` (from accept) on `r`; `peer` is its address for messages.
+  server_connection(reactor& r, byte_budget& budget, unique_fd fd, std::string peer,
+                    std::chrono::milliseconds io_timeout)
+      : reactor_(r),
+        budget_(budget),
+        fd_(std::move(fd)),
+        peer_(std::move(peer)),
+        io_timeout_(io_timeout),
+        waiter_([this] { reactor_.wake_up(slot_); }) {
+    int one = 1;
+    ::setsockopt(fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    reactor_.add(fd_.get(), slot_);
+  }
+  server_connection(const server_connection&) = delete;
+  server_connection& operator=(const server_connection&) = delete;
+  ~server_connection() { reactor_.remove(slot_); }
+
+  [[nodiscard]] const std::string& peer() const noexcept { return peer_; }
+  [[nodiscard]] wait_slot& slot() noexcept { return slot_; }
+  /// This connection as a waiter for keys (kv_state::watch): resumes its coroutine.
+  [[nodiscard]] const kv_waiter& waiter() const noexcept { return waiter_; }
+  [[nodiscard]] steady::time_point io_deadline() const { return steady::now() + io_timeout_; }
+
+  /// Suspends until the socket has `events`, the deadline passes, the slot is
+  /// woken, or the server stops.
+  reactor::until wait(std::uint32_t events, std::optional<steady::time_point> deadline) {
+    return reactor_.wait(slot_, events, deadline);
+  }
+
+  /// Appends exactly `n` bytes from the client to `out`. Returns false on a
+  /// clean end of stream before the first byte when `eof_ok` (a request
+  /// boundary); throws client_idle when nothing came by the deadline there.
+  task<bool> read_exact(std::string& out, std::size_t n, std::optional<steady::time_point> deadline,
+                        bool eof_ok, const char* what) {
+    const std::size_t start = out.size();
+    char chunk[16384];
+    while (out.size() - start < n) {
+      std::size_t want = std::min(sizeof chunk, n - (out.size() - start));
+      ssize_t got = ::recv(fd_.get(), chunk, want, 0);
+      if (got > 0) {
+        // Grows with what arrives, not with what was declared.
+        out.append(chunk, static_cast<std::size_t>(got));
+        continue;
+      }
+      if (got == 0) {
+        if (eof_ok && out.size() == start) co_return false;
+        throw wire::violation(
+            std::string(what) + " cut short: the client closed the connection after " +
+            std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes");
+      }
+      if (errno == EINTR) continue;
+      if (errno == ECONNRESET && eof_ok && out.size() == start) co_return false;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        throw std::system_error(errno, std::generic_category(), std::string("reading ") + what);
+      }
+      auto w = co_await wait(EPOLLIN | EPOLLRDHUP, deadline);
+      if (w == wake::stop) throw server_stopping{};
+      if (w == wake::timeout && eof_ok && out.size() == start) throw client_idle{};
+      if (w == wake::timeout) {
+        throw wire::violation(
+            std::string(what) + " not complete within " + std::to_string(io_timeout_.count()) +
+            " ms (" + std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes)");
+      }
+    }
+    co_return true;
+  }
+
+  /// Sends all of `data` within the io timeout.
+  task<void> write_all(std::string_view data) {
+    auto deadline = io_deadline();
+    while (!data.empty()) {
+      ssize_t sent = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+      if (sent > 0) {
+        data.remove_prefix(static_cast<std::size_t>(sent));
+        continue;
+      }
+      if (sent < 0 && errno == EINTR) continue;
+      if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) throw client_gone{};
+      if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        throw std::system_error(errno, std::generic_category(), "sending a reply");
+      }
+      auto w = co_await wait(EPOLLOUT, deadline);
+      if (w == wake::stop) throw server_stopping{};
+      if (w == wake::timeout)
+        throw wire::violation("the client did not read its reply within the io timeout");
+    }
+  }
+
+  /// Takes `n` bytes from the shared budget for `held`, waiting until the
+  /// deadline for other connections to give some back. `what` names the
+  /// bytes in the violation thrown when they never come.
+  task<void> reserve(held_bytes& held, std::uint64_t n, steady::time_point deadline,
+                     const std::string& what) {
+    if (n > budget_.cap()) {
+      throw wire::violation(what + " exceeds the store's buffer cap of " +
+                            std::to_string(budget_.cap()) +
+                            " bytes (store_limits::max_buffered_bytes)");
+    }
+    while (!budget_.try_take(n)) {
+      budget_.wait_here(slot_);
+      auto w = co_await wait(0, deadline);
+      budget_.stop_waiting(slot_);
+      if (w == wake::stop) throw server_stopping{};
+      if (w == wake::timeout) {
+        throw wire::violation(what + " waited for the store's buffer (" +
+                              std::to_string(budget_.used()) + " of " +
+                              std::to_string(budget_.cap()) +
+                              " bytes held by other connections) past the io timeout");
+      }
+    }
+    held.add(n);
+  }
+
+  /// Looks, without reading, at the socket of a client that waits for a reply.
+  [[nodiscard]] hangup peek() const {
+    char byte;
+    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return hangup::request;
+    if (n == 0) return hangup::orderly;
+    return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? hangup::none
+                                                                     : hangup::broken;
+  }
+
+  /// Best effort, without waiting: a client blocked in get / wait learns why
+  /// the server went away.
+  void say_goodbye() {
+    std::string body;
+    wire::writer(body)
+        .u8(static_cast<std::uint8_t>(wire::status::shutting_down))
+        .bytes32("the store server is shutting down");
+    auto frame = wire::frame(body);
+    (void)!::send(fd_.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+
+ private:
+  reactor& reactor_;
+  byte_budget& budget_;
+  unique_fd fd_;
+  wait_slot slot_;
+  std::string peer_;
+  std::chrono::milliseconds io_timeout_;
+  kv_waiter waiter_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/server_connection.hpp ----
+
+#include <algorithm>
+#include <array>
 #include <atomic>
-#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <sys/epoll.h>
+
+namespace dtrain::detail {
+
+/// One request on its way through a handler: its connection, the bytes it
+/// holds against the budget, and its fields after the operation code.
+struct store_request {
+  server_connection& c;
+  held_bytes& held;
+  wire::reader& fields;
+};
+
+/// The store's state and the handlers of its operations.
+class store_operations {
+ public:
+  explicit store_operations(const store_limits& limits)
+      : limits_(limits), state_(limits.max_stored_bytes) {}
+  store_operations(const store_operations&) = delete;
+  store_operations& operator=(const store_operations&) = delete;
+
+  /// The reply body to the request whose body `q.fields` reads, from the
+  /// handler of its operation code. Throws wire::violation for an unknown or
+  /// malformed request (the connection is closed), store_refusal for one the
+  /// state refused (an error reply), and what the connection's I/O throws.
+  task<std::string> handle(store_request& q) {  // not a coroutine: runs the handler's
+    const std::uint8_t code = q.fields.u8("op");
+    const handler h = handlers()[code];
+    if (h == nullptr) throw wire::violation("unknown operation " + std::to_string(code));
+    return (this->*h)(q);
+  }
+
+  /// Bytes of the keys and values held. Callable from any thread.
+  [[nodiscard]] std::uint64_t stored_bytes() const noexcept { return stored_bytes_.load(); }
+  /// Connections suspended in a get or wait. Callable from any thread.
+  [[nodiscard]] std::size_t waiting() const noexcept { return waiting_.load(); }
+
+  /// The reply that tells a client the store refused its request.
+  static std::string refusal(std::string_view message) {
+    std::string body;
+    wire::writer(body).u8(static_cast<std::uint8_t>(wire::status::error)).bytes32(message);
+    return body;
+  }
+
+ private:
+  using handler = task<std::string> (store_operations::*)(store_request&);
+  using op = wire::op;
+  using status = wire::status;
+
+  // The handler of each operation code; null for codes that name none.
+  static const std::array<handler, 256>& handlers() {
+    static constexpr std::array<handler, 256> table = [] {
+      std::array<handler, 256> t{};
+      auto at = [&t](op o) -> handler& { return t[static_cast<std::uint8_t>(o)]; };
+      at(op::set) = &store_operations::set;
+      at(op::get) = &store_operations::get;
+      at(op::add) = &store_operations::add;
+      at(op::compare_set) = &store_operations::compare_set;
+      at(op::wait) = &store_operations::wait;
+      at(op::check) = &store_operations::check;
+      at(op::erase) = &store_operations::erase;
+      at(op::num_keys) = &store_operations::num_keys;
+      at(op::ping) = &store_operations::ping;
+      return t;
+    }();
+    return table;
+  }
+
+  static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
+
+  // status::ok followed by what `fill` writes.
+  template <class Fill>
+  static std::string ok(Fill&& fill) {
+    std::string out = reply(status::ok);
+    wire::writer w(out);
+    std::forward<Fill>(fill)(w);
+    return out;
+  }
+
+  static steady::time_point deadline_after(std::uint64_t ms) {
+    constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
+    return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
+  }
+
+  std::string_view read_key(store_request& q) {
+    return q.fields.bytes32("key", limits_.max_key_size);
+  }
+
+  // Every handler that changes the state ends here, for stored_bytes().
+  void changed() { stored_bytes_ = state_.stored_bytes(); }
+
+  task<std::string> set(store_request& q) {
+    auto key = read_key(q);
+    auto value = q.fields.bytes32("value", limits_.max_value_size);
+    q.fields.finish("set request");
+    state_.set(key, value);
+    changed();
+    co_return reply(status::ok);
+  }
+
+  task<std::string> get(store_request& q) {
+    auto key = read_key(q);
+    auto ms = q.fields.u64("timeout");
+    q.fields.finish("get request");
+    const std::array<std::string_view, 1> keys{key};
+    const auto deadline = deadline_after(ms);
+    std::uint64_t reserved = 0;
+    do {
+      if (!co_await wait_for(q, keys, deadline)) co_return reply(status::timeout);
+    } while (!co_await reserve_value(q, key, reserved));
+    co_return ok([&](wire::writer& w) { w.bytes32(*state_.find(key)); });
+  }
+
+  task<std::string> add(store_request& q) {
+    auto key = read_key(q);
+    auto delta = q.fields.i64("delta");
+    q.fields.finish("add request");
+    const std::int64_t sum = state_.add(key, delta);
+    changed();
+    co_return ok([&](wire::writer& w) { w.i64(sum); });
+  }
+
+  task<std::string> compare_set(store_request& q) {
+    auto key = read_key(q);
+    auto expected = q.fields.bytes32("expected value", limits_.max_value_size);
+    auto desired = q.fields.bytes32("desired value", limits_.max_value_size);
+    q.fields.finish("compare_set request");
+    std::uint64_t reserved = 0;
+    (void)co_await reserve_value(q, key, reserved);  // the reply may copy the value
+    const std::string_view now = state_.compare_set(key, expected, desired);
+    changed();
+    co_return ok([&](wire::writer& w) { w.bytes32(now); });
+  }
+
+  task<std::string> wait(store_request& q) {
+    auto keys = wire::read_keys(q.fields, limits_);
+    auto ms = q.fields.u64("timeout");
+    q.fields.finish("wait request");
+    if (!co_await wait_for(q, keys, deadline_after(ms))) co_return reply(status::timeout);
+    co_return reply(status::ok);
+  }
+
+  task<std::string> check(store_request& q) {
+    auto keys = wire::read_keys(q.fields, limits_);
+    q.fields.finish("check request");
+    const bool all = state_.check(keys);
+    co_return ok([&](wire::writer& w) { w.u8(all ? 1 : 0); });
+  }
+
+  task<std::string> erase(store_request& q) {
+    auto key = read_key(q);
+    q.fields.finish("erase request");
+    const bool existed = state_.erase(key);
+    changed();
+    co_return ok([&](wire::writer& w) { w.u8(existed ? 1 : 0); });
+  }
+
+  task<std::string> num_keys(store_request& q) {
+    q.fields.finish("num_keys request");
+    co_return ok([&](wire::writer& w) { w.u64(state_.size()); });
+  }
+
+  task<std::string> ping(store_request& q) {
+    q.fields.finish("ping request");
+    co_return reply(status::ok);
+  }
+
+  // Reserves, before a reply that copies the value at `key` is built, what
+  // that reply will hold until the client reads it. False when the key is
+  // gone meanwhile. Loops because the value may change while it waits.
+  task<bool> reserve_value(store_request& q, std::string_view key, std::uint64_t& reserved) {
+    for (;;) {
+      const std::string* value = state_.find(key);
+      if (value == nullptr) co_return false;
+      const std::uint64_t size = value->size();
+      if (size <= reserved) co_return true;
+      co_await q.c.reserve(q.held, size - reserved, q.c.io_deadline(),
+                           "a reply of " + std::to_string(size) + " bytes");
+      reserved = size;
+    }
+  }
+
+  // Waits until every key exists (true) or the deadline passes (false).
+  // Watches the connection meanwhile: a client that goes away ends the wait,
+  // quietly when it closed its end (it exited, or gave up), with a reason to
+  // log when its connection broke.
+  task<bool> wait_for(store_request& q, std::span<const std::string_view> keys,
+                      steady::time_point deadline) {
+    bool charged = false;
+    for (;;) {
+      std::vector<std::string> missing = state_.missing(keys);
+      if (missing.empty()) co_return true;
+      if (!charged) {
+        // A wait holds a copy of each missing key twice (here and in the state's waiters).
+        std::uint64_t bytes = 0;
+        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
+        co_await q.c.reserve(q.held, bytes, q.c.io_deadline(),
+                             "a wait on " + std::to_string(missing.size()) + " keys");
+        charged = true;
+        continue;  // keys may have been set while it waited for the budget
+      }
+      const kv_state::watch watching(state_, q.c.waiter(), std::move(missing));
+      ++waiting_;
+      const wake w = co_await q.c.wait(EPOLLIN | EPOLLRDHUP, deadline);
+      --waiting_;
+      switch (w) {
+        case wake::event:
+        case wake::none: continue;
+        case wake::timeout: co_return false;
+        case wake::stop: throw server_stopping{};
+        case wake::io: break;
+      }
+      switch (q.c.peek()) {
+        case hangup::none: continue;
+        case hangup::request:
+          throw wire::violation("sent a new request while its wait was pending");
+        case hangup::orderly: throw client_gone{};
+        case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
+      }
+    }
+  }
+
+  const store_limits limits_;
+  kv_state state_;
+  // Mirrors for the server's stats(), read from other threads: written here, never read here.
+  std::atomic<std::uint64_t> stored_bytes_{0};  // state_.stored_bytes() after the last change
+  std::atomic<std::size_t> waiting_{0};         // connections suspended in wait_for
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/operations.hpp ----
+
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <functional>
 #include <list>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
-#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -11417,6 +12889,7 @@ class store_server {
   explicit store_server(std::string address = "127.0.0.1", int port = 0, store_options options = {})
       : address_(std::move(address)),
         options_(std::move(options)),
+        operations_(options_.limits),
         budget_(options_.limits.max_buffered_bytes),
         connection_cap_(detail::connection_capacity(options_.limits.max_connections)) {
     listen_on(port);
@@ -11431,10 +12904,15 @@ class store_server {
   [[nodiscard]] const std::string& address() const noexcept { return address_; }
   [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
 
+  /// Callable from any thread.
   [[nodiscard]] store_server_stats stats() const noexcept {
-    return {connection_count_.load(), waiting_.load(),     closed_for_cause_.load(),
-            refused_.load(),          closed_idle_.load(), stored_bytes_.load(),
-            buffered_bytes_.load()};
+    return {published_.connections.load(),
+            operations_.waiting(),
+            published_.closed_for_cause.load(),
+            published_.refused.load(),
+            published_.closed_idle.load(),
+            operations_.stored_bytes(),
+            budget_.used()};
   }
 
   /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
@@ -11444,10 +12922,15 @@ class store_server {
   }
 
  private:
+  using steady = detail::steady;
+  using status = detail::wire::status;
+  using violation = detail::wire::violation;
+
+  /// A client's connection: its I/O, and where it stands in admission.
   struct connection {
-    detail::unique_fd fd;
-    detail::wait_slot slot;
-    std::string peer;
+    connection(store_server& s, detail::unique_fd fd, std::string peer)
+        : io(s.reactor_, s.budget_, std::move(fd), std::move(peer), s.options_.io_timeout) {}
+    detail::server_connection io;
     bool in_request = false;
     bool authenticated = false;
     bool evicted = false;
@@ -11455,35 +12938,6 @@ class store_server {
     std::list<connection*>::iterator unproven{};
     detail::task<void> job;
   };
-
-  struct peer_gone {};  // the client closed its end: not an error
-  struct stopping {};   // the server is stopping
-  struct idle {};       // nothing arrived within the idle (or handshake) timeout
-
-  /// Bytes a connection holds against the shared budget, given back when it goes.
-  class held_bytes {
-   public:
-    explicit held_bytes(store_server& s) : s_(s) {}
-    held_bytes(const held_bytes&) = delete;
-    held_bytes& operator=(const held_bytes&) = delete;
-    ~held_bytes() { release(); }
-    void add(std::uint64_t n) { n_ += n; }
-    void release() {
-      if (n_ == 0) return;
-      s_.budget_.give_back(s_.reactor_, n_);
-      s_.buffered_bytes_ = s_.budget_.used();
-      n_ = 0;
-    }
-
-   private:
-    store_server& s_;
-    std::uint64_t n_ = 0;
-  };
-
-  using steady = detail::steady;
-  using op = detail::wire::op;
-  using status = detail::wire::status;
-  using violation = detail::wire::violation;
 
   void log(const std::string& message) const {
     std::string line = "[dtrain store " + endpoint() + "] " + message;
@@ -11493,6 +12947,8 @@ class store_server {
       std::fprintf(stderr, "%s\n", line.c_str());
     }
   }
+
+  // ---- admission: listening, accepting, the caps, the handshake ----------
 
   void listen_on(int port) {
     detail::address_list addrs;
@@ -11535,21 +12991,18 @@ class store_server {
       log(std::string("reactor failed, stopping: ") + e.what());
     }
     std::vector<detail::wait_slot*> suspended{&accept_slot_};
-    for (auto& [raw, c] : connections_) suspended.push_back(&c->slot);
+    for (auto& [raw, c] : connections_) suspended.push_back(&c->io.slot());
     reactor_.stop_all(suspended);
     reap();
     connections_.clear();
-    connection_count_ = 0;
+    published_.connections = 0;
     reactor_.remove(accept_slot_);
     listen_.reset();
   }
 
+  // Destroys the connections whose coroutine has finished (it cannot free its own frame).
   void reap() {
-    for (connection* c : finished_) {
-      reactor_.remove(c->slot);
-      --connection_count_;  // first: whoever sees the socket close sees the count without it
-      connections_.erase(c);
-    }
+    for (connection* c : finished_) connections_.erase(c);
     finished_.clear();
   }
 
@@ -11565,40 +13018,8 @@ class store_server {
       socklen_t len = sizeof peer;
       int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&peer), &len,
                          SOCK_NONBLOCK | SOCK_CLOEXEC);
-      // At the cap, a connection that has not proven its token yet makes room:
-      // a flood of strangers cannot lock the job's own ranks out.
-      if (fd >= 0 && connection_count_ >= connection_cap_ && !unproven_.empty()) {
-        connection* oldest = unproven_.front();
-        unproven_.pop_front();
-        oldest->listed = false;
-        oldest->evicted = true;
-        reactor_.cancel(oldest->slot);
-      } else if (fd >= 0 && connection_count_ >= connection_cap_) {
-        ::close(fd);
-        ++refused_;
-        if (rejections_.note(detail::rejection::over_connection_cap)) {
-          log("refused a connection from " +
-              detail::endpoint_text(reinterpret_cast<sockaddr*>(&peer)) + ": " +
-              std::to_string(connection_cap_) +
-              " connections are open (store_limits::max_connections, "
-              "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
-        }
-        continue;
-      }
       if (fd >= 0) {
-        auto c = std::make_unique<connection>();
-        c->fd.reset(fd);
-        c->peer = detail::endpoint_text(reinterpret_cast<sockaddr*>(&peer));
-        int one = 1;
-        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        reactor_.add(fd, c->slot);
-        connection* raw = c.get();
-        connections_.emplace(raw, std::move(c));
-        raw->unproven = unproven_.insert(unproven_.end(), raw);
-        raw->listed = true;
-        ++connection_count_;
-        raw->job = serve(*raw);
-        raw->job.start();
+        admit(detail::unique_fd(fd), reinterpret_cast<sockaddr*>(&peer));
         continue;
       }
       int err = errno;
@@ -11606,7 +13027,7 @@ class store_server {
       detail::wake w;
       if ((err == EMFILE || err == ENFILE) && spare_.refuse_one(listen_.get())) {
         // Keep the queue moving: the client learns at once instead of hanging in it.
-        ++refused_;
+        ++published_.refused;
         if (rejections_.note(detail::rejection::out_of_descriptors)) {
           log(std::string("refused a connection: ") + std::strerror(err));
         }
@@ -11624,27 +13045,64 @@ class store_server {
     }
   }
 
+  /// Starts serving an accepted connection, or refuses it at the cap. At the
+  /// cap, a connection that has not proven its token yet makes room: a flood
+  /// of strangers cannot lock the job's own ranks out.
+  void admit(detail::unique_fd fd, const sockaddr* peer) {
+    if (connections_.size() >= connection_cap_) {
+      if (unproven_.empty()) {
+        fd.reset();
+        ++published_.refused;
+        if (rejections_.note(detail::rejection::over_connection_cap)) {
+          log("refused a connection from " + detail::endpoint_text(peer) + ": " +
+              std::to_string(connection_cap_) +
+              " connections are open (store_limits::max_connections, "
+              "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
+        }
+        return;
+      }
+      connection* oldest = unproven_.front();
+      unproven_.pop_front();
+      oldest->listed = false;
+      oldest->evicted = true;
+      reactor_.cancel(oldest->io.slot());
+    }
+    auto owned = std::make_unique<connection>(*this, std::move(fd), detail::endpoint_text(peer));
+    connection* c = owned.get();
+    connections_.emplace(c, std::move(owned));
+    c->unproven = unproven_.insert(unproven_.end(), c);
+    c->listed = true;
+    ++published_.connections;
+    c->job = serve(*c);
+    c->job.start();
+  }
+
+  // A connection's whole life: the handshake, then its requests until it goes.
   detail::task<void> serve(connection& c) {
-    std::string reason;
+    std::string reason;  // why the server closed it, to log
+    bool idle = false;
     try {
       if (co_await handshake(c)) {
         while (co_await serve_one(c)) {
         }
       }
-    } catch (const peer_gone&) {
-    } catch (const stopping&) {
+    } catch (const detail::client_gone& gone) {
+      if (!gone.broken_while.empty() && rejections_.note(detail::rejection::broken)) {
+        log("client " + c.io.peer() + " disconnected while " + gone.broken_while);
+      }
+    } catch (const detail::server_stopping&) {
       if (c.evicted) {
-        ++refused_;
+        ++published_.refused;
         if (rejections_.note(detail::rejection::over_connection_cap)) {
-          log("closed connection from " + c.peer + " before its handshake: " +
+          log("closed connection from " + c.io.peer() + " before its handshake: " +
               std::to_string(connection_cap_) + " connections are open and a new one came");
         }
       } else if (c.in_request) {
-        say_goodbye(c);
+        c.io.say_goodbye();
       }
-    } catch (const idle&) {
+    } catch (const detail::client_idle&) {
       if (c.authenticated) {
-        ++closed_idle_;
+        idle = true;
         rejections_.note(detail::rejection::idle);
       } else {
         reason = "handshake not complete within " + std::to_string(options_.io_timeout.count()) +
@@ -11655,91 +13113,25 @@ class store_server {
     } catch (const std::exception& e) {
       reason = e.what();
     }
+    // First: whoever sees it counted as closed, or its socket closed (at the
+    // reap), sees the connection count without it.
+    --published_.connections;
+    if (idle) ++published_.closed_idle;
     if (!reason.empty()) {
-      ++closed_for_cause_;
+      ++published_.closed_for_cause;
       if (rejections_.note(c.authenticated ? detail::rejection::protocol
                                            : detail::rejection::handshake)) {
-        log("closed connection from " + c.peer + ": " + reason);
+        log("closed connection from " + c.io.peer() + ": " + reason);
       }
     }
     if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
     finished_.push_back(&c);
   }
 
-  // Best effort, without waiting: the client blocked in get / wait learns why.
-  void say_goodbye(connection& c) {
-    std::string body;
-    detail::wire::writer(body)
-        .u8(static_cast<std::uint8_t>(status::shutting_down))
-        .bytes32("the store server is shutting down");
-    auto frame = detail::wire::frame(body);
-    (void)!::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-  }
-
-  steady::time_point io_deadline() const { return steady::now() + options_.io_timeout; }
-
-  /// Appends exactly `n` bytes from the connection to `out`. Returns false on
-  /// a clean end of stream before the first byte when `eof_ok`.
-  detail::task<bool> read_exact(connection& c, std::string& out, std::size_t n,
-                                std::optional<steady::time_point> deadline, bool eof_ok,
-                                const char* what) {
-    const std::size_t start = out.size();
-    char chunk[16384];
-    while (out.size() - start < n) {
-      std::size_t want = std::min(sizeof chunk, n - (out.size() - start));
-      ssize_t got = ::recv(c.fd.get(), chunk, want, 0);
-      if (got > 0) {
-        out.append(chunk, static_cast<std::size_t>(
-                              got));  // grows with what arrives, not with what was declared
-        continue;
-      }
-      if (got == 0) {
-        if (eof_ok && out.size() == start) co_return false;
-        throw violation(std::string(what) + " cut short: the client closed the connection after " +
-                        std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes");
-      }
-      if (errno == EINTR) continue;
-      if (errno == ECONNRESET && eof_ok && out.size() == start) co_return false;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        throw std::system_error(errno, std::generic_category(), std::string("reading ") + what);
-      }
-      auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
-      if (w == detail::wake::stop) throw stopping{};
-      if (w == detail::wake::timeout && eof_ok && out.size() == start) throw idle{};
-      if (w == detail::wake::timeout) {
-        throw violation(std::string(what) + " not complete within " +
-                        std::to_string(options_.io_timeout.count()) + " ms (" +
-                        std::to_string(out.size() - start) + " of " + std::to_string(n) +
-                        " bytes)");
-      }
-    }
-    co_return true;
-  }
-
-  detail::task<void> write_all(connection& c, std::string_view data) {
-    auto deadline = io_deadline();
-    while (!data.empty()) {
-      ssize_t sent = ::send(c.fd.get(), data.data(), data.size(), MSG_NOSIGNAL);
-      if (sent > 0) {
-        data.remove_prefix(static_cast<std::size_t>(sent));
-        continue;
-      }
-      if (sent < 0 && errno == EINTR) continue;
-      if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) throw peer_gone{};
-      if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-        throw std::system_error(errno, std::generic_category(), "sending a reply");
-      }
-      auto w = co_await reactor_.wait(c.slot, EPOLLOUT, deadline);
-      if (w == detail::wake::stop) throw stopping{};
-      if (w == detail::wake::timeout)
-        throw violation("the client did not read its reply within the io timeout");
-    }
-  }
-
   detail::task<bool> handshake(connection& c) {
-    auto deadline = io_deadline();
+    auto deadline = c.io.io_deadline();
     std::string hello;
-    if (!co_await read_exact(c, hello, 8, deadline, true, "handshake")) co_return false;
+    if (!co_await c.io.read_exact(hello, 8, deadline, true, "handshake")) co_return false;
     detail::wire::reader r(hello);
     auto magic = r.u32("magic");
     if (magic != detail::wire::magic) {
@@ -11754,22 +13146,22 @@ class store_server {
                       std::to_string(options_.limits.max_token_size));
     }
     std::string token;
-    co_await read_exact(c, token, token_size, deadline, false, "token");
+    co_await c.io.read_exact(token, token_size, deadline, false, "token");
     auto reply = [&](status s) {
       std::string body;
       detail::wire::writer(body).u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
       return body;
     };
     if (version != detail::wire::version) {
-      co_await write_all(c, reply(status::bad_version));
+      co_await c.io.write_all(reply(status::bad_version));
       throw violation("client speaks protocol version " + std::to_string(version) +
                       ", this server " + std::to_string(detail::wire::version));
     }
     if (!same_secret(token, options_.token)) {
-      co_await write_all(c, reply(status::bad_token));
+      co_await c.io.write_all(reply(status::bad_token));
       throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
     }
-    co_await write_all(c, reply(status::ok));
+    co_await c.io.write_all(reply(status::ok));
     c.authenticated = true;
     if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
     co_return true;
@@ -11784,12 +13176,14 @@ class store_server {
     return diff == 0;
   }
 
+  // ---- requests: read one, hand it to its operation's handler, write the reply ----
+
   detail::task<bool> serve_one(connection& c) {
     std::string head;
-    if (!co_await read_exact(c, head, 1, steady::now() + options_.idle_timeout, true, "request"))
+    if (!co_await c.io.read_exact(head, 1, steady::now() + options_.idle_timeout, true, "request"))
       co_return false;
-    auto deadline = io_deadline();
-    co_await read_exact(c, head, 3, deadline, false, "request length");
+    auto deadline = c.io.io_deadline();
+    co_await c.io.read_exact(head, 3, deadline, false, "request length");
     std::uint32_t length = detail::wire::frame_length(head);
     if (length == 0) throw violation("empty request frame");
     if (length > options_.limits.max_frame_size()) {
@@ -11797,247 +13191,23 @@ class store_server {
                       " bytes exceeds the limit of " +
                       std::to_string(options_.limits.max_frame_size()));
     }
-    held_bytes held(*this);
-    co_await reserve(c, held, length, deadline,
-                     "a request of " + std::to_string(length) + " bytes");
+    detail::held_bytes held(budget_, reactor_);
+    co_await c.io.reserve(held, length, deadline,
+                          "a request of " + std::to_string(length) + " bytes");
     std::string body;
-    co_await read_exact(c, body, length, deadline, false, "request body");
+    co_await c.io.read_exact(body, length, deadline, false, "request body");
+    detail::wire::reader fields(body);
+    detail::store_request q{c.io, held, fields};
+    std::string reply;
     c.in_request = true;
-    std::string reply = co_await execute(c, held, body);
+    try {
+      reply = co_await operations_.handle(q);
+    } catch (const detail::store_refusal& e) {
+      reply = detail::store_operations::refusal(e.what());  // the connection stays
+    }
     c.in_request = false;
-    co_await write_all(c, detail::wire::frame(reply));
+    co_await c.io.write_all(detail::wire::frame(reply));
     co_return true;
-  }
-
-  /// Takes `n` bytes from the shared budget for `held`, waiting until the
-  /// deadline for other connections to give some back.
-  detail::task<void> reserve(connection& c, held_bytes& held, std::uint64_t n,
-                             steady::time_point deadline, const std::string& what) {
-    if (n > budget_.cap()) {
-      throw violation(what + " exceeds the store's buffer cap of " + std::to_string(budget_.cap()) +
-                      " bytes (store_limits::max_buffered_bytes)");
-    }
-    while (!budget_.try_take(n)) {
-      budget_.wait_here(c.slot);
-      auto w = co_await reactor_.wait(c.slot, 0, deadline);
-      budget_.stop_waiting(c.slot);
-      if (w == detail::wake::stop) throw stopping{};
-      if (w == detail::wake::timeout) {
-        throw violation(what + " waited for the store's buffer (" + std::to_string(budget_.used()) +
-                        " of " + std::to_string(budget_.cap()) +
-                        " bytes held by other connections) past the io timeout");
-      }
-    }
-    held.add(n);
-    buffered_bytes_ = budget_.used();
-  }
-
-  static steady::time_point deadline_after(std::uint64_t ms) {
-    constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
-    return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
-  }
-
-  static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
-
-  static std::string refusal(std::string_view message) {
-    std::string body;
-    detail::wire::writer(body).u8(static_cast<std::uint8_t>(status::error)).bytes32(message);
-    return body;
-  }
-
-  /// Reserves, before a reply that copies the value at `key` is built, what
-  /// that reply will hold until the client reads it. Returns false when the
-  /// key is gone meanwhile. Loops because the value may change while it waits.
-  detail::task<bool> reserve_value(connection& c, held_bytes& held, std::string_view key,
-                                   std::uint64_t& reserved) {
-    for (;;) {
-      auto it = data_.find(key);
-      if (it == data_.end()) co_return false;
-      if (it->second.size() <= reserved) co_return true;
-      const std::uint64_t more = it->second.size() - reserved;
-      co_await reserve(c, held, more, io_deadline(),
-                       "a reply of " + std::to_string(it->second.size()) + " bytes");
-      reserved += more;
-    }
-  }
-
-  detail::task<std::string> execute(connection& c, held_bytes& held, std::string_view body) {
-    const auto& limits = options_.limits;
-    detail::wire::reader r(body);
-    auto code = r.u8("op");
-    std::string out = reply(status::ok);
-    detail::wire::writer w(out);
-    switch (static_cast<op>(code)) {
-      case op::set: {
-        auto key = r.bytes32("key", limits.max_key_size);
-        auto value = r.bytes32("value", limits.max_value_size);
-        r.finish("set request");
-        if (!store(key, value)) co_return over_capacity("set", key, value.size());
-        break;
-      }
-      case op::get: {
-        auto key = r.bytes32("key", limits.max_key_size);
-        auto ms = r.u64("timeout");
-        r.finish("get request");
-        std::vector<std::string_view> keys{key};
-        const auto deadline = deadline_after(ms);
-        std::uint64_t reserved = 0;
-        do {
-          if (!co_await wait_for(c, held, keys, deadline)) co_return reply(status::timeout);
-        } while (!co_await reserve_value(c, held, key, reserved));
-        w.bytes32(data_.find(key)->second);
-        break;
-      }
-      case op::add: {
-        auto key = r.bytes32("key", limits.max_key_size);
-        auto delta = r.i64("delta");
-        r.finish("add request");
-        std::int64_t current = 0;
-        if (auto it = data_.find(key); it != data_.end()) {
-          const std::string& text = it->second;
-          auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), current);
-          if (ec != std::errc() || end != text.data() + text.size()) {
-            co_return refusal("add(\"" + std::string(key) +
-                              "\"): the key holds a value that is not an integer");
-          }
-        }
-        std::int64_t next = 0;
-        if (__builtin_add_overflow(current, delta, &next)) {
-          co_return refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
-        }
-        if (!store(key, std::to_string(next))) co_return over_capacity("add", key, 20);
-        w.i64(next);
-        break;
-      }
-      case op::compare_set: {
-        auto key = r.bytes32("key", limits.max_key_size);
-        auto expected = r.bytes32("expected value", limits.max_value_size);
-        auto desired = r.bytes32("desired value", limits.max_value_size);
-        r.finish("compare_set request");
-        std::uint64_t reserved = 0;
-        (void)co_await reserve_value(c, held, key, reserved);  // the reply may copy the value
-        auto it = data_.find(key);
-        bool matches = it == data_.end() ? expected.empty() : it->second == expected;
-        if (matches && !store(key, desired))
-          co_return over_capacity("compare_set", key, desired.size());
-        it = data_.find(key);
-        w.bytes32(it == data_.end() ? std::string_view{} : std::string_view(it->second));
-        break;
-      }
-      case op::wait: {
-        auto keys = detail::wire::read_keys(r, limits);
-        auto ms = r.u64("timeout");
-        r.finish("wait request");
-        if (!co_await wait_for(c, held, keys, deadline_after(ms))) co_return reply(status::timeout);
-        break;
-      }
-      case op::check: {
-        auto keys = detail::wire::read_keys(r, limits);
-        r.finish("check request");
-        bool all = true;
-        for (auto k : keys) all = all && data_.contains(k);
-        w.u8(all ? 1 : 0);
-        break;
-      }
-      case op::erase: {
-        auto key = r.bytes32("key", limits.max_key_size);
-        r.finish("erase request");
-        if (auto it = data_.find(key); it != data_.end()) {
-          stored_bytes_ -= it->first.size() + it->second.size();
-          data_.erase(it);
-          w.u8(1);
-        } else {
-          w.u8(0);
-        }
-        break;
-      }
-      case op::num_keys:
-        r.finish("num_keys request");
-        w.u64(data_.size());
-        break;
-      case op::ping: r.finish("ping request"); break;
-      default: throw violation("unknown operation " + std::to_string(code));
-    }
-    co_return out;
-  }
-
-  std::string over_capacity(const char* what, std::string_view key, std::size_t value_size) const {
-    return refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
-                   std::to_string(value_size) + " bytes: the store holds " +
-                   std::to_string(stored_bytes_.load()) + " bytes and its cap is " +
-                   std::to_string(options_.limits.max_stored_bytes) +
-                   " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
-  }
-
-  /// Sets key to value and wakes its waiters; false, changing nothing, when
-  /// the stored bytes would pass their cap.
-  bool store(std::string_view key, std::string_view value) {
-    auto it = data_.find(key);
-    const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
-    const std::uint64_t after = stored_bytes_ - before + key.size() + value.size();
-    if (after > options_.limits.max_stored_bytes && after > stored_bytes_) return false;
-    stored_bytes_ = after;
-    if (it != data_.end()) {
-      it->second.assign(value);
-    } else {
-      data_.emplace(std::string(key), std::string(value));
-    }
-    if (auto w = key_waiters_.find(key); w != key_waiters_.end()) {
-      auto waiters = std::move(w->second);
-      key_waiters_.erase(w);
-      for (connection* c : waiters) reactor_.wake_up(c->slot);
-    }
-    return true;
-  }
-
-  /// Waits until every key exists (true) or the deadline passes (false).
-  /// Watches the connection meanwhile: a client that goes away is cleaned up.
-  detail::task<bool> wait_for(connection& c, held_bytes& held,
-                              const std::vector<std::string_view>& keys,
-                              steady::time_point deadline) {
-    bool charged = false;
-    for (;;) {
-      std::vector<std::string> missing;
-      for (auto k : keys) {
-        if (!data_.contains(k)) missing.emplace_back(k);
-      }
-      if (missing.empty()) co_return true;
-      if (!charged) {
-        // A wait holds a copy of each missing key twice (here and in key_waiters_).
-        std::uint64_t bytes = 0;
-        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
-        co_await reserve(c, held, bytes, io_deadline(),
-                         "a wait on " + std::to_string(missing.size()) + " keys");
-        charged = true;
-        continue;  // keys may have been set while it waited for the budget
-      }
-      for (const auto& k : missing) key_waiters_[k].push_back(&c);
-      ++waiting_;
-      auto w = co_await reactor_.wait(c.slot, EPOLLIN | EPOLLRDHUP, deadline);
-      --waiting_;
-      for (const auto& k : missing) {
-        auto it = key_waiters_.find(k);
-        if (it == key_waiters_.end()) continue;
-        std::erase(it->second, &c);
-        if (it->second.empty()) key_waiters_.erase(it);
-      }
-      switch (w) {
-        case detail::wake::event: continue;
-        case detail::wake::timeout: co_return false;
-        case detail::wake::stop: throw stopping{};
-        case detail::wake::io: {
-          char byte;
-          ssize_t n = ::recv(c.fd.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-          if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-            log("client " + c.peer + " disconnected while waiting for \"" + missing.front() + "\"");
-            throw peer_gone{};
-          }
-          if (n > 0) throw violation("sent a new request while its wait was pending");
-          continue;
-        }
-        case detail::wake::none: continue;
-      }
-    }
   }
 
   std::string address_;
@@ -12046,43 +13216,37 @@ class store_server {
   detail::reactor reactor_;
   detail::unique_fd listen_;
   detail::wait_slot accept_slot_;
-  std::unordered_map<connection*, std::unique_ptr<connection>> connections_;
-  std::vector<connection*> finished_;
-  std::list<connection*> unproven_;  // connections before their handshake, oldest first
-  // Transparent hashing: look keys up by string_view without copying them.
-  struct key_hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view s) const noexcept {
-      return std::hash<std::string_view>{}(s);
-    }
-  };
-  std::unordered_map<std::string, std::string, key_hash, std::equal_to<>> data_;
-  std::unordered_map<std::string, std::vector<connection*>, key_hash, std::equal_to<>> key_waiters_;
+  detail::store_operations operations_;
   detail::byte_budget budget_;
   std::size_t connection_cap_;
   detail::spare_descriptor spare_;
   detail::rejection_log rejections_;
-  std::atomic<std::size_t> connection_count_{0};
-  std::atomic<std::uint64_t> refused_{0};
-  std::atomic<std::uint64_t> closed_idle_{0};
-  std::atomic<std::uint64_t> stored_bytes_{0};
-  std::atomic<std::uint64_t> buffered_bytes_{0};
-  std::atomic<std::size_t> waiting_{0};
-  std::atomic<std::uint64_t> closed_for_cause_{0};
-  std::thread thread_;
+  // After the reactor, the operations and the budget, which they use: destroyed first.
+  std::unordered_map<connection*, std::unique_ptr<connection>> connections_;
+  std::vector<connection*> finished_;
+  std::list<connection*> unproven_;  // connections before their handshake, oldest first
+  // Counts that stats() reads from other threads (the other figures come from
+  // operations_ and budget_): with the reactor's stop request, all that the
+  // threads share. The reactor thread writes each after the change it reports
+  // (a connection is uncounted before its socket closes) and never reads them.
+  struct {
+    std::atomic<std::size_t> connections{0};         // accepted and not yet finished
+    std::atomic<std::uint64_t> refused{0};           // refused at accept, or evicted unproven
+    std::atomic<std::uint64_t> closed_idle{0};       // closed after the idle timeout
+    std::atomic<std::uint64_t> closed_for_cause{0};  // closed for bad input or a timeout
+  } published_;
+  std::thread thread_;  // last: starts once everything above exists
 };
 
 }  // namespace dtrain
 // ---- end dtrain/rendezvous/server.hpp ----
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <optional>
 #include <string>
-#include <thread>
-#include <type_traits>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -12196,29 +13360,26 @@ class context {
     }
     std::optional<std::string> host = world_.master_addr;
     // Without an address nobody else can be told a fixed port either: rank 0
-    // picks a free one (and MPI carries it), unless MASTER_PORT names one.
+    // picks a free one (and the pre-store channel carries it), unless MASTER_PORT names one.
     int port = world_.master_port.value_or(host ? default_master_port : 0);
     if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
     const bool one_node = single_node(host);
-    if constexpr (uses_mpi) share_token_over_mpi();
-    if (store_options_.token.empty()) choose_token(env, host, port, one_node);
+    choose_token(env, host, port, one_node);
     const std::string bind = detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
-    if (rank() == 0) {
-      try {
-        if (token_file_) token_file_->publish(store_options_.token);
-        server_.emplace(bind, port, store_options_);
-        port = server_->port();
-      } catch (const std::exception& e) {
-        // The others are waiting to hear where the store is: tell them it is not.
-        if (!host) (void)agree_store_address(port, e.what());
-        throw;
-      }
+    auto serve = [&] {
+      if (token_file_) token_file_->publish(store_options_.token);
+      server_.emplace(bind, port, store_options_);
+      port = server_->port();
+    };
+    if (!host) {
+      host = agree_store_address(serve, port);
+    } else if (rank() == 0) {
+      serve();
     }
-    if (!host) host = agree_store_address(port);
     const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
     store_endpoint_ = {where, port};
     if (token_file_ && rank() != 0) {
-      connect_with_token_file(where, port);
+      detail::connect_with_token_file(client_, *token_file_, where, port, store_options_, rank());
     } else {
       client_.emplace(where, port, store_options_);
     }
@@ -12235,12 +13396,37 @@ class context {
     return host && (*host == "localhost" || detail::is_loopback_address(*host));
   }
 
-  /// The store token when DTRAIN_STORE_TOKEN is not set: drawn by this process
-  /// (one rank), by rank 0 and sent over MPI (the MPI backend), or by rank 0
-  /// and shared through a file only this user can read (one host). A job over
-  /// several hosts that none of these reach must set DTRAIN_STORE_TOKEN.
+  /// Chooses this rank's store token. The first that applies wins:
+  ///  1. its own: DTRAIN_STORE_TOKEN, or store_options::token;
+  ///  2. rank 0's, sent through the backend's pre-store channel (MPI): rank 0
+  ///     sends its own or one it draws. Every rank takes part in that
+  ///     broadcast, whatever it holds (a collective must not depend on the
+  ///     environment), and one with a token of its own keeps it: the store
+  ///     refuses it by name if it differs from rank 0's;
+  ///  3. one it draws, in a world of one;
+  ///  4. rank 0's through a file only this user can read, when every rank
+  ///     runs on this host and the store's address is known: rank 0 draws it,
+  ///     the others read it (detail::connect_with_token_file);
+  ///  5. none yet when the store's address is unknown: open_store says so.
+  /// Otherwise the job may span hosts that none of these reach: config_error,
+  /// asking for DTRAIN_STORE_TOKEN.
   void choose_token(const environment& env, const std::optional<std::string>& host, int port,
                     bool one_node) {
+    std::optional<std::string> from_rank0;
+    if constexpr (detail::has_pre_store_relay<traits>) {
+      if (size() > 1) {
+        from_rank0 = detail::broadcast_or_fail(
+            traits::pre_store_relay(*communicator_), "the store token", [&] {
+              return store_options_.token.empty() ? detail::new_store_token()
+                                                  : store_options_.token;
+            });
+      }
+    }
+    if (!store_options_.token.empty()) return;
+    if (from_rank0) {
+      store_options_.token = std::move(*from_rank0);
+      return;
+    }
     if (size() == 1) {
       store_options_.token = detail::new_store_token();
       return;
@@ -12260,80 +13446,23 @@ class context {
         world_.describe() + ")");
   }
 
-  /// With the MPI backend every rank takes part in one broadcast, whatever its
-  /// environment says (a collective must not depend on it): rank 0 sends its
-  /// DTRAIN_STORE_TOKEN, or one it draws; a rank that set its own keeps it, and
-  /// the store refuses it by name if it differs from rank 0's.
-  void share_token_over_mpi() {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      if (size() == 1) return;
-      std::string value;
-      if (rank() == 0) {
-        value = detail::wire::encode_text(store_options_.token.empty() ? detail::new_store_token()
-                                                                       : store_options_.token);
-      }
-      detail::mpi_broadcast_value(communicator_->native(), 0, value,
-                                  "broadcasting the store token");
-      const std::string token =
-          detail::wire::decode_text("rank 0's broadcast", value, "a store token");
-      if (store_options_.token.empty()) store_options_.token = token;
-    }
-#endif
-  }
-
-  /// Reads the token rank 0 wrote, reading again while the store refuses it
-  /// (a file left by an earlier job on the same port), within the store timeout.
-  void connect_with_token_file(const std::string& where, int port) {
-    const auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
-    for (;;) {
-      if (auto token = token_file_->read()) {
-        store_options_.token = *token;
-        try {
-          client_.emplace(where, port, store_options_);
-          return;
-        } catch (const rendezvous_error& e) {
-          if (std::string_view(e.what()).find("rejected this client's token") ==
-              std::string_view::npos)
-            throw;
-        }
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error(
-            "rank " + std::to_string(rank()) + " found no valid store token in " +
-            token_file_->path() +
-            " within the store timeout; is rank 0 running "
-            "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
-
-  /// Without MASTER_ADDR, an MPI job learns rank 0's address through MPI;
-  /// rank 0 sends `failure` instead when it could not start the store.
-  std::string agree_store_address(int& port, const char* failure = nullptr) {
-#if DTRAIN_HAS_MPI()
-    if constexpr (uses_mpi) {
-      std::string value;
-      if (rank() == 0) {
-        value = (failure ? detail::store_address::failed(failure)
-                         : detail::store_address::serving(detail::host_name().value_or("?"), port))
-                    .encode();
-      }
-      detail::mpi_broadcast_value(communicator_->native(), 0, value,
-                                  "broadcasting rank 0's store address");
-      const detail::store_address got = detail::store_address::decode(value);
-      if (!got.ok) {
-        if (failure) return {};  // rank 0 rethrows its own error
-        throw rendezvous_error("rank 0 could not start the rendezvous store: " + got.failure);
-      }
+  /// Without MASTER_ADDR: rank 0 starts the store (`serve`, which sets `port`)
+  /// and tells every rank where, through the backend's pre-store channel (or
+  /// its failure, which every rank then throws). Returns rank 0's host name.
+  /// Without such a channel nobody can know: config_error on every rank.
+  template <class Serve>
+  std::string agree_store_address(Serve& serve, int& port) {
+    if constexpr (detail::has_pre_store_relay<traits>) {
+      const detail::store_address got = detail::store_address::decode(detail::broadcast_or_fail(
+          traits::pre_store_relay(*communicator_), "the store's address", [&] {
+            serve();
+            return detail::store_address{detail::host_name().value_or("?"), port}.encode();
+          }));
       port = got.port;
       return got.host;
-    }
-#endif
-    {
+    } else {
+      (void)serve;
       (void)port;
-      if (failure) return {};
       throw config_error(
           "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
           " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
@@ -12342,13 +13471,22 @@ class context {
     }
   }
 
-  /// Every rank reports; rank 0 places them all and publishes the result.
+  /// Every rank reports; rank 0 waits for them all (saying who is missing
+  /// every progress interval), places them and publishes the result.
   void complete_world(const environment& env) {
-    rank_report mine{node_name(env), world_};
-    store_->set(detail::job_keys::report(rank()), mine.encode());
+    detail::rendezvous_wait<store_type> waiting(
+        *store_, {.endpoint = client_->endpoint(),
+                  .rank = rank(),
+                  .size = size(),
+                  .timeout = store_options_.timeout,
+                  .interval = store_options_.progress_interval,
+                  .say = store_options_.progress,
+                  .world_size_origin = world_.origin(dtrain::world::field::world_size)});
+    waiting.join(rank_report{node_name(env), world_}.encode());
     const std::string table_key(detail::job_keys::placement);
+    std::string table;
     if (rank() == 0) {
-      std::string table;
+      waiting.await_everyone();
       try {
         std::vector<rank_report> reports;
         for (int r = 0; r < size(); ++r) {
@@ -12361,9 +13499,11 @@ class context {
         throw;
       }
       store_->set(table_key, table);
+    } else {
+      table = waiting.await_answer(table_key);
     }
-    const placement p = decode_placement("store key " + store_->prefix() + table_key,
-                                         store_->get(table_key), rank(), size());
+    const placement p =
+        decode_placement("store key " + store_->prefix() + table_key, table, rank(), size());
     const std::string grouped = "grouped by node name at rendezvous";
     auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
       if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
@@ -12430,7 +13570,6 @@ class context {
     return local_rank();
 #endif
   }
-  static constexpr bool uses_mpi = std::is_same_v<typename Policy::backend_type, backend::mpi>;
 
   dtrain::world world_;
   store_options store_options_;
@@ -12463,6 +13602,13 @@ context<Policy>::context(dtrain::world w, const environment& env, const run_opti
                        std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
   }
   if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+  if (!store_options_.progress) {
+    // Rendezvous progress goes where this rank's failures go: a rank-prefixed line on stderr.
+    store_options_.progress = [label = detail::rank_label(&world_)](std::string_view text) {
+      std::fprintf(stderr, "%s dtrain: %.*s\n", label.c_str(), static_cast<int>(text.size()),
+                   text.data());
+    };
+  }
   if constexpr (!traits::needs_store) {
     // MPI knows its world already, and can tell every rank where rank 0's store is.
     make_communicator(env);
@@ -12516,10 +13662,13 @@ template <class Policy>
 void context<Policy>::record_failure(int status, const std::string& what) noexcept {
   if (!under_agent_ || !client_) return;
   try {
-    detail::record_failure(*client_, restart_count_, status, false,
-                           detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
-                               " exited with status " + std::to_string(status) +
-                               (what.empty() ? "" : ": " + what));
+    const detail::collective_progress progress = detail::progress_of(communicator_);
+    detail::record_failure(
+        *client_, restart_count_,
+        {status, false,
+         detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+             " exited with status " + std::to_string(status) + (what.empty() ? "" : ": " + what),
+         rank(), progress.failed_at, progress.failed_on});
   } catch (...) {
     // The agent still sees the exit status; the reason is only lost from its message.
   }
@@ -12527,6 +13676,13 @@ void context<Policy>::record_failure(int status, const std::string& what) noexce
 
 template <class Policy>
 void context<Policy>::finish() {
+  // Before the communicator closes: a peer that fails because of it finds this record.
+  if (under_agent_ && client_) {
+    detail::record_exit(
+        *client_, restart_count_,
+        {rank(), detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()),
+         detail::progress_of(communicator_).issued});
+  }
   communicator_.reset();
   if (!client_) return;
   const std::string all(detail::job_keys::finished_all);
@@ -13487,7 +14643,7 @@ inline std::string timeline_file(std::string_view path, int rank) {
 /// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
 /// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
 inline std::string timeline_setting(const environment& env, const std::string& option) {
-  if (auto v = env.get("DTRAIN_TIMELINE")) return std::string(*v);
+  if (auto v = env.get(timeline_variable)) return std::string(*v);
   return option;
 }
 
@@ -13507,7 +14663,7 @@ class timeline {
   timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
       : state_(std::make_unique<state>()) {
     state_->file = timeline_file(path, rank);
-    state_->setting = "DTRAIN_TIMELINE=" + std::string(path);
+    state_->setting = std::string(timeline_variable) + "=" + std::string(path);
     state_->rank = rank;
     state_->size = size;
     state_->names = std::move(parameter_names);
@@ -14757,6 +15913,87 @@ void basic_ddp<Policy>::fail(std::exception_ptr e) {
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/basic_ddp.hpp ----
+// ---- begin dtrain/detail/link_check.hpp ----
+/// @file
+/// The link check of separate compilation: a program links dtrain's compiled
+/// code for one set of engines, the one its translation units were compiled
+/// with, or it does not link.
+///
+/// The engines change what dtrain's code does (with NCCL, CUDA is compiled in
+/// and the MPI engine reaches device memory; with MPI, a failed rank ends the
+/// MPI job), so a library built with other engines than a TU would hand that
+/// TU other bodies than the ones it expects, and link order would pick one.
+/// Two symbols make either mistake a link error that names it:
+///   - every TU compiled in separate mode, and every object of the library,
+///     refers to `library_built_with_engines_<set>`, which only the library of
+///     that set defines: a missing or other library is an undefined reference;
+///   - each library (and DTRAIN_INSTANTIATE_COMPILED_POLICIES()) defines
+///     `every_unit_must_use_the_same_dtrain_engines`, not weak: objects of two
+///     sets in one program (a TU on dtrain::gloo beside one on dtrain::dtrain)
+///     are a multiple definition.
+/// Header-only TUs take no part. Shared libraries that each link a static
+/// dtrain escape the second check (the dynamic linker lets one interpose).
+
+
+#if DTRAIN_HAS_GLOO()
+#define DTRAIN_DETAIL_LINK_GLOO _gloo
+#else
+#define DTRAIN_DETAIL_LINK_GLOO
+#endif
+#if DTRAIN_HAS_MPI()
+#define DTRAIN_DETAIL_LINK_MPI _mpi
+#else
+#define DTRAIN_DETAIL_LINK_MPI
+#endif
+#if DTRAIN_HAS_NCCL()
+#define DTRAIN_DETAIL_LINK_NCCL _nccl
+#elif DTRAIN_HAS_CUDA()  // DTRAIN_WITH_CUDA=1 alone: the CUDA runtime without NCCL
+#define DTRAIN_DETAIL_LINK_NCCL _cuda
+#else
+#define DTRAIN_DETAIL_LINK_NCCL
+#endif
+#if !DTRAIN_HAS_GLOO() && !DTRAIN_HAS_MPI() && !DTRAIN_HAS_CUDA()
+#define DTRAIN_DETAIL_LINK_NONE _none
+#else
+#define DTRAIN_DETAIL_LINK_NONE
+#endif
+
+#define DTRAIN_DETAIL_LINK_PASTE(a, b, c, d, e) a##b##c##d##e
+#define DTRAIN_DETAIL_LINK_NAME(a, b, c, d, e) DTRAIN_DETAIL_LINK_PASTE(a, b, c, d, e)
+/// library_built_with_engines_gloo_mpi_nccl, ..._gloo, ..._none: this TU's engines.
+#define DTRAIN_DETAIL_LINK_SYMBOL                                              \
+  DTRAIN_DETAIL_LINK_NAME(library_built_with_engines, DTRAIN_DETAIL_LINK_GLOO, \
+                          DTRAIN_DETAIL_LINK_MPI, DTRAIN_DETAIL_LINK_NCCL,     \
+                          DTRAIN_DETAIL_LINK_NONE)
+
+namespace dtrain::detail::link_check {
+/// Defined by the compiled library built with this TU's engines, and only there.
+extern const int DTRAIN_DETAIL_LINK_SYMBOL;
+/// Defined, not weak, by each compiled library: two in one program do not link.
+extern const int every_unit_must_use_the_same_dtrain_engines;
+}  // namespace dtrain::detail::link_check
+
+/// The library's half (src/link_check.cpp, DTRAIN_INSTANTIATE_COMPILED_POLICIES()),
+/// at namespace scope, without a semicolon.
+#define DTRAIN_DETAIL_DEFINE_LINK_CHECK()                           \
+  namespace dtrain::detail::link_check {                            \
+  extern const int DTRAIN_DETAIL_LINK_SYMBOL = 1;                   \
+  extern const int every_unit_must_use_the_same_dtrain_engines = 1; \
+  }
+
+/// The TU's half: a reference that the linker must resolve, kept even when
+/// nothing else in the TU uses dtrain (`used`). GCC and Clang only.
+#if defined(__GNUC__)
+#define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()                                                 \
+  namespace dtrain::detail::link_check {                                                   \
+  namespace {                                                                              \
+  [[gnu::used]] const int* const this_unit_needs_its_library = &DTRAIN_DETAIL_LINK_SYMBOL; \
+  }                                                                                        \
+  }
+#else
+#define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
+#endif
+// ---- end dtrain/detail/link_check.hpp ----
 // ---- begin dtrain/run.hpp ----
 /// @file
 /// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
@@ -14771,8 +16008,347 @@ void basic_ddp<Policy>::fail(std::exception_ptr e) {
 /// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
 /// node's workers with torchrun's environment, hosts the rendezvous store on
 /// node 0, supervises the workers, stops the whole job on the first failure
-/// (on every node), restarts it up to a limit, and forwards signals.
+/// (on every node), restarts it up to a limit, and forwards signals. Each
+/// restart round is an agent_round (launch/round.hpp); the agents meet
+/// through agent_store (launch/agent_store.hpp).
 
+// ---- begin dtrain/launch/agent_store.hpp ----
+/// @file
+/// The node agents' side of the job's store: node 0's agent serves it, every
+/// agent joins it, meets the others there between restart rounds, beats its
+/// heartbeat, records and reads how a round failed (naming the worker that
+/// went wrong), and leaves. The keys and the format of their values are
+/// launch/protocol.hpp's.
+
+// ---- begin dtrain/launch/signals.hpp ----
+/// @file
+/// The signals a node agent catches while it runs: SIGINT, SIGTERM and SIGHUP
+/// end the job (forwarded to the workers), SIGUSR1 asks the workers for desync
+/// diagnostics and stops nothing. The handlers only record the signal; the
+/// agent's loop and its waits read it.
+
+#include <array>
+#include <csignal>
+#include <cstddef>
+
+namespace dtrain::detail {
+
+/// The last signal that asks the agent to end the job (0: none).
+inline volatile std::sig_atomic_t agent_signal = 0;
+
+inline void record_agent_signal(int sig) { agent_signal = sig; }
+
+/// SIGUSR1s the agent received and has not forwarded yet: they ask the
+/// workers for desync diagnostics and stop nothing.
+inline volatile std::sig_atomic_t agent_diagnostics_requests = 0;
+
+inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
+
+/// The signal that ends the job, if one arrived (0: none).
+[[nodiscard]] inline int pending_agent_signal() noexcept { return agent_signal; }
+
+/// Takes a pending SIGUSR1 request: true once per request.
+[[nodiscard]] inline bool take_diagnostics_request() noexcept {
+  if (agent_diagnostics_requests == 0) return false;
+  agent_diagnostics_requests = 0;
+  return true;
+}
+
+/// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
+/// them to the workers, and SIGUSR1, which it forwards without stopping them
+/// (desync diagnostics); restores the previous handlers afterwards.
+class agent_signal_scope {
+ public:
+  agent_signal_scope() {
+    agent_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = record_agent_signal;
+    sigemptyset(&sa.sa_mask);
+    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+    agent_diagnostics_requests = 0;
+    sa.sa_handler = record_diagnostics_request;
+    ::sigaction(SIGUSR1, &sa, &previous_usr1_);
+  }
+  agent_signal_scope(const agent_signal_scope&) = delete;
+  agent_signal_scope& operator=(const agent_signal_scope&) = delete;
+  ~agent_signal_scope() {
+    for (std::size_t i = 0; i < signals.size(); ++i)
+      ::sigaction(signals[i], &previous_[i], nullptr);
+    ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
+  }
+  static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
+
+ private:
+  std::array<struct sigaction, 3> previous_{};
+  struct sigaction previous_usr1_ {};
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/signals.hpp ----
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+namespace dtrain::detail {
+
+/// How often an agent looks at its workers and the store while it waits.
+inline constexpr std::chrono::milliseconds agent_poll_interval{20};
+
+/// A port nobody listens on now (it may be taken before it is used: the
+/// same race torchrun accepts for --standalone).
+inline int pick_free_port() {
+  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
+  return ntohs(addr.sin_port);
+}
+
+/// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
+inline std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
+}
+
+/// The agents' summary of a round's first failure. When the failing worker
+/// gave up a collective that a worker which had already ended well never
+/// issued, that worker comes first: it left early (it skipped a step, say),
+/// and the failure is the consequence.
+inline std::string describe_failure(const failure_record& failure,
+                                    const std::optional<exit_record>& first_exit) {
+  if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
+      first_exit->rank == failure.rank) {
+    return failure.message;
+  }
+  const std::int64_t issued = first_exit->issued_on(failure.communicator);
+  if (issued >= failure.collective) return failure.message;
+  return first_exit->label + " exited with status 0 after " + std::to_string(issued) +
+         " collective" + (issued == 1 ? "" : "s") +
+         (failure.communicator == "world" ? "" : " on communicator " + failure.communicator) +
+         " while rank " + std::to_string(failure.rank) + " waited in collective #" +
+         std::to_string(failure.collective) + "; then " + failure.message;
+}
+
+/// Every agent bumps its counter about once a second and watches the
+/// others': a node whose agent died (and with it its workers) is noticed
+/// even while the other nodes' workers are busy computing.
+class heartbeat {
+ public:
+  explicit heartbeat(int nodes)
+      : seen_(static_cast<std::size_t>(nodes), -1),
+        since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
+
+  /// Beats for `me`; returns the first node silent for longer than `limit`.
+  std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
+    auto now = std::chrono::steady_clock::now();
+    if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+    last_ = now;
+    store.add(agent_keys::beat(me), 1);
+    std::optional<int> first;
+    silent_ = 0;
+    for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+      if (n == me) continue;
+      std::int64_t beat = store.add(agent_keys::beat(n), 0);
+      auto i = static_cast<std::size_t>(n);
+      if (beat != seen_[i]) {
+        seen_[i] = beat;
+        since_[i] = now;
+      } else if (now - since_[i] > limit) {
+        if (!first) first = n;
+        ++silent_;
+      }
+    }
+    return first;
+  }
+
+  /// How many nodes the last check() found silent.
+  [[nodiscard]] int silent() const noexcept { return silent_; }
+
+ private:
+  std::vector<std::int64_t> seen_;
+  std::vector<std::chrono::steady_clock::time_point> since_;
+  std::chrono::steady_clock::time_point last_{};
+  int silent_ = 0;
+};
+
+/// One agent's connection to the job's store, which node 0's agent also
+/// serves. Every wait is bounded by the store timeout and ends early when a
+/// signal asks the agent to stop. Store operations throw rendezvous_error
+/// when the store is gone.
+class agent_store {
+ public:
+  /// Node 0 serves the store on `bind`:`port` (0: a free port) and connects
+  /// to it; the other nodes connect to `master_addr`:`port`.
+  agent_store(int node_rank, int nnodes, const std::string& bind, const std::string& master_addr,
+              int port, const store_options& options)
+      : node_rank_(node_rank),
+        nnodes_(nnodes),
+        timeout_(options.timeout),
+        server_(node_rank == 0 ? std::optional<store_server>(std::in_place, bind, port, options)
+                               : std::nullopt),
+        port_(server_ ? server_->port() : port),
+        client_(node_rank == 0 ? local_store_address(bind) : master_addr, port_, options) {}
+  agent_store(const agent_store&) = delete;
+  agent_store& operator=(const agent_store&) = delete;
+
+  /// The port of the store (node 0's choice when it was 0).
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] store_client& client() noexcept { return client_; }
+
+  /// Waits, polling, until `done()`; throws error when a signal asks the
+  /// agent to stop, timeout_error after the store timeout.
+  template <class Done>
+  void wait_for(Done done, const std::string& what) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!done()) {
+      if (const int sig = pending_agent_signal(); sig != 0) {
+        throw error("received signal " + std::to_string(sig) + " while waiting for " + what);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw timeout_error("the node agent waited " + std::to_string(timeout_.count() / 1000) +
+                            " s for " + what + " (DTRAIN_STORE_TIMEOUT)");
+      }
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+  }
+
+  /// A barrier of all agents that a signal can interrupt.
+  void meet(const std::string& key, const std::string& what) {
+    client_.add(key, 1);
+    wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
+  }
+
+  /// Registers this node, waits for every node, and checks that they all
+  /// run the same job shape (config_error naming the node that differs).
+  void join(const node_record& me) {
+    const std::string key = agent_keys::node(node_rank_);
+    const std::string holder = client_.compare_set(key, "", me.encode());
+    if (holder != me.encode()) {
+      throw config_error("node_rank " + std::to_string(node_rank_) +
+                         " is taken twice: by the agent " + node_record::decode(key, holder).who() +
+                         " and by this one (" + me.who() +
+                         "); give each agent its own --node-rank / NODE_RANK");
+    }
+    meet(std::string(agent_keys::joined),
+         "all " + std::to_string(nnodes_) + " node agents to join");
+    for (int n = 0; n < nnodes_; ++n) {
+      const std::string other_key = agent_keys::node(n);
+      const node_record other = node_record::decode(other_key, client_.get(other_key));
+      if (other.nproc != me.nproc) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                           std::to_string(other.nproc) + " workers, this node " +
+                           std::to_string(me.nproc) +
+                           "; every node must run the same nproc_per_node");
+      }
+      if (other.max_restarts != me.max_restarts) {
+        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                           std::to_string(other.max_restarts) + " restarts, this node " +
+                           std::to_string(me.max_restarts) +
+                           "; every node must use the same max_restarts");
+      }
+    }
+  }
+
+  /// The MASTER_PORT of round `restart`'s workers: node 0 picks a free port,
+  /// every node reads it.
+  int worker_port(int restart) {
+    const std::string key = agent_keys::worker_port(restart);
+    if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
+    wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+             "node 0 to pick the workers' port");
+    return decode_port(key, client_.get(key));
+  }
+
+  /// Records a failure of round `restart` unless one is recorded already.
+  void record_failure(int restart, int status, bool final, const std::string& message) {
+    detail::record_failure(client_, restart, {status, final, message});
+  }
+
+  /// Round `restart`'s first failure, if one is recorded, with its message
+  /// as the agents print it (describe_failure). A record that cannot be read
+  /// ends the job with its own reason.
+  std::optional<failure_record> failure(int restart) {
+    const std::string key = agent_keys::failure(restart);
+    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+    const std::string value = client_.get(key);
+    failure_record f;
+    try {
+      f = failure_record::decode(key, value);
+    } catch (const rendezvous_error& e) {
+      return failure_record{1, true, e.what()};
+    }
+    f.message = describe_failure(f, first_exit(restart));
+    return f;
+  }
+
+  /// Reports that this node's workers of round `restart` all succeeded.
+  void report_success(int restart) { client_.add(agent_keys::succeeded(restart), 1); }
+  /// Whether every node reported success for round `restart`.
+  [[nodiscard]] bool all_succeeded(int restart) {
+    return client_.add(agent_keys::succeeded(restart), 0) >= nnodes_;
+  }
+
+  /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
+  void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
+
+  /// Says this agent is done. Node 0 keeps the store up until every agent
+  /// has read how the job ended, at most `grace` + 10 s.
+  void leave(std::chrono::milliseconds grace) {
+    const std::string key(agent_keys::left);
+    try {
+      client_.add(key, 1);
+      if (!server_) return;
+      const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
+      while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(agent_poll_interval);
+      }
+    } catch (const rendezvous_error&) {
+      // The job has ended; a peer that cannot be told is not a new failure.
+    }
+  }
+
+ private:
+  // The first worker of the round that ended well; a record that cannot be
+  // read only loses that hint.
+  std::optional<exit_record> first_exit(int restart) {
+    const std::string key = agent_keys::exited(restart);
+    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+    try {
+      return exit_record::decode(key, client_.get(key));
+    } catch (const rendezvous_error&) {
+      return std::nullopt;
+    }
+  }
+
+  int node_rank_;
+  int nnodes_;
+  std::chrono::milliseconds timeout_;
+  std::optional<store_server> server_;
+  int port_;
+  store_client client_;
+  int lost_nodes_ = 0;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/agent_store.hpp ----
 // ---- begin dtrain/launch/process.hpp ----
 /// @file
 /// The node agent's processes: starting a worker (fork + exec, dying with the
@@ -15139,8 +16715,10 @@ inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::mi
 /// A small child of the agent that outlives it by a moment: when the agent
 /// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
 /// every worker's process group. PR_SET_PDEATHSIG reaches only the workers
-/// themselves; this reaches what they started. Forked before the agent
-/// starts any thread, it only ever makes async-signal-safe calls.
+/// themselves; this reaches what they started. One per restart round
+/// (agent_round), forked before the round's relay starts its thread; the
+/// child only ever makes async-signal-safe calls, so the store's thread may
+/// run in the agent meanwhile.
 class worker_warden {
  public:
   /// Starts the warden for up to `slots` workers at a time (one per local rank).
@@ -15151,6 +16729,7 @@ class worker_warden {
     pid_t pid = ::fork();
     if (pid == 0) {
       write_end.reset();
+      close_inherited(read_end.get());
       for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_IGN);
       watch(read_end.get());
     }
@@ -15179,6 +16758,19 @@ class worker_warden {
   }
 
  private:
+  // The agent's other descriptors, the store's sockets among them (the warden
+  // is forked while the store runs): held here, a connection the store closes
+  // would stay open for its peer until the round ends. Kernels before 5.9 keep them.
+  static void close_inherited(int keep) noexcept {
+#ifdef SYS_close_range
+    const auto fd = static_cast<unsigned>(keep);
+    if (fd > 3) (void)::syscall(SYS_close_range, 3U, fd - 1, 0U);
+    (void)::syscall(SYS_close_range, fd + 1, ~0U, 0U);
+#else
+    (void)keep;
+#endif
+  }
+
   [[noreturn]] void watch(int fd) noexcept {
     std::int32_t message[2];
     while (true) {
@@ -15272,83 +16864,34 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/process.hpp ----
+// ---- begin dtrain/launch/round.hpp ----
+/// @file
+/// One restart round of a node agent: the node's workers, the warden that
+/// takes their process groups down if the agent dies, and the relay that
+/// carries their output. The round owns all three. It starts the workers,
+/// supervises them until the round ends on every node, and stops them once:
+/// when it ends, or when it is destroyed early (an exception, a signal during
+/// a wait), whichever comes first.
+
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <chrono>
 #include <csignal>
-#include <cstdint>
 #include <cstdio>
-#include <exception>
-#include <functional>
-#include <memory>
 #include <optional>
-#include <span>
 #include <string>
-#include <string_view>
 #include <thread>
-#include <tuple>
+#include <utility>
 #include <vector>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <sys/types.h>
 
-namespace dtrain {
+namespace dtrain::detail {
 
-namespace detail {
-
-inline volatile std::sig_atomic_t agent_signal = 0;
-
-inline void record_agent_signal(int sig) { agent_signal = sig; }
-
-/// SIGUSR1s the agent received and has not forwarded yet: they ask the
-/// workers for desync diagnostics and stop nothing.
-inline volatile std::sig_atomic_t agent_diagnostics_requests = 0;
-
-inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
-
-/// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
-/// them to the workers, and SIGUSR1, which it forwards without stopping them
-/// (desync diagnostics); restores the previous handlers afterwards.
-class agent_signal_scope {
- public:
-  agent_signal_scope() {
-    agent_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = record_agent_signal;
-    sigemptyset(&sa.sa_mask);
-    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
-    agent_diagnostics_requests = 0;
-    sa.sa_handler = record_diagnostics_request;
-    ::sigaction(SIGUSR1, &sa, &previous_usr1_);
-  }
-  agent_signal_scope(const agent_signal_scope&) = delete;
-  agent_signal_scope& operator=(const agent_signal_scope&) = delete;
-  ~agent_signal_scope() {
-    for (std::size_t i = 0; i < signals.size(); ++i)
-      ::sigaction(signals[i], &previous_[i], nullptr);
-    ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
-  }
-  static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
-
- private:
-  std::array<struct sigaction, 3> previous_{};
-  struct sigaction previous_usr1_ {};
-};
-
-/// A port nobody listens on now (it may be taken before it is used: the
-/// same race torchrun accepts for --standalone).
-inline int pick_free_port() {
-  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof addr;
-  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
-  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
-  return ntohs(addr.sin_port);
+/// Prints one line of node `node_rank`'s agent on stderr: "[dtrain agent node 0/2] ...".
+inline void agent_say(int node_rank, int nnodes, const std::string& text) {
+  std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank, nnodes, text.c_str());
+  std::fflush(stderr);
 }
 
 /// How a restart round ended.
@@ -15359,23 +16902,213 @@ struct round_end {
   std::string message;  ///< who failed how
 };
 
-/// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
-inline std::string seconds_text(std::chrono::milliseconds t) {
-  std::string text = std::to_string(t.count() / 1000);
-  if (auto ms = t.count() % 1000; ms != 0) {
-    std::string frac = std::to_string(1000 + ms).substr(1);
-    while (frac.back() == '0') frac.pop_back();
-    text += "." + frac;
-  }
-  return text;
-}
+/// One worker of a round: its place in the job and what it runs.
+struct worker_start {
+  int rank = 0;
+  int local_rank = 0;
+  worker_command command;
+};
 
-}  // namespace detail
+/// What an agent tells each of its rounds.
+struct round_settings {
+  int restart = 0;
+  int node_rank = 0;
+  int nnodes = 1;
+  int nproc = 1;
+  bool tee = false;     ///< prefix the workers' lines with `[rank N] `
+  std::string log_dir;  ///< also write <log_dir>/restart_<k>/rank_<N>.log
+  std::chrono::milliseconds grace_period{};
+  std::chrono::milliseconds heartbeat_timeout{};
+};
+
+/// One restart round: starting → running → stopping → ended. start() starts
+/// the workers, supervise() watches them, the store and the signals until
+/// the round ends on every node, stops what is left and says how it ended.
+/// Destroyed before it ended, the round stops its workers with the signal
+/// the agent received (SIGTERM if none), drains their output and ends its
+/// warden: every resource is released once, on every path.
+class agent_round {
+ public:
+  enum class state { starting, running, stopping, ended };
+
+  /// Forks the warden, before the relay starts a thread. The warden's child
+  /// makes only async-signal-safe calls, so other threads (the store's) may run.
+  explicit agent_round(round_settings settings)
+      : settings_(std::move(settings)),
+        warden_(settings_.nproc),
+        relay_(settings_.tee, settings_.log_dir),
+        beats_(settings_.nnodes) {}
+  agent_round(const agent_round&) = delete;
+  agent_round& operator=(const agent_round&) = delete;
+  ~agent_round() {
+    try {
+      const int sig = pending_agent_signal();
+      stop(sig != 0 ? sig : SIGTERM);
+    } catch (...) {
+      // Out of memory while stopping: the warden still kills the groups when it ends.
+    }
+  }
+
+  [[nodiscard]] state current() const noexcept { return state_; }
+  /// The workers started so far (each with its wait status once reaped).
+  [[nodiscard]] const std::vector<worker_process>& workers() const noexcept { return workers_; }
+
+  /// Starts the workers (starting → running). Throws program_error when one
+  /// cannot be started, config_error when its log file cannot be written;
+  /// the workers already started are stopped when the round is destroyed.
+  void start(const std::vector<worker_start>& workers) {
+    if (relay_.active()) {
+      std::vector<int> ranks;
+      for (const worker_start& w : workers) ranks.push_back(w.rank);
+      relay_.open_logs(settings_.restart, ranks);
+    }
+    workers_.reserve(workers.size());
+    for (const worker_start& w : workers) {
+      const pid_t pid = spawn_worker(w.command, relay_.active() ? &relay_ : nullptr, w.rank);
+      worker_process& p = workers_.emplace_back();
+      p.rank = w.rank;
+      p.local_rank = w.local_rank;
+      p.pid = pid;
+      p.exit_fd = open_exit_fd(pid);
+      warden_.guard(w.local_rank, pid);
+    }
+    state_ = state::running;
+  }
+
+  /// Supervises the running workers until the round ends on every node
+  /// (running → ended): the first failure anywhere, a signal to the agent or
+  /// a lost node stops them; success waits for every node's workers. Throws
+  /// rendezvous_error when the store is gone.
+  round_end supervise(agent_store& store) {
+    while (true) {
+      watch_peers(store);
+      if (auto end = on_signal(store)) return *end;
+      forward_diagnostics_requests();
+      note_exits(store);
+      if (auto end = on_failure(store)) return *end;
+      if (auto end = on_success(store)) return *end;
+    }
+  }
+
+ private:
+  void say(const std::string& text) const {
+    agent_say(settings_.node_rank, settings_.nnodes, text);
+  }
+
+  // A node whose agent went silent fails the round for everyone (read by on_failure).
+  void watch_peers(agent_store& store) {
+    const auto silent =
+        beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
+    if (!silent) return;
+    store.lose_nodes(beats_.silent());
+    store.record_failure(
+        settings_.restart, 1, true,
+        "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
+            seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
+  }
+
+  // A signal to the agent ends the job: forwarded to the workers, and told to the other nodes.
+  std::optional<round_end> on_signal(agent_store& store) {
+    const int sig = pending_agent_signal();
+    if (sig == 0) return std::nullopt;
+    const std::string message = "node " + std::to_string(settings_.node_rank) +
+                                "'s agent received signal " + std::to_string(sig) +
+                                " and stopped its workers";
+    stop(sig);
+    try {
+      store.record_failure(settings_.restart, 128 + sig, true, message);
+    } catch (const rendezvous_error&) {
+      // Node 0 is gone: nobody is left to tell.
+    }
+    return round_end{false, 128 + sig, true, message};
+  }
+
+  void forward_diagnostics_requests() {
+    if (!take_diagnostics_request()) return;
+    for (const worker_process& w : workers_) {
+      if (!w.status) (void)::kill(w.pid, SIGUSR1);  // the worker only, not what it started
+    }
+    say("forwarded SIGUSR1 to the workers: each prints its part of the desync diagnostics");
+  }
+
+  // Waits a moment for a worker to exit; the first that failed is recorded. A
+  // dtrain worker has recorded its own failure, with its reason, before it exits.
+  void note_exits(agent_store& store) {
+    for (const worker_process* w : reap_exited(workers_, agent_poll_interval)) {
+      if (*w->status == 0) continue;
+      store.record_failure(settings_.restart, exit_code_of(*w->status), false,
+                           worker_label(w->rank, settings_.node_rank, w->local_rank, w->pid) + " " +
+                               describe_wait_status(*w->status));
+      break;
+    }
+  }
+
+  std::optional<round_end> on_failure(agent_store& store) {
+    const auto failure = store.failure(settings_.restart);
+    if (!failure) return std::nullopt;
+    stop(SIGTERM);
+    return round_end{false, failure->status, failure->final, failure->message};
+  }
+
+  std::optional<round_end> on_success(agent_store& store) {
+    const bool all_done = std::all_of(workers_.begin(), workers_.end(),
+                                      [](const worker_process& w) { return w.status.has_value(); });
+    if (!all_done) return std::nullopt;
+    if (!reported_success_) {
+      store.report_success(settings_.restart);
+      reported_success_ = true;
+    }
+    if (store.all_succeeded(settings_.restart)) {
+      stop(0);  // what the workers left running
+      return round_end{true, 0, false, {}};
+    }
+    std::this_thread::sleep_for(agent_poll_interval);
+    return std::nullopt;
+  }
+
+  // Sends `sig` to the workers' groups (0: none, they are done), kills and
+  // reaps what is left, and drains their output. Once: later calls do nothing.
+  void stop(int sig) {
+    if (state_ == state::stopping || state_ == state::ended) return;
+    state_ = state::stopping;
+    if (sig != 0) stop_workers(workers_, sig, settings_.grace_period);
+    kill_leftovers(workers_, settings_.grace_period);
+    relay_.finish(std::chrono::milliseconds(200));
+    state_ = state::ended;
+  }
+
+  round_settings settings_;
+  worker_warden warden_;  // before the relay: forked before its thread starts
+  output_relay relay_;
+  std::vector<worker_process> workers_;
+  heartbeat beats_;
+  bool reported_success_ = false;
+  state state_ = state::starting;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/round.hpp ----
+
+#include <chrono>
+#include <csignal>
+#include <exception>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+namespace dtrain {
 
 /// The agent of one node. run() starts `nproc_per_node` workers running
 /// `command`, and returns the exit status the agent should exit with: 0 when
 /// every worker of every node succeeded, else the failing worker's status
 /// (128 + signal for a killed one). Throws config_error on bad options.
+/// The summary it prints names the worker that went wrong: the first failure,
+/// or, when that was a collective that a worker which had already ended well
+/// never issued, that worker first (it left its peers waiting).
 ///
 /// Each worker gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
 /// LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
@@ -15453,77 +17186,45 @@ class node_agent {
       store_options_.token = detail::new_store_token();
     }
     detail::agent_signal_scope signals;
-    // Orphans of the workers come to this agent, and the warden takes the
-    // workers' groups down with it if it is SIGKILLed. The warden is forked
-    // first, before the store or the relay start a thread.
+    // Orphans of the workers come to this agent, which kills and reaps them.
     detail::become_subreaper();
-    detail::worker_warden warden(nproc_);
-    warden_ = &warden;
-    detail::output_relay relay(options_.tee, options_.log_dir);
-    relay_ = &relay;
-    std::optional<store_server> server;
-    const std::string bind = detail::store_bind_address(env_, master_addr_, nnodes() > 1);
-    if (node_rank() == 0) {
-      server.emplace(bind, master_port_, store_options_);
-      master_port_ = server->port();
-    }
-    store_client store(node_rank() == 0 ? detail::local_store_address(bind) : master_addr_,
-                       master_port_, store_options_);
+    detail::agent_store store(node_rank(), nnodes(),
+                              detail::store_bind_address(env_, master_addr_, nnodes() > 1),
+                              master_addr_, master_port_, store_options_);
+    master_port_ = store.port();
     say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
             std::to_string(nproc_) + " workers, store at " +
             detail::endpoint_text(master_addr_, master_port_),
         true);
-    int status = 1;
+    int restart = 0;  // the round under way, for a failure outside it
     try {
-      join(store);
-      for (int restart = 0;; ++restart) {
-        round_ = restart;
-        detail::round_end end = run_round(store, restart);
-        if (end.succeeded) {
-          status = 0;
-          break;
-        }
-        if (end.final || restart >= options_.max_restarts) {
-          say(end.message + "; ending the job" +
-              (end.final ? std::string()
-                         : " (restarts used: " + std::to_string(restart) + " of " +
-                               std::to_string(options_.max_restarts) + ")"));
-          status = end.status;
-          break;
-        }
-        say(end.message + "; restarting every node's workers (restart " +
-            std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
-        meet(store, detail::agent_keys::stopped(restart), "every node to stop its workers");
-      }
-      leave(store, node_rank() == 0);
+      store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
+      const int status = run_rounds(store, restart);
+      store.leave(options_.grace_period);
+      return status;
     } catch (const rendezvous_error& e) {
-      stop(SIGTERM);
       say(std::string("lost the rendezvous store (node 0's agent) at ") +
           detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
-      status = 1;
+      return 1;
     } catch (...) {
-      // A signal that interrupted a wait ends the job like one during the run.
-      const int sig = detail::agent_signal;
-      stop(sig != 0 ? sig : SIGTERM);
-      std::string what = "received signal " + std::to_string(sig);
-      status = 128 + sig;
-      if (sig == 0) std::tie(status, what) = detail::current_failure();
+      // The round (if one ran) has stopped its workers while unwinding. A
+      // signal that interrupted a wait ends the job like one during the run.
+      const int sig = detail::pending_agent_signal();
+      auto [status, what] = sig != 0
+                                ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                : detail::current_failure();
       // Tell the other nodes, so that they end too instead of waiting for this one.
       try {
-        detail::record_failure(store, round_, status, true,
-                               "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
-        leave(store, node_rank() == 0);
+        store.record_failure(restart, status, true,
+                             "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+        store.leave(options_.grace_period);
       } catch (...) {
         // The store is gone too: the other agents notice that themselves.
       }
-      relay.finish(std::chrono::milliseconds(200));
       if (sig == 0) throw;
       say(what + "; stopped this node's workers");
+      return status;
     }
-    relay.finish(std::chrono::milliseconds(200));
-    relay_ = nullptr;
-    warden_ = nullptr;
-    return status;
   }
 
  private:
@@ -15532,98 +17233,71 @@ class node_agent {
 
   void say(const std::string& text, bool verbose = false) const {
     if (verbose && !options_.tee) return;
-    std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank(), nnodes(), text.c_str());
-    std::fflush(stderr);
+    detail::agent_say(node_rank(), nnodes(), text);
   }
 
-  /// Waits, polling the store, until `done()`; a signal to the agent or the
-  /// store timeout ends the wait with an exception.
-  template <class Done>
-  void wait_for(Done done, const std::string& what) {
-    auto deadline = std::chrono::steady_clock::now() + store_options_.timeout;
-    while (!done()) {
-      if (detail::agent_signal != 0) {
-        throw error("received signal " + std::to_string(detail::agent_signal) +
-                    " while waiting for " + what);
+  /// Runs restart rounds until one succeeds, or one fails with no restart
+  /// left; returns the job's exit status. `restart` follows the round under way.
+  int run_rounds(detail::agent_store& store, int& restart) {
+    for (restart = 0;; ++restart) {
+      const detail::round_end end = run_round(store, restart);
+      if (end.succeeded) return 0;
+      if (end.final || restart >= options_.max_restarts) {
+        say(end.message + "; ending the job" +
+            (end.final ? std::string()
+                       : " (restarts used: " + std::to_string(restart) + " of " +
+                             std::to_string(options_.max_restarts) + ")"));
+        return end.status;
       }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error("the node agent waited " +
-                            std::to_string(store_options_.timeout.count() / 1000) + " s for " +
-                            what + " (DTRAIN_STORE_TIMEOUT)");
-      }
-      std::this_thread::sleep_for(poll_interval);
+      say(end.message + "; restarting every node's workers (restart " +
+          std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
+      store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
     }
   }
 
-  /// A barrier of all agents that a signal can interrupt.
-  void meet(store_client& store, const std::string& key, const std::string& what) {
-    store.add(key, 1);
-    wait_for([&] { return store.add(key, 0) >= nnodes(); }, what);
+  /// Starts this node's workers for one round and supervises them until the
+  /// round ends on every node. The round stops them on every way out.
+  detail::round_end run_round(detail::agent_store& store, int restart) {
+    const int worker_port = store.worker_port(restart);
+    const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
+    std::vector<detail::worker_start> workers;
+    for (int local = 0; local < nproc_; ++local) {
+      detail::worker_start& w = workers.emplace_back();
+      w.rank = node_rank() * nproc_ + local;
+      w.local_rank = local;
+      w.command.argv = command_;
+      w.command.argv.front() = program;
+      if (options_.local_rank_arg)
+        w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
+      w.command.env = worker_environment(w.rank, local, restart, worker_port);
+    }
+    detail::agent_round round({.restart = restart,
+                               .node_rank = node_rank(),
+                               .nnodes = nnodes(),
+                               .nproc = nproc_,
+                               .tee = options_.tee,
+                               .log_dir = options_.log_dir,
+                               .grace_period = options_.grace_period,
+                               .heartbeat_timeout = options_.heartbeat_timeout});
+    round.start(workers);
+    return round.supervise(store);
   }
 
-  /// Registers this node and checks that every node runs the same job shape.
-  void join(store_client& store) {
-    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
-                                 ::getpid()};
-    const std::string key = detail::agent_keys::node(node_rank());
-    const std::string holder = store.compare_set(key, "", me.encode());
-    if (holder != me.encode()) {
-      throw config_error("node_rank " + std::to_string(node_rank()) +
-                         " is taken twice: by the agent " +
-                         detail::node_record::decode(key, holder).who() + " and by this one (" +
-                         me.who() + "); give each agent its own --node-rank / NODE_RANK");
-    }
-    meet(store, std::string(detail::agent_keys::joined),
-         "all " + std::to_string(nnodes()) + " node agents to join");
-    for (int n = 0; n < nnodes(); ++n) {
-      const std::string other_key = detail::agent_keys::node(n);
-      const detail::node_record other =
-          detail::node_record::decode(other_key, store.get(other_key));
-      if (other.nproc != nproc_) {
-        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
-                           std::to_string(other.nproc) + " workers, this node " +
-                           std::to_string(nproc_) +
-                           "; every node must run the same nproc_per_node");
-      }
-      if (other.max_restarts != options_.max_restarts) {
-        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
-                           std::to_string(other.max_restarts) + " restarts, this node " +
-                           std::to_string(options_.max_restarts) +
-                           "; every node must use the same max_restarts");
-      }
-    }
-  }
-
-  /// Node 0 keeps the store up until every agent has read how the job ended.
-  void leave(store_client& store, bool hosting) {
-    const std::string key(detail::agent_keys::left);
-    try {
-      store.add(key, 1);
-      if (!hosting) return;
-      auto deadline =
-          std::chrono::steady_clock::now() + options_.grace_period + std::chrono::seconds(10);
-      while (store.add(key, 0) < nnodes() - lost_nodes_ &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(poll_interval);
-      }
-    } catch (const rendezvous_error&) {
-      // The job has ended; a peer that cannot be told is not a new failure.
-    }
-  }
-
-  std::vector<std::string> worker_environment(const world& w, int restart, int worker_port) const {
+  std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
+                                              int worker_port) const {
+    const int world_size = nnodes() * nproc_;
     auto vars = env_.vars();
     auto set = [&](std::string name, const std::string& value) {
       vars.insert_or_assign(std::move(name), value);
     };
-    set("RANK", std::to_string(*w.rank));
-    set("LOCAL_RANK", std::to_string(*w.local_rank));
-    set("WORLD_SIZE", std::to_string(*w.world_size));
+    set("RANK", std::to_string(rank));
+    set("LOCAL_RANK", std::to_string(local_rank));
+    set("WORLD_SIZE", std::to_string(world_size));
     set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
     set("GROUP_RANK", std::to_string(node_rank()));
     set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
-    set("ROLE_RANK", std::to_string(*w.rank));
-    set("ROLE_WORLD_SIZE", std::to_string(*w.world_size));
+    set("ROLE_RANK", std::to_string(rank));
+    set("ROLE_WORLD_SIZE", std::to_string(world_size));
     set("ROLE_NAME", "default");
     set("NODE_RANK", std::to_string(node_rank()));
     set("MASTER_ADDR", master_addr_);
@@ -15643,162 +17317,6 @@ class node_agent {
     return out;
   }
 
-  /// Starts this node's workers for one round and supervises them until the
-  /// round ends on every node.
-  detail::round_end run_round(store_client& store, int restart) {
-    const std::string port_key = detail::agent_keys::worker_port(restart);
-    if (node_rank() == 0) store.set(port_key, detail::encode_port(detail::pick_free_port()));
-    wait_for([&] { return store.check(std::span<const std::string>(&port_key, 1)); },
-             "node 0 to pick the workers' port");
-    const int worker_port = detail::decode_port(port_key, store.get(port_key));
-
-    const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
-    std::vector<int> ranks;
-    for (int local = 0; local < nproc_; ++local) ranks.push_back(node_rank() * nproc_ + local);
-    if (relay_->active()) relay_->open_logs(restart, ranks);
-    workers_.clear();
-    for (int local = 0; local < nproc_; ++local) {
-      world w;
-      w.rank = node_rank() * nproc_ + local;
-      w.world_size = nnodes() * nproc_;
-      w.local_rank = local;
-      detail::worker_command cmd;
-      cmd.argv = command_;
-      cmd.argv.front() = program;
-      if (options_.local_rank_arg)
-        cmd.argv.insert(cmd.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-      cmd.env = worker_environment(w, restart, worker_port);
-      detail::worker_process& p = workers_.emplace_back();
-      p.rank = *w.rank;
-      p.local_rank = local;
-      p.pid = detail::spawn_worker(cmd, relay_->active() ? relay_ : nullptr, *w.rank);
-      p.exit_fd = detail::open_exit_fd(p.pid);
-      warden_->guard(local, p.pid);
-    }
-    return supervise(store, restart);
-  }
-
-  detail::round_end supervise(store_client& store, int restart) {
-    const std::string failure_key = detail::agent_keys::failure(restart);
-    const std::string success_key = detail::agent_keys::succeeded(restart);
-    const std::span<const std::string> failure_keys(&failure_key, 1);
-    bool reported_success = false;
-    heartbeat beats(nnodes());
-    while (true) {
-      if (auto silent = beats.check(store, node_rank(), options_.heartbeat_timeout)) {
-        lost_nodes_ = beats.silent();  // they will never leave(): node 0 must not wait for them
-        std::string message =
-            "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
-            detail::seconds_text(options_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)";
-        detail::record_failure(store, restart, 1, true, message);
-      }
-      if (int sig = detail::agent_signal; sig != 0) {
-        std::string message = "node " + std::to_string(node_rank()) + "'s agent received signal " +
-                              std::to_string(sig) + " and stopped its workers";
-        stop(sig);
-        try {
-          detail::record_failure(store, restart, 128 + sig, true, message);
-        } catch (const rendezvous_error&) {
-          // Node 0 is gone: nobody is left to tell.
-        }
-        return {false, 128 + sig, true, message};
-      }
-      if (detail::agent_diagnostics_requests != 0) {
-        detail::agent_diagnostics_requests = 0;
-        for (const detail::worker_process& w : workers_) {
-          if (!w.status) (void)::kill(w.pid, SIGUSR1);  // the worker only, not what it started
-        }
-        say("forwarded SIGUSR1 to the workers: each prints its part of the desync diagnostics");
-      }
-      for (detail::worker_process* w : detail::reap_exited(workers_, poll_interval)) {
-        if (*w->status == 0) continue;
-        // A dtrain worker records its own failure, with its reason, before it exits.
-        std::string message = detail::worker_label(w->rank, node_rank(), w->local_rank, w->pid) +
-                              " " + detail::describe_wait_status(*w->status);
-        detail::record_failure(store, restart, detail::exit_code_of(*w->status), false, message);
-        break;
-      }
-      if (store.check(failure_keys)) {
-        detail::round_end end = read_failure(failure_key, store.get(failure_key));
-        stop(SIGTERM);
-        return end;
-      }
-      const bool all_done =
-          std::all_of(workers_.begin(), workers_.end(),
-                      [](const detail::worker_process& w) { return w.status.has_value(); });
-      if (all_done && !reported_success) {
-        store.add(success_key, 1);
-        reported_success = true;
-      }
-      if (reported_success) {
-        if (store.add(success_key, 0) >= nnodes()) {
-          detail::kill_leftovers(workers_, options_.grace_period);  // what the workers left running
-          return {true, 0, false, {}};
-        }
-        std::this_thread::sleep_for(poll_interval);
-      }
-    }
-  }
-
-  static detail::round_end read_failure(const std::string& key, const std::string& value) {
-    try {
-      const detail::failure_record f = detail::failure_record::decode(key, value);
-      return {false, f.status, f.final, f.message};
-    } catch (const rendezvous_error& e) {
-      return {false, 1, true, e.what()};
-    }
-  }
-
-  void stop(int sig) {
-    detail::stop_workers(workers_, sig, options_.grace_period);
-    detail::kill_leftovers(workers_, options_.grace_period);
-  }
-
-  /// Every agent bumps its counter about once a second and watches the
-  /// others': a node whose agent died (and with it its workers) is noticed
-  /// even while the other nodes' workers are busy computing.
-  class heartbeat {
-   public:
-    explicit heartbeat(int nodes)
-        : seen_(static_cast<std::size_t>(nodes), -1),
-          since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
-
-    /// Beats for `me`; returns the first node silent for longer than `limit`.
-    std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
-      auto now = std::chrono::steady_clock::now();
-      if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
-      last_ = now;
-      store.add(key(me), 1);
-      std::optional<int> first;
-      silent_ = 0;
-      for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
-        if (n == me) continue;
-        std::int64_t beat = store.add(key(n), 0);
-        auto i = static_cast<std::size_t>(n);
-        if (beat != seen_[i]) {
-          seen_[i] = beat;
-          since_[i] = now;
-        } else if (now - since_[i] > limit) {
-          if (!first) first = n;
-          ++silent_;
-        }
-      }
-      return first;
-    }
-
-    /// How many nodes the last check() found silent.
-    [[nodiscard]] int silent() const noexcept { return silent_; }
-
-   private:
-    static std::string key(int node) { return detail::agent_keys::beat(node); }
-    std::vector<std::int64_t> seen_;
-    std::vector<std::chrono::steady_clock::time_point> since_;
-    std::chrono::steady_clock::time_point last_{};
-    int silent_ = 0;
-  };
-
-  static constexpr std::chrono::milliseconds poll_interval{20};
-
   std::vector<std::string> command_;
   agent_options options_;
   environment env_;
@@ -15807,67 +17325,268 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
-  int round_ = 0;       // the restart round under way
-  int lost_nodes_ = 0;  // agents found silent: node 0 does not wait for them to leave
-  std::vector<detail::worker_process> workers_;
-  detail::output_relay* relay_ = nullptr;
-  detail::worker_warden* warden_ = nullptr;  // run()'s, while it runs
 };
 
 }  // namespace dtrain
 // ---- end dtrain/launch/agent.hpp ----
-// ---- begin dtrain/launch/worker.hpp ----
+// ---- begin dtrain/launch/command_line.hpp ----
 /// @file
-/// How a worker process ends its part in a job so that the job ends too:
-/// it ignores SIGPIPE (a write to a dead peer becomes an error that names
-/// the peer instead of a silent death), and a failed rank under MPI calls
-/// MPI_Abort, so that mpirun ends every rank at once instead of leaving the
-/// failed one blocked in MPI_Finalize while its peers wait out their timeout.
+/// dtrun's flags, read by one parser for the two programs that take them:
+/// dtrun itself (its flags, then the program to run), and a self-launching
+/// program (dtrain::run under launch::per_node), which finds them among its
+/// own arguments. Each flag sets an agent option (`--standalone` four); a bad
+/// value is a config_error naming the flag as it was typed and its value.
 
 
-#include <csignal>
-#include <cstdio>
-
-#if DTRAIN_HAS_MPI()
-#include <mpi.h>
-#endif
+#include <bitset>
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace dtrain::detail {
 
-/// Ignores SIGPIPE in this process: a peer that dies mid-write gives EPIPE,
-/// which the engines and the store turn into an error naming the peer. Under
-/// an agent, a worker killed by SIGPIPE would otherwise be blamed as the
-/// root cause of a failure it only witnessed.
-inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
+/// The agent options that flags set.
+enum class agent_field : unsigned {
+  nproc_per_node,
+  nnodes,
+  node_rank,
+  master_addr,
+  master_port,
+  max_restarts,
+  grace_period,
+  heartbeat_timeout,
+  tee,
+  log_dir,
+  local_rank_arg,
+  count
+};
 
-/// Whether MPI is initialised and not yet finalised in this process (by
-/// dtrain's MPI backend or by the user); false in a build without MPI.
-inline bool mpi_is_running() noexcept {
-#if DTRAIN_HAS_MPI()
-  int initialized = 0;
-  int finalized = 0;
-  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
-  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
-#else
-  return false;
-#endif
+/// Calls `fn(&agent_options::<option>)` and returns what it returns.
+template <class Fn>
+decltype(auto) visit_field(agent_field option, Fn&& fn) {
+  switch (option) {
+    case agent_field::nproc_per_node: return fn(&agent_options::nproc_per_node);
+    case agent_field::nnodes: return fn(&agent_options::nnodes);
+    case agent_field::node_rank: return fn(&agent_options::node_rank);
+    case agent_field::master_addr: return fn(&agent_options::master_addr);
+    case agent_field::master_port: return fn(&agent_options::master_port);
+    case agent_field::max_restarts: return fn(&agent_options::max_restarts);
+    case agent_field::grace_period: return fn(&agent_options::grace_period);
+    case agent_field::heartbeat_timeout: return fn(&agent_options::heartbeat_timeout);
+    case agent_field::tee: return fn(&agent_options::tee);
+    case agent_field::log_dir: return fn(&agent_options::log_dir);
+    case agent_field::local_rank_arg:
+    case agent_field::count: break;
+  }
+  return fn(&agent_options::local_rank_arg);
 }
 
-/// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
-/// mpirun exits with it) when MPI is running and `status` is not 0; returns
-/// otherwise. Call it after the failure's one-line report: the report is
-/// flushed first, since MPI_Abort does not return.
-inline void abort_mpi_job(int status) noexcept {
-  if (status == 0 || !mpi_is_running()) return;
-  std::fflush(stdout);
-  std::fflush(stderr);
-#if DTRAIN_HAS_MPI()
-  MPI_Abort(MPI_COMM_WORLD, status);
-#endif
-}
+/// dtrun's flags as found on one command line (argv without the program's
+/// name), and for dtrun the program after them. Flags take their value as
+/// `--flag value` or `--flag=value`; `_` may replace `-` in their names
+/// (torchrun's `--nproc_per_node`); of a flag given twice, the last counts.
+class agent_flags {
+ public:
+  /// dtrun's command line: flags first; `--`, or the first argument that is
+  /// not a flag, begins the program, which gets every argument after it. An
+  /// unknown flag is a config_error; `--help` (or `-h`) ends the parsing.
+  [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args) {
+    agent_flags flags;
+    std::size_t i = 0;
+    for (; i < args.size(); ++i) {
+      if (args[i] == "--") {
+        ++i;
+        break;
+      }
+      if (!args[i].starts_with("--") && args[i] != "-h") break;
+      if (!flags.read(args, i, true)) {
+        throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
+      }
+      if (flags.help_) return flags;
+    }
+    for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
+    return flags;
+  }
+
+  /// A self-launching program's command line: dtrun's flags wherever they
+  /// are before `--`, except `--help` and `--no-python`, which stay the
+  /// program's. Every other argument is the program's own and is skipped.
+  [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args) {
+    agent_flags flags;
+    for (std::size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+      if (args[i].starts_with("--")) (void)flags.read(args, i, false);
+    }
+    return flags;
+  }
+
+  /// Sets every option that a flag gave: the flags win (dtrun).
+  void apply(agent_options& options) const {
+    for_each_given([&](auto member) { options.*member = values_.*member; });
+  }
+
+  /// Sets the options that a flag gave and `options` leaves at agent_options'
+  /// defaults: options set in the program's code win (dtrain::run).
+  void fill(agent_options& options) const {
+    const agent_options defaults{};
+    for_each_given([&](auto member) {
+      if (options.*member == defaults.*member) options.*member = values_.*member;
+    });
+  }
+
+  /// The options as the flags set them (the others at their defaults).
+  [[nodiscard]] const agent_options& values() const noexcept { return values_; }
+  /// Whether a flag set `option`.
+  [[nodiscard]] bool given(agent_field option) const noexcept {
+    return given_.test(static_cast<std::size_t>(option));
+  }
+  /// dtrun: `--help` or `-h` was given.
+  [[nodiscard]] bool help() const noexcept { return help_; }
+  /// dtrun: `--no-python` was given (run a .py program directly).
+  [[nodiscard]] bool no_python() const noexcept { return no_python_; }
+  /// dtrun: the program and its arguments.
+  [[nodiscard]] const std::vector<std::string>& program() const noexcept { return program_; }
+
+ private:
+  template <class Fn>
+  void for_each_given(Fn fn) const {
+    for (std::size_t f = 0; f < static_cast<std::size_t>(agent_field::count); ++f) {
+      if (given_.test(f)) visit_field(static_cast<agent_field>(f), fn);
+    }
+  }
+
+  void set(agent_field option) { given_.set(static_cast<std::size_t>(option)); }
+
+  // Reads the flag at args[i] (and its value, moving i past it); false when it is not dtrun's.
+  bool read(std::span<const std::string_view> args, std::size_t& i, bool launcher) {
+    const std::string_view arg = args[i];
+    const std::size_t eq = arg.find('=');
+    const std::string_view typed = arg.substr(0, eq);
+    std::string name(typed);
+    for (char& c : name) {
+      if (c == '_') c = '-';
+    }
+    if (launcher && (name == "--help" || name == "-h")) return help_ = true;
+    if (launcher && name == "--no-python") return no_python_ = true;
+    if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
+      if (eq != std::string_view::npos) {
+        throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
+                           " takes no value");
+      }
+      if (name == "--tee") {
+        values_.tee = true;
+        set(agent_field::tee);
+      } else if (name == "--pass-local-rank") {
+        values_.local_rank_arg = true;
+        set(agent_field::local_rank_arg);
+      } else {
+        values_.nnodes = 1;
+        values_.node_rank = 0;
+        values_.master_addr = "127.0.0.1";
+        values_.master_port = 0;
+        for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
+                       agent_field::master_port})
+          set(f);
+      }
+      return true;
+    }
+    const valued* flag = find(name);
+    if (flag == nullptr) return false;
+    std::string_view value;
+    if (eq != std::string_view::npos) {
+      value = arg.substr(eq + 1);
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    } else {
+      throw config_error(std::string(typed) + " on the command line needs a value (" +
+                         std::string(flag->what) + ", e.g. " + std::string(typed) + " " +
+                         std::string(flag->example) + ")");
+    }
+    const std::string origin =
+        std::string(typed) + "=" + std::string(value) + " on the command line";
+    take(flag->field, origin, value);
+    set(flag->field);
+    return true;
+  }
+
+  struct valued {
+    std::string_view name;
+    agent_field field;
+    std::string_view what;
+    std::string_view example;
+  };
+
+  static const valued* find(std::string_view name) {
+    static constexpr valued flags[] = {
+        {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
+        {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
+        {"--node-rank", agent_field::node_rank, "this node's index", "0"},
+        {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
+        {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
+        {"--max-restarts", agent_field::max_restarts, "restarts after a failure", "1"},
+        {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
+        {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
+        {"--log-dir", agent_field::log_dir, "a directory", "logs"},
+    };
+    for (const valued& f : flags) {
+      if (f.name == name) return &f;
+    }
+    return nullptr;
+  }
+
+  void take(agent_field option, const std::string& origin, std::string_view value) {
+    auto at_least = [&](int least, const char* unit) {
+      const int n = parse_non_negative(origin, value);
+      if (n < least) {
+        throw config_error(origin + " must be at least " + std::to_string(least) + " (" + unit +
+                           ")");
+      }
+      return n;
+    };
+    auto text = [&] {
+      if (value.empty()) throw config_error(origin + " is empty");
+      return std::string(value);
+    };
+    switch (option) {
+      case agent_field::nproc_per_node:
+        values_.nproc_per_node = at_least(1, "workers per node");
+        break;
+      case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
+      case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
+      case agent_field::master_addr: values_.master_addr = text(); break;
+      case agent_field::master_port: {
+        const int port = parse_non_negative(origin, value);
+        if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
+        values_.master_port = port;
+        break;
+      }
+      case agent_field::max_restarts:
+        values_.max_restarts = parse_non_negative(origin, value);
+        break;
+      case agent_field::grace_period:
+        values_.grace_period = std::chrono::seconds(parse_non_negative(origin, value));
+        break;
+      case agent_field::heartbeat_timeout:
+        values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
+        break;
+      case agent_field::log_dir: values_.log_dir = text(); break;
+      case agent_field::tee:
+      case agent_field::local_rank_arg:
+      case agent_field::count: break;
+    }
+  }
+
+  agent_options values_{};
+  std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
+  bool help_ = false;
+  bool no_python_ = false;
+  std::vector<std::string> program_;
+};
 
 }  // namespace dtrain::detail
-// ---- end dtrain/launch/worker.hpp ----
+// ---- end dtrain/launch/command_line.hpp ----
 
 #include <cstdio>
 #include <exception>
@@ -15890,13 +17609,6 @@ inline void abort_mpi_job(int status) noexcept {
 namespace dtrain {
 
 namespace detail {
-
-/// "[rank 3/8]", or what is known of it.
-inline std::string rank_label(const world* w) {
-  if (w == nullptr || !w->rank) return "[rank ?]";
-  return "[rank " + std::to_string(*w->rank) + "/" +
-         (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
-}
 
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
 inline int report_failure(const std::string& who, const std::pair<int, std::string>& failure) {
@@ -15928,34 +17640,10 @@ int default_nproc_per_node() {
 /// `--nproc-per-node N`, `--nproc-per-node=N`, or the same with
 /// `--nproc_per_node`; the last one counts, and nothing after `--`. Nullopt
 /// when absent; config_error naming the flag when its value is not a positive
-/// integer.
+/// integer, or when another of dtrun's flags has a bad value (agent_flags).
 [[nodiscard]] inline std::optional<int> nproc_per_node_from_args(
     std::span<const std::string_view> args) {
-  std::optional<int> found;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string_view a = args[i];
-    if (a == "--") break;
-    std::string_view flag, value;
-    for (std::string_view name : {"--nproc-per-node", "--nproc_per_node"}) {
-      if (a == name) {
-        if (i + 1 >= args.size()) {
-          throw config_error(std::string(name) + " on the command line needs a value (workers " +
-                             "per node, e.g. " + std::string(name) + " 4)");
-        }
-        flag = name;
-        value = args[++i];
-      } else if (a.size() > name.size() && a.starts_with(name) && a[name.size()] == '=') {
-        flag = name;
-        value = a.substr(name.size() + 1);
-      }
-    }
-    if (flag.empty()) continue;
-    const std::string what = std::string(flag) + "=" + std::string(value) + " on the command line";
-    const int n = parse_non_negative(what, value);
-    if (n < 1) throw config_error(what + " must be at least 1 (workers per node)");
-    found = n;
-  }
-  return found;
+  return agent_flags::of_program(args).values().nproc_per_node;
 }
 
 /// What run() accepts: called as fn(context<Policy>&), returning void or an int.
@@ -16005,11 +17693,23 @@ int run_process(int argc, char** argv, training_function<Policy> fn, const run_o
 /// the user is the node agent: it starts `nproc_per_node` copies of this
 /// program (the same argv, unchanged) as workers and returns the job's
 /// status (see node_agent). Workers are recognised by DTRAIN_AGENT_STORE in
-/// their environment. The number of workers per node comes from, first to
-/// last: DTRAIN_NPROC_PER_NODE, run_options::agent.nproc_per_node,
-/// `--nproc-per-node N` (or `=N`, or `--nproc_per_node`) on the command line,
-/// then one per visible GPU for NCCL, else 1. A bad value is a config_error
-/// naming its source (exit status 2).
+/// their environment.
+///
+/// The agent takes dtrun's flags from the program's command line, as torchrun
+/// users expect: `./train --nproc-per-node 2 --max-restarts 1 --epochs 3`.
+/// Every flag of `dtrun --help` is read (`--nproc-per-node`, `--nnodes`,
+/// `--node-rank`, `--master-addr`, `--master-port`, `--standalone`,
+/// `--max-restarts`, `--grace-period`, `--heartbeat-timeout`, `--tee`,
+/// `--log-dir`, `--pass-local-rank`; `--flag value` or `--flag=value`, `_`
+/// for `-`), except `--help` and `--no-python`, which stay the program's.
+/// Every other argument is the program's own; nothing after `--` is read; the
+/// workers get the whole argv unchanged. Each option comes from, first to
+/// last: its environment variable (DTRAIN_NPROC_PER_NODE, ...; see
+/// agent_options::with_env), run_options::agent when it differs from
+/// agent_options' default, the flag, then the default (for nproc_per_node:
+/// one per visible GPU for NCCL, else 1). A bad value is a config_error
+/// naming its source, e.g. `--master-port=70000 on the command line is
+/// outside the port range 1-65535` (exit status 2).
 ///
 /// Any exception ends the process's part in the job: one line on stderr,
 /// `[rank 3/8] dtrain: <what>`, and exit status 2 for a config_error, else 1.
@@ -16044,7 +17744,7 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
     try {
       agent_options opts = options.agent;
       // The environment (with_env) wins over the program's options, which win over its argv.
-      if (!opts.nproc_per_node) opts.nproc_per_node = detail::nproc_per_node_from_args(args);
+      detail::agent_flags::of_program(args).fill(opts);
       if (!opts.nproc_per_node) opts.nproc_per_node = detail::default_nproc_per_node<Policy>();
       opts = opts.with_env(env);
       std::vector<std::string> command{detail::own_executable()};
@@ -16153,12 +17853,19 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 #define DTRAIN_DETAIL_DEFINE_COMPILED(...) DTRAIN_DETAIL_COMPILED_TEMPLATES(, __VA_ARGS__)
 
 /// Instantiates, in the one TU that writes it (at namespace scope, after the
-/// #include), everything the other TUs declared `extern template`.
-#define DTRAIN_INSTANTIATE_COMPILED_POLICIES() \
-  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED)
+/// #include), everything the other TUs declared `extern template`, and
+/// defines the link check's symbols for this TU's engines (link_check.hpp).
+/// Not beside a dtrain library: the link check refuses two definitions.
+#define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                   \
+  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED) \
+  DTRAIN_DETAIL_DEFINE_LINK_CHECK()
 
 #if DTRAIN_HAS_SEPARATE_COMPILATION()
 DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DECLARE_COMPILED)
+// An undefined reference to link_check::library_built_with_engines_<set> from
+// this line: no dtrain library built for this TU's engines is linked (see
+// dtrain/detail/link_check.hpp; with CMake, link the same dtrain target everywhere).
+DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 #endif
 // ---- end dtrain/compiled.hpp ----
 // ---- begin dtrain/ddp/ddp.hpp ----
@@ -16351,515 +18058,6 @@ class distributed_sampler {
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/sampler.hpp ----
-// ---- begin dtrain/topology/doctor.hpp ----
-/// @file
-/// The checks dtrain_doctor runs for a multi-node job that will not start or
-/// is slow: known traps, each with the setting that fixes it. A pure function
-/// of what was gathered (environment, world, host network, resolver answers,
-/// GPU count), so every check is unit-tested with facts of its own.
-
-// ---- begin dtrain/topology/network.hpp ----
-/// @file
-/// What the engines will find on this host: network interfaces (sysfs
-/// class/net, with addresses from getifaddrs), RDMA / InfiniBand ports
-/// (sysfs class/infiniband), NVIDIA GPUs on the PCI bus (sysfs bus/pci) and
-/// the driver's version, read under a sysfs root that tests replace with a
-/// tree of their own; and which interface Gloo, NCCL and Open MPI would use,
-/// by each engine's own rules and variables. dtrain_doctor prints it.
-
-
-#include <algorithm>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// One network interface as sysfs and getifaddrs describe it.
-struct network_interface {
-  std::string name;                    ///< "eth0"
-  std::string state;                   ///< operstate: "up", "down", "unknown" (lo)
-  std::vector<std::string> addresses;  ///< numeric, IPv4 first
-  int mtu = -1;                        ///< -1: unknown
-  int speed_mbps = -1;                 ///< -1: unknown (virtual links report none)
-  bool loopback = false;
-  [[nodiscard]] bool up() const { return state == "up" || (loopback && state == "unknown"); }
-};
-
-/// One port of an RDMA device (InfiniBand, RoCE, iWARP).
-struct rdma_port {
-  std::string device;  ///< "mlx5_0"
-  int port = 1;
-  std::string state;       ///< "ACTIVE", "DOWN", "INIT", ... (sysfs "4: ACTIVE")
-  std::string phys_state;  ///< "LinkUp", "Disabled", ... (sysfs "5: LinkUp")
-  std::string rate;        ///< "200 Gb/sec (4X HDR)"
-  std::string link_layer;  ///< "InfiniBand" or "Ethernet" (RoCE)
-  [[nodiscard]] bool active() const { return state == "ACTIVE"; }
-};
-
-/// The host as the engines will find it.
-struct host_network {
-  std::string sysfs;  ///< the root it was read from ("/sys")
-  std::vector<network_interface> interfaces;
-  std::vector<rdma_port> rdma;
-  int nvidia_gpus = 0;        ///< NVIDIA display/3D controllers on the PCI bus
-  std::string nvidia_driver;  ///< module/nvidia/version, or empty
-  [[nodiscard]] const network_interface* find(std::string_view name) const {
-    for (const auto& i : interfaces) {
-      if (i.name == name) return &i;
-    }
-    return nullptr;
-  }
-  [[nodiscard]] bool rdma_active() const {
-    return std::any_of(rdma.begin(), rdma.end(), [](const rdma_port& p) { return p.active(); });
-  }
-};
-
-namespace detail {
-
-// The first line of a sysfs file, trimmed; nullopt when it cannot be read.
-inline std::optional<std::string> sysfs_line(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  std::string line;
-  if (!in || !std::getline(in, line)) return std::nullopt;
-  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' '))
-    line.pop_back();
-  return line;
-}
-
-inline int sysfs_int(const std::filesystem::path& file) {
-  auto text = sysfs_line(file);
-  if (!text || text->empty()) return -1;
-  char* end = nullptr;
-  const long v = std::strtol(text->c_str(), &end, 0);
-  return (*end == '\0' && v >= -1 && v < 1'000'000'000) ? static_cast<int>(v) : -1;
-}
-
-// "4: ACTIVE" -> "ACTIVE"
-inline std::string after_colon(const std::string& text) {
-  auto colon = text.find(':');
-  std::string out = colon == std::string::npos ? text : text.substr(colon + 1);
-  while (!out.empty() && out.front() == ' ') out.erase(out.begin());
-  return out;
-}
-
-inline std::vector<std::filesystem::path> sorted_entries(const std::filesystem::path& dir) {
-  std::vector<std::filesystem::path> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) out.push_back(e.path());
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-}  // namespace detail
-
-/// Reads the host under `sysfs` (normally "/sys"). Addresses come from
-/// getifaddrs only when `live` (the real system); a test's tree has none.
-/// Never throws: what cannot be read is left out.
-[[nodiscard]] inline host_network read_host_network(const std::string& sysfs = "/sys",
-                                                    bool live = true) {
-  namespace fs = std::filesystem;
-  host_network h;
-  h.sysfs = sysfs;
-  const fs::path root(sysfs);
-  const auto addresses =
-      live ? detail::interface_addresses() : std::vector<detail::interface_address>{};
-  for (const fs::path& dir : detail::sorted_entries(root / "class" / "net")) {
-    network_interface i;
-    i.name = dir.filename().string();
-    i.state = detail::sysfs_line(dir / "operstate").value_or("unknown");
-    i.mtu = detail::sysfs_int(dir / "mtu");
-    i.speed_mbps = detail::sysfs_int(dir / "speed");
-    i.loopback = detail::sysfs_int(dir / "type") == 772;  // ARPHRD_LOOPBACK
-    for (bool v6 : {false, true}) {
-      for (const auto& a : addresses) {
-        if (a.name == i.name && a.ipv6 == v6) i.addresses.push_back(a.address);
-      }
-    }
-    h.interfaces.push_back(std::move(i));
-  }
-  for (const fs::path& dev : detail::sorted_entries(root / "class" / "infiniband")) {
-    for (const fs::path& port : detail::sorted_entries(dev / "ports")) {
-      rdma_port p;
-      p.device = dev.filename().string();
-      p.port = std::atoi(port.filename().string().c_str());
-      p.state = detail::after_colon(detail::sysfs_line(port / "state").value_or("?"));
-      p.phys_state = detail::after_colon(detail::sysfs_line(port / "phys_state").value_or("?"));
-      p.rate = detail::sysfs_line(port / "rate").value_or("?");
-      p.link_layer = detail::sysfs_line(port / "link_layer").value_or("InfiniBand");
-      h.rdma.push_back(std::move(p));
-    }
-  }
-  for (const fs::path& dev : detail::sorted_entries(root / "bus" / "pci" / "devices")) {
-    // NVIDIA's vendor id; class 0x03xxxx: a display or 3D controller (not its audio function).
-    const auto vendor = detail::sysfs_line(dev / "vendor");
-    const auto cls = detail::sysfs_line(dev / "class");
-    if (vendor == "0x10de" && cls && cls->rfind("0x03", 0) == 0) ++h.nvidia_gpus;
-  }
-  h.nvidia_driver = detail::sysfs_line(root / "module" / "nvidia" / "version").value_or("");
-  return h;
-}
-
-/// Which interface an engine will use, and why.
-struct engine_interface {
-  std::string engine;  ///< "gloo", "nccl", "mpi"
-  std::string choice;  ///< "eth0", "eth0, eth1", or "?" when it cannot tell
-  std::string
-      why;  ///< "NCCL_SOCKET_IFNAME=eth", "the interface that reaches MASTER_ADDR=node1 (10.0.0.1)"
-  std::vector<std::string> missing;  ///< names the engine's variable asks for that this host lacks
-};
-
-namespace detail {
-
-/// The non-empty entries of a comma list ("eth0,,eth1" -> eth0, eth1).
-inline std::vector<std::string> list_entries(std::string_view text) {
-  std::vector<std::string> out = split(text, ',');
-  std::erase_if(out, [](const std::string& e) { return e.empty(); });
-  return out;
-}
-
-/// NCCL_SOCKET_IFNAME's rules: a comma list of prefixes, `^` excludes them,
-/// `=` makes them exact names. Returns the matching interfaces; `missing`
-/// gets entries (of an including list) that match none.
-inline std::vector<std::string> match_interface_list(const host_network& h, std::string_view spec,
-                                                     std::vector<std::string>* missing) {
-  bool exclude = false;
-  if (!spec.empty() && spec.front() == '^') {
-    exclude = true;
-    spec.remove_prefix(1);
-  }
-  bool exact = false;
-  if (!spec.empty() && spec.front() == '=') {
-    exact = true;
-    spec.remove_prefix(1);
-  }
-  const std::vector<std::string> entries = list_entries(spec);
-  auto matches = [&](const std::string& name, const std::string& entry) {
-    return exact ? name == entry : name.rfind(entry, 0) == 0;
-  };
-  std::vector<std::string> out;
-  for (const auto& i : h.interfaces) {
-    bool any = false;
-    for (const auto& e : entries) any = any || matches(i.name, e);
-    if (any != exclude) out.push_back(i.name);
-  }
-  if (missing && !exclude) {
-    for (const auto& e : entries) {
-      bool found = false;
-      for (const auto& i : h.interfaces) found = found || matches(i.name, e);
-      if (!found) missing->push_back(e);
-    }
-  }
-  return out;
-}
-
-inline std::string joined(const std::vector<std::string>& names) {
-  std::string out;
-  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
-  return out.empty() ? "none" : out;
-}
-
-/// The interface that holds `address`, or empty.
-inline std::string interface_holding(const host_network& h, const std::string& address) {
-  for (const auto& i : h.interfaces) {
-    for (const auto& a : i.addresses) {
-      if (a == address) return i.name;
-    }
-  }
-  return {};
-}
-
-}  // namespace detail
-
-/// Gloo's interface as dtrain chooses it: DTRAIN_GLOO_IFNAME, else
-/// GLOO_SOCKET_IFNAME (its first entry), else the interface whose address
-/// reaches MASTER_ADDR (`route`: the local address towards it, from
-/// detail::local_address_to; empty when unknown).
-[[nodiscard]] inline engine_interface gloo_interface(const host_network& h, const environment& env,
-                                                     const std::string& route) {
-  engine_interface e{"gloo", "?", "", {}};
-  if (auto named = detail::gloo_interface_variable(env)) {
-    e.choice = named->name;
-    e.why = named->origin;
-    if (!h.find(named->name)) e.missing.push_back(named->name);
-    return e;
-  }
-  const auto master = env.get("MASTER_ADDR");
-  if (master && !master->empty()) {
-    const std::string holder = route.empty() ? "" : detail::interface_holding(h, route);
-    e.choice = holder.empty() ? (route.empty() ? "?" : route) : holder;
-    e.why = "the interface whose address reaches MASTER_ADDR=" + std::string(*master) +
-            (route.empty() ? " (no route found)" : " (" + route + ")");
-    return e;
-  }
-  e.why = "no MASTER_ADDR and no DTRAIN_GLOO_IFNAME: the address the host name resolves to";
-  return e;
-}
-
-/// NCCL's socket interface: NCCL_SOCKET_IFNAME's list, else (NCCL's
-/// default) interfaces named ib* first, then any but lo and docker*. Its
-/// data goes over RDMA (NET/IB) when an active port exists and
-/// NCCL_IB_DISABLE is not 1; that is said in `why`.
-[[nodiscard]] inline engine_interface nccl_interface(const host_network& h,
-                                                     const environment& env) {
-  engine_interface e{"nccl", "?", "", {}};
-  const auto spec = env.get("NCCL_SOCKET_IFNAME");
-  std::vector<std::string> chosen;
-  if (spec && !spec->empty()) {
-    chosen = detail::match_interface_list(h, *spec, &e.missing);
-    e.why = "NCCL_SOCKET_IFNAME=" + std::string(*spec);
-  } else {
-    for (const auto& i : h.interfaces) {
-      if (i.name.rfind("ib", 0) == 0 && i.up()) chosen.push_back(i.name);
-    }
-    if (chosen.empty()) {
-      for (const auto& i : h.interfaces) {
-        if (i.up() && !i.loopback && i.name.rfind("docker", 0) != 0 && i.name.rfind("lo", 0) != 0)
-          chosen.push_back(i.name);
-      }
-    }
-    e.why = "NCCL's default (NCCL_SOCKET_IFNAME unset: ib* first, then any but lo and docker*)";
-  }
-  e.choice = chosen.empty() ? "none" : detail::joined(chosen);
-  const auto ib_disable = env.get("NCCL_IB_DISABLE");
-  const auto hca = env.get("NCCL_IB_HCA");
-  const bool disabled = ib_disable && *ib_disable == "1";
-  if (h.rdma_active() && !disabled) {
-    std::string ports;
-    for (const auto& p : h.rdma) {
-      if (p.active())
-        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port);
-    }
-    e.why += "; data over RDMA (NET/IB) on " + ports +
-             (hca ? " filtered by NCCL_IB_HCA=" + std::string(*hca) : "");
-  } else {
-    e.why += disabled ? "; data over TCP sockets (NCCL_IB_DISABLE=1)"
-                      : "; data over TCP sockets (no active RDMA port)";
-  }
-  return e;
-}
-
-/// Open MPI's TCP interfaces: OMPI_MCA_btl_tcp_if_include, else every
-/// interface but those in OMPI_MCA_btl_tcp_if_exclude (default: loopback).
-/// With RDMA ports present, an Open MPI built with UCX uses them (UCX_NET_DEVICES).
-[[nodiscard]] inline engine_interface mpi_interface(const host_network& h, const environment& env) {
-  engine_interface e{"mpi", "?", "", {}};
-  std::vector<std::string> chosen;
-  if (auto inc = env.get("OMPI_MCA_btl_tcp_if_include"); inc && !inc->empty()) {
-    for (const std::string& name : detail::list_entries(*inc)) {
-      // An entry may be a subnet (10.0.0.0/24), which sysfs cannot check.
-      if (name.find('/') == std::string::npos && !h.find(name)) e.missing.push_back(name);
-      chosen.push_back(name);
-    }
-    e.why = "OMPI_MCA_btl_tcp_if_include=" + std::string(*inc);
-  } else {
-    std::vector<std::string> excluded{"lo"};
-    if (auto exc = env.get("OMPI_MCA_btl_tcp_if_exclude"); exc && !exc->empty()) {
-      excluded = detail::list_entries(*exc);
-      e.why = "OMPI_MCA_btl_tcp_if_exclude=" + std::string(*exc);
-    } else {
-      e.why = "Open MPI's default (every interface but loopback)";
-    }
-    for (const auto& i : h.interfaces) {
-      if (i.loopback && excluded.size() == 1 && excluded[0] == "lo") continue;
-      if (std::find(excluded.begin(), excluded.end(), i.name) == excluded.end() && i.up())
-        chosen.push_back(i.name);
-    }
-  }
-  e.choice = detail::joined(chosen);
-  if (!h.rdma.empty()) {
-    const auto ucx = env.get("UCX_NET_DEVICES");
-    e.why += "; RDMA ports are present: an Open MPI built with UCX uses them" +
-             (ucx ? " (UCX_NET_DEVICES=" + std::string(*ucx) + ")" : std::string());
-  }
-  return e;
-}
-
-}  // namespace dtrain
-// ---- end dtrain/topology/network.hpp ----
-
-#include <optional>
-#include <string>
-#include <vector>
-
-namespace dtrain {
-
-/// What the doctor looked at.
-struct doctor_facts {
-  environment env;
-  std::optional<world> self;        ///< as discovered; nullopt when discovery failed
-  std::string world_error;          ///< discovery's error, when it failed
-  host_network host;                ///< interfaces, RDMA ports, GPUs on the bus
-  std::string host_name;            ///< gethostname()
-  detail::resolved host_addresses;  ///< what the host name resolves to
-  std::optional<detail::resolved> master_addresses;  ///< MASTER_ADDR's, when it is set
-  std::string route_to_master;  ///< the local address that reaches MASTER_ADDR, or empty
-  int visible_gpus = -1;        ///< CUDA's device count; -1: CUDA could not say
-};
-
-/// A trap found: what is wrong, and the setting that fixes it.
-struct doctor_finding {
-  std::string problem;
-  std::string fix;
-};
-
-namespace detail {
-
-inline std::optional<int> positive_variable(const environment& env, const char* name) {
-  auto v = env.get(name);
-  if (!v) return std::nullopt;
-  char* end = nullptr;
-  const std::string text(*v);
-  const long n = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || n < 1 || n > 1'000'000) return std::nullopt;
-  return static_cast<int>(n);
-}
-
-/// Whether the job spans several nodes, as far as the facts tell.
-inline bool multi_node(const doctor_facts& f) {
-  if (f.self) {
-    if (f.self->num_nodes && *f.self->num_nodes > 1) return true;
-    if (f.self->world_size && f.self->local_world_size &&
-        *f.self->world_size > *f.self->local_world_size)
-      return true;
-  }
-  for (const char* var : {"DTRAIN_NNODES", "NNODES", "SLURM_NNODES", "OMPI_MCA_orte_num_nodes",
-                          "GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"}) {
-    if (auto n = positive_variable(f.env, var); n && *n > 1) return true;
-  }
-  return false;
-}
-
-/// Whether a launcher placed this process (else the doctor runs on its own, to check a node).
-inline bool launched(const doctor_facts& f) { return f.self && f.self->source != launcher::none; }
-
-/// GPUs this process may use: CUDA's count, else the NVIDIA GPUs on the bus
-/// limited by CUDA_VISIBLE_DEVICES; -1 when neither is known.
-inline int usable_gpus(const doctor_facts& f) {
-  if (f.visible_gpus >= 0) return f.visible_gpus;
-  int bus = f.host.nvidia_gpus;
-  if (auto v = f.env.get("CUDA_VISIBLE_DEVICES")) {
-    int listed = 0;
-    for (const std::string& device : list_entries(*v)) {
-      if (device.front() != '-') ++listed;  // "-1" hides every device
-    }
-    bus = std::min(bus, listed);
-  }
-  return bus;
-}
-
-inline bool all_loopback(const std::vector<std::string>& addresses) {
-  if (addresses.empty()) return false;
-  for (const auto& a : addresses) {
-    if (!is_loopback_address(a)) return false;
-  }
-  return true;
-}
-
-}  // namespace detail
-
-/// Every known trap the facts show, most fundamental first.
-[[nodiscard]] inline std::vector<doctor_finding> diagnose(const doctor_facts& f) {
-  std::vector<doctor_finding> out;
-  const bool multi = detail::multi_node(f);
-  if (!f.world_error.empty()) {
-    out.push_back({"the launcher's environment is inconsistent: " + f.world_error,
-                   "fix or unset the variable it names; `dtrain_whoami` shows what dtrain reads"});
-  }
-
-  // Debian maps a machine's own name to 127.0.1.1: what other nodes are told
-  // by name, or what a process binds by name, is then a loopback address.
-  if ((multi || !detail::launched(f)) && detail::all_loopback(f.host_addresses.addresses)) {
-    out.push_back(
-        {"the host name " + f.host_name + " resolves to " +
-             detail::joined(f.host_addresses.addresses) +
-             " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1): other nodes cannot "
-             "reach this node by its name, and whatever binds to it listens on loopback only",
-         "map " + f.host_name +
-             " to this node's routable address in /etc/hosts (or DNS); set "
-             "MASTER_ADDR to a routable address of node 0, not its name; and name the interface: "
-             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / OMPI_MCA_btl_tcp_if_include=<eth0 or "
-             "ib0>"});
-  }
-
-  if (auto master = f.env.get("MASTER_ADDR"); master && f.master_addresses) {
-    if (!f.master_addresses->error.empty()) {
-      out.push_back({"MASTER_ADDR=" + std::string(*master) + " cannot be resolved (" +
-                         f.master_addresses->error + "): no rank can reach the store",
-                     "set MASTER_ADDR to node 0's address or a name this node resolves "
-                     "(getent hosts " +
-                         std::string(*master) + ")"});
-    } else if (multi && detail::all_loopback(f.master_addresses->addresses)) {
-      out.push_back(
-          {"MASTER_ADDR=" + std::string(*master) + " resolves to " +
-               detail::joined(f.master_addresses->addresses) +
-               " (loopback) in a job of several nodes: ranks on other nodes would "
-               "reach their own machine, not node 0",
-           "set MASTER_ADDR to node 0's routable address (e.g. its eth0 or ib0 address)"});
-    }
-  }
-
-  const auto ib = f.env.get("NCCL_IB_DISABLE");
-  if (ib && *ib == "1" && f.host.rdma_active()) {
-    std::string ports;
-    for (const auto& p : f.host.rdma) {
-      if (p.active())
-        ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " (" +
-                 p.link_layer + ", " + p.rate + ")";
-    }
-    out.push_back(
-        {"NCCL_IB_DISABLE=1 while RDMA ports are active (" + ports +
-             "): NCCL moves data over TCP sockets instead, many times slower",
-         "unset NCCL_IB_DISABLE (or set it to 0); pick ports with NCCL_IB_HCA if needed"});
-  }
-  if (!f.host.rdma.empty() && !f.host.rdma_active()) {
-    std::string ports;
-    for (const auto& p : f.host.rdma)
-      ports += (ports.empty() ? "" : ", ") + p.device + ":" + std::to_string(p.port) + " " +
-               p.state + "/" + p.phys_state;
-    out.push_back({"RDMA devices are present but no port is ACTIVE (" + ports +
-                       "): NCCL and MPI fall back to TCP",
-                   "check the cable and the subnet manager (ibstat; `opensm` on one node of an "
-                   "InfiniBand fabric), or the RoCE link"});
-  }
-
-  for (const engine_interface& e : {gloo_interface(f.host, f.env, f.route_to_master),
-                                    nccl_interface(f.host, f.env), mpi_interface(f.host, f.env)}) {
-    for (const auto& name : e.missing) {
-      std::string known;
-      for (const auto& i : f.host.interfaces) known += (known.empty() ? "" : ", ") + i.name;
-      out.push_back({e.why.substr(0, e.why.find(';')) + " names " + name +
-                         ", which this host does not have (interfaces: " +
-                         (known.empty() ? std::string("none") : known) + "): " + e.engine +
-                         " cannot start, or picks another network",
-                     "name an interface this node has, or unset the variable"});
-    }
-  }
-
-  std::optional<int> local;
-  if (f.self && f.self->local_world_size) local = *f.self->local_world_size;
-  for (const char* var : {"DTRAIN_NPROC_PER_NODE", "LOCAL_WORLD_SIZE"}) {
-    if (!local) local = detail::positive_variable(f.env, var);
-  }
-  const int gpus = detail::usable_gpus(f);
-  if (local && gpus >= 1 && gpus < *local) {
-    out.push_back({std::to_string(*local) + " ranks on this node but " + std::to_string(gpus) +
-                       " visible GPU" + (gpus == 1 ? "" : "s") +
-                       ": NCCL needs a GPU of its own for every rank (NCCL before 2.30 rejects a "
-                       "shared one)",
-                   "start " + std::to_string(gpus) + (gpus == 1 ? " worker" : " workers") +
-                       " per node (--nproc-per-node " + std::to_string(gpus) +
-                       "), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"});
-  }
-  return out;
-}
-
-}  // namespace dtrain
-// ---- end dtrain/topology/doctor.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 
 #endif  // DTRAIN_SINGLE_INCLUDE_DTRAIN_HPP
