@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -365,6 +366,15 @@ void check_mismatch(dtrain::context<Policy>& ctx) {
   }
 }
 
+// The no_sync() guard is made only by no_sync(), which refuses the middle of
+// a step: one built directly would let zero_grad() race the buckets still
+// travelling.
+void check_no_sync_guard(dtrain::context<Policy>& ctx) {
+  using ddp_type = dtrain::torch::DistributedDataParallel<Policy, Net>;
+  check(!std::is_constructible_v<ddp_type::no_sync_guard, ddp_type&>, ctx.rank(),
+        "no_sync: a guard can be built without no_sync()");
+}
+
 // A module that one rank cannot take (there: a parameter that is not
 // contiguous) is refused on every rank: that rank names the parameter, the
 // others name that rank (before, they waited in the model agreement for a
@@ -606,6 +616,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_walk_error(ctx);
   check_tied(ctx);
   check_mismatch(ctx);
+  check_no_sync_guard(ctx);
   check_local_refusal(ctx);
   check_incomplete_step(ctx);
   check_undefined_gradient(ctx);

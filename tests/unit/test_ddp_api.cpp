@@ -14,6 +14,8 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -309,6 +311,35 @@ TEST_CASE("ddp at world size 1 communicates nothing, unless always_reduce") {
     CHECK_THROWS_WITH_AS(ddp.register_comm_hook(hook), doctest::Contains("between steps"),
                          dtrain::config_error);
   }
+}
+
+TEST_CASE("ddp.no_sync_guard is made only by no_sync(), which refuses the middle of a step") {
+  // A guard built directly skipped no_sync()'s check: zero_grad() then zeroed
+  // buckets that the communication thread was still reducing.
+  CHECK_FALSE(std::is_constructible_v<ddp_t::no_sync_guard, ddp_t&>);
+  CHECK_FALSE(std::is_constructible_v<dtrain::basic_ddp<solo_policy>::no_sync_guard,
+                                      dtrain::basic_ddp<solo_policy>&>);
+  solo comm;
+  two_layers m;
+  ddp_t ddp(comm, m);
+  m.backward();
+  ddp.mark_ready("b2");
+  CHECK_THROWS_WITH_AS((void)ddp.no_sync(),
+                       doctest::Contains("in the middle of a synchronized step"), dtrain::error);
+  CHECK_THROWS_WITH_AS(ddp.zero_grad(), doctest::Contains("in the middle of a step"),
+                       dtrain::error);
+  ddp.mark_all_ready();
+  ddp.synchronize();
+  {
+    auto guard = ddp.no_sync();
+    const auto moved = std::move(guard);  // moving keeps one guard alive
+    ddp.mark_all_ready();                 // recorded only
+    ddp.synchronize();                    // nothing inside no_sync()
+    CHECK(ddp.steps() == 1);
+  }
+  ddp.mark_all_ready();  // the accumulated step, synchronized
+  ddp.synchronize();
+  CHECK(ddp.steps() == 2);
 }
 
 TEST_CASE("collectives take any contiguous range of an element type") {

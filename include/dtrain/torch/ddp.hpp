@@ -251,14 +251,10 @@ class DistributedDataParallel {
   }
 
   /// Gradient accumulation: `{ auto g = ddp.no_sync(); loss(ddp(x)).backward(); }`;
-  /// the next synchronized step averages the sums.
+  /// the next synchronized step averages the sums. Made only by no_sync(),
+  /// which refuses to start one while a step is not complete.
   class no_sync_guard {
    public:
-    explicit no_sync_guard(DistributedDataParallel& ddp)
-        : core_((ddp.check_step_closed("no_sync() was called"), ddp.core_->no_sync())),
-          depth_(&ddp.no_sync_depth_) {
-      ++*depth_;
-    }
     no_sync_guard(no_sync_guard&& other) noexcept
         : core_(std::move(other.core_)), depth_(std::exchange(other.depth_, nullptr)) {}
     no_sync_guard(const no_sync_guard&) = delete;
@@ -269,6 +265,12 @@ class DistributedDataParallel {
     }
 
    private:
+    friend class DistributedDataParallel;
+    explicit no_sync_guard(DistributedDataParallel& ddp)
+        : core_((ddp.check_step_closed("no_sync() was called"), ddp.core_->no_sync())),
+          depth_(&ddp.no_sync_depth_) {
+      ++*depth_;
+    }
     typename core_type::no_sync_guard core_;
     int* depth_;
   };
