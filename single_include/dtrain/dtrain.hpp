@@ -15153,10 +15153,10 @@ class basic_ddp {
 
   /// While alive, mark_ready only records and nothing is communicated;
   /// gradients accumulate as the caller adds into them, and the next
-  /// synchronized step averages the sums.
+  /// synchronized step averages the sums. Made only by no_sync(), which
+  /// refuses to start one in the middle of a step.
   class no_sync_guard {
    public:
-    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) { ++ddp.no_sync_depth_; }
     no_sync_guard(no_sync_guard&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)) {}
     no_sync_guard(const no_sync_guard&) = delete;
     no_sync_guard& operator=(const no_sync_guard&) = delete;
@@ -15166,9 +15166,12 @@ class basic_ddp {
     }
 
    private:
+    friend class basic_ddp;
+    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) { ++ddp.no_sync_depth_; }
     basic_ddp* ddp_;
   };
   /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
+  /// Throws dtrain::error in the middle of a step (after mark_ready, before synchronize()).
   [[nodiscard]] no_sync_guard no_sync();
 
   /// Sets every gradient to zero (between steps only).
