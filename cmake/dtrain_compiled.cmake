@@ -12,6 +12,8 @@
 #                         built with all of them
 #   dtrain::header_only   dtrain::dtrain's headers and engines, without the library
 #   dtrain::compiled      an alias of dtrain::dtrain (its name before issue 30)
+#   dtrain::torch         dtrain::torch's compiled part, compiled in the target that links
+#                         it (below); with an engine target beside it
 # The libraries define DTRAIN_SEPARATE_COMPILATION=1 for their users.
 #
 # DTRAIN_HEADER_ONLY=ON makes dtrain::dtrain and dtrain::<engine> header-only
@@ -98,4 +100,23 @@ unset(_dtrain_engine)
 unset(_dtrain_component)
 unset(_dtrain_library_exclude)
 add_library(dtrain::compiled ALIAS dtrain)
+
+# dtrain::torch: the compiled part of dtrain::torch::DistributedDataParallel
+# (src/torch.cpp, dtrain/torch/compiled.hpp). LibTorch's ABI is the user's, so
+# it is not built here: it is a source of each target that links dtrain::torch,
+# compiled once there with that target's engines and LibTorch (the `torch`
+# target of find_package(Torch), which must exist by generation time). Link it
+# beside the engine target: `dtrain::gloo dtrain::torch`. Header-only with
+# DTRAIN_HEADER_ONLY=ON.
+add_library(dtrain_torch INTERFACE)
+set_target_properties(dtrain_torch PROPERTIES EXPORT_NAME torch)
+add_library(dtrain::torch ALIAS dtrain_torch)
+target_link_libraries(dtrain_torch INTERFACE dtrain_core torch)
+if(NOT DTRAIN_HEADER_ONLY)
+  target_sources(dtrain_torch INTERFACE
+    "$<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/src/torch.cpp>"
+    "$<INSTALL_INTERFACE:$<INSTALL_PREFIX>/${CMAKE_INSTALL_DATADIR}/dtrain/src/torch.cpp>")
+  target_compile_definitions(dtrain_torch INTERFACE DTRAIN_TORCH_SEPARATE_COMPILATION=1)
+endif()
+set_property(GLOBAL APPEND PROPERTY DTRAIN_LIBRARY_TARGETS dtrain_torch)
 get_property(DTRAIN_LIBRARY_TARGETS GLOBAL PROPERTY DTRAIN_LIBRARY_TARGETS)

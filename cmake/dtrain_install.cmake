@@ -27,6 +27,8 @@ else()
 endif()
 
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/dtrain" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
+# dtrain::torch's source, compiled in the user's build against the user's LibTorch.
+install(FILES "${PROJECT_SOURCE_DIR}/src/torch.cpp" DESTINATION "${CMAKE_INSTALL_DATADIR}/dtrain/src")
 install(TARGETS ${DTRAIN_LIBRARY_TARGETS} EXPORT dtrainTargets
         ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}")
 install(EXPORT dtrainTargets NAMESPACE dtrain:: DESTINATION "${_dtrain_cmakedir}")

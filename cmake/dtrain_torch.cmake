@@ -5,8 +5,9 @@
 # CMAKE_PREFIX_PATH (or Torch_DIR) at a LibTorch download.
 #
 # Defines DTRAIN_TORCH_FOUND, DTRAIN_TORCH_VERSION and, when found, the
-# target dtrain_torch_libraries (LibTorch's libraries and include dirs, with
-# its own compile flags; link it beside a dtrain engine target).
+# targets dtrain_torch_libraries (LibTorch's libraries and include dirs, with
+# its own compile flags; link it beside a dtrain engine target) and
+# dtrain_torch_part_<engine> (below).
 option(DTRAIN_WITH_TORCH "Build the LibTorch integration's tests, example and benchmark when LibTorch is found" ON)
 set(DTRAIN_TORCH_FOUND OFF)
 set(DTRAIN_TORCH_VERSION "")
@@ -29,6 +30,19 @@ else()
       target_compile_options(dtrain_torch_libraries INTERFACE ${_dtrain_torch_flags})
     endif()
     message(STATUS "dtrain: LibTorch ${Torch_VERSION} found: dtrain/torch.hpp's tests, example and benchmark are built")
+    # dtrain::torch's compiled part for the programs here, once per engine: a
+    # user's program compiles it once by linking dtrain::torch; here the test,
+    # the example and the benchmark of an engine share one. Link
+    # dtrain_torch_part_<engine> instead of dtrain::<engine> and dtrain_torch_libraries.
+    foreach(_dtrain_engine IN LISTS DTRAIN_ENGINES)
+      string(TOLOWER "${_dtrain_engine}" _dtrain_engine)
+      add_library(dtrain_torch_part_${_dtrain_engine} OBJECT EXCLUDE_FROM_ALL)  # sources: dtrain::torch's
+      target_link_libraries(dtrain_torch_part_${_dtrain_engine}
+        PUBLIC dtrain::${_dtrain_engine} dtrain_torch_libraries PRIVATE dtrain::torch)
+      target_compile_definitions(dtrain_torch_part_${_dtrain_engine} PUBLIC DTRAIN_TORCH_SEPARATE_COMPILATION=1)
+      dtrain_target_warnings(dtrain_torch_part_${_dtrain_engine})
+    endforeach()
+    unset(_dtrain_engine)
   endif()
 endif()
 if(DTRAIN_TORCH_MISSING)

@@ -70,13 +70,16 @@ class context {
   /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
   /// by the store or collective timeout. Throws config_error for bad input,
   /// rendezvous_error / backend_error / timeout_error when a peer fails.
-  context(dtrain::world w, const environment& env, const run_options& options);
+  context(dtrain::world w, const dtrain::environment& env, const run_options& options);
   ~context();
   context(const context&) = delete;
   context& operator=(const context&) = delete;
 
   /// The complete world, agreed by every rank.
   [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
+  /// The environment this rank was started with: the snapshot run() took,
+  /// from which every dtrain variable is read (DistributedDataParallel's too).
+  [[nodiscard]] const dtrain::environment& environment() const noexcept { return environment_; }
   [[nodiscard]] int rank() const noexcept { return *world_.rank; }
   [[nodiscard]] int size() const noexcept { return *world_.world_size; }
   [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
@@ -130,7 +133,7 @@ class context {
 
  private:
   /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
-  void open_store(const environment& env) {
+  void open_store(const dtrain::environment& env) {
     if (auto agent = env.get(agent_store_variable)) {
       auto where =
           detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
@@ -196,8 +199,8 @@ class context {
   ///  5. none yet when the store's address is unknown: open_store says so.
   /// Otherwise the job may span hosts that none of these reach: config_error,
   /// asking for DTRAIN_STORE_TOKEN.
-  void choose_token(const environment& env, const std::optional<std::string>& host, int port,
-                    bool one_node) {
+  void choose_token(const dtrain::environment& env, const std::optional<std::string>& host,
+                    int port, bool one_node) {
     std::optional<std::string> from_rank0;
     if constexpr (detail::has_pre_store_relay<traits>) {
       if (size() > 1) {
@@ -259,7 +262,7 @@ class context {
 
   /// Every rank reports; rank 0 waits for them all (saying who is missing
   /// every progress interval), places them and publishes the result.
-  void complete_world(const environment& env) {
+  void complete_world(const dtrain::environment& env) {
     detail::rendezvous_wait<store_type> waiting(
         *store_, {.endpoint = client_->endpoint(),
                   .rank = rank(),
@@ -301,7 +304,7 @@ class context {
     fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
   }
 
-  void make_communicator(const environment& env) {
+  void make_communicator(const dtrain::environment& env) {
     if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
     communicator_setup<store_type> setup{.store = store_ ? &*store_ : nullptr,
                                          .rank = rank(),
@@ -339,7 +342,7 @@ class context {
 
   /// select_device() with the devices this process sees. When CUDA cannot count
   /// them, the local rank: the communicator then reports CUDA's own error.
-  int gpu_of_this_rank(const environment& env) const {
+  int gpu_of_this_rank(const dtrain::environment& env) const {
 #if DTRAIN_HAS_CUDA()
     int visible = 0;
     if (cudaGetDeviceCount(&visible) != cudaSuccess) {
@@ -358,6 +361,7 @@ class context {
   }
 
   dtrain::world world_;
+  dtrain::environment environment_;
   store_options store_options_;
   collective_options collectives_;
   int restart_count_ = 0;
@@ -379,8 +383,10 @@ class context {
 // it, nor the store, agent and engine code it calls, is compiled in a user's TU.
 
 template <class Policy>
-context<Policy>::context(dtrain::world w, const environment& env, const run_options& options)
+context<Policy>::context(dtrain::world w, const dtrain::environment& env,
+                         const run_options& options)
     : world_(std::move(w)),
+      environment_(env),
       store_options_(options.store.with_env(env)),
       collectives_(options.collectives.with_env(env)) {
   if (!world_.rank || !world_.world_size) {

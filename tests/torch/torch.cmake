@@ -44,7 +44,7 @@ endif()
 
 function(add_torch_test_program target engine)
   add_executable(${target} torch/torch_ddp.cpp)
-  target_link_libraries(${target} PRIVATE dtrain::${engine} dtrain_torch_libraries)
+  target_link_libraries(${target} PRIVATE dtrain_torch_part_${engine})  # dtrain::torch's compiled part
   string(TOUPPER "${engine}" upper)
   target_compile_definitions(${target} PRIVATE DTRAIN_TEST_TORCH_${upper}=1)
   dtrain_target_warnings(${target})

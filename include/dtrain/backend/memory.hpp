@@ -76,6 +76,13 @@ struct host_memory {
   static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
     if (dst != src && bytes) std::memcpy(dst, src, bytes);
   }
+  /// From host memory into this space, and back (here: copies).
+  static void upload(void* dst, const void* host, std::size_t bytes, int device, stream_type s) {
+    copy(dst, host, bytes, device, s);
+  }
+  static void download(void* host, const void* src, std::size_t bytes, int device, stream_type s) {
+    copy(host, src, bytes, device, s);
+  }
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
                        int /*device*/, stream_type) {
     detail::host_compress(out, in, n, scale, wire);
@@ -167,6 +174,21 @@ struct cuda_memory {
     if (dst == src || !bytes) return;
     detail::device_guard on(device);
     DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  /// From (pageable) host memory to the device, on `stream`; `host` may be
+  /// reused when this returns.
+  static void upload(void* dst, const void* host, std::size_t bytes, int device,
+                     stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
+  }
+  /// From the device to host memory, on `stream`: complete after synchronize(device, stream).
+  static void download(void* host, const void* src, std::size_t bytes, int device,
+                       stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
   }
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
                        int device, stream_type stream) {

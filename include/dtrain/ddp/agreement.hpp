@@ -10,6 +10,7 @@
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
+#include <dtrain/detail/wire.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace dtrain::detail {
@@ -186,6 +188,30 @@ inline void agree_on_model(control_plane& comm, std::span<const parameter> param
                      std::to_string(culprit) + " has " + theirs +
                      " (ranks that differ from rank 0: " + differing +
                      "); every rank must build the same model in the same order");
+}
+
+/// Collective over the host control plane: every rank gets rank 0's `order`
+/// of the n parameters (the order its gradients became ready, for the bucket
+/// rebuild). Each rank passes an order of the same length; what arrives is
+/// checked to name each parameter once (backend_error otherwise).
+inline std::vector<std::size_t> agree_on_order(control_plane& control,
+                                               std::span<const std::size_t> order, std::size_t n) {
+  std::string text;
+  wire::writer w(text);
+  for (std::size_t i : order) w.u64(i);
+  std::vector<std::uint8_t> bytes(text.begin(), text.end());
+  if (control.size() > 1) control.broadcast(bytes, 0);
+  const std::string where =
+      "rank 0's ready order (sent to rank " + std::to_string(control.rank()) + ")";
+  std::vector<std::size_t> agreed = wire::decode_value(
+      where, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+      "a list of parameter indices", [](wire::reader& r) {
+        std::vector<std::size_t> out;
+        while (!r.at_end()) out.push_back(static_cast<std::size_t>(r.u64("a parameter index")));
+        return out;
+      });
+  check_order(agreed, n, where);
+  return agreed;
 }
 
 /// Collective: every rank's parameter and buffer values become rank 0's.

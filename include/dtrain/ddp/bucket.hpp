@@ -80,11 +80,11 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
 /// after the parameter that passes the cap, never before it, and only a
 /// group's last bucket may hold less than its cap. Buckets are returned in the
 /// order of their first parameter in `order`, which is the launch order.
-[[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
-                                                             std::span<const std::size_t> order,
-                                                             std::size_t first_cap,
-                                                             std::size_t cap) {
-  check_order(order, params.size(), "the bucket order");
+template <parameter_list Params>
+[[nodiscard]] std::vector<bucket_info> assign_buckets(const Params& params,
+                                                      std::span<const std::size_t> order,
+                                                      std::size_t first_cap, std::size_t cap) {
+  check_order(order, std::ranges::size(params), "the bucket order");
   struct open_bucket {
     bucket_info bucket;
     std::size_t first_position = 0;
@@ -93,7 +93,7 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
   std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
   std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
   for (std::size_t position = 0; position < order.size(); ++position) {
-    const parameter& p = params[order[position]];
+    const parameter& p = parameter_at(params, order[position]);
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
     if (b.bucket.parameters.empty()) {

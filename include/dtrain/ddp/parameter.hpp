@@ -52,6 +52,20 @@ void rebind_pointer(void* slot, void* storage) noexcept {
   *static_cast<T**>(slot) = static_cast<T*>(storage);
 }
 
+/// A random-access list of parameters: a std::vector or std::span of them,
+/// or basic_ddp::parameters().
+template <class R>
+concept parameter_list =
+    std::ranges::random_access_range<const R> && std::ranges::sized_range<const R> &&
+    std::convertible_to < std::ranges::range_reference_t<const R>,
+const parameter& > ;
+
+/// Entry `i` of a parameter_list (an index without -Wsign-conversion's complaint).
+template <parameter_list Params>
+[[nodiscard]] const parameter& parameter_at(const Params& params, std::size_t i) {
+  return std::ranges::begin(params)[static_cast<std::ranges::range_difference_t<const Params>>(i)];
+}
+
 template <class V>
 concept element_range =
     std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
@@ -62,15 +76,14 @@ struct picked_names {
   std::string names;
   std::size_t count = 0;
 };
-template <class Pick>
-[[nodiscard]] picked_names pick_names(std::span<const parameter> params, Pick&& pick,
-                                      std::size_t shown = 8) {
+template <parameter_list Params, class Pick>
+[[nodiscard]] picked_names pick_names(const Params& params, Pick&& pick, std::size_t shown = 8) {
   picked_names out;
-  for (std::size_t i = 0; i < params.size(); ++i) {
+  for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
     if (!pick(i)) continue;
     if (out.count < shown) {
       out.names += out.count ? ", '" : "'";
-      out.names += params[i].name;
+      out.names += parameter_at(params, i).name;
       out.names += "'";
     }
     ++out.count;

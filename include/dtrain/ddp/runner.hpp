@@ -140,7 +140,9 @@ class stream_runner {
  public:
   explicit stream_runner(Owner& owner) : owner_(owner) {}
 
-  void launch(std::size_t bucket) {
+  /// Enqueues `bucket` on the device now (`wake` is the thread runner's:
+  /// there is no thread to wake here).
+  void launch(std::size_t bucket, bool /*wake*/ = true) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
     owner_.prepare_bucket(bucket);
     watchdog_.watch(owner_.reduce(bucket));

@@ -77,11 +77,13 @@ class timeline {
     }
   }
 
-  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE (which
-  /// wins) or `option` names a file, naming the spans of `params` by their names.
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
+  /// `env` (which wins) or `option` names a file, naming the spans of `params`
+  /// by their names.
   template <class Parameters>
-  static timeline of(const std::string& option, int rank, int size, const Parameters& params) {
-    const std::string path = timeline_setting(environment::from_process(), option);
+  static timeline of(const environment& env, const std::string& option, int rank, int size,
+                     const Parameters& params) {
+    const std::string path = timeline_setting(env, option);
     if (path.empty()) return {};
     std::vector<std::string> names;
     for (const auto& p : params) names.push_back(p.name);

@@ -1,0 +1,69 @@
+#pragma once
+/// @file
+/// dtrain::torch's compiled part: with DTRAIN_TORCH_SEPARATE_COMPILATION=1
+/// (which CMake's dtrain::torch defines), every translation unit declares
+/// `extern template class dtrain::torch::module_ddp<P>;` for the standard
+/// policies (dtrain/compiled.hpp's list; NCCL's only with LibTorch's CUDA
+/// headers), and src/torch.cpp, compiled once against the program's own
+/// LibTorch, holds them. A LibTorch user's training file then compiles
+/// dtrain::torch::DistributedDataParallel's thin front only. Without the
+/// macro this header does nothing, and every TU compiles the whole wrapper.
+///
+/// By hand: compile every TU with -DDTRAIN_TORCH_SEPARATE_COMPILATION=1 and,
+/// in one of them, put `DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES()` after
+/// the #include (as src/torch.cpp does). Every TU and that one must agree on
+/// the engines: a torch part built for others is an undefined reference to
+/// dtrain::torch::detail::link_check::library_built_with_engines_<set>.
+
+#include <dtrain/compiled.hpp>
+#include <dtrain/detail/link_check.hpp>
+#include <dtrain/torch/module_ddp.hpp>
+
+#if defined(DTRAIN_TORCH_SEPARATE_COMPILATION) && (DTRAIN_TORCH_SEPARATE_COMPILATION + 0)
+#define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 1
+#else
+#define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 0
+#endif
+
+// NCCL's policies need LibTorch's CUDA headers (the current CUDA stream).
+#if DTRAIN_TORCH_CUDA()
+#define DTRAIN_TORCH_DETAIL_FOR_EACH_NCCL_POLICY(X) DTRAIN_FOR_EACH_NCCL_POLICY(X)
+#else
+#define DTRAIN_TORCH_DETAIL_FOR_EACH_NCCL_POLICY(X)
+#endif
+/// Every standard policy whose engine is compiled in, and that LibTorch can serve.
+#define DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY(X) \
+  DTRAIN_FOR_EACH_GLOO_POLICY(X)                 \
+  DTRAIN_FOR_EACH_MPI_POLICY(X) DTRAIN_TORCH_DETAIL_FOR_EACH_NCCL_POLICY(X)
+
+#define DTRAIN_TORCH_DETAIL_DECLARE_COMPILED(...) \
+  extern template class ::dtrain::torch::module_ddp<__VA_ARGS__>;
+#define DTRAIN_TORCH_DETAIL_DEFINE_COMPILED(...) \
+  template class ::dtrain::torch::module_ddp<__VA_ARGS__>;
+
+namespace dtrain::torch::detail::link_check {
+/// Defined by the torch part built with this TU's engines, and only there.
+extern const int DTRAIN_DETAIL_LINK_SYMBOL;
+}  // namespace dtrain::torch::detail::link_check
+
+/// Instantiates, in the one TU that writes it (at namespace scope, after the
+/// #include), what the other TUs declared `extern template`.
+#define DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES()                         \
+  DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY(DTRAIN_TORCH_DETAIL_DEFINE_COMPILED) \
+  namespace dtrain::torch::detail::link_check {                              \
+  extern const int DTRAIN_DETAIL_LINK_SYMBOL = 1;                            \
+  }
+
+#if DTRAIN_TORCH_HAS_SEPARATE_COMPILATION()
+DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY(DTRAIN_TORCH_DETAIL_DECLARE_COMPILED)
+#if defined(__GNUC__)
+// An undefined reference to dtrain::torch::detail::link_check::library_built_with_engines_<set>
+// from this line: no torch part built for this TU's engines is linked (with CMake, link
+// dtrain::torch).
+namespace dtrain::torch::detail::link_check {
+namespace {
+[[gnu::used]] const int* const this_unit_needs_its_torch_part = &DTRAIN_DETAIL_LINK_SYMBOL;
+}
+}  // namespace dtrain::torch::detail::link_check
+#endif
+#endif
