@@ -5827,6 +5827,13 @@ struct host_memory {
   static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
     if (dst != src && bytes) std::memcpy(dst, src, bytes);
   }
+  /// From host memory into this space, and back (here: copies).
+  static void upload(void* dst, const void* host, std::size_t bytes, int device, stream_type s) {
+    copy(dst, host, bytes, device, s);
+  }
+  static void download(void* host, const void* src, std::size_t bytes, int device, stream_type s) {
+    copy(host, src, bytes, device, s);
+  }
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
                        int /*device*/, stream_type) {
     detail::host_compress(out, in, n, scale, wire);
@@ -5918,6 +5925,21 @@ struct cuda_memory {
     if (dst == src || !bytes) return;
     detail::device_guard on(device);
     DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  /// From (pageable) host memory to the device, on `stream`; `host` may be
+  /// reused when this returns.
+  static void upload(void* dst, const void* host, std::size_t bytes, int device,
+                     stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
+  }
+  /// From the device to host memory, on `stream`: complete after synchronize(device, stream).
+  static void download(void* host, const void* src, std::size_t bytes, int device,
+                       stream_type stream) {
+    if (!bytes) return;
+    detail::device_guard on(device);
+    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
   }
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
                        int device, stream_type stream) {
@@ -13284,13 +13306,16 @@ class context {
   /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
   /// by the store or collective timeout. Throws config_error for bad input,
   /// rendezvous_error / backend_error / timeout_error when a peer fails.
-  context(dtrain::world w, const environment& env, const run_options& options);
+  context(dtrain::world w, const dtrain::environment& env, const run_options& options);
   ~context();
   context(const context&) = delete;
   context& operator=(const context&) = delete;
 
   /// The complete world, agreed by every rank.
   [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
+  /// The environment this rank was started with: the snapshot run() took,
+  /// from which every dtrain variable is read (DistributedDataParallel's too).
+  [[nodiscard]] const dtrain::environment& environment() const noexcept { return environment_; }
   [[nodiscard]] int rank() const noexcept { return *world_.rank; }
   [[nodiscard]] int size() const noexcept { return *world_.world_size; }
   [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
@@ -13344,7 +13369,7 @@ class context {
 
  private:
   /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
-  void open_store(const environment& env) {
+  void open_store(const dtrain::environment& env) {
     if (auto agent = env.get(agent_store_variable)) {
       auto where =
           detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
@@ -13410,8 +13435,8 @@ class context {
   ///  5. none yet when the store's address is unknown: open_store says so.
   /// Otherwise the job may span hosts that none of these reach: config_error,
   /// asking for DTRAIN_STORE_TOKEN.
-  void choose_token(const environment& env, const std::optional<std::string>& host, int port,
-                    bool one_node) {
+  void choose_token(const dtrain::environment& env, const std::optional<std::string>& host,
+                    int port, bool one_node) {
     std::optional<std::string> from_rank0;
     if constexpr (detail::has_pre_store_relay<traits>) {
       if (size() > 1) {
@@ -13473,7 +13498,7 @@ class context {
 
   /// Every rank reports; rank 0 waits for them all (saying who is missing
   /// every progress interval), places them and publishes the result.
-  void complete_world(const environment& env) {
+  void complete_world(const dtrain::environment& env) {
     detail::rendezvous_wait<store_type> waiting(
         *store_, {.endpoint = client_->endpoint(),
                   .rank = rank(),
@@ -13515,7 +13540,7 @@ class context {
     fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
   }
 
-  void make_communicator(const environment& env) {
+  void make_communicator(const dtrain::environment& env) {
     if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
     communicator_setup<store_type> setup{.store = store_ ? &*store_ : nullptr,
                                          .rank = rank(),
@@ -13553,7 +13578,7 @@ class context {
 
   /// select_device() with the devices this process sees. When CUDA cannot count
   /// them, the local rank: the communicator then reports CUDA's own error.
-  int gpu_of_this_rank(const environment& env) const {
+  int gpu_of_this_rank(const dtrain::environment& env) const {
 #if DTRAIN_HAS_CUDA()
     int visible = 0;
     if (cudaGetDeviceCount(&visible) != cudaSuccess) {
@@ -13572,6 +13597,7 @@ class context {
   }
 
   dtrain::world world_;
+  dtrain::environment environment_;
   store_options store_options_;
   collective_options collectives_;
   int restart_count_ = 0;
@@ -13593,8 +13619,10 @@ class context {
 // it, nor the store, agent and engine code it calls, is compiled in a user's TU.
 
 template <class Policy>
-context<Policy>::context(dtrain::world w, const environment& env, const run_options& options)
+context<Policy>::context(dtrain::world w, const dtrain::environment& env,
+                         const run_options& options)
     : world_(std::move(w)),
+      environment_(env),
       store_options_(options.store.with_env(env)),
       collectives_(options.collectives.with_env(env)) {
   if (!world_.rank || !world_.world_size) {
@@ -13698,22 +13726,24 @@ void context<Policy>::finish() {
 // ---- end dtrain/context.hpp ----
 // ---- begin dtrain/ddp/basic_ddp.hpp ----
 /// @file
-/// basic_ddp<Policy>: everything of DistributedDataParallel that does not
-/// depend on the model's type. It is built from the parameter and buffer
-/// lists, and averages the gradients over the ranks while the backward pass
-/// is still running. Gradients live in flat buckets in the backend's memory
-/// space; the moment a bucket's last gradient is marked ready its allreduce
-/// starts — on a communication thread for host memory (MPI, Gloo), or on the
-/// communicator's stream after an event on the compute stream for CUDA
-/// (NCCL), followed by a watchdog. Metadata (model agreement, the rebuild
-/// order) goes over the host control plane, never through a device engine.
+/// basic_ddp<Policy>: the one core of DistributedDataParallel (c10d's Reducer
+/// is the model). It owns each parameter's and each bucket's state
+/// (ddp/state.hpp) under one lock, and averages the gradients over the ranks
+/// while the backward pass is still running: the moment a bucket's last
+/// gradient is marked ready its allreduce starts, on a communication thread
+/// for host memory (MPI, Gloo) or on the communicator's stream after the
+/// compute stream (NCCL), followed by a watchdog (ddp/runner.hpp). Metadata
+/// (model agreement, the rebuild order) goes over the host control plane.
+/// DistributedDataParallel<Model, Policy> and dtrain::torch's wrapper are thin
+/// layers over it: they feed it parameters and marks, and ask it the rest.
 ///
-/// Every member that is more than a line or two is defined out of the class,
-/// as a non-inline template member: a compiled library may then hold
-/// `template class dtrain::basic_ddp<P>;` and its users
-/// `extern template class dtrain::basic_ddp<P>;`, and none of those bodies
-/// is compiled again in the users' translation units (GCC instantiates
-/// in-class members of an extern template at -O2 anyway, out-of-class ones not).
+/// Every member that is more than a line or two is defined out of the class
+/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp), as a
+/// non-inline template member: a compiled library may then hold `template
+/// class dtrain::basic_ddp<P>;` and its users `extern template class
+/// dtrain::basic_ddp<P>;`, and none of those bodies is compiled again in the
+/// users' translation units (GCC instantiates in-class members of an extern
+/// template at -O2 anyway, out-of-class ones not).
 
 // ---- begin dtrain/ddp/agreement.hpp ----
 /// @file
@@ -13779,6 +13809,20 @@ void rebind_pointer(void* slot, void* storage) noexcept {
   *static_cast<T**>(slot) = static_cast<T*>(storage);
 }
 
+/// A random-access list of parameters: a std::vector or std::span of them,
+/// or basic_ddp::parameters().
+template <class R>
+concept parameter_list =
+    std::ranges::random_access_range<const R> && std::ranges::sized_range<const R> &&
+    std::convertible_to < std::ranges::range_reference_t<const R>,
+const parameter& > ;
+
+/// Entry `i` of a parameter_list (an index without -Wsign-conversion's complaint).
+template <parameter_list Params>
+[[nodiscard]] const parameter& parameter_at(const Params& params, std::size_t i) {
+  return std::ranges::begin(params)[static_cast<std::ranges::range_difference_t<const Params>>(i)];
+}
+
 template <class V>
 concept element_range =
     std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
@@ -13789,15 +13833,14 @@ struct picked_names {
   std::string names;
   std::size_t count = 0;
 };
-template <class Pick>
-[[nodiscard]] picked_names pick_names(std::span<const parameter> params, Pick&& pick,
-                                      std::size_t shown = 8) {
+template <parameter_list Params, class Pick>
+[[nodiscard]] picked_names pick_names(const Params& params, Pick&& pick, std::size_t shown = 8) {
   picked_names out;
-  for (std::size_t i = 0; i < params.size(); ++i) {
+  for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
     if (!pick(i)) continue;
     if (out.count < shown) {
       out.names += out.count ? ", '" : "'";
-      out.names += params[i].name;
+      out.names += parameter_at(params, i).name;
       out.names += "'";
     }
     ++out.count;
@@ -14010,11 +14053,11 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
 /// after the parameter that passes the cap, never before it, and only a
 /// group's last bucket may hold less than its cap. Buckets are returned in the
 /// order of their first parameter in `order`, which is the launch order.
-[[nodiscard]] inline std::vector<bucket_info> assign_buckets(std::span<const parameter> params,
-                                                             std::span<const std::size_t> order,
-                                                             std::size_t first_cap,
-                                                             std::size_t cap) {
-  check_order(order, params.size(), "the bucket order");
+template <parameter_list Params>
+[[nodiscard]] std::vector<bucket_info> assign_buckets(const Params& params,
+                                                      std::span<const std::size_t> order,
+                                                      std::size_t first_cap, std::size_t cap) {
+  check_order(order, std::ranges::size(params), "the bucket order");
   struct open_bucket {
     bucket_info bucket;
     std::size_t first_position = 0;
@@ -14023,7 +14066,7 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
   std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
   std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
   for (std::size_t position = 0; position < order.size(); ++position) {
-    const parameter& p = params[order[position]];
+    const parameter& p = parameter_at(params, order[position]);
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
     if (b.bucket.parameters.empty()) {
@@ -14153,6 +14196,7 @@ struct gradient_bucket {
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace dtrain::detail {
@@ -14320,6 +14364,30 @@ inline void agree_on_model(control_plane& comm, std::span<const parameter> param
                      std::to_string(culprit) + " has " + theirs +
                      " (ranks that differ from rank 0: " + differing +
                      "); every rank must build the same model in the same order");
+}
+
+/// Collective over the host control plane: every rank gets rank 0's `order`
+/// of the n parameters (the order its gradients became ready, for the bucket
+/// rebuild). Each rank passes an order of the same length; what arrives is
+/// checked to name each parameter once (backend_error otherwise).
+inline std::vector<std::size_t> agree_on_order(control_plane& control,
+                                               std::span<const std::size_t> order, std::size_t n) {
+  std::string text;
+  wire::writer w(text);
+  for (std::size_t i : order) w.u64(i);
+  std::vector<std::uint8_t> bytes(text.begin(), text.end());
+  if (control.size() > 1) control.broadcast(bytes, 0);
+  const std::string where =
+      "rank 0's ready order (sent to rank " + std::to_string(control.rank()) + ")";
+  std::vector<std::size_t> agreed = wire::decode_value(
+      where, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+      "a list of parameter indices", [](wire::reader& r) {
+        std::vector<std::size_t> out;
+        while (!r.at_end()) out.push_back(static_cast<std::size_t>(r.u64("a parameter index")));
+        return out;
+      });
+  check_order(agreed, n, where);
+  return agreed;
 }
 
 /// Collective: every rank's parameter and buffer values become rank 0's.
@@ -14496,7 +14564,9 @@ class stream_runner {
  public:
   explicit stream_runner(Owner& owner) : owner_(owner) {}
 
-  void launch(std::size_t bucket) {
+  /// Enqueues `bucket` on the device now (`wake` is the thread runner's:
+  /// there is no thread to wake here).
+  void launch(std::size_t bucket, bool /*wake*/ = true) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
     owner_.prepare_bucket(bucket);
     watchdog_.watch(owner_.reduce(bucket));
@@ -14530,6 +14600,12 @@ class stream_runner {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/runner.hpp ----
+// ---- begin dtrain/ddp/state.hpp ----
+/// @file
+/// What DistributedDataParallel keeps per parameter and per bucket, each in
+/// one struct (c10d's Reducer: VariableIndex and Bucket): where a gradient
+/// sits in its bucket, and what the current step has done with it.
+
 // ---- begin dtrain/ddp/storage.hpp ----
 /// @file
 /// The flat memory DistributedDataParallel keeps its buckets in, in the
@@ -14600,6 +14676,57 @@ class flat_storage {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/storage.hpp ----
+
+#include <cstddef>
+#include <cstdint>
+#include <ranges>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One parameter as DDP holds it.
+struct ddp_variable {
+  parameter param;  ///< as the model showed it; `param.gradient` is where the gradient is now
+  void* original = nullptr;  ///< the model's own gradient pointer, given back at the end
+  std::size_t bucket = 0;    ///< its bucket in the current layout
+  std::size_t offset = 0;    ///< bytes into that bucket
+  bool view = false;         ///< the gradient lives in the bucket (no copy in or out)
+  // The current step; reset when it completes.
+  bool marked = false;   ///< ready: counted in its bucket's pending count
+  bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
+  bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
+  bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
+  // Across steps.
+  bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
+  bool used = false;          ///< some rank used it in the steps reported on (report_unused)
+};
+
+/// One bucket: its layout, its storage in the memory space of the backend,
+/// and where the current step is with it.
+template <class Memory>
+struct ddp_bucket {
+  bucket_info info;
+  flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
+  flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
+  flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
+  std::size_t moved = 0;       ///< elements the collective moves: the slots, padded to the topology
+  std::size_t pending = 0;     ///< its parameters not yet marked in this step
+  bool ready = false;          ///< every parameter marked: may be launched in its turn
+  std::uint64_t span = 0;      ///< its timeline span, from launch to completion
+  std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
+};
+
+/// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).
+using parameter_view =
+    std::ranges::transform_view<std::ranges::ref_view<const std::vector<ddp_variable>>,
+                                parameter ddp_variable::*>;
+
+[[nodiscard]] inline parameter_view parameters_of(const std::vector<ddp_variable>& variables) {
+  return parameter_view(std::ranges::ref_view(variables), &ddp_variable::param);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/state.hpp ----
 // ---- begin dtrain/ddp/timeline.hpp ----
 /// @file
 /// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
@@ -14675,11 +14802,13 @@ class timeline {
     }
   }
 
-  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE (which
-  /// wins) or `option` names a file, naming the spans of `params` by their names.
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
+  /// `env` (which wins) or `option` names a file, naming the spans of `params`
+  /// by their names.
   template <class Parameters>
-  static timeline of(const std::string& option, int rank, int size, const Parameters& params) {
-    const std::string path = timeline_setting(environment::from_process(), option);
+  static timeline of(const environment& env, const std::string& option, int rank, int size,
+                     const Parameters& params) {
+    const std::string path = timeline_setting(env, option);
     if (path.empty()) return {};
     std::vector<std::string> names;
     for (const auto& p : params) names.push_back(p.name);
@@ -14968,14 +15097,14 @@ class timeline {
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/timeline.hpp ----
 
+#include <atomic>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <initializer_list>
+#include <mutex>
 #include <optional>
 #include <ranges>
 #include <span>
@@ -14991,7 +15120,9 @@ namespace dtrain {
 
 /// What a DDP takes its communicator, host control plane and world from:
 /// dtrain::context<Policy>. A concept, so that DDP does not include the
-/// runtime (agent, store server) that context.hpp brings.
+/// runtime (agent, store server) that context.hpp brings. A context with an
+/// `environment()` (the snapshot dtrain::context took at start) gives DDP
+/// the variables it reads (DTRAIN_TIMELINE).
 template <class C, class Policy>
 concept ddp_context = requires(C& c) {
   { c.communicator() } -> std::same_as<typename Policy::communicator_type&>;
@@ -14999,16 +15130,29 @@ concept ddp_context = requires(C& c) {
   { c.world() } -> std::convertible_to<const world&>;
 };
 
+namespace detail {
+/// The environment snapshot of `ctx`, or (a context without one) of the process now.
+template <class Context>
+environment environment_of(Context& ctx) {
+  if constexpr (requires {
+                  { ctx.environment() } -> std::convertible_to<const environment&>;
+                }) {
+    return ctx.environment();
+  } else {
+    return environment::from_process();
+  }
+}
+}  // namespace detail
+
 /// The model-free core of DistributedDataParallel, over the communicator of
 /// `Policy`, built from the parameters (and buffers) as dtrain sees them.
 ///
 /// Per step: mark each parameter ready (mark_ready) as soon as its gradient
 /// is final, or all at once after the backward pass (mark_all_ready), then
-/// synchronize(); gradients then hold the mean over ranks. Not thread-safe:
-/// call it from one thread at a time. Another thread may call mark_ready
-/// while the training thread waits for it (autograd's hooks during
-/// backward(), as dtrain/torch.hpp does), but never two at once. Between
-/// mark_ready and synchronize() a gradient belongs to dtrain: do not touch it.
+/// synchronize(); gradients then hold the mean over ranks. Every member may
+/// be called from any thread (autograd's hooks mark from theirs): one lock
+/// serialises them. Between mark_ready and synchronize() a gradient belongs
+/// to dtrain: do not touch it.
 template <class Policy>
 class basic_ddp {
  public:
@@ -15032,23 +15176,27 @@ class basic_ddp {
 
   /// Collective over ctx's communicator (a dtrain::context<Policy>); metadata
   /// goes over ctx's control plane where the communicator cannot carry host
-  /// data (NCCL). The policy's topology groups the ranks by ctx.world()'s nodes.
+  /// data (NCCL). The policy's topology groups the ranks by ctx.world()'s
+  /// nodes; DTRAIN_TIMELINE is read from ctx's environment snapshot.
   template <ddp_context<Policy> Context>
   basic_ddp(Context& ctx, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
             ddp_options options = {})
       : basic_ddp(ctx.communicator(), ctx.control_plane(), std::move(parameters),
-                  std::move(buffers), std::move(options), node_layout::of(ctx.world())) {}
+                  std::move(buffers), std::move(options), node_layout::of(ctx.world()),
+                  detail::environment_of(ctx)) {}
 
   /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
   /// communicator that reaches host memory). A device-only backend (NCCL)
-  /// needs the constructor with a control plane.
+  /// needs the constructor with a control plane. Without a context, the
+  /// variables DDP reads (DTRAIN_TIMELINE, DTRAIN_NODE_NAME) come from a
+  /// snapshot of the process environment taken here.
   /// (A template only so that an explicit instantiation of the class for NCCL
   /// does not trip the static_assert.)
   template <std::same_as<communicator_type> Comm>
   basic_ddp(Comm& comm, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
             ddp_options options = {})
       : basic_ddp(comm, nullptr, std::move(parameters), std::move(buffers), std::move(options),
-                  std::nullopt) {
+                  std::nullopt, environment::from_process()) {
     static_assert(std::same_as<Comm, communicator_type> && communicator_type::reaches_host_memory,
                   "this backend moves device memory only, and DistributedDataParallel's metadata "
                   "(model agreement, bucket order) is host data: construct it from the context, "
@@ -15068,7 +15216,7 @@ class basic_ddp {
   basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
             std::vector<parameter> buffers = {}, ddp_options options = {})
       : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
-                  std::nullopt) {}
+                  std::nullopt, environment::from_process()) {}
 
   basic_ddp(const basic_ddp&) = delete;
   basic_ddp& operator=(const basic_ddp&) = delete;
@@ -15082,20 +15230,20 @@ class basic_ddp {
   /// Marks parameter `index` (its position in parameters()) ready for this
   /// step. Throws dtrain::error naming it when it was marked already.
   void mark_ready(std::size_t index) {
-    if (index >= params_.size()) no_such_index(index);
-    ready(index);
+    if (index >= vars_.size()) no_such_index(index);
+    mark(index);
   }
   /// Marks the parameter called `name` ready.
   void mark_ready(std::string_view name) {
     auto it = by_name_.find(name);
     if (it == by_name_.end()) no_such_name(name);
-    ready(it->second);
+    mark(it->second);
   }
   /// Marks `p` ready, found by its values' address.
   void mark_ready(const parameter& p) {
     auto it = by_data_.find(p.values.data);
     if (it == by_data_.end()) not_a_parameter(p);
-    ready(it->second);
+    mark(it->second);
   }
   /// Marks each of a braced list ready: `mark_ready({"fc2.w", "fc2.b"})`.
   /// (Without these, `{"a", "b"}` would build one string_view from the two
@@ -15141,7 +15289,10 @@ class basic_ddp {
   /// The stream the backward pass runs on (CUDA; default: the legacy default
   /// stream). Set it before a step, not between mark_ready and synchronize()
   /// (config_error): buckets launched in a step are ordered after it.
-  void set_stream(stream_type compute) requires(memory_space::on_stream) { change_stream(compute); }
+  void set_stream(stream_type compute) requires(memory_space::on_stream) {
+    const std::lock_guard lock(mutex_);
+    change_stream(compute);
+  }
   /// set_stream(compute), then synchronize().
   void synchronize(stream_type compute) requires(memory_space::on_stream) {
     synchronize_on(compute);
@@ -15162,12 +15313,14 @@ class basic_ddp {
     no_sync_guard& operator=(const no_sync_guard&) = delete;
     no_sync_guard& operator=(no_sync_guard&&) = delete;
     ~no_sync_guard() {
-      if (ddp_) --ddp_->no_sync_depth_;
+      if (!ddp_) return;
+      const std::lock_guard lock(ddp_->mutex_);
+      --ddp_->no_sync_depth_;
     }
 
    private:
     friend class basic_ddp;
-    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) { ++ddp.no_sync_depth_; }
+    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) {}  // the lock is held
     basic_ddp* ddp_;
   };
   /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
@@ -15181,14 +15334,73 @@ class basic_ddp {
   /// the same). Not with gradient compression, which is itself such a reduction.
   void register_comm_hook(comm_hook hook);
 
-  /// The buckets, in launch order.
-  [[nodiscard]] const std::vector<bucket_info>& buckets() const noexcept { return info_; }
+  /// What a wrapper that finds the unused parameters itself tells the core
+  /// (dtrain::torch walks autograd's graph, as c10d's prepare_for_backward
+  /// does): with find_unused_parameters, the parameters listed (indices into
+  /// parameters()) are not reached by the coming backward pass. They are
+  /// marked ready, contributing zero (or what no_sync() accumulated), as soon
+  /// as the step's first other parameter is marked; marking one of them is an
+  /// error. The last call before a step counts; between steps only
+  /// (dtrain::error otherwise, or without find_unused_parameters).
+  void prepare_for_backward(std::span<const std::size_t> unused);
+
+  /// `callback` runs on the marking thread, after the lock is released, when
+  /// mark_ready() marks the last parameter of a step outside no_sync() (not
+  /// when mark_all_ready() or synchronize() do). dtrain::torch queues
+  /// autograd's final callback there, which completes the step.
+  void on_all_marked(std::function<void()> callback);
+
+  /// Collective over DDP's communicator, on every rank after the same
+  /// synchronize(): per parameter, whether some rank used it (marked it, or
+  /// accumulated into it in no_sync()) in the step just completed. One small
+  /// sum, computed once per step and only with find_unused_parameters;
+  /// without it, or at world size 1, nothing is communicated.
+  [[nodiscard]] std::vector<bool> used_anywhere();
+
+  /// Throws dtrain::error naming the failure after which this DDP cannot be
+  /// used (an engine's error, a timeout); nothing when it is usable.
+  void check_usable() const {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+  }
+
+  /// The state of the current step: whether parameter i is marked ready in it.
+  [[nodiscard]] bool marked(std::size_t i) const;
+  /// Whether prepare_for_backward() listed parameter i for the current step.
+  [[nodiscard]] bool declared_unused(std::size_t i) const;
+  /// Parameters not yet marked ready in the current step.
+  [[nodiscard]] std::size_t unmarked() const;
+  /// Some parameter was marked ready outside no_sync() and the step is not
+  /// complete: no_sync(), zero_grad() and the next step must wait for synchronize().
+  [[nodiscard]] bool step_open() const;
+  /// Nothing was marked or accumulated since the last completed step.
+  [[nodiscard]] bool idle() const;
+  /// Inside no_sync().
+  [[nodiscard]] bool accumulating() const;
+
+  // What DDP is: these never wait for the lock, so that a communication hook
+  // (which runs while synchronize() holds it) may ask them. The layout and
+  // gradient pointers change only in synchronize(), at the first step's rebuild.
+
+  /// The buckets, in launch order (a copy of the current layout).
+  [[nodiscard]] std::vector<bucket_info> buckets() const;
   /// Whether the one rebuild from the observed ready order has happened.
-  [[nodiscard]] bool buckets_rebuilt() const noexcept { return rebuilt_; }
-  /// The parameters as dtrain sees them, gradient pointers current.
-  [[nodiscard]] std::span<const parameter> parameters() const noexcept { return params_; }
+  [[nodiscard]] bool buckets_rebuilt() const noexcept {
+    return rebuilt_.load(std::memory_order_relaxed);
+  }
+  /// The parameters as dtrain sees them, gradient pointers current: a
+  /// random-access view (`parameters()[i].name`, `.size()`, range-for).
+  [[nodiscard]] detail::parameter_view parameters() const noexcept {
+    return detail::parameters_of(vars_);
+  }
   /// Synchronized steps completed.
-  [[nodiscard]] std::size_t steps() const noexcept { return steps_; }
+  [[nodiscard]] std::size_t steps() const noexcept {
+    return steps_.load(std::memory_order_relaxed);
+  }
+  /// The options DDP was built with.
+  [[nodiscard]] const ddp_options& options() const noexcept { return options_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
   /// The communicator the buckets travel on: DDP's own split of the user's.
   [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
   /// How buckets are reduced: the policy's topology over communicator()
@@ -15203,9 +15415,10 @@ class basic_ddp {
  protected:
   // For DistributedDataParallel's context constructor (the layout from the world).
   basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
-            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout)
+            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout,
+            const environment& env)
       : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
-                  layout) {}
+                  layout, env) {}
 
  private:
   template <class>
@@ -15213,28 +15426,8 @@ class basic_ddp {
   template <class>
   friend class detail::stream_runner;
 
-  /// What DDP keeps per parameter (the Reducer's VariableIndex): the slot in
-  /// its bucket and this step's state.
-  struct variable {
-    void* original = nullptr;  // the model's own gradient pointer, given back at the end
-    std::size_t bucket = 0;
-    std::size_t offset = 0;  // bytes into the bucket
-    bool view = false;       // the gradient lives in the bucket
-    bool marked = false;     // this step
-    bool touched = false;    // since the last synchronized step, no_sync() micro-steps included
-    bool zeroed = false;     // copy mode, unused this step: its slice was zeroed, skip copy-in
-    bool used = false;       // marked by this rank in some step so far (find_unused_parameters)
-  };
-  struct bucket_state {
-    detail::flat_storage<memory_space> grads;
-    detail::flat_storage<memory_space> wire;   // the 16-bit copy, with compression
-    detail::flat_storage<memory_space> shard;  // the topology's scratch (hierarchical)
-    std::size_t moved = 0;    // elements the collective moves: the slots, padded to the topology
-    std::size_t pending = 0;  // parameters not yet marked this step
-    bool ready = false;
-    std::uint64_t span = 0;        // its timeline span, from launch to completion
-    std::int64_t span_reduce = 0;  // when its reduction started (timeline on)
-  };
+  using variable = detail::ddp_variable;
+  using bucket = detail::ddp_bucket<memory_space>;
   using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
                                          detail::thread_runner<basic_ddp>>;
   // The control plane DDP makes for itself over its own communicator (host backends).
@@ -15243,11 +15436,12 @@ class basic_ddp {
                          communicator_channel<communicator_type>, std::monostate>;
 
   basic_ddp(communicator_type& comm, control_plane* given, std::vector<parameter> parameters,
-            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout);
+            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout,
+            const environment& env);
 
   own_channel_type make_own_channel();
   control_plane control_for(control_plane* given);
-  node_layout layout_of(const std::optional<node_layout>& given);
+  node_layout layout_of(const std::optional<node_layout>& given, const environment& env);
   static int device_of(communicator_type& comm);
   void lay_out(std::span<const std::size_t> order);
 
@@ -15255,29 +15449,16 @@ class basic_ddp {
     return options_.compression != gradient_compression::none && b.type == dtype::float32;
   }
 
-  // The hot path of mark_ready; what it throws is built out of line.
-  void ready(std::size_t i) {
-    check_usable();
-    variable& v = vars_[i];
-    const auto span = timeline_.mark_ready(i, v.bucket);
-    if (no_sync_depth_ > 0) {
-      v.touched = true;
-      return;
-    }
-    if (v.marked) marked_twice(i);
-    v.marked = v.touched = true;
-    any_marked_ = true;
-    if (recording()) ready_order_.push_back(i);
-    bucket_state& b = buckets_[v.bucket];
-    if (--b.pending == 0) {
-      b.ready = true;
-      if (options_.overlap) launch_ready();
-    }
-  }
+  // Marking (ddp/basic_ddp_step.hpp). mark() takes the lock and runs the
+  // all-marked callback after releasing it; the others run under the lock.
+  void mark(std::size_t i);
+  bool ready(std::size_t i);
+  void record_mark(std::size_t i, bool by_rank);
   [[noreturn]] void no_such_index(std::size_t index) const;
   [[noreturn]] void no_such_name(std::string_view name) const;
   [[noreturn]] void not_a_parameter(const parameter& p) const;
   [[noreturn]] void marked_twice(std::size_t i) const;
+  void check_between_steps(const char* what) const;
 
   bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
   /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
@@ -15285,19 +15466,31 @@ class basic_ddp {
 
   void change_stream(stream_type compute);
   void synchronize_on(stream_type compute);
+  void synchronize_locked();
   void launch_ready();
   void finish_alone(std::size_t b);
   void complete_marks();
+  std::vector<bool> used_anywhere_locked();
   void report_unused();
   void zero_contribution(std::size_t i);
 
-  // The runner's steps (detail::thread_runner, detail::stream_runner).
+  // The runner's steps (detail::thread_runner, detail::stream_runner). They
+  // run without the lock: they touch only bucket b and its parameters'
+  // places, which nothing changes while b is in flight.
   void prepare_bucket(std::size_t b);
   work reduce(std::size_t b);
   void finish_bucket(std::size_t b);
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
     if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
+  }
+  /// `data` summed over DDP's communicator in place, ordered after the compute stream.
+  work sum_in_place(const buffer& data) {
+    if constexpr (memory_space::on_stream) {
+      return comm_.allreduce(data, data, reduce_op::sum, stream_);
+    } else {
+      return comm_.allreduce(data, data, reduce_op::sum);
+    }
   }
 
   // The compute stream for engines that order after it; null for host memory.
@@ -15315,7 +15508,7 @@ class basic_ddp {
   std::vector<std::size_t> layout_order() const;
   void reset_step();
 
-  void check_usable() const {
+  void check_usable_locked() const {
     if (broken_) unusable();
   }
   [[noreturn]] void unusable() const;
@@ -15331,63 +15524,72 @@ class basic_ddp {
   int rank_;
   int size_;
   int device_ = -1;
-  std::string problem_;
-  std::vector<parameter> params_;
+  std::vector<variable> vars_;  // never resized after construction: parameters() views it
   std::vector<parameter> buffers_;
-  std::vector<variable> vars_;  // per parameter, indexed like params_
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
-  std::vector<bucket_info> info_;
-  std::vector<bucket_state> buckets_;
-  std::vector<std::size_t> ready_order_;
+  std::vector<bucket> buckets_;
+  // The current step.
+  std::vector<std::size_t> ready_order_;  // recorded for the rebuild
   std::size_t next_launch_ = 0;
-  std::size_t steps_ = 0;
-  bool rebuilt_ = false;
-  bool any_marked_ = false;
+  std::size_t unmarked_ = 0;
+  bool any_marked_ = false;      // outside no_sync()
+  bool any_touched_ = false;     // marked or accumulated since the last completed step
+  bool unused_pending_ = false;  // prepare_for_backward() listed some, not yet marked
   int no_sync_depth_ = 0;
   bool in_bulk_ = false;  // mark_all_ready() or synchronize() launching: no thread wake-up
+  // Across steps.
+  std::atomic<std::size_t> steps_ = 0;  // read without the lock: steps()
+  std::atomic<bool> rebuilt_ = false;
+  std::vector<std::int32_t> used_counts_;  // used_anywhere() of step used_step_
+  std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
   bool broken_ = false;
   std::string broken_message_;
   comm_hook hook_;
+  std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
   detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
+  mutable std::mutex mutex_;           // everything above that changes during a step
   std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
 
 // ---------------------------------------------------------------------------
-// Out of class: see the file comment.
+// Out of class: see the file comment. Construction here; the buckets' layout
+// and journey in ddp/basic_ddp_buckets.hpp; the step's state machine in
+// ddp/basic_ddp_step.hpp.
 
 template <class Policy>
 basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                              std::vector<parameter> parameters, std::vector<parameter> buffers,
-                             ddp_options options, std::optional<node_layout> layout)
+                             ddp_options options, std::optional<node_layout> layout,
+                             const environment& env)
     : comm_(comm.split(0, comm.rank())),
       own_channel_(make_own_channel()),
       control_(control_for(given)),
-      topo_(comm_, control_, layout_of(layout)),
+      topo_(comm_, control_, layout_of(layout, env)),
       options_(std::move(options)),
       rank_(comm.rank()),
       size_(comm.size()),
-      params_(std::move(parameters)),
       buffers_(std::move(buffers)) {
   device_ = device_of(comm_);
+  std::string problem;
   if (options_.compression != gradient_compression::none && !compression_available()) {
     // Every rank of the same program sees the same; the agreement below stops them all alike.
-    problem_ = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
-               std::string(detail::device_casts_missing);
+    problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
+              std::string(detail::device_casts_missing);
   }
   try {
-    timeline_ = detail::timeline::of(options_.timeline, rank_, size_, params_);
+    timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
   } catch (const config_error& e) {
-    if (problem_.empty()) problem_ = e.what();  // the agreement stops every rank
+    if (problem.empty()) problem = e.what();  // the agreement stops every rank
   }
-  detail::agree_on_model(control_, params_, buffers_,
-                         problem_.empty()
-                             ? detail::model_problem(params_, buffers_, options_, rank_,
+  detail::agree_on_model(control_, parameters, buffers_,
+                         problem.empty()
+                             ? detail::model_problem(parameters, buffers_, options_, rank_,
                                                      communicator_type::name, on_device, device_)
-                             : problem_);
+                             : problem);
   if (options_.broadcast_parameters) {
-    detail::broadcast_values(control_, params_, buffers_, [&](const buffer& values) {
+    detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
         comm_.broadcast(values, 0, stream_).wait();
       } else {
@@ -15395,13 +15597,17 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
       }
     });
   }
-  vars_.resize(params_.size());
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    by_name_.emplace(params_[i].name, i);
-    by_data_.emplace(params_[i].values.data, i);
-    vars_[i].original = params_[i].gradient;
+  vars_.reserve(parameters.size());
+  for (parameter& p : parameters) {
+    void* original = p.gradient;
+    vars_.push_back({.param = std::move(p), .original = original});
   }
-  lay_out(detail::reverse_order(params_.size()));
+  for (std::size_t i = 0; i < vars_.size(); ++i) {
+    by_name_.emplace(vars_[i].param.name, i);
+    by_data_.emplace(vars_[i].param.values.data, i);
+  }
+  used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
+  lay_out(detail::reverse_order(vars_.size()));
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
   runner_.emplace(*this);
@@ -15412,155 +15618,16 @@ basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
   timeline_.write_at_exit();
   try {
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!vars_[i].view) continue;
-      parameter& p = params_[i];
-      if (vars_[i].original)
-        memory_space::copy(vars_[i].original, p.gradient, p.bytes(), p.device, stream_);
-      p.rebind(p.gradient_slot, vars_[i].original);
+    for (variable& v : vars_) {
+      if (!v.view) continue;
+      parameter& p = v.param;
+      if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
+      p.rebind(p.gradient_slot, v.original);
     }
     memory_space::synchronize(device_, stream_);  // before the buckets are freed
   } catch (...) {
     // A device that failed already reported it; the model's pointers are what they are.
   }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::no_such_index(std::size_t index) const {
-  throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
-              " does not exist on rank " + std::to_string(rank_) + " (the model has " +
-              std::to_string(params_.size()) + ")");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::no_such_name(std::string_view name) const {
-  throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
-              " has no parameter named '" + std::string(name) + "'");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::not_a_parameter(const parameter& p) const {
-  throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
-              std::to_string(rank_) +
-              " is not one of the model's parameters (its values are elsewhere)");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::marked_twice(std::size_t i) const {
-  throw error("DistributedDataParallel::mark_ready: parameter '" + params_[i].name + "' (#" +
-              std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
-              " on rank " + std::to_string(rank_) +
-              "; mark each gradient once per step (accumulate inside no_sync())");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::mark_all_ready() {
-  // Last first, as a backward pass finishes them and as the first layout
-  // fills the buckets: recorded for the rebuild, this order changes nothing.
-  // The backward pass is over: the caller reduces these buckets itself in
-  // synchronize(), without waking the communication thread.
-  in_bulk_ = true;
-  try {
-    for (std::size_t i = params_.size(); i-- > 0;) {
-      if (!vars_[i].marked) ready(i);
-    }
-  } catch (...) {
-    in_bulk_ = false;
-    throw;
-  }
-  in_bulk_ = false;
-}
-
-template <class Policy>
-void basic_ddp<Policy>::synchronize() {
-  if (no_sync_depth_ > 0) return;
-  {
-    const auto span = timeline_.synchronize(steps_);
-    check_usable();
-    complete_marks();
-    if (auto e = complete_buckets()) fail(e);
-    end_step();
-  }
-  if (options_.find_unused_parameters && options_.report_unused_parameters &&
-      steps_ == unused_report_steps)
-    report_unused();
-}
-
-template <class Policy>
-void basic_ddp<Policy>::change_stream(stream_type compute) {
-  if (compute == stream_) return;
-  if (any_marked_) {
-    throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
-                       " in the middle of step " + std::to_string(steps_) +
-                       " (after mark_ready, before synchronize()): buckets already launched "
-                       "are ordered after the old stream; set the stream before the step");
-  }
-  memory_space::check_stream(device_, compute);
-  // What the old stream still does with the buckets comes first; their
-  // storage is released on the new one from now on.
-  memory_space::order_after(device_, compute, stream_);
-  for (bucket_state& b : buckets_) {
-    b.grads.set_stream(compute);
-    b.wire.set_stream(compute);
-    b.shard.set_stream(compute);
-  }
-  stream_ = compute;
-}
-
-template <class Policy>
-void basic_ddp<Policy>::synchronize_on(stream_type compute) {
-  if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
-    throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
-                       std::to_string(rank_) + " with a stream other than the one step " +
-                       std::to_string(steps_) +
-                       " was marked on: call set_stream(stream) before the step instead");
-  }
-  change_stream(compute);
-  synchronize();
-}
-
-template <class Policy>
-void basic_ddp<Policy>::wait() {
-  if (auto e = runner_drain()) fail(e);
-  memory_space::synchronize(device_, stream_);
-}
-
-template <class Policy>
-typename basic_ddp<Policy>::no_sync_guard basic_ddp<Policy>::no_sync() {
-  if (any_marked_) {
-    throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
-                " in the middle of a synchronized step (after mark_ready, before synchronize())");
-  }
-  return no_sync_guard(*this);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::zero_grad() {
-  if (any_marked_ && no_sync_depth_ == 0) {
-    throw error("DistributedDataParallel::zero_grad() on rank " + std::to_string(rank_) +
-                " in the middle of a step (after mark_ready, before synchronize())");
-  }
-  for (bucket_state& b : buckets_)
-    memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (!vars_[i].view)
-      memory_space::zero(params_[i].gradient, params_[i].bytes(), params_[i].device, stream_);
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
-  if (any_marked_ || next_launch_ > 0) {
-    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
-                       " (after mark_ready, before synchronize()): register it between steps");
-  }
-  if (options_.compression != gradient_compression::none) {
-    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
-                       std::string(to_string(options_.compression)) +
-                       "; a hook replaces the reduction, so compress inside the hook instead");
-  }
-  hook_ = std::move(hook);
 }
 
 template <class Policy>
@@ -15585,12 +15652,13 @@ control_plane basic_ddp<Policy>::control_for([[maybe_unused]] control_plane* giv
 
 // The nodes as the launcher placed them, or (no context) as node names group them.
 template <class Policy>
-node_layout basic_ddp<Policy>::layout_of(const std::optional<node_layout>& given) {
+node_layout basic_ddp<Policy>::layout_of(const std::optional<node_layout>& given,
+                                         [[maybe_unused]] const environment& env) {
   if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
     return given.value_or(node_layout{});  // flat needs none: nothing collective
   } else {
     if (given) return *given;
-    return detail::layout_from_node_names(control_, node_name(environment::from_process()));
+    return detail::layout_from_node_names(control_, node_name(env));
   }
 }
 
@@ -15604,40 +15672,70 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
   }
 }
 
+}  // namespace dtrain
+
+// ---- begin dtrain/ddp/basic_ddp_buckets.hpp ----
+/// @file
+/// basic_ddp's buckets: how the gradients are laid out in them (and laid out
+/// again at the rebuild), and each bucket's journey once its turn comes:
+/// launched in order, prepared (copy-in, compression), reduced by the
+/// topology or the user's hook, finished (decompression, copy-out), by the
+/// runner of the memory space (ddp/runner.hpp). Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+template <class Policy>
+std::vector<bucket_info> basic_ddp<Policy>::buckets() const {
+  std::vector<bucket_info> out;
+  out.reserve(buckets_.size());
+  for (const bucket& b : buckets_) out.push_back(b.info);
+  return out;
+}
+
 /// Lays the gradients out in buckets filled in `order`, moving each
 /// bucket-view gradient (and its values) to its new place. The old buckets
 /// are freed only once the copies out of them are complete.
 template <class Policy>
 void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
-  std::vector<bucket_info> info = detail::assign_buckets(
-      params_, order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
+  std::vector<bucket_info> layout = detail::assign_buckets(
+      parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
       mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
-  std::vector<bucket_state> buckets(info.size());
-  for (std::size_t b = 0; b < info.size(); ++b) {
+  std::vector<bucket> buckets(layout.size());
+  for (std::size_t b = 0; b < layout.size(); ++b) {
+    bucket& s = buckets[b];
+    s.info = std::move(layout[b]);
+    const bucket_info& info = s.info;
     // A hierarchical topology splits a bucket into equal shards, one per
     // rank of a node: zeros at the end make the count divide (GPU: every
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
-    if (unit > 1 && info[b].device >= 0) unit *= bucket_alignment / size_of(info[b].type);
-    buckets[b].moved = (info[b].count + unit - 1) / unit * unit;
-    buckets[b].grads = detail::flat_storage<memory_space>(buckets[b].moved * size_of(info[b].type),
-                                                          info[b].device, stream_);
-    if (compressed(info[b]))
-      buckets[b].wire = detail::flat_storage<memory_space>(
-          buckets[b].moved * size_of(detail::wire_type(options_.compression)), info[b].device,
-          stream_);
-    if (const std::size_t shard = topo_.shard_count(buckets[b].moved); shard > 0)
-      buckets[b].shard = detail::flat_storage<memory_space>(shard * size_of(info[b].type),
-                                                            info[b].device, stream_);
-    for (std::size_t k = 0; k < info[b].parameters.size(); ++k) {
-      const std::size_t i = info[b].parameters[k];
-      parameter& p = params_[i];
-      variable& v = vars_[i];
+    if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
+    s.moved = (info.count + unit - 1) / unit * unit;
+    s.grads =
+        detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device, stream_);
+    if (compressed(info))
+      s.wire = detail::flat_storage<memory_space>(
+          s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
+    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)
+      s.shard =
+          detail::flat_storage<memory_space>(shard * size_of(info.type), info.device, stream_);
+    for (std::size_t k = 0; k < info.parameters.size(); ++k) {
+      variable& v = vars_[info.parameters[k]];
+      parameter& p = v.param;
       v.bucket = b;
-      v.offset = info[b].offsets[k];
+      v.offset = info.offsets[k];
       v.view = options_.gradient_as_bucket_view && p.rebindable();
       if (v.view) {
-        void* place = buckets[b].grads.data() + v.offset;
+        void* place = s.grads.data() + v.offset;
         if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
         p.gradient = place;
         p.rebind(p.gradient_slot, place);
@@ -15648,7 +15746,6 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   // out of them and (streams) after every collective on them: the compute
   // stream waits for those already (order_after_buckets). The host does not
   // wait, with CUDA as without.
-  info_ = std::move(info);
   buckets_ = std::move(buckets);
   reset_step();
 }
@@ -15659,11 +15756,9 @@ void basic_ddp<Policy>::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
     const std::size_t b = next_launch_++;
     try {
-      buckets_[b].span = timeline_.bucket_launched(b, info_[b].count);
+      buckets_[b].span = timeline_.bucket_launched(b, buckets_[b].info.count);
       if (alone()) {
         finish_alone(b);
-      } else if constexpr (memory_space::on_stream) {
-        runner_->launch(b);
       } else {
         runner_->launch(b, !in_bulk_);
       }
@@ -15678,7 +15773,7 @@ void basic_ddp<Policy>::launch_ready() {
 /// caller's thread or the compute stream; the timeline still sees the bucket.
 template <class Policy>
 void basic_ddp<Policy>::finish_alone(std::size_t b) {
-  if (compressed(info_[b])) {
+  if (compressed(buckets_[b].info)) {
     prepare_bucket(b);
     finish_bucket(b);
   } else if (timeline_.on()) {
@@ -15686,77 +15781,11 @@ void basic_ddp<Policy>::finish_alone(std::size_t b) {
   }
 }
 
-/// The unmarked parameters of this step: an error, or (find_unused_parameters)
-/// zero contributions, marked now in index order on every rank.
-template <class Policy>
-void basic_ddp<Policy>::complete_marks() {
-  std::vector<std::size_t> missing;
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (vars_[i].touched) vars_[i].used = true;  // before the unused are marked below
-    if (!vars_[i].marked) missing.push_back(i);
-  }
-  if (!missing.empty() && !options_.find_unused_parameters) {
-    const std::string names =
-        detail::pick_names(params_, [&](std::size_t i) { return !vars_[i].marked; }).names;
-    throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
-                " never marked " + std::to_string(missing.size()) + " of " +
-                std::to_string(params_.size()) + " parameters ready in step " +
-                std::to_string(steps_) + ": " + names +
-                "; call mark_ready for every parameter (or mark_all_ready() after the backward "
-                "pass), or set ddp_options::find_unused_parameters");
-  }
-  for (std::size_t i : missing) {
-    // Nothing accumulated in no_sync() either: this rank contributes zero.
-    if (!vars_[i].touched) zero_contribution(i);
-    ready(i);
-  }
-  for (bucket_state& b : buckets_) b.ready = true;
-  in_bulk_ = true;  // synchronize() reduces these on the caller's thread next
-  launch_ready();
-  in_bulk_ = false;
-}
-
-/// Once, after the first unused_report_steps steps: the parameters that no
-/// rank marked are named on rank 0 (a parameter one rank marked is used).
-/// Collective over the control plane; every rank reaches it in the same step.
-template <class Policy>
-void basic_ddp<Policy>::report_unused() {
-  const std::size_t words = (params_.size() + 63) / 64;
-  if (words == 0) return;
-  std::vector<std::int64_t> mine(words, 0);
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (vars_[i].used) mine[i / 64] |= std::int64_t{1} << (i % 64);
-  }
-  std::vector<std::int64_t> all(words * static_cast<std::size_t>(size_));
-  if (size_ > 1) {
-    control_.allgather(mine, all);
-  } else {
-    all = mine;
-  }
-  if (rank_ != 0) return;
-  for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
-    for (std::size_t w = 0; w < words; ++w) mine[w] |= all[r * words + w];
-  }
-  const auto [names, count] = detail::pick_names(
-      params_, [&](std::size_t i) { return (mine[i / 64] & (std::int64_t{1} << (i % 64))) == 0; });
-  if (count == 0) return;
-  std::fprintf(
-      stderr,
-      "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "
-      "%zu steps; with find_unused_parameters %s treated as unused and %s zeroed. If a "
-      "mark_ready was forgotten, add it (or call mark_all_ready() after the backward "
-      "pass); if the parameter is unused on purpose, set "
-      "ddp_options::report_unused_parameters = false to silence this\n",
-      size_, count == 1 ? "parameter" : "parameters", names.c_str(), unused_report_steps,
-      count == 1 ? "it is" : "they are", count == 1 ? "its gradient" : "their gradients");
-  std::fflush(stderr);
-}
-
 template <class Policy>
 void basic_ddp<Policy>::zero_contribution(std::size_t i) {
-  parameter& p = params_[i];
   variable& v = vars_[i];
-  if (v.view || (alone() && !compressed(info_[v.bucket]))) {
+  parameter& p = v.param;
+  if (v.view || (alone() && !compressed(buckets_[v.bucket].info))) {
     // World size 1 leaves a copy-mode gradient where it is: zero it there.
     memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
   } else {
@@ -15769,19 +15798,19 @@ void basic_ddp<Policy>::zero_contribution(std::size_t i) {
 /// Copy-in and compression: what must happen before the collective.
 template <class Policy>
 void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
-  bucket_state& s = buckets_[b];
+  bucket& s = buckets_[b];
   if (timeline_.on()) s.span_reduce = detail::timeline::now();
-  for (std::size_t i : info_[b].parameters) {
+  for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
     if (v.view || v.zeroed) continue;
-    memory_space::copy(s.grads.data() + v.offset, params_[i].gradient, params_[i].bytes(),
-                       info_[b].device, stream_);
+    memory_space::copy(s.grads.data() + v.offset, v.param.gradient, v.param.bytes(), s.info.device,
+                       stream_);
   }
-  if (!compressed(info_[b])) return;
+  if (!compressed(s.info)) return;
   const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
   memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
-                         info_[b].count, scale, detail::wire_type(options_.compression),
-                         info_[b].device, stream_);
+                         s.info.count, scale, detail::wire_type(options_.compression),
+                         s.info.device, stream_);
 }
 
 /// The collective of bucket b (or the user's hook), ordered after the compute stream.
@@ -15789,11 +15818,10 @@ template <class Policy>
 work basic_ddp<Policy>::reduce(std::size_t b) {
   detail::label_scope label("bucket",
                             static_cast<std::int64_t>(b));  // names it in desync diagnostics
-  bucket_state& s = buckets_[b];
-  const bucket_info& info = info_[b];
-  buffer data{s.grads.data(), s.moved, info.type, memory_space::where, s.grads.device()};
+  bucket& s = buckets_[b];
+  buffer data{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
   reduce_op op = reduce_op::avg;
-  if (compressed(info)) {
+  if (compressed(s.info)) {
     data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
             s.grads.device()};
     op = reduce_op::sum;
@@ -15802,9 +15830,9 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     gradient_bucket view{.index = b,
                          .data = data,
                          .world_size = size_,
-                         .parameters = info.parameters,
+                         .parameters = s.info.parameters,
                          .stream = stream_};
-    view.data.count = info.count;  // the hook sees the slots, not the topology's padding
+    view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
   const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
@@ -15815,17 +15843,16 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
 /// Decompression and copy-out: what must happen after the collective.
 template <class Policy>
 void basic_ddp<Policy>::finish_bucket(std::size_t b) {
-  bucket_state& s = buckets_[b];
-  const bucket_info& info = info_[b];
-  if (compressed(info)) {
-    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), info.count,
-                             detail::wire_type(options_.compression), info.device, stream_);
+  bucket& s = buckets_[b];
+  if (compressed(s.info)) {
+    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
+                             detail::wire_type(options_.compression), s.info.device, stream_);
   }
-  for (std::size_t i : info.parameters) {
+  for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
     if (v.view) continue;
-    memory_space::copy(params_[i].gradient, s.grads.data() + v.offset, params_[i].bytes(),
-                       info.device, stream_);
+    memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
+                       stream_);
   }
   timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
 }
@@ -15846,27 +15873,407 @@ std::exception_ptr basic_ddp<Policy>::runner_drain() {
   }
 }
 
+/// The parameters in the order the current buckets hold them.
+template <class Policy>
+std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
+  std::vector<std::size_t> order;
+  for (const bucket& b : buckets_)
+    order.insert(order.end(), b.info.parameters.begin(), b.info.parameters.end());
+  return order;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/basic_ddp_buckets.hpp ----
+// ---- begin dtrain/ddp/basic_ddp_step.hpp ----
+/// @file
+/// basic_ddp's step, as a state machine under its lock: parameters are marked
+/// ready (by the user, by autograd's hooks, or as unused), buckets launch in
+/// turn, synchronize() completes the step, the first step's order rebuilds the
+/// buckets once, and no_sync() accumulates instead. Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+
+
+#include <cstdio>
+#include <mutex>
+
+namespace dtrain {
+
+template <class Policy>
+void basic_ddp<Policy>::mark(std::size_t i) {
+  bool last = false;
+  {
+    const std::lock_guard lock(mutex_);
+    last = ready(i);
+  }
+  if (last && all_marked_) all_marked_();
+}
+
+/// The hot path of mark_ready, under the lock. Returns whether it marked the
+/// step's last parameter outside no_sync().
+template <class Policy>
+bool basic_ddp<Policy>::ready(std::size_t i) {
+  check_usable_locked();
+  variable& v = vars_[i];
+  const auto span = timeline_.mark_ready(i, v.bucket);
+  any_touched_ = true;
+  if (no_sync_depth_ > 0) {
+    v.touched = true;
+    return false;
+  }
+  if (v.unused) {
+    throw error("DistributedDataParallel::mark_ready: parameter '" + v.param.name + "' on rank " +
+                std::to_string(rank_) +
+                " was marked ready after prepare_for_backward() listed it as not reached by "
+                "step " +
+                std::to_string(steps_) + " (it is sent as zero)");
+  }
+  if (v.marked) marked_twice(i);
+  if (!any_marked_ && unused_pending_) {
+    // The step's first gradient: what the backward pass does not reach is ready now
+    // (c10d's Reducer), with a zero contribution or what no_sync() accumulated.
+    unused_pending_ = false;
+    for (std::size_t k = 0; k < vars_.size(); ++k) {
+      if (!vars_[k].unused) continue;
+      if (!vars_[k].touched) zero_contribution(k);
+      record_mark(k, false);
+    }
+  }
+  record_mark(i, true);
+  return unmarked_ == 0;
+}
+
+/// Parameter i is ready: counted in its bucket, which launches in its turn.
+/// `by_rank`: this rank gave it a gradient (not a zero for an unused one).
+template <class Policy>
+void basic_ddp<Policy>::record_mark(std::size_t i, bool by_rank) {
+  variable& v = vars_[i];
+  v.marked = true;
+  if (by_rank) v.touched = true;
+  any_marked_ = true;
+  --unmarked_;
+  if (recording()) ready_order_.push_back(i);
+  bucket& b = buckets_[v.bucket];
+  if (--b.pending == 0) {
+    b.ready = true;
+    if (options_.overlap) launch_ready();
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::no_such_index(std::size_t index) const {
+  throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
+              " does not exist on rank " + std::to_string(rank_) + " (the model has " +
+              std::to_string(vars_.size()) + ")");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::no_such_name(std::string_view name) const {
+  throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
+              " has no parameter named '" + std::string(name) + "'");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::not_a_parameter(const parameter& p) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
+              std::to_string(rank_) +
+              " is not one of the model's parameters (its values are elsewhere)");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::marked_twice(std::size_t i) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
+              std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
+              " on rank " + std::to_string(rank_) +
+              "; mark each gradient once per step (accumulate inside no_sync())");
+}
+
+/// What may only happen between steps (after synchronize(), before the next mark).
+template <class Policy>
+void basic_ddp<Policy>::check_between_steps(const char* what) const {
+  if (any_marked_ && no_sync_depth_ == 0) {
+    throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                std::to_string(rank_) +
+                " in the middle of a step (after mark_ready, before synchronize())");
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::mark_all_ready() {
+  // Last first, as a backward pass finishes them and as the first layout
+  // fills the buckets: recorded for the rebuild, this order changes nothing.
+  // The backward pass is over: the caller reduces these buckets itself in
+  // synchronize(), without waking the communication thread.
+  const std::lock_guard lock(mutex_);
+  in_bulk_ = true;
+  try {
+    for (std::size_t i = vars_.size(); i-- > 0;) {
+      if (!vars_[i].marked && !vars_[i].unused) ready(i);
+    }
+  } catch (...) {
+    in_bulk_ = false;
+    throw;
+  }
+  in_bulk_ = false;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize() {
+  const std::lock_guard lock(mutex_);
+  synchronize_locked();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize_locked() {
+  if (no_sync_depth_ > 0) return;
+  {
+    const auto span = timeline_.synchronize(steps_);
+    check_usable_locked();
+    complete_marks();
+    if (auto e = complete_buckets()) fail(e);
+    end_step();
+  }
+  if (options_.find_unused_parameters && options_.report_unused_parameters &&
+      steps_ <= unused_report_steps)
+    report_unused();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::change_stream(stream_type compute) {
+  if (compute == stream_) return;
+  if (any_marked_) {
+    throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
+                       " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): buckets already launched "
+                       "are ordered after the old stream; set the stream before the step");
+  }
+  memory_space::check_stream(device_, compute);
+  // What the old stream still does with the buckets comes first; their
+  // storage is released on the new one from now on.
+  memory_space::order_after(device_, compute, stream_);
+  for (bucket& b : buckets_) {
+    b.grads.set_stream(compute);
+    b.wire.set_stream(compute);
+    b.shard.set_stream(compute);
+  }
+  stream_ = compute;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize_on(stream_type compute) {
+  const std::lock_guard lock(mutex_);
+  if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
+    throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
+                       std::to_string(rank_) + " with a stream other than the one step " +
+                       std::to_string(steps_) +
+                       " was marked on: call set_stream(stream) before the step instead");
+  }
+  change_stream(compute);
+  synchronize_locked();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::wait() {
+  const std::lock_guard lock(mutex_);
+  if (auto e = runner_drain()) fail(e);
+  memory_space::synchronize(device_, stream_);
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::no_sync_guard basic_ddp<Policy>::no_sync() {
+  const std::lock_guard lock(mutex_);
+  if (any_marked_) {
+    throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
+                " in the middle of a synchronized step (after mark_ready, before synchronize())");
+  }
+  ++no_sync_depth_;
+  return no_sync_guard(*this);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::zero_grad() {
+  const std::lock_guard lock(mutex_);
+  check_between_steps("zero_grad()");
+  for (bucket& b : buckets_)
+    memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+  for (const variable& v : vars_) {
+    if (!v.view) memory_space::zero(v.param.gradient, v.param.bytes(), v.param.device, stream_);
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
+  const std::lock_guard lock(mutex_);
+  if (any_marked_ || next_launch_ > 0) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): register it between steps");
+  }
+  if (options_.compression != gradient_compression::none) {
+    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
+                       std::string(to_string(options_.compression)) +
+                       "; a hook replaces the reduction, so compress inside the hook instead");
+  }
+  hook_ = std::move(hook);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::prepare_for_backward(std::span<const std::size_t> unused) {
+  const std::lock_guard lock(mutex_);
+  if (!options_.find_unused_parameters) {
+    throw config_error("DistributedDataParallel::prepare_for_backward on rank " +
+                       std::to_string(rank_) +
+                       " without ddp_options::find_unused_parameters: set it to leave parameters "
+                       "out of a step");
+  }
+  check_between_steps("prepare_for_backward()");
+  for (variable& v : vars_) v.unused = false;
+  for (std::size_t i : unused) {
+    if (i >= vars_.size()) no_such_index(i);
+    vars_[i].unused = true;
+  }
+  unused_pending_ = !unused.empty();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::on_all_marked(std::function<void()> callback) {
+  const std::lock_guard lock(mutex_);
+  all_marked_ = std::move(callback);
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::marked(std::size_t i) const {
+  const std::lock_guard lock(mutex_);
+  return i < vars_.size() && vars_[i].marked;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::declared_unused(std::size_t i) const {
+  const std::lock_guard lock(mutex_);
+  return i < vars_.size() && vars_[i].unused;
+}
+
+template <class Policy>
+std::size_t basic_ddp<Policy>::unmarked() const {
+  const std::lock_guard lock(mutex_);
+  return unmarked_;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::step_open() const {
+  const std::lock_guard lock(mutex_);
+  return any_marked_;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::idle() const {
+  const std::lock_guard lock(mutex_);
+  return !any_touched_;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::accumulating() const {
+  const std::lock_guard lock(mutex_);
+  return no_sync_depth_ > 0;
+}
+
+template <class Policy>
+std::vector<bool> basic_ddp<Policy>::used_anywhere() {
+  const std::lock_guard lock(mutex_);
+  check_usable_locked();
+  return used_anywhere_locked();
+}
+
+/// The counts of the last completed step: this rank's `touched_last`, summed
+/// over the ranks once (in the memory space of the engine, which may reach
+/// device memory only), then kept for that step.
+template <class Policy>
+std::vector<bool> basic_ddp<Policy>::used_anywhere_locked() {
+  if (!options_.find_unused_parameters) return std::vector<bool>(vars_.size(), true);
+  if (used_step_ != steps_) {
+    std::vector<std::int32_t> counts(vars_.size());
+    for (std::size_t i = 0; i < vars_.size(); ++i) counts[i] = vars_[i].touched_last ? 1 : 0;
+    if (size_ > 1 && !counts.empty()) {
+      const detail::label_scope label("parameters used in step",
+                                      static_cast<std::int64_t>(steps_) - 1);
+      const std::size_t bytes = counts.size() * sizeof(std::int32_t);
+      if constexpr (memory_space::where == memory::host) {
+        sum_in_place({counts.data(), counts.size(), dtype::int32, memory::host, -1}).wait();
+      } else {
+        const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
+        memory_space::upload(staged.data(), counts.data(), bytes, device_, stream_);
+        sum_in_place({staged.data(), counts.size(), dtype::int32, memory::device, device_}).wait();
+        memory_space::download(counts.data(), staged.data(), bytes, device_, stream_);
+        memory_space::synchronize(device_, stream_);
+      }
+    }
+    used_counts_ = std::move(counts);
+    used_step_ = steps_;
+  }
+  std::vector<bool> used(vars_.size());
+  for (std::size_t i = 0; i < used.size(); ++i) used[i] = used_counts_[i] > 0;
+  return used;
+}
+
+/// The unmarked parameters of this step: an error, or (find_unused_parameters)
+/// zero contributions, marked now in index order on every rank.
+template <class Policy>
+void basic_ddp<Policy>::complete_marks() {
+  if (unmarked_ > 0 && !options_.find_unused_parameters) {
+    const std::string names =
+        detail::pick_names(parameters(), [&](std::size_t i) { return !vars_[i].marked; }).names;
+    throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
+                " never marked " + std::to_string(unmarked_) + " of " +
+                std::to_string(vars_.size()) + " parameters ready in step " +
+                std::to_string(steps_) + ": " + names +
+                "; call mark_ready for every parameter (or mark_all_ready() after the backward "
+                "pass), or set ddp_options::find_unused_parameters");
+  }
+  for (std::size_t i = 0; i < vars_.size(); ++i) {
+    if (vars_[i].marked) continue;
+    // Nothing accumulated in no_sync() either: this rank contributes zero.
+    if (!vars_[i].touched) zero_contribution(i);
+    const auto span = timeline_.mark_ready(i, vars_[i].bucket);
+    record_mark(i, false);
+  }
+  for (bucket& b : buckets_) b.ready = true;
+  in_bulk_ = true;  // synchronize() reduces these on the caller's thread next
+  launch_ready();
+  in_bulk_ = false;
+}
+
+/// After each of the first unused_report_steps steps, what some rank used
+/// (used_anywhere(), collective: every rank reaches it in the same step);
+/// after the last of them, rank 0 names the parameters that no rank marked.
+template <class Policy>
+void basic_ddp<Policy>::report_unused() {
+  const std::vector<bool> used = used_anywhere_locked();
+  for (std::size_t i = 0; i < vars_.size(); ++i) vars_[i].used = vars_[i].used || used[i];
+  if (steps_ != unused_report_steps || rank_ != 0) return;
+  const auto [names, count] =
+      detail::pick_names(parameters(), [&](std::size_t i) { return !vars_[i].used; });
+  if (count == 0) return;
+  std::fprintf(
+      stderr,
+      "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "
+      "%zu steps; with find_unused_parameters %s treated as unused and %s zeroed. If a "
+      "mark_ready was forgotten, add it (or call mark_all_ready() after the backward "
+      "pass); if the parameter is unused on purpose, set "
+      "ddp_options::report_unused_parameters = false to silence this\n",
+      size_, count == 1 ? "parameter" : "parameters", names.c_str(), unused_report_steps,
+      count == 1 ? "it is" : "they are", count == 1 ? "its gradient" : "their gradients");
+  std::fflush(stderr);
+}
+
 /// After every bucket is averaged: the one rebuild, then a fresh step.
 template <class Policy>
 void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
+  for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.
-    std::vector<std::uint8_t> bytes(ready_order_.size() * sizeof(std::uint64_t));
-    for (std::size_t k = 0; k < ready_order_.size(); ++k) {
-      const std::uint64_t i = ready_order_[k];
-      std::memcpy(bytes.data() + k * sizeof i, &i, sizeof i);
-    }
-    if (size_ > 1) control_.broadcast(bytes, 0);
-    std::vector<std::size_t> agreed(ready_order_.size());
-    for (std::size_t k = 0; k < agreed.size(); ++k) {
-      std::uint64_t i = 0;
-      std::memcpy(&i, bytes.data() + k * sizeof i, sizeof i);
-      agreed[k] = static_cast<std::size_t>(i);
-    }
-    detail::check_order(agreed, params_.size(),
-                        "rank 0's ready order (sent to rank " + std::to_string(rank_) + ")");
+    const std::vector<std::size_t> agreed =
+        detail::agree_on_order(control_, ready_order_, vars_.size());
     rebuilt_ = true;
     // The buckets of this step are done with (host memory) or ordered
     // before everything that follows on the compute stream (streams), where
@@ -15876,25 +16283,17 @@ void basic_ddp<Policy>::end_step() {
   reset_step();
 }
 
-/// The parameters in the order the current buckets hold them.
-template <class Policy>
-std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
-  std::vector<std::size_t> order;
-  for (const bucket_info& b : info_)
-    order.insert(order.end(), b.parameters.begin(), b.parameters.end());
-  return order;
-}
-
 template <class Policy>
 void basic_ddp<Policy>::reset_step() {
-  for (variable& v : vars_) v.marked = v.touched = v.zeroed = false;
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].pending = info_[b].parameters.size();
-    buckets_[b].ready = false;
+  for (variable& v : vars_) v.marked = v.touched = v.zeroed = v.unused = false;
+  for (bucket& b : buckets_) {
+    b.pending = b.info.parameters.size();
+    b.ready = false;
   }
   ready_order_.clear();
   next_launch_ = 0;
-  any_marked_ = false;
+  unmarked_ = vars_.size();
+  any_marked_ = any_touched_ = unused_pending_ = false;
 }
 
 template <class Policy>
@@ -15915,6 +16314,7 @@ void basic_ddp<Policy>::fail(std::exception_ptr e) {
 }
 
 }  // namespace dtrain
+// ---- end dtrain/ddp/basic_ddp_step.hpp ----
 // ---- end dtrain/ddp/basic_ddp.hpp ----
 // ---- begin dtrain/detail/link_check.hpp ----
 /// @file
