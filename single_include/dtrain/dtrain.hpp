@@ -13773,6 +13773,7 @@ void context<Policy>::finish() {
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace dtrain {
 
@@ -13792,6 +13793,10 @@ struct parameter {
   /// pointer dtrain may repoint into its own flat bucket storage.
   void* gradient_slot = nullptr;
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+  /// The dimensions the model gives the values (a tensor's sizes), for
+  /// messages: a model that differs across ranks is named by them
+  /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
+  std::vector<std::size_t> shape = {};
 
   [[nodiscard]] bool rebindable() const noexcept {
     return gradient_slot != nullptr && rebind != nullptr;
@@ -14201,11 +14206,23 @@ struct gradient_bucket {
 
 namespace dtrain::detail {
 
-/// "parameter fc1.weight (1024 x float32 on the host)": what must match across ranks.
+/// "parameter fc1.weight (1024 x float32 on the host)", or with a shape
+/// "parameter fc1.weight ([64, 16] float32 on the host)": what must match across ranks.
 inline std::string parameter_entry(const parameter& p, std::string_view kind) {
-  return std::string(kind) + " " + p.name + " (" + std::to_string(p.values.count) + " x " +
-         std::string(to_string(p.values.type)) +
-         (p.values.where == memory::host ? " on the host)" : " on a GPU)");
+  std::string entry = std::string(kind) + " " + p.name + " (";
+  if (p.shape.empty()) {
+    entry += std::to_string(p.values.count) + " x ";
+  } else {
+    entry += "[";
+    for (std::size_t d = 0; d < p.shape.size(); ++d) {
+      if (d > 0) entry += ", ";
+      entry += std::to_string(p.shape[d]);
+    }
+    entry += "] ";
+  }
+  entry += to_string(p.values.type);
+  entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
+  return entry;
 }
 
 inline std::vector<std::string> model_entries(std::span<const parameter> params,

@@ -362,6 +362,10 @@ void check_mismatch(dtrain::context<Policy>& ctx) {
     const std::string what = e.what();
     check(what.find("fc.weight") != std::string::npos, ctx.rank(),
           "mismatch: the error does not name 'fc.weight': " + what);
+    // In a torch user's terms: the shapes, not the element counts.
+    check(what.find("fc.weight ([10, ") != std::string::npos &&
+              what.find("fc.weight ([11, ") != std::string::npos,
+          ctx.rank(), "mismatch: the error does not give fc.weight's shapes: " + what);
     if (ctx.rank() == 0) std::printf("mismatch refused: %s\n", e.what());
   }
 }

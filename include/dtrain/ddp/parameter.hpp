@@ -16,6 +16,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace dtrain {
 
@@ -35,6 +36,10 @@ struct parameter {
   /// pointer dtrain may repoint into its own flat bucket storage.
   void* gradient_slot = nullptr;
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+  /// The dimensions the model gives the values (a tensor's sizes), for
+  /// messages: a model that differs across ranks is named by them
+  /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
+  std::vector<std::size_t> shape = {};
 
   [[nodiscard]] bool rebindable() const noexcept {
     return gradient_slot != nullptr && rebind != nullptr;

@@ -234,7 +234,8 @@ std::string module_ddp<Policy>::collect(const ddp_options& options, std::vector<
           (t.requires_grad() ? "parameter '" : "frozen parameter '") + key + "'";
       const buffer values = detail::buffer_of(t, what, rank_);
       if (!t.requires_grad()) {
-        buffers.push_back({.name = key, .values = values, .device = values.device});
+        buffers.push_back(
+            {.name = key, .values = values, .device = values.device, .shape = detail::shape_of(t)});
         continue;
       }
       if (!t.is_leaf()) {
@@ -260,14 +261,18 @@ std::string module_ddp<Policy>::collect(const ddp_options& options, std::vector<
                         .gradient = place,
                         .device = values.device,
                         .gradient_slot = &gradient,
-                        .rebind = &detail::rebind_gradient});
+                        .rebind = &detail::rebind_gradient,
+                        .shape = detail::shape_of(t)});
     }
     for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
       // An optional buffer left unset, or one registered twice.
       if (!item.value().defined() || !seen.insert(item.value().unsafeGetTensorImpl()).second)
         continue;
       const buffer values = detail::buffer_of(item.value(), "buffer '" + item.key() + "'", rank_);
-      buffers.push_back({.name = item.key(), .values = values, .device = values.device});
+      buffers.push_back({.name = item.key(),
+                         .values = values,
+                         .device = values.device,
+                         .shape = detail::shape_of(item.value())});
       buffer_tensors_.push_back(item.value());  // broadcast by each forward(), as PyTorch does
     }
   } catch (const config_error& e) {

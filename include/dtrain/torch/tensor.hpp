@@ -9,9 +9,11 @@
 #include <torch/torch.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace dtrain::torch::detail {
 
@@ -54,6 +56,13 @@ namespace dtrain::torch::detail {
   if (!t.is_cpu())
     refuse("is on device " + t.device().str() + "; dtrain moves CPU and CUDA tensors");
   return {t.data_ptr(), static_cast<std::size_t>(t.numel()), *type, memory::host, -1};
+}
+
+/// The tensor's sizes, as dtrain::parameter::shape (messages name `[64, 16]`).
+[[nodiscard]] inline std::vector<std::size_t> shape_of(const ::torch::Tensor& t) {
+  std::vector<std::size_t> shape;
+  for (const std::int64_t d : t.sizes()) shape.push_back(static_cast<std::size_t>(d));
+  return shape;
 }
 
 /// Where a parameter's .grad() lives while DDP holds it; dtrain::parameter's
