@@ -9,6 +9,9 @@
 ///
 /// - torch/ddp.hpp: DistributedDataParallel for torch::nn modules, with
 ///   autograd marking gradients ready and backward() completing each step;
+///   torch/module_ddp.hpp holds all of it that does not depend on the
+///   module's type (tensors, hooks, the final callback, over DDP's core), and
+///   torch/compiled.hpp lets a compiled part hold that once (dtrain::torch);
 /// - torch/sampler.hpp: dtrain::distributed_sampler as a torch::data sampler;
 /// - torch/tensor.hpp: tensors as dtrain buffers, .grad() as bucket views.
 ///

@@ -1,7 +1,11 @@
 # Checks that an object compiled in separate mode (linked to dtrain::dtrain)
 # defines none of what dtrain's library holds: what a TU compiles is what it costs.
 #
-#   cmake -DOBJECTS=<object files, ;-separated> -DNM=<nm> -P check_thin_tu.cmake
+#   cmake -DOBJECTS=<object files, ;-separated> -DNM=<nm> [-DMORE=<patterns, |-separated>]
+#         -P check_thin_tu.cmake
+#
+# MORE: symbols that another compiled part holds (dtrain::torch's, for a
+# LibTorch user's TU).
 cmake_minimum_required(VERSION 3.21)
 
 # Symbols (as nm -C prints them) that only the library may define.
@@ -15,6 +19,10 @@ set(library_only
   "dtrain::basic_ddp<"
   "dtrain::store_client::"
   "dtrain::store_channel<")
+if(MORE)
+  string(REPLACE "|" ";" more "${MORE}")
+  list(APPEND library_only ${more})
+endif()
 
 foreach(object IN LISTS OBJECTS)
   execute_process(COMMAND "${NM}" -C --defined-only "${object}"
@@ -23,7 +31,7 @@ foreach(object IN LISTS OBJECTS)
     message(FATAL_ERROR "${NM} failed on ${object}")
   endif()
   if(NOT symbols MATCHES " T main\n")
-    message(FATAL_ERROR "no main in ${object}: not the object of run_only.cpp or demo.cpp?\n${symbols}")
+    message(FATAL_ERROR "no main in ${object}: not the object of a program's TU?\n${symbols}")
   endif()
   foreach(pattern IN LISTS library_only)
     if(symbols MATCHES "[^\n]*${pattern}[^\n]*")

@@ -15,7 +15,8 @@
 #   CUDA, and a GPU at run time: exit 77, skipped, without one).
 set(torch_ranks 2 4)
 set(torch_tests torch.ddp.gloo.1rank torch.ddp.mpi.2ranks torch.ddp.mpi.4ranks torch.demo
-                compile.torch_strict_gloo compile.torch_strict_nccl torch.ddp.nccl.1rank)
+                compile.torch_strict_gloo compile.torch_strict_nccl torch.ddp.nccl.1rank
+                compiled.thin_torch_tu)
 foreach(ranks IN LISTS torch_ranks)
   list(APPEND torch_tests torch.ddp.gloo.${ranks}ranks)
 endforeach()
@@ -105,6 +106,32 @@ foreach(engine IN ITEMS GLOO NCCL)
       TIMEOUT 300)
   endif()
 endforeach()
+
+# compiled.thin_torch_tu: a LibTorch user's training TU (bench/compile_time/torch_mlp.cpp)
+# compiled as dtrain::torch gives it defines none of dtrain::torch's compiled part
+# (module_ddp's members) nor of dtrain's library: what makes it compile fast.
+# Optimised builds only, as compiled.thin_tu (tests/compiled/compiled.cmake).
+if(NOT TARGET dtrain_torch_part_gloo OR DTRAIN_HEADER_ONLY)
+  dtrain_add_skipped_test(compiled.thin_torch_tu "needs Gloo and the compiled library")
+elseif(CMAKE_BUILD_TYPE STREQUAL "Debug")
+  dtrain_add_skipped_test(compiled.thin_torch_tu
+    "at -O0 GCC emits the store server's inline coroutines in every TU (build type Debug)")
+else()
+  add_library(dtrain_compiled_thin_torch_tu OBJECT
+              "${PROJECT_SOURCE_DIR}/bench/compile_time/torch_mlp.cpp")
+  # Usage requirements only: dtrain::gloo, LibTorch, DTRAIN_TORCH_SEPARATE_COMPILATION=1.
+  target_link_libraries(dtrain_compiled_thin_torch_tu PRIVATE dtrain_torch_part_gloo)
+  dtrain_target_warnings(dtrain_compiled_thin_torch_tu)
+  set(torch_part_members "~module_ddp|before_forward|walks_graph|prepare_for_backward|synchronize"
+                         "no_sync|zero_grad|gradient_written|collect|attach|complete_step|expose"
+                         "broadcast_buffers|check_step_closed")
+  list(JOIN torch_part_members "|" torch_part_members)
+  dtrain_add_test(compiled.thin_torch_tu
+    COMMAND "${CMAKE_COMMAND}" "-DOBJECTS=$<TARGET_OBJECTS:dtrain_compiled_thin_torch_tu>"
+            "-DNM=${CMAKE_NM}"
+            "-DMORE=dtrain::torch::module_ddp<[^()]*>::(${torch_part_members})\\("
+            -P "${PROJECT_SOURCE_DIR}/tests/compiled/check_thin_tu.cmake")
+endif()
 
 if(TARGET dtrain::nccl AND torch_cuda_headers)
   add_torch_test_program(dtrain_torch_ddp_nccl nccl)

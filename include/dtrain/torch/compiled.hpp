@@ -15,8 +15,7 @@
 /// the engines: a torch part built for others is an undefined reference to
 /// dtrain::torch::detail::link_check::library_built_with_engines_<set>.
 
-#include <dtrain/compiled.hpp>
-#include <dtrain/detail/link_check.hpp>
+#include <dtrain/dtrain.hpp>  // dtrain/compiled.hpp's policy lists, the link check's symbol name
 #include <dtrain/torch/module_ddp.hpp>
 
 #if defined(DTRAIN_TORCH_SEPARATE_COMPILATION) && (DTRAIN_TORCH_SEPARATE_COMPILATION + 0)
