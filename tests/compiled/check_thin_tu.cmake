@@ -1,11 +1,11 @@
 # Checks that an object compiled in separate mode (linked to dtrain::dtrain)
 # defines none of what dtrain's library holds: what a TU compiles is what it costs.
 #
-#   cmake -DOBJECTS=<object files, ;-separated> -DNM=<nm> [-DMORE=<patterns, |-separated>]
+#   cmake -DOBJECTS=<object files, ;-separated> -DNM=<nm> [-DMORE=<pattern>]
 #         -P check_thin_tu.cmake
 #
-# MORE: symbols that another compiled part holds (dtrain::torch's, for a
-# LibTorch user's TU).
+# MORE: one more pattern, for symbols that another compiled part holds
+# (dtrain::torch's, for a LibTorch user's TU).
 cmake_minimum_required(VERSION 3.21)
 
 # Symbols (as nm -C prints them) that only the library may define.
@@ -20,8 +20,7 @@ set(library_only
   "dtrain::store_client::"
   "dtrain::store_channel<")
 if(MORE)
-  string(REPLACE "|" ";" more "${MORE}")
-  list(APPEND library_only ${more})
+  list(APPEND library_only "${MORE}")
 endif()
 
 foreach(object IN LISTS OBJECTS)
