@@ -18,12 +18,6 @@
 #include <dtrain/dtrain.hpp>  // dtrain/compiled.hpp's policy lists, the link check's symbol name
 #include <dtrain/torch/module_ddp.hpp>
 
-#if defined(DTRAIN_TORCH_SEPARATE_COMPILATION) && (DTRAIN_TORCH_SEPARATE_COMPILATION + 0)
-#define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 1
-#else
-#define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 0
-#endif
-
 // NCCL's policies need LibTorch's CUDA headers (the current CUDA stream).
 #if DTRAIN_TORCH_CUDA()
 #define DTRAIN_TORCH_DETAIL_FOR_EACH_NCCL_POLICY(X) DTRAIN_FOR_EACH_NCCL_POLICY(X)
@@ -39,6 +33,18 @@
   extern template class ::dtrain::torch::module_ddp<__VA_ARGS__>;
 #define DTRAIN_TORCH_DETAIL_DEFINE_COMPILED(...) \
   template class ::dtrain::torch::module_ddp<__VA_ARGS__>;
+
+namespace dtrain::torch::detail {
+/// Whether dtrain::torch's part holds module_ddp<P> (with separate compilation,
+/// a file that links the part does not read module_ddp's definitions).
+template <class P>
+inline constexpr bool in_torch_part = false;
+#define DTRAIN_TORCH_DETAIL_MARK_COMPILED(...) \
+  template <>                                  \
+  inline constexpr bool in_torch_part<__VA_ARGS__> = true;
+DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY(DTRAIN_TORCH_DETAIL_MARK_COMPILED)
+#undef DTRAIN_TORCH_DETAIL_MARK_COMPILED
+}  // namespace dtrain::torch::detail
 
 namespace dtrain::torch::detail::link_check {
 /// Defined by the torch part built with this TU's engines, and only there.

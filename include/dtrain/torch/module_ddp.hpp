@@ -23,14 +23,13 @@
 ///   keeps the .grad() it had (undefined when it had none), as in PyTorch.
 ///
 /// Its members are defined out of the class and not inline, so that a compiled
-/// part (src/torch.cpp, DTRAIN_TORCH_SEPARATE_COMPILATION) holds them once.
+/// part (src/torch.cpp, DTRAIN_TORCH_SEPARATE_COMPILATION) holds them once;
+/// there, a file that links the part reads only the declarations (and build(),
+/// for a context other than dtrain::context), not LibTorch's autograd internals.
 
 #include <dtrain/dtrain.hpp>
 #include <dtrain/torch/tensor.hpp>
 
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 // CUDA tensors: the current stream comes from LibTorch's CUDA headers, which
@@ -42,6 +41,7 @@
 #define DTRAIN_TORCH_CUDA() 0
 #endif
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -50,6 +50,16 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
+
+/// DTRAIN_TORCH_SEPARATE_COMPILATION=1 (CMake's dtrain::torch defines it):
+/// module_ddp's members are compiled once, in dtrain::torch's part
+/// (torch/compiled.hpp, src/torch.cpp); a file that only links them does not
+/// even read their definitions.
+#if defined(DTRAIN_TORCH_SEPARATE_COMPILATION) && (DTRAIN_TORCH_SEPARATE_COMPILATION + 0)
+#define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 1
+#else
+#define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 0
+#endif
 
 namespace dtrain::torch {
 
@@ -61,6 +71,13 @@ struct module_options {
   /// frozen parameters, anyway (ddp_options::broadcast_parameters).
   bool broadcast_buffers = true;
 };
+
+namespace detail {
+/// A ddp_context other than dtrain::context<Policy>, whose module_ddp
+/// constructor is compiled once (dtrain::torch's part).
+template <class C, class Policy>
+concept other_ddp_context = ddp_context<C, Policy> && !std::same_as<C, dtrain::context<Policy>>;
+}  // namespace detail
 
 /// DistributedDataParallel's part that does not depend on the module's type.
 /// Not movable: autograd's hooks point at it.
@@ -75,23 +92,15 @@ class module_ddp {
   /// same module (config_error naming the first parameter that differs),
   /// copies rank 0's parameters and buffers to every rank, lays the
   /// gradients out in buckets and hooks every parameter's gradient accumulator.
-  template <ddp_context<Policy> Context>
+  /// (dtrain::context's is compiled once, with the rest, in dtrain::torch's part.)
+  module_ddp(dtrain::context<Policy>& ctx, std::shared_ptr<::torch::nn::Module> module,
+             ddp_options options, module_options extra);
+  /// The same over another ddp_context.
+  template <detail::other_ddp_context<Policy> Context>
   module_ddp(Context& ctx, std::shared_ptr<::torch::nn::Module> module, ddp_options options,
              module_options extra)
       : module_(std::move(module)), extra_(extra), rank_(ctx.communicator().rank()) {
-    std::vector<parameter> params;
-    std::vector<parameter> buffers;
-    std::string problem = collect(options, params, buffers);
-    // A module this rank cannot take stops every rank, each with a message (not only this one,
-    // leaving the others to find it gone), over the control plane the core agrees on next.
-    control_plane control = ctx.control_plane();
-    dtrain::detail::agree_on_model(control, {}, {}, problem);
-    const stream_type stream = current_stream();
-    // The core's report names parameters nobody marked, against a forgotten
-    // mark_ready; autograd marks here, and PyTorch reports nothing either.
-    options.report_unused_parameters = false;
-    core_.emplace(ctx, std::move(params), std::move(buffers), std::move(options));
-    attach(stream);
+    build(ctx, std::move(options));
   }
 
   module_ddp(const module_ddp&) = delete;
@@ -137,6 +146,8 @@ class module_ddp {
     std::uintptr_t hook_key = 0;
   };
 
+  template <class Context>
+  void build(Context& ctx, ddp_options options);
   static stream_type current_stream();
   std::string collect(const ddp_options& options, std::vector<parameter>& params,
                       std::vector<parameter>& buffers);
@@ -160,6 +171,42 @@ class module_ddp {
   std::optional<core_type> core_;
 };
 
+// ---------------------------------------------------------------------------
+// Out of class and not inline: see the file comment. build() is read by every
+// file: a context other than dtrain::context<Policy> is compiled where it is used.
+
+/// The constructors' work, once the members above are set.
+template <class Policy>
+template <class Context>
+void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
+  std::vector<parameter> params;
+  std::vector<parameter> buffers;
+  std::string problem = collect(options, params, buffers);
+  // A module this rank cannot take stops every rank, each with a message (not only this one,
+  // leaving the others to find it gone), over the control plane the core agrees on next.
+  control_plane control = ctx.control_plane();
+  dtrain::detail::agree_on_model(control, {}, {}, problem);
+  const stream_type stream = current_stream();
+  // The core's report names parameters nobody marked, against a forgotten
+  // mark_ready; autograd marks here, and PyTorch reports nothing either.
+  options.report_unused_parameters = false;
+  core_.emplace(ctx, std::move(params), std::move(buffers), std::move(options));
+  attach(stream);
+}
+
+}  // namespace dtrain::torch
+
+// The members' definitions: read where they are compiled (header-only, and in
+// dtrain::torch's part, which defines DTRAIN_TORCH_DETAIL_PART), not by a file
+// that only links them.
+#if !DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() || defined(DTRAIN_TORCH_DETAIL_PART)
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+namespace dtrain::torch {
+
 namespace detail {
 
 /// The post-hook on a gradient accumulator: once autograd has written the
@@ -182,8 +229,13 @@ class ready_hook final : public ::torch::autograd::FunctionPostHook {
 
 }  // namespace detail
 
-// ---------------------------------------------------------------------------
-// Out of class and not inline: see the file comment.
+template <class Policy>
+module_ddp<Policy>::module_ddp(dtrain::context<Policy>& ctx,
+                               std::shared_ptr<::torch::nn::Module> module, ddp_options options,
+                               module_options extra)
+    : module_(std::move(module)), extra_(extra), rank_(ctx.communicator().rank()) {
+  build(ctx, std::move(options));
+}
 
 template <class Policy>
 module_ddp<Policy>::~module_ddp() {
@@ -525,3 +577,5 @@ void module_ddp<Policy>::sum_in_place(const buffer& b) {
 }
 
 }  // namespace dtrain::torch
+
+#endif  // the members' definitions
