@@ -8759,10 +8759,10 @@ struct failure_record {
         throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
       f.final = flag == 1;
       f.message = r.bytes32("the message");
-      const std::int64_t rank = r.i64("the rank");
-      if (rank < -1 || rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank or -1");
-      f.rank = static_cast<int>(rank);
+      const std::int64_t raw_rank = r.i64("the rank");
+      if (raw_rank < -1 || raw_rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank or -1");
+      f.rank = static_cast<int>(raw_rank);
       f.collective = r.i64("the collective");
       if (f.collective < 0)
         throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
@@ -8807,10 +8807,10 @@ struct exit_record {
   [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value) {
     return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
       exit_record e;
-      const std::int64_t rank = r.i64("the rank");
-      if (rank < 0 || rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank");
-      e.rank = static_cast<int>(rank);
+      const std::int64_t raw_rank = r.i64("the rank");
+      if (raw_rank < 0 || raw_rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank");
+      e.rank = static_cast<int>(raw_rank);
       e.label = r.bytes32("the worker");
       const std::uint32_t n = r.u32("the communicator count");
       if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
@@ -14694,9 +14694,10 @@ class flat_storage {
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/storage.hpp ----
 
+#include <compare>
 #include <cstddef>
 #include <cstdint>
-#include <ranges>
+#include <iterator>
 #include <vector>
 
 namespace dtrain::detail {
@@ -14734,12 +14735,60 @@ struct ddp_bucket {
 };
 
 /// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).
-using parameter_view =
-    std::ranges::transform_view<std::ranges::ref_view<const std::vector<ddp_variable>>,
-                                parameter ddp_variable::*>;
+/// Written out rather than a std::ranges::transform_view, which clang 14 cannot
+/// compile against libstdc++ 12.
+class parameter_view {
+ public:
+  class iterator {
+   public:
+    using iterator_concept = std::random_access_iterator_tag;
+    using iterator_category = std::random_access_iterator_tag;
+    using value_type = parameter;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const parameter*;
+    using reference = const parameter&;
+
+    iterator() = default;
+    explicit iterator(const ddp_variable* at) noexcept : at_(at) {}
+
+    reference operator*() const noexcept { return at_->param; }
+    pointer operator->() const noexcept { return &at_->param; }
+    reference operator[](difference_type n) const noexcept { return at_[n].param; }
+    iterator& operator++() noexcept { return ++at_, *this; }
+    iterator operator++(int) noexcept { return iterator(at_++); }
+    iterator& operator--() noexcept { return --at_, *this; }
+    iterator operator--(int) noexcept { return iterator(at_--); }
+    iterator& operator+=(difference_type n) noexcept { return at_ += n, *this; }
+    iterator& operator-=(difference_type n) noexcept { return at_ -= n, *this; }
+    friend iterator operator+(iterator i, difference_type n) noexcept { return i += n; }
+    friend iterator operator+(difference_type n, iterator i) noexcept { return i += n; }
+    friend iterator operator-(iterator i, difference_type n) noexcept { return i -= n; }
+    friend difference_type operator-(iterator a, iterator b) noexcept { return a.at_ - b.at_; }
+    friend bool operator==(iterator a, iterator b) noexcept { return a.at_ == b.at_; }
+    friend auto operator<=>(iterator a, iterator b) noexcept { return a.at_ <=> b.at_; }
+
+   private:
+    const ddp_variable* at_ = nullptr;
+  };
+
+  explicit parameter_view(const std::vector<ddp_variable>& variables) noexcept
+      : first_(variables.data()), size_(variables.size()) {}
+
+  [[nodiscard]] iterator begin() const noexcept { return iterator(first_); }
+  [[nodiscard]] iterator end() const noexcept { return iterator(first_ + size_); }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] const parameter& operator[](std::size_t i) const noexcept {
+    return first_[i].param;
+  }
+
+ private:
+  const ddp_variable* first_;
+  std::size_t size_;
+};
 
 [[nodiscard]] inline parameter_view parameters_of(const std::vector<ddp_variable>& variables) {
-  return parameter_view(std::ranges::ref_view(variables), &ddp_variable::param);
+  return parameter_view(variables);
 }
 
 }  // namespace dtrain::detail

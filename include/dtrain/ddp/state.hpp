@@ -8,9 +8,10 @@
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/storage.hpp>
 
+#include <compare>
 #include <cstddef>
 #include <cstdint>
-#include <ranges>
+#include <iterator>
 #include <vector>
 
 namespace dtrain::detail {
@@ -48,12 +49,60 @@ struct ddp_bucket {
 };
 
 /// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).
-using parameter_view =
-    std::ranges::transform_view<std::ranges::ref_view<const std::vector<ddp_variable>>,
-                                parameter ddp_variable::*>;
+/// Written out rather than a std::ranges::transform_view, which clang 14 cannot
+/// compile against libstdc++ 12.
+class parameter_view {
+ public:
+  class iterator {
+   public:
+    using iterator_concept = std::random_access_iterator_tag;
+    using iterator_category = std::random_access_iterator_tag;
+    using value_type = parameter;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const parameter*;
+    using reference = const parameter&;
+
+    iterator() = default;
+    explicit iterator(const ddp_variable* at) noexcept : at_(at) {}
+
+    reference operator*() const noexcept { return at_->param; }
+    pointer operator->() const noexcept { return &at_->param; }
+    reference operator[](difference_type n) const noexcept { return at_[n].param; }
+    iterator& operator++() noexcept { return ++at_, *this; }
+    iterator operator++(int) noexcept { return iterator(at_++); }
+    iterator& operator--() noexcept { return --at_, *this; }
+    iterator operator--(int) noexcept { return iterator(at_--); }
+    iterator& operator+=(difference_type n) noexcept { return at_ += n, *this; }
+    iterator& operator-=(difference_type n) noexcept { return at_ -= n, *this; }
+    friend iterator operator+(iterator i, difference_type n) noexcept { return i += n; }
+    friend iterator operator+(difference_type n, iterator i) noexcept { return i += n; }
+    friend iterator operator-(iterator i, difference_type n) noexcept { return i -= n; }
+    friend difference_type operator-(iterator a, iterator b) noexcept { return a.at_ - b.at_; }
+    friend bool operator==(iterator a, iterator b) noexcept { return a.at_ == b.at_; }
+    friend auto operator<=>(iterator a, iterator b) noexcept { return a.at_ <=> b.at_; }
+
+   private:
+    const ddp_variable* at_ = nullptr;
+  };
+
+  explicit parameter_view(const std::vector<ddp_variable>& variables) noexcept
+      : first_(variables.data()), size_(variables.size()) {}
+
+  [[nodiscard]] iterator begin() const noexcept { return iterator(first_); }
+  [[nodiscard]] iterator end() const noexcept { return iterator(first_ + size_); }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] const parameter& operator[](std::size_t i) const noexcept {
+    return first_[i].param;
+  }
+
+ private:
+  const ddp_variable* first_;
+  std::size_t size_;
+};
 
 [[nodiscard]] inline parameter_view parameters_of(const std::vector<ddp_variable>& variables) {
-  return parameter_view(std::ranges::ref_view(variables), &ddp_variable::param);
+  return parameter_view(variables);
 }
 
 }  // namespace dtrain::detail

@@ -136,10 +136,10 @@ struct failure_record {
         throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
       f.final = flag == 1;
       f.message = r.bytes32("the message");
-      const std::int64_t rank = r.i64("the rank");
-      if (rank < -1 || rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank or -1");
-      f.rank = static_cast<int>(rank);
+      const std::int64_t raw_rank = r.i64("the rank");
+      if (raw_rank < -1 || raw_rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank or -1");
+      f.rank = static_cast<int>(raw_rank);
       f.collective = r.i64("the collective");
       if (f.collective < 0)
         throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
@@ -184,10 +184,10 @@ struct exit_record {
   [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value) {
     return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
       exit_record e;
-      const std::int64_t rank = r.i64("the rank");
-      if (rank < 0 || rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(rank) + " is not a rank");
-      e.rank = static_cast<int>(rank);
+      const std::int64_t raw_rank = r.i64("the rank");
+      if (raw_rank < 0 || raw_rank > INT32_MAX)
+        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank");
+      e.rank = static_cast<int>(raw_rank);
       e.label = r.bytes32("the worker");
       const std::uint32_t n = r.u32("the communicator count");
       if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
