@@ -419,12 +419,11 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   const cudaStream_t stream = compute.get();
   device_mlp model(initial, device, std::max(s.batch_size, test_host.size()));
   model.set_stream(stream);
-  // The uploads above ran on the legacy stream, the rank-0 broadcast of DDP's
-  // construction on NCCL's: both must be done before `stream` touches the weights.
+  // The uploads above ran on the legacy stream: done before anything else
+  // touches the weights. DDP's broadcast of rank 0's weights is ordered after
+  // `stream` (.stream), and complete when the constructor returns.
   DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
-  dtrain::DistributedDataParallel<device_mlp, Policy> ddp(ctx, model);
-  ddp.set_stream(stream);
-  DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
+  dtrain::DistributedDataParallel<device_mlp, Policy> ddp(ctx, model, {.stream = stream});
   dtrain::distributed_sampler sampler(train_host.size(), ctx.world(), {.seed = s.seed});
 
   // This epoch's shard, as device indices; totals: summed loss, correct, samples.

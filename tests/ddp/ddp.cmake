@@ -167,6 +167,11 @@ if(DTRAIN_WITH_GLOO)
     COMMAND $<TARGET_FILE:dtrain_test_launch> --no-kill 2 $<TARGET_FILE:dtrain_ddp_device_rules> hung-peer
     TIMEOUT 60 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3
     PROPERTIES PROCESSORS 2 PASS_REGULAR_EXPRESSION "the watchdog reported the hung peer in time")
+  # NCCL's first broadcast at two ranks and more (issue 31): ordered after ddp_options::stream.
+  dtrain_add_test(nccl.ranks.broadcast_after_stream.2ranks
+    COMMAND $<TARGET_FILE:dtrain_test_launch> 2 $<TARGET_FILE:dtrain_ddp_device_rules> stream-init
+    TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60
+    PROPERTIES PROCESSORS 2)
   dtrain_add_test(ddp.device_rules.mismatch.2ranks
     COMMAND "${CMAKE_COMMAND}"
             "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--no-kill|2|$<TARGET_FILE:dtrain_ddp_device_rules>|mismatch"
@@ -179,4 +184,6 @@ else()
                         mismatch.2ranks)
     dtrain_add_skipped_test(ddp.device_rules.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
   endforeach()
+  dtrain_add_skipped_test(nccl.ranks.broadcast_after_stream.2ranks
+                          "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
 endif()

@@ -11,6 +11,12 @@
 //   dtrain_ddp_device_rules hung-peer  rank 1 never steps: rank 0's synchronize()
 //                                      (or its next call) throws timeout_error
 //                                      within the timeout plus one second
+//   dtrain_ddp_device_rules stream-init
+//                                      each rank writes its parameters on a compute
+//                                      stream of its own, late, then builds DDP with
+//                                      ddp_options::stream: every rank starts from
+//                                      what rank 0 wrote there (the first broadcast
+//                                      is ordered after that stream)
 //   dtrain_ddp_device_rules mean hierarchical
 //                                      `mean` with topology::hierarchical (run the
 //                                      ranks as nodes: dtrain_test_launch --nodes 2,2):
@@ -20,10 +26,12 @@
 #include "device_rules.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -153,6 +161,47 @@ int mean_case(dtrain::context<Policy>& ctx, dtrain::gradient_compression compres
   return 0;
 }
 
+// What rank `rank` writes on its compute stream before DDP is built.
+float late_value(int rank, std::size_t p) {
+  return static_cast<float>(100000 + rank * 1000) + static_cast<float>(p);
+}
+
+int stream_init_case(dtrain::context<policy>& ctx) {
+  const int rank = ctx.rank();
+  model m(rank);
+  // The compute stream: the parameters and the buffer are written there, after
+  // a while (as a kernel still running when the host goes on).
+  auto compute = std::make_shared<device_rules::fake_stream>();
+  const dtrain::stream_handle handle = device_rules::register_stream(compute);
+  compute->enqueue({}, [&m, rank] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (std::size_t p = 0; p < m.values.size(); ++p)
+      std::fill(m.values[p].begin(), m.values[p].end(), late_value(rank, p));
+    m.step_counter[0] = static_cast<float>(rank + 70);
+  });
+  dtrain::DistributedDataParallel<model, policy> ddp(ctx, m, {.stream = handle});
+  static const std::atomic<bool> never{false};
+  compute->synchronize(never);
+  for (std::size_t p = 0; p < m.values.size(); ++p) {
+    for (float v : m.values[p]) {
+      if (v != late_value(0, p)) {
+        return fail("rank " + std::to_string(rank) + ": parameter " + std::to_string(p) +
+                    " starts at " + std::to_string(v) + ", not rank 0's " +
+                    std::to_string(late_value(0, p)) +
+                    " written on the compute stream: the first broadcast was not ordered after it");
+      }
+    }
+  }
+  if (m.step_counter[0] != 70.0f)
+    return fail("rank " + std::to_string(rank) + ": the buffer starts at " +
+                std::to_string(m.step_counter[0]) + ", not rank 0's 70");
+  std::printf(
+      "rank %d: every parameter and buffer starts from what rank 0 wrote on its compute "
+      "stream\n",
+      rank);
+  return 0;
+}
+
 int mismatch_case(dtrain::context<policy>& ctx) {
   model m(ctx.rank());
   if (ctx.rank() == ctx.size() - 1) m.renamed = "layer5.renamed";
@@ -222,6 +271,7 @@ int main(int argc, char** argv) {
       return status;
     }
     if (which == "mismatch") return mismatch_case(ctx);
+    if (which == "stream-init") return stream_init_case(ctx);
     if (which == "hung-peer") return hung_peer_case(ctx);
     return fail("unknown case '" + std::string(which) + "'");
   });

@@ -32,12 +32,6 @@
 
 namespace device_rules {
 
-/// Host bytes that DDP must treat as GPU memory of device 0, ordered on a "stream".
-struct memory : dtrain::host_memory {
-  static constexpr dtrain::memory where = dtrain::memory::device;
-  static constexpr bool on_stream = true;
-};
-
 class rules_work;
 
 /// A device stream on the host: a thread that runs what is enqueued in order.
@@ -122,6 +116,38 @@ class fake_stream {
   std::thread thread_;  // last: starts once everything above exists
 };
 
+/// Every fake_stream handed out as a handle (the communicators' and the tests'
+/// compute streams), to find the stream a handle names.
+inline std::mutex& streams_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::vector<std::weak_ptr<fake_stream>>& streams() {
+  static std::vector<std::weak_ptr<fake_stream>> all;
+  return all;
+}
+inline dtrain::stream_handle handle_of(const std::shared_ptr<fake_stream>& s) noexcept {
+  return reinterpret_cast<dtrain::stream_handle>(s.get());
+}
+/// Makes `s` findable from its handle; returns the handle.
+inline dtrain::stream_handle register_stream(const std::shared_ptr<fake_stream>& s) {
+  std::lock_guard lock(streams_mutex());
+  std::erase_if(streams(), [](const auto& w) { return w.expired(); });
+  streams().push_back(s);
+  return handle_of(s);
+}
+/// The stream a handle names: one of the device-rules streams, or none
+/// (null: the legacy default stream, which has nothing to wait for here).
+inline std::shared_ptr<fake_stream> stream_of(dtrain::stream_handle handle) {
+  if (!handle) return nullptr;
+  std::lock_guard lock(streams_mutex());
+  for (const auto& weak : streams()) {
+    auto s = weak.lock();
+    if (s && handle_of(s) == handle) return s;
+  }
+  return nullptr;
+}
+
 struct shared_state {
   std::atomic<bool> aborted{false};
 };
@@ -168,9 +194,7 @@ class communicator {
 
   communicator(dtrain::gloo_communicator inner, std::chrono::milliseconds timeout)
       : inner_(std::make_unique<dtrain::gloo_communicator>(std::move(inner))), timeout_(timeout) {
-    std::lock_guard lock(streams_mutex());
-    std::erase_if(streams(), [](const auto& w) { return w.expired(); });
-    streams().push_back(stream_);
+    register_stream(stream_);
   }
   communicator(communicator&&) noexcept = default;
   communicator& operator=(communicator&&) noexcept = default;
@@ -225,18 +249,7 @@ class communicator {
   }
 
   /// The stream collectives run on, to order other work after them.
-  [[nodiscard]] stream_type stream() const noexcept {
-    return reinterpret_cast<stream_type>(stream_.get());
-  }
-  /// Every stream() handed out so far, to find the stream a handle names.
-  [[nodiscard]] static std::mutex& streams_mutex() {
-    static std::mutex m;
-    return m;
-  }
-  [[nodiscard]] static std::vector<std::weak_ptr<fake_stream>>& streams() {
-    static std::vector<std::weak_ptr<fake_stream>> all;
-    return all;
-  }
+  [[nodiscard]] stream_type stream() const noexcept { return handle_of(stream_); }
 
   /// The "device" catches up: blocks until every collective so far is done,
   /// or throws once the communicator was aborted (by the watchdog).
@@ -261,18 +274,6 @@ class communicator {
     b.where = dtrain::memory::host;
     return b;
   }
-  // The stream a handle names: one of the device-rules streams, or none
-  // (null: the caller's compute stream, which has nothing to wait for here).
-  static std::shared_ptr<fake_stream> stream_of(stream_type handle) {
-    if (!handle) return nullptr;
-    std::lock_guard lock(streams_mutex());
-    for (const auto& weak : streams()) {
-      auto s = weak.lock();
-      if (s && reinterpret_cast<stream_type>(s.get()) == handle) return s;
-    }
-    return nullptr;
-  }
-
   // Enqueues `launch` on this communicator's stream, after what `after` holds now.
   template <class Launch>
   dtrain::work enqueue(const char* what, stream_type after, Launch launch) {
@@ -309,6 +310,55 @@ class communicator {
 };
 
 static_assert(dtrain::communicator<communicator>);
+
+/// Host bytes that DDP must treat as GPU memory of device 0, ordered on a
+/// "stream" (a stream_handle naming a fake_stream, or null). The copies and
+/// casts run at once on the host; synchronize() and order_after() wait for
+/// what a fake stream holds, so DDP's ordering after the compute stream (its
+/// first broadcast, a stream change) is what it is on CUDA.
+struct memory {
+  using stream_type = dtrain::stream_handle;
+  using host = dtrain::host_memory;
+  static constexpr dtrain::memory where = dtrain::memory::device;
+  static constexpr bool on_stream = true;
+
+  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type) {
+    return host::allocate(bytes, device, nullptr);
+  }
+  static void release(void* data, int device, stream_type) noexcept {
+    host::release(data, device, nullptr);
+  }
+  static void zero(void* data, std::size_t bytes, int device, stream_type) {
+    host::zero(data, bytes, device, nullptr);
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type) {
+    host::copy(dst, src, bytes, device, nullptr);
+  }
+  static void upload(void* dst, const void* src, std::size_t bytes, int device, stream_type) {
+    host::upload(dst, src, bytes, device, nullptr);
+  }
+  static void download(void* dst, const void* src, std::size_t bytes, int device, stream_type) {
+    host::download(dst, src, bytes, device, nullptr);
+  }
+  static void compress(void* out, const float* in, std::size_t n, float scale, dtrain::dtype wire,
+                       int device, stream_type) {
+    host::compress(out, in, n, scale, wire, device, nullptr);
+  }
+  static void decompress(float* out, const void* in, std::size_t n, dtrain::dtype wire, int device,
+                         stream_type) {
+    host::decompress(out, in, n, wire, device, nullptr);
+  }
+  static void synchronize(int, stream_type stream) {
+    static const std::atomic<bool> never{false};
+    if (auto s = stream_of(stream)) s->synchronize(never);
+  }
+  [[nodiscard]] static bool casts_available() noexcept { return true; }
+  static void check_stream(int, stream_type) noexcept {}
+  /// The host waits for `before` (stricter than CUDA's event, which the device waits for).
+  static void order_after(int device, stream_type waiter, stream_type before) {
+    if (waiter != before) synchronize(device, before);
+  }
+};
 
 /// The backend tag.
 struct backend {

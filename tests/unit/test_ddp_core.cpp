@@ -72,8 +72,8 @@ TEST_CASE("ddp core: the step's state, as a wrapper asks it") {
   CHECK(ddp.step_open());
   CHECK_FALSE(ddp.idle());
   CHECK(ddp.unmarked() == 3);
-  CHECK_THROWS_WITH_AS((void)ddp.no_sync(), doctest::Contains("in the middle of a synchronized step"),
-                       dtrain::error);
+  CHECK_THROWS_WITH_AS((void)ddp.no_sync(),
+                       doctest::Contains("in the middle of a synchronized step"), dtrain::error);
   ddp.mark_all_ready();
   CHECK(ddp.unmarked() == 0);
   ddp.synchronize();
@@ -98,7 +98,8 @@ TEST_CASE("ddp core: mark_ready from many threads at once, as autograd's threads
   wide_model m(n, 40);
   // Small buckets, reduced through the runner even at world size 1: every mark may launch one.
   core_t ddp(comm, m.parameters(), {},
-             {.bucket_cap_mb = 400.0 / (1 << 20), .first_bucket_cap_mb = 200.0 / (1 << 20),
+             {.bucket_cap_mb = 400.0 / (1 << 20),
+              .first_bucket_cap_mb = 200.0 / (1 << 20),
               .always_reduce = true});
   REQUIRE(ddp.buckets().size() > 10);
   for (int step = 0; step < 20; ++step) {
@@ -145,8 +146,8 @@ TEST_CASE("ddp core: parameters declared unused are ready, as zeros, with the st
   CHECK_FALSE(ddp.declared_unused(1));  // for one step only
   // Only between steps, and only with find_unused_parameters.
   ddp.mark_ready(std::size_t{0});
-  CHECK_THROWS_WITH_AS(ddp.prepare_for_backward(unused), doctest::Contains("in the middle of a step"),
-                       dtrain::error);
+  CHECK_THROWS_WITH_AS(ddp.prepare_for_backward(unused),
+                       doctest::Contains("in the middle of a step"), dtrain::error);
   ddp.mark_all_ready();
   ddp.synchronize();
   core_t plain(comm, m.parameters());
@@ -180,7 +181,8 @@ TEST_CASE("ddp core: on_all_marked runs once, when mark_ready marks a step's las
   CHECK(calls == 1);
 }
 
-TEST_CASE("ddp core: used_anywhere says what some rank used, without a collective at world size 1") {
+TEST_CASE(
+    "ddp core: used_anywhere says what some rank used, without a collective at world size 1") {
   solo comm;
   wide_model m(4, 2);
   core_t ddp(comm, m.parameters(), {}, {.find_unused_parameters = true});
@@ -227,4 +229,17 @@ TEST_CASE("ddp core: DTRAIN_TIMELINE comes from the context's environment snapsh
   CHECK_FALSE(fs::exists(dir / "process.rank0.json"));
   ::unsetenv("DTRAIN_TIMELINE");
   fs::remove_all(dir);
+}
+
+TEST_CASE("ddp core: ddp_options::stream on a host backend is a config_error naming it") {
+  solo comm;
+  wide_model m(2, 3);
+  int on_stream = 0;  // any address: a host backend has no stream to order after
+  CHECK_THROWS_WITH_AS(
+      core_t(comm, m.parameters(), {},
+             {.stream = static_cast<dtrain::stream_handle>(static_cast<void*>(&on_stream))}),
+      doctest::Contains("rank 0: ddp_options::stream is set, but solo reduces host memory"),
+      dtrain::config_error);
+  core_t plain(comm, m.parameters(), {}, {.stream = nullptr});
+  CHECK(plain.size() == 1);
 }

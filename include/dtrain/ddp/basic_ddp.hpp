@@ -229,9 +229,9 @@ class basic_ddp {
   /// dtrain::error naming the file and the rank when it cannot be written.
   void flush_timeline() const { timeline_.write(); }
 
-  /// The stream the backward pass runs on (CUDA; default: the legacy default
-  /// stream). Set it before a step, not between mark_ready and synchronize()
-  /// (config_error): buckets launched in a step are ordered after it.
+  /// The stream the backward pass runs on (CUDA; default: ddp_options::stream,
+  /// whose null is the legacy default stream). Set it before a step, not between mark_ready and
+  /// synchronize() (config_error): buckets launched in a step are ordered after it.
   void set_stream(stream_type compute) requires(memory_space::on_stream) {
     const std::lock_guard lock(mutex_);
     change_stream(compute);
@@ -408,6 +408,7 @@ class basic_ddp {
   bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
   void change_stream(stream_type compute);
+  std::string take_stream();
   void synchronize_on(stream_type compute);
   void synchronize_locked();
   void launch_ready();
@@ -501,6 +502,28 @@ class basic_ddp {
 // and journey in ddp/basic_ddp_buckets.hpp; the step's state machine in
 // ddp/basic_ddp_step.hpp.
 
+/// ddp_options::stream becomes the compute stream (the first broadcast is
+/// ordered after it); what is wrong with it, for the agreement to stop every rank.
+template <class Policy>
+std::string basic_ddp<Policy>::take_stream() {
+  const std::string what =
+      "DistributedDataParallel on rank " + std::to_string(rank_) + ": ddp_options::stream";
+  if constexpr (memory_space::on_stream) {
+    static_assert(std::is_same_v<stream_type, stream_handle>,
+                  "a memory space on streams takes ddp_options::stream (a stream_handle)");
+    try {
+      memory_space::check_stream(device_, options_.stream);
+    } catch (const config_error& e) {
+      return what + ": " + e.what();
+    }
+    stream_ = options_.stream;
+  } else if (options_.stream != nullptr) {
+    return what + " is set, but " + std::string(communicator_type::name) +
+           " reduces host memory and orders after no stream: leave it null";
+  }
+  return {};
+}
+
 template <class Policy>
 basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                              std::vector<parameter> parameters, std::vector<parameter> buffers,
@@ -515,8 +538,9 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
       size_(comm.size()),
       buffers_(std::move(buffers)) {
   device_ = device_of(comm_);
-  std::string problem;
-  if (options_.compression != gradient_compression::none && !compression_available()) {
+  std::string problem = take_stream();
+  if (problem.empty() && options_.compression != gradient_compression::none &&
+      !compression_available()) {
     // Every rank of the same program sees the same; the agreement below stops them all alike.
     problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
               std::string(detail::device_casts_missing);

@@ -73,6 +73,13 @@ struct ddp_options {
   /// the waits in synchronize()) goes to this file, the rank inserted
   /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
   std::string timeline = {};
+  /// Backends on CUDA streams (NCCL): the compute stream, the one that wrote
+  /// the parameters and will run the backward pass (a cudaStream_t). The first
+  /// broadcast of rank 0's values is ordered after it, so that values written
+  /// on it (initialised, loaded, copied) are the ones sent and are not written
+  /// over what arrives; set_stream() changes it later. Null: the legacy default
+  /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
+  stream_handle stream = nullptr;
 };
 
 /// One bucket, as a communication hook sees it.

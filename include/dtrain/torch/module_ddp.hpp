@@ -187,6 +187,9 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
   control_plane control = ctx.control_plane();
   dtrain::detail::agree_on_model(control, {}, {}, problem);
   const stream_type stream = current_stream();
+  // The first broadcast goes after what the current stream does (PyTorch orders it so too):
+  // the parameters may have been initialised, loaded or copied on it.
+  if constexpr (core_type::memory_space::on_stream) options.stream = stream;
   // The core's report names parameters nobody marked, against a forgotten
   // mark_ready; autograd marks here, and PyTorch reports nothing either.
   options.report_unused_parameters = false;
