@@ -502,28 +502,6 @@ class basic_ddp {
 // and journey in ddp/basic_ddp_buckets.hpp; the step's state machine in
 // ddp/basic_ddp_step.hpp.
 
-/// ddp_options::stream becomes the compute stream (the first broadcast is
-/// ordered after it); what is wrong with it, for the agreement to stop every rank.
-template <class Policy>
-std::string basic_ddp<Policy>::take_stream() {
-  const std::string what =
-      "DistributedDataParallel on rank " + std::to_string(rank_) + ": ddp_options::stream";
-  if constexpr (memory_space::on_stream) {
-    static_assert(std::is_same_v<stream_type, stream_handle>,
-                  "a memory space on streams takes ddp_options::stream (a stream_handle)");
-    try {
-      memory_space::check_stream(device_, options_.stream);
-    } catch (const config_error& e) {
-      return what + ": " + e.what();
-    }
-    stream_ = options_.stream;
-  } else if (options_.stream != nullptr) {
-    return what + " is set, but " + std::string(communicator_type::name) +
-           " reduces host memory and orders after no stream: leave it null";
-  }
-  return {};
-}
-
 template <class Policy>
 basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                              std::vector<parameter> parameters, std::vector<parameter> buffers,
