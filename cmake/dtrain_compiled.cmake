@@ -69,8 +69,11 @@ function(_dtrain_library target export_name)
     target_link_libraries(${target} PUBLIC dtrain_core)
     dtrain_link_engines(${target} PUBLIC ${ARGN})
     target_compile_definitions(${target} PUBLIC DTRAIN_SEPARATE_COMPILATION=1)
-    if(PROJECT_IS_TOP_LEVEL)  # a user's newer compiler must not fail the user's build on a warning
-      dtrain_target_warnings(${target})
+    # A user's newer compiler must not fail the user's build on a warning. In
+    # dtrain's own build the library is built with the warnings of
+    # compile.strict_* (tests/CMakeLists.txt), which check what it compiles.
+    if(PROJECT_IS_TOP_LEVEL)
+      dtrain_strict_warnings(${target})
     endif()
   endif()
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${export_name})

@@ -16112,8 +16112,9 @@ void basic_ddp<Policy>::synchronize_locked() {
     report_unused();
 }
 
-/// ddp_options::stream becomes the compute stream (the first broadcast is
-/// ordered after it); what is wrong with it, for the agreement to stop every rank.
+/// ddp_options::stream becomes the compute stream, as set_stream() makes one
+/// (the first broadcast is ordered after it); what is wrong with it, for the
+/// agreement to stop every rank.
 template <class Policy>
 std::string basic_ddp<Policy>::take_stream() {
   const std::string what =
@@ -16122,11 +16123,10 @@ std::string basic_ddp<Policy>::take_stream() {
     static_assert(std::is_same_v<stream_type, stream_handle>,
                   "a memory space on streams takes ddp_options::stream (a stream_handle)");
     try {
-      memory_space::check_stream(device_, options_.stream);
+      change_stream(options_.stream);
     } catch (const config_error& e) {
       return what + ": " + e.what();
     }
-    stream_ = options_.stream;
   } else if (options_.stream != nullptr) {
     return what + " is set, but " + std::string(communicator_type::name) +
            " reduces host memory and orders after no stream: leave it null";
