@@ -4,7 +4,7 @@
 // compiled once against the program's own LibTorch. CMake's dtrain::torch
 // builds it (a library in dtrain's own build tree; a source of the consuming
 // target through an installed dtrain, since LibTorch's ABI is the user's).
-#define DTRAIN_TORCH_DETAIL_PART 1  // read module_ddp's definitions (dtrain/torch/module_ddp.hpp)
+#define DTRAIN_TORCH_DEFINITIONS 1  // read module_ddp's definitions (dtrain/torch/module_ddp.hpp)
 #include <dtrain/torch.hpp>
 
 #if !DTRAIN_TORCH_HAS_SEPARATE_COMPILATION()

@@ -55,10 +55,18 @@
 /// module_ddp's members are compiled once, in dtrain::torch's part
 /// (torch/compiled.hpp, src/torch.cpp); a file that only links them does not
 /// even read their definitions.
+/// The one file that holds the part defines DTRAIN_TORCH_DEFINITIONS=1 before
+/// including dtrain/torch.hpp (as src/torch.cpp does), and reads them.
 #if defined(DTRAIN_TORCH_SEPARATE_COMPILATION) && (DTRAIN_TORCH_SEPARATE_COMPILATION + 0)
 #define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 1
 #else
 #define DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() 0
+#endif
+#if !DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() || \
+    (defined(DTRAIN_TORCH_DEFINITIONS) && (DTRAIN_TORCH_DEFINITIONS + 0))
+#define DTRAIN_TORCH_READS_DEFINITIONS() 1
+#else
+#define DTRAIN_TORCH_READS_DEFINITIONS() 0
 #endif
 
 namespace dtrain::torch {
@@ -200,9 +208,9 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
 }  // namespace dtrain::torch
 
 // The members' definitions: read where they are compiled (header-only, and in
-// dtrain::torch's part, which defines DTRAIN_TORCH_DETAIL_PART), not by a file
+// dtrain::torch's part, which defines DTRAIN_TORCH_DEFINITIONS), not by a file
 // that only links them.
-#if !DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() || defined(DTRAIN_TORCH_DETAIL_PART)
+#if DTRAIN_TORCH_READS_DEFINITIONS()
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
