@@ -40,7 +40,8 @@ else()
       target_link_libraries(dtrain_torch_part_${_dtrain_engine}
         PUBLIC dtrain::${_dtrain_engine} dtrain_torch_libraries PRIVATE dtrain::torch)
       target_compile_definitions(dtrain_torch_part_${_dtrain_engine} PUBLIC DTRAIN_TORCH_SEPARATE_COMPILATION=1)
-      dtrain_target_warnings(dtrain_torch_part_${_dtrain_engine})
+      # The warnings of compile.torch_strict_*, which leaves the part to this build.
+      dtrain_strict_warnings(dtrain_torch_part_${_dtrain_engine})
     endforeach()
     unset(_dtrain_engine)
   endif()

@@ -1,9 +1,11 @@
 // compile.strict_torch_<engine>: dtrain/torch.hpp under the warnings careful
 // users turn on (-Wall -Wextra -Wpedantic -Wshadow -Wconversion
 // -Wsign-conversion -Werror), dtrain's headers not as system headers and
-// LibTorch's as system headers. Every member of the wrapper is instantiated:
-// over Gloo (CPU tensors), and over NCCL (CUDA tensors on the current stream)
-// where NCCL is on; the sampler in LibTorch's data loader. Compiled only, never run.
+// LibTorch's as system headers. Every member of the wrapper's front is
+// instantiated, built as a user's file that links dtrain::torch (its compiled
+// part, module_ddp's members, is built with the same warnings): over Gloo (CPU
+// tensors), and over NCCL (CUDA tensors on the current stream) where NCCL is
+// on; the sampler in LibTorch's data loader. Compiled only, never run.
 #include <dtrain/torch.hpp>
 
 #if DTRAIN_STRICT_ENGINE_NCCL

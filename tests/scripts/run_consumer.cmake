@@ -72,10 +72,18 @@ if(CONFIG)
 endif()
 # FetchContent hands the fetched dtrain to add_subdirectory: what happens after
 # the fetch is consumer.add_subdirectory's, which builds and checks all of it.
-# Here the program linked to dtrain::dtrain is enough to show the fetch works.
+# Here one program is enough to show the fetch works: the one linked to
+# dtrain::gloo when there is one (its library is one engine's code, a third of
+# dtrain::dtrain's to compile), else the one linked to dtrain::dtrain.
 set(target_args "")
+set(fetched_program dtrain_consumer)
 if(CONSUMER STREQUAL "fetch_content")
-  set(target_args --target dtrain_consumer)
+  # DTRUN, GLOO_PROGRAM, HEADER_ONLY_PROGRAM, LINK_CHECKS (common.cmake)
+  include("${WORK_DIR}/dtrain_consumer_paths.cmake")
+  if(GLOO_PROGRAM)
+    set(fetched_program dtrain_consumer_gloo)
+  endif()
+  set(target_args --target ${fetched_program})
 endif()
 step("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}" ${config_args} ${target_args})
 
@@ -100,7 +108,7 @@ function(check_program program)
   message(STATUS "consumer.${CONSUMER}: ${program}: ${out}")
 endfunction()
 
-find_program(program dtrain_consumer PATHS "${WORK_DIR}" "${WORK_DIR}/${CONFIG}" NO_DEFAULT_PATH)
+find_program(program ${fetched_program} PATHS "${WORK_DIR}" "${WORK_DIR}/${CONFIG}" NO_DEFAULT_PATH)
 check_program("${program}")
 if(CONSUMER MATCHES "^(single_header|fetch_content)$")
   return()

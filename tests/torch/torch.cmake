@@ -9,8 +9,9 @@
 #   and an incomplete step are errors naming the parameters (torch_ddp.cpp).
 # dtrain_torch_header_checks: each header under dtrain/torch/ compiles on its own.
 # torch.demo: dtrain_train_torch under its own per-node launcher, 4 workers.
-# compile.torch_strict_<engine>: the header under users' strict warnings (Release
-#   stage only: tools/test's Debug stage runs compile.strict_*).
+# compile.torch_strict_<engine>: the header under users' strict warnings, in a
+#   file built as dtrain::torch builds a user's (dtrain::torch's part is built
+#   with the same warnings).
 # torch.ddp.nccl.1rank: CUDA tensors over NCCL (needs a LibTorch built with
 #   CUDA, and a GPU at run time: exit 77, skipped, without one).
 set(torch_ranks 2 4)
@@ -98,7 +99,9 @@ foreach(engine IN ITEMS GLOO NCCL)
     dtrain_add_skipped_test(compile.torch_strict_${component} "needs GCC (LibTorch's headers)")
   else()
     add_library(dtrain_strict_torch_${component} OBJECT EXCLUDE_FROM_ALL compile/strict_torch.cpp)
-    target_link_libraries(dtrain_strict_torch_${component} PRIVATE dtrain::${component} dtrain_torch_libraries)
+    # Built as a user's file that links dtrain::torch is: the part itself
+    # (module_ddp's members) is compiled with the same warnings (dtrain_torch.cmake).
+    target_link_libraries(dtrain_strict_torch_${component} PRIVATE dtrain_torch_part_${component})
     target_compile_definitions(dtrain_strict_torch_${component} PRIVATE DTRAIN_STRICT_ENGINE_${engine}=1)
     target_compile_options(dtrain_strict_torch_${component} PRIVATE ${strict_warnings})
     dtrain_add_test(compile.torch_strict_${component}
