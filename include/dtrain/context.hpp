@@ -126,6 +126,19 @@ class context {
   /// run, so the agent names this rank, not a peer that failed because of it.
   void record_failure(int status, const std::string& what) noexcept;
 
+  /// Called by run() when this rank fails, after its report: aborts the
+  /// communicator where the engine can (NCCL: ncclCommAbort), so that its
+  /// collectives still waiting for peers end now. Without it, the
+  /// communicator's clean close would wait for them, up to the collective
+  /// timeout, and a failed rank would linger that long before its process
+  /// exits and the launcher can end the job (ProcessGroupNCCL aborts too
+  /// unless shut down cleanly). Later collectives on this context throw.
+  void abort_communicator() noexcept {
+    if constexpr (requires { communicator_->abort(); }) {
+      if (communicator_) communicator_->abort();
+    }
+  }
+
   /// Called by run() after the user's function returned normally: the store's
   /// host (rank 0 under per-process launch) waits, at most the store timeout,
   /// until every rank is done with the store before it stops serving.

@@ -205,10 +205,12 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
       ctx.record_failure(failure.first, failure.second);
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
       detail::abort_mpi_job(code);
+      ctx.abort_communicator();  // exit now, not after the collectives peers will never join
       return code;
     }
     if (status != 0) {
       ctx.record_failure(status, {});
+      ctx.abort_communicator();
       if (detail::mpi_is_running()) {
         detail::report_failure(detail::rank_label(&*w),
                                {status, "the training function returned " + std::to_string(status) +

@@ -2091,10 +2091,12 @@ static_assert(host_channel<control_plane>);
 
 
 #include <cstddef>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace dtrain::detail {
@@ -2115,10 +2117,18 @@ namespace dtrain::detail {
 
 namespace dtrain::detail {
 
+/// A checked call's text as the user reads it: the engine calls the runtime
+/// through its seam (`Api::cudaSetDevice(...)`), the message names the
+/// function (`cudaSetDevice(...)`).
+[[nodiscard]] inline std::string call_as_written(std::string_view call) {
+  if (call.starts_with("Api::")) call.remove_prefix(5);
+  return std::string(call);
+}
+
 /// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
 /// (cudaError_t 101, at file:line)".
 inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
-  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
+  return "CUDA call `" + call_as_written(call) + "` failed: " + cudaGetErrorName(code) + ": " +
          cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
          ", at " + file + ":" + std::to_string(line) + ")";
 }
@@ -2143,79 +2153,6 @@ inline std::string cuda_error_text(cudaError_t code, const char* call, const cha
   } while (false)
 
 namespace dtrain::detail {
-
-/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
-/// wait: work still queued on the stream completes, then the stream goes.
-class cuda_stream {
- public:
-  cuda_stream() = default;
-  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
-  cuda_stream& operator=(cuda_stream&& other) noexcept {
-    if (this != &other) {
-      reset();
-      stream_ = std::exchange(other.stream_, nullptr);
-    }
-    return *this;
-  }
-  cuda_stream(const cuda_stream&) = delete;
-  cuda_stream& operator=(const cuda_stream&) = delete;
-  ~cuda_stream() { reset(); }
-
-  /// A stream on the current device that does not synchronise with the legacy
-  /// default stream: ordering with the caller's streams is explicit (events).
-  [[nodiscard]] static cuda_stream non_blocking() {
-    cuda_stream s;
-    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
-    return s;
-  }
-
-  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-    stream_ = nullptr;
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
-class cuda_event {
- public:
-  cuda_event() = default;
-  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
-  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
-  cuda_event& operator=(cuda_event&& other) noexcept {
-    if (this != &other) {
-      reset();
-      event_ = std::exchange(other.event_, nullptr);
-    }
-    return *this;
-  }
-  cuda_event(const cuda_event&) = delete;
-  cuda_event& operator=(const cuda_event&) = delete;
-  ~cuda_event() { reset(); }
-
-  [[nodiscard]] static cuda_event create() {
-    cudaEvent_t e = nullptr;
-    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return cuda_event(e);
-  }
-
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (event_) (void)cudaEventDestroy(event_);
-    event_ = nullptr;
-  }
-  cudaEvent_t event_ = nullptr;
-};
 
 /// Whether this thread has a current CUDA context, asked of the driver
 /// (cuCtxGetCurrent, found through the runtime, so nothing links libcuda).
@@ -2249,42 +2186,185 @@ class cuda_event {
 #endif
 }
 
+/// The CUDA runtime calls the NCCL engine makes, as one narrow seam: the
+/// engine's classes take the runtime as a template argument (`Api`), this one
+/// in production, a host fake in the tests of NCCL at several ranks
+/// (tests/engines/fake_nccl.hpp), so that a blocked call, an abort from
+/// another thread or a device failure can happen without a GPU. Each member
+/// is the CUDA function of the same name and signature; device_identity and
+/// thread_has_context are dtrain's. Error texts (cudaGetErrorName/String) are
+/// not part of the seam.
+struct cuda_library {
+  static cudaError_t cudaGetDeviceCount(int* count) { return ::cudaGetDeviceCount(count); }
+  static cudaError_t cudaGetDevice(int* device) { return ::cudaGetDevice(device); }
+  static cudaError_t cudaSetDevice(int device) { return ::cudaSetDevice(device); }
+  /// The device's UUID ("GPU-xxxxxxxx-..." as nvidia-smi -L prints it) and PCI bus id.
+  static cudaError_t device_identity(int device, std::string& uuid, std::string& pci_bus) {
+    cudaDeviceProp prop{};
+    if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
+    static constexpr char hex[] = "0123456789abcdef";
+    uuid = "GPU-";
+    for (int i = 0; i < 16; ++i) {
+      const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
+      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+      uuid += hex[byte >> 4];
+      uuid += hex[byte & 15];
+    }
+    char bus[32];
+    std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
+                  static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+    pci_bus = bus;
+    return cudaSuccess;
+  }
+  static bool thread_has_context() noexcept { return thread_has_cuda_context(); }
+  static cudaError_t cudaGetLastError() { return ::cudaGetLastError(); }
+  static cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
+    return ::cudaStreamCreateWithFlags(stream, flags);
+  }
+  static cudaError_t cudaStreamDestroy(cudaStream_t stream) { return ::cudaStreamDestroy(stream); }
+  static cudaError_t cudaStreamQuery(cudaStream_t stream) { return ::cudaStreamQuery(stream); }
+  static cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags) {
+    return ::cudaStreamWaitEvent(stream, event, flags);
+  }
+  static cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
+    return ::cudaEventCreateWithFlags(event, flags);
+  }
+  static cudaError_t cudaEventDestroy(cudaEvent_t event) { return ::cudaEventDestroy(event); }
+  static cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    return ::cudaEventRecord(event, stream);
+  }
+  static cudaError_t cudaEventQuery(cudaEvent_t event) { return ::cudaEventQuery(event); }
+  static cudaError_t cudaMalloc(void** data, std::size_t bytes) {
+    return ::cudaMalloc(data, bytes);
+  }
+  static cudaError_t cudaFree(void* data) { return ::cudaFree(data); }
+  static cudaError_t cudaMallocHost(void** data, std::size_t bytes) {
+    return ::cudaMallocHost(data, bytes);
+  }
+  static cudaError_t cudaFreeHost(void* data) { return ::cudaFreeHost(data); }
+  static cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes,
+                                     cudaMemcpyKind kind, cudaStream_t stream) {
+    return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);
+  }
+};
+
+/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
+/// wait: work still queued on the stream completes, then the stream goes.
+template <class Api = cuda_library>
+class basic_cuda_stream {
+ public:
+  basic_cuda_stream() = default;
+  basic_cuda_stream(basic_cuda_stream&& other) noexcept
+      : stream_(std::exchange(other.stream_, nullptr)) {}
+  basic_cuda_stream& operator=(basic_cuda_stream&& other) noexcept {
+    if (this != &other) {
+      reset();
+      stream_ = std::exchange(other.stream_, nullptr);
+    }
+    return *this;
+  }
+  basic_cuda_stream(const basic_cuda_stream&) = delete;
+  basic_cuda_stream& operator=(const basic_cuda_stream&) = delete;
+  ~basic_cuda_stream() { reset(); }
+
+  /// A stream on the current device that does not synchronise with the legacy
+  /// default stream: ordering with the caller's streams is explicit (events).
+  [[nodiscard]] static basic_cuda_stream non_blocking() {
+    basic_cuda_stream s;
+    DTRAIN_CUDA_CHECK(Api::cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (stream_) (void)Api::cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+};
+using cuda_stream = basic_cuda_stream<>;
+
+/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
+template <class Api = cuda_library>
+class basic_cuda_event {
+ public:
+  basic_cuda_event() = default;
+  explicit basic_cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
+  basic_cuda_event(basic_cuda_event&& other) noexcept
+      : event_(std::exchange(other.event_, nullptr)) {}
+  basic_cuda_event& operator=(basic_cuda_event&& other) noexcept {
+    if (this != &other) {
+      reset();
+      event_ = std::exchange(other.event_, nullptr);
+    }
+    return *this;
+  }
+  basic_cuda_event(const basic_cuda_event&) = delete;
+  basic_cuda_event& operator=(const basic_cuda_event&) = delete;
+  ~basic_cuda_event() { reset(); }
+
+  [[nodiscard]] static basic_cuda_event create() {
+    cudaEvent_t e = nullptr;
+    DTRAIN_CUDA_CHECK(Api::cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return basic_cuda_event(e);
+  }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (event_) (void)Api::cudaEventDestroy(event_);
+    event_ = nullptr;
+  }
+  cudaEvent_t event_ = nullptr;
+};
+using cuda_event = basic_cuda_event<>;
+
 /// Makes `device` current for a scope, and restores the previous device
 /// after it only where this thread had a context: on a fresh thread (a
 /// watchdog, a communication thread) the device stays `device`, so that no
 /// context is created on a GPU the rank does not use. Switches only when
 /// needed (a cudaSetDevice costs more than a cudaGetDevice).
-class device_guard {
+template <class Api = cuda_library>
+class basic_device_guard {
  public:
-  explicit device_guard(int device) {
-    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
+  explicit basic_device_guard(int device) {
+    DTRAIN_CUDA_CHECK(Api::cudaGetDevice(&previous_));
     if (previous_ != device) {
-      const bool restore = thread_has_cuda_context();
-      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+      const bool restore = Api::thread_has_context();
+      DTRAIN_CUDA_CHECK(Api::cudaSetDevice(device));
       switched_ = restore;
     }
   }
   /// For destructors and other noexcept paths: failures are ignored.
-  device_guard(int device, std::nothrow_t) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
+  basic_device_guard(int device, std::nothrow_t) noexcept {
+    if (Api::cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)Api::cudaGetLastError();
       return;
     }
     if (previous_ != device) {
-      const bool restore = thread_has_cuda_context();
-      switched_ = cudaSetDevice(device) == cudaSuccess && restore;
+      const bool restore = Api::thread_has_context();
+      switched_ = Api::cudaSetDevice(device) == cudaSuccess && restore;
     }
   }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  ~device_guard() {
-    if (switched_) (void)cudaSetDevice(previous_);
+  basic_device_guard(const basic_device_guard&) = delete;
+  basic_device_guard& operator=(const basic_device_guard&) = delete;
+  ~basic_device_guard() {
+    if (switched_) (void)Api::cudaSetDevice(previous_);
   }
 
  private:
   int previous_ = 0;
   bool switched_ = false;
 };
+using device_guard = basic_device_guard<>;
 
 /// Pinned (page-locked) host blocks for staging device buffers through host
 /// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens
@@ -6835,6 +6915,12 @@ struct nccl_options {
   /// and enqueueing time out too; on, only completion can time out. NCCL's own
   /// NCCL_COMM_BLOCKING overrides either.
   bool blocking = false;
+  /// How many collectives the host may enqueue ahead of the oldest one the
+  /// device has not finished: the next one waits for it (at most the
+  /// collective timeout, then timeout_error and abort), so that a dead peer
+  /// stops the host within a bounded number of steps instead of letting it
+  /// queue work for ever. At least 1.
+  int max_in_flight = 64;
   /// Where rank 0 publishes the unique id. Must differ for every communicator
   /// made from one store: give each job and restart round its own
   /// prefix_store, or each communicator its own key. split() needs no store.
@@ -6867,7 +6953,8 @@ namespace dtrain::detail {
 /// error: ... (ncclResult_t 5, at file:line)".
 inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
                                    int line) {
-  std::string text = std::string("NCCL call `") + call + "` failed: " + ncclGetErrorString(code);
+  std::string text =
+      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
   const char* last = ncclGetLastError(nullptr);
   if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
   return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
@@ -6974,13 +7061,62 @@ inline constexpr memory_reach nccl_memory{
   return id;
 }
 
+/// The NCCL calls the engine makes, with the CUDA runtime's (cuda_library):
+/// the seam that tests replace with a host fake (tests/engines/fake_nccl.hpp).
+/// Each member is the NCCL function of the same name and signature; error
+/// texts (ncclGetErrorString, ncclGetLastError) are not part of the seam.
+struct nccl_library : cuda_library {
+  static ncclResult_t ncclGetUniqueId(ncclUniqueId* id) { return ::ncclGetUniqueId(id); }
+  static ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int size, ncclUniqueId id, int rank,
+                                             ncclConfig_t* config) {
+    return ::ncclCommInitRankConfig(comm, size, id, rank, config);
+  }
+  static ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
+    return ::ncclCommGetAsyncError(comm, state);
+  }
+  static ncclResult_t ncclCommAbort(ncclComm_t comm) { return ::ncclCommAbort(comm); }
+  static ncclResult_t ncclCommFinalize(ncclComm_t comm) { return ::ncclCommFinalize(comm); }
+  static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ::ncclCommDestroy(comm); }
+  static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out,
+                                    ncclConfig_t* config) {
+    return ::ncclCommSplit(comm, color, key, out, config);
+  }
+  static ncclResult_t ncclCommUserRank(ncclComm_t comm, int* rank) {
+    return ::ncclCommUserRank(comm, rank);
+  }
+  static ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
+    return ::ncclCommCount(comm, count);
+  }
+  static ncclResult_t ncclAllReduce(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                    cudaStream_t stream) {
+    return ::ncclAllReduce(in, out, count, type, op, comm, stream);
+  }
+  static ncclResult_t ncclBroadcast(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, int root, ncclComm_t comm,
+                                    cudaStream_t stream) {
+    return ::ncclBroadcast(in, out, count, type, root, comm, stream);
+  }
+  static ncclResult_t ncclAllGather(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, ncclComm_t comm, cudaStream_t stream) {
+    return ::ncclAllGather(in, out, count, type, comm, stream);
+  }
+  static ncclResult_t ncclReduceScatter(const void* in, void* out, std::size_t count,
+                                        ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                        cudaStream_t stream) {
+    return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
+  }
+  static ncclResult_t ncclGroupStart() { return ::ncclGroupStart(); }
+  static ncclResult_t ncclGroupEnd() { return ::ncclGroupEnd(); }
+};
+
 /// Checks that `device` exists, then makes it current. `visible` is
 /// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
-inline void nccl_select_device(int device, int rank, int size,
-                               const std::optional<std::string>& visible) {
+template <class Api>
+void nccl_select_device(int device, int rank, int size, const std::optional<std::string>& visible) {
   int count = 0;
-  if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
-    (void)cudaGetLastError();
+  if (const cudaError_t found = Api::cudaGetDeviceCount(&count); found != cudaSuccess) {
+    (void)Api::cudaGetLastError();
     throw backend_error(
         "no usable CUDA device: " +
             cuda_error_text(found, "cudaGetDeviceCount(&count)", __FILE__, __LINE__) +
@@ -6994,7 +7130,7 @@ inline void nccl_select_device(int device, int rank, int size,
         std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + visible.value_or("<unset>") +
         "); pass the local rank, and start no more ranks on a node than it has GPUs");
   }
-  DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+  DTRAIN_CUDA_CHECK(Api::cudaSetDevice(device));
 }
 
 inline std::string nccl_seconds(std::chrono::milliseconds t) {
@@ -7014,42 +7150,55 @@ struct nccl_backoff : backoff {
 };
 
 /// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
-[[nodiscard]] inline bool nccl_stream_idle(cudaStream_t stream) {
-  const cudaError_t e = cudaStreamQuery(stream);
+template <class Api>
+[[nodiscard]] bool nccl_stream_idle(cudaStream_t stream) {
+  const cudaError_t e = Api::cudaStreamQuery(stream);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
   return true;
 }
 
 /// Whether `event` has completed; throws backend_error on a CUDA error.
-[[nodiscard]] inline bool nccl_event_done(cudaEvent_t event) {
-  const cudaError_t e = cudaEventQuery(event);
+template <class Api>
+[[nodiscard]] bool nccl_event_done(cudaEvent_t event) {
+  const cudaError_t e = Api::cudaEventQuery(event);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) throw_cuda_error(e, "cudaEventQuery(event)", __FILE__, __LINE__);
   return true;
 }
 
-/// What a communicator and its work handles share. `mutex` guards `comm` (NCCL
-/// calls, polls, abort) and the abort state.
+/// What a communicator and its work handles share: the NCCL communicator, its
+/// stream and scratch memory, and whether (and why) it was aborted.
+///
+/// Locking: `mutex` guards dtrain's bookkeeping only (the handle `comm`, the
+/// abort state) and is never held across a CUDA or NCCL call that can block.
+/// The thread that issues collectives takes the handle under the lock, makes
+/// its calls without it, and checks `aborted` again after every call returns
+/// (call()). An abort (a timeout on a watchdog thread, abort(), an NCCL error
+/// seen by any poll) takes the handle under the lock and calls ncclCommAbort
+/// outside it, so that it never waits for the thread it is meant to free: a
+/// thread blocked inside an enqueue (a full launch queue, a peer that never
+/// connects) is released by the abort, as NCCL's abort flag intends and as
+/// PyTorch's watchdog does. Quick queries (ncclCommGetAsyncError) run under
+/// the lock, so that an abort cannot free the communicator under them.
+template <class Api>
 struct nccl_shared {
-  ncclComm_t comm = nullptr;
+  // Set before anyone else can see this state, and then only read:
   int rank = 0;
   int size = 0;
   int device = 0;
   nccl_options options{};
-  cuda_stream stream;                    // every collective runs here
+  basic_cuda_stream<Api> stream;         // every collective runs here
   void* scratch = nullptr;               // device: the check table, then the barrier word
   std::int64_t* device_table = nullptr;  // check mode: signature::fields int64 per rank
   std::int64_t* barrier_word = nullptr;
   ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
 
   std::mutex mutex;
-  /// Set by a watchdog (or any thread) that wants the communicator aborted:
-  /// every wait that holds `mutex` checks it each round and gives the lock up,
-  /// so an abort never waits for the wait it is meant to end.
-  std::atomic<bool> abort_requested{false};
+  ncclComm_t comm = nullptr;  // null once aborted (and before it exists)
   bool aborted = false;
-  failure_cause abort_reason;  // recorded without allocating (abort() and timeouts are noexcept)
+  bool abort_timed_out = false;  // the abort came from a timeout: later calls say timeout_error
+  failure_cause abort_reason;    // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
 
   nccl_shared() = default;
@@ -7059,14 +7208,18 @@ struct nccl_shared {
   /// The stream and scratch memory of a communicator on the current device; `comm` comes later.
   [[nodiscard]] static std::shared_ptr<nccl_shared> create(int rank, int size, int device,
                                                            nccl_options options) {
+    if (options.max_in_flight < 1) {
+      throw config_error("nccl_options::max_in_flight is " + std::to_string(options.max_in_flight) +
+                         " on NCCL rank " + std::to_string(rank) + "; it must be at least 1");
+    }
     auto s = std::make_shared<nccl_shared>();
     s->rank = rank;
     s->size = size;
     s->device = device;
     s->options = std::move(options);
-    s->stream = cuda_stream::non_blocking();
+    s->stream = basic_cuda_stream<Api>::non_blocking();
     const std::size_t words = signature::fields * static_cast<std::size_t>(size) + 1;
-    DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
+    DTRAIN_CUDA_CHECK(Api::cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
     s->device_table = static_cast<std::int64_t*>(s->scratch);
     s->barrier_word = s->device_table + signature::fields * static_cast<std::size_t>(size);
     return s;
@@ -7081,51 +7234,106 @@ struct nccl_shared {
   /// Pinned host memory for the check table (allocated on first use).
   std::int64_t* host_table() {
     if (!host_table_)
-      DTRAIN_CUDA_CHECK(cudaMallocHost(
-          &host_table_, signature::fields * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
+      DTRAIN_CUDA_CHECK(Api::cudaMallocHost(
+          reinterpret_cast<void**>(&host_table_),
+          signature::fields * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
     return host_table_;
+  }
+
+  /// Makes `engine_call(comm)` (one CUDA or NCCL call, or a few that form one
+  /// step) without holding the lock: throws if the communicator was aborted
+  /// before, and again if it was aborted while the call ran (another thread's
+  /// abort is what frees a call that blocked). `what` names the operation.
+  template <class What, class Call>
+  auto call(const What& what, Call&& engine_call) {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      throw_if_aborted(what);
+      handle = comm;
+    }
+    // A call that an abort interrupted fails as the abort says, not as NCCL words it.
+    if constexpr (std::is_void_v<decltype(engine_call(handle))>) {
+      try {
+        engine_call(handle);
+      } catch (const backend_error&) {
+        check_not_aborted(what);
+        throw;
+      }
+      check_not_aborted(what);
+    } else {
+      auto out = [&] {
+        try {
+          return engine_call(handle);
+        } catch (const backend_error&) {
+          check_not_aborted(what);
+          throw;
+        }
+      }();
+      check_not_aborted(what);
+      return out;
+    }
+  }
+
+  /// Throws what throw_if_aborted throws, taking the lock.
+  template <class What>
+  void check_not_aborted(const What& what) {
+    std::lock_guard lock(mutex);
+    throw_if_aborted(what);
   }
 
   /// NCCL's asynchronous state: ncclSuccess, ncclInProgress (still
   /// enqueueing or initialising), or an error. Call with `mutex` held.
   [[nodiscard]] ncclResult_t async_state() const noexcept {
+    if (!comm) return ncclSuccess;
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t r = Api::ncclCommGetAsyncError(comm, &state);
     return r != ncclSuccess ? r : state;
   }
 
+  /// Throws, when the communicator was aborted, timeout_error (the abort
+  /// came from a timeout) or backend_error, naming `what` and the first
+  /// reason. Call with `mutex` held.
   template <class What>
   void throw_if_aborted(const What& what) const {
-    if (aborted) {
-      throw backend_error(
-          what_text(what) + ": the communicator was aborted earlier (" + abort_reason.text() +
-              "); its collectives cannot run any more: create a new communicator (restart the job)",
-          abort_code);
-    }
+    if (!aborted) return;
+    std::string text =
+        what_text(what) + ": the communicator was aborted (" + abort_reason.text() +
+        "); its collectives cannot run any more: create a new communicator (restart the job)";
+    if (abort_timed_out) throw timeout_error(text);
+    throw backend_error(text, abort_code);
   }
 
-  /// ncclCommAbort, once; later calls see `aborted`, `abort_code` and the
-  /// first reason, `why`: what failure_cause::set takes (a text moved in, a
-  /// collective and how it ended, what was done on which rank). Allocates
-  /// nothing, as abort() and the timeout hook need. Call with `mutex` held.
+  /// ncclCommAbort, once, from any thread, without waiting for a thread that
+  /// is inside a CUDA or NCCL call; later calls see `aborted`, `abort_code`
+  /// and the first reason, `why`: what failure_cause::set takes (a text moved
+  /// in, a collective and how it ended, what was done on which rank).
+  /// Allocates nothing, as abort() and the timeout hook need. Call WITHOUT
+  /// `mutex` held.
   template <class... Why>
-  void abort_locked(int code, Why&&... why) noexcept {
-    if (comm) {
-      device_guard guard(device, std::nothrow);
-      (void)ncclCommAbort(comm);
-      comm = nullptr;
+  void abort(int code, bool timed_out, Why&&... why) noexcept {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      handle = std::exchange(comm, nullptr);
+      if (!aborted) {
+        aborted = true;
+        abort_timed_out = timed_out;
+        abort_code = code;
+        abort_reason.set(std::forward<Why>(why)...);
+      }
     }
-    if (!aborted) {
-      aborted = true;
-      abort_code = code;
-      abort_reason.set(std::forward<Why>(why)...);
+    if (handle) {
+      basic_device_guard<Api> guard(device, std::nothrow);
+      (void)Api::ncclCommAbort(handle);
     }
   }
 
   /// Polls until NCCL is idle (not in progress) and `finished()` holds. An
   /// NCCL error aborts and throws backend_error; running past `limit` aborts
-  /// and throws timeout_error, with `hint` for the person reading it. Call
-  /// with `mutex` held (or before anyone else can see this state).
+  /// and throws timeout_error, with `hint` for the person reading it; an
+  /// abort by another thread throws what throw_if_aborted does. Takes the
+  /// lock for each look at NCCL's state only; `finished()` runs without it.
   /// `what` names the operation (what_text()), put into words only on failure.
   template <class What, class Finished>
   void wait(const What& what, std::chrono::milliseconds limit, std::string_view hint,
@@ -7133,23 +7341,21 @@ struct nccl_shared {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     nccl_backoff pause;
     for (;;) {
-      throw_if_aborted(what);
-      if (abort_requested.load(std::memory_order_acquire)) {
-        std::string why =
-            what_text(what) + " was interrupted: another thread aborted the communicator";
-        abort_locked(0, std::string(why));
-        throw backend_error(why, 0);
+      ncclResult_t state = ncclSuccess;
+      {
+        std::lock_guard lock(mutex);
+        throw_if_aborted(what);
+        state = async_state();
       }
-      const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
         std::string why = what_text(what) + " failed: NCCL reports " + async_text(state);
-        abort_locked(static_cast<int>(state), std::string(why));
+        abort(static_cast<int>(state), false, std::string(why));
         throw backend_error(why, static_cast<int>(state));
       }
       if (state == ncclSuccess && finished()) return;
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string why = what_text(what) + " did not finish within " + nccl_seconds(limit);
-        abort_locked(0, std::string(why));
+        abort(0, true, std::string(why));
         throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
       }
       pause();
@@ -7163,6 +7369,39 @@ struct nccl_shared {
     return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
   }
 
+  /// Before the issuing thread enqueues a collective: when max_in_flight
+  /// collectives are still unfinished on the device, waits (the collective
+  /// timeout at most) for the oldest of them. With the fence recorded after
+  /// the enqueue (fenced()), the host runs at most max_in_flight collectives
+  /// ahead of the device. Issuing thread only.
+  template <class What>
+  void make_room(const What& what) {
+    const auto slots = static_cast<std::size_t>(options.max_in_flight);
+    if (fences_.size() < slots) return;  // a fence is made per slot as collectives are issued
+    cudaEvent_t oldest = fences_[issued_ % slots];
+    wait(
+        [&] {
+          return what_text(what) + " (waiting for the collective enqueued " +
+                 std::to_string(slots) +
+                 " before it: at most nccl_options::max_in_flight = " + std::to_string(slots) +
+                 " unfinished)";
+        },
+        options.collectives.timeout, nccl_timeout_hint,
+        [&] { return nccl_event_done<Api>(oldest); });
+  }
+
+  /// After the issuing thread enqueued a collective: records its fence.
+  void fenced() {
+    const auto slots = static_cast<std::size_t>(options.max_in_flight);
+    if (fences_.size() < slots) {
+      fences_.reserve(slots);
+      fences_.push_back(basic_cuda_event<Api>::create().release());
+    }
+    cudaEvent_t fence = fences_[issued_ % slots];
+    DTRAIN_CUDA_CHECK(Api::cudaEventRecord(fence, stream.get()));
+    ++issued_;
+  }
+
   /// A completion event from the pool (created on the current device when the
   /// pool is empty). The pool makes room for every event it hands out, so that
   /// release_event() never allocates.
@@ -7174,7 +7413,7 @@ struct nccl_shared {
       return e;
     }
     free_events_.reserve(events_made_ + 1);
-    cudaEvent_t e = cuda_event::create().release();
+    cudaEvent_t e = basic_cuda_event<Api>::create().release();
     ++events_made_;
     return e;
   }
@@ -7188,27 +7427,27 @@ struct nccl_shared {
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
-  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
+  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not, and
+  /// at once while an exception unwinds (a peer may be gone: waiting could
+  /// take the whole timeout). An aborted communicator has nothing left.
   ~nccl_shared() {
-    device_guard guard(device, std::nothrow);
-    // While an exception unwinds (a peer may be gone) or after a timeout, waiting
-    // for collectives could take the whole timeout: abort instead of finalizing.
-    if (comm && (std::uncaught_exceptions() > 0 || abort_requested.load())) {
-      (void)ncclCommAbort(comm);
+    basic_device_guard<Api> guard(device, std::nothrow);
+    if (comm && std::uncaught_exceptions() > 0) {
+      (void)Api::ncclCommAbort(comm);
       comm = nullptr;
     }
     if (comm) {
       const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
       // Finalize only a communicator that is idle and healthy; anything else is aborted.
       bool clean = settle(deadline, [&] {
-        const cudaError_t e = cudaStreamQuery(stream.get());
+        const cudaError_t e = Api::cudaStreamQuery(stream.get());
         return e == cudaSuccess         ? settled::done
                : e == cudaErrorNotReady ? settled::pending
                                         : settled::failed;
       });
       clean = clean && async_state() == ncclSuccess;
       if (clean) {
-        const ncclResult_t r = ncclCommFinalize(comm);
+        const ncclResult_t r = Api::ncclCommFinalize(comm);
         clean = (r == ncclSuccess || r == ncclInProgress) && settle(deadline, [&] {
                   const ncclResult_t state = async_state();
                   return state == ncclSuccess      ? settled::done
@@ -7217,15 +7456,16 @@ struct nccl_shared {
                 });
       }
       if (clean) {
-        (void)ncclCommDestroy(comm);
+        (void)Api::ncclCommDestroy(comm);
       } else {
-        (void)ncclCommAbort(comm);
+        (void)Api::ncclCommAbort(comm);
       }
       comm = nullptr;
     }
-    if (host_table_) (void)cudaFreeHost(host_table_);
-    if (scratch) (void)cudaFree(scratch);
-    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+    if (host_table_) (void)Api::cudaFreeHost(host_table_);
+    if (scratch) (void)Api::cudaFree(scratch);
+    for (cudaEvent_t e : free_events_) (void)Api::cudaEventDestroy(e);
+    for (cudaEvent_t e : fences_) (void)Api::cudaEventDestroy(e);
   }
 
  private:
@@ -7251,12 +7491,15 @@ struct nccl_shared {
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
   std::size_t events_made_ = 0;
+  std::vector<cudaEvent_t> fences_;  // the issuing thread's: one per slot of max_in_flight
+  std::size_t issued_ = 0;           // collectives fenced so far
 };
 
 /// An event from the pool for one scope (or released to a work).
+template <class Api>
 class nccl_pooled_event {
  public:
-  explicit nccl_pooled_event(nccl_shared& shared)
+  explicit nccl_pooled_event(nccl_shared<Api>& shared)
       : shared_(shared), event_(shared.acquire_event()) {}
   nccl_pooled_event(const nccl_pooled_event&) = delete;
   nccl_pooled_event& operator=(const nccl_pooled_event&) = delete;
@@ -7267,43 +7510,52 @@ class nccl_pooled_event {
   [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
 
  private:
-  nccl_shared& shared_;
+  nccl_shared<Api>& shared_;
   cudaEvent_t event_;
 };
 
 /// One collective in flight: done when its completion event is; failed when
 /// NCCL reports an asynchronous error (the communicator is then aborted, as
 /// NCCL asks) or the communicator was aborted.
+template <class Api>
 class nccl_work final : public work_state {
  public:
   nccl_work(const collective_info& what, std::chrono::milliseconds timeout,
-            std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
+            std::shared_ptr<nccl_shared<Api>> shared, cudaEvent_t done)
       : work_state(what, timeout), shared_(std::move(shared)), done_(done) {}
   ~nccl_work() override { shared_->release_event(done_); }
 
   // Runs on any thread that waits (the watchdog's included): the CUDA calls
-  // go to the communicator's device, never to a context on GPU 0.
+  // go to the communicator's device, never to a context on GPU 0. The lock is
+  // held for NCCL's error state only, never across the event query.
   bool poll() override {
-    std::lock_guard lock(shared_->mutex);
-    device_guard guard(shared_->device, std::nothrow);
-    if (shared_->aborted) {
-      fail(std::make_exception_ptr(
-          backend_error(description() + " did not complete: the communicator was aborted (" +
-                            shared_->abort_reason.text() + ")",
-                        shared_->abort_code)));
-      return true;
+    ncclResult_t state = ncclSuccess;
+    {
+      std::lock_guard lock(shared_->mutex);
+      if (shared_->aborted) {
+        std::string text = description() + " did not complete: the communicator was aborted (" +
+                           shared_->abort_reason.text() + ")";
+        if (shared_->abort_timed_out) {
+          fail(std::make_exception_ptr(timeout_error(text)));
+        } else {
+          fail(std::make_exception_ptr(backend_error(text, shared_->abort_code)));
+        }
+        return true;
+      }
+      state = shared_->async_state();
     }
-    const ncclResult_t state = shared_->async_state();
     if (state != ncclSuccess && state != ncclInProgress) {
-      std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
-      shared_->abort_locked(static_cast<int>(state), std::string(why));
+      std::string why =
+          description() + " failed: NCCL reports " + nccl_shared<Api>::async_text(state);
+      shared_->abort(static_cast<int>(state), false, std::string(why));
       fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
       return true;
     }
-    const cudaError_t e = cudaEventQuery(done_);
+    basic_device_guard<Api> guard(shared_->device, std::nothrow);
+    const cudaError_t e = Api::cudaEventQuery(done_);
     if (e == cudaErrorNotReady) return false;
     if (e != cudaSuccess) {
-      (void)cudaGetLastError();
+      (void)Api::cudaGetLastError();
       fail(std::make_exception_ptr(backend_error(
           description() + " failed on the device: " + cudaGetErrorName(e) + ": " +
               cudaGetErrorString(e) + " (cudaError_t " + std::to_string(static_cast<int>(e)) + ")",
@@ -7312,16 +7564,12 @@ class nccl_work final : public work_state {
     return true;
   }
 
-  // Called by whoever waited (a watchdog thread included): the flag first, so
-  // that a wait holding the lock lets go of it within one polling round.
-  void on_timeout() noexcept override {
-    shared_->abort_requested.store(true, std::memory_order_release);
-    std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(0, info(), "timed out");
-  }
+  // Called by whoever waited (a watchdog thread included): aborts at once,
+  // without waiting for a thread that may be blocked inside an NCCL call.
+  void on_timeout() noexcept override { shared_->abort(0, true, info(), "timed out"); }
 
  private:
-  std::shared_ptr<nccl_shared> shared_;
+  std::shared_ptr<nccl_shared<Api>> shared_;
   cudaEvent_t done_;
 };
 
@@ -7341,10 +7589,12 @@ class nccl_work final : public work_state {
 /// the channel.
 
 
+#include <chrono>
 #include <concepts>
 #include <exception>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 namespace dtrain::detail {
@@ -7365,12 +7615,25 @@ concept broadcast_relay = requires(R& r, std::string& message, const std::string
 /// A key of the store as broadcast_or_fail's channel: the root sets it, every
 /// other rank gets it, waiting at most the store's timeout. Give each value
 /// its own key: the key is never erased (a late rank still finds it).
+///
+/// A root that failed may host the store (rank 0 under per-process launch):
+/// when it exits, its failure goes with it, and a rank that had not read it
+/// yet hears only that the store is gone. So after carrying a failure, the
+/// root waits until the `size - 1` others have read it (each counts itself
+/// under "<key>/failure_read"), at most `linger`.
 template <store Store>
 class store_relay {
  public:
-  store_relay(Store& store, std::string key, int rank, int root = 0)
-      : store_(store), key_(std::move(key)), rank_(rank), root_(root) {}
+  static constexpr std::chrono::milliseconds default_linger{10'000};
 
+  store_relay(Store& store, std::string key, int rank, int size, int root = 0,
+              std::chrono::milliseconds linger = default_linger)
+      : store_(store),
+        key_(std::move(key)),
+        rank_(rank),
+        size_(size),
+        root_(root),
+        linger_(linger) {}
   void carry(std::string& message, const std::string& /*what*/) {
     if (is_root()) {
       store_.set(key_, message);
@@ -7378,15 +7641,32 @@ class store_relay {
       message = store_.get(key_);
     }
   }
+  /// On a rank other than the root that read the root's failure.
+  void failure_read() { (void)store_.add(read_key(), 1); }
+  /// On the root, after carrying its failure: waits for the others to read it
+  /// (at most `linger`). Never throws: the root's own failure is what counts.
+  void failure_carried() noexcept {
+    try {
+      const auto deadline = std::chrono::steady_clock::now() + linger_;
+      while (store_.add(read_key(), 0) < size_ - 1 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } catch (...) {
+      // The store is gone or failing: nobody can read the failure any more.
+    }
+  }
   [[nodiscard]] int root() const noexcept { return root_; }
   [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
   [[nodiscard]] std::string where() const { return "store key \"" + key_ + "\""; }
 
  private:
+  [[nodiscard]] std::string read_key() const { return key_ + "/failure_read"; }
+
   Store& store_;
   std::string key_;
   int rank_;
+  int size_;
   int root_;
+  std::chrono::milliseconds linger_;
 };
 
 /// Rank `relay.root()` calls `produce()` (which returns the value as a
@@ -7420,9 +7700,20 @@ template <broadcast_relay Relay, class Produce>
     if (failure) std::rethrow_exception(failure);
     throw;
   }
-  if (failure) std::rethrow_exception(failure);
+  if (failure) {
+    // A relay that can say so lets the root stay until the others have read its failure.
+    if constexpr (requires { relay.failure_carried(); }) relay.failure_carried();
+    std::rethrow_exception(failure);
+  }
   wire::outcome got = wire::outcome::decode(relay.where(), message, about);
   if (!got.ok) {
+    if constexpr (requires { relay.failure_read(); }) {
+      try {
+        relay.failure_read();
+      } catch (...) {
+        // The root's message is what this rank reports, whatever the channel does now.
+      }
+    }
     throw rendezvous_error("rank " + std::to_string(relay.root()) + " could not provide " + about +
                            ": " + got.text);
   }
@@ -7442,6 +7733,7 @@ template <broadcast_relay Relay, class Produce>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #if DTRAIN_HAS_NCCL()
 #include <cuda_runtime.h>
@@ -7461,14 +7753,61 @@ inline std::string nccl_creating(int rank, int size, int device) {
 }
 /// Checks `device` and makes it current, as creating the communicator does
 /// (and with the same errors).
-inline void nccl_claim_device(int rank, int size, int device,
-                              const std::optional<std::string>& visible) {
+template <class Api>
+void nccl_claim_device(int rank, int size, int device, const std::optional<std::string>& visible) {
   nccl_check_placement(rank, size, device);
   try {
-    nccl_select_device(device, rank, size, visible);
+    nccl_select_device<Api>(device, rank, size, visible);
   } catch (const backend_error& e) {
     throw nccl_with_context(nccl_creating(rank, size, device), e);
   }
+}
+
+/// Where a rank's GPU is, as the check that no two ranks share one compares it.
+struct nccl_gpu {
+  std::string uuid;  ///< "GPU-...", as nvidia-smi -L prints it
+  std::string pci_bus;
+  std::string host;
+  int device = -1;      ///< the CUDA ordinal this rank used
+  std::string visible;  ///< its CUDA_VISIBLE_DEVICES, or "<unset>"
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
+    return out;
+  }
+  [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value) {
+    return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
+      nccl_gpu g;
+      g.uuid = std::string(r.bytes32("the GPU's UUID"));
+      g.pci_bus = std::string(r.bytes32("its PCI bus id"));
+      g.host = std::string(r.bytes32("the host name"));
+      g.device = static_cast<int>(r.i64("the CUDA device"));
+      g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
+      return g;
+    });
+  }
+};
+
+/// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
+/// config_error's text; empty when every rank has its own.
+inline std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
+  for (std::size_t a = 0; a < gpus.size(); ++a) {
+    for (std::size_t b = a + 1; b < gpus.size(); ++b) {
+      if (gpus[a].uuid != gpus[b].uuid) continue;
+      auto as = [&](std::size_t r) {
+        return "rank " + std::to_string(r) + " as CUDA device " + std::to_string(gpus[r].device) +
+               " (CUDA_VISIBLE_DEVICES=" + gpus[r].visible + ")";
+      };
+      return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " on host " +
+             gpus[a].host + " both use GPU " + gpus[a].uuid + " (PCI bus " + gpus[a].pci_bus +
+             "): " + as(a) + ", " + as(b) +
+             "; NCCL needs a GPU of its own for every rank: start no more ranks on a node than it "
+             "has GPUs, and give each its own device (the local rank, or a CUDA_VISIBLE_DEVICES "
+             "of its own)";
+    }
+  }
+  return {};
 }
 }  // namespace detail
 
@@ -7496,7 +7835,8 @@ inline void nccl_claim_device(int rank, int size, int device,
 /// Use one communicator from one thread at a time, like NCCL's own; work
 /// handles may be tested and waited on from any thread. Not for CUDA graph
 /// capture. Move-only.
-class nccl_communicator {
+template <class Api>
+class basic_nccl_communicator {
  public:
   static constexpr bool reaches_device_memory = true;
   /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
@@ -7513,38 +7853,39 @@ class nccl_communicator {
   /// as long as the store's timeout allows. Then ncclCommInitRankConfig,
   /// non-blocking, waited for at most `options.init_timeout`.
   ///
-  /// Throws config_error for a bad rank, size or device; timeout_error (the
-  /// store's, or the init's) when a rank does not show up; rendezvous_error
-  /// for a malformed id in the store, and on every other rank at once when
-  /// rank 0 cannot select its device or create the id (with rank 0's own
-  /// message); backend_error for CUDA and NCCL failures.
+  /// Before NCCL starts, every rank publishes which GPU it has (UUID, PCI
+  /// bus id, host) and rank 0 compares them: two ranks on one GPU are a
+  /// config_error on every rank that names the GPU, both ranks and their
+  /// CUDA_VISIBLE_DEVICES (NCCL would refuse them later, or run them slowly).
+  ///
+  /// Throws config_error for a bad rank, size or device, and for a GPU
+  /// shared by two ranks; timeout_error (the store's, or the init's) when a
+  /// rank does not show up; rendezvous_error for a malformed id in the
+  /// store, and on every other rank at once when rank 0 cannot select its
+  /// device or create the id (with rank 0's own message); backend_error for
+  /// CUDA and NCCL failures.
   template <store Store>
-  nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
+  basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
-      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key,
-                                             [&] {
-                                               detail::nccl_claim_device(
-                                                   rank, size, device,
-                                                   options.cuda_visible_devices);
-                                             }),
-                          rank, size, device, options) {}
+      : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
+                                options) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
   /// under MPI). Throws as the constructor above.
-  nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
-                    nccl_options options = {})
+  basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                          nccl_options options = {})
       : rank_(rank), size_(size) {
-    detail::nccl_claim_device(rank, size, device, options.cuda_visible_devices);
+    detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
     const std::string what = detail::nccl_creating(rank, size, device);
     try {
-      auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
+      auto s = detail::nccl_shared<Api>::create(rank, size, device, std::move(options));
       ncclConfig_t config = s->config();
       try {
-        DTRAIN_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
+        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
       } catch (...) {
-        if (s->comm) (void)ncclCommAbort(s->comm);
+        if (s->comm) (void)Api::ncclCommAbort(s->comm);
         s->comm = nullptr;
         throw;
       }
@@ -7560,19 +7901,19 @@ class nccl_communicator {
     }
   }
 
-  nccl_communicator(nccl_communicator&&) noexcept = default;
-  nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
-  nccl_communicator(const nccl_communicator&) = delete;
-  nccl_communicator& operator=(const nccl_communicator&) = delete;
+  basic_nccl_communicator(basic_nccl_communicator&&) noexcept = default;
+  basic_nccl_communicator& operator=(basic_nccl_communicator&&) noexcept = default;
+  basic_nccl_communicator(const basic_nccl_communicator&) = delete;
+  basic_nccl_communicator& operator=(const basic_nccl_communicator&) = delete;
   /// Waits for this communicator's collectives (at most the collective
   /// timeout, then aborts), then ncclCommFinalize + ncclCommDestroy. Work
   /// handles still alive keep the communicator alive until they go.
-  ~nccl_communicator() = default;
+  ~basic_nccl_communicator() = default;
 
   /// A new NCCL unique id (ncclGetUniqueId; needs no GPU). Throws backend_error.
   [[nodiscard]] static ncclUniqueId new_unique_id() {
     ncclUniqueId id{};
-    DTRAIN_NCCL_CHECK(ncclGetUniqueId(&id));
+    DTRAIN_NCCL_CHECK(Api::ncclGetUniqueId(&id));
     return id;
   }
 
@@ -7589,7 +7930,7 @@ class nccl_communicator {
       Prepare&& prepare = [] {}) {
     detail::nccl_check_rank(rank, size);
     const std::string value = detail::broadcast_or_fail(
-        detail::store_relay<Store>(store, std::string(key), rank), "the NCCL unique id", [&] {
+        detail::store_relay<Store>(store, std::string(key), rank, size), "the NCCL unique id", [&] {
           prepare();
           return detail::nccl_unique_id_text(new_unique_id());
         });
@@ -7608,7 +7949,9 @@ class nccl_communicator {
   }
   /// The NCCL communicator, for calls dtrain does not wrap (and benchmarks against the raw engine).
   [[nodiscard]] ncclComm_t native_handle() const noexcept {
-    return shared_ ? shared_->comm : nullptr;
+    if (!shared_) return nullptr;
+    std::lock_guard lock(shared_->mutex);
+    return shared_->comm;
   }
   /// Whether a timeout, an engine error or abort() ended this communicator.
   [[nodiscard]] bool aborted() const {
@@ -7618,22 +7961,24 @@ class nccl_communicator {
   }
 
   /// ncclCommAbort now: pending collectives end (their work fails) and every
-  /// later call throws. For a rank that learns a peer is gone.
+  /// later call throws. For a rank that learns a peer is gone, or that failed
+  /// itself (run() does this when the training function throws). Safe from
+  /// any thread, while another is inside a collective: it does not wait for
+  /// that call, which the abort ends.
   void abort() noexcept {
     if (!shared_) return;
-    std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(0, "abort() was called", rank_);
+    shared_->abort(0, false, "abort() was called", rank_);
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
   /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    return collective(
-        detail::collective_call::allreduce(in, out, op), stream,
-        [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op, size_), comm, own));
-        });
+    return collective(detail::collective_call::allreduce(in, out, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
+                            in.data, out.data, in.count, detail::nccl_type(in.type),
+                            detail::nccl_op(op, size_), comm, own));
+                      });
   }
 
   /// `data` on every rank becomes root's.
@@ -7641,8 +7986,8 @@ class nccl_communicator {
     return collective(
         detail::collective_call::broadcast(data, root), stream,
         [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
-                                          detail::nccl_type(data.type), root, comm, own));
+          DTRAIN_NCCL_CHECK(Api::ncclBroadcast(data.data, data.data, data.count,
+                                               detail::nccl_type(data.type), root, comm, own));
         });
   }
 
@@ -7651,8 +7996,8 @@ class nccl_communicator {
   work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
     return collective(detail::collective_call::allgather(in, out), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
-                        DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
-                                                        detail::nccl_type(in.type), comm, own));
+                        DTRAIN_NCCL_CHECK(Api::ncclAllGather(
+                            in.data, out.data, in.count, detail::nccl_type(in.type), comm, own));
                       });
   }
 
@@ -7660,9 +8005,9 @@ class nccl_communicator {
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
     return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
-                        DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
-                                                            detail::nccl_type(out.type),
-                                                            detail::nccl_op(op, size_), comm, own));
+                        DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
+                            in.data, out.data, out.count, detail::nccl_type(out.type),
+                            detail::nccl_op(op, size_), comm, own));
                       });
   }
 
@@ -7673,7 +8018,7 @@ class nccl_communicator {
     return collective(
         detail::collective_call::barrier(), stream, [&](ncclComm_t comm, cudaStream_t own) {
           std::int64_t* word = shared_->barrier_word;
-          DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+          DTRAIN_NCCL_CHECK(Api::ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
         });
   }
 
@@ -7682,36 +8027,37 @@ class nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
-    return collective(
-        detail::collective_call::allreduce_many(buffers, op), stream,
-        [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclGroupStart());
-          try {
-            for (const buffer& b : buffers) {
-              if (b.count == 0) continue;
-              DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op, size_), comm, own));
-            }
-          } catch (...) {
-            (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
-            throw;
-          }
-          DTRAIN_NCCL_CHECK(ncclGroupEnd());
-        });
+    return collective(detail::collective_call::allreduce_many(buffers, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(Api::ncclGroupStart());
+                        try {
+                          for (const buffer& b : buffers) {
+                            if (b.count == 0) continue;
+                            DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
+                                b.data, b.data, b.count, detail::nccl_type(b.type),
+                                detail::nccl_op(op, size_), comm, own));
+                          }
+                        } catch (...) {
+                          (void)Api::ncclGroupEnd();  // a group left open would swallow this
+                                                      // thread's next NCCL calls
+                          throw;
+                        }
+                        DTRAIN_NCCL_CHECK(Api::ncclGroupEnd());
+                      });
   }
 
   /// Makes `stream` wait, on the device and without blocking the host, for
   /// every collective enqueued on this communicator so far.
   void stream_wait(cudaStream_t stream) {
     const auto what = [this] { return describe("stream_wait", ""); };  // on failure only
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+    detail::nccl_shared<Api>& s = usable(what);
     try {
-      detail::device_guard guard(s.device);
-      detail::nccl_pooled_event done(s);
-      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+      detail::basic_device_guard<Api> guard(s.device);
+      detail::nccl_pooled_event<Api> done(s);
+      s.call(what, [&](ncclComm_t) {
+        DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
+        DTRAIN_CUDA_CHECK(Api::cudaStreamWaitEvent(stream, done.get(), 0));
+      });
     } catch (const backend_error& e) {
       throw detail::nccl_with_context(what(), e);
     }
@@ -7722,12 +8068,11 @@ class nccl_communicator {
   /// gets a communicator with valid() false. Collective over this communicator;
   /// waits for this communicator's collectives first (NCCL requires it), and
   /// for the split itself at most options().init_timeout.
-  [[nodiscard]] nccl_communicator split(int color, int key) {
+  [[nodiscard]] basic_nccl_communicator split(int color, int key) {
     const std::string what =
         describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key));
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+    detail::nccl_shared<Api>& s = usable(what);
+    s.check_not_aborted(what);
     // Numbered in the ring like any collective (as Gloo's split), so that check
     // mode and the desync table name it alike.
     const detail::collective_info call{
@@ -7735,30 +8080,33 @@ class nccl_communicator {
     const detail::signature sig = detail::signature_of(detail::record(*ring_, call), call);
     auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
     try {
-      detail::device_guard guard(s.device);
+      detail::basic_device_guard<Api> guard(s.device);
       if (s.options.collectives.check) check_signature(s, sig, what);
       s.wait(what + " (waiting for earlier collectives)", s.options.collectives.timeout,
-             detail::nccl_timeout_hint, [&] { return detail::nccl_stream_idle(s.stream.get()); });
+             detail::nccl_timeout_hint,
+             [&] { return detail::nccl_stream_idle<Api>(s.stream.get()); });
       // The child's stream and scratch exist before the child does, so that no
       // failure can strand a live NCCL communicator.
-      auto child = detail::nccl_shared::create(0, s.size, s.device, s.options);
+      auto child = detail::nccl_shared<Api>::create(0, s.size, s.device, s.options);
       ncclConfig_t config = s.config();
       s.split_slot =
           nullptr;  // written by NCCL when the split completes, maybe after the call returns
-      DTRAIN_NCCL_CHECK(ncclCommSplit(s.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
-                                      &s.split_slot, &config));
+      s.call(what, [&](ncclComm_t comm) {
+        DTRAIN_NCCL_CHECK(Api::ncclCommSplit(comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
+                                             &s.split_slot, &config));
+      });
       s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
       child->comm = s.split_slot;
       s.split_slot = nullptr;
       if (!child->comm) {
         settle(detail::call_state::completed);
-        return nccl_communicator(nullptr, -1, 0);
+        return basic_nccl_communicator(nullptr, -1, 0);
       }
       child->wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
-      DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
-      DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
+      DTRAIN_NCCL_CHECK(Api::ncclCommUserRank(child->comm, &child->rank));
+      DTRAIN_NCCL_CHECK(Api::ncclCommCount(child->comm, &child->size));
       const int child_rank = child->rank, child_size = child->size;
-      nccl_communicator out(std::move(child), child_rank, child_size);
+      basic_nccl_communicator out(std::move(child), child_rank, child_size);
       out.ring_ = ring_->make_child(color);
       settle(detail::call_state::completed);
       return out;
@@ -7780,8 +8128,77 @@ class nccl_communicator {
   }
 
  private:
-  nccl_communicator(std::shared_ptr<detail::nccl_shared> shared, int rank, int size) noexcept
+  basic_nccl_communicator(std::shared_ptr<detail::nccl_shared<Api>> shared, int rank,
+                          int size) noexcept
       : shared_(std::move(shared)), rank_(rank), size_(size) {}
+
+  // The store constructor's meeting: the id from rank 0 (which claims its
+  // device first: if it has none, nobody waits for its id), then the check
+  // that no two ranks share a GPU.
+  template <store Store>
+  static ncclUniqueId meet(Store& store, int rank, int size, int device,
+                           const nccl_options& options) {
+    const ncclUniqueId id = exchange_unique_id(store, rank, size, options.store_key, [&] {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+    });
+    check_own_gpus(store, rank, size, device, options);
+    return id;
+  }
+
+  // Each rank sets its GPU, or why it has none, under "<store_key>/gpu/<rank>";
+  // rank 0 reads them all and says (broadcast_or_fail) which two share one.
+  template <store Store>
+  static void check_own_gpus(Store& store, int rank, int size, int device,
+                             const nccl_options& options) {
+    const std::string base = options.store_key + "/gpu/";
+    std::exception_ptr failed;
+    std::string record;
+    try {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+      detail::nccl_gpu gpu{.uuid = {},
+                           .pci_bus = {},
+                           .host = detail::host_name().value_or("<unknown host>"),
+                           .device = device,
+                           .visible = options.cuda_visible_devices.value_or("<unset>")};
+      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
+      record = detail::wire::outcome{true, gpu.encode()}.encode();
+    } catch (...) {
+      failed = std::current_exception();
+      record = detail::wire::outcome{false, detail::current_failure().second}.encode();
+    }
+    store.set(base + std::to_string(rank), record);
+    detail::store_relay<Store> relay(store, base + "verdict", rank, size);
+    // A rank other than the root fails now (the root reads why); the root
+    // fails through the verdict, so that nobody waits for it.
+    if (failed && !relay.is_root()) {
+      relay.failure_read();  // the root need not stay for this rank: it knows
+      std::rethrow_exception(failed);
+    }
+    const std::string problem =
+        detail::broadcast_or_fail(relay, "the check that every rank has a GPU of its own", [&] {
+          if (failed) std::rethrow_exception(failed);
+          std::vector<detail::nccl_gpu> gpus;
+          for (int r = 0; r < size; ++r) {
+            const std::string key = base + std::to_string(r);
+            const detail::wire::outcome got = detail::wire::outcome::decode(
+                "store key \"" + key + "\"", store.get(key), "a rank's GPU");
+            if (!got.ok)
+              throw rendezvous_error("rank " + std::to_string(r) +
+                                     " cannot use its GPU: " + got.text);
+            gpus.push_back(detail::nccl_gpu::decode("store key \"" + key + "\"", got.text));
+          }
+          return detail::nccl_shared_gpu_problem(gpus);
+        });
+    if (problem.empty()) return;
+    // Every rank fails with the same config_error; rank 0, which may host the
+    // store, stays until the others have read it.
+    if (relay.is_root()) {
+      relay.failure_carried();
+    } else {
+      relay.failure_read();
+    }
+    throw config_error(problem);
+  }
 
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
@@ -7789,7 +8206,7 @@ class nccl_communicator {
 
   // A left-out (or moved-from) communicator fails here, before anything else.
   template <class What>
-  detail::nccl_shared& usable(const What& what) const {
+  detail::nccl_shared<Api>& usable(const What& what) const {
     if (shared_) return *shared_;
     detail::throw_invalid(detail::what_text(what), rank_ < 0);
   }
@@ -7798,7 +8215,8 @@ class nccl_communicator {
   // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
   // The host waits for it (at most the collective timeout).
   template <class What>
-  void check_signature(detail::nccl_shared& s, const detail::signature& mine, const What& what) {
+  void check_signature(detail::nccl_shared<Api>& s, const detail::signature& mine,
+                       const What& what) {
     const auto checking = [&] {
       return "checking what every rank passed to " + detail::what_text(what);
     };
@@ -7810,21 +8228,25 @@ class nccl_communicator {
             constexpr std::size_t width = detail::signature::fields;
             const std::size_t row = static_cast<std::size_t>(s.rank) * width;
             std::memcpy(host + row, fields.data(), width * sizeof(std::int64_t));
-            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(s.device_table + row, host + row,
-                                              width * sizeof(std::int64_t), cudaMemcpyHostToDevice,
-                                              s.stream.get()));
-            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, width, ncclInt64,
-                                            s.comm, s.stream.get()));
+            s.call(checking, [&](ncclComm_t comm) {
+              DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(s.device_table + row, host + row,
+                                                     width * sizeof(std::int64_t),
+                                                     cudaMemcpyHostToDevice, s.stream.get()));
+              DTRAIN_NCCL_CHECK(Api::ncclAllGather(s.device_table + row, s.device_table, width,
+                                                   ncclInt64, comm, s.stream.get()));
+            });
             s.wait(checking, s.options.collectives.timeout, detail::nccl_timeout_hint,
                    [] { return true; });
-            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, s.device_table,
-                                              all.size() * sizeof(std::int64_t),
-                                              cudaMemcpyDeviceToHost, s.stream.get()));
-            detail::nccl_pooled_event done(s);
-            DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+            detail::nccl_pooled_event<Api> done(s);
+            s.call(checking, [&](ncclComm_t) {
+              DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(host, s.device_table,
+                                                     all.size() * sizeof(std::int64_t),
+                                                     cudaMemcpyDeviceToHost, s.stream.get()));
+              DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
+            });
             s.wait(checking, s.options.collectives.timeout,
                    "a rank did not call this collective, or called fewer collectives than this one",
-                   [&] { return detail::nccl_event_done(done.get()); });
+                   [&] { return detail::nccl_event_done<Api>(done.get()); });
             std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
           } catch (const backend_error& e) {
             throw detail::nccl_with_context(checking(), e);
@@ -7841,10 +8263,9 @@ class nccl_communicator {
   template <class Enqueue>
   work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
     const detail::collective_info what = call.info(name, rank_, size_);
-    detail::nccl_shared& s = usable(what);
+    detail::nccl_shared<Api>& s = usable(what);
     detail::check_arguments(call, what, detail::nccl_memory);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+    s.check_not_aborted(what);
     const std::int64_t seq = detail::record(*ring_, what);
     const bool moves = call.moves_data();
     if (!moves && !s.options.collectives.check) {
@@ -7852,25 +8273,36 @@ class nccl_communicator {
       return work();  // nothing to move, nothing to order
     }
     try {
-      detail::device_guard guard(s.device);
+      detail::basic_device_guard<Api> guard(s.device);
       if (s.options.collectives.check) check_signature(s, detail::signature_of(seq, what), what);
       if (!moves) {
         ring_->settle(seq, detail::call_state::completed);
         return work();
       }
+      // At most max_in_flight collectives ahead of the device: a dead peer
+      // stops the host here (within the collective timeout), not never.
+      s.make_room(what);
+      // No lock is held across these calls: any of them can block (a full
+      // launch queue, NCCL's work FIFO, a connection to a peer), and an abort
+      // from another thread (a watchdog's timeout) is what ends such a call.
       {
-        detail::nccl_pooled_event ready(s);
-        DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
-        DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
+        detail::nccl_pooled_event<Api> ready(s);
+        s.call(what, [&](ncclComm_t) {
+          DTRAIN_CUDA_CHECK(Api::cudaEventRecord(ready.get(), caller));
+          DTRAIN_CUDA_CHECK(Api::cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
+        });
       }  // the wait holds the recorded point; the event can be reused at once
-      enqueue(s.comm, s.stream.get());
+      s.call(what, [&](ncclComm_t comm) { enqueue(comm, s.stream.get()); });
       // A non-blocking NCCL may still be enqueueing in the background; nothing
       // may be added to its stream until it is done.
       s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
-      detail::nccl_pooled_event done(s);
-      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      auto w = std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
-                                                   done.release());
+      detail::nccl_pooled_event<Api> done(s);
+      s.call(what, [&](ncclComm_t) {
+        DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
+        s.fenced();
+      });
+      auto w = std::make_shared<detail::nccl_work<Api>>(what, s.options.collectives.timeout,
+                                                        shared_, done.release());
       w->track(ring_, seq);
       return work(std::move(w));
     } catch (const backend_error& e) {
@@ -7878,11 +8310,14 @@ class nccl_communicator {
     }
   }
 
-  std::shared_ptr<detail::nccl_shared> shared_;
+  std::shared_ptr<detail::nccl_shared<Api>> shared_;
   std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   int rank_ = -1;
   int size_ = 0;
 };
+
+/// The NCCL backend's communicator, on the CUDA runtime and NCCL themselves.
+using nccl_communicator = basic_nccl_communicator<detail::nccl_library>;
 
 static_assert(communicator<nccl_communicator>);
 
@@ -13362,6 +13797,19 @@ class context {
   /// run, so the agent names this rank, not a peer that failed because of it.
   void record_failure(int status, const std::string& what) noexcept;
 
+  /// Called by run() when this rank fails, after its report: aborts the
+  /// communicator where the engine can (NCCL: ncclCommAbort), so that its
+  /// collectives still waiting for peers end now. Without it, the
+  /// communicator's clean close would wait for them, up to the collective
+  /// timeout, and a failed rank would linger that long before its process
+  /// exits and the launcher can end the job (ProcessGroupNCCL aborts too
+  /// unless shut down cleanly). Later collectives on this context throw.
+  void abort_communicator() noexcept {
+    if constexpr (requires { communicator_->abort(); }) {
+      if (communicator_) communicator_->abort();
+    }
+  }
+
   /// Called by run() after the user's function returned normally: the store's
   /// host (rank 0 under per-process launch) waits, at most the store timeout,
   /// until every rank is done with the store before it stops serving.
@@ -18274,10 +18722,12 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
       ctx.record_failure(failure.first, failure.second);
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
       detail::abort_mpi_job(code);
+      ctx.abort_communicator();  // exit now, not after the collectives peers will never join
       return code;
     }
     if (status != 0) {
       ctx.record_failure(status, {});
+      ctx.abort_communicator();
       if (detail::mpi_is_running()) {
         detail::report_failure(detail::rank_label(&*w),
                                {status, "the training function returned " + std::to_string(status) +

@@ -5,6 +5,8 @@
 #         "-DEXPECT_1=regex" ["-DEXPECT_2=regex" ...] -P check_error.cmake
 #
 # EXPECT_STATUS is a number or a regex of numbers ("[1-9][0-9]*": any failure).
+# CLEAN_DIR, when given, is a scratch directory of the job's, removed before
+# and after it.
 # COMMAND is the job's command line with '|' between the arguments. Every
 # EXPECT_<n> must match the job's combined stdout and stderr.
 foreach(var IN ITEMS COMMAND EXPECT_STATUS EXPECT_1)
@@ -14,6 +16,9 @@ foreach(var IN ITEMS COMMAND EXPECT_STATUS EXPECT_1)
 endforeach()
 
 string(REPLACE "|" ";" command "${COMMAND}")
+if(DEFINED CLEAN_DIR)
+  file(REMOVE_RECURSE "${CLEAN_DIR}")
+endif()
 execute_process(
   COMMAND ${command}
   RESULT_VARIABLE status
@@ -21,6 +26,9 @@ execute_process(
   ERROR_VARIABLE err
   TIMEOUT 100)
 message("${out}${err}")
+if(DEFINED CLEAN_DIR)
+  file(REMOVE_RECURSE "${CLEAN_DIR}")
+endif()
 
 set(failed "")
 if(NOT status MATCHES "^(${EXPECT_STATUS})$")

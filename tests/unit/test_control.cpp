@@ -176,9 +176,13 @@ namespace {
 struct bootstrap_results {
   std::vector<std::string> values, errors;
   std::vector<bool> was_rendezvous_error, was_config_error;
+  std::chrono::steady_clock::duration root_took{};  // from its start to its return or throw
+  std::int64_t failure_reads = 0;  // ranks that counted themselves as having read it
 };
+/// `size` ranks as threads; every rank but 0 starts `late` after it.
 template <class Produce>
-bootstrap_results bootstrap_over_store(int size, Produce produce) {
+bootstrap_results bootstrap_over_store(int size, Produce produce,
+                                       std::chrono::milliseconds late = 0ms) {
   dtrain::store_server server("127.0.0.1", 0, {.timeout = 20s, .log = [](std::string_view) {}});
   const auto n = static_cast<std::size_t>(size);
   bootstrap_results out{std::vector<std::string>(n), std::vector<std::string>(n),
@@ -187,11 +191,21 @@ bootstrap_results bootstrap_over_store(int size, Produce produce) {
   for (int r = 0; r < size; ++r) {
     ranks.emplace_back([&, r] {
       const auto i = static_cast<std::size_t>(r);
+      if (r != 0) std::this_thread::sleep_for(late);
+      const auto start = std::chrono::steady_clock::now();
+      struct timing {
+        int rank;
+        std::chrono::steady_clock::time_point start;
+        std::chrono::steady_clock::duration& out;
+        ~timing() {
+          if (rank == 0) out = std::chrono::steady_clock::now() - start;
+        }
+      } timed{r, start, out.root_took};
       try {
         dtrain::store_client client("127.0.0.1", server.port(), quick);
         dtrain::prefix_store<dtrain::store_client> job(client, "job");
         out.values[i] = dtrain::detail::broadcast_or_fail(
-            dtrain::detail::store_relay(job, "boot/value", r), "the test value", produce);
+            dtrain::detail::store_relay(job, "boot/value", r, size), "the test value", produce);
       } catch (const dtrain::config_error& e) {
         out.errors[i] = e.what();
         out.was_config_error[i] = true;
@@ -204,6 +218,8 @@ bootstrap_results bootstrap_over_store(int size, Produce produce) {
     });
   }
   for (auto& t : ranks) t.join();
+  dtrain::store_client client("127.0.0.1", server.port(), quick);
+  out.failure_reads = client.add("job/boot/value/failure_read", 0);
   return out;
 }
 
@@ -237,13 +253,32 @@ TEST_CASE("broadcast_or_fail: when rank 0 fails, every rank fails at once with r
   }
 }
 
+TEST_CASE("broadcast_or_fail: a failed root stays until the others have read its failure") {
+  // Rank 0 may host the store: had it returned at once, ranks that start
+  // 300 ms later would find no store, only "could not reach".
+  const auto got = bootstrap_over_store(
+      3, []() -> std::string { throw dtrain::config_error("no GPU"); }, 300ms);
+  for (int r = 1; r < 3; ++r) {
+    INFO("rank " << r);
+    CHECK(got.errors[static_cast<std::size_t>(r)] ==
+          "rank 0 could not provide the test value: no GPU");
+  }
+  CHECK(got.failure_reads == 2);
+  CHECK(got.root_took >= 300ms);  // it cannot have seen their reads before they started
+  // A value needs no such wait, and nobody counts a read.
+  const auto ok = bootstrap_over_store(
+      3, [] { return std::string("v"); }, 300ms);
+  CHECK(ok.values[2] == "v");
+  CHECK(ok.failure_reads == 0);
+}
+
 TEST_CASE(
     "broadcast_or_fail: a value that is not an outcome is a rendezvous_error naming the key") {
   dtrain::store_server server("127.0.0.1", 0, quick);
   dtrain::store_client client("127.0.0.1", server.port(), quick);
   client.set("boot/value", "written by someone else");
   try {
-    (void)dtrain::detail::broadcast_or_fail(dtrain::detail::store_relay(client, "boot/value", 1),
+    (void)dtrain::detail::broadcast_or_fail(dtrain::detail::store_relay(client, "boot/value", 1, 2),
                                             "the test value", [] { return std::string(); });
     FAIL("a foreign value was accepted");
   } catch (const dtrain::rendezvous_error& e) {

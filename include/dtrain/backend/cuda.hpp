@@ -9,10 +9,12 @@
 #include <dtrain/error.hpp>
 
 #include <cstddef>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace dtrain::detail {
@@ -33,10 +35,18 @@ namespace dtrain::detail {
 
 namespace dtrain::detail {
 
+/// A checked call's text as the user reads it: the engine calls the runtime
+/// through its seam (`Api::cudaSetDevice(...)`), the message names the
+/// function (`cudaSetDevice(...)`).
+[[nodiscard]] inline std::string call_as_written(std::string_view call) {
+  if (call.starts_with("Api::")) call.remove_prefix(5);
+  return std::string(call);
+}
+
 /// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
 /// (cudaError_t 101, at file:line)".
 inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
-  return std::string("CUDA call `") + call + "` failed: " + cudaGetErrorName(code) + ": " +
+  return "CUDA call `" + call_as_written(call) + "` failed: " + cudaGetErrorName(code) + ": " +
          cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
          ", at " + file + ":" + std::to_string(line) + ")";
 }
@@ -61,79 +71,6 @@ inline std::string cuda_error_text(cudaError_t code, const char* call, const cha
   } while (false)
 
 namespace dtrain::detail {
-
-/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
-/// wait: work still queued on the stream completes, then the stream goes.
-class cuda_stream {
- public:
-  cuda_stream() = default;
-  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
-  cuda_stream& operator=(cuda_stream&& other) noexcept {
-    if (this != &other) {
-      reset();
-      stream_ = std::exchange(other.stream_, nullptr);
-    }
-    return *this;
-  }
-  cuda_stream(const cuda_stream&) = delete;
-  cuda_stream& operator=(const cuda_stream&) = delete;
-  ~cuda_stream() { reset(); }
-
-  /// A stream on the current device that does not synchronise with the legacy
-  /// default stream: ordering with the caller's streams is explicit (events).
-  [[nodiscard]] static cuda_stream non_blocking() {
-    cuda_stream s;
-    DTRAIN_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
-    return s;
-  }
-
-  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-    stream_ = nullptr;
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
-class cuda_event {
- public:
-  cuda_event() = default;
-  explicit cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
-  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
-  cuda_event& operator=(cuda_event&& other) noexcept {
-    if (this != &other) {
-      reset();
-      event_ = std::exchange(other.event_, nullptr);
-    }
-    return *this;
-  }
-  cuda_event(const cuda_event&) = delete;
-  cuda_event& operator=(const cuda_event&) = delete;
-  ~cuda_event() { reset(); }
-
-  [[nodiscard]] static cuda_event create() {
-    cudaEvent_t e = nullptr;
-    DTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return cuda_event(e);
-  }
-
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-  /// Gives up ownership.
-  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
-
- private:
-  void reset() noexcept {
-    if (event_) (void)cudaEventDestroy(event_);
-    event_ = nullptr;
-  }
-  cudaEvent_t event_ = nullptr;
-};
 
 /// Whether this thread has a current CUDA context, asked of the driver
 /// (cuCtxGetCurrent, found through the runtime, so nothing links libcuda).
@@ -167,42 +104,185 @@ class cuda_event {
 #endif
 }
 
+/// The CUDA runtime calls the NCCL engine makes, as one narrow seam: the
+/// engine's classes take the runtime as a template argument (`Api`), this one
+/// in production, a host fake in the tests of NCCL at several ranks
+/// (tests/engines/fake_nccl.hpp), so that a blocked call, an abort from
+/// another thread or a device failure can happen without a GPU. Each member
+/// is the CUDA function of the same name and signature; device_identity and
+/// thread_has_context are dtrain's. Error texts (cudaGetErrorName/String) are
+/// not part of the seam.
+struct cuda_library {
+  static cudaError_t cudaGetDeviceCount(int* count) { return ::cudaGetDeviceCount(count); }
+  static cudaError_t cudaGetDevice(int* device) { return ::cudaGetDevice(device); }
+  static cudaError_t cudaSetDevice(int device) { return ::cudaSetDevice(device); }
+  /// The device's UUID ("GPU-xxxxxxxx-..." as nvidia-smi -L prints it) and PCI bus id.
+  static cudaError_t device_identity(int device, std::string& uuid, std::string& pci_bus) {
+    cudaDeviceProp prop{};
+    if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
+    static constexpr char hex[] = "0123456789abcdef";
+    uuid = "GPU-";
+    for (int i = 0; i < 16; ++i) {
+      const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
+      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+      uuid += hex[byte >> 4];
+      uuid += hex[byte & 15];
+    }
+    char bus[32];
+    std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
+                  static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+    pci_bus = bus;
+    return cudaSuccess;
+  }
+  static bool thread_has_context() noexcept { return thread_has_cuda_context(); }
+  static cudaError_t cudaGetLastError() { return ::cudaGetLastError(); }
+  static cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
+    return ::cudaStreamCreateWithFlags(stream, flags);
+  }
+  static cudaError_t cudaStreamDestroy(cudaStream_t stream) { return ::cudaStreamDestroy(stream); }
+  static cudaError_t cudaStreamQuery(cudaStream_t stream) { return ::cudaStreamQuery(stream); }
+  static cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags) {
+    return ::cudaStreamWaitEvent(stream, event, flags);
+  }
+  static cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
+    return ::cudaEventCreateWithFlags(event, flags);
+  }
+  static cudaError_t cudaEventDestroy(cudaEvent_t event) { return ::cudaEventDestroy(event); }
+  static cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    return ::cudaEventRecord(event, stream);
+  }
+  static cudaError_t cudaEventQuery(cudaEvent_t event) { return ::cudaEventQuery(event); }
+  static cudaError_t cudaMalloc(void** data, std::size_t bytes) {
+    return ::cudaMalloc(data, bytes);
+  }
+  static cudaError_t cudaFree(void* data) { return ::cudaFree(data); }
+  static cudaError_t cudaMallocHost(void** data, std::size_t bytes) {
+    return ::cudaMallocHost(data, bytes);
+  }
+  static cudaError_t cudaFreeHost(void* data) { return ::cudaFreeHost(data); }
+  static cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes,
+                                     cudaMemcpyKind kind, cudaStream_t stream) {
+    return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);
+  }
+};
+
+/// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
+/// wait: work still queued on the stream completes, then the stream goes.
+template <class Api = cuda_library>
+class basic_cuda_stream {
+ public:
+  basic_cuda_stream() = default;
+  basic_cuda_stream(basic_cuda_stream&& other) noexcept
+      : stream_(std::exchange(other.stream_, nullptr)) {}
+  basic_cuda_stream& operator=(basic_cuda_stream&& other) noexcept {
+    if (this != &other) {
+      reset();
+      stream_ = std::exchange(other.stream_, nullptr);
+    }
+    return *this;
+  }
+  basic_cuda_stream(const basic_cuda_stream&) = delete;
+  basic_cuda_stream& operator=(const basic_cuda_stream&) = delete;
+  ~basic_cuda_stream() { reset(); }
+
+  /// A stream on the current device that does not synchronise with the legacy
+  /// default stream: ordering with the caller's streams is explicit (events).
+  [[nodiscard]] static basic_cuda_stream non_blocking() {
+    basic_cuda_stream s;
+    DTRAIN_CUDA_CHECK(Api::cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+
+  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return stream_ != nullptr; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaStream_t release() noexcept { return std::exchange(stream_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (stream_) (void)Api::cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+};
+using cuda_stream = basic_cuda_stream<>;
+
+/// An owned CUDA event without timing (the cheap kind, for ordering and completion).
+template <class Api = cuda_library>
+class basic_cuda_event {
+ public:
+  basic_cuda_event() = default;
+  explicit basic_cuda_event(cudaEvent_t adopted) noexcept : event_(adopted) {}
+  basic_cuda_event(basic_cuda_event&& other) noexcept
+      : event_(std::exchange(other.event_, nullptr)) {}
+  basic_cuda_event& operator=(basic_cuda_event&& other) noexcept {
+    if (this != &other) {
+      reset();
+      event_ = std::exchange(other.event_, nullptr);
+    }
+    return *this;
+  }
+  basic_cuda_event(const basic_cuda_event&) = delete;
+  basic_cuda_event& operator=(const basic_cuda_event&) = delete;
+  ~basic_cuda_event() { reset(); }
+
+  [[nodiscard]] static basic_cuda_event create() {
+    cudaEvent_t e = nullptr;
+    DTRAIN_CUDA_CHECK(Api::cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return basic_cuda_event(e);
+  }
+
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+  /// Gives up ownership.
+  [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
+
+ private:
+  void reset() noexcept {
+    if (event_) (void)Api::cudaEventDestroy(event_);
+    event_ = nullptr;
+  }
+  cudaEvent_t event_ = nullptr;
+};
+using cuda_event = basic_cuda_event<>;
+
 /// Makes `device` current for a scope, and restores the previous device
 /// after it only where this thread had a context: on a fresh thread (a
 /// watchdog, a communication thread) the device stays `device`, so that no
 /// context is created on a GPU the rank does not use. Switches only when
 /// needed (a cudaSetDevice costs more than a cudaGetDevice).
-class device_guard {
+template <class Api = cuda_library>
+class basic_device_guard {
  public:
-  explicit device_guard(int device) {
-    DTRAIN_CUDA_CHECK(cudaGetDevice(&previous_));
+  explicit basic_device_guard(int device) {
+    DTRAIN_CUDA_CHECK(Api::cudaGetDevice(&previous_));
     if (previous_ != device) {
-      const bool restore = thread_has_cuda_context();
-      DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+      const bool restore = Api::thread_has_context();
+      DTRAIN_CUDA_CHECK(Api::cudaSetDevice(device));
       switched_ = restore;
     }
   }
   /// For destructors and other noexcept paths: failures are ignored.
-  device_guard(int device, std::nothrow_t) noexcept {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      (void)cudaGetLastError();
+  basic_device_guard(int device, std::nothrow_t) noexcept {
+    if (Api::cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)Api::cudaGetLastError();
       return;
     }
     if (previous_ != device) {
-      const bool restore = thread_has_cuda_context();
-      switched_ = cudaSetDevice(device) == cudaSuccess && restore;
+      const bool restore = Api::thread_has_context();
+      switched_ = Api::cudaSetDevice(device) == cudaSuccess && restore;
     }
   }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  ~device_guard() {
-    if (switched_) (void)cudaSetDevice(previous_);
+  basic_device_guard(const basic_device_guard&) = delete;
+  basic_device_guard& operator=(const basic_device_guard&) = delete;
+  ~basic_device_guard() {
+    if (switched_) (void)Api::cudaSetDevice(previous_);
   }
 
  private:
   int previous_ = 0;
   bool switched_ = false;
 };
+using device_guard = basic_device_guard<>;
 
 /// Pinned (page-locked) host blocks for staging device buffers through host
 /// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens

@@ -12,6 +12,8 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/detail/sys.hpp>
+#include <dtrain/detail/wire.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/broadcast.hpp>
 #include <dtrain/rendezvous/store.hpp>
@@ -26,6 +28,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #if DTRAIN_HAS_NCCL()
 #include <cuda_runtime.h>
@@ -45,14 +48,61 @@ inline std::string nccl_creating(int rank, int size, int device) {
 }
 /// Checks `device` and makes it current, as creating the communicator does
 /// (and with the same errors).
-inline void nccl_claim_device(int rank, int size, int device,
-                              const std::optional<std::string>& visible) {
+template <class Api>
+void nccl_claim_device(int rank, int size, int device, const std::optional<std::string>& visible) {
   nccl_check_placement(rank, size, device);
   try {
-    nccl_select_device(device, rank, size, visible);
+    nccl_select_device<Api>(device, rank, size, visible);
   } catch (const backend_error& e) {
     throw nccl_with_context(nccl_creating(rank, size, device), e);
   }
+}
+
+/// Where a rank's GPU is, as the check that no two ranks share one compares it.
+struct nccl_gpu {
+  std::string uuid;  ///< "GPU-...", as nvidia-smi -L prints it
+  std::string pci_bus;
+  std::string host;
+  int device = -1;      ///< the CUDA ordinal this rank used
+  std::string visible;  ///< its CUDA_VISIBLE_DEVICES, or "<unset>"
+
+  [[nodiscard]] std::string encode() const {
+    std::string out;
+    wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
+    return out;
+  }
+  [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value) {
+    return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
+      nccl_gpu g;
+      g.uuid = std::string(r.bytes32("the GPU's UUID"));
+      g.pci_bus = std::string(r.bytes32("its PCI bus id"));
+      g.host = std::string(r.bytes32("the host name"));
+      g.device = static_cast<int>(r.i64("the CUDA device"));
+      g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
+      return g;
+    });
+  }
+};
+
+/// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
+/// config_error's text; empty when every rank has its own.
+inline std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
+  for (std::size_t a = 0; a < gpus.size(); ++a) {
+    for (std::size_t b = a + 1; b < gpus.size(); ++b) {
+      if (gpus[a].uuid != gpus[b].uuid) continue;
+      auto as = [&](std::size_t r) {
+        return "rank " + std::to_string(r) + " as CUDA device " + std::to_string(gpus[r].device) +
+               " (CUDA_VISIBLE_DEVICES=" + gpus[r].visible + ")";
+      };
+      return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " on host " +
+             gpus[a].host + " both use GPU " + gpus[a].uuid + " (PCI bus " + gpus[a].pci_bus +
+             "): " + as(a) + ", " + as(b) +
+             "; NCCL needs a GPU of its own for every rank: start no more ranks on a node than it "
+             "has GPUs, and give each its own device (the local rank, or a CUDA_VISIBLE_DEVICES "
+             "of its own)";
+    }
+  }
+  return {};
 }
 }  // namespace detail
 
@@ -80,7 +130,8 @@ inline void nccl_claim_device(int rank, int size, int device,
 /// Use one communicator from one thread at a time, like NCCL's own; work
 /// handles may be tested and waited on from any thread. Not for CUDA graph
 /// capture. Move-only.
-class nccl_communicator {
+template <class Api>
+class basic_nccl_communicator {
  public:
   static constexpr bool reaches_device_memory = true;
   /// NCCL reads and writes GPU memory only: host data goes over the host control plane.
@@ -97,38 +148,39 @@ class nccl_communicator {
   /// as long as the store's timeout allows. Then ncclCommInitRankConfig,
   /// non-blocking, waited for at most `options.init_timeout`.
   ///
-  /// Throws config_error for a bad rank, size or device; timeout_error (the
-  /// store's, or the init's) when a rank does not show up; rendezvous_error
-  /// for a malformed id in the store, and on every other rank at once when
-  /// rank 0 cannot select its device or create the id (with rank 0's own
-  /// message); backend_error for CUDA and NCCL failures.
+  /// Before NCCL starts, every rank publishes which GPU it has (UUID, PCI
+  /// bus id, host) and rank 0 compares them: two ranks on one GPU are a
+  /// config_error on every rank that names the GPU, both ranks and their
+  /// CUDA_VISIBLE_DEVICES (NCCL would refuse them later, or run them slowly).
+  ///
+  /// Throws config_error for a bad rank, size or device, and for a GPU
+  /// shared by two ranks; timeout_error (the store's, or the init's) when a
+  /// rank does not show up; rendezvous_error for a malformed id in the
+  /// store, and on every other rank at once when rank 0 cannot select its
+  /// device or create the id (with rank 0's own message); backend_error for
+  /// CUDA and NCCL failures.
   template <store Store>
-  nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
+  basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
-      : nccl_communicator(exchange_unique_id(store, rank, size, options.store_key,
-                                             [&] {
-                                               detail::nccl_claim_device(
-                                                   rank, size, device,
-                                                   options.cuda_visible_devices);
-                                             }),
-                          rank, size, device, options) {}
+      : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
+                                options) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
   /// under MPI). Throws as the constructor above.
-  nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
-                    nccl_options options = {})
+  basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                          nccl_options options = {})
       : rank_(rank), size_(size) {
-    detail::nccl_claim_device(rank, size, device, options.cuda_visible_devices);
+    detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
     const std::string what = detail::nccl_creating(rank, size, device);
     try {
-      auto s = detail::nccl_shared::create(rank, size, device, std::move(options));
+      auto s = detail::nccl_shared<Api>::create(rank, size, device, std::move(options));
       ncclConfig_t config = s->config();
       try {
-        DTRAIN_NCCL_CHECK(ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
+        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
       } catch (...) {
-        if (s->comm) (void)ncclCommAbort(s->comm);
+        if (s->comm) (void)Api::ncclCommAbort(s->comm);
         s->comm = nullptr;
         throw;
       }
@@ -144,19 +196,19 @@ class nccl_communicator {
     }
   }
 
-  nccl_communicator(nccl_communicator&&) noexcept = default;
-  nccl_communicator& operator=(nccl_communicator&&) noexcept = default;
-  nccl_communicator(const nccl_communicator&) = delete;
-  nccl_communicator& operator=(const nccl_communicator&) = delete;
+  basic_nccl_communicator(basic_nccl_communicator&&) noexcept = default;
+  basic_nccl_communicator& operator=(basic_nccl_communicator&&) noexcept = default;
+  basic_nccl_communicator(const basic_nccl_communicator&) = delete;
+  basic_nccl_communicator& operator=(const basic_nccl_communicator&) = delete;
   /// Waits for this communicator's collectives (at most the collective
   /// timeout, then aborts), then ncclCommFinalize + ncclCommDestroy. Work
   /// handles still alive keep the communicator alive until they go.
-  ~nccl_communicator() = default;
+  ~basic_nccl_communicator() = default;
 
   /// A new NCCL unique id (ncclGetUniqueId; needs no GPU). Throws backend_error.
   [[nodiscard]] static ncclUniqueId new_unique_id() {
     ncclUniqueId id{};
-    DTRAIN_NCCL_CHECK(ncclGetUniqueId(&id));
+    DTRAIN_NCCL_CHECK(Api::ncclGetUniqueId(&id));
     return id;
   }
 
@@ -173,7 +225,7 @@ class nccl_communicator {
       Prepare&& prepare = [] {}) {
     detail::nccl_check_rank(rank, size);
     const std::string value = detail::broadcast_or_fail(
-        detail::store_relay<Store>(store, std::string(key), rank), "the NCCL unique id", [&] {
+        detail::store_relay<Store>(store, std::string(key), rank, size), "the NCCL unique id", [&] {
           prepare();
           return detail::nccl_unique_id_text(new_unique_id());
         });
@@ -192,7 +244,9 @@ class nccl_communicator {
   }
   /// The NCCL communicator, for calls dtrain does not wrap (and benchmarks against the raw engine).
   [[nodiscard]] ncclComm_t native_handle() const noexcept {
-    return shared_ ? shared_->comm : nullptr;
+    if (!shared_) return nullptr;
+    std::lock_guard lock(shared_->mutex);
+    return shared_->comm;
   }
   /// Whether a timeout, an engine error or abort() ended this communicator.
   [[nodiscard]] bool aborted() const {
@@ -202,22 +256,24 @@ class nccl_communicator {
   }
 
   /// ncclCommAbort now: pending collectives end (their work fails) and every
-  /// later call throws. For a rank that learns a peer is gone.
+  /// later call throws. For a rank that learns a peer is gone, or that failed
+  /// itself (run() does this when the training function throws). Safe from
+  /// any thread, while another is inside a collective: it does not wait for
+  /// that call, which the abort ends.
   void abort() noexcept {
     if (!shared_) return;
-    std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(0, "abort() was called", rank_);
+    shared_->abort(0, false, "abort() was called", rank_);
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
   /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    return collective(
-        detail::collective_call::allreduce(in, out, op), stream,
-        [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclAllReduce(in.data, out.data, in.count, detail::nccl_type(in.type),
-                                          detail::nccl_op(op, size_), comm, own));
-        });
+    return collective(detail::collective_call::allreduce(in, out, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
+                            in.data, out.data, in.count, detail::nccl_type(in.type),
+                            detail::nccl_op(op, size_), comm, own));
+                      });
   }
 
   /// `data` on every rank becomes root's.
@@ -225,8 +281,8 @@ class nccl_communicator {
     return collective(
         detail::collective_call::broadcast(data, root), stream,
         [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclBroadcast(data.data, data.data, data.count,
-                                          detail::nccl_type(data.type), root, comm, own));
+          DTRAIN_NCCL_CHECK(Api::ncclBroadcast(data.data, data.data, data.count,
+                                               detail::nccl_type(data.type), root, comm, own));
         });
   }
 
@@ -235,8 +291,8 @@ class nccl_communicator {
   work allgather(buffer in, buffer out, cudaStream_t stream = nullptr) {
     return collective(detail::collective_call::allgather(in, out), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
-                        DTRAIN_NCCL_CHECK(ncclAllGather(in.data, out.data, in.count,
-                                                        detail::nccl_type(in.type), comm, own));
+                        DTRAIN_NCCL_CHECK(Api::ncclAllGather(
+                            in.data, out.data, in.count, detail::nccl_type(in.type), comm, own));
                       });
   }
 
@@ -244,9 +300,9 @@ class nccl_communicator {
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
     return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
-                        DTRAIN_NCCL_CHECK(ncclReduceScatter(in.data, out.data, out.count,
-                                                            detail::nccl_type(out.type),
-                                                            detail::nccl_op(op, size_), comm, own));
+                        DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
+                            in.data, out.data, out.count, detail::nccl_type(out.type),
+                            detail::nccl_op(op, size_), comm, own));
                       });
   }
 
@@ -257,7 +313,7 @@ class nccl_communicator {
     return collective(
         detail::collective_call::barrier(), stream, [&](ncclComm_t comm, cudaStream_t own) {
           std::int64_t* word = shared_->barrier_word;
-          DTRAIN_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
+          DTRAIN_NCCL_CHECK(Api::ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, own));
         });
   }
 
@@ -266,36 +322,37 @@ class nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
-    return collective(
-        detail::collective_call::allreduce_many(buffers, op), stream,
-        [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(ncclGroupStart());
-          try {
-            for (const buffer& b : buffers) {
-              if (b.count == 0) continue;
-              DTRAIN_NCCL_CHECK(ncclAllReduce(b.data, b.data, b.count, detail::nccl_type(b.type),
-                                              detail::nccl_op(op, size_), comm, own));
-            }
-          } catch (...) {
-            (void)ncclGroupEnd();  // a group left open would swallow this thread's next NCCL calls
-            throw;
-          }
-          DTRAIN_NCCL_CHECK(ncclGroupEnd());
-        });
+    return collective(detail::collective_call::allreduce_many(buffers, op), stream,
+                      [&](ncclComm_t comm, cudaStream_t own) {
+                        DTRAIN_NCCL_CHECK(Api::ncclGroupStart());
+                        try {
+                          for (const buffer& b : buffers) {
+                            if (b.count == 0) continue;
+                            DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
+                                b.data, b.data, b.count, detail::nccl_type(b.type),
+                                detail::nccl_op(op, size_), comm, own));
+                          }
+                        } catch (...) {
+                          (void)Api::ncclGroupEnd();  // a group left open would swallow this
+                                                      // thread's next NCCL calls
+                          throw;
+                        }
+                        DTRAIN_NCCL_CHECK(Api::ncclGroupEnd());
+                      });
   }
 
   /// Makes `stream` wait, on the device and without blocking the host, for
   /// every collective enqueued on this communicator so far.
   void stream_wait(cudaStream_t stream) {
     const auto what = [this] { return describe("stream_wait", ""); };  // on failure only
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+    detail::nccl_shared<Api>& s = usable(what);
     try {
-      detail::device_guard guard(s.device);
-      detail::nccl_pooled_event done(s);
-      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(stream, done.get(), 0));
+      detail::basic_device_guard<Api> guard(s.device);
+      detail::nccl_pooled_event<Api> done(s);
+      s.call(what, [&](ncclComm_t) {
+        DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
+        DTRAIN_CUDA_CHECK(Api::cudaStreamWaitEvent(stream, done.get(), 0));
+      });
     } catch (const backend_error& e) {
       throw detail::nccl_with_context(what(), e);
     }
@@ -306,12 +363,11 @@ class nccl_communicator {
   /// gets a communicator with valid() false. Collective over this communicator;
   /// waits for this communicator's collectives first (NCCL requires it), and
   /// for the split itself at most options().init_timeout.
-  [[nodiscard]] nccl_communicator split(int color, int key) {
+  [[nodiscard]] basic_nccl_communicator split(int color, int key) {
     const std::string what =
         describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key));
-    detail::nccl_shared& s = usable(what);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+    detail::nccl_shared<Api>& s = usable(what);
+    s.check_not_aborted(what);
     // Numbered in the ring like any collective (as Gloo's split), so that check
     // mode and the desync table name it alike.
     const detail::collective_info call{
@@ -319,30 +375,33 @@ class nccl_communicator {
     const detail::signature sig = detail::signature_of(detail::record(*ring_, call), call);
     auto settle = [&](detail::call_state state) { ring_->settle(sig.seq, state); };
     try {
-      detail::device_guard guard(s.device);
+      detail::basic_device_guard<Api> guard(s.device);
       if (s.options.collectives.check) check_signature(s, sig, what);
       s.wait(what + " (waiting for earlier collectives)", s.options.collectives.timeout,
-             detail::nccl_timeout_hint, [&] { return detail::nccl_stream_idle(s.stream.get()); });
+             detail::nccl_timeout_hint,
+             [&] { return detail::nccl_stream_idle<Api>(s.stream.get()); });
       // The child's stream and scratch exist before the child does, so that no
       // failure can strand a live NCCL communicator.
-      auto child = detail::nccl_shared::create(0, s.size, s.device, s.options);
+      auto child = detail::nccl_shared<Api>::create(0, s.size, s.device, s.options);
       ncclConfig_t config = s.config();
       s.split_slot =
           nullptr;  // written by NCCL when the split completes, maybe after the call returns
-      DTRAIN_NCCL_CHECK(ncclCommSplit(s.comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
-                                      &s.split_slot, &config));
+      s.call(what, [&](ncclComm_t comm) {
+        DTRAIN_NCCL_CHECK(Api::ncclCommSplit(comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
+                                             &s.split_slot, &config));
+      });
       s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
       child->comm = s.split_slot;
       s.split_slot = nullptr;
       if (!child->comm) {
         settle(detail::call_state::completed);
-        return nccl_communicator(nullptr, -1, 0);
+        return basic_nccl_communicator(nullptr, -1, 0);
       }
       child->wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
-      DTRAIN_NCCL_CHECK(ncclCommUserRank(child->comm, &child->rank));
-      DTRAIN_NCCL_CHECK(ncclCommCount(child->comm, &child->size));
+      DTRAIN_NCCL_CHECK(Api::ncclCommUserRank(child->comm, &child->rank));
+      DTRAIN_NCCL_CHECK(Api::ncclCommCount(child->comm, &child->size));
       const int child_rank = child->rank, child_size = child->size;
-      nccl_communicator out(std::move(child), child_rank, child_size);
+      basic_nccl_communicator out(std::move(child), child_rank, child_size);
       out.ring_ = ring_->make_child(color);
       settle(detail::call_state::completed);
       return out;
@@ -364,8 +423,77 @@ class nccl_communicator {
   }
 
  private:
-  nccl_communicator(std::shared_ptr<detail::nccl_shared> shared, int rank, int size) noexcept
+  basic_nccl_communicator(std::shared_ptr<detail::nccl_shared<Api>> shared, int rank,
+                          int size) noexcept
       : shared_(std::move(shared)), rank_(rank), size_(size) {}
+
+  // The store constructor's meeting: the id from rank 0 (which claims its
+  // device first: if it has none, nobody waits for its id), then the check
+  // that no two ranks share a GPU.
+  template <store Store>
+  static ncclUniqueId meet(Store& store, int rank, int size, int device,
+                           const nccl_options& options) {
+    const ncclUniqueId id = exchange_unique_id(store, rank, size, options.store_key, [&] {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+    });
+    check_own_gpus(store, rank, size, device, options);
+    return id;
+  }
+
+  // Each rank sets its GPU, or why it has none, under "<store_key>/gpu/<rank>";
+  // rank 0 reads them all and says (broadcast_or_fail) which two share one.
+  template <store Store>
+  static void check_own_gpus(Store& store, int rank, int size, int device,
+                             const nccl_options& options) {
+    const std::string base = options.store_key + "/gpu/";
+    std::exception_ptr failed;
+    std::string record;
+    try {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+      detail::nccl_gpu gpu{.uuid = {},
+                           .pci_bus = {},
+                           .host = detail::host_name().value_or("<unknown host>"),
+                           .device = device,
+                           .visible = options.cuda_visible_devices.value_or("<unset>")};
+      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
+      record = detail::wire::outcome{true, gpu.encode()}.encode();
+    } catch (...) {
+      failed = std::current_exception();
+      record = detail::wire::outcome{false, detail::current_failure().second}.encode();
+    }
+    store.set(base + std::to_string(rank), record);
+    detail::store_relay<Store> relay(store, base + "verdict", rank, size);
+    // A rank other than the root fails now (the root reads why); the root
+    // fails through the verdict, so that nobody waits for it.
+    if (failed && !relay.is_root()) {
+      relay.failure_read();  // the root need not stay for this rank: it knows
+      std::rethrow_exception(failed);
+    }
+    const std::string problem =
+        detail::broadcast_or_fail(relay, "the check that every rank has a GPU of its own", [&] {
+          if (failed) std::rethrow_exception(failed);
+          std::vector<detail::nccl_gpu> gpus;
+          for (int r = 0; r < size; ++r) {
+            const std::string key = base + std::to_string(r);
+            const detail::wire::outcome got = detail::wire::outcome::decode(
+                "store key \"" + key + "\"", store.get(key), "a rank's GPU");
+            if (!got.ok)
+              throw rendezvous_error("rank " + std::to_string(r) +
+                                     " cannot use its GPU: " + got.text);
+            gpus.push_back(detail::nccl_gpu::decode("store key \"" + key + "\"", got.text));
+          }
+          return detail::nccl_shared_gpu_problem(gpus);
+        });
+    if (problem.empty()) return;
+    // Every rank fails with the same config_error; rank 0, which may host the
+    // store, stays until the others have read it.
+    if (relay.is_root()) {
+      relay.failure_carried();
+    } else {
+      relay.failure_read();
+    }
+    throw config_error(problem);
+  }
 
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
@@ -373,7 +501,7 @@ class nccl_communicator {
 
   // A left-out (or moved-from) communicator fails here, before anything else.
   template <class What>
-  detail::nccl_shared& usable(const What& what) const {
+  detail::nccl_shared<Api>& usable(const What& what) const {
     if (shared_) return *shared_;
     detail::throw_invalid(detail::what_text(what), rank_ < 0);
   }
@@ -382,7 +510,8 @@ class nccl_communicator {
   // of signature::fields int64 per rank through device scratch memory and a pinned host copy.
   // The host waits for it (at most the collective timeout).
   template <class What>
-  void check_signature(detail::nccl_shared& s, const detail::signature& mine, const What& what) {
+  void check_signature(detail::nccl_shared<Api>& s, const detail::signature& mine,
+                       const What& what) {
     const auto checking = [&] {
       return "checking what every rank passed to " + detail::what_text(what);
     };
@@ -394,21 +523,25 @@ class nccl_communicator {
             constexpr std::size_t width = detail::signature::fields;
             const std::size_t row = static_cast<std::size_t>(s.rank) * width;
             std::memcpy(host + row, fields.data(), width * sizeof(std::int64_t));
-            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(s.device_table + row, host + row,
-                                              width * sizeof(std::int64_t), cudaMemcpyHostToDevice,
-                                              s.stream.get()));
-            DTRAIN_NCCL_CHECK(ncclAllGather(s.device_table + row, s.device_table, width, ncclInt64,
-                                            s.comm, s.stream.get()));
+            s.call(checking, [&](ncclComm_t comm) {
+              DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(s.device_table + row, host + row,
+                                                     width * sizeof(std::int64_t),
+                                                     cudaMemcpyHostToDevice, s.stream.get()));
+              DTRAIN_NCCL_CHECK(Api::ncclAllGather(s.device_table + row, s.device_table, width,
+                                                   ncclInt64, comm, s.stream.get()));
+            });
             s.wait(checking, s.options.collectives.timeout, detail::nccl_timeout_hint,
                    [] { return true; });
-            DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, s.device_table,
-                                              all.size() * sizeof(std::int64_t),
-                                              cudaMemcpyDeviceToHost, s.stream.get()));
-            detail::nccl_pooled_event done(s);
-            DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
+            detail::nccl_pooled_event<Api> done(s);
+            s.call(checking, [&](ncclComm_t) {
+              DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(host, s.device_table,
+                                                     all.size() * sizeof(std::int64_t),
+                                                     cudaMemcpyDeviceToHost, s.stream.get()));
+              DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
+            });
             s.wait(checking, s.options.collectives.timeout,
                    "a rank did not call this collective, or called fewer collectives than this one",
-                   [&] { return detail::nccl_event_done(done.get()); });
+                   [&] { return detail::nccl_event_done<Api>(done.get()); });
             std::memcpy(all.data(), host, all.size() * sizeof(std::int64_t));
           } catch (const backend_error& e) {
             throw detail::nccl_with_context(checking(), e);
@@ -425,10 +558,9 @@ class nccl_communicator {
   template <class Enqueue>
   work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
     const detail::collective_info what = call.info(name, rank_, size_);
-    detail::nccl_shared& s = usable(what);
+    detail::nccl_shared<Api>& s = usable(what);
     detail::check_arguments(call, what, detail::nccl_memory);
-    std::lock_guard lock(s.mutex);
-    s.throw_if_aborted(what);
+    s.check_not_aborted(what);
     const std::int64_t seq = detail::record(*ring_, what);
     const bool moves = call.moves_data();
     if (!moves && !s.options.collectives.check) {
@@ -436,25 +568,36 @@ class nccl_communicator {
       return work();  // nothing to move, nothing to order
     }
     try {
-      detail::device_guard guard(s.device);
+      detail::basic_device_guard<Api> guard(s.device);
       if (s.options.collectives.check) check_signature(s, detail::signature_of(seq, what), what);
       if (!moves) {
         ring_->settle(seq, detail::call_state::completed);
         return work();
       }
+      // At most max_in_flight collectives ahead of the device: a dead peer
+      // stops the host here (within the collective timeout), not never.
+      s.make_room(what);
+      // No lock is held across these calls: any of them can block (a full
+      // launch queue, NCCL's work FIFO, a connection to a peer), and an abort
+      // from another thread (a watchdog's timeout) is what ends such a call.
       {
-        detail::nccl_pooled_event ready(s);
-        DTRAIN_CUDA_CHECK(cudaEventRecord(ready.get(), caller));
-        DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
+        detail::nccl_pooled_event<Api> ready(s);
+        s.call(what, [&](ncclComm_t) {
+          DTRAIN_CUDA_CHECK(Api::cudaEventRecord(ready.get(), caller));
+          DTRAIN_CUDA_CHECK(Api::cudaStreamWaitEvent(s.stream.get(), ready.get(), 0));
+        });
       }  // the wait holds the recorded point; the event can be reused at once
-      enqueue(s.comm, s.stream.get());
+      s.call(what, [&](ncclComm_t comm) { enqueue(comm, s.stream.get()); });
       // A non-blocking NCCL may still be enqueueing in the background; nothing
       // may be added to its stream until it is done.
       s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
-      detail::nccl_pooled_event done(s);
-      DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), s.stream.get()));
-      auto w = std::make_shared<detail::nccl_work>(what, s.options.collectives.timeout, shared_,
-                                                   done.release());
+      detail::nccl_pooled_event<Api> done(s);
+      s.call(what, [&](ncclComm_t) {
+        DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
+        s.fenced();
+      });
+      auto w = std::make_shared<detail::nccl_work<Api>>(what, s.options.collectives.timeout,
+                                                        shared_, done.release());
       w->track(ring_, seq);
       return work(std::move(w));
     } catch (const backend_error& e) {
@@ -462,11 +605,14 @@ class nccl_communicator {
     }
   }
 
-  std::shared_ptr<detail::nccl_shared> shared_;
+  std::shared_ptr<detail::nccl_shared<Api>> shared_;
   std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   int rank_ = -1;
   int size_ = 0;
 };
+
+/// The NCCL backend's communicator, on the CUDA runtime and NCCL themselves.
+using nccl_communicator = basic_nccl_communicator<detail::nccl_library>;
 
 static_assert(communicator<nccl_communicator>);
 

@@ -56,6 +56,12 @@ struct nccl_options {
   /// and enqueueing time out too; on, only completion can time out. NCCL's own
   /// NCCL_COMM_BLOCKING overrides either.
   bool blocking = false;
+  /// How many collectives the host may enqueue ahead of the oldest one the
+  /// device has not finished: the next one waits for it (at most the
+  /// collective timeout, then timeout_error and abort), so that a dead peer
+  /// stops the host within a bounded number of steps instead of letting it
+  /// queue work for ever. At least 1.
+  int max_in_flight = 64;
   /// Where rank 0 publishes the unique id. Must differ for every communicator
   /// made from one store: give each job and restart round its own
   /// prefix_store, or each communicator its own key. split() needs no store.
@@ -88,7 +94,8 @@ namespace dtrain::detail {
 /// error: ... (ncclResult_t 5, at file:line)".
 inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
                                    int line) {
-  std::string text = std::string("NCCL call `") + call + "` failed: " + ncclGetErrorString(code);
+  std::string text =
+      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
   const char* last = ncclGetLastError(nullptr);
   if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
   return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
@@ -195,13 +202,62 @@ inline constexpr memory_reach nccl_memory{
   return id;
 }
 
+/// The NCCL calls the engine makes, with the CUDA runtime's (cuda_library):
+/// the seam that tests replace with a host fake (tests/engines/fake_nccl.hpp).
+/// Each member is the NCCL function of the same name and signature; error
+/// texts (ncclGetErrorString, ncclGetLastError) are not part of the seam.
+struct nccl_library : cuda_library {
+  static ncclResult_t ncclGetUniqueId(ncclUniqueId* id) { return ::ncclGetUniqueId(id); }
+  static ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int size, ncclUniqueId id, int rank,
+                                             ncclConfig_t* config) {
+    return ::ncclCommInitRankConfig(comm, size, id, rank, config);
+  }
+  static ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
+    return ::ncclCommGetAsyncError(comm, state);
+  }
+  static ncclResult_t ncclCommAbort(ncclComm_t comm) { return ::ncclCommAbort(comm); }
+  static ncclResult_t ncclCommFinalize(ncclComm_t comm) { return ::ncclCommFinalize(comm); }
+  static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ::ncclCommDestroy(comm); }
+  static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out,
+                                    ncclConfig_t* config) {
+    return ::ncclCommSplit(comm, color, key, out, config);
+  }
+  static ncclResult_t ncclCommUserRank(ncclComm_t comm, int* rank) {
+    return ::ncclCommUserRank(comm, rank);
+  }
+  static ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
+    return ::ncclCommCount(comm, count);
+  }
+  static ncclResult_t ncclAllReduce(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                    cudaStream_t stream) {
+    return ::ncclAllReduce(in, out, count, type, op, comm, stream);
+  }
+  static ncclResult_t ncclBroadcast(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, int root, ncclComm_t comm,
+                                    cudaStream_t stream) {
+    return ::ncclBroadcast(in, out, count, type, root, comm, stream);
+  }
+  static ncclResult_t ncclAllGather(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, ncclComm_t comm, cudaStream_t stream) {
+    return ::ncclAllGather(in, out, count, type, comm, stream);
+  }
+  static ncclResult_t ncclReduceScatter(const void* in, void* out, std::size_t count,
+                                        ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                        cudaStream_t stream) {
+    return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
+  }
+  static ncclResult_t ncclGroupStart() { return ::ncclGroupStart(); }
+  static ncclResult_t ncclGroupEnd() { return ::ncclGroupEnd(); }
+};
+
 /// Checks that `device` exists, then makes it current. `visible` is
 /// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
-inline void nccl_select_device(int device, int rank, int size,
-                               const std::optional<std::string>& visible) {
+template <class Api>
+void nccl_select_device(int device, int rank, int size, const std::optional<std::string>& visible) {
   int count = 0;
-  if (const cudaError_t found = cudaGetDeviceCount(&count); found != cudaSuccess) {
-    (void)cudaGetLastError();
+  if (const cudaError_t found = Api::cudaGetDeviceCount(&count); found != cudaSuccess) {
+    (void)Api::cudaGetLastError();
     throw backend_error(
         "no usable CUDA device: " +
             cuda_error_text(found, "cudaGetDeviceCount(&count)", __FILE__, __LINE__) +
@@ -215,7 +271,7 @@ inline void nccl_select_device(int device, int rank, int size,
         std::to_string(count) + " (CUDA_VISIBLE_DEVICES=" + visible.value_or("<unset>") +
         "); pass the local rank, and start no more ranks on a node than it has GPUs");
   }
-  DTRAIN_CUDA_CHECK(cudaSetDevice(device));
+  DTRAIN_CUDA_CHECK(Api::cudaSetDevice(device));
 }
 
 inline std::string nccl_seconds(std::chrono::milliseconds t) {
@@ -235,42 +291,55 @@ struct nccl_backoff : backoff {
 };
 
 /// Whether everything on `stream` has finished; throws backend_error on a CUDA error.
-[[nodiscard]] inline bool nccl_stream_idle(cudaStream_t stream) {
-  const cudaError_t e = cudaStreamQuery(stream);
+template <class Api>
+[[nodiscard]] bool nccl_stream_idle(cudaStream_t stream) {
+  const cudaError_t e = Api::cudaStreamQuery(stream);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) throw_cuda_error(e, "cudaStreamQuery(stream)", __FILE__, __LINE__);
   return true;
 }
 
 /// Whether `event` has completed; throws backend_error on a CUDA error.
-[[nodiscard]] inline bool nccl_event_done(cudaEvent_t event) {
-  const cudaError_t e = cudaEventQuery(event);
+template <class Api>
+[[nodiscard]] bool nccl_event_done(cudaEvent_t event) {
+  const cudaError_t e = Api::cudaEventQuery(event);
   if (e == cudaErrorNotReady) return false;
   if (e != cudaSuccess) throw_cuda_error(e, "cudaEventQuery(event)", __FILE__, __LINE__);
   return true;
 }
 
-/// What a communicator and its work handles share. `mutex` guards `comm` (NCCL
-/// calls, polls, abort) and the abort state.
+/// What a communicator and its work handles share: the NCCL communicator, its
+/// stream and scratch memory, and whether (and why) it was aborted.
+///
+/// Locking: `mutex` guards dtrain's bookkeeping only (the handle `comm`, the
+/// abort state) and is never held across a CUDA or NCCL call that can block.
+/// The thread that issues collectives takes the handle under the lock, makes
+/// its calls without it, and checks `aborted` again after every call returns
+/// (call()). An abort (a timeout on a watchdog thread, abort(), an NCCL error
+/// seen by any poll) takes the handle under the lock and calls ncclCommAbort
+/// outside it, so that it never waits for the thread it is meant to free: a
+/// thread blocked inside an enqueue (a full launch queue, a peer that never
+/// connects) is released by the abort, as NCCL's abort flag intends and as
+/// PyTorch's watchdog does. Quick queries (ncclCommGetAsyncError) run under
+/// the lock, so that an abort cannot free the communicator under them.
+template <class Api>
 struct nccl_shared {
-  ncclComm_t comm = nullptr;
+  // Set before anyone else can see this state, and then only read:
   int rank = 0;
   int size = 0;
   int device = 0;
   nccl_options options{};
-  cuda_stream stream;                    // every collective runs here
+  basic_cuda_stream<Api> stream;         // every collective runs here
   void* scratch = nullptr;               // device: the check table, then the barrier word
   std::int64_t* device_table = nullptr;  // check mode: signature::fields int64 per rank
   std::int64_t* barrier_word = nullptr;
   ncclComm_t split_slot = nullptr;  // ncclCommSplit writes the child here when it completes
 
   std::mutex mutex;
-  /// Set by a watchdog (or any thread) that wants the communicator aborted:
-  /// every wait that holds `mutex` checks it each round and gives the lock up,
-  /// so an abort never waits for the wait it is meant to end.
-  std::atomic<bool> abort_requested{false};
+  ncclComm_t comm = nullptr;  // null once aborted (and before it exists)
   bool aborted = false;
-  failure_cause abort_reason;  // recorded without allocating (abort() and timeouts are noexcept)
+  bool abort_timed_out = false;  // the abort came from a timeout: later calls say timeout_error
+  failure_cause abort_reason;    // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
 
   nccl_shared() = default;
@@ -280,14 +349,18 @@ struct nccl_shared {
   /// The stream and scratch memory of a communicator on the current device; `comm` comes later.
   [[nodiscard]] static std::shared_ptr<nccl_shared> create(int rank, int size, int device,
                                                            nccl_options options) {
+    if (options.max_in_flight < 1) {
+      throw config_error("nccl_options::max_in_flight is " + std::to_string(options.max_in_flight) +
+                         " on NCCL rank " + std::to_string(rank) + "; it must be at least 1");
+    }
     auto s = std::make_shared<nccl_shared>();
     s->rank = rank;
     s->size = size;
     s->device = device;
     s->options = std::move(options);
-    s->stream = cuda_stream::non_blocking();
+    s->stream = basic_cuda_stream<Api>::non_blocking();
     const std::size_t words = signature::fields * static_cast<std::size_t>(size) + 1;
-    DTRAIN_CUDA_CHECK(cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
+    DTRAIN_CUDA_CHECK(Api::cudaMalloc(&s->scratch, words * sizeof(std::int64_t)));
     s->device_table = static_cast<std::int64_t*>(s->scratch);
     s->barrier_word = s->device_table + signature::fields * static_cast<std::size_t>(size);
     return s;
@@ -302,51 +375,106 @@ struct nccl_shared {
   /// Pinned host memory for the check table (allocated on first use).
   std::int64_t* host_table() {
     if (!host_table_)
-      DTRAIN_CUDA_CHECK(cudaMallocHost(
-          &host_table_, signature::fields * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
+      DTRAIN_CUDA_CHECK(Api::cudaMallocHost(
+          reinterpret_cast<void**>(&host_table_),
+          signature::fields * static_cast<std::size_t>(size) * sizeof(std::int64_t)));
     return host_table_;
+  }
+
+  /// Makes `engine_call(comm)` (one CUDA or NCCL call, or a few that form one
+  /// step) without holding the lock: throws if the communicator was aborted
+  /// before, and again if it was aborted while the call ran (another thread's
+  /// abort is what frees a call that blocked). `what` names the operation.
+  template <class What, class Call>
+  auto call(const What& what, Call&& engine_call) {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      throw_if_aborted(what);
+      handle = comm;
+    }
+    // A call that an abort interrupted fails as the abort says, not as NCCL words it.
+    if constexpr (std::is_void_v<decltype(engine_call(handle))>) {
+      try {
+        engine_call(handle);
+      } catch (const backend_error&) {
+        check_not_aborted(what);
+        throw;
+      }
+      check_not_aborted(what);
+    } else {
+      auto out = [&] {
+        try {
+          return engine_call(handle);
+        } catch (const backend_error&) {
+          check_not_aborted(what);
+          throw;
+        }
+      }();
+      check_not_aborted(what);
+      return out;
+    }
+  }
+
+  /// Throws what throw_if_aborted throws, taking the lock.
+  template <class What>
+  void check_not_aborted(const What& what) {
+    std::lock_guard lock(mutex);
+    throw_if_aborted(what);
   }
 
   /// NCCL's asynchronous state: ncclSuccess, ncclInProgress (still
   /// enqueueing or initialising), or an error. Call with `mutex` held.
   [[nodiscard]] ncclResult_t async_state() const noexcept {
+    if (!comm) return ncclSuccess;
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t r = Api::ncclCommGetAsyncError(comm, &state);
     return r != ncclSuccess ? r : state;
   }
 
+  /// Throws, when the communicator was aborted, timeout_error (the abort
+  /// came from a timeout) or backend_error, naming `what` and the first
+  /// reason. Call with `mutex` held.
   template <class What>
   void throw_if_aborted(const What& what) const {
-    if (aborted) {
-      throw backend_error(
-          what_text(what) + ": the communicator was aborted earlier (" + abort_reason.text() +
-              "); its collectives cannot run any more: create a new communicator (restart the job)",
-          abort_code);
-    }
+    if (!aborted) return;
+    std::string text =
+        what_text(what) + ": the communicator was aborted (" + abort_reason.text() +
+        "); its collectives cannot run any more: create a new communicator (restart the job)";
+    if (abort_timed_out) throw timeout_error(text);
+    throw backend_error(text, abort_code);
   }
 
-  /// ncclCommAbort, once; later calls see `aborted`, `abort_code` and the
-  /// first reason, `why`: what failure_cause::set takes (a text moved in, a
-  /// collective and how it ended, what was done on which rank). Allocates
-  /// nothing, as abort() and the timeout hook need. Call with `mutex` held.
+  /// ncclCommAbort, once, from any thread, without waiting for a thread that
+  /// is inside a CUDA or NCCL call; later calls see `aborted`, `abort_code`
+  /// and the first reason, `why`: what failure_cause::set takes (a text moved
+  /// in, a collective and how it ended, what was done on which rank).
+  /// Allocates nothing, as abort() and the timeout hook need. Call WITHOUT
+  /// `mutex` held.
   template <class... Why>
-  void abort_locked(int code, Why&&... why) noexcept {
-    if (comm) {
-      device_guard guard(device, std::nothrow);
-      (void)ncclCommAbort(comm);
-      comm = nullptr;
+  void abort(int code, bool timed_out, Why&&... why) noexcept {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      handle = std::exchange(comm, nullptr);
+      if (!aborted) {
+        aborted = true;
+        abort_timed_out = timed_out;
+        abort_code = code;
+        abort_reason.set(std::forward<Why>(why)...);
+      }
     }
-    if (!aborted) {
-      aborted = true;
-      abort_code = code;
-      abort_reason.set(std::forward<Why>(why)...);
+    if (handle) {
+      basic_device_guard<Api> guard(device, std::nothrow);
+      (void)Api::ncclCommAbort(handle);
     }
   }
 
   /// Polls until NCCL is idle (not in progress) and `finished()` holds. An
   /// NCCL error aborts and throws backend_error; running past `limit` aborts
-  /// and throws timeout_error, with `hint` for the person reading it. Call
-  /// with `mutex` held (or before anyone else can see this state).
+  /// and throws timeout_error, with `hint` for the person reading it; an
+  /// abort by another thread throws what throw_if_aborted does. Takes the
+  /// lock for each look at NCCL's state only; `finished()` runs without it.
   /// `what` names the operation (what_text()), put into words only on failure.
   template <class What, class Finished>
   void wait(const What& what, std::chrono::milliseconds limit, std::string_view hint,
@@ -354,23 +482,21 @@ struct nccl_shared {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     nccl_backoff pause;
     for (;;) {
-      throw_if_aborted(what);
-      if (abort_requested.load(std::memory_order_acquire)) {
-        std::string why =
-            what_text(what) + " was interrupted: another thread aborted the communicator";
-        abort_locked(0, std::string(why));
-        throw backend_error(why, 0);
+      ncclResult_t state = ncclSuccess;
+      {
+        std::lock_guard lock(mutex);
+        throw_if_aborted(what);
+        state = async_state();
       }
-      const ncclResult_t state = async_state();
       if (state != ncclSuccess && state != ncclInProgress) {
         std::string why = what_text(what) + " failed: NCCL reports " + async_text(state);
-        abort_locked(static_cast<int>(state), std::string(why));
+        abort(static_cast<int>(state), false, std::string(why));
         throw backend_error(why, static_cast<int>(state));
       }
       if (state == ncclSuccess && finished()) return;
       if (std::chrono::steady_clock::now() >= deadline) {
         std::string why = what_text(what) + " did not finish within " + nccl_seconds(limit);
-        abort_locked(0, std::string(why));
+        abort(0, true, std::string(why));
         throw timeout_error(why + "; " + std::string(hint) + ". The communicator is aborted");
       }
       pause();
@@ -384,6 +510,39 @@ struct nccl_shared {
     return text + " (ncclResult_t " + std::to_string(static_cast<int>(state)) + ")";
   }
 
+  /// Before the issuing thread enqueues a collective: when max_in_flight
+  /// collectives are still unfinished on the device, waits (the collective
+  /// timeout at most) for the oldest of them. With the fence recorded after
+  /// the enqueue (fenced()), the host runs at most max_in_flight collectives
+  /// ahead of the device. Issuing thread only.
+  template <class What>
+  void make_room(const What& what) {
+    const auto slots = static_cast<std::size_t>(options.max_in_flight);
+    if (fences_.size() < slots) return;  // a fence is made per slot as collectives are issued
+    cudaEvent_t oldest = fences_[issued_ % slots];
+    wait(
+        [&] {
+          return what_text(what) + " (waiting for the collective enqueued " +
+                 std::to_string(slots) +
+                 " before it: at most nccl_options::max_in_flight = " + std::to_string(slots) +
+                 " unfinished)";
+        },
+        options.collectives.timeout, nccl_timeout_hint,
+        [&] { return nccl_event_done<Api>(oldest); });
+  }
+
+  /// After the issuing thread enqueued a collective: records its fence.
+  void fenced() {
+    const auto slots = static_cast<std::size_t>(options.max_in_flight);
+    if (fences_.size() < slots) {
+      fences_.reserve(slots);
+      fences_.push_back(basic_cuda_event<Api>::create().release());
+    }
+    cudaEvent_t fence = fences_[issued_ % slots];
+    DTRAIN_CUDA_CHECK(Api::cudaEventRecord(fence, stream.get()));
+    ++issued_;
+  }
+
   /// A completion event from the pool (created on the current device when the
   /// pool is empty). The pool makes room for every event it hands out, so that
   /// release_event() never allocates.
@@ -395,7 +554,7 @@ struct nccl_shared {
       return e;
     }
     free_events_.reserve(events_made_ + 1);
-    cudaEvent_t e = cuda_event::create().release();
+    cudaEvent_t e = basic_cuda_event<Api>::create().release();
     ++events_made_;
     return e;
   }
@@ -409,27 +568,27 @@ struct nccl_shared {
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
-  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not.
+  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not, and
+  /// at once while an exception unwinds (a peer may be gone: waiting could
+  /// take the whole timeout). An aborted communicator has nothing left.
   ~nccl_shared() {
-    device_guard guard(device, std::nothrow);
-    // While an exception unwinds (a peer may be gone) or after a timeout, waiting
-    // for collectives could take the whole timeout: abort instead of finalizing.
-    if (comm && (std::uncaught_exceptions() > 0 || abort_requested.load())) {
-      (void)ncclCommAbort(comm);
+    basic_device_guard<Api> guard(device, std::nothrow);
+    if (comm && std::uncaught_exceptions() > 0) {
+      (void)Api::ncclCommAbort(comm);
       comm = nullptr;
     }
     if (comm) {
       const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
       // Finalize only a communicator that is idle and healthy; anything else is aborted.
       bool clean = settle(deadline, [&] {
-        const cudaError_t e = cudaStreamQuery(stream.get());
+        const cudaError_t e = Api::cudaStreamQuery(stream.get());
         return e == cudaSuccess         ? settled::done
                : e == cudaErrorNotReady ? settled::pending
                                         : settled::failed;
       });
       clean = clean && async_state() == ncclSuccess;
       if (clean) {
-        const ncclResult_t r = ncclCommFinalize(comm);
+        const ncclResult_t r = Api::ncclCommFinalize(comm);
         clean = (r == ncclSuccess || r == ncclInProgress) && settle(deadline, [&] {
                   const ncclResult_t state = async_state();
                   return state == ncclSuccess      ? settled::done
@@ -438,15 +597,16 @@ struct nccl_shared {
                 });
       }
       if (clean) {
-        (void)ncclCommDestroy(comm);
+        (void)Api::ncclCommDestroy(comm);
       } else {
-        (void)ncclCommAbort(comm);
+        (void)Api::ncclCommAbort(comm);
       }
       comm = nullptr;
     }
-    if (host_table_) (void)cudaFreeHost(host_table_);
-    if (scratch) (void)cudaFree(scratch);
-    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+    if (host_table_) (void)Api::cudaFreeHost(host_table_);
+    if (scratch) (void)Api::cudaFree(scratch);
+    for (cudaEvent_t e : free_events_) (void)Api::cudaEventDestroy(e);
+    for (cudaEvent_t e : fences_) (void)Api::cudaEventDestroy(e);
   }
 
  private:
@@ -472,12 +632,15 @@ struct nccl_shared {
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
   std::size_t events_made_ = 0;
+  std::vector<cudaEvent_t> fences_;  // the issuing thread's: one per slot of max_in_flight
+  std::size_t issued_ = 0;           // collectives fenced so far
 };
 
 /// An event from the pool for one scope (or released to a work).
+template <class Api>
 class nccl_pooled_event {
  public:
-  explicit nccl_pooled_event(nccl_shared& shared)
+  explicit nccl_pooled_event(nccl_shared<Api>& shared)
       : shared_(shared), event_(shared.acquire_event()) {}
   nccl_pooled_event(const nccl_pooled_event&) = delete;
   nccl_pooled_event& operator=(const nccl_pooled_event&) = delete;
@@ -488,43 +651,52 @@ class nccl_pooled_event {
   [[nodiscard]] cudaEvent_t release() noexcept { return std::exchange(event_, nullptr); }
 
  private:
-  nccl_shared& shared_;
+  nccl_shared<Api>& shared_;
   cudaEvent_t event_;
 };
 
 /// One collective in flight: done when its completion event is; failed when
 /// NCCL reports an asynchronous error (the communicator is then aborted, as
 /// NCCL asks) or the communicator was aborted.
+template <class Api>
 class nccl_work final : public work_state {
  public:
   nccl_work(const collective_info& what, std::chrono::milliseconds timeout,
-            std::shared_ptr<nccl_shared> shared, cudaEvent_t done)
+            std::shared_ptr<nccl_shared<Api>> shared, cudaEvent_t done)
       : work_state(what, timeout), shared_(std::move(shared)), done_(done) {}
   ~nccl_work() override { shared_->release_event(done_); }
 
   // Runs on any thread that waits (the watchdog's included): the CUDA calls
-  // go to the communicator's device, never to a context on GPU 0.
+  // go to the communicator's device, never to a context on GPU 0. The lock is
+  // held for NCCL's error state only, never across the event query.
   bool poll() override {
-    std::lock_guard lock(shared_->mutex);
-    device_guard guard(shared_->device, std::nothrow);
-    if (shared_->aborted) {
-      fail(std::make_exception_ptr(
-          backend_error(description() + " did not complete: the communicator was aborted (" +
-                            shared_->abort_reason.text() + ")",
-                        shared_->abort_code)));
-      return true;
+    ncclResult_t state = ncclSuccess;
+    {
+      std::lock_guard lock(shared_->mutex);
+      if (shared_->aborted) {
+        std::string text = description() + " did not complete: the communicator was aborted (" +
+                           shared_->abort_reason.text() + ")";
+        if (shared_->abort_timed_out) {
+          fail(std::make_exception_ptr(timeout_error(text)));
+        } else {
+          fail(std::make_exception_ptr(backend_error(text, shared_->abort_code)));
+        }
+        return true;
+      }
+      state = shared_->async_state();
     }
-    const ncclResult_t state = shared_->async_state();
     if (state != ncclSuccess && state != ncclInProgress) {
-      std::string why = description() + " failed: NCCL reports " + nccl_shared::async_text(state);
-      shared_->abort_locked(static_cast<int>(state), std::string(why));
+      std::string why =
+          description() + " failed: NCCL reports " + nccl_shared<Api>::async_text(state);
+      shared_->abort(static_cast<int>(state), false, std::string(why));
       fail(std::make_exception_ptr(backend_error(why, static_cast<int>(state))));
       return true;
     }
-    const cudaError_t e = cudaEventQuery(done_);
+    basic_device_guard<Api> guard(shared_->device, std::nothrow);
+    const cudaError_t e = Api::cudaEventQuery(done_);
     if (e == cudaErrorNotReady) return false;
     if (e != cudaSuccess) {
-      (void)cudaGetLastError();
+      (void)Api::cudaGetLastError();
       fail(std::make_exception_ptr(backend_error(
           description() + " failed on the device: " + cudaGetErrorName(e) + ": " +
               cudaGetErrorString(e) + " (cudaError_t " + std::to_string(static_cast<int>(e)) + ")",
@@ -533,16 +705,12 @@ class nccl_work final : public work_state {
     return true;
   }
 
-  // Called by whoever waited (a watchdog thread included): the flag first, so
-  // that a wait holding the lock lets go of it within one polling round.
-  void on_timeout() noexcept override {
-    shared_->abort_requested.store(true, std::memory_order_release);
-    std::lock_guard lock(shared_->mutex);
-    shared_->abort_locked(0, info(), "timed out");
-  }
+  // Called by whoever waited (a watchdog thread included): aborts at once,
+  // without waiting for a thread that may be blocked inside an NCCL call.
+  void on_timeout() noexcept override { shared_->abort(0, true, info(), "timed out"); }
 
  private:
-  std::shared_ptr<nccl_shared> shared_;
+  std::shared_ptr<nccl_shared<Api>> shared_;
   cudaEvent_t done_;
 };
 

@@ -13,10 +13,12 @@
 #include <dtrain/error.hpp>
 #include <dtrain/rendezvous/store.hpp>
 
+#include <chrono>
 #include <concepts>
 #include <exception>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 namespace dtrain::detail {
@@ -37,12 +39,25 @@ concept broadcast_relay = requires(R& r, std::string& message, const std::string
 /// A key of the store as broadcast_or_fail's channel: the root sets it, every
 /// other rank gets it, waiting at most the store's timeout. Give each value
 /// its own key: the key is never erased (a late rank still finds it).
+///
+/// A root that failed may host the store (rank 0 under per-process launch):
+/// when it exits, its failure goes with it, and a rank that had not read it
+/// yet hears only that the store is gone. So after carrying a failure, the
+/// root waits until the `size - 1` others have read it (each counts itself
+/// under "<key>/failure_read"), at most `linger`.
 template <store Store>
 class store_relay {
  public:
-  store_relay(Store& store, std::string key, int rank, int root = 0)
-      : store_(store), key_(std::move(key)), rank_(rank), root_(root) {}
+  static constexpr std::chrono::milliseconds default_linger{10'000};
 
+  store_relay(Store& store, std::string key, int rank, int size, int root = 0,
+              std::chrono::milliseconds linger = default_linger)
+      : store_(store),
+        key_(std::move(key)),
+        rank_(rank),
+        size_(size),
+        root_(root),
+        linger_(linger) {}
   void carry(std::string& message, const std::string& /*what*/) {
     if (is_root()) {
       store_.set(key_, message);
@@ -50,15 +65,32 @@ class store_relay {
       message = store_.get(key_);
     }
   }
+  /// On a rank other than the root that read the root's failure.
+  void failure_read() { (void)store_.add(read_key(), 1); }
+  /// On the root, after carrying its failure: waits for the others to read it
+  /// (at most `linger`). Never throws: the root's own failure is what counts.
+  void failure_carried() noexcept {
+    try {
+      const auto deadline = std::chrono::steady_clock::now() + linger_;
+      while (store_.add(read_key(), 0) < size_ - 1 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } catch (...) {
+      // The store is gone or failing: nobody can read the failure any more.
+    }
+  }
   [[nodiscard]] int root() const noexcept { return root_; }
   [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
   [[nodiscard]] std::string where() const { return "store key \"" + key_ + "\""; }
 
  private:
+  [[nodiscard]] std::string read_key() const { return key_ + "/failure_read"; }
+
   Store& store_;
   std::string key_;
   int rank_;
+  int size_;
   int root_;
+  std::chrono::milliseconds linger_;
 };
 
 /// Rank `relay.root()` calls `produce()` (which returns the value as a
@@ -92,9 +124,20 @@ template <broadcast_relay Relay, class Produce>
     if (failure) std::rethrow_exception(failure);
     throw;
   }
-  if (failure) std::rethrow_exception(failure);
+  if (failure) {
+    // A relay that can say so lets the root stay until the others have read its failure.
+    if constexpr (requires { relay.failure_carried(); }) relay.failure_carried();
+    std::rethrow_exception(failure);
+  }
   wire::outcome got = wire::outcome::decode(relay.where(), message, about);
   if (!got.ok) {
+    if constexpr (requires { relay.failure_read(); }) {
+      try {
+        relay.failure_read();
+      } catch (...) {
+        // The root's message is what this rank reports, whatever the channel does now.
+      }
+    }
     throw rendezvous_error("rank " + std::to_string(relay.root()) + " could not provide " + about +
                            ": " + got.text);
   }

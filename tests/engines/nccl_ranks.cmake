@@ -1,0 +1,95 @@
+# NCCL at two ranks and more without a GPU (issue 31): the NCCL engine itself
+# (dtrain::basic_nccl_communicator) over a host fake of CUDA and NCCL
+# (engines/fake_nccl.hpp), under dtrain::run and dtrain_test_launch. Each test
+# injects what only a peer can cause and checks how the job ends, with
+# ddp/check_error.cmake; each test's TIMEOUT is what a hang runs into.
+# Included from tests/CMakeLists.txt where DTRAIN_WITH_NCCL is on.
+add_executable(dtrain_nccl_ranks engines/nccl_ranks.cpp)
+target_link_libraries(dtrain_nccl_ranks PRIVATE dtrain::dtrain)
+dtrain_target_warnings(dtrain_nccl_ranks)
+add_dependencies(dtrain_nccl_ranks dtrain_test_launch)
+
+set(nccl_ranks_meet "${CMAKE_CURRENT_BINARY_DIR}/fake_nccl")
+set(nccl_ranks_check "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake")
+
+# nccl_ranks_test(<name> <ranks> <mode> STATUS <regex> EXPECT <regex>... [NO_KILL]
+#                 [ENVIRONMENT <var=value>...])
+function(nccl_ranks_test name ranks mode)
+  cmake_parse_arguments(PARSE_ARGV 3 arg "NO_KILL" "STATUS" "EXPECT;ENVIRONMENT")
+  set(launch "$<TARGET_FILE:dtrain_test_launch>")
+  if(arg_NO_KILL)
+    string(APPEND launch "|--no-kill")
+  endif()
+  set(expects "")
+  set(n 0)
+  foreach(e IN LISTS arg_EXPECT)
+    math(EXPR n "${n} + 1")
+    list(APPEND expects "-DEXPECT_${n}=${e}")
+  endforeach()
+  set(test nccl.ranks.${name}.${ranks}ranks)
+  dtrain_add_test(${test}
+    COMMAND "${CMAKE_COMMAND}" "-DCOMMAND=${launch}|${ranks}|$<TARGET_FILE:dtrain_nccl_ranks>|${mode}"
+            "-DEXPECT_STATUS=${arg_STATUS}" ${expects} "-DCLEAN_DIR=${nccl_ranks_meet}/${test}"
+            -P "${nccl_ranks_check}"
+    TIMEOUT 60
+    ENVIRONMENT "FAKE_NCCL_DIR=${nccl_ranks_meet}/${test}" ${arg_ENVIRONMENT}
+    PROPERTIES PROCESSORS ${ranks})
+endfunction()
+
+# Every collective at 2, 3 and 4 ranks against the serial answer.
+foreach(ranks IN ITEMS 2 3 4)
+  nccl_ranks_test(collectives ${ranks} collectives STATUS 0
+    EXPECT "rank 0 of ${ranks}: every collective matches the serial answer")
+endforeach()
+# Item 1: rank 0's third enqueue blocks inside NCCL (a launch queue of 2) behind
+# collectives rank 1 never joins; the watchdog's timeout aborts the communicator
+# from its own thread and the blocked call ends with timeout_error and the
+# diagnostics table. (With the lock held across the enqueue, the abort waited
+# for it: a hang.)
+nccl_ranks_test(blocked_enqueue 2 blocked-enqueue STATUS "[1-9][0-9]*"
+  EXPECT "[[]rank 0/2[]] dtrain: allreduce[^\n]*the communicator was aborted [(][^\n]*timed out[)]"
+         "rank 1 never started #1"
+         "collective diagnostics, round 1, after a timeout on rank 0"
+  ENVIRONMENT FAKE_NCCL_LAUNCH_QUEUE=2 DTRAIN_COLLECTIVE_TIMEOUT=2)
+# Item 1: the host runs at most max_in_flight (64) collectives ahead of the device.
+nccl_ranks_test(in_flight_bound 2 in-flight STATUS "[1-9][0-9]*"
+  EXPECT "[[]rank 0/2[]] dtrain: [^\n]*at most nccl_options::max_in_flight = 64 unfinished[^\n]*did not finish within 2.0 s"
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=2)
+# Item 2: a rank whose training function throws, with a collective still waiting
+# for its peer, exits at once (its communicator is aborted, not finalized after
+# the 300 s collective timeout).
+nccl_ranks_test(failed_rank_exits 2 throws STATUS "[1-9][0-9]*"
+  EXPECT "[[]rank 0/2[]] dtrain: rank 0 fails on purpose" "dtrain_test_launch: rank 0 exited with status 1"
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=300)
+# An asynchronous NCCL error (a peer's network gone) ends the wait with NCCL's words.
+nccl_ranks_test(async_error 2 async-error STATUS "[1-9][0-9]*"
+  EXPECT "[[]rank [01]/2[]] dtrain: allreduce[^\n]*failed: NCCL reports remote process exited or there was a network error"
+  ENVIRONMENT FAKE_NCCL_ASYNC_ERROR_AT=2)
+# Item 4: rank 0 has no device, or cannot make the id: every rank fails at once
+# with rank 0's own message. Rank 0 hosts the store, and stays (at most 10 s)
+# until they have read it: here they start half a second after it has failed.
+nccl_ranks_test(rank0_no_device 2 start NO_KILL STATUS 1
+  EXPECT "[[]rank 1/2[]] dtrain: rank 0 could not provide the NCCL unique id: [^\n]*no usable CUDA device"
+  ENVIRONMENT FAKE_CUDA_NO_DEVICE_RANK=0 NCCL_RANKS_LATE_PEERS_MS=500)
+nccl_ranks_test(rank0_id_fails 3 start NO_KILL STATUS 1
+  EXPECT "[[]rank 1/3[]] dtrain: rank 0 could not provide the NCCL unique id: NCCL call `ncclGetUniqueId[(]&id[)]` failed"
+         "[[]rank 2/3[]] dtrain: rank 0 could not provide the NCCL unique id: NCCL call `ncclGetUniqueId[(]&id[)]` failed"
+  ENVIRONMENT FAKE_NCCL_ID_FAILS=1 NCCL_RANKS_LATE_PEERS_MS=500)
+# Item 5: two ranks shown the same GPU (CUDA_VISIBLE_DEVICES=2,2) are a config_error
+# on every rank, naming the GPU and both ranks' CUDA_VISIBLE_DEVICES.
+nccl_ranks_test(shared_gpu 2 start NO_KILL STATUS 2
+  EXPECT "[[]rank 0/2[]] dtrain: ranks 0 and 1 on host [^\n]* both use GPU GPU-fake2-[^\n]*CUDA_VISIBLE_DEVICES=2,2"
+         "[[]rank 1/2[]] dtrain: ranks 0 and 1 on host [^\n]* both use GPU GPU-fake2-"
+  ENVIRONMENT CUDA_VISIBLE_DEVICES=2,2)
+# A rank that cannot read its GPU: rank 0 reports rank 1's reason, and when it is
+# rank 0 itself, the others fail at once with its message (nobody waits for it).
+nccl_ranks_test(gpu_unreadable_rank1 2 start NO_KILL STATUS 1
+  EXPECT "[[]rank 0/2[]] dtrain: rank 1 cannot use its GPU: CUDA call `device_identity[^\n]*cudaErrorECCUncorrectable"
+         "[[]rank 1/2[]] dtrain: CUDA call `device_identity[(]device, gpu.uuid, gpu.pci_bus[)]` failed: cudaErrorECCUncorrectable"
+  ENVIRONMENT FAKE_CUDA_IDENTITY_FAILS_RANK=1)
+nccl_ranks_test(gpu_unreadable_rank0 2 start NO_KILL STATUS 1
+  EXPECT "[[]rank 1/2[]] dtrain: rank 0 could not provide the check that every rank has a GPU of its own: CUDA call `device_identity[^\n]*cudaErrorECCUncorrectable"
+  ENVIRONMENT FAKE_CUDA_IDENTITY_FAILS_RANK=0 NCCL_RANKS_LATE_PEERS_MS=500)
+nccl_ranks_test(own_gpus 2 start NO_KILL STATUS 0
+  EXPECT "rank 1 of 2: the communicator is up on device 1"
+  ENVIRONMENT CUDA_VISIBLE_DEVICES=2,3)

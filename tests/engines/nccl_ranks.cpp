@@ -1,0 +1,362 @@
+// dtrain_nccl_ranks: one rank of the NCCL engine at 2-4 ranks without a GPU,
+// run under dtrain_test_launch: dtrain::basic_nccl_communicator over the host
+// fake of CUDA and NCCL (fake_nccl.hpp), inside dtrain::run, so that what a
+// peer can do to a rank (be missing, be stuck, fail) happens on purpose. The
+// nccl.ranks.* tests (tests/engines/nccl_ranks.cmake) check how each ends.
+//
+//   collectives      every collective against the serial answer (out-of-place
+//                    avg above 2^20 elements included), then a clean exit
+//   blocked-enqueue  rank 0 issues collectives that rank 1 never joins, under
+//                    a watchdog, with a launch queue of 2 (FAKE_NCCL_LAUNCH_QUEUE):
+//                    its third enqueue blocks inside NCCL until the watchdog's
+//                    timeout aborts the communicator; it then throws timeout_error
+//   throws           rank 0 enqueues a collective rank 1 never joins, then its
+//                    training function throws: its process exits at once
+//   in-flight        rank 0 enqueues without waiting, rank 1 never joins: the
+//                    host stops max_in_flight collectives ahead (timeout_error)
+//   async-error      every rank waits for each collective; one raises an
+//                    asynchronous NCCL error (FAKE_NCCL_ASYNC_ERROR_AT)
+//   start            creates the communicator and exits (for the start-up failures
+//                    the environment injects: FAKE_CUDA_NO_DEVICE_RANK, FAKE_NCCL_ID_FAILS,
+//                    FAKE_CUDA_GPUS with CUDA_VISIBLE_DEVICES)
+// NCCL_RANKS_LATE_PEERS_MS=n: every rank but 0 starts n ms late.
+//
+// On a machine with a GPU per rank (tools/gpu-check --ranks N), the same
+// program runs NCCL itself:
+//   --gpu collectives  `collectives` on the GPUs, backend::nccl
+//   --gpu ddp          DistributedDataParallel with topology::hierarchical on the
+//                      GPUs (run the ranks as nodes: dtrain_test_launch --nodes A,B)
+//   --gpu bandwidth    allreduce from 8 B to 256 MiB, timed and checked, as a
+//                      table in nccl-tests' columns (algbw, busbw)
+#include "fake_nccl.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using policy = dtrain::policy<dtrain::launch::per_process, fake_nccl::backend>;
+using context = dtrain::context<policy>;
+
+dtrain::buffer device_buffer(std::vector<float>& v, int device) {
+  return {v.data(), v.size(), dtrain::dtype::float32, dtrain::memory::device, device};
+}
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("FAIL: " + what);
+}
+
+/// A peer that never joins: it waits until the launcher stops it.
+[[noreturn]] void stay_away() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+/// Floats in "device" memory through the runtime `Api`: host memory under the
+/// fake, GPU memory under the real one. Copies go on the legacy default
+/// stream (which the collectives are ordered after), and wait for it.
+template <class Api>
+class device_floats {
+ public:
+  explicit device_floats(std::size_t n) : n_(n) {
+    void* p = nullptr;
+    DTRAIN_CUDA_CHECK(Api::cudaMalloc(&p, n * sizeof(float)));
+    data_ = static_cast<float*>(p);
+  }
+  device_floats(const device_floats&) = delete;
+  device_floats& operator=(const device_floats&) = delete;
+  ~device_floats() { (void)Api::cudaFree(data_); }
+  void upload(const std::vector<float>& v) {
+    DTRAIN_CUDA_CHECK(
+        Api::cudaMemcpyAsync(data_, v.data(), n_ * sizeof(float), cudaMemcpyHostToDevice, nullptr));
+    settle();
+  }
+  std::vector<float> download() const {
+    std::vector<float> v(n_);
+    DTRAIN_CUDA_CHECK(
+        Api::cudaMemcpyAsync(v.data(), data_, n_ * sizeof(float), cudaMemcpyDeviceToHost, nullptr));
+    settle();
+    return v;
+  }
+  dtrain::buffer buffer(int device) {
+    return {data_, n_, dtrain::dtype::float32, dtrain::memory::device, device};
+  }
+  float* data() { return data_; }
+
+ private:
+  static void settle() {
+    cudaError_t e;
+    while ((e = Api::cudaStreamQuery(nullptr)) == cudaErrorNotReady)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    DTRAIN_CUDA_CHECK(e);
+  }
+  float* data_ = nullptr;
+  std::size_t n_;
+};
+
+/// Every collective against the serial answer, under the fake (Api =
+/// fake_nccl::api) or on real GPUs (Api = dtrain::detail::nccl_library).
+template <class Api, class Context>
+int collectives(Context& ctx) {
+  auto& comm = ctx.communicator();
+  const int r = ctx.rank(), n = ctx.size(), dev = ctx.device();
+  using floats = device_floats<Api>;
+  // allreduce sum in place
+  std::vector<float> a(1000);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    a[i] = static_cast<float>(r + 1) * static_cast<float>(i);
+  floats da(a.size());
+  da.upload(a);
+  comm.allreduce(da.buffer(dev), da.buffer(dev), dtrain::reduce_op::sum).wait();
+  a = da.download();
+  const float ranks_sum = static_cast<float>(n * (n + 1) / 2);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    expect(a[i] == ranks_sum * static_cast<float>(i), "allreduce sum at " + std::to_string(i));
+  // out-of-place avg above 2^20 elements (NCCL 2.28.3's one-rank avg once
+  // left every element from the 2^20th on unwritten out of place)
+  std::vector<float> in((std::size_t{1} << 20) + 7);
+  for (std::size_t i = 0; i < in.size(); ++i)
+    in[i] = static_cast<float>(r * 2 + static_cast<int>(i % 5));
+  floats din(in.size()), dout(in.size());
+  din.upload(in);
+  dout.upload(std::vector<float>(in.size(), -1.0f));
+  comm.allreduce(din.buffer(dev), dout.buffer(dev), dtrain::reduce_op::avg).wait();
+  const std::vector<float> out = dout.download();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const float want = static_cast<float>(n - 1) + static_cast<float>(i % 5);
+    if (std::fabs(out[i] - want) > 1e-5f * std::fabs(want) + 1e-6f)
+      expect(false, "avg out of place at element " + std::to_string(i) + ": " +
+                        std::to_string(out[i]) + ", not " + std::to_string(want));
+  }
+  // broadcast from the last rank
+  floats db(64);
+  db.upload(std::vector<float>(64, static_cast<float>(r)));
+  comm.broadcast(db.buffer(dev), n - 1).wait();
+  for (float x : db.download())
+    expect(x == static_cast<float>(n - 1), "broadcast from the last rank");
+  // allgather and reduce_scatter
+  floats mine(3), all(3 * static_cast<std::size_t>(n));
+  mine.upload(std::vector<float>(3, static_cast<float>(r)));
+  comm.allgather(mine.buffer(dev), all.buffer(dev)).wait();
+  const std::vector<float> gathered = all.download();
+  for (std::size_t i = 0; i < gathered.size(); ++i)
+    expect(gathered[i] == static_cast<float>(i / 3), "allgather block order");
+  floats whole(2 * static_cast<std::size_t>(n)), block(2);
+  whole.upload(std::vector<float>(2 * static_cast<std::size_t>(n), 1.0f));
+  comm.reduce_scatter(whole.buffer(dev), block.buffer(dev), dtrain::reduce_op::sum).wait();
+  for (float x : block.download()) expect(x == static_cast<float>(n), "reduce_scatter sum");
+  comm.barrier().wait();
+  std::printf("rank %d of %d: every collective matches the serial answer\n", r, n);
+  return 0;
+}
+
+int blocked_enqueue(context& ctx) {
+  if (ctx.rank() != 0) stay_away();
+  auto& comm = ctx.communicator();
+  dtrain::watchdog dog;
+  std::vector<std::vector<float>> data(8, std::vector<float>(16, 1.0f));
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    for (auto& d : data) {
+      dog.watch(comm.allreduce(device_buffer(d, ctx.device()), device_buffer(d, ctx.device()),
+                               dtrain::reduce_op::sum));
+    }
+  } catch (const dtrain::timeout_error&) {
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "rank 0: the blocked enqueue ended %.1f s after the first collective\n",
+                 s);
+    throw;
+  }
+  throw std::runtime_error("FAIL: every enqueue returned, though rank 1 joined none");
+}
+
+int throws(context& ctx) {
+  if (ctx.rank() != 0) stay_away();
+  std::vector<float> d(16, 1.0f);
+  auto w = ctx.communicator().allreduce(device_buffer(d, ctx.device()),
+                                        device_buffer(d, ctx.device()), dtrain::reduce_op::sum);
+  throw std::runtime_error("rank 0 fails on purpose, a collective still waiting for rank 1");
+}
+
+int in_flight(context& ctx) {
+  if (ctx.rank() != 0) stay_away();
+  std::vector<float> d(4, 1.0f);
+  const int limit = ctx.communicator().options().max_in_flight;
+  for (int i = 0; i < 10 * limit; ++i) {
+    (void)ctx.communicator().allreduce(device_buffer(d, ctx.device()),
+                                       device_buffer(d, ctx.device()), dtrain::reduce_op::sum);
+  }
+  throw std::runtime_error("FAIL: the host enqueued " + std::to_string(10 * limit) +
+                           " collectives that no peer joined, without waiting");
+}
+
+int async_error(context& ctx) {
+  std::vector<float> d(16, 1.0f);
+  for (int i = 0; i < 4; ++i) {
+    ctx.communicator()
+        .allreduce(device_buffer(d, ctx.device()), device_buffer(d, ctx.device()),
+                   dtrain::reduce_op::sum)
+        .wait();
+  }
+  throw std::runtime_error("FAIL: no collective reported the injected asynchronous error");
+}
+
+int start(context& ctx) {
+  std::printf("rank %d of %d: the communicator is up on device %d\n", ctx.rank(), ctx.size(),
+              ctx.device());
+  return 0;
+}
+
+// --- On real GPUs (tools/gpu-check --ranks N): NCCL itself, one GPU per rank.
+
+using gpu_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl>;
+using gpu_hierarchical_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl,
+                                               dtrain::topology::hierarchical>;
+
+/// DistributedDataParallel on the GPUs with topology::hierarchical (run the
+/// ranks as nodes: dtrain_test_launch --nodes A,B): each rank's gradients
+/// differ, and every step's means are checked against the host's.
+int ddp_on_gpus(dtrain::context<gpu_hierarchical_policy>& ctx) {
+  using floats = device_floats<dtrain::detail::nccl_library>;
+  const std::vector<std::size_t> sizes{1000, 3, (std::size_t{1} << 20) + 7, 257};
+  struct model {
+    std::vector<std::unique_ptr<floats>> values, grads;
+    std::vector<float*> grad_ptrs;
+    std::vector<std::size_t> sizes;
+    int device = 0;
+    std::vector<dtrain::parameter> parameters() {
+      std::vector<dtrain::parameter> out;
+      for (std::size_t p = 0; p < sizes.size(); ++p)
+        out.push_back(dtrain::device_param("layer" + std::to_string(p), values[p]->data(),
+                                           grad_ptrs[p], sizes[p], device));
+      return out;
+    }
+  } m;
+  m.sizes = sizes;
+  m.device = ctx.device();
+  for (std::size_t n : sizes) {
+    m.values.push_back(std::make_unique<floats>(n));
+    m.values.back()->upload(std::vector<float>(n, 0.5f));
+    m.grads.push_back(std::make_unique<floats>(n));
+    m.grad_ptrs.push_back(m.grads.back()->data());
+  }
+  dtrain::DistributedDataParallel<model, gpu_hierarchical_policy> ddp(
+      ctx, m, {.bucket_cap_mb = 1.0, .first_bucket_cap_mb = 0.1});
+  const int r = ctx.rank(), n = ctx.size();
+  for (int step = 0; step < 3; ++step) {
+    for (std::size_t p = sizes.size(); p-- > 0;) {
+      std::vector<float> g(sizes[p]);
+      for (std::size_t i = 0; i < g.size(); ++i)
+        g[i] = static_cast<float>(r + 1 + step) + static_cast<float>(i % 7);
+      floats staged(sizes[p]);
+      staged.upload(g);
+      DTRAIN_CUDA_CHECK(cudaMemcpy(m.grad_ptrs[p], staged.data(), g.size() * sizeof(float),
+                                   cudaMemcpyDeviceToDevice));
+      DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
+      ddp.mark_ready(p);
+    }
+    ddp.synchronize();
+    DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
+    for (std::size_t p = 0; p < sizes.size(); ++p) {
+      std::vector<float> mean(sizes[p]);
+      DTRAIN_CUDA_CHECK(cudaMemcpy(mean.data(), m.grad_ptrs[p], mean.size() * sizeof(float),
+                                   cudaMemcpyDeviceToHost));
+      for (std::size_t i = 0; i < mean.size(); ++i) {
+        const float want =
+            static_cast<float>(n + 1) / 2.0f + static_cast<float>(step) + static_cast<float>(i % 7);
+        if (std::fabs(mean[i] - want) > 1e-5f * want)
+          expect(false, "step " + std::to_string(step) + ", layer" + std::to_string(p) +
+                            ", element " + std::to_string(i) + ": " + std::to_string(mean[i]) +
+                            ", not " + std::to_string(want));
+      }
+    }
+  }
+  std::printf("rank %d of %d: 3 DDP steps averaged right on %d node(s), topology::hierarchical\n",
+              r, n, ctx.num_nodes());
+  return 0;
+}
+
+/// allreduce (sum, float32, out of place) from 8 B to 256 MiB on the GPUs,
+/// timed as nccl-tests times it (after 5 warm-up calls, the mean of 20, from
+/// the host, with the stream drained), checked, and printed by rank 0 as
+/// nccl-tests prints: algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+int bandwidth(dtrain::context<gpu_policy>& ctx) {
+  using floats = device_floats<dtrain::detail::nccl_library>;
+  auto& comm = ctx.communicator();
+  const int n = ctx.size(), dev = ctx.device();
+  if (ctx.is_main()) {
+    std::printf(
+        "# dtrain allreduce over NCCL, %d ranks, one GPU each (sum, float32, out of place)\n", n);
+    std::printf("#%12s %12s %10s %10s %10s %8s\n", "size (B)", "count", "time (us)", "algbw GB/s",
+                "busbw GB/s", "#wrong");
+  }
+  for (std::size_t bytes = 8; bytes <= (std::size_t{256} << 20); bytes *= 4) {
+    const std::size_t count = bytes / sizeof(float);
+    floats in(count), out(count);
+    in.upload(std::vector<float>(count, 1.0f));
+    for (int i = 0; i < 5; ++i)
+      comm.allreduce(in.buffer(dev), out.buffer(dev), dtrain::reduce_op::sum).wait();
+    constexpr int iterations = 20;
+    const auto start = std::chrono::steady_clock::now();
+    dtrain::work last;
+    for (int i = 0; i < iterations; ++i)
+      last = comm.allreduce(in.buffer(dev), out.buffer(dev), dtrain::reduce_op::sum);
+    last.wait();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+        iterations;
+    std::size_t wrong = 0;
+    for (float x : out.download()) wrong += x != static_cast<float>(n);
+    const double algbw = static_cast<double>(bytes) / seconds / 1e9;
+    const double busbw = algbw * 2.0 * (n - 1) / n;
+    if (ctx.is_main())
+      std::printf(" %12zu %12zu %10.1f %10.2f %10.2f %8zu\n", bytes, count, seconds * 1e6, algbw,
+                  busbw, wrong);
+    expect(wrong == 0,
+           std::to_string(wrong) + " wrong elements at " + std::to_string(bytes) + " bytes");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 2 && std::string_view(argv[1]) == "--gpu") {
+    const std::string_view gpu_mode = argv[2];
+    if (gpu_mode == "collectives")
+      return dtrain::run<gpu_policy>(
+          argc, argv, collectives<dtrain::detail::nccl_library, dtrain::context<gpu_policy>>);
+    if (gpu_mode == "ddp") return dtrain::run<gpu_hierarchical_policy>(argc, argv, ddp_on_gpus);
+    if (gpu_mode == "bandwidth") return dtrain::run<gpu_policy>(argc, argv, bandwidth);
+    std::fprintf(stderr, "usage: %s --gpu collectives|ddp|bandwidth\n", argv[0]);
+    return 2;
+  }
+  const std::string_view mode = argc > 1 ? argv[1] : "";
+  int (*fn)(context&) = nullptr;
+  if (mode == "collectives") fn = collectives<fake_nccl::api, context>;
+  if (mode == "blocked-enqueue") fn = blocked_enqueue;
+  if (mode == "throws") fn = throws;
+  if (mode == "in-flight") fn = in_flight;
+  if (mode == "async-error") fn = async_error;
+  if (mode == "start") fn = start;
+  if (!fn) {
+    std::fprintf(stderr,
+                 "usage: %s collectives|blocked-enqueue|throws|in-flight|async-error|start\n",
+                 argv[0]);
+    return 2;
+  }
+  // Peers that start late (as under a slow launcher): rank 0 has failed and
+  // would be gone before they ask the store, unless it stays for them.
+  if (const char* late = std::getenv("NCCL_RANKS_LATE_PEERS_MS");
+      late && std::string_view(std::getenv("RANK") ? std::getenv("RANK") : "0") != "0")
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(late)));
+  return dtrain::run<policy>(argc, argv, fn);
+}

@@ -1,0 +1,37 @@
+# tools/gpu-check --ranks N where this machine has fewer than N GPUs (issue 31):
+# it must say how many it needs and has, exit 77, and build nothing; a bad
+# --ranks is exit status 2 naming the value. Where nvidia-smi lists two GPUs or
+# more, this check is skipped (the real run builds and takes minutes).
+#   cmake -DSOURCE_DIR=<repo> -P check_gpu_check_ranks.cmake
+execute_process(COMMAND nvidia-smi -L OUTPUT_VARIABLE gpus ERROR_QUIET RESULT_VARIABLE smi)
+string(REGEX MATCHALL "(^|\n)GPU " listed "${gpus}")
+list(LENGTH listed count)
+if(smi EQUAL 0 AND count GREATER_EQUAL 2)
+  message("SKIPPED: this machine has ${count} GPUs: run tools/gpu-check --ranks ${count} itself")
+  return()
+endif()
+
+set(tool "${SOURCE_DIR}/tools/gpu-check")
+set(scratch "${CMAKE_CURRENT_BINARY_DIR}/gpu-check-ranks-scratch")
+file(REMOVE_RECURSE "${scratch}")
+foreach(case IN ITEMS "2|77|needs 2 GPUs, one per rank, and this machine has [0-9]+ [(]nvidia-smi -L[)]: built nothing"
+                      "1|2|--ranks takes a number of ranks of at least 2 [(]one GPU each[)], not '1'"
+                      "two|2|not 'two'")
+  string(REPLACE "|" ";" fields "${case}")
+  list(GET fields 0 ranks)
+  list(GET fields 1 want_status)
+  list(GET fields 2 want_text)
+  execute_process(COMMAND "${CMAKE_COMMAND}" -E env "BUILD_DIR=${scratch}" bash "${tool}" --ranks "${ranks}"
+                  RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+  message("gpu-check --ranks ${ranks}: exit ${status}: ${out}${err}")
+  if(NOT status EQUAL want_status)
+    message(FATAL_ERROR "gpu-check --ranks ${ranks} exited ${status}, not ${want_status}")
+  endif()
+  if(NOT "${out}${err}" MATCHES "${want_text}")
+    message(FATAL_ERROR "gpu-check --ranks ${ranks} did not say \"${want_text}\"")
+  endif()
+endforeach()
+if(EXISTS "${scratch}")
+  message(FATAL_ERROR "gpu-check --ranks built into ${scratch} on a machine without the GPUs")
+endif()
+message("gpu-check --ranks: the no-GPU path says what it needs and builds nothing")
