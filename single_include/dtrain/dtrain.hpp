@@ -6867,12 +6867,120 @@ class mpi_relay {
 
 // ---- begin dtrain/backend/nccl_engine.hpp ----
 /// @file
-/// NCCL as the nccl backend drives it: its options, DTRAIN_NCCL_CHECK, the
-/// mapping of dtrain's types and ops onto NCCL's, where it finds buffers, and the
-/// state a communicator shares with its work handles (the NCCL communicator,
-/// its stream, scratch memory, the abort flag). `nccl_communicator` itself is
-/// in nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
+/// NCCL as the nccl backend drives it: its options, the mapping of dtrain's
+/// types and ops onto NCCL's, where it finds buffers, and the state a
+/// communicator shares with its work handles (the NCCL communicator, its
+/// stream, scratch memory, whether and why it was aborted, the in-flight
+/// bound). The calls go through the runtime `Api` (nccl_library.hpp: the
+/// seam, and DTRAIN_NCCL_CHECK). `basic_nccl_communicator` itself is in
+/// nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
 
+// ---- begin dtrain/backend/nccl_library.hpp ----
+/// @file
+/// NCCL as one narrow seam: DTRAIN_NCCL_CHECK, and `nccl_library`, every
+/// CUDA and NCCL call the NCCL engine makes as static members of the same
+/// names. The engine's classes (nccl_engine.hpp, nccl.hpp) take such a
+/// runtime as their template argument `Api`: this one in production, a host
+/// fake in the tests of NCCL at several ranks (tests/engines/fake_nccl.hpp).
+/// Compiles to nothing unless DTRAIN_HAS_NCCL().
+
+
+#include <cstddef>
+#include <string>
+
+#if DTRAIN_HAS_NCCL()
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace dtrain::detail {
+
+/// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
+/// error: ... (ncclResult_t 5, at file:line)".
+inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
+                                   int line) {
+  std::string text =
+      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
+         std::to_string(line) + ")";
+}
+
+[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
+                                          int line) {
+  throw backend_error(nccl_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+}  // namespace dtrain::detail
+
+/// Evaluates `call` (an NCCL function) and yields its ncclResult_t. Throws
+/// dtrain::backend_error with the call as written, file:line, NCCL's error
+/// string and last error, and the code (backend_error::engine_code()), unless
+/// the result is ncclSuccess or ncclInProgress (a non-blocking communicator
+/// still working in the background: poll ncclCommGetAsyncError).
+#define DTRAIN_NCCL_CHECK(call)                                                           \
+  ([&]() -> ncclResult_t {                                                                \
+    const ncclResult_t dtrain_nccl_status_ = (call);                                      \
+    if (dtrain_nccl_status_ != ncclSuccess && dtrain_nccl_status_ != ncclInProgress)      \
+      ::dtrain::detail::throw_nccl_error(dtrain_nccl_status_, #call, __FILE__, __LINE__); \
+    return dtrain_nccl_status_;                                                           \
+  }())
+
+namespace dtrain::detail {
+
+/// The NCCL calls the engine makes, with the CUDA runtime's (cuda_library):
+/// the seam that tests replace with a host fake (tests/engines/fake_nccl.hpp).
+/// Each member is the NCCL function of the same name and signature; error
+/// texts (ncclGetErrorString, ncclGetLastError) are not part of the seam.
+struct nccl_library : cuda_library {
+  static ncclResult_t ncclGetUniqueId(ncclUniqueId* id) { return ::ncclGetUniqueId(id); }
+  static ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int size, ncclUniqueId id, int rank,
+                                             ncclConfig_t* config) {
+    return ::ncclCommInitRankConfig(comm, size, id, rank, config);
+  }
+  static ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
+    return ::ncclCommGetAsyncError(comm, state);
+  }
+  static ncclResult_t ncclCommAbort(ncclComm_t comm) { return ::ncclCommAbort(comm); }
+  static ncclResult_t ncclCommFinalize(ncclComm_t comm) { return ::ncclCommFinalize(comm); }
+  static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ::ncclCommDestroy(comm); }
+  static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out,
+                                    ncclConfig_t* config) {
+    return ::ncclCommSplit(comm, color, key, out, config);
+  }
+  static ncclResult_t ncclCommUserRank(ncclComm_t comm, int* rank) {
+    return ::ncclCommUserRank(comm, rank);
+  }
+  static ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
+    return ::ncclCommCount(comm, count);
+  }
+  static ncclResult_t ncclAllReduce(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                    cudaStream_t stream) {
+    return ::ncclAllReduce(in, out, count, type, op, comm, stream);
+  }
+  static ncclResult_t ncclBroadcast(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, int root, ncclComm_t comm,
+                                    cudaStream_t stream) {
+    return ::ncclBroadcast(in, out, count, type, root, comm, stream);
+  }
+  static ncclResult_t ncclAllGather(const void* in, void* out, std::size_t count,
+                                    ncclDataType_t type, ncclComm_t comm, cudaStream_t stream) {
+    return ::ncclAllGather(in, out, count, type, comm, stream);
+  }
+  static ncclResult_t ncclReduceScatter(const void* in, void* out, std::size_t count,
+                                        ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                        cudaStream_t stream) {
+    return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
+  }
+  static ncclResult_t ncclGroupStart() { return ::ncclGroupStart(); }
+  static ncclResult_t ncclGroupEnd() { return ::ncclGroupEnd(); }
+};
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_NCCL()
+// ---- end dtrain/backend/nccl_library.hpp ----
 
 #include <atomic>
 #include <charconv>
@@ -6946,40 +7054,6 @@ struct nccl_options {
 #if DTRAIN_HAS_NCCL()
 #include <cuda_runtime.h>
 #include <nccl.h>
-
-namespace dtrain::detail {
-
-/// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
-/// error: ... (ncclResult_t 5, at file:line)".
-inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
-                                   int line) {
-  std::string text =
-      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
-  const char* last = ncclGetLastError(nullptr);
-  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
-  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
-         std::to_string(line) + ")";
-}
-
-[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
-                                          int line) {
-  throw backend_error(nccl_error_text(code, call, file, line), static_cast<int>(code));
-}
-
-}  // namespace dtrain::detail
-
-/// Evaluates `call` (an NCCL function) and yields its ncclResult_t. Throws
-/// dtrain::backend_error with the call as written, file:line, NCCL's error
-/// string and last error, and the code (backend_error::engine_code()), unless
-/// the result is ncclSuccess or ncclInProgress (a non-blocking communicator
-/// still working in the background: poll ncclCommGetAsyncError).
-#define DTRAIN_NCCL_CHECK(call)                                                           \
-  ([&]() -> ncclResult_t {                                                                \
-    const ncclResult_t dtrain_nccl_status_ = (call);                                      \
-    if (dtrain_nccl_status_ != ncclSuccess && dtrain_nccl_status_ != ncclInProgress)      \
-      ::dtrain::detail::throw_nccl_error(dtrain_nccl_status_, #call, __FILE__, __LINE__); \
-    return dtrain_nccl_status_;                                                           \
-  }())
 
 namespace dtrain::detail {
 
@@ -7060,55 +7134,6 @@ inline constexpr memory_reach nccl_memory{
   value.copy(id.internal, sizeof id.internal);
   return id;
 }
-
-/// The NCCL calls the engine makes, with the CUDA runtime's (cuda_library):
-/// the seam that tests replace with a host fake (tests/engines/fake_nccl.hpp).
-/// Each member is the NCCL function of the same name and signature; error
-/// texts (ncclGetErrorString, ncclGetLastError) are not part of the seam.
-struct nccl_library : cuda_library {
-  static ncclResult_t ncclGetUniqueId(ncclUniqueId* id) { return ::ncclGetUniqueId(id); }
-  static ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int size, ncclUniqueId id, int rank,
-                                             ncclConfig_t* config) {
-    return ::ncclCommInitRankConfig(comm, size, id, rank, config);
-  }
-  static ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
-    return ::ncclCommGetAsyncError(comm, state);
-  }
-  static ncclResult_t ncclCommAbort(ncclComm_t comm) { return ::ncclCommAbort(comm); }
-  static ncclResult_t ncclCommFinalize(ncclComm_t comm) { return ::ncclCommFinalize(comm); }
-  static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ::ncclCommDestroy(comm); }
-  static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out,
-                                    ncclConfig_t* config) {
-    return ::ncclCommSplit(comm, color, key, out, config);
-  }
-  static ncclResult_t ncclCommUserRank(ncclComm_t comm, int* rank) {
-    return ::ncclCommUserRank(comm, rank);
-  }
-  static ncclResult_t ncclCommCount(ncclComm_t comm, int* count) {
-    return ::ncclCommCount(comm, count);
-  }
-  static ncclResult_t ncclAllReduce(const void* in, void* out, std::size_t count,
-                                    ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
-                                    cudaStream_t stream) {
-    return ::ncclAllReduce(in, out, count, type, op, comm, stream);
-  }
-  static ncclResult_t ncclBroadcast(const void* in, void* out, std::size_t count,
-                                    ncclDataType_t type, int root, ncclComm_t comm,
-                                    cudaStream_t stream) {
-    return ::ncclBroadcast(in, out, count, type, root, comm, stream);
-  }
-  static ncclResult_t ncclAllGather(const void* in, void* out, std::size_t count,
-                                    ncclDataType_t type, ncclComm_t comm, cudaStream_t stream) {
-    return ::ncclAllGather(in, out, count, type, comm, stream);
-  }
-  static ncclResult_t ncclReduceScatter(const void* in, void* out, std::size_t count,
-                                        ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
-                                        cudaStream_t stream) {
-    return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
-  }
-  static ncclResult_t ncclGroupStart() { return ::ncclGroupStart(); }
-  static ncclResult_t ncclGroupEnd() { return ::ncclGroupEnd(); }
-};
 
 /// Checks that `device` exists, then makes it current. `visible` is
 /// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
