@@ -4337,7 +4337,7 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 /// @file
 /// Who may talk to a job's store, and where it listens: a fresh random token
 /// per job, handed to the ranks without a command line or a log, and the one
-/// interface that MASTER_ADDR names. See the README's "Security".
+/// interface that MASTER_ADDR names. See docs/launching.md, "Security".
 
 // ---- begin dtrain/rendezvous/client.hpp ----
 /// @file
@@ -4424,7 +4424,7 @@ struct store_options {
   std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
   /// Shared secret; the server serves nothing to a client whose token differs.
   /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
-  /// for every job (see the README's "Security"); empty here means none.
+  /// for every job (see docs/launching.md, "Security"); empty here means none.
   std::string token{};
   store_limits limits{};
   /// Server: where it reports closed connections and their reasons. Empty:
@@ -9668,7 +9668,7 @@ namespace dtrain {
 // ---- begin dtrain/env/discover.hpp ----
 /// @file
 /// discover_world(): who this process is, as a pure function of (environment,
-/// argv, options). See the README's launcher table for what each launcher
+/// argv, options). See docs/launching.md's launcher table for what each launcher
 /// sets and how dtrain reads it.
 
 // ---- begin dtrain/env/launchers.hpp ----

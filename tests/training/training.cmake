@@ -120,3 +120,18 @@ else()
   dtrain_add_skipped_test(training.timeline.bad_path
     "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
 endif()
+
+# The program of README.md and docs/getting-started.md, run as the pages say.
+if(DTRAIN_WITH_GLOO)
+  foreach(ranks IN ITEMS 1 2)
+    dtrain_add_test(training.quickstart.${ranks}ranks
+      COMMAND $<TARGET_FILE:dtrain_quickstart> --nproc-per-node ${ranks}
+      TIMEOUT 120
+      PROPERTIES PROCESSORS ${ranks}
+                 PASS_REGULAR_EXPRESSION "${ranks} ranks: w[^\n]*: learned")
+  endforeach()
+else()
+  foreach(ranks IN ITEMS 1 2)
+    dtrain_add_skipped_test(training.quickstart.${ranks}ranks "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
+  endforeach()
+endif()

@@ -1,7 +1,7 @@
 #pragma once
 /// @file
 /// discover_world(): who this process is, as a pure function of (environment,
-/// argv, options). See the README's launcher table for what each launcher
+/// argv, options). See docs/launching.md's launcher table for what each launcher
 /// sets and how dtrain reads it.
 
 #include <dtrain/detail/parse.hpp>

@@ -81,7 +81,7 @@ struct store_options {
   std::chrono::milliseconds idle_timeout = default_store_idle_timeout;
   /// Shared secret; the server serves nothing to a client whose token differs.
   /// Environment: DTRAIN_STORE_TOKEN. dtrain::run and the node agent set one
-  /// for every job (see the README's "Security"); empty here means none.
+  /// for every job (see docs/launching.md, "Security"); empty here means none.
   std::string token{};
   store_limits limits{};
   /// Server: where it reports closed connections and their reasons. Empty:

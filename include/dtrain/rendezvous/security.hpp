@@ -2,7 +2,7 @@
 /// @file
 /// Who may talk to a job's store, and where it listens: a fresh random token
 /// per job, handed to the ranks without a command line or a log, and the one
-/// interface that MASTER_ADDR names. See the README's "Security".
+/// interface that MASTER_ADDR names. See docs/launching.md, "Security".
 
 #include <dtrain/detail/net.hpp>
 #include <dtrain/env/environment.hpp>
