@@ -7270,34 +7270,20 @@ struct nccl_shared {
   /// before, and again if it was aborted while the call ran (another thread's
   /// abort is what frees a call that blocked). `what` names the operation.
   template <class What, class Call>
-  auto call(const What& what, Call&& engine_call) {
+  void call(const What& what, Call&& engine_call) {
     ncclComm_t handle = nullptr;
     {
       std::lock_guard lock(mutex);
       throw_if_aborted(what);
       handle = comm;
     }
-    // A call that an abort interrupted fails as the abort says, not as NCCL words it.
-    if constexpr (std::is_void_v<decltype(engine_call(handle))>) {
-      try {
-        engine_call(handle);
-      } catch (const backend_error&) {
-        check_not_aborted(what);
-        throw;
-      }
-      check_not_aborted(what);
-    } else {
-      auto out = [&] {
-        try {
-          return engine_call(handle);
-        } catch (const backend_error&) {
-          check_not_aborted(what);
-          throw;
-        }
-      }();
-      check_not_aborted(what);
-      return out;
+    try {
+      engine_call(handle);
+    } catch (const backend_error&) {
+      check_not_aborted(what);  // a call an abort interrupted fails as the abort says
+      throw;
     }
+    check_not_aborted(what);
   }
 
   /// Throws what throw_if_aborted throws, taking the lock.
