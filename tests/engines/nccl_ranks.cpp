@@ -46,10 +46,6 @@ namespace {
 using policy = dtrain::policy<dtrain::launch::per_process, fake_nccl::backend>;
 using context = dtrain::context<policy>;
 
-dtrain::buffer device_buffer(std::vector<float>& v, int device) {
-  return {v.data(), v.size(), dtrain::dtype::float32, dtrain::memory::device, device};
-}
-
 void expect(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("FAIL: " + what);
 }
@@ -161,12 +157,12 @@ int blocked_enqueue(context& ctx) {
   if (ctx.rank() != 0) stay_away();
   auto& comm = ctx.communicator();
   dtrain::watchdog dog;
-  std::vector<std::vector<float>> data(8, std::vector<float>(16, 1.0f));
+  device_floats<fake_nccl::api> d(16);
   const auto start = std::chrono::steady_clock::now();
   try {
-    for (auto& d : data) {
-      dog.watch(comm.allreduce(device_buffer(d, ctx.device()), device_buffer(d, ctx.device()),
-                               dtrain::reduce_op::sum));
+    for (int i = 0; i < 8; ++i) {
+      dog.watch(
+          comm.allreduce(d.buffer(ctx.device()), d.buffer(ctx.device()), dtrain::reduce_op::sum));
     }
   } catch (const dtrain::timeout_error&) {
     const double s =
@@ -180,30 +176,31 @@ int blocked_enqueue(context& ctx) {
 
 int throws(context& ctx) {
   if (ctx.rank() != 0) stay_away();
-  std::vector<float> d(16, 1.0f);
-  auto w = ctx.communicator().allreduce(device_buffer(d, ctx.device()),
-                                        device_buffer(d, ctx.device()), dtrain::reduce_op::sum);
+  // Static: the collective may still read it after this function has thrown,
+  // until run() aborts the communicator.
+  static device_floats<fake_nccl::api> d(16);
+  auto w = ctx.communicator().allreduce(d.buffer(ctx.device()), d.buffer(ctx.device()),
+                                        dtrain::reduce_op::sum);
   throw std::runtime_error("rank 0 fails on purpose, a collective still waiting for rank 1");
 }
 
 int in_flight(context& ctx) {
   if (ctx.rank() != 0) stay_away();
-  std::vector<float> d(4, 1.0f);
+  device_floats<fake_nccl::api> d(4);
   const int limit = ctx.communicator().options().max_in_flight;
   for (int i = 0; i < 10 * limit; ++i) {
-    (void)ctx.communicator().allreduce(device_buffer(d, ctx.device()),
-                                       device_buffer(d, ctx.device()), dtrain::reduce_op::sum);
+    (void)ctx.communicator().allreduce(d.buffer(ctx.device()), d.buffer(ctx.device()),
+                                       dtrain::reduce_op::sum);
   }
   throw std::runtime_error("FAIL: the host enqueued " + std::to_string(10 * limit) +
                            " collectives that no peer joined, without waiting");
 }
 
 int async_error(context& ctx) {
-  std::vector<float> d(16, 1.0f);
+  device_floats<fake_nccl::api> d(16);
   for (int i = 0; i < 4; ++i) {
     ctx.communicator()
-        .allreduce(device_buffer(d, ctx.device()), device_buffer(d, ctx.device()),
-                   dtrain::reduce_op::sum)
+        .allreduce(d.buffer(ctx.device()), d.buffer(ctx.device()), dtrain::reduce_op::sum)
         .wait();
   }
   throw std::runtime_error("FAIL: no collective reported the injected asynchronous error");
