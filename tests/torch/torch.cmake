@@ -98,15 +98,10 @@ foreach(engine IN ITEMS GLOO NCCL)
     # LibTorch 1.13's own headers do not compile under clang in C++20.
     dtrain_add_skipped_test(compile.torch_strict_${component} "needs GCC (LibTorch's headers)")
   else()
-    add_library(dtrain_strict_torch_${component} OBJECT EXCLUDE_FROM_ALL compile/strict_torch.cpp)
     # Built as a user's file that links dtrain::torch is: the part itself
     # (module_ddp's members) is compiled with the same warnings (dtrain_torch.cmake).
-    target_link_libraries(dtrain_strict_torch_${component} PRIVATE dtrain_torch_part_${component})
-    target_compile_definitions(dtrain_strict_torch_${component} PRIVATE DTRAIN_STRICT_ENGINE_${engine}=1)
-    target_compile_options(dtrain_strict_torch_${component} PRIVATE ${strict_warnings})
-    dtrain_add_test(compile.torch_strict_${component}
-      COMMAND "${CMAKE_COMMAND}" --build "${CMAKE_BINARY_DIR}" --target dtrain_strict_torch_${component}
-      TIMEOUT 300)
+    dtrain_add_strict_check(compile.torch_strict_${component} compile/strict_torch.cpp
+                            dtrain_torch_part_${component} ${engine})
   endif()
 endforeach()
 
