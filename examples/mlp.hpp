@@ -27,8 +27,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -357,6 +360,33 @@ class sgd {
  public:
   explicit sgd(double learning_rate, double momentum = 0.0)
       : lr_(learning_rate), momentum_(momentum) {}
+
+  /// The optimizer's state (each parameter's velocity), as bytes for a
+  /// checkpoint: per parameter, its length (u64) and its floats.
+  [[nodiscard]] std::string state() const {
+    std::string out;
+    for (const std::vector<float>& v : velocity_) {
+      const std::uint64_t n = v.size();
+      out.append(reinterpret_cast<const char*>(&n), sizeof n);
+      out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+    }
+    return out;
+  }
+  /// Takes back what state() gave; throws std::invalid_argument on bytes it did not give.
+  void load_state(std::string_view bytes) {
+    std::vector<std::vector<float>> velocity;
+    while (!bytes.empty()) {
+      std::uint64_t n = 0;
+      if (bytes.size() < sizeof n) throw std::invalid_argument("sgd state: a length is cut short");
+      std::memcpy(&n, bytes.data(), sizeof n);
+      bytes.remove_prefix(sizeof n);
+      if (n > bytes.size() / sizeof(float)) throw std::invalid_argument("sgd state: values are cut short");
+      std::vector<float>& v = velocity.emplace_back(static_cast<std::size_t>(n));
+      std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+      bytes.remove_prefix(v.size() * sizeof(float));
+    }
+    velocity_ = std::move(velocity);
+  }
 
   void step(model& m) {
     std::size_t slot = 0;

@@ -10,6 +10,12 @@
 // throughput per epoch. At the end every rank compares a checksum of its
 // weights with every other rank's: data parallelism must keep them identical.
 //
+// With --checkpoint-dir DIR it resumes from DIR's newest checkpoint on start
+// and, with --checkpoint-every N, saves one every N steps (dtrain::checkpoint:
+// the weights, the optimizer's velocities, the sampler's place and the step).
+// A job whose worker died and was restarted (--max-restarts, or a rerun
+// after mpirun ended the job) ends with the weights of one that never stopped.
+//
 // Exit status: 0; 1 when the ranks' weights differ or a rank fails; 2 for a
 // bad flag or environment.
 
@@ -23,6 +29,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -40,26 +48,51 @@ constexpr std::string_view program = "dtrain_train_mlp";
 #endif
 
 // This program's own flag; command_line describes and parses the shared ones.
-constexpr const char* own_synopsis = " [--nproc-per-node N]\n";
+constexpr const char* own_synopsis =
+    " [--nproc-per-node N]\n          [--checkpoint-dir DIR [--checkpoint-every N]]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
-    "                      not in the MPI build, where mpirun starts the ranks\n";
+    "                      not in the MPI build, where mpirun starts the ranks\n"
+    "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
+    "                      checkpoints there (every rank must see DIR)\n"
+    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n";
 
-mlp::settings parse_flags(int argc, char** argv) {
-  const mlp::command_line line(program, own_synopsis, own_options);
+/// The shared settings and this program's own.
+struct demo_settings {
   mlp::settings s;
-  line.parse(argc, argv, s, [&](std::string_view flag, auto& value) {
+  std::string checkpoint_dir;
+  std::uint64_t checkpoint_every = 0;
+};
+
+demo_settings parse_flags(int argc, char** argv) {
+  const mlp::command_line line(program, own_synopsis, own_options);
+  demo_settings d;
+  line.parse(argc, argv, d.s, [&](std::string_view flag, auto& value) {
+    if (flag == "--checkpoint-dir") {
+      d.checkpoint_dir = std::string(value());
+      if (d.checkpoint_dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
+      return true;
+    }
+    if (flag == "--checkpoint-every") {
+      d.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+      return true;
+    }
     if (Policy::launch_type::mode != dtrain::launch_mode::per_node ||
         (flag != "--nproc-per-node" && flag != "--nproc_per_node")) {
       return false;
     }
-    s.nproc_per_node = line.number<int>(flag, value(), 1);
+    d.s.nproc_per_node = line.number<int>(flag, value(), 1);
     return true;
   });
-  return s;
+  if (d.checkpoint_every > 0 && d.checkpoint_dir.empty()) {
+    line.bad_flag("--checkpoint-every " + std::to_string(d.checkpoint_every) +
+                  " needs a --checkpoint-dir to save into");
+  }
+  return d;
 }
 
-int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
+int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
+  const mlp::settings& s = d.s;
   mlp::flush_denormals();  // this thread does (and, one BLAS thread per rank, has) the arithmetic
   const mlp::problem problem{.features = s.features, .classes = s.classes, .seed = s.seed};
   const mlp::dataset train_set = mlp::dataset::generate(problem, s.samples, 0);
@@ -84,11 +117,31 @@ int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
     std::fflush(stdout);
   }
 
-  for (std::size_t epoch = 0; epoch < s.epochs; ++epoch) {
+  // What a resumed job needs to continue exactly: weights, velocities, the
+  // sampler's place and the step (the data and the model are made from --seed).
+  std::optional<dtrain::checkpoint> checkpoint;
+  if (!d.checkpoint_dir.empty()) {
+    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir,
+                                                       .every = d.checkpoint_every});
+    checkpoint->add(ddp.parameters()).add(sampler);
+    checkpoint->add(
+        "optimizer", [&] { return optimizer.state(); },
+        [&](std::string_view bytes) { optimizer.load_state(bytes); });
+    if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
+      std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",
+                  static_cast<unsigned long long>(*step),
+                  static_cast<unsigned long long>(sampler.epoch() + 1),
+                  static_cast<unsigned long long>(sampler.position().offset));
+      std::fflush(stdout);
+    }
+  }
+
+  for (; sampler.epoch() < s.epochs; sampler.set_epoch(sampler.epoch() + 1)) {
+    const std::size_t epoch = sampler.epoch();
     const auto start = std::chrono::steady_clock::now();
-    sampler.set_epoch(epoch);
     std::array<double, 3> totals{};  // summed loss, correct predictions, samples
-    for (std::span<const std::size_t> batch : sampler.batches(s.batch_size)) {
+    for (auto batch = sampler.next_batch(s.batch_size); !batch.empty();
+         batch = sampler.next_batch(s.batch_size)) {
       const mlp::batch_result r = model.forward(train_set, batch);
       model.backward(
           [&](std::size_t layer) { ddp.mark_ready(mlp::model::parameter_indices(layer)); });
@@ -98,6 +151,7 @@ int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
       totals[0] += r.loss * static_cast<double>(r.count);
       totals[1] += static_cast<double>(r.correct);
       totals[2] += static_cast<double>(r.count);
+      if (checkpoint) checkpoint->step();
     }
     dtrain::allreduce(ctx.communicator(), totals, dtrain::reduce_op::sum).wait();
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
@@ -123,9 +177,9 @@ int train(dtrain::context<Policy>& ctx, const mlp::settings& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const mlp::settings s = parse_flags(argc, argv);
+  const demo_settings d = parse_flags(argc, argv);
   dtrain::run_options options;
-  options.agent.nproc_per_node = s.nproc_per_node.value_or(4);
+  options.agent.nproc_per_node = d.s.nproc_per_node.value_or(4);
   return dtrain::run<Policy>(
-      argc, argv, [&](dtrain::context<Policy>& ctx) { return train(ctx, s); }, options);
+      argc, argv, [&](dtrain::context<Policy>& ctx) { return train(ctx, d); }, options);
 }

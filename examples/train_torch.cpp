@@ -12,6 +12,11 @@
 // and throughput per epoch, as dtrain_train_mlp does; at the end every rank
 // compares a checksum of its weights with every other rank's.
 //
+// With --checkpoint-dir DIR it resumes from DIR's newest checkpoint on start
+// and, with --checkpoint-every N, saves one every N steps: the module's
+// parameters and batch-norm buffers, the optimizer's momentum and the
+// sampler's place (dtrain::torch::add_module, add_optimizer, add_sampler).
+//
 // Exit status: 0; 1 when the ranks' weights differ or a rank fails; 2 for a
 // bad flag or environment.
 
@@ -26,6 +31,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -46,11 +53,14 @@ struct settings {
   std::int64_t channels = 16;  // of the last two convolution blocks; the first two have half
   std::int64_t hidden = 128;   // the fully connected layer
   int nproc_per_node = 4;
+  std::string checkpoint_dir;
+  std::uint64_t checkpoint_every = 0;
 };
 
 constexpr const char* usage =
     "usage: dtrain_train_torch [--nproc-per-node N] [--epochs N] [--batch-size N] [--lr X]\n"
     "          [--momentum X] [--samples N] [--seed N] [--channels N] [--hidden N]\n"
+    "          [--checkpoint-dir DIR [--checkpoint-every N]]\n"
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4)\n"
     "  --epochs N          passes over the training set (5)\n"
     "  --batch-size N      images per step on each rank (32)\n"
@@ -59,7 +69,10 @@ constexpr const char* usage =
     "  --samples N         training images; a quarter as many again for testing (4096)\n"
     "  --seed N            seeds the images, the weights and the shuffling (1)\n"
     "  --channels N        channels of the last two convolution blocks, N/2 in the first two (16)\n"
-    "  --hidden N          width of the fully connected layer (128)\n";
+    "  --hidden N          width of the fully connected layer (128)\n"
+    "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
+    "                      checkpoints there (every rank must see DIR)\n"
+    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n";
 
 settings parse_flags(int argc, char** argv) {
   const mlp::command_line line(program, "", "");
@@ -83,6 +96,11 @@ settings parse_flags(int argc, char** argv) {
       s.channels = line.number<std::int64_t>(flag, value(), 2);
     } else if (flag == "--hidden") {
       s.hidden = line.number<std::int64_t>(flag, value(), 1);
+    } else if (flag == "--checkpoint-dir") {
+      s.checkpoint_dir = std::string(value());
+      if (s.checkpoint_dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
+    } else if (flag == "--checkpoint-every") {
+      s.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
     } else {
       return false;
     }
@@ -90,6 +108,10 @@ settings parse_flags(int argc, char** argv) {
   });
   if (s.momentum >= 1.0)
     line.bad_flag("--momentum " + std::to_string(s.momentum) + ": must be below 1");
+  if (s.checkpoint_every > 0 && s.checkpoint_dir.empty()) {
+    line.bad_flag("--checkpoint-every " + std::to_string(s.checkpoint_every) +
+                  " needs a --checkpoint-dir to save into");
+  }
   return s;
 }
 
@@ -120,9 +142,25 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     std::fflush(stdout);
   }
 
-  for (std::size_t epoch = 0; epoch < s.epochs; ++epoch) {
+  std::optional<dtrain::checkpoint> checkpoint;
+  if (!s.checkpoint_dir.empty()) {
+    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = s.checkpoint_dir,
+                                                       .every = s.checkpoint_every});
+    dtrain::torch::add_module(*checkpoint, model);
+    dtrain::torch::add_optimizer(*checkpoint, optimizer);
+    dtrain::torch::add_sampler(*checkpoint, sampler);
+    if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
+      std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",
+                  static_cast<unsigned long long>(*step),
+                  static_cast<unsigned long long>(sampler.epoch() + 1),
+                  static_cast<unsigned long long>(sampler.shard().position().offset));
+      std::fflush(stdout);
+    }
+  }
+
+  for (; sampler.epoch() < s.epochs; sampler.set_epoch(sampler.epoch() + 1)) {
+    const std::size_t epoch = sampler.epoch();
     const auto start = std::chrono::steady_clock::now();
-    sampler.set_epoch(epoch);
     std::array<double, 3> totals{};  // summed loss, correct predictions, samples
     while (auto indices = sampler.next(s.batch_size)) {
       const torch::Tensor index =
@@ -139,6 +177,7 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
       totals[0] += loss.item<double>() * static_cast<double>(x.size(0));
       totals[1] += logits.argmax(1).eq(y).sum().item<double>();
       totals[2] += static_cast<double>(x.size(0));
+      if (checkpoint) checkpoint->step();
     }
     dtrain::allreduce(ctx.communicator(), totals, dtrain::reduce_op::sum).wait();
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;

@@ -61,6 +61,15 @@ class backend_error : public error {
   int engine_code_;
 };
 
+/// A checkpoint could not be written, found or loaded: the message names the
+/// directory or file, the rank and the reason (no space left, a file that is
+/// truncated or corrupt, a checkpoint of another model). A failed save leaves
+/// the previous checkpoint as it was; a failed load changes nothing.
+class checkpoint_error : public error {
+ public:
+  using error::error;
+};
+
 /// A worker's program cannot be started: it is missing (exit_status() 127,
 /// as a shell's "command not found") or not executable (126, as a shell's
 /// "permission denied"). The agent ends the job with that status.

@@ -12,7 +12,8 @@
 #   4 backend     backend/       communicators (MPI, Gloo, NCCL), work, rings, the control plane
 #   5 topology    topology/      flat and hierarchical collectives, the network
 #   6 policy      policy.hpp     launch x backend x topology, and backend_traits
-#   7 ddp         ddp/           DistributedDataParallel and its parts
+#   7 ddp         ddp/           DistributedDataParallel and its parts; checkpoint/ (saving
+#                                and resuming one step's state: parameters, sampler, ...)
 #   8 launch      launch/        the node agent, its protocol, the worker's end
 #   9 runtime     diagnostics.hpp, context.hpp, run.hpp, compiled.hpp; doctor/ (dtrain_doctor's
 #                 host inspection and checks, beside the diagnostics)
@@ -54,7 +55,7 @@ function(layer_of path out)
     set(layer 5)
   elseif(path STREQUAL "policy.hpp")
     set(layer 6)
-  elseif(path MATCHES "^ddp/")
+  elseif(path MATCHES "^(ddp|checkpoint)/")
     set(layer 7)
   elseif(path MATCHES "^launch/")
     set(layer 8)

@@ -17,7 +17,7 @@
 set(torch_ranks 2 4)
 set(torch_tests torch.ddp.gloo.1rank torch.ddp.mpi.2ranks torch.ddp.mpi.4ranks torch.demo
                 compile.torch_strict_gloo compile.torch_strict_nccl torch.ddp.nccl.1rank
-                compiled.thin_torch_tu)
+                compiled.thin_torch_tu torch.resume.kill_worker.2ranks)
 foreach(ranks IN LISTS torch_ranks)
   list(APPEND torch_tests torch.ddp.gloo.${ranks}ranks)
 endforeach()
@@ -138,4 +138,19 @@ if(TARGET dtrain::nccl AND torch_cuda_headers)
 else()
   dtrain_add_skipped_test(torch.ddp.nccl.1rank
     "needs NCCL and a LibTorch built with CUDA (LibTorch ${DTRAIN_TORCH_VERSION} is CPU-only)")
+endif()
+
+# torch.resume.kill_worker.2ranks (issue 33): the LibTorch example on 2 workers,
+# one killed after its first checkpoint, resumes (module, optimizer, sampler
+# through dtrain::torch) and ends bit-identical to an uninterrupted run.
+find_program(DTRAIN_BASH bash)
+if(TARGET dtrain_train_torch AND DTRAIN_BASH)
+  dtrain_add_test(torch.resume.kill_worker.2ranks
+    COMMAND "${DTRAIN_BASH}" "${PROJECT_SOURCE_DIR}/tests/training/resume.sh" torch_kill_worker
+            "$<TARGET_FILE:dtrain_train_torch>"
+    TIMEOUT 180
+    PROPERTIES PROCESSORS 2)
+else()
+  dtrain_add_skipped_test(torch.resume.kill_worker.2ranks
+    "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES), or no bash")
 endif()

@@ -135,3 +135,32 @@ else()
     dtrain_add_skipped_test(training.quickstart.${ranks}ranks "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
   endforeach()
 endif()
+
+# training.resume.* (issue 33): the demo killed and resumed from its checkpoints
+# ends bit-identical to an uninterrupted run (resume.sh says each case).
+find_program(DTRAIN_BASH bash)
+if(TARGET dtrain_train_mlp AND DTRAIN_BASH)
+  foreach(case IN ITEMS kill_worker kill_in_save disk_full)
+    dtrain_add_test(training.resume.${case}
+      COMMAND "${DTRAIN_BASH}" "${training_dir}/resume.sh" ${case} "$<TARGET_FILE:dtrain_train_mlp>"
+      TIMEOUT 180
+      PROPERTIES PROCESSORS 4)
+  endforeach()
+else()
+  foreach(case IN ITEMS kill_worker kill_in_save disk_full)
+    dtrain_add_skipped_test(training.resume.${case}
+      "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES), or no bash")
+  endforeach()
+endif()
+if(TARGET dtrain_train_mlp AND TARGET dtrain_train_mlp_mpi AND MPIEXEC_EXECUTABLE AND DTRAIN_BASH)
+  dtrain_add_test(training.resume.mpi.2ranks
+    COMMAND "${DTRAIN_BASH}" "${training_dir}/resume.sh" mpi "$<TARGET_FILE:dtrain_train_mlp>"
+            "$<TARGET_FILE:dtrain_train_mlp_mpi>" "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} 2
+            ${MPIEXEC_PREFLAGS} ${DTRAIN_MPIEXEC_PREFLAGS}
+    TIMEOUT 180
+    ENVIRONMENT ${DTRAIN_MPI_TEST_ENVIRONMENT}
+    PROPERTIES PROCESSORS 2)
+else()
+  dtrain_add_skipped_test(training.resume.mpi.2ranks
+    "dtrain_train_mlp_mpi is not built (needs MPI, mpiexec and DTRAIN_BUILD_EXAMPLES)")
+endif()

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 namespace dtrain::torch {
@@ -40,52 +41,48 @@ class distributed_sampler final
                   .world_size = world_size})) {}
 
   /// Reshuffles for `epoch` and starts over (every copy).
-  void set_epoch(std::uint64_t epoch) {
-    state_->shard.set_epoch(epoch);
-    state_->next = 0;
-  }
+  void set_epoch(std::uint64_t epoch) { state_->shard.set_epoch(epoch); }
   /// Starts the epoch over (the data loader calls it as each epoch begins);
   /// a new dataset size lays the shards out again.
   void reset(::torch::optional<std::size_t> new_size = ::torch::nullopt) override {
     state& s = *state_;
+    const std::uint64_t epoch = s.shard.epoch();
     if (new_size && *new_size != s.dataset_size) {
-      const std::uint64_t epoch = s.shard.epoch();
       s.shard = dtrain::distributed_sampler(*new_size, s.rank, s.world_size, s.options);
       s.dataset_size = *new_size;
-      s.shard.set_epoch(epoch);
     }
-    s.next = 0;
+    s.shard.set_epoch(epoch);
   }
   /// The next `batch_size` indices of this rank's shard (fewer at its end);
   /// none when the epoch is over.
   ::torch::optional<std::vector<std::size_t>> next(std::size_t batch_size) override {
-    state& s = *state_;
-    const auto all = s.shard.indices();
-    if (s.next >= all.size()) return ::torch::nullopt;
-    const std::size_t n = std::min(batch_size, all.size() - s.next);
-    std::vector<std::size_t> out(all.begin() + static_cast<std::ptrdiff_t>(s.next),
-                                 all.begin() + static_cast<std::ptrdiff_t>(s.next + n));
-    s.next += n;
-    return out;
+    const std::span<const std::size_t> batch = state_->shard.next_batch(batch_size);
+    if (batch.empty()) return ::torch::nullopt;
+    return std::vector<std::size_t>(batch.begin(), batch.end());
   }
+  /// The position (dtrain::sampler_position: the epoch and the samples of its
+  /// global order handed out), as LibTorch's serialisation of a sampler.
   void save(::torch::serialize::OutputArchive& archive) const override {
-    archive.write("epoch", ::torch::tensor(static_cast<std::int64_t>(state_->shard.epoch())),
-                  /*is_buffer=*/true);
-    archive.write("index", ::torch::tensor(static_cast<std::int64_t>(state_->next)),
-                  /*is_buffer=*/true);
+    const sampler_position p = state_->shard.position();
+    archive.write("epoch", ::torch::tensor(static_cast<std::int64_t>(p.epoch)), /*is_buffer=*/true);
+    archive.write("offset", ::torch::tensor(static_cast<std::int64_t>(p.offset)), /*is_buffer=*/true);
   }
   void load(::torch::serialize::InputArchive& archive) override {
     ::torch::Tensor epoch = ::torch::empty({}, ::torch::kInt64);
-    ::torch::Tensor index = ::torch::empty({}, ::torch::kInt64);
+    ::torch::Tensor offset = ::torch::empty({}, ::torch::kInt64);
     archive.read("epoch", epoch, /*is_buffer=*/true);
-    archive.read("index", index, /*is_buffer=*/true);
-    set_epoch(static_cast<std::uint64_t>(epoch.item<std::int64_t>()));
-    state_->next = static_cast<std::size_t>(index.item<std::int64_t>());
+    archive.read("offset", offset, /*is_buffer=*/true);
+    state_->shard.set_position({.epoch = static_cast<std::uint64_t>(epoch.item<std::int64_t>()),
+                                .offset = static_cast<std::uint64_t>(offset.item<std::int64_t>())});
   }
 
-  /// Samples per rank and epoch.
+  /// Samples per rank left in this epoch.
   [[nodiscard]] std::size_t size() const noexcept { return state_->shard.size(); }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return state_->shard.epoch(); }
+  /// The dtrain sampler underneath, which every copy shares (a checkpoint
+  /// registers it: dtrain::torch::add_sampler).
   [[nodiscard]] const dtrain::distributed_sampler& shard() const noexcept { return state_->shard; }
+  [[nodiscard]] dtrain::distributed_sampler& shard() noexcept { return state_->shard; }
 
  private:
   struct state {
@@ -94,7 +91,6 @@ class distributed_sampler final
     std::size_t dataset_size;
     int rank;
     int world_size;
-    std::size_t next = 0;  // into this epoch's shard
   };
   std::shared_ptr<state> state_;
 };

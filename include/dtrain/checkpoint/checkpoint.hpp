@@ -1,0 +1,668 @@
+#pragma once
+/// @file
+/// dtrain::checkpoint: one step's state of every rank, saved consistently and
+/// resumed from. Register the state once (parameters, optimizer state, the
+/// sampler, anything else); then restore() on start and step() after each
+/// training step:
+///
+///   dtrain::checkpoint ckpt(ctx, {.dir = "ckpt", .every = 100});
+///   ckpt.add(ddp.parameters()).add("momentum", velocity).add(sampler);
+///   ckpt.restore();                        // the newest whole checkpoint, if any
+///   for (; sampler.epoch() < epochs; sampler.set_epoch(sampler.epoch() + 1))
+///     for (auto batch = sampler.next_batch(32); !batch.empty(); batch = sampler.next_batch(32)) {
+///       ... forward, backward, synchronize, optimizer step ...
+///       ckpt.step();                       // saves every 100th step
+///     }
+///
+/// A save is a two-phase commit over the control plane: every rank writes its
+/// part into DIR/step-<N>.partial (fsync'd, checksummed), the ranks agree that
+/// all parts were written, and only then rank 0 writes the manifest and
+/// renames the directory to DIR/step-<N>; the older checkpoints beyond `keep`
+/// are removed after that. A rank that dies or fails during a save leaves no
+/// committed step. restore() takes the newest step whose manifest and files
+/// check out (naming each one it skips), checks that its entries are the
+/// registered ones (names, types, shapes), and only then changes memory.
+/// Every rank must see the same DIR (one machine, or a shared file system).
+
+#include <dtrain/backend/control.hpp>
+#include <dtrain/backend/types.hpp>
+#include <dtrain/checkpoint/format.hpp>
+#include <dtrain/ddp/parameter.hpp>
+#include <dtrain/ddp/sampler.hpp>
+#include <dtrain/error.hpp>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Whose state an entry is: the same on every rank (written once, by rank 0,
+/// and loaded by every rank, whatever the world size) or each rank's own.
+enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
+
+/// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
+struct checkpoint_options {
+  /// Where the checkpoints go (created if missing). Every rank must see the
+  /// same directory: one machine, or a file system that every node shares.
+  std::filesystem::path dir;
+  /// step() saves after every `every`-th step; 0: only save() saves.
+  std::uint64_t every = 0;
+  /// Committed checkpoints kept (at least 1); older ones are removed once a
+  /// newer one is committed. With 2 or more, a newest checkpoint damaged on
+  /// disk still leaves one to resume from.
+  int keep = 2;
+  /// No line on rank 0's stderr per save and restore.
+  bool quiet = false;
+};
+
+/// A committed checkpoint found on disk.
+struct checkpoint_found {
+  std::uint64_t step = 0;
+  std::filesystem::path path;  ///< DIR/step-<N>
+  int world_size = 0;          ///< of the job that wrote it
+};
+
+/// The newest checkpoint in `dir` whose manifest and files check out (sizes
+/// and checksums), or nullopt. Each newer one that does not is skipped, with a
+/// line naming the file and what is wrong appended to `skipped` when given.
+/// Throws checkpoint_error when `dir` exists but cannot be read.
+inline std::optional<checkpoint_found> latest_checkpoint(const std::filesystem::path& dir,
+                                                         std::vector<std::string>* skipped = nullptr) {
+  std::error_code ec;
+  if (!std::filesystem::exists(dir, ec)) return std::nullopt;
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) {
+    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " + ec.message());
+  }
+  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    if (auto step = detail::ckpt::step_of(it->path().filename().string())) {
+      if (it->is_directory(ec)) steps.emplace_back(*step, it->path());
+    }
+  }
+  if (ec) {
+    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " + ec.message());
+  }
+  std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [step, path] : steps) {
+    try {
+      const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
+      if (m.step != step) {
+        throw checkpoint_error("checkpoint: " + (path / detail::ckpt::manifest_name).string() +
+                               " says step " + std::to_string(m.step) + " in a directory for step " +
+                               std::to_string(step));
+      }
+      return checkpoint_found{step, path, m.world_size};
+    } catch (const checkpoint_error& e) {
+      if (skipped) skipped->push_back(std::string(e.what()) + "; skipped");
+    }
+  }
+  return std::nullopt;
+}
+
+/// One step's state of every rank: saved consistently, resumed from. See the
+/// file's comment. Every rank constructs it, registers the same entries (per
+/// scope) in the same way, and calls restore(), step() and save() together.
+class checkpoint {
+ public:
+  checkpoint(dtrain::control_plane plane, checkpoint_options options)
+      : plane_(plane), options_(std::move(options)) {
+    if (options_.dir.empty()) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                         ": checkpoint_options::dir is empty");
+    }
+    if (options_.keep < 1) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                         ": checkpoint_options::keep is " + std::to_string(options_.keep) +
+                         "; at least 1 checkpoint must be kept");
+    }
+    add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated, {});
+  }
+  /// From a dtrain::context (its control plane).
+  template <class Context>
+    requires requires(Context& c) {
+      { c.control_plane() } -> std::same_as<dtrain::control_plane>;
+    }
+  checkpoint(Context& ctx, checkpoint_options options)
+      : checkpoint(ctx.control_plane(), std::move(options)) {}
+
+  checkpoint(const checkpoint&) = delete;
+  checkpoint& operator=(const checkpoint&) = delete;
+
+  /// Values in host memory, restored in place: `name` must be unique.
+  checkpoint& add(std::string name, buffer values,
+                  checkpoint_scope scope = checkpoint_scope::replicated,
+                  std::vector<std::size_t> shape = {}) {
+    std::vector<std::uint64_t> dims(shape.begin(), shape.end());
+    return add_values(std::move(name), values, scope, std::move(dims));
+  }
+  /// A contiguous range of elements (std::vector<float>, std::span<double>, ...).
+  template <class R>
+    requires detail::element_range<R>
+  checkpoint& add(std::string name, R& values, checkpoint_scope scope = checkpoint_scope::replicated) {
+    using T = detail::range_element<R>;
+    return add(std::move(name), host_buffer(std::span<T>(std::ranges::data(values), std::ranges::size(values))),
+               scope);
+  }
+  /// One value of a trivially copyable type (a counter, an RNG's state), as its bytes.
+  template <class T>
+    requires(std::is_trivially_copyable_v<T> && !std::ranges::range<T> &&
+             !std::same_as<T, buffer> && !std::same_as<T, distributed_sampler>)
+  checkpoint& add(std::string name, T& value, checkpoint_scope scope = checkpoint_scope::replicated) {
+    return add_values(std::move(name),
+                      {static_cast<void*>(std::addressof(value)), sizeof(T), dtype::uint8, memory::host},
+                      scope, {});
+  }
+  /// Every parameter's values, under its name (replicated: DDP keeps them equal).
+  template <class Params>
+    requires detail::parameter_list<Params>
+  checkpoint& add(const Params& params) {
+    for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
+      const parameter& p = detail::parameter_at(params, i);
+      add(p.name, p.values, checkpoint_scope::replicated, p.shape);
+    }
+    return *this;
+  }
+  /// The sampler's position in the global order (replicated: it is the same
+  /// on every rank, and a job of another size continues it).
+  checkpoint& add(distributed_sampler& sampler, std::string name = "sampler") {
+    return add(
+        std::move(name),
+        [&sampler] {
+          const sampler_position p = sampler.position();
+          std::string out(2 * sizeof(std::uint64_t), '\0');
+          std::memcpy(out.data(), &p.epoch, sizeof p.epoch);
+          std::memcpy(out.data() + sizeof p.epoch, &p.offset, sizeof p.offset);
+          return out;
+        },
+        [&sampler](std::string_view bytes) {
+          sampler_position p;
+          if (bytes.size() != sizeof p.epoch + sizeof p.offset) {
+            throw checkpoint_error("checkpoint: the sampler's position has " +
+                                   std::to_string(bytes.size()) + " bytes, not 16");
+          }
+          std::memcpy(&p.epoch, bytes.data(), sizeof p.epoch);
+          std::memcpy(&p.offset, bytes.data() + sizeof p.epoch, sizeof p.offset);
+          sampler.set_position(p);
+        });
+  }
+  /// State the program serialises itself (an optimizer's, a data loader's):
+  /// save() returns its bytes at a save; load(bytes) gets them back at restore().
+  checkpoint& add(std::string name, std::function<std::string()> save,
+                  std::function<void(std::string_view)> load,
+                  checkpoint_scope scope = checkpoint_scope::replicated) {
+    if (!save || !load) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
+                         "' needs both a save and a load function");
+    }
+    entry e;
+    e.name = std::move(name);
+    e.scope = scope;
+    e.kind = detail::ckpt::entry_kind::bytes;
+    e.save = std::move(save);
+    e.load = std::move(load);
+    return push(std::move(e));
+  }
+
+  /// Loads the newest whole checkpoint of dir, on every rank, and returns its
+  /// step; nullopt (and nothing changed) when there is none. Throws
+  /// checkpoint_error, on every rank and with nothing changed, when it does
+  /// not fit what is registered here (another model, or per-rank state from
+  /// another world size).
+  std::optional<std::uint64_t> restore() {
+    // Rank 0 finds the newest checkpoint whose files check out; every rank hears the verdict.
+    std::int64_t chosen = no_checkpoint;
+    std::string problem;
+    if ((plane_.rank() == 0)) {
+      try {
+        std::vector<std::string> skipped;
+        const auto found = latest_checkpoint(options_.dir, &skipped);
+        for (const std::string& line : skipped) say(line);
+        if (found) chosen = static_cast<std::int64_t>(found->step);
+      } catch (const std::exception& e) {
+        chosen = failed;
+        problem = e.what();
+      }
+    }
+    std::array<std::uint8_t, sizeof(std::int64_t)> verdict{};
+    std::memcpy(verdict.data(), &chosen, sizeof chosen);
+    plane_.broadcast(verdict, 0);
+    std::memcpy(&chosen, verdict.data(), sizeof chosen);
+    if (chosen == failed) {
+      throw checkpoint_error((plane_.rank() == 0) ? problem
+                                              : "checkpoint: rank 0 could not look for checkpoints in " +
+                                                    options_.dir.string() + " (its error says why)");
+    }
+    if (chosen == no_checkpoint) {
+      say("no checkpoint in " + options_.dir.string() + ": starting from the beginning");
+      return std::nullopt;
+    }
+    const auto step = static_cast<std::uint64_t>(chosen);
+    const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
+
+    // Each rank checks what it will read against what it registered; all agree before anything changes.
+    std::vector<std::filesystem::path> files;
+    std::int64_t ok = 1;
+    try {
+      files = check_for_load(step_dir);
+    } catch (const std::exception& e) {
+      ok = 0;
+      problem = e.what();
+    }
+    agree(ok, problem, "load " + step_dir.string());
+
+    ok = 1;
+    try {
+      for (const std::filesystem::path& file : files) apply(file);
+    } catch (const std::exception& e) {
+      ok = 0;
+      problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
+    }
+    agree(ok, problem, "load " + step_dir.string());
+    steps_ = static_cast<std::int64_t>(step);
+    say("resumed from " + step_dir.string() + " (step " + std::to_string(step) + ")");
+    return step;
+  }
+
+  /// Counts a finished training step; saves when `every` divides the count.
+  /// Returns whether it saved.
+  bool step() {
+    ++steps_;
+    if (options_.every > 0 && static_cast<std::uint64_t>(steps_) % options_.every == 0) {
+      save();
+      return true;
+    }
+    return false;
+  }
+
+  /// Saves now, as step steps(): on every rank, together. Throws
+  /// checkpoint_error on every rank when any rank's part could not be written
+  /// or the commit failed; the checkpoints already committed stay as they were.
+  void save() {
+    const auto start = std::chrono::steady_clock::now();
+    const auto step = static_cast<std::uint64_t>(steps_);
+    const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
+    const std::filesystem::path partial =
+        options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
+    const std::string what = "save step " + std::to_string(step) + " to " + step_dir.string();
+
+    // 1. Rank 0 makes the empty partial directory.
+    std::int64_t ok = 1;
+    std::string problem;
+    if ((plane_.rank() == 0)) {
+      try {
+        make_directory(options_.dir, false);
+        remove_tree(partial);
+        make_directory(partial, true);
+      } catch (const std::exception& e) {
+        ok = 0;
+        problem = e.what();
+      }
+    }
+    std::array<std::uint8_t, sizeof(std::int64_t)> verdict{};
+    std::memcpy(verdict.data(), &ok, sizeof ok);
+    plane_.broadcast(verdict, 0);
+    std::memcpy(&ok, verdict.data(), sizeof ok);
+    if (!ok) {
+      throw checkpoint_error((plane_.rank() == 0) ? problem
+                                              : "checkpoint: rank 0 could not " + what +
+                                                    " (its error says why)");
+    }
+
+    // 2. Every rank writes its part; all learn what every rank wrote.
+    std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
+    std::optional<detail::ckpt::file_record> replicated;
+    try {
+      if (has_scope(checkpoint_scope::per_rank)) {
+        const auto record = write_part(partial / detail::ckpt::rank_part_name(plane_.rank()),
+                                       checkpoint_scope::per_rank);
+        mine = {1, 1, static_cast<std::int64_t>(record.bytes), std::bit_cast<std::int64_t>(record.checksum)};
+      }
+      if ((plane_.rank() == 0)) {
+        replicated = write_part(partial / detail::ckpt::replicated_name, checkpoint_scope::replicated);
+      }
+    } catch (const std::exception& e) {
+      mine[0] = 0;
+      problem = e.what();
+    }
+    const auto size = static_cast<std::size_t>(plane_.size());
+    std::vector<std::int64_t> all(4 * size);
+    plane_.allgather(mine, all);
+    std::string failed_ranks;
+    for (std::size_t r = 0; r < size; ++r) {
+      if (all[4 * r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+
+    // 3. Rank 0 commits (manifest, rename) or removes the partial directory; all hear which.
+    std::int64_t committed = 0;
+    std::uint64_t bytes = 0;
+    if ((plane_.rank() == 0)) {
+      try {
+        if (failed_ranks.empty()) {
+          detail::ckpt::manifest m{step, plane_.size(), {*replicated}};
+          bytes += replicated->bytes;
+          for (std::size_t r = 0; r < size; ++r) {
+            if (all[4 * r + 1] == 0) continue;
+            m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
+                               static_cast<std::uint64_t>(all[4 * r + 2]),
+                               std::bit_cast<std::uint64_t>(all[4 * r + 3])});
+            bytes += static_cast<std::uint64_t>(all[4 * r + 2]);
+          }
+          const std::string text = detail::ckpt::render(m);
+          detail::ckpt::atomic_file manifest(partial / detail::ckpt::manifest_name);
+          manifest.write(text.data(), text.size());
+          static_cast<void>(manifest.finish());
+          detail::ckpt::sync_directory(partial);
+          if (std::filesystem::exists(step_dir)) {  // an older run's (its newest was damaged)
+            const std::filesystem::path aside = step_dir.string() + ".replaced";
+            remove_tree(aside);
+            detail::ckpt::rename_path(step_dir, aside);
+            remove_tree(aside);
+          }
+          detail::ckpt::rename_path(partial, step_dir);
+          detail::ckpt::sync_directory(options_.dir);
+          committed = 1;
+        } else {
+          remove_tree(partial);
+        }
+      } catch (const std::exception& e) {
+        problem = e.what();
+        std::error_code ignored;
+        std::filesystem::remove_all(partial, ignored);
+      }
+    }
+    std::memcpy(verdict.data(), &committed, sizeof committed);
+    plane_.broadcast(verdict, 0);
+    std::memcpy(&committed, verdict.data(), sizeof committed);
+    if (!committed) {
+      if (!problem.empty()) throw checkpoint_error(problem + " (rank " + std::to_string(plane_.rank()) + ")");
+      throw checkpoint_error("checkpoint: could not " + what +
+                             (failed_ranks.empty() ? ": rank 0 could not commit it"
+                                                   : ": rank(s) " + failed_ranks + " could not write their part") +
+                             " (their error says why); the checkpoints before it are kept");
+    }
+
+    // 4. Only now: the checkpoints beyond `keep`, and leftovers of saves that died.
+    if ((plane_.rank() == 0)) {
+      prune(step);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      char line[160];
+      std::snprintf(line, sizeof line, " (%llu bytes, %.3f s)", static_cast<unsigned long long>(bytes),
+                    took.count());
+      say("saved " + step_dir.string() + line);
+    }
+  }
+
+  /// Steps counted by step() (and restored by restore()).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return static_cast<std::uint64_t>(steps_); }
+  [[nodiscard]] const checkpoint_options& options() const noexcept { return options_; }
+
+ private:
+  static constexpr std::int64_t no_checkpoint = -1;
+  static constexpr std::int64_t failed = -2;
+
+  struct entry {
+    std::string name;
+    checkpoint_scope scope = checkpoint_scope::replicated;
+    detail::ckpt::entry_kind kind = detail::ckpt::entry_kind::values;
+    buffer values;
+    std::vector<std::uint64_t> shape;
+    std::function<std::string()> save;
+    std::function<void(std::string_view)> load;
+  };
+
+  checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
+                         std::vector<std::uint64_t> shape) {
+    if (values.where != memory::host) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
+                         "' is in device memory; checkpoints hold host memory (copy it to the host "
+                         "and add that copy)");
+    }
+    if (values.count > 0 && values.data == nullptr) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
+                         "' has " + std::to_string(values.count) + " values and no data");
+    }
+    entry e;
+    e.name = std::move(name);
+    e.scope = scope;
+    e.values = values;
+    e.shape = std::move(shape);
+    return push(std::move(e));
+  }
+  checkpoint& push(entry e) {
+    if (e.name.empty() || e.name.size() > detail::ckpt::max_name) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                         ": an entry's name must have 1 to " + std::to_string(detail::ckpt::max_name) +
+                         " bytes");
+    }
+    for (const entry& other : entries_) {
+      if (other.name == e.name) {
+        throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" +
+                           e.name + "' is added twice");
+      }
+    }
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+  [[nodiscard]] bool has_scope(checkpoint_scope scope) const {
+    return std::ranges::any_of(entries_, [&](const entry& e) { return e.scope == scope; });
+  }
+
+  detail::ckpt::file_record write_part(const std::filesystem::path& path, checkpoint_scope scope) {
+    std::uint32_t count = 0;
+    for (const entry& e : entries_) count += e.scope == scope ? 1u : 0u;
+    detail::ckpt::atomic_file file(path);
+    detail::ckpt::write_part_header(file, count);
+    for (const entry& e : entries_) {
+      if (e.scope != scope) continue;
+      if (e.kind == detail::ckpt::entry_kind::bytes) {
+        const std::string bytes = e.save();
+        detail::ckpt::write_entry(file, e.name, e.kind, dtype::uint8, {}, bytes.data(), bytes.size());
+      } else {
+        detail::ckpt::write_entry(file, e.name, e.kind, e.values.type, e.shape, e.values.data,
+                                  e.values.bytes());
+      }
+    }
+    return file.finish();
+  }
+
+  /// "[64, 16] float32" (or "1024 float32" without a shape).
+  static std::string describe(detail::ckpt::entry_kind kind, dtype type,
+                              const std::vector<std::uint64_t>& shape, std::uint64_t bytes) {
+    if (kind == detail::ckpt::entry_kind::bytes) return std::to_string(bytes) + " bytes of its own format";
+    std::string out;
+    if (shape.empty()) {
+      out = std::to_string(bytes / size_of(type));
+    } else {
+      out = "[";
+      for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+      out += "]";
+    }
+    return out + " " + std::string(to_string(type));
+  }
+
+  /// The files this rank loads from `step_dir`, checked: the manifest, each
+  /// file's size and checksum, and every entry against the registered ones.
+  std::vector<std::filesystem::path> check_for_load(const std::filesystem::path& step_dir) {
+    const std::filesystem::path manifest_path = step_dir / detail::ckpt::manifest_name;
+    const detail::ckpt::manifest m =
+        detail::ckpt::parse_manifest(detail::ckpt::read_small_file(manifest_path), manifest_path);
+    std::vector<std::pair<std::string, checkpoint_scope>> wanted{
+        {std::string(detail::ckpt::replicated_name), checkpoint_scope::replicated}};
+    if (has_scope(checkpoint_scope::per_rank)) {
+      if (m.world_size != plane_.size()) {
+        std::string names;
+        for (const entry& e : entries_) {
+          if (e.scope == checkpoint_scope::per_rank) names += (names.empty() ? "'" : ", '") + e.name + "'";
+        }
+        throw checkpoint_error("checkpoint: " + step_dir.string() + " was written by " +
+                               std::to_string(m.world_size) + " ranks and this job has " +
+                               std::to_string(plane_.size()) + "; its per-rank state (" + names +
+                               ") cannot be re-cut for another world size");
+      }
+      wanted.emplace_back(detail::ckpt::rank_part_name(plane_.rank()), checkpoint_scope::per_rank);
+    }
+    std::vector<std::filesystem::path> files;
+    std::string problems;
+    for (const auto& [name, scope] : wanted) {
+      const std::filesystem::path path = step_dir / name;
+      const detail::ckpt::file_record* record = m.find(name);
+      if (!record) throw checkpoint_error("checkpoint: " + manifest_path.string() + " lists no " + name);
+      const detail::ckpt::part_contents got = detail::ckpt::read_part(path);
+      if (got.bytes != record->bytes || got.checksum != record->checksum) {
+        throw checkpoint_error("checkpoint: " + path.string() + " does not match its manifest (" +
+                               std::to_string(got.bytes) + " bytes, checksum " +
+                               detail::ckpt::hex64(got.checksum) + "; the manifest says " +
+                               std::to_string(record->bytes) + ", " +
+                               detail::ckpt::hex64(record->checksum) + ")");
+      }
+      std::vector<bool> matched(got.entries.size(), false);
+      for (const entry& e : entries_) {
+        if (e.scope != scope) continue;
+        const auto it = std::ranges::find(got.entries, e.name, &detail::ckpt::entry_header::name);
+        if (it == got.entries.end()) {
+          problems += "\n  '" + e.name + "' is registered here and not in the checkpoint";
+          continue;
+        }
+        matched[static_cast<std::size_t>(it - got.entries.begin())] = true;
+        const bool same_kind = it->kind == e.kind;
+        const bool same_values = e.kind == detail::ckpt::entry_kind::bytes ||
+                                 (it->type == e.values.type && it->bytes == e.values.bytes() &&
+                                  (it->shape.empty() || e.shape.empty() || it->shape == e.shape));
+        if (!same_kind || !same_values) {
+          problems += "\n  '" + e.name + "' is " + describe(it->kind, it->type, it->shape, it->bytes) +
+                      " in the checkpoint and " +
+                      describe(e.kind, e.values.type, e.shape,
+                               e.kind == detail::ckpt::entry_kind::bytes ? 0 : e.values.bytes()) +
+                      " here";
+        }
+      }
+      for (std::size_t i = 0; i < got.entries.size(); ++i) {
+        if (!matched[i]) {
+          problems += "\n  '" + got.entries[i].name + "' is in the checkpoint and not registered here";
+        }
+      }
+      files.push_back(path);
+    }
+    if (!problems.empty()) {
+      throw checkpoint_error("checkpoint: " + step_dir.string() +
+                             " does not fit what rank " + std::to_string(plane_.rank()) +
+                             " registered (another model, or other state):" + problems);
+    }
+    return files;
+  }
+
+  /// Reads a checked file into the registered entries.
+  void apply(const std::filesystem::path& path) {
+    detail::ckpt::read_part(path, [&](const detail::ckpt::entry_header& h, detail::ckpt::checked_reader& in) {
+      const auto it = std::ranges::find(entries_, h.name, &entry::name);
+      if (it == entries_.end()) {
+        in.read(nullptr, h.bytes, "entry '" + h.name + "'");
+        return;
+      }
+      if (it->kind == detail::ckpt::entry_kind::bytes) {
+        std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+        in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+        it->load(bytes);
+      } else {
+        in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
+      }
+    });
+  }
+
+  /// All ranks learn whether every rank could `what`; throws on every rank if not.
+  void agree(std::int64_t ok, const std::string& problem, const std::string& what) {
+    std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
+    plane_.allgather(std::span<const std::int64_t>(&ok, 1), all);
+    std::string failed_ranks;
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (all[r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (failed_ranks.empty()) return;
+    if (!ok) throw checkpoint_error(problem + " (rank " + std::to_string(plane_.rank()) + ")");
+    throw checkpoint_error("checkpoint: rank(s) " + failed_ranks + " could not " + what +
+                           " (their error says why); nothing was loaded on rank " +
+                           std::to_string(plane_.rank()));
+  }
+
+  /// Creates `dir` (and its parents); with `fresh`, `dir` itself must not exist yet.
+  static void make_directory(const std::filesystem::path& dir, bool fresh) {
+    std::error_code ec;
+    if (fresh) {
+      if (!std::filesystem::create_directory(dir, ec) && !ec) {
+        ec = std::make_error_code(std::errc::file_exists);
+      }
+    } else {
+      std::filesystem::create_directories(dir, ec);
+    }
+    if (ec) {
+      throw checkpoint_error("checkpoint: cannot create directory " + dir.string() + ": " + ec.message());
+    }
+  }
+  static void remove_tree(const std::filesystem::path& path) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+    if (ec) throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " + ec.message());
+  }
+
+  /// Removes what no resume can use any more: committed steps beyond the
+  /// newest `keep` up to `newest`, steps numbered after it (left by a run
+  /// that this one resumed before), and directories of saves that died.
+  /// A failure here is reported, not thrown: the new checkpoint is committed.
+  void prune(std::uint64_t newest) {
+    std::vector<std::uint64_t> kept;
+    std::vector<std::filesystem::path> stale;
+    std::error_code ec;
+    for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (auto step = detail::ckpt::step_of(name)) {
+        if (*step > newest) {
+          stale.push_back(it->path());
+        } else {
+          kept.push_back(*step);
+        }
+      } else if (name.ends_with(detail::ckpt::partial_suffix) || name.ends_with(".replaced")) {
+        stale.push_back(it->path());
+      }
+    }
+    std::sort(kept.begin(), kept.end(), std::greater<>());
+    for (std::size_t i = static_cast<std::size_t>(options_.keep); i < kept.size(); ++i) {
+      stale.push_back(options_.dir / detail::ckpt::step_name(kept[i]));
+    }
+    for (const std::filesystem::path& path : stale) {
+      std::filesystem::remove_all(path, ec);
+      if (ec) say("could not remove " + path.string() + ": " + ec.message());
+    }
+  }
+
+  void say(const std::string& line) const {
+    if (options_.quiet || !(plane_.rank() == 0)) return;
+    std::fprintf(stderr, "dtrain checkpoint: %s\n", line.c_str());
+    std::fflush(stderr);
+  }
+
+  dtrain::control_plane plane_;
+  checkpoint_options options_;
+  std::vector<entry> entries_;
+  std::int64_t steps_ = 0;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# training.resume.* (issue 33): the demo, killed and resumed from its
+# checkpoints, ends with the weights of a run that never stopped, bit for bit.
+#
+#   resume.sh <case> <dtrain_train_mlp> [<dtrain_train_mlp_mpi> <mpiexec> <mpiexec args>...]
+#
+# cases:
+#   kill_worker  4 Gloo workers under their node agent, one restart allowed;
+#                a random worker SIGKILLed at a random moment after the first
+#                checkpoint (seeded by DTRAIN_TEST_SEED, printed): the agent
+#                restarts the workers, they resume, and the final checksum is
+#                the uninterrupted run's. Then the newest checkpoint is
+#                truncated and the run repeated: it resumes from the one before,
+#                naming the file, and ends with the same checksum again.
+#   kill_in_save the same, with the kill as soon as a save is seen in progress
+#                (a step-N.partial directory): that save is never used.
+#   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
+#                on 2 workers: module, optimizer and sampler through dtrain::torch.
+#   mpi          2 MPI ranks: one killed after the first checkpoint ends the
+#                mpirun job (it cannot restart a rank); the same command run
+#                again resumes and ends with the uninterrupted run's checksum.
+#   disk_full    the checkpoint directory on a 3 MiB tmpfs (needs root): the
+#                second save finds no space, the job fails naming the path, and
+#                the first checkpoint still resumes. Skipped (77) without mount.
+set -uo pipefail
+
+case_name=$1
+train=$2
+shift 2
+work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-resume.XXXXXX")
+mounted=""
+cleanup() {
+  [[ -n $mounted ]] && umount "$mounted" 2>/dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+seed=${DTRAIN_TEST_SEED:-$(((RANDOM << 15) | RANDOM))}
+RANDOM=$seed
+echo "resume.sh $case_name: seed $seed (DTRAIN_TEST_SEED=$seed repeats this run)"
+
+fail() {
+  echo "FAILED: $*" >&2
+  exit 1
+}
+# A model large enough that a run lasts about two seconds and a save some milliseconds.
+model=(--epochs 4 --samples 8192 --features 64 --hidden 256 --batch-size 32)
+checksum_of() { sed -n 's/.*hold identical weights (checksum \([0-9a-f]*\)).*/\1/p' "$1" | tail -n 1; }
+
+# run_logged <log> <command>...: the command's output in <log>; its exit status.
+run_logged() {
+  local log=$1
+  shift
+  "$@" >"$log" 2>&1
+}
+
+# kill_worker_after <dir> <pid of the agent> <mode: random|in_save>: kills one
+# of the agent's workers once <dir> holds a committed checkpoint.
+kill_worker_after() {
+  local dir=$1 agent=$2 mode=$3 deadline=$((SECONDS + 60))
+  until compgen -G "$dir/step-*[0-9]" >/dev/null; do
+    ((SECONDS < deadline)) || { cat "$work/killed.log"; fail "no checkpoint appeared in $dir within 60 s"; }
+    kill -0 "$agent" 2>/dev/null || { cat "$work/killed.log"; fail "the job ended before its first checkpoint"; }
+    sleep 0.01
+  done
+  local what="at a random moment"
+  if [[ $mode == in_save ]]; then
+    # Catch a save in progress: its partial directory exists. Saves take
+    # milliseconds, so look often; if none is seen in 3 s, kill anyway.
+    local tries=0
+    what="(no save in progress was caught: killed between saves)"
+    while ((tries++ < 3000)); do
+      if compgen -G "$dir/step-*.partial" >/dev/null; then
+        what="while $(basename "$(compgen -G "$dir/step-*.partial" | head -n 1)") was being written"
+        break
+      fi
+      sleep 0.001
+    done
+  else
+    sleep "0.$((RANDOM % 40))"
+  fi
+  # The agent's workers: its children with a RANK (not its warden, which has none).
+  local workers=() victim child
+  for child in $(pgrep -P "$agent"); do
+    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -q '^RANK='; then workers+=("$child"); fi
+  done
+  ((${#workers[@]} > 0)) || fail "the agent $agent has no workers left to kill"
+  victim=${workers[$((RANDOM % ${#workers[@]}))]}
+  kill -KILL "$victim" 2>/dev/null || fail "worker $victim was gone before it could be killed"
+  echo "killed worker $victim of ${#workers[@]} $what"
+}
+
+reference() {  # <log> <command>...: an uninterrupted run's checksum
+  local log=$1
+  shift
+  run_logged "$log" "$@" || { cat "$log"; fail "the uninterrupted run failed"; }
+  local sum
+  sum=$(checksum_of "$log")
+  [[ -n $sum ]] || { cat "$log"; fail "the uninterrupted run printed no checksum"; }
+  echo "$sum"
+}
+
+case $case_name in
+  kill_worker | kill_in_save | torch_kill_worker)
+    cmd=("$train" --nproc-per-node 4 "${model[@]}")
+    every=20
+    if [[ $case_name == torch_kill_worker ]]; then
+      cmd=("$train" --nproc-per-node 2 --epochs 4 --samples 2048)
+      every=10
+    fi
+    want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
+    echo "uninterrupted: checksum $want"
+    dir="$work/ckpt"
+    DTRAIN_MAX_RESTARTS=1 "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every "$every" \
+      >"$work/killed.log" 2>&1 &
+    agent=$!
+    mode=random
+    [[ $case_name == kill_in_save ]] && mode=in_save
+    kill_worker_after "$dir" "$agent" "$mode"
+    wait "$agent"
+    status=$?
+    grep -E "restarting|resumed|no checkpoint|checksum|Error|error" "$work/killed.log"
+    ((status == 0)) || { cat "$work/killed.log"; fail "the killed job exited $status"; }
+    grep -q "resumed from $dir/step-" "$work/killed.log" || fail "the restarted workers did not resume"
+    got=$(checksum_of "$work/killed.log")
+    [[ $got == "$want" ]] || fail "resumed run's checksum $got, uninterrupted $want"
+    echo "resumed after the kill: checksum $got, bit-identical"
+    [[ -z $(compgen -G "$dir/*.partial") ]] || fail "a partial save was left in $dir: $(ls "$dir")"
+
+    # The newest checkpoint damaged: the one before it is used, and named why.
+    newest=$(ls -d "$dir"/step-* | sort -t- -k2 -n | tail -n 1)
+    truncate -s -1 "$newest/replicated.dtck"
+    run_logged "$work/damaged.log" "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every "$every" ||
+      { cat "$work/damaged.log"; fail "the run after the damage failed"; }
+    grep -E "skipped|resumed" "$work/damaged.log"
+    grep -q "$newest/replicated.dtck is truncated" "$work/damaged.log" ||
+      fail "the damaged checkpoint was not named"
+    grep -q "resumed from $dir/step-" "$work/damaged.log" || fail "no resume after the damage"
+    got=$(checksum_of "$work/damaged.log")
+    [[ $got == "$want" ]] || fail "after the damaged checkpoint: checksum $got, uninterrupted $want"
+    echo "resumed past the damaged $newest: checksum $got, bit-identical"
+    ;;
+
+  mpi)
+    mpi_train=$1
+    shift
+    cmd=("$@" "$mpi_train" "${model[@]}")
+    want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
+    echo "uninterrupted (MPI): checksum $want"
+    dir="$work/ckpt"
+    "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 20 >"$work/killed.log" 2>&1 &
+    launcher=$!
+    deadline=$((SECONDS + 60))
+    until compgen -G "$dir/step-*[0-9]" >/dev/null; do
+      ((SECONDS < deadline)) || { cat "$work/killed.log"; fail "no checkpoint appeared within 60 s"; }
+      kill -0 "$launcher" 2>/dev/null || { cat "$work/killed.log"; fail "the job ended before its first checkpoint"; }
+      sleep 0.01
+    done
+    sleep "0.$((RANDOM % 50))"
+    victim=$(pgrep -f "^$mpi_train " | head -n 1)
+    [[ -n $victim ]] || fail "no rank of $mpi_train to kill"
+    kill -KILL "$victim"
+    wait "$launcher"
+    status=$?
+    ((status != 0)) || echo "note: the job had ended before the kill landed"
+    echo "killed rank process $victim; mpirun exited $status; running the same command again"
+    run_logged "$work/rerun.log" "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 20 ||
+      { cat "$work/rerun.log"; fail "the rerun failed"; }
+    grep -q "resumed from $dir/step-" "$work/rerun.log" || fail "the rerun did not resume"
+    got=$(checksum_of "$work/rerun.log")
+    [[ $got == "$want" ]] || fail "rerun's checksum $got, uninterrupted $want"
+    echo "the rerun resumed: checksum $got, bit-identical"
+    ;;
+
+  disk_full)
+    dir="$work/small"
+    mkdir -p "$dir"
+    if ! mount -t tmpfs -o size=3m tmpfs "$dir" 2>/dev/null; then
+      echo "SKIPPED: cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)"
+      exit 77
+    fi
+    mounted=$dir
+    cmd=("$train" --nproc-per-node 2 "${model[@]}" --hidden 512)
+    run_logged "$work/full.log" "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 30
+    status=$?
+    grep -E "checkpoint" "$work/full.log" | head -n 5
+    ((status != 0)) || fail "the job did not fail when its disk was full"
+    grep -q "No space left on device" "$work/full.log" || fail "the error does not say the disk is full"
+    grep -q "$dir/step-" "$work/full.log" || fail "the error does not name the path"
+    run_logged "$work/after.log" "${cmd[@]}" --checkpoint-dir "$dir" --epochs 1 ||
+      { cat "$work/after.log"; fail "the checkpoint before the full disk does not load"; }
+    grep -q "resumed from $dir/step-30" "$work/after.log" ||
+      { cat "$work/after.log"; fail "the checkpoint before the full disk was not used"; }
+    echo "disk full: the job failed naming the path; step-30 still resumes"
+    ;;
+
+  *)
+    fail "unknown case $case_name"
+    ;;
+esac

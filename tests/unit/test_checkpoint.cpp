@@ -1,0 +1,413 @@
+// dtrain::checkpoint (issue 33): the file format and its checks, the sampler's
+// position, and save/restore among ranks played by threads over a store.
+#include "support.hpp"
+
+#include <dtrain/dtrain.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+namespace ckpt = dtrain::detail::ckpt;
+
+namespace {
+
+/// A fresh directory under the temp dir, removed at the end.
+struct scratch_dir {
+  fs::path path;
+  scratch_dir() {
+    path = fs::temp_directory_path() /
+           ("dtrain-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~scratch_dir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  static int& counter() {
+    static int n = 0;
+    return n;
+  }
+};
+
+/// Runs `body(plane, rank)` on `size` ranks, each a thread with its own store
+/// client; returns each rank's exception text ("" when none).
+std::vector<std::string> on_ranks(int size,
+                                  const std::function<void(dtrain::control_plane, int)>& body) {
+  const dtrain::store_options options{.timeout = 20s, .log = [](std::string_view) {}};
+  dtrain::store_server server("127.0.0.1", 0, options);
+  std::vector<std::string> failures(static_cast<std::size_t>(size));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < size; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        dtrain::store_client client("127.0.0.1", server.port(), options);
+        dtrain::store_channel channel(client, r, size, "test-checkpoint");
+        body(dtrain::control_plane(channel), r);
+      } catch (const std::exception& e) {
+        failures[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return failures;
+}
+
+void flip_byte(const fs::path& file, std::uintmax_t at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x20);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(&c, 1);
+}
+
+/// A model-like state: two parameters, a per-step counter of its own, an optimizer's bytes.
+struct toy_state {
+  std::vector<float> weight = std::vector<float>(64);
+  std::vector<double> bias = std::vector<double>(8);
+  std::string optimizer = "adam:0";
+  void fill(float base) {
+    for (std::size_t i = 0; i < weight.size(); ++i) weight[i] = base + static_cast<float>(i);
+    for (std::size_t i = 0; i < bias.size(); ++i) bias[i] = -base - static_cast<double>(i);
+    optimizer = "adam:" + std::to_string(static_cast<int>(base));
+  }
+  void add_to(dtrain::checkpoint& c) {
+    c.add("weight", weight).add("bias", bias);
+    c.add("optimizer", [this] { return optimizer; },
+          [this](std::string_view bytes) { optimizer = std::string(bytes); });
+  }
+};
+
+}  // namespace
+
+TEST_CASE("checkpoint format: the checksum is the same however the stream is cut") {
+  std::vector<unsigned char> data(1000);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 7 + 3);
+  const std::uint64_t whole = ckpt::checksum64::of(data.data(), data.size());
+  for (std::size_t cut : {0u, 1u, 31u, 32u, 33u, 100u, 999u}) {
+    ckpt::checksum64 c;
+    c.update(data.data(), cut);
+    c.update(data.data() + cut, data.size() - cut);
+    CHECK(c.value() == whole);
+  }
+  data[500] ^= 1;
+  CHECK(ckpt::checksum64::of(data.data(), data.size()) != whole);
+  CHECK(ckpt::checksum64::of(data.data(), 999) != ckpt::checksum64::of(data.data(), 1000));
+}
+
+TEST_CASE("checkpoint format: a part file reads back, and a truncated one says so") {
+  scratch_dir dir;
+  const fs::path file = dir.path / "part.dtck";
+  const std::vector<float> values{1.5f, 2.5f, 3.5f};
+  ckpt::file_record record;
+  {
+    ckpt::atomic_file out(file);
+    ckpt::write_part_header(out, 2);
+    const std::uint64_t shape[] = {3};
+    ckpt::write_entry(out, "w", ckpt::entry_kind::values, dtrain::dtype::float32, shape,
+                      values.data(), 12);
+    ckpt::write_entry(out, "blob", ckpt::entry_kind::bytes, dtrain::dtype::uint8, {}, "xyz", 3);
+    record = out.finish();
+  }
+  CHECK_FALSE(fs::exists(file.string() + ".part"));
+  const ckpt::part_contents got = ckpt::read_part(file);
+  CHECK(got.bytes == record.bytes);
+  CHECK(got.bytes == fs::file_size(file));
+  CHECK(got.checksum == record.checksum);
+  REQUIRE(got.entries.size() == 2);
+  CHECK(got.entries[0].name == "w");
+  CHECK(got.entries[0].shape == std::vector<std::uint64_t>{3});
+  CHECK(got.entries[1].kind == ckpt::entry_kind::bytes);
+
+  fs::resize_file(file, record.bytes - 2);
+  CHECK_THROWS_WITH_AS(ckpt::read_part(file), doctest::Contains("is truncated"),
+                       dtrain::checkpoint_error);
+  // An atomic file given up before finish() leaves nothing behind.
+  { ckpt::atomic_file abandoned(dir.path / "gone.dtck"); }
+  CHECK_FALSE(fs::exists(dir.path / "gone.dtck.part"));
+  CHECK_FALSE(fs::exists(dir.path / "gone.dtck"));
+}
+
+TEST_CASE("checkpoint format: the manifest round-trips, and a torn one is refused") {
+  const ckpt::manifest m{42, 4, {{"replicated.dtck", 100, 0xabcdef}, {"rank-3.dtck", 7, 1}}};
+  const std::string text = ckpt::render(m);
+  const ckpt::manifest back = ckpt::parse_manifest(text, "M");
+  CHECK(back.step == 42);
+  CHECK(back.world_size == 4);
+  REQUIRE(back.files.size() == 2);
+  CHECK(back.files[0].checksum == 0xabcdef);
+  CHECK(back.files[1].name == "rank-3.dtck");
+  CHECK_THROWS_WITH_AS(ckpt::parse_manifest(text.substr(0, text.size() - 5), "M"),
+                       doctest::Contains("torn"), dtrain::checkpoint_error);
+  std::string edited = text;
+  edited[edited.find("42")] = '9';
+  CHECK_THROWS_WITH_AS(ckpt::parse_manifest(edited, "M"), doctest::Contains("checksum"),
+                       dtrain::checkpoint_error);
+  CHECK(ckpt::step_of("step-120") == 120u);
+  CHECK_FALSE(ckpt::step_of("step-12.partial").has_value());
+  CHECK_FALSE(ckpt::step_of("step-").has_value());
+}
+
+TEST_CASE("sampler: a position continues the same indices, and another world size the same global order") {
+  constexpr std::size_t n = 96;
+  auto take_all = [](dtrain::distributed_sampler& s, std::size_t batch) {
+    std::vector<std::size_t> out;
+    for (auto b = s.next_batch(batch); !b.empty(); b = s.next_batch(batch))
+      out.insert(out.end(), b.begin(), b.end());
+    return out;
+  };
+  for (int rank = 0; rank < 4; ++rank) {
+    dtrain::distributed_sampler whole(n, rank, 4, {.seed = 7});
+    whole.set_epoch(3);
+    const std::vector<std::size_t> expected = take_all(whole, 5);
+    CHECK(whole.position().offset == n);
+
+    dtrain::distributed_sampler first(n, rank, 4, {.seed = 7});
+    first.set_epoch(3);
+    std::vector<std::size_t> seen;
+    for (int i = 0; i < 2; ++i) {
+      const auto b = first.next_batch(5);
+      seen.insert(seen.end(), b.begin(), b.end());
+    }
+    const dtrain::sampler_position at = first.position();
+    CHECK(at.epoch == 3);
+    CHECK(at.offset == 40);  // 2 batches of 5 on each of 4 ranks
+    dtrain::distributed_sampler resumed(n, rank, 4, {.seed = 7});
+    resumed.set_position(at);
+    const std::vector<std::size_t> rest = take_all(resumed, 5);
+    seen.insert(seen.end(), rest.begin(), rest.end());
+    CHECK(seen == expected);
+  }
+  // 4 ranks take 40 samples, then 3 ranks (one node lost) the rest: each sample once.
+  std::multiset<std::size_t> counted;
+  for (int rank = 0; rank < 4; ++rank) {
+    dtrain::distributed_sampler s(n, rank, 4, {.seed = 7});
+    s.set_epoch(1);
+    for (int i = 0; i < 2; ++i)
+      for (std::size_t idx : s.next_batch(5)) counted.insert(idx);
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    dtrain::distributed_sampler s(n, rank, 3, {.seed = 7});
+    s.set_position({.epoch = 1, .offset = 40});
+    CHECK(s.size() == 56 / 3 + 1);  // 56 left, padded to 57
+    for (std::size_t idx : take_all(s, 4)) counted.insert(idx);
+  }
+  std::size_t repeated = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    CHECK(counted.count(i) >= 1);
+    repeated += counted.count(i) - 1;
+  }
+  CHECK(repeated == 1);  // the one padding sample
+}
+
+TEST_CASE("checkpoint: 3 ranks save and restore, keep prunes, and the step counts on") {
+  scratch_dir dir;
+  const auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    std::int64_t own = 0;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .every = 2, .keep = 2, .quiet = true});
+    state.add_to(c);
+    c.add("own", own, dtrain::checkpoint_scope::per_rank);
+    CHECK_FALSE(c.restore().has_value());
+    for (int step = 1; step <= 6; ++step) {
+      state.fill(static_cast<float>(step));
+      own = rank * 100 + step;
+      CHECK(c.step() == (step % 2 == 0));
+    }
+    // Another run of the same program: everything back as of step 6.
+    toy_state again;
+    std::int64_t own_again = -1;
+    dtrain::checkpoint d(plane, {.dir = dir.path, .every = 2, .quiet = true});
+    again.add_to(d);
+    d.add("own", own_again, dtrain::checkpoint_scope::per_rank);
+    CHECK(d.restore() == 6u);
+    CHECK(d.steps() == 6u);
+    CHECK(again.weight == state.weight);
+    CHECK(again.bias == state.bias);
+    CHECK(again.optimizer == "adam:6");
+    CHECK(own_again == rank * 100 + 6);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  CHECK(fs::exists(dir.path / "step-6" / "MANIFEST"));
+  CHECK(fs::exists(dir.path / "step-6" / "rank-2.dtck"));
+  CHECK(fs::exists(dir.path / "step-4"));
+  CHECK_FALSE(fs::exists(dir.path / "step-2"));  // keep = 2
+  std::vector<std::string> skipped;
+  const auto found = dtrain::latest_checkpoint(dir.path, &skipped);
+  REQUIRE(found.has_value());
+  CHECK(found->step == 6u);
+  CHECK(found->world_size == 3);
+  CHECK(skipped.empty());
+}
+
+TEST_CASE("checkpoint: a damaged newest checkpoint is skipped, by name, for the one before") {
+  for (const bool truncate : {true, false}) {
+    scratch_dir dir;
+    const auto failures = on_ranks(1, [&](dtrain::control_plane plane, int) {
+      toy_state state;
+      dtrain::checkpoint c(plane, {.dir = dir.path, .every = 1, .quiet = true});
+      state.add_to(c);
+      state.fill(1);
+      c.step();
+      state.fill(2);
+      c.step();
+    });
+    REQUIRE(failures[0] == "");
+    const fs::path newest = dir.path / "step-2" / "replicated.dtck";
+    if (truncate) {
+      fs::resize_file(newest, fs::file_size(newest) - 1);
+    } else {
+      flip_byte(newest, fs::file_size(newest) - 3);
+    }
+    std::vector<std::string> skipped;
+    const auto found = dtrain::latest_checkpoint(dir.path, &skipped);
+    REQUIRE(found.has_value());
+    CHECK(found->step == 1u);
+    REQUIRE(skipped.size() == 1);
+    CHECK(skipped[0].find(newest.string()) != std::string::npos);
+    CHECK(skipped[0].find(truncate ? "truncated" : "corrupt") != std::string::npos);
+    on_ranks(1, [&](dtrain::control_plane plane, int) {
+      toy_state state;
+      dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+      state.add_to(c);
+      CHECK(c.restore() == 1u);
+      CHECK(state.optimizer == "adam:1");
+      // Saving step 2 again replaces the damaged one.
+      state.fill(5);
+      c.step();
+      c.save();
+    });
+    CHECK(dtrain::latest_checkpoint(dir.path)->step == 2u);
+  }
+}
+
+TEST_CASE("checkpoint: another model is refused by name, on every rank, and nothing changes") {
+  scratch_dir dir;
+  on_ranks(2, [&](dtrain::control_plane plane, int) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    state.add_to(c);
+    state.fill(3);
+    c.save();
+  });
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    state.weight.resize(65);  // another model
+    state.fill(9);
+    const toy_state before = state;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    state.add_to(c);
+    std::vector<float> extra(2);
+    if (rank == 1) c.add("extra", extra);  // and rank 1 registers more
+    try {
+      c.restore();
+    } catch (...) {
+      CHECK(state.weight == before.weight);
+      CHECK(state.optimizer == before.optimizer);
+      throw;
+    }
+  });
+  CHECK(failures[0].find("'weight' is 64 float32 in the checkpoint and 65 float32 here") !=
+        std::string::npos);
+  CHECK(failures[1].find("'extra' is registered here and not in the checkpoint") != std::string::npos);
+}
+
+TEST_CASE("checkpoint: per-rank state from another world size is refused, and replicated state loads") {
+  scratch_dir dir;
+  on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    std::int64_t own = rank;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    state.add_to(c);
+    c.add("own", own, dtrain::checkpoint_scope::per_rank);
+    state.fill(4);
+    c.save();
+  });
+  auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    std::int64_t own = rank;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    state.add_to(c);
+    c.add("own", own, dtrain::checkpoint_scope::per_rank);
+    c.restore();
+  });
+  for (const auto& f : failures) {
+    CHECK(f.find("written by 2 ranks and this job has 3") != std::string::npos);
+    CHECK(f.find("'own'") != std::string::npos);
+  }
+  failures = on_ranks(3, [&](dtrain::control_plane plane, int) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    state.add_to(c);
+    CHECK(c.restore() == 0u);
+    CHECK(state.optimizer == "adam:4");
+  });
+  for (const auto& f : failures) CHECK(f == "");
+}
+
+TEST_CASE("checkpoint: a directory that cannot be written is an error naming it, and earlier ones stay") {
+  scratch_dir dir;
+  { std::ofstream(dir.path / "a-file") << "x"; }
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = dir.path / "a-file" / "ckpt", .quiet = true});
+    state.add_to(c);
+    c.save();
+  });
+  CHECK(failures[0].find((dir.path / "a-file" / "ckpt").string()) != std::string::npos);
+  CHECK(failures[1].find("rank 0 could not save step 0") != std::string::npos);
+
+  // A rank whose part cannot be written: nothing is committed, the older step stays.
+  on_ranks(2, [&](dtrain::control_plane plane, int) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = dir.path / "ok", .quiet = true});
+    state.add_to(c);
+    c.save();
+  });
+  const auto partly = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = dir.path / "ok", .quiet = true});
+    state.add_to(c);
+    // Rank 1's own state cannot be serialised: its part is not written.
+    c.add(
+        "own",
+        [rank]() -> std::string {
+          if (rank == 1) throw dtrain::checkpoint_error("rank 1's loader state is broken");
+          return "fine";
+        },
+        [](std::string_view) {}, dtrain::checkpoint_scope::per_rank);
+    c.step();
+    c.save();
+  });
+  CHECK(partly[0].find("rank(s) 1 could not write their part") != std::string::npos);
+  CHECK(partly[1].find("loader state is broken") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "ok" / "step-1"));
+  CHECK_FALSE(fs::exists(dir.path / "ok" / "step-1.partial"));
+  CHECK(dtrain::latest_checkpoint(dir.path / "ok")->step == 0u);
+}
+
+TEST_CASE("checkpoint: bad options are config errors") {
+  on_ranks(1, [&](dtrain::control_plane plane, int) {
+    CHECK_THROWS_AS(dtrain::checkpoint(plane, {}), dtrain::config_error);
+    CHECK_THROWS_WITH_AS(dtrain::checkpoint(plane, {.dir = "x", .keep = 0}),
+                         doctest::Contains("keep is 0"), dtrain::config_error);
+    dtrain::checkpoint c(plane, {.dir = "x"});
+    std::vector<float> v(3);
+    c.add("v", v);
+    CHECK_THROWS_WITH_AS(c.add("v", v), doctest::Contains("'v' is added twice"), dtrain::config_error);
+  });
+}
