@@ -9986,13 +9986,16 @@ class distributed_sampler {
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <exception>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -10016,6 +10019,12 @@ struct checkpoint_options {
   int keep = 2;
   /// No line on rank 0's stderr per save and restore.
   bool quiet = false;
+  /// save() copies the state (host memory: the size of the checkpoint) and
+  /// returns; a thread writes the files beside the next steps, and the
+  /// checkpoint is committed at the next save(), restore() or wait(), or when
+  /// the checkpoint object is destroyed. Until then the one before it is the
+  /// newest.
+  bool asynchronous = false;
 };
 
 /// A committed checkpoint found on disk.
@@ -10092,6 +10101,8 @@ class checkpoint {
 
   checkpoint(const checkpoint&) = delete;
   checkpoint& operator=(const checkpoint&) = delete;
+  checkpoint(checkpoint&&) = delete;  // its step entry points into it
+  checkpoint& operator=(checkpoint&&) = delete;
 
   /// Values in host memory, restored in place: `name` must be unique.
   checkpoint& add(std::string name, buffer values,
@@ -10174,6 +10185,7 @@ class checkpoint {
   /// not fit what is registered here (another model, or per-rank state from
   /// another world size).
   std::optional<std::uint64_t> restore() {
+    wait();
     // Rank 0 finds the newest checkpoint whose files check out; every rank hears the verdict.
     std::int64_t chosen = no_checkpoint;
     std::string problem;
@@ -10188,10 +10200,7 @@ class checkpoint {
         problem = e.what();
       }
     }
-    std::array<std::uint8_t, sizeof(std::int64_t)> verdict{};
-    std::memcpy(verdict.data(), &chosen, sizeof chosen);
-    plane_.broadcast(verdict, 0);
-    std::memcpy(&chosen, verdict.data(), sizeof chosen);
+    broadcast_value(chosen);
     if (chosen == failed) {
       throw checkpoint_error((plane_.rank() == 0) ? problem
                                               : "checkpoint: rank 0 could not look for checkpoints in " +
@@ -10242,120 +10251,81 @@ class checkpoint {
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
   /// or the commit failed; the checkpoints already committed stay as they were.
+  /// With checkpoint_options::asynchronous, it copies the state and returns:
+  /// a thread writes the files beside the next steps, and the checkpoint is
+  /// committed at the next save(), restore() or wait(), or when this object
+  /// is destroyed (errors of the write are thrown there).
   void save() {
+    wait();
     const auto start = std::chrono::steady_clock::now();
     const auto step = static_cast<std::uint64_t>(steps_);
-    const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
-    const std::filesystem::path partial =
-        options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
-    const std::string what = "save step " + std::to_string(step) + " to " + step_dir.string();
+    pending_ = std::make_unique<pending_save>();
+    pending_save& p = *pending_;
+    p.step = step;
+    p.start = start;
+    p.partial = options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
+    const std::string what = "save step " + std::to_string(step) + " to " +
+                             (options_.dir / detail::ckpt::step_name(step)).string();
 
-    // 1. Rank 0 makes the empty partial directory.
-    std::int64_t ok = 1;
-    std::string problem;
-    if ((plane_.rank() == 0)) {
-      try {
-        make_directory(options_.dir, false);
-        remove_tree(partial);
-        make_directory(partial, true);
-      } catch (const std::exception& e) {
-        ok = 0;
-        problem = e.what();
-      }
-    }
-    std::array<std::uint8_t, sizeof(std::int64_t)> verdict{};
-    std::memcpy(verdict.data(), &ok, sizeof ok);
-    plane_.broadcast(verdict, 0);
-    std::memcpy(&ok, verdict.data(), sizeof ok);
-    if (!ok) {
-      throw checkpoint_error((plane_.rank() == 0) ? problem
-                                              : "checkpoint: rank 0 could not " + what +
-                                                    " (its error says why)");
-    }
-
-    // 2. Every rank writes its part; all learn what every rank wrote.
-    std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
-    std::optional<detail::ckpt::file_record> replicated;
+    // 1. Every rank makes the partial directory (a save of this step that
+    // died before may have left it: its files are overwritten, and the
+    // manifest lists only this save's).
     try {
-      if (has_scope(checkpoint_scope::per_rank)) {
-        const auto record = write_part(partial / detail::ckpt::rank_part_name(plane_.rank()),
-                                       checkpoint_scope::per_rank);
-        mine = {1, 1, static_cast<std::int64_t>(record.bytes), std::bit_cast<std::int64_t>(record.checksum)};
-      }
-      if ((plane_.rank() == 0)) {
-        replicated = write_part(partial / detail::ckpt::replicated_name, checkpoint_scope::replicated);
+      make_directory(p.partial, false);
+    } catch (const std::exception& e) {
+      p.problem = e.what();
+    }
+
+    // 2. Every rank writes its part (now, or from a copy on a thread).
+    try {
+      if (p.problem.empty()) {
+        p.per_rank = snapshot(checkpoint_scope::per_rank, options_.asynchronous);
+        if (plane_.rank() == 0) p.replicated = snapshot(checkpoint_scope::replicated, options_.asynchronous);
       }
     } catch (const std::exception& e) {
-      mine[0] = 0;
-      problem = e.what();
+      p.problem = e.what();
     }
-    const auto size = static_cast<std::size_t>(plane_.size());
-    std::vector<std::int64_t> all(4 * size);
-    plane_.allgather(mine, all);
-    std::string failed_ranks;
-    for (std::size_t r = 0; r < size; ++r) {
-      if (all[4 * r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    if (options_.asynchronous && p.problem.empty()) {
+      p.writer = std::thread([&p, rank = plane_.rank()] { write_parts(p, rank); });
+      return;
     }
+    if (p.problem.empty()) write_parts(p, plane_.rank());
+    commit();
+  }
 
-    // 3. Rank 0 commits (manifest, rename) or removes the partial directory; all hear which.
-    std::int64_t committed = 0;
-    std::uint64_t bytes = 0;
-    if ((plane_.rank() == 0)) {
-      try {
-        if (failed_ranks.empty()) {
-          detail::ckpt::manifest m{step, plane_.size(), {*replicated}};
-          bytes += replicated->bytes;
-          for (std::size_t r = 0; r < size; ++r) {
-            if (all[4 * r + 1] == 0) continue;
-            m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
-                               static_cast<std::uint64_t>(all[4 * r + 2]),
-                               std::bit_cast<std::uint64_t>(all[4 * r + 3])});
-            bytes += static_cast<std::uint64_t>(all[4 * r + 2]);
-          }
-          const std::string text = detail::ckpt::render(m);
-          detail::ckpt::atomic_file manifest(partial / detail::ckpt::manifest_name);
-          manifest.write(text.data(), text.size());
-          static_cast<void>(manifest.finish());
-          detail::ckpt::sync_directory(partial);
-          if (std::filesystem::exists(step_dir)) {  // an older run's (its newest was damaged)
-            const std::filesystem::path aside = step_dir.string() + ".replaced";
-            remove_tree(aside);
-            detail::ckpt::rename_path(step_dir, aside);
-            remove_tree(aside);
-          }
-          detail::ckpt::rename_path(partial, step_dir);
-          detail::ckpt::sync_directory(options_.dir);
-          committed = 1;
-        } else {
-          remove_tree(partial);
-        }
-      } catch (const std::exception& e) {
-        problem = e.what();
-        std::error_code ignored;
-        std::filesystem::remove_all(partial, ignored);
-      }
-    }
-    std::memcpy(verdict.data(), &committed, sizeof committed);
-    plane_.broadcast(verdict, 0);
-    std::memcpy(&committed, verdict.data(), sizeof committed);
-    if (!committed) {
-      if (!problem.empty()) throw checkpoint_error(problem + " (rank " + std::to_string(plane_.rank()) + ")");
-      throw checkpoint_error("checkpoint: could not " + what +
-                             (failed_ranks.empty() ? ": rank 0 could not commit it"
-                                                   : ": rank(s) " + failed_ranks + " could not write their part") +
-                             " (their error says why); the checkpoints before it are kept");
-    }
+  /// Commits the save in flight (checkpoint_options::asynchronous), if any,
+  /// on every rank together; throws as save() does.
+  void wait() {
+    if (pending_) commit();
+    join_committer();
+  }
 
-    // 4. Only now: the checkpoints beyond `keep`, and leftovers of saves that died.
-    if ((plane_.rank() == 0)) {
-      prune(step);
-      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-      char line[160];
-      std::snprintf(line, sizeof line, " (%llu bytes, %.3f s)", static_cast<unsigned long long>(bytes),
-                    took.count());
-      say("saved " + step_dir.string() + line);
+  ~checkpoint() {
+    finish_pending();
+    if (committer_.joinable()) committer_.join();
+    if (!commit_failure_.empty()) {
+      std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", plane_.rank(), commit_failure_.c_str());
+    }
+    if (cleaner_.joinable()) cleaner_.join();
+  }
+
+ private:
+  void finish_pending() noexcept {
+    if (!pending_) return;
+    // Unwinding (this rank failed): the other ranks are not here to agree,
+    // so the save in flight is left uncommitted; the next save removes it.
+    if (std::uncaught_exceptions() > 0) {
+      if (pending_->writer.joinable()) pending_->writer.join();
+      return;
+    }
+    try {
+      commit();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", plane_.rank(), e.what());
     }
   }
+
+ public:
 
   /// Steps counted by step() (and restored by restore()).
   [[nodiscard]] std::uint64_t steps() const noexcept { return static_cast<std::uint64_t>(steps_); }
@@ -10412,22 +10382,202 @@ class checkpoint {
     return std::ranges::any_of(entries_, [&](const entry& e) { return e.scope == scope; });
   }
 
-  detail::ckpt::file_record write_part(const std::filesystem::path& path, checkpoint_scope scope) {
-    std::uint32_t count = 0;
-    for (const entry& e : entries_) count += e.scope == scope ? 1u : 0u;
-    detail::ckpt::atomic_file file(path);
-    detail::ckpt::write_part_header(file, count);
+  /// One entry's bytes to write: the live memory, or a copy of it.
+  struct part_record {
+    std::string_view name;
+    detail::ckpt::entry_kind kind = detail::ckpt::entry_kind::values;
+    dtype type = dtype::uint8;
+    std::span<const std::uint64_t> shape;
+    const void* data = nullptr;
+    std::uint64_t bytes = 0;
+  };
+  /// What one rank writes for one scope: the records, and what they point into.
+  struct part_snapshot {
+    std::vector<part_record> records;
+    std::vector<std::string> owned;  // bytes entries' save() results, copies of values
+  };
+  /// A save from its start to its commit.
+  struct pending_save {
+    std::uint64_t step = 0;
+    std::chrono::steady_clock::time_point start;
+    std::filesystem::path partial;
+    part_snapshot per_rank, replicated;
+    std::optional<detail::ckpt::file_record> per_rank_file, replicated_file;
+    std::string problem;  // this rank's, from its snapshot or its write
+    std::thread writer;
+  };
+
+  /// The records of `scope`'s entries; `copy`: into owned memory (an
+  /// asynchronous save, whose training goes on while the files are written).
+  part_snapshot snapshot(checkpoint_scope scope, bool copy) {
+    part_snapshot out;
+    std::size_t owned = 0;
+    for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
+    out.owned.reserve(owned);  // the records point into these strings: no reallocation
+    // The copies of the last save, whose memory is reused (no page faults on each save).
+    auto reuse = [&]() -> std::string& {
+      if (spare_.empty()) return out.owned.emplace_back();
+      out.owned.push_back(std::move(spare_.back()));
+      spare_.pop_back();
+      return out.owned.back();
+    };
     for (const entry& e : entries_) {
       if (e.scope != scope) continue;
+      part_record r{e.name, e.kind, e.values.type, e.shape, e.values.data, e.values.bytes()};
       if (e.kind == detail::ckpt::entry_kind::bytes) {
-        const std::string bytes = e.save();
-        detail::ckpt::write_entry(file, e.name, e.kind, dtype::uint8, {}, bytes.data(), bytes.size());
-      } else {
-        detail::ckpt::write_entry(file, e.name, e.kind, e.values.type, e.shape, e.values.data,
-                                  e.values.bytes());
+        r.type = dtype::uint8;
+        out.owned.push_back(e.save());
+        r.data = out.owned.back().data();
+        r.bytes = out.owned.back().size();
+      } else if (copy) {
+        std::string& bytes = reuse();
+        bytes.assign(static_cast<const char*>(e.values.data), e.values.bytes());
+        r.data = bytes.data();
       }
+      out.records.push_back(r);
+    }
+    return out;
+  }
+  static detail::ckpt::file_record write_part(const std::filesystem::path& path,
+                                              const part_snapshot& part) {
+    detail::ckpt::atomic_file file(path);
+    detail::ckpt::write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
+    for (const part_record& r : part.records) {
+      detail::ckpt::write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
     }
     return file.finish();
+  }
+  /// Writes this rank's files of `p` (on the training thread, or the writer's).
+  static void write_parts(pending_save& p, int rank) {
+    try {
+      if (!p.per_rank.records.empty()) {
+        p.per_rank_file = write_part(p.partial / detail::ckpt::rank_part_name(rank), p.per_rank);
+      }
+      if (rank == 0) p.replicated_file = write_part(p.partial / detail::ckpt::replicated_name, p.replicated);
+    } catch (const std::exception& e) {
+      p.problem = e.what();
+    }
+  }
+
+  /// Phases 2 and 3 of the save in flight: all ranks learn what every rank
+  /// wrote; rank 0 commits it (manifest, rename) or removes it; all hear which.
+  void commit() {
+    std::unique_ptr<pending_save> owned = std::move(pending_);
+    pending_save& p = *owned;
+    if (p.writer.joinable()) p.writer.join();
+    join_committer();  // rank 0: the save before this one is committed (or this throws)
+    for (part_snapshot* part : {&p.per_rank, &p.replicated}) {
+      for (std::string& bytes : part->owned) spare_.push_back(std::move(bytes));
+      part->owned.clear();
+    }
+    const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
+    const std::string what = "save step " + std::to_string(p.step) + " to " + step_dir.string();
+    std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
+    if (!p.problem.empty()) {
+      mine[0] = 0;
+    } else if (p.per_rank_file) {
+      mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
+              std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
+    }
+    const auto size = static_cast<std::size_t>(plane_.size());
+    std::vector<std::int64_t> all(4 * size);
+    plane_.allgather(mine, all);
+    std::string failed_ranks;
+    for (std::size_t r = 0; r < size; ++r) {
+      if (all[4 * r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+
+    if (plane_.rank() != 0) {
+      if (options_.asynchronous) return;  // rank 0 commits beside the training; it reports
+      std::int64_t committed = 0;
+      broadcast_value(committed);
+      if (!committed) {
+        throw checkpoint_error(!p.problem.empty() ? p.problem + " (rank " + std::to_string(plane_.rank()) + ")"
+                                                   : not_committed(what, failed_ranks));
+      }
+      return;
+    }
+    // Rank 0: the manifest and the rename, then the checkpoints beyond `keep`.
+    auto finish = [this, owned = std::move(owned), all = std::move(all), failed_ranks, what]() -> std::string {
+      pending_save& q = *owned;
+      std::string problem = q.problem;
+      try {
+        if (failed_ranks.empty()) {
+          const std::uint64_t bytes = commit_on_disk(q, all);
+          prune(q.step);
+          const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
+          char line[160];
+          std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)", static_cast<unsigned long long>(bytes),
+                        took.count(), options_.asynchronous ? " until committed" : "");
+          say("saved " + (options_.dir / detail::ckpt::step_name(q.step)).string() + line);
+          return "";
+        }
+        remove_tree(q.partial);
+      } catch (const std::exception& e) {
+        if (problem.empty()) problem = e.what();
+        std::error_code ignored;
+        std::filesystem::remove_all(q.partial, ignored);
+      }
+      return !problem.empty() ? problem + " (rank 0)" : not_committed(what, failed_ranks);
+    };
+    if (options_.asynchronous) {
+      committer_ = std::thread([this, finish = std::move(finish)]() mutable { commit_failure_ = finish(); });
+      return;
+    }
+    const std::string problem = finish();
+    std::int64_t committed = problem.empty() ? 1 : 0;
+    broadcast_value(committed);
+    if (!committed) throw checkpoint_error(problem);
+  }
+
+  static std::string not_committed(const std::string& what, const std::string& failed_ranks) {
+    return "checkpoint: could not " + what +
+           (failed_ranks.empty() ? ": rank 0 could not commit it"
+                                 : ": rank(s) " + failed_ranks + " could not write their part") +
+           " (their error says why); the checkpoints before it are kept";
+  }
+
+  /// Rank 0: the manifest into the partial directory, which is renamed to
+  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
+  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all) {
+    const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
+    detail::ckpt::manifest m{p.step, plane_.size(), {*p.replicated_file}};
+    std::uint64_t bytes = p.replicated_file->bytes;
+    for (std::size_t r = 0; 4 * r < all.size(); ++r) {
+      if (all[4 * r + 1] == 0) continue;
+      m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
+                         static_cast<std::uint64_t>(all[4 * r + 2]),
+                         std::bit_cast<std::uint64_t>(all[4 * r + 3])});
+      bytes += static_cast<std::uint64_t>(all[4 * r + 2]);
+    }
+    const std::string text = detail::ckpt::render(m);
+    detail::ckpt::atomic_file manifest(p.partial / detail::ckpt::manifest_name);
+    manifest.write(text.data(), text.size());
+    static_cast<void>(manifest.finish());
+    detail::ckpt::sync_directory(p.partial);
+    if (std::filesystem::exists(step_dir)) {  // an older run's (its newest was damaged)
+      const std::filesystem::path aside = step_dir.string() + ".replaced";
+      remove_tree(aside);
+      detail::ckpt::rename_path(step_dir, aside);
+      remove_tree(aside);
+    }
+    detail::ckpt::rename_path(p.partial, step_dir);
+    detail::ckpt::sync_directory(options_.dir);
+    return bytes;
+  }
+
+  /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
+  void join_committer() {
+    if (committer_.joinable()) committer_.join();
+    if (!commit_failure_.empty()) throw checkpoint_error(std::exchange(commit_failure_, std::string()));
+  }
+
+  /// Rank 0's value reaches every rank.
+  void broadcast_value(std::int64_t& value) {
+    std::array<std::uint8_t, sizeof(std::int64_t)> bytes{};
+    std::memcpy(bytes.data(), &value, sizeof value);
+    plane_.broadcast(bytes, 0);
+    std::memcpy(&value, bytes.data(), sizeof value);
   }
 
   /// "[64, 16] float32" (or "1024 float32" without a shape).
@@ -10571,9 +10721,12 @@ class checkpoint {
 
   /// Removes what no resume can use any more: committed steps beyond the
   /// newest `keep` up to `newest`, steps numbered after it (left by a run
-  /// that this one resumed before), and directories of saves that died.
-  /// A failure here is reported, not thrown: the new checkpoint is committed.
+  /// that this one resumed before), and directories of saves that died. Each
+  /// is renamed to NAME.removing at once (so no resume reads it) and removed
+  /// by a thread beside the training (joined at the next prune, or at the
+  /// end). A failure here is reported, not thrown: the new checkpoint is committed.
   void prune(std::uint64_t newest) {
+    if (cleaner_.joinable()) cleaner_.join();
     std::vector<std::uint64_t> kept;
     std::vector<std::filesystem::path> stale;
     std::error_code ec;
@@ -10585,18 +10738,42 @@ class checkpoint {
         } else {
           kept.push_back(*step);
         }
-      } else if (name.ends_with(detail::ckpt::partial_suffix) || name.ends_with(".replaced")) {
-        stale.push_back(it->path());
+      } else if (name.ends_with(".replaced") || name.ends_with(".removing")) {
+        if (name.starts_with("step-")) stale.push_back(it->path());
+      } else if (name.ends_with(detail::ckpt::partial_suffix)) {
+        // A save that died; not one in flight (an asynchronous save's next
+        // step is being written by the other ranks while this runs).
+        const auto of = detail::ckpt::step_of(
+            std::string_view(name).substr(0, name.size() - detail::ckpt::partial_suffix.size()));
+        if (of && *of <= newest) stale.push_back(it->path());
       }
     }
     std::sort(kept.begin(), kept.end(), std::greater<>());
     for (std::size_t i = static_cast<std::size_t>(options_.keep); i < kept.size(); ++i) {
       stale.push_back(options_.dir / detail::ckpt::step_name(kept[i]));
     }
+    std::vector<std::filesystem::path> doomed;
     for (const std::filesystem::path& path : stale) {
-      std::filesystem::remove_all(path, ec);
-      if (ec) say("could not remove " + path.string() + ": " + ec.message());
+      if (path.string().ends_with(".removing")) {
+        doomed.push_back(path);
+        continue;
+      }
+      const std::filesystem::path renamed = path.string() + ".removing";
+      std::filesystem::rename(path, renamed, ec);
+      if (ec) {
+        say("could not remove " + path.string() + ": " + ec.message());
+      } else {
+        doomed.push_back(renamed);
+      }
     }
+    if (doomed.empty()) return;
+    cleaner_ = std::thread([this, doomed = std::move(doomed)] {
+      for (const std::filesystem::path& path : doomed) {
+        std::error_code why;
+        std::filesystem::remove_all(path, why);
+        if (why) say("could not remove " + path.string() + ": " + why.message());
+      }
+    });
   }
 
   void say(const std::string& line) const {
@@ -10609,6 +10786,11 @@ class checkpoint {
   checkpoint_options options_;
   std::vector<entry> entries_;
   std::int64_t steps_ = 0;
+  std::unique_ptr<pending_save> pending_;  // a save not yet committed (asynchronous)
+  std::vector<std::string> spare_;          // an asynchronous save's copies, for the next
+  std::thread cleaner_;                     // removes what prune() renamed
+  std::thread committer_;                   // rank 0's commit of an asynchronous save
+  std::string commit_failure_;              // what it could not do
 };
 
 }  // namespace dtrain

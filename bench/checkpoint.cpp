@@ -1,0 +1,253 @@
+// bench/checkpoint: what dtrain::checkpoint costs (issue 33). Its own per-node
+// launcher with Gloo workers (2 by default; DTRAIN_NPROC_PER_NODE=N for N):
+//
+//   build/bench/dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5]
+//                                      [--step-ms 20] [--steps 60] [--every 10]
+//                                      [--compute sleep|spin]
+//
+// Table 1, save throughput: each rank holds S MiB of its own state
+// (checkpoint_scope::per_rank) and saves it; against the same bytes written by
+// each rank to a file of its own with write() and fsync(), with a barrier
+// before and after each, as the baseline. Times are rank 0's, barrier to
+// barrier, the median of the rounds. ratio = baseline / save (throughput
+// relative to raw; goal at least 0.8).
+//
+// Table 2, a save beside training: steps of --step-ms of compute and an
+// allreduce (`--compute sleep`, the default, sleeps: a GPU computing while the
+// CPU is free, as bench/ddp_overlap; `spin` keeps a core busy, and then the
+// writer thread competes with the training for the cores), --steps of them, a save every --every steps of the largest S;
+// the mean step time without checkpoints, with synchronous saves and with
+// asynchronous ones. ratio = step time / without (goal for asynchronous: at
+// most 1.05).
+//
+// DIR defaults to a new directory under TMPDIR (or /tmp); what the table
+// measures is that file system, with its page cache: say which in a report.
+
+#include <dtrain/dtrain.hpp>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace {
+
+using Policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>;
+using clock_type = std::chrono::steady_clock;
+
+struct settings {
+  std::filesystem::path dir;
+  std::vector<std::size_t> sizes_mib{1, 16, 64};
+  int rounds = 5;
+  double step_ms = 20;
+  int steps = 60;
+  int every = 10;
+  bool spin = false;
+};
+
+[[noreturn]] void usage_error(const std::string& what) {
+  std::fprintf(stderr, "dtrain_bench_checkpoint: %s\n", what.c_str());
+  std::exit(2);
+}
+
+template <class T>
+T number(std::string_view flag, std::string_view text) {
+  T v{};
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || end != text.data() + text.size() || v <= T{})
+    usage_error(std::string(flag) + " takes a positive number, not '" + std::string(text) + "'");
+  return v;
+}
+
+settings parse(int argc, char** argv) {
+  settings s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    if (flag == "--help") {
+      std::printf(
+          "usage: dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5] "
+          "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin]\n");
+      std::exit(0);
+    }
+    if (i + 1 >= argc) usage_error(std::string(flag) + " needs a value");
+    const std::string_view value = argv[++i];
+    if (flag == "--dir") {
+      s.dir = value;
+    } else if (flag == "--sizes") {
+      s.sizes_mib.clear();
+      for (std::size_t at = 0; at <= value.size();) {
+        const std::size_t comma = std::min(value.find(',', at), value.size());
+        s.sizes_mib.push_back(number<std::size_t>(flag, value.substr(at, comma - at)));
+        at = comma + 1;
+      }
+    } else if (flag == "--rounds") {
+      s.rounds = number<int>(flag, value);
+    } else if (flag == "--step-ms") {
+      s.step_ms = number<double>(flag, value);
+    } else if (flag == "--steps") {
+      s.steps = number<int>(flag, value);
+    } else if (flag == "--every") {
+      s.every = number<int>(flag, value);
+    } else if (flag == "--compute") {
+      if (value != "sleep" && value != "spin") usage_error("--compute takes sleep or spin");
+      s.spin = value == "spin";
+    } else {
+      usage_error("unknown flag " + std::string(flag));
+    }
+  }
+  return s;
+}
+
+double seconds_since(clock_type::time_point start) {
+  return std::chrono::duration<double>(clock_type::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// The baseline: these bytes to a file of this rank's own, written and fsync'd.
+void raw_write(const std::filesystem::path& path, const std::vector<float>& data) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) usage_error("cannot create " + path.string());
+  const char* p = reinterpret_cast<const char*>(data.data());
+  std::size_t left = data.size() * sizeof(float);
+  while (left > 0) {
+    const ::ssize_t w = ::write(fd, p, left);
+    if (w <= 0) usage_error("cannot write " + path.string());
+    p += w;
+    left -= static_cast<std::size_t>(w);
+  }
+  if (::fsync(fd) != 0) usage_error("cannot fsync " + path.string());
+  ::close(fd);
+}
+
+/// CPU work for about `ms` milliseconds (a training step's compute).
+void spin(double ms) {
+  const auto until = clock_type::now() + std::chrono::duration<double, std::milli>(ms);
+  volatile double x = 1.0;
+  while (clock_type::now() < until) {
+    for (int i = 0; i < 1000; ++i) x = x * 1.0000001 + 1e-9;
+  }
+}
+
+int bench(dtrain::context<Policy>& ctx, const settings& s) {
+  const bool main = ctx.is_main();
+  const std::filesystem::path dir = s.dir;
+  std::filesystem::create_directories(dir);
+  if (main) {
+    std::printf("bench/checkpoint: %d ranks (Gloo), directory %s\n\n", ctx.size(), dir.c_str());
+    std::printf("| state per rank | raw write + fsync | dtrain save | ratio (raw / save) |\n");
+    std::printf("| ---: | ---: | ---: | ---: |\n");
+  }
+  for (std::size_t mib : s.sizes_mib) {
+    std::vector<float> state(mib * (1u << 20) / sizeof(float), static_cast<float>(ctx.rank()));
+    dtrain::checkpoint ckpt(ctx, {.dir = dir / ("table1-" + std::to_string(mib)), .keep = 1, .quiet = true});
+    ckpt.add("state", state, dtrain::checkpoint_scope::per_rank);
+    std::vector<double> raw, saved;
+    for (int round = 0; round < s.rounds; ++round) {
+      state[0] = static_cast<float>(round);
+      ctx.barrier();
+      auto start = clock_type::now();
+      raw_write(dir / ("raw-" + std::to_string(ctx.rank()) + ".bin"), state);
+      ctx.barrier();
+      raw.push_back(seconds_since(start));
+      start = clock_type::now();
+      ckpt.step();
+      ckpt.save();
+      ctx.barrier();
+      saved.push_back(seconds_since(start));
+    }
+    std::filesystem::remove(dir / ("raw-" + std::to_string(ctx.rank()) + ".bin"));
+    if (main) {
+      const double r = median(raw), d = median(saved);
+      std::printf("| %zu MiB | %.1f ms (%.0f MiB/s) | %.1f ms (%.0f MiB/s) | %.2f |\n", mib, 1e3 * r,
+                  static_cast<double>(mib) * ctx.size() / r, 1e3 * d,
+                  static_cast<double>(mib) * ctx.size() / d, r / d);
+      std::fflush(stdout);
+    }
+  }
+
+  // Table 2: steps beside saves of the largest state.
+  const std::size_t mib = s.sizes_mib.back();
+  std::vector<float> state(mib * (1u << 20) / sizeof(float), 1.0f);
+  std::array<double, 1> sync_value{};
+  auto run_steps = [&](dtrain::checkpoint* ckpt) {
+    ctx.barrier();
+    const auto start = clock_type::now();
+    for (int step = 0; step < s.steps; ++step) {
+      if (s.spin) {
+        spin(s.step_ms);
+      } else {
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(s.step_ms));
+      }
+      state[static_cast<std::size_t>(step) % state.size()] += 1.0f;
+      dtrain::allreduce(ctx.communicator(), sync_value, dtrain::reduce_op::sum).wait();
+      if (ckpt) ckpt->step();
+    }
+    if (ckpt) ckpt->wait();
+    ctx.barrier();
+    return seconds_since(start) / s.steps;
+  };
+  const auto every = static_cast<std::uint64_t>(s.every);
+  std::vector<double> none, sync, async;
+  for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
+    none.push_back(run_steps(nullptr));
+    {
+      dtrain::checkpoint c(ctx, {.dir = dir / "table2-sync", .every = every, .keep = 1, .quiet = true});
+      c.add("state", state, dtrain::checkpoint_scope::per_rank);
+      sync.push_back(run_steps(&c));
+    }
+    {
+      dtrain::checkpoint c(ctx, {.dir = dir / "table2-async", .every = every, .keep = 1, .quiet = true,
+                                 .asynchronous = true});
+      c.add("state", state, dtrain::checkpoint_scope::per_rank);
+      async.push_back(run_steps(&c));
+    }
+  }
+  if (main) {
+    const double n = median(none), y = median(sync), a = median(async);
+    std::printf("\n%d steps of %.0f ms (%s) + an allreduce, a save of %zu MiB per rank every %d steps:\n\n",
+                s.steps, s.step_ms, s.spin ? "spin" : "sleep", mib, s.every);
+    std::printf("| checkpoints | step time | ratio |\n| --- | ---: | ---: |\n");
+    std::printf("| none | %.2f ms | 1.00 |\n", 1e3 * n);
+    std::printf("| synchronous save | %.2f ms | %.3f |\n", 1e3 * y, y / n);
+    std::printf("| asynchronous save | %.2f ms | %.3f |\n", 1e3 * a, a / n);
+  }
+  ctx.barrier();
+  if (main) std::filesystem::remove_all(dir);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  settings s = parse(argc, argv);
+  if (s.dir.empty()) {
+    // The first process (the node agent) picks it; its workers inherit it.
+    if (const char* picked = std::getenv("DTRAIN_BENCH_CHECKPOINT_DIR")) {
+      s.dir = picked;
+    } else {
+      const char* tmp = std::getenv("TMPDIR");
+      s.dir = std::filesystem::path(tmp && *tmp ? tmp : "/tmp") /
+              ("dtrain-bench-checkpoint-" + std::to_string(::getpid()));
+      ::setenv("DTRAIN_BENCH_CHECKPOINT_DIR", s.dir.c_str(), 1);
+    }
+  }
+  dtrain::run_options options;
+  options.agent.nproc_per_node = 2;
+  return dtrain::run<Policy>(argc, argv, [&](dtrain::context<Policy>& ctx) { return bench(ctx, s); },
+                             options);
+}
