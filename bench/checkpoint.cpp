@@ -15,8 +15,8 @@
 // Table 2, a save beside training: steps of --step-ms of compute and an
 // allreduce (`--compute sleep`, the default, sleeps: a GPU computing while the
 // CPU is free, as bench/ddp_overlap; `spin` keeps a core busy, and then the
-// writer thread competes with the training for the cores), --steps of them, a save every --every steps of the largest S;
-// the mean step time without checkpoints, with synchronous saves and with
+// writer thread competes with the training for the cores), --steps of them, a save every --every
+// steps of the largest S; the mean step time without checkpoints, with synchronous saves and with
 // asynchronous ones. ratio = step time / without (goal for asynchronous: at
 // most 1.05).
 //
@@ -154,7 +154,8 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   }
   for (std::size_t mib : s.sizes_mib) {
     std::vector<float> state(mib * (1u << 20) / sizeof(float), static_cast<float>(ctx.rank()));
-    dtrain::checkpoint ckpt(ctx, {.dir = dir / ("table1-" + std::to_string(mib)), .keep = 1, .quiet = true});
+    dtrain::checkpoint ckpt(
+        ctx, {.dir = dir / ("table1-" + std::to_string(mib)), .keep = 1, .quiet = true});
     ckpt.add("state", state, dtrain::checkpoint_scope::per_rank);
     std::vector<double> raw, saved;
     for (int round = 0; round < s.rounds; ++round) {
@@ -173,8 +174,8 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     std::filesystem::remove(dir / ("raw-" + std::to_string(ctx.rank()) + ".bin"));
     if (main) {
       const double r = median(raw), d = median(saved);
-      std::printf("| %zu MiB | %.1f ms (%.0f MiB/s) | %.1f ms (%.0f MiB/s) | %.2f |\n", mib, 1e3 * r,
-                  static_cast<double>(mib) * ctx.size() / r, 1e3 * d,
+      std::printf("| %zu MiB | %.1f ms (%.0f MiB/s) | %.1f ms (%.0f MiB/s) | %.2f |\n", mib,
+                  1e3 * r, static_cast<double>(mib) * ctx.size() / r, 1e3 * d,
                   static_cast<double>(mib) * ctx.size() / d, r / d);
       std::fflush(stdout);
     }
@@ -206,12 +207,16 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
     none.push_back(run_steps(nullptr));
     {
-      dtrain::checkpoint c(ctx, {.dir = dir / "table2-sync", .every = every, .keep = 1, .quiet = true});
+      dtrain::checkpoint c(ctx,
+                           {.dir = dir / "table2-sync", .every = every, .keep = 1, .quiet = true});
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
       sync.push_back(run_steps(&c));
     }
     {
-      dtrain::checkpoint c(ctx, {.dir = dir / "table2-async", .every = every, .keep = 1, .quiet = true,
+      dtrain::checkpoint c(ctx, {.dir = dir / "table2-async",
+                                 .every = every,
+                                 .keep = 1,
+                                 .quiet = true,
                                  .asynchronous = true});
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
       async.push_back(run_steps(&c));
@@ -219,8 +224,9 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   }
   if (main) {
     const double n = median(none), y = median(sync), a = median(async);
-    std::printf("\n%d steps of %.0f ms (%s) + an allreduce, a save of %zu MiB per rank every %d steps:\n\n",
-                s.steps, s.step_ms, s.spin ? "spin" : "sleep", mib, s.every);
+    std::printf(
+        "\n%d steps of %.0f ms (%s) + an allreduce, a save of %zu MiB per rank every %d steps:\n\n",
+        s.steps, s.step_ms, s.spin ? "spin" : "sleep", mib, s.every);
     std::printf("| checkpoints | step time | ratio |\n| --- | ---: | ---: |\n");
     std::printf("| none | %.2f ms | 1.00 |\n", 1e3 * n);
     std::printf("| synchronous save | %.2f ms | %.3f |\n", 1e3 * y, y / n);
@@ -248,6 +254,6 @@ int main(int argc, char** argv) {
   }
   dtrain::run_options options;
   options.agent.nproc_per_node = 2;
-  return dtrain::run<Policy>(argc, argv, [&](dtrain::context<Policy>& ctx) { return bench(ctx, s); },
-                             options);
+  return dtrain::run<Policy>(
+      argc, argv, [&](dtrain::context<Policy>& ctx) { return bench(ctx, s); }, options);
 }

@@ -19,10 +19,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -596,6 +599,95 @@ void check_sampler_in_loader(int rank) {
   if (rank == 0) std::printf("sampler in torch::data::make_data_loader: reshuffled per epoch\n");
 }
 
+// dtrain::torch's checkpoint helpers (issue 33): a module (parameters and
+// batch-norm buffers; on a GPU through the host), an SGD optimizer with
+// momentum and the sampler saved, changed by a step, and restored: the
+// module is back, and the next step gives what it gave before (so the
+// momentum came back too). A module of another shape is refused by name.
+void check_checkpoint(dtrain::context<Policy>& ctx) {
+  const int rank = ctx.rank();
+  // One directory for every rank: rank 0's pid names it.
+  std::array<std::int64_t, 1> id{static_cast<std::int64_t>(::getpid())};
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(ctx.size()));
+  dtrain::allgather(ctx.communicator(), id, ids).wait();
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("dtrain-torch-ckpt-" + std::to_string(ids[0]));
+  Net net = make_net(11);
+  auto ddp = dtrain::torch::DistributedDataParallel(ctx, net);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  dtrain::torch::distributed_sampler sampler(64, ctx.world(), {.seed = 3});
+  auto train_step = [&](int step) {
+    const batch b = data(step, 0);
+    const std::int64_t shard = global_batch / ctx.size();
+    const torch::Tensor x = b.x.narrow(0, rank * shard, shard), y = b.y.narrow(0, rank * shard, shard);
+    torch::nn::functional::cross_entropy(ddp(x), y).backward();
+    opt.step();
+    ddp.zero_grad();
+  };
+  auto snapshot = [&] {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+    for (const auto& b : net->buffers()) out.push_back(b.detach().clone());
+    return out;
+  };
+  auto same = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (!torch::equal(a[i], b[i])) return false;
+    return true;
+  };
+  try {
+    dtrain::checkpoint ckpt(ctx, {.dir = dir, .quiet = true});
+    dtrain::torch::add_module(ckpt, net);
+    dtrain::torch::add_optimizer(ckpt, opt);
+    dtrain::torch::add_sampler(ckpt, sampler);
+    train_step(0);
+    static_cast<void>(sampler.next(8));
+    ckpt.step();
+    ckpt.save();
+    const std::vector<torch::Tensor> saved = snapshot();
+    const dtrain::sampler_position where = sampler.shard().position();
+    train_step(1);
+    const std::vector<torch::Tensor> after_one = snapshot();
+    static_cast<void>(sampler.next(8));
+    check(ckpt.restore() == 1u, rank, "torch checkpoint: restore() did not find step 1");
+    check(same(snapshot(), saved), rank, "torch checkpoint: the module did not come back");
+    check(sampler.shard().position().offset == where.offset, rank,
+          "torch checkpoint: the sampler did not come back");
+    train_step(1);
+    check(same(snapshot(), after_one), rank,
+          "torch checkpoint: the step after restore() differs (the optimizer's momentum?)");
+    if (!on_gpu) {
+      Net other = make_net(11, false, 12);  // fc has 12 outputs, not 10
+      const std::vector<torch::Tensor> before = [&] {
+        std::vector<torch::Tensor> out;
+        for (const auto& p : other->parameters()) out.push_back(p.detach().clone());
+        return out;
+      }();
+      dtrain::checkpoint wrong(ctx, {.dir = dir, .quiet = true});
+      dtrain::torch::add_module(wrong, other);
+      try {
+        wrong.restore();
+        check(false, rank, "torch checkpoint: another model was loaded");
+      } catch (const dtrain::checkpoint_error& e) {
+        check(std::string(e.what()).find("'fc.weight' is [10, 256] float32 in the checkpoint and "
+                                         "[12, 256] float32 here") != std::string::npos,
+              rank, std::string("torch checkpoint: the refusal does not name fc.weight: ") + e.what());
+        std::size_t i = 0;
+        for (const auto& p : other->parameters())
+          check(torch::equal(p, before[i++]), rank, "torch checkpoint: a refused load changed the module");
+      }
+    }
+  } catch (const std::exception& e) {
+    check(false, rank, std::string("torch checkpoint: ") + e.what());
+  }
+  ctx.barrier();
+  if (rank == 0) {
+    std::filesystem::remove_all(dir);
+    std::printf("checkpoint of a module, an optimizer and the sampler: restored exactly\n");
+  }
+}
+
 int run_checks(dtrain::context<Policy>& ctx) {
   torch::set_num_threads(1);
   const variant variants[] = {
@@ -627,6 +719,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_failure_in_backward(ctx);
   check_sampler(ctx.rank());
   check_sampler_in_loader(ctx.rank());
+  check_checkpoint(ctx);
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array<std::int64_t, 1>{failures}, all).wait();
   std::int64_t total = 0;

@@ -87,8 +87,9 @@ struct toy_state {
   }
   void add_to(dtrain::checkpoint& c) {
     c.add("weight", weight).add("bias", bias);
-    c.add("optimizer", [this] { return optimizer; },
-          [this](std::string_view bytes) { optimizer = std::string(bytes); });
+    c.add(
+        "optimizer", [this] { return optimizer; },
+        [this](std::string_view bytes) { optimizer = std::string(bytes); });
   }
 };
 
@@ -162,7 +163,9 @@ TEST_CASE("checkpoint format: the manifest round-trips, and a torn one is refuse
   CHECK_FALSE(ckpt::step_of("step-").has_value());
 }
 
-TEST_CASE("sampler: a position continues the same indices, and another world size the same global order") {
+TEST_CASE(
+    "sampler: a position continues the same indices, and another world size the same global "
+    "order") {
   constexpr std::size_t n = 96;
   auto take_all = [](dtrain::distributed_sampler& s, std::size_t batch) {
     std::vector<std::size_t> out;
@@ -273,7 +276,7 @@ TEST_CASE("checkpoint: an asynchronous save holds the state of its step and comm
       state.fill(99);
       own = -1;
       if (rank == 0) CHECK(dtrain::latest_checkpoint(dir.path)->step == 2u);  // 4 is in flight
-    }  // committed here
+    }                                                                         // committed here
     toy_state back;
     std::int64_t own_back = 0;
     dtrain::checkpoint d(plane, {.dir = dir.path, .quiet = true});
@@ -356,10 +359,12 @@ TEST_CASE("checkpoint: another model is refused by name, on every rank, and noth
   });
   CHECK(failures[0].find("'weight' is 64 float32 in the checkpoint and 65 float32 here") !=
         std::string::npos);
-  CHECK(failures[1].find("'extra' is registered here and not in the checkpoint") != std::string::npos);
+  CHECK(failures[1].find("'extra' is registered here and not in the checkpoint") !=
+        std::string::npos);
 }
 
-TEST_CASE("checkpoint: per-rank state from another world size is refused, and replicated state loads") {
+TEST_CASE(
+    "checkpoint: per-rank state from another world size is refused, and replicated state loads") {
   scratch_dir dir;
   on_ranks(2, [&](dtrain::control_plane plane, int rank) {
     toy_state state;
@@ -392,7 +397,8 @@ TEST_CASE("checkpoint: per-rank state from another world size is refused, and re
   for (const auto& f : failures) CHECK(f == "");
 }
 
-TEST_CASE("checkpoint: a directory that cannot be written is an error naming it, and earlier ones stay") {
+TEST_CASE(
+    "checkpoint: a directory that cannot be written is an error naming it, and earlier ones stay") {
   scratch_dir dir;
   { std::ofstream(dir.path / "a-file") << "x"; }
   const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
@@ -441,6 +447,7 @@ TEST_CASE("checkpoint: bad options are config errors") {
     dtrain::checkpoint c(plane, {.dir = "x"});
     std::vector<float> v(3);
     c.add("v", v);
-    CHECK_THROWS_WITH_AS(c.add("v", v), doctest::Contains("'v' is added twice"), dtrain::config_error);
+    CHECK_THROWS_WITH_AS(c.add("v", v), doctest::Contains("'v' is added twice"),
+                         dtrain::config_error);
   });
 }

@@ -142,7 +142,8 @@ class checksum64 {
 /// 16 lowercase hex digits.
 [[nodiscard]] inline std::string hex64(std::uint64_t v) {
   std::string out(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) out[static_cast<std::size_t>(i)] = "0123456789abcdef"[v & 15];
+  for (int i = 15; i >= 0; --i, v >>= 4)
+    out[static_cast<std::size_t>(i)] = "0123456789abcdef"[v & 15];
   return out;
 }
 
@@ -373,7 +374,8 @@ part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
   for (std::uint32_t i = 0; i < count; ++i) {
     entry_header e;
     const auto name_length = in.value<std::uint32_t>("an entry's name length");
-    if (name_length > max_name) in.malformed("an entry name of " + std::to_string(name_length) + " bytes");
+    if (name_length > max_name)
+      in.malformed("an entry name of " + std::to_string(name_length) + " bytes");
     e.name.resize(name_length);
     in.read(e.name.data(), name_length, "an entry's name");
     const auto kind = in.value<std::uint8_t>("entry '" + e.name + "'");
@@ -385,7 +387,8 @@ part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
     e.kind = static_cast<entry_kind>(kind);
     e.type = static_cast<dtype>(type);
     const auto dims = in.value<std::uint32_t>("entry '" + e.name + "'");
-    if (dims > max_dims) in.malformed("entry '" + e.name + "' has " + std::to_string(dims) + " dimensions");
+    if (dims > max_dims)
+      in.malformed("entry '" + e.name + "' has " + std::to_string(dims) + " dimensions");
     for (std::uint32_t d = 0; d < dims; ++d) e.shape.push_back(in.value<std::uint64_t>("a shape"));
     e.bytes = in.value<std::uint64_t>("entry '" + e.name + "'");
     e.offset = in.offset();
@@ -432,7 +435,8 @@ struct manifest {
 }
 
 /// Parses a manifest's text; throws checkpoint_error naming `path` and the line.
-[[nodiscard]] inline manifest parse_manifest(std::string_view text, const std::filesystem::path& path) {
+[[nodiscard]] inline manifest parse_manifest(std::string_view text,
+                                             const std::filesystem::path& path) {
   auto bad = [&](const std::string& why) -> checkpoint_error {
     return checkpoint_error("checkpoint: " + path.string() + " is torn or not a manifest: " + why);
   };
@@ -461,7 +465,8 @@ struct manifest {
       std::uint64_t v = 0;
       auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
       if (ec != std::errc{} || p != s.data() + s.size())
-        throw bad("line " + std::to_string(line_number) + ": '" + std::string(s) + "' is not a number");
+        throw bad("line " + std::to_string(line_number) + ": '" + std::string(s) +
+                  "' is not a number");
       return v;
     };
     if (line_number == 1) {

@@ -47,7 +47,8 @@ inline std::string device_tensor_bytes(const ::torch::Tensor& t) {
   return out;
 }
 
-inline void load_device_tensor(::torch::Tensor& t, std::string_view bytes, const std::string& name) {
+inline void load_device_tensor(::torch::Tensor& t, std::string_view bytes,
+                               const std::string& name) {
   std::uint8_t type = 0;
   std::uint32_t dims = 0;
   auto bad = [&](const std::string& why) {
@@ -62,14 +63,15 @@ inline void load_device_tensor(::torch::Tensor& t, std::string_view bytes, const
   std::memcpy(sizes.data(), bytes.data(), dims * sizeof(std::int64_t));
   bytes.remove_prefix(dims * sizeof(std::int64_t));
   if (static_cast<c10::ScalarType>(type) != t.scalar_type() || sizes != t.sizes().vec()) {
-    throw bad("the checkpoint holds " + std::string(c10::toString(static_cast<c10::ScalarType>(type))) +
-              " " + c10::str(c10::IntArrayRef(sizes)) + ", the module " +
+    throw bad("the checkpoint holds " +
+              std::string(c10::toString(static_cast<c10::ScalarType>(type))) + " " +
+              c10::str(c10::IntArrayRef(sizes)) + ", the module " +
               std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()));
   }
   if (bytes.size() != t.nbytes()) throw bad("its values have the wrong length");
   ::torch::NoGradGuard no_grad;
-  const ::torch::Tensor host =
-      ::torch::from_blob(const_cast<char*>(bytes.data()), t.sizes(), ::torch::TensorOptions().dtype(t.scalar_type()));
+  const ::torch::Tensor host = ::torch::from_blob(const_cast<char*>(bytes.data()), t.sizes(),
+                                                  ::torch::TensorOptions().dtype(t.scalar_type()));
   t.copy_(host);
 }
 
@@ -87,21 +89,24 @@ inline void add_module(dtrain::checkpoint& ckpt, const ::torch::nn::Module& modu
                        dtrain::torch::detail::element_of(t.scalar_type()).has_value();
     if (!plain) {  // on a GPU, strided, or of a type dtrain has no name for: as bytes
       ::torch::Tensor target = t;
-      ckpt.add(full, [target] { return detail::device_tensor_bytes(target); },
-               [target, full](std::string_view bytes) mutable {
-                 detail::load_device_tensor(target, bytes, full);
-               });
+      ckpt.add(
+          full, [target] { return detail::device_tensor_bytes(target); },
+          [target, full](std::string_view bytes) mutable {
+            detail::load_device_tensor(target, bytes, full);
+          });
       return;
     }
     ckpt.add(full, dtrain::torch::detail::buffer_of(t, "tensor '" + full + "'", 0),
              checkpoint_scope::replicated, dtrain::torch::detail::shape_of(t));
   };
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) add_tensor(item.key(), item.value());
-  for (const auto& item : module.named_buffers(/*recurse=*/true)) add_tensor(item.key(), item.value());
+  for (const auto& item : module.named_parameters(/*recurse=*/true))
+    add_tensor(item.key(), item.value());
+  for (const auto& item : module.named_buffers(/*recurse=*/true))
+    add_tensor(item.key(), item.value());
 }
 /// The same for a module holder (`Net model;` made with TORCH_MODULE).
 template <class Holder>
-  requires requires(const Holder& h) { h.ptr(); }
+requires requires(const Holder& h) { h.ptr(); }
 void add_module(dtrain::checkpoint& ckpt, const Holder& module, const std::string& prefix = "") {
   add_module(ckpt, *module.ptr(), prefix);
 }
