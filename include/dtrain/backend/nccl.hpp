@@ -472,6 +472,20 @@ class basic_nccl_communicator {
     const std::string problem =
         detail::broadcast_or_fail(relay, "the check that every rank has a GPU of its own", [&] {
           if (failed) std::rethrow_exception(failed);
+          // The ranks publish their GPU as they create their communicator: a
+          // rank that never comes is an init that does not finish (init_timeout).
+          std::vector<std::string> keys;
+          for (int r = 0; r < size; ++r) keys.push_back(base + std::to_string(r));
+          try {
+            store.wait(keys, options.init_timeout);
+          } catch (const timeout_error& e) {
+            throw timeout_error("creating the NCCL communicator on rank " + std::to_string(rank) +
+                                " of " + std::to_string(size) + " did not finish within " +
+                                detail::nccl_seconds(options.init_timeout) +
+                                ": not every rank published its GPU (a rank that never started, "
+                                "or is slower than nccl_options::init_timeout, " +
+                                std::string(nccl_init_timeout_variable) + "): " + e.what());
+          }
           std::vector<detail::nccl_gpu> gpus;
           for (int r = 0; r < size; ++r) {
             const std::string key = base + std::to_string(r);
