@@ -71,23 +71,26 @@ class store_operations {
   using op = wire::op;
   using status = wire::status;
 
-  // The handler of each operation code; null for codes that name none.
+  // The handler of each operation code; null for codes that name none. Made
+  // once at run time by a plain function, not by a constexpr lambda: under
+  // nvcc's --expt-relaxed-constexpr (PyTorch's CUDA flags) constexpr code is
+  // compiled for the device too, where these member functions do not exist.
   static const std::array<handler, 256>& handlers() {
-    static constexpr std::array<handler, 256> table = [] {
-      std::array<handler, 256> t{};
-      auto at = [&t](op o) -> handler& { return t[static_cast<std::uint8_t>(o)]; };
-      at(op::set) = &store_operations::set;
-      at(op::get) = &store_operations::get;
-      at(op::add) = &store_operations::add;
-      at(op::compare_set) = &store_operations::compare_set;
-      at(op::wait) = &store_operations::wait;
-      at(op::check) = &store_operations::check;
-      at(op::erase) = &store_operations::erase;
-      at(op::num_keys) = &store_operations::num_keys;
-      at(op::ping) = &store_operations::ping;
-      return t;
-    }();
+    static const std::array<handler, 256> table = make_handlers();
     return table;
+  }
+  static std::array<handler, 256> make_handlers() {
+    std::array<handler, 256> t{};
+    t[static_cast<std::uint8_t>(op::set)] = &store_operations::set;
+    t[static_cast<std::uint8_t>(op::get)] = &store_operations::get;
+    t[static_cast<std::uint8_t>(op::add)] = &store_operations::add;
+    t[static_cast<std::uint8_t>(op::compare_set)] = &store_operations::compare_set;
+    t[static_cast<std::uint8_t>(op::wait)] = &store_operations::wait;
+    t[static_cast<std::uint8_t>(op::check)] = &store_operations::check;
+    t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
+    t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
+    t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
+    return t;
   }
 
   static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
