@@ -8199,6 +8199,20 @@ class basic_nccl_communicator {
     const std::string problem =
         detail::broadcast_or_fail(relay, "the check that every rank has a GPU of its own", [&] {
           if (failed) std::rethrow_exception(failed);
+          // The ranks publish their GPU as they create their communicator: a
+          // rank that never comes is an init that does not finish (init_timeout).
+          std::vector<std::string> keys;
+          for (int r = 0; r < size; ++r) keys.push_back(base + std::to_string(r));
+          try {
+            store.wait(keys, options.init_timeout);
+          } catch (const timeout_error& e) {
+            throw timeout_error("creating the NCCL communicator on rank " + std::to_string(rank) +
+                                " of " + std::to_string(size) + " did not finish within " +
+                                detail::nccl_seconds(options.init_timeout) +
+                                ": not every rank published its GPU (a rank that never started, "
+                                "or is slower than nccl_options::init_timeout, " +
+                                std::string(nccl_init_timeout_variable) + "): " + e.what());
+          }
           std::vector<detail::nccl_gpu> gpus;
           for (int r = 0; r < size; ++r) {
             const std::string key = base + std::to_string(r);
@@ -8672,7 +8686,8 @@ class checksum64 {
 /// 16 lowercase hex digits.
 [[nodiscard]] inline std::string hex64(std::uint64_t v) {
   std::string out(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) out[static_cast<std::size_t>(i)] = "0123456789abcdef"[v & 15];
+  for (int i = 15; i >= 0; --i, v >>= 4)
+    out[static_cast<std::size_t>(i)] = "0123456789abcdef"[v & 15];
   return out;
 }
 
@@ -8903,7 +8918,8 @@ part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
   for (std::uint32_t i = 0; i < count; ++i) {
     entry_header e;
     const auto name_length = in.value<std::uint32_t>("an entry's name length");
-    if (name_length > max_name) in.malformed("an entry name of " + std::to_string(name_length) + " bytes");
+    if (name_length > max_name)
+      in.malformed("an entry name of " + std::to_string(name_length) + " bytes");
     e.name.resize(name_length);
     in.read(e.name.data(), name_length, "an entry's name");
     const auto kind = in.value<std::uint8_t>("entry '" + e.name + "'");
@@ -8915,7 +8931,8 @@ part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
     e.kind = static_cast<entry_kind>(kind);
     e.type = static_cast<dtype>(type);
     const auto dims = in.value<std::uint32_t>("entry '" + e.name + "'");
-    if (dims > max_dims) in.malformed("entry '" + e.name + "' has " + std::to_string(dims) + " dimensions");
+    if (dims > max_dims)
+      in.malformed("entry '" + e.name + "' has " + std::to_string(dims) + " dimensions");
     for (std::uint32_t d = 0; d < dims; ++d) e.shape.push_back(in.value<std::uint64_t>("a shape"));
     e.bytes = in.value<std::uint64_t>("entry '" + e.name + "'");
     e.offset = in.offset();
@@ -8962,7 +8979,8 @@ struct manifest {
 }
 
 /// Parses a manifest's text; throws checkpoint_error naming `path` and the line.
-[[nodiscard]] inline manifest parse_manifest(std::string_view text, const std::filesystem::path& path) {
+[[nodiscard]] inline manifest parse_manifest(std::string_view text,
+                                             const std::filesystem::path& path) {
   auto bad = [&](const std::string& why) -> checkpoint_error {
     return checkpoint_error("checkpoint: " + path.string() + " is torn or not a manifest: " + why);
   };
@@ -8991,7 +9009,8 @@ struct manifest {
       std::uint64_t v = 0;
       auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
       if (ec != std::errc{} || p != s.data() + s.size())
-        throw bad("line " + std::to_string(line_number) + ": '" + std::string(s) + "' is not a number");
+        throw bad("line " + std::to_string(line_number) + ": '" + std::string(s) +
+                  "' is not a number");
       return v;
     };
     if (line_number == 1) {
@@ -9985,8 +10004,8 @@ class distributed_sampler {
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -10038,14 +10057,15 @@ struct checkpoint_found {
 /// and checksums), or nullopt. Each newer one that does not is skipped, with a
 /// line naming the file and what is wrong appended to `skipped` when given.
 /// Throws checkpoint_error when `dir` exists but cannot be read.
-inline std::optional<checkpoint_found> latest_checkpoint(const std::filesystem::path& dir,
-                                                         std::vector<std::string>* skipped = nullptr) {
+inline std::optional<checkpoint_found> latest_checkpoint(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped = nullptr) {
   std::error_code ec;
   if (!std::filesystem::exists(dir, ec)) return std::nullopt;
   std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
   std::filesystem::directory_iterator it(dir, ec);
   if (ec) {
-    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " + ec.message());
+    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
+                           ec.message());
   }
   for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
     if (ec) break;
@@ -10054,16 +10074,18 @@ inline std::optional<checkpoint_found> latest_checkpoint(const std::filesystem::
     }
   }
   if (ec) {
-    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " + ec.message());
+    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
+                           ec.message());
   }
-  std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::sort(steps.begin(), steps.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [step, path] : steps) {
     try {
       const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
       if (m.step != step) {
         throw checkpoint_error("checkpoint: " + (path / detail::ckpt::manifest_name).string() +
-                               " says step " + std::to_string(m.step) + " in a directory for step " +
-                               std::to_string(step));
+                               " says step " + std::to_string(m.step) +
+                               " in a directory for step " + std::to_string(step));
       }
       return checkpoint_found{step, path, m.world_size};
     } catch (const checkpoint_error& e) {
@@ -10089,13 +10111,14 @@ class checkpoint {
                          ": checkpoint_options::keep is " + std::to_string(options_.keep) +
                          "; at least 1 checkpoint must be kept");
     }
-    add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated, {});
+    add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host},
+               checkpoint_scope::replicated, {});
   }
   /// From a dtrain::context (its control plane).
   template <class Context>
-    requires requires(Context& c) {
-      { c.control_plane() } -> std::same_as<dtrain::control_plane>;
-    }
+  requires requires(Context& c) {
+    { c.control_plane() } -> std::same_as<dtrain::control_plane>;
+  }
   checkpoint(Context& ctx, checkpoint_options options)
       : checkpoint(ctx.control_plane(), std::move(options)) {}
 
@@ -10113,25 +10136,27 @@ class checkpoint {
   }
   /// A contiguous range of elements (std::vector<float>, std::span<double>, ...).
   template <class R>
-    requires detail::element_range<R>
-  checkpoint& add(std::string name, R& values, checkpoint_scope scope = checkpoint_scope::replicated) {
+  requires detail::element_range<R> checkpoint& add(
+      std::string name, R& values, checkpoint_scope scope = checkpoint_scope::replicated) {
     using T = detail::range_element<R>;
-    return add(std::move(name), host_buffer(std::span<T>(std::ranges::data(values), std::ranges::size(values))),
+    return add(std::move(name),
+               host_buffer(std::span<T>(std::ranges::data(values), std::ranges::size(values))),
                scope);
   }
   /// One value of a trivially copyable type (a counter, an RNG's state), as its bytes.
   template <class T>
-    requires(std::is_trivially_copyable_v<T> && !std::ranges::range<T> &&
-             !std::same_as<T, buffer> && !std::same_as<T, distributed_sampler>)
-  checkpoint& add(std::string name, T& value, checkpoint_scope scope = checkpoint_scope::replicated) {
-    return add_values(std::move(name),
-                      {static_cast<void*>(std::addressof(value)), sizeof(T), dtype::uint8, memory::host},
-                      scope, {});
+  requires(std::is_trivially_copyable_v<T> && !std::ranges::range<T> && !std::same_as<T, buffer> &&
+           !std::same_as<T, distributed_sampler>)
+      checkpoint& add(std::string name, T& value,
+                      checkpoint_scope scope = checkpoint_scope::replicated) {
+    return add_values(
+        std::move(name),
+        {static_cast<void*>(std::addressof(value)), sizeof(T), dtype::uint8, memory::host}, scope,
+        {});
   }
   /// Every parameter's values, under its name (replicated: DDP keeps them equal).
   template <class Params>
-    requires detail::parameter_list<Params>
-  checkpoint& add(const Params& params) {
+  requires detail::parameter_list<Params> checkpoint& add(const Params& params) {
     for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
       const parameter& p = detail::parameter_at(params, i);
       add(p.name, p.values, checkpoint_scope::replicated, p.shape);
@@ -10167,8 +10192,8 @@ class checkpoint {
                   std::function<void(std::string_view)> load,
                   checkpoint_scope scope = checkpoint_scope::replicated) {
     if (!save || !load) {
-      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
-                         "' needs both a save and a load function");
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" +
+                         name + "' needs both a save and a load function");
     }
     entry e;
     e.name = std::move(name);
@@ -10202,9 +10227,10 @@ class checkpoint {
     }
     broadcast_value(chosen);
     if (chosen == failed) {
-      throw checkpoint_error((plane_.rank() == 0) ? problem
-                                              : "checkpoint: rank 0 could not look for checkpoints in " +
-                                                    options_.dir.string() + " (its error says why)");
+      throw checkpoint_error((plane_.rank() == 0)
+                                 ? problem
+                                 : "checkpoint: rank 0 could not look for checkpoints in " +
+                                       options_.dir.string() + " (its error says why)");
     }
     if (chosen == no_checkpoint) {
       say("no checkpoint in " + options_.dir.string() + ": starting from the beginning");
@@ -10213,7 +10239,8 @@ class checkpoint {
     const auto step = static_cast<std::uint64_t>(chosen);
     const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
 
-    // Each rank checks what it will read against what it registered; all agree before anything changes.
+    // Each rank checks what it will read against what it registered; all agree before anything
+    // changes.
     std::vector<std::filesystem::path> files;
     std::int64_t ok = 1;
     try {
@@ -10263,7 +10290,8 @@ class checkpoint {
     pending_save& p = *pending_;
     p.step = step;
     p.start = start;
-    p.partial = options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
+    p.partial =
+        options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
     const std::string what = "save step " + std::to_string(step) + " to " +
                              (options_.dir / detail::ckpt::step_name(step)).string();
 
@@ -10280,7 +10308,8 @@ class checkpoint {
     try {
       if (p.problem.empty()) {
         p.per_rank = snapshot(checkpoint_scope::per_rank, options_.asynchronous);
-        if (plane_.rank() == 0) p.replicated = snapshot(checkpoint_scope::replicated, options_.asynchronous);
+        if (plane_.rank() == 0)
+          p.replicated = snapshot(checkpoint_scope::replicated, options_.asynchronous);
       }
     } catch (const std::exception& e) {
       p.problem = e.what();
@@ -10304,7 +10333,8 @@ class checkpoint {
     finish_pending();
     if (committer_.joinable()) committer_.join();
     if (!commit_failure_.empty()) {
-      std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", plane_.rank(), commit_failure_.c_str());
+      std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", plane_.rank(),
+                   commit_failure_.c_str());
     }
     if (cleaner_.joinable()) cleaner_.join();
   }
@@ -10326,7 +10356,6 @@ class checkpoint {
   }
 
  public:
-
   /// Steps counted by step() (and restored by restore()).
   [[nodiscard]] std::uint64_t steps() const noexcept { return static_cast<std::uint64_t>(steps_); }
   [[nodiscard]] const checkpoint_options& options() const noexcept { return options_; }
@@ -10348,13 +10377,14 @@ class checkpoint {
   checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
                          std::vector<std::uint64_t> shape) {
     if (values.where != memory::host) {
-      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" +
+                         name +
                          "' is in device memory; checkpoints hold host memory (copy it to the host "
                          "and add that copy)");
     }
     if (values.count > 0 && values.data == nullptr) {
-      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
-                         "' has " + std::to_string(values.count) + " values and no data");
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" +
+                         name + "' has " + std::to_string(values.count) + " values and no data");
     }
     entry e;
     e.name = std::move(name);
@@ -10366,8 +10396,8 @@ class checkpoint {
   checkpoint& push(entry e) {
     if (e.name.empty() || e.name.size() > detail::ckpt::max_name) {
       throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
-                         ": an entry's name must have 1 to " + std::to_string(detail::ckpt::max_name) +
-                         " bytes");
+                         ": an entry's name must have 1 to " +
+                         std::to_string(detail::ckpt::max_name) + " bytes");
     }
     for (const entry& other : entries_) {
       if (other.name == e.name) {
@@ -10453,7 +10483,8 @@ class checkpoint {
       if (!p.per_rank.records.empty()) {
         p.per_rank_file = write_part(p.partial / detail::ckpt::rank_part_name(rank), p.per_rank);
       }
-      if (rank == 0) p.replicated_file = write_part(p.partial / detail::ckpt::replicated_name, p.replicated);
+      if (rank == 0)
+        p.replicated_file = write_part(p.partial / detail::ckpt::replicated_name, p.replicated);
     } catch (const std::exception& e) {
       p.problem = e.what();
     }
@@ -10492,13 +10523,15 @@ class checkpoint {
       std::int64_t committed = 0;
       broadcast_value(committed);
       if (!committed) {
-        throw checkpoint_error(!p.problem.empty() ? p.problem + " (rank " + std::to_string(plane_.rank()) + ")"
-                                                   : not_committed(what, failed_ranks));
+        throw checkpoint_error(!p.problem.empty()
+                                   ? p.problem + " (rank " + std::to_string(plane_.rank()) + ")"
+                                   : not_committed(what, failed_ranks));
       }
       return;
     }
     // Rank 0: the manifest and the rename, then the checkpoints beyond `keep`.
-    auto finish = [this, owned = std::move(owned), all = std::move(all), failed_ranks, what]() -> std::string {
+    auto finish = [this, owned = std::move(owned), all = std::move(all), failed_ranks,
+                   what]() -> std::string {
       pending_save& q = *owned;
       std::string problem = q.problem;
       try {
@@ -10507,8 +10540,9 @@ class checkpoint {
           prune(q.step);
           const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
           char line[160];
-          std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)", static_cast<unsigned long long>(bytes),
-                        took.count(), options_.asynchronous ? " until committed" : "");
+          std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)",
+                        static_cast<unsigned long long>(bytes), took.count(),
+                        options_.asynchronous ? " until committed" : "");
           say("saved " + (options_.dir / detail::ckpt::step_name(q.step)).string() + line);
           return "";
         }
@@ -10521,7 +10555,8 @@ class checkpoint {
       return !problem.empty() ? problem + " (rank 0)" : not_committed(what, failed_ranks);
     };
     if (options_.asynchronous) {
-      committer_ = std::thread([this, finish = std::move(finish)]() mutable { commit_failure_ = finish(); });
+      committer_ =
+          std::thread([this, finish = std::move(finish)]() mutable { commit_failure_ = finish(); });
       return;
     }
     const std::string problem = finish();
@@ -10569,7 +10604,8 @@ class checkpoint {
   /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
   void join_committer() {
     if (committer_.joinable()) committer_.join();
-    if (!commit_failure_.empty()) throw checkpoint_error(std::exchange(commit_failure_, std::string()));
+    if (!commit_failure_.empty())
+      throw checkpoint_error(std::exchange(commit_failure_, std::string()));
   }
 
   /// Rank 0's value reaches every rank.
@@ -10583,13 +10619,15 @@ class checkpoint {
   /// "[64, 16] float32" (or "1024 float32" without a shape).
   static std::string describe(detail::ckpt::entry_kind kind, dtype type,
                               const std::vector<std::uint64_t>& shape, std::uint64_t bytes) {
-    if (kind == detail::ckpt::entry_kind::bytes) return std::to_string(bytes) + " bytes of its own format";
+    if (kind == detail::ckpt::entry_kind::bytes)
+      return std::to_string(bytes) + " bytes of its own format";
     std::string out;
     if (shape.empty()) {
       out = std::to_string(bytes / size_of(type));
     } else {
       out = "[";
-      for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+      for (std::size_t i = 0; i < shape.size(); ++i)
+        out += (i ? ", " : "") + std::to_string(shape[i]);
       out += "]";
     }
     return out + " " + std::string(to_string(type));
@@ -10607,7 +10645,8 @@ class checkpoint {
       if (m.world_size != plane_.size()) {
         std::string names;
         for (const entry& e : entries_) {
-          if (e.scope == checkpoint_scope::per_rank) names += (names.empty() ? "'" : ", '") + e.name + "'";
+          if (e.scope == checkpoint_scope::per_rank)
+            names += (names.empty() ? "'" : ", '") + e.name + "'";
         }
         throw checkpoint_error("checkpoint: " + step_dir.string() + " was written by " +
                                std::to_string(m.world_size) + " ranks and this job has " +
@@ -10621,7 +10660,8 @@ class checkpoint {
     for (const auto& [name, scope] : wanted) {
       const std::filesystem::path path = step_dir / name;
       const detail::ckpt::file_record* record = m.find(name);
-      if (!record) throw checkpoint_error("checkpoint: " + manifest_path.string() + " lists no " + name);
+      if (!record)
+        throw checkpoint_error("checkpoint: " + manifest_path.string() + " lists no " + name);
       const detail::ckpt::part_contents got = detail::ckpt::read_part(path);
       if (got.bytes != record->bytes || got.checksum != record->checksum) {
         throw checkpoint_error("checkpoint: " + path.string() + " does not match its manifest (" +
@@ -10644,7 +10684,8 @@ class checkpoint {
                                  (it->type == e.values.type && it->bytes == e.values.bytes() &&
                                   (it->shape.empty() || e.shape.empty() || it->shape == e.shape));
         if (!same_kind || !same_values) {
-          problems += "\n  '" + e.name + "' is " + describe(it->kind, it->type, it->shape, it->bytes) +
+          problems += "\n  '" + e.name + "' is " +
+                      describe(it->kind, it->type, it->shape, it->bytes) +
                       " in the checkpoint and " +
                       describe(e.kind, e.values.type, e.shape,
                                e.kind == detail::ckpt::entry_kind::bytes ? 0 : e.values.bytes()) +
@@ -10653,14 +10694,15 @@ class checkpoint {
       }
       for (std::size_t i = 0; i < got.entries.size(); ++i) {
         if (!matched[i]) {
-          problems += "\n  '" + got.entries[i].name + "' is in the checkpoint and not registered here";
+          problems +=
+              "\n  '" + got.entries[i].name + "' is in the checkpoint and not registered here";
         }
       }
       files.push_back(path);
     }
     if (!problems.empty()) {
-      throw checkpoint_error("checkpoint: " + step_dir.string() +
-                             " does not fit what rank " + std::to_string(plane_.rank()) +
+      throw checkpoint_error("checkpoint: " + step_dir.string() + " does not fit what rank " +
+                             std::to_string(plane_.rank()) +
                              " registered (another model, or other state):" + problems);
     }
     return files;
@@ -10668,20 +10710,21 @@ class checkpoint {
 
   /// Reads a checked file into the registered entries.
   void apply(const std::filesystem::path& path) {
-    detail::ckpt::read_part(path, [&](const detail::ckpt::entry_header& h, detail::ckpt::checked_reader& in) {
-      const auto it = std::ranges::find(entries_, h.name, &entry::name);
-      if (it == entries_.end()) {
-        in.read(nullptr, h.bytes, "entry '" + h.name + "'");
-        return;
-      }
-      if (it->kind == detail::ckpt::entry_kind::bytes) {
-        std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-        in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-        it->load(bytes);
-      } else {
-        in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
-      }
-    });
+    detail::ckpt::read_part(
+        path, [&](const detail::ckpt::entry_header& h, detail::ckpt::checked_reader& in) {
+          const auto it = std::ranges::find(entries_, h.name, &entry::name);
+          if (it == entries_.end()) {
+            in.read(nullptr, h.bytes, "entry '" + h.name + "'");
+            return;
+          }
+          if (it->kind == detail::ckpt::entry_kind::bytes) {
+            std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+            in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+            it->load(bytes);
+          } else {
+            in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
+          }
+        });
   }
 
   /// All ranks learn whether every rank could `what`; throws on every rank if not.
@@ -10710,13 +10753,15 @@ class checkpoint {
       std::filesystem::create_directories(dir, ec);
     }
     if (ec) {
-      throw checkpoint_error("checkpoint: cannot create directory " + dir.string() + ": " + ec.message());
+      throw checkpoint_error("checkpoint: cannot create directory " + dir.string() + ": " +
+                             ec.message());
     }
   }
   static void remove_tree(const std::filesystem::path& path) {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
-    if (ec) throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " + ec.message());
+    if (ec)
+      throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " + ec.message());
   }
 
   /// Removes what no resume can use any more: committed steps beyond the
@@ -10730,7 +10775,8 @@ class checkpoint {
     std::vector<std::uint64_t> kept;
     std::vector<std::filesystem::path> stale;
     std::error_code ec;
-    for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end; it.increment(ec)) {
+    for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end;
+         it.increment(ec)) {
       const std::string name = it->path().filename().string();
       if (auto step = detail::ckpt::step_of(name)) {
         if (*step > newest) {
@@ -10787,10 +10833,10 @@ class checkpoint {
   std::vector<entry> entries_;
   std::int64_t steps_ = 0;
   std::unique_ptr<pending_save> pending_;  // a save not yet committed (asynchronous)
-  std::vector<std::string> spare_;          // an asynchronous save's copies, for the next
-  std::thread cleaner_;                     // removes what prune() renamed
-  std::thread committer_;                   // rank 0's commit of an asynchronous save
-  std::string commit_failure_;              // what it could not do
+  std::vector<std::string> spare_;         // an asynchronous save's copies, for the next
+  std::thread cleaner_;                    // removes what prune() renamed
+  std::thread committer_;                  // rank 0's commit of an asynchronous save
+  std::string commit_failure_;             // what it could not do
 };
 
 }  // namespace dtrain
@@ -14882,23 +14928,26 @@ class store_operations {
   using op = wire::op;
   using status = wire::status;
 
-  // The handler of each operation code; null for codes that name none.
+  // The handler of each operation code; null for codes that name none. Made
+  // once at run time by a plain function, not by a constexpr lambda: under
+  // nvcc's --expt-relaxed-constexpr (PyTorch's CUDA flags) constexpr code is
+  // compiled for the device too, where these member functions do not exist.
   static const std::array<handler, 256>& handlers() {
-    static constexpr std::array<handler, 256> table = [] {
-      std::array<handler, 256> t{};
-      auto at = [&t](op o) -> handler& { return t[static_cast<std::uint8_t>(o)]; };
-      at(op::set) = &store_operations::set;
-      at(op::get) = &store_operations::get;
-      at(op::add) = &store_operations::add;
-      at(op::compare_set) = &store_operations::compare_set;
-      at(op::wait) = &store_operations::wait;
-      at(op::check) = &store_operations::check;
-      at(op::erase) = &store_operations::erase;
-      at(op::num_keys) = &store_operations::num_keys;
-      at(op::ping) = &store_operations::ping;
-      return t;
-    }();
+    static const std::array<handler, 256> table = make_handlers();
     return table;
+  }
+  static std::array<handler, 256> make_handlers() {
+    std::array<handler, 256> t{};
+    t[static_cast<std::uint8_t>(op::set)] = &store_operations::set;
+    t[static_cast<std::uint8_t>(op::get)] = &store_operations::get;
+    t[static_cast<std::uint8_t>(op::add)] = &store_operations::add;
+    t[static_cast<std::uint8_t>(op::compare_set)] = &store_operations::compare_set;
+    t[static_cast<std::uint8_t>(op::wait)] = &store_operations::wait;
+    t[static_cast<std::uint8_t>(op::check)] = &store_operations::check;
+    t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
+    t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
+    t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
+    return t;
   }
 
   static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }

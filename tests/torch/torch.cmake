@@ -133,6 +133,12 @@ endif()
 
 if(TARGET dtrain::nccl AND torch_cuda_headers)
   add_torch_test_program(dtrain_torch_ddp_nccl nccl)
+  # bf16 compression of GPU buckets runs dtrain's kernels, which a .cu file brings.
+  if(CMAKE_CUDA_COMPILER)
+    target_sources(dtrain_torch_ddp_nccl PRIVATE torch/cuda_kernels.cu)
+    dtrain_cuda_program(dtrain_torch_ddp_nccl)
+    target_compile_definitions(dtrain_torch_ddp_nccl PRIVATE DTRAIN_TEST_TORCH_CUDA_KERNELS=1)
+  endif()
   # Alone (world size 1, one GPU), with always_reduce: the buckets still go through NCCL.
   dtrain_add_test(torch.ddp.nccl.1rank COMMAND $<TARGET_FILE:dtrain_torch_ddp_nccl> TIMEOUT 300)
 else()
