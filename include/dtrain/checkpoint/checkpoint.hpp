@@ -327,8 +327,6 @@ class checkpoint {
     p.start = start;
     p.partial =
         options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
-    const std::string what = "save step " + std::to_string(step) + " to " +
-                             (options_.dir / detail::ckpt::step_name(step)).string();
 
     // 1. Every rank makes the partial directory (a save of this step that
     // died before may have left it: its files are overwritten, and the
