@@ -23,6 +23,7 @@
 // DIR defaults to a new directory under TMPDIR (or /tmp); what the table
 // measures is that file system, with its page cache: say which in a report.
 
+#include <dtrain/checkpoint.hpp>
 #include <dtrain/dtrain.hpp>
 
 #include <algorithm>

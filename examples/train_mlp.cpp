@@ -22,6 +22,7 @@
 #include "mlp.hpp"
 #include "train_program.hpp"
 
+#include <dtrain/checkpoint.hpp>
 #include <dtrain/dtrain.hpp>
 
 #include <array>

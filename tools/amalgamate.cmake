@@ -58,6 +58,9 @@ function(inline_header name from out_var)
 endfunction()
 
 inline_header("dtrain/dtrain.hpp" "tools/amalgamate.cmake" body)
+# dtrain/checkpoint.hpp, which dtrain.hpp leaves out (compile time), is part of the single header.
+inline_header("dtrain/checkpoint.hpp" "tools/amalgamate.cmake" checkpoint_body)
+string(APPEND body "${checkpoint_body}")
 unhide(body)
 
 set(banner [=[

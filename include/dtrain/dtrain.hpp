@@ -17,8 +17,6 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/work.hpp>
-#include <dtrain/checkpoint/checkpoint.hpp>
-#include <dtrain/checkpoint/format.hpp>
 #include <dtrain/compiled.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/context.hpp>

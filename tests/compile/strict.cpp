@@ -3,6 +3,7 @@
 // (compile.strict_<engine>): user code with strict warnings must stay quiet.
 // It touches what a training program touches: run<>, context, DDP, the
 // sampler, the free collectives and the node agent.
+#include <dtrain/checkpoint.hpp>  // what dtrain.hpp leaves out is checked too
 #include <dtrain/dtrain.hpp>
 
 #include <span>

@@ -3,6 +3,10 @@
 #include "support.hpp"
 
 #include <dtrain/dtrain.hpp>
+// The single header has dtrain::checkpoint; with include/ it is a header of its own.
+#if __has_include(<dtrain/checkpoint.hpp>)
+#include <dtrain/checkpoint.hpp>
+#endif
 
 #include <chrono>
 #include <cstdint>

@@ -17,6 +17,7 @@
 /// bool) is copied to the host at a save and back at restore(); its shape and
 /// type are checked when it is loaded.
 
+#include <dtrain/checkpoint.hpp>
 #include <dtrain/dtrain.hpp>
 #include <dtrain/torch/sampler.hpp>
 #include <dtrain/torch/tensor.hpp>
