@@ -669,9 +669,7 @@ class checkpoint {
   /// The files this rank loads from `step_dir`, checked: the manifest, each
   /// file's size and checksum, and every entry against the registered ones.
   std::vector<std::filesystem::path> check_for_load(const std::filesystem::path& step_dir) {
-    const std::filesystem::path manifest_path = step_dir / detail::ckpt::manifest_name;
-    const detail::ckpt::manifest m =
-        detail::ckpt::parse_manifest(detail::ckpt::read_small_file(manifest_path), manifest_path);
+    const detail::ckpt::manifest m = detail::ckpt::read_manifest(step_dir);
     std::vector<std::pair<std::string, checkpoint_scope>> wanted{
         {std::string(detail::ckpt::replicated_name), checkpoint_scope::replicated}};
     if (has_scope(checkpoint_scope::per_rank)) {
@@ -694,15 +692,9 @@ class checkpoint {
       const std::filesystem::path path = step_dir / name;
       const detail::ckpt::file_record* record = m.find(name);
       if (!record)
-        throw checkpoint_error("checkpoint: " + manifest_path.string() + " lists no " + name);
-      const detail::ckpt::part_contents got = detail::ckpt::read_part(path);
-      if (got.bytes != record->bytes || got.checksum != record->checksum) {
-        throw checkpoint_error("checkpoint: " + path.string() + " does not match its manifest (" +
-                               std::to_string(got.bytes) + " bytes, checksum " +
-                               detail::ckpt::hex64(got.checksum) + "; the manifest says " +
-                               std::to_string(record->bytes) + ", " +
-                               detail::ckpt::hex64(record->checksum) + ")");
-      }
+        throw checkpoint_error("checkpoint: " + (step_dir / detail::ckpt::manifest_name).string() +
+                               " lists no " + name);
+      const detail::ckpt::part_contents got = detail::ckpt::read_checked_part(path, *record);
       std::vector<bool> matched(got.entries.size(), false);
       for (const entry& e : entries_) {
         if (e.scope != scope) continue;

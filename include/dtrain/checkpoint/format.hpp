@@ -503,26 +503,34 @@ struct manifest {
   return text;
 }
 
+/// A step directory's manifest, read and parsed.
+[[nodiscard]] inline manifest read_manifest(const std::filesystem::path& step_dir) {
+  const std::filesystem::path manifest_path = step_dir / manifest_name;
+  return parse_manifest(read_small_file(manifest_path), manifest_path);
+}
+
+/// Reads `file` whole and checks it against the manifest's `record`: its size
+/// and checksum. Returns what it holds; throws checkpoint_error naming the file.
+inline part_contents read_checked_part(const std::filesystem::path& file, const file_record& record) {
+  part_contents got = read_part(file);
+  if (got.bytes != record.bytes) {
+    throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(got.bytes) +
+                           " bytes, its manifest says " + std::to_string(record.bytes) +
+                           " (truncated or overwritten)");
+  }
+  if (got.checksum != record.checksum) {
+    throw checkpoint_error("checkpoint: " + file.string() + " has checksum " + hex64(got.checksum) +
+                           ", its manifest says " + hex64(record.checksum) + " (corrupt)");
+  }
+  return got;
+}
+
 /// Checks a committed step directory against its manifest: every listed file
 /// present, of its size and checksum. Returns the manifest; throws
 /// checkpoint_error naming the first file that is wrong.
 inline manifest verify_step(const std::filesystem::path& step_dir) {
-  const std::filesystem::path manifest_path = step_dir / manifest_name;
-  manifest m = parse_manifest(read_small_file(manifest_path), manifest_path);
-  for (const file_record& f : m.files) {
-    const std::filesystem::path file = step_dir / f.name;
-    const part_contents got = read_part(file);
-    if (got.bytes != f.bytes) {
-      throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(got.bytes) +
-                             " bytes, its manifest says " + std::to_string(f.bytes) +
-                             " (truncated or overwritten)");
-    }
-    if (got.checksum != f.checksum) {
-      throw checkpoint_error("checkpoint: " + file.string() + " has checksum " +
-                             hex64(got.checksum) + ", its manifest says " + hex64(f.checksum) +
-                             " (corrupt)");
-    }
-  }
+  manifest m = read_manifest(step_dir);
+  for (const file_record& f : m.files) static_cast<void>(read_checked_part(step_dir / f.name, f));
   return m;
 }
 
