@@ -11,7 +11,8 @@
 # Rows: an empty TU; `#include <dtrain/dtrain.hpp>` alone; run<> over Gloo
 # (compile_time/run_only.cpp); run<> and a DistributedDataParallel
 # (compile_time/demo.cpp); then, once per build of the library, its parts for
-# Gloo (src/gloo.cpp, src/link_check.cpp). When bench/compile_time/torch_mlp.cpp
+# Gloo (src/core.cpp, its non-template functions; src/gloo.cpp, the Gloo
+# policies' templates; src/link_check.cpp). When bench/compile_time/torch_mlp.cpp
 # (a LibTorch user's training TU) exists and LibTorch is found (CMake's
 # find_package(Torch), else Debian's libtorch-dev paths): that TU without dtrain
 # (compiled with -DDTRAIN_BENCH_WITHOUT_DTRAIN=1, which the file honours), with
@@ -141,6 +142,7 @@ row "\`run<>\` over Gloo (\`bench/compile_time/run_only.cpp\`)" "$here/compile_t
 row "\`run<>\` + \`DistributedDataParallel\` (\`bench/compile_time/demo.cpp\`)" \
   "$here/compile_time/demo.cpp" both
 row "the library's Gloo part (\`src/gloo.cpp\`, once per build of it)" "$root/src/gloo.cpp" compiled -fPIC
+row "the library's non-template functions (\`src/core.cpp\`, once per build of it)" "$root/src/core.cpp" compiled -fPIC
 row "the library's link check (\`src/link_check.cpp\`, once)" "$root/src/link_check.cpp" compiled -fPIC
 if [[ -f $torch_source ]]; then
   if find_torch; then

@@ -57,7 +57,7 @@ function(_dtrain_library target export_name)
     target_link_libraries(${target} INTERFACE dtrain_core)
     dtrain_link_engines(${target} INTERFACE ${ARGN})
   else()
-    set(sources "${PROJECT_SOURCE_DIR}/src/link_check.cpp")
+    set(sources "${PROJECT_SOURCE_DIR}/src/link_check.cpp" "${PROJECT_SOURCE_DIR}/src/core.cpp")
     foreach(engine IN LISTS ARGN)
       string(TOLOWER "${engine}" engine)
       list(APPEND sources "${PROJECT_SOURCE_DIR}/src/${engine}.cpp")  # one per engine: parallel builds

@@ -14,8 +14,13 @@
 ///     target's engines, and define the macro for their users (the default;
 ///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
 ///   - by hand (e.g. with the single header): compile every TU with
-///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, put
-///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after the #include.
+///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, `#define
+///     DTRAIN_COMPILED_DEFINITIONS 1` before the #include and put
+///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after it.
+/// In such a TU (and in a user's, with CMake) dtrain's non-template functions
+/// are declared, not defined (DTRAIN_DETAIL_BODIES(), config.hpp): the
+/// library's definitions TU (src/core.cpp; by hand, the one above) compiles
+/// them once.
 /// Policies not in the list (a backend of one's own) are compiled in the TU
 /// that uses them, as in header-only mode. Every TU and the library must agree
 /// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
@@ -27,12 +32,6 @@
 #include <dtrain/detail/link_check.hpp>
 #include <dtrain/policy.hpp>
 #include <dtrain/run.hpp>
-
-#if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
-#define DTRAIN_HAS_SEPARATE_COMPILATION() 1
-#else
-#define DTRAIN_HAS_SEPARATE_COMPILATION() 0
-#endif
 
 // The policies compiled in the library, per engine: X(policy type) for each.
 #define DTRAIN_DETAIL_POLICY(L, B, T) \
@@ -85,8 +84,11 @@
 /// #include), everything the other TUs declared `extern template`, and
 /// defines the link check's symbols for this TU's engines (link_check.hpp).
 /// Not beside a dtrain library: the link check refuses two definitions.
-#define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                   \
-  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED) \
+#define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                                                   \
+  static_assert(DTRAIN_DETAIL_BODIES(),                                                          \
+                "DTRAIN_INSTANTIATE_COMPILED_POLICIES(): #define DTRAIN_COMPILED_DEFINITIONS 1 " \
+                "before including dtrain in this file (and DTRAIN_SEPARATE_COMPILATION=1)");     \
+  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED)                                 \
   DTRAIN_DETAIL_DEFINE_LINK_CHECK()
 
 #if DTRAIN_HAS_SEPARATE_COMPILATION()

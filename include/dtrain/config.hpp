@@ -45,3 +45,27 @@
 #else
 #define DTRAIN_HAS_CUDA() 0
 #endif
+
+// Separate compilation (dtrain/compiled.hpp has the whole story). With
+// DTRAIN_SEPARATE_COMPILATION=1 a TU uses dtrain's compiled library: its
+// non-template functions (the store, the agent, the engines' glue, world
+// discovery...) are only declared here, and one TU of the library defines
+// them, with DTRAIN_COMPILED_DEFINITIONS=1 (src/core.cpp; by hand, the file
+// that writes DTRAIN_INSTANTIATE_COMPILED_POLICIES()). Header-only, every TU
+// has them, inline.
+#if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
+#define DTRAIN_HAS_SEPARATE_COMPILATION() 1
+#else
+#define DTRAIN_HAS_SEPARATE_COMPILATION() 0
+#endif
+#if DTRAIN_HAS_SEPARATE_COMPILATION() && defined(DTRAIN_COMPILED_DEFINITIONS) && \
+    (DTRAIN_COMPILED_DEFINITIONS + 0)
+#define DTRAIN_DETAIL_BODIES() 1  // the library's definitions TU
+#define DTRAIN_DETAIL_INLINE
+#elif DTRAIN_HAS_SEPARATE_COMPILATION()
+#define DTRAIN_DETAIL_BODIES() 0  // a TU that links the library: declarations only
+#define DTRAIN_DETAIL_INLINE
+#else
+#define DTRAIN_DETAIL_BODIES() 1  // header-only
+#define DTRAIN_DETAIL_INLINE inline
+#endif

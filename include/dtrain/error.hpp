@@ -3,6 +3,8 @@
 /// The error hierarchy. Every failure dtrain reports is a dtrain::error; the
 /// children are the cases a caller can act on.
 
+#include <dtrain/config.hpp>
+
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -92,7 +94,9 @@ namespace detail {
 /// block): a program_error's own status (127 / 126), 2 for a config_error,
 /// else 1. The one mapping from failure to exit status: dtrain::run, the
 /// node agent and dtrun all end with it.
-inline std::pair<int, std::string> current_failure() {
+DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure() {
   try {
     throw;
   } catch (const program_error& e) {
@@ -105,6 +109,7 @@ inline std::pair<int, std::string> current_failure() {
     return {1, "an exception that is not a std::exception"};
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 

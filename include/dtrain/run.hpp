@@ -7,6 +7,7 @@
 /// program as the node's workers. Every failure becomes one rank-prefixed
 /// line on stderr and a non-zero exit status.
 
+#include <dtrain/config.hpp>
 #include <dtrain/context.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/discover.hpp>
@@ -42,17 +43,25 @@ namespace dtrain {
 namespace detail {
 
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
-inline int report_failure(const std::string& who, const std::pair<int, std::string>& failure) {
+DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
+                                        const std::pair<int, std::string>& failure);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
+                                        const std::pair<int, std::string>& failure) {
   std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());
   return failure.first;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// This program's own path, for an agent that re-executes it.
-inline std::string own_executable() {
+DTRAIN_DETAIL_INLINE std::string own_executable();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string own_executable() {
   std::vector<char> path(4096);
   ssize_t n = DTRAIN_SYSCALL(::readlink("/proc/self/exe", path.data(), path.size() - 1));
   return std::string(path.data(), static_cast<std::size_t>(n));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Default workers per node: one per visible GPU for backends that use GPUs (NCCL), else one.
 template <class Policy>

@@ -76,11 +76,36 @@
 #else
 #define DTRAIN_HAS_CUDA() 0
 #endif
+
+// Separate compilation (dtrain/compiled.hpp has the whole story). With
+// DTRAIN_SEPARATE_COMPILATION=1 a TU uses dtrain's compiled library: its
+// non-template functions (the store, the agent, the engines' glue, world
+// discovery...) are only declared here, and one TU of the library defines
+// them, with DTRAIN_COMPILED_DEFINITIONS=1 (src/core.cpp; by hand, the file
+// that writes DTRAIN_INSTANTIATE_COMPILED_POLICIES()). Header-only, every TU
+// has them, inline.
+#if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
+#define DTRAIN_HAS_SEPARATE_COMPILATION() 1
+#else
+#define DTRAIN_HAS_SEPARATE_COMPILATION() 0
+#endif
+#if DTRAIN_HAS_SEPARATE_COMPILATION() && defined(DTRAIN_COMPILED_DEFINITIONS) && \
+    (DTRAIN_COMPILED_DEFINITIONS + 0)
+#define DTRAIN_DETAIL_BODIES() 1  // the library's definitions TU
+#define DTRAIN_DETAIL_INLINE
+#elif DTRAIN_HAS_SEPARATE_COMPILATION()
+#define DTRAIN_DETAIL_BODIES() 0  // a TU that links the library: declarations only
+#define DTRAIN_DETAIL_INLINE
+#else
+#define DTRAIN_DETAIL_BODIES() 1  // header-only
+#define DTRAIN_DETAIL_INLINE inline
+#endif
 // ---- end dtrain/config.hpp ----
 // ---- begin dtrain/error.hpp ----
 /// @file
 /// The error hierarchy. Every failure dtrain reports is a dtrain::error; the
 /// children are the cases a caller can act on.
+
 
 #include <stdexcept>
 #include <string>
@@ -171,7 +196,9 @@ namespace detail {
 /// block): a program_error's own status (127 / 126), 2 for a config_error,
 /// else 1. The one mapping from failure to exit status: dtrain::run, the
 /// node agent and dtrun all end with it.
-inline std::pair<int, std::string> current_failure() {
+DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure() {
   try {
     throw;
   } catch (const program_error& e) {
@@ -184,6 +211,7 @@ inline std::pair<int, std::string> current_failure() {
     return {1, "an exception that is not a std::exception"};
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -216,43 +244,48 @@ struct float16 {
   explicit operator float() const noexcept { return to_float(bits); }
   friend bool operator==(float16 a, float16 b) noexcept { return a.bits == b.bits; }
 
-  static std::uint16_t from_float(float f) noexcept {
-    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-    std::uint32_t sign = (x >> 16) & 0x8000u;
-    std::uint32_t abs = x & 0x7fffffffu;
-    if (abs >= 0x7f800000u)
-      return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
-    if (abs >= 0x477ff000u)
-      return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
-    if (abs < 0x38800000u) {                              // subnormal or zero
-      if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
-      std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
-      int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
-      std::uint32_t half = mant >> shift;
-      std::uint32_t rest = mant & ((1u << shift) - 1);
-      std::uint32_t mid = 1u << (shift - 1);
-      if (rest > mid || (rest == mid && (half & 1u))) ++half;
-      return static_cast<std::uint16_t>(sign | half);
-    }
-    std::uint32_t half = ((abs - 0x38000000u) >> 13);
-    std::uint32_t rest = abs & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  static std::uint16_t from_float(float f) noexcept;
+
+  static float to_float(std::uint16_t h) noexcept;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::uint16_t float16::from_float(float f) noexcept {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  std::uint32_t sign = (x >> 16) & 0x8000u;
+  std::uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u)
+    return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
+  if (abs < 0x38800000u) {                                                    // subnormal or zero
+    if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
+    std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
+    int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
+    std::uint32_t half = mant >> shift;
+    std::uint32_t rest = mant & ((1u << shift) - 1);
+    std::uint32_t mid = 1u << (shift - 1);
+    if (rest > mid || (rest == mid && (half & 1u))) ++half;
     return static_cast<std::uint16_t>(sign | half);
   }
+  std::uint32_t half = ((abs - 0x38000000u) >> 13);
+  std::uint32_t rest = abs & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<std::uint16_t>(sign | half);
+}
 
-  static float to_float(std::uint16_t h) noexcept {
-    std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-    std::uint32_t exp = (h >> 10) & 0x1fu;
-    std::uint32_t mant = h & 0x3ffu;
-    if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
-    if (exp == 0) {
-      if (mant == 0) return std::bit_cast<float>(sign);
-      float value = std::ldexp(static_cast<float>(mant), -24);
-      return sign ? -value : value;
-    }
-    return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+DTRAIN_DETAIL_INLINE float float16::to_float(std::uint16_t h) noexcept {
+  std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return std::bit_cast<float>(sign);
+    float value = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -value : value;
   }
-};
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// bfloat16: the top half of a float32, rounded to nearest even.
 struct bfloat16 {
@@ -263,17 +296,21 @@ struct bfloat16 {
   explicit operator float() const noexcept { return to_float(bits); }
   friend bool operator==(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
 
-  static std::uint16_t from_float(float f) noexcept {
-    std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-      return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return static_cast<std::uint16_t>(x >> 16);
-  }
+  static std::uint16_t from_float(float f) noexcept;
   static float to_float(std::uint16_t b) noexcept {
     return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::uint16_t bfloat16::from_float(float f) noexcept {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<std::uint16_t>(x >> 16);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The element types every engine moves.
 enum class dtype : std::uint8_t { float32, float64, float16, bfloat16, int32, int64, uint8 };
@@ -438,7 +475,9 @@ decltype(auto) visit(dtype t, F&& f) {
 }
 
 /// Divides every element by `n` (the avg of a host buffer reduced as sum).
-inline void divide_host(buffer b, int n) noexcept {
+DTRAIN_DETAIL_INLINE void divide_host(buffer b, int n) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void divide_host(buffer b, int n) noexcept {
   visit(b.type, [&]<class T>() {
     if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
       auto* p = static_cast<T*>(b.data);
@@ -450,6 +489,7 @@ inline void divide_host(buffer b, int n) noexcept {
     }
   });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
@@ -475,10 +515,13 @@ struct call_label {
 };
 
 /// The label the calling thread's collectives are recorded with.
-inline call_label& current_call_label() noexcept {
+DTRAIN_DETAIL_INLINE call_label& current_call_label() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE call_label& current_call_label() noexcept {
   thread_local call_label label;
   return label;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Labels the collectives this thread issues while it lives ("bucket 3").
 class label_scope {
@@ -530,7 +573,9 @@ struct call_record {
 };
 
 /// "allreduce(float32 × 65536, bucket 4)"; the op only when `with_op`.
-inline std::string describe_call(const call_record& r, bool with_op = false) {
+DTRAIN_DETAIL_INLINE std::string describe_call(const call_record& r, bool with_op = false);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe_call(const call_record& r, bool with_op) {
   std::string out = r.kind + "(";
   if (with_op && r.op >= 0) out += std::string(to_string(static_cast<reduce_op>(r.op))) + ", ";
   if (r.kind != "barrier")
@@ -539,6 +584,7 @@ inline std::string describe_call(const call_record& r, bool with_op = false) {
   if (!r.label.empty()) out += (r.kind != "barrier" ? ", " : "") + r.label;
   return out + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The last `capacity` collectives of one communicator. Thread-safe: the
 /// engine records from the issuing thread, work handles settle from theirs,
@@ -558,72 +604,22 @@ class collective_ring {
   /// (as it must) gives the same child the same name. This ring keeps the
   /// last `kept_splits` children, even once their communicators are gone:
   /// where a rank was on them still explains a stall.
-  std::shared_ptr<collective_ring> make_child(int color) {
-    std::lock_guard lock(mutex_);
-    auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
-                                                   " (color " + std::to_string(color) + ")");
-    if (children_.size() == kept_splits) children_.erase(children_.begin());
-    children_.push_back(child);
-    return child;
-  }
+  std::shared_ptr<collective_ring> make_child(int color);
 
   /// This ring and those of its kept splits (recursively), each with its name.
-  [[nodiscard]] std::vector<std::pair<std::string, std::vector<call_record>>> snapshot_all() const {
-    std::vector<std::pair<std::string, std::vector<call_record>>> out;
-    out.emplace_back(name_, snapshot());
-    std::vector<std::shared_ptr<collective_ring>> children;
-    {
-      std::lock_guard lock(mutex_);
-      children = children_;
-    }
-    for (const auto& ring : children) {
-      for (auto& entry : ring->snapshot_all()) out.push_back(std::move(entry));
-    }
-    return out;
-  }
+  [[nodiscard]] std::vector<std::pair<std::string, std::vector<call_record>>> snapshot_all() const;
 
   /// Records a new collective with the calling thread's label; returns its sequence number.
-  std::int64_t issue(std::string_view kind, dtype type, std::size_t count, int op, int root) {
-    const call_label label = current_call_label();
-    std::lock_guard lock(mutex_);
-    const std::int64_t seq = ++last_;
-    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
-    r.seq = seq;
-    r.kind.assign(kind);  // short names: no allocation (small-string buffer)
-    r.type = type;
-    r.count = count;
-    r.op = op;
-    r.root = root;
-    r.label.clear();
-    if (label.what) r.label.append(label.what).append(" ").append(std::to_string(label.index));
-    r.state = call_state::issued;
-    return seq;
-  }
+  std::int64_t issue(std::string_view kind, dtype type, std::size_t count, int op, int root);
 
   /// Marks collective `seq` finished (or failed, or given up); a no-op once it left the ring.
-  void settle(std::int64_t seq, call_state state) noexcept {
-    std::lock_guard lock(mutex_);
-    call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
-    if (r.seq == seq && r.state == call_state::issued) r.state = state;
-  }
+  void settle(std::int64_t seq, call_state state) noexcept;
 
   /// The recorded collectives, oldest first.
-  [[nodiscard]] std::vector<call_record> snapshot() const {
-    std::lock_guard lock(mutex_);
-    std::vector<call_record> out;
-    const std::int64_t first = last_ >= static_cast<std::int64_t>(capacity)
-                                   ? last_ - static_cast<std::int64_t>(capacity) + 1
-                                   : 1;
-    for (std::int64_t s = first; s <= last_; ++s)
-      out.push_back(slots_[static_cast<std::size_t>(s) % capacity]);
-    return out;
-  }
+  [[nodiscard]] std::vector<call_record> snapshot() const;
 
   /// The sequence number of the last collective issued (0: none yet).
-  [[nodiscard]] std::int64_t last() const {
-    std::lock_guard lock(mutex_);
-    return last_;
-  }
+  [[nodiscard]] std::int64_t last() const;
 
  private:
   std::string name_;
@@ -633,6 +629,72 @@ class collective_ring {
   std::int64_t splits_ = 0;
   std::vector<std::shared_ptr<collective_ring>> children_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::shared_ptr<collective_ring> collective_ring::make_child(int color) {
+  std::lock_guard lock(mutex_);
+  auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
+                                                 " (color " + std::to_string(color) + ")");
+  if (children_.size() == kept_splits) children_.erase(children_.begin());
+  children_.push_back(child);
+  return child;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::string, std::vector<call_record>>>
+collective_ring::snapshot_all() const {
+  std::vector<std::pair<std::string, std::vector<call_record>>> out;
+  out.emplace_back(name_, snapshot());
+  std::vector<std::shared_ptr<collective_ring>> children;
+  {
+    std::lock_guard lock(mutex_);
+    children = children_;
+  }
+  for (const auto& ring : children) {
+    for (auto& entry : ring->snapshot_all()) out.push_back(std::move(entry));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t collective_ring::issue(std::string_view kind, dtype type,
+                                                         std::size_t count, int op, int root) {
+  const call_label label = current_call_label();
+  std::lock_guard lock(mutex_);
+  const std::int64_t seq = ++last_;
+  call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
+  r.seq = seq;
+  r.kind.assign(kind);  // short names: no allocation (small-string buffer)
+  r.type = type;
+  r.count = count;
+  r.op = op;
+  r.root = root;
+  r.label.clear();
+  if (label.what) r.label.append(label.what).append(" ").append(std::to_string(label.index));
+  r.state = call_state::issued;
+  return seq;
+}
+
+DTRAIN_DETAIL_INLINE void collective_ring::settle(std::int64_t seq, call_state state) noexcept {
+  std::lock_guard lock(mutex_);
+  call_record& r = slots_[static_cast<std::size_t>(seq) % capacity];
+  if (r.seq == seq && r.state == call_state::issued) r.state = state;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<call_record> collective_ring::snapshot() const {
+  std::lock_guard lock(mutex_);
+  std::vector<call_record> out;
+  const std::int64_t first = last_ >= static_cast<std::int64_t>(capacity)
+                                 ? last_ - static_cast<std::int64_t>(capacity) + 1
+                                 : 1;
+  for (std::int64_t s = first; s <= last_; ++s)
+    out.push_back(slots_[static_cast<std::size_t>(s) % capacity]);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t collective_ring::last() const {
+  std::lock_guard lock(mutex_);
+  return last_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/backend/ring.hpp ----
@@ -645,6 +707,7 @@ class collective_ring {
 /// A snapshot of environment variables. World discovery is a pure function of
 /// such a snapshot and argv, so every launcher can be tested from a captured
 /// environment without touching the process's own.
+
 
 #include <initializer_list>
 #include <map>
@@ -673,41 +736,21 @@ class environment {
 
   /// Copies the calling process's environment (`environ`). Entries without '='
   /// are skipped; they cannot be set through setenv and name nothing.
-  [[nodiscard]] static environment from_process() {
-    std::map<std::string, std::string, std::less<>> vars;
-    for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
-      std::string_view text(*entry);
-      if (auto eq = text.find('='); eq != std::string_view::npos && eq > 0) {
-        vars.emplace(std::string(text.substr(0, eq)), std::string(text.substr(eq + 1)));
-      }
-    }
-    return environment(std::move(vars));
-  }
+  [[nodiscard]] static environment from_process();
 
   /// The value of `name`, or nullopt when unset. A variable set to the empty
   /// string is returned as an empty view: set-but-empty is not the same as unset.
-  [[nodiscard]] std::optional<std::string_view> get(std::string_view name) const {
-    if (auto it = vars_.find(name); it != vars_.end()) return std::string_view(it->second);
-    return std::nullopt;
-  }
+  [[nodiscard]] std::optional<std::string_view> get(std::string_view name) const;
 
   [[nodiscard]] bool contains(std::string_view name) const {
     return vars_.find(name) != vars_.end();
   }
 
   /// A copy with `name` set to `value`, for launchers that derive a child's environment.
-  [[nodiscard]] environment with(std::string name, std::string value) const {
-    auto vars = vars_;
-    vars.insert_or_assign(std::move(name), std::move(value));
-    return environment(std::move(vars));
-  }
+  [[nodiscard]] environment with(std::string name, std::string value) const;
 
   /// A copy without `name`.
-  [[nodiscard]] environment without(std::string_view name) const {
-    auto vars = vars_;
-    if (auto it = vars.find(name); it != vars.end()) vars.erase(it);
-    return environment(std::move(vars));
-  }
+  [[nodiscard]] environment without(std::string_view name) const;
 
   [[nodiscard]] const std::map<std::string, std::string, std::less<>>& vars() const noexcept {
     return vars_;
@@ -716,6 +759,36 @@ class environment {
  private:
   std::map<std::string, std::string, std::less<>> vars_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE environment environment::from_process() {
+  std::map<std::string, std::string, std::less<>> vars;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    std::string_view text(*entry);
+    if (auto eq = text.find('='); eq != std::string_view::npos && eq > 0) {
+      vars.emplace(std::string(text.substr(0, eq)), std::string(text.substr(eq + 1)));
+    }
+  }
+  return environment(std::move(vars));
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string_view> environment::get(std::string_view name) const {
+  if (auto it = vars_.find(name); it != vars_.end()) return std::string_view(it->second);
+  return std::nullopt;
+}
+
+DTRAIN_DETAIL_INLINE environment environment::with(std::string name, std::string value) const {
+  auto vars = vars_;
+  vars.insert_or_assign(std::move(name), std::move(value));
+  return environment(std::move(vars));
+}
+
+DTRAIN_DETAIL_INLINE environment environment::without(std::string_view name) const {
+  auto vars = vars_;
+  if (auto it = vars.find(name); it != vars.end()) vars.erase(it);
+  return environment(std::move(vars));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/env/environment.hpp ----
@@ -754,7 +827,9 @@ using sourced_text = sourced<std::string>;
 
 /// `NAME=value`, with the value in quotes when it is empty or has blanks, so
 /// that `RANK=" 3"` in a message shows the stray space.
-inline std::string assignment(std::string_view name, std::string_view value) {
+DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_view value) {
   bool quote = value.empty() || value.find_first_of(" \t\r\n") != std::string_view::npos;
   std::string out(name);
   out += '=';
@@ -763,10 +838,13 @@ inline std::string assignment(std::string_view name, std::string_view value) {
   if (quote) out += '"';
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Parses a non-negative decimal integer that fits an int. `what` is how the
 /// message names the input, usually assignment(name, text).
-inline int parse_non_negative(const std::string& what, std::string_view text) {
+DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text) {
   if (!text.empty() && text.front() == '-' && text.size() > 1 &&
       text.find_first_not_of("0123456789", 1) == std::string_view::npos) {
     throw config_error(what + " is negative: ranks, sizes and indices count from 0");
@@ -785,15 +863,21 @@ inline int parse_non_negative(const std::string& what, std::string_view text) {
   }
   return value;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Checks that a port is in 1..65535.
-inline int check_port(const std::string& what, int port) {
+DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port) {
   if (port < 1 || port > 65535) throw config_error(what + " is outside the port range 1-65535");
   return port;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Splits `text` at every `separator` (an empty text gives no pieces).
-inline std::vector<std::string> split(std::string_view text, char separator) {
+DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator) {
   std::vector<std::string> out;
   if (text.empty()) return out;
   std::size_t start = 0;
@@ -804,6 +888,7 @@ inline std::vector<std::string> split(std::string_view text, char separator) {
     start = end + 1;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A host with an optional port.
 struct host_port {
@@ -813,7 +898,9 @@ struct host_port {
 
 /// Splits `host:port`, `[v6addr]:port`, `host` or a bare IPv6 address. `what`
 /// names the input for messages.
-inline host_port split_host_port(const std::string& what, std::string_view text) {
+DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text) {
   if (text.empty()) throw config_error(what + " has an empty address");
   std::string_view host = text;
   std::string_view port;
@@ -844,6 +931,7 @@ inline host_port split_host_port(const std::string& what, std::string_view text)
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/detail/parse.hpp ----
@@ -988,17 +1076,26 @@ namespace dtrain::detail {
 
 /// Reads an integer variable; nullopt when unset, config_error when set but
 /// empty or not a non-negative integer.
-inline std::optional<sourced_int> read_int(const environment& env, std::string_view name) {
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_int(const environment& env,
+                                                         std::string_view name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_int(const environment& env,
+                                                         std::string_view name) {
   auto text = env.get(name);
   if (!text) return std::nullopt;
   auto origin = assignment(name, *text);
   if (text->empty()) throw config_error(std::string(name) + " is set but empty");
   return sourced_int{parse_non_negative(origin, *text), origin};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reads a text variable; nullopt when unset, config_error when set but empty
 /// or when it has blanks (a host name never does; a stray space is a typo).
-inline std::optional<sourced_text> read_text(const environment& env, std::string_view name) {
+DTRAIN_DETAIL_INLINE std::optional<sourced_text> read_text(const environment& env,
+                                                           std::string_view name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<sourced_text> read_text(const environment& env,
+                                                           std::string_view name) {
   auto text = env.get(name);
   if (!text) return std::nullopt;
   auto origin = assignment(name, *text);
@@ -1008,12 +1105,16 @@ inline std::optional<sourced_text> read_text(const environment& env, std::string
   }
   return sourced_text{std::string(*text), origin};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reads a duration variable given in seconds (fractions allowed, e.g.
 /// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
 /// positive number.
-inline std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
-                                                             std::string_view name) {
+DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                                           std::string_view name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                                           std::string_view name) {
   auto text = env.get(name);
   if (!text) return std::nullopt;
   double seconds = 0;
@@ -1024,9 +1125,12 @@ inline std::optional<std::chrono::milliseconds> read_seconds(const environment& 
   }
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
-inline std::optional<bool> read_flag(const environment& env, std::string_view name) {
+DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name) {
   auto text = env.get(name);
   if (!text) return std::nullopt;
   for (std::string_view yes : {"1", "true", "yes", "on"}) {
@@ -1037,13 +1141,19 @@ inline std::optional<bool> read_flag(const environment& env, std::string_view na
   }
   throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reads MASTER_PORT-style variables: an integer in 1..65535.
-inline std::optional<sourced_int> read_port(const environment& env, std::string_view name) {
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
+                                                          std::string_view name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
+                                                          std::string_view name) {
   auto port = read_int(env, name);
   if (port) check_port(port->origin, port->value);
   return port;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/env/variables.hpp ----
@@ -1079,13 +1189,17 @@ struct collective_options {
   bool check = false;
 
   /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
-  [[nodiscard]] collective_options with_env(const environment& env) const {
-    collective_options out = *this;
-    if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
-    if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
-    return out;
-  }
+  [[nodiscard]] collective_options with_env(const environment& env) const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE collective_options collective_options::with_env(const environment& env) const {
+  collective_options out = *this;
+  if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
+  if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -1103,13 +1217,19 @@ struct collective_info {
 };
 
 /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
-inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
-                            std::string_view engine) {
+DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
+                                          int size, std::string_view engine);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
+                                          int size, std::string_view engine) {
   return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) +
          " of " + std::to_string(size) + " (" + std::string(engine) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::string describe(const collective_info& info) {
+DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info) {
   std::string detail;
   if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
   if (info.collective != "barrier") {
@@ -1119,6 +1239,7 @@ inline std::string describe(const collective_info& info) {
   if (info.root >= 0) detail += ", root " + std::to_string(info.root);
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // What a failure was about, put into words only when a message needs it: a
 // text, a collective (described from its fields), or a function that says it.
@@ -1130,7 +1251,9 @@ requires std::is_invocable_r_v<std::string, const Describe&>
 inline std::string what_text(const Describe& describe_it) { return describe_it(); }
 
 /// The message of an exception, whatever its type.
-inline std::string message_of(const std::exception_ptr& e) {
+DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& x) {
@@ -1139,6 +1262,7 @@ inline std::string message_of(const std::exception_ptr& e) {
     return "an exception that is not a std::exception";
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Why a communicator can no longer be used: its first failure. Recorded
 /// without allocating, since the hooks that record it (a timeout's, abort())
@@ -1151,40 +1275,17 @@ class failure_cause {
   void set(std::exception_ptr error) noexcept {
     if (!*this) error_ = std::move(error);
   }
-  void set(std::string&& text) noexcept {
-    if (!*this) {
-      text_ = std::move(text);
-      has_text_ = true;
-    }
-  }
+  void set(std::string&& text) noexcept;
   /// Collective `call` ended as `how` (a string literal) says: "timed out".
-  void set(const collective_info& call, const char* how) noexcept {
-    if (!*this) {
-      call_ = call;
-      how_ = how;
-    }
-  }
+  void set(const collective_info& call, const char* how) noexcept;
   /// `what` (a string literal) happened on `rank`: "abort() was called" on rank 1.
-  void set(const char* what, int rank) noexcept {
-    if (!*this) {
-      call_ = collective_info{};
-      call_.rank = rank;
-      how_ = what;
-    }
-  }
+  void set(const char* what, int rank) noexcept;
   [[nodiscard]] explicit operator bool() const noexcept {
     return error_ || has_text_ || how_ != nullptr;
   }
   /// "allreduce(sum, 4 x float32) on rank 0 of 2 (mpi) timed out", the
   /// failure's message, or "abort() was called on rank 1"; empty when none.
-  [[nodiscard]] std::string text() const {
-    if (error_) return message_of(error_);
-    if (has_text_) return text_;
-    if (how_ == nullptr) return {};
-    if (call_.collective.empty())
-      return std::string(how_) + " on rank " + std::to_string(call_.rank);
-    return describe(call_) + " " + how_;
-  }
+  [[nodiscard]] std::string text() const;
 
  private:
   std::exception_ptr error_;
@@ -1193,6 +1294,39 @@ class failure_cause {
   collective_info call_{};
   const char* how_ = nullptr;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void failure_cause::set(std::string&& text) noexcept {
+  if (!*this) {
+    text_ = std::move(text);
+    has_text_ = true;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(const collective_info& call,
+                                             const char* how) noexcept {
+  if (!*this) {
+    call_ = call;
+    how_ = how;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(const char* what, int rank) noexcept {
+  if (!*this) {
+    call_ = collective_info{};
+    call_.rank = rank;
+    how_ = what;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string failure_cause::text() const {
+  if (error_) return message_of(error_);
+  if (has_text_) return text_;
+  if (how_ == nullptr) return {};
+  if (call_.collective.empty()) return std::string(how_) + " on rank " + std::to_string(call_.rank);
+  return describe(call_) + " " + how_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How a thread waits for work that others (a device, an engine's thread, a
 /// peer) finish: spins first (a collective often ends within microseconds),
@@ -1233,14 +1367,7 @@ class work_state {
   /// sleeps (detail::backoff), so a long wait costs no core.
   /// Engines that finish on threads of their own (Gloo) override it to sleep
   /// on a condition instead.
-  virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
-    backoff pause;
-    for (;;) {
-      if (poll()) return true;
-      if (std::chrono::steady_clock::now() > deadline) return poll();
-      pause();
-    }
-  }
+  virtual bool wait_until(std::chrono::steady_clock::time_point deadline);
   /// A wait gave up: abort what the engine can abort, and mark the
   /// communicator unusable where it cannot.
   virtual void on_timeout() noexcept {}
@@ -1248,17 +1375,11 @@ class work_state {
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
   /// The collective's fields (empty for work described by a text).
   [[nodiscard]] const collective_info& info() const noexcept { return info_; }
-  [[nodiscard]] const std::string& description() const {
-    if (description_.empty()) description_ = describe(info_);
-    return description_;
-  }
+  [[nodiscard]] const std::string& description() const;
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
   /// Records this collective's end in `ring` as number `seq` (see collective_ring).
-  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept {
-    ring_ = std::move(ring);
-    seq_ = seq;
-  }
+  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept;
   /// Called by work once it saw the end (or gave up): the ring learns how far it got.
   void settle(call_state state) noexcept {
     if (ring_) ring_->settle(seq_, state);
@@ -1270,26 +1391,11 @@ class work_state {
   [[nodiscard]] bool seen_done() const noexcept {
     return seen_done_.load(std::memory_order_acquire);
   }
-  void see_done(call_state state) noexcept {
-    std::lock_guard lock(end_mutex_);
-    if (seen_done_.load(std::memory_order_relaxed)) return;
-    seen_done_.store(true, std::memory_order_release);
-    settle(state);
-  }
+  void see_done(call_state state) noexcept;
   /// A handle gave up waiting: every copy now reports `timeout`. False when
   /// a copy had seen the end first (nothing is recorded then).
-  bool see_timeout(std::exception_ptr timeout) noexcept {
-    std::lock_guard lock(end_mutex_);
-    if (seen_done_.load(std::memory_order_relaxed)) return false;
-    timed_out_ = std::move(timeout);
-    seen_done_.store(true, std::memory_order_release);
-    settle(call_state::timed_out);
-    return true;
-  }
-  [[nodiscard]] std::exception_ptr timed_out() const noexcept {
-    std::lock_guard lock(end_mutex_);
-    return timed_out_;
-  }
+  bool see_timeout(std::exception_ptr timeout) noexcept;
+  [[nodiscard]] std::exception_ptr timed_out() const noexcept;
 
  protected:
   void fail(std::exception_ptr e) noexcept {
@@ -1310,6 +1416,49 @@ class work_state {
   std::exception_ptr timed_out_;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool work_state::wait_until(std::chrono::steady_clock::time_point deadline) {
+  backoff pause;
+  for (;;) {
+    if (poll()) return true;
+    if (std::chrono::steady_clock::now() > deadline) return poll();
+    pause();
+  }
+}
+
+DTRAIN_DETAIL_INLINE const std::string& work_state::description() const {
+  if (description_.empty()) description_ = describe(info_);
+  return description_;
+}
+
+DTRAIN_DETAIL_INLINE void work_state::track(std::shared_ptr<collective_ring> ring,
+                                            std::int64_t seq) noexcept {
+  ring_ = std::move(ring);
+  seq_ = seq;
+}
+
+DTRAIN_DETAIL_INLINE void work_state::see_done(call_state state) noexcept {
+  std::lock_guard lock(end_mutex_);
+  if (seen_done_.load(std::memory_order_relaxed)) return;
+  seen_done_.store(true, std::memory_order_release);
+  settle(state);
+}
+
+DTRAIN_DETAIL_INLINE bool work_state::see_timeout(std::exception_ptr timeout) noexcept {
+  std::lock_guard lock(end_mutex_);
+  if (seen_done_.load(std::memory_order_relaxed)) return false;
+  timed_out_ = std::move(timeout);
+  seen_done_.store(true, std::memory_order_release);
+  settle(call_state::timed_out);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work_state::timed_out() const noexcept {
+  std::lock_guard lock(end_mutex_);
+  return timed_out_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
 inline std::int64_t record(collective_ring& ring, const collective_info& info) {
   return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
@@ -1326,11 +1475,7 @@ class work {
   explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
 
   /// True once the collective has finished, successfully or not. Never blocks.
-  [[nodiscard]] bool test() {
-    if (!state_ || state_->seen_done()) return true;
-    if (state_->poll()) ended();
-    return state_->seen_done();
-  }
+  [[nodiscard]] bool test();
 
   /// Waits for the communicator's timeout; see wait(timeout).
   void wait() { wait(state_ ? state_->timeout() : std::chrono::milliseconds(0)); }
@@ -1339,40 +1484,20 @@ class work {
   /// (backend_error). Throws timeout_error naming the collective, the rank and
   /// the time when it is not done within `timeout`; the communicator is then
   /// aborted or marked unusable, as the engine allows.
-  void wait(std::chrono::milliseconds timeout) {
-    if (!finish_within(timeout)) give_up(timeout);
-    if (auto e = exception()) std::rethrow_exception(e);
-  }
+  void wait(std::chrono::milliseconds timeout);
 
   /// Waits at most `timeout` and does nothing about it: true once finished
   /// (exception() then says how), false while still running. For a watchdog,
   /// which reports a timeout before it aborts: an abort may itself wait on a
   /// device that never frees.
-  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
-    if (!state_ || test()) return true;
-    if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
-    ended();
-    return true;
-  }
+  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout);
 
   /// The timeout_error wait(timeout) throws: the collective, the rank, the time.
-  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const {
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-    return std::make_exception_ptr(timeout_error(
-        (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
-        seconds +
-        "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-        "compares what every rank passed)"));
-  }
+  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const;
 
   /// After finish_within(timeout) returned false: aborts what the engine can
   /// abort (or marks the communicator unusable) and throws timeout_exception().
-  [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
-    auto e = timeout_exception(timeout);
-    if (state_ && state_->see_timeout(e)) state_->on_timeout();
-    std::rethrow_exception(e);
-  }
+  [[noreturn]] void give_up(std::chrono::milliseconds timeout);
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
@@ -1380,11 +1505,7 @@ class work {
   }
 
   /// The error the collective failed with (or the timeout), once finished; null otherwise.
-  [[nodiscard]] std::exception_ptr exception() const noexcept {
-    if (!state_ || !state_->seen_done()) return nullptr;
-    if (auto e = state_->timed_out()) return e;
-    return state_->error();
-  }
+  [[nodiscard]] std::exception_ptr exception() const noexcept;
 
  private:
   void ended() noexcept {
@@ -1393,6 +1514,49 @@ class work {
 
   std::shared_ptr<detail::work_state> state_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool work::test() {
+  if (!state_ || state_->seen_done()) return true;
+  if (state_->poll()) ended();
+  return state_->seen_done();
+}
+
+DTRAIN_DETAIL_INLINE void work::wait(std::chrono::milliseconds timeout) {
+  if (!finish_within(timeout)) give_up(timeout);
+  if (auto e = exception()) std::rethrow_exception(e);
+}
+
+DTRAIN_DETAIL_INLINE bool work::finish_within(std::chrono::milliseconds timeout) {
+  if (!state_ || test()) return true;
+  if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
+  ended();
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work::timeout_exception(
+    std::chrono::milliseconds timeout) const {
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+  return std::make_exception_ptr(timeout_error(
+      (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
+      seconds +
+      "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+      "compares what every rank passed)"));
+}
+
+DTRAIN_DETAIL_INLINE void work::give_up(std::chrono::milliseconds timeout) {
+  auto e = timeout_exception(timeout);
+  if (state_ && state_->see_timeout(e)) state_->on_timeout();
+  std::rethrow_exception(e);
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work::exception() const noexcept {
+  if (!state_ || !state_->seen_done()) return nullptr;
+  if (auto e = state_->timed_out()) return e;
+  return state_->error();
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/backend/work.hpp ----
@@ -1443,11 +1607,14 @@ inline std::string shape(const buffer& b) {
 
 /// What a collective throws on a communicator that is not valid(): one that
 /// split() gave this rank for a negative color (`left_out`), or a moved-from one.
-[[noreturn]] inline void throw_invalid(const std::string& what, bool left_out) {
+[[noreturn]] DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out) {
   throw config_error(what + (left_out ? ": this rank passed a negative color to split() and "
                                         "belongs to no communicator"
                                       : ": the communicator was moved from"));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The collectives every engine knows, numbered as check mode sends them.
 enum class collective_kind : std::uint8_t {
@@ -1466,12 +1633,16 @@ inline constexpr std::string_view collective_kinds[] = {
     "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
     "barrier", "allreduce_many", "split"};
 
-[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(
+    std::string_view kind) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(std::string_view kind) noexcept {
   for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
     if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
   }
   return 0;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where an engine's collectives find their buffers. A buffer elsewhere is a
 /// config_error: "input is host memory, and <rule>".
@@ -1489,41 +1660,14 @@ struct argument_check {
   argument_check(std::string description) : what(std::move(description)) {}
   argument_check(const collective_info& i) : info(&i) {}
 
-  void same_type(const buffer& in, const buffer& out) const {
-    if (in.type != out.type)
-      fail("input is " + std::string(to_string(in.type)) + ", output " +
-           std::string(to_string(out.type)));
-    if (in.where != out.where)
-      fail("input and output live in different memories (host and device)");
-  }
-  void count(const buffer& b, std::size_t expected, std::string_view which) const {
-    if (b.count != expected) {
-      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
-           std::to_string(expected));
-    }
-  }
-  void op_fits(reduce_op op, dtype t) const {
-    if (op == reduce_op::avg && !is_floating(t)) {
-      fail("avg of " + std::string(to_string(t)) +
-           " would truncate; average floating-point data, or sum and divide");
-    }
-  }
+  void same_type(const buffer& in, const buffer& out) const;
+  void count(const buffer& b, std::size_t expected, std::string_view which) const;
+  void op_fits(reduce_op op, dtype t) const;
   /// `b` (`which`, or "buffer <index>") lives where the engine reaches, and is
   /// not a null pointer with elements (the engine would read them and crash).
   void reachable(const buffer& b, std::string_view which, const memory_reach& reach,
-                 std::ptrdiff_t index = -1) const {
-    const bool on_host = b.where == memory::host;
-    if (!(on_host ? reach.host : reach.device)) {
-      fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
-           std::string(reach.rule));
-    }
-    if (b.data == nullptr && b.count > 0)
-      fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
-  }
-  void root(int r, int size) const {
-    if (r < 0 || r >= size)
-      fail("root " + std::to_string(r) + " is not a rank of this communicator");
-  }
+                 std::ptrdiff_t index = -1) const;
+  void root(int r, int size) const;
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
@@ -1533,6 +1677,46 @@ struct argument_check {
     return index < 0 ? std::string(which) : std::string(which) + " " + std::to_string(index);
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void argument_check::same_type(const buffer& in, const buffer& out) const {
+  if (in.type != out.type)
+    fail("input is " + std::string(to_string(in.type)) + ", output " +
+         std::string(to_string(out.type)));
+  if (in.where != out.where) fail("input and output live in different memories (host and device)");
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::count(const buffer& b, std::size_t expected,
+                                                std::string_view which) const {
+  if (b.count != expected) {
+    fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
+         std::to_string(expected));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::op_fits(reduce_op op, dtype t) const {
+  if (op == reduce_op::avg && !is_floating(t)) {
+    fail("avg of " + std::string(to_string(t)) +
+         " would truncate; average floating-point data, or sum and divide");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::reachable(const buffer& b, std::string_view which,
+                                                    const memory_reach& reach,
+                                                    std::ptrdiff_t index) const {
+  const bool on_host = b.where == memory::host;
+  if (!(on_host ? reach.host : reach.device)) {
+    fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
+         std::string(reach.rule));
+  }
+  if (b.data == nullptr && b.count > 0)
+    fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::root(int r, int size) const {
+  if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One collective as an engine receives it. Every engine's chain checks it
 /// (check_arguments), numbers it in its ring and compares it in check mode
@@ -1567,43 +1751,53 @@ struct collective_call {
   /// What the ring, check mode and messages say of it: the elements every
   /// rank must agree on (the input's; reduce_scatter: the output's;
   /// allreduce_many: all of them, with the first buffer's type).
-  [[nodiscard]] collective_info info(std::string_view engine, int rank, int size) const noexcept {
-    buffer counted = kind == collective_kind::reduce_scatter ? out : in;
-    if (kind == collective_kind::allreduce_many) {
-      counted = {};
-      if (!many.empty()) counted.type = many.front().type;
-      for (const buffer& b : many) counted.count += b.count;
-    }
-    return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
-            static_cast<std::uint8_t>(counted.type),          op,     root};
-  }
+  [[nodiscard]] collective_info info(std::string_view engine, int rank, int size) const noexcept;
 
   /// False for a call with no elements: it completes at once (after its
   /// signature is compared, in check mode). A barrier always moves.
-  [[nodiscard]] bool moves_data() const noexcept {
-    switch (kind) {
-      case collective_kind::barrier:
-      case collective_kind::split:
-      case collective_kind::other: return true;
-      case collective_kind::allreduce:
-      case collective_kind::broadcast:
-      case collective_kind::allgather: return in.count > 0;
-      case collective_kind::reduce_scatter: return out.count > 0;
-      case collective_kind::allreduce_many:
-        for (const buffer& b : many) {
-          if (b.count > 0) return true;
-        }
-        return false;
-    }
-    return true;
-  }
+  [[nodiscard]] bool moves_data() const noexcept;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE collective_info collective_call::info(std::string_view engine, int rank,
+                                                           int size) const noexcept {
+  buffer counted = kind == collective_kind::reduce_scatter ? out : in;
+  if (kind == collective_kind::allreduce_many) {
+    counted = {};
+    if (!many.empty()) counted.type = many.front().type;
+    for (const buffer& b : many) counted.count += b.count;
+  }
+  return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
+          static_cast<std::uint8_t>(counted.type),          op,     root};
+}
+
+DTRAIN_DETAIL_INLINE bool collective_call::moves_data() const noexcept {
+  switch (kind) {
+    case collective_kind::barrier:
+    case collective_kind::split:
+    case collective_kind::other: return true;
+    case collective_kind::allreduce:
+    case collective_kind::broadcast:
+    case collective_kind::allgather: return in.count > 0;
+    case collective_kind::reduce_scatter: return out.count > 0;
+    case collective_kind::allreduce_many:
+      for (const buffer& b : many) {
+        if (b.count > 0) return true;
+      }
+      return false;
+  }
+  return true;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The argument checks of every engine, per collective: buffers where the
 /// engine reaches (`reach`), types and counts that fit, an op the type allows,
 /// a root that is a rank. `info` names the call (call.info()).
-inline void check_arguments(const collective_call& call, const collective_info& info,
-                            const memory_reach& reach) {
+DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
+                                          const memory_reach& reach);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
+                                          const memory_reach& reach) {
   const argument_check check{info};
   const auto ranks = static_cast<std::size_t>(info.size);
   const auto op = static_cast<reduce_op>(call.op);
@@ -1643,6 +1837,7 @@ inline void check_arguments(const collective_call& call, const collective_info& 
     case collective_kind::other: return;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What a rank passed to its `seq`-th collective on a communicator, compared
 /// across ranks in check mode: the ring's fingerprint (call_record) as int64s,
@@ -1659,7 +1854,10 @@ struct signature {
 };
 
 /// The signature of collective number `seq`, described by `info`.
-[[nodiscard]] inline signature signature_of(std::int64_t seq,
+[[nodiscard]] DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
+                                                          const collective_info& info) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
                                             const collective_info& info) noexcept {
   return {seq,
           collective_kind_code(info.collective),
@@ -1668,10 +1866,13 @@ struct signature {
           info.op,
           info.root};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How check mode names a call, for every engine: "collective #3:
 /// allreduce(sum, float32 × 5)" (the ring's describe_call).
-[[nodiscard]] inline std::string describe_collective(const signature& s) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s) {
   const auto kind = static_cast<std::size_t>(s.kind);
   call_record r;
   r.seq = s.seq;
@@ -1682,6 +1883,7 @@ struct signature {
   r.root = static_cast<int>(s.root);
   return "collective #" + std::to_string(s.seq) + ": " + describe_call(r, true);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Gathers every rank's signature with `gather` (an allgather of int64s that
 /// is not itself checked) and throws backend_error naming the first rank
@@ -2129,25 +2331,37 @@ namespace dtrain::detail {
 /// A checked call's text as the user reads it: the engine calls the runtime
 /// through its seam (`Api::cudaSetDevice(...)`), the message names the
 /// function (`cudaSetDevice(...)`).
-[[nodiscard]] inline std::string call_as_written(std::string_view call) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call) {
   if (call.starts_with("Api::")) call.remove_prefix(5);
   return std::string(call);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
 /// (cudaError_t 101, at file:line)".
-inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
+DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
+                                                 const char* file, int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
+                                                 const char* file, int line) {
   return "CUDA call `" + call_as_written(call) + "` failed: " + cudaGetErrorName(code) + ": " +
          cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
          ", at " + file + ":" + std::to_string(line) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
-                                          int line) {
+[[noreturn]] DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call,
+                                                        const char* file, int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call, const char* file,
+                                           int line) {
   // Clear a non-sticky error, so that the next unrelated call does not report it again.
   (void)cudaGetLastError();
   throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -2168,7 +2382,9 @@ namespace dtrain::detail {
 /// The runtime's cudaGetDevice answers 0 on a thread that never used a GPU,
 /// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
 /// GiB) for a rank that does not use it. True when the driver cannot say.
-[[nodiscard]] inline bool thread_has_cuda_context() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
   using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
   static const get_current_fn get_current = []() noexcept -> get_current_fn {
@@ -2194,6 +2410,7 @@ namespace dtrain::detail {
   return true;
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The CUDA runtime calls the NCCL engine makes, as one narrow seam: the
 /// engine's classes take the runtime as a template argument (`Api`), this one
@@ -2208,23 +2425,7 @@ struct cuda_library {
   static cudaError_t cudaGetDevice(int* device) { return ::cudaGetDevice(device); }
   static cudaError_t cudaSetDevice(int device) { return ::cudaSetDevice(device); }
   /// The device's UUID ("GPU-xxxxxxxx-..." as nvidia-smi -L prints it) and PCI bus id.
-  static cudaError_t device_identity(int device, std::string& uuid, std::string& pci_bus) {
-    cudaDeviceProp prop{};
-    if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
-    static constexpr char hex[] = "0123456789abcdef";
-    uuid = "GPU-";
-    for (int i = 0; i < 16; ++i) {
-      const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
-      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
-      uuid += hex[byte >> 4];
-      uuid += hex[byte & 15];
-    }
-    char bus[32];
-    std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
-                  static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
-    pci_bus = bus;
-    return cudaSuccess;
-  }
+  static cudaError_t device_identity(int device, std::string& uuid, std::string& pci_bus);
   static bool thread_has_context() noexcept { return thread_has_cuda_context(); }
   static cudaError_t cudaGetLastError() { return ::cudaGetLastError(); }
   static cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
@@ -2256,6 +2457,27 @@ struct cuda_library {
     return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE cudaError_t cuda_library::device_identity(int device, std::string& uuid,
+                                                               std::string& pci_bus) {
+  cudaDeviceProp prop{};
+  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
+  static constexpr char hex[] = "0123456789abcdef";
+  uuid = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
+    if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+    uuid += hex[byte >> 4];
+    uuid += hex[byte & 15];
+  }
+  char bus[32];
+  std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
+                static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+  pci_bus = bus;
+  return cudaSuccess;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
 /// wait: work still queued on the stream completes, then the stream goes.
@@ -2385,66 +2607,20 @@ class pinned_pool {
   pinned_pool() = default;
   pinned_pool(const pinned_pool&) = delete;
   pinned_pool& operator=(const pinned_pool&) = delete;
-  ~pinned_pool() {
-    for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
-    for (auto& [device, stream] : streams_) {
-      device_guard on(device, std::nothrow);
-      (void)cudaStreamDestroy(stream);
-    }
-  }
+  ~pinned_pool();
 
   /// A block of staging_block_bytes(bytes) (null for 0 bytes); give it back with give().
   /// Call under a device_guard for the device being staged.
-  [[nodiscard]] void* take(std::size_t bytes) {
-    if (bytes == 0) return nullptr;
-    const std::size_t size = staging_block_bytes(bytes);
-    {
-      std::lock_guard lock(mutex_);
-      auto it = free_.find(size);
-      if (it != free_.end()) {
-        void* block = it->second;
-        free_.erase(it);
-        return block;
-      }
-    }
-    void* block = nullptr;
-    DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
-    std::lock_guard lock(mutex_);
-    held_ += size;
-    return block;
-  }
+  [[nodiscard]] void* take(std::size_t bytes);
 
   /// Returns a block from take(bytes) for reuse.
-  void give(void* block, std::size_t bytes) noexcept {
-    if (block == nullptr) return;
-    try {
-      std::lock_guard lock(mutex_);
-      free_.emplace(staging_block_bytes(bytes), block);
-    } catch (...) {
-      (void)cudaFreeHost(block);
-      std::lock_guard lock(mutex_);
-      held_ -= staging_block_bytes(bytes);
-    }
-  }
+  void give(void* block, std::size_t bytes) noexcept;
 
   /// The pool's copy stream on `device` (created on first use, under a guard).
-  [[nodiscard]] cudaStream_t copy_stream(int device) {
-    std::lock_guard lock(mutex_);
-    auto it = streams_.find(device);
-    if (it != streams_.end()) return it->second;
-    device_guard on(device);
-    cuda_stream s = cuda_stream::non_blocking();
-    cudaStream_t raw = s.get();
-    streams_.emplace(device, raw);
-    (void)s.release();
-    return raw;
-  }
+  [[nodiscard]] cudaStream_t copy_stream(int device);
 
   /// Pinned bytes allocated and not freed: blocks in use and free ones.
-  [[nodiscard]] std::size_t held_bytes() const {
-    std::lock_guard lock(mutex_);
-    return held_;
-  }
+  [[nodiscard]] std::size_t held_bytes() const;
 
  private:
   mutable std::mutex mutex_;
@@ -2452,6 +2628,64 @@ class pinned_pool {
   std::map<int, cudaStream_t> streams_;
   std::size_t held_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE pinned_pool::~pinned_pool() {
+  for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
+  for (auto& [device, stream] : streams_) {
+    device_guard on(device, std::nothrow);
+    (void)cudaStreamDestroy(stream);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void* pinned_pool::take(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const std::size_t size = staging_block_bytes(bytes);
+  {
+    std::lock_guard lock(mutex_);
+    auto it = free_.find(size);
+    if (it != free_.end()) {
+      void* block = it->second;
+      free_.erase(it);
+      return block;
+    }
+  }
+  void* block = nullptr;
+  DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
+  std::lock_guard lock(mutex_);
+  held_ += size;
+  return block;
+}
+
+DTRAIN_DETAIL_INLINE void pinned_pool::give(void* block, std::size_t bytes) noexcept {
+  if (block == nullptr) return;
+  try {
+    std::lock_guard lock(mutex_);
+    free_.emplace(staging_block_bytes(bytes), block);
+  } catch (...) {
+    (void)cudaFreeHost(block);
+    std::lock_guard lock(mutex_);
+    held_ -= staging_block_bytes(bytes);
+  }
+}
+
+DTRAIN_DETAIL_INLINE cudaStream_t pinned_pool::copy_stream(int device) {
+  std::lock_guard lock(mutex_);
+  auto it = streams_.find(device);
+  if (it != streams_.end()) return it->second;
+  device_guard on(device);
+  cuda_stream s = cuda_stream::non_blocking();
+  cudaStream_t raw = s.get();
+  streams_.emplace(device, raw);
+  (void)s.release();
+  return raw;
+}
+
+DTRAIN_DETAIL_INLINE std::size_t pinned_pool::held_bytes() const {
+  std::lock_guard lock(mutex_);
+  return held_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -2492,32 +2726,42 @@ struct violation : std::runtime_error {
 class writer {
  public:
   explicit writer(std::string& out) : out_(out) {}
-  writer& u8(std::uint8_t v) {
-    out_ += static_cast<char>(v);
-    return *this;
-  }
+  writer& u8(std::uint8_t v);
   writer& u16(std::uint16_t v) { return le(v, 2); }
   writer& u32(std::uint32_t v) { return le(v, 4); }
   writer& u64(std::uint64_t v) { return le(v, 8); }
   writer& i64(std::int64_t v) { return le(static_cast<std::uint64_t>(v), 8); }
-  writer& bytes16(std::string_view s) {
-    u16(static_cast<std::uint16_t>(s.size()));
-    out_.append(s);
-    return *this;
-  }
-  writer& bytes32(std::string_view s) {
-    u32(static_cast<std::uint32_t>(s.size()));
-    out_.append(s);
-    return *this;
-  }
+  writer& bytes16(std::string_view s);
+  writer& bytes32(std::string_view s);
 
  private:
-  writer& le(std::uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
-    return *this;
-  }
+  writer& le(std::uint64_t v, int n);
   std::string& out_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE writer& writer::u8(std::uint8_t v) {
+  out_ += static_cast<char>(v);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::bytes16(std::string_view s) {
+  u16(static_cast<std::uint16_t>(s.size()));
+  out_.append(s);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::bytes32(std::string_view s) {
+  u32(static_cast<std::uint32_t>(s.size()));
+  out_.append(s);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::le(std::uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+  return *this;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reads little-endian fields from a received body; every read is bounds
 /// checked and throws `violation` naming what was cut short.
@@ -2538,37 +2782,48 @@ class reader {
   /// A bytes32 field bounded only by what is left of the input.
   std::string_view bytes32(const char* what) { return take(u32(what), what); }
   [[nodiscard]] bool at_end() const noexcept { return pos_ == in_.size(); }
-  void finish(const char* what) const {
-    if (pos_ != in_.size()) {
-      throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
-                      " unexpected trailing bytes");
-    }
-  }
+  void finish(const char* what) const;
 
  private:
-  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit) {
-    if (n > limit) {
-      throw violation(std::string(what) + " of " + std::to_string(n) +
-                      " bytes exceeds the limit of " + std::to_string(limit));
-    }
-    return take(n, what);
-  }
-  std::string_view take(std::size_t n, const char* what) {
-    if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
-    auto out = in_.substr(pos_, n);
-    pos_ += n;
-    return out;
-  }
-  std::uint64_t le(int n, const char* what) {
-    auto bytes = take(static_cast<std::size_t>(n), what);
-    std::uint64_t v = 0;
-    for (int i = n - 1; i >= 0; --i)
-      v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
-    return v;
-  }
+  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit);
+  std::string_view take(std::size_t n, const char* what);
+  std::uint64_t le(int n, const char* what);
   std::string_view in_;
   std::size_t pos_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void reader::finish(const char* what) const {
+  if (pos_ != in_.size()) {
+    throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
+                    " unexpected trailing bytes");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string_view reader::sized(std::uint32_t n, const char* what,
+                                                    std::uint32_t limit) {
+  if (n > limit) {
+    throw violation(std::string(what) + " of " + std::to_string(n) +
+                    " bytes exceeds the limit of " + std::to_string(limit));
+  }
+  return take(n, what);
+}
+
+DTRAIN_DETAIL_INLINE std::string_view reader::take(std::size_t n, const char* what) {
+  if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
+  auto out = in_.substr(pos_, n);
+  pos_ += n;
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t reader::le(int n, const char* what) {
+  auto bytes = take(static_cast<std::size_t>(n), what);
+  std::uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i)
+    v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
+  return v;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Decodes `value`, which `where` ("store key dtrain/agent/0/failure", "rank
 /// 0's broadcast") should hold as `what` ("a node agent's failure record"):
@@ -2591,27 +2846,37 @@ auto decode_value(std::string_view where, std::string_view value, std::string_vi
 }
 
 /// A value of one int64 (a rank, a port, a present-flag).
-inline std::string encode_int(std::int64_t v) {
+DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v) {
   std::string out;
   writer(out).i64(v);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 inline std::int64_t decode_int(std::string_view where, std::string_view value,
                                std::string_view what) {
   return decode_value(where, value, what, [](reader& r) { return r.i64("the number"); });
 }
 
 /// A value of one text (a reason, a token).
-inline std::string encode_text(std::string_view text) {
+DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text) {
   std::string out;
   writer(out).bytes32(text);
   return out;
 }
-inline std::string decode_text(std::string_view where, std::string_view value,
-                               std::string_view what) {
+#endif  // DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
+                                             std::string_view what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
+                                             std::string_view what) {
   return decode_value(where, value, what,
                       [](reader& r) { return std::string(r.bytes32("the text")); });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A value that one rank produced for every rank, or why it could not
 /// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
@@ -2620,24 +2885,31 @@ struct outcome {
   bool ok = true;
   std::string text;  ///< ok: the value; else the producer's error message
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    writer(out).u8(ok ? 1 : 0).bytes32(text);
-    return out;
-  }
+  [[nodiscard]] std::string encode() const;
   /// `where` and `what` name the value in the error when it is not an outcome.
   [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
-                                      std::string_view what) {
-    return decode_value(where, value, what, [](reader& r) {
-      outcome o;
-      const std::uint8_t flag = r.u8("the ok flag");
-      if (flag > 1) throw violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
-      o.ok = flag == 1;
-      o.text = std::string(r.bytes32(o.ok ? "the value" : "the producer's error"));
-      return o;
-    });
-  }
+                                      std::string_view what);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string outcome::encode() const {
+  std::string out;
+  writer(out).u8(ok ? 1 : 0).bytes32(text);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE outcome outcome::decode(std::string_view where, std::string_view value,
+                                             std::string_view what) {
+  return decode_value(where, value, what, [](reader& r) {
+    outcome o;
+    const std::uint8_t flag = r.u8("the ok flag");
+    if (flag > 1) throw violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
+    o.ok = flag == 1;
+    o.text = std::string(r.bytes32(o.ok ? "the value" : "the producer's error"));
+    return o;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::wire
 // ---- end dtrain/detail/wire.hpp ----
@@ -2672,7 +2944,9 @@ struct desync_report {
 };
 
 /// "rank 2", "ranks 0, 1, 3".
-inline std::string name_ranks(std::span<const int> ranks) {
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (std::size_t i = 0; i < ranks.size(); ++i) {
     if (i) out += ", ";
@@ -2680,10 +2954,13 @@ inline std::string name_ranks(std::span<const int> ranks) {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace desync {
 
-inline std::string at(const call_record& r, bool with_op = false) {
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
   // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
   // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
   std::string out = "#";
@@ -2692,15 +2969,19 @@ inline std::string at(const call_record& r, bool with_op = false) {
   out += describe_call(r, with_op);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // What differs between two calls with the same sequence number, for the summary.
-inline std::string difference(const call_record& a, const call_record& b) {
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
   if (a.kind != b.kind) return "the collectives differ";
   if (a.type != b.type) return "the types differ";
   if (a.count != b.count) return "the sizes differ";
   if (a.op != b.op) return "the reduce ops differ";
   return "the roots differ";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // Ranks grouped by what they called as number `seq`, the largest group first
 // (on a tie the group of the lowest rank): the odd ones out come after.
@@ -2708,7 +2989,11 @@ struct call_group {
   const call_record* call;
   std::vector<int> ranks;
 };
-inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std::int64_t seq) {
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq) {
   std::vector<call_group> groups;
   for (const rank_ring& r : rings) {
     for (const call_record& c : r.calls) {
@@ -2727,13 +3012,16 @@ inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std
   });
   return groups;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace desync
 
 /// Analyses the rings of every rank of a communicator (`rings[i]` is rank
 /// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
 /// missing; what cannot be decided is said so.
-inline desync_report analyse(std::span<const rank_ring> rings) {
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
   desync_report report;
   std::vector<int> silent;
   std::vector<const rank_ring*> live;
@@ -2866,13 +3154,19 @@ inline desync_report analyse(std::span<const rank_ring> rings) {
   if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
   return report;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The table a diagnostics round prints: `header`, the summary, then the details, indented.
-inline std::string format_report(std::string_view header, const desync_report& report) {
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report) {
   std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
   for (const std::string& d : report.details) out += "    " + d + "\n";
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The rings one rank publishes: its world communicator's and its splits', by name.
 using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
@@ -2888,7 +3182,9 @@ struct rank_publication {
 /// ring count u32, then per communicator its name bytes32, call count u32 and
 /// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
 /// state u8, label bytes32.
-inline std::string encode_rings(const named_rings& rings) {
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
   std::string out;
   wire::writer w(out);
   w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
@@ -2907,10 +3203,13 @@ inline std::string encode_rings(const named_rings& rings) {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The rings of encode_rings' value; nothing when it is not such a value (the
 /// rank then counts as not answering: diagnostics never throw).
-inline std::optional<named_rings> decode_rings(std::string_view value) {
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
   try {
     return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
       if (const auto version = r.u8("the version"); version != 1) {
@@ -2947,6 +3246,7 @@ inline std::optional<named_rings> decode_rings(std::string_view value) {
     return std::nullopt;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Analyses every communicator the ranks published (the world's first, then
 /// the splits, by name) and returns the report of the one that explains most
@@ -2954,7 +3254,9 @@ inline std::optional<named_rings> decode_rings(std::string_view value) {
 /// by the others' findings. Silent ranks count as members of the world and
 /// of every split that all answering ranks have (DistributedDataParallel's
 /// own split); a split that only some ranks have (a node's) is analysed over them.
-inline desync_report analyse_job(std::span<const rank_publication> ranks) {
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
   std::vector<std::string> names;
   int answering = 0;
   for (const rank_publication& p : ranks) {
@@ -3000,6 +3302,7 @@ inline desync_report analyse_job(std::span<const rank_publication> ranks) {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/backend/desync.hpp ----
@@ -3026,6 +3329,7 @@ inline desync_report analyse_job(std::span<const rank_publication> ranks) {
 /// address reaches a host. Plain facts for the engines' interface choice
 /// (backend/gloo_store.hpp) and for the network report (doctor/network.hpp).
 
+
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -3047,7 +3351,9 @@ struct interface_address {
 };
 
 /// Every IPv4 and IPv6 address of every interface (getifaddrs); empty when it fails.
-inline std::vector<interface_address> interface_addresses() {
+DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses() {
   std::vector<interface_address> out;
   ifaddrs* list = nullptr;
   if (::getifaddrs(&list) != 0) return out;
@@ -3064,9 +3370,12 @@ inline std::vector<interface_address> interface_addresses() {
   ::freeifaddrs(list);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
-inline std::vector<std::string> interfaces_with_address() {
+DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address() {
   std::vector<std::string> names;
   for (const auto& a : interface_addresses()) {
     bool seen = false;
@@ -3075,6 +3384,7 @@ inline std::vector<std::string> interfaces_with_address() {
   }
   return names;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
 /// error in `error`.
@@ -3082,7 +3392,9 @@ struct resolved {
   std::vector<std::string> addresses;
   std::string error;  ///< empty on success
 };
-inline resolved resolve(const std::string& host) {
+DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host) {
   resolved out;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -3104,6 +3416,7 @@ inline resolved resolve(const std::string& host) {
   ::freeaddrinfo(found);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The local address this host sends from to reach host:port (a UDP socket
 /// connected there, asked for its own name; nothing is sent), or why not in `error`.
@@ -3111,7 +3424,9 @@ struct route_source {
   std::string address;
   std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
 };
-inline route_source local_address_to(const std::string& host, int port) {
+DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port) {
   route_source out;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -3149,6 +3464,7 @@ inline route_source local_address_to(const std::string& host, int port) {
   if (out.address.empty()) out.error = "no local address reaches it (" + why + ")";
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
 inline bool is_loopback_address(const std::string& address) {
@@ -3174,10 +3490,15 @@ inline bool is_loopback_address(const std::string& address) {
 namespace dtrain::detail {
 
 /// "what: strerror(err) (at file:line)".
-inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
+DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
+                                               int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
+                                               int line) {
   return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
          ":" + std::to_string(line) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned file descriptor, closed on destruction.
 class unique_fd {
@@ -3197,22 +3518,29 @@ class unique_fd {
   [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
   /// Gives the descriptor up without closing it.
   [[nodiscard]] int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
+  void reset(int fd = -1) noexcept;
 
  private:
   int fd_ = -1;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void unique_fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// This machine's host name; nullopt when gethostname fails (each caller
 /// decides what that means for it).
-inline std::optional<std::string> host_name() {
+DTRAIN_DETAIL_INLINE std::optional<std::string> host_name();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
   return std::string(name);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -3245,7 +3573,10 @@ struct named_interface {
 /// The interface the environment tells Gloo to use: DTRAIN_GLOO_IFNAME, else
 /// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
 /// when neither is set (then the interface that reaches MASTER_ADDR is used).
-inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
+DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(
+    const environment& env) {
   if (auto v = env.get(gloo_ifname_variable); v && !v->empty()) {
     return named_interface{std::string(*v), assignment(gloo_ifname_variable, *v)};
   }
@@ -3255,6 +3586,7 @@ inline std::optional<named_interface> gloo_interface_variable(const environment&
   }
   return std::nullopt;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -3331,26 +3663,14 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
                      std::chrono::milliseconds timeout)
       : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
 
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
-    written_.push_back(prefix_ + key);
-  }
+  void set(const std::string& key, const std::vector<char>& data) override;
 
-  std::vector<char> get(const std::string& key) override {
-    std::string value = store_.get(prefix_ + key, timeout_);
-    return {value.begin(), value.end()};
-  }
+  std::vector<char> get(const std::string& key) override;
 
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
 
   void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    std::vector<std::string> full;
-    full.reserve(keys.size());
-    for (const auto& k : keys) full.push_back(prefix_ + k);
-    // Gloo passes kNoTimeout (0) to mean "the default".
-    store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
-  }
+            const std::chrono::milliseconds& timeout) override;
 
   [[nodiscard]] const std::vector<std::string>& written() const noexcept { return written_; }
 
@@ -3361,6 +3681,28 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
   std::vector<std::string> written_;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_store_adapter::set(const std::string& key,
+                                                  const std::vector<char>& data) {
+  store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
+  written_.push_back(prefix_ + key);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<char> gloo_store_adapter::get(const std::string& key) {
+  std::string value = store_.get(prefix_ + key, timeout_);
+  return {value.begin(), value.end()};
+}
+
+DTRAIN_DETAIL_INLINE void gloo_store_adapter::wait(const std::vector<std::string>& keys,
+                                                   const std::chrono::milliseconds& timeout) {
+  std::vector<std::string> full;
+  full.reserve(keys.size());
+  for (const auto& k : keys) full.push_back(prefix_ + k);
+  // Gloo passes kNoTimeout (0) to mean "the default".
+  store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// Where Gloo's TCP transport listens: a named interface, or an address.
 struct gloo_endpoint {
   std::string iface;     ///< network interface name ("eth0"), or empty
@@ -3369,7 +3711,9 @@ struct gloo_endpoint {
 };
 
 /// Throws config_error naming `origin` when no interface `name` with an address exists here.
-inline void require_interface(const std::string& name, const std::string& origin) {
+DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin) {
   auto names = interfaces_with_address();
   for (const auto& n : names) {
     if (n == name) return;
@@ -3381,11 +3725,15 @@ inline void require_interface(const std::string& name, const std::string& origin
       (known.empty() ? std::string("none") : known) +
       "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The local address this host sends from to reach host:port; config_error
 /// naming `origin` when there is none.
-inline std::string local_address_towards(const std::string& host, int port,
-                                         const std::string& origin) {
+DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
+                                                       const std::string& origin);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
+                                                       const std::string& origin) {
   const route_source route = local_address_to(host, port);
   if (route.error.rfind("cannot be resolved", 0) == 0) {
     throw config_error(origin + " " + route.error +
@@ -3396,15 +3744,20 @@ inline std::string local_address_towards(const std::string& host, int port,
   }
   return route.address;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
 /// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
 /// address that reaches the master (`master_addr` option, else MASTER_ADDR),
 /// else 127.0.0.1 for a world of one and the host name otherwise. A named
 /// interface that does not exist is a config_error naming it.
-inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
-                                          const std::string& master_option, const environment& env,
-                                          int size) {
+DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                                        const std::string& master_option,
+                                                        const environment& env, int size);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                                        const std::string& master_option,
+                                                        const environment& env, int size) {
   auto named = [](std::string name, std::string origin) {
     require_interface(name, origin);
     return gloo_endpoint{std::move(name), {}, std::move(origin)};
@@ -3431,6 +3784,7 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
   const std::string host = host_name().value_or("");
   return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -3587,70 +3941,15 @@ class shm_segment {
   }
   shm_segment(const shm_segment&) = delete;
   shm_segment& operator=(const shm_segment&) = delete;
-  ~shm_segment() {
-    if (base_) ::munmap(base_, bytes_);
-    if (fd_ >= 0) ::close(fd_);
-  }
+  ~shm_segment();
 
   /// Rank 0: makes the segment `name` ("/dtrain-..."), which must not exist,
   /// for `size` ranks. Throws shm_failure (not timed out) saying which call failed.
-  static shm_segment create(const std::string& name, int size) {
-    shm_segment s;
-    s.rank_ = 0;
-    s.size_ = size;
-    s.slot_ = shm_slot_bytes(size);
-    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
-    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, S_IRUSR | S_IWUSR);
-    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_CREAT | O_EXCL, 0600)");
-    try {
-      // Reserve every page now: a tmpfs that is full (a container's 64 MiB
-      // /dev/shm) fails here, not with SIGBUS on a later write.
-      if (const int e = ::posix_fallocate(s.fd_, 0, static_cast<off_t>(s.bytes_)); e != 0) {
-        errno = e;
-        fail_call("posix_fallocate(" + name + ", " + std::to_string(s.bytes_) + " bytes)");
-      }
-      s.map(name);
-      auto* c = new (s.base_) control{};
-      c->size = static_cast<std::uint32_t>(size);
-      c->slot_bytes = s.slot_;
-      for (int r = 0; r < size; ++r) new (&s.flags(r)) rank_flags{};
-      c->magic = magic;  // last: a segment with the magic is complete
-      s.lock_own_byte(name);
-    } catch (...) {
-      unlink(name);  // nothing of a segment that failed stays behind
-      throw;
-    }
-    return s;
-  }
+  static shm_segment create(const std::string& name, int size);
 
   /// Every other rank: opens the segment rank 0 made and checks that it was
   /// made for `size` ranks. Throws shm_failure (not timed out).
-  static shm_segment open(const std::string& name, int rank, int size) {
-    shm_segment s;
-    s.rank_ = rank;
-    s.size_ = size;
-    s.slot_ = shm_slot_bytes(size);
-    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
-    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_RDWR)");
-    struct stat st {};
-    if (::fstat(s.fd_, &st) != 0) fail_call("fstat(" + name + ")");
-    if (static_cast<std::size_t>(st.st_size) != s.bytes_) {
-      throw shm_failure("segment " + name + " holds " + std::to_string(st.st_size) +
-                            " bytes, not the " + std::to_string(s.bytes_) + " of a group of " +
-                            std::to_string(size),
-                        false);
-    }
-    s.map(name);
-    const control& c = s.head();
-    if (c.magic != magic || c.size != static_cast<std::uint32_t>(size) || c.slot_bytes != s.slot_) {
-      throw shm_failure(
-          "segment " + name + " was not made by dtrain for a group of " + std::to_string(size),
-          false);
-    }
-    s.lock_own_byte(name);
-    return s;
-  }
+  static shm_segment open(const std::string& name, int rank, int size);
 
   /// Removes the name (every rank keeps its mapping). Rank 0, once all have opened it.
   static void unlink(const std::string& name) noexcept { ::shm_unlink(name.c_str()); }
@@ -3717,21 +4016,7 @@ class shm_segment {
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
   /// The first rank to give up is the one they name; `timed_out` (it gave up
   /// at the timeout) makes their failures timeouts too.
-  void abandon(std::string_view why = {}, bool timed_out = false) noexcept {
-    if (!base_) return;
-    control& c = head();
-    if (c.claimed.exchange(1) == 0) {
-      const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
-      std::memcpy(c.why, why.data(), n);
-      c.why[n] = '\0';
-      c.timed_out.store(timed_out ? 1 : 0, std::memory_order_relaxed);
-      c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
-    }
-    for (int r = 0; r < size_; ++r) {
-      wake(flags(r).arrived);
-      wake(flags(r).reduced);
-    }
-  }
+  void abandon(std::string_view why = {}, bool timed_out = false) noexcept;
 
  private:
   /// A futex word and the count of ranks sleeping on it (so that a rank that
@@ -3766,42 +4051,19 @@ class shm_segment {
     throw shm_failure(call + ": " + std::strerror(errno), false);
   }
 
-  void map(const std::string& name) {
-    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    if (p == MAP_FAILED) fail_call("mmap(" + name + ")");
-    base_ = p;
-  }
+  void map(const std::string& name);
 
   // An open-file-description lock on byte `rank` of the file: it lives as
   // long as this mapping's descriptor, and no longer than the process.
-  void lock_own_byte(const std::string& name) {
-    struct flock l {};
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    l.l_start = rank_;
-    l.l_len = 1;
-    if (::fcntl(fd_, F_OFD_SETLK, &l) != 0) fail_call("fcntl(" + name + ", F_OFD_SETLK)");
-  }
+  void lock_own_byte(const std::string& name);
 
   // False only when the peer's lock is gone: it exited. True when unsure.
-  [[nodiscard]] bool alive(int peer) const noexcept {
-    struct flock l {};
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    l.l_start = peer;
-    l.l_len = 1;
-    if (::fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
-    return l.l_type != F_UNLCK;
-  }
+  [[nodiscard]] bool alive(int peer) const noexcept;
 
   [[nodiscard]] control& head() const noexcept {
     return *std::launder(static_cast<control*>(base_));
   }
-  [[nodiscard]] rank_flags& flags(int r) const noexcept {
-    auto* p = static_cast<unsigned char*>(base_) + sizeof(control) +
-              static_cast<std::size_t>(r) * sizeof(rank_flags);
-    return *std::launder(reinterpret_cast<rank_flags*>(p));
-  }
+  [[nodiscard]] rank_flags& flags(int r) const noexcept;
   // Slot q of the ranks; slot `size` is the result.
   template <class T>
   [[nodiscard]] T* slot(std::size_t q) const noexcept {
@@ -3810,17 +4072,11 @@ class shm_segment {
   }
 
   static long futex(std::atomic<std::uint32_t>& word, int op, std::uint32_t value,
-                    const timespec* wait) noexcept {
-    return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, wait, nullptr,
-                     0);
-  }
+                    const timespec* wait) noexcept;
   static void wake(flag& f) noexcept {
     futex(f.value, FUTEX_WAKE, static_cast<std::uint32_t>(INT_MAX), nullptr);
   }
-  static void publish(flag& f, std::uint32_t k) noexcept {
-    f.value.store(k, std::memory_order_seq_cst);
-    if (f.sleepers.load(std::memory_order_seq_cst) != 0) wake(f);
-  }
+  static void publish(flag& f, std::uint32_t k) noexcept;
   static bool reached(std::uint32_t value, std::uint32_t k) noexcept {
     return static_cast<std::int32_t>(value - k) >= 0;  // counts wrap after 2^32 chunks
   }
@@ -3831,68 +4087,12 @@ class shm_segment {
   // and for the deadline.
   void wait_all(flag rank_flags::*which, std::uint32_t k,
                 std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
-                const char* phase, std::size_t c, std::size_t chunks) {
-    for (int q = 0; q < size_; ++q) {
-      flag& f = flags(q).*which;
-      for (int spin = 0; spin < 256 && !reached(f.value.load(std::memory_order_acquire), k);
-           ++spin) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-      }
-      while (!reached(f.value.load(std::memory_order_acquire), k)) {
-        // The rank waited for first: its death is the cause, another's giving up a consequence.
-        if (!alive(q)) {
-          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
-                            " exited or closed its communicator (its lock on the segment is "
-                            "gone)";
-          abandon(why);
-          throw shm_failure(why, false);
-        }
-        if (const std::uint32_t by = head().abandoned_by.load(std::memory_order_acquire); by != 0) {
-          const char* why = head().why;
-          throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
-                                std::string(why, ::strnlen(why, sizeof head().why)),
-                            head().timed_out.load(std::memory_order_relaxed) != 0);
-        }
-        const auto now = std::chrono::steady_clock::now();
-        if (now >= deadline) {
-          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
-                            " did not come within the timeout (" + std::to_string(timeout.count()) +
-                            " ms): timed out";
-          abandon(why, true);
-          throw shm_failure(why, true);
-        }
-        const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
-        const auto slice = left < std::chrono::milliseconds(20)
-                               ? left
-                               : std::chrono::nanoseconds(std::chrono::milliseconds(20));
-        const timespec wait{static_cast<time_t>(slice.count() / 1'000'000'000),
-                            static_cast<long>(slice.count() % 1'000'000'000)};
-        f.sleepers.fetch_add(1, std::memory_order_seq_cst);
-        const std::uint32_t seen = f.value.load(std::memory_order_seq_cst);
-        if (!reached(seen, k)) futex(f.value, FUTEX_WAIT, seen, &wait);
-        f.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      }
-    }
-  }
+                const char* phase, std::size_t c, std::size_t chunks);
 
   [[nodiscard]] std::string where(int q, const char* phase, std::size_t c,
-                                  std::size_t chunks) const {
-    return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-           " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
-           std::to_string(c + 1) + " of " + std::to_string(chunks);
-  }
+                                  std::size_t chunks) const;
 
-  void swap(shm_segment& o) noexcept {
-    std::swap(base_, o.base_);
-    std::swap(bytes_, o.bytes_);
-    std::swap(slot_, o.slot_);
-    std::swap(fd_, o.fd_);
-    std::swap(rank_, o.rank_);
-    std::swap(size_, o.size_);
-    std::swap(chunk_, o.chunk_);
-  }
+  void swap(shm_segment& o) noexcept;
 
   void* base_ = nullptr;
   std::size_t bytes_ = 0;
@@ -3902,6 +4102,192 @@ class shm_segment {
   int size_ = 1;
   std::uint32_t chunk_ = 0;  // chunks this rank has run: the same count on every rank
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE shm_segment::~shm_segment() {
+  if (base_) ::munmap(base_, bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+DTRAIN_DETAIL_INLINE shm_segment shm_segment::create(const std::string& name, int size) {
+  shm_segment s;
+  s.rank_ = 0;
+  s.size_ = size;
+  s.slot_ = shm_slot_bytes(size);
+  s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+  s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, S_IRUSR | S_IWUSR);
+  if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_CREAT | O_EXCL, 0600)");
+  try {
+    // Reserve every page now: a tmpfs that is full (a container's 64 MiB
+    // /dev/shm) fails here, not with SIGBUS on a later write.
+    if (const int e = ::posix_fallocate(s.fd_, 0, static_cast<off_t>(s.bytes_)); e != 0) {
+      errno = e;
+      fail_call("posix_fallocate(" + name + ", " + std::to_string(s.bytes_) + " bytes)");
+    }
+    s.map(name);
+    auto* c = new (s.base_) control{};
+    c->size = static_cast<std::uint32_t>(size);
+    c->slot_bytes = s.slot_;
+    for (int r = 0; r < size; ++r) new (&s.flags(r)) rank_flags{};
+    c->magic = magic;  // last: a segment with the magic is complete
+    s.lock_own_byte(name);
+  } catch (...) {
+    unlink(name);  // nothing of a segment that failed stays behind
+    throw;
+  }
+  return s;
+}
+
+DTRAIN_DETAIL_INLINE shm_segment shm_segment::open(const std::string& name, int rank, int size) {
+  shm_segment s;
+  s.rank_ = rank;
+  s.size_ = size;
+  s.slot_ = shm_slot_bytes(size);
+  s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+  s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_RDWR)");
+  struct stat st {};
+  if (::fstat(s.fd_, &st) != 0) fail_call("fstat(" + name + ")");
+  if (static_cast<std::size_t>(st.st_size) != s.bytes_) {
+    throw shm_failure("segment " + name + " holds " + std::to_string(st.st_size) +
+                          " bytes, not the " + std::to_string(s.bytes_) + " of a group of " +
+                          std::to_string(size),
+                      false);
+  }
+  s.map(name);
+  const control& c = s.head();
+  if (c.magic != magic || c.size != static_cast<std::uint32_t>(size) || c.slot_bytes != s.slot_) {
+    throw shm_failure(
+        "segment " + name + " was not made by dtrain for a group of " + std::to_string(size),
+        false);
+  }
+  s.lock_own_byte(name);
+  return s;
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::abandon(std::string_view why, bool timed_out) noexcept {
+  if (!base_) return;
+  control& c = head();
+  if (c.claimed.exchange(1) == 0) {
+    const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
+    std::memcpy(c.why, why.data(), n);
+    c.why[n] = '\0';
+    c.timed_out.store(timed_out ? 1 : 0, std::memory_order_relaxed);
+    c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
+  }
+  for (int r = 0; r < size_; ++r) {
+    wake(flags(r).arrived);
+    wake(flags(r).reduced);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::map(const std::string& name) {
+  void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) fail_call("mmap(" + name + ")");
+  base_ = p;
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::lock_own_byte(const std::string& name) {
+  struct flock l {};
+  l.l_type = F_WRLCK;
+  l.l_whence = SEEK_SET;
+  l.l_start = rank_;
+  l.l_len = 1;
+  if (::fcntl(fd_, F_OFD_SETLK, &l) != 0) fail_call("fcntl(" + name + ", F_OFD_SETLK)");
+}
+
+DTRAIN_DETAIL_INLINE bool shm_segment::alive(int peer) const noexcept {
+  struct flock l {};
+  l.l_type = F_WRLCK;
+  l.l_whence = SEEK_SET;
+  l.l_start = peer;
+  l.l_len = 1;
+  if (::fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
+  return l.l_type != F_UNLCK;
+}
+
+DTRAIN_DETAIL_INLINE auto shm_segment::flags(int r) const noexcept -> rank_flags& {
+  auto* p = static_cast<unsigned char*>(base_) + sizeof(control) +
+            static_cast<std::size_t>(r) * sizeof(rank_flags);
+  return *std::launder(reinterpret_cast<rank_flags*>(p));
+}
+
+DTRAIN_DETAIL_INLINE long shm_segment::futex(std::atomic<std::uint32_t>& word, int op,
+                                             std::uint32_t value, const timespec* wait) noexcept {
+  return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, wait, nullptr, 0);
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::publish(flag& f, std::uint32_t k) noexcept {
+  f.value.store(k, std::memory_order_seq_cst);
+  if (f.sleepers.load(std::memory_order_seq_cst) != 0) wake(f);
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::wait_all(flag rank_flags::*which, std::uint32_t k,
+                                                std::chrono::steady_clock::time_point deadline,
+                                                std::chrono::milliseconds timeout,
+                                                const char* phase, std::size_t c,
+                                                std::size_t chunks) {
+  for (int q = 0; q < size_; ++q) {
+    flag& f = flags(q).*which;
+    for (int spin = 0; spin < 256 && !reached(f.value.load(std::memory_order_acquire), k); ++spin) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+    while (!reached(f.value.load(std::memory_order_acquire), k)) {
+      // The rank waited for first: its death is the cause, another's giving up a consequence.
+      if (!alive(q)) {
+        std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                          " exited or closed its communicator (its lock on the segment is "
+                          "gone)";
+        abandon(why);
+        throw shm_failure(why, false);
+      }
+      if (const std::uint32_t by = head().abandoned_by.load(std::memory_order_acquire); by != 0) {
+        const char* why = head().why;
+        throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
+                              std::string(why, ::strnlen(why, sizeof head().why)),
+                          head().timed_out.load(std::memory_order_relaxed) != 0);
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                          " did not come within the timeout (" + std::to_string(timeout.count()) +
+                          " ms): timed out";
+        abandon(why, true);
+        throw shm_failure(why, true);
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+      const auto slice = left < std::chrono::milliseconds(20)
+                             ? left
+                             : std::chrono::nanoseconds(std::chrono::milliseconds(20));
+      const timespec wait{static_cast<time_t>(slice.count() / 1'000'000'000),
+                          static_cast<long>(slice.count() % 1'000'000'000)};
+      f.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const std::uint32_t seen = f.value.load(std::memory_order_seq_cst);
+      if (!reached(seen, k)) futex(f.value, FUTEX_WAIT, seen, &wait);
+      f.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string shm_segment::where(int q, const char* phase, std::size_t c,
+                                                    std::size_t chunks) const {
+  return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+         " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
+         std::to_string(c + 1) + " of " + std::to_string(chunks);
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
+  std::swap(base_, o.base_);
+  std::swap(bytes_, o.bytes_);
+  std::swap(slot_, o.slot_);
+  std::swap(fd_, o.fd_);
+  std::swap(rank_, o.rank_);
+  std::swap(size_, o.size_);
+  std::swap(chunk_, o.chunk_);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 #endif  // DTRAIN_HAS_SHM()
 
@@ -4014,21 +4400,30 @@ struct gloo_state {
 
   /// Records the first failure without allocating: the timeout hook and
   /// gloo_execute, both noexcept, call these.
-  void mark_unusable(std::exception_ptr why) noexcept {
-    std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure.set(std::move(why));
-  }
-  void mark_unusable(const collective_info& call, const char* how) noexcept {
-    std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure.set(call, how);
-  }
-  [[nodiscard]] std::string unusable_text() {
-    std::lock_guard lock(mutex);
-    return "the communicator is unusable since an earlier failure (" + failure.text() +
-           "); ranks cannot fall back into step after a failed collective, so make a new "
-           "communicator";
-  }
+  void mark_unusable(std::exception_ptr why) noexcept;
+  void mark_unusable(const collective_info& call, const char* how) noexcept;
+  [[nodiscard]] std::string unusable_text();
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(std::exception_ptr why) noexcept {
+  std::lock_guard lock(mutex);
+  if (!unusable.exchange(true)) failure.set(std::move(why));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(const collective_info& call,
+                                                    const char* how) noexcept {
+  std::lock_guard lock(mutex);
+  if (!unusable.exchange(true)) failure.set(call, how);
+}
+
+DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
+  std::lock_guard lock(mutex);
+  return "the communicator is unusable since an earlier failure (" + failure.text() +
+         "); ranks cannot fall back into step after a failed collective, so make a new "
+         "communicator";
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 inline void gloo_execute(gloo_state& s, gloo_state::task& t,
                          std::chrono::milliseconds timeout) noexcept;
@@ -4053,41 +4448,47 @@ class gloo_work final : public work_state {
   /// worker: submit-then-wait then costs no thread hand-off. Otherwise sleeps
   /// until a collective finishes. Overrides work_state's wait hook, so waiting
   /// sleeps instead of taking the CPU from Gloo's threads.
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
-    auto s = owner_.lock();
-    if (!s) return poll();
-    std::unique_lock lock(s->mutex);
-    for (;;) {
-      if (poll()) return true;
-      const auto now = std::chrono::steady_clock::now();
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-      if (left.count() <= 0) return poll();
-      if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
-        gloo_state::task t = std::move(s->queue.front());
-        s->queue.pop_front();
-        s->running = true;
-        lock.unlock();
-        gloo_execute(*s, t, std::min(left, s->timeout));
-        lock.lock();
-        s->running = false;
-        lock.unlock();
-        s->wake.notify_one();
-        s->finished.notify_all();
-        return true;
-      }
-      s->finished.wait_until(lock, deadline);
-    }
-  }
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
 
-  void finish(std::exception_ptr e) noexcept {
-    if (e) fail(std::move(e));
-    done_.store(true, std::memory_order_release);
-  }
+  void finish(std::exception_ptr e) noexcept;
 
  private:
   std::atomic<bool> done_{false};
   std::weak_ptr<gloo_state> owner_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool gloo_work::wait_until(std::chrono::steady_clock::time_point deadline) {
+  auto s = owner_.lock();
+  if (!s) return poll();
+  std::unique_lock lock(s->mutex);
+  for (;;) {
+    if (poll()) return true;
+    const auto now = std::chrono::steady_clock::now();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    if (left.count() <= 0) return poll();
+    if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
+      gloo_state::task t = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->running = true;
+      lock.unlock();
+      gloo_execute(*s, t, std::min(left, s->timeout));
+      lock.lock();
+      s->running = false;
+      lock.unlock();
+      s->wake.notify_one();
+      s->finished.notify_all();
+      return true;
+    }
+    s->finished.wait_until(lock, deadline);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void gloo_work::finish(std::exception_ptr e) noexcept {
+  if (e) fail(std::move(e));
+  done_.store(true, std::memory_order_release);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A failure inside a call into Gloo, with the call as written, file:line
 /// and Gloo's message; gloo_failure() turns it into dtrain's errors.
@@ -4122,7 +4523,11 @@ namespace dtrain::detail {
 
 /// An exception from Gloo as dtrain's: timeout_error for Gloo's timeouts,
 /// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
-inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::string& what) {
+DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
+                                                     const std::string& what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
+                                                     const std::string& what) {
   std::string message;
   try {
     std::rethrow_exception(e);
@@ -4157,6 +4562,7 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
                         "first error on the other ranks",
                     0));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo. When every rank runs on this host, allreduces go
@@ -4200,8 +4606,11 @@ void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
   }
 }
 
-inline void gloo_run_broadcast(gloo_state& s, buffer b, int root,
-                               std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                                             std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                                             std::chrono::milliseconds timeout) {
   if (s.size == 1) return;
   ::gloo::BroadcastOptions opts(s.context);
   opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
@@ -4209,9 +4618,13 @@ inline void gloo_run_broadcast(gloo_state& s, buffer b, int root,
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                               std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout) {
   auto* block =
       static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
   if (s.size == 1) {
@@ -4224,13 +4637,17 @@ inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
   if (s.size == 1) return;
   ::gloo::BarrierOptions opts(s.context);
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
 // and on 3 ranks it returned corrupted blocks when two ran back to back (a
@@ -4256,8 +4673,13 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
 }
 
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
-inline void gloo_check_signature(gloo_state& s, const signature& sig, const collective_info& what,
-                                 std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& sig,
+                                               const collective_info& what,
+                                               std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& sig,
+                                               const collective_info& what,
+                                               std::chrono::milliseconds timeout) {
   compare_signatures(
       sig, s.rank, s.size, what,
       [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
@@ -4266,12 +4688,16 @@ inline void gloo_check_signature(gloo_state& s, const signature& sig, const coll
         gloo_run_allgather(s, in, out, timeout);
       });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Runs one task's collective (its signature first, in check mode). Throws
 /// what failed as dtrain's error (gloo_failure), and tells peers waiting in
 /// the shared-memory segment to stop, with a timeout if this was one.
-inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
-                          std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                                        std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                                        std::chrono::milliseconds timeout) {
   try {
     if (s.unusable.load()) {
       throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
@@ -4294,14 +4720,16 @@ inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
     std::rethrow_exception(failure);
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Runs one task (on the worker, or on a thread waiting for it) and completes
 /// its work. A failure, whatever it is (out of memory while putting one into
 /// words too), reaches the work's wait() and makes the communicator unusable;
 /// so does running after one. Allocates nothing itself: everything that may
 /// is inside gloo_run_task, whose exception it catches.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t,
-                         std::chrono::milliseconds timeout) noexcept {
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_execute(gloo_state& s, gloo_state::task& t,
+                                       std::chrono::milliseconds timeout) noexcept {
   std::exception_ptr failure;
   try {
     gloo_run_task(s, t, timeout);
@@ -4316,9 +4744,12 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
   }
   t.work->finish(std::move(failure));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The worker: runs the queue in order until the communicator stops and the queue is empty.
-inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
+DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s) {
   for (;;) {
     gloo_state::task t;
     {
@@ -4339,6 +4770,7 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
     s->finished.notify_all();
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -4415,12 +4847,16 @@ struct store_limits {
 
   /// The largest request frame these limits allow; a larger length prefix
   /// closes the connection before a byte of it is buffered.
-  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
-    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
-    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
-    return 64u + (keys > one ? keys : one);
-  }
+  [[nodiscard]] std::uint64_t max_frame_size() const noexcept;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::uint64_t store_limits::max_frame_size() const noexcept {
+  std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+  std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+  return 64u + (keys > one ? keys : one);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Options of a store server or client. Aggregate: use designated initialisers,
 /// e.g. `{.timeout = 30s, .token = "secret"}`.
@@ -4453,31 +4889,35 @@ struct store_options {
   /// top (and DTRAIN_STORE_MAX_CONNECTIONS, DTRAIN_STORE_MAX_BYTES): the environment wins, as
   /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
   /// config_error naming the variable on a malformed value.
-  [[nodiscard]] store_options with_env(const environment& env) const {
-    store_options out = *this;
-    if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
-    if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
-    if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
-    if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
-      out.progress_interval = *t;
-    }
-    if (auto n = detail::read_int(env, store_max_connections_variable)) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
-    }
-    if (auto n = detail::read_int(env, store_max_bytes_variable)) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
-    }
-    if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
-    if (out.token.size() > out.limits.max_token_size) {
-      throw config_error(std::string(store_token_variable) + " / token is " +
-                         std::to_string(out.token.size()) + " bytes; the limit is " +
-                         std::to_string(out.limits.max_token_size));
-    }
-    return out;
-  }
+  [[nodiscard]] store_options with_env(const environment& env) const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE store_options store_options::with_env(const environment& env) const {
+  store_options out = *this;
+  if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
+  if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
+  if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
+  if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
+    out.progress_interval = *t;
+  }
+  if (auto n = detail::read_int(env, store_max_connections_variable)) {
+    if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+    out.limits.max_connections = static_cast<std::uint32_t>(n->value);
+  }
+  if (auto n = detail::read_int(env, store_max_bytes_variable)) {
+    if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+    out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
+  }
+  if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
+  if (out.token.size() > out.limits.max_token_size) {
+    throw config_error(std::string(store_token_variable) + " / token is " +
+                       std::to_string(out.token.size()) + " bytes; the limit is " +
+                       std::to_string(out.limits.max_token_size));
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -4488,13 +4928,18 @@ inline std::string whole_seconds(std::chrono::milliseconds t) {
 
 /// Hands a progress report to `sink` (store_options::progress), or prints it
 /// on stderr as `dtrain: <text>` when there is none.
-inline void say(const std::function<void(std::string_view)>& sink, const std::string& text) {
+DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
+                              const std::string& text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
+                              const std::string& text) {
   if (sink) {
     sink(text);
   } else {
     std::fprintf(stderr, "dtrain: %s\n", text.c_str());
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -4546,12 +4991,15 @@ enum class status : std::uint8_t {
 };
 
 /// A frame: u32 length, then the body.
-inline std::string frame(const std::string& body) {
+DTRAIN_DETAIL_INLINE std::string frame(const std::string& body);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string frame(const std::string& body) {
   std::string out;
   writer(out).u32(static_cast<std::uint32_t>(body.size()));
   out += body;
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The decoded u32 at the start of `header` (4 bytes).
 inline std::uint32_t frame_length(std::string_view header) {
@@ -4559,7 +5007,10 @@ inline std::uint32_t frame_length(std::string_view header) {
 }
 
 /// Keys of a wait/check request, bounded by the limits.
-inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
+DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r, const store_limits& limits);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r,
+                                                             const store_limits& limits) {
   std::uint32_t n = r.u32("key count");
   if (n > limits.max_keys_per_request) {
     throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
@@ -4569,6 +5020,7 @@ inline std::vector<std::string_view> read_keys(reader& r, const store_limits& li
   for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
   return keys;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::wire
 // ---- end dtrain/rendezvous/protocol.hpp ----
@@ -4590,13 +5042,18 @@ inline std::vector<std::string_view> read_keys(reader& r, const store_limits& li
 namespace dtrain::detail {
 
 /// "host:port", with brackets for IPv6 ("[::1]:29500").
-inline std::string endpoint_text(const std::string& host, int port) {
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port) {
   bool v6 = host.find(':') != std::string::npos;
   return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The numeric address and port of a socket address.
-inline std::string endpoint_text(const sockaddr* sa) {
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa) {
   char host[INET6_ADDRSTRLEN] = "?";
   int port = 0;
   if (sa->sa_family == AF_INET) {
@@ -4610,12 +5067,16 @@ inline std::string endpoint_text(const sockaddr* sa) {
   }
   return endpoint_text(host, port);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Disables Nagle: the store's requests are small and latency-bound.
-inline void set_no_delay(int fd) {
+DTRAIN_DETAIL_INLINE void set_no_delay(int fd);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void set_no_delay(int fd) {
   int one = 1;
   DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// getaddrinfo with its result owned.
 struct address_list {
@@ -4629,7 +5090,11 @@ struct address_list {
 };
 
 /// Resolves host:port; returns the gai error code (0 on success).
-inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
+DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
+                                 address_list& out);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
+                                 address_list& out) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -4637,6 +5102,7 @@ inline int resolve(const std::string& host, int port, bool passive, address_list
   std::string service = std::to_string(port);
   return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/socket.hpp ----
@@ -4692,110 +5158,39 @@ class store_client {
   [[nodiscard]] const store_options& options() const noexcept { return options_; }
 
   /// Sets key to value, waking everyone waiting for the key.
-  void set(std::string_view key, std::string_view value) {
-    std::string body = begin(detail::wire::op::set);
-    detail::wire::writer(body).bytes32(key).bytes32(value);
-    call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
-  }
+  void set(std::string_view key, std::string_view value);
 
   /// The value of `key`, waiting until it exists. Throws timeout_error naming
   /// the key and how long it waited; never returns a sentinel.
   [[nodiscard]] std::string get(std::string_view key) { return get(key, options_.timeout); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
-    std::string body = begin(detail::wire::op::get);
-    detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
-    auto what = "get(\"" + std::string(key) + "\")";
-    auto reply = call(body, timeout, what);
-    if (!reply)
-      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
-                          " and the key was never set");
-    detail::wire::reader r(*reply);
-    auto value = r.bytes32("value", UINT32_MAX);
-    return std::string(value);
-  }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout);
 
   /// Adds `delta` to the integer at key (0 when absent) and returns the new value.
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    std::string body = begin(detail::wire::op::add);
-    detail::wire::writer(body).bytes32(key).i64(delta);
-    auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
-    return detail::wire::reader(*reply).i64("counter");
-  }
+  std::int64_t add(std::string_view key, std::int64_t delta);
 
   /// Sets key to `desired` if it holds `expected` (a missing key matches an
   /// empty `expected`). Returns the value afterwards; empty if the key does not exist.
   std::string compare_set(std::string_view key, std::string_view expected,
-                          std::string_view desired) {
-    std::string body = begin(detail::wire::op::compare_set);
-    detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
-    auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
-    detail::wire::reader r(*reply);
-    return std::string(r.bytes32("value", UINT32_MAX));
-  }
+                          std::string_view desired);
 
   /// Waits until every key exists.
   void wait(std::span<const std::string> keys) { wait(keys, options_.timeout); }
-  void wait(std::span<const std::string> keys, milliseconds timeout) {
-    std::string body = begin(detail::wire::op::wait);
-    detail::wire::writer w(body);
-    w.u32(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.bytes32(k);
-    w.u64(as_ms(timeout));
-    auto what = "wait(" + key_list(keys) + ")";
-    if (!call(body, timeout, what)) {
-      throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
-                          "; missing keys are never set, or their setters are slow or dead");
-    }
-  }
+  void wait(std::span<const std::string> keys, milliseconds timeout);
 
   /// Whether every key exists, without waiting.
-  [[nodiscard]] bool check(std::span<const std::string> keys) {
-    std::string body = begin(detail::wire::op::check);
-    detail::wire::writer w(body);
-    w.u32(static_cast<std::uint32_t>(keys.size()));
-    for (const auto& k : keys) w.bytes32(k);
-    auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
-    return detail::wire::reader(*reply).u8("present") != 0;
-  }
+  [[nodiscard]] bool check(std::span<const std::string> keys);
 
   /// Removes key; returns whether it existed.
-  bool erase(std::string_view key) {
-    std::string body = begin(detail::wire::op::erase);
-    detail::wire::writer(body).bytes32(key);
-    auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
-    return detail::wire::reader(*reply).u8("existed") != 0;
-  }
+  bool erase(std::string_view key);
 
   /// Number of keys in the store (all prefixes).
-  [[nodiscard]] std::int64_t num_keys() {
-    auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
-    return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
-  }
+  [[nodiscard]] std::int64_t num_keys();
 
   /// Blocks until `count` callers have entered barrier `name`. A name can be
   /// reused: each group of `count` arrivals is one generation. On timeout the
   /// timeout_error says how many had arrived.
   void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
-  void barrier(std::string_view name, int count, milliseconds timeout) {
-    if (count < 1)
-      throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
-                         " must be at least 1");
-    const std::string arrived = std::string(name) + "/arrived";
-    std::int64_t n = add(arrived, 1);
-    std::int64_t generation = (n - 1) / count;
-    const std::string done = std::string(name) + "/done/" + std::to_string(generation);
-    if (n % count == 0) set(done, "1");
-    try {
-      std::string keys[] = {done};
-      wait(keys, timeout);
-    } catch (const timeout_error&) {
-      std::int64_t now = add(arrived, 0) - generation * count;
-      throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
-                          " timed out after " + seconds(timeout) + ": " +
-                          std::to_string(std::min<std::int64_t>(now, count)) + " of " +
-                          std::to_string(count) + " arrived");
-    }
-  }
+  void barrier(std::string_view name, int count, milliseconds timeout);
 
   /// Round trip without effect; a liveness check.
   void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
@@ -4807,19 +5202,9 @@ class store_client {
     return static_cast<std::uint64_t>(std::max<std::int64_t>(t.count(), 0));
   }
 
-  static std::string seconds(milliseconds t) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
-    return text;
-  }
+  static std::string seconds(milliseconds t);
 
-  static std::string key_list(std::span<const std::string> keys) {
-    std::string out;
-    for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
-      out += (i ? ", \"" : "\"") + keys[i] + "\"";
-    if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
-    return out;
-  }
+  static std::string key_list(std::span<const std::string> keys);
 
   using steady = std::chrono::steady_clock;
 
@@ -4828,286 +5213,40 @@ class store_client {
 
   void connect() { connect(options_.timeout); }
 
-  void connect(milliseconds patience) {
-    const auto deadline = steady::now() + patience;
-    std::minstd_rand jitter(
-        static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
-                              static_cast<unsigned>(steady::now().time_since_epoch().count())));
-    milliseconds backoff(10);
-    std::string last_error;
-    // A name the resolver does not know will not appear by waiting: fail at
-    // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
-    const auto start = steady::now();
-    const auto resolve_deadline = std::min(deadline, start + resolver_retry);
-    auto next_report = start + options_.progress_interval;
-    for (;;) {
-      int resolver_rc = 0;
-      last_error = try_connect(deadline, resolver_rc);
-      if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
-        throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
-                           endpoint() + ": " + ::gai_strerror(resolver_rc) +
-                           "; check MASTER_ADDR (dtrun --master-addr)");
-      }
-      // A server at its connection cap closes newcomers unanswered: knock again.
-      if (last_error.empty()) last_error = try_handshake(deadline);
-      if (last_error.empty()) return;
-      const auto now = steady::now();
-      auto left = deadline - now;
-      if (left <= steady::duration::zero()) {
-        throw timeout_error("could not reach the store at " + endpoint() + " within " +
-                            seconds(patience) + " (last error: " + last_error +
-                            "); check that the process hosting it (rank 0, or the node-0 agent) "
-                            "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
-                            "rank, and that no firewall blocks the port");
-      }
-      if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
-        detail::say(
-            options_.progress,
-            "still trying to connect to the store at " + endpoint() + " (" +
-                detail::whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
-                " of " + detail::whole_seconds(patience) + "; last error: " + last_error + ")");
-        next_report = now + options_.progress_interval;
-      }
-      // Jittered exponential backoff, so a thousand workers do not knock in step.
-      auto pause =
-          backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
-      std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
-      backoff = std::min(backoff * 2, milliseconds(1000));
-    }
-  }
+  void connect(milliseconds patience);
 
   // The handshake; returns why the connection was lost during it (empty on
   // success). A refusal (token, version) throws: knocking again cannot help.
-  std::string try_handshake(steady::time_point deadline) {
-    try {
-      handshake(deadline);
-      return {};
-    } catch (const error& e) {  // lost, or no answer in time
-      if (refused_) throw;
-      fd_.reset();
-      broken_ = false;
-      return e.what();
-    }
-  }
+  std::string try_handshake(steady::time_point deadline);
 
   // One attempt; returns the reason it failed, empty on success, and the
   // resolver's error code in `resolver_rc` when the name did not resolve.
-  std::string try_connect(steady::time_point deadline, int& resolver_rc) {
-    detail::address_list addrs;
-    if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
-      resolver_rc = rc;
-      return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
-    }
-    std::string why;
-    for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
-      detail::unique_fd fd(
-          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-      if (!fd) {
-        why = std::strerror(errno);
-        continue;
-      }
-      if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
-        if (errno != EINPROGRESS) {
-          why = std::strerror(errno);
-          continue;
-        }
-        pollfd p{fd.get(), POLLOUT, 0};
-        int left = remaining_ms(deadline);
-        if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
-          why = "connect timed out";
-          continue;
-        }
-        int err = 0;
-        socklen_t len = sizeof err;
-        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err != 0) {
-          why = std::strerror(err);
-          continue;
-        }
-      }
-      detail::set_no_delay(fd.get());
-      fd_ = std::move(fd);
-      return {};
-    }
-    return why.empty() ? "no address" : why;
-  }
+  std::string try_connect(steady::time_point deadline, int& resolver_rc);
 
-  static int remaining_ms(steady::time_point deadline) {
-    auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
-    return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
-  }
+  static int remaining_ms(steady::time_point deadline);
 
-  void handshake(steady::time_point connect_deadline) {
-    std::string hello;
-    detail::wire::writer(hello)
-        .u32(detail::wire::magic)
-        .u16(detail::wire::version)
-        .bytes16(options_.token);
-    auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
-    send_all(hello, deadline, "the handshake");
-    std::string reply = recv_exact(3, deadline, "the handshake reply");
-    detail::wire::reader r(reply);
-    auto s = static_cast<detail::wire::status>(r.u8("status"));
-    auto version = r.u16("version");
-    refused_ = s != detail::wire::status::ok;
-    if (s == detail::wire::status::bad_token) {
-      broken_ = true;
-      throw token_error("the store at " + endpoint() +
-                        " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                        "token option) on every rank");
-    }
-    if (s == detail::wire::status::bad_version) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
-                             std::to_string(version) + ", this client " +
-                             std::to_string(detail::wire::version) +
-                             "; build every rank with the same dtrain");
-    }
-    if (s != detail::wire::status::ok) {
-      broken_ = true;
-      throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
-                             std::to_string(static_cast<int>(s)));
-    }
-  }
+  void handshake(steady::time_point connect_deadline);
 
   // Sends a request and returns the reply payload; nullopt when the server
   // reports that the wait timed out.
   std::optional<std::string> call(const std::string& body, milliseconds server_wait,
-                                  const std::string& what) {
-    std::lock_guard lock(mutex_);
-    if (broken_)
-      throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
-                             " was lost earlier");
-    // After a silence the server may have closed the connection as idle:
-    // reopen it rather than fail. If it closes just as this request leaves,
-    // no reply byte arrives, and the request is sent again once.
-    const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
-    if (closed_by_server()) reopen(what);
-    try {
-      auto reply = exchange(body, server_wait, what);
-      last_reply_ = steady::now();
-      return reply;
-    } catch (const rendezvous_error&) {
-      if (!was_idle || reply_started_ || !broken_) throw;
-      reopen(what);
-      auto reply = exchange(body, server_wait, what);
-      last_reply_ = steady::now();
-      return reply;
-    }
-  }
+                                  const std::string& what);
 
-  [[nodiscard]] bool closed_by_server() const {
-    char byte;
-    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-  }
+  [[nodiscard]] bool closed_by_server() const;
 
   // A new connection within the io timeout; the old one is dropped unread.
-  void reopen(const std::string& what) {
-    fd_.reset();
-    broken_ = false;
-    try {
-      connect(options_.io_timeout);
-    } catch (const error& e) {
-      broken_ = true;
-      throw rendezvous_error(
-          what + ": the store at " + endpoint() +
-          " closed this idle connection and cannot be reached again: " + e.what());
-    }
-  }
+  void reopen(const std::string& what);
 
   std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
-                                      const std::string& what) {
-    reply_started_ = false;
-    // The reply may take the server-side wait, plus the io timeout before the server is presumed
-    // dead.
-    auto deadline = steady::now() + server_wait + options_.io_timeout;
-    try {
-      send_all(detail::wire::frame(body), deadline, what);
-      std::string head = recv_exact(4, deadline, what);
-      std::uint32_t length = detail::wire::frame_length(head);
-      if (length == 0 || length > options_.limits.max_frame_size()) {
-        throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
-                               std::to_string(length) + " bytes");
-      }
-      std::string reply = recv_exact(length, deadline, what);
-      auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
-      std::string_view payload = std::string_view(reply).substr(1);
-      switch (s) {
-        case detail::wire::status::ok: return std::string(payload);
-        case detail::wire::status::timeout: return std::nullopt;
-        case detail::wire::status::error:
-        case detail::wire::status::shutting_down: {
-          detail::wire::reader r(payload);
-          auto message = std::string(r.bytes32("message", UINT32_MAX));
-          if (s == detail::wire::status::shutting_down) broken_ = true;
-          throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
-        }
-        default:
-          throw rendezvous_error(what + ": the store at " + endpoint() +
-                                 " answered with unknown status " +
-                                 std::to_string(static_cast<int>(s)));
-      }
-    } catch (const detail::wire::violation& e) {
-      broken_ = true;
-      throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
-                             e.what());
-    } catch (const timeout_error&) {
-      broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
-      throw;
-    }
-  }
+                                      const std::string& what);
 
-  void send_all(std::string_view data, steady::time_point deadline, const std::string& what) {
-    while (!data.empty()) {
-      ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
-      if (n > 0) {
-        data.remove_prefix(static_cast<std::size_t>(n));
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
-      await(POLLOUT, deadline, what);
-    }
-  }
+  void send_all(std::string_view data, steady::time_point deadline, const std::string& what);
 
-  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what) {
-    std::string out;
-    char chunk[16384];
-    while (out.size() < size) {
-      ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
-      if (n > 0) {
-        out.append(chunk, static_cast<std::size_t>(n));
-        reply_started_ = true;
-        continue;
-      }
-      if (n == 0) lost(what, "the server closed the connection");
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
-      await(POLLIN, deadline, what);
-    }
-    return out;
-  }
+  std::string recv_exact(std::size_t size, steady::time_point deadline, const std::string& what);
 
-  void await(short events, steady::time_point deadline, const std::string& what) {
-    pollfd p{fd_.get(), events, 0};
-    for (;;) {
-      int left = remaining_ms(deadline);
-      int rc = ::poll(&p, 1, left);
-      if (rc > 0) return;
-      if (rc < 0 && errno == EINTR) continue;
-      if (rc < 0) lost(what, std::strerror(errno));
-      broken_ = true;
-      throw timeout_error(what + ": no reply from the store at " + endpoint() +
-                          " in time; the server is overloaded, hung or unreachable");
-    }
-  }
+  void await(short events, steady::time_point deadline, const std::string& what);
 
-  [[noreturn]] void lost(const std::string& what, const std::string& why) {
-    broken_ = true;
-    throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" +
-                           why + "); did the process hosting it exit?");
-  }
+  [[noreturn]] void lost(const std::string& what, const std::string& why);
 
   std::string host_;
   int port_;
@@ -5119,6 +5258,394 @@ class store_client {
   bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
   steady::time_point last_reply_ = steady::now();
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void store_client::set(std::string_view key, std::string_view value) {
+  std::string body = begin(detail::wire::op::set);
+  detail::wire::writer(body).bytes32(key).bytes32(value);
+  call(body, milliseconds(0), "set(\"" + std::string(key) + "\")");
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::get(std::string_view key, milliseconds timeout) {
+  std::string body = begin(detail::wire::op::get);
+  detail::wire::writer(body).bytes32(key).u64(as_ms(timeout));
+  auto what = "get(\"" + std::string(key) + "\")";
+  auto reply = call(body, timeout, what);
+  if (!reply)
+    throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                        " and the key was never set");
+  detail::wire::reader r(*reply);
+  auto value = r.bytes32("value", UINT32_MAX);
+  return std::string(value);
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t store_client::add(std::string_view key, std::int64_t delta) {
+  std::string body = begin(detail::wire::op::add);
+  detail::wire::writer(body).bytes32(key).i64(delta);
+  auto reply = call(body, milliseconds(0), "add(\"" + std::string(key) + "\")");
+  return detail::wire::reader(*reply).i64("counter");
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::compare_set(std::string_view key,
+                                                           std::string_view expected,
+                                                           std::string_view desired) {
+  std::string body = begin(detail::wire::op::compare_set);
+  detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
+  auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+  detail::wire::reader r(*reply);
+  return std::string(r.bytes32("value", UINT32_MAX));
+}
+
+DTRAIN_DETAIL_INLINE void store_client::wait(std::span<const std::string> keys,
+                                             milliseconds timeout) {
+  std::string body = begin(detail::wire::op::wait);
+  detail::wire::writer w(body);
+  w.u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) w.bytes32(k);
+  w.u64(as_ms(timeout));
+  auto what = "wait(" + key_list(keys) + ")";
+  if (!call(body, timeout, what)) {
+    throw timeout_error(what + " on the store at " + endpoint() + " waited " + seconds(timeout) +
+                        "; missing keys are never set, or their setters are slow or dead");
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool store_client::check(std::span<const std::string> keys) {
+  std::string body = begin(detail::wire::op::check);
+  detail::wire::writer w(body);
+  w.u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) w.bytes32(k);
+  auto reply = call(body, milliseconds(0), "check(" + key_list(keys) + ")");
+  return detail::wire::reader(*reply).u8("present") != 0;
+}
+
+DTRAIN_DETAIL_INLINE bool store_client::erase(std::string_view key) {
+  std::string body = begin(detail::wire::op::erase);
+  detail::wire::writer(body).bytes32(key);
+  auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
+  return detail::wire::reader(*reply).u8("existed") != 0;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t store_client::num_keys() {
+  auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
+  return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
+}
+
+DTRAIN_DETAIL_INLINE void store_client::barrier(std::string_view name, int count,
+                                                milliseconds timeout) {
+  if (count < 1)
+    throw config_error("barrier(\"" + std::string(name) + "\") count " + std::to_string(count) +
+                       " must be at least 1");
+  const std::string arrived = std::string(name) + "/arrived";
+  std::int64_t n = add(arrived, 1);
+  std::int64_t generation = (n - 1) / count;
+  const std::string done = std::string(name) + "/done/" + std::to_string(generation);
+  if (n % count == 0) set(done, "1");
+  try {
+    std::string keys[] = {done};
+    wait(keys, timeout);
+  } catch (const timeout_error&) {
+    std::int64_t now = add(arrived, 0) - generation * count;
+    throw timeout_error("barrier(\"" + std::string(name) + "\") on the store at " + endpoint() +
+                        " timed out after " + seconds(timeout) + ": " +
+                        std::to_string(std::min<std::int64_t>(now, count)) + " of " +
+                        std::to_string(count) + " arrived");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::seconds(milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+  return text;
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::key_list(std::span<const std::string> keys) {
+  std::string out;
+  for (std::size_t i = 0; i < keys.size() && i < 3; ++i)
+    out += (i ? ", \"" : "\"") + keys[i] + "\"";
+  if (keys.size() > 3) out += ", ... (" + std::to_string(keys.size()) + " keys)";
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
+  const auto deadline = steady::now() + patience;
+  std::minstd_rand jitter(
+      static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
+                            static_cast<unsigned>(steady::now().time_since_epoch().count())));
+  milliseconds backoff(10);
+  std::string last_error;
+  // A name the resolver does not know will not appear by waiting: fail at
+  // once. A temporary resolver failure (EAI_AGAIN) gets a few seconds.
+  const auto start = steady::now();
+  const auto resolve_deadline = std::min(deadline, start + resolver_retry);
+  auto next_report = start + options_.progress_interval;
+  for (;;) {
+    int resolver_rc = 0;
+    last_error = try_connect(deadline, resolver_rc);
+    if (resolver_rc != 0 && (resolver_rc != EAI_AGAIN || steady::now() >= resolve_deadline)) {
+      throw config_error("cannot resolve \"" + host_ + "\", the host of the store at " +
+                         endpoint() + ": " + ::gai_strerror(resolver_rc) +
+                         "; check MASTER_ADDR (dtrun --master-addr)");
+    }
+    // A server at its connection cap closes newcomers unanswered: knock again.
+    if (last_error.empty()) last_error = try_handshake(deadline);
+    if (last_error.empty()) return;
+    const auto now = steady::now();
+    auto left = deadline - now;
+    if (left <= steady::duration::zero()) {
+      throw timeout_error("could not reach the store at " + endpoint() + " within " +
+                          seconds(patience) + " (last error: " + last_error +
+                          "); check that the process hosting it (rank 0, or the node-0 agent) "
+                          "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
+                          "rank, and that no firewall blocks the port");
+    }
+    if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
+      detail::say(options_.progress,
+                  "still trying to connect to the store at " + endpoint() + " (" +
+                      detail::whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
+                      " of " + detail::whole_seconds(patience) + "; last error: " + last_error +
+                      ")");
+      next_report = now + options_.progress_interval;
+    }
+    // Jittered exponential backoff, so a thousand workers do not knock in step.
+    auto pause =
+        backoff / 2 + milliseconds(jitter() % static_cast<unsigned>(backoff.count() / 2 + 1));
+    std::this_thread::sleep_for(std::min<steady::duration>(pause, left));
+    backoff = std::min(backoff * 2, milliseconds(1000));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::try_handshake(steady::time_point deadline) {
+  try {
+    handshake(deadline);
+    return {};
+  } catch (const error& e) {  // lost, or no answer in time
+    if (refused_) throw;
+    fd_.reset();
+    broken_ = false;
+    return e.what();
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::try_connect(steady::time_point deadline,
+                                                           int& resolver_rc) {
+  detail::address_list addrs;
+  if (int rc = detail::resolve(host_, port_, false, addrs); rc != 0) {
+    resolver_rc = rc;
+    return std::string("cannot resolve ") + host_ + ": " + ::gai_strerror(rc);
+  }
+  std::string why;
+  for (const addrinfo* a = addrs.head; a; a = a->ai_next) {
+    detail::unique_fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd) {
+      why = std::strerror(errno);
+      continue;
+    }
+    if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        why = std::strerror(errno);
+        continue;
+      }
+      pollfd p{fd.get(), POLLOUT, 0};
+      int left = remaining_ms(deadline);
+      if (::poll(&p, 1, std::min(left, 5000)) <= 0) {
+        why = "connect timed out";
+        continue;
+      }
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        why = std::strerror(err);
+        continue;
+      }
+    }
+    detail::set_no_delay(fd.get());
+    fd_ = std::move(fd);
+    return {};
+  }
+  return why.empty() ? "no address" : why;
+}
+
+DTRAIN_DETAIL_INLINE int store_client::remaining_ms(steady::time_point deadline) {
+  auto left = std::chrono::ceil<milliseconds>(deadline - steady::now()).count();
+  return static_cast<int>(std::clamp<std::int64_t>(left, 0, 1 << 30));
+}
+
+DTRAIN_DETAIL_INLINE void store_client::handshake(steady::time_point connect_deadline) {
+  std::string hello;
+  detail::wire::writer(hello)
+      .u32(detail::wire::magic)
+      .u16(detail::wire::version)
+      .bytes16(options_.token);
+  auto deadline = std::min(connect_deadline, steady::now() + options_.io_timeout);
+  send_all(hello, deadline, "the handshake");
+  std::string reply = recv_exact(3, deadline, "the handshake reply");
+  detail::wire::reader r(reply);
+  auto s = static_cast<detail::wire::status>(r.u8("status"));
+  auto version = r.u16("version");
+  refused_ = s != detail::wire::status::ok;
+  if (s == detail::wire::status::bad_token) {
+    broken_ = true;
+    throw token_error("the store at " + endpoint() +
+                      " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
+                      "token option) on every rank");
+  }
+  if (s == detail::wire::status::bad_version) {
+    broken_ = true;
+    throw rendezvous_error("the store at " + endpoint() + " speaks protocol version " +
+                           std::to_string(version) + ", this client " +
+                           std::to_string(detail::wire::version) +
+                           "; build every rank with the same dtrain");
+  }
+  if (s != detail::wire::status::ok) {
+    broken_ = true;
+    throw rendezvous_error("the store at " + endpoint() + " answered the handshake with status " +
+                           std::to_string(static_cast<int>(s)));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string> store_client::call(const std::string& body,
+                                                                   milliseconds server_wait,
+                                                                   const std::string& what) {
+  std::lock_guard lock(mutex_);
+  if (broken_)
+    throw rendezvous_error(what + ": the connection to the store at " + endpoint() +
+                           " was lost earlier");
+  // After a silence the server may have closed the connection as idle:
+  // reopen it rather than fail. If it closes just as this request leaves,
+  // no reply byte arrives, and the request is sent again once.
+  const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+  if (closed_by_server()) reopen(what);
+  try {
+    auto reply = exchange(body, server_wait, what);
+    last_reply_ = steady::now();
+    return reply;
+  } catch (const rendezvous_error&) {
+    if (!was_idle || reply_started_ || !broken_) throw;
+    reopen(what);
+    auto reply = exchange(body, server_wait, what);
+    last_reply_ = steady::now();
+    return reply;
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool store_client::closed_by_server() const {
+  char byte;
+  ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
+  fd_.reset();
+  broken_ = false;
+  try {
+    connect(options_.io_timeout);
+  } catch (const error& e) {
+    broken_ = true;
+    throw rendezvous_error(what + ": the store at " + endpoint() +
+                           " closed this idle connection and cannot be reached again: " + e.what());
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string> store_client::exchange(const std::string& body,
+                                                                       milliseconds server_wait,
+                                                                       const std::string& what) {
+  reply_started_ = false;
+  // The reply may take the server-side wait, plus the io timeout before the server is presumed
+  // dead.
+  auto deadline = steady::now() + server_wait + options_.io_timeout;
+  try {
+    send_all(detail::wire::frame(body), deadline, what);
+    std::string head = recv_exact(4, deadline, what);
+    std::uint32_t length = detail::wire::frame_length(head);
+    if (length == 0 || length > options_.limits.max_frame_size()) {
+      throw rendezvous_error(what + ": the store at " + endpoint() + " sent a reply of " +
+                             std::to_string(length) + " bytes");
+    }
+    std::string reply = recv_exact(length, deadline, what);
+    auto s = static_cast<detail::wire::status>(static_cast<unsigned char>(reply[0]));
+    std::string_view payload = std::string_view(reply).substr(1);
+    switch (s) {
+      case detail::wire::status::ok: return std::string(payload);
+      case detail::wire::status::timeout: return std::nullopt;
+      case detail::wire::status::error:
+      case detail::wire::status::shutting_down: {
+        detail::wire::reader r(payload);
+        auto message = std::string(r.bytes32("message", UINT32_MAX));
+        if (s == detail::wire::status::shutting_down) broken_ = true;
+        throw rendezvous_error(what + " on the store at " + endpoint() + ": " + message);
+      }
+      default:
+        throw rendezvous_error(what + ": the store at " + endpoint() +
+                               " answered with unknown status " +
+                               std::to_string(static_cast<int>(s)));
+    }
+  } catch (const detail::wire::violation& e) {
+    broken_ = true;
+    throw rendezvous_error(what + ": malformed reply from the store at " + endpoint() + ": " +
+                           e.what());
+  } catch (const timeout_error&) {
+    broken_ = true;  // a reply may still arrive; the stream can no longer be trusted
+    throw;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void store_client::send_all(std::string_view data, steady::time_point deadline,
+                                                 const std::string& what) {
+  while (!data.empty()) {
+    ssize_t n = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+    if (n > 0) {
+      data.remove_prefix(static_cast<std::size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+    await(POLLOUT, deadline, what);
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::recv_exact(std::size_t size,
+                                                          steady::time_point deadline,
+                                                          const std::string& what) {
+  std::string out;
+  char chunk[16384];
+  while (out.size() < size) {
+    ssize_t n = ::recv(fd_.get(), chunk, std::min(sizeof chunk, size - out.size()), 0);
+    if (n > 0) {
+      out.append(chunk, static_cast<std::size_t>(n));
+      reply_started_ = true;
+      continue;
+    }
+    if (n == 0) lost(what, "the server closed the connection");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) lost(what, std::strerror(errno));
+    await(POLLIN, deadline, what);
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void store_client::await(short events, steady::time_point deadline,
+                                              const std::string& what) {
+  pollfd p{fd_.get(), events, 0};
+  for (;;) {
+    int left = remaining_ms(deadline);
+    int rc = ::poll(&p, 1, left);
+    if (rc > 0) return;
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc < 0) lost(what, std::strerror(errno));
+    broken_ = true;
+    throw timeout_error(what + ": no reply from the store at " + endpoint() +
+                        " in time; the server is overloaded, hung or unreachable");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void store_client::lost(const std::string& what, const std::string& why) {
+  broken_ = true;
+  throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" + why +
+                         "); did the process hosting it exit?");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // The client is a store, alone and under a prefix (checked here, next to it:
 // the concept's header does not include an implementation).
@@ -5146,7 +5673,9 @@ namespace dtrain {
 namespace detail {
 
 /// 128 random bits from the kernel, as 32 hex digits.
-inline std::string new_store_token() {
+DTRAIN_DETAIL_INLINE std::string new_store_token();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string new_store_token() {
   unsigned char bytes[16];
   std::size_t got = 0;
   while (got < sizeof bytes) {
@@ -5164,14 +5693,18 @@ inline std::string new_store_token() {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
 /// if set, else the local address that `master` names. Every interface ("0.0.0.0")
 /// only when that name is not an address of this host, or when it resolves to
 /// loopback here but the job spans nodes (Debian's /etc/hosts maps the host's
 /// own name to 127.0.1.1, which other nodes cannot reach).
-inline std::string store_bind_address(const environment& env, const std::string& master,
-                                      bool multi_node) {
+DTRAIN_DETAIL_INLINE std::string store_bind_address(const environment& env,
+                                                    const std::string& master, bool multi_node);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string store_bind_address(const environment& env,
+                                                    const std::string& master, bool multi_node) {
   if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
   const resolved names = resolve(master);
   if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
@@ -5186,6 +5719,7 @@ inline std::string store_bind_address(const environment& env, const std::string&
   }
   return "0.0.0.0";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The address a client on the store's own host uses to reach it.
 inline std::string local_store_address(const std::string& bound) {
@@ -5198,51 +5732,14 @@ inline std::string local_store_address(const std::string& bound) {
 /// in $XDG_RUNTIME_DIR or /tmp/dtrain-<uid> (mode 0700, checked).
 class token_file {
  public:
-  token_file(const environment& env, int port) {
-    std::string dir;
-    if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
-      dir = std::string(*runtime) + "/dtrain";
-    } else {
-      dir = "/tmp/dtrain-" + std::to_string(::getuid());
-    }
-    dir_ = dir;
-    path_ = dir + "/store-" + std::to_string(port) + ".token";
-  }
+  token_file(const environment& env, int port);
   [[nodiscard]] const std::string& path() const noexcept { return path_; }
 
   /// Rank 0: writes `token` (replacing a stale file atomically).
-  void publish(const std::string& token) {
-    if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
-    struct stat st {};
-    if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
-    if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
-      throw config_error(dir_ +
-                         " must be a directory that only this user can open (mode 0700) "
-                         "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
-    }
-    const std::string temp = path_ + "." + std::to_string(::getpid());
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (fd < 0) fail("cannot write", errno);
-    bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
-    ok = ::close(fd) == 0 && ok;
-    if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
-      int err = errno;
-      ::unlink(temp.c_str());
-      fail("cannot write", err);
-    }
-    published_ = true;
-  }
+  void publish(const std::string& token);
 
   /// The token in the file now, or nullopt if there is none yet.
-  [[nodiscard]] std::optional<std::string> read() const {
-    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) return std::nullopt;
-    char text[128];
-    ssize_t n = ::read(fd, text, sizeof text);
-    ::close(fd);
-    if (n <= 0) return std::nullopt;
-    return std::string(text, static_cast<std::size_t>(n));
-  }
+  [[nodiscard]] std::optional<std::string> read() const;
 
   token_file(const token_file&) = delete;
   token_file& operator=(const token_file&) = delete;
@@ -5251,14 +5748,61 @@ class token_file {
   }
 
  private:
-  [[noreturn]] void fail(const char* what, int err) const {
-    throw config_error(std::string(what) + " " + path_ + " for the store token: " +
-                       std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
-  }
+  [[noreturn]] void fail(const char* what, int err) const;
   std::string dir_;
   std::string path_;
   bool published_ = false;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE token_file::token_file(const environment& env, int port) {
+  std::string dir;
+  if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
+    dir = std::string(*runtime) + "/dtrain";
+  } else {
+    dir = "/tmp/dtrain-" + std::to_string(::getuid());
+  }
+  dir_ = dir;
+  path_ = dir + "/store-" + std::to_string(port) + ".token";
+}
+
+DTRAIN_DETAIL_INLINE void token_file::publish(const std::string& token) {
+  if (::mkdir(dir_.c_str(), 0700) != 0 && errno != EEXIST) fail("cannot create", errno);
+  struct stat st {};
+  if (::lstat(dir_.c_str(), &st) != 0) fail("cannot inspect", errno);
+  if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid() || (st.st_mode & 077) != 0) {
+    throw config_error(dir_ +
+                       " must be a directory that only this user can open (mode 0700) "
+                       "to hold the store token; remove it, or set DTRAIN_STORE_TOKEN");
+  }
+  const std::string temp = path_ + "." + std::to_string(::getpid());
+  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) fail("cannot write", errno);
+  bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+  ok = ::close(fd) == 0 && ok;
+  if (!ok || ::rename(temp.c_str(), path_.c_str()) != 0) {
+    int err = errno;
+    ::unlink(temp.c_str());
+    fail("cannot write", err);
+  }
+  published_ = true;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string> token_file::read() const {
+  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return std::nullopt;
+  char text[128];
+  ssize_t n = ::read(fd, text, sizeof text);
+  ::close(fd);
+  if (n <= 0) return std::nullopt;
+  return std::string(text, static_cast<std::size_t>(n));
+}
+
+DTRAIN_DETAIL_INLINE void token_file::fail(const char* what, int err) const {
+  throw config_error(std::string(what) + " " + path_ + " for the store token: " +
+                     std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Connects `client` to the store at host:port with the token in `file`,
 /// reading the file again while the store refuses it (token_error: a file
@@ -5266,9 +5810,13 @@ class token_file {
 /// yet, or no file yet), within `options.timeout`; then `options.token` is
 /// the accepted token. Other failures are thrown as they come. Throws
 /// timeout_error naming the file when no valid token appears in time.
-inline void connect_with_token_file(std::optional<store_client>& client, const token_file& file,
-                                    const std::string& host, int port, store_options& options,
-                                    int rank) {
+DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& client,
+                                                  const token_file& file, const std::string& host,
+                                                  int port, store_options& options, int rank);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& client,
+                                                  const token_file& file, const std::string& host,
+                                                  int port, store_options& options, int rank) {
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   for (;;) {
     if (auto token = file.read()) {
@@ -5289,6 +5837,7 @@ inline void connect_with_token_file(std::optional<store_client>& client, const t
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
@@ -5356,12 +5905,7 @@ namespace detail {
 /// Blocks SIGPIPE in the calling thread while it lives, and in the threads it starts meanwhile.
 class sigpipe_blocked {
  public:
-  sigpipe_blocked() noexcept {
-    sigset_t pipe;
-    sigemptyset(&pipe);
-    sigaddset(&pipe, SIGPIPE);
-    ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
-  }
+  sigpipe_blocked() noexcept;
   ~sigpipe_blocked() { ::pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
   sigpipe_blocked(const sigpipe_blocked&) = delete;
   sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
@@ -5370,8 +5914,19 @@ class sigpipe_blocked {
   sigset_t previous_{};
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE sigpipe_blocked::sigpipe_blocked() noexcept {
+  sigset_t pipe;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// The file mapped at `address` in this process (/proc/self/maps), or empty.
-inline std::string mapped_file_of(const void* address) {
+DTRAIN_DETAIL_INLINE std::string mapped_file_of(const void* address);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string mapped_file_of(const void* address) {
   std::FILE* maps = std::fopen("/proc/self/maps", "r");
   if (!maps) return {};
   const auto at = reinterpret_cast<std::uintptr_t>(address);
@@ -5388,13 +5943,16 @@ inline std::string mapped_file_of(const void* address) {
   std::fclose(maps);
   return found;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Refuses, naming the library, a process where Gloo's functions resolve to
 /// a LibTorch's own copy of Gloo (pytorch.org's and PyPI's LibTorch export
 /// one) rather than to the libgloo whose headers dtrain was compiled
 /// against: another version, whose calls crash. It happens when LibTorch
 /// comes before libgloo on the link line.
-inline void check_gloo_library(int rank) {
+DTRAIN_DETAIL_INLINE void check_gloo_library(int rank);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_gloo_library(int rank) {
   using create_device =
       std::shared_ptr<::gloo::transport::Device> (*)(const ::gloo::transport::tcp::attr&);
   const create_device create = &::gloo::transport::tcp::CreateDevice;
@@ -5411,22 +5969,28 @@ inline void check_gloo_library(int rank) {
       "dtrain::gloo before the torch libraries), or use dtrain's MPI or NCCL engine with this "
       "LibTorch");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Whether a communicator may use shared memory: off, where it can, or required.
 enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
 
-inline shm_mode shm_mode_of(const gloo_options& o) {
+DTRAIN_DETAIL_INLINE shm_mode shm_mode_of(const gloo_options& o);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE shm_mode shm_mode_of(const gloo_options& o) {
   std::optional<bool> on = o.shared_memory;
   if (!on) on = read_flag(o.env, gloo_shm_variable);
   if (!on) return shm_mode::automatic;
   return *on ? shm_mode::required : shm_mode::off;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What tells this host apart from the ranks' point of view: the boot, the
 /// host name, and the network and mount namespaces (ranks in other ones, as
 /// on hosts simulated with network namespaces, are other hosts: their
 /// traffic is what is being tested, and /dev/shm may differ).
-inline std::string shm_host_identity() {
+DTRAIN_DETAIL_INLINE std::string shm_host_identity();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string shm_host_identity() {
   std::string id;
   if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
     char boot[64] = {};
@@ -5443,25 +6007,34 @@ inline std::string shm_host_identity() {
   }
   return id;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A fixed-size record of text for Gloo's allgather and broadcast: a status
 /// byte, then text cut at `record_bytes` - 2.
 inline constexpr std::size_t shm_record_bytes = 256;
-inline void shm_put(std::uint8_t* record, char status, const std::string& text) {
+DTRAIN_DETAIL_INLINE void shm_put(std::uint8_t* record, char status, const std::string& text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void shm_put(std::uint8_t* record, char status, const std::string& text) {
   std::memset(record, 0, shm_record_bytes);
   record[0] = static_cast<std::uint8_t>(status);
   std::memcpy(record + 1, text.data(), std::min(text.size(), shm_record_bytes - 2));
 }
-inline std::string shm_text_of(const std::uint8_t* record) {
+#endif  // DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string shm_text_of(const std::uint8_t* record);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string shm_text_of(const std::uint8_t* record) {
   const char* text = reinterpret_cast<const char*>(record + 1);
   return std::string(text, ::strnlen(text, shm_record_bytes - 1));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Sets up s.shm over the freshly connected Gloo context, collectively (every
 /// rank calls it; all reach the same decision from the same allgathered
 /// records), and returns the describe() text. Throws config_error when a
 /// rank requires shared memory and it cannot be used.
-inline std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
+DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
   if (s.size == 1) return "off (a world of one)";
 #if !DTRAIN_HAS_SHM()
   if (mode == shm_mode::required) {
@@ -5542,6 +6115,7 @@ inline std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
          std::to_string(s.shm.slot_bytes() >> 10) + " KiB slots)";
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -5558,17 +6132,21 @@ struct gloo_self {
   gloo_self& operator=(const gloo_self&) = delete;
   // Runs what is queued (the peers expect it), then stops the worker. A
   // collective stuck on a hung peer ends with Gloo's timeout.
-  ~gloo_self() {
-    if (state) {
-      {
-        std::lock_guard lock(state->mutex);
-        state->stopping = true;
-      }
-      state->wake.notify_all();
-    }
-    if (worker.joinable()) worker.join();
-  }
+  ~gloo_self();
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE gloo_self::~gloo_self() {
+  if (state) {
+    {
+      std::lock_guard lock(state->mutex);
+      state->stopping = true;
+    }
+    state->wake.notify_all();
+  }
+  if (worker.joinable()) worker.join();
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -5623,12 +6201,7 @@ class gloo_communicator {
   /// Where it runs, for logs: "gloo rank 1 of 4, tcp, pci=, iface=lo, speed=-1, addr=[127.0.0.1]
   /// (the address that reaches MASTER_ADDR=127.0.0.1 (127.0.0.1)), keys under dtrain/gloo/0,
   /// shared memory on (3076 KiB segment, 1024 KiB slots)", or "shared memory off (why)".
-  [[nodiscard]] std::string describe() const {
-    if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
-    return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
-           self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " +
-           self_->keys + ", shared memory " + self_->state->shm_text;
-  }
+  [[nodiscard]] std::string describe() const;
 
   /// Gloo's context, for interop and benchmarks against raw Gloo calls. Use
   /// it only while no work of this communicator is outstanding.
@@ -5637,22 +6210,10 @@ class gloo_communicator {
   }
 
   /// `out` becomes the reduction of every rank's `in` (in place when they are the same buffer).
-  work allreduce(buffer in, buffer out, reduce_op op) {
-    return collective(detail::collective_call::allreduce(in, out, op),
-                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
-                        detail::visit(c.in.type, [&]<class T>() {
-                          detail::gloo_run_allreduce<T>(s, c.in, c.out, reduce_op(c.op), timeout);
-                        });
-                      });
-  }
+  work allreduce(buffer in, buffer out, reduce_op op);
 
   /// `data` on every rank becomes root's.
-  work broadcast(buffer data, int root) {
-    return collective(detail::collective_call::broadcast(data, root),
-                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
-                        detail::gloo_run_broadcast(s, c.out, c.root, timeout);
-                      });
-  }
+  work broadcast(buffer data, int root);
 
   /// `out` (size() × in.count elements) becomes every rank's `in`, in rank order.
   work allgather(buffer in, buffer out) {
@@ -5660,23 +6221,10 @@ class gloo_communicator {
   }
 
   /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
-  work reduce_scatter(buffer in, buffer out, reduce_op op) {
-    return collective(detail::collective_call::reduce_scatter(in, out, op),
-                      [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
-                        detail::visit(c.in.type, [&]<class T>() {
-                          detail::gloo_run_reduce_scatter<T>(s, c.in, c.out, reduce_op(c.op),
-                                                             timeout);
-                        });
-                      });
-  }
+  work reduce_scatter(buffer in, buffer out, reduce_op op);
 
   /// Completes once every rank has called barrier().
-  work barrier() {
-    return collective(detail::collective_call::barrier(),
-                      [](detail::gloo_state& s, const detail::collective_call&, ms timeout) {
-                        detail::gloo_run_barrier(s, timeout);
-                      });
-  }
+  work barrier();
 
   /// A communicator of the ranks that pass the same `color`, ranked by
   /// (key, rank here). Collective over this communicator: every rank calls it,
@@ -5684,34 +6232,7 @@ class gloo_communicator {
   /// connected, through the same store, under a namespace of its own. A
   /// negative color leaves this rank out: it gets a communicator with valid()
   /// false (see the `communicator` concept).
-  gloo_communicator split(int color, int key) {
-    std::int64_t mine[2] = {color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    buffer in{mine, 2, dtype::int64, memory::host};
-    buffer out{all.data(), all.size(), dtype::int64, memory::host};
-    // An allgather of (color, key), told apart from a user's in check mode.
-    // Throws when not valid().
-    const detail::collective_call exchange{
-        .kind = detail::collective_kind::split, .in = in, .out = out};
-    collective(exchange, &run_allgather).wait();
-    // Every rank counts the split, left out or not: the next one's keys must agree.
-    const auto number = self_->splits++;
-    if (color < 0) return gloo_communicator(left_out_tag{});
-    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
-    for (int r = 0; r < size(); ++r) {
-      if (all[2 * static_cast<std::size_t>(r)] == color)
-        members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
-    }
-    std::sort(members.begin(), members.end());
-    int new_rank = 0;
-    while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
-    std::string keys =
-        self_->keys + "/split/" + std::to_string(number) + "/" + std::to_string(color);
-    gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()),
-                            self_->options, self_->endpoint, std::move(keys));
-    child.self_->state->ring = self_->state->ring->make_child(color);
-    return child;
-  }
+  gloo_communicator split(int color, int key);
 
  private:
   struct left_out_tag {};
@@ -5719,22 +6240,7 @@ class gloo_communicator {
 
   // A new group: chooses the endpoint, then takes the next namespace under the prefix.
   gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
-                    gloo_options options) {
-    if (size < 1)
-      throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
-    if (rank < 0 || rank >= size) {
-      throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
-                         std::to_string(size));
-    }
-    (void)detail::shm_mode_of(options);  // a bad DTRAIN_GLOO_SHM fails before the store counts
-    auto endpoint =
-        detail::choose_gloo_endpoint(options.interface, options.master_addr, options.env, size);
-    // Every rank counts the communicators it made under this prefix, so the
-    // n-th one of every rank meets under the same namespace.
-    const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
-    std::string keys = options.prefix + "/" + std::to_string(n);
-    connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
-  }
+                    gloo_options options);
 
   gloo_communicator(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
                     gloo_options options, detail::gloo_endpoint endpoint, std::string keys) {
@@ -5742,57 +6248,7 @@ class gloo_communicator {
   }
 
   void connect(std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size,
-               gloo_options options, detail::gloo_endpoint endpoint, std::string keys) {
-    // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
-    // would kill this process with SIGPIPE. Its threads and the worker start
-    // with SIGPIPE blocked (threads inherit the mask); such a write then fails
-    // with EPIPE, which Gloo reports as an error.
-    detail::sigpipe_blocked quiet;
-    detail::check_gloo_library(rank);
-    const detail::shm_mode shm = detail::shm_mode_of(options);  // DTRAIN_GLOO_SHM=bad fails here
-    auto state = std::make_shared<detail::gloo_state>();
-    state->rank = rank;
-    state->size = size;
-    state->timeout = options.collectives.timeout;
-    state->check = options.collectives.check;
-    const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " +
-                              std::to_string(size) + " (interface: " + endpoint.origin +
-                              "; store keys under " + keys + "/): ";
-    try {
-      ::gloo::transport::tcp::attr attr;
-      if (!endpoint.iface.empty()) {
-        attr.iface = endpoint.iface;
-      } else {
-        attr.hostname = endpoint.hostname;
-      }
-      DTRAIN_GLOO_CHECK(state->device = ::gloo::transport::tcp::CreateDevice(attr));
-      auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
-      context->setTimeout(state->timeout);
-      detail::gloo_store_adapter adapter(*store, keys, state->timeout);
-      DTRAIN_GLOO_CHECK(context->connectFullMesh(adapter, state->device));
-      state->context = context;
-      // Once every rank has connected, every rank has read every address: a
-      // barrier proves it, and the addresses can leave the store.
-      detail::gloo_run_barrier(*state, state->timeout);
-      for (const auto& key : adapter.written()) store->erase(key);
-      state->shm_text = detail::gloo_join_shm(*state, shm);
-    } catch (const timeout_error& e) {
-      throw timeout_error(where + e.what());
-    } catch (const rendezvous_error& e) {
-      throw rendezvous_error(where + e.what());
-    } catch (const error&) {
-      throw;
-    } catch (const std::exception& e) {  // Gloo's, through DTRAIN_GLOO_CHECK
-      throw backend_error(where + "Gloo: " + e.what(), 0);
-    }
-    self_ = std::make_unique<detail::gloo_self>();
-    self_->state = state;
-    self_->store = std::move(store);
-    self_->options = std::move(options);
-    self_->endpoint = std::move(endpoint);
-    self_->keys = std::move(keys);
-    self_->worker = std::thread([state] { detail::gloo_serve(state); });
-  }
+               gloo_options options, detail::gloo_endpoint endpoint, std::string keys);
 
   using ms = std::chrono::milliseconds;
 
@@ -5812,31 +6268,175 @@ class gloo_communicator {
   // number and the signature check mode compares (on the worker, before the
   // collective); then the queue, in submission order. Nothing moves for a
   // zero-length call: complete at once, except in check mode.
-  work collective(const detail::collective_call& call, detail::gloo_runner run) {
-    const detail::collective_info what = call.info(name, rank(), size());
-    if (!self_) detail::throw_invalid(detail::describe(what), left_out_);
-    detail::check_arguments(call, what, host_memory);
-    detail::gloo_state& s = *self_->state;
-    if (s.unusable.load())
-      throw backend_error(detail::describe(what) + ": " + s.unusable_text(), 0);
-    std::unique_lock lock(s.mutex);
-    const std::int64_t seq = detail::record(*s.ring, what);
-    if (!call.moves_data() && !s.check) {
-      s.ring->settle(seq, detail::call_state::completed);
-      return work{};
-    }
-    auto w = std::make_shared<detail::gloo_work>(what, s.timeout, self_->state);
-    w->track(s.ring, seq);
-    s.queue.push_back({w, detail::signature_of(seq, what), call, run});
-    const bool idle = !s.running;
-    lock.unlock();
-    if (idle) s.wake.notify_one();
-    return work(std::move(w));
-  }
+  work collective(const detail::collective_call& call, detail::gloo_runner run);
 
   std::unique_ptr<detail::gloo_self> self_;
   bool left_out_ = false;  // split() gave this rank a negative color
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string gloo_communicator::describe() const {
+  if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
+  return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
+         self_->state->device->str() + " (" + self_->endpoint.origin + "), keys under " +
+         self_->keys + ", shared memory " + self_->state->shm_text;
+}
+
+DTRAIN_DETAIL_INLINE work gloo_communicator::allreduce(buffer in, buffer out, reduce_op op) {
+  return collective(detail::collective_call::allreduce(in, out, op),
+                    [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                      detail::visit(c.in.type, [&]<class T>() {
+                        detail::gloo_run_allreduce<T>(s, c.in, c.out, reduce_op(c.op), timeout);
+                      });
+                    });
+}
+
+DTRAIN_DETAIL_INLINE work gloo_communicator::broadcast(buffer data, int root) {
+  return collective(detail::collective_call::broadcast(data, root),
+                    [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                      detail::gloo_run_broadcast(s, c.out, c.root, timeout);
+                    });
+}
+
+DTRAIN_DETAIL_INLINE work gloo_communicator::reduce_scatter(buffer in, buffer out, reduce_op op) {
+  return collective(detail::collective_call::reduce_scatter(in, out, op),
+                    [](detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+                      detail::visit(c.in.type, [&]<class T>() {
+                        detail::gloo_run_reduce_scatter<T>(s, c.in, c.out, reduce_op(c.op),
+                                                           timeout);
+                      });
+                    });
+}
+
+DTRAIN_DETAIL_INLINE work gloo_communicator::barrier() {
+  return collective(detail::collective_call::barrier(),
+                    [](detail::gloo_state& s, const detail::collective_call&, ms timeout) {
+                      detail::gloo_run_barrier(s, timeout);
+                    });
+}
+
+DTRAIN_DETAIL_INLINE gloo_communicator gloo_communicator::split(int color, int key) {
+  std::int64_t mine[2] = {color, key};
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+  buffer in{mine, 2, dtype::int64, memory::host};
+  buffer out{all.data(), all.size(), dtype::int64, memory::host};
+  // An allgather of (color, key), told apart from a user's in check mode.
+  // Throws when not valid().
+  const detail::collective_call exchange{
+      .kind = detail::collective_kind::split, .in = in, .out = out};
+  collective(exchange, &run_allgather).wait();
+  // Every rank counts the split, left out or not: the next one's keys must agree.
+  const auto number = self_->splits++;
+  if (color < 0) return gloo_communicator(left_out_tag{});
+  std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
+  for (int r = 0; r < size(); ++r) {
+    if (all[2 * static_cast<std::size_t>(r)] == color)
+      members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+  }
+  std::sort(members.begin(), members.end());
+  int new_rank = 0;
+  while (members[static_cast<std::size_t>(new_rank)].second != rank()) ++new_rank;
+  std::string keys = self_->keys + "/split/" + std::to_string(number) + "/" + std::to_string(color);
+  gloo_communicator child(self_->store, new_rank, static_cast<int>(members.size()), self_->options,
+                          self_->endpoint, std::move(keys));
+  child.self_->state->ring = self_->state->ring->make_child(color);
+  return child;
+}
+
+DTRAIN_DETAIL_INLINE gloo_communicator::gloo_communicator(
+    std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options) {
+  if (size < 1)
+    throw config_error("gloo_communicator: size " + std::to_string(size) + " must be at least 1");
+  if (rank < 0 || rank >= size) {
+    throw config_error("gloo_communicator: rank " + std::to_string(rank) + " is not below size " +
+                       std::to_string(size));
+  }
+  (void)detail::shm_mode_of(options);  // a bad DTRAIN_GLOO_SHM fails before the store counts
+  auto endpoint =
+      detail::choose_gloo_endpoint(options.interface, options.master_addr, options.env, size);
+  // Every rank counts the communicators it made under this prefix, so the
+  // n-th one of every rank meets under the same namespace.
+  const std::int64_t n = store->add(options.prefix + "/made/" + std::to_string(rank), 1) - 1;
+  std::string keys = options.prefix + "/" + std::to_string(n);
+  connect(std::move(store), rank, size, std::move(options), std::move(endpoint), std::move(keys));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_communicator::connect(
+    std::shared_ptr<const detail::gloo_store_ref> store, int rank, int size, gloo_options options,
+    detail::gloo_endpoint endpoint, std::string keys) {
+  // Gloo 0.5 writes to its sockets without MSG_NOSIGNAL: a peer that died
+  // would kill this process with SIGPIPE. Its threads and the worker start
+  // with SIGPIPE blocked (threads inherit the mask); such a write then fails
+  // with EPIPE, which Gloo reports as an error.
+  detail::sigpipe_blocked quiet;
+  detail::check_gloo_library(rank);
+  const detail::shm_mode shm = detail::shm_mode_of(options);  // DTRAIN_GLOO_SHM=bad fails here
+  auto state = std::make_shared<detail::gloo_state>();
+  state->rank = rank;
+  state->size = size;
+  state->timeout = options.collectives.timeout;
+  state->check = options.collectives.check;
+  const std::string where = "connecting gloo rank " + std::to_string(rank) + " of " +
+                            std::to_string(size) + " (interface: " + endpoint.origin +
+                            "; store keys under " + keys + "/): ";
+  try {
+    ::gloo::transport::tcp::attr attr;
+    if (!endpoint.iface.empty()) {
+      attr.iface = endpoint.iface;
+    } else {
+      attr.hostname = endpoint.hostname;
+    }
+    DTRAIN_GLOO_CHECK(state->device = ::gloo::transport::tcp::CreateDevice(attr));
+    auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
+    context->setTimeout(state->timeout);
+    detail::gloo_store_adapter adapter(*store, keys, state->timeout);
+    DTRAIN_GLOO_CHECK(context->connectFullMesh(adapter, state->device));
+    state->context = context;
+    // Once every rank has connected, every rank has read every address: a
+    // barrier proves it, and the addresses can leave the store.
+    detail::gloo_run_barrier(*state, state->timeout);
+    for (const auto& key : adapter.written()) store->erase(key);
+    state->shm_text = detail::gloo_join_shm(*state, shm);
+  } catch (const timeout_error& e) {
+    throw timeout_error(where + e.what());
+  } catch (const rendezvous_error& e) {
+    throw rendezvous_error(where + e.what());
+  } catch (const error&) {
+    throw;
+  } catch (const std::exception& e) {  // Gloo's, through DTRAIN_GLOO_CHECK
+    throw backend_error(where + "Gloo: " + e.what(), 0);
+  }
+  self_ = std::make_unique<detail::gloo_self>();
+  self_->state = state;
+  self_->store = std::move(store);
+  self_->options = std::move(options);
+  self_->endpoint = std::move(endpoint);
+  self_->keys = std::move(keys);
+  self_->worker = std::thread([state] { detail::gloo_serve(state); });
+}
+
+DTRAIN_DETAIL_INLINE work gloo_communicator::collective(const detail::collective_call& call,
+                                                        detail::gloo_runner run) {
+  const detail::collective_info what = call.info(name, rank(), size());
+  if (!self_) detail::throw_invalid(detail::describe(what), left_out_);
+  detail::check_arguments(call, what, host_memory);
+  detail::gloo_state& s = *self_->state;
+  if (s.unusable.load()) throw backend_error(detail::describe(what) + ": " + s.unusable_text(), 0);
+  std::unique_lock lock(s.mutex);
+  const std::int64_t seq = detail::record(*s.ring, what);
+  if (!call.moves_data() && !s.check) {
+    s.ring->settle(seq, detail::call_state::completed);
+    return work{};
+  }
+  auto w = std::make_shared<detail::gloo_work>(what, s.timeout, self_->state);
+  w->track(s.ring, seq);
+  s.queue.push_back({w, detail::signature_of(seq, what), call, run});
+  const bool idle = !s.running;
+  lock.unlock();
+  if (idle) s.wake.notify_one();
+  return work(std::move(w));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 static_assert(communicator<gloo_communicator>);
 
@@ -5881,7 +6481,11 @@ inline constexpr std::string_view device_casts_missing =
     "linked into the program (any one: the kernels are shared)";
 
 /// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
-inline void host_compress(void* out, const float* in, std::size_t n, float scale, dtype wire) {
+DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
+                                        dtype wire);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
+                                        dtype wire) {
   visit(wire, [&]<class Half>() {
     if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
       auto* o = static_cast<Half*>(out);
@@ -5889,7 +6493,10 @@ inline void host_compress(void* out, const float* in, std::size_t n, float scale
     }
   });
 }
-inline void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
+#endif  // DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
   visit(wire, [&]<class Half>() {
     if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
       const auto* i16 = static_cast<const Half*>(in);
@@ -5897,6 +6504,7 @@ inline void host_decompress(float* out, const void* in, std::size_t n, dtype wir
     }
   });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -5955,17 +6563,23 @@ struct device_casts {
   void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
 };
 
-[[nodiscard]] inline std::atomic<const device_casts*>& device_casts_slot() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept {
   static std::atomic<const device_casts*> slot{nullptr};
   return slot;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The registered kernels; config_error when no unit of the program was built by nvcc.
-[[nodiscard]] inline const device_casts& registered_device_casts() {
+[[nodiscard]] DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts() {
   if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
     return *casts;
   throw config_error(std::string(device_casts_missing));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -5983,107 +6597,142 @@ struct cuda_memory {
   /// legacy default stream, which a non-blocking compute stream would not
   /// wait for). The host never waits, so a rebuild of the buckets does not
   /// stall behind a busy compute stream.
-  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
-    detail::device_guard on(device);
-    void* data = nullptr;
-    const std::size_t n = bytes == 0 ? 1 : bytes;
-    if (pools(device)) {
-      DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
-    } else {
-      DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
-    }
-    if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
-      release(data, device, stream);
-      detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
-    }
-    return data;
-  }
+  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream);
   /// Frees on `stream` once everything before it there is done (cudaFreeAsync;
   /// cudaFree, which waits for the device, without memory pools). Call it on
   /// a stream ordered after the last use on any stream.
-  static void release(void* data, int device, stream_type stream) noexcept {
-    detail::device_guard on(device, std::nothrow);
-    if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
-    (void)cudaGetLastError();
-    (void)cudaFree(data);
-  }
-  static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
-  }
-  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream) {
-    if (dst == src || !bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-  }
+  static void release(void* data, int device, stream_type stream) noexcept;
+  static void zero(void* data, std::size_t bytes, int device, stream_type stream);
+  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream);
   /// From (pageable) host memory to the device, on `stream`; `host` may be
   /// reused when this returns.
   static void upload(void* dst, const void* host, std::size_t bytes, int device,
-                     stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
-  }
+                     stream_type stream);
   /// From the device to host memory, on `stream`: complete after synchronize(device, stream).
   static void download(void* host, const void* src, std::size_t bytes, int device,
-                       stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
-  }
+                       stream_type stream);
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                       int device, stream_type stream) {
-    const detail::device_casts& casts = detail::registered_device_casts();
-    detail::device_guard on(device);
-    casts.compress(out, in, n, scale, wire, stream);
-  }
+                       int device, stream_type stream);
   static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
-                         stream_type stream) {
-    const detail::device_casts& casts = detail::registered_device_casts();
-    detail::device_guard on(device);
-    casts.decompress(out, in, n, wire, stream);
-  }
+                         stream_type stream);
   /// The kernels exist when some unit of the program was compiled by nvcc.
   [[nodiscard]] static bool casts_available() noexcept;
   /// Blocks the host until everything on `stream` is done.
-  static void synchronize(int device, stream_type stream) {
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
+  static void synchronize(int device, stream_type stream);
   /// Work enqueued on `waiter` from now on runs after everything on `before` so far.
-  static void order_after(int device, stream_type waiter, stream_type before) {
-    if (waiter == before) return;
-    detail::device_guard on(device);
-    const detail::cuda_event done = detail::cuda_event::create();
-    DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
-    DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
-  }
+  static void order_after(int device, stream_type waiter, stream_type before);
   /// Whether `device` has stream-ordered memory pools (cudaMallocAsync).
-  [[nodiscard]] static bool pools(int device) noexcept {
-    int supported = 0;
-    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return supported != 0;
-  }
+  [[nodiscard]] static bool pools(int device) noexcept;
   /// A stream being captured into a CUDA graph cannot take DDP's work (its
   /// events and host waits): config_error saying so.
-  static void check_stream(int device, stream_type stream) {
-    detail::device_guard on(device);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status != cudaStreamCaptureStatusNone) {
-      throw config_error(
-          "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
-          "records events, polls them from the host and launches NCCL work that must not be "
-          "replayed, so run the DDP step outside the capture (capture the forward and backward "
-          "only)");
-    }
-  }
+  static void check_stream(int device, stream_type stream);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void* cuda_memory::allocate(std::size_t bytes, int device,
+                                                 stream_type stream) {
+  detail::device_guard on(device);
+  void* data = nullptr;
+  const std::size_t n = bytes == 0 ? 1 : bytes;
+  if (pools(device)) {
+    DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
+  } else {
+    DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
+  }
+  if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
+    release(data, device, stream);
+    detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
+  }
+  return data;
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::release(void* data, int device,
+                                               stream_type stream) noexcept {
+  detail::device_guard on(device, std::nothrow);
+  if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
+  (void)cudaGetLastError();
+  (void)cudaFree(data);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::zero(void* data, std::size_t bytes, int device,
+                                            stream_type stream) {
+  if (!bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::copy(void* dst, const void* src, std::size_t bytes,
+                                            int device, stream_type stream) {
+  if (dst == src || !bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::upload(void* dst, const void* host, std::size_t bytes,
+                                              int device, stream_type stream) {
+  if (!bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::download(void* host, const void* src, std::size_t bytes,
+                                                int device, stream_type stream) {
+  if (!bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::compress(void* out, const float* in, std::size_t n,
+                                                float scale, dtype wire, int device,
+                                                stream_type stream) {
+  const detail::device_casts& casts = detail::registered_device_casts();
+  detail::device_guard on(device);
+  casts.compress(out, in, n, scale, wire, stream);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::decompress(float* out, const void* in, std::size_t n,
+                                                  dtype wire, int device, stream_type stream) {
+  const detail::device_casts& casts = detail::registered_device_casts();
+  detail::device_guard on(device);
+  casts.decompress(out, in, n, wire, stream);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::synchronize(int device, stream_type stream) {
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::order_after(int device, stream_type waiter,
+                                                   stream_type before) {
+  if (waiter == before) return;
+  detail::device_guard on(device);
+  const detail::cuda_event done = detail::cuda_event::create();
+  DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
+  DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
+}
+
+DTRAIN_DETAIL_INLINE bool cuda_memory::pools(int device) noexcept {
+  int supported = 0;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return supported != 0;
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::check_stream(int device, stream_type stream) {
+  detail::device_guard on(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) {
+    throw config_error(
+        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
+        "records events, polls them from the host and launches NCCL work that must not be "
+        "replayed, so run the DDP step outside the capture (capture the forward and backward "
+        "only)");
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 #endif  // DTRAIN_HAS_CUDA()
 
@@ -6170,13 +6819,16 @@ inline const bool nvcc_device_casts_registered =
 }  // inline namespace nvcc / host_compiler
 
 /// Whether the program can cast GPU buckets (some unit was built by nvcc).
-[[nodiscard]] inline bool device_casts_available() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept {
 #if DTRAIN_HAS_CUDA()
   return device_casts_slot().load(std::memory_order_acquire) != nullptr;
 #else
   return false;
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -6215,15 +6867,20 @@ namespace dtrain {
 
 namespace detail {
 
-inline std::string mpi_error_text(int code) {
+DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
     return "MPI error " + std::to_string(code);
   return std::string(text, static_cast<std::size_t>(length));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::string mpi_thread_level_name(int level) {
+DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level) {
   switch (level) {
     case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
     case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
@@ -6232,6 +6889,7 @@ inline std::string mpi_thread_level_name(int level) {
   }
   return "thread level " + std::to_string(level);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -6268,73 +6926,85 @@ struct mpi_options {
 
   /// These options for a job whose environment snapshot is `env`: no tuning
   /// when the user chose OMPI_MCA_coll_libnbc_iallreduce_algorithm there.
-  [[nodiscard]] mpi_options with_env(const environment& env) const {
-    mpi_options out = *this;
-    if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
-    return out;
-  }
+  [[nodiscard]] mpi_options with_env(const environment& env) const;
   static constexpr const char* open_mpi_iallreduce_variable =
       "OMPI_MCA_coll_libnbc_iallreduce_algorithm";
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_options mpi_options::with_env(const environment& env) const {
+  mpi_options out = *this;
+  if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Owns MPI's initialisation when dtrain did it: initialises only if nobody
 /// has, and then finalizes when the last communicator is gone.
 class mpi_environment {
  public:
-  explicit mpi_environment(int required_level, bool tune_open_mpi = true)
-      : unwinding_(std::uncaught_exceptions()) {
-    int initialized = 0;
-    DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
-    int provided = MPI_THREAD_SINGLE;
-    if (!initialized) {
-      // The one write to the process's environment in dtrain, and why: Open MPI
-      // takes MCA parameters at MPI_Init_thread from the environment (or
-      // parameter files) only; MPI_Init_thread has no argument for them, and
-      // MPI_T can write this one only where an Open MPI version registers it
-      // as settable. Set just before dtrain itself initialises MPI, never when
-      // the user's environment (options.with_env) or the process has it already.
-      if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
-      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS)
-        throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
-      owned_ = true;
-    } else {
-      DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
-    }
-    if (provided < required_level) {
-      throw backend_error(
-          "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
-              detail::mpi_thread_level_name(required_level) +
-              (owned_ ? "; use an MPI built with thread support"
-                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
-          provided);
-    }
-  }
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true);
   mpi_environment(const mpi_environment&) = delete;
   mpi_environment& operator=(const mpi_environment&) = delete;
   /// Finalizes MPI if this object initialised it, except while an exception
   /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
   /// MPI is left up for dtrain::run to report the failure and MPI_Abort).
-  ~mpi_environment() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
-  }
+  ~mpi_environment();
   [[nodiscard]] bool owned() const noexcept { return owned_; }
 
   /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
-  [[nodiscard]] static bool cuda_aware() noexcept {
-#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
-    return MPIX_Query_cuda_support() == 1;
-#else
-    return false;
-#endif
-  }
+  [[nodiscard]] static bool cuda_aware() noexcept;
 
  private:
   bool owned_ = false;
   int unwinding_ = 0;  // exceptions in flight when it was made
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_environment::mpi_environment(int required_level, bool tune_open_mpi)
+    : unwinding_(std::uncaught_exceptions()) {
+  int initialized = 0;
+  DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    // The one write to the process's environment in dtrain, and why: Open MPI
+    // takes MCA parameters at MPI_Init_thread from the environment (or
+    // parameter files) only; MPI_Init_thread has no argument for them, and
+    // MPI_T can write this one only where an Open MPI version registers it
+    // as settable. Set just before dtrain itself initialises MPI, never when
+    // the user's environment (options.with_env) or the process has it already.
+    if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS)
+      throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+    owned_ = true;
+  } else {
+    DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
+  }
+  if (provided < required_level) {
+    throw backend_error(
+        "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+            detail::mpi_thread_level_name(required_level) +
+            (owned_ ? "; use an MPI built with thread support"
+                    : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+        provided);
+  }
+}
+
+DTRAIN_DETAIL_INLINE mpi_environment::~mpi_environment() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
+}
+
+DTRAIN_DETAIL_INLINE bool mpi_environment::cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
 /// CUDA is available) staged through pooled pinned host blocks: copied out
@@ -6350,17 +7020,10 @@ class mpi_communicator {
   static constexpr bool reaches_host_memory = true;
 
   /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
-  static mpi_communicator world(mpi_options options = {}) {
-    auto env =
-        std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
-    return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
-  }
+  static mpi_communicator world(mpi_options options = {});
 
   /// Wraps a duplicate of `comm` (MPI already initialised by the caller).
-  static mpi_communicator from(MPI_Comm comm, mpi_options options = {}) {
-    auto env = std::make_shared<mpi_environment>(options.required_thread_level);
-    return mpi_communicator(std::move(env), comm, std::move(options));
-  }
+  static mpi_communicator from(MPI_Comm comm, mpi_options options = {});
 
   mpi_communicator(mpi_communicator&& other) noexcept
       : env_(std::move(other.env_)),
@@ -6375,17 +7038,7 @@ class mpi_communicator {
   mpi_communicator& operator=(mpi_communicator&&) = delete;
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
-  ~mpi_communicator() {
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    for (MPI_Op& op : ops_) {
-      if (op != MPI_OP_NULL) MPI_Op_free(&op);
-    }
-    // A request given up after a timeout may still be progressed by MPI: keep
-    // the communicator allocated for it (a deliberate leak of a dead communicator).
-    if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
-  }
+  ~mpi_communicator();
 
   /// -1 and 0 for a rank that split() left out (negative color).
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -6398,109 +7051,26 @@ class mpi_communicator {
 
   /// Pinned host bytes this communicator holds for staging device buffers
   /// (in use and free for reuse); 0 without CUDA.
-  [[nodiscard]] std::size_t staging_bytes() const {
-#if DTRAIN_HAS_CUDA()
-    return staging_->pool.held_bytes();
-#else
-    return 0;
-#endif
-  }
+  [[nodiscard]] std::size_t staging_bytes() const;
 
   // Device buffers: `stream` is the caller's stream whose work produced the
   // input (null: the legacy default stream). The host waits for it before MPI
   // reads the data; the output is on the device when the work completes.
 
-  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    return collective(
-        detail::collective_call::allreduce(in, out, op), stream,
-        [&](request& w, const detail::collective_info& what) {
-          const void* send = w.src.data == w.dst.data ? MPI_IN_PLACE : w.src.data;
-          if (w.direct) {
-            DTRAIN_MPI_CHECK(MPI_Allreduce(send, w.dst.data, count(out, what), datatype(out.type),
-                                           mpi_op(op, out.type), comm_),
-                             what);
-          } else {
-            DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w.dst.data, count(out, what), datatype(out.type),
-                                            mpi_op(op, out.type), comm_, &w.req),
-                             what);
-          }
-        });
-  }
+  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr);
 
-  work broadcast(buffer data, int root, stream_handle stream = nullptr) {
-    return collective(
-        detail::collective_call::broadcast(data, root), stream,
-        [&](request& w, const detail::collective_info& what) {
-          if (w.direct) {
-            DTRAIN_MPI_CHECK(
-                MPI_Bcast(w.dst.data, count(data, what), datatype(data.type), root, comm_), what);
-          } else {
-            DTRAIN_MPI_CHECK(
-                MPI_Ibcast(w.dst.data, count(data, what), datatype(data.type), root, comm_, &w.req),
-                what);
-          }
-        });
-  }
+  work broadcast(buffer data, int root, stream_handle stream = nullptr);
 
-  work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
-    return collective(detail::collective_call::allgather(in, out), stream,
-                      [&](request& w, const detail::collective_info& what) {
-                        const int n = count(in, what);
-                        if (w.direct) {
-                          DTRAIN_MPI_CHECK(MPI_Allgather(w.src.data, n, datatype(in.type),
-                                                         w.dst.data, n, datatype(in.type), comm_),
-                                           what);
-                        } else {
-                          DTRAIN_MPI_CHECK(
-                              MPI_Iallgather(w.src.data, n, datatype(in.type), w.dst.data, n,
-                                             datatype(in.type), comm_, &w.req),
-                              what);
-                        }
-                      });
-  }
+  work allgather(buffer in, buffer out, stream_handle stream = nullptr);
 
-  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    return collective(
-        detail::collective_call::reduce_scatter(in, out, op), stream,
-        [&](request& w, const detail::collective_info& what) {
-          if (w.direct) {
-            DTRAIN_MPI_CHECK(
-                MPI_Reduce_scatter_block(w.src.data, w.dst.data, count(out, what),
-                                         datatype(out.type), mpi_op(op, out.type), comm_),
-                what);
-          } else {
-            DTRAIN_MPI_CHECK(
-                MPI_Ireduce_scatter_block(w.src.data, w.dst.data, count(out, what),
-                                          datatype(out.type), mpi_op(op, out.type), comm_, &w.req),
-                what);
-          }
-        });
-  }
+  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr);
 
-  work barrier() {
-    return collective(detail::collective_call::barrier(), nullptr,
-                      [&](request& w, const detail::collective_info& what) {
-                        DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w.req), what);
-                      });
-  }
+  work barrier();
 
   /// The ranks with the same color, ordered by key (then by rank). Collective.
   /// A negative color leaves this rank out (MPI_UNDEFINED): it gets a
   /// communicator with valid() false (see the `communicator` concept).
-  mpi_communicator split(int color, int key) {
-    auto what =
-        detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key),
-                         rank_, size_, name);
-    if (!valid()) detail::throw_invalid(what, rank_ < 0);
-    usable(what);
-    MPI_Comm child = MPI_COMM_NULL;
-    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), what);
-    if (child == MPI_COMM_NULL) return mpi_communicator(env_, options_);
-    mpi_communicator out(env_, child, options_);
-    out.ring_ = ring_->make_child(color);
-    MPI_Comm_free(&child);  // `out` holds its own duplicate
-    return out;
-  }
+  mpi_communicator split(int color, int key);
 
  private:
   struct health {
@@ -6523,22 +7093,7 @@ class mpi_communicator {
     request(const detail::collective_info& what, std::chrono::milliseconds timeout,
             std::shared_ptr<health> h, std::shared_ptr<staging> st)
         : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
-    ~request() override {
-      int finalized = 1;
-      MPI_Finalized(&finalized);
-      if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
-        // A handle dropped before completion: MPI still writes into the
-        // buffers, so finish it, for at most the timeout, rather than leave
-        // MPI holding freed memory.
-        auto deadline = std::chrono::steady_clock::now() + timeout();
-        int flag = 0;
-        while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
-               std::chrono::steady_clock::now() < deadline) {
-        }
-        if (!flag) abandon();
-      }
-      if (!abandoned) release_staging();  // an abandoned request may still write into them
-    }
+    ~request() override;
 
     /// Chooses where MPI reads and writes: the user's buffers (host memory;
     /// device memory when the MPI takes it directly and no host arithmetic is
@@ -6546,88 +7101,15 @@ class mpi_communicator {
     /// work queued on `stream` is done. Host arithmetic: avg's division and
     /// the 16-bit floats' MPI_Op.
     void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math,
-               [[maybe_unused]] stream_handle stream) {
-      user_out = out;
-      src = in;
-      dst = out;
-#if DTRAIN_HAS_CUDA()
-      if (out.where != memory::device) return;
-      try {
-        device = out.device;
-        if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
-        detail::device_guard on(device);
-        if (staging_->direct && !host_math) {
-          direct = true;  // MPI reads the device memory now: the caller's work first
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-          return;
-        }
-        staged = true;
-        const bool same = in.data == out.data;
-        dst.data = take(out.bytes(), dst_block);
-        dst.where = memory::host;
-        src.data = same ? dst.data : take(in.bytes(), src_block);
-        src.where = memory::host;
-        if (in.bytes() > 0) {
-          DTRAIN_CUDA_CHECK(
-              cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-        }
-      } catch (const backend_error& e) {
-        throw backend_error(
-            description() + ": staging the device buffer through pinned host memory: " + e.what(),
-            e.engine_code());
-      }
-#endif
-    }
+               [[maybe_unused]] stream_handle stream);
 
-    bool poll() override {
-      if (finished) return true;
-      if (req != MPI_REQUEST_NULL) {
-        int flag = 0;
-        int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) {
-          fail(std::make_exception_ptr(
-              backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
-          health_->broken = true;
-          health_->why.set(info(), "failed");
-          finished = true;
-          return true;
-        }
-        if (!flag) return false;
-      }
-      try {
-        if (divide_by > 0) detail::divide_host(dst, divide_by);
-#if DTRAIN_HAS_CUDA()
-        if (staged && user_out.bytes() > 0) {
-          detail::device_guard on(device);
-          cudaStream_t copy = staging_->pool.copy_stream(device);
-          DTRAIN_CUDA_CHECK(
-              cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
-        }
-#endif
-      } catch (const backend_error& e) {
-        fail(std::make_exception_ptr(
-            backend_error(description() + ": copying the result back to the device: " + e.what(),
-                          e.engine_code())));
-      } catch (...) {
-        fail(std::current_exception());
-      }
-      release_staging();
-      finished = true;
-      return true;
-    }
+    bool poll() override;
 
     void on_timeout() noexcept override { abandon(); }
 
     // MPI cannot cancel a collective: the communicator is unusable from now on.
     // Allocates nothing (a timeout hook, and the destructor, call it).
-    void abandon() noexcept {
-      abandoned = true;
-      health_->abandoned = true;
-      health_->broken = true;
-      health_->why.set(info(), "timed out");
-    }
+    void abandon() noexcept;
 
     MPI_Request req = MPI_REQUEST_NULL;
     buffer src{}, dst{}, user_out{};
@@ -6652,12 +7134,7 @@ class mpi_communicator {
 #endif
     // Blocks go back to the pool for the next call (never while MPI may still
     // write into them: an abandoned request keeps them).
-    void release_staging() noexcept {
-#if DTRAIN_HAS_CUDA()
-      staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
-      staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
-#endif
-    }
+    void release_staging() noexcept;
     block src_block, dst_block;
     std::shared_ptr<health> health_;
     std::shared_ptr<staging> staging_;
@@ -6685,28 +7162,7 @@ class mpi_communicator {
     return work(std::move(w));
   }
 
-  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
-      : env_(std::move(env)),
-        options_(std::move(options)),
-        health_(std::make_shared<health>()),
-        staging_(std::make_shared<staging>()) {
-    if (options_.cuda_aware_direct) {
-      if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
-        throw config_error(
-            "mpi_options::cuda_aware_direct is set, but " +
-            std::string(DTRAIN_HAS_CUDA()
-                            ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
-                            : "dtrain is built without CUDA") +
-            ": unset it, and device buffers are staged through pinned host memory");
-      }
-      staging_->direct = true;
-    }
-    DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
-    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
-                     "setting MPI_ERRORS_RETURN");
-    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-  }
+  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options);
 
   // A left-out (or moved-from) communicator: what split() returns to a rank
   // that passed a negative color.
@@ -6730,29 +7186,12 @@ class mpi_communicator {
     }
   }
 
-  static int count(const buffer& b, const detail::collective_info& what) {
-    if (b.count > static_cast<std::size_t>(INT_MAX)) {
-      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) +
-                         " elements exceed MPI's int count; split the buffer");
-    }
-    return static_cast<int>(b.count);
-  }
+  static int count(const buffer& b, const detail::collective_info& what);
 
   // Whether MPI reduces the type itself (the 16-bit floats go through dtrain's MPI_Op).
   static bool native(dtype t) noexcept { return t != dtype::float16 && t != dtype::bfloat16; }
 
-  static MPI_Datatype datatype(dtype t) {
-    switch (t) {
-      case dtype::float32: return MPI_FLOAT;
-      case dtype::float64: return MPI_DOUBLE;
-      case dtype::int32: return MPI_INT32_T;
-      case dtype::int64: return MPI_INT64_T;
-      case dtype::uint8: return MPI_UINT8_T;
-      case dtype::float16:
-      case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
-    }
-    return MPI_DATATYPE_NULL;
-  }
+  static MPI_Datatype datatype(dtype t);
 
   template <class T, reduce_op Op>
   static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -6760,48 +7199,11 @@ class mpi_communicator {
                            static_cast<std::size_t>(*len), Op);
   }
 
-  MPI_Op mpi_op(reduce_op op, dtype t) {
-    if (t != dtype::float16 && t != dtype::bfloat16) {
-      switch (op) {
-        case reduce_op::sum:
-        case reduce_op::avg: return MPI_SUM;
-        case reduce_op::min: return MPI_MIN;
-        case reduce_op::max: return MPI_MAX;
-        case reduce_op::prod: return MPI_PROD;
-      }
-    }
-    // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
-    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) + (op == reduce_op::min    ? 1u
-                                                                 : op == reduce_op::max  ? 2u
-                                                                 : op == reduce_op::prod ? 3u
-                                                                                         : 0u);
-    if (ops_[slot] == MPI_OP_NULL) {
-      static MPI_User_function* const functions[8] = {
-          &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
-          &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
-          &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
-          &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
-      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]),
-                       "creating the 16-bit float MPI_Op");
-    }
-    return ops_[slot];
-  }
+  MPI_Op mpi_op(reduce_op op, dtype t);
 
   // Numbers the collective in the ring; check mode: every rank passed the same call, count, type,
   // op/root.
-  std::int64_t verify(const detail::collective_info& info) {
-    const std::int64_t sequence = detail::record(*ring_, info);
-    if (!options_.collectives.check) return sequence;
-    detail::compare_signatures(
-        detail::signature_of(sequence, info), rank_, size_, info,
-        [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-          DTRAIN_MPI_CHECK(
-              MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
-                            static_cast<int>(in.size()), MPI_INT64_T, comm_),
-              detail::describe(info) + " (check mode)");
-        });
-    return sequence;
-  }
+  std::int64_t verify(const detail::collective_info& info);
 
   std::shared_ptr<mpi_environment> env_;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -6810,15 +7212,329 @@ class mpi_communicator {
   mpi_options options_;
   std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
-  static std::array<MPI_Op, 8> no_ops() noexcept {
-    std::array<MPI_Op, 8> ops;
-    ops.fill(MPI_OP_NULL);
-    return ops;
-  }
+  static std::array<MPI_Op, 8> no_ops() noexcept;
   std::array<MPI_Op, 8> ops_ = no_ops();
   std::shared_ptr<health> health_;
   std::shared_ptr<staging> staging_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::world(mpi_options options) {
+  auto env =
+      std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
+  return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::from(MPI_Comm comm, mpi_options options) {
+  auto env = std::make_shared<mpi_environment>(options.required_thread_level);
+  return mpi_communicator(std::move(env), comm, std::move(options));
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator::~mpi_communicator() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (MPI_Op& op : ops_) {
+    if (op != MPI_OP_NULL) MPI_Op_free(&op);
+  }
+  // A request given up after a timeout may still be progressed by MPI: keep
+  // the communicator allocated for it (a deliberate leak of a dead communicator).
+  if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
+}
+
+DTRAIN_DETAIL_INLINE std::size_t mpi_communicator::staging_bytes() const {
+#if DTRAIN_HAS_CUDA()
+  return staging_->pool.held_bytes();
+#else
+  return 0;
+#endif
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::allreduce(buffer in, buffer out, reduce_op op,
+                                                      stream_handle stream) {
+  return collective(
+      detail::collective_call::allreduce(in, out, op), stream,
+      [&](request& w, const detail::collective_info& what) {
+        const void* send = w.src.data == w.dst.data ? MPI_IN_PLACE : w.src.data;
+        if (w.direct) {
+          DTRAIN_MPI_CHECK(MPI_Allreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                         mpi_op(op, out.type), comm_),
+                           what);
+        } else {
+          DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                          mpi_op(op, out.type), comm_, &w.req),
+                           what);
+        }
+      });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::broadcast(buffer data, int root, stream_handle stream) {
+  return collective(
+      detail::collective_call::broadcast(data, root), stream,
+      [&](request& w, const detail::collective_info& what) {
+        if (w.direct) {
+          DTRAIN_MPI_CHECK(
+              MPI_Bcast(w.dst.data, count(data, what), datatype(data.type), root, comm_), what);
+        } else {
+          DTRAIN_MPI_CHECK(
+              MPI_Ibcast(w.dst.data, count(data, what), datatype(data.type), root, comm_, &w.req),
+              what);
+        }
+      });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::allgather(buffer in, buffer out, stream_handle stream) {
+  return collective(detail::collective_call::allgather(in, out), stream,
+                    [&](request& w, const detail::collective_info& what) {
+                      const int n = count(in, what);
+                      if (w.direct) {
+                        DTRAIN_MPI_CHECK(MPI_Allgather(w.src.data, n, datatype(in.type), w.dst.data,
+                                                       n, datatype(in.type), comm_),
+                                         what);
+                      } else {
+                        DTRAIN_MPI_CHECK(
+                            MPI_Iallgather(w.src.data, n, datatype(in.type), w.dst.data, n,
+                                           datatype(in.type), comm_, &w.req),
+                            what);
+                      }
+                    });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::reduce_scatter(buffer in, buffer out, reduce_op op,
+                                                           stream_handle stream) {
+  return collective(
+      detail::collective_call::reduce_scatter(in, out, op), stream,
+      [&](request& w, const detail::collective_info& what) {
+        if (w.direct) {
+          DTRAIN_MPI_CHECK(
+              MPI_Reduce_scatter_block(w.src.data, w.dst.data, count(out, what), datatype(out.type),
+                                       mpi_op(op, out.type), comm_),
+              what);
+        } else {
+          DTRAIN_MPI_CHECK(
+              MPI_Ireduce_scatter_block(w.src.data, w.dst.data, count(out, what),
+                                        datatype(out.type), mpi_op(op, out.type), comm_, &w.req),
+              what);
+        }
+      });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::barrier() {
+  return collective(detail::collective_call::barrier(), nullptr,
+                    [&](request& w, const detail::collective_info& what) {
+                      DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w.req), what);
+                    });
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::split(int color, int key) {
+  auto what =
+      detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key),
+                       rank_, size_, name);
+  if (!valid()) detail::throw_invalid(what, rank_ < 0);
+  usable(what);
+  MPI_Comm child = MPI_COMM_NULL;
+  DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), what);
+  if (child == MPI_COMM_NULL) return mpi_communicator(env_, options_);
+  mpi_communicator out(env_, child, options_);
+  out.ring_ = ring_->make_child(color);
+  MPI_Comm_free(&child);  // `out` holds its own duplicate
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator::request::~request() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
+    // A handle dropped before completion: MPI still writes into the
+    // buffers, so finish it, for at most the timeout, rather than leave
+    // MPI holding freed memory.
+    auto deadline = std::chrono::steady_clock::now() + timeout();
+    int flag = 0;
+    while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+           std::chrono::steady_clock::now() < deadline) {
+    }
+    if (!flag) abandon();
+  }
+  if (!abandoned) release_staging();  // an abandoned request may still write into them
+}
+
+DTRAIN_DETAIL_INLINE void mpi_communicator::request::stage([[maybe_unused]] buffer in, buffer out,
+                                                           [[maybe_unused]] bool host_math,
+                                                           [[maybe_unused]] stream_handle stream) {
+  user_out = out;
+  src = in;
+  dst = out;
+#if DTRAIN_HAS_CUDA()
+  if (out.where != memory::device) return;
+  try {
+    device = out.device;
+    if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
+    detail::device_guard on(device);
+    if (staging_->direct && !host_math) {
+      direct = true;  // MPI reads the device memory now: the caller's work first
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return;
+    }
+    staged = true;
+    const bool same = in.data == out.data;
+    dst.data = take(out.bytes(), dst_block);
+    dst.where = memory::host;
+    src.data = same ? dst.data : take(in.bytes(), src_block);
+    src.where = memory::host;
+    if (in.bytes() > 0) {
+      DTRAIN_CUDA_CHECK(cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  } catch (const backend_error& e) {
+    throw backend_error(
+        description() + ": staging the device buffer through pinned host memory: " + e.what(),
+        e.engine_code());
+  }
+#endif
+}
+
+DTRAIN_DETAIL_INLINE bool mpi_communicator::request::poll() {
+  if (finished) return true;
+  if (req != MPI_REQUEST_NULL) {
+    int flag = 0;
+    int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      fail(std::make_exception_ptr(
+          backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
+      health_->broken = true;
+      health_->why.set(info(), "failed");
+      finished = true;
+      return true;
+    }
+    if (!flag) return false;
+  }
+  try {
+    if (divide_by > 0) detail::divide_host(dst, divide_by);
+#if DTRAIN_HAS_CUDA()
+    if (staged && user_out.bytes() > 0) {
+      detail::device_guard on(device);
+      cudaStream_t copy = staging_->pool.copy_stream(device);
+      DTRAIN_CUDA_CHECK(
+          cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
+    }
+#endif
+  } catch (const backend_error& e) {
+    fail(std::make_exception_ptr(backend_error(
+        description() + ": copying the result back to the device: " + e.what(), e.engine_code())));
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  release_staging();
+  finished = true;
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE void mpi_communicator::request::abandon() noexcept {
+  abandoned = true;
+  health_->abandoned = true;
+  health_->broken = true;
+  health_->why.set(info(), "timed out");
+}
+
+DTRAIN_DETAIL_INLINE void mpi_communicator::request::release_staging() noexcept {
+#if DTRAIN_HAS_CUDA()
+  staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
+  staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
+#endif
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator::mpi_communicator(std::shared_ptr<mpi_environment> env,
+                                                        MPI_Comm base, mpi_options options)
+    : env_(std::move(env)),
+      options_(std::move(options)),
+      health_(std::make_shared<health>()),
+      staging_(std::make_shared<staging>()) {
+  if (options_.cuda_aware_direct) {
+    if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
+      throw config_error(
+          "mpi_options::cuda_aware_direct is set, but " +
+          std::string(DTRAIN_HAS_CUDA()
+                          ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
+                          : "dtrain is built without CUDA") +
+          ": unset it, and device buffers are staged through pinned host memory");
+    }
+    staging_->direct = true;
+  }
+  DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
+  DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+}
+
+DTRAIN_DETAIL_INLINE int mpi_communicator::count(const buffer& b,
+                                                 const detail::collective_info& what) {
+  if (b.count > static_cast<std::size_t>(INT_MAX)) {
+    throw config_error(detail::describe(what) + ": " + std::to_string(b.count) +
+                       " elements exceed MPI's int count; split the buffer");
+  }
+  return static_cast<int>(b.count);
+}
+
+DTRAIN_DETAIL_INLINE MPI_Datatype mpi_communicator::datatype(dtype t) {
+  switch (t) {
+    case dtype::float32: return MPI_FLOAT;
+    case dtype::float64: return MPI_DOUBLE;
+    case dtype::int32: return MPI_INT32_T;
+    case dtype::int64: return MPI_INT64_T;
+    case dtype::uint8: return MPI_UINT8_T;
+    case dtype::float16:
+    case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+DTRAIN_DETAIL_INLINE MPI_Op mpi_communicator::mpi_op(reduce_op op, dtype t) {
+  if (t != dtype::float16 && t != dtype::bfloat16) {
+    switch (op) {
+      case reduce_op::sum:
+      case reduce_op::avg: return MPI_SUM;
+      case reduce_op::min: return MPI_MIN;
+      case reduce_op::max: return MPI_MAX;
+      case reduce_op::prod: return MPI_PROD;
+    }
+  }
+  // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
+  const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) + (op == reduce_op::min    ? 1u
+                                                               : op == reduce_op::max  ? 2u
+                                                               : op == reduce_op::prod ? 3u
+                                                                                       : 0u);
+  if (ops_[slot] == MPI_OP_NULL) {
+    static MPI_User_function* const functions[8] = {
+        &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
+        &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
+        &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
+        &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
+    DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]),
+                     "creating the 16-bit float MPI_Op");
+  }
+  return ops_[slot];
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t mpi_communicator::verify(const detail::collective_info& info) {
+  const std::int64_t sequence = detail::record(*ring_, info);
+  if (!options_.collectives.check) return sequence;
+  detail::compare_signatures(
+      detail::signature_of(sequence, info), rank_, size_, info,
+      [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+        DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T,
+                                       out.data(), static_cast<int>(in.size()), MPI_INT64_T, comm_),
+                         detail::describe(info) + " (check mode)");
+      });
+  return sequence;
+}
+
+DTRAIN_DETAIL_INLINE std::array<MPI_Op, 8> mpi_communicator::no_ops() noexcept {
+  std::array<MPI_Op, 8> ops;
+  ops.fill(MPI_OP_NULL);
+  return ops;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 static_assert(communicator<mpi_communicator>);
 
@@ -6831,25 +7547,9 @@ namespace detail {
 /// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
 class mpi_relay {
  public:
-  explicit mpi_relay(MPI_Comm comm, int root = 0) : comm_(comm), root_(root) {
-    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
-                     "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
-  }
+  explicit mpi_relay(MPI_Comm comm, int root = 0);
 
-  void carry(std::string& message, const std::string& what) {
-    std::uint64_t length = message.size();
-    DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
-    if (length > max_length) {
-      throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
-                              std::to_string(length) + " bytes, more than the 1 MiB allowed",
-                          0);
-    }
-    message.resize(static_cast<std::size_t>(length));
-    if (length > 0) {
-      DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
-                       what);
-    }
-  }
+  void carry(std::string& message, const std::string& what);
   [[nodiscard]] int root() const noexcept { return root_; }
   [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
   [[nodiscard]] std::string where() const {
@@ -6862,6 +7562,28 @@ class mpi_relay {
   int root_;
   int rank_ = -1;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_relay::mpi_relay(MPI_Comm comm, int root) : comm_(comm), root_(root) {
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
+                   "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
+}
+
+DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::string& what) {
+  std::uint64_t length = message.size();
+  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
+  if (length > max_length) {
+    throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
+                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                        0);
+  }
+  message.resize(static_cast<std::size_t>(length));
+  if (length > 0) {
+    DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
+                     what);
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -6907,8 +7629,11 @@ namespace dtrain::detail {
 
 /// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
 /// error: ... (ncclResult_t 5, at file:line)".
-inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
-                                   int line) {
+DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
+                                                 const char* file, int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
+                                                 const char* file, int line) {
   std::string text =
       "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
   const char* last = ncclGetLastError(nullptr);
@@ -6916,6 +7641,7 @@ inline std::string nccl_error_text(ncclResult_t code, const char* call, const ch
   return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
          std::to_string(line) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
                                           int line) {
@@ -7051,14 +7777,18 @@ struct nccl_options {
   /// These options with DTRAIN_NCCL_INIT_TIMEOUT, DTRAIN_COLLECTIVE_TIMEOUT and
   /// DTRAIN_CHECK_COLLECTIVES applied on top, and CUDA_VISIBLE_DEVICES kept.
   /// Throws config_error naming the variable and its value when one is malformed.
-  [[nodiscard]] nccl_options with_env(const environment& env) const {
-    nccl_options out = *this;
-    out.collectives = collectives.with_env(env);
-    if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
-    if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
-    return out;
-  }
+  [[nodiscard]] nccl_options with_env(const environment& env) const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE nccl_options nccl_options::with_env(const environment& env) const {
+  nccl_options out = *this;
+  out.collectives = collectives.with_env(env);
+  if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
+  if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 
@@ -7098,15 +7828,21 @@ namespace dtrain::detail {
 }
 
 /// Prefixes an engine error with the operation it interrupted (once).
-[[nodiscard]] inline backend_error nccl_with_context(const std::string& what,
+[[nodiscard]] DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
+                                                                   const backend_error& e);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
                                                      const backend_error& e) {
   if (std::string_view(e.what()).starts_with(what)) return e;
   return backend_error(what + ": " + e.what(), e.engine_code());
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // What a new communicator's rank, size and device must be, before any CUDA or NCCL call.
 
-inline void nccl_check_rank(int rank, int size) {
+DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size) {
   if (size < 1)
     throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
   if (rank < 0 || rank >= size) {
@@ -7114,14 +7850,18 @@ inline void nccl_check_rank(int rank, int size) {
                        std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void nccl_check_placement(int rank, int size, int device) {
+DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device) {
   nccl_check_rank(rank, size);
   if (device < 0) {
     throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
                        std::to_string(rank) + " is negative; pass the local rank");
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where NCCL's collectives find their buffers (check_arguments).
 inline constexpr memory_reach nccl_memory{
@@ -7132,7 +7872,10 @@ inline constexpr memory_reach nccl_memory{
         "= memory::device), or reduce host data with the mpi or gloo backend"};
 
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
-[[nodiscard]] inline ncclUniqueId nccl_unique_id_from(const std::string& value,
+[[nodiscard]] DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
+                                                                    std::string_view key);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
                                                       std::string_view key) {
   ncclUniqueId id{};
   if (value.size() != sizeof id.internal) {
@@ -7145,6 +7888,7 @@ inline constexpr memory_reach nccl_memory{
   value.copy(id.internal, sizeof id.internal);
   return id;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Checks that `device` exists, then makes it current. `visible` is
 /// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
@@ -7169,11 +7913,14 @@ void nccl_select_device(int device, int rank, int size, const std::optional<std:
   DTRAIN_CUDA_CHECK(Api::cudaSetDevice(device));
 }
 
-inline std::string nccl_seconds(std::chrono::milliseconds t) {
+DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
   char text[32];
   std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
   return text;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 inline constexpr std::string_view nccl_timeout_hint =
     "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
@@ -7769,10 +8516,13 @@ inline std::string nccl_unique_id_text(const ncclUniqueId& id) {
   return std::string(id.internal, sizeof id.internal);
 }
 /// What creating a communicator is called in its errors.
-inline std::string nccl_creating(int rank, int size, int device) {
+DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device) {
   return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
          std::to_string(size) + " on CUDA device " + std::to_string(device);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 /// Checks `device` and makes it current, as creating the communicator does
 /// (and with the same errors).
 template <class Api>
@@ -7793,27 +8543,35 @@ struct nccl_gpu {
   int device = -1;      ///< the CUDA ordinal this rank used
   std::string visible;  ///< its CUDA_VISIBLE_DEVICES, or "<unset>"
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
-    return out;
-  }
-  [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value) {
-    return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
-      nccl_gpu g;
-      g.uuid = std::string(r.bytes32("the GPU's UUID"));
-      g.pci_bus = std::string(r.bytes32("its PCI bus id"));
-      g.host = std::string(r.bytes32("the host name"));
-      g.device = static_cast<int>(r.i64("the CUDA device"));
-      g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
-      return g;
-    });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_gpu::encode() const {
+  std::string out;
+  wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE nccl_gpu nccl_gpu::decode(std::string_view where, std::string_view value) {
+  return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
+    nccl_gpu g;
+    g.uuid = std::string(r.bytes32("the GPU's UUID"));
+    g.pci_bus = std::string(r.bytes32("its PCI bus id"));
+    g.host = std::string(r.bytes32("the host name"));
+    g.device = static_cast<int>(r.i64("the CUDA device"));
+    g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
+    return g;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
 /// config_error's text; empty when every rank has its own.
-inline std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
   for (std::size_t a = 0; a < gpus.size(); ++a) {
     for (std::size_t b = a + 1; b < gpus.size(); ++b) {
       if (gpus[a].uuid != gpus[b].uuid) continue;
@@ -7831,6 +8589,7 @@ inline std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
   }
   return {};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 }  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
@@ -8364,13 +9123,16 @@ static_assert(communicator<nccl_communicator>);
 /// throws its own error and every other rank throws rendezvous_error with
 /// the root's message, rather than waiting (broadcast_or_fail). MPI errors
 /// are checked only if `comm` returns them (MPI_ERRORS_RETURN).
-inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
+DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root) {
   detail::mpi_relay relay(comm, root);
   const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
     return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
   });
   return detail::nccl_unique_id_from(value, relay.where());
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 #endif  // DTRAIN_HAS_MPI()
 
 }  // namespace dtrain
@@ -8409,43 +9171,19 @@ class watchdog {
   watchdog& operator=(const watchdog&) = delete;
   /// Waits for the work still watched (each within what is left of its
   /// timeout), then stops the thread.
-  ~watchdog() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
+  ~watchdog();
 
   /// Follows `w` from now on: it must finish within its timeout (work::timeout()).
   /// Work is waited for in the order it was handed over (one stream runs it in order).
-  void watch(work w) {
-    const std::chrono::milliseconds timeout = w.timeout();
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back({std::move(w), clock::now() + timeout, timeout});
-      ++watched_;
-      if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
-    }
-    wake_.notify_all();
-  }
+  void watch(work w);
 
   /// The first failure seen (a timeout_error naming the collective, or the
   /// engine's error), or null. Never blocks on the work.
-  [[nodiscard]] std::exception_ptr failure() const {
-    std::lock_guard lock(mutex_);
-    return failure_;
-  }
+  [[nodiscard]] std::exception_ptr failure() const;
 
   /// Blocks until every piece of work handed over so far has finished, or
   /// until one has failed (each bounded by its timeout); returns failure().
-  std::exception_ptr drain() {
-    std::unique_lock lock(mutex_);
-    const std::uint64_t target = watched_;
-    settled_.wait(lock, [&] { return finished_ >= target || failure_; });
-    return failure_;
-  }
+  std::exception_ptr drain();
 
  private:
   struct entry {
@@ -8454,57 +9192,9 @@ class watchdog {
     std::chrono::milliseconds timeout;
   };
 
-  void follow() {
-    for (;;) {
-      entry next;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        next = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const auto left =
-          std::max(std::chrono::milliseconds(0),
-                   std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
-      std::exception_ptr failed;
-      bool timed_out = false;
-      try {
-        if (next.handle.finish_within(left)) {
-          failed = next.handle.exception();
-        } else {
-          timed_out = true;
-          try {
-            std::rethrow_exception(next.handle.timeout_exception(next.timeout));
-          } catch (const timeout_error& e) {
-            failed = std::make_exception_ptr(
-                timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
-          }
-        }
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      // The failure is known before the abort: an abort may wait on a device
-      // that never frees (a stream held by the host), and the owner must hear.
-      settle(failed);
-      if (timed_out) {
-        try {
-          next.handle.give_up(next.timeout);
-        } catch (...) {
-          // Reported above.
-        }
-      }
-    }
-  }
+  void follow();
 
-  void settle(std::exception_ptr failed) {
-    {
-      std::lock_guard lock(mutex_);
-      if (failed && !failure_) failure_ = failed;
-      ++finished_;
-    }
-    settled_.notify_all();
-  }
+  void settle(std::exception_ptr failed);
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;     // work to follow, or stop
@@ -8516,6 +9206,92 @@ class watchdog {
   std::exception_ptr failure_;
   std::thread thread_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
+  const std::chrono::milliseconds timeout = w.timeout();
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back({std::move(w), clock::now() + timeout, timeout});
+    ++watched_;
+    if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+  }
+  wake_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::drain() {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t target = watched_;
+  settled_.wait(lock, [&] { return finished_ >= target || failure_; });
+  return failure_;
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::follow() {
+  for (;;) {
+    entry next;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      next = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto left =
+        std::max(std::chrono::milliseconds(0),
+                 std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
+    std::exception_ptr failed;
+    bool timed_out = false;
+    try {
+      if (next.handle.finish_within(left)) {
+        failed = next.handle.exception();
+      } else {
+        timed_out = true;
+        try {
+          std::rethrow_exception(next.handle.timeout_exception(next.timeout));
+        } catch (const timeout_error& e) {
+          failed = std::make_exception_ptr(
+              timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
+        }
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    // The failure is known before the abort: an abort may wait on a device
+    // that never frees (a stream held by the host), and the owner must hear.
+    settle(failed);
+    if (timed_out) {
+      try {
+        next.handle.give_up(next.timeout);
+      } catch (...) {
+        // Reported above.
+      }
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
+  {
+    std::lock_guard lock(mutex_);
+    if (failed && !failure_) failure_ = failed;
+    ++finished_;
+  }
+  settled_.notify_all();
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/backend/watchdog.hpp ----
@@ -8535,8 +9311,13 @@ class watchdog {
 ///     target's engines, and define the macro for their users (the default;
 ///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
 ///   - by hand (e.g. with the single header): compile every TU with
-///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, put
-///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after the #include.
+///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, `#define
+///     DTRAIN_COMPILED_DEFINITIONS 1` before the #include and put
+///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after it.
+/// In such a TU (and in a user's, with CMake) dtrain's non-template functions
+/// are declared, not defined (DTRAIN_DETAIL_BODIES(), config.hpp): the
+/// library's definitions TU (src/core.cpp; by hand, the one above) compiles
+/// them once.
 /// Policies not in the list (a backend of one's own) are compiled in the TU
 /// that uses them, as in header-only mode. Every TU and the library must agree
 /// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
@@ -8645,15 +9426,19 @@ struct member {
   value val;
 };
 
-inline const value* value::find(std::string_view key) const {
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const value* value::find(std::string_view key) const {
   for (const auto& m : members) {
     if (m.key == key) return &m.val;
   }
   return nullptr;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The name of a kind, for messages ("expected an array, found a string").
-inline const char* kind_name(value::kind k) {
+DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k) {
   switch (k) {
     case value::kind::null: return "null";
     case value::kind::boolean: return "a boolean";
@@ -8664,6 +9449,7 @@ inline const char* kind_name(value::kind k) {
   }
   return "a value";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace impl {
 
@@ -8671,262 +9457,286 @@ class reader {
  public:
   reader(std::string_view text, std::string_view what) : text_(text), what_(what) {}
 
-  value document() {
-    skip_blanks();
-    value v = parse_value(0);
-    skip_blanks();
-    if (pos_ != text_.size()) fail("unexpected text after the JSON value");
-    return v;
-  }
+  value document();
 
  private:
   static constexpr int max_depth = 64;
 
-  [[noreturn]] void fail(const std::string& why) const {
-    std::size_t line = 1, column = 1;
-    for (std::size_t i = 0; i < pos_ && i < text_.size(); ++i) {
-      if (text_[i] == '\n') {
-        ++line;
-        column = 1;
-      } else {
-        ++column;
-      }
-    }
-    std::string near(text_.substr(pos_ < text_.size() ? pos_ : text_.size(), 16));
-    for (char& c : near) {
-      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-    }
-    throw config_error(
-        std::string(what_) + " is not valid JSON: " + why + " at offset " + std::to_string(pos_) +
-        " (line " + std::to_string(line) + ", column " + std::to_string(column) + ")" +
-        (near.empty() ? std::string(", at the end of the text") : ", near '" + near + "'"));
-  }
+  [[noreturn]] void fail(const std::string& why) const;
 
-  void skip_blanks() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
-                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
-      ++pos_;
-    }
-  }
+  void skip_blanks();
 
   bool at_end() const { return pos_ >= text_.size(); }
   char peek() const { return text_[pos_]; }
 
-  void expect_word(std::string_view word) {
-    if (text_.substr(pos_, word.size()) != word) fail("expected '" + std::string(word) + "'");
-    pos_ += word.size();
-  }
+  void expect_word(std::string_view word);
 
-  value parse_value(int depth) {
-    if (depth > max_depth) fail("nesting deeper than " + std::to_string(max_depth) + " levels");
-    if (at_end()) fail("expected a value");
-    value v;
-    switch (peek()) {
-      case '{': parse_object(v, depth); break;
-      case '[': parse_array(v, depth); break;
-      case '"':
-        v.type = value::kind::string;
-        v.text = parse_string();
-        break;
-      case 't':
-        expect_word("true");
-        v.type = value::kind::boolean;
-        v.boolean = true;
-        break;
-      case 'f':
-        expect_word("false");
-        v.type = value::kind::boolean;
-        break;
-      case 'n': expect_word("null"); break;
-      default:
-        if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
-          v.type = value::kind::number;
-          v.text = parse_number();
-        } else {
-          fail("expected a value");
-        }
-    }
-    return v;
-  }
+  value parse_value(int depth);
 
-  void parse_object(value& v, int depth) {
-    v.type = value::kind::object;
-    ++pos_;  // '{'
-    skip_blanks();
-    if (!at_end() && peek() == '}') {
-      ++pos_;
-      return;
-    }
-    for (;;) {
-      skip_blanks();
-      if (at_end() || peek() != '"') fail("expected a string key");
-      std::size_t key_pos = pos_;
-      std::string key = parse_string();
-      if (v.find(key) != nullptr) {
-        pos_ = key_pos;
-        fail("duplicate key \"" + key + "\"");
-      }
-      skip_blanks();
-      if (at_end() || peek() != ':') fail("expected ':' after an object key");
-      ++pos_;
-      skip_blanks();
-      value item = parse_value(depth + 1);
-      v.members.push_back(member{std::move(key), std::move(item)});
-      skip_blanks();
-      if (at_end()) fail("expected ',' or '}'");
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() == '}') {
-        ++pos_;
-        return;
-      }
-      fail("expected ',' or '}'");
-    }
-  }
+  void parse_object(value& v, int depth);
 
-  void parse_array(value& v, int depth) {
-    v.type = value::kind::array;
-    ++pos_;  // '['
-    skip_blanks();
-    if (!at_end() && peek() == ']') {
-      ++pos_;
-      return;
-    }
-    for (;;) {
-      skip_blanks();
-      v.items.push_back(parse_value(depth + 1));
-      skip_blanks();
-      if (at_end()) fail("expected ',' or ']'");
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() == ']') {
-        ++pos_;
-        return;
-      }
-      fail("expected ',' or ']'");
-    }
-  }
+  void parse_array(value& v, int depth);
 
-  std::string parse_number() {
-    std::size_t start = pos_;
-    auto digits = [&] {
-      std::size_t first = pos_;
-      while (!at_end() && peek() >= '0' && peek() <= '9') ++pos_;
-      return pos_ - first;
-    };
-    if (peek() == '-') ++pos_;
-    if (at_end()) fail("expected a digit");
-    if (peek() == '0') {
-      ++pos_;
-      if (!at_end() && peek() >= '0' && peek() <= '9') fail("leading zeros are not allowed");
-    } else if (digits() == 0) {
-      fail("expected a digit");
-    }
-    if (!at_end() && peek() == '.') {
-      ++pos_;
-      if (digits() == 0) fail("expected a digit after '.'");
-    }
-    if (!at_end() && (peek() == 'e' || peek() == 'E')) {
-      ++pos_;
-      if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
-      if (digits() == 0) fail("expected a digit in the exponent");
-    }
-    return std::string(text_.substr(start, pos_ - start));
-  }
+  std::string parse_number();
 
-  unsigned read_hex4() {
-    if (text_.size() - pos_ < 4) fail("expected four hex digits after \\u");
-    unsigned code = 0;
-    for (int i = 0; i < 4; ++i) {
-      char c = text_[pos_++];
-      code <<= 4;
-      if (c >= '0' && c <= '9') {
-        code |= static_cast<unsigned>(c - '0');
-      } else if (c >= 'a' && c <= 'f') {
-        code |= static_cast<unsigned>(c - 'a' + 10);
-      } else if (c >= 'A' && c <= 'F') {
-        code |= static_cast<unsigned>(c - 'A' + 10);
-      } else {
-        --pos_;
-        fail("expected four hex digits after \\u");
-      }
-    }
-    return code;
-  }
+  unsigned read_hex4();
 
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
+  static void append_utf8(std::string& out, std::uint32_t cp);
 
-  std::string parse_string() {
-    ++pos_;  // opening quote
-    std::string out;
-    for (;;) {
-      if (at_end()) fail("unterminated string");
-      char c = text_[pos_];
-      if (c == '"') {
-        ++pos_;
-        return out;
-      }
-      if (static_cast<unsigned char>(c) < 0x20) fail("unescaped control character in a string");
-      if (c != '\\') {
-        out += c;
-        ++pos_;
-        continue;
-      }
-      ++pos_;
-      if (at_end()) fail("unterminated escape");
-      char e = text_[pos_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          std::uint32_t cp = read_hex4();
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (text_.substr(pos_, 2) != "\\u") fail("a high surrogate must be followed by \\u");
-            pos_ += 2;
-            std::uint32_t low = read_hex4();
-            if (low < 0xDC00 || low > 0xDFFF) fail("invalid low surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-            fail("a low surrogate without a high one");
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default: --pos_; fail(std::string("invalid escape '\\") + e + "'");
-      }
-    }
-  }
+  std::string parse_string();
 
   std::string_view text_;
   std::string_view what_;
   std::size_t pos_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE value reader::document() {
+  skip_blanks();
+  value v = parse_value(0);
+  skip_blanks();
+  if (pos_ != text_.size()) fail("unexpected text after the JSON value");
+  return v;
+}
+
+DTRAIN_DETAIL_INLINE void reader::fail(const std::string& why) const {
+  std::size_t line = 1, column = 1;
+  for (std::size_t i = 0; i < pos_ && i < text_.size(); ++i) {
+    if (text_[i] == '\n') {
+      ++line;
+      column = 1;
+    } else {
+      ++column;
+    }
+  }
+  std::string near(text_.substr(pos_ < text_.size() ? pos_ : text_.size(), 16));
+  for (char& c : near) {
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  }
+  throw config_error(
+      std::string(what_) + " is not valid JSON: " + why + " at offset " + std::to_string(pos_) +
+      " (line " + std::to_string(line) + ", column " + std::to_string(column) + ")" +
+      (near.empty() ? std::string(", at the end of the text") : ", near '" + near + "'"));
+}
+
+DTRAIN_DETAIL_INLINE void reader::skip_blanks() {
+  while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' ||
+                                 text_[pos_] == '\r')) {
+    ++pos_;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void reader::expect_word(std::string_view word) {
+  if (text_.substr(pos_, word.size()) != word) fail("expected '" + std::string(word) + "'");
+  pos_ += word.size();
+}
+
+DTRAIN_DETAIL_INLINE value reader::parse_value(int depth) {
+  if (depth > max_depth) fail("nesting deeper than " + std::to_string(max_depth) + " levels");
+  if (at_end()) fail("expected a value");
+  value v;
+  switch (peek()) {
+    case '{': parse_object(v, depth); break;
+    case '[': parse_array(v, depth); break;
+    case '"':
+      v.type = value::kind::string;
+      v.text = parse_string();
+      break;
+    case 't':
+      expect_word("true");
+      v.type = value::kind::boolean;
+      v.boolean = true;
+      break;
+    case 'f':
+      expect_word("false");
+      v.type = value::kind::boolean;
+      break;
+    case 'n': expect_word("null"); break;
+    default:
+      if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
+        v.type = value::kind::number;
+        v.text = parse_number();
+      } else {
+        fail("expected a value");
+      }
+  }
+  return v;
+}
+
+DTRAIN_DETAIL_INLINE void reader::parse_object(value& v, int depth) {
+  v.type = value::kind::object;
+  ++pos_;  // '{'
+  skip_blanks();
+  if (!at_end() && peek() == '}') {
+    ++pos_;
+    return;
+  }
+  for (;;) {
+    skip_blanks();
+    if (at_end() || peek() != '"') fail("expected a string key");
+    std::size_t key_pos = pos_;
+    std::string key = parse_string();
+    if (v.find(key) != nullptr) {
+      pos_ = key_pos;
+      fail("duplicate key \"" + key + "\"");
+    }
+    skip_blanks();
+    if (at_end() || peek() != ':') fail("expected ':' after an object key");
+    ++pos_;
+    skip_blanks();
+    value item = parse_value(depth + 1);
+    v.members.push_back(member{std::move(key), std::move(item)});
+    skip_blanks();
+    if (at_end()) fail("expected ',' or '}'");
+    if (peek() == ',') {
+      ++pos_;
+      continue;
+    }
+    if (peek() == '}') {
+      ++pos_;
+      return;
+    }
+    fail("expected ',' or '}'");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void reader::parse_array(value& v, int depth) {
+  v.type = value::kind::array;
+  ++pos_;  // '['
+  skip_blanks();
+  if (!at_end() && peek() == ']') {
+    ++pos_;
+    return;
+  }
+  for (;;) {
+    skip_blanks();
+    v.items.push_back(parse_value(depth + 1));
+    skip_blanks();
+    if (at_end()) fail("expected ',' or ']'");
+    if (peek() == ',') {
+      ++pos_;
+      continue;
+    }
+    if (peek() == ']') {
+      ++pos_;
+      return;
+    }
+    fail("expected ',' or ']'");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string reader::parse_number() {
+  std::size_t start = pos_;
+  auto digits = [&] {
+    std::size_t first = pos_;
+    while (!at_end() && peek() >= '0' && peek() <= '9') ++pos_;
+    return pos_ - first;
+  };
+  if (peek() == '-') ++pos_;
+  if (at_end()) fail("expected a digit");
+  if (peek() == '0') {
+    ++pos_;
+    if (!at_end() && peek() >= '0' && peek() <= '9') fail("leading zeros are not allowed");
+  } else if (digits() == 0) {
+    fail("expected a digit");
+  }
+  if (!at_end() && peek() == '.') {
+    ++pos_;
+    if (digits() == 0) fail("expected a digit after '.'");
+  }
+  if (!at_end() && (peek() == 'e' || peek() == 'E')) {
+    ++pos_;
+    if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
+    if (digits() == 0) fail("expected a digit in the exponent");
+  }
+  return std::string(text_.substr(start, pos_ - start));
+}
+
+DTRAIN_DETAIL_INLINE unsigned reader::read_hex4() {
+  if (text_.size() - pos_ < 4) fail("expected four hex digits after \\u");
+  unsigned code = 0;
+  for (int i = 0; i < 4; ++i) {
+    char c = text_[pos_++];
+    code <<= 4;
+    if (c >= '0' && c <= '9') {
+      code |= static_cast<unsigned>(c - '0');
+    } else if (c >= 'a' && c <= 'f') {
+      code |= static_cast<unsigned>(c - 'a' + 10);
+    } else if (c >= 'A' && c <= 'F') {
+      code |= static_cast<unsigned>(c - 'A' + 10);
+    } else {
+      --pos_;
+      fail("expected four hex digits after \\u");
+    }
+  }
+  return code;
+}
+
+DTRAIN_DETAIL_INLINE void reader::append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string reader::parse_string() {
+  ++pos_;  // opening quote
+  std::string out;
+  for (;;) {
+    if (at_end()) fail("unterminated string");
+    char c = text_[pos_];
+    if (c == '"') {
+      ++pos_;
+      return out;
+    }
+    if (static_cast<unsigned char>(c) < 0x20) fail("unescaped control character in a string");
+    if (c != '\\') {
+      out += c;
+      ++pos_;
+      continue;
+    }
+    ++pos_;
+    if (at_end()) fail("unterminated escape");
+    char e = text_[pos_++];
+    switch (e) {
+      case '"': out += '"'; break;
+      case '\\': out += '\\'; break;
+      case '/': out += '/'; break;
+      case 'b': out += '\b'; break;
+      case 'f': out += '\f'; break;
+      case 'n': out += '\n'; break;
+      case 'r': out += '\r'; break;
+      case 't': out += '\t'; break;
+      case 'u': {
+        std::uint32_t cp = read_hex4();
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+          if (text_.substr(pos_, 2) != "\\u") fail("a high surrogate must be followed by \\u");
+          pos_ += 2;
+          std::uint32_t low = read_hex4();
+          if (low < 0xDC00 || low > 0xDFFF) fail("invalid low surrogate");
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+        } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+          fail("a low surrogate without a high one");
+        }
+        append_utf8(out, cp);
+        break;
+      }
+      default: --pos_; fail(std::string("invalid escape '\\") + e + "'");
+    }
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace impl
 
@@ -8938,7 +9748,9 @@ inline value parse(std::string_view text, std::string_view what) {
 
 /// Appends `text` to `out` as a JSON string, quoted and escaped (for the
 /// files dtrain writes, such as the DDP timeline).
-inline void write_string(std::string& out, std::string_view text) {
+DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text) {
   out += '"';
   for (char c : text) {
     switch (c) {
@@ -8960,6 +9772,7 @@ inline void write_string(std::string& out, std::string_view text) {
   }
   out += '"';
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::json
 // ---- end dtrain/detail/json.hpp ----
@@ -9068,46 +9881,52 @@ struct world {
   }
 
   /// One or two lines for logs: each field with the variable it came from.
-  [[nodiscard]] std::string describe() const {
-    std::string out = "dtrain world from ";
-    out += to_string(source);
-    if (role != process_role::worker) {
-      out += " (";
-      out += to_string(role);
-      out += ')';
-    }
-    out += ':';
-    std::array<std::string, field_count> values;
-    const std::array<const std::optional<int>*, 6> numbers{
-        &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
-    }
-    values[6] = master_addr.value_or("?");
-    values[7] = master_port ? std::to_string(*master_port) : "?";
-    // Consecutive fields with one origin share one parenthesis.
-    for (std::size_t i = 0; i < field_count; ++i) {
-      out += i == 0 ? " " : ", ";
-      out += field_names[i];
-      out += '=';
-      out += values[i];
-      if (i + 1 == field_count || origins[i + 1] != origins[i]) {
-        out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
-      }
-    }
-    if (!notes.empty()) {
-      out += "\n  note: ";
-      out += notes;
-    }
-    return out;
-  }
+  [[nodiscard]] std::string describe() const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string world::describe() const {
+  std::string out = "dtrain world from ";
+  out += to_string(source);
+  if (role != process_role::worker) {
+    out += " (";
+    out += to_string(role);
+    out += ')';
+  }
+  out += ':';
+  std::array<std::string, field_count> values;
+  const std::array<const std::optional<int>*, 6> numbers{
+      &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
+  for (std::size_t i = 0; i < numbers.size(); ++i) {
+    values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
+  }
+  values[6] = master_addr.value_or("?");
+  values[7] = master_port ? std::to_string(*master_port) : "?";
+  // Consecutive fields with one origin share one parenthesis.
+  for (std::size_t i = 0; i < field_count; ++i) {
+    out += i == 0 ? " " : ", ";
+    out += field_names[i];
+    out += '=';
+    out += values[i];
+    if (i + 1 == field_count || origins[i + 1] != origins[i]) {
+      out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
+    }
+  }
+  if (!notes.empty()) {
+    out += "\n  note: ";
+    out += notes;
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The world as one JSON object on one line (no newline), with the keys rank,
 /// world_size, local_rank, local_world_size, node_rank, num_nodes,
 /// master_addr, master_port (null when unknown), source, and role when the
 /// process is not a plain worker. This is what `dtrain_whoami` prints.
-[[nodiscard]] inline std::string to_json(const world& w) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string to_json(const world& w);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string to_json(const world& w) {
   std::string out = "{";
   auto key = [&](std::string_view name) {
     if (out.size() > 1) out += ',';
@@ -9140,6 +9959,7 @@ struct world {
   out += '}';
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/env/world.hpp ----
@@ -9206,42 +10026,49 @@ struct failure_record {
   std::int64_t collective = 0;  ///< its first collective that failed or timed out (#N); 0: none
   std::string communicator{};   ///< the ring name of that collective's communicator ("world")
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out)
-        .i64(status)
-        .u8(final ? 1 : 0)
-        .bytes32(message)
-        .i64(rank)
-        .i64(collective)
-        .bytes32(communicator);
-    return out;
-  }
-  [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
-    return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
-      failure_record f;
-      const std::int64_t code = r.i64("the exit status");
-      if (code < 0 || code > 255) {
-        throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
-      }
-      f.status = static_cast<int>(code);
-      const std::uint8_t flag = r.u8("the final flag");
-      if (flag > 1)
-        throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
-      f.final = flag == 1;
-      f.message = r.bytes32("the message");
-      const std::int64_t raw_rank = r.i64("the rank");
-      if (raw_rank < -1 || raw_rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank or -1");
-      f.rank = static_cast<int>(raw_rank);
-      f.collective = r.i64("the collective");
-      if (f.collective < 0)
-        throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
-      f.communicator = r.bytes32("the communicator");
-      return f;
-    });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string failure_record::encode() const {
+  std::string out;
+  wire::writer(out)
+      .i64(status)
+      .u8(final ? 1 : 0)
+      .bytes32(message)
+      .i64(rank)
+      .i64(collective)
+      .bytes32(communicator);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE failure_record failure_record::decode(const std::string& key,
+                                                           std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
+    failure_record f;
+    const std::int64_t code = r.i64("the exit status");
+    if (code < 0 || code > 255) {
+      throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
+    }
+    f.status = static_cast<int>(code);
+    const std::uint8_t flag = r.u8("the final flag");
+    if (flag > 1)
+      throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
+    f.final = flag == 1;
+    f.message = r.bytes32("the message");
+    const std::int64_t raw_rank = r.i64("the rank");
+    if (raw_rank < -1 || raw_rank > INT32_MAX)
+      throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank or -1");
+    f.rank = static_cast<int>(raw_rank);
+    f.collective = r.i64("the collective");
+    if (f.collective < 0)
+      throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
+    f.communicator = r.bytes32("the communicator");
+    return f;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Records a failure of round `restart` unless one is recorded already: the
 /// first one is the root cause, later ones are usually its consequences.
@@ -9261,40 +10088,49 @@ struct exit_record {
   std::vector<std::pair<std::string, std::int64_t>> issued;
 
   /// The collectives issued on `communicator` (0 when it had none).
-  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const {
-    for (const auto& [name, count] : issued) {
-      if (name == communicator) return count;
-    }
-    return 0;
-  }
+  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const;
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer w(out);
-    w.i64(rank).bytes32(label).u32(static_cast<std::uint32_t>(issued.size()));
-    for (const auto& [name, count] : issued) w.bytes32(name).i64(count);
-    return out;
-  }
-  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value) {
-    return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
-      exit_record e;
-      const std::int64_t raw_rank = r.i64("the rank");
-      if (raw_rank < 0 || raw_rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank");
-      e.rank = static_cast<int>(raw_rank);
-      e.label = r.bytes32("the worker");
-      const std::uint32_t n = r.u32("the communicator count");
-      if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
-      for (std::uint32_t i = 0; i < n; ++i) {
-        std::string name(r.bytes32("a communicator"));
-        const std::int64_t count = r.i64("its collectives");
-        if (count < 0) throw wire::violation(std::to_string(count) + " collectives is negative");
-        e.issued.emplace_back(std::move(name), count);
-      }
-      return e;
-    });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t exit_record::issued_on(std::string_view communicator) const {
+  for (const auto& [name, count] : issued) {
+    if (name == communicator) return count;
+  }
+  return 0;
+}
+
+DTRAIN_DETAIL_INLINE std::string exit_record::encode() const {
+  std::string out;
+  wire::writer w(out);
+  w.i64(rank).bytes32(label).u32(static_cast<std::uint32_t>(issued.size()));
+  for (const auto& [name, count] : issued) w.bytes32(name).i64(count);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE exit_record exit_record::decode(const std::string& key,
+                                                     std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
+    exit_record e;
+    const std::int64_t raw_rank = r.i64("the rank");
+    if (raw_rank < 0 || raw_rank > INT32_MAX)
+      throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank");
+    e.rank = static_cast<int>(raw_rank);
+    e.label = r.bytes32("the worker");
+    const std::uint32_t n = r.u32("the communicator count");
+    if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
+    for (std::uint32_t i = 0; i < n; ++i) {
+      std::string name(r.bytes32("a communicator"));
+      const std::int64_t count = r.i64("its collectives");
+      if (count < 0) throw wire::violation(std::to_string(count) + " collectives is negative");
+      e.issued.emplace_back(std::move(name), count);
+    }
+    return e;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Records that a worker of round `restart` ended well, unless one did already:
 /// the first one is the one that may have left its peers waiting.
@@ -9314,27 +10150,36 @@ struct node_record {
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
-    return out;
-  }
-  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value) {
-    return wire::decode_value("store key " + key, value, "a node agent's record",
-                              [](wire::reader& r) {
-                                node_record n;
-                                n.nproc = r.i64("nproc");
-                                n.max_restarts = r.i64("max_restarts");
-                                n.host = r.bytes32("the host name");
-                                n.pid = r.i64("the pid");
-                                return n;
-                              });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
+  std::string out;
+  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
+                                                     std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a node agent's record",
+                            [](wire::reader& r) {
+                              node_record n;
+                              n.nproc = r.i64("nproc");
+                              n.max_restarts = r.i64("max_restarts");
+                              n.host = r.bytes32("the host name");
+                              n.pid = r.i64("the pid");
+                              return n;
+                            });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A port, as the agents share the workers' MASTER_PORT.
 inline std::string encode_port(int port) { return wire::encode_int(port); }
-inline int decode_port(const std::string& key, std::string_view value) {
+DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value) {
   return wire::decode_value("store key " + key, value, "a port", [](wire::reader& r) {
     const std::int64_t port = r.i64("the port");
     if (port < 1 || port > 65535) {
@@ -9343,6 +10188,7 @@ inline int decode_port(const std::string& key, std::string_view value) {
     return static_cast<int>(port);
   });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where rank 0 serves the store, as it tells the other ranks through the
 /// backend's pre-store channel when no MASTER_ADDR does (inside an outcome).
@@ -9350,38 +10196,50 @@ struct store_address {
   std::string host;  ///< rank 0's host name
   int port = 0;      ///< the port it listens on
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out).bytes32(host).i64(port);
-    return out;
-  }
-  [[nodiscard]] static store_address decode(std::string_view value) {
-    return wire::decode_value(
-        "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
-          store_address a;
-          a.host = r.bytes32("the host name");
-          const std::int64_t number = r.i64("the port");
-          if (number < 1 || number > 65535) {
-            throw wire::violation("the port " + std::to_string(number) + " is not in 1..65535");
-          }
-          a.port = static_cast<int>(number);
-          return a;
-        });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static store_address decode(std::string_view value);
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string store_address::encode() const {
+  std::string out;
+  wire::writer(out).bytes32(host).i64(port);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE store_address store_address::decode(std::string_view value) {
+  return wire::decode_value(
+      "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
+        store_address a;
+        a.host = r.bytes32("the host name");
+        const std::int64_t number = r.i64("the port");
+        if (number < 1 || number > 65535) {
+          throw wire::violation("the port " + std::to_string(number) + " is not in 1..65535");
+        }
+        a.port = static_cast<int>(number);
+        return a;
+      });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
-inline std::string rank_label(const world* w) {
+DTRAIN_DETAIL_INLINE std::string rank_label(const world* w);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string rank_label(const world* w) {
   if (w == nullptr || !w->rank) return "[rank ?]";
   return "[rank " + std::to_string(*w->rank) + "/" +
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How one worker is named in failure messages, by its agent and by itself.
-inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
+DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
   return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
          std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
@@ -9420,13 +10278,18 @@ struct diagnostics_options {
   /// How often each rank's thread looks for a request in the store.
   std::chrono::milliseconds poll{200};
 
-  [[nodiscard]] diagnostics_options with_env(const environment& env) const {
-    diagnostics_options out = *this;
-    if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
-    if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
-    return out;
-  }
+  [[nodiscard]] diagnostics_options with_env(const environment& env) const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE diagnostics_options
+diagnostics_options::with_env(const environment& env) const {
+  diagnostics_options out = *this;
+  if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
+  if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -9434,13 +10297,16 @@ namespace detail {
 /// handler only loads it and writes 8 bytes: both async-signal-safe.
 inline std::atomic<int> diagnostics_signal_fd{-1};
 
-inline void on_diagnostics_signal(int) {
+DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int) {
   const int saved = errno;
   const int fd = diagnostics_signal_fd.load();
   const std::uint64_t one = 1;
   if (fd >= 0) (void)!::write(fd, &one, sizeof one);
   errno = saved;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One rank's part: a thread that publishes this rank's ring whenever a round
 /// is asked for, and explain(), which asks for one and returns its summary.
@@ -9452,164 +10318,41 @@ class rank_diagnostics {
   /// communicator the ring is ("gloo"). Throws what connecting throws.
   rank_diagnostics(const std::string& host, int port, store_options store, std::string prefix,
                    int rank, int size, std::shared_ptr<collective_ring> ring, std::string name,
-                   diagnostics_options options)
-      : client_(host, port, bounded(std::move(store), options.wait)),
-        store_(client_, std::move(prefix)),
-        rank_(rank),
-        size_(size),
-        ring_(std::move(ring)),
-        name_(std::move(name)),
-        options_(options) {
-    wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    previous_fd_ = diagnostics_signal_fd.exchange(wake_);
-    struct sigaction sa {};
-    sa.sa_handler = on_diagnostics_signal;
-    sa.sa_flags = SA_RESTART;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGUSR1, &sa, &previous_action_);
-    thread_ = std::thread([this] { serve(); });
-  }
+                   diagnostics_options options);
   rank_diagnostics(const rank_diagnostics&) = delete;
   rank_diagnostics& operator=(const rank_diagnostics&) = delete;
   /// Stops the thread: at most one store operation, each bounded by the wait.
   /// SIGUSR1 reaches the newest instance; instances end in reverse order
   /// (one per context), and one that is not the newest leaves the signal alone.
-  ~rank_diagnostics() {
-    int mine = wake_;
-    if (diagnostics_signal_fd.compare_exchange_strong(mine, previous_fd_)) {
-      ::sigaction(SIGUSR1, &previous_action_, nullptr);
-    }
-    stopping_ = true;
-    wake();
-    thread_.join();
-    ::close(wake_);
-  }
+  ~rank_diagnostics();
 
   /// Whether a collective of this rank failed or timed out (the ring says so):
   /// only such a failure is worth a round; a store timeout, say, is not.
-  [[nodiscard]] bool collective_failed() const {
-    for (const auto& entry : ring_->snapshot_all()) {
-      for (const call_record& c : entry.second) {
-        if (c.state == call_state::failed || c.state == call_state::timed_out) return true;
-      }
-    }
-    return false;
-  }
+  [[nodiscard]] bool collective_failed() const;
 
   /// Asks every rank for its ring (joining the round another rank opened, if
   /// one is open), waits for them at most options.wait, and returns the
   /// analysis' summary line; one rank of the round prints the whole table on
   /// stderr. `reason` goes in the table's header ("a timeout on rank 0").
   /// Never throws: a store that is gone makes the summary say so.
-  std::string explain(const std::string& reason) noexcept {
-    try {
-      const std::int64_t round = join_round();
-      const std::string reason_key = diagnostics_keys::of(round, "reason");
-      const std::string why = wire::decode_text(
-          "store key " + store_.prefix() + reason_key,
-          store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
-      publish(round);
-      const desync_report report = analyse_job(gather(round));
-      const std::string header = "collective diagnostics, round " + std::to_string(round) +
-                                 ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
-                                 " ranks; printed by rank " + std::to_string(rank_) + ")";
-      const std::string table = format_report(header, report);
-      const std::string closed = diagnostics_keys::of(round, "closed");
-      const std::string me = wire::encode_int(rank_);
-      if (store_.compare_set(diagnostics_keys::of(round, "printer"), "", me) == me) {
-        std::fputs(table.c_str(), stderr);
-        std::fflush(stderr);
-        store_.set(closed, present_value());
-      } else {
-        // This rank may exit next, and a launcher stop the others: not before the table is out.
-        store_.wait(std::span<const std::string>(&closed, 1), options_.wait);
-      }
-      return report.summary;
-    } catch (const std::exception& e) {
-      return std::string("no diagnostics: ") + e.what();
-    }
-  }
+  std::string explain(const std::string& reason) noexcept;
 
  private:
-  static store_options bounded(store_options o, std::chrono::milliseconds wait) {
-    o.timeout = std::min(o.timeout, wait);
-    o.io_timeout = std::min(o.io_timeout, wait);
-    return o;
-  }
+  static store_options bounded(store_options o, std::chrono::milliseconds wait);
 
-  void wake() noexcept {
-    const std::uint64_t one = 1;
-    (void)!::write(wake_, &one, sizeof one);
-  }
+  void wake() noexcept;
 
   // The open round, or a new one; one rank opens each round, the others join it.
-  std::int64_t join_round() {
-    const std::int64_t current = store_.add("round", 0);
-    const std::string closed = diagnostics_keys::of(current, "closed");
-    if (current > 0 && !store_.check(std::span<const std::string>(&closed, 1))) return current;
-    const std::int64_t next = current + 1;
-    const std::string me = wire::encode_int(rank_);
-    if (store_.compare_set(diagnostics_keys::open(next), "", me) == me) {
-      store_.add("round", 1);  // every rank's thread now publishes for it
-    }
-    return next;
-  }
+  std::int64_t join_round();
 
-  void publish(std::int64_t round) {
-    store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
-    published_ = std::max(published_.load(), round);
-  }
+  void publish(std::int64_t round);
 
   // Every rank's ring that arrives within the wait; the others did not answer.
-  std::vector<rank_publication> gather(std::int64_t round) {
-    std::vector<std::string> keys;
-    for (int r = 0; r < size_; ++r) keys.push_back(diagnostics_keys::ring(round, r));
-    try {
-      store_.wait(keys, options_.wait);
-    } catch (const timeout_error&) {
-      // Some rank is silent: analysed as such below.
-    }
-    std::vector<rank_publication> ranks;
-    for (int r = 0; r < size_; ++r) {
-      rank_publication p{r, false, {}};
-      const std::string& key = keys[static_cast<std::size_t>(r)];
-      if (store_.check(std::span<const std::string>(&key, 1))) {
-        if (auto rings = decode_rings(store_.get(key))) {
-          p.answered = true;
-          p.rings = std::move(*rings);
-        }
-      }
-      ranks.push_back(std::move(p));
-    }
-    return ranks;
-  }
+  std::vector<rank_publication> gather(std::int64_t round);
 
   // Publishes the ring for every new round; explains on SIGUSR1. A store that
   // stops answering (its host is gone) ends the polling, not the process.
-  void serve() {
-    pollfd p{wake_, POLLIN, 0};
-    bool store_ok = true;
-    while (!stopping_) {
-      const int ready = ::poll(&p, 1, static_cast<int>(options_.poll.count()));
-      if (stopping_) return;
-      if (ready > 0) {
-        std::uint64_t count = 0;
-        (void)!::read(wake_, &count, sizeof count);
-        if (!stopping_ && store_ok) {
-          const std::string summary = explain("SIGUSR1 on rank " + std::to_string(rank_));
-          std::fprintf(stderr, "[rank %d/%d] dtrain: SIGUSR1: %s\n", rank_, size_, summary.c_str());
-          std::fflush(stderr);
-        }
-      }
-      if (!store_ok) continue;
-      try {
-        const std::int64_t round = store_.add("round", 0);
-        if (round > published_) publish(round);
-      } catch (const std::exception&) {
-        store_ok = false;
-      }
-    }
-  }
+  void serve();
 
   store_client client_;
   prefix_store<store_client> store_;
@@ -9625,6 +10368,154 @@ class rank_diagnostics {
   std::atomic<std::int64_t> published_{0};
   std::thread thread_;  // last: starts once everything above exists
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE rank_diagnostics::rank_diagnostics(
+    const std::string& host, int port, store_options store, std::string prefix, int rank, int size,
+    std::shared_ptr<collective_ring> ring, std::string name, diagnostics_options options)
+    : client_(host, port, bounded(std::move(store), options.wait)),
+      store_(client_, std::move(prefix)),
+      rank_(rank),
+      size_(size),
+      ring_(std::move(ring)),
+      name_(std::move(name)),
+      options_(options) {
+  wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  previous_fd_ = diagnostics_signal_fd.exchange(wake_);
+  struct sigaction sa {};
+  sa.sa_handler = on_diagnostics_signal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGUSR1, &sa, &previous_action_);
+  thread_ = std::thread([this] { serve(); });
+}
+
+DTRAIN_DETAIL_INLINE rank_diagnostics::~rank_diagnostics() {
+  int mine = wake_;
+  if (diagnostics_signal_fd.compare_exchange_strong(mine, previous_fd_)) {
+    ::sigaction(SIGUSR1, &previous_action_, nullptr);
+  }
+  stopping_ = true;
+  wake();
+  thread_.join();
+  ::close(wake_);
+}
+
+DTRAIN_DETAIL_INLINE bool rank_diagnostics::collective_failed() const {
+  for (const auto& entry : ring_->snapshot_all()) {
+    for (const call_record& c : entry.second) {
+      if (c.state == call_state::failed || c.state == call_state::timed_out) return true;
+    }
+  }
+  return false;
+}
+
+DTRAIN_DETAIL_INLINE std::string rank_diagnostics::explain(const std::string& reason) noexcept {
+  try {
+    const std::int64_t round = join_round();
+    const std::string reason_key = diagnostics_keys::of(round, "reason");
+    const std::string why = wire::decode_text(
+        "store key " + store_.prefix() + reason_key,
+        store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
+    publish(round);
+    const desync_report report = analyse_job(gather(round));
+    const std::string header = "collective diagnostics, round " + std::to_string(round) +
+                               ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
+                               " ranks; printed by rank " + std::to_string(rank_) + ")";
+    const std::string table = format_report(header, report);
+    const std::string closed = diagnostics_keys::of(round, "closed");
+    const std::string me = wire::encode_int(rank_);
+    if (store_.compare_set(diagnostics_keys::of(round, "printer"), "", me) == me) {
+      std::fputs(table.c_str(), stderr);
+      std::fflush(stderr);
+      store_.set(closed, present_value());
+    } else {
+      // This rank may exit next, and a launcher stop the others: not before the table is out.
+      store_.wait(std::span<const std::string>(&closed, 1), options_.wait);
+    }
+    return report.summary;
+  } catch (const std::exception& e) {
+    return std::string("no diagnostics: ") + e.what();
+  }
+}
+
+DTRAIN_DETAIL_INLINE store_options rank_diagnostics::bounded(store_options o,
+                                                             std::chrono::milliseconds wait) {
+  o.timeout = std::min(o.timeout, wait);
+  o.io_timeout = std::min(o.io_timeout, wait);
+  return o;
+}
+
+DTRAIN_DETAIL_INLINE void rank_diagnostics::wake() noexcept {
+  const std::uint64_t one = 1;
+  (void)!::write(wake_, &one, sizeof one);
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t rank_diagnostics::join_round() {
+  const std::int64_t current = store_.add("round", 0);
+  const std::string closed = diagnostics_keys::of(current, "closed");
+  if (current > 0 && !store_.check(std::span<const std::string>(&closed, 1))) return current;
+  const std::int64_t next = current + 1;
+  const std::string me = wire::encode_int(rank_);
+  if (store_.compare_set(diagnostics_keys::open(next), "", me) == me) {
+    store_.add("round", 1);  // every rank's thread now publishes for it
+  }
+  return next;
+}
+
+DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round) {
+  store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
+  published_ = std::max(published_.load(), round);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<rank_publication> rank_diagnostics::gather(std::int64_t round) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size_; ++r) keys.push_back(diagnostics_keys::ring(round, r));
+  try {
+    store_.wait(keys, options_.wait);
+  } catch (const timeout_error&) {
+    // Some rank is silent: analysed as such below.
+  }
+  std::vector<rank_publication> ranks;
+  for (int r = 0; r < size_; ++r) {
+    rank_publication p{r, false, {}};
+    const std::string& key = keys[static_cast<std::size_t>(r)];
+    if (store_.check(std::span<const std::string>(&key, 1))) {
+      if (auto rings = decode_rings(store_.get(key))) {
+        p.answered = true;
+        p.rings = std::move(*rings);
+      }
+    }
+    ranks.push_back(std::move(p));
+  }
+  return ranks;
+}
+
+DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
+  pollfd p{wake_, POLLIN, 0};
+  bool store_ok = true;
+  while (!stopping_) {
+    const int ready = ::poll(&p, 1, static_cast<int>(options_.poll.count()));
+    if (stopping_) return;
+    if (ready > 0) {
+      std::uint64_t count = 0;
+      (void)!::read(wake_, &count, sizeof count);
+      if (!stopping_ && store_ok) {
+        const std::string summary = explain("SIGUSR1 on rank " + std::to_string(rank_));
+        std::fprintf(stderr, "[rank %d/%d] dtrain: SIGUSR1: %s\n", rank_, size_, summary.c_str());
+        std::fflush(stderr);
+      }
+    }
+    if (!store_ok) continue;
+    try {
+      const std::int64_t round = store_.add("round", 0);
+      if (round > published_) publish(round);
+    } catch (const std::exception&) {
+      store_ok = false;
+    }
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
@@ -9650,7 +10541,11 @@ namespace dtrain {
 ///   `--gpus-per-task`, Kubernetes, CUDA_VISIBLE_DEVICES set per rank);
 /// - otherwise config_error naming CUDA_VISIBLE_DEVICES (`cuda_visible_devices`,
 ///   as the environment has it, or unset), the local rank and the counts.
-[[nodiscard]] inline int select_device(int local_rank, int local_world_size, int visible,
+[[nodiscard]] DTRAIN_DETAIL_INLINE int select_device(
+    int local_rank, int local_world_size, int visible,
+    std::optional<std::string_view> cuda_visible_devices);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int visible,
                                        std::optional<std::string_view> cuda_visible_devices) {
   const std::string cvd = cuda_visible_devices
                               ? "CUDA_VISIBLE_DEVICES=" + std::string(*cuda_visible_devices)
@@ -9673,6 +10568,7 @@ namespace dtrain {
       "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
       "start no more ranks per node than it has GPUs");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/env/device.hpp ----
@@ -9708,69 +10604,16 @@ namespace dtrain::detail {
 class hostlist {
  public:
   /// Parses `text`; `what` names it in messages (`SLURM_STEP_NODELIST=...`).
-  static hostlist parse(std::string_view text, const std::string& what) {
-    hostlist list;
-    if (text.empty()) throw config_error(what + " is an empty host list");
-    std::size_t start = 0;
-    int depth = 0;
-    for (std::size_t i = 0; i <= text.size(); ++i) {
-      if (i < text.size() && text[i] == '[') {
-        if (++depth > 1)
-          throw config_error(what + " has nested '[' at offset " + std::to_string(i));
-      } else if (i < text.size() && text[i] == ']') {
-        if (--depth < 0)
-          throw config_error(what + " has ']' without '[' at offset " + std::to_string(i));
-      } else if (i == text.size() || (text[i] == ',' && depth == 0)) {
-        if (depth != 0) throw config_error(what + " has '[' without ']'");
-        list.patterns_.push_back(parse_pattern(text.substr(start, i - start), what));
-        start = i + 1;
-      }
-    }
-    return list;
-  }
+  static hostlist parse(std::string_view text, const std::string& what);
 
   /// Number of hosts, saturating at SIZE_MAX for absurd lists.
-  [[nodiscard]] std::size_t size() const {
-    std::size_t total = 0;
-    for (const auto& p : patterns_) total = saturating_add(total, pattern_size(p));
-    return total;
-  }
+  [[nodiscard]] std::size_t size() const;
 
   /// The first host: what Slurm-aware launchers use as the master.
-  [[nodiscard]] std::string front() const {
-    std::string host;
-    for (const auto& pc : patterns_.front()) {
-      host += pc.ranges.empty() ? pc.literal : pc.ranges.front().format(pc.ranges.front().first);
-    }
-    return host;
-  }
+  [[nodiscard]] std::string front() const;
 
   /// All hosts in order; config_error past `limit` hosts.
-  [[nodiscard]] std::vector<std::string> expand(std::size_t limit = 1u << 20) const {
-    if (size() > limit) {
-      throw config_error("host list of " + std::to_string(size()) + " hosts exceeds the limit of " +
-                         std::to_string(limit));
-    }
-    std::vector<std::string> hosts;
-    for (const auto& p : patterns_) {
-      std::vector<std::string> partial{""};
-      for (const auto& pc : p) {
-        std::vector<std::string> next;
-        if (pc.ranges.empty()) {
-          for (auto& s : partial) next.push_back(s + pc.literal);
-        } else {
-          for (auto& s : partial) {
-            for (const auto& r : pc.ranges) {
-              for (std::uint64_t n = r.first; n <= r.last; ++n) next.push_back(s + r.format(n));
-            }
-          }
-        }
-        partial = std::move(next);
-      }
-      hosts.insert(hosts.end(), partial.begin(), partial.end());
-    }
-    return hosts;
-  }
+  [[nodiscard]] std::vector<std::string> expand(std::size_t limit = 1u << 20) const;
 
  private:
   struct range {
@@ -9778,11 +10621,7 @@ class hostlist {
     std::uint64_t last;
     std::size_t width;  // digits of the lower bound as written: "01-10" pads to 2
 
-    [[nodiscard]] std::string format(std::uint64_t n) const {
-      std::string digits = std::to_string(n);
-      if (digits.size() < width) digits.insert(0, width - digits.size(), '0');
-      return digits;
-    }
+    [[nodiscard]] std::string format(std::uint64_t n) const;
     [[nodiscard]] std::size_t count() const { return static_cast<std::size_t>(last - first + 1); }
   };
   // A piece is literal text, or a bracket of ranges when `ranges` is not empty.
@@ -9792,78 +10631,163 @@ class hostlist {
   };
   using pattern = std::vector<piece>;
 
-  static std::size_t saturating_add(std::size_t a, std::size_t b) {
-    return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                           : a + b;
-  }
-  static std::size_t saturating_mul(std::size_t a, std::size_t b) {
-    return b != 0 && a > std::numeric_limits<std::size_t>::max() / b
-               ? std::numeric_limits<std::size_t>::max()
-               : a * b;
-  }
-  static std::size_t pattern_size(const pattern& p) {
-    std::size_t n = 1;
-    for (const auto& pc : p) {
-      if (pc.ranges.empty()) continue;
-      std::size_t in_bracket = 0;
-      for (const auto& r : pc.ranges) in_bracket = saturating_add(in_bracket, r.count());
-      n = saturating_mul(n, in_bracket);
-    }
-    return n;
-  }
+  static std::size_t saturating_add(std::size_t a, std::size_t b);
+  static std::size_t saturating_mul(std::size_t a, std::size_t b);
+  static std::size_t pattern_size(const pattern& p);
 
-  static std::uint64_t parse_bound(std::string_view digits, const std::string& what) {
-    if (digits.empty() || digits.size() > 18 ||
-        digits.find_first_not_of("0123456789") != std::string_view::npos) {
-      throw config_error(what + " has a bad range bound '" + std::string(digits) + "'");
-    }
-    return std::stoull(std::string(digits));
-  }
+  static std::uint64_t parse_bound(std::string_view digits, const std::string& what);
 
-  static pattern parse_pattern(std::string_view text, const std::string& what) {
-    if (text.empty()) throw config_error(what + " has an empty host name");
-    pattern p;
-    std::size_t i = 0;
-    while (i < text.size()) {
-      if (text[i] != '[') {
-        auto next = text.find('[', i);
-        p.push_back(piece{std::string(text.substr(i, next - i)), {}});
-        i = next == std::string_view::npos ? text.size() : next;
-        continue;
-      }
-      auto close = text.find(']', i);
-      auto body = text.substr(i + 1, close - i - 1);
-      if (body.empty()) throw config_error(what + " has an empty '[]'");
-      piece bracket;
-      std::size_t s = 0;
-      while (s <= body.size()) {
-        auto comma = body.find(',', s);
-        auto item =
-            body.substr(s, comma == std::string_view::npos ? std::string_view::npos : comma - s);
-        auto dash = item.find('-');
-        auto lo = item.substr(0, dash);
-        auto hi = dash == std::string_view::npos ? lo : item.substr(dash + 1);
-        range r{parse_bound(lo, what), parse_bound(hi, what), lo.size()};
-        if (r.last < r.first) {
-          throw config_error(what + " has a descending range '" + std::string(item) + "'");
-        }
-        bracket.ranges.push_back(r);
-        if (comma == std::string_view::npos) break;
-        s = comma + 1;
-      }
-      p.push_back(std::move(bracket));
-      i = close + 1;
-    }
-    return p;
-  }
+  static pattern parse_pattern(std::string_view text, const std::string& what);
 
   std::vector<pattern> patterns_;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE hostlist hostlist::parse(std::string_view text, const std::string& what) {
+  hostlist list;
+  if (text.empty()) throw config_error(what + " is an empty host list");
+  std::size_t start = 0;
+  int depth = 0;
+  for (std::size_t i = 0; i <= text.size(); ++i) {
+    if (i < text.size() && text[i] == '[') {
+      if (++depth > 1) throw config_error(what + " has nested '[' at offset " + std::to_string(i));
+    } else if (i < text.size() && text[i] == ']') {
+      if (--depth < 0)
+        throw config_error(what + " has ']' without '[' at offset " + std::to_string(i));
+    } else if (i == text.size() || (text[i] == ',' && depth == 0)) {
+      if (depth != 0) throw config_error(what + " has '[' without ']'");
+      list.patterns_.push_back(parse_pattern(text.substr(start, i - start), what));
+      start = i + 1;
+    }
+  }
+  return list;
+}
+
+DTRAIN_DETAIL_INLINE std::size_t hostlist::size() const {
+  std::size_t total = 0;
+  for (const auto& p : patterns_) total = saturating_add(total, pattern_size(p));
+  return total;
+}
+
+DTRAIN_DETAIL_INLINE std::string hostlist::front() const {
+  std::string host;
+  for (const auto& pc : patterns_.front()) {
+    host += pc.ranges.empty() ? pc.literal : pc.ranges.front().format(pc.ranges.front().first);
+  }
+  return host;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> hostlist::expand(std::size_t limit) const {
+  if (size() > limit) {
+    throw config_error("host list of " + std::to_string(size()) + " hosts exceeds the limit of " +
+                       std::to_string(limit));
+  }
+  std::vector<std::string> hosts;
+  for (const auto& p : patterns_) {
+    std::vector<std::string> partial{""};
+    for (const auto& pc : p) {
+      std::vector<std::string> next;
+      if (pc.ranges.empty()) {
+        for (auto& s : partial) next.push_back(s + pc.literal);
+      } else {
+        for (auto& s : partial) {
+          for (const auto& r : pc.ranges) {
+            for (std::uint64_t n = r.first; n <= r.last; ++n) next.push_back(s + r.format(n));
+          }
+        }
+      }
+      partial = std::move(next);
+    }
+    hosts.insert(hosts.end(), partial.begin(), partial.end());
+  }
+  return hosts;
+}
+
+DTRAIN_DETAIL_INLINE std::string hostlist::range::format(std::uint64_t n) const {
+  std::string digits = std::to_string(n);
+  if (digits.size() < width) digits.insert(0, width - digits.size(), '0');
+  return digits;
+}
+
+DTRAIN_DETAIL_INLINE std::size_t hostlist::saturating_add(std::size_t a, std::size_t b) {
+  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                         : a + b;
+}
+
+DTRAIN_DETAIL_INLINE std::size_t hostlist::saturating_mul(std::size_t a, std::size_t b) {
+  return b != 0 && a > std::numeric_limits<std::size_t>::max() / b
+             ? std::numeric_limits<std::size_t>::max()
+             : a * b;
+}
+
+DTRAIN_DETAIL_INLINE std::size_t hostlist::pattern_size(const pattern& p) {
+  std::size_t n = 1;
+  for (const auto& pc : p) {
+    if (pc.ranges.empty()) continue;
+    std::size_t in_bracket = 0;
+    for (const auto& r : pc.ranges) in_bracket = saturating_add(in_bracket, r.count());
+    n = saturating_mul(n, in_bracket);
+  }
+  return n;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t hostlist::parse_bound(std::string_view digits,
+                                                         const std::string& what) {
+  if (digits.empty() || digits.size() > 18 ||
+      digits.find_first_not_of("0123456789") != std::string_view::npos) {
+    throw config_error(what + " has a bad range bound '" + std::string(digits) + "'");
+  }
+  return std::stoull(std::string(digits));
+}
+
+DTRAIN_DETAIL_INLINE auto hostlist::parse_pattern(std::string_view text, const std::string& what)
+    -> pattern {
+  if (text.empty()) throw config_error(what + " has an empty host name");
+  pattern p;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] != '[') {
+      auto next = text.find('[', i);
+      p.push_back(piece{std::string(text.substr(i, next - i)), {}});
+      i = next == std::string_view::npos ? text.size() : next;
+      continue;
+    }
+    auto close = text.find(']', i);
+    auto body = text.substr(i + 1, close - i - 1);
+    if (body.empty()) throw config_error(what + " has an empty '[]'");
+    piece bracket;
+    std::size_t s = 0;
+    while (s <= body.size()) {
+      auto comma = body.find(',', s);
+      auto item =
+          body.substr(s, comma == std::string_view::npos ? std::string_view::npos : comma - s);
+      auto dash = item.find('-');
+      auto lo = item.substr(0, dash);
+      auto hi = dash == std::string_view::npos ? lo : item.substr(dash + 1);
+      range r{parse_bound(lo, what), parse_bound(hi, what), lo.size()};
+      if (r.last < r.first) {
+        throw config_error(what + " has a descending range '" + std::string(item) + "'");
+      }
+      bracket.ranges.push_back(r);
+      if (comma == std::string_view::npos) break;
+      s = comma + 1;
+    }
+    p.push_back(std::move(bracket));
+    i = close + 1;
+  }
+  return p;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// Expands Slurm's tasks-per-node notation (`2(x3),1` → 2,2,2,1). `what`
 /// names it in messages; config_error past `limit` nodes.
-inline std::vector<int> parse_tasks_per_node(std::string_view text, const std::string& what,
-                                             std::size_t limit = 1u << 20) {
+DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text,
+                                                           const std::string& what,
+                                                           std::size_t limit = 1u << 20);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text,
+                                                           const std::string& what,
+                                                           std::size_t limit) {
   std::vector<int> counts;
   if (text.empty()) throw config_error(what + " is empty");
   std::size_t start = 0;
@@ -9895,6 +10819,7 @@ inline std::vector<int> parse_tasks_per_node(std::string_view text, const std::s
   }
   return counts;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/detail/hostlist.hpp ----
@@ -9947,8 +10872,11 @@ struct observation {
 };
 
 /// Reads NAME_RANK/NAME_SIZE-style pairs: both or neither.
-inline void read_rank_and_size(const environment& env, observation& o, std::string_view rank_var,
-                               std::string_view size_var) {
+DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation& o,
+                                             std::string_view rank_var, std::string_view size_var);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation& o,
+                                             std::string_view rank_var, std::string_view size_var) {
   o[field::rank] = read_int(env, rank_var);
   o[field::world_size] = read_int(env, size_var);
   if (o[field::rank].has_value() != o[field::world_size].has_value()) {
@@ -9958,10 +10886,14 @@ inline void read_rank_and_size(const environment& env, observation& o, std::stri
                        " is not; the launcher sets both");
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Stores `v` in `slot`, or checks that it agrees with what is there.
-inline void agree(std::optional<sourced_int>& slot, const std::optional<sourced_int>& v,
-                  std::string_view what) {
+DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
+                                const std::optional<sourced_int>& v, std::string_view what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
+                                const std::optional<sourced_int>& v, std::string_view what) {
   if (!v) return;
   if (!slot) {
     slot = v;
@@ -9969,10 +10901,13 @@ inline void agree(std::optional<sourced_int>& slot, const std::optional<sourced_
     throw config_error(slot->origin + " and " + v->origin + " disagree about " + std::string(what));
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// env:// — torchrun, dtrun, Azure ML PyTorch jobs, Kubeflow PyTorchJob. Also
 /// loose LOCAL_RANK / NODE_RANK, which other launchers' users often export.
-inline observation read_env_url(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   observation o;
   o.source = launcher::env;
   read_rank_and_size(env, o, "RANK", "WORLD_SIZE");
@@ -9995,11 +10930,16 @@ inline observation read_env_url(const environment& env) {
   }
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Hugging Face style `--local_rank=N`, `--local_rank N`, `--local-rank=N`,
 /// `--local-rank N` (the old torch.distributed.launch without --use_env).
 /// `args` excludes the program name; scanning stops at `--`.
-inline std::optional<sourced_int> read_argv_local_rank(std::span<const std::string_view> args) {
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
+    std::span<const std::string_view> args);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
+    std::span<const std::string_view> args) {
   std::optional<sourced_int> found;
   for (std::size_t i = 0; i < args.size(); ++i) {
     std::string_view a = args[i];
@@ -10023,6 +10963,7 @@ inline std::optional<sourced_int> read_argv_local_rank(std::span<const std::stri
   }
   return found;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The variables of a launcher that states rank, size, local rank and local size.
 struct rank_variables {
@@ -10030,8 +10971,11 @@ struct rank_variables {
 };
 
 /// Reads a launcher that states rank, size, local rank and local size.
-inline observation read_ranks(const environment& env, launcher source,
-                              const rank_variables& names) {
+DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
+                                            const rank_variables& names);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
+                                            const rank_variables& names) {
   observation o;
   o.source = source;
   read_rank_and_size(env, o, names.rank, names.size);
@@ -10039,39 +10983,52 @@ inline observation read_ranks(const environment& env, launcher source,
   o[field::local_world_size] = read_int(env, names.local_size);
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Open MPI's mpirun. OMPI_COMM_WORLD_NODE_RANK is deliberately not read: it
 /// is the rank among this node's processes (like the local rank), not the
 /// node's index, and Open MPI gives no node index at all. Open MPI 4 exports
 /// the number of nodes in the job's map as OMPI_MCA_orte_num_nodes.
-inline observation read_open_mpi(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env) {
   observation o = read_ranks(env, launcher::open_mpi,
                              {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"});
   if (o[field::rank]) o[field::num_nodes] = read_int(env, "OMPI_MCA_orte_num_nodes");
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// MPICH / Intel MPI (Hydra). No node index or node count.
-inline observation read_hydra(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env) {
   return read_ranks(env, launcher::hydra,
                     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The first of `names` that is set, with its name.
-inline std::optional<std::pair<std::string_view, std::string_view>> first_set(
+DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
+    const environment& env, std::initializer_list<std::string_view> names);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
     const environment& env, std::initializer_list<std::string_view> names) {
   for (auto name : names) {
     if (auto v = env.get(name)) return std::pair{name, *v};
   }
   return std::nullopt;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// srun. Only inside a job step (SLURM_STEP_ID set): a batch script carries
 /// the allocation's SLURM_NTASKS too, but it is one process, and believing
 /// otherwise would wait forever for ranks that never start. Step-level
 /// variables win over job-level ones, which describe the whole allocation.
-inline observation read_slurm(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env) {
   observation o;
   o.source = launcher::slurm;
   if (!env.contains("SLURM_PROCID")) return o;
@@ -10135,11 +11092,14 @@ inline observation read_slurm(const environment& env) {
   }
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// horovodrun. HOROVOD_CROSS_RANK is the rank among the processes that share
 /// this local rank; it is the node index only for local rank 0, or when
 /// every node runs the same number of processes (SIZE = LOCAL_SIZE × CROSS_SIZE).
-inline observation read_horovod(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env) {
   observation o =
       read_ranks(env, launcher::horovod,
                  {"HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"});
@@ -10159,10 +11119,16 @@ inline observation read_horovod(const environment& env) {
   }
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The member `key` of `obj` when it has the expected kind; nullptr when absent.
-inline const json::value* json_member(const json::value& obj, std::string_view key,
-                                      json::value::kind kind, const std::string& where) {
+DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
+                                                    json::value::kind kind,
+                                                    const std::string& where);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
+                                                    json::value::kind kind,
+                                                    const std::string& where) {
   const json::value* v = obj.find(key);
   if (v && !v->is(kind)) {
     throw config_error("TF_CONFIG " + where + "\"" + std::string(key) + "\" is " +
@@ -10170,12 +11136,15 @@ inline const json::value* json_member(const json::value& obj, std::string_view k
   }
   return v;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// TF_CONFIG: {"cluster": {"chief": [...], "worker": [...], "ps": [...],
 /// "evaluator": [...]}, "task": {"type": ..., "index": ...}}. Data-parallel
 /// ranks are the chief (TF1's "master" too) then the workers; ps and
 /// evaluator tasks get their role and no rank.
-inline observation read_tf_config(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env) {
   observation o;
   auto text = env.get("TF_CONFIG");
   if (!text) return o;
@@ -10260,6 +11229,7 @@ inline observation read_tf_config(const environment& env) {
   if (hp.port) o.fallback_port = sourced_int{*hp.port, what};
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The master named outright: MASTER_ADDR / MASTER_PORT, Azure's
 /// AZ_BATCH_MASTER_NODE (addr:port, multi-node) and AZ_BATCHAI_MPI_MASTER_NODE
@@ -10269,7 +11239,9 @@ struct explicit_master {
   std::optional<sourced_int> port;
 };
 
-inline explicit_master read_explicit_master(const environment& env) {
+DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
   auto take_addr = [&](std::optional<sourced_text> v) {
     if (!v) return;
@@ -10291,6 +11263,7 @@ inline explicit_master read_explicit_master(const environment& env) {
   take_addr(read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"));
   return m;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
@@ -10333,8 +11306,13 @@ inline void agree(observation& into, field f, const std::optional<sourced_int>& 
 /// what an agent (torchrun, dtrun) sets for its workers, or what a user's
 /// script copied from the outer launcher; Slurm comes last because mpirun and
 /// mpiexec start their daemons through srun inside an allocation.
-inline std::vector<observation> read_launchers(const environment& env, const observation& env_url,
-                                               std::string& notes) {
+DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& env,
+                                                             const observation& env_url,
+                                                             std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& env,
+                                                             const observation& env_url,
+                                                             std::string& notes) {
   std::vector<observation> found;
   auto keep = [&](observation o) {
     if (!o.note.empty()) notes += (notes.empty() ? "" : "; ") + o.note;
@@ -10348,12 +11326,15 @@ inline std::vector<observation> read_launchers(const environment& env, const obs
   keep(read_slurm(env));
   return found;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reconciles the launchers: the first is this process's own; another with
 /// the same process count must agree field by field; one with a different
 /// count is accepted only as an outer launcher that ran one process per node
 /// (torchrun under srun, a node agent under mpirun), and is then not used.
-inline observation reconcile(std::vector<observation> launchers, std::string& notes) {
+DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes) {
   observation primary = std::move(launchers.front());
   for (std::size_t i = 1; i < launchers.size(); ++i) {
     const observation& other = launchers[i];
@@ -10381,8 +11362,12 @@ inline observation reconcile(std::vector<observation> launchers, std::string& no
   }
   return primary;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void fill_master(world& w, const environment& env, const observation& primary) {
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env,
+                                      const observation& primary) {
   auto m = read_explicit_master(env);
   auto addr = m.addr ? m.addr : primary.fallback_addr;
   auto port = m.port ? m.port : primary.fallback_port;
@@ -10395,13 +11380,16 @@ inline void fill_master(world& w, const environment& env, const observation& pri
     w.origins[static_cast<std::size_t>(field::master_port)] = port->origin;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 inline std::string not_below(const sourced_int& lower, const sourced_int& upper) {
   return lower.origin + " is not below " + upper.origin;
 }
 
 /// Derives what follows for certain and checks what must hold.
-inline void complete_and_check(observation& o) {
+DTRAIN_DETAIL_INLINE void complete_and_check(observation& o);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void complete_and_check(observation& o) {
   const auto& ws = o[field::world_size];
   const auto& ls = o[field::local_world_size];
   // Every process is on this node: one node, and the local rank is the rank.
@@ -10442,8 +11430,11 @@ inline void complete_and_check(observation& o) {
                        ws->origin);
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline world to_world(const observation& o) {
+DTRAIN_DETAIL_INLINE world to_world(const observation& o);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world to_world(const observation& o) {
   world w;
   w.source = o.source;
   w.role = o.role;
@@ -10457,9 +11448,15 @@ inline world to_world(const observation& o) {
   }
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline world discover_per_process(const environment& env, std::span<const std::string_view> args,
-                                  std::string& notes) {
+DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
+                                                std::span<const std::string_view> args,
+                                                std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
+                                                std::span<const std::string_view> args,
+                                                std::string& notes) {
   observation loose = read_env_url(env);
   std::vector<observation> launchers = read_launchers(env, loose, notes);
 
@@ -10492,9 +11489,15 @@ inline world discover_per_process(const environment& env, std::span<const std::s
   fill_master(w, env, o);
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline world discover_per_node(const environment& env, std::span<const std::string_view> args,
-                               const discover_options& opt, std::string& notes) {
+DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
+                                             std::span<const std::string_view> args,
+                                             const discover_options& opt, std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
+                                             std::span<const std::string_view> args,
+                                             const discover_options& opt, std::string& notes) {
   if (auto local = read_argv_local_rank(args)) {
     throw config_error(local->origin +
                        " is a worker's argument; a per-node agent assigns local ranks itself");
@@ -10563,15 +11566,20 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
   fill_master(w, env, node);
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
 /// Who this process is, from `env` and `args` (argv without the program
 /// name). Throws config_error naming every variable involved, with its value,
 /// when a value is malformed or two sources disagree. Never blocks.
-[[nodiscard]] inline world discover_world(const environment& env,
-                                          std::span<const std::string_view> args = {},
-                                          const discover_options& options = {}) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
+                                                        std::span<const std::string_view> args = {},
+                                                        const discover_options& options = {});
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
+                                          std::span<const std::string_view> args,
+                                          const discover_options& options) {
   std::string notes;
   world w = options.mode == launch_mode::per_node
                 ? detail::discover_per_node(env, args, options, notes)
@@ -10579,14 +11587,19 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
   w.notes = std::move(notes);
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Same, from the process's own environment and main()'s argc/argv.
-[[nodiscard]] inline world discover_world(int argc, const char* const* argv,
-                                          const discover_options& options = {}) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
+                                                        const discover_options& options = {});
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
+                                          const discover_options& options) {
   std::vector<std::string_view> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   return discover_world(environment::from_process(), args, options);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/env/discover.hpp ----
@@ -10612,12 +11625,15 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
 namespace dtrain {
 
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
-[[nodiscard]] inline std::string node_name(const environment& env) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
   if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
   auto host = detail::host_name();
   if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
   return *host;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What one rank says about itself at rendezvous.
 struct rank_report {
@@ -10636,50 +11652,57 @@ struct rank_report {
 
   /// The report as a store value (detail/wire.hpp): node name bytes32, then
   /// per field a known flag u8, the value i64 when known, its origin bytes32.
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    detail::wire::writer w(out);
-    w.bytes32(node_name);
-    const auto numbers = slots(self);
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      w.u8(*numbers[i] ? 1 : 0);
-      if (*numbers[i]) w.i64(**numbers[i]);
-      w.bytes32(self.origin(fields[i]));
-    }
-    return out;
-  }
+  [[nodiscard]] std::string encode() const;
 
   /// The inverse of encode(); `where` names the input ("store key world/3") in
   /// the rendezvous_error a malformed value gives.
-  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where) {
-    return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
-      rank_report r;
-      r.node_name = in.bytes32("the node name");
-      const auto numbers = slots(r.self);
-      for (std::size_t i = 0; i < numbers.size(); ++i) {
-        const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
-        const std::uint8_t known = in.u8(name);
-        if (known > 1)
-          throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
-        if (known == 1) {
-          const std::int64_t value = in.i64(name);
-          if (value < 0 || value > max_world_size) {
-            throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
-                                          " is not in 0.." + std::to_string(max_world_size));
-          }
-          *numbers[i] = static_cast<int>(value);
-        }
-        r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
-      }
-      return r;
-    });
-  }
+  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where);
 
   /// Whether the launcher placed this rank fully (its node and its place there).
   [[nodiscard]] bool placed() const noexcept {
     return self.local_rank && self.local_world_size && self.node_rank && self.num_nodes;
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
+  std::string out;
+  detail::wire::writer w(out);
+  w.bytes32(node_name);
+  const auto numbers = slots(self);
+  for (std::size_t i = 0; i < numbers.size(); ++i) {
+    w.u8(*numbers[i] ? 1 : 0);
+    if (*numbers[i]) w.i64(**numbers[i]);
+    w.bytes32(self.origin(fields[i]));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE rank_report rank_report::decode(std::string_view text,
+                                                     const std::string& where) {
+  return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
+    rank_report r;
+    r.node_name = in.bytes32("the node name");
+    const auto numbers = slots(r.self);
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
+      const std::uint8_t known = in.u8(name);
+      if (known > 1)
+        throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
+      if (known == 1) {
+        const std::int64_t value = in.i64(name);
+        if (value < 0 || value > max_world_size) {
+          throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
+                                        " is not in 0.." + std::to_string(max_world_size));
+        }
+        *numbers[i] = static_cast<int>(value);
+      }
+      r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
+    }
+    return r;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where one rank sits.
 struct placement {
@@ -10694,7 +11717,10 @@ struct placement {
 /// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
 /// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
 /// config_error that placing the ranks gave (bytes32), for every rank to throw.
-[[nodiscard]] inline std::string encode_placements(const std::vector<placement>& ranks) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placements(
+    const std::vector<placement>& ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_placements(const std::vector<placement>& ranks) {
   std::string out;
   detail::wire::writer w(out);
   w.u8(1).u32(static_cast<std::uint32_t>(ranks.size()));
@@ -10702,16 +11728,24 @@ struct placement {
     w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
   return out;
 }
-[[nodiscard]] inline std::string encode_placement_error(std::string_view message) {
+#endif  // DTRAIN_DETAIL_BODIES()
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message) {
   std::string out;
   detail::wire::writer(out).u8(0).bytes32(message);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
 /// config_error when placing failed there, and a rendezvous_error naming
 /// `where` ("store key dtrain/job/world/placement") when the value is malformed.
-[[nodiscard]] inline placement decode_placement(const std::string& where, std::string_view value,
+[[nodiscard]] DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where,
+                                                              std::string_view value, int rank,
+                                                              int size);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where, std::string_view value,
                                                 int rank, int size) {
   std::optional<std::string> failure;
   placement mine =
@@ -10743,6 +11777,7 @@ struct placement {
   if (failure) throw config_error(*failure);
   return mine;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Places every rank (reports[i] is rank i). When every report is complete,
 /// each keeps what its launcher said. Otherwise ranks are grouped by node
@@ -10750,7 +11785,10 @@ struct placement {
 /// follow the rank order within a node. Throws config_error, naming the
 /// ranks and variables, when the ranks disagree about the world size or a
 /// known field contradicts the grouping.
-[[nodiscard]] inline std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(
+    const std::vector<rank_report>& reports);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
   const int n = static_cast<int>(reports.size());
   for (std::size_t r = 0; r < reports.size(); ++r) {
     const auto& ws = reports[r].self.world_size;
@@ -10806,6 +11844,7 @@ struct placement {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/env/placement.hpp ----
@@ -11048,63 +12087,69 @@ struct agent_options {
   /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
   /// rebuilding it. Throws config_error naming the variable and its value.
-  [[nodiscard]] agent_options with_env(const environment& env) const {
-    agent_options out = *this;
-    auto count = [&](std::string_view name, std::optional<int>& into, int least) {
-      if (auto v = detail::read_int(env, name)) {
-        if (v->value < least) {
-          throw config_error(v->origin + " must be at least " + std::to_string(least));
-        }
-        into = v->value;
-      }
-    };
-    count(nproc_per_node_variable, out.nproc_per_node, 1);
-    count(nnodes_variable, out.nnodes, 1);
-    count(node_rank_variable, out.node_rank, 0);
-    if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
-    if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
-    if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
-    if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
-    if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
-    if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
-    out.check();
-    return out;
-  }
+  [[nodiscard]] agent_options with_env(const environment& env) const;
 
   /// Throws config_error when an option is out of range.
-  void check() const {
-    auto at_least = [](const char* name, const std::optional<int>& v, int least) {
-      if (v && *v < least) {
-        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                           " must be at least " + std::to_string(least));
-      }
-    };
-    at_least("nproc_per_node", nproc_per_node, 1);
-    at_least("nnodes", nnodes, 1);
-    at_least("node_rank", node_rank, 0);
-    auto at_most = [](const char* name, const std::optional<int>& v) {
-      if (v && *v > max_world_size) {
-        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
-                           " ranks (max_world_size)");
-      }
-    };
-    at_most("nproc_per_node", nproc_per_node);
-    at_most("nnodes", nnodes);
-    if (max_restarts < 0) {
-      throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
-    }
-    if (grace_period.count() < 0) throw config_error("option grace_period is negative");
-    if (heartbeat_timeout.count() <= 0) {
-      throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
-                         " ms must be positive");
-    }
-    if (master_port && *master_port != 0) {
-      detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
-    }
-    if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
-  }
+  void check() const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
+  agent_options out = *this;
+  auto count = [&](std::string_view name, std::optional<int>& into, int least) {
+    if (auto v = detail::read_int(env, name)) {
+      if (v->value < least) {
+        throw config_error(v->origin + " must be at least " + std::to_string(least));
+      }
+      into = v->value;
+    }
+  };
+  count(nproc_per_node_variable, out.nproc_per_node, 1);
+  count(nnodes_variable, out.nnodes, 1);
+  count(node_rank_variable, out.node_rank, 0);
+  if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
+  if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
+  if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
+  if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
+  if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
+  if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
+  out.check();
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void agent_options::check() const {
+  auto at_least = [](const char* name, const std::optional<int>& v, int least) {
+    if (v && *v < least) {
+      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                         " must be at least " + std::to_string(least));
+    }
+  };
+  at_least("nproc_per_node", nproc_per_node, 1);
+  at_least("nnodes", nnodes, 1);
+  at_least("node_rank", node_rank, 0);
+  auto at_most = [](const char* name, const std::optional<int>& v) {
+    if (v && *v > max_world_size) {
+      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                         " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                         " ranks (max_world_size)");
+    }
+  };
+  at_most("nproc_per_node", nproc_per_node);
+  at_most("nnodes", nnodes);
+  if (max_restarts < 0) {
+    throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
+  }
+  if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+  if (heartbeat_timeout.count() <= 0) {
+    throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
+                       " ms must be positive");
+  }
+  if (master_port && *master_port != 0) {
+    detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
+  }
+  if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/launch/options.hpp ----
@@ -11141,7 +12186,9 @@ inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
 
 /// Whether MPI is initialised and not yet finalised in this process (by
 /// dtrain's MPI backend or by the user); false in a build without MPI.
-inline bool mpi_is_running() noexcept {
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
 #if DTRAIN_HAS_MPI()
   int initialized = 0;
   int finalized = 0;
@@ -11151,12 +12198,15 @@ inline bool mpi_is_running() noexcept {
   return false;
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
 /// mpirun exits with it) when MPI is running and `status` is not 0; returns
 /// otherwise. Call it after the failure's one-line report: the report is
 /// flushed first, since MPI_Abort does not return.
-inline void abort_mpi_job(int status) noexcept {
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
   if (status == 0 || !mpi_is_running()) return;
   std::fflush(stdout);
   std::fflush(stderr);
@@ -11164,6 +12214,7 @@ inline void abort_mpi_job(int status) noexcept {
   MPI_Abort(MPI_COMM_WORLD, status);
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How far a worker's communicators got, as its agent reports it. Each is
 /// named by its ring ("world", "world/split 1 (color 0)"): every rank that
@@ -11238,12 +12289,16 @@ struct node_layout {
 
   /// The layout of a complete world (as dtrain::run hands it over); nullopt
   /// when a field is unknown.
-  [[nodiscard]] static std::optional<node_layout> of(const world& w) {
-    if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
-    return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
-  }
+  [[nodiscard]] static std::optional<node_layout> of(const world& w);
   friend bool operator==(const node_layout&, const node_layout&) = default;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<node_layout> node_layout::of(const world& w) {
+  if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+  return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -11251,7 +12306,10 @@ namespace detail {
 /// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
 /// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
 /// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
-[[nodiscard]] inline std::string hierarchy_problem(std::span<const node_layout> table) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string hierarchy_problem(
+    std::span<const node_layout> table);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string hierarchy_problem(std::span<const node_layout> table) {
   const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
   if (table.empty()) return "no ranks";
   std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
@@ -11301,9 +12359,13 @@ namespace detail {
   if (first == 1) return "one rank per node: the cross-node communicator would be the world";
   return {};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Every rank's layout, in rank order, over `control` (collective).
-[[nodiscard]] inline std::vector<node_layout> gather_layouts(control_plane& control,
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
+                                                                           const node_layout& mine);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
                                                              const node_layout& mine) {
   const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
   std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
@@ -11316,12 +12378,16 @@ namespace detail {
   }
   return table;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The layout of every rank from its node name alone (FNV-1a of it, gathered
 /// over `control`), placed by place_ranks() as dtrain::run completes a world:
 /// nodes numbered by their lowest rank, local ranks in rank order. For
 /// communicators made without a context, which knows the launcher's own placement.
-[[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
+[[nodiscard]] DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
+                                                                      std::string_view node_name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
                                                         std::string_view node_name) {
   std::uint64_t hash = 1469598103934665603ull;
   for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
@@ -11333,6 +12399,7 @@ namespace detail {
   const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
   return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
@@ -11442,68 +12509,13 @@ class work_sequence final : public work_state {
   /// reaches the caller. The sequence's timeout is its steps' (the
   /// communicators' collective timeout), counted for the whole sequence.
   work_sequence(std::string label, std::vector<step> steps, bool eager,
-                std::shared_ptr<void> keep_alive = {})
-      : work_state(std::move(label), std::chrono::milliseconds(0)),
-        keep_alive_(std::move(keep_alive)),
-        call_label_(current_call_label()) {
-    if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
-    for (std::size_t i = 0; i < steps.size(); ++i) {
-      int& a = steps[i].after;
-      if (a == chain) a = static_cast<int>(i) - 1;
-      if (a >= static_cast<int>(i)) {
-        throw dtrain::error("work_sequence: step " + std::to_string(i) +
-                            " waits for a later one (" + description() + ")");
-      }
-      slots_.push_back({std::move(steps[i]), {}, false, false});
-    }
-    if (eager) {
-      for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
-    } else {
-      start_ready();
-    }
-  }
+                std::shared_ptr<void> keep_alive = {});
 
-  bool poll() override {
-    std::lock_guard lock(mutex_);
-    return advance_locked();
-  }
+  bool poll() override;
 
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
-    backoff pause;
-    for (;;) {
-      std::optional<work> only;
-      {
-        std::lock_guard lock(mutex_);
-        if (advance_locked()) return true;
-        only = only_running_locked();
-      }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) {
-        std::lock_guard lock(mutex_);
-        return advance_locked();
-      }
-      if (only) {
-        // One step in flight, and nothing else can start before it ends: the
-        // engine's own wait (Gloo runs a collective that is next in line on
-        // this thread; MPI progresses inside its test).
-        (void)only->finish_within(left);
-      } else {
-        pause();  // several in flight: poll them all, so that each finished one lets the next start
-      }
-    }
-  }
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
 
-  void on_timeout() noexcept override {
-    std::lock_guard lock(mutex_);
-    for (slot& s : slots_) {
-      if (!s.started || s.handle.test()) continue;
-      try {
-        s.handle.give_up(s.handle.timeout());  // the engine's abort
-      } catch (...) {
-      }
-    }
-  }
+  void on_timeout() noexcept override;
 
  private:
   // What the sequence knows of one step.
@@ -11514,98 +12526,21 @@ class work_sequence final : public work_state {
     bool finished = false;
   };
 
-  void start(std::size_t i) {
-    slot& s = slots_[i];
-    label_scope label(
-        call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
-    s.handle = s.what.start();
-    s.started = true;
-    // A step that completed at once (nothing to move) has no limit of its own.
-    if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
-  }
+  void start(std::size_t i);
 
   // Starts, in list order, every step whose predecessor has finished and
   // whose lane has started everything listed before it.
-  void start_ready() {
-    std::vector<char> lane_blocked;
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
-      if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
-      if (slots_[i].started) continue;
-      const int a = slots_[i].what.after;
-      const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
-      if (ready && !lane_blocked[lane]) {
-        start(i);
-      } else {
-        lane_blocked[lane] = 1;
-      }
-    }
-  }
+  void start_ready();
 
   // The one step in flight when exactly one is.
-  std::optional<work> only_running_locked() {
-    std::optional<work> found;
-    int running = 0;
-    for (const slot& s : slots_) {
-      if (s.started && !s.finished) {
-        found = s.handle;
-        ++running;
-      }
-    }
-    if (running != 1) return std::nullopt;
-    return found;
-  }
+  std::optional<work> only_running_locked();
 
   // True once every step has finished or one has failed; starts the steps
   // that finished ones let start.
-  bool advance_locked() {
-    if (finished_) return true;
-    for (;;) {
-      bool progress = false;
-      for (std::size_t i = 0; i < slots_.size(); ++i) {
-        slot& s = slots_[i];
-        if (!s.started || s.finished || !s.handle.test()) continue;
-        if (auto e = s.handle.exception()) return end(e, i);
-        s.finished = true;
-        progress = true;
-      }
-      if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
-        finished_ = true;
-        return true;
-      }
-      if (!progress) return false;
-      try {
-        start_ready();
-      } catch (...) {
-        std::size_t failed = 0;
-        while (failed < slots_.size() && slots_[failed].started) ++failed;
-        return end(std::current_exception(), failed);
-      }
-    }
-  }
+  bool advance_locked();
 
   // The step's error, with the sequence and the step named; same exception type.
-  bool end(const std::exception_ptr& e, std::size_t i) {
-    const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
-                              std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
-    try {
-      std::rethrow_exception(e);
-    } catch (const config_error& x) {
-      fail(std::make_exception_ptr(config_error(where + x.what())));
-    } catch (const timeout_error& x) {
-      fail(std::make_exception_ptr(timeout_error(where + x.what())));
-    } catch (const backend_error& x) {
-      fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
-    } catch (const rendezvous_error& x) {
-      fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
-    } catch (const std::exception& x) {
-      fail(std::make_exception_ptr(dtrain::error(where + x.what())));
-    } catch (...) {
-      fail(e);
-    }
-    finished_ = true;
-    return true;
-  }
+  bool end(const std::exception_ptr& e, std::size_t i);
 
   std::mutex mutex_;  // the watchdog and the owner may poll at once
   std::vector<slot> slots_;
@@ -11613,6 +12548,160 @@ class work_sequence final : public work_state {
   call_label call_label_;             // the caller's, for the steps started later
   bool finished_ = false;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE work_sequence::work_sequence(std::string label, std::vector<step> steps,
+                                                  bool eager, std::shared_ptr<void> keep_alive)
+    : work_state(std::move(label), std::chrono::milliseconds(0)),
+      keep_alive_(std::move(keep_alive)),
+      call_label_(current_call_label()) {
+  if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    int& a = steps[i].after;
+    if (a == chain) a = static_cast<int>(i) - 1;
+    if (a >= static_cast<int>(i)) {
+      throw dtrain::error("work_sequence: step " + std::to_string(i) + " waits for a later one (" +
+                          description() + ")");
+    }
+    slots_.push_back({std::move(steps[i]), {}, false, false});
+  }
+  if (eager) {
+    for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
+  } else {
+    start_ready();
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::poll() {
+  std::lock_guard lock(mutex_);
+  return advance_locked();
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::wait_until(
+    std::chrono::steady_clock::time_point deadline) {
+  backoff pause;
+  for (;;) {
+    std::optional<work> only;
+    {
+      std::lock_guard lock(mutex_);
+      if (advance_locked()) return true;
+      only = only_running_locked();
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      std::lock_guard lock(mutex_);
+      return advance_locked();
+    }
+    if (only) {
+      // One step in flight, and nothing else can start before it ends: the
+      // engine's own wait (Gloo runs a collective that is next in line on
+      // this thread; MPI progresses inside its test).
+      (void)only->finish_within(left);
+    } else {
+      pause();  // several in flight: poll them all, so that each finished one lets the next start
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
+  std::lock_guard lock(mutex_);
+  for (slot& s : slots_) {
+    if (!s.started || s.handle.test()) continue;
+    try {
+      s.handle.give_up(s.handle.timeout());  // the engine's abort
+    } catch (...) {
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
+  slot& s = slots_[i];
+  label_scope label(
+      call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
+  s.handle = s.what.start();
+  s.started = true;
+  // A step that completed at once (nothing to move) has no limit of its own.
+  if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::start_ready() {
+  std::vector<char> lane_blocked;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
+    if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
+    if (slots_[i].started) continue;
+    const int a = slots_[i].what.after;
+    const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
+    if (ready && !lane_blocked[lane]) {
+      start(i);
+    } else {
+      lane_blocked[lane] = 1;
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<work> work_sequence::only_running_locked() {
+  std::optional<work> found;
+  int running = 0;
+  for (const slot& s : slots_) {
+    if (s.started && !s.finished) {
+      found = s.handle;
+      ++running;
+    }
+  }
+  if (running != 1) return std::nullopt;
+  return found;
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::advance_locked() {
+  if (finished_) return true;
+  for (;;) {
+    bool progress = false;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      slot& s = slots_[i];
+      if (!s.started || s.finished || !s.handle.test()) continue;
+      if (auto e = s.handle.exception()) return end(e, i);
+      s.finished = true;
+      progress = true;
+    }
+    if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
+      finished_ = true;
+      return true;
+    }
+    if (!progress) return false;
+    try {
+      start_ready();
+    } catch (...) {
+      std::size_t failed = 0;
+      while (failed < slots_.size() && slots_[failed].started) ++failed;
+      return end(std::current_exception(), failed);
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::end(const std::exception_ptr& e, std::size_t i) {
+  const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
+                            std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
+  try {
+    std::rethrow_exception(e);
+  } catch (const config_error& x) {
+    fail(std::make_exception_ptr(config_error(where + x.what())));
+  } catch (const timeout_error& x) {
+    fail(std::make_exception_ptr(timeout_error(where + x.what())));
+  } catch (const backend_error& x) {
+    fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
+  } catch (const rendezvous_error& x) {
+    fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
+  } catch (const std::exception& x) {
+    fail(std::make_exception_ptr(dtrain::error(where + x.what())));
+  } catch (...) {
+    fail(e);
+  }
+  finished_ = true;
+  return true;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/topology/sequence.hpp ----
@@ -12240,14 +13329,7 @@ class kv_state {
     }
     watch(const watch&) = delete;
     watch& operator=(const watch&) = delete;
-    ~watch() {
-      for (const auto& k : keys_) {
-        auto it = state_->waiters_.find(k);
-        if (it == state_->waiters_.end()) continue;  // set meanwhile: its waiters were woken
-        std::erase(it->second, waiter_);
-        if (it->second.empty()) state_->waiters_.erase(it);
-      }
-    }
+    ~watch();
     /// The keys watched, in the order given.
     [[nodiscard]] const std::vector<std::string>& keys() const noexcept { return keys_; }
 
@@ -12258,19 +13340,10 @@ class kv_state {
   };
 
   /// The value at `key`, or null; valid until the next change.
-  [[nodiscard]] const std::string* find(std::string_view key) const {
-    auto it = data_.find(key);
-    return it == data_.end() ? nullptr : &it->second;
-  }
+  [[nodiscard]] const std::string* find(std::string_view key) const;
 
   /// Which of `keys` are not set, in their order.
-  [[nodiscard]] std::vector<std::string> missing(std::span<const std::string_view> keys) const {
-    std::vector<std::string> out;
-    for (auto k : keys) {
-      if (!data_.contains(k)) out.emplace_back(k);
-    }
-    return out;
-  }
+  [[nodiscard]] std::vector<std::string> missing(std::span<const std::string_view> keys) const;
 
   /// Whether every one of `keys` is set (true for none).
   [[nodiscard]] bool check(std::span<const std::string_view> keys) const {
@@ -12286,43 +13359,16 @@ class kv_state {
   /// Adds `delta` to the decimal integer at `key` (0 when missing) and returns
   /// the sum. Throws store_refusal when the key holds something else, the sum
   /// would overflow, or the cap would be passed.
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    std::int64_t current = 0;
-    if (const std::string* text = find(key)) {
-      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), current);
-      if (ec != std::errc() || end != text->data() + text->size()) {
-        throw store_refusal("add(\"" + std::string(key) +
-                            "\"): the key holds a value that is not an integer");
-      }
-    }
-    std::int64_t next = 0;
-    if (__builtin_add_overflow(current, delta, &next)) {
-      throw store_refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
-    }
-    if (!store(key, std::to_string(next))) throw over_capacity("add", key, 20);
-    return next;
-  }
+  std::int64_t add(std::string_view key, std::int64_t delta);
 
   /// Sets `key` to `desired` if it holds `expected` (a missing key matches an
   /// empty `expected`), and returns what it holds then (empty when missing),
   /// valid until the next change. Throws store_refusal as set() does.
   std::string_view compare_set(std::string_view key, std::string_view expected,
-                               std::string_view desired) {
-    const std::string* current = find(key);
-    const bool matches = current ? *current == expected : expected.empty();
-    if (matches && !store(key, desired)) throw over_capacity("compare_set", key, desired.size());
-    current = find(key);
-    return current ? std::string_view(*current) : std::string_view{};
-  }
+                               std::string_view desired);
 
   /// Removes `key`; false if it was not set. Its waiters go on waiting.
-  bool erase(std::string_view key) {
-    auto it = data_.find(key);
-    if (it == data_.end()) return false;
-    stored_ -= it->first.size() + it->second.size();
-    data_.erase(it);
-    return true;
-  }
+  bool erase(std::string_view key);
 
   /// Keys set.
   [[nodiscard]] std::size_t size() const noexcept { return data_.size(); }
@@ -12334,38 +13380,102 @@ class kv_state {
  private:
   // Sets key to value and wakes its waiters; false, changing nothing, when the
   // stored bytes would pass the cap (a change that does not grow them always passes).
-  bool store(std::string_view key, std::string_view value) {
-    auto it = data_.find(key);
-    const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
-    const std::uint64_t after = stored_ - before + key.size() + value.size();
-    if (after > cap_ && after > stored_) return false;
-    stored_ = after;
-    if (it != data_.end()) {
-      it->second.assign(value);
-    } else {
-      data_.emplace(std::string(key), std::string(value));
-    }
-    if (auto w = waiters_.find(key); w != waiters_.end()) {
-      auto woken = std::move(w->second);
-      waiters_.erase(w);
-      for (const kv_waiter* waiter : woken) (*waiter)();
-    }
-    return true;
-  }
+  bool store(std::string_view key, std::string_view value);
 
-  store_refusal over_capacity(const char* what, std::string_view key,
-                              std::size_t value_size) const {
-    return store_refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
-                         std::to_string(value_size) + " bytes: the store holds " +
-                         std::to_string(stored_) + " bytes and its cap is " + std::to_string(cap_) +
-                         " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
-  }
+  store_refusal over_capacity(const char* what, std::string_view key, std::size_t value_size) const;
 
   std::uint64_t cap_;
   std::uint64_t stored_ = 0;
   by_key<std::string> data_;
   by_key<std::vector<const kv_waiter*>> waiters_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE kv_state::watch::~watch() {
+  for (const auto& k : keys_) {
+    auto it = state_->waiters_.find(k);
+    if (it == state_->waiters_.end()) continue;  // set meanwhile: its waiters were woken
+    std::erase(it->second, waiter_);
+    if (it->second.empty()) state_->waiters_.erase(it);
+  }
+}
+
+DTRAIN_DETAIL_INLINE const std::string* kv_state::find(std::string_view key) const {
+  auto it = data_.find(key);
+  return it == data_.end() ? nullptr : &it->second;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> kv_state::missing(
+    std::span<const std::string_view> keys) const {
+  std::vector<std::string> out;
+  for (auto k : keys) {
+    if (!data_.contains(k)) out.emplace_back(k);
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t kv_state::add(std::string_view key, std::int64_t delta) {
+  std::int64_t current = 0;
+  if (const std::string* text = find(key)) {
+    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), current);
+    if (ec != std::errc() || end != text->data() + text->size()) {
+      throw store_refusal("add(\"" + std::string(key) +
+                          "\"): the key holds a value that is not an integer");
+    }
+  }
+  std::int64_t next = 0;
+  if (__builtin_add_overflow(current, delta, &next)) {
+    throw store_refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
+  }
+  if (!store(key, std::to_string(next))) throw over_capacity("add", key, 20);
+  return next;
+}
+
+DTRAIN_DETAIL_INLINE std::string_view kv_state::compare_set(std::string_view key,
+                                                            std::string_view expected,
+                                                            std::string_view desired) {
+  const std::string* current = find(key);
+  const bool matches = current ? *current == expected : expected.empty();
+  if (matches && !store(key, desired)) throw over_capacity("compare_set", key, desired.size());
+  current = find(key);
+  return current ? std::string_view(*current) : std::string_view{};
+}
+
+DTRAIN_DETAIL_INLINE bool kv_state::erase(std::string_view key) {
+  auto it = data_.find(key);
+  if (it == data_.end()) return false;
+  stored_ -= it->first.size() + it->second.size();
+  data_.erase(it);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE bool kv_state::store(std::string_view key, std::string_view value) {
+  auto it = data_.find(key);
+  const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
+  const std::uint64_t after = stored_ - before + key.size() + value.size();
+  if (after > cap_ && after > stored_) return false;
+  stored_ = after;
+  if (it != data_.end()) {
+    it->second.assign(value);
+  } else {
+    data_.emplace(std::string(key), std::string(value));
+  }
+  if (auto w = waiters_.find(key); w != waiters_.end()) {
+    auto woken = std::move(w->second);
+    waiters_.erase(w);
+    for (const kv_waiter* waiter : woken) (*waiter)();
+  }
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE store_refusal kv_state::over_capacity(const char* what, std::string_view key,
+                                                           std::size_t value_size) const {
+  return store_refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
+                       std::to_string(value_size) + " bytes: the store holds " +
+                       std::to_string(stored_) + " bytes and its cap is " + std::to_string(cap_) +
+                       " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/kv_state.hpp ----
@@ -12535,39 +13645,15 @@ struct wait_slot {
 /// request_stop(); everything else is called on the thread that runs it.
 class reactor {
  public:
-  reactor()
-      : epoll_(DTRAIN_SYSCALL(::epoll_create1(EPOLL_CLOEXEC))),
-        wakeup_(DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.u64 = 0;  // id 0 is the wakeup eventfd
-    DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wakeup_.get(), &ev));
-  }
+  reactor();
   reactor(const reactor&) = delete;
   reactor& operator=(const reactor&) = delete;
 
   /// Watches `fd` for `slot` (disarmed until a wait arms it).
-  void add(int fd, wait_slot& slot) {
-    slot.fd = fd;
-    std::uint64_t id = next_id_++;
-    ids_[&slot] = id;
-    slots_[id] = &slot;
-    epoll_event ev{};
-    ev.events = EPOLLONESHOT;
-    ev.data.u64 = id;
-    DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev));
-  }
+  void add(int fd, wait_slot& slot);
 
   /// Stops watching the slot's fd and forgets the slot; pending events for it are dropped.
-  void remove(wait_slot& slot) {
-    disarm(slot);
-    if (slot.fd >= 0) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, slot.fd, nullptr);
-    if (auto it = ids_.find(&slot); it != ids_.end()) {
-      slots_.erase(it->second);
-      ids_.erase(it);
-    }
-    std::erase(ready_, &slot);
-  }
+  void remove(wait_slot& slot);
 
   /// Awaitable: suspends until `slot`'s fd has `events` (0: none), the
   /// deadline passes, wake_up(slot) is called, or the reactor stops.
@@ -12578,23 +13664,8 @@ class reactor {
     std::optional<steady::time_point> deadline;
 
     bool await_ready() const noexcept { return r.stopping_; }
-    void await_suspend(std::coroutine_handle<> h) {
-      slot.handle = h;
-      slot.reason = wake::none;
-      if (events != 0) r.arm(slot, events);
-      if (deadline) {
-        slot.timer = r.timers_.emplace(*deadline, &slot);
-        slot.has_timer = true;
-      }
-    }
-    wake await_resume() {
-      if (r.stopping_) {
-        r.disarm(slot);
-        return wake::stop;
-      }
-      r.disarm(slot);
-      return slot.reason;
-    }
+    void await_suspend(std::coroutine_handle<> h);
+    wake await_resume();
   };
 
   until wait(wait_slot& slot, std::uint32_t events, std::optional<steady::time_point> deadline) {
@@ -12608,93 +13679,24 @@ class reactor {
 
   /// One round: resume what is ready, wait for I/O or the next timer (at most
   /// `cap`), dispatch. Returns false once a stop was requested.
-  bool run_once(std::chrono::milliseconds cap) {
-    drain_ready();
-    if (stop_requested()) return false;
-    int timeout = static_cast<int>(cap.count());
-    if (!timers_.empty()) {
-      auto until_next =
-          std::chrono::ceil<std::chrono::milliseconds>(timers_.begin()->first - steady::now());
-      timeout = static_cast<int>(std::clamp<std::int64_t>(until_next.count(), 0, timeout));
-    }
-    epoll_event events[256];
-    int n = ::epoll_wait(epoll_.get(), events, 256, timeout);
-    if (n < 0 && errno != EINTR) DTRAIN_SYSCALL(n);
-    for (int i = 0; i < n; ++i) {
-      if (events[i].data.u64 == 0) {
-        std::uint64_t drained = 0;
-        (void)!::read(wakeup_.get(), &drained, sizeof drained);
-        continue;
-      }
-      auto it = slots_.find(events[i].data.u64);
-      if (it == slots_.end()) continue;
-      it->second->io_armed = false;  // EPOLLONESHOT disarmed it
-      make_ready(*it->second, wake::io);
-    }
-    auto now = steady::now();
-    while (!timers_.empty() && timers_.begin()->first <= now) {
-      wait_slot* slot = timers_.begin()->second;
-      timers_.erase(timers_.begin());
-      slot->has_timer = false;
-      make_ready(*slot, wake::timeout);
-    }
-    drain_ready();
-    return !stop_requested();
-  }
+  bool run_once(std::chrono::milliseconds cap);
 
   /// Thread-safe: makes run_once return false soon.
-  void request_stop() noexcept {
-    stop_flag_.store(true);
-    std::uint64_t one = 1;
-    (void)!::write(wakeup_.get(), &one, sizeof one);
-  }
+  void request_stop() noexcept;
   [[nodiscard]] bool stop_requested() const noexcept { return stop_flag_.load(); }
 
   /// After a stop: every await completes at once with wake::stop, and every
   /// suspended slot is resumed so its coroutine can say goodbye and finish.
-  void stop_all(const std::vector<wait_slot*>& suspended) {
-    stopping_ = true;
-    for (wait_slot* s : suspended) make_ready(*s, wake::stop);
-    drain_ready();
-  }
+  void stop_all(const std::vector<wait_slot*>& suspended);
 
  private:
-  void arm(wait_slot& slot, std::uint32_t events) {
-    epoll_event ev{};
-    ev.events = events | EPOLLONESHOT;
-    ev.data.u64 = ids_.at(&slot);
-    DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, slot.fd, &ev));
-    slot.io_armed = true;
-  }
+  void arm(wait_slot& slot, std::uint32_t events);
 
-  void disarm(wait_slot& slot) {
-    if (slot.io_armed) {
-      epoll_event ev{};
-      ev.events = EPOLLONESHOT;
-      ev.data.u64 = ids_.at(&slot);
-      ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, slot.fd, &ev);
-      slot.io_armed = false;
-    }
-    if (slot.has_timer) {
-      timers_.erase(slot.timer);
-      slot.has_timer = false;
-    }
-  }
+  void disarm(wait_slot& slot);
 
-  void make_ready(wait_slot& slot, wake why) {
-    if (!slot.handle || slot.reason != wake::none) return;  // not waiting, or already woken
-    slot.reason = why;
-    ready_.push_back(&slot);
-  }
+  void make_ready(wait_slot& slot, wake why);
 
-  void drain_ready() {
-    while (!ready_.empty()) {
-      wait_slot* slot = ready_.front();
-      ready_.pop_front();
-      auto h = std::exchange(slot->handle, {});
-      if (h) h.resume();
-    }
-  }
+  void drain_ready();
 
   unique_fd epoll_;
   unique_fd wakeup_;
@@ -12706,6 +13708,140 @@ class reactor {
   std::multimap<steady::time_point, wait_slot*> timers_;
   std::deque<wait_slot*> ready_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE reactor::reactor()
+    : epoll_(DTRAIN_SYSCALL(::epoll_create1(EPOLL_CLOEXEC))),
+      wakeup_(DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))) {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;  // id 0 is the wakeup eventfd
+  DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wakeup_.get(), &ev));
+}
+
+DTRAIN_DETAIL_INLINE void reactor::add(int fd, wait_slot& slot) {
+  slot.fd = fd;
+  std::uint64_t id = next_id_++;
+  ids_[&slot] = id;
+  slots_[id] = &slot;
+  epoll_event ev{};
+  ev.events = EPOLLONESHOT;
+  ev.data.u64 = id;
+  DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev));
+}
+
+DTRAIN_DETAIL_INLINE void reactor::remove(wait_slot& slot) {
+  disarm(slot);
+  if (slot.fd >= 0) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, slot.fd, nullptr);
+  if (auto it = ids_.find(&slot); it != ids_.end()) {
+    slots_.erase(it->second);
+    ids_.erase(it);
+  }
+  std::erase(ready_, &slot);
+}
+
+DTRAIN_DETAIL_INLINE void reactor::until::await_suspend(std::coroutine_handle<> h) {
+  slot.handle = h;
+  slot.reason = wake::none;
+  if (events != 0) r.arm(slot, events);
+  if (deadline) {
+    slot.timer = r.timers_.emplace(*deadline, &slot);
+    slot.has_timer = true;
+  }
+}
+
+DTRAIN_DETAIL_INLINE wake reactor::until::await_resume() {
+  if (r.stopping_) {
+    r.disarm(slot);
+    return wake::stop;
+  }
+  r.disarm(slot);
+  return slot.reason;
+}
+
+DTRAIN_DETAIL_INLINE bool reactor::run_once(std::chrono::milliseconds cap) {
+  drain_ready();
+  if (stop_requested()) return false;
+  int timeout = static_cast<int>(cap.count());
+  if (!timers_.empty()) {
+    auto until_next =
+        std::chrono::ceil<std::chrono::milliseconds>(timers_.begin()->first - steady::now());
+    timeout = static_cast<int>(std::clamp<std::int64_t>(until_next.count(), 0, timeout));
+  }
+  epoll_event events[256];
+  int n = ::epoll_wait(epoll_.get(), events, 256, timeout);
+  if (n < 0 && errno != EINTR) DTRAIN_SYSCALL(n);
+  for (int i = 0; i < n; ++i) {
+    if (events[i].data.u64 == 0) {
+      std::uint64_t drained = 0;
+      (void)!::read(wakeup_.get(), &drained, sizeof drained);
+      continue;
+    }
+    auto it = slots_.find(events[i].data.u64);
+    if (it == slots_.end()) continue;
+    it->second->io_armed = false;  // EPOLLONESHOT disarmed it
+    make_ready(*it->second, wake::io);
+  }
+  auto now = steady::now();
+  while (!timers_.empty() && timers_.begin()->first <= now) {
+    wait_slot* slot = timers_.begin()->second;
+    timers_.erase(timers_.begin());
+    slot->has_timer = false;
+    make_ready(*slot, wake::timeout);
+  }
+  drain_ready();
+  return !stop_requested();
+}
+
+DTRAIN_DETAIL_INLINE void reactor::request_stop() noexcept {
+  stop_flag_.store(true);
+  std::uint64_t one = 1;
+  (void)!::write(wakeup_.get(), &one, sizeof one);
+}
+
+DTRAIN_DETAIL_INLINE void reactor::stop_all(const std::vector<wait_slot*>& suspended) {
+  stopping_ = true;
+  for (wait_slot* s : suspended) make_ready(*s, wake::stop);
+  drain_ready();
+}
+
+DTRAIN_DETAIL_INLINE void reactor::arm(wait_slot& slot, std::uint32_t events) {
+  epoll_event ev{};
+  ev.events = events | EPOLLONESHOT;
+  ev.data.u64 = ids_.at(&slot);
+  DTRAIN_SYSCALL(::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, slot.fd, &ev));
+  slot.io_armed = true;
+}
+
+DTRAIN_DETAIL_INLINE void reactor::disarm(wait_slot& slot) {
+  if (slot.io_armed) {
+    epoll_event ev{};
+    ev.events = EPOLLONESHOT;
+    ev.data.u64 = ids_.at(&slot);
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, slot.fd, &ev);
+    slot.io_armed = false;
+  }
+  if (slot.has_timer) {
+    timers_.erase(slot.timer);
+    slot.has_timer = false;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void reactor::make_ready(wait_slot& slot, wake why) {
+  if (!slot.handle || slot.reason != wake::none) return;  // not waiting, or already woken
+  slot.reason = why;
+  ready_.push_back(&slot);
+}
+
+DTRAIN_DETAIL_INLINE void reactor::drain_ready() {
+  while (!ready_.empty()) {
+    wait_slot* slot = ready_.front();
+    ready_.pop_front();
+    auto h = std::exchange(slot->handle, {});
+    if (h) h.resume();
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/reactor.hpp ----
@@ -12747,17 +13883,8 @@ class byte_budget {
  public:
   explicit byte_budget(std::uint64_t cap) : cap_(cap) {}
 
-  [[nodiscard]] bool try_take(std::uint64_t n) {
-    const std::uint64_t used = used_.load();
-    if (n > cap_ - used) return false;
-    used_.store(used + n);
-    return true;
-  }
-  void give_back(reactor& r, std::uint64_t n) {
-    const std::uint64_t used = used_.load();
-    used_.store(used - std::min(n, used));
-    for (wait_slot* s : waiters_) r.wake_up(*s);
-  }
+  [[nodiscard]] bool try_take(std::uint64_t n);
+  void give_back(reactor& r, std::uint64_t n);
   void wait_here(wait_slot& s) { waiters_.push_back(&s); }
   void stop_waiting(wait_slot& s) { std::erase(waiters_, &s); }
   [[nodiscard]] std::uint64_t cap() const noexcept { return cap_; }
@@ -12771,11 +13898,28 @@ class byte_budget {
   std::deque<wait_slot*> waiters_;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool byte_budget::try_take(std::uint64_t n) {
+  const std::uint64_t used = used_.load();
+  if (n > cap_ - used) return false;
+  used_.store(used + n);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE void byte_budget::give_back(reactor& r, std::uint64_t n) {
+  const std::uint64_t used = used_.load();
+  used_.store(used - std::min(n, used));
+  for (wait_slot* s : waiters_) r.wake_up(*s);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// The connections the server can hold: its option, lowered to what the
 /// descriptor limit leaves after `reserve` descriptors for everything else.
 /// Raises the soft RLIMIT_NOFILE towards the hard limit first, as servers
 /// that expect thousands of clients do.
-inline std::size_t connection_capacity(std::size_t wanted, std::size_t reserve = 64) {
+DTRAIN_DETAIL_INLINE std::size_t connection_capacity(std::size_t wanted, std::size_t reserve = 64);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::size_t connection_capacity(std::size_t wanted, std::size_t reserve) {
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return wanted;
   const rlim_t need = static_cast<rlim_t>(wanted + reserve);
@@ -12788,6 +13932,7 @@ inline std::size_t connection_capacity(std::size_t wanted, std::size_t reserve =
   const auto limit = static_cast<std::size_t>(lim.rlim_cur);
   return std::min(wanted, limit > reserve ? limit - reserve : std::size_t{1});
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One descriptor kept open so that, when accept() fails for lack of
 /// descriptors, the server can still take the pending connection off the
@@ -12796,18 +13941,22 @@ class spare_descriptor {
  public:
   spare_descriptor() { open(); }
   /// Accepts one pending connection on `listener` and closes it; true if one was.
-  bool refuse_one(int listener) {
-    fd_.reset();
-    int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd >= 0) ::close(fd);
-    open();
-    return fd >= 0;
-  }
+  bool refuse_one(int listener);
 
  private:
   void open() { fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
   unique_fd fd_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool spare_descriptor::refuse_one(int listener) {
+  fd_.reset();
+  int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd >= 0) ::close(fd);
+  open();
+  return fd >= 0;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Why the server closed or refused a connection.
 enum class rejection : std::uint8_t {
@@ -12820,7 +13969,9 @@ enum class rejection : std::uint8_t {
   count_
 };
 
-inline const char* describe(rejection r) {
+DTRAIN_DETAIL_INLINE const char* describe(rejection r);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const char* describe(rejection r) {
   switch (r) {
     case rejection::over_connection_cap: return "over the connection cap";
     case rejection::out_of_descriptors: return "out of file descriptors";
@@ -12832,6 +13983,7 @@ inline const char* describe(rejection r) {
   }
   return "?";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Logs the first few rejections of each period in full and the rest as one
 /// summary line per period, so a flood costs a few lines, not one per
@@ -12843,37 +13995,10 @@ class rejection_log {
   static constexpr std::uint64_t detailed_per_period = 5;
 
   /// Counts one; true when it should be logged in full.
-  bool note(rejection r) {
-    ++counts_[static_cast<std::size_t>(r)];
-    ++total_;
-    return r != rejection::idle && ++detailed_ <= detailed_per_period;
-  }
+  bool note(rejection r);
 
   /// Once per period, the summary of what was not logged in full (if any).
-  std::optional<std::string> summary(clock::time_point now) {
-    if (now - since_ < period) return std::nullopt;
-    std::optional<std::string> out;
-    const std::uint64_t hidden = total_ - std::min(detailed_, detailed_per_period) -
-                                 counts_[static_cast<std::size_t>(rejection::idle)];
-    if (hidden > 0) {
-      std::string text =
-          "refused or closed " + std::to_string(total_) + " connections in the last " +
-          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now - since_).count()) +
-          " s:";
-      const char* sep = " ";
-      for (std::size_t i = 0; i < counts_.size(); ++i) {
-        if (counts_[i] == 0) continue;
-        text += sep + std::to_string(counts_[i]) + " " + describe(static_cast<rejection>(i));
-        sep = ", ";
-      }
-      out = text + " (the first " + std::to_string(detailed_per_period) + " were logged in full)";
-    }
-    counts_.fill(0);
-    total_ = 0;
-    detailed_ = 0;
-    since_ = now;
-    return out;
-  }
+  std::optional<std::string> summary(clock::time_point now);
 
  private:
   std::array<std::uint64_t, static_cast<std::size_t>(rejection::count_)> counts_{};
@@ -12881,6 +14006,39 @@ class rejection_log {
   std::uint64_t detailed_ = 0;
   clock::time_point since_ = clock::now();
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool rejection_log::note(rejection r) {
+  ++counts_[static_cast<std::size_t>(r)];
+  ++total_;
+  return r != rejection::idle && ++detailed_ <= detailed_per_period;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string> rejection_log::summary(clock::time_point now) {
+  if (now - since_ < period) return std::nullopt;
+  std::optional<std::string> out;
+  const std::uint64_t hidden = total_ - std::min(detailed_, detailed_per_period) -
+                               counts_[static_cast<std::size_t>(rejection::idle)];
+  if (hidden > 0) {
+    std::string text =
+        "refused or closed " + std::to_string(total_) + " connections in the last " +
+        std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now - since_).count()) +
+        " s:";
+    const char* sep = " ";
+    for (std::size_t i = 0; i < counts_.size(); ++i) {
+      if (counts_[i] == 0) continue;
+      text += sep + std::to_string(counts_[i]) + " " + describe(static_cast<rejection>(i));
+      sep = ", ";
+    }
+    out = text + " (the first " + std::to_string(detailed_per_period) + " were logged in full)";
+  }
+  counts_.fill(0);
+  total_ = 0;
+  detailed_ = 0;
+  since_ = now;
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/server_limits.hpp ----
@@ -12915,17 +14073,21 @@ class held_bytes {
   held_bytes& operator=(const held_bytes&) = delete;
   ~held_bytes() { release(); }
   void add(std::uint64_t n) { n_ += n; }
-  void release() {
-    if (n_ == 0) return;
-    budget_.give_back(reactor_, n_);
-    n_ = 0;
-  }
+  void release();
 
  private:
   byte_budget& budget_;
   reactor& reactor_;
   std::uint64_t n_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void held_bytes::release() {
+  if (n_ == 0) return;
+  budget_.give_back(reactor_, n_);
+  n_ = 0;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What a look at a waiting client's socket found.
 enum class hangup {
@@ -12942,17 +14104,7 @@ class server_connection {
 
   /// Watches `fd` (from accept) on `r`; `peer` is its address for messages.
   server_connection(reactor& r, byte_budget& budget, unique_fd fd, std::string peer,
-                    std::chrono::milliseconds io_timeout)
-      : reactor_(r),
-        budget_(budget),
-        fd_(std::move(fd)),
-        peer_(std::move(peer)),
-        io_timeout_(io_timeout),
-        waiter_([this] { reactor_.wake_up(slot_); }) {
-    int one = 1;
-    ::setsockopt(fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    reactor_.add(fd_.get(), slot_);
-  }
+                    std::chrono::milliseconds io_timeout);
   server_connection(const server_connection&) = delete;
   server_connection& operator=(const server_connection&) = delete;
   ~server_connection() { reactor_.remove(slot_); }
@@ -12973,106 +14125,23 @@ class server_connection {
   /// clean end of stream before the first byte when `eof_ok` (a request
   /// boundary); throws client_idle when nothing came by the deadline there.
   task<bool> read_exact(std::string& out, std::size_t n, std::optional<steady::time_point> deadline,
-                        bool eof_ok, const char* what) {
-    const std::size_t start = out.size();
-    char chunk[16384];
-    while (out.size() - start < n) {
-      std::size_t want = std::min(sizeof chunk, n - (out.size() - start));
-      ssize_t got = ::recv(fd_.get(), chunk, want, 0);
-      if (got > 0) {
-        // Grows with what arrives, not with what was declared.
-        out.append(chunk, static_cast<std::size_t>(got));
-        continue;
-      }
-      if (got == 0) {
-        if (eof_ok && out.size() == start) co_return false;
-        throw wire::violation(
-            std::string(what) + " cut short: the client closed the connection after " +
-            std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes");
-      }
-      if (errno == EINTR) continue;
-      if (errno == ECONNRESET && eof_ok && out.size() == start) co_return false;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        throw std::system_error(errno, std::generic_category(), std::string("reading ") + what);
-      }
-      auto w = co_await wait(EPOLLIN | EPOLLRDHUP, deadline);
-      if (w == wake::stop) throw server_stopping{};
-      if (w == wake::timeout && eof_ok && out.size() == start) throw client_idle{};
-      if (w == wake::timeout) {
-        throw wire::violation(
-            std::string(what) + " not complete within " + std::to_string(io_timeout_.count()) +
-            " ms (" + std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes)");
-      }
-    }
-    co_return true;
-  }
+                        bool eof_ok, const char* what);
 
   /// Sends all of `data` within the io timeout.
-  task<void> write_all(std::string_view data) {
-    auto deadline = io_deadline();
-    while (!data.empty()) {
-      ssize_t sent = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
-      if (sent > 0) {
-        data.remove_prefix(static_cast<std::size_t>(sent));
-        continue;
-      }
-      if (sent < 0 && errno == EINTR) continue;
-      if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) throw client_gone{};
-      if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-        throw std::system_error(errno, std::generic_category(), "sending a reply");
-      }
-      auto w = co_await wait(EPOLLOUT, deadline);
-      if (w == wake::stop) throw server_stopping{};
-      if (w == wake::timeout)
-        throw wire::violation("the client did not read its reply within the io timeout");
-    }
-  }
+  task<void> write_all(std::string_view data);
 
   /// Takes `n` bytes from the shared budget for `held`, waiting until the
   /// deadline for other connections to give some back. `what` names the
   /// bytes in the violation thrown when they never come.
   task<void> reserve(held_bytes& held, std::uint64_t n, steady::time_point deadline,
-                     const std::string& what) {
-    if (n > budget_.cap()) {
-      throw wire::violation(what + " exceeds the store's buffer cap of " +
-                            std::to_string(budget_.cap()) +
-                            " bytes (store_limits::max_buffered_bytes)");
-    }
-    while (!budget_.try_take(n)) {
-      budget_.wait_here(slot_);
-      auto w = co_await wait(0, deadline);
-      budget_.stop_waiting(slot_);
-      if (w == wake::stop) throw server_stopping{};
-      if (w == wake::timeout) {
-        throw wire::violation(what + " waited for the store's buffer (" +
-                              std::to_string(budget_.used()) + " of " +
-                              std::to_string(budget_.cap()) +
-                              " bytes held by other connections) past the io timeout");
-      }
-    }
-    held.add(n);
-  }
+                     const std::string& what);
 
   /// Looks, without reading, at the socket of a client that waits for a reply.
-  [[nodiscard]] hangup peek() const {
-    char byte;
-    ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0) return hangup::request;
-    if (n == 0) return hangup::orderly;
-    return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? hangup::none
-                                                                     : hangup::broken;
-  }
+  [[nodiscard]] hangup peek() const;
 
   /// Best effort, without waiting: a client blocked in get / wait learns why
   /// the server went away.
-  void say_goodbye() {
-    std::string body;
-    wire::writer(body)
-        .u8(static_cast<std::uint8_t>(wire::status::shutting_down))
-        .bytes32("the store server is shutting down");
-    auto frame = wire::frame(body);
-    (void)!::send(fd_.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-  }
+  void say_goodbye();
 
  private:
   reactor& reactor_;
@@ -13083,6 +14152,117 @@ class server_connection {
   std::chrono::milliseconds io_timeout_;
   kv_waiter waiter_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE server_connection::server_connection(reactor& r, byte_budget& budget,
+                                                          unique_fd fd, std::string peer,
+                                                          std::chrono::milliseconds io_timeout)
+    : reactor_(r),
+      budget_(budget),
+      fd_(std::move(fd)),
+      peer_(std::move(peer)),
+      io_timeout_(io_timeout),
+      waiter_([this] { reactor_.wake_up(slot_); }) {
+  int one = 1;
+  ::setsockopt(fd_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  reactor_.add(fd_.get(), slot_);
+}
+
+DTRAIN_DETAIL_INLINE task<bool> server_connection::read_exact(
+    std::string& out, std::size_t n, std::optional<steady::time_point> deadline, bool eof_ok,
+    const char* what) {
+  const std::size_t start = out.size();
+  char chunk[16384];
+  while (out.size() - start < n) {
+    std::size_t want = std::min(sizeof chunk, n - (out.size() - start));
+    ssize_t got = ::recv(fd_.get(), chunk, want, 0);
+    if (got > 0) {
+      // Grows with what arrives, not with what was declared.
+      out.append(chunk, static_cast<std::size_t>(got));
+      continue;
+    }
+    if (got == 0) {
+      if (eof_ok && out.size() == start) co_return false;
+      throw wire::violation(
+          std::string(what) + " cut short: the client closed the connection after " +
+          std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes");
+    }
+    if (errno == EINTR) continue;
+    if (errno == ECONNRESET && eof_ok && out.size() == start) co_return false;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      throw std::system_error(errno, std::generic_category(), std::string("reading ") + what);
+    }
+    auto w = co_await wait(EPOLLIN | EPOLLRDHUP, deadline);
+    if (w == wake::stop) throw server_stopping{};
+    if (w == wake::timeout && eof_ok && out.size() == start) throw client_idle{};
+    if (w == wake::timeout) {
+      throw wire::violation(
+          std::string(what) + " not complete within " + std::to_string(io_timeout_.count()) +
+          " ms (" + std::to_string(out.size() - start) + " of " + std::to_string(n) + " bytes)");
+    }
+  }
+  co_return true;
+}
+
+DTRAIN_DETAIL_INLINE task<void> server_connection::write_all(std::string_view data) {
+  auto deadline = io_deadline();
+  while (!data.empty()) {
+    ssize_t sent = ::send(fd_.get(), data.data(), data.size(), MSG_NOSIGNAL);
+    if (sent > 0) {
+      data.remove_prefix(static_cast<std::size_t>(sent));
+      continue;
+    }
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent < 0 && (errno == EPIPE || errno == ECONNRESET)) throw client_gone{};
+    if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+      throw std::system_error(errno, std::generic_category(), "sending a reply");
+    }
+    auto w = co_await wait(EPOLLOUT, deadline);
+    if (w == wake::stop) throw server_stopping{};
+    if (w == wake::timeout)
+      throw wire::violation("the client did not read its reply within the io timeout");
+  }
+}
+
+DTRAIN_DETAIL_INLINE task<void> server_connection::reserve(held_bytes& held, std::uint64_t n,
+                                                           steady::time_point deadline,
+                                                           const std::string& what) {
+  if (n > budget_.cap()) {
+    throw wire::violation(what + " exceeds the store's buffer cap of " +
+                          std::to_string(budget_.cap()) +
+                          " bytes (store_limits::max_buffered_bytes)");
+  }
+  while (!budget_.try_take(n)) {
+    budget_.wait_here(slot_);
+    auto w = co_await wait(0, deadline);
+    budget_.stop_waiting(slot_);
+    if (w == wake::stop) throw server_stopping{};
+    if (w == wake::timeout) {
+      throw wire::violation(
+          what + " waited for the store's buffer (" + std::to_string(budget_.used()) + " of " +
+          std::to_string(budget_.cap()) + " bytes held by other connections) past the io timeout");
+    }
+  }
+  held.add(n);
+}
+
+DTRAIN_DETAIL_INLINE hangup server_connection::peek() const {
+  char byte;
+  ssize_t n = ::recv(fd_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (n > 0) return hangup::request;
+  if (n == 0) return hangup::orderly;
+  return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? hangup::none : hangup::broken;
+}
+
+DTRAIN_DETAIL_INLINE void server_connection::say_goodbye() {
+  std::string body;
+  wire::writer(body)
+      .u8(static_cast<std::uint8_t>(wire::status::shutting_down))
+      .bytes32("the store server is shutting down");
+  auto frame = wire::frame(body);
+  (void)!::send(fd_.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/server_connection.hpp ----
@@ -13122,12 +14302,7 @@ class store_operations {
   /// handler of its operation code. Throws wire::violation for an unknown or
   /// malformed request (the connection is closed), store_refusal for one the
   /// state refused (an error reply), and what the connection's I/O throws.
-  task<std::string> handle(store_request& q) {  // not a coroutine: runs the handler's
-    const std::uint8_t code = q.fields.u8("op");
-    const handler h = handlers()[code];
-    if (h == nullptr) throw wire::violation("unknown operation " + std::to_string(code));
-    return (this->*h)(q);
-  }
+  task<std::string> handle(store_request& q);
 
   /// Bytes of the keys and values held. Callable from any thread.
   [[nodiscard]] std::uint64_t stored_bytes() const noexcept { return stored_bytes_.load(); }
@@ -13135,11 +14310,7 @@ class store_operations {
   [[nodiscard]] std::size_t waiting() const noexcept { return waiting_.load(); }
 
   /// The reply that tells a client the store refused its request.
-  static std::string refusal(std::string_view message) {
-    std::string body;
-    wire::writer(body).u8(static_cast<std::uint8_t>(wire::status::error)).bytes32(message);
-    return body;
-  }
+  static std::string refusal(std::string_view message);
 
  private:
   using handler = task<std::string> (store_operations::*)(store_request&);
@@ -13150,23 +14321,8 @@ class store_operations {
   // once at run time by a plain function, not by a constexpr lambda: under
   // nvcc's --expt-relaxed-constexpr (PyTorch's CUDA flags) constexpr code is
   // compiled for the device too, where these member functions do not exist.
-  static const std::array<handler, 256>& handlers() {
-    static const std::array<handler, 256> table = make_handlers();
-    return table;
-  }
-  static std::array<handler, 256> make_handlers() {
-    std::array<handler, 256> t{};
-    t[static_cast<std::uint8_t>(op::set)] = &store_operations::set;
-    t[static_cast<std::uint8_t>(op::get)] = &store_operations::get;
-    t[static_cast<std::uint8_t>(op::add)] = &store_operations::add;
-    t[static_cast<std::uint8_t>(op::compare_set)] = &store_operations::compare_set;
-    t[static_cast<std::uint8_t>(op::wait)] = &store_operations::wait;
-    t[static_cast<std::uint8_t>(op::check)] = &store_operations::check;
-    t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
-    t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
-    t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
-    return t;
-  }
+  static const std::array<handler, 256>& handlers();
+  static std::array<handler, 256> make_handlers();
 
   static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
 
@@ -13179,10 +14335,7 @@ class store_operations {
     return out;
   }
 
-  static steady::time_point deadline_after(std::uint64_t ms) {
-    constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
-    return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
-  }
+  static steady::time_point deadline_after(std::uint64_t ms);
 
   std::string_view read_key(store_request& q) {
     return q.fields.bytes32("key", limits_.max_key_size);
@@ -13191,136 +14344,35 @@ class store_operations {
   // Every handler that changes the state ends here, for stored_bytes().
   void changed() { stored_bytes_ = state_.stored_bytes(); }
 
-  task<std::string> set(store_request& q) {
-    auto key = read_key(q);
-    auto value = q.fields.bytes32("value", limits_.max_value_size);
-    q.fields.finish("set request");
-    state_.set(key, value);
-    changed();
-    co_return reply(status::ok);
-  }
+  task<std::string> set(store_request& q);
 
-  task<std::string> get(store_request& q) {
-    auto key = read_key(q);
-    auto ms = q.fields.u64("timeout");
-    q.fields.finish("get request");
-    const std::array<std::string_view, 1> keys{key};
-    const auto deadline = deadline_after(ms);
-    std::uint64_t reserved = 0;
-    do {
-      if (!co_await wait_for(q, keys, deadline)) co_return reply(status::timeout);
-    } while (!co_await reserve_value(q, key, reserved));
-    co_return ok([&](wire::writer& w) { w.bytes32(*state_.find(key)); });
-  }
+  task<std::string> get(store_request& q);
 
-  task<std::string> add(store_request& q) {
-    auto key = read_key(q);
-    auto delta = q.fields.i64("delta");
-    q.fields.finish("add request");
-    const std::int64_t sum = state_.add(key, delta);
-    changed();
-    co_return ok([&](wire::writer& w) { w.i64(sum); });
-  }
+  task<std::string> add(store_request& q);
 
-  task<std::string> compare_set(store_request& q) {
-    auto key = read_key(q);
-    auto expected = q.fields.bytes32("expected value", limits_.max_value_size);
-    auto desired = q.fields.bytes32("desired value", limits_.max_value_size);
-    q.fields.finish("compare_set request");
-    std::uint64_t reserved = 0;
-    (void)co_await reserve_value(q, key, reserved);  // the reply may copy the value
-    const std::string_view now = state_.compare_set(key, expected, desired);
-    changed();
-    co_return ok([&](wire::writer& w) { w.bytes32(now); });
-  }
+  task<std::string> compare_set(store_request& q);
 
-  task<std::string> wait(store_request& q) {
-    auto keys = wire::read_keys(q.fields, limits_);
-    auto ms = q.fields.u64("timeout");
-    q.fields.finish("wait request");
-    if (!co_await wait_for(q, keys, deadline_after(ms))) co_return reply(status::timeout);
-    co_return reply(status::ok);
-  }
+  task<std::string> wait(store_request& q);
 
-  task<std::string> check(store_request& q) {
-    auto keys = wire::read_keys(q.fields, limits_);
-    q.fields.finish("check request");
-    const bool all = state_.check(keys);
-    co_return ok([&](wire::writer& w) { w.u8(all ? 1 : 0); });
-  }
+  task<std::string> check(store_request& q);
 
-  task<std::string> erase(store_request& q) {
-    auto key = read_key(q);
-    q.fields.finish("erase request");
-    const bool existed = state_.erase(key);
-    changed();
-    co_return ok([&](wire::writer& w) { w.u8(existed ? 1 : 0); });
-  }
+  task<std::string> erase(store_request& q);
 
-  task<std::string> num_keys(store_request& q) {
-    q.fields.finish("num_keys request");
-    co_return ok([&](wire::writer& w) { w.u64(state_.size()); });
-  }
+  task<std::string> num_keys(store_request& q);
 
-  task<std::string> ping(store_request& q) {
-    q.fields.finish("ping request");
-    co_return reply(status::ok);
-  }
+  task<std::string> ping(store_request& q);
 
   // Reserves, before a reply that copies the value at `key` is built, what
   // that reply will hold until the client reads it. False when the key is
   // gone meanwhile. Loops because the value may change while it waits.
-  task<bool> reserve_value(store_request& q, std::string_view key, std::uint64_t& reserved) {
-    for (;;) {
-      const std::string* value = state_.find(key);
-      if (value == nullptr) co_return false;
-      const std::uint64_t size = value->size();
-      if (size <= reserved) co_return true;
-      co_await q.c.reserve(q.held, size - reserved, q.c.io_deadline(),
-                           "a reply of " + std::to_string(size) + " bytes");
-      reserved = size;
-    }
-  }
+  task<bool> reserve_value(store_request& q, std::string_view key, std::uint64_t& reserved);
 
   // Waits until every key exists (true) or the deadline passes (false).
   // Watches the connection meanwhile: a client that goes away ends the wait,
   // quietly when it closed its end (it exited, or gave up), with a reason to
   // log when its connection broke.
   task<bool> wait_for(store_request& q, std::span<const std::string_view> keys,
-                      steady::time_point deadline) {
-    bool charged = false;
-    for (;;) {
-      std::vector<std::string> missing = state_.missing(keys);
-      if (missing.empty()) co_return true;
-      if (!charged) {
-        // A wait holds a copy of each missing key twice (here and in the state's waiters).
-        std::uint64_t bytes = 0;
-        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
-        co_await q.c.reserve(q.held, bytes, q.c.io_deadline(),
-                             "a wait on " + std::to_string(missing.size()) + " keys");
-        charged = true;
-        continue;  // keys may have been set while it waited for the budget
-      }
-      const kv_state::watch watching(state_, q.c.waiter(), std::move(missing));
-      ++waiting_;
-      const wake w = co_await q.c.wait(EPOLLIN | EPOLLRDHUP, deadline);
-      --waiting_;
-      switch (w) {
-        case wake::event:
-        case wake::none: continue;
-        case wake::timeout: co_return false;
-        case wake::stop: throw server_stopping{};
-        case wake::io: break;
-      }
-      switch (q.c.peek()) {
-        case hangup::none: continue;
-        case hangup::request:
-          throw wire::violation("sent a new request while its wait was pending");
-        case hangup::orderly: throw client_gone{};
-        case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
-      }
-    }
-  }
+                      steady::time_point deadline);
 
   const store_limits limits_;
   kv_state state_;
@@ -13328,6 +14380,172 @@ class store_operations {
   std::atomic<std::uint64_t> stored_bytes_{0};  // state_.stored_bytes() after the last change
   std::atomic<std::size_t> waiting_{0};         // connections suspended in wait_for
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::handle(
+    store_request& q) {  // not a coroutine: runs the handler's
+  const std::uint8_t code = q.fields.u8("op");
+  const handler h = handlers()[code];
+  if (h == nullptr) throw wire::violation("unknown operation " + std::to_string(code));
+  return (this->*h)(q);
+}
+
+DTRAIN_DETAIL_INLINE std::string store_operations::refusal(std::string_view message) {
+  std::string body;
+  wire::writer(body).u8(static_cast<std::uint8_t>(wire::status::error)).bytes32(message);
+  return body;
+}
+
+DTRAIN_DETAIL_INLINE auto store_operations::handlers() -> const std::array<handler, 256>& {
+  static const std::array<handler, 256> table = make_handlers();
+  return table;
+}
+
+DTRAIN_DETAIL_INLINE auto store_operations::make_handlers() -> std::array<handler, 256> {
+  std::array<handler, 256> t{};
+  t[static_cast<std::uint8_t>(op::set)] = &store_operations::set;
+  t[static_cast<std::uint8_t>(op::get)] = &store_operations::get;
+  t[static_cast<std::uint8_t>(op::add)] = &store_operations::add;
+  t[static_cast<std::uint8_t>(op::compare_set)] = &store_operations::compare_set;
+  t[static_cast<std::uint8_t>(op::wait)] = &store_operations::wait;
+  t[static_cast<std::uint8_t>(op::check)] = &store_operations::check;
+  t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
+  t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
+  t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
+  return t;
+}
+
+DTRAIN_DETAIL_INLINE steady::time_point store_operations::deadline_after(std::uint64_t ms) {
+  constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
+  return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::set(store_request& q) {
+  auto key = read_key(q);
+  auto value = q.fields.bytes32("value", limits_.max_value_size);
+  q.fields.finish("set request");
+  state_.set(key, value);
+  changed();
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::get(store_request& q) {
+  auto key = read_key(q);
+  auto ms = q.fields.u64("timeout");
+  q.fields.finish("get request");
+  const std::array<std::string_view, 1> keys{key};
+  const auto deadline = deadline_after(ms);
+  std::uint64_t reserved = 0;
+  do {
+    if (!co_await wait_for(q, keys, deadline)) co_return reply(status::timeout);
+  } while (!co_await reserve_value(q, key, reserved));
+  co_return ok([&](wire::writer& w) { w.bytes32(*state_.find(key)); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::add(store_request& q) {
+  auto key = read_key(q);
+  auto delta = q.fields.i64("delta");
+  q.fields.finish("add request");
+  const std::int64_t sum = state_.add(key, delta);
+  changed();
+  co_return ok([&](wire::writer& w) { w.i64(sum); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::compare_set(store_request& q) {
+  auto key = read_key(q);
+  auto expected = q.fields.bytes32("expected value", limits_.max_value_size);
+  auto desired = q.fields.bytes32("desired value", limits_.max_value_size);
+  q.fields.finish("compare_set request");
+  std::uint64_t reserved = 0;
+  (void)co_await reserve_value(q, key, reserved);  // the reply may copy the value
+  const std::string_view now = state_.compare_set(key, expected, desired);
+  changed();
+  co_return ok([&](wire::writer& w) { w.bytes32(now); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::wait(store_request& q) {
+  auto keys = wire::read_keys(q.fields, limits_);
+  auto ms = q.fields.u64("timeout");
+  q.fields.finish("wait request");
+  if (!co_await wait_for(q, keys, deadline_after(ms))) co_return reply(status::timeout);
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::check(store_request& q) {
+  auto keys = wire::read_keys(q.fields, limits_);
+  q.fields.finish("check request");
+  const bool all = state_.check(keys);
+  co_return ok([&](wire::writer& w) { w.u8(all ? 1 : 0); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::erase(store_request& q) {
+  auto key = read_key(q);
+  q.fields.finish("erase request");
+  const bool existed = state_.erase(key);
+  changed();
+  co_return ok([&](wire::writer& w) { w.u8(existed ? 1 : 0); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::num_keys(store_request& q) {
+  q.fields.finish("num_keys request");
+  co_return ok([&](wire::writer& w) { w.u64(state_.size()); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::ping(store_request& q) {
+  q.fields.finish("ping request");
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<bool> store_operations::reserve_value(store_request& q,
+                                                                std::string_view key,
+                                                                std::uint64_t& reserved) {
+  for (;;) {
+    const std::string* value = state_.find(key);
+    if (value == nullptr) co_return false;
+    const std::uint64_t size = value->size();
+    if (size <= reserved) co_return true;
+    co_await q.c.reserve(q.held, size - reserved, q.c.io_deadline(),
+                         "a reply of " + std::to_string(size) + " bytes");
+    reserved = size;
+  }
+}
+
+DTRAIN_DETAIL_INLINE task<bool> store_operations::wait_for(store_request& q,
+                                                           std::span<const std::string_view> keys,
+                                                           steady::time_point deadline) {
+  bool charged = false;
+  for (;;) {
+    std::vector<std::string> missing = state_.missing(keys);
+    if (missing.empty()) co_return true;
+    if (!charged) {
+      // A wait holds a copy of each missing key twice (here and in the state's waiters).
+      std::uint64_t bytes = 0;
+      for (const auto& k : missing) bytes += 2 * (k.size() + 64);
+      co_await q.c.reserve(q.held, bytes, q.c.io_deadline(),
+                           "a wait on " + std::to_string(missing.size()) + " keys");
+      charged = true;
+      continue;  // keys may have been set while it waited for the budget
+    }
+    const kv_state::watch watching(state_, q.c.waiter(), std::move(missing));
+    ++waiting_;
+    const wake w = co_await q.c.wait(EPOLLIN | EPOLLRDHUP, deadline);
+    --waiting_;
+    switch (w) {
+      case wake::event:
+      case wake::none: continue;
+      case wake::timeout: co_return false;
+      case wake::stop: throw server_stopping{};
+      case wake::io: break;
+    }
+    switch (q.c.peek()) {
+      case hangup::none: continue;
+      case hangup::request: throw wire::violation("sent a new request while its wait was pending");
+      case hangup::orderly: throw client_gone{};
+      case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
+    }
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/operations.hpp ----
@@ -13382,15 +14600,8 @@ struct store_server_stats {
 /// for a single-node job), not every interface.
 class store_server {
  public:
-  explicit store_server(std::string address = "127.0.0.1", int port = 0, store_options options = {})
-      : address_(std::move(address)),
-        options_(std::move(options)),
-        operations_(options_.limits),
-        budget_(options_.limits.max_buffered_bytes),
-        connection_cap_(detail::connection_capacity(options_.limits.max_connections)) {
-    listen_on(port);
-    thread_ = std::thread([this] { serve_until_stopped(); });
-  }
+  explicit store_server(std::string address = "127.0.0.1", int port = 0,
+                        store_options options = {});
   store_server(const store_server&) = delete;
   store_server& operator=(const store_server&) = delete;
   ~store_server() { stop(); }
@@ -13401,21 +14612,10 @@ class store_server {
   [[nodiscard]] std::string endpoint() const { return detail::endpoint_text(address_, port_); }
 
   /// Callable from any thread.
-  [[nodiscard]] store_server_stats stats() const noexcept {
-    return {published_.connections.load(),
-            operations_.waiting(),
-            published_.closed_for_cause.load(),
-            published_.refused.load(),
-            published_.closed_idle.load(),
-            operations_.stored_bytes(),
-            budget_.used()};
-  }
+  [[nodiscard]] store_server_stats stats() const noexcept;
 
   /// Wakes every waiter with an error, closes every connection, joins the thread. Idempotent.
-  void stop() {
-    reactor_.request_stop();
-    if (thread_.joinable()) thread_.join();
-  }
+  void stop();
 
  private:
   using steady = detail::steady;
@@ -13435,276 +14635,44 @@ class store_server {
     detail::task<void> job;
   };
 
-  void log(const std::string& message) const {
-    std::string line = "[dtrain store " + endpoint() + "] " + message;
-    if (options_.log) {
-      options_.log(line);
-    } else {
-      std::fprintf(stderr, "%s\n", line.c_str());
-    }
-  }
+  void log(const std::string& message) const;
 
   // ---- admission: listening, accepting, the caps, the handshake ----------
 
-  void listen_on(int port) {
-    detail::address_list addrs;
-    if (int rc = detail::resolve(address_, port, true, addrs); rc != 0) {
-      throw rendezvous_error("cannot listen on " + detail::endpoint_text(address_, port) + ": " +
-                             ::gai_strerror(rc));
-    }
-    const addrinfo* a = addrs.head;
-    detail::unique_fd fd(
-        DTRAIN_SYSCALL(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)));
-    int one = 1;
-    DTRAIN_SYSCALL(::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
-    if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
-      int err = errno;
-      throw rendezvous_error(
-          "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
-          (err == EADDRINUSE ? " (another store or program holds the port: pick another "
-                               "MASTER_PORT, or port 0 for a free one)"
-                             : ""));
-    }
-    DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
-    sockaddr_storage bound{};
-    socklen_t len = sizeof bound;
-    DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len));
-    port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-    listen_ = std::move(fd);
-    reactor_.add(listen_.get(), accept_slot_);
-  }
+  void listen_on(int port);
 
-  void serve_until_stopped() {
-    detail::task<void> acceptor = accept_loop();
-    acceptor.start();
-    try {
-      while (reactor_.run_once(std::chrono::milliseconds(1000))) {
-        reap();
-        if (auto line = rejections_.summary(steady::now())) log(*line);
-      }
-    } catch (const std::exception& e) {
-      log(std::string("reactor failed, stopping: ") + e.what());
-    }
-    std::vector<detail::wait_slot*> suspended{&accept_slot_};
-    for (auto& [raw, c] : connections_) suspended.push_back(&c->io.slot());
-    reactor_.stop_all(suspended);
-    reap();
-    connections_.clear();
-    published_.connections = 0;
-    reactor_.remove(accept_slot_);
-    listen_.reset();
-  }
+  void serve_until_stopped();
 
   // Destroys the connections whose coroutine has finished (it cannot free its own frame).
-  void reap() {
-    for (connection* c : finished_) connections_.erase(c);
-    finished_.clear();
-  }
+  void reap();
 
-  detail::task<void> accept_loop() {
-    for (std::uint64_t accepted = 1;; ++accepted) {
-      // Now and then, let the reactor run a round (and reap what was closed)
-      // before the next accept, so that a backlog of thousands cannot starve it.
-      if (accepted % 64 == 0 &&
-          co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt) == detail::wake::stop) {
-        co_return;
-      }
-      sockaddr_storage peer{};
-      socklen_t len = sizeof peer;
-      int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&peer), &len,
-                         SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd >= 0) {
-        admit(detail::unique_fd(fd), reinterpret_cast<sockaddr*>(&peer));
-        continue;
-      }
-      int err = errno;
-      if (err == EINTR || err == ECONNABORTED) continue;
-      detail::wake w;
-      if ((err == EMFILE || err == ENFILE) && spare_.refuse_one(listen_.get())) {
-        // Keep the queue moving: the client learns at once instead of hanging in it.
-        ++published_.refused;
-        if (rejections_.note(detail::rejection::out_of_descriptors)) {
-          log(std::string("refused a connection: ") + std::strerror(err));
-        }
-        continue;
-      }
-      if (err == EAGAIN || err == EWOULDBLOCK) {
-        w = co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt);
-      } else {
-        // Out of descriptors or memory: say so, and try again shortly instead of spinning.
-        log(std::string("cannot accept a connection: ") + std::strerror(err) +
-            "; retrying in 100 ms");
-        w = co_await reactor_.wait(accept_slot_, 0, steady::now() + std::chrono::milliseconds(100));
-      }
-      if (w == detail::wake::stop) co_return;
-    }
-  }
+  detail::task<void> accept_loop();
 
   /// Starts serving an accepted connection, or refuses it at the cap. At the
   /// cap, a connection that has not proven its token yet makes room: a flood
   /// of strangers cannot lock the job's own ranks out.
-  void admit(detail::unique_fd fd, const sockaddr* peer) {
-    if (connections_.size() >= connection_cap_) {
-      if (unproven_.empty()) {
-        fd.reset();
-        ++published_.refused;
-        if (rejections_.note(detail::rejection::over_connection_cap)) {
-          log("refused a connection from " + detail::endpoint_text(peer) + ": " +
-              std::to_string(connection_cap_) +
-              " connections are open (store_limits::max_connections, "
-              "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
-        }
-        return;
-      }
-      connection* oldest = unproven_.front();
-      unproven_.pop_front();
-      oldest->listed = false;
-      oldest->evicted = true;
-      reactor_.cancel(oldest->io.slot());
-    }
-    auto owned = std::make_unique<connection>(*this, std::move(fd), detail::endpoint_text(peer));
-    connection* c = owned.get();
-    connections_.emplace(c, std::move(owned));
-    c->unproven = unproven_.insert(unproven_.end(), c);
-    c->listed = true;
-    ++published_.connections;
-    c->job = serve(*c);
-    c->job.start();
-  }
+  void admit(detail::unique_fd fd, const sockaddr* peer);
 
   // A connection's whole life: the handshake, then its requests until it goes.
-  detail::task<void> serve(connection& c) {
-    std::string reason;  // why the server closed it, to log
-    bool idle = false;
-    try {
-      if (co_await handshake(c)) {
-        while (co_await serve_one(c)) {
-        }
-      }
-    } catch (const detail::client_gone& gone) {
-      if (!gone.broken_while.empty() && rejections_.note(detail::rejection::broken)) {
-        log("client " + c.io.peer() + " disconnected while " + gone.broken_while);
-      }
-    } catch (const detail::server_stopping&) {
-      if (c.evicted) {
-        ++published_.refused;
-        if (rejections_.note(detail::rejection::over_connection_cap)) {
-          log("closed connection from " + c.io.peer() + " before its handshake: " +
-              std::to_string(connection_cap_) + " connections are open and a new one came");
-        }
-      } else if (c.in_request) {
-        c.io.say_goodbye();
-      }
-    } catch (const detail::client_idle&) {
-      if (c.authenticated) {
-        idle = true;
-        rejections_.note(detail::rejection::idle);
-      } else {
-        reason = "handshake not complete within " + std::to_string(options_.io_timeout.count()) +
-                 " ms (nothing was sent)";
-      }
-    } catch (const violation& e) {
-      reason = std::string("protocol violation: ") + e.what();
-    } catch (const std::exception& e) {
-      reason = e.what();
-    }
-    // First: whoever sees it counted as closed, or its socket closed (at the
-    // reap), sees the connection count without it.
-    --published_.connections;
-    if (idle) ++published_.closed_idle;
-    if (!reason.empty()) {
-      ++published_.closed_for_cause;
-      if (rejections_.note(c.authenticated ? detail::rejection::protocol
-                                           : detail::rejection::handshake)) {
-        log("closed connection from " + c.io.peer() + ": " + reason);
-      }
-    }
-    if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
-    finished_.push_back(&c);
-  }
+  detail::task<void> serve(connection& c);
 
-  detail::task<bool> handshake(connection& c) {
-    auto deadline = c.io.io_deadline();
-    std::string hello;
-    if (!co_await c.io.read_exact(hello, 8, deadline, true, "handshake")) co_return false;
-    detail::wire::reader r(hello);
-    auto magic = r.u32("magic");
-    if (magic != detail::wire::magic) {
-      char hex[16];
-      std::snprintf(hex, sizeof hex, "0x%08x", magic);
-      throw violation(std::string("bad magic ") + hex + ": not a dtrain store client");
-    }
-    auto version = r.u16("version");
-    auto token_size = r.u16("token length");
-    if (token_size > options_.limits.max_token_size) {
-      throw violation("token of " + std::to_string(token_size) + " bytes exceeds the limit of " +
-                      std::to_string(options_.limits.max_token_size));
-    }
-    std::string token;
-    co_await c.io.read_exact(token, token_size, deadline, false, "token");
-    auto reply = [&](status s) {
-      std::string body;
-      detail::wire::writer(body).u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
-      return body;
-    };
-    if (version != detail::wire::version) {
-      co_await c.io.write_all(reply(status::bad_version));
-      throw violation("client speaks protocol version " + std::to_string(version) +
-                      ", this server " + std::to_string(detail::wire::version));
-    }
-    if (!same_secret(token, options_.token)) {
-      co_await c.io.write_all(reply(status::bad_token));
-      throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
-    }
-    co_await c.io.write_all(reply(status::ok));
-    c.authenticated = true;
-    if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
-    co_return true;
-  }
+  detail::task<bool> handshake(connection& c);
 
   // Compares without an early exit, so timing does not reveal the token.
-  static bool same_secret(std::string_view a, std::string_view b) {
-    unsigned char diff = a.size() == b.size() ? 0 : 1;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-    }
-    return diff == 0;
+  static bool same_secret(std::string_view a, std::string_view b);
+
+  // The handshake's answer: a status and the server's protocol version. (A
+  // function, not a lambda: a coroutine frame that holds a lambda's type
+  // trips -Wsubobject-linkage where the body is compiled out of line.)
+  static std::string reply(status s) {
+    std::string body;
+    detail::wire::writer(body).u8(static_cast<std::uint8_t>(s)).u16(detail::wire::version);
+    return body;
   }
 
   // ---- requests: read one, hand it to its operation's handler, write the reply ----
 
-  detail::task<bool> serve_one(connection& c) {
-    std::string head;
-    if (!co_await c.io.read_exact(head, 1, steady::now() + options_.idle_timeout, true, "request"))
-      co_return false;
-    auto deadline = c.io.io_deadline();
-    co_await c.io.read_exact(head, 3, deadline, false, "request length");
-    std::uint32_t length = detail::wire::frame_length(head);
-    if (length == 0) throw violation("empty request frame");
-    if (length > options_.limits.max_frame_size()) {
-      throw violation("request frame of " + std::to_string(length) +
-                      " bytes exceeds the limit of " +
-                      std::to_string(options_.limits.max_frame_size()));
-    }
-    detail::held_bytes held(budget_, reactor_);
-    co_await c.io.reserve(held, length, deadline,
-                          "a request of " + std::to_string(length) + " bytes");
-    std::string body;
-    co_await c.io.read_exact(body, length, deadline, false, "request body");
-    detail::wire::reader fields(body);
-    detail::store_request q{c.io, held, fields};
-    std::string reply;
-    c.in_request = true;
-    try {
-      reply = co_await operations_.handle(q);
-    } catch (const detail::store_refusal& e) {
-      reply = detail::store_operations::refusal(e.what());  // the connection stays
-    }
-    c.in_request = false;
-    co_await c.io.write_all(detail::wire::frame(reply));
-    co_return true;
-  }
+  detail::task<bool> serve_one(connection& c);
 
   std::string address_;
   store_options options_;
@@ -13733,6 +14701,289 @@ class store_server {
   } published_;
   std::thread thread_;  // last: starts once everything above exists
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE store_server::store_server(std::string address, int port,
+                                                store_options options)
+    : address_(std::move(address)),
+      options_(std::move(options)),
+      operations_(options_.limits),
+      budget_(options_.limits.max_buffered_bytes),
+      connection_cap_(detail::connection_capacity(options_.limits.max_connections)) {
+  listen_on(port);
+  thread_ = std::thread([this] { serve_until_stopped(); });
+}
+
+DTRAIN_DETAIL_INLINE store_server_stats store_server::stats() const noexcept {
+  return {published_.connections.load(),
+          operations_.waiting(),
+          published_.closed_for_cause.load(),
+          published_.refused.load(),
+          published_.closed_idle.load(),
+          operations_.stored_bytes(),
+          budget_.used()};
+}
+
+DTRAIN_DETAIL_INLINE void store_server::stop() {
+  reactor_.request_stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+DTRAIN_DETAIL_INLINE void store_server::log(const std::string& message) const {
+  std::string line = "[dtrain store " + endpoint() + "] " + message;
+  if (options_.log) {
+    options_.log(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void store_server::listen_on(int port) {
+  detail::address_list addrs;
+  if (int rc = detail::resolve(address_, port, true, addrs); rc != 0) {
+    throw rendezvous_error("cannot listen on " + detail::endpoint_text(address_, port) + ": " +
+                           ::gai_strerror(rc));
+  }
+  const addrinfo* a = addrs.head;
+  detail::unique_fd fd(
+      DTRAIN_SYSCALL(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)));
+  int one = 1;
+  DTRAIN_SYSCALL(::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
+  if (::bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0) {
+    int err = errno;
+    throw rendezvous_error(
+        "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
+        (err == EADDRINUSE ? " (another store or program holds the port: pick another "
+                             "MASTER_PORT, or port 0 for a free one)"
+                           : ""));
+  }
+  DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len));
+  port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                      : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  listen_ = std::move(fd);
+  reactor_.add(listen_.get(), accept_slot_);
+}
+
+DTRAIN_DETAIL_INLINE void store_server::serve_until_stopped() {
+  detail::task<void> acceptor = accept_loop();
+  acceptor.start();
+  try {
+    while (reactor_.run_once(std::chrono::milliseconds(1000))) {
+      reap();
+      if (auto line = rejections_.summary(steady::now())) log(*line);
+    }
+  } catch (const std::exception& e) {
+    log(std::string("reactor failed, stopping: ") + e.what());
+  }
+  std::vector<detail::wait_slot*> suspended{&accept_slot_};
+  for (auto& [raw, c] : connections_) suspended.push_back(&c->io.slot());
+  reactor_.stop_all(suspended);
+  reap();
+  connections_.clear();
+  published_.connections = 0;
+  reactor_.remove(accept_slot_);
+  listen_.reset();
+}
+
+DTRAIN_DETAIL_INLINE void store_server::reap() {
+  for (connection* c : finished_) connections_.erase(c);
+  finished_.clear();
+}
+
+DTRAIN_DETAIL_INLINE detail::task<void> store_server::accept_loop() {
+  for (std::uint64_t accepted = 1;; ++accepted) {
+    // Now and then, let the reactor run a round (and reap what was closed)
+    // before the next accept, so that a backlog of thousands cannot starve it.
+    if (accepted % 64 == 0 &&
+        co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt) == detail::wake::stop) {
+      co_return;
+    }
+    sockaddr_storage peer{};
+    socklen_t len = sizeof peer;
+    int fd = ::accept4(listen_.get(), reinterpret_cast<sockaddr*>(&peer), &len,
+                       SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      admit(detail::unique_fd(fd), reinterpret_cast<sockaddr*>(&peer));
+      continue;
+    }
+    int err = errno;
+    if (err == EINTR || err == ECONNABORTED) continue;
+    detail::wake w;
+    if ((err == EMFILE || err == ENFILE) && spare_.refuse_one(listen_.get())) {
+      // Keep the queue moving: the client learns at once instead of hanging in it.
+      ++published_.refused;
+      if (rejections_.note(detail::rejection::out_of_descriptors)) {
+        log(std::string("refused a connection: ") + std::strerror(err));
+      }
+      continue;
+    }
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      w = co_await reactor_.wait(accept_slot_, EPOLLIN, std::nullopt);
+    } else {
+      // Out of descriptors or memory: say so, and try again shortly instead of spinning.
+      log(std::string("cannot accept a connection: ") + std::strerror(err) +
+          "; retrying in 100 ms");
+      w = co_await reactor_.wait(accept_slot_, 0, steady::now() + std::chrono::milliseconds(100));
+    }
+    if (w == detail::wake::stop) co_return;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void store_server::admit(detail::unique_fd fd, const sockaddr* peer) {
+  if (connections_.size() >= connection_cap_) {
+    if (unproven_.empty()) {
+      fd.reset();
+      ++published_.refused;
+      if (rejections_.note(detail::rejection::over_connection_cap)) {
+        log("refused a connection from " + detail::endpoint_text(peer) + ": " +
+            std::to_string(connection_cap_) +
+            " connections are open (store_limits::max_connections, "
+            "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
+      }
+      return;
+    }
+    connection* oldest = unproven_.front();
+    unproven_.pop_front();
+    oldest->listed = false;
+    oldest->evicted = true;
+    reactor_.cancel(oldest->io.slot());
+  }
+  auto owned = std::make_unique<connection>(*this, std::move(fd), detail::endpoint_text(peer));
+  connection* c = owned.get();
+  connections_.emplace(c, std::move(owned));
+  c->unproven = unproven_.insert(unproven_.end(), c);
+  c->listed = true;
+  ++published_.connections;
+  c->job = serve(*c);
+  c->job.start();
+}
+
+DTRAIN_DETAIL_INLINE detail::task<void> store_server::serve(connection& c) {
+  std::string reason;  // why the server closed it, to log
+  bool idle = false;
+  try {
+    if (co_await handshake(c)) {
+      while (co_await serve_one(c)) {
+      }
+    }
+  } catch (const detail::client_gone& gone) {
+    if (!gone.broken_while.empty() && rejections_.note(detail::rejection::broken)) {
+      log("client " + c.io.peer() + " disconnected while " + gone.broken_while);
+    }
+  } catch (const detail::server_stopping&) {
+    if (c.evicted) {
+      ++published_.refused;
+      if (rejections_.note(detail::rejection::over_connection_cap)) {
+        log("closed connection from " + c.io.peer() + " before its handshake: " +
+            std::to_string(connection_cap_) + " connections are open and a new one came");
+      }
+    } else if (c.in_request) {
+      c.io.say_goodbye();
+    }
+  } catch (const detail::client_idle&) {
+    if (c.authenticated) {
+      idle = true;
+      rejections_.note(detail::rejection::idle);
+    } else {
+      reason = "handshake not complete within " + std::to_string(options_.io_timeout.count()) +
+               " ms (nothing was sent)";
+    }
+  } catch (const violation& e) {
+    reason = std::string("protocol violation: ") + e.what();
+  } catch (const std::exception& e) {
+    reason = e.what();
+  }
+  // First: whoever sees it counted as closed, or its socket closed (at the
+  // reap), sees the connection count without it.
+  --published_.connections;
+  if (idle) ++published_.closed_idle;
+  if (!reason.empty()) {
+    ++published_.closed_for_cause;
+    if (rejections_.note(c.authenticated ? detail::rejection::protocol
+                                         : detail::rejection::handshake)) {
+      log("closed connection from " + c.io.peer() + ": " + reason);
+    }
+  }
+  if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
+  finished_.push_back(&c);
+}
+
+DTRAIN_DETAIL_INLINE detail::task<bool> store_server::handshake(connection& c) {
+  auto deadline = c.io.io_deadline();
+  std::string hello;
+  if (!co_await c.io.read_exact(hello, 8, deadline, true, "handshake")) co_return false;
+  detail::wire::reader r(hello);
+  auto magic = r.u32("magic");
+  if (magic != detail::wire::magic) {
+    char hex[16];
+    std::snprintf(hex, sizeof hex, "0x%08x", magic);
+    throw violation(std::string("bad magic ") + hex + ": not a dtrain store client");
+  }
+  auto version = r.u16("version");
+  auto token_size = r.u16("token length");
+  if (token_size > options_.limits.max_token_size) {
+    throw violation("token of " + std::to_string(token_size) + " bytes exceeds the limit of " +
+                    std::to_string(options_.limits.max_token_size));
+  }
+  std::string token;
+  co_await c.io.read_exact(token, token_size, deadline, false, "token");
+  if (version != detail::wire::version) {
+    co_await c.io.write_all(reply(status::bad_version));
+    throw violation("client speaks protocol version " + std::to_string(version) + ", this server " +
+                    std::to_string(detail::wire::version));
+  }
+  if (!same_secret(token, options_.token)) {
+    co_await c.io.write_all(reply(status::bad_token));
+    throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
+  }
+  co_await c.io.write_all(reply(status::ok));
+  c.authenticated = true;
+  if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
+  co_return true;
+}
+
+DTRAIN_DETAIL_INLINE bool store_server::same_secret(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
+DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {
+  std::string head;
+  if (!co_await c.io.read_exact(head, 1, steady::now() + options_.idle_timeout, true, "request"))
+    co_return false;
+  auto deadline = c.io.io_deadline();
+  co_await c.io.read_exact(head, 3, deadline, false, "request length");
+  std::uint32_t length = detail::wire::frame_length(head);
+  if (length == 0) throw violation("empty request frame");
+  if (length > options_.limits.max_frame_size()) {
+    throw violation("request frame of " + std::to_string(length) + " bytes exceeds the limit of " +
+                    std::to_string(options_.limits.max_frame_size()));
+  }
+  detail::held_bytes held(budget_, reactor_);
+  co_await c.io.reserve(held, length, deadline,
+                        "a request of " + std::to_string(length) + " bytes");
+  std::string body;
+  co_await c.io.read_exact(body, length, deadline, false, "request body");
+  detail::wire::reader fields(body);
+  detail::store_request q{c.io, held, fields};
+  std::string reply;
+  c.in_request = true;
+  try {
+    reply = co_await operations_.handle(q);
+  } catch (const detail::store_refusal& e) {
+    reply = detail::store_operations::refusal(e.what());  // the connection stays
+  }
+  c.in_request = false;
+  co_await c.io.write_all(detail::wire::frame(reply));
+  co_return true;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/rendezvous/server.hpp ----
@@ -14502,25 +15753,35 @@ struct bucket_info {
 inline constexpr std::size_t bucket_alignment = 256;
 
 /// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
-[[nodiscard]] inline std::size_t mib_to_bytes(double mib, std::string_view option) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option) {
   if (!(mib > 0) || mib > 1e9) {
     throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
                        " is not a bucket size in MiB (it must be above 0)");
   }
   return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
 /// n-1, n-2, ..., 0: gradients of the last layers are produced first.
-[[nodiscard]] inline std::vector<std::size_t> reverse_order(std::size_t n) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n) {
   std::vector<std::size_t> order(n);
   for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
   return order;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Throws unless `order` names each of the n parameters exactly once.
-inline void check_order(std::span<const std::size_t> order, std::size_t n, std::string_view what) {
+DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
+                                      std::string_view what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
+                                      std::string_view what) {
   std::vector<char> seen(n, 0);
   if (order.size() != n) {
     throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
@@ -14536,6 +15797,7 @@ inline void check_order(std::span<const std::size_t> order, std::size_t n, std::
     seen[i] = 1;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Groups the parameters, taken in `order` (a permutation of their indices),
 /// into buckets per (element type, device), as PyTorch DDP's
@@ -14702,7 +15964,9 @@ namespace dtrain::detail {
 
 /// "parameter fc1.weight (1024 x float32 on the host)", or with a shape
 /// "parameter fc1.weight ([64, 16] float32 on the host)": what must match across ranks.
-inline std::string parameter_entry(const parameter& p, std::string_view kind) {
+DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind) {
   std::string entry = std::string(kind) + " " + p.name + " (";
   if (p.shape.empty()) {
     entry += std::to_string(p.values.count) + " x ";
@@ -14718,16 +15982,23 @@ inline std::string parameter_entry(const parameter& p, std::string_view kind) {
   entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
   return entry;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::vector<std::string> model_entries(std::span<const parameter> params,
-                                              std::span<const parameter> buffers) {
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers) {
   std::vector<std::string> entries;
   for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
   for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
   return entries;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries) {
   std::uint64_t h = 1469598103934665603ull;
   for (const std::string& e : entries) {
     for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
@@ -14735,12 +16006,21 @@ inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
   }
   return static_cast<std::int64_t>(h >> 1);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What one rank alone can find wrong with its model and options, as a
 /// message naming the parameter and the rank; empty when nothing is.
-inline std::string model_problem(std::span<const parameter> params,
-                                 std::span<const parameter> buffers, const ddp_options& options,
-                                 int rank, std::string_view backend, bool on_device, int device) {
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device) {
   const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
   std::unordered_map<std::string_view, std::size_t> names;
   std::unordered_map<const void*, std::size_t> data;
@@ -14792,14 +16072,20 @@ inline std::string model_problem(std::span<const parameter> params,
   }
   return {};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Collective over the host control plane: every rank learns whether all
 /// ranks hold the same parameters and buffers. Throws config_error on every
 /// rank when not — naming the first differing entry and the ranks — or when
 /// some rank's own check failed (`local_problem`, which that rank reports in
 /// its own words).
-inline void agree_on_model(control_plane& comm, std::span<const parameter> params,
-                           std::span<const parameter> buffers, const std::string& local_problem) {
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         const std::string& local_problem);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         const std::string& local_problem) {
   const int size = comm.size();
   const std::vector<std::string> entries = model_entries(params, buffers);
   const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
@@ -14876,13 +16162,19 @@ inline void agree_on_model(control_plane& comm, std::span<const parameter> param
                      " (ranks that differ from rank 0: " + differing +
                      "); every rank must build the same model in the same order");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Collective over the host control plane: every rank gets rank 0's `order`
 /// of the n parameters (the order its gradients became ready, for the bucket
 /// rebuild). Each rank passes an order of the same length; what arrives is
 /// checked to name each parameter once (backend_error otherwise).
-inline std::vector<std::size_t> agree_on_order(control_plane& control,
-                                               std::span<const std::size_t> order, std::size_t n) {
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n) {
   std::string text;
   wire::writer w(text);
   for (std::size_t i : order) w.u64(i);
@@ -14900,6 +16192,7 @@ inline std::vector<std::size_t> agree_on_order(control_plane& control,
   check_order(agreed, n, where);
   return agreed;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Collective: every rank's parameter and buffer values become rank 0's.
 /// Host values travel packed over the control plane; device values one by
@@ -15318,7 +16611,9 @@ namespace dtrain::detail {
 /// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
 /// the extension of the file name (trace.json -> trace.rank3.json), or is
 /// appended with ".json" when the name has none (trace -> trace.rank3.json).
-inline std::string timeline_file(std::string_view path, int rank) {
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
   const std::size_t slash = path.rfind('/');
   const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
   const std::size_t dot = path.rfind('.');
@@ -15326,13 +16621,19 @@ inline std::string timeline_file(std::string_view path, int rank) {
   if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
   return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
 /// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-inline std::string timeline_setting(const environment& env, const std::string& option) {
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option) {
   if (auto v = env.get(timeline_variable)) return std::string(*v);
   return option;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One rank's recorder. Default-constructed it is off and records nothing.
 /// Recording is thread-safe; write() must not race with recording of the same
@@ -15347,20 +16648,7 @@ class timeline {
   /// On: records for `rank` of `size` and writes timeline_file(path, rank).
   /// Creates the file now, so that a path that cannot be written is a
   /// config_error before training starts (naming the path and the rank).
-  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
-      : state_(std::make_unique<state>()) {
-    state_->file = timeline_file(path, rank);
-    state_->setting = std::string(timeline_variable) + "=" + std::string(path);
-    state_->rank = rank;
-    state_->size = size;
-    state_->names = std::move(parameter_names);
-    if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
-      std::fclose(f);
-    } else {
-      throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
-                         state_->file + ": " + std::strerror(errno));
-    }
-  }
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names);
 
   /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
   /// `env` (which wins) or `option` names a file, naming the spans of `params`
@@ -15383,11 +16671,7 @@ class timeline {
 
   /// Nanoseconds on the steady clock (shared by the processes of a host, so
   /// that their traces line up when merged).
-  [[nodiscard]] static std::int64_t now() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
+  [[nodiscard]] static std::int64_t now() noexcept;
 
   /// A span from its construction to its destruction; nothing when off.
   class scope {
@@ -15427,52 +16711,17 @@ class timeline {
 
   /// Bucket `bucket` of `elements` is launched: returns the id of its span
   /// (0 when off), which bucket_done() closes.
-  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements) {
-    if (!state_) return 0;
-    const std::uint64_t id = ++state_->launches;
-    append(track::training, {.what = kind::bucket_begin,
-                             .start = now(),
-                             .index = bucket,
-                             .detail = elements,
-                             .id = id});
-    return id;
-  }
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements);
   /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
   /// to now (finished); `on_thread`: on the communication thread, which gets a
   /// span of its own (on CUDA streams the host only enqueues, so no such span).
-  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread) {
-    if (!state_) return;
-    const std::int64_t end = now();
-    if (on_thread) {
-      append(track::communication,
-             {.what = kind::reduce, .start = started, .end = end, .index = bucket});
-    }
-    append(track::communication,
-           {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
-  }
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
 
   /// Writes the file (everything recorded so far). Throws dtrain::error naming
   /// the file and the rank when it cannot be written.
-  void write() const {
-    if (!state_) return;
-    const std::string text = render();
-    std::FILE* f = std::fopen(state_->file.c_str(), "w");
-    bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    const int code = errno;
-    if (f != nullptr && std::fclose(f) != 0) ok = false;
-    if (!ok) {
-      throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
-                  state_->file + " (" + state_->setting + "): " + std::strerror(code));
-    }
-  }
+  void write() const;
   /// write(), for destructors: a failure is one line on stderr, never an exception.
-  void write_at_exit() const noexcept {
-    try {
-      write();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
-    }
-  }
+  void write_at_exit() const noexcept;
 
   /// At most this many events per track are kept (about 48 MiB); the rest are
   /// counted, and the file says how many were dropped.
@@ -15519,140 +16768,226 @@ class timeline {
     std::uint64_t launches = 0;    // training thread only
   };
 
-  void append(track t, const event& e) {
-    buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
-    std::lock_guard lock(b.mutex);
-    if (b.count < max_events) {
-      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
-        b.chunks.emplace_back().reserve(chunk_events);
-      }
-      b.chunks.back().push_back(e);
-      ++b.count;
-    } else {
-      ++b.dropped;
-    }
-  }
+  void append(track t, const event& e);
 
-  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket) {
-    if (state_->step_start < 0) state_->step_start = start;
-    append(track::training,
-           {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
-  }
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket);
   void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
     append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
   }
-  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t) {
-    const std::int64_t end = now();
-    append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
-    // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
-    const std::int64_t from =
-        state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
-    append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
-    state_->step_start = -1;
-  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t);
 
-  static void microseconds(std::string& out, std::int64_t ns) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
-                  static_cast<long long>(ns % 1000));
-    out += text;
-  }
+  static void microseconds(std::string& out, std::int64_t ns);
 
-  std::string name_of(const event& e) const {
-    switch (e.what) {
-      case kind::step: return "step " + std::to_string(e.index);
-      case kind::mark:
-        return e.index < state_->names.size() ? state_->names[e.index]
-                                              : "parameter #" + std::to_string(e.index);
-      case kind::synchronize: return "synchronize";
-      case kind::wait: return "wait for buckets";
-      case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
-      case kind::bucket_begin:
-      case kind::bucket_end: return "bucket " + std::to_string(e.index);
-    }
-    return "?";
-  }
+  std::string name_of(const event& e) const;
 
-  static const char* category_of(kind k) {
-    switch (k) {
-      case kind::step: return "step";
-      case kind::mark: return "mark_ready";
-      case kind::synchronize:
-      case kind::wait: return "synchronize";
-      case kind::reduce:
-      case kind::bucket_begin:
-      case kind::bucket_end: return "bucket";
-    }
-    return "?";
-  }
+  static const char* category_of(kind k);
 
-  void render_event(std::string& out, track t, const event& e) const {
-    out += ",\n{\"name\":";
-    json::write_string(out, name_of(e));
-    out += ",\"cat\":\"";
-    out += category_of(e.what);
-    out += "\",\"pid\":" + std::to_string(state_->rank) +
-           ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
-    microseconds(out, e.start);
-    if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
-      out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
-      out += ",\"id\":" + std::to_string(e.id);
-    } else {
-      out += ",\"ph\":\"X\",\"dur\":";
-      microseconds(out, e.end - e.start);
-    }
-    switch (e.what) {
-      case kind::mark:
-        out += ",\"args\":{\"index\":" + std::to_string(e.index) +
-               ",\"bucket\":" + std::to_string(e.detail) + "}";
-        break;
-      case kind::bucket_begin:
-        out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
-        break;
-      case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
-      default: break;
-    }
-    out += "}";
-  }
+  void render_event(std::string& out, track t, const event& e) const;
 
-  void metadata(std::string& out, const char* what, int tid, std::string_view name) const {
-    out += ",\n{\"name\":\"";
-    out += what;
-    out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
-    json::write_string(out, name);
-    out += "}}";
-  }
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const;
 
-  std::string render() const {
-    std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
-    std::size_t dropped = 0;
-    for (const buffer& b : state_->tracks) {
-      std::lock_guard lock(b.mutex);
-      dropped += b.dropped;
-    }
-    out += "\"rank\":" + std::to_string(state_->rank) +
-           ",\"world_size\":" + std::to_string(state_->size) +
-           ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
-    out +=
-        "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-        ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
-    metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
-    metadata(out, "thread_name", static_cast<int>(track::training), "training");
-    metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
-    for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
-      const buffer& b = state_->tracks[t];
-      std::lock_guard lock(b.mutex);
-      for (const std::vector<event>& chunk : b.chunks) {
-        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
-      }
-    }
-    out += "\n]}\n";
-    return out;
-  }
+  std::string render() const;
 
   std::unique_ptr<state> state_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
+                                        std::vector<std::string> parameter_names)
+    : state_(std::make_unique<state>()) {
+  state_->file = timeline_file(path, rank);
+  state_->setting = std::string(timeline_variable) + "=" + std::string(path);
+  state_->rank = rank;
+  state_->size = size;
+  state_->names = std::move(parameter_names);
+  if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+    std::fclose(f);
+  } else {
+    throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                       state_->file + ": " + std::strerror(errno));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t timeline::now() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t timeline::bucket_launched(std::size_t bucket,
+                                                             std::size_t elements) {
+  if (!state_) return 0;
+  const std::uint64_t id = ++state_->launches;
+  append(
+      track::training,
+      {.what = kind::bucket_begin, .start = now(), .index = bucket, .detail = elements, .id = id});
+  return id;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_t id,
+                                                std::int64_t started, bool on_thread) {
+  if (!state_) return;
+  const std::int64_t end = now();
+  if (on_thread) {
+    append(track::communication,
+           {.what = kind::reduce, .start = started, .end = end, .index = bucket});
+  }
+  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write() const {
+  if (!state_) return;
+  const std::string text = render();
+  std::FILE* f = std::fopen(state_->file.c_str(), "w");
+  bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int code = errno;
+  if (f != nullptr && std::fclose(f) != 0) ok = false;
+  if (!ok) {
+    throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                state_->file + " (" + state_->setting + "): " + std::strerror(code));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write_at_exit() const noexcept {
+  try {
+    write();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::append(track t, const event& e) {
+  buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+  std::lock_guard lock(b.mutex);
+  if (b.count < max_events) {
+    if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+      b.chunks.emplace_back().reserve(chunk_events);
+    }
+    b.chunks.back().push_back(e);
+    ++b.count;
+  } else {
+    ++b.dropped;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::mark_done(std::int64_t start, std::uint64_t index,
+                                              std::uint64_t bucket) {
+  if (state_->step_start < 0) state_->step_start = start;
+  append(track::training,
+         {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::synchronize_done(std::int64_t start, std::uint64_t step,
+                                                     std::uint64_t) {
+  const std::int64_t end = now();
+  append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+  // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+  const std::int64_t from =
+      state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+  append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+  state_->step_start = -1;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::microseconds(std::string& out, std::int64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                static_cast<long long>(ns % 1000));
+  out += text;
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
+  switch (e.what) {
+    case kind::step: return "step " + std::to_string(e.index);
+    case kind::mark:
+      return e.index < state_->names.size() ? state_->names[e.index]
+                                            : "parameter #" + std::to_string(e.index);
+    case kind::synchronize: return "synchronize";
+    case kind::wait: return "wait for buckets";
+    case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket " + std::to_string(e.index);
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
+  switch (k) {
+    case kind::step: return "step";
+    case kind::mark: return "mark_ready";
+    case kind::synchronize:
+    case kind::wait: return "synchronize";
+    case kind::reduce:
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket";
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, const event& e) const {
+  out += ",\n{\"name\":";
+  json::write_string(out, name_of(e));
+  out += ",\"cat\":\"";
+  out += category_of(e.what);
+  out += "\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+  microseconds(out, e.start);
+  if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+    out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+    out += ",\"id\":" + std::to_string(e.id);
+  } else {
+    out += ",\"ph\":\"X\",\"dur\":";
+    microseconds(out, e.end - e.start);
+  }
+  switch (e.what) {
+    case kind::mark:
+      out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+             ",\"bucket\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::bucket_begin:
+      out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+    default: break;
+  }
+  out += "}";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::metadata(std::string& out, const char* what, int tid,
+                                             std::string_view name) const {
+  out += ",\n{\"name\":\"";
+  out += what;
+  out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+  json::write_string(out, name);
+  out += "}}";
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::render() const {
+  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+  std::size_t dropped = 0;
+  for (const buffer& b : state_->tracks) {
+    std::lock_guard lock(b.mutex);
+    dropped += b.dropped;
+  }
+  out += "\"rank\":" + std::to_string(state_->rank) +
+         ",\"world_size\":" + std::to_string(state_->size) +
+         ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+  out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+  metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+  metadata(out, "thread_name", static_cast<int>(track::training), "training");
+  metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+  for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+    const buffer& b = state_->tracks[t];
+    std::lock_guard lock(b.mutex);
+    for (const std::vector<event>& chunk : b.chunks) {
+      for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+    }
+  }
+  out += "\n]}\n";
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/timeline.hpp ----
@@ -17014,6 +18349,7 @@ extern const int every_unit_must_use_the_same_dtrain_engines;
 /// diagnostics and stops nothing. The handlers only record the signal; the
 /// agent's loop and its waits read it.
 
+
 #include <array>
 #include <csignal>
 #include <cstddef>
@@ -17035,40 +18371,48 @@ inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
 [[nodiscard]] inline int pending_agent_signal() noexcept { return agent_signal; }
 
 /// Takes a pending SIGUSR1 request: true once per request.
-[[nodiscard]] inline bool take_diagnostics_request() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
   if (agent_diagnostics_requests == 0) return false;
   agent_diagnostics_requests = 0;
   return true;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
 /// them to the workers, and SIGUSR1, which it forwards without stopping them
 /// (desync diagnostics); restores the previous handlers afterwards.
 class agent_signal_scope {
  public:
-  agent_signal_scope() {
-    agent_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = record_agent_signal;
-    sigemptyset(&sa.sa_mask);
-    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
-    agent_diagnostics_requests = 0;
-    sa.sa_handler = record_diagnostics_request;
-    ::sigaction(SIGUSR1, &sa, &previous_usr1_);
-  }
+  agent_signal_scope();
   agent_signal_scope(const agent_signal_scope&) = delete;
   agent_signal_scope& operator=(const agent_signal_scope&) = delete;
-  ~agent_signal_scope() {
-    for (std::size_t i = 0; i < signals.size(); ++i)
-      ::sigaction(signals[i], &previous_[i], nullptr);
-    ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
-  }
+  ~agent_signal_scope();
   static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
 
  private:
   std::array<struct sigaction, 3> previous_{};
   struct sigaction previous_usr1_ {};
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_signal_scope::agent_signal_scope() {
+  agent_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = record_agent_signal;
+  sigemptyset(&sa.sa_mask);
+  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+  agent_diagnostics_requests = 0;
+  sa.sa_handler = record_diagnostics_request;
+  ::sigaction(SIGUSR1, &sa, &previous_usr1_);
+}
+
+DTRAIN_DETAIL_INLINE agent_signal_scope::~agent_signal_scope() {
+  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
+  ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/signals.hpp ----
@@ -17092,7 +18436,9 @@ inline constexpr std::chrono::milliseconds agent_poll_interval{20};
 
 /// A port nobody listens on now (it may be taken before it is used: the
 /// same race torchrun accepts for --standalone).
-inline int pick_free_port() {
+DTRAIN_DETAIL_INLINE int pick_free_port();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int pick_free_port() {
   unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -17102,9 +18448,12 @@ inline int pick_free_port() {
   DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
   return ntohs(addr.sin_port);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
-inline std::string seconds_text(std::chrono::milliseconds t) {
+DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t) {
   std::string text = std::to_string(t.count() / 1000);
   if (auto ms = t.count() % 1000; ms != 0) {
     std::string frac = std::to_string(1000 + ms).substr(1);
@@ -17113,13 +18462,17 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
   }
   return text;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The agents' summary of a round's first failure. When the failing worker
 /// gave up a collective that a worker which had already ended well never
 /// issued, that worker comes first: it left early (it skipped a step, say),
 /// and the failure is the consequence.
-inline std::string describe_failure(const failure_record& failure,
-                                    const std::optional<exit_record>& first_exit) {
+DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
+                                                  const std::optional<exit_record>& first_exit);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
+                                                  const std::optional<exit_record>& first_exit) {
   if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
       first_exit->rank == failure.rank) {
     return failure.message;
@@ -17132,6 +18485,7 @@ inline std::string describe_failure(const failure_record& failure,
          " while rank " + std::to_string(failure.rank) + " waited in collective #" +
          std::to_string(failure.collective) + "; then " + failure.message;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Every agent bumps its counter about once a second and watches the
 /// others': a node whose agent died (and with it its workers) is noticed
@@ -17143,27 +18497,7 @@ class heartbeat {
         since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
 
   /// Beats for `me`; returns the first node silent for longer than `limit`.
-  std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
-    auto now = std::chrono::steady_clock::now();
-    if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
-    last_ = now;
-    store.add(agent_keys::beat(me), 1);
-    std::optional<int> first;
-    silent_ = 0;
-    for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
-      if (n == me) continue;
-      std::int64_t beat = store.add(agent_keys::beat(n), 0);
-      auto i = static_cast<std::size_t>(n);
-      if (beat != seen_[i]) {
-        seen_[i] = beat;
-        since_[i] = now;
-      } else if (now - since_[i] > limit) {
-        if (!first) first = n;
-        ++silent_;
-      }
-    }
-    return first;
-  }
+  std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
 
   /// How many nodes the last check() found silent.
   [[nodiscard]] int silent() const noexcept { return silent_; }
@@ -17174,6 +18508,31 @@ class heartbeat {
   std::chrono::steady_clock::time_point last_{};
   int silent_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, int me,
+                                                         std::chrono::milliseconds limit) {
+  auto now = std::chrono::steady_clock::now();
+  if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+  last_ = now;
+  store.add(agent_keys::beat(me), 1);
+  std::optional<int> first;
+  silent_ = 0;
+  for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+    if (n == me) continue;
+    std::int64_t beat = store.add(agent_keys::beat(n), 0);
+    auto i = static_cast<std::size_t>(n);
+    if (beat != seen_[i]) {
+      seen_[i] = beat;
+      since_[i] = now;
+    } else if (now - since_[i] > limit) {
+      if (!first) first = n;
+      ++silent_;
+    }
+  }
+  return first;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One agent's connection to the job's store, which node 0's agent also
 /// serves. Every wait is bounded by the store timeout and ends early when a
@@ -17217,51 +18576,15 @@ class agent_store {
   }
 
   /// A barrier of all agents that a signal can interrupt.
-  void meet(const std::string& key, const std::string& what) {
-    client_.add(key, 1);
-    wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
-  }
+  void meet(const std::string& key, const std::string& what);
 
   /// Registers this node, waits for every node, and checks that they all
   /// run the same job shape (config_error naming the node that differs).
-  void join(const node_record& me) {
-    const std::string key = agent_keys::node(node_rank_);
-    const std::string holder = client_.compare_set(key, "", me.encode());
-    if (holder != me.encode()) {
-      throw config_error("node_rank " + std::to_string(node_rank_) +
-                         " is taken twice: by the agent " + node_record::decode(key, holder).who() +
-                         " and by this one (" + me.who() +
-                         "); give each agent its own --node-rank / NODE_RANK");
-    }
-    meet(std::string(agent_keys::joined),
-         "all " + std::to_string(nnodes_) + " node agents to join");
-    for (int n = 0; n < nnodes_; ++n) {
-      const std::string other_key = agent_keys::node(n);
-      const node_record other = node_record::decode(other_key, client_.get(other_key));
-      if (other.nproc != me.nproc) {
-        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
-                           std::to_string(other.nproc) + " workers, this node " +
-                           std::to_string(me.nproc) +
-                           "; every node must run the same nproc_per_node");
-      }
-      if (other.max_restarts != me.max_restarts) {
-        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
-                           std::to_string(other.max_restarts) + " restarts, this node " +
-                           std::to_string(me.max_restarts) +
-                           "; every node must use the same max_restarts");
-      }
-    }
-  }
+  void join(const node_record& me);
 
   /// The MASTER_PORT of round `restart`'s workers: node 0 picks a free port,
   /// every node reads it.
-  int worker_port(int restart) {
-    const std::string key = agent_keys::worker_port(restart);
-    if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
-    wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
-             "node 0 to pick the workers' port");
-    return decode_port(key, client_.get(key));
-  }
+  int worker_port(int restart);
 
   /// Records a failure of round `restart` unless one is recorded already.
   void record_failure(int restart, int status, bool final, const std::string& message) {
@@ -17271,19 +18594,7 @@ class agent_store {
   /// Round `restart`'s first failure, if one is recorded, with its message
   /// as the agents print it (describe_failure). A record that cannot be read
   /// ends the job with its own reason.
-  std::optional<failure_record> failure(int restart) {
-    const std::string key = agent_keys::failure(restart);
-    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
-    const std::string value = client_.get(key);
-    failure_record f;
-    try {
-      f = failure_record::decode(key, value);
-    } catch (const rendezvous_error& e) {
-      return failure_record{1, true, e.what()};
-    }
-    f.message = describe_failure(f, first_exit(restart));
-    return f;
-  }
+  std::optional<failure_record> failure(int restart);
 
   /// Reports that this node's workers of round `restart` all succeeded.
   void report_success(int restart) { client_.add(agent_keys::succeeded(restart), 1); }
@@ -17297,33 +18608,12 @@ class agent_store {
 
   /// Says this agent is done. Node 0 keeps the store up until every agent
   /// has read how the job ended, at most `grace` + 10 s.
-  void leave(std::chrono::milliseconds grace) {
-    const std::string key(agent_keys::left);
-    try {
-      client_.add(key, 1);
-      if (!server_) return;
-      const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
-      while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(agent_poll_interval);
-      }
-    } catch (const rendezvous_error&) {
-      // The job has ended; a peer that cannot be told is not a new failure.
-    }
-  }
+  void leave(std::chrono::milliseconds grace);
 
  private:
   // The first worker of the round that ended well; a record that cannot be
   // read only loses that hint.
-  std::optional<exit_record> first_exit(int restart) {
-    const std::string key = agent_keys::exited(restart);
-    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
-    try {
-      return exit_record::decode(key, client_.get(key));
-    } catch (const rendezvous_error&) {
-      return std::nullopt;
-    }
-  }
+  std::optional<exit_record> first_exit(int restart);
 
   int node_rank_;
   int nnodes_;
@@ -17333,6 +18623,88 @@ class agent_store {
   store_client client_;
   int lost_nodes_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
+  client_.add(key, 1);
+  wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
+  const std::string key = agent_keys::node(node_rank_);
+  const std::string holder = client_.compare_set(key, "", me.encode());
+  if (holder != me.encode()) {
+    throw config_error("node_rank " + std::to_string(node_rank_) +
+                       " is taken twice: by the agent " + node_record::decode(key, holder).who() +
+                       " and by this one (" + me.who() +
+                       "); give each agent its own --node-rank / NODE_RANK");
+  }
+  meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
+  for (int n = 0; n < nnodes_; ++n) {
+    const std::string other_key = agent_keys::node(n);
+    const node_record other = node_record::decode(other_key, client_.get(other_key));
+    if (other.nproc != me.nproc) {
+      throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                         std::to_string(other.nproc) + " workers, this node " +
+                         std::to_string(me.nproc) +
+                         "; every node must run the same nproc_per_node");
+    }
+    if (other.max_restarts != me.max_restarts) {
+      throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                         std::to_string(other.max_restarts) + " restarts, this node " +
+                         std::to_string(me.max_restarts) +
+                         "; every node must use the same max_restarts");
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {
+  const std::string key = agent_keys::worker_port(restart);
+  if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
+  wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+           "node 0 to pick the workers' port");
+  return decode_port(key, client_.get(key));
+}
+
+DTRAIN_DETAIL_INLINE std::optional<failure_record> agent_store::failure(int restart) {
+  const std::string key = agent_keys::failure(restart);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+  const std::string value = client_.get(key);
+  failure_record f;
+  try {
+    f = failure_record::decode(key, value);
+  } catch (const rendezvous_error& e) {
+    return failure_record{1, true, e.what()};
+  }
+  f.message = describe_failure(f, first_exit(restart));
+  return f;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::leave(std::chrono::milliseconds grace) {
+  const std::string key(agent_keys::left);
+  try {
+    client_.add(key, 1);
+    if (!server_) return;
+    const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
+    while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+  } catch (const rendezvous_error&) {
+    // The job has ended; a peer that cannot be told is not a new failure.
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<exit_record> agent_store::first_exit(int restart) {
+  const std::string key = agent_keys::exited(restart);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+  try {
+    return exit_record::decode(key, client_.get(key));
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/agent_store.hpp ----
@@ -17379,7 +18751,9 @@ inline constexpr int program_missing_status = 127;
 inline constexpr int program_not_executable_status = 126;
 
 /// "exited with status 3", "was killed by SIGKILL (signal 9)".
-inline std::string describe_wait_status(int status) {
+DTRAIN_DETAIL_INLINE std::string describe_wait_status(int status);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe_wait_status(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
     int sig = WTERMSIG(status);
@@ -17389,19 +18763,26 @@ inline std::string describe_wait_status(int status) {
   }
   return "stopped with wait status " + std::to_string(status);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The shell's convention: the exit status, or 128 + the signal.
-inline int exit_code_of(int status) {
+DTRAIN_DETAIL_INLINE int exit_code_of(int status);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Finds `program` on PATH the way execvp would, before fork (execvp itself
 /// is not async-signal-safe). Returns it unchanged when it has a '/'. Throws
 /// program_error (127 missing, 126 not executable) naming the program.
-inline std::string find_program(const std::string& program,
-                                std::optional<std::string_view> path_var) {
+DTRAIN_DETAIL_INLINE std::string find_program(const std::string& program,
+                                              std::optional<std::string_view> path_var);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string find_program(const std::string& program,
+                                              std::optional<std::string_view> path_var) {
   if (program.find('/') != std::string::npos) {
     std::error_code ec;
     if (!std::filesystem::exists(program, ec)) {
@@ -17426,6 +18807,7 @@ inline std::string find_program(const std::string& program,
   throw program_error("cannot run \"" + program + "\": not found on PATH=" + path,
                       program_missing_status);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Carries the workers' output to the agent's stdout/stderr, each line
 /// prefixed with `[rank N] ` when `tee` is on, and to per-rank log files.
@@ -17450,114 +18832,21 @@ class output_relay {
   [[nodiscard]] bool active() const noexcept { return tee_ || !log_dir_.empty(); }
 
   /// Opens the log files of one restart round: `<log_dir>/restart_<k>/rank_<N>.log`.
-  void open_logs(int restart, const std::vector<int>& ranks) {
-    if (log_dir_.empty()) return;
-    std::filesystem::path dir =
-        std::filesystem::path(log_dir_) / ("restart_" + std::to_string(restart));
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec)
-      throw config_error("cannot create the log directory " + dir.string() + ": " + ec.message());
-    std::lock_guard lock(mutex_);
-    logs_.clear();
-    for (int rank : ranks) {
-      auto path = dir / ("rank_" + std::to_string(rank) + ".log");
-      // "e": O_CLOEXEC, so the workers started later do not inherit the file.
-      std::shared_ptr<std::FILE> file(std::fopen(path.c_str(), "we"), [](std::FILE* f) {
-        if (f) std::fclose(f);
-      });
-      if (!file) throw config_error("cannot write the log file " + path.string());
-      logs_[rank] = std::move(file);
-    }
-  }
+  void open_logs(int restart, const std::vector<int>& ranks);
 
   /// Hands the read ends of one worker's pipes to the relay thread.
-  void add(int rank, unique_fd out, unique_fd err) {
-    std::lock_guard lock(mutex_);
-    // Each stream keeps the log file of its own round: output of a round that
-    // is still being drained never lands in the next round's files.
-    auto it = logs_.find(rank);
-    std::shared_ptr<std::FILE> log = it == logs_.end() ? nullptr : it->second;
-    pending_.push_back(stream{std::move(out), rank, false, {}, log});
-    pending_.push_back(stream{std::move(err), rank, true, {}, log});
-    if (!thread_.joinable()) {
-      stop_ = false;
-      thread_ = std::thread([this] { pump(); });
-    }
-  }
+  void add(int rank, unique_fd out, unique_fd err);
 
   /// Waits up to `drain` for the pipes to reach end-of-file (the workers are
   /// gone, but their children may hold the pipes), then stops the thread.
-  void finish(std::chrono::milliseconds drain) {
-    if (!thread_.joinable()) return;
-    auto deadline = std::chrono::steady_clock::now() + drain;
-    while (std::chrono::steady_clock::now() < deadline && open_streams_.load() > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    stop_ = true;
-    thread_.join();
-  }
+  void finish(std::chrono::milliseconds drain);
 
  private:
-  void pump() {
-    std::vector<stream> streams;
-    std::vector<char> buffer(1 << 16);
-    while (true) {
-      {
-        std::lock_guard lock(mutex_);
-        for (auto& s : pending_) streams.push_back(std::move(s));
-        pending_.clear();
-        open_streams_ = streams.size();
-      }
-      if (stop_ && streams.empty()) break;
-      std::vector<pollfd> fds;
-      for (auto& s : streams) fds.push_back(pollfd{s.pipe.get(), POLLIN, 0});
-      int ready = ::poll(fds.data(), fds.size(), 20);
-      if (ready < 0 && errno != EINTR) break;
-      for (std::size_t i = 0; i < streams.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        ssize_t n = ::read(streams[i].pipe.get(), buffer.data(), buffer.size());
-        if (n > 0) {
-          streams[i].partial.append(buffer.data(), static_cast<std::size_t>(n));
-          emit_lines(streams[i], false);
-        } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-          emit_lines(streams[i], true);
-          streams[i].pipe.reset();
-        }
-      }
-      if (stop_) {
-        for (auto& s : streams) emit_lines(s, true);
-        streams.clear();
-      }
-      std::erase_if(streams, [](const stream& s) { return !s.pipe && s.partial.empty(); });
-    }
-    open_streams_ = 0;
-  }
+  void pump();
 
-  void emit_lines(stream& s, bool at_end) {
-    std::size_t start = 0;
-    std::lock_guard lock(mutex_);
-    for (std::size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
-      write_line(s, std::string_view(s.partial).substr(start, nl + 1 - start));
-    }
-    s.partial.erase(0, start);
-    if (at_end && !s.partial.empty()) {
-      write_line(s, s.partial + "\n");
-      s.partial.clear();
-    }
-  }
+  void emit_lines(stream& s, bool at_end);
 
-  void write_line(const stream& s, std::string_view line) {
-    std::FILE* to = s.is_stderr ? stderr : stdout;
-    if (tee_) {
-      std::fprintf(to, "[rank %d] %.*s", s.rank, static_cast<int>(line.size()), line.data());
-      std::fflush(to);
-    }
-    if (s.log) {
-      std::fwrite(line.data(), 1, line.size(), s.log.get());
-      std::fflush(s.log.get());
-    }
-  }
+  void write_line(const stream& s, std::string_view line);
 
   bool tee_;
   std::string log_dir_;
@@ -17568,6 +18857,113 @@ class output_relay {
   std::atomic<std::size_t> open_streams_{0};
   std::thread thread_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void output_relay::open_logs(int restart, const std::vector<int>& ranks) {
+  if (log_dir_.empty()) return;
+  std::filesystem::path dir =
+      std::filesystem::path(log_dir_) / ("restart_" + std::to_string(restart));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    throw config_error("cannot create the log directory " + dir.string() + ": " + ec.message());
+  std::lock_guard lock(mutex_);
+  logs_.clear();
+  for (int rank : ranks) {
+    auto path = dir / ("rank_" + std::to_string(rank) + ".log");
+    // "e": O_CLOEXEC, so the workers started later do not inherit the file.
+    std::shared_ptr<std::FILE> file(std::fopen(path.c_str(), "we"), [](std::FILE* f) {
+      if (f) std::fclose(f);
+    });
+    if (!file) throw config_error("cannot write the log file " + path.string());
+    logs_[rank] = std::move(file);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void output_relay::add(int rank, unique_fd out, unique_fd err) {
+  std::lock_guard lock(mutex_);
+  // Each stream keeps the log file of its own round: output of a round that
+  // is still being drained never lands in the next round's files.
+  auto it = logs_.find(rank);
+  std::shared_ptr<std::FILE> log = it == logs_.end() ? nullptr : it->second;
+  pending_.push_back(stream{std::move(out), rank, false, {}, log});
+  pending_.push_back(stream{std::move(err), rank, true, {}, log});
+  if (!thread_.joinable()) {
+    stop_ = false;
+    thread_ = std::thread([this] { pump(); });
+  }
+}
+
+DTRAIN_DETAIL_INLINE void output_relay::finish(std::chrono::milliseconds drain) {
+  if (!thread_.joinable()) return;
+  auto deadline = std::chrono::steady_clock::now() + drain;
+  while (std::chrono::steady_clock::now() < deadline && open_streams_.load() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  stop_ = true;
+  thread_.join();
+}
+
+DTRAIN_DETAIL_INLINE void output_relay::pump() {
+  std::vector<stream> streams;
+  std::vector<char> buffer(1 << 16);
+  while (true) {
+    {
+      std::lock_guard lock(mutex_);
+      for (auto& s : pending_) streams.push_back(std::move(s));
+      pending_.clear();
+      open_streams_ = streams.size();
+    }
+    if (stop_ && streams.empty()) break;
+    std::vector<pollfd> fds;
+    for (auto& s : streams) fds.push_back(pollfd{s.pipe.get(), POLLIN, 0});
+    int ready = ::poll(fds.data(), fds.size(), 20);
+    if (ready < 0 && errno != EINTR) break;
+    for (std::size_t i = 0; i < streams.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      ssize_t n = ::read(streams[i].pipe.get(), buffer.data(), buffer.size());
+      if (n > 0) {
+        streams[i].partial.append(buffer.data(), static_cast<std::size_t>(n));
+        emit_lines(streams[i], false);
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        emit_lines(streams[i], true);
+        streams[i].pipe.reset();
+      }
+    }
+    if (stop_) {
+      for (auto& s : streams) emit_lines(s, true);
+      streams.clear();
+    }
+    std::erase_if(streams, [](const stream& s) { return !s.pipe && s.partial.empty(); });
+  }
+  open_streams_ = 0;
+}
+
+DTRAIN_DETAIL_INLINE void output_relay::emit_lines(stream& s, bool at_end) {
+  std::size_t start = 0;
+  std::lock_guard lock(mutex_);
+  for (std::size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+    write_line(s, std::string_view(s.partial).substr(start, nl + 1 - start));
+  }
+  s.partial.erase(0, start);
+  if (at_end && !s.partial.empty()) {
+    write_line(s, s.partial + "\n");
+    s.partial.clear();
+  }
+}
+
+DTRAIN_DETAIL_INLINE void output_relay::write_line(const stream& s, std::string_view line) {
+  std::FILE* to = s.is_stderr ? stderr : stdout;
+  if (tee_) {
+    std::fprintf(to, "[rank %d] %.*s", s.rank, static_cast<int>(line.size()), line.data());
+    std::fflush(to);
+  }
+  if (s.log) {
+    std::fwrite(line.data(), 1, line.size(), s.log.get());
+    std::fflush(s.log.get());
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One started worker.
 struct worker_process {
@@ -17588,7 +18984,9 @@ struct worker_command {
 /// forked it dies (PR_SET_PDEATHSIG), so no worker outlives its agent, and
 /// starts with every signal unblocked and default. Only async-signal-safe
 /// calls happen between fork and exec; everything is prepared before.
-inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank) {
+DTRAIN_DETAIL_INLINE pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank) {
   std::vector<char*> argv;
   for (const auto& a : cmd.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -17669,20 +19067,28 @@ inline pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int ra
   if (relay != nullptr) relay->add(rank, std::move(out_read), std::move(err_read));
   return pid;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Makes this process the reaper of its descendants' orphans (Linux 3.4+;
 /// elsewhere nothing): what a worker started and left behind stays below the
 /// agent, which kills and reaps it, instead of escaping to init.
-inline void become_subreaper() noexcept {
+DTRAIN_DETAIL_INLINE void become_subreaper() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void become_subreaper() noexcept {
 #ifdef PR_SET_CHILD_SUBREAPER
   (void)::prctl(PR_SET_CHILD_SUBREAPER, 1);
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Kills what is left of each worker's process group (the workers are
 /// reaped) and reaps those of them that were orphaned to this subreaper,
 /// waiting at most `limit` for SIGKILL to take effect.
-inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::milliseconds limit) {
+DTRAIN_DETAIL_INLINE void kill_leftovers(std::vector<worker_process>& workers,
+                                         std::chrono::milliseconds limit);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void kill_leftovers(std::vector<worker_process>& workers,
+                                         std::chrono::milliseconds limit) {
   for (auto& w : workers) {
     if (w.pid > 0) ::killpg(w.pid, SIGKILL);
   }
@@ -17698,6 +19104,7 @@ inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::mi
     }
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A small child of the agent that outlives it by a moment: when the agent
 /// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
@@ -17709,74 +19116,87 @@ inline void kill_leftovers(std::vector<worker_process>& workers, std::chrono::mi
 class worker_warden {
  public:
   /// Starts the warden for up to `slots` workers at a time (one per local rank).
-  explicit worker_warden(int slots) : groups_(static_cast<std::size_t>(slots), 0) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) return;  // no warden: PDEATHSIG still ends the workers
-    unique_fd read_end(fds[0]), write_end(fds[1]);
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      write_end.reset();
-      close_inherited(read_end.get());
-      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_IGN);
-      watch(read_end.get());
-    }
-    if (pid > 0) {
-      pid_ = pid;
-      pipe_ = std::move(write_end);
-    }
-  }
+  explicit worker_warden(int slots);
   worker_warden(const worker_warden&) = delete;
   worker_warden& operator=(const worker_warden&) = delete;
   /// The agent ends normally: it stopped its workers itself, so the warden
   /// goes without killing anything (a group id may be reused by now).
-  ~worker_warden() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-    }
-  }
+  ~worker_warden();
 
   /// Tells the warden that local rank `slot` now runs in process group `pgid`.
-  void guard(int slot, pid_t pgid) noexcept {
-    if (!pipe_ || slot < 0 || static_cast<std::size_t>(slot) >= groups_.size()) return;
-    const std::int32_t message[2] = {slot, static_cast<std::int32_t>(pgid)};
-    (void)!::write(pipe_.get(), message, sizeof message);  // 8 bytes: atomic on a pipe
-  }
+  void guard(int slot, pid_t pgid) noexcept;
 
  private:
   // The agent's other descriptors, the store's sockets among them (the warden
   // is forked while the store runs): held here, a connection the store closes
   // would stay open for its peer until the round ends. Kernels before 5.9 keep them.
-  static void close_inherited(int keep) noexcept {
-#ifdef SYS_close_range
-    const auto fd = static_cast<unsigned>(keep);
-    if (fd > 3) (void)::syscall(SYS_close_range, 3U, fd - 1, 0U);
-    (void)::syscall(SYS_close_range, fd + 1, ~0U, 0U);
-#else
-    (void)keep;
-#endif
-  }
+  static void close_inherited(int keep) noexcept;
 
-  [[noreturn]] void watch(int fd) noexcept {
-    std::int32_t message[2];
-    while (true) {
-      ssize_t n = ::read(fd, message, sizeof message);
-      if (n < 0 && errno == EINTR) continue;
-      if (n != static_cast<ssize_t>(sizeof message)) break;  // end-of-file: the agent is gone
-      if (message[0] >= 0 && static_cast<std::size_t>(message[0]) < groups_.size())
-        groups_[static_cast<std::size_t>(message[0])] = message[1];
-    }
-    for (pid_t pgid : groups_) {
-      if (pgid > 0) ::killpg(pgid, SIGKILL);
-    }
-    ::_exit(0);
-  }
+  [[noreturn]] void watch(int fd) noexcept;
 
   std::vector<pid_t> groups_;  // allocated before fork: the child only writes into it
   pid_t pid_ = -1;
   unique_fd pipe_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE worker_warden::worker_warden(int slots)
+    : groups_(static_cast<std::size_t>(slots), 0) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return;  // no warden: PDEATHSIG still ends the workers
+  unique_fd read_end(fds[0]), write_end(fds[1]);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    write_end.reset();
+    close_inherited(read_end.get());
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_IGN);
+    watch(read_end.get());
+  }
+  if (pid > 0) {
+    pid_ = pid;
+    pipe_ = std::move(write_end);
+  }
+}
+
+DTRAIN_DETAIL_INLINE worker_warden::~worker_warden() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+}
+
+DTRAIN_DETAIL_INLINE void worker_warden::guard(int slot, pid_t pgid) noexcept {
+  if (!pipe_ || slot < 0 || static_cast<std::size_t>(slot) >= groups_.size()) return;
+  const std::int32_t message[2] = {slot, static_cast<std::int32_t>(pgid)};
+  (void)!::write(pipe_.get(), message, sizeof message);  // 8 bytes: atomic on a pipe
+}
+
+DTRAIN_DETAIL_INLINE void worker_warden::close_inherited(int keep) noexcept {
+#ifdef SYS_close_range
+  const auto fd = static_cast<unsigned>(keep);
+  if (fd > 3) (void)::syscall(SYS_close_range, 3U, fd - 1, 0U);
+  (void)::syscall(SYS_close_range, fd + 1, ~0U, 0U);
+#else
+  (void)keep;
+#endif
+}
+
+DTRAIN_DETAIL_INLINE void worker_warden::watch(int fd) noexcept {
+  std::int32_t message[2];
+  while (true) {
+    ssize_t n = ::read(fd, message, sizeof message);
+    if (n < 0 && errno == EINTR) continue;
+    if (n != static_cast<ssize_t>(sizeof message)) break;  // end-of-file: the agent is gone
+    if (message[0] >= 0 && static_cast<std::size_t>(message[0]) < groups_.size())
+      groups_[static_cast<std::size_t>(message[0])] = message[1];
+  }
+  for (pid_t pgid : groups_) {
+    if (pgid > 0) ::killpg(pgid, SIGKILL);
+  }
+  ::_exit(0);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A pidfd for `pid`, or an empty one where the kernel has none.
 inline unique_fd open_exit_fd(pid_t pid) {
@@ -17787,8 +19207,11 @@ inline unique_fd open_exit_fd(pid_t pid) {
 /// Returns the workers reaped in this call, in the order their exits were
 /// seen: the agent wakes the moment the first one exits, so the first
 /// failure reported is the root cause, not a peer that failed because of it.
-inline std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
-                                                std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
+                                                              std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
+                                                              std::chrono::milliseconds timeout) {
   std::vector<pollfd> fds;
   bool polled = true;
   for (auto& w : workers) {
@@ -17814,6 +19237,7 @@ inline std::vector<worker_process*> reap_exited(std::vector<worker_process>& wor
   }
   return reaped;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Signals a worker's process group (the worker and what it started), or the
 /// worker alone if it has left its group.
@@ -17823,8 +19247,11 @@ inline void signal_group(pid_t pid, int sig) {
 
 /// Sends `sig` to the live workers, waits up to `grace` for them to exit,
 /// then SIGKILLs the rest and reaps everyone. Afterwards no worker is alive.
-inline void stop_workers(std::vector<worker_process>& workers, int sig,
-                         std::chrono::milliseconds grace) {
+DTRAIN_DETAIL_INLINE void stop_workers(std::vector<worker_process>& workers, int sig,
+                                       std::chrono::milliseconds grace);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void stop_workers(std::vector<worker_process>& workers, int sig,
+                                       std::chrono::milliseconds grace) {
   // Exited workers too: what they started may still run in their group.
   for (auto& w : workers) {
     if (w.pid > 0) signal_group(w.pid, sig);
@@ -17848,6 +19275,7 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
     if (w.pid > 0) ::killpg(w.pid, SIGKILL);  // stragglers of the groups
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/process.hpp ----
@@ -17876,10 +19304,13 @@ inline void stop_workers(std::vector<worker_process>& workers, int sig,
 namespace dtrain::detail {
 
 /// Prints one line of node `node_rank`'s agent on stderr: "[dtrain agent node 0/2] ...".
-inline void agent_say(int node_rank, int nnodes, const std::string& text) {
+DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string& text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string& text) {
   std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank, nnodes, text.c_str());
   std::fflush(stderr);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How a restart round ended.
 struct round_end {
@@ -17927,14 +19358,7 @@ class agent_round {
         beats_(settings_.nnodes) {}
   agent_round(const agent_round&) = delete;
   agent_round& operator=(const agent_round&) = delete;
-  ~agent_round() {
-    try {
-      const int sig = pending_agent_signal();
-      stop(sig != 0 ? sig : SIGTERM);
-    } catch (...) {
-      // Out of memory while stopping: the warden still kills the groups when it ends.
-    }
-  }
+  ~agent_round();
 
   [[nodiscard]] state current() const noexcept { return state_; }
   /// The workers started so far (each with its wait status once reaped).
@@ -17943,39 +19367,13 @@ class agent_round {
   /// Starts the workers (starting → running). Throws program_error when one
   /// cannot be started, config_error when its log file cannot be written;
   /// the workers already started are stopped when the round is destroyed.
-  void start(const std::vector<worker_start>& workers) {
-    if (relay_.active()) {
-      std::vector<int> ranks;
-      for (const worker_start& w : workers) ranks.push_back(w.rank);
-      relay_.open_logs(settings_.restart, ranks);
-    }
-    workers_.reserve(workers.size());
-    for (const worker_start& w : workers) {
-      const pid_t pid = spawn_worker(w.command, relay_.active() ? &relay_ : nullptr, w.rank);
-      worker_process& p = workers_.emplace_back();
-      p.rank = w.rank;
-      p.local_rank = w.local_rank;
-      p.pid = pid;
-      p.exit_fd = open_exit_fd(pid);
-      warden_.guard(w.local_rank, pid);
-    }
-    state_ = state::running;
-  }
+  void start(const std::vector<worker_start>& workers);
 
   /// Supervises the running workers until the round ends on every node
   /// (running → ended): the first failure anywhere, a signal to the agent or
   /// a lost node stops them; success waits for every node's workers. Throws
   /// rendezvous_error when the store is gone.
-  round_end supervise(agent_store& store) {
-    while (true) {
-      watch_peers(store);
-      if (auto end = on_signal(store)) return *end;
-      forward_diagnostics_requests();
-      note_exits(store);
-      if (auto end = on_failure(store)) return *end;
-      if (auto end = on_success(store)) return *end;
-    }
-  }
+  round_end supervise(agent_store& store);
 
  private:
   void say(const std::string& text) const {
@@ -17983,86 +19381,24 @@ class agent_round {
   }
 
   // A node whose agent went silent fails the round for everyone (read by on_failure).
-  void watch_peers(agent_store& store) {
-    const auto silent =
-        beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
-    if (!silent) return;
-    store.lose_nodes(beats_.silent());
-    store.record_failure(
-        settings_.restart, 1, true,
-        "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
-            seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
-  }
+  void watch_peers(agent_store& store);
 
   // A signal to the agent ends the job: forwarded to the workers, and told to the other nodes.
-  std::optional<round_end> on_signal(agent_store& store) {
-    const int sig = pending_agent_signal();
-    if (sig == 0) return std::nullopt;
-    const std::string message = "node " + std::to_string(settings_.node_rank) +
-                                "'s agent received signal " + std::to_string(sig) +
-                                " and stopped its workers";
-    stop(sig);
-    try {
-      store.record_failure(settings_.restart, 128 + sig, true, message);
-    } catch (const rendezvous_error&) {
-      // Node 0 is gone: nobody is left to tell.
-    }
-    return round_end{false, 128 + sig, true, message};
-  }
+  std::optional<round_end> on_signal(agent_store& store);
 
-  void forward_diagnostics_requests() {
-    if (!take_diagnostics_request()) return;
-    for (const worker_process& w : workers_) {
-      if (!w.status) (void)::kill(w.pid, SIGUSR1);  // the worker only, not what it started
-    }
-    say("forwarded SIGUSR1 to the workers: each prints its part of the desync diagnostics");
-  }
+  void forward_diagnostics_requests();
 
   // Waits a moment for a worker to exit; the first that failed is recorded. A
   // dtrain worker has recorded its own failure, with its reason, before it exits.
-  void note_exits(agent_store& store) {
-    for (const worker_process* w : reap_exited(workers_, agent_poll_interval)) {
-      if (*w->status == 0) continue;
-      store.record_failure(settings_.restart, exit_code_of(*w->status), false,
-                           worker_label(w->rank, settings_.node_rank, w->local_rank, w->pid) + " " +
-                               describe_wait_status(*w->status));
-      break;
-    }
-  }
+  void note_exits(agent_store& store);
 
-  std::optional<round_end> on_failure(agent_store& store) {
-    const auto failure = store.failure(settings_.restart);
-    if (!failure) return std::nullopt;
-    stop(SIGTERM);
-    return round_end{false, failure->status, failure->final, failure->message};
-  }
+  std::optional<round_end> on_failure(agent_store& store);
 
-  std::optional<round_end> on_success(agent_store& store) {
-    const bool all_done = std::all_of(workers_.begin(), workers_.end(),
-                                      [](const worker_process& w) { return w.status.has_value(); });
-    if (!all_done) return std::nullopt;
-    if (!reported_success_) {
-      store.report_success(settings_.restart);
-      reported_success_ = true;
-    }
-    if (store.all_succeeded(settings_.restart)) {
-      stop(0);  // what the workers left running
-      return round_end{true, 0, false, {}};
-    }
-    std::this_thread::sleep_for(agent_poll_interval);
-    return std::nullopt;
-  }
+  std::optional<round_end> on_success(agent_store& store);
 
   // Sends `sig` to the workers' groups (0: none, they are done), kills and
   // reaps what is left, and drains their output. Once: later calls do nothing.
-  void stop(int sig) {
-    if (state_ == state::stopping || state_ == state::ended) return;
-    state_ = state::stopping;
-    if (sig != 0) stop_workers(workers_, sig, settings_.grace_period);
-    kill_leftovers(workers_, settings_.grace_period);
-    relay_.finish(std::chrono::milliseconds(200));
-    state_ = state::ended;
-  }
+  void stop(int sig);
 
   round_settings settings_;
   worker_warden warden_;  // before the relay: forked before its thread starts
@@ -18072,6 +19408,123 @@ class agent_round {
   bool reported_success_ = false;
   state state_ = state::starting;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_round::~agent_round() {
+  try {
+    const int sig = pending_agent_signal();
+    stop(sig != 0 ? sig : SIGTERM);
+  } catch (...) {
+    // Out of memory while stopping: the warden still kills the groups when it ends.
+  }
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::start(const std::vector<worker_start>& workers) {
+  if (relay_.active()) {
+    std::vector<int> ranks;
+    for (const worker_start& w : workers) ranks.push_back(w.rank);
+    relay_.open_logs(settings_.restart, ranks);
+  }
+  workers_.reserve(workers.size());
+  for (const worker_start& w : workers) {
+    const pid_t pid = spawn_worker(w.command, relay_.active() ? &relay_ : nullptr, w.rank);
+    worker_process& p = workers_.emplace_back();
+    p.rank = w.rank;
+    p.local_rank = w.local_rank;
+    p.pid = pid;
+    p.exit_fd = open_exit_fd(pid);
+    warden_.guard(w.local_rank, pid);
+  }
+  state_ = state::running;
+}
+
+DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
+  while (true) {
+    watch_peers(store);
+    if (auto end = on_signal(store)) return *end;
+    forward_diagnostics_requests();
+    note_exits(store);
+    if (auto end = on_failure(store)) return *end;
+    if (auto end = on_success(store)) return *end;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
+  const auto silent =
+      beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
+  if (!silent) return;
+  store.lose_nodes(beats_.silent());
+  store.record_failure(
+      settings_.restart, 1, true,
+      "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
+          seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
+}
+
+DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_signal(agent_store& store) {
+  const int sig = pending_agent_signal();
+  if (sig == 0) return std::nullopt;
+  const std::string message = "node " + std::to_string(settings_.node_rank) +
+                              "'s agent received signal " + std::to_string(sig) +
+                              " and stopped its workers";
+  stop(sig);
+  try {
+    store.record_failure(settings_.restart, 128 + sig, true, message);
+  } catch (const rendezvous_error&) {
+    // Node 0 is gone: nobody is left to tell.
+  }
+  return round_end{false, 128 + sig, true, message};
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::forward_diagnostics_requests() {
+  if (!take_diagnostics_request()) return;
+  for (const worker_process& w : workers_) {
+    if (!w.status) (void)::kill(w.pid, SIGUSR1);  // the worker only, not what it started
+  }
+  say("forwarded SIGUSR1 to the workers: each prints its part of the desync diagnostics");
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::note_exits(agent_store& store) {
+  for (const worker_process* w : reap_exited(workers_, agent_poll_interval)) {
+    if (*w->status == 0) continue;
+    store.record_failure(settings_.restart, exit_code_of(*w->status), false,
+                         worker_label(w->rank, settings_.node_rank, w->local_rank, w->pid) + " " +
+                             describe_wait_status(*w->status));
+    break;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_store& store) {
+  const auto failure = store.failure(settings_.restart);
+  if (!failure) return std::nullopt;
+  stop(SIGTERM);
+  return round_end{false, failure->status, failure->final, failure->message};
+}
+
+DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_store& store) {
+  const bool all_done = std::all_of(workers_.begin(), workers_.end(),
+                                    [](const worker_process& w) { return w.status.has_value(); });
+  if (!all_done) return std::nullopt;
+  if (!reported_success_) {
+    store.report_success(settings_.restart);
+    reported_success_ = true;
+  }
+  if (store.all_succeeded(settings_.restart)) {
+    stop(0);  // what the workers left running
+    return round_end{true, 0, false, {}};
+  }
+  std::this_thread::sleep_for(agent_poll_interval);
+  return std::nullopt;
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::stop(int sig) {
+  if (state_ == state::stopping || state_ == state::ended) return;
+  state_ = state::stopping;
+  if (sig != 0) stop_workers(workers_, sig, settings_.grace_period);
+  kill_leftovers(workers_, settings_.grace_period);
+  relay_.finish(std::chrono::milliseconds(200));
+  state_ = state::ended;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/round.hpp ----
@@ -18111,198 +19564,30 @@ class node_agent {
   /// inherit (and where NODE_RANK, MASTER_ADDR, ... are read); `options` are
   /// final (apply with_env() before).
   node_agent(std::vector<std::string> command, agent_options options,
-             environment env = environment::from_process(), store_options store = {})
-      : command_(std::move(command)),
-        options_(std::move(options)),
-        env_(std::move(env)),
-        store_options_(std::move(store)) {
-    if (command_.empty()) throw config_error("node_agent: no worker command to run");
-    options_.check();
-    node_ = discover_world(env_, {},
-                           discover_options{.mode = launch_mode::per_node,
-                                            .nproc_per_node = options_.nproc_per_node.value_or(1),
-                                            .nnodes = options_.nnodes,
-                                            .node_rank = options_.node_rank});
-    if (!node_.node_rank || !node_.num_nodes) {
-      throw config_error(
-          "the node agent cannot tell which node it is: give node_rank and nnodes "
-          "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
-          "mpirun or srun");
-    }
-    nproc_ = *node_.local_world_size;
-    const bool single = *node_.num_nodes == 1;
-    if (options_.master_addr) {
-      master_addr_ = *options_.master_addr;
-    } else if (node_.master_addr) {
-      master_addr_ = *node_.master_addr;
-    } else if (single) {
-      master_addr_ = "127.0.0.1";
-    } else {
-      throw config_error("a job of " + std::to_string(*node_.num_nodes) +
-                         " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
-    }
-    if (options_.master_port) {
-      master_port_ = *options_.master_port;
-    } else if (node_.master_port) {
-      master_port_ = *node_.master_port;
-    } else {
-      master_port_ = single ? 0 : default_master_port;
-    }
-    if (master_port_ == 0 && !single) {
-      throw config_error(
-          "master_port 0 (a free port) works only on a single node: the other "
-          "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
-    }
-  }
+             environment env = environment::from_process(), store_options store = {});
 
   /// The node as the agent sees it (node_rank, num_nodes, nproc as local_world_size).
   [[nodiscard]] const world& node() const noexcept { return node_; }
 
   /// Runs the job to the end; see the class comment for the exit status.
-  int run() {
-    if (store_options_.token.empty()) {
-      // One node: a fresh token, which reaches the workers only through their
-      // environment. Several: the agents must already share one.
-      if (nnodes() > 1) {
-        throw config_error(
-            "a job of " + std::to_string(nnodes()) +
-            " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
-            "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
-            "submitted); it authenticates every connection to node 0's store");
-      }
-      store_options_.token = detail::new_store_token();
-    }
-    detail::agent_signal_scope signals;
-    // Orphans of the workers come to this agent, which kills and reaps them.
-    detail::become_subreaper();
-    detail::agent_store store(node_rank(), nnodes(),
-                              detail::store_bind_address(env_, master_addr_, nnodes() > 1),
-                              master_addr_, master_port_, store_options_);
-    master_port_ = store.port();
-    say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
-            std::to_string(nproc_) + " workers, store at " +
-            detail::endpoint_text(master_addr_, master_port_),
-        true);
-    int restart = 0;  // the round under way, for a failure outside it
-    try {
-      store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
-      const int status = run_rounds(store, restart);
-      store.leave(options_.grace_period);
-      return status;
-    } catch (const rendezvous_error& e) {
-      say(std::string("lost the rendezvous store (node 0's agent) at ") +
-          detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
-      return 1;
-    } catch (...) {
-      // The round (if one ran) has stopped its workers while unwinding. A
-      // signal that interrupted a wait ends the job like one during the run.
-      const int sig = detail::pending_agent_signal();
-      auto [status, what] = sig != 0
-                                ? std::pair(128 + sig, "received signal " + std::to_string(sig))
-                                : detail::current_failure();
-      // Tell the other nodes, so that they end too instead of waiting for this one.
-      try {
-        store.record_failure(restart, status, true,
-                             "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
-        store.leave(options_.grace_period);
-      } catch (...) {
-        // The store is gone too: the other agents notice that themselves.
-      }
-      if (sig == 0) throw;
-      say(what + "; stopped this node's workers");
-      return status;
-    }
-  }
+  int run();
 
  private:
   [[nodiscard]] int node_rank() const { return *node_.node_rank; }
   [[nodiscard]] int nnodes() const { return *node_.num_nodes; }
 
-  void say(const std::string& text, bool verbose = false) const {
-    if (verbose && !options_.tee) return;
-    detail::agent_say(node_rank(), nnodes(), text);
-  }
+  void say(const std::string& text, bool verbose = false) const;
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.
-  int run_rounds(detail::agent_store& store, int& restart) {
-    for (restart = 0;; ++restart) {
-      const detail::round_end end = run_round(store, restart);
-      if (end.succeeded) return 0;
-      if (end.final || restart >= options_.max_restarts) {
-        say(end.message + "; ending the job" +
-            (end.final ? std::string()
-                       : " (restarts used: " + std::to_string(restart) + " of " +
-                             std::to_string(options_.max_restarts) + ")"));
-        return end.status;
-      }
-      say(end.message + "; restarting every node's workers (restart " +
-          std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
-      store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
-    }
-  }
+  int run_rounds(detail::agent_store& store, int& restart);
 
   /// Starts this node's workers for one round and supervises them until the
   /// round ends on every node. The round stops them on every way out.
-  detail::round_end run_round(detail::agent_store& store, int restart) {
-    const int worker_port = store.worker_port(restart);
-    const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
-    std::vector<detail::worker_start> workers;
-    for (int local = 0; local < nproc_; ++local) {
-      detail::worker_start& w = workers.emplace_back();
-      w.rank = node_rank() * nproc_ + local;
-      w.local_rank = local;
-      w.command.argv = command_;
-      w.command.argv.front() = program;
-      if (options_.local_rank_arg)
-        w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-      w.command.env = worker_environment(w.rank, local, restart, worker_port);
-    }
-    detail::agent_round round({.restart = restart,
-                               .node_rank = node_rank(),
-                               .nnodes = nnodes(),
-                               .nproc = nproc_,
-                               .tee = options_.tee,
-                               .log_dir = options_.log_dir,
-                               .grace_period = options_.grace_period,
-                               .heartbeat_timeout = options_.heartbeat_timeout});
-    round.start(workers);
-    return round.supervise(store);
-  }
+  detail::round_end run_round(detail::agent_store& store, int restart);
 
   std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
-                                              int worker_port) const {
-    const int world_size = nnodes() * nproc_;
-    auto vars = env_.vars();
-    auto set = [&](std::string name, const std::string& value) {
-      vars.insert_or_assign(std::move(name), value);
-    };
-    set("RANK", std::to_string(rank));
-    set("LOCAL_RANK", std::to_string(local_rank));
-    set("WORLD_SIZE", std::to_string(world_size));
-    set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
-    set("GROUP_RANK", std::to_string(node_rank()));
-    set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
-    set("ROLE_RANK", std::to_string(rank));
-    set("ROLE_WORLD_SIZE", std::to_string(world_size));
-    set("ROLE_NAME", "default");
-    set("NODE_RANK", std::to_string(node_rank()));
-    set("MASTER_ADDR", master_addr_);
-    set("MASTER_PORT", std::to_string(worker_port));
-    set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
-    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
-    set(std::string(restart_count_variable), std::to_string(restart));
-    set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
-    // The token goes in the environment only: never on argv or in a log.
-    set(std::string(store_token_variable), store_options_.token);
-    // As torchrun: one thread per worker unless the user chose, so N workers
-    // do not each start one OpenMP thread per core.
-    if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
-    std::vector<std::string> out;
-    out.reserve(vars.size());
-    for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
-    return out;
-  }
+                                              int worker_port) const;
 
   std::vector<std::string> command_;
   agent_options options_;
@@ -18313,6 +19598,190 @@ class node_agent {
   std::string master_addr_;
   int master_port_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, agent_options options,
+                                            environment env, store_options store)
+    : command_(std::move(command)),
+      options_(std::move(options)),
+      env_(std::move(env)),
+      store_options_(std::move(store)) {
+  if (command_.empty()) throw config_error("node_agent: no worker command to run");
+  options_.check();
+  node_ = discover_world(env_, {},
+                         discover_options{.mode = launch_mode::per_node,
+                                          .nproc_per_node = options_.nproc_per_node.value_or(1),
+                                          .nnodes = options_.nnodes,
+                                          .node_rank = options_.node_rank});
+  if (!node_.node_rank || !node_.num_nodes) {
+    throw config_error(
+        "the node agent cannot tell which node it is: give node_rank and nnodes "
+        "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
+        "mpirun or srun");
+  }
+  nproc_ = *node_.local_world_size;
+  const bool single = *node_.num_nodes == 1;
+  if (options_.master_addr) {
+    master_addr_ = *options_.master_addr;
+  } else if (node_.master_addr) {
+    master_addr_ = *node_.master_addr;
+  } else if (single) {
+    master_addr_ = "127.0.0.1";
+  } else {
+    throw config_error("a job of " + std::to_string(*node_.num_nodes) +
+                       " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
+  }
+  if (options_.master_port) {
+    master_port_ = *options_.master_port;
+  } else if (node_.master_port) {
+    master_port_ = *node_.master_port;
+  } else {
+    master_port_ = single ? 0 : default_master_port;
+  }
+  if (master_port_ == 0 && !single) {
+    throw config_error(
+        "master_port 0 (a free port) works only on a single node: the other "
+        "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run() {
+  if (store_options_.token.empty()) {
+    // One node: a fresh token, which reaches the workers only through their
+    // environment. Several: the agents must already share one.
+    if (nnodes() > 1) {
+      throw config_error(
+          "a job of " + std::to_string(nnodes()) +
+          " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
+          "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
+          "submitted); it authenticates every connection to node 0's store");
+    }
+    store_options_.token = detail::new_store_token();
+  }
+  detail::agent_signal_scope signals;
+  // Orphans of the workers come to this agent, which kills and reaps them.
+  detail::become_subreaper();
+  detail::agent_store store(node_rank(), nnodes(),
+                            detail::store_bind_address(env_, master_addr_, nnodes() > 1),
+                            master_addr_, master_port_, store_options_);
+  master_port_ = store.port();
+  say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
+          std::to_string(nproc_) + " workers, store at " +
+          detail::endpoint_text(master_addr_, master_port_),
+      true);
+  int restart = 0;  // the round under way, for a failure outside it
+  try {
+    store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
+    const int status = run_rounds(store, restart);
+    store.leave(options_.grace_period);
+    return status;
+  } catch (const rendezvous_error& e) {
+    say(std::string("lost the rendezvous store (node 0's agent) at ") +
+        detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
+    return 1;
+  } catch (...) {
+    // The round (if one ran) has stopped its workers while unwinding. A
+    // signal that interrupted a wait ends the job like one during the run.
+    const int sig = detail::pending_agent_signal();
+    auto [status, what] = sig != 0 ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                   : detail::current_failure();
+    // Tell the other nodes, so that they end too instead of waiting for this one.
+    try {
+      store.record_failure(restart, status, true,
+                           "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+      store.leave(options_.grace_period);
+    } catch (...) {
+      // The store is gone too: the other agents notice that themselves.
+    }
+    if (sig == 0) throw;
+    say(what + "; stopped this node's workers");
+    return status;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
+  if (verbose && !options_.tee) return;
+  detail::agent_say(node_rank(), nnodes(), text);
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
+  for (restart = 0;; ++restart) {
+    const detail::round_end end = run_round(store, restart);
+    if (end.succeeded) return 0;
+    if (end.final || restart >= options_.max_restarts) {
+      say(end.message + "; ending the job" +
+          (end.final ? std::string()
+                     : " (restarts used: " + std::to_string(restart) + " of " +
+                           std::to_string(options_.max_restarts) + ")"));
+      return end.status;
+    }
+    say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
+        " of " + std::to_string(options_.max_restarts) + ")");
+    store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
+  }
+}
+
+DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
+                                                             int restart) {
+  const int worker_port = store.worker_port(restart);
+  const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
+  std::vector<detail::worker_start> workers;
+  for (int local = 0; local < nproc_; ++local) {
+    detail::worker_start& w = workers.emplace_back();
+    w.rank = node_rank() * nproc_ + local;
+    w.local_rank = local;
+    w.command.argv = command_;
+    w.command.argv.front() = program;
+    if (options_.local_rank_arg)
+      w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
+    w.command.env = worker_environment(w.rank, local, restart, worker_port);
+  }
+  detail::agent_round round({.restart = restart,
+                             .node_rank = node_rank(),
+                             .nnodes = nnodes(),
+                             .nproc = nproc_,
+                             .tee = options_.tee,
+                             .log_dir = options_.log_dir,
+                             .grace_period = options_.grace_period,
+                             .heartbeat_timeout = options_.heartbeat_timeout});
+  round.start(workers);
+  return round.supervise(store);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
+    int rank, int local_rank, int restart, int worker_port) const {
+  const int world_size = nnodes() * nproc_;
+  auto vars = env_.vars();
+  auto set = [&](std::string name, const std::string& value) {
+    vars.insert_or_assign(std::move(name), value);
+  };
+  set("RANK", std::to_string(rank));
+  set("LOCAL_RANK", std::to_string(local_rank));
+  set("WORLD_SIZE", std::to_string(world_size));
+  set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
+  set("GROUP_RANK", std::to_string(node_rank()));
+  set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
+  set("ROLE_RANK", std::to_string(rank));
+  set("ROLE_WORLD_SIZE", std::to_string(world_size));
+  set("ROLE_NAME", "default");
+  set("NODE_RANK", std::to_string(node_rank()));
+  set("MASTER_ADDR", master_addr_);
+  set("MASTER_PORT", std::to_string(worker_port));
+  set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+  set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+  set(std::string(restart_count_variable), std::to_string(restart));
+  set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+  // The token goes in the environment only: never on argv or in a log.
+  set(std::string(store_token_variable), store_options_.token);
+  // As torchrun: one thread per worker unless the user chose, so N workers
+  // do not each start one OpenMP thread per core.
+  if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+  std::vector<std::string> out;
+  out.reserve(vars.size());
+  for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/launch/agent.hpp ----
@@ -18380,34 +19849,12 @@ class agent_flags {
   /// dtrun's command line: flags first; `--`, or the first argument that is
   /// not a flag, begins the program, which gets every argument after it. An
   /// unknown flag is a config_error; `--help` (or `-h`) ends the parsing.
-  [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args) {
-    agent_flags flags;
-    std::size_t i = 0;
-    for (; i < args.size(); ++i) {
-      if (args[i] == "--") {
-        ++i;
-        break;
-      }
-      if (!args[i].starts_with("--") && args[i] != "-h") break;
-      if (!flags.read(args, i, true)) {
-        throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
-      }
-      if (flags.help_) return flags;
-    }
-    for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
-    return flags;
-  }
+  [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args);
 
   /// A self-launching program's command line: dtrun's flags wherever they
   /// are before `--`, except `--help` and `--no-python`, which stay the
   /// program's. Every other argument is the program's own and is skipped.
-  [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args) {
-    agent_flags flags;
-    for (std::size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
-      if (args[i].starts_with("--")) (void)flags.read(args, i, false);
-    }
-    return flags;
-  }
+  [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args);
 
   /// Sets every option that a flag gave: the flags win (dtrun).
   void apply(agent_options& options) const {
@@ -18416,12 +19863,7 @@ class agent_flags {
 
   /// Sets the options that a flag gave and `options` leaves at agent_options'
   /// defaults: options set in the program's code win (dtrain::run).
-  void fill(agent_options& options) const {
-    const agent_options defaults{};
-    for_each_given([&](auto member) {
-      if (options.*member == defaults.*member) options.*member = values_.*member;
-    });
-  }
+  void fill(agent_options& options) const;
 
   /// The options as the flags set them (the others at their defaults).
   [[nodiscard]] const agent_options& values() const noexcept { return values_; }
@@ -18447,56 +19889,7 @@ class agent_flags {
   void set(agent_field option) { given_.set(static_cast<std::size_t>(option)); }
 
   // Reads the flag at args[i] (and its value, moving i past it); false when it is not dtrun's.
-  bool read(std::span<const std::string_view> args, std::size_t& i, bool launcher) {
-    const std::string_view arg = args[i];
-    const std::size_t eq = arg.find('=');
-    const std::string_view typed = arg.substr(0, eq);
-    std::string name(typed);
-    for (char& c : name) {
-      if (c == '_') c = '-';
-    }
-    if (launcher && (name == "--help" || name == "-h")) return help_ = true;
-    if (launcher && name == "--no-python") return no_python_ = true;
-    if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
-      if (eq != std::string_view::npos) {
-        throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
-                           " takes no value");
-      }
-      if (name == "--tee") {
-        values_.tee = true;
-        set(agent_field::tee);
-      } else if (name == "--pass-local-rank") {
-        values_.local_rank_arg = true;
-        set(agent_field::local_rank_arg);
-      } else {
-        values_.nnodes = 1;
-        values_.node_rank = 0;
-        values_.master_addr = "127.0.0.1";
-        values_.master_port = 0;
-        for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
-                       agent_field::master_port})
-          set(f);
-      }
-      return true;
-    }
-    const valued* flag = find(name);
-    if (flag == nullptr) return false;
-    std::string_view value;
-    if (eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-    } else if (i + 1 < args.size()) {
-      value = args[++i];
-    } else {
-      throw config_error(std::string(typed) + " on the command line needs a value (" +
-                         std::string(flag->what) + ", e.g. " + std::string(typed) + " " +
-                         std::string(flag->example) + ")");
-    }
-    const std::string origin =
-        std::string(typed) + "=" + std::string(value) + " on the command line";
-    take(flag->field, origin, value);
-    set(flag->field);
-    return true;
-  }
+  bool read(std::span<const std::string_view> args, std::size_t& i, bool launcher);
 
   struct valued {
     std::string_view name;
@@ -18505,65 +19898,9 @@ class agent_flags {
     std::string_view example;
   };
 
-  static const valued* find(std::string_view name) {
-    static constexpr valued flags[] = {
-        {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
-        {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
-        {"--node-rank", agent_field::node_rank, "this node's index", "0"},
-        {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
-        {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
-        {"--max-restarts", agent_field::max_restarts, "restarts after a failure", "1"},
-        {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
-        {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
-        {"--log-dir", agent_field::log_dir, "a directory", "logs"},
-    };
-    for (const valued& f : flags) {
-      if (f.name == name) return &f;
-    }
-    return nullptr;
-  }
+  static const valued* find(std::string_view name);
 
-  void take(agent_field option, const std::string& origin, std::string_view value) {
-    auto at_least = [&](int least, const char* unit) {
-      const int n = parse_non_negative(origin, value);
-      if (n < least) {
-        throw config_error(origin + " must be at least " + std::to_string(least) + " (" + unit +
-                           ")");
-      }
-      return n;
-    };
-    auto text = [&] {
-      if (value.empty()) throw config_error(origin + " is empty");
-      return std::string(value);
-    };
-    switch (option) {
-      case agent_field::nproc_per_node:
-        values_.nproc_per_node = at_least(1, "workers per node");
-        break;
-      case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
-      case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
-      case agent_field::master_addr: values_.master_addr = text(); break;
-      case agent_field::master_port: {
-        const int port = parse_non_negative(origin, value);
-        if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
-        values_.master_port = port;
-        break;
-      }
-      case agent_field::max_restarts:
-        values_.max_restarts = parse_non_negative(origin, value);
-        break;
-      case agent_field::grace_period:
-        values_.grace_period = std::chrono::seconds(parse_non_negative(origin, value));
-        break;
-      case agent_field::heartbeat_timeout:
-        values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
-        break;
-      case agent_field::log_dir: values_.log_dir = text(); break;
-      case agent_field::tee:
-      case agent_field::local_rank_arg:
-      case agent_field::count: break;
-    }
-  }
+  void take(agent_field option, const std::string& origin, std::string_view value);
 
   agent_options values_{};
   std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
@@ -18571,6 +19908,150 @@ class agent_flags {
   bool no_python_ = false;
   std::vector<std::string> program_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::string_view> args) {
+  agent_flags flags;
+  std::size_t i = 0;
+  for (; i < args.size(); ++i) {
+    if (args[i] == "--") {
+      ++i;
+      break;
+    }
+    if (!args[i].starts_with("--") && args[i] != "-h") break;
+    if (!flags.read(args, i, true)) {
+      throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
+    }
+    if (flags.help_) return flags;
+  }
+  for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
+  return flags;
+}
+
+DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_program(std::span<const std::string_view> args) {
+  agent_flags flags;
+  for (std::size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if (args[i].starts_with("--")) (void)flags.read(args, i, false);
+  }
+  return flags;
+}
+
+DTRAIN_DETAIL_INLINE void agent_flags::fill(agent_options& options) const {
+  const agent_options defaults{};
+  for_each_given([&](auto member) {
+    if (options.*member == defaults.*member) options.*member = values_.*member;
+  });
+}
+
+DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> args, std::size_t& i,
+                                            bool launcher) {
+  const std::string_view arg = args[i];
+  const std::size_t eq = arg.find('=');
+  const std::string_view typed = arg.substr(0, eq);
+  std::string name(typed);
+  for (char& c : name) {
+    if (c == '_') c = '-';
+  }
+  if (launcher && (name == "--help" || name == "-h")) return help_ = true;
+  if (launcher && name == "--no-python") return no_python_ = true;
+  if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
+    if (eq != std::string_view::npos) {
+      throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
+                         " takes no value");
+    }
+    if (name == "--tee") {
+      values_.tee = true;
+      set(agent_field::tee);
+    } else if (name == "--pass-local-rank") {
+      values_.local_rank_arg = true;
+      set(agent_field::local_rank_arg);
+    } else {
+      values_.nnodes = 1;
+      values_.node_rank = 0;
+      values_.master_addr = "127.0.0.1";
+      values_.master_port = 0;
+      for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
+                     agent_field::master_port})
+        set(f);
+    }
+    return true;
+  }
+  const valued* flag = find(name);
+  if (flag == nullptr) return false;
+  std::string_view value;
+  if (eq != std::string_view::npos) {
+    value = arg.substr(eq + 1);
+  } else if (i + 1 < args.size()) {
+    value = args[++i];
+  } else {
+    throw config_error(std::string(typed) + " on the command line needs a value (" +
+                       std::string(flag->what) + ", e.g. " + std::string(typed) + " " +
+                       std::string(flag->example) + ")");
+  }
+  const std::string origin = std::string(typed) + "=" + std::string(value) + " on the command line";
+  take(flag->field, origin, value);
+  set(flag->field);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valued* {
+  static constexpr valued flags[] = {
+      {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
+      {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
+      {"--node-rank", agent_field::node_rank, "this node's index", "0"},
+      {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
+      {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
+      {"--max-restarts", agent_field::max_restarts, "restarts after a failure", "1"},
+      {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
+      {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
+      {"--log-dir", agent_field::log_dir, "a directory", "logs"},
+  };
+  for (const valued& f : flags) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::string& origin,
+                                            std::string_view value) {
+  auto at_least = [&](int least, const char* unit) {
+    const int n = parse_non_negative(origin, value);
+    if (n < least) {
+      throw config_error(origin + " must be at least " + std::to_string(least) + " (" + unit + ")");
+    }
+    return n;
+  };
+  auto text = [&] {
+    if (value.empty()) throw config_error(origin + " is empty");
+    return std::string(value);
+  };
+  switch (option) {
+    case agent_field::nproc_per_node:
+      values_.nproc_per_node = at_least(1, "workers per node");
+      break;
+    case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
+    case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
+    case agent_field::master_addr: values_.master_addr = text(); break;
+    case agent_field::master_port: {
+      const int port = parse_non_negative(origin, value);
+      if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
+      values_.master_port = port;
+      break;
+    }
+    case agent_field::max_restarts: values_.max_restarts = parse_non_negative(origin, value); break;
+    case agent_field::grace_period:
+      values_.grace_period = std::chrono::seconds(parse_non_negative(origin, value));
+      break;
+    case agent_field::heartbeat_timeout:
+      values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
+      break;
+    case agent_field::log_dir: values_.log_dir = text(); break;
+    case agent_field::tee:
+    case agent_field::local_rank_arg:
+    case agent_field::count: break;
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/command_line.hpp ----
@@ -18598,17 +20079,25 @@ namespace dtrain {
 namespace detail {
 
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
-inline int report_failure(const std::string& who, const std::pair<int, std::string>& failure) {
+DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
+                                        const std::pair<int, std::string>& failure);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
+                                        const std::pair<int, std::string>& failure) {
   std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());
   return failure.first;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// This program's own path, for an agent that re-executes it.
-inline std::string own_executable() {
+DTRAIN_DETAIL_INLINE std::string own_executable();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string own_executable() {
   std::vector<char> path(4096);
   ssize_t n = DTRAIN_SYSCALL(::readlink("/proc/self/exe", path.data(), path.size() - 1));
   return std::string(path.data(), static_cast<std::size_t>(n));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Default workers per node: one per visible GPU for backends that use GPUs (NCCL), else one.
 template <class Policy>
@@ -18788,12 +20277,6 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 }  // namespace dtrain
 // ---- end dtrain/run.hpp ----
 
-#if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
-#define DTRAIN_HAS_SEPARATE_COMPILATION() 1
-#else
-#define DTRAIN_HAS_SEPARATE_COMPILATION() 0
-#endif
-
 // The policies compiled in the library, per engine: X(policy type) for each.
 #define DTRAIN_DETAIL_POLICY(L, B, T) \
   ::dtrain::policy<::dtrain::launch::L, ::dtrain::backend::B, ::dtrain::topology::T>
@@ -18845,8 +20328,11 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 /// #include), everything the other TUs declared `extern template`, and
 /// defines the link check's symbols for this TU's engines (link_check.hpp).
 /// Not beside a dtrain library: the link check refuses two definitions.
-#define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                   \
-  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED) \
+#define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                                                   \
+  static_assert(DTRAIN_DETAIL_BODIES(),                                                          \
+                "DTRAIN_INSTANTIATE_COMPILED_POLICIES(): #define DTRAIN_COMPILED_DEFINITIONS 1 " \
+                "before including dtrain in this file (and DTRAIN_SEPARATE_COMPILATION=1)");     \
+  DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DEFINE_COMPILED)                                 \
   DTRAIN_DETAIL_DEFINE_LINK_CHECK()
 
 #if DTRAIN_HAS_SEPARATE_COMPILATION()
@@ -18978,21 +20464,7 @@ class distributed_sampler {
       : distributed_sampler(dataset_size, w.rank.value_or(-1), w.world_size.value_or(0), options) {}
 
   distributed_sampler(std::size_t dataset_size, int rank, int world_size,
-                      sampler_options options = {})
-      : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), options_(options) {
-    if (world_size <= 0 || rank < 0 || rank >= world_size) {
-      throw config_error("distributed_sampler: rank " + std::to_string(rank) + " of world size " +
-                         std::to_string(world_size) + " is not a rank of a world");
-    }
-    const auto n = static_cast<std::size_t>(world_size);
-    const std::size_t per_rank = options.drop_last ? dataset_size / n : (dataset_size + n - 1) / n;
-    if (per_rank == 0) {
-      throw config_error("distributed_sampler: " + std::to_string(dataset_size) + " samples for " +
-                         std::to_string(world_size) + " ranks leaves rank " + std::to_string(rank) +
-                         " nothing" + (options.drop_last ? " with drop_last" : ""));
-    }
-    set_epoch(0);
-  }
+                      sampler_options options = {});
 
   /// Reshuffles for `epoch` (with shuffle on): every rank computes the same
   /// permutation from seed + epoch, then takes every world_size-th index.
@@ -19004,41 +20476,15 @@ class distributed_sampler {
   /// epoch's permutation is dealt among this world's ranks, padded (or, with
   /// drop_last, cut) to the same count on every rank. With the same world
   /// size, the ranks get exactly the indices they had left.
-  void set_position(sampler_position p) {
-    std::vector<std::size_t> all(dataset_size_);
-    std::iota(all.begin(), all.end(), std::size_t{0});
-    if (options_.shuffle) shuffle(all, options_.seed + p.epoch);
-    const auto n = static_cast<std::size_t>(world_size_);
-    const std::size_t start = static_cast<std::size_t>(std::min<std::uint64_t>(p.offset, dataset_size_));
-    std::size_t left = dataset_size_ - start;
-    // Padding repeats the start of the permutation, as often as needed (tiny datasets).
-    std::size_t total = options_.drop_last ? left / n * n : (left + n - 1) / n * n;
-    indices_.clear();
-    for (std::size_t i = static_cast<std::size_t>(rank_); i < total; i += n) {
-      const std::size_t at = start + i;
-      indices_.push_back(at < dataset_size_ ? all[at] : all[(at - dataset_size_) % dataset_size_]);
-    }
-    epoch_ = p.epoch;
-    start_ = start;
-    cursor_ = 0;
-  }
+  void set_position(sampler_position p);
 
   /// Where this epoch stands: samples of the global order handed out by
   /// next_batch() on all ranks together (what a checkpoint saves).
-  [[nodiscard]] sampler_position position() const noexcept {
-    const std::size_t dealt = start_ + cursor_ * static_cast<std::size_t>(world_size_);
-    return {.epoch = epoch_, .offset = std::min(dealt, dataset_size_)};
-  }
+  [[nodiscard]] sampler_position position() const noexcept;
 
   /// This rank's next batch of at most `batch_size` indices, empty once the
   /// epoch is done; moves position() on. Every rank gets batches of the same sizes.
-  [[nodiscard]] std::span<const std::size_t> next_batch(std::size_t batch_size) {
-    if (batch_size == 0) throw config_error("distributed_sampler::next_batch: batch_size is 0");
-    const std::span<const std::size_t> rest = std::span<const std::size_t>(indices_).subspan(cursor_);
-    const std::span<const std::size_t> batch = rest.first(std::min(batch_size, rest.size()));
-    cursor_ += batch.size();
-    return batch;
-  }
+  [[nodiscard]] std::span<const std::size_t> next_batch(std::size_t batch_size);
 
   /// This rank's indices for the current epoch (from the position set, all
   /// of them: next_batch() does not shorten them); size() of them.
@@ -19050,32 +20496,12 @@ class distributed_sampler {
 
   /// indices() cut into batches of `batch_size` (the last one may be shorter;
   /// every rank gets the same number of batches of the same sizes).
-  [[nodiscard]] std::vector<std::span<const std::size_t>> batches(std::size_t batch_size) const {
-    if (batch_size == 0) throw config_error("distributed_sampler::batches: batch_size is 0");
-    std::vector<std::span<const std::size_t>> out;
-    std::span<const std::size_t> all = indices();
-    for (std::size_t at = 0; at < all.size(); at += batch_size) {
-      out.push_back(all.subspan(at, std::min(batch_size, all.size() - at)));
-    }
-    return out;
-  }
+  [[nodiscard]] std::vector<std::span<const std::size_t>> batches(std::size_t batch_size) const;
 
  private:
   // Fisher-Yates driven by splitmix64: the same permutation with every
   // standard library (std::shuffle's algorithm is unspecified).
-  static void shuffle(std::vector<std::size_t>& v, std::uint64_t seed) {
-    std::uint64_t state = seed;
-    auto next = [&state] {
-      std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      return z ^ (z >> 31);
-    };
-    for (std::size_t i = v.size(); i > 1; --i) {
-      auto j = static_cast<std::size_t>(next() % i);  // bias below 2^-40 for any real dataset
-      std::swap(v[i - 1], v[j]);
-    }
-  }
+  static void shuffle(std::vector<std::size_t>& v, std::uint64_t seed);
 
   std::size_t dataset_size_;
   int rank_;
@@ -19086,6 +20512,86 @@ class distributed_sampler {
   std::size_t cursor_ = 0;  // indices_ handed out by next_batch()
   std::vector<std::size_t> indices_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE distributed_sampler::distributed_sampler(std::size_t dataset_size, int rank,
+                                                              int world_size,
+                                                              sampler_options options)
+    : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), options_(options) {
+  if (world_size <= 0 || rank < 0 || rank >= world_size) {
+    throw config_error("distributed_sampler: rank " + std::to_string(rank) + " of world size " +
+                       std::to_string(world_size) + " is not a rank of a world");
+  }
+  const auto n = static_cast<std::size_t>(world_size);
+  const std::size_t per_rank = options.drop_last ? dataset_size / n : (dataset_size + n - 1) / n;
+  if (per_rank == 0) {
+    throw config_error("distributed_sampler: " + std::to_string(dataset_size) + " samples for " +
+                       std::to_string(world_size) + " ranks leaves rank " + std::to_string(rank) +
+                       " nothing" + (options.drop_last ? " with drop_last" : ""));
+  }
+  set_epoch(0);
+}
+
+DTRAIN_DETAIL_INLINE void distributed_sampler::set_position(sampler_position p) {
+  std::vector<std::size_t> all(dataset_size_);
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  if (options_.shuffle) shuffle(all, options_.seed + p.epoch);
+  const auto n = static_cast<std::size_t>(world_size_);
+  const std::size_t start =
+      static_cast<std::size_t>(std::min<std::uint64_t>(p.offset, dataset_size_));
+  std::size_t left = dataset_size_ - start;
+  // Padding repeats the start of the permutation, as often as needed (tiny datasets).
+  std::size_t total = options_.drop_last ? left / n * n : (left + n - 1) / n * n;
+  indices_.clear();
+  for (std::size_t i = static_cast<std::size_t>(rank_); i < total; i += n) {
+    const std::size_t at = start + i;
+    indices_.push_back(at < dataset_size_ ? all[at] : all[(at - dataset_size_) % dataset_size_]);
+  }
+  epoch_ = p.epoch;
+  start_ = start;
+  cursor_ = 0;
+}
+
+DTRAIN_DETAIL_INLINE sampler_position distributed_sampler::position() const noexcept {
+  const std::size_t dealt = start_ + cursor_ * static_cast<std::size_t>(world_size_);
+  return {.epoch = epoch_, .offset = std::min(dealt, dataset_size_)};
+}
+
+DTRAIN_DETAIL_INLINE std::span<const std::size_t> distributed_sampler::next_batch(
+    std::size_t batch_size) {
+  if (batch_size == 0) throw config_error("distributed_sampler::next_batch: batch_size is 0");
+  const std::span<const std::size_t> rest = std::span<const std::size_t>(indices_).subspan(cursor_);
+  const std::span<const std::size_t> batch = rest.first(std::min(batch_size, rest.size()));
+  cursor_ += batch.size();
+  return batch;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::span<const std::size_t>> distributed_sampler::batches(
+    std::size_t batch_size) const {
+  if (batch_size == 0) throw config_error("distributed_sampler::batches: batch_size is 0");
+  std::vector<std::span<const std::size_t>> out;
+  std::span<const std::size_t> all = indices();
+  for (std::size_t at = 0; at < all.size(); at += batch_size) {
+    out.push_back(all.subspan(at, std::min(batch_size, all.size() - at)));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>& v,
+                                                       std::uint64_t seed) {
+  std::uint64_t state = seed;
+  auto next = [&state] {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (std::size_t i = v.size(); i > 1; --i) {
+    auto j = static_cast<std::size_t>(next() % i);  // bias below 2^-40 for any real dataset
+    std::swap(v[i - 1], v[j]);
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/sampler.hpp ----

@@ -110,6 +110,11 @@ endfunction()
 
 find_program(program ${fetched_program} PATHS "${WORK_DIR}" "${WORK_DIR}/${CONFIG}" NO_DEFAULT_PATH)
 check_program("${program}")
+if(CONSUMER STREQUAL "single_header")  # and in its compiled form, by hand
+  find_program(by_hand dtrain_consumer_by_hand PATHS "${WORK_DIR}" "${WORK_DIR}/${CONFIG}"
+               NO_DEFAULT_PATH)
+  check_program("${by_hand}")
+endif()
 if(CONSUMER MATCHES "^(single_header|fetch_content)$")
   return()
 endif()

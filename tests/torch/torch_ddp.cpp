@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -25,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <execinfo.h>
 #include <unistd.h>
 
 namespace {
@@ -619,7 +621,8 @@ void check_checkpoint(dtrain::context<Policy>& ctx) {
   auto train_step = [&](int step) {
     const batch b = data(step, 0);
     const std::int64_t shard = global_batch / ctx.size();
-    const torch::Tensor x = b.x.narrow(0, rank * shard, shard), y = b.y.narrow(0, rank * shard, shard);
+    const torch::Tensor x = b.x.narrow(0, rank * shard, shard),
+                        y = b.y.narrow(0, rank * shard, shard);
     torch::nn::functional::cross_entropy(ddp(x), y).backward();
     opt.step();
     ddp.zero_grad();
@@ -680,10 +683,12 @@ void check_checkpoint(dtrain::context<Policy>& ctx) {
       } catch (const dtrain::checkpoint_error& e) {
         check(std::string(e.what()).find("'fc.weight' is [10, 256] float32 in the checkpoint and "
                                          "[12, 256] float32 here") != std::string::npos,
-              rank, std::string("torch checkpoint: the refusal does not name fc.weight: ") + e.what());
+              rank,
+              std::string("torch checkpoint: the refusal does not name fc.weight: ") + e.what());
         std::size_t i = 0;
         for (const auto& p : other->parameters())
-          check(torch::equal(p, before[i++]), rank, "torch checkpoint: a refused load changed the module");
+          check(torch::equal(p, before[i++]), rank,
+                "torch checkpoint: a refused load changed the module");
       }
     }
   } catch (const std::exception& e) {
@@ -741,7 +746,8 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_sampler_in_loader(ctx.rank());
   check_checkpoint(ctx);
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
-  ctx.control_plane().allgather(std::array<std::int64_t, 1>{failures}, all);  // host memory, every engine
+  ctx.control_plane().allgather(std::array<std::int64_t, 1>{failures},
+                                all);  // host memory, every engine
   std::int64_t total = 0;
   for (auto f : all) total += f;
   if (ctx.rank() == 0) {
@@ -753,8 +759,21 @@ int run_checks(dtrain::context<Policy>& ctx) {
 
 }  // namespace
 
+// A crash says where it happened (the frames, for addr2line) before the
+// process dies of its signal as it would have.
+extern "C" void print_frames_and_die(int sig) {
+  static constexpr char say[] = "torch_ddp: fatal signal; the frames:\n";
+  [[maybe_unused]] auto n = ::write(2, say, sizeof say - 1);
+  void* frames[64];
+  ::backtrace_symbols_fd(frames, ::backtrace(frames, 64), 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is printed (a crash keeps them)
+  std::signal(SIGSEGV, print_frames_and_die);
+  std::signal(SIGBUS, print_frames_and_die);
   if (on_gpu && !torch::cuda::is_available()) {
     std::printf("SKIPPED: no CUDA device (LibTorch %s sees none)\n", TORCH_VERSION);
     return 77;

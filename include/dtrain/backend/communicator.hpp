@@ -6,6 +6,7 @@
 #include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
 #include <concepts>
@@ -54,11 +55,14 @@ inline std::string shape(const buffer& b) {
 
 /// What a collective throws on a communicator that is not valid(): one that
 /// split() gave this rank for a negative color (`left_out`), or a moved-from one.
-[[noreturn]] inline void throw_invalid(const std::string& what, bool left_out) {
+[[noreturn]] DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out) {
   throw config_error(what + (left_out ? ": this rank passed a negative color to split() and "
                                         "belongs to no communicator"
                                       : ": the communicator was moved from"));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The collectives every engine knows, numbered as check mode sends them.
 enum class collective_kind : std::uint8_t {
@@ -77,12 +81,16 @@ inline constexpr std::string_view collective_kinds[] = {
     "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
     "barrier", "allreduce_many", "split"};
 
-[[nodiscard]] inline std::int64_t collective_kind_code(std::string_view kind) noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(
+    std::string_view kind) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(std::string_view kind) noexcept {
   for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
     if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
   }
   return 0;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where an engine's collectives find their buffers. A buffer elsewhere is a
 /// config_error: "input is host memory, and <rule>".
@@ -100,41 +108,14 @@ struct argument_check {
   argument_check(std::string description) : what(std::move(description)) {}
   argument_check(const collective_info& i) : info(&i) {}
 
-  void same_type(const buffer& in, const buffer& out) const {
-    if (in.type != out.type)
-      fail("input is " + std::string(to_string(in.type)) + ", output " +
-           std::string(to_string(out.type)));
-    if (in.where != out.where)
-      fail("input and output live in different memories (host and device)");
-  }
-  void count(const buffer& b, std::size_t expected, std::string_view which) const {
-    if (b.count != expected) {
-      fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
-           std::to_string(expected));
-    }
-  }
-  void op_fits(reduce_op op, dtype t) const {
-    if (op == reduce_op::avg && !is_floating(t)) {
-      fail("avg of " + std::string(to_string(t)) +
-           " would truncate; average floating-point data, or sum and divide");
-    }
-  }
+  void same_type(const buffer& in, const buffer& out) const;
+  void count(const buffer& b, std::size_t expected, std::string_view which) const;
+  void op_fits(reduce_op op, dtype t) const;
   /// `b` (`which`, or "buffer <index>") lives where the engine reaches, and is
   /// not a null pointer with elements (the engine would read them and crash).
   void reachable(const buffer& b, std::string_view which, const memory_reach& reach,
-                 std::ptrdiff_t index = -1) const {
-    const bool on_host = b.where == memory::host;
-    if (!(on_host ? reach.host : reach.device)) {
-      fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
-           std::string(reach.rule));
-    }
-    if (b.data == nullptr && b.count > 0)
-      fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
-  }
-  void root(int r, int size) const {
-    if (r < 0 || r >= size)
-      fail("root " + std::to_string(r) + " is not a rank of this communicator");
-  }
+                 std::ptrdiff_t index = -1) const;
+  void root(int r, int size) const;
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
@@ -144,6 +125,46 @@ struct argument_check {
     return index < 0 ? std::string(which) : std::string(which) + " " + std::to_string(index);
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void argument_check::same_type(const buffer& in, const buffer& out) const {
+  if (in.type != out.type)
+    fail("input is " + std::string(to_string(in.type)) + ", output " +
+         std::string(to_string(out.type)));
+  if (in.where != out.where) fail("input and output live in different memories (host and device)");
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::count(const buffer& b, std::size_t expected,
+                                                std::string_view which) const {
+  if (b.count != expected) {
+    fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
+         std::to_string(expected));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::op_fits(reduce_op op, dtype t) const {
+  if (op == reduce_op::avg && !is_floating(t)) {
+    fail("avg of " + std::string(to_string(t)) +
+         " would truncate; average floating-point data, or sum and divide");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::reachable(const buffer& b, std::string_view which,
+                                                    const memory_reach& reach,
+                                                    std::ptrdiff_t index) const {
+  const bool on_host = b.where == memory::host;
+  if (!(on_host ? reach.host : reach.device)) {
+    fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
+         std::string(reach.rule));
+  }
+  if (b.data == nullptr && b.count > 0)
+    fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::root(int r, int size) const {
+  if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One collective as an engine receives it. Every engine's chain checks it
 /// (check_arguments), numbers it in its ring and compares it in check mode
@@ -178,43 +199,53 @@ struct collective_call {
   /// What the ring, check mode and messages say of it: the elements every
   /// rank must agree on (the input's; reduce_scatter: the output's;
   /// allreduce_many: all of them, with the first buffer's type).
-  [[nodiscard]] collective_info info(std::string_view engine, int rank, int size) const noexcept {
-    buffer counted = kind == collective_kind::reduce_scatter ? out : in;
-    if (kind == collective_kind::allreduce_many) {
-      counted = {};
-      if (!many.empty()) counted.type = many.front().type;
-      for (const buffer& b : many) counted.count += b.count;
-    }
-    return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
-            static_cast<std::uint8_t>(counted.type),          op,     root};
-  }
+  [[nodiscard]] collective_info info(std::string_view engine, int rank, int size) const noexcept;
 
   /// False for a call with no elements: it completes at once (after its
   /// signature is compared, in check mode). A barrier always moves.
-  [[nodiscard]] bool moves_data() const noexcept {
-    switch (kind) {
-      case collective_kind::barrier:
-      case collective_kind::split:
-      case collective_kind::other: return true;
-      case collective_kind::allreduce:
-      case collective_kind::broadcast:
-      case collective_kind::allgather: return in.count > 0;
-      case collective_kind::reduce_scatter: return out.count > 0;
-      case collective_kind::allreduce_many:
-        for (const buffer& b : many) {
-          if (b.count > 0) return true;
-        }
-        return false;
-    }
-    return true;
-  }
+  [[nodiscard]] bool moves_data() const noexcept;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE collective_info collective_call::info(std::string_view engine, int rank,
+                                                           int size) const noexcept {
+  buffer counted = kind == collective_kind::reduce_scatter ? out : in;
+  if (kind == collective_kind::allreduce_many) {
+    counted = {};
+    if (!many.empty()) counted.type = many.front().type;
+    for (const buffer& b : many) counted.count += b.count;
+  }
+  return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
+          static_cast<std::uint8_t>(counted.type),          op,     root};
+}
+
+DTRAIN_DETAIL_INLINE bool collective_call::moves_data() const noexcept {
+  switch (kind) {
+    case collective_kind::barrier:
+    case collective_kind::split:
+    case collective_kind::other: return true;
+    case collective_kind::allreduce:
+    case collective_kind::broadcast:
+    case collective_kind::allgather: return in.count > 0;
+    case collective_kind::reduce_scatter: return out.count > 0;
+    case collective_kind::allreduce_many:
+      for (const buffer& b : many) {
+        if (b.count > 0) return true;
+      }
+      return false;
+  }
+  return true;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The argument checks of every engine, per collective: buffers where the
 /// engine reaches (`reach`), types and counts that fit, an op the type allows,
 /// a root that is a rank. `info` names the call (call.info()).
-inline void check_arguments(const collective_call& call, const collective_info& info,
-                            const memory_reach& reach) {
+DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
+                                          const memory_reach& reach);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
+                                          const memory_reach& reach) {
   const argument_check check{info};
   const auto ranks = static_cast<std::size_t>(info.size);
   const auto op = static_cast<reduce_op>(call.op);
@@ -254,6 +285,7 @@ inline void check_arguments(const collective_call& call, const collective_info& 
     case collective_kind::other: return;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What a rank passed to its `seq`-th collective on a communicator, compared
 /// across ranks in check mode: the ring's fingerprint (call_record) as int64s,
@@ -270,7 +302,10 @@ struct signature {
 };
 
 /// The signature of collective number `seq`, described by `info`.
-[[nodiscard]] inline signature signature_of(std::int64_t seq,
+[[nodiscard]] DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
+                                                          const collective_info& info) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
                                             const collective_info& info) noexcept {
   return {seq,
           collective_kind_code(info.collective),
@@ -279,10 +314,13 @@ struct signature {
           info.op,
           info.root};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How check mode names a call, for every engine: "collective #3:
 /// allreduce(sum, float32 × 5)" (the ring's describe_call).
-[[nodiscard]] inline std::string describe_collective(const signature& s) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s) {
   const auto kind = static_cast<std::size_t>(s.kind);
   call_record r;
   r.seq = s.seq;
@@ -293,6 +331,7 @@ struct signature {
   r.root = static_cast<int>(s.root);
   return "collective #" + std::to_string(s.seq) + ": " + describe_call(r, true);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Gathers every rank's signature with `gather` (an allgather of int64s that
 /// is not itself checked) and throws backend_error naming the first rank

@@ -38,25 +38,37 @@ namespace dtrain::detail {
 /// A checked call's text as the user reads it: the engine calls the runtime
 /// through its seam (`Api::cudaSetDevice(...)`), the message names the
 /// function (`cudaSetDevice(...)`).
-[[nodiscard]] inline std::string call_as_written(std::string_view call) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call) {
   if (call.starts_with("Api::")) call.remove_prefix(5);
   return std::string(call);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
 /// (cudaError_t 101, at file:line)".
-inline std::string cuda_error_text(cudaError_t code, const char* call, const char* file, int line) {
+DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
+                                                 const char* file, int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
+                                                 const char* file, int line) {
   return "CUDA call `" + call_as_written(call) + "` failed: " + cudaGetErrorName(code) + ": " +
          cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
          ", at " + file + ":" + std::to_string(line) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-[[noreturn]] inline void throw_cuda_error(cudaError_t code, const char* call, const char* file,
-                                          int line) {
+[[noreturn]] DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call,
+                                                        const char* file, int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call, const char* file,
+                                           int line) {
   // Clear a non-sticky error, so that the next unrelated call does not report it again.
   (void)cudaGetLastError();
   throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -77,7 +89,9 @@ namespace dtrain::detail {
 /// The runtime's cudaGetDevice answers 0 on a thread that never used a GPU,
 /// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
 /// GiB) for a rank that does not use it. True when the driver cannot say.
-[[nodiscard]] inline bool thread_has_cuda_context() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
   using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
   static const get_current_fn get_current = []() noexcept -> get_current_fn {
@@ -103,6 +117,7 @@ namespace dtrain::detail {
   return true;
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The CUDA runtime calls the NCCL engine makes, as one narrow seam: the
 /// engine's classes take the runtime as a template argument (`Api`), this one
@@ -117,23 +132,7 @@ struct cuda_library {
   static cudaError_t cudaGetDevice(int* device) { return ::cudaGetDevice(device); }
   static cudaError_t cudaSetDevice(int device) { return ::cudaSetDevice(device); }
   /// The device's UUID ("GPU-xxxxxxxx-..." as nvidia-smi -L prints it) and PCI bus id.
-  static cudaError_t device_identity(int device, std::string& uuid, std::string& pci_bus) {
-    cudaDeviceProp prop{};
-    if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
-    static constexpr char hex[] = "0123456789abcdef";
-    uuid = "GPU-";
-    for (int i = 0; i < 16; ++i) {
-      const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
-      if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
-      uuid += hex[byte >> 4];
-      uuid += hex[byte & 15];
-    }
-    char bus[32];
-    std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
-                  static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
-    pci_bus = bus;
-    return cudaSuccess;
-  }
+  static cudaError_t device_identity(int device, std::string& uuid, std::string& pci_bus);
   static bool thread_has_context() noexcept { return thread_has_cuda_context(); }
   static cudaError_t cudaGetLastError() { return ::cudaGetLastError(); }
   static cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
@@ -165,6 +164,27 @@ struct cuda_library {
     return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE cudaError_t cuda_library::device_identity(int device, std::string& uuid,
+                                                               std::string& pci_bus) {
+  cudaDeviceProp prop{};
+  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
+  static constexpr char hex[] = "0123456789abcdef";
+  uuid = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
+    if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+    uuid += hex[byte >> 4];
+    uuid += hex[byte & 15];
+  }
+  char bus[32];
+  std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
+                static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+  pci_bus = bus;
+  return cudaSuccess;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
 /// wait: work still queued on the stream completes, then the stream goes.
@@ -294,66 +314,20 @@ class pinned_pool {
   pinned_pool() = default;
   pinned_pool(const pinned_pool&) = delete;
   pinned_pool& operator=(const pinned_pool&) = delete;
-  ~pinned_pool() {
-    for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
-    for (auto& [device, stream] : streams_) {
-      device_guard on(device, std::nothrow);
-      (void)cudaStreamDestroy(stream);
-    }
-  }
+  ~pinned_pool();
 
   /// A block of staging_block_bytes(bytes) (null for 0 bytes); give it back with give().
   /// Call under a device_guard for the device being staged.
-  [[nodiscard]] void* take(std::size_t bytes) {
-    if (bytes == 0) return nullptr;
-    const std::size_t size = staging_block_bytes(bytes);
-    {
-      std::lock_guard lock(mutex_);
-      auto it = free_.find(size);
-      if (it != free_.end()) {
-        void* block = it->second;
-        free_.erase(it);
-        return block;
-      }
-    }
-    void* block = nullptr;
-    DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
-    std::lock_guard lock(mutex_);
-    held_ += size;
-    return block;
-  }
+  [[nodiscard]] void* take(std::size_t bytes);
 
   /// Returns a block from take(bytes) for reuse.
-  void give(void* block, std::size_t bytes) noexcept {
-    if (block == nullptr) return;
-    try {
-      std::lock_guard lock(mutex_);
-      free_.emplace(staging_block_bytes(bytes), block);
-    } catch (...) {
-      (void)cudaFreeHost(block);
-      std::lock_guard lock(mutex_);
-      held_ -= staging_block_bytes(bytes);
-    }
-  }
+  void give(void* block, std::size_t bytes) noexcept;
 
   /// The pool's copy stream on `device` (created on first use, under a guard).
-  [[nodiscard]] cudaStream_t copy_stream(int device) {
-    std::lock_guard lock(mutex_);
-    auto it = streams_.find(device);
-    if (it != streams_.end()) return it->second;
-    device_guard on(device);
-    cuda_stream s = cuda_stream::non_blocking();
-    cudaStream_t raw = s.get();
-    streams_.emplace(device, raw);
-    (void)s.release();
-    return raw;
-  }
+  [[nodiscard]] cudaStream_t copy_stream(int device);
 
   /// Pinned bytes allocated and not freed: blocks in use and free ones.
-  [[nodiscard]] std::size_t held_bytes() const {
-    std::lock_guard lock(mutex_);
-    return held_;
-  }
+  [[nodiscard]] std::size_t held_bytes() const;
 
  private:
   mutable std::mutex mutex_;
@@ -361,6 +335,64 @@ class pinned_pool {
   std::map<int, cudaStream_t> streams_;
   std::size_t held_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE pinned_pool::~pinned_pool() {
+  for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
+  for (auto& [device, stream] : streams_) {
+    device_guard on(device, std::nothrow);
+    (void)cudaStreamDestroy(stream);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void* pinned_pool::take(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const std::size_t size = staging_block_bytes(bytes);
+  {
+    std::lock_guard lock(mutex_);
+    auto it = free_.find(size);
+    if (it != free_.end()) {
+      void* block = it->second;
+      free_.erase(it);
+      return block;
+    }
+  }
+  void* block = nullptr;
+  DTRAIN_CUDA_CHECK(cudaMallocHost(&block, size));
+  std::lock_guard lock(mutex_);
+  held_ += size;
+  return block;
+}
+
+DTRAIN_DETAIL_INLINE void pinned_pool::give(void* block, std::size_t bytes) noexcept {
+  if (block == nullptr) return;
+  try {
+    std::lock_guard lock(mutex_);
+    free_.emplace(staging_block_bytes(bytes), block);
+  } catch (...) {
+    (void)cudaFreeHost(block);
+    std::lock_guard lock(mutex_);
+    held_ -= staging_block_bytes(bytes);
+  }
+}
+
+DTRAIN_DETAIL_INLINE cudaStream_t pinned_pool::copy_stream(int device) {
+  std::lock_guard lock(mutex_);
+  auto it = streams_.find(device);
+  if (it != streams_.end()) return it->second;
+  device_guard on(device);
+  cuda_stream s = cuda_stream::non_blocking();
+  cudaStream_t raw = s.get();
+  streams_.emplace(device, raw);
+  (void)s.release();
+  return raw;
+}
+
+DTRAIN_DETAIL_INLINE std::size_t pinned_pool::held_bytes() const {
+  std::lock_guard lock(mutex_);
+  return held_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 

@@ -8,6 +8,7 @@
 
 #include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/detail/wire.hpp>
 #include <dtrain/error.hpp>
 
@@ -41,7 +42,9 @@ struct desync_report {
 };
 
 /// "rank 2", "ranks 0, 1, 3".
-inline std::string name_ranks(std::span<const int> ranks) {
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (std::size_t i = 0; i < ranks.size(); ++i) {
     if (i) out += ", ";
@@ -49,10 +52,13 @@ inline std::string name_ranks(std::span<const int> ranks) {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace desync {
 
-inline std::string at(const call_record& r, bool with_op = false) {
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
   // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
   // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
   std::string out = "#";
@@ -61,15 +67,19 @@ inline std::string at(const call_record& r, bool with_op = false) {
   out += describe_call(r, with_op);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // What differs between two calls with the same sequence number, for the summary.
-inline std::string difference(const call_record& a, const call_record& b) {
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
   if (a.kind != b.kind) return "the collectives differ";
   if (a.type != b.type) return "the types differ";
   if (a.count != b.count) return "the sizes differ";
   if (a.op != b.op) return "the reduce ops differ";
   return "the roots differ";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // Ranks grouped by what they called as number `seq`, the largest group first
 // (on a tie the group of the lowest rank): the odd ones out come after.
@@ -77,7 +87,11 @@ struct call_group {
   const call_record* call;
   std::vector<int> ranks;
 };
-inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std::int64_t seq) {
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq) {
   std::vector<call_group> groups;
   for (const rank_ring& r : rings) {
     for (const call_record& c : r.calls) {
@@ -96,13 +110,16 @@ inline std::vector<call_group> group_calls(std::span<const rank_ring> rings, std
   });
   return groups;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace desync
 
 /// Analyses the rings of every rank of a communicator (`rings[i]` is rank
 /// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
 /// missing; what cannot be decided is said so.
-inline desync_report analyse(std::span<const rank_ring> rings) {
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
   desync_report report;
   std::vector<int> silent;
   std::vector<const rank_ring*> live;
@@ -235,13 +252,19 @@ inline desync_report analyse(std::span<const rank_ring> rings) {
   if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
   return report;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The table a diagnostics round prints: `header`, the summary, then the details, indented.
-inline std::string format_report(std::string_view header, const desync_report& report) {
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report) {
   std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
   for (const std::string& d : report.details) out += "    " + d + "\n";
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The rings one rank publishes: its world communicator's and its splits', by name.
 using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
@@ -257,7 +280,9 @@ struct rank_publication {
 /// ring count u32, then per communicator its name bytes32, call count u32 and
 /// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
 /// state u8, label bytes32.
-inline std::string encode_rings(const named_rings& rings) {
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
   std::string out;
   wire::writer w(out);
   w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
@@ -276,10 +301,13 @@ inline std::string encode_rings(const named_rings& rings) {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The rings of encode_rings' value; nothing when it is not such a value (the
 /// rank then counts as not answering: diagnostics never throw).
-inline std::optional<named_rings> decode_rings(std::string_view value) {
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
   try {
     return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
       if (const auto version = r.u8("the version"); version != 1) {
@@ -316,6 +344,7 @@ inline std::optional<named_rings> decode_rings(std::string_view value) {
     return std::nullopt;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Analyses every communicator the ranks published (the world's first, then
 /// the splits, by name) and returns the report of the one that explains most
@@ -323,7 +352,9 @@ inline std::optional<named_rings> decode_rings(std::string_view value) {
 /// by the others' findings. Silent ranks count as members of the world and
 /// of every split that all answering ranks have (DistributedDataParallel's
 /// own split); a split that only some ranks have (a node's) is analysed over them.
-inline desync_report analyse_job(std::span<const rank_publication> ranks) {
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
   std::vector<std::string> names;
   int answering = 0;
   for (const rank_publication& p : ranks) {
@@ -369,5 +400,6 @@ inline desync_report analyse_job(std::span<const rank_publication> ranks) {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -28,7 +28,10 @@ struct named_interface {
 /// The interface the environment tells Gloo to use: DTRAIN_GLOO_IFNAME, else
 /// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
 /// when neither is set (then the interface that reaches MASTER_ADDR is used).
-inline std::optional<named_interface> gloo_interface_variable(const environment& env) {
+DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(
+    const environment& env) {
   if (auto v = env.get(gloo_ifname_variable); v && !v->empty()) {
     return named_interface{std::string(*v), assignment(gloo_ifname_variable, *v)};
   }
@@ -38,6 +41,7 @@ inline std::optional<named_interface> gloo_interface_variable(const environment&
   }
   return std::nullopt;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -114,26 +118,14 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
                      std::chrono::milliseconds timeout)
       : store_(store), prefix_(std::move(prefix) + "/"), timeout_(timeout) {}
 
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
-    written_.push_back(prefix_ + key);
-  }
+  void set(const std::string& key, const std::vector<char>& data) override;
 
-  std::vector<char> get(const std::string& key) override {
-    std::string value = store_.get(prefix_ + key, timeout_);
-    return {value.begin(), value.end()};
-  }
+  std::vector<char> get(const std::string& key) override;
 
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
 
   void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    std::vector<std::string> full;
-    full.reserve(keys.size());
-    for (const auto& k : keys) full.push_back(prefix_ + k);
-    // Gloo passes kNoTimeout (0) to mean "the default".
-    store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
-  }
+            const std::chrono::milliseconds& timeout) override;
 
   [[nodiscard]] const std::vector<std::string>& written() const noexcept { return written_; }
 
@@ -144,6 +136,28 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
   std::vector<std::string> written_;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_store_adapter::set(const std::string& key,
+                                                  const std::vector<char>& data) {
+  store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
+  written_.push_back(prefix_ + key);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<char> gloo_store_adapter::get(const std::string& key) {
+  std::string value = store_.get(prefix_ + key, timeout_);
+  return {value.begin(), value.end()};
+}
+
+DTRAIN_DETAIL_INLINE void gloo_store_adapter::wait(const std::vector<std::string>& keys,
+                                                   const std::chrono::milliseconds& timeout) {
+  std::vector<std::string> full;
+  full.reserve(keys.size());
+  for (const auto& k : keys) full.push_back(prefix_ + k);
+  // Gloo passes kNoTimeout (0) to mean "the default".
+  store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// Where Gloo's TCP transport listens: a named interface, or an address.
 struct gloo_endpoint {
   std::string iface;     ///< network interface name ("eth0"), or empty
@@ -152,7 +166,9 @@ struct gloo_endpoint {
 };
 
 /// Throws config_error naming `origin` when no interface `name` with an address exists here.
-inline void require_interface(const std::string& name, const std::string& origin) {
+DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin) {
   auto names = interfaces_with_address();
   for (const auto& n : names) {
     if (n == name) return;
@@ -164,11 +180,15 @@ inline void require_interface(const std::string& name, const std::string& origin
       (known.empty() ? std::string("none") : known) +
       "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The local address this host sends from to reach host:port; config_error
 /// naming `origin` when there is none.
-inline std::string local_address_towards(const std::string& host, int port,
-                                         const std::string& origin) {
+DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
+                                                       const std::string& origin);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
+                                                       const std::string& origin) {
   const route_source route = local_address_to(host, port);
   if (route.error.rfind("cannot be resolved", 0) == 0) {
     throw config_error(origin + " " + route.error +
@@ -179,15 +199,20 @@ inline std::string local_address_towards(const std::string& host, int port,
   }
   return route.address;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
 /// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
 /// address that reaches the master (`master_addr` option, else MASTER_ADDR),
 /// else 127.0.0.1 for a world of one and the host name otherwise. A named
 /// interface that does not exist is a config_error naming it.
-inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
-                                          const std::string& master_option, const environment& env,
-                                          int size) {
+DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                                        const std::string& master_option,
+                                                        const environment& env, int size);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                                        const std::string& master_option,
+                                                        const environment& env, int size) {
   auto named = [](std::string name, std::string origin) {
     require_interface(name, origin);
     return gloo_endpoint{std::move(name), {}, std::move(origin)};
@@ -214,6 +239,7 @@ inline gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
   const std::string host = host_name().value_or("");
   return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 

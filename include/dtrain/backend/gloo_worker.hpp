@@ -120,21 +120,30 @@ struct gloo_state {
 
   /// Records the first failure without allocating: the timeout hook and
   /// gloo_execute, both noexcept, call these.
-  void mark_unusable(std::exception_ptr why) noexcept {
-    std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure.set(std::move(why));
-  }
-  void mark_unusable(const collective_info& call, const char* how) noexcept {
-    std::lock_guard lock(mutex);
-    if (!unusable.exchange(true)) failure.set(call, how);
-  }
-  [[nodiscard]] std::string unusable_text() {
-    std::lock_guard lock(mutex);
-    return "the communicator is unusable since an earlier failure (" + failure.text() +
-           "); ranks cannot fall back into step after a failed collective, so make a new "
-           "communicator";
-  }
+  void mark_unusable(std::exception_ptr why) noexcept;
+  void mark_unusable(const collective_info& call, const char* how) noexcept;
+  [[nodiscard]] std::string unusable_text();
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(std::exception_ptr why) noexcept {
+  std::lock_guard lock(mutex);
+  if (!unusable.exchange(true)) failure.set(std::move(why));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(const collective_info& call,
+                                                    const char* how) noexcept {
+  std::lock_guard lock(mutex);
+  if (!unusable.exchange(true)) failure.set(call, how);
+}
+
+DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
+  std::lock_guard lock(mutex);
+  return "the communicator is unusable since an earlier failure (" + failure.text() +
+         "); ranks cannot fall back into step after a failed collective, so make a new "
+         "communicator";
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 inline void gloo_execute(gloo_state& s, gloo_state::task& t,
                          std::chrono::milliseconds timeout) noexcept;
@@ -159,41 +168,47 @@ class gloo_work final : public work_state {
   /// worker: submit-then-wait then costs no thread hand-off. Otherwise sleeps
   /// until a collective finishes. Overrides work_state's wait hook, so waiting
   /// sleeps instead of taking the CPU from Gloo's threads.
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override {
-    auto s = owner_.lock();
-    if (!s) return poll();
-    std::unique_lock lock(s->mutex);
-    for (;;) {
-      if (poll()) return true;
-      const auto now = std::chrono::steady_clock::now();
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-      if (left.count() <= 0) return poll();
-      if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
-        gloo_state::task t = std::move(s->queue.front());
-        s->queue.pop_front();
-        s->running = true;
-        lock.unlock();
-        gloo_execute(*s, t, std::min(left, s->timeout));
-        lock.lock();
-        s->running = false;
-        lock.unlock();
-        s->wake.notify_one();
-        s->finished.notify_all();
-        return true;
-      }
-      s->finished.wait_until(lock, deadline);
-    }
-  }
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
 
-  void finish(std::exception_ptr e) noexcept {
-    if (e) fail(std::move(e));
-    done_.store(true, std::memory_order_release);
-  }
+  void finish(std::exception_ptr e) noexcept;
 
  private:
   std::atomic<bool> done_{false};
   std::weak_ptr<gloo_state> owner_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool gloo_work::wait_until(std::chrono::steady_clock::time_point deadline) {
+  auto s = owner_.lock();
+  if (!s) return poll();
+  std::unique_lock lock(s->mutex);
+  for (;;) {
+    if (poll()) return true;
+    const auto now = std::chrono::steady_clock::now();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    if (left.count() <= 0) return poll();
+    if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
+      gloo_state::task t = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->running = true;
+      lock.unlock();
+      gloo_execute(*s, t, std::min(left, s->timeout));
+      lock.lock();
+      s->running = false;
+      lock.unlock();
+      s->wake.notify_one();
+      s->finished.notify_all();
+      return true;
+    }
+    s->finished.wait_until(lock, deadline);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void gloo_work::finish(std::exception_ptr e) noexcept {
+  if (e) fail(std::move(e));
+  done_.store(true, std::memory_order_release);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A failure inside a call into Gloo, with the call as written, file:line
 /// and Gloo's message; gloo_failure() turns it into dtrain's errors.
@@ -228,7 +243,11 @@ namespace dtrain::detail {
 
 /// An exception from Gloo as dtrain's: timeout_error for Gloo's timeouts,
 /// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
-inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::string& what) {
+DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
+                                                     const std::string& what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
+                                                     const std::string& what) {
   std::string message;
   try {
     std::rethrow_exception(e);
@@ -263,6 +282,7 @@ inline std::exception_ptr gloo_failure(const std::exception_ptr& e, const std::s
                         "first error on the other ranks",
                     0));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo. When every rank runs on this host, allreduces go
@@ -306,8 +326,11 @@ void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
   }
 }
 
-inline void gloo_run_broadcast(gloo_state& s, buffer b, int root,
-                               std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                                             std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                                             std::chrono::milliseconds timeout) {
   if (s.size == 1) return;
   ::gloo::BroadcastOptions opts(s.context);
   opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
@@ -315,9 +338,13 @@ inline void gloo_run_broadcast(gloo_state& s, buffer b, int root,
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                               std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout) {
   auto* block =
       static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
   if (s.size == 1) {
@@ -330,13 +357,17 @@ inline void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
   if (s.size == 1) return;
   ::gloo::BarrierOptions opts(s.context);
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
 // and on 3 ranks it returned corrupted blocks when two ran back to back (a
@@ -362,8 +393,13 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
 }
 
 /// Check mode: compares what every rank passed, over an allgather that is not itself checked.
-inline void gloo_check_signature(gloo_state& s, const signature& sig, const collective_info& what,
-                                 std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& sig,
+                                               const collective_info& what,
+                                               std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& sig,
+                                               const collective_info& what,
+                                               std::chrono::milliseconds timeout) {
   compare_signatures(
       sig, s.rank, s.size, what,
       [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
@@ -372,12 +408,16 @@ inline void gloo_check_signature(gloo_state& s, const signature& sig, const coll
         gloo_run_allgather(s, in, out, timeout);
       });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Runs one task's collective (its signature first, in check mode). Throws
 /// what failed as dtrain's error (gloo_failure), and tells peers waiting in
 /// the shared-memory segment to stop, with a timeout if this was one.
-inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
-                          std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                                        std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                                        std::chrono::milliseconds timeout) {
   try {
     if (s.unusable.load()) {
       throw backend_error(t.work->description() + " was not run: " + s.unusable_text(), 0);
@@ -400,14 +440,16 @@ inline void gloo_run_task(gloo_state& s, const gloo_state::task& t,
     std::rethrow_exception(failure);
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Runs one task (on the worker, or on a thread waiting for it) and completes
 /// its work. A failure, whatever it is (out of memory while putting one into
 /// words too), reaches the work's wait() and makes the communicator unusable;
 /// so does running after one. Allocates nothing itself: everything that may
 /// is inside gloo_run_task, whose exception it catches.
-inline void gloo_execute(gloo_state& s, gloo_state::task& t,
-                         std::chrono::milliseconds timeout) noexcept {
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_execute(gloo_state& s, gloo_state::task& t,
+                                       std::chrono::milliseconds timeout) noexcept {
   std::exception_ptr failure;
   try {
     gloo_run_task(s, t, timeout);
@@ -422,9 +464,12 @@ inline void gloo_execute(gloo_state& s, gloo_state::task& t,
   }
   t.work->finish(std::move(failure));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The worker: runs the queue in order until the communicator stops and the queue is empty.
-inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
+DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s) {
   for (;;) {
     gloo_state::task t;
     {
@@ -445,6 +490,7 @@ inline void gloo_serve(const std::shared_ptr<gloo_state>& s) {
     s->finished.notify_all();
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 

@@ -39,7 +39,11 @@ inline constexpr std::string_view device_casts_missing =
     "linked into the program (any one: the kernels are shared)";
 
 /// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
-inline void host_compress(void* out, const float* in, std::size_t n, float scale, dtype wire) {
+DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
+                                        dtype wire);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
+                                        dtype wire) {
   visit(wire, [&]<class Half>() {
     if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
       auto* o = static_cast<Half*>(out);
@@ -47,7 +51,10 @@ inline void host_compress(void* out, const float* in, std::size_t n, float scale
     }
   });
 }
-inline void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
+#endif  // DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
   visit(wire, [&]<class Half>() {
     if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
       const auto* i16 = static_cast<const Half*>(in);
@@ -55,6 +62,7 @@ inline void host_decompress(float* out, const void* in, std::size_t n, dtype wir
     }
   });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -113,17 +121,23 @@ struct device_casts {
   void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
 };
 
-[[nodiscard]] inline std::atomic<const device_casts*>& device_casts_slot() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept {
   static std::atomic<const device_casts*> slot{nullptr};
   return slot;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The registered kernels; config_error when no unit of the program was built by nvcc.
-[[nodiscard]] inline const device_casts& registered_device_casts() {
+[[nodiscard]] DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts() {
   if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
     return *casts;
   throw config_error(std::string(device_casts_missing));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -141,107 +155,142 @@ struct cuda_memory {
   /// legacy default stream, which a non-blocking compute stream would not
   /// wait for). The host never waits, so a rebuild of the buckets does not
   /// stall behind a busy compute stream.
-  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream) {
-    detail::device_guard on(device);
-    void* data = nullptr;
-    const std::size_t n = bytes == 0 ? 1 : bytes;
-    if (pools(device)) {
-      DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
-    } else {
-      DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
-    }
-    if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
-      release(data, device, stream);
-      detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
-    }
-    return data;
-  }
+  [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type stream);
   /// Frees on `stream` once everything before it there is done (cudaFreeAsync;
   /// cudaFree, which waits for the device, without memory pools). Call it on
   /// a stream ordered after the last use on any stream.
-  static void release(void* data, int device, stream_type stream) noexcept {
-    detail::device_guard on(device, std::nothrow);
-    if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
-    (void)cudaGetLastError();
-    (void)cudaFree(data);
-  }
-  static void zero(void* data, std::size_t bytes, int device, stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
-  }
-  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream) {
-    if (dst == src || !bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-  }
+  static void release(void* data, int device, stream_type stream) noexcept;
+  static void zero(void* data, std::size_t bytes, int device, stream_type stream);
+  static void copy(void* dst, const void* src, std::size_t bytes, int device, stream_type stream);
   /// From (pageable) host memory to the device, on `stream`; `host` may be
   /// reused when this returns.
   static void upload(void* dst, const void* host, std::size_t bytes, int device,
-                     stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
-  }
+                     stream_type stream);
   /// From the device to host memory, on `stream`: complete after synchronize(device, stream).
   static void download(void* host, const void* src, std::size_t bytes, int device,
-                       stream_type stream) {
-    if (!bytes) return;
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
-  }
+                       stream_type stream);
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                       int device, stream_type stream) {
-    const detail::device_casts& casts = detail::registered_device_casts();
-    detail::device_guard on(device);
-    casts.compress(out, in, n, scale, wire, stream);
-  }
+                       int device, stream_type stream);
   static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
-                         stream_type stream) {
-    const detail::device_casts& casts = detail::registered_device_casts();
-    detail::device_guard on(device);
-    casts.decompress(out, in, n, wire, stream);
-  }
+                         stream_type stream);
   /// The kernels exist when some unit of the program was compiled by nvcc.
   [[nodiscard]] static bool casts_available() noexcept;
   /// Blocks the host until everything on `stream` is done.
-  static void synchronize(int device, stream_type stream) {
-    detail::device_guard on(device);
-    DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
+  static void synchronize(int device, stream_type stream);
   /// Work enqueued on `waiter` from now on runs after everything on `before` so far.
-  static void order_after(int device, stream_type waiter, stream_type before) {
-    if (waiter == before) return;
-    detail::device_guard on(device);
-    const detail::cuda_event done = detail::cuda_event::create();
-    DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
-    DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
-  }
+  static void order_after(int device, stream_type waiter, stream_type before);
   /// Whether `device` has stream-ordered memory pools (cudaMallocAsync).
-  [[nodiscard]] static bool pools(int device) noexcept {
-    int supported = 0;
-    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return supported != 0;
-  }
+  [[nodiscard]] static bool pools(int device) noexcept;
   /// A stream being captured into a CUDA graph cannot take DDP's work (its
   /// events and host waits): config_error saying so.
-  static void check_stream(int device, stream_type stream) {
-    detail::device_guard on(device);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status != cudaStreamCaptureStatusNone) {
-      throw config_error(
-          "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
-          "records events, polls them from the host and launches NCCL work that must not be "
-          "replayed, so run the DDP step outside the capture (capture the forward and backward "
-          "only)");
-    }
-  }
+  static void check_stream(int device, stream_type stream);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void* cuda_memory::allocate(std::size_t bytes, int device,
+                                                 stream_type stream) {
+  detail::device_guard on(device);
+  void* data = nullptr;
+  const std::size_t n = bytes == 0 ? 1 : bytes;
+  if (pools(device)) {
+    DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
+  } else {
+    DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
+  }
+  if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
+    release(data, device, stream);
+    detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
+  }
+  return data;
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::release(void* data, int device,
+                                               stream_type stream) noexcept {
+  detail::device_guard on(device, std::nothrow);
+  if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
+  (void)cudaGetLastError();
+  (void)cudaFree(data);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::zero(void* data, std::size_t bytes, int device,
+                                            stream_type stream) {
+  if (!bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::copy(void* dst, const void* src, std::size_t bytes,
+                                            int device, stream_type stream) {
+  if (dst == src || !bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::upload(void* dst, const void* host, std::size_t bytes,
+                                              int device, stream_type stream) {
+  if (!bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::download(void* host, const void* src, std::size_t bytes,
+                                                int device, stream_type stream) {
+  if (!bytes) return;
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::compress(void* out, const float* in, std::size_t n,
+                                                float scale, dtype wire, int device,
+                                                stream_type stream) {
+  const detail::device_casts& casts = detail::registered_device_casts();
+  detail::device_guard on(device);
+  casts.compress(out, in, n, scale, wire, stream);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::decompress(float* out, const void* in, std::size_t n,
+                                                  dtype wire, int device, stream_type stream) {
+  const detail::device_casts& casts = detail::registered_device_casts();
+  detail::device_guard on(device);
+  casts.decompress(out, in, n, wire, stream);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::synchronize(int device, stream_type stream) {
+  detail::device_guard on(device);
+  DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::order_after(int device, stream_type waiter,
+                                                   stream_type before) {
+  if (waiter == before) return;
+  detail::device_guard on(device);
+  const detail::cuda_event done = detail::cuda_event::create();
+  DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
+  DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
+}
+
+DTRAIN_DETAIL_INLINE bool cuda_memory::pools(int device) noexcept {
+  int supported = 0;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return supported != 0;
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::check_stream(int device, stream_type stream) {
+  detail::device_guard on(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) {
+    throw config_error(
+        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
+        "records events, polls them from the host and launches NCCL work that must not be "
+        "replayed, so run the DDP step outside the capture (capture the forward and backward "
+        "only)");
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 #endif  // DTRAIN_HAS_CUDA()
 
@@ -328,13 +377,16 @@ inline const bool nvcc_device_casts_registered =
 }  // inline namespace nvcc / host_compiler
 
 /// Whether the program can cast GPU buckets (some unit was built by nvcc).
-[[nodiscard]] inline bool device_casts_available() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept {
 #if DTRAIN_HAS_CUDA()
   return device_casts_slot().load(std::memory_order_acquire) != nullptr;
 #else
   return false;
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 

@@ -35,15 +35,20 @@ namespace dtrain {
 
 namespace detail {
 
-inline std::string mpi_error_text(int code) {
+DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
     return "MPI error " + std::to_string(code);
   return std::string(text, static_cast<std::size_t>(length));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::string mpi_thread_level_name(int level) {
+DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level) {
   switch (level) {
     case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
     case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
@@ -52,6 +57,7 @@ inline std::string mpi_thread_level_name(int level) {
   }
   return "thread level " + std::to_string(level);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -88,73 +94,85 @@ struct mpi_options {
 
   /// These options for a job whose environment snapshot is `env`: no tuning
   /// when the user chose OMPI_MCA_coll_libnbc_iallreduce_algorithm there.
-  [[nodiscard]] mpi_options with_env(const environment& env) const {
-    mpi_options out = *this;
-    if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
-    return out;
-  }
+  [[nodiscard]] mpi_options with_env(const environment& env) const;
   static constexpr const char* open_mpi_iallreduce_variable =
       "OMPI_MCA_coll_libnbc_iallreduce_algorithm";
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_options mpi_options::with_env(const environment& env) const {
+  mpi_options out = *this;
+  if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Owns MPI's initialisation when dtrain did it: initialises only if nobody
 /// has, and then finalizes when the last communicator is gone.
 class mpi_environment {
  public:
-  explicit mpi_environment(int required_level, bool tune_open_mpi = true)
-      : unwinding_(std::uncaught_exceptions()) {
-    int initialized = 0;
-    DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
-    int provided = MPI_THREAD_SINGLE;
-    if (!initialized) {
-      // The one write to the process's environment in dtrain, and why: Open MPI
-      // takes MCA parameters at MPI_Init_thread from the environment (or
-      // parameter files) only; MPI_Init_thread has no argument for them, and
-      // MPI_T can write this one only where an Open MPI version registers it
-      // as settable. Set just before dtrain itself initialises MPI, never when
-      // the user's environment (options.with_env) or the process has it already.
-      if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
-      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS)
-        throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
-      owned_ = true;
-    } else {
-      DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
-    }
-    if (provided < required_level) {
-      throw backend_error(
-          "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
-              detail::mpi_thread_level_name(required_level) +
-              (owned_ ? "; use an MPI built with thread support"
-                      : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
-          provided);
-    }
-  }
+  explicit mpi_environment(int required_level, bool tune_open_mpi = true);
   mpi_environment(const mpi_environment&) = delete;
   mpi_environment& operator=(const mpi_environment&) = delete;
   /// Finalizes MPI if this object initialised it, except while an exception
   /// unwinds (MPI_Finalize would wait for peers that wait for this rank, so
   /// MPI is left up for dtrain::run to report the failure and MPI_Abort).
-  ~mpi_environment() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
-  }
+  ~mpi_environment();
   [[nodiscard]] bool owned() const noexcept { return owned_; }
 
   /// Whether this MPI passes device pointers itself (Open MPI's CUDA support).
-  [[nodiscard]] static bool cuda_aware() noexcept {
-#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
-    return MPIX_Query_cuda_support() == 1;
-#else
-    return false;
-#endif
-  }
+  [[nodiscard]] static bool cuda_aware() noexcept;
 
  private:
   bool owned_ = false;
   int unwinding_ = 0;  // exceptions in flight when it was made
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_environment::mpi_environment(int required_level, bool tune_open_mpi)
+    : unwinding_(std::uncaught_exceptions()) {
+  int initialized = 0;
+  DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    // The one write to the process's environment in dtrain, and why: Open MPI
+    // takes MCA parameters at MPI_Init_thread from the environment (or
+    // parameter files) only; MPI_Init_thread has no argument for them, and
+    // MPI_T can write this one only where an Open MPI version registers it
+    // as settable. Set just before dtrain itself initialises MPI, never when
+    // the user's environment (options.with_env) or the process has it already.
+    if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS)
+      throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+    owned_ = true;
+  } else {
+    DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
+  }
+  if (provided < required_level) {
+    throw backend_error(
+        "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+            detail::mpi_thread_level_name(required_level) +
+            (owned_ ? "; use an MPI built with thread support"
+                    : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+        provided);
+  }
+}
+
+DTRAIN_DETAIL_INLINE mpi_environment::~mpi_environment() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
+}
+
+DTRAIN_DETAIL_INLINE bool mpi_environment::cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
 /// CUDA is available) staged through pooled pinned host blocks: copied out
@@ -170,17 +188,10 @@ class mpi_communicator {
   static constexpr bool reaches_host_memory = true;
 
   /// Every process of MPI_COMM_WORLD (initialising MPI if nobody has).
-  static mpi_communicator world(mpi_options options = {}) {
-    auto env =
-        std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
-    return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
-  }
+  static mpi_communicator world(mpi_options options = {});
 
   /// Wraps a duplicate of `comm` (MPI already initialised by the caller).
-  static mpi_communicator from(MPI_Comm comm, mpi_options options = {}) {
-    auto env = std::make_shared<mpi_environment>(options.required_thread_level);
-    return mpi_communicator(std::move(env), comm, std::move(options));
-  }
+  static mpi_communicator from(MPI_Comm comm, mpi_options options = {});
 
   mpi_communicator(mpi_communicator&& other) noexcept
       : env_(std::move(other.env_)),
@@ -195,17 +206,7 @@ class mpi_communicator {
   mpi_communicator& operator=(mpi_communicator&&) = delete;
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
-  ~mpi_communicator() {
-    int finalized = 1;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    for (MPI_Op& op : ops_) {
-      if (op != MPI_OP_NULL) MPI_Op_free(&op);
-    }
-    // A request given up after a timeout may still be progressed by MPI: keep
-    // the communicator allocated for it (a deliberate leak of a dead communicator).
-    if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
-  }
+  ~mpi_communicator();
 
   /// -1 and 0 for a rank that split() left out (negative color).
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -218,109 +219,26 @@ class mpi_communicator {
 
   /// Pinned host bytes this communicator holds for staging device buffers
   /// (in use and free for reuse); 0 without CUDA.
-  [[nodiscard]] std::size_t staging_bytes() const {
-#if DTRAIN_HAS_CUDA()
-    return staging_->pool.held_bytes();
-#else
-    return 0;
-#endif
-  }
+  [[nodiscard]] std::size_t staging_bytes() const;
 
   // Device buffers: `stream` is the caller's stream whose work produced the
   // input (null: the legacy default stream). The host waits for it before MPI
   // reads the data; the output is on the device when the work completes.
 
-  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    return collective(
-        detail::collective_call::allreduce(in, out, op), stream,
-        [&](request& w, const detail::collective_info& what) {
-          const void* send = w.src.data == w.dst.data ? MPI_IN_PLACE : w.src.data;
-          if (w.direct) {
-            DTRAIN_MPI_CHECK(MPI_Allreduce(send, w.dst.data, count(out, what), datatype(out.type),
-                                           mpi_op(op, out.type), comm_),
-                             what);
-          } else {
-            DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w.dst.data, count(out, what), datatype(out.type),
-                                            mpi_op(op, out.type), comm_, &w.req),
-                             what);
-          }
-        });
-  }
+  work allreduce(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr);
 
-  work broadcast(buffer data, int root, stream_handle stream = nullptr) {
-    return collective(
-        detail::collective_call::broadcast(data, root), stream,
-        [&](request& w, const detail::collective_info& what) {
-          if (w.direct) {
-            DTRAIN_MPI_CHECK(
-                MPI_Bcast(w.dst.data, count(data, what), datatype(data.type), root, comm_), what);
-          } else {
-            DTRAIN_MPI_CHECK(
-                MPI_Ibcast(w.dst.data, count(data, what), datatype(data.type), root, comm_, &w.req),
-                what);
-          }
-        });
-  }
+  work broadcast(buffer data, int root, stream_handle stream = nullptr);
 
-  work allgather(buffer in, buffer out, stream_handle stream = nullptr) {
-    return collective(detail::collective_call::allgather(in, out), stream,
-                      [&](request& w, const detail::collective_info& what) {
-                        const int n = count(in, what);
-                        if (w.direct) {
-                          DTRAIN_MPI_CHECK(MPI_Allgather(w.src.data, n, datatype(in.type),
-                                                         w.dst.data, n, datatype(in.type), comm_),
-                                           what);
-                        } else {
-                          DTRAIN_MPI_CHECK(
-                              MPI_Iallgather(w.src.data, n, datatype(in.type), w.dst.data, n,
-                                             datatype(in.type), comm_, &w.req),
-                              what);
-                        }
-                      });
-  }
+  work allgather(buffer in, buffer out, stream_handle stream = nullptr);
 
-  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr) {
-    return collective(
-        detail::collective_call::reduce_scatter(in, out, op), stream,
-        [&](request& w, const detail::collective_info& what) {
-          if (w.direct) {
-            DTRAIN_MPI_CHECK(
-                MPI_Reduce_scatter_block(w.src.data, w.dst.data, count(out, what),
-                                         datatype(out.type), mpi_op(op, out.type), comm_),
-                what);
-          } else {
-            DTRAIN_MPI_CHECK(
-                MPI_Ireduce_scatter_block(w.src.data, w.dst.data, count(out, what),
-                                          datatype(out.type), mpi_op(op, out.type), comm_, &w.req),
-                what);
-          }
-        });
-  }
+  work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr);
 
-  work barrier() {
-    return collective(detail::collective_call::barrier(), nullptr,
-                      [&](request& w, const detail::collective_info& what) {
-                        DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w.req), what);
-                      });
-  }
+  work barrier();
 
   /// The ranks with the same color, ordered by key (then by rank). Collective.
   /// A negative color leaves this rank out (MPI_UNDEFINED): it gets a
   /// communicator with valid() false (see the `communicator` concept).
-  mpi_communicator split(int color, int key) {
-    auto what =
-        detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key),
-                         rank_, size_, name);
-    if (!valid()) detail::throw_invalid(what, rank_ < 0);
-    usable(what);
-    MPI_Comm child = MPI_COMM_NULL;
-    DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), what);
-    if (child == MPI_COMM_NULL) return mpi_communicator(env_, options_);
-    mpi_communicator out(env_, child, options_);
-    out.ring_ = ring_->make_child(color);
-    MPI_Comm_free(&child);  // `out` holds its own duplicate
-    return out;
-  }
+  mpi_communicator split(int color, int key);
 
  private:
   struct health {
@@ -343,22 +261,7 @@ class mpi_communicator {
     request(const detail::collective_info& what, std::chrono::milliseconds timeout,
             std::shared_ptr<health> h, std::shared_ptr<staging> st)
         : work_state(what, timeout), health_(std::move(h)), staging_(std::move(st)) {}
-    ~request() override {
-      int finalized = 1;
-      MPI_Finalized(&finalized);
-      if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
-        // A handle dropped before completion: MPI still writes into the
-        // buffers, so finish it, for at most the timeout, rather than leave
-        // MPI holding freed memory.
-        auto deadline = std::chrono::steady_clock::now() + timeout();
-        int flag = 0;
-        while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
-               std::chrono::steady_clock::now() < deadline) {
-        }
-        if (!flag) abandon();
-      }
-      if (!abandoned) release_staging();  // an abandoned request may still write into them
-    }
+    ~request() override;
 
     /// Chooses where MPI reads and writes: the user's buffers (host memory;
     /// device memory when the MPI takes it directly and no host arithmetic is
@@ -366,88 +269,15 @@ class mpi_communicator {
     /// work queued on `stream` is done. Host arithmetic: avg's division and
     /// the 16-bit floats' MPI_Op.
     void stage([[maybe_unused]] buffer in, buffer out, [[maybe_unused]] bool host_math,
-               [[maybe_unused]] stream_handle stream) {
-      user_out = out;
-      src = in;
-      dst = out;
-#if DTRAIN_HAS_CUDA()
-      if (out.where != memory::device) return;
-      try {
-        device = out.device;
-        if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
-        detail::device_guard on(device);
-        if (staging_->direct && !host_math) {
-          direct = true;  // MPI reads the device memory now: the caller's work first
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-          return;
-        }
-        staged = true;
-        const bool same = in.data == out.data;
-        dst.data = take(out.bytes(), dst_block);
-        dst.where = memory::host;
-        src.data = same ? dst.data : take(in.bytes(), src_block);
-        src.where = memory::host;
-        if (in.bytes() > 0) {
-          DTRAIN_CUDA_CHECK(
-              cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-        }
-      } catch (const backend_error& e) {
-        throw backend_error(
-            description() + ": staging the device buffer through pinned host memory: " + e.what(),
-            e.engine_code());
-      }
-#endif
-    }
+               [[maybe_unused]] stream_handle stream);
 
-    bool poll() override {
-      if (finished) return true;
-      if (req != MPI_REQUEST_NULL) {
-        int flag = 0;
-        int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) {
-          fail(std::make_exception_ptr(
-              backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
-          health_->broken = true;
-          health_->why.set(info(), "failed");
-          finished = true;
-          return true;
-        }
-        if (!flag) return false;
-      }
-      try {
-        if (divide_by > 0) detail::divide_host(dst, divide_by);
-#if DTRAIN_HAS_CUDA()
-        if (staged && user_out.bytes() > 0) {
-          detail::device_guard on(device);
-          cudaStream_t copy = staging_->pool.copy_stream(device);
-          DTRAIN_CUDA_CHECK(
-              cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
-          DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
-        }
-#endif
-      } catch (const backend_error& e) {
-        fail(std::make_exception_ptr(
-            backend_error(description() + ": copying the result back to the device: " + e.what(),
-                          e.engine_code())));
-      } catch (...) {
-        fail(std::current_exception());
-      }
-      release_staging();
-      finished = true;
-      return true;
-    }
+    bool poll() override;
 
     void on_timeout() noexcept override { abandon(); }
 
     // MPI cannot cancel a collective: the communicator is unusable from now on.
     // Allocates nothing (a timeout hook, and the destructor, call it).
-    void abandon() noexcept {
-      abandoned = true;
-      health_->abandoned = true;
-      health_->broken = true;
-      health_->why.set(info(), "timed out");
-    }
+    void abandon() noexcept;
 
     MPI_Request req = MPI_REQUEST_NULL;
     buffer src{}, dst{}, user_out{};
@@ -472,12 +302,7 @@ class mpi_communicator {
 #endif
     // Blocks go back to the pool for the next call (never while MPI may still
     // write into them: an abandoned request keeps them).
-    void release_staging() noexcept {
-#if DTRAIN_HAS_CUDA()
-      staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
-      staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
-#endif
-    }
+    void release_staging() noexcept;
     block src_block, dst_block;
     std::shared_ptr<health> health_;
     std::shared_ptr<staging> staging_;
@@ -505,28 +330,7 @@ class mpi_communicator {
     return work(std::move(w));
   }
 
-  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options)
-      : env_(std::move(env)),
-        options_(std::move(options)),
-        health_(std::make_shared<health>()),
-        staging_(std::make_shared<staging>()) {
-    if (options_.cuda_aware_direct) {
-      if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
-        throw config_error(
-            "mpi_options::cuda_aware_direct is set, but " +
-            std::string(DTRAIN_HAS_CUDA()
-                            ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
-                            : "dtrain is built without CUDA") +
-            ": unset it, and device buffers are staged through pinned host memory");
-      }
-      staging_->direct = true;
-    }
-    DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
-    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
-                     "setting MPI_ERRORS_RETURN");
-    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-  }
+  mpi_communicator(std::shared_ptr<mpi_environment> env, MPI_Comm base, mpi_options options);
 
   // A left-out (or moved-from) communicator: what split() returns to a rank
   // that passed a negative color.
@@ -550,29 +354,12 @@ class mpi_communicator {
     }
   }
 
-  static int count(const buffer& b, const detail::collective_info& what) {
-    if (b.count > static_cast<std::size_t>(INT_MAX)) {
-      throw config_error(detail::describe(what) + ": " + std::to_string(b.count) +
-                         " elements exceed MPI's int count; split the buffer");
-    }
-    return static_cast<int>(b.count);
-  }
+  static int count(const buffer& b, const detail::collective_info& what);
 
   // Whether MPI reduces the type itself (the 16-bit floats go through dtrain's MPI_Op).
   static bool native(dtype t) noexcept { return t != dtype::float16 && t != dtype::bfloat16; }
 
-  static MPI_Datatype datatype(dtype t) {
-    switch (t) {
-      case dtype::float32: return MPI_FLOAT;
-      case dtype::float64: return MPI_DOUBLE;
-      case dtype::int32: return MPI_INT32_T;
-      case dtype::int64: return MPI_INT64_T;
-      case dtype::uint8: return MPI_UINT8_T;
-      case dtype::float16:
-      case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
-    }
-    return MPI_DATATYPE_NULL;
-  }
+  static MPI_Datatype datatype(dtype t);
 
   template <class T, reduce_op Op>
   static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -580,48 +367,11 @@ class mpi_communicator {
                            static_cast<std::size_t>(*len), Op);
   }
 
-  MPI_Op mpi_op(reduce_op op, dtype t) {
-    if (t != dtype::float16 && t != dtype::bfloat16) {
-      switch (op) {
-        case reduce_op::sum:
-        case reduce_op::avg: return MPI_SUM;
-        case reduce_op::min: return MPI_MIN;
-        case reduce_op::max: return MPI_MAX;
-        case reduce_op::prod: return MPI_PROD;
-      }
-    }
-    // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
-    const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) + (op == reduce_op::min    ? 1u
-                                                                 : op == reduce_op::max  ? 2u
-                                                                 : op == reduce_op::prod ? 3u
-                                                                                         : 0u);
-    if (ops_[slot] == MPI_OP_NULL) {
-      static MPI_User_function* const functions[8] = {
-          &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
-          &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
-          &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
-          &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
-      DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]),
-                       "creating the 16-bit float MPI_Op");
-    }
-    return ops_[slot];
-  }
+  MPI_Op mpi_op(reduce_op op, dtype t);
 
   // Numbers the collective in the ring; check mode: every rank passed the same call, count, type,
   // op/root.
-  std::int64_t verify(const detail::collective_info& info) {
-    const std::int64_t sequence = detail::record(*ring_, info);
-    if (!options_.collectives.check) return sequence;
-    detail::compare_signatures(
-        detail::signature_of(sequence, info), rank_, size_, info,
-        [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-          DTRAIN_MPI_CHECK(
-              MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T, out.data(),
-                            static_cast<int>(in.size()), MPI_INT64_T, comm_),
-              detail::describe(info) + " (check mode)");
-        });
-    return sequence;
-  }
+  std::int64_t verify(const detail::collective_info& info);
 
   std::shared_ptr<mpi_environment> env_;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -630,15 +380,329 @@ class mpi_communicator {
   mpi_options options_;
   std::shared_ptr<detail::collective_ring> ring_ = std::make_shared<detail::collective_ring>();
   // MPI_OP_NULL is not a null pointer in every MPI (Open MPI: an object's address).
-  static std::array<MPI_Op, 8> no_ops() noexcept {
-    std::array<MPI_Op, 8> ops;
-    ops.fill(MPI_OP_NULL);
-    return ops;
-  }
+  static std::array<MPI_Op, 8> no_ops() noexcept;
   std::array<MPI_Op, 8> ops_ = no_ops();
   std::shared_ptr<health> health_;
   std::shared_ptr<staging> staging_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::world(mpi_options options) {
+  auto env =
+      std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
+  return mpi_communicator(std::move(env), MPI_COMM_WORLD, std::move(options));
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::from(MPI_Comm comm, mpi_options options) {
+  auto env = std::make_shared<mpi_environment>(options.required_thread_level);
+  return mpi_communicator(std::move(env), comm, std::move(options));
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator::~mpi_communicator() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (MPI_Op& op : ops_) {
+    if (op != MPI_OP_NULL) MPI_Op_free(&op);
+  }
+  // A request given up after a timeout may still be progressed by MPI: keep
+  // the communicator allocated for it (a deliberate leak of a dead communicator).
+  if (comm_ != MPI_COMM_NULL && !(health_ && health_->abandoned)) MPI_Comm_free(&comm_);
+}
+
+DTRAIN_DETAIL_INLINE std::size_t mpi_communicator::staging_bytes() const {
+#if DTRAIN_HAS_CUDA()
+  return staging_->pool.held_bytes();
+#else
+  return 0;
+#endif
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::allreduce(buffer in, buffer out, reduce_op op,
+                                                      stream_handle stream) {
+  return collective(
+      detail::collective_call::allreduce(in, out, op), stream,
+      [&](request& w, const detail::collective_info& what) {
+        const void* send = w.src.data == w.dst.data ? MPI_IN_PLACE : w.src.data;
+        if (w.direct) {
+          DTRAIN_MPI_CHECK(MPI_Allreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                         mpi_op(op, out.type), comm_),
+                           what);
+        } else {
+          DTRAIN_MPI_CHECK(MPI_Iallreduce(send, w.dst.data, count(out, what), datatype(out.type),
+                                          mpi_op(op, out.type), comm_, &w.req),
+                           what);
+        }
+      });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::broadcast(buffer data, int root, stream_handle stream) {
+  return collective(
+      detail::collective_call::broadcast(data, root), stream,
+      [&](request& w, const detail::collective_info& what) {
+        if (w.direct) {
+          DTRAIN_MPI_CHECK(
+              MPI_Bcast(w.dst.data, count(data, what), datatype(data.type), root, comm_), what);
+        } else {
+          DTRAIN_MPI_CHECK(
+              MPI_Ibcast(w.dst.data, count(data, what), datatype(data.type), root, comm_, &w.req),
+              what);
+        }
+      });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::allgather(buffer in, buffer out, stream_handle stream) {
+  return collective(detail::collective_call::allgather(in, out), stream,
+                    [&](request& w, const detail::collective_info& what) {
+                      const int n = count(in, what);
+                      if (w.direct) {
+                        DTRAIN_MPI_CHECK(MPI_Allgather(w.src.data, n, datatype(in.type), w.dst.data,
+                                                       n, datatype(in.type), comm_),
+                                         what);
+                      } else {
+                        DTRAIN_MPI_CHECK(
+                            MPI_Iallgather(w.src.data, n, datatype(in.type), w.dst.data, n,
+                                           datatype(in.type), comm_, &w.req),
+                            what);
+                      }
+                    });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::reduce_scatter(buffer in, buffer out, reduce_op op,
+                                                           stream_handle stream) {
+  return collective(
+      detail::collective_call::reduce_scatter(in, out, op), stream,
+      [&](request& w, const detail::collective_info& what) {
+        if (w.direct) {
+          DTRAIN_MPI_CHECK(
+              MPI_Reduce_scatter_block(w.src.data, w.dst.data, count(out, what), datatype(out.type),
+                                       mpi_op(op, out.type), comm_),
+              what);
+        } else {
+          DTRAIN_MPI_CHECK(
+              MPI_Ireduce_scatter_block(w.src.data, w.dst.data, count(out, what),
+                                        datatype(out.type), mpi_op(op, out.type), comm_, &w.req),
+              what);
+        }
+      });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::barrier() {
+  return collective(detail::collective_call::barrier(), nullptr,
+                    [&](request& w, const detail::collective_info& what) {
+                      DTRAIN_MPI_CHECK(MPI_Ibarrier(comm_, &w.req), what);
+                    });
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::split(int color, int key) {
+  auto what =
+      detail::describe("split", "color " + std::to_string(color) + ", key " + std::to_string(key),
+                       rank_, size_, name);
+  if (!valid()) detail::throw_invalid(what, rank_ < 0);
+  usable(what);
+  MPI_Comm child = MPI_COMM_NULL;
+  DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), what);
+  if (child == MPI_COMM_NULL) return mpi_communicator(env_, options_);
+  mpi_communicator out(env_, child, options_);
+  out.ring_ = ring_->make_child(color);
+  MPI_Comm_free(&child);  // `out` holds its own duplicate
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator::request::~request() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (req != MPI_REQUEST_NULL && !finalized && !abandoned) {
+    // A handle dropped before completion: MPI still writes into the
+    // buffers, so finish it, for at most the timeout, rather than leave
+    // MPI holding freed memory.
+    auto deadline = std::chrono::steady_clock::now() + timeout();
+    int flag = 0;
+    while (!flag && MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+           std::chrono::steady_clock::now() < deadline) {
+    }
+    if (!flag) abandon();
+  }
+  if (!abandoned) release_staging();  // an abandoned request may still write into them
+}
+
+DTRAIN_DETAIL_INLINE void mpi_communicator::request::stage([[maybe_unused]] buffer in, buffer out,
+                                                           [[maybe_unused]] bool host_math,
+                                                           [[maybe_unused]] stream_handle stream) {
+  user_out = out;
+  src = in;
+  dst = out;
+#if DTRAIN_HAS_CUDA()
+  if (out.where != memory::device) return;
+  try {
+    device = out.device;
+    if (device < 0) DTRAIN_CUDA_CHECK(cudaGetDevice(&device));
+    detail::device_guard on(device);
+    if (staging_->direct && !host_math) {
+      direct = true;  // MPI reads the device memory now: the caller's work first
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return;
+    }
+    staged = true;
+    const bool same = in.data == out.data;
+    dst.data = take(out.bytes(), dst_block);
+    dst.where = memory::host;
+    src.data = same ? dst.data : take(in.bytes(), src_block);
+    src.where = memory::host;
+    if (in.bytes() > 0) {
+      DTRAIN_CUDA_CHECK(cudaMemcpyAsync(src.data, in.data, in.bytes(), cudaMemcpyDefault, stream));
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  } catch (const backend_error& e) {
+    throw backend_error(
+        description() + ": staging the device buffer through pinned host memory: " + e.what(),
+        e.engine_code());
+  }
+#endif
+}
+
+DTRAIN_DETAIL_INLINE bool mpi_communicator::request::poll() {
+  if (finished) return true;
+  if (req != MPI_REQUEST_NULL) {
+    int flag = 0;
+    int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      fail(std::make_exception_ptr(
+          backend_error(description() + ": " + detail::mpi_error_text(rc), rc)));
+      health_->broken = true;
+      health_->why.set(info(), "failed");
+      finished = true;
+      return true;
+    }
+    if (!flag) return false;
+  }
+  try {
+    if (divide_by > 0) detail::divide_host(dst, divide_by);
+#if DTRAIN_HAS_CUDA()
+    if (staged && user_out.bytes() > 0) {
+      detail::device_guard on(device);
+      cudaStream_t copy = staging_->pool.copy_stream(device);
+      DTRAIN_CUDA_CHECK(
+          cudaMemcpyAsync(user_out.data, dst.data, user_out.bytes(), cudaMemcpyDefault, copy));
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(copy));
+    }
+#endif
+  } catch (const backend_error& e) {
+    fail(std::make_exception_ptr(backend_error(
+        description() + ": copying the result back to the device: " + e.what(), e.engine_code())));
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  release_staging();
+  finished = true;
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE void mpi_communicator::request::abandon() noexcept {
+  abandoned = true;
+  health_->abandoned = true;
+  health_->broken = true;
+  health_->why.set(info(), "timed out");
+}
+
+DTRAIN_DETAIL_INLINE void mpi_communicator::request::release_staging() noexcept {
+#if DTRAIN_HAS_CUDA()
+  staging_->pool.give(std::exchange(src_block.data, nullptr), src_block.bytes);
+  staging_->pool.give(std::exchange(dst_block.data, nullptr), dst_block.bytes);
+#endif
+}
+
+DTRAIN_DETAIL_INLINE mpi_communicator::mpi_communicator(std::shared_ptr<mpi_environment> env,
+                                                        MPI_Comm base, mpi_options options)
+    : env_(std::move(env)),
+      options_(std::move(options)),
+      health_(std::make_shared<health>()),
+      staging_(std::make_shared<staging>()) {
+  if (options_.cuda_aware_direct) {
+    if (!DTRAIN_HAS_CUDA() || !mpi_environment::cuda_aware()) {
+      throw config_error(
+          "mpi_options::cuda_aware_direct is set, but " +
+          std::string(DTRAIN_HAS_CUDA()
+                          ? "this MPI is not CUDA-aware (MPIX_Query_cuda_support() is not 1)"
+                          : "dtrain is built without CUDA") +
+          ": unset it, and device buffers are staged through pinned host memory");
+    }
+    staging_->direct = true;
+  }
+  DTRAIN_MPI_CHECK(MPI_Comm_dup(base, &comm_), "duplicating the MPI communicator");
+  DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN");
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+  DTRAIN_MPI_CHECK(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+}
+
+DTRAIN_DETAIL_INLINE int mpi_communicator::count(const buffer& b,
+                                                 const detail::collective_info& what) {
+  if (b.count > static_cast<std::size_t>(INT_MAX)) {
+    throw config_error(detail::describe(what) + ": " + std::to_string(b.count) +
+                       " elements exceed MPI's int count; split the buffer");
+  }
+  return static_cast<int>(b.count);
+}
+
+DTRAIN_DETAIL_INLINE MPI_Datatype mpi_communicator::datatype(dtype t) {
+  switch (t) {
+    case dtype::float32: return MPI_FLOAT;
+    case dtype::float64: return MPI_DOUBLE;
+    case dtype::int32: return MPI_INT32_T;
+    case dtype::int64: return MPI_INT64_T;
+    case dtype::uint8: return MPI_UINT8_T;
+    case dtype::float16:
+    case dtype::bfloat16: return MPI_UINT16_T;  // reduced by dtrain's own MPI_Op
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+DTRAIN_DETAIL_INLINE MPI_Op mpi_communicator::mpi_op(reduce_op op, dtype t) {
+  if (t != dtype::float16 && t != dtype::bfloat16) {
+    switch (op) {
+      case reduce_op::sum:
+      case reduce_op::avg: return MPI_SUM;
+      case reduce_op::min: return MPI_MIN;
+      case reduce_op::max: return MPI_MAX;
+      case reduce_op::prod: return MPI_PROD;
+    }
+  }
+  // Custom ops for the 16-bit floats, created on first use: [type][sum, min, max, prod].
+  const std::size_t slot = (t == dtype::bfloat16 ? 4u : 0u) + (op == reduce_op::min    ? 1u
+                                                               : op == reduce_op::max  ? 2u
+                                                               : op == reduce_op::prod ? 3u
+                                                                                       : 0u);
+  if (ops_[slot] == MPI_OP_NULL) {
+    static MPI_User_function* const functions[8] = {
+        &reduce_16bit<float16, reduce_op::sum>,  &reduce_16bit<float16, reduce_op::min>,
+        &reduce_16bit<float16, reduce_op::max>,  &reduce_16bit<float16, reduce_op::prod>,
+        &reduce_16bit<bfloat16, reduce_op::sum>, &reduce_16bit<bfloat16, reduce_op::min>,
+        &reduce_16bit<bfloat16, reduce_op::max>, &reduce_16bit<bfloat16, reduce_op::prod>};
+    DTRAIN_MPI_CHECK(MPI_Op_create(functions[slot], 1, &ops_[slot]),
+                     "creating the 16-bit float MPI_Op");
+  }
+  return ops_[slot];
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t mpi_communicator::verify(const detail::collective_info& info) {
+  const std::int64_t sequence = detail::record(*ring_, info);
+  if (!options_.collectives.check) return sequence;
+  detail::compare_signatures(
+      detail::signature_of(sequence, info), rank_, size_, info,
+      [&](std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+        DTRAIN_MPI_CHECK(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_INT64_T,
+                                       out.data(), static_cast<int>(in.size()), MPI_INT64_T, comm_),
+                         detail::describe(info) + " (check mode)");
+      });
+  return sequence;
+}
+
+DTRAIN_DETAIL_INLINE std::array<MPI_Op, 8> mpi_communicator::no_ops() noexcept {
+  std::array<MPI_Op, 8> ops;
+  ops.fill(MPI_OP_NULL);
+  return ops;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 static_assert(communicator<mpi_communicator>);
 
@@ -651,25 +715,9 @@ namespace detail {
 /// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
 class mpi_relay {
  public:
-  explicit mpi_relay(MPI_Comm comm, int root = 0) : comm_(comm), root_(root) {
-    DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
-                     "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
-  }
+  explicit mpi_relay(MPI_Comm comm, int root = 0);
 
-  void carry(std::string& message, const std::string& what) {
-    std::uint64_t length = message.size();
-    DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
-    if (length > max_length) {
-      throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
-                              std::to_string(length) + " bytes, more than the 1 MiB allowed",
-                          0);
-    }
-    message.resize(static_cast<std::size_t>(length));
-    if (length > 0) {
-      DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
-                       what);
-    }
-  }
+  void carry(std::string& message, const std::string& what);
   [[nodiscard]] int root() const noexcept { return root_; }
   [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
   [[nodiscard]] std::string where() const {
@@ -682,6 +730,28 @@ class mpi_relay {
   int root_;
   int rank_ = -1;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE mpi_relay::mpi_relay(MPI_Comm comm, int root) : comm_(comm), root_(root) {
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
+                   "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
+}
+
+DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::string& what) {
+  std::uint64_t length = message.size();
+  DTRAIN_MPI_CHECK(MPI_Bcast(&length, 1, MPI_UINT64_T, root_, comm_), what);
+  if (length > max_length) {
+    throw backend_error(what + ": rank " + std::to_string(root_) + " sent a value of " +
+                            std::to_string(length) + " bytes, more than the 1 MiB allowed",
+                        0);
+  }
+  message.resize(static_cast<std::size_t>(length));
+  if (length > 0) {
+    DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
+                     what);
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 

@@ -42,10 +42,13 @@ inline std::string nccl_unique_id_text(const ncclUniqueId& id) {
   return std::string(id.internal, sizeof id.internal);
 }
 /// What creating a communicator is called in its errors.
-inline std::string nccl_creating(int rank, int size, int device) {
+DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device) {
   return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
          std::to_string(size) + " on CUDA device " + std::to_string(device);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 /// Checks `device` and makes it current, as creating the communicator does
 /// (and with the same errors).
 template <class Api>
@@ -66,27 +69,35 @@ struct nccl_gpu {
   int device = -1;      ///< the CUDA ordinal this rank used
   std::string visible;  ///< its CUDA_VISIBLE_DEVICES, or "<unset>"
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
-    return out;
-  }
-  [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value) {
-    return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
-      nccl_gpu g;
-      g.uuid = std::string(r.bytes32("the GPU's UUID"));
-      g.pci_bus = std::string(r.bytes32("its PCI bus id"));
-      g.host = std::string(r.bytes32("the host name"));
-      g.device = static_cast<int>(r.i64("the CUDA device"));
-      g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
-      return g;
-    });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_gpu::encode() const {
+  std::string out;
+  wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE nccl_gpu nccl_gpu::decode(std::string_view where, std::string_view value) {
+  return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
+    nccl_gpu g;
+    g.uuid = std::string(r.bytes32("the GPU's UUID"));
+    g.pci_bus = std::string(r.bytes32("its PCI bus id"));
+    g.host = std::string(r.bytes32("the host name"));
+    g.device = static_cast<int>(r.i64("the CUDA device"));
+    g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
+    return g;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
 /// config_error's text; empty when every rank has its own.
-inline std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
   for (std::size_t a = 0; a < gpus.size(); ++a) {
     for (std::size_t b = a + 1; b < gpus.size(); ++b) {
       if (gpus[a].uuid != gpus[b].uuid) continue;
@@ -104,6 +115,7 @@ inline std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
   }
   return {};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 }  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
@@ -637,13 +649,16 @@ static_assert(communicator<nccl_communicator>);
 /// throws its own error and every other rank throws rendezvous_error with
 /// the root's message, rather than waiting (broadcast_or_fail). MPI errors
 /// are checked only if `comm` returns them (MPI_ERRORS_RETURN).
-inline ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0) {
+DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root) {
   detail::mpi_relay relay(comm, root);
   const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
     return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
   });
   return detail::nccl_unique_id_from(value, relay.where());
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 #endif  // DTRAIN_HAS_MPI()
 
 }  // namespace dtrain

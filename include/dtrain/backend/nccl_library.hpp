@@ -22,8 +22,11 @@ namespace dtrain::detail {
 
 /// "NCCL call `ncclAllReduce(...)` failed: invalid usage (...); NCCL's last
 /// error: ... (ncclResult_t 5, at file:line)".
-inline std::string nccl_error_text(ncclResult_t code, const char* call, const char* file,
-                                   int line) {
+DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
+                                                 const char* file, int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
+                                                 const char* file, int line) {
   std::string text =
       "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
   const char* last = ncclGetLastError(nullptr);
@@ -31,6 +34,7 @@ inline std::string nccl_error_text(ncclResult_t code, const char* call, const ch
   return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
          std::to_string(line) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
                                           int line) {

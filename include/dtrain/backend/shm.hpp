@@ -142,70 +142,15 @@ class shm_segment {
   }
   shm_segment(const shm_segment&) = delete;
   shm_segment& operator=(const shm_segment&) = delete;
-  ~shm_segment() {
-    if (base_) ::munmap(base_, bytes_);
-    if (fd_ >= 0) ::close(fd_);
-  }
+  ~shm_segment();
 
   /// Rank 0: makes the segment `name` ("/dtrain-..."), which must not exist,
   /// for `size` ranks. Throws shm_failure (not timed out) saying which call failed.
-  static shm_segment create(const std::string& name, int size) {
-    shm_segment s;
-    s.rank_ = 0;
-    s.size_ = size;
-    s.slot_ = shm_slot_bytes(size);
-    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
-    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, S_IRUSR | S_IWUSR);
-    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_CREAT | O_EXCL, 0600)");
-    try {
-      // Reserve every page now: a tmpfs that is full (a container's 64 MiB
-      // /dev/shm) fails here, not with SIGBUS on a later write.
-      if (const int e = ::posix_fallocate(s.fd_, 0, static_cast<off_t>(s.bytes_)); e != 0) {
-        errno = e;
-        fail_call("posix_fallocate(" + name + ", " + std::to_string(s.bytes_) + " bytes)");
-      }
-      s.map(name);
-      auto* c = new (s.base_) control{};
-      c->size = static_cast<std::uint32_t>(size);
-      c->slot_bytes = s.slot_;
-      for (int r = 0; r < size; ++r) new (&s.flags(r)) rank_flags{};
-      c->magic = magic;  // last: a segment with the magic is complete
-      s.lock_own_byte(name);
-    } catch (...) {
-      unlink(name);  // nothing of a segment that failed stays behind
-      throw;
-    }
-    return s;
-  }
+  static shm_segment create(const std::string& name, int size);
 
   /// Every other rank: opens the segment rank 0 made and checks that it was
   /// made for `size` ranks. Throws shm_failure (not timed out).
-  static shm_segment open(const std::string& name, int rank, int size) {
-    shm_segment s;
-    s.rank_ = rank;
-    s.size_ = size;
-    s.slot_ = shm_slot_bytes(size);
-    s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
-    s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-    if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_RDWR)");
-    struct stat st {};
-    if (::fstat(s.fd_, &st) != 0) fail_call("fstat(" + name + ")");
-    if (static_cast<std::size_t>(st.st_size) != s.bytes_) {
-      throw shm_failure("segment " + name + " holds " + std::to_string(st.st_size) +
-                            " bytes, not the " + std::to_string(s.bytes_) + " of a group of " +
-                            std::to_string(size),
-                        false);
-    }
-    s.map(name);
-    const control& c = s.head();
-    if (c.magic != magic || c.size != static_cast<std::uint32_t>(size) || c.slot_bytes != s.slot_) {
-      throw shm_failure(
-          "segment " + name + " was not made by dtrain for a group of " + std::to_string(size),
-          false);
-    }
-    s.lock_own_byte(name);
-    return s;
-  }
+  static shm_segment open(const std::string& name, int rank, int size);
 
   /// Removes the name (every rank keeps its mapping). Rank 0, once all have opened it.
   static void unlink(const std::string& name) noexcept { ::shm_unlink(name.c_str()); }
@@ -272,21 +217,7 @@ class shm_segment {
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
   /// The first rank to give up is the one they name; `timed_out` (it gave up
   /// at the timeout) makes their failures timeouts too.
-  void abandon(std::string_view why = {}, bool timed_out = false) noexcept {
-    if (!base_) return;
-    control& c = head();
-    if (c.claimed.exchange(1) == 0) {
-      const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
-      std::memcpy(c.why, why.data(), n);
-      c.why[n] = '\0';
-      c.timed_out.store(timed_out ? 1 : 0, std::memory_order_relaxed);
-      c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
-    }
-    for (int r = 0; r < size_; ++r) {
-      wake(flags(r).arrived);
-      wake(flags(r).reduced);
-    }
-  }
+  void abandon(std::string_view why = {}, bool timed_out = false) noexcept;
 
  private:
   /// A futex word and the count of ranks sleeping on it (so that a rank that
@@ -321,42 +252,19 @@ class shm_segment {
     throw shm_failure(call + ": " + std::strerror(errno), false);
   }
 
-  void map(const std::string& name) {
-    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    if (p == MAP_FAILED) fail_call("mmap(" + name + ")");
-    base_ = p;
-  }
+  void map(const std::string& name);
 
   // An open-file-description lock on byte `rank` of the file: it lives as
   // long as this mapping's descriptor, and no longer than the process.
-  void lock_own_byte(const std::string& name) {
-    struct flock l {};
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    l.l_start = rank_;
-    l.l_len = 1;
-    if (::fcntl(fd_, F_OFD_SETLK, &l) != 0) fail_call("fcntl(" + name + ", F_OFD_SETLK)");
-  }
+  void lock_own_byte(const std::string& name);
 
   // False only when the peer's lock is gone: it exited. True when unsure.
-  [[nodiscard]] bool alive(int peer) const noexcept {
-    struct flock l {};
-    l.l_type = F_WRLCK;
-    l.l_whence = SEEK_SET;
-    l.l_start = peer;
-    l.l_len = 1;
-    if (::fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
-    return l.l_type != F_UNLCK;
-  }
+  [[nodiscard]] bool alive(int peer) const noexcept;
 
   [[nodiscard]] control& head() const noexcept {
     return *std::launder(static_cast<control*>(base_));
   }
-  [[nodiscard]] rank_flags& flags(int r) const noexcept {
-    auto* p = static_cast<unsigned char*>(base_) + sizeof(control) +
-              static_cast<std::size_t>(r) * sizeof(rank_flags);
-    return *std::launder(reinterpret_cast<rank_flags*>(p));
-  }
+  [[nodiscard]] rank_flags& flags(int r) const noexcept;
   // Slot q of the ranks; slot `size` is the result.
   template <class T>
   [[nodiscard]] T* slot(std::size_t q) const noexcept {
@@ -365,17 +273,11 @@ class shm_segment {
   }
 
   static long futex(std::atomic<std::uint32_t>& word, int op, std::uint32_t value,
-                    const timespec* wait) noexcept {
-    return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, wait, nullptr,
-                     0);
-  }
+                    const timespec* wait) noexcept;
   static void wake(flag& f) noexcept {
     futex(f.value, FUTEX_WAKE, static_cast<std::uint32_t>(INT_MAX), nullptr);
   }
-  static void publish(flag& f, std::uint32_t k) noexcept {
-    f.value.store(k, std::memory_order_seq_cst);
-    if (f.sleepers.load(std::memory_order_seq_cst) != 0) wake(f);
-  }
+  static void publish(flag& f, std::uint32_t k) noexcept;
   static bool reached(std::uint32_t value, std::uint32_t k) noexcept {
     return static_cast<std::int32_t>(value - k) >= 0;  // counts wrap after 2^32 chunks
   }
@@ -386,68 +288,12 @@ class shm_segment {
   // and for the deadline.
   void wait_all(flag rank_flags::*which, std::uint32_t k,
                 std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
-                const char* phase, std::size_t c, std::size_t chunks) {
-    for (int q = 0; q < size_; ++q) {
-      flag& f = flags(q).*which;
-      for (int spin = 0; spin < 256 && !reached(f.value.load(std::memory_order_acquire), k);
-           ++spin) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-      }
-      while (!reached(f.value.load(std::memory_order_acquire), k)) {
-        // The rank waited for first: its death is the cause, another's giving up a consequence.
-        if (!alive(q)) {
-          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
-                            " exited or closed its communicator (its lock on the segment is "
-                            "gone)";
-          abandon(why);
-          throw shm_failure(why, false);
-        }
-        if (const std::uint32_t by = head().abandoned_by.load(std::memory_order_acquire); by != 0) {
-          const char* why = head().why;
-          throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
-                                std::string(why, ::strnlen(why, sizeof head().why)),
-                            head().timed_out.load(std::memory_order_relaxed) != 0);
-        }
-        const auto now = std::chrono::steady_clock::now();
-        if (now >= deadline) {
-          std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
-                            " did not come within the timeout (" + std::to_string(timeout.count()) +
-                            " ms): timed out";
-          abandon(why, true);
-          throw shm_failure(why, true);
-        }
-        const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
-        const auto slice = left < std::chrono::milliseconds(20)
-                               ? left
-                               : std::chrono::nanoseconds(std::chrono::milliseconds(20));
-        const timespec wait{static_cast<time_t>(slice.count() / 1'000'000'000),
-                            static_cast<long>(slice.count() % 1'000'000'000)};
-        f.sleepers.fetch_add(1, std::memory_order_seq_cst);
-        const std::uint32_t seen = f.value.load(std::memory_order_seq_cst);
-        if (!reached(seen, k)) futex(f.value, FUTEX_WAIT, seen, &wait);
-        f.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      }
-    }
-  }
+                const char* phase, std::size_t c, std::size_t chunks);
 
   [[nodiscard]] std::string where(int q, const char* phase, std::size_t c,
-                                  std::size_t chunks) const {
-    return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-           " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
-           std::to_string(c + 1) + " of " + std::to_string(chunks);
-  }
+                                  std::size_t chunks) const;
 
-  void swap(shm_segment& o) noexcept {
-    std::swap(base_, o.base_);
-    std::swap(bytes_, o.bytes_);
-    std::swap(slot_, o.slot_);
-    std::swap(fd_, o.fd_);
-    std::swap(rank_, o.rank_);
-    std::swap(size_, o.size_);
-    std::swap(chunk_, o.chunk_);
-  }
+  void swap(shm_segment& o) noexcept;
 
   void* base_ = nullptr;
   std::size_t bytes_ = 0;
@@ -457,6 +303,192 @@ class shm_segment {
   int size_ = 1;
   std::uint32_t chunk_ = 0;  // chunks this rank has run: the same count on every rank
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE shm_segment::~shm_segment() {
+  if (base_) ::munmap(base_, bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+DTRAIN_DETAIL_INLINE shm_segment shm_segment::create(const std::string& name, int size) {
+  shm_segment s;
+  s.rank_ = 0;
+  s.size_ = size;
+  s.slot_ = shm_slot_bytes(size);
+  s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+  s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, S_IRUSR | S_IWUSR);
+  if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_CREAT | O_EXCL, 0600)");
+  try {
+    // Reserve every page now: a tmpfs that is full (a container's 64 MiB
+    // /dev/shm) fails here, not with SIGBUS on a later write.
+    if (const int e = ::posix_fallocate(s.fd_, 0, static_cast<off_t>(s.bytes_)); e != 0) {
+      errno = e;
+      fail_call("posix_fallocate(" + name + ", " + std::to_string(s.bytes_) + " bytes)");
+    }
+    s.map(name);
+    auto* c = new (s.base_) control{};
+    c->size = static_cast<std::uint32_t>(size);
+    c->slot_bytes = s.slot_;
+    for (int r = 0; r < size; ++r) new (&s.flags(r)) rank_flags{};
+    c->magic = magic;  // last: a segment with the magic is complete
+    s.lock_own_byte(name);
+  } catch (...) {
+    unlink(name);  // nothing of a segment that failed stays behind
+    throw;
+  }
+  return s;
+}
+
+DTRAIN_DETAIL_INLINE shm_segment shm_segment::open(const std::string& name, int rank, int size) {
+  shm_segment s;
+  s.rank_ = rank;
+  s.size_ = size;
+  s.slot_ = shm_slot_bytes(size);
+  s.bytes_ = data_offset(size) + (static_cast<std::size_t>(size) + 1) * s.slot_;
+  s.fd_ = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (s.fd_ < 0) fail_call("shm_open(" + name + ", O_RDWR)");
+  struct stat st {};
+  if (::fstat(s.fd_, &st) != 0) fail_call("fstat(" + name + ")");
+  if (static_cast<std::size_t>(st.st_size) != s.bytes_) {
+    throw shm_failure("segment " + name + " holds " + std::to_string(st.st_size) +
+                          " bytes, not the " + std::to_string(s.bytes_) + " of a group of " +
+                          std::to_string(size),
+                      false);
+  }
+  s.map(name);
+  const control& c = s.head();
+  if (c.magic != magic || c.size != static_cast<std::uint32_t>(size) || c.slot_bytes != s.slot_) {
+    throw shm_failure(
+        "segment " + name + " was not made by dtrain for a group of " + std::to_string(size),
+        false);
+  }
+  s.lock_own_byte(name);
+  return s;
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::abandon(std::string_view why, bool timed_out) noexcept {
+  if (!base_) return;
+  control& c = head();
+  if (c.claimed.exchange(1) == 0) {
+    const std::size_t n = why.size() < sizeof c.why - 1 ? why.size() : sizeof c.why - 1;
+    std::memcpy(c.why, why.data(), n);
+    c.why[n] = '\0';
+    c.timed_out.store(timed_out ? 1 : 0, std::memory_order_relaxed);
+    c.abandoned_by.store(static_cast<std::uint32_t>(rank_) + 1, std::memory_order_release);
+  }
+  for (int r = 0; r < size_; ++r) {
+    wake(flags(r).arrived);
+    wake(flags(r).reduced);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::map(const std::string& name) {
+  void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) fail_call("mmap(" + name + ")");
+  base_ = p;
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::lock_own_byte(const std::string& name) {
+  struct flock l {};
+  l.l_type = F_WRLCK;
+  l.l_whence = SEEK_SET;
+  l.l_start = rank_;
+  l.l_len = 1;
+  if (::fcntl(fd_, F_OFD_SETLK, &l) != 0) fail_call("fcntl(" + name + ", F_OFD_SETLK)");
+}
+
+DTRAIN_DETAIL_INLINE bool shm_segment::alive(int peer) const noexcept {
+  struct flock l {};
+  l.l_type = F_WRLCK;
+  l.l_whence = SEEK_SET;
+  l.l_start = peer;
+  l.l_len = 1;
+  if (::fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
+  return l.l_type != F_UNLCK;
+}
+
+DTRAIN_DETAIL_INLINE auto shm_segment::flags(int r) const noexcept -> rank_flags& {
+  auto* p = static_cast<unsigned char*>(base_) + sizeof(control) +
+            static_cast<std::size_t>(r) * sizeof(rank_flags);
+  return *std::launder(reinterpret_cast<rank_flags*>(p));
+}
+
+DTRAIN_DETAIL_INLINE long shm_segment::futex(std::atomic<std::uint32_t>& word, int op,
+                                             std::uint32_t value, const timespec* wait) noexcept {
+  return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), op, value, wait, nullptr, 0);
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::publish(flag& f, std::uint32_t k) noexcept {
+  f.value.store(k, std::memory_order_seq_cst);
+  if (f.sleepers.load(std::memory_order_seq_cst) != 0) wake(f);
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::wait_all(flag rank_flags::*which, std::uint32_t k,
+                                                std::chrono::steady_clock::time_point deadline,
+                                                std::chrono::milliseconds timeout,
+                                                const char* phase, std::size_t c,
+                                                std::size_t chunks) {
+  for (int q = 0; q < size_; ++q) {
+    flag& f = flags(q).*which;
+    for (int spin = 0; spin < 256 && !reached(f.value.load(std::memory_order_acquire), k); ++spin) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+    while (!reached(f.value.load(std::memory_order_acquire), k)) {
+      // The rank waited for first: its death is the cause, another's giving up a consequence.
+      if (!alive(q)) {
+        std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                          " exited or closed its communicator (its lock on the segment is "
+                          "gone)";
+        abandon(why);
+        throw shm_failure(why, false);
+      }
+      if (const std::uint32_t by = head().abandoned_by.load(std::memory_order_acquire); by != 0) {
+        const char* why = head().why;
+        throw shm_failure("rank " + std::to_string(by - 1) + " gave up on this allreduce: " +
+                              std::string(why, ::strnlen(why, sizeof head().why)),
+                          head().timed_out.load(std::memory_order_relaxed) != 0);
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
+                          " did not come within the timeout (" + std::to_string(timeout.count()) +
+                          " ms): timed out";
+        abandon(why, true);
+        throw shm_failure(why, true);
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+      const auto slice = left < std::chrono::milliseconds(20)
+                             ? left
+                             : std::chrono::nanoseconds(std::chrono::milliseconds(20));
+      const timespec wait{static_cast<time_t>(slice.count() / 1'000'000'000),
+                          static_cast<long>(slice.count() % 1'000'000'000)};
+      f.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const std::uint32_t seen = f.value.load(std::memory_order_seq_cst);
+      if (!reached(seen, k)) futex(f.value, FUTEX_WAIT, seen, &wait);
+      f.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string shm_segment::where(int q, const char* phase, std::size_t c,
+                                                    std::size_t chunks) const {
+  return "shared memory, rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+         " waiting for rank " + std::to_string(q) + " to " + phase + " chunk " +
+         std::to_string(c + 1) + " of " + std::to_string(chunks);
+}
+
+DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
+  std::swap(base_, o.base_);
+  std::swap(bytes_, o.bytes_);
+  std::swap(slot_, o.slot_);
+  std::swap(fd_, o.fd_);
+  std::swap(rank_, o.rank_);
+  std::swap(size_, o.size_);
+  std::swap(chunk_, o.chunk_);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 #endif  // DTRAIN_HAS_SHM()
 

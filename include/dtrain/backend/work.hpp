@@ -4,6 +4,7 @@
 
 #include <dtrain/backend/ring.hpp>
 #include <dtrain/backend/types.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
@@ -39,13 +40,17 @@ struct collective_options {
   bool check = false;
 
   /// These options with DTRAIN_COLLECTIVE_TIMEOUT and DTRAIN_CHECK_COLLECTIVES applied on top.
-  [[nodiscard]] collective_options with_env(const environment& env) const {
-    collective_options out = *this;
-    if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
-    if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
-    return out;
-  }
+  [[nodiscard]] collective_options with_env(const environment& env) const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE collective_options collective_options::with_env(const environment& env) const {
+  collective_options out = *this;
+  if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
+  if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -63,13 +68,19 @@ struct collective_info {
 };
 
 /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
-inline std::string describe(std::string_view what, std::string_view detail, int rank, int size,
-                            std::string_view engine) {
+DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
+                                          int size, std::string_view engine);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
+                                          int size, std::string_view engine) {
   return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) +
          " of " + std::to_string(size) + " (" + std::string(engine) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::string describe(const collective_info& info) {
+DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info) {
   std::string detail;
   if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
   if (info.collective != "barrier") {
@@ -79,6 +90,7 @@ inline std::string describe(const collective_info& info) {
   if (info.root >= 0) detail += ", root " + std::to_string(info.root);
   return describe(info.collective, detail, info.rank, info.size, info.engine);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 // What a failure was about, put into words only when a message needs it: a
 // text, a collective (described from its fields), or a function that says it.
@@ -90,7 +102,9 @@ requires std::is_invocable_r_v<std::string, const Describe&>
 inline std::string what_text(const Describe& describe_it) { return describe_it(); }
 
 /// The message of an exception, whatever its type.
-inline std::string message_of(const std::exception_ptr& e) {
+DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& x) {
@@ -99,6 +113,7 @@ inline std::string message_of(const std::exception_ptr& e) {
     return "an exception that is not a std::exception";
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Why a communicator can no longer be used: its first failure. Recorded
 /// without allocating, since the hooks that record it (a timeout's, abort())
@@ -111,40 +126,17 @@ class failure_cause {
   void set(std::exception_ptr error) noexcept {
     if (!*this) error_ = std::move(error);
   }
-  void set(std::string&& text) noexcept {
-    if (!*this) {
-      text_ = std::move(text);
-      has_text_ = true;
-    }
-  }
+  void set(std::string&& text) noexcept;
   /// Collective `call` ended as `how` (a string literal) says: "timed out".
-  void set(const collective_info& call, const char* how) noexcept {
-    if (!*this) {
-      call_ = call;
-      how_ = how;
-    }
-  }
+  void set(const collective_info& call, const char* how) noexcept;
   /// `what` (a string literal) happened on `rank`: "abort() was called" on rank 1.
-  void set(const char* what, int rank) noexcept {
-    if (!*this) {
-      call_ = collective_info{};
-      call_.rank = rank;
-      how_ = what;
-    }
-  }
+  void set(const char* what, int rank) noexcept;
   [[nodiscard]] explicit operator bool() const noexcept {
     return error_ || has_text_ || how_ != nullptr;
   }
   /// "allreduce(sum, 4 x float32) on rank 0 of 2 (mpi) timed out", the
   /// failure's message, or "abort() was called on rank 1"; empty when none.
-  [[nodiscard]] std::string text() const {
-    if (error_) return message_of(error_);
-    if (has_text_) return text_;
-    if (how_ == nullptr) return {};
-    if (call_.collective.empty())
-      return std::string(how_) + " on rank " + std::to_string(call_.rank);
-    return describe(call_) + " " + how_;
-  }
+  [[nodiscard]] std::string text() const;
 
  private:
   std::exception_ptr error_;
@@ -153,6 +145,39 @@ class failure_cause {
   collective_info call_{};
   const char* how_ = nullptr;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void failure_cause::set(std::string&& text) noexcept {
+  if (!*this) {
+    text_ = std::move(text);
+    has_text_ = true;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(const collective_info& call,
+                                             const char* how) noexcept {
+  if (!*this) {
+    call_ = call;
+    how_ = how;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(const char* what, int rank) noexcept {
+  if (!*this) {
+    call_ = collective_info{};
+    call_.rank = rank;
+    how_ = what;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string failure_cause::text() const {
+  if (error_) return message_of(error_);
+  if (has_text_) return text_;
+  if (how_ == nullptr) return {};
+  if (call_.collective.empty()) return std::string(how_) + " on rank " + std::to_string(call_.rank);
+  return describe(call_) + " " + how_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How a thread waits for work that others (a device, an engine's thread, a
 /// peer) finish: spins first (a collective often ends within microseconds),
@@ -193,14 +218,7 @@ class work_state {
   /// sleeps (detail::backoff), so a long wait costs no core.
   /// Engines that finish on threads of their own (Gloo) override it to sleep
   /// on a condition instead.
-  virtual bool wait_until(std::chrono::steady_clock::time_point deadline) {
-    backoff pause;
-    for (;;) {
-      if (poll()) return true;
-      if (std::chrono::steady_clock::now() > deadline) return poll();
-      pause();
-    }
-  }
+  virtual bool wait_until(std::chrono::steady_clock::time_point deadline);
   /// A wait gave up: abort what the engine can abort, and mark the
   /// communicator unusable where it cannot.
   virtual void on_timeout() noexcept {}
@@ -208,17 +226,11 @@ class work_state {
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
   /// The collective's fields (empty for work described by a text).
   [[nodiscard]] const collective_info& info() const noexcept { return info_; }
-  [[nodiscard]] const std::string& description() const {
-    if (description_.empty()) description_ = describe(info_);
-    return description_;
-  }
+  [[nodiscard]] const std::string& description() const;
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
   /// Records this collective's end in `ring` as number `seq` (see collective_ring).
-  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept {
-    ring_ = std::move(ring);
-    seq_ = seq;
-  }
+  void track(std::shared_ptr<collective_ring> ring, std::int64_t seq) noexcept;
   /// Called by work once it saw the end (or gave up): the ring learns how far it got.
   void settle(call_state state) noexcept {
     if (ring_) ring_->settle(seq_, state);
@@ -230,26 +242,11 @@ class work_state {
   [[nodiscard]] bool seen_done() const noexcept {
     return seen_done_.load(std::memory_order_acquire);
   }
-  void see_done(call_state state) noexcept {
-    std::lock_guard lock(end_mutex_);
-    if (seen_done_.load(std::memory_order_relaxed)) return;
-    seen_done_.store(true, std::memory_order_release);
-    settle(state);
-  }
+  void see_done(call_state state) noexcept;
   /// A handle gave up waiting: every copy now reports `timeout`. False when
   /// a copy had seen the end first (nothing is recorded then).
-  bool see_timeout(std::exception_ptr timeout) noexcept {
-    std::lock_guard lock(end_mutex_);
-    if (seen_done_.load(std::memory_order_relaxed)) return false;
-    timed_out_ = std::move(timeout);
-    seen_done_.store(true, std::memory_order_release);
-    settle(call_state::timed_out);
-    return true;
-  }
-  [[nodiscard]] std::exception_ptr timed_out() const noexcept {
-    std::lock_guard lock(end_mutex_);
-    return timed_out_;
-  }
+  bool see_timeout(std::exception_ptr timeout) noexcept;
+  [[nodiscard]] std::exception_ptr timed_out() const noexcept;
 
  protected:
   void fail(std::exception_ptr e) noexcept {
@@ -270,6 +267,49 @@ class work_state {
   std::exception_ptr timed_out_;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool work_state::wait_until(std::chrono::steady_clock::time_point deadline) {
+  backoff pause;
+  for (;;) {
+    if (poll()) return true;
+    if (std::chrono::steady_clock::now() > deadline) return poll();
+    pause();
+  }
+}
+
+DTRAIN_DETAIL_INLINE const std::string& work_state::description() const {
+  if (description_.empty()) description_ = describe(info_);
+  return description_;
+}
+
+DTRAIN_DETAIL_INLINE void work_state::track(std::shared_ptr<collective_ring> ring,
+                                            std::int64_t seq) noexcept {
+  ring_ = std::move(ring);
+  seq_ = seq;
+}
+
+DTRAIN_DETAIL_INLINE void work_state::see_done(call_state state) noexcept {
+  std::lock_guard lock(end_mutex_);
+  if (seen_done_.load(std::memory_order_relaxed)) return;
+  seen_done_.store(true, std::memory_order_release);
+  settle(state);
+}
+
+DTRAIN_DETAIL_INLINE bool work_state::see_timeout(std::exception_ptr timeout) noexcept {
+  std::lock_guard lock(end_mutex_);
+  if (seen_done_.load(std::memory_order_relaxed)) return false;
+  timed_out_ = std::move(timeout);
+  seen_done_.store(true, std::memory_order_release);
+  settle(call_state::timed_out);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work_state::timed_out() const noexcept {
+  std::lock_guard lock(end_mutex_);
+  return timed_out_;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
 inline std::int64_t record(collective_ring& ring, const collective_info& info) {
   return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
@@ -286,11 +326,7 @@ class work {
   explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
 
   /// True once the collective has finished, successfully or not. Never blocks.
-  [[nodiscard]] bool test() {
-    if (!state_ || state_->seen_done()) return true;
-    if (state_->poll()) ended();
-    return state_->seen_done();
-  }
+  [[nodiscard]] bool test();
 
   /// Waits for the communicator's timeout; see wait(timeout).
   void wait() { wait(state_ ? state_->timeout() : std::chrono::milliseconds(0)); }
@@ -299,40 +335,20 @@ class work {
   /// (backend_error). Throws timeout_error naming the collective, the rank and
   /// the time when it is not done within `timeout`; the communicator is then
   /// aborted or marked unusable, as the engine allows.
-  void wait(std::chrono::milliseconds timeout) {
-    if (!finish_within(timeout)) give_up(timeout);
-    if (auto e = exception()) std::rethrow_exception(e);
-  }
+  void wait(std::chrono::milliseconds timeout);
 
   /// Waits at most `timeout` and does nothing about it: true once finished
   /// (exception() then says how), false while still running. For a watchdog,
   /// which reports a timeout before it aborts: an abort may itself wait on a
   /// device that never frees.
-  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout) {
-    if (!state_ || test()) return true;
-    if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
-    ended();
-    return true;
-  }
+  [[nodiscard]] bool finish_within(std::chrono::milliseconds timeout);
 
   /// The timeout_error wait(timeout) throws: the collective, the rank, the time.
-  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const {
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-    return std::make_exception_ptr(timeout_error(
-        (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
-        seconds +
-        "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-        "compares what every rank passed)"));
-  }
+  [[nodiscard]] std::exception_ptr timeout_exception(std::chrono::milliseconds timeout) const;
 
   /// After finish_within(timeout) returned false: aborts what the engine can
   /// abort (or marks the communicator unusable) and throws timeout_exception().
-  [[noreturn]] void give_up(std::chrono::milliseconds timeout) {
-    auto e = timeout_exception(timeout);
-    if (state_ && state_->see_timeout(e)) state_->on_timeout();
-    std::rethrow_exception(e);
-  }
+  [[noreturn]] void give_up(std::chrono::milliseconds timeout);
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
@@ -340,11 +356,7 @@ class work {
   }
 
   /// The error the collective failed with (or the timeout), once finished; null otherwise.
-  [[nodiscard]] std::exception_ptr exception() const noexcept {
-    if (!state_ || !state_->seen_done()) return nullptr;
-    if (auto e = state_->timed_out()) return e;
-    return state_->error();
-  }
+  [[nodiscard]] std::exception_ptr exception() const noexcept;
 
  private:
   void ended() noexcept {
@@ -353,5 +365,48 @@ class work {
 
   std::shared_ptr<detail::work_state> state_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool work::test() {
+  if (!state_ || state_->seen_done()) return true;
+  if (state_->poll()) ended();
+  return state_->seen_done();
+}
+
+DTRAIN_DETAIL_INLINE void work::wait(std::chrono::milliseconds timeout) {
+  if (!finish_within(timeout)) give_up(timeout);
+  if (auto e = exception()) std::rethrow_exception(e);
+}
+
+DTRAIN_DETAIL_INLINE bool work::finish_within(std::chrono::milliseconds timeout) {
+  if (!state_ || test()) return true;
+  if (!state_->wait_until(std::chrono::steady_clock::now() + timeout)) return false;
+  ended();
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work::timeout_exception(
+    std::chrono::milliseconds timeout) const {
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
+  return std::make_exception_ptr(timeout_error(
+      (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
+      seconds +
+      "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
+      "compares what every rank passed)"));
+}
+
+DTRAIN_DETAIL_INLINE void work::give_up(std::chrono::milliseconds timeout) {
+  auto e = timeout_exception(timeout);
+  if (state_ && state_->see_timeout(e)) state_->on_timeout();
+  std::rethrow_exception(e);
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work::exception() const noexcept {
+  if (!state_ || !state_->seen_done()) return nullptr;
+  if (auto e = state_->timed_out()) return e;
+  return state_->error();
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

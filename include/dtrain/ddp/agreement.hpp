@@ -7,6 +7,7 @@
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/control.hpp>
 #include <dtrain/backend/types.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
@@ -27,7 +28,9 @@ namespace dtrain::detail {
 
 /// "parameter fc1.weight (1024 x float32 on the host)", or with a shape
 /// "parameter fc1.weight ([64, 16] float32 on the host)": what must match across ranks.
-inline std::string parameter_entry(const parameter& p, std::string_view kind) {
+DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind) {
   std::string entry = std::string(kind) + " " + p.name + " (";
   if (p.shape.empty()) {
     entry += std::to_string(p.values.count) + " x ";
@@ -43,16 +46,23 @@ inline std::string parameter_entry(const parameter& p, std::string_view kind) {
   entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
   return entry;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::vector<std::string> model_entries(std::span<const parameter> params,
-                                              std::span<const parameter> buffers) {
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers) {
   std::vector<std::string> entries;
   for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
   for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
   return entries;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries) {
   std::uint64_t h = 1469598103934665603ull;
   for (const std::string& e : entries) {
     for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
@@ -60,12 +70,21 @@ inline std::int64_t fnv1a(const std::vector<std::string>& entries) {
   }
   return static_cast<std::int64_t>(h >> 1);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What one rank alone can find wrong with its model and options, as a
 /// message naming the parameter and the rank; empty when nothing is.
-inline std::string model_problem(std::span<const parameter> params,
-                                 std::span<const parameter> buffers, const ddp_options& options,
-                                 int rank, std::string_view backend, bool on_device, int device) {
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device) {
   const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
   std::unordered_map<std::string_view, std::size_t> names;
   std::unordered_map<const void*, std::size_t> data;
@@ -117,14 +136,20 @@ inline std::string model_problem(std::span<const parameter> params,
   }
   return {};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Collective over the host control plane: every rank learns whether all
 /// ranks hold the same parameters and buffers. Throws config_error on every
 /// rank when not — naming the first differing entry and the ranks — or when
 /// some rank's own check failed (`local_problem`, which that rank reports in
 /// its own words).
-inline void agree_on_model(control_plane& comm, std::span<const parameter> params,
-                           std::span<const parameter> buffers, const std::string& local_problem) {
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         const std::string& local_problem);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         const std::string& local_problem) {
   const int size = comm.size();
   const std::vector<std::string> entries = model_entries(params, buffers);
   const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
@@ -201,13 +226,19 @@ inline void agree_on_model(control_plane& comm, std::span<const parameter> param
                      " (ranks that differ from rank 0: " + differing +
                      "); every rank must build the same model in the same order");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Collective over the host control plane: every rank gets rank 0's `order`
 /// of the n parameters (the order its gradients became ready, for the bucket
 /// rebuild). Each rank passes an order of the same length; what arrives is
 /// checked to name each parameter once (backend_error otherwise).
-inline std::vector<std::size_t> agree_on_order(control_plane& control,
-                                               std::span<const std::size_t> order, std::size_t n) {
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n) {
   std::string text;
   wire::writer w(text);
   for (std::size_t i : order) w.u64(i);
@@ -225,6 +256,7 @@ inline std::vector<std::size_t> agree_on_order(control_plane& control,
   check_order(agreed, n, where);
   return agreed;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Collective: every rank's parameter and buffer values become rank 0's.
 /// Host values travel packed over the control plane; device values one by

@@ -8,6 +8,7 @@
 /// with its own (uncontended: one thread per track) mutex, and the file is
 /// written at the end, so nothing is formatted or written during a step.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/json.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/names.hpp>
@@ -33,7 +34,9 @@ namespace dtrain::detail {
 /// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
 /// the extension of the file name (trace.json -> trace.rank3.json), or is
 /// appended with ".json" when the name has none (trace -> trace.rank3.json).
-inline std::string timeline_file(std::string_view path, int rank) {
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
   const std::size_t slash = path.rfind('/');
   const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
   const std::size_t dot = path.rfind('.');
@@ -41,13 +44,19 @@ inline std::string timeline_file(std::string_view path, int rank) {
   if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
   return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
 /// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-inline std::string timeline_setting(const environment& env, const std::string& option) {
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option) {
   if (auto v = env.get(timeline_variable)) return std::string(*v);
   return option;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One rank's recorder. Default-constructed it is off and records nothing.
 /// Recording is thread-safe; write() must not race with recording of the same
@@ -62,20 +71,7 @@ class timeline {
   /// On: records for `rank` of `size` and writes timeline_file(path, rank).
   /// Creates the file now, so that a path that cannot be written is a
   /// config_error before training starts (naming the path and the rank).
-  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names)
-      : state_(std::make_unique<state>()) {
-    state_->file = timeline_file(path, rank);
-    state_->setting = std::string(timeline_variable) + "=" + std::string(path);
-    state_->rank = rank;
-    state_->size = size;
-    state_->names = std::move(parameter_names);
-    if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
-      std::fclose(f);
-    } else {
-      throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
-                         state_->file + ": " + std::strerror(errno));
-    }
-  }
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names);
 
   /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
   /// `env` (which wins) or `option` names a file, naming the spans of `params`
@@ -98,11 +94,7 @@ class timeline {
 
   /// Nanoseconds on the steady clock (shared by the processes of a host, so
   /// that their traces line up when merged).
-  [[nodiscard]] static std::int64_t now() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
+  [[nodiscard]] static std::int64_t now() noexcept;
 
   /// A span from its construction to its destruction; nothing when off.
   class scope {
@@ -142,52 +134,17 @@ class timeline {
 
   /// Bucket `bucket` of `elements` is launched: returns the id of its span
   /// (0 when off), which bucket_done() closes.
-  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements) {
-    if (!state_) return 0;
-    const std::uint64_t id = ++state_->launches;
-    append(track::training, {.what = kind::bucket_begin,
-                             .start = now(),
-                             .index = bucket,
-                             .detail = elements,
-                             .id = id});
-    return id;
-  }
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements);
   /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
   /// to now (finished); `on_thread`: on the communication thread, which gets a
   /// span of its own (on CUDA streams the host only enqueues, so no such span).
-  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread) {
-    if (!state_) return;
-    const std::int64_t end = now();
-    if (on_thread) {
-      append(track::communication,
-             {.what = kind::reduce, .start = started, .end = end, .index = bucket});
-    }
-    append(track::communication,
-           {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
-  }
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
 
   /// Writes the file (everything recorded so far). Throws dtrain::error naming
   /// the file and the rank when it cannot be written.
-  void write() const {
-    if (!state_) return;
-    const std::string text = render();
-    std::FILE* f = std::fopen(state_->file.c_str(), "w");
-    bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    const int code = errno;
-    if (f != nullptr && std::fclose(f) != 0) ok = false;
-    if (!ok) {
-      throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
-                  state_->file + " (" + state_->setting + "): " + std::strerror(code));
-    }
-  }
+  void write() const;
   /// write(), for destructors: a failure is one line on stderr, never an exception.
-  void write_at_exit() const noexcept {
-    try {
-      write();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
-    }
-  }
+  void write_at_exit() const noexcept;
 
   /// At most this many events per track are kept (about 48 MiB); the rest are
   /// counted, and the file says how many were dropped.
@@ -234,139 +191,225 @@ class timeline {
     std::uint64_t launches = 0;    // training thread only
   };
 
-  void append(track t, const event& e) {
-    buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
-    std::lock_guard lock(b.mutex);
-    if (b.count < max_events) {
-      if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
-        b.chunks.emplace_back().reserve(chunk_events);
-      }
-      b.chunks.back().push_back(e);
-      ++b.count;
-    } else {
-      ++b.dropped;
-    }
-  }
+  void append(track t, const event& e);
 
-  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket) {
-    if (state_->step_start < 0) state_->step_start = start;
-    append(track::training,
-           {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
-  }
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket);
   void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
     append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
   }
-  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t) {
-    const std::int64_t end = now();
-    append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
-    // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
-    const std::int64_t from =
-        state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
-    append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
-    state_->step_start = -1;
-  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t);
 
-  static void microseconds(std::string& out, std::int64_t ns) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
-                  static_cast<long long>(ns % 1000));
-    out += text;
-  }
+  static void microseconds(std::string& out, std::int64_t ns);
 
-  std::string name_of(const event& e) const {
-    switch (e.what) {
-      case kind::step: return "step " + std::to_string(e.index);
-      case kind::mark:
-        return e.index < state_->names.size() ? state_->names[e.index]
-                                              : "parameter #" + std::to_string(e.index);
-      case kind::synchronize: return "synchronize";
-      case kind::wait: return "wait for buckets";
-      case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
-      case kind::bucket_begin:
-      case kind::bucket_end: return "bucket " + std::to_string(e.index);
-    }
-    return "?";
-  }
+  std::string name_of(const event& e) const;
 
-  static const char* category_of(kind k) {
-    switch (k) {
-      case kind::step: return "step";
-      case kind::mark: return "mark_ready";
-      case kind::synchronize:
-      case kind::wait: return "synchronize";
-      case kind::reduce:
-      case kind::bucket_begin:
-      case kind::bucket_end: return "bucket";
-    }
-    return "?";
-  }
+  static const char* category_of(kind k);
 
-  void render_event(std::string& out, track t, const event& e) const {
-    out += ",\n{\"name\":";
-    json::write_string(out, name_of(e));
-    out += ",\"cat\":\"";
-    out += category_of(e.what);
-    out += "\",\"pid\":" + std::to_string(state_->rank) +
-           ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
-    microseconds(out, e.start);
-    if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
-      out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
-      out += ",\"id\":" + std::to_string(e.id);
-    } else {
-      out += ",\"ph\":\"X\",\"dur\":";
-      microseconds(out, e.end - e.start);
-    }
-    switch (e.what) {
-      case kind::mark:
-        out += ",\"args\":{\"index\":" + std::to_string(e.index) +
-               ",\"bucket\":" + std::to_string(e.detail) + "}";
-        break;
-      case kind::bucket_begin:
-        out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
-        break;
-      case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
-      default: break;
-    }
-    out += "}";
-  }
+  void render_event(std::string& out, track t, const event& e) const;
 
-  void metadata(std::string& out, const char* what, int tid, std::string_view name) const {
-    out += ",\n{\"name\":\"";
-    out += what;
-    out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
-    json::write_string(out, name);
-    out += "}}";
-  }
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const;
 
-  std::string render() const {
-    std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
-    std::size_t dropped = 0;
-    for (const buffer& b : state_->tracks) {
-      std::lock_guard lock(b.mutex);
-      dropped += b.dropped;
-    }
-    out += "\"rank\":" + std::to_string(state_->rank) +
-           ",\"world_size\":" + std::to_string(state_->size) +
-           ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
-    out +=
-        "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-        ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
-    metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
-    metadata(out, "thread_name", static_cast<int>(track::training), "training");
-    metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
-    for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
-      const buffer& b = state_->tracks[t];
-      std::lock_guard lock(b.mutex);
-      for (const std::vector<event>& chunk : b.chunks) {
-        for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
-      }
-    }
-    out += "\n]}\n";
-    return out;
-  }
+  std::string render() const;
 
   std::unique_ptr<state> state_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
+                                        std::vector<std::string> parameter_names)
+    : state_(std::make_unique<state>()) {
+  state_->file = timeline_file(path, rank);
+  state_->setting = std::string(timeline_variable) + "=" + std::string(path);
+  state_->rank = rank;
+  state_->size = size;
+  state_->names = std::move(parameter_names);
+  if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+    std::fclose(f);
+  } else {
+    throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                       state_->file + ": " + std::strerror(errno));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t timeline::now() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t timeline::bucket_launched(std::size_t bucket,
+                                                             std::size_t elements) {
+  if (!state_) return 0;
+  const std::uint64_t id = ++state_->launches;
+  append(
+      track::training,
+      {.what = kind::bucket_begin, .start = now(), .index = bucket, .detail = elements, .id = id});
+  return id;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_t id,
+                                                std::int64_t started, bool on_thread) {
+  if (!state_) return;
+  const std::int64_t end = now();
+  if (on_thread) {
+    append(track::communication,
+           {.what = kind::reduce, .start = started, .end = end, .index = bucket});
+  }
+  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write() const {
+  if (!state_) return;
+  const std::string text = render();
+  std::FILE* f = std::fopen(state_->file.c_str(), "w");
+  bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int code = errno;
+  if (f != nullptr && std::fclose(f) != 0) ok = false;
+  if (!ok) {
+    throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                state_->file + " (" + state_->setting + "): " + std::strerror(code));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write_at_exit() const noexcept {
+  try {
+    write();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::append(track t, const event& e) {
+  buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+  std::lock_guard lock(b.mutex);
+  if (b.count < max_events) {
+    if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+      b.chunks.emplace_back().reserve(chunk_events);
+    }
+    b.chunks.back().push_back(e);
+    ++b.count;
+  } else {
+    ++b.dropped;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::mark_done(std::int64_t start, std::uint64_t index,
+                                              std::uint64_t bucket) {
+  if (state_->step_start < 0) state_->step_start = start;
+  append(track::training,
+         {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::synchronize_done(std::int64_t start, std::uint64_t step,
+                                                     std::uint64_t) {
+  const std::int64_t end = now();
+  append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+  // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+  const std::int64_t from =
+      state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+  append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+  state_->step_start = -1;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::microseconds(std::string& out, std::int64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                static_cast<long long>(ns % 1000));
+  out += text;
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
+  switch (e.what) {
+    case kind::step: return "step " + std::to_string(e.index);
+    case kind::mark:
+      return e.index < state_->names.size() ? state_->names[e.index]
+                                            : "parameter #" + std::to_string(e.index);
+    case kind::synchronize: return "synchronize";
+    case kind::wait: return "wait for buckets";
+    case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket " + std::to_string(e.index);
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
+  switch (k) {
+    case kind::step: return "step";
+    case kind::mark: return "mark_ready";
+    case kind::synchronize:
+    case kind::wait: return "synchronize";
+    case kind::reduce:
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket";
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, const event& e) const {
+  out += ",\n{\"name\":";
+  json::write_string(out, name_of(e));
+  out += ",\"cat\":\"";
+  out += category_of(e.what);
+  out += "\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+  microseconds(out, e.start);
+  if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+    out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+    out += ",\"id\":" + std::to_string(e.id);
+  } else {
+    out += ",\"ph\":\"X\",\"dur\":";
+    microseconds(out, e.end - e.start);
+  }
+  switch (e.what) {
+    case kind::mark:
+      out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+             ",\"bucket\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::bucket_begin:
+      out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+    default: break;
+  }
+  out += "}";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::metadata(std::string& out, const char* what, int tid,
+                                             std::string_view name) const {
+  out += ",\n{\"name\":\"";
+  out += what;
+  out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+  json::write_string(out, name);
+  out += "}}";
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::render() const {
+  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+  std::size_t dropped = 0;
+  for (const buffer& b : state_->tracks) {
+    std::lock_guard lock(b.mutex);
+    dropped += b.dropped;
+  }
+  out += "\"rank\":" + std::to_string(state_->rank) +
+         ",\"world_size\":" + std::to_string(state_->size) +
+         ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+  out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+  metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+  metadata(out, "thread_name", static_cast<int>(track::training), "training");
+  metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+  for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+    const buffer& b = state_->tracks[t];
+    std::lock_guard lock(b.mutex);
+    for (const std::vector<event>& chunk : b.chunks) {
+      for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+    }
+  }
+  out += "\n]}\n";
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

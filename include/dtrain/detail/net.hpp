@@ -5,6 +5,8 @@
 /// address reaches a host. Plain facts for the engines' interface choice
 /// (backend/gloo_store.hpp) and for the network report (doctor/network.hpp).
 
+#include <dtrain/config.hpp>
+
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -26,7 +28,9 @@ struct interface_address {
 };
 
 /// Every IPv4 and IPv6 address of every interface (getifaddrs); empty when it fails.
-inline std::vector<interface_address> interface_addresses() {
+DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses() {
   std::vector<interface_address> out;
   ifaddrs* list = nullptr;
   if (::getifaddrs(&list) != 0) return out;
@@ -43,9 +47,12 @@ inline std::vector<interface_address> interface_addresses() {
   ::freeifaddrs(list);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
-inline std::vector<std::string> interfaces_with_address() {
+DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address() {
   std::vector<std::string> names;
   for (const auto& a : interface_addresses()) {
     bool seen = false;
@@ -54,6 +61,7 @@ inline std::vector<std::string> interfaces_with_address() {
   }
   return names;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
 /// error in `error`.
@@ -61,7 +69,9 @@ struct resolved {
   std::vector<std::string> addresses;
   std::string error;  ///< empty on success
 };
-inline resolved resolve(const std::string& host) {
+DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host) {
   resolved out;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -83,6 +93,7 @@ inline resolved resolve(const std::string& host) {
   ::freeaddrinfo(found);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The local address this host sends from to reach host:port (a UDP socket
 /// connected there, asked for its own name; nothing is sent), or why not in `error`.
@@ -90,7 +101,9 @@ struct route_source {
   std::string address;
   std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
 };
-inline route_source local_address_to(const std::string& host, int port) {
+DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port) {
   route_source out;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -128,6 +141,7 @@ inline route_source local_address_to(const std::string& host, int port) {
   if (out.address.empty()) out.error = "no local address reaches it (" + why + ")";
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
 inline bool is_loopback_address(const std::string& address) {

@@ -5,6 +5,7 @@
 /// value, because the person reading it has to find which launcher set what.
 /// Text in, value out: reading them from an environment is env/variables.hpp.
 
+#include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
 #include <charconv>
@@ -28,7 +29,9 @@ using sourced_text = sourced<std::string>;
 
 /// `NAME=value`, with the value in quotes when it is empty or has blanks, so
 /// that `RANK=" 3"` in a message shows the stray space.
-inline std::string assignment(std::string_view name, std::string_view value) {
+DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_view value) {
   bool quote = value.empty() || value.find_first_of(" \t\r\n") != std::string_view::npos;
   std::string out(name);
   out += '=';
@@ -37,10 +40,13 @@ inline std::string assignment(std::string_view name, std::string_view value) {
   if (quote) out += '"';
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Parses a non-negative decimal integer that fits an int. `what` is how the
 /// message names the input, usually assignment(name, text).
-inline int parse_non_negative(const std::string& what, std::string_view text) {
+DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text) {
   if (!text.empty() && text.front() == '-' && text.size() > 1 &&
       text.find_first_not_of("0123456789", 1) == std::string_view::npos) {
     throw config_error(what + " is negative: ranks, sizes and indices count from 0");
@@ -59,15 +65,21 @@ inline int parse_non_negative(const std::string& what, std::string_view text) {
   }
   return value;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Checks that a port is in 1..65535.
-inline int check_port(const std::string& what, int port) {
+DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port) {
   if (port < 1 || port > 65535) throw config_error(what + " is outside the port range 1-65535");
   return port;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Splits `text` at every `separator` (an empty text gives no pieces).
-inline std::vector<std::string> split(std::string_view text, char separator) {
+DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator) {
   std::vector<std::string> out;
   if (text.empty()) return out;
   std::size_t start = 0;
@@ -78,6 +90,7 @@ inline std::vector<std::string> split(std::string_view text, char separator) {
     start = end + 1;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A host with an optional port.
 struct host_port {
@@ -87,7 +100,9 @@ struct host_port {
 
 /// Splits `host:port`, `[v6addr]:port`, `host` or a bare IPv6 address. `what`
 /// names the input for messages.
-inline host_port split_host_port(const std::string& what, std::string_view text) {
+DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text) {
   if (text.empty()) throw config_error(what + " has an empty address");
   std::string_view host = text;
   std::string_view port;
@@ -118,5 +133,6 @@ inline host_port split_host_port(const std::string& what, std::string_view text)
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -3,6 +3,7 @@
 /// Checked OS calls. Every call into the OS goes through DTRAIN_SYSCALL, which
 /// captures file:line, the call as written and strerror(errno).
 
+#include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
 #include <cerrno>
@@ -16,10 +17,15 @@
 namespace dtrain::detail {
 
 /// "what: strerror(err) (at file:line)".
-inline std::string os_error_text(const std::string& what, int err, const char* file, int line) {
+DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
+                                               int line);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
+                                               int line) {
   return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
          ":" + std::to_string(line) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned file descriptor, closed on destruction.
 class unique_fd {
@@ -39,22 +45,29 @@ class unique_fd {
   [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
   /// Gives the descriptor up without closing it.
   [[nodiscard]] int release() noexcept { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
+  void reset(int fd = -1) noexcept;
 
  private:
   int fd_ = -1;
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void unique_fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// This machine's host name; nullopt when gethostname fails (each caller
 /// decides what that means for it).
-inline std::optional<std::string> host_name() {
+DTRAIN_DETAIL_INLINE std::optional<std::string> host_name();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
   return std::string(name);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 

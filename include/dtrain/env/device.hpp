@@ -4,6 +4,7 @@
 /// number of ranks on its node and the devices it can see, so every launcher
 /// and GPU binding is unit-testable without a GPU.
 
+#include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
 #include <optional>
@@ -20,7 +21,11 @@ namespace dtrain {
 ///   `--gpus-per-task`, Kubernetes, CUDA_VISIBLE_DEVICES set per rank);
 /// - otherwise config_error naming CUDA_VISIBLE_DEVICES (`cuda_visible_devices`,
 ///   as the environment has it, or unset), the local rank and the counts.
-[[nodiscard]] inline int select_device(int local_rank, int local_world_size, int visible,
+[[nodiscard]] DTRAIN_DETAIL_INLINE int select_device(
+    int local_rank, int local_world_size, int visible,
+    std::optional<std::string_view> cuda_visible_devices);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int visible,
                                        std::optional<std::string_view> cuda_visible_devices) {
   const std::string cvd = cuda_visible_devices
                               ? "CUDA_VISIBLE_DEVICES=" + std::string(*cuda_visible_devices)
@@ -43,5 +48,6 @@ namespace dtrain {
       "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
       "start no more ranks per node than it has GPUs");
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

@@ -4,6 +4,7 @@
 /// argv, options). See docs/launching.md's launcher table for what each launcher
 /// sets and how dtrain reads it.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/launchers.hpp>
@@ -47,8 +48,13 @@ inline void agree(observation& into, field f, const std::optional<sourced_int>& 
 /// what an agent (torchrun, dtrun) sets for its workers, or what a user's
 /// script copied from the outer launcher; Slurm comes last because mpirun and
 /// mpiexec start their daemons through srun inside an allocation.
-inline std::vector<observation> read_launchers(const environment& env, const observation& env_url,
-                                               std::string& notes) {
+DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& env,
+                                                             const observation& env_url,
+                                                             std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& env,
+                                                             const observation& env_url,
+                                                             std::string& notes) {
   std::vector<observation> found;
   auto keep = [&](observation o) {
     if (!o.note.empty()) notes += (notes.empty() ? "" : "; ") + o.note;
@@ -62,12 +68,15 @@ inline std::vector<observation> read_launchers(const environment& env, const obs
   keep(read_slurm(env));
   return found;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Reconciles the launchers: the first is this process's own; another with
 /// the same process count must agree field by field; one with a different
 /// count is accepted only as an outer launcher that ran one process per node
 /// (torchrun under srun, a node agent under mpirun), and is then not used.
-inline observation reconcile(std::vector<observation> launchers, std::string& notes) {
+DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes) {
   observation primary = std::move(launchers.front());
   for (std::size_t i = 1; i < launchers.size(); ++i) {
     const observation& other = launchers[i];
@@ -95,8 +104,12 @@ inline observation reconcile(std::vector<observation> launchers, std::string& no
   }
   return primary;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline void fill_master(world& w, const environment& env, const observation& primary) {
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env,
+                                      const observation& primary) {
   auto m = read_explicit_master(env);
   auto addr = m.addr ? m.addr : primary.fallback_addr;
   auto port = m.port ? m.port : primary.fallback_port;
@@ -109,13 +122,16 @@ inline void fill_master(world& w, const environment& env, const observation& pri
     w.origins[static_cast<std::size_t>(field::master_port)] = port->origin;
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 inline std::string not_below(const sourced_int& lower, const sourced_int& upper) {
   return lower.origin + " is not below " + upper.origin;
 }
 
 /// Derives what follows for certain and checks what must hold.
-inline void complete_and_check(observation& o) {
+DTRAIN_DETAIL_INLINE void complete_and_check(observation& o);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void complete_and_check(observation& o) {
   const auto& ws = o[field::world_size];
   const auto& ls = o[field::local_world_size];
   // Every process is on this node: one node, and the local rank is the rank.
@@ -156,8 +172,11 @@ inline void complete_and_check(observation& o) {
                        ws->origin);
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline world to_world(const observation& o) {
+DTRAIN_DETAIL_INLINE world to_world(const observation& o);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world to_world(const observation& o) {
   world w;
   w.source = o.source;
   w.role = o.role;
@@ -171,9 +190,15 @@ inline world to_world(const observation& o) {
   }
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline world discover_per_process(const environment& env, std::span<const std::string_view> args,
-                                  std::string& notes) {
+DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
+                                                std::span<const std::string_view> args,
+                                                std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
+                                                std::span<const std::string_view> args,
+                                                std::string& notes) {
   observation loose = read_env_url(env);
   std::vector<observation> launchers = read_launchers(env, loose, notes);
 
@@ -206,9 +231,15 @@ inline world discover_per_process(const environment& env, std::span<const std::s
   fill_master(w, env, o);
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
-inline world discover_per_node(const environment& env, std::span<const std::string_view> args,
-                               const discover_options& opt, std::string& notes) {
+DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
+                                             std::span<const std::string_view> args,
+                                             const discover_options& opt, std::string& notes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
+                                             std::span<const std::string_view> args,
+                                             const discover_options& opt, std::string& notes) {
   if (auto local = read_argv_local_rank(args)) {
     throw config_error(local->origin +
                        " is a worker's argument; a per-node agent assigns local ranks itself");
@@ -277,15 +308,20 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
   fill_master(w, env, node);
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
 /// Who this process is, from `env` and `args` (argv without the program
 /// name). Throws config_error naming every variable involved, with its value,
 /// when a value is malformed or two sources disagree. Never blocks.
-[[nodiscard]] inline world discover_world(const environment& env,
-                                          std::span<const std::string_view> args = {},
-                                          const discover_options& options = {}) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
+                                                        std::span<const std::string_view> args = {},
+                                                        const discover_options& options = {});
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
+                                          std::span<const std::string_view> args,
+                                          const discover_options& options) {
   std::string notes;
   world w = options.mode == launch_mode::per_node
                 ? detail::discover_per_node(env, args, options, notes)
@@ -293,13 +329,18 @@ inline world discover_per_node(const environment& env, std::span<const std::stri
   w.notes = std::move(notes);
   return w;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Same, from the process's own environment and main()'s argc/argv.
-[[nodiscard]] inline world discover_world(int argc, const char* const* argv,
-                                          const discover_options& options = {}) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
+                                                        const discover_options& options = {});
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
+                                          const discover_options& options) {
   std::vector<std::string_view> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   return discover_world(environment::from_process(), args, options);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

@@ -4,6 +4,7 @@
 /// `observation`: what it says about this process, each value with the
 /// variable that said it. discover_world() (env/discover.hpp) reconciles them.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/hostlist.hpp>
 #include <dtrain/detail/json.hpp>
 #include <dtrain/detail/parse.hpp>
@@ -60,8 +61,11 @@ struct observation {
 };
 
 /// Reads NAME_RANK/NAME_SIZE-style pairs: both or neither.
-inline void read_rank_and_size(const environment& env, observation& o, std::string_view rank_var,
-                               std::string_view size_var) {
+DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation& o,
+                                             std::string_view rank_var, std::string_view size_var);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation& o,
+                                             std::string_view rank_var, std::string_view size_var) {
   o[field::rank] = read_int(env, rank_var);
   o[field::world_size] = read_int(env, size_var);
   if (o[field::rank].has_value() != o[field::world_size].has_value()) {
@@ -71,10 +75,14 @@ inline void read_rank_and_size(const environment& env, observation& o, std::stri
                        " is not; the launcher sets both");
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Stores `v` in `slot`, or checks that it agrees with what is there.
-inline void agree(std::optional<sourced_int>& slot, const std::optional<sourced_int>& v,
-                  std::string_view what) {
+DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
+                                const std::optional<sourced_int>& v, std::string_view what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
+                                const std::optional<sourced_int>& v, std::string_view what) {
   if (!v) return;
   if (!slot) {
     slot = v;
@@ -82,10 +90,13 @@ inline void agree(std::optional<sourced_int>& slot, const std::optional<sourced_
     throw config_error(slot->origin + " and " + v->origin + " disagree about " + std::string(what));
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// env:// — torchrun, dtrun, Azure ML PyTorch jobs, Kubeflow PyTorchJob. Also
 /// loose LOCAL_RANK / NODE_RANK, which other launchers' users often export.
-inline observation read_env_url(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   observation o;
   o.source = launcher::env;
   read_rank_and_size(env, o, "RANK", "WORLD_SIZE");
@@ -108,11 +119,16 @@ inline observation read_env_url(const environment& env) {
   }
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Hugging Face style `--local_rank=N`, `--local_rank N`, `--local-rank=N`,
 /// `--local-rank N` (the old torch.distributed.launch without --use_env).
 /// `args` excludes the program name; scanning stops at `--`.
-inline std::optional<sourced_int> read_argv_local_rank(std::span<const std::string_view> args) {
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
+    std::span<const std::string_view> args);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
+    std::span<const std::string_view> args) {
   std::optional<sourced_int> found;
   for (std::size_t i = 0; i < args.size(); ++i) {
     std::string_view a = args[i];
@@ -136,6 +152,7 @@ inline std::optional<sourced_int> read_argv_local_rank(std::span<const std::stri
   }
   return found;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The variables of a launcher that states rank, size, local rank and local size.
 struct rank_variables {
@@ -143,8 +160,11 @@ struct rank_variables {
 };
 
 /// Reads a launcher that states rank, size, local rank and local size.
-inline observation read_ranks(const environment& env, launcher source,
-                              const rank_variables& names) {
+DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
+                                            const rank_variables& names);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
+                                            const rank_variables& names) {
   observation o;
   o.source = source;
   read_rank_and_size(env, o, names.rank, names.size);
@@ -152,39 +172,52 @@ inline observation read_ranks(const environment& env, launcher source,
   o[field::local_world_size] = read_int(env, names.local_size);
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Open MPI's mpirun. OMPI_COMM_WORLD_NODE_RANK is deliberately not read: it
 /// is the rank among this node's processes (like the local rank), not the
 /// node's index, and Open MPI gives no node index at all. Open MPI 4 exports
 /// the number of nodes in the job's map as OMPI_MCA_orte_num_nodes.
-inline observation read_open_mpi(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env) {
   observation o = read_ranks(env, launcher::open_mpi,
                              {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"});
   if (o[field::rank]) o[field::num_nodes] = read_int(env, "OMPI_MCA_orte_num_nodes");
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// MPICH / Intel MPI (Hydra). No node index or node count.
-inline observation read_hydra(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env) {
   return read_ranks(env, launcher::hydra,
                     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The first of `names` that is set, with its name.
-inline std::optional<std::pair<std::string_view, std::string_view>> first_set(
+DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
+    const environment& env, std::initializer_list<std::string_view> names);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
     const environment& env, std::initializer_list<std::string_view> names) {
   for (auto name : names) {
     if (auto v = env.get(name)) return std::pair{name, *v};
   }
   return std::nullopt;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// srun. Only inside a job step (SLURM_STEP_ID set): a batch script carries
 /// the allocation's SLURM_NTASKS too, but it is one process, and believing
 /// otherwise would wait forever for ranks that never start. Step-level
 /// variables win over job-level ones, which describe the whole allocation.
-inline observation read_slurm(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env) {
   observation o;
   o.source = launcher::slurm;
   if (!env.contains("SLURM_PROCID")) return o;
@@ -248,11 +281,14 @@ inline observation read_slurm(const environment& env) {
   }
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// horovodrun. HOROVOD_CROSS_RANK is the rank among the processes that share
 /// this local rank; it is the node index only for local rank 0, or when
 /// every node runs the same number of processes (SIZE = LOCAL_SIZE × CROSS_SIZE).
-inline observation read_horovod(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env) {
   observation o =
       read_ranks(env, launcher::horovod,
                  {"HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"});
@@ -272,10 +308,16 @@ inline observation read_horovod(const environment& env) {
   }
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The member `key` of `obj` when it has the expected kind; nullptr when absent.
-inline const json::value* json_member(const json::value& obj, std::string_view key,
-                                      json::value::kind kind, const std::string& where) {
+DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
+                                                    json::value::kind kind,
+                                                    const std::string& where);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
+                                                    json::value::kind kind,
+                                                    const std::string& where) {
   const json::value* v = obj.find(key);
   if (v && !v->is(kind)) {
     throw config_error("TF_CONFIG " + where + "\"" + std::string(key) + "\" is " +
@@ -283,12 +325,15 @@ inline const json::value* json_member(const json::value& obj, std::string_view k
   }
   return v;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// TF_CONFIG: {"cluster": {"chief": [...], "worker": [...], "ps": [...],
 /// "evaluator": [...]}, "task": {"type": ..., "index": ...}}. Data-parallel
 /// ranks are the chief (TF1's "master" too) then the workers; ps and
 /// evaluator tasks get their role and no rank.
-inline observation read_tf_config(const environment& env) {
+DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env) {
   observation o;
   auto text = env.get("TF_CONFIG");
   if (!text) return o;
@@ -373,6 +418,7 @@ inline observation read_tf_config(const environment& env) {
   if (hp.port) o.fallback_port = sourced_int{*hp.port, what};
   return o;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The master named outright: MASTER_ADDR / MASTER_PORT, Azure's
 /// AZ_BATCH_MASTER_NODE (addr:port, multi-node) and AZ_BATCHAI_MPI_MASTER_NODE
@@ -382,7 +428,9 @@ struct explicit_master {
   std::optional<sourced_int> port;
 };
 
-inline explicit_master read_explicit_master(const environment& env) {
+DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
   auto take_addr = [&](std::optional<sourced_text> v) {
     if (!v) return;
@@ -404,6 +452,7 @@ inline explicit_master read_explicit_master(const environment& env) {
   take_addr(read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"));
   return m;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain

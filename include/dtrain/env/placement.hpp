@@ -7,6 +7,7 @@
 /// Pure functions and the codecs of the reports and the table; the runtime
 /// (context.hpp) carries them through the store.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/detail/wire.hpp>
 #include <dtrain/env/environment.hpp>
@@ -26,12 +27,15 @@
 namespace dtrain {
 
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
-[[nodiscard]] inline std::string node_name(const environment& env) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
   if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
   auto host = detail::host_name();
   if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
   return *host;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What one rank says about itself at rendezvous.
 struct rank_report {
@@ -50,50 +54,57 @@ struct rank_report {
 
   /// The report as a store value (detail/wire.hpp): node name bytes32, then
   /// per field a known flag u8, the value i64 when known, its origin bytes32.
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    detail::wire::writer w(out);
-    w.bytes32(node_name);
-    const auto numbers = slots(self);
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      w.u8(*numbers[i] ? 1 : 0);
-      if (*numbers[i]) w.i64(**numbers[i]);
-      w.bytes32(self.origin(fields[i]));
-    }
-    return out;
-  }
+  [[nodiscard]] std::string encode() const;
 
   /// The inverse of encode(); `where` names the input ("store key world/3") in
   /// the rendezvous_error a malformed value gives.
-  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where) {
-    return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
-      rank_report r;
-      r.node_name = in.bytes32("the node name");
-      const auto numbers = slots(r.self);
-      for (std::size_t i = 0; i < numbers.size(); ++i) {
-        const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
-        const std::uint8_t known = in.u8(name);
-        if (known > 1)
-          throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
-        if (known == 1) {
-          const std::int64_t value = in.i64(name);
-          if (value < 0 || value > max_world_size) {
-            throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
-                                          " is not in 0.." + std::to_string(max_world_size));
-          }
-          *numbers[i] = static_cast<int>(value);
-        }
-        r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
-      }
-      return r;
-    });
-  }
+  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where);
 
   /// Whether the launcher placed this rank fully (its node and its place there).
   [[nodiscard]] bool placed() const noexcept {
     return self.local_rank && self.local_world_size && self.node_rank && self.num_nodes;
   }
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
+  std::string out;
+  detail::wire::writer w(out);
+  w.bytes32(node_name);
+  const auto numbers = slots(self);
+  for (std::size_t i = 0; i < numbers.size(); ++i) {
+    w.u8(*numbers[i] ? 1 : 0);
+    if (*numbers[i]) w.i64(**numbers[i]);
+    w.bytes32(self.origin(fields[i]));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE rank_report rank_report::decode(std::string_view text,
+                                                     const std::string& where) {
+  return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
+    rank_report r;
+    r.node_name = in.bytes32("the node name");
+    const auto numbers = slots(r.self);
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
+      const std::uint8_t known = in.u8(name);
+      if (known > 1)
+        throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
+      if (known == 1) {
+        const std::int64_t value = in.i64(name);
+        if (value < 0 || value > max_world_size) {
+          throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
+                                        " is not in 0.." + std::to_string(max_world_size));
+        }
+        *numbers[i] = static_cast<int>(value);
+      }
+      r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
+    }
+    return r;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where one rank sits.
 struct placement {
@@ -108,7 +119,10 @@ struct placement {
 /// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
 /// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
 /// config_error that placing the ranks gave (bytes32), for every rank to throw.
-[[nodiscard]] inline std::string encode_placements(const std::vector<placement>& ranks) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placements(
+    const std::vector<placement>& ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_placements(const std::vector<placement>& ranks) {
   std::string out;
   detail::wire::writer w(out);
   w.u8(1).u32(static_cast<std::uint32_t>(ranks.size()));
@@ -116,16 +130,24 @@ struct placement {
     w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
   return out;
 }
-[[nodiscard]] inline std::string encode_placement_error(std::string_view message) {
+#endif  // DTRAIN_DETAIL_BODIES()
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message) {
   std::string out;
   detail::wire::writer(out).u8(0).bytes32(message);
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
 /// config_error when placing failed there, and a rendezvous_error naming
 /// `where` ("store key dtrain/job/world/placement") when the value is malformed.
-[[nodiscard]] inline placement decode_placement(const std::string& where, std::string_view value,
+[[nodiscard]] DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where,
+                                                              std::string_view value, int rank,
+                                                              int size);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where, std::string_view value,
                                                 int rank, int size) {
   std::optional<std::string> failure;
   placement mine =
@@ -157,6 +179,7 @@ struct placement {
   if (failure) throw config_error(*failure);
   return mine;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Places every rank (reports[i] is rank i). When every report is complete,
 /// each keeps what its launcher said. Otherwise ranks are grouped by node
@@ -164,7 +187,10 @@ struct placement {
 /// follow the rank order within a node. Throws config_error, naming the
 /// ranks and variables, when the ranks disagree about the world size or a
 /// known field contradicts the grouping.
-[[nodiscard]] inline std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(
+    const std::vector<rank_report>& reports);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
   const int n = static_cast<int>(reports.size());
   for (std::size_t r = 0; r < reports.size(); ++r) {
     const auto& ws = reports[r].self.world_size;
@@ -220,5 +246,6 @@ struct placement {
   }
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

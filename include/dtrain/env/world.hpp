@@ -3,6 +3,7 @@
 /// `dtrain::world`: who this process is in the job, as the launcher told it.
 /// A plain value; discover_world() (env/discover.hpp) builds it.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/json.hpp>
 
 #include <array>
@@ -109,46 +110,52 @@ struct world {
   }
 
   /// One or two lines for logs: each field with the variable it came from.
-  [[nodiscard]] std::string describe() const {
-    std::string out = "dtrain world from ";
-    out += to_string(source);
-    if (role != process_role::worker) {
-      out += " (";
-      out += to_string(role);
-      out += ')';
-    }
-    out += ':';
-    std::array<std::string, field_count> values;
-    const std::array<const std::optional<int>*, 6> numbers{
-        &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
-    }
-    values[6] = master_addr.value_or("?");
-    values[7] = master_port ? std::to_string(*master_port) : "?";
-    // Consecutive fields with one origin share one parenthesis.
-    for (std::size_t i = 0; i < field_count; ++i) {
-      out += i == 0 ? " " : ", ";
-      out += field_names[i];
-      out += '=';
-      out += values[i];
-      if (i + 1 == field_count || origins[i + 1] != origins[i]) {
-        out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
-      }
-    }
-    if (!notes.empty()) {
-      out += "\n  note: ";
-      out += notes;
-    }
-    return out;
-  }
+  [[nodiscard]] std::string describe() const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string world::describe() const {
+  std::string out = "dtrain world from ";
+  out += to_string(source);
+  if (role != process_role::worker) {
+    out += " (";
+    out += to_string(role);
+    out += ')';
+  }
+  out += ':';
+  std::array<std::string, field_count> values;
+  const std::array<const std::optional<int>*, 6> numbers{
+      &rank, &world_size, &local_rank, &local_world_size, &node_rank, &num_nodes};
+  for (std::size_t i = 0; i < numbers.size(); ++i) {
+    values[i] = *numbers[i] ? std::to_string(**numbers[i]) : "?";
+  }
+  values[6] = master_addr.value_or("?");
+  values[7] = master_port ? std::to_string(*master_port) : "?";
+  // Consecutive fields with one origin share one parenthesis.
+  for (std::size_t i = 0; i < field_count; ++i) {
+    out += i == 0 ? " " : ", ";
+    out += field_names[i];
+    out += '=';
+    out += values[i];
+    if (i + 1 == field_count || origins[i + 1] != origins[i]) {
+      out += origins[i].empty() ? std::string(" (unknown)") : " (" + origins[i] + ")";
+    }
+  }
+  if (!notes.empty()) {
+    out += "\n  note: ";
+    out += notes;
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The world as one JSON object on one line (no newline), with the keys rank,
 /// world_size, local_rank, local_world_size, node_rank, num_nodes,
 /// master_addr, master_port (null when unknown), source, and role when the
 /// process is not a plain worker. This is what `dtrain_whoami` prints.
-[[nodiscard]] inline std::string to_json(const world& w) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string to_json(const world& w);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string to_json(const world& w) {
   std::string out = "{";
   auto key = [&](std::string_view name) {
     if (out.size() > 1) out += ',';
@@ -181,5 +188,6 @@ struct world {
   out += '}';
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

@@ -7,6 +7,7 @@
 /// restart round is an agent_round (launch/round.hpp); the agents meet
 /// through agent_store (launch/agent_store.hpp).
 
+#include <dtrain/config.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
@@ -54,198 +55,30 @@ class node_agent {
   /// inherit (and where NODE_RANK, MASTER_ADDR, ... are read); `options` are
   /// final (apply with_env() before).
   node_agent(std::vector<std::string> command, agent_options options,
-             environment env = environment::from_process(), store_options store = {})
-      : command_(std::move(command)),
-        options_(std::move(options)),
-        env_(std::move(env)),
-        store_options_(std::move(store)) {
-    if (command_.empty()) throw config_error("node_agent: no worker command to run");
-    options_.check();
-    node_ = discover_world(env_, {},
-                           discover_options{.mode = launch_mode::per_node,
-                                            .nproc_per_node = options_.nproc_per_node.value_or(1),
-                                            .nnodes = options_.nnodes,
-                                            .node_rank = options_.node_rank});
-    if (!node_.node_rank || !node_.num_nodes) {
-      throw config_error(
-          "the node agent cannot tell which node it is: give node_rank and nnodes "
-          "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
-          "mpirun or srun");
-    }
-    nproc_ = *node_.local_world_size;
-    const bool single = *node_.num_nodes == 1;
-    if (options_.master_addr) {
-      master_addr_ = *options_.master_addr;
-    } else if (node_.master_addr) {
-      master_addr_ = *node_.master_addr;
-    } else if (single) {
-      master_addr_ = "127.0.0.1";
-    } else {
-      throw config_error("a job of " + std::to_string(*node_.num_nodes) +
-                         " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
-    }
-    if (options_.master_port) {
-      master_port_ = *options_.master_port;
-    } else if (node_.master_port) {
-      master_port_ = *node_.master_port;
-    } else {
-      master_port_ = single ? 0 : default_master_port;
-    }
-    if (master_port_ == 0 && !single) {
-      throw config_error(
-          "master_port 0 (a free port) works only on a single node: the other "
-          "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
-    }
-  }
+             environment env = environment::from_process(), store_options store = {});
 
   /// The node as the agent sees it (node_rank, num_nodes, nproc as local_world_size).
   [[nodiscard]] const world& node() const noexcept { return node_; }
 
   /// Runs the job to the end; see the class comment for the exit status.
-  int run() {
-    if (store_options_.token.empty()) {
-      // One node: a fresh token, which reaches the workers only through their
-      // environment. Several: the agents must already share one.
-      if (nnodes() > 1) {
-        throw config_error(
-            "a job of " + std::to_string(nnodes()) +
-            " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
-            "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
-            "submitted); it authenticates every connection to node 0's store");
-      }
-      store_options_.token = detail::new_store_token();
-    }
-    detail::agent_signal_scope signals;
-    // Orphans of the workers come to this agent, which kills and reaps them.
-    detail::become_subreaper();
-    detail::agent_store store(node_rank(), nnodes(),
-                              detail::store_bind_address(env_, master_addr_, nnodes() > 1),
-                              master_addr_, master_port_, store_options_);
-    master_port_ = store.port();
-    say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
-            std::to_string(nproc_) + " workers, store at " +
-            detail::endpoint_text(master_addr_, master_port_),
-        true);
-    int restart = 0;  // the round under way, for a failure outside it
-    try {
-      store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
-      const int status = run_rounds(store, restart);
-      store.leave(options_.grace_period);
-      return status;
-    } catch (const rendezvous_error& e) {
-      say(std::string("lost the rendezvous store (node 0's agent) at ") +
-          detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
-      return 1;
-    } catch (...) {
-      // The round (if one ran) has stopped its workers while unwinding. A
-      // signal that interrupted a wait ends the job like one during the run.
-      const int sig = detail::pending_agent_signal();
-      auto [status, what] = sig != 0
-                                ? std::pair(128 + sig, "received signal " + std::to_string(sig))
-                                : detail::current_failure();
-      // Tell the other nodes, so that they end too instead of waiting for this one.
-      try {
-        store.record_failure(restart, status, true,
-                             "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
-        store.leave(options_.grace_period);
-      } catch (...) {
-        // The store is gone too: the other agents notice that themselves.
-      }
-      if (sig == 0) throw;
-      say(what + "; stopped this node's workers");
-      return status;
-    }
-  }
+  int run();
 
  private:
   [[nodiscard]] int node_rank() const { return *node_.node_rank; }
   [[nodiscard]] int nnodes() const { return *node_.num_nodes; }
 
-  void say(const std::string& text, bool verbose = false) const {
-    if (verbose && !options_.tee) return;
-    detail::agent_say(node_rank(), nnodes(), text);
-  }
+  void say(const std::string& text, bool verbose = false) const;
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.
-  int run_rounds(detail::agent_store& store, int& restart) {
-    for (restart = 0;; ++restart) {
-      const detail::round_end end = run_round(store, restart);
-      if (end.succeeded) return 0;
-      if (end.final || restart >= options_.max_restarts) {
-        say(end.message + "; ending the job" +
-            (end.final ? std::string()
-                       : " (restarts used: " + std::to_string(restart) + " of " +
-                             std::to_string(options_.max_restarts) + ")"));
-        return end.status;
-      }
-      say(end.message + "; restarting every node's workers (restart " +
-          std::to_string(restart + 1) + " of " + std::to_string(options_.max_restarts) + ")");
-      store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
-    }
-  }
+  int run_rounds(detail::agent_store& store, int& restart);
 
   /// Starts this node's workers for one round and supervises them until the
   /// round ends on every node. The round stops them on every way out.
-  detail::round_end run_round(detail::agent_store& store, int restart) {
-    const int worker_port = store.worker_port(restart);
-    const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
-    std::vector<detail::worker_start> workers;
-    for (int local = 0; local < nproc_; ++local) {
-      detail::worker_start& w = workers.emplace_back();
-      w.rank = node_rank() * nproc_ + local;
-      w.local_rank = local;
-      w.command.argv = command_;
-      w.command.argv.front() = program;
-      if (options_.local_rank_arg)
-        w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-      w.command.env = worker_environment(w.rank, local, restart, worker_port);
-    }
-    detail::agent_round round({.restart = restart,
-                               .node_rank = node_rank(),
-                               .nnodes = nnodes(),
-                               .nproc = nproc_,
-                               .tee = options_.tee,
-                               .log_dir = options_.log_dir,
-                               .grace_period = options_.grace_period,
-                               .heartbeat_timeout = options_.heartbeat_timeout});
-    round.start(workers);
-    return round.supervise(store);
-  }
+  detail::round_end run_round(detail::agent_store& store, int restart);
 
   std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
-                                              int worker_port) const {
-    const int world_size = nnodes() * nproc_;
-    auto vars = env_.vars();
-    auto set = [&](std::string name, const std::string& value) {
-      vars.insert_or_assign(std::move(name), value);
-    };
-    set("RANK", std::to_string(rank));
-    set("LOCAL_RANK", std::to_string(local_rank));
-    set("WORLD_SIZE", std::to_string(world_size));
-    set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
-    set("GROUP_RANK", std::to_string(node_rank()));
-    set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
-    set("ROLE_RANK", std::to_string(rank));
-    set("ROLE_WORLD_SIZE", std::to_string(world_size));
-    set("ROLE_NAME", "default");
-    set("NODE_RANK", std::to_string(node_rank()));
-    set("MASTER_ADDR", master_addr_);
-    set("MASTER_PORT", std::to_string(worker_port));
-    set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
-    set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
-    set(std::string(restart_count_variable), std::to_string(restart));
-    set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
-    // The token goes in the environment only: never on argv or in a log.
-    set(std::string(store_token_variable), store_options_.token);
-    // As torchrun: one thread per worker unless the user chose, so N workers
-    // do not each start one OpenMP thread per core.
-    if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
-    std::vector<std::string> out;
-    out.reserve(vars.size());
-    for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
-    return out;
-  }
+                                              int worker_port) const;
 
   std::vector<std::string> command_;
   agent_options options_;
@@ -256,5 +89,189 @@ class node_agent {
   std::string master_addr_;
   int master_port_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, agent_options options,
+                                            environment env, store_options store)
+    : command_(std::move(command)),
+      options_(std::move(options)),
+      env_(std::move(env)),
+      store_options_(std::move(store)) {
+  if (command_.empty()) throw config_error("node_agent: no worker command to run");
+  options_.check();
+  node_ = discover_world(env_, {},
+                         discover_options{.mode = launch_mode::per_node,
+                                          .nproc_per_node = options_.nproc_per_node.value_or(1),
+                                          .nnodes = options_.nnodes,
+                                          .node_rank = options_.node_rank});
+  if (!node_.node_rank || !node_.num_nodes) {
+    throw config_error(
+        "the node agent cannot tell which node it is: give node_rank and nnodes "
+        "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
+        "mpirun or srun");
+  }
+  nproc_ = *node_.local_world_size;
+  const bool single = *node_.num_nodes == 1;
+  if (options_.master_addr) {
+    master_addr_ = *options_.master_addr;
+  } else if (node_.master_addr) {
+    master_addr_ = *node_.master_addr;
+  } else if (single) {
+    master_addr_ = "127.0.0.1";
+  } else {
+    throw config_error("a job of " + std::to_string(*node_.num_nodes) +
+                       " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
+  }
+  if (options_.master_port) {
+    master_port_ = *options_.master_port;
+  } else if (node_.master_port) {
+    master_port_ = *node_.master_port;
+  } else {
+    master_port_ = single ? 0 : default_master_port;
+  }
+  if (master_port_ == 0 && !single) {
+    throw config_error(
+        "master_port 0 (a free port) works only on a single node: the other "
+        "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run() {
+  if (store_options_.token.empty()) {
+    // One node: a fresh token, which reaches the workers only through their
+    // environment. Several: the agents must already share one.
+    if (nnodes() > 1) {
+      throw config_error(
+          "a job of " + std::to_string(nnodes()) +
+          " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
+          "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
+          "submitted); it authenticates every connection to node 0's store");
+    }
+    store_options_.token = detail::new_store_token();
+  }
+  detail::agent_signal_scope signals;
+  // Orphans of the workers come to this agent, which kills and reaps them.
+  detail::become_subreaper();
+  detail::agent_store store(node_rank(), nnodes(),
+                            detail::store_bind_address(env_, master_addr_, nnodes() > 1),
+                            master_addr_, master_port_, store_options_);
+  master_port_ = store.port();
+  say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
+          std::to_string(nproc_) + " workers, store at " +
+          detail::endpoint_text(master_addr_, master_port_),
+      true);
+  int restart = 0;  // the round under way, for a failure outside it
+  try {
+    store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
+    const int status = run_rounds(store, restart);
+    store.leave(options_.grace_period);
+    return status;
+  } catch (const rendezvous_error& e) {
+    say(std::string("lost the rendezvous store (node 0's agent) at ") +
+        detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
+    return 1;
+  } catch (...) {
+    // The round (if one ran) has stopped its workers while unwinding. A
+    // signal that interrupted a wait ends the job like one during the run.
+    const int sig = detail::pending_agent_signal();
+    auto [status, what] = sig != 0 ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                   : detail::current_failure();
+    // Tell the other nodes, so that they end too instead of waiting for this one.
+    try {
+      store.record_failure(restart, status, true,
+                           "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+      store.leave(options_.grace_period);
+    } catch (...) {
+      // The store is gone too: the other agents notice that themselves.
+    }
+    if (sig == 0) throw;
+    say(what + "; stopped this node's workers");
+    return status;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
+  if (verbose && !options_.tee) return;
+  detail::agent_say(node_rank(), nnodes(), text);
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
+  for (restart = 0;; ++restart) {
+    const detail::round_end end = run_round(store, restart);
+    if (end.succeeded) return 0;
+    if (end.final || restart >= options_.max_restarts) {
+      say(end.message + "; ending the job" +
+          (end.final ? std::string()
+                     : " (restarts used: " + std::to_string(restart) + " of " +
+                           std::to_string(options_.max_restarts) + ")"));
+      return end.status;
+    }
+    say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
+        " of " + std::to_string(options_.max_restarts) + ")");
+    store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
+  }
+}
+
+DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
+                                                             int restart) {
+  const int worker_port = store.worker_port(restart);
+  const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
+  std::vector<detail::worker_start> workers;
+  for (int local = 0; local < nproc_; ++local) {
+    detail::worker_start& w = workers.emplace_back();
+    w.rank = node_rank() * nproc_ + local;
+    w.local_rank = local;
+    w.command.argv = command_;
+    w.command.argv.front() = program;
+    if (options_.local_rank_arg)
+      w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
+    w.command.env = worker_environment(w.rank, local, restart, worker_port);
+  }
+  detail::agent_round round({.restart = restart,
+                             .node_rank = node_rank(),
+                             .nnodes = nnodes(),
+                             .nproc = nproc_,
+                             .tee = options_.tee,
+                             .log_dir = options_.log_dir,
+                             .grace_period = options_.grace_period,
+                             .heartbeat_timeout = options_.heartbeat_timeout});
+  round.start(workers);
+  return round.supervise(store);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
+    int rank, int local_rank, int restart, int worker_port) const {
+  const int world_size = nnodes() * nproc_;
+  auto vars = env_.vars();
+  auto set = [&](std::string name, const std::string& value) {
+    vars.insert_or_assign(std::move(name), value);
+  };
+  set("RANK", std::to_string(rank));
+  set("LOCAL_RANK", std::to_string(local_rank));
+  set("WORLD_SIZE", std::to_string(world_size));
+  set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
+  set("GROUP_RANK", std::to_string(node_rank()));
+  set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
+  set("ROLE_RANK", std::to_string(rank));
+  set("ROLE_WORLD_SIZE", std::to_string(world_size));
+  set("ROLE_NAME", "default");
+  set("NODE_RANK", std::to_string(node_rank()));
+  set("MASTER_ADDR", master_addr_);
+  set("MASTER_PORT", std::to_string(worker_port));
+  set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+  set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+  set(std::string(restart_count_variable), std::to_string(restart));
+  set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+  // The token goes in the environment only: never on argv or in a log.
+  set(std::string(store_token_variable), store_options_.token);
+  // As torchrun: one thread per worker unless the user chose, so N workers
+  // do not each start one OpenMP thread per core.
+  if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+  std::vector<std::string> out;
+  out.reserve(vars.size());
+  for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

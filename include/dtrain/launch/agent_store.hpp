@@ -6,6 +6,7 @@
 /// went wrong), and leaves. The keys and the format of their values are
 /// launch/protocol.hpp's.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/launch/protocol.hpp>
@@ -34,7 +35,9 @@ inline constexpr std::chrono::milliseconds agent_poll_interval{20};
 
 /// A port nobody listens on now (it may be taken before it is used: the
 /// same race torchrun accepts for --standalone).
-inline int pick_free_port() {
+DTRAIN_DETAIL_INLINE int pick_free_port();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int pick_free_port() {
   unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -44,9 +47,12 @@ inline int pick_free_port() {
   DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
   return ntohs(addr.sin_port);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
-inline std::string seconds_text(std::chrono::milliseconds t) {
+DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t) {
   std::string text = std::to_string(t.count() / 1000);
   if (auto ms = t.count() % 1000; ms != 0) {
     std::string frac = std::to_string(1000 + ms).substr(1);
@@ -55,13 +61,17 @@ inline std::string seconds_text(std::chrono::milliseconds t) {
   }
   return text;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The agents' summary of a round's first failure. When the failing worker
 /// gave up a collective that a worker which had already ended well never
 /// issued, that worker comes first: it left early (it skipped a step, say),
 /// and the failure is the consequence.
-inline std::string describe_failure(const failure_record& failure,
-                                    const std::optional<exit_record>& first_exit) {
+DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
+                                                  const std::optional<exit_record>& first_exit);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
+                                                  const std::optional<exit_record>& first_exit) {
   if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
       first_exit->rank == failure.rank) {
     return failure.message;
@@ -74,6 +84,7 @@ inline std::string describe_failure(const failure_record& failure,
          " while rank " + std::to_string(failure.rank) + " waited in collective #" +
          std::to_string(failure.collective) + "; then " + failure.message;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Every agent bumps its counter about once a second and watches the
 /// others': a node whose agent died (and with it its workers) is noticed
@@ -85,27 +96,7 @@ class heartbeat {
         since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
 
   /// Beats for `me`; returns the first node silent for longer than `limit`.
-  std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit) {
-    auto now = std::chrono::steady_clock::now();
-    if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
-    last_ = now;
-    store.add(agent_keys::beat(me), 1);
-    std::optional<int> first;
-    silent_ = 0;
-    for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
-      if (n == me) continue;
-      std::int64_t beat = store.add(agent_keys::beat(n), 0);
-      auto i = static_cast<std::size_t>(n);
-      if (beat != seen_[i]) {
-        seen_[i] = beat;
-        since_[i] = now;
-      } else if (now - since_[i] > limit) {
-        if (!first) first = n;
-        ++silent_;
-      }
-    }
-    return first;
-  }
+  std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
 
   /// How many nodes the last check() found silent.
   [[nodiscard]] int silent() const noexcept { return silent_; }
@@ -116,6 +107,31 @@ class heartbeat {
   std::chrono::steady_clock::time_point last_{};
   int silent_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, int me,
+                                                         std::chrono::milliseconds limit) {
+  auto now = std::chrono::steady_clock::now();
+  if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+  last_ = now;
+  store.add(agent_keys::beat(me), 1);
+  std::optional<int> first;
+  silent_ = 0;
+  for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+    if (n == me) continue;
+    std::int64_t beat = store.add(agent_keys::beat(n), 0);
+    auto i = static_cast<std::size_t>(n);
+    if (beat != seen_[i]) {
+      seen_[i] = beat;
+      since_[i] = now;
+    } else if (now - since_[i] > limit) {
+      if (!first) first = n;
+      ++silent_;
+    }
+  }
+  return first;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One agent's connection to the job's store, which node 0's agent also
 /// serves. Every wait is bounded by the store timeout and ends early when a
@@ -159,51 +175,15 @@ class agent_store {
   }
 
   /// A barrier of all agents that a signal can interrupt.
-  void meet(const std::string& key, const std::string& what) {
-    client_.add(key, 1);
-    wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
-  }
+  void meet(const std::string& key, const std::string& what);
 
   /// Registers this node, waits for every node, and checks that they all
   /// run the same job shape (config_error naming the node that differs).
-  void join(const node_record& me) {
-    const std::string key = agent_keys::node(node_rank_);
-    const std::string holder = client_.compare_set(key, "", me.encode());
-    if (holder != me.encode()) {
-      throw config_error("node_rank " + std::to_string(node_rank_) +
-                         " is taken twice: by the agent " + node_record::decode(key, holder).who() +
-                         " and by this one (" + me.who() +
-                         "); give each agent its own --node-rank / NODE_RANK");
-    }
-    meet(std::string(agent_keys::joined),
-         "all " + std::to_string(nnodes_) + " node agents to join");
-    for (int n = 0; n < nnodes_; ++n) {
-      const std::string other_key = agent_keys::node(n);
-      const node_record other = node_record::decode(other_key, client_.get(other_key));
-      if (other.nproc != me.nproc) {
-        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
-                           std::to_string(other.nproc) + " workers, this node " +
-                           std::to_string(me.nproc) +
-                           "; every node must run the same nproc_per_node");
-      }
-      if (other.max_restarts != me.max_restarts) {
-        throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
-                           std::to_string(other.max_restarts) + " restarts, this node " +
-                           std::to_string(me.max_restarts) +
-                           "; every node must use the same max_restarts");
-      }
-    }
-  }
+  void join(const node_record& me);
 
   /// The MASTER_PORT of round `restart`'s workers: node 0 picks a free port,
   /// every node reads it.
-  int worker_port(int restart) {
-    const std::string key = agent_keys::worker_port(restart);
-    if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
-    wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
-             "node 0 to pick the workers' port");
-    return decode_port(key, client_.get(key));
-  }
+  int worker_port(int restart);
 
   /// Records a failure of round `restart` unless one is recorded already.
   void record_failure(int restart, int status, bool final, const std::string& message) {
@@ -213,19 +193,7 @@ class agent_store {
   /// Round `restart`'s first failure, if one is recorded, with its message
   /// as the agents print it (describe_failure). A record that cannot be read
   /// ends the job with its own reason.
-  std::optional<failure_record> failure(int restart) {
-    const std::string key = agent_keys::failure(restart);
-    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
-    const std::string value = client_.get(key);
-    failure_record f;
-    try {
-      f = failure_record::decode(key, value);
-    } catch (const rendezvous_error& e) {
-      return failure_record{1, true, e.what()};
-    }
-    f.message = describe_failure(f, first_exit(restart));
-    return f;
-  }
+  std::optional<failure_record> failure(int restart);
 
   /// Reports that this node's workers of round `restart` all succeeded.
   void report_success(int restart) { client_.add(agent_keys::succeeded(restart), 1); }
@@ -239,33 +207,12 @@ class agent_store {
 
   /// Says this agent is done. Node 0 keeps the store up until every agent
   /// has read how the job ended, at most `grace` + 10 s.
-  void leave(std::chrono::milliseconds grace) {
-    const std::string key(agent_keys::left);
-    try {
-      client_.add(key, 1);
-      if (!server_) return;
-      const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
-      while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(agent_poll_interval);
-      }
-    } catch (const rendezvous_error&) {
-      // The job has ended; a peer that cannot be told is not a new failure.
-    }
-  }
+  void leave(std::chrono::milliseconds grace);
 
  private:
   // The first worker of the round that ended well; a record that cannot be
   // read only loses that hint.
-  std::optional<exit_record> first_exit(int restart) {
-    const std::string key = agent_keys::exited(restart);
-    if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
-    try {
-      return exit_record::decode(key, client_.get(key));
-    } catch (const rendezvous_error&) {
-      return std::nullopt;
-    }
-  }
+  std::optional<exit_record> first_exit(int restart);
 
   int node_rank_;
   int nnodes_;
@@ -275,5 +222,87 @@ class agent_store {
   store_client client_;
   int lost_nodes_ = 0;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
+  client_.add(key, 1);
+  wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
+  const std::string key = agent_keys::node(node_rank_);
+  const std::string holder = client_.compare_set(key, "", me.encode());
+  if (holder != me.encode()) {
+    throw config_error("node_rank " + std::to_string(node_rank_) +
+                       " is taken twice: by the agent " + node_record::decode(key, holder).who() +
+                       " and by this one (" + me.who() +
+                       "); give each agent its own --node-rank / NODE_RANK");
+  }
+  meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
+  for (int n = 0; n < nnodes_; ++n) {
+    const std::string other_key = agent_keys::node(n);
+    const node_record other = node_record::decode(other_key, client_.get(other_key));
+    if (other.nproc != me.nproc) {
+      throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                         std::to_string(other.nproc) + " workers, this node " +
+                         std::to_string(me.nproc) +
+                         "; every node must run the same nproc_per_node");
+    }
+    if (other.max_restarts != me.max_restarts) {
+      throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                         std::to_string(other.max_restarts) + " restarts, this node " +
+                         std::to_string(me.max_restarts) +
+                         "; every node must use the same max_restarts");
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {
+  const std::string key = agent_keys::worker_port(restart);
+  if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
+  wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+           "node 0 to pick the workers' port");
+  return decode_port(key, client_.get(key));
+}
+
+DTRAIN_DETAIL_INLINE std::optional<failure_record> agent_store::failure(int restart) {
+  const std::string key = agent_keys::failure(restart);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+  const std::string value = client_.get(key);
+  failure_record f;
+  try {
+    f = failure_record::decode(key, value);
+  } catch (const rendezvous_error& e) {
+    return failure_record{1, true, e.what()};
+  }
+  f.message = describe_failure(f, first_exit(restart));
+  return f;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::leave(std::chrono::milliseconds grace) {
+  const std::string key(agent_keys::left);
+  try {
+    client_.add(key, 1);
+    if (!server_) return;
+    const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
+    while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+  } catch (const rendezvous_error&) {
+    // The job has ended; a peer that cannot be told is not a new failure.
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<exit_record> agent_store::first_exit(int restart) {
+  const std::string key = agent_keys::exited(restart);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+  try {
+    return exit_record::decode(key, client_.get(key));
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -6,6 +6,7 @@
 /// own arguments. Each flag sets an agent option (`--standalone` four); a bad
 /// value is a config_error naming the flag as it was typed and its value.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/launch/options.hpp>
@@ -65,34 +66,12 @@ class agent_flags {
   /// dtrun's command line: flags first; `--`, or the first argument that is
   /// not a flag, begins the program, which gets every argument after it. An
   /// unknown flag is a config_error; `--help` (or `-h`) ends the parsing.
-  [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args) {
-    agent_flags flags;
-    std::size_t i = 0;
-    for (; i < args.size(); ++i) {
-      if (args[i] == "--") {
-        ++i;
-        break;
-      }
-      if (!args[i].starts_with("--") && args[i] != "-h") break;
-      if (!flags.read(args, i, true)) {
-        throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
-      }
-      if (flags.help_) return flags;
-    }
-    for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
-    return flags;
-  }
+  [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args);
 
   /// A self-launching program's command line: dtrun's flags wherever they
   /// are before `--`, except `--help` and `--no-python`, which stay the
   /// program's. Every other argument is the program's own and is skipped.
-  [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args) {
-    agent_flags flags;
-    for (std::size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
-      if (args[i].starts_with("--")) (void)flags.read(args, i, false);
-    }
-    return flags;
-  }
+  [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args);
 
   /// Sets every option that a flag gave: the flags win (dtrun).
   void apply(agent_options& options) const {
@@ -101,12 +80,7 @@ class agent_flags {
 
   /// Sets the options that a flag gave and `options` leaves at agent_options'
   /// defaults: options set in the program's code win (dtrain::run).
-  void fill(agent_options& options) const {
-    const agent_options defaults{};
-    for_each_given([&](auto member) {
-      if (options.*member == defaults.*member) options.*member = values_.*member;
-    });
-  }
+  void fill(agent_options& options) const;
 
   /// The options as the flags set them (the others at their defaults).
   [[nodiscard]] const agent_options& values() const noexcept { return values_; }
@@ -132,56 +106,7 @@ class agent_flags {
   void set(agent_field option) { given_.set(static_cast<std::size_t>(option)); }
 
   // Reads the flag at args[i] (and its value, moving i past it); false when it is not dtrun's.
-  bool read(std::span<const std::string_view> args, std::size_t& i, bool launcher) {
-    const std::string_view arg = args[i];
-    const std::size_t eq = arg.find('=');
-    const std::string_view typed = arg.substr(0, eq);
-    std::string name(typed);
-    for (char& c : name) {
-      if (c == '_') c = '-';
-    }
-    if (launcher && (name == "--help" || name == "-h")) return help_ = true;
-    if (launcher && name == "--no-python") return no_python_ = true;
-    if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
-      if (eq != std::string_view::npos) {
-        throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
-                           " takes no value");
-      }
-      if (name == "--tee") {
-        values_.tee = true;
-        set(agent_field::tee);
-      } else if (name == "--pass-local-rank") {
-        values_.local_rank_arg = true;
-        set(agent_field::local_rank_arg);
-      } else {
-        values_.nnodes = 1;
-        values_.node_rank = 0;
-        values_.master_addr = "127.0.0.1";
-        values_.master_port = 0;
-        for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
-                       agent_field::master_port})
-          set(f);
-      }
-      return true;
-    }
-    const valued* flag = find(name);
-    if (flag == nullptr) return false;
-    std::string_view value;
-    if (eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-    } else if (i + 1 < args.size()) {
-      value = args[++i];
-    } else {
-      throw config_error(std::string(typed) + " on the command line needs a value (" +
-                         std::string(flag->what) + ", e.g. " + std::string(typed) + " " +
-                         std::string(flag->example) + ")");
-    }
-    const std::string origin =
-        std::string(typed) + "=" + std::string(value) + " on the command line";
-    take(flag->field, origin, value);
-    set(flag->field);
-    return true;
-  }
+  bool read(std::span<const std::string_view> args, std::size_t& i, bool launcher);
 
   struct valued {
     std::string_view name;
@@ -190,65 +115,9 @@ class agent_flags {
     std::string_view example;
   };
 
-  static const valued* find(std::string_view name) {
-    static constexpr valued flags[] = {
-        {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
-        {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
-        {"--node-rank", agent_field::node_rank, "this node's index", "0"},
-        {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
-        {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
-        {"--max-restarts", agent_field::max_restarts, "restarts after a failure", "1"},
-        {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
-        {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
-        {"--log-dir", agent_field::log_dir, "a directory", "logs"},
-    };
-    for (const valued& f : flags) {
-      if (f.name == name) return &f;
-    }
-    return nullptr;
-  }
+  static const valued* find(std::string_view name);
 
-  void take(agent_field option, const std::string& origin, std::string_view value) {
-    auto at_least = [&](int least, const char* unit) {
-      const int n = parse_non_negative(origin, value);
-      if (n < least) {
-        throw config_error(origin + " must be at least " + std::to_string(least) + " (" + unit +
-                           ")");
-      }
-      return n;
-    };
-    auto text = [&] {
-      if (value.empty()) throw config_error(origin + " is empty");
-      return std::string(value);
-    };
-    switch (option) {
-      case agent_field::nproc_per_node:
-        values_.nproc_per_node = at_least(1, "workers per node");
-        break;
-      case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
-      case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
-      case agent_field::master_addr: values_.master_addr = text(); break;
-      case agent_field::master_port: {
-        const int port = parse_non_negative(origin, value);
-        if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
-        values_.master_port = port;
-        break;
-      }
-      case agent_field::max_restarts:
-        values_.max_restarts = parse_non_negative(origin, value);
-        break;
-      case agent_field::grace_period:
-        values_.grace_period = std::chrono::seconds(parse_non_negative(origin, value));
-        break;
-      case agent_field::heartbeat_timeout:
-        values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
-        break;
-      case agent_field::log_dir: values_.log_dir = text(); break;
-      case agent_field::tee:
-      case agent_field::local_rank_arg:
-      case agent_field::count: break;
-    }
-  }
+  void take(agent_field option, const std::string& origin, std::string_view value);
 
   agent_options values_{};
   std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
@@ -256,5 +125,149 @@ class agent_flags {
   bool no_python_ = false;
   std::vector<std::string> program_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::string_view> args) {
+  agent_flags flags;
+  std::size_t i = 0;
+  for (; i < args.size(); ++i) {
+    if (args[i] == "--") {
+      ++i;
+      break;
+    }
+    if (!args[i].starts_with("--") && args[i] != "-h") break;
+    if (!flags.read(args, i, true)) {
+      throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
+    }
+    if (flags.help_) return flags;
+  }
+  for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
+  return flags;
+}
+
+DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_program(std::span<const std::string_view> args) {
+  agent_flags flags;
+  for (std::size_t i = 0; i < args.size() && args[i] != "--"; ++i) {
+    if (args[i].starts_with("--")) (void)flags.read(args, i, false);
+  }
+  return flags;
+}
+
+DTRAIN_DETAIL_INLINE void agent_flags::fill(agent_options& options) const {
+  const agent_options defaults{};
+  for_each_given([&](auto member) {
+    if (options.*member == defaults.*member) options.*member = values_.*member;
+  });
+}
+
+DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> args, std::size_t& i,
+                                            bool launcher) {
+  const std::string_view arg = args[i];
+  const std::size_t eq = arg.find('=');
+  const std::string_view typed = arg.substr(0, eq);
+  std::string name(typed);
+  for (char& c : name) {
+    if (c == '_') c = '-';
+  }
+  if (launcher && (name == "--help" || name == "-h")) return help_ = true;
+  if (launcher && name == "--no-python") return no_python_ = true;
+  if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
+    if (eq != std::string_view::npos) {
+      throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
+                         " takes no value");
+    }
+    if (name == "--tee") {
+      values_.tee = true;
+      set(agent_field::tee);
+    } else if (name == "--pass-local-rank") {
+      values_.local_rank_arg = true;
+      set(agent_field::local_rank_arg);
+    } else {
+      values_.nnodes = 1;
+      values_.node_rank = 0;
+      values_.master_addr = "127.0.0.1";
+      values_.master_port = 0;
+      for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
+                     agent_field::master_port})
+        set(f);
+    }
+    return true;
+  }
+  const valued* flag = find(name);
+  if (flag == nullptr) return false;
+  std::string_view value;
+  if (eq != std::string_view::npos) {
+    value = arg.substr(eq + 1);
+  } else if (i + 1 < args.size()) {
+    value = args[++i];
+  } else {
+    throw config_error(std::string(typed) + " on the command line needs a value (" +
+                       std::string(flag->what) + ", e.g. " + std::string(typed) + " " +
+                       std::string(flag->example) + ")");
+  }
+  const std::string origin = std::string(typed) + "=" + std::string(value) + " on the command line";
+  take(flag->field, origin, value);
+  set(flag->field);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valued* {
+  static constexpr valued flags[] = {
+      {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
+      {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
+      {"--node-rank", agent_field::node_rank, "this node's index", "0"},
+      {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
+      {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
+      {"--max-restarts", agent_field::max_restarts, "restarts after a failure", "1"},
+      {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
+      {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
+      {"--log-dir", agent_field::log_dir, "a directory", "logs"},
+  };
+  for (const valued& f : flags) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::string& origin,
+                                            std::string_view value) {
+  auto at_least = [&](int least, const char* unit) {
+    const int n = parse_non_negative(origin, value);
+    if (n < least) {
+      throw config_error(origin + " must be at least " + std::to_string(least) + " (" + unit + ")");
+    }
+    return n;
+  };
+  auto text = [&] {
+    if (value.empty()) throw config_error(origin + " is empty");
+    return std::string(value);
+  };
+  switch (option) {
+    case agent_field::nproc_per_node:
+      values_.nproc_per_node = at_least(1, "workers per node");
+      break;
+    case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
+    case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
+    case agent_field::master_addr: values_.master_addr = text(); break;
+    case agent_field::master_port: {
+      const int port = parse_non_negative(origin, value);
+      if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
+      values_.master_port = port;
+      break;
+    }
+    case agent_field::max_restarts: values_.max_restarts = parse_non_negative(origin, value); break;
+    case agent_field::grace_period:
+      values_.grace_period = std::chrono::seconds(parse_non_negative(origin, value));
+      break;
+    case agent_field::heartbeat_timeout:
+      values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
+      break;
+    case agent_field::log_dir: values_.log_dir = text(); break;
+    case agent_field::tee:
+    case agent_field::local_rank_arg:
+    case agent_field::count: break;
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

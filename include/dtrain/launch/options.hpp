@@ -3,6 +3,7 @@
 /// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
 /// Every option can also come from an environment variable; see with_env().
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/variables.hpp>
@@ -70,62 +71,68 @@ struct agent_options {
   /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
   /// rebuilding it. Throws config_error naming the variable and its value.
-  [[nodiscard]] agent_options with_env(const environment& env) const {
-    agent_options out = *this;
-    auto count = [&](std::string_view name, std::optional<int>& into, int least) {
-      if (auto v = detail::read_int(env, name)) {
-        if (v->value < least) {
-          throw config_error(v->origin + " must be at least " + std::to_string(least));
-        }
-        into = v->value;
-      }
-    };
-    count(nproc_per_node_variable, out.nproc_per_node, 1);
-    count(nnodes_variable, out.nnodes, 1);
-    count(node_rank_variable, out.node_rank, 0);
-    if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
-    if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
-    if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
-    if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
-    if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
-    if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
-    out.check();
-    return out;
-  }
+  [[nodiscard]] agent_options with_env(const environment& env) const;
 
   /// Throws config_error when an option is out of range.
-  void check() const {
-    auto at_least = [](const char* name, const std::optional<int>& v, int least) {
-      if (v && *v < least) {
-        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                           " must be at least " + std::to_string(least));
-      }
-    };
-    at_least("nproc_per_node", nproc_per_node, 1);
-    at_least("nnodes", nnodes, 1);
-    at_least("node_rank", node_rank, 0);
-    auto at_most = [](const char* name, const std::optional<int>& v) {
-      if (v && *v > max_world_size) {
-        throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                           " is more than dtrain's limit of " + std::to_string(max_world_size) +
-                           " ranks (max_world_size)");
-      }
-    };
-    at_most("nproc_per_node", nproc_per_node);
-    at_most("nnodes", nnodes);
-    if (max_restarts < 0) {
-      throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
-    }
-    if (grace_period.count() < 0) throw config_error("option grace_period is negative");
-    if (heartbeat_timeout.count() <= 0) {
-      throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
-                         " ms must be positive");
-    }
-    if (master_port && *master_port != 0) {
-      detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
-    }
-    if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
-  }
+  void check() const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
+  agent_options out = *this;
+  auto count = [&](std::string_view name, std::optional<int>& into, int least) {
+    if (auto v = detail::read_int(env, name)) {
+      if (v->value < least) {
+        throw config_error(v->origin + " must be at least " + std::to_string(least));
+      }
+      into = v->value;
+    }
+  };
+  count(nproc_per_node_variable, out.nproc_per_node, 1);
+  count(nnodes_variable, out.nnodes, 1);
+  count(node_rank_variable, out.node_rank, 0);
+  if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
+  if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
+  if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
+  if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
+  if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
+  if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
+  out.check();
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void agent_options::check() const {
+  auto at_least = [](const char* name, const std::optional<int>& v, int least) {
+    if (v && *v < least) {
+      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                         " must be at least " + std::to_string(least));
+    }
+  };
+  at_least("nproc_per_node", nproc_per_node, 1);
+  at_least("nnodes", nnodes, 1);
+  at_least("node_rank", node_rank, 0);
+  auto at_most = [](const char* name, const std::optional<int>& v) {
+    if (v && *v > max_world_size) {
+      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                         " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                         " ranks (max_world_size)");
+    }
+  };
+  at_most("nproc_per_node", nproc_per_node);
+  at_most("nnodes", nnodes);
+  if (max_restarts < 0) {
+    throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
+  }
+  if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+  if (heartbeat_timeout.count() <= 0) {
+    throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
+                       " ms must be positive");
+  }
+  if (master_port && *master_port != 0) {
+    detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
+  }
+  if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain

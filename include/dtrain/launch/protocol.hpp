@@ -44,6 +44,7 @@
 /// and rank 0's error as bytes32, so that every rank fails at once with rank
 /// 0's message when rank 0 cannot produce the value.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/wire.hpp>
 #include <dtrain/env/names.hpp>
 #include <dtrain/env/world.hpp>
@@ -112,42 +113,49 @@ struct failure_record {
   std::int64_t collective = 0;  ///< its first collective that failed or timed out (#N); 0: none
   std::string communicator{};   ///< the ring name of that collective's communicator ("world")
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out)
-        .i64(status)
-        .u8(final ? 1 : 0)
-        .bytes32(message)
-        .i64(rank)
-        .i64(collective)
-        .bytes32(communicator);
-    return out;
-  }
-  [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value) {
-    return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
-      failure_record f;
-      const std::int64_t code = r.i64("the exit status");
-      if (code < 0 || code > 255) {
-        throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
-      }
-      f.status = static_cast<int>(code);
-      const std::uint8_t flag = r.u8("the final flag");
-      if (flag > 1)
-        throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
-      f.final = flag == 1;
-      f.message = r.bytes32("the message");
-      const std::int64_t raw_rank = r.i64("the rank");
-      if (raw_rank < -1 || raw_rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank or -1");
-      f.rank = static_cast<int>(raw_rank);
-      f.collective = r.i64("the collective");
-      if (f.collective < 0)
-        throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
-      f.communicator = r.bytes32("the communicator");
-      return f;
-    });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string failure_record::encode() const {
+  std::string out;
+  wire::writer(out)
+      .i64(status)
+      .u8(final ? 1 : 0)
+      .bytes32(message)
+      .i64(rank)
+      .i64(collective)
+      .bytes32(communicator);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE failure_record failure_record::decode(const std::string& key,
+                                                           std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a failure record", [](wire::reader& r) {
+    failure_record f;
+    const std::int64_t code = r.i64("the exit status");
+    if (code < 0 || code > 255) {
+      throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
+    }
+    f.status = static_cast<int>(code);
+    const std::uint8_t flag = r.u8("the final flag");
+    if (flag > 1)
+      throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
+    f.final = flag == 1;
+    f.message = r.bytes32("the message");
+    const std::int64_t raw_rank = r.i64("the rank");
+    if (raw_rank < -1 || raw_rank > INT32_MAX)
+      throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank or -1");
+    f.rank = static_cast<int>(raw_rank);
+    f.collective = r.i64("the collective");
+    if (f.collective < 0)
+      throw wire::violation("the collective #" + std::to_string(f.collective) + " is negative");
+    f.communicator = r.bytes32("the communicator");
+    return f;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Records a failure of round `restart` unless one is recorded already: the
 /// first one is the root cause, later ones are usually its consequences.
@@ -167,40 +175,49 @@ struct exit_record {
   std::vector<std::pair<std::string, std::int64_t>> issued;
 
   /// The collectives issued on `communicator` (0 when it had none).
-  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const {
-    for (const auto& [name, count] : issued) {
-      if (name == communicator) return count;
-    }
-    return 0;
-  }
+  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const;
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer w(out);
-    w.i64(rank).bytes32(label).u32(static_cast<std::uint32_t>(issued.size()));
-    for (const auto& [name, count] : issued) w.bytes32(name).i64(count);
-    return out;
-  }
-  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value) {
-    return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
-      exit_record e;
-      const std::int64_t raw_rank = r.i64("the rank");
-      if (raw_rank < 0 || raw_rank > INT32_MAX)
-        throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank");
-      e.rank = static_cast<int>(raw_rank);
-      e.label = r.bytes32("the worker");
-      const std::uint32_t n = r.u32("the communicator count");
-      if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
-      for (std::uint32_t i = 0; i < n; ++i) {
-        std::string name(r.bytes32("a communicator"));
-        const std::int64_t count = r.i64("its collectives");
-        if (count < 0) throw wire::violation(std::to_string(count) + " collectives is negative");
-        e.issued.emplace_back(std::move(name), count);
-      }
-      return e;
-    });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t exit_record::issued_on(std::string_view communicator) const {
+  for (const auto& [name, count] : issued) {
+    if (name == communicator) return count;
+  }
+  return 0;
+}
+
+DTRAIN_DETAIL_INLINE std::string exit_record::encode() const {
+  std::string out;
+  wire::writer w(out);
+  w.i64(rank).bytes32(label).u32(static_cast<std::uint32_t>(issued.size()));
+  for (const auto& [name, count] : issued) w.bytes32(name).i64(count);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE exit_record exit_record::decode(const std::string& key,
+                                                     std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a worker's exit", [](wire::reader& r) {
+    exit_record e;
+    const std::int64_t raw_rank = r.i64("the rank");
+    if (raw_rank < 0 || raw_rank > INT32_MAX)
+      throw wire::violation("the rank " + std::to_string(raw_rank) + " is not a rank");
+    e.rank = static_cast<int>(raw_rank);
+    e.label = r.bytes32("the worker");
+    const std::uint32_t n = r.u32("the communicator count");
+    if (n > 1024) throw wire::violation(std::to_string(n) + " communicators is more than 1024");
+    for (std::uint32_t i = 0; i < n; ++i) {
+      std::string name(r.bytes32("a communicator"));
+      const std::int64_t count = r.i64("its collectives");
+      if (count < 0) throw wire::violation(std::to_string(count) + " collectives is negative");
+      e.issued.emplace_back(std::move(name), count);
+    }
+    return e;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Records that a worker of round `restart` ended well, unless one did already:
 /// the first one is the one that may have left its peers waiting.
@@ -220,27 +237,36 @@ struct node_record {
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
-    return out;
-  }
-  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value) {
-    return wire::decode_value("store key " + key, value, "a node agent's record",
-                              [](wire::reader& r) {
-                                node_record n;
-                                n.nproc = r.i64("nproc");
-                                n.max_restarts = r.i64("max_restarts");
-                                n.host = r.bytes32("the host name");
-                                n.pid = r.i64("the pid");
-                                return n;
-                              });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value);
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
+  std::string out;
+  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
+                                                     std::string_view value) {
+  return wire::decode_value("store key " + key, value, "a node agent's record",
+                            [](wire::reader& r) {
+                              node_record n;
+                              n.nproc = r.i64("nproc");
+                              n.max_restarts = r.i64("max_restarts");
+                              n.host = r.bytes32("the host name");
+                              n.pid = r.i64("the pid");
+                              return n;
+                            });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A port, as the agents share the workers' MASTER_PORT.
 inline std::string encode_port(int port) { return wire::encode_int(port); }
-inline int decode_port(const std::string& key, std::string_view value) {
+DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value) {
   return wire::decode_value("store key " + key, value, "a port", [](wire::reader& r) {
     const std::int64_t port = r.i64("the port");
     if (port < 1 || port > 65535) {
@@ -249,6 +275,7 @@ inline int decode_port(const std::string& key, std::string_view value) {
     return static_cast<int>(port);
   });
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where rank 0 serves the store, as it tells the other ranks through the
 /// backend's pre-store channel when no MASTER_ADDR does (inside an outcome).
@@ -256,38 +283,50 @@ struct store_address {
   std::string host;  ///< rank 0's host name
   int port = 0;      ///< the port it listens on
 
-  [[nodiscard]] std::string encode() const {
-    std::string out;
-    wire::writer(out).bytes32(host).i64(port);
-    return out;
-  }
-  [[nodiscard]] static store_address decode(std::string_view value) {
-    return wire::decode_value(
-        "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
-          store_address a;
-          a.host = r.bytes32("the host name");
-          const std::int64_t number = r.i64("the port");
-          if (number < 1 || number > 65535) {
-            throw wire::violation("the port " + std::to_string(number) + " is not in 1..65535");
-          }
-          a.port = static_cast<int>(number);
-          return a;
-        });
-  }
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static store_address decode(std::string_view value);
 };
 
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string store_address::encode() const {
+  std::string out;
+  wire::writer(out).bytes32(host).i64(port);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE store_address store_address::decode(std::string_view value) {
+  return wire::decode_value(
+      "rank 0's broadcast", value, "the store's address", [](wire::reader& r) {
+        store_address a;
+        a.host = r.bytes32("the host name");
+        const std::int64_t number = r.i64("the port");
+        if (number < 1 || number > 65535) {
+          throw wire::violation("the port " + std::to_string(number) + " is not in 1..65535");
+        }
+        a.port = static_cast<int>(number);
+        return a;
+      });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 /// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
-inline std::string rank_label(const world* w) {
+DTRAIN_DETAIL_INLINE std::string rank_label(const world* w);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string rank_label(const world* w) {
   if (w == nullptr || !w->rank) return "[rank ?]";
   return "[rank " + std::to_string(*w->rank) + "/" +
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How one worker is named in failure messages, by its agent and by itself.
-inline std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
+DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
   return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
          std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain

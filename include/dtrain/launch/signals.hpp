@@ -5,6 +5,8 @@
 /// diagnostics and stops nothing. The handlers only record the signal; the
 /// agent's loop and its waits read it.
 
+#include <dtrain/config.hpp>
+
 #include <array>
 #include <csignal>
 #include <cstddef>
@@ -26,39 +28,47 @@ inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
 [[nodiscard]] inline int pending_agent_signal() noexcept { return agent_signal; }
 
 /// Takes a pending SIGUSR1 request: true once per request.
-[[nodiscard]] inline bool take_diagnostics_request() noexcept {
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
   if (agent_diagnostics_requests == 0) return false;
   agent_diagnostics_requests = 0;
   return true;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
 /// them to the workers, and SIGUSR1, which it forwards without stopping them
 /// (desync diagnostics); restores the previous handlers afterwards.
 class agent_signal_scope {
  public:
-  agent_signal_scope() {
-    agent_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = record_agent_signal;
-    sigemptyset(&sa.sa_mask);
-    for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
-    agent_diagnostics_requests = 0;
-    sa.sa_handler = record_diagnostics_request;
-    ::sigaction(SIGUSR1, &sa, &previous_usr1_);
-  }
+  agent_signal_scope();
   agent_signal_scope(const agent_signal_scope&) = delete;
   agent_signal_scope& operator=(const agent_signal_scope&) = delete;
-  ~agent_signal_scope() {
-    for (std::size_t i = 0; i < signals.size(); ++i)
-      ::sigaction(signals[i], &previous_[i], nullptr);
-    ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
-  }
+  ~agent_signal_scope();
   static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
 
  private:
   std::array<struct sigaction, 3> previous_{};
   struct sigaction previous_usr1_ {};
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_signal_scope::agent_signal_scope() {
+  agent_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = record_agent_signal;
+  sigemptyset(&sa.sa_mask);
+  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+  agent_diagnostics_requests = 0;
+  sa.sa_handler = record_diagnostics_request;
+  ::sigaction(SIGUSR1, &sa, &previous_usr1_);
+}
+
+DTRAIN_DETAIL_INLINE agent_signal_scope::~agent_signal_scope() {
+  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
+  ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -33,7 +33,9 @@ inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
 
 /// Whether MPI is initialised and not yet finalised in this process (by
 /// dtrain's MPI backend or by the user); false in a build without MPI.
-inline bool mpi_is_running() noexcept {
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
 #if DTRAIN_HAS_MPI()
   int initialized = 0;
   int finalized = 0;
@@ -43,12 +45,15 @@ inline bool mpi_is_running() noexcept {
   return false;
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
 /// mpirun exits with it) when MPI is running and `status` is not 0; returns
 /// otherwise. Call it after the failure's one-line report: the report is
 /// flushed first, since MPI_Abort does not return.
-inline void abort_mpi_job(int status) noexcept {
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
   if (status == 0 || !mpi_is_running()) return;
   std::fflush(stdout);
   std::fflush(stderr);
@@ -56,6 +61,7 @@ inline void abort_mpi_job(int status) noexcept {
   MPI_Abort(MPI_COMM_WORLD, status);
 #endif
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How far a worker's communicators got, as its agent reports it. Each is
 /// named by its ring ("world", "world/split 1 (color 0)"): every rank that

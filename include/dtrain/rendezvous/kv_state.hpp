@@ -7,6 +7,7 @@
 /// meaning is tested without a connection (tests/unit/test_kv_state.cpp).
 /// Like the server's reactor, it is used from one thread.
 
+#include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>
@@ -65,14 +66,7 @@ class kv_state {
     }
     watch(const watch&) = delete;
     watch& operator=(const watch&) = delete;
-    ~watch() {
-      for (const auto& k : keys_) {
-        auto it = state_->waiters_.find(k);
-        if (it == state_->waiters_.end()) continue;  // set meanwhile: its waiters were woken
-        std::erase(it->second, waiter_);
-        if (it->second.empty()) state_->waiters_.erase(it);
-      }
-    }
+    ~watch();
     /// The keys watched, in the order given.
     [[nodiscard]] const std::vector<std::string>& keys() const noexcept { return keys_; }
 
@@ -83,19 +77,10 @@ class kv_state {
   };
 
   /// The value at `key`, or null; valid until the next change.
-  [[nodiscard]] const std::string* find(std::string_view key) const {
-    auto it = data_.find(key);
-    return it == data_.end() ? nullptr : &it->second;
-  }
+  [[nodiscard]] const std::string* find(std::string_view key) const;
 
   /// Which of `keys` are not set, in their order.
-  [[nodiscard]] std::vector<std::string> missing(std::span<const std::string_view> keys) const {
-    std::vector<std::string> out;
-    for (auto k : keys) {
-      if (!data_.contains(k)) out.emplace_back(k);
-    }
-    return out;
-  }
+  [[nodiscard]] std::vector<std::string> missing(std::span<const std::string_view> keys) const;
 
   /// Whether every one of `keys` is set (true for none).
   [[nodiscard]] bool check(std::span<const std::string_view> keys) const {
@@ -111,43 +96,16 @@ class kv_state {
   /// Adds `delta` to the decimal integer at `key` (0 when missing) and returns
   /// the sum. Throws store_refusal when the key holds something else, the sum
   /// would overflow, or the cap would be passed.
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    std::int64_t current = 0;
-    if (const std::string* text = find(key)) {
-      auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), current);
-      if (ec != std::errc() || end != text->data() + text->size()) {
-        throw store_refusal("add(\"" + std::string(key) +
-                            "\"): the key holds a value that is not an integer");
-      }
-    }
-    std::int64_t next = 0;
-    if (__builtin_add_overflow(current, delta, &next)) {
-      throw store_refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
-    }
-    if (!store(key, std::to_string(next))) throw over_capacity("add", key, 20);
-    return next;
-  }
+  std::int64_t add(std::string_view key, std::int64_t delta);
 
   /// Sets `key` to `desired` if it holds `expected` (a missing key matches an
   /// empty `expected`), and returns what it holds then (empty when missing),
   /// valid until the next change. Throws store_refusal as set() does.
   std::string_view compare_set(std::string_view key, std::string_view expected,
-                               std::string_view desired) {
-    const std::string* current = find(key);
-    const bool matches = current ? *current == expected : expected.empty();
-    if (matches && !store(key, desired)) throw over_capacity("compare_set", key, desired.size());
-    current = find(key);
-    return current ? std::string_view(*current) : std::string_view{};
-  }
+                               std::string_view desired);
 
   /// Removes `key`; false if it was not set. Its waiters go on waiting.
-  bool erase(std::string_view key) {
-    auto it = data_.find(key);
-    if (it == data_.end()) return false;
-    stored_ -= it->first.size() + it->second.size();
-    data_.erase(it);
-    return true;
-  }
+  bool erase(std::string_view key);
 
   /// Keys set.
   [[nodiscard]] std::size_t size() const noexcept { return data_.size(); }
@@ -159,37 +117,101 @@ class kv_state {
  private:
   // Sets key to value and wakes its waiters; false, changing nothing, when the
   // stored bytes would pass the cap (a change that does not grow them always passes).
-  bool store(std::string_view key, std::string_view value) {
-    auto it = data_.find(key);
-    const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
-    const std::uint64_t after = stored_ - before + key.size() + value.size();
-    if (after > cap_ && after > stored_) return false;
-    stored_ = after;
-    if (it != data_.end()) {
-      it->second.assign(value);
-    } else {
-      data_.emplace(std::string(key), std::string(value));
-    }
-    if (auto w = waiters_.find(key); w != waiters_.end()) {
-      auto woken = std::move(w->second);
-      waiters_.erase(w);
-      for (const kv_waiter* waiter : woken) (*waiter)();
-    }
-    return true;
-  }
+  bool store(std::string_view key, std::string_view value);
 
-  store_refusal over_capacity(const char* what, std::string_view key,
-                              std::size_t value_size) const {
-    return store_refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
-                         std::to_string(value_size) + " bytes: the store holds " +
-                         std::to_string(stored_) + " bytes and its cap is " + std::to_string(cap_) +
-                         " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
-  }
+  store_refusal over_capacity(const char* what, std::string_view key, std::size_t value_size) const;
 
   std::uint64_t cap_;
   std::uint64_t stored_ = 0;
   by_key<std::string> data_;
   by_key<std::vector<const kv_waiter*>> waiters_;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE kv_state::watch::~watch() {
+  for (const auto& k : keys_) {
+    auto it = state_->waiters_.find(k);
+    if (it == state_->waiters_.end()) continue;  // set meanwhile: its waiters were woken
+    std::erase(it->second, waiter_);
+    if (it->second.empty()) state_->waiters_.erase(it);
+  }
+}
+
+DTRAIN_DETAIL_INLINE const std::string* kv_state::find(std::string_view key) const {
+  auto it = data_.find(key);
+  return it == data_.end() ? nullptr : &it->second;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> kv_state::missing(
+    std::span<const std::string_view> keys) const {
+  std::vector<std::string> out;
+  for (auto k : keys) {
+    if (!data_.contains(k)) out.emplace_back(k);
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t kv_state::add(std::string_view key, std::int64_t delta) {
+  std::int64_t current = 0;
+  if (const std::string* text = find(key)) {
+    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), current);
+    if (ec != std::errc() || end != text->data() + text->size()) {
+      throw store_refusal("add(\"" + std::string(key) +
+                          "\"): the key holds a value that is not an integer");
+    }
+  }
+  std::int64_t next = 0;
+  if (__builtin_add_overflow(current, delta, &next)) {
+    throw store_refusal("add(\"" + std::string(key) + "\"): the counter would overflow");
+  }
+  if (!store(key, std::to_string(next))) throw over_capacity("add", key, 20);
+  return next;
+}
+
+DTRAIN_DETAIL_INLINE std::string_view kv_state::compare_set(std::string_view key,
+                                                            std::string_view expected,
+                                                            std::string_view desired) {
+  const std::string* current = find(key);
+  const bool matches = current ? *current == expected : expected.empty();
+  if (matches && !store(key, desired)) throw over_capacity("compare_set", key, desired.size());
+  current = find(key);
+  return current ? std::string_view(*current) : std::string_view{};
+}
+
+DTRAIN_DETAIL_INLINE bool kv_state::erase(std::string_view key) {
+  auto it = data_.find(key);
+  if (it == data_.end()) return false;
+  stored_ -= it->first.size() + it->second.size();
+  data_.erase(it);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE bool kv_state::store(std::string_view key, std::string_view value) {
+  auto it = data_.find(key);
+  const std::uint64_t before = it == data_.end() ? 0 : key.size() + it->second.size();
+  const std::uint64_t after = stored_ - before + key.size() + value.size();
+  if (after > cap_ && after > stored_) return false;
+  stored_ = after;
+  if (it != data_.end()) {
+    it->second.assign(value);
+  } else {
+    data_.emplace(std::string(key), std::string(value));
+  }
+  if (auto w = waiters_.find(key); w != waiters_.end()) {
+    auto woken = std::move(w->second);
+    waiters_.erase(w);
+    for (const kv_waiter* waiter : woken) (*waiter)();
+  }
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE store_refusal kv_state::over_capacity(const char* what, std::string_view key,
+                                                           std::size_t value_size) const {
+  return store_refusal(std::string(what) + "(\"" + std::string(key.substr(0, 200)) + "\") of " +
+                       std::to_string(value_size) + " bytes: the store holds " +
+                       std::to_string(stored_) + " bytes and its cap is " + std::to_string(cap_) +
+                       " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -6,6 +6,7 @@
 /// missing key suspends its connection until the key is set, the deadline
 /// passes or the client goes away. Runs on the server's reactor thread.
 
+#include <dtrain/config.hpp>
 #include <dtrain/rendezvous/kv_state.hpp>
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/protocol.hpp>
@@ -47,12 +48,7 @@ class store_operations {
   /// handler of its operation code. Throws wire::violation for an unknown or
   /// malformed request (the connection is closed), store_refusal for one the
   /// state refused (an error reply), and what the connection's I/O throws.
-  task<std::string> handle(store_request& q) {  // not a coroutine: runs the handler's
-    const std::uint8_t code = q.fields.u8("op");
-    const handler h = handlers()[code];
-    if (h == nullptr) throw wire::violation("unknown operation " + std::to_string(code));
-    return (this->*h)(q);
-  }
+  task<std::string> handle(store_request& q);
 
   /// Bytes of the keys and values held. Callable from any thread.
   [[nodiscard]] std::uint64_t stored_bytes() const noexcept { return stored_bytes_.load(); }
@@ -60,11 +56,7 @@ class store_operations {
   [[nodiscard]] std::size_t waiting() const noexcept { return waiting_.load(); }
 
   /// The reply that tells a client the store refused its request.
-  static std::string refusal(std::string_view message) {
-    std::string body;
-    wire::writer(body).u8(static_cast<std::uint8_t>(wire::status::error)).bytes32(message);
-    return body;
-  }
+  static std::string refusal(std::string_view message);
 
  private:
   using handler = task<std::string> (store_operations::*)(store_request&);
@@ -75,23 +67,8 @@ class store_operations {
   // once at run time by a plain function, not by a constexpr lambda: under
   // nvcc's --expt-relaxed-constexpr (PyTorch's CUDA flags) constexpr code is
   // compiled for the device too, where these member functions do not exist.
-  static const std::array<handler, 256>& handlers() {
-    static const std::array<handler, 256> table = make_handlers();
-    return table;
-  }
-  static std::array<handler, 256> make_handlers() {
-    std::array<handler, 256> t{};
-    t[static_cast<std::uint8_t>(op::set)] = &store_operations::set;
-    t[static_cast<std::uint8_t>(op::get)] = &store_operations::get;
-    t[static_cast<std::uint8_t>(op::add)] = &store_operations::add;
-    t[static_cast<std::uint8_t>(op::compare_set)] = &store_operations::compare_set;
-    t[static_cast<std::uint8_t>(op::wait)] = &store_operations::wait;
-    t[static_cast<std::uint8_t>(op::check)] = &store_operations::check;
-    t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
-    t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
-    t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
-    return t;
-  }
+  static const std::array<handler, 256>& handlers();
+  static std::array<handler, 256> make_handlers();
 
   static std::string reply(status s) { return std::string(1, static_cast<char>(s)); }
 
@@ -104,10 +81,7 @@ class store_operations {
     return out;
   }
 
-  static steady::time_point deadline_after(std::uint64_t ms) {
-    constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
-    return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
-  }
+  static steady::time_point deadline_after(std::uint64_t ms);
 
   std::string_view read_key(store_request& q) {
     return q.fields.bytes32("key", limits_.max_key_size);
@@ -116,136 +90,35 @@ class store_operations {
   // Every handler that changes the state ends here, for stored_bytes().
   void changed() { stored_bytes_ = state_.stored_bytes(); }
 
-  task<std::string> set(store_request& q) {
-    auto key = read_key(q);
-    auto value = q.fields.bytes32("value", limits_.max_value_size);
-    q.fields.finish("set request");
-    state_.set(key, value);
-    changed();
-    co_return reply(status::ok);
-  }
+  task<std::string> set(store_request& q);
 
-  task<std::string> get(store_request& q) {
-    auto key = read_key(q);
-    auto ms = q.fields.u64("timeout");
-    q.fields.finish("get request");
-    const std::array<std::string_view, 1> keys{key};
-    const auto deadline = deadline_after(ms);
-    std::uint64_t reserved = 0;
-    do {
-      if (!co_await wait_for(q, keys, deadline)) co_return reply(status::timeout);
-    } while (!co_await reserve_value(q, key, reserved));
-    co_return ok([&](wire::writer& w) { w.bytes32(*state_.find(key)); });
-  }
+  task<std::string> get(store_request& q);
 
-  task<std::string> add(store_request& q) {
-    auto key = read_key(q);
-    auto delta = q.fields.i64("delta");
-    q.fields.finish("add request");
-    const std::int64_t sum = state_.add(key, delta);
-    changed();
-    co_return ok([&](wire::writer& w) { w.i64(sum); });
-  }
+  task<std::string> add(store_request& q);
 
-  task<std::string> compare_set(store_request& q) {
-    auto key = read_key(q);
-    auto expected = q.fields.bytes32("expected value", limits_.max_value_size);
-    auto desired = q.fields.bytes32("desired value", limits_.max_value_size);
-    q.fields.finish("compare_set request");
-    std::uint64_t reserved = 0;
-    (void)co_await reserve_value(q, key, reserved);  // the reply may copy the value
-    const std::string_view now = state_.compare_set(key, expected, desired);
-    changed();
-    co_return ok([&](wire::writer& w) { w.bytes32(now); });
-  }
+  task<std::string> compare_set(store_request& q);
 
-  task<std::string> wait(store_request& q) {
-    auto keys = wire::read_keys(q.fields, limits_);
-    auto ms = q.fields.u64("timeout");
-    q.fields.finish("wait request");
-    if (!co_await wait_for(q, keys, deadline_after(ms))) co_return reply(status::timeout);
-    co_return reply(status::ok);
-  }
+  task<std::string> wait(store_request& q);
 
-  task<std::string> check(store_request& q) {
-    auto keys = wire::read_keys(q.fields, limits_);
-    q.fields.finish("check request");
-    const bool all = state_.check(keys);
-    co_return ok([&](wire::writer& w) { w.u8(all ? 1 : 0); });
-  }
+  task<std::string> check(store_request& q);
 
-  task<std::string> erase(store_request& q) {
-    auto key = read_key(q);
-    q.fields.finish("erase request");
-    const bool existed = state_.erase(key);
-    changed();
-    co_return ok([&](wire::writer& w) { w.u8(existed ? 1 : 0); });
-  }
+  task<std::string> erase(store_request& q);
 
-  task<std::string> num_keys(store_request& q) {
-    q.fields.finish("num_keys request");
-    co_return ok([&](wire::writer& w) { w.u64(state_.size()); });
-  }
+  task<std::string> num_keys(store_request& q);
 
-  task<std::string> ping(store_request& q) {
-    q.fields.finish("ping request");
-    co_return reply(status::ok);
-  }
+  task<std::string> ping(store_request& q);
 
   // Reserves, before a reply that copies the value at `key` is built, what
   // that reply will hold until the client reads it. False when the key is
   // gone meanwhile. Loops because the value may change while it waits.
-  task<bool> reserve_value(store_request& q, std::string_view key, std::uint64_t& reserved) {
-    for (;;) {
-      const std::string* value = state_.find(key);
-      if (value == nullptr) co_return false;
-      const std::uint64_t size = value->size();
-      if (size <= reserved) co_return true;
-      co_await q.c.reserve(q.held, size - reserved, q.c.io_deadline(),
-                           "a reply of " + std::to_string(size) + " bytes");
-      reserved = size;
-    }
-  }
+  task<bool> reserve_value(store_request& q, std::string_view key, std::uint64_t& reserved);
 
   // Waits until every key exists (true) or the deadline passes (false).
   // Watches the connection meanwhile: a client that goes away ends the wait,
   // quietly when it closed its end (it exited, or gave up), with a reason to
   // log when its connection broke.
   task<bool> wait_for(store_request& q, std::span<const std::string_view> keys,
-                      steady::time_point deadline) {
-    bool charged = false;
-    for (;;) {
-      std::vector<std::string> missing = state_.missing(keys);
-      if (missing.empty()) co_return true;
-      if (!charged) {
-        // A wait holds a copy of each missing key twice (here and in the state's waiters).
-        std::uint64_t bytes = 0;
-        for (const auto& k : missing) bytes += 2 * (k.size() + 64);
-        co_await q.c.reserve(q.held, bytes, q.c.io_deadline(),
-                             "a wait on " + std::to_string(missing.size()) + " keys");
-        charged = true;
-        continue;  // keys may have been set while it waited for the budget
-      }
-      const kv_state::watch watching(state_, q.c.waiter(), std::move(missing));
-      ++waiting_;
-      const wake w = co_await q.c.wait(EPOLLIN | EPOLLRDHUP, deadline);
-      --waiting_;
-      switch (w) {
-        case wake::event:
-        case wake::none: continue;
-        case wake::timeout: co_return false;
-        case wake::stop: throw server_stopping{};
-        case wake::io: break;
-      }
-      switch (q.c.peek()) {
-        case hangup::none: continue;
-        case hangup::request:
-          throw wire::violation("sent a new request while its wait was pending");
-        case hangup::orderly: throw client_gone{};
-        case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
-      }
-    }
-  }
+                      steady::time_point deadline);
 
   const store_limits limits_;
   kv_state state_;
@@ -253,5 +126,171 @@ class store_operations {
   std::atomic<std::uint64_t> stored_bytes_{0};  // state_.stored_bytes() after the last change
   std::atomic<std::size_t> waiting_{0};         // connections suspended in wait_for
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::handle(
+    store_request& q) {  // not a coroutine: runs the handler's
+  const std::uint8_t code = q.fields.u8("op");
+  const handler h = handlers()[code];
+  if (h == nullptr) throw wire::violation("unknown operation " + std::to_string(code));
+  return (this->*h)(q);
+}
+
+DTRAIN_DETAIL_INLINE std::string store_operations::refusal(std::string_view message) {
+  std::string body;
+  wire::writer(body).u8(static_cast<std::uint8_t>(wire::status::error)).bytes32(message);
+  return body;
+}
+
+DTRAIN_DETAIL_INLINE auto store_operations::handlers() -> const std::array<handler, 256>& {
+  static const std::array<handler, 256> table = make_handlers();
+  return table;
+}
+
+DTRAIN_DETAIL_INLINE auto store_operations::make_handlers() -> std::array<handler, 256> {
+  std::array<handler, 256> t{};
+  t[static_cast<std::uint8_t>(op::set)] = &store_operations::set;
+  t[static_cast<std::uint8_t>(op::get)] = &store_operations::get;
+  t[static_cast<std::uint8_t>(op::add)] = &store_operations::add;
+  t[static_cast<std::uint8_t>(op::compare_set)] = &store_operations::compare_set;
+  t[static_cast<std::uint8_t>(op::wait)] = &store_operations::wait;
+  t[static_cast<std::uint8_t>(op::check)] = &store_operations::check;
+  t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
+  t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
+  t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
+  return t;
+}
+
+DTRAIN_DETAIL_INLINE steady::time_point store_operations::deadline_after(std::uint64_t ms) {
+  constexpr std::uint64_t ten_years = 10ull * 365 * 24 * 3600 * 1000;
+  return steady::now() + std::chrono::milliseconds(std::min(ms, ten_years));
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::set(store_request& q) {
+  auto key = read_key(q);
+  auto value = q.fields.bytes32("value", limits_.max_value_size);
+  q.fields.finish("set request");
+  state_.set(key, value);
+  changed();
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::get(store_request& q) {
+  auto key = read_key(q);
+  auto ms = q.fields.u64("timeout");
+  q.fields.finish("get request");
+  const std::array<std::string_view, 1> keys{key};
+  const auto deadline = deadline_after(ms);
+  std::uint64_t reserved = 0;
+  do {
+    if (!co_await wait_for(q, keys, deadline)) co_return reply(status::timeout);
+  } while (!co_await reserve_value(q, key, reserved));
+  co_return ok([&](wire::writer& w) { w.bytes32(*state_.find(key)); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::add(store_request& q) {
+  auto key = read_key(q);
+  auto delta = q.fields.i64("delta");
+  q.fields.finish("add request");
+  const std::int64_t sum = state_.add(key, delta);
+  changed();
+  co_return ok([&](wire::writer& w) { w.i64(sum); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::compare_set(store_request& q) {
+  auto key = read_key(q);
+  auto expected = q.fields.bytes32("expected value", limits_.max_value_size);
+  auto desired = q.fields.bytes32("desired value", limits_.max_value_size);
+  q.fields.finish("compare_set request");
+  std::uint64_t reserved = 0;
+  (void)co_await reserve_value(q, key, reserved);  // the reply may copy the value
+  const std::string_view now = state_.compare_set(key, expected, desired);
+  changed();
+  co_return ok([&](wire::writer& w) { w.bytes32(now); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::wait(store_request& q) {
+  auto keys = wire::read_keys(q.fields, limits_);
+  auto ms = q.fields.u64("timeout");
+  q.fields.finish("wait request");
+  if (!co_await wait_for(q, keys, deadline_after(ms))) co_return reply(status::timeout);
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::check(store_request& q) {
+  auto keys = wire::read_keys(q.fields, limits_);
+  q.fields.finish("check request");
+  const bool all = state_.check(keys);
+  co_return ok([&](wire::writer& w) { w.u8(all ? 1 : 0); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::erase(store_request& q) {
+  auto key = read_key(q);
+  q.fields.finish("erase request");
+  const bool existed = state_.erase(key);
+  changed();
+  co_return ok([&](wire::writer& w) { w.u8(existed ? 1 : 0); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::num_keys(store_request& q) {
+  q.fields.finish("num_keys request");
+  co_return ok([&](wire::writer& w) { w.u64(state_.size()); });
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::ping(store_request& q) {
+  q.fields.finish("ping request");
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<bool> store_operations::reserve_value(store_request& q,
+                                                                std::string_view key,
+                                                                std::uint64_t& reserved) {
+  for (;;) {
+    const std::string* value = state_.find(key);
+    if (value == nullptr) co_return false;
+    const std::uint64_t size = value->size();
+    if (size <= reserved) co_return true;
+    co_await q.c.reserve(q.held, size - reserved, q.c.io_deadline(),
+                         "a reply of " + std::to_string(size) + " bytes");
+    reserved = size;
+  }
+}
+
+DTRAIN_DETAIL_INLINE task<bool> store_operations::wait_for(store_request& q,
+                                                           std::span<const std::string_view> keys,
+                                                           steady::time_point deadline) {
+  bool charged = false;
+  for (;;) {
+    std::vector<std::string> missing = state_.missing(keys);
+    if (missing.empty()) co_return true;
+    if (!charged) {
+      // A wait holds a copy of each missing key twice (here and in the state's waiters).
+      std::uint64_t bytes = 0;
+      for (const auto& k : missing) bytes += 2 * (k.size() + 64);
+      co_await q.c.reserve(q.held, bytes, q.c.io_deadline(),
+                           "a wait on " + std::to_string(missing.size()) + " keys");
+      charged = true;
+      continue;  // keys may have been set while it waited for the budget
+    }
+    const kv_state::watch watching(state_, q.c.waiter(), std::move(missing));
+    ++waiting_;
+    const wake w = co_await q.c.wait(EPOLLIN | EPOLLRDHUP, deadline);
+    --waiting_;
+    switch (w) {
+      case wake::event:
+      case wake::none: continue;
+      case wake::timeout: co_return false;
+      case wake::stop: throw server_stopping{};
+      case wake::io: break;
+    }
+    switch (q.c.peek()) {
+      case hangup::none: continue;
+      case hangup::request: throw wire::violation("sent a new request while its wait was pending");
+      case hangup::orderly: throw client_gone{};
+      case hangup::broken: throw client_gone{"waiting for \"" + watching.keys().front() + "\""};
+    }
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -4,6 +4,7 @@
 /// defined here once; each can be overridden by the option and by an
 /// environment variable (store_options::from_env).
 
+#include <dtrain/config.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
@@ -61,12 +62,16 @@ struct store_limits {
 
   /// The largest request frame these limits allow; a larger length prefix
   /// closes the connection before a byte of it is buffered.
-  [[nodiscard]] std::uint64_t max_frame_size() const noexcept {
-    std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
-    std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
-    return 64u + (keys > one ? keys : one);
-  }
+  [[nodiscard]] std::uint64_t max_frame_size() const noexcept;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::uint64_t store_limits::max_frame_size() const noexcept {
+  std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+  std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+  return 64u + (keys > one ? keys : one);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Options of a store server or client. Aggregate: use designated initialisers,
 /// e.g. `{.timeout = 30s, .token = "secret"}`.
@@ -99,31 +104,35 @@ struct store_options {
   /// top (and DTRAIN_STORE_MAX_CONNECTIONS, DTRAIN_STORE_MAX_BYTES): the environment wins, as
   /// NCCL's does, so an operator can tune a job without rebuilding it. Throws
   /// config_error naming the variable on a malformed value.
-  [[nodiscard]] store_options with_env(const environment& env) const {
-    store_options out = *this;
-    if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
-    if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
-    if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
-    if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
-      out.progress_interval = *t;
-    }
-    if (auto n = detail::read_int(env, store_max_connections_variable)) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_connections = static_cast<std::uint32_t>(n->value);
-    }
-    if (auto n = detail::read_int(env, store_max_bytes_variable)) {
-      if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-      out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
-    }
-    if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
-    if (out.token.size() > out.limits.max_token_size) {
-      throw config_error(std::string(store_token_variable) + " / token is " +
-                         std::to_string(out.token.size()) + " bytes; the limit is " +
-                         std::to_string(out.limits.max_token_size));
-    }
-    return out;
-  }
+  [[nodiscard]] store_options with_env(const environment& env) const;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE store_options store_options::with_env(const environment& env) const {
+  store_options out = *this;
+  if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
+  if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
+  if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
+  if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
+    out.progress_interval = *t;
+  }
+  if (auto n = detail::read_int(env, store_max_connections_variable)) {
+    if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+    out.limits.max_connections = static_cast<std::uint32_t>(n->value);
+  }
+  if (auto n = detail::read_int(env, store_max_bytes_variable)) {
+    if (n->value < 1) throw config_error(n->origin + " must be at least 1");
+    out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
+  }
+  if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
+  if (out.token.size() > out.limits.max_token_size) {
+    throw config_error(std::string(store_token_variable) + " / token is " +
+                       std::to_string(out.token.size()) + " bytes; the limit is " +
+                       std::to_string(out.limits.max_token_size));
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -134,13 +143,18 @@ inline std::string whole_seconds(std::chrono::milliseconds t) {
 
 /// Hands a progress report to `sink` (store_options::progress), or prints it
 /// on stderr as `dtrain: <text>` when there is none.
-inline void say(const std::function<void(std::string_view)>& sink, const std::string& text) {
+DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
+                              const std::string& text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
+                              const std::string& text) {
   if (sink) {
     sink(text);
   } else {
     std::fprintf(stderr, "dtrain: %s\n", text.c_str());
   }
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 

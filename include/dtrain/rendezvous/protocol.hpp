@@ -11,6 +11,7 @@
 /// length beyond the configured limits closes the connection before anything
 /// is allocated for it.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/wire.hpp>
 #include <dtrain/rendezvous/options.hpp>
 
@@ -46,12 +47,15 @@ enum class status : std::uint8_t {
 };
 
 /// A frame: u32 length, then the body.
-inline std::string frame(const std::string& body) {
+DTRAIN_DETAIL_INLINE std::string frame(const std::string& body);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string frame(const std::string& body) {
   std::string out;
   writer(out).u32(static_cast<std::uint32_t>(body.size()));
   out += body;
   return out;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The decoded u32 at the start of `header` (4 bytes).
 inline std::uint32_t frame_length(std::string_view header) {
@@ -59,7 +63,10 @@ inline std::uint32_t frame_length(std::string_view header) {
 }
 
 /// Keys of a wait/check request, bounded by the limits.
-inline std::vector<std::string_view> read_keys(reader& r, const store_limits& limits) {
+DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r, const store_limits& limits);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r,
+                                                             const store_limits& limits) {
   std::uint32_t n = r.u32("key count");
   if (n > limits.max_keys_per_request) {
     throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
@@ -69,5 +76,6 @@ inline std::vector<std::string_view> read_keys(reader& r, const store_limits& li
   for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
   return keys;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::wire

@@ -2,6 +2,7 @@
 /// @file
 /// The few socket helpers the store's server and client share.
 
+#include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/error.hpp>
 
@@ -18,13 +19,18 @@
 namespace dtrain::detail {
 
 /// "host:port", with brackets for IPv6 ("[::1]:29500").
-inline std::string endpoint_text(const std::string& host, int port) {
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port) {
   bool v6 = host.find(':') != std::string::npos;
   return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The numeric address and port of a socket address.
-inline std::string endpoint_text(const sockaddr* sa) {
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa) {
   char host[INET6_ADDRSTRLEN] = "?";
   int port = 0;
   if (sa->sa_family == AF_INET) {
@@ -38,12 +44,16 @@ inline std::string endpoint_text(const sockaddr* sa) {
   }
   return endpoint_text(host, port);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Disables Nagle: the store's requests are small and latency-bound.
-inline void set_no_delay(int fd) {
+DTRAIN_DETAIL_INLINE void set_no_delay(int fd);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void set_no_delay(int fd) {
   int one = 1;
   DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// getaddrinfo with its result owned.
 struct address_list {
@@ -57,7 +67,11 @@ struct address_list {
 };
 
 /// Resolves host:port; returns the gai error code (0 on success).
-inline int resolve(const std::string& host, int port, bool passive, address_list& out) {
+DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
+                                 address_list& out);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
+                                 address_list& out) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -65,5 +79,6 @@ inline int resolve(const std::string& host, int port, bool passive, address_list
   std::string service = std::to_string(port);
   return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail

@@ -6,6 +6,7 @@
 /// collective (every node the same number of ranks, local ranks 0..L-1).
 
 #include <dtrain/backend/control.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/env/placement.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
@@ -30,12 +31,16 @@ struct node_layout {
 
   /// The layout of a complete world (as dtrain::run hands it over); nullopt
   /// when a field is unknown.
-  [[nodiscard]] static std::optional<node_layout> of(const world& w) {
-    if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
-    return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
-  }
+  [[nodiscard]] static std::optional<node_layout> of(const world& w);
   friend bool operator==(const node_layout&, const node_layout&) = default;
 };
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<node_layout> node_layout::of(const world& w) {
+  if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+  return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
@@ -43,7 +48,10 @@ namespace detail {
 /// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
 /// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
 /// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
-[[nodiscard]] inline std::string hierarchy_problem(std::span<const node_layout> table) {
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string hierarchy_problem(
+    std::span<const node_layout> table);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string hierarchy_problem(std::span<const node_layout> table) {
   const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
   if (table.empty()) return "no ranks";
   std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
@@ -93,9 +101,13 @@ namespace detail {
   if (first == 1) return "one rank per node: the cross-node communicator would be the world";
   return {};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Every rank's layout, in rank order, over `control` (collective).
-[[nodiscard]] inline std::vector<node_layout> gather_layouts(control_plane& control,
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
+                                                                           const node_layout& mine);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
                                                              const node_layout& mine) {
   const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
   std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
@@ -108,12 +120,16 @@ namespace detail {
   }
   return table;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The layout of every rank from its node name alone (FNV-1a of it, gathered
 /// over `control`), placed by place_ranks() as dtrain::run completes a world:
 /// nodes numbered by their lowest rank, local ranks in rank order. For
 /// communicators made without a context, which knows the launcher's own placement.
-[[nodiscard]] inline node_layout layout_from_node_names(control_plane& control,
+[[nodiscard]] DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
+                                                                      std::string_view node_name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
                                                         std::string_view node_name) {
   std::uint64_t hash = 1469598103934665603ull;
   for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
@@ -125,6 +141,7 @@ namespace detail {
   const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
   return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
