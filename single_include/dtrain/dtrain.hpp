@@ -4425,8 +4425,8 @@ DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
-inline void gloo_execute(gloo_state& s, gloo_state::task& t,
-                         std::chrono::milliseconds timeout) noexcept;
+DTRAIN_DETAIL_INLINE void gloo_execute(gloo_state& s, gloo_state::task& t,
+                                       std::chrono::milliseconds timeout) noexcept;
 
 class gloo_work final : public work_state {
  public:

@@ -26,7 +26,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <dlfcn.h>
 #include <execinfo.h>
+#include <pthread.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 namespace {
@@ -759,11 +762,45 @@ int run_checks(dtrain::context<Policy>& ctx) {
 
 }  // namespace
 
-// A crash says where it happened (the frames, for addr2line) before the
-// process dies of its signal as it would have.
-extern "C" void print_frames_and_die(int sig) {
-  static constexpr char say[] = "torch_ddp: fatal signal; the frames:\n";
-  [[maybe_unused]] auto n = ::write(2, say, sizeof say - 1);
+// A crash says where it happened before the process dies of its signal as it
+// would have: the thread (its name, and whether it is the main one), the
+// faulting instruction and address, the word at the stack pointer (after a
+// call through a bad pointer: the caller's return address), each with the
+// object it lies in and the offset there (for addr2line), then the frames.
+void say_where(const char* what, const void* at) {
+  char line[512];
+  ::Dl_info info{};
+  int n = 0;
+  if (at != nullptr && ::dladdr(at, &info) != 0 && info.dli_fname != nullptr) {
+    n = std::snprintf(line, sizeof line, "torch_ddp: %s %p = %s+0x%lx (%s)\n", what, at,
+                      info.dli_fname,
+                      static_cast<unsigned long>(static_cast<const char*>(at) -
+                                                 static_cast<const char*>(info.dli_fbase)),
+                      info.dli_sname != nullptr ? info.dli_sname : "?");
+  } else {
+    n = std::snprintf(line, sizeof line, "torch_ddp: %s %p (in no loaded object)\n", what, at);
+  }
+  if (n > 0) [[maybe_unused]]
+    auto w = ::write(2, line, static_cast<std::size_t>(n));
+}
+
+extern "C" void print_frames_and_die(int sig, siginfo_t* info, void* context) {
+  char name[32] = "?";
+  ::pthread_getname_np(::pthread_self(), name, sizeof name);
+  char line[160];
+  const int n = std::snprintf(line, sizeof line, "torch_ddp: fatal signal %d in thread '%s' (%s)\n",
+                              sig, name, ::gettid() == ::getpid() ? "the main thread" : "not main");
+  if (n > 0) [[maybe_unused]]
+    auto w = ::write(2, line, static_cast<std::size_t>(n));
+  say_where("faulting address", info->si_addr);
+#if defined(__x86_64__)
+  const auto* uc = static_cast<const ucontext_t*>(context);
+  say_where("instruction", reinterpret_cast<const void*>(uc->uc_mcontext.gregs[REG_RIP]));
+  const auto* sp = reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
+  for (int i = 0; i < 4; ++i) say_where("word at the stack pointer", sp[i]);
+#else
+  (void)context;
+#endif
   void* frames[64];
   ::backtrace_symbols_fd(frames, ::backtrace(frames, 64), 2);
   std::signal(sig, SIG_DFL);
@@ -772,8 +809,10 @@ extern "C" void print_frames_and_die(int sig) {
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is printed (a crash keeps them)
-  std::signal(SIGSEGV, print_frames_and_die);
-  std::signal(SIGBUS, print_frames_and_die);
+  struct sigaction fatal {};
+  fatal.sa_sigaction = print_frames_and_die;
+  fatal.sa_flags = SA_SIGINFO;
+  for (const int sig : {SIGSEGV, SIGBUS, SIGILL}) ::sigaction(sig, &fatal, nullptr);
   if (on_gpu && !torch::cuda::is_available()) {
     std::printf("SKIPPED: no CUDA device (LibTorch %s sees none)\n", TORCH_VERSION);
     return 77;
