@@ -3485,6 +3485,7 @@ inline bool is_loopback_address(const std::string& address) {
 #include <string>
 #include <utility>
 
+#include <ftw.h>
 #include <unistd.h>
 
 namespace dtrain::detail {
@@ -3539,6 +3540,30 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
   return std::string(name);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Removes `path` and everything under it, as `rm -rf` does (symbolic links
+/// are removed, not followed); a path that does not exist is no error.
+/// Returns 0, or the errno of the first failure. POSIX (nftw), not
+/// std::filesystem::remove_all: PyTorch's wheels export a
+/// std::filesystem::remove_all(const path&) of their own from libtorch.so,
+/// which wins the symbol lookup in any program linked to that LibTorch, and
+/// which called a null pointer there (PyTorch 2.11, CUDA 13).
+DTRAIN_DETAIL_INLINE int remove_tree(const char* path);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
+  // nftw's callback takes no state: the first failure is this thread's.
+  static thread_local int first_error = 0;
+  first_error = 0;
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
+    if (::remove(p) != 0 && errno != ENOENT && first_error == 0) first_error = errno;
+    return 0;  // go on: remove what can be removed
+  };
+  if (::nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    return errno == ENOENT ? 0 : errno;
+  }
+  return first_error;
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -21721,8 +21746,7 @@ class checkpoint {
         remove_tree(q.partial);
       } catch (const std::exception& e) {
         if (problem.empty()) problem = e.what();
-        std::error_code ignored;
-        std::filesystem::remove_all(q.partial, ignored);
+        static_cast<void>(detail::remove_tree(q.partial.c_str()));
       }
       return !problem.empty() ? problem + " (rank 0)" : not_committed(what, failed_ranks);
     };
@@ -21922,10 +21946,10 @@ class checkpoint {
     }
   }
   static void remove_tree(const std::filesystem::path& path) {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-    if (ec)
-      throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " + ec.message());
+    if (const int err = detail::remove_tree(path.c_str()); err != 0) {
+      throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " +
+                             std::strerror(err));
+    }
   }
 
   /// Removes what no resume can use any more: committed steps beyond the
@@ -21979,9 +22003,9 @@ class checkpoint {
     if (doomed.empty()) return;
     cleaner_ = std::thread([this, doomed = std::move(doomed)] {
       for (const std::filesystem::path& path : doomed) {
-        std::error_code why;
-        std::filesystem::remove_all(path, why);
-        if (why) say("could not remove " + path.string() + ": " + why.message());
+        if (const int err = detail::remove_tree(path.c_str()); err != 0) {
+          say("could not remove " + path.string() + ": " + std::strerror(err));
+        }
       }
     });
   }

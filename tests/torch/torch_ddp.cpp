@@ -702,7 +702,10 @@ void check_checkpoint(dtrain::context<Policy>& ctx) {
   ctx.control_plane().allgather(std::array<std::int64_t, 1>{1}, done);  // every rank is past it
   if (rank == 0) std::printf("checkpoint: every rank is done\n");
   if (rank == 0) {
-    std::filesystem::remove_all(dir);
+    // Not std::filesystem::remove_all: PyTorch's wheels export their own from
+    // libtorch.so, which crashed here (a null call) on CUDA (detail/sys.hpp).
+    check(dtrain::detail::remove_tree(dir.c_str()) == 0, rank,
+          "torch checkpoint: cannot remove " + dir.string());
     std::printf("checkpoint of a module, an optimizer and the sampler: restored exactly\n");
   }
 }

@@ -99,6 +99,23 @@ struct toy_state {
 
 }  // namespace
 
+TEST_CASE("checkpoint: remove_tree removes a tree as rm -rf does, links not followed") {
+  scratch_dir outside;  // a link's target: it must survive
+  std::ofstream(outside.path / "kept") << "kept";
+  scratch_dir dir;
+  fs::create_directories(dir.path / "step-2/sub");
+  std::ofstream(dir.path / "step-2/sub/rank-0.dtck") << "x";
+  std::ofstream(dir.path / "step-2/MANIFEST") << "y";
+  fs::create_directory_symlink(outside.path, dir.path / "step-2/link");
+  CHECK(dtrain::detail::remove_tree((dir.path / "step-2").c_str()) == 0);
+  CHECK_FALSE(fs::exists(dir.path / "step-2"));
+  CHECK(fs::exists(outside.path / "kept"));
+  CHECK(dtrain::detail::remove_tree((dir.path / "no-such-step").c_str()) == 0);
+  std::ofstream(dir.path / "plain-file") << "z";  // a file alone goes too
+  CHECK(dtrain::detail::remove_tree((dir.path / "plain-file").c_str()) == 0);
+  CHECK_FALSE(fs::exists(dir.path / "plain-file"));
+}
+
 TEST_CASE("checkpoint format: the checksum is the same however the stream is cut") {
   std::vector<unsigned char> data(1000);
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 7 + 3);

@@ -29,6 +29,7 @@
 #include <dtrain/checkpoint/format.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/sampler.hpp>
+#include <dtrain/detail/sys.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>
@@ -582,8 +583,7 @@ class checkpoint {
         remove_tree(q.partial);
       } catch (const std::exception& e) {
         if (problem.empty()) problem = e.what();
-        std::error_code ignored;
-        std::filesystem::remove_all(q.partial, ignored);
+        static_cast<void>(detail::remove_tree(q.partial.c_str()));
       }
       return !problem.empty() ? problem + " (rank 0)" : not_committed(what, failed_ranks);
     };
@@ -783,10 +783,10 @@ class checkpoint {
     }
   }
   static void remove_tree(const std::filesystem::path& path) {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-    if (ec)
-      throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " + ec.message());
+    if (const int err = detail::remove_tree(path.c_str()); err != 0) {
+      throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " +
+                             std::strerror(err));
+    }
   }
 
   /// Removes what no resume can use any more: committed steps beyond the
@@ -840,9 +840,9 @@ class checkpoint {
     if (doomed.empty()) return;
     cleaner_ = std::thread([this, doomed = std::move(doomed)] {
       for (const std::filesystem::path& path : doomed) {
-        std::error_code why;
-        std::filesystem::remove_all(path, why);
-        if (why) say("could not remove " + path.string() + ": " + why.message());
+        if (const int err = detail::remove_tree(path.c_str()); err != 0) {
+          say("could not remove " + path.string() + ": " + std::strerror(err));
+        }
       }
     });
   }

@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include <ftw.h>
 #include <unistd.h>
 
 namespace dtrain::detail {
@@ -66,6 +67,30 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
   return std::string(name);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Removes `path` and everything under it, as `rm -rf` does (symbolic links
+/// are removed, not followed); a path that does not exist is no error.
+/// Returns 0, or the errno of the first failure. POSIX (nftw), not
+/// std::filesystem::remove_all: PyTorch's wheels export a
+/// std::filesystem::remove_all(const path&) of their own from libtorch.so,
+/// which wins the symbol lookup in any program linked to that LibTorch, and
+/// which called a null pointer there (PyTorch 2.11, CUDA 13).
+DTRAIN_DETAIL_INLINE int remove_tree(const char* path);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
+  // nftw's callback takes no state: the first failure is this thread's.
+  static thread_local int first_error = 0;
+  first_error = 0;
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
+    if (::remove(p) != 0 && errno != ENOENT && first_error == 0) first_error = errno;
+    return 0;  // go on: remove what can be removed
+  };
+  if (::nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    return errno == ENOENT ? 0 : errno;
+  }
+  return first_error;
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
