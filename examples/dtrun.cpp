@@ -30,7 +30,9 @@ constexpr std::string_view usage = R"(usage: dtrun [options] [--] program [args.
 Starts the workers of one node and supervises them (dtrain's per-node agent).
 Options (torchrun's names; `_` may replace `-`; environment variable in brackets):
   --nproc-per-node N    workers on this node                   [DTRAIN_NPROC_PER_NODE] (1)
-  --nnodes N            nodes in the job                       [DTRAIN_NNODES]
+  --nnodes N|MIN:MAX    nodes in the job; MIN:MAX: elastic, it goes on with
+                        at least MIN when nodes are lost and takes up to MAX
+                                                               [DTRAIN_NNODES]
                         (1, or the outer launcher's)
   --node-rank N         this node's index                      [DTRAIN_NODE_RANK, NODE_RANK]
   --master-addr HOST    node 0's address                       [MASTER_ADDR] (127.0.0.1 on one node)

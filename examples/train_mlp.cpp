@@ -30,9 +30,10 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <optional>
-#include <string>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -50,19 +51,24 @@ constexpr std::string_view program = "dtrain_train_mlp";
 
 // This program's own flag; command_line describes and parses the shared ones.
 constexpr const char* own_synopsis =
-    " [--nproc-per-node N]\n          [--checkpoint-dir DIR [--checkpoint-every N]]\n";
+    " [--nproc-per-node N]\n          [--checkpoint-dir DIR [--checkpoint-every N]] [--sample-log "
+    "DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
     "                      not in the MPI build, where mpirun starts the ranks\n"
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
-    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n";
+    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
+    "  --sample-log DIR    each rank writes the samples of each step it trains to\n"
+    "                      DIR/round-R-rank-N.txt (\"step epoch index...\"), R the\n"
+    "                      agent's round: to count them across restarts\n";
 
 /// The shared settings and this program's own.
 struct demo_settings {
   mlp::settings s;
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
+  std::string sample_log;
 };
 
 demo_settings parse_flags(int argc, char** argv) {
@@ -76,6 +82,11 @@ demo_settings parse_flags(int argc, char** argv) {
     }
     if (flag == "--checkpoint-every") {
       d.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+      return true;
+    }
+    if (flag == "--sample-log") {
+      d.sample_log = std::string(value());
+      if (d.sample_log.empty()) line.bad_flag("--sample-log needs a directory");
       return true;
     }
     if (Policy::launch_type::mode != dtrain::launch_mode::per_node ||
@@ -122,8 +133,8 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   // sampler's place and the step (the data and the model are made from --seed).
   std::optional<dtrain::checkpoint> checkpoint;
   if (!d.checkpoint_dir.empty()) {
-    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir,
-                                                       .every = d.checkpoint_every});
+    checkpoint.emplace(
+        ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir, .every = d.checkpoint_every});
     checkpoint->add(ddp.parameters()).add(sampler);
     checkpoint->add(
         "optimizer", [&] { return optimizer.state(); },
@@ -136,6 +147,19 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
       std::fflush(stdout);
     }
   }
+
+  // --sample-log: what this rank trains, step by step, in a file of this round's.
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> sample_log(nullptr, &std::fclose);
+  if (!d.sample_log.empty()) {
+    const std::string path = d.sample_log + "/round-" + std::to_string(ctx.restart_count()) +
+                             "-rank-" + std::to_string(ctx.rank()) + ".txt";
+    sample_log.reset(std::fopen(path.c_str(), "w"));
+    if (!sample_log) {
+      throw dtrain::config_error("--sample-log: cannot write " + path + " (rank " +
+                                 std::to_string(ctx.rank()) + ")");
+    }
+  }
+  std::uint64_t steps = checkpoint ? checkpoint->steps() : 0;
 
   for (; sampler.epoch() < s.epochs; sampler.set_epoch(sampler.epoch() + 1)) {
     const std::size_t epoch = sampler.epoch();
@@ -152,6 +176,14 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
       totals[0] += r.loss * static_cast<double>(r.count);
       totals[1] += static_cast<double>(r.correct);
       totals[2] += static_cast<double>(r.count);
+      if (sample_log) {
+        std::string text = std::to_string(steps + 1) + " " + std::to_string(epoch);
+        for (const std::size_t i : batch) text += " " + std::to_string(i);
+        text += "\n";
+        std::fputs(text.c_str(), sample_log.get());
+        std::fflush(sample_log.get());
+      }
+      ++steps;
       if (checkpoint) checkpoint->step();
     }
     dtrain::allreduce(ctx.communicator(), totals, dtrain::reduce_op::sum).wait();

@@ -9379,8 +9379,14 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
-///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32, rank i64,
-///                                   collective i64, communicator bytes32
+///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
+///                                   message bytes32, rank i64, collective i64,
+///                                   communicator bytes32
+///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
+///     dtrain/agent/<r>/ready        counter: nodes ready for round r
+///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
+///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
+///     dtrain/agent/current_round    i64: the newest round formed
 ///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
 ///                                   bytes32, collectives i64): the first worker of round r
 ///                                   that ended well
@@ -10009,6 +10015,15 @@ struct agent_keys {
   static std::string stopped(int restart) { return of_round(restart, "stopped"); }
   static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
   static std::string exited(int restart) { return of_round(restart, "exited"); }
+  // Elastic jobs (dtrun --nnodes MIN:MAX): the nodes ready for a round (a
+  // counter, and one key per node), the members node 0 chose ("0,2"), and
+  // the newest round formed.
+  static std::string ready(int restart) { return of_round(restart, "ready"); }
+  static std::string ready_node(int restart, int node) {
+    return of_round(restart, "ready/" + std::to_string(node));
+  }
+  static std::string members(int restart) { return of_round(restart, "members"); }
+  static constexpr std::string_view current_round = "dtrain/agent/current_round";
   static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
   static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
   static constexpr std::string_view joined = "dtrain/agent/joined";
@@ -10050,6 +10065,9 @@ struct failure_record {
   int rank = -1;                ///< the worker that recorded it; -1: an agent
   std::int64_t collective = 0;  ///< its first collective that failed or timed out (#N); 0: none
   std::string communicator{};   ///< the ring name of that collective's communicator ("world")
+  /// Not a failure: an elastic job's nodes change (a node waits to join), so
+  /// every node stops its workers and the next round is formed; no restart is counted.
+  bool regroup = false;
 
   [[nodiscard]] std::string encode() const;
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value);
@@ -10060,7 +10078,9 @@ DTRAIN_DETAIL_INLINE std::string failure_record::encode() const {
   std::string out;
   wire::writer(out)
       .i64(status)
-      .u8(final ? 1 : 0)
+      .u8(regroup ? 2
+          : final ? 1
+                  : 0)
       .bytes32(message)
       .i64(rank)
       .i64(collective)
@@ -10077,10 +10097,13 @@ DTRAIN_DETAIL_INLINE failure_record failure_record::decode(const std::string& ke
       throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
     }
     f.status = static_cast<int>(code);
-    const std::uint8_t flag = r.u8("the final flag");
-    if (flag > 1)
-      throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
+    const std::uint8_t flag = r.u8("the kind");
+    if (flag > 2) {
+      throw wire::violation("the kind is " + std::to_string(flag) +
+                            ", not 0 (restartable), 1 (final) or 2 (regroup)");
+    }
     f.final = flag == 1;
+    f.regroup = flag == 2;
     f.message = r.bytes32("the message");
     const std::int64_t raw_rank = r.i64("the rank");
     if (raw_rank < -1 || raw_rank > INT32_MAX)
@@ -10211,6 +10234,40 @@ DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view va
       throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
     }
     return static_cast<int>(port);
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// An elastic round's members: node ranks, ascending, each below `nnodes`.
+DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes);
+DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
+                                                     int nnodes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes) {
+  std::string out;
+  wire::writer w(out);
+  w.u32(static_cast<std::uint32_t>(nodes.size()));
+  for (const int n : nodes) w.i64(n);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
+                                                     int nnodes) {
+  return wire::decode_value("store key " + key, value, "a round's nodes", [&](wire::reader& r) {
+    const std::uint32_t count = r.u32("the number of nodes");
+    if (count == 0 || count > static_cast<std::uint32_t>(nnodes)) {
+      throw wire::violation(std::to_string(count) + " nodes, not 1.." + std::to_string(nnodes));
+    }
+    std::vector<int> nodes;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      const std::int64_t n = r.i64("a node rank");
+      if (n < 0 || n >= nnodes || (!nodes.empty() && n <= nodes.back())) {
+        throw wire::violation("node " + std::to_string(n) + " is not in 0.." +
+                              std::to_string(nnodes - 1) + " or not ascending");
+      }
+      nodes.push_back(static_cast<int>(n));
+    }
+    return nodes;
   });
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -12055,6 +12112,7 @@ class rendezvous_wait {
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace dtrain {
 
@@ -12067,6 +12125,31 @@ inline constexpr std::chrono::milliseconds default_grace_period{10'000};
 /// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
 inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
 
+namespace detail {
+/// Parses a node count as dtrun's --nnodes takes it: "N", or "MIN:MAX" for
+/// an elastic job (1 <= MIN <= MAX). Returns {MIN, MAX}; MIN is unset for
+/// "N" and for "N:N" (not elastic). `origin` names the value in errors.
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text) {
+  const std::size_t colon = text.find(':');
+  if (colon == std::string_view::npos) {
+    const int n = parse_non_negative(origin, text);
+    if (n < 1) throw config_error(origin + " must be at least 1 (nodes)");
+    return {std::nullopt, n};
+  }
+  const int least = parse_non_negative(origin + " (MIN)", text.substr(0, colon));
+  const int most = parse_non_negative(origin + " (MAX)", text.substr(colon + 1));
+  if (least < 1 || least > most) {
+    throw config_error(origin + ": MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  }
+  return {least < most ? std::optional<int>(least) : std::nullopt, most};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+}  // namespace detail
+
 /// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
 /// Unset values come from the environment or the outer launcher (see
 /// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
@@ -12075,9 +12158,15 @@ struct agent_options {
   /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
   /// the number of visible CUDA devices for backend::nccl, else 1.
   std::optional<int> nproc_per_node{};
-  /// Nodes (agents) in the job. Environment: DTRAIN_NNODES. Default: from the
-  /// outer launcher, else 1.
+  /// Nodes (agents) in the job; in an elastic job, the most. Environment:
+  /// DTRAIN_NNODES (N, or MIN:MAX). Default: from the outer launcher, else 1.
   std::optional<int> nnodes{};
+  /// An elastic job (dtrun --nnodes MIN:MAX, as torchrun's): the fewest nodes
+  /// it runs on. When a node is lost, the others go on without it (at least
+  /// this many), and a node that comes (back) joins at the next round, up to
+  /// nnodes; each change restarts every worker with the new world size
+  /// (resume from a checkpoint: docs/checkpoints.md). Unset: exactly nnodes.
+  std::optional<int> min_nnodes{};
   /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
   /// and must agree).
   std::optional<int> node_rank{};
@@ -12130,7 +12219,12 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
     }
   };
   count(nproc_per_node_variable, out.nproc_per_node, 1);
-  count(nnodes_variable, out.nnodes, 1);
+  if (auto text = env.get(nnodes_variable)) {
+    const auto [least, most] =
+        detail::parse_node_count(detail::assignment(nnodes_variable, *text), *text);
+    out.nnodes = most;
+    out.min_nnodes = least;
+  }
   count(node_rank_variable, out.node_rank, 0);
   if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
   if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
@@ -12151,6 +12245,12 @@ DTRAIN_DETAIL_INLINE void agent_options::check() const {
   };
   at_least("nproc_per_node", nproc_per_node, 1);
   at_least("nnodes", nnodes, 1);
+  at_least("min_nnodes", min_nnodes, 1);
+  if (min_nnodes && (!nnodes || *min_nnodes > *nnodes)) {
+    throw config_error("option min_nnodes=" + std::to_string(*min_nnodes) +
+                       (nnodes ? " is more than nnodes=" + std::to_string(*nnodes)
+                               : " needs nnodes (the most nodes)"));
+  }
   at_least("node_rank", node_rank, 0);
   auto at_most = [](const char* name, const std::optional<int>& v) {
     if (v && *v > max_world_size) {
@@ -18517,9 +18617,11 @@ DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
 /// even while the other nodes' workers are busy computing.
 class heartbeat {
  public:
-  explicit heartbeat(int nodes)
-      : seen_(static_cast<std::size_t>(nodes), -1),
-        since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
+  /// Watches `nodes` (node ranks; this agent's own is skipped).
+  explicit heartbeat(std::vector<int> nodes)
+      : nodes_(std::move(nodes)),
+        seen_(nodes_.size(), -1),
+        since_(nodes_.size(), std::chrono::steady_clock::now()) {}
 
   /// Beats for `me`; returns the first node silent for longer than `limit`.
   std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
@@ -18528,6 +18630,7 @@ class heartbeat {
   [[nodiscard]] int silent() const noexcept { return silent_; }
 
  private:
+  std::vector<int> nodes_;
   std::vector<std::int64_t> seen_;
   std::vector<std::chrono::steady_clock::time_point> since_;
   std::chrono::steady_clock::time_point last_{};
@@ -18543,10 +18646,10 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
   store.add(agent_keys::beat(me), 1);
   std::optional<int> first;
   silent_ = 0;
-  for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const int n = nodes_[i];
     if (n == me) continue;
     std::int64_t beat = store.add(agent_keys::beat(n), 0);
-    auto i = static_cast<std::size_t>(n);
     if (beat != seen_[i]) {
       seen_[i] = beat;
       since_[i] = now;
@@ -18571,6 +18674,7 @@ class agent_store {
               int port, const store_options& options)
       : node_rank_(node_rank),
         nnodes_(nnodes),
+        round_size_(nnodes),
         timeout_(options.timeout),
         server_(node_rank == 0 ? std::optional<store_server>(std::in_place, bind, port, options)
                                : std::nullopt),
@@ -18625,11 +18729,35 @@ class agent_store {
   void report_success(int restart) { client_.add(agent_keys::succeeded(restart), 1); }
   /// Whether every node reported success for round `restart`.
   [[nodiscard]] bool all_succeeded(int restart) {
-    return client_.add(agent_keys::succeeded(restart), 0) >= nnodes_;
+    return client_.add(agent_keys::succeeded(restart), 0) >= round_size_;
   }
 
   /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
   void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
+
+  // ---- elastic jobs (dtrun --nnodes MIN:MAX) ----------------------------
+
+  /// Registers this node without waiting for the others (a node may come
+  /// and go), after checking that it runs the job's shape (node 0's record;
+  /// config_error naming what differs). A node that comes back replaces its
+  /// old record.
+  void join_elastic(const node_record& me);
+
+  /// The round a node that starts now joins: the one after the newest round
+  /// formed, or round 0.
+  int first_round();
+
+  /// Says that this node is ready for round `restart` and returns the
+  /// round's nodes (ascending), which node 0 chooses: once at least
+  /// `min_nodes` are ready, every node ready within `last_call` after that
+  /// (at once when all nnodes are). Every agent counts the round's nodes from
+  /// then on (success, leaving). A node not among them joins a later round.
+  std::vector<int> form_round(int restart, int min_nodes, std::chrono::milliseconds last_call);
+
+  /// Whether a node is ready for the round after `restart`: one waits to join.
+  [[nodiscard]] bool node_waiting(int restart) {
+    return client_.add(agent_keys::ready(restart + 1), 0) > 0;
+  }
 
   /// Says this agent is done. Node 0 keeps the store up until every agent
   /// has read how the job ended, at most `grace` + 10 s.
@@ -18641,7 +18769,8 @@ class agent_store {
   std::optional<exit_record> first_exit(int restart);
 
   int node_rank_;
-  int nnodes_;
+  int nnodes_;      // of the job (the most, in an elastic one)
+  int round_size_;  // nodes of the round under way: nnodes_ unless elastic
   std::chrono::milliseconds timeout_;
   std::optional<store_server> server_;
   int port_;
@@ -18652,7 +18781,70 @@ class agent_store {
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
   client_.add(key, 1);
-  wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
+  wait_for([&] { return client_.add(key, 0) >= round_size_; }, what);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me) {
+  client_.set(agent_keys::node(node_rank_), me.encode());
+  if (node_rank_ == 0) return;
+  const std::string key = agent_keys::node(0);
+  wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+           "node 0's agent to register");
+  const node_record first = node_record::decode(key, client_.get(key));
+  if (first.nproc != me.nproc || first.max_restarts != me.max_restarts) {
+    throw config_error("node 0 (" + first.who() + ") runs " + std::to_string(first.nproc) +
+                       " workers and allows " + std::to_string(first.max_restarts) +
+                       " restarts, this node " + std::to_string(me.nproc) + " and " +
+                       std::to_string(me.max_restarts) +
+                       "; every node must use the same nproc_per_node and max_restarts");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int agent_store::first_round() {
+  const std::string key(agent_keys::current_round);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return 0;
+  const std::int64_t newest = wire::decode_int("store key " + key, client_.get(key), "a round");
+  if (newest < 0 || newest > INT32_MAX - 1) {
+    throw rendezvous_error("store key " + key + " holds round " + std::to_string(newest));
+  }
+  return static_cast<int>(newest) + 1;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int min_nodes,
+                                                              std::chrono::milliseconds last_call) {
+  client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
+  client_.add(agent_keys::ready(restart), 1);
+  const std::string members_key = agent_keys::members(restart);
+  const std::string round = "round " + std::to_string(restart);
+  if (node_rank_ == 0) {
+    auto ready = [&] { return client_.add(agent_keys::ready(restart), 0); };
+    wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
+                                                       " of " + std::to_string(nnodes_) +
+                                                       " nodes to be ready for " + round);
+    const auto until = std::chrono::steady_clock::now() + last_call;
+    while (ready() < nnodes_ && std::chrono::steady_clock::now() < until) {
+      if (const int sig = pending_agent_signal(); sig != 0) {
+        throw error("received signal " + std::to_string(sig) + " while forming " + round);
+      }
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+    std::vector<std::string> keys;
+    for (int n = 0; n < nnodes_; ++n) keys.push_back(agent_keys::ready_node(restart, n));
+    std::vector<int> nodes;
+    for (int n = 0; n < nnodes_; ++n) {
+      if (client_.check(std::span<const std::string>(&keys[static_cast<std::size_t>(n)], 1)))
+        nodes.push_back(n);
+    }
+    client_.set(members_key, encode_members(nodes));
+    client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
+  } else {
+    wait_for([&] { return client_.check(std::span<const std::string>(&members_key, 1)); },
+             "node 0 to form " + round);
+  }
+  std::vector<int> nodes = decode_members(members_key, client_.get(members_key), nnodes_);
+  round_size_ = static_cast<int>(nodes.size());
+  lost_nodes_ = 0;  // of an earlier round: not among these
+  return nodes;
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
@@ -18711,7 +18903,7 @@ DTRAIN_DETAIL_INLINE void agent_store::leave(std::chrono::milliseconds grace) {
     client_.add(key, 1);
     if (!server_) return;
     const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
-    while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
+    while (client_.add(key, 0) < round_size_ - lost_nodes_ &&
            std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(agent_poll_interval);
     }
@@ -19340,9 +19532,10 @@ DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string
 /// How a restart round ended.
 struct round_end {
   bool succeeded = false;
-  int status = 0;       ///< exit status for the agent when the job ends here
-  bool final = false;   ///< no restart: a signal or a lost peer ended the job
-  std::string message;  ///< who failed how
+  int status = 0;        ///< exit status for the agent when the job ends here
+  bool final = false;    ///< no restart: a signal or a lost peer ended the job
+  bool regroup = false;  ///< elastic: the nodes change; the next round, no restart counted
+  std::string message;   ///< who failed how
 };
 
 /// One worker of a round: its place in the job and what it runs.
@@ -19358,6 +19551,12 @@ struct round_settings {
   int node_rank = 0;
   int nnodes = 1;
   int nproc = 1;
+  /// The round's nodes (node ranks, ascending): every node of the job,
+  /// unless elastic (min_nodes set), where node 0 chose them for this round.
+  std::vector<int> members{};
+  /// Elastic (dtrun --nnodes MIN:MAX): a lost node fails the round, not the
+  /// job, and node 0 ends the round when a node waits to join (a regroup).
+  bool elastic = false;
   bool tee = false;     ///< prefix the workers' lines with `[rank N] `
   std::string log_dir;  ///< also write <log_dir>/restart_<k>/rank_<N>.log
   std::chrono::milliseconds grace_period{};
@@ -19380,7 +19579,7 @@ class agent_round {
       : settings_(std::move(settings)),
         warden_(settings_.nproc),
         relay_(settings_.tee, settings_.log_dir),
-        beats_(settings_.nnodes) {}
+        beats_(settings_.members) {}
   agent_round(const agent_round&) = delete;
   agent_round& operator=(const agent_round&) = delete;
   ~agent_round();
@@ -19407,6 +19606,8 @@ class agent_round {
 
   // A node whose agent went silent fails the round for everyone (read by on_failure).
   void watch_peers(agent_store& store);
+  // Elastic, node 0: a node waiting for the next round ends this one (a regroup).
+  void watch_joiners(agent_store& store);
 
   // A signal to the agent ends the job: forwarded to the workers, and told to the other nodes.
   std::optional<round_end> on_signal(agent_store& store);
@@ -19430,6 +19631,7 @@ class agent_round {
   output_relay relay_;
   std::vector<worker_process> workers_;
   heartbeat beats_;
+  std::chrono::steady_clock::time_point last_join_check_{};
   bool reported_success_ = false;
   state state_ = state::starting;
 };
@@ -19466,6 +19668,7 @@ DTRAIN_DETAIL_INLINE void agent_round::start(const std::vector<worker_start>& wo
 DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
   while (true) {
     watch_peers(store);
+    watch_joiners(store);
     if (auto end = on_signal(store)) return *end;
     forward_diagnostics_requests();
     note_exits(store);
@@ -19479,10 +19682,27 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
   store.lose_nodes(beats_.silent());
+  // Elastic: the round ends, and the next one is formed of the nodes present.
   store.record_failure(
-      settings_.restart, 1, true,
+      settings_.restart, 1, !settings_.elastic,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
           seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::watch_joiners(agent_store& store) {
+  if (!settings_.elastic || settings_.node_rank != 0 ||
+      settings_.members.size() >= static_cast<std::size_t>(settings_.nnodes)) {
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_join_check_ < std::chrono::seconds(1)) return;
+  last_join_check_ = now;
+  if (!store.node_waiting(settings_.restart)) return;
+  failure_record regroup{0, false,
+                         "a node is ready to join: every node stops its workers, and the next "
+                         "round is formed with it (no restart counted)"};
+  regroup.regroup = true;
+  detail::record_failure(store.client(), settings_.restart, regroup);
 }
 
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_signal(agent_store& store) {
@@ -19497,7 +19717,7 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_signal(agent_store
   } catch (const rendezvous_error&) {
     // Node 0 is gone: nobody is left to tell.
   }
-  return round_end{false, 128 + sig, true, message};
+  return round_end{false, 128 + sig, true, false, message};
 }
 
 DTRAIN_DETAIL_INLINE void agent_round::forward_diagnostics_requests() {
@@ -19522,7 +19742,7 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_stor
   const auto failure = store.failure(settings_.restart);
   if (!failure) return std::nullopt;
   stop(SIGTERM);
-  return round_end{false, failure->status, failure->final, failure->message};
+  return round_end{false, failure->status, failure->final, failure->regroup, failure->message};
 }
 
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_store& store) {
@@ -19535,7 +19755,7 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_stor
   }
   if (store.all_succeeded(settings_.restart)) {
     stop(0);  // what the workers left running
-    return round_end{true, 0, false, {}};
+    return round_end{true, 0, false, false, {}};
   }
   std::this_thread::sleep_for(agent_poll_interval);
   return std::nullopt;
@@ -19554,6 +19774,7 @@ DTRAIN_DETAIL_INLINE void agent_round::stop(int sig) {
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/round.hpp ----
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <exception>
@@ -19600,19 +19821,29 @@ class node_agent {
  private:
   [[nodiscard]] int node_rank() const { return *node_.node_rank; }
   [[nodiscard]] int nnodes() const { return *node_.num_nodes; }
+  /// dtrun --nnodes MIN:MAX (agent_options::min_nnodes): rounds of the nodes present.
+  [[nodiscard]] bool elastic() const { return options_.min_nnodes.has_value(); }
 
   void say(const std::string& text, bool verbose = false) const;
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.
   int run_rounds(detail::agent_store& store, int& restart);
+  /// The same for an elastic job: node 0 forms each round of the nodes that
+  /// are ready (at least min_nnodes); a lost node or a node that comes ends
+  /// the round, and the next is formed. Only failures count as restarts.
+  int run_elastic_rounds(detail::agent_store& store, int& restart);
 
-  /// Starts this node's workers for one round and supervises them until the
-  /// round ends on every node. The round stops them on every way out.
-  detail::round_end run_round(detail::agent_store& store, int restart);
+  /// Starts this node's workers for one round of `members` (the round's
+  /// nodes, ascending) and supervises them until the round ends on every
+  /// node. The round stops them on every way out.
+  detail::round_end run_round(detail::agent_store& store, int restart,
+                              const std::vector<int>& members);
 
+  /// The environment of a worker: `group` is this node's place among the
+  /// round's `groups` nodes (its node rank, unless elastic).
   std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
-                                              int worker_port) const;
+                                              int worker_port, int group, int groups) const;
 
   std::vector<std::string> command_;
   agent_options options_;
@@ -19696,8 +19927,14 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
       true);
   int restart = 0;  // the round under way, for a failure outside it
   try {
-    store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
-    const int status = run_rounds(store, restart);
+    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
+                                 ::getpid()};
+    if (elastic()) {
+      store.join_elastic(me);
+    } else {
+      store.join(me);
+    }
+    const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
     store.leave(options_.grace_period);
     return status;
   } catch (const rendezvous_error& e) {
@@ -19730,8 +19967,10 @@ DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose)
 }
 
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
+  std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
+  for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
   for (restart = 0;; ++restart) {
-    const detail::round_end end = run_round(store, restart);
+    const detail::round_end end = run_round(store, restart, everyone);
     if (end.succeeded) return 0;
     if (end.final || restart >= options_.max_restarts) {
       say(end.message + "; ending the job" +
@@ -19746,25 +19985,66 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
   }
 }
 
+DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& store, int& restart) {
+  // How long node 0 waits, once enough nodes are ready, for the others.
+  constexpr std::chrono::milliseconds last_call{2000};
+  int failures = 0;
+  for (restart = store.first_round();; ++restart) {
+    const std::vector<int> members = store.form_round(restart, *options_.min_nnodes, last_call);
+    std::string names;
+    for (const int n : members) names += (names.empty() ? "" : ", ") + std::to_string(n);
+    if (std::find(members.begin(), members.end(), node_rank()) == members.end()) {
+      say("round " + std::to_string(restart) + " was formed of nodes " + names +
+          " before this one was ready: joining the next");
+      continue;
+    }
+    say("round " + std::to_string(restart) + ": nodes " + names + " (" +
+        std::to_string(members.size()) + " of at most " + std::to_string(nnodes()) + "), " +
+        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers");
+    const detail::round_end end = run_round(store, restart, members);
+    if (end.succeeded) return 0;
+    if (end.regroup) {
+      say(end.message);
+      continue;
+    }
+    if (end.final || failures >= options_.max_restarts) {
+      say(end.message + "; ending the job" +
+          (end.final ? std::string()
+                     : " (restarts used: " + std::to_string(failures) + " of " +
+                           std::to_string(options_.max_restarts) + ")"));
+      return end.status;
+    }
+    ++failures;
+    say(end.message + "; forming the next round of the nodes present (restart " +
+        std::to_string(failures) + " of " + std::to_string(options_.max_restarts) + ")");
+  }
+}
+
 DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
-                                                             int restart) {
+                                                             int restart,
+                                                             const std::vector<int>& members) {
+  const int group =
+      static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
+  const int groups = static_cast<int>(members.size());
   const int worker_port = store.worker_port(restart);
   const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
   std::vector<detail::worker_start> workers;
   for (int local = 0; local < nproc_; ++local) {
     detail::worker_start& w = workers.emplace_back();
-    w.rank = node_rank() * nproc_ + local;
+    w.rank = group * nproc_ + local;
     w.local_rank = local;
     w.command.argv = command_;
     w.command.argv.front() = program;
     if (options_.local_rank_arg)
       w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-    w.command.env = worker_environment(w.rank, local, restart, worker_port);
+    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups);
   }
   detail::agent_round round({.restart = restart,
                              .node_rank = node_rank(),
                              .nnodes = nnodes(),
                              .nproc = nproc_,
+                             .members = members,
+                             .elastic = elastic(),
                              .tee = options_.tee,
                              .log_dir = options_.log_dir,
                              .grace_period = options_.grace_period,
@@ -19774,8 +20054,8 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
 }
 
 DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
-    int rank, int local_rank, int restart, int worker_port) const {
-  const int world_size = nnodes() * nproc_;
+    int rank, int local_rank, int restart, int worker_port, int group, int groups) const {
+  const int world_size = groups * nproc_;
   auto vars = env_.vars();
   auto set = [&](std::string name, const std::string& value) {
     vars.insert_or_assign(std::move(name), value);
@@ -19784,12 +20064,12 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   set("LOCAL_RANK", std::to_string(local_rank));
   set("WORLD_SIZE", std::to_string(world_size));
   set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
-  set("GROUP_RANK", std::to_string(node_rank()));
-  set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
+  set("GROUP_RANK", std::to_string(group));
+  set("GROUP_WORLD_SIZE", std::to_string(groups));
   set("ROLE_RANK", std::to_string(rank));
   set("ROLE_WORLD_SIZE", std::to_string(world_size));
   set("ROLE_NAME", "default");
-  set("NODE_RANK", std::to_string(node_rank()));
+  set("NODE_RANK", std::to_string(group));
   set("MASTER_ADDR", master_addr_);
   set("MASTER_PORT", std::to_string(worker_port));
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
@@ -19833,6 +20113,7 @@ namespace dtrain::detail {
 enum class agent_field : unsigned {
   nproc_per_node,
   nnodes,
+  min_nnodes,  // set with nnodes: --nnodes MIN:MAX
   node_rank,
   master_addr,
   master_port,
@@ -19851,6 +20132,7 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
   switch (option) {
     case agent_field::nproc_per_node: return fn(&agent_options::nproc_per_node);
     case agent_field::nnodes: return fn(&agent_options::nnodes);
+    case agent_field::min_nnodes: return fn(&agent_options::min_nnodes);
     case agent_field::node_rank: return fn(&agent_options::node_rank);
     case agent_field::master_addr: return fn(&agent_options::master_addr);
     case agent_field::master_port: return fn(&agent_options::master_port);
@@ -19992,11 +20274,12 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
       set(agent_field::local_rank_arg);
     } else {
       values_.nnodes = 1;
+      values_.min_nnodes = std::nullopt;
       values_.node_rank = 0;
       values_.master_addr = "127.0.0.1";
       values_.master_port = 0;
-      for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
-                     agent_field::master_port})
+      for (auto f : {agent_field::nnodes, agent_field::min_nnodes, agent_field::node_rank,
+                     agent_field::master_addr, agent_field::master_port})
         set(f);
     }
     return true;
@@ -20022,7 +20305,7 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
 DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valued* {
   static constexpr valued flags[] = {
       {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
-      {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
+      {"--nnodes", agent_field::nnodes, "nodes in the job (MIN:MAX: elastic)", "2"},
       {"--node-rank", agent_field::node_rank, "this node's index", "0"},
       {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
       {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
@@ -20054,7 +20337,13 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
     case agent_field::nproc_per_node:
       values_.nproc_per_node = at_least(1, "workers per node");
       break;
-    case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
+    case agent_field::nnodes: {
+      const auto [least, most] = parse_node_count(origin, value);
+      values_.nnodes = most;
+      values_.min_nnodes = least;
+      set(agent_field::min_nnodes);  // "--nnodes N" after "--nnodes 1:2" is not elastic
+      break;
+    }
     case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
     case agent_field::master_addr: values_.master_addr = text(); break;
     case agent_field::master_port: {
@@ -20071,6 +20360,7 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
       break;
     case agent_field::log_dir: values_.log_dir = text(); break;
+    case agent_field::min_nnodes:  // comes with --nnodes
     case agent_field::tee:
     case agent_field::local_rank_arg:
     case agent_field::count: break;

@@ -9,7 +9,7 @@ if(TARGET dtrun AND TARGET dtrain_whoami)
     set(peer_dir "$<TARGET_FILE_DIR:dtrain_ddp_peer>")
   endif()
   foreach(case IN ITEMS dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname
-                        killed_worker hierarchical_gloo hierarchical_mpi doctor)
+                        killed_worker hierarchical_gloo hierarchical_mpi doctor elastic_1_2)
     dtrain_add_test(cluster.${case}
       COMMAND bash "${cluster_dir}/test_cluster.sh" ${case} "$<TARGET_FILE_DIR:dtrun>" "${peer_dir}"
       TIMEOUT 150
@@ -17,7 +17,7 @@ if(TARGET dtrun AND TARGET dtrain_whoami)
   endforeach()
 else()
   foreach(case IN ITEMS dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname
-                        killed_worker hierarchical_gloo hierarchical_mpi doctor)
+                        killed_worker hierarchical_gloo hierarchical_mpi doctor elastic_1_2)
     dtrain_add_skipped_test(cluster.${case} "dtrun and dtrain_whoami are not built (DTRAIN_BUILD_EXAMPLES=OFF)")
   endforeach()
 endif()

@@ -17,6 +17,12 @@
 #   hierarchical_gloo  DistributedDataParallel with topology::hierarchical under dtrun,
 #                      2 nodes x 2 workers: exact means, and the group equals flat
 #   hierarchical_mpi   the same under mpirun --map-by node (ranks not contiguous per node)
+#   elastic_1_2        the demo under --nnodes 1:2 (2 nodes x 2, checkpoints): node2's agent
+#                      killed -> node1 goes on alone from the last checkpoint; node2 started
+#                      again -> the job grows back to 2 nodes and finishes. Every sample of
+#                      every epoch is trained exactly once across the changes (counted from
+#                      the demo's --sample-log), and the accuracy is within a point of an
+#                      uninterrupted run
 #   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
 #                      trap and its fix; on a healthy node it finds none
 set -uo pipefail
@@ -166,6 +172,97 @@ case $case_name in
     losses() { grep -o '^epoch [0-9/]*  loss [0-9.]*' "$1"; }
     [[ -n $(losses "$work/one_node_shm.out") && $(losses "$work/one_node_shm.out") == "$(losses "$work/node1.out")" ]] ||
       fail "the losses through shared memory differ from those over TCP"
+    ;;
+  elastic_1_2)
+    [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
+    demo=("$bin/dtrain_train_mlp" --epochs 6 --samples 8192 --features 64 --hidden 256 --batch-size 32)
+    DTRAIN_GLOO_SHM=0 timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/reference.out" 2>&1 ||
+      fail "the uninterrupted demo (1 node x 4) exited with $?"
+    mkdir -p "$work/samples"
+    elastic=("${demo[@]}" --nproc-per-node 2 --checkpoint-dir "$work/ckpt" --checkpoint-every 10
+             --sample-log "$work/samples")
+    # node N's agent (the demo launches itself) for an elastic job of 1 to 2 nodes.
+    start_node() {  # <n> <output suffix>
+      cluster_run node$1 env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$(($1 - 1)) MASTER_ADDR=node1 \
+        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=2 DTRAIN_HEARTBEAT_TIMEOUT=5 timeout "$limit" \
+        "${elastic[@]}" >"$work/node$1$2.out" 2>"$work/node$1$2.err" &
+    }
+    # wait_for <what> <command...>: polls the command for up to 60 s.
+    wait_for() {
+      local what=$1 deadline=$((SECONDS + 60))
+      shift
+      until "$@"; do
+        ((SECONDS < deadline)) || fail "waited 60 s for $what"
+        sleep 0.05
+      done
+    }
+    cluster_up 2 1gbit
+    start_node 1 ""
+    first=$!
+    start_node 2 ""
+    wait_for "a checkpoint" compgen -G "$work/ckpt/step-*[0-9]"
+    # node2's agent is the demo process started in node2's namespace.
+    agent2=$(ip netns pids "$(cluster_ns "$cluster_id" 2)" | while read -r p; do
+      [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$bin/dtrain_train_mlp "* ]] &&
+        ! tr '\0' '\n' <"/proc/$p/environ" | grep -q '^RANK=' && echo "$p"; done | sort -n | head -n 1)
+    [[ -n $agent2 ]] || fail "no agent found on node2"
+    kill -KILL "$agent2"
+    echo "killed node2's agent (pid $agent2) after $(ls -d "$work"/ckpt/step-*[0-9] | wc -l) checkpoint(s)"
+    wait_for "node1 to go on alone" grep -q "nodes 0 (1 of at most 2)" "$work/node1.err"
+    grep -h "round [0-9]*: nodes" "$work/node1.err"
+    start_node 2 .again
+    second=$!
+    wait "$first"
+    status1=$?
+    wait "$second"
+    status2=$?
+    grep -h "dtrain agent\|resumed" "$work/node1.err" "$work/node1.out" | head -20
+    ((status1 == 0 && status2 == 0)) || fail "node1 exited with $status1, node2 (again) with $status2"
+    grep -q "nodes 0, 1 (2 of at most 2)" "$work/node2.again.err" ||
+      fail "node2 did not rejoin the job"
+    # Every epoch's samples exactly once across the rounds: a round resumed at
+    # its checkpoint supersedes what an earlier round trained after it.
+    python3 - "$work/samples" 8192 6 <<'PY' || fail "the samples do not add up"
+import collections, glob, os, re, sys
+folder, size, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+steps = collections.defaultdict(dict)  # round -> step -> [(epoch, indices)]
+for path in glob.glob(os.path.join(folder, "round-*-rank-*.txt")):
+    rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
+    for line in open(path):
+        if not line.endswith("\n"):
+            continue  # cut by the kill
+        step, epoch, *idx = map(int, line.split())
+        steps[rnd].setdefault(step, []).append((epoch, idx))
+first = {r: min(s) for r, s in steps.items()}
+seen = collections.defaultdict(collections.Counter)
+kept = 0
+for r, by_step in steps.items():
+    for step, parts in by_step.items():
+        if any(r2 > r and first[r2] <= step for r2 in steps):
+            continue  # redone by a later round
+        kept += 1
+        for epoch, idx in parts:
+            seen[epoch].update(idx)
+rounds = sorted(steps)
+print("rounds with steps:", ", ".join(f"{r} (steps {first[r]}..{max(steps[r])}, "
+      f"up to {max(len(p) for p in steps[r].values())} ranks a step)" for r in rounds))
+ok = len(seen) == epochs
+for epoch in sorted(seen):
+    c = seen[epoch]
+    missing = [i for i in range(size) if c[i] == 0]
+    extra = sum(c.values()) - size
+    print(f"epoch {epoch}: {len(c)} distinct samples of {size}, {extra} repeated (padding), "
+          f"{len(missing)} missing")
+    ok = ok and not missing and 0 <= extra <= 3 * len(rounds)
+sys.exit(0 if ok else 1)
+PY
+    accuracy() { grep -o 'test accuracy *[0-9.]*' "$1" | tail -n 1 | grep -o '[0-9.]*$'; }
+    want=$(accuracy "$work/reference.out")
+    got=$(accuracy "$work/node1.out")
+    echo "final test accuracy: $got % (uninterrupted: $want %)"
+    [[ -n $want && -n $got ]] || fail "no accuracy printed"
+    python3 -c "import sys; sys.exit(0 if abs($got - $want) <= 1.0 else 1)" ||
+      fail "the accuracy $got % is not within a point of $want %"
     ;;
   loopback_hostname)
     cluster_up 2 1gbit

@@ -605,6 +605,59 @@ TEST_CASE("dtrun's flags: dtrun reads its flags, then the program after them") {
         }) == "--tee=1 on the command line: --tee takes no value");
 }
 
+TEST_CASE("dtrun's flags: --nnodes MIN:MAX is an elastic job, as torchrun's") {
+  dtrain::agent_options o;
+  agent_flags::of_launcher(sv_args{"--nnodes", "1:4", "t"}).apply(o);
+  CHECK(o.nnodes == 4);
+  CHECK(o.min_nnodes == 1);
+  // N, and N:N, are not elastic; the last --nnodes counts, range or not.
+  agent_flags::of_launcher(sv_args{"--nnodes=1:3", "--nnodes", "2", "t"}).apply(o);
+  CHECK(o.nnodes == 2);
+  CHECK_FALSE(o.min_nnodes.has_value());
+  agent_flags::of_launcher(sv_args{"--nnodes", "3:3", "t"}).apply(o);
+  CHECK(o.nnodes == 3);
+  CHECK_FALSE(o.min_nnodes.has_value());
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--nnodes=3:2", "t"});
+        }) == "--nnodes=3:2 on the command line: MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--nnodes=0:2", "t"});
+        }) == "--nnodes=0:2 on the command line: MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  CHECK(config_error_text([] {
+          (void)agent_flags::of_launcher(sv_args{"--nnodes=1:x", "t"});
+        }).find("--nnodes=1:x on the command line (MAX)") == 0);
+  // The environment's DTRAIN_NNODES takes the same forms.
+  const auto from_env = dtrain::agent_options{}.with_env({{"DTRAIN_NNODES", "2:5"}});
+  CHECK(from_env.nnodes == 5);
+  CHECK(from_env.min_nnodes == 2);
+  CHECK(config_error_text([] {
+          (void)dtrain::agent_options{}.with_env({{"DTRAIN_NNODES", "5:2"}});
+        }) == "DTRAIN_NNODES=5:2: MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  CHECK(config_error_text([] { dtrain::agent_options{.nnodes = 2, .min_nnodes = 3}.check(); }) ==
+        "option min_nnodes=3 is more than nnodes=2");
+}
+
+TEST_CASE("elastic rounds: the members and a regroup travel through the store intact") {
+  using dtrain::detail::decode_members;
+  using dtrain::detail::encode_members;
+  using dtrain::detail::failure_record;
+  CHECK(decode_members("k", encode_members({0, 2, 3}), 4) == std::vector<int>{0, 2, 3});
+  // Out of range, not ascending, or none: refused, naming the key.
+  for (const std::vector<int>& bad : {std::vector<int>{0, 4}, std::vector<int>{1, 0},
+                                      std::vector<int>{}, std::vector<int>{2, 2}}) {
+    CHECK_THROWS_WITH_AS((void)decode_members("dtrain/agent/3/members", encode_members(bad), 4),
+                         doctest::Contains("store key dtrain/agent/3/members"),
+                         dtrain::rendezvous_error);
+  }
+  failure_record regroup{0, false, "a node is ready to join"};
+  regroup.regroup = true;
+  const failure_record back = failure_record::decode("k", regroup.encode());
+  CHECK(back.regroup);
+  CHECK_FALSE(back.final);
+  CHECK(back.status == 0);
+  CHECK_FALSE(failure_record::decode("k", failure_record{1, true, "x"}.encode()).regroup);
+}
+
 TEST_CASE("dtrun's flags: a self-launching program's own arguments pass, dtrun's are read") {
   const auto flags = agent_flags::of_program(
       sv_args{"--epochs", "3", "--master-port", "29501", "data/", "--max_restarts=2", "--help",

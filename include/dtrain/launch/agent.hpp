@@ -20,6 +20,7 @@
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/security.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <exception>
@@ -66,19 +67,29 @@ class node_agent {
  private:
   [[nodiscard]] int node_rank() const { return *node_.node_rank; }
   [[nodiscard]] int nnodes() const { return *node_.num_nodes; }
+  /// dtrun --nnodes MIN:MAX (agent_options::min_nnodes): rounds of the nodes present.
+  [[nodiscard]] bool elastic() const { return options_.min_nnodes.has_value(); }
 
   void say(const std::string& text, bool verbose = false) const;
 
   /// Runs restart rounds until one succeeds, or one fails with no restart
   /// left; returns the job's exit status. `restart` follows the round under way.
   int run_rounds(detail::agent_store& store, int& restart);
+  /// The same for an elastic job: node 0 forms each round of the nodes that
+  /// are ready (at least min_nnodes); a lost node or a node that comes ends
+  /// the round, and the next is formed. Only failures count as restarts.
+  int run_elastic_rounds(detail::agent_store& store, int& restart);
 
-  /// Starts this node's workers for one round and supervises them until the
-  /// round ends on every node. The round stops them on every way out.
-  detail::round_end run_round(detail::agent_store& store, int restart);
+  /// Starts this node's workers for one round of `members` (the round's
+  /// nodes, ascending) and supervises them until the round ends on every
+  /// node. The round stops them on every way out.
+  detail::round_end run_round(detail::agent_store& store, int restart,
+                              const std::vector<int>& members);
 
+  /// The environment of a worker: `group` is this node's place among the
+  /// round's `groups` nodes (its node rank, unless elastic).
   std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
-                                              int worker_port) const;
+                                              int worker_port, int group, int groups) const;
 
   std::vector<std::string> command_;
   agent_options options_;
@@ -162,8 +173,14 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
       true);
   int restart = 0;  // the round under way, for a failure outside it
   try {
-    store.join({nproc_, options_.max_restarts, detail::host_name().value_or("?"), ::getpid()});
-    const int status = run_rounds(store, restart);
+    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
+                                 ::getpid()};
+    if (elastic()) {
+      store.join_elastic(me);
+    } else {
+      store.join(me);
+    }
+    const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
     store.leave(options_.grace_period);
     return status;
   } catch (const rendezvous_error& e) {
@@ -196,8 +213,10 @@ DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose)
 }
 
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
+  std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
+  for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
   for (restart = 0;; ++restart) {
-    const detail::round_end end = run_round(store, restart);
+    const detail::round_end end = run_round(store, restart, everyone);
     if (end.succeeded) return 0;
     if (end.final || restart >= options_.max_restarts) {
       say(end.message + "; ending the job" +
@@ -212,25 +231,66 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
   }
 }
 
+DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& store, int& restart) {
+  // How long node 0 waits, once enough nodes are ready, for the others.
+  constexpr std::chrono::milliseconds last_call{2000};
+  int failures = 0;
+  for (restart = store.first_round();; ++restart) {
+    const std::vector<int> members = store.form_round(restart, *options_.min_nnodes, last_call);
+    std::string names;
+    for (const int n : members) names += (names.empty() ? "" : ", ") + std::to_string(n);
+    if (std::find(members.begin(), members.end(), node_rank()) == members.end()) {
+      say("round " + std::to_string(restart) + " was formed of nodes " + names +
+          " before this one was ready: joining the next");
+      continue;
+    }
+    say("round " + std::to_string(restart) + ": nodes " + names + " (" +
+        std::to_string(members.size()) + " of at most " + std::to_string(nnodes()) + "), " +
+        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers");
+    const detail::round_end end = run_round(store, restart, members);
+    if (end.succeeded) return 0;
+    if (end.regroup) {
+      say(end.message);
+      continue;
+    }
+    if (end.final || failures >= options_.max_restarts) {
+      say(end.message + "; ending the job" +
+          (end.final ? std::string()
+                     : " (restarts used: " + std::to_string(failures) + " of " +
+                           std::to_string(options_.max_restarts) + ")"));
+      return end.status;
+    }
+    ++failures;
+    say(end.message + "; forming the next round of the nodes present (restart " +
+        std::to_string(failures) + " of " + std::to_string(options_.max_restarts) + ")");
+  }
+}
+
 DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
-                                                             int restart) {
+                                                             int restart,
+                                                             const std::vector<int>& members) {
+  const int group =
+      static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
+  const int groups = static_cast<int>(members.size());
   const int worker_port = store.worker_port(restart);
   const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
   std::vector<detail::worker_start> workers;
   for (int local = 0; local < nproc_; ++local) {
     detail::worker_start& w = workers.emplace_back();
-    w.rank = node_rank() * nproc_ + local;
+    w.rank = group * nproc_ + local;
     w.local_rank = local;
     w.command.argv = command_;
     w.command.argv.front() = program;
     if (options_.local_rank_arg)
       w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-    w.command.env = worker_environment(w.rank, local, restart, worker_port);
+    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups);
   }
   detail::agent_round round({.restart = restart,
                              .node_rank = node_rank(),
                              .nnodes = nnodes(),
                              .nproc = nproc_,
+                             .members = members,
+                             .elastic = elastic(),
                              .tee = options_.tee,
                              .log_dir = options_.log_dir,
                              .grace_period = options_.grace_period,
@@ -240,8 +300,8 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
 }
 
 DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
-    int rank, int local_rank, int restart, int worker_port) const {
-  const int world_size = nnodes() * nproc_;
+    int rank, int local_rank, int restart, int worker_port, int group, int groups) const {
+  const int world_size = groups * nproc_;
   auto vars = env_.vars();
   auto set = [&](std::string name, const std::string& value) {
     vars.insert_or_assign(std::move(name), value);
@@ -250,12 +310,12 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   set("LOCAL_RANK", std::to_string(local_rank));
   set("WORLD_SIZE", std::to_string(world_size));
   set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
-  set("GROUP_RANK", std::to_string(node_rank()));
-  set("GROUP_WORLD_SIZE", std::to_string(nnodes()));
+  set("GROUP_RANK", std::to_string(group));
+  set("GROUP_WORLD_SIZE", std::to_string(groups));
   set("ROLE_RANK", std::to_string(rank));
   set("ROLE_WORLD_SIZE", std::to_string(world_size));
   set("ROLE_NAME", "default");
-  set("NODE_RANK", std::to_string(node_rank()));
+  set("NODE_RANK", std::to_string(group));
   set("MASTER_ADDR", master_addr_);
   set("MASTER_PORT", std::to_string(worker_port));
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));

@@ -91,9 +91,11 @@ DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
 /// even while the other nodes' workers are busy computing.
 class heartbeat {
  public:
-  explicit heartbeat(int nodes)
-      : seen_(static_cast<std::size_t>(nodes), -1),
-        since_(static_cast<std::size_t>(nodes), std::chrono::steady_clock::now()) {}
+  /// Watches `nodes` (node ranks; this agent's own is skipped).
+  explicit heartbeat(std::vector<int> nodes)
+      : nodes_(std::move(nodes)),
+        seen_(nodes_.size(), -1),
+        since_(nodes_.size(), std::chrono::steady_clock::now()) {}
 
   /// Beats for `me`; returns the first node silent for longer than `limit`.
   std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
@@ -102,6 +104,7 @@ class heartbeat {
   [[nodiscard]] int silent() const noexcept { return silent_; }
 
  private:
+  std::vector<int> nodes_;
   std::vector<std::int64_t> seen_;
   std::vector<std::chrono::steady_clock::time_point> since_;
   std::chrono::steady_clock::time_point last_{};
@@ -117,10 +120,10 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
   store.add(agent_keys::beat(me), 1);
   std::optional<int> first;
   silent_ = 0;
-  for (int n = 0; n < static_cast<int>(seen_.size()); ++n) {
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const int n = nodes_[i];
     if (n == me) continue;
     std::int64_t beat = store.add(agent_keys::beat(n), 0);
-    auto i = static_cast<std::size_t>(n);
     if (beat != seen_[i]) {
       seen_[i] = beat;
       since_[i] = now;
@@ -145,6 +148,7 @@ class agent_store {
               int port, const store_options& options)
       : node_rank_(node_rank),
         nnodes_(nnodes),
+        round_size_(nnodes),
         timeout_(options.timeout),
         server_(node_rank == 0 ? std::optional<store_server>(std::in_place, bind, port, options)
                                : std::nullopt),
@@ -199,11 +203,35 @@ class agent_store {
   void report_success(int restart) { client_.add(agent_keys::succeeded(restart), 1); }
   /// Whether every node reported success for round `restart`.
   [[nodiscard]] bool all_succeeded(int restart) {
-    return client_.add(agent_keys::succeeded(restart), 0) >= nnodes_;
+    return client_.add(agent_keys::succeeded(restart), 0) >= round_size_;
   }
 
   /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
   void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
+
+  // ---- elastic jobs (dtrun --nnodes MIN:MAX) ----------------------------
+
+  /// Registers this node without waiting for the others (a node may come
+  /// and go), after checking that it runs the job's shape (node 0's record;
+  /// config_error naming what differs). A node that comes back replaces its
+  /// old record.
+  void join_elastic(const node_record& me);
+
+  /// The round a node that starts now joins: the one after the newest round
+  /// formed, or round 0.
+  int first_round();
+
+  /// Says that this node is ready for round `restart` and returns the
+  /// round's nodes (ascending), which node 0 chooses: once at least
+  /// `min_nodes` are ready, every node ready within `last_call` after that
+  /// (at once when all nnodes are). Every agent counts the round's nodes from
+  /// then on (success, leaving). A node not among them joins a later round.
+  std::vector<int> form_round(int restart, int min_nodes, std::chrono::milliseconds last_call);
+
+  /// Whether a node is ready for the round after `restart`: one waits to join.
+  [[nodiscard]] bool node_waiting(int restart) {
+    return client_.add(agent_keys::ready(restart + 1), 0) > 0;
+  }
 
   /// Says this agent is done. Node 0 keeps the store up until every agent
   /// has read how the job ended, at most `grace` + 10 s.
@@ -215,7 +243,8 @@ class agent_store {
   std::optional<exit_record> first_exit(int restart);
 
   int node_rank_;
-  int nnodes_;
+  int nnodes_;      // of the job (the most, in an elastic one)
+  int round_size_;  // nodes of the round under way: nnodes_ unless elastic
   std::chrono::milliseconds timeout_;
   std::optional<store_server> server_;
   int port_;
@@ -226,7 +255,70 @@ class agent_store {
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
   client_.add(key, 1);
-  wait_for([&] { return client_.add(key, 0) >= nnodes_; }, what);
+  wait_for([&] { return client_.add(key, 0) >= round_size_; }, what);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me) {
+  client_.set(agent_keys::node(node_rank_), me.encode());
+  if (node_rank_ == 0) return;
+  const std::string key = agent_keys::node(0);
+  wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+           "node 0's agent to register");
+  const node_record first = node_record::decode(key, client_.get(key));
+  if (first.nproc != me.nproc || first.max_restarts != me.max_restarts) {
+    throw config_error("node 0 (" + first.who() + ") runs " + std::to_string(first.nproc) +
+                       " workers and allows " + std::to_string(first.max_restarts) +
+                       " restarts, this node " + std::to_string(me.nproc) + " and " +
+                       std::to_string(me.max_restarts) +
+                       "; every node must use the same nproc_per_node and max_restarts");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int agent_store::first_round() {
+  const std::string key(agent_keys::current_round);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return 0;
+  const std::int64_t newest = wire::decode_int("store key " + key, client_.get(key), "a round");
+  if (newest < 0 || newest > INT32_MAX - 1) {
+    throw rendezvous_error("store key " + key + " holds round " + std::to_string(newest));
+  }
+  return static_cast<int>(newest) + 1;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int min_nodes,
+                                                              std::chrono::milliseconds last_call) {
+  client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
+  client_.add(agent_keys::ready(restart), 1);
+  const std::string members_key = agent_keys::members(restart);
+  const std::string round = "round " + std::to_string(restart);
+  if (node_rank_ == 0) {
+    auto ready = [&] { return client_.add(agent_keys::ready(restart), 0); };
+    wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
+                                                       " of " + std::to_string(nnodes_) +
+                                                       " nodes to be ready for " + round);
+    const auto until = std::chrono::steady_clock::now() + last_call;
+    while (ready() < nnodes_ && std::chrono::steady_clock::now() < until) {
+      if (const int sig = pending_agent_signal(); sig != 0) {
+        throw error("received signal " + std::to_string(sig) + " while forming " + round);
+      }
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+    std::vector<std::string> keys;
+    for (int n = 0; n < nnodes_; ++n) keys.push_back(agent_keys::ready_node(restart, n));
+    std::vector<int> nodes;
+    for (int n = 0; n < nnodes_; ++n) {
+      if (client_.check(std::span<const std::string>(&keys[static_cast<std::size_t>(n)], 1)))
+        nodes.push_back(n);
+    }
+    client_.set(members_key, encode_members(nodes));
+    client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
+  } else {
+    wait_for([&] { return client_.check(std::span<const std::string>(&members_key, 1)); },
+             "node 0 to form " + round);
+  }
+  std::vector<int> nodes = decode_members(members_key, client_.get(members_key), nnodes_);
+  round_size_ = static_cast<int>(nodes.size());
+  lost_nodes_ = 0;  // of an earlier round: not among these
+  return nodes;
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
@@ -285,7 +377,7 @@ DTRAIN_DETAIL_INLINE void agent_store::leave(std::chrono::milliseconds grace) {
     client_.add(key, 1);
     if (!server_) return;
     const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
-    while (client_.add(key, 0) < nnodes_ - lost_nodes_ &&
+    while (client_.add(key, 0) < round_size_ - lost_nodes_ &&
            std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(agent_poll_interval);
     }

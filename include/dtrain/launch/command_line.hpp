@@ -25,6 +25,7 @@ namespace dtrain::detail {
 enum class agent_field : unsigned {
   nproc_per_node,
   nnodes,
+  min_nnodes,  // set with nnodes: --nnodes MIN:MAX
   node_rank,
   master_addr,
   master_port,
@@ -43,6 +44,7 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
   switch (option) {
     case agent_field::nproc_per_node: return fn(&agent_options::nproc_per_node);
     case agent_field::nnodes: return fn(&agent_options::nnodes);
+    case agent_field::min_nnodes: return fn(&agent_options::min_nnodes);
     case agent_field::node_rank: return fn(&agent_options::node_rank);
     case agent_field::master_addr: return fn(&agent_options::master_addr);
     case agent_field::master_port: return fn(&agent_options::master_port);
@@ -184,11 +186,12 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
       set(agent_field::local_rank_arg);
     } else {
       values_.nnodes = 1;
+      values_.min_nnodes = std::nullopt;
       values_.node_rank = 0;
       values_.master_addr = "127.0.0.1";
       values_.master_port = 0;
-      for (auto f : {agent_field::nnodes, agent_field::node_rank, agent_field::master_addr,
-                     agent_field::master_port})
+      for (auto f : {agent_field::nnodes, agent_field::min_nnodes, agent_field::node_rank,
+                     agent_field::master_addr, agent_field::master_port})
         set(f);
     }
     return true;
@@ -214,7 +217,7 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
 DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valued* {
   static constexpr valued flags[] = {
       {"--nproc-per-node", agent_field::nproc_per_node, "workers per node", "4"},
-      {"--nnodes", agent_field::nnodes, "nodes in the job", "2"},
+      {"--nnodes", agent_field::nnodes, "nodes in the job (MIN:MAX: elastic)", "2"},
       {"--node-rank", agent_field::node_rank, "this node's index", "0"},
       {"--master-addr", agent_field::master_addr, "node 0's address", "node0"},
       {"--master-port", agent_field::master_port, "node 0's store port", "29500"},
@@ -246,7 +249,13 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
     case agent_field::nproc_per_node:
       values_.nproc_per_node = at_least(1, "workers per node");
       break;
-    case agent_field::nnodes: values_.nnodes = at_least(1, "nodes"); break;
+    case agent_field::nnodes: {
+      const auto [least, most] = parse_node_count(origin, value);
+      values_.nnodes = most;
+      values_.min_nnodes = least;
+      set(agent_field::min_nnodes);  // "--nnodes N" after "--nnodes 1:2" is not elastic
+      break;
+    }
     case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
     case agent_field::master_addr: values_.master_addr = text(); break;
     case agent_field::master_port: {
@@ -263,6 +272,7 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
       break;
     case agent_field::log_dir: values_.log_dir = text(); break;
+    case agent_field::min_nnodes:  // comes with --nnodes
     case agent_field::tee:
     case agent_field::local_rank_arg:
     case agent_field::count: break;

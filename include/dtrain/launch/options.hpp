@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace dtrain {
 
@@ -26,6 +27,31 @@ inline constexpr std::chrono::milliseconds default_grace_period{10'000};
 /// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
 inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
 
+namespace detail {
+/// Parses a node count as dtrun's --nnodes takes it: "N", or "MIN:MAX" for
+/// an elastic job (1 <= MIN <= MAX). Returns {MIN, MAX}; MIN is unset for
+/// "N" and for "N:N" (not elastic). `origin` names the value in errors.
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text) {
+  const std::size_t colon = text.find(':');
+  if (colon == std::string_view::npos) {
+    const int n = parse_non_negative(origin, text);
+    if (n < 1) throw config_error(origin + " must be at least 1 (nodes)");
+    return {std::nullopt, n};
+  }
+  const int least = parse_non_negative(origin + " (MIN)", text.substr(0, colon));
+  const int most = parse_non_negative(origin + " (MAX)", text.substr(colon + 1));
+  if (least < 1 || least > most) {
+    throw config_error(origin + ": MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  }
+  return {least < most ? std::optional<int>(least) : std::nullopt, most};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+}  // namespace detail
+
 /// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
 /// Unset values come from the environment or the outer launcher (see
 /// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
@@ -34,9 +60,15 @@ struct agent_options {
   /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
   /// the number of visible CUDA devices for backend::nccl, else 1.
   std::optional<int> nproc_per_node{};
-  /// Nodes (agents) in the job. Environment: DTRAIN_NNODES. Default: from the
-  /// outer launcher, else 1.
+  /// Nodes (agents) in the job; in an elastic job, the most. Environment:
+  /// DTRAIN_NNODES (N, or MIN:MAX). Default: from the outer launcher, else 1.
   std::optional<int> nnodes{};
+  /// An elastic job (dtrun --nnodes MIN:MAX, as torchrun's): the fewest nodes
+  /// it runs on. When a node is lost, the others go on without it (at least
+  /// this many), and a node that comes (back) joins at the next round, up to
+  /// nnodes; each change restarts every worker with the new world size
+  /// (resume from a checkpoint: docs/checkpoints.md). Unset: exactly nnodes.
+  std::optional<int> min_nnodes{};
   /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
   /// and must agree).
   std::optional<int> node_rank{};
@@ -89,7 +121,12 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
     }
   };
   count(nproc_per_node_variable, out.nproc_per_node, 1);
-  count(nnodes_variable, out.nnodes, 1);
+  if (auto text = env.get(nnodes_variable)) {
+    const auto [least, most] =
+        detail::parse_node_count(detail::assignment(nnodes_variable, *text), *text);
+    out.nnodes = most;
+    out.min_nnodes = least;
+  }
   count(node_rank_variable, out.node_rank, 0);
   if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
   if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
@@ -110,6 +147,12 @@ DTRAIN_DETAIL_INLINE void agent_options::check() const {
   };
   at_least("nproc_per_node", nproc_per_node, 1);
   at_least("nnodes", nnodes, 1);
+  at_least("min_nnodes", min_nnodes, 1);
+  if (min_nnodes && (!nnodes || *min_nnodes > *nnodes)) {
+    throw config_error("option min_nnodes=" + std::to_string(*min_nnodes) +
+                       (nnodes ? " is more than nnodes=" + std::to_string(*nnodes)
+                               : " needs nnodes (the most nodes)"));
+  }
   at_least("node_rank", node_rank, 0);
   auto at_most = [](const char* name, const std::optional<int>& v) {
     if (v && *v > max_world_size) {

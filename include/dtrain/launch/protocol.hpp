@@ -14,8 +14,14 @@
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
-///     dtrain/agent/<r>/failure      status i64, final u8, message bytes32, rank i64,
-///                                   collective i64, communicator bytes32
+///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
+///                                   message bytes32, rank i64, collective i64,
+///                                   communicator bytes32
+///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
+///     dtrain/agent/<r>/ready        counter: nodes ready for round r
+///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
+///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
+///     dtrain/agent/current_round    i64: the newest round formed
 ///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
 ///                                   bytes32, collectives i64): the first worker of round r
 ///                                   that ended well
@@ -71,6 +77,15 @@ struct agent_keys {
   static std::string stopped(int restart) { return of_round(restart, "stopped"); }
   static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
   static std::string exited(int restart) { return of_round(restart, "exited"); }
+  // Elastic jobs (dtrun --nnodes MIN:MAX): the nodes ready for a round (a
+  // counter, and one key per node), the members node 0 chose ("0,2"), and
+  // the newest round formed.
+  static std::string ready(int restart) { return of_round(restart, "ready"); }
+  static std::string ready_node(int restart, int node) {
+    return of_round(restart, "ready/" + std::to_string(node));
+  }
+  static std::string members(int restart) { return of_round(restart, "members"); }
+  static constexpr std::string_view current_round = "dtrain/agent/current_round";
   static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
   static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
   static constexpr std::string_view joined = "dtrain/agent/joined";
@@ -112,6 +127,9 @@ struct failure_record {
   int rank = -1;                ///< the worker that recorded it; -1: an agent
   std::int64_t collective = 0;  ///< its first collective that failed or timed out (#N); 0: none
   std::string communicator{};   ///< the ring name of that collective's communicator ("world")
+  /// Not a failure: an elastic job's nodes change (a node waits to join), so
+  /// every node stops its workers and the next round is formed; no restart is counted.
+  bool regroup = false;
 
   [[nodiscard]] std::string encode() const;
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value);
@@ -122,7 +140,9 @@ DTRAIN_DETAIL_INLINE std::string failure_record::encode() const {
   std::string out;
   wire::writer(out)
       .i64(status)
-      .u8(final ? 1 : 0)
+      .u8(regroup ? 2
+          : final ? 1
+                  : 0)
       .bytes32(message)
       .i64(rank)
       .i64(collective)
@@ -139,10 +159,13 @@ DTRAIN_DETAIL_INLINE failure_record failure_record::decode(const std::string& ke
       throw wire::violation("the exit status " + std::to_string(code) + " is not in 0..255");
     }
     f.status = static_cast<int>(code);
-    const std::uint8_t flag = r.u8("the final flag");
-    if (flag > 1)
-      throw wire::violation("the final flag is " + std::to_string(flag) + ", not 0 or 1");
+    const std::uint8_t flag = r.u8("the kind");
+    if (flag > 2) {
+      throw wire::violation("the kind is " + std::to_string(flag) +
+                            ", not 0 (restartable), 1 (final) or 2 (regroup)");
+    }
     f.final = flag == 1;
+    f.regroup = flag == 2;
     f.message = r.bytes32("the message");
     const std::int64_t raw_rank = r.i64("the rank");
     if (raw_rank < -1 || raw_rank > INT32_MAX)
@@ -273,6 +296,40 @@ DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view va
       throw wire::violation("the port " + std::to_string(port) + " is not in 1..65535");
     }
     return static_cast<int>(port);
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// An elastic round's members: node ranks, ascending, each below `nnodes`.
+DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes);
+DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
+                                                     int nnodes);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes) {
+  std::string out;
+  wire::writer w(out);
+  w.u32(static_cast<std::uint32_t>(nodes.size()));
+  for (const int n : nodes) w.i64(n);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
+                                                     int nnodes) {
+  return wire::decode_value("store key " + key, value, "a round's nodes", [&](wire::reader& r) {
+    const std::uint32_t count = r.u32("the number of nodes");
+    if (count == 0 || count > static_cast<std::uint32_t>(nnodes)) {
+      throw wire::violation(std::to_string(count) + " nodes, not 1.." + std::to_string(nnodes));
+    }
+    std::vector<int> nodes;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      const std::int64_t n = r.i64("a node rank");
+      if (n < 0 || n >= nnodes || (!nodes.empty() && n <= nodes.back())) {
+        throw wire::violation("node " + std::to_string(n) + " is not in 0.." +
+                              std::to_string(nnodes - 1) + " or not ascending");
+      }
+      nodes.push_back(static_cast<int>(n));
+    }
+    return nodes;
   });
 }
 #endif  // DTRAIN_DETAIL_BODIES()

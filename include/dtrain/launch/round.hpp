@@ -40,9 +40,10 @@ DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string
 /// How a restart round ended.
 struct round_end {
   bool succeeded = false;
-  int status = 0;       ///< exit status for the agent when the job ends here
-  bool final = false;   ///< no restart: a signal or a lost peer ended the job
-  std::string message;  ///< who failed how
+  int status = 0;        ///< exit status for the agent when the job ends here
+  bool final = false;    ///< no restart: a signal or a lost peer ended the job
+  bool regroup = false;  ///< elastic: the nodes change; the next round, no restart counted
+  std::string message;   ///< who failed how
 };
 
 /// One worker of a round: its place in the job and what it runs.
@@ -58,6 +59,12 @@ struct round_settings {
   int node_rank = 0;
   int nnodes = 1;
   int nproc = 1;
+  /// The round's nodes (node ranks, ascending): every node of the job,
+  /// unless elastic (min_nodes set), where node 0 chose them for this round.
+  std::vector<int> members{};
+  /// Elastic (dtrun --nnodes MIN:MAX): a lost node fails the round, not the
+  /// job, and node 0 ends the round when a node waits to join (a regroup).
+  bool elastic = false;
   bool tee = false;     ///< prefix the workers' lines with `[rank N] `
   std::string log_dir;  ///< also write <log_dir>/restart_<k>/rank_<N>.log
   std::chrono::milliseconds grace_period{};
@@ -80,7 +87,7 @@ class agent_round {
       : settings_(std::move(settings)),
         warden_(settings_.nproc),
         relay_(settings_.tee, settings_.log_dir),
-        beats_(settings_.nnodes) {}
+        beats_(settings_.members) {}
   agent_round(const agent_round&) = delete;
   agent_round& operator=(const agent_round&) = delete;
   ~agent_round();
@@ -107,6 +114,8 @@ class agent_round {
 
   // A node whose agent went silent fails the round for everyone (read by on_failure).
   void watch_peers(agent_store& store);
+  // Elastic, node 0: a node waiting for the next round ends this one (a regroup).
+  void watch_joiners(agent_store& store);
 
   // A signal to the agent ends the job: forwarded to the workers, and told to the other nodes.
   std::optional<round_end> on_signal(agent_store& store);
@@ -130,6 +139,7 @@ class agent_round {
   output_relay relay_;
   std::vector<worker_process> workers_;
   heartbeat beats_;
+  std::chrono::steady_clock::time_point last_join_check_{};
   bool reported_success_ = false;
   state state_ = state::starting;
 };
@@ -166,6 +176,7 @@ DTRAIN_DETAIL_INLINE void agent_round::start(const std::vector<worker_start>& wo
 DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
   while (true) {
     watch_peers(store);
+    watch_joiners(store);
     if (auto end = on_signal(store)) return *end;
     forward_diagnostics_requests();
     note_exits(store);
@@ -179,10 +190,27 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
   store.lose_nodes(beats_.silent());
+  // Elastic: the round ends, and the next one is formed of the nodes present.
   store.record_failure(
-      settings_.restart, 1, true,
+      settings_.restart, 1, !settings_.elastic,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
           seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
+}
+
+DTRAIN_DETAIL_INLINE void agent_round::watch_joiners(agent_store& store) {
+  if (!settings_.elastic || settings_.node_rank != 0 ||
+      settings_.members.size() >= static_cast<std::size_t>(settings_.nnodes)) {
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_join_check_ < std::chrono::seconds(1)) return;
+  last_join_check_ = now;
+  if (!store.node_waiting(settings_.restart)) return;
+  failure_record regroup{0, false,
+                         "a node is ready to join: every node stops its workers, and the next "
+                         "round is formed with it (no restart counted)"};
+  regroup.regroup = true;
+  detail::record_failure(store.client(), settings_.restart, regroup);
 }
 
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_signal(agent_store& store) {
@@ -197,7 +225,7 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_signal(agent_store
   } catch (const rendezvous_error&) {
     // Node 0 is gone: nobody is left to tell.
   }
-  return round_end{false, 128 + sig, true, message};
+  return round_end{false, 128 + sig, true, false, message};
 }
 
 DTRAIN_DETAIL_INLINE void agent_round::forward_diagnostics_requests() {
@@ -222,7 +250,7 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_stor
   const auto failure = store.failure(settings_.restart);
   if (!failure) return std::nullopt;
   stop(SIGTERM);
-  return round_end{false, failure->status, failure->final, failure->message};
+  return round_end{false, failure->status, failure->final, failure->regroup, failure->message};
 }
 
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_store& store) {
@@ -235,7 +263,7 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_stor
   }
   if (store.all_succeeded(settings_.restart)) {
     stop(0);  // what the workers left running
-    return round_end{true, 0, false, {}};
+    return round_end{true, 0, false, false, {}};
   }
   std::this_thread::sleep_for(agent_poll_interval);
   return std::nullopt;
