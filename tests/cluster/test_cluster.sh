@@ -175,7 +175,7 @@ case $case_name in
     ;;
   elastic_1_2)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
-    demo=("$bin/dtrain_train_mlp" --epochs 6 --samples 8192 --features 64 --hidden 256 --batch-size 32)
+    demo=("$bin/dtrain_train_mlp" --epochs 4 --samples 8192 --features 64 --hidden 256 --batch-size 32)
     DTRAIN_GLOO_SHM=0 timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/reference.out" 2>&1 ||
       fail "the uninterrupted demo (1 node x 4) exited with $?"
     mkdir -p "$work/samples"
@@ -184,7 +184,8 @@ case $case_name in
     # node N's agent (the demo launches itself) for an elastic job of 1 to 2 nodes.
     start_node() {  # <n> <output suffix>
       cluster_run node$1 env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$(($1 - 1)) MASTER_ADDR=node1 \
-        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=2 DTRAIN_HEARTBEAT_TIMEOUT=5 timeout "$limit" \
+        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=2 DTRAIN_HEARTBEAT_TIMEOUT=5 DTRAIN_GRACE_PERIOD=1 \
+        timeout "$limit" \
         "${elastic[@]}" >"$work/node$1$2.out" 2>"$work/node$1$2.err" &
     }
     # wait_for <what> <command...>: polls the command for up to 60 s.
@@ -209,9 +210,20 @@ case $case_name in
     kill -KILL "$agent2"
     echo "killed node2's agent (pid $agent2) after $(ls -d "$work"/ckpt/step-*[0-9] | wc -l) checkpoint(s)"
     wait_for "node1 to go on alone" grep -q "nodes 0 (1 of at most 2)" "$work/node1.err"
+    solo=$(grep -o "round [0-9]*: nodes 0 (1 of" "$work/node1.err" | tail -n 1 | awk '{print $2}')
+    solo=${solo%:}
+    wait_for "node1's round $solo to train" test -s "$work/samples/round-$solo-rank-0.txt"
+    # Node1's workers are frozen until node2 is back, so that the job cannot
+    # end before it: a slow model, as far as the agents can tell.
+    frozen=$(ip netns pids "$(cluster_ns "$cluster_id" 1)" | while read -r p; do
+      tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^RANK=' && echo "$p"; done)
+    [[ -n $frozen ]] || fail "no worker of node1's round $solo to freeze"
+    kill -STOP $frozen
     grep -h "round [0-9]*: nodes" "$work/node1.err"
     start_node 2 .again
     second=$!
+    wait_for "node1's agent to take node2 back" grep -q "a node is ready to join" "$work/node1.err"
+    kill -CONT $frozen 2>/dev/null  # stopped by their agent meanwhile (SIGTERM, then SIGKILL)
     wait "$first"
     status1=$?
     wait "$second"
@@ -222,7 +234,7 @@ case $case_name in
       fail "node2 did not rejoin the job"
     # Every epoch's samples exactly once across the rounds: a round resumed at
     # its checkpoint supersedes what an earlier round trained after it.
-    python3 - "$work/samples" 8192 6 <<'PY' || fail "the samples do not add up"
+    python3 - "$work/samples" 8192 4 <<'PY' || fail "the samples do not add up"
 import collections, glob, os, re, sys
 folder, size, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 steps = collections.defaultdict(dict)  # round -> step -> [(epoch, indices)]

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# bench/recovery.sh [BUILD_DIR]: how long a job takes from a failure to its
+# first training step after resuming (issue 33), split into its parts. The
+# demo (dtrain_train_mlp, Gloo) trains with a checkpoint every 10 steps and
+# --sample-log; once its first checkpoint is committed, this script kills:
+#
+#   1 node x 4       one worker (SIGKILL); the agent restarts the workers
+#                    (DTRAIN_MAX_RESTARTS=1) on the same node
+#   2 nodes x 2      node 2's agent (SIGKILL), elastic (--nnodes 1:2): node 1
+#                    goes on alone. On a simulated cluster (tests/cluster/
+#                    cluster.sh: root and network namespaces; skipped without)
+#
+# and times, from the agents' and workers' output lines (stamped as they
+# arrive) and the sample log:
+#   detection   kill -> the agent says the round ended (names the failure)
+#   restart     -> the new workers are up: rendezvous, communicator, DDP
+#                  (the demo's "training a ..." line)
+#   load        -> the checkpoint is loaded ("dtrain checkpoint: resumed from")
+#   first step  -> the first step of the new round is trained (its sample log)
+# Median of RUNS runs (default 3), in milliseconds. Figures, not a test.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/.." && pwd)
+build=$(cd "${1:-$root/build}" && pwd) || exit 2
+demo=$build/examples/dtrain_train_mlp
+[[ -x $demo ]] || { echo "recovery.sh: build dtrain_train_mlp first (needs Gloo)" >&2; exit 2; }
+runs=${RUNS:-3}
+model=(--epochs 6 --samples 8192 --features 64 --hidden 256 --batch-size 32 --checkpoint-every 10)
+export DTRAIN_STORE_TOKEN=${DTRAIN_STORE_TOKEN:-recovery-bench-secret}
+work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-recovery.XXXXXX")
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+
+now_ms() { date +%s%3N; }
+# Each line it reads, prefixed with the time it arrived (ms).
+stamp() { while IFS= read -r line; do printf '%s %s\n' "$(now_ms)" "$line"; done; }
+# first_after <log> <ms> <regex>: the time of the first line after <ms> that matches.
+first_after() { awk -v t="$2" -v re="$3" '$1 >= t && $0 ~ re { print $1; exit }' "$1"; }
+median() { printf '%s\n' "$@" | sort -g | sed -n "$((($# + 1) / 2))p"; }
+# wait_until <seconds> <command...>
+wait_until() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@"; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.005
+  done
+}
+# The time a sample log of a round not in <before> first has a line.
+new_round_started() {  # <dir> <list of files before>
+  local f
+  for f in "$1"/round-*-rank-0.txt; do
+    [[ " $2 " == *" $f "* ]] && continue
+    [[ -s $f ]] && return 0
+  done
+  return 1
+}
+
+# measure <log> <samples dir> <kill time> <files before>: prints "detect restart load first".
+measure() {
+  local log=$1 samples=$2 killed=$3 before=$4 first
+  wait_until 60 new_round_started "$samples" "$before" || { echo "no step after the kill" >&2; return 1; }
+  first=$(now_ms)
+  local detected started loaded
+  detected=$(first_after "$log" "$killed" "restarting every node|forming the next round")
+  started=$(first_after "$log" "${detected:-0}" "training a ")
+  loaded=$(first_after "$log" "${started:-0}" "dtrain checkpoint: resumed from")
+  [[ -n $detected && -n $started && -n $loaded ]] || { echo "missing lines in $log" >&2; return 1; }
+  echo "$((detected - killed)) $((started - detected)) $((loaded - started)) $((first - loaded))"
+}
+
+declare -A results
+record() {  # <setup> <detect restart load first>
+  results[$1]+="$2;"
+}
+
+one_node() {
+  local run=$1 dir=$work/one-$run
+  mkdir -p "$dir/samples"
+  DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 4 "${model[@]}" --checkpoint-dir "$dir/ckpt" \
+    --sample-log "$dir/samples" > >(stamp >"$dir/log") 2>&1 &
+  local agent=$!
+  wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
+  local workers=() child
+  for child in $(pgrep -P "$agent"); do
+    tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -q '^RANK=' && workers+=("$child")
+  done
+  ((${#workers[@]} > 0)) || { echo "no worker to kill" >&2; return 1; }
+  local before killed
+  before=$(echo "$dir"/samples/round-*-rank-0.txt)
+  killed=$(now_ms)
+  kill -KILL "${workers[$((RANDOM % ${#workers[@]}))]}"
+  local row
+  row=$(measure "$dir/log" "$dir/samples" "$killed" "$before") || return 1
+  wait "$agent" || { echo "the job failed after the kill (see $dir/log)" >&2; return 1; }
+  record "1 node x 4, a worker SIGKILLed" "$row"
+}
+
+two_nodes() {
+  local run=$1 dir=$work/two-$run
+  mkdir -p "$dir/samples"
+  local n pids=()
+  for n in 1 2; do
+    cluster_run node$n env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+      MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=2 "$demo" --nproc-per-node 2 "${model[@]}" \
+      --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" > >(stamp >"$dir/node$n.log") 2>&1 &
+    pids+=($!)
+  done
+  wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
+  local agent2 p
+  agent2=$(ip netns pids "$(cluster_ns "$cluster_id" 2)" | while read -r p; do
+    [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$demo "* ]] &&
+      ! tr '\0' '\n' <"/proc/$p/environ" | grep -q '^RANK=' && echo "$p"; done | sort -n | head -n 1)
+  [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
+  local before killed
+  before=$(echo "$dir"/samples/round-*-rank-0.txt)
+  killed=$(now_ms)
+  kill -KILL "$agent2"
+  local row
+  row=$(measure "$dir/node1.log" "$dir/samples" "$killed" "$before") || return 1
+  wait "${pids[0]}" || { echo "node 1's job failed after the kill (see $dir/node1.log)" >&2; return 1; }
+  record "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed" "$row"
+}
+
+echo "bench/recovery.sh: $(nproc) cores, median of $runs runs, milliseconds"
+for ((r = 0; r < runs; ++r)); do one_node "$r" || exit 1; done
+cluster=yes
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null; then
+  cluster="skipped (needs root and ip for the simulated cluster)"
+else
+  # shellcheck source=../tests/cluster/cluster.sh
+  source "$root/tests/cluster/cluster.sh"
+  cluster_exit_hook='rm -rf "$work"'
+  cluster_up 2 1gbit
+  for ((r = 0; r < runs; ++r)); do two_nodes "$r" || exit 1; done
+fi
+
+echo
+echo "| setup | detection | restart | load | first step | total |"
+echo "| --- | ---: | ---: | ---: | ---: | ---: |"
+for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"; do
+  [[ -n ${results[$setup]:-} ]] || { echo "| $setup | $cluster | | | | |"; continue; }
+  IFS=';' read -r -a rows <<<"${results[$setup]}"
+  cols=()
+  for c in 0 1 2 3 4; do
+    vals=()
+    for row in "${rows[@]}"; do
+      read -r -a f <<<"$row"
+      if ((c == 4)); then vals+=($((f[0] + f[1] + f[2] + f[3]))); else vals+=("${f[$c]}"); fi
+    done
+    cols+=("$(median "${vals[@]}")")
+  done
+  echo "| $setup | ${cols[0]} | ${cols[1]} | ${cols[2]} | ${cols[3]} | ${cols[4]} |"
+done
