@@ -74,7 +74,8 @@ record() {  # <setup> <detect restart load first>
 }
 
 one_node() {
-  local run=$1 dir=$work/one-$run
+  local run=$1
+  local dir=$work/one-$run
   mkdir -p "$dir/samples"
   DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 4 "${model[@]}" --checkpoint-dir "$dir/ckpt" \
     --sample-log "$dir/samples" > >(stamp >"$dir/log") 2>&1 &
@@ -96,7 +97,8 @@ one_node() {
 }
 
 two_nodes() {
-  local run=$1 dir=$work/two-$run
+  local run=$1
+  local dir=$work/two-$run
   mkdir -p "$dir/samples"
   local n pids=()
   for n in 1 2; do
