@@ -73,6 +73,18 @@ record() {  # <setup> <detect restart load first>
   results[$1]+="$2;"
 }
 
+# kill_and_measure <pid to kill> <log> <samples dir> <job to wait for> <setup>:
+# SIGKILLs the process, measures the recovery, waits for the job to succeed.
+kill_and_measure() {
+  local victim=$1 log=$2 samples=$3 job=$4 setup=$5 before killed row
+  before=$(echo "$samples"/round-*-rank-0.txt)
+  killed=$(now_ms)
+  kill -KILL "$victim"
+  row=$(measure "$log" "$samples" "$killed" "$before") || return 1
+  wait "$job" || { echo "the job failed after the kill (see $log)" >&2; return 1; }
+  record "$setup" "$row"
+}
+
 one_node() {
   local run=$1
   local dir=$work/one-$run
@@ -86,14 +98,8 @@ one_node() {
     tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -q '^RANK=' && workers+=("$child")
   done
   ((${#workers[@]} > 0)) || { echo "no worker to kill" >&2; return 1; }
-  local before killed
-  before=$(echo "$dir"/samples/round-*-rank-0.txt)
-  killed=$(now_ms)
-  kill -KILL "${workers[$((RANDOM % ${#workers[@]}))]}"
-  local row
-  row=$(measure "$dir/log" "$dir/samples" "$killed" "$before") || return 1
-  wait "$agent" || { echo "the job failed after the kill (see $dir/log)" >&2; return 1; }
-  record "1 node x 4, a worker SIGKILLed" "$row"
+  kill_and_measure "${workers[$((RANDOM % ${#workers[@]}))]}" "$dir/log" "$dir/samples" "$agent" \
+    "1 node x 4, a worker SIGKILLed"
 }
 
 two_nodes() {
@@ -113,14 +119,8 @@ two_nodes() {
     [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$demo "* ]] &&
       ! tr '\0' '\n' <"/proc/$p/environ" | grep -q '^RANK=' && echo "$p"; done | sort -n | head -n 1)
   [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
-  local before killed
-  before=$(echo "$dir"/samples/round-*-rank-0.txt)
-  killed=$(now_ms)
-  kill -KILL "$agent2"
-  local row
-  row=$(measure "$dir/node1.log" "$dir/samples" "$killed" "$before") || return 1
-  wait "${pids[0]}" || { echo "node 1's job failed after the kill (see $dir/node1.log)" >&2; return 1; }
-  record "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed" "$row"
+  kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "${pids[0]}" \
+    "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"
 }
 
 echo "bench/recovery.sh: $(nproc) cores, median of $runs runs, milliseconds"

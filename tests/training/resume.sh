@@ -92,10 +92,13 @@ kill_worker_after() {
 reference() {  # <log> <command>...: an uninterrupted run's checksum
   local log=$1
   shift
-  run_logged "$log" "$@" || { cat "$log"; fail "the uninterrupted run failed"; }
+  # (on stderr: the caller takes this function's stdout as the checksum)
+  local status=0
+  run_logged "$log" "$@" || status=$?
+  ((status == 0)) || { cat "$log" >&2; fail "the uninterrupted run failed (exit status $status)"; }
   local sum
   sum=$(checksum_of "$log")
-  [[ -n $sum ]] || { cat "$log"; fail "the uninterrupted run printed no checksum"; }
+  [[ -n $sum ]] || { cat "$log" >&2; fail "the uninterrupted run printed no checksum"; }
   echo "$sum"
 }
 

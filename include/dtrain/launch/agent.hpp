@@ -79,6 +79,9 @@ class node_agent {
   /// are ready (at least min_nnodes); a lost node or a node that comes ends
   /// the round, and the next is formed. Only failures count as restarts.
   int run_elastic_rounds(detail::agent_store& store, int& restart);
+  /// Whether a round's failure `end` ends the job (final, or `used` restarts
+  /// are all of max_restarts); says so when it does.
+  bool ends_job(const detail::round_end& end, int used) const;
 
   /// Starts this node's workers for one round of `members` (the round's
   /// nodes, ascending) and supervises them until the round ends on every
@@ -212,19 +215,22 @@ DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose)
   detail::agent_say(node_rank(), nnodes(), text);
 }
 
+DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int used) const {
+  if (!end.final && used < options_.max_restarts) return false;
+  say(end.message + "; ending the job" +
+      (end.final ? std::string()
+                 : " (restarts used: " + std::to_string(used) + " of " +
+                       std::to_string(options_.max_restarts) + ")"));
+  return true;
+}
+
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
   std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
   for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
   for (restart = 0;; ++restart) {
     const detail::round_end end = run_round(store, restart, everyone);
     if (end.succeeded) return 0;
-    if (end.final || restart >= options_.max_restarts) {
-      say(end.message + "; ending the job" +
-          (end.final ? std::string()
-                     : " (restarts used: " + std::to_string(restart) + " of " +
-                           std::to_string(options_.max_restarts) + ")"));
-      return end.status;
-    }
+    if (ends_job(end, restart)) return end.status;
     say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
         " of " + std::to_string(options_.max_restarts) + ")");
     store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
@@ -253,13 +259,7 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
       say(end.message);
       continue;
     }
-    if (end.final || failures >= options_.max_restarts) {
-      say(end.message + "; ending the job" +
-          (end.final ? std::string()
-                     : " (restarts used: " + std::to_string(failures) + " of " +
-                           std::to_string(options_.max_restarts) + ")"));
-      return end.status;
-    }
+    if (ends_job(end, failures)) return end.status;
     ++failures;
     say(end.message + "; forming the next round of the nodes present (restart " +
         std::to_string(failures) + " of " + std::to_string(options_.max_restarts) + ")");
