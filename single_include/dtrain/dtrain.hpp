@@ -18693,6 +18693,7 @@ class agent_store {
   void wait_for(Done done, const std::string& what) {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     while (!done()) {
+      beat_if_due();  // a waiting agent is alive too (join_elastic asks)
       if (const int sig = pending_agent_signal(); sig != 0) {
         throw error("received signal " + std::to_string(sig) + " while waiting for " + what);
       }
@@ -18739,9 +18740,12 @@ class agent_store {
 
   /// Registers this node without waiting for the others (a node may come
   /// and go), after checking that it runs the job's shape (node 0's record;
-  /// config_error naming what differs). A node that comes back replaces its
-  /// old record.
-  void join_elastic(const node_record& me);
+  /// config_error naming what differs). A node that comes back takes its old
+  /// place once the agent that held it is found silent for `window` (its
+  /// heartbeat, which every agent beats while it waits or runs a round); an
+  /// agent still beating holds it, and this one is refused by name.
+  void join_elastic(const node_record& me,
+                    std::chrono::milliseconds window = std::chrono::milliseconds(2500));
 
   /// The round a node that starts now joins: the one after the newest round
   /// formed, or round 0.
@@ -18764,6 +18768,14 @@ class agent_store {
   void leave(std::chrono::milliseconds grace);
 
  private:
+  // Beats this node's heartbeat about once a second (agent_keys::beat).
+  void beat_if_due() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_beat_ < std::chrono::seconds(1)) return;
+    last_beat_ = now;
+    client_.add(agent_keys::beat(node_rank_), 1);
+  }
+
   // The first worker of the round that ended well; a record that cannot be
   // read only loses that hint.
   std::optional<exit_record> first_exit(int restart);
@@ -18776,6 +18788,7 @@ class agent_store {
   int port_;
   store_client client_;
   int lost_nodes_ = 0;
+  std::chrono::steady_clock::time_point last_beat_{};
 };
 
 #if DTRAIN_DETAIL_BODIES()
@@ -18784,20 +18797,42 @@ DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::s
   wait_for([&] { return client_.add(key, 0) >= round_size_; }, what);
 }
 
-DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me) {
-  client_.set(agent_keys::node(node_rank_), me.encode());
-  if (node_rank_ == 0) return;
-  const std::string key = agent_keys::node(0);
-  wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
-           "node 0's agent to register");
-  const node_record first = node_record::decode(key, client_.get(key));
-  if (first.nproc != me.nproc || first.max_restarts != me.max_restarts) {
-    throw config_error("node 0 (" + first.who() + ") runs " + std::to_string(first.nproc) +
-                       " workers and allows " + std::to_string(first.max_restarts) +
-                       " restarts, this node " + std::to_string(me.nproc) + " and " +
-                       std::to_string(me.max_restarts) +
-                       "; every node must use the same nproc_per_node and max_restarts");
+DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
+                                                    std::chrono::milliseconds window) {
+  if (node_rank_ != 0) {  // the job's shape first: a refused agent takes no place
+    const std::string key = agent_keys::node(0);
+    wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+             "node 0's agent to register");
+    const node_record first = node_record::decode(key, client_.get(key));
+    if (first.nproc != me.nproc || first.max_restarts != me.max_restarts) {
+      throw config_error("node 0 (" + first.who() + ") runs " + std::to_string(first.nproc) +
+                         " workers and allows " + std::to_string(first.max_restarts) +
+                         " restarts, this node " + std::to_string(me.nproc) + " and " +
+                         std::to_string(me.max_restarts) +
+                         "; every node must use the same nproc_per_node and max_restarts");
+    }
   }
+  const std::string mine = agent_keys::node(node_rank_);
+  const std::string holder = client_.compare_set(mine, "", me.encode());
+  if (holder == me.encode()) return;
+  // Held before: by an agent of this node that is gone (it comes back), or
+  // by another agent started with this node rank, which still beats.
+  const node_record other = node_record::decode(mine, holder);
+  const std::string beat = agent_keys::beat(node_rank_);
+  const std::int64_t before = client_.add(beat, 0);
+  const auto until = std::chrono::steady_clock::now() + window;
+  while (std::chrono::steady_clock::now() < until) {
+    if (const int sig = pending_agent_signal(); sig != 0) {
+      throw error("received signal " + std::to_string(sig) + " while joining the job");
+    }
+    std::this_thread::sleep_for(agent_poll_interval);
+  }
+  if (client_.add(beat, 0) != before) {
+    throw config_error("node_rank " + std::to_string(node_rank_) + " is held by the agent " +
+                       other.who() + ", which is running, and this one (" + me.who() +
+                       ") asks for it too; give each agent its own --node-rank / NODE_RANK");
+  }
+  client_.set(mine, me.encode());
 }
 
 DTRAIN_DETAIL_INLINE int agent_store::first_round() {
@@ -18823,6 +18858,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
                                                        " nodes to be ready for " + round);
     const auto until = std::chrono::steady_clock::now() + last_call;
     while (ready() < nnodes_ && std::chrono::steady_clock::now() < until) {
+      beat_if_due();
       if (const int sig = pending_agent_signal(); sig != 0) {
         throw error("received signal " + std::to_string(sig) + " while forming " + round);
       }

@@ -4,6 +4,7 @@
 
 #include "support.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <future>
@@ -735,6 +736,45 @@ dtrain::detail::worker_start shell(int rank, std::string script) {
 bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
 }  // namespace
+
+TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to a second one") {
+  using dtrain::detail::agent_keys;
+  using dtrain::detail::agent_store;
+  using dtrain::detail::node_record;
+  const dtrain::store_options options{.timeout = 20s, .token = "unit-test-elastic-join"};
+  agent_store node0{0, 2, "127.0.0.1", "127.0.0.1", 0, options};
+  node0.join_elastic({2, 1, "host-0", 100});
+  const node_record first{2, 1, "host-1", 200}, second{2, 1, "host-1b", 300};
+  {
+    agent_store a{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+    a.join_elastic(first);  // the first to ask: no wait
+    // While `a` beats (as it does waiting or in a round), its place is taken.
+    std::atomic<bool> beating = true;
+    std::thread heart([&] {
+      while (beating) {
+        a.client().add(agent_keys::beat(1), 1);
+        std::this_thread::sleep_for(20ms);
+      }
+    });
+    agent_store b{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+    CHECK(config_error_text([&] { b.join_elastic(second, 300ms); }) ==
+          "node_rank 1 is held by the agent host-1:200, which is running, and this one "
+          "(host-1b:300) asks for it too; give each agent its own --node-rank / NODE_RANK");
+    beating = false;
+    heart.join();
+  }
+  // Silent now (its agent is gone): an agent of node 1 that comes back takes the place.
+  agent_store back{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+  back.join_elastic(second, 300ms);
+  CHECK(node_record::decode("k", back.client().get(agent_keys::node(1))).pid == 300);
+  // Another shape than node 0's is refused by name, and takes no place.
+  agent_store odd{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+  CHECK(config_error_text([&] {
+          odd.join_elastic({4, 1, "host-1c", 400}, 100ms);
+        }).find("every node must use the same nproc_per_node and max_restarts") !=
+        std::string::npos);
+  CHECK(node_record::decode("k", back.client().get(agent_keys::node(1))).pid == 300);
+}
 
 TEST_CASE("agent round: starting, running, ended, and how it ended") {
   using state = dtrain::detail::agent_round::state;
