@@ -114,10 +114,8 @@ two_nodes() {
     pids+=($!)
   done
   wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
-  local agent2 p
-  agent2=$(ip netns pids "$(cluster_ns "$cluster_id" 2)" | while read -r p; do
-    [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$demo "* ]] &&
-      ! tr '\0' '\n' <"/proc/$p/environ" | grep -q '^RANK=' && echo "$p"; done | sort -n | head -n 1)
+  local agent2
+  agent2=$(cluster_agent node2 "$demo")
   [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
   kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "${pids[0]}" \
     "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"

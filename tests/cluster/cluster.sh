@@ -13,6 +13,10 @@
 #   cluster_hosts_loopback NODE  NODE's /etc/hosts maps NODE to 127.0.1.1, as
 #                                Debian does for a machine's own name
 #   cluster_exit_hook=CMD        also run CMD when the shell exits (set before cluster_up)
+#   cluster_workers NODE         pids of the dtrain workers running in NODE (RANK in
+#                                their environment)
+#   cluster_agent NODE PROGRAM   pid of the agent PROGRAM runs in NODE: the oldest
+#                                process running PROGRAM without RANK (not a worker)
 #   cluster_rsh                  path of an ssh stand-in for mpirun
 #                                (--mca plm_rsh_agent), which runs in the named node
 #
@@ -153,6 +157,23 @@ cluster_run() {
   i=$(cluster_node_index "$node") || return 1
   ip netns exec "$(cluster_ns "$cluster_id" "$i")" unshare --uts \
     bash -c 'hostname "$0" && exec "$@"' "$node" "$@"
+}
+
+cluster_workers() {
+  local i p
+  i=$(cluster_node_index "$1") || return 1
+  for p in $(ip netns pids "$(cluster_ns "$cluster_id" "$i")"); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^RANK=' && echo "$p"
+  done
+}
+
+cluster_agent() {
+  local i p
+  i=$(cluster_node_index "$1") || return 1
+  for p in $(ip netns pids "$(cluster_ns "$cluster_id" "$i")"); do
+    [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$2 "* ]] &&
+      ! tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^RANK=' && echo "$p"
+  done | sort -n | head -n 1
 }
 
 cluster_rsh() {

@@ -202,10 +202,7 @@ case $case_name in
     first=$!
     start_node 2 ""
     wait_for "a checkpoint" compgen -G "$work/ckpt/step-*[0-9]"
-    # node2's agent is the demo process started in node2's namespace.
-    agent2=$(ip netns pids "$(cluster_ns "$cluster_id" 2)" | while read -r p; do
-      [[ $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null) == "$bin/dtrain_train_mlp "* ]] &&
-        ! tr '\0' '\n' <"/proc/$p/environ" | grep -q '^RANK=' && echo "$p"; done | sort -n | head -n 1)
+    agent2=$(cluster_agent node2 "$bin/dtrain_train_mlp")
     [[ -n $agent2 ]] || fail "no agent found on node2"
     kill -KILL "$agent2"
     echo "killed node2's agent (pid $agent2) after $(ls -d "$work"/ckpt/step-*[0-9] | wc -l) checkpoint(s)"
@@ -215,8 +212,7 @@ case $case_name in
     wait_for "node1's round $solo to train" test -s "$work/samples/round-$solo-rank-0.txt"
     # Node1's workers are frozen until node2 is back, so that the job cannot
     # end before it: a slow model, as far as the agents can tell.
-    frozen=$(ip netns pids "$(cluster_ns "$cluster_id" 1)" | while read -r p; do
-      tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^RANK=' && echo "$p"; done)
+    frozen=$(cluster_workers node1)
     [[ -n $frozen ]] || fail "no worker of node1's round $solo to freeze"
     kill -STOP $frozen
     grep -h "round [0-9]*: nodes" "$work/node1.err"

@@ -771,8 +771,9 @@ TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to
   agent_store odd{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
   CHECK(config_error_text([&] {
           odd.join_elastic({4, 1, "host-1c", 400}, 100ms);
-        }).find("every node must use the same nproc_per_node and max_restarts") !=
-        std::string::npos);
+        })
+            .find("node 0 (host-0:100) runs 2 workers, this node 4; every node must run the "
+                  "same nproc_per_node") != std::string::npos);
   CHECK(node_record::decode("k", back.client().get(agent_keys::node(1))).pid == 300);
 }
 

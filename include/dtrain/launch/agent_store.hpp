@@ -97,7 +97,8 @@ class heartbeat {
         seen_(nodes_.size(), -1),
         since_(nodes_.size(), std::chrono::steady_clock::now()) {}
 
-  /// Beats for `me`; returns the first node silent for longer than `limit`.
+  /// About once a second, reads the others' beats (this agent beats its own
+  /// through agent_store::beat()); returns the first node silent for longer than `limit`.
   std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
 
   /// How many nodes the last check() found silent.
@@ -117,7 +118,6 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
   auto now = std::chrono::steady_clock::now();
   if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
   last_ = now;
-  store.add(agent_keys::beat(me), 1);
   std::optional<int> first;
   silent_ = 0;
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
@@ -165,18 +165,36 @@ class agent_store {
   /// agent to stop, timeout_error after the store timeout.
   template <class Done>
   void wait_for(Done done, const std::string& what) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    if (!poll_until(std::chrono::steady_clock::now() + timeout_, done, what)) {
+      throw timeout_error("the node agent waited " + std::to_string(timeout_.count() / 1000) +
+                          " s for " + what + " (DTRAIN_STORE_TIMEOUT)");
+    }
+  }
+
+  /// Polls `done()` until it holds (true) or `until` passes (false), beating
+  /// this node's heartbeat meanwhile (a waiting agent is alive too) unless
+  /// `beat` is false; throws error when a signal asks the agent to stop.
+  template <class Done>
+  bool poll_until(std::chrono::steady_clock::time_point until, Done done, const std::string& what,
+                  bool beat = true) {
     while (!done()) {
-      beat_if_due();  // a waiting agent is alive too (join_elastic asks)
+      if (beat) this->beat();
       if (const int sig = pending_agent_signal(); sig != 0) {
         throw error("received signal " + std::to_string(sig) + " while waiting for " + what);
       }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw timeout_error("the node agent waited " + std::to_string(timeout_.count() / 1000) +
-                            " s for " + what + " (DTRAIN_STORE_TIMEOUT)");
-      }
+      if (std::chrono::steady_clock::now() > until) return false;
       std::this_thread::sleep_for(agent_poll_interval);
     }
+    return true;
+  }
+
+  /// Beats this node's heartbeat (agent_keys::beat) if a second has passed
+  /// since it last did: the agents watch each other's (class heartbeat).
+  void beat() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_beat_ < std::chrono::seconds(1)) return;
+    last_beat_ = now;
+    client_.add(agent_keys::beat(node_rank_), 1);
   }
 
   /// A barrier of all agents that a signal can interrupt.
@@ -242,13 +260,8 @@ class agent_store {
   void leave(std::chrono::milliseconds grace);
 
  private:
-  // Beats this node's heartbeat about once a second (agent_keys::beat).
-  void beat_if_due() {
-    const auto now = std::chrono::steady_clock::now();
-    if (now - last_beat_ < std::chrono::seconds(1)) return;
-    last_beat_ = now;
-    client_.add(agent_keys::beat(node_rank_), 1);
-  }
+  // config_error when node `n`'s record (`other`) runs another job shape than `me`.
+  static void check_same_shape(int n, const node_record& other, const node_record& me);
 
   // The first worker of the round that ended well; a record that cannot be
   // read only loses that hint.
@@ -277,14 +290,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
     const std::string key = agent_keys::node(0);
     wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
              "node 0's agent to register");
-    const node_record first = node_record::decode(key, client_.get(key));
-    if (first.nproc != me.nproc || first.max_restarts != me.max_restarts) {
-      throw config_error("node 0 (" + first.who() + ") runs " + std::to_string(first.nproc) +
-                         " workers and allows " + std::to_string(first.max_restarts) +
-                         " restarts, this node " + std::to_string(me.nproc) + " and " +
-                         std::to_string(me.max_restarts) +
-                         "; every node must use the same nproc_per_node and max_restarts");
-    }
+    check_same_shape(0, node_record::decode(key, client_.get(key)), me);
   }
   const std::string mine = agent_keys::node(node_rank_);
   const std::string holder = client_.compare_set(mine, "", me.encode());
@@ -292,16 +298,13 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
   // Held before: by an agent of this node that is gone (it comes back), or
   // by another agent started with this node rank, which still beats.
   const node_record other = node_record::decode(mine, holder);
-  const std::string beat = agent_keys::beat(node_rank_);
-  const std::int64_t before = client_.add(beat, 0);
-  const auto until = std::chrono::steady_clock::now() + window;
-  while (std::chrono::steady_clock::now() < until) {
-    if (const int sig = pending_agent_signal(); sig != 0) {
-      throw error("received signal " + std::to_string(sig) + " while joining the job");
-    }
-    std::this_thread::sleep_for(agent_poll_interval);
-  }
-  if (client_.add(beat, 0) != before) {
+  const std::string beats = agent_keys::beat(node_rank_);
+  const std::int64_t before = client_.add(beats, 0);
+  // Without beating: only the holder's beats may move the count.
+  poll_until(
+      std::chrono::steady_clock::now() + window, [] { return false; },
+      "the agent that held node_rank " + std::to_string(node_rank_) + " to beat", false);
+  if (client_.add(beats, 0) != before) {
     throw config_error("node_rank " + std::to_string(node_rank_) + " is held by the agent " +
                        other.who() + ", which is running, and this one (" + me.who() +
                        ") asks for it too; give each agent its own --node-rank / NODE_RANK");
@@ -330,20 +333,14 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
                                                        " of " + std::to_string(nnodes_) +
                                                        " nodes to be ready for " + round);
-    const auto until = std::chrono::steady_clock::now() + last_call;
-    while (ready() < nnodes_ && std::chrono::steady_clock::now() < until) {
-      beat_if_due();
-      if (const int sig = pending_agent_signal(); sig != 0) {
-        throw error("received signal " + std::to_string(sig) + " while forming " + round);
-      }
-      std::this_thread::sleep_for(agent_poll_interval);
-    }
-    std::vector<std::string> keys;
-    for (int n = 0; n < nnodes_; ++n) keys.push_back(agent_keys::ready_node(restart, n));
+    // The last call: a time-out here is no failure, the round is who came.
+    static_cast<void>(poll_until(
+        std::chrono::steady_clock::now() + last_call, [&] { return ready() >= nnodes_; },
+        "the other nodes to be ready for " + round));
     std::vector<int> nodes;
     for (int n = 0; n < nnodes_; ++n) {
-      if (client_.check(std::span<const std::string>(&keys[static_cast<std::size_t>(n)], 1)))
-        nodes.push_back(n);
+      const std::string key = agent_keys::ready_node(restart, n);
+      if (client_.check(std::span<const std::string>(&key, 1))) nodes.push_back(n);
     }
     client_.set(members_key, encode_members(nodes));
     client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
@@ -369,19 +366,22 @@ DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
   meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);
-    const node_record other = node_record::decode(other_key, client_.get(other_key));
-    if (other.nproc != me.nproc) {
-      throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
-                         std::to_string(other.nproc) + " workers, this node " +
-                         std::to_string(me.nproc) +
-                         "; every node must run the same nproc_per_node");
-    }
-    if (other.max_restarts != me.max_restarts) {
-      throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
-                         std::to_string(other.max_restarts) + " restarts, this node " +
-                         std::to_string(me.max_restarts) +
-                         "; every node must use the same max_restarts");
-    }
+    check_same_shape(n, node_record::decode(other_key, client_.get(other_key)), me);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::check_same_shape(int n, const node_record& other,
+                                                        const node_record& me) {
+  if (other.nproc != me.nproc) {
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                       std::to_string(other.nproc) + " workers, this node " +
+                       std::to_string(me.nproc) + "; every node must run the same nproc_per_node");
+  }
+  if (other.max_restarts != me.max_restarts) {
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                       std::to_string(other.max_restarts) + " restarts, this node " +
+                       std::to_string(me.max_restarts) +
+                       "; every node must use the same max_restarts");
   }
 }
 

@@ -186,6 +186,7 @@ DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
 }
 
 DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
+  store.beat();
   const auto silent =
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
