@@ -3,7 +3,7 @@
 //
 //   build/bench/dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5]
 //                                      [--step-ms 20] [--steps 60] [--every 10]
-//                                      [--compute sleep|spin]
+//                                      [--compute sleep|spin] [--copy-threads N]
 //
 // Table 1, save throughput: each rank holds S MiB of its own state
 // (checkpoint_scope::per_rank) and saves it; against the same bytes written by
@@ -18,7 +18,11 @@
 // writer thread competes with the training for the cores), --steps of them, a save every --every
 // steps of the largest S; the mean step time without checkpoints, with synchronous saves and with
 // asynchronous ones. ratio = step time / without (goal for asynchronous: at
-// most 1.05).
+// most 1.05). Also the steps that did not save (with asynchronous saves, those
+// beside the writer thread) against the same steps without checkpoints, and
+// where a save's time on the training thread went (checkpoint::timings(): the
+// copy on --copy-threads threads, default automatic, and the commit of the
+// save before).
 //
 // DIR defaults to a new directory under TMPDIR (or /tmp); what the table
 // measures is that file system, with its page cache: say which in a report.
@@ -55,6 +59,7 @@ struct settings {
   int steps = 60;
   int every = 10;
   bool spin = false;
+  int copy_threads = 0;  // checkpoint_options::copy_threads of the asynchronous saves
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -78,7 +83,7 @@ settings parse(int argc, char** argv) {
     if (flag == "--help") {
       std::printf(
           "usage: dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5] "
-          "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin]\n");
+          "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin] [--copy-threads N]\n");
       std::exit(0);
     }
     if (i + 1 >= argc) usage_error(std::string(flag) + " needs a value");
@@ -100,6 +105,8 @@ settings parse(int argc, char** argv) {
       s.steps = number<int>(flag, value);
     } else if (flag == "--every") {
       s.every = number<int>(flag, value);
+    } else if (flag == "--copy-threads") {
+      s.copy_threads = number<int>(flag, value);
     } else if (flag == "--compute") {
       if (value != "sleep" && value != "spin") usage_error("--compute takes sleep or spin");
       s.spin = value == "spin";
@@ -190,14 +197,25 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   // asynchronous save's first copy allocates its buffers, once per job);
   // after them, the last save's completion is not timed either: it happens
   // once, at the end of a job, not in its steps.
+  // A run's step times: the mean of all, the mean of the steps that did not
+  // save (with an asynchronous save: the steps beside its writer), and where
+  // the training thread's time in the checkpoint went (rank 0's, per save).
+  struct run_result {
+    double all = 0, between = 0;
+    dtrain::checkpoint_timings timings;
+  };
   auto run_steps = [&](dtrain::checkpoint* ckpt) {
     if (ckpt) {
       ckpt->save();
       ckpt->wait();
     }
+    const dtrain::checkpoint_timings before = ckpt ? ckpt->timings() : dtrain::checkpoint_timings{};
     ctx.barrier();
     const auto start = clock_type::now();
+    double between = 0;
+    int between_steps = 0;
     for (int step = 0; step < s.steps; ++step) {
+      const auto step_start = clock_type::now();
       if (s.spin) {
         spin(s.step_ms);
       } else {
@@ -205,15 +223,31 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
       }
       state[static_cast<std::size_t>(step) % state.size()] += 1.0f;
       dtrain::allreduce(ctx.communicator(), sync_value, dtrain::reduce_op::sum).wait();
-      if (ckpt) ckpt->step();
+      if (!ckpt || !ckpt->step()) {
+        between += seconds_since(step_start);
+        ++between_steps;
+      }
     }
-    const double per_step = seconds_since(start) / s.steps;
-    if (ckpt) ckpt->wait();
+    run_result out;
+    out.all = seconds_since(start) / s.steps;
+    out.between = between / std::max(1, between_steps);
+    if (ckpt) {
+      const dtrain::checkpoint_timings& after = ckpt->timings();
+      const auto saves =
+          static_cast<double>(std::max<std::uint64_t>(1, after.saves - before.saves));
+      out.timings.saves = after.saves - before.saves;
+      out.timings.blocked_seconds = (after.blocked_seconds - before.blocked_seconds) / saves;
+      out.timings.copy_seconds = (after.copy_seconds - before.copy_seconds) / saves;
+      out.timings.commit_seconds = (after.commit_seconds - before.commit_seconds) / saves;
+      out.timings.writer_wait_seconds =
+          (after.writer_wait_seconds - before.writer_wait_seconds) / saves;
+      ckpt->wait();
+    }
     ctx.barrier();
-    return per_step;
+    return out;
   };
   const auto every = static_cast<std::uint64_t>(s.every);
-  std::vector<double> none, sync, async;
+  std::vector<run_result> none, sync, async;
   for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
     none.push_back(run_steps(nullptr));
     {
@@ -227,20 +261,50 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
                                  .every = every,
                                  .keep = 1,
                                  .quiet = true,
-                                 .asynchronous = true});
+                                 .asynchronous = true,
+                                 .copy_threads = s.copy_threads});
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
       async.push_back(run_steps(&c));
     }
   }
   if (main) {
-    const double n = median(none), y = median(sync), a = median(async);
+    auto pick = [](const std::vector<run_result>& runs, auto field) {
+      std::vector<double> v;
+      for (const run_result& r : runs) v.push_back(field(r));
+      return median(v);
+    };
+    auto all = [](const run_result& r) { return r.all; };
+    auto between = [](const run_result& r) { return r.between; };
+    const double n = pick(none, all), y = pick(sync, all), a = pick(async, all);
+    const double nb = pick(none, between), ab = pick(async, between);
     std::printf(
-        "\n%d steps of %.0f ms (%s) + an allreduce, a save of %zu MiB per rank every %d steps:\n\n",
-        s.steps, s.step_ms, s.spin ? "spin" : "sleep", mib, s.every);
+        "\n%d steps of %.0f ms (%s) + an allreduce, a save of %zu MiB per rank every %d steps"
+        " (%d ranks, asynchronous copy on %d threads):\n\n",
+        s.steps, s.step_ms, s.spin ? "spin" : "sleep", mib, s.every, ctx.size(),
+        s.copy_threads > 0 ? s.copy_threads
+                           : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) /
+                                            std::max(1, ctx.local_size()),
+                                        1, 8));
     std::printf("| checkpoints | step time | ratio |\n| --- | ---: | ---: |\n");
     std::printf("| none | %.2f ms | 1.00 |\n", 1e3 * n);
     std::printf("| synchronous save | %.2f ms | %.3f |\n", 1e3 * y, y / n);
     std::printf("| asynchronous save | %.2f ms | %.3f |\n", 1e3 * a, a / n);
+    std::printf("| asynchronous, the steps beside its writer | %.2f ms | %.3f |\n", 1e3 * ab,
+                ab / nb);
+    auto ms = [&](const std::vector<run_result>& runs, auto field) {
+      return 1e3 * pick(runs, [&](const run_result& r) { return field(r.timings); });
+    };
+    auto blocked = [](const dtrain::checkpoint_timings& t) { return t.blocked_seconds; };
+    auto copied = [](const dtrain::checkpoint_timings& t) { return t.copy_seconds; };
+    auto commit = [](const dtrain::checkpoint_timings& t) { return t.commit_seconds; };
+    auto writer = [](const dtrain::checkpoint_timings& t) { return t.writer_wait_seconds; };
+    std::printf(
+        "\nThe training thread in a save (rank 0, per save, dtrain::checkpoint::timings()):\n\n"
+        "| save | blocked | copy | commit of the one before | of which waiting for its writer |\n"
+        "| --- | ---: | ---: | ---: | ---: |\n");
+    std::printf("| synchronous | %.2f ms | | | |\n", ms(sync, blocked));
+    std::printf("| asynchronous | %.2f ms | %.2f ms | %.2f ms | %.2f ms |\n", ms(async, blocked),
+                ms(async, copied), ms(async, commit), ms(async, writer));
   }
   ctx.barrier();
   if (main) std::filesystem::remove_all(dir);

@@ -278,21 +278,59 @@ TEST_CASE("checkpoint: 3 ranks save and restore, keep prunes, and the step count
   CHECK(skipped.empty());
 }
 
+TEST_CASE("checkpoint format: a copy cut among threads is the same bytes, across jobs") {
+  // Jobs of uneven sizes (one empty), 3.5 MiB in all: ranges cross jobs.
+  std::vector<std::vector<unsigned char>> from, to;
+  for (const std::size_t bytes : {std::size_t{1} << 20, std::size_t{0}, std::size_t{1234567},
+                                  std::size_t{3} << 19, std::size_t{17}}) {
+    std::vector<unsigned char> v(bytes);
+    for (std::size_t i = 0; i < bytes; ++i)
+      v[i] = static_cast<unsigned char>((i * 131 + bytes) % 251);
+    from.push_back(std::move(v));
+  }
+  for (const int threads : {1, 2, 3, 8}) {
+    to.assign(from.size(), {});
+    std::vector<ckpt::copy_job> jobs;
+    for (std::size_t j = 0; j < from.size(); ++j) {
+      to[j].assign(from[j].size(), 0);
+      jobs.push_back({to[j].data(), from[j].data(), from[j].size()});
+    }
+    ckpt::copy_parallel(jobs, threads);
+    CAPTURE(threads);
+    CHECK(to == from);
+  }
+  ckpt::staging staged;
+  void* first = staged.reserve(100);
+  CHECK(staged.reserve(50) == first);  // kept for a smaller or equal copy
+  CHECK(staged.reserve(100) == first);
+  CHECK(staged.reserve(101) != nullptr);
+}
+
 TEST_CASE("checkpoint: an asynchronous save holds the state of its step and commits later") {
   scratch_dir dir;
   const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
     toy_state state;
     std::int64_t own = 0;
+    // Its copy on 3 threads: 3 MiB, cut in 3 ranges (rank 0's is checked below).
+    std::vector<float> big(std::size_t{3} << 18);
     {
-      dtrain::checkpoint c(plane,
-                           {.dir = dir.path, .every = 2, .quiet = true, .asynchronous = true});
+      dtrain::checkpoint c(
+          plane,
+          {.dir = dir.path, .every = 2, .quiet = true, .asynchronous = true, .copy_threads = 3});
       state.add_to(c);
       c.add("own", own, dtrain::checkpoint_scope::per_rank);
+      c.add("big", big, dtrain::checkpoint_scope::per_rank);
       for (int step = 1; step <= 4; ++step) {
         state.fill(static_cast<float>(step));
         own = rank + 10 * step;
+        for (std::size_t i = 0; i < big.size(); ++i)
+          big[i] = static_cast<float>(i % 1000) + static_cast<float>(step * rank);
         c.step();
       }
+      CHECK(c.timings().saves == 2u);
+      CHECK(c.timings().blocked_seconds >= c.timings().copy_seconds);
+      CHECK(c.timings().copy_seconds > 0.0);
+      std::fill(big.begin(), big.end(), -1.0f);
       // Training goes on while step 4 is written: what changes now is not in it.
       state.fill(99);
       own = -1;
@@ -300,13 +338,19 @@ TEST_CASE("checkpoint: an asynchronous save holds the state of its step and comm
     }                                                                         // committed here
     toy_state back;
     std::int64_t own_back = 0;
+    std::vector<float> big_back(big.size());
     dtrain::checkpoint d(plane, {.dir = dir.path, .quiet = true});
     back.add_to(d);
     d.add("own", own_back, dtrain::checkpoint_scope::per_rank);
+    d.add("big", big_back, dtrain::checkpoint_scope::per_rank);
     CHECK(d.restore() == 4u);
     CHECK(back.optimizer == "adam:4");
     CHECK(back.weight[1] == 5.0f);
     CHECK(own_back == rank + 40);
+    bool same = true;
+    for (std::size_t i = 0; i < big_back.size(); ++i)
+      same = same && big_back[i] == static_cast<float>(i % 1000) + static_cast<float>(4 * rank);
+    CHECK(same);
   });
   for (const auto& f : failures) CHECK(f == "");
 }
@@ -465,6 +509,8 @@ TEST_CASE("checkpoint: bad options are config errors") {
     CHECK_THROWS_AS(dtrain::checkpoint(plane, {}), dtrain::config_error);
     CHECK_THROWS_WITH_AS(dtrain::checkpoint(plane, {.dir = "x", .keep = 0}),
                          doctest::Contains("keep is 0"), dtrain::config_error);
+    CHECK_THROWS_WITH_AS(dtrain::checkpoint(plane, {.dir = "x", .copy_threads = -1}),
+                         doctest::Contains("copy_threads is -1"), dtrain::config_error);
     dtrain::checkpoint c(plane, {.dir = "x"});
     std::vector<float> v(3);
     c.add("v", v);

@@ -80,6 +80,29 @@ struct checkpoint_options {
   /// the checkpoint object is destroyed. Until then the one before it is the
   /// newest.
   bool asynchronous = false;
+  /// Threads that copy the state at an asynchronous save (the training
+  /// thread is one of them); a copy under 1 MiB per thread is not split.
+  /// 0: automatic, the machine's cores per local rank when built from a
+  /// dtrain::context (at most 8), else 1.
+  int copy_threads = 0;
+};
+
+/// Where a checkpoint's time on the training thread went, summed over its
+/// saves on this rank (dtrain::checkpoint::timings()).
+struct checkpoint_timings {
+  std::uint64_t saves = 0;  ///< save() calls
+  /// In save() (and, for an asynchronous checkpoint, in wait()): what the
+  /// training waited for in all.
+  double blocked_seconds = 0;
+  /// The asynchronous save's copy of the state (its "staging").
+  double copy_seconds = 0;
+  /// Committing the save before: waiting for its writer, and the
+  /// control-plane rounds of its commit.
+  double commit_seconds = 0;
+  /// Of commit_seconds, the wait for an asynchronous save's writer, which was
+  /// still writing when the next save() came: more than a little means saves
+  /// come faster than the disk takes them (rank 0 says so once).
+  double writer_wait_seconds = 0;
 };
 
 /// A committed checkpoint found on disk.
@@ -147,6 +170,12 @@ class checkpoint {
                          ": checkpoint_options::keep is " + std::to_string(options_.keep) +
                          "; at least 1 checkpoint must be kept");
     }
+    if (options_.copy_threads < 0) {
+      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                         ": checkpoint_options::copy_threads is " +
+                         std::to_string(options_.copy_threads) + "; 0 (automatic) or more");
+    }
+    if (options_.copy_threads == 0) options_.copy_threads = 1;
     add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host},
                checkpoint_scope::replicated, {});
   }
@@ -156,7 +185,7 @@ class checkpoint {
     { c.control_plane() } -> std::same_as<dtrain::control_plane>;
   }
   checkpoint(Context& ctx, checkpoint_options options)
-      : checkpoint(ctx.control_plane(), std::move(options)) {}
+      : checkpoint(ctx.control_plane(), with_copy_threads(std::move(options), ctx)) {}
 
   checkpoint(const checkpoint&) = delete;
   checkpoint& operator=(const checkpoint&) = delete;
@@ -319,8 +348,15 @@ class checkpoint {
   /// committed at the next save(), restore() or wait(), or when this object
   /// is destroyed (errors of the write are thrown there).
   void save() {
-    wait();
     const auto start = std::chrono::steady_clock::now();
+    ++timings_.saves;
+    // What the training thread spends here, whatever way it leaves.
+    struct blocked_clock {
+      checkpoint_timings& t;
+      std::chrono::steady_clock::time_point start;
+      ~blocked_clock() { t.blocked_seconds += detail::ckpt::seconds_since(start); }
+    } blocked{timings_, start};
+    wait_pending(true);
     const auto step = static_cast<std::uint64_t>(steps_);
     pending_ = std::make_unique<pending_save>();
     pending_save& p = *pending_;
@@ -359,9 +395,13 @@ class checkpoint {
   /// Commits the save in flight (checkpoint_options::asynchronous), if any,
   /// on every rank together; throws as save() does.
   void wait() {
-    if (pending_) commit();
-    join_committer();
+    const auto start = std::chrono::steady_clock::now();
+    wait_pending();
+    timings_.blocked_seconds += detail::ckpt::seconds_since(start);
   }
+
+  /// Where this rank's training thread spent its time in save() and wait().
+  [[nodiscard]] const checkpoint_timings& timings() const noexcept { return timings_; }
 
   ~checkpoint() {
     finish_pending();
@@ -395,6 +435,21 @@ class checkpoint {
   [[nodiscard]] const checkpoint_options& options() const noexcept { return options_; }
 
  private:
+  template <class Context>
+  static checkpoint_options with_copy_threads(checkpoint_options options, Context& ctx) {
+    if (options.copy_threads == 0) {
+      const int cores = static_cast<int>(std::thread::hardware_concurrency());
+      options.copy_threads = std::clamp(cores / std::max(1, ctx.local_size()), 1, 8);
+    }
+    return options;
+  }
+  void wait_pending(bool next_save = false) {
+    const auto start = std::chrono::steady_clock::now();
+    if (pending_) commit(next_save);
+    join_committer();
+    timings_.commit_seconds += detail::ckpt::seconds_since(start);
+  }
+
   static constexpr std::int64_t no_checkpoint = -1;
   static constexpr std::int64_t failed = -2;
 
@@ -406,6 +461,7 @@ class checkpoint {
     std::vector<std::uint64_t> shape;
     std::function<std::string()> save;
     std::function<void(std::string_view)> load;
+    detail::ckpt::staging staged;  // an asynchronous save's copy of `values`
   };
 
   checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
@@ -458,7 +514,7 @@ class checkpoint {
   /// What one rank writes for one scope: the records, and what they point into.
   struct part_snapshot {
     std::vector<part_record> records;
-    std::vector<std::string> owned;  // bytes entries' save() results, copies of values
+    std::vector<std::string> owned;  // bytes entries' save() results
   };
   /// A save from its start to its commit.
   struct pending_save {
@@ -478,14 +534,8 @@ class checkpoint {
     std::size_t owned = 0;
     for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
     out.owned.reserve(owned);  // the records point into these strings: no reallocation
-    // The copies of the last save, whose memory is reused (no page faults on each save).
-    auto reuse = [&]() -> std::string& {
-      if (spare_.empty()) return out.owned.emplace_back();
-      out.owned.push_back(std::move(spare_.back()));
-      spare_.pop_back();
-      return out.owned.back();
-    };
-    for (const entry& e : entries_) {
+    std::vector<detail::ckpt::copy_job> copies;
+    for (entry& e : entries_) {
       if (e.scope != scope) continue;
       part_record r{e.name, e.kind, e.values.type, e.shape, e.values.data, e.values.bytes()};
       if (e.kind == detail::ckpt::entry_kind::bytes) {
@@ -493,12 +543,19 @@ class checkpoint {
         out.owned.push_back(e.save());
         r.data = out.owned.back().data();
         r.bytes = out.owned.back().size();
-      } else if (copy) {
-        std::string& bytes = reuse();
-        bytes.assign(static_cast<const char*>(e.values.data), e.values.bytes());
-        r.data = bytes.data();
+      } else if (copy && r.bytes > 0) {
+        // The entry's own copy, reused by each save (one is in flight at a
+        // time): its pages are touched once per job, not at every save.
+        void* to = e.staged.reserve(e.values.bytes());
+        copies.push_back({to, e.values.data, e.values.bytes()});
+        r.data = to;
       }
       out.records.push_back(r);
+    }
+    if (!copies.empty()) {
+      const auto start = std::chrono::steady_clock::now();
+      detail::ckpt::copy_parallel(copies, options_.copy_threads);
+      timings_.copy_seconds += detail::ckpt::seconds_since(start);
     }
     return out;
   }
@@ -526,15 +583,30 @@ class checkpoint {
 
   /// Phases 2 and 3 of the save in flight: all ranks learn what every rank
   /// wrote; rank 0 commits it (manifest, rename) or removes it; all hear which.
-  void commit() {
+  /// `next_save`: called by save() (the wait for the writer is then the
+  /// training's; at wait(), restore() or the end it is expected).
+  void commit(bool next_save = false) {
     std::unique_ptr<pending_save> owned = std::move(pending_);
     pending_save& p = *owned;
-    if (p.writer.joinable()) p.writer.join();
-    join_committer();  // rank 0: the save before this one is committed (or this throws)
-    for (part_snapshot* part : {&p.per_rank, &p.replicated}) {
-      for (std::string& bytes : part->owned) spare_.push_back(std::move(bytes));
-      part->owned.clear();
+    if (p.writer.joinable()) {
+      const auto start = std::chrono::steady_clock::now();
+      p.writer.join();
+      const double waited = detail::ckpt::seconds_since(start);
+      if (next_save) timings_.writer_wait_seconds += waited;
+      if (next_save && waited > 0.001 && !warned_slow_writer_ && plane_.rank() == 0) {
+        warned_slow_writer_ = true;
+        std::fprintf(stderr,
+                     "dtrain checkpoint: the asynchronous save of step %llu was still being "
+                     "written when the next save came; the training waited %.0f ms "
+                     "for it. Saves come faster than %s takes them: save less often "
+                     "(checkpoint_options::every is %llu). Said once; "
+                     "checkpoint::timings().writer_wait_seconds counts them all\n",
+                     static_cast<unsigned long long>(p.step), 1e3 * waited,
+                     options_.dir.string().c_str(),
+                     static_cast<unsigned long long>(options_.every));
+      }
     }
+    join_committer();  // rank 0: the save before this one is committed (or this throws)
     const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
     const std::string what = "save step " + std::to_string(p.step) + " to " + step_dir.string();
     std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
@@ -858,10 +930,11 @@ class checkpoint {
   std::vector<entry> entries_;
   std::int64_t steps_ = 0;
   std::unique_ptr<pending_save> pending_;  // a save not yet committed (asynchronous)
-  std::vector<std::string> spare_;         // an asynchronous save's copies, for the next
   std::thread cleaner_;                    // removes what prune() renamed
   std::thread committer_;                  // rank 0's commit of an asynchronous save
-  std::string commit_failure_;             // what it could not do
+  checkpoint_timings timings_;
+  bool warned_slow_writer_ = false;
+  std::string commit_failure_;  // what it could not do
 };
 
 }  // namespace dtrain

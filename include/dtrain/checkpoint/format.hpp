@@ -35,14 +35,17 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>
@@ -60,6 +63,67 @@ inline constexpr std::uint32_t format_version = 1;
 inline constexpr std::uint32_t max_name = 4096;
 inline constexpr std::uint32_t max_dims = 32;
 inline constexpr std::uint32_t max_entries = 1u << 20;
+
+/// Seconds from `start` to now.
+[[nodiscard]] inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// Memory for an asynchronous save's copy of one entry, kept for the next
+/// save: allocated (not filled) when it grows.
+class staging {
+ public:
+  void* reserve(std::size_t bytes) {
+    if (bytes > capacity_) {
+      data_.reset();
+      data_ = std::make_unique_for_overwrite<std::byte[]>(bytes);
+      capacity_ = bytes;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t capacity_ = 0;
+};
+
+/// One memcpy of an asynchronous save's copy.
+struct copy_job {
+  void* to = nullptr;
+  const void* from = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// Runs `jobs` as one copy of their total bytes cut into `threads` equal
+/// ranges (a range may span jobs): the calling thread copies the first, a
+/// thread each of the others. Fewer threads when a range would be under 1 MiB.
+inline void copy_parallel(std::span<const copy_job> jobs, int threads) {
+  std::size_t total = 0;
+  for (const copy_job& j : jobs) total += j.bytes;
+  constexpr std::size_t min_range = std::size_t{1} << 20;
+  const std::size_t ranges =
+      std::clamp<std::size_t>(total / min_range, 1, static_cast<std::size_t>(std::max(1, threads)));
+  // Copies bytes [begin, end) of the concatenation of `jobs`.
+  auto copy_range = [jobs](std::size_t begin, std::size_t end) {
+    std::size_t offset = 0;  // of the job below in the concatenation
+    for (const copy_job& j : jobs) {
+      const std::size_t lo = std::max(begin, offset), hi = std::min(end, offset + j.bytes);
+      if (lo < hi) {
+        std::memcpy(static_cast<char*>(j.to) + (lo - offset),
+                    static_cast<const char*>(j.from) + (lo - offset), hi - lo);
+      }
+      offset += j.bytes;
+      if (offset >= end) break;
+    }
+  };
+  const std::size_t per = (total + ranges - 1) / ranges;
+  std::vector<std::jthread> helpers;
+  helpers.reserve(ranges - 1);
+  for (std::size_t r = 1; r < ranges; ++r) {
+    helpers.emplace_back(copy_range, std::min(total, r * per), std::min(total, (r + 1) * per));
+  }
+  copy_range(0, std::min(total, per));
+}
 
 /// "rank-<r>.dtck"
 [[nodiscard]] inline std::string rank_part_name(int rank) {
@@ -511,7 +575,8 @@ struct manifest {
 
 /// Reads `file` whole and checks it against the manifest's `record`: its size
 /// and checksum. Returns what it holds; throws checkpoint_error naming the file.
-inline part_contents read_checked_part(const std::filesystem::path& file, const file_record& record) {
+inline part_contents read_checked_part(const std::filesystem::path& file,
+                                       const file_record& record) {
   part_contents got = read_part(file);
   if (got.bytes != record.bytes) {
     throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(got.bytes) +
