@@ -30,6 +30,8 @@
 #include <dtrain/checkpoint.hpp>
 #include <dtrain/dtrain.hpp>
 
+#include "flags.hpp"
+
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -62,58 +64,55 @@ struct settings {
   int copy_threads = 0;  // checkpoint_options::copy_threads of the asynchronous saves
 };
 
-[[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr, "dtrain_bench_checkpoint: %s\n", what.c_str());
-  std::exit(2);
-}
-
-template <class T>
-T number(std::string_view flag, std::string_view text) {
-  T v{};
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || end != text.data() + text.size() || v <= T{})
-    usage_error(std::string(flag) + " takes a positive number, not '" + std::string(text) + "'");
-  return v;
-}
+const dtrain_bench::flag_reader flags{"dtrain_bench_checkpoint"};
 
 settings parse(int argc, char** argv) {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    if (flag == "--help") {
-      std::printf(
-          "usage: dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5] "
-          "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin] [--copy-threads N]\n");
-      std::exit(0);
-    }
-    if (i + 1 >= argc) usage_error(std::string(flag) + " needs a value");
-    const std::string_view value = argv[++i];
-    if (flag == "--dir") {
-      s.dir = value;
-    } else if (flag == "--sizes") {
-      s.sizes_mib.clear();
-      for (std::size_t at = 0; at <= value.size();) {
-        const std::size_t comma = std::min(value.find(',', at), value.size());
-        s.sizes_mib.push_back(number<std::size_t>(flag, value.substr(at, comma - at)));
-        at = comma + 1;
-      }
-    } else if (flag == "--rounds") {
-      s.rounds = number<int>(flag, value);
-    } else if (flag == "--step-ms") {
-      s.step_ms = number<double>(flag, value);
-    } else if (flag == "--steps") {
-      s.steps = number<int>(flag, value);
-    } else if (flag == "--every") {
-      s.every = number<int>(flag, value);
-    } else if (flag == "--copy-threads") {
-      s.copy_threads = number<int>(flag, value);
-    } else if (flag == "--compute") {
-      if (value != "sleep" && value != "spin") usage_error("--compute takes sleep or spin");
-      s.spin = value == "spin";
-    } else {
-      usage_error("unknown flag " + std::string(flag));
-    }
-  }
+  flags.each(
+      argc, argv,
+      "usage: dtrain_bench_checkpoint [--dir DIR] [--sizes 1,16,64] [--rounds 5] "
+      "[--step-ms 20] [--steps 60] [--every 10] [--compute sleep|spin] [--copy-threads N]",
+      [&](std::string_view flag, std::string_view value) {
+        if (flag == "--dir") {
+          s.dir = value;
+          return true;
+        }
+        if (flag == "--sizes") {
+          s.sizes_mib.clear();
+          for (std::size_t at = 0; at <= value.size();) {
+            const std::size_t comma = std::min(value.find(',', at), value.size());
+            s.sizes_mib.push_back(flags.positive<std::size_t>(flag, value.substr(at, comma - at)));
+            at = comma + 1;
+          }
+          return true;
+        }
+        if (flag == "--rounds") {
+          s.rounds = flags.positive<int>(flag, value);
+          return true;
+        }
+        if (flag == "--step-ms") {
+          s.step_ms = flags.positive<double>(flag, value);
+          return true;
+        }
+        if (flag == "--steps") {
+          s.steps = flags.positive<int>(flag, value);
+          return true;
+        }
+        if (flag == "--every") {
+          s.every = flags.positive<int>(flag, value);
+          return true;
+        }
+        if (flag == "--copy-threads") {
+          s.copy_threads = flags.positive<int>(flag, value);
+          return true;
+        }
+        if (flag == "--compute") {
+          if (value != "sleep" && value != "spin") flags.fail("--compute takes sleep or spin");
+          s.spin = value == "spin";
+          return true;
+        }
+        return false;
+      });
   return s;
 }
 
@@ -121,24 +120,21 @@ double seconds_since(clock_type::time_point start) {
   return std::chrono::duration<double>(clock_type::now() - start).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using dtrain_bench::median;
 
 /// The baseline: these bytes to a file of this rank's own, written and fsync'd.
 void raw_write(const std::filesystem::path& path, const std::vector<float>& data) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) usage_error("cannot create " + path.string());
+  if (fd < 0) flags.fail("cannot create " + path.string());
   const char* p = reinterpret_cast<const char*>(data.data());
   std::size_t left = data.size() * sizeof(float);
   while (left > 0) {
     const ::ssize_t w = ::write(fd, p, left);
-    if (w <= 0) usage_error("cannot write " + path.string());
+    if (w <= 0) flags.fail("cannot write " + path.string());
     p += w;
     left -= static_cast<std::size_t>(w);
   }
-  if (::fsync(fd) != 0) usage_error("cannot fsync " + path.string());
+  if (::fsync(fd) != 0) flags.fail("cannot fsync " + path.string());
   ::close(fd);
 }
 

@@ -4,7 +4,8 @@
 /// out by hand so that every step of data-parallel training is visible:
 /// a synthetic dataset, linear and ReLU layers, softmax cross-entropy, a
 /// backward pass that reports each layer's finished gradients (where a
-/// DistributedDataParallel caller marks them ready), and SGD with momentum.
+/// DistributedDataParallel caller marks them ready), and SGD with momentum
+/// or Adam.
 ///
 /// Everything is determined by seeds: the data, the initial weights, and so
 /// the whole training run. Used by examples/train_mlp.cpp and by the
@@ -354,71 +355,127 @@ class model {
   std::vector<int> labels_;
 };
 
-/// Stochastic gradient descent with (optional) momentum, as torch.optim.SGD:
-/// v = momentum · v + g;  w -= lr · v.
-class sgd {
+/// An elementwise optimizer, as torch.optim's: SGD with (optional)
+/// momentum (v = momentum · v + g; w -= lr · v, the first step's v being g)
+/// or Adam (torch's defaults: betas 0.9, 0.999, eps 1e-8, bias-corrected).
+/// Its state is flat arrays indexed by element: a piece of values with its
+/// gradients at state offset o uses elements [o, o + n). step(model) takes
+/// every weight and bias whole, in the model's order; with
+/// DistributedDataParallel the pieces are the rank's shard (ddp.shard(),
+/// optimizer_step(): with sharding, the state is the shard's size).
+class optimizer {
  public:
-  explicit sgd(double learning_rate, double momentum = 0.0)
-      : lr_(learning_rate), momentum_(momentum) {}
+  enum class kind : std::uint8_t { sgd, adam };
 
-  /// The optimizer's state (each parameter's velocity), as bytes for a
-  /// checkpoint: per parameter, its length (u64) and its floats.
+  optimizer(kind k, double learning_rate, double momentum = 0.0)
+      : kind_(k), lr_(learning_rate), momentum_(momentum) {}
+  /// SGD (with momentum when it is above 0).
+  optimizer(double learning_rate, double momentum = 0.0)
+      : optimizer(kind::sgd, learning_rate, momentum) {}
+
+  /// Counts a step: before its updates (Adam's bias correction, SGD's first velocity).
+  void begin_step() { ++steps_; }
+  /// values[k] -= ... from gradients[k], state at `offset` + k.
+  void update(std::span<float> values, std::span<const float> gradients, std::size_t offset) {
+    const std::size_t n = values.size();
+    if (kind_ == kind::sgd && momentum_ == 0.0) {
+      for (std::size_t i = 0; i < n; ++i) values[i] -= static_cast<float>(lr_) * gradients[i];
+      return;
+    }
+    if (first_.size() < offset + n) {
+      first_.resize(offset + n);
+      if (kind_ == kind::adam) second_.resize(offset + n);
+    }
+    float* v = first_.data() + offset;
+    const auto lr = static_cast<float>(lr_);
+    if (kind_ == kind::sgd) {
+      const auto momentum = static_cast<float>(momentum_);
+      if (steps_ == 1) {  // torch: the first step's velocity is the gradient
+        for (std::size_t i = 0; i < n; ++i) {
+          v[i] = gradients[i];
+          values[i] -= lr * v[i];
+        }
+        return;
+      }
+      for (std::size_t i = 0; i < n; ++i) {  // one pass over w, v and g
+        v[i] = momentum * v[i] + gradients[i];
+        values[i] -= lr * v[i];
+      }
+      return;
+    }
+    float* s = second_.data() + offset;
+    const double t = static_cast<double>(steps_);
+    const auto step_size = static_cast<float>(lr_ / (1.0 - std::pow(0.9, t)));
+    const auto root_correction = static_cast<float>(std::sqrt(1.0 - std::pow(0.999, t)));
+    for (std::size_t i = 0; i < n; ++i) {
+      const float g = gradients[i];
+      v[i] = 0.9f * v[i] + 0.1f * g;
+      s[i] = 0.999f * s[i] + 0.001f * g * g;
+      values[i] -= step_size * v[i] / (std::sqrt(s[i]) / root_correction + 1e-8f);
+    }
+  }
+  /// One step over every weight and bias of `m`, whole (one process, or
+  /// DistributedDataParallel without sharding).
+  void step(model& m) {
+    begin_step();
+    std::size_t offset = 0;
+    for (linear& l : m.layers()) {
+      update(l.weight, {l.grad_weight, l.weight.size()}, offset);
+      offset += l.weight.size();
+      update(l.bias, {l.grad_bias, l.bias.size()}, offset);
+      offset += l.bias.size();
+    }
+  }
+
+  /// Bytes of state it holds now (SGD: a velocity per element; Adam: two moments).
+  [[nodiscard]] std::size_t state_bytes() const noexcept {
+    return (first_.size() + second_.size()) * sizeof(float);
+  }
+  /// The state as bytes for a checkpoint: the step count, then each array's
+  /// length (u64) and its floats.
   [[nodiscard]] std::string state() const {
-    std::string out;
-    for (const std::vector<float>& v : velocity_) {
-      const std::uint64_t n = v.size();
+    std::string out(reinterpret_cast<const char*>(&steps_), sizeof steps_);
+    for (const std::vector<float>* a : {&first_, &second_}) {
+      const std::uint64_t n = a->size();
       out.append(reinterpret_cast<const char*>(&n), sizeof n);
-      out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+      out.append(reinterpret_cast<const char*>(a->data()), a->size() * sizeof(float));
     }
     return out;
   }
   /// Takes back what state() gave; throws std::invalid_argument on bytes it did not give.
   void load_state(std::string_view bytes) {
-    std::vector<std::vector<float>> velocity;
-    while (!bytes.empty()) {
+    std::uint64_t steps = 0;
+    if (bytes.size() < sizeof steps) throw std::invalid_argument("optimizer state: cut short");
+    std::memcpy(&steps, bytes.data(), sizeof steps);
+    bytes.remove_prefix(sizeof steps);
+    std::array<std::vector<float>, 2> arrays;
+    for (std::vector<float>& a : arrays) {
       std::uint64_t n = 0;
-      if (bytes.size() < sizeof n) throw std::invalid_argument("sgd state: a length is cut short");
+      if (bytes.size() < sizeof n)
+        throw std::invalid_argument("optimizer state: a length is cut short");
       std::memcpy(&n, bytes.data(), sizeof n);
       bytes.remove_prefix(sizeof n);
-      if (n > bytes.size() / sizeof(float)) throw std::invalid_argument("sgd state: values are cut short");
-      std::vector<float>& v = velocity.emplace_back(static_cast<std::size_t>(n));
-      std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
-      bytes.remove_prefix(v.size() * sizeof(float));
+      if (n > bytes.size() / sizeof(float))
+        throw std::invalid_argument("optimizer state: values are cut short");
+      a.resize(static_cast<std::size_t>(n));
+      std::memcpy(a.data(), bytes.data(), a.size() * sizeof(float));
+      bytes.remove_prefix(a.size() * sizeof(float));
     }
-    velocity_ = std::move(velocity);
-  }
-
-  void step(model& m) {
-    std::size_t slot = 0;
-    for (linear& l : m.layers()) {
-      update(l.weight, l.grad_weight, slot++);
-      update(l.bias, l.grad_bias, slot++);
-    }
+    if (!bytes.empty()) throw std::invalid_argument("optimizer state: bytes after the end");
+    steps_ = steps;
+    first_ = std::move(arrays[0]);
+    second_ = std::move(arrays[1]);
   }
 
  private:
-  void update(std::vector<float>& w, const float* g, std::size_t slot) {
-    if (momentum_ == 0.0) {
-      for (std::size_t i = 0; i < w.size(); ++i) w[i] -= static_cast<float>(lr_) * g[i];
-      return;
-    }
-    if (velocity_.size() <= slot) velocity_.resize(slot + 1);
-    auto& v = velocity_[slot];
-    const auto lr = static_cast<float>(lr_), momentum = static_cast<float>(momentum_);
-    if (v.empty()) {
-      v.assign(g, g + w.size());  // torch: the first step's velocity is the gradient
-      for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * v[i];
-      return;
-    }
-    for (std::size_t i = 0; i < w.size(); ++i) {  // one pass over w, v and g
-      v[i] = momentum * v[i] + g[i];
-      w[i] -= lr * v[i];
-    }
-  }
-
+  kind kind_;
   double lr_, momentum_;
-  std::vector<std::vector<float>> velocity_;
+  std::uint64_t steps_ = 0;
+  std::vector<float> first_, second_;  // SGD: velocity; Adam: the two moments
 };
+
+/// The name the examples and tests used first.
+using sgd = optimizer;
 
 /// FNV-1a over the bytes of every weight and bias, in forward order: equal
 /// checksums mean (barring a 2⁻⁶⁴ accident) bit-identical models.

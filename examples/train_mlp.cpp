@@ -51,11 +51,15 @@ constexpr std::string_view program = "dtrain_train_mlp";
 
 // This program's own flag; command_line describes and parses the shared ones.
 constexpr const char* own_synopsis =
-    " [--nproc-per-node N]\n          [--checkpoint-dir DIR [--checkpoint-every N]] [--sample-log "
-    "DIR]\n";
+    " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2]\n"
+    "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sample-log DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
     "                      not in the MPI build, where mpirun starts the ranks\n"
+    "  --optimizer sgd|adam  SGD with --momentum, or Adam (torch's defaults; give it a\n"
+    "                      smaller --lr, e.g. 0.003) (sgd)\n"
+    "  --sharding 0|1|2    ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
+    "                      ranks, 2 the averaged gradients too (ddp_options::sharding) (0)\n"
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
@@ -69,6 +73,8 @@ struct demo_settings {
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
   std::string sample_log;
+  mlp::optimizer::kind optimizer = mlp::optimizer::kind::sgd;
+  dtrain::sharding sharding = dtrain::sharding::none;
 };
 
 demo_settings parse_flags(int argc, char** argv) {
@@ -82,6 +88,20 @@ demo_settings parse_flags(int argc, char** argv) {
     }
     if (flag == "--checkpoint-every") {
       d.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+      return true;
+    }
+    if (flag == "--optimizer") {
+      const std::string_view name = value();
+      if (name != "sgd" && name != "adam")
+        line.bad_flag("--optimizer " + std::string(name) + ": sgd or adam");
+      d.optimizer = name == "adam" ? mlp::optimizer::kind::adam : mlp::optimizer::kind::sgd;
+      return true;
+    }
+    if (flag == "--sharding") {
+      const std::string_view stage = value();
+      if (stage != "0" && stage != "1" && stage != "2")
+        line.bad_flag("--sharding " + std::string(stage) + ": 0 (DDP), 1 or 2 (ZeRO's stages)");
+      d.sharding = static_cast<dtrain::sharding>(stage[0] - '0');
       return true;
     }
     if (flag == "--sample-log") {
@@ -115,8 +135,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   // A model this small fits one default (25 MiB) bucket; small buckets let the
   // last layers' gradients travel while backward is still busy, as in a real model.
   dtrain::DistributedDataParallel<mlp::model, Policy> ddp(
-      ctx, model, {.bucket_cap_mb = 16.0 / 1024, .first_bucket_cap_mb = 4.0 / 1024});
-  mlp::sgd optimizer(s.lr, s.momentum);
+      ctx, model,
+      {.bucket_cap_mb = 16.0 / 1024, .first_bucket_cap_mb = 4.0 / 1024, .sharding = d.sharding});
+  // Its state covers this rank's shard (ddp.shard(): every parameter without sharding).
+  mlp::optimizer optimizer(d.optimizer, s.lr, s.momentum);
   dtrain::distributed_sampler sampler(train_set.size(), ctx.world(), {.seed = s.seed});
 
   if (ctx.is_main()) {
@@ -126,6 +148,14 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
         s.widths_text().c_str(), train_set.size(), ctx.size(), s.batch_size,
         s.batch_size * static_cast<std::size_t>(ctx.size()), s.lr, s.momentum, ddp.buckets().size(),
         Policy::backend_type::name.data(), mlp::gemm_engine());
+    if (d.optimizer != mlp::optimizer::kind::sgd || d.sharding != dtrain::sharding::none) {
+      std::printf(
+          "optimizer %s, sharding %s (ZeRO stage %d): this rank updates %zu of the "
+          "model's values\n",
+          d.optimizer == mlp::optimizer::kind::adam ? "adam" : "sgd",
+          std::string(dtrain::to_string(d.sharding)).c_str(), static_cast<int>(d.sharding),
+          ddp.shard_elements());
+    }
     std::fflush(stdout);
   }
 
@@ -136,9 +166,12 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     checkpoint.emplace(
         ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir, .every = d.checkpoint_every});
     checkpoint->add(ddp.parameters()).add(sampler);
+    // Sharded, each rank's optimizer state is its own shard's.
     checkpoint->add(
         "optimizer", [&] { return optimizer.state(); },
-        [&](std::string_view bytes) { optimizer.load_state(bytes); });
+        [&](std::string_view bytes) { optimizer.load_state(bytes); },
+        d.sharding == dtrain::sharding::none ? dtrain::checkpoint_scope::replicated
+                                             : dtrain::checkpoint_scope::per_rank);
     if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
       std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",
                   static_cast<unsigned long long>(*step),
@@ -171,7 +204,12 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
       model.backward(
           [&](std::size_t layer) { ddp.mark_ready(mlp::model::parameter_indices(layer)); });
       ddp.synchronize();  // gradients now hold the mean over every rank's batch
-      optimizer.step(model);
+      optimizer.begin_step();
+      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {  // this rank's shard, then
+        optimizer.update({static_cast<float*>(piece.values.data), piece.values.count},  // the
+                         {static_cast<const float*>(piece.gradients.data), piece.values.count},
+                         piece.state_offset);  // allgather of the updated values (sharding)
+      });
       ddp.zero_grad();
       totals[0] += r.loss * static_cast<double>(r.count);
       totals[1] += static_cast<double>(r.correct);
@@ -200,6 +238,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     }
   }
 
+  if (ctx.is_main()) {
+    std::printf("optimizer state per rank: %zu bytes\n", optimizer.state_bytes());
+    std::fflush(stdout);
+  }
   // Same data-parallel steps from the same start: the weights must be bit-identical.
   const auto mine = std::bit_cast<std::int64_t>(mlp::checksum(model));
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));

@@ -4038,6 +4038,46 @@ class shm_segment {
     }
   }
 
+  /// `out` (size() x `bytes`) becomes every rank's `in` (`bytes` each), in
+  /// rank order; `in` may be this rank's block of `out`. Every rank calls it
+  /// with the same `bytes`, in the same order among its collectives on the
+  /// segment. In chunks of a slot: each rank copies its chunk into its slot,
+  /// and, once all have, every slot out. Throws shm_failure as allreduce.
+  void allgather(const void* in, void* out, std::size_t bytes, std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const auto* from = static_cast<const unsigned char*>(in);
+    auto* to = static_cast<unsigned char*>(out);
+    if (size_ == 1) {
+      if (from != to && bytes > 0) std::memcpy(to, from, bytes);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const std::size_t chunks = (bytes + slot_ - 1) / slot_;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * slot_;
+      const std::size_t n = bytes - offset < slot_ ? bytes - offset : slot_;
+      const std::uint32_t k = ++chunk_;
+      // 1. This rank's chunk into its slot. Every rank finished reading the
+      //    slots of the previous chunk before it announced that chunk copied out.
+      std::memcpy(slot<unsigned char>(me), from + offset, n);
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. Every rank's chunk out (this rank's own from `in`, unless it is there already).
+      for (std::size_t q = 0; q < ranks; ++q) {
+        unsigned char* place = to + q * bytes + offset;
+        if (q == me) {
+          if (place != from + offset) std::memcpy(place, from + offset, n);
+        } else {
+          std::memcpy(place, slot<unsigned char>(q), n);
+        }
+      }
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "copy out", c, chunks);
+    }
+  }
+
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
   /// The first rank to give up is the one they name; `timed_out` (it gave up
   /// at the timeout) makes their failures timeouts too.
@@ -4590,8 +4630,9 @@ DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e
 #endif  // DTRAIN_DETAIL_BODIES()
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
-// of one never calls Gloo. When every rank runs on this host, allreduces go
-// through the communicator's shared-memory segment (backend/shm.hpp) instead.
+// of one never calls Gloo. When every rank runs on this host, allreduces and
+// allgathers go through the communicator's shared-memory segment
+// (backend/shm.hpp) instead.
 
 /// Up to this many bytes an allreduce over TCP on 3 or more ranks uses Gloo's BCUBE
 /// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)
@@ -4645,11 +4686,13 @@ DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                                             std::chrono::milliseconds timeout);
+/// Over Gloo's TCP pairs (setting up the shared-memory segment uses this one:
+/// a rank may hold the segment before every rank has agreed to use it).
+DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
+                                                 std::chrono::milliseconds timeout);
 #if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                                             std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
+                                                 std::chrono::milliseconds timeout) {
   auto* block =
       static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
   if (s.size == 1) {
@@ -4661,6 +4704,22 @@ DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer ou
   opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Through the shared-memory segment when there is one, else over TCP.
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.size > 1 && s.shm.valid()) {  // every rank on this host: no TCP
+    s.shm.allgather(in.data, out.data, in.bytes(), timeout);
+    return;
+  }
+#endif
+  gloo_run_allgather_tcp(s, in, out, timeout);
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -4710,7 +4769,7 @@ DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& s
       [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
         buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
         buffer out{all.data(), all.size(), dtype::int64, memory::host};
-        gloo_run_allgather(s, in, out, timeout);
+        gloo_run_allgather_tcp(s, in, out, timeout);
       });
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -5912,7 +5971,7 @@ struct gloo_options {
   /// rank makes with one prefix uses `prefix/n`, so every rank must make its
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
-  /// Allreduces (and reduce_scatters) through one shared-memory segment when
+  /// Allreduces (and reduce_scatters, allgathers) through one shared-memory segment when
   /// every rank of the communicator runs on this host (backend/shm.hpp), not
   /// through TCP over loopback. true: required (making the communicator fails
   /// when it cannot be used); false: off. Unset: DTRAIN_GLOO_SHM from `env`
@@ -6071,8 +6130,9 @@ DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
   const auto ranks = static_cast<std::size_t>(s.size);
   const auto everyone = [&](const std::uint8_t* own, std::vector<std::uint8_t>& into) {
     into.assign(ranks * shm_record_bytes, 0);
-    gloo_run_allgather(s, buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
-                       buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
+    gloo_run_allgather_tcp(s,
+                           buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
+                           buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
   };
   const auto record = [&](const std::vector<std::uint8_t>& records, int r) {
     return records.data() + static_cast<std::size_t>(r) * shm_record_bytes;
@@ -16009,6 +16069,54 @@ enum class gradient_compression : std::uint8_t {
   return "unknown";
 }
 
+/// What DistributedDataParallel shards across the ranks (ZeRO's stages, as
+/// DeepSpeed numbers them; PyTorch: ZeroRedundancyOptimizer is stage 1, FSDP's
+/// SHARD_GRAD_OP stage 2). Each bucket is cut into `size()` equal contiguous
+/// shards (zeros pad the bucket); rank r owns shard r of every bucket: the
+/// optimizer updates only those values (DistributedDataParallel::shard(),
+/// optimizer_step()), with state the size of the shard, and the updated
+/// values are allgathered.
+enum class sharding : std::uint8_t {
+  none = 0,       ///< DDP: every rank holds and updates everything
+  optimizer = 1,  ///< stage 1: the gradients are averaged whole (an allreduce)
+  /// Stage 2: each bucket is reduce-scattered as soon as it is ready, and a
+  /// rank keeps only its shard of the averaged gradients (the optimizer
+  /// state too, as stage 1).
+  gradients = 2,
+};
+
+[[nodiscard]] constexpr std::string_view to_string(sharding s) noexcept {
+  switch (s) {
+    case sharding::none: return "none";
+    case sharding::optimizer: return "optimizer";
+    case sharding::gradients: return "gradients";
+  }
+  return "unknown";
+}
+
+/// One piece of the shard a rank owns (DistributedDataParallel::shard()):
+/// the part of one parameter that falls in one bucket's shard. An
+/// elementwise optimizer updates `values` from `gradients` (the mean over
+/// ranks), with its state at `state_offset` of an array of shard_elements().
+struct shard_piece {
+  std::size_t parameter = 0;     ///< index into parameters()
+  std::size_t offset = 0;        ///< its first element within that parameter
+  std::size_t state_offset = 0;  ///< its first element within the rank's shard (the state's index)
+  std::size_t bucket = 0;        ///< the bucket it belongs to
+  buffer values;                 ///< the parameter's values (the model's memory)
+  buffer gradients;              ///< their averaged gradients (DDP's memory), same count
+};
+
+/// The memory DistributedDataParallel holds itself, per rank, in bytes
+/// (DistributedDataParallel::memory_use()); the model's values, and its own
+/// gradient buffers where they are not bucket views, are the model's.
+struct ddp_memory_use {
+  std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
+  std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
+  std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+};
+
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
 /// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
 struct ddp_options {
@@ -16059,6 +16167,11 @@ struct ddp_options {
   /// over what arrives; set_stream() changes it later. Null: the legacy default
   /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
   stream_handle stream = nullptr;
+  /// Shard the optimizer state (and the averaged gradients) across the ranks:
+  /// ZeRO stage 1 or 2 (see dtrain::sharding). The bucket layout is then the
+  /// first one (no rebuild): a rank's shard, and its optimizer state, stay
+  /// where they are. Not with compression or a comm hook at stage 2.
+  dtrain::sharding sharding = dtrain::sharding::none;
 };
 
 /// One bucket, as a communication hook sees it.
@@ -16189,6 +16302,18 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
              " reaches host memory only";
     }
   }
+  if (options.sharding == sharding::gradients &&
+      options.compression != gradient_compression::none) {
+    return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
+           std::string(to_string(options.compression)) +
+           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, or no "
+           "compression)";
+  }
+  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
+      options.sharding != sharding::gradients) {
+    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
+           ", not none (0), optimizer (1) or gradients (2)";
+  }
   try {
     (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
     (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
@@ -16203,16 +16328,20 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
 /// ranks hold the same parameters and buffers. Throws config_error on every
 /// rank when not — naming the first differing entry and the ranks — or when
 /// some rank's own check failed (`local_problem`, which that rank reports in
-/// its own words).
+/// its own words). `settings`, when given, is one more entry that must match
+/// (DDP's options that change what travels: "ddp_options::sharding = gradients").
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
-                                         const std::string& local_problem);
+                                         const std::string& local_problem,
+                                         std::string_view settings = {});
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
-                                         const std::string& local_problem) {
+                                         const std::string& local_problem,
+                                         std::string_view settings) {
   const int size = comm.size();
-  const std::vector<std::string> entries = model_entries(params, buffers);
+  std::vector<std::string> entries = model_entries(params, buffers);
+  if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
   const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
                                 static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
@@ -16639,10 +16768,15 @@ struct ddp_bucket {
   flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
   flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
   flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
-  std::size_t moved = 0;       ///< elements the collective moves: the slots, padded to the topology
-  std::size_t pending = 0;     ///< its parameters not yet marked in this step
-  bool ready = false;          ///< every parameter marked: may be launched in its turn
-  std::uint64_t span = 0;      ///< its timeline span, from launch to completion
+  /// With sharding, over more than one rank: this rank's shard of the bucket
+  /// (`owned_count` elements), where a reduce-scatter leaves the averaged
+  /// gradients (stage 2) and the updated values wait for the allgather.
+  flat_storage<Memory> owned;
+  std::size_t owned_count = 0;
+  std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
+  std::size_t pending = 0;  ///< its parameters not yet marked in this step
+  bool ready = false;       ///< every parameter marked: may be launched in its turn
+  std::uint64_t span = 0;   ///< its timeline span, from launch to completion
   std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
 };
 
@@ -17377,6 +17511,72 @@ class basic_ddp {
   /// without it, or at world size 1, nothing is communicated.
   [[nodiscard]] std::vector<bool> used_anywhere();
 
+  // Sharding (ddp_options::sharding, ZeRO stages 1 and 2; ddp/basic_ddp_shards.hpp).
+  // The same calls work without sharding, where a rank's shard is every parameter.
+
+  /// The pieces of the parameters this rank updates, with their averaged
+  /// gradients: after synchronize(), an elementwise optimizer updates each
+  /// piece's values (state at piece.state_offset), then gather_parameters().
+  /// Without sharding (or on one rank): every parameter, whole.
+  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
+  /// What DDP holds itself on this rank (buckets, shards, scratch), in bytes.
+  [[nodiscard]] ddp_memory_use memory_use() const {
+    ddp_memory_use use;
+    for (const bucket& b : buckets_) {
+      use.buckets += b.grads.bytes();
+      use.shards += b.owned.bytes();
+      use.scratch += b.wire.bytes() + b.shard.bytes();
+    }
+    return use;
+  }
+  /// Elements of this rank's shard: the size of an elementwise optimizer's
+  /// state array (per state: Adam keeps two).
+  [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// The optimizer's step over this rank's shard, then the values' allgather:
+  /// `update(piece)` for each piece of shard(), then gather_parameters().
+  /// Once after each synchronize() (dtrain::error otherwise, naming the rank:
+  /// a step on gradients that were not averaged would be silently wrong).
+  /// Sharded, each bucket's allgather starts as soon as its pieces are
+  /// updated, while the update goes on with the next bucket's.
+  template <class Update>
+  requires std::invocable<Update&, const shard_piece&>
+  void optimizer_step(Update&& update) {
+    {
+      const std::lock_guard lock(mutex_);
+      check_usable_locked();
+      check_updatable("optimizer_step()");
+    }
+    std::vector<work> gathers;
+    std::size_t k = 0;  // pieces_ are in bucket order
+    try {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
+        if (sharded() && size_ > 1) gathers.push_back(launch_gather(b));
+      }
+      for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    } catch (...) {
+      // The update failed on this rank: what was launched completes (or
+      // fails), and this DDP is not usable for another step.
+      abandon_gathers(gathers);
+      throw;
+    }
+    finish_gather(gathers);
+  }
+  /// Collective: every rank's updated shard to every rank (an allgather per
+  /// bucket), so that every rank holds all the values again; DDP's gradient
+  /// buckets are its scratch and are zeroed after. Once after each
+  /// synchronize(), after this rank's update of its shard. Nothing to send
+  /// without sharding or on one rank.
+  void gather_parameters();
+  /// The L2 norm of the averaged gradients of the whole model, the same on
+  /// every rank (collective with sharding: each rank sums its shard's
+  /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
+  /// After synchronize(), before gather_parameters(). float32 and float64.
+  [[nodiscard]] double gradient_norm();
+  /// Collective: whether `mine` is true on any rank, on every rank (to skip a
+  /// step together when some rank found an inf or a NaN).
+  [[nodiscard]] bool any_rank(bool mine);
+
   /// Throws dtrain::error naming the failure after which this DDP cannot be
   /// used (an engine's error, a timeout); nothing when it is usable.
   void check_usable() const {
@@ -17480,7 +17680,19 @@ class basic_ddp {
   [[noreturn]] void marked_twice(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
-  bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
+  bool recording() const noexcept {
+    return options_.rebuild_buckets && !sharded() && !rebuilt_ && steps_ == 0;
+  }
+  bool sharded() const noexcept { return options_.sharding != sharding::none; }
+  /// Stage 2 over a flat group: buckets are reduce-scattered into `owned`.
+  bool scattered() const noexcept {
+    return options_.sharding == sharding::gradients && size_ > 1 && !topo_.hierarchical();
+  }
+  void make_pieces();
+  void check_updatable(const char* what) const;
+  work launch_gather(std::size_t b);
+  void finish_gather(std::vector<work>& gathers);
+  void abandon_gathers(std::vector<work>& gathers);
   /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
   bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
@@ -17566,6 +17778,11 @@ class basic_ddp {
   std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
   bool broken_ = false;
   std::string broken_message_;
+  // Sharding: this rank's pieces (whole parameters without it), and whether
+  // the last step was synchronized and not yet updated (optimizer_step()).
+  std::vector<shard_piece> pieces_;
+  std::size_t shard_elements_ = 0;
+  bool updatable_ = false;
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
@@ -17609,7 +17826,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                          problem.empty()
                              ? detail::model_problem(parameters, buffers_, options_, rank_,
                                                      communicator_type::name, on_device, device_)
-                             : problem);
+                             : problem,
+                         "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -17709,6 +17927,7 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
@@ -17741,7 +17960,17 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
+    // Sharded: size() equal shards, each on bucket_alignment on a GPU.
+    if (sharded() && size_ > 1) {
+      const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
+      unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
+    }
     s.moved = (info.count + unit - 1) / unit * unit;
+    if (sharded() && size_ > 1) {
+      s.owned_count = s.moved / static_cast<std::size_t>(size_);
+      s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
+                                                   stream_);
+    }
     s.grads =
         detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device, stream_);
     if (compressed(info))
@@ -17769,6 +17998,7 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   // stream waits for those already (order_after_buckets). The host does not
   // wait, with CUDA as without.
   buckets_ = std::move(buckets);
+  make_pieces();
   reset_step();
 }
 
@@ -17857,6 +18087,11 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
+  if (scattered()) {  // stage 2: this rank keeps the mean of its shard only
+    const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
+                      s.grads.device()};
+    return detail::reduce_scatter_on(comm_, data, mine, op, on_stream_or_null());
+  }
   const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
                      s.grads.device()};
   return topo_.allreduce(data, shard, op, on_stream_or_null());
@@ -17870,9 +18105,11 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
     memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
                              detail::wire_type(options_.compression), s.info.device, stream_);
   }
+  // Stage 2 averaged only this rank's shard (shard() has it): the model's
+  // own gradients keep what this rank computed.
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
-    if (v.view) continue;
+    if (v.view || scattered()) continue;
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
@@ -17906,6 +18143,242 @@ std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/basic_ddp_buckets.hpp ----
+// ---- begin dtrain/ddp/basic_ddp_shards.hpp ----
+/// @file
+/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1 and 2): the
+/// pieces of the parameters a rank owns, the allgather of the updated values,
+/// and the two helpers every trainer needs beside them (the global gradient
+/// norm, a decision all ranks take together). Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+///
+/// A bucket of `moved` elements (padded so that `size()` divides it, each
+/// shard on bucket_alignment on a GPU) has `moved / size()` per shard; rank r
+/// owns elements [r q, (r + 1) q). A parameter may straddle shards: each rank
+/// gets the piece of it that falls in its own. Stage 1 averages whole buckets
+/// (an allreduce in place, as DDP); stage 2 reduce-scatters each bucket into
+/// the rank's `owned` buffer the moment it is ready. After the optimizer has
+/// updated its pieces (in the model's own memory), each rank copies them into
+/// `owned`, and an allgather per bucket brings every rank's into the bucket's
+/// gradient storage (free once the optimizer has read the gradients), from
+/// where every parameter's values are copied back; the bucket is then zeroed
+/// for the next step's gradients.
+
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+template <class Policy>
+void basic_ddp<Policy>::make_pieces() {
+  pieces_.clear();
+  shard_elements_ = 0;
+  if (!sharded() || size_ == 1) {  // every parameter is this rank's, its gradient where it is
+    for (std::size_t i = 0; i < vars_.size(); ++i) {
+      const parameter& p = vars_[i].param;
+      pieces_.push_back({.parameter = i,
+                         .offset = 0,
+                         .state_offset = shard_elements_,
+                         .bucket = vars_[i].bucket,
+                         .values = p.values,
+                         .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
+                                       p.values.device}});
+      shard_elements_ += p.values.count;
+    }
+    return;
+  }
+  const auto rank = static_cast<std::size_t>(rank_);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    bucket& s = buckets_[b];
+    const std::size_t elem = size_of(s.info.type);
+    const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
+    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
+      const std::size_t i = s.info.parameters[k];
+      const parameter& p = vars_[i].param;
+      const std::size_t at = s.info.offsets[k] / elem;  // the parameter's first element
+      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
+      if (lo >= hi) continue;
+      buffer values = p.values;
+      values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
+      values.count = hi - lo;
+      std::byte* gradients =
+          scattered() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
+      pieces_.push_back(
+          {.parameter = i,
+           .offset = lo - at,
+           .state_offset = shard_elements_,
+           .bucket = b,
+           .values = values,
+           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
+      shard_elements_ += hi - lo;
+    }
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::check_updatable(const char* what) const {
+  if (updatable_) return;
+  throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
+              std::to_string(rank_) + " with no averaged gradients to use: " +
+              (any_touched_ ? "step " + std::to_string(steps_) + " is not synchronized yet"
+                            : "step " + std::to_string(steps_) +
+                                  " has not started, and the one "
+                                  "before was updated already") +
+              " (sharding " + std::string(to_string(options_.sharding)) +
+              "). Call synchronize() after the backward pass, then the optimizer once");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::gather_parameters() {
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    check_updatable("gather_parameters()");
+  }
+  std::vector<work> gathers;
+  if (sharded() && size_ > 1) {
+    try {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) gathers.push_back(launch_gather(b));
+    } catch (...) {
+      abandon_gathers(gathers);
+      throw;
+    }
+  }
+  finish_gather(gathers);
+}
+
+/// This rank's updated values of bucket b into its shard, and the
+/// allgather of every rank's into the bucket (its gradients are used up),
+/// ordered after the compute stream where the engine takes one.
+template <class Policy>
+work basic_ddp<Policy>::launch_gather(std::size_t b) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = static_cast<std::size_t>(rank_) * s.owned_count;
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const shard_piece& piece = pieces_[k];
+    if (piece.bucket != b) continue;
+    const std::size_t at = vars_[piece.parameter].offset / elem + piece.offset - first;
+    memory_space::copy(s.owned.data() + at * elem, piece.values.data, piece.values.bytes(),
+                       s.info.device, stream_);
+  }
+  const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
+  const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
+                    s.grads.device()};
+  const buffer all{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
+  return detail::allgather_on(comm_, mine, all, on_stream_or_null());
+}
+
+/// Waits for the allgathers (each within the collective timeout), then
+/// copies every parameter's values that other ranks updated out of the
+/// buckets, and zeroes the buckets for the next step's gradients.
+template <class Policy>
+void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers) {
+  const std::lock_guard lock(mutex_);
+  updatable_ = false;
+  if (!sharded() || size_ == 1) return;
+  try {
+    for (work& w : gathers) w.wait();
+    order_after_buckets();
+    const auto rank = static_cast<std::size_t>(rank_);
+    for (const variable& v : vars_) {
+      const bucket& s = buckets_[v.bucket];
+      const std::size_t elem = size_of(s.info.type);
+      // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
+      const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
+      const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
+      auto copy_out = [&](std::size_t from, std::size_t to) {
+        if (from >= to) return;
+        memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
+                           s.grads.data() + from * elem, (to - from) * elem, s.info.device,
+                           stream_);
+      };
+      copy_out(lo, std::min(hi, first));
+      copy_out(std::max(lo, last), hi);
+    }
+    for (bucket& s : buckets_)
+      memory_space::zero(s.grads.data(), s.grads.bytes(), s.grads.device(), stream_);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers) {
+  for (work& w : gathers) {
+    try {
+      w.wait();
+    } catch (...) {  // the update's exception is the one to report
+    }
+  }
+  const std::lock_guard lock(mutex_);
+  updatable_ = false;
+  broken_ = true;
+  broken_message_ = "the optimizer's update threw on rank " + std::to_string(rank_) +
+                    " in the middle of optimizer_step(): the ranks' values may differ";
+}
+
+template <class Policy>
+double basic_ddp<Policy>::gradient_norm() {
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    check_updatable("gradient_norm()");
+  }
+  // Streams: the buckets' collectives are done before the host reads what they wrote.
+  if constexpr (memory_space::on_stream) wait();
+  double squares = 0;
+  std::vector<std::byte> staged;
+  for (const shard_piece& piece : pieces_) {
+    const buffer& g = piece.gradients;
+    const void* data = g.data;
+    if (g.where == memory::device) {
+      staged.resize(g.bytes());
+      memory_space::download(staged.data(), g.data, g.bytes(), device_, stream_);
+      memory_space::synchronize(device_, stream_);
+      data = staged.data();
+    }
+    if (g.type == dtype::float32) {
+      for (const float x : std::span(static_cast<const float*>(data), g.count))
+        squares += static_cast<double>(x) * static_cast<double>(x);
+    } else if (g.type == dtype::float64) {
+      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
+    } else {
+      throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
+                         ": parameter '" + vars_[piece.parameter].param.name + "' is " +
+                         std::string(to_string(g.type)) + "; the norm reads float32 and float64");
+    }
+  }
+  if (sharded() && size_ > 1) {
+    // Every rank's sum, added in rank order: the same norm on every rank.
+    const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
+    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+    squares = 0;
+    for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
+  }
+  return std::sqrt(squares);
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::any_rank(bool mine) {
+  check_usable();
+  const std::int64_t flag = mine ? 1 : 0;
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+  control_.allgather(std::span<const std::int64_t>(&flag, 1), all);
+  for (const std::int64_t f : all) {
+    if (f != 0) return true;
+  }
+  return false;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/basic_ddp_shards.hpp ----
 // ---- begin dtrain/ddp/basic_ddp_step.hpp ----
 /// @file
 /// basic_ddp's step, as a state machine under its lock: parameters are marked
@@ -17938,6 +18411,7 @@ bool basic_ddp<Policy>::ready(std::size_t i) {
   variable& v = vars_[i];
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
+  updatable_ = false;  // a new step: the last one's update (if any) is behind
   if (no_sync_depth_ > 0) {
     v.touched = true;
     return false;
@@ -18152,6 +18626,12 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
                        " (after mark_ready, before synchronize()): register it between steps");
   }
+  if (options_.sharding == sharding::gradients) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) +
+                       ": ddp_options::sharding is gradients, whose buckets are reduce-scattered, "
+                       "not allreduced; a hook replaces an allreduce (use sharding::optimizer)");
+  }
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
@@ -18313,6 +18793,7 @@ template <class Policy>
 void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
+  updatable_ = true;  // shard() holds the mean: the optimizer may run once
   for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.

@@ -117,6 +117,41 @@ foreach(backend IN ITEMS mpi gloo)
   endforeach()
 endforeach()
 
+# Sharding (issue 34, ZeRO stages 1 and 2): stage 1 and 2 end with DDP's weights
+# and one process's, SGD-momentum and Adam, on 1-4 ranks (tests/ddp/ddp_shard.cpp).
+if(ddp_backends)
+  add_executable(dtrain_ddp_shard ddp/ddp_shard.cpp)
+  target_link_libraries(dtrain_ddp_shard PRIVATE dtrain::dtrain)
+  dtrain_target_warnings(dtrain_ddp_shard)
+  add_dependencies(dtrain_ddp_shard dtrain_test_launch)
+endif()
+foreach(backend IN ITEMS mpi gloo)
+  foreach(ranks IN ITEMS 1 2 3 4)
+    if(NOT backend IN_LIST ddp_backends)
+      dtrain_add_skipped_test(ddp.sharding.${backend}.${ranks}ranks
+                              "needs ${backend} (not in this build)")
+      continue()
+    endif()
+    if(backend STREQUAL "mpi")
+      set(job "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${ranks} ${MPIEXEC_PREFLAGS}
+              ${DTRAIN_MPIEXEC_PREFLAGS} $<TARGET_FILE:dtrain_ddp_shard> mpi ${MPIEXEC_POSTFLAGS})
+      set(env ${DTRAIN_MPI_TEST_ENVIRONMENT})
+    else()
+      set(job $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_shard> gloo)
+      set(env "")
+    endif()
+    dtrain_add_test(ddp.sharding.${backend}.${ranks}ranks COMMAND ${job} TIMEOUT 240
+      ENVIRONMENT ${env} DTRAIN_COLLECTIVE_TIMEOUT=120 PROPERTIES PROCESSORS ${ranks})
+  endforeach()
+endforeach()
+if("gloo" IN_LIST ddp_backends)
+  dtrain_add_test(ddp.sharding.gloo.hierarchical.2x2
+    COMMAND $<TARGET_FILE:dtrain_test_launch> --nodes 2,2 4 $<TARGET_FILE:dtrain_ddp_shard> gloo hierarchical
+    TIMEOUT 240 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=120 PROPERTIES PROCESSORS 4)
+else()
+  dtrain_add_skipped_test(ddp.sharding.gloo.hierarchical.2x2 "needs gloo (not in this build)")
+endif()
+
 # topology::hierarchical (issue 12) on ranks that play 2 nodes of 2 (dtrain_test_launch
 # --nodes: DTRAIN_NODE_NAME per rank, grouped at rendezvous): the same cases must
 # give the same exact results as flat. On uneven nodes (2 + 1) the topology runs
@@ -154,6 +189,12 @@ if(DTRAIN_WITH_GLOO)
       COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> mean
       TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
   endforeach()
+  # Sharding's reduce-scatter and allgather on streams (issue 34).
+  foreach(ranks IN ITEMS 1 2 3)
+    dtrain_add_test(ddp.device_rules.shard.${ranks}ranks
+      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> shard
+      TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
+  endforeach()
   # topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
   dtrain_add_test(ddp.device_rules.mean.hierarchical.2x2
     COMMAND "${CMAKE_COMMAND}"
@@ -181,7 +222,7 @@ if(DTRAIN_WITH_GLOO)
     TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 PROPERTIES PROCESSORS 2)
 else()
   foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks mean.hierarchical.2x2 hung_peer.2ranks
-                        mismatch.2ranks)
+                        mismatch.2ranks shard.1ranks shard.2ranks shard.3ranks)
     dtrain_add_skipped_test(ddp.device_rules.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
   endforeach()
   dtrain_add_skipped_test(nccl.ranks.broadcast_after_stream.2ranks

@@ -6,6 +6,8 @@
 //
 //   dtrain_ddp_device_rules mean       exact means over several steps, views and
 //                                      copies, a rebuild, bf16 compression, a hook
+//   dtrain_ddp_device_rules shard      sharding none, optimizer and gradients: the
+//                                      reduce-scatter and the allgather on streams
 //   dtrain_ddp_device_rules mismatch   the last rank renames a parameter: every
 //                                      rank fails with the agreement's message
 //   dtrain_ddp_device_rules hung-peer  rank 1 never steps: rank 0's synchronize()
@@ -161,6 +163,89 @@ int mean_case(dtrain::context<Policy>& ctx, dtrain::gradient_compression compres
   return 0;
 }
 
+// Sharding (issue 34) on streams: stage 1 allreduces, stage 2 reduce-scatters
+// each bucket into the rank's shard, and gather_parameters() allgathers the
+// updated shards, each collective ordered after the compute stream, through a
+// communicator that refuses host memory. Three steps of w -= g / 2 on each
+// rank's pieces; then every value on every rank is rank 0's start minus half
+// the sum of the exact means, and the pieces of all ranks cover each
+// parameter once.
+template <class Policy>
+int shard_case(dtrain::context<Policy>& ctx, dtrain::sharding stage) {
+  const int rank = ctx.rank(), size = ctx.size();
+  model m(rank);
+  dtrain::DistributedDataParallel<model, Policy> ddp(
+      ctx, m, {.bucket_cap_mb = 0.004, .first_bucket_cap_mb = 0.001, .sharding = stage});
+  constexpr int steps = 3;
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t p = 0; p < m.values.size(); ++p) {
+      float* g = m.grad(p);
+      for (std::size_t i = 0; i < m.values[p].size(); ++i) g[i] = gradient(rank, p, i, step);
+    }
+    for (std::size_t p = m.values.size(); p-- > 0;) ddp.mark_ready(p);
+    ddp.synchronize(nullptr);
+    ddp.wait();  // the host reads the gradients next (on a GPU: a kernel on the compute stream)
+    for (const dtrain::shard_piece& piece : ddp.shard()) {
+      if (piece.gradients.where != dtrain::memory::device)
+        return fail("a shard piece's gradients are not in device memory");
+      const auto* g = static_cast<const float*>(piece.gradients.data);
+      auto* w = static_cast<float*>(piece.values.data);
+      for (std::size_t k = 0; k < piece.values.count; ++k) {
+        float expected = 0;
+        for (int r = 0; r < size; ++r)
+          expected += gradient(r, piece.parameter, piece.offset + k, step);
+        expected /= static_cast<float>(size);
+        if (g[k] != expected) {
+          return fail("sharding " + std::string(dtrain::to_string(stage)) + ", step " +
+                      std::to_string(step) + ": parameter " + std::to_string(piece.parameter) +
+                      "[" + std::to_string(piece.offset + k) + "]'s gradient is " +
+                      std::to_string(g[k]) + ", expected " + std::to_string(expected));
+        }
+        w[k] -= 0.5f * g[k];
+      }
+    }
+    ddp.gather_parameters();
+    ddp.wait();
+  }
+  std::vector<std::int64_t> covered(m.values.size(), 0);
+  for (const dtrain::shard_piece& piece : ddp.shard())
+    covered[piece.parameter] += static_cast<std::int64_t>(piece.values.count);
+  std::vector<std::int64_t> all(covered.size() * static_cast<std::size_t>(size));
+  ctx.control_plane().allgather(covered, all);
+  for (std::size_t p = 0; p < m.values.size(); ++p) {
+    std::int64_t sum = 0;
+    for (int r = 0; r < size; ++r) sum += all[static_cast<std::size_t>(r) * covered.size() + p];
+    const std::int64_t expected = static_cast<std::int64_t>(m.values[p].size()) *
+                                  (stage == dtrain::sharding::none ? size : 1);
+    if (sum != expected) {
+      return fail("the ranks' pieces hold " + std::to_string(sum) + " elements of parameter " +
+                  std::to_string(p) + ", expected " + std::to_string(expected));
+    }
+    for (std::size_t i = 0; i < m.values[p].size(); ++i) {
+      float expected_value = static_cast<float>(p);  // rank 0's start, broadcast
+      for (int step = 0; step < steps; ++step) {
+        float mean = 0;
+        for (int r = 0; r < size; ++r) mean += gradient(r, p, i, step);
+        expected_value -= 0.5f * (mean / static_cast<float>(size));
+      }
+      if (m.values[p][i] != expected_value) {
+        return fail("sharding " + std::string(dtrain::to_string(stage)) + ": parameter " +
+                    std::to_string(p) + "[" + std::to_string(i) + "] is " +
+                    std::to_string(m.values[p][i]) + " after the allgather, expected " +
+                    std::to_string(expected_value));
+      }
+    }
+  }
+  if (device_rules::communicator::host_buffers_seen() != 0)
+    return fail("DDP sent host memory to the device-only communicator");
+  std::printf(
+      "rank %d of %d: sharding %s: 3 steps on %zu of this rank's elements, every value "
+      "equal after the allgather; %s\n",
+      rank, size, std::string(dtrain::to_string(stage)).c_str(), ddp.shard_elements(),
+      ddp.topology().describe().c_str());
+  return 0;
+}
+
 // What rank `rank` writes on its compute stream before DDP is built.
 float late_value(int rank, std::size_t p) {
   return static_cast<float>(100000 + rank * 1000) + static_cast<float>(p);
@@ -271,6 +356,14 @@ int main(int argc, char** argv) {
       return status;
     }
     if (which == "mismatch") return mismatch_case(ctx);
+    if (which == "shard") {
+      int status = 0;
+      for (const dtrain::sharding stage :
+           {dtrain::sharding::none, dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+        if (status == 0) status = shard_case(ctx, stage);
+      }
+      return status;
+    }
     if (which == "stream-init") return stream_init_case(ctx);
     if (which == "hung-peer") return hung_peer_case(ctx);
     return fail("unknown case '" + std::string(which) + "'");

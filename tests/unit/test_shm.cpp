@@ -163,6 +163,42 @@ TEST_CASE("shm: allreduce of every type and op across the slots, on 2 and 3 proc
   }
 }
 
+TEST_CASE("shm: allgather across the slots, in place and not, on 2 and 3 processes") {
+  for (int size : {2, 3}) {
+    CAPTURE(size);
+    group g{size, {}, {}};
+    const int mine = g.run([size](shm_segment& s, int rank) {
+      const auto ranks = static_cast<std::size_t>(size);
+      for (const std::size_t bytes : {std::size_t{1}, std::size_t{7}, s.slot_bytes() - 1,
+                                      s.slot_bytes(), 2 * s.slot_bytes() + 13}) {
+        auto byte = [](std::size_t q, std::size_t i) {
+          return static_cast<unsigned char>((q * 131 + i * 7 + i / 251) % 256);
+        };
+        std::vector<unsigned char> in(bytes), out(ranks * bytes, 0), place(ranks * bytes, 0);
+        for (std::size_t i = 0; i < bytes; ++i) {
+          in[i] = byte(static_cast<std::size_t>(rank), i);
+          place[static_cast<std::size_t>(rank) * bytes + i] = in[i];
+        }
+        s.allgather(in.data(), out.data(), bytes, 10s);
+        s.allgather(place.data() + static_cast<std::size_t>(rank) * bytes, place.data(), bytes,
+                    10s);
+        for (std::size_t q = 0; q < ranks; ++q) {
+          for (std::size_t i = 0; i < bytes; ++i) {
+            if (out[q * bytes + i] != byte(q, i) || place[q * bytes + i] != byte(q, i)) {
+              std::fprintf(stderr, "rank %d: allgather of %zu bytes: rank %zu's byte %zu wrong\n",
+                           rank, bytes, q, i);
+              return 1;
+            }
+          }
+        }
+      }
+      return 0;
+    });
+    CHECK(mine == 0);
+    CHECK(g.statuses == std::vector<int>(static_cast<std::size_t>(size - 1), 0));
+  }
+}
+
 TEST_CASE("shm: every rank ends with the same bits, reduced in rank order") {
   group g{3, {}, {}};
   const int mine = g.run([](shm_segment& s, int rank) {

@@ -63,7 +63,7 @@ struct gloo_options {
   /// rank makes with one prefix uses `prefix/n`, so every rank must make its
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
-  /// Allreduces (and reduce_scatters) through one shared-memory segment when
+  /// Allreduces (and reduce_scatters, allgathers) through one shared-memory segment when
   /// every rank of the communicator runs on this host (backend/shm.hpp), not
   /// through TCP over loopback. true: required (making the communicator fails
   /// when it cannot be used); false: off. Unset: DTRAIN_GLOO_SHM from `env`
@@ -222,8 +222,9 @@ DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
   const auto ranks = static_cast<std::size_t>(s.size);
   const auto everyone = [&](const std::uint8_t* own, std::vector<std::uint8_t>& into) {
     into.assign(ranks * shm_record_bytes, 0);
-    gloo_run_allgather(s, buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
-                       buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
+    gloo_run_allgather_tcp(s,
+                           buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
+                           buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
   };
   const auto record = [&](const std::vector<std::uint8_t>& records, int r) {
     return records.data() + static_cast<std::size_t>(r) * shm_record_bytes;

@@ -285,8 +285,9 @@ DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e
 #endif  // DTRAIN_DETAIL_BODIES()
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
-// of one never calls Gloo. When every rank runs on this host, allreduces go
-// through the communicator's shared-memory segment (backend/shm.hpp) instead.
+// of one never calls Gloo. When every rank runs on this host, allreduces and
+// allgathers go through the communicator's shared-memory segment
+// (backend/shm.hpp) instead.
 
 /// Up to this many bytes an allreduce over TCP on 3 or more ranks uses Gloo's BCUBE
 /// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)
@@ -340,11 +341,13 @@ DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                                             std::chrono::milliseconds timeout);
+/// Over Gloo's TCP pairs (setting up the shared-memory segment uses this one:
+/// a rank may hold the segment before every rank has agreed to use it).
+DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
+                                                 std::chrono::milliseconds timeout);
 #if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                                             std::chrono::milliseconds timeout) {
+DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
+                                                 std::chrono::milliseconds timeout) {
   auto* block =
       static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
   if (s.size == 1) {
@@ -356,6 +359,22 @@ DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer ou
   opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
   opts.setTimeout(timeout);
   DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Through the shared-memory segment when there is one, else over TCP.
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.size > 1 && s.shm.valid()) {  // every rank on this host: no TCP
+    s.shm.allgather(in.data, out.data, in.bytes(), timeout);
+    return;
+  }
+#endif
+  gloo_run_allgather_tcp(s, in, out, timeout);
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -405,7 +424,7 @@ DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& s
       [&](std::span<const std::int64_t> mine, std::span<std::int64_t> all) {
         buffer in{const_cast<std::int64_t*>(mine.data()), mine.size(), dtype::int64, memory::host};
         buffer out{all.data(), all.size(), dtype::int64, memory::host};
-        gloo_run_allgather(s, in, out, timeout);
+        gloo_run_allgather_tcp(s, in, out, timeout);
       });
 }
 #endif  // DTRAIN_DETAIL_BODIES()

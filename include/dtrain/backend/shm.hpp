@@ -214,6 +214,46 @@ class shm_segment {
     }
   }
 
+  /// `out` (size() x `bytes`) becomes every rank's `in` (`bytes` each), in
+  /// rank order; `in` may be this rank's block of `out`. Every rank calls it
+  /// with the same `bytes`, in the same order among its collectives on the
+  /// segment. In chunks of a slot: each rank copies its chunk into its slot,
+  /// and, once all have, every slot out. Throws shm_failure as allreduce.
+  void allgather(const void* in, void* out, std::size_t bytes, std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const auto* from = static_cast<const unsigned char*>(in);
+    auto* to = static_cast<unsigned char*>(out);
+    if (size_ == 1) {
+      if (from != to && bytes > 0) std::memcpy(to, from, bytes);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const std::size_t chunks = (bytes + slot_ - 1) / slot_;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * slot_;
+      const std::size_t n = bytes - offset < slot_ ? bytes - offset : slot_;
+      const std::uint32_t k = ++chunk_;
+      // 1. This rank's chunk into its slot. Every rank finished reading the
+      //    slots of the previous chunk before it announced that chunk copied out.
+      std::memcpy(slot<unsigned char>(me), from + offset, n);
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. Every rank's chunk out (this rank's own from `in`, unless it is there already).
+      for (std::size_t q = 0; q < ranks; ++q) {
+        unsigned char* place = to + q * bytes + offset;
+        if (q == me) {
+          if (place != from + offset) std::memcpy(place, from + offset, n);
+        } else {
+          std::memcpy(place, slot<unsigned char>(q), n);
+        }
+      }
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "copy out", c, chunks);
+    }
+  }
+
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
   /// The first rank to give up is the one they name; `timed_out` (it gave up
   /// at the timeout) makes their failures timeouts too.

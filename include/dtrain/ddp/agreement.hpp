@@ -128,6 +128,18 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
              " reaches host memory only";
     }
   }
+  if (options.sharding == sharding::gradients &&
+      options.compression != gradient_compression::none) {
+    return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
+           std::string(to_string(options.compression)) +
+           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, or no "
+           "compression)";
+  }
+  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
+      options.sharding != sharding::gradients) {
+    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
+           ", not none (0), optimizer (1) or gradients (2)";
+  }
   try {
     (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
     (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
@@ -142,16 +154,20 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
 /// ranks hold the same parameters and buffers. Throws config_error on every
 /// rank when not — naming the first differing entry and the ranks — or when
 /// some rank's own check failed (`local_problem`, which that rank reports in
-/// its own words).
+/// its own words). `settings`, when given, is one more entry that must match
+/// (DDP's options that change what travels: "ddp_options::sharding = gradients").
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
-                                         const std::string& local_problem);
+                                         const std::string& local_problem,
+                                         std::string_view settings = {});
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
-                                         const std::string& local_problem) {
+                                         const std::string& local_problem,
+                                         std::string_view settings) {
   const int size = comm.size();
-  const std::vector<std::string> entries = model_entries(params, buffers);
+  std::vector<std::string> entries = model_entries(params, buffers);
+  if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
   const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
                                 static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
   std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);

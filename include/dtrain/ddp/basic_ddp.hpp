@@ -300,6 +300,72 @@ class basic_ddp {
   /// without it, or at world size 1, nothing is communicated.
   [[nodiscard]] std::vector<bool> used_anywhere();
 
+  // Sharding (ddp_options::sharding, ZeRO stages 1 and 2; ddp/basic_ddp_shards.hpp).
+  // The same calls work without sharding, where a rank's shard is every parameter.
+
+  /// The pieces of the parameters this rank updates, with their averaged
+  /// gradients: after synchronize(), an elementwise optimizer updates each
+  /// piece's values (state at piece.state_offset), then gather_parameters().
+  /// Without sharding (or on one rank): every parameter, whole.
+  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
+  /// What DDP holds itself on this rank (buckets, shards, scratch), in bytes.
+  [[nodiscard]] ddp_memory_use memory_use() const {
+    ddp_memory_use use;
+    for (const bucket& b : buckets_) {
+      use.buckets += b.grads.bytes();
+      use.shards += b.owned.bytes();
+      use.scratch += b.wire.bytes() + b.shard.bytes();
+    }
+    return use;
+  }
+  /// Elements of this rank's shard: the size of an elementwise optimizer's
+  /// state array (per state: Adam keeps two).
+  [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// The optimizer's step over this rank's shard, then the values' allgather:
+  /// `update(piece)` for each piece of shard(), then gather_parameters().
+  /// Once after each synchronize() (dtrain::error otherwise, naming the rank:
+  /// a step on gradients that were not averaged would be silently wrong).
+  /// Sharded, each bucket's allgather starts as soon as its pieces are
+  /// updated, while the update goes on with the next bucket's.
+  template <class Update>
+  requires std::invocable<Update&, const shard_piece&>
+  void optimizer_step(Update&& update) {
+    {
+      const std::lock_guard lock(mutex_);
+      check_usable_locked();
+      check_updatable("optimizer_step()");
+    }
+    std::vector<work> gathers;
+    std::size_t k = 0;  // pieces_ are in bucket order
+    try {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
+        if (sharded() && size_ > 1) gathers.push_back(launch_gather(b));
+      }
+      for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    } catch (...) {
+      // The update failed on this rank: what was launched completes (or
+      // fails), and this DDP is not usable for another step.
+      abandon_gathers(gathers);
+      throw;
+    }
+    finish_gather(gathers);
+  }
+  /// Collective: every rank's updated shard to every rank (an allgather per
+  /// bucket), so that every rank holds all the values again; DDP's gradient
+  /// buckets are its scratch and are zeroed after. Once after each
+  /// synchronize(), after this rank's update of its shard. Nothing to send
+  /// without sharding or on one rank.
+  void gather_parameters();
+  /// The L2 norm of the averaged gradients of the whole model, the same on
+  /// every rank (collective with sharding: each rank sums its shard's
+  /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
+  /// After synchronize(), before gather_parameters(). float32 and float64.
+  [[nodiscard]] double gradient_norm();
+  /// Collective: whether `mine` is true on any rank, on every rank (to skip a
+  /// step together when some rank found an inf or a NaN).
+  [[nodiscard]] bool any_rank(bool mine);
+
   /// Throws dtrain::error naming the failure after which this DDP cannot be
   /// used (an engine's error, a timeout); nothing when it is usable.
   void check_usable() const {
@@ -403,7 +469,19 @@ class basic_ddp {
   [[noreturn]] void marked_twice(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
-  bool recording() const noexcept { return options_.rebuild_buckets && !rebuilt_ && steps_ == 0; }
+  bool recording() const noexcept {
+    return options_.rebuild_buckets && !sharded() && !rebuilt_ && steps_ == 0;
+  }
+  bool sharded() const noexcept { return options_.sharding != sharding::none; }
+  /// Stage 2 over a flat group: buckets are reduce-scattered into `owned`.
+  bool scattered() const noexcept {
+    return options_.sharding == sharding::gradients && size_ > 1 && !topo_.hierarchical();
+  }
+  void make_pieces();
+  void check_updatable(const char* what) const;
+  work launch_gather(std::size_t b);
+  void finish_gather(std::vector<work>& gathers);
+  void abandon_gathers(std::vector<work>& gathers);
   /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
   bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
@@ -489,6 +567,11 @@ class basic_ddp {
   std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
   bool broken_ = false;
   std::string broken_message_;
+  // Sharding: this rank's pieces (whole parameters without it), and whether
+  // the last step was synchronized and not yet updated (optimizer_step()).
+  std::vector<shard_piece> pieces_;
+  std::size_t shard_elements_ = 0;
+  bool updatable_ = false;
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
@@ -532,7 +615,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                          problem.empty()
                              ? detail::model_problem(parameters, buffers_, options_, rank_,
                                                      communicator_type::name, on_device, device_)
-                             : problem);
+                             : problem,
+                         "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -620,4 +704,5 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
 }  // namespace dtrain
 
 #include <dtrain/ddp/basic_ddp_buckets.hpp>
+#include <dtrain/ddp/basic_ddp_shards.hpp>
 #include <dtrain/ddp/basic_ddp_step.hpp>

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
@@ -44,7 +45,17 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
+    // Sharded: size() equal shards, each on bucket_alignment on a GPU.
+    if (sharded() && size_ > 1) {
+      const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
+      unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
+    }
     s.moved = (info.count + unit - 1) / unit * unit;
+    if (sharded() && size_ > 1) {
+      s.owned_count = s.moved / static_cast<std::size_t>(size_);
+      s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
+                                                   stream_);
+    }
     s.grads =
         detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device, stream_);
     if (compressed(info))
@@ -72,6 +83,7 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   // stream waits for those already (order_after_buckets). The host does not
   // wait, with CUDA as without.
   buckets_ = std::move(buckets);
+  make_pieces();
   reset_step();
 }
 
@@ -160,6 +172,11 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
+  if (scattered()) {  // stage 2: this rank keeps the mean of its shard only
+    const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
+                      s.grads.device()};
+    return detail::reduce_scatter_on(comm_, data, mine, op, on_stream_or_null());
+  }
   const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
                      s.grads.device()};
   return topo_.allreduce(data, shard, op, on_stream_or_null());
@@ -173,9 +190,11 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
     memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
                              detail::wire_type(options_.compression), s.info.device, stream_);
   }
+  // Stage 2 averaged only this rank's shard (shard() has it): the model's
+  // own gradients keep what this rank computed.
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
-    if (v.view) continue;
+    if (v.view || scattered()) continue;
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }

@@ -31,6 +31,7 @@ bool basic_ddp<Policy>::ready(std::size_t i) {
   variable& v = vars_[i];
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
+  updatable_ = false;  // a new step: the last one's update (if any) is behind
   if (no_sync_depth_ > 0) {
     v.touched = true;
     return false;
@@ -245,6 +246,12 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
                        " (after mark_ready, before synchronize()): register it between steps");
   }
+  if (options_.sharding == sharding::gradients) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) +
+                       ": ddp_options::sharding is gradients, whose buckets are reduce-scattered, "
+                       "not allreduced; a hook replaces an allreduce (use sharding::optimizer)");
+  }
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
@@ -406,6 +413,7 @@ template <class Policy>
 void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
+  updatable_ = true;  // shard() holds the mean: the optimizer may run once
   for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.

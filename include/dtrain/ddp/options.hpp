@@ -30,6 +30,54 @@ enum class gradient_compression : std::uint8_t {
   return "unknown";
 }
 
+/// What DistributedDataParallel shards across the ranks (ZeRO's stages, as
+/// DeepSpeed numbers them; PyTorch: ZeroRedundancyOptimizer is stage 1, FSDP's
+/// SHARD_GRAD_OP stage 2). Each bucket is cut into `size()` equal contiguous
+/// shards (zeros pad the bucket); rank r owns shard r of every bucket: the
+/// optimizer updates only those values (DistributedDataParallel::shard(),
+/// optimizer_step()), with state the size of the shard, and the updated
+/// values are allgathered.
+enum class sharding : std::uint8_t {
+  none = 0,       ///< DDP: every rank holds and updates everything
+  optimizer = 1,  ///< stage 1: the gradients are averaged whole (an allreduce)
+  /// Stage 2: each bucket is reduce-scattered as soon as it is ready, and a
+  /// rank keeps only its shard of the averaged gradients (the optimizer
+  /// state too, as stage 1).
+  gradients = 2,
+};
+
+[[nodiscard]] constexpr std::string_view to_string(sharding s) noexcept {
+  switch (s) {
+    case sharding::none: return "none";
+    case sharding::optimizer: return "optimizer";
+    case sharding::gradients: return "gradients";
+  }
+  return "unknown";
+}
+
+/// One piece of the shard a rank owns (DistributedDataParallel::shard()):
+/// the part of one parameter that falls in one bucket's shard. An
+/// elementwise optimizer updates `values` from `gradients` (the mean over
+/// ranks), with its state at `state_offset` of an array of shard_elements().
+struct shard_piece {
+  std::size_t parameter = 0;     ///< index into parameters()
+  std::size_t offset = 0;        ///< its first element within that parameter
+  std::size_t state_offset = 0;  ///< its first element within the rank's shard (the state's index)
+  std::size_t bucket = 0;        ///< the bucket it belongs to
+  buffer values;                 ///< the parameter's values (the model's memory)
+  buffer gradients;              ///< their averaged gradients (DDP's memory), same count
+};
+
+/// The memory DistributedDataParallel holds itself, per rank, in bytes
+/// (DistributedDataParallel::memory_use()); the model's values, and its own
+/// gradient buffers where they are not bucket views, are the model's.
+struct ddp_memory_use {
+  std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
+  std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
+  std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+};
+
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
 /// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
 struct ddp_options {
@@ -80,6 +128,11 @@ struct ddp_options {
   /// over what arrives; set_stream() changes it later. Null: the legacy default
   /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
   stream_handle stream = nullptr;
+  /// Shard the optimizer state (and the averaged gradients) across the ranks:
+  /// ZeRO stage 1 or 2 (see dtrain::sharding). The bucket layout is then the
+  /// first one (no rebuild): a rank's shard, and its optimizer state, stay
+  /// where they are. Not with compression or a comm hook at stage 2.
+  dtrain::sharding sharding = dtrain::sharding::none;
 };
 
 /// One bucket, as a communication hook sees it.

@@ -41,10 +41,15 @@ struct ddp_bucket {
   flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
   flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
   flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
-  std::size_t moved = 0;       ///< elements the collective moves: the slots, padded to the topology
-  std::size_t pending = 0;     ///< its parameters not yet marked in this step
-  bool ready = false;          ///< every parameter marked: may be launched in its turn
-  std::uint64_t span = 0;      ///< its timeline span, from launch to completion
+  /// With sharding, over more than one rank: this rank's shard of the bucket
+  /// (`owned_count` elements), where a reduce-scatter leaves the averaged
+  /// gradients (stage 2) and the updated values wait for the allgather.
+  flat_storage<Memory> owned;
+  std::size_t owned_count = 0;
+  std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
+  std::size_t pending = 0;  ///< its parameters not yet marked in this step
+  bool ready = false;       ///< every parameter marked: may be launched in its turn
+  std::uint64_t span = 0;   ///< its timeline span, from launch to completion
   std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
 };
 

@@ -1,0 +1,332 @@
+// bench/sharding: what ddp_options::sharding (ZeRO stages 1 and 2) saves and
+// costs against DDP (issue 34). Its own per-node launcher with Gloo workers
+// (4 by default; DTRAIN_NPROC_PER_NODE=N for N):
+//
+//   build/bench/sharding [--layers 8] [--floats 262144] [--compute-us 2000]
+//                        [--steps 8] [--rounds 5] [--budget-mib 256]
+//
+// The model: L layers of P float32 each, trained with Adam (fp32: two moments
+// per element) written against DistributedDataParallel::shard(). Groups of 1,
+// 2 and 4 ranks are splits of the workers' communicator (the ranks outside a
+// group wait), so every figure of a table comes from the same run.
+//
+// Table 1, memory per rank: the parameters (the model's), DDP's own memory
+// (DistributedDataParallel::memory_use(): the gradient buckets, padding
+// included, and the shards) and the optimizer state, in bytes, for sharding
+// none, optimizer (stage 1) and gradients (stage 2), at 1, 2 and 4 ranks.
+// Goal: stage 2's optimizer state at most DDP's / N plus the padding.
+//
+// Table 2, step time (2 and 4 ranks): a step is each layer's backward
+// (`--compute-us` of sleep: a GPU computing while the CPU is free), marking it
+// ready, synchronize(), then Adam on the rank's shard and (sharded) the
+// allgather of the updated values. Rounds interleave the three; the median of
+// the slowest rank's mean step. ratio = step / DDP's; goal at most 1.1.
+//
+// Table 3, the largest model within --budget-mib per rank (4 ranks): from the
+// bytes per parameter of table 1, the most parameters that fit for DDP and for
+// stage 2; each is then built and trained 2 steps, and the growth of the
+// process's peak resident memory is printed beside the budget.
+
+#include <dtrain/dtrain.hpp>
+
+#include "flags.hpp"
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>;
+using clock_type = std::chrono::steady_clock;
+using dtrain::sharding;
+
+struct settings {
+  std::size_t layers = 8;
+  std::size_t floats = 262144;  // per layer: 1 MiB
+  double compute_us = 2000;
+  int steps = 8;
+  int rounds = 5;
+  std::size_t budget_mib = 256;
+};
+
+const dtrain_bench::flag_reader flags{"dtrain_bench_sharding"};
+
+settings parse(int argc, char** argv) {
+  settings s;
+  flags.each(argc, argv,
+             "usage: dtrain_bench_sharding [--layers 8] [--floats 262144] [--compute-us 2000] "
+             "[--steps 8] [--rounds 5] [--budget-mib 256]",
+             [&](std::string_view flag, std::string_view value) {
+               if (flag == "--layers") {
+                 s.layers = flags.positive<std::size_t>(flag, value);
+                 return true;
+               }
+               if (flag == "--floats") {
+                 s.floats = flags.positive<std::size_t>(flag, value);
+                 return true;
+               }
+               if (flag == "--compute-us") {
+                 s.compute_us = flags.positive<double>(flag, value);
+                 return true;
+               }
+               if (flag == "--steps") {
+                 s.steps = flags.positive<int>(flag, value);
+                 return true;
+               }
+               if (flag == "--rounds") {
+                 s.rounds = flags.positive<int>(flag, value);
+                 return true;
+               }
+               if (flag == "--budget-mib") {
+                 s.budget_mib = flags.positive<std::size_t>(flag, value);
+                 return true;
+               }
+               return false;
+             });
+  return s;
+}
+
+/// L layers of P floats, gradients as pointers DDP points into its buckets.
+struct layered_model {
+  std::vector<std::vector<float>> values;
+  std::vector<float*> grads;
+  layered_model(std::size_t layers, std::size_t floats)
+      : values(layers, std::vector<float>(floats, 0.5f)), grads(layers, nullptr) {}
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t l = 0; l < values.size(); ++l)
+      out.push_back(dtrain::param("layer" + std::to_string(l), values[l], grads[l]));
+    return out;
+  }
+};
+
+/// Adam's two moments over the rank's shard.
+struct adam {
+  std::vector<float> m, v;
+  int t = 0;
+  explicit adam(std::size_t elements) : m(elements), v(elements) {}
+  void update(const dtrain::shard_piece& piece) {
+    auto* w = static_cast<float*>(piece.values.data);
+    const auto* g = static_cast<const float*>(piece.gradients.data);
+    const float c1 = 1.0f - std::pow(0.9f, static_cast<float>(t));
+    const float c2 = std::sqrt(1.0f - std::pow(0.999f, static_cast<float>(t)));
+    float* mk = m.data() + piece.state_offset;
+    float* vk = v.data() + piece.state_offset;
+    for (std::size_t k = 0; k < piece.values.count; ++k) {
+      mk[k] = 0.9f * mk[k] + 0.1f * g[k];
+      vk[k] = 0.999f * vk[k] + 0.001f * g[k] * g[k];
+      w[k] -= 1e-3f / c1 * mk[k] / (std::sqrt(vk[k]) / c2 + 1e-8f);
+    }
+  }
+  [[nodiscard]] std::size_t bytes() const { return (m.size() + v.size()) * sizeof(float); }
+};
+
+using ddp_type = dtrain::basic_ddp<Policy>;
+
+struct memory_row {
+  std::size_t parameters = 0, ddp = 0, optimizer = 0;
+  [[nodiscard]] std::size_t total() const { return parameters + ddp + optimizer; }
+};
+
+/// One DDP of `mode` over `comm` on a model of layers x floats; `steps` steps;
+/// returns the mean step time and the memory.
+struct run_result {
+  double step_seconds = 0;
+  memory_row memory;
+};
+
+run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t layers,
+                 std::size_t floats, double compute_us, int steps) {
+  layered_model model(layers, floats);
+  ddp_type ddp(comm, model.parameters(), {},
+               {.bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
+                .first_bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
+                .sharding = mode});
+  adam opt(ddp.shard_elements());
+  auto step = [&] {
+    for (std::size_t l = layers; l-- > 0;) {
+      std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_us));
+      std::fill_n(model.grads[l], floats, 1e-3f * static_cast<float>(l + 1));
+      ddp.mark_ready(l);
+    }
+    ddp.synchronize();
+    ++opt.t;
+    ddp.optimizer_step([&](const dtrain::shard_piece& p) { opt.update(p); });
+  };
+  step();  // the first step touches the optimizer state and the buckets
+  comm.barrier().wait();
+  const auto start = clock_type::now();
+  for (int s = 0; s < steps; ++s) step();
+  run_result out;
+  out.step_seconds = std::chrono::duration<double>(clock_type::now() - start).count() / steps;
+  out.memory = {model.values.size() * floats * sizeof(float), ddp.memory_use().total(),
+                opt.bytes()};
+  return out;
+}
+
+using dtrain_bench::median;
+
+/// Starts counting the peak resident memory again from now (Linux: "5" to
+/// /proc/self/clear_refs resets VmHWM); false where it cannot.
+bool reset_peak_resident() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+/// The process's peak resident memory (VmHWM), in bytes.
+std::size_t peak_resident() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+  }
+  return 0;
+}
+
+const char* name_of(sharding mode) {
+  return mode == sharding::none        ? "DDP (none)"
+         : mode == sharding::optimizer ? "stage 1 (optimizer)"
+                                       : "stage 2 (gradients)";
+}
+
+int bench(dtrain::context<Policy>& ctx, const settings& s) {
+  const bool main = ctx.is_main();
+  constexpr std::array modes{sharding::none, sharding::optimizer, sharding::gradients};
+  std::vector<int> sizes;
+  for (int n : {1, 2, 4}) {
+    if (n <= ctx.size()) sizes.push_back(n);
+  }
+  // Groups of the first n ranks; the others get an invalid communicator.
+  std::vector<dtrain::gloo_communicator> groups;
+  for (int n : sizes)
+    groups.push_back(ctx.communicator().split(ctx.rank() < n ? 0 : -1, ctx.rank()));
+
+  // Table 1.
+  std::vector<std::array<memory_row, 3>> memory(sizes.size());
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    for (std::size_t m = 0; m < modes.size(); ++m) {
+      if (groups[g].valid())
+        memory[g][m] = train(groups[g], modes[m], s.layers, s.floats, 0, 1).memory;
+      ctx.barrier();
+    }
+  }
+  const double mib = 1 << 20;
+  if (main) {
+    std::printf(
+        "%zu layers x %zu float32 (%.1f MiB of parameters), Adam (fp32), Gloo; rank 0's "
+        "bytes:\n\n",
+        s.layers, s.floats, static_cast<double>(s.layers * s.floats * 4) / mib);
+    std::printf(
+        "| ranks | sharding | parameters | DDP's buckets + shards | optimizer state | "
+        "total | optimizer state / DDP's |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n");
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      for (std::size_t m = 0; m < modes.size(); ++m) {
+        const memory_row& r = memory[g][m];
+        std::printf("| %d | %s | %zu | %zu | %zu | %zu | %.3f |\n", sizes[g], name_of(modes[m]),
+                    r.parameters, r.ddp, r.optimizer, r.total(),
+                    static_cast<double>(r.optimizer) / static_cast<double>(memory[g][0].optimizer));
+      }
+    }
+    std::fflush(stdout);
+  }
+
+  // Table 2.
+  if (main) {
+    std::printf(
+        "\nStep time (%zu layers, %.0f us of backward each, sleep), median of %d rounds "
+        "of %d steps, the slowest rank:\n\n| ranks | sharding | step | ratio to DDP |\n"
+        "| ---: | --- | ---: | ---: |\n",
+        s.layers, s.compute_us, s.rounds, s.steps);
+  }
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    if (sizes[g] < 2) continue;
+    std::array<std::vector<double>, 3> times;
+    for (int round = 0; round < s.rounds; ++round) {
+      for (std::size_t k = 0; k < modes.size(); ++k) {
+        const std::size_t m = (k + static_cast<std::size_t>(round)) % modes.size();
+        std::array<double, 1> t{0};
+        if (groups[g].valid()) {
+          t[0] = train(groups[g], modes[m], s.layers, s.floats, s.compute_us, s.steps).step_seconds;
+        }
+        dtrain::allreduce(ctx.communicator(), t, dtrain::reduce_op::max).wait();
+        times[m].push_back(t[0]);
+      }
+    }
+    if (main) {
+      const double base = median(times[0]);
+      for (std::size_t m = 0; m < modes.size(); ++m) {
+        std::printf("| %d | %s | %.2f ms | %.3f |\n", sizes[g], name_of(modes[m]),
+                    1e3 * median(times[m]), median(times[m]) / base);
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  // Table 3: the largest model within the budget, on the largest group.
+  const std::size_t g = sizes.size() - 1;
+  const double elements = static_cast<double>(s.layers * s.floats);
+  const auto budget = static_cast<double>(s.budget_mib) * mib;
+  std::array<std::size_t, 2> fits{};  // floats per layer: DDP, stage 2
+  for (std::size_t k = 0; k < 2; ++k) {
+    const memory_row& r = memory[g][k == 0 ? 0 : 2];
+    const double per_element = static_cast<double>(r.total()) / elements;
+    fits[k] = static_cast<std::size_t>(budget / per_element / static_cast<double>(s.layers));
+  }
+  std::array<std::size_t, 2> grown{};
+  for (std::size_t k = 0; k < 2; ++k) {
+    std::array<double, 1> growth{0};
+    if (groups[g].valid()) {
+      if (!reset_peak_resident()) growth[0] = -1;  // the peak of another run would be counted
+      const std::size_t before = peak_resident();
+      (void)train(groups[g], k == 0 ? sharding::none : sharding::gradients, s.layers, fits[k], 0,
+                  2);
+      if (growth[0] == 0) growth[0] = static_cast<double>(peak_resident() - before);
+    }
+    dtrain::allreduce(ctx.communicator(), growth, dtrain::reduce_op::max).wait();
+    grown[k] = growth[0] < 0 ? static_cast<std::size_t>(-1) : static_cast<std::size_t>(growth[0]);
+  }
+  if (main) {
+    std::printf(
+        "\nThe largest model within %zu MiB per rank, %d ranks, Adam (fp32):\n\n"
+        "| sharding | parameters | bytes per parameter | peak resident growth, trained 2 "
+        "steps |\n| --- | ---: | ---: | ---: |\n",
+        s.budget_mib, sizes[g]);
+    for (std::size_t k = 0; k < 2; ++k) {
+      const memory_row& r = memory[g][k == 0 ? 0 : 2];
+      const std::string growth = grown[k] == static_cast<std::size_t>(-1)
+                                     ? std::string("n/a (no /proc/self/clear_refs)")
+                                     : std::to_string(grown[k] >> 20) + " MiB";
+      std::printf("| %s | %zu | %.2f | %s |\n",
+                  name_of(k == 0 ? sharding::none : sharding::gradients), fits[k] * s.layers,
+                  static_cast<double>(r.total()) / elements, growth.c_str());
+    }
+    std::printf("\nratio (stage 2 / DDP): %.2f\n",
+                static_cast<double>(fits[1]) / static_cast<double>(fits[0]));
+    std::fflush(stdout);
+  }
+  ctx.barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const settings s = parse(argc, argv);
+  dtrain::run_options options;
+  options.agent.nproc_per_node = 4;
+  return dtrain::run<Policy>(
+      argc, argv, [&](dtrain::context<Policy>& ctx) { return bench(ctx, s); }, options);
+}

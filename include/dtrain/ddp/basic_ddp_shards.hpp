@@ -1,0 +1,236 @@
+#pragma once
+/// @file
+/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1 and 2): the
+/// pieces of the parameters a rank owns, the allgather of the updated values,
+/// and the two helpers every trainer needs beside them (the global gradient
+/// norm, a decision all ranks take together). Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+///
+/// A bucket of `moved` elements (padded so that `size()` divides it, each
+/// shard on bucket_alignment on a GPU) has `moved / size()` per shard; rank r
+/// owns elements [r q, (r + 1) q). A parameter may straddle shards: each rank
+/// gets the piece of it that falls in its own. Stage 1 averages whole buckets
+/// (an allreduce in place, as DDP); stage 2 reduce-scatters each bucket into
+/// the rank's `owned` buffer the moment it is ready. After the optimizer has
+/// updated its pieces (in the model's own memory), each rank copies them into
+/// `owned`, and an allgather per bucket brings every rank's into the bucket's
+/// gradient storage (free once the optimizer has read the gradients), from
+/// where every parameter's values are copied back; the bucket is then zeroed
+/// for the next step's gradients.
+
+#include <dtrain/ddp/basic_ddp.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+template <class Policy>
+void basic_ddp<Policy>::make_pieces() {
+  pieces_.clear();
+  shard_elements_ = 0;
+  if (!sharded() || size_ == 1) {  // every parameter is this rank's, its gradient where it is
+    for (std::size_t i = 0; i < vars_.size(); ++i) {
+      const parameter& p = vars_[i].param;
+      pieces_.push_back({.parameter = i,
+                         .offset = 0,
+                         .state_offset = shard_elements_,
+                         .bucket = vars_[i].bucket,
+                         .values = p.values,
+                         .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
+                                       p.values.device}});
+      shard_elements_ += p.values.count;
+    }
+    return;
+  }
+  const auto rank = static_cast<std::size_t>(rank_);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    bucket& s = buckets_[b];
+    const std::size_t elem = size_of(s.info.type);
+    const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
+    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
+      const std::size_t i = s.info.parameters[k];
+      const parameter& p = vars_[i].param;
+      const std::size_t at = s.info.offsets[k] / elem;  // the parameter's first element
+      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
+      if (lo >= hi) continue;
+      buffer values = p.values;
+      values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
+      values.count = hi - lo;
+      std::byte* gradients =
+          scattered() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
+      pieces_.push_back(
+          {.parameter = i,
+           .offset = lo - at,
+           .state_offset = shard_elements_,
+           .bucket = b,
+           .values = values,
+           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
+      shard_elements_ += hi - lo;
+    }
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::check_updatable(const char* what) const {
+  if (updatable_) return;
+  throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
+              std::to_string(rank_) + " with no averaged gradients to use: " +
+              (any_touched_ ? "step " + std::to_string(steps_) + " is not synchronized yet"
+                            : "step " + std::to_string(steps_) +
+                                  " has not started, and the one "
+                                  "before was updated already") +
+              " (sharding " + std::string(to_string(options_.sharding)) +
+              "). Call synchronize() after the backward pass, then the optimizer once");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::gather_parameters() {
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    check_updatable("gather_parameters()");
+  }
+  std::vector<work> gathers;
+  if (sharded() && size_ > 1) {
+    try {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) gathers.push_back(launch_gather(b));
+    } catch (...) {
+      abandon_gathers(gathers);
+      throw;
+    }
+  }
+  finish_gather(gathers);
+}
+
+/// This rank's updated values of bucket b into its shard, and the
+/// allgather of every rank's into the bucket (its gradients are used up),
+/// ordered after the compute stream where the engine takes one.
+template <class Policy>
+work basic_ddp<Policy>::launch_gather(std::size_t b) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = static_cast<std::size_t>(rank_) * s.owned_count;
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const shard_piece& piece = pieces_[k];
+    if (piece.bucket != b) continue;
+    const std::size_t at = vars_[piece.parameter].offset / elem + piece.offset - first;
+    memory_space::copy(s.owned.data() + at * elem, piece.values.data, piece.values.bytes(),
+                       s.info.device, stream_);
+  }
+  const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
+  const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
+                    s.grads.device()};
+  const buffer all{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
+  return detail::allgather_on(comm_, mine, all, on_stream_or_null());
+}
+
+/// Waits for the allgathers (each within the collective timeout), then
+/// copies every parameter's values that other ranks updated out of the
+/// buckets, and zeroes the buckets for the next step's gradients.
+template <class Policy>
+void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers) {
+  const std::lock_guard lock(mutex_);
+  updatable_ = false;
+  if (!sharded() || size_ == 1) return;
+  try {
+    for (work& w : gathers) w.wait();
+    order_after_buckets();
+    const auto rank = static_cast<std::size_t>(rank_);
+    for (const variable& v : vars_) {
+      const bucket& s = buckets_[v.bucket];
+      const std::size_t elem = size_of(s.info.type);
+      // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
+      const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
+      const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
+      auto copy_out = [&](std::size_t from, std::size_t to) {
+        if (from >= to) return;
+        memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
+                           s.grads.data() + from * elem, (to - from) * elem, s.info.device,
+                           stream_);
+      };
+      copy_out(lo, std::min(hi, first));
+      copy_out(std::max(lo, last), hi);
+    }
+    for (bucket& s : buckets_)
+      memory_space::zero(s.grads.data(), s.grads.bytes(), s.grads.device(), stream_);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers) {
+  for (work& w : gathers) {
+    try {
+      w.wait();
+    } catch (...) {  // the update's exception is the one to report
+    }
+  }
+  const std::lock_guard lock(mutex_);
+  updatable_ = false;
+  broken_ = true;
+  broken_message_ = "the optimizer's update threw on rank " + std::to_string(rank_) +
+                    " in the middle of optimizer_step(): the ranks' values may differ";
+}
+
+template <class Policy>
+double basic_ddp<Policy>::gradient_norm() {
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    check_updatable("gradient_norm()");
+  }
+  // Streams: the buckets' collectives are done before the host reads what they wrote.
+  if constexpr (memory_space::on_stream) wait();
+  double squares = 0;
+  std::vector<std::byte> staged;
+  for (const shard_piece& piece : pieces_) {
+    const buffer& g = piece.gradients;
+    const void* data = g.data;
+    if (g.where == memory::device) {
+      staged.resize(g.bytes());
+      memory_space::download(staged.data(), g.data, g.bytes(), device_, stream_);
+      memory_space::synchronize(device_, stream_);
+      data = staged.data();
+    }
+    if (g.type == dtype::float32) {
+      for (const float x : std::span(static_cast<const float*>(data), g.count))
+        squares += static_cast<double>(x) * static_cast<double>(x);
+    } else if (g.type == dtype::float64) {
+      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
+    } else {
+      throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
+                         ": parameter '" + vars_[piece.parameter].param.name + "' is " +
+                         std::string(to_string(g.type)) + "; the norm reads float32 and float64");
+    }
+  }
+  if (sharded() && size_ > 1) {
+    // Every rank's sum, added in rank order: the same norm on every rank.
+    const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
+    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+    squares = 0;
+    for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
+  }
+  return std::sqrt(squares);
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::any_rank(bool mine) {
+  check_usable();
+  const std::int64_t flag = mine ? 1 : 0;
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+  control_.allgather(std::span<const std::int64_t>(&flag, 1), all);
+  for (const std::int64_t f : all) {
+    if (f != 0) return true;
+  }
+  return false;
+}
+
+}  // namespace dtrain

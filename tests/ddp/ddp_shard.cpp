@@ -1,0 +1,363 @@
+// dtrain_ddp_shard: one rank of the sharding test (ddp_options::sharding, ZeRO
+// stages 1 and 2), built on dtrain::run.
+//
+//   dtrain_ddp_shard mpi  [flat|hierarchical]   per-process MPI (under mpirun)
+//   dtrain_ddp_shard gloo [flat|hierarchical]   per-process Gloo (under dtrain_test_launch)
+//
+// A linear least-squares model of 7 parameters (5,209 floats: sizes that no
+// world size divides, one of 3,001 that is larger than a shard on 2 ranks and
+// more, one that keeps its own gradient buffer, one that no rank ever marks)
+// trains 6 steps on each rank's own samples, step 3 accumulating two
+// micro-batches in no_sync(), with gradient clipping by the global norm. It
+// is trained with DDP (sharding none), stage 1 and stage 2, each with
+// SGD-momentum and with Adam written against shard() (state of
+// shard_elements()), and by one process on the whole batch in double. Each
+// variant's weights must match DDP's within 1e-5 and the single process's
+// within 1e-4; the norms too. Then: the shard pieces of all ranks cover the
+// model exactly once; optimizer_step() without a synchronized step is an
+// error naming the rank. Prints one line per rank and exits 0, or prints
+// what differs and exits 1.
+
+#include <dtrain/dtrain.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t sizes[] = {1, 700, 3001, 33, 257, 5, 1212};
+constexpr std::size_t parameter_count = std::size(sizes);
+constexpr std::size_t copy_mode = 3;  // keeps its own gradient buffer (no view)
+constexpr std::size_t unused = 5;     // never marked: find_unused_parameters sends zero
+constexpr int steps = 6;
+constexpr int accumulating_step = 3;  // two micro-batches, the first inside no_sync()
+constexpr std::size_t batch = 3;      // samples per rank per micro-batch
+constexpr double max_norm = 40.0;     // clipping
+
+/// A deterministic value in [-1, 1) from two integers.
+double hash_unit(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t x = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<double>(x >> 11) / static_cast<double>(1ull << 52) - 1.0;
+}
+
+/// Sample s: features x[d] over the whole model's elements, target t.
+double feature(std::uint64_t s, std::size_t d) { return hash_unit(s, d); }
+double target(std::uint64_t s) { return 3.0 * hash_unit(s, 1u << 30); }
+
+/// The samples of (step, micro-batch) on `rank` of `size`.
+std::uint64_t sample(int step, int micro, int rank, int size, std::size_t k) {
+  return ((static_cast<std::uint64_t>(step) * 2 + static_cast<std::uint64_t>(micro)) *
+              static_cast<std::uint64_t>(size) +
+          static_cast<std::uint64_t>(rank)) *
+             batch +
+         k;
+}
+
+struct linear_model {
+  std::vector<std::vector<float>> w;
+  std::vector<float*> view;  // gradients dtrain repoints into its buckets
+  std::vector<float> own = std::vector<float>(sizes[copy_mode]);  // the copy-mode gradient
+
+  linear_model() : w(parameter_count), view(parameter_count, nullptr) {
+    for (std::size_t p = 0; p < parameter_count; ++p) {
+      for (std::size_t i = 0; i < sizes[p]; ++i)
+        w[p].push_back(static_cast<float>(0.1 * hash_unit(p, i)));
+    }
+  }
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t p = 0; p < parameter_count; ++p) {
+      const std::string name = "w" + std::to_string(p);
+      if (p == copy_mode) {
+        out.push_back(dtrain::param(name, w[p], own));
+      } else {
+        out.push_back(dtrain::param(name, w[p], view[p]));
+      }
+    }
+    return out;
+  }
+  float* grad(std::size_t p) { return p == copy_mode ? own.data() : view[p]; }
+
+  /// Adds this micro-batch's mean gradient of 0.5 (w.x - t)^2 into the gradients.
+  void backward(int step, int micro, int rank, int size) {
+    for (std::size_t k = 0; k < batch; ++k) {
+      const std::uint64_t s = sample(step, micro, rank, size, k);
+      double y = 0;
+      for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+        if (p == unused) continue;
+        for (std::size_t i = 0; i < sizes[p]; ++i)
+          y += static_cast<double>(w[p][i]) * feature(s, d + i);
+      }
+      const double r = (y - target(s)) / static_cast<double>(batch);
+      for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+        if (p == unused) continue;
+        float* g = grad(p);
+        for (std::size_t i = 0; i < sizes[p]; ++i)
+          g[i] += static_cast<float>(r * feature(s, d + i));
+      }
+    }
+  }
+};
+
+enum class optimizer_kind { sgd, adam };
+
+/// An elementwise optimizer over a state array of `elements`.
+struct optimizer {
+  optimizer_kind kind;
+  std::vector<float> m, v;
+  int t = 0;
+  optimizer(optimizer_kind k, std::size_t elements) : kind(k), m(elements), v(elements) {}
+  void begin_step() { ++t; }
+  /// values[k] from gradients[k] * scale, state at offset + k.
+  void update(float* values, const float* gradients, std::size_t count, std::size_t offset,
+              float scale) {
+    for (std::size_t k = 0; k < count; ++k) {
+      const float g = gradients[k] * scale;
+      float& mk = m[offset + k];
+      if (kind == optimizer_kind::sgd) {
+        mk = t == 1 ? g : 0.9f * mk + g;
+        values[k] -= 0.05f * mk;
+      } else {
+        float& vk = v[offset + k];
+        mk = 0.9f * mk + 0.1f * g;
+        vk = 0.999f * vk + 0.001f * g * g;
+        const float mh = mk / (1.0f - std::pow(0.9f, static_cast<float>(t)));
+        const float vh = vk / (1.0f - std::pow(0.999f, static_cast<float>(t)));
+        values[k] -= 0.01f * mh / (std::sqrt(vh) + 1e-8f);
+      }
+    }
+  }
+};
+
+float clip_scale(double norm) {
+  return norm > max_norm ? static_cast<float>(max_norm / norm) : 1.0f;
+}
+
+struct result {
+  std::vector<std::vector<float>> w;
+  std::vector<double> norms;
+  std::size_t shard_elements = 0;
+};
+
+template <class Context>
+result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
+  using Policy = typename Context::policy_type;
+  linear_model model;
+  dtrain::DistributedDataParallel<linear_model, Policy> ddp(ctx, model,
+                                                            {.bucket_cap_mb = 0.004,
+                                                             .first_bucket_cap_mb = 0.002,
+                                                             .find_unused_parameters = true,
+                                                             .report_unused_parameters = false,
+                                                             .sharding = sharding});
+  optimizer opt(kind, ddp.shard_elements());
+  result out;
+  out.shard_elements = ddp.shard_elements();
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t p = 0; p < parameter_count; ++p) {
+      if (p != unused) std::fill_n(model.grad(p), sizes[p], 0.0f);
+    }
+    if (step == accumulating_step) {
+      auto guard = ddp.no_sync();
+      model.backward(step, 1, ctx.rank(), ctx.size());
+    }
+    model.backward(step, 0, ctx.rank(), ctx.size());
+    for (std::size_t p = parameter_count; p-- > 0;) {
+      if (p != unused) ddp.mark_ready(p);
+    }
+    ddp.synchronize();
+    const double norm = ddp.gradient_norm();
+    out.norms.push_back(norm);
+    opt.begin_step();
+    const float scale = clip_scale(norm);
+    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+      opt.update(static_cast<float*>(piece.values.data),
+                 static_cast<const float*>(piece.gradients.data), piece.values.count,
+                 piece.state_offset, scale);
+    });
+  }
+  out.w = model.w;
+
+  // The pieces of every rank cover each parameter once (without sharding,
+  // each rank's cover it whole).
+  const std::int64_t copies = sharding == dtrain::sharding::none ? ctx.size() : 1;
+  std::vector<std::int64_t> covered(ddp.parameters().size(), 0);
+  for (const dtrain::shard_piece& piece : ddp.shard()) {
+    covered[piece.parameter] += static_cast<std::int64_t>(piece.values.count);
+  }
+  dtrain::allreduce(ctx.communicator(), covered, dtrain::reduce_op::sum).wait();
+  for (std::size_t p = 0; p < parameter_count; ++p) {
+    if (covered[p] != copies * static_cast<std::int64_t>(sizes[p])) {
+      std::fprintf(stderr,
+                   "rank %d: sharding %s: the ranks' pieces hold %lld of w%zu's %zu elements\n",
+                   ctx.rank(), std::string(dtrain::to_string(sharding)).c_str(),
+                   static_cast<long long>(covered[p]), p, sizes[p]);
+      out.w.clear();
+    }
+  }
+  // A second optimizer step without a synchronized step is refused, by name.
+  try {
+    ddp.optimizer_step([](const dtrain::shard_piece&) {});
+    std::fprintf(stderr, "rank %d: optimizer_step() without synchronize() did not throw\n",
+                 ctx.rank());
+    out.w.clear();
+  } catch (const dtrain::error& e) {
+    if (std::string(e.what()).find("optimizer_step() on rank " + std::to_string(ctx.rank())) ==
+        std::string::npos) {
+      std::fprintf(stderr, "rank %d: unexpected message: %s\n", ctx.rank(), e.what());
+      out.w.clear();
+    }
+  }
+  return out;
+}
+
+/// One process on the whole batch (every rank's samples), in double.
+result reference(int size, optimizer_kind kind) {
+  linear_model model;
+  std::size_t total = 0;
+  for (std::size_t s : sizes) total += s;
+  std::vector<double> w(total), g(total);
+  for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+    for (std::size_t i = 0; i < sizes[p]; ++i) w[d + i] = model.w[p][i];
+  }
+  std::vector<double> m(total), v(total);
+  result out;
+  for (int step = 0; step < steps; ++step) {
+    std::fill(g.begin(), g.end(), 0.0);
+    const int micros = step == accumulating_step ? 2 : 1;
+    for (int rank = 0; rank < size; ++rank) {
+      for (int micro = 0; micro < micros; ++micro) {
+        for (std::size_t k = 0; k < batch; ++k) {
+          const std::uint64_t s = sample(step, micro, rank, size, k);
+          double y = 0;
+          for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+            if (p == unused) continue;
+            for (std::size_t i = 0; i < sizes[p]; ++i) y += w[d + i] * feature(s, d + i);
+          }
+          const double r = (y - target(s)) / static_cast<double>(batch) / size;
+          for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+            if (p == unused) continue;
+            for (std::size_t i = 0; i < sizes[p]; ++i) g[d + i] += r * feature(s, d + i);
+          }
+        }
+      }
+    }
+    double norm = 0;
+    for (double x : g) norm += x * x;
+    norm = std::sqrt(norm);
+    out.norms.push_back(norm);
+    const double scale = norm > max_norm ? max_norm / norm : 1.0;
+    const int t = step + 1;
+    for (std::size_t e = 0; e < total; ++e) {
+      const double gs = g[e] * scale;
+      if (kind == optimizer_kind::sgd) {
+        m[e] = t == 1 ? gs : 0.9 * m[e] + gs;
+        w[e] -= 0.05 * m[e];
+      } else {
+        m[e] = 0.9 * m[e] + 0.1 * gs;
+        v[e] = 0.999 * v[e] + 0.001 * gs * gs;
+        const double mh = m[e] / (1 - std::pow(0.9, t)), vh = v[e] / (1 - std::pow(0.999, t));
+        w[e] -= 0.01 * mh / (std::sqrt(vh) + 1e-8);
+      }
+    }
+  }
+  out.w.assign(parameter_count, {});
+  for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+    for (std::size_t i = 0; i < sizes[p]; ++i) out.w[p].push_back(static_cast<float>(w[d + i]));
+  }
+  return out;
+}
+
+/// The largest difference, relative to max(1, |expected|), or a large number when shapes differ.
+double distance(const result& got, const result& expected) {
+  if (got.w.size() != expected.w.size() || got.norms.size() != expected.norms.size()) return 1e9;
+  double worst = 0;
+  for (std::size_t p = 0; p < got.w.size(); ++p) {
+    if (got.w[p].size() != expected.w[p].size()) return 1e9;
+    for (std::size_t i = 0; i < got.w[p].size(); ++i) {
+      const double e = expected.w[p][i];
+      worst = std::max(worst, std::abs(got.w[p][i] - e) / std::max(1.0, std::abs(e)));
+    }
+  }
+  for (std::size_t s = 0; s < got.norms.size(); ++s) {
+    worst = std::max(worst, std::abs(got.norms[s] - expected.norms[s]) /
+                                std::max(1.0, std::abs(expected.norms[s])));
+  }
+  return worst;
+}
+
+template <class Context>
+int run_case(Context& ctx, std::string_view topology) {
+  int failures = 0;
+  for (const optimizer_kind kind : {optimizer_kind::sgd, optimizer_kind::adam}) {
+    const char* name = kind == optimizer_kind::sgd ? "sgd-momentum" : "adam";
+    const result ddp = train(ctx, dtrain::sharding::none, kind);
+    const result single = reference(ctx.size(), kind);
+    const double to_single = distance(ddp, single);
+    if (!(to_single <= 1e-4)) {
+      std::fprintf(stderr, "rank %d: %s: DDP differs from one process by %.3g\n", ctx.rank(), name,
+                   to_single);
+      ++failures;
+    }
+    for (const dtrain::sharding stage :
+         {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+      const result sharded = train(ctx, stage, kind);
+      const double to_ddp = distance(sharded, ddp), to_one = distance(sharded, single);
+      const bool ok = to_ddp <= 1e-5 && to_one <= 1e-4 &&
+                      (ctx.size() == 1 || sharded.shard_elements < ddp.shard_elements);
+      std::printf(
+          "rank %d of %d (%s): %s, sharding %s: weights and norms within %.2g of DDP, "
+          "%.2g of one process; optimizer state for %zu of %zu elements%s\n",
+          ctx.rank(), ctx.size(), std::string(topology).c_str(), name,
+          std::string(dtrain::to_string(stage)).c_str(), to_ddp, to_one, sharded.shard_elements,
+          ddp.shard_elements, ok ? "" : ": FAILED");
+      failures += ok ? 0 : 1;
+    }
+  }
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}
+
+template <class Policy>
+int start(int argc, char** argv, std::string_view topology) {
+  return dtrain::run<Policy>(
+      argc, argv, [&](dtrain::context<Policy>& ctx) -> int { return run_case(ctx, topology); });
+}
+
+template <class Backend>
+int start_with(int argc, char** argv, std::string_view topology) {
+  using dtrain::launch::per_process;
+  if (topology == "hierarchical")
+    return start<dtrain::policy<per_process, Backend, dtrain::topology::hierarchical>>(argc, argv,
+                                                                                       topology);
+  return start<dtrain::policy<per_process, Backend>>(argc, argv, topology);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string_view backend = argc > 1 ? argv[1] : "";
+  const std::string_view topology = argc > 2 ? argv[2] : "flat";
+  if (topology != "flat" && topology != "hierarchical") {
+    std::fprintf(stderr, "usage: dtrain_ddp_shard mpi|gloo [flat|hierarchical]\n");
+    return 2;
+  }
+#if DTRAIN_HAS_MPI()
+  if (backend == "mpi") return start_with<dtrain::backend::mpi>(argc, argv, topology);
+#endif
+#if DTRAIN_HAS_GLOO()
+  if (backend == "gloo") return start_with<dtrain::backend::gloo>(argc, argv, topology);
+#endif
+  std::fprintf(stderr,
+               "dtrain_ddp_shard: backend '%s' is not in this build (or usage: "
+               "dtrain_ddp_shard mpi|gloo [flat|hierarchical])\n",
+               std::string(backend).c_str());
+  return 2;
+}
