@@ -55,12 +55,13 @@ struct settings {
   int nproc_per_node = 4;
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
+  dtrain::sharding sharding = dtrain::sharding::none;
 };
 
 constexpr const char* usage =
     "usage: dtrain_train_torch [--nproc-per-node N] [--epochs N] [--batch-size N] [--lr X]\n"
     "          [--momentum X] [--samples N] [--seed N] [--channels N] [--hidden N]\n"
-    "          [--checkpoint-dir DIR [--checkpoint-every N]]\n"
+    "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sharding 0|1|2]\n"
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4)\n"
     "  --epochs N          passes over the training set (5)\n"
     "  --batch-size N      images per step on each rank (32)\n"
@@ -72,7 +73,9 @@ constexpr const char* usage =
     "  --hidden N          width of the fully connected layer (128)\n"
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
-    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n";
+    "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
+    "  --sharding 0|1|2    ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
+    "                      ranks, 2 the averaged gradients too (ddp_options::sharding) (0)\n";
 
 settings parse_flags(int argc, char** argv) {
   const mlp::command_line line(program, "", "");
@@ -101,6 +104,11 @@ settings parse_flags(int argc, char** argv) {
       if (s.checkpoint_dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
     } else if (flag == "--checkpoint-every") {
       s.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+    } else if (flag == "--sharding") {
+      const std::string_view stage = value();
+      if (stage != "0" && stage != "1" && stage != "2")
+        line.bad_flag("--sharding " + std::string(stage) + ": 0 (DDP), 1 or 2 (ZeRO's stages)");
+      s.sharding = static_cast<dtrain::sharding>(stage[0] - '0');
     } else {
       return false;
     }
@@ -123,8 +131,10 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   torch::manual_seed(s.seed);  // every rank builds the same model; DDP broadcasts rank 0's anyway
   cnn::Cnn model(s.channels, s.hidden);
   auto ddp = dtrain::torch::DistributedDataParallel(
-      ctx, model, {.bucket_cap_mb = 0.25, .first_bucket_cap_mb = 0.05});
-  torch::optim::SGD optimizer(model->parameters(),
+      ctx, model, {.bucket_cap_mb = 0.25, .first_bucket_cap_mb = 0.05, .sharding = s.sharding});
+  // Sharded (--sharding 1|2), the optimizer holds state for this rank's shard only.
+  const bool sharded = s.sharding != dtrain::sharding::none;
+  torch::optim::SGD optimizer(sharded ? ddp.shard_parameters() : model->parameters(),
                               torch::optim::SGDOptions(s.lr).momentum(s.momentum));
   dtrain::torch::distributed_sampler sampler(s.samples, ctx.world(), {.seed = s.seed});
 
@@ -144,10 +154,12 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
 
   std::optional<dtrain::checkpoint> checkpoint;
   if (!s.checkpoint_dir.empty()) {
-    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = s.checkpoint_dir,
-                                                       .every = s.checkpoint_every});
+    checkpoint.emplace(
+        ctx, dtrain::checkpoint_options{.dir = s.checkpoint_dir, .every = s.checkpoint_every});
     dtrain::torch::add_module(*checkpoint, model);
-    dtrain::torch::add_optimizer(*checkpoint, optimizer);
+    dtrain::torch::add_optimizer(
+        *checkpoint, optimizer, "optimizer",
+        sharded ? dtrain::checkpoint_scope::per_rank : dtrain::checkpoint_scope::replicated);
     dtrain::torch::add_sampler(*checkpoint, sampler);
     if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
       std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",
@@ -172,7 +184,11 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
       // Buckets are averaged as autograd finishes their gradients; when backward() returns,
       // every .grad() holds the mean over every rank's batch, as with PyTorch's DDP.
       loss.backward();
-      optimizer.step();
+      if (sharded) {
+        ddp.step(optimizer);  // this rank's shard, then the allgather of the updated values
+      } else {
+        optimizer.step();
+      }
       ddp.zero_grad();
       totals[0] += loss.item<double>() * static_cast<double>(x.size(0));
       totals[1] += logits.argmax(1).eq(y).sum().item<double>();

@@ -83,8 +83,16 @@ if(TARGET dtrain_train_torch)
             -P "${CMAKE_CURRENT_SOURCE_DIR}/training/check_demo.cmake"
     TIMEOUT 180
     PROPERTIES PROCESSORS 4)
+  # --sharding 1 and 2 (torch::optim::SGD over shard_parameters()) end with --sharding 0's weights.
+  dtrain_add_test(torch.demo.sharding
+    COMMAND "${CMAKE_COMMAND}" -DCASE=torch_sharding "-DTRAIN=$<TARGET_FILE:dtrain_train_torch>"
+            -P "${CMAKE_CURRENT_SOURCE_DIR}/training/check_demo.cmake"
+    TIMEOUT 400
+    PROPERTIES PROCESSORS 4)
 else()
   dtrain_add_skipped_test(torch.demo "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
+  dtrain_add_skipped_test(torch.demo.sharding
+                          "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
 endif()
 
 foreach(engine IN ITEMS GLOO NCCL)

@@ -113,9 +113,12 @@ void add_module(dtrain::checkpoint& ckpt, const Holder& module, const std::strin
 }
 
 /// Registers a torch::optim optimizer's state (momentum buffers, Adam's
-/// moments, step counts), serialised by LibTorch itself (torch::save).
+/// moments, step counts), serialised by LibTorch itself (torch::save). An
+/// optimizer over a sharded DDP's shard_parameters() holds this rank's shard:
+/// pass checkpoint_scope::per_rank.
 inline void add_optimizer(dtrain::checkpoint& ckpt, ::torch::optim::Optimizer& optimizer,
-                          const std::string& name = "optimizer") {
+                          const std::string& name = "optimizer",
+                          checkpoint_scope scope = checkpoint_scope::replicated) {
   ckpt.add(
       name,
       [&optimizer] {
@@ -126,7 +129,8 @@ inline void add_optimizer(dtrain::checkpoint& ckpt, ::torch::optim::Optimizer& o
       [&optimizer](std::string_view bytes) {
         std::istringstream in{std::string(bytes)};
         ::torch::load(optimizer, in);
-      });
+      },
+      scope);
 }
 
 /// Registers the sampler's position in the global sample order.

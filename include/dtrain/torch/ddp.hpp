@@ -157,6 +157,46 @@ class DistributedDataParallel {
     ddp_.core().register_comm_hook(std::move(hook));
   }
 
+  /// Sharding (ddp_options::sharding, ZeRO stages 1 and 2; docs/sharding.md):
+  /// this rank's shard as tensors for a torch::optim optimizer, one 1-D tensor
+  /// per piece of core().shard(), over the module's own values (shared
+  /// memory), its .grad() the piece's mean over the ranks. Build the optimizer
+  /// on them (`torch::optim::Adam opt(ddp.shard_parameters(), ...)`): its state
+  /// is the shard's size. The shard is cut in flat slices of the buckets, as
+  /// DeepSpeed's ZeRO, not parameter by parameter as PyTorch's
+  /// ZeroRedundancyOptimizer: every rank's shard has the same size however
+  /// uneven the parameters are, and it is the core's layout, reduce-scattered
+  /// during backward(). Without sharding: every parameter, flattened.
+  /// Per-parameter options (param groups) do not carry over: the pieces of
+  /// one parameter are separate tensors.
+  [[nodiscard]] const std::vector<::torch::Tensor>& shard_parameters() {
+    if (shard_tensors_.empty()) {
+      for (const shard_piece& piece : ddp_.core().shard()) {
+        ::torch::Tensor values = detail::tensor_over(piece.values);
+        values.set_requires_grad(true);  // a leaf over the module's memory, as a parameter is
+        shard_tensors_.push_back(values);
+        shard_gradients_.push_back(detail::tensor_over(piece.gradients));
+      }
+    }
+    return shard_tensors_;
+  }
+  /// The optimizer's step on this rank's shard (`optimizer` built on
+  /// shard_parameters()), then the allgather of the updated values:
+  /// once after each backward() (or synchronize()); dtrain::error naming the
+  /// rank otherwise, before the optimizer has changed anything.
+  void step(::torch::optim::Optimizer& optimizer) {
+    (void)shard_parameters();
+    bool stepped = false;
+    ddp_.core().optimizer_step([&](const shard_piece&) {
+      if (std::exchange(stepped, true)) return;  // the optimizer steps over every piece at once
+      ::torch::NoGradGuard no_grad;
+      // zero_grad() may have dropped them (set_to_none): the gradients are the core's.
+      for (std::size_t k = 0; k < shard_tensors_.size(); ++k)
+        shard_tensors_[k].mutable_grad() = shard_gradients_[k];
+      optimizer.step();
+    });
+  }
+
   /// DDP's core: the buckets, the rebuild, the parameter names in dtrain's
   /// order, the step's state, the communicator.
   [[nodiscard]] const core_type& core() const noexcept { return ddp_.core(); }
@@ -169,6 +209,7 @@ class DistributedDataParallel {
  private:
   Module module_;
   module_ddp<Policy> ddp_;
+  std::vector<::torch::Tensor> shard_tensors_, shard_gradients_;  // shard_parameters()
 };
 
 template <class Context, class Module>

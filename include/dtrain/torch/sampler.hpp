@@ -65,7 +65,8 @@ class distributed_sampler final
   void save(::torch::serialize::OutputArchive& archive) const override {
     const sampler_position p = state_->shard.position();
     archive.write("epoch", ::torch::tensor(static_cast<std::int64_t>(p.epoch)), /*is_buffer=*/true);
-    archive.write("offset", ::torch::tensor(static_cast<std::int64_t>(p.offset)), /*is_buffer=*/true);
+    archive.write("offset", ::torch::tensor(static_cast<std::int64_t>(p.offset)),
+                  /*is_buffer=*/true);
   }
   void load(::torch::serialize::InputArchive& archive) override {
     ::torch::Tensor epoch = ::torch::empty({}, ::torch::kInt64);

@@ -58,6 +58,26 @@ namespace dtrain::torch::detail {
   return {t.data_ptr(), static_cast<std::size_t>(t.numel()), *type, memory::host, -1};
 }
 
+/// A 1-D tensor over `b`'s memory (not owned), of its type and device.
+[[nodiscard]] inline ::torch::Tensor tensor_over(const buffer& b) {
+  c10::ScalarType type = c10::ScalarType::Float;
+  switch (b.type) {
+    case dtype::float32: type = c10::ScalarType::Float; break;
+    case dtype::float64: type = c10::ScalarType::Double; break;
+    case dtype::float16: type = c10::ScalarType::Half; break;
+    case dtype::bfloat16: type = c10::ScalarType::BFloat16; break;
+    default:
+      throw config_error("dtrain::torch: a " + std::string(to_string(b.type)) +
+                         " buffer has no tensor type here (floating point only)");
+  }
+  const ::torch::Device device =
+      b.where == memory::device
+          ? ::torch::Device(::torch::kCUDA, static_cast<c10::DeviceIndex>(b.device))
+          : ::torch::Device(::torch::kCPU);
+  return ::torch::from_blob(b.data, {static_cast<std::int64_t>(b.count)},
+                            ::torch::TensorOptions().dtype(type).device(device));
+}
+
 /// The tensor's sizes, as dtrain::parameter::shape (messages name `[64, 16]`).
 [[nodiscard]] inline std::vector<std::size_t> shape_of(const ::torch::Tensor& t) {
   std::vector<std::size_t> shape;
