@@ -216,7 +216,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
       totals[2] += static_cast<double>(r.count);
       if (sample_log) {
         std::string text = std::to_string(steps + 1) + " " + std::to_string(epoch);
-        for (const std::size_t i : batch) text += " " + std::to_string(i);
+        for (const std::size_t i : batch) {
+          text += ' ';  // (not " " + to_string: GCC 12's -Wrestrict misfires on it at -O2)
+          text += std::to_string(i);
+        }
         text += "\n";
         std::fputs(text.c_str(), sample_log.get());
         std::fflush(sample_log.get());
