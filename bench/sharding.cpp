@@ -105,8 +105,11 @@ struct layered_model {
       : values(layers, std::vector<float>(floats, 0.5f)), grads(layers, nullptr) {}
   std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
-    for (std::size_t l = 0; l < values.size(); ++l)
-      out.push_back(dtrain::param("layer" + std::to_string(l), values[l], grads[l]));
+    for (std::size_t l = 0; l < values.size(); ++l) {
+      std::string name = "layer";  // (not "layer" + to_string: GCC 12's -Wrestrict at -O2)
+      name += std::to_string(l);
+      out.push_back(dtrain::param(name, values[l], grads[l]));
+    }
     return out;
   }
 };

@@ -75,7 +75,8 @@ struct linear_model {
   std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
     for (std::size_t p = 0; p < parameter_count; ++p) {
-      const std::string name = "w" + std::to_string(p);
+      std::string name = "w";  // (not "w" + to_string: GCC 12's -Wrestrict misfires at -O2)
+      name += std::to_string(p);
       if (p == copy_mode) {
         out.push_back(dtrain::param(name, w[p], own));
       } else {
