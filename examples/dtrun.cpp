@@ -10,7 +10,8 @@
 // Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 // NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so PyTorch scripts using
 // init_process_group(init_method="env://") and dtrain programs both run under it. Each flag can
-// also be given as an environment variable (the flag wins): see `dtrun --help` and docs/reference.md.
+// also be given as an environment variable (the flag wins): see `dtrun --help` and
+// docs/reference.md.
 //
 // Exit status: 0 when every worker of every node succeeded; the failing worker's status (128 +
 // signal when killed) otherwise; 2 on bad flags or environment.

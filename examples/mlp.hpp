@@ -427,6 +427,19 @@ class optimizer {
     }
   }
 
+  /// Sizes the state for `elements` values (a sharded DDP's shard_elements()),
+  /// so that a checkpoint can hold its arrays before the first step.
+  void reserve(std::size_t elements) {
+    if (kind_ == kind::sgd && momentum_ == 0.0) return;
+    first_.resize(elements);
+    if (kind_ == kind::adam) second_.resize(elements);
+  }
+  /// The state's arrays and step count, for a checkpoint that holds them as
+  /// they are (dtrain::checkpoint::add_sharded, add).
+  [[nodiscard]] std::vector<float>& first_moment() noexcept { return first_; }
+  [[nodiscard]] std::vector<float>& second_moment() noexcept { return second_; }
+  [[nodiscard]] std::uint64_t& step_count() noexcept { return steps_; }
+
   /// Bytes of state it holds now (SGD: a velocity per element; Adam: two moments).
   [[nodiscard]] std::size_t state_bytes() const noexcept {
     return (first_.size() + second_.size()) * sizeof(float);

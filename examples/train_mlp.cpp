@@ -166,12 +166,20 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     checkpoint.emplace(
         ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir, .every = d.checkpoint_every});
     checkpoint->add(ddp.parameters()).add(sampler);
-    // Sharded, each rank's optimizer state is its own shard's.
-    checkpoint->add(
-        "optimizer", [&] { return optimizer.state(); },
-        [&](std::string_view bytes) { optimizer.load_state(bytes); },
-        d.sharding == dtrain::sharding::none ? dtrain::checkpoint_scope::replicated
-                                             : dtrain::checkpoint_scope::per_rank);
+    if (d.sharding == dtrain::sharding::none) {
+      checkpoint->add(
+          "optimizer", [&] { return optimizer.state(); },
+          [&](std::string_view bytes) { optimizer.load_state(bytes); });
+    } else {
+      // Sharded, each rank holds its shard of the optimizer state: saved so,
+      // and re-cut when the job resumes on another number of ranks.
+      optimizer.reserve(ddp.shard_elements());
+      checkpoint->add("optimizer.steps", optimizer.step_count());
+      if (!optimizer.first_moment().empty())
+        checkpoint->add_sharded("optimizer.first", optimizer.first_moment(), ddp);
+      if (!optimizer.second_moment().empty())
+        checkpoint->add_sharded("optimizer.second", optimizer.second_moment(), ddp);
+    }
     if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
       std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",
                   static_cast<unsigned long long>(*step),

@@ -142,6 +142,31 @@ elseif(CASE STREQUAL "sharding" OR CASE STREQUAL "torch_sharding")
       endif()
     endforeach()
   endforeach()
+  if(CASE STREQUAL "sharding")
+    # A sharded job saved on 4 ranks resumes on 2: its optimizer state is re-cut.
+    set(tmp "$ENV{TMPDIR}")
+    if(tmp STREQUAL "")
+      set(tmp /tmp)
+    endif()
+    string(RANDOM LENGTH 10 suffix)
+    set(dir "${tmp}/dtrain-sharding-resume-${suffix}")
+    file(REMOVE_RECURSE "${dir}")
+    execute_process(COMMAND "${TRAIN}" --epochs 1 --samples 2048 --seed 5 --optimizer adam --lr 0.003
+                            --sharding 2 --checkpoint-dir "${dir}" --checkpoint-every 5
+                    OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 100)
+    expect(0 "epoch 1/1 .*samples/s")
+    set(ENV{DTRAIN_NPROC_PER_NODE} 2)
+    execute_process(COMMAND "${TRAIN}" ${small} --optimizer adam --lr 0.003 --sharding 2
+                            --checkpoint-dir "${dir}" --checkpoint-every 5
+                    OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 100)
+    expect(0 "resumed at step [0-9]+: epoch [12]" "epoch 2/2 .*samples/s"
+           "all 2 ranks hold identical weights")
+    if(NOT out MATCHES "epoch 2/2 [^\n]*test accuracy +([0-9.]+)%" OR CMAKE_MATCH_1 LESS 50)
+      fail("resumed on 2 ranks: test accuracy below 50% after 2 epochs")
+    endif()
+    file(REMOVE_RECURSE "${dir}")
+    string(APPEND summary "saved on 4 ranks (sharding 2), resumed on 2: ok\n")
+  endif()
   message("${summary}training.demo (${CASE}): ok")
   return()
 elseif(CASE STREQUAL "bad_flag")

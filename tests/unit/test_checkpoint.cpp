@@ -355,6 +355,77 @@ TEST_CASE("checkpoint: an asynchronous save holds the state of its step and comm
   for (const auto& f : failures) CHECK(f == "");
 }
 
+namespace {
+/// Rank `rank` of `size`'s cut of a whole of `total` elements: two ranges
+/// each (its block's two halves, stored the second half first, after `skip`
+/// unused elements), so that cuts of different world sizes overlap unevenly.
+std::vector<dtrain::shard_range> cut(int rank, int size, std::uint64_t total, std::uint64_t skip) {
+  const auto r = static_cast<std::uint64_t>(rank), n = static_cast<std::uint64_t>(size);
+  const std::uint64_t lo = total * r / n, hi = total * (r + 1) / n, mid = (lo + hi) / 2;
+  return {{.global = mid, .local = skip, .count = hi - mid},
+          {.global = lo, .local = skip + (hi - mid), .count = mid - lo}};
+}
+float whole_value(std::uint64_t g) { return 0.5f * static_cast<float>(g) + 3.0f; }
+}  // namespace
+
+TEST_CASE("checkpoint: a sharded entry is re-cut for another world size, by every rank's part") {
+  scratch_dir dir;
+  constexpr std::uint64_t total = 1001;
+  // Saved by 3 ranks, each also with a replicated entry; restored by 3, 2 and 4.
+  auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> mine(5 + total / 3 + 1, -1.0f);
+    const auto ranges = cut(rank, 3, total, 5);
+    for (const auto& r : ranges) {
+      for (std::uint64_t k = 0; k < r.count; ++k) mine[r.local + k] = whole_value(r.global + k);
+    }
+    std::int64_t counter = 42;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), ranges, total);
+    c.add("counter", counter);
+    c.save();
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  for (const int size : {3, 2, 4}) {
+    CAPTURE(size);
+    failures = on_ranks(size, [&](dtrain::control_plane plane, int rank) {
+      const auto ranges = cut(rank, size, total, 2);
+      std::vector<float> mine(2 + total / static_cast<std::uint64_t>(size) + 1, -7.0f);
+      std::int64_t counter = 0;
+      dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+      c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), ranges, total);
+      c.add("counter", counter);
+      CHECK(c.restore() == 0u);
+      CHECK(counter == 42);
+      bool same = true;
+      for (const auto& r : ranges) {
+        for (std::uint64_t k = 0; k < r.count; ++k)
+          same = same && mine[r.local + k] == whole_value(r.global + k);
+      }
+      CHECK(same);
+      CHECK(mine[0] == -7.0f);  // what no range names stays as it was
+    });
+    for (const auto& f : failures) CHECK(f == "");
+  }
+  // A whole of another size, and ranges the checkpoint's ranks did not hold, are refused by name.
+  failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> mine(total);
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), cut(rank, 2, total + 1, 0),
+                  total + 1);
+    std::int64_t counter = 0;
+    c.add("counter", counter);
+    CHECK_THROWS_WITH_AS(c.restore(), doctest::Contains("adam.m"), dtrain::checkpoint_error);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  on_ranks(1, [&](dtrain::control_plane plane, int) {
+    std::vector<float> mine(4);
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    CHECK_THROWS_WITH_AS(c.add_sharded("x", dtrain::host_buffer(std::span<float>(mine)),
+                                       {{.global = 0, .local = 2, .count = 3}}, 10),
+                         doctest::Contains("does not fit"), dtrain::config_error);
+  });
+}
+
 TEST_CASE("checkpoint: a damaged newest checkpoint is skipped, by name, for the one before") {
   for (const bool truncate : {true, false}) {
     scratch_dir dir;

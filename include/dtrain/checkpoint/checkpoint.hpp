@@ -27,6 +27,7 @@
 #include <dtrain/backend/control.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/checkpoint/format.hpp>
+#include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/sampler.hpp>
 #include <dtrain/detail/sys.hpp>
@@ -43,6 +44,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <ranges>
@@ -228,6 +230,47 @@ class checkpoint {
     }
     return *this;
   }
+  /// A sharded array (the optimizer state of a sharded DDP): this rank holds
+  /// `values` (host memory), its `ranges` of a whole array of `total`
+  /// elements. Each rank saves its ranges; restore() gives each rank the
+  /// ranges it holds now, whatever the world size and the cut the
+  /// checkpoint was written with (it reads every rank's part when the world
+  /// size differs), and refuses by name a checkpoint whose ranks did not hold
+  /// every element it needs.
+  checkpoint& add_sharded(std::string name, buffer values, std::vector<shard_range> ranges,
+                          std::uint64_t total) {
+    for (const shard_range& r : ranges) {
+      if (r.local > values.count || r.count > values.count - r.local || r.global > total ||
+          r.count > total - r.global) {
+        throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                           ": sharded entry '" + name + "': range " + std::to_string(r.global) +
+                           "+" + std::to_string(r.count) + " (at " + std::to_string(r.local) +
+                           " here) does not fit " + std::to_string(values.count) +
+                           " values of a whole of " + std::to_string(total));
+      }
+    }
+    add_values(name, values, checkpoint_scope::per_rank, {});
+    entry& e = entries_.back();
+    e.kind = detail::ckpt::entry_kind::sharded;
+    e.ranges = std::move(ranges);
+    e.total = total;
+    return *this;
+  }
+  /// A sharded DDP's optimizer state (`values`: an array of ddp.shard_elements()
+  /// elements indexed by shard_piece::state_offset), cut as `ddp.shard()` is.
+  template <class R, class DDP>
+  requires detail::element_range<R> && requires(const DDP& d) {
+    { d.shard_ranges() } -> std::convertible_to<std::vector<shard_range>>;
+    { d.model_elements() } -> std::convertible_to<std::uint64_t>;
+  }
+  checkpoint& add_sharded(std::string name, R& values, const DDP& ddp) {
+    using T = detail::range_element<R>;
+    return add_sharded(
+        std::move(name),
+        host_buffer(std::span<T>(std::ranges::data(values), std::ranges::size(values))),
+        ddp.shard_ranges(), ddp.model_elements());
+  }
+
   /// The sampler's position in the global order (replicated: it is the same
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler") {
@@ -318,7 +361,9 @@ class checkpoint {
 
     ok = 1;
     try {
+      recut_.clear();
       for (const std::filesystem::path& file : files) apply(file);
+      check_recut();
     } catch (const std::exception& e) {
       ok = 0;
       problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
@@ -461,7 +506,9 @@ class checkpoint {
     std::vector<std::uint64_t> shape;
     std::function<std::string()> save;
     std::function<void(std::string_view)> load;
-    detail::ckpt::staging staged;  // an asynchronous save's copy of `values`
+    detail::ckpt::staging staged;     // an asynchronous save's copy of `values`
+    std::vector<shard_range> ranges;  // a sharded entry's: what this rank holds
+    std::uint64_t total = 0;          // of the whole sharded array
   };
 
   checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
@@ -543,6 +590,10 @@ class checkpoint {
         out.owned.push_back(e.save());
         r.data = out.owned.back().data();
         r.bytes = out.owned.back().size();
+      } else if (e.kind == detail::ckpt::entry_kind::sharded) {
+        out.owned.push_back(sharded_payload(e));
+        r.data = out.owned.back().data();
+        r.bytes = out.owned.back().size();
       } else if (copy && r.bytes > 0) {
         // The entry's own copy, reused by each save (one is in flight at a
         // time): its pages are touched once per job, not at every save.
@@ -559,6 +610,24 @@ class checkpoint {
     }
     return out;
   }
+  /// A sharded entry as it is written: the whole's size, the ranges, their values.
+  static std::string sharded_payload(const entry& e) {
+    const std::size_t element = size_of(e.values.type);
+    std::string out;
+    auto word = [&](std::uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+    word(e.total);
+    word(e.ranges.size());
+    for (const shard_range& r : e.ranges) {
+      word(r.global);
+      word(r.count);
+    }
+    for (const shard_range& r : e.ranges) {
+      out.append(static_cast<const char*>(e.values.data) + r.local * element,
+                 static_cast<std::size_t>(r.count * element));
+    }
+    return out;
+  }
+
   static detail::ckpt::file_record write_part(const std::filesystem::path& path,
                                               const part_snapshot& part) {
     detail::ckpt::atomic_file file(path);
@@ -746,17 +815,24 @@ class checkpoint {
         {std::string(detail::ckpt::replicated_name), checkpoint_scope::replicated}};
     if (has_scope(checkpoint_scope::per_rank)) {
       if (m.world_size != plane_.size()) {
+        // Sharded entries are re-cut from every rank's part; other per-rank state cannot be.
         std::string names;
         for (const entry& e : entries_) {
-          if (e.scope == checkpoint_scope::per_rank)
+          if (e.scope == checkpoint_scope::per_rank && e.kind != detail::ckpt::entry_kind::sharded)
             names += (names.empty() ? "'" : ", '") + e.name + "'";
         }
-        throw checkpoint_error("checkpoint: " + step_dir.string() + " was written by " +
-                               std::to_string(m.world_size) + " ranks and this job has " +
-                               std::to_string(plane_.size()) + "; its per-rank state (" + names +
-                               ") cannot be re-cut for another world size");
+        if (!names.empty()) {
+          throw checkpoint_error("checkpoint: " + step_dir.string() + " was written by " +
+                                 std::to_string(m.world_size) + " ranks and this job has " +
+                                 std::to_string(plane_.size()) + "; its per-rank state (" + names +
+                                 ") cannot be re-cut for another world size");
+        }
+        for (int r = 0; r < m.world_size; ++r)
+          wanted.emplace_back(detail::ckpt::rank_part_name(r), checkpoint_scope::per_rank);
+      } else {
+        wanted.emplace_back(detail::ckpt::rank_part_name(plane_.rank()),
+                            checkpoint_scope::per_rank);
       }
-      wanted.emplace_back(detail::ckpt::rank_part_name(plane_.rank()), checkpoint_scope::per_rank);
     }
     std::vector<std::filesystem::path> files;
     std::string problems;
@@ -777,9 +853,11 @@ class checkpoint {
         }
         matched[static_cast<std::size_t>(it - got.entries.begin())] = true;
         const bool same_kind = it->kind == e.kind;
-        const bool same_values = e.kind == detail::ckpt::entry_kind::bytes ||
-                                 (it->type == e.values.type && it->bytes == e.values.bytes() &&
-                                  (it->shape.empty() || e.shape.empty() || it->shape == e.shape));
+        const bool same_values =
+            e.kind == detail::ckpt::entry_kind::bytes ||
+            (e.kind == detail::ckpt::entry_kind::sharded && it->type == e.values.type) ||
+            (it->type == e.values.type && it->bytes == e.values.bytes() &&
+             (it->shape.empty() || e.shape.empty() || it->shape == e.shape));
         if (!same_kind || !same_values) {
           problems += "\n  '" + e.name + "' is " +
                       describe(it->kind, it->type, it->shape, it->bytes) +
@@ -818,10 +896,57 @@ class checkpoint {
             std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
             in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
             it->load(bytes);
+          } else if (it->kind == detail::ckpt::entry_kind::sharded) {
+            std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+            in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+            recut(*it, bytes, path);
           } else {
             in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
           }
         });
+  }
+
+  /// The parts of a saved sharded entry (`payload`, from `file`) that fall in
+  /// the ranges this rank holds, copied into its values; counted in `recut_`.
+  void recut(entry& e, std::string_view payload, const std::filesystem::path& file) {
+    const std::size_t element = size_of(e.values.type);
+    const detail::ckpt::sharded_payload saved =
+        detail::ckpt::parse_sharded(payload, element, "entry '" + e.name + "' of " + file.string());
+    if (saved.total != e.total) {
+      throw checkpoint_error("checkpoint: sharded entry '" + e.name + "' of " + file.string() +
+                             " is a whole of " + std::to_string(saved.total) +
+                             " elements, and here of " + std::to_string(e.total));
+    }
+    std::uint64_t& covered = recut_[e.name];
+    std::size_t at = saved.values_at;  // the saved range's values in the payload
+    for (const auto& [global, count] : saved.ranges) {
+      for (const shard_range& mine : e.ranges) {
+        const std::uint64_t lo = std::max(global, mine.global);
+        const std::uint64_t hi = std::min(global + count, mine.global + mine.count);
+        if (lo >= hi) continue;
+        std::memcpy(static_cast<char*>(e.values.data) + (mine.local + lo - mine.global) * element,
+                    payload.data() + at + (lo - global) * element, (hi - lo) * element);
+        covered += hi - lo;
+      }
+      at += static_cast<std::size_t>(count * element);
+    }
+  }
+  /// After every part is read: each sharded entry got every element this rank holds.
+  void check_recut() const {
+    for (const entry& e : entries_) {
+      if (e.kind != detail::ckpt::entry_kind::sharded) continue;
+      std::uint64_t needed = 0;
+      for (const shard_range& r : e.ranges) needed += r.count;
+      const auto it = recut_.find(e.name);
+      const std::uint64_t got = it == recut_.end() ? 0 : it->second;
+      if (got != needed) {
+        throw checkpoint_error("checkpoint: sharded entry '" + e.name +
+                               "': the checkpoint's ranks held " + std::to_string(got) +
+                               " of the " + std::to_string(needed) + " elements rank " +
+                               std::to_string(plane_.rank()) +
+                               " holds now (saved with another cut of the same whole?)");
+      }
+    }
   }
 
   /// All ranks learn whether every rank could `what`; throws on every rank if not.
@@ -934,7 +1059,8 @@ class checkpoint {
   std::thread committer_;                  // rank 0's commit of an asynchronous save
   checkpoint_timings timings_;
   bool warned_slow_writer_ = false;
-  std::string commit_failure_;  // what it could not do
+  std::map<std::string, std::uint64_t> recut_;  // restore(): elements each sharded entry got
+  std::string commit_failure_;                  // what it could not do
 };
 
 }  // namespace dtrain

@@ -64,6 +64,50 @@ inline constexpr std::uint32_t max_name = 4096;
 inline constexpr std::uint32_t max_dims = 32;
 inline constexpr std::uint32_t max_entries = 1u << 20;
 
+/// A sharded entry's payload: the whole array's element count, the ranges
+/// this rank held (global first element, count), then their values packed in
+/// range order. `values_at`: where the values start in the payload.
+struct sharded_payload {
+  std::uint64_t total = 0;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // (global, count)
+  std::size_t values_at = 0;
+};
+
+/// Reads a sharded entry's payload of elements of `element` bytes; throws
+/// checkpoint_error naming `what` (the file and the entry) when it is not one.
+inline sharded_payload parse_sharded(std::string_view payload, std::size_t element,
+                                     const std::string& what) {
+  auto fail = [&](const std::string& why) -> void {
+    throw checkpoint_error("checkpoint: " + what + " is not a sharded entry: " + why);
+  };
+  auto word = [&](std::size_t at) {
+    std::uint64_t v = 0;
+    std::memcpy(&v, payload.data() + at, sizeof v);
+    return v;
+  };
+  sharded_payload out;
+  if (payload.size() < 16) fail(std::to_string(payload.size()) + " bytes");
+  out.total = word(0);
+  const std::uint64_t n = word(8);
+  if (n > (payload.size() - 16) / 16)
+    fail(std::to_string(n) + " ranges in " + std::to_string(payload.size()) + " bytes");
+  std::uint64_t elements = 0;
+  for (std::uint64_t r = 0; r < n; ++r) {
+    const std::uint64_t global = word(16 + 16 * r), count = word(24 + 16 * r);
+    if (global > out.total || count > out.total - global)
+      fail("range " + std::to_string(global) + "+" + std::to_string(count) + " of " +
+           std::to_string(out.total));
+    out.ranges.emplace_back(global, count);
+    elements += count;
+  }
+  out.values_at = static_cast<std::size_t>(16 + 16 * n);
+  if (elements > (payload.size() - out.values_at) / element ||
+      elements * element != payload.size() - out.values_at)
+    fail(std::to_string(elements) + " elements in " +
+         std::to_string(payload.size() - out.values_at) + " bytes");
+  return out;
+}
+
 /// Seconds from `start` to now.
 [[nodiscard]] inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -318,7 +362,7 @@ class atomic_file {
 };
 
 /// What a part file says about one entry.
-enum class entry_kind : std::uint8_t { values = 0, bytes = 1 };
+enum class entry_kind : std::uint8_t { values = 0, bytes = 1, sharded = 2 };
 struct entry_header {
   std::string name;
   entry_kind kind = entry_kind::values;
@@ -445,7 +489,7 @@ part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
     const auto kind = in.value<std::uint8_t>("entry '" + e.name + "'");
     const auto type = in.value<std::uint8_t>("entry '" + e.name + "'");
     static_cast<void>(in.value<std::uint16_t>("entry '" + e.name + "'"));
-    if (kind > 1 || type > static_cast<std::uint8_t>(dtype::uint8))
+    if (kind > 2 || type > static_cast<std::uint8_t>(dtype::uint8))
       in.malformed("entry '" + e.name + "' has kind " + std::to_string(kind) + ", type " +
                    std::to_string(type));
     e.kind = static_cast<entry_kind>(kind);

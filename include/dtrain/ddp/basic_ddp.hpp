@@ -308,6 +308,26 @@ class basic_ddp {
   /// piece's values (state at piece.state_offset), then gather_parameters().
   /// Without sharding (or on one rank): every parameter, whole.
   [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
+  /// This rank's shard as ranges of the whole model's elements (the
+  /// parameters concatenated in index order): `global` where a piece starts
+  /// there, `local` its state_offset. For checkpoint::add_sharded, which
+  /// re-cuts sharded optimizer state for another world size.
+  [[nodiscard]] std::vector<shard_range> shard_ranges() const {
+    std::vector<std::uint64_t> first(vars_.size() + 1, 0);
+    for (std::size_t i = 0; i < vars_.size(); ++i)
+      first[i + 1] = first[i] + vars_[i].param.values.count;
+    std::vector<shard_range> out;
+    out.reserve(pieces_.size());
+    for (const shard_piece& p : pieces_)
+      out.push_back({first[p.parameter] + p.offset, p.state_offset, p.values.count});
+    return out;
+  }
+  /// Elements of the whole model (every parameter's), the `total` of shard_ranges().
+  [[nodiscard]] std::uint64_t model_elements() const noexcept {
+    std::uint64_t n = 0;
+    for (const variable& v : vars_) n += v.param.values.count;
+    return n;
+  }
   /// What DDP holds itself on this rank (buckets, shards, scratch), in bytes.
   [[nodiscard]] ddp_memory_use memory_use() const {
     ddp_memory_use use;

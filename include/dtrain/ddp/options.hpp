@@ -68,6 +68,15 @@ struct shard_piece {
   buffer gradients;              ///< their averaged gradients (DDP's memory), same count
 };
 
+/// One range of a sharded array that this rank holds (DistributedDataParallel::
+/// shard_ranges(), checkpoint::add_sharded): `count` elements starting at
+/// `global` in the whole array, at `local` in this rank's own.
+struct shard_range {
+  std::uint64_t global = 0;
+  std::uint64_t local = 0;
+  std::uint64_t count = 0;
+};
+
 /// The memory DistributedDataParallel holds itself, per rank, in bytes
 /// (DistributedDataParallel::memory_use()); the model's values, and its own
 /// gradient buffers where they are not bucket views, are the model's.
