@@ -265,6 +265,61 @@ TEST_SUITE("gpu") {
     }
   }
 
+  TEST_CASE("sharding at world size 1 on the GPU: pieces in device memory, the norm, the update") {
+    // (Two and more ranks of the same code: ddp.device_rules.shard, NCCL's rules on the host.)
+    const test_stream owned;
+    for (const auto stage : {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+      CAPTURE(dtrain::to_string(stage));
+      world_of_one world;
+      device_model model(false);
+      dtrain::DistributedDataParallel<device_model, policy> ddp(world.comm, world.control, model,
+                                                                {.bucket_cap_mb = 0.1,
+                                                                 .first_bucket_cap_mb = 0.01,
+                                                                 .always_reduce = true,
+                                                                 .sharding = stage});
+      ddp.set_stream(owned.stream);
+      std::size_t elements = 0;
+      for (std::size_t n : model.sizes) elements += n;
+      CHECK(ddp.shard_elements() == elements);
+      double squares = 0;
+      for (std::size_t p = model.sizes.size(); p-- > 0;) {
+        std::vector<float> g(model.sizes[p]);
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          g[i] = gradient(p, i, 0);
+          squares += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+        }
+        GPU_CHECK(cudaMemcpyAsync(model.grads[p], g.data(), g.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice, owned.stream));
+        GPU_CHECK(cudaStreamSynchronize(owned.stream));
+        ddp.mark_ready(p);
+      }
+      ddp.synchronize();
+      CHECK(ddp.gradient_norm() == doctest::Approx(std::sqrt(squares)));
+      // The update: w -= g / 2 on each piece, through the host (a kernel in a real trainer).
+      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+        REQUIRE(piece.values.where == dtrain::memory::device);
+        std::vector<float> w =
+            download(static_cast<const float*>(piece.values.data), piece.values.count);
+        const std::vector<float> g =
+            download(static_cast<const float*>(piece.gradients.data), piece.values.count);
+        for (std::size_t k = 0; k < w.size(); ++k) w[k] -= 0.5f * g[k];
+        upload(static_cast<float*>(piece.values.data), w);
+      });
+      GPU_CHECK(cudaStreamSynchronize(owned.stream));
+      for (std::size_t p = 0; p < model.sizes.size(); ++p) {
+        const std::vector<float> w = download(model.values[p]->data, model.sizes[p]);
+        std::size_t wrong = 0;
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          const float expected = static_cast<float>(p + 1) + 0.5f - 0.5f * gradient(p, i, 0);
+          wrong += w[i] == expected ? 0 : 1;
+        }
+        INFO("layer ", p);
+        CHECK(wrong == 0);
+      }
+      CHECK_THROWS_AS(ddp.optimizer_step([](const dtrain::shard_piece&) {}), dtrain::error);
+    }
+  }
+
   TEST_CASE("comm hooks see the bucket on the device and the compute stream") {
     const test_stream owned;
     cudaStream_t stream = owned.stream;
