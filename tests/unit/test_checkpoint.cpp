@@ -426,6 +426,39 @@ TEST_CASE("checkpoint: a sharded entry is re-cut for another world size, by ever
   });
 }
 
+TEST_CASE(
+    "ddp agreement: rank 0's values reach every rank through windows smaller than a parameter") {
+  // (Here for its ranks over a store: DDP's construction broadcasts so, 64 MiB at a time.)
+  const auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
+    std::vector<std::vector<float>> values = {std::vector<float>(5), std::vector<float>(1),
+                                              std::vector<float>(13)};
+    std::vector<double> buffer(3);
+    auto fill = [&](int who) {
+      float x = static_cast<float>(who) * 100.0f;
+      for (auto& v : values) {
+        for (float& f : v) f = x++;
+      }
+      for (double& d : buffer) d = x++;
+    };
+    fill(rank);
+    std::vector<dtrain::parameter> params, buffers;
+    for (std::size_t p = 0; p < values.size(); ++p)
+      params.push_back(dtrain::param("p" + std::to_string(p), values[p]));
+    buffers.push_back(dtrain::param("b", buffer));
+    for (const std::size_t window : {std::size_t{7}, std::size_t{1}, std::size_t{1000}}) {
+      fill(rank);
+      dtrain::detail::broadcast_values(
+          plane, params, buffers, [](const dtrain::buffer&) {}, window);
+      const auto got_values = values;
+      const auto got_buffer = buffer;
+      fill(0);
+      CHECK(got_values == values);
+      CHECK(got_buffer == buffer);
+    }
+  });
+  for (const auto& f : failures) CHECK(f == "");
+}
+
 TEST_CASE("checkpoint: a damaged newest checkpoint is skipped, by name, for the one before") {
   for (const bool truncate : {true, false}) {
     scratch_dir dir;

@@ -274,32 +274,50 @@ DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& cont
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
+/// broadcast_values' scratch by default: the host values travel in windows of this many bytes.
+inline constexpr std::size_t broadcast_window_bytes = std::size_t{64} << 20;
+
 /// Collective: every rank's parameter and buffer values become rank 0's.
-/// Host values travel packed over the control plane; device values one by
-/// one through `device_broadcast(buffer)`, which returns once the broadcast is
-/// complete (the device engine: the only device traffic besides the buckets).
+/// Host values travel packed over the control plane, a window at a time;
+/// device values one by one through `device_broadcast(buffer)`, which returns
+/// once the broadcast is complete (the device engine: the only device
+/// traffic besides the buckets).
 template <class DeviceBroadcast>
 void broadcast_values(control_plane& control, std::span<const parameter> params,
-                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast) {
+                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast,
+                      std::size_t window = broadcast_window_bytes) {
   std::vector<const parameter*> host, device;
   for (auto list : {params, buffers}) {
     for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
   }
   std::size_t total = 0;
   for (const parameter* p : host) total += p->bytes();
-  if (total > 0) {
-    std::vector<std::uint8_t> packed(total);
-    std::size_t at = 0;
-    for (const parameter* p : host) {
-      std::memcpy(packed.data() + at, p->values.data, p->bytes());
-      at += p->bytes();
-    }
-    control.broadcast(packed, 0);
-    at = 0;
-    for (const parameter* p : host) {
-      std::memcpy(p->values.data, packed.data() + at, p->bytes());
-      at += p->bytes();
-    }
+  // The host values as one stream of bytes, broadcast a window at a time:
+  // a model's worth of scratch would double its memory at construction.
+  std::vector<std::uint8_t> packed(std::min(total, std::max<std::size_t>(window, 1)));
+  for (std::size_t begin = 0; begin < total; begin += packed.size()) {
+    const std::size_t end = std::min(total, begin + packed.size());
+    // Copies bytes [begin, end) of the stream between the parameters and `packed`.
+    auto move_window = [&](bool into_packed) {
+      std::size_t at = 0;  // the parameter's first byte in the stream
+      for (const parameter* p : host) {
+        const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p->bytes());
+        if (lo < hi) {
+          auto* mine = static_cast<std::uint8_t*>(p->values.data) + (lo - at);
+          std::uint8_t* theirs = packed.data() + (lo - begin);
+          if (into_packed) {
+            std::memcpy(theirs, mine, hi - lo);
+          } else {
+            std::memcpy(mine, theirs, hi - lo);
+          }
+        }
+        at += p->bytes();
+        if (at >= end) break;
+      }
+    };
+    move_window(true);
+    control.broadcast(std::span<std::uint8_t>(packed.data(), end - begin), 0);
+    move_window(false);
   }
   for (const parameter* p : device) {
     if (p->values.count > 0) device_broadcast(p->values);
