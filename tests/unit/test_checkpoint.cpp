@@ -442,8 +442,11 @@ TEST_CASE(
     };
     fill(rank);
     std::vector<dtrain::parameter> params, buffers;
-    for (std::size_t p = 0; p < values.size(); ++p)
-      params.push_back(dtrain::param("p" + std::to_string(p), values[p]));
+    for (std::size_t p = 0; p < values.size(); ++p) {
+      std::string name = "p";  // (not "p" + to_string: GCC 12's -Wrestrict misfires at -O2)
+      name += std::to_string(p);
+      params.push_back(dtrain::param(name, values[p]));
+    }
     buffers.push_back(dtrain::param("b", buffer));
     for (const std::size_t window : {std::size_t{7}, std::size_t{1}, std::size_t{1000}}) {
       fill(rank);
