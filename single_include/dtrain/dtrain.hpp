@@ -18619,6 +18619,7 @@ void basic_ddp<Policy>::change_stream(stream_type compute) {
     b.grads.set_stream(compute);
     b.wire.set_stream(compute);
     b.shard.set_stream(compute);
+    b.owned.set_stream(compute);
   }
   stream_ = compute;
 }
@@ -23043,7 +23044,7 @@ class checkpoint {
                              " is a whole of " + std::to_string(saved.total) +
                              " elements, and here of " + std::to_string(e.total));
     }
-    std::uint64_t& covered = recut_[e.name];
+    auto& covered = recut_[e.name];    // the global intervals of this rank's elements it got
     std::size_t at = saved.values_at;  // the saved range's values in the payload
     for (const auto& [global, count] : saved.ranges) {
       for (const shard_range& mine : e.ranges) {
@@ -23052,7 +23053,7 @@ class checkpoint {
         if (lo >= hi) continue;
         std::memcpy(static_cast<char*>(e.values.data) + (mine.local + lo - mine.global) * element,
                     payload.data() + at + (lo - global) * element, (hi - lo) * element);
-        covered += hi - lo;
+        covered.emplace_back(lo, hi);
       }
       at += static_cast<std::size_t>(count * element);
     }
@@ -23063,8 +23064,18 @@ class checkpoint {
       if (e.kind != detail::ckpt::entry_kind::sharded) continue;
       std::uint64_t needed = 0;
       for (const shard_range& r : e.ranges) needed += r.count;
-      const auto it = recut_.find(e.name);
-      const std::uint64_t got = it == recut_.end() ? 0 : it->second;
+      // Saved ranges may overlap (every rank held everything): count each element once.
+      std::uint64_t got = 0;
+      if (auto it = recut_.find(e.name); it != recut_.end()) {
+        auto intervals = it->second;
+        std::ranges::sort(intervals);
+        std::uint64_t reached = 0;
+        for (const auto& [lo, hi] : intervals) {
+          const std::uint64_t from = std::max(lo, reached);
+          if (hi > from) got += hi - from;
+          reached = std::max(reached, hi);
+        }
+      }
       if (got != needed) {
         throw checkpoint_error("checkpoint: sharded entry '" + e.name +
                                "': the checkpoint's ranks held " + std::to_string(got) +
@@ -23185,8 +23196,9 @@ class checkpoint {
   std::thread committer_;                  // rank 0's commit of an asynchronous save
   checkpoint_timings timings_;
   bool warned_slow_writer_ = false;
-  std::map<std::string, std::uint64_t> recut_;  // restore(): elements each sharded entry got
-  std::string commit_failure_;                  // what it could not do
+  // restore(): the global intervals each sharded entry got, of the elements this rank holds
+  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
+  std::string commit_failure_;  // what it could not do
 };
 
 }  // namespace dtrain

@@ -406,6 +406,32 @@ TEST_CASE("checkpoint: a sharded entry is re-cut for another world size, by ever
     });
     for (const auto& f : failures) CHECK(f == "");
   }
+  // Saved by 2 ranks that each held the whole (overlapping ranges), restored by 3: each
+  // element counts once.
+  scratch_dir whole;
+  failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    std::vector<float> all(total);
+    for (std::uint64_t g = 0; g < total; ++g) all[g] = whole_value(g);
+    dtrain::checkpoint c(plane, {.dir = whole.path, .quiet = true});
+    c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(all)),
+                  {{.global = 0, .local = 0, .count = total}}, total);
+    c.save();
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {
+    const auto ranges = cut(rank, 3, total, 0);
+    std::vector<float> mine(total / 3 + 1);
+    dtrain::checkpoint c(plane, {.dir = whole.path, .quiet = true});
+    c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), ranges, total);
+    CHECK(c.restore() == 0u);
+    bool same = true;
+    for (const auto& r : ranges) {
+      for (std::uint64_t k = 0; k < r.count; ++k)
+        same = same && mine[r.local + k] == whole_value(r.global + k);
+    }
+    CHECK(same);
+  });
+  for (const auto& f : failures) CHECK(f == "");
   // A whole of another size, and ranges the checkpoint's ranks did not hold, are refused by name.
   failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
     std::vector<float> mine(total);

@@ -192,6 +192,7 @@ void basic_ddp<Policy>::change_stream(stream_type compute) {
     b.grads.set_stream(compute);
     b.wire.set_stream(compute);
     b.shard.set_stream(compute);
+    b.owned.set_stream(compute);
   }
   stream_ = compute;
 }
