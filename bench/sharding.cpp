@@ -2,7 +2,7 @@
 // costs against DDP (issue 34). Its own per-node launcher with Gloo workers
 // (4 by default; DTRAIN_NPROC_PER_NODE=N for N):
 //
-//   build/bench/sharding [--layers 8] [--floats 262144] [--compute-us 2000]
+//   build/bench/sharding [--layers 32] [--floats 65536] [--compute-us 500]
 //                        [--steps 8] [--rounds 5] [--budget-mib 256]
 //
 // The model: L layers of P float32 each, trained with Adam (fp32: two moments
@@ -11,10 +11,14 @@
 // group wait), so every figure of a table comes from the same run.
 //
 // Table 1, memory per rank: the parameters (the model's), DDP's own memory
-// (DistributedDataParallel::memory_use(): the gradient buckets, padding
-// included, and the shards) and the optimizer state, in bytes, for sharding
-// none, optimizer (stage 1) and gradients (stage 2), at 1, 2 and 4 ranks.
-// Goal: stage 2's optimizer state at most DDP's / N plus the padding.
+// held between steps (DistributedDataParallel::memory_use().held(): the
+// gradient buckets, padding included, and the shards; at stage 2 the buckets'
+// pages are given back after each reduce-scatter and allgather, so they are
+// not held) and the optimizer state, in bytes, for sharding none, optimizer
+// (stage 1) and gradients (stage 2), at 1, 2 and 4 ranks; beside them, what
+// the run really took: the growth of the process's peak resident memory
+// (VmHWM) while the model was built and trained 2 steps. Goal: stage 2's
+// optimizer state at most DDP's / N plus the padding.
 //
 // Table 2, step time (2 and 4 ranks): a step is each layer's backward
 // (`--compute-us` of sleep: a GPU computing while the CPU is free), marking it
@@ -23,14 +27,16 @@
 // the slowest rank's mean step. ratio = step / DDP's; goal at most 1.1.
 //
 // Table 3, the largest model within --budget-mib per rank (4 ranks): from the
-// bytes per parameter of table 1, the most parameters that fit for DDP and for
-// stage 2; each is then built and trained 2 steps, and the growth of the
-// process's peak resident memory is printed beside the budget.
+// measured bytes per parameter of table 1 (peak resident growth), the most
+// parameters that fit for DDP and for stage 2; each is then built and trained
+// 2 steps and rescaled by the peak it took, three times, and the last size
+// and its peak resident growth are printed beside the budget.
 
 #include <dtrain/dtrain.hpp>
 
 #include "flags.hpp"
 
+#include <malloc.h>
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -52,9 +58,9 @@ using clock_type = std::chrono::steady_clock;
 using dtrain::sharding;
 
 struct settings {
-  std::size_t layers = 8;
-  std::size_t floats = 262144;  // per layer: 1 MiB
-  double compute_us = 2000;
+  std::size_t layers = 32;
+  std::size_t floats = 65536;  // per layer: 256 KiB, a bucket each
+  double compute_us = 500;
   int steps = 8;
   int rounds = 5;
   std::size_t budget_mib = 256;
@@ -65,7 +71,7 @@ const dtrain_bench::flag_reader flags{"dtrain_bench_sharding"};
 settings parse(int argc, char** argv) {
   settings s;
   flags.each(argc, argv,
-             "usage: dtrain_bench_sharding [--layers 8] [--floats 262144] [--compute-us 2000] "
+             "usage: dtrain_bench_sharding [--layers 32] [--floats 65536] [--compute-us 500] "
              "[--steps 8] [--rounds 5] [--budget-mib 256]",
              [&](std::string_view flag, std::string_view value) {
                if (flag == "--layers") {
@@ -139,8 +145,12 @@ using ddp_type = dtrain::basic_ddp<Policy>;
 
 struct memory_row {
   std::size_t parameters = 0, ddp = 0, optimizer = 0;
+  std::size_t peak = 0;  ///< measured: peak resident growth over the run (0: not measured)
   [[nodiscard]] std::size_t total() const { return parameters + ddp + optimizer; }
 };
+
+bool reset_peak_resident();
+std::size_t peak_resident();
 
 /// One DDP of `mode` over `comm` on a model of layers x floats; `steps` steps;
 /// returns the mean step time and the memory.
@@ -151,6 +161,8 @@ struct run_result {
 
 run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t layers,
                  std::size_t floats, double compute_us, int steps) {
+  const bool measured = reset_peak_resident();
+  const std::size_t before = peak_resident();
   layered_model model(layers, floats);
   ddp_type ddp(comm, model.parameters(), {},
                {.bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
@@ -173,8 +185,8 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
   for (int s = 0; s < steps; ++s) step();
   run_result out;
   out.step_seconds = std::chrono::duration<double>(clock_type::now() - start).count() / steps;
-  out.memory = {model.values.size() * floats * sizeof(float), ddp.memory_use().total(),
-                opt.bytes()};
+  out.memory = {model.values.size() * floats * sizeof(float), ddp.memory_use().held(), opt.bytes(),
+                measured ? peak_resident() - before : 0};
   return out;
 }
 
@@ -222,7 +234,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   for (std::size_t g = 0; g < sizes.size(); ++g) {
     for (std::size_t m = 0; m < modes.size(); ++m) {
       if (groups[g].valid())
-        memory[g][m] = train(groups[g], modes[m], s.layers, s.floats, 0, 1).memory;
+        memory[g][m] = train(groups[g], modes[m], s.layers, s.floats, s.compute_us, 1).memory;
       ctx.barrier();
     }
   }
@@ -233,14 +245,16 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
         "bytes:\n\n",
         s.layers, s.floats, static_cast<double>(s.layers * s.floats * 4) / mib);
     std::printf(
-        "| ranks | sharding | parameters | DDP's buckets + shards | optimizer state | "
-        "total | optimizer state / DDP's |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: |\n");
+        "| ranks | sharding | parameters | DDP's buckets + shards (held) | optimizer state | "
+        "total | measured: peak resident growth | optimizer state / DDP's | peak / DDP's |\n"
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for (std::size_t g = 0; g < sizes.size(); ++g) {
       for (std::size_t m = 0; m < modes.size(); ++m) {
         const memory_row& r = memory[g][m];
-        std::printf("| %d | %s | %zu | %zu | %zu | %zu | %.3f |\n", sizes[g], name_of(modes[m]),
-                    r.parameters, r.ddp, r.optimizer, r.total(),
-                    static_cast<double>(r.optimizer) / static_cast<double>(memory[g][0].optimizer));
+        std::printf("| %d | %s | %zu | %zu | %zu | %zu | %zu | %.3f | %.3f |\n", sizes[g],
+                    name_of(modes[m]), r.parameters, r.ddp, r.optimizer, r.total(), r.peak,
+                    static_cast<double>(r.optimizer) / static_cast<double>(memory[g][0].optimizer),
+                    static_cast<double>(r.peak) / static_cast<double>(memory[g][0].peak));
       }
     }
     std::fflush(stdout);
@@ -283,38 +297,56 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   const double elements = static_cast<double>(s.layers * s.floats);
   const auto budget = static_cast<double>(s.budget_mib) * mib;
   std::array<std::size_t, 2> fits{};  // floats per layer: DDP, stage 2
+  // Bytes per parameter as measured (peak resident growth); as counted where
+  // the peak could not be measured.
+  auto per_element = [&](const memory_row& r) {
+    return static_cast<double>(r.peak > 0 ? r.peak : r.total()) / elements;
+  };
   for (std::size_t k = 0; k < 2; ++k) {
-    const memory_row& r = memory[g][k == 0 ? 0 : 2];
-    const double per_element = static_cast<double>(r.total()) / elements;
-    fits[k] = static_cast<std::size_t>(budget / per_element / static_cast<double>(s.layers));
+    // Every rank the same model: the most bytes per parameter any rank took.
+    std::array<double, 1> most{groups[g].valid() ? per_element(memory[g][k == 0 ? 0 : 2]) : 0.0};
+    dtrain::allreduce(ctx.communicator(), most, dtrain::reduce_op::max).wait();
+    fits[k] = static_cast<std::size_t>(budget / most[0] / static_cast<double>(s.layers));
   }
+  // Measured, a model's bytes per parameter depend a little on its size (the
+  // buckets in flight, the allocator): each size is trained and rescaled to
+  // the budget by what it took, three times, and the last is reported.
   std::array<std::size_t, 2> grown{};
   for (std::size_t k = 0; k < 2; ++k) {
-    std::array<double, 1> growth{0};
-    if (groups[g].valid()) {
-      if (!reset_peak_resident()) growth[0] = -1;  // the peak of another run would be counted
-      const std::size_t before = peak_resident();
-      (void)train(groups[g], k == 0 ? sharding::none : sharding::gradients, s.layers, fits[k], 0,
-                  2);
-      if (growth[0] == 0) growth[0] = static_cast<double>(peak_resident() - before);
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      std::array<double, 1> growth{0};
+      if (groups[g].valid()) {
+        const run_result r = train(groups[g], k == 0 ? sharding::none : sharding::gradients,
+                                   s.layers, fits[k], s.compute_us, 1);
+        growth[0] = r.memory.peak > 0 ? static_cast<double>(r.memory.peak) : -1;
+      }
+      dtrain::allreduce(ctx.communicator(), growth, dtrain::reduce_op::max).wait();
+      if (growth[0] <= 0) {
+        grown[k] = static_cast<std::size_t>(-1);
+        break;
+      }
+      grown[k] = static_cast<std::size_t>(growth[0]);
+      if (attempt < 2) {
+        fits[k] = static_cast<std::size_t>(static_cast<double>(fits[k]) * budget / growth[0]);
+      }
     }
-    dtrain::allreduce(ctx.communicator(), growth, dtrain::reduce_op::max).wait();
-    grown[k] = growth[0] < 0 ? static_cast<std::size_t>(-1) : static_cast<std::size_t>(growth[0]);
   }
   if (main) {
     std::printf(
         "\nThe largest model within %zu MiB per rank, %d ranks, Adam (fp32):\n\n"
-        "| sharding | parameters | bytes per parameter | peak resident growth, trained 2 "
-        "steps |\n| --- | ---: | ---: | ---: |\n",
+        "| sharding | parameters | bytes per parameter (measured) | peak resident growth, "
+        "trained 2 steps |\n| --- | ---: | ---: | ---: |\n",
         s.budget_mib, sizes[g]);
     for (std::size_t k = 0; k < 2; ++k) {
-      const memory_row& r = memory[g][k == 0 ? 0 : 2];
       const std::string growth = grown[k] == static_cast<std::size_t>(-1)
                                      ? std::string("n/a (no /proc/self/clear_refs)")
                                      : std::to_string(grown[k] >> 20) + " MiB";
       std::printf("| %s | %zu | %.2f | %s |\n",
                   name_of(k == 0 ? sharding::none : sharding::gradients), fits[k] * s.layers,
-                  static_cast<double>(r.total()) / elements, growth.c_str());
+                  grown[k] == static_cast<std::size_t>(-1)
+                      ? 0.0
+                      : static_cast<double>(grown[k]) / static_cast<double>(fits[k] * s.layers),
+                  growth.c_str());
     }
     std::printf("\nratio (stage 2 / DDP): %.2f\n",
                 static_cast<double>(fits[1]) / static_cast<double>(fits[0]));
@@ -327,6 +359,10 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Large blocks from their own mappings, returned at free: a run's peak
+  // resident memory is its own, not what an earlier run left in the heap.
+  mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+  mallopt(M_TRIM_THRESHOLD, 64 * 1024);
   const settings s = parse(argc, argv);
   dtrain::run_options options;
   options.agent.nproc_per_node = 4;

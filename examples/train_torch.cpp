@@ -157,9 +157,9 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     checkpoint.emplace(
         ctx, dtrain::checkpoint_options{.dir = s.checkpoint_dir, .every = s.checkpoint_every});
     dtrain::torch::add_module(*checkpoint, model);
-    dtrain::torch::add_optimizer(
-        *checkpoint, optimizer, "optimizer",
-        sharded ? dtrain::checkpoint_scope::per_rank : dtrain::checkpoint_scope::replicated);
+    // Sharded, each rank saves its shard of the momentum; a job of another
+    // size re-cuts it (without sharding: the optimizer, replicated).
+    dtrain::torch::add_optimizer(*checkpoint, optimizer, ddp);
     dtrain::torch::add_sampler(*checkpoint, sampler);
     if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
       std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",

@@ -4038,6 +4038,60 @@ class shm_segment {
     }
   }
 
+  /// `out` (`block` elements) becomes the reduction of every rank's block
+  /// `rank()` of `in` (size() x `block` elements): a reduce-scatter, with the
+  /// same bits as allreduce() gives that block (each element reduced in rank
+  /// order) and half its copies. Every rank calls it with the same block,
+  /// type and op, in the same order among its collectives on the segment.
+  /// In chunks: each rank copies the part of every other rank's block into
+  /// its slot, and once all have, reduces its own block's part from the
+  /// slots into `out`. Throws shm_failure as allreduce.
+  template <element T>
+  void reduce_scatter(const T* in, T* out, std::size_t block, reduce_op op,
+                      std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    if (size_ == 1) {
+      if (in != out && block > 0) std::memcpy(out, in, block * sizeof(T));
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const std::size_t chunk = std::max<std::size_t>(1, slot_ / sizeof(T) / ranks);  // per block
+    const std::size_t chunks = (block + chunk - 1) / chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * chunk;
+      const std::size_t n = block - offset < chunk ? block - offset : chunk;
+      const std::uint32_t k = ++chunk_;
+      // 1. This chunk of every other rank's block into this rank's slot, at
+      //    q x n. Every rank finished reading the slots of the previous chunk
+      //    before it announced that chunk reduced.
+      for (std::size_t q = 0; q < ranks; ++q) {
+        if (q != me) std::memcpy(slot<T>(me) + q * n, in + q * block + offset, n * sizeof(T));
+      }
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. This rank's block, over every rank's data in rank order.
+      const auto from = [&](std::size_t q) {
+        return q == me ? in + me * block + offset : slot<T>(q) + me * n;
+      };
+      T* result = out + offset;
+      if (out == in + me * block) {
+        // `out` is this rank's block of `in` (in place): combine through the result slot.
+        T* staged = slot<T>(ranks) + me * n;
+        shm_combine(staged, from(0), from(1), n, op);
+        for (std::size_t q = 2; q < ranks; ++q) shm_reduce(staged, from(q), n, op);
+        std::memcpy(result, staged, n * sizeof(T));
+      } else {
+        shm_combine(result, from(0), from(1), n, op);
+        for (std::size_t q = 2; q < ranks; ++q) shm_reduce(result, from(q), n, op);
+      }
+      if (op == reduce_op::avg) divide_host(buffer{result, n, dtype_of<T>}, size_);
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "reduce", c, chunks);
+    }
+  }
+
   /// `out` (size() x `bytes`) becomes every rank's `in` (`bytes` each), in
   /// rank order; `in` may be this rank's block of `out`. Every rank calls it
   /// with the same `bytes`, in the same order among its collectives on the
@@ -4739,7 +4793,8 @@ DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseco
 // it). So this is an allreduce of the whole input into a scratch buffer and a
 // copy of this rank's block: correct, at twice the traffic of a real
 // reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
-// input-sized allocation. On one host the allreduce goes through shared memory.
+// input-sized allocation. On one host it is a reduce-scatter through the
+// shared-memory segment (shm_segment::reduce_scatter).
 template <element T>
 void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
                              std::chrono::milliseconds timeout) {
@@ -4749,6 +4804,12 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
     std::memcpy(out.data, in.data, in.bytes());
     return;
   }
+#if DTRAIN_HAS_SHM()
+  if (s.shm.valid()) {  // every rank on this host: a real reduce-scatter, no scratch
+    s.shm.reduce_scatter(static_cast<const T*>(in.data), static_cast<T*>(out.data), n, op, timeout);
+    return;
+  }
+#endif
   std::vector<T> scratch(in.count);
   const reduce_op sum_op = op == reduce_op::avg ? reduce_op::sum : op;  // divide this block only
   gloo_run_allreduce<T>(s, in, buffer{scratch.data(), scratch.size(), in.type}, sum_op, timeout);
@@ -6539,7 +6600,10 @@ static_assert(communicator<gloo_communicator>);
 /// its backend_traits, so the algorithm that uses them reads the same for all.
 
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cerrno>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -6607,6 +6671,30 @@ struct host_memory {
   static void release(void* data, int /*device*/, stream_type) noexcept { ::operator delete(data); }
   static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
     if (bytes) std::memset(data, 0, bytes);
+  }
+  /// Memory whose pages can be given back to the system while its addresses
+  /// stay valid: whole pages mapped for `bytes`, zero, and resident only once
+  /// written (config_error when the mapping fails).
+  [[nodiscard]] static void* allocate_pages(std::size_t bytes) {
+    void* data = ::mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      throw config_error("dtrain: cannot map " + std::to_string(bytes) +
+                         " bytes of gradient memory: " + std::strerror(errno));
+    }
+#ifdef MADV_HUGEPAGE
+    // Huge pages where the system offers them: one fault per 2 MiB written.
+    if (bytes >= (std::size_t{2} << 20)) static_cast<void>(::madvise(data, bytes, MADV_HUGEPAGE));
+#endif
+    return data;
+  }
+  /// Gives the pages of [data, data + bytes) back (memory from allocate_pages):
+  /// they read zero and hold no memory until written again.
+  static void drop_pages(void* data, std::size_t bytes) noexcept {
+    if (bytes && ::madvise(data, bytes, MADV_DONTNEED) != 0) std::memset(data, 0, bytes);
+  }
+  static void release_pages(void* data, std::size_t bytes) noexcept {
+    ::munmap(data, bytes == 0 ? 1 : bytes);
   }
   static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
     if (dst != src && bytes) std::memcpy(dst, src, bytes);
@@ -12940,6 +13028,20 @@ struct flat {
     }
     /// The same without scratch (flat needs none).
     work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
+    /// Where this rank's part of a reduce_scatter() lies: part world().rank().
+    [[nodiscard]] std::size_t shard_position() const {
+      return static_cast<std::size_t>(world_->rank());
+    }
+    /// The reduction of `data` over every rank, this rank's part of it
+    /// (part shard_position() of size()) into `out`.
+    work reduce_scatter(buffer data, buffer /*shard*/, buffer out, reduce_op op,
+                        stream_handle stream = nullptr) {
+      return detail::reduce_scatter_on(*world_, data, out, op, stream);
+    }
+    /// Every rank's `in` into `data`, each at its shard_position().
+    work allgather(buffer in, buffer /*shard*/, buffer data, stream_handle stream = nullptr) {
+      return detail::allgather_on(*world_, in, data, stream);
+    }
     /// Makes `stream` wait for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);
@@ -13088,6 +13190,72 @@ struct hierarchical {
       return run(data, shard, op, nullptr, std::move(scratch));
     }
 
+    /// Where this rank's part of a reduce_scatter() lies (in parts of
+    /// data.count / world().size()): local rank x nodes + node rank, so that
+    /// a node-local reduce-scatter and then a cross-node one leave it there;
+    /// the world rank when the collectives run flat.
+    [[nodiscard]] std::size_t shard_position() const {
+      if (!local_) return static_cast<std::size_t>(world_->rank());
+      return static_cast<std::size_t>(local_->rank()) * static_cast<std::size_t>(cross_->size()) +
+             static_cast<std::size_t>(cross_->rank());
+    }
+
+    /// The reduction of `data` over every rank, this rank's part of it (part
+    /// shard_position() of world().size()) into `out`: a node-local
+    /// reduce_scatter into `shard` (scratch of shard_count(data.count)
+    /// elements, as for allreduce), then a cross-node reduce_scatter of it
+    /// into `out`. Only 1/L of the data crosses the nodes, as in allreduce().
+    /// data.count must be a multiple of world().size() (config_error).
+    work reduce_scatter(buffer data, buffer shard, buffer out, reduce_op op,
+                        stream_handle stream = nullptr) {
+      if (!local_) return detail::reduce_scatter_on(*world_, data, out, op, stream);
+      const std::string what = detail::describe(
+          "hierarchical reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(data),
+          world_->rank(), world_->size(), C::name);
+      buffer part = two_level_scratch(what, data, shard, out);
+      C& local = *local_;
+      C& cross = *cross_;
+      std::vector<detail::work_sequence::step> steps;
+      steps.push_back({"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks",
+                       [&local, data, part, op, stream] {
+                         return detail::reduce_scatter_on(local, data, part, op, stream);
+                       },
+                       1, -1});
+      steps.push_back({"cross-node reduce_scatter over " + std::to_string(cross.size()) + " nodes",
+                       [&local, &cross, part, out, op] {
+                         return detail::reduce_scatter_on(cross, part, out, op,
+                                                          detail::stream_after(local));
+                       },
+                       2, 0});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
+    /// Every rank's `in` into `data`, each at its shard_position(): a
+    /// cross-node allgather into `shard` (scratch as for reduce_scatter()),
+    /// then a node-local allgather of it into `data`.
+    work allgather(buffer in, buffer shard, buffer data, stream_handle stream = nullptr) {
+      if (!local_) return detail::allgather_on(*world_, in, data, stream);
+      const std::string what = detail::describe("hierarchical allgather", detail::shape(data),
+                                                world_->rank(), world_->size(), C::name);
+      buffer part = two_level_scratch(what, data, shard, in);
+      C& local = *local_;
+      C& cross = *cross_;
+      std::vector<detail::work_sequence::step> steps;
+      steps.push_back(
+          {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+           [&cross, in, part, stream] { return detail::allgather_on(cross, in, part, stream); }, 2,
+           -1});
+      steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
+                       [&local, &cross, part, data] {
+                         return detail::allgather_on(local, part, data,
+                                                     detail::stream_after(cross));
+                       },
+                       1, 0});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
     /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);
@@ -13196,6 +13364,29 @@ struct hierarchical {
       return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
                                                           detail::stream_ordered<C>,
                                                           std::move(keep_alive)));
+    }
+
+    // The node's part of `data` in `shard` for a two-level reduce_scatter or
+    // allgather whose rank part is `part` (data.count / world size elements).
+    [[nodiscard]] buffer two_level_scratch(const std::string& what, const buffer& data,
+                                           const buffer& shard, const buffer& part) const {
+      detail::argument_check check{what};
+      check.same_type(data, shard);
+      check.same_type(data, part);
+      const auto ranks = static_cast<std::size_t>(world_->size());
+      if (data.count % ranks != 0 || part.count != data.count / ranks) {
+        check.fail("the whole has " + std::to_string(data.count) + " elements and a rank's part " +
+                   std::to_string(part.count) + "; the whole must be " + std::to_string(ranks) +
+                   " parts of that size");
+      }
+      buffer node = shard;
+      node.count = shard_count(data.count);
+      if (shard.count < node.count) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(node.count) + " (shard_count(" + std::to_string(data.count) +
+                   "))");
+      }
+      return node;
     }
 
     // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
@@ -16123,7 +16314,16 @@ struct ddp_memory_use {
   std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
   std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
   std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  /// Stage 2 on the host: the buckets' pages are resident only while a
+  /// bucket is being filled or is in flight (given back after its
+  /// reduce-scatter and after its allgather), so `buckets` is address space
+  /// and held() leaves it out.
+  bool transient_buckets = false;
   [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+  /// What stays allocated between steps.
+  [[nodiscard]] std::size_t held() const noexcept {
+    return total() - (transient_buckets ? buckets : 0);
+  }
 };
 
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
@@ -16567,6 +16767,24 @@ class thread_runner {
     if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
+  /// Blocks the caller while more than `most` launched buckets are not yet
+  /// reduced, reducing one itself when the thread is idle (each bounded by
+  /// the collective timeout; at once after a failure): bounds the gradient
+  /// memory in flight when the backward pass writes faster than the buckets
+  /// travel. The step is bound by the communication then anyway.
+  void throttle(std::size_t most) {
+    std::unique_lock lock(mutex_);
+    while (!failure_ && queue_.size() + (busy_ ? 1 : 0) > most) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        ++throttled_;
+        done_wake_.wait(lock);
+        --throttled_;
+      }
+    }
+  }
+
   /// Waits until the `count` buckets of this step are done, reducing queued
   /// ones on the calling thread while the runner's thread is idle; then the
   /// next step starts counting from zero. Returns the first failure, or null.
@@ -16623,7 +16841,7 @@ class thread_runner {
     ++done_;
     // Once the caller waits in complete(), the queue is the caller's: the
     // thread finishes the bucket it holds and hands over (one wake-up).
-    if (completing_) done_wake_.notify_one();
+    if (completing_ || throttled_ > 0) done_wake_.notify_all();
   }
 
   Owner& owner_;
@@ -16634,6 +16852,7 @@ class thread_runner {
   std::size_t done_ = 0;
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
   bool completing_ = false;  // the caller is in complete(): the queue is its own
+  int throttled_ = 0;        // callers waiting in throttle()
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -16678,6 +16897,9 @@ class stream_runner {
   /// (each within its timeout); returns the first failure, or null.
   std::exception_ptr drain() { return watchdog_.drain(); }
 
+  /// The device orders the buckets; the host does not wait for them.
+  void throttle(std::size_t /*most*/) noexcept {}
+
  private:
   Owner& owner_;
   watchdog watchdog_;
@@ -16697,6 +16919,7 @@ class stream_runner {
 /// memory space of its backend (host_memory, cuda_memory, ...).
 
 
+#include <concepts>
 #include <cstddef>
 #include <utility>
 
@@ -16706,10 +16929,35 @@ namespace dtrain::detail {
 /// ordered on the stream given at construction, the release on the stream
 /// set last (set_stream): the owner keeps that stream ordered after every
 /// use on any stream (see DistributedDataParallel::lay_out).
+/// flat_storage's request for memory whose pages clear() gives back.
+struct droppable_pages_t {};
+inline constexpr droppable_pages_t droppable_pages{};
+
+/// Whether `Memory` can give pages back while their addresses stay valid.
+template <class Memory>
+concept pages_droppable = requires(void* p, std::size_t n) {
+  { Memory::allocate_pages(n) } -> std::same_as<void*>;
+  Memory::drop_pages(p, n);
+  Memory::release_pages(p, n);
+};
+
 template <class Memory>
 class flat_storage {
  public:
   flat_storage() = default;
+  /// Zero bytes whose pages clear() gives back to the system (host memory:
+  /// they are resident only while written). Elsewhere as the constructor below.
+  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream,
+               droppable_pages_t)
+      : bytes_(bytes), device_(device), stream_(stream) {
+    if constexpr (pages_droppable<Memory>) {
+      data_ = Memory::allocate_pages(bytes);
+      pages_ = true;
+    } else {
+      data_ = Memory::allocate(bytes, device, stream);
+      if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
+    }
+  }
   flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
       : data_(Memory::allocate(bytes, device, stream)),
         bytes_(bytes),
@@ -16721,7 +16969,8 @@ class flat_storage {
       : data_(std::exchange(other.data_, nullptr)),
         bytes_(std::exchange(other.bytes_, 0)),
         device_(other.device_),
-        stream_(other.stream_) {}
+        stream_(other.stream_),
+        pages_(std::exchange(other.pages_, false)) {}
   flat_storage& operator=(flat_storage&& other) noexcept {
     if (this != &other) {
       release();
@@ -16729,6 +16978,7 @@ class flat_storage {
       bytes_ = std::exchange(other.bytes_, 0);
       device_ = other.device_;
       stream_ = other.stream_;
+      pages_ = std::exchange(other.pages_, false);
     }
     return *this;
   }
@@ -16741,9 +16991,29 @@ class flat_storage {
   [[nodiscard]] int device() const noexcept { return device_; }
   /// The stream the release is ordered on from now on.
   void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
+  /// Whether clear() gives the pages back (droppable_pages, where the memory can).
+  [[nodiscard]] bool drops_pages() const noexcept { return pages_; }
+  /// Every byte zero again, on `stream`: droppable pages are given back
+  /// (they read zero, resident again once written), other memory is zeroed.
+  void clear(typename Memory::stream_type stream) {
+    if constexpr (pages_droppable<Memory>) {
+      if (pages_) {
+        Memory::drop_pages(data_, bytes_);
+        return;
+      }
+    }
+    Memory::zero(data_, bytes_, device_, stream);
+  }
 
  private:
   void release() noexcept {
+    if constexpr (pages_droppable<Memory>) {
+      if (data_ && pages_) {
+        Memory::release_pages(data_, bytes_);
+        data_ = nullptr;
+        return;
+      }
+    }
     if (data_) Memory::release(data_, device_, stream_);
     data_ = nullptr;
   }
@@ -16752,6 +17022,7 @@ class flat_storage {
   std::size_t bytes_ = 0;
   int device_ = -1;
   typename Memory::stream_type stream_{};
+  bool pages_ = false;  // from Memory::allocate_pages
 };
 
 /// The element type float32 gradients travel as under `kind` (not none).
@@ -17278,6 +17549,7 @@ DTRAIN_DETAIL_INLINE std::string timeline::render() const {
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/timeline.hpp ----
 
+#include <array>
 #include <atomic>
 #include <concepts>
 #include <cstddef>
@@ -17574,6 +17846,8 @@ class basic_ddp {
       use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
     }
+    use.scratch += staging_[0].bytes() + staging_[1].bytes();
+    use.transient_buckets = transient_buckets();
     return use;
   }
   /// Elements of this rank's shard: the size of an elementwise optimizer's
@@ -17594,20 +17868,33 @@ class basic_ddp {
       check_updatable("optimizer_step()");
     }
     std::vector<work> gathers;
-    std::size_t k = 0;  // pieces_ are in bucket order
+    std::size_t k = 0;          // pieces_ are in bucket order
+    std::size_t completed = 0;  // buckets whose allgather is copied out already
     try {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (sharded() && size_ > 1) gathers.push_back(launch_gather(b));
+        if (sharded() && size_ > 1) {
+          gathers.push_back(launch_gather(b));
+          // Transient buckets: the one before is finished while this one
+          // travels, so that at most two hold their pages at once.
+          if (transient_buckets() && b > 0) {
+            gathers[b - 1].wait();
+            complete_gather(b - 1);
+            completed = b;
+          }
+        }
       }
       for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    } catch (const std::exception& e) {
+      // The update (or an allgather) failed on this rank: what was launched
+      // completes (or fails), and this DDP is not usable for another step.
+      abandon_gathers(gathers, e.what());
+      throw;
     } catch (...) {
-      // The update failed on this rank: what was launched completes (or
-      // fails), and this DDP is not usable for another step.
-      abandon_gathers(gathers);
+      abandon_gathers(gathers, "an exception that is not a std::exception");
       throw;
     }
-    finish_gather(gathers);
+    finish_gather(gathers, completed);
   }
   /// Collective: every rank's updated shard to every rank (an allgather per
   /// bucket), so that every rank holds all the values again; DDP's gradient
@@ -17695,6 +17982,10 @@ class basic_ddp {
 
   using variable = detail::ddp_variable;
   using bucket = detail::ddp_bucket<memory_space>;
+  /// The first element of this rank's shard in a bucket: its part is the
+  /// topology's shard_position() (the rank, flat; local rank x nodes + node
+  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
+  std::size_t shard_first(const bucket& s) const { return topo_.shard_position() * s.owned_count; }
   using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
                                          detail::thread_runner<basic_ddp>>;
   // The control plane DDP makes for itself over its own communicator (host backends).
@@ -17731,15 +18022,26 @@ class basic_ddp {
     return options_.rebuild_buckets && !sharded() && !rebuilt_ && steps_ == 0;
   }
   bool sharded() const noexcept { return options_.sharding != sharding::none; }
-  /// Stage 2 over a flat group: buckets are reduce-scattered into `owned`.
-  bool scattered() const noexcept {
-    return options_.sharding == sharding::gradients && size_ > 1 && !topo_.hierarchical();
+  /// Stage 2: buckets are reduce-scattered into `owned` (by the topology:
+  /// hierarchical, node-local first).
+  bool scattered() const noexcept { return options_.sharding == sharding::gradients && size_ > 1; }
+  /// Stage 2 where memory can give pages back (the host): each bucket's
+  /// gradient pages are returned once it is reduce-scattered, and again once
+  /// its allgather is copied out, so that gradients take memory only while a
+  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
+  bool transient_buckets() const noexcept {
+    return scattered() && detail::pages_droppable<memory_space>;
   }
+  /// Transient buckets launched and not yet reduced before mark_ready waits.
+  static constexpr std::size_t transient_in_flight = 2;
+
   void make_pieces();
   void check_updatable(const char* what) const;
   work launch_gather(std::size_t b);
-  void finish_gather(std::vector<work>& gathers);
-  void abandon_gathers(std::vector<work>& gathers);
+  std::byte* gathered(std::size_t b);
+  void complete_gather(std::size_t b);
+  void finish_gather(std::vector<work>& gathers, std::size_t completed);
+  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
   /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
   bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
@@ -17809,6 +18111,8 @@ class basic_ddp {
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
   std::vector<bucket> buckets_;
+  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
+  std::array<detail::flat_storage<memory_space>, 2> staging_;
   // The current step.
   std::vector<std::size_t> ready_order_;  // recorded for the rebuild
   std::size_t next_launch_ = 0;
@@ -17971,6 +18275,7 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
 /// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
 
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -18018,8 +18323,11 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
                                                    stream_);
     }
-    s.grads =
-        detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device, stream_);
+    s.grads = transient_buckets()
+                  ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                       stream_, detail::droppable_pages)
+                  : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                       stream_);
     if (compressed(info))
       s.wire = detail::flat_storage<memory_space>(
           s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
@@ -18039,6 +18347,11 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
         p.rebind(p.gradient_slot, place);
       }
     }
+  }
+  if (transient_buckets()) {
+    std::size_t largest = 0;
+    for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
+    for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
   }
   // The old buckets are released on the compute stream, after the copies
   // out of them and (streams) after every collective on them: the compute
@@ -18134,13 +18447,13 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
+  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                     s.grads.device()};
   if (scattered()) {  // stage 2: this rank keeps the mean of its shard only
     const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
                       s.grads.device()};
-    return detail::reduce_scatter_on(comm_, data, mine, op, on_stream_or_null());
+    return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
   }
-  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
-                     s.grads.device()};
   return topo_.allreduce(data, shard, op, on_stream_or_null());
 }
 
@@ -18160,6 +18473,8 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
+  // A transient bucket's pages go back now: its gradients read zero from here on.
+  if (transient_buckets()) s.grads.clear(stream_);
   timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
 }
 
@@ -18239,11 +18554,10 @@ void basic_ddp<Policy>::make_pieces() {
     }
     return;
   }
-  const auto rank = static_cast<std::size_t>(rank_);
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     bucket& s = buckets_[b];
     const std::size_t elem = size_of(s.info.type);
-    const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
+    const std::size_t first = shard_first(s), last = first + s.owned_count;
     for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
       const std::size_t i = s.info.parameters[k];
       const parameter& p = vars_[i].param;
@@ -18288,15 +18602,26 @@ void basic_ddp<Policy>::gather_parameters() {
     check_updatable("gather_parameters()");
   }
   std::vector<work> gathers;
+  std::size_t completed = 0;
   if (sharded() && size_ > 1) {
     try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) gathers.push_back(launch_gather(b));
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        gathers.push_back(launch_gather(b));
+        if (transient_buckets() && b > 0) {  // at most two buckets' pages at once
+          gathers[b - 1].wait();
+          complete_gather(b - 1);
+          completed = b;
+        }
+      }
+    } catch (const std::exception& e) {
+      abandon_gathers(gathers, e.what());
+      throw;
     } catch (...) {
-      abandon_gathers(gathers);
+      abandon_gathers(gathers, "an exception that is not a std::exception");
       throw;
     }
   }
-  finish_gather(gathers);
+  finish_gather(gathers, completed);
 }
 
 /// This rank's updated values of bucket b into its shard, and the
@@ -18306,7 +18631,7 @@ template <class Policy>
 work basic_ddp<Policy>::launch_gather(std::size_t b) {
   bucket& s = buckets_[b];
   const std::size_t elem = size_of(s.info.type);
-  const std::size_t first = static_cast<std::size_t>(rank_) * s.owned_count;
+  const std::size_t first = shard_first(s);
   for (std::size_t k = 0; k < pieces_.size(); ++k) {
     const shard_piece& piece = pieces_[k];
     if (piece.bucket != b) continue;
@@ -18317,46 +18642,70 @@ work basic_ddp<Policy>::launch_gather(std::size_t b) {
   const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
   const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
                     s.grads.device()};
-  const buffer all{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
-  return detail::allgather_on(comm_, mine, all, on_stream_or_null());
+  const buffer all{gathered(b), s.moved, s.info.type, memory_space::where, s.grads.device()};
+  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where,
+                       s.grads.device()};
+  return topo_.allgather(mine, scratch, all, on_stream_or_null());
 }
 
-/// Waits for the allgathers (each within the collective timeout), then
-/// copies every parameter's values that other ranks updated out of the
-/// buckets, and zeroes the buckets for the next step's gradients.
+/// Where bucket b's allgather lands: the bucket itself (its gradients are
+/// used up), or with transient buckets, whose pages were given back after
+/// the reduce-scatter, one of two staging buffers, taken in turn (a bucket's
+/// is free again once the bucket two before it is complete).
 template <class Policy>
-void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers) {
+std::byte* basic_ddp<Policy>::gathered(std::size_t b) {
+  return transient_buckets() ? staging_[b % 2].data() : buckets_[b].grads.data();
+}
+
+/// Bucket b's allgather is complete (and, on streams, the compute stream
+/// ordered after it): the values other ranks updated are copied out of where
+/// it landed into the parameters, and the bucket is zeroed for the next
+/// step's gradients.
+template <class Policy>
+void basic_ddp<Policy>::complete_gather(std::size_t b) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = shard_first(s), last = first + s.owned_count;
+  for (const std::size_t i : s.info.parameters) {
+    const variable& v = vars_[i];
+    // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
+    const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
+    auto copy_out = [&](std::size_t from, std::size_t to) {
+      if (from >= to) return;
+      memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
+                         gathered(b) + from * elem, (to - from) * elem, s.info.device, stream_);
+    };
+    copy_out(lo, std::min(hi, first));
+    copy_out(std::max(lo, last), hi);
+  }
+  // The next step's gradients start from zero (a transient bucket's pages
+  // were given back after its reduce-scatter; its staging buffer is
+  // overwritten whole by the next allgather).
+  if (!transient_buckets()) s.grads.clear(stream_);
+}
+
+/// Waits for the allgathers from `completed` on (each within the collective
+/// timeout), then completes each (complete_gather).
+template <class Policy>
+void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
   const std::lock_guard lock(mutex_);
   updatable_ = false;
-  if (!sharded() || size_ == 1) return;
+  if (!sharded()) return;
   try {
-    for (work& w : gathers) w.wait();
-    order_after_buckets();
-    const auto rank = static_cast<std::size_t>(rank_);
-    for (const variable& v : vars_) {
-      const bucket& s = buckets_[v.bucket];
-      const std::size_t elem = size_of(s.info.type);
-      // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
-      const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
-      const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
-      auto copy_out = [&](std::size_t from, std::size_t to) {
-        if (from >= to) return;
-        memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
-                           s.grads.data() + from * elem, (to - from) * elem, s.info.device,
-                           stream_);
-      };
-      copy_out(lo, std::min(hi, first));
-      copy_out(std::max(lo, last), hi);
+    if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
+      for (bucket& s : buckets_) s.grads.clear(stream_);
+      return;
     }
-    for (bucket& s : buckets_)
-      memory_space::zero(s.grads.data(), s.grads.bytes(), s.grads.device(), stream_);
+    for (std::size_t b = completed; b < gathers.size(); ++b) gathers[b].wait();
+    order_after_buckets();
+    for (std::size_t b = completed; b < gathers.size(); ++b) complete_gather(b);
   } catch (...) {
     fail(std::current_exception());
   }
 }
 
 template <class Policy>
-void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers) {
+void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
   for (work& w : gathers) {
     try {
       w.wait();
@@ -18366,8 +18715,8 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers) {
   const std::lock_guard lock(mutex_);
   updatable_ = false;
   broken_ = true;
-  broken_message_ = "the optimizer's update threw on rank " + std::to_string(rank_) +
-                    " in the middle of optimizer_step(): the ranks' values may differ";
+  broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
+                    ") in the middle of its update and allgathers: the ranks' values may differ";
 }
 
 template <class Policy>
@@ -18443,10 +18792,16 @@ namespace dtrain {
 template <class Policy>
 void basic_ddp<Policy>::mark(std::size_t i) {
   bool last = false;
+  bool throttle = false;
   {
     const std::lock_guard lock(mutex_);
     last = ready(i);
+    throttle = transient_buckets() && no_sync_depth_ == 0 && !alone();
   }
+  // Transient buckets: a backward pass that writes gradients faster than the
+  // buckets travel waits here, so that at most two buckets launched and not
+  // yet reduced hold their pages (besides those being written).
+  if (throttle) runner_->throttle(transient_in_flight);
   if (last && all_marked_) all_marked_();
 }
 
@@ -18659,8 +19014,7 @@ template <class Policy>
 void basic_ddp<Policy>::zero_grad() {
   const std::lock_guard lock(mutex_);
   check_between_steps("zero_grad()");
-  for (bucket& b : buckets_)
-    memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+  for (bucket& b : buckets_) b.grads.clear(stream_);  // transient buckets: pages given back
   for (const variable& v : vars_) {
     if (!v.view) memory_space::zero(v.param.gradient, v.param.bytes(), v.param.device, stream_);
   }
@@ -22398,6 +22752,17 @@ class checkpoint {
         ddp.shard_ranges(), ddp.model_elements());
   }
 
+  /// Functions run around the entries, on this rank: `before_save()` at each
+  /// save, before any entry is read (to copy state that lives elsewhere, as
+  /// on a GPU or inside a library's objects, into registered host memory);
+  /// `after_restore()` once restore() has loaded every entry of every rank
+  /// (to move it back). Either may be empty. What they throw fails the save
+  /// or the restore on every rank, as an entry's error does.
+  checkpoint& add_hooks(std::function<void()> before_save, std::function<void()> after_restore) {
+    hooks_.push_back({std::move(before_save), std::move(after_restore)});
+    return *this;
+  }
+
   /// The sampler's position in the global order (replicated: it is the same
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler") {
@@ -22491,6 +22856,9 @@ class checkpoint {
       recut_.clear();
       for (const std::filesystem::path& file : files) apply(file);
       check_recut();
+      for (const hook& h : hooks_) {
+        if (h.after_restore) h.after_restore();
+      }
     } catch (const std::exception& e) {
       ok = 0;
       problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
@@ -22549,6 +22917,9 @@ class checkpoint {
     // 2. Every rank writes its part (now, or from a copy on a thread).
     try {
       if (p.problem.empty()) {
+        for (const hook& h : hooks_) {
+          if (h.before_save) h.before_save();
+        }
         p.per_rank = snapshot(checkpoint_scope::per_rank, options_.asynchronous);
         if (plane_.rank() == 0)
           p.replicated = snapshot(checkpoint_scope::replicated, options_.asynchronous);
@@ -22624,6 +22995,11 @@ class checkpoint {
 
   static constexpr std::int64_t no_checkpoint = -1;
   static constexpr std::int64_t failed = -2;
+
+  struct hook {
+    std::function<void()> before_save, after_restore;
+  };
+  std::vector<hook> hooks_;  // add_hooks()
 
   struct entry {
     std::string name;

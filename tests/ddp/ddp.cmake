@@ -195,6 +195,15 @@ if(DTRAIN_WITH_GLOO)
       COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> shard
       TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
   endforeach()
+  # Stage 2 over topology::hierarchical on streams: the node-local
+  # reduce-scatter, then the cross-node one (and the allgathers the other way).
+  dtrain_add_test(ddp.device_rules.shard.hierarchical.2x2
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,2|4|$<TARGET_FILE:dtrain_ddp_device_rules>|shard|hierarchical"
+            -DEXPECT_STATUS=0
+            "-DEXPECT_1=rank 1 of 4: sharding gradients: 3 steps[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
+            -P "${ddp_dir}/check_error.cmake"
+    TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 4)
   # topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
   dtrain_add_test(ddp.device_rules.mean.hierarchical.2x2
     COMMAND "${CMAKE_COMMAND}"
@@ -222,7 +231,7 @@ if(DTRAIN_WITH_GLOO)
     TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 PROPERTIES PROCESSORS 2)
 else()
   foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks mean.hierarchical.2x2 hung_peer.2ranks
-                        mismatch.2ranks shard.1ranks shard.2ranks shard.3ranks)
+                        mismatch.2ranks shard.1ranks shard.2ranks shard.3ranks shard.hierarchical.2x2)
     dtrain_add_skipped_test(ddp.device_rules.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
   endforeach()
   dtrain_add_skipped_test(nccl.ranks.broadcast_after_stream.2ranks

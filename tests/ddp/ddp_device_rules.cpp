@@ -6,7 +6,8 @@
 //
 //   dtrain_ddp_device_rules mean       exact means over several steps, views and
 //                                      copies, a rebuild, bf16 compression, a hook
-//   dtrain_ddp_device_rules shard      sharding none, optimizer and gradients: the
+//   dtrain_ddp_device_rules shard [hierarchical]
+//                                      sharding none, optimizer and gradients: the
 //                                      reduce-scatter and the allgather on streams
 //   dtrain_ddp_device_rules mismatch   the last rank renames a parameter: every
 //                                      rank fails with the agreement's message
@@ -345,6 +346,18 @@ int main(int argc, char** argv) {
         argc, argv, [&](dtrain::context<hierarchical_policy>& ctx) -> int {
           int status = mean_case(ctx, dtrain::gradient_compression::none, false);
           if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
+          return status;
+        });
+  }
+  if (which == "shard" && argc > 2 && std::string_view(argv[2]) == "hierarchical") {
+    // Stage 2's two-level reduce-scatter and allgather, each on a stream.
+    return dtrain::run<hierarchical_policy>(
+        argc, argv, [&](dtrain::context<hierarchical_policy>& ctx) -> int {
+          int status = 0;
+          for (const dtrain::sharding stage :
+               {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+            if (status == 0) status = shard_case(ctx, stage);
+          }
           return status;
         });
   }

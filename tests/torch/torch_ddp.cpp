@@ -604,6 +604,16 @@ void check_sampler_in_loader(int rank) {
   if (rank == 0) std::printf("sampler in torch::data::make_data_loader: reshuffled per epoch\n");
 }
 
+/// This rank's share of step `step`'s batch through `ddp`, and its loss.
+template <class DDP>
+torch::Tensor rank_loss(DDP& ddp, int step, int rank, int size) {
+  const batch b = data(step, 0);
+  const std::int64_t shard = global_batch / size;
+  const torch::Tensor x = b.x.narrow(0, rank * shard, shard),
+                      y = b.y.narrow(0, rank * shard, shard);
+  return torch::nn::functional::cross_entropy(ddp(x), y);
+}
+
 // dtrain::torch's checkpoint helpers (issue 33): a module (parameters and
 // batch-norm buffers; on a GPU through the host), an SGD optimizer with
 // momentum and the sampler saved, changed by a step, and restored: the
@@ -622,11 +632,7 @@ void check_checkpoint(dtrain::context<Policy>& ctx) {
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   dtrain::torch::distributed_sampler sampler(64, ctx.world(), {.seed = 3});
   auto train_step = [&](int step) {
-    const batch b = data(step, 0);
-    const std::int64_t shard = global_batch / ctx.size();
-    const torch::Tensor x = b.x.narrow(0, rank * shard, shard),
-                        y = b.y.narrow(0, rank * shard, shard);
-    torch::nn::functional::cross_entropy(ddp(x), y).backward();
+    rank_loss(ddp, step, rank, ctx.size()).backward();
     opt.step();
     ddp.zero_grad();
   };
@@ -710,6 +716,79 @@ void check_checkpoint(dtrain::context<Policy>& ctx) {
   }
 }
 
+// A sharded DDP's optimizer (issue 34: Adam over shard_parameters(), its
+// moments and step count registered by add_optimizer(ckpt, opt, ddp) as
+// sharded entries): saved after a step, changed by the next, restored; the
+// step after restore() gives what it gave before, bit for bit on the CPU,
+// which it would not without the moments. An optimizer that is not on the
+// shard is refused by name.
+void check_sharded_checkpoint(dtrain::context<Policy>& ctx) {
+  const int rank = ctx.rank();
+  const auto failures_before = failures;
+  std::array<std::int64_t, 1> id{static_cast<std::int64_t>(::getpid())};
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(ctx.size()));
+  ctx.control_plane().allgather(id, ids);
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("dtrain-torch-sharded-ckpt-" + std::to_string(ids[0]));
+  Net net = make_net(13);
+  auto ddp = dtrain::torch::DistributedDataParallel(
+      ctx, net, {.bucket_cap_mb = 0.01, .sharding = dtrain::sharding::gradients});
+  torch::optim::Adam opt(ddp.shard_parameters(), torch::optim::AdamOptions(0.01));
+  auto train_step = [&](int step) {
+    rank_loss(ddp, step, rank, ctx.size()).backward();
+    ddp.step(opt);
+  };
+  auto snapshot = [&] {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  auto same = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const bool equal =
+          on_gpu ? torch::allclose(a[i], b[i], 1e-5, 1e-6) : torch::equal(a[i], b[i]);
+      if (!equal) return false;
+    }
+    return a.size() == b.size();
+  };
+  try {
+    dtrain::checkpoint ckpt(ctx, {.dir = dir, .quiet = true});
+    dtrain::torch::add_module(ckpt, net);
+    dtrain::torch::add_optimizer(ckpt, opt, ddp);
+    train_step(0);
+    train_step(1);
+    ckpt.step();
+    ckpt.save();
+    const std::vector<torch::Tensor> saved = snapshot();
+    train_step(2);
+    const std::vector<torch::Tensor> after = snapshot();
+    train_step(3);  // the moments move on
+    check(ckpt.restore() == 1u, rank, "sharded torch checkpoint: restore() did not find step 1");
+    check(same(snapshot(), saved), rank, "sharded torch checkpoint: the module did not come back");
+    train_step(2);
+    check(same(snapshot(), after), rank,
+          "sharded torch checkpoint: the step after restore() differs (Adam's moments?)");
+    torch::optim::Adam other(net->parameters(), torch::optim::AdamOptions(0.01));
+    try {
+      dtrain::torch::add_optimizer(ckpt, other, ddp, "other");
+      check(false, rank, "sharded torch checkpoint: an optimizer off the shard was taken");
+    } catch (const dtrain::config_error& e) {
+      check(std::string(e.what()).find("optimizer 'other' holds") != std::string::npos, rank,
+            std::string("sharded torch checkpoint: the refusal does not name it: ") + e.what());
+    }
+  } catch (const std::exception& e) {
+    check(false, rank, std::string("sharded torch checkpoint: ") + e.what());
+  }
+  std::vector<std::int64_t> done(static_cast<std::size_t>(ctx.size()));
+  ctx.control_plane().allgather(std::array<std::int64_t, 1>{1}, done);
+  if (rank == 0) {
+    check(dtrain::detail::remove_tree(dir.c_str()) == 0, rank,
+          "sharded torch checkpoint: cannot remove " + dir.string());
+    if (failures == failures_before)
+      std::printf("checkpoint of a sharded Adam (ZeRO stage 2): restored exactly\n");
+  }
+}
+
 int run_checks(dtrain::context<Policy>& ctx) {
   torch::set_num_threads(1);
   const variant variants[] = {
@@ -751,6 +830,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_sampler(ctx.rank());
   check_sampler_in_loader(ctx.rank());
   check_checkpoint(ctx);
+  check_sharded_checkpoint(ctx);
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   ctx.control_plane().allgather(std::array<std::int64_t, 1>{failures},
                                 all);  // host memory, every engine

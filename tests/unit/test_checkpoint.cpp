@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -276,6 +277,53 @@ TEST_CASE("checkpoint: 3 ranks save and restore, keep prunes, and the step count
   CHECK(found->step == 6u);
   CHECK(found->world_size == 3);
   CHECK(skipped.empty());
+}
+
+TEST_CASE(
+    "checkpoint: hooks copy state in before each save and out after a restore; "
+    "a hook that throws fails the save on every rank") {
+  scratch_dir dir;
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    // State that lives outside registered memory (as on a GPU): `outside`,
+    // copied into `staged` before a save and back after a restore.
+    std::vector<float> outside(5, 0.0f), staged(5, -1.0f);
+    int saves = 0, restores = 0;
+    bool fail_next = false;
+    dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+    c.add("staged", staged, dtrain::checkpoint_scope::per_rank);
+    c.add_hooks(
+        [&] {
+          ++saves;
+          if (fail_next && rank == 1) throw std::runtime_error("the device is gone");
+          staged = outside;
+        },
+        [&] {
+          ++restores;
+          outside = staged;
+        });
+    std::fill(outside.begin(), outside.end(), static_cast<float>(rank + 1));
+    c.step();
+    c.save();
+    CHECK(saves == 1);
+    CHECK(staged == outside);
+    std::fill(outside.begin(), outside.end(), 42.0f);
+    std::fill(staged.begin(), staged.end(), 0.0f);
+    CHECK(c.restore() == 1u);
+    CHECK(restores == 1);
+    CHECK(outside == std::vector<float>(5, static_cast<float>(rank + 1)));
+    // A hook that throws on rank 1: the save fails on both ranks, naming why.
+    fail_next = true;
+    c.step();
+    try {
+      c.save();
+      CHECK(false);
+    } catch (const dtrain::checkpoint_error& e) {
+      const std::string what = e.what();
+      CHECK(what.find(rank == 1 ? "the device is gone" : "rank(s) 1") != std::string::npos);
+    }
+    CHECK(dtrain::latest_checkpoint(dir.path)->step == 1u);  // step 2 was not committed
+  });
+  for (const auto& f : failures) CHECK(f == "");
 }
 
 TEST_CASE("checkpoint format: a copy cut among threads is the same bytes, across jobs") {

@@ -199,6 +199,47 @@ TEST_CASE("shm: allgather across the slots, in place and not, on 2 and 3 process
   }
 }
 
+TEST_CASE(
+    "shm: reduce_scatter gives each rank its block of the allreduce, bit for bit, "
+    "in place and not, across the slots, on 2, 3 and 4 processes") {
+  for (int size : {2, 3, 4}) {
+    CAPTURE(size);
+    group g{size, {}, {}};
+    const int mine = g.run([size](shm_segment& s, int rank) {
+      const auto ranks = static_cast<std::size_t>(size);
+      const auto me = static_cast<std::size_t>(rank);
+      const std::size_t per_slot = s.slot_bytes() / sizeof(float) / ranks;
+      for (const reduce_op op : {reduce_op::sum, reduce_op::avg, reduce_op::max}) {
+        for (const std::size_t block :
+             {std::size_t{1}, std::size_t{5}, per_slot - 1, per_slot, 2 * per_slot + 3}) {
+          std::vector<float> in(ranks * block);
+          for (std::size_t i = 0; i < in.size(); ++i)
+            in[i] = 1.0f / static_cast<float>(i + 1) + 0.37f * static_cast<float>(rank);
+          std::vector<float> whole = in, out(block, -1.0f), place = in;
+          s.allreduce(whole.data(), whole.data(), whole.size(), op, 10s);
+          s.reduce_scatter(in.data(), out.data(), block, op, 10s);
+          s.reduce_scatter(place.data(), place.data() + me * block, block, op, 10s);
+          for (std::size_t i = 0; i < block; ++i) {
+            const float want = whole[me * block + i];
+            if (out[i] != want || place[me * block + i] != want) {
+              std::fprintf(stderr,
+                           "rank %d: reduce_scatter (%s) of blocks of %zu: element %zu is %g "
+                           "(in place %g), the allreduce gave %g\n",
+                           rank, std::string(dtrain::to_string(op)).c_str(), block, i,
+                           static_cast<double>(out[i]), static_cast<double>(place[me * block + i]),
+                           static_cast<double>(want));
+              return 1;
+            }
+          }
+        }
+      }
+      return 0;
+    });
+    CHECK(mine == 0);
+    CHECK(g.statuses == std::vector<int>(static_cast<std::size_t>(size - 1), 0));
+  }
+}
+
 TEST_CASE("shm: every rank ends with the same bits, reduced in rank order") {
   group g{3, {}, {}};
   const int mine = g.run([](shm_segment& s, int rank) {

@@ -394,7 +394,8 @@ DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseco
 // it). So this is an allreduce of the whole input into a scratch buffer and a
 // copy of this rank's block: correct, at twice the traffic of a real
 // reduce-scatter (2(n-1)/n of the input per rank instead of (n-1)/n) and one
-// input-sized allocation. On one host the allreduce goes through shared memory.
+// input-sized allocation. On one host it is a reduce-scatter through the
+// shared-memory segment (shm_segment::reduce_scatter).
 template <element T>
 void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
                              std::chrono::milliseconds timeout) {
@@ -404,6 +405,12 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
     std::memcpy(out.data, in.data, in.bytes());
     return;
   }
+#if DTRAIN_HAS_SHM()
+  if (s.shm.valid()) {  // every rank on this host: a real reduce-scatter, no scratch
+    s.shm.reduce_scatter(static_cast<const T*>(in.data), static_cast<T*>(out.data), n, op, timeout);
+    return;
+  }
+#endif
   std::vector<T> scratch(in.count);
   const reduce_op sum_op = op == reduce_op::avg ? reduce_op::sum : op;  // divide this block only
   gloo_run_allreduce<T>(s, in, buffer{scratch.data(), scratch.size(), in.type}, sum_op, timeout);

@@ -12,7 +12,10 @@
 #include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cerrno>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -80,6 +83,30 @@ struct host_memory {
   static void release(void* data, int /*device*/, stream_type) noexcept { ::operator delete(data); }
   static void zero(void* data, std::size_t bytes, int /*device*/, stream_type) {
     if (bytes) std::memset(data, 0, bytes);
+  }
+  /// Memory whose pages can be given back to the system while its addresses
+  /// stay valid: whole pages mapped for `bytes`, zero, and resident only once
+  /// written (config_error when the mapping fails).
+  [[nodiscard]] static void* allocate_pages(std::size_t bytes) {
+    void* data = ::mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      throw config_error("dtrain: cannot map " + std::to_string(bytes) +
+                         " bytes of gradient memory: " + std::strerror(errno));
+    }
+#ifdef MADV_HUGEPAGE
+    // Huge pages where the system offers them: one fault per 2 MiB written.
+    if (bytes >= (std::size_t{2} << 20)) static_cast<void>(::madvise(data, bytes, MADV_HUGEPAGE));
+#endif
+    return data;
+  }
+  /// Gives the pages of [data, data + bytes) back (memory from allocate_pages):
+  /// they read zero and hold no memory until written again.
+  static void drop_pages(void* data, std::size_t bytes) noexcept {
+    if (bytes && ::madvise(data, bytes, MADV_DONTNEED) != 0) std::memset(data, 0, bytes);
+  }
+  static void release_pages(void* data, std::size_t bytes) noexcept {
+    ::munmap(data, bytes == 0 ? 1 : bytes);
   }
   static void copy(void* dst, const void* src, std::size_t bytes, int /*device*/, stream_type) {
     if (dst != src && bytes) std::memcpy(dst, src, bytes);

@@ -214,6 +214,60 @@ class shm_segment {
     }
   }
 
+  /// `out` (`block` elements) becomes the reduction of every rank's block
+  /// `rank()` of `in` (size() x `block` elements): a reduce-scatter, with the
+  /// same bits as allreduce() gives that block (each element reduced in rank
+  /// order) and half its copies. Every rank calls it with the same block,
+  /// type and op, in the same order among its collectives on the segment.
+  /// In chunks: each rank copies the part of every other rank's block into
+  /// its slot, and once all have, reduces its own block's part from the
+  /// slots into `out`. Throws shm_failure as allreduce.
+  template <element T>
+  void reduce_scatter(const T* in, T* out, std::size_t block, reduce_op op,
+                      std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    if (size_ == 1) {
+      if (in != out && block > 0) std::memcpy(out, in, block * sizeof(T));
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const std::size_t chunk = std::max<std::size_t>(1, slot_ / sizeof(T) / ranks);  // per block
+    const std::size_t chunks = (block + chunk - 1) / chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * chunk;
+      const std::size_t n = block - offset < chunk ? block - offset : chunk;
+      const std::uint32_t k = ++chunk_;
+      // 1. This chunk of every other rank's block into this rank's slot, at
+      //    q x n. Every rank finished reading the slots of the previous chunk
+      //    before it announced that chunk reduced.
+      for (std::size_t q = 0; q < ranks; ++q) {
+        if (q != me) std::memcpy(slot<T>(me) + q * n, in + q * block + offset, n * sizeof(T));
+      }
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. This rank's block, over every rank's data in rank order.
+      const auto from = [&](std::size_t q) {
+        return q == me ? in + me * block + offset : slot<T>(q) + me * n;
+      };
+      T* result = out + offset;
+      if (out == in + me * block) {
+        // `out` is this rank's block of `in` (in place): combine through the result slot.
+        T* staged = slot<T>(ranks) + me * n;
+        shm_combine(staged, from(0), from(1), n, op);
+        for (std::size_t q = 2; q < ranks; ++q) shm_reduce(staged, from(q), n, op);
+        std::memcpy(result, staged, n * sizeof(T));
+      } else {
+        shm_combine(result, from(0), from(1), n, op);
+        for (std::size_t q = 2; q < ranks; ++q) shm_reduce(result, from(q), n, op);
+      }
+      if (op == reduce_op::avg) divide_host(buffer{result, n, dtype_of<T>}, size_);
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "reduce", c, chunks);
+    }
+  }
+
   /// `out` (size() x `bytes`) becomes every rank's `in` (`bytes` each), in
   /// rank order; `in` may be this rank's block of `out`. Every rank calls it
   /// with the same `bytes`, in the same order among its collectives on the

@@ -271,6 +271,17 @@ class checkpoint {
         ddp.shard_ranges(), ddp.model_elements());
   }
 
+  /// Functions run around the entries, on this rank: `before_save()` at each
+  /// save, before any entry is read (to copy state that lives elsewhere, as
+  /// on a GPU or inside a library's objects, into registered host memory);
+  /// `after_restore()` once restore() has loaded every entry of every rank
+  /// (to move it back). Either may be empty. What they throw fails the save
+  /// or the restore on every rank, as an entry's error does.
+  checkpoint& add_hooks(std::function<void()> before_save, std::function<void()> after_restore) {
+    hooks_.push_back({std::move(before_save), std::move(after_restore)});
+    return *this;
+  }
+
   /// The sampler's position in the global order (replicated: it is the same
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler") {
@@ -364,6 +375,9 @@ class checkpoint {
       recut_.clear();
       for (const std::filesystem::path& file : files) apply(file);
       check_recut();
+      for (const hook& h : hooks_) {
+        if (h.after_restore) h.after_restore();
+      }
     } catch (const std::exception& e) {
       ok = 0;
       problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
@@ -422,6 +436,9 @@ class checkpoint {
     // 2. Every rank writes its part (now, or from a copy on a thread).
     try {
       if (p.problem.empty()) {
+        for (const hook& h : hooks_) {
+          if (h.before_save) h.before_save();
+        }
         p.per_rank = snapshot(checkpoint_scope::per_rank, options_.asynchronous);
         if (plane_.rank() == 0)
           p.replicated = snapshot(checkpoint_scope::replicated, options_.asynchronous);
@@ -497,6 +514,11 @@ class checkpoint {
 
   static constexpr std::int64_t no_checkpoint = -1;
   static constexpr std::int64_t failed = -2;
+
+  struct hook {
+    std::function<void()> before_save, after_restore;
+  };
+  std::vector<hook> hooks_;  // add_hooks()
 
   struct entry {
     std::string name;

@@ -40,6 +40,7 @@
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/layout.hpp>
 
+#include <array>
 #include <atomic>
 #include <concepts>
 #include <cstddef>
@@ -336,6 +337,8 @@ class basic_ddp {
       use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
     }
+    use.scratch += staging_[0].bytes() + staging_[1].bytes();
+    use.transient_buckets = transient_buckets();
     return use;
   }
   /// Elements of this rank's shard: the size of an elementwise optimizer's
@@ -356,20 +359,33 @@ class basic_ddp {
       check_updatable("optimizer_step()");
     }
     std::vector<work> gathers;
-    std::size_t k = 0;  // pieces_ are in bucket order
+    std::size_t k = 0;          // pieces_ are in bucket order
+    std::size_t completed = 0;  // buckets whose allgather is copied out already
     try {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (sharded() && size_ > 1) gathers.push_back(launch_gather(b));
+        if (sharded() && size_ > 1) {
+          gathers.push_back(launch_gather(b));
+          // Transient buckets: the one before is finished while this one
+          // travels, so that at most two hold their pages at once.
+          if (transient_buckets() && b > 0) {
+            gathers[b - 1].wait();
+            complete_gather(b - 1);
+            completed = b;
+          }
+        }
       }
       for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    } catch (const std::exception& e) {
+      // The update (or an allgather) failed on this rank: what was launched
+      // completes (or fails), and this DDP is not usable for another step.
+      abandon_gathers(gathers, e.what());
+      throw;
     } catch (...) {
-      // The update failed on this rank: what was launched completes (or
-      // fails), and this DDP is not usable for another step.
-      abandon_gathers(gathers);
+      abandon_gathers(gathers, "an exception that is not a std::exception");
       throw;
     }
-    finish_gather(gathers);
+    finish_gather(gathers, completed);
   }
   /// Collective: every rank's updated shard to every rank (an allgather per
   /// bucket), so that every rank holds all the values again; DDP's gradient
@@ -457,6 +473,10 @@ class basic_ddp {
 
   using variable = detail::ddp_variable;
   using bucket = detail::ddp_bucket<memory_space>;
+  /// The first element of this rank's shard in a bucket: its part is the
+  /// topology's shard_position() (the rank, flat; local rank x nodes + node
+  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
+  std::size_t shard_first(const bucket& s) const { return topo_.shard_position() * s.owned_count; }
   using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
                                          detail::thread_runner<basic_ddp>>;
   // The control plane DDP makes for itself over its own communicator (host backends).
@@ -493,15 +513,26 @@ class basic_ddp {
     return options_.rebuild_buckets && !sharded() && !rebuilt_ && steps_ == 0;
   }
   bool sharded() const noexcept { return options_.sharding != sharding::none; }
-  /// Stage 2 over a flat group: buckets are reduce-scattered into `owned`.
-  bool scattered() const noexcept {
-    return options_.sharding == sharding::gradients && size_ > 1 && !topo_.hierarchical();
+  /// Stage 2: buckets are reduce-scattered into `owned` (by the topology:
+  /// hierarchical, node-local first).
+  bool scattered() const noexcept { return options_.sharding == sharding::gradients && size_ > 1; }
+  /// Stage 2 where memory can give pages back (the host): each bucket's
+  /// gradient pages are returned once it is reduce-scattered, and again once
+  /// its allgather is copied out, so that gradients take memory only while a
+  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
+  bool transient_buckets() const noexcept {
+    return scattered() && detail::pages_droppable<memory_space>;
   }
+  /// Transient buckets launched and not yet reduced before mark_ready waits.
+  static constexpr std::size_t transient_in_flight = 2;
+
   void make_pieces();
   void check_updatable(const char* what) const;
   work launch_gather(std::size_t b);
-  void finish_gather(std::vector<work>& gathers);
-  void abandon_gathers(std::vector<work>& gathers);
+  std::byte* gathered(std::size_t b);
+  void complete_gather(std::size_t b);
+  void finish_gather(std::vector<work>& gathers, std::size_t completed);
+  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
   /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
   bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
@@ -571,6 +602,8 @@ class basic_ddp {
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
   std::vector<bucket> buckets_;
+  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
+  std::array<detail::flat_storage<memory_space>, 2> staging_;
   // The current step.
   std::vector<std::size_t> ready_order_;  // recorded for the rebuild
   std::size_t next_launch_ = 0;

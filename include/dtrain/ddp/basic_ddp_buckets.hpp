@@ -9,6 +9,7 @@
 
 #include <dtrain/ddp/basic_ddp.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -56,8 +57,11 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
                                                    stream_);
     }
-    s.grads =
-        detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device, stream_);
+    s.grads = transient_buckets()
+                  ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                       stream_, detail::droppable_pages)
+                  : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                       stream_);
     if (compressed(info))
       s.wire = detail::flat_storage<memory_space>(
           s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
@@ -77,6 +81,11 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
         p.rebind(p.gradient_slot, place);
       }
     }
+  }
+  if (transient_buckets()) {
+    std::size_t largest = 0;
+    for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
+    for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
   }
   // The old buckets are released on the compute stream, after the copies
   // out of them and (streams) after every collective on them: the compute
@@ -172,13 +181,13 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
+  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                     s.grads.device()};
   if (scattered()) {  // stage 2: this rank keeps the mean of its shard only
     const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
                       s.grads.device()};
-    return detail::reduce_scatter_on(comm_, data, mine, op, on_stream_or_null());
+    return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
   }
-  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
-                     s.grads.device()};
   return topo_.allreduce(data, shard, op, on_stream_or_null());
 }
 
@@ -198,6 +207,8 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
+  // A transient bucket's pages go back now: its gradients read zero from here on.
+  if (transient_buckets()) s.grads.clear(stream_);
   timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
 }
 

@@ -48,11 +48,10 @@ void basic_ddp<Policy>::make_pieces() {
     }
     return;
   }
-  const auto rank = static_cast<std::size_t>(rank_);
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     bucket& s = buckets_[b];
     const std::size_t elem = size_of(s.info.type);
-    const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
+    const std::size_t first = shard_first(s), last = first + s.owned_count;
     for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
       const std::size_t i = s.info.parameters[k];
       const parameter& p = vars_[i].param;
@@ -97,15 +96,26 @@ void basic_ddp<Policy>::gather_parameters() {
     check_updatable("gather_parameters()");
   }
   std::vector<work> gathers;
+  std::size_t completed = 0;
   if (sharded() && size_ > 1) {
     try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) gathers.push_back(launch_gather(b));
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        gathers.push_back(launch_gather(b));
+        if (transient_buckets() && b > 0) {  // at most two buckets' pages at once
+          gathers[b - 1].wait();
+          complete_gather(b - 1);
+          completed = b;
+        }
+      }
+    } catch (const std::exception& e) {
+      abandon_gathers(gathers, e.what());
+      throw;
     } catch (...) {
-      abandon_gathers(gathers);
+      abandon_gathers(gathers, "an exception that is not a std::exception");
       throw;
     }
   }
-  finish_gather(gathers);
+  finish_gather(gathers, completed);
 }
 
 /// This rank's updated values of bucket b into its shard, and the
@@ -115,7 +125,7 @@ template <class Policy>
 work basic_ddp<Policy>::launch_gather(std::size_t b) {
   bucket& s = buckets_[b];
   const std::size_t elem = size_of(s.info.type);
-  const std::size_t first = static_cast<std::size_t>(rank_) * s.owned_count;
+  const std::size_t first = shard_first(s);
   for (std::size_t k = 0; k < pieces_.size(); ++k) {
     const shard_piece& piece = pieces_[k];
     if (piece.bucket != b) continue;
@@ -126,46 +136,70 @@ work basic_ddp<Policy>::launch_gather(std::size_t b) {
   const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
   const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
                     s.grads.device()};
-  const buffer all{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
-  return detail::allgather_on(comm_, mine, all, on_stream_or_null());
+  const buffer all{gathered(b), s.moved, s.info.type, memory_space::where, s.grads.device()};
+  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where,
+                       s.grads.device()};
+  return topo_.allgather(mine, scratch, all, on_stream_or_null());
 }
 
-/// Waits for the allgathers (each within the collective timeout), then
-/// copies every parameter's values that other ranks updated out of the
-/// buckets, and zeroes the buckets for the next step's gradients.
+/// Where bucket b's allgather lands: the bucket itself (its gradients are
+/// used up), or with transient buckets, whose pages were given back after
+/// the reduce-scatter, one of two staging buffers, taken in turn (a bucket's
+/// is free again once the bucket two before it is complete).
 template <class Policy>
-void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers) {
+std::byte* basic_ddp<Policy>::gathered(std::size_t b) {
+  return transient_buckets() ? staging_[b % 2].data() : buckets_[b].grads.data();
+}
+
+/// Bucket b's allgather is complete (and, on streams, the compute stream
+/// ordered after it): the values other ranks updated are copied out of where
+/// it landed into the parameters, and the bucket is zeroed for the next
+/// step's gradients.
+template <class Policy>
+void basic_ddp<Policy>::complete_gather(std::size_t b) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = shard_first(s), last = first + s.owned_count;
+  for (const std::size_t i : s.info.parameters) {
+    const variable& v = vars_[i];
+    // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
+    const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
+    auto copy_out = [&](std::size_t from, std::size_t to) {
+      if (from >= to) return;
+      memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
+                         gathered(b) + from * elem, (to - from) * elem, s.info.device, stream_);
+    };
+    copy_out(lo, std::min(hi, first));
+    copy_out(std::max(lo, last), hi);
+  }
+  // The next step's gradients start from zero (a transient bucket's pages
+  // were given back after its reduce-scatter; its staging buffer is
+  // overwritten whole by the next allgather).
+  if (!transient_buckets()) s.grads.clear(stream_);
+}
+
+/// Waits for the allgathers from `completed` on (each within the collective
+/// timeout), then completes each (complete_gather).
+template <class Policy>
+void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
   const std::lock_guard lock(mutex_);
   updatable_ = false;
-  if (!sharded() || size_ == 1) return;
+  if (!sharded()) return;
   try {
-    for (work& w : gathers) w.wait();
-    order_after_buckets();
-    const auto rank = static_cast<std::size_t>(rank_);
-    for (const variable& v : vars_) {
-      const bucket& s = buckets_[v.bucket];
-      const std::size_t elem = size_of(s.info.type);
-      // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
-      const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
-      const std::size_t first = rank * s.owned_count, last = first + s.owned_count;
-      auto copy_out = [&](std::size_t from, std::size_t to) {
-        if (from >= to) return;
-        memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
-                           s.grads.data() + from * elem, (to - from) * elem, s.info.device,
-                           stream_);
-      };
-      copy_out(lo, std::min(hi, first));
-      copy_out(std::max(lo, last), hi);
+    if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
+      for (bucket& s : buckets_) s.grads.clear(stream_);
+      return;
     }
-    for (bucket& s : buckets_)
-      memory_space::zero(s.grads.data(), s.grads.bytes(), s.grads.device(), stream_);
+    for (std::size_t b = completed; b < gathers.size(); ++b) gathers[b].wait();
+    order_after_buckets();
+    for (std::size_t b = completed; b < gathers.size(); ++b) complete_gather(b);
   } catch (...) {
     fail(std::current_exception());
   }
 }
 
 template <class Policy>
-void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers) {
+void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
   for (work& w : gathers) {
     try {
       w.wait();
@@ -175,8 +209,8 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers) {
   const std::lock_guard lock(mutex_);
   updatable_ = false;
   broken_ = true;
-  broken_message_ = "the optimizer's update threw on rank " + std::to_string(rank_) +
-                    " in the middle of optimizer_step(): the ranks' values may differ";
+  broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
+                    ") in the middle of its update and allgathers: the ranks' values may differ";
 }
 
 template <class Policy>

@@ -16,10 +16,16 @@ namespace dtrain {
 template <class Policy>
 void basic_ddp<Policy>::mark(std::size_t i) {
   bool last = false;
+  bool throttle = false;
   {
     const std::lock_guard lock(mutex_);
     last = ready(i);
+    throttle = transient_buckets() && no_sync_depth_ == 0 && !alone();
   }
+  // Transient buckets: a backward pass that writes gradients faster than the
+  // buckets travel waits here, so that at most two buckets launched and not
+  // yet reduced hold their pages (besides those being written).
+  if (throttle) runner_->throttle(transient_in_flight);
   if (last && all_marked_) all_marked_();
 }
 
@@ -232,8 +238,7 @@ template <class Policy>
 void basic_ddp<Policy>::zero_grad() {
   const std::lock_guard lock(mutex_);
   check_between_steps("zero_grad()");
-  for (bucket& b : buckets_)
-    memory_space::zero(b.grads.data(), b.grads.bytes(), b.grads.device(), stream_);
+  for (bucket& b : buckets_) b.grads.clear(stream_);  // transient buckets: pages given back
   for (const variable& v : vars_) {
     if (!v.view) memory_space::zero(v.param.gradient, v.param.bytes(), v.param.device, stream_);
   }

@@ -84,7 +84,16 @@ struct ddp_memory_use {
   std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
   std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
   std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  /// Stage 2 on the host: the buckets' pages are resident only while a
+  /// bucket is being filled or is in flight (given back after its
+  /// reduce-scatter and after its allgather), so `buckets` is address space
+  /// and held() leaves it out.
+  bool transient_buckets = false;
   [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+  /// What stays allocated between steps.
+  [[nodiscard]] std::size_t held() const noexcept {
+    return total() - (transient_buckets ? buckets : 0);
+  }
 };
 
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.

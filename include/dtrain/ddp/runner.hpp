@@ -58,6 +58,24 @@ class thread_runner {
     if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
+  /// Blocks the caller while more than `most` launched buckets are not yet
+  /// reduced, reducing one itself when the thread is idle (each bounded by
+  /// the collective timeout; at once after a failure): bounds the gradient
+  /// memory in flight when the backward pass writes faster than the buckets
+  /// travel. The step is bound by the communication then anyway.
+  void throttle(std::size_t most) {
+    std::unique_lock lock(mutex_);
+    while (!failure_ && queue_.size() + (busy_ ? 1 : 0) > most) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        ++throttled_;
+        done_wake_.wait(lock);
+        --throttled_;
+      }
+    }
+  }
+
   /// Waits until the `count` buckets of this step are done, reducing queued
   /// ones on the calling thread while the runner's thread is idle; then the
   /// next step starts counting from zero. Returns the first failure, or null.
@@ -114,7 +132,7 @@ class thread_runner {
     ++done_;
     // Once the caller waits in complete(), the queue is the caller's: the
     // thread finishes the bucket it holds and hands over (one wake-up).
-    if (completing_) done_wake_.notify_one();
+    if (completing_ || throttled_ > 0) done_wake_.notify_all();
   }
 
   Owner& owner_;
@@ -125,6 +143,7 @@ class thread_runner {
   std::size_t done_ = 0;
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
   bool completing_ = false;  // the caller is in complete(): the queue is its own
+  int throttled_ = 0;        // callers waiting in throttle()
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -168,6 +187,9 @@ class stream_runner {
   /// Blocks until every bucket launched so far has completed on the device
   /// (each within its timeout); returns the first failure, or null.
   std::exception_ptr drain() { return watchdog_.drain(); }
+
+  /// The device orders the buckets; the host does not wait for them.
+  void throttle(std::size_t /*most*/) noexcept {}
 
  private:
   Owner& owner_;

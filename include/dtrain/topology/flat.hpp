@@ -59,6 +59,20 @@ struct flat {
     }
     /// The same without scratch (flat needs none).
     work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
+    /// Where this rank's part of a reduce_scatter() lies: part world().rank().
+    [[nodiscard]] std::size_t shard_position() const {
+      return static_cast<std::size_t>(world_->rank());
+    }
+    /// The reduction of `data` over every rank, this rank's part of it
+    /// (part shard_position() of size()) into `out`.
+    work reduce_scatter(buffer data, buffer /*shard*/, buffer out, reduce_op op,
+                        stream_handle stream = nullptr) {
+      return detail::reduce_scatter_on(*world_, data, out, op, stream);
+    }
+    /// Every rank's `in` into `data`, each at its shard_position().
+    work allgather(buffer in, buffer /*shard*/, buffer data, stream_handle stream = nullptr) {
+      return detail::allgather_on(*world_, in, data, stream);
+    }
     /// Makes `stream` wait for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);

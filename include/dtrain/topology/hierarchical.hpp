@@ -140,6 +140,72 @@ struct hierarchical {
       return run(data, shard, op, nullptr, std::move(scratch));
     }
 
+    /// Where this rank's part of a reduce_scatter() lies (in parts of
+    /// data.count / world().size()): local rank x nodes + node rank, so that
+    /// a node-local reduce-scatter and then a cross-node one leave it there;
+    /// the world rank when the collectives run flat.
+    [[nodiscard]] std::size_t shard_position() const {
+      if (!local_) return static_cast<std::size_t>(world_->rank());
+      return static_cast<std::size_t>(local_->rank()) * static_cast<std::size_t>(cross_->size()) +
+             static_cast<std::size_t>(cross_->rank());
+    }
+
+    /// The reduction of `data` over every rank, this rank's part of it (part
+    /// shard_position() of world().size()) into `out`: a node-local
+    /// reduce_scatter into `shard` (scratch of shard_count(data.count)
+    /// elements, as for allreduce), then a cross-node reduce_scatter of it
+    /// into `out`. Only 1/L of the data crosses the nodes, as in allreduce().
+    /// data.count must be a multiple of world().size() (config_error).
+    work reduce_scatter(buffer data, buffer shard, buffer out, reduce_op op,
+                        stream_handle stream = nullptr) {
+      if (!local_) return detail::reduce_scatter_on(*world_, data, out, op, stream);
+      const std::string what = detail::describe(
+          "hierarchical reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(data),
+          world_->rank(), world_->size(), C::name);
+      buffer part = two_level_scratch(what, data, shard, out);
+      C& local = *local_;
+      C& cross = *cross_;
+      std::vector<detail::work_sequence::step> steps;
+      steps.push_back({"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks",
+                       [&local, data, part, op, stream] {
+                         return detail::reduce_scatter_on(local, data, part, op, stream);
+                       },
+                       1, -1});
+      steps.push_back({"cross-node reduce_scatter over " + std::to_string(cross.size()) + " nodes",
+                       [&local, &cross, part, out, op] {
+                         return detail::reduce_scatter_on(cross, part, out, op,
+                                                          detail::stream_after(local));
+                       },
+                       2, 0});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
+    /// Every rank's `in` into `data`, each at its shard_position(): a
+    /// cross-node allgather into `shard` (scratch as for reduce_scatter()),
+    /// then a node-local allgather of it into `data`.
+    work allgather(buffer in, buffer shard, buffer data, stream_handle stream = nullptr) {
+      if (!local_) return detail::allgather_on(*world_, in, data, stream);
+      const std::string what = detail::describe("hierarchical allgather", detail::shape(data),
+                                                world_->rank(), world_->size(), C::name);
+      buffer part = two_level_scratch(what, data, shard, in);
+      C& local = *local_;
+      C& cross = *cross_;
+      std::vector<detail::work_sequence::step> steps;
+      steps.push_back(
+          {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+           [&cross, in, part, stream] { return detail::allgather_on(cross, in, part, stream); }, 2,
+           -1});
+      steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
+                       [&local, &cross, part, data] {
+                         return detail::allgather_on(local, part, data,
+                                                     detail::stream_after(cross));
+                       },
+                       1, 0});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
     /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);
@@ -248,6 +314,29 @@ struct hierarchical {
       return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
                                                           detail::stream_ordered<C>,
                                                           std::move(keep_alive)));
+    }
+
+    // The node's part of `data` in `shard` for a two-level reduce_scatter or
+    // allgather whose rank part is `part` (data.count / world size elements).
+    [[nodiscard]] buffer two_level_scratch(const std::string& what, const buffer& data,
+                                           const buffer& shard, const buffer& part) const {
+      detail::argument_check check{what};
+      check.same_type(data, shard);
+      check.same_type(data, part);
+      const auto ranks = static_cast<std::size_t>(world_->size());
+      if (data.count % ranks != 0 || part.count != data.count / ranks) {
+        check.fail("the whole has " + std::to_string(data.count) + " elements and a rank's part " +
+                   std::to_string(part.count) + "; the whole must be " + std::to_string(ranks) +
+                   " parts of that size");
+      }
+      buffer node = shard;
+      node.count = shard_count(data.count);
+      if (shard.count < node.count) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(node.count) + " (shard_count(" + std::to_string(data.count) +
+                   "))");
+      }
+      return node;
     }
 
     // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.

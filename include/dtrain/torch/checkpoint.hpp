@@ -26,9 +26,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace dtrain::torch {
@@ -115,7 +118,8 @@ void add_module(dtrain::checkpoint& ckpt, const Holder& module, const std::strin
 /// Registers a torch::optim optimizer's state (momentum buffers, Adam's
 /// moments, step counts), serialised by LibTorch itself (torch::save). An
 /// optimizer over a sharded DDP's shard_parameters() holds this rank's shard:
-/// pass checkpoint_scope::per_rank.
+/// register it with the overload that takes the DDP (re-cut for any world
+/// size), or pass checkpoint_scope::per_rank (the same world size only).
 inline void add_optimizer(dtrain::checkpoint& ckpt, ::torch::optim::Optimizer& optimizer,
                           const std::string& name = "optimizer",
                           checkpoint_scope scope = checkpoint_scope::replicated) {
@@ -131,6 +135,240 @@ inline void add_optimizer(dtrain::checkpoint& ckpt, ::torch::optim::Optimizer& o
         ::torch::load(optimizer, in);
       },
       scope);
+}
+
+namespace detail {
+
+/// The key a torch::optim optimizer files a parameter's state under: the
+/// tensor's implementation, as a pointer (LibTorch 2) or its printed address
+/// (LibTorch 1.13's c10::guts::to_string).
+template <class Map>
+[[nodiscard]] typename Map::key_type optimizer_state_key(const Map& /*state*/,
+                                                         const ::torch::Tensor& p) {
+  using key = typename Map::key_type;
+  if constexpr (std::is_same_v<key, std::string>) {
+    std::ostringstream out;
+    out << static_cast<const void*>(p.unsafeGetTensorImpl());
+    return out.str();
+  } else {
+    return static_cast<key>(p.unsafeGetTensorImpl());
+  }
+}
+
+/// What a sharded optimizer's state is made of, per optimizer class: its
+/// per-parameter tensors (each the piece's size) and a step count.
+enum class sharded_optimizer_kind { sgd, adam, adamw };
+
+struct sharded_optimizer_layout {
+  sharded_optimizer_kind kind = sharded_optimizer_kind::sgd;
+  std::vector<std::string> fields;  ///< state tensors, by the names LibTorch gives them
+};
+
+inline sharded_optimizer_layout sharded_layout_of(::torch::optim::Optimizer& optimizer,
+                                                  const std::string& name, int rank) {
+  sharded_optimizer_layout out;
+  auto first_options = [&]() -> ::torch::optim::OptimizerOptions& {
+    return optimizer.param_groups().front().options();
+  };
+  if (dynamic_cast<::torch::optim::SGD*>(&optimizer)) {
+    out.kind = sharded_optimizer_kind::sgd;
+    if (static_cast<::torch::optim::SGDOptions&>(first_options()).momentum() != 0)
+      out.fields = {"momentum_buffer"};
+  } else if (dynamic_cast<::torch::optim::AdamW*>(&optimizer)) {
+    out.kind = sharded_optimizer_kind::adamw;
+    out.fields = {"exp_avg", "exp_avg_sq"};
+    if (static_cast<::torch::optim::AdamWOptions&>(first_options()).amsgrad())
+      out.fields.push_back("max_exp_avg_sq");
+  } else if (dynamic_cast<::torch::optim::Adam*>(&optimizer)) {
+    out.kind = sharded_optimizer_kind::adam;
+    out.fields = {"exp_avg", "exp_avg_sq"};
+    if (static_cast<::torch::optim::AdamOptions&>(first_options()).amsgrad())
+      out.fields.push_back("max_exp_avg_sq");
+  } else {
+    throw config_error("dtrain::torch::add_optimizer on rank " + std::to_string(rank) +
+                       ": optimizer '" + name +
+                       "' over a sharded DDP is re-cut across world sizes for torch::optim::SGD, "
+                       "Adam and AdamW; for another optimizer pass checkpoint_scope::per_rank "
+                       "instead of the DDP (its state then resumes on the same world size only)");
+  }
+  return out;
+}
+
+/// The state tensor `field` of one parameter's state, and its step count
+/// (null for SGD, which keeps none).
+template <class State>
+::torch::Tensor& adam_field(State& s, const std::string& field) {
+  if (field == "exp_avg") return s.exp_avg();
+  if (field == "exp_avg_sq") return s.exp_avg_sq();
+  return s.max_exp_avg_sq();
+}
+inline ::torch::Tensor& state_field(::torch::optim::OptimizerParamState& state,
+                                    sharded_optimizer_kind kind, const std::string& field) {
+  switch (kind) {
+    case sharded_optimizer_kind::sgd:
+      return static_cast<::torch::optim::SGDParamState&>(state).momentum_buffer();
+    case sharded_optimizer_kind::adam:
+      return adam_field(static_cast<::torch::optim::AdamParamState&>(state), field);
+    case sharded_optimizer_kind::adamw: break;
+  }
+  return adam_field(static_cast<::torch::optim::AdamWParamState&>(state), field);
+}
+inline std::int64_t state_step(::torch::optim::OptimizerParamState& state,
+                               sharded_optimizer_kind kind) {
+  switch (kind) {
+    case sharded_optimizer_kind::sgd: return 1;  // SGD's state exists once it has stepped
+    case sharded_optimizer_kind::adam:
+      return static_cast<std::int64_t>(static_cast<::torch::optim::AdamParamState&>(state).step());
+    case sharded_optimizer_kind::adamw: break;
+  }
+  return static_cast<std::int64_t>(static_cast<::torch::optim::AdamWParamState&>(state).step());
+}
+inline std::unique_ptr<::torch::optim::OptimizerParamState> fresh_state(sharded_optimizer_kind kind,
+                                                                        std::int64_t step) {
+  switch (kind) {
+    case sharded_optimizer_kind::sgd: return std::make_unique<::torch::optim::SGDParamState>();
+    case sharded_optimizer_kind::adam: {
+      auto s = std::make_unique<::torch::optim::AdamParamState>();
+      s->step(step);
+      return s;
+    }
+    case sharded_optimizer_kind::adamw: break;
+  }
+  auto s = std::make_unique<::torch::optim::AdamWParamState>();
+  s->step(step);
+  return s;
+}
+
+/// The host copies of a sharded optimizer's state that the checkpoint saves
+/// and restores: one array of shard_elements() per state tensor, indexed by
+/// the pieces' state_offset, the step count and each group's learning rate.
+struct sharded_optimizer_state {
+  ::torch::optim::Optimizer* optimizer = nullptr;
+  sharded_optimizer_layout layout;
+  std::vector<::torch::Tensor> pieces;         ///< shard_parameters()
+  std::vector<std::size_t> offsets;            ///< each piece's state_offset
+  dtype type = dtype::float32;                 ///< of every piece
+  std::vector<std::vector<std::byte>> arrays;  ///< per field
+  std::int64_t step = 0;                       ///< 0: the optimizer has not stepped
+  std::vector<double> lr;                      ///< per param group
+
+  void fill() {
+    auto& map = optimizer->state();
+    step = 0;
+    const std::size_t element = size_of(type);
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const auto it = map.find(optimizer_state_key(map, pieces[k]));
+      for (std::size_t f = 0; f < layout.fields.size(); ++f) {
+        std::byte* to = arrays[f].data() + offsets[k] * element;
+        const std::size_t bytes = static_cast<std::size_t>(pieces[k].numel()) * element;
+        const ::torch::Tensor* t =
+            it == map.end() ? nullptr : &state_field(*it->second, layout.kind, layout.fields[f]);
+        if (t == nullptr || !t->defined()) {
+          std::memset(to, 0, bytes);
+          continue;
+        }
+        const ::torch::Tensor host = t->detach().to(::torch::kCPU).contiguous();
+        std::memcpy(to, host.data_ptr(), bytes);
+      }
+      if (it != map.end()) step = std::max(step, state_step(*it->second, layout.kind));
+    }
+    for (std::size_t g = 0; g < lr.size(); ++g)
+      lr[g] = optimizer->param_groups()[g].options().get_lr();
+  }
+
+  void apply() {
+    for (std::size_t g = 0; g < lr.size(); ++g)
+      optimizer->param_groups()[g].options().set_lr(lr[g]);
+    auto& map = optimizer->state();
+    const std::size_t element = size_of(type);
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const auto key = optimizer_state_key(map, pieces[k]);
+      if (step == 0) {  // saved before the first step: no state, as a fresh optimizer
+        map.erase(key);
+        continue;
+      }
+      auto state = fresh_state(layout.kind, step);
+      for (std::size_t f = 0; f < layout.fields.size(); ++f) {
+        const ::torch::Tensor host =
+            ::torch::from_blob(arrays[f].data() + offsets[k] * element, {pieces[k].numel()},
+                               ::torch::TensorOptions().dtype(pieces[k].scalar_type()));
+        state_field(*state, layout.kind, layout.fields[f]) =
+            host.to(pieces[k].device(), /*non_blocking=*/false, /*copy=*/true);
+      }
+      map[key] = std::move(state);
+    }
+  }
+};
+
+}  // namespace detail
+
+/// Registers the state of a torch::optim optimizer built on a sharded DDP's
+/// shard_parameters() (SGD, Adam or AdamW) so that it resumes on any world
+/// size: each state tensor (momentum_buffer; exp_avg, exp_avg_sq and, with
+/// amsgrad, max_exp_avg_sq) as a sharded entry `name.<tensor>` cut as the
+/// DDP's shard (checkpoint::add_sharded), the step count and each param
+/// group's learning rate replicated. Without sharding: add_optimizer(ckpt,
+/// optimizer, name), the optimizer as LibTorch serialises it. config_error
+/// naming the rank for an optimizer not built on ddp.shard_parameters(), or
+/// of another class.
+template <class DDP>
+requires requires(DDP& d) {
+  { d.shard_parameters() } -> std::convertible_to<const std::vector<::torch::Tensor>&>;
+  d.core().shard_ranges();
+}
+void add_optimizer(dtrain::checkpoint& ckpt, ::torch::optim::Optimizer& optimizer, DDP& ddp,
+                   const std::string& name = "optimizer") {
+  const auto& core = ddp.core();
+  if (core.options().sharding == sharding::none) {
+    add_optimizer(ckpt, optimizer, name);
+    return;
+  }
+  const int rank = core.rank();
+  auto state = std::make_shared<detail::sharded_optimizer_state>();
+  state->optimizer = &optimizer;
+  state->pieces = ddp.shard_parameters();
+  // The optimizer must hold exactly the shard's tensors, in order.
+  std::size_t held = 0;
+  bool same = true;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const ::torch::Tensor& p : group.params()) {
+      same = same && held < state->pieces.size() &&
+             p.unsafeGetTensorImpl() == state->pieces[held].unsafeGetTensorImpl();
+      ++held;
+    }
+  }
+  if (!same || held != state->pieces.size()) {
+    throw config_error("dtrain::torch::add_optimizer on rank " + std::to_string(rank) +
+                       ": optimizer '" + name + "' holds " + std::to_string(held) +
+                       " tensors that are not the sharded DDP's shard_parameters() (" +
+                       std::to_string(state->pieces.size()) +
+                       " pieces): build it on ddp.shard_parameters()");
+  }
+  state->layout = detail::sharded_layout_of(optimizer, name, rank);
+  const std::vector<shard_piece> pieces(core.shard().begin(), core.shard().end());
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    if (k == 0) state->type = pieces[k].values.type;
+    if (pieces[k].values.type != state->type ||
+        (state->type != dtype::float32 && state->type != dtype::float64)) {
+      throw config_error("dtrain::torch::add_optimizer on rank " + std::to_string(rank) +
+                         ": optimizer '" + name + "': the shard holds " +
+                         std::string(to_string(pieces[k].values.type)) +
+                         " parameters; its state is re-cut for one type, float32 or float64");
+    }
+    state->offsets.push_back(pieces[k].state_offset);
+  }
+  const std::size_t elements = core.shard_elements();
+  state->arrays.assign(state->layout.fields.size(),
+                       std::vector<std::byte>(elements * size_of(state->type)));
+  state->lr.assign(optimizer.param_groups().size(), 0.0);
+  ckpt.add(name + ".step", state->step);
+  ckpt.add(name + ".lr", state->lr);
+  for (std::size_t f = 0; f < state->layout.fields.size(); ++f) {
+    ckpt.add_sharded(name + "." + state->layout.fields[f],
+                     buffer{state->arrays[f].data(), elements, state->type, memory::host},
+                     core.shard_ranges(), core.model_elements());
+  }
+  ckpt.add_hooks([state] { state->fill(); }, [state] { state->apply(); });
 }
 
 /// Registers the sampler's position in the global sample order.
