@@ -7,30 +7,32 @@
 //
 // The model: L layers of P float32 each, trained with Adam (fp32: two moments
 // per element) written against DistributedDataParallel::shard(). Groups of 1,
-// 2 and 4 ranks are splits of the workers' communicator (the ranks outside a
-// group wait), so every figure of a table comes from the same run.
+// 2 and 4 ranks (and 8 with DTRAIN_NPROC_PER_NODE=8) are splits of the
+// workers' communicator (the ranks outside a group wait), so every figure of
+// a table comes from the same run.
 //
 // Table 1, memory per rank: the parameters (the model's), DDP's own memory
 // held between steps (DistributedDataParallel::memory_use().held(): the
 // gradient buckets, padding included, and the shards; at stage 2 the buckets'
 // pages are given back after each reduce-scatter and allgather, so they are
 // not held) and the optimizer state, in bytes, for sharding none, optimizer
-// (stage 1) and gradients (stage 2), at 1, 2 and 4 ranks; beside them, what
-// the run really took: the growth of the process's peak resident memory
+// (stage 1) and gradients (stage 2), at 1, 2, 4 (and 8) ranks; beside them,
+// what the run really took: the growth of the process's peak resident memory
 // (VmHWM) while the model was built and trained 2 steps. Goal: stage 2's
 // optimizer state at most DDP's / N plus the padding.
 //
-// Table 2, step time (2 and 4 ranks): a step is each layer's backward
+// Table 2, step time (2 ranks and more): a step is each layer's backward
 // (`--compute-us` of sleep: a GPU computing while the CPU is free), marking it
 // ready, synchronize(), then Adam on the rank's shard and (sharded) the
 // allgather of the updated values. Rounds interleave the three; the median of
 // the slowest rank's mean step. ratio = step / DDP's; goal at most 1.1.
 //
-// Table 3, the largest model within --budget-mib per rank (4 ranks): from the
-// measured bytes per parameter of table 1 (peak resident growth), the most
-// parameters that fit for DDP and for stage 2; each is then built and trained
-// 2 steps and rescaled by the peak it took, three times, and the last size
-// and its peak resident growth are printed beside the budget.
+// Table 3, the largest model within --budget-mib per rank (the largest
+// group): from the measured bytes per parameter of table 1 (peak resident
+// growth), the most parameters that fit for DDP and for stage 2; each is then
+// built and trained 2 steps and rescaled by the peak it took, three times,
+// and the last size and its peak resident growth are printed beside the
+// budget.
 
 #include <dtrain/dtrain.hpp>
 
@@ -221,7 +223,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   const bool main = ctx.is_main();
   constexpr std::array modes{sharding::none, sharding::optimizer, sharding::gradients};
   std::vector<int> sizes;
-  for (int n : {1, 2, 4}) {
+  for (int n : {1, 2, 4, 8}) {
     if (n <= ctx.size()) sizes.push_back(n);
   }
   // Groups of the first n ranks; the others get an invalid communicator.

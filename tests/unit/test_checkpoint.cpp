@@ -280,8 +280,8 @@ TEST_CASE("checkpoint: 3 ranks save and restore, keep prunes, and the step count
 }
 
 TEST_CASE(
-    "checkpoint: hooks copy state in before each save and out after a restore; "
-    "a hook that throws fails the save on every rank") {
+    "checkpoint: hooks copy state in before each save and out after a restore, "
+    "and a hook that throws fails the save on every rank") {
   scratch_dir dir;
   const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
     // State that lives outside registered memory (as on a GPU): `outside`,
