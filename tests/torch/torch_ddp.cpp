@@ -16,9 +16,13 @@
 
 #include <dtrain/torch.hpp>
 
+#include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
+#include <cmath>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -755,7 +759,24 @@ void check_sharded_checkpoint(dtrain::context<Policy>& ctx) {
     dtrain::checkpoint ckpt(ctx, {.dir = dir, .quiet = true});
     dtrain::torch::add_module(ckpt, net);
     dtrain::torch::add_optimizer(ckpt, opt, ddp);
-    train_step(0);
+    // After backward(), the shard's tensors hold their pieces' means: their
+    // norm over every rank is the whole model's (what clipping needs).
+    rank_loss(ddp, 0, rank, ctx.size()).backward();
+    double squares = 0;
+    for (const torch::Tensor& p : ddp.shard_parameters()) {
+      check(p.grad().defined(), rank, "sharded: a shard tensor has no gradient after backward()");
+      if (p.grad().defined()) squares += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    }
+    std::vector<std::int64_t> every(static_cast<std::size_t>(ctx.size()));
+    ctx.control_plane().allgather(std::array<std::int64_t, 1>{std::bit_cast<std::int64_t>(squares)},
+                                  every);
+    double total = 0;
+    for (const std::int64_t x : every) total += std::bit_cast<double>(x);
+    const double norm = ddp.core().gradient_norm();
+    check(std::abs(std::sqrt(total) - norm) <= 1e-5 * norm, rank,
+          "sharded: the shard tensors' gradient norm " + std::to_string(std::sqrt(total)) +
+              " is not gradient_norm() " + std::to_string(norm));
+    ddp.step(opt);
     train_step(1);
     ckpt.step();
     ckpt.save();

@@ -174,8 +174,10 @@ class DistributedDataParallel {
       for (const shard_piece& piece : ddp_.core().shard()) {
         ::torch::Tensor values = detail::tensor_over(piece.values);
         values.set_requires_grad(true);  // a leaf over the module's memory, as a parameter is
+        ::torch::Tensor gradients = detail::tensor_over(piece.gradients);
+        values.mutable_grad() = gradients;  // the piece's mean after backward(), for clipping
         shard_tensors_.push_back(values);
-        shard_gradients_.push_back(detail::tensor_over(piece.gradients));
+        shard_gradients_.push_back(gradients);
       }
     }
     return shard_tensors_;
