@@ -167,6 +167,10 @@ struct sharded_optimizer_layout {
 inline sharded_optimizer_layout sharded_layout_of(::torch::optim::Optimizer& optimizer,
                                                   const std::string& name, int rank) {
   sharded_optimizer_layout out;
+  if (optimizer.param_groups().empty()) {
+    throw config_error("dtrain::torch::add_optimizer on rank " + std::to_string(rank) +
+                       ": optimizer '" + name + "' has no parameter groups");
+  }
   auto first_options = [&]() -> ::torch::optim::OptimizerOptions& {
     return optimizer.param_groups().front().options();
   };
