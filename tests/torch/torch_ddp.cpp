@@ -618,6 +618,14 @@ torch::Tensor rank_loss(DDP& ddp, int step, int rank, int size) {
   return torch::nn::functional::cross_entropy(ddp(x), y);
 }
 
+/// One temporary directory for every rank: `prefix` and rank 0's pid.
+std::filesystem::path shared_temp_dir(dtrain::context<Policy>& ctx, const std::string& prefix) {
+  std::array<std::int64_t, 1> id{static_cast<std::int64_t>(::getpid())};
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(ctx.size()));
+  ctx.control_plane().allgather(id, ids);  // host memory on every engine (NCCL too)
+  return std::filesystem::temp_directory_path() / (prefix + std::to_string(ids[0]));
+}
+
 // dtrain::torch's checkpoint helpers (issue 33): a module (parameters and
 // batch-norm buffers; on a GPU through the host), an SGD optimizer with
 // momentum and the sampler saved, changed by a step, and restored: the
@@ -625,12 +633,7 @@ torch::Tensor rank_loss(DDP& ddp, int step, int rank, int size) {
 // momentum came back too). A module of another shape is refused by name.
 void check_checkpoint(dtrain::context<Policy>& ctx) {
   const int rank = ctx.rank();
-  // One directory for every rank: rank 0's pid names it.
-  std::array<std::int64_t, 1> id{static_cast<std::int64_t>(::getpid())};
-  std::vector<std::int64_t> ids(static_cast<std::size_t>(ctx.size()));
-  ctx.control_plane().allgather(id, ids);  // host memory on every engine (NCCL too)
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / ("dtrain-torch-ckpt-" + std::to_string(ids[0]));
+  const std::filesystem::path dir = shared_temp_dir(ctx, "dtrain-torch-ckpt-");
   Net net = make_net(11);
   auto ddp = dtrain::torch::DistributedDataParallel(ctx, net);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -729,11 +732,7 @@ void check_checkpoint(dtrain::context<Policy>& ctx) {
 void check_sharded_checkpoint(dtrain::context<Policy>& ctx) {
   const int rank = ctx.rank();
   const auto failures_before = failures;
-  std::array<std::int64_t, 1> id{static_cast<std::int64_t>(::getpid())};
-  std::vector<std::int64_t> ids(static_cast<std::size_t>(ctx.size()));
-  ctx.control_plane().allgather(id, ids);
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("dtrain-torch-sharded-ckpt-" + std::to_string(ids[0]));
+  const std::filesystem::path dir = shared_temp_dir(ctx, "dtrain-torch-sharded-ckpt-");
   Net net = make_net(13);
   auto ddp = dtrain::torch::DistributedDataParallel(
       ctx, net, {.bucket_cap_mb = 0.01, .sharding = dtrain::sharding::gradients});

@@ -352,41 +352,7 @@ class basic_ddp {
   /// updated, while the update goes on with the next bucket's.
   template <class Update>
   requires std::invocable<Update&, const shard_piece&>
-  void optimizer_step(Update&& update) {
-    {
-      const std::lock_guard lock(mutex_);
-      check_usable_locked();
-      check_updatable("optimizer_step()");
-    }
-    std::vector<work> gathers;
-    std::size_t k = 0;          // pieces_ are in bucket order
-    std::size_t completed = 0;  // buckets whose allgather is copied out already
-    try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (sharded() && size_ > 1) {
-          gathers.push_back(launch_gather(b));
-          // Transient buckets: the one before is finished while this one
-          // travels, so that at most two hold their pages at once.
-          if (transient_buckets() && b > 0) {
-            gathers[b - 1].wait();
-            complete_gather(b - 1);
-            completed = b;
-          }
-        }
-      }
-      for (; k < pieces_.size(); ++k) update(pieces_[k]);
-    } catch (const std::exception& e) {
-      // The update (or an allgather) failed on this rank: what was launched
-      // completes (or fails), and this DDP is not usable for another step.
-      abandon_gathers(gathers, e.what());
-      throw;
-    } catch (...) {
-      abandon_gathers(gathers, "an exception that is not a std::exception");
-      throw;
-    }
-    finish_gather(gathers, completed);
-  }
+  void optimizer_step(Update&& update) { update_and_gather("optimizer_step()", update); }
   /// Collective: every rank's updated shard to every rank (an allgather per
   /// bucket), so that every rank holds all the values again; DDP's gradient
   /// buckets are its scratch and are zeroed after. Once after each
@@ -528,6 +494,44 @@ class basic_ddp {
 
   void make_pieces();
   void check_updatable(const char* what) const;
+  /// optimizer_step() and gather_parameters(): `update(piece)` for each
+  /// piece, bucket by bucket, each bucket's allgather launched once its
+  /// pieces are updated (transient buckets: the one before completed while
+  /// it travels, so that at most two hold their pages at once), then the rest.
+  template <class Update>
+  void update_and_gather(const char* what, Update& update) {
+    {
+      const std::lock_guard lock(mutex_);
+      check_usable_locked();
+      check_updatable(what);
+    }
+    std::vector<work> gathers;
+    std::size_t k = 0;          // pieces_ are in bucket order
+    std::size_t completed = 0;  // buckets whose allgather is copied out already
+    try {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
+        if (sharded() && size_ > 1) {
+          gathers.push_back(launch_gather(b));
+          if (transient_buckets() && b > 0) {
+            gathers[b - 1].wait();
+            complete_gather(b - 1);
+            completed = b;
+          }
+        }
+      }
+      for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    } catch (const std::exception& e) {
+      // The update (or an allgather) failed on this rank: what was launched
+      // completes (or fails), and this DDP is not usable for another step.
+      abandon_gathers(gathers, e.what());
+      throw;
+    } catch (...) {
+      abandon_gathers(gathers, "an exception that is not a std::exception");
+      throw;
+    }
+    finish_gather(gathers, completed);
+  }
   work launch_gather(std::size_t b);
   std::byte* gathered(std::size_t b);
   void complete_gather(std::size_t b);

@@ -90,32 +90,8 @@ void basic_ddp<Policy>::check_updatable(const char* what) const {
 
 template <class Policy>
 void basic_ddp<Policy>::gather_parameters() {
-  {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    check_updatable("gather_parameters()");
-  }
-  std::vector<work> gathers;
-  std::size_t completed = 0;
-  if (sharded() && size_ > 1) {
-    try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        gathers.push_back(launch_gather(b));
-        if (transient_buckets() && b > 0) {  // at most two buckets' pages at once
-          gathers[b - 1].wait();
-          complete_gather(b - 1);
-          completed = b;
-        }
-      }
-    } catch (const std::exception& e) {
-      abandon_gathers(gathers, e.what());
-      throw;
-    } catch (...) {
-      abandon_gathers(gathers, "an exception that is not a std::exception");
-      throw;
-    }
-  }
-  finish_gather(gathers, completed);
+  auto nothing = [](const shard_piece&) {};  // this rank updated its pieces itself
+  update_and_gather("gather_parameters()", nothing);
 }
 
 /// This rank's updated values of bucket b into its shard, and the
