@@ -12,8 +12,19 @@ macro(dtrain_find_cuda)
   if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)
     set(ENV{CUDACXX} /usr/local/cuda/bin/nvcc)
   endif()
-  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
-    set(CMAKE_CUDA_ARCHITECTURES 75 80 86 89 90)
+  # Chosen here, once per build directory, and kept in the cache: CMake reads
+  # CUDAARCHS only when it first determines the compiler, so a later configure
+  # of the same directory (the tests' after the demo's, a user's own) must find
+  # the choice in the cache, never an empty value.
+  if(NOT CMAKE_CUDA_ARCHITECTURES)  # unset, or left empty by an earlier configure
+    if(NOT "$ENV{CUDAARCHS}" STREQUAL "")
+      set(dtrain_cuda_archs "$ENV{CUDAARCHS}")
+    else()
+      set(dtrain_cuda_archs 75 80 86 89 90)
+    endif()
+    set(CMAKE_CUDA_ARCHITECTURES "${dtrain_cuda_archs}" CACHE STRING
+        "CUDA architectures of dtrain's own CUDA programs (CUDAARCHS on a first configure)" FORCE)
+    unset(dtrain_cuda_archs)
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
