@@ -26,8 +26,6 @@ import json
 import shlex
 import sys
 
-import yaml
-
 
 def env_list(entries):
     """A container's env: list as (name, value) pairs; secretKeyRef values by name."""
@@ -146,6 +144,8 @@ def q(value):
 
 
 def pods_command(path, ips, hostfile_path):
+    import yaml  # only here: `check` runs without it
+
     job = yaml.safe_load(open(path))
     kind = job.get("kind") or job.get("type")
     extra = None
