@@ -21,3 +21,19 @@ else()
     dtrain_add_skipped_test(cluster.${case} "dtrun and dtrain_whoami are not built (DTRAIN_BUILD_EXAMPLES=OFF)")
   endforeach()
 endif()
+
+# cluster.recipe.*: each recipe of examples/clusters/ (docs/clusters.md), the file itself,
+# run on the simulated cluster with the environment its launcher or operator sets
+# (tests/cluster/test_recipes.sh; recipes.py models the operators); a few seconds each.
+set(recipe_cases slurm_dtrun slurm_srun openmpi_hostfile openmpi_dtrun pytorchjob trainjob mpijob
+                 azureml_pytorch azureml_mpi)
+foreach(case IN LISTS recipe_cases)
+  if(TARGET dtrun AND TARGET dtrain_whoami)
+    dtrain_add_test(cluster.recipe.${case}
+      COMMAND bash "${cluster_dir}/test_recipes.sh" ${case} "$<TARGET_FILE_DIR:dtrun>"
+      TIMEOUT 120
+      PROPERTIES RUN_SERIAL TRUE)
+  else()
+    dtrain_add_skipped_test(cluster.recipe.${case} "dtrun and dtrain_whoami are not built (DTRAIN_BUILD_EXAMPLES=OFF)")
+  endif()
+endforeach()
