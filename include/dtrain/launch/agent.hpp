@@ -318,6 +318,10 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   set("NODE_RANK", std::to_string(group));
   set("MASTER_ADDR", master_addr_);
   set("MASTER_PORT", std::to_string(worker_port));
+  // The agent's store is the workers' master: Azure ML's own names for the job's
+  // master (inherited from a dtrun that an MPI job started) would contradict it.
+  vars.erase("AZ_BATCH_MASTER_NODE");
+  vars.erase("AZ_BATCHAI_MPI_MASTER_NODE");
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   set(std::string(restart_count_variable), std::to_string(restart));
