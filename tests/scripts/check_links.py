@@ -12,6 +12,11 @@ lines the file has. Links in fenced blocks and code spans are not links.
 
 Prints one line per broken link (page:line: the link, and what is missing)
 and exits 1; prints how many links it checked and exits 0 otherwise.
+
+    python3 check_links.py --doxygen-filter <repo> <page>
+
+is Doxygen's input filter for the pages (cmake/dtrain_docs.cmake): the same
+anchors, spelled so that the links work in the API reference's HTML too.
 """
 import os
 import re
@@ -120,9 +125,64 @@ def check(root, page):
     return problems, count
 
 
+def doxygen_labels(root, file):
+    """{line number: (heading level, text, label)} of a page's headings that
+    Doxygen can label, and {GitHub anchor: label or None} of all of them: not
+    the title (its page is the link), nor a subsection outside a section
+    (Doxygen refuses the label there)."""
+    page = re.sub(r"[^A-Za-z0-9_]", "_", os.path.splitext(os.path.relpath(file, root))[0])
+    headings, labels, seen, open_levels = {}, {}, {}, set()
+    for number, line in prose_lines(file):
+        h = HEADING.match(line)
+        if not h:
+            continue
+        level, base = len(h.group(1)), github_anchor(h.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        anchor = base if n == 0 else f"{base}-{n}"
+        open_levels = {l for l in open_levels if l < level} | {level}
+        if level == 1 or (level > 2 and level - 1 not in open_levels):
+            labels[anchor] = None
+            continue
+        labels[anchor] = f"{page}-{anchor}"
+        headings[number] = (h.group(1), h.group(2), labels[anchor])
+    return headings, labels
+
+
+def doxygen_filter(root, page):
+    """Prints the page as Doxygen (1.9, whose anchors are not GitHub's) should
+    read it: each heading labelled {#label} after its GitHub anchor, and each
+    link to such an anchor made a [text](@ref label) (or a link to the page,
+    where Doxygen cannot label the heading). Lines stay where they are, so that
+    doxygen's warnings name the page's lines."""
+    with open(page, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    headings, _ = doxygen_labels(root, page)
+    for number, line in text_lines(page):  # outside fences, code spans blanked
+        if number in headings:
+            hashes, text, label = headings[number]
+            lines[number - 1] = f"{hashes} {text} {{#{label}}}"
+            continue
+        for m in reversed(list(LINK.finditer(line))):
+            path, _, anchor = m.group(1).strip("<>").partition("#")
+            if not anchor or re.match(r"^[a-z][a-z0-9+.-]*:", path, re.I):
+                continue
+            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not file.endswith(".md") or not os.path.exists(file):
+                continue
+            label = doxygen_labels(root, file)[1].get(anchor)
+            target = "@ref " + label if label else path or os.path.basename(page)
+            start, end = m.span(1)
+            lines[number - 1] = lines[number - 1][:start] + target + lines[number - 1][end:]
+    sys.stdout.write("\n".join(lines))
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--doxygen-filter":
+        doxygen_filter(os.path.abspath(sys.argv[2]), os.path.abspath(sys.argv[3]))
+        return 0
     if len(sys.argv) != 2:
-        sys.exit("usage: check_links.py <repo>")
+        sys.exit("usage: check_links.py <repo> | check_links.py --doxygen-filter <repo> <page>")
     root = os.path.abspath(sys.argv[1])
     pages = [os.path.join(root, "README.md")]
     docs = os.path.join(root, "docs")
