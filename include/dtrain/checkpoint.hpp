@@ -3,8 +3,10 @@
 /// dtrain::checkpoint: one step's state of every rank saved consistently, and
 /// resumed from (docs/checkpoints.md).
 ///
-///   #include <dtrain/checkpoint.hpp>
-///   dtrain::checkpoint ckpt(ctx, {.dir = "ckpt", .every = 100});
+/// ```cpp
+/// #include <dtrain/checkpoint.hpp>
+/// dtrain::checkpoint ckpt(ctx, {.dir = "ckpt", .every = 100});
+/// ```
 ///
 /// Not included by dtrain.hpp: it would add about 0.8 s to every translation
 /// unit that includes dtrain (its file system and thread code), and only the

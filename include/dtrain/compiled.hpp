@@ -15,7 +15,7 @@
 ///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
 ///   - by hand (e.g. with the single header): compile every TU with
 ///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, `#define
-///     DTRAIN_COMPILED_DEFINITIONS 1` before the #include and put
+///     DTRAIN_COMPILED_DEFINITIONS 1` before the `#include` and put
 ///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after it.
 /// In such a TU (and in a user's, with CMake) dtrain's non-template functions
 /// are declared, not defined (DTRAIN_DETAIL_BODIES(), config.hpp): the
@@ -81,7 +81,7 @@
 #define DTRAIN_DETAIL_DEFINE_COMPILED(...) DTRAIN_DETAIL_COMPILED_TEMPLATES(, __VA_ARGS__)
 
 /// Instantiates, in the one TU that writes it (at namespace scope, after the
-/// #include), everything the other TUs declared `extern template`, and
+/// `#include`), everything the other TUs declared `extern template`, and
 /// defines the link check's symbols for this TU's engines (link_check.hpp).
 /// Not beside a dtrain library: the link check refuses two definitions.
 #define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                                                   \

@@ -3,9 +3,11 @@
 /// dtrain::torch: LibTorch modules made data-parallel (optional: needs
 /// LibTorch; dtrain.hpp never includes it).
 ///
-///   #include <dtrain/torch.hpp>
-///   auto ddp = dtrain::torch::DistributedDataParallel(ctx, model);
-///   auto loss = loss_fn(ddp(x), y); loss.backward(); optimizer.step();
+/// ```cpp
+/// #include <dtrain/torch.hpp>
+/// auto ddp = dtrain::torch::DistributedDataParallel(ctx, model);
+/// auto loss = loss_fn(ddp(x), y); loss.backward(); optimizer.step();
+/// ```
 ///
 /// - torch/ddp.hpp: DistributedDataParallel for torch::nn modules, with
 ///   autograd marking gradients ready and backward() completing each step;

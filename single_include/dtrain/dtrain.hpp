@@ -9485,7 +9485,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 ///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
 ///   - by hand (e.g. with the single header): compile every TU with
 ///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, `#define
-///     DTRAIN_COMPILED_DEFINITIONS 1` before the #include and put
+///     DTRAIN_COMPILED_DEFINITIONS 1` before the `#include` and put
 ///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after it.
 /// In such a TU (and in a user's, with CMake) dtrain's non-template functions
 /// are declared, not defined (DTRAIN_DETAIL_BODIES(), config.hpp): the
@@ -9522,6 +9522,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 /// rings in backend/desync.hpp), through detail::wire; a malformed one is a
 /// rendezvous_error naming the key.
 ///
+/// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64
 ///     dtrain/agent/joined, left     counters (store add)
@@ -9557,6 +9558,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 ///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
 ///     the store token               outcome: the token's bytes
 ///     the store's address           outcome: store_address (host bytes32, port i64)
+/// ```
 ///
 /// An "outcome" (wire::outcome, detail/wire.hpp) is what broadcast_or_fail
 /// sends (rendezvous/broadcast.hpp): u8 1 and the value as bytes32, or u8 0
@@ -21544,7 +21546,7 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 #define DTRAIN_DETAIL_DEFINE_COMPILED(...) DTRAIN_DETAIL_COMPILED_TEMPLATES(, __VA_ARGS__)
 
 /// Instantiates, in the one TU that writes it (at namespace scope, after the
-/// #include), everything the other TUs declared `extern template`, and
+/// `#include`), everything the other TUs declared `extern template`, and
 /// defines the link check's symbols for this TU's engines (link_check.hpp).
 /// Not beside a dtrain library: the link check refuses two definitions.
 #define DTRAIN_INSTANTIATE_COMPILED_POLICIES()                                                   \
@@ -21820,8 +21822,10 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 /// dtrain::checkpoint: one step's state of every rank saved consistently, and
 /// resumed from (docs/checkpoints.md).
 ///
-///   #include <dtrain/checkpoint.hpp>
-///   dtrain::checkpoint ckpt(ctx, {.dir = "ckpt", .every = 100});
+/// ```cpp
+/// #include <dtrain/checkpoint.hpp>
+/// dtrain::checkpoint ckpt(ctx, {.dir = "ckpt", .every = 100});
+/// ```
 ///
 /// Not included by dtrain.hpp: it would add about 0.8 s to every translation
 /// unit that includes dtrain (its file system and thread code), and only the
@@ -21844,9 +21848,9 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 ///     }
 ///
 /// A save is a two-phase commit over the control plane: every rank writes its
-/// part into DIR/step-<N>.partial (fsync'd, checksummed), the ranks agree that
+/// part into `DIR/step-<N>.partial` (fsync'd, checksummed), the ranks agree that
 /// all parts were written, and only then rank 0 writes the manifest and
-/// renames the directory to DIR/step-<N>; the older checkpoints beyond `keep`
+/// renames the directory to `DIR/step-<N>`; the older checkpoints beyond `keep`
 /// are removed after that. A rank that dies or fails during a save leaves no
 /// committed step. restore() takes the newest step whose manifest and files
 /// check out (naming each one it skips), checks that its entries are the
@@ -21859,10 +21863,12 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 /// atomic. dtrain::checkpoint (checkpoint/checkpoint.hpp) uses these; they take
 /// no part in the protocol between ranks.
 ///
+/// ```text
 ///   DIR/step-<N>/MANIFEST          written last: what the step holds (below)
 ///   DIR/step-<N>/replicated.dtck   the state every rank has alike (rank 0 writes it)
 ///   DIR/step-<N>/rank-<r>.dtck     rank r's own state (only when there is some)
 ///   DIR/step-<N>.partial/          a save in progress: never read
+/// ```
 ///
 /// A part file (.dtck): the magic "dtrainck", u32 format version, u32 entry
 /// count, then per entry: u32 name length, the name, u8 kind (0 values, 1
@@ -21877,7 +21883,7 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 /// detail::ckpt::checksum64 in 16 hex digits.
 ///
 /// Every file is written as NAME.part, fsync'd and renamed; the step's
-/// directory is written as step-<N>.partial and renamed to step-<N> once
+/// directory is written as `step-<N>.partial` and renamed to `step-<N>` once
 /// every rank's part and the manifest are in it (the commit), and the parent
 /// directory is fsync'd after each rename.
 
@@ -22575,7 +22581,7 @@ struct checkpoint_timings {
 /// A committed checkpoint found on disk.
 struct checkpoint_found {
   std::uint64_t step = 0;
-  std::filesystem::path path;  ///< DIR/step-<N>
+  std::filesystem::path path;  ///< `DIR/step-<N>`
   int world_size = 0;          ///< of the job that wrote it
 };
 

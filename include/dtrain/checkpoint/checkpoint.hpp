@@ -15,9 +15,9 @@
 ///     }
 ///
 /// A save is a two-phase commit over the control plane: every rank writes its
-/// part into DIR/step-<N>.partial (fsync'd, checksummed), the ranks agree that
+/// part into `DIR/step-<N>.partial` (fsync'd, checksummed), the ranks agree that
 /// all parts were written, and only then rank 0 writes the manifest and
-/// renames the directory to DIR/step-<N>; the older checkpoints beyond `keep`
+/// renames the directory to `DIR/step-<N>`; the older checkpoints beyond `keep`
 /// are removed after that. A rank that dies or fails during a save leaves no
 /// committed step. restore() takes the newest step whose manifest and files
 /// check out (naming each one it skips), checks that its entries are the
@@ -110,7 +110,7 @@ struct checkpoint_timings {
 /// A committed checkpoint found on disk.
 struct checkpoint_found {
   std::uint64_t step = 0;
-  std::filesystem::path path;  ///< DIR/step-<N>
+  std::filesystem::path path;  ///< `DIR/step-<N>`
   int world_size = 0;          ///< of the job that wrote it
 };
 

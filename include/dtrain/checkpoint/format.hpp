@@ -4,10 +4,12 @@
 /// atomic. dtrain::checkpoint (checkpoint/checkpoint.hpp) uses these; they take
 /// no part in the protocol between ranks.
 ///
+/// ```text
 ///   DIR/step-<N>/MANIFEST          written last: what the step holds (below)
 ///   DIR/step-<N>/replicated.dtck   the state every rank has alike (rank 0 writes it)
 ///   DIR/step-<N>/rank-<r>.dtck     rank r's own state (only when there is some)
 ///   DIR/step-<N>.partial/          a save in progress: never read
+/// ```
 ///
 /// A part file (.dtck): the magic "dtrainck", u32 format version, u32 entry
 /// count, then per entry: u32 name length, the name, u8 kind (0 values, 1
@@ -22,7 +24,7 @@
 /// detail::ckpt::checksum64 in 16 hex digits.
 ///
 /// Every file is written as NAME.part, fsync'd and renamed; the step's
-/// directory is written as step-<N>.partial and renamed to step-<N> once
+/// directory is written as `step-<N>.partial` and renamed to `step-<N>` once
 /// every rank's part and the manifest are in it (the commit), and the parent
 /// directory is fsync'd after each rename.
 

@@ -9,6 +9,7 @@
 /// rings in backend/desync.hpp), through detail::wire; a malformed one is a
 /// rendezvous_error naming the key.
 ///
+/// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64
 ///     dtrain/agent/joined, left     counters (store add)
@@ -44,6 +45,7 @@
 ///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
 ///     the store token               outcome: the token's bytes
 ///     the store's address           outcome: store_address (host bytes32, port i64)
+/// ```
 ///
 /// An "outcome" (wire::outcome, detail/wire.hpp) is what broadcast_or_fail
 /// sends (rendezvous/broadcast.hpp): u8 1 and the value as bytes32, or u8 0
