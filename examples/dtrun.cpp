@@ -3,6 +3,7 @@
 //   dtrun --nproc-per-node 4 -- ./train args...
 //   dtrun --nnodes 2 --node-rank 0 --master-addr node0 --nproc-per-node 8 -- ./train
 //   dtrun --nproc-per-node 2 -- script.py args...   (runs under python3 -u, as torchrun)
+//   dtrun --nproc-per-node gpu -m pkg.train args... (python3 -u -m pkg.train, one per GPU)
 //
 // A program built on dtrain::run with launch::per_node takes the same flags on its own command
 // line (./train --nproc-per-node 2 --epochs 3): both read them with dtrain's one parser.
@@ -10,8 +11,8 @@
 // Workers get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 // NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so PyTorch scripts using
 // init_process_group(init_method="env://") and dtrain programs both run under it. Each flag can
-// also be given as an environment variable (the flag wins): see `dtrun --help` and
-// docs/reference.md.
+// also be given as an environment variable, dtrain's (DTRAIN_*) or torchrun's (PET_*, as Kubeflow
+// Trainer sets them; the flag wins): see `dtrun --help` and docs/reference.md.
 //
 // Exit status: 0 when every worker of every node succeeded; the failing worker's status (128 +
 // signal when killed) otherwise; 2 on bad flags or environment.
@@ -27,18 +28,32 @@
 namespace {
 
 constexpr std::string_view usage = R"(usage: dtrun [options] [--] program [args...]
+       dtrun [options] -m module [args...]
 
 Starts the workers of one node and supervises them (dtrain's per-node agent).
-Options (torchrun's names; `_` may replace `-`; environment variable in brackets):
-  --nproc-per-node N    workers on this node                   [DTRAIN_NPROC_PER_NODE] (1)
+Options (torchrun's names; `_` may replace `-`; environment variables in brackets,
+the flag wins over them; two variables that are set must agree):
+  --nproc-per-node N|gpu|cpu|auto
+                        workers on this node; gpu: one per visible GPU (an error
+                        without one), cpu: one per usable core, auto: gpu if
+                        there are GPUs, else cpu
+                                              [DTRAIN_NPROC_PER_NODE, PET_NPROC_PER_NODE] (1)
   --nnodes N|MIN:MAX    nodes in the job; MIN:MAX: elastic, it goes on with
                         at least MIN when nodes are lost and takes up to MAX
-                                                               [DTRAIN_NNODES]
+                                                               [DTRAIN_NNODES, PET_NNODES]
                         (1, or the outer launcher's)
-  --node-rank N         this node's index                      [DTRAIN_NODE_RANK, NODE_RANK]
-  --master-addr HOST    node 0's address                       [MASTER_ADDR] (127.0.0.1 on one node)
-  --master-port PORT    node 0's agent store port; 0 = free    [MASTER_PORT]
+  --node-rank N         this node's index    [DTRAIN_NODE_RANK, PET_NODE_RANK, NODE_RANK]
+  --master-addr HOST    node 0's address     [MASTER_ADDR, PET_MASTER_ADDR] (127.0.0.1 on one node)
+  --master-port PORT    node 0's agent store port; 0 = free    [MASTER_PORT, PET_MASTER_PORT]
                         (free on one node, else 29500)
+  --rdzv-endpoint HOST[:PORT]
+                        node 0's store, as torchrun's c10d endpoint (port 29400 if none);
+                        must agree with --master-addr/--master-port [PET_RDZV_ENDPOINT]
+  --rdzv-backend c10d   accepted (dtrun's store is c10d's way); etcd, etcd-v2 and
+                        static are refused                     [PET_RDZV_BACKEND]
+  --rdzv-id ID          the job's id: every node must give the same one; workers get
+                        it as TORCHELASTIC_RUN_ID              [PET_RDZV_ID]
+  --rdzv-conf           refused: dtrun's waits are DTRAIN_STORE_TIMEOUT and --heartbeat-timeout
   --standalone          one node, a free port on 127.0.0.1
   --max-restarts K      restart the workers of every node up to K times after a failure
                                                                [DTRAIN_MAX_RESTARTS] (0)
@@ -50,6 +65,7 @@ Options (torchrun's names; `_` may replace `-`; environment variable in brackets
   --pass-local-rank     give workers --local_rank=N (Hugging Face / torch.distributed.launch style)
                                                                [DTRAIN_LOCAL_RANK_ARG=1]
   --no-python           run a .py program directly instead of under python3 -u
+  --module, -m          the program is a Python module: python3 -u -m module args...
 )";
 
 struct cli {
@@ -69,11 +85,11 @@ cli parse(int argc, char** argv, const dtrain::environment& env) {
   cli c;
   c.options = dtrain::agent_options{}.with_env(env);
   flags.apply(c.options);  // the flags win over the environment
-  c.command = flags.program();
-  if (c.command.empty()) throw dtrain::config_error("no program to run (see dtrun --help)");
-  if (!flags.no_python() && c.command.front().ends_with(".py")) {
-    c.command.insert(c.command.begin(), {"python3", "-u"});
+  if (flags.program().empty()) {
+    throw dtrain::config_error(flags.module() ? "-m needs a module to run (see dtrun --help)"
+                                              : "no program to run (see dtrun --help)");
   }
+  c.command = flags.command();
   c.options.check();
   return c;
 }

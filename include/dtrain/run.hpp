@@ -10,6 +10,7 @@
 #include <dtrain/config.hpp>
 #include <dtrain/context.hpp>
 #include <dtrain/detail/parse.hpp>
+#include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
@@ -33,10 +34,6 @@
 #include <vector>
 
 #include <unistd.h>
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
 
 namespace dtrain {
 
@@ -63,16 +60,13 @@ DTRAIN_DETAIL_INLINE std::string own_executable() {
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
-/// Default workers per node: one per visible GPU for backends that use GPUs (NCCL), else one.
+/// Default workers per node: one per visible GPU for backends that use GPUs
+/// (NCCL), else one; the GPUs counted as `--nproc-per-node gpu` counts them.
 template <class Policy>
 int default_nproc_per_node() {
-#if DTRAIN_HAS_CUDA()
   if constexpr (Policy::traits::uses_gpus) {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return count;
-    (void)cudaGetLastError();
+    if (const int gpus = count_local_devices().gpus; gpus > 0) return gpus;
   }
-#endif
   return 1;
 }
 
@@ -140,14 +134,16 @@ int run_process(int argc, char** argv, training_function<Policy> fn, const run_o
 /// Every flag of `dtrun --help` is read (`--nproc-per-node`, `--nnodes`,
 /// `--node-rank`, `--master-addr`, `--master-port`, `--standalone`,
 /// `--max-restarts`, `--grace-period`, `--heartbeat-timeout`, `--tee`,
-/// `--log-dir`, `--pass-local-rank`; `--flag value` or `--flag=value`, `_`
-/// for `-`), except `--help` and `--no-python`, which stay the program's.
+/// `--log-dir`, `--pass-local-rank`, `--rdzv-endpoint`, `--rdzv-backend`,
+/// `--rdzv-id`; `--flag value` or `--flag=value`, `_` for `-`), except
+/// `--help`, `--no-python` and `--module`, which stay the program's.
 /// Every other argument is the program's own; nothing after `--` is read; the
 /// workers get the whole argv unchanged. Each option comes from, first to
-/// last: its environment variable (DTRAIN_NPROC_PER_NODE, ...; see
-/// agent_options::with_env), run_options::agent when it differs from
-/// agent_options' default, the flag, then the default (for nproc_per_node:
-/// one per visible GPU for NCCL, else 1). A bad value is a config_error
+/// last: its environment variable (DTRAIN_NPROC_PER_NODE, or torchrun's
+/// PET_NPROC_PER_NODE, ...; see agent_options::with_env), run_options::agent
+/// when it differs from agent_options' default, the flag, then the default
+/// (for nproc_per_node: one per visible GPU for NCCL, else 1; `gpu`, `cpu`
+/// or `auto` count as dtrun counts them). A bad value is a config_error
 /// naming its source, e.g. `--master-port=70000 on the command line is
 /// outside the port range 1-65535` (exit status 2).
 ///

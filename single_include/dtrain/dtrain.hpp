@@ -812,6 +812,7 @@ DTRAIN_DETAIL_INLINE environment environment::without(std::string_view name) con
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <vector>
 
 namespace dtrain::detail {
@@ -824,6 +825,20 @@ struct sourced {
 };
 using sourced_int = sourced<int>;
 using sourced_text = sourced<std::string>;
+
+/// Stores `v` in `slot`, or checks that it says the same as what is there:
+/// two sources that disagree are a config_error naming both, e.g.
+/// `PET_NNODES=2 and DTRAIN_NNODES=3 disagree about the number of nodes`.
+template <class T>
+void agree(std::optional<sourced<T>>& slot,
+           const std::type_identity_t<std::optional<sourced<T>>>& v, std::string_view what) {
+  if (!v) return;
+  if (!slot) {
+    slot = v;
+  } else if (!(slot->value == v->value)) {
+    throw config_error(slot->origin + " and " + v->origin + " disagree about " + std::string(what));
+  }
+}
 
 /// `NAME=value`, with the value in quotes when it is empty or has blanks, so
 /// that `RANK=" 3"` in a message shows the stray space.
@@ -941,7 +956,9 @@ DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::str
 /// place: the code reads and names them only through these constants, and
 /// docs/reference.md's table is checked against this list (the test
 /// docs.environment_reference). The launchers' variables (RANK, WORLD_SIZE,
-/// MASTER_ADDR, OMPI_COMM_WORLD_*, SLURM_*, ...) are read by env/launchers.hpp.
+/// MASTER_ADDR, OMPI_COMM_WORLD_*, SLURM_*, ...) are read by env/launchers.hpp;
+/// the torchrun flags' variables (PET_*) that the node agent reads are named
+/// at the end.
 
 #include <array>
 #include <string_view>
@@ -1061,6 +1078,28 @@ inline constexpr std::array dtrain_variables{
 };
 
 }  // namespace detail
+
+// --- torchrun's flags as variables (PET_<FLAG>: the flag's default), which
+// Kubeflow Trainer and PyTorchJob set; the node agent reads them as dtrun's
+// own (agent_options::with_env).
+
+/// Workers per node (--nproc-per-node): N, gpu, cpu or auto.
+inline constexpr std::string_view pet_nproc_per_node_variable = "PET_NPROC_PER_NODE";
+/// Nodes in the job (--nnodes): N or MIN:MAX.
+inline constexpr std::string_view pet_nnodes_variable = "PET_NNODES";
+/// This node's rank (--node-rank).
+inline constexpr std::string_view pet_node_rank_variable = "PET_NODE_RANK";
+/// Node 0's address (--master-addr).
+inline constexpr std::string_view pet_master_addr_variable = "PET_MASTER_ADDR";
+/// Node 0's store port (--master-port).
+inline constexpr std::string_view pet_master_port_variable = "PET_MASTER_PORT";
+/// The rendezvous backend (--rdzv-backend): only c10d, dtrun's store.
+inline constexpr std::string_view pet_rdzv_backend_variable = "PET_RDZV_BACKEND";
+/// Node 0's store as HOST[:PORT] (--rdzv-endpoint).
+inline constexpr std::string_view pet_rdzv_endpoint_variable = "PET_RDZV_ENDPOINT";
+/// The job's id, the same on every node (--rdzv-id).
+inline constexpr std::string_view pet_rdzv_id_variable = "PET_RDZV_ID";
+
 }  // namespace dtrain
 // ---- end dtrain/env/names.hpp ----
 
@@ -9524,7 +9563,8 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 ///
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
-///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64
+///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
+///                                   rdzv_id bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
@@ -10338,12 +10378,14 @@ void record_exit(Store& store, int restart, const exit_record& exit) {
 }
 
 /// What a node agent says about itself when it joins: every node must run
-/// the same number of workers and allow the same restarts.
+/// the same number of workers, allow the same restarts and give the same job
+/// id (--rdzv-id).
 struct node_record {
   std::int64_t nproc = 0;
   std::int64_t max_restarts = 0;
   std::string host;
   std::int64_t pid = 0;
+  std::string rdzv_id{};  // empty: none given
 
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
@@ -10355,7 +10397,7 @@ struct node_record {
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
   std::string out;
-  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
+  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid).bytes32(rdzv_id);
   return out;
 }
 
@@ -10368,6 +10410,7 @@ DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                               n.max_restarts = r.i64("max_restarts");
                               n.host = r.bytes32("the host name");
                               n.pid = r.i64("the pid");
+                              n.rdzv_id = r.bytes32("the rdzv id");
                               return n;
                             });
 }
@@ -10756,12 +10799,17 @@ DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
 /// @file
 /// Which CUDA device a rank uses: a pure function of its local rank, the
 /// number of ranks on its node and the devices it can see, so every launcher
-/// and GPU binding is unit-testable without a GPU.
+/// and GPU binding is unit-testable without a GPU; and how many devices and
+/// cores this process has, for an agent that starts one worker per GPU.
 
 
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
+
+#include <dlfcn.h>
+#include <sched.h>
 
 namespace dtrain {
 
@@ -10799,6 +10847,44 @@ DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int
       " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
       "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
       "start no more ranks per node than it has GPUs");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// What this process can give workers: the CUDA devices it sees and the CPU
+/// cores it may run on.
+struct local_devices {
+  int gpus = 0;
+  int cpus = 1;
+};
+
+/// Counts this process's devices: the GPUs through the CUDA driver
+/// (libcuda.so.1, loaded at run time, so that no program links it; it applies
+/// CUDA_VISIBLE_DEVICES), 0 without a driver or a device; the cores from the
+/// affinity mask (taskset, cgroup cpusets), at least 1. Initialises the
+/// driver in this process (cuInit), as cudaGetDeviceCount does.
+[[nodiscard]] DTRAIN_DETAIL_INLINE local_devices count_local_devices();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE local_devices count_local_devices() {
+  local_devices found;
+  // Kept loaded: the driver, once initialised, must not be unloaded under its threads.
+  if (void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)) {
+    using init_fn = int (*)(unsigned);
+    using count_fn = int (*)(int*);
+    auto* init = reinterpret_cast<init_fn>(::dlsym(driver, "cuInit"));
+    auto* count = reinterpret_cast<count_fn>(::dlsym(driver, "cuDeviceGetCount"));
+    int n = 0;
+    if (init != nullptr && count != nullptr && init(0) == 0 && count(&n) == 0 && n > 0) {
+      found.gpus = n;
+    }
+  }
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (::sched_getaffinity(0, sizeof(mask), &mask) == 0 && CPU_COUNT(&mask) > 0) {
+    found.cpus = CPU_COUNT(&mask);
+  } else if (const unsigned cores = std::thread::hardware_concurrency(); cores > 0) {
+    found.cpus = static_cast<int>(cores);
+  }
+  return found;
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -11116,21 +11202,6 @@ DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation
     throw config_error(set->origin + " is set but " +
                        std::string(o[field::rank] ? size_var : rank_var) +
                        " is not; the launcher sets both");
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Stores `v` in `slot`, or checks that it agrees with what is there.
-DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
-                                const std::optional<sourced_int>& v, std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
-                                const std::optional<sourced_int>& v, std::string_view what) {
-  if (!v) return;
-  if (!slot) {
-    slot = v;
-  } else if (slot->value != v->value) {
-    throw config_error(slot->origin + " and " + v->origin + " disagree about " + std::string(what));
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -11475,24 +11546,15 @@ DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
-  auto take_addr = [&](std::optional<sourced_text> v) {
-    if (!v) return;
-    if (!m.addr) {
-      m.addr = std::move(v);
-    } else if (m.addr->value != v->value) {
-      throw config_error(m.addr->origin + " and " + v->origin +
-                         " disagree about the master address");
-    }
-  };
-  take_addr(read_text(env, "MASTER_ADDR"));
+  agree(m.addr, read_text(env, "MASTER_ADDR"), "the master address");
   m.port = read_port(env, "MASTER_PORT");
   if (auto batch = read_text(env, "AZ_BATCH_MASTER_NODE")) {
     auto hp = split_host_port(batch->origin, batch->value);
     if (!hp.port) throw config_error(batch->origin + " has no port; expected addr:port");
-    take_addr(sourced_text{hp.host, batch->origin});
+    agree(m.addr, sourced_text{hp.host, batch->origin}, "the master address");
     agree(m.port, sourced_int{*hp.port, batch->origin}, "the master port");
   }
-  take_addr(read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"));
+  agree(m.addr, read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"), "the master address");
   return m;
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -12255,13 +12317,16 @@ class rendezvous_wait {
 // ---- begin dtrain/launch/options.hpp ----
 /// @file
 /// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
-/// Every option can also come from an environment variable; see with_env().
+/// Every option can also come from an environment variable, dtrain's own
+/// (DTRAIN_*) or torchrun's (PET_*); see with_env().
 
 
 #include <chrono>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace dtrain {
@@ -12274,6 +12339,9 @@ inline constexpr std::chrono::milliseconds default_grace_period{10'000};
 /// the other agents declare its node lost and end the job. Environment:
 /// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
 inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
+
+/// The port of a `--rdzv-endpoint HOST` without one (torchrun's c10d default).
+inline constexpr int default_rdzv_port = 29400;
 
 namespace detail {
 /// Parses a node count as dtrun's --nnodes takes it: "N", or "MIN:MAX" for
@@ -12298,6 +12366,96 @@ DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const s
   return {least < most ? std::optional<int>(least) : std::nullopt, most};
 }
 #endif  // DTRAIN_DETAIL_BODIES()
+
+/// Parses workers per node as torchrun's --nproc-per-node takes them: a
+/// positive integer; `gpu`, the CUDA devices this process sees (config_error
+/// when it sees none); `cpu`, the cores it may run on; `auto`, the GPUs if
+/// any, else the cores. `count` is called for a keyword only. Returns the
+/// number with its origin (`origin`, and what a keyword counted).
+DTRAIN_DETAIL_INLINE sourced_int
+parse_nproc_per_node(const std::string& origin, std::string_view text,
+                     local_devices (*count)() = &count_local_devices);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
+                                                      std::string_view text,
+                                                      local_devices (*count)()) {
+  if (text == "gpu" || text == "cpu" || text == "auto") {
+    const local_devices here = count();
+    if (text == "cpu" || (text == "auto" && here.gpus == 0)) {
+      return {here.cpus, origin + " (" + std::to_string(here.cpus) + " CPU cores)"};
+    }
+    if (here.gpus == 0) {
+      throw config_error(origin +
+                         ": this process sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES "
+                         "hides them); give a number of workers, or cpu");
+    }
+    return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
+  }
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos) {
+    throw config_error(origin + " is not a number of workers, gpu, cpu or auto");
+  }
+  const int n = parse_non_negative(origin, text);
+  if (n < 1) throw config_error(origin + " must be at least 1 (workers per node)");
+  return {n, origin};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Checks a rendezvous backend (torchrun's --rdzv-backend): dtrun's agents
+/// meet at node 0's store, which is c10d's way; etcd, etcd-v2 and static are
+/// refused, naming the dtrun flags that say the same.
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
+  if (text == "c10d") return;
+  const std::string instead =
+      "its agents meet at a store that node 0's agent serves (torchrun's c10d): give "
+      "--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --master-addr HOST --master-port PORT "
+      "--node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, PET_NODE_RANK)";
+  if (text == "static") {
+    throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
+  }
+  if (text == "etcd" || text == "etcd-v2") {
+    throw config_error(origin + ": dtrun has no etcd rendezvous; " + instead);
+  }
+  throw config_error(origin + " is not a rendezvous backend of dtrun's; " + instead);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Parses a c10d rendezvous endpoint (torchrun's --rdzv-endpoint), HOST[:PORT],
+/// as node 0's store: the port is default_rdzv_port (29400) when absent, and
+/// its origin says so.
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text) {
+  const host_port hp = split_host_port(origin, text);
+  return {sourced_text{hp.host, origin},
+          hp.port ? sourced_int{*hp.port, origin}
+                  : sourced_int{default_rdzv_port, origin + " (c10d's default port " +
+                                                       std::to_string(default_rdzv_port) + ")"}};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The value of an option as the variables `names` give it: parse(origin,
+/// text) of each that is set, a T or a sourced<T>. Two that are set must agree.
+template <class T, class Parse>
+std::optional<sourced<T>> read_agreeing(const environment& env,
+                                        std::initializer_list<std::string_view> names,
+                                        std::string_view what, Parse parse) {
+  std::optional<sourced<T>> found;
+  for (std::string_view name : names) {
+    if (auto text = env.get(name)) {
+      const std::string origin = assignment(name, *text);
+      if constexpr (std::is_same_v<decltype(parse(origin, *text)), sourced<T>>) {
+        agree(found, parse(origin, *text), what);
+      } else {
+        agree(found, sourced<T>{parse(origin, *text), origin}, what);
+      }
+    }
+  }
+  return found;
+}
 }  // namespace detail
 
 /// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
@@ -12305,11 +12463,13 @@ DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const s
 /// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
 /// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
 struct agent_options {
-  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
-  /// the number of visible CUDA devices for backend::nccl, else 1.
+  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE or
+  /// PET_NPROC_PER_NODE (N, gpu, cpu or auto). Default: the number of visible
+  /// CUDA devices for backend::nccl, else 1.
   std::optional<int> nproc_per_node{};
   /// Nodes (agents) in the job; in an elastic job, the most. Environment:
-  /// DTRAIN_NNODES (N, or MIN:MAX). Default: from the outer launcher, else 1.
+  /// DTRAIN_NNODES or PET_NNODES (N, or MIN:MAX). Default: from the outer
+  /// launcher, else 1.
   std::optional<int> nnodes{};
   /// An elastic job (dtrun --nnodes MIN:MAX, as torchrun's): the fewest nodes
   /// it runs on. When a node is lost, the others go on without it (at least
@@ -12317,14 +12477,16 @@ struct agent_options {
   /// nnodes; each change restarts every worker with the new world size
   /// (resume from a checkpoint: docs/checkpoints.md). Unset: exactly nnodes.
   std::optional<int> min_nnodes{};
-  /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
-  /// and must agree).
+  /// This agent's node. Environment: DTRAIN_NODE_RANK or PET_NODE_RANK
+  /// (NODE_RANK is read too, and must agree).
   std::optional<int> node_rank{};
-  /// Where node 0's agent serves the rendezvous store. Default: MASTER_ADDR,
-  /// else 127.0.0.1 on a single node; required with several nodes.
+  /// Where node 0's agent serves the rendezvous store. Environment:
+  /// PET_MASTER_ADDR or PET_RDZV_ENDPOINT. Default: MASTER_ADDR, else
+  /// 127.0.0.1 on a single node; required with several nodes.
   std::optional<std::string> master_addr{};
-  /// Its port. Default: MASTER_PORT, else a free port on a single node and
-  /// 29500 with several. 0 picks a free port (single node only).
+  /// Its port. Environment: PET_MASTER_PORT or PET_RDZV_ENDPOINT. Default:
+  /// MASTER_PORT, else a free port on a single node and 29500 with several.
+  /// 0 picks a free port (single node only).
   std::optional<int> master_port{};
   /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
   int max_restarts = 0;
@@ -12344,13 +12506,24 @@ struct agent_options {
   /// torch.distributed.launch did for Hugging Face style scripts.
   /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
   bool local_rank_arg = false;
+  /// The job's id (torchrun's --rdzv-id): every node's agent must give the
+  /// same one (or none), or the job does not start (a node of another job
+  /// that reached this store is named); the workers get it as
+  /// TORCHELASTIC_RUN_ID. Environment: PET_RDZV_ID.
+  std::string rdzv_id{};
 
   /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
   /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
   /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
   /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
-  /// rebuilding it. Throws config_error naming the variable and its value.
+  /// rebuilding it. torchrun's variables are read as dtrun's (Kubeflow
+  /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
+  /// DTRAIN_ twins, PET_NODE_RANK beside DTRAIN_NODE_RANK and NODE_RANK,
+  /// PET_MASTER_ADDR, PET_MASTER_PORT and PET_RDZV_ENDPOINT (HOST[:PORT]) beside
+  /// MASTER_ADDR, MASTER_PORT and AZ_BATCH_MASTER_NODE, PET_RDZV_BACKEND (c10d
+  /// only) and PET_RDZV_ID. Throws config_error naming the variable and its
+  /// value, or both variables when two that are set disagree.
   [[nodiscard]] agent_options with_env(const environment& env) const;
 
   /// Throws config_error when an option is out of range.
@@ -12360,22 +12533,45 @@ struct agent_options {
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
   agent_options out = *this;
-  auto count = [&](std::string_view name, std::optional<int>& into, int least) {
-    if (auto v = detail::read_int(env, name)) {
-      if (v->value < least) {
-        throw config_error(v->origin + " must be at least " + std::to_string(least));
-      }
-      into = v->value;
-    }
-  };
-  count(nproc_per_node_variable, out.nproc_per_node, 1);
-  if (auto text = env.get(nnodes_variable)) {
-    const auto [least, most] =
-        detail::parse_node_count(detail::assignment(nnodes_variable, *text), *text);
-    out.nnodes = most;
-    out.min_nnodes = least;
+  if (auto n = detail::read_agreeing<int>(
+          env, {nproc_per_node_variable, pet_nproc_per_node_variable}, "the workers per node",
+          [](const std::string& origin, std::string_view text) {
+            return detail::parse_nproc_per_node(origin, text);
+          })) {
+    out.nproc_per_node = n->value;
   }
-  count(node_rank_variable, out.node_rank, 0);
+  if (auto n = detail::read_agreeing<std::pair<std::optional<int>, int>>(
+          env, {nnodes_variable, pet_nnodes_variable}, "the number of nodes",
+          &detail::parse_node_count)) {
+    out.min_nnodes = n->value.first;
+    out.nnodes = n->value.second;
+  }
+  // NODE_RANK is discovery's (beside GROUP_RANK and the launchers'); checked here against ours.
+  if (env.contains(node_rank_variable) || env.contains(pet_node_rank_variable)) {
+    out.node_rank =
+        detail::read_agreeing<int>(env, {node_rank_variable, pet_node_rank_variable, "NODE_RANK"},
+                                   "the node rank", &detail::parse_non_negative)
+            ->value;
+  }
+  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and the like.
+  if (auto backend = detail::read_text(env, pet_rdzv_backend_variable)) {
+    detail::check_rdzv_backend(backend->origin, backend->value);
+  }
+  std::optional<detail::sourced_text> addr = detail::read_text(env, pet_master_addr_variable);
+  std::optional<detail::sourced_int> port = detail::read_port(env, pet_master_port_variable);
+  if (auto endpoint = detail::read_text(env, pet_rdzv_endpoint_variable)) {
+    const auto [host, at] = detail::parse_rdzv_endpoint(endpoint->origin, endpoint->value);
+    detail::agree(addr, host, "node 0's address");
+    detail::agree(port, at, "node 0's port");
+  }
+  if (addr || port) {
+    const detail::explicit_master named = detail::read_explicit_master(env);
+    detail::agree(addr, named.addr, "node 0's address");
+    detail::agree(port, named.port, "node 0's port");
+    if (addr) out.master_addr = addr->value;
+    if (port) out.master_port = port->value;
+  }
+  if (auto id = detail::read_text(env, pet_rdzv_id_variable)) out.rdzv_id = id->value;
   if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
   if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
   if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
@@ -19774,6 +19970,12 @@ DTRAIN_DETAIL_INLINE void agent_store::check_same_shape(int n, const node_record
                        std::to_string(me.max_restarts) +
                        "; every node must use the same max_restarts");
   }
+  if (other.rdzv_id != me.rdzv_id) {
+    auto id = [](const std::string& v) { return v.empty() ? std::string("none") : v; };
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") has --rdzv-id " +
+                       id(other.rdzv_id) + ", this node " + id(me.rdzv_id) +
+                       "; every node of a job must give the same --rdzv-id (PET_RDZV_ID)");
+  }
 }
 
 DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {
@@ -20701,7 +20903,8 @@ namespace dtrain {
 /// Each worker gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
 /// LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
 /// ROLE_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, plus
+/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS (and
+/// TORCHELASTIC_RUN_ID, the rdzv_id, when one is given), plus
 /// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE. MASTER_PORT is a port that
 /// node 0's agent picks for the workers in each round (a PyTorch worker's
 /// rank 0 binds its own store there); dtrain workers meet at the agent's
@@ -20833,7 +21036,7 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   int restart = 0;  // the round under way, for a failure outside it
   try {
     const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
-                                 ::getpid()};
+                                 ::getpid(), options_.rdzv_id};
     if (elastic()) {
       store.join_elastic(me);
     } else {
@@ -20980,6 +21183,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   vars.erase("AZ_BATCHAI_MPI_MASTER_NODE");
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+  if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
   set(std::string(restart_count_variable), std::to_string(restart));
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.
@@ -21001,13 +21205,16 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
 /// dtrun's flags, read by one parser for the two programs that take them:
 /// dtrun itself (its flags, then the program to run), and a self-launching
 /// program (dtrain::run under launch::per_node), which finds them among its
-/// own arguments. Each flag sets an agent option (`--standalone` four); a bad
-/// value is a config_error naming the flag as it was typed and its value.
+/// own arguments. Each flag sets an agent option (`--standalone` four,
+/// `--rdzv-endpoint` two); a bad value is a config_error naming the flag as it
+/// was typed and its value. torchrun's flags that dtrun has no use for are
+/// refused by name, with the dtrun flags that say the same.
 
 
 #include <bitset>
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21029,6 +21236,7 @@ enum class agent_field : unsigned {
   tee,
   log_dir,
   local_rank_arg,
+  rdzv_id,
   count
 };
 
@@ -21047,6 +21255,7 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
     case agent_field::heartbeat_timeout: return fn(&agent_options::heartbeat_timeout);
     case agent_field::tee: return fn(&agent_options::tee);
     case agent_field::log_dir: return fn(&agent_options::log_dir);
+    case agent_field::rdzv_id: return fn(&agent_options::rdzv_id);
     case agent_field::local_rank_arg:
     case agent_field::count: break;
   }
@@ -21057,6 +21266,9 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
 /// name), and for dtrun the program after them. Flags take their value as
 /// `--flag value` or `--flag=value`; `_` may replace `-` in their names
 /// (torchrun's `--nproc_per_node`); of a flag given twice, the last counts.
+/// Node 0's store is `--master-addr`/`--master-port` (or `--standalone`), or
+/// torchrun's `--rdzv-endpoint HOST[:PORT]` (with `--rdzv-backend c10d`): the
+/// two ways must agree when both are given.
 class agent_flags {
  public:
   /// dtrun's command line: flags first; `--`, or the first argument that is
@@ -21065,8 +21277,9 @@ class agent_flags {
   [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args);
 
   /// A self-launching program's command line: dtrun's flags wherever they
-  /// are before `--`, except `--help` and `--no-python`, which stay the
-  /// program's. Every other argument is the program's own and is skipped.
+  /// are before `--`, except `--help`, `--no-python` and `-m`/`--module`,
+  /// which stay the program's. Every other argument is the program's own and
+  /// is skipped.
   [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args);
 
   /// Sets every option that a flag gave: the flags win (dtrun).
@@ -21088,8 +21301,14 @@ class agent_flags {
   [[nodiscard]] bool help() const noexcept { return help_; }
   /// dtrun: `--no-python` was given (run a .py program directly).
   [[nodiscard]] bool no_python() const noexcept { return no_python_; }
+  /// dtrun: `-m` or `--module` was given (the program is a Python module).
+  [[nodiscard]] bool module() const noexcept { return module_; }
   /// dtrun: the program and its arguments.
   [[nodiscard]] const std::vector<std::string>& program() const noexcept { return program_; }
+  /// dtrun: the workers' command, as torchrun runs it: the program under
+  /// `python3 -u` when it is a `.py` file (unless `--no-python`), as
+  /// `python3 -u -m MODULE args...` with `-m`, else as given.
+  [[nodiscard]] std::vector<std::string> command() const;
 
  private:
   template <class Fn>
@@ -21114,13 +21333,41 @@ class agent_flags {
   static const valued* find(std::string_view name);
 
   void take(agent_field option, const std::string& origin, std::string_view value);
+  // --rdzv-backend, --rdzv-endpoint, --rdzv-conf: no option of their own.
+  void take_rdzv(std::string_view name, const std::string& origin, std::string_view value);
+
+  // Which flag set node 0's address or port, and whether it was --rdzv-endpoint.
+  struct store_source {
+    std::string origin;
+    bool endpoint = false;
+  };
+  // Sets master_addr or master_port; --rdzv-endpoint and the other flags must agree.
+  template <class T>
+  void set_store(std::optional<T> agent_options::*member, agent_field option, T value,
+                 std::optional<store_source>& source, store_source from, std::string_view what);
 
   agent_options values_{};
   std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
   bool help_ = false;
   bool no_python_ = false;
+  bool module_ = false;
+  std::optional<store_source> addr_from_;
+  std::optional<store_source> port_from_;
   std::vector<std::string> program_;
 };
+
+template <class T>
+void agent_flags::set_store(std::optional<T> agent_options::*member, agent_field option, T value,
+                            std::optional<store_source>& source, store_source from,
+                            std::string_view what) {
+  if (source && source->endpoint != from.endpoint && values_.*member != value) {
+    throw config_error(source->origin + " and " + from.origin + " disagree about " +
+                       std::string(what) + "; give one of them");
+  }
+  values_.*member = std::move(value);
+  source = std::move(from);
+  set(option);
+}
 
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::string_view> args) {
@@ -21131,14 +21378,30 @@ DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::s
       ++i;
       break;
     }
-    if (!args[i].starts_with("--") && args[i] != "-h") break;
+    if (!args[i].starts_with("--") && args[i] != "-h" && args[i] != "-m") break;
     if (!flags.read(args, i, true)) {
       throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
     }
     if (flags.help_) return flags;
   }
   for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
+  if (flags.module_ && flags.no_python_) {
+    throw config_error(
+        "-m (--module) and --no-python on the command line exclude each other: -m runs the "
+        "module under python3 -u -m, --no-python runs the program without python3");
+  }
   return flags;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> agent_flags::command() const {
+  std::vector<std::string> argv;
+  if (module_) {
+    argv = {"python3", "-u", "-m"};
+  } else if (!no_python_ && !program_.empty() && program_.front().ends_with(".py")) {
+    argv = {"python3", "-u"};
+  }
+  argv.insert(argv.end(), program_.begin(), program_.end());
+  return argv;
 }
 
 DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_program(std::span<const std::string_view> args) {
@@ -21167,6 +21430,13 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
   }
   if (launcher && (name == "--help" || name == "-h")) return help_ = true;
   if (launcher && name == "--no-python") return no_python_ = true;
+  if (launcher && (name == "-m" || name == "--module")) {
+    if (eq != std::string_view::npos) {
+      throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
+                         " takes no value (the module is the program: -m pkg.train args...)");
+    }
+    return module_ = true;
+  }
   if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
     if (eq != std::string_view::npos) {
       throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
@@ -21182,11 +21452,12 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
       values_.nnodes = 1;
       values_.min_nnodes = std::nullopt;
       values_.node_rank = 0;
-      values_.master_addr = "127.0.0.1";
-      values_.master_port = 0;
-      for (auto f : {agent_field::nnodes, agent_field::min_nnodes, agent_field::node_rank,
-                     agent_field::master_addr, agent_field::master_port})
-        set(f);
+      for (auto f : {agent_field::nnodes, agent_field::min_nnodes, agent_field::node_rank}) set(f);
+      const store_source standalone{"--standalone (127.0.0.1, a free port)", false};
+      set_store(&agent_options::master_addr, agent_field::master_addr, std::string("127.0.0.1"),
+                addr_from_, standalone, "node 0's address");
+      set_store(&agent_options::master_port, agent_field::master_port, 0, port_from_, standalone,
+                "node 0's port");
     }
     return true;
   }
@@ -21203,8 +21474,12 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
                        std::string(flag->example) + ")");
   }
   const std::string origin = std::string(typed) + "=" + std::string(value) + " on the command line";
-  take(flag->field, origin, value);
-  set(flag->field);
+  if (flag->field == agent_field::count) {
+    take_rdzv(flag->name, origin, value);
+  } else {
+    take(flag->field, origin, value);
+    set(flag->field);
+  }
   return true;
 }
 
@@ -21219,6 +21494,11 @@ DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valu
       {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
       {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
       {"--log-dir", agent_field::log_dir, "a directory", "logs"},
+      {"--rdzv-id", agent_field::rdzv_id, "the job's id, the same on every node", "job42"},
+      // No option of their own (agent_field::count): take_rdzv() reads them.
+      {"--rdzv-backend", agent_field::count, "c10d: node 0's store", "c10d"},
+      {"--rdzv-endpoint", agent_field::count, "node 0's store as HOST[:PORT]", "node0:29400"},
+      {"--rdzv-conf", agent_field::count, "KEY=VALUE,...", "join_timeout=600"},
   };
   for (const valued& f : flags) {
     if (f.name == name) return &f;
@@ -21241,7 +21521,7 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
   };
   switch (option) {
     case agent_field::nproc_per_node:
-      values_.nproc_per_node = at_least(1, "workers per node");
+      values_.nproc_per_node = parse_nproc_per_node(origin, value).value;
       break;
     case agent_field::nnodes: {
       const auto [least, most] = parse_node_count(origin, value);
@@ -21251,11 +21531,15 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       break;
     }
     case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
-    case agent_field::master_addr: values_.master_addr = text(); break;
+    case agent_field::master_addr:
+      set_store(&agent_options::master_addr, option, text(), addr_from_, {origin, false},
+                "node 0's address");
+      break;
     case agent_field::master_port: {
       const int port = parse_non_negative(origin, value);
       if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
-      values_.master_port = port;
+      set_store(&agent_options::master_port, option, port, port_from_, {origin, false},
+                "node 0's port");
       break;
     }
     case agent_field::max_restarts: values_.max_restarts = parse_non_negative(origin, value); break;
@@ -21266,10 +21550,29 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
       break;
     case agent_field::log_dir: values_.log_dir = text(); break;
+    case agent_field::rdzv_id: values_.rdzv_id = text(); break;
     case agent_field::min_nnodes:  // comes with --nnodes
     case agent_field::tee:
     case agent_field::local_rank_arg:
     case agent_field::count: break;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void agent_flags::take_rdzv(std::string_view name, const std::string& origin,
+                                                 std::string_view value) {
+  if (name == "--rdzv-backend") {
+    check_rdzv_backend(origin, value);
+  } else if (name == "--rdzv-endpoint") {
+    auto [host, port] = parse_rdzv_endpoint(origin, value);
+    set_store(&agent_options::master_addr, agent_field::master_addr, std::move(host.value),
+              addr_from_, {origin, true}, "node 0's address");
+    set_store(&agent_options::master_port, agent_field::master_port, port.value, port_from_,
+              {port.origin, true}, "node 0's port");
+  } else {
+    throw config_error(origin +
+                       ": dtrun has no rendezvous settings of torchrun's; its waits are bounded "
+                       "by DTRAIN_STORE_TIMEOUT (join_timeout, timeout), and nodes are lost "
+                       "after --heartbeat-timeout");
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -21290,10 +21593,6 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
 #include <vector>
 
 #include <unistd.h>
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
 
 namespace dtrain {
 
@@ -21320,16 +21619,13 @@ DTRAIN_DETAIL_INLINE std::string own_executable() {
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
-/// Default workers per node: one per visible GPU for backends that use GPUs (NCCL), else one.
+/// Default workers per node: one per visible GPU for backends that use GPUs
+/// (NCCL), else one; the GPUs counted as `--nproc-per-node gpu` counts them.
 template <class Policy>
 int default_nproc_per_node() {
-#if DTRAIN_HAS_CUDA()
   if constexpr (Policy::traits::uses_gpus) {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return count;
-    (void)cudaGetLastError();
+    if (const int gpus = count_local_devices().gpus; gpus > 0) return gpus;
   }
-#endif
   return 1;
 }
 
@@ -21397,14 +21693,16 @@ int run_process(int argc, char** argv, training_function<Policy> fn, const run_o
 /// Every flag of `dtrun --help` is read (`--nproc-per-node`, `--nnodes`,
 /// `--node-rank`, `--master-addr`, `--master-port`, `--standalone`,
 /// `--max-restarts`, `--grace-period`, `--heartbeat-timeout`, `--tee`,
-/// `--log-dir`, `--pass-local-rank`; `--flag value` or `--flag=value`, `_`
-/// for `-`), except `--help` and `--no-python`, which stay the program's.
+/// `--log-dir`, `--pass-local-rank`, `--rdzv-endpoint`, `--rdzv-backend`,
+/// `--rdzv-id`; `--flag value` or `--flag=value`, `_` for `-`), except
+/// `--help`, `--no-python` and `--module`, which stay the program's.
 /// Every other argument is the program's own; nothing after `--` is read; the
 /// workers get the whole argv unchanged. Each option comes from, first to
-/// last: its environment variable (DTRAIN_NPROC_PER_NODE, ...; see
-/// agent_options::with_env), run_options::agent when it differs from
-/// agent_options' default, the flag, then the default (for nproc_per_node:
-/// one per visible GPU for NCCL, else 1). A bad value is a config_error
+/// last: its environment variable (DTRAIN_NPROC_PER_NODE, or torchrun's
+/// PET_NPROC_PER_NODE, ...; see agent_options::with_env), run_options::agent
+/// when it differs from agent_options' default, the flag, then the default
+/// (for nproc_per_node: one per visible GPU for NCCL, else 1; `gpu`, `cpu`
+/// or `auto` count as dtrun counts them). A bad value is a config_error
 /// naming its source, e.g. `--master-port=70000 on the command line is
 /// outside the port range 1-65535` (exit status 2).
 ///

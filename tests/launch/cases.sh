@@ -93,7 +93,7 @@ nproc_from_argv)
   check_world "$work/e.out" 2 2
   "$PEER" node-gloo --nproc-from-argv --nproc-per-node=x >"$work/d.out" 2>"$work/d.err"
   expect_status 2 $? "--nproc-per-node=x"
-  expect_line "$work/d.err" '^\[agent\] dtrain: --nproc-per-node=x on the command line is not a non-negative integer' "the bad flag's message"
+  expect_line "$work/d.err" '^\[agent\] dtrain: --nproc-per-node=x on the command line is not a number of workers, gpu, cpu or auto$' "the bad flag's message"
   ;;
 
 worker_fails)
@@ -616,6 +616,97 @@ store_token)
   expect_status 0 $? "dtrun of one node without DTRAIN_STORE_TOKEN"
   [[ $(count_lines "$work/one.out" '^(\[rank [01]\] )?token ok') == 2 ]] || fail "each worker should see a 32-digit token"
   [[ $(grep -o 'token ok [0-9a-f]*' "$work/one.out" | sort -u | wc -l) == 1 ]] || fail "the two workers saw different tokens"
+  ;;
+
+pet_variables)
+  # dtrun in a Kubeflow Trainer TrainJob: the torch runtime sets torchrun's PET_* variables, not
+  # dtrun's flags. Two agents play the TrainJob's two nodes (PET_NODE_RANK 0 and 1), two workers each.
+  port=$(free_port)
+  pids=()
+  for n in 0 1; do
+    PET_NNODES=2 PET_NPROC_PER_NODE=2 PET_NODE_RANK=$n PET_MASTER_ADDR=127.0.0.1 PET_MASTER_PORT=$port \
+      "$DTRUN" -- "$PEER" process-gloo >"$work/n$n.out" 2>"$work/n$n.err" &
+    pids+=($!)
+  done
+  for n in 0 1; do
+    wait "${pids[n]}"
+    expect_status 0 $? "dtrun of node $n under PET_*"
+  done
+  cat "$work/n0.out" "$work/n1.out" >"$work/all.out"
+  check_world "$work/all.out" 4 2
+  [[ $(count_lines "$work/n1.out" '^peer \{"rank":[23],') == 2 ]] || fail "PET_NODE_RANK=1's agent did not run ranks 2 and 3"
+  # A flag wins over PET_*; a self-launching program reads PET_* too.
+  PET_NPROC_PER_NODE=3 "$DTRUN" --nproc-per-node 2 -- "$PEER" process-gloo >"$work/flag.out" 2>"$work/flag.err"
+  expect_status 0 $? "--nproc-per-node 2 over PET_NPROC_PER_NODE=3"
+  check_world "$work/flag.out" 2 2
+  PET_NPROC_PER_NODE=2 "$PEER" node-gloo --agent-flags-from-argv >"$work/self.out" 2>"$work/self.err"
+  expect_status 0 $? "a self-launching program under PET_NPROC_PER_NODE=2"
+  check_world "$work/self.out" 2 2
+  # gpu|cpu|auto: the cores this process may use (taskset), no GPU where CUDA_VISIBLE_DEVICES hides them.
+  CUDA_VISIBLE_DEVICES= PET_NPROC_PER_NODE=auto taskset -c 0 "$DTRUN" -- sh -c 'echo "world=$WORLD_SIZE"' \
+    >"$work/auto.out" 2>"$work/auto.err"
+  expect_status 0 $? "PET_NPROC_PER_NODE=auto on one core"
+  [[ $(cat "$work/auto.out") == "world=1" ]] || fail "auto on one core without a GPU started $(wc -l <"$work/auto.out") workers"
+  CUDA_VISIBLE_DEVICES= "$DTRUN" --nproc-per-node gpu -- true >"$work/gpu.out" 2>"$work/gpu.err"
+  expect_status 2 $? "--nproc-per-node gpu without a visible GPU"
+  expect_line "$work/gpu.err" '^dtrun: --nproc-per-node=gpu on the command line: this process sees no CUDA device' "the gpu message"
+  # Sources that disagree, and a bad value: exit 2, naming both variables, or the one.
+  PET_NNODES=2 DTRAIN_NNODES=3 "$DTRUN" -- true >"$work/both.out" 2>"$work/both.err"
+  expect_status 2 $? "PET_NNODES=2 with DTRAIN_NNODES=3"
+  expect_line "$work/both.err" '^dtrun: DTRAIN_NNODES=3 and PET_NNODES=2 disagree about the number of nodes$' "the conflict's message"
+  PET_MASTER_ADDR=10.0.0.1 MASTER_ADDR=10.0.0.2 "$DTRUN" -- true >"$work/addr.out" 2>"$work/addr.err"
+  expect_status 2 $? "PET_MASTER_ADDR with another MASTER_ADDR"
+  expect_line "$work/addr.err" "^dtrun: PET_MASTER_ADDR=10\.0\.0\.1 and MASTER_ADDR=10\.0\.0\.2 disagree about node 0's address$" "the address conflict"
+  PET_MASTER_PORT=70000 "$DTRUN" -- true >"$work/port.out" 2>"$work/port.err"
+  expect_status 2 $? "PET_MASTER_PORT=70000"
+  expect_line "$work/port.err" '^dtrun: PET_MASTER_PORT=70000 is outside the port range 1-65535$' "the bad port's message"
+  ;;
+
+torchrun_flags)
+  # torchrun's rendezvous flags: a c10d endpoint is node 0's store, --rdzv-id reaches the workers as
+  # TORCHELASTIC_RUN_ID and must be the same on every node; -m runs a Python module.
+  port=$(free_port)
+  pids=()
+  for n in 0 1; do
+    "$DTRUN" --nnodes 2 --node-rank $n --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id job7 \
+      -- sh -c 'echo "run_id=$TORCHELASTIC_RUN_ID rank=$RANK world=$WORLD_SIZE"' >"$work/n$n.out" 2>"$work/n$n.err" &
+    pids+=($!)
+  done
+  for n in 0 1; do
+    wait "${pids[n]}"
+    expect_status 0 $? "dtrun of node $n with --rdzv-endpoint"
+    expect_line "$work/n$n.out" "^run_id=job7 rank=$n world=2$" "node $n's worker"
+  done
+  # Node 0's agent serves the store, so it always sees the other node's id; node 1 may find the
+  # store gone first, and then fails differently.
+  port=$(free_port)
+  "$DTRUN" --nnodes 2 --node-rank 1 --rdzv-endpoint "127.0.0.1:$port" --rdzv-id job8 -- true >"$work/m1.out" 2>"$work/m1.err" &
+  other=$!
+  "$DTRUN" --nnodes 2 --node-rank 0 --rdzv-endpoint "127.0.0.1:$port" --rdzv-id job7 -- true >"$work/m0.out" 2>"$work/m0.err"
+  expect_status 2 $? "node 0 with another --rdzv-id than node 1"
+  expect_line "$work/m0.err" '^dtrun node 0: node 1 \(.+\) has --rdzv-id job8, this node job7; every node of a job must give the same --rdzv-id' "the id mismatch"
+  wait $other
+  (($? != 0)) || fail "node 1 with another --rdzv-id succeeded"
+  "$DTRUN" --rdzv-backend etcd --rdzv-endpoint "127.0.0.1:$port" -- true >"$work/etcd.out" 2>"$work/etcd.err"
+  expect_status 2 $? "--rdzv-backend etcd"
+  expect_line "$work/etcd.err" '^dtrun: --rdzv-backend=etcd on the command line: dtrun has no etcd rendezvous; .*--master-addr HOST --master-port PORT --node-rank N' "etcd's refusal"
+  "$DTRUN" --rdzv-endpoint 127.0.0.1:1 --master-port 2 -- true >"$work/both.out" 2>"$work/both.err"
+  expect_status 2 $? "--rdzv-endpoint with another --master-port"
+  expect_line "$work/both.err" "^dtrun: --rdzv-endpoint=127\.0\.0\.1:1 on the command line and --master-port=2 on the command line disagree about node 0's port" "the flags' conflict"
+  # -m pkg.module args: python3 -u -m, on every worker; --no-python refuses it.
+  mkdir -p "$work/py/tinypkg"
+  : >"$work/py/tinypkg/__init__.py"
+  printf '%s\n' 'import os, sys' \
+    'print("module", __name__, os.environ["RANK"], os.environ["WORLD_SIZE"], " ".join(sys.argv[1:]))' \
+    >"$work/py/tinypkg/hello.py"
+  PYTHONPATH="$work/py" "$DTRUN" --nproc-per-node 2 -m tinypkg.hello --epochs 3 >"$work/py.out" 2>"$work/py.err"
+  expect_status 0 $? "dtrun -m tinypkg.hello"
+  for r in 0 1; do
+    expect_line "$work/py.out" "^module __main__ $r 2 --epochs 3$" "rank $r of the module"
+  done
+  "$DTRUN" --no-python -m tinypkg.hello >"$work/nopy.out" 2>"$work/nopy.err"
+  expect_status 2 $? "-m with --no-python"
+  expect_line "$work/nopy.err" '^dtrun: -m \(--module\) and --no-python on the command line exclude each other' "the refusal"
   ;;
 
 torch_env)

@@ -343,9 +343,10 @@ TEST_CASE("run reads --nproc-per-node from the command line, torchrun's spelling
   CHECK(nproc_per_node_from_args(args{"--nproc-per-node=2", "--nproc-per-node", "7"}) == 7);
   CHECK(!nproc_per_node_from_args(args{"--", "--nproc-per-node", "3"}).has_value());
   CHECK(!nproc_per_node_from_args(args{"--nproc-per-nodes=3"}).has_value());
-  CHECK_CONTAINS(dtrain_test::config_error_text(
-                     [] { (void)nproc_per_node_from_args(args{"--nproc-per-node=x"}); }),
-                 "--nproc-per-node=x on the command line is not a non-negative integer");
+  CHECK_CONTAINS(
+      dtrain_test::config_error_text(
+          [] { (void)nproc_per_node_from_args(args{"--nproc-per-node=x"}); }),
+      "--nproc-per-node=x on the command line is not a number of workers, gpu, cpu or auto");
   CHECK_CONTAINS(dtrain_test::config_error_text([] {
                    (void)nproc_per_node_from_args(args{"--nproc_per_node", "0"});
                  }),

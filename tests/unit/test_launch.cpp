@@ -52,7 +52,7 @@ TEST_CASE("agent options: every option has an environment variable, and the envi
 TEST_CASE("agent options: bad values name the variable or option") {
   CHECK(config_error_text([] {
           (void)agent_options{}.with_env({{"DTRAIN_NPROC_PER_NODE", "0"}});
-        }) == "DTRAIN_NPROC_PER_NODE=0 must be at least 1");
+        }) == "DTRAIN_NPROC_PER_NODE=0 must be at least 1 (workers per node)");
   CHECK(config_error_text([] {
           (void)agent_options{}.with_env({{"DTRAIN_NNODES", "two"}});
         }) == "DTRAIN_NNODES=two is not a non-negative integer");

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <vector>
 
 namespace dtrain::detail {
@@ -26,6 +27,20 @@ struct sourced {
 };
 using sourced_int = sourced<int>;
 using sourced_text = sourced<std::string>;
+
+/// Stores `v` in `slot`, or checks that it says the same as what is there:
+/// two sources that disagree are a config_error naming both, e.g.
+/// `PET_NNODES=2 and DTRAIN_NNODES=3 disagree about the number of nodes`.
+template <class T>
+void agree(std::optional<sourced<T>>& slot,
+           const std::type_identity_t<std::optional<sourced<T>>>& v, std::string_view what) {
+  if (!v) return;
+  if (!slot) {
+    slot = v;
+  } else if (!(slot->value == v->value)) {
+    throw config_error(slot->origin + " and " + v->origin + " disagree about " + std::string(what));
+  }
+}
 
 /// `NAME=value`, with the value in quotes when it is empty or has blanks, so
 /// that `RANK=" 3"` in a message shows the stray space.

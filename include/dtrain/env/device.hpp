@@ -2,7 +2,8 @@
 /// @file
 /// Which CUDA device a rank uses: a pure function of its local rank, the
 /// number of ranks on its node and the devices it can see, so every launcher
-/// and GPU binding is unit-testable without a GPU.
+/// and GPU binding is unit-testable without a GPU; and how many devices and
+/// cores this process has, for an agent that starts one worker per GPU.
 
 #include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
@@ -10,6 +11,10 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
+
+#include <dlfcn.h>
+#include <sched.h>
 
 namespace dtrain {
 
@@ -47,6 +52,44 @@ DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int
       " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
       "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
       "start no more ranks per node than it has GPUs");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// What this process can give workers: the CUDA devices it sees and the CPU
+/// cores it may run on.
+struct local_devices {
+  int gpus = 0;
+  int cpus = 1;
+};
+
+/// Counts this process's devices: the GPUs through the CUDA driver
+/// (libcuda.so.1, loaded at run time, so that no program links it; it applies
+/// CUDA_VISIBLE_DEVICES), 0 without a driver or a device; the cores from the
+/// affinity mask (taskset, cgroup cpusets), at least 1. Initialises the
+/// driver in this process (cuInit), as cudaGetDeviceCount does.
+[[nodiscard]] DTRAIN_DETAIL_INLINE local_devices count_local_devices();
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE local_devices count_local_devices() {
+  local_devices found;
+  // Kept loaded: the driver, once initialised, must not be unloaded under its threads.
+  if (void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)) {
+    using init_fn = int (*)(unsigned);
+    using count_fn = int (*)(int*);
+    auto* init = reinterpret_cast<init_fn>(::dlsym(driver, "cuInit"));
+    auto* count = reinterpret_cast<count_fn>(::dlsym(driver, "cuDeviceGetCount"));
+    int n = 0;
+    if (init != nullptr && count != nullptr && init(0) == 0 && count(&n) == 0 && n > 0) {
+      found.gpus = n;
+    }
+  }
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (::sched_getaffinity(0, sizeof(mask), &mask) == 0 && CPU_COUNT(&mask) > 0) {
+    found.cpus = CPU_COUNT(&mask);
+  } else if (const unsigned cores = std::thread::hardware_concurrency(); cores > 0) {
+    found.cpus = static_cast<int>(cores);
+  }
+  return found;
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 

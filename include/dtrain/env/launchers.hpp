@@ -77,21 +77,6 @@ DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
-/// Stores `v` in `slot`, or checks that it agrees with what is there.
-DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
-                                const std::optional<sourced_int>& v, std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void agree(std::optional<sourced_int>& slot,
-                                const std::optional<sourced_int>& v, std::string_view what) {
-  if (!v) return;
-  if (!slot) {
-    slot = v;
-  } else if (slot->value != v->value) {
-    throw config_error(slot->origin + " and " + v->origin + " disagree about " + std::string(what));
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// env:// — torchrun, dtrun, Azure ML PyTorch jobs, Kubeflow PyTorchJob. Also
 /// loose LOCAL_RANK / NODE_RANK, which other launchers' users often export.
 DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env);
@@ -432,24 +417,15 @@ DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
-  auto take_addr = [&](std::optional<sourced_text> v) {
-    if (!v) return;
-    if (!m.addr) {
-      m.addr = std::move(v);
-    } else if (m.addr->value != v->value) {
-      throw config_error(m.addr->origin + " and " + v->origin +
-                         " disagree about the master address");
-    }
-  };
-  take_addr(read_text(env, "MASTER_ADDR"));
+  agree(m.addr, read_text(env, "MASTER_ADDR"), "the master address");
   m.port = read_port(env, "MASTER_PORT");
   if (auto batch = read_text(env, "AZ_BATCH_MASTER_NODE")) {
     auto hp = split_host_port(batch->origin, batch->value);
     if (!hp.port) throw config_error(batch->origin + " has no port; expected addr:port");
-    take_addr(sourced_text{hp.host, batch->origin});
+    agree(m.addr, sourced_text{hp.host, batch->origin}, "the master address");
     agree(m.port, sourced_int{*hp.port, batch->origin}, "the master port");
   }
-  take_addr(read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"));
+  agree(m.addr, read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"), "the master address");
   return m;
 }
 #endif  // DTRAIN_DETAIL_BODIES()

@@ -4,7 +4,9 @@
 /// place: the code reads and names them only through these constants, and
 /// docs/reference.md's table is checked against this list (the test
 /// docs.environment_reference). The launchers' variables (RANK, WORLD_SIZE,
-/// MASTER_ADDR, OMPI_COMM_WORLD_*, SLURM_*, ...) are read by env/launchers.hpp.
+/// MASTER_ADDR, OMPI_COMM_WORLD_*, SLURM_*, ...) are read by env/launchers.hpp;
+/// the torchrun flags' variables (PET_*) that the node agent reads are named
+/// at the end.
 
 #include <array>
 #include <string_view>
@@ -124,4 +126,26 @@ inline constexpr std::array dtrain_variables{
 };
 
 }  // namespace detail
+
+// --- torchrun's flags as variables (PET_<FLAG>: the flag's default), which
+// Kubeflow Trainer and PyTorchJob set; the node agent reads them as dtrun's
+// own (agent_options::with_env).
+
+/// Workers per node (--nproc-per-node): N, gpu, cpu or auto.
+inline constexpr std::string_view pet_nproc_per_node_variable = "PET_NPROC_PER_NODE";
+/// Nodes in the job (--nnodes): N or MIN:MAX.
+inline constexpr std::string_view pet_nnodes_variable = "PET_NNODES";
+/// This node's rank (--node-rank).
+inline constexpr std::string_view pet_node_rank_variable = "PET_NODE_RANK";
+/// Node 0's address (--master-addr).
+inline constexpr std::string_view pet_master_addr_variable = "PET_MASTER_ADDR";
+/// Node 0's store port (--master-port).
+inline constexpr std::string_view pet_master_port_variable = "PET_MASTER_PORT";
+/// The rendezvous backend (--rdzv-backend): only c10d, dtrun's store.
+inline constexpr std::string_view pet_rdzv_backend_variable = "PET_RDZV_BACKEND";
+/// Node 0's store as HOST[:PORT] (--rdzv-endpoint).
+inline constexpr std::string_view pet_rdzv_endpoint_variable = "PET_RDZV_ENDPOINT";
+/// The job's id, the same on every node (--rdzv-id).
+inline constexpr std::string_view pet_rdzv_id_variable = "PET_RDZV_ID";
+
 }  // namespace dtrain

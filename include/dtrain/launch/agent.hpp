@@ -45,7 +45,8 @@ namespace dtrain {
 /// Each worker gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
 /// LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
 /// ROLE_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, plus
+/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS (and
+/// TORCHELASTIC_RUN_ID, the rdzv_id, when one is given), plus
 /// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE. MASTER_PORT is a port that
 /// node 0's agent picks for the workers in each round (a PyTorch worker's
 /// rank 0 binds its own store there); dtrain workers meet at the agent's
@@ -177,7 +178,7 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   int restart = 0;  // the round under way, for a failure outside it
   try {
     const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
-                                 ::getpid()};
+                                 ::getpid(), options_.rdzv_id};
     if (elastic()) {
       store.join_elastic(me);
     } else {
@@ -324,6 +325,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   vars.erase("AZ_BATCHAI_MPI_MASTER_NODE");
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+  if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
   set(std::string(restart_count_variable), std::to_string(restart));
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.

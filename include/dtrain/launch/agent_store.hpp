@@ -383,6 +383,12 @@ DTRAIN_DETAIL_INLINE void agent_store::check_same_shape(int n, const node_record
                        std::to_string(me.max_restarts) +
                        "; every node must use the same max_restarts");
   }
+  if (other.rdzv_id != me.rdzv_id) {
+    auto id = [](const std::string& v) { return v.empty() ? std::string("none") : v; };
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") has --rdzv-id " +
+                       id(other.rdzv_id) + ", this node " + id(me.rdzv_id) +
+                       "; every node of a job must give the same --rdzv-id (PET_RDZV_ID)");
+  }
 }
 
 DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {

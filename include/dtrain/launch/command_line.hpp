@@ -3,8 +3,10 @@
 /// dtrun's flags, read by one parser for the two programs that take them:
 /// dtrun itself (its flags, then the program to run), and a self-launching
 /// program (dtrain::run under launch::per_node), which finds them among its
-/// own arguments. Each flag sets an agent option (`--standalone` four); a bad
-/// value is a config_error naming the flag as it was typed and its value.
+/// own arguments. Each flag sets an agent option (`--standalone` four,
+/// `--rdzv-endpoint` two); a bad value is a config_error naming the flag as it
+/// was typed and its value. torchrun's flags that dtrun has no use for are
+/// refused by name, with the dtrun flags that say the same.
 
 #include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
@@ -14,6 +16,7 @@
 #include <bitset>
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -35,6 +38,7 @@ enum class agent_field : unsigned {
   tee,
   log_dir,
   local_rank_arg,
+  rdzv_id,
   count
 };
 
@@ -53,6 +57,7 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
     case agent_field::heartbeat_timeout: return fn(&agent_options::heartbeat_timeout);
     case agent_field::tee: return fn(&agent_options::tee);
     case agent_field::log_dir: return fn(&agent_options::log_dir);
+    case agent_field::rdzv_id: return fn(&agent_options::rdzv_id);
     case agent_field::local_rank_arg:
     case agent_field::count: break;
   }
@@ -63,6 +68,9 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
 /// name), and for dtrun the program after them. Flags take their value as
 /// `--flag value` or `--flag=value`; `_` may replace `-` in their names
 /// (torchrun's `--nproc_per_node`); of a flag given twice, the last counts.
+/// Node 0's store is `--master-addr`/`--master-port` (or `--standalone`), or
+/// torchrun's `--rdzv-endpoint HOST[:PORT]` (with `--rdzv-backend c10d`): the
+/// two ways must agree when both are given.
 class agent_flags {
  public:
   /// dtrun's command line: flags first; `--`, or the first argument that is
@@ -71,8 +79,9 @@ class agent_flags {
   [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args);
 
   /// A self-launching program's command line: dtrun's flags wherever they
-  /// are before `--`, except `--help` and `--no-python`, which stay the
-  /// program's. Every other argument is the program's own and is skipped.
+  /// are before `--`, except `--help`, `--no-python` and `-m`/`--module`,
+  /// which stay the program's. Every other argument is the program's own and
+  /// is skipped.
   [[nodiscard]] static agent_flags of_program(std::span<const std::string_view> args);
 
   /// Sets every option that a flag gave: the flags win (dtrun).
@@ -94,8 +103,14 @@ class agent_flags {
   [[nodiscard]] bool help() const noexcept { return help_; }
   /// dtrun: `--no-python` was given (run a .py program directly).
   [[nodiscard]] bool no_python() const noexcept { return no_python_; }
+  /// dtrun: `-m` or `--module` was given (the program is a Python module).
+  [[nodiscard]] bool module() const noexcept { return module_; }
   /// dtrun: the program and its arguments.
   [[nodiscard]] const std::vector<std::string>& program() const noexcept { return program_; }
+  /// dtrun: the workers' command, as torchrun runs it: the program under
+  /// `python3 -u` when it is a `.py` file (unless `--no-python`), as
+  /// `python3 -u -m MODULE args...` with `-m`, else as given.
+  [[nodiscard]] std::vector<std::string> command() const;
 
  private:
   template <class Fn>
@@ -120,13 +135,41 @@ class agent_flags {
   static const valued* find(std::string_view name);
 
   void take(agent_field option, const std::string& origin, std::string_view value);
+  // --rdzv-backend, --rdzv-endpoint, --rdzv-conf: no option of their own.
+  void take_rdzv(std::string_view name, const std::string& origin, std::string_view value);
+
+  // Which flag set node 0's address or port, and whether it was --rdzv-endpoint.
+  struct store_source {
+    std::string origin;
+    bool endpoint = false;
+  };
+  // Sets master_addr or master_port; --rdzv-endpoint and the other flags must agree.
+  template <class T>
+  void set_store(std::optional<T> agent_options::*member, agent_field option, T value,
+                 std::optional<store_source>& source, store_source from, std::string_view what);
 
   agent_options values_{};
   std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
   bool help_ = false;
   bool no_python_ = false;
+  bool module_ = false;
+  std::optional<store_source> addr_from_;
+  std::optional<store_source> port_from_;
   std::vector<std::string> program_;
 };
+
+template <class T>
+void agent_flags::set_store(std::optional<T> agent_options::*member, agent_field option, T value,
+                            std::optional<store_source>& source, store_source from,
+                            std::string_view what) {
+  if (source && source->endpoint != from.endpoint && values_.*member != value) {
+    throw config_error(source->origin + " and " + from.origin + " disagree about " +
+                       std::string(what) + "; give one of them");
+  }
+  values_.*member = std::move(value);
+  source = std::move(from);
+  set(option);
+}
 
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::string_view> args) {
@@ -137,14 +180,30 @@ DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::s
       ++i;
       break;
     }
-    if (!args[i].starts_with("--") && args[i] != "-h") break;
+    if (!args[i].starts_with("--") && args[i] != "-h" && args[i] != "-m") break;
     if (!flags.read(args, i, true)) {
       throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
     }
     if (flags.help_) return flags;
   }
   for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
+  if (flags.module_ && flags.no_python_) {
+    throw config_error(
+        "-m (--module) and --no-python on the command line exclude each other: -m runs the "
+        "module under python3 -u -m, --no-python runs the program without python3");
+  }
   return flags;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> agent_flags::command() const {
+  std::vector<std::string> argv;
+  if (module_) {
+    argv = {"python3", "-u", "-m"};
+  } else if (!no_python_ && !program_.empty() && program_.front().ends_with(".py")) {
+    argv = {"python3", "-u"};
+  }
+  argv.insert(argv.end(), program_.begin(), program_.end());
+  return argv;
 }
 
 DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_program(std::span<const std::string_view> args) {
@@ -173,6 +232,13 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
   }
   if (launcher && (name == "--help" || name == "-h")) return help_ = true;
   if (launcher && name == "--no-python") return no_python_ = true;
+  if (launcher && (name == "-m" || name == "--module")) {
+    if (eq != std::string_view::npos) {
+      throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
+                         " takes no value (the module is the program: -m pkg.train args...)");
+    }
+    return module_ = true;
+  }
   if (name == "--standalone" || name == "--tee" || name == "--pass-local-rank") {
     if (eq != std::string_view::npos) {
       throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
@@ -188,11 +254,12 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
       values_.nnodes = 1;
       values_.min_nnodes = std::nullopt;
       values_.node_rank = 0;
-      values_.master_addr = "127.0.0.1";
-      values_.master_port = 0;
-      for (auto f : {agent_field::nnodes, agent_field::min_nnodes, agent_field::node_rank,
-                     agent_field::master_addr, agent_field::master_port})
-        set(f);
+      for (auto f : {agent_field::nnodes, agent_field::min_nnodes, agent_field::node_rank}) set(f);
+      const store_source standalone{"--standalone (127.0.0.1, a free port)", false};
+      set_store(&agent_options::master_addr, agent_field::master_addr, std::string("127.0.0.1"),
+                addr_from_, standalone, "node 0's address");
+      set_store(&agent_options::master_port, agent_field::master_port, 0, port_from_, standalone,
+                "node 0's port");
     }
     return true;
   }
@@ -209,8 +276,12 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
                        std::string(flag->example) + ")");
   }
   const std::string origin = std::string(typed) + "=" + std::string(value) + " on the command line";
-  take(flag->field, origin, value);
-  set(flag->field);
+  if (flag->field == agent_field::count) {
+    take_rdzv(flag->name, origin, value);
+  } else {
+    take(flag->field, origin, value);
+    set(flag->field);
+  }
   return true;
 }
 
@@ -225,6 +296,11 @@ DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valu
       {"--grace-period", agent_field::grace_period, "seconds from SIGTERM to SIGKILL", "10"},
       {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
       {"--log-dir", agent_field::log_dir, "a directory", "logs"},
+      {"--rdzv-id", agent_field::rdzv_id, "the job's id, the same on every node", "job42"},
+      // No option of their own (agent_field::count): take_rdzv() reads them.
+      {"--rdzv-backend", agent_field::count, "c10d: node 0's store", "c10d"},
+      {"--rdzv-endpoint", agent_field::count, "node 0's store as HOST[:PORT]", "node0:29400"},
+      {"--rdzv-conf", agent_field::count, "KEY=VALUE,...", "join_timeout=600"},
   };
   for (const valued& f : flags) {
     if (f.name == name) return &f;
@@ -247,7 +323,7 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
   };
   switch (option) {
     case agent_field::nproc_per_node:
-      values_.nproc_per_node = at_least(1, "workers per node");
+      values_.nproc_per_node = parse_nproc_per_node(origin, value).value;
       break;
     case agent_field::nnodes: {
       const auto [least, most] = parse_node_count(origin, value);
@@ -257,11 +333,15 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       break;
     }
     case agent_field::node_rank: values_.node_rank = parse_non_negative(origin, value); break;
-    case agent_field::master_addr: values_.master_addr = text(); break;
+    case agent_field::master_addr:
+      set_store(&agent_options::master_addr, option, text(), addr_from_, {origin, false},
+                "node 0's address");
+      break;
     case agent_field::master_port: {
       const int port = parse_non_negative(origin, value);
       if (port != 0) check_port(origin, port);  // 0: a free port (one node only)
-      values_.master_port = port;
+      set_store(&agent_options::master_port, option, port, port_from_, {origin, false},
+                "node 0's port");
       break;
     }
     case agent_field::max_restarts: values_.max_restarts = parse_non_negative(origin, value); break;
@@ -272,10 +352,29 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       values_.heartbeat_timeout = std::chrono::seconds(at_least(1, "seconds"));
       break;
     case agent_field::log_dir: values_.log_dir = text(); break;
+    case agent_field::rdzv_id: values_.rdzv_id = text(); break;
     case agent_field::min_nnodes:  // comes with --nnodes
     case agent_field::tee:
     case agent_field::local_rank_arg:
     case agent_field::count: break;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void agent_flags::take_rdzv(std::string_view name, const std::string& origin,
+                                                 std::string_view value) {
+  if (name == "--rdzv-backend") {
+    check_rdzv_backend(origin, value);
+  } else if (name == "--rdzv-endpoint") {
+    auto [host, port] = parse_rdzv_endpoint(origin, value);
+    set_store(&agent_options::master_addr, agent_field::master_addr, std::move(host.value),
+              addr_from_, {origin, true}, "node 0's address");
+    set_store(&agent_options::master_port, agent_field::master_port, port.value, port_from_,
+              {port.origin, true}, "node 0's port");
+  } else {
+    throw config_error(origin +
+                       ": dtrun has no rendezvous settings of torchrun's; its waits are bounded "
+                       "by DTRAIN_STORE_TIMEOUT (join_timeout, timeout), and nodes are lost "
+                       "after --heartbeat-timeout");
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()

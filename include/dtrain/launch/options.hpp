@@ -1,19 +1,25 @@
 #pragma once
 /// @file
 /// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
-/// Every option can also come from an environment variable; see with_env().
+/// Every option can also come from an environment variable, dtrain's own
+/// (DTRAIN_*) or torchrun's (PET_*); see with_env().
 
 #include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
+#include <dtrain/env/device.hpp>
 #include <dtrain/env/environment.hpp>
+#include <dtrain/env/launchers.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 
 #include <chrono>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace dtrain {
@@ -26,6 +32,9 @@ inline constexpr std::chrono::milliseconds default_grace_period{10'000};
 /// the other agents declare its node lost and end the job. Environment:
 /// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
 inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
+
+/// The port of a `--rdzv-endpoint HOST` without one (torchrun's c10d default).
+inline constexpr int default_rdzv_port = 29400;
 
 namespace detail {
 /// Parses a node count as dtrun's --nnodes takes it: "N", or "MIN:MAX" for
@@ -50,6 +59,96 @@ DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const s
   return {least < most ? std::optional<int>(least) : std::nullopt, most};
 }
 #endif  // DTRAIN_DETAIL_BODIES()
+
+/// Parses workers per node as torchrun's --nproc-per-node takes them: a
+/// positive integer; `gpu`, the CUDA devices this process sees (config_error
+/// when it sees none); `cpu`, the cores it may run on; `auto`, the GPUs if
+/// any, else the cores. `count` is called for a keyword only. Returns the
+/// number with its origin (`origin`, and what a keyword counted).
+DTRAIN_DETAIL_INLINE sourced_int
+parse_nproc_per_node(const std::string& origin, std::string_view text,
+                     local_devices (*count)() = &count_local_devices);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
+                                                      std::string_view text,
+                                                      local_devices (*count)()) {
+  if (text == "gpu" || text == "cpu" || text == "auto") {
+    const local_devices here = count();
+    if (text == "cpu" || (text == "auto" && here.gpus == 0)) {
+      return {here.cpus, origin + " (" + std::to_string(here.cpus) + " CPU cores)"};
+    }
+    if (here.gpus == 0) {
+      throw config_error(origin +
+                         ": this process sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES "
+                         "hides them); give a number of workers, or cpu");
+    }
+    return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
+  }
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos) {
+    throw config_error(origin + " is not a number of workers, gpu, cpu or auto");
+  }
+  const int n = parse_non_negative(origin, text);
+  if (n < 1) throw config_error(origin + " must be at least 1 (workers per node)");
+  return {n, origin};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Checks a rendezvous backend (torchrun's --rdzv-backend): dtrun's agents
+/// meet at node 0's store, which is c10d's way; etcd, etcd-v2 and static are
+/// refused, naming the dtrun flags that say the same.
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
+  if (text == "c10d") return;
+  const std::string instead =
+      "its agents meet at a store that node 0's agent serves (torchrun's c10d): give "
+      "--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --master-addr HOST --master-port PORT "
+      "--node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, PET_NODE_RANK)";
+  if (text == "static") {
+    throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
+  }
+  if (text == "etcd" || text == "etcd-v2") {
+    throw config_error(origin + ": dtrun has no etcd rendezvous; " + instead);
+  }
+  throw config_error(origin + " is not a rendezvous backend of dtrun's; " + instead);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Parses a c10d rendezvous endpoint (torchrun's --rdzv-endpoint), HOST[:PORT],
+/// as node 0's store: the port is default_rdzv_port (29400) when absent, and
+/// its origin says so.
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text) {
+  const host_port hp = split_host_port(origin, text);
+  return {sourced_text{hp.host, origin},
+          hp.port ? sourced_int{*hp.port, origin}
+                  : sourced_int{default_rdzv_port, origin + " (c10d's default port " +
+                                                       std::to_string(default_rdzv_port) + ")"}};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The value of an option as the variables `names` give it: parse(origin,
+/// text) of each that is set, a T or a sourced<T>. Two that are set must agree.
+template <class T, class Parse>
+std::optional<sourced<T>> read_agreeing(const environment& env,
+                                        std::initializer_list<std::string_view> names,
+                                        std::string_view what, Parse parse) {
+  std::optional<sourced<T>> found;
+  for (std::string_view name : names) {
+    if (auto text = env.get(name)) {
+      const std::string origin = assignment(name, *text);
+      if constexpr (std::is_same_v<decltype(parse(origin, *text)), sourced<T>>) {
+        agree(found, parse(origin, *text), what);
+      } else {
+        agree(found, sourced<T>{parse(origin, *text), origin}, what);
+      }
+    }
+  }
+  return found;
+}
 }  // namespace detail
 
 /// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
@@ -57,11 +156,13 @@ DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const s
 /// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
 /// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
 struct agent_options {
-  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE. Default:
-  /// the number of visible CUDA devices for backend::nccl, else 1.
+  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE or
+  /// PET_NPROC_PER_NODE (N, gpu, cpu or auto). Default: the number of visible
+  /// CUDA devices for backend::nccl, else 1.
   std::optional<int> nproc_per_node{};
   /// Nodes (agents) in the job; in an elastic job, the most. Environment:
-  /// DTRAIN_NNODES (N, or MIN:MAX). Default: from the outer launcher, else 1.
+  /// DTRAIN_NNODES or PET_NNODES (N, or MIN:MAX). Default: from the outer
+  /// launcher, else 1.
   std::optional<int> nnodes{};
   /// An elastic job (dtrun --nnodes MIN:MAX, as torchrun's): the fewest nodes
   /// it runs on. When a node is lost, the others go on without it (at least
@@ -69,14 +170,16 @@ struct agent_options {
   /// nnodes; each change restarts every worker with the new world size
   /// (resume from a checkpoint: docs/checkpoints.md). Unset: exactly nnodes.
   std::optional<int> min_nnodes{};
-  /// This agent's node. Environment: DTRAIN_NODE_RANK (NODE_RANK is read too,
-  /// and must agree).
+  /// This agent's node. Environment: DTRAIN_NODE_RANK or PET_NODE_RANK
+  /// (NODE_RANK is read too, and must agree).
   std::optional<int> node_rank{};
-  /// Where node 0's agent serves the rendezvous store. Default: MASTER_ADDR,
-  /// else 127.0.0.1 on a single node; required with several nodes.
+  /// Where node 0's agent serves the rendezvous store. Environment:
+  /// PET_MASTER_ADDR or PET_RDZV_ENDPOINT. Default: MASTER_ADDR, else
+  /// 127.0.0.1 on a single node; required with several nodes.
   std::optional<std::string> master_addr{};
-  /// Its port. Default: MASTER_PORT, else a free port on a single node and
-  /// 29500 with several. 0 picks a free port (single node only).
+  /// Its port. Environment: PET_MASTER_PORT or PET_RDZV_ENDPOINT. Default:
+  /// MASTER_PORT, else a free port on a single node and 29500 with several.
+  /// 0 picks a free port (single node only).
   std::optional<int> master_port{};
   /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
   int max_restarts = 0;
@@ -96,13 +199,24 @@ struct agent_options {
   /// torch.distributed.launch did for Hugging Face style scripts.
   /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
   bool local_rank_arg = false;
+  /// The job's id (torchrun's --rdzv-id): every node's agent must give the
+  /// same one (or none), or the job does not start (a node of another job
+  /// that reached this store is named); the workers get it as
+  /// TORCHELASTIC_RUN_ID. Environment: PET_RDZV_ID.
+  std::string rdzv_id{};
 
   /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
   /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
   /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
   /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
-  /// rebuilding it. Throws config_error naming the variable and its value.
+  /// rebuilding it. torchrun's variables are read as dtrun's (Kubeflow
+  /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
+  /// DTRAIN_ twins, PET_NODE_RANK beside DTRAIN_NODE_RANK and NODE_RANK,
+  /// PET_MASTER_ADDR, PET_MASTER_PORT and PET_RDZV_ENDPOINT (HOST[:PORT]) beside
+  /// MASTER_ADDR, MASTER_PORT and AZ_BATCH_MASTER_NODE, PET_RDZV_BACKEND (c10d
+  /// only) and PET_RDZV_ID. Throws config_error naming the variable and its
+  /// value, or both variables when two that are set disagree.
   [[nodiscard]] agent_options with_env(const environment& env) const;
 
   /// Throws config_error when an option is out of range.
@@ -112,22 +226,45 @@ struct agent_options {
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
   agent_options out = *this;
-  auto count = [&](std::string_view name, std::optional<int>& into, int least) {
-    if (auto v = detail::read_int(env, name)) {
-      if (v->value < least) {
-        throw config_error(v->origin + " must be at least " + std::to_string(least));
-      }
-      into = v->value;
-    }
-  };
-  count(nproc_per_node_variable, out.nproc_per_node, 1);
-  if (auto text = env.get(nnodes_variable)) {
-    const auto [least, most] =
-        detail::parse_node_count(detail::assignment(nnodes_variable, *text), *text);
-    out.nnodes = most;
-    out.min_nnodes = least;
+  if (auto n = detail::read_agreeing<int>(
+          env, {nproc_per_node_variable, pet_nproc_per_node_variable}, "the workers per node",
+          [](const std::string& origin, std::string_view text) {
+            return detail::parse_nproc_per_node(origin, text);
+          })) {
+    out.nproc_per_node = n->value;
   }
-  count(node_rank_variable, out.node_rank, 0);
+  if (auto n = detail::read_agreeing<std::pair<std::optional<int>, int>>(
+          env, {nnodes_variable, pet_nnodes_variable}, "the number of nodes",
+          &detail::parse_node_count)) {
+    out.min_nnodes = n->value.first;
+    out.nnodes = n->value.second;
+  }
+  // NODE_RANK is discovery's (beside GROUP_RANK and the launchers'); checked here against ours.
+  if (env.contains(node_rank_variable) || env.contains(pet_node_rank_variable)) {
+    out.node_rank =
+        detail::read_agreeing<int>(env, {node_rank_variable, pet_node_rank_variable, "NODE_RANK"},
+                                   "the node rank", &detail::parse_non_negative)
+            ->value;
+  }
+  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and the like.
+  if (auto backend = detail::read_text(env, pet_rdzv_backend_variable)) {
+    detail::check_rdzv_backend(backend->origin, backend->value);
+  }
+  std::optional<detail::sourced_text> addr = detail::read_text(env, pet_master_addr_variable);
+  std::optional<detail::sourced_int> port = detail::read_port(env, pet_master_port_variable);
+  if (auto endpoint = detail::read_text(env, pet_rdzv_endpoint_variable)) {
+    const auto [host, at] = detail::parse_rdzv_endpoint(endpoint->origin, endpoint->value);
+    detail::agree(addr, host, "node 0's address");
+    detail::agree(port, at, "node 0's port");
+  }
+  if (addr || port) {
+    const detail::explicit_master named = detail::read_explicit_master(env);
+    detail::agree(addr, named.addr, "node 0's address");
+    detail::agree(port, named.port, "node 0's port");
+    if (addr) out.master_addr = addr->value;
+    if (port) out.master_port = port->value;
+  }
+  if (auto id = detail::read_text(env, pet_rdzv_id_variable)) out.rdzv_id = id->value;
   if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
   if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
   if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;

@@ -11,7 +11,8 @@
 ///
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
-///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64
+///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
+///                                   rdzv_id bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
@@ -252,12 +253,14 @@ void record_exit(Store& store, int restart, const exit_record& exit) {
 }
 
 /// What a node agent says about itself when it joins: every node must run
-/// the same number of workers and allow the same restarts.
+/// the same number of workers, allow the same restarts and give the same job
+/// id (--rdzv-id).
 struct node_record {
   std::int64_t nproc = 0;
   std::int64_t max_restarts = 0;
   std::string host;
   std::int64_t pid = 0;
+  std::string rdzv_id{};  // empty: none given
 
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
@@ -269,7 +272,7 @@ struct node_record {
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
   std::string out;
-  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid);
+  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid).bytes32(rdzv_id);
   return out;
 }
 
@@ -282,6 +285,7 @@ DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                               n.max_restarts = r.i64("max_restarts");
                               n.host = r.bytes32("the host name");
                               n.pid = r.i64("the pid");
+                              n.rdzv_id = r.bytes32("the rdzv id");
                               return n;
                             });
 }
