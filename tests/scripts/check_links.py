@@ -53,6 +53,21 @@ def text_lines(path):
         yield number, re.sub(r"(`+)(.+?)\1", lambda c: " " * len(c.group(0)), line)
 
 
+def prose_text(path):
+    """The page with fenced blocks and code spans blanked, every other
+    character where it was: offsets into it are offsets into the page. A
+    link's text may wrap onto the next line, so links are found in this whole
+    text, not line by line."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    prose = dict(text_lines(path))
+    return "\n".join(prose.get(n, " " * len(line)) for n, line in enumerate(lines, 1))
+
+
+def line_of(text, offset):
+    return text.count("\n", 0, offset) + 1
+
+
 def github_anchor(heading):
     """The anchor GitHub gives a heading's text (before the -1, -2 of repeats)."""
     text = re.sub(r"`([^`]*)`", r"\1", heading)                  # code spans: their text
@@ -87,41 +102,42 @@ def check(root, page):
     """The problems of one page's links, and how many links it has."""
     problems, count = [], 0
     name = os.path.relpath(page, root)
+    text = prose_text(page)
+    found = [(line_of(text, m.start(1)), m.group(1)) for m in LINK.finditer(text)]
     for number, line in text_lines(page):
-        targets = [m.group(1) for m in LINK.finditer(line)]
-        targets += [m.group(1) for m in REFERENCE.finditer(line)]
-        targets += HTML_TARGET.findall(line)
-        for target in targets:
-            target = target.strip("<>")
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
-                continue
-            count += 1
-            where = f"{name}:{number}: ({target})"
-            path, _, anchor = target.partition("#")
-            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
-            if os.path.relpath(file, root).startswith(".."):
-                problems.append(f"{where}: {path} is outside the repository")
-                continue
-            if not os.path.exists(file):
-                problems.append(f"{where}: no file {os.path.relpath(file, root)}")
-                continue
-            if not anchor:
-                continue
-            if file.endswith(".md"):
-                if anchor not in anchors(file):
-                    near = sorted(a for a in anchors(file) if a[:6] == anchor[:6])
-                    hint = f" (near: {', '.join('#' + a for a in near)})" if near else ""
-                    problems.append(f"{where}: no heading #{anchor} in {os.path.relpath(file, root)}{hint}")
-            elif os.path.isfile(file):
-                lines = re.fullmatch(r"L(\d+)(?:-L(\d+))?", anchor)
-                with open(file, encoding="utf-8", errors="replace") as f:
-                    length = len(f.read().splitlines())
-                if not lines:
-                    problems.append(f"{where}: #{anchor} is not a line anchor (#L12, #L12-L20) of a file")
-                elif max(int(x) for x in lines.groups() if x) > length:
-                    problems.append(f"{where}: {os.path.relpath(file, root)} has {length} lines")
-            else:
-                problems.append(f"{where}: #{anchor} on a folder")
+        found += [(number, m.group(1)) for m in REFERENCE.finditer(line)]
+        found += [(number, t) for t in HTML_TARGET.findall(line)]
+    for number, target in sorted(found, key=lambda f: f[0]):
+        target = target.strip("<>")
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        count += 1
+        where = f"{name}:{number}: ({target})"
+        path, _, anchor = target.partition("#")
+        file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if os.path.relpath(file, root).startswith(".."):
+            problems.append(f"{where}: {path} is outside the repository")
+            continue
+        if not os.path.exists(file):
+            problems.append(f"{where}: no file {os.path.relpath(file, root)}")
+            continue
+        if not anchor:
+            continue
+        if file.endswith(".md"):
+            if anchor not in anchors(file):
+                near = sorted(a for a in anchors(file) if a[:6] == anchor[:6])
+                hint = f" (near: {', '.join('#' + a for a in near)})" if near else ""
+                problems.append(f"{where}: no heading #{anchor} in {os.path.relpath(file, root)}{hint}")
+        elif os.path.isfile(file):
+            lines = re.fullmatch(r"L(\d+)(?:-L(\d+))?", anchor)
+            with open(file, encoding="utf-8", errors="replace") as f:
+                length = len(f.read().splitlines())
+            if not lines:
+                problems.append(f"{where}: #{anchor} is not a line anchor (#L12, #L12-L20) of a file")
+            elif max(int(x) for x in lines.groups() if x) > length:
+                problems.append(f"{where}: {os.path.relpath(file, root)} has {length} lines")
+        else:
+            problems.append(f"{where}: #{anchor} on a folder")
     return problems, count
 
 
@@ -156,24 +172,25 @@ def doxygen_filter(root, page):
     where Doxygen cannot label the heading). Lines stay where they are, so that
     doxygen's warnings name the page's lines."""
     with open(page, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+        page_text = f.read()
     headings, _ = doxygen_labels(root, page)
-    for number, line in text_lines(page):  # outside fences, code spans blanked
-        if number in headings:
-            hashes, text, label = headings[number]
-            lines[number - 1] = f"{hashes} {text} {{#{label}}}"
+    prose = prose_text(page)  # outside fences, code spans blanked
+    for m in reversed(list(LINK.finditer(prose))):
+        if line_of(prose, m.start()) in headings:
             continue
-        for m in reversed(list(LINK.finditer(line))):
-            path, _, anchor = m.group(1).strip("<>").partition("#")
-            if not anchor or re.match(r"^[a-z][a-z0-9+.-]*:", path, re.I):
-                continue
-            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
-            if not file.endswith(".md") or not os.path.exists(file):
-                continue
-            label = doxygen_labels(root, file)[1].get(anchor)
-            target = "@ref " + label if label else path or os.path.basename(page)
-            start, end = m.span(1)
-            lines[number - 1] = lines[number - 1][:start] + target + lines[number - 1][end:]
+        path, _, anchor = m.group(1).strip("<>").partition("#")
+        if not anchor or re.match(r"^[a-z][a-z0-9+.-]*:", path, re.I):
+            continue
+        file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not file.endswith(".md") or not os.path.exists(file):
+            continue
+        label = doxygen_labels(root, file)[1].get(anchor)
+        target = "@ref " + label if label else path or os.path.basename(page)
+        start, end = m.span(1)
+        page_text = page_text[:start] + target + page_text[end:]
+    lines = page_text.split("\n")
+    for number, (hashes, text, label) in headings.items():
+        lines[number - 1] = f"{hashes} {text} {{#{label}}}"
     sys.stdout.write("\n".join(lines))
 
 
