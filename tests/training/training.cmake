@@ -117,7 +117,7 @@ if(TARGET dtrain_train_mlp)
     COMMAND "${CMAKE_COMMAND}"
             "-DCOMMAND=$<TARGET_FILE:dtrain_train_mlp>|--nproc-per-node|2|--epochs|1|--samples|256"
             -DEXPECT_STATUS=2
-            "-DEXPECT_1=\\[rank (0/2\\] dtrain: ${cannot_write} 0 cannot write [^\n]*/no-such-dir/trace[.]rank0|1/2\\] dtrain: ${cannot_write} 1 cannot write [^\n]*/no-such-dir/trace[.]rank1)[.]json: No such file"
+            "-DEXPECT_1=(\\[rank 0/2\\] dtrain: ${cannot_write} 0 cannot write [^\n]*/no-such-dir/trace[.]rank0[.]json|\\[rank 1/2\\] dtrain: ${cannot_write} 1 cannot write [^\n]*/no-such-dir/trace[.]rank1[.]json): No such file"
             "-DEXPECT_2=\\[dtrain agent node 0/1\\] rank [01] [(]node 0, local rank [01], pid [0-9]+[)] exited with status 2: ${cannot_write} [01] cannot write [^\n]*; ending the job"
             -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
     TIMEOUT 120
