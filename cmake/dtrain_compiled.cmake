@@ -104,6 +104,20 @@ unset(_dtrain_component)
 unset(_dtrain_library_exclude)
 add_library(dtrain::compiled ALIAS dtrain)
 
+# A test build on a machine without a GPU (DTRAIN_COMPILE_ONLY names `gpu`,
+# cmake/dtrain_warnings.cmake) can only compile NCCL's code, never run it: there
+# NCCL's parts of the libraries (src/nccl.cpp, and Gloo- or MPI-free
+# libdtrain_nccl) are compile checks, built without optimisation. A build to
+# install leaves DTRAIN_COMPILE_ONLY empty.
+if("gpu" IN_LIST DTRAIN_COMPILE_ONLY AND NOT DTRAIN_HEADER_ONLY AND "NCCL" IN_LIST DTRAIN_ENGINES)
+  set_source_files_properties("${PROJECT_SOURCE_DIR}/src/nccl.cpp" PROPERTIES COMPILE_OPTIONS -O0)
+  get_target_property(_dtrain_nccl_type dtrain_nccl TYPE)
+  if(_dtrain_nccl_type MATCHES "_LIBRARY$" AND NOT _dtrain_nccl_type STREQUAL "INTERFACE_LIBRARY")
+    dtrain_compile_check(dtrain_nccl)
+  endif()
+  unset(_dtrain_nccl_type)
+endif()
+
 # dtrain::torch: the compiled part of dtrain::torch::DistributedDataParallel
 # (src/torch.cpp, dtrain/torch/compiled.hpp). LibTorch's ABI is the user's, so
 # it is not built here: it is a source of each target that links dtrain::torch,

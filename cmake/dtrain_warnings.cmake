@@ -7,8 +7,9 @@ option(DTRAIN_WARNINGS_AS_ERRORS "Build dtrain's own tests and examples with -We
 # DTRAIN_COMPILE_ONLY: programs of these kinds are only checked to compile in
 # this build, so they are built without optimisation (dtrain_compile_check),
 # and say so on stderr when run: `bench` (the benchmarks: no test runs them),
-# `gpu` (what needs a GPU to run: tests/gpu, the CUDA demo). tools/test sets
-# `bench`, and `gpu` on a machine without a GPU.
+# `gpu` (what needs a GPU to run: tests/gpu, the CUDA demo, and NCCL's parts of
+# the libraries, cmake/dtrain_compiled.cmake). tools/test sets `bench`, and
+# `gpu` on a machine without a GPU.
 set(DTRAIN_COMPILE_ONLY "" CACHE STRING
     "Kinds of dtrain's own programs built unoptimised, only to check that they compile: bench;gpu")
 foreach(kind IN LISTS DTRAIN_COMPILE_ONLY)
