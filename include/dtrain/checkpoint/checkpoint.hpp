@@ -703,6 +703,13 @@ class checkpoint {
     std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
     if (!p.problem.empty()) {
       mine[0] = 0;
+      // Said before the agreement below, which no rank leaves before this one
+      // joins it: the others then fail naming this rank, and their exit may
+      // end the job (the node agent stops the rest) before this rank's own error.
+      std::fprintf(stderr,
+                   "dtrain checkpoint on rank %d: could not write its part of step %llu: %s\n",
+                   plane_.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
+      std::fflush(stderr);
     } else if (p.per_rank_file) {
       mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
               std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
@@ -763,9 +770,11 @@ class checkpoint {
 
   static std::string not_committed(const std::string& what, const std::string& failed_ranks) {
     return "checkpoint: could not " + what +
-           (failed_ranks.empty() ? ": rank 0 could not commit it"
-                                 : ": rank(s) " + failed_ranks + " could not write their part") +
-           " (their error says why); the checkpoints before it are kept";
+           (failed_ranks.empty() ? ": rank 0 could not commit it (its error says why)"
+                                 : ": rank(s) " + failed_ranks +
+                                       " could not write their part (each said why above, "
+                                       "'dtrain checkpoint on rank N')") +
+           "; the checkpoints before it are kept";
   }
 
   /// Rank 0: the manifest into the partial directory, which is renamed to
