@@ -169,8 +169,9 @@ def doxygen_filter(root, page):
     """Prints the page as Doxygen (1.9, whose anchors are not GitHub's) should
     read it: each heading labelled {#label} after its GitHub anchor, and each
     link to such an anchor made a [text](@ref label) (or a link to the page,
-    where Doxygen cannot label the heading). Lines stay where they are, so that
-    doxygen's warnings name the page's lines."""
+    where Doxygen cannot label the heading), its text on one line. Lines
+    stay where they are (but for those of a paragraph after a wrapped link's
+    end), so that doxygen's warnings name the page's lines."""
     with open(page, encoding="utf-8") as f:
         page_text = f.read()
     headings, _ = doxygen_labels(root, page)
@@ -186,8 +187,16 @@ def doxygen_filter(root, page):
             continue
         label = doxygen_labels(root, file)[1].get(anchor)
         target = "@ref " + label if label else path or os.path.basename(page)
-        start, end = m.span(1)
-        page_text = page_text[:start] + target + page_text[end:]
+        # Doxygen 1.9 misreads a link whose text wraps: the text goes on one
+        # line, and its line breaks to the end of the paragraph (the lines
+        # after the paragraph stay in place).
+        text = page_text[m.start():m.start(1)]
+        breaks = text.count("\n")
+        link = text.replace("\n", " ") + target + page_text[m.end(1):m.end()]
+        end = page_text.find("\n\n", m.end())
+        end = len(page_text) if end == -1 else end
+        page_text = (page_text[:m.start()] + link + page_text[m.end():end] + "\n" * breaks +
+                     page_text[end:])
     lines = page_text.split("\n")
     for number, (hashes, text, label) in headings.items():
         lines[number - 1] = f"{hashes} {text} {{#{label}}}"
