@@ -19,6 +19,8 @@
 #                                process running PROGRAM without RANK (not a worker)
 #   cluster_rsh                  path of an ssh stand-in for mpirun
 #                                (--mca plm_rsh_agent), which runs in the named node
+#   cluster_fail MESSAGE         FAILED: MESSAGE, the tail of each $work/*.out and
+#                                *.err, exit 1
 #
 # Everything it makes is removed when the sourcing shell exits, and by a
 # guardian in a session of its own when that shell is killed (SIGKILL too):
@@ -33,6 +35,16 @@ cluster_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cluster_skip() {
   echo "SKIPPED: simulated cluster: $*"
   exit 77
+}
+
+# cluster_fail MESSAGE...: the test failed: says so, with the last 30 lines of
+# each non-empty $work/*.out and $work/*.err (the jobs' output), and exits 1.
+cluster_fail() {
+  echo "FAILED: $*"
+  for f in "$work"/*.out "$work"/*.err; do
+    [[ -s $f ]] && { echo "--- $(basename "$f")"; tail -n 30 "$f"; }
+  done
+  exit 1
 }
 
 # The namespace of node N of the cluster with id ID.

@@ -44,13 +44,7 @@ export DTRAIN_STORE_TOKEN=cluster-tests-secret
 port=29500
 limit=90  # seconds for any one job: a hang fails the test, with the output so far
 
-fail() {
-  echo "FAILED: $*"
-  for f in "$work"/*.out "$work"/*.err; do
-    [[ -s $f ]] && { echo "--- $(basename "$f")"; tail -n 30 "$f"; }
-  done
-  exit 1
-}
+fail() { cluster_fail "$@"; }
 
 # check_world FILE EXPECTED: FILE holds whoami --rendezvous lines (one per
 # rank, any order); EXPECTED is "rank:host:node_rank:local_rank ..." for a

@@ -49,13 +49,7 @@ cluster_exit_hook='rm -rf "$work"'
 trap 'rm -rf "$work"' EXIT  # cluster_up replaces it with one that also removes the cluster
 limit=60  # seconds for the job: a hang fails the test, with the output so far
 
-fail() {
-  echo "FAILED: $*"
-  for f in "$work"/*.out "$work"/*.err; do
-    [[ -s $f ]] && { echo "--- $(basename "$f")"; tail -n 30 "$f"; }
-  done
-  exit 1
-}
+fail() { cluster_fail "$@"; }
 
 # The program of every recipe: ./train in the job's directory, train on PATH.
 mkdir -p "$work/job" "$work/path"
