@@ -1,6 +1,6 @@
 // bench/allreduce_gloo: dtrain's Gloo allreduce against the raw Gloo call on
 // the same buffer, same context and same options, in the same run. With every
-// rank on one host, dtrain's goes through shared memory (backend/shm.hpp) and
+// rank on one host, dtrain's goes through shared memory (backend/gloo/shm.hpp) and
 // the raw one through Gloo's TCP; DTRAIN_GLOO_SHM=0 makes both TCP, for
 // dtrain's own overhead on Gloo.
 //
@@ -15,7 +15,7 @@
 // on rank 0, time per call, algbw = bytes / time and busbw = algbw x 2(n-1)/n
 // (nccl-tests' definition) for dtrain, and dtrain / raw as ratio and difference.
 
-#include <dtrain/backend/gloo.hpp>
+#include <dtrain/backend/gloo/gloo.hpp>
 #include <dtrain/dtrain.hpp>
 
 #include <algorithm>

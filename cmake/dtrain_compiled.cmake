@@ -1,6 +1,6 @@
 # The library targets (issue 30): compiled by default, as fmt and spdlog do it.
 # A program's translation units only declare the policy-dependent code
-# (`extern template`, include/dtrain/compiled.hpp) and link it from a library
+# (`extern template`, include/dtrain/runtime/compiled.hpp) and link it from a library
 # built once, so they compile in seconds instead of half a minute.
 #
 #   dtrain::core          headers, C++20, threads; no engine (header-only: it has no policy)

@@ -1,6 +1,6 @@
 // dtrain's library, the Gloo part: context, run's agent and worker (and with
 // them the store, the agent and the Gloo glue) for every standard policy on Gloo
-// (DTRAIN_FOR_EACH_GLOO_POLICY, dtrain/compiled.hpp), compiled once here.
+// (DTRAIN_FOR_EACH_GLOO_POLICY, dtrain/runtime/compiled.hpp), compiled once here.
 #include <dtrain/dtrain.hpp>
 
 #if !DTRAIN_HAS_SEPARATE_COMPILATION()

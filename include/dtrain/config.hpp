@@ -46,7 +46,7 @@
 #define DTRAIN_HAS_CUDA() 0
 #endif
 
-// Separate compilation (dtrain/compiled.hpp has the whole story). With
+// Separate compilation (dtrain/runtime/compiled.hpp has the whole story). With
 // DTRAIN_SEPARATE_COMPILATION=1 a TU uses dtrain's compiled library: its
 // non-template functions (the store, the agent, the engines' glue, world
 // discovery...) are only declared here, and one TU of the library defines

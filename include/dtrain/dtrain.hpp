@@ -5,21 +5,21 @@
 /// integration (dtrain/torch.hpp) are not part of it: include them directly.
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/control.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/cuda.hpp>
-#include <dtrain/backend/desync.hpp>
-#include <dtrain/backend/gloo.hpp>
+#include <dtrain/diagnostics/desync.hpp>
+#include <dtrain/backend/gloo/gloo.hpp>
 #include <dtrain/backend/memory.hpp>
-#include <dtrain/backend/mpi.hpp>
-#include <dtrain/backend/nccl.hpp>
-#include <dtrain/backend/ring.hpp>
-#include <dtrain/backend/shm.hpp>
+#include <dtrain/backend/mpi/mpi.hpp>
+#include <dtrain/backend/nccl/nccl.hpp>
+#include <dtrain/diagnostics/ring.hpp>
+#include <dtrain/backend/gloo/shm.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/work.hpp>
-#include <dtrain/compiled.hpp>
+#include <dtrain/runtime/compiled.hpp>
 #include <dtrain/config.hpp>
-#include <dtrain/context.hpp>
+#include <dtrain/runtime/context.hpp>
 #include <dtrain/ddp/agreement.hpp>
 #include <dtrain/ddp/basic_ddp.hpp>
 #include <dtrain/ddp/bucket.hpp>
@@ -47,7 +47,7 @@
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/server.hpp>
 #include <dtrain/rendezvous/store.hpp>
-#include <dtrain/run.hpp>
+#include <dtrain/runtime/run.hpp>
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/hierarchical.hpp>
 #include <dtrain/topology/layout.hpp>

@@ -4,10 +4,10 @@
 /// job. Each slot is a small tag type; a combination that cannot work is a
 /// static_assert that says why, not a run-time surprise.
 
-#include <dtrain/backend/gloo.hpp>
+#include <dtrain/backend/gloo/gloo.hpp>
 #include <dtrain/backend/memory.hpp>
-#include <dtrain/backend/mpi.hpp>
-#include <dtrain/backend/nccl.hpp>
+#include <dtrain/backend/mpi/mpi.hpp>
+#include <dtrain/backend/nccl/nccl.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>

@@ -17,11 +17,11 @@
 /// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
 /// the argument checks they share, and the typed collectives users call.
 
-// ---- begin dtrain/backend/ring.hpp ----
+// ---- begin dtrain/diagnostics/ring.hpp ----
 /// @file
 /// The ring of a communicator's last collectives: what each rank publishes
 /// when a collective times out or SIGUSR1 arrives, so that one table can name
-/// the rank that is behind (see backend/desync.hpp). Every engine records into
+/// the rank that is behind (see diagnostics/desync.hpp). Every engine records into
 /// it at the one place that numbers its collectives.
 
 // ---- begin dtrain/backend/types.hpp ----
@@ -77,7 +77,7 @@
 #define DTRAIN_HAS_CUDA() 0
 #endif
 
-// Separate compilation (dtrain/compiled.hpp has the whole story). With
+// Separate compilation (dtrain/runtime/compiled.hpp has the whole story). With
 // DTRAIN_SEPARATE_COMPILATION=1 a TU uses dtrain's compiled library: its
 // non-template functions (the store, the agent, the engines' glue, world
 // discovery...) are only declared here, and one TU of the library defines
@@ -697,7 +697,7 @@ DTRAIN_DETAIL_INLINE std::int64_t collective_ring::last() const {
 #endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
-// ---- end dtrain/backend/ring.hpp ----
+// ---- end dtrain/diagnostics/ring.hpp ----
 // ---- begin dtrain/backend/work.hpp ----
 /// @file
 /// `work`: the handle every asynchronous collective returns.
@@ -2065,7 +2065,7 @@ work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op =
 
 }  // namespace dtrain
 // ---- end dtrain/backend/communicator.hpp ----
-// ---- begin dtrain/backend/control.hpp ----
+// ---- begin dtrain/control/plane.hpp ----
 /// @file
 /// The host control plane: small blocking collectives on host memory for
 /// what is metadata rather than gradients (model agreement, the bucket
@@ -2331,7 +2331,7 @@ class control_plane {
 static_assert(host_channel<control_plane>);
 
 }  // namespace dtrain
-// ---- end dtrain/backend/control.hpp ----
+// ---- end dtrain/control/plane.hpp ----
 // ---- begin dtrain/backend/cuda.hpp ----
 /// @file
 /// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
@@ -2730,7 +2730,7 @@ DTRAIN_DETAIL_INLINE std::size_t pinned_pool::held_bytes() const {
 
 #endif  // DTRAIN_HAS_CUDA()
 // ---- end dtrain/backend/cuda.hpp ----
-// ---- begin dtrain/backend/desync.hpp ----
+// ---- begin dtrain/diagnostics/desync.hpp ----
 /// @file
 /// Desync analysis: from every rank's ring of last collectives (or its
 /// silence), which rank is behind, which collective it never started, what
@@ -2743,7 +2743,7 @@ DTRAIN_DETAIL_INLINE std::size_t pinned_pool::held_bytes() const {
 /// The one binary format of everything dtrain sends between processes: the
 /// store's protocol (rendezvous/protocol.hpp) and every value dtrain keeps in
 /// the store or broadcasts (launch/protocol.hpp, env/placement.hpp, the rings
-/// of backend/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
+/// of diagnostics/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
 /// u16 / u32 length followed by that many bytes. Every read is bounds checked.
 
 
@@ -3344,8 +3344,8 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 #endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
-// ---- end dtrain/backend/desync.hpp ----
-// ---- begin dtrain/backend/gloo.hpp ----
+// ---- end dtrain/diagnostics/desync.hpp ----
+// ---- begin dtrain/backend/gloo/gloo.hpp ----
 /// @file
 /// gloo_communicator: the communicator concept on Gloo's TCP transport, for
 /// host memory. Bootstrapped through dtrain's store, so env:// jobs (torchrun
@@ -3354,11 +3354,11 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 /// submitted; all ranks submit in the same order, so the queues stay matched.
 
 
-// ---- begin dtrain/backend/gloo_store.hpp ----
+// ---- begin dtrain/backend/gloo/store.hpp ----
 /// @file
 /// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
 /// interface, and the choice of the network interface Gloo's TCP transport
-/// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
+/// binds to. Used by backend/gloo/gloo.hpp; without Gloo only the rule for the
 /// interface variables is left (doctor/network.hpp reports it).
 
 // ---- begin dtrain/detail/net.hpp ----
@@ -3366,7 +3366,7 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 /// What this host's network looks like to a process: its interfaces and
 /// their addresses (getifaddrs), what a name resolves to, and which local
 /// address reaches a host. Plain facts for the engines' interface choice
-/// (backend/gloo_store.hpp) and for the network report (doctor/network.hpp).
+/// (backend/gloo/store.hpp) and for the network report (doctor/network.hpp).
 
 
 #include <cerrno>
@@ -3853,17 +3853,17 @@ DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& inter
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_GLOO()
-// ---- end dtrain/backend/gloo_store.hpp ----
-// ---- begin dtrain/backend/gloo_worker.hpp ----
+// ---- end dtrain/backend/gloo/store.hpp ----
+// ---- begin dtrain/backend/gloo/worker.hpp ----
 /// @file
 /// How a gloo_communicator runs its collectives: Gloo's calls block, so each
 /// communicator queues them for one worker thread, in submission order (all
 /// ranks submit in the same order, so the queues stay matched), and its work
-/// handles report their completion. Used by backend/gloo.hpp; compiles to
+/// handles report their completion. Used by backend/gloo/gloo.hpp; compiles to
 /// nothing without Gloo.
 
 
-// ---- begin dtrain/backend/shm.hpp ----
+// ---- begin dtrain/backend/gloo/shm.hpp ----
 /// @file
 /// The same-host path of the Gloo communicator: an allreduce through one
 /// shared-memory segment that every rank of a communicator maps, for when all
@@ -3876,7 +3876,7 @@ DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& inter
 /// out: about two passes over memory, and two waits for the slowest rank.
 ///
 /// The segment (shm_open) is made by rank 0 under a random name with mode
-/// 0600 and is unlinked once every rank has opened it (backend/gloo.hpp runs
+/// 0600 and is unlinked once every rank has opened it (backend/gloo/gloo.hpp runs
 /// that over Gloo); its size is fixed when it is made: (ranks + 1) slots of
 /// shm_slot_bytes(ranks). Ranks wait for each other on futexes, never by
 /// spinning for long. Every rank holds a lock on one byte of the segment's
@@ -4450,7 +4450,7 @@ DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
 #endif  // DTRAIN_HAS_SHM()
 
 }  // namespace dtrain::detail
-// ---- end dtrain/backend/shm.hpp ----
+// ---- end dtrain/backend/gloo/shm.hpp ----
 
 #if DTRAIN_HAS_GLOO()
 
@@ -4725,7 +4725,7 @@ DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo. When every rank runs on this host, allreduces and
 // allgathers go through the communicator's shared-memory segment
-// (backend/shm.hpp) instead.
+// (backend/gloo/shm.hpp) instead.
 
 /// Up to this many bytes an allreduce over TCP on 3 or more ranks uses Gloo's BCUBE
 /// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)
@@ -4959,7 +4959,7 @@ DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s) {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_GLOO()
-// ---- end dtrain/backend/gloo_worker.hpp ----
+// ---- end dtrain/backend/gloo/worker.hpp ----
 // ---- begin dtrain/rendezvous/security.hpp ----
 /// @file
 /// Who may talk to a job's store, and where it listens: a fresh random token
@@ -6072,7 +6072,7 @@ struct gloo_options {
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
   /// Allreduces (and reduce_scatters, allgathers) through one shared-memory segment when
-  /// every rank of the communicator runs on this host (backend/shm.hpp), not
+  /// every rank of the communicator runs on this host (backend/gloo/shm.hpp), not
   /// through TCP over loopback. true: required (making the communicator fails
   /// when it cannot be used); false: off. Unset: DTRAIN_GLOO_SHM from `env`
   /// (1 required, 0 off), else used wherever it can be. Every rank must
@@ -6628,7 +6628,7 @@ static_assert(communicator<gloo_communicator>);
 }  // namespace dtrain
 
 #endif  // DTRAIN_HAS_GLOO()
-// ---- end dtrain/backend/gloo.hpp ----
+// ---- end dtrain/backend/gloo/gloo.hpp ----
 // ---- begin dtrain/backend/memory.hpp ----
 /// @file
 /// Memory spaces: where a backend's data lives and the few operations
@@ -7049,7 +7049,7 @@ inline bool cuda_memory::casts_available() noexcept { return detail::device_cast
 #endif
 }  // namespace dtrain
 // ---- end dtrain/backend/memory.hpp ----
-// ---- begin dtrain/backend/mpi.hpp ----
+// ---- begin dtrain/backend/mpi/mpi.hpp ----
 /// @file
 /// The MPI backend: nonblocking MPI-3 collectives on communicators dtrain
 /// owns (MPI_ERRORS_RETURN, so every failure is reported, not fatal).
@@ -7802,29 +7802,29 @@ DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::stri
 }  // namespace dtrain
 
 #endif  // DTRAIN_HAS_MPI()
-// ---- end dtrain/backend/mpi.hpp ----
-// ---- begin dtrain/backend/nccl.hpp ----
+// ---- end dtrain/backend/mpi/mpi.hpp ----
+// ---- begin dtrain/backend/nccl/nccl.hpp ----
 /// @file
 /// The NCCL backend: `nccl_communicator` runs collectives on device memory, on
 /// a CUDA stream of its own that is ordered after the caller's stream with
 /// events. Host C++ only (nccl.h and the CUDA runtime API): g++ builds it, and
 /// so does nvcc. Compiles to nothing unless DTRAIN_HAS_NCCL().
 
-// ---- begin dtrain/backend/nccl_engine.hpp ----
+// ---- begin dtrain/backend/nccl/engine.hpp ----
 /// @file
 /// NCCL as the nccl backend drives it: its options, the mapping of dtrain's
 /// types and ops onto NCCL's, where it finds buffers, and the state a
 /// communicator shares with its work handles (the NCCL communicator, its
 /// stream, scratch memory, whether and why it was aborted, the in-flight
-/// bound). The calls go through the runtime `Api` (nccl_library.hpp: the
+/// bound). The calls go through the runtime `Api` (library.hpp: the
 /// seam, and DTRAIN_NCCL_CHECK). `basic_nccl_communicator` itself is in
 /// nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
 
-// ---- begin dtrain/backend/nccl_library.hpp ----
+// ---- begin dtrain/backend/nccl/library.hpp ----
 /// @file
 /// NCCL as one narrow seam: DTRAIN_NCCL_CHECK, and `nccl_library`, every
 /// CUDA and NCCL call the NCCL engine makes as static members of the same
-/// names. The engine's classes (nccl_engine.hpp, nccl.hpp) take such a
+/// names. The engine's classes (engine.hpp, nccl.hpp) take such a
 /// runtime as their template argument `Api`: this one in production, a host
 /// fake in the tests of NCCL at several ranks (tests/engines/fake_nccl.hpp).
 /// Compiles to nothing unless DTRAIN_HAS_NCCL().
@@ -7929,7 +7929,7 @@ struct nccl_library : cuda_library {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_NCCL()
-// ---- end dtrain/backend/nccl_library.hpp ----
+// ---- end dtrain/backend/nccl/library.hpp ----
 
 #include <atomic>
 #include <charconv>
@@ -8557,7 +8557,7 @@ class nccl_work final : public work_state {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_NCCL()
-// ---- end dtrain/backend/nccl_engine.hpp ----
+// ---- end dtrain/backend/nccl/engine.hpp ----
 // ---- begin dtrain/rendezvous/broadcast.hpp ----
 /// @file
 /// broadcast_or_fail: one rank produces a value that every rank needs to
@@ -8566,7 +8566,7 @@ class nccl_work final : public work_state {
 /// at once with that rank's own message instead of waiting out a timeout for
 /// a value that never comes. The channel (a relay) is the caller's: a key of
 /// the store (store_relay, here), or an MPI broadcast before any store exists
-/// (backend/mpi.hpp's mpi_relay). The message is a wire::outcome, whatever
+/// (backend/mpi/mpi.hpp's mpi_relay). The message is a wire::outcome, whatever
 /// the channel.
 
 
@@ -9350,7 +9350,7 @@ DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int ro
 }  // namespace dtrain
 
 #endif  // DTRAIN_HAS_NCCL()
-// ---- end dtrain/backend/nccl.hpp ----
+// ---- end dtrain/backend/nccl/nccl.hpp ----
 // ---- begin dtrain/backend/watchdog.hpp ----
 /// @file
 /// `watchdog`: a host thread that follows work nobody waits for on the host
@@ -9507,7 +9507,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 
 }  // namespace dtrain
 // ---- end dtrain/backend/watchdog.hpp ----
-// ---- begin dtrain/compiled.hpp ----
+// ---- begin dtrain/runtime/compiled.hpp ----
 /// @file
 /// Separate compilation: the policy-dependent code of dtrain (context, run's
 /// agent and worker, DistributedDataParallel's machinery, and with them the
@@ -9535,7 +9535,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 /// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
 /// makes a mismatch a link error that names it.
 
-// ---- begin dtrain/context.hpp ----
+// ---- begin dtrain/runtime/context.hpp ----
 /// @file
 /// dtrain::context<Policy>: what a worker's training function is handed by
 /// dtrain::run — the complete world, the rendezvous store, the communicator —
@@ -9555,10 +9555,10 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 /// The job's protocol: the variables a node agent hands its workers
 /// (agent_store_variable, restart_count_variable and store_token_variable,
 /// named in env/names.hpp, next to torchrun's), the store keys that the agents,
-/// the workers (context.hpp) and the diagnostics share, and the format of
+/// the workers (runtime/context.hpp) and the diagnostics share, and the format of
 /// every value under them. Every value is written and read here (or by the
 /// codec next to its type: rank_report and placements in env/placement.hpp,
-/// rings in backend/desync.hpp), through detail::wire; a malformed one is a
+/// rings in diagnostics/desync.hpp), through detail::wire; a malformed one is a
 /// rendezvous_error naming the key.
 ///
 /// ```text
@@ -9581,7 +9581,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 ///                                   that ended well
 ///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
 ///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
-///   worker keys (under context.hpp's job_store_prefix)
+///   worker keys (under runtime/context.hpp's job_store_prefix)
 ///     world/<rank>                  rank_report (env/placement.hpp)
 ///     world/joined                  counter: ranks whose report is set
 ///     world/joined/all              i64 1, once every rank has joined
@@ -9593,7 +9593,7 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 ///     round                         counter
 ///     open/<n>, <n>/printer         i64: a rank
 ///     <n>/reason                    bytes32
-///     <n>/ring/<rank>               rings (backend/desync.hpp)
+///     <n>/ring/<rank>               rings (diagnostics/desync.hpp)
 ///     <n>/closed                    i64 1
 ///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
 ///     the store token               outcome: the token's bytes
@@ -11904,7 +11904,7 @@ DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
 /// node. Open MPI and Hydra give no node index (and with `--map-by node`
 /// rank arithmetic is wrong), so this is how those fields become known.
 /// Pure functions and the codecs of the reports and the table; the runtime
-/// (context.hpp) carries them through the store.
+/// (runtime/context.hpp) carries them through the store.
 
 
 #include <array>
@@ -15927,7 +15927,7 @@ class context {
 };
 
 // What builds, uses and tears down the job is defined out of the class and not
-// inline: under `extern template class context<P>` (dtrain/compiled.hpp) none of
+// inline: under `extern template class context<P>` (dtrain/runtime/compiled.hpp) none of
 // it, nor the store, agent and engine code it calls, is compiled in a user's TU.
 
 template <class Policy>
@@ -16035,7 +16035,7 @@ void context<Policy>::finish() {
 }
 
 }  // namespace dtrain
-// ---- end dtrain/context.hpp ----
+// ---- end dtrain/runtime/context.hpp ----
 // ---- begin dtrain/ddp/basic_ddp.hpp ----
 /// @file
 /// basic_ddp<Policy>: the one core of DistributedDataParallel (c10d's Reducer
@@ -17771,7 +17771,7 @@ namespace dtrain {
 
 /// What a DDP takes its communicator, host control plane and world from:
 /// dtrain::context<Policy>. A concept, so that DDP does not include the
-/// runtime (agent, store server) that context.hpp brings. A context with an
+/// runtime (agent, store server) that runtime/context.hpp brings. A context with an
 /// `environment()` (the snapshot dtrain::context took at start) gives DDP
 /// the variables it reads (DTRAIN_TIMELINE).
 template <class C, class Policy>
@@ -19502,7 +19502,7 @@ extern const int every_unit_must_use_the_same_dtrain_engines;
 #define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 #endif
 // ---- end dtrain/detail/link_check.hpp ----
-// ---- begin dtrain/run.hpp ----
+// ---- begin dtrain/runtime/run.hpp ----
 /// @file
 /// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
 /// A worker discovers its world, joins the rendezvous, builds the
@@ -21647,7 +21647,7 @@ concept training_function_for = requires(Fn& fn, context<Policy>& ctx) {
 
 /// The training function as run_process sees it: one signature, whatever the
 /// lambda, so run_process depends on the policy only (and can be compiled once,
-/// dtrain/compiled.hpp). Refers to `fn`, which must outlive it.
+/// dtrain/runtime/compiled.hpp). Refers to `fn`, which must outlive it.
 template <class Policy>
 class training_function {
  public:
@@ -21723,7 +21723,7 @@ int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
   }
 }
 
-// Not inline: under `extern template` (dtrain/compiled.hpp) the agent, the store
+// Not inline: under `extern template` (dtrain/runtime/compiled.hpp) the agent, the store
 // and the engine stay out of the user's translation unit.
 template <class Policy>
 int detail::run_process(int argc, char** argv, training_function<Policy> fn,
@@ -21794,7 +21794,7 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 }
 
 }  // namespace dtrain
-// ---- end dtrain/run.hpp ----
+// ---- end dtrain/runtime/run.hpp ----
 
 // The policies compiled in the library, per engine: X(policy type) for each.
 #define DTRAIN_DETAIL_POLICY(L, B, T) \
@@ -21861,7 +21861,7 @@ DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DECLARE_COMPILED)
 // dtrain/detail/link_check.hpp; with CMake, link the same dtrain target everywhere).
 DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 #endif
-// ---- end dtrain/compiled.hpp ----
+// ---- end dtrain/runtime/compiled.hpp ----
 // ---- begin dtrain/ddp/ddp.hpp ----
 /// @file
 /// DistributedDataParallel<Model, Policy>: averages a model's gradients over

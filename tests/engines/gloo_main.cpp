@@ -15,7 +15,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include <dtrain/backend/gloo.hpp>
+#include <dtrain/backend/gloo/gloo.hpp>
 #include <dtrain/dtrain.hpp>
 
 #include "collective_suite.hpp"
@@ -354,7 +354,7 @@ TEST_CASE("gloo: check mode reports a count that differs between ranks") {
 }
 
 // Every rank of these tests runs on this host, so allreduces go through shared
-// memory (backend/shm.hpp) unless DTRAIN_GLOO_SHM=0. Against a second
+// memory (backend/gloo/shm.hpp) unless DTRAIN_GLOO_SHM=0. Against a second
 // communicator on Gloo's TCP: the same sums (bit for bit on 2 ranks, where
 // the order cannot differ), the same bits on every rank, across the slots.
 TEST_CASE("gloo: shared memory on one host, against Gloo's TCP") {

@@ -14,7 +14,7 @@
 #include "collective_suite.hpp"  // make, value_of
 #include "support.hpp"           // CHECK_CONTAINS, config_error_text
 
-#include <dtrain/backend/nccl.hpp>
+#include <dtrain/backend/nccl/nccl.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/server.hpp>
 #include <dtrain/rendezvous/store.hpp>

@@ -13,7 +13,7 @@
 //     every rank fail with rank 0's message, not wait for an id.
 // The store's timeout is 60 s: a rank that waited for the id instead would
 // end with a timeout_error, which fails the checks below.
-#include <dtrain/backend/nccl.hpp>
+#include <dtrain/backend/nccl/nccl.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/server.hpp>
 

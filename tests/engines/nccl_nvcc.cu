@@ -1,7 +1,7 @@
 // nccl.hpp through nvcc: CUDA users include dtrain from .cu files. Instantiates
 // the templates (the store constructor, launch(), the typed collectives) so
 // nvcc's front end sees them; runs host code only, no GPU needed.
-#include <dtrain/backend/nccl.hpp>
+#include <dtrain/backend/nccl/nccl.hpp>
 #include <dtrain/rendezvous/client.hpp>
 
 #include <cstdio>

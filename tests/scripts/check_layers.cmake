@@ -9,16 +9,23 @@
 #   1 detail      detail/        parsing, JSON, the wire format, sockets, system calls
 #   2 env         env/           the environment snapshot and world discovery
 #   3 rendezvous  rendezvous/    the store: concept, protocol, server, client
-#   4 backend     backend/       communicators (MPI, Gloo, NCCL), work, rings, the control plane
-#   5 topology    topology/      flat and hierarchical collectives, the network
-#   6 policy      policy.hpp     launch x backend x topology, and backend_traits
-#   7 ddp         ddp/           DistributedDataParallel and its parts; checkpoint/ (saving
+#   4 backend     backend/       the communicator concept, its work, memory spaces, types and
+#                                watchdog; the engines over it in backend/nccl/, backend/gloo/,
+#                                backend/mpi/; diagnostics/ (what every communicator records
+#                                of its collectives, and the desync table made of it)
+#   5 control     control/       the host control plane: metadata between ranks, verdicts
+#   6 topology    topology/      flat and hierarchical collectives, the network
+#   7 policy      policy.hpp     launch x backend x topology, and backend_traits
+#   8 ddp         ddp/           DistributedDataParallel and its parts; checkpoint/ (saving
 #                                and resuming one step's state: parameters, sampler, ...)
-#   8 launch      launch/        the node agent, its protocol, the worker's end
-#   9 runtime     diagnostics.hpp, context.hpp, run.hpp, compiled.hpp; doctor/ (dtrain_doctor's
-#                 host inspection and checks, beside the diagnostics)
-#  10 all         dtrain.hpp     includes everything else; torch.hpp, torch/ (LibTorch, optional) build on it;
+#   9 launch      launch/        the node agent, its protocol, the worker's end
+#  10 runtime     runtime/       context, run and the compiled-mode entry; diagnostics.hpp
+#                                (publishing and reading the rings at a stall); doctor/
+#                                (dtrain_doctor's host inspection and checks)
+#  11 all         dtrain.hpp     includes everything else; torch.hpp, torch/ (LibTorch, optional) build on it;
 #                checkpoint.hpp (dtrain::checkpoint, which dtrain.hpp leaves out)
+#
+# A header's `-inl.hpp` (its non-template bodies, dtrain/config.hpp) is in its layer.
 #
 # A header that fits no layer fails the check too: place it here first.
 #
@@ -33,7 +40,7 @@ if(NOT INCLUDE_DIR)
 endif()
 get_filename_component(INCLUDE_DIR "${INCLUDE_DIR}" ABSOLUTE)
 
-set(layer_names base detail env rendezvous backend topology policy ddp launch runtime all)
+set(layer_names base detail env rendezvous backend control topology policy ddp launch runtime all)
 set(not_in_dtrain_hpp "^doctor/" "^torch(\\.hpp|/)" "^checkpoint(\\.hpp|/)")
 
 # Edges that break the order today, each with why it is allowed. Drop one as
@@ -50,20 +57,22 @@ function(layer_of path out)
     set(layer 2)
   elseif(path MATCHES "^rendezvous/")
     set(layer 3)
-  elseif(path MATCHES "^backend/")
+  elseif(path MATCHES "^(backend|diagnostics)/")
     set(layer 4)
-  elseif(path MATCHES "^topology/")
+  elseif(path MATCHES "^control/")
     set(layer 5)
-  elseif(path STREQUAL "policy.hpp")
+  elseif(path MATCHES "^topology/")
     set(layer 6)
-  elseif(path MATCHES "^(ddp|checkpoint)/")
+  elseif(path STREQUAL "policy.hpp")
     set(layer 7)
-  elseif(path MATCHES "^launch/")
+  elseif(path MATCHES "^(ddp|checkpoint)/")
     set(layer 8)
-  elseif(path MATCHES "^(diagnostics|context|run|compiled)\\.hpp$" OR path MATCHES "^doctor/")
+  elseif(path MATCHES "^launch/")
     set(layer 9)
-  elseif(path MATCHES "^(dtrain|torch|checkpoint)\\.hpp$" OR path MATCHES "^torch/")
+  elseif(path MATCHES "^runtime/" OR path STREQUAL "diagnostics.hpp" OR path MATCHES "^doctor/")
     set(layer 10)
+  elseif(path MATCHES "^(dtrain|torch|checkpoint)\\.hpp$" OR path MATCHES "^torch/")
+    set(layer 11)
   else()
     set(layer -1)
   endif()

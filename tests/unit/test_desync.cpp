@@ -1,4 +1,4 @@
-// Desync analysis (backend/desync.hpp): from the rings of every rank, who is
+// Desync analysis (diagnostics/desync.hpp): from the rings of every rank, who is
 // behind, what it never started, what the others wait in, which sequence
 // numbers were called with different arguments, who did not answer.
 #include <dtrain/dtrain.hpp>

@@ -1,4 +1,4 @@
-// The shared-memory allreduce of backend/shm.hpp between forked processes:
+// The shared-memory allreduce of backend/gloo/shm.hpp between forked processes:
 // results for every type and op across the slots, and a peer that dies, stalls
 // or gives up. Rank 0 is the test process; ranks 1.. are children that report
 // through their exit status (0 right, 1 a wrong result, 2 an exception).

@@ -3,7 +3,7 @@
 /// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
 /// the argument checks they share, and the typed collectives users call.
 
-#include <dtrain/backend/ring.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>

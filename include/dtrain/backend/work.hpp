@@ -2,7 +2,7 @@
 /// @file
 /// `work`: the handle every asynchronous collective returns.
 
-#include <dtrain/backend/ring.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/env/environment.hpp>

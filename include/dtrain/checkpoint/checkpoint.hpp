@@ -24,7 +24,7 @@
 /// registered ones (names, types, shapes), and only then changes memory.
 /// Every rank must see the same DIR (one machine, or a shared file system).
 
-#include <dtrain/backend/control.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/checkpoint/format.hpp>
 #include <dtrain/ddp/options.hpp>

@@ -5,7 +5,7 @@
 /// and rank 0's values of them.
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/control.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/ddp/bucket.hpp>

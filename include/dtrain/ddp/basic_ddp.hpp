@@ -20,9 +20,9 @@
 /// template at -O2 anyway, out-of-class ones not).
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/control.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/memory.hpp>
-#include <dtrain/backend/ring.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/ddp/agreement.hpp>
@@ -64,7 +64,7 @@ namespace dtrain {
 
 /// What a DDP takes its communicator, host control plane and world from:
 /// dtrain::context<Policy>. A concept, so that DDP does not include the
-/// runtime (agent, store server) that context.hpp brings. A context with an
+/// runtime (agent, store server) that runtime/context.hpp brings. A context with an
 /// `environment()` (the snapshot dtrain::context took at start) gives DDP
 /// the variables it reads (DTRAIN_TIMELINE).
 template <class C, class Policy>

@@ -3,7 +3,7 @@
 /// What this host's network looks like to a process: its interfaces and
 /// their addresses (getifaddrs), what a name resolves to, and which local
 /// address reaches a host. Plain facts for the engines' interface choice
-/// (backend/gloo_store.hpp) and for the network report (doctor/network.hpp).
+/// (backend/gloo/store.hpp) and for the network report (doctor/network.hpp).
 
 #include <dtrain/config.hpp>
 

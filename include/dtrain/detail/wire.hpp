@@ -3,7 +3,7 @@
 /// The one binary format of everything dtrain sends between processes: the
 /// store's protocol (rendezvous/protocol.hpp) and every value dtrain keeps in
 /// the store or broadcasts (launch/protocol.hpp, env/placement.hpp, the rings
-/// of backend/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
+/// of diagnostics/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
 /// u16 / u32 length followed by that many bytes. Every read is bounds checked.
 
 #include <dtrain/config.hpp>

@@ -8,7 +8,7 @@
 /// by each engine's own rules and variables. dtrain_doctor prints it; the
 /// engines do not read it (dtrain.hpp does not include it).
 
-#include <dtrain/backend/gloo_store.hpp>
+#include <dtrain/backend/gloo/store.hpp>
 #include <dtrain/detail/net.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/environment.hpp>

@@ -5,7 +5,7 @@
 /// node. Open MPI and Hydra give no node index (and with `--map-by node`
 /// rank arithmetic is wrong), so this is how those fields become known.
 /// Pure functions and the codecs of the reports and the table; the runtime
-/// (context.hpp) carries them through the store.
+/// (runtime/context.hpp) carries them through the store.
 
 #include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>

@@ -3,10 +3,10 @@
 /// The job's protocol: the variables a node agent hands its workers
 /// (agent_store_variable, restart_count_variable and store_token_variable,
 /// named in env/names.hpp, next to torchrun's), the store keys that the agents,
-/// the workers (context.hpp) and the diagnostics share, and the format of
+/// the workers (runtime/context.hpp) and the diagnostics share, and the format of
 /// every value under them. Every value is written and read here (or by the
 /// codec next to its type: rank_report and placements in env/placement.hpp,
-/// rings in backend/desync.hpp), through detail::wire; a malformed one is a
+/// rings in diagnostics/desync.hpp), through detail::wire; a malformed one is a
 /// rendezvous_error naming the key.
 ///
 /// ```text
@@ -29,7 +29,7 @@
 ///                                   that ended well
 ///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
 ///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
-///   worker keys (under context.hpp's job_store_prefix)
+///   worker keys (under runtime/context.hpp's job_store_prefix)
 ///     world/<rank>                  rank_report (env/placement.hpp)
 ///     world/joined                  counter: ranks whose report is set
 ///     world/joined/all              i64 1, once every rank has joined
@@ -41,7 +41,7 @@
 ///     round                         counter
 ///     open/<n>, <n>/printer         i64: a rank
 ///     <n>/reason                    bytes32
-///     <n>/ring/<rank>               rings (backend/desync.hpp)
+///     <n>/ring/<rank>               rings (diagnostics/desync.hpp)
 ///     <n>/closed                    i64 1
 ///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
 ///     the store token               outcome: the token's bytes

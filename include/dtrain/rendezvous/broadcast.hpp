@@ -6,7 +6,7 @@
 /// at once with that rank's own message instead of waiting out a timeout for
 /// a value that never comes. The channel (a relay) is the caller's: a key of
 /// the store (store_relay, here), or an MPI broadcast before any store exists
-/// (backend/mpi.hpp's mpi_relay). The message is a wire::outcome, whatever
+/// (backend/mpi/mpi.hpp's mpi_relay). The message is a wire::outcome, whatever
 /// the channel.
 
 #include <dtrain/detail/wire.hpp>

@@ -4,7 +4,7 @@
 /// The other model of the slot is topology::hierarchical (hierarchical.hpp).
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/control.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/topology/layout.hpp>

@@ -3,7 +3,7 @@
 /// dtrain::torch's compiled part: with DTRAIN_TORCH_SEPARATE_COMPILATION=1
 /// (which CMake's dtrain::torch defines), every translation unit declares
 /// `extern template class dtrain::torch::module_ddp<P>;` for the standard
-/// policies (dtrain/compiled.hpp's list; NCCL's only with LibTorch's CUDA
+/// policies (dtrain/runtime/compiled.hpp's list; NCCL's only with LibTorch's CUDA
 /// headers), and src/torch.cpp, compiled once against the program's own
 /// LibTorch, holds them. A LibTorch user's training file then compiles
 /// dtrain::torch::DistributedDataParallel's thin front only. Without the
@@ -16,7 +16,7 @@
 /// the engines: a torch part built for others is an undefined reference to
 /// dtrain::torch::detail::link_check::library_built_with_engines_<set>.
 
-#include <dtrain/dtrain.hpp>  // dtrain/compiled.hpp's policy lists, the link check's symbol name
+#include <dtrain/dtrain.hpp>  // dtrain/runtime/compiled.hpp's policy lists, the link check's symbol name
 #include <dtrain/torch/module_ddp.hpp>
 
 // NCCL's policies need LibTorch's CUDA headers (the current CUDA stream).

@@ -1,3 +1,3 @@
 #pragma once
-// A fixture of layering.catches_doctor_in_dtrain_hpp: dtrain.hpp reaches the doctor through run.hpp.
-#include <dtrain/run.hpp>
+// A fixture of layering.catches_doctor_in_dtrain_hpp: dtrain.hpp reaches the doctor through runtime/run.hpp.
+#include <dtrain/runtime/run.hpp>

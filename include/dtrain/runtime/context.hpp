@@ -4,7 +4,7 @@
 /// dtrain::run — the complete world, the rendezvous store, the communicator —
 /// and owns, torn down in reverse order of construction.
 
-#include <dtrain/backend/control.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
@@ -392,7 +392,7 @@ class context {
 };
 
 // What builds, uses and tears down the job is defined out of the class and not
-// inline: under `extern template class context<P>` (dtrain/compiled.hpp) none of
+// inline: under `extern template class context<P>` (dtrain/runtime/compiled.hpp) none of
 // it, nor the store, agent and engine code it calls, is compiled in a user's TU.
 
 template <class Policy>

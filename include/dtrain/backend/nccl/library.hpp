@@ -2,7 +2,7 @@
 /// @file
 /// NCCL as one narrow seam: DTRAIN_NCCL_CHECK, and `nccl_library`, every
 /// CUDA and NCCL call the NCCL engine makes as static members of the same
-/// names. The engine's classes (nccl_engine.hpp, nccl.hpp) take such a
+/// names. The engine's classes (engine.hpp, nccl.hpp) take such a
 /// runtime as their template argument `Api`: this one in production, a host
 /// fake in the tests of NCCL at several ranks (tests/engines/fake_nccl.hpp).
 /// Compiles to nothing unless DTRAIN_HAS_NCCL().

@@ -2,7 +2,7 @@
 /// @file
 /// The ring of a communicator's last collectives: what each rank publishes
 /// when a collective times out or SIGUSR1 arrives, so that one table can name
-/// the rank that is behind (see backend/desync.hpp). Every engine records into
+/// the rank that is behind (see diagnostics/desync.hpp). Every engine records into
 /// it at the one place that numbers its collectives.
 
 #include <dtrain/backend/types.hpp>

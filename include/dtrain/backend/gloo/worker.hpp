@@ -3,13 +3,13 @@
 /// How a gloo_communicator runs its collectives: Gloo's calls block, so each
 /// communicator queues them for one worker thread, in submission order (all
 /// ranks submit in the same order, so the queues stay matched), and its work
-/// handles report their completion. Used by backend/gloo.hpp; compiles to
+/// handles report their completion. Used by backend/gloo/gloo.hpp; compiles to
 /// nothing without Gloo.
 
 #include <dtrain/config.hpp>
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/shm.hpp>
+#include <dtrain/backend/gloo/shm.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/error.hpp>
@@ -287,7 +287,7 @@ DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo. When every rank runs on this host, allreduces and
 // allgathers go through the communicator's shared-memory segment
-// (backend/shm.hpp) instead.
+// (backend/gloo/shm.hpp) instead.
 
 /// Up to this many bytes an allreduce over TCP on 3 or more ranks uses Gloo's BCUBE
 /// algorithm instead of its ring: recursive halving and doubling, 2·log2(n)

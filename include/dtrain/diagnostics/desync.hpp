@@ -6,7 +6,7 @@
 /// arguments. Pure functions over the rings, so they are unit-tested on the
 /// host; diagnostics.hpp gathers the rings through the store and prints.
 
-#include <dtrain/backend/ring.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/wire.hpp>

@@ -2,7 +2,7 @@
 /// @file
 /// How a gloo_communicator bootstraps: dtrain's store behind Gloo's store
 /// interface, and the choice of the network interface Gloo's TCP transport
-/// binds to. Used by backend/gloo.hpp; without Gloo only the rule for the
+/// binds to. Used by backend/gloo/gloo.hpp; without Gloo only the rule for the
 /// interface variables is left (doctor/network.hpp reports it).
 
 #include <dtrain/config.hpp>

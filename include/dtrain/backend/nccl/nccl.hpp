@@ -7,8 +7,8 @@
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/cuda.hpp>
-#include <dtrain/backend/mpi.hpp>
-#include <dtrain/backend/nccl_engine.hpp>
+#include <dtrain/backend/mpi/mpi.hpp>
+#include <dtrain/backend/nccl/engine.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>

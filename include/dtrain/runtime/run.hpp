@@ -8,7 +8,7 @@
 /// line on stderr and a non-zero exit status.
 
 #include <dtrain/config.hpp>
-#include <dtrain/context.hpp>
+#include <dtrain/runtime/context.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
@@ -88,7 +88,7 @@ concept training_function_for = requires(Fn& fn, context<Policy>& ctx) {
 
 /// The training function as run_process sees it: one signature, whatever the
 /// lambda, so run_process depends on the policy only (and can be compiled once,
-/// dtrain/compiled.hpp). Refers to `fn`, which must outlive it.
+/// dtrain/runtime/compiled.hpp). Refers to `fn`, which must outlive it.
 template <class Policy>
 class training_function {
  public:
@@ -164,7 +164,7 @@ int run(int argc, char** argv, Fn&& fn, const run_options& options = {}) {
   }
 }
 
-// Not inline: under `extern template` (dtrain/compiled.hpp) the agent, the store
+// Not inline: under `extern template` (dtrain/runtime/compiled.hpp) the agent, the store
 // and the engine stay out of the user's translation unit.
 template <class Policy>
 int detail::run_process(int argc, char** argv, training_function<Policy> fn,

@@ -4,13 +4,13 @@
 /// types and ops onto NCCL's, where it finds buffers, and the state a
 /// communicator shares with its work handles (the NCCL communicator, its
 /// stream, scratch memory, whether and why it was aborted, the in-flight
-/// bound). The calls go through the runtime `Api` (nccl_library.hpp: the
+/// bound). The calls go through the runtime `Api` (library.hpp: the
 /// seam, and DTRAIN_NCCL_CHECK). `basic_nccl_communicator` itself is in
 /// nccl.hpp. Everything NCCL compiles to nothing unless DTRAIN_HAS_NCCL().
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/backend/cuda.hpp>
-#include <dtrain/backend/nccl_library.hpp>
+#include <dtrain/backend/nccl/library.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>

@@ -11,7 +11,7 @@
 /// out: about two passes over memory, and two waits for the slowest rank.
 ///
 /// The segment (shm_open) is made by rank 0 under a random name with mode
-/// 0600 and is unlinked once every rank has opened it (backend/gloo.hpp runs
+/// 0600 and is unlinked once every rank has opened it (backend/gloo/gloo.hpp runs
 /// that over Gloo); its size is fixed when it is made: (ranks + 1) slots of
 /// shm_slot_bytes(ranks). Ranks wait for each other on futexes, never by
 /// spinning for long. Every rank holds a lock on one byte of the segment's

@@ -9,8 +9,8 @@
 #include <dtrain/config.hpp>
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/backend/gloo_store.hpp>
-#include <dtrain/backend/gloo_worker.hpp>
+#include <dtrain/backend/gloo/store.hpp>
+#include <dtrain/backend/gloo/worker.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/env/environment.hpp>
@@ -64,7 +64,7 @@ struct gloo_options {
   /// communicators in the same order (as it runs its collectives).
   std::string prefix = "dtrain/gloo";
   /// Allreduces (and reduce_scatters, allgathers) through one shared-memory segment when
-  /// every rank of the communicator runs on this host (backend/shm.hpp), not
+  /// every rank of the communicator runs on this host (backend/gloo/shm.hpp), not
   /// through TCP over loopback. true: required (making the communicator fails
   /// when it cannot be used); false: off. Unset: DTRAIN_GLOO_SHM from `env`
   /// (1 required, 0 off), else used wherever it can be. Every rank must
