@@ -6,6 +6,7 @@
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/control/plane.hpp>
+#include <dtrain/control/verdict.hpp>
 #include <dtrain/backend/cuda.hpp>
 #include <dtrain/diagnostics/desync.hpp>
 #include <dtrain/backend/gloo/gloo.hpp>

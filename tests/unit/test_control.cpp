@@ -293,6 +293,110 @@ TEST_CASE(
                   dtrain::rendezvous_error);
 }
 
+namespace {
+
+/// What each rank got from a verdict among `problems.size()` ranks (threads,
+/// each with its own client), and then from agree_or_throw<checkpoint_error>
+/// on the same problems: its error, or nothing.
+struct verdict_results {
+  std::vector<dtrain::verdict> verdicts;
+  std::vector<std::string> errors;
+  std::vector<bool> was_checkpoint_error;
+  std::int64_t keys_left = -1;  // what the control plane left in the store
+};
+verdict_results verdict_among_threads(const std::vector<std::string>& problems) {
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  const int size = static_cast<int>(problems.size());
+  const auto n = problems.size();
+  verdict_results out{std::vector<dtrain::verdict>(n), std::vector<std::string>(n),
+                      std::vector<bool>(n)};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < size; ++r) {
+    ranks.emplace_back([&, r] {
+      const auto i = static_cast<std::size_t>(r);
+      try {
+        dtrain::store_client client("127.0.0.1", server.port(), quick);
+        dtrain::store_channel channel(client, r, size, "test-verdict");
+        dtrain::control_plane plane(channel);
+        out.verdicts[i] = dtrain::gather_verdict(plane, problems[i]);
+        dtrain::agree_or_throw<dtrain::checkpoint_error>(plane, "load the test step", problems[i]);
+      } catch (const dtrain::checkpoint_error& e) {
+        out.errors[i] = e.what();
+        out.was_checkpoint_error[i] = true;
+      } catch (const std::exception& e) {
+        out.errors[i] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  dtrain::store_client check("127.0.0.1", server.port(), quick);
+  out.keys_left = check.num_keys();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("verdict: when every rank is ok, every rank returns and the store is left clean") {
+  const auto got = verdict_among_threads({"", "", "", ""});
+  for (std::size_t r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(got.errors[r].empty());
+    CHECK(got.verdicts[r].ok());
+    CHECK(got.verdicts[r].first_failed() == -1);
+    CHECK(got.verdicts[r].first_problem.empty());
+  }
+  CHECK(got.keys_left == 0);
+}
+
+TEST_CASE("verdict: the rank that failed throws its own message, every other rank names it") {
+  const auto got = verdict_among_threads({"", "", "checkpoint: disk full (rank 2)", ""});
+  for (std::size_t r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(got.was_checkpoint_error[r]);  // the caller's type, on every rank
+    CHECK(got.verdicts[r].failed == std::vector<int>{2});
+    CHECK(got.verdicts[r].first_problem == "checkpoint: disk full (rank 2)");
+    CHECK(got.errors[r] == (r == 2 ? "checkpoint: disk full (rank 2)"
+                                   : "rank 2 could not load the test step, so every rank stops: "
+                                     "checkpoint: disk full (rank 2)"));
+  }
+  CHECK(got.keys_left == 0);
+}
+
+TEST_CASE("verdict: when several ranks fail, the others name them all and carry the lowest's") {
+  const auto got = verdict_among_threads({"", "no space (rank 1)", "", "bad file (rank 3)"});
+  CHECK(got.errors[1] == "no space (rank 1)");
+  CHECK(got.errors[3] == "bad file (rank 3)");
+  for (const std::size_t r : {0u, 2u}) {
+    INFO("rank " << r);
+    CHECK(got.verdicts[r].first_failed() == 1);
+    CHECK(got.verdicts[r].failed == std::vector<int>{1, 3});
+    CHECK(got.errors[r] ==
+          "ranks 1, 3 could not load the test step, so every rank stops; rank 1's error: no "
+          "space (rank 1)");
+  }
+  // A message longer than the limit reaches the others cut, not refused.
+  const std::string longer(dtrain::verdict_text_limit + 100, 'x');
+  const auto cut = verdict_among_threads({longer, ""});
+  CHECK(cut.errors[0] == longer);
+  CHECK(cut.verdicts[1].first_problem == longer.substr(0, dtrain::verdict_text_limit));
+  // The message is the verdict's own: any rank can make it again.
+  const dtrain::verdict one{.failed = {0}, .first_problem = "why"};
+  CHECK(one.message("do it") == "rank 0 could not do it, so every rank stops: why");
+}
+
+TEST_CASE("verdict: by default a failure is a dtrain::error, and one rank needs nobody else") {
+  dtrain::store_server server("127.0.0.1", 0, quick);
+  dtrain::store_client client("127.0.0.1", server.port(), quick);
+  dtrain::store_channel channel(client, 0, 1, "test-verdict-alone");
+  dtrain::control_plane plane(channel);
+  dtrain::agree_or_throw(plane, "do it", "");
+  CHECK_THROWS_WITH_AS(dtrain::agree_or_throw(plane, "do it", "this rank's reason"),
+                       "this rank's reason", dtrain::error);
+  CHECK_THROWS_AS(dtrain::agree_or_throw<dtrain::config_error>(plane, "do it", "why"),
+                  dtrain::config_error);
+  CHECK(client.num_keys() == 0);
+}
+
 TEST_CASE("watchdog: work that never finishes is a timeout_error naming the collective, in time") {
   std::atomic<int> aborted{0};
   std::optional<dtrain::watchdog> dog(std::in_place);

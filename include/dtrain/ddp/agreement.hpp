@@ -152,39 +152,26 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
 
 /// Collective over the host control plane: every rank learns whether all
 /// ranks hold the same parameters and buffers. Throws config_error on every
-/// rank when not — naming the first differing entry and the ranks — or when
-/// some rank's own check failed (`local_problem`, which that rank reports in
-/// its own words). `settings`, when given, is one more entry that must match
+/// rank when not, naming the first differing entry and the ranks. Each
+/// rank's own check (model_problem) comes before, in a verdict
+/// (agree_or_throw). `settings`, when given, is one more entry that must match
 /// (DDP's options that change what travels: "ddp_options::sharding = gradients").
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
-                                         const std::string& local_problem,
                                          std::string_view settings = {});
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
-                                         const std::string& local_problem,
                                          std::string_view settings) {
   const int size = comm.size();
   std::vector<std::string> entries = model_entries(params, buffers);
   if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
-  const std::int64_t mine[3] = {local_problem.empty() ? 0 : 1,
-                                static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 3);
+  const std::int64_t mine[2] = {static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 2);
   comm.allgather(mine, all);
-
-  std::vector<int> troubled;
-  for (int r = 0; r < size; ++r) {
-    if (all[static_cast<std::size_t>(r) * 3] != 0) troubled.push_back(r);
-  }
-  if (!local_problem.empty()) throw config_error(local_problem);
-  if (!troubled.empty()) {
-    throw config_error("DistributedDataParallel: rank " + std::to_string(troubled.front()) +
-                       " rejected its model (its own message says why), so every rank stops");
-  }
   bool same = true;
   for (int r = 1; r < size; ++r) {
-    same = same && std::equal(&all[0], &all[3], &all[static_cast<std::size_t>(r) * 3]);
+    same = same && std::equal(&all[0], &all[2], &all[static_cast<std::size_t>(r) * 2]);
   }
   if (same) return;
 

@@ -21,6 +21,7 @@
 
 #include <dtrain/backend/communicator.hpp>
 #include <dtrain/control/plane.hpp>
+#include <dtrain/control/verdict.hpp>
 #include <dtrain/backend/memory.hpp>
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
@@ -668,11 +669,12 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   } catch (const config_error& e) {
     if (problem.empty()) problem = e.what();  // the agreement stops every rank
   }
+  if (problem.empty()) {
+    problem = detail::model_problem(parameters, buffers_, options_, rank_, communicator_type::name,
+                                    on_device, device_);
+  }
+  agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
   detail::agree_on_model(control_, parameters, buffers_,
-                         problem.empty()
-                             ? detail::model_problem(parameters, buffers_, options_, rank_,
-                                                     communicator_type::name, on_device, device_)
-                             : problem,
                          "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {

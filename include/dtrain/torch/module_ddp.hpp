@@ -193,7 +193,8 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
   // A module this rank cannot take stops every rank, each with a message (not only this one,
   // leaving the others to find it gone), over the control plane the core agrees on next.
   control_plane control = ctx.control_plane();
-  dtrain::detail::agree_on_model(control, {}, {}, problem);
+  agree_or_throw<config_error>(control, "wrap its module in dtrain::torch::DistributedDataParallel",
+                               problem);
   const stream_type stream = current_stream();
   // The first broadcast goes after what the current stream does (PyTorch orders it so too):
   // the parameters may have been initialised, loaded or copied on it.
