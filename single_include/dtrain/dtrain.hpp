@@ -18284,18 +18284,27 @@ class basic_ddp {
   void check_between_steps(const char* what) const;
 
   bool recording() const noexcept {
-    return options_.rebuild_buckets && !sharded() && !rebuilt_ && steps_ == 0;
+    return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
   }
-  bool sharded() const noexcept { return options_.sharding != sharding::none; }
-  /// Stage 2: buckets are reduce-scattered into `owned` (by the topology:
-  /// hierarchical, node-local first).
-  bool scattered() const noexcept { return options_.sharding == sharding::gradients && size_ > 1; }
+  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
+  /// the bucket layout stays as built (no rebuild moves a shard).
+  bool shards_optimizer_state() const noexcept { return options_.sharding != sharding::none; }
+  /// Sharding over more than one rank: each rank owns a shard of every
+  /// bucket (padded to size() equal shards), and the updated values come
+  /// back by allgather.
+  bool owns_bucket_shards() const noexcept { return shards_optimizer_state() && size_ > 1; }
+  /// Stage 2 over more than one rank: this rank's averaged gradients are its
+  /// shard's only, in `owned` (buckets are reduce-scattered there by the
+  /// topology: hierarchical, node-local first).
+  bool shards_gradients() const noexcept {
+    return options_.sharding == sharding::gradients && size_ > 1;
+  }
   /// Stage 2 where memory can give pages back (the host): each bucket's
   /// gradient pages are returned once it is reduce-scattered, and again once
   /// its allgather is copied out, so that gradients take memory only while a
   /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
   bool transient_buckets() const noexcept {
-    return scattered() && detail::pages_droppable<memory_space>;
+    return shards_gradients() && detail::pages_droppable<memory_space>;
   }
   /// Transient buckets launched and not yet reduced before mark_ready waits.
   static constexpr std::size_t transient_in_flight = 2;
@@ -18319,7 +18328,7 @@ class basic_ddp {
     try {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (sharded() && size_ > 1) {
+        if (owns_bucket_shards()) {
           gathers.push_back(launch_gather(b));
           if (transient_buckets() && b > 0) {
             gathers[b - 1].wait();
@@ -18345,8 +18354,8 @@ class basic_ddp {
   void complete_gather(std::size_t b);
   void finish_gather(std::vector<work>& gathers, std::size_t completed);
   void abandon_gathers(std::vector<work>& gathers, const std::string& why);
-  /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
-  bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
+  /// World size 1 without a hook (nor ddp_options::always_reduce): no bucket travels.
+  bool sends_nothing() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
   void change_stream(stream_type compute);
   std::string take_stream();
@@ -18477,8 +18486,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
     if (problem.empty()) problem = e.what();  // the agreement stops every rank
   }
   if (problem.empty()) {
-    problem = detail::model_problem(parameters, buffers_, options_, rank_,
-                                    communicator_type::name, on_device, device_);
+    problem = detail::model_problem(parameters, buffers_, options_, rank_, communicator_type::name,
+                                    on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
   detail::agree_on_model(control_, parameters, buffers_,
@@ -18617,12 +18626,12 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
     // Sharded: size() equal shards, each on bucket_alignment on a GPU.
-    if (sharded() && size_ > 1) {
+    if (owns_bucket_shards()) {
       const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
       unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
     }
     s.moved = (info.count + unit - 1) / unit * unit;
-    if (sharded() && size_ > 1) {
+    if (owns_bucket_shards()) {
       s.owned_count = s.moved / static_cast<std::size_t>(size_);
       s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
                                                    stream_);
@@ -18673,7 +18682,7 @@ void basic_ddp<Policy>::launch_ready() {
     const std::size_t b = next_launch_++;
     try {
       buckets_[b].span = timeline_.bucket_launched(b, buckets_[b].info.count);
-      if (alone()) {
+      if (sends_nothing()) {
         finish_alone(b);
       } else {
         runner_->launch(b, !in_bulk_);
@@ -18701,7 +18710,7 @@ template <class Policy>
 void basic_ddp<Policy>::zero_contribution(std::size_t i) {
   variable& v = vars_[i];
   parameter& p = v.param;
-  if (v.view || (alone() && !compressed(buckets_[v.bucket].info))) {
+  if (v.view || (sends_nothing() && !compressed(buckets_[v.bucket].info))) {
     // World size 1 leaves a copy-mode gradient where it is: zero it there.
     memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
   } else {
@@ -18753,7 +18762,7 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
   }
   const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
                      s.grads.device()};
-  if (scattered()) {  // stage 2: this rank keeps the mean of its shard only
+  if (shards_gradients()) {  // stage 2: this rank keeps the mean of its shard only
     const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
                       s.grads.device()};
     return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
@@ -18773,7 +18782,7 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
   // own gradients keep what this rank computed.
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
-    if (v.view || scattered()) continue;
+    if (v.view || shards_gradients()) continue;
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
@@ -18784,7 +18793,7 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
 
 template <class Policy>
 std::exception_ptr basic_ddp<Policy>::complete_buckets() {
-  if (alone()) return nullptr;  // each bucket was finished as it was launched
+  if (sends_nothing()) return nullptr;  // each bucket was finished as it was launched
   const auto span = timeline_.wait(buckets_.size());
   return runner_->complete(buckets_.size());
 }
@@ -18844,7 +18853,7 @@ template <class Policy>
 void basic_ddp<Policy>::make_pieces() {
   pieces_.clear();
   shard_elements_ = 0;
-  if (!sharded() || size_ == 1) {  // every parameter is this rank's, its gradient where it is
+  if (!owns_bucket_shards()) {  // every parameter is this rank's, its gradient where it is
     for (std::size_t i = 0; i < vars_.size(); ++i) {
       const parameter& p = vars_[i].param;
       pieces_.push_back({.parameter = i,
@@ -18872,7 +18881,7 @@ void basic_ddp<Policy>::make_pieces() {
       values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
       values.count = hi - lo;
       std::byte* gradients =
-          scattered() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
+          shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
       pieces_.push_back(
           {.parameter = i,
            .offset = lo - at,
@@ -18970,7 +18979,7 @@ template <class Policy>
 void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
   const std::lock_guard lock(mutex_);
   updatable_ = false;
-  if (!sharded()) return;
+  if (!shards_optimizer_state()) return;
   try {
     if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
       for (bucket& s : buckets_) s.grads.clear(stream_);
@@ -19030,7 +19039,7 @@ double basic_ddp<Policy>::gradient_norm() {
                          std::string(to_string(g.type)) + "; the norm reads float32 and float64");
     }
   }
-  if (sharded() && size_ > 1) {
+  if (owns_bucket_shards()) {
     // Every rank's sum, added in rank order: the same norm on every rank.
     const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
     std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
@@ -19076,7 +19085,7 @@ void basic_ddp<Policy>::mark(std::size_t i) {
   {
     const std::lock_guard lock(mutex_);
     last = ready(i);
-    throttle = transient_buckets() && no_sync_depth_ == 0 && !alone();
+    throttle = transient_buckets() && no_sync_depth_ == 0 && !sends_nothing();
   }
   // Transient buckets: a backward pass that writes gradients faster than the
   // buckets travel waits here, so that at most two buckets launched and not

@@ -477,18 +477,27 @@ class basic_ddp {
   void check_between_steps(const char* what) const;
 
   bool recording() const noexcept {
-    return options_.rebuild_buckets && !sharded() && !rebuilt_ && steps_ == 0;
+    return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
   }
-  bool sharded() const noexcept { return options_.sharding != sharding::none; }
-  /// Stage 2: buckets are reduce-scattered into `owned` (by the topology:
-  /// hierarchical, node-local first).
-  bool scattered() const noexcept { return options_.sharding == sharding::gradients && size_ > 1; }
+  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
+  /// the bucket layout stays as built (no rebuild moves a shard).
+  bool shards_optimizer_state() const noexcept { return options_.sharding != sharding::none; }
+  /// Sharding over more than one rank: each rank owns a shard of every
+  /// bucket (padded to size() equal shards), and the updated values come
+  /// back by allgather.
+  bool owns_bucket_shards() const noexcept { return shards_optimizer_state() && size_ > 1; }
+  /// Stage 2 over more than one rank: this rank's averaged gradients are its
+  /// shard's only, in `owned` (buckets are reduce-scattered there by the
+  /// topology: hierarchical, node-local first).
+  bool shards_gradients() const noexcept {
+    return options_.sharding == sharding::gradients && size_ > 1;
+  }
   /// Stage 2 where memory can give pages back (the host): each bucket's
   /// gradient pages are returned once it is reduce-scattered, and again once
   /// its allgather is copied out, so that gradients take memory only while a
   /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
   bool transient_buckets() const noexcept {
-    return scattered() && detail::pages_droppable<memory_space>;
+    return shards_gradients() && detail::pages_droppable<memory_space>;
   }
   /// Transient buckets launched and not yet reduced before mark_ready waits.
   static constexpr std::size_t transient_in_flight = 2;
@@ -512,7 +521,7 @@ class basic_ddp {
     try {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (sharded() && size_ > 1) {
+        if (owns_bucket_shards()) {
           gathers.push_back(launch_gather(b));
           if (transient_buckets() && b > 0) {
             gathers[b - 1].wait();
@@ -538,8 +547,8 @@ class basic_ddp {
   void complete_gather(std::size_t b);
   void finish_gather(std::vector<work>& gathers, std::size_t completed);
   void abandon_gathers(std::vector<work>& gathers, const std::string& why);
-  /// World size 1 without a hook: nothing to send (ddp_options::always_reduce).
-  bool alone() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
+  /// World size 1 without a hook (nor ddp_options::always_reduce): no bucket travels.
+  bool sends_nothing() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
   void change_stream(stream_type compute);
   std::string take_stream();

@@ -47,12 +47,12 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
     // Sharded: size() equal shards, each on bucket_alignment on a GPU.
-    if (sharded() && size_ > 1) {
+    if (owns_bucket_shards()) {
       const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
       unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
     }
     s.moved = (info.count + unit - 1) / unit * unit;
-    if (sharded() && size_ > 1) {
+    if (owns_bucket_shards()) {
       s.owned_count = s.moved / static_cast<std::size_t>(size_);
       s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
                                                    stream_);
@@ -103,7 +103,7 @@ void basic_ddp<Policy>::launch_ready() {
     const std::size_t b = next_launch_++;
     try {
       buckets_[b].span = timeline_.bucket_launched(b, buckets_[b].info.count);
-      if (alone()) {
+      if (sends_nothing()) {
         finish_alone(b);
       } else {
         runner_->launch(b, !in_bulk_);
@@ -131,7 +131,7 @@ template <class Policy>
 void basic_ddp<Policy>::zero_contribution(std::size_t i) {
   variable& v = vars_[i];
   parameter& p = v.param;
-  if (v.view || (alone() && !compressed(buckets_[v.bucket].info))) {
+  if (v.view || (sends_nothing() && !compressed(buckets_[v.bucket].info))) {
     // World size 1 leaves a copy-mode gradient where it is: zero it there.
     memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
   } else {
@@ -183,7 +183,7 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
   }
   const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
                      s.grads.device()};
-  if (scattered()) {  // stage 2: this rank keeps the mean of its shard only
+  if (shards_gradients()) {  // stage 2: this rank keeps the mean of its shard only
     const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
                       s.grads.device()};
     return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
@@ -203,7 +203,7 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
   // own gradients keep what this rank computed.
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
-    if (v.view || scattered()) continue;
+    if (v.view || shards_gradients()) continue;
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
@@ -214,7 +214,7 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
 
 template <class Policy>
 std::exception_ptr basic_ddp<Policy>::complete_buckets() {
-  if (alone()) return nullptr;  // each bucket was finished as it was launched
+  if (sends_nothing()) return nullptr;  // each bucket was finished as it was launched
   const auto span = timeline_.wait(buckets_.size());
   return runner_->complete(buckets_.size());
 }

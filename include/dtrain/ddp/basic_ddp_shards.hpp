@@ -34,7 +34,7 @@ template <class Policy>
 void basic_ddp<Policy>::make_pieces() {
   pieces_.clear();
   shard_elements_ = 0;
-  if (!sharded() || size_ == 1) {  // every parameter is this rank's, its gradient where it is
+  if (!owns_bucket_shards()) {  // every parameter is this rank's, its gradient where it is
     for (std::size_t i = 0; i < vars_.size(); ++i) {
       const parameter& p = vars_[i].param;
       pieces_.push_back({.parameter = i,
@@ -62,7 +62,7 @@ void basic_ddp<Policy>::make_pieces() {
       values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
       values.count = hi - lo;
       std::byte* gradients =
-          scattered() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
+          shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
       pieces_.push_back(
           {.parameter = i,
            .offset = lo - at,
@@ -160,7 +160,7 @@ template <class Policy>
 void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
   const std::lock_guard lock(mutex_);
   updatable_ = false;
-  if (!sharded()) return;
+  if (!shards_optimizer_state()) return;
   try {
     if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
       for (bucket& s : buckets_) s.grads.clear(stream_);
@@ -220,7 +220,7 @@ double basic_ddp<Policy>::gradient_norm() {
                          std::string(to_string(g.type)) + "; the norm reads float32 and float64");
     }
   }
-  if (sharded() && size_ > 1) {
+  if (owns_bucket_shards()) {
     // Every rank's sum, added in rank order: the same norm on every rank.
     const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
     std::vector<std::int64_t> all(static_cast<std::size_t>(size_));

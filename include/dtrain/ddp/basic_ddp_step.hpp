@@ -20,7 +20,7 @@ void basic_ddp<Policy>::mark(std::size_t i) {
   {
     const std::lock_guard lock(mutex_);
     last = ready(i);
-    throttle = transient_buckets() && no_sync_depth_ == 0 && !alone();
+    throttle = transient_buckets() && no_sync_depth_ == 0 && !sends_nothing();
   }
   // Transient buckets: a backward pass that writes gradients faster than the
   // buckets travel waits here, so that at most two buckets launched and not
