@@ -6827,13 +6827,17 @@ struct host_memory {
   }
   /// Memory whose pages can be given back to the system while its addresses
   /// stay valid: whole pages mapped for `bytes`, zero, and resident only once
-  /// written (config_error when the mapping fails).
+  /// written. backend_error when the system refuses the mapping (its code is
+  /// errno): the memory is short, not the options wrong.
   [[nodiscard]] static void* allocate_pages(std::size_t bytes) {
     void* data = ::mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (data == MAP_FAILED) {
-      throw config_error("dtrain: cannot map " + std::to_string(bytes) +
-                         " bytes of gradient memory: " + std::strerror(errno));
+      const int err = errno;
+      throw backend_error(detail::os_error_text("mmap(" + std::to_string(bytes) +
+                                                    " bytes of gradient memory, anonymous)",
+                                                err, __FILE__, __LINE__),
+                          err);
     }
 #ifdef MADV_HUGEPAGE
     // Huge pages where the system offers them: one fault per 2 MiB written.
@@ -18636,11 +18640,17 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
                                                    stream_);
     }
-    s.grads = transient_buckets()
-                  ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                       stream_, detail::droppable_pages)
-                  : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                       stream_);
+    try {
+      s.grads = transient_buckets()
+                    ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                         stream_, detail::droppable_pages)
+                    : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                         stream_);
+    } catch (const backend_error& e) {
+      throw backend_error("DistributedDataParallel on rank " + std::to_string(rank_) +
+                              ": the gradients of bucket " + std::to_string(b) + ": " + e.what(),
+                          e.engine_code());
+    }
     if (compressed(info))
       s.wire = detail::flat_storage<memory_space>(
           s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);

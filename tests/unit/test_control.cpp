@@ -320,11 +320,9 @@ verdict_results verdict_among_threads(const std::vector<std::string>& problems) 
         dtrain::control_plane plane(channel);
         out.verdicts[i] = dtrain::gather_verdict(plane, problems[i]);
         dtrain::agree_or_throw<dtrain::checkpoint_error>(plane, "load the test step", problems[i]);
-      } catch (const dtrain::checkpoint_error& e) {
-        out.errors[i] = e.what();
-        out.was_checkpoint_error[i] = true;
       } catch (const std::exception& e) {
         out.errors[i] = e.what();
+        out.was_checkpoint_error[i] = dynamic_cast<const dtrain::checkpoint_error*>(&e) != nullptr;
       }
     });
   }

@@ -1,8 +1,11 @@
-// select_device: which GPU a rank uses, from its local rank and what it sees.
+// select_device: which GPU a rank uses, from its local rank and what it sees; and
+// host_memory's pages (stage 2's transient buckets) when the system refuses them.
 #include "support.hpp"
 
 #include <dtrain/dtrain.hpp>
 
+#include <cerrno>
+#include <cstring>
 #include <string>
 
 using dtrain::select_device;
@@ -55,4 +58,22 @@ TEST_CASE("staging_block_bytes: powers of two from 64 KiB, never smaller than as
   CHECK(staging_block_bytes(std::size_t{1} << 30) == std::size_t{1} << 30);
   const std::size_t huge = (~std::size_t{0} >> 1) + 2;  // no power of two above it
   CHECK(staging_block_bytes(huge) == huge);
+}
+
+TEST_CASE("host_memory: pages the system refuses are a backend_error with errno, not a config_error") {
+  // More than any address space: mmap says ENOMEM whatever the machine has.
+  const std::size_t too_many = std::size_t{1} << 62;
+  try {
+    (void)dtrain::host_memory::allocate_pages(too_many);
+    FAIL("a mapping of 4 EiB was made");
+  } catch (const dtrain::config_error&) {
+    FAIL("a refused mapping was reported as a config_error");
+  } catch (const dtrain::backend_error& e) {
+    CHECK(e.engine_code() == ENOMEM);
+    CHECK_CONTAINS(e.what(), "mmap(" + std::to_string(too_many) + " bytes of gradient memory");
+    CHECK_CONTAINS(e.what(), std::strerror(ENOMEM));
+  }
+  void* some = dtrain::host_memory::allocate_pages(4096);
+  CHECK(static_cast<const unsigned char*>(some)[4095] == 0);
+  dtrain::host_memory::release_pages(some, 4096);
 }

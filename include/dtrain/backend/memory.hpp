@@ -10,6 +10,7 @@
 #include <dtrain/backend/cuda.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/detail/sys.hpp>
 #include <dtrain/error.hpp>
 
 #include <sys/mman.h>
@@ -86,13 +87,17 @@ struct host_memory {
   }
   /// Memory whose pages can be given back to the system while its addresses
   /// stay valid: whole pages mapped for `bytes`, zero, and resident only once
-  /// written (config_error when the mapping fails).
+  /// written. backend_error when the system refuses the mapping (its code is
+  /// errno): the memory is short, not the options wrong.
   [[nodiscard]] static void* allocate_pages(std::size_t bytes) {
     void* data = ::mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (data == MAP_FAILED) {
-      throw config_error("dtrain: cannot map " + std::to_string(bytes) +
-                         " bytes of gradient memory: " + std::strerror(errno));
+      const int err = errno;
+      throw backend_error(detail::os_error_text("mmap(" + std::to_string(bytes) +
+                                                    " bytes of gradient memory, anonymous)",
+                                                err, __FILE__, __LINE__),
+                          err);
     }
 #ifdef MADV_HUGEPAGE
     // Huge pages where the system offers them: one fault per 2 MiB written.

@@ -57,11 +57,17 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
                                                    stream_);
     }
-    s.grads = transient_buckets()
-                  ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                       stream_, detail::droppable_pages)
-                  : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                       stream_);
+    try {
+      s.grads = transient_buckets()
+                    ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                         stream_, detail::droppable_pages)
+                    : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                         stream_);
+    } catch (const backend_error& e) {
+      throw backend_error("DistributedDataParallel on rank " + std::to_string(rank_) +
+                              ": the gradients of bucket " + std::to_string(b) + ": " + e.what(),
+                          e.engine_code());
+    }
     if (compressed(info))
       s.wire = detail::flat_storage<memory_space>(
           s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
