@@ -2375,6 +2375,11 @@ struct verdict {
 /// The most of a failed rank's message that the others receive, in bytes.
 inline constexpr std::size_t verdict_text_limit = 16 * 1024;
 
+/// Collective over the host control plane: the ranks whose `flag` is set, in
+/// rank order, the same on every rank (one allgather of one value). The
+/// verdict's first step, and DistributedDataParallel::any_rank's whole.
+DTRAIN_DETAIL_INLINE std::vector<int> flagged_ranks(control_plane& plane, bool flag);
+
 /// Collective over the host control plane: this rank's `problem` (empty: ok)
 /// against every other rank's. Every rank returns the same verdict. One
 /// allgather when every rank is ok; when not, the first failed rank's message
@@ -2412,14 +2417,20 @@ DTRAIN_DETAIL_INLINE std::string verdict::message(std::string_view what) const {
   return text + ": " + first_problem;
 }
 
-DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_view problem) {
-  const std::int64_t mine = problem.empty() ? 0 : 1;
+DTRAIN_DETAIL_INLINE std::vector<int> flagged_ranks(control_plane& plane, bool flag) {
+  const std::int64_t mine = flag ? 1 : 0;
   std::vector<std::int64_t> all(static_cast<std::size_t>(plane.size()));
   plane.allgather(std::span<const std::int64_t>(&mine, 1), all);
-  verdict v;
+  std::vector<int> flagged;
   for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r] != 0) v.failed.push_back(static_cast<int>(r));
+    if (all[r] != 0) flagged.push_back(static_cast<int>(r));
   }
+  return flagged;
+}
+
+DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_view problem) {
+  verdict v;
+  v.failed = flagged_ranks(plane, !problem.empty());
   if (v.ok()) return v;
   // The first failed rank's message to every rank: its length, then its bytes.
   const int first = v.first_failed();
@@ -19063,13 +19074,7 @@ double basic_ddp<Policy>::gradient_norm() {
 template <class Policy>
 bool basic_ddp<Policy>::any_rank(bool mine) {
   check_usable();
-  const std::int64_t flag = mine ? 1 : 0;
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
-  control_.allgather(std::span<const std::int64_t>(&flag, 1), all);
-  for (const std::int64_t f : all) {
-    if (f != 0) return true;
-  }
-  return false;
+  return !flagged_ranks(control_, mine).empty();
 }
 
 }  // namespace dtrain

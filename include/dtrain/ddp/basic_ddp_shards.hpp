@@ -234,13 +234,7 @@ double basic_ddp<Policy>::gradient_norm() {
 template <class Policy>
 bool basic_ddp<Policy>::any_rank(bool mine) {
   check_usable();
-  const std::int64_t flag = mine ? 1 : 0;
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
-  control_.allgather(std::span<const std::int64_t>(&flag, 1), all);
-  for (const std::int64_t f : all) {
-    if (f != 0) return true;
-  }
-  return false;
+  return !flagged_ranks(control_, mine).empty();
 }
 
 }  // namespace dtrain
