@@ -143,15 +143,15 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
 
   if (ctx.is_main()) {
     std::printf(
-        "training a %s MLP on %zu samples: %d ranks x batch %zu (global batch %zu), "
-        "lr %g, momentum %g, %zu gradient buckets, backend %s, matrix products: %s\n",
+        "training a %s MLP on %zu samples: %d ranks x batch %zu (global batch %zu), lr %g, "
+        "momentum %g, %zu gradient buckets, backend %s, matrix products: %s\n",
         s.widths_text().c_str(), train_set.size(), ctx.size(), s.batch_size,
         s.batch_size * static_cast<std::size_t>(ctx.size()), s.lr, s.momentum, ddp.buckets().size(),
         Policy::backend_type::name.data(), mlp::gemm_engine());
     if (d.optimizer != mlp::optimizer::kind::sgd || d.sharding != dtrain::sharding::none) {
       std::printf(
-          "optimizer %s, sharding %s (ZeRO stage %d): this rank updates %zu of the "
-          "model's values\n",
+          "optimizer %s, sharding %s (ZeRO stage %d): "
+          "this rank updates %zu of the model's values\n",
           d.optimizer == mlp::optimizer::kind::adam ? "adam" : "sgd",
           std::string(dtrain::to_string(d.sharding)).c_str(), static_cast<int>(d.sharding),
           ddp.shard_elements());
@@ -240,8 +240,8 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     if (ctx.is_main()) {
       const mlp::batch_result test = model.evaluate(test_set);
       std::printf(
-          "epoch %zu/%zu  loss %.4f  train accuracy %5.1f%%  test accuracy %5.1f%%  %.0f samples/s "
-          "(all ranks)\n",
+          "epoch %zu/%zu  loss %.4f  train accuracy %5.1f%%  test accuracy %5.1f%%  %.0f "
+          "samples/s (all ranks)\n",
           epoch + 1, s.epochs, totals[0] / totals[2], 100.0 * totals[1] / totals[2],
           100.0 * static_cast<double>(test.correct) / static_cast<double>(test.count),
           totals[2] / elapsed.count());

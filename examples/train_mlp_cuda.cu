@@ -433,8 +433,8 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
 
   if (ctx.is_main()) {
     std::printf(
-        "training a %s MLP on %zu samples: %d ranks (GPUs) x batch %zu (global "
-        "batch %zu), lr %g, momentum %g, %zu gradient buckets, backend %s\n",
+        "training a %s MLP on %zu samples: %d ranks (GPUs) x batch %zu (global batch %zu), "
+        "lr %g, momentum %g, %zu gradient buckets, backend %s\n",
         s.widths_text().c_str(), train_host.size(), ctx.size(), s.batch_size,
         s.batch_size * static_cast<std::size_t>(ctx.size()), s.lr, s.momentum, ddp.buckets().size(),
         Policy::backend_type::name.data());

@@ -140,10 +140,9 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
 
   if (ctx.is_main()) {
     std::printf(
-        "training a CNN (4 conv blocks %lld-%lld, fc %lld-%lld) on %zu images of %lldx%lld: %d "
-        "ranks x "
-        "batch %zu "
-        "(global batch %zu), lr %g, momentum %g, %zu gradient buckets, backend %s, LibTorch %s\n",
+        "training a CNN (4 conv blocks %lld-%lld, fc %lld-%lld) on %zu images of %lldx%lld: "
+        "%d ranks x batch %zu (global batch %zu), lr %g, momentum %g, %zu gradient buckets, "
+        "backend %s, LibTorch %s\n",
         static_cast<long long>(s.channels / 2), static_cast<long long>(s.channels),
         static_cast<long long>(s.hidden), static_cast<long long>(classes), s.samples,
         static_cast<long long>(side), static_cast<long long>(side), ctx.size(), s.batch_size,
@@ -203,8 +202,8 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
       const double correct =
           model->forward(test_set.x).argmax(1).eq(test_set.y).sum().item<double>();
       std::printf(
-          "epoch %zu/%zu  loss %.4f  train accuracy %5.1f%%  test accuracy %5.1f%%  %.0f samples/s "
-          "(all ranks)\n",
+          "epoch %zu/%zu  loss %.4f  train accuracy %5.1f%%  test accuracy %5.1f%%  %.0f "
+          "samples/s (all ranks)\n",
           epoch + 1, s.epochs, totals[0] / totals[2], 100.0 * totals[1] / totals[2],
           100.0 * correct / static_cast<double>(test_set.x.size(0)), totals[2] / elapsed.count());
       model->train();

@@ -79,8 +79,8 @@ cli parse_cli(int argc, char** argv) {
       std::cout
           << "usage: dtrain_whoami [--describe] [--per-node [--nproc-per-node N] [--nnodes N] "
              "[--node-rank N]]\n       dtrain_whoami --rendezvous [--backend mpi|gloo] "
-             "[--describe]\nPrints the world this process sees as one JSON line; with "
-             "--rendezvous, after meeting the other ranks, with the node fields completed.\n";
+             "[--describe]\nPrints the world this process sees as one JSON line; "
+             "with --rendezvous, after meeting the other ranks, with the node fields completed.\n";
       std::exit(0);
     } else {
       c.rest.push_back(a);

@@ -7,10 +7,10 @@
 /// one rank prints one table naming the rank that is behind, the collective
 /// it is missing, mismatched calls, and the ranks that did not answer.
 
-#include <dtrain/diagnostics/desync.hpp>
-#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>
+#include <dtrain/diagnostics/desync.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>

@@ -5,22 +5,18 @@
 /// integration (dtrain/torch.hpp) are not part of it: include them directly.
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/control/plane.hpp>
-#include <dtrain/control/verdict.hpp>
 #include <dtrain/backend/cuda.hpp>
-#include <dtrain/diagnostics/desync.hpp>
 #include <dtrain/backend/gloo/gloo.hpp>
+#include <dtrain/backend/gloo/shm.hpp>
 #include <dtrain/backend/memory.hpp>
 #include <dtrain/backend/mpi/mpi.hpp>
 #include <dtrain/backend/nccl/nccl.hpp>
-#include <dtrain/diagnostics/ring.hpp>
-#include <dtrain/backend/gloo/shm.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/watchdog.hpp>
 #include <dtrain/backend/work.hpp>
-#include <dtrain/runtime/compiled.hpp>
 #include <dtrain/config.hpp>
-#include <dtrain/runtime/context.hpp>
+#include <dtrain/control/plane.hpp>
+#include <dtrain/control/verdict.hpp>
 #include <dtrain/ddp/agreement.hpp>
 #include <dtrain/ddp/basic_ddp.hpp>
 #include <dtrain/ddp/bucket.hpp>
@@ -32,6 +28,8 @@
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/ddp/timeline.hpp>
 #include <dtrain/diagnostics.hpp>
+#include <dtrain/diagnostics/desync.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
@@ -48,6 +46,8 @@
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/server.hpp>
 #include <dtrain/rendezvous/store.hpp>
+#include <dtrain/runtime/compiled.hpp>
+#include <dtrain/runtime/context.hpp>
 #include <dtrain/runtime/run.hpp>
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/hierarchical.hpp>

@@ -39,27 +39,25 @@ struct mpi {
   static constexpr bool available = DTRAIN_HAS_MPI() != 0;
   static constexpr std::string_view name = "mpi";
   static constexpr std::string_view missing =
-      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) and link "
-      "dtrain::dtrain, "
-      "or define DTRAIN_WITH_MPI=1 and link MPI yourself";
+      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) "
+      "and link dtrain::dtrain, or define DTRAIN_WITH_MPI=1 and link MPI yourself";
 };
 /// Gloo over TCP (host memory).
 struct gloo {
   static constexpr bool available = DTRAIN_HAS_GLOO() != 0;
   static constexpr std::string_view name = "gloo";
   static constexpr std::string_view missing =
-      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, or "
-      "define "
-      "DTRAIN_WITH_GLOO=1 and link gloo yourself";
+      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, "
+      "or define DTRAIN_WITH_GLOO=1 and link gloo yourself";
 };
 /// NCCL (device memory).
 struct nccl {
   static constexpr bool available = DTRAIN_HAS_NCCL() != 0;
   static constexpr std::string_view name = "nccl";
   static constexpr std::string_view missing =
-      "dtrain was built without NCCL: install the CUDA toolkit with NCCL and link dtrain::dtrain, "
-      "or define "
-      "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
+      "dtrain was built without NCCL: "
+      "install the CUDA toolkit with NCCL and link dtrain::dtrain, "
+      "or define DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
 };
 
 }  // namespace backend
@@ -198,13 +196,14 @@ struct policy {
   static_assert(
       Backend::available,
       "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
-      "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
-      "DTRAIN_WITH_NCCL)");
+      "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, "
+      "backend::nccl DTRAIN_WITH_NCCL)");
   static_assert(!(std::is_same_v<Launch, launch::per_node> &&
                   std::is_same_v<Backend, backend::mpi>),
-                "launch::per_node starts the workers itself, but MPI processes must be started by "
-                "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
-                "backend::nccl with launch::per_node");
+                "launch::per_node starts the workers itself, "
+                "but MPI processes must be started by mpirun or srun: "
+                "use launch::per_process with backend::mpi, "
+                "or backend::gloo / backend::nccl with launch::per_node");
   using launch_type = Launch;
   using backend_type = Backend;
   using topology_type = Topology;
@@ -223,10 +222,11 @@ struct policy {
   static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
   static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
                     detail::stream_ordered<communicator_type>,
-                "topology::hierarchical enqueues its three steps on streams at once, each after "
-                "the last: a backend whose buckets travel on streams needs a communicator that "
-                "orders its collectives after the stream it is given (stream_ordered and "
-                "stream(), as nccl_communicator)");
+                "topology::hierarchical enqueues its three steps on streams at once, "
+                "each after the last: "
+                "a backend whose buckets travel on streams needs a communicator that orders its "
+                "collectives after the stream it is given (stream_ordered and stream(), "
+                "as nccl_communicator)");
 };
 
 }  // namespace dtrain

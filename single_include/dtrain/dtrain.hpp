@@ -17,13 +17,6 @@
 /// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
 /// the argument checks they share, and the typed collectives users call.
 
-// ---- begin dtrain/diagnostics/ring.hpp ----
-/// @file
-/// The ring of a communicator's last collectives: what each rank publishes
-/// when a collective times out or SIGUSR1 arrives, so that one table can name
-/// the rank that is behind (see diagnostics/desync.hpp). Every engine records into
-/// it at the one place that numbers its collectives.
-
 // ---- begin dtrain/backend/types.hpp ----
 /// @file
 /// What collectives move: element types (with portable float16 / bfloat16),
@@ -494,6 +487,17 @@ DTRAIN_DETAIL_INLINE void divide_host(buffer b, int n) noexcept {
 }  // namespace detail
 }  // namespace dtrain
 // ---- end dtrain/backend/types.hpp ----
+// ---- begin dtrain/backend/work.hpp ----
+/// @file
+/// `work`: the handle every asynchronous collective returns.
+
+// ---- begin dtrain/diagnostics/ring.hpp ----
+/// @file
+/// The ring of a communicator's last collectives: what each rank publishes
+/// when a collective times out or SIGUSR1 arrives, so that one table can name
+/// the rank that is behind (see diagnostics/desync.hpp). Every engine records into
+/// it at the one place that numbers its collectives.
+
 
 #include <array>
 #include <cstddef>
@@ -698,10 +702,6 @@ DTRAIN_DETAIL_INLINE std::int64_t collective_ring::last() const {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/diagnostics/ring.hpp ----
-// ---- begin dtrain/backend/work.hpp ----
-/// @file
-/// `work`: the handle every asynchronous collective returns.
-
 // ---- begin dtrain/env/environment.hpp ----
 /// @file
 /// A snapshot of environment variables. World discovery is a pure function of
@@ -1577,11 +1577,11 @@ DTRAIN_DETAIL_INLINE std::exception_ptr work::timeout_exception(
     std::chrono::milliseconds timeout) const {
   char seconds[32];
   std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-  return std::make_exception_ptr(timeout_error(
-      (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
-      seconds +
-      "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-      "compares what every rank passed)"));
+  return std::make_exception_ptr(
+      timeout_error((state_ ? state_->description() : std::string("a collective")) +
+                    " did not finish within " + seconds +
+                    "; a peer is slow, dead or called a different collective "
+                    "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
 }
 
 DTRAIN_DETAIL_INLINE void work::give_up(std::chrono::milliseconds timeout) {
@@ -1649,8 +1649,8 @@ inline std::string shape(const buffer& b) {
 [[noreturn]] DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out);
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out) {
-  throw config_error(what + (left_out ? ": this rank passed a negative color to split() and "
-                                        "belongs to no communicator"
+  throw config_error(what + (left_out ? ": this rank passed a negative color to split() "
+                                        "and belongs to no communicator"
                                       : ": the communicator was moved from"));
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -2065,398 +2065,6 @@ work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op =
 
 }  // namespace dtrain
 // ---- end dtrain/backend/communicator.hpp ----
-// ---- begin dtrain/control/plane.hpp ----
-/// @file
-/// The host control plane: small blocking collectives on host memory for
-/// what is metadata rather than gradients (model agreement, the bucket
-/// rebuild order, checksums, bootstrap). A device engine such as NCCL never
-/// carries them. Two channels: `store_channel` (over the rendezvous store;
-/// works for every backend) and `communicator_channel` (over a communicator
-/// that reaches host memory: MPI, Gloo). `control_plane` refers to either.
-
-// ---- begin dtrain/rendezvous/store.hpp ----
-/// @file
-/// The `store` concept (what bootstraps the engines and runs barriers), and
-/// prefix_store, which gives each job, restart round and subsystem its own
-/// namespace within one store.
-
-#include <chrono>
-#include <concepts>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// A key-value store that every rank reaches: set / get (waits) / add /
-/// compare_set / wait / check / erase, and barrier. Gloo's five-method store
-/// is the model.
-template <class S>
-concept store = requires(S& s, std::string_view key, std::span<const std::string> keys,
-                         std::chrono::milliseconds timeout) {
-  s.set(key, key);
-  { s.get(key) } -> std::convertible_to<std::string>;
-  { s.get(key, timeout) } -> std::convertible_to<std::string>;
-  { s.add(key, std::int64_t{1}) } -> std::convertible_to<std::int64_t>;
-  { s.compare_set(key, key, key) } -> std::convertible_to<std::string>;
-  s.wait(keys);
-  s.wait(keys, timeout);
-  { s.check(keys) } -> std::convertible_to<bool>;
-  { s.erase(key) } -> std::convertible_to<bool>;
-  { s.num_keys() } -> std::convertible_to<std::int64_t>;
-  s.barrier(key, 1);
-  s.barrier(key, 1, timeout);
-};
-
-/// A view of another store in which every key (and barrier name) is
-/// `prefix/key`. Nests: prefix_store(prefix_store(s, "job7"), "restart2").
-/// Does not own the underlying store, which must outlive it.
-template <store S>
-class prefix_store {
- public:
-  using milliseconds = std::chrono::milliseconds;
-
-  prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
-
-  void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
-  [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
-  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
-    return inner_.get(full(key), timeout);
-  }
-  std::int64_t add(std::string_view key, std::int64_t delta) {
-    return inner_.add(full(key), delta);
-  }
-  std::string compare_set(std::string_view key, std::string_view expected,
-                          std::string_view desired) {
-    return inner_.compare_set(full(key), expected, desired);
-  }
-  void wait(std::span<const std::string> keys) { inner_.wait(full(keys)); }
-  void wait(std::span<const std::string> keys, milliseconds timeout) {
-    inner_.wait(full(keys), timeout);
-  }
-  [[nodiscard]] bool check(std::span<const std::string> keys) { return inner_.check(full(keys)); }
-  bool erase(std::string_view key) { return inner_.erase(full(key)); }
-  /// Keys in the whole underlying store, not only under this prefix.
-  [[nodiscard]] std::int64_t num_keys() { return inner_.num_keys(); }
-  void barrier(std::string_view name, int count) { inner_.barrier(full(name), count); }
-  void barrier(std::string_view name, int count, milliseconds timeout) {
-    inner_.barrier(full(name), count, timeout);
-  }
-
-  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
-
- private:
-  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
-  std::vector<std::string> full(std::span<const std::string> keys) const {
-    std::vector<std::string> out;
-    out.reserve(keys.size());
-    for (const auto& k : keys) out.push_back(full(k));
-    return out;
-  }
-
-  S& inner_;
-  std::string prefix_;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/rendezvous/store.hpp ----
-
-#include <concepts>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-
-namespace dtrain {
-
-/// Blocking host collectives among the ranks of a job. Every rank calls the
-/// same operations in the same order; each is bounded by the channel's
-/// timeout (the store's, or the communicator's collective timeout).
-template <class C>
-concept host_channel = requires(C& c, const C& cc, std::span<const std::int64_t> in,
-                                std::span<std::int64_t> out, std::span<std::uint8_t> bytes) {
-  { cc.rank() } -> std::convertible_to<int>;
-  { cc.size() } -> std::convertible_to<int>;
-  c.allgather(in, out);   // out: size() * in.size(), in rank order
-  c.broadcast(bytes, 0);  // every rank passes the same length
-};
-
-/// Host collectives through the rendezvous store: allgather is a key per
-/// rank, broadcast one key from the root. The last rank to read a round
-/// erases its keys, so the store holds at most one round per channel.
-template <store Store>
-class store_channel {
- public:
-  /// `prefix` names this channel's keys; every rank must use the same one.
-  store_channel(Store& store, int rank, int size, std::string prefix = "control")
-      : store_(store), rank_(rank), size_(size), prefix_(std::move(prefix) + "/") {}
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-
-  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-    const std::string round = next_round();
-    const std::size_t bytes = in.size_bytes();
-    if (out.size() != in.size() * static_cast<std::size_t>(size_)) {
-      throw config_error("store_channel::allgather on rank " + std::to_string(rank_) +
-                         ": output has " + std::to_string(out.size()) + " elements, expected " +
-                         std::to_string(in.size() * static_cast<std::size_t>(size_)));
-    }
-    store_.set(round + std::to_string(rank_),
-               std::string_view(reinterpret_cast<const char*>(in.data()), bytes));
-    for (int r = 0; r < size_; ++r) {
-      const std::string key = round + std::to_string(r);
-      const std::string value = r == rank_
-                                    ? std::string(reinterpret_cast<const char*>(in.data()), bytes)
-                                    : store_.get(key);
-      expect_length(key, value, bytes, r);
-      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), value.data(), bytes);
-    }
-    finish(round, [&] {
-      for (int r = 0; r < size_; ++r) store_.erase(round + std::to_string(r));
-    });
-  }
-
-  void broadcast(std::span<std::uint8_t> data, int root) {
-    if (root < 0 || root >= size_) {
-      throw config_error("store_channel::broadcast: root " + std::to_string(root) +
-                         " is not a rank of " + std::to_string(size_));
-    }
-    const std::string round = next_round();
-    const std::string key = round + "root";
-    if (rank_ == root) {
-      store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
-    } else {
-      const std::string value = store_.get(key);
-      expect_length(key, value, data.size(), root);
-      if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
-    }
-    finish(round, [&] { store_.erase(key); });
-  }
-
- private:
-  std::string next_round() { return prefix_ + std::to_string(++round_) + "/"; }
-
-  void expect_length(const std::string& key, const std::string& value, std::size_t bytes,
-                     int from) const {
-    if (value.size() != bytes) {
-      throw rendezvous_error("control plane: store key " + key + " from rank " +
-                             std::to_string(from) + " has " + std::to_string(value.size()) +
-                             " bytes, rank " + std::to_string(rank_) + " expected " +
-                             std::to_string(bytes) +
-                             "; the ranks called different control operations, or another "
-                             "program wrote under this prefix");
-    }
-  }
-
-  template <class Erase>
-  void finish(const std::string& round, Erase&& erase) {
-    const std::string read = round + "read";
-    if (store_.add(read, 1) == size_) {
-      erase();
-      store_.erase(read);
-    }
-  }
-
-  Store& store_;
-  int rank_;
-  int size_;
-  std::string prefix_;
-  std::uint64_t round_ = 0;
-};
-
-/// Host collectives on a communicator that reaches host memory, each waited
-/// for within its collective timeout.
-template <communicator C>
-class communicator_channel {
-  static_assert(C::reaches_host_memory,
-                "communicator_channel needs a communicator that reaches host memory (MPI, "
-                "Gloo); for NCCL use the context's control plane or a store_channel");
-
- public:
-  explicit communicator_channel(C& comm) noexcept : comm_(comm) {}
-  [[nodiscard]] int rank() const { return comm_.rank(); }
-  [[nodiscard]] int size() const { return comm_.size(); }
-  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-    dtrain::allgather(comm_, in, out).wait();
-  }
-  void broadcast(std::span<std::uint8_t> data, int root) {
-    if (!data.empty()) dtrain::broadcast(comm_, data, root).wait();
-  }
-
- private:
-  C& comm_;
-};
-
-class control_plane;
-
-/// A host_channel other than control_plane itself (which copies instead).
-template <class C>
-concept channel_to_refer_to = host_channel<C> && !std::same_as<C, control_plane>;
-
-/// A reference to any host_channel, for code that must not be a template on
-/// it (DistributedDataParallel keeps one). The channel must outlive it.
-class control_plane {
- public:
-  template <channel_to_refer_to Channel>
-  explicit control_plane(Channel& channel) noexcept
-      : channel_(&channel),
-        rank_(channel.rank()),
-        size_(channel.size()),
-        allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-          static_cast<Channel*>(c)->allgather(in, out);
-        }),
-        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
-          static_cast<Channel*>(c)->broadcast(data, root);
-        }) {}
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
-    allgather_(channel_, in, out);
-  }
-  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
-
- private:
-  void* channel_;
-  int rank_;
-  int size_;
-  void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
-  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
-};
-
-static_assert(host_channel<control_plane>);
-
-}  // namespace dtrain
-// ---- end dtrain/control/plane.hpp ----
-// ---- begin dtrain/control/verdict.hpp ----
-/// @file
-/// The verdict: a collective on the host control plane in which every rank
-/// says it is ok or names its problem, and every rank learns which ranks
-/// failed and why the first of them did. agree_or_throw() turns a failed
-/// verdict into an exception on every rank at once: the rank that failed
-/// throws its own message; every other rank names the first failed rank
-/// and carries its message, rather than waiting for a collective that rank
-/// will never join.
-
-
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// Every rank's outcome of one step that all ranks take together: which ranks
-/// named a problem, and the first one's message, the same on every rank.
-struct verdict {
-  /// The ranks that named a problem, in rank order; empty when every rank is ok.
-  std::vector<int> failed;
-  /// The first failed rank's problem, as it gave it (cut after
-  /// `verdict_text_limit` bytes); empty when every rank is ok.
-  std::string first_problem;
-
-  [[nodiscard]] bool ok() const noexcept { return failed.empty(); }
-  /// The lowest rank that named a problem; -1 when every rank is ok.
-  [[nodiscard]] int first_failed() const noexcept { return failed.empty() ? -1 : failed.front(); }
-  /// What a rank that did not fail reports: "rank 3 could not <what>, so every
-  /// rank stops: <rank 3's problem>" ("ranks 1, 3 could not ..." when several
-  /// failed). `what` is a verb phrase: "load /ckpt/step-5".
-  [[nodiscard]] std::string message(std::string_view what) const;
-};
-
-/// The most of a failed rank's message that the others receive, in bytes.
-inline constexpr std::size_t verdict_text_limit = 16 * 1024;
-
-/// Collective over the host control plane: the ranks whose `flag` is set, in
-/// rank order, the same on every rank (one allgather of one value). The
-/// verdict's first step, and DistributedDataParallel::any_rank's whole.
-DTRAIN_DETAIL_INLINE std::vector<int> flagged_ranks(control_plane& plane, bool flag);
-
-/// Collective over the host control plane: this rank's `problem` (empty: ok)
-/// against every other rank's. Every rank returns the same verdict. One
-/// allgather when every rank is ok; when not, the first failed rank's message
-/// follows in two broadcasts. Bounded by the plane's timeout; throws what
-/// the plane throws.
-DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_view problem);
-
-/// An exception type agree_or_throw may throw: a dtrain::error made from its message.
-template <class E>
-concept verdict_error = std::derived_from<E, error> && std::constructible_from<E, std::string>;
-
-/// Collective over the host control plane: returns when every rank is ok
-/// (an empty `problem` on every rank). Otherwise throws `Error` on every rank:
-/// a rank that failed throws its own `problem`, unchanged; every other rank
-/// throws verdict::message(what), which names the first failed rank and
-/// carries its problem. The caller chooses the type (config_error for a model
-/// the ranks cannot take, checkpoint_error for a checkpoint they cannot load),
-/// so every rank ends with the same exit status.
-template <verdict_error Error = error>
-void agree_or_throw(control_plane& plane, std::string_view what, const std::string& problem) {
-  const verdict v = gather_verdict(plane, problem);
-  if (v.ok()) return;
-  if (!problem.empty()) throw Error(problem);
-  throw Error(v.message(what));
-}
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string verdict::message(std::string_view what) const {
-  if (ok()) return {};
-  std::string ranks;
-  for (const int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  std::string text = (failed.size() == 1 ? "rank " : "ranks ") + ranks + " could not " +
-                     std::string(what) + ", so every rank stops";
-  if (failed.size() > 1) text += "; rank " + std::to_string(first_failed()) + "'s error";
-  return text + ": " + first_problem;
-}
-
-DTRAIN_DETAIL_INLINE std::vector<int> flagged_ranks(control_plane& plane, bool flag) {
-  const std::int64_t mine = flag ? 1 : 0;
-  std::vector<std::int64_t> all(static_cast<std::size_t>(plane.size()));
-  plane.allgather(std::span<const std::int64_t>(&mine, 1), all);
-  std::vector<int> flagged;
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r] != 0) flagged.push_back(static_cast<int>(r));
-  }
-  return flagged;
-}
-
-DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_view problem) {
-  verdict v;
-  v.failed = flagged_ranks(plane, !problem.empty());
-  if (v.ok()) return v;
-  // The first failed rank's message to every rank: its length, then its bytes.
-  const int first = v.first_failed();
-  const std::string_view sent = problem.substr(0, verdict_text_limit);
-  std::uint64_t length = plane.rank() == first ? sent.size() : 0;
-  std::uint8_t length_bytes[sizeof length];
-  std::memcpy(length_bytes, &length, sizeof length);
-  plane.broadcast(length_bytes, first);
-  std::memcpy(&length, length_bytes, sizeof length);
-  if (length > verdict_text_limit) {
-    throw rendezvous_error("verdict: rank " + std::to_string(first) + " sent a message of " +
-                           std::to_string(length) + " bytes to rank " +
-                           std::to_string(plane.rank()) + ", more than the " +
-                           std::to_string(verdict_text_limit) +
-                           " it may; the ranks called different control operations");
-  }
-  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
-  if (plane.rank() == first) std::memcpy(bytes.data(), sent.data(), bytes.size());
-  plane.broadcast(bytes, first);
-  v.first_problem.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  return v;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain
-// ---- end dtrain/control/verdict.hpp ----
 // ---- begin dtrain/backend/cuda.hpp ----
 /// @file
 /// The CUDA runtime as the NCCL backend uses it: DTRAIN_CUDA_CHECK, and owners
@@ -2855,621 +2463,6 @@ DTRAIN_DETAIL_INLINE std::size_t pinned_pool::held_bytes() const {
 
 #endif  // DTRAIN_HAS_CUDA()
 // ---- end dtrain/backend/cuda.hpp ----
-// ---- begin dtrain/diagnostics/desync.hpp ----
-/// @file
-/// Desync analysis: from every rank's ring of last collectives (or its
-/// silence), which rank is behind, which collective it never started, what
-/// the others wait in, and which sequence numbers were called with different
-/// arguments. Pure functions over the rings, so they are unit-tested on the
-/// host; diagnostics.hpp gathers the rings through the store and prints.
-
-// ---- begin dtrain/detail/wire.hpp ----
-/// @file
-/// The one binary format of everything dtrain sends between processes: the
-/// store's protocol (rendezvous/protocol.hpp) and every value dtrain keeps in
-/// the store or broadcasts (launch/protocol.hpp, env/placement.hpp, the rings
-/// of diagnostics/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
-/// u16 / u32 length followed by that many bytes. Every read is bounds checked.
-
-
-#include <cstddef>
-#include <cstdint>
-#include <stdexcept>
-#include <string>
-#include <string_view>
-#include <utility>
-
-namespace dtrain::detail::wire {
-
-/// A request or reply that breaks the protocol; the connection is closed.
-struct violation : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-/// Appends little-endian fields to a buffer.
-class writer {
- public:
-  explicit writer(std::string& out) : out_(out) {}
-  writer& u8(std::uint8_t v);
-  writer& u16(std::uint16_t v) { return le(v, 2); }
-  writer& u32(std::uint32_t v) { return le(v, 4); }
-  writer& u64(std::uint64_t v) { return le(v, 8); }
-  writer& i64(std::int64_t v) { return le(static_cast<std::uint64_t>(v), 8); }
-  writer& bytes16(std::string_view s);
-  writer& bytes32(std::string_view s);
-
- private:
-  writer& le(std::uint64_t v, int n);
-  std::string& out_;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE writer& writer::u8(std::uint8_t v) {
-  out_ += static_cast<char>(v);
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE writer& writer::bytes16(std::string_view s) {
-  u16(static_cast<std::uint16_t>(s.size()));
-  out_.append(s);
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE writer& writer::bytes32(std::string_view s) {
-  u32(static_cast<std::uint32_t>(s.size()));
-  out_.append(s);
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE writer& writer::le(std::uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
-  return *this;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Reads little-endian fields from a received body; every read is bounds
-/// checked and throws `violation` naming what was cut short.
-class reader {
- public:
-  explicit reader(std::string_view in) : in_(in) {}
-  std::uint8_t u8(const char* what) { return static_cast<std::uint8_t>(le(1, what)); }
-  std::uint16_t u16(const char* what) { return static_cast<std::uint16_t>(le(2, what)); }
-  std::uint32_t u32(const char* what) { return static_cast<std::uint32_t>(le(4, what)); }
-  std::uint64_t u64(const char* what) { return le(8, what); }
-  std::int64_t i64(const char* what) { return static_cast<std::int64_t>(le(8, what)); }
-  std::string_view bytes32(const char* what, std::uint32_t limit) {
-    return sized(u32(what), what, limit);
-  }
-  std::string_view bytes16(const char* what, std::uint32_t limit) {
-    return sized(u16(what), what, limit);
-  }
-  /// A bytes32 field bounded only by what is left of the input.
-  std::string_view bytes32(const char* what) { return take(u32(what), what); }
-  [[nodiscard]] bool at_end() const noexcept { return pos_ == in_.size(); }
-  void finish(const char* what) const;
-
- private:
-  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit);
-  std::string_view take(std::size_t n, const char* what);
-  std::uint64_t le(int n, const char* what);
-  std::string_view in_;
-  std::size_t pos_ = 0;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void reader::finish(const char* what) const {
-  if (pos_ != in_.size()) {
-    throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
-                    " unexpected trailing bytes");
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::string_view reader::sized(std::uint32_t n, const char* what,
-                                                    std::uint32_t limit) {
-  if (n > limit) {
-    throw violation(std::string(what) + " of " + std::to_string(n) +
-                    " bytes exceeds the limit of " + std::to_string(limit));
-  }
-  return take(n, what);
-}
-
-DTRAIN_DETAIL_INLINE std::string_view reader::take(std::size_t n, const char* what) {
-  if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
-  auto out = in_.substr(pos_, n);
-  pos_ += n;
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE std::uint64_t reader::le(int n, const char* what) {
-  auto bytes = take(static_cast<std::size_t>(n), what);
-  std::uint64_t v = 0;
-  for (int i = n - 1; i >= 0; --i)
-    v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
-  return v;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Decodes `value`, which `where` ("store key dtrain/agent/0/failure", "rank
-/// 0's broadcast") should hold as `what` ("a node agent's failure record"):
-/// `read(reader&)` reads the fields and every byte must be used. A short, long
-/// or otherwise malformed value (a codec throws `violation` for a field out of
-/// range) becomes a rendezvous_error naming where, what and what was wrong.
-template <class Read>
-auto decode_value(std::string_view where, std::string_view value, std::string_view what,
-                  Read&& read) {
-  try {
-    reader r(value);
-    auto out = std::forward<Read>(read)(r);
-    r.finish("the value");
-    return out;
-  } catch (const violation& e) {
-    throw rendezvous_error(std::string(where) + " does not hold " + std::string(what) + " (" +
-                           std::to_string(value.size()) + " bytes): " + e.what() +
-                           "; another program, or another dtrain version, wrote it");
-  }
-}
-
-/// A value of one int64 (a rank, a port, a present-flag).
-DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v) {
-  std::string out;
-  writer(out).i64(v);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-inline std::int64_t decode_int(std::string_view where, std::string_view value,
-                               std::string_view what) {
-  return decode_value(where, value, what, [](reader& r) { return r.i64("the number"); });
-}
-
-/// A value of one text (a reason, a token).
-DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text) {
-  std::string out;
-  writer(out).bytes32(text);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
-                                             std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
-                                             std::string_view what) {
-  return decode_value(where, value, what,
-                      [](reader& r) { return std::string(r.bytes32("the text")); });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// A value that one rank produced for every rank, or why it could not
-/// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
-/// bytes32, or u8 0 and the producer's error message as bytes32.
-struct outcome {
-  bool ok = true;
-  std::string text;  ///< ok: the value; else the producer's error message
-
-  [[nodiscard]] std::string encode() const;
-  /// `where` and `what` name the value in the error when it is not an outcome.
-  [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
-                                      std::string_view what);
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string outcome::encode() const {
-  std::string out;
-  writer(out).u8(ok ? 1 : 0).bytes32(text);
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE outcome outcome::decode(std::string_view where, std::string_view value,
-                                             std::string_view what) {
-  return decode_value(where, value, what, [](reader& r) {
-    outcome o;
-    const std::uint8_t flag = r.u8("the ok flag");
-    if (flag > 1) throw violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
-    o.ok = flag == 1;
-    o.text = std::string(r.bytes32(o.ok ? "the value" : "the producer's error"));
-    return o;
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain::detail::wire
-// ---- end dtrain/detail/wire.hpp ----
-
-#include <algorithm>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// One rank's ring as the diagnostics round received it; `answered` false
-/// when the rank did not publish in time (its process is gone or frozen).
-struct rank_ring {
-  int rank = 0;
-  bool answered = false;
-  std::vector<call_record> calls;  ///< oldest first
-};
-
-/// What the analysis found: one line for the person at 3 a.m., and the details.
-struct desync_report {
-  std::string
-      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
-  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
-  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
-  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
-  int severity = 0;
-};
-
-/// "rank 2", "ranks 0, 1, 3".
-DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(ranks[i]);
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-namespace desync {
-
-DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
-  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
-  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
-  std::string out = "#";
-  out += std::to_string(r.seq);
-  out += ' ';
-  out += describe_call(r, with_op);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-// What differs between two calls with the same sequence number, for the summary.
-DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
-  if (a.kind != b.kind) return "the collectives differ";
-  if (a.type != b.type) return "the types differ";
-  if (a.count != b.count) return "the sizes differ";
-  if (a.op != b.op) return "the reduce ops differ";
-  return "the roots differ";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-// Ranks grouped by what they called as number `seq`, the largest group first
-// (on a tie the group of the lowest rank): the odd ones out come after.
-struct call_group {
-  const call_record* call;
-  std::vector<int> ranks;
-};
-DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
-                                                         std::int64_t seq);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
-                                                         std::int64_t seq) {
-  std::vector<call_group> groups;
-  for (const rank_ring& r : rings) {
-    for (const call_record& c : r.calls) {
-      if (c.seq != seq) continue;
-      auto same = std::find_if(groups.begin(), groups.end(),
-                               [&](const call_group& g) { return g.call->same_call(c); });
-      if (same == groups.end()) {
-        groups.push_back({&c, {r.rank}});
-      } else {
-        same->ranks.push_back(r.rank);
-      }
-    }
-  }
-  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
-    return a.ranks.size() > b.ranks.size();
-  });
-  return groups;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace desync
-
-/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
-/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
-/// missing; what cannot be decided is said so.
-DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
-  desync_report report;
-  std::vector<int> silent;
-  std::vector<const rank_ring*> live;
-  for (const rank_ring& r : rings) {
-    if (r.answered) {
-      live.push_back(&r);
-    } else {
-      silent.push_back(r.rank);
-    }
-  }
-  auto top = [](const rank_ring& r) -> std::int64_t {
-    return r.calls.empty() ? 0 : r.calls.back().seq;
-  };
-
-  // One row per rank: the last collective it issued and how far it got.
-  for (const rank_ring& r : rings) {
-    std::string row = "rank " + std::to_string(r.rank) + ": ";
-    if (!r.answered) {
-      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
-    } else if (r.calls.empty()) {
-      row += "no collective issued yet";
-    } else {
-      const call_record& last = r.calls.back();
-      row += desync::at(last) + " " + std::string(to_string(last.state));
-      if (r.calls.size() > 1) {
-        const call_record& before = r.calls[r.calls.size() - 2];
-        row +=
-            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
-      }
-    }
-    report.details.push_back(std::move(row));
-  }
-
-  // Sequence numbers called with different arguments, oldest first.
-  std::string mismatch;
-  std::int64_t lowest = 0, highest = 0;
-  for (const rank_ring* r : live) {
-    if (r->calls.empty()) continue;
-    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
-    highest = std::max(highest, top(*r));
-  }
-  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
-    auto groups = desync::group_calls(rings, seq);
-    if (groups.size() < 2) continue;
-    bool ops = false;
-    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
-    std::string line;
-    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
-      if (!line.empty()) line += "; ";
-      line += name_ranks(groups[i].ranks);
-      line += groups[i].ranks.size() == 1 ? " is in " : " are in ";
-      line += desync::at(*groups[i].call, ops);
-    }
-    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
-            " for the same collective";
-    report.details.push_back("mismatch: " + line);
-    if (mismatch.empty()) mismatch = line;
-  }
-
-  // The rank(s) behind: the lowest last sequence number among those that answered.
-  std::string behind;
-  if (!live.empty()) {
-    std::int64_t low = top(*live.front()), high = low;
-    for (const rank_ring* r : live) {
-      low = std::min(low, top(*r));
-      high = std::max(high, top(*r));
-    }
-    if (low < high) {
-      std::vector<int> late, waiting, past;
-      const call_record* missing = nullptr;
-      const call_record* last_late = nullptr;
-      for (const rank_ring* r : live) {
-        if (top(*r) == low) {
-          late.push_back(r->rank);
-          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
-          continue;
-        }
-        for (const call_record& c : r->calls) {
-          if (c.seq != low + 1) continue;
-          if (!missing) missing = &c;
-          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
-        }
-      }
-      const bool one = late.size() == 1;
-      behind = name_ranks(late) + (one ? " is at " : " are at ") +
-               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
-      if (!waiting.empty())
-        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
-      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
-      if (missing) {
-        behind += desync::at(*missing);
-      } else {
-        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
-      }
-      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
-    }
-  }
-
-  std::string gone;
-  if (!silent.empty()) {
-    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
-    std::vector<int> waiting;
-    const call_record* in = nullptr;
-    for (const rank_ring* r : live) {
-      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
-      waiting.push_back(r->rank);
-      if (!in) in = &r->calls.back();
-    }
-    if (in)
-      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
-              desync::at(*in);
-  }
-
-  if (!mismatch.empty()) {
-    report.summary = mismatch;
-    report.severity = 4;
-  } else if (!behind.empty()) {
-    report.summary = behind;
-    report.severity = 3;
-  } else if (!gone.empty()) {
-    report.summary = gone;
-    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
-  } else if (!live.empty() && !live.front()->calls.empty()) {
-    const call_record& last = live.front()->calls.back();
-    report.summary =
-        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
-  } else {
-    report.summary = "no rank has issued a collective yet";
-  }
-  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
-  return report;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
-DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
-                                               const desync_report& report);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
-                                               const desync_report& report) {
-  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
-  for (const std::string& d : report.details) out += "    " + d + "\n";
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// The rings one rank publishes: its world communicator's and its splits', by name.
-using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
-
-/// What one rank published in a diagnostics round (`answered` false: nothing in time).
-struct rank_publication {
-  int rank = 0;
-  bool answered = false;
-  named_rings rings;
-};
-
-/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
-/// ring count u32, then per communicator its name bytes32, call count u32 and
-/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
-/// state u8, label bytes32.
-DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
-  std::string out;
-  wire::writer w(out);
-  w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
-  for (const auto& [name, calls] : rings) {
-    w.bytes32(name).u32(static_cast<std::uint32_t>(calls.size()));
-    for (const call_record& c : calls) {
-      w.i64(c.seq)
-          .bytes32(c.kind)
-          .u8(static_cast<std::uint8_t>(c.type))
-          .u64(c.count)
-          .i64(c.op)
-          .i64(c.root)
-          .u8(static_cast<std::uint8_t>(c.state))
-          .bytes32(c.label);
-    }
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// The rings of encode_rings' value; nothing when it is not such a value (the
-/// rank then counts as not answering: diagnostics never throw).
-DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
-  try {
-    return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
-      if (const auto version = r.u8("the version"); version != 1) {
-        throw wire::violation("version " + std::to_string(version) + " is not 1");
-      }
-      named_rings rings;
-      const std::uint32_t count = r.u32("the ring count");
-      for (std::uint32_t i = 0; i < count; ++i) {
-        auto& [name, calls] =
-            rings.emplace_back(std::string(r.bytes32("a ring's name")), std::vector<call_record>{});
-        const std::uint32_t n = r.u32("the call count");
-        for (std::uint32_t k = 0; k < n; ++k) {
-          call_record c;
-          c.seq = r.i64("seq");
-          c.kind = r.bytes32("kind");
-          const std::uint8_t type = r.u8("type");
-          if (type > static_cast<std::uint8_t>(dtype::uint8)) throw wire::violation("a bad type");
-          c.type = static_cast<dtype>(type);
-          c.count = static_cast<std::size_t>(r.u64("count"));
-          c.op = static_cast<int>(r.i64("op"));
-          c.root = static_cast<int>(r.i64("root"));
-          const std::uint8_t state = r.u8("state");
-          if (state > static_cast<std::uint8_t>(call_state::timed_out)) {
-            throw wire::violation("a bad state");
-          }
-          c.state = static_cast<call_state>(state);
-          c.label = r.bytes32("label");
-          calls.push_back(std::move(c));
-        }
-      }
-      return rings;
-    });
-  } catch (const rendezvous_error&) {
-    return std::nullopt;
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Analyses every communicator the ranks published (the world's first, then
-/// the splits, by name) and returns the report of the one that explains most
-/// (a mismatch, then a rank behind, then silent ranks), its details preceded
-/// by the others' findings. Silent ranks count as members of the world and
-/// of every split that all answering ranks have (DistributedDataParallel's
-/// own split); a split that only some ranks have (a node's) is analysed over them.
-DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
-  std::vector<std::string> names;
-  int answering = 0;
-  for (const rank_publication& p : ranks) {
-    answering += p.answered ? 1 : 0;
-    for (const auto& entry : p.rings) {
-      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
-        names.push_back(entry.first);
-    }
-  }
-  if (names.empty()) names.push_back("world");
-  std::vector<std::pair<std::string, desync_report>> reports;
-  for (const std::string& name : names) {
-    std::vector<rank_ring> rings;
-    for (const rank_publication& p : ranks) {
-      if (!p.answered) {
-        rings.push_back({p.rank, false, {}});
-        continue;
-      }
-      for (const auto& entry : p.rings) {
-        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
-      }
-    }
-    const auto members =
-        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
-    if (members < answering) {
-      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
-    }
-    reports.emplace_back(name, analyse(rings));
-  }
-  std::size_t best = 0;
-  for (std::size_t i = 1; i < reports.size(); ++i) {
-    if (reports[i].second.severity > reports[best].second.severity) best = i;
-  }
-  desync_report out = reports[best].second;
-  if (reports.size() > 1) {
-    out.summary += " (on communicator " + reports[best].first + ")";
-    out.details.clear();
-    for (const auto& [name, report] : reports) {
-      out.details.push_back("communicator " + name + ":" +
-                            (report.severity > 0 ? " " + report.summary : ""));
-      for (const std::string& d : report.details) out.details.push_back("  " + d);
-    }
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain::detail
-// ---- end dtrain/diagnostics/desync.hpp ----
 // ---- begin dtrain/backend/gloo/gloo.hpp ----
 /// @file
 /// gloo_communicator: the communicator concept on Gloo's TCP transport, for
@@ -3747,6 +2740,94 @@ DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
   }())
 // ---- end dtrain/detail/sys.hpp ----
 
+// ---- begin dtrain/rendezvous/store.hpp ----
+/// @file
+/// The `store` concept (what bootstraps the engines and runs barriers), and
+/// prefix_store, which gives each job, restart round and subsystem its own
+/// namespace within one store.
+
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// A key-value store that every rank reaches: set / get (waits) / add /
+/// compare_set / wait / check / erase, and barrier. Gloo's five-method store
+/// is the model.
+template <class S>
+concept store = requires(S& s, std::string_view key, std::span<const std::string> keys,
+                         std::chrono::milliseconds timeout) {
+  s.set(key, key);
+  { s.get(key) } -> std::convertible_to<std::string>;
+  { s.get(key, timeout) } -> std::convertible_to<std::string>;
+  { s.add(key, std::int64_t{1}) } -> std::convertible_to<std::int64_t>;
+  { s.compare_set(key, key, key) } -> std::convertible_to<std::string>;
+  s.wait(keys);
+  s.wait(keys, timeout);
+  { s.check(keys) } -> std::convertible_to<bool>;
+  { s.erase(key) } -> std::convertible_to<bool>;
+  { s.num_keys() } -> std::convertible_to<std::int64_t>;
+  s.barrier(key, 1);
+  s.barrier(key, 1, timeout);
+};
+
+/// A view of another store in which every key (and barrier name) is
+/// `prefix/key`. Nests: prefix_store(prefix_store(s, "job7"), "restart2").
+/// Does not own the underlying store, which must outlive it.
+template <store S>
+class prefix_store {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
+
+  void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
+  [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
+  [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
+    return inner_.get(full(key), timeout);
+  }
+  std::int64_t add(std::string_view key, std::int64_t delta) {
+    return inner_.add(full(key), delta);
+  }
+  std::string compare_set(std::string_view key, std::string_view expected,
+                          std::string_view desired) {
+    return inner_.compare_set(full(key), expected, desired);
+  }
+  void wait(std::span<const std::string> keys) { inner_.wait(full(keys)); }
+  void wait(std::span<const std::string> keys, milliseconds timeout) {
+    inner_.wait(full(keys), timeout);
+  }
+  [[nodiscard]] bool check(std::span<const std::string> keys) { return inner_.check(full(keys)); }
+  bool erase(std::string_view key) { return inner_.erase(full(key)); }
+  /// Keys in the whole underlying store, not only under this prefix.
+  [[nodiscard]] std::int64_t num_keys() { return inner_.num_keys(); }
+  void barrier(std::string_view name, int count) { inner_.barrier(full(name), count); }
+  void barrier(std::string_view name, int count, milliseconds timeout) {
+    inner_.barrier(full(name), count, timeout);
+  }
+
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+
+ private:
+  std::string full(std::string_view key) const { return prefix_ + std::string(key); }
+  std::vector<std::string> full(std::span<const std::string> keys) const {
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& k : keys) out.push_back(full(k));
+    return out;
+  }
+
+  S& inner_;
+  std::string prefix_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/rendezvous/store.hpp ----
 
 #include <optional>
 #include <string>
@@ -4521,8 +3602,7 @@ DTRAIN_DETAIL_INLINE void shm_segment::wait_all(flag rank_flags::*which, std::ui
       // The rank waited for first: its death is the cause, another's giving up a consequence.
       if (!alive(q)) {
         std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
-                          " exited or closed its communicator (its lock on the segment is "
-                          "gone)";
+                          " exited or closed its communicator (its lock on the segment is gone)";
         abandon(why);
         throw shm_failure(why, false);
       }
@@ -4703,8 +3783,8 @@ DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(const collective_info& call,
 DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
   std::lock_guard lock(mutex);
   return "the communicator is unusable since an earlier failure (" + failure.text() +
-         "); ranks cannot fall back into step after a failed collective, so make a new "
-         "communicator";
+         "); ranks cannot fall back into step after a failed collective, "
+         "so make a new communicator";
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -4836,13 +3916,12 @@ DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e
     return std::make_exception_ptr(
         timeout_error(what + " timed out in Gloo (" + message +
                       "); a peer is slow, dead or called a different collective "
-                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what "
-                      "every rank passed)"));
+                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
   }
   return std::make_exception_ptr(
       backend_error(what + " failed in Gloo: " + message +
-                        "; a peer rank may have died or closed its communicator: look for the "
-                        "first error on the other ranks",
+                        "; a peer rank may have died or closed its communicator: "
+                        "look for the first error on the other ranks",
                     0));
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -5267,6 +4346,220 @@ DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
 /// length beyond the configured limits closes the connection before anything
 /// is allocated for it.
 
+// ---- begin dtrain/detail/wire.hpp ----
+/// @file
+/// The one binary format of everything dtrain sends between processes: the
+/// store's protocol (rendezvous/protocol.hpp) and every value dtrain keeps in
+/// the store or broadcasts (launch/protocol.hpp, env/placement.hpp, the rings
+/// of diagnostics/desync.hpp). Little-endian integers; bytes16 / bytes32 are a
+/// u16 / u32 length followed by that many bytes. Every read is bounds checked.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace dtrain::detail::wire {
+
+/// A request or reply that breaks the protocol; the connection is closed.
+struct violation : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Appends little-endian fields to a buffer.
+class writer {
+ public:
+  explicit writer(std::string& out) : out_(out) {}
+  writer& u8(std::uint8_t v);
+  writer& u16(std::uint16_t v) { return le(v, 2); }
+  writer& u32(std::uint32_t v) { return le(v, 4); }
+  writer& u64(std::uint64_t v) { return le(v, 8); }
+  writer& i64(std::int64_t v) { return le(static_cast<std::uint64_t>(v), 8); }
+  writer& bytes16(std::string_view s);
+  writer& bytes32(std::string_view s);
+
+ private:
+  writer& le(std::uint64_t v, int n);
+  std::string& out_;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE writer& writer::u8(std::uint8_t v) {
+  out_ += static_cast<char>(v);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::bytes16(std::string_view s) {
+  u16(static_cast<std::uint16_t>(s.size()));
+  out_.append(s);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::bytes32(std::string_view s) {
+  u32(static_cast<std::uint32_t>(s.size()));
+  out_.append(s);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::le(std::uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+  return *this;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Reads little-endian fields from a received body; every read is bounds
+/// checked and throws `violation` naming what was cut short.
+class reader {
+ public:
+  explicit reader(std::string_view in) : in_(in) {}
+  std::uint8_t u8(const char* what) { return static_cast<std::uint8_t>(le(1, what)); }
+  std::uint16_t u16(const char* what) { return static_cast<std::uint16_t>(le(2, what)); }
+  std::uint32_t u32(const char* what) { return static_cast<std::uint32_t>(le(4, what)); }
+  std::uint64_t u64(const char* what) { return le(8, what); }
+  std::int64_t i64(const char* what) { return static_cast<std::int64_t>(le(8, what)); }
+  std::string_view bytes32(const char* what, std::uint32_t limit) {
+    return sized(u32(what), what, limit);
+  }
+  std::string_view bytes16(const char* what, std::uint32_t limit) {
+    return sized(u16(what), what, limit);
+  }
+  /// A bytes32 field bounded only by what is left of the input.
+  std::string_view bytes32(const char* what) { return take(u32(what), what); }
+  [[nodiscard]] bool at_end() const noexcept { return pos_ == in_.size(); }
+  void finish(const char* what) const;
+
+ private:
+  std::string_view sized(std::uint32_t n, const char* what, std::uint32_t limit);
+  std::string_view take(std::size_t n, const char* what);
+  std::uint64_t le(int n, const char* what);
+  std::string_view in_;
+  std::size_t pos_ = 0;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void reader::finish(const char* what) const {
+  if (pos_ != in_.size()) {
+    throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
+                    " unexpected trailing bytes");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string_view reader::sized(std::uint32_t n, const char* what,
+                                                    std::uint32_t limit) {
+  if (n > limit) {
+    throw violation(std::string(what) + " of " + std::to_string(n) +
+                    " bytes exceeds the limit of " + std::to_string(limit));
+  }
+  return take(n, what);
+}
+
+DTRAIN_DETAIL_INLINE std::string_view reader::take(std::size_t n, const char* what) {
+  if (in_.size() - pos_ < n) throw violation(std::string(what) + " is truncated");
+  auto out = in_.substr(pos_, n);
+  pos_ += n;
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t reader::le(int n, const char* what) {
+  auto bytes = take(static_cast<std::size_t>(n), what);
+  std::uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i)
+    v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
+  return v;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Decodes `value`, which `where` ("store key dtrain/agent/0/failure", "rank
+/// 0's broadcast") should hold as `what` ("a node agent's failure record"):
+/// `read(reader&)` reads the fields and every byte must be used. A short, long
+/// or otherwise malformed value (a codec throws `violation` for a field out of
+/// range) becomes a rendezvous_error naming where, what and what was wrong.
+template <class Read>
+auto decode_value(std::string_view where, std::string_view value, std::string_view what,
+                  Read&& read) {
+  try {
+    reader r(value);
+    auto out = std::forward<Read>(read)(r);
+    r.finish("the value");
+    return out;
+  } catch (const violation& e) {
+    throw rendezvous_error(std::string(where) + " does not hold " + std::string(what) + " (" +
+                           std::to_string(value.size()) + " bytes): " + e.what() +
+                           "; another program, or another dtrain version, wrote it");
+  }
+}
+
+/// A value of one int64 (a rank, a port, a present-flag).
+DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v) {
+  std::string out;
+  writer(out).i64(v);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+inline std::int64_t decode_int(std::string_view where, std::string_view value,
+                               std::string_view what) {
+  return decode_value(where, value, what, [](reader& r) { return r.i64("the number"); });
+}
+
+/// A value of one text (a reason, a token).
+DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text) {
+  std::string out;
+  writer(out).bytes32(text);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
+                                             std::string_view what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
+                                             std::string_view what) {
+  return decode_value(where, value, what,
+                      [](reader& r) { return std::string(r.bytes32("the text")); });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// A value that one rank produced for every rank, or why it could not
+/// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
+/// bytes32, or u8 0 and the producer's error message as bytes32.
+struct outcome {
+  bool ok = true;
+  std::string text;  ///< ok: the value; else the producer's error message
+
+  [[nodiscard]] std::string encode() const;
+  /// `where` and `what` name the value in the error when it is not an outcome.
+  [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
+                                      std::string_view what);
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string outcome::encode() const {
+  std::string out;
+  writer(out).u8(ok ? 1 : 0).bytes32(text);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE outcome outcome::decode(std::string_view where, std::string_view value,
+                                             std::string_view what) {
+  return decode_value(where, value, what, [](reader& r) {
+    outcome o;
+    const std::uint8_t flag = r.u8("the ok flag");
+    if (flag > 1) throw violation("the ok flag is " + std::to_string(flag) + ", not 0 or 1");
+    o.ok = flag == 1;
+    o.text = std::string(r.bytes32(o.ok ? "the value" : "the producer's error"));
+    return o;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain::detail::wire
+// ---- end dtrain/detail/wire.hpp ----
 
 #include <cstdint>
 #include <string>
@@ -5705,8 +4998,9 @@ DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
       throw timeout_error("could not reach the store at " + endpoint() + " within " +
                           seconds(patience) + " (last error: " + last_error +
                           "); check that the process hosting it (rank 0, or the node-0 agent) "
-                          "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
-                          "rank, and that no firewall blocks the port");
+                          "is running, "
+                          "that MASTER_ADDR and MASTER_PORT are the same on every rank, "
+                          "and that no firewall blocks the port");
     }
     if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
       detail::say(options_.progress,
@@ -5797,8 +5091,8 @@ DTRAIN_DETAIL_INLINE void store_client::handshake(steady::time_point connect_dea
   if (s == detail::wire::status::bad_token) {
     broken_ = true;
     throw token_error("the store at " + endpoint() +
-                      " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                      "token option) on every rank");
+                      " rejected this client's token; set the same DTRAIN_STORE_TOKEN "
+                      "(or token option) on every rank");
   }
   if (s == detail::wire::status::bad_version) {
     broken_ = true;
@@ -6140,8 +5434,8 @@ DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& c
     if (std::chrono::steady_clock::now() > deadline) {
       throw timeout_error("rank " + std::to_string(rank) + " found no valid store token in " +
                           file.path() +
-                          " within the store timeout; is rank 0 running "
-                          "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+                          " within the store timeout; is rank 0 running on this host? "
+                          "(set DTRAIN_STORE_TOKEN on every rank to skip the file)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -6274,9 +5568,9 @@ DTRAIN_DETAIL_INLINE void check_gloo_library(int rank) {
       "gloo_communicator on rank " + std::to_string(rank) + ": Gloo's functions resolve to " +
       file +
       ", the copy of Gloo inside LibTorch, not to the libgloo dtrain was compiled against "
-      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: list "
-      "dtrain::gloo before the torch libraries), or use dtrain's MPI or NCCL engine with this "
-      "LibTorch");
+      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: "
+      "list dtrain::gloo before the torch libraries), "
+      "or use dtrain's MPI or NCCL engine with this LibTorch");
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -6570,8 +5864,8 @@ class gloo_communicator {
       .host = true,
       .device = false,
       .rule =
-          "gloo reduces host memory only: copy device data to the host first, or use "
-          "backend::nccl"};
+          "gloo reduces host memory only: copy device data to the host first, "
+          "or use backend::nccl"};
 
   // Every collective, in this order: a left-out rank fails first; then the
   // argument checks every engine shares; a broken communicator; the ring's
@@ -6789,9 +6083,10 @@ namespace dtrain {
 namespace detail {
 
 inline constexpr std::string_view device_casts_missing =
-    "gradient compression of GPU buckets needs CUDA kernels, and no translation unit of this "
-    "program was compiled by nvcc: include <dtrain/dtrain.hpp> in at least one .cu file that is "
-    "linked into the program (any one: the kernels are shared)";
+    "gradient compression of GPU buckets needs CUDA kernels, "
+    "and no translation unit of this program was compiled by nvcc: "
+    "include <dtrain/dtrain.hpp> in at least one .cu file that is linked into the program "
+    "(any one: the kernels are shared)";
 
 /// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
 DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
@@ -7067,10 +6362,10 @@ DTRAIN_DETAIL_INLINE void cuda_memory::check_stream(int device, stream_type stre
   DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   if (status != cudaStreamCaptureStatusNone) {
     throw config_error(
-        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
-        "records events, polls them from the host and launches NCCL work that must not be "
-        "replayed, so run the DDP step outside the capture (capture the forward and backward "
-        "only)");
+        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; "
+        "DDP records events, "
+        "polls them from the host and launches NCCL work that must not be replayed, "
+        "so run the DDP step outside the capture (capture the forward and backward only)");
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -7518,12 +6813,11 @@ class mpi_communicator {
   template <class What>
   void usable(const What& what) const {
     if (health_->broken) {
-      throw backend_error(
-          detail::what_text(what) + ": this MPI communicator is unusable since " +
-              health_->why.text() +
-              " (MPI cannot cancel a collective); end the job, or continue only on other "
-              "communicators",
-          0);
+      throw backend_error(detail::what_text(what) + ": this MPI communicator is unusable since " +
+                              health_->why.text() +
+                              " (MPI cannot cancel a collective); end the job, "
+                              "or continue only on other communicators",
+                          0);
     }
   }
 
@@ -8209,8 +7503,9 @@ inline constexpr memory_reach nccl_memory{
     .host = false,
     .device = true,
     .rule =
-        "NCCL reduces device memory only: pass GPU memory (device_span, or a buffer with where "
-        "= memory::device), or reduce host data with the mpi or gloo backend"};
+        "NCCL reduces device memory only: pass GPU memory (device_span, "
+        "or a buffer with where = memory::device), "
+        "or reduce host data with the mpi or gloo backend"};
 
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
 [[nodiscard]] DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
@@ -8264,9 +7559,8 @@ DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
 #endif  // DTRAIN_DETAIL_BODIES()
 
 inline constexpr std::string_view nccl_timeout_hint =
-    "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
-    "what every "
-    "rank passed)";
+    "a peer is slow, dead or called a different collective "
+    "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)";
 
 /// Polling back-off for work the GPU finishes: sleeps grow to 1 ms.
 struct nccl_backoff : backoff {
@@ -8923,9 +8217,9 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
       return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " on host " +
              gpus[a].host + " both use GPU " + gpus[a].uuid + " (PCI bus " + gpus[a].pci_bus +
              "): " + as(a) + ", " + as(b) +
-             "; NCCL needs a GPU of its own for every rank: start no more ranks on a node than it "
-             "has GPUs, and give each its own device (the local rank, or a CUDA_VISIBLE_DEVICES "
-             "of its own)";
+             "; NCCL needs a GPU of its own for every rank: "
+             "start no more ranks on a node than it has GPUs, and give each its own device "
+             "(the local rank, or a CUDA_VISIBLE_DEVICES of its own)";
     }
   }
   return {};
@@ -9014,8 +8308,8 @@ class basic_nccl_communicator {
       // Non-blocking: NCCL connects the ranks in the background; a rank that
       // never comes would otherwise hang this call for ever.
       s->wait(what, s->options.init_timeout,
-              "every rank must start and reach the others' network "
-              "interfaces (NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+              "every rank must start and reach the others' network interfaces "
+              "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
               [] { return true; });
       shared_ = std::move(s);
     } catch (const backend_error& e) {
@@ -9636,108 +8930,1605 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
 
 }  // namespace dtrain
 // ---- end dtrain/backend/watchdog.hpp ----
-// ---- begin dtrain/runtime/compiled.hpp ----
+// ---- begin dtrain/control/plane.hpp ----
 /// @file
-/// Separate compilation: the policy-dependent code of dtrain (context, run's
-/// agent and worker, DistributedDataParallel's machinery, and with them the
-/// store, the agent and the engine glue) compiled once in a library instead of
-/// in every translation unit that calls dtrain::run. This header does nothing
-/// unless DTRAIN_SEPARATE_COMPILATION=1 is defined.
+/// The host control plane: small blocking collectives on host memory for
+/// what is metadata rather than gradients (model agreement, the bucket
+/// rebuild order, checksums, bootstrap). A device engine such as NCCL never
+/// carries them. Two channels: `store_channel` (over the rendezvous store;
+/// works for every backend) and `communicator_channel` (over a communicator
+/// that reaches host memory: MPI, Gloo). `control_plane` refers to either.
+
+
+#include <concepts>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Blocking host collectives among the ranks of a job. Every rank calls the
+/// same operations in the same order; each is bounded by the channel's
+/// timeout (the store's, or the communicator's collective timeout).
+template <class C>
+concept host_channel = requires(C& c, const C& cc, std::span<const std::int64_t> in,
+                                std::span<std::int64_t> out, std::span<std::uint8_t> bytes) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  c.allgather(in, out);   // out: size() * in.size(), in rank order
+  c.broadcast(bytes, 0);  // every rank passes the same length
+};
+
+/// Host collectives through the rendezvous store: allgather is a key per
+/// rank, broadcast one key from the root. The last rank to read a round
+/// erases its keys, so the store holds at most one round per channel.
+template <store Store>
+class store_channel {
+ public:
+  /// `prefix` names this channel's keys; every rank must use the same one.
+  store_channel(Store& store, int rank, int size, std::string prefix = "control")
+      : store_(store), rank_(rank), size_(size), prefix_(std::move(prefix) + "/") {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    const std::string round = next_round();
+    const std::size_t bytes = in.size_bytes();
+    if (out.size() != in.size() * static_cast<std::size_t>(size_)) {
+      throw config_error("store_channel::allgather on rank " + std::to_string(rank_) +
+                         ": output has " + std::to_string(out.size()) + " elements, expected " +
+                         std::to_string(in.size() * static_cast<std::size_t>(size_)));
+    }
+    store_.set(round + std::to_string(rank_),
+               std::string_view(reinterpret_cast<const char*>(in.data()), bytes));
+    for (int r = 0; r < size_; ++r) {
+      const std::string key = round + std::to_string(r);
+      const std::string value = r == rank_
+                                    ? std::string(reinterpret_cast<const char*>(in.data()), bytes)
+                                    : store_.get(key);
+      expect_length(key, value, bytes, r);
+      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), value.data(), bytes);
+    }
+    finish(round, [&] {
+      for (int r = 0; r < size_; ++r) store_.erase(round + std::to_string(r));
+    });
+  }
+
+  void broadcast(std::span<std::uint8_t> data, int root) {
+    if (root < 0 || root >= size_) {
+      throw config_error("store_channel::broadcast: root " + std::to_string(root) +
+                         " is not a rank of " + std::to_string(size_));
+    }
+    const std::string round = next_round();
+    const std::string key = round + "root";
+    if (rank_ == root) {
+      store_.set(key, std::string_view(reinterpret_cast<const char*>(data.data()), data.size()));
+    } else {
+      const std::string value = store_.get(key);
+      expect_length(key, value, data.size(), root);
+      if (!data.empty()) std::memcpy(data.data(), value.data(), data.size());
+    }
+    finish(round, [&] { store_.erase(key); });
+  }
+
+ private:
+  std::string next_round() { return prefix_ + std::to_string(++round_) + "/"; }
+
+  void expect_length(const std::string& key, const std::string& value, std::size_t bytes,
+                     int from) const {
+    if (value.size() != bytes) {
+      throw rendezvous_error("control plane: store key " + key + " from rank " +
+                             std::to_string(from) + " has " + std::to_string(value.size()) +
+                             " bytes, rank " + std::to_string(rank_) + " expected " +
+                             std::to_string(bytes) +
+                             "; the ranks called different control operations, "
+                             "or another program wrote under this prefix");
+    }
+  }
+
+  template <class Erase>
+  void finish(const std::string& round, Erase&& erase) {
+    const std::string read = round + "read";
+    if (store_.add(read, 1) == size_) {
+      erase();
+      store_.erase(read);
+    }
+  }
+
+  Store& store_;
+  int rank_;
+  int size_;
+  std::string prefix_;
+  std::uint64_t round_ = 0;
+};
+
+/// Host collectives on a communicator that reaches host memory, each waited
+/// for within its collective timeout.
+template <communicator C>
+class communicator_channel {
+  static_assert(C::reaches_host_memory,
+                "communicator_channel needs a communicator that reaches host memory (MPI, Gloo); "
+                "for NCCL use the context's control plane or a store_channel");
+
+ public:
+  explicit communicator_channel(C& comm) noexcept : comm_(comm) {}
+  [[nodiscard]] int rank() const { return comm_.rank(); }
+  [[nodiscard]] int size() const { return comm_.size(); }
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    dtrain::allgather(comm_, in, out).wait();
+  }
+  void broadcast(std::span<std::uint8_t> data, int root) {
+    if (!data.empty()) dtrain::broadcast(comm_, data, root).wait();
+  }
+
+ private:
+  C& comm_;
+};
+
+class control_plane;
+
+/// A host_channel other than control_plane itself (which copies instead).
+template <class C>
+concept channel_to_refer_to = host_channel<C> && !std::same_as<C, control_plane>;
+
+/// A reference to any host_channel, for code that must not be a template on
+/// it (DistributedDataParallel keeps one). The channel must outlive it.
+class control_plane {
+ public:
+  template <channel_to_refer_to Channel>
+  explicit control_plane(Channel& channel) noexcept
+      : channel_(&channel),
+        rank_(channel.rank()),
+        size_(channel.size()),
+        allgather_([](void* c, std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+          static_cast<Channel*>(c)->allgather(in, out);
+        }),
+        broadcast_([](void* c, std::span<std::uint8_t> data, int root) {
+          static_cast<Channel*>(c)->broadcast(data, root);
+        }) {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  void allgather(std::span<const std::int64_t> in, std::span<std::int64_t> out) {
+    allgather_(channel_, in, out);
+  }
+  void broadcast(std::span<std::uint8_t> data, int root) { broadcast_(channel_, data, root); }
+
+ private:
+  void* channel_;
+  int rank_;
+  int size_;
+  void (*allgather_)(void*, std::span<const std::int64_t>, std::span<std::int64_t>);
+  void (*broadcast_)(void*, std::span<std::uint8_t>, int);
+};
+
+static_assert(host_channel<control_plane>);
+
+}  // namespace dtrain
+// ---- end dtrain/control/plane.hpp ----
+// ---- begin dtrain/control/verdict.hpp ----
+/// @file
+/// The verdict: a collective on the host control plane in which every rank
+/// says it is ok or names its problem, and every rank learns which ranks
+/// failed and why the first of them did. agree_or_throw() turns a failed
+/// verdict into an exception on every rank at once: the rank that failed
+/// throws its own message; every other rank names the first failed rank
+/// and carries its message, rather than waiting for a collective that rank
+/// will never join.
+
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// Every rank's outcome of one step that all ranks take together: which ranks
+/// named a problem, and the first one's message, the same on every rank.
+struct verdict {
+  /// The ranks that named a problem, in rank order; empty when every rank is ok.
+  std::vector<int> failed;
+  /// The first failed rank's problem, as it gave it (cut after
+  /// `verdict_text_limit` bytes); empty when every rank is ok.
+  std::string first_problem;
+
+  [[nodiscard]] bool ok() const noexcept { return failed.empty(); }
+  /// The lowest rank that named a problem; -1 when every rank is ok.
+  [[nodiscard]] int first_failed() const noexcept { return failed.empty() ? -1 : failed.front(); }
+  /// What a rank that did not fail reports: "rank 3 could not <what>, so every
+  /// rank stops: <rank 3's problem>" ("ranks 1, 3 could not ..." when several
+  /// failed). `what` is a verb phrase: "load /ckpt/step-5".
+  [[nodiscard]] std::string message(std::string_view what) const;
+};
+
+/// The most of a failed rank's message that the others receive, in bytes.
+inline constexpr std::size_t verdict_text_limit = 16 * 1024;
+
+/// Collective over the host control plane: the ranks whose `flag` is set, in
+/// rank order, the same on every rank (one allgather of one value). The
+/// verdict's first step, and DistributedDataParallel::any_rank's whole.
+DTRAIN_DETAIL_INLINE std::vector<int> flagged_ranks(control_plane& plane, bool flag);
+
+/// Collective over the host control plane: this rank's `problem` (empty: ok)
+/// against every other rank's. Every rank returns the same verdict. One
+/// allgather when every rank is ok; when not, the first failed rank's message
+/// follows in two broadcasts. Bounded by the plane's timeout; throws what
+/// the plane throws.
+DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_view problem);
+
+/// An exception type agree_or_throw may throw: a dtrain::error made from its message.
+template <class E>
+concept verdict_error = std::derived_from<E, error> && std::constructible_from<E, std::string>;
+
+/// Collective over the host control plane: returns when every rank is ok
+/// (an empty `problem` on every rank). Otherwise throws `Error` on every rank:
+/// a rank that failed throws its own `problem`, unchanged; every other rank
+/// throws verdict::message(what), which names the first failed rank and
+/// carries its problem. The caller chooses the type (config_error for a model
+/// the ranks cannot take, checkpoint_error for a checkpoint they cannot load),
+/// so every rank ends with the same exit status.
+template <verdict_error Error = error>
+void agree_or_throw(control_plane& plane, std::string_view what, const std::string& problem) {
+  const verdict v = gather_verdict(plane, problem);
+  if (v.ok()) return;
+  if (!problem.empty()) throw Error(problem);
+  throw Error(v.message(what));
+}
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string verdict::message(std::string_view what) const {
+  if (ok()) return {};
+  std::string ranks;
+  for (const int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  std::string text = (failed.size() == 1 ? "rank " : "ranks ") + ranks + " could not " +
+                     std::string(what) + ", so every rank stops";
+  if (failed.size() > 1) text += "; rank " + std::to_string(first_failed()) + "'s error";
+  return text + ": " + first_problem;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> flagged_ranks(control_plane& plane, bool flag) {
+  const std::int64_t mine = flag ? 1 : 0;
+  std::vector<std::int64_t> all(static_cast<std::size_t>(plane.size()));
+  plane.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  std::vector<int> flagged;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    if (all[r] != 0) flagged.push_back(static_cast<int>(r));
+  }
+  return flagged;
+}
+
+DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_view problem) {
+  verdict v;
+  v.failed = flagged_ranks(plane, !problem.empty());
+  if (v.ok()) return v;
+  // The first failed rank's message to every rank: its length, then its bytes.
+  const int first = v.first_failed();
+  const std::string_view sent = problem.substr(0, verdict_text_limit);
+  std::uint64_t length = plane.rank() == first ? sent.size() : 0;
+  std::uint8_t length_bytes[sizeof length];
+  std::memcpy(length_bytes, &length, sizeof length);
+  plane.broadcast(length_bytes, first);
+  std::memcpy(&length, length_bytes, sizeof length);
+  if (length > verdict_text_limit) {
+    throw rendezvous_error("verdict: rank " + std::to_string(first) + " sent a message of " +
+                           std::to_string(length) + " bytes to rank " +
+                           std::to_string(plane.rank()) + ", more than the " +
+                           std::to_string(verdict_text_limit) +
+                           " it may; the ranks called different control operations");
+  }
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
+  if (plane.rank() == first) std::memcpy(bytes.data(), sent.data(), bytes.size());
+  plane.broadcast(bytes, first);
+  v.first_problem.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  return v;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain
+// ---- end dtrain/control/verdict.hpp ----
+// ---- begin dtrain/ddp/agreement.hpp ----
+/// @file
+/// What every rank must agree on before DistributedDataParallel averages
+/// anything: the same parameters (names, counts, types) in the same order,
+/// and rank 0's values of them.
+
+// ---- begin dtrain/ddp/bucket.hpp ----
+/// @file
+/// Which gradients travel together: the bucket assignment of
+/// DistributedDataParallel, as pure functions of the parameters and the
+/// order in which their gradients are expected to become ready.
+
+// ---- begin dtrain/ddp/parameter.hpp ----
+/// @file
+/// `dtrain::parameter`: how a model shows DistributedDataParallel its
+/// parameters — name, values, gradient, element count and type, device —
+/// without dtrain knowing the model's types. Models return a range of them
+/// from `parameters()` (and, for state that is not trained but must match
+/// across ranks, from `buffers()`).
+
+
+#include <concepts>
+#include <cstddef>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// One parameter as dtrain sees it: a view, never an owner.
+struct parameter {
+  /// Unique within the model; errors and mismatches across ranks name it.
+  std::string name;
+  /// The values: data, element count, element type, host or device memory.
+  buffer values;
+  /// Where the gradient is now (values.count elements of values.type); may
+  /// be null for a rebindable parameter (dtrain then provides zeroed storage).
+  void* gradient = nullptr;
+  /// The CUDA device of device memory; -1 for host memory.
+  int device = -1;
+
+  /// Set by param() when the model keeps its gradient as a
+  /// pointer dtrain may repoint into its own flat bucket storage.
+  void* gradient_slot = nullptr;
+  void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+  /// The dimensions the model gives the values (a tensor's sizes), for
+  /// messages: a model that differs across ranks is named by them
+  /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
+  std::vector<std::size_t> shape = {};
+
+  [[nodiscard]] bool rebindable() const noexcept {
+    return gradient_slot != nullptr && rebind != nullptr;
+  }
+  [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
+};
+
+namespace detail {
+
+template <class V>
+using range_element = std::remove_cv_t<std::ranges::range_value_t<V>>;
+
+template <element T>
+void rebind_pointer(void* slot, void* storage) noexcept {
+  *static_cast<T**>(slot) = static_cast<T*>(storage);
+}
+
+/// A random-access list of parameters: a std::vector or std::span of them,
+/// or basic_ddp::parameters().
+template <class R>
+concept parameter_list =
+    std::ranges::random_access_range<const R> && std::ranges::sized_range<const R> &&
+    std::convertible_to < std::ranges::range_reference_t<const R>,
+const parameter& > ;
+
+/// Entry `i` of a parameter_list (an index without -Wsign-conversion's complaint).
+template <parameter_list Params>
+[[nodiscard]] const parameter& parameter_at(const Params& params, std::size_t i) {
+  return std::ranges::begin(params)[static_cast<std::ranges::range_difference_t<const Params>>(i)];
+}
+
+template <class V>
+concept element_range =
+    std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
+
+/// The parameters `pick(i)` selects, for a message: their names quoted and
+/// comma-separated, the first `shown` of them and then " and N more".
+struct picked_names {
+  std::string names;
+  std::size_t count = 0;
+};
+template <parameter_list Params, class Pick>
+[[nodiscard]] picked_names pick_names(const Params& params, Pick&& pick, std::size_t shown = 8) {
+  picked_names out;
+  for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
+    if (!pick(i)) continue;
+    if (out.count < shown) {
+      out.names += out.count ? ", '" : "'";
+      out.names += parameter_at(params, i).name;
+      out.names += "'";
+    }
+    ++out.count;
+  }
+  if (out.count > shown) out.names += " and " + std::to_string(out.count - shown) + " more";
+  return out;
+}
+
+}  // namespace detail
+
+// One overload set, `param`, makes every view. Where the values are is
+// told by their type: a contiguous range (std::vector, std::array, std::span,
+// a C array) is host memory, a device_span GPU memory. The third argument
+// says how the gradient is kept: a pointer dtrain may repoint (T*&), a buffer
+// the model keeps (a range, or a device_span), or none (a buffer: state that
+// is not trained, returned from buffers()).
+
+/// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
+/// dtrain may point it into its flat bucket storage (no copies; the gradient's
+/// current values move along). Read gradients through that pointer after
+/// construction and after each synchronize(): the first rebuild moves them.
+template <detail::element_range V>
+[[nodiscard]] parameter param(std::string name, V& values, detail::range_element<V>*& gradient) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = gradient,
+          .device = -1,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A host parameter whose gradient buffer the model owns and keeps: dtrain
+/// copies it in before the reduction and the mean back after.
+template <detail::element_range V, detail::element_range G>
+[[nodiscard]] parameter param(std::string name, V& values, G& gradient) {
+  using T = detail::range_element<V>;
+  static_assert(std::same_as<T, detail::range_element<G>>,
+                "a parameter and its gradient must have the same element type");
+  if (std::ranges::size(gradient) != std::ranges::size(values)) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(std::ranges::size(values)) +
+                       " values but a gradient of " + std::to_string(std::ranges::size(gradient)));
+  }
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host},
+          .gradient = const_cast<T*>(std::ranges::data(gradient))};
+}
+
+/// Host state that is not trained but must agree across ranks (running
+/// statistics, step counters), for buffers(): broadcast from rank 0 at construction.
+template <detail::element_range V>
+[[nodiscard]] parameter param(std::string name, V& values) {
+  using T = detail::range_element<V>;
+  return {.name = std::move(name),
+          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
+                     dtype_of<T>, memory::host}};
+}
+
+/// A CUDA parameter whose gradient pointer dtrain may point into its flat
+/// bucket storage: `param("w", device_span<float>{w, n, dev}, grad_w)`.
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values, T*& gradient) {
+  return {.name = std::move(name),
+          .values = values.as_buffer(),
+          .gradient = gradient,
+          .device = values.device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values, device_span<T> gradient) {
+  if (gradient.count != values.count) {
+    throw config_error("parameter '" + name + "' has " + std::to_string(values.count) +
+                       " values but a gradient of " + std::to_string(gradient.count));
+  }
+  return {.name = std::move(name),
+          .values = values.as_buffer(),
+          .gradient = gradient.data,
+          .device = values.device};
+}
+
+/// Device state that must agree across ranks, for buffers().
+template <element T>
+[[nodiscard]] parameter param(std::string name, device_span<T> values) {
+  return {.name = std::move(name), .values = values.as_buffer(), .device = values.device};
+}
+
+// The names before param() was one overload set; kept for existing code.
+
+/// param(name, device_span<T>{values, count, device}, gradient).
+template <element T>
+[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
+                                     int device) {
+  return param(std::move(name), device_span<T>{values, count, device}, gradient);
+}
+
+/// param(name, device_span<T>{values, count, device}, device_span<T>{gradient, count, device}).
+template <element T>
+[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
+                                          std::size_t count, int device) {
+  return param(std::move(name), device_span<T>{values, count, device},
+               device_span<T>{gradient, count, device});
+}
+
+/// param(name, values).
+template <detail::element_range V>
+[[nodiscard]] parameter model_buffer(std::string name, V& values) {
+  return param(std::move(name), values);
+}
+
+/// param(name, device_span<T>{values, count, device}).
+template <element T>
+[[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
+  return param(std::move(name), device_span<T>{values, count, device});
+}
+
+/// A range whose elements convert to dtrain::parameter.
+template <class R>
+concept parameter_range = std::ranges::input_range<R> &&
+    std::convertible_to<std::ranges::range_reference_t<R>, parameter>;
+
+/// What DistributedDataParallel wraps: anything with `parameters()`, and
+/// optionally `buffers()`, each a range of dtrain::parameter.
+template <class M>
+concept trainable_model = requires(M& m) {
+  { m.parameters() } -> parameter_range;
+};
+
+template <class M>
+concept model_with_buffers = trainable_model<M> && requires(M& m) {
+  { m.buffers() } -> parameter_range;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/parameter.hpp ----
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// One bucket: gradients of one element type on one device, laid out
+/// contiguously in `parameters` order and reduced by one collective.
+struct bucket_info {
+  std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
+  std::vector<std::size_t>
+      offsets;  ///< bytes into the bucket of each (GPU: bucket_alignment apart)
+  dtype type = dtype::float32;
+  int device = -1;        ///< -1: host memory
+  std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them
+  std::size_t bytes = 0;  ///< count x the element size
+};
+
+/// Every parameter's slot in a GPU bucket starts on this boundary (bytes):
+/// views into the bucket are aligned for vectorised kernels and NCCL's fast
+/// paths. The padding between slots is zero and stays zero (its mean is
+/// zero); the collective moves it too (bucket_info::count includes it).
+inline constexpr std::size_t bucket_alignment = 256;
+
+/// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option) {
+  if (!(mib > 0) || mib > 1e9) {
+    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
+                       " is not a bucket size in MiB (it must be above 0)");
+  }
+  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+namespace detail {
+
+/// n-1, n-2, ..., 0: gradients of the last layers are produced first.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n) {
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
+  return order;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Throws unless `order` names each of the n parameters exactly once.
+DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
+                                      std::string_view what);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
+                                      std::string_view what) {
+  std::vector<char> seen(n, 0);
+  if (order.size() != n) {
+    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
+                            " parameters, the model has " + std::to_string(n),
+                        0);
+  }
+  for (std::size_t i : order) {
+    if (i >= n || seen[i]) {
+      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
+                              (i >= n ? " of " + std::to_string(n) : " twice"),
+                          0);
+    }
+    seen[i] = 1;
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Groups the parameters, taken in `order` (a permutation of their indices),
+/// into buckets per (element type, device), as PyTorch DDP's
+/// compute_bucket_assignment_by_size does: each parameter joins its group's
+/// open bucket, and the bucket closes as soon as it holds at least its cap
+/// (`first_cap` for a group's first bucket, `cap` after). So a bucket closes
+/// after the parameter that passes the cap, never before it, and only a
+/// group's last bucket may hold less than its cap. Buckets are returned in the
+/// order of their first parameter in `order`, which is the launch order.
+template <parameter_list Params>
+[[nodiscard]] std::vector<bucket_info> assign_buckets(const Params& params,
+                                                      std::span<const std::size_t> order,
+                                                      std::size_t first_cap, std::size_t cap) {
+  check_order(order, std::ranges::size(params), "the bucket order");
+  struct open_bucket {
+    bucket_info bucket;
+    std::size_t first_position = 0;
+    bool first = true;  // still the group's first bucket
+  };
+  std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
+  std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
+  for (std::size_t position = 0; position < order.size(); ++position) {
+    const parameter& p = parameter_at(params, order[position]);
+    auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
+    open_bucket& b = it->second;
+    if (b.bucket.parameters.empty()) {
+      b.bucket.type = p.values.type;
+      b.bucket.device = p.device;
+      b.first_position = position;
+    }
+    // GPU slots start on bucket_alignment; host slots are packed.
+    const std::size_t align = p.device >= 0 ? bucket_alignment : 1;
+    const std::size_t at = (b.bucket.bytes + align - 1) / align * align;
+    b.bucket.parameters.push_back(order[position]);
+    b.bucket.offsets.push_back(at);
+    b.bucket.bytes = at + p.values.bytes();
+    b.bucket.count = b.bucket.bytes / size_of(p.values.type);
+    if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
+  }
+  for (auto& [key, b] : open) {
+    if (!b.bucket.parameters.empty()) closed.emplace_back(b.first_position, std::move(b.bucket));
+  }
+  std::ranges::sort(closed, {}, &std::pair<std::size_t, bucket_info>::first);
+  std::vector<bucket_info> buckets;
+  buckets.reserve(closed.size());
+  for (auto& [position, b] : closed) buckets.push_back(std::move(b));
+  return buckets;
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/ddp/bucket.hpp ----
+// ---- begin dtrain/ddp/options.hpp ----
+/// @file
+/// What a user chooses about DistributedDataParallel: ddp_options, gradient
+/// compression, and the bucket a communication hook is handed.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// How DistributedDataParallel sends float32 gradients.
+enum class gradient_compression : std::uint8_t {
+  none,      ///< as they are
+  float16,   ///< IEEE half: 10-bit mantissa, range ±65504 (scale losses that overflow)
+  bfloat16,  ///< float32's range with an 8-bit mantissa
+};
+
+[[nodiscard]] constexpr std::string_view to_string(gradient_compression c) noexcept {
+  switch (c) {
+    case gradient_compression::none: return "none";
+    case gradient_compression::float16: return "float16";
+    case gradient_compression::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// What DistributedDataParallel shards across the ranks (ZeRO's stages, as
+/// DeepSpeed numbers them; PyTorch: ZeroRedundancyOptimizer is stage 1, FSDP's
+/// SHARD_GRAD_OP stage 2). Each bucket is cut into `size()` equal contiguous
+/// shards (zeros pad the bucket); rank r owns shard r of every bucket: the
+/// optimizer updates only those values (DistributedDataParallel::shard(),
+/// optimizer_step()), with state the size of the shard, and the updated
+/// values are allgathered.
+enum class sharding : std::uint8_t {
+  none = 0,       ///< DDP: every rank holds and updates everything
+  optimizer = 1,  ///< stage 1: the gradients are averaged whole (an allreduce)
+  /// Stage 2: each bucket is reduce-scattered as soon as it is ready, and a
+  /// rank keeps only its shard of the averaged gradients (the optimizer
+  /// state too, as stage 1).
+  gradients = 2,
+};
+
+[[nodiscard]] constexpr std::string_view to_string(sharding s) noexcept {
+  switch (s) {
+    case sharding::none: return "none";
+    case sharding::optimizer: return "optimizer";
+    case sharding::gradients: return "gradients";
+  }
+  return "unknown";
+}
+
+/// One piece of the shard a rank owns (DistributedDataParallel::shard()):
+/// the part of one parameter that falls in one bucket's shard. An
+/// elementwise optimizer updates `values` from `gradients` (the mean over
+/// ranks), with its state at `state_offset` of an array of shard_elements().
+struct shard_piece {
+  std::size_t parameter = 0;     ///< index into parameters()
+  std::size_t offset = 0;        ///< its first element within that parameter
+  std::size_t state_offset = 0;  ///< its first element within the rank's shard (the state's index)
+  std::size_t bucket = 0;        ///< the bucket it belongs to
+  buffer values;                 ///< the parameter's values (the model's memory)
+  buffer gradients;              ///< their averaged gradients (DDP's memory), same count
+};
+
+/// One range of a sharded array that this rank holds (DistributedDataParallel::
+/// shard_ranges(), checkpoint::add_sharded): `count` elements starting at
+/// `global` in the whole array, at `local` in this rank's own.
+struct shard_range {
+  std::uint64_t global = 0;
+  std::uint64_t local = 0;
+  std::uint64_t count = 0;
+};
+
+/// The memory DistributedDataParallel holds itself, per rank, in bytes
+/// (DistributedDataParallel::memory_use()); the model's values, and its own
+/// gradient buffers where they are not bucket views, are the model's.
+struct ddp_memory_use {
+  std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
+  std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
+  std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  /// Stage 2 on the host: the buckets' pages are resident only while a
+  /// bucket is being filled or is in flight (given back after its
+  /// reduce-scatter and after its allgather), so `buckets` is address space
+  /// and held() leaves it out.
+  bool transient_buckets = false;
+  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+  /// What stays allocated between steps.
+  [[nodiscard]] std::size_t held() const noexcept {
+    return total() - (transient_buckets ? buckets : 0);
+  }
+};
+
+/// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
+/// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
+struct ddp_options {
+  /// The bucket rule is PyTorch DDP's: gradients join the open bucket of
+  /// their (type, device) in the order they become ready, and a bucket closes
+  /// right after the gradient that brings it to its cap, however large that
+  /// gradient is. A bucket is never closed early to keep a large gradient out,
+  /// so only the last bucket of each (type, device) holds less than its cap.
+  /// The cap of every bucket after the first, in MiB.
+  double bucket_cap_mb = 25;
+  /// The cap of the first bucket (the last layers' gradients, ready first):
+  /// small, so that communication starts early in the backward pass.
+  double first_bucket_cap_mb = 1;
+  /// Point rebindable gradients (param() with a pointer) into the buckets:
+  /// no copies. false: copy every gradient in and the mean back out.
+  bool gradient_as_bucket_view = true;
+  /// Parameters never marked in a step contribute zero instead of being an
+  /// error (for models whose steps skip parts of the network). "Unused"
+  /// means "not marked": dtrain has no autograd graph to find them.
+  bool find_unused_parameters = false;
+  /// With find_unused_parameters: name, once, on rank 0's stderr the
+  /// parameters that no rank marked in the first steps (a forgotten
+  /// mark_ready looks just like an unused parameter). false: silent.
+  bool report_unused_parameters = true;
+  /// After the first step, lay the buckets out once more in the order the
+  /// gradients actually became ready (rank 0's order, sent to every rank).
+  bool rebuild_buckets = true;
+  /// Construction copies rank 0's parameters and buffers to every rank.
+  bool broadcast_parameters = true;
+  /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
+  gradient_compression compression = gradient_compression::none;
+  /// false: nothing is sent before synchronize() (for measuring what overlap buys).
+  bool overlap = true;
+  /// At world size 1 DDP communicates nothing: the mean over one rank is its
+  /// gradient, so no collective is issued, no thread woken, no copy made
+  /// (compression still rounds, as it would on more ranks; a comm hook still
+  /// runs). true: reduce every bucket as on more ranks (to exercise an
+  /// engine's path with one GPU).
+  bool always_reduce = false;
+  /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
+  /// the waits in synchronize()) goes to this file, the rank inserted
+  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
+  std::string timeline = {};
+  /// Backends on CUDA streams (NCCL): the compute stream, the one that wrote
+  /// the parameters and will run the backward pass (a cudaStream_t). The first
+  /// broadcast of rank 0's values is ordered after it, so that values written
+  /// on it (initialised, loaded, copied) are the ones sent and are not written
+  /// over what arrives; set_stream() changes it later. Null: the legacy default
+  /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
+  stream_handle stream = nullptr;
+  /// Shard the optimizer state (and the averaged gradients) across the ranks:
+  /// ZeRO stage 1 or 2 (see dtrain::sharding). The bucket layout is then the
+  /// first one (no rebuild): a rank's shard, and its optimizer state, stay
+  /// where they are. Not with compression or a comm hook at stage 2.
+  dtrain::sharding sharding = dtrain::sharding::none;
+};
+
+/// One bucket, as a communication hook sees it.
+struct gradient_bucket {
+  std::size_t index = 0;  ///< launch order, 0 first
+  buffer data;            ///< the flat gradients: reduce them in place
+  int world_size = 1;
+  std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
+  /// Backends on CUDA streams (NCCL): the compute stream the bucket is ordered
+  /// after; enqueue the reduction after it. Null for host backends.
+  stream_handle stream = nullptr;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/options.hpp ----
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// "parameter fc1.weight (1024 x float32 on the host)", or with a shape
+/// "parameter fc1.weight ([64, 16] float32 on the host)": what must match across ranks.
+DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind) {
+  std::string entry = std::string(kind) + " " + p.name + " (";
+  if (p.shape.empty()) {
+    entry += std::to_string(p.values.count) + " x ";
+  } else {
+    entry += "[";
+    for (std::size_t d = 0; d < p.shape.size(); ++d) {
+      if (d > 0) entry += ", ";
+      entry += std::to_string(p.shape[d]);
+    }
+    entry += "] ";
+  }
+  entry += to_string(p.values.type);
+  entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
+  return entry;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers) {
+  std::vector<std::string> entries;
+  for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
+  for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
+  return entries;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const std::string& e : entries) {
+    for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    h = (h ^ 0x0au) * 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(h >> 1);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// What one rank alone can find wrong with its model and options, as a
+/// message naming the parameter and the rank; empty when nothing is.
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device) {
+  const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
+  std::unordered_map<std::string_view, std::size_t> names;
+  std::unordered_map<const void*, std::size_t> data;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const parameter& p = params[i];
+    const std::string what = "parameter #" + std::to_string(i) + " '" + p.name + "'";
+    if (p.name.empty()) return who + what + " has no name";
+    if (auto [it, fresh] = names.emplace(p.name, i); !fresh) {
+      return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
+             " and #" + std::to_string(i) + ")";
+    }
+    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
+    if (!data.emplace(p.values.data, i).second)
+      return who + what + " shares its values with another parameter";
+    if (!is_floating(p.values.type)) {
+      return who + what + " is " + std::string(to_string(p.values.type)) +
+             ": only floating-point parameters have gradients to average (declare it in buffers())";
+    }
+    if (!p.gradient && !p.rebindable()) return who + what + " has no gradient buffer";
+    if (!p.gradient && !options.gradient_as_bucket_view) {
+      return who + what +
+             " has a null gradient pointer, which needs ddp_options::gradient_as_bucket_view";
+    }
+    if (on_device && p.values.where != memory::device) {
+      return who + what +
+             " is in host memory, but backend::nccl reduces GPU memory: use dtrain::device_param";
+    }
+    if (on_device && p.device != device) {
+      return who + what + " is on GPU " + std::to_string(p.device) +
+             ", but this rank's NCCL communicator is on GPU " + std::to_string(device);
+    }
+    if (!on_device && p.values.where != memory::host) {
+      return who + what + " is in GPU memory, but backend " + std::string(backend) +
+             " reduces host memory: keep gradients on the host, or use backend::nccl";
+    }
+  }
+  for (const parameter& b : buffers) {
+    if (!b.values.data && b.values.count) return who + "buffer '" + b.name + "' has no values";
+    if (b.values.where == memory::device && !on_device) {
+      return who + "buffer '" + b.name + "' is in GPU memory, but backend " + std::string(backend) +
+             " reaches host memory only";
+    }
+  }
+  if (options.sharding == sharding::gradients &&
+      options.compression != gradient_compression::none) {
+    return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
+           std::string(to_string(options.compression)) +
+           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, "
+           "or no compression)";
+  }
+  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
+      options.sharding != sharding::gradients) {
+    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
+           ", not none (0), optimizer (1) or gradients (2)";
+  }
+  try {
+    (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
+    (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
+  } catch (const config_error& e) {
+    return who + e.what();
+  }
+  return {};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Collective over the host control plane: every rank learns whether all
+/// ranks hold the same parameters and buffers. Throws config_error on every
+/// rank when not, naming the first differing entry and the ranks. Each
+/// rank's own check (model_problem) comes before, in a verdict
+/// (agree_or_throw). `settings`, when given, is one more entry that must match
+/// (DDP's options that change what travels: "ddp_options::sharding = gradients").
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         std::string_view settings = {});
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         std::string_view settings) {
+  const int size = comm.size();
+  std::vector<std::string> entries = model_entries(params, buffers);
+  if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
+  const std::int64_t mine[2] = {static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 2);
+  comm.allgather(mine, all);
+  bool same = true;
+  for (int r = 1; r < size; ++r) {
+    same = same && std::equal(&all[0], &all[2], &all[static_cast<std::size_t>(r) * 2]);
+  }
+  if (same) return;
+
+  // Rank 0's list to everyone; each rank finds where it departs from it.
+  std::string joined;
+  for (const std::string& e : entries) joined += e + '\n';
+  std::int64_t length = static_cast<std::int64_t>(joined.size());
+  std::uint8_t length_bytes[sizeof length];
+  std::memcpy(length_bytes, &length, sizeof length);
+  comm.broadcast(length_bytes, 0);
+  std::memcpy(&length, length_bytes, sizeof length);
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
+  if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
+  comm.broadcast(bytes, 0);
+  std::vector<std::string> reference;
+  std::string current;
+  for (std::uint8_t c : bytes) {
+    if (c == '\n') {
+      reference.push_back(std::move(current));
+      current.clear();
+    } else {
+      current += static_cast<char>(c);
+    }
+  }
+  std::int64_t first = -1;
+  for (std::size_t i = 0; i < std::max(reference.size(), entries.size()); ++i) {
+    if (i >= reference.size() || i >= entries.size() || reference[i] != entries[i]) {
+      first = static_cast<std::int64_t>(i);
+      break;
+    }
+  }
+  std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
+  comm.allgather(std::span<const std::int64_t>(&first, 1), firsts);
+  int culprit = -1;
+  std::string differing;
+  for (int r = 0; r < size; ++r) {
+    if (firsts[static_cast<std::size_t>(r)] < 0) continue;
+    if (culprit < 0) culprit = r;
+    differing += (differing.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (culprit < 0) return;  // equal lists after all (a hash collision)
+  const auto at = static_cast<std::size_t>(firsts[static_cast<std::size_t>(culprit)]);
+  // The culprit's entry to everyone, so that every rank prints the same message.
+  std::vector<std::uint8_t> text(512, 0);
+  if (comm.rank() == culprit) {
+    const std::string e = at < entries.size() ? entries[at] : "nothing";
+    std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
+  }
+  comm.broadcast(text, culprit);
+  const std::string theirs(reinterpret_cast<const char*>(text.data()));
+  const std::string ours = at < reference.size() ? reference[at] : "nothing";
+  throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
+                     std::to_string(at) + ": rank 0 has " + ours + ", rank " +
+                     std::to_string(culprit) + " has " + theirs +
+                     " (ranks that differ from rank 0: " + differing +
+                     "); every rank must build the same model in the same order");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Collective over the host control plane: every rank gets rank 0's `order`
+/// of the n parameters (the order its gradients became ready, for the bucket
+/// rebuild). Each rank passes an order of the same length; what arrives is
+/// checked to name each parameter once (backend_error otherwise).
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n) {
+  std::string text;
+  wire::writer w(text);
+  for (std::size_t i : order) w.u64(i);
+  std::vector<std::uint8_t> bytes(text.begin(), text.end());
+  if (control.size() > 1) control.broadcast(bytes, 0);
+  const std::string where =
+      "rank 0's ready order (sent to rank " + std::to_string(control.rank()) + ")";
+  std::vector<std::size_t> agreed = wire::decode_value(
+      where, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+      "a list of parameter indices", [](wire::reader& r) {
+        std::vector<std::size_t> out;
+        while (!r.at_end()) out.push_back(static_cast<std::size_t>(r.u64("a parameter index")));
+        return out;
+      });
+  check_order(agreed, n, where);
+  return agreed;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// broadcast_values' scratch by default: the host values travel in windows of this many bytes.
+inline constexpr std::size_t broadcast_window_bytes = std::size_t{64} << 20;
+
+/// Collective: every rank's parameter and buffer values become rank 0's.
+/// Host values travel packed over the control plane, a window at a time;
+/// device values one by one through `device_broadcast(buffer)`, which returns
+/// once the broadcast is complete (the device engine: the only device
+/// traffic besides the buckets).
+template <class DeviceBroadcast>
+void broadcast_values(control_plane& control, std::span<const parameter> params,
+                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast,
+                      std::size_t window = broadcast_window_bytes) {
+  std::vector<const parameter*> host, device;
+  for (auto list : {params, buffers}) {
+    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+  }
+  std::size_t total = 0;
+  for (const parameter* p : host) total += p->bytes();
+  // The host values as one stream of bytes, broadcast a window at a time:
+  // a model's worth of scratch would double its memory at construction.
+  std::vector<std::uint8_t> packed(std::min(total, std::max<std::size_t>(window, 1)));
+  for (std::size_t begin = 0; begin < total; begin += packed.size()) {
+    const std::size_t end = std::min(total, begin + packed.size());
+    // Copies bytes [begin, end) of the stream between the parameters and `packed`.
+    auto move_window = [&](bool into_packed) {
+      std::size_t at = 0;  // the parameter's first byte in the stream
+      for (const parameter* p : host) {
+        const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p->bytes());
+        if (lo < hi) {
+          auto* mine = static_cast<std::uint8_t*>(p->values.data) + (lo - at);
+          std::uint8_t* theirs = packed.data() + (lo - begin);
+          if (into_packed) {
+            std::memcpy(theirs, mine, hi - lo);
+          } else {
+            std::memcpy(mine, theirs, hi - lo);
+          }
+        }
+        at += p->bytes();
+        if (at >= end) break;
+      }
+    };
+    move_window(true);
+    control.broadcast(std::span<std::uint8_t>(packed.data(), end - begin), 0);
+    move_window(false);
+  }
+  for (const parameter* p : device) {
+    if (p->values.count > 0) device_broadcast(p->values);
+  }
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/agreement.hpp ----
+// ---- begin dtrain/ddp/basic_ddp.hpp ----
+/// @file
+/// basic_ddp<Policy>: the one core of DistributedDataParallel (c10d's Reducer
+/// is the model). It owns each parameter's and each bucket's state
+/// (ddp/state.hpp) under one lock, and averages the gradients over the ranks
+/// while the backward pass is still running: the moment a bucket's last
+/// gradient is marked ready its allreduce starts, on a communication thread
+/// for host memory (MPI, Gloo) or on the communicator's stream after the
+/// compute stream (NCCL), followed by a watchdog (ddp/runner.hpp). Metadata
+/// (model agreement, the rebuild order) goes over the host control plane.
+/// DistributedDataParallel<Model, Policy> and dtrain::torch's wrapper are thin
+/// layers over it: they feed it parameters and marks, and ask it the rest.
 ///
-/// With DTRAIN_SEPARATE_COMPILATION=1, every TU that includes this header (as
-/// dtrain.hpp does) declares `extern template` for the standard policies below,
-/// and the program must link their instantiations:
-///   - CMake: dtrain::dtrain, dtrain::gloo, dtrain::mpi and dtrain::nccl are
-///     that library (src/*.cpp, cmake/dtrain_compiled.cmake), built with the
-///     target's engines, and define the macro for their users (the default;
-///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
-///   - by hand (e.g. with the single header): compile every TU with
-///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, `#define
-///     DTRAIN_COMPILED_DEFINITIONS 1` before the `#include` and put
-///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after it.
-/// In such a TU (and in a user's, with CMake) dtrain's non-template functions
-/// are declared, not defined (DTRAIN_DETAIL_BODIES(), config.hpp): the
-/// library's definitions TU (src/core.cpp; by hand, the one above) compiles
-/// them once.
-/// Policies not in the list (a backend of one's own) are compiled in the TU
-/// that uses them, as in header-only mode. Every TU and the library must agree
-/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
-/// makes a mismatch a link error that names it.
+/// Every member that is more than a line or two is defined out of the class
+/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp), as a
+/// non-inline template member: a compiled library may then hold `template
+/// class dtrain::basic_ddp<P>;` and its users `extern template class
+/// dtrain::basic_ddp<P>;`, and none of those bodies is compiled again in the
+/// users' translation units (GCC instantiates in-class members of an extern
+/// template at -O2 anyway, out-of-class ones not).
 
-// ---- begin dtrain/runtime/context.hpp ----
+// ---- begin dtrain/ddp/runner.hpp ----
 /// @file
-/// dtrain::context<Policy>: what a worker's training function is handed by
-/// dtrain::run — the complete world, the rendezvous store, the communicator —
-/// and owns, torn down in reverse order of construction.
+/// How DistributedDataParallel's buckets travel, chosen from the memory space
+/// of the backend: `thread_runner` for host memory (a communication thread
+/// reduces buckets while the caller computes; the caller takes over what is
+/// left once it waits), `stream_runner` for CUDA
+/// streams (the caller enqueues, the device orders, a watchdog follows).
+/// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
+/// compression), reduce(b) (the collective, a work), finish_bucket(b)
+/// (decompression, copy-out), and for streams order_after_buckets().
 
-// ---- begin dtrain/diagnostics.hpp ----
-/// @file
-/// Desync and hang diagnostics. When a collective times out or fails, or a
-/// user sends SIGUSR1 to a rank (or to its node agent, which forwards it),
-/// every live rank publishes its communicator's ring of last collectives
-/// through the store; the rank that asked gathers them for a bounded time and
-/// one rank prints one table naming the rank that is behind, the collective
-/// it is missing, mismatched calls, and the ranks that did not answer.
 
-// ---- begin dtrain/launch/protocol.hpp ----
-/// @file
-/// The job's protocol: the variables a node agent hands its workers
-/// (agent_store_variable, restart_count_variable and store_token_variable,
-/// named in env/names.hpp, next to torchrun's), the store keys that the agents,
-/// the workers (runtime/context.hpp) and the diagnostics share, and the format of
-/// every value under them. Every value is written and read here (or by the
-/// codec next to its type: rank_report and placements in env/placement.hpp,
-/// rings in diagnostics/desync.hpp), through detail::wire; a malformed one is a
-/// rendezvous_error naming the key.
-///
-/// ```text
-///   agent keys (unprefixed; one store per job, outliving restarts)
-///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32
-///     dtrain/agent/joined, left     counters (store add)
-///     dtrain/agent/beat/<n>         counter: node n's heartbeat
-///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
-///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
-///                                   message bytes32, rank i64, collective i64,
-///                                   communicator bytes32
-///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
-///     dtrain/agent/<r>/ready        counter: nodes ready for round r
-///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
-///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
-///     dtrain/agent/current_round    i64: the newest round formed
-///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
-///                                   bytes32, collectives i64): the first worker of round r
-///                                   that ended well
-///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
-///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
-///   worker keys (under runtime/context.hpp's job_store_prefix)
-///     world/<rank>                  rank_report (env/placement.hpp)
-///     world/joined                  counter: ranks whose report is set
-///     world/joined/all              i64 1, once every rank has joined
-///     world/placement               placement table (env/placement.hpp)
-///     nccl/unique_id                outcome: the NCCL unique id (nccl_options::store_key)
-///     finished                      counter
-///     finished/all                  i64 1, once every rank is done
-///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
-///     round                         counter
-///     open/<n>, <n>/printer         i64: a rank
-///     <n>/reason                    bytes32
-///     <n>/ring/<rank>               rings (diagnostics/desync.hpp)
-///     <n>/closed                    i64 1
-///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
-///     the store token               outcome: the token's bytes
-///     the store's address           outcome: store_address (host bytes32, port i64)
-/// ```
-///
-/// An "outcome" (wire::outcome, detail/wire.hpp) is what broadcast_or_fail
-/// sends (rendezvous/broadcast.hpp): u8 1 and the value as bytes32, or u8 0
-/// and rank 0's error as bytes32, so that every rank fails at once with rank
-/// 0's message when rank 0 cannot produce the value.
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
 
-// ---- begin dtrain/env/world.hpp ----
+namespace dtrain::detail {
+
+/// Buckets are reduced one at a time, in launch order: each is prepared,
+/// reduced and waited for (within the collective timeout), then finished.
+/// A thread of its own takes the buckets launched while the caller is still
+/// computing. Once the caller is in complete(), the queue is the caller's: it
+/// reduces what is left on its own thread (after the bucket the thread holds,
+/// if any), and the thread takes nothing more. The last buckets of a step
+/// (launched as the backward pass ends) then cost no thread wake-up, which on
+/// a loaded machine can cost more than the collective.
+template <class Owner>
+class thread_runner {
+ public:
+  explicit thread_runner(Owner& owner) : owner_(owner), thread_([this] { serve(); }) {}
+  thread_runner(const thread_runner&) = delete;
+  thread_runner& operator=(const thread_runner&) = delete;
+  /// Finishes what is queued (each bounded by its timeout), then joins.
+  ~thread_runner() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  /// Queues `bucket`; `wake` false leaves the thread asleep, for a bucket the
+  /// caller is about to reduce itself in complete() (launched by
+  /// mark_all_ready() or synchronize(): nothing left to overlap with).
+  void launch(std::size_t bucket, bool wake = true) {
+    bool idle = false;
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(bucket);
+      idle = !busy_;
+    }
+    if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
+  }
+
+  /// Blocks the caller while more than `most` launched buckets are not yet
+  /// reduced, reducing one itself when the thread is idle (each bounded by
+  /// the collective timeout; at once after a failure): bounds the gradient
+  /// memory in flight when the backward pass writes faster than the buckets
+  /// travel. The step is bound by the communication then anyway.
+  void throttle(std::size_t most) {
+    std::unique_lock lock(mutex_);
+    while (!failure_ && queue_.size() + (busy_ ? 1 : 0) > most) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        ++throttled_;
+        done_wake_.wait(lock);
+        --throttled_;
+      }
+    }
+  }
+
+  /// Waits until the `count` buckets of this step are done, reducing queued
+  /// ones on the calling thread while the runner's thread is idle; then the
+  /// next step starts counting from zero. Returns the first failure, or null.
+  std::exception_ptr complete(std::size_t count) {
+    std::unique_lock lock(mutex_);
+    completing_ = true;
+    while (done_ != count) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        done_wake_.wait(lock);
+      }
+    }
+    completing_ = false;
+    done_ = 0;
+    return failure_;
+  }
+
+ private:
+  void serve() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      if (!completing_ && !busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else if (stopping_ && queue_.empty() && !busy_) {
+        return;  // nothing left in flight
+      } else {
+        wake_.wait(lock);
+      }
+    }
+  }
+
+  /// Reduces the bucket at the front of the queue; `lock` is held on entry
+  /// and on return, and released while the bucket travels.
+  void run_front(std::unique_lock<std::mutex>& lock) {
+    const std::size_t b = queue_.front();
+    queue_.pop_front();
+    std::exception_ptr failed;
+    if (!failure_) {  // once the communicator failed, do not wait for it again
+      busy_ = true;
+      lock.unlock();
+      try {
+        owner_.prepare_bucket(b);
+        work w = owner_.reduce(b);
+        w.wait();  // bounded by the collective timeout
+        owner_.finish_bucket(b);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      lock.lock();
+      busy_ = false;
+    }
+    if (failed && !failure_) failure_ = failed;
+    ++done_;
+    // Once the caller waits in complete(), the queue is the caller's: the
+    // thread finishes the bucket it holds and hands over (one wake-up).
+    if (completing_ || throttled_ > 0) done_wake_.notify_all();
+  }
+
+  Owner& owner_;
+  std::mutex mutex_;
+  std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
+  std::condition_variable done_wake_;  // the caller in complete(): the thread let go of a bucket
+  std::deque<std::size_t> queue_;
+  std::size_t done_ = 0;
+  bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
+  bool completing_ = false;  // the caller is in complete(): the queue is its own
+  int throttled_ = 0;        // callers waiting in throttle()
+  bool stopping_ = false;
+  std::exception_ptr failure_;
+  std::thread thread_;  // last: starts once everything above exists
+};
+
+/// The caller's thread enqueues each bucket on the device (after the compute
+/// stream); the host never waits for a bucket. A watchdog follows every
+/// collective and, past its timeout, aborts the communicator (which frees
+/// the stream) and keeps the timeout_error; complete() and the next
+/// launch() report it.
+template <class Owner>
+class stream_runner {
+ public:
+  explicit stream_runner(Owner& owner) : owner_(owner) {}
+
+  /// Enqueues `bucket` on the device now (`wake` is the thread runner's:
+  /// there is no thread to wake here).
+  void launch(std::size_t bucket, bool /*wake*/ = true) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+    owner_.prepare_bucket(bucket);
+    watchdog_.watch(owner_.reduce(bucket));
+  }
+
+  /// Orders the compute stream after every bucket and enqueues their
+  /// finishing work there; the host does not wait. Returns the watchdog's
+  /// failure so far, or null.
+  std::exception_ptr complete(std::size_t count) {
+    if (auto e = watchdog_.failure()) return e;
+    try {
+      owner_.order_after_buckets();
+      for (std::size_t b = 0; b < count; ++b) owner_.finish_bucket(b);
+    } catch (...) {
+      // The watchdog's timeout says more than the aborted communicator's error it
+      // causes; it is recorded just after the abort, so let the watchdog settle.
+      if (auto e = watchdog_.drain()) return e;
+      return std::current_exception();
+    }
+    return watchdog_.failure();
+  }
+
+  /// Blocks until every bucket launched so far has completed on the device
+  /// (each within its timeout); returns the first failure, or null.
+  std::exception_ptr drain() { return watchdog_.drain(); }
+
+  /// The device orders the buckets; the host does not wait for them.
+  void throttle(std::size_t /*most*/) noexcept {}
+
+ private:
+  Owner& owner_;
+  watchdog watchdog_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/runner.hpp ----
+// ---- begin dtrain/ddp/state.hpp ----
 /// @file
-/// `dtrain::world`: who this process is in the job, as the launcher told it.
-/// A plain value; discover_world() (env/discover.hpp) builds it.
+/// What DistributedDataParallel keeps per parameter and per bucket, each in
+/// one struct (c10d's Reducer: VariableIndex and Bucket): where a gradient
+/// sits in its bucket, and what the current step has done with it.
+
+// ---- begin dtrain/ddp/storage.hpp ----
+/// @file
+/// The flat memory DistributedDataParallel keeps its buckets in, in the
+/// memory space of its backend (host_memory, cuda_memory, ...).
+
+
+#include <concepts>
+#include <cstddef>
+#include <utility>
+
+namespace dtrain::detail {
+
+/// Zeroed bytes in `Memory` on `device`, owned. Allocation and zeroing are
+/// ordered on the stream given at construction, the release on the stream
+/// set last (set_stream): the owner keeps that stream ordered after every
+/// use on any stream (see DistributedDataParallel::lay_out).
+/// flat_storage's request for memory whose pages clear() gives back.
+struct droppable_pages_t {};
+inline constexpr droppable_pages_t droppable_pages{};
+
+/// Whether `Memory` can give pages back while their addresses stay valid.
+template <class Memory>
+concept pages_droppable = requires(void* p, std::size_t n) {
+  { Memory::allocate_pages(n) } -> std::same_as<void*>;
+  Memory::drop_pages(p, n);
+  Memory::release_pages(p, n);
+};
+
+template <class Memory>
+class flat_storage {
+ public:
+  flat_storage() = default;
+  /// Zero bytes whose pages clear() gives back to the system (host memory:
+  /// they are resident only while written). Elsewhere as the constructor below.
+  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream,
+               droppable_pages_t)
+      : bytes_(bytes), device_(device), stream_(stream) {
+    if constexpr (pages_droppable<Memory>) {
+      data_ = Memory::allocate_pages(bytes);
+      pages_ = true;
+    } else {
+      data_ = Memory::allocate(bytes, device, stream);
+      if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
+    }
+  }
+  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
+      : data_(Memory::allocate(bytes, device, stream)),
+        bytes_(bytes),
+        device_(device),
+        stream_(stream) {
+    if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
+  }
+  flat_storage(flat_storage&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        device_(other.device_),
+        stream_(other.stream_),
+        pages_(std::exchange(other.pages_, false)) {}
+  flat_storage& operator=(flat_storage&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      device_ = other.device_;
+      stream_ = other.stream_;
+      pages_ = std::exchange(other.pages_, false);
+    }
+    return *this;
+  }
+  flat_storage(const flat_storage&) = delete;
+  flat_storage& operator=(const flat_storage&) = delete;
+  ~flat_storage() { release(); }
+
+  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  /// The stream the release is ordered on from now on.
+  void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
+  /// Whether clear() gives the pages back (droppable_pages, where the memory can).
+  [[nodiscard]] bool drops_pages() const noexcept { return pages_; }
+  /// Every byte zero again, on `stream`: droppable pages are given back
+  /// (they read zero, resident again once written), other memory is zeroed.
+  void clear(typename Memory::stream_type stream) {
+    if constexpr (pages_droppable<Memory>) {
+      if (pages_) {
+        Memory::drop_pages(data_, bytes_);
+        return;
+      }
+    }
+    Memory::zero(data_, bytes_, device_, stream);
+  }
+
+ private:
+  void release() noexcept {
+    if constexpr (pages_droppable<Memory>) {
+      if (data_ && pages_) {
+        Memory::release_pages(data_, bytes_);
+        data_ = nullptr;
+        return;
+      }
+    }
+    if (data_) Memory::release(data_, device_, stream_);
+    data_ = nullptr;
+  }
+
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  int device_ = -1;
+  typename Memory::stream_type stream_{};
+  bool pages_ = false;  // from Memory::allocate_pages
+};
+
+/// The element type float32 gradients travel as under `kind` (not none).
+[[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
+  return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/storage.hpp ----
+
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One parameter as DDP holds it.
+struct ddp_variable {
+  parameter param;  ///< as the model showed it; `param.gradient` is where the gradient is now
+  void* original = nullptr;  ///< the model's own gradient pointer, given back at the end
+  std::size_t bucket = 0;    ///< its bucket in the current layout
+  std::size_t offset = 0;    ///< bytes into that bucket
+  bool view = false;         ///< the gradient lives in the bucket (no copy in or out)
+  // The current step; reset when it completes.
+  bool marked = false;   ///< ready: counted in its bucket's pending count
+  bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
+  bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
+  bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
+  // Across steps.
+  bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
+  bool used = false;          ///< some rank used it in the steps reported on (report_unused)
+};
+
+/// One bucket: its layout, its storage in the memory space of the backend,
+/// and where the current step is with it.
+template <class Memory>
+struct ddp_bucket {
+  bucket_info info;
+  flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
+  flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
+  flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
+  /// With sharding, over more than one rank: this rank's shard of the bucket
+  /// (`owned_count` elements), where a reduce-scatter leaves the averaged
+  /// gradients (stage 2) and the updated values wait for the allgather.
+  flat_storage<Memory> owned;
+  std::size_t owned_count = 0;
+  std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
+  std::size_t pending = 0;  ///< its parameters not yet marked in this step
+  bool ready = false;       ///< every parameter marked: may be launched in its turn
+  std::uint64_t span = 0;   ///< its timeline span, from launch to completion
+  std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
+};
+
+/// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).
+/// Written out rather than a std::ranges::transform_view, which clang 14 cannot
+/// compile against libstdc++ 12.
+class parameter_view {
+ public:
+  class iterator {
+   public:
+    using iterator_concept = std::random_access_iterator_tag;
+    using iterator_category = std::random_access_iterator_tag;
+    using value_type = parameter;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const parameter*;
+    using reference = const parameter&;
+
+    iterator() = default;
+    explicit iterator(const ddp_variable* at) noexcept : at_(at) {}
+
+    reference operator*() const noexcept { return at_->param; }
+    pointer operator->() const noexcept { return &at_->param; }
+    reference operator[](difference_type n) const noexcept { return at_[n].param; }
+    iterator& operator++() noexcept { return ++at_, *this; }
+    iterator operator++(int) noexcept { return iterator(at_++); }
+    iterator& operator--() noexcept { return --at_, *this; }
+    iterator operator--(int) noexcept { return iterator(at_--); }
+    iterator& operator+=(difference_type n) noexcept { return at_ += n, *this; }
+    iterator& operator-=(difference_type n) noexcept { return at_ -= n, *this; }
+    friend iterator operator+(iterator i, difference_type n) noexcept { return i += n; }
+    friend iterator operator+(difference_type n, iterator i) noexcept { return i += n; }
+    friend iterator operator-(iterator i, difference_type n) noexcept { return i -= n; }
+    friend difference_type operator-(iterator a, iterator b) noexcept { return a.at_ - b.at_; }
+    friend bool operator==(iterator a, iterator b) noexcept { return a.at_ == b.at_; }
+    friend auto operator<=>(iterator a, iterator b) noexcept { return a.at_ <=> b.at_; }
+
+   private:
+    const ddp_variable* at_ = nullptr;
+  };
+
+  explicit parameter_view(const std::vector<ddp_variable>& variables) noexcept
+      : first_(variables.data()), size_(variables.size()) {}
+
+  [[nodiscard]] iterator begin() const noexcept { return iterator(first_); }
+  [[nodiscard]] iterator end() const noexcept { return iterator(first_ + size_); }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] const parameter& operator[](std::size_t i) const noexcept {
+    return first_[i].param;
+  }
+
+ private:
+  const ddp_variable* first_;
+  std::size_t size_;
+};
+
+[[nodiscard]] inline parameter_view parameters_of(const std::vector<ddp_variable>& variables) {
+  return parameter_view(variables);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/state.hpp ----
+// ---- begin dtrain/ddp/timeline.hpp ----
+/// @file
+/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
+/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
+/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
+/// Off, a recorder is one null pointer: no allocation and no clock read, one
+/// branch per recording point. On, spans go into a buffer per track, each
+/// with its own (uncontended: one thread per track) mutex, and the file is
+/// written at the end, so nothing is formatted or written during a step.
 
 // ---- begin dtrain/detail/json.hpp ----
 /// @file
@@ -10128,6 +10919,421 @@ DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text) 
 // ---- end dtrain/detail/json.hpp ----
 
 #include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
+/// the extension of the file name (trace.json -> trace.rank3.json), or is
+/// appended with ".json" when the name has none (trace -> trace.rank3.json).
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
+  const std::size_t dot = path.rfind('.');
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
+  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
+/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option) {
+  if (auto v = env.get(timeline_variable)) return std::string(*v);
+  return option;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// One rank's recorder. Default-constructed it is off and records nothing.
+/// Recording is thread-safe; write() must not race with recording of the same
+/// step (call it between steps, or after the communication thread is joined).
+class timeline {
+ public:
+  /// The tracks, as Chrome trace threads of the rank's process.
+  enum class track : std::uint8_t { training = 1, communication = 2 };
+
+  timeline() noexcept = default;
+
+  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
+  /// Creates the file now, so that a path that cannot be written is a
+  /// config_error before training starts (naming the path and the rank).
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names);
+
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
+  /// `env` (which wins) or `option` names a file, naming the spans of `params`
+  /// by their names.
+  template <class Parameters>
+  static timeline of(const environment& env, const std::string& option, int rank, int size,
+                     const Parameters& params) {
+    const std::string path = timeline_setting(env, option);
+    if (path.empty()) return {};
+    std::vector<std::string> names;
+    for (const auto& p : params) names.push_back(p.name);
+    return timeline(path, rank, size, std::move(names));
+  }
+
+  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
+  /// The file this rank writes; empty when off.
+  [[nodiscard]] std::string_view file() const noexcept {
+    return state_ ? std::string_view(state_->file) : std::string_view();
+  }
+
+  /// Nanoseconds on the steady clock (shared by the processes of a host, so
+  /// that their traces line up when merged).
+  [[nodiscard]] static std::int64_t now() noexcept;
+
+  /// A span from its construction to its destruction; nothing when off.
+  class scope {
+   public:
+    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
+          std::uint64_t index, std::uint64_t detail = 0) noexcept
+        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
+      if (t_) start_ = now();
+    }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope() {
+      if (t_) (t_->*done_)(start_, index_, detail_);
+    }
+
+   private:
+    timeline* t_;
+    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
+    std::uint64_t index_;
+    std::uint64_t detail_;
+    std::int64_t start_ = 0;
+  };
+
+  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
+  /// first mark of a step opens the step's span.
+  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
+    return scope(*this, &timeline::mark_done, index, bucket);
+  }
+  /// synchronize() of step `step`; when it ends, the step's span ends too.
+  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
+    return scope(*this, &timeline::synchronize_done, step);
+  }
+  /// The wait for the buckets inside synchronize().
+  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
+    return scope(*this, &timeline::wait_done, buckets);
+  }
+
+  /// Bucket `bucket` of `elements` is launched: returns the id of its span
+  /// (0 when off), which bucket_done() closes.
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements);
+  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
+  /// to now (finished); `on_thread`: on the communication thread, which gets a
+  /// span of its own (on CUDA streams the host only enqueues, so no such span).
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
+
+  /// Writes the file (everything recorded so far). Throws dtrain::error naming
+  /// the file and the rank when it cannot be written.
+  void write() const;
+  /// write(), for destructors: a failure is one line on stderr, never an exception.
+  void write_at_exit() const noexcept;
+
+  /// At most this many events per track are kept (about 48 MiB); the rest are
+  /// counted, and the file says how many were dropped.
+  static constexpr std::size_t max_events = std::size_t{1} << 20;
+  static constexpr std::size_t chunk_events = 4096;
+
+ private:
+  enum class kind : std::uint8_t {
+    step,
+    mark,
+    synchronize,
+    wait,
+    reduce,
+    bucket_begin,
+    bucket_end
+  };
+
+  struct event {
+    kind what = kind::step;
+    std::int64_t start = 0;  // ns, steady clock
+    std::int64_t end = 0;
+    std::uint64_t index = 0;   // step, parameter or bucket
+    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
+    std::uint64_t id = 0;      // bucket_begin / bucket_end
+  };
+
+  struct buffer {
+    mutable std::mutex mutex;
+    // Fixed chunks, not one vector: growing never copies what was recorded
+    // (a doubling vector costs a step its whole history once in a while).
+    std::vector<std::vector<event>> chunks;
+    std::size_t count = 0;
+    std::size_t dropped = 0;
+  };
+
+  struct state {
+    std::string file;
+    std::string setting;
+    int rank = 0;
+    int size = 1;
+    std::vector<std::string> names;
+    std::array<buffer, 2> tracks;
+    std::int64_t step_start = -1;  // training thread only
+    std::uint64_t launches = 0;    // training thread only
+  };
+
+  void append(track t, const event& e);
+
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket);
+  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
+    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
+  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t);
+
+  static void microseconds(std::string& out, std::int64_t ns);
+
+  std::string name_of(const event& e) const;
+
+  static const char* category_of(kind k);
+
+  void render_event(std::string& out, track t, const event& e) const;
+
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const;
+
+  std::string render() const;
+
+  std::unique_ptr<state> state_;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
+                                        std::vector<std::string> parameter_names)
+    : state_(std::make_unique<state>()) {
+  state_->file = timeline_file(path, rank);
+  state_->setting = std::string(timeline_variable) + "=" + std::string(path);
+  state_->rank = rank;
+  state_->size = size;
+  state_->names = std::move(parameter_names);
+  if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+    std::fclose(f);
+  } else {
+    throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                       state_->file + ": " + std::strerror(errno));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t timeline::now() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t timeline::bucket_launched(std::size_t bucket,
+                                                             std::size_t elements) {
+  if (!state_) return 0;
+  const std::uint64_t id = ++state_->launches;
+  append(
+      track::training,
+      {.what = kind::bucket_begin, .start = now(), .index = bucket, .detail = elements, .id = id});
+  return id;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_t id,
+                                                std::int64_t started, bool on_thread) {
+  if (!state_) return;
+  const std::int64_t end = now();
+  if (on_thread) {
+    append(track::communication,
+           {.what = kind::reduce, .start = started, .end = end, .index = bucket});
+  }
+  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write() const {
+  if (!state_) return;
+  const std::string text = render();
+  std::FILE* f = std::fopen(state_->file.c_str(), "w");
+  bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int code = errno;
+  if (f != nullptr && std::fclose(f) != 0) ok = false;
+  if (!ok) {
+    throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                state_->file + " (" + state_->setting + "): " + std::strerror(code));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write_at_exit() const noexcept {
+  try {
+    write();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::append(track t, const event& e) {
+  buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+  std::lock_guard lock(b.mutex);
+  if (b.count < max_events) {
+    if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+      b.chunks.emplace_back().reserve(chunk_events);
+    }
+    b.chunks.back().push_back(e);
+    ++b.count;
+  } else {
+    ++b.dropped;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::mark_done(std::int64_t start, std::uint64_t index,
+                                              std::uint64_t bucket) {
+  if (state_->step_start < 0) state_->step_start = start;
+  append(track::training,
+         {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::synchronize_done(std::int64_t start, std::uint64_t step,
+                                                     std::uint64_t) {
+  const std::int64_t end = now();
+  append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+  // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+  const std::int64_t from =
+      state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+  append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+  state_->step_start = -1;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::microseconds(std::string& out, std::int64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                static_cast<long long>(ns % 1000));
+  out += text;
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
+  switch (e.what) {
+    case kind::step: return "step " + std::to_string(e.index);
+    case kind::mark:
+      return e.index < state_->names.size() ? state_->names[e.index]
+                                            : "parameter #" + std::to_string(e.index);
+    case kind::synchronize: return "synchronize";
+    case kind::wait: return "wait for buckets";
+    case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket " + std::to_string(e.index);
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
+  switch (k) {
+    case kind::step: return "step";
+    case kind::mark: return "mark_ready";
+    case kind::synchronize:
+    case kind::wait: return "synchronize";
+    case kind::reduce:
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket";
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, const event& e) const {
+  out += ",\n{\"name\":";
+  json::write_string(out, name_of(e));
+  out += ",\"cat\":\"";
+  out += category_of(e.what);
+  out += "\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+  microseconds(out, e.start);
+  if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+    out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+    out += ",\"id\":" + std::to_string(e.id);
+  } else {
+    out += ",\"ph\":\"X\",\"dur\":";
+    microseconds(out, e.end - e.start);
+  }
+  switch (e.what) {
+    case kind::mark:
+      out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+             ",\"bucket\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::bucket_begin:
+      out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+    default: break;
+  }
+  out += "}";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::metadata(std::string& out, const char* what, int tid,
+                                             std::string_view name) const {
+  out += ",\n{\"name\":\"";
+  out += what;
+  out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+  json::write_string(out, name);
+  out += "}}";
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::render() const {
+  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+  std::size_t dropped = 0;
+  for (const buffer& b : state_->tracks) {
+    std::lock_guard lock(b.mutex);
+    dropped += b.dropped;
+  }
+  out += "\"rank\":" + std::to_string(state_->rank) +
+         ",\"world_size\":" + std::to_string(state_->size) +
+         ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+  out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+  metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+  metadata(out, "thread_name", static_cast<int>(track::training), "training");
+  metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+  for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+    const buffer& b = state_->tracks[t];
+    std::lock_guard lock(b.mutex);
+    for (const std::vector<event>& chunk : b.chunks) {
+      for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+    }
+  }
+  out += "\n]}\n";
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/timeline.hpp ----
+// ---- begin dtrain/env/placement.hpp ----
+/// @file
+/// Completing the world at rendezvous: every rank reports what its launcher
+/// told it and the name of its node; ranks that share a node name share a
+/// node. Open MPI and Hydra give no node index (and with `--map-by node`
+/// rank arithmetic is wrong), so this is how those fields become known.
+/// Pure functions and the codecs of the reports and the table; the runtime
+/// (runtime/context.hpp) carries them through the store.
+
+// ---- begin dtrain/env/world.hpp ----
+/// @file
+/// `dtrain::world`: who this process is in the job, as the launcher told it.
+/// A plain value; discover_world() (env/discover.hpp) builds it.
+
+
+#include <array>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -10313,6 +11519,3170 @@ DTRAIN_DETAIL_INLINE std::string to_json(const world& w) {
 
 }  // namespace dtrain
 // ---- end dtrain/env/world.hpp ----
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// This process's node name: DTRAIN_NODE_NAME, else the host name.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
+  if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
+  auto host = detail::host_name();
+  if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
+  return *host;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// What one rank says about itself at rendezvous.
+struct rank_report {
+  std::string node_name;
+  world self;  ///< as discovered: fields may be unknown
+
+  // The fields a report carries, in wire order (the world's own order).
+  static constexpr std::array<world::field, 5> fields{
+      world::field::world_size, world::field::local_rank, world::field::local_world_size,
+      world::field::node_rank, world::field::num_nodes};
+  template <class W>
+  static auto slots(W& w) {
+    return std::array{&w.world_size, &w.local_rank, &w.local_world_size, &w.node_rank,
+                      &w.num_nodes};
+  }
+
+  /// The report as a store value (detail/wire.hpp): node name bytes32, then
+  /// per field a known flag u8, the value i64 when known, its origin bytes32.
+  [[nodiscard]] std::string encode() const;
+
+  /// The inverse of encode(); `where` names the input ("store key world/3") in
+  /// the rendezvous_error a malformed value gives.
+  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where);
+
+  /// Whether the launcher placed this rank fully (its node and its place there).
+  [[nodiscard]] bool placed() const noexcept {
+    return self.local_rank && self.local_world_size && self.node_rank && self.num_nodes;
+  }
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
+  std::string out;
+  detail::wire::writer w(out);
+  w.bytes32(node_name);
+  const auto numbers = slots(self);
+  for (std::size_t i = 0; i < numbers.size(); ++i) {
+    w.u8(*numbers[i] ? 1 : 0);
+    if (*numbers[i]) w.i64(**numbers[i]);
+    w.bytes32(self.origin(fields[i]));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE rank_report rank_report::decode(std::string_view text,
+                                                     const std::string& where) {
+  return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
+    rank_report r;
+    r.node_name = in.bytes32("the node name");
+    const auto numbers = slots(r.self);
+    for (std::size_t i = 0; i < numbers.size(); ++i) {
+      const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
+      const std::uint8_t known = in.u8(name);
+      if (known > 1)
+        throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
+      if (known == 1) {
+        const std::int64_t value = in.i64(name);
+        if (value < 0 || value > max_world_size) {
+          throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
+                                        " is not in 0.." + std::to_string(max_world_size));
+        }
+        *numbers[i] = static_cast<int>(value);
+      }
+      r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
+    }
+    return r;
+  });
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Where one rank sits.
+struct placement {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+
+  friend bool operator==(const placement&, const placement&) = default;
+};
+
+/// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
+/// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
+/// config_error that placing the ranks gave (bytes32), for every rank to throw.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placements(
+    const std::vector<placement>& ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_placements(const std::vector<placement>& ranks) {
+  std::string out;
+  detail::wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(ranks.size()));
+  for (const placement& p : ranks)
+    w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message) {
+  std::string out;
+  detail::wire::writer(out).u8(0).bytes32(message);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
+/// config_error when placing failed there, and a rendezvous_error naming
+/// `where` ("store key dtrain/job/world/placement") when the value is malformed.
+[[nodiscard]] DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where,
+                                                              std::string_view value, int rank,
+                                                              int size);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where, std::string_view value,
+                                                int rank, int size) {
+  std::optional<std::string> failure;
+  placement mine =
+      detail::wire::decode_value(where, value, "a placement table", [&](detail::wire::reader& in) {
+        placement out;
+        if (in.u8("the ok flag") == 0) {
+          failure = in.bytes32("rank 0's error");
+          return out;
+        }
+        const std::uint32_t n = in.u32("the rank count");
+        if (static_cast<std::int64_t>(n) != size) {
+          throw detail::wire::violation("it places " + std::to_string(n) + " ranks, not " +
+                                        std::to_string(size));
+        }
+        for (std::uint32_t r = 0; r < n; ++r) {
+          std::int64_t f[4];
+          for (std::int64_t& v : f) {
+            v = in.i64("a placement");
+            if (v < 0 || v > max_world_size)
+              throw detail::wire::violation("a placement field is " + std::to_string(v));
+          }
+          if (static_cast<int>(r) == rank) {
+            out = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                   static_cast<int>(f[3])};
+          }
+        }
+        return out;
+      });
+  if (failure) throw config_error(*failure);
+  return mine;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Places every rank (reports[i] is rank i). When every report is complete,
+/// each keeps what its launcher said. Otherwise ranks are grouped by node
+/// name: nodes are numbered in the order of their lowest rank, local ranks
+/// follow the rank order within a node. Throws config_error, naming the
+/// ranks and variables, when the ranks disagree about the world size or a
+/// known field contradicts the grouping.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(
+    const std::vector<rank_report>& reports);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
+  const int n = static_cast<int>(reports.size());
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    const auto& ws = reports[r].self.world_size;
+    if (ws && *ws != n) {
+      throw config_error("rank " + std::to_string(r) + " says the world has " +
+                         std::to_string(*ws) + " ranks (" +
+                         reports[r].self.origin(world::field::world_size) + "), but " +
+                         std::to_string(n) + " ranks met at rendezvous");
+    }
+  }
+  std::vector<placement> out(static_cast<std::size_t>(n));
+  bool all_complete = true;
+  for (const auto& r : reports) all_complete = all_complete && r.placed();
+  if (all_complete) {
+    for (std::size_t r = 0; r < reports.size(); ++r) {
+      const world& w = reports[r].self;
+      out[r] = {*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+    }
+    return out;
+  }
+  std::map<std::string, int> node_of;  // node name -> node index
+  std::vector<int> node_size;
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    auto [it, fresh] =
+        node_of.try_emplace(reports[r].node_name, static_cast<int>(node_size.size()));
+    if (fresh) node_size.push_back(0);
+    out[r].node_rank = it->second;
+    out[r].local_rank = node_size[static_cast<std::size_t>(it->second)]++;
+  }
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    out[r].num_nodes = static_cast<int>(node_size.size());
+    out[r].local_world_size = node_size[static_cast<std::size_t>(out[r].node_rank)];
+  }
+  // A field the launcher did give must match: otherwise the node names are wrong.
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    const world& w = reports[r].self;
+    auto check = [&](world::field f, const std::optional<int>& known, int grouped,
+                     std::string_view what) {
+      if (known && *known != grouped) {
+        throw config_error("rank " + std::to_string(r) + ": " + w.origin(f) + " gives " +
+                           std::string(what) + " " + std::to_string(*known) +
+                           ", but grouping the ranks by node name (\"" + reports[r].node_name +
+                           "\", the host name unless DTRAIN_NODE_NAME is set) gives " +
+                           std::to_string(grouped) +
+                           "; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK");
+      }
+    };
+    check(world::field::local_rank, w.local_rank, out[r].local_rank, "local rank");
+    check(world::field::local_world_size, w.local_world_size, out[r].local_world_size,
+          "local world size");
+    check(world::field::node_rank, w.node_rank, out[r].node_rank, "node rank");
+    check(world::field::num_nodes, w.num_nodes, out[r].num_nodes, "node count");
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain
+// ---- end dtrain/env/placement.hpp ----
+// ---- begin dtrain/topology/flat.hpp ----
+/// @file
+/// topology::flat: every collective runs on one communicator over the world.
+/// The other model of the slot is topology::hierarchical (hierarchical.hpp).
+
+// ---- begin dtrain/topology/layout.hpp ----
+/// @file
+/// Where each rank sits among the nodes, as a topology needs it: the
+/// `node_layout` of one rank, every rank's gathered over the host control
+/// plane, and the check that the nodes are alike enough for a hierarchical
+/// collective (every node the same number of ranks, local ranks 0..L-1).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain {
+
+/// One rank's place among the nodes: what topology::hierarchical groups by.
+struct node_layout {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_size = 1;
+
+  /// The layout of a complete world (as dtrain::run hands it over); nullopt
+  /// when a field is unknown.
+  [[nodiscard]] static std::optional<node_layout> of(const world& w);
+  friend bool operator==(const node_layout&, const node_layout&) = default;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<node_layout> node_layout::of(const world& w) {
+  if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+  return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+namespace detail {
+
+/// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
+/// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
+/// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
+/// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string hierarchy_problem(
+    std::span<const node_layout> table);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string hierarchy_problem(std::span<const node_layout> table) {
+  const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
+  if (table.empty()) return "no ranks";
+  std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const node_layout& l = table[r];
+    if (l.num_nodes != table[0].num_nodes) {
+      return rank(r) + " says there are " + std::to_string(l.num_nodes) + " nodes, rank 0 " +
+             std::to_string(table[0].num_nodes);
+    }
+    if (l.node_rank < 0 || l.node_rank >= l.num_nodes || l.local_rank < 0 ||
+        l.local_rank >= l.local_size) {
+      return rank(r) + " has node rank " + std::to_string(l.node_rank) + " of " +
+             std::to_string(l.num_nodes) + " and local rank " + std::to_string(l.local_rank) +
+             " of " + std::to_string(l.local_size);
+    }
+    nodes[l.node_rank].push_back(l.local_rank);
+  }
+  const int n = table[0].num_nodes;
+  if (static_cast<int>(nodes.size()) != n) {
+    return std::to_string(nodes.size()) + " of the " + std::to_string(n) + " nodes have ranks";
+  }
+  const std::size_t first = nodes.begin()->second.size();
+  for (const auto& [node, locals] : nodes) {
+    if (locals.size() != first) {
+      return "uneven nodes: node " + std::to_string(nodes.begin()->first) + " has " +
+             std::to_string(first) + " ranks, node " + std::to_string(node) + " has " +
+             std::to_string(locals.size()) +
+             " (hierarchical needs the same number of ranks on every node)";
+    }
+    std::vector<char> seen(first, 0);
+    for (int local : locals) {
+      if (static_cast<std::size_t>(local) >= first || seen[static_cast<std::size_t>(local)]) {
+        return "node " + std::to_string(node) + " does not number its " + std::to_string(first) +
+               " ranks 0.." + std::to_string(first - 1) + " (local rank " + std::to_string(local) +
+               ")";
+      }
+      seen[static_cast<std::size_t>(local)] = 1;
+    }
+  }
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    if (static_cast<std::size_t>(table[r].local_size) != first) {
+      return rank(r) + " says its node has " + std::to_string(table[r].local_size) +
+             " ranks, but " + std::to_string(first) + " met there";
+    }
+  }
+  if (n == 1) return "one node: nothing crosses nodes";
+  if (first == 1) return "one rank per node: the cross-node communicator would be the world";
+  return {};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Every rank's layout, in rank order, over `control` (collective).
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
+                                                                           const node_layout& mine);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
+                                                             const node_layout& mine) {
+  const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
+  control.allgather(fields, all);
+  std::vector<node_layout> table(static_cast<std::size_t>(control.size()));
+  for (std::size_t r = 0; r < table.size(); ++r) {
+    const std::int64_t* f = &all[4 * r];
+    table[r] = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
+                static_cast<int>(f[3])};
+  }
+  return table;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The layout of every rank from its node name alone (FNV-1a of it, gathered
+/// over `control`), placed by place_ranks() as dtrain::run completes a world:
+/// nodes numbered by their lowest rank, local ranks in rank order. For
+/// communicators made without a context, which knows the launcher's own placement.
+[[nodiscard]] DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
+                                                                      std::string_view node_name);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
+                                                        std::string_view node_name) {
+  std::uint64_t hash = 1469598103934665603ull;
+  for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
+  control.allgather(mine, all);
+  std::vector<rank_report> reports(all.size());
+  for (std::size_t r = 0; r < all.size(); ++r) reports[r].node_name = std::to_string(all[r]);
+  const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
+  return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/topology/layout.hpp ----
+// ---- begin dtrain/topology/sequence.hpp ----
+/// @file
+/// How a topology runs one collective as several on different communicators:
+/// `detail::work_sequence`, one work for the steps, and the calls that pass a
+/// stream only to engines that take one. Steps on engines that order their
+/// collectives on CUDA streams are all enqueued at once, each after the
+/// previous one's stream; on host engines each step starts when the one
+/// before it has finished, inside test() / wait() of the sequence.
+
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// Whether C enqueues its collectives on a device stream of its own, ordered
+/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
+/// steps of a sequence can then all be enqueued at once.
+template <class C>
+concept stream_ordered = requires(const C& c) {
+  requires C::stream_ordered;
+  { c.stream() } -> std::convertible_to<stream_handle>;
+};
+
+/// The stream that the next step must follow after a step on `c`: its own
+/// stream where it has one, else none (the step has finished on the host).
+template <communicator C>
+stream_handle stream_after(const C& c) noexcept {
+  if constexpr (stream_ordered<C>) {
+    return c.stream();
+  } else {
+    (void)c;
+    return nullptr;
+  }
+}
+
+// The collectives with the caller's stream, for the engines that take one
+// (NCCL, MPI with device buffers); the others never see it.
+template <communicator C>
+work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
+    return c.allreduce(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.allreduce(in, out, op);
+  }
+}
+template <communicator C>
+work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
+    return c.reduce_scatter(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.reduce_scatter(in, out, op);
+  }
+}
+template <communicator C>
+work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
+  if constexpr (requires { c.allgather(in, out, stream); }) {
+    return c.allgather(in, out, stream);
+  } else {
+    (void)stream;
+    return c.allgather(in, out);
+  }
+}
+
+/// One work for several collectives. `steps[i]` starts collective i and
+/// returns its work; it runs on communicator `lane` and needs step `after`
+/// finished first (`chain`: the step before it; -1: nothing). Steps of one
+/// lane start in list order, whatever finishes when, so every rank issues the
+/// same collectives on every communicator in the same order: a lane is a
+/// queue, and independent lanes overlap (a pipeline: step k+1 on one
+/// communicator while step k runs on another).
+///
+/// Eager: every step is started now, in list order (engines that order
+/// collectives on streams). Otherwise a step starts once it may, from
+/// whichever thread tests or waits on the sequence: drive a rank's sequences
+/// from one thread, in one order, as it issues collectives. The first failure
+/// ends the sequence, with `label` (the whole collective) and the step in its
+/// message. A timeout gives up every step still running (NCCL: aborts their
+/// communicators).
+class work_sequence final : public work_state {
+ public:
+  static constexpr int chain = -2;
+  struct step {
+    std::string name;             ///< "cross-node allreduce", for messages
+    std::function<work()> start;  ///< starts the collective; may throw
+    int lane = 0;                 ///< the communicator it runs on
+    int after = chain;            ///< the step it waits for: an index, chain, or -1
+  };
+
+  /// Starts what may start now (eager: every step); what a start throws
+  /// reaches the caller. The sequence's timeout is its steps' (the
+  /// communicators' collective timeout), counted for the whole sequence.
+  work_sequence(std::string label, std::vector<step> steps, bool eager,
+                std::shared_ptr<void> keep_alive = {});
+
+  bool poll() override;
+
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
+
+  void on_timeout() noexcept override;
+
+ private:
+  // What the sequence knows of one step.
+  struct slot {
+    step what;
+    work handle;
+    bool started = false;
+    bool finished = false;
+  };
+
+  void start(std::size_t i);
+
+  // Starts, in list order, every step whose predecessor has finished and
+  // whose lane has started everything listed before it.
+  void start_ready();
+
+  // The one step in flight when exactly one is.
+  std::optional<work> only_running_locked();
+
+  // True once every step has finished or one has failed; starts the steps
+  // that finished ones let start.
+  bool advance_locked();
+
+  // The step's error, with the sequence and the step named; same exception type.
+  bool end(const std::exception_ptr& e, std::size_t i);
+
+  std::mutex mutex_;  // the watchdog and the owner may poll at once
+  std::vector<slot> slots_;
+  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
+  call_label call_label_;             // the caller's, for the steps started later
+  bool finished_ = false;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE work_sequence::work_sequence(std::string label, std::vector<step> steps,
+                                                  bool eager, std::shared_ptr<void> keep_alive)
+    : work_state(std::move(label), std::chrono::milliseconds(0)),
+      keep_alive_(std::move(keep_alive)),
+      call_label_(current_call_label()) {
+  if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    int& a = steps[i].after;
+    if (a == chain) a = static_cast<int>(i) - 1;
+    if (a >= static_cast<int>(i)) {
+      throw dtrain::error("work_sequence: step " + std::to_string(i) + " waits for a later one (" +
+                          description() + ")");
+    }
+    slots_.push_back({std::move(steps[i]), {}, false, false});
+  }
+  if (eager) {
+    for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
+  } else {
+    start_ready();
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::poll() {
+  std::lock_guard lock(mutex_);
+  return advance_locked();
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::wait_until(
+    std::chrono::steady_clock::time_point deadline) {
+  backoff pause;
+  for (;;) {
+    std::optional<work> only;
+    {
+      std::lock_guard lock(mutex_);
+      if (advance_locked()) return true;
+      only = only_running_locked();
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      std::lock_guard lock(mutex_);
+      return advance_locked();
+    }
+    if (only) {
+      // One step in flight, and nothing else can start before it ends: the
+      // engine's own wait (Gloo runs a collective that is next in line on
+      // this thread; MPI progresses inside its test).
+      (void)only->finish_within(left);
+    } else {
+      pause();  // several in flight: poll them all, so that each finished one lets the next start
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
+  std::lock_guard lock(mutex_);
+  for (slot& s : slots_) {
+    if (!s.started || s.handle.test()) continue;
+    try {
+      s.handle.give_up(s.handle.timeout());  // the engine's abort
+    } catch (...) {
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
+  slot& s = slots_[i];
+  label_scope label(
+      call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
+  s.handle = s.what.start();
+  s.started = true;
+  // A step that completed at once (nothing to move) has no limit of its own.
+  if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::start_ready() {
+  std::vector<char> lane_blocked;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
+    if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
+    if (slots_[i].started) continue;
+    const int a = slots_[i].what.after;
+    const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
+    if (ready && !lane_blocked[lane]) {
+      start(i);
+    } else {
+      lane_blocked[lane] = 1;
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<work> work_sequence::only_running_locked() {
+  std::optional<work> found;
+  int running = 0;
+  for (const slot& s : slots_) {
+    if (s.started && !s.finished) {
+      found = s.handle;
+      ++running;
+    }
+  }
+  if (running != 1) return std::nullopt;
+  return found;
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::advance_locked() {
+  if (finished_) return true;
+  for (;;) {
+    bool progress = false;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      slot& s = slots_[i];
+      if (!s.started || s.finished || !s.handle.test()) continue;
+      if (auto e = s.handle.exception()) return end(e, i);
+      s.finished = true;
+      progress = true;
+    }
+    if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
+      finished_ = true;
+      return true;
+    }
+    if (!progress) return false;
+    try {
+      start_ready();
+    } catch (...) {
+      std::size_t failed = 0;
+      while (failed < slots_.size() && slots_[failed].started) ++failed;
+      return end(std::current_exception(), failed);
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::end(const std::exception_ptr& e, std::size_t i) {
+  const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
+                            std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
+  try {
+    std::rethrow_exception(e);
+  } catch (const config_error& x) {
+    fail(std::make_exception_ptr(config_error(where + x.what())));
+  } catch (const timeout_error& x) {
+    fail(std::make_exception_ptr(timeout_error(where + x.what())));
+  } catch (const backend_error& x) {
+    fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
+  } catch (const rendezvous_error& x) {
+    fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
+  } catch (const std::exception& x) {
+    fail(std::make_exception_ptr(dtrain::error(where + x.what())));
+  } catch (...) {
+    fail(e);
+  }
+  finished_ = true;
+  return true;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain::detail
+// ---- end dtrain/topology/sequence.hpp ----
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace dtrain::topology {
+
+/// One communicator over the world; collectives go to it unchanged.
+struct flat {
+  static constexpr std::string_view name = "flat";
+
+  /// How this topology runs an allreduce on `world`: directly.
+  template <communicator C>
+  static work allreduce(C& world, buffer in, buffer out, reduce_op op) {
+    return world.allreduce(in, out, op);
+  }
+  template <communicator C>
+  static work broadcast(C& world, buffer data, int root) {
+    return world.broadcast(data, root);
+  }
+
+  /// The communicators a topology runs its collectives on, made once per
+  /// user (DistributedDataParallel makes one). Flat: the world itself.
+  template <communicator C>
+  class group {
+   public:
+    /// Nothing collective happens: flat needs no layout and no new communicator.
+    group(C& world, control_plane /*control*/, const node_layout& /*mine*/) noexcept
+        : world_(&world) {}
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically (never, here).
+    [[nodiscard]] static constexpr bool hierarchical() noexcept { return false; }
+    /// A buffer whose length is a multiple of this many elements needs no extra collective.
+    [[nodiscard]] static constexpr std::size_t granularity() noexcept { return 1; }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs: none.
+    [[nodiscard]] static constexpr std::size_t shard_count(std::size_t /*count*/) noexcept {
+      return 0;
+    }
+    /// "flat (gloo, 4 ranks)"
+    [[nodiscard]] std::string describe() const {
+      return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) + " ranks)";
+    }
+
+    /// In place on `data`, ordered after `stream` where the engine takes one.
+    work allreduce(buffer data, buffer /*shard*/, reduce_op op, stream_handle stream = nullptr) {
+      return detail::allreduce_on(*world_, data, data, op, stream);
+    }
+    /// The same without scratch (flat needs none).
+    work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
+    /// Where this rank's part of a reduce_scatter() lies: part world().rank().
+    [[nodiscard]] std::size_t shard_position() const {
+      return static_cast<std::size_t>(world_->rank());
+    }
+    /// The reduction of `data` over every rank, this rank's part of it
+    /// (part shard_position() of size()) into `out`.
+    work reduce_scatter(buffer data, buffer /*shard*/, buffer out, reduce_op op,
+                        stream_handle stream = nullptr) {
+      return detail::reduce_scatter_on(*world_, data, out, op, stream);
+    }
+    /// Every rank's `in` into `data`, each at its shard_position().
+    work allgather(buffer in, buffer /*shard*/, buffer data, stream_handle stream = nullptr) {
+      return detail::allgather_on(*world_, in, data, stream);
+    }
+    /// Makes `stream` wait for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    { world_->stream_wait(stream); }
+
+   private:
+    C* world_;
+  };
+};
+
+}  // namespace dtrain::topology
+// ---- end dtrain/topology/flat.hpp ----
+
+#include <array>
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <initializer_list>
+#include <mutex>
+#include <optional>
+#include <ranges>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace dtrain {
+
+/// What a DDP takes its communicator, host control plane and world from:
+/// dtrain::context<Policy>. A concept, so that DDP does not include the
+/// runtime (agent, store server) that runtime/context.hpp brings. A context with an
+/// `environment()` (the snapshot dtrain::context took at start) gives DDP
+/// the variables it reads (DTRAIN_TIMELINE).
+template <class C, class Policy>
+concept ddp_context = requires(C& c) {
+  { c.communicator() } -> std::same_as<typename Policy::communicator_type&>;
+  { c.control_plane() } -> std::convertible_to<control_plane>;
+  { c.world() } -> std::convertible_to<const world&>;
+};
+
+namespace detail {
+/// The environment snapshot of `ctx`, or (a context without one) of the process now.
+template <class Context>
+environment environment_of(Context& ctx) {
+  if constexpr (requires {
+                  { ctx.environment() } -> std::convertible_to<const environment&>;
+                }) {
+    return ctx.environment();
+  } else {
+    return environment::from_process();
+  }
+}
+}  // namespace detail
+
+/// The model-free core of DistributedDataParallel, over the communicator of
+/// `Policy`, built from the parameters (and buffers) as dtrain sees them.
+///
+/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
+/// is final, or all at once after the backward pass (mark_all_ready), then
+/// synchronize(); gradients then hold the mean over ranks. Every member may
+/// be called from any thread (autograd's hooks mark from theirs): one lock
+/// serialises them. Between mark_ready and synchronize() a gradient belongs
+/// to dtrain: do not touch it.
+template <class Policy>
+class basic_ddp {
+ public:
+  using communicator_type = typename Policy::communicator_type;
+  /// The communicators a bucket's allreduce runs on (topology::flat::group,
+  /// topology::hierarchical::group), split from DDP's own communicator.
+  using topology_group =
+      typename Policy::topology_type::template group<typename Policy::communicator_type>;
+  /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
+  using memory_space = typename Policy::memory_space;
+  /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
+  using stream_type = typename memory_space::stream_type;
+  /// A user reduction: must leave the mean over ranks in `bucket.data` once
+  /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
+  using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
+  static constexpr bool on_device = memory_space::where == memory::device;
+  /// With ddp_options::find_unused_parameters, the parameters that no rank
+  /// marked in this many first synchronized steps are named once on rank 0's
+  /// stderr (ddp_options::report_unused_parameters = false silences it).
+  static constexpr std::size_t unused_report_steps = 2;
+
+  /// Collective over ctx's communicator (a dtrain::context<Policy>); metadata
+  /// goes over ctx's control plane where the communicator cannot carry host
+  /// data (NCCL). The policy's topology groups the ranks by ctx.world()'s
+  /// nodes; DTRAIN_TIMELINE is read from ctx's environment snapshot.
+  template <ddp_context<Policy> Context>
+  basic_ddp(Context& ctx, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
+            ddp_options options = {})
+      : basic_ddp(ctx.communicator(), ctx.control_plane(), std::move(parameters),
+                  std::move(buffers), std::move(options), node_layout::of(ctx.world()),
+                  detail::environment_of(ctx)) {}
+
+  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
+  /// communicator that reaches host memory). A device-only backend (NCCL)
+  /// needs the constructor with a control plane. Without a context, the
+  /// variables DDP reads (DTRAIN_TIMELINE, DTRAIN_NODE_NAME) come from a
+  /// snapshot of the process environment taken here.
+  /// (A template only so that an explicit instantiation of the class for NCCL
+  /// does not trip the static_assert.)
+  template <std::same_as<communicator_type> Comm>
+  basic_ddp(Comm& comm, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
+            ddp_options options = {})
+      : basic_ddp(comm, nullptr, std::move(parameters), std::move(buffers), std::move(options),
+                  std::nullopt, environment::from_process()) {
+    static_assert(std::same_as<Comm, communicator_type> && communicator_type::reaches_host_memory,
+                  "this backend moves device memory only, and DistributedDataParallel's metadata "
+                  "(model agreement, bucket order) is host data: construct it from the context, "
+                  "or pass a control plane: DistributedDataParallel(comm, "
+                  "dtrain::control_plane(channel), model) with a dtrain::store_channel");
+  }
+
+  /// Collective: checks that every rank holds the same parameters (names,
+  /// counts, types; config_error naming the first difference and the ranks)
+  /// over `control`, copies rank 0's values to all (complete when this
+  /// returns), lays the gradients out in buckets, and starts the bucket
+  /// runner. Buckets travel on a split of `comm` of their own: the caller may
+  /// use `comm` at any time. `control` carries the metadata when `comm` cannot
+  /// (device-only backends; otherwise DDP's own split of `comm` does), and must
+  /// outlive this object. With topology::hierarchical and no context, ranks
+  /// are grouped into nodes by node name (DTRAIN_NODE_NAME, else the host name).
+  basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
+            std::vector<parameter> buffers = {}, ddp_options options = {})
+      : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
+                  std::nullopt, environment::from_process()) {}
+
+  basic_ddp(const basic_ddp&) = delete;
+  basic_ddp& operator=(const basic_ddp&) = delete;
+
+  /// Waits for buckets still in flight (each within its timeout), then gives
+  /// the model its gradients back: bucket views are copied to the model's own
+  /// buffers (or set to null where it had none), since the buckets go with
+  /// this object.
+  ~basic_ddp();
+
+  /// Marks parameter `index` (its position in parameters()) ready for this
+  /// step. Throws dtrain::error naming it when it was marked already.
+  void mark_ready(std::size_t index) {
+    if (index >= vars_.size()) no_such_index(index);
+    mark(index);
+  }
+  /// Marks the parameter called `name` ready.
+  void mark_ready(std::string_view name) {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) no_such_name(name);
+    mark(it->second);
+  }
+  /// Marks `p` ready, found by its values' address.
+  void mark_ready(const parameter& p) {
+    auto it = by_data_.find(p.values.data);
+    if (it == by_data_.end()) not_a_parameter(p);
+    mark(it->second);
+  }
+  /// Marks each of a braced list ready: `mark_ready({"fc2.w", "fc2.b"})`.
+  /// (Without these, `{"a", "b"}` would build one string_view from the two
+  /// pointers as an iterator range.)
+  void mark_ready(std::initializer_list<std::string_view> names) {
+    for (std::string_view n : names) mark_ready(n);
+  }
+  /// `mark_ready({4, 5})`: by index.
+  void mark_ready(std::initializer_list<std::size_t> indices) {
+    for (std::size_t i : indices) mark_ready(i);
+  }
+  /// `mark_ready({p, q})`: by parameter.
+  void mark_ready(std::initializer_list<std::reference_wrapper<const parameter>> params) {
+    for (const parameter& p : params) mark_ready(p);
+  }
+  /// Marks each of `params` ready: parameters, indices or names.
+  template <std::ranges::input_range R>
+  requires(!std::convertible_to<R, std::string_view>) void mark_ready(R&& params) {
+    for (auto&& p : params) mark_ready(p);
+  }
+  /// Marks every parameter not yet marked in this step, last parameter
+  /// first (the order a backward pass finishes them). After the whole
+  /// backward pass, `ddp.mark_all_ready(); ddp.synchronize();` is the minimal
+  /// correct step (no overlap: the buckets are queued here without waking the
+  /// communication thread, and synchronize() reduces them on its own thread).
+  void mark_all_ready();
+
+  /// Completes the step: launches what is left and leaves the mean over ranks
+  /// in every gradient. Host memory: waits until every bucket is averaged
+  /// (bounded by the collective timeout). CUDA: the host waits for nothing;
+  /// the compute stream waits for the averaged gradients, and a watchdog
+  /// bounds every bucket by the collective timeout (its timeout_error is
+  /// thrown here or by the next call). Throws dtrain::error naming the
+  /// parameters that were never marked (unless find_unused_parameters), or
+  /// the engine's error. Inside no_sync() it does nothing.
+  void synchronize();
+
+  /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
+  /// far; the destructor writes it too. Call it between steps. Throws
+  /// dtrain::error naming the file and the rank when it cannot be written.
+  void flush_timeline() const { timeline_.write(); }
+
+  /// The stream the backward pass runs on (CUDA; default: ddp_options::stream,
+  /// whose null is the legacy default stream). Set it before a step, not between mark_ready and
+  /// synchronize() (config_error): buckets launched in a step are ordered after it.
+  void set_stream(stream_type compute) requires(memory_space::on_stream) {
+    const std::lock_guard lock(mutex_);
+    change_stream(compute);
+  }
+  /// set_stream(compute), then synchronize().
+  void synchronize(stream_type compute) requires(memory_space::on_stream) {
+    synchronize_on(compute);
+  }
+  /// Blocks the host until every bucket launched so far has been averaged
+  /// on the device (each within the collective timeout): for measuring, or
+  /// before reading gradients on the host. Throws what a bucket failed with.
+  void wait();
+
+  /// While alive, mark_ready only records and nothing is communicated;
+  /// gradients accumulate as the caller adds into them, and the next
+  /// synchronized step averages the sums. Made only by no_sync(), which
+  /// refuses to start one in the middle of a step.
+  class no_sync_guard {
+   public:
+    no_sync_guard(no_sync_guard&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)) {}
+    no_sync_guard(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(no_sync_guard&&) = delete;
+    ~no_sync_guard() {
+      if (!ddp_) return;
+      const std::lock_guard lock(ddp_->mutex_);
+      --ddp_->no_sync_depth_;
+    }
+
+   private:
+    friend class basic_ddp;
+    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) {}  // the lock is held
+    basic_ddp* ddp_;
+  };
+  /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
+  /// Throws dtrain::error in the middle of a step (after mark_ready, before synchronize()).
+  [[nodiscard]] no_sync_guard no_sync();
+
+  /// Sets every gradient to zero (between steps only).
+  void zero_grad();
+
+  /// Replaces the allreduce of each bucket by `hook` (all ranks must register
+  /// the same). Not with gradient compression, which is itself such a reduction.
+  void register_comm_hook(comm_hook hook);
+
+  /// What a wrapper that finds the unused parameters itself tells the core
+  /// (dtrain::torch walks autograd's graph, as c10d's prepare_for_backward
+  /// does): with find_unused_parameters, the parameters listed (indices into
+  /// parameters()) are not reached by the coming backward pass. They are
+  /// marked ready, contributing zero (or what no_sync() accumulated), as soon
+  /// as the step's first other parameter is marked; marking one of them is an
+  /// error. The last call before a step counts; between steps only
+  /// (dtrain::error otherwise, or without find_unused_parameters).
+  void prepare_for_backward(std::span<const std::size_t> unused);
+
+  /// `callback` runs on the marking thread, after the lock is released, when
+  /// mark_ready() marks the last parameter of a step outside no_sync() (not
+  /// when mark_all_ready() or synchronize() do). dtrain::torch queues
+  /// autograd's final callback there, which completes the step.
+  void on_all_marked(std::function<void()> callback);
+
+  /// Collective over DDP's communicator, on every rank after the same
+  /// synchronize(): per parameter, whether some rank used it (marked it, or
+  /// accumulated into it in no_sync()) in the step just completed. One small
+  /// sum, computed once per step and only with find_unused_parameters;
+  /// without it, or at world size 1, nothing is communicated.
+  [[nodiscard]] std::vector<bool> used_anywhere();
+
+  // Sharding (ddp_options::sharding, ZeRO stages 1 and 2; ddp/basic_ddp_shards.hpp).
+  // The same calls work without sharding, where a rank's shard is every parameter.
+
+  /// The pieces of the parameters this rank updates, with their averaged
+  /// gradients: after synchronize(), an elementwise optimizer updates each
+  /// piece's values (state at piece.state_offset), then gather_parameters().
+  /// Without sharding (or on one rank): every parameter, whole.
+  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
+  /// This rank's shard as ranges of the whole model's elements (the
+  /// parameters concatenated in index order): `global` where a piece starts
+  /// there, `local` its state_offset. For checkpoint::add_sharded, which
+  /// re-cuts sharded optimizer state for another world size.
+  [[nodiscard]] std::vector<shard_range> shard_ranges() const {
+    std::vector<std::uint64_t> first(vars_.size() + 1, 0);
+    for (std::size_t i = 0; i < vars_.size(); ++i)
+      first[i + 1] = first[i] + vars_[i].param.values.count;
+    std::vector<shard_range> out;
+    out.reserve(pieces_.size());
+    for (const shard_piece& p : pieces_)
+      out.push_back({first[p.parameter] + p.offset, p.state_offset, p.values.count});
+    return out;
+  }
+  /// Elements of the whole model (every parameter's), the `total` of shard_ranges().
+  [[nodiscard]] std::uint64_t model_elements() const noexcept {
+    std::uint64_t n = 0;
+    for (const variable& v : vars_) n += v.param.values.count;
+    return n;
+  }
+  /// What DDP holds itself on this rank (buckets, shards, scratch), in bytes.
+  [[nodiscard]] ddp_memory_use memory_use() const {
+    ddp_memory_use use;
+    for (const bucket& b : buckets_) {
+      use.buckets += b.grads.bytes();
+      use.shards += b.owned.bytes();
+      use.scratch += b.wire.bytes() + b.shard.bytes();
+    }
+    use.scratch += staging_[0].bytes() + staging_[1].bytes();
+    use.transient_buckets = transient_buckets();
+    return use;
+  }
+  /// Elements of this rank's shard: the size of an elementwise optimizer's
+  /// state array (per state: Adam keeps two).
+  [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// The optimizer's step over this rank's shard, then the values' allgather:
+  /// `update(piece)` for each piece of shard(), then gather_parameters().
+  /// Once after each synchronize() (dtrain::error otherwise, naming the rank:
+  /// a step on gradients that were not averaged would be silently wrong).
+  /// Sharded, each bucket's allgather starts as soon as its pieces are
+  /// updated, while the update goes on with the next bucket's.
+  template <class Update>
+  requires std::invocable<Update&, const shard_piece&>
+  void optimizer_step(Update&& update) { update_and_gather("optimizer_step()", update); }
+  /// Collective: every rank's updated shard to every rank (an allgather per
+  /// bucket), so that every rank holds all the values again; DDP's gradient
+  /// buckets are its scratch and are zeroed after. Once after each
+  /// synchronize(), after this rank's update of its shard. Nothing to send
+  /// without sharding or on one rank.
+  void gather_parameters();
+  /// The L2 norm of the averaged gradients of the whole model, the same on
+  /// every rank (collective with sharding: each rank sums its shard's
+  /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
+  /// After synchronize(), before gather_parameters(). float32 and float64.
+  [[nodiscard]] double gradient_norm();
+  /// Collective: whether `mine` is true on any rank, on every rank (to skip a
+  /// step together when some rank found an inf or a NaN).
+  [[nodiscard]] bool any_rank(bool mine);
+
+  /// Throws dtrain::error naming the failure after which this DDP cannot be
+  /// used (an engine's error, a timeout); nothing when it is usable.
+  void check_usable() const {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+  }
+
+  /// The state of the current step: whether parameter i is marked ready in it.
+  [[nodiscard]] bool marked(std::size_t i) const;
+  /// Whether prepare_for_backward() listed parameter i for the current step.
+  [[nodiscard]] bool declared_unused(std::size_t i) const;
+  /// Parameters not yet marked ready in the current step.
+  [[nodiscard]] std::size_t unmarked() const;
+  /// Some parameter was marked ready outside no_sync() and the step is not
+  /// complete: no_sync(), zero_grad() and the next step must wait for synchronize().
+  [[nodiscard]] bool step_open() const;
+  /// Nothing was marked or accumulated since the last completed step.
+  [[nodiscard]] bool idle() const;
+  /// Inside no_sync().
+  [[nodiscard]] bool accumulating() const;
+
+  // What DDP is: these never wait for the lock, so that a communication hook
+  // (which runs while synchronize() holds it) may ask them. The layout and
+  // gradient pointers change only in synchronize(), at the first step's rebuild.
+
+  /// The buckets, in launch order (a copy of the current layout).
+  [[nodiscard]] std::vector<bucket_info> buckets() const;
+  /// Whether the one rebuild from the observed ready order has happened.
+  [[nodiscard]] bool buckets_rebuilt() const noexcept {
+    return rebuilt_.load(std::memory_order_relaxed);
+  }
+  /// The parameters as dtrain sees them, gradient pointers current: a
+  /// random-access view (`parameters()[i].name`, `.size()`, range-for).
+  [[nodiscard]] detail::parameter_view parameters() const noexcept {
+    return detail::parameters_of(vars_);
+  }
+  /// Synchronized steps completed.
+  [[nodiscard]] std::size_t steps() const noexcept {
+    return steps_.load(std::memory_order_relaxed);
+  }
+  /// The options DDP was built with.
+  [[nodiscard]] const ddp_options& options() const noexcept { return options_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  /// The communicator the buckets travel on: DDP's own split of the user's.
+  [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
+  /// How buckets are reduced: the policy's topology over communicator()
+  /// (describe(), and for topology::hierarchical hierarchical() and why_flat()).
+  [[nodiscard]] const topology_group& topology() const noexcept { return topo_; }
+  /// Whether float32 buckets can be compressed here: always on the host; on
+  /// a GPU when some translation unit of the program was compiled by nvcc.
+  [[nodiscard]] static bool compression_available() noexcept {
+    return memory_space::casts_available();
+  }
+
+ protected:
+  // For DistributedDataParallel's context constructor (the layout from the world).
+  basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
+            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout,
+            const environment& env)
+      : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
+                  layout, env) {}
+
+ private:
+  template <class>
+  friend class detail::thread_runner;
+  template <class>
+  friend class detail::stream_runner;
+
+  using variable = detail::ddp_variable;
+  using bucket = detail::ddp_bucket<memory_space>;
+  /// The first element of this rank's shard in a bucket: its part is the
+  /// topology's shard_position() (the rank, flat; local rank x nodes + node
+  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
+  std::size_t shard_first(const bucket& s) const { return topo_.shard_position() * s.owned_count; }
+  using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
+                                         detail::thread_runner<basic_ddp>>;
+  // The control plane DDP makes for itself over its own communicator (host backends).
+  using own_channel_type =
+      std::conditional_t<communicator_type::reaches_host_memory,
+                         communicator_channel<communicator_type>, std::monostate>;
+
+  basic_ddp(communicator_type& comm, control_plane* given, std::vector<parameter> parameters,
+            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout,
+            const environment& env);
+
+  own_channel_type make_own_channel();
+  control_plane control_for(control_plane* given);
+  node_layout layout_of(const std::optional<node_layout>& given, const environment& env);
+  static int device_of(communicator_type& comm);
+  void lay_out(std::span<const std::size_t> order);
+
+  bool compressed(const bucket_info& b) const noexcept {
+    return options_.compression != gradient_compression::none && b.type == dtype::float32;
+  }
+
+  // Marking (ddp/basic_ddp_step.hpp). mark() takes the lock and runs the
+  // all-marked callback after releasing it; the others run under the lock.
+  void mark(std::size_t i);
+  bool ready(std::size_t i);
+  void record_mark(std::size_t i, bool by_rank);
+  [[noreturn]] void no_such_index(std::size_t index) const;
+  [[noreturn]] void no_such_name(std::string_view name) const;
+  [[noreturn]] void not_a_parameter(const parameter& p) const;
+  [[noreturn]] void marked_twice(std::size_t i) const;
+  void check_between_steps(const char* what) const;
+
+  bool recording() const noexcept {
+    return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
+  }
+  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
+  /// the bucket layout stays as built (no rebuild moves a shard).
+  bool shards_optimizer_state() const noexcept { return options_.sharding != sharding::none; }
+  /// Sharding over more than one rank: each rank owns a shard of every
+  /// bucket (padded to size() equal shards), and the updated values come
+  /// back by allgather.
+  bool owns_bucket_shards() const noexcept { return shards_optimizer_state() && size_ > 1; }
+  /// Stage 2 over more than one rank: this rank's averaged gradients are its
+  /// shard's only, in `owned` (buckets are reduce-scattered there by the
+  /// topology: hierarchical, node-local first).
+  bool shards_gradients() const noexcept {
+    return options_.sharding == sharding::gradients && size_ > 1;
+  }
+  /// Stage 2 where memory can give pages back (the host): each bucket's
+  /// gradient pages are returned once it is reduce-scattered, and again once
+  /// its allgather is copied out, so that gradients take memory only while a
+  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
+  bool transient_buckets() const noexcept {
+    return shards_gradients() && detail::pages_droppable<memory_space>;
+  }
+  /// Transient buckets launched and not yet reduced before mark_ready waits.
+  static constexpr std::size_t transient_in_flight = 2;
+
+  void make_pieces();
+  void check_updatable(const char* what) const;
+  /// optimizer_step() and gather_parameters(): `update(piece)` for each
+  /// piece, bucket by bucket, each bucket's allgather launched once its
+  /// pieces are updated (transient buckets: the one before completed while
+  /// it travels, so that at most two hold their pages at once), then the rest.
+  template <class Update>
+  void update_and_gather(const char* what, Update& update) {
+    {
+      const std::lock_guard lock(mutex_);
+      check_usable_locked();
+      check_updatable(what);
+    }
+    std::vector<work> gathers;
+    std::size_t k = 0;          // pieces_ are in bucket order
+    std::size_t completed = 0;  // buckets whose allgather is copied out already
+    try {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
+        if (owns_bucket_shards()) {
+          gathers.push_back(launch_gather(b));
+          if (transient_buckets() && b > 0) {
+            gathers[b - 1].wait();
+            complete_gather(b - 1);
+            completed = b;
+          }
+        }
+      }
+      for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    } catch (const std::exception& e) {
+      // The update (or an allgather) failed on this rank: what was launched
+      // completes (or fails), and this DDP is not usable for another step.
+      abandon_gathers(gathers, e.what());
+      throw;
+    } catch (...) {
+      abandon_gathers(gathers, "an exception that is not a std::exception");
+      throw;
+    }
+    finish_gather(gathers, completed);
+  }
+  work launch_gather(std::size_t b);
+  std::byte* gathered(std::size_t b);
+  void complete_gather(std::size_t b);
+  void finish_gather(std::vector<work>& gathers, std::size_t completed);
+  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
+  /// World size 1 without a hook (nor ddp_options::always_reduce): no bucket travels.
+  bool sends_nothing() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
+
+  void change_stream(stream_type compute);
+  std::string take_stream();
+  void synchronize_on(stream_type compute);
+  void synchronize_locked();
+  void launch_ready();
+  void finish_alone(std::size_t b);
+  void complete_marks();
+  std::vector<bool> used_anywhere_locked();
+  void report_unused();
+  void zero_contribution(std::size_t i);
+
+  // The runner's steps (detail::thread_runner, detail::stream_runner). They
+  // run without the lock: they touch only bucket b and its parameters'
+  // places, which nothing changes while b is in flight.
+  void prepare_bucket(std::size_t b);
+  work reduce(std::size_t b);
+  void finish_bucket(std::size_t b);
+  /// Streams: the compute stream waits (on the device) for every collective so far.
+  void order_after_buckets() {
+    if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
+  }
+  /// `data` summed over DDP's communicator in place, ordered after the compute stream.
+  work sum_in_place(const buffer& data) {
+    if constexpr (memory_space::on_stream) {
+      return comm_.allreduce(data, data, reduce_op::sum, stream_);
+    } else {
+      return comm_.allreduce(data, data, reduce_op::sum);
+    }
+  }
+
+  // The compute stream for engines that order after it; null for host memory.
+  stream_handle on_stream_or_null() const noexcept {
+    if constexpr (memory_space::on_stream) {
+      return stream_;
+    } else {
+      return nullptr;
+    }
+  }
+
+  std::exception_ptr complete_buckets();
+  std::exception_ptr runner_drain();
+  void end_step();
+  std::vector<std::size_t> layout_order() const;
+  void reset_step();
+
+  void check_usable_locked() const {
+    if (broken_) unusable();
+  }
+  [[noreturn]] void unusable() const;
+  [[noreturn]] void fail(std::exception_ptr e);
+
+  // A communicator of its own (a split of the user's), so that collectives the
+  // user issues during a step cannot interleave with the buckets' differently on different ranks.
+  communicator_type comm_;
+  own_channel_type own_channel_;
+  control_plane control_;
+  topology_group topo_;  // after control_: made over it
+  ddp_options options_;
+  int rank_;
+  int size_;
+  int device_ = -1;
+  std::vector<variable> vars_;  // never resized after construction: parameters() views it
+  std::vector<parameter> buffers_;
+  std::unordered_map<std::string_view, std::size_t> by_name_;
+  std::unordered_map<const void*, std::size_t> by_data_;
+  std::vector<bucket> buckets_;
+  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
+  std::array<detail::flat_storage<memory_space>, 2> staging_;
+  // The current step.
+  std::vector<std::size_t> ready_order_;  // recorded for the rebuild
+  std::size_t next_launch_ = 0;
+  std::size_t unmarked_ = 0;
+  bool any_marked_ = false;      // outside no_sync()
+  bool any_touched_ = false;     // marked or accumulated since the last completed step
+  bool unused_pending_ = false;  // prepare_for_backward() listed some, not yet marked
+  int no_sync_depth_ = 0;
+  bool in_bulk_ = false;  // mark_all_ready() or synchronize() launching: no thread wake-up
+  // Across steps.
+  std::atomic<std::size_t> steps_ = 0;  // read without the lock: steps()
+  std::atomic<bool> rebuilt_ = false;
+  std::vector<std::int32_t> used_counts_;  // used_anywhere() of step used_step_
+  std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
+  bool broken_ = false;
+  std::string broken_message_;
+  // Sharding: this rank's pieces (whole parameters without it), and whether
+  // the last step was synchronized and not yet updated (optimizer_step()).
+  std::vector<shard_piece> pieces_;
+  std::size_t shard_elements_ = 0;
+  bool updatable_ = false;
+  comm_hook hook_;
+  std::function<void()> all_marked_;
+  stream_type stream_ = nullptr;
+  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
+  mutable std::mutex mutex_;           // everything above that changes during a step
+  std::optional<runner_type> runner_;  // last: it calls back into everything above
+};
+
+// ---------------------------------------------------------------------------
+// Out of class: see the file comment. Construction here; the buckets' layout
+// and journey in ddp/basic_ddp_buckets.hpp; the step's state machine in
+// ddp/basic_ddp_step.hpp.
+
+template <class Policy>
+basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
+                             std::vector<parameter> parameters, std::vector<parameter> buffers,
+                             ddp_options options, std::optional<node_layout> layout,
+                             const environment& env)
+    : comm_(comm.split(0, comm.rank())),
+      own_channel_(make_own_channel()),
+      control_(control_for(given)),
+      topo_(comm_, control_, layout_of(layout, env)),
+      options_(std::move(options)),
+      rank_(comm.rank()),
+      size_(comm.size()),
+      buffers_(std::move(buffers)) {
+  device_ = device_of(comm_);
+  std::string problem = take_stream();
+  if (problem.empty() && options_.compression != gradient_compression::none &&
+      !compression_available()) {
+    // Every rank of the same program sees the same; the agreement below stops them all alike.
+    problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
+              std::string(detail::device_casts_missing);
+  }
+  try {
+    timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
+  } catch (const config_error& e) {
+    if (problem.empty()) problem = e.what();  // the agreement stops every rank
+  }
+  if (problem.empty()) {
+    problem = detail::model_problem(parameters, buffers_, options_, rank_, communicator_type::name,
+                                    on_device, device_);
+  }
+  agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
+  detail::agree_on_model(control_, parameters, buffers_,
+                         "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
+  if (options_.broadcast_parameters) {
+    detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
+      if constexpr (memory_space::on_stream) {
+        comm_.broadcast(values, 0, stream_).wait();
+      } else {
+        comm_.broadcast(values, 0).wait();
+      }
+    });
+  }
+  vars_.reserve(parameters.size());
+  for (parameter& p : parameters) {
+    void* original = p.gradient;
+    vars_.push_back({.param = std::move(p), .original = original});
+  }
+  for (std::size_t i = 0; i < vars_.size(); ++i) {
+    by_name_.emplace(vars_[i].param.name, i);
+    by_data_.emplace(vars_[i].param.values.data, i);
+  }
+  used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
+  lay_out(detail::reverse_order(vars_.size()));
+  // The buckets were zeroed and filled on the compute stream: complete before the first step.
+  memory_space::synchronize(device_, stream_);
+  runner_.emplace(*this);
+}
+
+template <class Policy>
+basic_ddp<Policy>::~basic_ddp() {
+  runner_.reset();  // joins the thread, or waits out the watchdog
+  timeline_.write_at_exit();
+  try {
+    for (variable& v : vars_) {
+      if (!v.view) continue;
+      parameter& p = v.param;
+      if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
+      p.rebind(p.gradient_slot, v.original);
+    }
+    memory_space::synchronize(device_, stream_);  // before the buckets are freed
+  } catch (...) {
+    // A device that failed already reported it; the model's pointers are what they are.
+  }
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::own_channel_type basic_ddp<Policy>::make_own_channel() {
+  if constexpr (communicator_type::reaches_host_memory) {
+    return own_channel_type(comm_);
+  } else {
+    return {};
+  }
+}
+
+// A communicator that reaches host memory carries the metadata itself (no
+// store traffic, and packed host values of any size); a device-only one uses `given`.
+template <class Policy>
+control_plane basic_ddp<Policy>::control_for([[maybe_unused]] control_plane* given) {
+  if constexpr (communicator_type::reaches_host_memory) {
+    return control_plane(own_channel_);
+  } else {
+    return *given;  // the constructors without one do not compile for such a communicator
+  }
+}
+
+// The nodes as the launcher placed them, or (no context) as node names group them.
+template <class Policy>
+node_layout basic_ddp<Policy>::layout_of(const std::optional<node_layout>& given,
+                                         [[maybe_unused]] const environment& env) {
+  if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
+    return given.value_or(node_layout{});  // flat needs none: nothing collective
+  } else {
+    if (given) return *given;
+    return detail::layout_from_node_names(control_, node_name(env));
+  }
+}
+
+template <class Policy>
+int basic_ddp<Policy>::device_of(communicator_type& comm) {
+  if constexpr (on_device) {
+    return comm.device();
+  } else {
+    (void)comm;
+    return -1;
+  }
+}
+
+}  // namespace dtrain
+
+// ---- begin dtrain/ddp/basic_ddp_buckets.hpp ----
+/// @file
+/// basic_ddp's buckets: how the gradients are laid out in them (and laid out
+/// again at the rebuild), and each bucket's journey once its turn comes:
+/// launched in order, prepared (copy-in, compression), reduced by the
+/// topology or the user's hook, finished (decompression, copy-out), by the
+/// runner of the memory space (ddp/runner.hpp). Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <numeric>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+template <class Policy>
+std::vector<bucket_info> basic_ddp<Policy>::buckets() const {
+  std::vector<bucket_info> out;
+  out.reserve(buckets_.size());
+  for (const bucket& b : buckets_) out.push_back(b.info);
+  return out;
+}
+
+/// Lays the gradients out in buckets filled in `order`, moving each
+/// bucket-view gradient (and its values) to its new place. The old buckets
+/// are freed only once the copies out of them are complete.
+template <class Policy>
+void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
+  std::vector<bucket_info> layout = detail::assign_buckets(
+      parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
+      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
+  std::vector<bucket> buckets(layout.size());
+  for (std::size_t b = 0; b < layout.size(); ++b) {
+    bucket& s = buckets[b];
+    s.info = std::move(layout[b]);
+    const bucket_info& info = s.info;
+    // A hierarchical topology splits a bucket into equal shards, one per
+    // rank of a node: zeros at the end make the count divide (GPU: every
+    // shard on bucket_alignment too). The padding stays zero.
+    std::size_t unit = topo_.granularity();
+    if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
+    // Sharded: size() equal shards, each on bucket_alignment on a GPU.
+    if (owns_bucket_shards()) {
+      const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
+      unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
+    }
+    s.moved = (info.count + unit - 1) / unit * unit;
+    if (owns_bucket_shards()) {
+      s.owned_count = s.moved / static_cast<std::size_t>(size_);
+      s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
+                                                   stream_);
+    }
+    try {
+      s.grads = transient_buckets()
+                    ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                         stream_, detail::droppable_pages)
+                    : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
+                                                         stream_);
+    } catch (const backend_error& e) {
+      throw backend_error("DistributedDataParallel on rank " + std::to_string(rank_) +
+                              ": the gradients of bucket " + std::to_string(b) + ": " + e.what(),
+                          e.engine_code());
+    }
+    if (compressed(info))
+      s.wire = detail::flat_storage<memory_space>(
+          s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
+    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)
+      s.shard =
+          detail::flat_storage<memory_space>(shard * size_of(info.type), info.device, stream_);
+    for (std::size_t k = 0; k < info.parameters.size(); ++k) {
+      variable& v = vars_[info.parameters[k]];
+      parameter& p = v.param;
+      v.bucket = b;
+      v.offset = info.offsets[k];
+      v.view = options_.gradient_as_bucket_view && p.rebindable();
+      if (v.view) {
+        void* place = s.grads.data() + v.offset;
+        if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
+        p.gradient = place;
+        p.rebind(p.gradient_slot, place);
+      }
+    }
+  }
+  if (transient_buckets()) {
+    std::size_t largest = 0;
+    for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
+    for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
+  }
+  // The old buckets are released on the compute stream, after the copies
+  // out of them and (streams) after every collective on them: the compute
+  // stream waits for those already (order_after_buckets). The host does not
+  // wait, with CUDA as without.
+  buckets_ = std::move(buckets);
+  make_pieces();
+  reset_step();
+}
+
+/// Launches, in bucket order, every bucket whose turn it is and is ready.
+template <class Policy>
+void basic_ddp<Policy>::launch_ready() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+    const std::size_t b = next_launch_++;
+    try {
+      buckets_[b].span = timeline_.bucket_launched(b, buckets_[b].info.count);
+      if (sends_nothing()) {
+        finish_alone(b);
+      } else {
+        runner_->launch(b, !in_bulk_);
+      }
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+}
+
+/// World size 1: the bucket's mean is its gradients. Only compression has
+/// something to do (round through the wire type, as on more ranks), on the
+/// caller's thread or the compute stream; the timeline still sees the bucket.
+template <class Policy>
+void basic_ddp<Policy>::finish_alone(std::size_t b) {
+  if (compressed(buckets_[b].info)) {
+    prepare_bucket(b);
+    finish_bucket(b);
+  } else if (timeline_.on()) {
+    timeline_.bucket_done(b, buckets_[b].span, detail::timeline::now(), false);
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::zero_contribution(std::size_t i) {
+  variable& v = vars_[i];
+  parameter& p = v.param;
+  if (v.view || (sends_nothing() && !compressed(buckets_[v.bucket].info))) {
+    // World size 1 leaves a copy-mode gradient where it is: zero it there.
+    memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
+  } else {
+    // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
+    memory_space::zero(buckets_[v.bucket].grads.data() + v.offset, p.bytes(), p.device, stream_);
+    v.zeroed = true;
+  }
+}
+
+/// Copy-in and compression: what must happen before the collective.
+template <class Policy>
+void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
+  bucket& s = buckets_[b];
+  if (timeline_.on()) s.span_reduce = detail::timeline::now();
+  for (std::size_t i : s.info.parameters) {
+    const variable& v = vars_[i];
+    if (v.view || v.zeroed) continue;
+    memory_space::copy(s.grads.data() + v.offset, v.param.gradient, v.param.bytes(), s.info.device,
+                       stream_);
+  }
+  if (!compressed(s.info)) return;
+  const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
+  memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
+                         s.info.count, scale, detail::wire_type(options_.compression),
+                         s.info.device, stream_);
+}
+
+/// The collective of bucket b (or the user's hook), ordered after the compute stream.
+template <class Policy>
+work basic_ddp<Policy>::reduce(std::size_t b) {
+  detail::label_scope label("bucket",
+                            static_cast<std::int64_t>(b));  // names it in desync diagnostics
+  bucket& s = buckets_[b];
+  buffer data{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
+  reduce_op op = reduce_op::avg;
+  if (compressed(s.info)) {
+    data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
+            s.grads.device()};
+    op = reduce_op::sum;
+  }
+  if (hook_) {
+    gradient_bucket view{.index = b,
+                         .data = data,
+                         .world_size = size_,
+                         .parameters = s.info.parameters,
+                         .stream = stream_};
+    view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
+    return hook_(comm_, view);
+  }
+  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                     s.grads.device()};
+  if (shards_gradients()) {  // stage 2: this rank keeps the mean of its shard only
+    const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
+                      s.grads.device()};
+    return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
+  }
+  return topo_.allreduce(data, shard, op, on_stream_or_null());
+}
+
+/// Decompression and copy-out: what must happen after the collective.
+template <class Policy>
+void basic_ddp<Policy>::finish_bucket(std::size_t b) {
+  bucket& s = buckets_[b];
+  if (compressed(s.info)) {
+    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
+                             detail::wire_type(options_.compression), s.info.device, stream_);
+  }
+  // Stage 2 averaged only this rank's shard (shard() has it): the model's
+  // own gradients keep what this rank computed.
+  for (std::size_t i : s.info.parameters) {
+    const variable& v = vars_[i];
+    if (v.view || shards_gradients()) continue;
+    memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
+                       stream_);
+  }
+  // A transient bucket's pages go back now: its gradients read zero from here on.
+  if (transient_buckets()) s.grads.clear(stream_);
+  timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
+}
+
+template <class Policy>
+std::exception_ptr basic_ddp<Policy>::complete_buckets() {
+  if (sends_nothing()) return nullptr;  // each bucket was finished as it was launched
+  const auto span = timeline_.wait(buckets_.size());
+  return runner_->complete(buckets_.size());
+}
+
+template <class Policy>
+std::exception_ptr basic_ddp<Policy>::runner_drain() {
+  if constexpr (memory_space::on_stream) {
+    return runner_->drain();
+  } else {
+    return nullptr;  // synchronize() waited already
+  }
+}
+
+/// The parameters in the order the current buckets hold them.
+template <class Policy>
+std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
+  std::vector<std::size_t> order;
+  for (const bucket& b : buckets_)
+    order.insert(order.end(), b.info.parameters.begin(), b.info.parameters.end());
+  return order;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/basic_ddp_buckets.hpp ----
+// ---- begin dtrain/ddp/basic_ddp_shards.hpp ----
+/// @file
+/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1 and 2): the
+/// pieces of the parameters a rank owns, the allgather of the updated values,
+/// and the two helpers every trainer needs beside them (the global gradient
+/// norm, a decision all ranks take together). Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+///
+/// A bucket of `moved` elements (padded so that `size()` divides it, each
+/// shard on bucket_alignment on a GPU) has `moved / size()` per shard; rank r
+/// owns elements [r q, (r + 1) q). A parameter may straddle shards: each rank
+/// gets the piece of it that falls in its own. Stage 1 averages whole buckets
+/// (an allreduce in place, as DDP); stage 2 reduce-scatters each bucket into
+/// the rank's `owned` buffer the moment it is ready. After the optimizer has
+/// updated its pieces (in the model's own memory), each rank copies them into
+/// `owned`, and an allgather per bucket brings every rank's into the bucket's
+/// gradient storage (free once the optimizer has read the gradients), from
+/// where every parameter's values are copied back; the bucket is then zeroed
+/// for the next step's gradients.
+
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+template <class Policy>
+void basic_ddp<Policy>::make_pieces() {
+  pieces_.clear();
+  shard_elements_ = 0;
+  if (!owns_bucket_shards()) {  // every parameter is this rank's, its gradient where it is
+    for (std::size_t i = 0; i < vars_.size(); ++i) {
+      const parameter& p = vars_[i].param;
+      pieces_.push_back({.parameter = i,
+                         .offset = 0,
+                         .state_offset = shard_elements_,
+                         .bucket = vars_[i].bucket,
+                         .values = p.values,
+                         .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
+                                       p.values.device}});
+      shard_elements_ += p.values.count;
+    }
+    return;
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    bucket& s = buckets_[b];
+    const std::size_t elem = size_of(s.info.type);
+    const std::size_t first = shard_first(s), last = first + s.owned_count;
+    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
+      const std::size_t i = s.info.parameters[k];
+      const parameter& p = vars_[i].param;
+      const std::size_t at = s.info.offsets[k] / elem;  // the parameter's first element
+      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
+      if (lo >= hi) continue;
+      buffer values = p.values;
+      values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
+      values.count = hi - lo;
+      std::byte* gradients =
+          shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
+      pieces_.push_back(
+          {.parameter = i,
+           .offset = lo - at,
+           .state_offset = shard_elements_,
+           .bucket = b,
+           .values = values,
+           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
+      shard_elements_ += hi - lo;
+    }
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::check_updatable(const char* what) const {
+  if (updatable_) return;
+  throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
+              std::to_string(rank_) + " with no averaged gradients to use: " +
+              (any_touched_ ? "step " + std::to_string(steps_) + " is not synchronized yet"
+                            : "step " + std::to_string(steps_) +
+                                  " has not started, and the one before was updated already") +
+              " (sharding " + std::string(to_string(options_.sharding)) +
+              "). Call synchronize() after the backward pass, then the optimizer once");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::gather_parameters() {
+  auto nothing = [](const shard_piece&) {};  // this rank updated its pieces itself
+  update_and_gather("gather_parameters()", nothing);
+}
+
+/// This rank's updated values of bucket b into its shard, and the
+/// allgather of every rank's into the bucket (its gradients are used up),
+/// ordered after the compute stream where the engine takes one.
+template <class Policy>
+work basic_ddp<Policy>::launch_gather(std::size_t b) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = shard_first(s);
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const shard_piece& piece = pieces_[k];
+    if (piece.bucket != b) continue;
+    const std::size_t at = vars_[piece.parameter].offset / elem + piece.offset - first;
+    memory_space::copy(s.owned.data() + at * elem, piece.values.data, piece.values.bytes(),
+                       s.info.device, stream_);
+  }
+  const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
+  const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
+                    s.grads.device()};
+  const buffer all{gathered(b), s.moved, s.info.type, memory_space::where, s.grads.device()};
+  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where,
+                       s.grads.device()};
+  return topo_.allgather(mine, scratch, all, on_stream_or_null());
+}
+
+/// Where bucket b's allgather lands: the bucket itself (its gradients are
+/// used up), or with transient buckets, whose pages were given back after
+/// the reduce-scatter, one of two staging buffers, taken in turn (a bucket's
+/// is free again once the bucket two before it is complete).
+template <class Policy>
+std::byte* basic_ddp<Policy>::gathered(std::size_t b) {
+  return transient_buckets() ? staging_[b % 2].data() : buckets_[b].grads.data();
+}
+
+/// Bucket b's allgather is complete (and, on streams, the compute stream
+/// ordered after it): the values other ranks updated are copied out of where
+/// it landed into the parameters, and the bucket is zeroed for the next
+/// step's gradients.
+template <class Policy>
+void basic_ddp<Policy>::complete_gather(std::size_t b) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = shard_first(s), last = first + s.owned_count;
+  for (const std::size_t i : s.info.parameters) {
+    const variable& v = vars_[i];
+    // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
+    const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
+    auto copy_out = [&](std::size_t from, std::size_t to) {
+      if (from >= to) return;
+      memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
+                         gathered(b) + from * elem, (to - from) * elem, s.info.device, stream_);
+    };
+    copy_out(lo, std::min(hi, first));
+    copy_out(std::max(lo, last), hi);
+  }
+  // The next step's gradients start from zero (a transient bucket's pages
+  // were given back after its reduce-scatter; its staging buffer is
+  // overwritten whole by the next allgather).
+  if (!transient_buckets()) s.grads.clear(stream_);
+}
+
+/// Waits for the allgathers from `completed` on (each within the collective
+/// timeout), then completes each (complete_gather).
+template <class Policy>
+void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
+  const std::lock_guard lock(mutex_);
+  updatable_ = false;
+  if (!shards_optimizer_state()) return;
+  try {
+    if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
+      for (bucket& s : buckets_) s.grads.clear(stream_);
+      return;
+    }
+    for (std::size_t b = completed; b < gathers.size(); ++b) gathers[b].wait();
+    order_after_buckets();
+    for (std::size_t b = completed; b < gathers.size(); ++b) complete_gather(b);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
+  for (work& w : gathers) {
+    try {
+      w.wait();
+    } catch (...) {  // the update's exception is the one to report
+    }
+  }
+  const std::lock_guard lock(mutex_);
+  updatable_ = false;
+  broken_ = true;
+  broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
+                    ") in the middle of its update and allgathers: the ranks' values may differ";
+}
+
+template <class Policy>
+double basic_ddp<Policy>::gradient_norm() {
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    check_updatable("gradient_norm()");
+  }
+  // Streams: the buckets' collectives are done before the host reads what they wrote.
+  if constexpr (memory_space::on_stream) wait();
+  double squares = 0;
+  std::vector<std::byte> staged;
+  for (const shard_piece& piece : pieces_) {
+    const buffer& g = piece.gradients;
+    const void* data = g.data;
+    if (g.where == memory::device) {
+      staged.resize(g.bytes());
+      memory_space::download(staged.data(), g.data, g.bytes(), device_, stream_);
+      memory_space::synchronize(device_, stream_);
+      data = staged.data();
+    }
+    if (g.type == dtype::float32) {
+      for (const float x : std::span(static_cast<const float*>(data), g.count))
+        squares += static_cast<double>(x) * static_cast<double>(x);
+    } else if (g.type == dtype::float64) {
+      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
+    } else {
+      throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
+                         ": parameter '" + vars_[piece.parameter].param.name + "' is " +
+                         std::string(to_string(g.type)) + "; the norm reads float32 and float64");
+    }
+  }
+  if (owns_bucket_shards()) {
+    // Every rank's sum, added in rank order: the same norm on every rank.
+    const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
+    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+    squares = 0;
+    for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
+  }
+  return std::sqrt(squares);
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::any_rank(bool mine) {
+  check_usable();
+  return !flagged_ranks(control_, mine).empty();
+}
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/basic_ddp_shards.hpp ----
+// ---- begin dtrain/ddp/basic_ddp_step.hpp ----
+/// @file
+/// basic_ddp's step, as a state machine under its lock: parameters are marked
+/// ready (by the user, by autograd's hooks, or as unused), buckets launch in
+/// turn, synchronize() completes the step, the first step's order rebuilds the
+/// buckets once, and no_sync() accumulates instead. Out-of-class members of
+/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
+
+
+#include <cstdio>
+#include <mutex>
+
+namespace dtrain {
+
+template <class Policy>
+void basic_ddp<Policy>::mark(std::size_t i) {
+  bool last = false;
+  bool throttle = false;
+  {
+    const std::lock_guard lock(mutex_);
+    last = ready(i);
+    throttle = transient_buckets() && no_sync_depth_ == 0 && !sends_nothing();
+  }
+  // Transient buckets: a backward pass that writes gradients faster than the
+  // buckets travel waits here, so that at most two buckets launched and not
+  // yet reduced hold their pages (besides those being written).
+  if (throttle) runner_->throttle(transient_in_flight);
+  if (last && all_marked_) all_marked_();
+}
+
+/// The hot path of mark_ready, under the lock. Returns whether it marked the
+/// step's last parameter outside no_sync().
+template <class Policy>
+bool basic_ddp<Policy>::ready(std::size_t i) {
+  check_usable_locked();
+  variable& v = vars_[i];
+  const auto span = timeline_.mark_ready(i, v.bucket);
+  any_touched_ = true;
+  updatable_ = false;  // a new step: the last one's update (if any) is behind
+  if (no_sync_depth_ > 0) {
+    v.touched = true;
+    return false;
+  }
+  if (v.unused) {
+    throw error("DistributedDataParallel::mark_ready: parameter '" + v.param.name + "' on rank " +
+                std::to_string(rank_) +
+                " was marked ready after prepare_for_backward() listed it as not reached by step " +
+                std::to_string(steps_) + " (it is sent as zero)");
+  }
+  if (v.marked) marked_twice(i);
+  if (!any_marked_ && unused_pending_) {
+    // The step's first gradient: what the backward pass does not reach is ready now
+    // (c10d's Reducer), with a zero contribution or what no_sync() accumulated.
+    unused_pending_ = false;
+    for (std::size_t k = 0; k < vars_.size(); ++k) {
+      if (!vars_[k].unused) continue;
+      if (!vars_[k].touched) zero_contribution(k);
+      record_mark(k, false);
+    }
+  }
+  record_mark(i, true);
+  return unmarked_ == 0;
+}
+
+/// Parameter i is ready: counted in its bucket, which launches in its turn.
+/// `by_rank`: this rank gave it a gradient (not a zero for an unused one).
+template <class Policy>
+void basic_ddp<Policy>::record_mark(std::size_t i, bool by_rank) {
+  variable& v = vars_[i];
+  v.marked = true;
+  if (by_rank) v.touched = true;
+  any_marked_ = true;
+  --unmarked_;
+  if (recording()) ready_order_.push_back(i);
+  bucket& b = buckets_[v.bucket];
+  if (--b.pending == 0) {
+    b.ready = true;
+    if (options_.overlap) launch_ready();
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::no_such_index(std::size_t index) const {
+  throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
+              " does not exist on rank " + std::to_string(rank_) + " (the model has " +
+              std::to_string(vars_.size()) + ")");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::no_such_name(std::string_view name) const {
+  throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
+              " has no parameter named '" + std::string(name) + "'");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::not_a_parameter(const parameter& p) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
+              std::to_string(rank_) +
+              " is not one of the model's parameters (its values are elsewhere)");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::marked_twice(std::size_t i) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
+              std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
+              " on rank " + std::to_string(rank_) +
+              "; mark each gradient once per step (accumulate inside no_sync())");
+}
+
+/// What may only happen between steps (after synchronize(), before the next mark).
+template <class Policy>
+void basic_ddp<Policy>::check_between_steps(const char* what) const {
+  if (any_marked_ && no_sync_depth_ == 0) {
+    throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                std::to_string(rank_) +
+                " in the middle of a step (after mark_ready, before synchronize())");
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::mark_all_ready() {
+  // Last first, as a backward pass finishes them and as the first layout
+  // fills the buckets: recorded for the rebuild, this order changes nothing.
+  // The backward pass is over: the caller reduces these buckets itself in
+  // synchronize(), without waking the communication thread.
+  const std::lock_guard lock(mutex_);
+  in_bulk_ = true;
+  try {
+    for (std::size_t i = vars_.size(); i-- > 0;) {
+      if (!vars_[i].marked && !vars_[i].unused) ready(i);
+    }
+  } catch (...) {
+    in_bulk_ = false;
+    throw;
+  }
+  in_bulk_ = false;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize() {
+  const std::lock_guard lock(mutex_);
+  synchronize_locked();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize_locked() {
+  if (no_sync_depth_ > 0) return;
+  {
+    const auto span = timeline_.synchronize(steps_);
+    check_usable_locked();
+    complete_marks();
+    if (auto e = complete_buckets()) fail(e);
+    end_step();
+  }
+  if (options_.find_unused_parameters && options_.report_unused_parameters &&
+      steps_ <= unused_report_steps)
+    report_unused();
+}
+
+/// ddp_options::stream becomes the compute stream, as set_stream() makes one
+/// (the first broadcast is ordered after it); what is wrong with it, for the
+/// agreement to stop every rank.
+template <class Policy>
+std::string basic_ddp<Policy>::take_stream() {
+  const std::string what =
+      "DistributedDataParallel on rank " + std::to_string(rank_) + ": ddp_options::stream";
+  if constexpr (memory_space::on_stream) {
+    static_assert(std::is_same_v<stream_type, stream_handle>,
+                  "a memory space on streams takes ddp_options::stream (a stream_handle)");
+    try {
+      change_stream(options_.stream);
+    } catch (const config_error& e) {
+      return what + ": " + e.what();
+    }
+  } else if (options_.stream != nullptr) {
+    return what + " is set, but " + std::string(communicator_type::name) +
+           " reduces host memory and orders after no stream: leave it null";
+  }
+  return {};
+}
+
+template <class Policy>
+void basic_ddp<Policy>::change_stream(stream_type compute) {
+  if (compute == stream_) return;
+  if (any_marked_) {
+    throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
+                       " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): "
+                       "buckets already launched are ordered after the old stream; "
+                       "set the stream before the step");
+  }
+  memory_space::check_stream(device_, compute);
+  // What the old stream still does with the buckets comes first; their
+  // storage is released on the new one from now on.
+  memory_space::order_after(device_, compute, stream_);
+  for (bucket& b : buckets_) {
+    b.grads.set_stream(compute);
+    b.wire.set_stream(compute);
+    b.shard.set_stream(compute);
+    b.owned.set_stream(compute);
+  }
+  stream_ = compute;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::synchronize_on(stream_type compute) {
+  const std::lock_guard lock(mutex_);
+  if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
+    throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
+                       std::to_string(rank_) + " with a stream other than the one step " +
+                       std::to_string(steps_) +
+                       " was marked on: call set_stream(stream) before the step instead");
+  }
+  change_stream(compute);
+  synchronize_locked();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::wait() {
+  const std::lock_guard lock(mutex_);
+  if (auto e = runner_drain()) fail(e);
+  memory_space::synchronize(device_, stream_);
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::no_sync_guard basic_ddp<Policy>::no_sync() {
+  const std::lock_guard lock(mutex_);
+  if (any_marked_) {
+    throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
+                " in the middle of a synchronized step (after mark_ready, before synchronize())");
+  }
+  ++no_sync_depth_;
+  return no_sync_guard(*this);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::zero_grad() {
+  const std::lock_guard lock(mutex_);
+  check_between_steps("zero_grad()");
+  for (bucket& b : buckets_) b.grads.clear(stream_);  // transient buckets: pages given back
+  for (const variable& v : vars_) {
+    if (!v.view) memory_space::zero(v.param.gradient, v.param.bytes(), v.param.device, stream_);
+  }
+}
+
+template <class Policy>
+void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
+  const std::lock_guard lock(mutex_);
+  if (any_marked_ || next_launch_ > 0) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
+                       " (after mark_ready, before synchronize()): register it between steps");
+  }
+  if (options_.sharding == sharding::gradients) {
+    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                       std::to_string(rank_) +
+                       ": ddp_options::sharding is gradients, "
+                       "whose buckets are reduce-scattered, not allreduced; "
+                       "a hook replaces an allreduce (use sharding::optimizer)");
+  }
+  if (options_.compression != gradient_compression::none) {
+    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
+                       std::string(to_string(options_.compression)) +
+                       "; a hook replaces the reduction, so compress inside the hook instead");
+  }
+  hook_ = std::move(hook);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::prepare_for_backward(std::span<const std::size_t> unused) {
+  const std::lock_guard lock(mutex_);
+  if (!options_.find_unused_parameters) {
+    throw config_error("DistributedDataParallel::prepare_for_backward on rank " +
+                       std::to_string(rank_) +
+                       " without ddp_options::find_unused_parameters: "
+                       "set it to leave parameters out of a step");
+  }
+  check_between_steps("prepare_for_backward()");
+  for (variable& v : vars_) v.unused = false;
+  for (std::size_t i : unused) {
+    if (i >= vars_.size()) no_such_index(i);
+    vars_[i].unused = true;
+  }
+  unused_pending_ = !unused.empty();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::on_all_marked(std::function<void()> callback) {
+  const std::lock_guard lock(mutex_);
+  all_marked_ = std::move(callback);
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::marked(std::size_t i) const {
+  const std::lock_guard lock(mutex_);
+  return i < vars_.size() && vars_[i].marked;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::declared_unused(std::size_t i) const {
+  const std::lock_guard lock(mutex_);
+  return i < vars_.size() && vars_[i].unused;
+}
+
+template <class Policy>
+std::size_t basic_ddp<Policy>::unmarked() const {
+  const std::lock_guard lock(mutex_);
+  return unmarked_;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::step_open() const {
+  const std::lock_guard lock(mutex_);
+  return any_marked_;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::idle() const {
+  const std::lock_guard lock(mutex_);
+  return !any_touched_;
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::accumulating() const {
+  const std::lock_guard lock(mutex_);
+  return no_sync_depth_ > 0;
+}
+
+template <class Policy>
+std::vector<bool> basic_ddp<Policy>::used_anywhere() {
+  const std::lock_guard lock(mutex_);
+  check_usable_locked();
+  return used_anywhere_locked();
+}
+
+/// The counts of the last completed step: this rank's `touched_last`, summed
+/// over the ranks once (in the memory space of the engine, which may reach
+/// device memory only), then kept for that step.
+template <class Policy>
+std::vector<bool> basic_ddp<Policy>::used_anywhere_locked() {
+  if (!options_.find_unused_parameters) return std::vector<bool>(vars_.size(), true);
+  if (used_step_ != steps_) {
+    std::vector<std::int32_t> counts(vars_.size());
+    for (std::size_t i = 0; i < vars_.size(); ++i) counts[i] = vars_[i].touched_last ? 1 : 0;
+    if (size_ > 1 && !counts.empty()) {
+      const detail::label_scope label("parameters used in step",
+                                      static_cast<std::int64_t>(steps_) - 1);
+      const std::size_t bytes = counts.size() * sizeof(std::int32_t);
+      if constexpr (memory_space::where == memory::host) {
+        sum_in_place({counts.data(), counts.size(), dtype::int32, memory::host, -1}).wait();
+      } else {
+        const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
+        memory_space::upload(staged.data(), counts.data(), bytes, device_, stream_);
+        sum_in_place({staged.data(), counts.size(), dtype::int32, memory::device, device_}).wait();
+        memory_space::download(counts.data(), staged.data(), bytes, device_, stream_);
+        memory_space::synchronize(device_, stream_);
+      }
+    }
+    used_counts_ = std::move(counts);
+    used_step_ = steps_;
+  }
+  std::vector<bool> used(vars_.size());
+  for (std::size_t i = 0; i < used.size(); ++i) used[i] = used_counts_[i] > 0;
+  return used;
+}
+
+/// The unmarked parameters of this step: an error, or (find_unused_parameters)
+/// zero contributions, marked now in index order on every rank.
+template <class Policy>
+void basic_ddp<Policy>::complete_marks() {
+  if (unmarked_ > 0 && !options_.find_unused_parameters) {
+    const std::string names =
+        detail::pick_names(parameters(), [&](std::size_t i) { return !vars_[i].marked; }).names;
+    throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
+                " never marked " + std::to_string(unmarked_) + " of " +
+                std::to_string(vars_.size()) + " parameters ready in step " +
+                std::to_string(steps_) + ": " + names +
+                "; call mark_ready for every parameter (or mark_all_ready() "
+                "after the backward pass), or set ddp_options::find_unused_parameters");
+  }
+  for (std::size_t i = 0; i < vars_.size(); ++i) {
+    if (vars_[i].marked) continue;
+    // Nothing accumulated in no_sync() either: this rank contributes zero.
+    if (!vars_[i].touched) zero_contribution(i);
+    const auto span = timeline_.mark_ready(i, vars_[i].bucket);
+    record_mark(i, false);
+  }
+  for (bucket& b : buckets_) b.ready = true;
+  in_bulk_ = true;  // synchronize() reduces these on the caller's thread next
+  launch_ready();
+  in_bulk_ = false;
+}
+
+/// After each of the first unused_report_steps steps, what some rank used
+/// (used_anywhere(), collective: every rank reaches it in the same step);
+/// after the last of them, rank 0 names the parameters that no rank marked.
+template <class Policy>
+void basic_ddp<Policy>::report_unused() {
+  const std::vector<bool> used = used_anywhere_locked();
+  for (std::size_t i = 0; i < vars_.size(); ++i) vars_[i].used = vars_[i].used || used[i];
+  if (steps_ != unused_report_steps || rank_ != 0) return;
+  const auto [names, count] =
+      detail::pick_names(parameters(), [&](std::size_t i) { return !vars_[i].used; });
+  if (count == 0) return;
+  std::fprintf(
+      stderr,
+      "[rank 0/%d] dtrain: DistributedDataParallel: "
+      "no rank marked %s %s ready in the first %zu steps; "
+      "with find_unused_parameters %s treated as unused and %s zeroed. "
+      "If a mark_ready was forgotten, add it (or call mark_all_ready() after the backward pass); "
+      "if the parameter is unused on purpose, "
+      "set ddp_options::report_unused_parameters = false to silence this\n",
+      size_, count == 1 ? "parameter" : "parameters", names.c_str(), unused_report_steps,
+      count == 1 ? "it is" : "they are", count == 1 ? "its gradient" : "their gradients");
+  std::fflush(stderr);
+}
+
+/// After every bucket is averaged: the one rebuild, then a fresh step.
+template <class Policy>
+void basic_ddp<Policy>::end_step() {
+  const bool rebuild = recording();
+  ++steps_;
+  updatable_ = true;  // shard() holds the mean: the optimizer may run once
+  for (variable& v : vars_) v.touched_last = v.touched;
+  if (rebuild) {
+    // Rank 0's order wins, so that every rank lays its buckets out alike.
+    const std::vector<std::size_t> agreed =
+        detail::agree_on_order(control_, ready_order_, vars_.size());
+    rebuilt_ = true;
+    // The buckets of this step are done with (host memory) or ordered
+    // before everything that follows on the compute stream (streams), where
+    // lay_out() copies out of them and releases them.
+    if (agreed != layout_order()) lay_out(agreed);
+  }
+  reset_step();
+}
+
+template <class Policy>
+void basic_ddp<Policy>::reset_step() {
+  for (variable& v : vars_) v.marked = v.touched = v.zeroed = v.unused = false;
+  for (bucket& b : buckets_) {
+    b.pending = b.info.parameters.size();
+    b.ready = false;
+  }
+  ready_order_.clear();
+  next_launch_ = 0;
+  unmarked_ = vars_.size();
+  any_marked_ = any_touched_ = unused_pending_ = false;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::unusable() const {
+  throw error("DistributedDataParallel on rank " + std::to_string(rank_) +
+              " is unusable after an earlier failure: " + broken_message_);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::fail(std::exception_ptr e) {
+  broken_ = true;
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    broken_message_ = x.what();
+    throw;
+  }
+}
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/basic_ddp_step.hpp ----
+// ---- end dtrain/ddp/basic_ddp.hpp ----
+// ---- begin dtrain/ddp/ddp.hpp ----
+/// @file
+/// DistributedDataParallel<Model, Policy>: averages a model's gradients over
+/// the ranks while the backward pass is still running. A thin layer over
+/// basic_ddp<Policy> (ddp/basic_ddp.hpp), which does the work and does not
+/// depend on the model's type: this one asks the model for its parameters()
+/// (and buffers()) and keeps it for module().
+
+
+#include <concepts>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+/// Data-parallel training of `Model` (anything with `parameters()`, see
+/// trainable_model) over the communicator of `Policy`.
+///
+/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
+/// is final, or all of them after the backward pass (mark_all_ready), then
+/// synchronize(); gradients then hold the mean over ranks. Everything but
+/// the constructors and module() is basic_ddp<Policy>'s.
+template <class Model, class Policy>
+class DistributedDataParallel : public basic_ddp<Policy> {
+  static_assert(trainable_model<Model>,
+                "DistributedDataParallel<Model, Policy>: Model needs parameters() "
+                "returning a range of dtrain::parameter (see dtrain::param)");
+  using base = basic_ddp<Policy>;
+
+ public:
+  using typename base::communicator_type;
+
+  /// Collective over ctx's communicator (ctx: the dtrain::context<Policy>
+  /// that dtrain::run hands over); metadata goes over ctx's control plane
+  /// where the communicator cannot carry host data (NCCL). The policy's
+  /// topology groups the ranks by ctx.world()'s nodes.
+  template <ddp_context<Policy> Context>
+  DistributedDataParallel(Context& ctx, Model& model, ddp_options options = {})
+      : base(ctx, parameters_of(model), buffers_of(model), std::move(options)), model_(model) {}
+
+  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
+  /// communicator that reaches host memory). A device-only backend (NCCL)
+  /// needs the constructor with a control plane (a static_assert says so).
+  template <std::same_as<Model> M>
+  DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
+      : base(comm, parameters_of(model), buffers_of(model), std::move(options)), model_(model) {}
+
+  /// Collective over `comm`, metadata over `control` (see basic_ddp).
+  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
+                          ddp_options options = {})
+      : base(comm, control, parameters_of(model), buffers_of(model), std::move(options)),
+        model_(model) {}
+
+  [[nodiscard]] Model& module() noexcept { return model_; }
+
+ private:
+  static std::vector<parameter> parameters_of(Model& model) {
+    std::vector<parameter> out;
+    if constexpr (trainable_model<Model>) {
+      for (auto&& p : model.parameters()) out.push_back(static_cast<parameter>(p));
+    }
+    return out;
+  }
+  static std::vector<parameter> buffers_of([[maybe_unused]] Model& model) {
+    std::vector<parameter> out;
+    if constexpr (model_with_buffers<Model>) {
+      for (auto&& b : model.buffers()) out.push_back(static_cast<parameter>(b));
+    }
+    return out;
+  }
+
+  Model& model_;
+};
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/ddp.hpp ----
+// ---- begin dtrain/ddp/sampler.hpp ----
+/// @file
+/// distributed_sampler: each rank's share of a dataset's indices, as
+/// torch.utils.data.DistributedSampler — disjoint, shuffled by seed and
+/// epoch the same way on every rank, and equally long on every rank.
+
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+
+/// Options of distributed_sampler. Aggregate: `{.seed = 42, .drop_last = true}`.
+struct sampler_options {
+  bool shuffle = true;     ///< a new permutation every epoch (seed + epoch)
+  std::uint64_t seed = 0;  ///< must be the same on every rank
+  /// Drop the tail that does not divide evenly among the ranks, instead of
+  /// padding with indices from the start (which repeats a few samples).
+  bool drop_last = false;
+};
+
+/// Where a sampler stands in the global sample order: the epoch, and how many
+/// samples of that epoch's permutation the ranks together have been handed.
+/// Independent of the world size, so a job that changes size continues the
+/// same global order.
+struct sampler_position {
+  std::uint64_t epoch = 0;
+  std::uint64_t offset = 0;
+};
+
+/// Splits the indices 0..dataset_size-1 among the ranks.
+class distributed_sampler {
+ public:
+  /// This rank's share, with rank and world size from `w`. Throws
+  /// config_error when `w` lacks them or drop_last leaves a rank nothing.
+  distributed_sampler(std::size_t dataset_size, const world& w, sampler_options options = {})
+      : distributed_sampler(dataset_size, w.rank.value_or(-1), w.world_size.value_or(0), options) {}
+
+  distributed_sampler(std::size_t dataset_size, int rank, int world_size,
+                      sampler_options options = {});
+
+  /// Reshuffles for `epoch` (with shuffle on): every rank computes the same
+  /// permutation from seed + epoch, then takes every world_size-th index.
+  /// Starts the epoch from its beginning (position {epoch, 0}).
+  void set_epoch(std::uint64_t epoch) { set_position({.epoch = epoch, .offset = 0}); }
+
+  /// Continues `p.epoch` after its first `p.offset` samples of the global
+  /// order (what position() said, on this world or another): the rest of the
+  /// epoch's permutation is dealt among this world's ranks, padded (or, with
+  /// drop_last, cut) to the same count on every rank. With the same world
+  /// size, the ranks get exactly the indices they had left.
+  void set_position(sampler_position p);
+
+  /// Where this epoch stands: samples of the global order handed out by
+  /// next_batch() on all ranks together (what a checkpoint saves).
+  [[nodiscard]] sampler_position position() const noexcept;
+
+  /// This rank's next batch of at most `batch_size` indices, empty once the
+  /// epoch is done; moves position() on. Every rank gets batches of the same sizes.
+  [[nodiscard]] std::span<const std::size_t> next_batch(std::size_t batch_size);
+
+  /// This rank's indices for the current epoch (from the position set, all
+  /// of them: next_batch() does not shorten them); size() of them.
+  [[nodiscard]] std::span<const std::size_t> indices() const noexcept { return indices_; }
+  /// Samples per rank in this epoch (from the position set): the same on
+  /// every rank, so every rank runs the same steps.
+  [[nodiscard]] std::size_t size() const noexcept { return indices_.size(); }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// indices() cut into batches of `batch_size` (the last one may be shorter;
+  /// every rank gets the same number of batches of the same sizes).
+  [[nodiscard]] std::vector<std::span<const std::size_t>> batches(std::size_t batch_size) const;
+
+ private:
+  // Fisher-Yates driven by splitmix64: the same permutation with every
+  // standard library (std::shuffle's algorithm is unspecified).
+  static void shuffle(std::vector<std::size_t>& v, std::uint64_t seed);
+
+  std::size_t dataset_size_;
+  int rank_;
+  int world_size_;
+  sampler_options options_;
+  std::uint64_t epoch_ = 0;
+  std::size_t start_ = 0;   // samples of the global order before this rank's indices_
+  std::size_t cursor_ = 0;  // indices_ handed out by next_batch()
+  std::vector<std::size_t> indices_;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE distributed_sampler::distributed_sampler(std::size_t dataset_size, int rank,
+                                                              int world_size,
+                                                              sampler_options options)
+    : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), options_(options) {
+  if (world_size <= 0 || rank < 0 || rank >= world_size) {
+    throw config_error("distributed_sampler: rank " + std::to_string(rank) + " of world size " +
+                       std::to_string(world_size) + " is not a rank of a world");
+  }
+  const auto n = static_cast<std::size_t>(world_size);
+  const std::size_t per_rank = options.drop_last ? dataset_size / n : (dataset_size + n - 1) / n;
+  if (per_rank == 0) {
+    throw config_error("distributed_sampler: " + std::to_string(dataset_size) + " samples for " +
+                       std::to_string(world_size) + " ranks leaves rank " + std::to_string(rank) +
+                       " nothing" + (options.drop_last ? " with drop_last" : ""));
+  }
+  set_epoch(0);
+}
+
+DTRAIN_DETAIL_INLINE void distributed_sampler::set_position(sampler_position p) {
+  std::vector<std::size_t> all(dataset_size_);
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  if (options_.shuffle) shuffle(all, options_.seed + p.epoch);
+  const auto n = static_cast<std::size_t>(world_size_);
+  const std::size_t start =
+      static_cast<std::size_t>(std::min<std::uint64_t>(p.offset, dataset_size_));
+  std::size_t left = dataset_size_ - start;
+  // Padding repeats the start of the permutation, as often as needed (tiny datasets).
+  std::size_t total = options_.drop_last ? left / n * n : (left + n - 1) / n * n;
+  indices_.clear();
+  for (std::size_t i = static_cast<std::size_t>(rank_); i < total; i += n) {
+    const std::size_t at = start + i;
+    indices_.push_back(at < dataset_size_ ? all[at] : all[(at - dataset_size_) % dataset_size_]);
+  }
+  epoch_ = p.epoch;
+  start_ = start;
+  cursor_ = 0;
+}
+
+DTRAIN_DETAIL_INLINE sampler_position distributed_sampler::position() const noexcept {
+  const std::size_t dealt = start_ + cursor_ * static_cast<std::size_t>(world_size_);
+  return {.epoch = epoch_, .offset = std::min(dealt, dataset_size_)};
+}
+
+DTRAIN_DETAIL_INLINE std::span<const std::size_t> distributed_sampler::next_batch(
+    std::size_t batch_size) {
+  if (batch_size == 0) throw config_error("distributed_sampler::next_batch: batch_size is 0");
+  const std::span<const std::size_t> rest = std::span<const std::size_t>(indices_).subspan(cursor_);
+  const std::span<const std::size_t> batch = rest.first(std::min(batch_size, rest.size()));
+  cursor_ += batch.size();
+  return batch;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::span<const std::size_t>> distributed_sampler::batches(
+    std::size_t batch_size) const {
+  if (batch_size == 0) throw config_error("distributed_sampler::batches: batch_size is 0");
+  std::vector<std::span<const std::size_t>> out;
+  std::span<const std::size_t> all = indices();
+  for (std::size_t at = 0; at < all.size(); at += batch_size) {
+    out.push_back(all.subspan(at, std::min(batch_size, all.size() - at)));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>& v,
+                                                       std::uint64_t seed) {
+  std::uint64_t state = seed;
+  auto next = [&state] {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (std::size_t i = v.size(); i > 1; --i) {
+    auto j = static_cast<std::size_t>(next() % i);  // bias below 2^-40 for any real dataset
+    std::swap(v[i - 1], v[j]);
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/sampler.hpp ----
+// ---- begin dtrain/diagnostics.hpp ----
+/// @file
+/// Desync and hang diagnostics. When a collective times out or fails, or a
+/// user sends SIGUSR1 to a rank (or to its node agent, which forwards it),
+/// every live rank publishes its communicator's ring of last collectives
+/// through the store; the rank that asked gathers them for a bounded time and
+/// one rank prints one table naming the rank that is behind, the collective
+/// it is missing, mismatched calls, and the ranks that did not answer.
+
+// ---- begin dtrain/diagnostics/desync.hpp ----
+/// @file
+/// Desync analysis: from every rank's ring of last collectives (or its
+/// silence), which rank is behind, which collective it never started, what
+/// the others wait in, and which sequence numbers were called with different
+/// arguments. Pure functions over the rings, so they are unit-tested on the
+/// host; diagnostics.hpp gathers the rings through the store and prints.
+
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's ring as the diagnostics round received it; `answered` false
+/// when the rank did not publish in time (its process is gone or frozen).
+struct rank_ring {
+  int rank = 0;
+  bool answered = false;
+  std::vector<call_record> calls;  ///< oldest first
+};
+
+/// What the analysis found: one line for the person at 3 a.m., and the details.
+struct desync_report {
+  std::string
+      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
+  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
+  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
+  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
+  int severity = 0;
+};
+
+/// "rank 2", "ranks 0, 1, 3".
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+namespace desync {
+
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
+  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
+  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
+  std::string out = "#";
+  out += std::to_string(r.seq);
+  out += ' ';
+  out += describe_call(r, with_op);
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+// What differs between two calls with the same sequence number, for the summary.
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return "the collectives differ";
+  if (a.type != b.type) return "the types differ";
+  if (a.count != b.count) return "the sizes differ";
+  if (a.op != b.op) return "the reduce ops differ";
+  return "the roots differ";
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+// Ranks grouped by what they called as number `seq`, the largest group first
+// (on a tie the group of the lowest rank): the odd ones out come after.
+struct call_group {
+  const call_record* call;
+  std::vector<int> ranks;
+};
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq) {
+  std::vector<call_group> groups;
+  for (const rank_ring& r : rings) {
+    for (const call_record& c : r.calls) {
+      if (c.seq != seq) continue;
+      auto same = std::find_if(groups.begin(), groups.end(),
+                               [&](const call_group& g) { return g.call->same_call(c); });
+      if (same == groups.end()) {
+        groups.push_back({&c, {r.rank}});
+      } else {
+        same->ranks.push_back(r.rank);
+      }
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
+    return a.ranks.size() > b.ranks.size();
+  });
+  return groups;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace desync
+
+/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
+/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
+/// missing; what cannot be decided is said so.
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
+  desync_report report;
+  std::vector<int> silent;
+  std::vector<const rank_ring*> live;
+  for (const rank_ring& r : rings) {
+    if (r.answered) {
+      live.push_back(&r);
+    } else {
+      silent.push_back(r.rank);
+    }
+  }
+  auto top = [](const rank_ring& r) -> std::int64_t {
+    return r.calls.empty() ? 0 : r.calls.back().seq;
+  };
+
+  // One row per rank: the last collective it issued and how far it got.
+  for (const rank_ring& r : rings) {
+    std::string row = "rank " + std::to_string(r.rank) + ": ";
+    if (!r.answered) {
+      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
+    } else if (r.calls.empty()) {
+      row += "no collective issued yet";
+    } else {
+      const call_record& last = r.calls.back();
+      row += desync::at(last) + " " + std::string(to_string(last.state));
+      if (r.calls.size() > 1) {
+        const call_record& before = r.calls[r.calls.size() - 2];
+        row +=
+            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
+      }
+    }
+    report.details.push_back(std::move(row));
+  }
+
+  // Sequence numbers called with different arguments, oldest first.
+  std::string mismatch;
+  std::int64_t lowest = 0, highest = 0;
+  for (const rank_ring* r : live) {
+    if (r->calls.empty()) continue;
+    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
+    highest = std::max(highest, top(*r));
+  }
+  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
+    auto groups = desync::group_calls(rings, seq);
+    if (groups.size() < 2) continue;
+    bool ops = false;
+    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
+    std::string line;
+    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
+      if (!line.empty()) line += "; ";
+      line += name_ranks(groups[i].ranks);
+      line += groups[i].ranks.size() == 1 ? " is in " : " are in ";
+      line += desync::at(*groups[i].call, ops);
+    }
+    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
+            " for the same collective";
+    report.details.push_back("mismatch: " + line);
+    if (mismatch.empty()) mismatch = line;
+  }
+
+  // The rank(s) behind: the lowest last sequence number among those that answered.
+  std::string behind;
+  if (!live.empty()) {
+    std::int64_t low = top(*live.front()), high = low;
+    for (const rank_ring* r : live) {
+      low = std::min(low, top(*r));
+      high = std::max(high, top(*r));
+    }
+    if (low < high) {
+      std::vector<int> late, waiting, past;
+      const call_record* missing = nullptr;
+      const call_record* last_late = nullptr;
+      for (const rank_ring* r : live) {
+        if (top(*r) == low) {
+          late.push_back(r->rank);
+          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
+          continue;
+        }
+        for (const call_record& c : r->calls) {
+          if (c.seq != low + 1) continue;
+          if (!missing) missing = &c;
+          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
+        }
+      }
+      const bool one = late.size() == 1;
+      behind = name_ranks(late) + (one ? " is at " : " are at ") +
+               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
+      if (!waiting.empty())
+        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
+      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
+      if (missing) {
+        behind += desync::at(*missing);
+      } else {
+        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
+      }
+      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
+    }
+  }
+
+  std::string gone;
+  if (!silent.empty()) {
+    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
+    std::vector<int> waiting;
+    const call_record* in = nullptr;
+    for (const rank_ring* r : live) {
+      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
+      waiting.push_back(r->rank);
+      if (!in) in = &r->calls.back();
+    }
+    if (in)
+      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
+              desync::at(*in);
+  }
+
+  if (!mismatch.empty()) {
+    report.summary = mismatch;
+    report.severity = 4;
+  } else if (!behind.empty()) {
+    report.summary = behind;
+    report.severity = 3;
+  } else if (!gone.empty()) {
+    report.summary = gone;
+    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
+  } else if (!live.empty() && !live.front()->calls.empty()) {
+    const call_record& last = live.front()->calls.back();
+    report.summary =
+        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
+  } else {
+    report.summary = "no rank has issued a collective yet";
+  }
+  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
+  return report;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report) {
+  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
+  for (const std::string& d : report.details) out += "    " + d + "\n";
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
+/// ring count u32, then per communicator its name bytes32, call count u32 and
+/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
+/// state u8, label bytes32.
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
+  std::string out;
+  wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
+  for (const auto& [name, calls] : rings) {
+    w.bytes32(name).u32(static_cast<std::uint32_t>(calls.size()));
+    for (const call_record& c : calls) {
+      w.i64(c.seq)
+          .bytes32(c.kind)
+          .u8(static_cast<std::uint8_t>(c.type))
+          .u64(c.count)
+          .i64(c.op)
+          .i64(c.root)
+          .u8(static_cast<std::uint8_t>(c.state))
+          .bytes32(c.label);
+    }
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The rings of encode_rings' value; nothing when it is not such a value (the
+/// rank then counts as not answering: diagnostics never throw).
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
+  try {
+    return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
+      if (const auto version = r.u8("the version"); version != 1) {
+        throw wire::violation("version " + std::to_string(version) + " is not 1");
+      }
+      named_rings rings;
+      const std::uint32_t count = r.u32("the ring count");
+      for (std::uint32_t i = 0; i < count; ++i) {
+        auto& [name, calls] =
+            rings.emplace_back(std::string(r.bytes32("a ring's name")), std::vector<call_record>{});
+        const std::uint32_t n = r.u32("the call count");
+        for (std::uint32_t k = 0; k < n; ++k) {
+          call_record c;
+          c.seq = r.i64("seq");
+          c.kind = r.bytes32("kind");
+          const std::uint8_t type = r.u8("type");
+          if (type > static_cast<std::uint8_t>(dtype::uint8)) throw wire::violation("a bad type");
+          c.type = static_cast<dtype>(type);
+          c.count = static_cast<std::size_t>(r.u64("count"));
+          c.op = static_cast<int>(r.i64("op"));
+          c.root = static_cast<int>(r.i64("root"));
+          const std::uint8_t state = r.u8("state");
+          if (state > static_cast<std::uint8_t>(call_state::timed_out)) {
+            throw wire::violation("a bad state");
+          }
+          c.state = static_cast<call_state>(state);
+          c.label = r.bytes32("label");
+          calls.push_back(std::move(c));
+        }
+      }
+      return rings;
+    });
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
+  }
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
+  std::vector<std::string> names;
+  int answering = 0;
+  for (const rank_publication& p : ranks) {
+    answering += p.answered ? 1 : 0;
+    for (const auto& entry : p.rings) {
+      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
+        names.push_back(entry.first);
+    }
+  }
+  if (names.empty()) names.push_back("world");
+  std::vector<std::pair<std::string, desync_report>> reports;
+  for (const std::string& name : names) {
+    std::vector<rank_ring> rings;
+    for (const rank_publication& p : ranks) {
+      if (!p.answered) {
+        rings.push_back({p.rank, false, {}});
+        continue;
+      }
+      for (const auto& entry : p.rings) {
+        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
+      }
+    }
+    const auto members =
+        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
+    if (members < answering) {
+      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
+    }
+    reports.emplace_back(name, analyse(rings));
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < reports.size(); ++i) {
+    if (reports[i].second.severity > reports[best].second.severity) best = i;
+  }
+  desync_report out = reports[best].second;
+  if (reports.size() > 1) {
+    out.summary += " (on communicator " + reports[best].first + ")";
+    out.details.clear();
+    for (const auto& [name, report] : reports) {
+      out.details.push_back("communicator " + name + ":" +
+                            (report.severity > 0 ? " " + report.summary : ""));
+      for (const std::string& d : report.details) out.details.push_back("  " + d);
+    }
+  }
+  return out;
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain::detail
+// ---- end dtrain/diagnostics/desync.hpp ----
+// ---- begin dtrain/launch/protocol.hpp ----
+/// @file
+/// The job's protocol: the variables a node agent hands its workers
+/// (agent_store_variable, restart_count_variable and store_token_variable,
+/// named in env/names.hpp, next to torchrun's), the store keys that the agents,
+/// the workers (runtime/context.hpp) and the diagnostics share, and the format of
+/// every value under them. Every value is written and read here (or by the
+/// codec next to its type: rank_report and placements in env/placement.hpp,
+/// rings in diagnostics/desync.hpp), through detail::wire; a malformed one is a
+/// rendezvous_error naming the key.
+///
+/// ```text
+///   agent keys (unprefixed; one store per job, outliving restarts)
+///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
+///                                   rdzv_id bytes32
+///     dtrain/agent/joined, left     counters (store add)
+///     dtrain/agent/beat/<n>         counter: node n's heartbeat
+///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
+///                                   message bytes32, rank i64, collective i64,
+///                                   communicator bytes32
+///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
+///     dtrain/agent/<r>/ready        counter: nodes ready for round r
+///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
+///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
+///     dtrain/agent/current_round    i64: the newest round formed
+///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
+///                                   bytes32, collectives i64): the first worker of round r
+///                                   that ended well
+///     dtrain/agent/<r>/stopped      counter: agents that stopped round r
+///     dtrain/agent/<r>/succeeded    counter: agents whose workers all succeeded
+///   worker keys (under runtime/context.hpp's job_store_prefix)
+///     world/<rank>                  rank_report (env/placement.hpp)
+///     world/joined                  counter: ranks whose report is set
+///     world/joined/all              i64 1, once every rank has joined
+///     world/placement               placement table (env/placement.hpp)
+///     nccl/unique_id                outcome: the NCCL unique id (nccl_options::store_key)
+///     finished                      counter
+///     finished/all                  i64 1, once every rank is done
+///   diagnostics keys (under the job prefix + "diag/", diagnostics.hpp)
+///     round                         counter
+///     open/<n>, <n>/printer         i64: a rank
+///     <n>/reason                    bytes32
+///     <n>/ring/<rank>               rings (diagnostics/desync.hpp)
+///     <n>/closed                    i64 1
+///   broadcasts from rank 0 over MPI, before any store (traits' pre_store_relay)
+///     the store token               outcome: the token's bytes
+///     the store's address           outcome: store_address (host bytes32, port i64)
+/// ```
+///
+/// An "outcome" (wire::outcome, detail/wire.hpp) is what broadcast_or_fail
+/// sends (rendezvous/broadcast.hpp): u8 1 and the value as bytes32, or u8 0
+/// and rank 0's error as bytes32, so that every rank fails at once with rank
+/// 0's message when rank 0 cannot produce the value.
+
 
 #include <cstdint>
 #include <string>
@@ -10971,11 +15341,11 @@ DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int
                        " needs a GPU, but this process sees none (" + cvd +
                        "); check the driver (nvidia-smi) and what the launcher exposes");
   }
-  throw config_error(
-      "local rank " + std::to_string(local_rank) + " of " + std::to_string(local_world_size) +
-      " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
-      "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
-      "start no more ranks per node than it has GPUs");
+  throw config_error("local rank " + std::to_string(local_rank) + " of " +
+                     std::to_string(local_world_size) + " ranks on this node sees " +
+                     std::to_string(visible) + " GPUs (" + cvd +
+                     "): expose one GPU per rank (the launcher's per-task binding) or all of them, "
+                     "or start no more ranks per node than it has GPUs");
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -11546,8 +15916,8 @@ DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env) {
     o[field::num_nodes] = cross_size;
   } else if (cross_rank || cross_size) {
     o.note =
-        "HOROVOD_CROSS_RANK/CROSS_SIZE not used as node fields: nodes run different numbers "
-        "of processes and this is not local rank 0";
+        "HOROVOD_CROSS_RANK/CROSS_SIZE not used as node fields: "
+        "nodes run different numbers of processes and this is not local rank 0";
   }
   return o;
 }
@@ -11780,8 +16150,9 @@ DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, s
     throw config_error(
         primary[field::world_size]->origin + " (" + std::string(to_string(primary.source)) +
         ") and " + other[field::world_size]->origin + " (" + std::string(to_string(other.source)) +
-        ") disagree about the world size; an outer launcher is accepted only with the "
-        "same process count or with one process per node");
+        ") disagree about the world size; "
+        "an outer launcher is accepted only with the same process count or with one process per "
+        "node");
   }
   return primary;
 }
@@ -11888,9 +16259,9 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
     if (loose[field::node_rank] && loose[field::node_rank]->value != 0) {
       throw config_error(
           loose[field::node_rank]->origin +
-          " is set, but nothing gives this process's rank and world size (RANK and "
-          "WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_* under srun, HOROVOD_*, "
-          "TF_CONFIG). A Lightning-style per-node job needs launch::per_node (dtrun), "
+          " is set, but nothing gives this process's rank and world size (RANK and WORLD_SIZE, "
+          "OMPI_COMM_WORLD_*, PMI_*, SLURM_* under srun, HOROVOD_*, TF_CONFIG). "
+          "A Lightning-style per-node job needs launch::per_node (dtrun), "
           "which starts the workers of the node");
     }
     const std::string single = "a single process: no launcher variables";
@@ -12026,1929 +16397,97 @@ DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
 
 }  // namespace dtrain
 // ---- end dtrain/env/discover.hpp ----
-// ---- begin dtrain/env/placement.hpp ----
+// ---- begin dtrain/launch/agent.hpp ----
 /// @file
-/// Completing the world at rendezvous: every rank reports what its launcher
-/// told it and the name of its node; ranks that share a node name share a
-/// node. Open MPI and Hydra give no node index (and with `--map-by node`
-/// rank arithmetic is wrong), so this is how those fields become known.
-/// Pure functions and the codecs of the reports and the table; the runtime
-/// (runtime/context.hpp) carries them through the store.
+/// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
+/// node's workers with torchrun's environment, hosts the rendezvous store on
+/// node 0, supervises the workers, stops the whole job on the first failure
+/// (on every node), restarts it up to a limit, and forwards signals. Each
+/// restart round is an agent_round (launch/round.hpp); the agents meet
+/// through agent_store (launch/agent_store.hpp).
+
+// ---- begin dtrain/launch/agent_store.hpp ----
+/// @file
+/// The node agents' side of the job's store: node 0's agent serves it, every
+/// agent joins it, meets the others there between restart rounds, beats its
+/// heartbeat, records and reads how a round failed (naming the worker that
+/// went wrong), and leaves. The keys and the format of their values are
+/// launch/protocol.hpp's.
+
+// ---- begin dtrain/launch/signals.hpp ----
+/// @file
+/// The signals a node agent catches while it runs: SIGINT, SIGTERM and SIGHUP
+/// end the job (forwarded to the workers), SIGUSR1 asks the workers for desync
+/// diagnostics and stops nothing. The handlers only record the signal; the
+/// agent's loop and its waits read it.
 
 
 #include <array>
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// This process's node name: DTRAIN_NODE_NAME, else the host name.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
-  if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
-  auto host = detail::host_name();
-  if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
-  return *host;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// What one rank says about itself at rendezvous.
-struct rank_report {
-  std::string node_name;
-  world self;  ///< as discovered: fields may be unknown
-
-  // The fields a report carries, in wire order (the world's own order).
-  static constexpr std::array<world::field, 5> fields{
-      world::field::world_size, world::field::local_rank, world::field::local_world_size,
-      world::field::node_rank, world::field::num_nodes};
-  template <class W>
-  static auto slots(W& w) {
-    return std::array{&w.world_size, &w.local_rank, &w.local_world_size, &w.node_rank,
-                      &w.num_nodes};
-  }
-
-  /// The report as a store value (detail/wire.hpp): node name bytes32, then
-  /// per field a known flag u8, the value i64 when known, its origin bytes32.
-  [[nodiscard]] std::string encode() const;
-
-  /// The inverse of encode(); `where` names the input ("store key world/3") in
-  /// the rendezvous_error a malformed value gives.
-  [[nodiscard]] static rank_report decode(std::string_view text, const std::string& where);
-
-  /// Whether the launcher placed this rank fully (its node and its place there).
-  [[nodiscard]] bool placed() const noexcept {
-    return self.local_rank && self.local_world_size && self.node_rank && self.num_nodes;
-  }
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
-  std::string out;
-  detail::wire::writer w(out);
-  w.bytes32(node_name);
-  const auto numbers = slots(self);
-  for (std::size_t i = 0; i < numbers.size(); ++i) {
-    w.u8(*numbers[i] ? 1 : 0);
-    if (*numbers[i]) w.i64(**numbers[i]);
-    w.bytes32(self.origin(fields[i]));
-  }
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE rank_report rank_report::decode(std::string_view text,
-                                                     const std::string& where) {
-  return detail::wire::decode_value(where, text, "a rank report", [](detail::wire::reader& in) {
-    rank_report r;
-    r.node_name = in.bytes32("the node name");
-    const auto numbers = slots(r.self);
-    for (std::size_t i = 0; i < numbers.size(); ++i) {
-      const char* name = world::field_names[static_cast<std::size_t>(fields[i])].data();
-      const std::uint8_t known = in.u8(name);
-      if (known > 1)
-        throw detail::wire::violation(std::string(name) + "'s known flag is not 0 or 1");
-      if (known == 1) {
-        const std::int64_t value = in.i64(name);
-        if (value < 0 || value > max_world_size) {
-          throw detail::wire::violation(std::string(name) + " " + std::to_string(value) +
-                                        " is not in 0.." + std::to_string(max_world_size));
-        }
-        *numbers[i] = static_cast<int>(value);
-      }
-      r.self.origins[static_cast<std::size_t>(fields[i])] = in.bytes32(name);
-    }
-    return r;
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Where one rank sits.
-struct placement {
-  int node_rank = 0;
-  int num_nodes = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-
-  friend bool operator==(const placement&, const placement&) = default;
-};
-
-/// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
-/// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
-/// config_error that placing the ranks gave (bytes32), for every rank to throw.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placements(
-    const std::vector<placement>& ranks);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string encode_placements(const std::vector<placement>& ranks) {
-  std::string out;
-  detail::wire::writer w(out);
-  w.u8(1).u32(static_cast<std::uint32_t>(ranks.size()));
-  for (const placement& p : ranks)
-    w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message) {
-  std::string out;
-  detail::wire::writer(out).u8(0).bytes32(message);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
-/// config_error when placing failed there, and a rendezvous_error naming
-/// `where` ("store key dtrain/job/world/placement") when the value is malformed.
-[[nodiscard]] DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where,
-                                                              std::string_view value, int rank,
-                                                              int size);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where, std::string_view value,
-                                                int rank, int size) {
-  std::optional<std::string> failure;
-  placement mine =
-      detail::wire::decode_value(where, value, "a placement table", [&](detail::wire::reader& in) {
-        placement out;
-        if (in.u8("the ok flag") == 0) {
-          failure = in.bytes32("rank 0's error");
-          return out;
-        }
-        const std::uint32_t n = in.u32("the rank count");
-        if (static_cast<std::int64_t>(n) != size) {
-          throw detail::wire::violation("it places " + std::to_string(n) + " ranks, not " +
-                                        std::to_string(size));
-        }
-        for (std::uint32_t r = 0; r < n; ++r) {
-          std::int64_t f[4];
-          for (std::int64_t& v : f) {
-            v = in.i64("a placement");
-            if (v < 0 || v > max_world_size)
-              throw detail::wire::violation("a placement field is " + std::to_string(v));
-          }
-          if (static_cast<int>(r) == rank) {
-            out = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
-                   static_cast<int>(f[3])};
-          }
-        }
-        return out;
-      });
-  if (failure) throw config_error(*failure);
-  return mine;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Places every rank (reports[i] is rank i). When every report is complete,
-/// each keeps what its launcher said. Otherwise ranks are grouped by node
-/// name: nodes are numbered in the order of their lowest rank, local ranks
-/// follow the rank order within a node. Throws config_error, naming the
-/// ranks and variables, when the ranks disagree about the world size or a
-/// known field contradicts the grouping.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(
-    const std::vector<rank_report>& reports);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
-  const int n = static_cast<int>(reports.size());
-  for (std::size_t r = 0; r < reports.size(); ++r) {
-    const auto& ws = reports[r].self.world_size;
-    if (ws && *ws != n) {
-      throw config_error("rank " + std::to_string(r) + " says the world has " +
-                         std::to_string(*ws) + " ranks (" +
-                         reports[r].self.origin(world::field::world_size) + "), but " +
-                         std::to_string(n) + " ranks met at rendezvous");
-    }
-  }
-  std::vector<placement> out(static_cast<std::size_t>(n));
-  bool all_complete = true;
-  for (const auto& r : reports) all_complete = all_complete && r.placed();
-  if (all_complete) {
-    for (std::size_t r = 0; r < reports.size(); ++r) {
-      const world& w = reports[r].self;
-      out[r] = {*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
-    }
-    return out;
-  }
-  std::map<std::string, int> node_of;  // node name -> node index
-  std::vector<int> node_size;
-  for (std::size_t r = 0; r < reports.size(); ++r) {
-    auto [it, fresh] =
-        node_of.try_emplace(reports[r].node_name, static_cast<int>(node_size.size()));
-    if (fresh) node_size.push_back(0);
-    out[r].node_rank = it->second;
-    out[r].local_rank = node_size[static_cast<std::size_t>(it->second)]++;
-  }
-  for (std::size_t r = 0; r < reports.size(); ++r) {
-    out[r].num_nodes = static_cast<int>(node_size.size());
-    out[r].local_world_size = node_size[static_cast<std::size_t>(out[r].node_rank)];
-  }
-  // A field the launcher did give must match: otherwise the node names are wrong.
-  for (std::size_t r = 0; r < reports.size(); ++r) {
-    const world& w = reports[r].self;
-    auto check = [&](world::field f, const std::optional<int>& known, int grouped,
-                     std::string_view what) {
-      if (known && *known != grouped) {
-        throw config_error("rank " + std::to_string(r) + ": " + w.origin(f) + " gives " +
-                           std::string(what) + " " + std::to_string(*known) +
-                           ", but grouping the ranks by node name (\"" + reports[r].node_name +
-                           "\", the host name unless DTRAIN_NODE_NAME is set) gives " +
-                           std::to_string(grouped) +
-                           "; give every node a distinct DTRAIN_NODE_NAME, or set NODE_RANK");
-      }
-    };
-    check(world::field::local_rank, w.local_rank, out[r].local_rank, "local rank");
-    check(world::field::local_world_size, w.local_world_size, out[r].local_world_size,
-          "local world size");
-    check(world::field::node_rank, w.node_rank, out[r].node_rank, "node rank");
-    check(world::field::num_nodes, w.num_nodes, out[r].num_nodes, "node count");
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain
-// ---- end dtrain/env/placement.hpp ----
-// ---- begin dtrain/launch/join.hpp ----
-/// @file
-/// How a worker waits for the others at rendezvous, and says so. Every rank
-/// sets its report and counts itself in (launch/protocol.hpp's job_keys);
-/// rank 0 waits until everyone has joined and then places them. While a rank
-/// waits it says every few seconds who has joined and who has not ("1 of 2
-/// ranks joined; waiting for rank 1"), and at its timeout it names the ranks
-/// that never came and the likely causes, instead of a store key.
-
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// One rank's wait at rendezvous, through `Store` (the job's prefix store).
-template <store Store>
-class rendezvous_wait {
- public:
-  using milliseconds = std::chrono::milliseconds;
-
-  struct setup {
-    std::string endpoint;  ///< "host:port" of the store, for messages
-    int rank = 0;
-    int size = 1;
-    milliseconds timeout{};                       ///< how long a rank waits for the others
-    milliseconds interval{};                      ///< how often it says so
-    std::function<void(std::string_view)> say{};  ///< where it says so (detail::say)
-    std::string world_size_origin;                ///< "WORLD_SIZE=4", for the likely causes
-  };
-
-  rendezvous_wait(Store& store, setup s) : store_(store), s_(std::move(s)) {}
-
-  /// Sets this rank's report and counts it in; the last rank to join marks
-  /// everyone joined.
-  void join(std::string_view report) {
-    store_.set(job_keys::report(s_.rank), report);
-    if (store_.add(job_keys::joined, 1) == s_.size) {
-      store_.set(job_keys::joined_all, present_value());
-    }
-  }
-
-  /// Rank 0: waits until every rank has joined, saying who is missing every
-  /// interval. Throws timeout_error naming the missing ranks and the likely
-  /// causes after the timeout.
-  void await_everyone() {
-    const std::string all(job_keys::joined_all);
-    if (!await(all, true)) throw timeout_error(never_joined());
-  }
-
-  /// Every other rank: the value of `key` (rank 0's answer), once set. While
-  /// rank 0 itself has not joined, says who is missing every interval (rank 0
-  /// says it otherwise). Throws timeout_error after the timeout, naming the
-  /// missing ranks, or rank 0 when everyone joined but no answer came.
-  [[nodiscard]] std::string await_answer(std::string_view key) {
-    const std::string wanted(key);
-    if (await(wanted, false)) return store_.get(wanted);
-    if (joined() < s_.size) throw timeout_error(never_joined());
-    throw timeout_error(prefix() + " timed out after " + whole_seconds(s_.timeout) +
-                        ": every rank joined, but rank 0 did not answer (store key \"" + wanted +
-                        "\"); see rank 0's output for why");
-  }
-
-  /// What the wait looks like now: "1 of 2 ranks joined; waiting for rank 1".
-  [[nodiscard]] std::string progress() {
-    const std::int64_t count = joined();
-    const std::vector<int> missing = missing_ranks();
-    std::string out = std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined";
-    if (!missing.empty()) out += "; waiting for " + rank_list(missing, s_.size - count);
-    return out;
-  }
-
- private:
-  using steady = std::chrono::steady_clock;
-
-  /// The most ranks a message names.
-  static constexpr std::size_t named_ranks = 8;
-  /// The most keys one check() asks for (the store's default limit is 4096).
-  static constexpr int keys_per_check = 1024;
-
-  // Waits for `key` in slices of the interval; reports between slices (rank
-  // 0 always, the others while rank 0 is missing). False at the timeout.
-  bool await(const std::string& key, bool report_always) {
-    const auto start = steady::now();
-    const auto deadline = start + s_.timeout;
-    const std::string keys[] = {key};
-    for (;;) {
-      const auto left = std::chrono::ceil<milliseconds>(deadline - steady::now());
-      if (left <= milliseconds::zero()) return false;
-      try {
-        store_.wait(keys, s_.interval > milliseconds::zero() ? std::min(left, s_.interval) : left);
-        return true;
-      } catch (const timeout_error&) {
-        // The store ended this slice of the wait; the connection stays sound.
-      }
-      const auto now = steady::now();
-      if (now >= deadline) return false;
-      if (report_always || !store_.check(std::vector<std::string>{job_keys::report(0)})) {
-        say(s_.say, prefix() + ": " + progress() + " (" +
-                        whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
-                        " of " + whole_seconds(s_.timeout) + ")");
-      }
-    }
-  }
-
-  [[nodiscard]] std::string prefix() const { return "rendezvous at " + s_.endpoint; }
-
-  [[nodiscard]] std::int64_t joined() { return store_.add(job_keys::joined, 0); }
-
-  // The first named_ranks ranks whose report is missing, found by halving
-  // ranges whose check() fails: a few requests when few are missing.
-  [[nodiscard]] std::vector<int> missing_ranks() {
-    std::vector<int> out;
-    find_missing(0, s_.size, out);
-    return out;
-  }
-  void find_missing(int lo, int hi, std::vector<int>& out) {
-    if (lo >= hi || out.size() >= named_ranks) return;
-    if (hi - lo <= keys_per_check) {
-      std::vector<std::string> keys;
-      for (int r = lo; r < hi; ++r) keys.push_back(job_keys::report(r));
-      if (store_.check(keys)) return;
-      if (hi - lo == 1) {
-        out.push_back(lo);
-        return;
-      }
-    }
-    const int mid = lo + (hi - lo) / 2;
-    find_missing(lo, mid, out);
-    find_missing(mid, hi, out);
-  }
-
-  // "rank 1", "ranks 1, 3", "998 ranks, among them 1, 2, ..., 8".
-  static std::string rank_list(const std::vector<int>& ranks, std::int64_t total) {
-    std::string names;
-    for (std::size_t i = 0; i < ranks.size(); ++i) {
-      names += (i ? ", " : "") + std::to_string(ranks[i]);
-    }
-    if (total > static_cast<std::int64_t>(ranks.size())) {
-      return std::to_string(total) + " ranks, among them " + names;
-    }
-    return (ranks.size() == 1 ? "rank " : "ranks ") + names;
-  }
-
-  [[nodiscard]] std::string never_joined() {
-    const std::int64_t count = joined();
-    const std::vector<int> missing = missing_ranks();
-    const std::string who = rank_list(missing, s_.size - count);
-    const bool one = s_.size - count == 1;
-    return prefix() + " timed out after " + whole_seconds(s_.timeout) + ": " +
-           std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined; " + who +
-           " never did. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks (this rank "
-           "met at " +
-           s_.endpoint + "), a firewall blocks that port, " + (one ? "that rank" : "those ranks") +
-           " never started or failed before joining (see " + (one ? "its" : "their") +
-           " output), or the world size (" + s_.world_size_origin +
-           ") is larger than the number of ranks started";
-  }
-
-  Store& store_;
-  setup s_;
-};
-
-}  // namespace dtrain::detail
-// ---- end dtrain/launch/join.hpp ----
-// ---- begin dtrain/launch/options.hpp ----
-/// @file
-/// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
-/// Every option can also come from an environment variable, dtrain's own
-/// (DTRAIN_*) or torchrun's (PET_*); see with_env().
-
-
-#include <chrono>
-#include <initializer_list>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-
-namespace dtrain {
-
-/// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
-/// Environment: DTRAIN_GRACE_PERIOD (seconds).
-inline constexpr std::chrono::milliseconds default_grace_period{10'000};
-
-/// How long an agent may go without beating its heartbeat in the store before
-/// the other agents declare its node lost and end the job. Environment:
-/// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
-inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
-
-/// The port of a `--rdzv-endpoint HOST` without one (torchrun's c10d default).
-inline constexpr int default_rdzv_port = 29400;
-
-namespace detail {
-/// Parses a node count as dtrun's --nnodes takes it: "N", or "MIN:MAX" for
-/// an elastic job (1 <= MIN <= MAX). Returns {MIN, MAX}; MIN is unset for
-/// "N" and for "N:N" (not elastic). `origin` names the value in errors.
-DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
-                                                                         std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
-                                                                         std::string_view text) {
-  const std::size_t colon = text.find(':');
-  if (colon == std::string_view::npos) {
-    const int n = parse_non_negative(origin, text);
-    if (n < 1) throw config_error(origin + " must be at least 1 (nodes)");
-    return {std::nullopt, n};
-  }
-  const int least = parse_non_negative(origin + " (MIN)", text.substr(0, colon));
-  const int most = parse_non_negative(origin + " (MAX)", text.substr(colon + 1));
-  if (least < 1 || least > most) {
-    throw config_error(origin + ": MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
-  }
-  return {least < most ? std::optional<int>(least) : std::nullopt, most};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Parses workers per node as torchrun's --nproc-per-node takes them: a
-/// positive integer; `gpu`, the CUDA devices this process sees (config_error
-/// when it sees none); `cpu`, the cores it may run on; `auto`, the GPUs if
-/// any, else the cores. `count` is called for a keyword only. Returns the
-/// number with its origin (`origin`, and what a keyword counted).
-DTRAIN_DETAIL_INLINE sourced_int
-parse_nproc_per_node(const std::string& origin, std::string_view text,
-                     local_devices (*count)() = &count_local_devices);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
-                                                      std::string_view text,
-                                                      local_devices (*count)()) {
-  if (text == "gpu" || text == "cpu" || text == "auto") {
-    const local_devices here = count();
-    if (text == "cpu" || (text == "auto" && here.gpus == 0)) {
-      return {here.cpus, origin + " (" + std::to_string(here.cpus) + " CPU cores)"};
-    }
-    if (here.gpus == 0) {
-      throw config_error(origin +
-                         ": this process sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES "
-                         "hides them); give a number of workers, or cpu");
-    }
-    return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
-  }
-  if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos) {
-    throw config_error(origin + " is not a number of workers, gpu, cpu or auto");
-  }
-  const int n = parse_non_negative(origin, text);
-  if (n < 1) throw config_error(origin + " must be at least 1 (workers per node)");
-  return {n, origin};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Checks a rendezvous backend (torchrun's --rdzv-backend): dtrun's agents
-/// meet at node 0's store, which is c10d's way; etcd, etcd-v2 and static are
-/// refused, naming the dtrun flags that say the same.
-DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
-  if (text == "c10d") return;
-  const std::string instead =
-      "its agents meet at a store that node 0's agent serves (torchrun's c10d): give "
-      "--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --master-addr HOST --master-port PORT "
-      "--node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, PET_NODE_RANK)";
-  if (text == "static") {
-    throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
-  }
-  if (text == "etcd" || text == "etcd-v2") {
-    throw config_error(origin + ": dtrun has no etcd rendezvous; " + instead);
-  }
-  throw config_error(origin + " is not a rendezvous backend of dtrun's; " + instead);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Parses a c10d rendezvous endpoint (torchrun's --rdzv-endpoint), HOST[:PORT],
-/// as node 0's store: the port is default_rdzv_port (29400) when absent, and
-/// its origin says so.
-DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
-    const std::string& origin, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
-    const std::string& origin, std::string_view text) {
-  const host_port hp = split_host_port(origin, text);
-  return {sourced_text{hp.host, origin},
-          hp.port ? sourced_int{*hp.port, origin}
-                  : sourced_int{default_rdzv_port, origin + " (c10d's default port " +
-                                                       std::to_string(default_rdzv_port) + ")"}};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// The value of an option as the variables `names` give it: parse(origin,
-/// text) of each that is set, a T or a sourced<T>. Two that are set must agree.
-template <class T, class Parse>
-std::optional<sourced<T>> read_agreeing(const environment& env,
-                                        std::initializer_list<std::string_view> names,
-                                        std::string_view what, Parse parse) {
-  std::optional<sourced<T>> found;
-  for (std::string_view name : names) {
-    if (auto text = env.get(name)) {
-      const std::string origin = assignment(name, *text);
-      if constexpr (std::is_same_v<decltype(parse(origin, *text)), sourced<T>>) {
-        agree(found, parse(origin, *text), what);
-      } else {
-        agree(found, sourced<T>{parse(origin, *text), origin}, what);
-      }
-    }
-  }
-  return found;
-}
-}  // namespace detail
-
-/// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
-/// Unset values come from the environment or the outer launcher (see
-/// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
-/// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
-struct agent_options {
-  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE or
-  /// PET_NPROC_PER_NODE (N, gpu, cpu or auto). Default: the number of visible
-  /// CUDA devices for backend::nccl, else 1.
-  std::optional<int> nproc_per_node{};
-  /// Nodes (agents) in the job; in an elastic job, the most. Environment:
-  /// DTRAIN_NNODES or PET_NNODES (N, or MIN:MAX). Default: from the outer
-  /// launcher, else 1.
-  std::optional<int> nnodes{};
-  /// An elastic job (dtrun --nnodes MIN:MAX, as torchrun's): the fewest nodes
-  /// it runs on. When a node is lost, the others go on without it (at least
-  /// this many), and a node that comes (back) joins at the next round, up to
-  /// nnodes; each change restarts every worker with the new world size
-  /// (resume from a checkpoint: docs/checkpoints.md). Unset: exactly nnodes.
-  std::optional<int> min_nnodes{};
-  /// This agent's node. Environment: DTRAIN_NODE_RANK or PET_NODE_RANK
-  /// (NODE_RANK is read too, and must agree).
-  std::optional<int> node_rank{};
-  /// Where node 0's agent serves the rendezvous store. Environment:
-  /// PET_MASTER_ADDR or PET_RDZV_ENDPOINT. Default: MASTER_ADDR, else
-  /// 127.0.0.1 on a single node; required with several nodes.
-  std::optional<std::string> master_addr{};
-  /// Its port. Environment: PET_MASTER_PORT or PET_RDZV_ENDPOINT. Default:
-  /// MASTER_PORT, else a free port on a single node and 29500 with several.
-  /// 0 picks a free port (single node only).
-  std::optional<int> master_port{};
-  /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
-  int max_restarts = 0;
-  /// SIGTERM → SIGKILL delay when workers are stopped.
-  /// Environment: DTRAIN_GRACE_PERIOD (seconds).
-  std::chrono::milliseconds grace_period = default_grace_period;
-  /// A node whose agent is silent this long is lost: the others end the job.
-  /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
-  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
-  /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
-  /// Environment: DTRAIN_TEE=1.
-  bool tee = false;
-  /// When set, each worker's output (stdout and stderr) also goes to
-  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
-  std::string log_dir{};
-  /// Pass `--local_rank=N` as the workers' first argument, as
-  /// torch.distributed.launch did for Hugging Face style scripts.
-  /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
-  bool local_rank_arg = false;
-  /// The job's id (torchrun's --rdzv-id): every node's agent must give the
-  /// same one (or none), or the job does not start (a node of another job
-  /// that reached this store is named); the workers get it as
-  /// TORCHELASTIC_RUN_ID. Environment: PET_RDZV_ID.
-  std::string rdzv_id{};
-
-  /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
-  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
-  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
-  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
-  /// wins, as for every dtrain option, so an operator can change a job without
-  /// rebuilding it. torchrun's variables are read as dtrun's (Kubeflow
-  /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
-  /// DTRAIN_ twins, PET_NODE_RANK beside DTRAIN_NODE_RANK and NODE_RANK,
-  /// PET_MASTER_ADDR, PET_MASTER_PORT and PET_RDZV_ENDPOINT (HOST[:PORT]) beside
-  /// MASTER_ADDR, MASTER_PORT and AZ_BATCH_MASTER_NODE, PET_RDZV_BACKEND (c10d
-  /// only) and PET_RDZV_ID. Throws config_error naming the variable and its
-  /// value, or both variables when two that are set disagree.
-  [[nodiscard]] agent_options with_env(const environment& env) const;
-
-  /// Throws config_error when an option is out of range.
-  void check() const;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
-  agent_options out = *this;
-  if (auto n = detail::read_agreeing<int>(
-          env, {nproc_per_node_variable, pet_nproc_per_node_variable}, "the workers per node",
-          [](const std::string& origin, std::string_view text) {
-            return detail::parse_nproc_per_node(origin, text);
-          })) {
-    out.nproc_per_node = n->value;
-  }
-  if (auto n = detail::read_agreeing<std::pair<std::optional<int>, int>>(
-          env, {nnodes_variable, pet_nnodes_variable}, "the number of nodes",
-          &detail::parse_node_count)) {
-    out.min_nnodes = n->value.first;
-    out.nnodes = n->value.second;
-  }
-  // NODE_RANK is discovery's (beside GROUP_RANK and the launchers'); checked here against ours.
-  if (env.contains(node_rank_variable) || env.contains(pet_node_rank_variable)) {
-    out.node_rank =
-        detail::read_agreeing<int>(env, {node_rank_variable, pet_node_rank_variable, "NODE_RANK"},
-                                   "the node rank", &detail::parse_non_negative)
-            ->value;
-  }
-  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and the like.
-  if (auto backend = detail::read_text(env, pet_rdzv_backend_variable)) {
-    detail::check_rdzv_backend(backend->origin, backend->value);
-  }
-  std::optional<detail::sourced_text> addr = detail::read_text(env, pet_master_addr_variable);
-  std::optional<detail::sourced_int> port = detail::read_port(env, pet_master_port_variable);
-  if (auto endpoint = detail::read_text(env, pet_rdzv_endpoint_variable)) {
-    const auto [host, at] = detail::parse_rdzv_endpoint(endpoint->origin, endpoint->value);
-    detail::agree(addr, host, "node 0's address");
-    detail::agree(port, at, "node 0's port");
-  }
-  if (addr || port) {
-    const detail::explicit_master named = detail::read_explicit_master(env);
-    detail::agree(addr, named.addr, "node 0's address");
-    detail::agree(port, named.port, "node 0's port");
-    if (addr) out.master_addr = addr->value;
-    if (port) out.master_port = port->value;
-  }
-  if (auto id = detail::read_text(env, pet_rdzv_id_variable)) out.rdzv_id = id->value;
-  if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
-  if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
-  if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
-  if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
-  if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
-  if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
-  out.check();
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE void agent_options::check() const {
-  auto at_least = [](const char* name, const std::optional<int>& v, int least) {
-    if (v && *v < least) {
-      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                         " must be at least " + std::to_string(least));
-    }
-  };
-  at_least("nproc_per_node", nproc_per_node, 1);
-  at_least("nnodes", nnodes, 1);
-  at_least("min_nnodes", min_nnodes, 1);
-  if (min_nnodes && (!nnodes || *min_nnodes > *nnodes)) {
-    throw config_error("option min_nnodes=" + std::to_string(*min_nnodes) +
-                       (nnodes ? " is more than nnodes=" + std::to_string(*nnodes)
-                               : " needs nnodes (the most nodes)"));
-  }
-  at_least("node_rank", node_rank, 0);
-  auto at_most = [](const char* name, const std::optional<int>& v) {
-    if (v && *v > max_world_size) {
-      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
-                         " is more than dtrain's limit of " + std::to_string(max_world_size) +
-                         " ranks (max_world_size)");
-    }
-  };
-  at_most("nproc_per_node", nproc_per_node);
-  at_most("nnodes", nnodes);
-  if (max_restarts < 0) {
-    throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
-  }
-  if (grace_period.count() < 0) throw config_error("option grace_period is negative");
-  if (heartbeat_timeout.count() <= 0) {
-    throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
-                       " ms must be positive");
-  }
-  if (master_port && *master_port != 0) {
-    detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
-  }
-  if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain
-// ---- end dtrain/launch/options.hpp ----
-// ---- begin dtrain/launch/worker.hpp ----
-/// @file
-/// How a worker process ends its part in a job so that the job ends too:
-/// it ignores SIGPIPE (a write to a dead peer becomes an error that names
-/// the peer instead of a silent death), and a failed rank under MPI calls
-/// MPI_Abort, so that mpirun ends every rank at once instead of leaving the
-/// failed one blocked in MPI_Finalize while its peers wait out their timeout.
-/// It also tells its agent how far its communicator got (collective_progress),
-/// so that the agent can name a rank that left its peers waiting.
-
-
 #include <csignal>
-#include <cstdint>
-#include <cstdio>
-#include <optional>
-#include <string>
-#include <utility>
-#include <vector>
-
-#if DTRAIN_HAS_MPI()
-#include <mpi.h>
-#endif
+#include <cstddef>
 
 namespace dtrain::detail {
 
-/// Ignores SIGPIPE in this process: a peer that dies mid-write gives EPIPE,
-/// which the engines and the store turn into an error naming the peer. Under
-/// an agent, a worker killed by SIGPIPE would otherwise be blamed as the
-/// root cause of a failure it only witnessed.
-inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
+/// The last signal that asks the agent to end the job (0: none).
+inline volatile std::sig_atomic_t agent_signal = 0;
 
-/// Whether MPI is initialised and not yet finalised in this process (by
-/// dtrain's MPI backend or by the user); false in a build without MPI.
-DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept;
+inline void record_agent_signal(int sig) { agent_signal = sig; }
+
+/// SIGUSR1s the agent received and has not forwarded yet: they ask the
+/// workers for desync diagnostics and stop nothing.
+inline volatile std::sig_atomic_t agent_diagnostics_requests = 0;
+
+inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
+
+/// The signal that ends the job, if one arrived (0: none).
+[[nodiscard]] inline int pending_agent_signal() noexcept { return agent_signal; }
+
+/// Takes a pending SIGUSR1 request: true once per request.
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept;
 #if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
-#if DTRAIN_HAS_MPI()
-  int initialized = 0;
-  int finalized = 0;
-  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
-  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
-#else
-  return false;
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
-/// mpirun exits with it) when MPI is running and `status` is not 0; returns
-/// otherwise. Call it after the failure's one-line report: the report is
-/// flushed first, since MPI_Abort does not return.
-DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
-  if (status == 0 || !mpi_is_running()) return;
-  std::fflush(stdout);
-  std::fflush(stderr);
-#if DTRAIN_HAS_MPI()
-  MPI_Abort(MPI_COMM_WORLD, status);
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// How far a worker's communicators got, as its agent reports it. Each is
-/// named by its ring ("world", "world/split 1 (color 0)"): every rank that
-/// splits in the same order gives the same split the same name, so counts
-/// of the same name compare across ranks.
-struct collective_progress {
-  std::vector<std::pair<std::string, std::int64_t>> issued;  ///< collectives issued, by ring
-  std::string failed_on;       ///< the ring of the first collective that failed or timed out
-  std::int64_t failed_at = 0;  ///< that collective's number (#N); 0: none failed
-};
-
-/// The progress of `communicator` and its kept splits; nothing when there is
-/// no communicator yet, or its engine keeps no ring of its collectives.
-template <class Communicator>
-collective_progress progress_of(const std::optional<Communicator>& communicator) {
-  collective_progress p;
-  if constexpr (requires { communicator->ring(); }) {
-    const auto ring = communicator ? communicator->ring() : nullptr;
-    if (!ring) return p;
-    for (auto& [name, calls] : ring->snapshot_all()) {
-      p.issued.emplace_back(name, calls.empty() ? 0 : calls.back().seq);
-      for (const call_record& c : calls) {
-        if (p.failed_at != 0) break;
-        if (c.state == call_state::failed || c.state == call_state::timed_out) {
-          p.failed_on = name;
-          p.failed_at = c.seq;
-        }
-      }
-    }
-  }
-  return p;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/launch/worker.hpp ----
-// ---- begin dtrain/policy.hpp ----
-/// @file
-/// dtrain::policy<Launch, Backend, Topology>: the compile-time choices of a
-/// job. Each slot is a small tag type; a combination that cannot work is a
-/// static_assert that says why, not a run-time surprise.
-
-// ---- begin dtrain/topology/flat.hpp ----
-/// @file
-/// topology::flat: every collective runs on one communicator over the world.
-/// The other model of the slot is topology::hierarchical (hierarchical.hpp).
-
-// ---- begin dtrain/topology/layout.hpp ----
-/// @file
-/// Where each rank sits among the nodes, as a topology needs it: the
-/// `node_layout` of one rank, every rank's gathered over the host control
-/// plane, and the check that the nodes are alike enough for a hierarchical
-/// collective (every node the same number of ranks, local ranks 0..L-1).
-
-
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain {
-
-/// One rank's place among the nodes: what topology::hierarchical groups by.
-struct node_layout {
-  int node_rank = 0;
-  int num_nodes = 1;
-  int local_rank = 0;
-  int local_size = 1;
-
-  /// The layout of a complete world (as dtrain::run hands it over); nullopt
-  /// when a field is unknown.
-  [[nodiscard]] static std::optional<node_layout> of(const world& w);
-  friend bool operator==(const node_layout&, const node_layout&) = default;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<node_layout> node_layout::of(const world& w) {
-  if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
-  return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-namespace detail {
-
-/// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
-/// empty string when it can: N nodes of L ranks each, node ranks 0..N-1,
-/// local ranks 0..L-1 once per node, every rank agreeing on N and L, N > 1
-/// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string hierarchy_problem(
-    std::span<const node_layout> table);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string hierarchy_problem(std::span<const node_layout> table) {
-  const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
-  if (table.empty()) return "no ranks";
-  std::map<int, std::vector<int>> nodes;  // node rank -> the local ranks seen there
-  for (std::size_t r = 0; r < table.size(); ++r) {
-    const node_layout& l = table[r];
-    if (l.num_nodes != table[0].num_nodes) {
-      return rank(r) + " says there are " + std::to_string(l.num_nodes) + " nodes, rank 0 " +
-             std::to_string(table[0].num_nodes);
-    }
-    if (l.node_rank < 0 || l.node_rank >= l.num_nodes || l.local_rank < 0 ||
-        l.local_rank >= l.local_size) {
-      return rank(r) + " has node rank " + std::to_string(l.node_rank) + " of " +
-             std::to_string(l.num_nodes) + " and local rank " + std::to_string(l.local_rank) +
-             " of " + std::to_string(l.local_size);
-    }
-    nodes[l.node_rank].push_back(l.local_rank);
-  }
-  const int n = table[0].num_nodes;
-  if (static_cast<int>(nodes.size()) != n) {
-    return std::to_string(nodes.size()) + " of the " + std::to_string(n) + " nodes have ranks";
-  }
-  const std::size_t first = nodes.begin()->second.size();
-  for (const auto& [node, locals] : nodes) {
-    if (locals.size() != first) {
-      return "uneven nodes: node " + std::to_string(nodes.begin()->first) + " has " +
-             std::to_string(first) + " ranks, node " + std::to_string(node) + " has " +
-             std::to_string(locals.size()) +
-             " (hierarchical needs the same number of ranks on every node)";
-    }
-    std::vector<char> seen(first, 0);
-    for (int local : locals) {
-      if (static_cast<std::size_t>(local) >= first || seen[static_cast<std::size_t>(local)]) {
-        return "node " + std::to_string(node) + " does not number its " + std::to_string(first) +
-               " ranks 0.." + std::to_string(first - 1) + " (local rank " + std::to_string(local) +
-               ")";
-      }
-      seen[static_cast<std::size_t>(local)] = 1;
-    }
-  }
-  for (std::size_t r = 0; r < table.size(); ++r) {
-    if (static_cast<std::size_t>(table[r].local_size) != first) {
-      return rank(r) + " says its node has " + std::to_string(table[r].local_size) +
-             " ranks, but " + std::to_string(first) + " met there";
-    }
-  }
-  if (n == 1) return "one node: nothing crosses nodes";
-  if (first == 1) return "one rank per node: the cross-node communicator would be the world";
-  return {};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Every rank's layout, in rank order, over `control` (collective).
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
-                                                                           const node_layout& mine);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
-                                                             const node_layout& mine) {
-  const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
-  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(control.size()));
-  control.allgather(fields, all);
-  std::vector<node_layout> table(static_cast<std::size_t>(control.size()));
-  for (std::size_t r = 0; r < table.size(); ++r) {
-    const std::int64_t* f = &all[4 * r];
-    table[r] = {static_cast<int>(f[0]), static_cast<int>(f[1]), static_cast<int>(f[2]),
-                static_cast<int>(f[3])};
-  }
-  return table;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// The layout of every rank from its node name alone (FNV-1a of it, gathered
-/// over `control`), placed by place_ranks() as dtrain::run completes a world:
-/// nodes numbered by their lowest rank, local ranks in rank order. For
-/// communicators made without a context, which knows the launcher's own placement.
-[[nodiscard]] DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
-                                                                      std::string_view node_name);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
-                                                        std::string_view node_name) {
-  std::uint64_t hash = 1469598103934665603ull;
-  for (char c : node_name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  const std::int64_t mine[1] = {static_cast<std::int64_t>(hash)};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(control.size()));
-  control.allgather(mine, all);
-  std::vector<rank_report> reports(all.size());
-  for (std::size_t r = 0; r < all.size(); ++r) reports[r].node_name = std::to_string(all[r]);
-  const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
-  return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/topology/layout.hpp ----
-// ---- begin dtrain/topology/sequence.hpp ----
-/// @file
-/// How a topology runs one collective as several on different communicators:
-/// `detail::work_sequence`, one work for the steps, and the calls that pass a
-/// stream only to engines that take one. Steps on engines that order their
-/// collectives on CUDA streams are all enqueued at once, each after the
-/// previous one's stream; on host engines each step starts when the one
-/// before it has finished, inside test() / wait() of the sequence.
-
-
-#include <algorithm>
-#include <chrono>
-#include <concepts>
-#include <cstddef>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// Whether C enqueues its collectives on a device stream of its own, ordered
-/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
-/// steps of a sequence can then all be enqueued at once.
-template <class C>
-concept stream_ordered = requires(const C& c) {
-  requires C::stream_ordered;
-  { c.stream() } -> std::convertible_to<stream_handle>;
-};
-
-/// The stream that the next step must follow after a step on `c`: its own
-/// stream where it has one, else none (the step has finished on the host).
-template <communicator C>
-stream_handle stream_after(const C& c) noexcept {
-  if constexpr (stream_ordered<C>) {
-    return c.stream();
-  } else {
-    (void)c;
-    return nullptr;
-  }
-}
-
-// The collectives with the caller's stream, for the engines that take one
-// (NCCL, MPI with device buffers); the others never see it.
-template <communicator C>
-work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
-  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
-    return c.allreduce(in, out, op, stream);
-  } else {
-    (void)stream;
-    return c.allreduce(in, out, op);
-  }
-}
-template <communicator C>
-work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
-  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
-    return c.reduce_scatter(in, out, op, stream);
-  } else {
-    (void)stream;
-    return c.reduce_scatter(in, out, op);
-  }
-}
-template <communicator C>
-work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
-  if constexpr (requires { c.allgather(in, out, stream); }) {
-    return c.allgather(in, out, stream);
-  } else {
-    (void)stream;
-    return c.allgather(in, out);
-  }
-}
-
-/// One work for several collectives. `steps[i]` starts collective i and
-/// returns its work; it runs on communicator `lane` and needs step `after`
-/// finished first (`chain`: the step before it; -1: nothing). Steps of one
-/// lane start in list order, whatever finishes when, so every rank issues the
-/// same collectives on every communicator in the same order: a lane is a
-/// queue, and independent lanes overlap (a pipeline: step k+1 on one
-/// communicator while step k runs on another).
-///
-/// Eager: every step is started now, in list order (engines that order
-/// collectives on streams). Otherwise a step starts once it may, from
-/// whichever thread tests or waits on the sequence: drive a rank's sequences
-/// from one thread, in one order, as it issues collectives. The first failure
-/// ends the sequence, with `label` (the whole collective) and the step in its
-/// message. A timeout gives up every step still running (NCCL: aborts their
-/// communicators).
-class work_sequence final : public work_state {
- public:
-  static constexpr int chain = -2;
-  struct step {
-    std::string name;             ///< "cross-node allreduce", for messages
-    std::function<work()> start;  ///< starts the collective; may throw
-    int lane = 0;                 ///< the communicator it runs on
-    int after = chain;            ///< the step it waits for: an index, chain, or -1
-  };
-
-  /// Starts what may start now (eager: every step); what a start throws
-  /// reaches the caller. The sequence's timeout is its steps' (the
-  /// communicators' collective timeout), counted for the whole sequence.
-  work_sequence(std::string label, std::vector<step> steps, bool eager,
-                std::shared_ptr<void> keep_alive = {});
-
-  bool poll() override;
-
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
-
-  void on_timeout() noexcept override;
-
- private:
-  // What the sequence knows of one step.
-  struct slot {
-    step what;
-    work handle;
-    bool started = false;
-    bool finished = false;
-  };
-
-  void start(std::size_t i);
-
-  // Starts, in list order, every step whose predecessor has finished and
-  // whose lane has started everything listed before it.
-  void start_ready();
-
-  // The one step in flight when exactly one is.
-  std::optional<work> only_running_locked();
-
-  // True once every step has finished or one has failed; starts the steps
-  // that finished ones let start.
-  bool advance_locked();
-
-  // The step's error, with the sequence and the step named; same exception type.
-  bool end(const std::exception_ptr& e, std::size_t i);
-
-  std::mutex mutex_;  // the watchdog and the owner may poll at once
-  std::vector<slot> slots_;
-  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
-  call_label call_label_;             // the caller's, for the steps started later
-  bool finished_ = false;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE work_sequence::work_sequence(std::string label, std::vector<step> steps,
-                                                  bool eager, std::shared_ptr<void> keep_alive)
-    : work_state(std::move(label), std::chrono::milliseconds(0)),
-      keep_alive_(std::move(keep_alive)),
-      call_label_(current_call_label()) {
-  if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
-  for (std::size_t i = 0; i < steps.size(); ++i) {
-    int& a = steps[i].after;
-    if (a == chain) a = static_cast<int>(i) - 1;
-    if (a >= static_cast<int>(i)) {
-      throw dtrain::error("work_sequence: step " + std::to_string(i) + " waits for a later one (" +
-                          description() + ")");
-    }
-    slots_.push_back({std::move(steps[i]), {}, false, false});
-  }
-  if (eager) {
-    for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
-  } else {
-    start_ready();
-  }
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::poll() {
-  std::lock_guard lock(mutex_);
-  return advance_locked();
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::wait_until(
-    std::chrono::steady_clock::time_point deadline) {
-  backoff pause;
-  for (;;) {
-    std::optional<work> only;
-    {
-      std::lock_guard lock(mutex_);
-      if (advance_locked()) return true;
-      only = only_running_locked();
-    }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      std::lock_guard lock(mutex_);
-      return advance_locked();
-    }
-    if (only) {
-      // One step in flight, and nothing else can start before it ends: the
-      // engine's own wait (Gloo runs a collective that is next in line on
-      // this thread; MPI progresses inside its test).
-      (void)only->finish_within(left);
-    } else {
-      pause();  // several in flight: poll them all, so that each finished one lets the next start
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
-  std::lock_guard lock(mutex_);
-  for (slot& s : slots_) {
-    if (!s.started || s.handle.test()) continue;
-    try {
-      s.handle.give_up(s.handle.timeout());  // the engine's abort
-    } catch (...) {
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
-  slot& s = slots_[i];
-  label_scope label(
-      call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
-  s.handle = s.what.start();
-  s.started = true;
-  // A step that completed at once (nothing to move) has no limit of its own.
-  if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
-}
-
-DTRAIN_DETAIL_INLINE void work_sequence::start_ready() {
-  std::vector<char> lane_blocked;
-  for (std::size_t i = 0; i < slots_.size(); ++i) {
-    const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
-    if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
-    if (slots_[i].started) continue;
-    const int a = slots_[i].what.after;
-    const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
-    if (ready && !lane_blocked[lane]) {
-      start(i);
-    } else {
-      lane_blocked[lane] = 1;
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::optional<work> work_sequence::only_running_locked() {
-  std::optional<work> found;
-  int running = 0;
-  for (const slot& s : slots_) {
-    if (s.started && !s.finished) {
-      found = s.handle;
-      ++running;
-    }
-  }
-  if (running != 1) return std::nullopt;
-  return found;
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::advance_locked() {
-  if (finished_) return true;
-  for (;;) {
-    bool progress = false;
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      slot& s = slots_[i];
-      if (!s.started || s.finished || !s.handle.test()) continue;
-      if (auto e = s.handle.exception()) return end(e, i);
-      s.finished = true;
-      progress = true;
-    }
-    if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
-      finished_ = true;
-      return true;
-    }
-    if (!progress) return false;
-    try {
-      start_ready();
-    } catch (...) {
-      std::size_t failed = 0;
-      while (failed < slots_.size() && slots_[failed].started) ++failed;
-      return end(std::current_exception(), failed);
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::end(const std::exception_ptr& e, std::size_t i) {
-  const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
-                            std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
-  try {
-    std::rethrow_exception(e);
-  } catch (const config_error& x) {
-    fail(std::make_exception_ptr(config_error(where + x.what())));
-  } catch (const timeout_error& x) {
-    fail(std::make_exception_ptr(timeout_error(where + x.what())));
-  } catch (const backend_error& x) {
-    fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
-  } catch (const rendezvous_error& x) {
-    fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
-  } catch (const std::exception& x) {
-    fail(std::make_exception_ptr(dtrain::error(where + x.what())));
-  } catch (...) {
-    fail(e);
-  }
-  finished_ = true;
+DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
+  if (agent_diagnostics_requests == 0) return false;
+  agent_diagnostics_requests = 0;
   return true;
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
+/// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
+/// them to the workers, and SIGUSR1, which it forwards without stopping them
+/// (desync diagnostics); restores the previous handlers afterwards.
+class agent_signal_scope {
+ public:
+  agent_signal_scope();
+  agent_signal_scope(const agent_signal_scope&) = delete;
+  agent_signal_scope& operator=(const agent_signal_scope&) = delete;
+  ~agent_signal_scope();
+  static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
+
+ private:
+  std::array<struct sigaction, 3> previous_{};
+  struct sigaction previous_usr1_ {};
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_signal_scope::agent_signal_scope() {
+  agent_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = record_agent_signal;
+  sigemptyset(&sa.sa_mask);
+  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
+  agent_diagnostics_requests = 0;
+  sa.sa_handler = record_diagnostics_request;
+  ::sigaction(SIGUSR1, &sa, &previous_usr1_);
+}
+
+DTRAIN_DETAIL_INLINE agent_signal_scope::~agent_signal_scope() {
+  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
+  ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
 }  // namespace dtrain::detail
-// ---- end dtrain/topology/sequence.hpp ----
-
-#include <cstddef>
-#include <string>
-#include <string_view>
-
-namespace dtrain::topology {
-
-/// One communicator over the world; collectives go to it unchanged.
-struct flat {
-  static constexpr std::string_view name = "flat";
-
-  /// How this topology runs an allreduce on `world`: directly.
-  template <communicator C>
-  static work allreduce(C& world, buffer in, buffer out, reduce_op op) {
-    return world.allreduce(in, out, op);
-  }
-  template <communicator C>
-  static work broadcast(C& world, buffer data, int root) {
-    return world.broadcast(data, root);
-  }
-
-  /// The communicators a topology runs its collectives on, made once per
-  /// user (DistributedDataParallel makes one). Flat: the world itself.
-  template <communicator C>
-  class group {
-   public:
-    /// Nothing collective happens: flat needs no layout and no new communicator.
-    group(C& world, control_plane /*control*/, const node_layout& /*mine*/) noexcept
-        : world_(&world) {}
-
-    [[nodiscard]] C& world() noexcept { return *world_; }
-    /// Whether collectives run hierarchically (never, here).
-    [[nodiscard]] static constexpr bool hierarchical() noexcept { return false; }
-    /// A buffer whose length is a multiple of this many elements needs no extra collective.
-    [[nodiscard]] static constexpr std::size_t granularity() noexcept { return 1; }
-    /// Elements of scratch (`shard`) an allreduce of `count` elements needs: none.
-    [[nodiscard]] static constexpr std::size_t shard_count(std::size_t /*count*/) noexcept {
-      return 0;
-    }
-    /// "flat (gloo, 4 ranks)"
-    [[nodiscard]] std::string describe() const {
-      return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) + " ranks)";
-    }
-
-    /// In place on `data`, ordered after `stream` where the engine takes one.
-    work allreduce(buffer data, buffer /*shard*/, reduce_op op, stream_handle stream = nullptr) {
-      return detail::allreduce_on(*world_, data, data, op, stream);
-    }
-    /// The same without scratch (flat needs none).
-    work allreduce(buffer data, reduce_op op) { return world_->allreduce(data, data, op); }
-    /// Where this rank's part of a reduce_scatter() lies: part world().rank().
-    [[nodiscard]] std::size_t shard_position() const {
-      return static_cast<std::size_t>(world_->rank());
-    }
-    /// The reduction of `data` over every rank, this rank's part of it
-    /// (part shard_position() of size()) into `out`.
-    work reduce_scatter(buffer data, buffer /*shard*/, buffer out, reduce_op op,
-                        stream_handle stream = nullptr) {
-      return detail::reduce_scatter_on(*world_, data, out, op, stream);
-    }
-    /// Every rank's `in` into `data`, each at its shard_position().
-    work allgather(buffer in, buffer /*shard*/, buffer data, stream_handle stream = nullptr) {
-      return detail::allgather_on(*world_, in, data, stream);
-    }
-    /// Makes `stream` wait for every collective so far (engines on streams).
-    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
-      c.stream_wait(s);
-    }
-    { world_->stream_wait(stream); }
-
-   private:
-    C* world_;
-  };
-};
-
-}  // namespace dtrain::topology
-// ---- end dtrain/topology/flat.hpp ----
-// ---- begin dtrain/topology/hierarchical.hpp ----
-/// @file
-/// topology::hierarchical: an allreduce runs as a node-local reduce-scatter,
-/// a cross-node allreduce of each shard (one communicator per local rank),
-/// and a node-local allgather. Only 1/L of the data crosses the network per
-/// rank (L ranks per node), and the links between nodes carry each shard
-/// once per node rather than once per rank: the slow links carry (n-1)/n of
-/// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
-
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdio>
-#include <memory>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::topology {
-
-/// Node-local and cross-node communicators, split from the world.
-struct hierarchical {
-  static constexpr std::string_view name = "hierarchical";
-  /// On host engines, a buffer of more than this many bytes travels in chunks
-  /// of about this size (at most 8), pipelined: a chunk's node-local steps run
-  /// while another chunk crosses the nodes. 0: one piece.
-  static constexpr std::size_t default_chunk_bytes = std::size_t{2} << 20;
-
-  /// The communicators of one user (DistributedDataParallel makes one):
-  /// `local` (the ranks of this node, by local rank) and `cross` (the ranks
-  /// with this local rank, one per node, by node rank), or the world alone
-  /// when the nodes do not allow a hierarchy (see hierarchical()).
-  template <communicator C>
-  class group {
-   public:
-    /// Collective over `world`: every rank's layout is gathered over
-    /// `control`; when every node holds the same number L > 1 of ranks and
-    /// there are N > 1 nodes, `world` is split into `local` (color: node rank,
-    /// key: local rank) and `cross` (color: local rank, key: node rank).
-    /// Otherwise collectives run flat on `world`, and rank 0 prints one line
-    /// saying why. `world` must outlive the group. `chunk_bytes`: see
-    /// default_chunk_bytes (every rank must pass the same). Throws what
-    /// split() throws, and backend_error when a split does not give the expected size.
-    group(C& world, control_plane control, const node_layout& mine,
-          std::size_t chunk_bytes = default_chunk_bytes)
-        : world_(&world), chunk_bytes_(chunk_bytes) {
-      const std::vector<node_layout> table = detail::gather_layouts(control, mine);
-      why_flat_ = detail::hierarchy_problem(table);
-      if (!why_flat_.empty()) {
-        if (world.rank() == 0) {
-          std::fprintf(stderr, "dtrain: topology::hierarchical runs flat on %d ranks: %s\n",
-                       world.size(), why_flat_.c_str());
-          std::fflush(stderr);
-        }
-        return;
-      }
-      local_.emplace(world.split(mine.node_rank, mine.local_rank));
-      cross_.emplace(world.split(mine.local_rank, mine.node_rank));
-      if (local_->size() != mine.local_size || local_->rank() != mine.local_rank ||
-          cross_->size() != mine.num_nodes || cross_->rank() != mine.node_rank) {
-        throw backend_error(
-            "topology::hierarchical on rank " + std::to_string(world.rank()) + ": splitting " +
-                std::string(C::name) + " gave local rank " + std::to_string(local_->rank()) +
-                " of " + std::to_string(local_->size()) + " and cross rank " +
-                std::to_string(cross_->rank()) + " of " + std::to_string(cross_->size()) +
-                ", the layout says " + std::to_string(mine.local_rank) + " of " +
-                std::to_string(mine.local_size) + " and " + std::to_string(mine.node_rank) +
-                " of " + std::to_string(mine.num_nodes),
-            0);
-      }
-    }
-    group(const group&) = delete;
-    group& operator=(const group&) = delete;
-
-    [[nodiscard]] C& world() noexcept { return *world_; }
-    /// Whether collectives run hierarchically; false when they run flat (why_flat() says why).
-    [[nodiscard]] bool hierarchical() const noexcept { return local_.has_value(); }
-    [[nodiscard]] const std::string& why_flat() const noexcept { return why_flat_; }
-    /// The node-local communicator; only when hierarchical().
-    [[nodiscard]] C& local() { return *local_; }
-    /// The cross-node communicator of this local rank; only when hierarchical().
-    [[nodiscard]] C& cross() { return *cross_; }
-
-    /// A buffer whose length is a multiple of this many elements (the ranks
-    /// per node) needs no extra collectives for a remainder.
-    [[nodiscard]] std::size_t granularity() const noexcept {
-      return local_ ? static_cast<std::size_t>(local_->size()) : 1;
-    }
-    /// Elements of scratch (`shard`) an allreduce of `count` elements needs.
-    [[nodiscard]] std::size_t shard_count(std::size_t count) const noexcept {
-      return local_ ? count / granularity() : 0;
-    }
-    /// "hierarchical (gloo): 2 nodes x 2 ranks", or "flat (gloo, 3 ranks): uneven nodes: ..."
-    [[nodiscard]] std::string describe() const {
-      if (!local_) {
-        return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) +
-               " ranks): " + why_flat_;
-      }
-      return "hierarchical (" + std::string(C::name) + "): " + std::to_string(cross_->size()) +
-             " nodes x " + std::to_string(local_->size()) + " ranks";
-    }
-
-    /// In place on `data`: the reduction over every rank. `shard` is scratch
-    /// of at least shard_count(data.count) elements of data's type in the
-    /// same memory, untouched by anyone else until the work completes (one
-    /// per collective in flight). Steps: node-local reduce_scatter of the
-    /// first L x q elements (q = count / L) into `shard`, cross-node allreduce
-    /// of `shard`, node-local allgather back into `data`; the last count - L x q
-    /// elements (fewer than L) are reduced by a node-local and a cross-node
-    /// allreduce of their own. avg is avg at each step (sum / L, then / N).
-    /// On an engine that orders collectives on streams (NCCL) every step is
-    /// enqueued now, the first after `stream`; otherwise each step starts when
-    /// the previous one has finished, inside test() / wait() of the returned
-    /// work, so drive it from the thread that issues this group's collectives.
-    /// Throws config_error for a `shard` of the wrong type, memory or size.
-    work allreduce(buffer data, buffer shard, reduce_op op, stream_handle stream = nullptr) {
-      return run(data, shard, op, stream, nullptr);
-    }
-
-    /// The same for host memory, with scratch of its own (held by the work).
-    work allreduce(buffer data, reduce_op op) {
-      if (!local_ || data.count < granularity()) return run(data, {}, op, nullptr, nullptr);
-      if (data.where != memory::host) {
-        throw config_error(describe_call(data, op) +
-                           ": device memory needs a shard buffer of the caller's "
-                           "(allreduce(data, shard, op, stream))");
-      }
-      auto scratch =
-          std::make_shared<std::vector<std::byte>>(shard_count(data.count) * size_of(data.type));
-      buffer shard{scratch->data(), shard_count(data.count), data.type, memory::host};
-      return run(data, shard, op, nullptr, std::move(scratch));
-    }
-
-    /// Where this rank's part of a reduce_scatter() lies (in parts of
-    /// data.count / world().size()): local rank x nodes + node rank, so that
-    /// a node-local reduce-scatter and then a cross-node one leave it there;
-    /// the world rank when the collectives run flat.
-    [[nodiscard]] std::size_t shard_position() const {
-      if (!local_) return static_cast<std::size_t>(world_->rank());
-      return static_cast<std::size_t>(local_->rank()) * static_cast<std::size_t>(cross_->size()) +
-             static_cast<std::size_t>(cross_->rank());
-    }
-
-    /// The reduction of `data` over every rank, this rank's part of it (part
-    /// shard_position() of world().size()) into `out`: a node-local
-    /// reduce_scatter into `shard` (scratch of shard_count(data.count)
-    /// elements, as for allreduce), then a cross-node reduce_scatter of it
-    /// into `out`. Only 1/L of the data crosses the nodes, as in allreduce().
-    /// data.count must be a multiple of world().size() (config_error).
-    work reduce_scatter(buffer data, buffer shard, buffer out, reduce_op op,
-                        stream_handle stream = nullptr) {
-      if (!local_) return detail::reduce_scatter_on(*world_, data, out, op, stream);
-      const std::string what = detail::describe(
-          "hierarchical reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(data),
-          world_->rank(), world_->size(), C::name);
-      buffer part = two_level_scratch(what, data, shard, out);
-      C& local = *local_;
-      C& cross = *cross_;
-      std::vector<detail::work_sequence::step> steps;
-      steps.push_back({"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks",
-                       [&local, data, part, op, stream] {
-                         return detail::reduce_scatter_on(local, data, part, op, stream);
-                       },
-                       1, -1});
-      steps.push_back({"cross-node reduce_scatter over " + std::to_string(cross.size()) + " nodes",
-                       [&local, &cross, part, out, op] {
-                         return detail::reduce_scatter_on(cross, part, out, op,
-                                                          detail::stream_after(local));
-                       },
-                       2, 0});
-      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
-                                                          detail::stream_ordered<C>, nullptr));
-    }
-
-    /// Every rank's `in` into `data`, each at its shard_position(): a
-    /// cross-node allgather into `shard` (scratch as for reduce_scatter()),
-    /// then a node-local allgather of it into `data`.
-    work allgather(buffer in, buffer shard, buffer data, stream_handle stream = nullptr) {
-      if (!local_) return detail::allgather_on(*world_, in, data, stream);
-      const std::string what = detail::describe("hierarchical allgather", detail::shape(data),
-                                                world_->rank(), world_->size(), C::name);
-      buffer part = two_level_scratch(what, data, shard, in);
-      C& local = *local_;
-      C& cross = *cross_;
-      std::vector<detail::work_sequence::step> steps;
-      steps.push_back(
-          {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
-           [&cross, in, part, stream] { return detail::allgather_on(cross, in, part, stream); }, 2,
-           -1});
-      steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
-                       [&local, &cross, part, data] {
-                         return detail::allgather_on(local, part, data,
-                                                     detail::stream_after(cross));
-                       },
-                       1, 0});
-      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
-                                                          detail::stream_ordered<C>, nullptr));
-    }
-
-    /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
-    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
-      c.stream_wait(s);
-    }
-    {
-      world_->stream_wait(stream);
-      if (local_) {
-        local_->stream_wait(stream);
-        cross_->stream_wait(stream);
-      }
-    }
-
-   private:
-    [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
-      return detail::describe("hierarchical allreduce",
-                              std::string(to_string(op)) + ", " + detail::shape(data),
-                              world_->rank(), world_->size(), C::name);
-    }
-
-    work run(buffer data, buffer shard, reduce_op op, stream_handle stream,
-             std::shared_ptr<void> keep_alive) {
-      const std::size_t per_node = granularity();
-      const std::size_t q = local_ ? data.count / per_node : 0;
-      if (q == 0) return detail::allreduce_on(*world_, data, data, op, stream);
-      detail::argument_check check{describe_call(data, op)};
-      check.same_type(data, shard);
-      if (shard.count < q) {
-        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
-                   std::to_string(q) + " (shard_count(" + std::to_string(data.count) + "))");
-      }
-      check.op_fits(op, data.type);
-      buffer head = data;
-      head.count = q * per_node;
-      buffer part = shard;
-      part.count = q;
-      buffer rest = data;
-      rest.data = static_cast<std::byte*>(data.data) + head.bytes();
-      rest.count = data.count - head.count;
-
-      C& local = *local_;
-      C& cross = *cross_;
-      // Lanes: the communicators, each a queue of its own. On a host engine a
-      // large buffer travels in chunks, so that a chunk's node-local
-      // reduce-scatter overlaps the previous chunk's cross-node allreduce
-      // (bound by the slow link) and its allgather the next one's.
-      enum : int { on_local = 1, on_cross = 2 };
-      const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
-      std::vector<detail::work_sequence::step> rs, cross_steps, ag;
-      for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
-        const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
-        buffer in = head, mine = part;
-        in.data = static_cast<std::byte*>(head.data) + begin * per_node * size_of(head.type);
-        in.count = n * per_node;
-        mine.data = static_cast<std::byte*>(part.data) + begin * size_of(part.type);
-        mine.count = n;
-        begin += n;
-        const std::string which =
-            chunks > 1 ? " (chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")"
-                       : "";
-        rs.push_back(
-            {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
-             [&local, in, mine, op, stream] {
-               return detail::reduce_scatter_on(local, in, mine, op, stream);
-             },
-             on_local, -1});
-        cross_steps.push_back(
-            {"cross-node allreduce over " + std::to_string(cross.size()) + " nodes" + which,
-             [&local, &cross, mine, op] {
-               return detail::allreduce_on(cross, mine, mine, op, detail::stream_after(local));
-             },
-             on_cross, -1});
-        ag.push_back(
-            {"node-local allgather over " + std::to_string(local.size()) + " ranks" + which,
-             [&local, &cross, mine, in] {
-               return detail::allgather_on(local, mine, in, detail::stream_after(cross));
-             },
-             on_local, -1});
-      }
-      if (rest.count > 0) {
-        rs.push_back(
-            {"node-local allreduce of the last " + std::to_string(rest.count) + " elements",
-             [&local, rest, op] {
-               return detail::allreduce_on(local, rest, rest, op, detail::stream_after(local));
-             },
-             on_local, -1});
-        cross_steps.push_back(
-            {"cross-node allreduce of the last " + std::to_string(rest.count) + " elements",
-             [&cross, rest, op] {
-               return detail::allreduce_on(cross, rest, rest, op, detail::stream_after(cross));
-             },
-             on_cross, -1});
-      }
-      // List order is each lane's order: every reduce-scatter, then the
-      // cross-node steps, then the allgathers; each waits for its own chunk's step before.
-      std::vector<detail::work_sequence::step> steps;
-      const int crosses = static_cast<int>(rs.size());
-      for (auto& x : rs) steps.push_back(std::move(x));
-      for (std::size_t i = 0; i < cross_steps.size(); ++i) {
-        cross_steps[i].after = static_cast<int>(i);
-        steps.push_back(std::move(cross_steps[i]));
-      }
-      for (std::size_t i = 0; i < ag.size(); ++i) {
-        ag[i].after = crosses + static_cast<int>(i);
-        steps.push_back(std::move(ag[i]));
-      }
-      return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
-                                                          detail::stream_ordered<C>,
-                                                          std::move(keep_alive)));
-    }
-
-    // The node's part of `data` in `shard` for a two-level reduce_scatter or
-    // allgather whose rank part is `part` (data.count / world size elements).
-    [[nodiscard]] buffer two_level_scratch(const std::string& what, const buffer& data,
-                                           const buffer& shard, const buffer& part) const {
-      detail::argument_check check{what};
-      check.same_type(data, shard);
-      check.same_type(data, part);
-      const auto ranks = static_cast<std::size_t>(world_->size());
-      if (data.count % ranks != 0 || part.count != data.count / ranks) {
-        check.fail("the whole has " + std::to_string(data.count) + " elements and a rank's part " +
-                   std::to_string(part.count) + "; the whole must be " + std::to_string(ranks) +
-                   " parts of that size");
-      }
-      buffer node = shard;
-      node.count = shard_count(data.count);
-      if (shard.count < node.count) {
-        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
-                   std::to_string(node.count) + " (shard_count(" + std::to_string(data.count) +
-                   "))");
-      }
-      return node;
-    }
-
-    // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
-    [[nodiscard]] std::size_t chunk_count(std::size_t bytes) const noexcept {
-      if (chunk_bytes_ == 0) return 1;
-      return std::clamp<std::size_t>(bytes / chunk_bytes_, 1, 8);
-    }
-
-    C* world_;
-    std::optional<C> local_;
-    std::optional<C> cross_;
-    std::string why_flat_;
-    std::size_t chunk_bytes_;
-  };
-};
-
-}  // namespace dtrain::topology
-// ---- end dtrain/topology/hierarchical.hpp ----
-
-#include <concepts>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-namespace dtrain {
-
-namespace launch {
-/// Every process was started by the outside launcher (mpirun, srun, torchrun).
-struct per_process {
-  static constexpr launch_mode mode = launch_mode::per_process;
-};
-/// This process is its node's agent and starts the node's workers.
-struct per_node {
-  static constexpr launch_mode mode = launch_mode::per_node;
-};
-}  // namespace launch
-
-namespace backend {
-/// MPI (host memory; device memory too when CUDA is available).
-struct mpi {
-  static constexpr bool available = DTRAIN_HAS_MPI() != 0;
-  static constexpr std::string_view name = "mpi";
-  static constexpr std::string_view missing =
-      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) and link "
-      "dtrain::dtrain, "
-      "or define DTRAIN_WITH_MPI=1 and link MPI yourself";
-};
-/// Gloo over TCP (host memory).
-struct gloo {
-  static constexpr bool available = DTRAIN_HAS_GLOO() != 0;
-  static constexpr std::string_view name = "gloo";
-  static constexpr std::string_view missing =
-      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, or "
-      "define "
-      "DTRAIN_WITH_GLOO=1 and link gloo yourself";
-};
-/// NCCL (device memory).
-struct nccl {
-  static constexpr bool available = DTRAIN_HAS_NCCL() != 0;
-  static constexpr std::string_view name = "nccl";
-  static constexpr std::string_view missing =
-      "dtrain was built without NCCL: install the CUDA toolkit with NCCL and link dtrain::dtrain, "
-      "or define "
-      "DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
-};
-
-}  // namespace backend
-
-/// What a context hands a backend to build its communicator from.
-template <class Store>
-struct communicator_setup {
-  Store* store = nullptr;  ///< the job's store; null where the backend needs none (MPI)
-  int rank = 0;
-  int size = 1;
-  int device = -1;  ///< the CUDA device of this rank (backends that use GPUs), else -1
-  collective_options collectives{};
-  std::string master_addr;  ///< MASTER_ADDR as discovered, or empty
-  const environment* env = nullptr;
-};
-
-/// Everything a backend implies, in one place: its communicator, the memory
-/// space DistributedDataParallel keeps gradients in (which also decides how
-/// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
-/// whether the communicator needs the store (needs_store), how it is made,
-/// and, optionally, a channel that works before any store exists
-/// (pre_store_relay, see detail::has_pre_store_relay). Adding an engine adds
-/// one specialisation here. A backend of one's own (tests do) specialises it
-/// too; what it does not declare is off.
-template <class Backend>
-struct backend_traits;
-
-namespace detail {
-/// Whether backend traits `T` can broadcast before the store exists:
-/// `T::pre_store_relay(communicator&)` returns a broadcast_relay from rank 0
-/// (rendezvous/broadcast.hpp). With it, rank 0 sends the others the store
-/// token and, without MASTER_ADDR, the store's address; the communicator is
-/// then made before the store (needs_store = false). MPI has one.
-template <class T>
-concept has_pre_store_relay = requires(typename T::communicator& c) {
-  { T::pre_store_relay(c) } -> broadcast_relay;
-};
-}  // namespace detail
-
-#if DTRAIN_HAS_MPI()
-template <>
-struct backend_traits<backend::mpi> {
-  using communicator = mpi_communicator;
-  using memory_space = host_memory;
-  static constexpr bool uses_gpus = false;
-  /// MPI knows its world before any store exists...
-  static constexpr bool needs_store = false;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>& s) {
-    mpi_options options{.collectives = s.collectives};
-    if (s.env) options = options.with_env(*s.env);
-    return mpi_communicator::world(std::move(options));
-  }
-  /// ... and carries rank 0's store token and address to every rank.
-  static detail::mpi_relay pre_store_relay(communicator& c) {
-    return detail::mpi_relay(c.native(), 0);
-  }
-};
-#endif
-#if DTRAIN_HAS_GLOO()
-template <>
-struct backend_traits<backend::gloo> {
-  using communicator = gloo_communicator;
-  using memory_space = host_memory;
-  static constexpr bool uses_gpus = false;
-  static constexpr bool needs_store = true;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>& s) {
-    return gloo_communicator(*s.store, s.rank, s.size,
-                             gloo_options{.collectives = s.collectives,
-                                          .master_addr = s.master_addr,
-                                          .env = s.env ? *s.env : environment{}});
-  }
-};
-#endif
-#if DTRAIN_HAS_NCCL()
-template <>
-struct backend_traits<backend::nccl> {
-  using communicator = nccl_communicator;
-  using memory_space = cuda_memory;
-  static constexpr bool uses_gpus = true;
-  static constexpr bool needs_store = true;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>& s) {
-    return nccl_communicator(*s.store, s.rank, s.size, s.device,
-                             nccl_options{.collectives = s.collectives}.with_env(*s.env));
-  }
-};
-#endif
-
-namespace detail {
-/// What policy<> uses in place of backend_traits<B> when B is not compiled in:
-/// a communicator that is only declared, so that the policy's static_assert
-/// is the one error, not the first of many. Nothing here is ever defined.
-struct missing_backend_traits {
-  struct communicator {
-    static constexpr bool reaches_device_memory = false;
-    static constexpr bool reaches_host_memory = true;
-    static constexpr std::string_view name = "not compiled in";
-    int rank() const;
-    int size() const;
-    bool valid() const;
-    work allreduce(buffer, buffer, reduce_op);
-    work broadcast(buffer, int);
-    work allgather(buffer, buffer);
-    work reduce_scatter(buffer, buffer, reduce_op);
-    work barrier();
-    communicator split(int, int);
-  };
-  using memory_space = host_memory;
-  static constexpr bool uses_gpus = false;
-  static constexpr bool needs_store = false;
-  template <class Store>
-  static communicator make(const communicator_setup<Store>&);
-};
-}  // namespace detail
-
-template <class T>
-concept launch_policy =
-    std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
-/// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
-/// with a backend_traits specialisation.
-template <class T>
-concept backend_policy = requires {
-  { T::name } -> std::convertible_to<std::string_view>;
-  { T::available } -> std::convertible_to<bool>;
-};
-/// A topology tag: topology::flat or topology::hierarchical.
-template <class T>
-concept topology_policy =
-    std::is_same_v<T, topology::flat> || std::is_same_v<T, topology::hierarchical>;
-
-/// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
-template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
-struct policy {
-  static_assert(
-      Backend::available,
-      "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
-      "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, backend::nccl "
-      "DTRAIN_WITH_NCCL)");
-  static_assert(!(std::is_same_v<Launch, launch::per_node> &&
-                  std::is_same_v<Backend, backend::mpi>),
-                "launch::per_node starts the workers itself, but MPI processes must be started by "
-                "mpirun or srun: use launch::per_process with backend::mpi, or backend::gloo / "
-                "backend::nccl with launch::per_node");
-  using launch_type = Launch;
-  using backend_type = Backend;
-  using topology_type = Topology;
-  // A backend that is not compiled in has no traits: a stand-in keeps the
-  // static_assert above the only error, instead of the first of many.
-  using traits = std::conditional_t<Backend::available, backend_traits<Backend>,
-                                    detail::missing_backend_traits>;
-  using communicator_type = typename traits::communicator;
-  static_assert(communicator<communicator_type>);
-  static_assert(!detail::has_pre_store_relay<traits> || !traits::needs_store,
-                "a backend whose traits have a pre_store_relay carries values before the store "
-                "exists, so its communicator must be made without one: set needs_store = false");
-  /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
-  using memory_space = typename traits::memory_space;
-  /// Whether gradients may live on the GPU with this backend.
-  static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
-  static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
-                    detail::stream_ordered<communicator_type>,
-                "topology::hierarchical enqueues its three steps on streams at once, each after "
-                "the last: a backend whose buckets travel on streams needs a communicator that "
-                "orders its collectives after the stream it is given (stream_ordered and "
-                "stream(), as nccl_communicator)");
-};
-
-}  // namespace dtrain
-// ---- end dtrain/policy.hpp ----
+// ---- end dtrain/launch/signals.hpp ----
 // ---- begin dtrain/rendezvous/server.hpp ----
 /// @file
 /// store_server: the key-value store every rank meets at. It admits
@@ -15456,8 +17995,8 @@ DTRAIN_DETAIL_INLINE void store_server::listen_on(int port) {
     int err = errno;
     throw rendezvous_error(
         "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
-        (err == EADDRINUSE ? " (another store or program holds the port: pick another "
-                             "MASTER_PORT, or port 0 for a free one)"
+        (err == EADDRINUSE ? " (another store or program holds the port: "
+                             "pick another MASTER_PORT, or port 0 for a free one)"
                            : ""));
   }
   DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
@@ -15543,8 +18082,8 @@ DTRAIN_DETAIL_INLINE void store_server::admit(detail::unique_fd fd, const sockad
       if (rejections_.note(detail::rejection::over_connection_cap)) {
         log("refused a connection from " + detail::endpoint_text(peer) + ": " +
             std::to_string(connection_cap_) +
-            " connections are open (store_limits::max_connections, "
-            "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
+            " connections are open (store_limits::max_connections, DTRAIN_STORE_MAX_CONNECTIONS, "
+            "or the descriptor limit)");
       }
       return;
     }
@@ -15690,4044 +18229,6 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {
 
 }  // namespace dtrain
 // ---- end dtrain/rendezvous/server.hpp ----
-
-#include <algorithm>
-#include <cstdio>
-#include <exception>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-#include <unistd.h>
-
-#if DTRAIN_HAS_CUDA()
-#include <cuda_runtime.h>
-#endif
-
-namespace dtrain {
-
-/// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
-/// Each part also reads its environment variables (the environment wins).
-struct run_options {
-  agent_options agent{};              ///< launch::per_node only
-  store_options store{};              ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
-  collective_options collectives{};   ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
-  diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
-};
-
-/// Where the store prefix of a job lives; a restart round gets its own.
-inline constexpr std::string_view job_store_prefix = "dtrain/job";
-
-/// A worker's view of the job. Built by dtrain::run; not copyable or movable
-/// (the communicator and store it owns are shared with no one else).
-template <class Policy>
-class context {
- public:
-  using policy_type = Policy;
-  using communicator_type = typename Policy::communicator_type;
-  using store_type = prefix_store<store_client>;
-
-  /// Joins the job described by `w` (a worker's world, as discovered): starts
-  /// or joins the store, completes the world by grouping ranks by node name,
-  /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
-  /// by the store or collective timeout. Throws config_error for bad input,
-  /// rendezvous_error / backend_error / timeout_error when a peer fails.
-  context(dtrain::world w, const dtrain::environment& env, const run_options& options);
-  ~context();
-  context(const context&) = delete;
-  context& operator=(const context&) = delete;
-
-  /// The complete world, agreed by every rank.
-  [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
-  /// The environment this rank was started with: the snapshot run() took,
-  /// from which every dtrain variable is read (DistributedDataParallel's too).
-  [[nodiscard]] const dtrain::environment& environment() const noexcept { return environment_; }
-  [[nodiscard]] int rank() const noexcept { return *world_.rank; }
-  [[nodiscard]] int size() const noexcept { return *world_.world_size; }
-  [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
-  [[nodiscard]] int local_size() const noexcept { return *world_.local_world_size; }
-  [[nodiscard]] int node_rank() const noexcept { return *world_.node_rank; }
-  [[nodiscard]] int num_nodes() const noexcept { return *world_.num_nodes; }
-  /// Rank 0: the one that logs, evaluates and saves checkpoints.
-  [[nodiscard]] bool is_main() const noexcept { return rank() == 0; }
-  /// Local rank 0: the one that prepares data once per node.
-  [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
-  /// How many times a per-node agent has restarted the job (0 at first).
-  [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
-  /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
-  /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
-  [[nodiscard]] int device() const noexcept { return device_; }
-
-  /// The rendezvous store, under this job's (and restart round's) prefix.
-  [[nodiscard]] store_type& store() noexcept { return *store_; }
-  [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
-  /// The host control plane: small blocking collectives through the store,
-  /// for metadata that must not travel on a device engine (DistributedDataParallel's
-  /// model agreement and bucket order; your own checksums). Every rank calls the
-  /// same operations in the same order; each waits at most the store timeout.
-  [[nodiscard]] dtrain::control_plane control_plane() noexcept;
-
-  /// Waits until every rank has called barrier(), at most the collective
-  /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
-  void barrier();
-
-  /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
-  /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
-  /// started #42"); one rank prints the whole table on stderr. Waits at most
-  /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
-  std::string explain_stall(const std::string& reason);
-
-  /// Called by run() when this rank fails: a collective that timed out or
-  /// failed (a peer is stuck, behind, gone or called differently) is
-  /// explained; other failures (a store timeout) are not.
-  std::optional<std::string> explain_failure(const std::exception_ptr& failure);
-
-  /// Called by run() when this rank fails (an exception, or a non-zero status
-  /// from the user's function), before anything is torn down: under a node
-  /// agent the failure is recorded in the agent's store while the peers still
-  /// run, so the agent names this rank, not a peer that failed because of it.
-  void record_failure(int status, const std::string& what) noexcept;
-
-  /// Called by run() when this rank fails, after its report: aborts the
-  /// communicator where the engine can (NCCL: ncclCommAbort), so that its
-  /// collectives still waiting for peers end now. Without it, the
-  /// communicator's clean close would wait for them, up to the collective
-  /// timeout, and a failed rank would linger that long before its process
-  /// exits and the launcher can end the job (ProcessGroupNCCL aborts too
-  /// unless shut down cleanly). Later collectives on this context throw.
-  void abort_communicator() noexcept {
-    if constexpr (requires { communicator_->abort(); }) {
-      if (communicator_) communicator_->abort();
-    }
-  }
-
-  /// Called by run() after the user's function returned normally: the store's
-  /// host (rank 0 under per-process launch) waits, at most the store timeout,
-  /// until every rank is done with the store before it stops serving.
-  void finish();
-
- private:
-  /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
-  void open_store(const dtrain::environment& env) {
-    if (auto agent = env.get(agent_store_variable)) {
-      auto where =
-          detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
-      if (!where.port) {
-        throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
-      }
-      client_.emplace(where.host, *where.port, store_options_);
-      store_endpoint_ = {where.host, *where.port};
-      store_.emplace(*client_,
-                     std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
-      under_agent_ = true;
-      return;
-    }
-    std::optional<std::string> host = world_.master_addr;
-    // Without an address nobody else can be told a fixed port either: rank 0
-    // picks a free one (and the pre-store channel carries it), unless MASTER_PORT names one.
-    int port = world_.master_port.value_or(host ? default_master_port : 0);
-    if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
-    const bool one_node = single_node(host);
-    choose_token(env, host, port, one_node);
-    const std::string bind = detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
-    auto serve = [&] {
-      if (token_file_) token_file_->publish(store_options_.token);
-      server_.emplace(bind, port, store_options_);
-      port = server_->port();
-    };
-    if (!host) {
-      host = agree_store_address(serve, port);
-    } else if (rank() == 0) {
-      serve();
-    }
-    const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
-    store_endpoint_ = {where, port};
-    if (token_file_ && rank() != 0) {
-      detail::connect_with_token_file(client_, *token_file_, where, port, store_options_, rank());
-    } else {
-      client_.emplace(where, port, store_options_);
-    }
-    store_.emplace(*client_, std::string(job_store_prefix));
-  }
-
-  /// Whether every rank is known to run on this host: one process, a node
-  /// count or local size that says so, or a loopback MASTER_ADDR (127.x, ::1, localhost).
-  [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
-    if (size() == 1 || world_.num_nodes == 1) return true;
-    if (world_.local_world_size && *world_.local_world_size == size()) return true;
-    // Only a loopback address itself: a host name that resolves to loopback
-    // here (Debian's 127.0.1.1) may name this host for the other nodes.
-    return host && (*host == "localhost" || detail::is_loopback_address(*host));
-  }
-
-  /// Chooses this rank's store token. The first that applies wins:
-  ///  1. its own: DTRAIN_STORE_TOKEN, or store_options::token;
-  ///  2. rank 0's, sent through the backend's pre-store channel (MPI): rank 0
-  ///     sends its own or one it draws. Every rank takes part in that
-  ///     broadcast, whatever it holds (a collective must not depend on the
-  ///     environment), and one with a token of its own keeps it: the store
-  ///     refuses it by name if it differs from rank 0's;
-  ///  3. one it draws, in a world of one;
-  ///  4. rank 0's through a file only this user can read, when every rank
-  ///     runs on this host and the store's address is known: rank 0 draws it,
-  ///     the others read it (detail::connect_with_token_file);
-  ///  5. none yet when the store's address is unknown: open_store says so.
-  /// Otherwise the job may span hosts that none of these reach: config_error,
-  /// asking for DTRAIN_STORE_TOKEN.
-  void choose_token(const dtrain::environment& env, const std::optional<std::string>& host,
-                    int port, bool one_node) {
-    std::optional<std::string> from_rank0;
-    if constexpr (detail::has_pre_store_relay<traits>) {
-      if (size() > 1) {
-        from_rank0 = detail::broadcast_or_fail(
-            traits::pre_store_relay(*communicator_), "the store token", [&] {
-              return store_options_.token.empty() ? detail::new_store_token()
-                                                  : store_options_.token;
-            });
-      }
-    }
-    if (!store_options_.token.empty()) return;
-    if (from_rank0) {
-      store_options_.token = std::move(*from_rank0);
-      return;
-    }
-    if (size() == 1) {
-      store_options_.token = detail::new_store_token();
-      return;
-    }
-    if (one_node && host) {
-      token_file_.emplace(env, port);
-      if (rank() == 0) store_options_.token = detail::new_store_token();
-      return;
-    }
-    if (!host) return;  // open_store reports the missing address first
-    throw config_error(
-        "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-        ": this job may span several hosts and no dtrain launcher started it, so its store "
-        "needs a shared secret: set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
-        "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
-        "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
-        world_.describe() + ")");
-  }
-
-  /// Without MASTER_ADDR: rank 0 starts the store (`serve`, which sets `port`)
-  /// and tells every rank where, through the backend's pre-store channel (or
-  /// its failure, which every rank then throws). Returns rank 0's host name.
-  /// Without such a channel nobody can know: config_error on every rank.
-  template <class Serve>
-  std::string agree_store_address(Serve& serve, int& port) {
-    if constexpr (detail::has_pre_store_relay<traits>) {
-      const detail::store_address got = detail::store_address::decode(detail::broadcast_or_fail(
-          traits::pre_store_relay(*communicator_), "the store's address", [&] {
-            serve();
-            return detail::store_address{detail::host_name().value_or("?"), port}.encode();
-          }));
-      port = got.port;
-      return got.host;
-    } else {
-      (void)serve;
-      (void)port;
-      throw config_error(
-          "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
-          "an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
-          world_.describe() + ")");
-    }
-  }
-
-  /// Every rank reports; rank 0 waits for them all (saying who is missing
-  /// every progress interval), places them and publishes the result.
-  void complete_world(const dtrain::environment& env) {
-    detail::rendezvous_wait<store_type> waiting(
-        *store_, {.endpoint = client_->endpoint(),
-                  .rank = rank(),
-                  .size = size(),
-                  .timeout = store_options_.timeout,
-                  .interval = store_options_.progress_interval,
-                  .say = store_options_.progress,
-                  .world_size_origin = world_.origin(dtrain::world::field::world_size)});
-    waiting.join(rank_report{node_name(env), world_}.encode());
-    const std::string table_key(detail::job_keys::placement);
-    std::string table;
-    if (rank() == 0) {
-      waiting.await_everyone();
-      try {
-        std::vector<rank_report> reports;
-        for (int r = 0; r < size(); ++r) {
-          const std::string key = detail::job_keys::report(r);
-          reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
-        }
-        table = encode_placements(place_ranks(reports));
-      } catch (const config_error& e) {
-        store_->set(table_key, encode_placement_error(e.what()));
-        throw;
-      }
-      store_->set(table_key, table);
-    } else {
-      table = waiting.await_answer(table_key);
-    }
-    const placement p =
-        decode_placement("store key " + store_->prefix() + table_key, table, rank(), size());
-    const std::string grouped = "grouped by node name at rendezvous";
-    auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
-      if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
-      field = value;
-    };
-    fill(world_.node_rank, dtrain::world::field::node_rank, p.node_rank);
-    fill(world_.num_nodes, dtrain::world::field::num_nodes, p.num_nodes);
-    fill(world_.local_rank, dtrain::world::field::local_rank, p.local_rank);
-    fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
-  }
-
-  void make_communicator(const dtrain::environment& env) {
-    if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
-    communicator_setup<store_type> setup{.store = store_ ? &*store_ : nullptr,
-                                         .rank = rank(),
-                                         .size = size(),
-                                         .device = device(),
-                                         .collectives = collectives_,
-                                         .master_addr = world_.master_addr.value_or(""),
-                                         .env = &env};
-    communicator_.emplace(traits::make(setup));
-    if (communicator_->size() != size() || communicator_->rank() != rank()) {
-      throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
-                         std::to_string(communicator_->rank()) + " of " +
-                         std::to_string(communicator_->size()) +
-                         ", but the environment says rank " + std::to_string(rank()) + " of " +
-                         std::to_string(size()) + " (" + world_.origin(dtrain::world::field::rank) +
-                         ", " + world_.origin(dtrain::world::field::world_size) +
-                         "); start MPI jobs with mpirun or srun");
-    }
-  }
-
-  /// Every rank watches for diagnostics rounds on a connection of its own.
-  void start_diagnostics(const diagnostics_options& options) {
-    if constexpr (requires { communicator_->ring(); }) {
-      if (!options.enabled) return;
-      std::string prefix = store_->prefix();
-      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_,
-                           prefix + "diag", rank(), size(), communicator_->ring(),
-                           std::string(Policy::backend_type::name), options);
-    } else {
-      (void)options;
-    }
-  }
-
-  using traits = typename Policy::traits;
-
-  /// select_device() with the devices this process sees. When CUDA cannot count
-  /// them, the local rank: the communicator then reports CUDA's own error.
-  int gpu_of_this_rank(const dtrain::environment& env) const {
-#if DTRAIN_HAS_CUDA()
-    int visible = 0;
-    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return local_rank();
-    }
-    try {
-      return select_device(local_rank(), local_size(), visible, env.get("CUDA_VISIBLE_DEVICES"));
-    } catch (const config_error& e) {
-      throw config_error("rank " + std::to_string(rank()) + ": " + e.what());
-    }
-#else
-    (void)env;
-    return local_rank();
-#endif
-  }
-
-  dtrain::world world_;
-  dtrain::environment environment_;
-  store_options store_options_;
-  collective_options collectives_;
-  int restart_count_ = 0;
-  int device_ = -1;
-  bool under_agent_ = false;
-  // Declared in the order they are built, so they are torn down in reverse.
-  std::optional<detail::token_file> token_file_;
-  std::optional<store_server> server_;
-  std::optional<store_client> client_;
-  std::optional<store_type> store_;
-  std::optional<communicator_type> communicator_;
-  std::optional<store_channel<store_type>> control_;
-  std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
-  std::optional<detail::rank_diagnostics> diagnostics_;
-};
-
-// What builds, uses and tears down the job is defined out of the class and not
-// inline: under `extern template class context<P>` (dtrain/runtime/compiled.hpp) none of
-// it, nor the store, agent and engine code it calls, is compiled in a user's TU.
-
-template <class Policy>
-context<Policy>::context(dtrain::world w, const dtrain::environment& env,
-                         const run_options& options)
-    : world_(std::move(w)),
-      environment_(env),
-      store_options_(options.store.with_env(env)),
-      collectives_(options.collectives.with_env(env)) {
-  if (!world_.rank || !world_.world_size) {
-    throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
-                       std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
-  }
-  if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
-  if (!store_options_.progress) {
-    // Rendezvous progress goes where this rank's failures go: a rank-prefixed line on stderr.
-    store_options_.progress = [label = detail::rank_label(&world_)](std::string_view text) {
-      std::fprintf(stderr, "%s dtrain: %.*s\n", label.c_str(), static_cast<int>(text.size()),
-                   text.data());
-    };
-  }
-  if constexpr (!traits::needs_store) {
-    // MPI knows its world already, and can tell every rank where rank 0's store is.
-    make_communicator(env);
-    open_store(env);
-    complete_world(env);
-  } else {
-    open_store(env);
-    complete_world(env);
-    make_communicator(env);
-  }
-  control_.emplace(*store_, rank(), size(), "control");
-  start_diagnostics(options.diagnostics.with_env(env));
-}
-
-template <class Policy>
-context<Policy>::~context() = default;
-
-// Out of the class, so that a TU that only declares context<Policy> (separate
-// compilation) does not compile the store channel behind it.
-template <class Policy>
-dtrain::control_plane context<Policy>::control_plane() noexcept {
-  return dtrain::control_plane(*control_);
-}
-
-template <class Policy>
-void context<Policy>::barrier() {
-  communicator_->barrier().wait(collectives_.timeout);
-}
-
-template <class Policy>
-std::string context<Policy>::explain_stall(const std::string& reason) {
-  if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
-  return diagnostics_->explain(reason);
-}
-
-template <class Policy>
-std::optional<std::string> context<Policy>::explain_failure(const std::exception_ptr& failure) {
-  if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
-  try {
-    std::rethrow_exception(failure);
-  } catch (const timeout_error&) {
-    return explain_stall("a timeout on rank " + std::to_string(rank()));
-  } catch (const backend_error&) {
-    return explain_stall("a failed collective on rank " + std::to_string(rank()));
-  } catch (...) {
-  }
-  return std::nullopt;
-}
-
-template <class Policy>
-void context<Policy>::record_failure(int status, const std::string& what) noexcept {
-  if (!under_agent_ || !client_) return;
-  try {
-    const detail::collective_progress progress = detail::progress_of(communicator_);
-    detail::record_failure(
-        *client_, restart_count_,
-        {status, false,
-         detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
-             " exited with status " + std::to_string(status) + (what.empty() ? "" : ": " + what),
-         rank(), progress.failed_at, progress.failed_on});
-  } catch (...) {
-    // The agent still sees the exit status; the reason is only lost from its message.
-  }
-}
-
-template <class Policy>
-void context<Policy>::finish() {
-  // Before the communicator closes: a peer that fails because of it finds this record.
-  if (under_agent_ && client_) {
-    detail::record_exit(
-        *client_, restart_count_,
-        {rank(), detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()),
-         detail::progress_of(communicator_).issued});
-  }
-  communicator_.reset();
-  if (!client_) return;
-  const std::string all(detail::job_keys::finished_all);
-  if (store_->add(detail::job_keys::finished, 1) == size())
-    store_->set(all, detail::present_value());
-  if (server_) {
-    const std::string keys[] = {all};
-    store_->wait(keys);
-  }
-}
-
-}  // namespace dtrain
-// ---- end dtrain/runtime/context.hpp ----
-// ---- begin dtrain/ddp/basic_ddp.hpp ----
-/// @file
-/// basic_ddp<Policy>: the one core of DistributedDataParallel (c10d's Reducer
-/// is the model). It owns each parameter's and each bucket's state
-/// (ddp/state.hpp) under one lock, and averages the gradients over the ranks
-/// while the backward pass is still running: the moment a bucket's last
-/// gradient is marked ready its allreduce starts, on a communication thread
-/// for host memory (MPI, Gloo) or on the communicator's stream after the
-/// compute stream (NCCL), followed by a watchdog (ddp/runner.hpp). Metadata
-/// (model agreement, the rebuild order) goes over the host control plane.
-/// DistributedDataParallel<Model, Policy> and dtrain::torch's wrapper are thin
-/// layers over it: they feed it parameters and marks, and ask it the rest.
-///
-/// Every member that is more than a line or two is defined out of the class
-/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp), as a
-/// non-inline template member: a compiled library may then hold `template
-/// class dtrain::basic_ddp<P>;` and its users `extern template class
-/// dtrain::basic_ddp<P>;`, and none of those bodies is compiled again in the
-/// users' translation units (GCC instantiates in-class members of an extern
-/// template at -O2 anyway, out-of-class ones not).
-
-// ---- begin dtrain/ddp/agreement.hpp ----
-/// @file
-/// What every rank must agree on before DistributedDataParallel averages
-/// anything: the same parameters (names, counts, types) in the same order,
-/// and rank 0's values of them.
-
-// ---- begin dtrain/ddp/bucket.hpp ----
-/// @file
-/// Which gradients travel together: the bucket assignment of
-/// DistributedDataParallel, as pure functions of the parameters and the
-/// order in which their gradients are expected to become ready.
-
-// ---- begin dtrain/ddp/parameter.hpp ----
-/// @file
-/// `dtrain::parameter`: how a model shows DistributedDataParallel its
-/// parameters — name, values, gradient, element count and type, device —
-/// without dtrain knowing the model's types. Models return a range of them
-/// from `parameters()` (and, for state that is not trained but must match
-/// across ranks, from `buffers()`).
-
-
-#include <concepts>
-#include <cstddef>
-#include <ranges>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-namespace dtrain {
-
-/// One parameter as dtrain sees it: a view, never an owner.
-struct parameter {
-  /// Unique within the model; errors and mismatches across ranks name it.
-  std::string name;
-  /// The values: data, element count, element type, host or device memory.
-  buffer values;
-  /// Where the gradient is now (values.count elements of values.type); may
-  /// be null for a rebindable parameter (dtrain then provides zeroed storage).
-  void* gradient = nullptr;
-  /// The CUDA device of device memory; -1 for host memory.
-  int device = -1;
-
-  /// Set by param() when the model keeps its gradient as a
-  /// pointer dtrain may repoint into its own flat bucket storage.
-  void* gradient_slot = nullptr;
-  void (*rebind)(void* slot, void* storage) noexcept = nullptr;
-  /// The dimensions the model gives the values (a tensor's sizes), for
-  /// messages: a model that differs across ranks is named by them
-  /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
-  std::vector<std::size_t> shape = {};
-
-  [[nodiscard]] bool rebindable() const noexcept {
-    return gradient_slot != nullptr && rebind != nullptr;
-  }
-  [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
-};
-
-namespace detail {
-
-template <class V>
-using range_element = std::remove_cv_t<std::ranges::range_value_t<V>>;
-
-template <element T>
-void rebind_pointer(void* slot, void* storage) noexcept {
-  *static_cast<T**>(slot) = static_cast<T*>(storage);
-}
-
-/// A random-access list of parameters: a std::vector or std::span of them,
-/// or basic_ddp::parameters().
-template <class R>
-concept parameter_list =
-    std::ranges::random_access_range<const R> && std::ranges::sized_range<const R> &&
-    std::convertible_to < std::ranges::range_reference_t<const R>,
-const parameter& > ;
-
-/// Entry `i` of a parameter_list (an index without -Wsign-conversion's complaint).
-template <parameter_list Params>
-[[nodiscard]] const parameter& parameter_at(const Params& params, std::size_t i) {
-  return std::ranges::begin(params)[static_cast<std::ranges::range_difference_t<const Params>>(i)];
-}
-
-template <class V>
-concept element_range =
-    std::ranges::contiguous_range<V> && std::ranges::sized_range<V> && element<range_element<V>>;
-
-/// The parameters `pick(i)` selects, for a message: their names quoted and
-/// comma-separated, the first `shown` of them and then " and N more".
-struct picked_names {
-  std::string names;
-  std::size_t count = 0;
-};
-template <parameter_list Params, class Pick>
-[[nodiscard]] picked_names pick_names(const Params& params, Pick&& pick, std::size_t shown = 8) {
-  picked_names out;
-  for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
-    if (!pick(i)) continue;
-    if (out.count < shown) {
-      out.names += out.count ? ", '" : "'";
-      out.names += parameter_at(params, i).name;
-      out.names += "'";
-    }
-    ++out.count;
-  }
-  if (out.count > shown) out.names += " and " + std::to_string(out.count - shown) + " more";
-  return out;
-}
-
-}  // namespace detail
-
-// One overload set, `param`, makes every view. Where the values are is
-// told by their type: a contiguous range (std::vector, std::array, std::span,
-// a C array) is host memory, a device_span GPU memory. The third argument
-// says how the gradient is kept: a pointer dtrain may repoint (T*&), a buffer
-// the model keeps (a range, or a device_span), or none (a buffer: state that
-// is not trained, returned from buffers()).
-
-/// A host parameter whose gradient the model keeps as a pointer (`float* grad`):
-/// dtrain may point it into its flat bucket storage (no copies; the gradient's
-/// current values move along). Read gradients through that pointer after
-/// construction and after each synchronize(): the first rebuild moves them.
-template <detail::element_range V>
-[[nodiscard]] parameter param(std::string name, V& values, detail::range_element<V>*& gradient) {
-  using T = detail::range_element<V>;
-  return {.name = std::move(name),
-          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
-                     dtype_of<T>, memory::host},
-          .gradient = gradient,
-          .device = -1,
-          .gradient_slot = &gradient,
-          .rebind = &detail::rebind_pointer<T>};
-}
-
-/// A host parameter whose gradient buffer the model owns and keeps: dtrain
-/// copies it in before the reduction and the mean back after.
-template <detail::element_range V, detail::element_range G>
-[[nodiscard]] parameter param(std::string name, V& values, G& gradient) {
-  using T = detail::range_element<V>;
-  static_assert(std::same_as<T, detail::range_element<G>>,
-                "a parameter and its gradient must have the same element type");
-  if (std::ranges::size(gradient) != std::ranges::size(values)) {
-    throw config_error("parameter '" + name + "' has " + std::to_string(std::ranges::size(values)) +
-                       " values but a gradient of " + std::to_string(std::ranges::size(gradient)));
-  }
-  return {.name = std::move(name),
-          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
-                     dtype_of<T>, memory::host},
-          .gradient = const_cast<T*>(std::ranges::data(gradient))};
-}
-
-/// Host state that is not trained but must agree across ranks (running
-/// statistics, step counters), for buffers(): broadcast from rank 0 at construction.
-template <detail::element_range V>
-[[nodiscard]] parameter param(std::string name, V& values) {
-  using T = detail::range_element<V>;
-  return {.name = std::move(name),
-          .values = {const_cast<T*>(std::ranges::data(values)), std::ranges::size(values),
-                     dtype_of<T>, memory::host}};
-}
-
-/// A CUDA parameter whose gradient pointer dtrain may point into its flat
-/// bucket storage: `param("w", device_span<float>{w, n, dev}, grad_w)`.
-template <element T>
-[[nodiscard]] parameter param(std::string name, device_span<T> values, T*& gradient) {
-  return {.name = std::move(name),
-          .values = values.as_buffer(),
-          .gradient = gradient,
-          .device = values.device,
-          .gradient_slot = &gradient,
-          .rebind = &detail::rebind_pointer<T>};
-}
-
-/// A CUDA parameter whose gradient buffer the model keeps (copy-in, copy-out).
-template <element T>
-[[nodiscard]] parameter param(std::string name, device_span<T> values, device_span<T> gradient) {
-  if (gradient.count != values.count) {
-    throw config_error("parameter '" + name + "' has " + std::to_string(values.count) +
-                       " values but a gradient of " + std::to_string(gradient.count));
-  }
-  return {.name = std::move(name),
-          .values = values.as_buffer(),
-          .gradient = gradient.data,
-          .device = values.device};
-}
-
-/// Device state that must agree across ranks, for buffers().
-template <element T>
-[[nodiscard]] parameter param(std::string name, device_span<T> values) {
-  return {.name = std::move(name), .values = values.as_buffer(), .device = values.device};
-}
-
-// The names before param() was one overload set; kept for existing code.
-
-/// param(name, device_span<T>{values, count, device}, gradient).
-template <element T>
-[[nodiscard]] parameter device_param(std::string name, T* values, T*& gradient, std::size_t count,
-                                     int device) {
-  return param(std::move(name), device_span<T>{values, count, device}, gradient);
-}
-
-/// param(name, device_span<T>{values, count, device}, device_span<T>{gradient, count, device}).
-template <element T>
-[[nodiscard]] parameter device_param_copy(std::string name, T* values, T* gradient,
-                                          std::size_t count, int device) {
-  return param(std::move(name), device_span<T>{values, count, device},
-               device_span<T>{gradient, count, device});
-}
-
-/// param(name, values).
-template <detail::element_range V>
-[[nodiscard]] parameter model_buffer(std::string name, V& values) {
-  return param(std::move(name), values);
-}
-
-/// param(name, device_span<T>{values, count, device}).
-template <element T>
-[[nodiscard]] parameter device_buffer(std::string name, T* values, std::size_t count, int device) {
-  return param(std::move(name), device_span<T>{values, count, device});
-}
-
-/// A range whose elements convert to dtrain::parameter.
-template <class R>
-concept parameter_range = std::ranges::input_range<R> &&
-    std::convertible_to<std::ranges::range_reference_t<R>, parameter>;
-
-/// What DistributedDataParallel wraps: anything with `parameters()`, and
-/// optionally `buffers()`, each a range of dtrain::parameter.
-template <class M>
-concept trainable_model = requires(M& m) {
-  { m.parameters() } -> parameter_range;
-};
-
-template <class M>
-concept model_with_buffers = trainable_model<M> && requires(M& m) {
-  { m.buffers() } -> parameter_range;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/parameter.hpp ----
-
-#include <algorithm>
-#include <cstddef>
-#include <map>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
-
-namespace dtrain {
-
-/// One bucket: gradients of one element type on one device, laid out
-/// contiguously in `parameters` order and reduced by one collective.
-struct bucket_info {
-  std::vector<std::size_t> parameters;  ///< indices into the model's parameters(), in layout order
-  std::vector<std::size_t>
-      offsets;  ///< bytes into the bucket of each (GPU: bucket_alignment apart)
-  dtype type = dtype::float32;
-  int device = -1;        ///< -1: host memory
-  std::size_t count = 0;  ///< elements the collective moves: the slots and the padding between them
-  std::size_t bytes = 0;  ///< count x the element size
-};
-
-/// Every parameter's slot in a GPU bucket starts on this boundary (bytes):
-/// views into the bucket are aligned for vectorised kernels and NCCL's fast
-/// paths. The padding between slots is zero and stays zero (its mean is
-/// zero); the collective moves it too (bucket_info::count includes it).
-inline constexpr std::size_t bucket_alignment = 256;
-
-/// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option) {
-  if (!(mib > 0) || mib > 1e9) {
-    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
-                       " is not a bucket size in MiB (it must be above 0)");
-  }
-  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-namespace detail {
-
-/// n-1, n-2, ..., 0: gradients of the last layers are produced first.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n) {
-  std::vector<std::size_t> order(n);
-  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
-  return order;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Throws unless `order` names each of the n parameters exactly once.
-DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
-                                      std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
-                                      std::string_view what) {
-  std::vector<char> seen(n, 0);
-  if (order.size() != n) {
-    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
-                            " parameters, the model has " + std::to_string(n),
-                        0);
-  }
-  for (std::size_t i : order) {
-    if (i >= n || seen[i]) {
-      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
-                              (i >= n ? " of " + std::to_string(n) : " twice"),
-                          0);
-    }
-    seen[i] = 1;
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Groups the parameters, taken in `order` (a permutation of their indices),
-/// into buckets per (element type, device), as PyTorch DDP's
-/// compute_bucket_assignment_by_size does: each parameter joins its group's
-/// open bucket, and the bucket closes as soon as it holds at least its cap
-/// (`first_cap` for a group's first bucket, `cap` after). So a bucket closes
-/// after the parameter that passes the cap, never before it, and only a
-/// group's last bucket may hold less than its cap. Buckets are returned in the
-/// order of their first parameter in `order`, which is the launch order.
-template <parameter_list Params>
-[[nodiscard]] std::vector<bucket_info> assign_buckets(const Params& params,
-                                                      std::span<const std::size_t> order,
-                                                      std::size_t first_cap, std::size_t cap) {
-  check_order(order, std::ranges::size(params), "the bucket order");
-  struct open_bucket {
-    bucket_info bucket;
-    std::size_t first_position = 0;
-    bool first = true;  // still the group's first bucket
-  };
-  std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
-  std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
-  for (std::size_t position = 0; position < order.size(); ++position) {
-    const parameter& p = parameter_at(params, order[position]);
-    auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
-    open_bucket& b = it->second;
-    if (b.bucket.parameters.empty()) {
-      b.bucket.type = p.values.type;
-      b.bucket.device = p.device;
-      b.first_position = position;
-    }
-    // GPU slots start on bucket_alignment; host slots are packed.
-    const std::size_t align = p.device >= 0 ? bucket_alignment : 1;
-    const std::size_t at = (b.bucket.bytes + align - 1) / align * align;
-    b.bucket.parameters.push_back(order[position]);
-    b.bucket.offsets.push_back(at);
-    b.bucket.bytes = at + p.values.bytes();
-    b.bucket.count = b.bucket.bytes / size_of(p.values.type);
-    if (b.bucket.bytes >= (b.first ? first_cap : cap)) {
-      closed.emplace_back(b.first_position, std::move(b.bucket));
-      b.bucket = bucket_info{};
-      b.first = false;
-    }
-  }
-  for (auto& [key, b] : open) {
-    if (!b.bucket.parameters.empty()) closed.emplace_back(b.first_position, std::move(b.bucket));
-  }
-  std::ranges::sort(closed, {}, &std::pair<std::size_t, bucket_info>::first);
-  std::vector<bucket_info> buckets;
-  buckets.reserve(closed.size());
-  for (auto& [position, b] : closed) buckets.push_back(std::move(b));
-  return buckets;
-}
-
-}  // namespace detail
-}  // namespace dtrain
-// ---- end dtrain/ddp/bucket.hpp ----
-// ---- begin dtrain/ddp/options.hpp ----
-/// @file
-/// What a user chooses about DistributedDataParallel: ddp_options, gradient
-/// compression, and the bucket a communication hook is handed.
-
-
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
-
-namespace dtrain {
-
-/// How DistributedDataParallel sends float32 gradients.
-enum class gradient_compression : std::uint8_t {
-  none,      ///< as they are
-  float16,   ///< IEEE half: 10-bit mantissa, range ±65504 (scale losses that overflow)
-  bfloat16,  ///< float32's range with an 8-bit mantissa
-};
-
-[[nodiscard]] constexpr std::string_view to_string(gradient_compression c) noexcept {
-  switch (c) {
-    case gradient_compression::none: return "none";
-    case gradient_compression::float16: return "float16";
-    case gradient_compression::bfloat16: return "bfloat16";
-  }
-  return "unknown";
-}
-
-/// What DistributedDataParallel shards across the ranks (ZeRO's stages, as
-/// DeepSpeed numbers them; PyTorch: ZeroRedundancyOptimizer is stage 1, FSDP's
-/// SHARD_GRAD_OP stage 2). Each bucket is cut into `size()` equal contiguous
-/// shards (zeros pad the bucket); rank r owns shard r of every bucket: the
-/// optimizer updates only those values (DistributedDataParallel::shard(),
-/// optimizer_step()), with state the size of the shard, and the updated
-/// values are allgathered.
-enum class sharding : std::uint8_t {
-  none = 0,       ///< DDP: every rank holds and updates everything
-  optimizer = 1,  ///< stage 1: the gradients are averaged whole (an allreduce)
-  /// Stage 2: each bucket is reduce-scattered as soon as it is ready, and a
-  /// rank keeps only its shard of the averaged gradients (the optimizer
-  /// state too, as stage 1).
-  gradients = 2,
-};
-
-[[nodiscard]] constexpr std::string_view to_string(sharding s) noexcept {
-  switch (s) {
-    case sharding::none: return "none";
-    case sharding::optimizer: return "optimizer";
-    case sharding::gradients: return "gradients";
-  }
-  return "unknown";
-}
-
-/// One piece of the shard a rank owns (DistributedDataParallel::shard()):
-/// the part of one parameter that falls in one bucket's shard. An
-/// elementwise optimizer updates `values` from `gradients` (the mean over
-/// ranks), with its state at `state_offset` of an array of shard_elements().
-struct shard_piece {
-  std::size_t parameter = 0;     ///< index into parameters()
-  std::size_t offset = 0;        ///< its first element within that parameter
-  std::size_t state_offset = 0;  ///< its first element within the rank's shard (the state's index)
-  std::size_t bucket = 0;        ///< the bucket it belongs to
-  buffer values;                 ///< the parameter's values (the model's memory)
-  buffer gradients;              ///< their averaged gradients (DDP's memory), same count
-};
-
-/// One range of a sharded array that this rank holds (DistributedDataParallel::
-/// shard_ranges(), checkpoint::add_sharded): `count` elements starting at
-/// `global` in the whole array, at `local` in this rank's own.
-struct shard_range {
-  std::uint64_t global = 0;
-  std::uint64_t local = 0;
-  std::uint64_t count = 0;
-};
-
-/// The memory DistributedDataParallel holds itself, per rank, in bytes
-/// (DistributedDataParallel::memory_use()); the model's values, and its own
-/// gradient buffers where they are not bucket views, are the model's.
-struct ddp_memory_use {
-  std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
-  std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
-  std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
-  /// Stage 2 on the host: the buckets' pages are resident only while a
-  /// bucket is being filled or is in flight (given back after its
-  /// reduce-scatter and after its allgather), so `buckets` is address space
-  /// and held() leaves it out.
-  bool transient_buckets = false;
-  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
-  /// What stays allocated between steps.
-  [[nodiscard]] std::size_t held() const noexcept {
-    return total() - (transient_buckets ? buckets : 0);
-  }
-};
-
-/// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
-/// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
-struct ddp_options {
-  /// The bucket rule is PyTorch DDP's: gradients join the open bucket of
-  /// their (type, device) in the order they become ready, and a bucket closes
-  /// right after the gradient that brings it to its cap, however large that
-  /// gradient is. A bucket is never closed early to keep a large gradient out,
-  /// so only the last bucket of each (type, device) holds less than its cap.
-  /// The cap of every bucket after the first, in MiB.
-  double bucket_cap_mb = 25;
-  /// The cap of the first bucket (the last layers' gradients, ready first):
-  /// small, so that communication starts early in the backward pass.
-  double first_bucket_cap_mb = 1;
-  /// Point rebindable gradients (param() with a pointer) into the buckets:
-  /// no copies. false: copy every gradient in and the mean back out.
-  bool gradient_as_bucket_view = true;
-  /// Parameters never marked in a step contribute zero instead of being an
-  /// error (for models whose steps skip parts of the network). "Unused"
-  /// means "not marked": dtrain has no autograd graph to find them.
-  bool find_unused_parameters = false;
-  /// With find_unused_parameters: name, once, on rank 0's stderr the
-  /// parameters that no rank marked in the first steps (a forgotten
-  /// mark_ready looks just like an unused parameter). false: silent.
-  bool report_unused_parameters = true;
-  /// After the first step, lay the buckets out once more in the order the
-  /// gradients actually became ready (rank 0's order, sent to every rank).
-  bool rebuild_buckets = true;
-  /// Construction copies rank 0's parameters and buffers to every rank.
-  bool broadcast_parameters = true;
-  /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
-  gradient_compression compression = gradient_compression::none;
-  /// false: nothing is sent before synchronize() (for measuring what overlap buys).
-  bool overlap = true;
-  /// At world size 1 DDP communicates nothing: the mean over one rank is its
-  /// gradient, so no collective is issued, no thread woken, no copy made
-  /// (compression still rounds, as it would on more ranks; a comm hook still
-  /// runs). true: reduce every bucket as on more ranks (to exercise an
-  /// engine's path with one GPU).
-  bool always_reduce = false;
-  /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
-  /// the waits in synchronize()) goes to this file, the rank inserted
-  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
-  std::string timeline = {};
-  /// Backends on CUDA streams (NCCL): the compute stream, the one that wrote
-  /// the parameters and will run the backward pass (a cudaStream_t). The first
-  /// broadcast of rank 0's values is ordered after it, so that values written
-  /// on it (initialised, loaded, copied) are the ones sent and are not written
-  /// over what arrives; set_stream() changes it later. Null: the legacy default
-  /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
-  stream_handle stream = nullptr;
-  /// Shard the optimizer state (and the averaged gradients) across the ranks:
-  /// ZeRO stage 1 or 2 (see dtrain::sharding). The bucket layout is then the
-  /// first one (no rebuild): a rank's shard, and its optimizer state, stay
-  /// where they are. Not with compression or a comm hook at stage 2.
-  dtrain::sharding sharding = dtrain::sharding::none;
-};
-
-/// One bucket, as a communication hook sees it.
-struct gradient_bucket {
-  std::size_t index = 0;  ///< launch order, 0 first
-  buffer data;            ///< the flat gradients: reduce them in place
-  int world_size = 1;
-  std::span<const std::size_t> parameters;  ///< indices into parameters(), in layout order
-  /// Backends on CUDA streams (NCCL): the compute stream the bucket is ordered
-  /// after; enqueue the reduction after it. Null for host backends.
-  stream_handle stream = nullptr;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/options.hpp ----
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <span>
-#include <string>
-#include <string_view>
-#include <unordered_map>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// "parameter fc1.weight (1024 x float32 on the host)", or with a shape
-/// "parameter fc1.weight ([64, 16] float32 on the host)": what must match across ranks.
-DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind) {
-  std::string entry = std::string(kind) + " " + p.name + " (";
-  if (p.shape.empty()) {
-    entry += std::to_string(p.values.count) + " x ";
-  } else {
-    entry += "[";
-    for (std::size_t d = 0; d < p.shape.size(); ++d) {
-      if (d > 0) entry += ", ";
-      entry += std::to_string(p.shape[d]);
-    }
-    entry += "] ";
-  }
-  entry += to_string(p.values.type);
-  entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
-  return entry;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
-                                                            std::span<const parameter> buffers);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
-                                                            std::span<const parameter> buffers) {
-  std::vector<std::string> entries;
-  for (const parameter& p : params) entries.push_back(parameter_entry(p, "parameter"));
-  for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
-  return entries;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const std::string& e : entries) {
-    for (char c : e) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    h = (h ^ 0x0au) * 1099511628211ull;
-  }
-  return static_cast<std::int64_t>(h >> 1);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// What one rank alone can find wrong with its model and options, as a
-/// message naming the parameter and the rank; empty when nothing is.
-DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
-                                               std::span<const parameter> buffers,
-                                               const ddp_options& options, int rank,
-                                               std::string_view backend, bool on_device,
-                                               int device);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
-                                               std::span<const parameter> buffers,
-                                               const ddp_options& options, int rank,
-                                               std::string_view backend, bool on_device,
-                                               int device) {
-  const std::string who = "DistributedDataParallel on rank " + std::to_string(rank) + ": ";
-  std::unordered_map<std::string_view, std::size_t> names;
-  std::unordered_map<const void*, std::size_t> data;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const parameter& p = params[i];
-    const std::string what = "parameter #" + std::to_string(i) + " '" + p.name + "'";
-    if (p.name.empty()) return who + what + " has no name";
-    if (auto [it, fresh] = names.emplace(p.name, i); !fresh) {
-      return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
-             " and #" + std::to_string(i) + ")";
-    }
-    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
-    if (!data.emplace(p.values.data, i).second)
-      return who + what + " shares its values with another parameter";
-    if (!is_floating(p.values.type)) {
-      return who + what + " is " + std::string(to_string(p.values.type)) +
-             ": only floating-point parameters have gradients to average (declare it in buffers())";
-    }
-    if (!p.gradient && !p.rebindable()) return who + what + " has no gradient buffer";
-    if (!p.gradient && !options.gradient_as_bucket_view) {
-      return who + what +
-             " has a null gradient pointer, which needs ddp_options::gradient_as_bucket_view";
-    }
-    if (on_device && p.values.where != memory::device) {
-      return who + what +
-             " is in host memory, but backend::nccl reduces GPU memory: use dtrain::device_param";
-    }
-    if (on_device && p.device != device) {
-      return who + what + " is on GPU " + std::to_string(p.device) +
-             ", but this rank's NCCL communicator is on GPU " + std::to_string(device);
-    }
-    if (!on_device && p.values.where != memory::host) {
-      return who + what + " is in GPU memory, but backend " + std::string(backend) +
-             " reduces host memory: keep gradients on the host, or use backend::nccl";
-    }
-  }
-  for (const parameter& b : buffers) {
-    if (!b.values.data && b.values.count) return who + "buffer '" + b.name + "' has no values";
-    if (b.values.where == memory::device && !on_device) {
-      return who + "buffer '" + b.name + "' is in GPU memory, but backend " + std::string(backend) +
-             " reaches host memory only";
-    }
-  }
-  if (options.sharding == sharding::gradients &&
-      options.compression != gradient_compression::none) {
-    return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
-           std::string(to_string(options.compression)) +
-           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, or no "
-           "compression)";
-  }
-  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
-      options.sharding != sharding::gradients) {
-    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
-           ", not none (0), optimizer (1) or gradients (2)";
-  }
-  try {
-    (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
-    (void)mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
-  } catch (const config_error& e) {
-    return who + e.what();
-  }
-  return {};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Collective over the host control plane: every rank learns whether all
-/// ranks hold the same parameters and buffers. Throws config_error on every
-/// rank when not, naming the first differing entry and the ranks. Each
-/// rank's own check (model_problem) comes before, in a verdict
-/// (agree_or_throw). `settings`, when given, is one more entry that must match
-/// (DDP's options that change what travels: "ddp_options::sharding = gradients").
-DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
-                                         std::span<const parameter> buffers,
-                                         std::string_view settings = {});
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
-                                         std::span<const parameter> buffers,
-                                         std::string_view settings) {
-  const int size = comm.size();
-  std::vector<std::string> entries = model_entries(params, buffers);
-  if (!settings.empty()) entries.emplace_back(settings);  // options every rank must share
-  const std::int64_t mine[2] = {static_cast<std::int64_t>(entries.size()), fnv1a(entries)};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size) * 2);
-  comm.allgather(mine, all);
-  bool same = true;
-  for (int r = 1; r < size; ++r) {
-    same = same && std::equal(&all[0], &all[2], &all[static_cast<std::size_t>(r) * 2]);
-  }
-  if (same) return;
-
-  // Rank 0's list to everyone; each rank finds where it departs from it.
-  std::string joined;
-  for (const std::string& e : entries) joined += e + '\n';
-  std::int64_t length = static_cast<std::int64_t>(joined.size());
-  std::uint8_t length_bytes[sizeof length];
-  std::memcpy(length_bytes, &length, sizeof length);
-  comm.broadcast(length_bytes, 0);
-  std::memcpy(&length, length_bytes, sizeof length);
-  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(length));
-  if (comm.rank() == 0) std::memcpy(bytes.data(), joined.data(), bytes.size());
-  comm.broadcast(bytes, 0);
-  std::vector<std::string> reference;
-  std::string current;
-  for (std::uint8_t c : bytes) {
-    if (c == '\n') {
-      reference.push_back(std::move(current));
-      current.clear();
-    } else {
-      current += static_cast<char>(c);
-    }
-  }
-  std::int64_t first = -1;
-  for (std::size_t i = 0; i < std::max(reference.size(), entries.size()); ++i) {
-    if (i >= reference.size() || i >= entries.size() || reference[i] != entries[i]) {
-      first = static_cast<std::int64_t>(i);
-      break;
-    }
-  }
-  std::vector<std::int64_t> firsts(static_cast<std::size_t>(size));
-  comm.allgather(std::span<const std::int64_t>(&first, 1), firsts);
-  int culprit = -1;
-  std::string differing;
-  for (int r = 0; r < size; ++r) {
-    if (firsts[static_cast<std::size_t>(r)] < 0) continue;
-    if (culprit < 0) culprit = r;
-    differing += (differing.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (culprit < 0) return;  // equal lists after all (a hash collision)
-  const auto at = static_cast<std::size_t>(firsts[static_cast<std::size_t>(culprit)]);
-  // The culprit's entry to everyone, so that every rank prints the same message.
-  std::vector<std::uint8_t> text(512, 0);
-  if (comm.rank() == culprit) {
-    const std::string e = at < entries.size() ? entries[at] : "nothing";
-    std::memcpy(text.data(), e.data(), std::min(e.size(), text.size() - 1));
-  }
-  comm.broadcast(text, culprit);
-  const std::string theirs(reinterpret_cast<const char*>(text.data()));
-  const std::string ours = at < reference.size() ? reference[at] : "nothing";
-  throw config_error("DistributedDataParallel: the models differ across ranks at entry #" +
-                     std::to_string(at) + ": rank 0 has " + ours + ", rank " +
-                     std::to_string(culprit) + " has " + theirs +
-                     " (ranks that differ from rank 0: " + differing +
-                     "); every rank must build the same model in the same order");
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Collective over the host control plane: every rank gets rank 0's `order`
-/// of the n parameters (the order its gradients became ready, for the bucket
-/// rebuild). Each rank passes an order of the same length; what arrives is
-/// checked to name each parameter once (backend_error otherwise).
-DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
-                                                             std::span<const std::size_t> order,
-                                                             std::size_t n);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
-                                                             std::span<const std::size_t> order,
-                                                             std::size_t n) {
-  std::string text;
-  wire::writer w(text);
-  for (std::size_t i : order) w.u64(i);
-  std::vector<std::uint8_t> bytes(text.begin(), text.end());
-  if (control.size() > 1) control.broadcast(bytes, 0);
-  const std::string where =
-      "rank 0's ready order (sent to rank " + std::to_string(control.rank()) + ")";
-  std::vector<std::size_t> agreed = wire::decode_value(
-      where, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
-      "a list of parameter indices", [](wire::reader& r) {
-        std::vector<std::size_t> out;
-        while (!r.at_end()) out.push_back(static_cast<std::size_t>(r.u64("a parameter index")));
-        return out;
-      });
-  check_order(agreed, n, where);
-  return agreed;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// broadcast_values' scratch by default: the host values travel in windows of this many bytes.
-inline constexpr std::size_t broadcast_window_bytes = std::size_t{64} << 20;
-
-/// Collective: every rank's parameter and buffer values become rank 0's.
-/// Host values travel packed over the control plane, a window at a time;
-/// device values one by one through `device_broadcast(buffer)`, which returns
-/// once the broadcast is complete (the device engine: the only device
-/// traffic besides the buckets).
-template <class DeviceBroadcast>
-void broadcast_values(control_plane& control, std::span<const parameter> params,
-                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast,
-                      std::size_t window = broadcast_window_bytes) {
-  std::vector<const parameter*> host, device;
-  for (auto list : {params, buffers}) {
-    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
-  }
-  std::size_t total = 0;
-  for (const parameter* p : host) total += p->bytes();
-  // The host values as one stream of bytes, broadcast a window at a time:
-  // a model's worth of scratch would double its memory at construction.
-  std::vector<std::uint8_t> packed(std::min(total, std::max<std::size_t>(window, 1)));
-  for (std::size_t begin = 0; begin < total; begin += packed.size()) {
-    const std::size_t end = std::min(total, begin + packed.size());
-    // Copies bytes [begin, end) of the stream between the parameters and `packed`.
-    auto move_window = [&](bool into_packed) {
-      std::size_t at = 0;  // the parameter's first byte in the stream
-      for (const parameter* p : host) {
-        const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p->bytes());
-        if (lo < hi) {
-          auto* mine = static_cast<std::uint8_t*>(p->values.data) + (lo - at);
-          std::uint8_t* theirs = packed.data() + (lo - begin);
-          if (into_packed) {
-            std::memcpy(theirs, mine, hi - lo);
-          } else {
-            std::memcpy(mine, theirs, hi - lo);
-          }
-        }
-        at += p->bytes();
-        if (at >= end) break;
-      }
-    };
-    move_window(true);
-    control.broadcast(std::span<std::uint8_t>(packed.data(), end - begin), 0);
-    move_window(false);
-  }
-  for (const parameter* p : device) {
-    if (p->values.count > 0) device_broadcast(p->values);
-  }
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/agreement.hpp ----
-// ---- begin dtrain/ddp/runner.hpp ----
-/// @file
-/// How DistributedDataParallel's buckets travel, chosen from the memory space
-/// of the backend: `thread_runner` for host memory (a communication thread
-/// reduces buckets while the caller computes; the caller takes over what is
-/// left once it waits), `stream_runner` for CUDA
-/// streams (the caller enqueues, the device orders, a watchdog follows).
-/// Both call the same three steps of their owner: prepare_bucket(b) (copy-in,
-/// compression), reduce(b) (the collective, a work), finish_bucket(b)
-/// (decompression, copy-out), and for streams order_after_buckets().
-
-
-#include <condition_variable>
-#include <cstddef>
-#include <deque>
-#include <exception>
-#include <mutex>
-#include <thread>
-
-namespace dtrain::detail {
-
-/// Buckets are reduced one at a time, in launch order: each is prepared,
-/// reduced and waited for (within the collective timeout), then finished.
-/// A thread of its own takes the buckets launched while the caller is still
-/// computing. Once the caller is in complete(), the queue is the caller's: it
-/// reduces what is left on its own thread (after the bucket the thread holds,
-/// if any), and the thread takes nothing more. The last buckets of a step
-/// (launched as the backward pass ends) then cost no thread wake-up, which on
-/// a loaded machine can cost more than the collective.
-template <class Owner>
-class thread_runner {
- public:
-  explicit thread_runner(Owner& owner) : owner_(owner), thread_([this] { serve(); }) {}
-  thread_runner(const thread_runner&) = delete;
-  thread_runner& operator=(const thread_runner&) = delete;
-  /// Finishes what is queued (each bounded by its timeout), then joins.
-  ~thread_runner() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
-  }
-
-  /// Queues `bucket`; `wake` false leaves the thread asleep, for a bucket the
-  /// caller is about to reduce itself in complete() (launched by
-  /// mark_all_ready() or synchronize(): nothing left to overlap with).
-  void launch(std::size_t bucket, bool wake = true) {
-    bool idle = false;
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(bucket);
-      idle = !busy_;
-    }
-    if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
-  }
-
-  /// Blocks the caller while more than `most` launched buckets are not yet
-  /// reduced, reducing one itself when the thread is idle (each bounded by
-  /// the collective timeout; at once after a failure): bounds the gradient
-  /// memory in flight when the backward pass writes faster than the buckets
-  /// travel. The step is bound by the communication then anyway.
-  void throttle(std::size_t most) {
-    std::unique_lock lock(mutex_);
-    while (!failure_ && queue_.size() + (busy_ ? 1 : 0) > most) {
-      if (!busy_ && !queue_.empty()) {
-        run_front(lock);
-      } else {
-        ++throttled_;
-        done_wake_.wait(lock);
-        --throttled_;
-      }
-    }
-  }
-
-  /// Waits until the `count` buckets of this step are done, reducing queued
-  /// ones on the calling thread while the runner's thread is idle; then the
-  /// next step starts counting from zero. Returns the first failure, or null.
-  std::exception_ptr complete(std::size_t count) {
-    std::unique_lock lock(mutex_);
-    completing_ = true;
-    while (done_ != count) {
-      if (!busy_ && !queue_.empty()) {
-        run_front(lock);
-      } else {
-        done_wake_.wait(lock);
-      }
-    }
-    completing_ = false;
-    done_ = 0;
-    return failure_;
-  }
-
- private:
-  void serve() {
-    std::unique_lock lock(mutex_);
-    for (;;) {
-      if (!completing_ && !busy_ && !queue_.empty()) {
-        run_front(lock);
-      } else if (stopping_ && queue_.empty() && !busy_) {
-        return;  // nothing left in flight
-      } else {
-        wake_.wait(lock);
-      }
-    }
-  }
-
-  /// Reduces the bucket at the front of the queue; `lock` is held on entry
-  /// and on return, and released while the bucket travels.
-  void run_front(std::unique_lock<std::mutex>& lock) {
-    const std::size_t b = queue_.front();
-    queue_.pop_front();
-    std::exception_ptr failed;
-    if (!failure_) {  // once the communicator failed, do not wait for it again
-      busy_ = true;
-      lock.unlock();
-      try {
-        owner_.prepare_bucket(b);
-        work w = owner_.reduce(b);
-        w.wait();  // bounded by the collective timeout
-        owner_.finish_bucket(b);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      lock.lock();
-      busy_ = false;
-    }
-    if (failed && !failure_) failure_ = failed;
-    ++done_;
-    // Once the caller waits in complete(), the queue is the caller's: the
-    // thread finishes the bucket it holds and hands over (one wake-up).
-    if (completing_ || throttled_ > 0) done_wake_.notify_all();
-  }
-
-  Owner& owner_;
-  std::mutex mutex_;
-  std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
-  std::condition_variable done_wake_;  // the caller in complete(): the thread let go of a bucket
-  std::deque<std::size_t> queue_;
-  std::size_t done_ = 0;
-  bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
-  bool completing_ = false;  // the caller is in complete(): the queue is its own
-  int throttled_ = 0;        // callers waiting in throttle()
-  bool stopping_ = false;
-  std::exception_ptr failure_;
-  std::thread thread_;  // last: starts once everything above exists
-};
-
-/// The caller's thread enqueues each bucket on the device (after the compute
-/// stream); the host never waits for a bucket. A watchdog follows every
-/// collective and, past its timeout, aborts the communicator (which frees
-/// the stream) and keeps the timeout_error; complete() and the next
-/// launch() report it.
-template <class Owner>
-class stream_runner {
- public:
-  explicit stream_runner(Owner& owner) : owner_(owner) {}
-
-  /// Enqueues `bucket` on the device now (`wake` is the thread runner's:
-  /// there is no thread to wake here).
-  void launch(std::size_t bucket, bool /*wake*/ = true) {
-    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
-    owner_.prepare_bucket(bucket);
-    watchdog_.watch(owner_.reduce(bucket));
-  }
-
-  /// Orders the compute stream after every bucket and enqueues their
-  /// finishing work there; the host does not wait. Returns the watchdog's
-  /// failure so far, or null.
-  std::exception_ptr complete(std::size_t count) {
-    if (auto e = watchdog_.failure()) return e;
-    try {
-      owner_.order_after_buckets();
-      for (std::size_t b = 0; b < count; ++b) owner_.finish_bucket(b);
-    } catch (...) {
-      // The watchdog's timeout says more than the aborted communicator's error it
-      // causes; it is recorded just after the abort, so let the watchdog settle.
-      if (auto e = watchdog_.drain()) return e;
-      return std::current_exception();
-    }
-    return watchdog_.failure();
-  }
-
-  /// Blocks until every bucket launched so far has completed on the device
-  /// (each within its timeout); returns the first failure, or null.
-  std::exception_ptr drain() { return watchdog_.drain(); }
-
-  /// The device orders the buckets; the host does not wait for them.
-  void throttle(std::size_t /*most*/) noexcept {}
-
- private:
-  Owner& owner_;
-  watchdog watchdog_;
-};
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/runner.hpp ----
-// ---- begin dtrain/ddp/state.hpp ----
-/// @file
-/// What DistributedDataParallel keeps per parameter and per bucket, each in
-/// one struct (c10d's Reducer: VariableIndex and Bucket): where a gradient
-/// sits in its bucket, and what the current step has done with it.
-
-// ---- begin dtrain/ddp/storage.hpp ----
-/// @file
-/// The flat memory DistributedDataParallel keeps its buckets in, in the
-/// memory space of its backend (host_memory, cuda_memory, ...).
-
-
-#include <concepts>
-#include <cstddef>
-#include <utility>
-
-namespace dtrain::detail {
-
-/// Zeroed bytes in `Memory` on `device`, owned. Allocation and zeroing are
-/// ordered on the stream given at construction, the release on the stream
-/// set last (set_stream): the owner keeps that stream ordered after every
-/// use on any stream (see DistributedDataParallel::lay_out).
-/// flat_storage's request for memory whose pages clear() gives back.
-struct droppable_pages_t {};
-inline constexpr droppable_pages_t droppable_pages{};
-
-/// Whether `Memory` can give pages back while their addresses stay valid.
-template <class Memory>
-concept pages_droppable = requires(void* p, std::size_t n) {
-  { Memory::allocate_pages(n) } -> std::same_as<void*>;
-  Memory::drop_pages(p, n);
-  Memory::release_pages(p, n);
-};
-
-template <class Memory>
-class flat_storage {
- public:
-  flat_storage() = default;
-  /// Zero bytes whose pages clear() gives back to the system (host memory:
-  /// they are resident only while written). Elsewhere as the constructor below.
-  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream,
-               droppable_pages_t)
-      : bytes_(bytes), device_(device), stream_(stream) {
-    if constexpr (pages_droppable<Memory>) {
-      data_ = Memory::allocate_pages(bytes);
-      pages_ = true;
-    } else {
-      data_ = Memory::allocate(bytes, device, stream);
-      if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
-    }
-  }
-  flat_storage(std::size_t bytes, int device, typename Memory::stream_type stream)
-      : data_(Memory::allocate(bytes, device, stream)),
-        bytes_(bytes),
-        device_(device),
-        stream_(stream) {
-    if constexpr (!Memory::on_stream) Memory::zero(data_, bytes, device, stream);
-  }
-  flat_storage(flat_storage&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)),
-        bytes_(std::exchange(other.bytes_, 0)),
-        device_(other.device_),
-        stream_(other.stream_),
-        pages_(std::exchange(other.pages_, false)) {}
-  flat_storage& operator=(flat_storage&& other) noexcept {
-    if (this != &other) {
-      release();
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-      device_ = other.device_;
-      stream_ = other.stream_;
-      pages_ = std::exchange(other.pages_, false);
-    }
-    return *this;
-  }
-  flat_storage(const flat_storage&) = delete;
-  flat_storage& operator=(const flat_storage&) = delete;
-  ~flat_storage() { release(); }
-
-  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
-  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-  [[nodiscard]] int device() const noexcept { return device_; }
-  /// The stream the release is ordered on from now on.
-  void set_stream(typename Memory::stream_type stream) noexcept { stream_ = stream; }
-  /// Whether clear() gives the pages back (droppable_pages, where the memory can).
-  [[nodiscard]] bool drops_pages() const noexcept { return pages_; }
-  /// Every byte zero again, on `stream`: droppable pages are given back
-  /// (they read zero, resident again once written), other memory is zeroed.
-  void clear(typename Memory::stream_type stream) {
-    if constexpr (pages_droppable<Memory>) {
-      if (pages_) {
-        Memory::drop_pages(data_, bytes_);
-        return;
-      }
-    }
-    Memory::zero(data_, bytes_, device_, stream);
-  }
-
- private:
-  void release() noexcept {
-    if constexpr (pages_droppable<Memory>) {
-      if (data_ && pages_) {
-        Memory::release_pages(data_, bytes_);
-        data_ = nullptr;
-        return;
-      }
-    }
-    if (data_) Memory::release(data_, device_, stream_);
-    data_ = nullptr;
-  }
-
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-  int device_ = -1;
-  typename Memory::stream_type stream_{};
-  bool pages_ = false;  // from Memory::allocate_pages
-};
-
-/// The element type float32 gradients travel as under `kind` (not none).
-[[nodiscard]] constexpr dtype wire_type(gradient_compression kind) noexcept {
-  return kind == gradient_compression::float16 ? dtype::float16 : dtype::bfloat16;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/storage.hpp ----
-
-#include <compare>
-#include <cstddef>
-#include <cstdint>
-#include <iterator>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// One parameter as DDP holds it.
-struct ddp_variable {
-  parameter param;  ///< as the model showed it; `param.gradient` is where the gradient is now
-  void* original = nullptr;  ///< the model's own gradient pointer, given back at the end
-  std::size_t bucket = 0;    ///< its bucket in the current layout
-  std::size_t offset = 0;    ///< bytes into that bucket
-  bool view = false;         ///< the gradient lives in the bucket (no copy in or out)
-  // The current step; reset when it completes.
-  bool marked = false;   ///< ready: counted in its bucket's pending count
-  bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
-  bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
-  bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
-  // Across steps.
-  bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
-  bool used = false;          ///< some rank used it in the steps reported on (report_unused)
-};
-
-/// One bucket: its layout, its storage in the memory space of the backend,
-/// and where the current step is with it.
-template <class Memory>
-struct ddp_bucket {
-  bucket_info info;
-  flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
-  flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
-  flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
-  /// With sharding, over more than one rank: this rank's shard of the bucket
-  /// (`owned_count` elements), where a reduce-scatter leaves the averaged
-  /// gradients (stage 2) and the updated values wait for the allgather.
-  flat_storage<Memory> owned;
-  std::size_t owned_count = 0;
-  std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
-  std::size_t pending = 0;  ///< its parameters not yet marked in this step
-  bool ready = false;       ///< every parameter marked: may be launched in its turn
-  std::uint64_t span = 0;   ///< its timeline span, from launch to completion
-  std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
-};
-
-/// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).
-/// Written out rather than a std::ranges::transform_view, which clang 14 cannot
-/// compile against libstdc++ 12.
-class parameter_view {
- public:
-  class iterator {
-   public:
-    using iterator_concept = std::random_access_iterator_tag;
-    using iterator_category = std::random_access_iterator_tag;
-    using value_type = parameter;
-    using difference_type = std::ptrdiff_t;
-    using pointer = const parameter*;
-    using reference = const parameter&;
-
-    iterator() = default;
-    explicit iterator(const ddp_variable* at) noexcept : at_(at) {}
-
-    reference operator*() const noexcept { return at_->param; }
-    pointer operator->() const noexcept { return &at_->param; }
-    reference operator[](difference_type n) const noexcept { return at_[n].param; }
-    iterator& operator++() noexcept { return ++at_, *this; }
-    iterator operator++(int) noexcept { return iterator(at_++); }
-    iterator& operator--() noexcept { return --at_, *this; }
-    iterator operator--(int) noexcept { return iterator(at_--); }
-    iterator& operator+=(difference_type n) noexcept { return at_ += n, *this; }
-    iterator& operator-=(difference_type n) noexcept { return at_ -= n, *this; }
-    friend iterator operator+(iterator i, difference_type n) noexcept { return i += n; }
-    friend iterator operator+(difference_type n, iterator i) noexcept { return i += n; }
-    friend iterator operator-(iterator i, difference_type n) noexcept { return i -= n; }
-    friend difference_type operator-(iterator a, iterator b) noexcept { return a.at_ - b.at_; }
-    friend bool operator==(iterator a, iterator b) noexcept { return a.at_ == b.at_; }
-    friend auto operator<=>(iterator a, iterator b) noexcept { return a.at_ <=> b.at_; }
-
-   private:
-    const ddp_variable* at_ = nullptr;
-  };
-
-  explicit parameter_view(const std::vector<ddp_variable>& variables) noexcept
-      : first_(variables.data()), size_(variables.size()) {}
-
-  [[nodiscard]] iterator begin() const noexcept { return iterator(first_); }
-  [[nodiscard]] iterator end() const noexcept { return iterator(first_ + size_); }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
-  [[nodiscard]] const parameter& operator[](std::size_t i) const noexcept {
-    return first_[i].param;
-  }
-
- private:
-  const ddp_variable* first_;
-  std::size_t size_;
-};
-
-[[nodiscard]] inline parameter_view parameters_of(const std::vector<ddp_variable>& variables) {
-  return parameter_view(variables);
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/state.hpp ----
-// ---- begin dtrain/ddp/timeline.hpp ----
-/// @file
-/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
-/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
-/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
-/// Off, a recorder is one null pointer: no allocation and no clock read, one
-/// branch per recording point. On, spans go into a buffer per track, each
-/// with its own (uncontended: one thread per track) mutex, and the file is
-/// written at the end, so nothing is formatted or written during a step.
-
-
-#include <array>
-#include <cerrno>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
-/// the extension of the file name (trace.json -> trace.rank3.json), or is
-/// appended with ".json" when the name has none (trace -> trace.rank3.json).
-DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
-  const std::size_t slash = path.rfind('/');
-  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
-  const std::size_t dot = path.rfind('.');
-  const std::string tag = ".rank" + std::to_string(rank);
-  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
-  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
-/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option) {
-  if (auto v = env.get(timeline_variable)) return std::string(*v);
-  return option;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// One rank's recorder. Default-constructed it is off and records nothing.
-/// Recording is thread-safe; write() must not race with recording of the same
-/// step (call it between steps, or after the communication thread is joined).
-class timeline {
- public:
-  /// The tracks, as Chrome trace threads of the rank's process.
-  enum class track : std::uint8_t { training = 1, communication = 2 };
-
-  timeline() noexcept = default;
-
-  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
-  /// Creates the file now, so that a path that cannot be written is a
-  /// config_error before training starts (naming the path and the rank).
-  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names);
-
-  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
-  /// `env` (which wins) or `option` names a file, naming the spans of `params`
-  /// by their names.
-  template <class Parameters>
-  static timeline of(const environment& env, const std::string& option, int rank, int size,
-                     const Parameters& params) {
-    const std::string path = timeline_setting(env, option);
-    if (path.empty()) return {};
-    std::vector<std::string> names;
-    for (const auto& p : params) names.push_back(p.name);
-    return timeline(path, rank, size, std::move(names));
-  }
-
-  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
-  /// The file this rank writes; empty when off.
-  [[nodiscard]] std::string_view file() const noexcept {
-    return state_ ? std::string_view(state_->file) : std::string_view();
-  }
-
-  /// Nanoseconds on the steady clock (shared by the processes of a host, so
-  /// that their traces line up when merged).
-  [[nodiscard]] static std::int64_t now() noexcept;
-
-  /// A span from its construction to its destruction; nothing when off.
-  class scope {
-   public:
-    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
-          std::uint64_t index, std::uint64_t detail = 0) noexcept
-        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
-      if (t_) start_ = now();
-    }
-    scope(const scope&) = delete;
-    scope& operator=(const scope&) = delete;
-    ~scope() {
-      if (t_) (t_->*done_)(start_, index_, detail_);
-    }
-
-   private:
-    timeline* t_;
-    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
-    std::uint64_t index_;
-    std::uint64_t detail_;
-    std::int64_t start_ = 0;
-  };
-
-  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
-  /// first mark of a step opens the step's span.
-  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
-    return scope(*this, &timeline::mark_done, index, bucket);
-  }
-  /// synchronize() of step `step`; when it ends, the step's span ends too.
-  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
-    return scope(*this, &timeline::synchronize_done, step);
-  }
-  /// The wait for the buckets inside synchronize().
-  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
-    return scope(*this, &timeline::wait_done, buckets);
-  }
-
-  /// Bucket `bucket` of `elements` is launched: returns the id of its span
-  /// (0 when off), which bucket_done() closes.
-  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements);
-  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
-  /// to now (finished); `on_thread`: on the communication thread, which gets a
-  /// span of its own (on CUDA streams the host only enqueues, so no such span).
-  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
-
-  /// Writes the file (everything recorded so far). Throws dtrain::error naming
-  /// the file and the rank when it cannot be written.
-  void write() const;
-  /// write(), for destructors: a failure is one line on stderr, never an exception.
-  void write_at_exit() const noexcept;
-
-  /// At most this many events per track are kept (about 48 MiB); the rest are
-  /// counted, and the file says how many were dropped.
-  static constexpr std::size_t max_events = std::size_t{1} << 20;
-  static constexpr std::size_t chunk_events = 4096;
-
- private:
-  enum class kind : std::uint8_t {
-    step,
-    mark,
-    synchronize,
-    wait,
-    reduce,
-    bucket_begin,
-    bucket_end
-  };
-
-  struct event {
-    kind what = kind::step;
-    std::int64_t start = 0;  // ns, steady clock
-    std::int64_t end = 0;
-    std::uint64_t index = 0;   // step, parameter or bucket
-    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
-    std::uint64_t id = 0;      // bucket_begin / bucket_end
-  };
-
-  struct buffer {
-    mutable std::mutex mutex;
-    // Fixed chunks, not one vector: growing never copies what was recorded
-    // (a doubling vector costs a step its whole history once in a while).
-    std::vector<std::vector<event>> chunks;
-    std::size_t count = 0;
-    std::size_t dropped = 0;
-  };
-
-  struct state {
-    std::string file;
-    std::string setting;
-    int rank = 0;
-    int size = 1;
-    std::vector<std::string> names;
-    std::array<buffer, 2> tracks;
-    std::int64_t step_start = -1;  // training thread only
-    std::uint64_t launches = 0;    // training thread only
-  };
-
-  void append(track t, const event& e);
-
-  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket);
-  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
-    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
-  }
-  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t);
-
-  static void microseconds(std::string& out, std::int64_t ns);
-
-  std::string name_of(const event& e) const;
-
-  static const char* category_of(kind k);
-
-  void render_event(std::string& out, track t, const event& e) const;
-
-  void metadata(std::string& out, const char* what, int tid, std::string_view name) const;
-
-  std::string render() const;
-
-  std::unique_ptr<state> state_;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
-                                        std::vector<std::string> parameter_names)
-    : state_(std::make_unique<state>()) {
-  state_->file = timeline_file(path, rank);
-  state_->setting = std::string(timeline_variable) + "=" + std::string(path);
-  state_->rank = rank;
-  state_->size = size;
-  state_->names = std::move(parameter_names);
-  if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
-    std::fclose(f);
-  } else {
-    throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
-                       state_->file + ": " + std::strerror(errno));
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::int64_t timeline::now() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-DTRAIN_DETAIL_INLINE std::uint64_t timeline::bucket_launched(std::size_t bucket,
-                                                             std::size_t elements) {
-  if (!state_) return 0;
-  const std::uint64_t id = ++state_->launches;
-  append(
-      track::training,
-      {.what = kind::bucket_begin, .start = now(), .index = bucket, .detail = elements, .id = id});
-  return id;
-}
-
-DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_t id,
-                                                std::int64_t started, bool on_thread) {
-  if (!state_) return;
-  const std::int64_t end = now();
-  if (on_thread) {
-    append(track::communication,
-           {.what = kind::reduce, .start = started, .end = end, .index = bucket});
-  }
-  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
-}
-
-DTRAIN_DETAIL_INLINE void timeline::write() const {
-  if (!state_) return;
-  const std::string text = render();
-  std::FILE* f = std::fopen(state_->file.c_str(), "w");
-  bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const int code = errno;
-  if (f != nullptr && std::fclose(f) != 0) ok = false;
-  if (!ok) {
-    throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
-                state_->file + " (" + state_->setting + "): " + std::strerror(code));
-  }
-}
-
-DTRAIN_DETAIL_INLINE void timeline::write_at_exit() const noexcept {
-  try {
-    write();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
-  }
-}
-
-DTRAIN_DETAIL_INLINE void timeline::append(track t, const event& e) {
-  buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
-  std::lock_guard lock(b.mutex);
-  if (b.count < max_events) {
-    if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
-      b.chunks.emplace_back().reserve(chunk_events);
-    }
-    b.chunks.back().push_back(e);
-    ++b.count;
-  } else {
-    ++b.dropped;
-  }
-}
-
-DTRAIN_DETAIL_INLINE void timeline::mark_done(std::int64_t start, std::uint64_t index,
-                                              std::uint64_t bucket) {
-  if (state_->step_start < 0) state_->step_start = start;
-  append(track::training,
-         {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
-}
-
-DTRAIN_DETAIL_INLINE void timeline::synchronize_done(std::int64_t start, std::uint64_t step,
-                                                     std::uint64_t) {
-  const std::int64_t end = now();
-  append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
-  // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
-  const std::int64_t from =
-      state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
-  append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
-  state_->step_start = -1;
-}
-
-DTRAIN_DETAIL_INLINE void timeline::microseconds(std::string& out, std::int64_t ns) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
-                static_cast<long long>(ns % 1000));
-  out += text;
-}
-
-DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
-  switch (e.what) {
-    case kind::step: return "step " + std::to_string(e.index);
-    case kind::mark:
-      return e.index < state_->names.size() ? state_->names[e.index]
-                                            : "parameter #" + std::to_string(e.index);
-    case kind::synchronize: return "synchronize";
-    case kind::wait: return "wait for buckets";
-    case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
-    case kind::bucket_begin:
-    case kind::bucket_end: return "bucket " + std::to_string(e.index);
-  }
-  return "?";
-}
-
-DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
-  switch (k) {
-    case kind::step: return "step";
-    case kind::mark: return "mark_ready";
-    case kind::synchronize:
-    case kind::wait: return "synchronize";
-    case kind::reduce:
-    case kind::bucket_begin:
-    case kind::bucket_end: return "bucket";
-  }
-  return "?";
-}
-
-DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, const event& e) const {
-  out += ",\n{\"name\":";
-  json::write_string(out, name_of(e));
-  out += ",\"cat\":\"";
-  out += category_of(e.what);
-  out += "\",\"pid\":" + std::to_string(state_->rank) +
-         ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
-  microseconds(out, e.start);
-  if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
-    out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
-    out += ",\"id\":" + std::to_string(e.id);
-  } else {
-    out += ",\"ph\":\"X\",\"dur\":";
-    microseconds(out, e.end - e.start);
-  }
-  switch (e.what) {
-    case kind::mark:
-      out += ",\"args\":{\"index\":" + std::to_string(e.index) +
-             ",\"bucket\":" + std::to_string(e.detail) + "}";
-      break;
-    case kind::bucket_begin:
-      out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
-      break;
-    case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
-    default: break;
-  }
-  out += "}";
-}
-
-DTRAIN_DETAIL_INLINE void timeline::metadata(std::string& out, const char* what, int tid,
-                                             std::string_view name) const {
-  out += ",\n{\"name\":\"";
-  out += what;
-  out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-         ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
-  json::write_string(out, name);
-  out += "}}";
-}
-
-DTRAIN_DETAIL_INLINE std::string timeline::render() const {
-  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
-  std::size_t dropped = 0;
-  for (const buffer& b : state_->tracks) {
-    std::lock_guard lock(b.mutex);
-    dropped += b.dropped;
-  }
-  out += "\"rank\":" + std::to_string(state_->rank) +
-         ",\"world_size\":" + std::to_string(state_->size) +
-         ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
-  out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-         ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
-  metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
-  metadata(out, "thread_name", static_cast<int>(track::training), "training");
-  metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
-  for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
-    const buffer& b = state_->tracks[t];
-    std::lock_guard lock(b.mutex);
-    for (const std::vector<event>& chunk : b.chunks) {
-      for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
-    }
-  }
-  out += "\n]}\n";
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/timeline.hpp ----
-
-#include <array>
-#include <atomic>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <exception>
-#include <functional>
-#include <initializer_list>
-#include <mutex>
-#include <optional>
-#include <ranges>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <unordered_map>
-#include <utility>
-#include <variant>
-#include <vector>
-
-namespace dtrain {
-
-/// What a DDP takes its communicator, host control plane and world from:
-/// dtrain::context<Policy>. A concept, so that DDP does not include the
-/// runtime (agent, store server) that runtime/context.hpp brings. A context with an
-/// `environment()` (the snapshot dtrain::context took at start) gives DDP
-/// the variables it reads (DTRAIN_TIMELINE).
-template <class C, class Policy>
-concept ddp_context = requires(C& c) {
-  { c.communicator() } -> std::same_as<typename Policy::communicator_type&>;
-  { c.control_plane() } -> std::convertible_to<control_plane>;
-  { c.world() } -> std::convertible_to<const world&>;
-};
-
-namespace detail {
-/// The environment snapshot of `ctx`, or (a context without one) of the process now.
-template <class Context>
-environment environment_of(Context& ctx) {
-  if constexpr (requires {
-                  { ctx.environment() } -> std::convertible_to<const environment&>;
-                }) {
-    return ctx.environment();
-  } else {
-    return environment::from_process();
-  }
-}
-}  // namespace detail
-
-/// The model-free core of DistributedDataParallel, over the communicator of
-/// `Policy`, built from the parameters (and buffers) as dtrain sees them.
-///
-/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
-/// is final, or all at once after the backward pass (mark_all_ready), then
-/// synchronize(); gradients then hold the mean over ranks. Every member may
-/// be called from any thread (autograd's hooks mark from theirs): one lock
-/// serialises them. Between mark_ready and synchronize() a gradient belongs
-/// to dtrain: do not touch it.
-template <class Policy>
-class basic_ddp {
- public:
-  using communicator_type = typename Policy::communicator_type;
-  /// The communicators a bucket's allreduce runs on (topology::flat::group,
-  /// topology::hierarchical::group), split from DDP's own communicator.
-  using topology_group =
-      typename Policy::topology_type::template group<typename Policy::communicator_type>;
-  /// Where gradients and buckets live: host_memory, or cuda_memory for NCCL.
-  using memory_space = typename Policy::memory_space;
-  /// The compute stream's type (cudaStream_t for CUDA; a null placeholder on the host).
-  using stream_type = typename memory_space::stream_type;
-  /// A user reduction: must leave the mean over ranks in `bucket.data` once
-  /// the returned work completes (e.g. `return comm.allreduce(b.data, b.data, reduce_op::avg);`).
-  using comm_hook = std::function<work(communicator_type&, gradient_bucket&)>;
-  static constexpr bool on_device = memory_space::where == memory::device;
-  /// With ddp_options::find_unused_parameters, the parameters that no rank
-  /// marked in this many first synchronized steps are named once on rank 0's
-  /// stderr (ddp_options::report_unused_parameters = false silences it).
-  static constexpr std::size_t unused_report_steps = 2;
-
-  /// Collective over ctx's communicator (a dtrain::context<Policy>); metadata
-  /// goes over ctx's control plane where the communicator cannot carry host
-  /// data (NCCL). The policy's topology groups the ranks by ctx.world()'s
-  /// nodes; DTRAIN_TIMELINE is read from ctx's environment snapshot.
-  template <ddp_context<Policy> Context>
-  basic_ddp(Context& ctx, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
-            ddp_options options = {})
-      : basic_ddp(ctx.communicator(), ctx.control_plane(), std::move(parameters),
-                  std::move(buffers), std::move(options), node_layout::of(ctx.world()),
-                  detail::environment_of(ctx)) {}
-
-  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
-  /// communicator that reaches host memory). A device-only backend (NCCL)
-  /// needs the constructor with a control plane. Without a context, the
-  /// variables DDP reads (DTRAIN_TIMELINE, DTRAIN_NODE_NAME) come from a
-  /// snapshot of the process environment taken here.
-  /// (A template only so that an explicit instantiation of the class for NCCL
-  /// does not trip the static_assert.)
-  template <std::same_as<communicator_type> Comm>
-  basic_ddp(Comm& comm, std::vector<parameter> parameters, std::vector<parameter> buffers = {},
-            ddp_options options = {})
-      : basic_ddp(comm, nullptr, std::move(parameters), std::move(buffers), std::move(options),
-                  std::nullopt, environment::from_process()) {
-    static_assert(std::same_as<Comm, communicator_type> && communicator_type::reaches_host_memory,
-                  "this backend moves device memory only, and DistributedDataParallel's metadata "
-                  "(model agreement, bucket order) is host data: construct it from the context, "
-                  "or pass a control plane: DistributedDataParallel(comm, "
-                  "dtrain::control_plane(channel), model) with a dtrain::store_channel");
-  }
-
-  /// Collective: checks that every rank holds the same parameters (names,
-  /// counts, types; config_error naming the first difference and the ranks)
-  /// over `control`, copies rank 0's values to all (complete when this
-  /// returns), lays the gradients out in buckets, and starts the bucket
-  /// runner. Buckets travel on a split of `comm` of their own: the caller may
-  /// use `comm` at any time. `control` carries the metadata when `comm` cannot
-  /// (device-only backends; otherwise DDP's own split of `comm` does), and must
-  /// outlive this object. With topology::hierarchical and no context, ranks
-  /// are grouped into nodes by node name (DTRAIN_NODE_NAME, else the host name).
-  basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
-            std::vector<parameter> buffers = {}, ddp_options options = {})
-      : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
-                  std::nullopt, environment::from_process()) {}
-
-  basic_ddp(const basic_ddp&) = delete;
-  basic_ddp& operator=(const basic_ddp&) = delete;
-
-  /// Waits for buckets still in flight (each within its timeout), then gives
-  /// the model its gradients back: bucket views are copied to the model's own
-  /// buffers (or set to null where it had none), since the buckets go with
-  /// this object.
-  ~basic_ddp();
-
-  /// Marks parameter `index` (its position in parameters()) ready for this
-  /// step. Throws dtrain::error naming it when it was marked already.
-  void mark_ready(std::size_t index) {
-    if (index >= vars_.size()) no_such_index(index);
-    mark(index);
-  }
-  /// Marks the parameter called `name` ready.
-  void mark_ready(std::string_view name) {
-    auto it = by_name_.find(name);
-    if (it == by_name_.end()) no_such_name(name);
-    mark(it->second);
-  }
-  /// Marks `p` ready, found by its values' address.
-  void mark_ready(const parameter& p) {
-    auto it = by_data_.find(p.values.data);
-    if (it == by_data_.end()) not_a_parameter(p);
-    mark(it->second);
-  }
-  /// Marks each of a braced list ready: `mark_ready({"fc2.w", "fc2.b"})`.
-  /// (Without these, `{"a", "b"}` would build one string_view from the two
-  /// pointers as an iterator range.)
-  void mark_ready(std::initializer_list<std::string_view> names) {
-    for (std::string_view n : names) mark_ready(n);
-  }
-  /// `mark_ready({4, 5})`: by index.
-  void mark_ready(std::initializer_list<std::size_t> indices) {
-    for (std::size_t i : indices) mark_ready(i);
-  }
-  /// `mark_ready({p, q})`: by parameter.
-  void mark_ready(std::initializer_list<std::reference_wrapper<const parameter>> params) {
-    for (const parameter& p : params) mark_ready(p);
-  }
-  /// Marks each of `params` ready: parameters, indices or names.
-  template <std::ranges::input_range R>
-  requires(!std::convertible_to<R, std::string_view>) void mark_ready(R&& params) {
-    for (auto&& p : params) mark_ready(p);
-  }
-  /// Marks every parameter not yet marked in this step, last parameter
-  /// first (the order a backward pass finishes them). After the whole
-  /// backward pass, `ddp.mark_all_ready(); ddp.synchronize();` is the minimal
-  /// correct step (no overlap: the buckets are queued here without waking the
-  /// communication thread, and synchronize() reduces them on its own thread).
-  void mark_all_ready();
-
-  /// Completes the step: launches what is left and leaves the mean over ranks
-  /// in every gradient. Host memory: waits until every bucket is averaged
-  /// (bounded by the collective timeout). CUDA: the host waits for nothing;
-  /// the compute stream waits for the averaged gradients, and a watchdog
-  /// bounds every bucket by the collective timeout (its timeout_error is
-  /// thrown here or by the next call). Throws dtrain::error naming the
-  /// parameters that were never marked (unless find_unused_parameters), or
-  /// the engine's error. Inside no_sync() it does nothing.
-  void synchronize();
-
-  /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
-  /// far; the destructor writes it too. Call it between steps. Throws
-  /// dtrain::error naming the file and the rank when it cannot be written.
-  void flush_timeline() const { timeline_.write(); }
-
-  /// The stream the backward pass runs on (CUDA; default: ddp_options::stream,
-  /// whose null is the legacy default stream). Set it before a step, not between mark_ready and
-  /// synchronize() (config_error): buckets launched in a step are ordered after it.
-  void set_stream(stream_type compute) requires(memory_space::on_stream) {
-    const std::lock_guard lock(mutex_);
-    change_stream(compute);
-  }
-  /// set_stream(compute), then synchronize().
-  void synchronize(stream_type compute) requires(memory_space::on_stream) {
-    synchronize_on(compute);
-  }
-  /// Blocks the host until every bucket launched so far has been averaged
-  /// on the device (each within the collective timeout): for measuring, or
-  /// before reading gradients on the host. Throws what a bucket failed with.
-  void wait();
-
-  /// While alive, mark_ready only records and nothing is communicated;
-  /// gradients accumulate as the caller adds into them, and the next
-  /// synchronized step averages the sums. Made only by no_sync(), which
-  /// refuses to start one in the middle of a step.
-  class no_sync_guard {
-   public:
-    no_sync_guard(no_sync_guard&& other) noexcept : ddp_(std::exchange(other.ddp_, nullptr)) {}
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(no_sync_guard&&) = delete;
-    ~no_sync_guard() {
-      if (!ddp_) return;
-      const std::lock_guard lock(ddp_->mutex_);
-      --ddp_->no_sync_depth_;
-    }
-
-   private:
-    friend class basic_ddp;
-    explicit no_sync_guard(basic_ddp& ddp) noexcept : ddp_(&ddp) {}  // the lock is held
-    basic_ddp* ddp_;
-  };
-  /// Gradient accumulation: `{ auto g = ddp.no_sync(); forward; backward; }`.
-  /// Throws dtrain::error in the middle of a step (after mark_ready, before synchronize()).
-  [[nodiscard]] no_sync_guard no_sync();
-
-  /// Sets every gradient to zero (between steps only).
-  void zero_grad();
-
-  /// Replaces the allreduce of each bucket by `hook` (all ranks must register
-  /// the same). Not with gradient compression, which is itself such a reduction.
-  void register_comm_hook(comm_hook hook);
-
-  /// What a wrapper that finds the unused parameters itself tells the core
-  /// (dtrain::torch walks autograd's graph, as c10d's prepare_for_backward
-  /// does): with find_unused_parameters, the parameters listed (indices into
-  /// parameters()) are not reached by the coming backward pass. They are
-  /// marked ready, contributing zero (or what no_sync() accumulated), as soon
-  /// as the step's first other parameter is marked; marking one of them is an
-  /// error. The last call before a step counts; between steps only
-  /// (dtrain::error otherwise, or without find_unused_parameters).
-  void prepare_for_backward(std::span<const std::size_t> unused);
-
-  /// `callback` runs on the marking thread, after the lock is released, when
-  /// mark_ready() marks the last parameter of a step outside no_sync() (not
-  /// when mark_all_ready() or synchronize() do). dtrain::torch queues
-  /// autograd's final callback there, which completes the step.
-  void on_all_marked(std::function<void()> callback);
-
-  /// Collective over DDP's communicator, on every rank after the same
-  /// synchronize(): per parameter, whether some rank used it (marked it, or
-  /// accumulated into it in no_sync()) in the step just completed. One small
-  /// sum, computed once per step and only with find_unused_parameters;
-  /// without it, or at world size 1, nothing is communicated.
-  [[nodiscard]] std::vector<bool> used_anywhere();
-
-  // Sharding (ddp_options::sharding, ZeRO stages 1 and 2; ddp/basic_ddp_shards.hpp).
-  // The same calls work without sharding, where a rank's shard is every parameter.
-
-  /// The pieces of the parameters this rank updates, with their averaged
-  /// gradients: after synchronize(), an elementwise optimizer updates each
-  /// piece's values (state at piece.state_offset), then gather_parameters().
-  /// Without sharding (or on one rank): every parameter, whole.
-  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
-  /// This rank's shard as ranges of the whole model's elements (the
-  /// parameters concatenated in index order): `global` where a piece starts
-  /// there, `local` its state_offset. For checkpoint::add_sharded, which
-  /// re-cuts sharded optimizer state for another world size.
-  [[nodiscard]] std::vector<shard_range> shard_ranges() const {
-    std::vector<std::uint64_t> first(vars_.size() + 1, 0);
-    for (std::size_t i = 0; i < vars_.size(); ++i)
-      first[i + 1] = first[i] + vars_[i].param.values.count;
-    std::vector<shard_range> out;
-    out.reserve(pieces_.size());
-    for (const shard_piece& p : pieces_)
-      out.push_back({first[p.parameter] + p.offset, p.state_offset, p.values.count});
-    return out;
-  }
-  /// Elements of the whole model (every parameter's), the `total` of shard_ranges().
-  [[nodiscard]] std::uint64_t model_elements() const noexcept {
-    std::uint64_t n = 0;
-    for (const variable& v : vars_) n += v.param.values.count;
-    return n;
-  }
-  /// What DDP holds itself on this rank (buckets, shards, scratch), in bytes.
-  [[nodiscard]] ddp_memory_use memory_use() const {
-    ddp_memory_use use;
-    for (const bucket& b : buckets_) {
-      use.buckets += b.grads.bytes();
-      use.shards += b.owned.bytes();
-      use.scratch += b.wire.bytes() + b.shard.bytes();
-    }
-    use.scratch += staging_[0].bytes() + staging_[1].bytes();
-    use.transient_buckets = transient_buckets();
-    return use;
-  }
-  /// Elements of this rank's shard: the size of an elementwise optimizer's
-  /// state array (per state: Adam keeps two).
-  [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
-  /// The optimizer's step over this rank's shard, then the values' allgather:
-  /// `update(piece)` for each piece of shard(), then gather_parameters().
-  /// Once after each synchronize() (dtrain::error otherwise, naming the rank:
-  /// a step on gradients that were not averaged would be silently wrong).
-  /// Sharded, each bucket's allgather starts as soon as its pieces are
-  /// updated, while the update goes on with the next bucket's.
-  template <class Update>
-  requires std::invocable<Update&, const shard_piece&>
-  void optimizer_step(Update&& update) { update_and_gather("optimizer_step()", update); }
-  /// Collective: every rank's updated shard to every rank (an allgather per
-  /// bucket), so that every rank holds all the values again; DDP's gradient
-  /// buckets are its scratch and are zeroed after. Once after each
-  /// synchronize(), after this rank's update of its shard. Nothing to send
-  /// without sharding or on one rank.
-  void gather_parameters();
-  /// The L2 norm of the averaged gradients of the whole model, the same on
-  /// every rank (collective with sharding: each rank sums its shard's
-  /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
-  /// After synchronize(), before gather_parameters(). float32 and float64.
-  [[nodiscard]] double gradient_norm();
-  /// Collective: whether `mine` is true on any rank, on every rank (to skip a
-  /// step together when some rank found an inf or a NaN).
-  [[nodiscard]] bool any_rank(bool mine);
-
-  /// Throws dtrain::error naming the failure after which this DDP cannot be
-  /// used (an engine's error, a timeout); nothing when it is usable.
-  void check_usable() const {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-  }
-
-  /// The state of the current step: whether parameter i is marked ready in it.
-  [[nodiscard]] bool marked(std::size_t i) const;
-  /// Whether prepare_for_backward() listed parameter i for the current step.
-  [[nodiscard]] bool declared_unused(std::size_t i) const;
-  /// Parameters not yet marked ready in the current step.
-  [[nodiscard]] std::size_t unmarked() const;
-  /// Some parameter was marked ready outside no_sync() and the step is not
-  /// complete: no_sync(), zero_grad() and the next step must wait for synchronize().
-  [[nodiscard]] bool step_open() const;
-  /// Nothing was marked or accumulated since the last completed step.
-  [[nodiscard]] bool idle() const;
-  /// Inside no_sync().
-  [[nodiscard]] bool accumulating() const;
-
-  // What DDP is: these never wait for the lock, so that a communication hook
-  // (which runs while synchronize() holds it) may ask them. The layout and
-  // gradient pointers change only in synchronize(), at the first step's rebuild.
-
-  /// The buckets, in launch order (a copy of the current layout).
-  [[nodiscard]] std::vector<bucket_info> buckets() const;
-  /// Whether the one rebuild from the observed ready order has happened.
-  [[nodiscard]] bool buckets_rebuilt() const noexcept {
-    return rebuilt_.load(std::memory_order_relaxed);
-  }
-  /// The parameters as dtrain sees them, gradient pointers current: a
-  /// random-access view (`parameters()[i].name`, `.size()`, range-for).
-  [[nodiscard]] detail::parameter_view parameters() const noexcept {
-    return detail::parameters_of(vars_);
-  }
-  /// Synchronized steps completed.
-  [[nodiscard]] std::size_t steps() const noexcept {
-    return steps_.load(std::memory_order_relaxed);
-  }
-  /// The options DDP was built with.
-  [[nodiscard]] const ddp_options& options() const noexcept { return options_; }
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  /// The communicator the buckets travel on: DDP's own split of the user's.
-  [[nodiscard]] communicator_type& communicator() noexcept { return comm_; }
-  /// How buckets are reduced: the policy's topology over communicator()
-  /// (describe(), and for topology::hierarchical hierarchical() and why_flat()).
-  [[nodiscard]] const topology_group& topology() const noexcept { return topo_; }
-  /// Whether float32 buckets can be compressed here: always on the host; on
-  /// a GPU when some translation unit of the program was compiled by nvcc.
-  [[nodiscard]] static bool compression_available() noexcept {
-    return memory_space::casts_available();
-  }
-
- protected:
-  // For DistributedDataParallel's context constructor (the layout from the world).
-  basic_ddp(communicator_type& comm, control_plane control, std::vector<parameter> parameters,
-            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout,
-            const environment& env)
-      : basic_ddp(comm, &control, std::move(parameters), std::move(buffers), std::move(options),
-                  layout, env) {}
-
- private:
-  template <class>
-  friend class detail::thread_runner;
-  template <class>
-  friend class detail::stream_runner;
-
-  using variable = detail::ddp_variable;
-  using bucket = detail::ddp_bucket<memory_space>;
-  /// The first element of this rank's shard in a bucket: its part is the
-  /// topology's shard_position() (the rank, flat; local rank x nodes + node
-  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
-  std::size_t shard_first(const bucket& s) const { return topo_.shard_position() * s.owned_count; }
-  using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
-                                         detail::thread_runner<basic_ddp>>;
-  // The control plane DDP makes for itself over its own communicator (host backends).
-  using own_channel_type =
-      std::conditional_t<communicator_type::reaches_host_memory,
-                         communicator_channel<communicator_type>, std::monostate>;
-
-  basic_ddp(communicator_type& comm, control_plane* given, std::vector<parameter> parameters,
-            std::vector<parameter> buffers, ddp_options options, std::optional<node_layout> layout,
-            const environment& env);
-
-  own_channel_type make_own_channel();
-  control_plane control_for(control_plane* given);
-  node_layout layout_of(const std::optional<node_layout>& given, const environment& env);
-  static int device_of(communicator_type& comm);
-  void lay_out(std::span<const std::size_t> order);
-
-  bool compressed(const bucket_info& b) const noexcept {
-    return options_.compression != gradient_compression::none && b.type == dtype::float32;
-  }
-
-  // Marking (ddp/basic_ddp_step.hpp). mark() takes the lock and runs the
-  // all-marked callback after releasing it; the others run under the lock.
-  void mark(std::size_t i);
-  bool ready(std::size_t i);
-  void record_mark(std::size_t i, bool by_rank);
-  [[noreturn]] void no_such_index(std::size_t index) const;
-  [[noreturn]] void no_such_name(std::string_view name) const;
-  [[noreturn]] void not_a_parameter(const parameter& p) const;
-  [[noreturn]] void marked_twice(std::size_t i) const;
-  void check_between_steps(const char* what) const;
-
-  bool recording() const noexcept {
-    return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
-  }
-  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
-  /// the bucket layout stays as built (no rebuild moves a shard).
-  bool shards_optimizer_state() const noexcept { return options_.sharding != sharding::none; }
-  /// Sharding over more than one rank: each rank owns a shard of every
-  /// bucket (padded to size() equal shards), and the updated values come
-  /// back by allgather.
-  bool owns_bucket_shards() const noexcept { return shards_optimizer_state() && size_ > 1; }
-  /// Stage 2 over more than one rank: this rank's averaged gradients are its
-  /// shard's only, in `owned` (buckets are reduce-scattered there by the
-  /// topology: hierarchical, node-local first).
-  bool shards_gradients() const noexcept {
-    return options_.sharding == sharding::gradients && size_ > 1;
-  }
-  /// Stage 2 where memory can give pages back (the host): each bucket's
-  /// gradient pages are returned once it is reduce-scattered, and again once
-  /// its allgather is copied out, so that gradients take memory only while a
-  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
-  bool transient_buckets() const noexcept {
-    return shards_gradients() && detail::pages_droppable<memory_space>;
-  }
-  /// Transient buckets launched and not yet reduced before mark_ready waits.
-  static constexpr std::size_t transient_in_flight = 2;
-
-  void make_pieces();
-  void check_updatable(const char* what) const;
-  /// optimizer_step() and gather_parameters(): `update(piece)` for each
-  /// piece, bucket by bucket, each bucket's allgather launched once its
-  /// pieces are updated (transient buckets: the one before completed while
-  /// it travels, so that at most two hold their pages at once), then the rest.
-  template <class Update>
-  void update_and_gather(const char* what, Update& update) {
-    {
-      const std::lock_guard lock(mutex_);
-      check_usable_locked();
-      check_updatable(what);
-    }
-    std::vector<work> gathers;
-    std::size_t k = 0;          // pieces_ are in bucket order
-    std::size_t completed = 0;  // buckets whose allgather is copied out already
-    try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (owns_bucket_shards()) {
-          gathers.push_back(launch_gather(b));
-          if (transient_buckets() && b > 0) {
-            gathers[b - 1].wait();
-            complete_gather(b - 1);
-            completed = b;
-          }
-        }
-      }
-      for (; k < pieces_.size(); ++k) update(pieces_[k]);
-    } catch (const std::exception& e) {
-      // The update (or an allgather) failed on this rank: what was launched
-      // completes (or fails), and this DDP is not usable for another step.
-      abandon_gathers(gathers, e.what());
-      throw;
-    } catch (...) {
-      abandon_gathers(gathers, "an exception that is not a std::exception");
-      throw;
-    }
-    finish_gather(gathers, completed);
-  }
-  work launch_gather(std::size_t b);
-  std::byte* gathered(std::size_t b);
-  void complete_gather(std::size_t b);
-  void finish_gather(std::vector<work>& gathers, std::size_t completed);
-  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
-  /// World size 1 without a hook (nor ddp_options::always_reduce): no bucket travels.
-  bool sends_nothing() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
-
-  void change_stream(stream_type compute);
-  std::string take_stream();
-  void synchronize_on(stream_type compute);
-  void synchronize_locked();
-  void launch_ready();
-  void finish_alone(std::size_t b);
-  void complete_marks();
-  std::vector<bool> used_anywhere_locked();
-  void report_unused();
-  void zero_contribution(std::size_t i);
-
-  // The runner's steps (detail::thread_runner, detail::stream_runner). They
-  // run without the lock: they touch only bucket b and its parameters'
-  // places, which nothing changes while b is in flight.
-  void prepare_bucket(std::size_t b);
-  work reduce(std::size_t b);
-  void finish_bucket(std::size_t b);
-  /// Streams: the compute stream waits (on the device) for every collective so far.
-  void order_after_buckets() {
-    if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
-  }
-  /// `data` summed over DDP's communicator in place, ordered after the compute stream.
-  work sum_in_place(const buffer& data) {
-    if constexpr (memory_space::on_stream) {
-      return comm_.allreduce(data, data, reduce_op::sum, stream_);
-    } else {
-      return comm_.allreduce(data, data, reduce_op::sum);
-    }
-  }
-
-  // The compute stream for engines that order after it; null for host memory.
-  stream_handle on_stream_or_null() const noexcept {
-    if constexpr (memory_space::on_stream) {
-      return stream_;
-    } else {
-      return nullptr;
-    }
-  }
-
-  std::exception_ptr complete_buckets();
-  std::exception_ptr runner_drain();
-  void end_step();
-  std::vector<std::size_t> layout_order() const;
-  void reset_step();
-
-  void check_usable_locked() const {
-    if (broken_) unusable();
-  }
-  [[noreturn]] void unusable() const;
-  [[noreturn]] void fail(std::exception_ptr e);
-
-  // A communicator of its own (a split of the user's), so that collectives the
-  // user issues during a step cannot interleave with the buckets' differently on different ranks.
-  communicator_type comm_;
-  own_channel_type own_channel_;
-  control_plane control_;
-  topology_group topo_;  // after control_: made over it
-  ddp_options options_;
-  int rank_;
-  int size_;
-  int device_ = -1;
-  std::vector<variable> vars_;  // never resized after construction: parameters() views it
-  std::vector<parameter> buffers_;
-  std::unordered_map<std::string_view, std::size_t> by_name_;
-  std::unordered_map<const void*, std::size_t> by_data_;
-  std::vector<bucket> buckets_;
-  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
-  std::array<detail::flat_storage<memory_space>, 2> staging_;
-  // The current step.
-  std::vector<std::size_t> ready_order_;  // recorded for the rebuild
-  std::size_t next_launch_ = 0;
-  std::size_t unmarked_ = 0;
-  bool any_marked_ = false;      // outside no_sync()
-  bool any_touched_ = false;     // marked or accumulated since the last completed step
-  bool unused_pending_ = false;  // prepare_for_backward() listed some, not yet marked
-  int no_sync_depth_ = 0;
-  bool in_bulk_ = false;  // mark_all_ready() or synchronize() launching: no thread wake-up
-  // Across steps.
-  std::atomic<std::size_t> steps_ = 0;  // read without the lock: steps()
-  std::atomic<bool> rebuilt_ = false;
-  std::vector<std::int32_t> used_counts_;  // used_anywhere() of step used_step_
-  std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
-  bool broken_ = false;
-  std::string broken_message_;
-  // Sharding: this rank's pieces (whole parameters without it), and whether
-  // the last step was synchronized and not yet updated (optimizer_step()).
-  std::vector<shard_piece> pieces_;
-  std::size_t shard_elements_ = 0;
-  bool updatable_ = false;
-  comm_hook hook_;
-  std::function<void()> all_marked_;
-  stream_type stream_ = nullptr;
-  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
-  mutable std::mutex mutex_;           // everything above that changes during a step
-  std::optional<runner_type> runner_;  // last: it calls back into everything above
-};
-
-// ---------------------------------------------------------------------------
-// Out of class: see the file comment. Construction here; the buckets' layout
-// and journey in ddp/basic_ddp_buckets.hpp; the step's state machine in
-// ddp/basic_ddp_step.hpp.
-
-template <class Policy>
-basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
-                             std::vector<parameter> parameters, std::vector<parameter> buffers,
-                             ddp_options options, std::optional<node_layout> layout,
-                             const environment& env)
-    : comm_(comm.split(0, comm.rank())),
-      own_channel_(make_own_channel()),
-      control_(control_for(given)),
-      topo_(comm_, control_, layout_of(layout, env)),
-      options_(std::move(options)),
-      rank_(comm.rank()),
-      size_(comm.size()),
-      buffers_(std::move(buffers)) {
-  device_ = device_of(comm_);
-  std::string problem = take_stream();
-  if (problem.empty() && options_.compression != gradient_compression::none &&
-      !compression_available()) {
-    // Every rank of the same program sees the same; the agreement below stops them all alike.
-    problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
-              std::string(detail::device_casts_missing);
-  }
-  try {
-    timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
-  } catch (const config_error& e) {
-    if (problem.empty()) problem = e.what();  // the agreement stops every rank
-  }
-  if (problem.empty()) {
-    problem = detail::model_problem(parameters, buffers_, options_, rank_, communicator_type::name,
-                                    on_device, device_);
-  }
-  agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  detail::agree_on_model(control_, parameters, buffers_,
-                         "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
-  if (options_.broadcast_parameters) {
-    detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
-      if constexpr (memory_space::on_stream) {
-        comm_.broadcast(values, 0, stream_).wait();
-      } else {
-        comm_.broadcast(values, 0).wait();
-      }
-    });
-  }
-  vars_.reserve(parameters.size());
-  for (parameter& p : parameters) {
-    void* original = p.gradient;
-    vars_.push_back({.param = std::move(p), .original = original});
-  }
-  for (std::size_t i = 0; i < vars_.size(); ++i) {
-    by_name_.emplace(vars_[i].param.name, i);
-    by_data_.emplace(vars_[i].param.values.data, i);
-  }
-  used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
-  lay_out(detail::reverse_order(vars_.size()));
-  // The buckets were zeroed and filled on the compute stream: complete before the first step.
-  memory_space::synchronize(device_, stream_);
-  runner_.emplace(*this);
-}
-
-template <class Policy>
-basic_ddp<Policy>::~basic_ddp() {
-  runner_.reset();  // joins the thread, or waits out the watchdog
-  timeline_.write_at_exit();
-  try {
-    for (variable& v : vars_) {
-      if (!v.view) continue;
-      parameter& p = v.param;
-      if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
-      p.rebind(p.gradient_slot, v.original);
-    }
-    memory_space::synchronize(device_, stream_);  // before the buckets are freed
-  } catch (...) {
-    // A device that failed already reported it; the model's pointers are what they are.
-  }
-}
-
-template <class Policy>
-typename basic_ddp<Policy>::own_channel_type basic_ddp<Policy>::make_own_channel() {
-  if constexpr (communicator_type::reaches_host_memory) {
-    return own_channel_type(comm_);
-  } else {
-    return {};
-  }
-}
-
-// A communicator that reaches host memory carries the metadata itself (no
-// store traffic, and packed host values of any size); a device-only one uses `given`.
-template <class Policy>
-control_plane basic_ddp<Policy>::control_for([[maybe_unused]] control_plane* given) {
-  if constexpr (communicator_type::reaches_host_memory) {
-    return control_plane(own_channel_);
-  } else {
-    return *given;  // the constructors without one do not compile for such a communicator
-  }
-}
-
-// The nodes as the launcher placed them, or (no context) as node names group them.
-template <class Policy>
-node_layout basic_ddp<Policy>::layout_of(const std::optional<node_layout>& given,
-                                         [[maybe_unused]] const environment& env) {
-  if constexpr (std::is_same_v<typename Policy::topology_type, topology::flat>) {
-    return given.value_or(node_layout{});  // flat needs none: nothing collective
-  } else {
-    if (given) return *given;
-    return detail::layout_from_node_names(control_, node_name(env));
-  }
-}
-
-template <class Policy>
-int basic_ddp<Policy>::device_of(communicator_type& comm) {
-  if constexpr (on_device) {
-    return comm.device();
-  } else {
-    (void)comm;
-    return -1;
-  }
-}
-
-}  // namespace dtrain
-
-// ---- begin dtrain/ddp/basic_ddp_buckets.hpp ----
-/// @file
-/// basic_ddp's buckets: how the gradients are laid out in them (and laid out
-/// again at the rebuild), and each bucket's journey once its turn comes:
-/// launched in order, prepared (copy-in, compression), reduced by the
-/// topology or the user's hook, finished (decompression, copy-out), by the
-/// runner of the memory space (ddp/runner.hpp). Out-of-class members of
-/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
-
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <exception>
-#include <numeric>
-#include <span>
-#include <utility>
-#include <vector>
-
-namespace dtrain {
-
-template <class Policy>
-std::vector<bucket_info> basic_ddp<Policy>::buckets() const {
-  std::vector<bucket_info> out;
-  out.reserve(buckets_.size());
-  for (const bucket& b : buckets_) out.push_back(b.info);
-  return out;
-}
-
-/// Lays the gradients out in buckets filled in `order`, moving each
-/// bucket-view gradient (and its values) to its new place. The old buckets
-/// are freed only once the copies out of them are complete.
-template <class Policy>
-void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
-  std::vector<bucket_info> layout = detail::assign_buckets(
-      parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
-      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
-  std::vector<bucket> buckets(layout.size());
-  for (std::size_t b = 0; b < layout.size(); ++b) {
-    bucket& s = buckets[b];
-    s.info = std::move(layout[b]);
-    const bucket_info& info = s.info;
-    // A hierarchical topology splits a bucket into equal shards, one per
-    // rank of a node: zeros at the end make the count divide (GPU: every
-    // shard on bucket_alignment too). The padding stays zero.
-    std::size_t unit = topo_.granularity();
-    if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
-    // Sharded: size() equal shards, each on bucket_alignment on a GPU.
-    if (owns_bucket_shards()) {
-      const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
-      unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
-    }
-    s.moved = (info.count + unit - 1) / unit * unit;
-    if (owns_bucket_shards()) {
-      s.owned_count = s.moved / static_cast<std::size_t>(size_);
-      s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
-                                                   stream_);
-    }
-    try {
-      s.grads = transient_buckets()
-                    ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                         stream_, detail::droppable_pages)
-                    : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                         stream_);
-    } catch (const backend_error& e) {
-      throw backend_error("DistributedDataParallel on rank " + std::to_string(rank_) +
-                              ": the gradients of bucket " + std::to_string(b) + ": " + e.what(),
-                          e.engine_code());
-    }
-    if (compressed(info))
-      s.wire = detail::flat_storage<memory_space>(
-          s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
-    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)
-      s.shard =
-          detail::flat_storage<memory_space>(shard * size_of(info.type), info.device, stream_);
-    for (std::size_t k = 0; k < info.parameters.size(); ++k) {
-      variable& v = vars_[info.parameters[k]];
-      parameter& p = v.param;
-      v.bucket = b;
-      v.offset = info.offsets[k];
-      v.view = options_.gradient_as_bucket_view && p.rebindable();
-      if (v.view) {
-        void* place = s.grads.data() + v.offset;
-        if (p.gradient) memory_space::copy(place, p.gradient, p.bytes(), p.device, stream_);
-        p.gradient = place;
-        p.rebind(p.gradient_slot, place);
-      }
-    }
-  }
-  if (transient_buckets()) {
-    std::size_t largest = 0;
-    for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
-    for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
-  }
-  // The old buckets are released on the compute stream, after the copies
-  // out of them and (streams) after every collective on them: the compute
-  // stream waits for those already (order_after_buckets). The host does not
-  // wait, with CUDA as without.
-  buckets_ = std::move(buckets);
-  make_pieces();
-  reset_step();
-}
-
-/// Launches, in bucket order, every bucket whose turn it is and is ready.
-template <class Policy>
-void basic_ddp<Policy>::launch_ready() {
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
-    const std::size_t b = next_launch_++;
-    try {
-      buckets_[b].span = timeline_.bucket_launched(b, buckets_[b].info.count);
-      if (sends_nothing()) {
-        finish_alone(b);
-      } else {
-        runner_->launch(b, !in_bulk_);
-      }
-    } catch (...) {
-      fail(std::current_exception());
-    }
-  }
-}
-
-/// World size 1: the bucket's mean is its gradients. Only compression has
-/// something to do (round through the wire type, as on more ranks), on the
-/// caller's thread or the compute stream; the timeline still sees the bucket.
-template <class Policy>
-void basic_ddp<Policy>::finish_alone(std::size_t b) {
-  if (compressed(buckets_[b].info)) {
-    prepare_bucket(b);
-    finish_bucket(b);
-  } else if (timeline_.on()) {
-    timeline_.bucket_done(b, buckets_[b].span, detail::timeline::now(), false);
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::zero_contribution(std::size_t i) {
-  variable& v = vars_[i];
-  parameter& p = v.param;
-  if (v.view || (sends_nothing() && !compressed(buckets_[v.bucket].info))) {
-    // World size 1 leaves a copy-mode gradient where it is: zero it there.
-    memory_space::zero(p.gradient, p.bytes(), p.device, stream_);
-  } else {
-    // Copy-mode: the bucket's slice is what travels; the model's buffer gets the mean after.
-    memory_space::zero(buckets_[v.bucket].grads.data() + v.offset, p.bytes(), p.device, stream_);
-    v.zeroed = true;
-  }
-}
-
-/// Copy-in and compression: what must happen before the collective.
-template <class Policy>
-void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
-  bucket& s = buckets_[b];
-  if (timeline_.on()) s.span_reduce = detail::timeline::now();
-  for (std::size_t i : s.info.parameters) {
-    const variable& v = vars_[i];
-    if (v.view || v.zeroed) continue;
-    memory_space::copy(s.grads.data() + v.offset, v.param.gradient, v.param.bytes(), s.info.device,
-                       stream_);
-  }
-  if (!compressed(s.info)) return;
-  const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
-  memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
-                         s.info.count, scale, detail::wire_type(options_.compression),
-                         s.info.device, stream_);
-}
-
-/// The collective of bucket b (or the user's hook), ordered after the compute stream.
-template <class Policy>
-work basic_ddp<Policy>::reduce(std::size_t b) {
-  detail::label_scope label("bucket",
-                            static_cast<std::int64_t>(b));  // names it in desync diagnostics
-  bucket& s = buckets_[b];
-  buffer data{s.grads.data(), s.moved, s.info.type, memory_space::where, s.grads.device()};
-  reduce_op op = reduce_op::avg;
-  if (compressed(s.info)) {
-    data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
-            s.grads.device()};
-    op = reduce_op::sum;
-  }
-  if (hook_) {
-    gradient_bucket view{.index = b,
-                         .data = data,
-                         .world_size = size_,
-                         .parameters = s.info.parameters,
-                         .stream = stream_};
-    view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
-    return hook_(comm_, view);
-  }
-  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
-                     s.grads.device()};
-  if (shards_gradients()) {  // stage 2: this rank keeps the mean of its shard only
-    const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
-                      s.grads.device()};
-    return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
-  }
-  return topo_.allreduce(data, shard, op, on_stream_or_null());
-}
-
-/// Decompression and copy-out: what must happen after the collective.
-template <class Policy>
-void basic_ddp<Policy>::finish_bucket(std::size_t b) {
-  bucket& s = buckets_[b];
-  if (compressed(s.info)) {
-    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
-                             detail::wire_type(options_.compression), s.info.device, stream_);
-  }
-  // Stage 2 averaged only this rank's shard (shard() has it): the model's
-  // own gradients keep what this rank computed.
-  for (std::size_t i : s.info.parameters) {
-    const variable& v = vars_[i];
-    if (v.view || shards_gradients()) continue;
-    memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
-                       stream_);
-  }
-  // A transient bucket's pages go back now: its gradients read zero from here on.
-  if (transient_buckets()) s.grads.clear(stream_);
-  timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
-}
-
-template <class Policy>
-std::exception_ptr basic_ddp<Policy>::complete_buckets() {
-  if (sends_nothing()) return nullptr;  // each bucket was finished as it was launched
-  const auto span = timeline_.wait(buckets_.size());
-  return runner_->complete(buckets_.size());
-}
-
-template <class Policy>
-std::exception_ptr basic_ddp<Policy>::runner_drain() {
-  if constexpr (memory_space::on_stream) {
-    return runner_->drain();
-  } else {
-    return nullptr;  // synchronize() waited already
-  }
-}
-
-/// The parameters in the order the current buckets hold them.
-template <class Policy>
-std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
-  std::vector<std::size_t> order;
-  for (const bucket& b : buckets_)
-    order.insert(order.end(), b.info.parameters.begin(), b.info.parameters.end());
-  return order;
-}
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/basic_ddp_buckets.hpp ----
-// ---- begin dtrain/ddp/basic_ddp_shards.hpp ----
-/// @file
-/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1 and 2): the
-/// pieces of the parameters a rank owns, the allgather of the updated values,
-/// and the two helpers every trainer needs beside them (the global gradient
-/// norm, a decision all ranks take together). Out-of-class members of
-/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
-///
-/// A bucket of `moved` elements (padded so that `size()` divides it, each
-/// shard on bucket_alignment on a GPU) has `moved / size()` per shard; rank r
-/// owns elements [r q, (r + 1) q). A parameter may straddle shards: each rank
-/// gets the piece of it that falls in its own. Stage 1 averages whole buckets
-/// (an allreduce in place, as DDP); stage 2 reduce-scatters each bucket into
-/// the rank's `owned` buffer the moment it is ready. After the optimizer has
-/// updated its pieces (in the model's own memory), each rank copies them into
-/// `owned`, and an allgather per bucket brings every rank's into the bucket's
-/// gradient storage (free once the optimizer has read the gradients), from
-/// where every parameter's values are copied back; the bucket is then zeroed
-/// for the next step's gradients.
-
-
-#include <bit>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <vector>
-
-namespace dtrain {
-
-template <class Policy>
-void basic_ddp<Policy>::make_pieces() {
-  pieces_.clear();
-  shard_elements_ = 0;
-  if (!owns_bucket_shards()) {  // every parameter is this rank's, its gradient where it is
-    for (std::size_t i = 0; i < vars_.size(); ++i) {
-      const parameter& p = vars_[i].param;
-      pieces_.push_back({.parameter = i,
-                         .offset = 0,
-                         .state_offset = shard_elements_,
-                         .bucket = vars_[i].bucket,
-                         .values = p.values,
-                         .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
-                                       p.values.device}});
-      shard_elements_ += p.values.count;
-    }
-    return;
-  }
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    bucket& s = buckets_[b];
-    const std::size_t elem = size_of(s.info.type);
-    const std::size_t first = shard_first(s), last = first + s.owned_count;
-    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
-      const std::size_t i = s.info.parameters[k];
-      const parameter& p = vars_[i].param;
-      const std::size_t at = s.info.offsets[k] / elem;  // the parameter's first element
-      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
-      if (lo >= hi) continue;
-      buffer values = p.values;
-      values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
-      values.count = hi - lo;
-      std::byte* gradients =
-          shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
-      pieces_.push_back(
-          {.parameter = i,
-           .offset = lo - at,
-           .state_offset = shard_elements_,
-           .bucket = b,
-           .values = values,
-           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
-      shard_elements_ += hi - lo;
-    }
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::check_updatable(const char* what) const {
-  if (updatable_) return;
-  throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
-              std::to_string(rank_) + " with no averaged gradients to use: " +
-              (any_touched_ ? "step " + std::to_string(steps_) + " is not synchronized yet"
-                            : "step " + std::to_string(steps_) +
-                                  " has not started, and the one "
-                                  "before was updated already") +
-              " (sharding " + std::string(to_string(options_.sharding)) +
-              "). Call synchronize() after the backward pass, then the optimizer once");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::gather_parameters() {
-  auto nothing = [](const shard_piece&) {};  // this rank updated its pieces itself
-  update_and_gather("gather_parameters()", nothing);
-}
-
-/// This rank's updated values of bucket b into its shard, and the
-/// allgather of every rank's into the bucket (its gradients are used up),
-/// ordered after the compute stream where the engine takes one.
-template <class Policy>
-work basic_ddp<Policy>::launch_gather(std::size_t b) {
-  bucket& s = buckets_[b];
-  const std::size_t elem = size_of(s.info.type);
-  const std::size_t first = shard_first(s);
-  for (std::size_t k = 0; k < pieces_.size(); ++k) {
-    const shard_piece& piece = pieces_[k];
-    if (piece.bucket != b) continue;
-    const std::size_t at = vars_[piece.parameter].offset / elem + piece.offset - first;
-    memory_space::copy(s.owned.data() + at * elem, piece.values.data, piece.values.bytes(),
-                       s.info.device, stream_);
-  }
-  const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
-  const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
-                    s.grads.device()};
-  const buffer all{gathered(b), s.moved, s.info.type, memory_space::where, s.grads.device()};
-  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where,
-                       s.grads.device()};
-  return topo_.allgather(mine, scratch, all, on_stream_or_null());
-}
-
-/// Where bucket b's allgather lands: the bucket itself (its gradients are
-/// used up), or with transient buckets, whose pages were given back after
-/// the reduce-scatter, one of two staging buffers, taken in turn (a bucket's
-/// is free again once the bucket two before it is complete).
-template <class Policy>
-std::byte* basic_ddp<Policy>::gathered(std::size_t b) {
-  return transient_buckets() ? staging_[b % 2].data() : buckets_[b].grads.data();
-}
-
-/// Bucket b's allgather is complete (and, on streams, the compute stream
-/// ordered after it): the values other ranks updated are copied out of where
-/// it landed into the parameters, and the bucket is zeroed for the next
-/// step's gradients.
-template <class Policy>
-void basic_ddp<Policy>::complete_gather(std::size_t b) {
-  bucket& s = buckets_[b];
-  const std::size_t elem = size_of(s.info.type);
-  const std::size_t first = shard_first(s), last = first + s.owned_count;
-  for (const std::size_t i : s.info.parameters) {
-    const variable& v = vars_[i];
-    // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
-    const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
-    auto copy_out = [&](std::size_t from, std::size_t to) {
-      if (from >= to) return;
-      memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
-                         gathered(b) + from * elem, (to - from) * elem, s.info.device, stream_);
-    };
-    copy_out(lo, std::min(hi, first));
-    copy_out(std::max(lo, last), hi);
-  }
-  // The next step's gradients start from zero (a transient bucket's pages
-  // were given back after its reduce-scatter; its staging buffer is
-  // overwritten whole by the next allgather).
-  if (!transient_buckets()) s.grads.clear(stream_);
-}
-
-/// Waits for the allgathers from `completed` on (each within the collective
-/// timeout), then completes each (complete_gather).
-template <class Policy>
-void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
-  const std::lock_guard lock(mutex_);
-  updatable_ = false;
-  if (!shards_optimizer_state()) return;
-  try {
-    if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
-      for (bucket& s : buckets_) s.grads.clear(stream_);
-      return;
-    }
-    for (std::size_t b = completed; b < gathers.size(); ++b) gathers[b].wait();
-    order_after_buckets();
-    for (std::size_t b = completed; b < gathers.size(); ++b) complete_gather(b);
-  } catch (...) {
-    fail(std::current_exception());
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
-  for (work& w : gathers) {
-    try {
-      w.wait();
-    } catch (...) {  // the update's exception is the one to report
-    }
-  }
-  const std::lock_guard lock(mutex_);
-  updatable_ = false;
-  broken_ = true;
-  broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
-                    ") in the middle of its update and allgathers: the ranks' values may differ";
-}
-
-template <class Policy>
-double basic_ddp<Policy>::gradient_norm() {
-  {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    check_updatable("gradient_norm()");
-  }
-  // Streams: the buckets' collectives are done before the host reads what they wrote.
-  if constexpr (memory_space::on_stream) wait();
-  double squares = 0;
-  std::vector<std::byte> staged;
-  for (const shard_piece& piece : pieces_) {
-    const buffer& g = piece.gradients;
-    const void* data = g.data;
-    if (g.where == memory::device) {
-      staged.resize(g.bytes());
-      memory_space::download(staged.data(), g.data, g.bytes(), device_, stream_);
-      memory_space::synchronize(device_, stream_);
-      data = staged.data();
-    }
-    if (g.type == dtype::float32) {
-      for (const float x : std::span(static_cast<const float*>(data), g.count))
-        squares += static_cast<double>(x) * static_cast<double>(x);
-    } else if (g.type == dtype::float64) {
-      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
-    } else {
-      throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
-                         ": parameter '" + vars_[piece.parameter].param.name + "' is " +
-                         std::string(to_string(g.type)) + "; the norm reads float32 and float64");
-    }
-  }
-  if (owns_bucket_shards()) {
-    // Every rank's sum, added in rank order: the same norm on every rank.
-    const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
-    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
-    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
-    squares = 0;
-    for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
-  }
-  return std::sqrt(squares);
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::any_rank(bool mine) {
-  check_usable();
-  return !flagged_ranks(control_, mine).empty();
-}
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/basic_ddp_shards.hpp ----
-// ---- begin dtrain/ddp/basic_ddp_step.hpp ----
-/// @file
-/// basic_ddp's step, as a state machine under its lock: parameters are marked
-/// ready (by the user, by autograd's hooks, or as unused), buckets launch in
-/// turn, synchronize() completes the step, the first step's order rebuilds the
-/// buckets once, and no_sync() accumulates instead. Out-of-class members of
-/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
-
-
-#include <cstdio>
-#include <mutex>
-
-namespace dtrain {
-
-template <class Policy>
-void basic_ddp<Policy>::mark(std::size_t i) {
-  bool last = false;
-  bool throttle = false;
-  {
-    const std::lock_guard lock(mutex_);
-    last = ready(i);
-    throttle = transient_buckets() && no_sync_depth_ == 0 && !sends_nothing();
-  }
-  // Transient buckets: a backward pass that writes gradients faster than the
-  // buckets travel waits here, so that at most two buckets launched and not
-  // yet reduced hold their pages (besides those being written).
-  if (throttle) runner_->throttle(transient_in_flight);
-  if (last && all_marked_) all_marked_();
-}
-
-/// The hot path of mark_ready, under the lock. Returns whether it marked the
-/// step's last parameter outside no_sync().
-template <class Policy>
-bool basic_ddp<Policy>::ready(std::size_t i) {
-  check_usable_locked();
-  variable& v = vars_[i];
-  const auto span = timeline_.mark_ready(i, v.bucket);
-  any_touched_ = true;
-  updatable_ = false;  // a new step: the last one's update (if any) is behind
-  if (no_sync_depth_ > 0) {
-    v.touched = true;
-    return false;
-  }
-  if (v.unused) {
-    throw error("DistributedDataParallel::mark_ready: parameter '" + v.param.name + "' on rank " +
-                std::to_string(rank_) +
-                " was marked ready after prepare_for_backward() listed it as not reached by "
-                "step " +
-                std::to_string(steps_) + " (it is sent as zero)");
-  }
-  if (v.marked) marked_twice(i);
-  if (!any_marked_ && unused_pending_) {
-    // The step's first gradient: what the backward pass does not reach is ready now
-    // (c10d's Reducer), with a zero contribution or what no_sync() accumulated.
-    unused_pending_ = false;
-    for (std::size_t k = 0; k < vars_.size(); ++k) {
-      if (!vars_[k].unused) continue;
-      if (!vars_[k].touched) zero_contribution(k);
-      record_mark(k, false);
-    }
-  }
-  record_mark(i, true);
-  return unmarked_ == 0;
-}
-
-/// Parameter i is ready: counted in its bucket, which launches in its turn.
-/// `by_rank`: this rank gave it a gradient (not a zero for an unused one).
-template <class Policy>
-void basic_ddp<Policy>::record_mark(std::size_t i, bool by_rank) {
-  variable& v = vars_[i];
-  v.marked = true;
-  if (by_rank) v.touched = true;
-  any_marked_ = true;
-  --unmarked_;
-  if (recording()) ready_order_.push_back(i);
-  bucket& b = buckets_[v.bucket];
-  if (--b.pending == 0) {
-    b.ready = true;
-    if (options_.overlap) launch_ready();
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::no_such_index(std::size_t index) const {
-  throw error("DistributedDataParallel::mark_ready: parameter #" + std::to_string(index) +
-              " does not exist on rank " + std::to_string(rank_) + " (the model has " +
-              std::to_string(vars_.size()) + ")");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::no_such_name(std::string_view name) const {
-  throw error("DistributedDataParallel::mark_ready: rank " + std::to_string(rank_) +
-              " has no parameter named '" + std::string(name) + "'");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::not_a_parameter(const parameter& p) const {
-  throw error("DistributedDataParallel::mark_ready: parameter '" + p.name + "' on rank " +
-              std::to_string(rank_) +
-              " is not one of the model's parameters (its values are elsewhere)");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::marked_twice(std::size_t i) const {
-  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
-              std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
-              " on rank " + std::to_string(rank_) +
-              "; mark each gradient once per step (accumulate inside no_sync())");
-}
-
-/// What may only happen between steps (after synchronize(), before the next mark).
-template <class Policy>
-void basic_ddp<Policy>::check_between_steps(const char* what) const {
-  if (any_marked_ && no_sync_depth_ == 0) {
-    throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
-                std::to_string(rank_) +
-                " in the middle of a step (after mark_ready, before synchronize())");
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::mark_all_ready() {
-  // Last first, as a backward pass finishes them and as the first layout
-  // fills the buckets: recorded for the rebuild, this order changes nothing.
-  // The backward pass is over: the caller reduces these buckets itself in
-  // synchronize(), without waking the communication thread.
-  const std::lock_guard lock(mutex_);
-  in_bulk_ = true;
-  try {
-    for (std::size_t i = vars_.size(); i-- > 0;) {
-      if (!vars_[i].marked && !vars_[i].unused) ready(i);
-    }
-  } catch (...) {
-    in_bulk_ = false;
-    throw;
-  }
-  in_bulk_ = false;
-}
-
-template <class Policy>
-void basic_ddp<Policy>::synchronize() {
-  const std::lock_guard lock(mutex_);
-  synchronize_locked();
-}
-
-template <class Policy>
-void basic_ddp<Policy>::synchronize_locked() {
-  if (no_sync_depth_ > 0) return;
-  {
-    const auto span = timeline_.synchronize(steps_);
-    check_usable_locked();
-    complete_marks();
-    if (auto e = complete_buckets()) fail(e);
-    end_step();
-  }
-  if (options_.find_unused_parameters && options_.report_unused_parameters &&
-      steps_ <= unused_report_steps)
-    report_unused();
-}
-
-/// ddp_options::stream becomes the compute stream, as set_stream() makes one
-/// (the first broadcast is ordered after it); what is wrong with it, for the
-/// agreement to stop every rank.
-template <class Policy>
-std::string basic_ddp<Policy>::take_stream() {
-  const std::string what =
-      "DistributedDataParallel on rank " + std::to_string(rank_) + ": ddp_options::stream";
-  if constexpr (memory_space::on_stream) {
-    static_assert(std::is_same_v<stream_type, stream_handle>,
-                  "a memory space on streams takes ddp_options::stream (a stream_handle)");
-    try {
-      change_stream(options_.stream);
-    } catch (const config_error& e) {
-      return what + ": " + e.what();
-    }
-  } else if (options_.stream != nullptr) {
-    return what + " is set, but " + std::string(communicator_type::name) +
-           " reduces host memory and orders after no stream: leave it null";
-  }
-  return {};
-}
-
-template <class Policy>
-void basic_ddp<Policy>::change_stream(stream_type compute) {
-  if (compute == stream_) return;
-  if (any_marked_) {
-    throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
-                       " in the middle of step " + std::to_string(steps_) +
-                       " (after mark_ready, before synchronize()): buckets already launched "
-                       "are ordered after the old stream; set the stream before the step");
-  }
-  memory_space::check_stream(device_, compute);
-  // What the old stream still does with the buckets comes first; their
-  // storage is released on the new one from now on.
-  memory_space::order_after(device_, compute, stream_);
-  for (bucket& b : buckets_) {
-    b.grads.set_stream(compute);
-    b.wire.set_stream(compute);
-    b.shard.set_stream(compute);
-    b.owned.set_stream(compute);
-  }
-  stream_ = compute;
-}
-
-template <class Policy>
-void basic_ddp<Policy>::synchronize_on(stream_type compute) {
-  const std::lock_guard lock(mutex_);
-  if (compute != stream_ && (any_marked_ || next_launch_ > 0) && no_sync_depth_ == 0) {
-    throw config_error("DistributedDataParallel::synchronize(stream) on rank " +
-                       std::to_string(rank_) + " with a stream other than the one step " +
-                       std::to_string(steps_) +
-                       " was marked on: call set_stream(stream) before the step instead");
-  }
-  change_stream(compute);
-  synchronize_locked();
-}
-
-template <class Policy>
-void basic_ddp<Policy>::wait() {
-  const std::lock_guard lock(mutex_);
-  if (auto e = runner_drain()) fail(e);
-  memory_space::synchronize(device_, stream_);
-}
-
-template <class Policy>
-typename basic_ddp<Policy>::no_sync_guard basic_ddp<Policy>::no_sync() {
-  const std::lock_guard lock(mutex_);
-  if (any_marked_) {
-    throw error("DistributedDataParallel::no_sync() on rank " + std::to_string(rank_) +
-                " in the middle of a synchronized step (after mark_ready, before synchronize())");
-  }
-  ++no_sync_depth_;
-  return no_sync_guard(*this);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::zero_grad() {
-  const std::lock_guard lock(mutex_);
-  check_between_steps("zero_grad()");
-  for (bucket& b : buckets_) b.grads.clear(stream_);  // transient buckets: pages given back
-  for (const variable& v : vars_) {
-    if (!v.view) memory_space::zero(v.param.gradient, v.param.bytes(), v.param.device, stream_);
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
-  const std::lock_guard lock(mutex_);
-  if (any_marked_ || next_launch_ > 0) {
-    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
-                       " (after mark_ready, before synchronize()): register it between steps");
-  }
-  if (options_.sharding == sharding::gradients) {
-    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) +
-                       ": ddp_options::sharding is gradients, whose buckets are reduce-scattered, "
-                       "not allreduced; a hook replaces an allreduce (use sharding::optimizer)");
-  }
-  if (options_.compression != gradient_compression::none) {
-    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
-                       std::string(to_string(options_.compression)) +
-                       "; a hook replaces the reduction, so compress inside the hook instead");
-  }
-  hook_ = std::move(hook);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::prepare_for_backward(std::span<const std::size_t> unused) {
-  const std::lock_guard lock(mutex_);
-  if (!options_.find_unused_parameters) {
-    throw config_error("DistributedDataParallel::prepare_for_backward on rank " +
-                       std::to_string(rank_) +
-                       " without ddp_options::find_unused_parameters: set it to leave parameters "
-                       "out of a step");
-  }
-  check_between_steps("prepare_for_backward()");
-  for (variable& v : vars_) v.unused = false;
-  for (std::size_t i : unused) {
-    if (i >= vars_.size()) no_such_index(i);
-    vars_[i].unused = true;
-  }
-  unused_pending_ = !unused.empty();
-}
-
-template <class Policy>
-void basic_ddp<Policy>::on_all_marked(std::function<void()> callback) {
-  const std::lock_guard lock(mutex_);
-  all_marked_ = std::move(callback);
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::marked(std::size_t i) const {
-  const std::lock_guard lock(mutex_);
-  return i < vars_.size() && vars_[i].marked;
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::declared_unused(std::size_t i) const {
-  const std::lock_guard lock(mutex_);
-  return i < vars_.size() && vars_[i].unused;
-}
-
-template <class Policy>
-std::size_t basic_ddp<Policy>::unmarked() const {
-  const std::lock_guard lock(mutex_);
-  return unmarked_;
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::step_open() const {
-  const std::lock_guard lock(mutex_);
-  return any_marked_;
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::idle() const {
-  const std::lock_guard lock(mutex_);
-  return !any_touched_;
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::accumulating() const {
-  const std::lock_guard lock(mutex_);
-  return no_sync_depth_ > 0;
-}
-
-template <class Policy>
-std::vector<bool> basic_ddp<Policy>::used_anywhere() {
-  const std::lock_guard lock(mutex_);
-  check_usable_locked();
-  return used_anywhere_locked();
-}
-
-/// The counts of the last completed step: this rank's `touched_last`, summed
-/// over the ranks once (in the memory space of the engine, which may reach
-/// device memory only), then kept for that step.
-template <class Policy>
-std::vector<bool> basic_ddp<Policy>::used_anywhere_locked() {
-  if (!options_.find_unused_parameters) return std::vector<bool>(vars_.size(), true);
-  if (used_step_ != steps_) {
-    std::vector<std::int32_t> counts(vars_.size());
-    for (std::size_t i = 0; i < vars_.size(); ++i) counts[i] = vars_[i].touched_last ? 1 : 0;
-    if (size_ > 1 && !counts.empty()) {
-      const detail::label_scope label("parameters used in step",
-                                      static_cast<std::int64_t>(steps_) - 1);
-      const std::size_t bytes = counts.size() * sizeof(std::int32_t);
-      if constexpr (memory_space::where == memory::host) {
-        sum_in_place({counts.data(), counts.size(), dtype::int32, memory::host, -1}).wait();
-      } else {
-        const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
-        memory_space::upload(staged.data(), counts.data(), bytes, device_, stream_);
-        sum_in_place({staged.data(), counts.size(), dtype::int32, memory::device, device_}).wait();
-        memory_space::download(counts.data(), staged.data(), bytes, device_, stream_);
-        memory_space::synchronize(device_, stream_);
-      }
-    }
-    used_counts_ = std::move(counts);
-    used_step_ = steps_;
-  }
-  std::vector<bool> used(vars_.size());
-  for (std::size_t i = 0; i < used.size(); ++i) used[i] = used_counts_[i] > 0;
-  return used;
-}
-
-/// The unmarked parameters of this step: an error, or (find_unused_parameters)
-/// zero contributions, marked now in index order on every rank.
-template <class Policy>
-void basic_ddp<Policy>::complete_marks() {
-  if (unmarked_ > 0 && !options_.find_unused_parameters) {
-    const std::string names =
-        detail::pick_names(parameters(), [&](std::size_t i) { return !vars_[i].marked; }).names;
-    throw error("DistributedDataParallel::synchronize: rank " + std::to_string(rank_) +
-                " never marked " + std::to_string(unmarked_) + " of " +
-                std::to_string(vars_.size()) + " parameters ready in step " +
-                std::to_string(steps_) + ": " + names +
-                "; call mark_ready for every parameter (or mark_all_ready() after the backward "
-                "pass), or set ddp_options::find_unused_parameters");
-  }
-  for (std::size_t i = 0; i < vars_.size(); ++i) {
-    if (vars_[i].marked) continue;
-    // Nothing accumulated in no_sync() either: this rank contributes zero.
-    if (!vars_[i].touched) zero_contribution(i);
-    const auto span = timeline_.mark_ready(i, vars_[i].bucket);
-    record_mark(i, false);
-  }
-  for (bucket& b : buckets_) b.ready = true;
-  in_bulk_ = true;  // synchronize() reduces these on the caller's thread next
-  launch_ready();
-  in_bulk_ = false;
-}
-
-/// After each of the first unused_report_steps steps, what some rank used
-/// (used_anywhere(), collective: every rank reaches it in the same step);
-/// after the last of them, rank 0 names the parameters that no rank marked.
-template <class Policy>
-void basic_ddp<Policy>::report_unused() {
-  const std::vector<bool> used = used_anywhere_locked();
-  for (std::size_t i = 0; i < vars_.size(); ++i) vars_[i].used = vars_[i].used || used[i];
-  if (steps_ != unused_report_steps || rank_ != 0) return;
-  const auto [names, count] =
-      detail::pick_names(parameters(), [&](std::size_t i) { return !vars_[i].used; });
-  if (count == 0) return;
-  std::fprintf(
-      stderr,
-      "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "
-      "%zu steps; with find_unused_parameters %s treated as unused and %s zeroed. If a "
-      "mark_ready was forgotten, add it (or call mark_all_ready() after the backward "
-      "pass); if the parameter is unused on purpose, set "
-      "ddp_options::report_unused_parameters = false to silence this\n",
-      size_, count == 1 ? "parameter" : "parameters", names.c_str(), unused_report_steps,
-      count == 1 ? "it is" : "they are", count == 1 ? "its gradient" : "their gradients");
-  std::fflush(stderr);
-}
-
-/// After every bucket is averaged: the one rebuild, then a fresh step.
-template <class Policy>
-void basic_ddp<Policy>::end_step() {
-  const bool rebuild = recording();
-  ++steps_;
-  updatable_ = true;  // shard() holds the mean: the optimizer may run once
-  for (variable& v : vars_) v.touched_last = v.touched;
-  if (rebuild) {
-    // Rank 0's order wins, so that every rank lays its buckets out alike.
-    const std::vector<std::size_t> agreed =
-        detail::agree_on_order(control_, ready_order_, vars_.size());
-    rebuilt_ = true;
-    // The buckets of this step are done with (host memory) or ordered
-    // before everything that follows on the compute stream (streams), where
-    // lay_out() copies out of them and releases them.
-    if (agreed != layout_order()) lay_out(agreed);
-  }
-  reset_step();
-}
-
-template <class Policy>
-void basic_ddp<Policy>::reset_step() {
-  for (variable& v : vars_) v.marked = v.touched = v.zeroed = v.unused = false;
-  for (bucket& b : buckets_) {
-    b.pending = b.info.parameters.size();
-    b.ready = false;
-  }
-  ready_order_.clear();
-  next_launch_ = 0;
-  unmarked_ = vars_.size();
-  any_marked_ = any_touched_ = unused_pending_ = false;
-}
-
-template <class Policy>
-void basic_ddp<Policy>::unusable() const {
-  throw error("DistributedDataParallel on rank " + std::to_string(rank_) +
-              " is unusable after an earlier failure: " + broken_message_);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::fail(std::exception_ptr e) {
-  broken_ = true;
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    broken_message_ = x.what();
-    throw;
-  }
-}
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/basic_ddp_step.hpp ----
-// ---- end dtrain/ddp/basic_ddp.hpp ----
-// ---- begin dtrain/detail/link_check.hpp ----
-/// @file
-/// The link check of separate compilation: a program links dtrain's compiled
-/// code for one set of engines, the one its translation units were compiled
-/// with, or it does not link.
-///
-/// The engines change what dtrain's code does (with NCCL, CUDA is compiled in
-/// and the MPI engine reaches device memory; with MPI, a failed rank ends the
-/// MPI job), so a library built with other engines than a TU would hand that
-/// TU other bodies than the ones it expects, and link order would pick one.
-/// Two symbols make either mistake a link error that names it:
-///   - every TU compiled in separate mode, and every object of the library,
-///     refers to `library_built_with_engines_<set>`, which only the library of
-///     that set defines: a missing or other library is an undefined reference;
-///   - each library (and DTRAIN_INSTANTIATE_COMPILED_POLICIES()) defines
-///     `every_unit_must_use_the_same_dtrain_engines`, not weak: objects of two
-///     sets in one program (a TU on dtrain::gloo beside one on dtrain::dtrain)
-///     are a multiple definition.
-/// Header-only TUs take no part. Shared libraries that each link a static
-/// dtrain escape the second check (the dynamic linker lets one interpose).
-
-
-#if DTRAIN_HAS_GLOO()
-#define DTRAIN_DETAIL_LINK_GLOO _gloo
-#else
-#define DTRAIN_DETAIL_LINK_GLOO
-#endif
-#if DTRAIN_HAS_MPI()
-#define DTRAIN_DETAIL_LINK_MPI _mpi
-#else
-#define DTRAIN_DETAIL_LINK_MPI
-#endif
-#if DTRAIN_HAS_NCCL()
-#define DTRAIN_DETAIL_LINK_NCCL _nccl
-#elif DTRAIN_HAS_CUDA()  // DTRAIN_WITH_CUDA=1 alone: the CUDA runtime without NCCL
-#define DTRAIN_DETAIL_LINK_NCCL _cuda
-#else
-#define DTRAIN_DETAIL_LINK_NCCL
-#endif
-#if !DTRAIN_HAS_GLOO() && !DTRAIN_HAS_MPI() && !DTRAIN_HAS_CUDA()
-#define DTRAIN_DETAIL_LINK_NONE _none
-#else
-#define DTRAIN_DETAIL_LINK_NONE
-#endif
-
-#define DTRAIN_DETAIL_LINK_PASTE(a, b, c, d, e) a##b##c##d##e
-#define DTRAIN_DETAIL_LINK_NAME(a, b, c, d, e) DTRAIN_DETAIL_LINK_PASTE(a, b, c, d, e)
-/// library_built_with_engines_gloo_mpi_nccl, ..._gloo, ..._none: this TU's engines.
-#define DTRAIN_DETAIL_LINK_SYMBOL                                              \
-  DTRAIN_DETAIL_LINK_NAME(library_built_with_engines, DTRAIN_DETAIL_LINK_GLOO, \
-                          DTRAIN_DETAIL_LINK_MPI, DTRAIN_DETAIL_LINK_NCCL,     \
-                          DTRAIN_DETAIL_LINK_NONE)
-
-namespace dtrain::detail::link_check {
-/// Defined by the compiled library built with this TU's engines, and only there.
-extern const int DTRAIN_DETAIL_LINK_SYMBOL;
-/// Defined, not weak, by each compiled library: two in one program do not link.
-extern const int every_unit_must_use_the_same_dtrain_engines;
-}  // namespace dtrain::detail::link_check
-
-/// The library's half (src/link_check.cpp, DTRAIN_INSTANTIATE_COMPILED_POLICIES()),
-/// at namespace scope, without a semicolon.
-#define DTRAIN_DETAIL_DEFINE_LINK_CHECK()                           \
-  namespace dtrain::detail::link_check {                            \
-  extern const int DTRAIN_DETAIL_LINK_SYMBOL = 1;                   \
-  extern const int every_unit_must_use_the_same_dtrain_engines = 1; \
-  }
-
-/// The TU's half: a reference that the linker must resolve, kept even when
-/// nothing else in the TU uses dtrain (`used`). GCC and Clang only.
-#if defined(__GNUC__)
-#define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()                                                 \
-  namespace dtrain::detail::link_check {                                                   \
-  namespace {                                                                              \
-  [[gnu::used]] const int* const this_unit_needs_its_library = &DTRAIN_DETAIL_LINK_SYMBOL; \
-  }                                                                                        \
-  }
-#else
-#define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
-#endif
-// ---- end dtrain/detail/link_check.hpp ----
-// ---- begin dtrain/runtime/run.hpp ----
-/// @file
-/// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
-/// A worker discovers its world, joins the rendezvous, builds the
-/// communicator, runs `fn(context&)` and tears down; under launch::per_node
-/// the process first started is the node agent, which re-executes the
-/// program as the node's workers. Every failure becomes one rank-prefixed
-/// line on stderr and a non-zero exit status.
-
-// ---- begin dtrain/launch/agent.hpp ----
-/// @file
-/// node_agent: the per-node launcher (launch::per_node, dtrun). It starts the
-/// node's workers with torchrun's environment, hosts the rendezvous store on
-/// node 0, supervises the workers, stops the whole job on the first failure
-/// (on every node), restarts it up to a limit, and forwards signals. Each
-/// restart round is an agent_round (launch/round.hpp); the agents meet
-/// through agent_store (launch/agent_store.hpp).
-
-// ---- begin dtrain/launch/agent_store.hpp ----
-/// @file
-/// The node agents' side of the job's store: node 0's agent serves it, every
-/// agent joins it, meets the others there between restart rounds, beats its
-/// heartbeat, records and reads how a round failed (naming the worker that
-/// went wrong), and leaves. The keys and the format of their values are
-/// launch/protocol.hpp's.
-
-// ---- begin dtrain/launch/signals.hpp ----
-/// @file
-/// The signals a node agent catches while it runs: SIGINT, SIGTERM and SIGHUP
-/// end the job (forwarded to the workers), SIGUSR1 asks the workers for desync
-/// diagnostics and stops nothing. The handlers only record the signal; the
-/// agent's loop and its waits read it.
-
-
-#include <array>
-#include <csignal>
-#include <cstddef>
-
-namespace dtrain::detail {
-
-/// The last signal that asks the agent to end the job (0: none).
-inline volatile std::sig_atomic_t agent_signal = 0;
-
-inline void record_agent_signal(int sig) { agent_signal = sig; }
-
-/// SIGUSR1s the agent received and has not forwarded yet: they ask the
-/// workers for desync diagnostics and stop nothing.
-inline volatile std::sig_atomic_t agent_diagnostics_requests = 0;
-
-inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
-
-/// The signal that ends the job, if one arrived (0: none).
-[[nodiscard]] inline int pending_agent_signal() noexcept { return agent_signal; }
-
-/// Takes a pending SIGUSR1 request: true once per request.
-[[nodiscard]] DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
-  if (agent_diagnostics_requests == 0) return false;
-  agent_diagnostics_requests = 0;
-  return true;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
-/// them to the workers, and SIGUSR1, which it forwards without stopping them
-/// (desync diagnostics); restores the previous handlers afterwards.
-class agent_signal_scope {
- public:
-  agent_signal_scope();
-  agent_signal_scope(const agent_signal_scope&) = delete;
-  agent_signal_scope& operator=(const agent_signal_scope&) = delete;
-  ~agent_signal_scope();
-  static constexpr std::array<int, 3> signals{SIGINT, SIGTERM, SIGHUP};
-
- private:
-  std::array<struct sigaction, 3> previous_{};
-  struct sigaction previous_usr1_ {};
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE agent_signal_scope::agent_signal_scope() {
-  agent_signal = 0;
-  struct sigaction sa {};
-  sa.sa_handler = record_agent_signal;
-  sigemptyset(&sa.sa_mask);
-  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
-  agent_diagnostics_requests = 0;
-  sa.sa_handler = record_diagnostics_request;
-  ::sigaction(SIGUSR1, &sa, &previous_usr1_);
-}
-
-DTRAIN_DETAIL_INLINE agent_signal_scope::~agent_signal_scope() {
-  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
-  ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain::detail
-// ---- end dtrain/launch/signals.hpp ----
 
 #include <chrono>
 #include <cstdint>
@@ -20154,6 +18655,317 @@ DTRAIN_DETAIL_INLINE std::optional<exit_record> agent_store::first_exit(int rest
 
 }  // namespace dtrain::detail
 // ---- end dtrain/launch/agent_store.hpp ----
+// ---- begin dtrain/launch/options.hpp ----
+/// @file
+/// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
+/// Every option can also come from an environment variable, dtrain's own
+/// (DTRAIN_*) or torchrun's (PET_*); see with_env().
+
+
+#include <chrono>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+namespace dtrain {
+
+/// How long stopped workers get between SIGTERM and SIGKILL (torchrun: 30 s).
+/// Environment: DTRAIN_GRACE_PERIOD (seconds).
+inline constexpr std::chrono::milliseconds default_grace_period{10'000};
+
+/// How long an agent may go without beating its heartbeat in the store before
+/// the other agents declare its node lost and end the job. Environment:
+/// DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+inline constexpr std::chrono::milliseconds default_heartbeat_timeout{10'000};
+
+/// The port of a `--rdzv-endpoint HOST` without one (torchrun's c10d default).
+inline constexpr int default_rdzv_port = 29400;
+
+namespace detail {
+/// Parses a node count as dtrun's --nnodes takes it: "N", or "MIN:MAX" for
+/// an elastic job (1 <= MIN <= MAX). Returns {MIN, MAX}; MIN is unset for
+/// "N" and for "N:N" (not elastic). `origin` names the value in errors.
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text) {
+  const std::size_t colon = text.find(':');
+  if (colon == std::string_view::npos) {
+    const int n = parse_non_negative(origin, text);
+    if (n < 1) throw config_error(origin + " must be at least 1 (nodes)");
+    return {std::nullopt, n};
+  }
+  const int least = parse_non_negative(origin + " (MIN)", text.substr(0, colon));
+  const int most = parse_non_negative(origin + " (MAX)", text.substr(colon + 1));
+  if (least < 1 || least > most) {
+    throw config_error(origin + ": MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  }
+  return {least < most ? std::optional<int>(least) : std::nullopt, most};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Parses workers per node as torchrun's --nproc-per-node takes them: a
+/// positive integer; `gpu`, the CUDA devices this process sees (config_error
+/// when it sees none); `cpu`, the cores it may run on; `auto`, the GPUs if
+/// any, else the cores. `count` is called for a keyword only. Returns the
+/// number with its origin (`origin`, and what a keyword counted).
+DTRAIN_DETAIL_INLINE sourced_int
+parse_nproc_per_node(const std::string& origin, std::string_view text,
+                     local_devices (*count)() = &count_local_devices);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
+                                                      std::string_view text,
+                                                      local_devices (*count)()) {
+  if (text == "gpu" || text == "cpu" || text == "auto") {
+    const local_devices here = count();
+    if (text == "cpu" || (text == "auto" && here.gpus == 0)) {
+      return {here.cpus, origin + " (" + std::to_string(here.cpus) + " CPU cores)"};
+    }
+    if (here.gpus == 0) {
+      throw config_error(origin +
+                         ": this process sees no CUDA device (no driver, "
+                         "or CUDA_VISIBLE_DEVICES hides them); give a number of workers, or cpu");
+    }
+    return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
+  }
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos) {
+    throw config_error(origin + " is not a number of workers, gpu, cpu or auto");
+  }
+  const int n = parse_non_negative(origin, text);
+  if (n < 1) throw config_error(origin + " must be at least 1 (workers per node)");
+  return {n, origin};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Checks a rendezvous backend (torchrun's --rdzv-backend): dtrun's agents
+/// meet at node 0's store, which is c10d's way; etcd, etcd-v2 and static are
+/// refused, naming the dtrun flags that say the same.
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
+  if (text == "c10d") return;
+  const std::string instead =
+      "its agents meet at a store that node 0's agent serves (torchrun's c10d): "
+      "give --rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
+      "or --master-addr HOST --master-port PORT --node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, "
+      "PET_NODE_RANK)";
+  if (text == "static") {
+    throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
+  }
+  if (text == "etcd" || text == "etcd-v2") {
+    throw config_error(origin + ": dtrun has no etcd rendezvous; " + instead);
+  }
+  throw config_error(origin + " is not a rendezvous backend of dtrun's; " + instead);
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Parses a c10d rendezvous endpoint (torchrun's --rdzv-endpoint), HOST[:PORT],
+/// as node 0's store: the port is default_rdzv_port (29400) when absent, and
+/// its origin says so.
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text);
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text) {
+  const host_port hp = split_host_port(origin, text);
+  return {sourced_text{hp.host, origin},
+          hp.port ? sourced_int{*hp.port, origin}
+                  : sourced_int{default_rdzv_port, origin + " (c10d's default port " +
+                                                       std::to_string(default_rdzv_port) + ")"}};
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// The value of an option as the variables `names` give it: parse(origin,
+/// text) of each that is set, a T or a sourced<T>. Two that are set must agree.
+template <class T, class Parse>
+std::optional<sourced<T>> read_agreeing(const environment& env,
+                                        std::initializer_list<std::string_view> names,
+                                        std::string_view what, Parse parse) {
+  std::optional<sourced<T>> found;
+  for (std::string_view name : names) {
+    if (auto text = env.get(name)) {
+      const std::string origin = assignment(name, *text);
+      if constexpr (std::is_same_v<decltype(parse(origin, *text)), sourced<T>>) {
+        agree(found, parse(origin, *text), what);
+      } else {
+        agree(found, sourced<T>{parse(origin, *text), origin}, what);
+      }
+    }
+  }
+  return found;
+}
+}  // namespace detail
+
+/// Options of the node agent. Aggregate: `{.nproc_per_node = 4, .max_restarts = 2}`.
+/// Unset values come from the environment or the outer launcher (see
+/// discover_world in per-node mode): NODE_RANK, OMPI_COMM_WORLD_RANK,
+/// SLURM_NODEID, MASTER_ADDR, MASTER_PORT.
+struct agent_options {
+  /// Workers this agent starts. Environment: DTRAIN_NPROC_PER_NODE or
+  /// PET_NPROC_PER_NODE (N, gpu, cpu or auto). Default: the number of visible
+  /// CUDA devices for backend::nccl, else 1.
+  std::optional<int> nproc_per_node{};
+  /// Nodes (agents) in the job; in an elastic job, the most. Environment:
+  /// DTRAIN_NNODES or PET_NNODES (N, or MIN:MAX). Default: from the outer
+  /// launcher, else 1.
+  std::optional<int> nnodes{};
+  /// An elastic job (dtrun --nnodes MIN:MAX, as torchrun's): the fewest nodes
+  /// it runs on. When a node is lost, the others go on without it (at least
+  /// this many), and a node that comes (back) joins at the next round, up to
+  /// nnodes; each change restarts every worker with the new world size
+  /// (resume from a checkpoint: docs/checkpoints.md). Unset: exactly nnodes.
+  std::optional<int> min_nnodes{};
+  /// This agent's node. Environment: DTRAIN_NODE_RANK or PET_NODE_RANK
+  /// (NODE_RANK is read too, and must agree).
+  std::optional<int> node_rank{};
+  /// Where node 0's agent serves the rendezvous store. Environment:
+  /// PET_MASTER_ADDR or PET_RDZV_ENDPOINT. Default: MASTER_ADDR, else
+  /// 127.0.0.1 on a single node; required with several nodes.
+  std::optional<std::string> master_addr{};
+  /// Its port. Environment: PET_MASTER_PORT or PET_RDZV_ENDPOINT. Default:
+  /// MASTER_PORT, else a free port on a single node and 29500 with several.
+  /// 0 picks a free port (single node only).
+  std::optional<int> master_port{};
+  /// Times the whole job is restarted after a worker fails. Environment: DTRAIN_MAX_RESTARTS.
+  int max_restarts = 0;
+  /// SIGTERM → SIGKILL delay when workers are stopped.
+  /// Environment: DTRAIN_GRACE_PERIOD (seconds).
+  std::chrono::milliseconds grace_period = default_grace_period;
+  /// A node whose agent is silent this long is lost: the others end the job.
+  /// Environment: DTRAIN_HEARTBEAT_TIMEOUT (seconds).
+  std::chrono::milliseconds heartbeat_timeout = default_heartbeat_timeout;
+  /// Prefix every line the workers print with `[rank N] ` (torchrun's --tee).
+  /// Environment: DTRAIN_TEE=1.
+  bool tee = false;
+  /// When set, each worker's output (stdout and stderr) also goes to
+  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
+  std::string log_dir{};
+  /// Pass `--local_rank=N` as the workers' first argument, as
+  /// torch.distributed.launch did for Hugging Face style scripts.
+  /// Environment: DTRAIN_LOCAL_RANK_ARG=1.
+  bool local_rank_arg = false;
+  /// The job's id (torchrun's --rdzv-id): every node's agent must give the
+  /// same one (or none), or the job does not start (a node of another job
+  /// that reached this store is named); the workers get it as
+  /// TORCHELASTIC_RUN_ID. Environment: PET_RDZV_ID.
+  std::string rdzv_id{};
+
+  /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
+  /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
+  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
+  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
+  /// wins, as for every dtrain option, so an operator can change a job without
+  /// rebuilding it. torchrun's variables are read as dtrun's (Kubeflow
+  /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
+  /// DTRAIN_ twins, PET_NODE_RANK beside DTRAIN_NODE_RANK and NODE_RANK,
+  /// PET_MASTER_ADDR, PET_MASTER_PORT and PET_RDZV_ENDPOINT (HOST[:PORT]) beside
+  /// MASTER_ADDR, MASTER_PORT and AZ_BATCH_MASTER_NODE, PET_RDZV_BACKEND (c10d
+  /// only) and PET_RDZV_ID. Throws config_error naming the variable and its
+  /// value, or both variables when two that are set disagree.
+  [[nodiscard]] agent_options with_env(const environment& env) const;
+
+  /// Throws config_error when an option is out of range.
+  void check() const;
+};
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
+  agent_options out = *this;
+  if (auto n = detail::read_agreeing<int>(
+          env, {nproc_per_node_variable, pet_nproc_per_node_variable}, "the workers per node",
+          [](const std::string& origin, std::string_view text) {
+            return detail::parse_nproc_per_node(origin, text);
+          })) {
+    out.nproc_per_node = n->value;
+  }
+  if (auto n = detail::read_agreeing<std::pair<std::optional<int>, int>>(
+          env, {nnodes_variable, pet_nnodes_variable}, "the number of nodes",
+          &detail::parse_node_count)) {
+    out.min_nnodes = n->value.first;
+    out.nnodes = n->value.second;
+  }
+  // NODE_RANK is discovery's (beside GROUP_RANK and the launchers'); checked here against ours.
+  if (env.contains(node_rank_variable) || env.contains(pet_node_rank_variable)) {
+    out.node_rank =
+        detail::read_agreeing<int>(env, {node_rank_variable, pet_node_rank_variable, "NODE_RANK"},
+                                   "the node rank", &detail::parse_non_negative)
+            ->value;
+  }
+  // Node 0's store: torchrun's variables, which must agree with MASTER_ADDR and the like.
+  if (auto backend = detail::read_text(env, pet_rdzv_backend_variable)) {
+    detail::check_rdzv_backend(backend->origin, backend->value);
+  }
+  std::optional<detail::sourced_text> addr = detail::read_text(env, pet_master_addr_variable);
+  std::optional<detail::sourced_int> port = detail::read_port(env, pet_master_port_variable);
+  if (auto endpoint = detail::read_text(env, pet_rdzv_endpoint_variable)) {
+    const auto [host, at] = detail::parse_rdzv_endpoint(endpoint->origin, endpoint->value);
+    detail::agree(addr, host, "node 0's address");
+    detail::agree(port, at, "node 0's port");
+  }
+  if (addr || port) {
+    const detail::explicit_master named = detail::read_explicit_master(env);
+    detail::agree(addr, named.addr, "node 0's address");
+    detail::agree(port, named.port, "node 0's port");
+    if (addr) out.master_addr = addr->value;
+    if (port) out.master_port = port->value;
+  }
+  if (auto id = detail::read_text(env, pet_rdzv_id_variable)) out.rdzv_id = id->value;
+  if (auto v = detail::read_int(env, max_restarts_variable)) out.max_restarts = v->value;
+  if (auto t = detail::read_seconds(env, grace_period_variable)) out.grace_period = *t;
+  if (auto t = detail::read_seconds(env, heartbeat_timeout_variable)) out.heartbeat_timeout = *t;
+  if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
+  if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
+  if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
+  out.check();
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void agent_options::check() const {
+  auto at_least = [](const char* name, const std::optional<int>& v, int least) {
+    if (v && *v < least) {
+      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                         " must be at least " + std::to_string(least));
+    }
+  };
+  at_least("nproc_per_node", nproc_per_node, 1);
+  at_least("nnodes", nnodes, 1);
+  at_least("min_nnodes", min_nnodes, 1);
+  if (min_nnodes && (!nnodes || *min_nnodes > *nnodes)) {
+    throw config_error("option min_nnodes=" + std::to_string(*min_nnodes) +
+                       (nnodes ? " is more than nnodes=" + std::to_string(*nnodes)
+                               : " needs nnodes (the most nodes)"));
+  }
+  at_least("node_rank", node_rank, 0);
+  auto at_most = [](const char* name, const std::optional<int>& v) {
+    if (v && *v > max_world_size) {
+      throw config_error("option " + std::string(name) + "=" + std::to_string(*v) +
+                         " is more than dtrain's limit of " + std::to_string(max_world_size) +
+                         " ranks (max_world_size)");
+    }
+  };
+  at_most("nproc_per_node", nproc_per_node);
+  at_most("nnodes", nnodes);
+  if (max_restarts < 0) {
+    throw config_error("option max_restarts=" + std::to_string(max_restarts) + " is negative");
+  }
+  if (grace_period.count() < 0) throw config_error("option grace_period is negative");
+  if (heartbeat_timeout.count() <= 0) {
+    throw config_error("option heartbeat_timeout=" + std::to_string(heartbeat_timeout.count()) +
+                       " ms must be positive");
+  }
+  if (master_port && *master_port != 0) {
+    detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
+  }
+  if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+}  // namespace dtrain
+// ---- end dtrain/launch/options.hpp ----
 // ---- begin dtrain/launch/process.hpp ----
 /// @file
 /// The node agent's processes: starting a worker (fork + exec, dying with the
@@ -20929,8 +19741,8 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_joiners(agent_store& store) {
   last_join_check_ = now;
   if (!store.node_waiting(settings_.restart)) return;
   failure_record regroup{0, false,
-                         "a node is ready to join: every node stops its workers, and the next "
-                         "round is formed with it (no restart counted)"};
+                         "a node is ready to join: every node stops its workers, "
+                         "and the next round is formed with it (no restart counted)"};
   regroup.regroup = true;
   detail::record_failure(store.client(), settings_.restart, regroup);
 }
@@ -21105,9 +19917,8 @@ DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, ag
                                           .node_rank = options_.node_rank});
   if (!node_.node_rank || !node_.num_nodes) {
     throw config_error(
-        "the node agent cannot tell which node it is: give node_rank and nnodes "
-        "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
-        "mpirun or srun");
+        "the node agent cannot tell which node it is: give node_rank and nnodes (--node-rank, "
+        "--nnodes; NODE_RANK) or start one agent per node with mpirun or srun");
   }
   nproc_ = *node_.local_world_size;
   const bool single = *node_.num_nodes == 1;
@@ -21130,8 +19941,8 @@ DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, ag
   }
   if (master_port_ == 0 && !single) {
     throw config_error(
-        "master_port 0 (a free port) works only on a single node: the other "
-        "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+        "master_port 0 (a free port) works only on a single node: "
+        "the other nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
   }
 }
 
@@ -21326,6 +20137,1448 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
 
 }  // namespace dtrain
 // ---- end dtrain/launch/agent.hpp ----
+// ---- begin dtrain/policy.hpp ----
+/// @file
+/// dtrain::policy<Launch, Backend, Topology>: the compile-time choices of a
+/// job. Each slot is a small tag type; a combination that cannot work is a
+/// static_assert that says why, not a run-time surprise.
+
+// ---- begin dtrain/topology/hierarchical.hpp ----
+/// @file
+/// topology::hierarchical: an allreduce runs as a node-local reduce-scatter,
+/// a cross-node allreduce of each shard (one communicator per local rank),
+/// and a node-local allgather. Only 1/L of the data crosses the network per
+/// rank (L ranks per node), and the links between nodes carry each shard
+/// once per node rather than once per rank: the slow links carry (n-1)/n of
+/// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
+
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::topology {
+
+/// Node-local and cross-node communicators, split from the world.
+struct hierarchical {
+  static constexpr std::string_view name = "hierarchical";
+  /// On host engines, a buffer of more than this many bytes travels in chunks
+  /// of about this size (at most 8), pipelined: a chunk's node-local steps run
+  /// while another chunk crosses the nodes. 0: one piece.
+  static constexpr std::size_t default_chunk_bytes = std::size_t{2} << 20;
+
+  /// The communicators of one user (DistributedDataParallel makes one):
+  /// `local` (the ranks of this node, by local rank) and `cross` (the ranks
+  /// with this local rank, one per node, by node rank), or the world alone
+  /// when the nodes do not allow a hierarchy (see hierarchical()).
+  template <communicator C>
+  class group {
+   public:
+    /// Collective over `world`: every rank's layout is gathered over
+    /// `control`; when every node holds the same number L > 1 of ranks and
+    /// there are N > 1 nodes, `world` is split into `local` (color: node rank,
+    /// key: local rank) and `cross` (color: local rank, key: node rank).
+    /// Otherwise collectives run flat on `world`, and rank 0 prints one line
+    /// saying why. `world` must outlive the group. `chunk_bytes`: see
+    /// default_chunk_bytes (every rank must pass the same). Throws what
+    /// split() throws, and backend_error when a split does not give the expected size.
+    group(C& world, control_plane control, const node_layout& mine,
+          std::size_t chunk_bytes = default_chunk_bytes)
+        : world_(&world), chunk_bytes_(chunk_bytes) {
+      const std::vector<node_layout> table = detail::gather_layouts(control, mine);
+      why_flat_ = detail::hierarchy_problem(table);
+      if (!why_flat_.empty()) {
+        if (world.rank() == 0) {
+          std::fprintf(stderr, "dtrain: topology::hierarchical runs flat on %d ranks: %s\n",
+                       world.size(), why_flat_.c_str());
+          std::fflush(stderr);
+        }
+        return;
+      }
+      local_.emplace(world.split(mine.node_rank, mine.local_rank));
+      cross_.emplace(world.split(mine.local_rank, mine.node_rank));
+      if (local_->size() != mine.local_size || local_->rank() != mine.local_rank ||
+          cross_->size() != mine.num_nodes || cross_->rank() != mine.node_rank) {
+        throw backend_error(
+            "topology::hierarchical on rank " + std::to_string(world.rank()) + ": splitting " +
+                std::string(C::name) + " gave local rank " + std::to_string(local_->rank()) +
+                " of " + std::to_string(local_->size()) + " and cross rank " +
+                std::to_string(cross_->rank()) + " of " + std::to_string(cross_->size()) +
+                ", the layout says " + std::to_string(mine.local_rank) + " of " +
+                std::to_string(mine.local_size) + " and " + std::to_string(mine.node_rank) +
+                " of " + std::to_string(mine.num_nodes),
+            0);
+      }
+    }
+    group(const group&) = delete;
+    group& operator=(const group&) = delete;
+
+    [[nodiscard]] C& world() noexcept { return *world_; }
+    /// Whether collectives run hierarchically; false when they run flat (why_flat() says why).
+    [[nodiscard]] bool hierarchical() const noexcept { return local_.has_value(); }
+    [[nodiscard]] const std::string& why_flat() const noexcept { return why_flat_; }
+    /// The node-local communicator; only when hierarchical().
+    [[nodiscard]] C& local() { return *local_; }
+    /// The cross-node communicator of this local rank; only when hierarchical().
+    [[nodiscard]] C& cross() { return *cross_; }
+
+    /// A buffer whose length is a multiple of this many elements (the ranks
+    /// per node) needs no extra collectives for a remainder.
+    [[nodiscard]] std::size_t granularity() const noexcept {
+      return local_ ? static_cast<std::size_t>(local_->size()) : 1;
+    }
+    /// Elements of scratch (`shard`) an allreduce of `count` elements needs.
+    [[nodiscard]] std::size_t shard_count(std::size_t count) const noexcept {
+      return local_ ? count / granularity() : 0;
+    }
+    /// "hierarchical (gloo): 2 nodes x 2 ranks", or "flat (gloo, 3 ranks): uneven nodes: ..."
+    [[nodiscard]] std::string describe() const {
+      if (!local_) {
+        return "flat (" + std::string(C::name) + ", " + std::to_string(world_->size()) +
+               " ranks): " + why_flat_;
+      }
+      return "hierarchical (" + std::string(C::name) + "): " + std::to_string(cross_->size()) +
+             " nodes x " + std::to_string(local_->size()) + " ranks";
+    }
+
+    /// In place on `data`: the reduction over every rank. `shard` is scratch
+    /// of at least shard_count(data.count) elements of data's type in the
+    /// same memory, untouched by anyone else until the work completes (one
+    /// per collective in flight). Steps: node-local reduce_scatter of the
+    /// first L x q elements (q = count / L) into `shard`, cross-node allreduce
+    /// of `shard`, node-local allgather back into `data`; the last count - L x q
+    /// elements (fewer than L) are reduced by a node-local and a cross-node
+    /// allreduce of their own. avg is avg at each step (sum / L, then / N).
+    /// On an engine that orders collectives on streams (NCCL) every step is
+    /// enqueued now, the first after `stream`; otherwise each step starts when
+    /// the previous one has finished, inside test() / wait() of the returned
+    /// work, so drive it from the thread that issues this group's collectives.
+    /// Throws config_error for a `shard` of the wrong type, memory or size.
+    work allreduce(buffer data, buffer shard, reduce_op op, stream_handle stream = nullptr) {
+      return run(data, shard, op, stream, nullptr);
+    }
+
+    /// The same for host memory, with scratch of its own (held by the work).
+    work allreduce(buffer data, reduce_op op) {
+      if (!local_ || data.count < granularity()) return run(data, {}, op, nullptr, nullptr);
+      if (data.where != memory::host) {
+        throw config_error(describe_call(data, op) +
+                           ": device memory needs a shard buffer of the caller's "
+                           "(allreduce(data, shard, op, stream))");
+      }
+      auto scratch =
+          std::make_shared<std::vector<std::byte>>(shard_count(data.count) * size_of(data.type));
+      buffer shard{scratch->data(), shard_count(data.count), data.type, memory::host};
+      return run(data, shard, op, nullptr, std::move(scratch));
+    }
+
+    /// Where this rank's part of a reduce_scatter() lies (in parts of
+    /// data.count / world().size()): local rank x nodes + node rank, so that
+    /// a node-local reduce-scatter and then a cross-node one leave it there;
+    /// the world rank when the collectives run flat.
+    [[nodiscard]] std::size_t shard_position() const {
+      if (!local_) return static_cast<std::size_t>(world_->rank());
+      return static_cast<std::size_t>(local_->rank()) * static_cast<std::size_t>(cross_->size()) +
+             static_cast<std::size_t>(cross_->rank());
+    }
+
+    /// The reduction of `data` over every rank, this rank's part of it (part
+    /// shard_position() of world().size()) into `out`: a node-local
+    /// reduce_scatter into `shard` (scratch of shard_count(data.count)
+    /// elements, as for allreduce), then a cross-node reduce_scatter of it
+    /// into `out`. Only 1/L of the data crosses the nodes, as in allreduce().
+    /// data.count must be a multiple of world().size() (config_error).
+    work reduce_scatter(buffer data, buffer shard, buffer out, reduce_op op,
+                        stream_handle stream = nullptr) {
+      if (!local_) return detail::reduce_scatter_on(*world_, data, out, op, stream);
+      const std::string what = detail::describe(
+          "hierarchical reduce_scatter", std::string(to_string(op)) + ", " + detail::shape(data),
+          world_->rank(), world_->size(), C::name);
+      buffer part = two_level_scratch(what, data, shard, out);
+      C& local = *local_;
+      C& cross = *cross_;
+      std::vector<detail::work_sequence::step> steps;
+      steps.push_back({"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks",
+                       [&local, data, part, op, stream] {
+                         return detail::reduce_scatter_on(local, data, part, op, stream);
+                       },
+                       1, -1});
+      steps.push_back({"cross-node reduce_scatter over " + std::to_string(cross.size()) + " nodes",
+                       [&local, &cross, part, out, op] {
+                         return detail::reduce_scatter_on(cross, part, out, op,
+                                                          detail::stream_after(local));
+                       },
+                       2, 0});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
+    /// Every rank's `in` into `data`, each at its shard_position(): a
+    /// cross-node allgather into `shard` (scratch as for reduce_scatter()),
+    /// then a node-local allgather of it into `data`.
+    work allgather(buffer in, buffer shard, buffer data, stream_handle stream = nullptr) {
+      if (!local_) return detail::allgather_on(*world_, in, data, stream);
+      const std::string what = detail::describe("hierarchical allgather", detail::shape(data),
+                                                world_->rank(), world_->size(), C::name);
+      buffer part = two_level_scratch(what, data, shard, in);
+      C& local = *local_;
+      C& cross = *cross_;
+      std::vector<detail::work_sequence::step> steps;
+      steps.push_back(
+          {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+           [&cross, in, part, stream] { return detail::allgather_on(cross, in, part, stream); }, 2,
+           -1});
+      steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
+                       [&local, &cross, part, data] {
+                         return detail::allgather_on(local, part, data,
+                                                     detail::stream_after(cross));
+                       },
+                       1, 0});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
+    /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
+    void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
+      c.stream_wait(s);
+    }
+    {
+      world_->stream_wait(stream);
+      if (local_) {
+        local_->stream_wait(stream);
+        cross_->stream_wait(stream);
+      }
+    }
+
+   private:
+    [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
+      return detail::describe("hierarchical allreduce",
+                              std::string(to_string(op)) + ", " + detail::shape(data),
+                              world_->rank(), world_->size(), C::name);
+    }
+
+    work run(buffer data, buffer shard, reduce_op op, stream_handle stream,
+             std::shared_ptr<void> keep_alive) {
+      const std::size_t per_node = granularity();
+      const std::size_t q = local_ ? data.count / per_node : 0;
+      if (q == 0) return detail::allreduce_on(*world_, data, data, op, stream);
+      detail::argument_check check{describe_call(data, op)};
+      check.same_type(data, shard);
+      if (shard.count < q) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(q) + " (shard_count(" + std::to_string(data.count) + "))");
+      }
+      check.op_fits(op, data.type);
+      buffer head = data;
+      head.count = q * per_node;
+      buffer part = shard;
+      part.count = q;
+      buffer rest = data;
+      rest.data = static_cast<std::byte*>(data.data) + head.bytes();
+      rest.count = data.count - head.count;
+
+      C& local = *local_;
+      C& cross = *cross_;
+      // Lanes: the communicators, each a queue of its own. On a host engine a
+      // large buffer travels in chunks, so that a chunk's node-local
+      // reduce-scatter overlaps the previous chunk's cross-node allreduce
+      // (bound by the slow link) and its allgather the next one's.
+      enum : int { on_local = 1, on_cross = 2 };
+      const std::size_t chunks = detail::stream_ordered<C> ? 1 : chunk_count(head.bytes());
+      std::vector<detail::work_sequence::step> rs, cross_steps, ag;
+      for (std::size_t c = 0, begin = 0; c < chunks; ++c) {
+        const std::size_t n = q / chunks + (c < q % chunks ? 1 : 0);  // shard elements of chunk c
+        buffer in = head, mine = part;
+        in.data = static_cast<std::byte*>(head.data) + begin * per_node * size_of(head.type);
+        in.count = n * per_node;
+        mine.data = static_cast<std::byte*>(part.data) + begin * size_of(part.type);
+        mine.count = n;
+        begin += n;
+        const std::string which =
+            chunks > 1 ? " (chunk " + std::to_string(c + 1) + " of " + std::to_string(chunks) + ")"
+                       : "";
+        rs.push_back(
+            {"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, in, mine, op, stream] {
+               return detail::reduce_scatter_on(local, in, mine, op, stream);
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce over " + std::to_string(cross.size()) + " nodes" + which,
+             [&local, &cross, mine, op] {
+               return detail::allreduce_on(cross, mine, mine, op, detail::stream_after(local));
+             },
+             on_cross, -1});
+        ag.push_back(
+            {"node-local allgather over " + std::to_string(local.size()) + " ranks" + which,
+             [&local, &cross, mine, in] {
+               return detail::allgather_on(local, mine, in, detail::stream_after(cross));
+             },
+             on_local, -1});
+      }
+      if (rest.count > 0) {
+        rs.push_back(
+            {"node-local allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&local, rest, op] {
+               return detail::allreduce_on(local, rest, rest, op, detail::stream_after(local));
+             },
+             on_local, -1});
+        cross_steps.push_back(
+            {"cross-node allreduce of the last " + std::to_string(rest.count) + " elements",
+             [&cross, rest, op] {
+               return detail::allreduce_on(cross, rest, rest, op, detail::stream_after(cross));
+             },
+             on_cross, -1});
+      }
+      // List order is each lane's order: every reduce-scatter, then the
+      // cross-node steps, then the allgathers; each waits for its own chunk's step before.
+      std::vector<detail::work_sequence::step> steps;
+      const int crosses = static_cast<int>(rs.size());
+      for (auto& x : rs) steps.push_back(std::move(x));
+      for (std::size_t i = 0; i < cross_steps.size(); ++i) {
+        cross_steps[i].after = static_cast<int>(i);
+        steps.push_back(std::move(cross_steps[i]));
+      }
+      for (std::size_t i = 0; i < ag.size(); ++i) {
+        ag[i].after = crosses + static_cast<int>(i);
+        steps.push_back(std::move(ag[i]));
+      }
+      return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
+                                                          detail::stream_ordered<C>,
+                                                          std::move(keep_alive)));
+    }
+
+    // The node's part of `data` in `shard` for a two-level reduce_scatter or
+    // allgather whose rank part is `part` (data.count / world size elements).
+    [[nodiscard]] buffer two_level_scratch(const std::string& what, const buffer& data,
+                                           const buffer& shard, const buffer& part) const {
+      detail::argument_check check{what};
+      check.same_type(data, shard);
+      check.same_type(data, part);
+      const auto ranks = static_cast<std::size_t>(world_->size());
+      if (data.count % ranks != 0 || part.count != data.count / ranks) {
+        check.fail("the whole has " + std::to_string(data.count) + " elements and a rank's part " +
+                   std::to_string(part.count) + "; the whole must be " + std::to_string(ranks) +
+                   " parts of that size");
+      }
+      buffer node = shard;
+      node.count = shard_count(data.count);
+      if (shard.count < node.count) {
+        check.fail("shard has " + std::to_string(shard.count) + " elements, needs " +
+                   std::to_string(node.count) + " (shard_count(" + std::to_string(data.count) +
+                   "))");
+      }
+      return node;
+    }
+
+    // Chunks of a host buffer of `bytes`: about chunk_bytes_ each, at most 8.
+    [[nodiscard]] std::size_t chunk_count(std::size_t bytes) const noexcept {
+      if (chunk_bytes_ == 0) return 1;
+      return std::clamp<std::size_t>(bytes / chunk_bytes_, 1, 8);
+    }
+
+    C* world_;
+    std::optional<C> local_;
+    std::optional<C> cross_;
+    std::string why_flat_;
+    std::size_t chunk_bytes_;
+  };
+};
+
+}  // namespace dtrain::topology
+// ---- end dtrain/topology/hierarchical.hpp ----
+
+#include <concepts>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace dtrain {
+
+namespace launch {
+/// Every process was started by the outside launcher (mpirun, srun, torchrun).
+struct per_process {
+  static constexpr launch_mode mode = launch_mode::per_process;
+};
+/// This process is its node's agent and starts the node's workers.
+struct per_node {
+  static constexpr launch_mode mode = launch_mode::per_node;
+};
+}  // namespace launch
+
+namespace backend {
+/// MPI (host memory; device memory too when CUDA is available).
+struct mpi {
+  static constexpr bool available = DTRAIN_HAS_MPI() != 0;
+  static constexpr std::string_view name = "mpi";
+  static constexpr std::string_view missing =
+      "dtrain was built without MPI: install Open MPI (Debian: libopenmpi-dev) "
+      "and link dtrain::dtrain, or define DTRAIN_WITH_MPI=1 and link MPI yourself";
+};
+/// Gloo over TCP (host memory).
+struct gloo {
+  static constexpr bool available = DTRAIN_HAS_GLOO() != 0;
+  static constexpr std::string_view name = "gloo";
+  static constexpr std::string_view missing =
+      "dtrain was built without Gloo: install it (Debian: libgloo-dev) and link dtrain::dtrain, "
+      "or define DTRAIN_WITH_GLOO=1 and link gloo yourself";
+};
+/// NCCL (device memory).
+struct nccl {
+  static constexpr bool available = DTRAIN_HAS_NCCL() != 0;
+  static constexpr std::string_view name = "nccl";
+  static constexpr std::string_view missing =
+      "dtrain was built without NCCL: "
+      "install the CUDA toolkit with NCCL and link dtrain::dtrain, "
+      "or define DTRAIN_WITH_NCCL=1 and link nccl and cudart yourself";
+};
+
+}  // namespace backend
+
+/// What a context hands a backend to build its communicator from.
+template <class Store>
+struct communicator_setup {
+  Store* store = nullptr;  ///< the job's store; null where the backend needs none (MPI)
+  int rank = 0;
+  int size = 1;
+  int device = -1;  ///< the CUDA device of this rank (backends that use GPUs), else -1
+  collective_options collectives{};
+  std::string master_addr;  ///< MASTER_ADDR as discovered, or empty
+  const environment* env = nullptr;
+};
+
+/// Everything a backend implies, in one place: its communicator, the memory
+/// space DistributedDataParallel keeps gradients in (which also decides how
+/// buckets travel: a host thread, or CUDA streams), whether ranks use GPUs,
+/// whether the communicator needs the store (needs_store), how it is made,
+/// and, optionally, a channel that works before any store exists
+/// (pre_store_relay, see detail::has_pre_store_relay). Adding an engine adds
+/// one specialisation here. A backend of one's own (tests do) specialises it
+/// too; what it does not declare is off.
+template <class Backend>
+struct backend_traits;
+
+namespace detail {
+/// Whether backend traits `T` can broadcast before the store exists:
+/// `T::pre_store_relay(communicator&)` returns a broadcast_relay from rank 0
+/// (rendezvous/broadcast.hpp). With it, rank 0 sends the others the store
+/// token and, without MASTER_ADDR, the store's address; the communicator is
+/// then made before the store (needs_store = false). MPI has one.
+template <class T>
+concept has_pre_store_relay = requires(typename T::communicator& c) {
+  { T::pre_store_relay(c) } -> broadcast_relay;
+};
+}  // namespace detail
+
+#if DTRAIN_HAS_MPI()
+template <>
+struct backend_traits<backend::mpi> {
+  using communicator = mpi_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  /// MPI knows its world before any store exists...
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    mpi_options options{.collectives = s.collectives};
+    if (s.env) options = options.with_env(*s.env);
+    return mpi_communicator::world(std::move(options));
+  }
+  /// ... and carries rank 0's store token and address to every rank.
+  static detail::mpi_relay pre_store_relay(communicator& c) {
+    return detail::mpi_relay(c.native(), 0);
+  }
+};
+#endif
+#if DTRAIN_HAS_GLOO()
+template <>
+struct backend_traits<backend::gloo> {
+  using communicator = gloo_communicator;
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return gloo_communicator(*s.store, s.rank, s.size,
+                             gloo_options{.collectives = s.collectives,
+                                          .master_addr = s.master_addr,
+                                          .env = s.env ? *s.env : environment{}});
+  }
+};
+#endif
+#if DTRAIN_HAS_NCCL()
+template <>
+struct backend_traits<backend::nccl> {
+  using communicator = nccl_communicator;
+  using memory_space = cuda_memory;
+  static constexpr bool uses_gpus = true;
+  static constexpr bool needs_store = true;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>& s) {
+    return nccl_communicator(*s.store, s.rank, s.size, s.device,
+                             nccl_options{.collectives = s.collectives}.with_env(*s.env));
+  }
+};
+#endif
+
+namespace detail {
+/// What policy<> uses in place of backend_traits<B> when B is not compiled in:
+/// a communicator that is only declared, so that the policy's static_assert
+/// is the one error, not the first of many. Nothing here is ever defined.
+struct missing_backend_traits {
+  struct communicator {
+    static constexpr bool reaches_device_memory = false;
+    static constexpr bool reaches_host_memory = true;
+    static constexpr std::string_view name = "not compiled in";
+    int rank() const;
+    int size() const;
+    bool valid() const;
+    work allreduce(buffer, buffer, reduce_op);
+    work broadcast(buffer, int);
+    work allgather(buffer, buffer);
+    work reduce_scatter(buffer, buffer, reduce_op);
+    work barrier();
+    communicator split(int, int);
+  };
+  using memory_space = host_memory;
+  static constexpr bool uses_gpus = false;
+  static constexpr bool needs_store = false;
+  template <class Store>
+  static communicator make(const communicator_setup<Store>&);
+};
+}  // namespace detail
+
+template <class T>
+concept launch_policy =
+    std::is_same_v<T, launch::per_process> || std::is_same_v<T, launch::per_node>;
+/// A backend tag: backend::mpi, backend::gloo, backend::nccl, or one's own
+/// with a backend_traits specialisation.
+template <class T>
+concept backend_policy = requires {
+  { T::name } -> std::convertible_to<std::string_view>;
+  { T::available } -> std::convertible_to<bool>;
+};
+/// A topology tag: topology::flat or topology::hierarchical.
+template <class T>
+concept topology_policy =
+    std::is_same_v<T, topology::flat> || std::is_same_v<T, topology::hierarchical>;
+
+/// The choices of a job, e.g. policy<launch::per_node, backend::nccl, topology::flat>.
+template <launch_policy Launch, backend_policy Backend, topology_policy Topology = topology::flat>
+struct policy {
+  static_assert(
+      Backend::available,
+      "the backend of this dtrain::policy is not compiled in: see the backend's `missing` text "
+      "(backend::mpi needs DTRAIN_WITH_MPI, backend::gloo DTRAIN_WITH_GLOO, "
+      "backend::nccl DTRAIN_WITH_NCCL)");
+  static_assert(!(std::is_same_v<Launch, launch::per_node> &&
+                  std::is_same_v<Backend, backend::mpi>),
+                "launch::per_node starts the workers itself, "
+                "but MPI processes must be started by mpirun or srun: "
+                "use launch::per_process with backend::mpi, "
+                "or backend::gloo / backend::nccl with launch::per_node");
+  using launch_type = Launch;
+  using backend_type = Backend;
+  using topology_type = Topology;
+  // A backend that is not compiled in has no traits: a stand-in keeps the
+  // static_assert above the only error, instead of the first of many.
+  using traits = std::conditional_t<Backend::available, backend_traits<Backend>,
+                                    detail::missing_backend_traits>;
+  using communicator_type = typename traits::communicator;
+  static_assert(communicator<communicator_type>);
+  static_assert(!detail::has_pre_store_relay<traits> || !traits::needs_store,
+                "a backend whose traits have a pre_store_relay carries values before the store "
+                "exists, so its communicator must be made without one: set needs_store = false");
+  /// Where DistributedDataParallel keeps gradients: host_memory or cuda_memory.
+  using memory_space = typename traits::memory_space;
+  /// Whether gradients may live on the GPU with this backend.
+  static constexpr bool reaches_device_memory = communicator_type::reaches_device_memory;
+  static_assert(!std::is_same_v<Topology, topology::hierarchical> || !memory_space::on_stream ||
+                    detail::stream_ordered<communicator_type>,
+                "topology::hierarchical enqueues its three steps on streams at once, "
+                "each after the last: "
+                "a backend whose buckets travel on streams needs a communicator that orders its "
+                "collectives after the stream it is given (stream_ordered and stream(), "
+                "as nccl_communicator)");
+};
+
+}  // namespace dtrain
+// ---- end dtrain/policy.hpp ----
+// ---- begin dtrain/runtime/compiled.hpp ----
+/// @file
+/// Separate compilation: the policy-dependent code of dtrain (context, run's
+/// agent and worker, DistributedDataParallel's machinery, and with them the
+/// store, the agent and the engine glue) compiled once in a library instead of
+/// in every translation unit that calls dtrain::run. This header does nothing
+/// unless DTRAIN_SEPARATE_COMPILATION=1 is defined.
+///
+/// With DTRAIN_SEPARATE_COMPILATION=1, every TU that includes this header (as
+/// dtrain.hpp does) declares `extern template` for the standard policies below,
+/// and the program must link their instantiations:
+///   - CMake: dtrain::dtrain, dtrain::gloo, dtrain::mpi and dtrain::nccl are
+///     that library (src/*.cpp, cmake/dtrain_compiled.cmake), built with the
+///     target's engines, and define the macro for their users (the default;
+///     dtrain::header_only, or DTRAIN_HEADER_ONLY=ON, is the header-only form);
+///   - by hand (e.g. with the single header): compile every TU with
+///     -DDTRAIN_SEPARATE_COMPILATION=1 and, in one of them, `#define
+///     DTRAIN_COMPILED_DEFINITIONS 1` before the `#include` and put
+///     `DTRAIN_INSTANTIATE_COMPILED_POLICIES()` after it.
+/// In such a TU (and in a user's, with CMake) dtrain's non-template functions
+/// are declared, not defined (DTRAIN_DETAIL_BODIES(), config.hpp): the
+/// library's definitions TU (src/core.cpp; by hand, the one above) compiles
+/// them once.
+/// Policies not in the list (a backend of one's own) are compiled in the TU
+/// that uses them, as in header-only mode. Every TU and the library must agree
+/// on the engines (DTRAIN_WITH_GLOO/MPI/NCCL): dtrain/detail/link_check.hpp
+/// makes a mismatch a link error that names it.
+
+// ---- begin dtrain/detail/link_check.hpp ----
+/// @file
+/// The link check of separate compilation: a program links dtrain's compiled
+/// code for one set of engines, the one its translation units were compiled
+/// with, or it does not link.
+///
+/// The engines change what dtrain's code does (with NCCL, CUDA is compiled in
+/// and the MPI engine reaches device memory; with MPI, a failed rank ends the
+/// MPI job), so a library built with other engines than a TU would hand that
+/// TU other bodies than the ones it expects, and link order would pick one.
+/// Two symbols make either mistake a link error that names it:
+///   - every TU compiled in separate mode, and every object of the library,
+///     refers to `library_built_with_engines_<set>`, which only the library of
+///     that set defines: a missing or other library is an undefined reference;
+///   - each library (and DTRAIN_INSTANTIATE_COMPILED_POLICIES()) defines
+///     `every_unit_must_use_the_same_dtrain_engines`, not weak: objects of two
+///     sets in one program (a TU on dtrain::gloo beside one on dtrain::dtrain)
+///     are a multiple definition.
+/// Header-only TUs take no part. Shared libraries that each link a static
+/// dtrain escape the second check (the dynamic linker lets one interpose).
+
+
+#if DTRAIN_HAS_GLOO()
+#define DTRAIN_DETAIL_LINK_GLOO _gloo
+#else
+#define DTRAIN_DETAIL_LINK_GLOO
+#endif
+#if DTRAIN_HAS_MPI()
+#define DTRAIN_DETAIL_LINK_MPI _mpi
+#else
+#define DTRAIN_DETAIL_LINK_MPI
+#endif
+#if DTRAIN_HAS_NCCL()
+#define DTRAIN_DETAIL_LINK_NCCL _nccl
+#elif DTRAIN_HAS_CUDA()  // DTRAIN_WITH_CUDA=1 alone: the CUDA runtime without NCCL
+#define DTRAIN_DETAIL_LINK_NCCL _cuda
+#else
+#define DTRAIN_DETAIL_LINK_NCCL
+#endif
+#if !DTRAIN_HAS_GLOO() && !DTRAIN_HAS_MPI() && !DTRAIN_HAS_CUDA()
+#define DTRAIN_DETAIL_LINK_NONE _none
+#else
+#define DTRAIN_DETAIL_LINK_NONE
+#endif
+
+#define DTRAIN_DETAIL_LINK_PASTE(a, b, c, d, e) a##b##c##d##e
+#define DTRAIN_DETAIL_LINK_NAME(a, b, c, d, e) DTRAIN_DETAIL_LINK_PASTE(a, b, c, d, e)
+/// library_built_with_engines_gloo_mpi_nccl, ..._gloo, ..._none: this TU's engines.
+#define DTRAIN_DETAIL_LINK_SYMBOL                                              \
+  DTRAIN_DETAIL_LINK_NAME(library_built_with_engines, DTRAIN_DETAIL_LINK_GLOO, \
+                          DTRAIN_DETAIL_LINK_MPI, DTRAIN_DETAIL_LINK_NCCL,     \
+                          DTRAIN_DETAIL_LINK_NONE)
+
+namespace dtrain::detail::link_check {
+/// Defined by the compiled library built with this TU's engines, and only there.
+extern const int DTRAIN_DETAIL_LINK_SYMBOL;
+/// Defined, not weak, by each compiled library: two in one program do not link.
+extern const int every_unit_must_use_the_same_dtrain_engines;
+}  // namespace dtrain::detail::link_check
+
+/// The library's half (src/link_check.cpp, DTRAIN_INSTANTIATE_COMPILED_POLICIES()),
+/// at namespace scope, without a semicolon.
+#define DTRAIN_DETAIL_DEFINE_LINK_CHECK()                           \
+  namespace dtrain::detail::link_check {                            \
+  extern const int DTRAIN_DETAIL_LINK_SYMBOL = 1;                   \
+  extern const int every_unit_must_use_the_same_dtrain_engines = 1; \
+  }
+
+/// The TU's half: a reference that the linker must resolve, kept even when
+/// nothing else in the TU uses dtrain (`used`). GCC and Clang only.
+#if defined(__GNUC__)
+#define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()                                                 \
+  namespace dtrain::detail::link_check {                                                   \
+  namespace {                                                                              \
+  [[gnu::used]] const int* const this_unit_needs_its_library = &DTRAIN_DETAIL_LINK_SYMBOL; \
+  }                                                                                        \
+  }
+#else
+#define DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
+#endif
+// ---- end dtrain/detail/link_check.hpp ----
+// ---- begin dtrain/runtime/context.hpp ----
+/// @file
+/// dtrain::context<Policy>: what a worker's training function is handed by
+/// dtrain::run — the complete world, the rendezvous store, the communicator —
+/// and owns, torn down in reverse order of construction.
+
+// ---- begin dtrain/launch/join.hpp ----
+/// @file
+/// How a worker waits for the others at rendezvous, and says so. Every rank
+/// sets its report and counts itself in (launch/protocol.hpp's job_keys);
+/// rank 0 waits until everyone has joined and then places them. While a rank
+/// waits it says every few seconds who has joined and who has not ("1 of 2
+/// ranks joined; waiting for rank 1"), and at its timeout it names the ranks
+/// that never came and the likely causes, instead of a store key.
+
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's wait at rendezvous, through `Store` (the job's prefix store).
+template <store Store>
+class rendezvous_wait {
+ public:
+  using milliseconds = std::chrono::milliseconds;
+
+  struct setup {
+    std::string endpoint;  ///< "host:port" of the store, for messages
+    int rank = 0;
+    int size = 1;
+    milliseconds timeout{};                       ///< how long a rank waits for the others
+    milliseconds interval{};                      ///< how often it says so
+    std::function<void(std::string_view)> say{};  ///< where it says so (detail::say)
+    std::string world_size_origin;                ///< "WORLD_SIZE=4", for the likely causes
+  };
+
+  rendezvous_wait(Store& store, setup s) : store_(store), s_(std::move(s)) {}
+
+  /// Sets this rank's report and counts it in; the last rank to join marks
+  /// everyone joined.
+  void join(std::string_view report) {
+    store_.set(job_keys::report(s_.rank), report);
+    if (store_.add(job_keys::joined, 1) == s_.size) {
+      store_.set(job_keys::joined_all, present_value());
+    }
+  }
+
+  /// Rank 0: waits until every rank has joined, saying who is missing every
+  /// interval. Throws timeout_error naming the missing ranks and the likely
+  /// causes after the timeout.
+  void await_everyone() {
+    const std::string all(job_keys::joined_all);
+    if (!await(all, true)) throw timeout_error(never_joined());
+  }
+
+  /// Every other rank: the value of `key` (rank 0's answer), once set. While
+  /// rank 0 itself has not joined, says who is missing every interval (rank 0
+  /// says it otherwise). Throws timeout_error after the timeout, naming the
+  /// missing ranks, or rank 0 when everyone joined but no answer came.
+  [[nodiscard]] std::string await_answer(std::string_view key) {
+    const std::string wanted(key);
+    if (await(wanted, false)) return store_.get(wanted);
+    if (joined() < s_.size) throw timeout_error(never_joined());
+    throw timeout_error(prefix() + " timed out after " + whole_seconds(s_.timeout) +
+                        ": every rank joined, but rank 0 did not answer (store key \"" + wanted +
+                        "\"); see rank 0's output for why");
+  }
+
+  /// What the wait looks like now: "1 of 2 ranks joined; waiting for rank 1".
+  [[nodiscard]] std::string progress() {
+    const std::int64_t count = joined();
+    const std::vector<int> missing = missing_ranks();
+    std::string out = std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined";
+    if (!missing.empty()) out += "; waiting for " + rank_list(missing, s_.size - count);
+    return out;
+  }
+
+ private:
+  using steady = std::chrono::steady_clock;
+
+  /// The most ranks a message names.
+  static constexpr std::size_t named_ranks = 8;
+  /// The most keys one check() asks for (the store's default limit is 4096).
+  static constexpr int keys_per_check = 1024;
+
+  // Waits for `key` in slices of the interval; reports between slices (rank
+  // 0 always, the others while rank 0 is missing). False at the timeout.
+  bool await(const std::string& key, bool report_always) {
+    const auto start = steady::now();
+    const auto deadline = start + s_.timeout;
+    const std::string keys[] = {key};
+    for (;;) {
+      const auto left = std::chrono::ceil<milliseconds>(deadline - steady::now());
+      if (left <= milliseconds::zero()) return false;
+      try {
+        store_.wait(keys, s_.interval > milliseconds::zero() ? std::min(left, s_.interval) : left);
+        return true;
+      } catch (const timeout_error&) {
+        // The store ended this slice of the wait; the connection stays sound.
+      }
+      const auto now = steady::now();
+      if (now >= deadline) return false;
+      if (report_always || !store_.check(std::vector<std::string>{job_keys::report(0)})) {
+        say(s_.say, prefix() + ": " + progress() + " (" +
+                        whole_seconds(std::chrono::duration_cast<milliseconds>(now - start)) +
+                        " of " + whole_seconds(s_.timeout) + ")");
+      }
+    }
+  }
+
+  [[nodiscard]] std::string prefix() const { return "rendezvous at " + s_.endpoint; }
+
+  [[nodiscard]] std::int64_t joined() { return store_.add(job_keys::joined, 0); }
+
+  // The first named_ranks ranks whose report is missing, found by halving
+  // ranges whose check() fails: a few requests when few are missing.
+  [[nodiscard]] std::vector<int> missing_ranks() {
+    std::vector<int> out;
+    find_missing(0, s_.size, out);
+    return out;
+  }
+  void find_missing(int lo, int hi, std::vector<int>& out) {
+    if (lo >= hi || out.size() >= named_ranks) return;
+    if (hi - lo <= keys_per_check) {
+      std::vector<std::string> keys;
+      for (int r = lo; r < hi; ++r) keys.push_back(job_keys::report(r));
+      if (store_.check(keys)) return;
+      if (hi - lo == 1) {
+        out.push_back(lo);
+        return;
+      }
+    }
+    const int mid = lo + (hi - lo) / 2;
+    find_missing(lo, mid, out);
+    find_missing(mid, hi, out);
+  }
+
+  // "rank 1", "ranks 1, 3", "998 ranks, among them 1, 2, ..., 8".
+  static std::string rank_list(const std::vector<int>& ranks, std::int64_t total) {
+    std::string names;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      names += (i ? ", " : "") + std::to_string(ranks[i]);
+    }
+    if (total > static_cast<std::int64_t>(ranks.size())) {
+      return std::to_string(total) + " ranks, among them " + names;
+    }
+    return (ranks.size() == 1 ? "rank " : "ranks ") + names;
+  }
+
+  [[nodiscard]] std::string never_joined() {
+    const std::int64_t count = joined();
+    const std::vector<int> missing = missing_ranks();
+    const std::string who = rank_list(missing, s_.size - count);
+    const bool one = s_.size - count == 1;
+    return prefix() + " timed out after " + whole_seconds(s_.timeout) + ": " +
+           std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined; " + who +
+           " never did. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks "
+           "(this rank met at " +
+           s_.endpoint + "), a firewall blocks that port, " + (one ? "that rank" : "those ranks") +
+           " never started or failed before joining (see " + (one ? "its" : "their") +
+           " output), or the world size (" + s_.world_size_origin +
+           ") is larger than the number of ranks started";
+  }
+
+  Store& store_;
+  setup s_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/join.hpp ----
+// ---- begin dtrain/launch/worker.hpp ----
+/// @file
+/// How a worker process ends its part in a job so that the job ends too:
+/// it ignores SIGPIPE (a write to a dead peer becomes an error that names
+/// the peer instead of a silent death), and a failed rank under MPI calls
+/// MPI_Abort, so that mpirun ends every rank at once instead of leaving the
+/// failed one blocked in MPI_Finalize while its peers wait out their timeout.
+/// It also tells its agent how far its communicator got (collective_progress),
+/// so that the agent can name a rank that left its peers waiting.
+
+
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if DTRAIN_HAS_MPI()
+#include <mpi.h>
+#endif
+
+namespace dtrain::detail {
+
+/// Ignores SIGPIPE in this process: a peer that dies mid-write gives EPIPE,
+/// which the engines and the store turn into an error naming the peer. Under
+/// an agent, a worker killed by SIGPIPE would otherwise be blamed as the
+/// root cause of a failure it only witnessed.
+inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
+
+/// Whether MPI is initialised and not yet finalised in this process (by
+/// dtrain's MPI backend or by the user); false in a build without MPI.
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
+#if DTRAIN_HAS_MPI()
+  int initialized = 0;
+  int finalized = 0;
+  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
+  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
+#else
+  return false;
+#endif
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
+/// mpirun exits with it) when MPI is running and `status` is not 0; returns
+/// otherwise. Call it after the failure's one-line report: the report is
+/// flushed first, since MPI_Abort does not return.
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept;
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
+  if (status == 0 || !mpi_is_running()) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+#if DTRAIN_HAS_MPI()
+  MPI_Abort(MPI_COMM_WORLD, status);
+#endif
+}
+#endif  // DTRAIN_DETAIL_BODIES()
+
+/// How far a worker's communicators got, as its agent reports it. Each is
+/// named by its ring ("world", "world/split 1 (color 0)"): every rank that
+/// splits in the same order gives the same split the same name, so counts
+/// of the same name compare across ranks.
+struct collective_progress {
+  std::vector<std::pair<std::string, std::int64_t>> issued;  ///< collectives issued, by ring
+  std::string failed_on;       ///< the ring of the first collective that failed or timed out
+  std::int64_t failed_at = 0;  ///< that collective's number (#N); 0: none failed
+};
+
+/// The progress of `communicator` and its kept splits; nothing when there is
+/// no communicator yet, or its engine keeps no ring of its collectives.
+template <class Communicator>
+collective_progress progress_of(const std::optional<Communicator>& communicator) {
+  collective_progress p;
+  if constexpr (requires { communicator->ring(); }) {
+    const auto ring = communicator ? communicator->ring() : nullptr;
+    if (!ring) return p;
+    for (auto& [name, calls] : ring->snapshot_all()) {
+      p.issued.emplace_back(name, calls.empty() ? 0 : calls.back().seq);
+      for (const call_record& c : calls) {
+        if (p.failed_at != 0) break;
+        if (c.state == call_state::failed || c.state == call_state::timed_out) {
+          p.failed_on = name;
+          p.failed_at = c.seq;
+        }
+      }
+    }
+  }
+  return p;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/worker.hpp ----
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#if DTRAIN_HAS_CUDA()
+#include <cuda_runtime.h>
+#endif
+
+namespace dtrain {
+
+/// Options of dtrain::run. Aggregate: `{.agent = {.nproc_per_node = 4}}`.
+/// Each part also reads its environment variables (the environment wins).
+struct run_options {
+  agent_options agent{};              ///< launch::per_node only
+  store_options store{};              ///< DTRAIN_STORE_TIMEOUT, DTRAIN_STORE_TOKEN, ...
+  collective_options collectives{};   ///< DTRAIN_COLLECTIVE_TIMEOUT, DTRAIN_CHECK_COLLECTIVES
+  diagnostics_options diagnostics{};  ///< DTRAIN_DIAGNOSTICS, DTRAIN_DIAGNOSTICS_WAIT
+};
+
+/// Where the store prefix of a job lives; a restart round gets its own.
+inline constexpr std::string_view job_store_prefix = "dtrain/job";
+
+/// A worker's view of the job. Built by dtrain::run; not copyable or movable
+/// (the communicator and store it owns are shared with no one else).
+template <class Policy>
+class context {
+ public:
+  using policy_type = Policy;
+  using communicator_type = typename Policy::communicator_type;
+  using store_type = prefix_store<store_client>;
+
+  /// Joins the job described by `w` (a worker's world, as discovered): starts
+  /// or joins the store, completes the world by grouping ranks by node name,
+  /// selects the GPU (NCCL), and builds the communicator. Every wait is bound
+  /// by the store or collective timeout. Throws config_error for bad input,
+  /// rendezvous_error / backend_error / timeout_error when a peer fails.
+  context(dtrain::world w, const dtrain::environment& env, const run_options& options);
+  ~context();
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+
+  /// The complete world, agreed by every rank.
+  [[nodiscard]] const dtrain::world& world() const noexcept { return world_; }
+  /// The environment this rank was started with: the snapshot run() took,
+  /// from which every dtrain variable is read (DistributedDataParallel's too).
+  [[nodiscard]] const dtrain::environment& environment() const noexcept { return environment_; }
+  [[nodiscard]] int rank() const noexcept { return *world_.rank; }
+  [[nodiscard]] int size() const noexcept { return *world_.world_size; }
+  [[nodiscard]] int local_rank() const noexcept { return *world_.local_rank; }
+  [[nodiscard]] int local_size() const noexcept { return *world_.local_world_size; }
+  [[nodiscard]] int node_rank() const noexcept { return *world_.node_rank; }
+  [[nodiscard]] int num_nodes() const noexcept { return *world_.num_nodes; }
+  /// Rank 0: the one that logs, evaluates and saves checkpoints.
+  [[nodiscard]] bool is_main() const noexcept { return rank() == 0; }
+  /// Local rank 0: the one that prepares data once per node.
+  [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
+  /// How many times a per-node agent has restarted the job (0 at first).
+  [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
+  /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
+  /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  /// The rendezvous store, under this job's (and restart round's) prefix.
+  [[nodiscard]] store_type& store() noexcept { return *store_; }
+  [[nodiscard]] communicator_type& communicator() noexcept { return *communicator_; }
+  /// The host control plane: small blocking collectives through the store,
+  /// for metadata that must not travel on a device engine (DistributedDataParallel's
+  /// model agreement and bucket order; your own checksums). Every rank calls the
+  /// same operations in the same order; each waits at most the store timeout.
+  [[nodiscard]] dtrain::control_plane control_plane() noexcept;
+
+  /// Waits until every rank has called barrier(), at most the collective
+  /// timeout (DTRAIN_COLLECTIVE_TIMEOUT); throws timeout_error after it.
+  void barrier();
+
+  /// Asks every rank for its ring of last collectives (what SIGUSR1 does) and
+  /// returns the analysis' first line ("rank 2 is at #41 ...: rank 2 never
+  /// started #42"); one rank prints the whole table on stderr. Waits at most
+  /// DTRAIN_DIAGNOSTICS_WAIT for the rings. Never throws.
+  std::string explain_stall(const std::string& reason);
+
+  /// Called by run() when this rank fails: a collective that timed out or
+  /// failed (a peer is stuck, behind, gone or called differently) is
+  /// explained; other failures (a store timeout) are not.
+  std::optional<std::string> explain_failure(const std::exception_ptr& failure);
+
+  /// Called by run() when this rank fails (an exception, or a non-zero status
+  /// from the user's function), before anything is torn down: under a node
+  /// agent the failure is recorded in the agent's store while the peers still
+  /// run, so the agent names this rank, not a peer that failed because of it.
+  void record_failure(int status, const std::string& what) noexcept;
+
+  /// Called by run() when this rank fails, after its report: aborts the
+  /// communicator where the engine can (NCCL: ncclCommAbort), so that its
+  /// collectives still waiting for peers end now. Without it, the
+  /// communicator's clean close would wait for them, up to the collective
+  /// timeout, and a failed rank would linger that long before its process
+  /// exits and the launcher can end the job (ProcessGroupNCCL aborts too
+  /// unless shut down cleanly). Later collectives on this context throw.
+  void abort_communicator() noexcept {
+    if constexpr (requires { communicator_->abort(); }) {
+      if (communicator_) communicator_->abort();
+    }
+  }
+
+  /// Called by run() after the user's function returned normally: the store's
+  /// host (rank 0 under per-process launch) waits, at most the store timeout,
+  /// until every rank is done with the store before it stops serving.
+  void finish();
+
+ private:
+  /// Agent's store (per-node workers), else rank 0 hosts one at MASTER_ADDR:MASTER_PORT.
+  void open_store(const dtrain::environment& env) {
+    if (auto agent = env.get(agent_store_variable)) {
+      auto where =
+          detail::split_host_port(detail::assignment(agent_store_variable, *agent), *agent);
+      if (!where.port) {
+        throw config_error(detail::assignment(agent_store_variable, *agent) + " has no port");
+      }
+      client_.emplace(where.host, *where.port, store_options_);
+      store_endpoint_ = {where.host, *where.port};
+      store_.emplace(*client_,
+                     std::string(job_store_prefix) + "/" + std::to_string(restart_count_));
+      under_agent_ = true;
+      return;
+    }
+    std::optional<std::string> host = world_.master_addr;
+    // Without an address nobody else can be told a fixed port either: rank 0
+    // picks a free one (and the pre-store channel carries it), unless MASTER_PORT names one.
+    int port = world_.master_port.value_or(host ? default_master_port : 0);
+    if (!host && size() == 1) host = "127.0.0.1";  // a single process hosts its own store
+    const bool one_node = single_node(host);
+    choose_token(env, host, port, one_node);
+    const std::string bind = detail::store_bind_address(env, host.value_or("0.0.0.0"), !one_node);
+    auto serve = [&] {
+      if (token_file_) token_file_->publish(store_options_.token);
+      server_.emplace(bind, port, store_options_);
+      port = server_->port();
+    };
+    if (!host) {
+      host = agree_store_address(serve, port);
+    } else if (rank() == 0) {
+      serve();
+    }
+    const std::string where = rank() == 0 ? detail::local_store_address(bind) : *host;
+    store_endpoint_ = {where, port};
+    if (token_file_ && rank() != 0) {
+      detail::connect_with_token_file(client_, *token_file_, where, port, store_options_, rank());
+    } else {
+      client_.emplace(where, port, store_options_);
+    }
+    store_.emplace(*client_, std::string(job_store_prefix));
+  }
+
+  /// Whether every rank is known to run on this host: one process, a node
+  /// count or local size that says so, or a loopback MASTER_ADDR (127.x, ::1, localhost).
+  [[nodiscard]] bool single_node(const std::optional<std::string>& host) const {
+    if (size() == 1 || world_.num_nodes == 1) return true;
+    if (world_.local_world_size && *world_.local_world_size == size()) return true;
+    // Only a loopback address itself: a host name that resolves to loopback
+    // here (Debian's 127.0.1.1) may name this host for the other nodes.
+    return host && (*host == "localhost" || detail::is_loopback_address(*host));
+  }
+
+  /// Chooses this rank's store token. The first that applies wins:
+  ///  1. its own: DTRAIN_STORE_TOKEN, or store_options::token;
+  ///  2. rank 0's, sent through the backend's pre-store channel (MPI): rank 0
+  ///     sends its own or one it draws. Every rank takes part in that
+  ///     broadcast, whatever it holds (a collective must not depend on the
+  ///     environment), and one with a token of its own keeps it: the store
+  ///     refuses it by name if it differs from rank 0's;
+  ///  3. one it draws, in a world of one;
+  ///  4. rank 0's through a file only this user can read, when every rank
+  ///     runs on this host and the store's address is known: rank 0 draws it,
+  ///     the others read it (detail::connect_with_token_file);
+  ///  5. none yet when the store's address is unknown: open_store says so.
+  /// Otherwise the job may span hosts that none of these reach: config_error,
+  /// asking for DTRAIN_STORE_TOKEN.
+  void choose_token(const dtrain::environment& env, const std::optional<std::string>& host,
+                    int port, bool one_node) {
+    std::optional<std::string> from_rank0;
+    if constexpr (detail::has_pre_store_relay<traits>) {
+      if (size() > 1) {
+        from_rank0 = detail::broadcast_or_fail(
+            traits::pre_store_relay(*communicator_), "the store token", [&] {
+              return store_options_.token.empty() ? detail::new_store_token()
+                                                  : store_options_.token;
+            });
+      }
+    }
+    if (!store_options_.token.empty()) return;
+    if (from_rank0) {
+      store_options_.token = std::move(*from_rank0);
+      return;
+    }
+    if (size() == 1) {
+      store_options_.token = detail::new_store_token();
+      return;
+    }
+    if (one_node && host) {
+      token_file_.emplace(env, port);
+      if (rank() == 0) store_options_.token = detail::new_store_token();
+      return;
+    }
+    if (!host) return;  // open_store reports the missing address first
+    throw config_error(
+        "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+        ": this job may span several hosts and no dtrain launcher started it, "
+        "so its store needs a shared secret: "
+        "set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
+        "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
+        "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
+        world_.describe() + ")");
+  }
+
+  /// Without MASTER_ADDR: rank 0 starts the store (`serve`, which sets `port`)
+  /// and tells every rank where, through the backend's pre-store channel (or
+  /// its failure, which every rank then throws). Returns rank 0's host name.
+  /// Without such a channel nobody can know: config_error on every rank.
+  template <class Serve>
+  std::string agree_store_address(Serve& serve, int& port) {
+    if constexpr (detail::has_pre_store_relay<traits>) {
+      const detail::store_address got = detail::store_address::decode(detail::broadcast_or_fail(
+          traits::pre_store_relay(*communicator_), "the store's address", [&] {
+            serve();
+            return detail::store_address{detail::host_name().value_or("?"), port}.encode();
+          }));
+      port = got.port;
+      return got.host;
+    } else {
+      (void)serve;
+      (void)port;
+      throw config_error(
+          "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) "
+          "to an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
+          world_.describe() + ")");
+    }
+  }
+
+  /// Every rank reports; rank 0 waits for them all (saying who is missing
+  /// every progress interval), places them and publishes the result.
+  void complete_world(const dtrain::environment& env) {
+    detail::rendezvous_wait<store_type> waiting(
+        *store_, {.endpoint = client_->endpoint(),
+                  .rank = rank(),
+                  .size = size(),
+                  .timeout = store_options_.timeout,
+                  .interval = store_options_.progress_interval,
+                  .say = store_options_.progress,
+                  .world_size_origin = world_.origin(dtrain::world::field::world_size)});
+    waiting.join(rank_report{node_name(env), world_}.encode());
+    const std::string table_key(detail::job_keys::placement);
+    std::string table;
+    if (rank() == 0) {
+      waiting.await_everyone();
+      try {
+        std::vector<rank_report> reports;
+        for (int r = 0; r < size(); ++r) {
+          const std::string key = detail::job_keys::report(r);
+          reports.push_back(rank_report::decode(store_->get(key), "store key " + key));
+        }
+        table = encode_placements(place_ranks(reports));
+      } catch (const config_error& e) {
+        store_->set(table_key, encode_placement_error(e.what()));
+        throw;
+      }
+      store_->set(table_key, table);
+    } else {
+      table = waiting.await_answer(table_key);
+    }
+    const placement p =
+        decode_placement("store key " + store_->prefix() + table_key, table, rank(), size());
+    const std::string grouped = "grouped by node name at rendezvous";
+    auto fill = [&](std::optional<int>& field, dtrain::world::field f, int value) {
+      if (!field) world_.origins[static_cast<std::size_t>(f)] = grouped;
+      field = value;
+    };
+    fill(world_.node_rank, dtrain::world::field::node_rank, p.node_rank);
+    fill(world_.num_nodes, dtrain::world::field::num_nodes, p.num_nodes);
+    fill(world_.local_rank, dtrain::world::field::local_rank, p.local_rank);
+    fill(world_.local_world_size, dtrain::world::field::local_world_size, p.local_world_size);
+  }
+
+  void make_communicator(const dtrain::environment& env) {
+    if constexpr (traits::uses_gpus) device_ = gpu_of_this_rank(env);
+    communicator_setup<store_type> setup{.store = store_ ? &*store_ : nullptr,
+                                         .rank = rank(),
+                                         .size = size(),
+                                         .device = device(),
+                                         .collectives = collectives_,
+                                         .master_addr = world_.master_addr.value_or(""),
+                                         .env = &env};
+    communicator_.emplace(traits::make(setup));
+    if (communicator_->size() != size() || communicator_->rank() != rank()) {
+      throw config_error(std::string(Policy::backend_type::name) + "'s world has rank " +
+                         std::to_string(communicator_->rank()) + " of " +
+                         std::to_string(communicator_->size()) +
+                         ", but the environment says rank " + std::to_string(rank()) + " of " +
+                         std::to_string(size()) + " (" + world_.origin(dtrain::world::field::rank) +
+                         ", " + world_.origin(dtrain::world::field::world_size) +
+                         "); start MPI jobs with mpirun or srun");
+    }
+  }
+
+  /// Every rank watches for diagnostics rounds on a connection of its own.
+  void start_diagnostics(const diagnostics_options& options) {
+    if constexpr (requires { communicator_->ring(); }) {
+      if (!options.enabled) return;
+      std::string prefix = store_->prefix();
+      diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_,
+                           prefix + "diag", rank(), size(), communicator_->ring(),
+                           std::string(Policy::backend_type::name), options);
+    } else {
+      (void)options;
+    }
+  }
+
+  using traits = typename Policy::traits;
+
+  /// select_device() with the devices this process sees. When CUDA cannot count
+  /// them, the local rank: the communicator then reports CUDA's own error.
+  int gpu_of_this_rank(const dtrain::environment& env) const {
+#if DTRAIN_HAS_CUDA()
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return local_rank();
+    }
+    try {
+      return select_device(local_rank(), local_size(), visible, env.get("CUDA_VISIBLE_DEVICES"));
+    } catch (const config_error& e) {
+      throw config_error("rank " + std::to_string(rank()) + ": " + e.what());
+    }
+#else
+    (void)env;
+    return local_rank();
+#endif
+  }
+
+  dtrain::world world_;
+  dtrain::environment environment_;
+  store_options store_options_;
+  collective_options collectives_;
+  int restart_count_ = 0;
+  int device_ = -1;
+  bool under_agent_ = false;
+  // Declared in the order they are built, so they are torn down in reverse.
+  std::optional<detail::token_file> token_file_;
+  std::optional<store_server> server_;
+  std::optional<store_client> client_;
+  std::optional<store_type> store_;
+  std::optional<communicator_type> communicator_;
+  std::optional<store_channel<store_type>> control_;
+  std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
+  std::optional<detail::rank_diagnostics> diagnostics_;
+};
+
+// What builds, uses and tears down the job is defined out of the class and not
+// inline: under `extern template class context<P>` (dtrain/runtime/compiled.hpp) none of
+// it, nor the store, agent and engine code it calls, is compiled in a user's TU.
+
+template <class Policy>
+context<Policy>::context(dtrain::world w, const dtrain::environment& env,
+                         const run_options& options)
+    : world_(std::move(w)),
+      environment_(env),
+      store_options_(options.store.with_env(env)),
+      collectives_(options.collectives.with_env(env)) {
+  if (!world_.rank || !world_.world_size) {
+    throw config_error("dtrain::run needs a worker's rank and world size; this process is a " +
+                       std::string(to_string(world_.role)) + " (" + world_.describe() + ")");
+  }
+  if (auto r = detail::read_int(env, restart_count_variable)) restart_count_ = r->value;
+  if (!store_options_.progress) {
+    // Rendezvous progress goes where this rank's failures go: a rank-prefixed line on stderr.
+    store_options_.progress = [label = detail::rank_label(&world_)](std::string_view text) {
+      std::fprintf(stderr, "%s dtrain: %.*s\n", label.c_str(), static_cast<int>(text.size()),
+                   text.data());
+    };
+  }
+  if constexpr (!traits::needs_store) {
+    // MPI knows its world already, and can tell every rank where rank 0's store is.
+    make_communicator(env);
+    open_store(env);
+    complete_world(env);
+  } else {
+    open_store(env);
+    complete_world(env);
+    make_communicator(env);
+  }
+  control_.emplace(*store_, rank(), size(), "control");
+  start_diagnostics(options.diagnostics.with_env(env));
+}
+
+template <class Policy>
+context<Policy>::~context() = default;
+
+// Out of the class, so that a TU that only declares context<Policy> (separate
+// compilation) does not compile the store channel behind it.
+template <class Policy>
+dtrain::control_plane context<Policy>::control_plane() noexcept {
+  return dtrain::control_plane(*control_);
+}
+
+template <class Policy>
+void context<Policy>::barrier() {
+  communicator_->barrier().wait(collectives_.timeout);
+}
+
+template <class Policy>
+std::string context<Policy>::explain_stall(const std::string& reason) {
+  if (!diagnostics_) return "no diagnostics (DTRAIN_DIAGNOSTICS=0, or this backend keeps no ring)";
+  return diagnostics_->explain(reason);
+}
+
+template <class Policy>
+std::optional<std::string> context<Policy>::explain_failure(const std::exception_ptr& failure) {
+  if (!diagnostics_ || !diagnostics_->collective_failed()) return std::nullopt;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const timeout_error&) {
+    return explain_stall("a timeout on rank " + std::to_string(rank()));
+  } catch (const backend_error&) {
+    return explain_stall("a failed collective on rank " + std::to_string(rank()));
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+template <class Policy>
+void context<Policy>::record_failure(int status, const std::string& what) noexcept {
+  if (!under_agent_ || !client_) return;
+  try {
+    const detail::collective_progress progress = detail::progress_of(communicator_);
+    detail::record_failure(
+        *client_, restart_count_,
+        {status, false,
+         detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()) +
+             " exited with status " + std::to_string(status) + (what.empty() ? "" : ": " + what),
+         rank(), progress.failed_at, progress.failed_on});
+  } catch (...) {
+    // The agent still sees the exit status; the reason is only lost from its message.
+  }
+}
+
+template <class Policy>
+void context<Policy>::finish() {
+  // Before the communicator closes: a peer that fails because of it finds this record.
+  if (under_agent_ && client_) {
+    detail::record_exit(
+        *client_, restart_count_,
+        {rank(), detail::worker_label(rank(), node_rank(), local_rank(), ::getpid()),
+         detail::progress_of(communicator_).issued});
+  }
+  communicator_.reset();
+  if (!client_) return;
+  const std::string all(detail::job_keys::finished_all);
+  if (store_->add(detail::job_keys::finished, 1) == size())
+    store_->set(all, detail::present_value());
+  if (server_) {
+    const std::string keys[] = {all};
+    store_->wait(keys);
+  }
+}
+
+}  // namespace dtrain
+// ---- end dtrain/runtime/context.hpp ----
+// ---- begin dtrain/runtime/run.hpp ----
+/// @file
+/// dtrain::run<Policy>(argc, argv, fn): the whole life of a process in a job.
+/// A worker discovers its world, joins the rendezvous, builds the
+/// communicator, runs `fn(context&)` and tears down; under launch::per_node
+/// the process first started is the node agent, which re-executes the
+/// program as the node's workers. Every failure becomes one rank-prefixed
+/// line on stderr and a non-zero exit status.
+
 // ---- begin dtrain/launch/command_line.hpp ----
 /// @file
 /// dtrun's flags, read by one parser for the two programs that take them:
@@ -21513,8 +21766,8 @@ DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::s
   for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
   if (flags.module_ && flags.no_python_) {
     throw config_error(
-        "-m (--module) and --no-python on the command line exclude each other: -m runs the "
-        "module under python3 -u -m, --no-python runs the program without python3");
+        "-m (--module) and --no-python on the command line exclude each other: "
+        "-m runs the module under python3 -u -m, --no-python runs the program without python3");
   }
   return flags;
 }
@@ -21696,9 +21949,9 @@ DTRAIN_DETAIL_INLINE void agent_flags::take_rdzv(std::string_view name, const st
               {port.origin, true}, "node 0's port");
   } else {
     throw config_error(origin +
-                       ": dtrun has no rendezvous settings of torchrun's; its waits are bounded "
-                       "by DTRAIN_STORE_TIMEOUT (join_timeout, timeout), and nodes are lost "
-                       "after --heartbeat-timeout");
+                       ": dtrun has no rendezvous settings of torchrun's; "
+                       "its waits are bounded by DTRAIN_STORE_TIMEOUT (join_timeout, timeout), "
+                       "and nodes are lost after --heartbeat-timeout");
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()
@@ -21988,258 +22241,6 @@ DTRAIN_FOR_EACH_COMPILED_POLICY(DTRAIN_DETAIL_DECLARE_COMPILED)
 DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 #endif
 // ---- end dtrain/runtime/compiled.hpp ----
-// ---- begin dtrain/ddp/ddp.hpp ----
-/// @file
-/// DistributedDataParallel<Model, Policy>: averages a model's gradients over
-/// the ranks while the backward pass is still running. A thin layer over
-/// basic_ddp<Policy> (ddp/basic_ddp.hpp), which does the work and does not
-/// depend on the model's type: this one asks the model for its parameters()
-/// (and buffers()) and keeps it for module().
-
-
-#include <concepts>
-#include <utility>
-#include <vector>
-
-namespace dtrain {
-
-/// Data-parallel training of `Model` (anything with `parameters()`, see
-/// trainable_model) over the communicator of `Policy`.
-///
-/// Per step: mark each parameter ready (mark_ready) as soon as its gradient
-/// is final, or all of them after the backward pass (mark_all_ready), then
-/// synchronize(); gradients then hold the mean over ranks. Everything but
-/// the constructors and module() is basic_ddp<Policy>'s.
-template <class Model, class Policy>
-class DistributedDataParallel : public basic_ddp<Policy> {
-  static_assert(
-      trainable_model<Model>,
-      "DistributedDataParallel<Model, Policy>: Model needs parameters() returning a range of "
-      "dtrain::parameter (see dtrain::param)");
-  using base = basic_ddp<Policy>;
-
- public:
-  using typename base::communicator_type;
-
-  /// Collective over ctx's communicator (ctx: the dtrain::context<Policy>
-  /// that dtrain::run hands over); metadata goes over ctx's control plane
-  /// where the communicator cannot carry host data (NCCL). The policy's
-  /// topology groups the ranks by ctx.world()'s nodes.
-  template <ddp_context<Policy> Context>
-  DistributedDataParallel(Context& ctx, Model& model, ddp_options options = {})
-      : base(ctx, parameters_of(model), buffers_of(model), std::move(options)), model_(model) {}
-
-  /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
-  /// communicator that reaches host memory). A device-only backend (NCCL)
-  /// needs the constructor with a control plane (a static_assert says so).
-  template <std::same_as<Model> M>
-  DistributedDataParallel(communicator_type& comm, M& model, ddp_options options = {})
-      : base(comm, parameters_of(model), buffers_of(model), std::move(options)), model_(model) {}
-
-  /// Collective over `comm`, metadata over `control` (see basic_ddp).
-  DistributedDataParallel(communicator_type& comm, control_plane control, Model& model,
-                          ddp_options options = {})
-      : base(comm, control, parameters_of(model), buffers_of(model), std::move(options)),
-        model_(model) {}
-
-  [[nodiscard]] Model& module() noexcept { return model_; }
-
- private:
-  static std::vector<parameter> parameters_of(Model& model) {
-    std::vector<parameter> out;
-    if constexpr (trainable_model<Model>) {
-      for (auto&& p : model.parameters()) out.push_back(static_cast<parameter>(p));
-    }
-    return out;
-  }
-  static std::vector<parameter> buffers_of([[maybe_unused]] Model& model) {
-    std::vector<parameter> out;
-    if constexpr (model_with_buffers<Model>) {
-      for (auto&& b : model.buffers()) out.push_back(static_cast<parameter>(b));
-    }
-    return out;
-  }
-
-  Model& model_;
-};
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/ddp.hpp ----
-// ---- begin dtrain/ddp/sampler.hpp ----
-/// @file
-/// distributed_sampler: each rank's share of a dataset's indices, as
-/// torch.utils.data.DistributedSampler — disjoint, shuffled by seed and
-/// epoch the same way on every rank, and equally long on every rank.
-
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <numeric>
-#include <span>
-#include <string>
-#include <vector>
-
-namespace dtrain {
-
-/// Options of distributed_sampler. Aggregate: `{.seed = 42, .drop_last = true}`.
-struct sampler_options {
-  bool shuffle = true;     ///< a new permutation every epoch (seed + epoch)
-  std::uint64_t seed = 0;  ///< must be the same on every rank
-  /// Drop the tail that does not divide evenly among the ranks, instead of
-  /// padding with indices from the start (which repeats a few samples).
-  bool drop_last = false;
-};
-
-/// Where a sampler stands in the global sample order: the epoch, and how many
-/// samples of that epoch's permutation the ranks together have been handed.
-/// Independent of the world size, so a job that changes size continues the
-/// same global order.
-struct sampler_position {
-  std::uint64_t epoch = 0;
-  std::uint64_t offset = 0;
-};
-
-/// Splits the indices 0..dataset_size-1 among the ranks.
-class distributed_sampler {
- public:
-  /// This rank's share, with rank and world size from `w`. Throws
-  /// config_error when `w` lacks them or drop_last leaves a rank nothing.
-  distributed_sampler(std::size_t dataset_size, const world& w, sampler_options options = {})
-      : distributed_sampler(dataset_size, w.rank.value_or(-1), w.world_size.value_or(0), options) {}
-
-  distributed_sampler(std::size_t dataset_size, int rank, int world_size,
-                      sampler_options options = {});
-
-  /// Reshuffles for `epoch` (with shuffle on): every rank computes the same
-  /// permutation from seed + epoch, then takes every world_size-th index.
-  /// Starts the epoch from its beginning (position {epoch, 0}).
-  void set_epoch(std::uint64_t epoch) { set_position({.epoch = epoch, .offset = 0}); }
-
-  /// Continues `p.epoch` after its first `p.offset` samples of the global
-  /// order (what position() said, on this world or another): the rest of the
-  /// epoch's permutation is dealt among this world's ranks, padded (or, with
-  /// drop_last, cut) to the same count on every rank. With the same world
-  /// size, the ranks get exactly the indices they had left.
-  void set_position(sampler_position p);
-
-  /// Where this epoch stands: samples of the global order handed out by
-  /// next_batch() on all ranks together (what a checkpoint saves).
-  [[nodiscard]] sampler_position position() const noexcept;
-
-  /// This rank's next batch of at most `batch_size` indices, empty once the
-  /// epoch is done; moves position() on. Every rank gets batches of the same sizes.
-  [[nodiscard]] std::span<const std::size_t> next_batch(std::size_t batch_size);
-
-  /// This rank's indices for the current epoch (from the position set, all
-  /// of them: next_batch() does not shorten them); size() of them.
-  [[nodiscard]] std::span<const std::size_t> indices() const noexcept { return indices_; }
-  /// Samples per rank in this epoch (from the position set): the same on
-  /// every rank, so every rank runs the same steps.
-  [[nodiscard]] std::size_t size() const noexcept { return indices_.size(); }
-  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
-
-  /// indices() cut into batches of `batch_size` (the last one may be shorter;
-  /// every rank gets the same number of batches of the same sizes).
-  [[nodiscard]] std::vector<std::span<const std::size_t>> batches(std::size_t batch_size) const;
-
- private:
-  // Fisher-Yates driven by splitmix64: the same permutation with every
-  // standard library (std::shuffle's algorithm is unspecified).
-  static void shuffle(std::vector<std::size_t>& v, std::uint64_t seed);
-
-  std::size_t dataset_size_;
-  int rank_;
-  int world_size_;
-  sampler_options options_;
-  std::uint64_t epoch_ = 0;
-  std::size_t start_ = 0;   // samples of the global order before this rank's indices_
-  std::size_t cursor_ = 0;  // indices_ handed out by next_batch()
-  std::vector<std::size_t> indices_;
-};
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE distributed_sampler::distributed_sampler(std::size_t dataset_size, int rank,
-                                                              int world_size,
-                                                              sampler_options options)
-    : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), options_(options) {
-  if (world_size <= 0 || rank < 0 || rank >= world_size) {
-    throw config_error("distributed_sampler: rank " + std::to_string(rank) + " of world size " +
-                       std::to_string(world_size) + " is not a rank of a world");
-  }
-  const auto n = static_cast<std::size_t>(world_size);
-  const std::size_t per_rank = options.drop_last ? dataset_size / n : (dataset_size + n - 1) / n;
-  if (per_rank == 0) {
-    throw config_error("distributed_sampler: " + std::to_string(dataset_size) + " samples for " +
-                       std::to_string(world_size) + " ranks leaves rank " + std::to_string(rank) +
-                       " nothing" + (options.drop_last ? " with drop_last" : ""));
-  }
-  set_epoch(0);
-}
-
-DTRAIN_DETAIL_INLINE void distributed_sampler::set_position(sampler_position p) {
-  std::vector<std::size_t> all(dataset_size_);
-  std::iota(all.begin(), all.end(), std::size_t{0});
-  if (options_.shuffle) shuffle(all, options_.seed + p.epoch);
-  const auto n = static_cast<std::size_t>(world_size_);
-  const std::size_t start =
-      static_cast<std::size_t>(std::min<std::uint64_t>(p.offset, dataset_size_));
-  std::size_t left = dataset_size_ - start;
-  // Padding repeats the start of the permutation, as often as needed (tiny datasets).
-  std::size_t total = options_.drop_last ? left / n * n : (left + n - 1) / n * n;
-  indices_.clear();
-  for (std::size_t i = static_cast<std::size_t>(rank_); i < total; i += n) {
-    const std::size_t at = start + i;
-    indices_.push_back(at < dataset_size_ ? all[at] : all[(at - dataset_size_) % dataset_size_]);
-  }
-  epoch_ = p.epoch;
-  start_ = start;
-  cursor_ = 0;
-}
-
-DTRAIN_DETAIL_INLINE sampler_position distributed_sampler::position() const noexcept {
-  const std::size_t dealt = start_ + cursor_ * static_cast<std::size_t>(world_size_);
-  return {.epoch = epoch_, .offset = std::min(dealt, dataset_size_)};
-}
-
-DTRAIN_DETAIL_INLINE std::span<const std::size_t> distributed_sampler::next_batch(
-    std::size_t batch_size) {
-  if (batch_size == 0) throw config_error("distributed_sampler::next_batch: batch_size is 0");
-  const std::span<const std::size_t> rest = std::span<const std::size_t>(indices_).subspan(cursor_);
-  const std::span<const std::size_t> batch = rest.first(std::min(batch_size, rest.size()));
-  cursor_ += batch.size();
-  return batch;
-}
-
-DTRAIN_DETAIL_INLINE std::vector<std::span<const std::size_t>> distributed_sampler::batches(
-    std::size_t batch_size) const {
-  if (batch_size == 0) throw config_error("distributed_sampler::batches: batch_size is 0");
-  std::vector<std::span<const std::size_t>> out;
-  std::span<const std::size_t> all = indices();
-  for (std::size_t at = 0; at < all.size(); at += batch_size) {
-    out.push_back(all.subspan(at, std::min(batch_size, all.size() - at)));
-  }
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>& v,
-                                                       std::uint64_t seed) {
-  std::uint64_t state = seed;
-  auto next = [&state] {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  };
-  for (std::size_t i = v.size(); i > 1; --i) {
-    auto j = static_cast<std::size_t>(next() % i);  // bias below 2^-40 for any real dataset
-    std::swap(v[i - 1], v[j]);
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/sampler.hpp ----
 // ---- end dtrain/dtrain.hpp ----
 // ---- begin dtrain/checkpoint.hpp ----
 /// @file

@@ -3,10 +3,10 @@
 /// The `communicator` concept that every backend (MPI, Gloo, NCCL) models,
 /// the argument checks they share, and the typed collectives users call.
 
-#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/error.hpp>
 
 #include <concepts>
@@ -58,8 +58,8 @@ inline std::string shape(const buffer& b) {
 [[noreturn]] DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out);
 #if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out) {
-  throw config_error(what + (left_out ? ": this rank passed a negative color to split() and "
-                                        "belongs to no communicator"
+  throw config_error(what + (left_out ? ": this rank passed a negative color to split() "
+                                        "and belongs to no communicator"
                                       : ": the communicator was moved from"));
 }
 #endif  // DTRAIN_DETAIL_BODIES()

@@ -38,9 +38,10 @@ namespace dtrain {
 namespace detail {
 
 inline constexpr std::string_view device_casts_missing =
-    "gradient compression of GPU buckets needs CUDA kernels, and no translation unit of this "
-    "program was compiled by nvcc: include <dtrain/dtrain.hpp> in at least one .cu file that is "
-    "linked into the program (any one: the kernels are shared)";
+    "gradient compression of GPU buckets needs CUDA kernels, "
+    "and no translation unit of this program was compiled by nvcc: "
+    "include <dtrain/dtrain.hpp> in at least one .cu file that is linked into the program "
+    "(any one: the kernels are shared)";
 
 /// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
 DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
@@ -316,10 +317,10 @@ DTRAIN_DETAIL_INLINE void cuda_memory::check_stream(int device, stream_type stre
   DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   if (status != cudaStreamCaptureStatusNone) {
     throw config_error(
-        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; DDP "
-        "records events, polls them from the host and launches NCCL work that must not be "
-        "replayed, so run the DDP step outside the capture (capture the forward and backward "
-        "only)");
+        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; "
+        "DDP records events, "
+        "polls them from the host and launches NCCL work that must not be replayed, "
+        "so run the DDP step outside the capture (capture the forward and backward only)");
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()

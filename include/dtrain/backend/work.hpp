@@ -2,9 +2,9 @@
 /// @file
 /// `work`: the handle every asynchronous collective returns.
 
-#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
@@ -389,11 +389,11 @@ DTRAIN_DETAIL_INLINE std::exception_ptr work::timeout_exception(
     std::chrono::milliseconds timeout) const {
   char seconds[32];
   std::snprintf(seconds, sizeof seconds, "%.1f s", static_cast<double>(timeout.count()) / 1000.0);
-  return std::make_exception_ptr(timeout_error(
-      (state_ ? state_->description() : std::string("a collective")) + " did not finish within " +
-      seconds +
-      "; a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 "
-      "compares what every rank passed)"));
+  return std::make_exception_ptr(
+      timeout_error((state_ ? state_->description() : std::string("a collective")) +
+                    " did not finish within " + seconds +
+                    "; a peer is slow, dead or called a different collective "
+                    "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
 }
 
 DTRAIN_DETAIL_INLINE void work::give_up(std::chrono::milliseconds timeout) {

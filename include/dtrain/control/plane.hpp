@@ -96,8 +96,8 @@ class store_channel {
                              std::to_string(from) + " has " + std::to_string(value.size()) +
                              " bytes, rank " + std::to_string(rank_) + " expected " +
                              std::to_string(bytes) +
-                             "; the ranks called different control operations, or another "
-                             "program wrote under this prefix");
+                             "; the ranks called different control operations, "
+                             "or another program wrote under this prefix");
     }
   }
 
@@ -122,8 +122,8 @@ class store_channel {
 template <communicator C>
 class communicator_channel {
   static_assert(C::reaches_host_memory,
-                "communicator_channel needs a communicator that reaches host memory (MPI, "
-                "Gloo); for NCCL use the context's control plane or a store_channel");
+                "communicator_channel needs a communicator that reaches host memory (MPI, Gloo); "
+                "for NCCL use the context's control plane or a store_channel");
 
  public:
   explicit communicator_channel(C& comm) noexcept : comm_(comm) {}

@@ -5,9 +5,9 @@
 /// and rank 0's values of them.
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
@@ -132,8 +132,8 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
       options.compression != gradient_compression::none) {
     return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
            std::string(to_string(options.compression)) +
-           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, or no "
-           "compression)";
+           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, "
+           "or no compression)";
   }
   if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
       options.sharding != sharding::gradients) {

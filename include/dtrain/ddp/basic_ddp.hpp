@@ -20,12 +20,11 @@
 /// template at -O2 anyway, out-of-class ones not).
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/control/plane.hpp>
-#include <dtrain/control/verdict.hpp>
 #include <dtrain/backend/memory.hpp>
-#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/control/plane.hpp>
+#include <dtrain/control/verdict.hpp>
 #include <dtrain/ddp/agreement.hpp>
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/options.hpp>
@@ -34,6 +33,7 @@
 #include <dtrain/ddp/state.hpp>
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/ddp/timeline.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/placement.hpp>
 #include <dtrain/env/world.hpp>

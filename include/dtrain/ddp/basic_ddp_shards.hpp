@@ -82,8 +82,7 @@ void basic_ddp<Policy>::check_updatable(const char* what) const {
               std::to_string(rank_) + " with no averaged gradients to use: " +
               (any_touched_ ? "step " + std::to_string(steps_) + " is not synchronized yet"
                             : "step " + std::to_string(steps_) +
-                                  " has not started, and the one "
-                                  "before was updated already") +
+                                  " has not started, and the one before was updated already") +
               " (sharding " + std::string(to_string(options_.sharding)) +
               "). Call synchronize() after the backward pass, then the optimizer once");
 }

@@ -45,8 +45,7 @@ bool basic_ddp<Policy>::ready(std::size_t i) {
   if (v.unused) {
     throw error("DistributedDataParallel::mark_ready: parameter '" + v.param.name + "' on rank " +
                 std::to_string(rank_) +
-                " was marked ready after prepare_for_backward() listed it as not reached by "
-                "step " +
+                " was marked ready after prepare_for_backward() listed it as not reached by step " +
                 std::to_string(steps_) + " (it is sent as zero)");
   }
   if (v.marked) marked_twice(i);
@@ -187,8 +186,9 @@ void basic_ddp<Policy>::change_stream(stream_type compute) {
   if (any_marked_) {
     throw config_error("DistributedDataParallel::set_stream on rank " + std::to_string(rank_) +
                        " in the middle of step " + std::to_string(steps_) +
-                       " (after mark_ready, before synchronize()): buckets already launched "
-                       "are ordered after the old stream; set the stream before the step");
+                       " (after mark_ready, before synchronize()): "
+                       "buckets already launched are ordered after the old stream; "
+                       "set the stream before the step");
   }
   memory_space::check_stream(device_, compute);
   // What the old stream still does with the buckets comes first; their
@@ -255,8 +255,9 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
   if (options_.sharding == sharding::gradients) {
     throw config_error("DistributedDataParallel::register_comm_hook on rank " +
                        std::to_string(rank_) +
-                       ": ddp_options::sharding is gradients, whose buckets are reduce-scattered, "
-                       "not allreduced; a hook replaces an allreduce (use sharding::optimizer)");
+                       ": ddp_options::sharding is gradients, "
+                       "whose buckets are reduce-scattered, not allreduced; "
+                       "a hook replaces an allreduce (use sharding::optimizer)");
   }
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
@@ -272,8 +273,8 @@ void basic_ddp<Policy>::prepare_for_backward(std::span<const std::size_t> unused
   if (!options_.find_unused_parameters) {
     throw config_error("DistributedDataParallel::prepare_for_backward on rank " +
                        std::to_string(rank_) +
-                       " without ddp_options::find_unused_parameters: set it to leave parameters "
-                       "out of a step");
+                       " without ddp_options::find_unused_parameters: "
+                       "set it to leave parameters out of a step");
   }
   check_between_steps("prepare_for_backward()");
   for (variable& v : vars_) v.unused = false;
@@ -375,8 +376,8 @@ void basic_ddp<Policy>::complete_marks() {
                 " never marked " + std::to_string(unmarked_) + " of " +
                 std::to_string(vars_.size()) + " parameters ready in step " +
                 std::to_string(steps_) + ": " + names +
-                "; call mark_ready for every parameter (or mark_all_ready() after the backward "
-                "pass), or set ddp_options::find_unused_parameters");
+                "; call mark_ready for every parameter (or mark_all_ready() "
+                "after the backward pass), or set ddp_options::find_unused_parameters");
   }
   for (std::size_t i = 0; i < vars_.size(); ++i) {
     if (vars_[i].marked) continue;
@@ -404,11 +405,12 @@ void basic_ddp<Policy>::report_unused() {
   if (count == 0) return;
   std::fprintf(
       stderr,
-      "[rank 0/%d] dtrain: DistributedDataParallel: no rank marked %s %s ready in the first "
-      "%zu steps; with find_unused_parameters %s treated as unused and %s zeroed. If a "
-      "mark_ready was forgotten, add it (or call mark_all_ready() after the backward "
-      "pass); if the parameter is unused on purpose, set "
-      "ddp_options::report_unused_parameters = false to silence this\n",
+      "[rank 0/%d] dtrain: DistributedDataParallel: "
+      "no rank marked %s %s ready in the first %zu steps; "
+      "with find_unused_parameters %s treated as unused and %s zeroed. "
+      "If a mark_ready was forgotten, add it (or call mark_all_ready() after the backward pass); "
+      "if the parameter is unused on purpose, "
+      "set ddp_options::report_unused_parameters = false to silence this\n",
       size_, count == 1 ? "parameter" : "parameters", names.c_str(), unused_report_steps,
       count == 1 ? "it is" : "they are", count == 1 ? "its gradient" : "their gradients");
   std::fflush(stderr);

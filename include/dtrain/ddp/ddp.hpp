@@ -25,10 +25,9 @@ namespace dtrain {
 /// the constructors and module() is basic_ddp<Policy>'s.
 template <class Model, class Policy>
 class DistributedDataParallel : public basic_ddp<Policy> {
-  static_assert(
-      trainable_model<Model>,
-      "DistributedDataParallel<Model, Policy>: Model needs parameters() returning a range of "
-      "dtrain::parameter (see dtrain::param)");
+  static_assert(trainable_model<Model>,
+                "DistributedDataParallel<Model, Policy>: Model needs parameters() "
+                "returning a range of dtrain::parameter (see dtrain::param)");
   using base = basic_ddp<Policy>;
 
  public:

@@ -6,10 +6,10 @@
 /// arguments. Pure functions over the rings, so they are unit-tested on the
 /// host; diagnostics.hpp gathers the rings through the store and prints.
 
-#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/wire.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>

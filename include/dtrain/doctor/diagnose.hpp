@@ -107,16 +107,16 @@ inline bool all_loopback(const std::vector<std::string>& addresses) {
   // Debian maps a machine's own name to 127.0.1.1: what other nodes are told
   // by name, or what a process binds by name, is then a loopback address.
   if ((multi || !detail::launched(f)) && detail::all_loopback(f.host_addresses.addresses)) {
-    out.push_back(
-        {"the host name " + f.host_name + " resolves to " +
-             detail::joined(f.host_addresses.addresses) +
-             " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1): other nodes cannot "
-             "reach this node by its name, and whatever binds to it listens on loopback only",
-         "map " + f.host_name +
-             " to this node's routable address in /etc/hosts (or DNS); set "
-             "MASTER_ADDR to a routable address of node 0, not its name; and name the interface: "
-             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / OMPI_MCA_btl_tcp_if_include=<eth0 or "
-             "ib0>"});
+    out.push_back({"the host name " + f.host_name + " resolves to " +
+                       detail::joined(f.host_addresses.addresses) +
+                       " (Debian's /etc/hosts maps a machine's own name to 127.0.1.1): "
+                       "other nodes cannot reach this node by its name, "
+                       "and whatever binds to it listens on loopback only",
+                   "map " + f.host_name +
+                       " to this node's routable address in /etc/hosts (or DNS); "
+                       "set MASTER_ADDR to a routable address of node 0, not its name; "
+                       "and name the interface: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / "
+                       "OMPI_MCA_btl_tcp_if_include=<eth0 or ib0>"});
   }
 
   if (auto master = f.env.get("MASTER_ADDR"); master && f.master_addresses) {
@@ -130,8 +130,8 @@ inline bool all_loopback(const std::vector<std::string>& addresses) {
       out.push_back(
           {"MASTER_ADDR=" + std::string(*master) + " resolves to " +
                detail::joined(f.master_addresses->addresses) +
-               " (loopback) in a job of several nodes: ranks on other nodes would "
-               "reach their own machine, not node 0",
+               " (loopback) in a job of several nodes: "
+               "ranks on other nodes would reach their own machine, not node 0",
            "set MASTER_ADDR to node 0's routable address (e.g. its eth0 or ib0 address)"});
     }
   }
@@ -156,8 +156,8 @@ inline bool all_loopback(const std::vector<std::string>& addresses) {
                p.state + "/" + p.phys_state;
     out.push_back({"RDMA devices are present but no port is ACTIVE (" + ports +
                        "): NCCL and MPI fall back to TCP",
-                   "check the cable and the subnet manager (ibstat; `opensm` on one node of an "
-                   "InfiniBand fabric), or the RoCE link"});
+                   "check the cable and the subnet manager (ibstat; "
+                   "`opensm` on one node of an InfiniBand fabric), or the RoCE link"});
   }
 
   for (const engine_interface& e : {gloo_interface(f.host, f.env, f.route_to_master),
@@ -182,8 +182,8 @@ inline bool all_loopback(const std::vector<std::string>& addresses) {
   if (local && gpus >= 1 && gpus < *local) {
     out.push_back({std::to_string(*local) + " ranks on this node but " + std::to_string(gpus) +
                        " visible GPU" + (gpus == 1 ? "" : "s") +
-                       ": NCCL needs a GPU of its own for every rank (NCCL before 2.30 rejects a "
-                       "shared one)",
+                       ": NCCL needs a GPU of its own for every rank "
+                       "(NCCL before 2.30 rejects a shared one)",
                    "start " + std::to_string(gpus) + (gpus == 1 ? " worker" : " workers") +
                        " per node (--nproc-per-node " + std::to_string(gpus) +
                        "), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"});

@@ -47,11 +47,11 @@ DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int
                        " needs a GPU, but this process sees none (" + cvd +
                        "); check the driver (nvidia-smi) and what the launcher exposes");
   }
-  throw config_error(
-      "local rank " + std::to_string(local_rank) + " of " + std::to_string(local_world_size) +
-      " ranks on this node sees " + std::to_string(visible) + " GPUs (" + cvd +
-      "): expose one GPU per rank (the launcher's per-task binding) or all of them, or "
-      "start no more ranks per node than it has GPUs");
+  throw config_error("local rank " + std::to_string(local_rank) + " of " +
+                     std::to_string(local_world_size) + " ranks on this node sees " +
+                     std::to_string(visible) + " GPUs (" + cvd +
+                     "): expose one GPU per rank (the launcher's per-task binding) or all of them, "
+                     "or start no more ranks per node than it has GPUs");
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 

@@ -99,8 +99,9 @@ DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, s
     throw config_error(
         primary[field::world_size]->origin + " (" + std::string(to_string(primary.source)) +
         ") and " + other[field::world_size]->origin + " (" + std::string(to_string(other.source)) +
-        ") disagree about the world size; an outer launcher is accepted only with the "
-        "same process count or with one process per node");
+        ") disagree about the world size; "
+        "an outer launcher is accepted only with the same process count or with one process per "
+        "node");
   }
   return primary;
 }
@@ -207,9 +208,9 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
     if (loose[field::node_rank] && loose[field::node_rank]->value != 0) {
       throw config_error(
           loose[field::node_rank]->origin +
-          " is set, but nothing gives this process's rank and world size (RANK and "
-          "WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_* under srun, HOROVOD_*, "
-          "TF_CONFIG). A Lightning-style per-node job needs launch::per_node (dtrun), "
+          " is set, but nothing gives this process's rank and world size (RANK and WORLD_SIZE, "
+          "OMPI_COMM_WORLD_*, PMI_*, SLURM_* under srun, HOROVOD_*, TF_CONFIG). "
+          "A Lightning-style per-node job needs launch::per_node (dtrun), "
           "which starts the workers of the node");
     }
     const std::string single = "a single process: no launcher variables";

@@ -288,8 +288,8 @@ DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env) {
     o[field::num_nodes] = cross_size;
   } else if (cross_rank || cross_size) {
     o.note =
-        "HOROVOD_CROSS_RANK/CROSS_SIZE not used as node fields: nodes run different numbers "
-        "of processes and this is not local rank 0";
+        "HOROVOD_CROSS_RANK/CROSS_SIZE not used as node fields: "
+        "nodes run different numbers of processes and this is not local rank 0";
   }
   return o;
 }

@@ -121,9 +121,8 @@ DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, ag
                                           .node_rank = options_.node_rank});
   if (!node_.node_rank || !node_.num_nodes) {
     throw config_error(
-        "the node agent cannot tell which node it is: give node_rank and nnodes "
-        "(--node-rank, --nnodes; NODE_RANK) or start one agent per node with "
-        "mpirun or srun");
+        "the node agent cannot tell which node it is: give node_rank and nnodes (--node-rank, "
+        "--nnodes; NODE_RANK) or start one agent per node with mpirun or srun");
   }
   nproc_ = *node_.local_world_size;
   const bool single = *node_.num_nodes == 1;
@@ -146,8 +145,8 @@ DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, ag
   }
   if (master_port_ == 0 && !single) {
     throw config_error(
-        "master_port 0 (a free port) works only on a single node: the other "
-        "nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+        "master_port 0 (a free port) works only on a single node: "
+        "the other nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
   }
 }
 

@@ -189,8 +189,8 @@ DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::s
   for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
   if (flags.module_ && flags.no_python_) {
     throw config_error(
-        "-m (--module) and --no-python on the command line exclude each other: -m runs the "
-        "module under python3 -u -m, --no-python runs the program without python3");
+        "-m (--module) and --no-python on the command line exclude each other: "
+        "-m runs the module under python3 -u -m, --no-python runs the program without python3");
   }
   return flags;
 }
@@ -372,9 +372,9 @@ DTRAIN_DETAIL_INLINE void agent_flags::take_rdzv(std::string_view name, const st
               {port.origin, true}, "node 0's port");
   } else {
     throw config_error(origin +
-                       ": dtrun has no rendezvous settings of torchrun's; its waits are bounded "
-                       "by DTRAIN_STORE_TIMEOUT (join_timeout, timeout), and nodes are lost "
-                       "after --heartbeat-timeout");
+                       ": dtrun has no rendezvous settings of torchrun's; "
+                       "its waits are bounded by DTRAIN_STORE_TIMEOUT (join_timeout, timeout), "
+                       "and nodes are lost after --heartbeat-timeout");
   }
 }
 #endif  // DTRAIN_DETAIL_BODIES()

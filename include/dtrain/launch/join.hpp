@@ -160,8 +160,8 @@ class rendezvous_wait {
     const bool one = s_.size - count == 1;
     return prefix() + " timed out after " + whole_seconds(s_.timeout) + ": " +
            std::to_string(count) + " of " + std::to_string(s_.size) + " ranks joined; " + who +
-           " never did. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks (this rank "
-           "met at " +
+           " never did. Likely causes: MASTER_ADDR or MASTER_PORT differ between ranks "
+           "(this rank met at " +
            s_.endpoint + "), a firewall blocks that port, " + (one ? "that rank" : "those ranks") +
            " never started or failed before joining (see " + (one ? "its" : "their") +
            " output), or the world size (" + s_.world_size_origin +

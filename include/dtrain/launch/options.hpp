@@ -79,8 +79,8 @@ DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
     }
     if (here.gpus == 0) {
       throw config_error(origin +
-                         ": this process sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES "
-                         "hides them); give a number of workers, or cpu");
+                         ": this process sees no CUDA device (no driver, "
+                         "or CUDA_VISIBLE_DEVICES hides them); give a number of workers, or cpu");
     }
     return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
   }
@@ -101,9 +101,10 @@ DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::str
 DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
   if (text == "c10d") return;
   const std::string instead =
-      "its agents meet at a store that node 0's agent serves (torchrun's c10d): give "
-      "--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --master-addr HOST --master-port PORT "
-      "--node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, PET_NODE_RANK)";
+      "its agents meet at a store that node 0's agent serves (torchrun's c10d): "
+      "give --rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
+      "or --master-addr HOST --master-port PORT --node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, "
+      "PET_NODE_RANK)";
   if (text == "static") {
     throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
   }

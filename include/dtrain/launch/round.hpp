@@ -208,8 +208,8 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_joiners(agent_store& store) {
   last_join_check_ = now;
   if (!store.node_waiting(settings_.restart)) return;
   failure_record regroup{0, false,
-                         "a node is ready to join: every node stops its workers, and the next "
-                         "round is formed with it (no restart counted)"};
+                         "a node is ready to join: every node stops its workers, "
+                         "and the next round is formed with it (no restart counted)"};
   regroup.regroup = true;
   detail::record_failure(store.client(), settings_.restart, regroup);
 }

@@ -8,8 +8,8 @@
 /// It also tells its agent how far its communicator got (collective_progress),
 /// so that the agent can name a rank that left its peers waiting.
 
-#include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/diagnostics/ring.hpp>
 
 #include <csignal>
 #include <cstdint>

@@ -300,8 +300,9 @@ DTRAIN_DETAIL_INLINE void store_client::connect(milliseconds patience) {
       throw timeout_error("could not reach the store at " + endpoint() + " within " +
                           seconds(patience) + " (last error: " + last_error +
                           "); check that the process hosting it (rank 0, or the node-0 agent) "
-                          "is running, that MASTER_ADDR and MASTER_PORT are the same on every "
-                          "rank, and that no firewall blocks the port");
+                          "is running, "
+                          "that MASTER_ADDR and MASTER_PORT are the same on every rank, "
+                          "and that no firewall blocks the port");
     }
     if (options_.progress_interval > milliseconds::zero() && now >= next_report) {
       detail::say(options_.progress,
@@ -392,8 +393,8 @@ DTRAIN_DETAIL_INLINE void store_client::handshake(steady::time_point connect_dea
   if (s == detail::wire::status::bad_token) {
     broken_ = true;
     throw token_error("the store at " + endpoint() +
-                      " rejected this client's token; set the same DTRAIN_STORE_TOKEN (or "
-                      "token option) on every rank");
+                      " rejected this client's token; set the same DTRAIN_STORE_TOKEN "
+                      "(or token option) on every rank");
   }
   if (s == detail::wire::status::bad_version) {
     broken_ = true;

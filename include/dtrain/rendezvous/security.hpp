@@ -188,8 +188,8 @@ DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& c
     if (std::chrono::steady_clock::now() > deadline) {
       throw timeout_error("rank " + std::to_string(rank) + " found no valid store token in " +
                           file.path() +
-                          " within the store timeout; is rank 0 running "
-                          "on this host? (set DTRAIN_STORE_TOKEN on every rank to skip the file)");
+                          " within the store timeout; is rank 0 running on this host? "
+                          "(set DTRAIN_STORE_TOKEN on every rank to skip the file)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

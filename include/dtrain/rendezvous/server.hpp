@@ -221,8 +221,8 @@ DTRAIN_DETAIL_INLINE void store_server::listen_on(int port) {
     int err = errno;
     throw rendezvous_error(
         "cannot listen on " + detail::endpoint_text(address_, port) + ": " + std::strerror(err) +
-        (err == EADDRINUSE ? " (another store or program holds the port: pick another "
-                             "MASTER_PORT, or port 0 for a free one)"
+        (err == EADDRINUSE ? " (another store or program holds the port: "
+                             "pick another MASTER_PORT, or port 0 for a free one)"
                            : ""));
   }
   DTRAIN_SYSCALL(::listen(fd.get(), 65535));  // the kernel caps it at somaxconn
@@ -308,8 +308,8 @@ DTRAIN_DETAIL_INLINE void store_server::admit(detail::unique_fd fd, const sockad
       if (rejections_.note(detail::rejection::over_connection_cap)) {
         log("refused a connection from " + detail::endpoint_text(peer) + ": " +
             std::to_string(connection_cap_) +
-            " connections are open (store_limits::max_connections, "
-            "DTRAIN_STORE_MAX_CONNECTIONS, or the descriptor limit)");
+            " connections are open (store_limits::max_connections, DTRAIN_STORE_MAX_CONNECTIONS, "
+            "or the descriptor limit)");
       }
       return;
     }

@@ -27,10 +27,10 @@
 /// makes a mismatch a link error that names it.
 
 #include <dtrain/config.hpp>
-#include <dtrain/runtime/context.hpp>
 #include <dtrain/ddp/basic_ddp.hpp>
 #include <dtrain/detail/link_check.hpp>
 #include <dtrain/policy.hpp>
+#include <dtrain/runtime/context.hpp>
 #include <dtrain/runtime/run.hpp>
 
 // The policies compiled in the library, per engine: X(policy type) for each.

@@ -4,9 +4,9 @@
 /// dtrain::run — the complete world, the rendezvous store, the communicator —
 /// and owns, torn down in reverse order of construction.
 
-#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/diagnostics.hpp>
 #include <dtrain/env/device.hpp>
@@ -241,8 +241,9 @@ class context {
     if (!host) return;  // open_store reports the missing address first
     throw config_error(
         "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-        ": this job may span several hosts and no dtrain launcher started it, so its store "
-        "needs a shared secret: set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
+        ": this job may span several hosts and no dtrain launcher started it, "
+        "so its store needs a shared secret: "
+        "set DTRAIN_STORE_TOKEN to the same value on every rank (e.g. "
         "mpirun -x DTRAIN_STORE_TOKEN, or export it in the srun / torchrun job script; "
         "`openssl rand -hex 16` makes one), or use the MPI backend, or dtrun (" +
         world_.describe() + ")");
@@ -267,8 +268,8 @@ class context {
       (void)port;
       throw config_error(
           "rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
-          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) to "
-          "an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
+          " does not know where rank 0's rendezvous store is: set MASTER_ADDR (and MASTER_PORT) "
+          "to an address of rank 0's host, or AZ_BATCH_MASTER_NODE=host:port (" +
           world_.describe() + ")");
     }
   }

@@ -8,7 +8,6 @@
 /// line on stderr and a non-zero exit status.
 
 #include <dtrain/config.hpp>
-#include <dtrain/runtime/context.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>
@@ -20,6 +19,7 @@
 #include <dtrain/launch/protocol.hpp>
 #include <dtrain/launch/worker.hpp>
 #include <dtrain/policy.hpp>
+#include <dtrain/runtime/context.hpp>
 
 #include <cstdio>
 #include <exception>

@@ -4,9 +4,9 @@
 /// The other model of the slot is topology::hierarchical (hierarchical.hpp).
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/topology/layout.hpp>
 #include <dtrain/topology/sequence.hpp>
 

@@ -8,9 +8,9 @@
 /// what a flat ring of n ranks puts on them, n = N nodes instead of N x L ranks.
 
 #include <dtrain/backend/communicator.hpp>
-#include <dtrain/control/plane.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/topology/layout.hpp>
 #include <dtrain/topology/sequence.hpp>

@@ -5,8 +5,8 @@
 /// plane, and the check that the nodes are alike enough for a hierarchical
 /// collective (every node the same number of ranks, local ranks 0..L-1).
 
-#include <dtrain/control/plane.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/control/plane.hpp>
 #include <dtrain/env/placement.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>

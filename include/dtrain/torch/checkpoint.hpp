@@ -192,8 +192,9 @@ inline sharded_optimizer_layout sharded_layout_of(::torch::optim::Optimizer& opt
     throw config_error("dtrain::torch::add_optimizer on rank " + std::to_string(rank) +
                        ": optimizer '" + name +
                        "' over a sharded DDP is re-cut across world sizes for torch::optim::SGD, "
-                       "Adam and AdamW; for another optimizer pass checkpoint_scope::per_rank "
-                       "instead of the DDP (its state then resumes on the same world size only)");
+                       "Adam and AdamW; "
+                       "for another optimizer pass checkpoint_scope::per_rank instead of the DDP "
+                       "(its state then resumes on the same world size only)");
   }
   return out;
 }

@@ -65,15 +65,15 @@ std::shared_ptr<::torch::nn::Module> module_pointer(const Module& m) {
 template <class Policy, class Module>
 class DistributedDataParallel {
   static_assert(!std::is_base_of_v<::torch::nn::Module, Module>,
-                "dtrain::torch::DistributedDataParallel: pass the module holder (a TORCH_MODULE "
-                "type such as `Net`) or a std::shared_ptr to the module, not the module itself "
-                "(it would be copied)");
+                "dtrain::torch::DistributedDataParallel: pass the module holder "
+                "(a TORCH_MODULE type such as `Net`) or a std::shared_ptr to the module, "
+                "not the module itself (it would be copied)");
   static_assert(!DTRAIN_TORCH_HAS_SEPARATE_COMPILATION() || detail::in_torch_part<Policy>,
                 "dtrain::torch::DistributedDataParallel: with DTRAIN_TORCH_SEPARATE_COMPILATION "
                 "(CMake's dtrain::torch), only the standard policies are compiled "
-                "(DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY in dtrain/torch/compiled.hpp); for a "
-                "policy of your own, build this file header-only (link dtrain::header_only and "
-                "torch rather than dtrain::torch)");
+                "(DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY in dtrain/torch/compiled.hpp); "
+                "for a policy of your own, build this file header-only "
+                "(link dtrain::header_only and torch rather than dtrain::torch)");
 
  public:
   using core_type = dtrain::basic_ddp<Policy>;

@@ -278,8 +278,8 @@ std::string module_ddp<Policy>::collect(const ddp_options& options, std::vector<
                                         std::vector<parameter>& buffers) {
   if (!options.gradient_as_bucket_view) {
     return "dtrain::torch::DistributedDataParallel on rank " + std::to_string(rank_) +
-           ": ddp_options::gradient_as_bucket_view = false is not supported; every .grad() is a "
-           "view of dtrain's bucket storage (no copies), and stays one after synchronize()";
+           ": ddp_options::gradient_as_bucket_view = false is not supported; every .grad() "
+           "is a view of dtrain's bucket storage (no copies), and stays one after synchronize()";
   }
   try {
     // A tensor registered twice (tied weights) is one parameter, under its first name.
@@ -408,9 +408,10 @@ void module_ddp<Policy>::gradient_written(std::size_t i) {
   if (core_->declared_unused(i)) {
     throw error("dtrain::torch::DistributedDataParallel on rank " + std::to_string(rank_) +
                 ": autograd wrote the gradient of parameter '" + name_of(i) +
-                "', which the graph walk after ddp(x) found unused in this step (and sent as "
-                "zero); with find_unused_parameters, a parameter that gets a gradient must be "
-                "reached from the outputs of the last ddp(x) before backward()");
+                "', which the graph walk after ddp(x) found unused in this step "
+                "(and sent as zero); with find_unused_parameters, "
+                "a parameter that gets a gradient must be reached from the outputs of the last "
+                "ddp(x) before backward()");
   }
   if (core_->marked(i) && !core_->accumulating()) {
     // A gradient for the next step: this one was never completed.
@@ -480,18 +481,18 @@ std::string module_ddp<Policy>::no_gradient_message(const std::string& what) con
                     std::to_string(slots_.size()) + " parameters (" + names + ")";
   if (count == 0) {
     out +=
-        "; every parameter got its gradient, but the backward() that gave the last ones "
-        "ended before it could complete the step (an error inside autograd?); call "
-        "ddp.synchronize() to complete it";
+        "; every parameter got its gradient, but the backward() "
+        "that gave the last ones ended before it could complete the step "
+        "(an error inside autograd?); call ddp.synchronize() to complete it";
   } else if (core_->options().find_unused_parameters) {
     out +=
-        "; with find_unused_parameters, run the forward pass through ddp(x), whose graph "
-        "walk finds the parameters a step does not use, or call ddp.synchronize() after "
-        "backward() (it sends zeros for them)";
+        "; with find_unused_parameters, run the forward pass through ddp(x), "
+        "whose graph walk finds the parameters a step does not use, or call ddp.synchronize() "
+        "after backward() (it sends zeros for them)";
   } else {
     out +=
-        "; they took no part in computing the loss: if parts of the model sit out some "
-        "steps, set ddp_options::find_unused_parameters = true (as for PyTorch's DDP)";
+        "; they took no part in computing the loss: if parts of the model sit out some steps, "
+        "set ddp_options::find_unused_parameters = true (as for PyTorch's DDP)";
   }
   return out;
 }

@@ -141,9 +141,9 @@ DTRAIN_DETAIL_INLINE void check_gloo_library(int rank) {
       "gloo_communicator on rank " + std::to_string(rank) + ": Gloo's functions resolve to " +
       file +
       ", the copy of Gloo inside LibTorch, not to the libgloo dtrain was compiled against "
-      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: list "
-      "dtrain::gloo before the torch libraries), or use dtrain's MPI or NCCL engine with this "
-      "LibTorch");
+      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: "
+      "list dtrain::gloo before the torch libraries), "
+      "or use dtrain's MPI or NCCL engine with this LibTorch");
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -437,8 +437,8 @@ class gloo_communicator {
       .host = true,
       .device = false,
       .rule =
-          "gloo reduces host memory only: copy device data to the host first, or use "
-          "backend::nccl"};
+          "gloo reduces host memory only: copy device data to the host first, "
+          "or use backend::nccl"};
 
   // Every collective, in this order: a left-out rank fails first; then the
   // argument checks every engine shares; a broken communicator; the ring's

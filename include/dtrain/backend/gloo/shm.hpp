@@ -533,8 +533,7 @@ DTRAIN_DETAIL_INLINE void shm_segment::wait_all(flag rank_flags::*which, std::ui
       // The rank waited for first: its death is the cause, another's giving up a consequence.
       if (!alive(q)) {
         std::string why = where(q, phase, c, chunks) + ": rank " + std::to_string(q) +
-                          " exited or closed its communicator (its lock on the segment is "
-                          "gone)";
+                          " exited or closed its communicator (its lock on the segment is gone)";
         abandon(why);
         throw shm_failure(why, false);
       }

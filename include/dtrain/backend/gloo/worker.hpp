@@ -140,8 +140,8 @@ DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(const collective_info& call,
 DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
   std::lock_guard lock(mutex);
   return "the communicator is unusable since an earlier failure (" + failure.text() +
-         "); ranks cannot fall back into step after a failed collective, so make a new "
-         "communicator";
+         "); ranks cannot fall back into step after a failed collective, "
+         "so make a new communicator";
 }
 #endif  // DTRAIN_DETAIL_BODIES()
 
@@ -273,13 +273,12 @@ DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e
     return std::make_exception_ptr(
         timeout_error(what + " timed out in Gloo (" + message +
                       "); a peer is slow, dead or called a different collective "
-                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what "
-                      "every rank passed)"));
+                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
   }
   return std::make_exception_ptr(
       backend_error(what + " failed in Gloo: " + message +
-                        "; a peer rank may have died or closed its communicator: look for the "
-                        "first error on the other ranks",
+                        "; a peer rank may have died or closed its communicator: "
+                        "look for the first error on the other ranks",
                     0));
 }
 #endif  // DTRAIN_DETAIL_BODIES()

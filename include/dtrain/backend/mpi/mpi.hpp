@@ -345,12 +345,11 @@ class mpi_communicator {
   template <class What>
   void usable(const What& what) const {
     if (health_->broken) {
-      throw backend_error(
-          detail::what_text(what) + ": this MPI communicator is unusable since " +
-              health_->why.text() +
-              " (MPI cannot cancel a collective); end the job, or continue only on other "
-              "communicators",
-          0);
+      throw backend_error(detail::what_text(what) + ": this MPI communicator is unusable since " +
+                              health_->why.text() +
+                              " (MPI cannot cancel a collective); end the job, "
+                              "or continue only on other communicators",
+                          0);
     }
   }
 

@@ -167,8 +167,9 @@ inline constexpr memory_reach nccl_memory{
     .host = false,
     .device = true,
     .rule =
-        "NCCL reduces device memory only: pass GPU memory (device_span, or a buffer with where "
-        "= memory::device), or reduce host data with the mpi or gloo backend"};
+        "NCCL reduces device memory only: pass GPU memory (device_span, "
+        "or a buffer with where = memory::device), "
+        "or reduce host data with the mpi or gloo backend"};
 
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
 [[nodiscard]] DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
@@ -222,9 +223,8 @@ DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
 #endif  // DTRAIN_DETAIL_BODIES()
 
 inline constexpr std::string_view nccl_timeout_hint =
-    "a peer is slow, dead or called a different collective (DTRAIN_CHECK_COLLECTIVES=1 compares "
-    "what every "
-    "rank passed)";
+    "a peer is slow, dead or called a different collective "
+    "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)";
 
 /// Polling back-off for work the GPU finishes: sleeps grow to 1 ms.
 struct nccl_backoff : backoff {

@@ -108,9 +108,9 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
       return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " on host " +
              gpus[a].host + " both use GPU " + gpus[a].uuid + " (PCI bus " + gpus[a].pci_bus +
              "): " + as(a) + ", " + as(b) +
-             "; NCCL needs a GPU of its own for every rank: start no more ranks on a node than it "
-             "has GPUs, and give each its own device (the local rank, or a CUDA_VISIBLE_DEVICES "
-             "of its own)";
+             "; NCCL needs a GPU of its own for every rank: "
+             "start no more ranks on a node than it has GPUs, and give each its own device "
+             "(the local rank, or a CUDA_VISIBLE_DEVICES of its own)";
     }
   }
   return {};
@@ -199,8 +199,8 @@ class basic_nccl_communicator {
       // Non-blocking: NCCL connects the ranks in the background; a rank that
       // never comes would otherwise hang this call for ever.
       s->wait(what, s->options.init_timeout,
-              "every rank must start and reach the others' network "
-              "interfaces (NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+              "every rank must start and reach the others' network interfaces "
+              "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
               [] { return true; });
       shared_ = std::move(s);
     } catch (const backend_error& e) {
