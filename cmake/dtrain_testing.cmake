@@ -94,3 +94,126 @@ function(dtrain_engine_combinations out_var)
   endforeach()
   set(${out_var} ${combinations} PARENT_SCOPE)
 endfunction()
+
+# ---------------------------------------------------------------------------
+# Multi-rank tests (docs/developing.md, "Adding a test"): a program whose cases
+# are doctest TEST_CASEs run in every rank (tests/support/multirank.hpp), and
+# one CTest test per case, engine and rank count.
+
+# dtrain_add_multirank_program(<target> <source>...): the program, with the
+# multi-rank main (tests/support/multirank_main.cpp), linked to dtrain::dtrain.
+function(dtrain_add_multirank_program target)
+  add_executable(${target} ${ARGN} "${PROJECT_SOURCE_DIR}/tests/support/multirank_main.cpp")
+  target_link_libraries(${target} PRIVATE dtrain::dtrain doctest::doctest)
+  dtrain_target_warnings(${target})
+  add_dependencies(${target} dtrain_test_launch)
+endfunction()
+
+# Why <engine> cannot run here, in `out` (empty when it can).
+function(dtrain_multirank_missing out engine)
+  set(why "")
+  if(engine STREQUAL "mpi" AND NOT (DTRAIN_WITH_MPI AND MPIEXEC_EXECUTABLE))
+    set(why "needs MPI and mpiexec (DTRAIN_WITH_MPI is OFF)")
+  elseif(engine STREQUAL "gloo" AND NOT DTRAIN_WITH_GLOO)
+    set(why "needs Gloo (DTRAIN_WITH_GLOO is OFF; Debian: apt-get install libgloo-dev)")
+  elseif(NOT engine MATCHES "^(mpi|gloo)$")
+    message(FATAL_ERROR "multi-rank test: engine '${engine}' is mpi or gloo")
+  endif()
+  set(${out} "${why}" PARENT_SCOPE)
+endfunction()
+
+# dtrain_multirank_command(<out> PROGRAM <target> ENGINE <mpi|gloo> RANKS <n>
+#                          [NODES <a,b,...>] [NO_KILL] [ARGS <arg>...])
+# The one place that builds the command starting <n> ranks of <target>, as a
+# list in `out`: mpirun for MPI (one process per rank); dtrain_test_launch for
+# Gloo, which gives each rank a torchrun-style environment (NODES: the ranks of
+# each simulated node; NO_KILL: a failing rank does not stop the others, for a
+# test that wants every rank's own message). The program gets --engine=<engine>
+# and ARGS.
+function(dtrain_multirank_command out)
+  cmake_parse_arguments(PARSE_ARGV 1 arg "NO_KILL" "PROGRAM;ENGINE;RANKS;NODES" "ARGS")
+  if(arg_ENGINE STREQUAL "mpi")
+    set(job "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${arg_RANKS} ${MPIEXEC_PREFLAGS}
+            ${DTRAIN_MPIEXEC_PREFLAGS} $<TARGET_FILE:${arg_PROGRAM}> --engine=mpi ${arg_ARGS}
+            ${MPIEXEC_POSTFLAGS})
+  else()
+    set(job $<TARGET_FILE:dtrain_test_launch>)
+    if(arg_NO_KILL)
+      list(APPEND job --no-kill)
+    endif()
+    if(arg_NODES)
+      list(APPEND job --nodes ${arg_NODES})
+    endif()
+    list(APPEND job ${arg_RANKS} $<TARGET_FILE:${arg_PROGRAM}> --engine=${arg_ENGINE} ${arg_ARGS})
+  endif()
+  set(${out} ${job} PARENT_SCOPE)
+endfunction()
+
+# dtrain_add_multirank_test(<prefix> PROGRAM <target> CASE <doctest case>
+#     ENGINES <mpi|gloo>... RANKS <n>... [NODES <a,b,...>] [NAME <suffix>]
+#     [ENGINE_NOT_IN_NAME] [TIMEOUT <s>] [ENVIRONMENT <var=value>...]
+#     [EXPECT_STATUS <n> EXPECT <regex>... [NO_KILL]])
+# Registers <prefix>.<engine>.<n>ranks for every engine and rank count, which
+# runs the case in every rank (`--test-case=<case>`) and passes when every rank
+# does. NODES runs the ranks as simulated nodes with topology::hierarchical
+# (--topology=hierarchical; Gloo only), named <prefix>.<engine>.hierarchical.<a>x<b>;
+# NAME replaces the last part of the name (".<n>ranks"); ENGINE_NOT_IN_NAME
+# leaves ".<engine>" out. With EXPECT, the job's output must match every regex
+# and its exit status be EXPECT_STATUS (tests/scripts/check_job.cmake). An
+# engine that is not built registers the test as skipped, saying why.
+function(dtrain_add_multirank_test prefix)
+  cmake_parse_arguments(PARSE_ARGV 1 arg "ENGINE_NOT_IN_NAME;NO_KILL"
+                        "PROGRAM;CASE;NODES;NAME;TIMEOUT;EXPECT_STATUS"
+                        "ENGINES;RANKS;ENVIRONMENT;EXPECT")
+  if(NOT arg_TIMEOUT)
+    set(arg_TIMEOUT 240)
+  endif()
+  set(args --test-case=${arg_CASE})
+  if(arg_NODES)
+    list(APPEND args --topology=hierarchical)
+  endif()
+  foreach(engine IN LISTS arg_ENGINES)
+    foreach(ranks IN LISTS arg_RANKS)
+      set(name "${prefix}")
+      if(NOT arg_ENGINE_NOT_IN_NAME)
+        string(APPEND name ".${engine}")
+      endif()
+      if(arg_NAME)
+        string(APPEND name ".${arg_NAME}")
+      elseif(arg_NODES)
+        string(REPLACE "," "x" shape "${arg_NODES}")
+        string(APPEND name ".hierarchical.${shape}")
+      else()
+        string(APPEND name ".${ranks}ranks")
+      endif()
+      dtrain_multirank_missing(why ${engine})
+      if(why)
+        dtrain_add_skipped_test(${name} "${why}")
+        continue()
+      endif()
+      set(options "")
+      if(arg_NO_KILL)
+        set(options NO_KILL)
+      endif()
+      dtrain_multirank_command(job PROGRAM ${arg_PROGRAM} ENGINE ${engine} RANKS ${ranks}
+                               NODES ${arg_NODES} ${options} ARGS ${args})
+      set(env DTRAIN_COLLECTIVE_TIMEOUT=120 ${arg_ENVIRONMENT})
+      if(engine STREQUAL "mpi")
+        list(APPEND env ${DTRAIN_MPI_TEST_ENVIRONMENT})
+      endif()
+      if(DEFINED arg_EXPECT_STATUS)
+        set(expect_args "")
+        set(n 0)
+        foreach(regex IN LISTS arg_EXPECT)
+          math(EXPR n "${n} + 1")
+          list(APPEND expect_args "-DEXPECT_${n}=${regex}")
+        endforeach()
+        list(JOIN job "|" job)
+        set(job "${CMAKE_COMMAND}" "-DCOMMAND=${job}" -DEXPECT_STATUS=${arg_EXPECT_STATUS}
+                ${expect_args} -P "${PROJECT_SOURCE_DIR}/tests/scripts/check_job.cmake")
+      endif()
+      dtrain_add_test(${name} COMMAND ${job} TIMEOUT ${arg_TIMEOUT} ENVIRONMENT ${env}
+                      PROPERTIES PROCESSORS ${ranks})
+    endforeach()
+  endforeach()
+endfunction()

@@ -1,120 +1,47 @@
 # DistributedDataParallel across ranks (issue 6): included from tests/CMakeLists.txt.
 #
-# ddp.<case>.<backend>.<n>ranks runs tests/ddp/ddp_peer.cpp on n ranks: under
-# mpirun for MPI, under dtrain_test_launch for Gloo. mean, features and
-# interleaved must pass on every rank; ddp.error.* must fail with the right
-# status and message (tests/ddp/check_error.cmake).
-set(ddp_dir "${CMAKE_CURRENT_SOURCE_DIR}/ddp")
+# ddp.<case>.<engine>.<n>ranks runs the doctest case <case> of
+# tests/ddp/ddp_peer.cpp in every rank of an n-rank job: under mpirun for MPI,
+# under dtrain_test_launch for Gloo (dtrain_add_multirank_test,
+# cmake/dtrain_testing.cmake). mean, features and interleaved must pass on
+# every rank; ddp.error.* must end with the right status and message.
 set(ddp_backends "")
-if(DTRAIN_WITH_MPI AND MPIEXEC_EXECUTABLE)
-  list(APPEND ddp_backends mpi)
-endif()
-if(DTRAIN_WITH_GLOO)
-  list(APPEND ddp_backends gloo)
-endif()
+foreach(engine IN ITEMS mpi gloo)
+  dtrain_multirank_missing(why ${engine})
+  if(NOT why)
+    list(APPEND ddp_backends ${engine})
+  endif()
+endforeach()
 
 if(ddp_backends)
-  add_executable(dtrain_ddp_peer ddp/ddp_peer.cpp)
-  target_link_libraries(dtrain_ddp_peer PRIVATE dtrain::dtrain)
-  dtrain_target_warnings(dtrain_ddp_peer)
-  add_dependencies(dtrain_ddp_peer dtrain_test_launch)
+  dtrain_add_multirank_program(dtrain_ddp_peer ddp/ddp_peer.cpp)
 endif()
 
-# The command line that starts <ranks> ranks of the peer on <backend>, as a
-# list; `no_kill` keeps dtrain_test_launch from stopping the other ranks when
-# one fails (the error tests want every rank's own message and status).
-function(ddp_job out backend ranks)
-  if(backend STREQUAL "mpi")
-    set(job "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${ranks} ${MPIEXEC_PREFLAGS} ${DTRAIN_MPIEXEC_PREFLAGS}
-            $<TARGET_FILE:dtrain_ddp_peer> mpi ${ARGN} ${MPIEXEC_POSTFLAGS})
-  else()
-    set(job $<TARGET_FILE:dtrain_test_launch> --no-kill ${ranks} $<TARGET_FILE:dtrain_ddp_peer> gloo ${ARGN})
-  endif()
-  set(${out} ${job} PARENT_SCOPE)
-endfunction()
+foreach(case IN ITEMS mean features)
+  dtrain_add_multirank_test(ddp.${case} PROGRAM dtrain_ddp_peer CASE ${case}
+                            ENGINES mpi gloo RANKS 1 2 3 4)
+endforeach()
+# The user's own collective on the same communicator while buckets are in flight.
+dtrain_add_multirank_test(ddp.interleaved PROGRAM dtrain_ddp_peer CASE interleaved
+                          ENGINES mpi gloo RANKS 2 3 TIMEOUT 90
+                          ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=20)
 
-# Cases that fail: <case>:<exit status>:<regexes the output must match, separated by '!'>.
+# Cases that fail: <case>:<the job's exit status>:<regexes the output must
+# match, separated by '!'>.
 set(ddp_error_cases
   "twice:1:\\[rank [01]/2\\] dtrain: .*layer03\\.view.*twice"
   "unmarked:1:\\[rank [01]/2\\] dtrain: .*layer05\\.view!never marked|not marked|unmarked"
   "unknown:1:\\[rank [01]/2\\] dtrain: .*no\\.such\\.parameter!mark_ready\\(999\\): .*999"
   "mismatch-name:2:\\[rank [01]/2\\] dtrain: [^\n]*layer07\\.view!dtrain: [^\n]*layer07\\.renamed!dtrain: [^\n]*rank 0[^\n]*rank 1"
   "mismatch-shape:2:\\[rank [01]/2\\] dtrain: [^\n]*layer04\\.view!dtrain: [^\n]*3005 x float32!dtrain: [^\n]*rank 0[^\n]*rank 1")
-
-foreach(backend IN ITEMS mpi gloo)
-  if(NOT backend IN_LIST ddp_backends)
-    if(backend STREQUAL "mpi")
-      set(why "needs MPI and mpiexec (DTRAIN_WITH_MPI is OFF)")
-    else()
-      set(why "needs Gloo (DTRAIN_WITH_GLOO is OFF; Debian: apt-get install libgloo-dev)")
-    endif()
-    foreach(ranks IN ITEMS 1 2 3 4)
-      dtrain_add_skipped_test(ddp.mean.${backend}.${ranks}ranks "${why}")
-      dtrain_add_skipped_test(ddp.features.${backend}.${ranks}ranks "${why}")
-    endforeach()
-    foreach(ranks IN ITEMS 2 3)
-      dtrain_add_skipped_test(ddp.interleaved.${backend}.${ranks}ranks "${why}")
-    endforeach()
-    foreach(entry IN LISTS ddp_error_cases)
-      string(REGEX MATCH "^[^:]+" case "${entry}")
-      dtrain_add_skipped_test(ddp.error.${case}.${backend}.2ranks "${why}")
-    endforeach()
-    continue()
-  endif()
-
-  foreach(ranks IN ITEMS 1 2 3 4)
-    foreach(case IN ITEMS mean features)
-      ddp_job(job ${backend} ${ranks} ${case})
-      if(backend STREQUAL "gloo")
-        list(REMOVE_ITEM job --no-kill)  # a failing rank stops the others: no hang to wait out
-      endif()
-      set(env "")
-      if(backend STREQUAL "mpi")
-        set(env ${DTRAIN_MPI_TEST_ENVIRONMENT})
-      endif()
-      dtrain_add_test(ddp.${case}.${backend}.${ranks}ranks COMMAND ${job} TIMEOUT 240
-        ENVIRONMENT ${env} DTRAIN_COLLECTIVE_TIMEOUT=120
-        PROPERTIES PROCESSORS ${ranks})
-    endforeach()
-  endforeach()
-
-  # The user's own collective on the same communicator while buckets are in flight.
-  foreach(ranks IN ITEMS 2 3)
-    ddp_job(job ${backend} ${ranks} interleaved)
-    list(REMOVE_ITEM job --no-kill)
-    set(env DTRAIN_COLLECTIVE_TIMEOUT=20)
-    if(backend STREQUAL "mpi")
-      list(APPEND env ${DTRAIN_MPI_TEST_ENVIRONMENT})
-    endif()
-    dtrain_add_test(ddp.interleaved.${backend}.${ranks}ranks COMMAND ${job} TIMEOUT 90
-      ENVIRONMENT ${env} PROPERTIES PROCESSORS ${ranks})
-  endforeach()
-
-  foreach(entry IN LISTS ddp_error_cases)
-    string(REGEX MATCH "^([^:]+):([0-9]+):(.*)$" matched "${entry}")
-    set(case "${CMAKE_MATCH_1}")
-    set(status "${CMAKE_MATCH_2}")
-    set(regexes "${CMAKE_MATCH_3}")
-    string(REPLACE "!" ";" regexes "${regexes}")
-    set(expect_args "")
-    set(n 0)
-    foreach(regex IN LISTS regexes)
-      math(EXPR n "${n} + 1")
-      list(APPEND expect_args "-DEXPECT_${n}=${regex}")
-    endforeach()
-    ddp_job(job ${backend} 2 ${case})
-    list(JOIN job "|" job)
-    set(env DTRAIN_COLLECTIVE_TIMEOUT=60)
-    if(backend STREQUAL "mpi")
-      list(APPEND env ${DTRAIN_MPI_TEST_ENVIRONMENT})
-    endif()
-    dtrain_add_test(ddp.error.${case}.${backend}.2ranks
-      COMMAND "${CMAKE_COMMAND}" "-DCOMMAND=${job}" -DEXPECT_STATUS=${status} ${expect_args}
-              -P "${ddp_dir}/check_error.cmake"
-      TIMEOUT 120
-      ENVIRONMENT ${env}
-      PROPERTIES PROCESSORS 2)
-  endforeach()
+foreach(entry IN LISTS ddp_error_cases)
+  string(REGEX MATCH "^([^:]+):([0-9]+):(.*)$" matched "${entry}")
+  set(case "${CMAKE_MATCH_1}")
+  string(REPLACE "!" ";" regexes "${CMAKE_MATCH_3}")
+  dtrain_add_multirank_test(ddp.error.${case} PROGRAM dtrain_ddp_peer CASE ${case}
+                            ENGINES mpi gloo RANKS 2 NO_KILL TIMEOUT 120
+                            ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60
+                            EXPECT_STATUS ${CMAKE_MATCH_2} EXPECT ${regexes})
 endforeach()
 
 # Sharding (issue 34, ZeRO stages 1 and 2): stage 1 and 2 end with DDP's weights
@@ -156,26 +83,15 @@ endif()
 # --nodes: DTRAIN_NODE_NAME per rank, grouped at rendezvous): the same cases must
 # give the same exact results as flat. On uneven nodes (2 + 1) the topology runs
 # flat and rank 0 says why in one line. MPI across real nodes: tests/cluster.
-if("gloo" IN_LIST ddp_backends)
-  foreach(case IN ITEMS mean features topology)
-    dtrain_add_test(ddp.${case}.gloo.hierarchical.2x2
-      COMMAND $<TARGET_FILE:dtrain_test_launch> --nodes 2,2 4 $<TARGET_FILE:dtrain_ddp_peer> gloo ${case} hierarchical
-      TIMEOUT 240 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=120 PROPERTIES PROCESSORS 4)
-  endforeach()
-  dtrain_add_test(ddp.topology.gloo.hierarchical.uneven
-    COMMAND "${CMAKE_COMMAND}"
-            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,1|3|$<TARGET_FILE:dtrain_ddp_peer>|gloo|topology|hierarchical"
-            -DEXPECT_STATUS=0
-            "-DEXPECT_1=dtrain: topology::hierarchical runs flat on 3 ranks: uneven nodes: node 0 has 2 ranks, node 1 has 1"
-            "-DEXPECT_2=rank 2: topology group: flat [(]gloo, 3 ranks[)]: uneven nodes[^\n]*every result equals the flat"
-            -P "${ddp_dir}/check_error.cmake"
-    TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 3)
-else()
-  foreach(test IN ITEMS mean.gloo.hierarchical.2x2 features.gloo.hierarchical.2x2
-                        topology.gloo.hierarchical.2x2 topology.gloo.hierarchical.uneven)
-    dtrain_add_skipped_test(ddp.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
-  endforeach()
-endif()
+foreach(case IN ITEMS mean features topology)
+  dtrain_add_multirank_test(ddp.${case} PROGRAM dtrain_ddp_peer CASE ${case}
+                            ENGINES gloo RANKS 4 NODES 2,2)
+endforeach()
+dtrain_add_multirank_test(ddp.topology PROGRAM dtrain_ddp_peer CASE topology
+  ENGINES gloo RANKS 3 NODES 2,1 NAME hierarchical.uneven TIMEOUT 120
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
+  "dtrain: topology::hierarchical runs flat on 3 ranks: uneven nodes: node 0 has 2 ranks, node 1 has 1"
+  "rank 2: topology group: flat [(]gloo, 3 ranks[)]: uneven nodes[^\n]*every result equals the flat")
 
 # The GPU path without a GPU (issue 11): DistributedDataParallel on a backend with
 # NCCL's rules on host memory (device buffers only, streams, a watchdog), Gloo underneath.
@@ -202,7 +118,7 @@ if(DTRAIN_WITH_GLOO)
             "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,2|4|$<TARGET_FILE:dtrain_ddp_device_rules>|shard|hierarchical"
             -DEXPECT_STATUS=0
             "-DEXPECT_1=rank 1 of 4: sharding gradients: 3 steps[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
-            -P "${ddp_dir}/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 4)
   # topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
   dtrain_add_test(ddp.device_rules.mean.hierarchical.2x2
@@ -211,7 +127,7 @@ if(DTRAIN_WITH_GLOO)
             -DEXPECT_STATUS=0
             "-DEXPECT_1=rank 0 of 4: 4 steps averaged exactly [(]compression none[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
             "-DEXPECT_2=rank 3 of 4: 4 steps averaged exactly [(]compression bfloat16[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
-            -P "${ddp_dir}/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 4)
   dtrain_add_test(ddp.device_rules.hung_peer.2ranks
     COMMAND $<TARGET_FILE:dtrain_test_launch> --no-kill 2 $<TARGET_FILE:dtrain_ddp_device_rules> hung-peer
@@ -227,7 +143,7 @@ if(DTRAIN_WITH_GLOO)
             "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--no-kill|2|$<TARGET_FILE:dtrain_ddp_device_rules>|mismatch"
             -DEXPECT_STATUS=2 "-DEXPECT_1=\\[rank 0/2\\] dtrain: [^\n]*layer5[.]view"
             "-DEXPECT_2=\\[rank 1/2\\] dtrain: [^\n]*layer5[.]renamed"
-            -P "${ddp_dir}/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 PROPERTIES PROCESSORS 2)
 else()
   foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks mean.hierarchical.2x2 hung_peer.2ranks

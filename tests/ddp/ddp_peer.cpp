@@ -1,13 +1,15 @@
-// dtrain_ddp_peer: one rank of a DistributedDataParallel test, built on dtrain::run.
+// dtrain_ddp_peer: DistributedDataParallel across ranks, one doctest case per
+// job, run in every rank through dtrain::run (tests/support/multirank.hpp):
 //
-//   dtrain_ddp_peer mpi  <case> [hierarchical]   per-process MPI (under mpirun)
-//   dtrain_ddp_peer gloo <case> [hierarchical]   per-process Gloo (under dtrain_test_launch)
+//   mpirun -n N dtrain_ddp_peer --engine=mpi --test-case=<case>
+//   dtrain_test_launch N dtrain_ddp_peer --engine=gloo [--topology=hierarchical] --test-case=<case>
 //
-// With `hierarchical` the policy's topology is topology::hierarchical (run the
-// ranks as several nodes: dtrain_test_launch --nodes 2,2, or a simulated cluster);
-// every case must give the same results as with the flat topology.
+// With --topology=hierarchical the policy's topology is topology::hierarchical
+// (run the ranks as several nodes: dtrain_test_launch --nodes 2,2, or a
+// simulated cluster); every case must give the same results as with the flat
+// topology. tests/ddp/ddp.cmake registers each case (dtrain_add_multirank_test).
 //
-// Cases that must pass (exit 0, every rank prints what it checked):
+// Cases that must pass (every rank prints what it checked):
 //   mean      gradients equal the exact mean over ranks, for several bucket caps,
 //             ready orders and steps (the rebuild included), both gradient modes;
 //             rank 0's parameters and buffers everywhere after construction; zero_grad
@@ -19,7 +21,8 @@
 //             element type, counts that divide by the ranks per node and counts
 //             that leave a remainder, in one piece and (hierarchical, above
 //             64 KiB) in pipelined chunks, equal to the same allreduce run flat
-// Cases that must fail (tests/ddp/check_error.cmake checks the status and the message):
+// Cases whose training function must fail: the job ends with dtrain::run's exit
+// status, and the test checks it and what the ranks printed (tests/scripts/check_job.cmake):
 //   twice           a parameter marked ready twice
 //   unmarked        synchronize() with a parameter never marked
 //   unknown         mark_ready of a name the model does not have
@@ -28,6 +31,8 @@
 //
 // Gradients are integers chosen so that every sum and mean is exact in float
 // (and in bf16/fp16 for the compression cases): results are compared with ==.
+
+#include "../support/multirank.hpp"
 
 #include <dtrain/dtrain.hpp>
 
@@ -200,15 +205,15 @@ struct checker {
   void expect(bool ok, const std::string& what) {
     ++checked;
     if (ok) return;
-    if (++failures <= 8)
-      std::fprintf(stderr, "rank %d: %s: FAILED: %s\n", rank, where.c_str(), what.c_str());
+    if (++failures <= 8) FAIL_CHECK("rank " << rank << ": " << where << ": " << what);
   }
   void equal(double got, double expected, const std::string& what) {
     ++checked;
     if (got == expected) return;
     if (++failures <= 8) {
-      std::fprintf(stderr, "rank %d: %s: FAILED: %s is %.9g, expected %.9g\n", rank, where.c_str(),
-                   what.c_str(), got, expected);
+      char numbers[64];
+      std::snprintf(numbers, sizeof numbers, "%.9g, expected %.9g", got, expected);
+      FAIL_CHECK("rank " << rank << ": " << where << ": " << what << " is " << numbers);
     }
   }
 };
@@ -860,56 +865,50 @@ int topology_case(dtrain::context<Policy>& ctx) {
   return c.failures ? 1 : 0;
 }
 
-template <class Policy>
-int start(int argc, char** argv, std::string_view which) {
-  return dtrain::run<Policy>(argc, argv, [&](dtrain::context<Policy>& ctx) -> int {
-    if constexpr (std::is_same_v<typename Policy::topology_type, dtrain::topology::hierarchical>) {
+/// Runs `body` on this job's engine and topology (rank 0 says which topology).
+template <class Body>
+int run_case(Body body) {
+  return dtrain_test::run_job([&](auto& ctx) -> int {
+    if constexpr (dtrain_test::is_hierarchical<std::remove_reference_t<decltype(ctx)>>) {
       if (ctx.is_main()) {
         std::printf("rank 0: topology::hierarchical, world of %d ranks on %d nodes\n", ctx.size(),
                     ctx.num_nodes());
       }
     }
-    if (which == "mean") return mean_case(ctx);
-    if (which == "features") return features_case(ctx);
-    if (which == "interleaved") return interleaved_case(ctx);
-    if (which == "topology") return topology_case(ctx);
-    return error_case(ctx, which);
+    return body(ctx);
   });
-}
-
-template <class Backend>
-int start_with(int argc, char** argv, std::string_view which, std::string_view topology) {
-  using dtrain::launch::per_process;
-  if (topology == "hierarchical")
-    return start<dtrain::policy<per_process, Backend, dtrain::topology::hierarchical>>(argc, argv,
-                                                                                       which);
-  return start<dtrain::policy<per_process, Backend>>(argc, argv, which);
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const std::string_view backend = argc > 1 ? argv[1] : "";
-  const std::string_view which = argc > 2 ? argv[2] : "";
-  const std::string_view topology = argc > 3 ? argv[3] : "flat";
-  constexpr std::string_view cases[] = {"mean",     "features",      "interleaved",
-                                        "topology", "twice",         "unmarked",
-                                        "unknown",  "mismatch-name", "mismatch-shape"};
-  if (std::find(std::begin(cases), std::end(cases), which) == std::end(cases) ||
-      (topology != "flat" && topology != "hierarchical")) {
-    std::fprintf(stderr,
-                 "usage: dtrain_ddp_peer mpi|gloo "
-                 "mean|features|interleaved|topology|twice|unmarked|unknown|mismatch-name|"
-                 "mismatch-shape [flat|hierarchical]\n");
-    return 2;
-  }
-#if DTRAIN_HAS_MPI()
-  if (backend == "mpi") return start_with<dtrain::backend::mpi>(argc, argv, which, topology);
-#endif
-#if DTRAIN_HAS_GLOO()
-  if (backend == "gloo") return start_with<dtrain::backend::gloo>(argc, argv, which, topology);
-#endif
-  std::fprintf(stderr, "dtrain_ddp_peer: backend '%s' is not in this build\n",
-               std::string(backend).c_str());
-  return 2;
+TEST_CASE("mean") {
+  CHECK(run_case([](auto& ctx) { return mean_case(ctx); }) == 0);
+}
+TEST_CASE("features") {
+  CHECK(run_case([](auto& ctx) { return features_case(ctx); }) == 0);
+}
+TEST_CASE("interleaved") {
+  CHECK(run_case([](auto& ctx) { return interleaved_case(ctx); }) == 0);
+}
+TEST_CASE("topology") {
+  CHECK(run_case([](auto& ctx) { return topology_case(ctx); }) == 0);
+}
+
+// The training function throws: dtrain::run prints "[rank r/n] dtrain: <what>",
+// and the rank ends with its status, 1 (2 for a config_error, as a model the
+// ranks disagree on is): the test checks the job's status and what it printed.
+TEST_CASE("twice") {
+  dtrain_test::end_job(run_case([](auto& ctx) { return error_case(ctx, "twice"); }));
+}
+TEST_CASE("unmarked") {
+  dtrain_test::end_job(run_case([](auto& ctx) { return error_case(ctx, "unmarked"); }));
+}
+TEST_CASE("unknown") {
+  dtrain_test::end_job(run_case([](auto& ctx) { return error_case(ctx, "unknown"); }));
+}
+TEST_CASE("mismatch-name") {
+  dtrain_test::end_job(run_case([](auto& ctx) { return error_case(ctx, "mismatch-name"); }));
+}
+TEST_CASE("mismatch-shape") {
+  dtrain_test::end_job(run_case([](auto& ctx) { return error_case(ctx, "mismatch-shape"); }));
 }

@@ -5,7 +5,7 @@
 # timeout; rank 2 skips a step, sleeps past the timeout, calls with a different
 # size, exits, or skips and sends itself SIGUSR1. The job must fail and print
 # one diagnostics table whose summary names rank 2 and what it did, and the
-# failing ranks' error lines carry the summary (tests/ddp/check_error.cmake
+# failing ranks' error lines carry the summary (tests/scripts/check_job.cmake
 # checks the status and the regexes).
 set(desync_backends "")
 if(DTRAIN_WITH_MPI AND MPIEXEC_EXECUTABLE)
@@ -68,7 +68,7 @@ foreach(backend IN ITEMS mpi gloo)
     list(JOIN job "|" job)
     dtrain_add_test(desync.${case}.${backend}.4ranks
       COMMAND "${CMAKE_COMMAND}" "-DCOMMAND=${job}" "-DEXPECT_STATUS=${status}" ${expect_args}
-              -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
+              -P "${scripts}/check_job.cmake"
       TIMEOUT 120
       ENVIRONMENT ${env} DTRAIN_COLLECTIVE_TIMEOUT=4 DTRAIN_DIAGNOSTICS_WAIT=3 DTRAIN_STORE_TIMEOUT=30
       PROPERTIES PROCESSORS 4)

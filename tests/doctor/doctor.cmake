@@ -22,7 +22,7 @@ if(TARGET dtrain_doctor)
             "-DEXPECT_7=! MASTER_ADDR=127.0.0.1 resolves to 127.0.0.1 [(]loopback[)] in a job of several nodes"
             "-DEXPECT_8=nccl none: NCCL_SOCKET_IFNAME=eth9; data over TCP sockets [(]NCCL_IB_DISABLE=1[)]"
             "-DEXPECT_9=world: dtrain world from env: [^\n]*16"
-            -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     ENVIRONMENT RANK=0 WORLD_SIZE=16 LOCAL_RANK=0 LOCAL_WORLD_SIZE=8 GROUP_RANK=0 GROUP_WORLD_SIZE=2
                 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=eth9
     TIMEOUT 60)
@@ -33,7 +33,7 @@ if(TARGET dtrain_doctor)
             "-DEXPECT_1=no known trap found"
             "-DEXPECT_2=nccl ib0: NCCL's default [^\n]*; data over RDMA [(]NET/IB[)] on mlx5_0:1"
             "-DEXPECT_3=mpi +eth0, ib0: Open MPI's default"
-            -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     ENVIRONMENT RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2
     TIMEOUT 60)
 else()

@@ -2,7 +2,7 @@
 # (dtrain::basic_nccl_communicator) over a host fake of CUDA and NCCL
 # (engines/fake_nccl.hpp), under dtrain::run and dtrain_test_launch. Each test
 # injects what only a peer can cause and checks how the job ends, with
-# ddp/check_error.cmake; each test's TIMEOUT is what a hang runs into.
+# scripts/check_job.cmake; each test's TIMEOUT is what a hang runs into.
 # Included from tests/CMakeLists.txt where DTRAIN_WITH_NCCL is on.
 add_executable(dtrain_nccl_ranks engines/nccl_ranks.cpp)
 target_link_libraries(dtrain_nccl_ranks PRIVATE dtrain::dtrain)
@@ -10,7 +10,7 @@ dtrain_target_warnings(dtrain_nccl_ranks)
 add_dependencies(dtrain_nccl_ranks dtrain_test_launch)
 
 set(nccl_ranks_meet "${CMAKE_CURRENT_BINARY_DIR}/fake_nccl")
-set(nccl_ranks_check "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake")
+set(nccl_ranks_check "${scripts}/check_job.cmake")
 
 # nccl_ranks_test(<name> <ranks> <mode> STATUS <regex> EXPECT <regex>... [NO_KILL]
 #                 [ENVIRONMENT <var=value>...])

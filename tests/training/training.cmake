@@ -119,7 +119,7 @@ if(TARGET dtrain_train_mlp)
             -DEXPECT_STATUS=2
             "-DEXPECT_1=(\\[rank 0/2\\] dtrain: ${cannot_write} 0 cannot write [^\n]*/no-such-dir/trace[.]rank0[.]json|\\[rank 1/2\\] dtrain: ${cannot_write} 1 cannot write [^\n]*/no-such-dir/trace[.]rank1[.]json): No such file"
             "-DEXPECT_2=\\[dtrain agent node 0/1\\] rank [01] [(]node 0, local rank [01], pid [0-9]+[)] exited with status 2: ${cannot_write} [01] cannot write [^\n]*; ending the job"
-            -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     TIMEOUT 120
     ENVIRONMENT DTRAIN_NPROC_PER_NODE=2 "DTRAIN_TIMELINE=${bad_timeline}"
     PROPERTIES PROCESSORS 2)
@@ -134,7 +134,7 @@ if(TARGET dtrain_ddp_peer AND DTRAIN_WITH_GLOO)
             -DEXPECT_STATUS=2
             "-DEXPECT_1=\\[rank 0/2\\] dtrain: ${cannot_write} 0 cannot write [^\n]*/no-such-dir/trace[.]rank0[.]json: No such file"
             "-DEXPECT_2=\\[rank 1/2\\] dtrain: ${cannot_write} 1 cannot write [^\n]*/no-such-dir/trace[.]rank1[.]json: No such file"
-            -P "${CMAKE_CURRENT_SOURCE_DIR}/ddp/check_error.cmake"
+            -P "${scripts}/check_job.cmake"
     TIMEOUT 120
     ENVIRONMENT "DTRAIN_TIMELINE=${bad_timeline}"
     PROPERTIES PROCESSORS 2)

@@ -2,7 +2,7 @@
 # (0 for a job that must succeed and say something) and the text a user would read.
 #
 #   cmake "-DCOMMAND=launcher|args|program|args" -DEXPECT_STATUS=2
-#         "-DEXPECT_1=regex" ["-DEXPECT_2=regex" ...] -P check_error.cmake
+#         "-DEXPECT_1=regex" ["-DEXPECT_2=regex" ...] -P check_job.cmake
 #
 # EXPECT_STATUS is a number or a regex of numbers ("[1-9][0-9]*": any failure).
 # CLEAN_DIR, when given, is a scratch directory of the job's, removed before
@@ -11,7 +11,7 @@
 # EXPECT_<n> must match the job's combined stdout and stderr.
 foreach(var IN ITEMS COMMAND EXPECT_STATUS EXPECT_1)
   if(NOT DEFINED ${var})
-    message(FATAL_ERROR "check_error.cmake: ${var} is not set")
+    message(FATAL_ERROR "check_job.cmake: ${var} is not set")
   endif()
 endforeach()
 
