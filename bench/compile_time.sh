@@ -10,8 +10,9 @@
 #
 # Rows: an empty TU; `#include <dtrain/dtrain.hpp>` alone; run<> over Gloo
 # (compile_time/run_only.cpp); run<> and a DistributedDataParallel
-# (compile_time/demo.cpp); then, once per build of the library, its parts for
-# Gloo (src/core.cpp, its non-template functions; src/gloo.cpp, the Gloo
+# (compile_time/demo.cpp); the demo's TU (examples/train_mlp.cpp, with its
+# checkpoints, Adam and sharding); then, once per build of the library, its
+# parts for Gloo (src/core.cpp, its non-template functions; src/gloo.cpp, the Gloo
 # policies' templates; src/link_check.cpp). When bench/compile_time/torch_mlp.cpp
 # (a LibTorch user's training TU) exists and LibTorch is found (CMake's
 # find_package(Torch), else Debian's libtorch-dev paths): that TU without dtrain
@@ -141,6 +142,11 @@ row "\`#include <dtrain/dtrain.hpp>\`" "$work/include.cpp" both
 row "\`run<>\` over Gloo (\`bench/compile_time/run_only.cpp\`)" "$here/compile_time/run_only.cpp" both
 row "\`run<>\` + \`DistributedDataParallel\` (\`bench/compile_time/demo.cpp\`)" \
   "$here/compile_time/demo.cpp" both
+# The demo's TU (examples/train_mlp.cpp: checkpoints, Adam, sharding), with its
+# local headers; without MLP_CBLAS, so with examples/mlp.hpp's plain loops for
+# its matrix products (the project's build, with a BLAS, compiles a call instead).
+row "the demo (\`examples/train_mlp.cpp\`: checkpoints, Adam, sharding)" \
+  "$root/examples/train_mlp.cpp" both -I"$root/examples"
 row "the library's Gloo part (\`src/gloo.cpp\`, once per build of it)" "$root/src/gloo.cpp" compiled -fPIC
 row "the library's non-template functions (\`src/core.cpp\`, once per build of it)" "$root/src/core.cpp" compiled -fPIC
 row "the library's link check (\`src/link_check.cpp\`, once)" "$root/src/link_check.cpp" compiled -fPIC

@@ -193,7 +193,10 @@ inline bool weights_agree(std::string_view program, bool is_main,
                           std::span<const std::int64_t> checksums) {
   std::string differing;
   for (std::size_t r = 1; r < checksums.size(); ++r) {
-    if (checksums[r] != checksums[0]) differing += " " + std::to_string(r);
+    if (checksums[r] != checksums[0]) {
+      differing += ' ';  // (not " " + to_string: GCC 12's -Wrestrict misfires on it at -O3)
+      differing += std::to_string(r);
+    }
   }
   if (is_main) {
     const auto rank0 = static_cast<unsigned long long>(std::bit_cast<std::uint64_t>(checksums[0]));

@@ -29,6 +29,7 @@
 /// directory is fsync'd after each rename.
 
 #include <dtrain/backend/types.hpp>
+#include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/error.hpp>
 
@@ -48,6 +49,8 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -77,8 +80,230 @@ struct sharded_payload {
 
 /// Reads a sharded entry's payload of elements of `element` bytes; throws
 /// checkpoint_error naming `what` (the file and the entry) when it is not one.
-inline sharded_payload parse_sharded(std::string_view payload, std::size_t element,
-                                     const std::string& what) {
+DTRAIN_DETAIL_INLINE sharded_payload parse_sharded(std::string_view payload, std::size_t element,
+                                                   const std::string& what);
+
+/// Seconds from `start` to now.
+[[nodiscard]] DTRAIN_DETAIL_INLINE double seconds_since(
+    std::chrono::steady_clock::time_point start);
+
+/// Memory for an asynchronous save's copy of one entry, kept for the next
+/// save: allocated (not filled) when it grows.
+class staging {
+ public:
+  void* reserve(std::size_t bytes);
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t capacity_ = 0;
+};
+
+/// One memcpy of an asynchronous save's copy.
+struct copy_job {
+  void* to = nullptr;
+  const void* from = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// Runs `jobs` as one copy of their total bytes cut into `threads` equal
+/// ranges (a range may span jobs): the calling thread copies the first, a
+/// thread each of the others. Fewer threads when a range would be under 1 MiB.
+DTRAIN_DETAIL_INLINE void copy_parallel(std::span<const copy_job> jobs, int threads);
+
+/// "rank-<r>.dtck"
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string rank_part_name(int rank);
+/// "step-<N>"
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string step_name(std::uint64_t step);
+/// The step of a directory named "step-<N>" (digits only), else nullopt.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> step_of(std::string_view name);
+
+/// A fast 64-bit checksum of a byte stream, fed in pieces of any size (the
+/// same value however the stream is cut). Four lanes of 8-byte words, each
+/// multiplied and rotated, folded and mixed at the end with the length: it
+/// finds truncation, torn writes and flipped bits, not an attacker.
+class checksum64 {
+ public:
+  void update(const void* data, std::size_t n) noexcept;
+  [[nodiscard]] std::uint64_t value() const noexcept;
+  [[nodiscard]] static std::uint64_t of(const void* data, std::size_t n) noexcept;
+
+ private:
+  static constexpr std::size_t block = 32;
+  static constexpr std::uint64_t prime_a = 0x9e3779b185ebca87ull;
+  static constexpr std::uint64_t prime_b = 0xc2b2ae3d27d4eb4full;
+  void consume(const unsigned char* p) noexcept;
+  std::array<std::uint64_t, 4> lanes_{0x60ea27eeadc0b5d6ull, 0xc2b2ae3d27d4eb4full, 0x1ull,
+                                      0x61c8864e7a143579ull};
+  std::array<unsigned char, block> buffer_{};
+  std::size_t pending_ = 0;
+  std::uint64_t total_ = 0;
+};
+
+/// 16 lowercase hex digits.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string hex64(std::uint64_t v);
+
+/// "what PATH: strerror (errno N)" as a checkpoint_error.
+[[noreturn]] DTRAIN_DETAIL_INLINE void fail_os(const std::string& what,
+                                               const std::filesystem::path& path, int err);
+
+/// fsync of a directory, so that the renames in it are on disk.
+DTRAIN_DETAIL_INLINE void sync_directory(const std::filesystem::path& dir);
+
+/// rename(2), with the error naming both paths.
+DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
+                                      const std::filesystem::path& to);
+
+/// What a written file is: its size and checksum, as the manifest lists it.
+struct file_record {
+  std::string name;
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;
+};
+
+/// Writes one file atomically: to PATH.part, fsync'd, then renamed to PATH by
+/// finish(). Everything written goes through the checksum. Destroyed before
+/// finish(), it removes PATH.part.
+class atomic_file {
+ public:
+  explicit atomic_file(std::filesystem::path path);
+  atomic_file(const atomic_file&) = delete;
+  atomic_file& operator=(const atomic_file&) = delete;
+  ~atomic_file();
+
+  /// Small pieces (headers) gather in a buffer; large ones go straight out.
+  void write(const void* data, std::size_t n);
+  template <class T>
+  void write_value(const T& v) {
+    write(&v, sizeof v);
+  }
+
+  /// Flushes, fsyncs, closes and renames to the final name.
+  file_record finish();
+
+ private:
+  static constexpr std::size_t buffer_limit = 1u << 16;
+  void flush();
+  void write_all(const void* data, std::size_t n);
+
+  std::filesystem::path path_, part_;
+  unique_fd fd_;
+  std::string pending_;
+  checksum64 checksum_;
+  std::uint64_t bytes_ = 0;
+};
+
+/// What a part file says about one entry.
+enum class entry_kind : std::uint8_t { values = 0, bytes = 1, sharded = 2 };
+struct entry_header {
+  std::string name;
+  entry_kind kind = entry_kind::values;
+  dtype type = dtype::uint8;
+  std::vector<std::uint64_t> shape;
+  std::uint64_t bytes = 0;   ///< of the payload
+  std::uint64_t offset = 0;  ///< of the payload in the file
+};
+
+/// Writes a part file's header; then entry() once per entry, in order.
+DTRAIN_DETAIL_INLINE void write_part_header(atomic_file& file, std::uint32_t entries);
+DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, entry_kind kind,
+                                      dtype type, std::span<const std::uint64_t> shape,
+                                      const void* payload, std::uint64_t bytes);
+
+/// A part file read through once: its entries (payloads not kept), size and
+/// checksum. Throws checkpoint_error naming the file and what is wrong with it.
+struct part_contents {
+  std::vector<entry_header> entries;
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;
+};
+
+/// Sequential reads that checksum what they read and know where they are.
+class checked_reader {
+ public:
+  explicit checked_reader(std::filesystem::path path);
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+  [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
+  [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_.value(); }
+
+  /// Reads exactly n bytes into out (nullptr: checksummed and dropped); a
+  /// file that ends first is "truncated" (naming what was being read).
+  void read(void* out, std::uint64_t n, std::string_view what);
+  template <class T>
+  T value(std::string_view what) {
+    T v{};
+    read(&v, sizeof v, what);
+    return v;
+  }
+  [[noreturn]] void malformed(const std::string& why) const;
+
+ private:
+  std::filesystem::path path_;
+  unique_fd fd_;
+  std::uint64_t size_ = 0, offset_ = 0;
+  checksum64 checksum_;
+};
+
+/// What read_part hands each entry's payload to: any callable
+/// `(const entry_header&, checked_reader&)`, referred to, not copied (it must
+/// outlive the call, as a lambda argument does), so that read_part is compiled once.
+class part_sink {
+ public:
+  template <class F>
+  requires(!std::is_same_v<std::remove_cvref_t<F>, part_sink> &&
+           std::is_invocable_v<F&, const entry_header&, checked_reader&>) part_sink(F&& f)
+  noexcept  // NOLINT(google-explicit-constructor): a lambda is the argument
+      : object_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
+        call_([](void* object, const entry_header& e, checked_reader& in) {
+          (*static_cast<std::remove_reference_t<F>*>(object))(e, in);
+        }) {}
+  void operator()(const entry_header& e, checked_reader& in) const { call_(object_, e, in); }
+
+ private:
+  void* object_;
+  void (*call_)(void*, const entry_header&, checked_reader&);
+};
+
+/// Reads the whole part file: its structure and its checksum. Each entry's
+/// payload is handed to sink(header, reader) to read (exactly header.bytes).
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink);
+/// The same with every payload read and dropped.
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path);
+
+/// The manifest: what one committed step holds.
+struct manifest {
+  std::uint64_t step = 0;
+  int world_size = 0;
+  std::vector<file_record> files;
+
+  [[nodiscard]] const file_record* find(std::string_view name) const;
+};
+
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string render(const manifest& m);
+
+/// Parses a manifest's text; throws checkpoint_error naming `path` and the line.
+[[nodiscard]] DTRAIN_DETAIL_INLINE manifest parse_manifest(std::string_view text,
+                                                           const std::filesystem::path& path);
+
+/// Reads a small file whole (a manifest).
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string read_small_file(const std::filesystem::path& path,
+                                                               std::size_t limit = 1u << 24);
+
+/// A step directory's manifest, read and parsed.
+[[nodiscard]] DTRAIN_DETAIL_INLINE manifest read_manifest(const std::filesystem::path& step_dir);
+
+/// Reads `file` whole and checks it against the manifest's `record`: its size
+/// and checksum. Returns what it holds; throws checkpoint_error naming the file.
+DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path& file,
+                                                     const file_record& record);
+
+/// Checks a committed step directory against its manifest: every listed file
+/// present, of its size and checksum. Returns the manifest; throws
+/// checkpoint_error naming the first file that is wrong.
+DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir);
+
+#if DTRAIN_DETAIL_BODIES()
+DTRAIN_DETAIL_INLINE sharded_payload parse_sharded(std::string_view payload, std::size_t element,
+                                                   const std::string& what) {
   auto fail = [&](const std::string& why) -> void {
     throw checkpoint_error("checkpoint: " + what + " is not a sharded entry: " + why);
   };
@@ -110,40 +335,20 @@ inline sharded_payload parse_sharded(std::string_view payload, std::size_t eleme
   return out;
 }
 
-/// Seconds from `start` to now.
-[[nodiscard]] inline double seconds_since(std::chrono::steady_clock::time_point start) {
+DTRAIN_DETAIL_INLINE double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-/// Memory for an asynchronous save's copy of one entry, kept for the next
-/// save: allocated (not filled) when it grows.
-class staging {
- public:
-  void* reserve(std::size_t bytes) {
-    if (bytes > capacity_) {
-      data_.reset();
-      data_ = std::make_unique_for_overwrite<std::byte[]>(bytes);
-      capacity_ = bytes;
-    }
-    return data_.get();
+DTRAIN_DETAIL_INLINE void* staging::reserve(std::size_t bytes) {
+  if (bytes > capacity_) {
+    data_.reset();
+    data_ = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    capacity_ = bytes;
   }
+  return data_.get();
+}
 
- private:
-  std::unique_ptr<std::byte[]> data_;
-  std::size_t capacity_ = 0;
-};
-
-/// One memcpy of an asynchronous save's copy.
-struct copy_job {
-  void* to = nullptr;
-  const void* from = nullptr;
-  std::size_t bytes = 0;
-};
-
-/// Runs `jobs` as one copy of their total bytes cut into `threads` equal
-/// ranges (a range may span jobs): the calling thread copies the first, a
-/// thread each of the others. Fewer threads when a range would be under 1 MiB.
-inline void copy_parallel(std::span<const copy_job> jobs, int threads) {
+DTRAIN_DETAIL_INLINE void copy_parallel(std::span<const copy_job> jobs, int threads) {
   std::size_t total = 0;
   for (const copy_job& j : jobs) total += j.bytes;
   constexpr std::size_t min_range = std::size_t{1} << 20;
@@ -171,16 +376,15 @@ inline void copy_parallel(std::span<const copy_job> jobs, int threads) {
   copy_range(0, std::min(total, per));
 }
 
-/// "rank-<r>.dtck"
-[[nodiscard]] inline std::string rank_part_name(int rank) {
+DTRAIN_DETAIL_INLINE std::string rank_part_name(int rank) {
   return "rank-" + std::to_string(rank) + ".dtck";
 }
-/// "step-<N>"
-[[nodiscard]] inline std::string step_name(std::uint64_t step) {
+
+DTRAIN_DETAIL_INLINE std::string step_name(std::uint64_t step) {
   return "step-" + std::to_string(step);
 }
-/// The step of a directory named "step-<N>" (digits only), else nullopt.
-[[nodiscard]] inline std::optional<std::uint64_t> step_of(std::string_view name) {
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> step_of(std::string_view name) {
   constexpr std::string_view prefix = "step-";
   if (!name.starts_with(prefix) || name.size() == prefix.size() || name.size() > prefix.size() + 19)
     return std::nullopt;
@@ -191,88 +395,71 @@ inline void copy_parallel(std::span<const copy_job> jobs, int threads) {
   return step;
 }
 
-/// A fast 64-bit checksum of a byte stream, fed in pieces of any size (the
-/// same value however the stream is cut). Four lanes of 8-byte words, each
-/// multiplied and rotated, folded and mixed at the end with the length: it
-/// finds truncation, torn writes and flipped bits, not an attacker.
-class checksum64 {
- public:
-  void update(const void* data, std::size_t n) noexcept {
-    const auto* p = static_cast<const unsigned char*>(data);
-    total_ += n;
-    if (pending_ > 0) {
-      const std::size_t take = std::min(n, block - pending_);
-      std::memcpy(buffer_.data() + pending_, p, take);
-      pending_ += take;
-      p += take;
-      n -= take;
-      if (pending_ < block) return;
-      consume(buffer_.data());
-      pending_ = 0;
-    }
-    for (; n >= block; p += block, n -= block) consume(p);
-    std::memcpy(buffer_.data(), p, n);
-    pending_ = n;
+DTRAIN_DETAIL_INLINE void checksum64::update(const void* data, std::size_t n) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  total_ += n;
+  if (pending_ > 0) {
+    const std::size_t take = std::min(n, block - pending_);
+    std::memcpy(buffer_.data() + pending_, p, take);
+    pending_ += take;
+    p += take;
+    n -= take;
+    if (pending_ < block) return;
+    consume(buffer_.data());
+    pending_ = 0;
   }
-  [[nodiscard]] std::uint64_t value() const noexcept {
-    std::uint64_t h = std::rotl(lanes_[0], 1) + std::rotl(lanes_[1], 7) + std::rotl(lanes_[2], 12) +
-                      std::rotl(lanes_[3], 18);
-    h ^= total_ * prime_a;
-    for (std::size_t i = 0; i < pending_; ++i) h = std::rotl(h ^ buffer_[i], 11) * prime_a;
-    h ^= h >> 33;
-    h *= prime_b;
-    h ^= h >> 29;
-    h *= prime_a;
-    return h ^ (h >> 32);
-  }
-  [[nodiscard]] static std::uint64_t of(const void* data, std::size_t n) noexcept {
-    checksum64 c;
-    c.update(data, n);
-    return c.value();
-  }
+  for (; n >= block; p += block, n -= block) consume(p);
+  std::memcpy(buffer_.data(), p, n);
+  pending_ = n;
+}
 
- private:
-  static constexpr std::size_t block = 32;
-  static constexpr std::uint64_t prime_a = 0x9e3779b185ebca87ull;
-  static constexpr std::uint64_t prime_b = 0xc2b2ae3d27d4eb4full;
-  void consume(const unsigned char* p) noexcept {
-    for (std::size_t lane = 0; lane < 4; ++lane) {
-      std::uint64_t word = 0;
-      std::memcpy(&word, p + 8 * lane, 8);
-      lanes_[lane] = std::rotl(lanes_[lane] + word * prime_b, 31) * prime_a;
-    }
-  }
-  std::array<std::uint64_t, 4> lanes_{0x60ea27eeadc0b5d6ull, 0xc2b2ae3d27d4eb4full, 0x1ull,
-                                      0x61c8864e7a143579ull};
-  std::array<unsigned char, block> buffer_{};
-  std::size_t pending_ = 0;
-  std::uint64_t total_ = 0;
-};
+DTRAIN_DETAIL_INLINE std::uint64_t checksum64::value() const noexcept {
+  std::uint64_t h = std::rotl(lanes_[0], 1) + std::rotl(lanes_[1], 7) + std::rotl(lanes_[2], 12) +
+                    std::rotl(lanes_[3], 18);
+  h ^= total_ * prime_a;
+  for (std::size_t i = 0; i < pending_; ++i) h = std::rotl(h ^ buffer_[i], 11) * prime_a;
+  h ^= h >> 33;
+  h *= prime_b;
+  h ^= h >> 29;
+  h *= prime_a;
+  return h ^ (h >> 32);
+}
 
-/// 16 lowercase hex digits.
-[[nodiscard]] inline std::string hex64(std::uint64_t v) {
+DTRAIN_DETAIL_INLINE std::uint64_t checksum64::of(const void* data, std::size_t n) noexcept {
+  checksum64 c;
+  c.update(data, n);
+  return c.value();
+}
+
+DTRAIN_DETAIL_INLINE void checksum64::consume(const unsigned char* p) noexcept {
+  for (std::size_t lane = 0; lane < 4; ++lane) {
+    std::uint64_t word = 0;
+    std::memcpy(&word, p + 8 * lane, 8);
+    lanes_[lane] = std::rotl(lanes_[lane] + word * prime_b, 31) * prime_a;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string hex64(std::uint64_t v) {
   std::string out(16, '0');
   for (int i = 15; i >= 0; --i, v >>= 4)
     out[static_cast<std::size_t>(i)] = "0123456789abcdef"[v & 15];
   return out;
 }
 
-/// "what PATH: strerror (errno N)" as a checkpoint_error.
-[[noreturn]] inline void fail_os(const std::string& what, const std::filesystem::path& path,
-                                 int err) {
+DTRAIN_DETAIL_INLINE void fail_os(const std::string& what, const std::filesystem::path& path,
+                                  int err) {
   throw checkpoint_error("checkpoint: " + what + " " + path.string() + ": " + std::strerror(err) +
                          " (errno " + std::to_string(err) + ")");
 }
 
-/// fsync of a directory, so that the renames in it are on disk.
-inline void sync_directory(const std::filesystem::path& dir) {
+DTRAIN_DETAIL_INLINE void sync_directory(const std::filesystem::path& dir) {
   unique_fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!fd) fail_os("cannot open directory", dir, errno);
   if (::fsync(fd.get()) != 0 && errno != EINVAL) fail_os("cannot sync directory", dir, errno);
 }
 
-/// rename(2), with the error naming both paths.
-inline void rename_path(const std::filesystem::path& from, const std::filesystem::path& to) {
+DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
+                                      const std::filesystem::path& to) {
   if (::rename(from.c_str(), to.c_str()) != 0) {
     const int err = errno;
     throw checkpoint_error("checkpoint: cannot rename " + from.string() + " to " + to.string() +
@@ -280,109 +467,71 @@ inline void rename_path(const std::filesystem::path& from, const std::filesystem
   }
 }
 
-/// What a written file is: its size and checksum, as the manifest lists it.
-struct file_record {
-  std::string name;
-  std::uint64_t bytes = 0;
-  std::uint64_t checksum = 0;
-};
+DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path)
+    : path_(std::move(path)), part_(path_.string() + ".part") {
+  fd_.reset(::open(part_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd_) fail_os("cannot create", part_, errno);
+}
 
-/// Writes one file atomically: to PATH.part, fsync'd, then renamed to PATH by
-/// finish(). Everything written goes through the checksum. Destroyed before
-/// finish(), it removes PATH.part.
-class atomic_file {
- public:
-  explicit atomic_file(std::filesystem::path path)
-      : path_(std::move(path)), part_(path_.string() + ".part") {
-    fd_.reset(::open(part_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd_) fail_os("cannot create", part_, errno);
+DTRAIN_DETAIL_INLINE atomic_file::~atomic_file() {
+  if (fd_) {
+    fd_.reset();
+    ::unlink(part_.c_str());
   }
-  atomic_file(const atomic_file&) = delete;
-  atomic_file& operator=(const atomic_file&) = delete;
-  ~atomic_file() {
-    if (fd_) {
-      fd_.reset();
-      ::unlink(part_.c_str());
-    }
-  }
+}
 
-  /// Small pieces (headers) gather in a buffer; large ones go straight out.
-  void write(const void* data, std::size_t n) {
-    checksum_.update(data, n);
-    bytes_ += n;
-    if (pending_.size() + n <= buffer_limit) {
-      pending_.append(static_cast<const char*>(data), n);
-      return;
-    }
-    flush();
-    write_all(data, n);
+DTRAIN_DETAIL_INLINE void atomic_file::write(const void* data, std::size_t n) {
+  checksum_.update(data, n);
+  bytes_ += n;
+  if (pending_.size() + n <= buffer_limit) {
+    pending_.append(static_cast<const char*>(data), n);
+    return;
   }
-  template <class T>
-  void write_value(const T& v) {
-    write(&v, sizeof v);
-  }
+  flush();
+  write_all(data, n);
+}
 
-  /// Flushes, fsyncs, closes and renames to the final name.
-  file_record finish() {
-    flush();
-    if (::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
-    if (::close(fd_.get()) != 0) {
-      const int err = errno;
-      static_cast<void>(fd_.release());
-      fail_os("cannot close", part_, err);
-    }
+DTRAIN_DETAIL_INLINE file_record atomic_file::finish() {
+  flush();
+  if (::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
+  if (::close(fd_.get()) != 0) {
+    const int err = errno;
     static_cast<void>(fd_.release());
-    rename_path(part_, path_);
-    return {path_.filename().string(), bytes_, checksum_.value()};
+    fail_os("cannot close", part_, err);
   }
+  static_cast<void>(fd_.release());
+  rename_path(part_, path_);
+  return {path_.filename().string(), bytes_, checksum_.value()};
+}
 
- private:
-  static constexpr std::size_t buffer_limit = 1u << 16;
-  void flush() {
-    if (pending_.empty()) return;
-    write_all(pending_.data(), pending_.size());
-    pending_.clear();
-  }
-  void write_all(const void* data, std::size_t n) {
-    const auto* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ::ssize_t w = ::write(fd_.get(), p, std::min<std::size_t>(n, 1u << 30));
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        fail_os("cannot write", part_, errno);
-      }
-      p += w;
-      n -= static_cast<std::size_t>(w);
+DTRAIN_DETAIL_INLINE void atomic_file::flush() {
+  if (pending_.empty()) return;
+  write_all(pending_.data(), pending_.size());
+  pending_.clear();
+}
+
+DTRAIN_DETAIL_INLINE void atomic_file::write_all(const void* data, std::size_t n) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ::ssize_t w = ::write(fd_.get(), p, std::min<std::size_t>(n, 1u << 30));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail_os("cannot write", part_, errno);
     }
+    p += w;
+    n -= static_cast<std::size_t>(w);
   }
+}
 
-  std::filesystem::path path_, part_;
-  unique_fd fd_;
-  std::string pending_;
-  checksum64 checksum_;
-  std::uint64_t bytes_ = 0;
-};
-
-/// What a part file says about one entry.
-enum class entry_kind : std::uint8_t { values = 0, bytes = 1, sharded = 2 };
-struct entry_header {
-  std::string name;
-  entry_kind kind = entry_kind::values;
-  dtype type = dtype::uint8;
-  std::vector<std::uint64_t> shape;
-  std::uint64_t bytes = 0;   ///< of the payload
-  std::uint64_t offset = 0;  ///< of the payload in the file
-};
-
-/// Writes a part file's header; then entry() once per entry, in order.
-inline void write_part_header(atomic_file& file, std::uint32_t entries) {
+DTRAIN_DETAIL_INLINE void write_part_header(atomic_file& file, std::uint32_t entries) {
   file.write(magic.data(), magic.size());
   file.write_value(format_version);
   file.write_value(entries);
 }
-inline void write_entry(atomic_file& file, std::string_view name, entry_kind kind, dtype type,
-                        std::span<const std::uint64_t> shape, const void* payload,
-                        std::uint64_t bytes) {
+
+DTRAIN_DETAIL_INLINE void write_entry(atomic_file& file, std::string_view name, entry_kind kind,
+                                      dtype type, std::span<const std::uint64_t> shape,
+                                      const void* payload, std::uint64_t bytes) {
   file.write_value(static_cast<std::uint32_t>(name.size()));
   file.write(name.data(), name.size());
   file.write_value(static_cast<std::uint8_t>(kind));
@@ -394,80 +543,49 @@ inline void write_entry(atomic_file& file, std::string_view name, entry_kind kin
   if (bytes > 0) file.write(payload, static_cast<std::size_t>(bytes));
 }
 
-/// A part file read through once: its entries (payloads not kept), size and
-/// checksum. Throws checkpoint_error naming the file and what is wrong with it.
-struct part_contents {
-  std::vector<entry_header> entries;
-  std::uint64_t bytes = 0;
-  std::uint64_t checksum = 0;
-};
+DTRAIN_DETAIL_INLINE checked_reader::checked_reader(std::filesystem::path path)
+    : path_(std::move(path)) {
+  fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd_) fail_os("cannot open", path_, errno);
+  struct ::stat st {};
+  if (::fstat(fd_.get(), &st) != 0) fail_os("cannot stat", path_, errno);
+  size_ = static_cast<std::uint64_t>(st.st_size);
+}
 
-/// Sequential reads that checksum what they read and know where they are.
-class checked_reader {
- public:
-  explicit checked_reader(std::filesystem::path path) : path_(std::move(path)) {
-    fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd_) fail_os("cannot open", path_, errno);
-    struct ::stat st {};
-    if (::fstat(fd_.get(), &st) != 0) fail_os("cannot stat", path_, errno);
-    size_ = static_cast<std::uint64_t>(st.st_size);
+DTRAIN_DETAIL_INLINE void checked_reader::read(void* out, std::uint64_t n, std::string_view what) {
+  if (n > size_ - offset_) {
+    throw checkpoint_error("checkpoint: " + path_.string() + " is truncated: it ends at byte " +
+                           std::to_string(size_) + " inside " + std::string(what) +
+                           " (which needs " + std::to_string(n) + " bytes from byte " +
+                           std::to_string(offset_) + ")");
   }
-  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
-  [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
-  [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_.value(); }
-
-  /// Reads exactly n bytes into out (nullptr: checksummed and dropped); a
-  /// file that ends first is "truncated" (naming what was being read).
-  void read(void* out, std::uint64_t n, std::string_view what) {
-    if (n > size_ - offset_) {
-      throw checkpoint_error("checkpoint: " + path_.string() + " is truncated: it ends at byte " +
-                             std::to_string(size_) + " inside " + std::string(what) +
-                             " (which needs " + std::to_string(n) + " bytes from byte " +
-                             std::to_string(offset_) + ")");
+  std::array<char, 1 << 16> scratch{};
+  auto* dst = static_cast<char*>(out);
+  while (n > 0) {
+    const std::size_t want = std::min<std::uint64_t>(n, dst ? (1u << 30) : scratch.size());
+    char* into = dst ? dst : scratch.data();
+    const ::ssize_t r = ::read(fd_.get(), into, want);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      fail_os("cannot read", path_, errno);
     }
-    std::array<char, 1 << 16> scratch{};
-    auto* dst = static_cast<char*>(out);
-    while (n > 0) {
-      const std::size_t want = std::min<std::uint64_t>(n, dst ? (1u << 30) : scratch.size());
-      char* into = dst ? dst : scratch.data();
-      const ::ssize_t r = ::read(fd_.get(), into, want);
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        fail_os("cannot read", path_, errno);
-      }
-      if (r == 0) {
-        throw checkpoint_error("checkpoint: " + path_.string() + " ended early at byte " +
-                               std::to_string(offset_) + " (changed while being read?)");
-      }
-      checksum_.update(into, static_cast<std::size_t>(r));
-      offset_ += static_cast<std::uint64_t>(r);
-      n -= static_cast<std::uint64_t>(r);
-      if (dst) dst += r;
+    if (r == 0) {
+      throw checkpoint_error("checkpoint: " + path_.string() + " ended early at byte " +
+                             std::to_string(offset_) + " (changed while being read?)");
     }
+    checksum_.update(into, static_cast<std::size_t>(r));
+    offset_ += static_cast<std::uint64_t>(r);
+    n -= static_cast<std::uint64_t>(r);
+    if (dst) dst += r;
   }
-  template <class T>
-  T value(std::string_view what) {
-    T v{};
-    read(&v, sizeof v, what);
-    return v;
-  }
-  [[noreturn]] void malformed(const std::string& why) const {
-    throw checkpoint_error("checkpoint: " + path_.string() + " is not a dtrain checkpoint part: " +
-                           why + " (at byte " + std::to_string(offset_) + ")");
-  }
+}
 
- private:
-  std::filesystem::path path_;
-  unique_fd fd_;
-  std::uint64_t size_ = 0, offset_ = 0;
-  checksum64 checksum_;
-};
+DTRAIN_DETAIL_INLINE void checked_reader::malformed(const std::string& why) const {
+  throw checkpoint_error("checkpoint: " + path_.string() + " is not a dtrain checkpoint part: " +
+                         why + " (at byte " + std::to_string(offset_) + ")");
+}
 
-/// Reads the whole part file: its structure and its checksum. With `sink`,
-/// each entry's payload is handed to sink(header, reader) to read (exactly
-/// header.bytes); without, payloads are read and dropped.
-template <class Sink>
-part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path, part_sink sink) {
   checked_reader in(path);
   std::array<char, magic.size()> head{};
   in.read(head.data(), head.size(), "the magic");
@@ -516,26 +634,20 @@ part_contents read_part(const std::filesystem::path& path, Sink&& sink) {
   out.checksum = in.checksum();
   return out;
 }
-inline part_contents read_part(const std::filesystem::path& path) {
+
+DTRAIN_DETAIL_INLINE part_contents read_part(const std::filesystem::path& path) {
   return read_part(path, [](const entry_header& e, checked_reader& in) {
     in.read(nullptr, e.bytes, "the values of entry '" + e.name + "'");
   });
 }
 
-/// The manifest: what one committed step holds.
-struct manifest {
-  std::uint64_t step = 0;
-  int world_size = 0;
-  std::vector<file_record> files;
+DTRAIN_DETAIL_INLINE const file_record* manifest::find(std::string_view name) const {
+  for (const file_record& f : files)
+    if (f.name == name) return &f;
+  return nullptr;
+}
 
-  [[nodiscard]] const file_record* find(std::string_view name) const {
-    for (const file_record& f : files)
-      if (f.name == name) return &f;
-    return nullptr;
-  }
-};
-
-[[nodiscard]] inline std::string render(const manifest& m) {
+DTRAIN_DETAIL_INLINE std::string render(const manifest& m) {
   std::string body = "dtrain checkpoint " + std::to_string(format_version) + "\nstep " +
                      std::to_string(m.step) + "\nworld_size " + std::to_string(m.world_size) + "\n";
   for (const file_record& f : m.files) {
@@ -544,8 +656,7 @@ struct manifest {
   return body + "end " + hex64(checksum64::of(body.data(), body.size())) + "\n";
 }
 
-/// Parses a manifest's text; throws checkpoint_error naming `path` and the line.
-[[nodiscard]] inline manifest parse_manifest(std::string_view text,
+DTRAIN_DETAIL_INLINE manifest parse_manifest(std::string_view text,
                                              const std::filesystem::path& path) {
   auto bad = [&](const std::string& why) -> checkpoint_error {
     return checkpoint_error("checkpoint: " + path.string() + " is torn or not a manifest: " + why);
@@ -600,9 +711,8 @@ struct manifest {
   return m;
 }
 
-/// Reads a small file whole (a manifest).
-[[nodiscard]] inline std::string read_small_file(const std::filesystem::path& path,
-                                                 std::size_t limit = 1u << 24) {
+DTRAIN_DETAIL_INLINE std::string read_small_file(const std::filesystem::path& path,
+                                                 std::size_t limit) {
   checked_reader in(path);
   if (in.size() > limit) {
     throw checkpoint_error("checkpoint: " + path.string() + " has " + std::to_string(in.size()) +
@@ -613,16 +723,13 @@ struct manifest {
   return text;
 }
 
-/// A step directory's manifest, read and parsed.
-[[nodiscard]] inline manifest read_manifest(const std::filesystem::path& step_dir) {
+DTRAIN_DETAIL_INLINE manifest read_manifest(const std::filesystem::path& step_dir) {
   const std::filesystem::path manifest_path = step_dir / manifest_name;
   return parse_manifest(read_small_file(manifest_path), manifest_path);
 }
 
-/// Reads `file` whole and checks it against the manifest's `record`: its size
-/// and checksum. Returns what it holds; throws checkpoint_error naming the file.
-inline part_contents read_checked_part(const std::filesystem::path& file,
-                                       const file_record& record) {
+DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path& file,
+                                                     const file_record& record) {
   part_contents got = read_part(file);
   if (got.bytes != record.bytes) {
     throw checkpoint_error("checkpoint: " + file.string() + " has " + std::to_string(got.bytes) +
@@ -636,13 +743,11 @@ inline part_contents read_checked_part(const std::filesystem::path& file,
   return got;
 }
 
-/// Checks a committed step directory against its manifest: every listed file
-/// present, of its size and checksum. Returns the manifest; throws
-/// checkpoint_error naming the first file that is wrong.
-inline manifest verify_step(const std::filesystem::path& step_dir) {
+DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir) {
   manifest m = read_manifest(step_dir);
   for (const file_record& f : m.files) static_cast<void>(read_checked_part(step_dir / f.name, f));
   return m;
 }
+#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::ckpt
