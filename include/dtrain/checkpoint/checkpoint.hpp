@@ -28,6 +28,7 @@
 #include <dtrain/checkpoint/format.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/control/plane.hpp>
+#include <dtrain/control/verdict.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/sampler.hpp>
@@ -354,7 +355,8 @@ class checkpoint {
   /// After every part is read: each sharded entry got every element this rank holds.
   void check_recut() const;
 
-  /// All ranks learn whether every rank could `what`; throws on every rank if not.
+  /// All ranks learn whether every rank could `what` (the verdict,
+  /// control/verdict.hpp); throws checkpoint_error on every rank if not.
   void agree(std::int64_t ok, const std::string& problem, const std::string& what);
 
   /// Creates `dir` (and its parents); with `fresh`, `dir` itself must not exist yet.
@@ -1104,17 +1106,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::check_recut() const {
 
 DTRAIN_DETAIL_INLINE void checkpoint::agree(std::int64_t ok, const std::string& problem,
                                             const std::string& what) {
-  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
-  plane_.allgather(std::span<const std::int64_t>(&ok, 1), all);
-  std::string failed_ranks;
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (failed_ranks.empty()) return;
-  if (!ok) throw checkpoint_error(problem + " (rank " + std::to_string(plane_.rank()) + ")");
-  throw checkpoint_error("checkpoint: rank(s) " + failed_ranks + " could not " + what +
-                         " (their error says why); nothing was loaded on rank " +
-                         std::to_string(plane_.rank()));
+  agree_or_throw<checkpoint_error>(
+      plane_, what, ok ? std::string() : problem + " (rank " + std::to_string(plane_.rank()) + ")");
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::make_directory(const std::filesystem::path& dir, bool fresh) {
