@@ -4,7 +4,8 @@
 // compiled once against the program's own LibTorch. CMake's dtrain::torch
 // builds it (a library in dtrain's own build tree; a source of the consuming
 // target through an installed dtrain, since LibTorch's ABI is the user's).
-#define DTRAIN_TORCH_DEFINITIONS 1  // read module_ddp's definitions (dtrain/torch/module_ddp.hpp)
+// This file reads module_ddp's definitions (dtrain/torch/module_ddp-inl.hpp).
+#define DTRAIN_TORCH_COMPILED_DEFINITIONS 1
 #include <dtrain/torch.hpp>
 
 #if !DTRAIN_TORCH_HAS_SEPARATE_COMPILATION()

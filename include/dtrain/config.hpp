@@ -52,7 +52,8 @@
 // discovery...) are only declared here, and one TU of the library defines
 // them, with DTRAIN_COMPILED_DEFINITIONS=1 (src/core.cpp; by hand, the file
 // that writes DTRAIN_INSTANTIATE_COMPILED_POLICIES()). Header-only, every TU
-// has them, inline.
+// has them, inline. A header's bodies are in its -inl.hpp, which the header
+// includes on its last line when DTRAIN_DETAIL_BODIES() (fmt's -inl.h).
 #if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
 #define DTRAIN_HAS_SEPARATE_COMPILATION() 1
 #else

@@ -95,22 +95,11 @@ namespace detail {
 /// else 1. The one mapping from failure to exit status: dtrain::run, the
 /// node agent and dtrun all end with it.
 DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure() {
-  try {
-    throw;
-  } catch (const program_error& e) {
-    return {e.exit_status(), e.what()};
-  } catch (const config_error& e) {
-    return {config_error_exit_status, e.what()};
-  } catch (const std::exception& e) {
-    return {1, e.what()};
-  } catch (...) {
-    return {1, "an exception that is not a std::exception"};
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/error-inl.hpp>
+#endif

@@ -76,7 +76,8 @@
 // discovery...) are only declared here, and one TU of the library defines
 // them, with DTRAIN_COMPILED_DEFINITIONS=1 (src/core.cpp; by hand, the file
 // that writes DTRAIN_INSTANTIATE_COMPILED_POLICIES()). Header-only, every TU
-// has them, inline.
+// has them, inline. A header's bodies are in its -inl.hpp, which the header
+// includes on its last line when DTRAIN_DETAIL_BODIES() (fmt's -inl.h).
 #if defined(DTRAIN_SEPARATE_COMPILATION) && (DTRAIN_SEPARATE_COMPILATION + 0)
 #define DTRAIN_HAS_SEPARATE_COMPILATION() 1
 #else
@@ -190,7 +191,22 @@ namespace detail {
 /// else 1. The one mapping from failure to exit status: dtrain::run, the
 /// node agent and dtrun all end with it.
 DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure();
+
+}  // namespace detail
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/error-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/error.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/error.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
 DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure() {
   try {
     throw;
@@ -204,11 +220,11 @@ DTRAIN_DETAIL_INLINE std::pair<int, std::string> current_failure() {
     return {1, "an exception that is not a std::exception"};
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
-
 }  // namespace dtrain
+// ---- end dtrain/error-inl.hpp ----
+#endif
 // ---- end dtrain/error.hpp ----
 
 #include <bit>
@@ -242,44 +258,6 @@ struct float16 {
   static float to_float(std::uint16_t h) noexcept;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::uint16_t float16::from_float(float f) noexcept {
-  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  std::uint32_t sign = (x >> 16) & 0x8000u;
-  std::uint32_t abs = x & 0x7fffffffu;
-  if (abs >= 0x7f800000u)
-    return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
-  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
-  if (abs < 0x38800000u) {                                                    // subnormal or zero
-    if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
-    std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
-    int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
-    std::uint32_t half = mant >> shift;
-    std::uint32_t rest = mant & ((1u << shift) - 1);
-    std::uint32_t mid = 1u << (shift - 1);
-    if (rest > mid || (rest == mid && (half & 1u))) ++half;
-    return static_cast<std::uint16_t>(sign | half);
-  }
-  std::uint32_t half = ((abs - 0x38000000u) >> 13);
-  std::uint32_t rest = abs & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<std::uint16_t>(sign | half);
-}
-
-DTRAIN_DETAIL_INLINE float float16::to_float(std::uint16_t h) noexcept {
-  std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
-  if (exp == 0) {
-    if (mant == 0) return std::bit_cast<float>(sign);
-    float value = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -value : value;
-  }
-  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// bfloat16: the top half of a float32, rounded to nearest even.
 struct bfloat16 {
   std::uint16_t bits = 0;
@@ -294,16 +272,6 @@ struct bfloat16 {
     return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
   }
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::uint16_t bfloat16::from_float(float f) noexcept {
-  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u)
-    return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<std::uint16_t>(x >> 16);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The element types every engine moves.
 enum class dtype : std::uint8_t { float32, float64, float16, bfloat16, int32, int64, uint8 };
@@ -469,7 +437,68 @@ decltype(auto) visit(dtype t, F&& f) {
 
 /// Divides every element by `n` (the avg of a host buffer reduced as sum).
 DTRAIN_DETAIL_INLINE void divide_host(buffer b, int n) noexcept;
+
+}  // namespace detail
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/types-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/types.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/types.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE std::uint16_t float16::from_float(float f) noexcept {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  std::uint32_t sign = (x >> 16) & 0x8000u;
+  std::uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u)
+    return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to infinity
+  if (abs < 0x38800000u) {                                                    // subnormal or zero
+    if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);
+    std::uint32_t mant = (abs & 0x007fffffu) | 0x00800000u;
+    int shift = 126 - static_cast<int>(abs >> 23);  // 14 .. 24
+    std::uint32_t half = mant >> shift;
+    std::uint32_t rest = mant & ((1u << shift) - 1);
+    std::uint32_t mid = 1u << (shift - 1);
+    if (rest > mid || (rest == mid && (half & 1u))) ++half;
+    return static_cast<std::uint16_t>(sign | half);
+  }
+  std::uint32_t half = ((abs - 0x38000000u) >> 13);
+  std::uint32_t rest = abs & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<std::uint16_t>(sign | half);
+}
+
+DTRAIN_DETAIL_INLINE float float16::to_float(std::uint16_t h) noexcept {
+  std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return std::bit_cast<float>(sign);
+    float value = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -value : value;
+  }
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+DTRAIN_DETAIL_INLINE std::uint16_t bfloat16::from_float(float f) noexcept {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<std::uint16_t>(x >> 16);
+}
+}  // namespace dtrain
+
+namespace dtrain {
+namespace detail {
+
 DTRAIN_DETAIL_INLINE void divide_host(buffer b, int n) noexcept {
   visit(b.type, [&]<class T>() {
     if constexpr (std::same_as<T, float16> || std::same_as<T, bfloat16>) {
@@ -482,10 +511,11 @@ DTRAIN_DETAIL_INLINE void divide_host(buffer b, int n) noexcept {
     }
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
+// ---- end dtrain/backend/types-inl.hpp ----
+#endif
 // ---- end dtrain/backend/types.hpp ----
 // ---- begin dtrain/backend/work.hpp ----
 /// @file
@@ -520,12 +550,6 @@ struct call_label {
 
 /// The label the calling thread's collectives are recorded with.
 DTRAIN_DETAIL_INLINE call_label& current_call_label() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE call_label& current_call_label() noexcept {
-  thread_local call_label label;
-  return label;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Labels the collectives this thread issues while it lives ("bucket 3").
 class label_scope {
@@ -578,17 +602,6 @@ struct call_record {
 
 /// "allreduce(float32 × 65536, bucket 4)"; the op only when `with_op`.
 DTRAIN_DETAIL_INLINE std::string describe_call(const call_record& r, bool with_op = false);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string describe_call(const call_record& r, bool with_op) {
-  std::string out = r.kind + "(";
-  if (with_op && r.op >= 0) out += std::string(to_string(static_cast<reduce_op>(r.op))) + ", ";
-  if (r.kind != "barrier")
-    out += std::string(to_string(r.type)) + " \u00d7 " + std::to_string(r.count);
-  if (r.root >= 0) out += ", root " + std::to_string(r.root);
-  if (!r.label.empty()) out += (r.kind != "barrier" ? ", " : "") + r.label;
-  return out + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The last `capacity` collectives of one communicator. Thread-safe: the
 /// engine records from the issuing thread, work handles settle from theirs,
@@ -634,7 +647,33 @@ class collective_ring {
   std::vector<std::shared_ptr<collective_ring>> children_;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/diagnostics/ring-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/diagnostics/ring.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics/ring.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE call_label& current_call_label() noexcept {
+  thread_local call_label label;
+  return label;
+}
+
+DTRAIN_DETAIL_INLINE std::string describe_call(const call_record& r, bool with_op) {
+  std::string out = r.kind + "(";
+  if (with_op && r.op >= 0) out += std::string(to_string(static_cast<reduce_op>(r.op))) + ", ";
+  if (r.kind != "barrier")
+    out += std::string(to_string(r.type)) + " \u00d7 " + std::to_string(r.count);
+  if (r.root >= 0) out += ", root " + std::to_string(r.root);
+  if (!r.label.empty()) out += (r.kind != "barrier" ? ", " : "") + r.label;
+  return out + ")";
+}
+
 DTRAIN_DETAIL_INLINE std::shared_ptr<collective_ring> collective_ring::make_child(int color) {
   std::lock_guard lock(mutex_);
   auto child = std::make_shared<collective_ring>(name_ + "/split " + std::to_string(++splits_) +
@@ -698,9 +737,10 @@ DTRAIN_DETAIL_INLINE std::int64_t collective_ring::last() const {
   std::lock_guard lock(mutex_);
   return last_;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/diagnostics/ring-inl.hpp ----
+#endif
 // ---- end dtrain/diagnostics/ring.hpp ----
 // ---- begin dtrain/env/environment.hpp ----
 /// @file
@@ -760,7 +800,18 @@ class environment {
   std::map<std::string, std::string, std::less<>> vars_;
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/environment-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/environment.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/environment.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE environment environment::from_process() {
   std::map<std::string, std::string, std::less<>> vars;
   for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
@@ -788,9 +839,10 @@ DTRAIN_DETAIL_INLINE environment environment::without(std::string_view name) con
   if (auto it = vars.find(name); it != vars.end()) vars.erase(it);
   return environment(std::move(vars));
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/env/environment-inl.hpp ----
+#endif
 // ---- end dtrain/env/environment.hpp ----
 // ---- begin dtrain/env/variables.hpp ----
 /// @file
@@ -843,7 +895,39 @@ void agree(std::optional<sourced<T>>& slot,
 /// `NAME=value`, with the value in quotes when it is empty or has blanks, so
 /// that `RANK=" 3"` in a message shows the stray space.
 DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_view value);
+
+/// Parses a non-negative decimal integer that fits an int. `what` is how the
+/// message names the input, usually assignment(name, text).
+DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text);
+
+/// Checks that a port is in 1..65535.
+DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port);
+
+/// Splits `text` at every `separator` (an empty text gives no pieces).
+DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator);
+
+/// A host with an optional port.
+struct host_port {
+  std::string host;
+  std::optional<int> port;
+};
+
+/// Splits `host:port`, `[v6addr]:port`, `host` or a bare IPv6 address. `what`
+/// names the input for messages.
+DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text);
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/parse-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/parse.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/parse.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_view value) {
   bool quote = value.empty() || value.find_first_of(" \t\r\n") != std::string_view::npos;
   std::string out(name);
@@ -853,12 +937,7 @@ DTRAIN_DETAIL_INLINE std::string assignment(std::string_view name, std::string_v
   if (quote) out += '"';
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Parses a non-negative decimal integer that fits an int. `what` is how the
-/// message names the input, usually assignment(name, text).
-DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string_view text) {
   if (!text.empty() && text.front() == '-' && text.size() > 1 &&
       text.find_first_not_of("0123456789", 1) == std::string_view::npos) {
@@ -878,20 +957,12 @@ DTRAIN_DETAIL_INLINE int parse_non_negative(const std::string& what, std::string
   }
   return value;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Checks that a port is in 1..65535.
-DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE int check_port(const std::string& what, int port) {
   if (port < 1 || port > 65535) throw config_error(what + " is outside the port range 1-65535");
   return port;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Splits `text` at every `separator` (an empty text gives no pieces).
-DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char separator) {
   std::vector<std::string> out;
   if (text.empty()) return out;
@@ -903,18 +974,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> split(std::string_view text, char 
     start = end + 1;
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// A host with an optional port.
-struct host_port {
-  std::string host;
-  std::optional<int> port;
-};
-
-/// Splits `host:port`, `[v6addr]:port`, `host` or a bare IPv6 address. `what`
-/// names the input for messages.
-DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::string_view text) {
   if (text.empty()) throw config_error(what + " has an empty address");
   std::string_view host = text;
@@ -946,9 +1006,10 @@ DTRAIN_DETAIL_INLINE host_port split_host_port(const std::string& what, std::str
   }
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/detail/parse-inl.hpp ----
+#endif
 // ---- end dtrain/detail/parse.hpp ----
 // ---- begin dtrain/env/names.hpp ----
 /// @file
@@ -1117,7 +1178,37 @@ namespace dtrain::detail {
 /// empty or not a non-negative integer.
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_int(const environment& env,
                                                          std::string_view name);
+
+/// Reads a text variable; nullopt when unset, config_error when set but empty
+/// or when it has blanks (a host name never does; a stray space is a typo).
+DTRAIN_DETAIL_INLINE std::optional<sourced_text> read_text(const environment& env,
+                                                           std::string_view name);
+
+/// Reads a duration variable given in seconds (fractions allowed, e.g.
+/// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
+/// positive number.
+DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
+                                                                           std::string_view name);
+
+/// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
+DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name);
+
+/// Reads MASTER_PORT-style variables: an integer in 1..65535.
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
+                                                          std::string_view name);
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/variables-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/variables.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/variables.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_int(const environment& env,
                                                          std::string_view name) {
   auto text = env.get(name);
@@ -1126,13 +1217,7 @@ DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_int(const environment& env,
   if (text->empty()) throw config_error(std::string(name) + " is set but empty");
   return sourced_int{parse_non_negative(origin, *text), origin};
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Reads a text variable; nullopt when unset, config_error when set but empty
-/// or when it has blanks (a host name never does; a stray space is a typo).
-DTRAIN_DETAIL_INLINE std::optional<sourced_text> read_text(const environment& env,
-                                                           std::string_view name);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<sourced_text> read_text(const environment& env,
                                                            std::string_view name) {
   auto text = env.get(name);
@@ -1144,14 +1229,7 @@ DTRAIN_DETAIL_INLINE std::optional<sourced_text> read_text(const environment& en
   }
   return sourced_text{std::string(*text), origin};
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Reads a duration variable given in seconds (fractions allowed, e.g.
-/// DTRAIN_STORE_TIMEOUT=2.5); nullopt when unset, config_error unless it is a
-/// positive number.
-DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
-                                                                           std::string_view name);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const environment& env,
                                                                            std::string_view name) {
   auto text = env.get(name);
@@ -1164,11 +1242,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const
   }
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
-DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name) {
   auto text = env.get(name);
   if (!text) return std::nullopt;
@@ -1180,21 +1254,17 @@ DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::
   }
   throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Reads MASTER_PORT-style variables: an integer in 1..65535.
-DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
-                                                          std::string_view name);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
                                                           std::string_view name) {
   auto port = read_int(env, name);
   if (port) check_port(port->origin, port->value);
   return port;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/env/variables-inl.hpp ----
+#endif
 // ---- end dtrain/env/variables.hpp ----
 
 #include <atomic>
@@ -1231,15 +1301,6 @@ struct collective_options {
   [[nodiscard]] collective_options with_env(const environment& env) const;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE collective_options collective_options::with_env(const environment& env) const {
-  collective_options out = *this;
-  if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
-  if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 namespace detail {
 
 /// What a collective is, kept as plain fields so the hot path builds no
@@ -1258,27 +1319,8 @@ struct collective_info {
 /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (mpi)"
 DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
                                           int size, std::string_view engine);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
-                                          int size, std::string_view engine) {
-  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) +
-         " of " + std::to_string(size) + " (" + std::string(engine) + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info) {
-  std::string detail;
-  if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
-  if (info.collective != "barrier") {
-    detail +=
-        std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
-  }
-  if (info.root >= 0) detail += ", root " + std::to_string(info.root);
-  return describe(info.collective, detail, info.rank, info.size, info.engine);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // What a failure was about, put into words only when a message needs it: a
 // text, a collective (described from its fields), or a function that says it.
@@ -1291,17 +1333,6 @@ inline std::string what_text(const Describe& describe_it) { return describe_it()
 
 /// The message of an exception, whatever its type.
 DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Why a communicator can no longer be used: its first failure. Recorded
 /// without allocating, since the hooks that record it (a timeout's, abort())
@@ -1333,39 +1364,6 @@ class failure_cause {
   collective_info call_{};
   const char* how_ = nullptr;
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void failure_cause::set(std::string&& text) noexcept {
-  if (!*this) {
-    text_ = std::move(text);
-    has_text_ = true;
-  }
-}
-
-DTRAIN_DETAIL_INLINE void failure_cause::set(const collective_info& call,
-                                             const char* how) noexcept {
-  if (!*this) {
-    call_ = call;
-    how_ = how;
-  }
-}
-
-DTRAIN_DETAIL_INLINE void failure_cause::set(const char* what, int rank) noexcept {
-  if (!*this) {
-    call_ = collective_info{};
-    call_.rank = rank;
-    how_ = what;
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::string failure_cause::text() const {
-  if (error_) return message_of(error_);
-  if (has_text_) return text_;
-  if (how_ == nullptr) return {};
-  if (call_.collective.empty()) return std::string(how_) + " on rank " + std::to_string(call_.rank);
-  return describe(call_) + " " + how_;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How a thread waits for work that others (a device, an engine's thread, a
 /// peer) finish: spins first (a collective often ends within microseconds),
@@ -1455,49 +1453,6 @@ class work_state {
   std::exception_ptr timed_out_;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool work_state::wait_until(std::chrono::steady_clock::time_point deadline) {
-  backoff pause;
-  for (;;) {
-    if (poll()) return true;
-    if (std::chrono::steady_clock::now() > deadline) return poll();
-    pause();
-  }
-}
-
-DTRAIN_DETAIL_INLINE const std::string& work_state::description() const {
-  if (description_.empty()) description_ = describe(info_);
-  return description_;
-}
-
-DTRAIN_DETAIL_INLINE void work_state::track(std::shared_ptr<collective_ring> ring,
-                                            std::int64_t seq) noexcept {
-  ring_ = std::move(ring);
-  seq_ = seq;
-}
-
-DTRAIN_DETAIL_INLINE void work_state::see_done(call_state state) noexcept {
-  std::lock_guard lock(end_mutex_);
-  if (seen_done_.load(std::memory_order_relaxed)) return;
-  seen_done_.store(true, std::memory_order_release);
-  settle(state);
-}
-
-DTRAIN_DETAIL_INLINE bool work_state::see_timeout(std::exception_ptr timeout) noexcept {
-  std::lock_guard lock(end_mutex_);
-  if (seen_done_.load(std::memory_order_relaxed)) return false;
-  timed_out_ = std::move(timeout);
-  seen_done_.store(true, std::memory_order_release);
-  settle(call_state::timed_out);
-  return true;
-}
-
-DTRAIN_DETAIL_INLINE std::exception_ptr work_state::timed_out() const noexcept {
-  std::lock_guard lock(end_mutex_);
-  return timed_out_;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// Numbers a collective in `ring` (the engine's one counter) and returns its sequence number.
 inline std::int64_t record(collective_ring& ring, const collective_info& info) {
   return ring.issue(info.collective, static_cast<dtype>(info.type), info.count, info.op, info.root);
@@ -1554,7 +1509,132 @@ class work {
   std::shared_ptr<detail::work_state> state_;
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/work-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/work.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/work.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE collective_options collective_options::with_env(const environment& env) const {
+  collective_options out = *this;
+  if (auto t = detail::read_seconds(env, collective_timeout_variable)) out.timeout = *t;
+  if (auto flag = detail::read_flag(env, check_collectives_variable)) out.check = *flag;
+  return out;
+}
+}  // namespace dtrain
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::string describe(std::string_view what, std::string_view detail, int rank,
+                                          int size, std::string_view engine) {
+  return std::string(what) + "(" + std::string(detail) + ") on rank " + std::to_string(rank) +
+         " of " + std::to_string(size) + " (" + std::string(engine) + ")";
+}
+
+DTRAIN_DETAIL_INLINE std::string describe(const collective_info& info) {
+  std::string detail;
+  if (info.op >= 0) detail = std::string(to_string(static_cast<reduce_op>(info.op))) + ", ";
+  if (info.collective != "barrier") {
+    detail +=
+        std::to_string(info.count) + " x " + std::string(to_string(static_cast<dtype>(info.type)));
+  }
+  if (info.root >= 0) detail += ", root " + std::to_string(info.root);
+  return describe(info.collective, detail, info.rank, info.size, info.engine);
+}
+
+DTRAIN_DETAIL_INLINE std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(std::string&& text) noexcept {
+  if (!*this) {
+    text_ = std::move(text);
+    has_text_ = true;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(const collective_info& call,
+                                             const char* how) noexcept {
+  if (!*this) {
+    call_ = call;
+    how_ = how;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void failure_cause::set(const char* what, int rank) noexcept {
+  if (!*this) {
+    call_ = collective_info{};
+    call_.rank = rank;
+    how_ = what;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string failure_cause::text() const {
+  if (error_) return message_of(error_);
+  if (has_text_) return text_;
+  if (how_ == nullptr) return {};
+  if (call_.collective.empty()) return std::string(how_) + " on rank " + std::to_string(call_.rank);
+  return describe(call_) + " " + how_;
+}
+
+DTRAIN_DETAIL_INLINE bool work_state::wait_until(std::chrono::steady_clock::time_point deadline) {
+  backoff pause;
+  for (;;) {
+    if (poll()) return true;
+    if (std::chrono::steady_clock::now() > deadline) return poll();
+    pause();
+  }
+}
+
+DTRAIN_DETAIL_INLINE const std::string& work_state::description() const {
+  if (description_.empty()) description_ = describe(info_);
+  return description_;
+}
+
+DTRAIN_DETAIL_INLINE void work_state::track(std::shared_ptr<collective_ring> ring,
+                                            std::int64_t seq) noexcept {
+  ring_ = std::move(ring);
+  seq_ = seq;
+}
+
+DTRAIN_DETAIL_INLINE void work_state::see_done(call_state state) noexcept {
+  std::lock_guard lock(end_mutex_);
+  if (seen_done_.load(std::memory_order_relaxed)) return;
+  seen_done_.store(true, std::memory_order_release);
+  settle(state);
+}
+
+DTRAIN_DETAIL_INLINE bool work_state::see_timeout(std::exception_ptr timeout) noexcept {
+  std::lock_guard lock(end_mutex_);
+  if (seen_done_.load(std::memory_order_relaxed)) return false;
+  timed_out_ = std::move(timeout);
+  seen_done_.store(true, std::memory_order_release);
+  settle(call_state::timed_out);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr work_state::timed_out() const noexcept {
+  std::lock_guard lock(end_mutex_);
+  return timed_out_;
+}
+}  // namespace detail
+}  // namespace dtrain
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE bool work::test() {
   if (!state_ || state_->seen_done()) return true;
   if (state_->poll()) ended();
@@ -1595,9 +1675,10 @@ DTRAIN_DETAIL_INLINE std::exception_ptr work::exception() const noexcept {
   if (auto e = state_->timed_out()) return e;
   return state_->error();
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/backend/work-inl.hpp ----
+#endif
 // ---- end dtrain/backend/work.hpp ----
 
 #include <concepts>
@@ -1647,13 +1728,6 @@ inline std::string shape(const buffer& b) {
 /// What a collective throws on a communicator that is not valid(): one that
 /// split() gave this rank for a negative color (`left_out`), or a moved-from one.
 [[noreturn]] DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out) {
-  throw config_error(what + (left_out ? ": this rank passed a negative color to split() "
-                                        "and belongs to no communicator"
-                                      : ": the communicator was moved from"));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The collectives every engine knows, numbered as check mode sends them.
 enum class collective_kind : std::uint8_t {
@@ -1674,14 +1748,6 @@ inline constexpr std::string_view collective_kinds[] = {
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(
     std::string_view kind) noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(std::string_view kind) noexcept {
-  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
-    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
-  }
-  return 0;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where an engine's collectives find their buffers. A buffer elsewhere is a
 /// config_error: "input is host memory, and <rule>".
@@ -1716,46 +1782,6 @@ struct argument_check {
     return index < 0 ? std::string(which) : std::string(which) + " " + std::to_string(index);
   }
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void argument_check::same_type(const buffer& in, const buffer& out) const {
-  if (in.type != out.type)
-    fail("input is " + std::string(to_string(in.type)) + ", output " +
-         std::string(to_string(out.type)));
-  if (in.where != out.where) fail("input and output live in different memories (host and device)");
-}
-
-DTRAIN_DETAIL_INLINE void argument_check::count(const buffer& b, std::size_t expected,
-                                                std::string_view which) const {
-  if (b.count != expected) {
-    fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
-         std::to_string(expected));
-  }
-}
-
-DTRAIN_DETAIL_INLINE void argument_check::op_fits(reduce_op op, dtype t) const {
-  if (op == reduce_op::avg && !is_floating(t)) {
-    fail("avg of " + std::string(to_string(t)) +
-         " would truncate; average floating-point data, or sum and divide");
-  }
-}
-
-DTRAIN_DETAIL_INLINE void argument_check::reachable(const buffer& b, std::string_view which,
-                                                    const memory_reach& reach,
-                                                    std::ptrdiff_t index) const {
-  const bool on_host = b.where == memory::host;
-  if (!(on_host ? reach.host : reach.device)) {
-    fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
-         std::string(reach.rule));
-  }
-  if (b.data == nullptr && b.count > 0)
-    fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
-}
-
-DTRAIN_DETAIL_INLINE void argument_check::root(int r, int size) const {
-  if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One collective as an engine receives it. Every engine's chain checks it
 /// (check_arguments), numbers it in its ring and compares it in check mode
@@ -1797,86 +1823,11 @@ struct collective_call {
   [[nodiscard]] bool moves_data() const noexcept;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE collective_info collective_call::info(std::string_view engine, int rank,
-                                                           int size) const noexcept {
-  buffer counted = kind == collective_kind::reduce_scatter ? out : in;
-  if (kind == collective_kind::allreduce_many) {
-    counted = {};
-    if (!many.empty()) counted.type = many.front().type;
-    for (const buffer& b : many) counted.count += b.count;
-  }
-  return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
-          static_cast<std::uint8_t>(counted.type),          op,     root};
-}
-
-DTRAIN_DETAIL_INLINE bool collective_call::moves_data() const noexcept {
-  switch (kind) {
-    case collective_kind::barrier:
-    case collective_kind::split:
-    case collective_kind::other: return true;
-    case collective_kind::allreduce:
-    case collective_kind::broadcast:
-    case collective_kind::allgather: return in.count > 0;
-    case collective_kind::reduce_scatter: return out.count > 0;
-    case collective_kind::allreduce_many:
-      for (const buffer& b : many) {
-        if (b.count > 0) return true;
-      }
-      return false;
-  }
-  return true;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// The argument checks of every engine, per collective: buffers where the
 /// engine reaches (`reach`), types and counts that fit, an op the type allows,
 /// a root that is a rank. `info` names the call (call.info()).
 DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
                                           const memory_reach& reach);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
-                                          const memory_reach& reach) {
-  const argument_check check{info};
-  const auto ranks = static_cast<std::size_t>(info.size);
-  const auto op = static_cast<reduce_op>(call.op);
-  switch (call.kind) {
-    case collective_kind::allreduce:
-      check.reachable(call.in, "input", reach);
-      check.reachable(call.out, "output", reach);
-      check.same_type(call.in, call.out);
-      check.count(call.out, call.in.count, "output");
-      check.op_fits(op, call.in.type);
-      return;
-    case collective_kind::broadcast:
-      check.reachable(call.in, "data", reach);
-      check.root(call.root, info.size);
-      return;
-    case collective_kind::allgather:
-      check.reachable(call.in, "input", reach);
-      check.reachable(call.out, "output", reach);
-      check.same_type(call.in, call.out);
-      check.count(call.out, call.in.count * ranks, "output");
-      return;
-    case collective_kind::reduce_scatter:
-      check.reachable(call.in, "input", reach);
-      check.reachable(call.out, "output", reach);
-      check.same_type(call.in, call.out);
-      check.count(call.in, call.out.count * ranks, "input");
-      check.op_fits(op, call.out.type);
-      return;
-    case collective_kind::allreduce_many:
-      for (std::size_t i = 0; i < call.many.size(); ++i) {
-        check.reachable(call.many[i], "buffer", reach, static_cast<std::ptrdiff_t>(i));
-        check.op_fits(op, call.many[i].type);
-      }
-      return;
-    case collective_kind::barrier:
-    case collective_kind::split:
-    case collective_kind::other: return;
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What a rank passed to its `seq`-th collective on a communicator, compared
 /// across ranks in check mode: the ring's fingerprint (call_record) as int64s,
@@ -1895,34 +1846,10 @@ struct signature {
 /// The signature of collective number `seq`, described by `info`.
 [[nodiscard]] DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
                                                           const collective_info& info) noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
-                                            const collective_info& info) noexcept {
-  return {seq,
-          collective_kind_code(info.collective),
-          static_cast<std::int64_t>(info.count),
-          static_cast<std::int64_t>(info.type),
-          info.op,
-          info.root};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How check mode names a call, for every engine: "collective #3:
 /// allreduce(sum, float32 × 5)" (the ring's describe_call).
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s) {
-  const auto kind = static_cast<std::size_t>(s.kind);
-  call_record r;
-  r.seq = s.seq;
-  r.kind = kind < std::size(collective_kinds) ? collective_kinds[kind] : collective_kinds[0];
-  r.type = static_cast<dtype>(s.type);
-  r.count = static_cast<std::size_t>(s.count);
-  r.op = static_cast<int>(s.op);
-  r.root = static_cast<int>(s.root);
-  return "collective #" + std::to_string(s.seq) + ": " + describe_call(r, true);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Gathers every rank's signature with `gather` (an allgather of int64s that
 /// is not itself checked) and throws backend_error naming the first rank
@@ -2064,6 +1991,167 @@ work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op =
 #undef DTRAIN_DEVICE_ONLY_MESSAGE
 
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/communicator-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/communicator.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/communicator.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE void throw_invalid(const std::string& what, bool left_out) {
+  throw config_error(what + (left_out ? ": this rank passed a negative color to split() "
+                                        "and belongs to no communicator"
+                                      : ": the communicator was moved from"));
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(std::string_view kind) noexcept {
+  for (std::size_t i = 1; i < std::size(collective_kinds); ++i) {
+    if (collective_kinds[i] == kind) return static_cast<std::int64_t>(i);
+  }
+  return 0;
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::same_type(const buffer& in, const buffer& out) const {
+  if (in.type != out.type)
+    fail("input is " + std::string(to_string(in.type)) + ", output " +
+         std::string(to_string(out.type)));
+  if (in.where != out.where) fail("input and output live in different memories (host and device)");
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::count(const buffer& b, std::size_t expected,
+                                                std::string_view which) const {
+  if (b.count != expected) {
+    fail(std::string(which) + " has " + std::to_string(b.count) + " elements, expected " +
+         std::to_string(expected));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::op_fits(reduce_op op, dtype t) const {
+  if (op == reduce_op::avg && !is_floating(t)) {
+    fail("avg of " + std::string(to_string(t)) +
+         " would truncate; average floating-point data, or sum and divide");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::reachable(const buffer& b, std::string_view which,
+                                                    const memory_reach& reach,
+                                                    std::ptrdiff_t index) const {
+  const bool on_host = b.where == memory::host;
+  if (!(on_host ? reach.host : reach.device)) {
+    fail(name(which, index) + (on_host ? " is host memory, and " : " is device memory, and ") +
+         std::string(reach.rule));
+  }
+  if (b.data == nullptr && b.count > 0)
+    fail(name(which, index) + " is a null pointer with " + std::to_string(b.count) + " elements");
+}
+
+DTRAIN_DETAIL_INLINE void argument_check::root(int r, int size) const {
+  if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
+}
+
+DTRAIN_DETAIL_INLINE collective_info collective_call::info(std::string_view engine, int rank,
+                                                           int size) const noexcept {
+  buffer counted = kind == collective_kind::reduce_scatter ? out : in;
+  if (kind == collective_kind::allreduce_many) {
+    counted = {};
+    if (!many.empty()) counted.type = many.front().type;
+    for (const buffer& b : many) counted.count += b.count;
+  }
+  return {collective_kinds[static_cast<std::size_t>(kind)], engine, rank, size, counted.count,
+          static_cast<std::uint8_t>(counted.type),          op,     root};
+}
+
+DTRAIN_DETAIL_INLINE bool collective_call::moves_data() const noexcept {
+  switch (kind) {
+    case collective_kind::barrier:
+    case collective_kind::split:
+    case collective_kind::other: return true;
+    case collective_kind::allreduce:
+    case collective_kind::broadcast:
+    case collective_kind::allgather: return in.count > 0;
+    case collective_kind::reduce_scatter: return out.count > 0;
+    case collective_kind::allreduce_many:
+      for (const buffer& b : many) {
+        if (b.count > 0) return true;
+      }
+      return false;
+  }
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const collective_info& info,
+                                          const memory_reach& reach) {
+  const argument_check check{info};
+  const auto ranks = static_cast<std::size_t>(info.size);
+  const auto op = static_cast<reduce_op>(call.op);
+  switch (call.kind) {
+    case collective_kind::allreduce:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count, "output");
+      check.op_fits(op, call.in.type);
+      return;
+    case collective_kind::broadcast:
+      check.reachable(call.in, "data", reach);
+      check.root(call.root, info.size);
+      return;
+    case collective_kind::allgather:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count * ranks, "output");
+      return;
+    case collective_kind::reduce_scatter:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.in, call.out.count * ranks, "input");
+      check.op_fits(op, call.out.type);
+      return;
+    case collective_kind::allreduce_many:
+      for (std::size_t i = 0; i < call.many.size(); ++i) {
+        check.reachable(call.many[i], "buffer", reach, static_cast<std::ptrdiff_t>(i));
+        check.op_fits(op, call.many[i].type);
+      }
+      return;
+    case collective_kind::barrier:
+    case collective_kind::split:
+    case collective_kind::other: return;
+  }
+}
+
+DTRAIN_DETAIL_INLINE signature signature_of(std::int64_t seq,
+                                            const collective_info& info) noexcept {
+  return {seq,
+          collective_kind_code(info.collective),
+          static_cast<std::int64_t>(info.count),
+          static_cast<std::int64_t>(info.type),
+          info.op,
+          info.root};
+}
+
+DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s) {
+  const auto kind = static_cast<std::size_t>(s.kind);
+  call_record r;
+  r.seq = s.seq;
+  r.kind = kind < std::size(collective_kinds) ? collective_kinds[kind] : collective_kinds[0];
+  r.type = static_cast<dtype>(s.type);
+  r.count = static_cast<std::size_t>(s.count);
+  r.op = static_cast<int>(s.op);
+  r.root = static_cast<int>(s.root);
+  return "collective #" + std::to_string(s.seq) + ": " + describe_call(r, true);
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/backend/communicator-inl.hpp ----
+#endif
 // ---- end dtrain/backend/communicator.hpp ----
 // ---- begin dtrain/backend/cuda.hpp ----
 /// @file
@@ -2104,36 +2192,14 @@ namespace dtrain::detail {
 /// through its seam (`Api::cudaSetDevice(...)`), the message names the
 /// function (`cudaSetDevice(...)`).
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call) {
-  if (call.starts_with("Api::")) call.remove_prefix(5);
-  return std::string(call);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// "CUDA call `cudaSetDevice(3)` failed: cudaErrorInvalidDevice: invalid device ordinal
 /// (cudaError_t 101, at file:line)".
 DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
                                                  const char* file, int line);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
-                                                 const char* file, int line) {
-  return "CUDA call `" + call_as_written(call) + "` failed: " + cudaGetErrorName(code) + ": " +
-         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
-         ", at " + file + ":" + std::to_string(line) + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 [[noreturn]] DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call,
                                                         const char* file, int line);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call, const char* file,
-                                           int line) {
-  // Clear a non-sticky error, so that the next unrelated call does not report it again.
-  (void)cudaGetLastError();
-  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -2155,34 +2221,6 @@ namespace dtrain::detail {
 /// and a cudaSetDevice(0) there would create a context on GPU 0 (about half a
 /// GiB) for a rank that does not use it. True when the driver cannot say.
 [[nodiscard]] DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept {
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
-  using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
-  static const get_current_fn get_current = []() noexcept -> get_current_fn {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t rc =
-        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found);
-#else
-    const cudaError_t rc =
-        cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found);
-#endif
-    if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<get_current_fn>(fn);
-  }();
-  if (get_current == nullptr) return true;
-  void* context = nullptr;
-  return get_current(&context) == 0 && context != nullptr;
-#else
-  return true;
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The CUDA runtime calls the NCCL engine makes, as one narrow seam: the
 /// engine's classes take the runtime as a template argument (`Api`), this one
@@ -2229,27 +2267,6 @@ struct cuda_library {
     return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);
   }
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE cudaError_t cuda_library::device_identity(int device, std::string& uuid,
-                                                               std::string& pci_bus) {
-  cudaDeviceProp prop{};
-  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
-  static constexpr char hex[] = "0123456789abcdef";
-  uuid = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
-    if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
-    uuid += hex[byte >> 4];
-    uuid += hex[byte & 15];
-  }
-  char bus[32];
-  std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
-                static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
-  pci_bus = bus;
-  return cudaSuccess;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned CUDA stream, destroyed with its owner. cudaStreamDestroy does not
 /// wait: work still queued on the stream completes, then the stream goes.
@@ -2401,7 +2418,86 @@ class pinned_pool {
   std::size_t held_ = 0;
 };
 
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_CUDA()
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/cuda-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/cuda.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/cuda.hpp, not this file.
+
+
+#if DTRAIN_HAS_CUDA()
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string call_as_written(std::string_view call) {
+  if (call.starts_with("Api::")) call.remove_prefix(5);
+  return std::string(call);
+}
+
+DTRAIN_DETAIL_INLINE std::string cuda_error_text(cudaError_t code, const char* call,
+                                                 const char* file, int line) {
+  return "CUDA call `" + call_as_written(call) + "` failed: " + cudaGetErrorName(code) + ": " +
+         cudaGetErrorString(code) + " (cudaError_t " + std::to_string(static_cast<int>(code)) +
+         ", at " + file + ":" + std::to_string(line) + ")";
+}
+
+DTRAIN_DETAIL_INLINE void throw_cuda_error(cudaError_t code, const char* call, const char* file,
+                                           int line) {
+  // Clear a non-sticky error, so that the next unrelated call does not report it again.
+  (void)cudaGetLastError();
+  throw backend_error(cuda_error_text(code, call, file, line), static_cast<int>(code));
+}
+
+DTRAIN_DETAIL_INLINE bool thread_has_cuda_context() noexcept {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+  using get_current_fn = int (*)(void**);  // CUresult cuCtxGetCurrent(CUcontext*)
+  static const get_current_fn get_current = []() noexcept -> get_current_fn {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t rc =
+        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t rc =
+        cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &found);
+#endif
+    if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<get_current_fn>(fn);
+  }();
+  if (get_current == nullptr) return true;
+  void* context = nullptr;
+  return get_current(&context) == 0 && context != nullptr;
+#else
+  return true;
+#endif
+}
+
+DTRAIN_DETAIL_INLINE cudaError_t cuda_library::device_identity(int device, std::string& uuid,
+                                                               std::string& pci_bus) {
+  cudaDeviceProp prop{};
+  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return e;
+  static constexpr char hex[] = "0123456789abcdef";
+  uuid = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    const auto byte = static_cast<unsigned char>(prop.uuid.bytes[i]);
+    if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+    uuid += hex[byte >> 4];
+    uuid += hex[byte & 15];
+  }
+  char bus[32];
+  std::snprintf(bus, sizeof bus, "%08x:%02x:%02x.0", static_cast<unsigned>(prop.pciDomainID),
+                static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+  pci_bus = bus;
+  return cudaSuccess;
+}
+
 DTRAIN_DETAIL_INLINE pinned_pool::~pinned_pool() {
   for (auto& [bytes, block] : free_) (void)cudaFreeHost(block);
   for (auto& [device, stream] : streams_) {
@@ -2457,11 +2553,11 @@ DTRAIN_DETAIL_INLINE std::size_t pinned_pool::held_bytes() const {
   std::lock_guard lock(mutex_);
   return held_;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_CUDA()
+#endif
+// ---- end dtrain/backend/cuda-inl.hpp ----
+#endif
 // ---- end dtrain/backend/cuda.hpp ----
 // ---- begin dtrain/backend/gloo/gloo.hpp ----
 /// @file
@@ -2509,7 +2605,43 @@ struct interface_address {
 
 /// Every IPv4 and IPv6 address of every interface (getifaddrs); empty when it fails.
 DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses();
+
+/// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
+DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address();
+
+/// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
+/// error in `error`.
+struct resolved {
+  std::vector<std::string> addresses;
+  std::string error;  ///< empty on success
+};
+DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host);
+
+/// The local address this host sends from to reach host:port (a UDP socket
+/// connected there, asked for its own name; nothing is sent), or why not in `error`.
+struct route_source {
+  std::string address;
+  std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
+};
+DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port);
+
+/// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
+inline bool is_loopback_address(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "::1" || address.rfind("::ffff:127.", 0) == 0;
+}
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/net-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/net.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/net.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses() {
   std::vector<interface_address> out;
   ifaddrs* list = nullptr;
@@ -2527,11 +2659,7 @@ DTRAIN_DETAIL_INLINE std::vector<interface_address> interface_addresses() {
   ::freeifaddrs(list);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Names of the interfaces that carry an IPv4 or IPv6 address, each once.
-DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address();
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address() {
   std::vector<std::string> names;
   for (const auto& a : interface_addresses()) {
@@ -2541,16 +2669,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> interfaces_with_address() {
   }
   return names;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The numeric addresses `host` resolves to (getaddrinfo), or the resolver's
-/// error in `error`.
-struct resolved {
-  std::vector<std::string> addresses;
-  std::string error;  ///< empty on success
-};
-DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host) {
   resolved out;
   addrinfo hints{};
@@ -2573,16 +2692,7 @@ DTRAIN_DETAIL_INLINE resolved resolve(const std::string& host) {
   ::freeaddrinfo(found);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The local address this host sends from to reach host:port (a UDP socket
-/// connected there, asked for its own name; nothing is sent), or why not in `error`.
-struct route_source {
-  std::string address;
-  std::string error;  ///< "cannot be resolved (...)" or the socket's error; empty on success
-};
-DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int port) {
   route_source out;
   addrinfo hints{};
@@ -2621,14 +2731,10 @@ DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int 
   if (out.address.empty()) out.error = "no local address reaches it (" + why + ")";
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// Whether a numeric address is a loopback address (127.0.0.0/8, ::1).
-inline bool is_loopback_address(const std::string& address) {
-  return address.rfind("127.", 0) == 0 || address == "::1" || address.rfind("::ffff:127.", 0) == 0;
-}
 
 }  // namespace dtrain::detail
+// ---- end dtrain/detail/net-inl.hpp ----
+#endif
 // ---- end dtrain/detail/net.hpp ----
 // ---- begin dtrain/detail/sys.hpp ----
 /// @file
@@ -2650,13 +2756,6 @@ namespace dtrain::detail {
 /// "what: strerror(err) (at file:line)".
 DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
                                                int line);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
-                                               int line) {
-  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
-         ":" + std::to_string(line) + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned file descriptor, closed on destruction.
 class unique_fd {
@@ -2682,23 +2781,9 @@ class unique_fd {
   int fd_ = -1;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void unique_fd::reset(int fd) noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// This machine's host name; nullopt when gethostname fails (each caller
 /// decides what that means for it).
 DTRAIN_DETAIL_INLINE std::optional<std::string> host_name();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
-  return std::string(name);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Removes `path` and everything under it, as `rm -rf` does (symbolic links
 /// are removed, not followed); a path that does not exist is no error.
@@ -2708,21 +2793,6 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
 /// which wins the symbol lookup in any program linked to that LibTorch, and
 /// which called a null pointer there (PyTorch 2.11, CUDA 13).
 DTRAIN_DETAIL_INLINE int remove_tree(const char* path);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
-  // nftw's callback takes no state: the first failure is this thread's.
-  static thread_local int first_error = 0;
-  first_error = 0;
-  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
-    if (::remove(p) != 0 && errno != ENOENT && first_error == 0) first_error = errno;
-    return 0;  // go on: remove what can be removed
-  };
-  if (::nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
-    return errno == ENOENT ? 0 : errno;
-  }
-  return first_error;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -2738,6 +2808,51 @@ DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
     }                                                                                 \
     return dtrain_result_;                                                            \
   }())
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/sys-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/sys.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/sys.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
+                                               int line) {
+  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
+         ":" + std::to_string(line) + ")";
+}
+
+DTRAIN_DETAIL_INLINE void unique_fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
+  return std::string(name);
+}
+
+DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
+  // nftw's callback takes no state: the first failure is this thread's.
+  static thread_local int first_error = 0;
+  first_error = 0;
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
+    if (::remove(p) != 0 && errno != ENOENT && first_error == 0) first_error = errno;
+    return 0;  // go on: remove what can be removed
+  };
+  if (::nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    return errno == ENOENT ? 0 : errno;
+  }
+  return first_error;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/detail/sys-inl.hpp ----
+#endif
 // ---- end dtrain/detail/sys.hpp ----
 
 // ---- begin dtrain/rendezvous/store.hpp ----
@@ -2844,19 +2959,6 @@ struct named_interface {
 /// the first entry of GLOO_SOCKET_IFNAME (Gloo's TCP device takes one); nullopt
 /// when neither is set (then the interface that reaches MASTER_ADDR is used).
 DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(
-    const environment& env) {
-  if (auto v = env.get(gloo_ifname_variable); v && !v->empty()) {
-    return named_interface{std::string(*v), assignment(gloo_ifname_variable, *v)};
-  }
-  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
-    return named_interface{std::string(v->substr(0, v->find(','))),
-                           "GLOO_SOCKET_IFNAME=" + std::string(*v)};
-  }
-  return std::nullopt;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -2951,7 +3053,60 @@ class gloo_store_adapter final : public ::gloo::rendezvous::Store {
   std::vector<std::string> written_;
 };
 
+/// Where Gloo's TCP transport listens: a named interface, or an address.
+struct gloo_endpoint {
+  std::string iface;     ///< network interface name ("eth0"), or empty
+  std::string hostname;  ///< numeric address to bind, when no interface is named
+  std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
+};
+
+/// Throws config_error naming `origin` when no interface `name` with an address exists here.
+DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin);
+
+/// The local address this host sends from to reach host:port; config_error
+/// naming `origin` when there is none.
+DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
+                                                       const std::string& origin);
+
+/// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
+/// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
+/// address that reaches the master (`master_addr` option, else MASTER_ADDR),
+/// else 127.0.0.1 for a world of one and the host name otherwise. A named
+/// interface that does not exist is a config_error naming it.
+DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
+                                                        const std::string& master_option,
+                                                        const environment& env, int size);
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/gloo/store-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/gloo/store.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/gloo/store.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::optional<named_interface> gloo_interface_variable(
+    const environment& env) {
+  if (auto v = env.get(gloo_ifname_variable); v && !v->empty()) {
+    return named_interface{std::string(*v), assignment(gloo_ifname_variable, *v)};
+  }
+  if (auto v = env.get("GLOO_SOCKET_IFNAME"); v && !v->empty()) {
+    return named_interface{std::string(v->substr(0, v->find(','))),
+                           "GLOO_SOCKET_IFNAME=" + std::string(*v)};
+  }
+  return std::nullopt;
+}
+}  // namespace dtrain::detail
+
+#if DTRAIN_HAS_GLOO()
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE void gloo_store_adapter::set(const std::string& key,
                                                   const std::vector<char>& data) {
   store_.set(prefix_ + key, std::string_view(data.data(), data.size()));
@@ -2971,18 +3126,7 @@ DTRAIN_DETAIL_INLINE void gloo_store_adapter::wait(const std::vector<std::string
   // Gloo passes kNoTimeout (0) to mean "the default".
   store_.wait(full, timeout.count() > 0 ? timeout : timeout_);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Where Gloo's TCP transport listens: a named interface, or an address.
-struct gloo_endpoint {
-  std::string iface;     ///< network interface name ("eth0"), or empty
-  std::string hostname;  ///< numeric address to bind, when no interface is named
-  std::string origin;    ///< how it was chosen, for messages: "DTRAIN_GLOO_IFNAME=eth0"
-};
-
-/// Throws config_error naming `origin` when no interface `name` with an address exists here.
-DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::string& origin) {
   auto names = interfaces_with_address();
   for (const auto& n : names) {
@@ -2995,13 +3139,7 @@ DTRAIN_DETAIL_INLINE void require_interface(const std::string& name, const std::
       (known.empty() ? std::string("none") : known) +
       "); name one of them, or unset it to use the interface that reaches MASTER_ADDR");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The local address this host sends from to reach host:port; config_error
-/// naming `origin` when there is none.
-DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
-                                                       const std::string& origin);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, int port,
                                                        const std::string& origin) {
   const route_source route = local_address_to(host, port);
@@ -3014,17 +3152,7 @@ DTRAIN_DETAIL_INLINE std::string local_address_towards(const std::string& host, 
   }
   return route.address;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Chooses Gloo's endpoint: the `interface` option, else DTRAIN_GLOO_IFNAME,
-/// else GLOO_SOCKET_IFNAME (its first entry when a list), else the local
-/// address that reaches the master (`master_addr` option, else MASTER_ADDR),
-/// else 127.0.0.1 for a world of one and the host name otherwise. A named
-/// interface that does not exist is a config_error naming it.
-DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
-                                                        const std::string& master_option,
-                                                        const environment& env, int size);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& interface_option,
                                                         const std::string& master_option,
                                                         const environment& env, int size) {
@@ -3054,11 +3182,11 @@ DTRAIN_DETAIL_INLINE gloo_endpoint choose_gloo_endpoint(const std::string& inter
   const std::string host = host_name().value_or("");
   return {{}, host, "the host name " + host + " (no interface named and no MASTER_ADDR)"};
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_GLOO()
+#endif
+// ---- end dtrain/backend/gloo/store-inl.hpp ----
+#endif
 // ---- end dtrain/backend/gloo/store.hpp ----
 // ---- begin dtrain/backend/gloo/worker.hpp ----
 /// @file
@@ -3467,7 +3595,21 @@ class shm_segment {
   std::uint32_t chunk_ = 0;  // chunks this rank has run: the same count on every rank
 };
 
+#endif  // DTRAIN_HAS_SHM()
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/gloo/shm-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/gloo/shm.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/gloo/shm.hpp, not this file.
+
+
+#if DTRAIN_HAS_SHM()
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE shm_segment::~shm_segment() {
   if (base_) ::munmap(base_, bytes_);
   if (fd_ >= 0) ::close(fd_);
@@ -3650,11 +3792,11 @@ DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
   std::swap(size_, o.size_);
   std::swap(chunk_, o.chunk_);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
-#endif  // DTRAIN_HAS_SHM()
 
 }  // namespace dtrain::detail
+#endif
+// ---- end dtrain/backend/gloo/shm-inl.hpp ----
+#endif
 // ---- end dtrain/backend/gloo/shm.hpp ----
 
 #if DTRAIN_HAS_GLOO()
@@ -3768,26 +3910,6 @@ struct gloo_state {
   [[nodiscard]] std::string unusable_text();
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(std::exception_ptr why) noexcept {
-  std::lock_guard lock(mutex);
-  if (!unusable.exchange(true)) failure.set(std::move(why));
-}
-
-DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(const collective_info& call,
-                                                    const char* how) noexcept {
-  std::lock_guard lock(mutex);
-  if (!unusable.exchange(true)) failure.set(call, how);
-}
-
-DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
-  std::lock_guard lock(mutex);
-  return "the communicator is unusable since an earlier failure (" + failure.text() +
-         "); ranks cannot fall back into step after a failed collective, "
-         "so make a new communicator";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 DTRAIN_DETAIL_INLINE void gloo_execute(gloo_state& s, gloo_state::task& t,
                                        std::chrono::milliseconds timeout) noexcept;
 
@@ -3819,39 +3941,6 @@ class gloo_work final : public work_state {
   std::atomic<bool> done_{false};
   std::weak_ptr<gloo_state> owner_;
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool gloo_work::wait_until(std::chrono::steady_clock::time_point deadline) {
-  auto s = owner_.lock();
-  if (!s) return poll();
-  std::unique_lock lock(s->mutex);
-  for (;;) {
-    if (poll()) return true;
-    const auto now = std::chrono::steady_clock::now();
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-    if (left.count() <= 0) return poll();
-    if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
-      gloo_state::task t = std::move(s->queue.front());
-      s->queue.pop_front();
-      s->running = true;
-      lock.unlock();
-      gloo_execute(*s, t, std::min(left, s->timeout));
-      lock.lock();
-      s->running = false;
-      lock.unlock();
-      s->wake.notify_one();
-      s->finished.notify_all();
-      return true;
-    }
-    s->finished.wait_until(lock, deadline);
-  }
-}
-
-DTRAIN_DETAIL_INLINE void gloo_work::finish(std::exception_ptr e) noexcept {
-  if (e) fail(std::move(e));
-  done_.store(true, std::memory_order_release);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A failure inside a call into Gloo, with the call as written, file:line
 /// and Gloo's message; gloo_failure() turns it into dtrain's errors.
@@ -3888,43 +3977,6 @@ namespace dtrain::detail {
 /// backend_error (engine code 0: Gloo has no codes) with Gloo's message otherwise.
 DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
                                                      const std::string& what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
-                                                     const std::string& what) {
-  std::string message;
-  try {
-    std::rethrow_exception(e);
-  } catch (const error&) {
-    return e;  // already dtrain's (a signature mismatch), with its context
-  } catch (const shm_failure& x) {
-    if (x.timed_out()) {
-      return std::make_exception_ptr(
-          timeout_error(what + " timed out (" + x.what() +
-                        "); a peer is slow, dead or called a different collective "
-                        "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
-    }
-    return std::make_exception_ptr(backend_error(
-        what + " failed (" + x.what() + "); look for the first error on the other ranks", 0));
-  } catch (const std::exception& x) {
-    message = x.what();
-  } catch (...) {
-    message = "an exception that is not a std::exception";
-  }
-  std::string lower = message;
-  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
-    return std::make_exception_ptr(
-        timeout_error(what + " timed out in Gloo (" + message +
-                      "); a peer is slow, dead or called a different collective "
-                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
-  }
-  return std::make_exception_ptr(
-      backend_error(what + " failed in Gloo: " + message +
-                        "; a peer rank may have died or closed its communicator: "
-                        "look for the first error on the other ranks",
-                    0));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // The collectives on host memory, with Gloo's timeout for this run. A world
 // of one never calls Gloo. When every rank runs on this host, allreduces and
@@ -3971,64 +4023,17 @@ void gloo_run_allreduce(gloo_state& s, buffer in, buffer out, reduce_op op,
 
 DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
                                              std::chrono::milliseconds timeout);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
-                                             std::chrono::milliseconds timeout) {
-  if (s.size == 1) return;
-  ::gloo::BroadcastOptions opts(s.context);
-  opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
-  opts.setRoot(root);
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Over Gloo's TCP pairs (setting up the shared-memory segment uses this one:
 /// a rank may hold the segment before every rank has agreed to use it).
 DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
                                                  std::chrono::milliseconds timeout);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
-                                                 std::chrono::milliseconds timeout) {
-  auto* block =
-      static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
-  if (s.size == 1) {
-    if (in.data != block) std::memcpy(block, in.data, in.bytes());
-    return;
-  }
-  ::gloo::AllgatherOptions opts(s.context);
-  if (in.data != block) opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
-  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Through the shared-memory segment when there is one, else over TCP.
 DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
                                              std::chrono::milliseconds timeout);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
-                                             std::chrono::milliseconds timeout) {
-#if DTRAIN_HAS_SHM()
-  if (s.size > 1 && s.shm.valid()) {  // every rank on this host: no TCP
-    s.shm.allgather(in.data, out.data, in.bytes(), timeout);
-    return;
-  }
-#endif
-  gloo_run_allgather_tcp(s, in, out, timeout);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
-  if (s.size == 1) return;
-  ::gloo::BarrierOptions opts(s.context);
-  opts.setTimeout(timeout);
-  DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
 // and on 3 ranks it returned corrupted blocks when two ran back to back (a
@@ -4064,7 +4069,165 @@ void gloo_run_reduce_scatter(gloo_state& s, buffer in, buffer out, reduce_op op,
 DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& sig,
                                                const collective_info& what,
                                                std::chrono::milliseconds timeout);
+
+/// Runs one task's collective (its signature first, in check mode). Throws
+/// what failed as dtrain's error (gloo_failure), and tells peers waiting in
+/// the shared-memory segment to stop, with a timeout if this was one.
+DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
+                                        std::chrono::milliseconds timeout);
+
+/// Runs one task (on the worker, or on a thread waiting for it) and completes
+/// its work. A failure, whatever it is (out of memory while putting one into
+/// words too), reaches the work's wait() and makes the communicator unusable;
+/// so does running after one. Allocates nothing itself: everything that may
+/// is inside gloo_run_task, whose exception it catches.
+
+/// The worker: runs the queue in order until the communicator stops and the queue is empty.
+DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s);
+
+}  // namespace dtrain::detail
+
+#endif  // DTRAIN_HAS_GLOO()
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/gloo/worker-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/gloo/worker.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/gloo/worker.hpp, not this file.
+
+
+#if DTRAIN_HAS_GLOO()
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(std::exception_ptr why) noexcept {
+  std::lock_guard lock(mutex);
+  if (!unusable.exchange(true)) failure.set(std::move(why));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_state::mark_unusable(const collective_info& call,
+                                                    const char* how) noexcept {
+  std::lock_guard lock(mutex);
+  if (!unusable.exchange(true)) failure.set(call, how);
+}
+
+DTRAIN_DETAIL_INLINE std::string gloo_state::unusable_text() {
+  std::lock_guard lock(mutex);
+  return "the communicator is unusable since an earlier failure (" + failure.text() +
+         "); ranks cannot fall back into step after a failed collective, "
+         "so make a new communicator";
+}
+
+DTRAIN_DETAIL_INLINE bool gloo_work::wait_until(std::chrono::steady_clock::time_point deadline) {
+  auto s = owner_.lock();
+  if (!s) return poll();
+  std::unique_lock lock(s->mutex);
+  for (;;) {
+    if (poll()) return true;
+    const auto now = std::chrono::steady_clock::now();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    if (left.count() <= 0) return poll();
+    if (!s->running && !s->queue.empty() && s->queue.front().work.get() == this) {
+      gloo_state::task t = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->running = true;
+      lock.unlock();
+      gloo_execute(*s, t, std::min(left, s->timeout));
+      lock.lock();
+      s->running = false;
+      lock.unlock();
+      s->wake.notify_one();
+      s->finished.notify_all();
+      return true;
+    }
+    s->finished.wait_until(lock, deadline);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void gloo_work::finish(std::exception_ptr e) noexcept {
+  if (e) fail(std::move(e));
+  done_.store(true, std::memory_order_release);
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr gloo_failure(const std::exception_ptr& e,
+                                                     const std::string& what) {
+  std::string message;
+  try {
+    std::rethrow_exception(e);
+  } catch (const error&) {
+    return e;  // already dtrain's (a signature mismatch), with its context
+  } catch (const shm_failure& x) {
+    if (x.timed_out()) {
+      return std::make_exception_ptr(
+          timeout_error(what + " timed out (" + x.what() +
+                        "); a peer is slow, dead or called a different collective "
+                        "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
+    }
+    return std::make_exception_ptr(backend_error(
+        what + " failed (" + x.what() + "); look for the first error on the other ranks", 0));
+  } catch (const std::exception& x) {
+    message = x.what();
+  } catch (...) {
+    message = "an exception that is not a std::exception";
+  }
+  std::string lower = message;
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos) {
+    return std::make_exception_ptr(
+        timeout_error(what + " timed out in Gloo (" + message +
+                      "); a peer is slow, dead or called a different collective "
+                      "(DTRAIN_CHECK_COLLECTIVES=1 compares what every rank passed)"));
+  }
+  return std::make_exception_ptr(
+      backend_error(what + " failed in Gloo: " + message +
+                        "; a peer rank may have died or closed its communicator: "
+                        "look for the first error on the other ranks",
+                    0));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_run_broadcast(gloo_state& s, buffer b, int root,
+                                             std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BroadcastOptions opts(s.context);
+  opts.setOutput(static_cast<std::uint8_t*>(b.data), b.bytes());
+  opts.setRoot(root);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::broadcast(opts));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_run_allgather_tcp(gloo_state& s, buffer in, buffer out,
+                                                 std::chrono::milliseconds timeout) {
+  auto* block =
+      static_cast<std::uint8_t*>(out.data) + static_cast<std::size_t>(s.rank) * in.bytes();
+  if (s.size == 1) {
+    if (in.data != block) std::memcpy(block, in.data, in.bytes());
+    return;
+  }
+  ::gloo::AllgatherOptions opts(s.context);
+  if (in.data != block) opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
+  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::allgather(opts));
+}
+
+DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer out,
+                                             std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.size > 1 && s.shm.valid()) {  // every rank on this host: no TCP
+    s.shm.allgather(in.data, out.data, in.bytes(), timeout);
+    return;
+  }
+#endif
+  gloo_run_allgather_tcp(s, in, out, timeout);
+}
+
+DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
+  if (s.size == 1) return;
+  ::gloo::BarrierOptions opts(s.context);
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::barrier(opts));
+}
+
 DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& sig,
                                                const collective_info& what,
                                                std::chrono::milliseconds timeout) {
@@ -4076,14 +4239,7 @@ DTRAIN_DETAIL_INLINE void gloo_check_signature(gloo_state& s, const signature& s
         gloo_run_allgather_tcp(s, in, out, timeout);
       });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Runs one task's collective (its signature first, in check mode). Throws
-/// what failed as dtrain's error (gloo_failure), and tells peers waiting in
-/// the shared-memory segment to stop, with a timeout if this was one.
-DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
-                                        std::chrono::milliseconds timeout);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t,
                                         std::chrono::milliseconds timeout) {
   try {
@@ -4108,14 +4264,7 @@ DTRAIN_DETAIL_INLINE void gloo_run_task(gloo_state& s, const gloo_state::task& t
     std::rethrow_exception(failure);
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Runs one task (on the worker, or on a thread waiting for it) and completes
-/// its work. A failure, whatever it is (out of memory while putting one into
-/// words too), reaches the work's wait() and makes the communicator unusable;
-/// so does running after one. Allocates nothing itself: everything that may
-/// is inside gloo_run_task, whose exception it catches.
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void gloo_execute(gloo_state& s, gloo_state::task& t,
                                        std::chrono::milliseconds timeout) noexcept {
   std::exception_ptr failure;
@@ -4132,11 +4281,7 @@ DTRAIN_DETAIL_INLINE void gloo_execute(gloo_state& s, gloo_state::task& t,
   }
   t.work->finish(std::move(failure));
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The worker: runs the queue in order until the communicator stops and the queue is empty.
-DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s) {
   for (;;) {
     gloo_state::task t;
@@ -4158,11 +4303,11 @@ DTRAIN_DETAIL_INLINE void gloo_serve(const std::shared_ptr<gloo_state>& s) {
     s->finished.notify_all();
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
-
-#endif  // DTRAIN_HAS_GLOO()
+#endif
+// ---- end dtrain/backend/gloo/worker-inl.hpp ----
+#endif
 // ---- end dtrain/backend/gloo/worker.hpp ----
 // ---- begin dtrain/rendezvous/security.hpp ----
 /// @file
@@ -4238,14 +4383,6 @@ struct store_limits {
   [[nodiscard]] std::uint64_t max_frame_size() const noexcept;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::uint64_t store_limits::max_frame_size() const noexcept {
-  std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
-  std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
-  return 64u + (keys > one ? keys : one);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// Options of a store server or client. Aggregate: use designated initialisers,
 /// e.g. `{.timeout = 30s, .token = "secret"}`.
 struct store_options {
@@ -4280,7 +4417,38 @@ struct store_options {
   [[nodiscard]] store_options with_env(const environment& env) const;
 };
 
+namespace detail {
+
+/// A duration in whole seconds, as progress reports count them: "12 s".
+inline std::string whole_seconds(std::chrono::milliseconds t) {
+  return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(t).count()) + " s";
+}
+
+/// Hands a progress report to `sink` (store_options::progress), or prints it
+/// on stderr as `dtrain: <text>` when there is none.
+DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
+                              const std::string& text);
+
+}  // namespace detail
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/options-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/options.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/options.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE std::uint64_t store_limits::max_frame_size() const noexcept {
+  std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
+  std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
+  return 64u + (keys > one ? keys : one);
+}
+
 DTRAIN_DETAIL_INLINE store_options store_options::with_env(const environment& env) const {
   store_options out = *this;
   if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
@@ -4305,20 +4473,11 @@ DTRAIN_DETAIL_INLINE store_options store_options::with_env(const environment& en
   }
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
+}  // namespace dtrain
 
+namespace dtrain {
 namespace detail {
 
-/// A duration in whole seconds, as progress reports count them: "12 s".
-inline std::string whole_seconds(std::chrono::milliseconds t) {
-  return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(t).count()) + " s";
-}
-
-/// Hands a progress report to `sink` (store_options::progress), or prints it
-/// on stderr as `dtrain: <text>` when there is none.
-DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
-                              const std::string& text);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
                               const std::string& text) {
   if (sink) {
@@ -4327,11 +4486,11 @@ DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
     std::fprintf(stderr, "dtrain: %s\n", text.c_str());
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
-
 }  // namespace dtrain
+// ---- end dtrain/rendezvous/options-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/options.hpp ----
 // ---- begin dtrain/rendezvous/protocol.hpp ----
 /// @file
@@ -4386,30 +4545,6 @@ class writer {
   std::string& out_;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE writer& writer::u8(std::uint8_t v) {
-  out_ += static_cast<char>(v);
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE writer& writer::bytes16(std::string_view s) {
-  u16(static_cast<std::uint16_t>(s.size()));
-  out_.append(s);
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE writer& writer::bytes32(std::string_view s) {
-  u32(static_cast<std::uint32_t>(s.size()));
-  out_.append(s);
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE writer& writer::le(std::uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
-  return *this;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// Reads little-endian fields from a received body; every read is bounds
 /// checked and throws `violation` naming what was cut short.
 class reader {
@@ -4439,7 +4574,85 @@ class reader {
   std::size_t pos_ = 0;
 };
 
+/// Decodes `value`, which `where` ("store key dtrain/agent/0/failure", "rank
+/// 0's broadcast") should hold as `what` ("a node agent's failure record"):
+/// `read(reader&)` reads the fields and every byte must be used. A short, long
+/// or otherwise malformed value (a codec throws `violation` for a field out of
+/// range) becomes a rendezvous_error naming where, what and what was wrong.
+template <class Read>
+auto decode_value(std::string_view where, std::string_view value, std::string_view what,
+                  Read&& read) {
+  try {
+    reader r(value);
+    auto out = std::forward<Read>(read)(r);
+    r.finish("the value");
+    return out;
+  } catch (const violation& e) {
+    throw rendezvous_error(std::string(where) + " does not hold " + std::string(what) + " (" +
+                           std::to_string(value.size()) + " bytes): " + e.what() +
+                           "; another program, or another dtrain version, wrote it");
+  }
+}
+
+/// A value of one int64 (a rank, a port, a present-flag).
+DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v);
+inline std::int64_t decode_int(std::string_view where, std::string_view value,
+                               std::string_view what) {
+  return decode_value(where, value, what, [](reader& r) { return r.i64("the number"); });
+}
+
+/// A value of one text (a reason, a token).
+DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text);
+DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
+                                             std::string_view what);
+
+/// A value that one rank produced for every rank, or why it could not
+/// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
+/// bytes32, or u8 0 and the producer's error message as bytes32.
+struct outcome {
+  bool ok = true;
+  std::string text;  ///< ok: the value; else the producer's error message
+
+  [[nodiscard]] std::string encode() const;
+  /// `where` and `what` name the value in the error when it is not an outcome.
+  [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
+                                      std::string_view what);
+};
+
+}  // namespace dtrain::detail::wire
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/wire-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/wire.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/wire.hpp, not this file.
+
+
+namespace dtrain::detail::wire {
+
+DTRAIN_DETAIL_INLINE writer& writer::u8(std::uint8_t v) {
+  out_ += static_cast<char>(v);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::bytes16(std::string_view s) {
+  u16(static_cast<std::uint16_t>(s.size()));
+  out_.append(s);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::bytes32(std::string_view s) {
+  u32(static_cast<std::uint32_t>(s.size()));
+  out_.append(s);
+  return *this;
+}
+
+DTRAIN_DETAIL_INLINE writer& writer::le(std::uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+  return *this;
+}
+
 DTRAIN_DETAIL_INLINE void reader::finish(const char* what) const {
   if (pos_ != in_.size()) {
     throw violation(std::string(what) + " has " + std::to_string(in_.size() - pos_) +
@@ -4470,75 +4683,25 @@ DTRAIN_DETAIL_INLINE std::uint64_t reader::le(int n, const char* what) {
     v = (v << 8) | static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
   return v;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Decodes `value`, which `where` ("store key dtrain/agent/0/failure", "rank
-/// 0's broadcast") should hold as `what` ("a node agent's failure record"):
-/// `read(reader&)` reads the fields and every byte must be used. A short, long
-/// or otherwise malformed value (a codec throws `violation` for a field out of
-/// range) becomes a rendezvous_error naming where, what and what was wrong.
-template <class Read>
-auto decode_value(std::string_view where, std::string_view value, std::string_view what,
-                  Read&& read) {
-  try {
-    reader r(value);
-    auto out = std::forward<Read>(read)(r);
-    r.finish("the value");
-    return out;
-  } catch (const violation& e) {
-    throw rendezvous_error(std::string(where) + " does not hold " + std::string(what) + " (" +
-                           std::to_string(value.size()) + " bytes): " + e.what() +
-                           "; another program, or another dtrain version, wrote it");
-  }
-}
-
-/// A value of one int64 (a rank, a port, a present-flag).
-DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string encode_int(std::int64_t v) {
   std::string out;
   writer(out).i64(v);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-inline std::int64_t decode_int(std::string_view where, std::string_view value,
-                               std::string_view what) {
-  return decode_value(where, value, what, [](reader& r) { return r.i64("the number"); });
-}
 
-/// A value of one text (a reason, a token).
-DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string encode_text(std::string_view text) {
   std::string out;
   writer(out).bytes32(text);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
-                                             std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
+
 DTRAIN_DETAIL_INLINE std::string decode_text(std::string_view where, std::string_view value,
                                              std::string_view what) {
   return decode_value(where, value, what,
                       [](reader& r) { return std::string(r.bytes32("the text")); });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// A value that one rank produced for every rank, or why it could not
-/// (broadcast_or_fail, rendezvous/broadcast.hpp): u8 1 and the value as
-/// bytes32, or u8 0 and the producer's error message as bytes32.
-struct outcome {
-  bool ok = true;
-  std::string text;  ///< ok: the value; else the producer's error message
-
-  [[nodiscard]] std::string encode() const;
-  /// `where` and `what` name the value in the error when it is not an outcome.
-  [[nodiscard]] static outcome decode(std::string_view where, std::string_view value,
-                                      std::string_view what);
-};
-
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string outcome::encode() const {
   std::string out;
   writer(out).u8(ok ? 1 : 0).bytes32(text);
@@ -4556,9 +4719,10 @@ DTRAIN_DETAIL_INLINE outcome outcome::decode(std::string_view where, std::string
     return o;
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::wire
+// ---- end dtrain/detail/wire-inl.hpp ----
+#endif
 // ---- end dtrain/detail/wire.hpp ----
 
 #include <cstdint>
@@ -4594,14 +4758,6 @@ enum class status : std::uint8_t {
 
 /// A frame: u32 length, then the body.
 DTRAIN_DETAIL_INLINE std::string frame(const std::string& body);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string frame(const std::string& body) {
-  std::string out;
-  writer(out).u32(static_cast<std::uint32_t>(body.size()));
-  out += body;
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The decoded u32 at the start of `header` (4 bytes).
 inline std::uint32_t frame_length(std::string_view header) {
@@ -4610,7 +4766,26 @@ inline std::uint32_t frame_length(std::string_view header) {
 
 /// Keys of a wait/check request, bounded by the limits.
 DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r, const store_limits& limits);
+
+}  // namespace dtrain::detail::wire
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/protocol-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/protocol.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/protocol.hpp, not this file.
+
+
+namespace dtrain::detail::wire {
+
+DTRAIN_DETAIL_INLINE std::string frame(const std::string& body) {
+  std::string out;
+  writer(out).u32(static_cast<std::uint32_t>(body.size()));
+  out += body;
+  return out;
+}
+
 DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r,
                                                              const store_limits& limits) {
   std::uint32_t n = r.u32("key count");
@@ -4622,9 +4797,10 @@ DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r,
   for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
   return keys;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::wire
+// ---- end dtrain/rendezvous/protocol-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/protocol.hpp ----
 // ---- begin dtrain/rendezvous/socket.hpp ----
 /// @file
@@ -4645,40 +4821,12 @@ namespace dtrain::detail {
 
 /// "host:port", with brackets for IPv6 ("[::1]:29500").
 DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port) {
-  bool v6 = host.find(':') != std::string::npos;
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The numeric address and port of a socket address.
 DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (sa->sa_family == AF_INET) {
-    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
-    port = ntohs(in->sin_port);
-  } else if (sa->sa_family == AF_INET6) {
-    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
-    port = ntohs(in6->sin6_port);
-  }
-  return endpoint_text(host, port);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Disables Nagle: the store's requests are small and latency-bound.
 DTRAIN_DETAIL_INLINE void set_no_delay(int fd);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void set_no_delay(int fd) {
-  int one = 1;
-  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// getaddrinfo with its result owned.
 struct address_list {
@@ -4694,7 +4842,44 @@ struct address_list {
 /// Resolves host:port; returns the gai error code (0 on success).
 DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
                                  address_list& out);
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/socket-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/socket.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/socket.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port) {
+  bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+  } else if (sa->sa_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+  }
+  return endpoint_text(host, port);
+}
+
+DTRAIN_DETAIL_INLINE void set_no_delay(int fd) {
+  int one = 1;
+  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
+}
+
 DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
                                  address_list& out) {
   addrinfo hints{};
@@ -4704,9 +4889,10 @@ DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive
   std::string service = std::to_string(port);
   return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/socket-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/socket.hpp ----
 
 #include <algorithm>
@@ -4861,7 +5047,23 @@ class store_client {
   steady::time_point last_reply_ = steady::now();
 };
 
+// The client is a store, alone and under a prefix (checked here, next to it:
+// the concept's header does not include an implementation).
+static_assert(store<store_client>);
+static_assert(store<prefix_store<store_client>>);
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/client-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/client.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/client.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE void store_client::set(std::string_view key, std::string_view value) {
   std::string body = begin(detail::wire::op::set);
   detail::wire::writer(body).bytes32(key).bytes32(value);
@@ -5248,14 +5450,10 @@ DTRAIN_DETAIL_INLINE void store_client::lost(const std::string& what, const std:
   throw rendezvous_error(what + ": lost the connection to the store at " + endpoint() + " (" + why +
                          "); did the process hosting it exit?");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
-// The client is a store, alone and under a prefix (checked here, next to it:
-// the concept's header does not include an implementation).
-static_assert(store<store_client>);
-static_assert(store<prefix_store<store_client>>);
 
 }  // namespace dtrain
+// ---- end dtrain/rendezvous/client-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/client.hpp ----
 
 #include <cerrno>
@@ -5277,26 +5475,6 @@ namespace detail {
 
 /// 128 random bits from the kernel, as 32 hex digits.
 DTRAIN_DETAIL_INLINE std::string new_store_token();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string new_store_token() {
-  unsigned char bytes[16];
-  std::size_t got = 0;
-  while (got < sizeof bytes) {
-    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0)
-      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
-    got += static_cast<std::size_t>(n);
-  }
-  std::string out;
-  for (unsigned char b : bytes) {
-    char hex[3];
-    std::snprintf(hex, sizeof hex, "%02x", b);
-    out += hex;
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
 /// if set, else the local address that `master` names. Every interface ("0.0.0.0")
@@ -5305,24 +5483,6 @@ DTRAIN_DETAIL_INLINE std::string new_store_token() {
 /// own name to 127.0.1.1, which other nodes cannot reach).
 DTRAIN_DETAIL_INLINE std::string store_bind_address(const environment& env,
                                                     const std::string& master, bool multi_node);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string store_bind_address(const environment& env,
-                                                    const std::string& master, bool multi_node) {
-  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
-  const resolved names = resolve(master);
-  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
-  bool all_loopback = true;
-  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
-  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
-  const auto locals = interface_addresses();
-  for (const auto& a : names.addresses) {
-    for (const auto& local : locals) {
-      if (local.address == a) return a;
-    }
-  }
-  return "0.0.0.0";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The address a client on the store's own host uses to reach it.
 inline std::string local_store_address(const std::string& bound) {
@@ -5357,7 +5517,66 @@ class token_file {
   bool published_ = false;
 };
 
+/// Connects `client` to the store at host:port with the token in `file`,
+/// reading the file again while the store refuses it (token_error: a file
+/// left by an earlier job on the same port, which rank 0 has not replaced
+/// yet, or no file yet), within `options.timeout`; then `options.token` is
+/// the accepted token. Other failures are thrown as they come. Throws
+/// timeout_error naming the file when no valid token appears in time.
+DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& client,
+                                                  const token_file& file, const std::string& host,
+                                                  int port, store_options& options, int rank);
+
+}  // namespace detail
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/security-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/security.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/security.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::string new_store_token() {
+  unsigned char bytes[16];
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      throw error(std::string("cannot draw a store token: getrandom: ") + std::strerror(errno));
+    got += static_cast<std::size_t>(n);
+  }
+  std::string out;
+  for (unsigned char b : bytes) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", b);
+    out += hex;
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::string store_bind_address(const environment& env,
+                                                    const std::string& master, bool multi_node) {
+  if (auto bind = env.get(store_bind_variable); bind && !bind->empty()) return std::string(*bind);
+  const resolved names = resolve(master);
+  if (!names.error.empty() || names.addresses.empty()) return master;  // listen_on reports it
+  bool all_loopback = true;
+  for (const auto& a : names.addresses) all_loopback = all_loopback && is_loopback_address(a);
+  if (all_loopback) return multi_node ? "0.0.0.0" : names.addresses.front();
+  const auto locals = interface_addresses();
+  for (const auto& a : names.addresses) {
+    for (const auto& local : locals) {
+      if (local.address == a) return a;
+    }
+  }
+  return "0.0.0.0";
+}
+
 DTRAIN_DETAIL_INLINE token_file::token_file(const environment& env, int port) {
   std::string dir;
   if (auto runtime = env.get("XDG_RUNTIME_DIR"); runtime && !runtime->empty()) {
@@ -5405,18 +5624,7 @@ DTRAIN_DETAIL_INLINE void token_file::fail(const char* what, int err) const {
   throw config_error(std::string(what) + " " + path_ + " for the store token: " +
                      std::strerror(err) + "; set DTRAIN_STORE_TOKEN instead");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Connects `client` to the store at host:port with the token in `file`,
-/// reading the file again while the store refuses it (token_error: a file
-/// left by an earlier job on the same port, which rank 0 has not replaced
-/// yet, or no file yet), within `options.timeout`; then `options.token` is
-/// the accepted token. Other failures are thrown as they come. Throws
-/// timeout_error naming the file when no valid token appears in time.
-DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& client,
-                                                  const token_file& file, const std::string& host,
-                                                  int port, store_options& options, int rank);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& client,
                                                   const token_file& file, const std::string& host,
                                                   int port, store_options& options, int rank) {
@@ -5440,10 +5648,11 @@ DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& c
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
+// ---- end dtrain/rendezvous/security-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/security.hpp ----
 
 #if DTRAIN_HAS_GLOO()
@@ -5517,36 +5726,8 @@ class sigpipe_blocked {
   sigset_t previous_{};
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE sigpipe_blocked::sigpipe_blocked() noexcept {
-  sigset_t pipe;
-  sigemptyset(&pipe);
-  sigaddset(&pipe, SIGPIPE);
-  ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// The file mapped at `address` in this process (/proc/self/maps), or empty.
 DTRAIN_DETAIL_INLINE std::string mapped_file_of(const void* address);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string mapped_file_of(const void* address) {
-  std::FILE* maps = std::fopen("/proc/self/maps", "r");
-  if (!maps) return {};
-  const auto at = reinterpret_cast<std::uintptr_t>(address);
-  std::string found;
-  char line[4096];
-  while (found.empty() && std::fgets(line, sizeof line, maps)) {
-    unsigned long long begin = 0, end = 0;
-    int path_at = 0;
-    if (std::sscanf(line, "%llx-%llx %*s %*s %*s %*s %n", &begin, &end, &path_at) < 2) continue;
-    if (at < begin || at >= end || path_at <= 0) continue;
-    found = line + path_at;
-    while (!found.empty() && (found.back() == '\n' || found.back() == ' ')) found.pop_back();
-  }
-  std::fclose(maps);
-  return found;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Refuses, naming the library, a process where Gloo's functions resolve to
 /// a LibTorch's own copy of Gloo (pytorch.org's and PyPI's LibTorch export
@@ -5554,172 +5735,29 @@ DTRAIN_DETAIL_INLINE std::string mapped_file_of(const void* address) {
 /// against: another version, whose calls crash. It happens when LibTorch
 /// comes before libgloo on the link line.
 DTRAIN_DETAIL_INLINE void check_gloo_library(int rank);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_gloo_library(int rank) {
-  using create_device =
-      std::shared_ptr<::gloo::transport::Device> (*)(const ::gloo::transport::tcp::attr&);
-  const create_device create = &::gloo::transport::tcp::CreateDevice;
-  const void* code = nullptr;
-  std::memcpy(&code, &create, sizeof code);
-  const std::string file = mapped_file_of(code);
-  const std::string base = file.substr(file.find_last_of('/') + 1);
-  if (!base.starts_with("libtorch")) return;
-  throw config_error(
-      "gloo_communicator on rank " + std::to_string(rank) + ": Gloo's functions resolve to " +
-      file +
-      ", the copy of Gloo inside LibTorch, not to the libgloo dtrain was compiled against "
-      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: "
-      "list dtrain::gloo before the torch libraries), "
-      "or use dtrain's MPI or NCCL engine with this LibTorch");
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Whether a communicator may use shared memory: off, where it can, or required.
 enum class shm_mode : char { off = '0', automatic = 'a', required = '1' };
 
 DTRAIN_DETAIL_INLINE shm_mode shm_mode_of(const gloo_options& o);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE shm_mode shm_mode_of(const gloo_options& o) {
-  std::optional<bool> on = o.shared_memory;
-  if (!on) on = read_flag(o.env, gloo_shm_variable);
-  if (!on) return shm_mode::automatic;
-  return *on ? shm_mode::required : shm_mode::off;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What tells this host apart from the ranks' point of view: the boot, the
 /// host name, and the network and mount namespaces (ranks in other ones, as
 /// on hosts simulated with network namespaces, are other hosts: their
 /// traffic is what is being tested, and /dev/shm may differ).
 DTRAIN_DETAIL_INLINE std::string shm_host_identity();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string shm_host_identity() {
-  std::string id;
-  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    char boot[64] = {};
-    if (std::fgets(boot, sizeof boot, f)) id += boot;
-    std::fclose(f);
-  }
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) == 0) id += host;
-  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt"}) {
-    char link[128] = {};
-    const auto n = ::readlink(ns, link, sizeof link - 1);
-    id += "|";
-    if (n > 0) id.append(link, static_cast<std::size_t>(n));
-  }
-  return id;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A fixed-size record of text for Gloo's allgather and broadcast: a status
 /// byte, then text cut at `record_bytes` - 2.
 inline constexpr std::size_t shm_record_bytes = 256;
 DTRAIN_DETAIL_INLINE void shm_put(std::uint8_t* record, char status, const std::string& text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void shm_put(std::uint8_t* record, char status, const std::string& text) {
-  std::memset(record, 0, shm_record_bytes);
-  record[0] = static_cast<std::uint8_t>(status);
-  std::memcpy(record + 1, text.data(), std::min(text.size(), shm_record_bytes - 2));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string shm_text_of(const std::uint8_t* record);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string shm_text_of(const std::uint8_t* record) {
-  const char* text = reinterpret_cast<const char*>(record + 1);
-  return std::string(text, ::strnlen(text, shm_record_bytes - 1));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Sets up s.shm over the freshly connected Gloo context, collectively (every
 /// rank calls it; all reach the same decision from the same allgathered
 /// records), and returns the describe() text. Throws config_error when a
 /// rank requires shared memory and it cannot be used.
 DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
-  if (s.size == 1) return "off (a world of one)";
-#if !DTRAIN_HAS_SHM()
-  if (mode == shm_mode::required) {
-    throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory) on rank " +
-                       std::to_string(s.rank) + ": this platform has no shared-memory path");
-  }
-  return "off (not on this platform)";
-#else
-  const auto ranks = static_cast<std::size_t>(s.size);
-  const auto everyone = [&](const std::uint8_t* own, std::vector<std::uint8_t>& into) {
-    into.assign(ranks * shm_record_bytes, 0);
-    gloo_run_allgather_tcp(s,
-                           buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
-                           buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
-  };
-  const auto record = [&](const std::vector<std::uint8_t>& records, int r) {
-    return records.data() + static_cast<std::size_t>(r) * shm_record_bytes;
-  };
-  std::uint8_t mine[shm_record_bytes];
-  std::vector<std::uint8_t> all;
-  // 1. Does every rank allow it, and run on this host?
-  shm_put(mine, static_cast<char>(mode), shm_host_identity());
-  everyone(mine, all);
-  int required_by = -1;
-  std::string why_not;
-  for (int r = 0; r < s.size; ++r) {
-    const auto m = static_cast<shm_mode>(record(all, r)[0]);
-    if (m == shm_mode::required && required_by < 0) required_by = r;
-    if (m == shm_mode::off && why_not.empty())
-      why_not =
-          "DTRAIN_GLOO_SHM=0 or gloo_options::shared_memory = false on rank " + std::to_string(r);
-  }
-  for (int r = 1; r < s.size && why_not.empty(); ++r) {
-    if (shm_text_of(record(all, r)) != shm_text_of(record(all, 0)))
-      why_not = "ranks 0 and " + std::to_string(r) + " run on different hosts";
-  }
-  // 2. Rank 0 makes the segment and tells the others its name, or why not.
-  if (why_not.empty()) {
-    if (s.rank == 0) {
-      try {
-        const std::string name = "/dtrain-gloo-" + new_store_token();
-        s.shm = shm_segment::create(name, s.size);
-        shm_put(mine, 'y', name);
-      } catch (const shm_failure& e) {
-        shm_put(mine, 'n', std::string("rank 0: ") + e.what());
-      }
-    }
-    gloo_run_broadcast(s, buffer{mine, shm_record_bytes, dtype::uint8}, 0, s.timeout);
-    if (mine[0] != 'y') why_not = shm_text_of(mine);
-  }
-  // 3. The others open it; every rank hears how each fared; rank 0 unlinks.
-  if (why_not.empty()) {
-    const std::string made = shm_text_of(mine);
-    std::uint8_t status[shm_record_bytes];
-    shm_put(status, 'y', "");
-    if (s.rank != 0) {
-      try {
-        s.shm = shm_segment::open(made, s.rank, s.size);
-      } catch (const shm_failure& e) {
-        shm_put(status, 'n', "rank " + std::to_string(s.rank) + ": " + e.what());
-      }
-    }
-    everyone(status, all);
-    if (s.rank == 0) shm_segment::unlink(made);
-    for (int r = 0; r < s.size && why_not.empty(); ++r) {
-      if (record(all, r)[0] != 'y') why_not = shm_text_of(record(all, r));
-    }
-  }
-  if (!why_not.empty()) {
-    s.shm = shm_segment{};
-    if (required_by >= 0) {
-      throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory = true) on rank " +
-                         std::to_string(required_by) +
-                         ", but shared memory cannot be used: " + why_not);
-    }
-    return "off (" + why_not + ")";
-  }
-  return "on (" + std::to_string(s.shm.bytes() >> 10) + " KiB segment, " +
-         std::to_string(s.shm.slot_bytes() >> 10) + " KiB slots)";
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Everything a gloo_communicator owns; one allocation, so the communicator moves cheaply.
 struct gloo_self {
@@ -5738,19 +5776,6 @@ struct gloo_self {
   // collective stuck on a hung peer ends with Gloo's timeout.
   ~gloo_self();
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE gloo_self::~gloo_self() {
-  if (state) {
-    {
-      std::lock_guard lock(state->mutex);
-      state->stopping = true;
-    }
-    state->wake.notify_all();
-  }
-  if (worker.joinable()) worker.join();
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -5878,7 +5903,203 @@ class gloo_communicator {
   bool left_out_ = false;  // split() gave this rank a negative color
 };
 
+static_assert(communicator<gloo_communicator>);
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_GLOO()
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/gloo/gloo-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/gloo/gloo.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/gloo/gloo.hpp, not this file.
+
+
+#if DTRAIN_HAS_GLOO()
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE sigpipe_blocked::sigpipe_blocked() noexcept {
+  sigset_t pipe;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  ::pthread_sigmask(SIG_BLOCK, &pipe, &previous_);
+}
+
+DTRAIN_DETAIL_INLINE std::string mapped_file_of(const void* address) {
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (!maps) return {};
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  std::string found;
+  char line[4096];
+  while (found.empty() && std::fgets(line, sizeof line, maps)) {
+    unsigned long long begin = 0, end = 0;
+    int path_at = 0;
+    if (std::sscanf(line, "%llx-%llx %*s %*s %*s %*s %n", &begin, &end, &path_at) < 2) continue;
+    if (at < begin || at >= end || path_at <= 0) continue;
+    found = line + path_at;
+    while (!found.empty() && (found.back() == '\n' || found.back() == ' ')) found.pop_back();
+  }
+  std::fclose(maps);
+  return found;
+}
+
+DTRAIN_DETAIL_INLINE void check_gloo_library(int rank) {
+  using create_device =
+      std::shared_ptr<::gloo::transport::Device> (*)(const ::gloo::transport::tcp::attr&);
+  const create_device create = &::gloo::transport::tcp::CreateDevice;
+  const void* code = nullptr;
+  std::memcpy(&code, &create, sizeof code);
+  const std::string file = mapped_file_of(code);
+  const std::string base = file.substr(file.find_last_of('/') + 1);
+  if (!base.starts_with("libtorch")) return;
+  throw config_error(
+      "gloo_communicator on rank " + std::to_string(rank) + ": Gloo's functions resolve to " +
+      file +
+      ", the copy of Gloo inside LibTorch, not to the libgloo dtrain was compiled against "
+      "(another version: its calls would crash). Link libgloo before LibTorch (CMake: "
+      "list dtrain::gloo before the torch libraries), "
+      "or use dtrain's MPI or NCCL engine with this LibTorch");
+}
+
+DTRAIN_DETAIL_INLINE shm_mode shm_mode_of(const gloo_options& o) {
+  std::optional<bool> on = o.shared_memory;
+  if (!on) on = read_flag(o.env, gloo_shm_variable);
+  if (!on) return shm_mode::automatic;
+  return *on ? shm_mode::required : shm_mode::off;
+}
+
+DTRAIN_DETAIL_INLINE std::string shm_host_identity() {
+  std::string id;
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char boot[64] = {};
+    if (std::fgets(boot, sizeof boot, f)) id += boot;
+    std::fclose(f);
+  }
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) == 0) id += host;
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt"}) {
+    char link[128] = {};
+    const auto n = ::readlink(ns, link, sizeof link - 1);
+    id += "|";
+    if (n > 0) id.append(link, static_cast<std::size_t>(n));
+  }
+  return id;
+}
+
+DTRAIN_DETAIL_INLINE void shm_put(std::uint8_t* record, char status, const std::string& text) {
+  std::memset(record, 0, shm_record_bytes);
+  record[0] = static_cast<std::uint8_t>(status);
+  std::memcpy(record + 1, text.data(), std::min(text.size(), shm_record_bytes - 2));
+}
+
+DTRAIN_DETAIL_INLINE std::string shm_text_of(const std::uint8_t* record) {
+  const char* text = reinterpret_cast<const char*>(record + 1);
+  return std::string(text, ::strnlen(text, shm_record_bytes - 1));
+}
+
+DTRAIN_DETAIL_INLINE std::string gloo_join_shm(gloo_state& s, shm_mode mode) {
+  if (s.size == 1) return "off (a world of one)";
+#if !DTRAIN_HAS_SHM()
+  if (mode == shm_mode::required) {
+    throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory) on rank " +
+                       std::to_string(s.rank) + ": this platform has no shared-memory path");
+  }
+  return "off (not on this platform)";
+#else
+  const auto ranks = static_cast<std::size_t>(s.size);
+  const auto everyone = [&](const std::uint8_t* own, std::vector<std::uint8_t>& into) {
+    into.assign(ranks * shm_record_bytes, 0);
+    gloo_run_allgather_tcp(s,
+                           buffer{const_cast<std::uint8_t*>(own), shm_record_bytes, dtype::uint8},
+                           buffer{into.data(), into.size(), dtype::uint8}, s.timeout);
+  };
+  const auto record = [&](const std::vector<std::uint8_t>& records, int r) {
+    return records.data() + static_cast<std::size_t>(r) * shm_record_bytes;
+  };
+  std::uint8_t mine[shm_record_bytes];
+  std::vector<std::uint8_t> all;
+  // 1. Does every rank allow it, and run on this host?
+  shm_put(mine, static_cast<char>(mode), shm_host_identity());
+  everyone(mine, all);
+  int required_by = -1;
+  std::string why_not;
+  for (int r = 0; r < s.size; ++r) {
+    const auto m = static_cast<shm_mode>(record(all, r)[0]);
+    if (m == shm_mode::required && required_by < 0) required_by = r;
+    if (m == shm_mode::off && why_not.empty())
+      why_not =
+          "DTRAIN_GLOO_SHM=0 or gloo_options::shared_memory = false on rank " + std::to_string(r);
+  }
+  for (int r = 1; r < s.size && why_not.empty(); ++r) {
+    if (shm_text_of(record(all, r)) != shm_text_of(record(all, 0)))
+      why_not = "ranks 0 and " + std::to_string(r) + " run on different hosts";
+  }
+  // 2. Rank 0 makes the segment and tells the others its name, or why not.
+  if (why_not.empty()) {
+    if (s.rank == 0) {
+      try {
+        const std::string name = "/dtrain-gloo-" + new_store_token();
+        s.shm = shm_segment::create(name, s.size);
+        shm_put(mine, 'y', name);
+      } catch (const shm_failure& e) {
+        shm_put(mine, 'n', std::string("rank 0: ") + e.what());
+      }
+    }
+    gloo_run_broadcast(s, buffer{mine, shm_record_bytes, dtype::uint8}, 0, s.timeout);
+    if (mine[0] != 'y') why_not = shm_text_of(mine);
+  }
+  // 3. The others open it; every rank hears how each fared; rank 0 unlinks.
+  if (why_not.empty()) {
+    const std::string made = shm_text_of(mine);
+    std::uint8_t status[shm_record_bytes];
+    shm_put(status, 'y', "");
+    if (s.rank != 0) {
+      try {
+        s.shm = shm_segment::open(made, s.rank, s.size);
+      } catch (const shm_failure& e) {
+        shm_put(status, 'n', "rank " + std::to_string(s.rank) + ": " + e.what());
+      }
+    }
+    everyone(status, all);
+    if (s.rank == 0) shm_segment::unlink(made);
+    for (int r = 0; r < s.size && why_not.empty(); ++r) {
+      if (record(all, r)[0] != 'y') why_not = shm_text_of(record(all, r));
+    }
+  }
+  if (!why_not.empty()) {
+    s.shm = shm_segment{};
+    if (required_by >= 0) {
+      throw config_error("DTRAIN_GLOO_SHM=1 (or gloo_options::shared_memory = true) on rank " +
+                         std::to_string(required_by) +
+                         ", but shared memory cannot be used: " + why_not);
+    }
+    return "off (" + why_not + ")";
+  }
+  return "on (" + std::to_string(s.shm.bytes() >> 10) + " KiB segment, " +
+         std::to_string(s.shm.slot_bytes() >> 10) + " KiB slots)";
+#endif
+}
+
+DTRAIN_DETAIL_INLINE gloo_self::~gloo_self() {
+  if (state) {
+    {
+      std::lock_guard lock(state->mutex);
+      state->stopping = true;
+    }
+    state->wake.notify_all();
+  }
+  if (worker.joinable()) worker.join();
+}
+}  // namespace detail
+}  // namespace dtrain
+#endif
+
+#if DTRAIN_HAS_GLOO()
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE std::string gloo_communicator::describe() const {
   if (!self_) return left_out_ ? "gloo, this rank left out by split()" : "gloo, moved from";
   return "gloo rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ", " +
@@ -6040,13 +6261,11 @@ DTRAIN_DETAIL_INLINE work gloo_communicator::collective(const detail::collective
   if (idle) s.wake.notify_one();
   return work(std::move(w));
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
-static_assert(communicator<gloo_communicator>);
 
 }  // namespace dtrain
-
-#endif  // DTRAIN_HAS_GLOO()
+#endif
+// ---- end dtrain/backend/gloo/gloo-inl.hpp ----
+#endif
 // ---- end dtrain/backend/gloo/gloo.hpp ----
 // ---- begin dtrain/backend/memory.hpp ----
 /// @file
@@ -6091,28 +6310,7 @@ inline constexpr std::string_view device_casts_missing =
 /// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
 DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
                                         dtype wire);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
-                                        dtype wire) {
-  visit(wire, [&]<class Half>() {
-    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
-      auto* o = static_cast<Half*>(out);
-      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
-    }
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
-  visit(wire, [&]<class Half>() {
-    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
-      const auto* i16 = static_cast<const Half*>(in);
-      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
-    }
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -6200,22 +6398,9 @@ struct device_casts {
 };
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept {
-  static std::atomic<const device_casts*> slot{nullptr};
-  return slot;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The registered kernels; config_error when no unit of the program was built by nvcc.
 [[nodiscard]] DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts() {
-  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
-    return *casts;
-  throw config_error(std::string(device_casts_missing));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -6264,7 +6449,153 @@ struct cuda_memory {
   static void check_stream(int device, stream_type stream);
 };
 
+#endif  // DTRAIN_HAS_CUDA()
+
+namespace detail {
+
+// What differs between a g++ and an nvcc translation unit lives in an inline
+// namespace named after the compiler: no symbol has two bodies (CCCL's rule).
+#if defined(__CUDACC__)
+inline namespace nvcc {
+#else
+inline namespace host_compiler {
+#endif
+
+/// "nvcc" or "host": which compiler built this translation unit's copy of
+/// dtrain (the mixed g++/nvcc link test asks each unit).
+[[nodiscard]] constexpr std::string_view compiled_by() noexcept {
+#if defined(__CUDACC__)
+  return "nvcc";
+#else
+  return "host";
+#endif
+}
+
+#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
+// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
+template <class Half>
+__device__ std::uint16_t dtrain_to_half_bits(float x) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  else
+    return __half_as_ushort(__float2half_rn(x));
+}
+template <class Half>
+__device__ float dtrain_from_half_bits(std::uint16_t b) {
+  if constexpr (std::is_same_v<Half, bfloat16>)
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  else
+    return __half2float(__ushort_as_half(b));
+}
+template <class Half>
+__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
+                                       float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
+  }
+}
+template <class Half>
+__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_from_half_bits<Half>(in[i]);
+  }
+}
+inline unsigned cast_blocks(std::size_t n) {
+  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
+}
+inline void launch_compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
+                            cudaStream_t stream) {
+  if (n == 0) return;
+  auto* o = static_cast<std::uint16_t*>(out);
+  if (wire == dtype::bfloat16)
+    dtrain_compress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  else
+    dtrain_compress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline void launch_decompress(float* out, const void* in, std::size_t n, dtype wire,
+                              cudaStream_t stream) {
+  if (n == 0) return;
+  const auto* i16 = static_cast<const std::uint16_t*>(in);
+  if (wire == dtype::bfloat16)
+    dtrain_decompress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  else
+    dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
+/// Registers the kernels at start-up in every program with an nvcc unit.
+inline const bool nvcc_device_casts_registered =
+    (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
+#endif
+
+}  // inline namespace nvcc / host_compiler
+
+/// Whether the program can cast GPU buckets (some unit was built by nvcc).
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept;
+
+}  // namespace detail
+
+#if DTRAIN_HAS_CUDA()
+inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
+#endif
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/memory-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/memory.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/memory.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
+                                        dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      auto* o = static_cast<Half*>(out);
+      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
+    }
+  });
+}
+
+DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
+  visit(wire, [&]<class Half>() {
+    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+      const auto* i16 = static_cast<const Half*>(in);
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
+    }
+  });
+}
+}  // namespace detail
+}  // namespace dtrain
+
+#if DTRAIN_HAS_CUDA()
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept {
+  static std::atomic<const device_casts*> slot{nullptr};
+  return slot;
+}
+
+DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts() {
+  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
+    return *casts;
+  throw config_error(std::string(device_casts_missing));
+}
+}  // namespace detail
+}  // namespace dtrain
+#endif
+
+#if DTRAIN_HAS_CUDA()
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE void* cuda_memory::allocate(std::size_t bytes, int device,
                                                  stream_type stream) {
   detail::device_guard on(device);
@@ -6368,95 +6699,12 @@ DTRAIN_DETAIL_INLINE void cuda_memory::check_stream(int device, stream_type stre
         "so run the DDP step outside the capture (capture the forward and backward only)");
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
+}  // namespace dtrain
+#endif
 
-#endif  // DTRAIN_HAS_CUDA()
-
+namespace dtrain {
 namespace detail {
 
-// What differs between a g++ and an nvcc translation unit lives in an inline
-// namespace named after the compiler: no symbol has two bodies (CCCL's rule).
-#if defined(__CUDACC__)
-inline namespace nvcc {
-#else
-inline namespace host_compiler {
-#endif
-
-/// "nvcc" or "host": which compiler built this translation unit's copy of
-/// dtrain (the mixed g++/nvcc link test asks each unit).
-[[nodiscard]] constexpr std::string_view compiled_by() noexcept {
-#if defined(__CUDACC__)
-  return "nvcc";
-#else
-  return "host";
-#endif
-}
-
-#if defined(__CUDACC__) && DTRAIN_HAS_CUDA()
-// The runtime's own conversions (round to nearest even), on the bits of dtrain's 16-bit types.
-template <class Half>
-__device__ std::uint16_t dtrain_to_half_bits(float x) {
-  if constexpr (std::is_same_v<Half, bfloat16>)
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-  else
-    return __half_as_ushort(__float2half_rn(x));
-}
-template <class Half>
-__device__ float dtrain_from_half_bits(std::uint16_t b) {
-  if constexpr (std::is_same_v<Half, bfloat16>)
-    return __bfloat162float(__ushort_as_bfloat16(b));
-  else
-    return __half2float(__ushort_as_half(b));
-}
-template <class Half>
-__global__ void dtrain_compress_kernel(std::uint16_t* out, const float* in, std::size_t n,
-                                       float scale) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
-    out[i] = dtrain_to_half_bits<Half>(in[i] * scale);
-  }
-}
-template <class Half>
-__global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
-    out[i] = dtrain_from_half_bits<Half>(in[i]);
-  }
-}
-inline unsigned cast_blocks(std::size_t n) {
-  return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
-}
-inline void launch_compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
-                            cudaStream_t stream) {
-  if (n == 0) return;
-  auto* o = static_cast<std::uint16_t*>(out);
-  if (wire == dtype::bfloat16)
-    dtrain_compress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
-  else
-    dtrain_compress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, in, n, scale);
-  DTRAIN_CUDA_CHECK(cudaGetLastError());
-}
-inline void launch_decompress(float* out, const void* in, std::size_t n, dtype wire,
-                              cudaStream_t stream) {
-  if (n == 0) return;
-  const auto* i16 = static_cast<const std::uint16_t*>(in);
-  if (wire == dtype::bfloat16)
-    dtrain_decompress_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
-  else
-    dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
-  DTRAIN_CUDA_CHECK(cudaGetLastError());
-}
-inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
-/// Registers the kernels at start-up in every program with an nvcc unit.
-inline const bool nvcc_device_casts_registered =
-    (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
-#endif
-
-}  // inline namespace nvcc / host_compiler
-
-/// Whether the program can cast GPU buckets (some unit was built by nvcc).
-[[nodiscard]] DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept;
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept {
 #if DTRAIN_HAS_CUDA()
   return device_casts_slot().load(std::memory_order_acquire) != nullptr;
@@ -6464,14 +6712,11 @@ DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept {
   return false;
 #endif
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
-
-#if DTRAIN_HAS_CUDA()
-inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
-#endif
 }  // namespace dtrain
+// ---- end dtrain/backend/memory-inl.hpp ----
+#endif
 // ---- end dtrain/backend/memory.hpp ----
 // ---- begin dtrain/backend/mpi/mpi.hpp ----
 /// @file
@@ -6504,28 +6749,8 @@ namespace dtrain {
 namespace detail {
 
 DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
-    return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<std::size_t>(length));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level) {
-  switch (level) {
-    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
-    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
-    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
-    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
-  }
-  return "thread level " + std::to_string(level);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -6567,14 +6792,6 @@ struct mpi_options {
       "OMPI_MCA_coll_libnbc_iallreduce_algorithm";
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE mpi_options mpi_options::with_env(const environment& env) const {
-  mpi_options out = *this;
-  if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// Owns MPI's initialisation when dtrain did it: initialises only if nobody
 /// has, and then finalizes when the last communicator is gone.
 class mpi_environment {
@@ -6595,52 +6812,6 @@ class mpi_environment {
   bool owned_ = false;
   int unwinding_ = 0;  // exceptions in flight when it was made
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE mpi_environment::mpi_environment(int required_level, bool tune_open_mpi)
-    : unwinding_(std::uncaught_exceptions()) {
-  int initialized = 0;
-  DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
-  int provided = MPI_THREAD_SINGLE;
-  if (!initialized) {
-    // The one write to the process's environment in dtrain, and why: Open MPI
-    // takes MCA parameters at MPI_Init_thread from the environment (or
-    // parameter files) only; MPI_Init_thread has no argument for them, and
-    // MPI_T can write this one only where an Open MPI version registers it
-    // as settable. Set just before dtrain itself initialises MPI, never when
-    // the user's environment (options.with_env) or the process has it already.
-    if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
-    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    if (rc != MPI_SUCCESS)
-      throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
-    owned_ = true;
-  } else {
-    DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
-  }
-  if (provided < required_level) {
-    throw backend_error(
-        "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
-            detail::mpi_thread_level_name(required_level) +
-            (owned_ ? "; use an MPI built with thread support"
-                    : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
-        provided);
-  }
-}
-
-DTRAIN_DETAIL_INLINE mpi_environment::~mpi_environment() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
-}
-
-DTRAIN_DETAIL_INLINE bool mpi_environment::cuda_aware() noexcept {
-#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
-  return MPIX_Query_cuda_support() == 1;
-#else
-  return false;
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// A communicator over MPI. Host memory always; device memory (compiled when
 /// CUDA is available) staged through pooled pinned host blocks: copied out
@@ -6853,7 +7024,125 @@ class mpi_communicator {
   std::shared_ptr<staging> staging_;
 };
 
+static_assert(communicator<mpi_communicator>);
+
+namespace detail {
+
+/// An MPI broadcast from `root` over `comm` as broadcast_or_fail's channel
+/// (rendezvous/broadcast.hpp), usable before any store exists: the message's
+/// length, then its bytes, so no rank guesses a buffer size. Every rank of
+/// `comm` calls it. MPI errors are reported only where `comm` returns them
+/// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
+class mpi_relay {
+ public:
+  explicit mpi_relay(MPI_Comm comm, int root = 0);
+
+  void carry(std::string& message, const std::string& what);
+  [[nodiscard]] int root() const noexcept { return root_; }
+  [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
+  [[nodiscard]] std::string where() const {
+    return "rank " + std::to_string(root_) + "'s MPI broadcast";
+  }
+
+ private:
+  static constexpr std::uint64_t max_length = std::uint64_t{1} << 20;
+  MPI_Comm comm_;
+  int root_;
+  int rank_ = -1;
+};
+
+}  // namespace detail
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_MPI()
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/mpi/mpi-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/mpi/mpi.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/mpi/mpi.hpp, not this file.
+
+
+#if DTRAIN_HAS_MPI()
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+DTRAIN_DETAIL_INLINE std::string mpi_thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "thread level " + std::to_string(level);
+}
+}  // namespace detail
+}  // namespace dtrain
+#endif
+
+#if DTRAIN_HAS_MPI()
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE mpi_options mpi_options::with_env(const environment& env) const {
+  mpi_options out = *this;
+  if (env.contains(open_mpi_iallreduce_variable)) out.tune_open_mpi = false;
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE mpi_environment::mpi_environment(int required_level, bool tune_open_mpi)
+    : unwinding_(std::uncaught_exceptions()) {
+  int initialized = 0;
+  DTRAIN_MPI_CHECK(MPI_Initialized(&initialized), "checking whether MPI is initialised");
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    // The one write to the process's environment in dtrain, and why: Open MPI
+    // takes MCA parameters at MPI_Init_thread from the environment (or
+    // parameter files) only; MPI_Init_thread has no argument for them, and
+    // MPI_T can write this one only where an Open MPI version registers it
+    // as settable. Set just before dtrain itself initialises MPI, never when
+    // the user's environment (options.with_env) or the process has it already.
+    if (tune_open_mpi) ::setenv(mpi_options::open_mpi_iallreduce_variable, "1", 0);
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS)
+      throw backend_error("MPI_Init_thread failed: " + detail::mpi_error_text(rc), rc);
+    owned_ = true;
+  } else {
+    DTRAIN_MPI_CHECK(MPI_Query_thread(&provided), "querying MPI's thread level");
+  }
+  if (provided < required_level) {
+    throw backend_error(
+        "MPI provides " + detail::mpi_thread_level_name(provided) + " but dtrain needs " +
+            detail::mpi_thread_level_name(required_level) +
+            (owned_ ? "; use an MPI built with thread support"
+                    : "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)"),
+        provided);
+  }
+}
+
+DTRAIN_DETAIL_INLINE mpi_environment::~mpi_environment() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owned_ && !finalized && std::uncaught_exceptions() <= unwinding_) MPI_Finalize();
+}
+
+DTRAIN_DETAIL_INLINE bool mpi_environment::cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+
 DTRAIN_DETAIL_INLINE mpi_communicator mpi_communicator::world(mpi_options options) {
   auto env =
       std::make_shared<mpi_environment>(options.required_thread_level, options.tune_open_mpi);
@@ -7169,36 +7458,13 @@ DTRAIN_DETAIL_INLINE std::array<MPI_Op, 8> mpi_communicator::no_ops() noexcept {
   ops.fill(MPI_OP_NULL);
   return ops;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
+}  // namespace dtrain
+#endif
 
-static_assert(communicator<mpi_communicator>);
-
+#if DTRAIN_HAS_MPI()
+namespace dtrain {
 namespace detail {
 
-/// An MPI broadcast from `root` over `comm` as broadcast_or_fail's channel
-/// (rendezvous/broadcast.hpp), usable before any store exists: the message's
-/// length, then its bytes, so no rank guesses a buffer size. Every rank of
-/// `comm` calls it. MPI errors are reported only where `comm` returns them
-/// (MPI_ERRORS_RETURN, as on every communicator dtrain creates).
-class mpi_relay {
- public:
-  explicit mpi_relay(MPI_Comm comm, int root = 0);
-
-  void carry(std::string& message, const std::string& what);
-  [[nodiscard]] int root() const noexcept { return root_; }
-  [[nodiscard]] bool is_root() const noexcept { return rank_ == root_; }
-  [[nodiscard]] std::string where() const {
-    return "rank " + std::to_string(root_) + "'s MPI broadcast";
-  }
-
- private:
-  static constexpr std::uint64_t max_length = std::uint64_t{1} << 20;
-  MPI_Comm comm_;
-  int root_;
-  int rank_ = -1;
-};
-
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE mpi_relay::mpi_relay(MPI_Comm comm, int root) : comm_(comm), root_(root) {
   DTRAIN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_),
                    "MPI_Comm_rank for a broadcast from rank " + std::to_string(root));
@@ -7218,13 +7484,12 @@ DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::stri
                      what);
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
-
 }  // namespace dtrain
-
-#endif  // DTRAIN_HAS_MPI()
+#endif
+// ---- end dtrain/backend/mpi/mpi-inl.hpp ----
+#endif
 // ---- end dtrain/backend/mpi/mpi.hpp ----
 // ---- begin dtrain/backend/nccl/nccl.hpp ----
 /// @file
@@ -7266,17 +7531,6 @@ namespace dtrain::detail {
 /// error: ... (ncclResult_t 5, at file:line)".
 DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
                                                  const char* file, int line);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
-                                                 const char* file, int line) {
-  std::string text =
-      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
-  const char* last = ncclGetLastError(nullptr);
-  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
-  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
-         std::to_string(line) + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
                                           int line) {
@@ -7352,6 +7606,32 @@ struct nccl_library : cuda_library {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_NCCL()
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/nccl/library-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/nccl/library.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/nccl/library.hpp, not this file.
+
+
+#if DTRAIN_HAS_NCCL()
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
+                                                 const char* file, int line) {
+  std::string text =
+      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
+  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
+         std::to_string(line) + ")";
+}
+
+}  // namespace dtrain::detail
+#endif
+// ---- end dtrain/backend/nccl/library-inl.hpp ----
+#endif
 // ---- end dtrain/backend/nccl/library.hpp ----
 
 #include <atomic>
@@ -7415,16 +7695,6 @@ struct nccl_options {
   [[nodiscard]] nccl_options with_env(const environment& env) const;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE nccl_options nccl_options::with_env(const environment& env) const {
-  nccl_options out = *this;
-  out.collectives = collectives.with_env(env);
-  if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
-  if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 }  // namespace dtrain
 
 #if DTRAIN_HAS_NCCL()
@@ -7465,38 +7735,12 @@ namespace dtrain::detail {
 /// Prefixes an engine error with the operation it interrupted (once).
 [[nodiscard]] DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
                                                                    const backend_error& e);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
-                                                     const backend_error& e) {
-  if (std::string_view(e.what()).starts_with(what)) return e;
-  return backend_error(what + ": " + e.what(), e.engine_code());
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // What a new communicator's rank, size and device must be, before any CUDA or NCCL call.
 
 DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size) {
-  if (size < 1)
-    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
-  if (rank < 0 || rank >= size) {
-    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
-                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device) {
-  nccl_check_rank(rank, size);
-  if (device < 0) {
-    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
-                       std::to_string(rank) + " is negative; pass the local rank");
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where NCCL's collectives find their buffers (check_arguments).
 inline constexpr memory_reach nccl_memory{
@@ -7510,21 +7754,6 @@ inline constexpr memory_reach nccl_memory{
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
 [[nodiscard]] DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
                                                                     std::string_view key);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
-                                                      std::string_view key) {
-  ncclUniqueId id{};
-  if (value.size() != sizeof id.internal) {
-    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
-                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
-                           std::to_string(sizeof id.internal) +
-                           ": something else wrote that key; give each communicator its own key "
-                           "(nccl_options::store_key) or prefix_store");
-  }
-  value.copy(id.internal, sizeof id.internal);
-  return id;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Checks that `device` exists, then makes it current. `visible` is
 /// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
@@ -7550,13 +7779,6 @@ void nccl_select_device(int device, int rank, int size, const std::optional<std:
 }
 
 DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
-  return text;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 inline constexpr std::string_view nccl_timeout_hint =
     "a peer is slow, dead or called a different collective "
@@ -7980,6 +8202,76 @@ class nccl_work final : public work_state {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_NCCL()
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/nccl/engine-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/nccl/engine.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/nccl/engine.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE nccl_options nccl_options::with_env(const environment& env) const {
+  nccl_options out = *this;
+  out.collectives = collectives.with_env(env);
+  if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
+  if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
+  return out;
+}
+}  // namespace dtrain
+
+#if DTRAIN_HAS_NCCL()
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
+                                                     const backend_error& e) {
+  if (std::string_view(e.what()).starts_with(what)) return e;
+  return backend_error(what + ": " + e.what(), e.engine_code());
+}
+
+DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size) {
+  if (size < 1)
+    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
+  if (rank < 0 || rank >= size) {
+    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
+                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device) {
+  nccl_check_rank(rank, size);
+  if (device < 0) {
+    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
+                       std::to_string(rank) + " is negative; pass the local rank");
+  }
+}
+
+DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
+                                                      std::string_view key) {
+  ncclUniqueId id{};
+  if (value.size() != sizeof id.internal) {
+    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
+                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
+                           std::to_string(sizeof id.internal) +
+                           ": something else wrote that key; give each communicator its own key "
+                           "(nccl_options::store_key) or prefix_store");
+  }
+  value.copy(id.internal, sizeof id.internal);
+  return id;
+}
+
+DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
+  return text;
+}
+
+}  // namespace dtrain::detail
+#endif
+// ---- end dtrain/backend/nccl/engine-inl.hpp ----
+#endif
 // ---- end dtrain/backend/nccl/engine.hpp ----
 // ---- begin dtrain/rendezvous/broadcast.hpp ----
 /// @file
@@ -8152,12 +8444,6 @@ inline std::string nccl_unique_id_text(const ncclUniqueId& id) {
 }
 /// What creating a communicator is called in its errors.
 DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device) {
-  return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
-         std::to_string(size) + " on CUDA device " + std::to_string(device);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 /// Checks `device` and makes it current, as creating the communicator does
 /// (and with the same errors).
 template <class Api>
@@ -8182,49 +8468,9 @@ struct nccl_gpu {
   [[nodiscard]] static nccl_gpu decode(std::string_view where, std::string_view value);
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_gpu::encode() const {
-  std::string out;
-  wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE nccl_gpu nccl_gpu::decode(std::string_view where, std::string_view value) {
-  return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
-    nccl_gpu g;
-    g.uuid = std::string(r.bytes32("the GPU's UUID"));
-    g.pci_bus = std::string(r.bytes32("its PCI bus id"));
-    g.host = std::string(r.bytes32("the host name"));
-    g.device = static_cast<int>(r.i64("the CUDA device"));
-    g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
-    return g;
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
 /// config_error's text; empty when every rank has its own.
 DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
-  for (std::size_t a = 0; a < gpus.size(); ++a) {
-    for (std::size_t b = a + 1; b < gpus.size(); ++b) {
-      if (gpus[a].uuid != gpus[b].uuid) continue;
-      auto as = [&](std::size_t r) {
-        return "rank " + std::to_string(r) + " as CUDA device " + std::to_string(gpus[r].device) +
-               " (CUDA_VISIBLE_DEVICES=" + gpus[r].visible + ")";
-      };
-      return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " on host " +
-             gpus[a].host + " both use GPU " + gpus[a].uuid + " (PCI bus " + gpus[a].pci_bus +
-             "): " + as(a) + ", " + as(b) +
-             "; NCCL needs a GPU of its own for every rank: "
-             "start no more ranks on a node than it has GPUs, and give each its own device "
-             "(the local rank, or a CUDA_VISIBLE_DEVICES of its own)";
-    }
-  }
-  return {};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 }  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
@@ -8759,7 +9005,73 @@ static_assert(communicator<nccl_communicator>);
 /// the root's message, rather than waiting (broadcast_or_fail). MPI errors
 /// are checked only if `comm` returns them (MPI_ERRORS_RETURN).
 DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root = 0);
+#endif  // DTRAIN_HAS_MPI()
+
+}  // namespace dtrain
+
+#endif  // DTRAIN_HAS_NCCL()
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/nccl/nccl-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/nccl/nccl.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/nccl/nccl.hpp, not this file.
+
+
+#if DTRAIN_HAS_NCCL()
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::string nccl_creating(int rank, int size, int device) {
+  return "creating the NCCL communicator of rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " on CUDA device " + std::to_string(device);
+}
+
+DTRAIN_DETAIL_INLINE std::string nccl_gpu::encode() const {
+  std::string out;
+  wire::writer(out).bytes32(uuid).bytes32(pci_bus).bytes32(host).i64(device).bytes32(visible);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE nccl_gpu nccl_gpu::decode(std::string_view where, std::string_view value) {
+  return wire::decode_value(where, value, "a rank's GPU", [](wire::reader& r) {
+    nccl_gpu g;
+    g.uuid = std::string(r.bytes32("the GPU's UUID"));
+    g.pci_bus = std::string(r.bytes32("its PCI bus id"));
+    g.host = std::string(r.bytes32("the host name"));
+    g.device = static_cast<int>(r.i64("the CUDA device"));
+    g.visible = std::string(r.bytes32("CUDA_VISIBLE_DEVICES"));
+    return g;
+  });
+}
+
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus) {
+  for (std::size_t a = 0; a < gpus.size(); ++a) {
+    for (std::size_t b = a + 1; b < gpus.size(); ++b) {
+      if (gpus[a].uuid != gpus[b].uuid) continue;
+      auto as = [&](std::size_t r) {
+        return "rank " + std::to_string(r) + " as CUDA device " + std::to_string(gpus[r].device) +
+               " (CUDA_VISIBLE_DEVICES=" + gpus[r].visible + ")";
+      };
+      return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " on host " +
+             gpus[a].host + " both use GPU " + gpus[a].uuid + " (PCI bus " + gpus[a].pci_bus +
+             "): " + as(a) + ", " + as(b) +
+             "; NCCL needs a GPU of its own for every rank: "
+             "start no more ranks on a node than it has GPUs, and give each its own device "
+             "(the local rank, or a CUDA_VISIBLE_DEVICES of its own)";
+    }
+  }
+  return {};
+}
+}  // namespace detail
+}  // namespace dtrain
+#endif
+
+#if DTRAIN_HAS_NCCL()
+#if DTRAIN_HAS_MPI()
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root) {
   detail::mpi_relay relay(comm, root);
   const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
@@ -8767,12 +9079,12 @@ DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int ro
   });
   return detail::nccl_unique_id_from(value, relay.where());
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-#endif  // DTRAIN_HAS_MPI()
 
 }  // namespace dtrain
-
-#endif  // DTRAIN_HAS_NCCL()
+#endif
+#endif
+// ---- end dtrain/backend/nccl/nccl-inl.hpp ----
+#endif
 // ---- end dtrain/backend/nccl/nccl.hpp ----
 // ---- begin dtrain/backend/watchdog.hpp ----
 /// @file
@@ -8842,7 +9154,18 @@ class watchdog {
   std::thread thread_;
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/backend/watchdog-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/backend/watchdog.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/watchdog.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
   {
     std::lock_guard lock(mutex_);
@@ -8926,9 +9249,10 @@ DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
   }
   settled_.notify_all();
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/backend/watchdog-inl.hpp ----
+#endif
 // ---- end dtrain/backend/watchdog.hpp ----
 // ---- begin dtrain/control/plane.hpp ----
 /// @file
@@ -9183,7 +9507,18 @@ void agree_or_throw(control_plane& plane, std::string_view what, const std::stri
   throw Error(v.message(what));
 }
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/control/verdict-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/control/verdict.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/control/verdict.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE std::string verdict::message(std::string_view what) const {
   if (ok()) return {};
   std::string ranks;
@@ -9230,9 +9565,10 @@ DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_vi
   v.first_problem.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   return v;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/control/verdict-inl.hpp ----
+#endif
 // ---- end dtrain/control/verdict.hpp ----
 // ---- begin dtrain/ddp/agreement.hpp ----
 /// @file
@@ -9505,50 +9841,15 @@ inline constexpr std::size_t bucket_alignment = 256;
 
 /// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option) {
-  if (!(mib > 0) || mib > 1e9) {
-    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
-                       " is not a bucket size in MiB (it must be above 0)");
-  }
-  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
 /// n-1, n-2, ..., 0: gradients of the last layers are produced first.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n) {
-  std::vector<std::size_t> order(n);
-  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
-  return order;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Throws unless `order` names each of the n parameters exactly once.
 DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
                                       std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
-                                      std::string_view what) {
-  std::vector<char> seen(n, 0);
-  if (order.size() != n) {
-    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
-                            " parameters, the model has " + std::to_string(n),
-                        0);
-  }
-  for (std::size_t i : order) {
-    if (i >= n || seen[i]) {
-      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
-                              (i >= n ? " of " + std::to_string(n) : " twice"),
-                          0);
-    }
-    seen[i] = 1;
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Groups the parameters, taken in `order` (a permutation of their indices),
 /// into buckets per (element type, device), as PyTorch DDP's
@@ -9604,6 +9905,57 @@ template <parameter_list Params>
 
 }  // namespace detail
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/bucket-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/bucket.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/bucket.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option) {
+  if (!(mib > 0) || mib > 1e9) {
+    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
+                       " is not a bucket size in MiB (it must be above 0)");
+  }
+  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
+}
+}  // namespace dtrain
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n) {
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
+  return order;
+}
+
+DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
+                                      std::string_view what) {
+  std::vector<char> seen(n, 0);
+  if (order.size() != n) {
+    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
+                            " parameters, the model has " + std::to_string(n),
+                        0);
+  }
+  for (std::size_t i : order) {
+    if (i >= n || seen[i]) {
+      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
+                              (i >= n ? " of " + std::to_string(n) : " twice"),
+                          0);
+    }
+    seen[i] = 1;
+  }
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/ddp/bucket-inl.hpp ----
+#endif
 // ---- end dtrain/ddp/bucket.hpp ----
 // ---- begin dtrain/ddp/options.hpp ----
 /// @file
@@ -9787,7 +10139,100 @@ namespace dtrain::detail {
 /// "parameter fc1.weight (1024 x float32 on the host)", or with a shape
 /// "parameter fc1.weight ([64, 16] float32 on the host)": what must match across ranks.
 DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind);
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
+                                                            std::span<const parameter> buffers);
+
+DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries);
+
+/// What one rank alone can find wrong with its model and options, as a
+/// message naming the parameter and the rank; empty when nothing is.
+DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
+                                               std::span<const parameter> buffers,
+                                               const ddp_options& options, int rank,
+                                               std::string_view backend, bool on_device,
+                                               int device);
+
+/// Collective over the host control plane: every rank learns whether all
+/// ranks hold the same parameters and buffers. Throws config_error on every
+/// rank when not, naming the first differing entry and the ranks. Each
+/// rank's own check (model_problem) comes before, in a verdict
+/// (agree_or_throw). `settings`, when given, is one more entry that must match
+/// (DDP's options that change what travels: "ddp_options::sharding = gradients").
+DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
+                                         std::span<const parameter> buffers,
+                                         std::string_view settings = {});
+
+/// Collective over the host control plane: every rank gets rank 0's `order`
+/// of the n parameters (the order its gradients became ready, for the bucket
+/// rebuild). Each rank passes an order of the same length; what arrives is
+/// checked to name each parameter once (backend_error otherwise).
+DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
+                                                             std::span<const std::size_t> order,
+                                                             std::size_t n);
+
+/// broadcast_values' scratch by default: the host values travel in windows of this many bytes.
+inline constexpr std::size_t broadcast_window_bytes = std::size_t{64} << 20;
+
+/// Collective: every rank's parameter and buffer values become rank 0's.
+/// Host values travel packed over the control plane, a window at a time;
+/// device values one by one through `device_broadcast(buffer)`, which returns
+/// once the broadcast is complete (the device engine: the only device
+/// traffic besides the buckets).
+template <class DeviceBroadcast>
+void broadcast_values(control_plane& control, std::span<const parameter> params,
+                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast,
+                      std::size_t window = broadcast_window_bytes) {
+  std::vector<const parameter*> host, device;
+  for (auto list : {params, buffers}) {
+    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+  }
+  std::size_t total = 0;
+  for (const parameter* p : host) total += p->bytes();
+  // The host values as one stream of bytes, broadcast a window at a time:
+  // a model's worth of scratch would double its memory at construction.
+  std::vector<std::uint8_t> packed(std::min(total, std::max<std::size_t>(window, 1)));
+  for (std::size_t begin = 0; begin < total; begin += packed.size()) {
+    const std::size_t end = std::min(total, begin + packed.size());
+    // Copies bytes [begin, end) of the stream between the parameters and `packed`.
+    auto move_window = [&](bool into_packed) {
+      std::size_t at = 0;  // the parameter's first byte in the stream
+      for (const parameter* p : host) {
+        const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p->bytes());
+        if (lo < hi) {
+          auto* mine = static_cast<std::uint8_t*>(p->values.data) + (lo - at);
+          std::uint8_t* theirs = packed.data() + (lo - begin);
+          if (into_packed) {
+            std::memcpy(theirs, mine, hi - lo);
+          } else {
+            std::memcpy(mine, theirs, hi - lo);
+          }
+        }
+        at += p->bytes();
+        if (at >= end) break;
+      }
+    };
+    move_window(true);
+    control.broadcast(std::span<std::uint8_t>(packed.data(), end - begin), 0);
+    move_window(false);
+  }
+  for (const parameter* p : device) {
+    if (p->values.count > 0) device_broadcast(p->values);
+  }
+}
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/agreement-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/agreement.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/agreement.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string_view kind) {
   std::string entry = std::string(kind) + " " + p.name + " (";
   if (p.shape.empty()) {
@@ -9804,11 +10249,7 @@ DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string
   entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
   return entry;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
-                                                            std::span<const parameter> buffers);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const parameter> params,
                                                             std::span<const parameter> buffers) {
   std::vector<std::string> entries;
@@ -9816,10 +10257,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> model_entries(std::span<const para
   for (const parameter& b : buffers) entries.push_back(parameter_entry(b, "buffer"));
   return entries;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries) {
   std::uint64_t h = 1469598103934665603ull;
   for (const std::string& e : entries) {
@@ -9828,16 +10266,7 @@ DTRAIN_DETAIL_INLINE std::int64_t fnv1a(const std::vector<std::string>& entries)
   }
   return static_cast<std::int64_t>(h >> 1);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// What one rank alone can find wrong with its model and options, as a
-/// message naming the parameter and the rank; empty when nothing is.
-DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
-                                               std::span<const parameter> buffers,
-                                               const ddp_options& options, int rank,
-                                               std::string_view backend, bool on_device,
-                                               int device);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params,
                                                std::span<const parameter> buffers,
                                                const ddp_options& options, int rank,
@@ -9906,18 +10335,7 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
   }
   return {};
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Collective over the host control plane: every rank learns whether all
-/// ranks hold the same parameters and buffers. Throws config_error on every
-/// rank when not, naming the first differing entry and the ranks. Each
-/// rank's own check (model_problem) comes before, in a verdict
-/// (agree_or_throw). `settings`, when given, is one more entry that must match
-/// (DDP's options that change what travels: "ddp_options::sharding = gradients").
-DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
-                                         std::span<const parameter> buffers,
-                                         std::string_view settings = {});
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const parameter> params,
                                          std::span<const parameter> buffers,
                                          std::string_view settings) {
@@ -9987,16 +10405,7 @@ DTRAIN_DETAIL_INLINE void agree_on_model(control_plane& comm, std::span<const pa
                      " (ranks that differ from rank 0: " + differing +
                      "); every rank must build the same model in the same order");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Collective over the host control plane: every rank gets rank 0's `order`
-/// of the n parameters (the order its gradients became ready, for the bucket
-/// rebuild). Each rank passes an order of the same length; what arrives is
-/// checked to name each parameter once (backend_error otherwise).
-DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
-                                                             std::span<const std::size_t> order,
-                                                             std::size_t n);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& control,
                                                              std::span<const std::size_t> order,
                                                              std::size_t n) {
@@ -10017,59 +10426,10 @@ DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& cont
   check_order(agreed, n, where);
   return agreed;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
-/// broadcast_values' scratch by default: the host values travel in windows of this many bytes.
-inline constexpr std::size_t broadcast_window_bytes = std::size_t{64} << 20;
-
-/// Collective: every rank's parameter and buffer values become rank 0's.
-/// Host values travel packed over the control plane, a window at a time;
-/// device values one by one through `device_broadcast(buffer)`, which returns
-/// once the broadcast is complete (the device engine: the only device
-/// traffic besides the buckets).
-template <class DeviceBroadcast>
-void broadcast_values(control_plane& control, std::span<const parameter> params,
-                      std::span<const parameter> buffers, DeviceBroadcast&& device_broadcast,
-                      std::size_t window = broadcast_window_bytes) {
-  std::vector<const parameter*> host, device;
-  for (auto list : {params, buffers}) {
-    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
-  }
-  std::size_t total = 0;
-  for (const parameter* p : host) total += p->bytes();
-  // The host values as one stream of bytes, broadcast a window at a time:
-  // a model's worth of scratch would double its memory at construction.
-  std::vector<std::uint8_t> packed(std::min(total, std::max<std::size_t>(window, 1)));
-  for (std::size_t begin = 0; begin < total; begin += packed.size()) {
-    const std::size_t end = std::min(total, begin + packed.size());
-    // Copies bytes [begin, end) of the stream between the parameters and `packed`.
-    auto move_window = [&](bool into_packed) {
-      std::size_t at = 0;  // the parameter's first byte in the stream
-      for (const parameter* p : host) {
-        const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p->bytes());
-        if (lo < hi) {
-          auto* mine = static_cast<std::uint8_t*>(p->values.data) + (lo - at);
-          std::uint8_t* theirs = packed.data() + (lo - begin);
-          if (into_packed) {
-            std::memcpy(theirs, mine, hi - lo);
-          } else {
-            std::memcpy(mine, theirs, hi - lo);
-          }
-        }
-        at += p->bytes();
-        if (at >= end) break;
-      }
-    };
-    move_window(true);
-    control.broadcast(std::span<std::uint8_t>(packed.data(), end - begin), 0);
-    move_window(false);
-  }
-  for (const parameter* p : device) {
-    if (p->values.count > 0) device_broadcast(p->values);
-  }
-}
 
 }  // namespace dtrain::detail
+// ---- end dtrain/ddp/agreement-inl.hpp ----
+#endif
 // ---- end dtrain/ddp/agreement.hpp ----
 // ---- begin dtrain/ddp/basic_ddp.hpp ----
 /// @file
@@ -10567,30 +10927,8 @@ struct member {
   value val;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE const value* value::find(std::string_view key) const {
-  for (const auto& m : members) {
-    if (m.key == key) return &m.val;
-  }
-  return nullptr;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// The name of a kind, for messages ("expected an array, found a string").
 DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k) {
-  switch (k) {
-    case value::kind::null: return "null";
-    case value::kind::boolean: return "a boolean";
-    case value::kind::number: return "a number";
-    case value::kind::string: return "a string";
-    case value::kind::array: return "an array";
-    case value::kind::object: return "an object";
-  }
-  return "a value";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace impl {
 
@@ -10631,7 +10969,53 @@ class reader {
   std::size_t pos_ = 0;
 };
 
+}  // namespace impl
+
+/// Parses one JSON document. `what` names the input in messages ("TF_CONFIG").
+/// Throws config_error quoting the offset, line and column of the first error.
+inline value parse(std::string_view text, std::string_view what) {
+  return impl::reader(text, what).document();
+}
+
+/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
+/// files dtrain writes, such as the DDP timeline).
+DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text);
+
+}  // namespace dtrain::detail::json
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/json-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/json.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/json.hpp, not this file.
+
+
+namespace dtrain::detail::json {
+
+DTRAIN_DETAIL_INLINE const value* value::find(std::string_view key) const {
+  for (const auto& m : members) {
+    if (m.key == key) return &m.val;
+  }
+  return nullptr;
+}
+
+DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k) {
+  switch (k) {
+    case value::kind::null: return "null";
+    case value::kind::boolean: return "a boolean";
+    case value::kind::number: return "a number";
+    case value::kind::string: return "a string";
+    case value::kind::array: return "an array";
+    case value::kind::object: return "an object";
+  }
+  return "a value";
+}
+}  // namespace dtrain::detail::json
+
+namespace dtrain::detail::json {
+namespace impl {
+
 DTRAIN_DETAIL_INLINE value reader::document() {
   skip_blanks();
   value v = parse_value(0);
@@ -10877,20 +11261,11 @@ DTRAIN_DETAIL_INLINE std::string reader::parse_string() {
     }
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
 }  // namespace impl
+}  // namespace dtrain::detail::json
 
-/// Parses one JSON document. `what` names the input in messages ("TF_CONFIG").
-/// Throws config_error quoting the offset, line and column of the first error.
-inline value parse(std::string_view text, std::string_view what) {
-  return impl::reader(text, what).document();
-}
+namespace dtrain::detail::json {
 
-/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
-/// files dtrain writes, such as the DDP timeline).
-DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text) {
   out += '"';
   for (char c : text) {
@@ -10913,9 +11288,10 @@ DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text) 
   }
   out += '"';
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::json
+// ---- end dtrain/detail/json-inl.hpp ----
+#endif
 // ---- end dtrain/detail/json.hpp ----
 
 #include <array>
@@ -10939,28 +11315,11 @@ namespace dtrain::detail {
 /// the extension of the file name (trace.json -> trace.rank3.json), or is
 /// appended with ".json" when the name has none (trace -> trace.rank3.json).
 DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
-  const std::size_t slash = path.rfind('/');
-  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
-  const std::size_t dot = path.rfind('.');
-  const std::string tag = ".rank" + std::to_string(rank);
-  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
-  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
 /// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
 DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
                                                   const std::string& option);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option) {
-  if (auto v = env.get(timeline_variable)) return std::string(*v);
-  return option;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One rank's recorder. Default-constructed it is off and records nothing.
 /// Recording is thread-safe; write() must not race with recording of the same
@@ -11118,7 +11477,33 @@ class timeline {
   std::unique_ptr<state> state_;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/timeline-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/timeline.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/timeline.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
+  const std::size_t dot = path.rfind('.');
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
+  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option) {
+  if (auto v = env.get(timeline_variable)) return std::string(*v);
+  return option;
+}
+
 DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
                                         std::vector<std::string> parameter_names)
     : state_(std::make_unique<state>()) {
@@ -11314,9 +11699,10 @@ DTRAIN_DETAIL_INLINE std::string timeline::render() const {
   out += "\n]}\n";
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/ddp/timeline-inl.hpp ----
+#endif
 // ---- end dtrain/ddp/timeline.hpp ----
 // ---- begin dtrain/env/placement.hpp ----
 /// @file
@@ -11440,7 +11826,24 @@ struct world {
   [[nodiscard]] std::string describe() const;
 };
 
+/// The world as one JSON object on one line (no newline), with the keys rank,
+/// world_size, local_rank, local_world_size, node_rank, num_nodes,
+/// master_addr, master_port (null when unknown), source, and role when the
+/// process is not a plain worker. This is what `dtrain_whoami` prints.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string to_json(const world& w);
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/world-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/world.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/world.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE std::string world::describe() const {
   std::string out = "dtrain world from ";
   out += to_string(source);
@@ -11474,14 +11877,7 @@ DTRAIN_DETAIL_INLINE std::string world::describe() const {
   }
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The world as one JSON object on one line (no newline), with the keys rank,
-/// world_size, local_rank, local_world_size, node_rank, num_nodes,
-/// master_addr, master_port (null when unknown), source, and role when the
-/// process is not a plain worker. This is what `dtrain_whoami` prints.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string to_json(const world& w);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string to_json(const world& w) {
   std::string out = "{";
   auto key = [&](std::string_view name) {
@@ -11515,9 +11911,10 @@ DTRAIN_DETAIL_INLINE std::string to_json(const world& w) {
   out += '}';
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/env/world-inl.hpp ----
+#endif
 // ---- end dtrain/env/world.hpp ----
 
 #include <array>
@@ -11533,14 +11930,6 @@ namespace dtrain {
 
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
-  if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
-  auto host = detail::host_name();
-  if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
-  return *host;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What one rank says about itself at rendezvous.
 struct rank_report {
@@ -11571,7 +11960,58 @@ struct rank_report {
   }
 };
 
+/// Where one rank sits.
+struct placement {
+  int node_rank = 0;
+  int num_nodes = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+
+  friend bool operator==(const placement&, const placement&) = default;
+};
+
+/// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
+/// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
+/// config_error that placing the ranks gave (bytes32), for every rank to throw.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placements(
+    const std::vector<placement>& ranks);
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message);
+
+/// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
+/// config_error when placing failed there, and a rendezvous_error naming
+/// `where` ("store key dtrain/job/world/placement") when the value is malformed.
+[[nodiscard]] DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where,
+                                                              std::string_view value, int rank,
+                                                              int size);
+
+/// Places every rank (reports[i] is rank i). When every report is complete,
+/// each keeps what its launcher said. Otherwise ranks are grouped by node
+/// name: nodes are numbered in the order of their lowest rank, local ranks
+/// follow the rank order within a node. Throws config_error, naming the
+/// ranks and variables, when the ranks disagree about the world size or a
+/// known field contradicts the grouping.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(
+    const std::vector<rank_report>& reports);
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/placement-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/placement.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/placement.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
+  if (auto name = env.get(node_name_variable); name && !name->empty()) return std::string(*name);
+  auto host = detail::host_name();
+  if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
+  return *host;
+}
+
 DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
   std::string out;
   detail::wire::writer w(out);
@@ -11609,24 +12049,7 @@ DTRAIN_DETAIL_INLINE rank_report rank_report::decode(std::string_view text,
     return r;
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Where one rank sits.
-struct placement {
-  int node_rank = 0;
-  int num_nodes = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-
-  friend bool operator==(const placement&, const placement&) = default;
-};
-
-/// The placement table rank 0 publishes: u8 1 and, for every rank, node_rank,
-/// num_nodes, local_rank, local_world_size as i64; or u8 0 and the
-/// config_error that placing the ranks gave (bytes32), for every rank to throw.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placements(
-    const std::vector<placement>& ranks);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string encode_placements(const std::vector<placement>& ranks) {
   std::string out;
   detail::wire::writer w(out);
@@ -11635,23 +12058,13 @@ DTRAIN_DETAIL_INLINE std::string encode_placements(const std::vector<placement>&
     w.i64(p.node_rank).i64(p.num_nodes).i64(p.local_rank).i64(p.local_world_size);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message);
-#if DTRAIN_DETAIL_BODIES()
+
 DTRAIN_DETAIL_INLINE std::string encode_placement_error(std::string_view message) {
   std::string out;
   detail::wire::writer(out).u8(0).bytes32(message);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Rank `rank`'s entry of a table of `size` ranks; throws rank 0's
-/// config_error when placing failed there, and a rendezvous_error naming
-/// `where` ("store key dtrain/job/world/placement") when the value is malformed.
-[[nodiscard]] DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where,
-                                                              std::string_view value, int rank,
-                                                              int size);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where, std::string_view value,
                                                 int rank, int size) {
   std::optional<std::string> failure;
@@ -11684,17 +12097,7 @@ DTRAIN_DETAIL_INLINE placement decode_placement(const std::string& where, std::s
   if (failure) throw config_error(*failure);
   return mine;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Places every rank (reports[i] is rank i). When every report is complete,
-/// each keeps what its launcher said. Otherwise ranks are grouped by node
-/// name: nodes are numbered in the order of their lowest rank, local ranks
-/// follow the rank order within a node. Throws config_error, naming the
-/// ranks and variables, when the ranks disagree about the world size or a
-/// known field contradicts the grouping.
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(
-    const std::vector<rank_report>& reports);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(const std::vector<rank_report>& reports) {
   const int n = static_cast<int>(reports.size());
   for (std::size_t r = 0; r < reports.size(); ++r) {
@@ -11751,9 +12154,10 @@ DTRAIN_DETAIL_INLINE std::vector<placement> place_ranks(const std::vector<rank_r
   }
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/env/placement-inl.hpp ----
+#endif
 // ---- end dtrain/env/placement.hpp ----
 // ---- begin dtrain/topology/flat.hpp ----
 /// @file
@@ -11792,13 +12196,6 @@ struct node_layout {
   friend bool operator==(const node_layout&, const node_layout&) = default;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<node_layout> node_layout::of(const world& w) {
-  if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
-  return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 namespace detail {
 
 /// Why `table` (table[r]: rank r's layout) cannot run hierarchically, or an
@@ -11807,7 +12204,40 @@ namespace detail {
 /// and L > 1 (with one node, or one rank per node, the hierarchy is flat).
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::string hierarchy_problem(
     std::span<const node_layout> table);
+
+/// Every rank's layout, in rank order, over `control` (collective).
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
+                                                                           const node_layout& mine);
+
+/// The layout of every rank from its node name alone (FNV-1a of it, gathered
+/// over `control`), placed by place_ranks() as dtrain::run completes a world:
+/// nodes numbered by their lowest rank, local ranks in rank order. For
+/// communicators made without a context, which knows the launcher's own placement.
+[[nodiscard]] DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
+                                                                      std::string_view node_name);
+
+}  // namespace detail
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/topology/layout-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/topology/layout.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/topology/layout.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE std::optional<node_layout> node_layout::of(const world& w) {
+  if (!w.node_rank || !w.num_nodes || !w.local_rank || !w.local_world_size) return std::nullopt;
+  return node_layout{*w.node_rank, *w.num_nodes, *w.local_rank, *w.local_world_size};
+}
+}  // namespace dtrain
+
+namespace dtrain {
+namespace detail {
+
 DTRAIN_DETAIL_INLINE std::string hierarchy_problem(std::span<const node_layout> table) {
   const auto rank = [](std::size_t r) { return "rank " + std::to_string(r); };
   if (table.empty()) return "no ranks";
@@ -11858,12 +12288,7 @@ DTRAIN_DETAIL_INLINE std::string hierarchy_problem(std::span<const node_layout> 
   if (first == 1) return "one rank per node: the cross-node communicator would be the world";
   return {};
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Every rank's layout, in rank order, over `control` (collective).
-[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
-                                                                           const node_layout& mine);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& control,
                                                              const node_layout& mine) {
   const std::int64_t fields[4] = {mine.node_rank, mine.num_nodes, mine.local_rank, mine.local_size};
@@ -11877,15 +12302,7 @@ DTRAIN_DETAIL_INLINE std::vector<node_layout> gather_layouts(control_plane& cont
   }
   return table;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The layout of every rank from its node name alone (FNV-1a of it, gathered
-/// over `control`), placed by place_ranks() as dtrain::run completes a world:
-/// nodes numbered by their lowest rank, local ranks in rank order. For
-/// communicators made without a context, which knows the launcher's own placement.
-[[nodiscard]] DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
-                                                                      std::string_view node_name);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
                                                         std::string_view node_name) {
   std::uint64_t hash = 1469598103934665603ull;
@@ -11898,10 +12315,11 @@ DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
   const placement p = place_ranks(reports)[static_cast<std::size_t>(control.rank())];
   return {p.node_rank, p.num_nodes, p.local_rank, p.local_world_size};
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
+// ---- end dtrain/topology/layout-inl.hpp ----
+#endif
 // ---- end dtrain/topology/layout.hpp ----
 // ---- begin dtrain/topology/sequence.hpp ----
 /// @file
@@ -12048,7 +12466,18 @@ class work_sequence final : public work_state {
   bool finished_ = false;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/topology/sequence-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/topology/sequence.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/topology/sequence.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE work_sequence::work_sequence(std::string label, std::vector<step> steps,
                                                   bool eager, std::shared_ptr<void> keep_alive)
     : work_state(std::move(label), std::chrono::milliseconds(0)),
@@ -12200,9 +12629,10 @@ DTRAIN_DETAIL_INLINE bool work_sequence::end(const std::exception_ptr& e, std::s
   finished_ = true;
   return true;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/topology/sequence-inl.hpp ----
+#endif
 // ---- end dtrain/topology/sequence.hpp ----
 
 #include <cstddef>
@@ -14136,7 +14566,18 @@ class distributed_sampler {
   std::vector<std::size_t> indices_;
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/sampler-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/sampler.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/sampler.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE distributed_sampler::distributed_sampler(std::size_t dataset_size, int rank,
                                                               int world_size,
                                                               sampler_options options)
@@ -14214,9 +14655,10 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
     std::swap(v[i - 1], v[j]);
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/ddp/sampler-inl.hpp ----
+#endif
 // ---- end dtrain/ddp/sampler.hpp ----
 // ---- begin dtrain/diagnostics.hpp ----
 /// @file
@@ -14267,43 +14709,13 @@ struct desync_report {
 
 /// "rank 2", "ranks 0, 1, 3".
 DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(ranks[i]);
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace desync {
 
 DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
-  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
-  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
-  std::string out = "#";
-  out += std::to_string(r.seq);
-  out += ' ';
-  out += describe_call(r, with_op);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // What differs between two calls with the same sequence number, for the summary.
 DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
-  if (a.kind != b.kind) return "the collectives differ";
-  if (a.type != b.type) return "the types differ";
-  if (a.count != b.count) return "the sizes differ";
-  if (a.op != b.op) return "the reduce ops differ";
-  return "the roots differ";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // Ranks grouped by what they called as number `seq`, the largest group first
 // (on a tie the group of the lowest rank): the odd ones out come after.
@@ -14313,7 +14725,89 @@ struct call_group {
 };
 DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
                                                          std::int64_t seq);
+
+}  // namespace desync
+
+/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
+/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
+/// missing; what cannot be decided is said so.
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
+
+/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report);
+
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
+/// ring count u32, then per communicator its name bytes32, call count u32 and
+/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
+/// state u8, label bytes32.
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
+
+/// The rings of encode_rings' value; nothing when it is not such a value (the
+/// rank then counts as not answering: diagnostics never throw).
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/diagnostics/desync-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/diagnostics/desync.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics/desync.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
+  return out;
+}
+}  // namespace dtrain::detail
+
+namespace dtrain::detail {
+namespace desync {
+
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
+  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
+  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
+  std::string out = "#";
+  out += std::to_string(r.seq);
+  out += ' ';
+  out += describe_call(r, with_op);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return "the collectives differ";
+  if (a.type != b.type) return "the types differ";
+  if (a.count != b.count) return "the sizes differ";
+  if (a.op != b.op) return "the reduce ops differ";
+  return "the roots differ";
+}
+
 DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
                                                          std::int64_t seq) {
   std::vector<call_group> groups;
@@ -14334,15 +14828,11 @@ DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ri
   });
   return groups;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
 }  // namespace desync
+}  // namespace dtrain::detail
 
-/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
-/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
-/// missing; what cannot be decided is said so.
-DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
-#if DTRAIN_DETAIL_BODIES()
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
   desync_report report;
   std::vector<int> silent;
@@ -14476,36 +14966,14 @@ DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
   if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
   return report;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
-DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
-                                               const desync_report& report);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
                                                const desync_report& report) {
   std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
   for (const std::string& d : report.details) out += "    " + d + "\n";
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The rings one rank publishes: its world communicator's and its splits', by name.
-using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
-
-/// What one rank published in a diagnostics round (`answered` false: nothing in time).
-struct rank_publication {
-  int rank = 0;
-  bool answered = false;
-  named_rings rings;
-};
-
-/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
-/// ring count u32, then per communicator its name bytes32, call count u32 and
-/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
-/// state u8, label bytes32.
-DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
   std::string out;
   wire::writer w(out);
@@ -14525,12 +14993,7 @@ DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
   }
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The rings of encode_rings' value; nothing when it is not such a value (the
-/// rank then counts as not answering: diagnostics never throw).
-DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
   try {
     return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
@@ -14568,16 +15031,7 @@ DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view va
     return std::nullopt;
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Analyses every communicator the ranks published (the world's first, then
-/// the splits, by name) and returns the report of the one that explains most
-/// (a mismatch, then a rank behind, then silent ranks), its details preceded
-/// by the others' findings. Silent ranks count as members of the world and
-/// of every split that all answering ranks have (DistributedDataParallel's
-/// own split); a split that only some ranks have (a node's) is analysed over them.
-DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
   std::vector<std::string> names;
   int answering = 0;
@@ -14624,9 +15078,10 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
   }
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/diagnostics/desync-inl.hpp ----
+#endif
 // ---- end dtrain/diagnostics/desync.hpp ----
 // ---- begin dtrain/launch/protocol.hpp ----
 /// @file
@@ -14762,7 +15217,93 @@ struct failure_record {
   [[nodiscard]] static failure_record decode(const std::string& key, std::string_view value);
 };
 
+/// Records a failure of round `restart` unless one is recorded already: the
+/// first one is the root cause, later ones are usually its consequences.
+template <store Store>
+void record_failure(Store& store, int restart, const failure_record& failure) {
+  store.compare_set(agent_keys::failure(restart), "", failure.encode());
+}
+
+/// A worker whose training function returned 0, and how many collectives it
+/// had issued on each communicator: when a peer then fails in a later
+/// collective, the agents name this worker first (it left early), not the
+/// peer that waited for it.
+struct exit_record {
+  int rank = 0;
+  std::string label;  ///< worker_label()
+  /// Collectives issued, by communicator (its ring's name: "world", "world/split 1 (color 0)").
+  std::vector<std::pair<std::string, std::int64_t>> issued;
+
+  /// The collectives issued on `communicator` (0 when it had none).
+  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const;
+
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value);
+};
+
+/// Records that a worker of round `restart` ended well, unless one did already:
+/// the first one is the one that may have left its peers waiting.
+template <store Store>
+void record_exit(Store& store, int restart, const exit_record& exit) {
+  store.compare_set(agent_keys::exited(restart), "", exit.encode());
+}
+
+/// What a node agent says about itself when it joins: every node must run
+/// the same number of workers, allow the same restarts and give the same job
+/// id (--rdzv-id).
+struct node_record {
+  std::int64_t nproc = 0;
+  std::int64_t max_restarts = 0;
+  std::string host;
+  std::int64_t pid = 0;
+  std::string rdzv_id{};  // empty: none given
+
+  /// "host:pid", how messages name the agent.
+  [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
+
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value);
+};
+
+/// A port, as the agents share the workers' MASTER_PORT.
+inline std::string encode_port(int port) { return wire::encode_int(port); }
+DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value);
+
+/// An elastic round's members: node ranks, ascending, each below `nnodes`.
+DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes);
+DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
+                                                     int nnodes);
+
+/// Where rank 0 serves the store, as it tells the other ranks through the
+/// backend's pre-store channel when no MASTER_ADDR does (inside an outcome).
+struct store_address {
+  std::string host;  ///< rank 0's host name
+  int port = 0;      ///< the port it listens on
+
+  [[nodiscard]] std::string encode() const;
+  [[nodiscard]] static store_address decode(std::string_view value);
+};
+
+/// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
+DTRAIN_DETAIL_INLINE std::string rank_label(const world* w);
+
+/// How one worker is named in failure messages, by its agent and by itself.
+DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid);
+
+}  // namespace detail
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/protocol-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/protocol.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/protocol.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
 DTRAIN_DETAIL_INLINE std::string failure_record::encode() const {
   std::string out;
   wire::writer(out)
@@ -14805,33 +15346,7 @@ DTRAIN_DETAIL_INLINE failure_record failure_record::decode(const std::string& ke
     return f;
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Records a failure of round `restart` unless one is recorded already: the
-/// first one is the root cause, later ones are usually its consequences.
-template <store Store>
-void record_failure(Store& store, int restart, const failure_record& failure) {
-  store.compare_set(agent_keys::failure(restart), "", failure.encode());
-}
-
-/// A worker whose training function returned 0, and how many collectives it
-/// had issued on each communicator: when a peer then fails in a later
-/// collective, the agents name this worker first (it left early), not the
-/// peer that waited for it.
-struct exit_record {
-  int rank = 0;
-  std::string label;  ///< worker_label()
-  /// Collectives issued, by communicator (its ring's name: "world", "world/split 1 (color 0)").
-  std::vector<std::pair<std::string, std::int64_t>> issued;
-
-  /// The collectives issued on `communicator` (0 when it had none).
-  [[nodiscard]] std::int64_t issued_on(std::string_view communicator) const;
-
-  [[nodiscard]] std::string encode() const;
-  [[nodiscard]] static exit_record decode(const std::string& key, std::string_view value);
-};
-
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::int64_t exit_record::issued_on(std::string_view communicator) const {
   for (const auto& [name, count] : issued) {
     if (name == communicator) return count;
@@ -14867,33 +15382,7 @@ DTRAIN_DETAIL_INLINE exit_record exit_record::decode(const std::string& key,
     return e;
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Records that a worker of round `restart` ended well, unless one did already:
-/// the first one is the one that may have left its peers waiting.
-template <store Store>
-void record_exit(Store& store, int restart, const exit_record& exit) {
-  store.compare_set(agent_keys::exited(restart), "", exit.encode());
-}
-
-/// What a node agent says about itself when it joins: every node must run
-/// the same number of workers, allow the same restarts and give the same job
-/// id (--rdzv-id).
-struct node_record {
-  std::int64_t nproc = 0;
-  std::int64_t max_restarts = 0;
-  std::string host;
-  std::int64_t pid = 0;
-  std::string rdzv_id{};  // empty: none given
-
-  /// "host:pid", how messages name the agent.
-  [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
-
-  [[nodiscard]] std::string encode() const;
-  [[nodiscard]] static node_record decode(const std::string& key, std::string_view value);
-};
-
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
   std::string out;
   wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid).bytes32(rdzv_id);
@@ -14913,12 +15402,7 @@ DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                               return n;
                             });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// A port, as the agents share the workers' MASTER_PORT.
-inline std::string encode_port(int port) { return wire::encode_int(port); }
-DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view value) {
   return wire::decode_value("store key " + key, value, "a port", [](wire::reader& r) {
     const std::int64_t port = r.i64("the port");
@@ -14928,13 +15412,7 @@ DTRAIN_DETAIL_INLINE int decode_port(const std::string& key, std::string_view va
     return static_cast<int>(port);
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// An elastic round's members: node ranks, ascending, each below `nnodes`.
-DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes);
-DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std::string_view value,
-                                                     int nnodes);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string encode_members(const std::vector<int>& nodes) {
   std::string out;
   wire::writer w(out);
@@ -14962,19 +15440,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> decode_members(const std::string& key, std
     return nodes;
   });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Where rank 0 serves the store, as it tells the other ranks through the
-/// backend's pre-store channel when no MASTER_ADDR does (inside an outcome).
-struct store_address {
-  std::string host;  ///< rank 0's host name
-  int port = 0;      ///< the port it listens on
-
-  [[nodiscard]] std::string encode() const;
-  [[nodiscard]] static store_address decode(std::string_view value);
-};
-
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string store_address::encode() const {
   std::string out;
   wire::writer(out).bytes32(host).i64(port);
@@ -14994,29 +15460,22 @@ DTRAIN_DETAIL_INLINE store_address store_address::decode(std::string_view value)
         return a;
       });
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// How a worker prefixes the lines it prints: "[rank 3/8]", or what is known of it.
-DTRAIN_DETAIL_INLINE std::string rank_label(const world* w);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string rank_label(const world* w) {
   if (w == nullptr || !w->rank) return "[rank ?]";
   return "[rank " + std::to_string(*w->rank) + "/" +
          (w->world_size ? std::to_string(*w->world_size) : "?") + "]";
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// How one worker is named in failure messages, by its agent and by itself.
-DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local_rank, long pid) {
   return "rank " + std::to_string(rank) + " (node " + std::to_string(node_rank) + ", local rank " +
          std::to_string(local_rank) + ", pid " + std::to_string(pid) + ")";
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
+// ---- end dtrain/launch/protocol-inl.hpp ----
+#endif
 // ---- end dtrain/launch/protocol.hpp ----
 
 #include <algorithm>
@@ -15055,16 +15514,6 @@ struct diagnostics_options {
   [[nodiscard]] diagnostics_options with_env(const environment& env) const;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE diagnostics_options
-diagnostics_options::with_env(const environment& env) const {
-  diagnostics_options out = *this;
-  if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
-  if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 namespace detail {
 
 /// The eventfd that SIGUSR1 wakes (-1: none). A plain atomic int, so the
@@ -15072,15 +15521,6 @@ namespace detail {
 inline std::atomic<int> diagnostics_signal_fd{-1};
 
 DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int) {
-  const int saved = errno;
-  const int fd = diagnostics_signal_fd.load();
-  const std::uint64_t one = 1;
-  if (fd >= 0) (void)!::write(fd, &one, sizeof one);
-  errno = saved;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One rank's part: a thread that publishes this rank's ring whenever a round
 /// is asked for, and explain(), which asks for one and returns its summary.
@@ -15143,7 +15583,39 @@ class rank_diagnostics {
   std::thread thread_;  // last: starts once everything above exists
 };
 
+}  // namespace detail
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/diagnostics-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/diagnostics.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics.hpp, not this file.
+
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE diagnostics_options
+diagnostics_options::with_env(const environment& env) const {
+  diagnostics_options out = *this;
+  if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
+  if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
+  return out;
+}
+}  // namespace dtrain
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int) {
+  const int saved = errno;
+  const int fd = diagnostics_signal_fd.load();
+  const std::uint64_t one = 1;
+  if (fd >= 0) (void)!::write(fd, &one, sizeof one);
+  errno = saved;
+}
+
 DTRAIN_DETAIL_INLINE rank_diagnostics::rank_diagnostics(
     const std::string& host, int port, store_options store, std::string prefix, int rank, int size,
     std::shared_ptr<collective_ring> ring, std::string name, diagnostics_options options)
@@ -15289,10 +15761,11 @@ DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
     }
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
+// ---- end dtrain/diagnostics-inl.hpp ----
+#endif
 // ---- end dtrain/diagnostics.hpp ----
 // ---- begin dtrain/env/device.hpp ----
 /// @file
@@ -15323,7 +15796,33 @@ namespace dtrain {
 [[nodiscard]] DTRAIN_DETAIL_INLINE int select_device(
     int local_rank, int local_world_size, int visible,
     std::optional<std::string_view> cuda_visible_devices);
+
+/// What this process can give workers: the CUDA devices it sees and the CPU
+/// cores it may run on.
+struct local_devices {
+  int gpus = 0;
+  int cpus = 1;
+};
+
+/// Counts this process's devices: the GPUs through the CUDA driver
+/// (libcuda.so.1, loaded at run time, so that no program links it; it applies
+/// CUDA_VISIBLE_DEVICES), 0 without a driver or a device; the cores from the
+/// affinity mask (taskset, cgroup cpusets), at least 1. Initialises the
+/// driver in this process (cuInit), as cudaGetDeviceCount does.
+[[nodiscard]] DTRAIN_DETAIL_INLINE local_devices count_local_devices();
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/device-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/device.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/device.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int visible,
                                        std::optional<std::string_view> cuda_visible_devices) {
   const std::string cvd = cuda_visible_devices
@@ -15347,22 +15846,7 @@ DTRAIN_DETAIL_INLINE int select_device(int local_rank, int local_world_size, int
                      "): expose one GPU per rank (the launcher's per-task binding) or all of them, "
                      "or start no more ranks per node than it has GPUs");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// What this process can give workers: the CUDA devices it sees and the CPU
-/// cores it may run on.
-struct local_devices {
-  int gpus = 0;
-  int cpus = 1;
-};
-
-/// Counts this process's devices: the GPUs through the CUDA driver
-/// (libcuda.so.1, loaded at run time, so that no program links it; it applies
-/// CUDA_VISIBLE_DEVICES), 0 without a driver or a device; the cores from the
-/// affinity mask (taskset, cgroup cpusets), at least 1. Initialises the
-/// driver in this process (cuInit), as cudaGetDeviceCount does.
-[[nodiscard]] DTRAIN_DETAIL_INLINE local_devices count_local_devices();
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE local_devices count_local_devices() {
   local_devices found;
   // Kept loaded: the driver, once initialised, must not be unloaded under its threads.
@@ -15385,9 +15869,10 @@ DTRAIN_DETAIL_INLINE local_devices count_local_devices() {
   }
   return found;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/env/device-inl.hpp ----
+#endif
 // ---- end dtrain/env/device.hpp ----
 // ---- begin dtrain/env/discover.hpp ----
 /// @file
@@ -15459,7 +15944,24 @@ class hostlist {
   std::vector<pattern> patterns_;
 };
 
+/// Expands Slurm's tasks-per-node notation (`2(x3),1` → 2,2,2,1). `what`
+/// names it in messages; config_error past `limit` nodes.
+DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text,
+                                                           const std::string& what,
+                                                           std::size_t limit = 1u << 20);
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/hostlist-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/hostlist.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/hostlist.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE hostlist hostlist::parse(std::string_view text, const std::string& what) {
   hostlist list;
   if (text.empty()) throw config_error(what + " is an empty host list");
@@ -15594,14 +16096,7 @@ DTRAIN_DETAIL_INLINE auto hostlist::parse_pattern(std::string_view text, const s
   }
   return p;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Expands Slurm's tasks-per-node notation (`2(x3),1` → 2,2,2,1). `what`
-/// names it in messages; config_error past `limit` nodes.
-DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text,
-                                                           const std::string& what,
-                                                           std::size_t limit = 1u << 20);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text,
                                                            const std::string& what,
                                                            std::size_t limit) {
@@ -15636,9 +16131,10 @@ DTRAIN_DETAIL_INLINE std::vector<int> parse_tasks_per_node(std::string_view text
   }
   return counts;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/detail/hostlist-inl.hpp ----
+#endif
 // ---- end dtrain/detail/hostlist.hpp ----
 
 #include <array>
@@ -15691,7 +16187,85 @@ struct observation {
 /// Reads NAME_RANK/NAME_SIZE-style pairs: both or neither.
 DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation& o,
                                              std::string_view rank_var, std::string_view size_var);
+
+/// env:// — torchrun, dtrun, Azure ML PyTorch jobs, Kubeflow PyTorchJob. Also
+/// loose LOCAL_RANK / NODE_RANK, which other launchers' users often export.
+DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env);
+
+/// Hugging Face style `--local_rank=N`, `--local_rank N`, `--local-rank=N`,
+/// `--local-rank N` (the old torch.distributed.launch without --use_env).
+/// `args` excludes the program name; scanning stops at `--`.
+DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
+    std::span<const std::string_view> args);
+
+/// The variables of a launcher that states rank, size, local rank and local size.
+struct rank_variables {
+  std::string_view rank, size, local_rank, local_size;
+};
+
+/// Reads a launcher that states rank, size, local rank and local size.
+DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
+                                            const rank_variables& names);
+
+/// Open MPI's mpirun. OMPI_COMM_WORLD_NODE_RANK is deliberately not read: it
+/// is the rank among this node's processes (like the local rank), not the
+/// node's index, and Open MPI gives no node index at all. Open MPI 4 exports
+/// the number of nodes in the job's map as OMPI_MCA_orte_num_nodes.
+DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env);
+
+/// MPICH / Intel MPI (Hydra). No node index or node count.
+DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env);
+
+/// The first of `names` that is set, with its name.
+DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
+    const environment& env, std::initializer_list<std::string_view> names);
+
+/// srun. Only inside a job step (SLURM_STEP_ID set): a batch script carries
+/// the allocation's SLURM_NTASKS too, but it is one process, and believing
+/// otherwise would wait forever for ranks that never start. Step-level
+/// variables win over job-level ones, which describe the whole allocation.
+DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env);
+
+/// horovodrun. HOROVOD_CROSS_RANK is the rank among the processes that share
+/// this local rank; it is the node index only for local rank 0, or when
+/// every node runs the same number of processes (SIZE = LOCAL_SIZE × CROSS_SIZE).
+DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env);
+
+/// The member `key` of `obj` when it has the expected kind; nullptr when absent.
+DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
+                                                    json::value::kind kind,
+                                                    const std::string& where);
+
+/// TF_CONFIG: {"cluster": {"chief": [...], "worker": [...], "ps": [...],
+/// "evaluator": [...]}, "task": {"type": ..., "index": ...}}. Data-parallel
+/// ranks are the chief (TF1's "master" too) then the workers; ps and
+/// evaluator tasks get their role and no rank.
+DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env);
+
+/// The master named outright: MASTER_ADDR / MASTER_PORT, Azure's
+/// AZ_BATCH_MASTER_NODE (addr:port, multi-node) and AZ_BATCHAI_MPI_MASTER_NODE
+/// (addr, single node). Every source that is set must agree.
+struct explicit_master {
+  std::optional<sourced_text> addr;
+  std::optional<sourced_int> port;
+};
+
+DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env);
+
+}  // namespace detail
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/launchers-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/launchers.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/launchers.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
 DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation& o,
                                              std::string_view rank_var, std::string_view size_var) {
   o[field::rank] = read_int(env, rank_var);
@@ -15703,12 +16277,7 @@ DTRAIN_DETAIL_INLINE void read_rank_and_size(const environment& env, observation
                        " is not; the launcher sets both");
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// env:// — torchrun, dtrun, Azure ML PyTorch jobs, Kubeflow PyTorchJob. Also
-/// loose LOCAL_RANK / NODE_RANK, which other launchers' users often export.
-DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   observation o;
   o.source = launcher::env;
@@ -15732,14 +16301,7 @@ DTRAIN_DETAIL_INLINE observation read_env_url(const environment& env) {
   }
   return o;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Hugging Face style `--local_rank=N`, `--local_rank N`, `--local-rank=N`,
-/// `--local-rank N` (the old torch.distributed.launch without --use_env).
-/// `args` excludes the program name; scanning stops at `--`.
-DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
-    std::span<const std::string_view> args);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
     std::span<const std::string_view> args) {
   std::optional<sourced_int> found;
@@ -15765,17 +16327,7 @@ DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_argv_local_rank(
   }
   return found;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The variables of a launcher that states rank, size, local rank and local size.
-struct rank_variables {
-  std::string_view rank, size, local_rank, local_size;
-};
-
-/// Reads a launcher that states rank, size, local rank and local size.
-DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
-                                            const rank_variables& names);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher source,
                                             const rank_variables& names) {
   observation o;
@@ -15785,14 +16337,7 @@ DTRAIN_DETAIL_INLINE observation read_ranks(const environment& env, launcher sou
   o[field::local_world_size] = read_int(env, names.local_size);
   return o;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Open MPI's mpirun. OMPI_COMM_WORLD_NODE_RANK is deliberately not read: it
-/// is the rank among this node's processes (like the local rank), not the
-/// node's index, and Open MPI gives no node index at all. Open MPI 4 exports
-/// the number of nodes in the job's map as OMPI_MCA_orte_num_nodes.
-DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env) {
   observation o = read_ranks(env, launcher::open_mpi,
                              {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -15800,21 +16345,12 @@ DTRAIN_DETAIL_INLINE observation read_open_mpi(const environment& env) {
   if (o[field::rank]) o[field::num_nodes] = read_int(env, "OMPI_MCA_orte_num_nodes");
   return o;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// MPICH / Intel MPI (Hydra). No node index or node count.
-DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_hydra(const environment& env) {
   return read_ranks(env, launcher::hydra,
                     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The first of `names` that is set, with its name.
-DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
-    const environment& env, std::initializer_list<std::string_view> names);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>> first_set(
     const environment& env, std::initializer_list<std::string_view> names) {
   for (auto name : names) {
@@ -15822,14 +16358,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::pair<std::string_view, std::string_view>
   }
   return std::nullopt;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// srun. Only inside a job step (SLURM_STEP_ID set): a batch script carries
-/// the allocation's SLURM_NTASKS too, but it is one process, and believing
-/// otherwise would wait forever for ranks that never start. Step-level
-/// variables win over job-level ones, which describe the whole allocation.
-DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env) {
   observation o;
   o.source = launcher::slurm;
@@ -15894,13 +16423,7 @@ DTRAIN_DETAIL_INLINE observation read_slurm(const environment& env) {
   }
   return o;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// horovodrun. HOROVOD_CROSS_RANK is the rank among the processes that share
-/// this local rank; it is the node index only for local rank 0, or when
-/// every node runs the same number of processes (SIZE = LOCAL_SIZE × CROSS_SIZE).
-DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env) {
   observation o =
       read_ranks(env, launcher::horovod,
@@ -15921,13 +16444,7 @@ DTRAIN_DETAIL_INLINE observation read_horovod(const environment& env) {
   }
   return o;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The member `key` of `obj` when it has the expected kind; nullptr when absent.
-DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
-                                                    json::value::kind kind,
-                                                    const std::string& where);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std::string_view key,
                                                     json::value::kind kind,
                                                     const std::string& where) {
@@ -15938,14 +16455,7 @@ DTRAIN_DETAIL_INLINE const json::value* json_member(const json::value& obj, std:
   }
   return v;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// TF_CONFIG: {"cluster": {"chief": [...], "worker": [...], "ps": [...],
-/// "evaluator": [...]}, "task": {"type": ..., "index": ...}}. Data-parallel
-/// ranks are the chief (TF1's "master" too) then the workers; ps and
-/// evaluator tasks get their role and no rank.
-DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env) {
   observation o;
   auto text = env.get("TF_CONFIG");
@@ -16031,18 +16541,7 @@ DTRAIN_DETAIL_INLINE observation read_tf_config(const environment& env) {
   if (hp.port) o.fallback_port = sourced_int{*hp.port, what};
   return o;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// The master named outright: MASTER_ADDR / MASTER_PORT, Azure's
-/// AZ_BATCH_MASTER_NODE (addr:port, multi-node) and AZ_BATCHAI_MPI_MASTER_NODE
-/// (addr, single node). Every source that is set must agree.
-struct explicit_master {
-  std::optional<sourced_text> addr;
-  std::optional<sourced_int> port;
-};
-
-DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env) {
   explicit_master m;
   agree(m.addr, read_text(env, "MASTER_ADDR"), "the master address");
@@ -16056,10 +16555,11 @@ DTRAIN_DETAIL_INLINE explicit_master read_explicit_master(const environment& env
   agree(m.addr, read_text(env, "AZ_BATCHAI_MPI_MASTER_NODE"), "the master address");
   return m;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 }  // namespace dtrain
+// ---- end dtrain/env/launchers-inl.hpp ----
+#endif
 // ---- end dtrain/env/launchers.hpp ----
 
 #include <array>
@@ -16102,7 +16602,58 @@ inline void agree(observation& into, field f, const std::optional<sourced_int>& 
 DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& env,
                                                              const observation& env_url,
                                                              std::string& notes);
+
+/// Reconciles the launchers: the first is this process's own; another with
+/// the same process count must agree field by field; one with a different
+/// count is accepted only as an outer launcher that ran one process per node
+/// (torchrun under srun, a node agent under mpirun), and is then not used.
+DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes);
+
+DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary);
+
+inline std::string not_below(const sourced_int& lower, const sourced_int& upper) {
+  return lower.origin + " is not below " + upper.origin;
+}
+
+/// Derives what follows for certain and checks what must hold.
+DTRAIN_DETAIL_INLINE void complete_and_check(observation& o);
+
+DTRAIN_DETAIL_INLINE world to_world(const observation& o);
+
+DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
+                                                std::span<const std::string_view> args,
+                                                std::string& notes);
+
+DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
+                                             std::span<const std::string_view> args,
+                                             const discover_options& opt, std::string& notes);
+
+}  // namespace detail
+
+/// Who this process is, from `env` and `args` (argv without the program
+/// name). Throws config_error naming every variable involved, with its value,
+/// when a value is malformed or two sources disagree. Never blocks.
+[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
+                                                        std::span<const std::string_view> args = {},
+                                                        const discover_options& options = {});
+
+/// Same, from the process's own environment and main()'s argc/argv.
+[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
+                                                        const discover_options& options = {});
+
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/env/discover-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/env/discover.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/env/discover.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
 DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& env,
                                                              const observation& env_url,
                                                              std::string& notes) {
@@ -16119,14 +16670,7 @@ DTRAIN_DETAIL_INLINE std::vector<observation> read_launchers(const environment& 
   keep(read_slurm(env));
   return found;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Reconciles the launchers: the first is this process's own; another with
-/// the same process count must agree field by field; one with a different
-/// count is accepted only as an outer launcher that ran one process per node
-/// (torchrun under srun, a node agent under mpirun), and is then not used.
-DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, std::string& notes) {
   observation primary = std::move(launchers.front());
   for (std::size_t i = 1; i < launchers.size(); ++i) {
@@ -16156,10 +16700,7 @@ DTRAIN_DETAIL_INLINE observation reconcile(std::vector<observation> launchers, s
   }
   return primary;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env, const observation& primary);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env,
                                       const observation& primary) {
   auto m = read_explicit_master(env);
@@ -16174,15 +16715,7 @@ DTRAIN_DETAIL_INLINE void fill_master(world& w, const environment& env,
     w.origins[static_cast<std::size_t>(field::master_port)] = port->origin;
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-inline std::string not_below(const sourced_int& lower, const sourced_int& upper) {
-  return lower.origin + " is not below " + upper.origin;
-}
-
-/// Derives what follows for certain and checks what must hold.
-DTRAIN_DETAIL_INLINE void complete_and_check(observation& o);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void complete_and_check(observation& o) {
   const auto& ws = o[field::world_size];
   const auto& ls = o[field::local_world_size];
@@ -16224,10 +16757,7 @@ DTRAIN_DETAIL_INLINE void complete_and_check(observation& o) {
                        ws->origin);
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE world to_world(const observation& o);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE world to_world(const observation& o) {
   world w;
   w.source = o.source;
@@ -16242,12 +16772,7 @@ DTRAIN_DETAIL_INLINE world to_world(const observation& o) {
   }
   return w;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
-                                                std::span<const std::string_view> args,
-                                                std::string& notes);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
                                                 std::span<const std::string_view> args,
                                                 std::string& notes) {
@@ -16283,12 +16808,7 @@ DTRAIN_DETAIL_INLINE world discover_per_process(const environment& env,
   fill_master(w, env, o);
   return w;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
-                                             std::span<const std::string_view> args,
-                                             const discover_options& opt, std::string& notes);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
                                              std::span<const std::string_view> args,
                                              const discover_options& opt, std::string& notes) {
@@ -16360,17 +16880,11 @@ DTRAIN_DETAIL_INLINE world discover_per_node(const environment& env,
   fill_master(w, env, node);
   return w;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
-
 }  // namespace detail
+}  // namespace dtrain
 
-/// Who this process is, from `env` and `args` (argv without the program
-/// name). Throws config_error naming every variable involved, with its value,
-/// when a value is malformed or two sources disagree. Never blocks.
-[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
-                                                        std::span<const std::string_view> args = {},
-                                                        const discover_options& options = {});
-#if DTRAIN_DETAIL_BODIES()
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
                                           std::span<const std::string_view> args,
                                           const discover_options& options) {
@@ -16381,21 +16895,17 @@ DTRAIN_DETAIL_INLINE world discover_world(const environment& env,
   w.notes = std::move(notes);
   return w;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Same, from the process's own environment and main()'s argc/argv.
-[[nodiscard]] DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
-                                                        const discover_options& options = {});
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE world discover_world(int argc, const char* const* argv,
                                           const discover_options& options) {
   std::vector<std::string_view> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
   return discover_world(environment::from_process(), args, options);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/env/discover-inl.hpp ----
+#endif
 // ---- end dtrain/env/discover.hpp ----
 // ---- begin dtrain/launch/agent.hpp ----
 /// @file
@@ -16444,13 +16954,6 @@ inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
 
 /// Takes a pending SIGUSR1 request: true once per request.
 [[nodiscard]] DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
-  if (agent_diagnostics_requests == 0) return false;
-  agent_diagnostics_requests = 0;
-  return true;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
 /// them to the workers, and SIGUSR1, which it forwards without stopping them
@@ -16468,7 +16971,24 @@ class agent_signal_scope {
   struct sigaction previous_usr1_ {};
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/signals-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/signals.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/signals.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
+  if (agent_diagnostics_requests == 0) return false;
+  agent_diagnostics_requests = 0;
+  return true;
+}
+
 DTRAIN_DETAIL_INLINE agent_signal_scope::agent_signal_scope() {
   agent_signal = 0;
   struct sigaction sa {};
@@ -16484,9 +17004,10 @@ DTRAIN_DETAIL_INLINE agent_signal_scope::~agent_signal_scope() {
   for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
   ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/launch/signals-inl.hpp ----
+#endif
 // ---- end dtrain/launch/signals.hpp ----
 // ---- begin dtrain/rendezvous/server.hpp ----
 /// @file
@@ -16632,7 +17153,18 @@ class kv_state {
   by_key<std::vector<const kv_waiter*>> waiters_;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/kv_state-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/kv_state.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/kv_state.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE kv_state::watch::~watch() {
   for (const auto& k : keys_) {
     auto it = state_->waiters_.find(k);
@@ -16717,9 +17249,10 @@ DTRAIN_DETAIL_INLINE store_refusal kv_state::over_capacity(const char* what, std
                        std::to_string(stored_) + " bytes and its cap is " + std::to_string(cap_) +
                        " (store_limits::max_stored_bytes, DTRAIN_STORE_MAX_BYTES)");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/kv_state-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/kv_state.hpp ----
 // ---- begin dtrain/rendezvous/reactor.hpp ----
 /// @file
@@ -16951,7 +17484,18 @@ class reactor {
   std::deque<wait_slot*> ready_;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/reactor-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/reactor.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/reactor.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE reactor::reactor()
     : epoll_(DTRAIN_SYSCALL(::epoll_create1(EPOLL_CLOEXEC))),
       wakeup_(DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK))) {
@@ -17083,9 +17627,10 @@ DTRAIN_DETAIL_INLINE void reactor::drain_ready() {
     if (h) h.resume();
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/reactor-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/reactor.hpp ----
 // ---- begin dtrain/rendezvous/server_connection.hpp ----
 /// @file
@@ -17140,41 +17685,11 @@ class byte_budget {
   std::deque<wait_slot*> waiters_;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool byte_budget::try_take(std::uint64_t n) {
-  const std::uint64_t used = used_.load();
-  if (n > cap_ - used) return false;
-  used_.store(used + n);
-  return true;
-}
-
-DTRAIN_DETAIL_INLINE void byte_budget::give_back(reactor& r, std::uint64_t n) {
-  const std::uint64_t used = used_.load();
-  used_.store(used - std::min(n, used));
-  for (wait_slot* s : waiters_) r.wake_up(*s);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// The connections the server can hold: its option, lowered to what the
 /// descriptor limit leaves after `reserve` descriptors for everything else.
 /// Raises the soft RLIMIT_NOFILE towards the hard limit first, as servers
 /// that expect thousands of clients do.
 DTRAIN_DETAIL_INLINE std::size_t connection_capacity(std::size_t wanted, std::size_t reserve = 64);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::size_t connection_capacity(std::size_t wanted, std::size_t reserve) {
-  rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return wanted;
-  const rlim_t need = static_cast<rlim_t>(wanted + reserve);
-  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < need) {
-    rlimit raised = lim;
-    raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? need : std::min(need, lim.rlim_max);
-    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
-  }
-  if (lim.rlim_cur == RLIM_INFINITY) return wanted;
-  const auto limit = static_cast<std::size_t>(lim.rlim_cur);
-  return std::min(wanted, limit > reserve ? limit - reserve : std::size_t{1});
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One descriptor kept open so that, when accept() fails for lack of
 /// descriptors, the server can still take the pending connection off the
@@ -17190,16 +17705,6 @@ class spare_descriptor {
   unique_fd fd_;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool spare_descriptor::refuse_one(int listener) {
-  fd_.reset();
-  int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd >= 0) ::close(fd);
-  open();
-  return fd >= 0;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// Why the server closed or refused a connection.
 enum class rejection : std::uint8_t {
   over_connection_cap,
@@ -17212,20 +17717,6 @@ enum class rejection : std::uint8_t {
 };
 
 DTRAIN_DETAIL_INLINE const char* describe(rejection r);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE const char* describe(rejection r) {
-  switch (r) {
-    case rejection::over_connection_cap: return "over the connection cap";
-    case rejection::out_of_descriptors: return "out of file descriptors";
-    case rejection::handshake: return "failed handshake";
-    case rejection::protocol: return "protocol violation";
-    case rejection::idle: return "idle";
-    case rejection::broken: return "broken while waiting";
-    case rejection::count_: break;
-  }
-  return "?";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Logs the first few rejections of each period in full and the rest as one
 /// summary line per period, so a flood costs a few lines, not one per
@@ -17249,7 +17740,66 @@ class rejection_log {
   clock::time_point since_ = clock::now();
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/server_limits-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/server_limits.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/server_limits.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE bool byte_budget::try_take(std::uint64_t n) {
+  const std::uint64_t used = used_.load();
+  if (n > cap_ - used) return false;
+  used_.store(used + n);
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE void byte_budget::give_back(reactor& r, std::uint64_t n) {
+  const std::uint64_t used = used_.load();
+  used_.store(used - std::min(n, used));
+  for (wait_slot* s : waiters_) r.wake_up(*s);
+}
+
+DTRAIN_DETAIL_INLINE std::size_t connection_capacity(std::size_t wanted, std::size_t reserve) {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return wanted;
+  const rlim_t need = static_cast<rlim_t>(wanted + reserve);
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < need) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? need : std::min(need, lim.rlim_max);
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  if (lim.rlim_cur == RLIM_INFINITY) return wanted;
+  const auto limit = static_cast<std::size_t>(lim.rlim_cur);
+  return std::min(wanted, limit > reserve ? limit - reserve : std::size_t{1});
+}
+
+DTRAIN_DETAIL_INLINE bool spare_descriptor::refuse_one(int listener) {
+  fd_.reset();
+  int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd >= 0) ::close(fd);
+  open();
+  return fd >= 0;
+}
+
+DTRAIN_DETAIL_INLINE const char* describe(rejection r) {
+  switch (r) {
+    case rejection::over_connection_cap: return "over the connection cap";
+    case rejection::out_of_descriptors: return "out of file descriptors";
+    case rejection::handshake: return "failed handshake";
+    case rejection::protocol: return "protocol violation";
+    case rejection::idle: return "idle";
+    case rejection::broken: return "broken while waiting";
+    case rejection::count_: break;
+  }
+  return "?";
+}
+
 DTRAIN_DETAIL_INLINE bool rejection_log::note(rejection r) {
   ++counts_[static_cast<std::size_t>(r)];
   ++total_;
@@ -17280,9 +17830,10 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> rejection_log::summary(clock::ti
   since_ = now;
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/server_limits-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/server_limits.hpp ----
 
 #include <algorithm>
@@ -17322,14 +17873,6 @@ class held_bytes {
   reactor& reactor_;
   std::uint64_t n_ = 0;
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void held_bytes::release() {
-  if (n_ == 0) return;
-  budget_.give_back(reactor_, n_);
-  n_ = 0;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// What a look at a waiting client's socket found.
 enum class hangup {
@@ -17395,7 +17938,24 @@ class server_connection {
   kv_waiter waiter_;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/server_connection-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/server_connection.hpp: included by it in
+/// header-only mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/server_connection.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE void held_bytes::release() {
+  if (n_ == 0) return;
+  budget_.give_back(reactor_, n_);
+  n_ = 0;
+}
+
 DTRAIN_DETAIL_INLINE server_connection::server_connection(reactor& r, byte_budget& budget,
                                                           unique_fd fd, std::string peer,
                                                           std::chrono::milliseconds io_timeout)
@@ -17504,9 +18064,10 @@ DTRAIN_DETAIL_INLINE void server_connection::say_goodbye() {
   auto frame = wire::frame(body);
   (void)!::send(fd_.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/server_connection-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/server_connection.hpp ----
 
 #include <algorithm>
@@ -17623,7 +18184,18 @@ class store_operations {
   std::atomic<std::size_t> waiting_{0};         // connections suspended in wait_for
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/operations-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/operations.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/operations.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE task<std::string> store_operations::handle(
     store_request& q) {  // not a coroutine: runs the handler's
   const std::uint8_t code = q.fields.u8("op");
@@ -17787,9 +18359,10 @@ DTRAIN_DETAIL_INLINE task<bool> store_operations::wait_for(store_request& q,
     }
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/rendezvous/operations-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/operations.hpp ----
 
 #include <algorithm>
@@ -17944,7 +18517,18 @@ class store_server {
   std::thread thread_;  // last: starts once everything above exists
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/rendezvous/server-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/rendezvous/server.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/rendezvous/server.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE store_server::store_server(std::string address, int port,
                                                 store_options options)
     : address_(std::move(address)),
@@ -18225,9 +18809,10 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {
   co_await c.io.write_all(detail::wire::frame(reply));
   co_return true;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/rendezvous/server-inl.hpp ----
+#endif
 // ---- end dtrain/rendezvous/server.hpp ----
 
 #include <chrono>
@@ -18250,32 +18835,9 @@ inline constexpr std::chrono::milliseconds agent_poll_interval{20};
 /// A port nobody listens on now (it may be taken before it is used: the
 /// same race torchrun accepts for --standalone).
 DTRAIN_DETAIL_INLINE int pick_free_port();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int pick_free_port() {
-  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof addr;
-  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
-  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
-  return ntohs(addr.sin_port);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// "2" for 2 s, "0.5" for 500 ms: a duration as a user would have written it.
 DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t) {
-  std::string text = std::to_string(t.count() / 1000);
-  if (auto ms = t.count() % 1000; ms != 0) {
-    std::string frac = std::to_string(1000 + ms).substr(1);
-    while (frac.back() == '0') frac.pop_back();
-    text += "." + frac;
-  }
-  return text;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The agents' summary of a round's first failure. When the failing worker
 /// gave up a collective that a worker which had already ended well never
@@ -18283,22 +18845,6 @@ DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t) {
 /// and the failure is the consequence.
 DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
                                                   const std::optional<exit_record>& first_exit);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
-                                                  const std::optional<exit_record>& first_exit) {
-  if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
-      first_exit->rank == failure.rank) {
-    return failure.message;
-  }
-  const std::int64_t issued = first_exit->issued_on(failure.communicator);
-  if (issued >= failure.collective) return failure.message;
-  return first_exit->label + " exited with status 0 after " + std::to_string(issued) +
-         " collective" + (issued == 1 ? "" : "s") +
-         (failure.communicator == "world" ? "" : " on communicator " + failure.communicator) +
-         " while rank " + std::to_string(failure.rank) + " waited in collective #" +
-         std::to_string(failure.collective) + "; then " + failure.message;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Every agent bumps its counter about once a second and watches the
 /// others': a node whose agent died (and with it its workers) is noticed
@@ -18325,30 +18871,6 @@ class heartbeat {
   std::chrono::steady_clock::time_point last_{};
   int silent_ = 0;
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, int me,
-                                                         std::chrono::milliseconds limit) {
-  auto now = std::chrono::steady_clock::now();
-  if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
-  last_ = now;
-  std::optional<int> first;
-  silent_ = 0;
-  for (std::size_t i = 0; i < nodes_.size(); ++i) {
-    const int n = nodes_[i];
-    if (n == me) continue;
-    std::int64_t beat = store.add(agent_keys::beat(n), 0);
-    if (beat != seen_[i]) {
-      seen_[i] = beat;
-      since_[i] = now;
-    } else if (now - since_[i] > limit) {
-      if (!first) first = n;
-      ++silent_;
-    }
-  }
-  return first;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// One agent's connection to the job's store, which node 0's agent also
 /// serves. Every wait is bounded by the store timeout and ends early when a
@@ -18492,7 +19014,76 @@ class agent_store {
   std::chrono::steady_clock::time_point last_beat_{};
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/agent_store-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/agent_store.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/agent_store.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE int pick_free_port() {
+  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
+  return ntohs(addr.sin_port);
+}
+
+DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
+}
+
+DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
+                                                  const std::optional<exit_record>& first_exit) {
+  if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
+      first_exit->rank == failure.rank) {
+    return failure.message;
+  }
+  const std::int64_t issued = first_exit->issued_on(failure.communicator);
+  if (issued >= failure.collective) return failure.message;
+  return first_exit->label + " exited with status 0 after " + std::to_string(issued) +
+         " collective" + (issued == 1 ? "" : "s") +
+         (failure.communicator == "world" ? "" : " on communicator " + failure.communicator) +
+         " while rank " + std::to_string(failure.rank) + " waited in collective #" +
+         std::to_string(failure.collective) + "; then " + failure.message;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, int me,
+                                                         std::chrono::milliseconds limit) {
+  auto now = std::chrono::steady_clock::now();
+  if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+  last_ = now;
+  std::optional<int> first;
+  silent_ = 0;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const int n = nodes_[i];
+    if (n == me) continue;
+    std::int64_t beat = store.add(agent_keys::beat(n), 0);
+    if (beat != seen_[i]) {
+      seen_[i] = beat;
+      since_[i] = now;
+    } else if (now - since_[i] > limit) {
+      if (!first) first = n;
+      ++silent_;
+    }
+  }
+  return first;
+}
+
 DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
   client_.add(key, 1);
   wait_for([&] { return client_.add(key, 0) >= round_size_; }, what);
@@ -18651,9 +19242,10 @@ DTRAIN_DETAIL_INLINE std::optional<exit_record> agent_store::first_exit(int rest
     return std::nullopt;
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/launch/agent_store-inl.hpp ----
+#endif
 // ---- end dtrain/launch/agent_store.hpp ----
 // ---- begin dtrain/launch/options.hpp ----
 /// @file
@@ -18690,23 +19282,6 @@ namespace detail {
 /// "N" and for "N:N" (not elastic). `origin` names the value in errors.
 DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
                                                                          std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
-                                                                         std::string_view text) {
-  const std::size_t colon = text.find(':');
-  if (colon == std::string_view::npos) {
-    const int n = parse_non_negative(origin, text);
-    if (n < 1) throw config_error(origin + " must be at least 1 (nodes)");
-    return {std::nullopt, n};
-  }
-  const int least = parse_non_negative(origin + " (MIN)", text.substr(0, colon));
-  const int most = parse_non_negative(origin + " (MAX)", text.substr(colon + 1));
-  if (least < 1 || least > most) {
-    throw config_error(origin + ": MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
-  }
-  return {least < most ? std::optional<int>(least) : std::nullopt, most};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Parses workers per node as torchrun's --nproc-per-node takes them: a
 /// positive integer; `gpu`, the CUDA devices this process sees (config_error
@@ -18716,68 +19291,17 @@ DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const s
 DTRAIN_DETAIL_INLINE sourced_int
 parse_nproc_per_node(const std::string& origin, std::string_view text,
                      local_devices (*count)() = &count_local_devices);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
-                                                      std::string_view text,
-                                                      local_devices (*count)()) {
-  if (text == "gpu" || text == "cpu" || text == "auto") {
-    const local_devices here = count();
-    if (text == "cpu" || (text == "auto" && here.gpus == 0)) {
-      return {here.cpus, origin + " (" + std::to_string(here.cpus) + " CPU cores)"};
-    }
-    if (here.gpus == 0) {
-      throw config_error(origin +
-                         ": this process sees no CUDA device (no driver, "
-                         "or CUDA_VISIBLE_DEVICES hides them); give a number of workers, or cpu");
-    }
-    return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
-  }
-  if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos) {
-    throw config_error(origin + " is not a number of workers, gpu, cpu or auto");
-  }
-  const int n = parse_non_negative(origin, text);
-  if (n < 1) throw config_error(origin + " must be at least 1 (workers per node)");
-  return {n, origin};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Checks a rendezvous backend (torchrun's --rdzv-backend): dtrun's agents
 /// meet at node 0's store, which is c10d's way; etcd, etcd-v2 and static are
 /// refused, naming the dtrun flags that say the same.
 DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
-  if (text == "c10d") return;
-  const std::string instead =
-      "its agents meet at a store that node 0's agent serves (torchrun's c10d): "
-      "give --rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
-      "or --master-addr HOST --master-port PORT --node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, "
-      "PET_NODE_RANK)";
-  if (text == "static") {
-    throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
-  }
-  if (text == "etcd" || text == "etcd-v2") {
-    throw config_error(origin + ": dtrun has no etcd rendezvous; " + instead);
-  }
-  throw config_error(origin + " is not a rendezvous backend of dtrun's; " + instead);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Parses a c10d rendezvous endpoint (torchrun's --rdzv-endpoint), HOST[:PORT],
 /// as node 0's store: the port is default_rdzv_port (29400) when absent, and
 /// its origin says so.
 DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
     const std::string& origin, std::string_view text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
-    const std::string& origin, std::string_view text) {
-  const host_port hp = split_host_port(origin, text);
-  return {sourced_text{hp.host, origin},
-          hp.port ? sourced_int{*hp.port, origin}
-                  : sourced_int{default_rdzv_port, origin + " (c10d's default port " +
-                                                       std::to_string(default_rdzv_port) + ")"}};
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The value of an option as the variables `names` give it: parse(origin,
 /// text) of each that is set, a T or a sourced<T>. Two that are set must agree.
@@ -18872,7 +19396,87 @@ struct agent_options {
   void check() const;
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/options-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/options.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/options.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE std::pair<std::optional<int>, int> parse_node_count(const std::string& origin,
+                                                                         std::string_view text) {
+  const std::size_t colon = text.find(':');
+  if (colon == std::string_view::npos) {
+    const int n = parse_non_negative(origin, text);
+    if (n < 1) throw config_error(origin + " must be at least 1 (nodes)");
+    return {std::nullopt, n};
+  }
+  const int least = parse_non_negative(origin + " (MIN)", text.substr(0, colon));
+  const int most = parse_non_negative(origin + " (MAX)", text.substr(colon + 1));
+  if (least < 1 || least > most) {
+    throw config_error(origin + ": MIN:MAX needs 1 <= MIN <= MAX (nodes; e.g. 1:4)");
+  }
+  return {least < most ? std::optional<int>(least) : std::nullopt, most};
+}
+
+DTRAIN_DETAIL_INLINE sourced_int parse_nproc_per_node(const std::string& origin,
+                                                      std::string_view text,
+                                                      local_devices (*count)()) {
+  if (text == "gpu" || text == "cpu" || text == "auto") {
+    const local_devices here = count();
+    if (text == "cpu" || (text == "auto" && here.gpus == 0)) {
+      return {here.cpus, origin + " (" + std::to_string(here.cpus) + " CPU cores)"};
+    }
+    if (here.gpus == 0) {
+      throw config_error(origin +
+                         ": this process sees no CUDA device (no driver, "
+                         "or CUDA_VISIBLE_DEVICES hides them); give a number of workers, or cpu");
+    }
+    return {here.gpus, origin + " (" + std::to_string(here.gpus) + " GPUs)"};
+  }
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string_view::npos) {
+    throw config_error(origin + " is not a number of workers, gpu, cpu or auto");
+  }
+  const int n = parse_non_negative(origin, text);
+  if (n < 1) throw config_error(origin + " must be at least 1 (workers per node)");
+  return {n, origin};
+}
+
+DTRAIN_DETAIL_INLINE void check_rdzv_backend(const std::string& origin, std::string_view text) {
+  if (text == "c10d") return;
+  const std::string instead =
+      "its agents meet at a store that node 0's agent serves (torchrun's c10d): "
+      "give --rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
+      "or --master-addr HOST --master-port PORT --node-rank N (PET_MASTER_ADDR, PET_MASTER_PORT, "
+      "PET_NODE_RANK)";
+  if (text == "static") {
+    throw config_error(origin + ": dtrun has no static rendezvous of its own; " + instead);
+  }
+  if (text == "etcd" || text == "etcd-v2") {
+    throw config_error(origin + ": dtrun has no etcd rendezvous; " + instead);
+  }
+  throw config_error(origin + " is not a rendezvous backend of dtrun's; " + instead);
+}
+
+DTRAIN_DETAIL_INLINE std::pair<sourced_text, sourced_int> parse_rdzv_endpoint(
+    const std::string& origin, std::string_view text) {
+  const host_port hp = split_host_port(origin, text);
+  return {sourced_text{hp.host, origin},
+          hp.port ? sourced_int{*hp.port, origin}
+                  : sourced_int{default_rdzv_port, origin + " (c10d's default port " +
+                                                       std::to_string(default_rdzv_port) + ")"}};
+}
+}  // namespace detail
+}  // namespace dtrain
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& env) const {
   agent_options out = *this;
   if (auto n = detail::read_agreeing<int>(
@@ -18962,9 +19566,10 @@ DTRAIN_DETAIL_INLINE void agent_options::check() const {
   }
   if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/launch/options-inl.hpp ----
+#endif
 // ---- end dtrain/launch/options.hpp ----
 // ---- begin dtrain/launch/process.hpp ----
 /// @file
@@ -19010,62 +19615,15 @@ inline constexpr int program_not_executable_status = 126;
 
 /// "exited with status 3", "was killed by SIGKILL (signal 9)".
 DTRAIN_DETAIL_INLINE std::string describe_wait_status(int status);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string describe_wait_status(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    int sig = WTERMSIG(status);
-    const char* name = sigabbrev_np(sig);
-    return "was killed by " + (name ? "SIG" + std::string(name) : std::string("a signal")) +
-           " (signal " + std::to_string(sig) + ")";
-  }
-  return "stopped with wait status " + std::to_string(status);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The shell's convention: the exit status, or 128 + the signal.
 DTRAIN_DETAIL_INLINE int exit_code_of(int status);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Finds `program` on PATH the way execvp would, before fork (execvp itself
 /// is not async-signal-safe). Returns it unchanged when it has a '/'. Throws
 /// program_error (127 missing, 126 not executable) naming the program.
 DTRAIN_DETAIL_INLINE std::string find_program(const std::string& program,
                                               std::optional<std::string_view> path_var);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string find_program(const std::string& program,
-                                              std::optional<std::string_view> path_var) {
-  if (program.find('/') != std::string::npos) {
-    std::error_code ec;
-    if (!std::filesystem::exists(program, ec)) {
-      throw program_error("cannot run \"" + program + "\": no such file", program_missing_status);
-    }
-    if (std::filesystem::is_directory(program, ec) || ::access(program.c_str(), X_OK) != 0) {
-      throw program_error("cannot run \"" + program + "\": it is not an executable file",
-                          program_not_executable_status);
-    }
-    return program;
-  }
-  std::string path(path_var.value_or("/usr/local/bin:/usr/bin:/bin"));
-  std::size_t start = 0;
-  while (start <= path.size()) {
-    std::size_t end = path.find(':', start);
-    if (end == std::string::npos) end = path.size();
-    std::string dir = path.substr(start, end - start);
-    std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + program;
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
-    start = end + 1;
-  }
-  throw program_error("cannot run \"" + program + "\": not found on PATH=" + path,
-                      program_missing_status);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Carries the workers' output to the agent's stdout/stderr, each line
 /// prefixed with `[rank N] ` when `tee` is on, and to per-rank log files.
@@ -19116,7 +19674,150 @@ class output_relay {
   std::thread thread_;
 };
 
+/// One started worker.
+struct worker_process {
+  int rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  unique_fd exit_fd;          ///< a pidfd: readable once the worker exits (Linux 5.3+)
+  std::optional<int> status;  ///< wait status, once reaped
+};
+
+/// What a worker is started with: argv[0] is the program (found on PATH).
+struct worker_command {
+  std::vector<std::string> argv;
+  std::vector<std::string> env;  ///< NAME=value entries, the whole environment
+};
+
+/// Starts a worker. The child asks for SIGKILL when the agent's thread that
+/// forked it dies (PR_SET_PDEATHSIG), so no worker outlives its agent, and
+/// starts with every signal unblocked and default. Only async-signal-safe
+/// calls happen between fork and exec; everything is prepared before.
+DTRAIN_DETAIL_INLINE pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank);
+
+/// Makes this process the reaper of its descendants' orphans (Linux 3.4+;
+/// elsewhere nothing): what a worker started and left behind stays below the
+/// agent, which kills and reaps it, instead of escaping to init.
+DTRAIN_DETAIL_INLINE void become_subreaper() noexcept;
+
+/// Kills what is left of each worker's process group (the workers are
+/// reaped) and reaps those of them that were orphaned to this subreaper,
+/// waiting at most `limit` for SIGKILL to take effect.
+DTRAIN_DETAIL_INLINE void kill_leftovers(std::vector<worker_process>& workers,
+                                         std::chrono::milliseconds limit);
+
+/// A small child of the agent that outlives it by a moment: when the agent
+/// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
+/// every worker's process group. PR_SET_PDEATHSIG reaches only the workers
+/// themselves; this reaches what they started. One per restart round
+/// (agent_round), forked before the round's relay starts its thread; the
+/// child only ever makes async-signal-safe calls, so the store's thread may
+/// run in the agent meanwhile.
+class worker_warden {
+ public:
+  /// Starts the warden for up to `slots` workers at a time (one per local rank).
+  explicit worker_warden(int slots);
+  worker_warden(const worker_warden&) = delete;
+  worker_warden& operator=(const worker_warden&) = delete;
+  /// The agent ends normally: it stopped its workers itself, so the warden
+  /// goes without killing anything (a group id may be reused by now).
+  ~worker_warden();
+
+  /// Tells the warden that local rank `slot` now runs in process group `pgid`.
+  void guard(int slot, pid_t pgid) noexcept;
+
+ private:
+  // The agent's other descriptors, the store's sockets among them (the warden
+  // is forked while the store runs): held here, a connection the store closes
+  // would stay open for its peer until the round ends. Kernels before 5.9 keep them.
+  static void close_inherited(int keep) noexcept;
+
+  [[noreturn]] void watch(int fd) noexcept;
+
+  std::vector<pid_t> groups_;  // allocated before fork: the child only writes into it
+  pid_t pid_ = -1;
+  unique_fd pipe_;
+};
+
+/// A pidfd for `pid`, or an empty one where the kernel has none.
+inline unique_fd open_exit_fd(pid_t pid) {
+  return unique_fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+}
+
+/// Waits up to `timeout` for a worker to exit and reaps whichever have.
+/// Returns the workers reaped in this call, in the order their exits were
+/// seen: the agent wakes the moment the first one exits, so the first
+/// failure reported is the root cause, not a peer that failed because of it.
+DTRAIN_DETAIL_INLINE std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
+                                                              std::chrono::milliseconds timeout);
+
+/// Signals a worker's process group (the worker and what it started), or the
+/// worker alone if it has left its group.
+inline void signal_group(pid_t pid, int sig) {
+  if (::killpg(pid, sig) != 0) ::kill(pid, sig);
+}
+
+/// Sends `sig` to the live workers, waits up to `grace` for them to exit,
+/// then SIGKILLs the rest and reaps everyone. Afterwards no worker is alive.
+DTRAIN_DETAIL_INLINE void stop_workers(std::vector<worker_process>& workers, int sig,
+                                       std::chrono::milliseconds grace);
+
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/process-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/process.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/process.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string describe_wait_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by " + (name ? "SIG" + std::string(name) : std::string("a signal")) +
+           " (signal " + std::to_string(sig) + ")";
+  }
+  return "stopped with wait status " + std::to_string(status);
+}
+
+DTRAIN_DETAIL_INLINE int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+DTRAIN_DETAIL_INLINE std::string find_program(const std::string& program,
+                                              std::optional<std::string_view> path_var) {
+  if (program.find('/') != std::string::npos) {
+    std::error_code ec;
+    if (!std::filesystem::exists(program, ec)) {
+      throw program_error("cannot run \"" + program + "\": no such file", program_missing_status);
+    }
+    if (std::filesystem::is_directory(program, ec) || ::access(program.c_str(), X_OK) != 0) {
+      throw program_error("cannot run \"" + program + "\": it is not an executable file",
+                          program_not_executable_status);
+    }
+    return program;
+  }
+  std::string path(path_var.value_or("/usr/local/bin:/usr/bin:/bin"));
+  std::size_t start = 0;
+  while (start <= path.size()) {
+    std::size_t end = path.find(':', start);
+    if (end == std::string::npos) end = path.size();
+    std::string dir = path.substr(start, end - start);
+    std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + program;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  throw program_error("cannot run \"" + program + "\": not found on PATH=" + path,
+                      program_missing_status);
+}
+
 DTRAIN_DETAIL_INLINE void output_relay::open_logs(int restart, const std::vector<int>& ranks) {
   if (log_dir_.empty()) return;
   std::filesystem::path dir =
@@ -19221,29 +19922,7 @@ DTRAIN_DETAIL_INLINE void output_relay::write_line(const stream& s, std::string_
     std::fflush(s.log.get());
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// One started worker.
-struct worker_process {
-  int rank = 0;
-  int local_rank = 0;
-  pid_t pid = -1;
-  unique_fd exit_fd;          ///< a pidfd: readable once the worker exits (Linux 5.3+)
-  std::optional<int> status;  ///< wait status, once reaped
-};
-
-/// What a worker is started with: argv[0] is the program (found on PATH).
-struct worker_command {
-  std::vector<std::string> argv;
-  std::vector<std::string> env;  ///< NAME=value entries, the whole environment
-};
-
-/// Starts a worker. The child asks for SIGKILL when the agent's thread that
-/// forked it dies (PR_SET_PDEATHSIG), so no worker outlives its agent, and
-/// starts with every signal unblocked and default. Only async-signal-safe
-/// calls happen between fork and exec; everything is prepared before.
-DTRAIN_DETAIL_INLINE pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE pid_t spawn_worker(const worker_command& cmd, output_relay* relay, int rank) {
   std::vector<char*> argv;
   for (const auto& a : cmd.argv) argv.push_back(const_cast<char*>(a.c_str()));
@@ -19325,26 +20004,13 @@ DTRAIN_DETAIL_INLINE pid_t spawn_worker(const worker_command& cmd, output_relay*
   if (relay != nullptr) relay->add(rank, std::move(out_read), std::move(err_read));
   return pid;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Makes this process the reaper of its descendants' orphans (Linux 3.4+;
-/// elsewhere nothing): what a worker started and left behind stays below the
-/// agent, which kills and reaps it, instead of escaping to init.
-DTRAIN_DETAIL_INLINE void become_subreaper() noexcept;
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void become_subreaper() noexcept {
 #ifdef PR_SET_CHILD_SUBREAPER
   (void)::prctl(PR_SET_CHILD_SUBREAPER, 1);
 #endif
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Kills what is left of each worker's process group (the workers are
-/// reaped) and reaps those of them that were orphaned to this subreaper,
-/// waiting at most `limit` for SIGKILL to take effect.
-DTRAIN_DETAIL_INLINE void kill_leftovers(std::vector<worker_process>& workers,
-                                         std::chrono::milliseconds limit);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void kill_leftovers(std::vector<worker_process>& workers,
                                          std::chrono::milliseconds limit) {
   for (auto& w : workers) {
@@ -19362,42 +20028,7 @@ DTRAIN_DETAIL_INLINE void kill_leftovers(std::vector<worker_process>& workers,
     }
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// A small child of the agent that outlives it by a moment: when the agent
-/// dies, even by SIGKILL, the pipe to it reaches end-of-file and it SIGKILLs
-/// every worker's process group. PR_SET_PDEATHSIG reaches only the workers
-/// themselves; this reaches what they started. One per restart round
-/// (agent_round), forked before the round's relay starts its thread; the
-/// child only ever makes async-signal-safe calls, so the store's thread may
-/// run in the agent meanwhile.
-class worker_warden {
- public:
-  /// Starts the warden for up to `slots` workers at a time (one per local rank).
-  explicit worker_warden(int slots);
-  worker_warden(const worker_warden&) = delete;
-  worker_warden& operator=(const worker_warden&) = delete;
-  /// The agent ends normally: it stopped its workers itself, so the warden
-  /// goes without killing anything (a group id may be reused by now).
-  ~worker_warden();
-
-  /// Tells the warden that local rank `slot` now runs in process group `pgid`.
-  void guard(int slot, pid_t pgid) noexcept;
-
- private:
-  // The agent's other descriptors, the store's sockets among them (the warden
-  // is forked while the store runs): held here, a connection the store closes
-  // would stay open for its peer until the round ends. Kernels before 5.9 keep them.
-  static void close_inherited(int keep) noexcept;
-
-  [[noreturn]] void watch(int fd) noexcept;
-
-  std::vector<pid_t> groups_;  // allocated before fork: the child only writes into it
-  pid_t pid_ = -1;
-  unique_fd pipe_;
-};
-
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE worker_warden::worker_warden(int slots)
     : groups_(static_cast<std::size_t>(slots), 0) {
   int fds[2];
@@ -19454,20 +20085,7 @@ DTRAIN_DETAIL_INLINE void worker_warden::watch(int fd) noexcept {
   }
   ::_exit(0);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// A pidfd for `pid`, or an empty one where the kernel has none.
-inline unique_fd open_exit_fd(pid_t pid) {
-  return unique_fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
-}
-
-/// Waits up to `timeout` for a worker to exit and reaps whichever have.
-/// Returns the workers reaped in this call, in the order their exits were
-/// seen: the agent wakes the moment the first one exits, so the first
-/// failure reported is the root cause, not a peer that failed because of it.
-DTRAIN_DETAIL_INLINE std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
-                                                              std::chrono::milliseconds timeout);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE std::vector<worker_process*> reap_exited(std::vector<worker_process>& workers,
                                                               std::chrono::milliseconds timeout) {
   std::vector<pollfd> fds;
@@ -19495,19 +20113,7 @@ DTRAIN_DETAIL_INLINE std::vector<worker_process*> reap_exited(std::vector<worker
   }
   return reaped;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
-/// Signals a worker's process group (the worker and what it started), or the
-/// worker alone if it has left its group.
-inline void signal_group(pid_t pid, int sig) {
-  if (::killpg(pid, sig) != 0) ::kill(pid, sig);
-}
-
-/// Sends `sig` to the live workers, waits up to `grace` for them to exit,
-/// then SIGKILLs the rest and reaps everyone. Afterwards no worker is alive.
-DTRAIN_DETAIL_INLINE void stop_workers(std::vector<worker_process>& workers, int sig,
-                                       std::chrono::milliseconds grace);
-#if DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void stop_workers(std::vector<worker_process>& workers, int sig,
                                        std::chrono::milliseconds grace) {
   // Exited workers too: what they started may still run in their group.
@@ -19533,9 +20139,10 @@ DTRAIN_DETAIL_INLINE void stop_workers(std::vector<worker_process>& workers, int
     if (w.pid > 0) ::killpg(w.pid, SIGKILL);  // stragglers of the groups
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/launch/process-inl.hpp ----
+#endif
 // ---- end dtrain/launch/process.hpp ----
 // ---- begin dtrain/launch/round.hpp ----
 /// @file
@@ -19563,12 +20170,6 @@ namespace dtrain::detail {
 
 /// Prints one line of node `node_rank`'s agent on stderr: "[dtrain agent node 0/2] ...".
 DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string& text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string& text) {
-  std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank, nnodes, text.c_str());
-  std::fflush(stderr);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How a restart round ended.
 struct round_end {
@@ -19677,7 +20278,23 @@ class agent_round {
   state state_ = state::starting;
 };
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/round-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/round.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/round.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE void agent_say(int node_rank, int nnodes, const std::string& text) {
+  std::fprintf(stderr, "[dtrain agent node %d/%d] %s\n", node_rank, nnodes, text.c_str());
+  std::fflush(stderr);
+}
+
 DTRAIN_DETAIL_INLINE agent_round::~agent_round() {
   try {
     const int sig = pending_agent_signal();
@@ -19811,9 +20428,10 @@ DTRAIN_DETAIL_INLINE void agent_round::stop(int sig) {
   relay_.finish(std::chrono::milliseconds(200));
   state_ = state::ended;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/launch/round-inl.hpp ----
+#endif
 // ---- end dtrain/launch/round.hpp ----
 
 #include <algorithm>
@@ -19901,7 +20519,18 @@ class node_agent {
   int master_port_ = 0;
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/agent-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/agent.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/agent.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, agent_options options,
                                             environment env, store_options store)
     : command_(std::move(command)),
@@ -20133,9 +20762,10 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
   return out;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/launch/agent-inl.hpp ----
+#endif
 // ---- end dtrain/launch/agent.hpp ----
 // ---- begin dtrain/policy.hpp ----
 /// @file
@@ -21031,34 +21661,12 @@ inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
 /// Whether MPI is initialised and not yet finalised in this process (by
 /// dtrain's MPI backend or by the user); false in a build without MPI.
 DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
-#if DTRAIN_HAS_MPI()
-  int initialized = 0;
-  int finalized = 0;
-  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
-  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
-#else
-  return false;
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
 /// mpirun exits with it) when MPI is running and `status` is not 0; returns
 /// otherwise. Call it after the failure's one-line report: the report is
 /// flushed first, since MPI_Abort does not return.
 DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
-  if (status == 0 || !mpi_is_running()) return;
-  std::fflush(stdout);
-  std::fflush(stderr);
-#if DTRAIN_HAS_MPI()
-  MPI_Abort(MPI_COMM_WORLD, status);
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How far a worker's communicators got, as its agent reports it. Each is
 /// named by its ring ("world", "world/split 1 (color 0)"): every rank that
@@ -21093,6 +21701,40 @@ collective_progress progress_of(const std::optional<Communicator>& communicator)
 }
 
 }  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/worker-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/worker.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/worker.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
+#if DTRAIN_HAS_MPI()
+  int initialized = 0;
+  int finalized = 0;
+  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
+  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
+#else
+  return false;
+#endif
+}
+
+DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
+  if (status == 0 || !mpi_is_running()) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+#if DTRAIN_HAS_MPI()
+  MPI_Abort(MPI_COMM_WORLD, status);
+#endif
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/worker-inl.hpp ----
+#endif
 // ---- end dtrain/launch/worker.hpp ----
 
 #include <algorithm>
@@ -21748,7 +22390,18 @@ void agent_flags::set_store(std::optional<T> agent_options::*member, agent_field
   set(option);
 }
 
+}  // namespace dtrain::detail
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/command_line-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/command_line.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/command_line.hpp, not this file.
+
+
+namespace dtrain::detail {
+
 DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::string_view> args) {
   agent_flags flags;
   std::size_t i = 0;
@@ -21954,9 +22607,10 @@ DTRAIN_DETAIL_INLINE void agent_flags::take_rdzv(std::string_view name, const st
                        "and nodes are lost after --heartbeat-timeout");
   }
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+// ---- end dtrain/launch/command_line-inl.hpp ----
+#endif
 // ---- end dtrain/launch/command_line.hpp ----
 
 #include <cstdio>
@@ -21980,23 +22634,9 @@ namespace detail {
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
 DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
                                         const std::pair<int, std::string>& failure);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
-                                        const std::pair<int, std::string>& failure) {
-  std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());
-  return failure.first;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// This program's own path, for an agent that re-executes it.
 DTRAIN_DETAIL_INLINE std::string own_executable();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string own_executable() {
-  std::vector<char> path(4096);
-  ssize_t n = DTRAIN_SYSCALL(::readlink("/proc/self/exe", path.data(), path.size() - 1));
-  return std::string(path.data(), static_cast<std::size_t>(n));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Default workers per node: one per visible GPU for backends that use GPUs
 /// (NCCL), else one; the GPUs counted as `--nproc-per-node gpu` counts them.
@@ -22173,6 +22813,34 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 }
 
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/runtime/run-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/runtime/run.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/runtime/run.hpp, not this file.
+
+
+namespace dtrain {
+namespace detail {
+
+DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
+                                        const std::pair<int, std::string>& failure) {
+  std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());
+  return failure.first;
+}
+
+DTRAIN_DETAIL_INLINE std::string own_executable() {
+  std::vector<char> path(4096);
+  ssize_t n = DTRAIN_SYSCALL(::readlink("/proc/self/exe", path.data(), path.size() - 1));
+  return std::string(path.data(), static_cast<std::size_t>(n));
+}
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/runtime/run-inl.hpp ----
+#endif
 // ---- end dtrain/runtime/run.hpp ----
 
 // The policies compiled in the library, per engine: X(policy type) for each.
@@ -22581,7 +23249,18 @@ DTRAIN_DETAIL_INLINE part_contents read_checked_part(const std::filesystem::path
 /// checkpoint_error naming the first file that is wrong.
 DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir);
 
+}  // namespace dtrain::detail::ckpt
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/format-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/format.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/format.hpp, not this file.
+
+
+namespace dtrain::detail::ckpt {
+
 DTRAIN_DETAIL_INLINE sharded_payload parse_sharded(std::string_view payload, std::size_t element,
                                                    const std::string& what) {
   auto fail = [&](const std::string& why) -> void {
@@ -23028,9 +23707,10 @@ DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir)
   for (const file_record& f : m.files) static_cast<void>(read_checked_part(step_dir / f.name, f));
   return m;
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::ckpt
+// ---- end dtrain/checkpoint/format-inl.hpp ----
+#endif
 // ---- end dtrain/checkpoint/format.hpp ----
 
 #include <algorithm>
@@ -23353,7 +24033,8 @@ class checkpoint {
   /// After every part is read: each sharded entry got every element this rank holds.
   void check_recut() const;
 
-  /// All ranks learn whether every rank could `what`; throws on every rank if not.
+  /// All ranks learn whether every rank could `what` (the verdict,
+  /// control/verdict.hpp); throws checkpoint_error on every rank if not.
   void agree(std::int64_t ok, const std::string& problem, const std::string& what);
 
   /// Creates `dir` (and its parents); with `fresh`, `dir` itself must not exist yet.
@@ -23384,7 +24065,18 @@ class checkpoint {
   std::string commit_failure_;  // what it could not do
 };
 
+}  // namespace dtrain
+
 #if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/checkpoint-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/checkpoint.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/checkpoint.hpp, not this file.
+
+
+namespace dtrain {
+
 DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
     const std::filesystem::path& dir, std::vector<std::string>* skipped) {
   std::error_code ec;
@@ -24103,17 +24795,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::check_recut() const {
 
 DTRAIN_DETAIL_INLINE void checkpoint::agree(std::int64_t ok, const std::string& problem,
                                             const std::string& what) {
-  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
-  plane_.allgather(std::span<const std::int64_t>(&ok, 1), all);
-  std::string failed_ranks;
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (failed_ranks.empty()) return;
-  if (!ok) throw checkpoint_error(problem + " (rank " + std::to_string(plane_.rank()) + ")");
-  throw checkpoint_error("checkpoint: rank(s) " + failed_ranks + " could not " + what +
-                         " (their error says why); nothing was loaded on rank " +
-                         std::to_string(plane_.rank()));
+  agree_or_throw<checkpoint_error>(
+      plane_, what, ok ? std::string() : problem + " (rank " + std::to_string(plane_.rank()) + ")");
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::make_directory(const std::filesystem::path& dir, bool fresh) {
@@ -24195,9 +24878,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::say(const std::string& line) const {
   std::fprintf(stderr, "dtrain checkpoint: %s\n", line.c_str());
   std::fflush(stderr);
 }
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain
+// ---- end dtrain/checkpoint/checkpoint-inl.hpp ----
+#endif
 // ---- end dtrain/checkpoint/checkpoint.hpp ----
 // ---- end dtrain/checkpoint.hpp ----
 

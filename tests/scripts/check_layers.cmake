@@ -49,6 +49,7 @@ set(allowed_exceptions)
 
 # The layer index of header `path` (relative to dtrain/), in `out`.
 function(layer_of path out)
+  string(REGEX REPLACE "-inl\\.hpp$" ".hpp" path "${path}")  # a header's bodies: its layer
   if(path MATCHES "^(config|error)\\.hpp$")
     set(layer 0)
   elseif(path MATCHES "^detail/")

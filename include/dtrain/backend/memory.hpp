@@ -46,28 +46,7 @@ inline constexpr std::string_view device_casts_missing =
 /// The 16-bit casts as plain loops: out[i] = Half(in[i] * scale), and back.
 DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
                                         dtype wire);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t n, float scale,
-                                        dtype wire) {
-  visit(wire, [&]<class Half>() {
-    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
-      auto* o = static_cast<Half*>(out);
-      for (std::size_t i = 0; i < n; ++i) o[i] = Half(in[i] * scale);
-    }
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire) {
-  visit(wire, [&]<class Half>() {
-    if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
-      const auto* i16 = static_cast<const Half*>(in);
-      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
-    }
-  });
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -155,22 +134,9 @@ struct device_casts {
 };
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept {
-  static std::atomic<const device_casts*> slot{nullptr};
-  return slot;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The registered kernels; config_error when no unit of the program was built by nvcc.
 [[nodiscard]] DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE const device_casts& registered_device_casts() {
-  if (const device_casts* casts = device_casts_slot().load(std::memory_order_acquire))
-    return *casts;
-  throw config_error(std::string(device_casts_missing));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -218,112 +184,6 @@ struct cuda_memory {
   /// events and host waits): config_error saying so.
   static void check_stream(int device, stream_type stream);
 };
-
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void* cuda_memory::allocate(std::size_t bytes, int device,
-                                                 stream_type stream) {
-  detail::device_guard on(device);
-  void* data = nullptr;
-  const std::size_t n = bytes == 0 ? 1 : bytes;
-  if (pools(device)) {
-    DTRAIN_CUDA_CHECK(cudaMallocAsync(&data, n, stream));
-  } else {
-    DTRAIN_CUDA_CHECK(cudaMalloc(&data, n));
-  }
-  if (const cudaError_t rc = cudaMemsetAsync(data, 0, n, stream); rc != cudaSuccess) {
-    release(data, device, stream);
-    detail::throw_cuda_error(rc, "cudaMemsetAsync(data, 0, bytes, stream)", __FILE__, __LINE__);
-  }
-  return data;
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::release(void* data, int device,
-                                               stream_type stream) noexcept {
-  detail::device_guard on(device, std::nothrow);
-  if (pools(device) && cudaFreeAsync(data, stream) == cudaSuccess) return;
-  (void)cudaGetLastError();
-  (void)cudaFree(data);
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::zero(void* data, std::size_t bytes, int device,
-                                            stream_type stream) {
-  if (!bytes) return;
-  detail::device_guard on(device);
-  DTRAIN_CUDA_CHECK(cudaMemsetAsync(data, 0, bytes, stream));
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::copy(void* dst, const void* src, std::size_t bytes,
-                                            int device, stream_type stream) {
-  if (dst == src || !bytes) return;
-  detail::device_guard on(device);
-  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::upload(void* dst, const void* host, std::size_t bytes,
-                                              int device, stream_type stream) {
-  if (!bytes) return;
-  detail::device_guard on(device);
-  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream));
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::download(void* host, const void* src, std::size_t bytes,
-                                                int device, stream_type stream) {
-  if (!bytes) return;
-  detail::device_guard on(device);
-  DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream));
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::compress(void* out, const float* in, std::size_t n,
-                                                float scale, dtype wire, int device,
-                                                stream_type stream) {
-  const detail::device_casts& casts = detail::registered_device_casts();
-  detail::device_guard on(device);
-  casts.compress(out, in, n, scale, wire, stream);
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::decompress(float* out, const void* in, std::size_t n,
-                                                  dtype wire, int device, stream_type stream) {
-  const detail::device_casts& casts = detail::registered_device_casts();
-  detail::device_guard on(device);
-  casts.decompress(out, in, n, wire, stream);
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::synchronize(int device, stream_type stream) {
-  detail::device_guard on(device);
-  DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::order_after(int device, stream_type waiter,
-                                                   stream_type before) {
-  if (waiter == before) return;
-  detail::device_guard on(device);
-  const detail::cuda_event done = detail::cuda_event::create();
-  DTRAIN_CUDA_CHECK(cudaEventRecord(done.get(), before));
-  DTRAIN_CUDA_CHECK(cudaStreamWaitEvent(waiter, done.get(), 0));
-}
-
-DTRAIN_DETAIL_INLINE bool cuda_memory::pools(int device) noexcept {
-  int supported = 0;
-  if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return supported != 0;
-}
-
-DTRAIN_DETAIL_INLINE void cuda_memory::check_stream(int device, stream_type stream) {
-  detail::device_guard on(device);
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  DTRAIN_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  if (status != cudaStreamCaptureStatusNone) {
-    throw config_error(
-        "DistributedDataParallel: the compute stream is being captured into a CUDA graph; "
-        "DDP records events, "
-        "polls them from the host and launches NCCL work that must not be replayed, "
-        "so run the DDP step outside the capture (capture the forward and backward only)");
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 #endif  // DTRAIN_HAS_CUDA()
 
@@ -411,15 +271,6 @@ inline const bool nvcc_device_casts_registered =
 
 /// Whether the program can cast GPU buckets (some unit was built by nvcc).
 [[nodiscard]] DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept {
-#if DTRAIN_HAS_CUDA()
-  return device_casts_slot().load(std::memory_order_acquire) != nullptr;
-#else
-  return false;
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
@@ -427,3 +278,7 @@ DTRAIN_DETAIL_INLINE bool device_casts_available() noexcept {
 inline bool cuda_memory::casts_available() noexcept { return detail::device_casts_available(); }
 #endif
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/backend/memory-inl.hpp>
+#endif

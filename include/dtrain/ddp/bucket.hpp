@@ -39,50 +39,15 @@ inline constexpr std::size_t bucket_alignment = 256;
 
 /// Bytes of a size given in MiB (the unit of bucket_cap_mb), at least 1.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::size_t mib_to_bytes(double mib, std::string_view option) {
-  if (!(mib > 0) || mib > 1e9) {
-    throw config_error("ddp_options::" + std::string(option) + " = " + std::to_string(mib) +
-                       " is not a bucket size in MiB (it must be above 0)");
-  }
-  return std::max<std::size_t>(1, static_cast<std::size_t>(mib * 1024.0 * 1024.0));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 namespace detail {
 
 /// n-1, n-2, ..., 0: gradients of the last layers are produced first.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<std::size_t> reverse_order(std::size_t n) {
-  std::vector<std::size_t> order(n);
-  for (std::size_t i = 0; i < n; ++i) order[i] = n - 1 - i;
-  return order;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Throws unless `order` names each of the n parameters exactly once.
 DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
                                       std::string_view what);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::size_t n,
-                                      std::string_view what) {
-  std::vector<char> seen(n, 0);
-  if (order.size() != n) {
-    throw backend_error(std::string(what) + " lists " + std::to_string(order.size()) +
-                            " parameters, the model has " + std::to_string(n),
-                        0);
-  }
-  for (std::size_t i : order) {
-    if (i >= n || seen[i]) {
-      throw backend_error(std::string(what) + " names parameter #" + std::to_string(i) +
-                              (i >= n ? " of " + std::to_string(n) : " twice"),
-                          0);
-    }
-    seen[i] = 1;
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Groups the parameters, taken in `order` (a permutation of their indices),
 /// into buckets per (element type, device), as PyTorch DDP's
@@ -138,3 +103,7 @@ template <parameter_list Params>
 
 }  // namespace detail
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/ddp/bucket-inl.hpp>
+#endif

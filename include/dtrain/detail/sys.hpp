@@ -20,13 +20,6 @@ namespace dtrain::detail {
 /// "what: strerror(err) (at file:line)".
 DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
                                                int line);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string os_error_text(const std::string& what, int err, const char* file,
-                                               int line) {
-  return what + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ", at " + file +
-         ":" + std::to_string(line) + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// An owned file descriptor, closed on destruction.
 class unique_fd {
@@ -52,23 +45,9 @@ class unique_fd {
   int fd_ = -1;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void unique_fd::reset(int fd) noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// This machine's host name; nullopt when gethostname fails (each caller
 /// decides what that means for it).
 DTRAIN_DETAIL_INLINE std::optional<std::string> host_name();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof name - 1) != 0) return std::nullopt;
-  return std::string(name);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Removes `path` and everything under it, as `rm -rf` does (symbolic links
 /// are removed, not followed); a path that does not exist is no error.
@@ -78,21 +57,6 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> host_name() {
 /// which wins the symbol lookup in any program linked to that LibTorch, and
 /// which called a null pointer there (PyTorch 2.11, CUDA 13).
 DTRAIN_DETAIL_INLINE int remove_tree(const char* path);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
-  // nftw's callback takes no state: the first failure is this thread's.
-  static thread_local int first_error = 0;
-  first_error = 0;
-  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
-    if (::remove(p) != 0 && errno != ENOENT && first_error == 0) first_error = errno;
-    return 0;  // go on: remove what can be removed
-  };
-  if (::nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
-    return errno == ENOENT ? 0 : errno;
-  }
-  return first_error;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
 
@@ -108,3 +72,7 @@ DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
     }                                                                                 \
     return dtrain_result_;                                                            \
   }())
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/detail/sys-inl.hpp>
+#endif

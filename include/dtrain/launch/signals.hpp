@@ -29,13 +29,6 @@ inline void record_diagnostics_request(int) { agent_diagnostics_requests = 1; }
 
 /// Takes a pending SIGUSR1 request: true once per request.
 [[nodiscard]] DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool take_diagnostics_request() noexcept {
-  if (agent_diagnostics_requests == 0) return false;
-  agent_diagnostics_requests = 0;
-  return true;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Catches SIGINT, SIGTERM and SIGHUP while the agent runs, so it can forward
 /// them to the workers, and SIGUSR1, which it forwards without stopping them
@@ -53,22 +46,8 @@ class agent_signal_scope {
   struct sigaction previous_usr1_ {};
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE agent_signal_scope::agent_signal_scope() {
-  agent_signal = 0;
-  struct sigaction sa {};
-  sa.sa_handler = record_agent_signal;
-  sigemptyset(&sa.sa_mask);
-  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &sa, &previous_[i]);
-  agent_diagnostics_requests = 0;
-  sa.sa_handler = record_diagnostics_request;
-  ::sigaction(SIGUSR1, &sa, &previous_usr1_);
-}
-
-DTRAIN_DETAIL_INLINE agent_signal_scope::~agent_signal_scope() {
-  for (std::size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous_[i], nullptr);
-  ::sigaction(SIGUSR1, &previous_usr1_, nullptr);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 }  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/launch/signals-inl.hpp>
+#endif

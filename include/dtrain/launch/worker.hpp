@@ -34,34 +34,12 @@ inline void ignore_sigpipe() noexcept { std::signal(SIGPIPE, SIG_IGN); }
 /// Whether MPI is initialised and not yet finalised in this process (by
 /// dtrain's MPI backend or by the user); false in a build without MPI.
 DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE bool mpi_is_running() noexcept {
-#if DTRAIN_HAS_MPI()
-  int initialized = 0;
-  int finalized = 0;
-  if (MPI_Initialized(&initialized) != MPI_SUCCESS || initialized == 0) return false;
-  return MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0;
-#else
-  return false;
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Ends the whole MPI job with `status` as MPI_Abort's error code (Open MPI's
 /// mpirun exits with it) when MPI is running and `status` is not 0; returns
 /// otherwise. Call it after the failure's one-line report: the report is
 /// flushed first, since MPI_Abort does not return.
 DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept;
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void abort_mpi_job(int status) noexcept {
-  if (status == 0 || !mpi_is_running()) return;
-  std::fflush(stdout);
-  std::fflush(stderr);
-#if DTRAIN_HAS_MPI()
-  MPI_Abort(MPI_COMM_WORLD, status);
-#endif
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// How far a worker's communicators got, as its agent reports it. Each is
 /// named by its ring ("world", "world/split 1 (color 0)"): every rank that
@@ -96,3 +74,7 @@ collective_progress progress_of(const std::optional<Communicator>& communicator)
 }
 
 }  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/launch/worker-inl.hpp>
+#endif

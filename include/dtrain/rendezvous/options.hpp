@@ -65,14 +65,6 @@ struct store_limits {
   [[nodiscard]] std::uint64_t max_frame_size() const noexcept;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::uint64_t store_limits::max_frame_size() const noexcept {
-  std::uint64_t keys = std::uint64_t{max_keys_per_request} * (4u + max_key_size);
-  std::uint64_t one = 2u * (4u + std::uint64_t{max_value_size}) + 4u + max_key_size;
-  return 64u + (keys > one ? keys : one);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 /// Options of a store server or client. Aggregate: use designated initialisers,
 /// e.g. `{.timeout = 30s, .token = "secret"}`.
 struct store_options {
@@ -107,33 +99,6 @@ struct store_options {
   [[nodiscard]] store_options with_env(const environment& env) const;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE store_options store_options::with_env(const environment& env) const {
-  store_options out = *this;
-  if (auto t = detail::read_seconds(env, store_timeout_variable)) out.timeout = *t;
-  if (auto t = detail::read_seconds(env, store_io_timeout_variable)) out.io_timeout = *t;
-  if (auto t = detail::read_seconds(env, store_idle_timeout_variable)) out.idle_timeout = *t;
-  if (auto t = detail::read_seconds(env, rendezvous_progress_variable)) {
-    out.progress_interval = *t;
-  }
-  if (auto n = detail::read_int(env, store_max_connections_variable)) {
-    if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-    out.limits.max_connections = static_cast<std::uint32_t>(n->value);
-  }
-  if (auto n = detail::read_int(env, store_max_bytes_variable)) {
-    if (n->value < 1) throw config_error(n->origin + " must be at least 1");
-    out.limits.max_stored_bytes = static_cast<std::uint64_t>(n->value);
-  }
-  if (auto secret = env.get(store_token_variable)) out.token = std::string(*secret);
-  if (out.token.size() > out.limits.max_token_size) {
-    throw config_error(std::string(store_token_variable) + " / token is " +
-                       std::to_string(out.token.size()) + " bytes; the limit is " +
-                       std::to_string(out.limits.max_token_size));
-  }
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 namespace detail {
 
 /// A duration in whole seconds, as progress reports count them: "12 s".
@@ -145,17 +110,11 @@ inline std::string whole_seconds(std::chrono::milliseconds t) {
 /// on stderr as `dtrain: <text>` when there is none.
 DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
                               const std::string& text);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void say(const std::function<void(std::string_view)>& sink,
-                              const std::string& text) {
-  if (sink) {
-    sink(text);
-  } else {
-    std::fprintf(stderr, "dtrain: %s\n", text.c_str());
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace detail
 
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/rendezvous/options-inl.hpp>
+#endif

@@ -48,14 +48,6 @@ enum class status : std::uint8_t {
 
 /// A frame: u32 length, then the body.
 DTRAIN_DETAIL_INLINE std::string frame(const std::string& body);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string frame(const std::string& body) {
-  std::string out;
-  writer(out).u32(static_cast<std::uint32_t>(body.size()));
-  out += body;
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The decoded u32 at the start of `header` (4 bytes).
 inline std::uint32_t frame_length(std::string_view header) {
@@ -64,18 +56,9 @@ inline std::uint32_t frame_length(std::string_view header) {
 
 /// Keys of a wait/check request, bounded by the limits.
 DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r, const store_limits& limits);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::vector<std::string_view> read_keys(reader& r,
-                                                             const store_limits& limits) {
-  std::uint32_t n = r.u32("key count");
-  if (n > limits.max_keys_per_request) {
-    throw violation("key count " + std::to_string(n) + " exceeds the limit of " +
-                    std::to_string(limits.max_keys_per_request));
-  }
-  std::vector<std::string_view> keys;  // grows with keys actually present, not with n
-  for (std::uint32_t i = 0; i < n; ++i) keys.push_back(r.bytes32("key", limits.max_key_size));
-  return keys;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail::wire
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/rendezvous/protocol-inl.hpp>
+#endif

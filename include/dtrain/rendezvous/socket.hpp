@@ -20,40 +20,12 @@ namespace dtrain::detail {
 
 /// "host:port", with brackets for IPv6 ("[::1]:29500").
 DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string endpoint_text(const std::string& host, int port) {
-  bool v6 = host.find(':') != std::string::npos;
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// The numeric address and port of a socket address.
 DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string endpoint_text(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (sa->sa_family == AF_INET) {
-    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
-    port = ntohs(in->sin_port);
-  } else if (sa->sa_family == AF_INET6) {
-    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
-    port = ntohs(in6->sin6_port);
-  }
-  return endpoint_text(host, port);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Disables Nagle: the store's requests are small and latency-bound.
 DTRAIN_DETAIL_INLINE void set_no_delay(int fd);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void set_no_delay(int fd) {
-  int one = 1;
-  DTRAIN_SYSCALL(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// getaddrinfo with its result owned.
 struct address_list {
@@ -69,16 +41,9 @@ struct address_list {
 /// Resolves host:port; returns the gai error code (0 on success).
 DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
                                  address_list& out);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive,
-                                 address_list& out) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  std::string service = std::to_string(port);
-  return ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.head);
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 }  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/rendezvous/socket-inl.hpp>
+#endif

@@ -42,23 +42,9 @@ namespace detail {
 /// Prints `<who> dtrain: <what>` as one line on stderr and returns the status.
 DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
                                         const std::pair<int, std::string>& failure);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE int report_failure(const std::string& who,
-                                        const std::pair<int, std::string>& failure) {
-  std::fprintf(stderr, "%s dtrain: %s\n", who.c_str(), failure.second.c_str());
-  return failure.first;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// This program's own path, for an agent that re-executes it.
 DTRAIN_DETAIL_INLINE std::string own_executable();
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string own_executable() {
-  std::vector<char> path(4096);
-  ssize_t n = DTRAIN_SYSCALL(::readlink("/proc/self/exe", path.data(), path.size() - 1));
-  return std::string(path.data(), static_cast<std::size_t>(n));
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Default workers per node: one per visible GPU for backends that use GPUs
 /// (NCCL), else one; the GPUs counted as `--nproc-per-node gpu` counts them.
@@ -235,3 +221,7 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
 }
 
 }  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/runtime/run-inl.hpp>
+#endif

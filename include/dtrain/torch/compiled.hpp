@@ -10,7 +10,7 @@
 /// macro this header does nothing, and every TU compiles the whole wrapper.
 ///
 /// By hand: compile every TU with -DDTRAIN_TORCH_SEPARATE_COMPILATION=1 and,
-/// in one of them, define DTRAIN_TORCH_DEFINITIONS=1 before the `#include` and
+/// in one of them, define DTRAIN_TORCH_COMPILED_DEFINITIONS=1 before the `#include` and
 /// put `DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES()` after it (as
 /// src/torch.cpp does). Every TU and that one must agree on
 /// the engines: a torch part built for others is an undefined reference to
@@ -53,16 +53,17 @@ extern const int DTRAIN_DETAIL_LINK_SYMBOL;
 }  // namespace dtrain::torch::detail::link_check
 
 /// Instantiates, in the one TU that writes it (at namespace scope, after the
-/// `#include`, with DTRAIN_TORCH_DEFINITIONS=1 defined before it), what the
+/// `#include`, with DTRAIN_TORCH_COMPILED_DEFINITIONS=1 defined before it), what the
 /// other TUs declared `extern template`.
-#define DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES()                                               \
-  static_assert(DTRAIN_TORCH_READS_DEFINITIONS(),                                                  \
-                "DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES(): define DTRAIN_TORCH_DEFINITIONS=1 " \
-                "before including dtrain/torch.hpp in this file, or it instantiates "              \
-                "declarations only");                                                              \
-  DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY(DTRAIN_TORCH_DETAIL_DEFINE_COMPILED)                       \
-  namespace dtrain::torch::detail::link_check {                                                    \
-  extern const int DTRAIN_DETAIL_LINK_SYMBOL = 1;                                                  \
+#define DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES()                                              \
+  static_assert(                                                                                  \
+      DTRAIN_TORCH_BODIES(),                                                                      \
+      "DTRAIN_TORCH_INSTANTIATE_COMPILED_POLICIES(): define DTRAIN_TORCH_COMPILED_DEFINITIONS=1 " \
+      "before including dtrain/torch.hpp in this file, or it instantiates "                       \
+      "declarations only");                                                                       \
+  DTRAIN_TORCH_FOR_EACH_COMPILED_POLICY(DTRAIN_TORCH_DETAIL_DEFINE_COMPILED)                      \
+  namespace dtrain::torch::detail::link_check {                                                   \
+  extern const int DTRAIN_DETAIL_LINK_SYMBOL = 1;                                                 \
   }
 
 #if DTRAIN_TORCH_HAS_SEPARATE_COMPILATION()

@@ -79,16 +79,6 @@ struct nccl_options {
   [[nodiscard]] nccl_options with_env(const environment& env) const;
 };
 
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE nccl_options nccl_options::with_env(const environment& env) const {
-  nccl_options out = *this;
-  out.collectives = collectives.with_env(env);
-  if (auto t = detail::read_seconds(env, nccl_init_timeout_variable)) out.init_timeout = *t;
-  if (auto v = env.get("CUDA_VISIBLE_DEVICES")) out.cuda_visible_devices = std::string(*v);
-  return out;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
-
 }  // namespace dtrain
 
 #if DTRAIN_HAS_NCCL()
@@ -129,38 +119,12 @@ namespace dtrain::detail {
 /// Prefixes an engine error with the operation it interrupted (once).
 [[nodiscard]] DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
                                                                    const backend_error& e);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
-                                                     const backend_error& e) {
-  if (std::string_view(e.what()).starts_with(what)) return e;
-  return backend_error(what + ": " + e.what(), e.engine_code());
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 // What a new communicator's rank, size and device must be, before any CUDA or NCCL call.
 
 DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size) {
-  if (size < 1)
-    throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
-  if (rank < 0 || rank >= size) {
-    throw config_error("NCCL rank " + std::to_string(rank) + " is not in 0.." +
-                       std::to_string(size - 1) + " (size " + std::to_string(size) + ")");
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE void nccl_check_placement(int rank, int size, int device) {
-  nccl_check_rank(rank, size);
-  if (device < 0) {
-    throw config_error("CUDA device " + std::to_string(device) + " of NCCL rank " +
-                       std::to_string(rank) + " is negative; pass the local rank");
-  }
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Where NCCL's collectives find their buffers (check_arguments).
 inline constexpr memory_reach nccl_memory{
@@ -174,21 +138,6 @@ inline constexpr memory_reach nccl_memory{
 /// The id rank 0 put in the store. Throws rendezvous_error if it is not one.
 [[nodiscard]] DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
                                                                     std::string_view key);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE ncclUniqueId nccl_unique_id_from(const std::string& value,
-                                                      std::string_view key) {
-  ncclUniqueId id{};
-  if (value.size() != sizeof id.internal) {
-    throw rendezvous_error("the value under store key \"" + std::string(key) + "\" has " +
-                           std::to_string(value.size()) + " bytes, but an NCCL unique id has " +
-                           std::to_string(sizeof id.internal) +
-                           ": something else wrote that key; give each communicator its own key "
-                           "(nccl_options::store_key) or prefix_store");
-  }
-  value.copy(id.internal, sizeof id.internal);
-  return id;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 /// Checks that `device` exists, then makes it current. `visible` is
 /// CUDA_VISIBLE_DEVICES as the job's environment set it, for the message.
@@ -214,13 +163,6 @@ void nccl_select_device(int device, int rank, int size, const std::optional<std:
 }
 
 DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(t.count()) / 1000.0);
-  return text;
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 inline constexpr std::string_view nccl_timeout_hint =
     "a peer is slow, dead or called a different collective "
@@ -644,3 +586,7 @@ class nccl_work final : public work_state {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_NCCL()
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/backend/nccl/engine-inl.hpp>
+#endif

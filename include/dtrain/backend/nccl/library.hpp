@@ -24,17 +24,6 @@ namespace dtrain::detail {
 /// error: ... (ncclResult_t 5, at file:line)".
 DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
                                                  const char* file, int line);
-#if DTRAIN_DETAIL_BODIES()
-DTRAIN_DETAIL_INLINE std::string nccl_error_text(ncclResult_t code, const char* call,
-                                                 const char* file, int line) {
-  std::string text =
-      "NCCL call `" + call_as_written(call) + "` failed: " + ncclGetErrorString(code);
-  const char* last = ncclGetLastError(nullptr);
-  if (last != nullptr && *last != '\0') text += std::string("; NCCL's last error: ") + last;
-  return text + " (ncclResult_t " + std::to_string(static_cast<int>(code)) + ", at " + file + ":" +
-         std::to_string(line) + ")";
-}
-#endif  // DTRAIN_DETAIL_BODIES()
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file,
                                           int line) {
@@ -110,3 +99,7 @@ struct nccl_library : cuda_library {
 }  // namespace dtrain::detail
 
 #endif  // DTRAIN_HAS_NCCL()
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/backend/nccl/library-inl.hpp>
+#endif

@@ -1,0 +1,95 @@
+#pragma once
+/// @file
+/// The non-template bodies of dtrain/backend/watchdog.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/backend/watchdog.hpp, not this file.
+
+#include <dtrain/backend/watchdog.hpp>
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
+  const std::chrono::milliseconds timeout = w.timeout();
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back({std::move(w), clock::now() + timeout, timeout});
+    ++watched_;
+    if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+  }
+  wake_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::drain() {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t target = watched_;
+  settled_.wait(lock, [&] { return finished_ >= target || failure_; });
+  return failure_;
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::follow() {
+  for (;;) {
+    entry next;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      next = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto left =
+        std::max(std::chrono::milliseconds(0),
+                 std::chrono::ceil<std::chrono::milliseconds>(next.deadline - clock::now()));
+    std::exception_ptr failed;
+    bool timed_out = false;
+    try {
+      if (next.handle.finish_within(left)) {
+        failed = next.handle.exception();
+      } else {
+        timed_out = true;
+        try {
+          std::rethrow_exception(next.handle.timeout_exception(next.timeout));
+        } catch (const timeout_error& e) {
+          failed = std::make_exception_ptr(
+              timeout_error(std::string("watchdog: ") + e.what() + ", counted from launch"));
+        }
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    // The failure is known before the abort: an abort may wait on a device
+    // that never frees (a stream held by the host), and the owner must hear.
+    settle(failed);
+    if (timed_out) {
+      try {
+        next.handle.give_up(next.timeout);
+      } catch (...) {
+        // Reported above.
+      }
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
+  {
+    std::lock_guard lock(mutex_);
+    if (failed && !failure_) failure_ = failed;
+    ++finished_;
+  }
+  settled_.notify_all();
+}
+
+}  // namespace dtrain

@@ -1,0 +1,243 @@
+#pragma once
+/// @file
+/// The non-template bodies of dtrain/launch/agent.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/agent.hpp, not this file.
+
+#include <dtrain/launch/agent.hpp>
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE node_agent::node_agent(std::vector<std::string> command, agent_options options,
+                                            environment env, store_options store)
+    : command_(std::move(command)),
+      options_(std::move(options)),
+      env_(std::move(env)),
+      store_options_(std::move(store)) {
+  if (command_.empty()) throw config_error("node_agent: no worker command to run");
+  options_.check();
+  node_ = discover_world(env_, {},
+                         discover_options{.mode = launch_mode::per_node,
+                                          .nproc_per_node = options_.nproc_per_node.value_or(1),
+                                          .nnodes = options_.nnodes,
+                                          .node_rank = options_.node_rank});
+  if (!node_.node_rank || !node_.num_nodes) {
+    throw config_error(
+        "the node agent cannot tell which node it is: give node_rank and nnodes (--node-rank, "
+        "--nnodes; NODE_RANK) or start one agent per node with mpirun or srun");
+  }
+  nproc_ = *node_.local_world_size;
+  const bool single = *node_.num_nodes == 1;
+  if (options_.master_addr) {
+    master_addr_ = *options_.master_addr;
+  } else if (node_.master_addr) {
+    master_addr_ = *node_.master_addr;
+  } else if (single) {
+    master_addr_ = "127.0.0.1";
+  } else {
+    throw config_error("a job of " + std::to_string(*node_.num_nodes) +
+                       " nodes needs the address of node 0: set MASTER_ADDR or --master-addr");
+  }
+  if (options_.master_port) {
+    master_port_ = *options_.master_port;
+  } else if (node_.master_port) {
+    master_port_ = *node_.master_port;
+  } else {
+    master_port_ = single ? 0 : default_master_port;
+  }
+  if (master_port_ == 0 && !single) {
+    throw config_error(
+        "master_port 0 (a free port) works only on a single node: "
+        "the other nodes cannot learn which port node 0 picked; give --master-port or MASTER_PORT");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run() {
+  if (store_options_.token.empty()) {
+    // One node: a fresh token, which reaches the workers only through their
+    // environment. Several: the agents must already share one.
+    if (nnodes() > 1) {
+      throw config_error(
+          "a job of " + std::to_string(nnodes()) +
+          " nodes needs DTRAIN_STORE_TOKEN: the same secret in every node agent's environment "
+          "(e.g. `export DTRAIN_STORE_TOKEN=$(openssl rand -hex 16)` where the job is "
+          "submitted); it authenticates every connection to node 0's store");
+    }
+    store_options_.token = detail::new_store_token();
+  }
+  detail::agent_signal_scope signals;
+  // Orphans of the workers come to this agent, which kills and reaps them.
+  detail::become_subreaper();
+  detail::agent_store store(node_rank(), nnodes(),
+                            detail::store_bind_address(env_, master_addr_, nnodes() > 1),
+                            master_addr_, master_port_, store_options_);
+  master_port_ = store.port();
+  say("node " + std::to_string(node_rank()) + " of " + std::to_string(nnodes()) + ", " +
+          std::to_string(nproc_) + " workers, store at " +
+          detail::endpoint_text(master_addr_, master_port_),
+      true);
+  int restart = 0;  // the round under way, for a failure outside it
+  try {
+    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
+                                 ::getpid(), options_.rdzv_id};
+    if (elastic()) {
+      store.join_elastic(me);
+    } else {
+      store.join(me);
+    }
+    const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
+    store.leave(options_.grace_period);
+    return status;
+  } catch (const rendezvous_error& e) {
+    say(std::string("lost the rendezvous store (node 0's agent) at ") +
+        detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
+    return 1;
+  } catch (...) {
+    // The round (if one ran) has stopped its workers while unwinding. A
+    // signal that interrupted a wait ends the job like one during the run.
+    const int sig = detail::pending_agent_signal();
+    auto [status, what] = sig != 0 ? std::pair(128 + sig, "received signal " + std::to_string(sig))
+                                   : detail::current_failure();
+    // Tell the other nodes, so that they end too instead of waiting for this one.
+    try {
+      store.record_failure(restart, status, true,
+                           "node " + std::to_string(node_rank()) + "'s agent failed: " + what);
+      store.leave(options_.grace_period);
+    } catch (...) {
+      // The store is gone too: the other agents notice that themselves.
+    }
+    if (sig == 0) throw;
+    say(what + "; stopped this node's workers");
+    return status;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
+  if (verbose && !options_.tee) return;
+  detail::agent_say(node_rank(), nnodes(), text);
+}
+
+DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int used) const {
+  if (!end.final && used < options_.max_restarts) return false;
+  say(end.message + "; ending the job" +
+      (end.final ? std::string()
+                 : " (restarts used: " + std::to_string(used) + " of " +
+                       std::to_string(options_.max_restarts) + ")"));
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
+  std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
+  for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
+  for (restart = 0;; ++restart) {
+    const detail::round_end end = run_round(store, restart, everyone);
+    if (end.succeeded) return 0;
+    if (ends_job(end, restart)) return end.status;
+    say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
+        " of " + std::to_string(options_.max_restarts) + ")");
+    store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& store, int& restart) {
+  // How long node 0 waits, once enough nodes are ready, for the others.
+  constexpr std::chrono::milliseconds last_call{2000};
+  int failures = 0;
+  for (restart = store.first_round();; ++restart) {
+    const std::vector<int> members = store.form_round(restart, *options_.min_nnodes, last_call);
+    std::string names;
+    for (const int n : members) names += (names.empty() ? "" : ", ") + std::to_string(n);
+    if (std::find(members.begin(), members.end(), node_rank()) == members.end()) {
+      say("round " + std::to_string(restart) + " was formed of nodes " + names +
+          " before this one was ready: joining the next");
+      continue;
+    }
+    say("round " + std::to_string(restart) + ": nodes " + names + " (" +
+        std::to_string(members.size()) + " of at most " + std::to_string(nnodes()) + "), " +
+        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers");
+    const detail::round_end end = run_round(store, restart, members);
+    if (end.succeeded) return 0;
+    if (end.regroup) {
+      say(end.message);
+      continue;
+    }
+    if (ends_job(end, failures)) return end.status;
+    ++failures;
+    say(end.message + "; forming the next round of the nodes present (restart " +
+        std::to_string(failures) + " of " + std::to_string(options_.max_restarts) + ")");
+  }
+}
+
+DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
+                                                             int restart,
+                                                             const std::vector<int>& members) {
+  const int group =
+      static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
+  const int groups = static_cast<int>(members.size());
+  const int worker_port = store.worker_port(restart);
+  const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
+  std::vector<detail::worker_start> workers;
+  for (int local = 0; local < nproc_; ++local) {
+    detail::worker_start& w = workers.emplace_back();
+    w.rank = group * nproc_ + local;
+    w.local_rank = local;
+    w.command.argv = command_;
+    w.command.argv.front() = program;
+    if (options_.local_rank_arg)
+      w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
+    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups);
+  }
+  detail::agent_round round({.restart = restart,
+                             .node_rank = node_rank(),
+                             .nnodes = nnodes(),
+                             .nproc = nproc_,
+                             .members = members,
+                             .elastic = elastic(),
+                             .tee = options_.tee,
+                             .log_dir = options_.log_dir,
+                             .grace_period = options_.grace_period,
+                             .heartbeat_timeout = options_.heartbeat_timeout});
+  round.start(workers);
+  return round.supervise(store);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
+    int rank, int local_rank, int restart, int worker_port, int group, int groups) const {
+  const int world_size = groups * nproc_;
+  auto vars = env_.vars();
+  auto set = [&](std::string name, const std::string& value) {
+    vars.insert_or_assign(std::move(name), value);
+  };
+  set("RANK", std::to_string(rank));
+  set("LOCAL_RANK", std::to_string(local_rank));
+  set("WORLD_SIZE", std::to_string(world_size));
+  set("LOCAL_WORLD_SIZE", std::to_string(nproc_));
+  set("GROUP_RANK", std::to_string(group));
+  set("GROUP_WORLD_SIZE", std::to_string(groups));
+  set("ROLE_RANK", std::to_string(rank));
+  set("ROLE_WORLD_SIZE", std::to_string(world_size));
+  set("ROLE_NAME", "default");
+  set("NODE_RANK", std::to_string(group));
+  set("MASTER_ADDR", master_addr_);
+  set("MASTER_PORT", std::to_string(worker_port));
+  // The agent's store is the workers' master: Azure ML's own names for the job's
+  // master (inherited from a dtrun that an MPI job started) would contradict it.
+  vars.erase("AZ_BATCH_MASTER_NODE");
+  vars.erase("AZ_BATCHAI_MPI_MASTER_NODE");
+  set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+  set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+  if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
+  set(std::string(restart_count_variable), std::to_string(restart));
+  set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+  // The token goes in the environment only: never on argv or in a log.
+  set(std::string(store_token_variable), store_options_.token);
+  // As torchrun: one thread per worker unless the user chose, so N workers
+  // do not each start one OpenMP thread per core.
+  if (nproc_ > 1 && !vars.contains("OMP_NUM_THREADS")) set("OMP_NUM_THREADS", "1");
+  std::vector<std::string> out;
+  out.reserve(vars.size());
+  for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
+  return out;
+}
+
+}  // namespace dtrain

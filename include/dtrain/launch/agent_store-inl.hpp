@@ -1,0 +1,228 @@
+#pragma once
+/// @file
+/// The non-template bodies of dtrain/launch/agent_store.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/agent_store.hpp, not this file.
+
+#include <dtrain/launch/agent_store.hpp>
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE int pick_free_port() {
+  unique_fd fd(DTRAIN_SYSCALL(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  DTRAIN_SYSCALL(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr));
+  DTRAIN_SYSCALL(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len));
+  return ntohs(addr.sin_port);
+}
+
+DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t) {
+  std::string text = std::to_string(t.count() / 1000);
+  if (auto ms = t.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);
+    while (frac.back() == '0') frac.pop_back();
+    text += "." + frac;
+  }
+  return text;
+}
+
+DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
+                                                  const std::optional<exit_record>& first_exit) {
+  if (!first_exit || failure.rank < 0 || failure.collective <= 0 ||
+      first_exit->rank == failure.rank) {
+    return failure.message;
+  }
+  const std::int64_t issued = first_exit->issued_on(failure.communicator);
+  if (issued >= failure.collective) return failure.message;
+  return first_exit->label + " exited with status 0 after " + std::to_string(issued) +
+         " collective" + (issued == 1 ? "" : "s") +
+         (failure.communicator == "world" ? "" : " on communicator " + failure.communicator) +
+         " while rank " + std::to_string(failure.rank) + " waited in collective #" +
+         std::to_string(failure.collective) + "; then " + failure.message;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, int me,
+                                                         std::chrono::milliseconds limit) {
+  auto now = std::chrono::steady_clock::now();
+  if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
+  last_ = now;
+  std::optional<int> first;
+  silent_ = 0;
+  for (std::size_t i = 0; i < nodes_.size(); ++i) {
+    const int n = nodes_[i];
+    if (n == me) continue;
+    std::int64_t beat = store.add(agent_keys::beat(n), 0);
+    if (beat != seen_[i]) {
+      seen_[i] = beat;
+      since_[i] = now;
+    } else if (now - since_[i] > limit) {
+      if (!first) first = n;
+      ++silent_;
+    }
+  }
+  return first;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
+  client_.add(key, 1);
+  wait_for([&] { return client_.add(key, 0) >= round_size_; }, what);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
+                                                    std::chrono::milliseconds window) {
+  if (node_rank_ != 0) {  // the job's shape first: a refused agent takes no place
+    const std::string key = agent_keys::node(0);
+    wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+             "node 0's agent to register");
+    check_same_shape(0, node_record::decode(key, client_.get(key)), me);
+  }
+  const std::string mine = agent_keys::node(node_rank_);
+  const std::string holder = client_.compare_set(mine, "", me.encode());
+  if (holder == me.encode()) return;
+  // Held before: by an agent of this node that is gone (it comes back), or
+  // by another agent started with this node rank, which still beats.
+  const node_record other = node_record::decode(mine, holder);
+  const std::string beats = agent_keys::beat(node_rank_);
+  const std::int64_t before = client_.add(beats, 0);
+  // Without beating: only the holder's beats may move the count.
+  poll_until(
+      std::chrono::steady_clock::now() + window, [] { return false; },
+      "the agent that held node_rank " + std::to_string(node_rank_) + " to beat", false);
+  if (client_.add(beats, 0) != before) {
+    throw config_error("node_rank " + std::to_string(node_rank_) + " is held by the agent " +
+                       other.who() + ", which is running, and this one (" + me.who() +
+                       ") asks for it too; give each agent its own --node-rank / NODE_RANK");
+  }
+  client_.set(mine, me.encode());
+}
+
+DTRAIN_DETAIL_INLINE int agent_store::first_round() {
+  const std::string key(agent_keys::current_round);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return 0;
+  const std::int64_t newest = wire::decode_int("store key " + key, client_.get(key), "a round");
+  if (newest < 0 || newest > INT32_MAX - 1) {
+    throw rendezvous_error("store key " + key + " holds round " + std::to_string(newest));
+  }
+  return static_cast<int>(newest) + 1;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int min_nodes,
+                                                              std::chrono::milliseconds last_call) {
+  client_.set(agent_keys::ready_node(restart, node_rank_), wire::encode_int(1));
+  client_.add(agent_keys::ready(restart), 1);
+  const std::string members_key = agent_keys::members(restart);
+  const std::string round = "round " + std::to_string(restart);
+  if (node_rank_ == 0) {
+    auto ready = [&] { return client_.add(agent_keys::ready(restart), 0); };
+    wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
+                                                       " of " + std::to_string(nnodes_) +
+                                                       " nodes to be ready for " + round);
+    // The last call: a time-out here is no failure, the round is who came.
+    static_cast<void>(poll_until(
+        std::chrono::steady_clock::now() + last_call, [&] { return ready() >= nnodes_; },
+        "the other nodes to be ready for " + round));
+    std::vector<int> nodes;
+    for (int n = 0; n < nnodes_; ++n) {
+      const std::string key = agent_keys::ready_node(restart, n);
+      if (client_.check(std::span<const std::string>(&key, 1))) nodes.push_back(n);
+    }
+    client_.set(members_key, encode_members(nodes));
+    client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
+  } else {
+    wait_for([&] { return client_.check(std::span<const std::string>(&members_key, 1)); },
+             "node 0 to form " + round);
+  }
+  std::vector<int> nodes = decode_members(members_key, client_.get(members_key), nnodes_);
+  round_size_ = static_cast<int>(nodes.size());
+  lost_nodes_ = 0;  // of an earlier round: not among these
+  return nodes;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
+  const std::string key = agent_keys::node(node_rank_);
+  const std::string holder = client_.compare_set(key, "", me.encode());
+  if (holder != me.encode()) {
+    throw config_error("node_rank " + std::to_string(node_rank_) +
+                       " is taken twice: by the agent " + node_record::decode(key, holder).who() +
+                       " and by this one (" + me.who() +
+                       "); give each agent its own --node-rank / NODE_RANK");
+  }
+  meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
+  for (int n = 0; n < nnodes_; ++n) {
+    const std::string other_key = agent_keys::node(n);
+    check_same_shape(n, node_record::decode(other_key, client_.get(other_key)), me);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::check_same_shape(int n, const node_record& other,
+                                                        const node_record& me) {
+  if (other.nproc != me.nproc) {
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") runs " +
+                       std::to_string(other.nproc) + " workers, this node " +
+                       std::to_string(me.nproc) + "; every node must run the same nproc_per_node");
+  }
+  if (other.max_restarts != me.max_restarts) {
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") allows " +
+                       std::to_string(other.max_restarts) + " restarts, this node " +
+                       std::to_string(me.max_restarts) +
+                       "; every node must use the same max_restarts");
+  }
+  if (other.rdzv_id != me.rdzv_id) {
+    auto id = [](const std::string& v) { return v.empty() ? std::string("none") : v; };
+    throw config_error("node " + std::to_string(n) + " (" + other.who() + ") has --rdzv-id " +
+                       id(other.rdzv_id) + ", this node " + id(me.rdzv_id) +
+                       "; every node of a job must give the same --rdzv-id (PET_RDZV_ID)");
+  }
+}
+
+DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {
+  const std::string key = agent_keys::worker_port(restart);
+  if (node_rank_ == 0) client_.set(key, encode_port(pick_free_port()));
+  wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
+           "node 0 to pick the workers' port");
+  return decode_port(key, client_.get(key));
+}
+
+DTRAIN_DETAIL_INLINE std::optional<failure_record> agent_store::failure(int restart) {
+  const std::string key = agent_keys::failure(restart);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+  const std::string value = client_.get(key);
+  failure_record f;
+  try {
+    f = failure_record::decode(key, value);
+  } catch (const rendezvous_error& e) {
+    return failure_record{1, true, e.what()};
+  }
+  f.message = describe_failure(f, first_exit(restart));
+  return f;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::leave(std::chrono::milliseconds grace) {
+  const std::string key(agent_keys::left);
+  try {
+    client_.add(key, 1);
+    if (!server_) return;
+    const auto deadline = std::chrono::steady_clock::now() + grace + std::chrono::seconds(10);
+    while (client_.add(key, 0) < round_size_ - lost_nodes_ &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(agent_poll_interval);
+    }
+  } catch (const rendezvous_error&) {
+    // The job has ended; a peer that cannot be told is not a new failure.
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<exit_record> agent_store::first_exit(int restart) {
+  const std::string key = agent_keys::exited(restart);
+  if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;
+  try {
+    return exit_record::decode(key, client_.get(key));
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace dtrain::detail
