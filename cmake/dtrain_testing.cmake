@@ -197,7 +197,10 @@ function(dtrain_add_multirank_test prefix)
       endif()
       dtrain_multirank_command(job PROGRAM ${arg_PROGRAM} ENGINE ${engine} RANKS ${ranks}
                                NODES ${arg_NODES} ${options} ARGS ${args})
-      set(env DTRAIN_COLLECTIVE_TIMEOUT=120 ${arg_ENVIRONMENT})
+      set(env ${arg_ENVIRONMENT})
+      if(NOT env MATCHES "(^|;)DTRAIN_COLLECTIVE_TIMEOUT=")
+        list(PREPEND env DTRAIN_COLLECTIVE_TIMEOUT=120)  # a hang fails well within TIMEOUT
+      endif()
       if(engine STREQUAL "mpi")
         list(APPEND env ${DTRAIN_MPI_TEST_ENVIRONMENT})
       endif()

@@ -47,37 +47,12 @@ endforeach()
 # Sharding (issue 34, ZeRO stages 1 and 2): stage 1 and 2 end with DDP's weights
 # and one process's, SGD-momentum and Adam, on 1-4 ranks (tests/ddp/ddp_shard.cpp).
 if(ddp_backends)
-  add_executable(dtrain_ddp_shard ddp/ddp_shard.cpp)
-  target_link_libraries(dtrain_ddp_shard PRIVATE dtrain::dtrain)
-  dtrain_target_warnings(dtrain_ddp_shard)
-  add_dependencies(dtrain_ddp_shard dtrain_test_launch)
+  dtrain_add_multirank_program(dtrain_ddp_shard ddp/ddp_shard.cpp)
 endif()
-foreach(backend IN ITEMS mpi gloo)
-  foreach(ranks IN ITEMS 1 2 3 4)
-    if(NOT backend IN_LIST ddp_backends)
-      dtrain_add_skipped_test(ddp.sharding.${backend}.${ranks}ranks
-                              "needs ${backend} (not in this build)")
-      continue()
-    endif()
-    if(backend STREQUAL "mpi")
-      set(job "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${ranks} ${MPIEXEC_PREFLAGS}
-              ${DTRAIN_MPIEXEC_PREFLAGS} $<TARGET_FILE:dtrain_ddp_shard> mpi ${MPIEXEC_POSTFLAGS})
-      set(env ${DTRAIN_MPI_TEST_ENVIRONMENT})
-    else()
-      set(job $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_shard> gloo)
-      set(env "")
-    endif()
-    dtrain_add_test(ddp.sharding.${backend}.${ranks}ranks COMMAND ${job} TIMEOUT 240
-      ENVIRONMENT ${env} DTRAIN_COLLECTIVE_TIMEOUT=120 PROPERTIES PROCESSORS ${ranks})
-  endforeach()
-endforeach()
-if("gloo" IN_LIST ddp_backends)
-  dtrain_add_test(ddp.sharding.gloo.hierarchical.2x2
-    COMMAND $<TARGET_FILE:dtrain_test_launch> --nodes 2,2 4 $<TARGET_FILE:dtrain_ddp_shard> gloo hierarchical
-    TIMEOUT 240 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=120 PROPERTIES PROCESSORS 4)
-else()
-  dtrain_add_skipped_test(ddp.sharding.gloo.hierarchical.2x2 "needs gloo (not in this build)")
-endif()
+dtrain_add_multirank_test(ddp.sharding PROGRAM dtrain_ddp_shard CASE sharding
+                          ENGINES mpi gloo RANKS 1 2 3 4)
+dtrain_add_multirank_test(ddp.sharding PROGRAM dtrain_ddp_shard CASE sharding
+                          ENGINES gloo RANKS 4 NODES 2,2)
 
 # topology::hierarchical (issue 12) on ranks that play 2 nodes of 2 (dtrain_test_launch
 # --nodes: DTRAIN_NODE_NAME per rank, grouped at rendezvous): the same cases must
@@ -96,60 +71,34 @@ dtrain_add_multirank_test(ddp.topology PROGRAM dtrain_ddp_peer CASE topology
 # The GPU path without a GPU (issue 11): DistributedDataParallel on a backend with
 # NCCL's rules on host memory (device buffers only, streams, a watchdog), Gloo underneath.
 if(DTRAIN_WITH_GLOO)
-  add_executable(dtrain_ddp_device_rules ddp/ddp_device_rules.cpp)
-  target_link_libraries(dtrain_ddp_device_rules PRIVATE dtrain::dtrain)
-  dtrain_target_warnings(dtrain_ddp_device_rules)
-  add_dependencies(dtrain_ddp_device_rules dtrain_test_launch)
-  foreach(ranks IN ITEMS 1 2 3)
-    dtrain_add_test(ddp.device_rules.mean.${ranks}ranks
-      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> mean
-      TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
-  endforeach()
-  # Sharding's reduce-scatter and allgather on streams (issue 34).
-  foreach(ranks IN ITEMS 1 2 3)
-    dtrain_add_test(ddp.device_rules.shard.${ranks}ranks
-      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_ddp_device_rules> shard
-      TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS ${ranks})
-  endforeach()
-  # Stage 2 over topology::hierarchical on streams: the node-local
-  # reduce-scatter, then the cross-node one (and the allgathers the other way).
-  dtrain_add_test(ddp.device_rules.shard.hierarchical.2x2
-    COMMAND "${CMAKE_COMMAND}"
-            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,2|4|$<TARGET_FILE:dtrain_ddp_device_rules>|shard|hierarchical"
-            -DEXPECT_STATUS=0
-            "-DEXPECT_1=rank 1 of 4: sharding gradients: 3 steps[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
-            -P "${scripts}/check_job.cmake"
-    TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 4)
-  # topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
-  dtrain_add_test(ddp.device_rules.mean.hierarchical.2x2
-    COMMAND "${CMAKE_COMMAND}"
-            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--nodes|2,2|4|$<TARGET_FILE:dtrain_ddp_device_rules>|mean|hierarchical"
-            -DEXPECT_STATUS=0
-            "-DEXPECT_1=rank 0 of 4: 4 steps averaged exactly [(]compression none[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
-            "-DEXPECT_2=rank 3 of 4: 4 steps averaged exactly [(]compression bfloat16[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
-            -P "${scripts}/check_job.cmake"
-    TIMEOUT 180 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 PROPERTIES PROCESSORS 4)
-  dtrain_add_test(ddp.device_rules.hung_peer.2ranks
-    COMMAND $<TARGET_FILE:dtrain_test_launch> --no-kill 2 $<TARGET_FILE:dtrain_ddp_device_rules> hung-peer
-    TIMEOUT 60 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3
-    PROPERTIES PROCESSORS 2 PASS_REGULAR_EXPRESSION "the watchdog reported the hung peer in time")
-  # NCCL's first broadcast at two ranks and more (issue 31): ordered after ddp_options::stream.
-  dtrain_add_test(nccl.ranks.broadcast_after_stream.2ranks
-    COMMAND $<TARGET_FILE:dtrain_test_launch> 2 $<TARGET_FILE:dtrain_ddp_device_rules> stream-init
-    TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60
-    PROPERTIES PROCESSORS 2)
-  dtrain_add_test(ddp.device_rules.mismatch.2ranks
-    COMMAND "${CMAKE_COMMAND}"
-            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--no-kill|2|$<TARGET_FILE:dtrain_ddp_device_rules>|mismatch"
-            -DEXPECT_STATUS=2 "-DEXPECT_1=\\[rank 0/2\\] dtrain: [^\n]*layer5[.]view"
-            "-DEXPECT_2=\\[rank 1/2\\] dtrain: [^\n]*layer5[.]renamed"
-            -P "${scripts}/check_job.cmake"
-    TIMEOUT 120 ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 PROPERTIES PROCESSORS 2)
-else()
-  foreach(test IN ITEMS mean.1ranks mean.2ranks mean.3ranks mean.hierarchical.2x2 hung_peer.2ranks
-                        mismatch.2ranks shard.1ranks shard.2ranks shard.3ranks shard.hierarchical.2x2)
-    dtrain_add_skipped_test(ddp.device_rules.${test} "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
-  endforeach()
-  dtrain_add_skipped_test(nccl.ranks.broadcast_after_stream.2ranks
-                          "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
+  dtrain_add_multirank_program(dtrain_ddp_device_rules ddp/ddp_device_rules.cpp)
 endif()
+foreach(case IN ITEMS mean shard)
+  dtrain_add_multirank_test(ddp.device_rules.${case} PROGRAM dtrain_ddp_device_rules CASE ${case}
+                            ENGINES gloo ENGINE_NOT_IN_NAME RANKS 1 2 3 TIMEOUT 180
+                            ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60)
+endforeach()
+# Stage 2 over topology::hierarchical on streams: the node-local
+# reduce-scatter, then the cross-node one (and the allgathers the other way).
+dtrain_add_multirank_test(ddp.device_rules.shard PROGRAM dtrain_ddp_device_rules CASE shard
+  ENGINES gloo ENGINE_NOT_IN_NAME RANKS 4 NODES 2,2 TIMEOUT 180
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
+  "rank 1 of 4: sharding gradients: 3 steps[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks")
+# topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
+dtrain_add_multirank_test(ddp.device_rules.mean PROGRAM dtrain_ddp_device_rules CASE mean
+  ENGINES gloo ENGINE_NOT_IN_NAME RANKS 4 NODES 2,2 TIMEOUT 180
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
+  "rank 0 of 4: 4 steps averaged exactly [(]compression none[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
+  "rank 3 of 4: 4 steps averaged exactly [(]compression bfloat16[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks")
+dtrain_add_multirank_test(ddp.device_rules.hung_peer PROGRAM dtrain_ddp_device_rules CASE hung-peer
+  ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 NO_KILL TIMEOUT 60
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3
+  EXPECT_STATUS "[0-9]+" EXPECT "the watchdog reported the hung peer in time")
+# NCCL's first broadcast at two ranks and more (issue 31): ordered after ddp_options::stream.
+dtrain_add_multirank_test(nccl.ranks.broadcast_after_stream PROGRAM dtrain_ddp_device_rules
+  CASE stream-init ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 TIMEOUT 120
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60)
+dtrain_add_multirank_test(ddp.device_rules.mismatch PROGRAM dtrain_ddp_device_rules CASE mismatch
+  ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 NO_KILL TIMEOUT 120
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 EXPECT_STATUS 2 EXPECT
+  "\\[rank 0/2\\] dtrain: [^\n]*layer5[.]view" "\\[rank 1/2\\] dtrain: [^\n]*layer5[.]renamed")

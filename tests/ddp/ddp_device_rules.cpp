@@ -1,31 +1,28 @@
-// dtrain_ddp_device_rules: one rank of DistributedDataParallel on the
-// device-rules backend (tests/ddp/device_rules.hpp: NCCL's rules on host
-// memory), run under dtrain_test_launch. It is the GPU path without a GPU:
-// construction, agreement, rebuild and the buckets through a communicator
-// that rejects host memory, and the watchdog on a hung peer.
+// dtrain_ddp_device_rules: DistributedDataParallel on the device-rules
+// backend (tests/ddp/device_rules.hpp: NCCL's rules on host memory), one
+// doctest case per job in every rank (tests/support/multirank.hpp), under
+// dtrain_test_launch. It is the GPU path without a GPU: construction,
+// agreement, rebuild and the buckets through a communicator that rejects host
+// memory, and the watchdog on a hung peer.
 //
-//   dtrain_ddp_device_rules mean       exact means over several steps, views and
-//                                      copies, a rebuild, bf16 compression, a hook
-//   dtrain_ddp_device_rules shard [hierarchical]
-//                                      sharding none, optimizer and gradients: the
-//                                      reduce-scatter and the allgather on streams
-//   dtrain_ddp_device_rules mismatch   the last rank renames a parameter: every
-//                                      rank fails with the agreement's message
-//   dtrain_ddp_device_rules hung-peer  rank 1 never steps: rank 0's synchronize()
-//                                      (or its next call) throws timeout_error
-//                                      within the timeout plus one second
-//   dtrain_ddp_device_rules stream-init
-//                                      each rank writes its parameters on a compute
-//                                      stream of its own, late, then builds DDP with
-//                                      ddp_options::stream: every rank starts from
-//                                      what rank 0 wrote there (the first broadcast
-//                                      is ordered after that stream)
-//   dtrain_ddp_device_rules mean hierarchical
-//                                      `mean` with topology::hierarchical (run the
-//                                      ranks as nodes: dtrain_test_launch --nodes 2,2):
-//                                      its steps enqueued at once on the streams of
-//                                      the node-local and cross-node communicators,
-//                                      as on NCCL
+//   dtrain_test_launch N dtrain_ddp_device_rules [--topology=hierarchical] --test-case=<case>
+//
+//   mean         exact means over several steps, views and copies, a rebuild,
+//                bf16 compression, a hook; with --topology=hierarchical (run the
+//                ranks as nodes: dtrain_test_launch --nodes 2,2) its steps
+//                enqueued at once on the streams of the node-local and
+//                cross-node communicators, as on NCCL
+//   shard        sharding none, optimizer and gradients: the reduce-scatter and
+//                the allgather on streams (hierarchical: stage 2's two levels)
+//   mismatch     the last rank renames a parameter: every rank fails with the
+//                agreement's message (the job's status and output are checked)
+//   hung-peer    rank 1 never steps: rank 0's synchronize() (or its next call)
+//                throws timeout_error within the timeout plus one second
+//   stream-init  each rank writes its parameters on a compute stream of its
+//                own, late, then builds DDP with ddp_options::stream: every rank
+//                starts from what rank 0 wrote there (the first broadcast is
+//                ordered after that stream)
+#include "../support/multirank.hpp"
 #include "device_rules.hpp"
 
 #include <algorithm>
@@ -101,7 +98,8 @@ float gradient(int rank, std::size_t p, std::size_t i, int step) {
 }
 
 int fail(const std::string& what) {
-  std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+  FAIL_CHECK(what);
+  std::fflush(stdout);
   return 1;
 }
 
@@ -337,48 +335,61 @@ int hung_peer_case(dtrain::context<policy>& ctx) {
   std::_Exit(status);
 }
 
+bool hierarchical() { return dtrain_test::job().topology == "hierarchical"; }
+
 }  // namespace
 
-int main(int argc, char** argv) {
-  const std::string_view which = argc > 1 ? argv[1] : "";
-  if (which == "mean" && argc > 2 && std::string_view(argv[2]) == "hierarchical") {
-    return dtrain::run<hierarchical_policy>(
-        argc, argv, [&](dtrain::context<hierarchical_policy>& ctx) -> int {
+TEST_CASE("mean") {
+  if (hierarchical()) {
+    CHECK(dtrain_test::run_with<hierarchical_policy>([](auto& ctx) {
+            int status = mean_case(ctx, dtrain::gradient_compression::none, false);
+            if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
+            return status;
+          }) == 0);
+    return;
+  }
+  CHECK(dtrain_test::run_with<policy>([](auto& ctx) {
           int status = mean_case(ctx, dtrain::gradient_compression::none, false);
           if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
+          if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::none, true);
           return status;
-        });
-  }
-  if (which == "shard" && argc > 2 && std::string_view(argv[2]) == "hierarchical") {
+        }) == 0);
+}
+
+TEST_CASE("shard") {
+  if (hierarchical()) {
     // Stage 2's two-level reduce-scatter and allgather, each on a stream.
-    return dtrain::run<hierarchical_policy>(
-        argc, argv, [&](dtrain::context<hierarchical_policy>& ctx) -> int {
+    CHECK(dtrain_test::run_with<hierarchical_policy>([](auto& ctx) {
+            int status = 0;
+            for (const dtrain::sharding stage :
+                 {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+              if (status == 0) status = shard_case(ctx, stage);
+            }
+            return status;
+          }) == 0);
+    return;
+  }
+  CHECK(dtrain_test::run_with<policy>([](auto& ctx) {
           int status = 0;
           for (const dtrain::sharding stage :
-               {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+               {dtrain::sharding::none, dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
             if (status == 0) status = shard_case(ctx, stage);
           }
           return status;
-        });
-  }
-  return dtrain::run<policy>(argc, argv, [&](dtrain::context<policy>& ctx) -> int {
-    if (which == "mean") {
-      int status = mean_case(ctx, dtrain::gradient_compression::none, false);
-      if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
-      if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::none, true);
-      return status;
-    }
-    if (which == "mismatch") return mismatch_case(ctx);
-    if (which == "shard") {
-      int status = 0;
-      for (const dtrain::sharding stage :
-           {dtrain::sharding::none, dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
-        if (status == 0) status = shard_case(ctx, stage);
-      }
-      return status;
-    }
-    if (which == "stream-init") return stream_init_case(ctx);
-    if (which == "hung-peer") return hung_peer_case(ctx);
-    return fail("unknown case '" + std::string(which) + "'");
-  });
+        }) == 0);
+}
+
+TEST_CASE("stream-init") {
+  CHECK(dtrain_test::run_with<policy>([](auto& ctx) { return stream_init_case(ctx); }) == 0);
+}
+
+// The job must fail: its status and output are the test's (check_job.cmake).
+TEST_CASE("mismatch") {
+  dtrain_test::end_job(dtrain_test::run_with<policy>([](auto& ctx) { return mismatch_case(ctx); }));
+}
+
+// Every rank leaves with _Exit: rank 0 says whether the watchdog reported in time.
+TEST_CASE("hung-peer") {
+  dtrain_test::end_job(
+      dtrain_test::run_with<policy>([](auto& ctx) { return hung_peer_case(ctx); }));
 }

@@ -1,8 +1,10 @@
-// dtrain_ddp_shard: one rank of the sharding test (ddp_options::sharding, ZeRO
-// stages 1 and 2), built on dtrain::run.
+// dtrain_ddp_shard: the sharding test (ddp_options::sharding, ZeRO stages 1
+// and 2), doctest case "sharding" run in every rank through dtrain::run
+// (tests/support/multirank.hpp; tests/ddp/ddp.cmake registers it):
 //
-//   dtrain_ddp_shard mpi  [flat|hierarchical]   per-process MPI (under mpirun)
-//   dtrain_ddp_shard gloo [flat|hierarchical]   per-process Gloo (under dtrain_test_launch)
+//   mpirun -n N dtrain_ddp_shard --engine=mpi --test-case=sharding
+//   dtrain_test_launch N dtrain_ddp_shard --engine=gloo [--topology=hierarchical]
+//   --test-case=sharding
 //
 // A linear least-squares model of 7 parameters (5,209 floats: sizes that no
 // world size divides, one of 3,001 that is larger than a shard on 2 ranks and
@@ -15,10 +17,9 @@
 // variant's weights must match DDP's within 1e-5 and the single process's
 // within 1e-4; the norms too. Then: the shard pieces of all ranks cover the
 // model exactly once; optimizer_step() without a synchronized step is an
-// error naming the rank. Prints one line per rank and exits 0, or prints
-// what differs and exits 1.
+// error naming the rank. Prints one line per rank; what differs fails the case.
 
-#include <dtrain/dtrain.hpp>
+#include "../support/multirank.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -346,11 +347,9 @@ int run_case(Context& ctx, std::string_view topology) {
     const result ddp = train(ctx, dtrain::sharding::none, kind);
     const result single = reference(ctx.size(), kind);
     const double to_single = distance(ddp, single);
-    if (!(to_single <= 1e-4)) {
-      std::fprintf(stderr, "rank %d: %s: DDP differs from one process by %.3g\n", ctx.rank(), name,
-                   to_single);
-      ++failures;
-    }
+    CHECK_MESSAGE(to_single <= 1e-4, "rank " << ctx.rank() << ": " << name
+                                             << ": DDP differs from one process by " << to_single);
+    if (!(to_single <= 1e-4)) ++failures;
     for (const dtrain::sharding stage :
          {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
       const result sharded = train(ctx, stage, kind);
@@ -371,6 +370,8 @@ int run_case(Context& ctx, std::string_view topology) {
           std::string(dtrain::to_string(stage)).c_str(), to_ddp, to_one, sharded.shard_elements,
           ddp.shard_elements, sharded.pages_returned ? "; gradient pages given back" : "",
           ok ? "" : ": FAILED");
+      CHECK_MESSAGE(ok, "rank " << ctx.rank() << ": " << name << ", sharding "
+                                << dtrain::to_string(stage) << " (the line above)");
       failures += ok ? 0 : 1;
     }
   }
@@ -378,39 +379,9 @@ int run_case(Context& ctx, std::string_view topology) {
   return failures == 0 ? 0 : 1;
 }
 
-template <class Policy>
-int start(int argc, char** argv, std::string_view topology) {
-  return dtrain::run<Policy>(
-      argc, argv, [&](dtrain::context<Policy>& ctx) -> int { return run_case(ctx, topology); });
-}
-
-template <class Backend>
-int start_with(int argc, char** argv, std::string_view topology) {
-  using dtrain::launch::per_process;
-  if (topology == "hierarchical")
-    return start<dtrain::policy<per_process, Backend, dtrain::topology::hierarchical>>(argc, argv,
-                                                                                       topology);
-  return start<dtrain::policy<per_process, Backend>>(argc, argv, topology);
-}
-
 }  // namespace
 
-int main(int argc, char** argv) {
-  const std::string_view backend = argc > 1 ? argv[1] : "";
-  const std::string_view topology = argc > 2 ? argv[2] : "flat";
-  if (topology != "flat" && topology != "hierarchical") {
-    std::fprintf(stderr, "usage: dtrain_ddp_shard mpi|gloo [flat|hierarchical]\n");
-    return 2;
-  }
-#if DTRAIN_HAS_MPI()
-  if (backend == "mpi") return start_with<dtrain::backend::mpi>(argc, argv, topology);
-#endif
-#if DTRAIN_HAS_GLOO()
-  if (backend == "gloo") return start_with<dtrain::backend::gloo>(argc, argv, topology);
-#endif
-  std::fprintf(stderr,
-               "dtrain_ddp_shard: backend '%s' is not in this build (or usage: "
-               "dtrain_ddp_shard mpi|gloo [flat|hierarchical])\n",
-               std::string(backend).c_str());
-  return 2;
+TEST_CASE("sharding") {
+  CHECK(dtrain_test::run_job(
+            [](auto& ctx) { return run_case(ctx, dtrain_test::job().topology); }) == 0);
 }

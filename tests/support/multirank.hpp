@@ -31,21 +31,23 @@ struct job_choice {
 /// This job's choice (set by tests/support/multirank_main.cpp before any case runs).
 const job_choice& job();
 
-namespace detail {
+/// Runs `body(ctx)` as dtrain::run<Policy>'s training function and returns
+/// run's exit status: for a program whose policy is its own (a test backend).
 template <class Policy, class Body>
-int run_policy(Body& body) {
+int run_with(Body&& body) {
   std::string program = job().program;
   char* argv[] = {program.data(), nullptr};
   return dtrain::run<Policy>(
       1, argv, [&](dtrain::context<Policy>& ctx) -> int { return static_cast<int>(body(ctx)); });
 }
 
+namespace detail {
 template <class Backend, class Body>
 int run_backend(Body& body) {
   using dtrain::launch::per_process;
   if (job().topology == "hierarchical")
-    return run_policy<dtrain::policy<per_process, Backend, dtrain::topology::hierarchical>>(body);
-  return run_policy<dtrain::policy<per_process, Backend>>(body);
+    return run_with<dtrain::policy<per_process, Backend, dtrain::topology::hierarchical>>(body);
+  return run_with<dtrain::policy<per_process, Backend>>(body);
 }
 }  // namespace detail
 

@@ -44,9 +44,11 @@ if(TARGET dtrain::gloo)
                            dtrain_torch_libraries)
 endif()
 
+# A multi-rank doctest program (tests/support/multirank.hpp) of one engine's policy.
 function(add_torch_test_program target engine)
-  add_executable(${target} torch/torch_ddp.cpp)
-  target_link_libraries(${target} PRIVATE dtrain_torch_part_${engine})  # dtrain::torch's compiled part
+  add_executable(${target} torch/torch_ddp.cpp support/multirank_main.cpp)
+  target_link_libraries(${target} PRIVATE dtrain_torch_part_${engine}  # dtrain::torch's compiled part
+                                          doctest::doctest)
   string(TOUPPER "${engine}" upper)
   target_compile_definitions(${target} PRIVATE DTRAIN_TEST_TORCH_${upper}=1)
   dtrain_target_warnings(${target})
@@ -54,28 +56,17 @@ endfunction()
 
 if(DTRAIN_WITH_GLOO)
   add_torch_test_program(dtrain_torch_ddp_gloo gloo)
-  dtrain_add_test(torch.ddp.gloo.1rank COMMAND $<TARGET_FILE:dtrain_test_launch> 1
-                  $<TARGET_FILE:dtrain_torch_ddp_gloo> TIMEOUT 180)
-  foreach(ranks IN LISTS torch_ranks)
-    dtrain_add_test(torch.ddp.gloo.${ranks}ranks
-      COMMAND $<TARGET_FILE:dtrain_test_launch> ${ranks} $<TARGET_FILE:dtrain_torch_ddp_gloo>
-      TIMEOUT 180
-      PROPERTIES PROCESSORS ${ranks})
-  endforeach()
-else()
-  dtrain_add_skipped_test(torch.ddp.gloo.1rank "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
-  foreach(ranks IN LISTS torch_ranks)
-    dtrain_add_skipped_test(torch.ddp.gloo.${ranks}ranks "needs Gloo (DTRAIN_WITH_GLOO is OFF)")
-  endforeach()
+  add_dependencies(dtrain_torch_ddp_gloo dtrain_test_launch)
 endif()
-
 if(DTRAIN_WITH_MPI)
   add_torch_test_program(dtrain_torch_ddp_mpi mpi)
 endif()
-foreach(ranks IN LISTS torch_ranks)
-  dtrain_add_mpi_test(torch.ddp.mpi RANKS ${ranks} COMMAND $<TARGET_FILE:dtrain_torch_ddp_mpi>
-                      TIMEOUT 180)
-endforeach()
+dtrain_add_multirank_test(torch.ddp PROGRAM dtrain_torch_ddp_gloo CASE ddp ENGINES gloo
+                          RANKS 1 NAME 1rank TIMEOUT 180)
+dtrain_add_multirank_test(torch.ddp PROGRAM dtrain_torch_ddp_gloo CASE ddp ENGINES gloo
+                          RANKS ${torch_ranks} TIMEOUT 180)
+dtrain_add_multirank_test(torch.ddp PROGRAM dtrain_torch_ddp_mpi CASE ddp ENGINES mpi
+                          RANKS ${torch_ranks} TIMEOUT 180)
 
 if(TARGET dtrain_train_torch)
   dtrain_add_test(torch.demo

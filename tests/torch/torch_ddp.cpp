@@ -12,7 +12,10 @@
 // without a gradient) is an error naming them; an undefined gradient is a
 // zero contribution.
 //
-// Exit status 0 when every check passes; 1 and the failed checks on stderr otherwise.
+// One doctest case, "ddp", run in every rank (tests/support/multirank.hpp;
+// tests/torch/torch.cmake registers it): a failed check fails the rank.
+
+#include "../support/multirank.hpp"
 
 #include <dtrain/torch.hpp>
 
@@ -189,7 +192,7 @@ int failures = 0;
 void check(bool ok, int rank, const std::string& what) {
   if (!ok) {
     ++failures;
-    std::fprintf(stderr, "FAIL (rank %d): %s\n", rank, what.c_str());
+    FAIL_CHECK("rank " << rank << ": " << what);
   }
 }
 
@@ -910,7 +913,7 @@ extern "C" void print_frames_and_die(int sig, siginfo_t* info, void* context) {
   std::raise(sig);
 }
 
-int main(int argc, char** argv) {
+TEST_CASE("ddp") {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is printed (a crash keeps them)
   struct sigaction fatal {};
   fatal.sa_sigaction = print_frames_and_die;
@@ -918,7 +921,8 @@ int main(int argc, char** argv) {
   for (const int sig : {SIGSEGV, SIGBUS, SIGILL}) ::sigaction(sig, &fatal, nullptr);
   if (on_gpu && !torch::cuda::is_available()) {
     std::printf("SKIPPED: no CUDA device (LibTorch %s sees none)\n", TORCH_VERSION);
-    return 77;
+    dtrain_test::end_job(77);
   }
-  return dtrain::run<Policy>(argc, argv, run_checks);
+  CHECK(dtrain_test::run_with<Policy>(
+            [](dtrain::context<Policy>& ctx) { return run_checks(ctx); }) == 0);
 }
