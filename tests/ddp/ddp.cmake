@@ -26,6 +26,9 @@ dtrain_add_multirank_test(ddp.interleaved PROGRAM dtrain_ddp_peer CASE interleav
                           ENGINES mpi gloo RANKS 2 3 TIMEOUT 90
                           ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=20)
 
+dtrain_add_multirank_test(ddp.many_buckets PROGRAM dtrain_ddp_peer CASE many_buckets
+                          ENGINES mpi gloo RANKS 2 3)
+
 # Cases that fail: <case>:<the job's exit status>:<regexes the output must
 # match, separated by '!'>.
 set(ddp_error_cases

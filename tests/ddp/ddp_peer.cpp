@@ -17,6 +17,7 @@
 //             (and rank 0's one-line report of what no rank marked), a communication hook
 //   interleaved  the user's own allreduce on the same communicator between
 //             mark_ready calls (buckets in flight): both results must be right
+//   many_buckets  a bucket per parameter: the exact mean after every step
 //   topology  the policy's topology group on its own: allreduce of every op and
 //             element type, counts that divide by the ranks per node and counts
 //             that leave a remainder, in one piece and (hierarchical, above
@@ -865,6 +866,26 @@ int topology_case(dtrain::context<Policy>& ctx) {
   return c.failures ? 1 : 0;
 }
 
+/// Every parameter in a bucket of its own (a cap below the smallest
+/// parameter): as many buckets as parameters, and the exact mean after every step.
+template <class Policy>
+int many_buckets_case(dtrain::context<Policy>& ctx) {
+  const int rank = ctx.rank(), size = ctx.size();
+  checker c{rank, "a bucket per parameter"};
+  toy_model m(rank, size, true);
+  dtrain::DistributedDataParallel<toy_model, Policy> ddp(
+      ctx, m, {.bucket_cap_mb = 1e-9, .first_bucket_cap_mb = 1e-9});
+  for (int s = 0; s < 4; ++s) {
+    step(ddp, m, rank, size, s, 0, c);
+    c.expect(ddp.buckets().size() == parameter_count,
+             "step " + std::to_string(s) + ": " + std::to_string(ddp.buckets().size()) +
+                 " buckets for " + std::to_string(parameter_count) + " parameters");
+  }
+  std::printf("rank %d: a bucket per parameter: %zu buckets, 4 steps: %s (%zu checks)\n", rank,
+              ddp.buckets().size(), c.failures ? "FAILED" : "every mean is exact", c.checked);
+  return c.failures ? 1 : 0;
+}
+
 /// Runs `body` on this job's engine and topology (rank 0 says which topology).
 template <class Body>
 int run_case(Body body) {
@@ -889,6 +910,9 @@ TEST_CASE("features") {
 }
 TEST_CASE("interleaved") {
   CHECK(run_case([](auto& ctx) { return interleaved_case(ctx); }) == 0);
+}
+TEST_CASE("many_buckets") {
+  CHECK(run_case([](auto& ctx) { return many_buckets_case(ctx); }) == 0);
 }
 TEST_CASE("topology") {
   CHECK(run_case([](auto& ctx) { return topology_case(ctx); }) == 0);
