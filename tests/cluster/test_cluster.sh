@@ -326,7 +326,7 @@ PY
     need_peer
     cluster_up 2 1gbit
     for case in topology mean; do
-      two_nodes env DTRAIN_COLLECTIVE_TIMEOUT=60 "$tests_bin/dtrain_ddp_peer" gloo "$case" hierarchical
+      two_nodes env DTRAIN_COLLECTIVE_TIMEOUT=60 "$tests_bin/dtrain_ddp_peer" --engine=gloo --topology=hierarchical --test-case="$case"
       ((status1 == 0 && status2 == 0)) || fail "the $case case exited with $status1 on node1, $status2 on node2"
       cat "$work/node1.out" "$work/node2.out" >"$work/$case.out"
     done
@@ -338,7 +338,7 @@ PY
     need_peer
     cluster_up 2 1gbit
     for case in topology mean; do
-      mpirun_across node -x DTRAIN_COLLECTIVE_TIMEOUT=60 "$tests_bin/dtrain_ddp_peer" mpi "$case" hierarchical \
+      mpirun_across node -x DTRAIN_COLLECTIVE_TIMEOUT=60 "$tests_bin/dtrain_ddp_peer" --engine=mpi --topology=hierarchical --test-case="$case" \
         >"$work/$case.out"
     done
     expect_lines "$work/topology.out" 4 "topology group: hierarchical (mpi): 2 nodes x 2 ranks"

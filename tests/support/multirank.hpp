@@ -31,14 +31,24 @@ struct job_choice {
 /// This job's choice (set by tests/support/multirank_main.cpp before any case runs).
 const job_choice& job();
 
-/// Runs `body(ctx)` as dtrain::run<Policy>'s training function and returns
-/// run's exit status: for a program whose policy is its own (a test backend).
+[[noreturn]] void end_job(int status);
+
+/// Runs `body(ctx)` as dtrain::run<Policy>'s training function, for a program
+/// whose policy is its own (a test backend). Returns 0 when run does; when run
+/// fails, the case fails and the rank ends at once with run's exit status, as
+/// the program would (1, or 2 for a config_error; under MPI run has already
+/// ended the job), so that a test can check that status.
 template <class Policy, class Body>
 int run_with(Body&& body) {
   std::string program = job().program;
   char* argv[] = {program.data(), nullptr};
-  return dtrain::run<Policy>(
+  const int status = dtrain::run<Policy>(
       1, argv, [&](dtrain::context<Policy>& ctx) -> int { return static_cast<int>(body(ctx)); });
+  if (status != 0) {
+    FAIL_CHECK("dtrain::run returned " << status << " on this rank");
+    end_job(status);
+  }
+  return status;
 }
 
 namespace detail {
@@ -52,10 +62,10 @@ int run_backend(Body& body) {
 }  // namespace detail
 
 /// Runs `body(ctx)` as dtrain::run's training function, with the policy
-/// launch::per_process x the job's engine x its topology; returns run's exit
-/// status: body's result, or 1 (2 for a config_error) after run printed
-/// "[rank r/n] dtrain: <what>" for what body threw. `body` is a generic
-/// lambda: `[](auto& ctx) { ... return 0; }`.
+/// launch::per_process x the job's engine x its topology, as run_with does:
+/// 0, or the rank ends with run's status (body's non-zero result, or 1 (2 for
+/// a config_error) after run printed "[rank r/n] dtrain: <what>" for what body
+/// threw). `body` is a generic lambda: `[](auto& ctx) { ... return 0; }`.
 template <class Body>
 int run_job(Body&& body) {
 #if DTRAIN_HAS_MPI()
@@ -68,9 +78,9 @@ int run_job(Body&& body) {
   return 2;
 }
 
-/// Ends this rank as a program ends whose training function failed: with
-/// dtrain::run's exit status, for a case whose job must fail (its test checks
-/// the job's status and output: EXPECT_STATUS and EXPECT of
+/// Ends this rank with `status`, as a program ends whose training function
+/// failed; run_with does so when dtrain::run fails (a test of such a job
+/// checks its status and output: EXPECT_STATUS and EXPECT of
 /// dtrain_add_multirank_test). Under MPI dtrain::run never returns from a
 /// failure: it ends the job (MPI_Abort) with that status itself.
 [[noreturn]] inline void end_job(int status) {

@@ -130,7 +130,7 @@ endif()
 if(TARGET dtrain_ddp_peer AND DTRAIN_WITH_GLOO)
   dtrain_add_test(training.timeline.bad_path.every_rank
     COMMAND "${CMAKE_COMMAND}"
-            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--no-kill|2|$<TARGET_FILE:dtrain_ddp_peer>|gloo|mean"
+            "-DCOMMAND=$<TARGET_FILE:dtrain_test_launch>|--no-kill|2|$<TARGET_FILE:dtrain_ddp_peer>|--engine=gloo|--test-case=mean"
             -DEXPECT_STATUS=2
             "-DEXPECT_1=\\[rank 0/2\\] dtrain: ${cannot_write} 0 cannot write [^\n]*/no-such-dir/trace[.]rank0[.]json: No such file"
             "-DEXPECT_2=\\[rank 1/2\\] dtrain: ${cannot_write} 1 cannot write [^\n]*/no-such-dir/trace[.]rank1[.]json: No such file"
