@@ -149,6 +149,26 @@ function(dtrain_multirank_command out)
   set(${out} ${job} PARENT_SCOPE)
 endfunction()
 
+# dtrain_multirank_register_case(<target> <case>): <case> of <target> is some
+# test's. The first call for a program registers multirank.<target>.cases,
+# which lists the program's TEST_CASEs (--list-test-cases starts no job) and
+# fails naming one that no test runs, so a case added to the program but not
+# here cannot go silently unrun.
+function(dtrain_multirank_register_case target case)
+  if(NOT TARGET ${target})
+    return()
+  endif()
+  set_property(TARGET ${target} APPEND PROPERTY DTRAIN_MULTIRANK_CASES ${case})
+  get_property(checked GLOBAL PROPERTY DTRAIN_MULTIRANK_CHECKED)
+  if(NOT target IN_LIST checked)
+    set_property(GLOBAL APPEND PROPERTY DTRAIN_MULTIRANK_CHECKED ${target})
+    dtrain_add_test(multirank.${target}.cases
+      COMMAND "${CMAKE_COMMAND}" "-DPROGRAM=$<TARGET_FILE:${target}>"
+              "-DCASES=$<JOIN:$<TARGET_PROPERTY:${target},DTRAIN_MULTIRANK_CASES>,|>"
+              -P "${PROJECT_SOURCE_DIR}/tests/scripts/check_multirank_cases.cmake")
+  endif()
+endfunction()
+
 # dtrain_add_multirank_test(<prefix> PROGRAM <target> CASE <doctest case>
 #     ENGINES <mpi|gloo>... RANKS <n>... [NODES <a,b,...>] [NAME <suffix>]
 #     [ENGINE_NOT_IN_NAME] [TIMEOUT <s>] [ENVIRONMENT <var=value>...]
@@ -160,7 +180,8 @@ endfunction()
 # NAME replaces the last part of the name (".<n>ranks"); ENGINE_NOT_IN_NAME
 # leaves ".<engine>" out. With EXPECT, the job's output must match every regex
 # and its exit status be EXPECT_STATUS (tests/scripts/check_job.cmake). An
-# engine that is not built registers the test as skipped, saying why.
+# engine that is not built registers the test as skipped, saying why. Every
+# TEST_CASE of the program must be some test's CASE (multirank.<target>.cases).
 function(dtrain_add_multirank_test prefix)
   cmake_parse_arguments(PARSE_ARGV 1 arg "ENGINE_NOT_IN_NAME;NO_KILL"
                         "PROGRAM;CASE;NODES;NAME;TIMEOUT;EXPECT_STATUS"
@@ -168,6 +189,7 @@ function(dtrain_add_multirank_test prefix)
   if(NOT arg_TIMEOUT)
     set(arg_TIMEOUT 240)
   endif()
+  dtrain_multirank_register_case(${arg_PROGRAM} ${arg_CASE})
   set(args --test-case=${arg_CASE})
   if(arg_NODES)
     list(APPEND args --topology=hierarchical)
@@ -215,8 +237,9 @@ function(dtrain_add_multirank_test prefix)
         set(job "${CMAKE_COMMAND}" "-DCOMMAND=${job}" -DEXPECT_STATUS=${arg_EXPECT_STATUS}
                 ${expect_args} -P "${PROJECT_SOURCE_DIR}/tests/scripts/check_job.cmake")
       endif()
+      # A CASE that selects no TEST_CASE would run nothing and pass: doctest's "test cases: 0".
       dtrain_add_test(${name} COMMAND ${job} TIMEOUT ${arg_TIMEOUT} ENVIRONMENT ${env}
-                      PROPERTIES PROCESSORS ${ranks})
+                      PROPERTIES PROCESSORS ${ranks} FAIL_REGULAR_EXPRESSION "test cases: +0 ")
     endforeach()
   endforeach()
 endfunction()
