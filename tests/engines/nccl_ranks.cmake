@@ -13,12 +13,16 @@ set(nccl_ranks_meet "${CMAKE_CURRENT_BINARY_DIR}/fake_nccl")
 set(nccl_ranks_check "${scripts}/check_job.cmake")
 
 # nccl_ranks_test(<name> <ranks> <mode> STATUS <regex> EXPECT <regex>... [NO_KILL]
-#                 [ENVIRONMENT <var=value>...])
+#                 [NODES <a,b,...>] [ENVIRONMENT <var=value>...])
+# NODES runs the ranks as simulated nodes (for topology::hierarchical).
 function(nccl_ranks_test name ranks mode)
-  cmake_parse_arguments(PARSE_ARGV 3 arg "NO_KILL" "STATUS" "EXPECT;ENVIRONMENT")
+  cmake_parse_arguments(PARSE_ARGV 3 arg "NO_KILL" "STATUS;NODES" "EXPECT;ENVIRONMENT")
   set(launch "$<TARGET_FILE:dtrain_test_launch>")
   if(arg_NO_KILL)
     string(APPEND launch "|--no-kill")
+  endif()
+  if(arg_NODES)
+    string(APPEND launch "|--nodes|${arg_NODES}")
   endif()
   set(expects "")
   set(n 0)
@@ -51,6 +55,14 @@ nccl_ranks_test(blocked_enqueue 2 blocked-enqueue STATUS "[1-9][0-9]*"
          "rank 1 never started #1"
          "collective diagnostics, round 1, after a timeout on rank 0"
   ENVIRONMENT FAKE_NCCL_LAUNCH_QUEUE=2 DTRAIN_COLLECTIVE_TIMEOUT=2)
+# Issue 47, item 3: the same in NCCL's blocking mode, where the blocked call
+# holds the communicator while the watchdog aborts it: the abort stops it
+# (ncclCommRevoke) and the call, once out, frees it. (Before: ncclCommAbort
+# freed it under the call, which then used it: the fake ends the process.)
+nccl_ranks_test(blocked_enqueue_blocking 2 blocked-enqueue STATUS "[1-9][0-9]*"
+  EXPECT "[[]rank 0/2[]] dtrain: allreduce[^\n]*the communicator was aborted [(][^\n]*timed out[)]"
+         "collective diagnostics, round 1, after a timeout on rank 0"
+  ENVIRONMENT FAKE_NCCL_LAUNCH_QUEUE=2 DTRAIN_COLLECTIVE_TIMEOUT=2 NCCL_COMM_BLOCKING=1)
 # Item 1: the host runs at most max_in_flight (64) collectives ahead of the device.
 nccl_ranks_test(in_flight_bound 2 in-flight STATUS "[1-9][0-9]*"
   EXPECT "[[]rank 0/2[]] dtrain: [^\n]*at most nccl_options::max_in_flight = 64 unfinished[^\n]*did not finish within 2.0 s"
@@ -93,3 +105,32 @@ nccl_ranks_test(gpu_unreadable_rank0 2 start NO_KILL STATUS 1
 nccl_ranks_test(own_gpus 2 start NO_KILL STATUS 0
   EXPECT "rank 1 of 2: the communicator is up on device 1"
   ENVIRONMENT CUDA_VISIBLE_DEVICES=2,3)
+
+# Issue 47: DistributedDataParallel through the NCCL engine (its split, device
+# memory, non-blocking launches, groups): every step's means, and ZeRO's
+# values after the gathers, flat at 2-4 ranks and hierarchical on 2 nodes of 2.
+foreach(ranks IN ITEMS 2 3 4)
+  foreach(mode IN ITEMS ddp zero1 zero2)
+    string(REPLACE "zero" "sharding " sharding "${mode}")
+    set(sharding_name none)
+    if(mode STREQUAL "zero1")
+      set(sharding_name optimizer)
+    elseif(mode STREQUAL "zero2")
+      set(sharding_name gradients)
+    endif()
+    nccl_ranks_test(${mode} ${ranks} ${mode} STATUS 0
+      EXPECT "rank 0 of ${ranks}: 3 DDP steps [(]sharding ${sharding_name}[)] averaged right")
+  endforeach()
+endforeach()
+foreach(mode IN ITEMS ddp zero2)
+  nccl_ranks_test(${mode}_hierarchical 4 ${mode}-hierarchical NODES 2,2 STATUS 0
+    EXPECT "rank 0 of 4: 3 DDP steps [^\n]* on 2 node[(]s[)], hierarchical")
+endforeach()
+# Item 1: rank 0 throws mid-step with a DDP bucket and a collective of its own
+# waiting for rank 1, under a 300 s collective timeout: it exits within the
+# test's limit (before: ~watchdog followed the bucket to its deadline, and an
+# abort of one communicator waited behind the other's spinning collective).
+nccl_ranks_test(ddp_throws 2 ddp-throws STATUS "[1-9][0-9]*"
+  EXPECT "[[]rank 0/2[]] dtrain: rank 0 fails on purpose in the middle of a DDP step"
+         "dtrain_test_launch: rank 0 exited with status 1"
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=300)

@@ -16,6 +16,12 @@
 //                    host stops max_in_flight collectives ahead (timeout_error)
 //   async-error      every rank waits for each collective; one raises an
 //                    asynchronous NCCL error (FAKE_NCCL_ASYNC_ERROR_AT)
+//   ddp, zero1, zero2  DistributedDataParallel through the engine (ddp_steps:
+//                    every step's means, and the values after ZeRO's gathers)
+//   ddp-hierarchical, zero2-hierarchical  the same with topology::hierarchical
+//                    (run the ranks as nodes: dtrain_test_launch --nodes 2,2)
+//   ddp-throws       rank 0 throws mid-step with a bucket and a collective of
+//                    its own waiting for rank 1: its process exits at once
 //   start            creates the communicator and exits (for the start-up failures
 //                    the environment injects: FAKE_CUDA_NO_DEVICE_RANK, FAKE_NCCL_ID_FAILS,
 //                    FAKE_CUDA_GPUS with CUDA_VISIBLE_DEVICES)
@@ -39,6 +45,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,6 +60,15 @@ void expect(bool ok, const std::string& what) {
 /// A peer that never joins: it waits until the launcher stops it.
 [[noreturn]] void stay_away() {
   for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+/// Waits for the legacy default stream (where the tests' copies go).
+template <class Api>
+void settle() {
+  cudaError_t e;
+  while ((e = Api::cudaStreamQuery(nullptr)) == cudaErrorNotReady)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  DTRAIN_CUDA_CHECK(e);
 }
 
 /// Floats in "device" memory through the runtime `Api`: host memory under the
@@ -87,12 +103,7 @@ class device_floats {
   float* data() { return data_; }
 
  private:
-  static void settle() {
-    cudaError_t e;
-    while ((e = Api::cudaStreamQuery(nullptr)) == cudaErrorNotReady)
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    DTRAIN_CUDA_CHECK(e);
-  }
+  static void settle() { ::settle<Api>(); }
   float* data_ = nullptr;
   std::size_t n_;
 };
@@ -218,12 +229,19 @@ using gpu_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::
 using gpu_hierarchical_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl,
                                                dtrain::topology::hierarchical>;
 
-/// DistributedDataParallel on the GPUs with topology::hierarchical (run the
-/// ranks as nodes: dtrain_test_launch --nodes A,B): each rank's gradients
-/// differ, and every step's means are checked against the host's.
-int ddp_on_gpus(dtrain::context<gpu_hierarchical_policy>& ctx) {
-  using floats = device_floats<dtrain::detail::nccl_library>;
-  const std::vector<std::size_t> sizes{1000, 3, (std::size_t{1} << 20) + 7, 257};
+/// DistributedDataParallel through the NCCL engine: on the fake (Api =
+/// fake_nccl::api) or on GPUs (Api = nccl_library), flat or hierarchical
+/// (run the ranks as nodes: dtrain_test_launch --nodes A,B), without
+/// sharding or with ZeRO stage 1 or 2. Each rank's gradients differ; every
+/// step's means are checked against the host's (sharded: the rank's shard),
+/// and with sharding the optimizer (values -= mean, on the shard) must leave
+/// every rank with the same, expected values after its gathers.
+template <class Api, class Context>
+int ddp_steps(Context& ctx, dtrain::sharding sharding) {
+  using Policy = typename Context::policy_type;
+  using floats = device_floats<Api>;
+  const bool fake = std::is_same_v<Api, fake_nccl::api>;
+  const std::vector<std::size_t> sizes{1000, 3, fake ? 4099 : (std::size_t{1} << 20) + 7, 257};
   struct model {
     std::vector<std::unique_ptr<floats>> values, grads;
     std::vector<float*> grad_ptrs;
@@ -245,40 +263,122 @@ int ddp_on_gpus(dtrain::context<gpu_hierarchical_policy>& ctx) {
     m.grads.push_back(std::make_unique<floats>(n));
     m.grad_ptrs.push_back(m.grads.back()->data());
   }
-  dtrain::DistributedDataParallel<model, gpu_hierarchical_policy> ddp(
-      ctx, m, {.bucket_cap_mb = 1.0, .first_bucket_cap_mb = 0.1});
+  const double cap = fake ? 0.004 : 1.0;
+  dtrain::DistributedDataParallel<model, Policy> ddp(
+      ctx, m, {.bucket_cap_mb = cap, .first_bucket_cap_mb = cap / 10, .sharding = sharding});
   const int r = ctx.rank(), n = ctx.size();
-  for (int step = 0; step < 3; ++step) {
+  auto mean_of = [&](int step, std::size_t i) {
+    return static_cast<float>(n + 1) / 2.0f + static_cast<float>(step) + static_cast<float>(i % 7);
+  };
+  auto check = [&](const std::vector<float>& got, std::size_t from, auto want, const std::string& what) {
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const float w = want(from + i);
+      if (std::fabs(got[i] - w) > 1e-5f * std::fabs(w) + 1e-6f)
+        expect(false, what + ", element " + std::to_string(from + i) + ": " +
+                          std::to_string(got[i]) + ", not " + std::to_string(w));
+    }
+  };
+  const int steps = 3;
+  for (int step = 0; step < steps; ++step) {
     for (std::size_t p = sizes.size(); p-- > 0;) {
       std::vector<float> g(sizes[p]);
       for (std::size_t i = 0; i < g.size(); ++i)
         g[i] = static_cast<float>(r + 1 + step) + static_cast<float>(i % 7);
-      floats staged(sizes[p]);
-      staged.upload(g);
-      DTRAIN_CUDA_CHECK(cudaMemcpy(m.grad_ptrs[p], staged.data(), g.size() * sizeof(float),
-                                   cudaMemcpyDeviceToDevice));
-      DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
+      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(m.grad_ptrs[p], g.data(), g.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, nullptr));
+      settle<Api>();
       ddp.mark_ready(p);
     }
     ddp.synchronize();
-    DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
-    for (std::size_t p = 0; p < sizes.size(); ++p) {
-      std::vector<float> mean(sizes[p]);
-      DTRAIN_CUDA_CHECK(cudaMemcpy(mean.data(), m.grad_ptrs[p], mean.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost));
-      for (std::size_t i = 0; i < mean.size(); ++i) {
-        const float want =
-            static_cast<float>(n + 1) / 2.0f + static_cast<float>(step) + static_cast<float>(i % 7);
-        if (std::fabs(mean[i] - want) > 1e-5f * want)
-          expect(false, "step " + std::to_string(step) + ", layer" + std::to_string(p) +
-                            ", element " + std::to_string(i) + ": " + std::to_string(mean[i]) +
-                            ", not " + std::to_string(want));
+    settle<Api>();
+    const std::string at = "step " + std::to_string(step);
+    if (sharding == dtrain::sharding::none) {
+      for (std::size_t p = 0; p < sizes.size(); ++p) {
+        std::vector<float> mean(sizes[p]);
+        DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(mean.data(), m.grad_ptrs[p],
+                                               mean.size() * sizeof(float),
+                                               cudaMemcpyDeviceToHost, nullptr));
+        settle<Api>();
+        check(mean, 0, [&](std::size_t i) { return mean_of(step, i); },
+              at + ", layer" + std::to_string(p));
       }
+      continue;
+    }
+    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+      std::vector<float> g(piece.gradients.count), v(piece.values.count);
+      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(g.data(), piece.gradients.data, g.size() * 4,
+                                             cudaMemcpyDeviceToHost, nullptr));
+      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(v.data(), piece.values.data, v.size() * 4,
+                                             cudaMemcpyDeviceToHost, nullptr));
+      settle<Api>();
+      check(g, piece.offset, [&](std::size_t i) { return mean_of(step, i); },
+            at + ", layer" + std::to_string(piece.parameter) + "'s shard");
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] -= g[i];
+      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(piece.values.data, v.data(), v.size() * 4,
+                                             cudaMemcpyHostToDevice, nullptr));
+      settle<Api>();
+    });
+    settle<Api>();
+    for (std::size_t p = 0; p < sizes.size(); ++p) {
+      const std::vector<float> v = m.values[p]->download();
+      check(v, 0,
+            [&](std::size_t i) {
+              float w = 0.5f;
+              for (int s2 = 0; s2 <= step; ++s2) w -= mean_of(s2, i);
+              return w;
+            },
+            at + ", layer" + std::to_string(p) + "'s values after the gathers");
     }
   }
-  std::printf("rank %d of %d: 3 DDP steps averaged right on %d node(s), topology::hierarchical\n",
-              r, n, ctx.num_nodes());
+  std::printf("rank %d of %d: %d DDP steps (sharding %s) averaged right on %d node(s), %s\n", r, n,
+              steps, std::string(dtrain::to_string(sharding)).c_str(), ctx.num_nodes(),
+              ddp.topology().describe().c_str());
   return 0;
+}
+
+// --- DDP through the engine on the fake.
+
+using hierarchical_policy =
+    dtrain::policy<dtrain::launch::per_process, fake_nccl::backend, dtrain::topology::hierarchical>;
+
+template <dtrain::sharding Sharding>
+int ddp_fake(context& ctx) {
+  return ddp_steps<fake_nccl::api>(ctx, Sharding);
+}
+template <dtrain::sharding Sharding>
+int ddp_fake_hierarchical(dtrain::context<hierarchical_policy>& ctx) {
+  return ddp_steps<fake_nccl::api>(ctx, Sharding);
+}
+
+/// Rank 0 fails in the middle of a step with collectives waiting for rank 1
+/// on two communicators at once (a bucket on DDP's, the user's own on the
+/// context's), under a collective timeout of 300 s: it must exit within
+/// seconds (DDP's watchdog abandons the bucket, every communicator of the
+/// process is aborted as one family). Rank 1 stays away once its DDP is up.
+int ddp_throws(context& ctx) {
+  using floats = device_floats<fake_nccl::api>;
+  struct model {
+    floats values{4096}, grads{4096};
+    float* grad = grads.data();
+    int device = 0;
+    std::vector<dtrain::parameter> parameters() {
+      return {dtrain::device_param("w", values.data(), grad, 4096, device)};
+    }
+  };
+  static model m;  // the collectives may read it until the communicators are aborted
+  m.device = ctx.device();
+  dtrain::DistributedDataParallel<model, policy> ddp(ctx, m, {});
+  if (ctx.rank() != 0) stay_away();
+  static floats mine(16);
+  auto user = ctx.communicator().allreduce(mine.buffer(ctx.device()), mine.buffer(ctx.device()),
+                                           dtrain::reduce_op::sum);
+  ddp.mark_ready(std::size_t{0});  // the bucket travels: rank 1 never sends its part
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  throw std::runtime_error("rank 0 fails on purpose in the middle of a DDP step");
+}
+
+int ddp_on_gpus(dtrain::context<gpu_hierarchical_policy>& ctx) {
+  return ddp_steps<dtrain::detail::nccl_library>(ctx, dtrain::sharding::none);
 }
 
 /// allreduce (sum, float32, out of place) from 8 B to 256 MiB on the GPUs,
@@ -344,9 +444,19 @@ int main(int argc, char** argv) {
   if (mode == "in-flight") fn = in_flight;
   if (mode == "async-error") fn = async_error;
   if (mode == "start") fn = start;
+  if (mode == "ddp") fn = ddp_fake<dtrain::sharding::none>;
+  if (mode == "zero1") fn = ddp_fake<dtrain::sharding::optimizer>;
+  if (mode == "zero2") fn = ddp_fake<dtrain::sharding::gradients>;
+  if (mode == "ddp-throws") fn = ddp_throws;
+  if (mode == "ddp-hierarchical")
+    return dtrain::run<hierarchical_policy>(argc, argv, ddp_fake_hierarchical<dtrain::sharding::none>);
+  if (mode == "zero2-hierarchical")
+    return dtrain::run<hierarchical_policy>(argc, argv,
+                                            ddp_fake_hierarchical<dtrain::sharding::gradients>);
   if (!fn) {
     std::fprintf(stderr,
-                 "usage: %s collectives|blocked-enqueue|throws|in-flight|async-error|start\n",
+                 "usage: %s collectives|blocked-enqueue|throws|in-flight|async-error|start|"
+                 "ddp|zero1|zero2|ddp-hierarchical|zero2-hierarchical|ddp-throws\n",
                  argv[0]);
     return 2;
   }

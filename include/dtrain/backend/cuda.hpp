@@ -109,6 +109,10 @@ struct cuda_library {
     return ::cudaMallocHost(data, bytes);
   }
   static cudaError_t cudaFreeHost(void* data) { return ::cudaFreeHost(data); }
+  /// Stream-ordered: unlike cudaFree, does not wait for the whole device.
+  static cudaError_t cudaFreeAsync(void* data, cudaStream_t stream) {
+    return ::cudaFreeAsync(data, stream);
+  }
   static cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes,
                                      cudaMemcpyKind kind, cudaStream_t stream) {
     return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);

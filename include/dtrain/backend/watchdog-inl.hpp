@@ -9,6 +9,7 @@
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
+  if (std::uncaught_exceptions() > unwinding_at_start_) abandon();
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -26,6 +27,21 @@ DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
     if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
   }
   wake_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::abandon() noexcept {
+  std::deque<work> left;
+  {
+    std::lock_guard lock(mutex_);
+    try {
+      left.push_back(current_);
+      for (const entry& e : queue_) left.push_back(e.handle);
+    } catch (...) {
+      // No memory to copy the handles: what was copied is abandoned below,
+      // the rest stays bounded by its timeout.
+    }
+  }
+  for (work& w : left) w.abandon();
 }
 
 DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::failure() const {
@@ -49,6 +65,7 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
       if (queue_.empty()) return;
       next = std::move(queue_.front());
       queue_.pop_front();
+      current_ = next.handle;
     }
     const auto left =
         std::max(std::chrono::milliseconds(0),
@@ -86,6 +103,7 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
 DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
   {
     std::lock_guard lock(mutex_);
+    current_ = work();
     if (failed && !failure_) failure_ = failed;
     ++finished_;
   }

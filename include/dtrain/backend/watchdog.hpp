@@ -32,8 +32,15 @@ class watchdog {
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
   /// Waits for the work still watched (each within what is left of its
-  /// timeout), then stops the thread.
+  /// timeout), then stops the thread. Destroyed while an exception unwinds
+  /// (its owner failed), it abandons that work first (abandon()): a failing
+  /// rank does not wait out a collective timeout for peers that may be gone.
   ~watchdog();
+
+  /// Gives up on every piece of work watched and not yet finished
+  /// (work::abandon(): NCCL aborts its communicators at once). The owner's
+  /// failure, not the work's, is then the one to report.
+  void abandon() noexcept;
 
   /// Follows `w` from now on: it must finish within its timeout (work::timeout()).
   /// Work is waited for in the order it was handed over (one stream runs it in order).
@@ -66,6 +73,8 @@ class watchdog {
   std::uint64_t finished_ = 0;
   bool stopping_ = false;
   std::exception_ptr failure_;
+  work current_;  // the work the thread follows now (mutex_)
+  int unwinding_at_start_ = std::uncaught_exceptions();
   std::thread thread_;
 };
 

@@ -150,6 +150,11 @@ class work_state {
   /// A wait gave up: abort what the engine can abort, and mark the
   /// communicator unusable where it cannot.
   virtual void on_timeout() noexcept {}
+  /// The rank gives up on this work before it ended (its owner fails, or is
+  /// destroyed while an exception unwinds): abort what the engine can, now,
+  /// so that waiting for it takes no timeout. The default does nothing (the
+  /// wait stays bounded by the collective timeout).
+  virtual void on_abandon() noexcept {}
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
   /// The collective's fields (empty for work described by a text).
@@ -234,6 +239,13 @@ class work {
   /// After finish_within(timeout) returned false: aborts what the engine can
   /// abort (or marks the communicator unusable) and throws timeout_exception().
   [[noreturn]] void give_up(std::chrono::milliseconds timeout);
+
+  /// The rank gives up on this collective before it ended (see
+  /// work_state::on_abandon): NCCL aborts its communicators at once; other
+  /// engines leave the wait bounded by the timeout. No-op when complete.
+  void abandon() noexcept {
+    if (state_ && !state_->seen_done()) state_->on_abandon();
+  }
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {

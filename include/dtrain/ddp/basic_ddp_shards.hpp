@@ -175,6 +175,10 @@ void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t co
 
 template <class Policy>
 void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
+  // The update failed on this rank: its peers wait for gathers it will not
+  // send. NCCL aborts the communicators now (work::abandon), so that these
+  // waits end at once, not after the collective timeout.
+  for (work& w : gathers) w.abandon();
   for (work& w : gathers) {
     try {
       w.wait();

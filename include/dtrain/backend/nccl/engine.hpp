@@ -191,22 +191,95 @@ template <class Api>
   return true;
 }
 
+template <class Api>
+struct nccl_shared;
+
+/// Every live NCCL communicator of the process (of one runtime `Api`): they
+/// fail as one family. An abort in NCCL is not local to its communicator:
+/// ncclCommAbort synchronizes NCCL's device stream, which follows the user's
+/// streams, and cudaFree waits for the whole device; with two communicators
+/// busy on one GPU (the hierarchical topology's local and cross, DDP's beside
+/// a user's), aborting one can wait for ever behind the other's kernel
+/// spinning on a dead peer. So the first failure (a timeout, an asynchronous
+/// error, abort(), a rank that gives up) marks every member aborted, then
+/// stops each one's work (ncclCommRevoke where NCCL has it; otherwise one
+/// ncclCommAbort per member, on threads of their own, so that none waits for
+/// another's kernels to be told), and only then frees them.
+template <class Api>
+class nccl_family {
+ public:
+  static nccl_family& get() noexcept {
+    static nccl_family* family = new nccl_family();  // never destroyed: aborts come at exit too
+    return *family;
+  }
+
+  /// `member` fails with the others from now on.
+  void join(const std::shared_ptr<nccl_shared<Api>>& member) {
+    std::lock_guard lock(mutex_);
+    std::erase_if(members_, [](const std::weak_ptr<nccl_shared<Api>>& m) { return m.expired(); });
+    members_.push_back(member);
+  }
+
+  /// Aborts every member, `origin` first with `why` (what
+  /// failure_cause::set takes), the others saying that `origin` failed.
+  /// From any thread, once or many times (a member aborts once).
+  template <class... Why>
+  void abort_all(nccl_shared<Api>& origin, int code, bool timed_out, Why&&... why) noexcept {
+    std::lock_guard lock(mutex_);  // a second failure waits for the first abort
+    origin.mark_aborted(&origin, code, timed_out, std::forward<Why>(why)...);
+    for_others(origin, [&](nccl_shared<Api>& m) { m.mark_aborted(&origin, code, timed_out); });
+    // Every member is marked (its callers throw, its waits end) before NCCL hears of any.
+    if constexpr (Api::has_revoke) {
+      origin.stop();
+      for_others(origin, [](nccl_shared<Api>& m) { m.stop(); });
+      origin.release();
+      for_others(origin, [](nccl_shared<Api>& m) { m.release(); });
+    } else {
+      std::vector<std::thread> aborts;
+      auto release_apart = [&](nccl_shared<Api>& m) {
+        try {
+          aborts.emplace_back([&m] { m.release(); });
+        } catch (...) {
+          m.release();  // no thread: in turn
+        }
+      };
+      for_others(origin, release_apart);
+      origin.release();
+      for (std::thread& t : aborts) t.join();
+    }
+    origin.finish_abort();
+    for_others(origin, [](nccl_shared<Api>& m) { m.finish_abort(); });
+  }
+
+ private:
+  template <class Each>
+  void for_others(const nccl_shared<Api>& origin, Each&& each) noexcept {
+    for (const std::weak_ptr<nccl_shared<Api>>& weak : members_) {
+      const std::shared_ptr<nccl_shared<Api>> m = weak.lock();
+      if (m && m.get() != &origin) each(*m);
+    }
+  }
+
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<nccl_shared<Api>>> members_;
+};
+
 /// What a communicator and its work handles share: the NCCL communicator, its
 /// stream and scratch memory, and whether (and why) it was aborted.
 ///
 /// Locking: `mutex` guards dtrain's bookkeeping only (the handle `comm`, the
-/// abort state) and is never held across a CUDA or NCCL call that can block.
-/// The thread that issues collectives takes the handle under the lock, makes
-/// its calls without it, and checks `aborted` again after every call returns
-/// (call()). An abort (a timeout on a watchdog thread, abort(), an NCCL error
-/// seen by any poll) takes the handle under the lock and calls ncclCommAbort
-/// outside it, so that it never waits for the thread it is meant to free: a
-/// thread blocked inside an enqueue (a full launch queue, a peer that never
-/// connects) is released by the abort, as NCCL's abort flag intends and as
-/// PyTorch's watchdog does. Quick queries (ncclCommGetAsyncError) run under
-/// the lock, so that an abort cannot free the communicator under them.
+/// abort state, the callers inside NCCL) and is never held across a CUDA or
+/// NCCL call that can block. A thread that makes calls (call()) counts itself
+/// in under the lock, makes them without it, and counts itself out; an abort
+/// (a timeout on a watchdog thread, abort(), an NCCL error seen by any poll,
+/// a sibling's failure: nccl_family) marks the communicator aborted under the
+/// lock, stops its work (ncclCommRevoke, which frees a thread blocked inside
+/// an enqueue), and frees it with ncclCommAbort only once no caller is inside
+/// NCCL: the last caller to leave does it otherwise. So an abort never waits
+/// for the thread it is meant to free, and never frees the communicator
+/// under a call. Quick queries (ncclCommGetAsyncError) run under the lock.
 template <class Api>
-struct nccl_shared {
+struct nccl_shared : std::enable_shared_from_this<nccl_shared<Api>> {
   // Set before anyone else can see this state, and then only read:
   int rank = 0;
   int size = 0;
@@ -224,6 +297,7 @@ struct nccl_shared {
   bool abort_timed_out = false;  // the abort came from a timeout: later calls say timeout_error
   failure_cause abort_reason;    // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
+  std::weak_ptr<nccl_shared> abort_origin;  // the family member whose failure aborted this one
 
   nccl_shared() = default;
   nccl_shared(const nccl_shared&) = delete;
@@ -267,7 +341,9 @@ struct nccl_shared {
   /// Makes `engine_call(comm)` (one CUDA or NCCL call, or a few that form one
   /// step) without holding the lock: throws if the communicator was aborted
   /// before, and again if it was aborted while the call ran (another thread's
-  /// abort is what frees a call that blocked). `what` names the operation.
+  /// abort is what frees a call that blocked). While it runs, an abort stops
+  /// the communicator but does not free it: the last caller to leave does.
+  /// `what` names the operation.
   template <class What, class Call>
   void call(const What& what, Call&& engine_call) {
     ncclComm_t handle = nullptr;
@@ -275,7 +351,12 @@ struct nccl_shared {
       std::lock_guard lock(mutex);
       throw_if_aborted(what);
       handle = comm;
+      ++callers_;
     }
+    struct leave {
+      nccl_shared& s;
+      ~leave() { s.leave_call(); }
+    } counted{*this};
     try {
       engine_call(handle);
     } catch (const backend_error&) {
@@ -308,30 +389,105 @@ struct nccl_shared {
   void throw_if_aborted(const What& what) const {
     if (!aborted) return;
     std::string text =
-        what_text(what) + ": the communicator was aborted (" + abort_reason.text() +
+        what_text(what) + ": the communicator was aborted (" + abort_text() +
         "); its collectives cannot run any more: create a new communicator (restart the job)";
     if (abort_timed_out) throw timeout_error(text);
     throw backend_error(text, abort_code);
   }
 
-  /// ncclCommAbort, once, from any thread, without waiting for a thread that
-  /// is inside a CUDA or NCCL call; later calls see `aborted`, `abort_code`
-  /// and the first reason, `why`: what failure_cause::set takes (a text moved
-  /// in, a collective and how it ended, what was done on which rank).
-  /// Allocates nothing, as abort() and the timeout hook need. Call WITHOUT
+  /// Why this communicator was aborted: its own first reason, or its
+  /// family's. Call with `mutex` held.
+  [[nodiscard]] std::string abort_text() const {
+    if (const std::shared_ptr<nccl_shared> origin = abort_origin.lock()) {
+      std::lock_guard lock(origin->mutex);
+      return "another NCCL communicator of this process failed first: " +
+             origin->abort_reason.text();
+    }
+    if (by_sibling_) return "another NCCL communicator of this process failed first";
+    return abort_reason.text();
+  }
+
+  /// Aborts this communicator and every other of the process (nccl_family),
+  /// once, from any thread, without waiting for a thread that is inside a
+  /// CUDA or NCCL call; later calls see `aborted`, `abort_code` and the first
+  /// reason, `why`: what failure_cause::set takes (a text moved in, a
+  /// collective and how it ended, what was done on which rank). Allocates
+  /// nothing on the way, as abort() and the timeout hook need. Call WITHOUT
   /// `mutex` held.
   template <class... Why>
   void abort(int code, bool timed_out, Why&&... why) noexcept {
+    nccl_family<Api>::get().abort_all(*this, code, timed_out, std::forward<Why>(why)...);
+  }
+
+  // The steps of a family abort (nccl_family::abort_all), each on every
+  // member before the next.
+
+  /// 1. Later calls throw, waits end; `why` is the reason, or (none given)
+  /// `origin` failed first.
+  template <class... Why>
+  void mark_aborted(nccl_shared* origin, int code, bool timed_out, Why&&... why) noexcept {
+    std::lock_guard lock(mutex);
+    if (aborted) return;
+    aborted = true;
+    abort_timed_out = timed_out;
+    abort_code = code;
+    if constexpr (sizeof...(Why) == 0) {
+      abort_origin = origin->weak_from_this();
+      by_sibling_ = true;
+    } else {
+      abort_reason.set(std::forward<Why>(why)...);
+    }
+    doomed_ = std::exchange(comm, nullptr);
+    aborting_ = true;  // the family frees it; a caller leaving meanwhile does not
+  }
+
+  /// 2. NCCL stops this communicator's work (ncclCommRevoke): its kernels
+  /// end, and a thread blocked inside an enqueue returns. Frees nothing.
+  void stop() noexcept {
     ncclComm_t handle = nullptr;
     {
       std::lock_guard lock(mutex);
-      handle = std::exchange(comm, nullptr);
-      if (!aborted) {
-        aborted = true;
-        abort_timed_out = timed_out;
-        abort_code = code;
-        abort_reason.set(std::forward<Why>(why)...);
+      handle = doomed_;
+    }
+    if constexpr (Api::has_revoke) {
+      if (handle) {
+        basic_device_guard<Api> guard(device, std::nothrow);
+        (void)Api::ncclCommRevoke(handle, 0);
       }
+    }
+  }
+
+  /// 3. ncclCommAbort, unless a caller is still inside NCCL with the handle:
+  /// the last one to leave frees it (leave_call()).
+  void release() noexcept {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      if (callers_ == 0) handle = std::exchange(doomed_, nullptr);
+    }
+    if (handle) {
+      basic_device_guard<Api> guard(device, std::nothrow);
+      (void)Api::ncclCommAbort(handle);
+    }
+  }
+
+  /// 4. The family is done with this one: a caller leaving from now on frees
+  /// what is left.
+  void finish_abort() noexcept {
+    {
+      std::lock_guard lock(mutex);
+      aborting_ = false;
+    }
+    release();
+  }
+
+  /// A caller leaves NCCL (call()): the last one frees an aborted
+  /// communicator that the family left to it.
+  void leave_call() noexcept {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      if (--callers_ == 0 && !aborting_) handle = std::exchange(doomed_, nullptr);
     }
     if (handle) {
       basic_device_guard<Api> guard(device, std::nothrow);
@@ -437,14 +593,16 @@ struct nccl_shared {
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
-  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not, and
-  /// at once while an exception unwinds (a peer may be gone: waiting could
-  /// take the whole timeout). An aborted communicator has nothing left.
+  /// ncclCommFinalize + ncclCommDestroy; aborts (with the whole family:
+  /// nccl_family) when they do not, and at once while an exception unwinds
+  /// (a peer may be gone: waiting could take the whole timeout). An aborted
+  /// communicator has nothing left. The scratch memory is freed on the
+  /// communicator's stream, not with cudaFree, which would wait for the whole
+  /// device (another communicator's kernel spinning on a dead peer included).
   ~nccl_shared() {
     basic_device_guard<Api> guard(device, std::nothrow);
     if (comm && std::uncaught_exceptions() > 0) {
-      (void)Api::ncclCommAbort(comm);
-      comm = nullptr;
+      abort(0, false, "the communicator was destroyed while an exception unwound", rank);
     }
     if (comm) {
       const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
@@ -466,14 +624,18 @@ struct nccl_shared {
                 });
       }
       if (clean) {
-        (void)Api::ncclCommDestroy(comm);
+        (void)Api::ncclCommDestroy(std::exchange(comm, nullptr));
       } else {
-        (void)Api::ncclCommAbort(comm);
+        abort(0, true, "its collectives did not finish before it was destroyed", rank);
       }
-      comm = nullptr;
     }
-    if (host_table_) (void)Api::cudaFreeHost(host_table_);
-    if (scratch) (void)Api::cudaFree(scratch);
+    // Pinned host memory is freed only where nothing was aborted: cudaFreeHost
+    // waits for the device, which a sibling's stuck kernel may hold for ever.
+    if (host_table_ && !aborted) (void)Api::cudaFreeHost(host_table_);
+    if (scratch && Api::cudaFreeAsync(scratch, stream.get()) != cudaSuccess) {
+      (void)Api::cudaGetLastError();
+      if (!aborted) (void)Api::cudaFree(scratch);
+    }
     for (cudaEvent_t e : free_events_) (void)Api::cudaEventDestroy(e);
     for (cudaEvent_t e : fences_) (void)Api::cudaEventDestroy(e);
   }
@@ -498,6 +660,10 @@ struct nccl_shared {
   }
 
   std::int64_t* host_table_ = nullptr;
+  int callers_ = 0;              // threads inside call() (mutex)
+  ncclComm_t doomed_ = nullptr;  // aborted, not yet freed: a caller was inside NCCL (mutex)
+  bool aborting_ = false;        // a family abort is under way: it frees doomed_ (mutex)
+  bool by_sibling_ = false;      // aborted for abort_origin's failure (mutex)
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
   std::size_t events_made_ = 0;
@@ -544,7 +710,7 @@ class nccl_work final : public work_state {
       std::lock_guard lock(shared_->mutex);
       if (shared_->aborted) {
         std::string text = description() + " did not complete: the communicator was aborted (" +
-                           shared_->abort_reason.text() + ")";
+                           shared_->abort_text() + ")";
         if (shared_->abort_timed_out) {
           fail(std::make_exception_ptr(timeout_error(text)));
         } else {
@@ -577,6 +743,12 @@ class nccl_work final : public work_state {
   // Called by whoever waited (a watchdog thread included): aborts at once,
   // without waiting for a thread that may be blocked inside an NCCL call.
   void on_timeout() noexcept override { shared_->abort(0, true, info(), "timed out"); }
+
+  // The rank failed with this collective in flight: the communicators are
+  // aborted now, not after the collective timeout (a peer may never join it).
+  void on_abandon() noexcept override {
+    shared_->abort(0, false, info(), "was abandoned: its rank failed while it was in flight");
+  }
 
  private:
   std::shared_ptr<nccl_shared<Api>> shared_;

@@ -61,6 +61,16 @@ struct nccl_library : cuda_library {
     return ::ncclCommGetAsyncError(comm, state);
   }
   static ncclResult_t ncclCommAbort(ncclComm_t comm) { return ::ncclCommAbort(comm); }
+#if defined(NCCL_REVOKE_DEFAULT)
+  /// NCCL 2.28 and later: stops the communicator's work without freeing it
+  /// (and without waiting for other communicators' kernels).
+  static constexpr bool has_revoke = true;
+  static ncclResult_t ncclCommRevoke(ncclComm_t comm, int flags) {
+    return ::ncclCommRevoke(comm, flags);
+  }
+#else
+  static constexpr bool has_revoke = false;
+#endif
   static ncclResult_t ncclCommFinalize(ncclComm_t comm) { return ::ncclCommFinalize(comm); }
   static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ::ncclCommDestroy(comm); }
   static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out,

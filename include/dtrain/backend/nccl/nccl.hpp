@@ -145,6 +145,7 @@ class basic_nccl_communicator {
       ncclConfig_t config = s->config();
       try {
         DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
+        detail::nccl_family<Api>::get().join(s);  // from now on it fails with the others
       } catch (...) {
         if (s->comm) (void)Api::ncclCommAbort(s->comm);
         s->comm = nullptr;
@@ -221,11 +222,13 @@ class basic_nccl_communicator {
     return shared_->aborted;
   }
 
-  /// ncclCommAbort now: pending collectives end (their work fails) and every
-  /// later call throws. For a rank that learns a peer is gone, or that failed
-  /// itself (run() does this when the training function throws). Safe from
-  /// any thread, while another is inside a collective: it does not wait for
-  /// that call, which the abort ends.
+  /// Aborts now: pending collectives end (their work fails) and every later
+  /// call throws. For a rank that learns a peer is gone, or that failed
+  /// itself (run() does this when the training function throws). Every other
+  /// NCCL communicator of the process is aborted with it (NCCL's abort is not
+  /// local to one communicator: detail::nccl_family), as on a timeout or an
+  /// asynchronous error. Safe from any thread, while another is inside a
+  /// collective: it does not wait for that call, which the abort ends.
   void abort() noexcept {
     if (!shared_) return;
     shared_->abort(0, false, "abort() was called", rank_);
@@ -359,6 +362,7 @@ class basic_nccl_communicator {
       s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
       child->comm = s.split_slot;
       s.split_slot = nullptr;
+      if (child->comm) detail::nccl_family<Api>::get().join(child);
       if (!child->comm) {
         settle(detail::call_state::completed);
         return basic_nccl_communicator(nullptr, -1, 0);
