@@ -7051,6 +7051,18 @@ class mpi_relay {
   int rank_ = -1;
 };
 
+/// This process's rank in `comm`, and `comm`'s size (throw backend_error
+/// where `comm` returns errors).
+DTRAIN_DETAIL_INLINE int mpi_rank(MPI_Comm comm);
+DTRAIN_DETAIL_INLINE int mpi_size(MPI_Comm comm);
+
+/// Every rank's `mine`, gathered to `root` in rank order (MPI_Gather of the
+/// lengths, then MPI_Gatherv); empty on the other ranks. Every rank of `comm`
+/// calls it; `what` names it in errors.
+DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
+                                                              const std::string& mine, int root,
+                                                              const std::string& what);
+
 }  // namespace detail
 
 }  // namespace dtrain
@@ -7483,6 +7495,41 @@ DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::stri
     DTRAIN_MPI_CHECK(MPI_Bcast(message.data(), static_cast<int>(length), MPI_BYTE, root_, comm_),
                      what);
   }
+}
+
+DTRAIN_DETAIL_INLINE int mpi_rank(MPI_Comm comm) {
+  int rank = -1;
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  return rank;
+}
+
+DTRAIN_DETAIL_INLINE int mpi_size(MPI_Comm comm) {
+  int size = 0;
+  DTRAIN_MPI_CHECK(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  return size;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
+                                                              const std::string& mine, int root,
+                                                              const std::string& what) {
+  const bool is_root = mpi_rank(comm) == root;
+  const int length = static_cast<int>(mine.size());
+  std::vector<int> lengths(is_root ? static_cast<std::size_t>(mpi_size(comm)) : 0);
+  DTRAIN_MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, root, comm), what);
+  std::vector<int> offsets(lengths.size());
+  std::string all;
+  for (std::size_t r = 0; r < lengths.size(); ++r) {
+    offsets[r] = static_cast<int>(all.size());
+    all.resize(all.size() + static_cast<std::size_t>(lengths[r]));
+  }
+  DTRAIN_MPI_CHECK(MPI_Gatherv(mine.data(), length, MPI_BYTE, all.data(), lengths.data(),
+                               offsets.data(), MPI_BYTE, root, comm),
+                   what);
+  std::vector<std::string> out;
+  for (std::size_t r = 0; r < lengths.size(); ++r)
+    out.push_back(all.substr(static_cast<std::size_t>(offsets[r]),
+                             static_cast<std::size_t>(lengths[r])));
+  return out;
 }
 
 }  // namespace detail
@@ -8273,6 +8320,12 @@ DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
 // ---- end dtrain/backend/nccl/engine-inl.hpp ----
 #endif
 // ---- end dtrain/backend/nccl/engine.hpp ----
+// ---- begin dtrain/backend/nccl/init_outcomes.hpp ----
+/// @file
+/// How each rank's NCCL initialisation ended, told to the other ranks through
+/// the store: a rank whose init fails says so, and the others, still waiting
+/// for init (a peer that failed never joins), stop waiting and name it.
+
 // ---- begin dtrain/rendezvous/broadcast.hpp ----
 /// @file
 /// broadcast_or_fail: one rank produces a value that every rank needs to
@@ -8419,6 +8472,147 @@ template <broadcast_relay Relay, class Produce>
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/broadcast.hpp ----
 
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <stop_token>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace dtrain::detail {
+
+/// How often a rank waiting for NCCL's init asks the store whether a peer's
+/// init failed: one request per rank per period while init runs.
+inline constexpr std::chrono::milliseconds nccl_init_poll{200};
+
+/// The store constructor's view of the other ranks' NCCL init. Each rank sets
+/// how its init ended under "<key>/init/<rank>" (a wire::outcome: ok, or its
+/// error) and counts a failure under "<key>/init/failures". While a rank waits
+/// for init, watch() polls that count from a thread of its own (every
+/// nccl_init_poll) and, at the first failure, reads which rank failed and
+/// why, and calls `on_failure` once; peer_failure() says it afterwards.
+///
+/// The watching thread uses the store while the constructor's thread waits
+/// on NCCL and does not (a store shared with other threads must be
+/// thread-safe, as store_client is). A store that fails while watched ends
+/// the watch: init_timeout still bounds the wait.
+template <store Store>
+class nccl_init_outcomes {
+ public:
+  nccl_init_outcomes(Store& store, const std::string& key, int rank, int size)
+      : store_(store), base_(key + "/init/"), rank_(rank), size_(size) {}
+  nccl_init_outcomes(const nccl_init_outcomes&) = delete;
+  nccl_init_outcomes& operator=(const nccl_init_outcomes&) = delete;
+  ~nccl_init_outcomes() { stop(); }
+
+  /// Starts watching the other ranks; `on_failure()` (noexcept) runs on the
+  /// watching thread, once, when one of them has failed.
+  template <class OnFailure>
+  void watch(OnFailure on_failure) {
+    watcher_ = std::jthread([this, on_failure](std::stop_token stop) mutable {
+      std::mutex mutex;
+      std::condition_variable_any pause;
+      std::unique_lock lock(mutex);
+      while (!stop.stop_requested()) {
+        try {
+          if (find_failure()) {
+            on_failure();
+            return;
+          }
+        } catch (...) {
+          return;  // the store is failing: the init's own timeout decides
+        }
+        pause.wait_for(lock, stop, nccl_init_poll, [] { return false; });
+      }
+    });
+  }
+
+  /// Stops watching (and waits for the thread): peer_failure() is final then.
+  void stop() noexcept {
+    if (!watcher_.joinable()) return;
+    watcher_.request_stop();
+    watcher_.join();
+  }
+
+  /// "rank R failed: <its message>" for the first failed peer watch() saw;
+  /// empty when it saw none. Read after stop().
+  [[nodiscard]] const std::string& peer_failure() const noexcept { return failure_; }
+
+  /// This rank's init ended well. Never throws: nobody waits for it.
+  void succeeded() noexcept {
+    try {
+      store_.set(own_key(), wire::outcome{true, {}}.encode());
+    } catch (...) {
+      // A store that is failing now fails the next thing that needs it.
+    }
+  }
+
+  /// This rank's init failed with `message`: says so; rank 0, which may host
+  /// the store, then waits (at most store_relay's linger) until the others
+  /// have read it. Never throws: this rank's own failure is what counts.
+  void failed(const std::string& message) noexcept {
+    try {
+      store_.set(own_key(), wire::outcome{false, message}.encode());
+      (void)store_.add(base_ + "failures", 1);  // after the set: a count finds its key
+      // Not on other ranks: rank 0 leaves once it has read, and the store with it.
+      if (rank_ == 0) relay(rank_).failure_carried();
+    } catch (...) {
+      // The store is gone: the others end with their init timeout.
+    }
+  }
+
+ private:
+  [[nodiscard]] std::string own_key() const { return base_ + std::to_string(rank_); }
+  // A failure under "<key>/init/<root>", as broadcast_or_fail's store relay
+  // counts its readers, so that a failed rank that hosts the store stays for them.
+  [[nodiscard]] store_relay<Store> relay(int root) {
+    return store_relay<Store>(store_, base_ + std::to_string(root), rank_, size_, root);
+  }
+
+  // On the watching thread: whether a peer has failed (then failure_ says which).
+  bool find_failure() {
+    if (store_.add(base_ + "failures", 0) == 0) return false;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const std::array<std::string, 1> key{base_ + std::to_string(r)};
+      if (!store_.check(key)) continue;
+      const wire::outcome got = wire::outcome::decode("store key \"" + key[0] + "\"",
+                                                      store_.get(key[0]), "a rank's NCCL init");
+      if (got.ok) continue;
+      failure_ = "rank " + std::to_string(r) + " failed: " + got.text;
+      relay(r).failure_read();
+      return true;
+    }
+    return false;
+  }
+
+  Store& store_;
+  std::string base_;
+  int rank_;
+  int size_;
+  std::string failure_;
+  std::jthread watcher_;  // last: stopped before the rest goes
+};
+
+/// The id constructor's: there is no store, so no rank hears of another's init.
+struct nccl_init_alone {
+  template <class OnFailure>
+  void watch(OnFailure) {}
+  void stop() noexcept {}
+  [[nodiscard]] const std::string& peer_failure() const noexcept {
+    static const std::string none;
+    return none;
+  }
+  void succeeded() noexcept {}
+  void failed(const std::string&) noexcept {}
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/nccl/init_outcomes.hpp ----
+
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -8471,6 +8665,11 @@ struct nccl_gpu {
 /// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
 /// config_error's text; empty when every rank has its own.
 DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus);
+/// The same from every rank's record (indexed by rank: where it was read,
+/// and the wire::outcome the rank published). Throws rendezvous_error
+/// "rank R cannot use its GPU: <why>" for a rank that has none.
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(
+    const std::vector<std::pair<std::string, std::string>>& records);
 }  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
@@ -8520,48 +8719,65 @@ class basic_nccl_communicator {
   /// config_error on every rank that names the GPU, both ranks and their
   /// CUDA_VISIBLE_DEVICES (NCCL would refuse them later, or run them slowly).
   ///
+  /// Then every rank publishes how its init ended, under
+  /// "<store_key>/init/<rank>" (ok, or its error), and while it waits for
+  /// init it looks for a peer's failure (every 0.2 s, from a thread of its
+  /// own): a rank whose init failed never joins, so the others stop waiting
+  /// and fail at once naming it, rather than at init_timeout.
+  ///
   /// Throws config_error for a bad rank, size or device, and for a GPU
   /// shared by two ranks; timeout_error (the store's, or the init's) when a
   /// rank does not show up; rendezvous_error for a malformed id in the
-  /// store, and on every other rank at once when rank 0 cannot select its
-  /// device or create the id (with rank 0's own message); backend_error for
-  /// CUDA and NCCL failures.
+  /// store, on every other rank at once when rank 0 cannot select its
+  /// device or create the id (with rank 0's own message), and when another
+  /// rank's init failed ("rank R failed: " and its message); backend_error
+  /// for CUDA and NCCL failures.
   template <store Store>
   basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
       : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
-                                options) {}
+                                options,
+                                detail::nccl_init_outcomes<Store>(store, options.store_key, rank,
+                                                                  size)) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
-  /// under MPI). Throws as the constructor above.
+  /// under MPI). Throws as the constructor above; with no store, no rank
+  /// hears of another's failed init (it waits init_timeout).
   basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
                           nccl_options options = {})
-      : rank_(rank), size_(size) {
-    detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
-    const std::string what = detail::nccl_creating(rank, size, device);
-    try {
-      auto s = detail::nccl_shared<Api>::create(rank, size, device, std::move(options));
-      ncclConfig_t config = s->config();
-      try {
-        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
-      } catch (...) {
-        if (s->comm) (void)Api::ncclCommAbort(s->comm);
-        s->comm = nullptr;
-        throw;
-      }
-      // Non-blocking: NCCL connects the ranks in the background; a rank that
-      // never comes would otherwise hang this call for ever.
-      s->wait(what, s->options.init_timeout,
-              "every rank must start and reach the others' network interfaces "
-              "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
-              [] { return true; });
-      shared_ = std::move(s);
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
-    }
+      : basic_nccl_communicator(id, rank, size, device, std::move(options),
+                                detail::nccl_init_alone{}) {}
+
+#if DTRAIN_HAS_MPI()
+  /// Creates the communicator of every rank of `comm` (collective: rank and
+  /// size are `comm`'s), for jobs started by mpirun that have no store. Rank
+  /// 0 selects its device, creates the id and MPI_Bcasts it (when it cannot,
+  /// every rank fails at once with its message); then every rank's GPU is
+  /// gathered to rank 0, and two ranks on one GPU are the store constructor's
+  /// config_error on every rank. Then init, as the id constructor. MPI
+  /// errors are checked only if `comm` returns them (MPI_ERRORS_RETURN).
+  /// Throws as the id constructor, and what MPI reports.
+  basic_nccl_communicator(MPI_Comm comm, int device, nccl_options options = {})
+      : basic_nccl_communicator(meet(comm, device, options), detail::mpi_rank(comm),
+                                detail::mpi_size(comm), device, options) {}
+
+  /// Rank `root` of `comm` calls `prepare()`, creates an id and MPI_Bcasts
+  /// it; every rank returns it. When the root fails, it throws its own error
+  /// and every other rank rendezvous_error with the root's message, at once
+  /// (broadcast_or_fail). Collective; throws what MPI reports.
+  template <class Prepare = void (*)()>
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(MPI_Comm comm, int root = 0,
+                                                       Prepare&& prepare = [] {}) {
+    detail::mpi_relay relay(comm, root);
+    const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [&] {
+      prepare();
+      return detail::nccl_unique_id_text(new_unique_id());
+    });
+    return detail::nccl_unique_id_from(value, relay.where());
   }
+#endif  // DTRAIN_HAS_MPI()
 
   basic_nccl_communicator(basic_nccl_communicator&&) noexcept = default;
   basic_nccl_communicator& operator=(basic_nccl_communicator&&) noexcept = default;
@@ -8794,6 +9010,65 @@ class basic_nccl_communicator {
                           int size) noexcept
       : shared_(std::move(shared)), rank_(rank), size_(size) {}
 
+  // Both public constructors end here: `peers` (nccl_init_outcomes, or
+  // nccl_init_alone) hears how this rank's init ended, and watches the others'.
+  template <class Peers>
+  basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                          nccl_options options, Peers&& peers)
+      : rank_(rank), size_(size) {
+    try {
+      shared_ = start(id, device, std::move(options), peers);
+    } catch (...) {
+      // A rank that fails because a peer did has nothing of its own to tell.
+      if (peers.peer_failure().empty()) peers.failed(detail::current_failure().second);
+      throw;
+    }
+    peers.succeeded();
+  }
+
+  // ncclCommInitRankConfig on `device`, waited for (at most init_timeout, or
+  // until `peers` sees another rank's init fail).
+  template <class Peers>
+  std::shared_ptr<detail::nccl_shared<Api>> start(const ncclUniqueId& id, int device,
+                                                  nccl_options options, Peers& peers) {
+    detail::nccl_claim_device<Api>(rank_, size_, device, options.cuda_visible_devices);
+    const std::string what = detail::nccl_creating(rank_, size_, device);
+    try {
+      auto s = detail::nccl_shared<Api>::create(rank_, size_, device, std::move(options));
+      ncclConfig_t config = s->config();
+      try {
+        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size_, id, rank_, &config));
+      } catch (...) {
+        if (s->comm) (void)Api::ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        throw;
+      }
+      // Non-blocking: NCCL connects the ranks in the background; a rank that
+      // never comes would otherwise hang this call for ever. A peer whose
+      // init failed never comes: the abort from the watch ends the wait.
+      peers.watch([s]() noexcept {
+        s->abort(0, false, "another rank's NCCL init failed", s->rank);
+      });
+      std::exception_ptr ended;
+      try {
+        s->wait(what, s->options.init_timeout,
+                "every rank must start and reach the others' network interfaces "
+                "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+                [] { return true; });
+      } catch (...) {
+        ended = std::current_exception();
+      }
+      peers.stop();
+      // A peer's failure explains this rank's, however its wait ended.
+      if (!peers.peer_failure().empty())
+        throw rendezvous_error(what + " stopped: " + peers.peer_failure());
+      if (ended) std::rethrow_exception(ended);
+      return s;
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
   // The store constructor's meeting: the id from rank 0 (which claims its
   // device first: if it has none, nobody waits for its id), then the check
   // that no two ranks share a GPU.
@@ -8807,6 +9082,18 @@ class basic_nccl_communicator {
     return id;
   }
 
+#if DTRAIN_HAS_MPI()
+  // The MPI constructor's meeting, as the store's.
+  static ncclUniqueId meet(MPI_Comm comm, int device, const nccl_options& options) {
+    const int rank = detail::mpi_rank(comm), size = detail::mpi_size(comm);
+    const ncclUniqueId id = exchange_unique_id(comm, 0, [&] {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+    });
+    check_own_gpus(comm, rank, size, device, options);
+    return id;
+  }
+#endif  // DTRAIN_HAS_MPI()
+
   // Each rank sets its GPU, or why it has none, under "<store_key>/gpu/<rank>";
   // rank 0 reads them all and says (broadcast_or_fail) which two share one.
   template <store Store>
@@ -8814,21 +9101,7 @@ class basic_nccl_communicator {
                              const nccl_options& options) {
     const std::string base = options.store_key + "/gpu/";
     std::exception_ptr failed;
-    std::string record;
-    try {
-      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
-      detail::nccl_gpu gpu{.uuid = {},
-                           .pci_bus = {},
-                           .host = detail::host_name().value_or("<unknown host>"),
-                           .device = device,
-                           .visible = options.cuda_visible_devices.value_or("<unset>")};
-      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
-      record = detail::wire::outcome{true, gpu.encode()}.encode();
-    } catch (...) {
-      failed = std::current_exception();
-      record = detail::wire::outcome{false, detail::current_failure().second}.encode();
-    }
-    store.set(base + std::to_string(rank), record);
+    store.set(base + std::to_string(rank), own_gpu(rank, size, device, options, failed));
     detail::store_relay<Store> relay(store, base + "verdict", rank, size);
     // A rank other than the root fails now (the root reads why); the root
     // fails through the verdict, so that nobody waits for it.
@@ -8853,17 +9126,12 @@ class basic_nccl_communicator {
                                 "or is slower than nccl_options::init_timeout, " +
                                 std::string(nccl_init_timeout_variable) + "): " + e.what());
           }
-          std::vector<detail::nccl_gpu> gpus;
+          std::vector<std::pair<std::string, std::string>> records;
           for (int r = 0; r < size; ++r) {
             const std::string key = base + std::to_string(r);
-            const detail::wire::outcome got = detail::wire::outcome::decode(
-                "store key \"" + key + "\"", store.get(key), "a rank's GPU");
-            if (!got.ok)
-              throw rendezvous_error("rank " + std::to_string(r) +
-                                     " cannot use its GPU: " + got.text);
-            gpus.push_back(detail::nccl_gpu::decode("store key \"" + key + "\"", got.text));
+            records.emplace_back("store key \"" + key + "\"", store.get(key));
           }
-          return detail::nccl_shared_gpu_problem(gpus);
+          return detail::nccl_shared_gpu_problem(records);
         });
     if (problem.empty()) return;
     // Every rank fails with the same config_error; rank 0, which may host the
@@ -8875,6 +9143,49 @@ class basic_nccl_communicator {
     }
     throw config_error(problem);
   }
+
+  // This rank's GPU as the checks publish it: a wire::outcome of its
+  // nccl_gpu, or of why it has none (then `failed` holds that error).
+  static std::string own_gpu(int rank, int size, int device, const nccl_options& options,
+                             std::exception_ptr& failed) {
+    try {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+      detail::nccl_gpu gpu{.uuid = {},
+                           .pci_bus = {},
+                           .host = detail::host_name().value_or("<unknown host>"),
+                           .device = device,
+                           .visible = options.cuda_visible_devices.value_or("<unset>")};
+      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
+      return detail::wire::outcome{true, gpu.encode()}.encode();
+    } catch (...) {
+      failed = std::current_exception();
+      return detail::wire::outcome{false, detail::current_failure().second}.encode();
+    }
+  }
+
+#if DTRAIN_HAS_MPI()
+  // check_own_gpus over MPI: every rank's record gathered to rank 0, which
+  // says (broadcast_or_fail) which two share a GPU. Every rank takes part in
+  // both steps, even one without a GPU, which then throws its own error.
+  static void check_own_gpus(MPI_Comm comm, int rank, int size, int device,
+                             const nccl_options& options) {
+    std::exception_ptr failed;
+    const std::vector<std::string> records =
+        detail::mpi_gather_text(comm, own_gpu(rank, size, device, options, failed), 0,
+                                "gathering every rank's GPU for the NCCL communicator");
+    const std::string problem = detail::broadcast_or_fail(
+        detail::mpi_relay(comm, 0), "the check that every rank has a GPU of its own", [&] {
+          if (failed) std::rethrow_exception(failed);
+          std::vector<std::pair<std::string, std::string>> named;
+          for (std::size_t r = 0; r < records.size(); ++r)
+            named.emplace_back("rank " + std::to_string(r) + "'s GPU in the MPI gather",
+                               records[r]);
+          return detail::nccl_shared_gpu_problem(named);
+        });
+    if (failed) std::rethrow_exception(failed);
+    if (!problem.empty()) throw config_error(problem);
+  }
+#endif  // DTRAIN_HAS_MPI()
 
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
@@ -9064,6 +9375,19 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
   }
   return {};
 }
+
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(
+    const std::vector<std::pair<std::string, std::string>>& records) {
+  std::vector<nccl_gpu> gpus;
+  for (std::size_t r = 0; r < records.size(); ++r) {
+    const auto& [where, record] = records[r];
+    const wire::outcome got = wire::outcome::decode(where, record, "a rank's GPU");
+    if (!got.ok)
+      throw rendezvous_error("rank " + std::to_string(r) + " cannot use its GPU: " + got.text);
+    gpus.push_back(nccl_gpu::decode(where, got.text));
+  }
+  return nccl_shared_gpu_problem(gpus);
+}
 }  // namespace detail
 }  // namespace dtrain
 #endif
@@ -9073,11 +9397,7 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root) {
-  detail::mpi_relay relay(comm, root);
-  const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
-    return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
-  });
-  return detail::nccl_unique_id_from(value, relay.where());
+  return nccl_communicator::exchange_unique_id(comm, root);
 }
 
 }  // namespace dtrain
