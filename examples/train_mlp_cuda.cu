@@ -167,25 +167,37 @@ __global__ void sgd_step(float* w, float* v, const float* g, int n, float lr, fl
 }
 
 // ---- the model on the device ---------------------------------------------------
+// Every copy and memset goes on the compute stream, the one DDP is given
+// (.stream): DDP orders its work after that stream, and a non-blocking stream
+// is not ordered after the legacy default stream (cudaMemcpy, cudaMemset).
 
 template <class T>
-T* device_alloc(std::size_t count) {
+T* device_alloc(std::size_t count, cudaStream_t stream) {
   void* p = nullptr;
   DTRAIN_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(count, 1) * sizeof(T)));
-  DTRAIN_CUDA_CHECK(cudaMemset(p, 0, std::max<std::size_t>(count, 1) * sizeof(T)));
+  DTRAIN_CUDA_CHECK(cudaMemsetAsync(p, 0, std::max<std::size_t>(count, 1) * sizeof(T), stream));
   return static_cast<T*>(p);
 }
 
-// Device memory freed with its owner (cudaFree ignores null).
+// Host to device on `stream`. From pageable memory: the host's values may
+// change only once `stream` has been synchronised.
+template <class T>
+void upload(T* to, const std::vector<T>& from, cudaStream_t stream) {
+  DTRAIN_CUDA_CHECK(
+      cudaMemcpyAsync(to, from.data(), from.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+}
+
+// Device memory, zeroed on `stream`, freed with its owner (cudaFree ignores null).
 struct device_memory {
   std::vector<void*> blocks;
+  cudaStream_t stream = nullptr;
   template <class T>
   T* alloc(std::size_t count) {
-    T* p = device_alloc<T>(count);
+    T* p = device_alloc<T>(count, stream);
     blocks.push_back(p);
     return p;
   }
-  device_memory() = default;
+  explicit device_memory(cudaStream_t on) : stream(on) {}
   device_memory(const device_memory&) = delete;
   device_memory& operator=(const device_memory&) = delete;
   ~device_memory() {
@@ -208,8 +220,10 @@ struct device_linear {
 
 class device_mlp {
  public:
-  // The host demo's model (same widths, same seed), copied to `device`.
-  device_mlp(const mlp::model& host, int device, std::size_t max_rows) : device_(device) {
+  // The host demo's model (same widths, same seed), copied to `device` on
+  // `stream`, where it computes too.
+  device_mlp(const mlp::model& host, int device, std::size_t max_rows, cudaStream_t stream)
+      : device_(device), memory_(stream), stream_(stream) {
     std::size_t widest = 0;
     for (const mlp::linear& l : host.layers()) {
       device_linear d{l.name, static_cast<int>(l.in), static_cast<int>(l.out)};
@@ -219,10 +233,8 @@ class device_mlp {
       d.grad_bias = memory_.alloc<float>(l.bias.size());
       d.velocity_weight = memory_.alloc<float>(l.weight.size());
       d.velocity_bias = memory_.alloc<float>(l.bias.size());
-      DTRAIN_CUDA_CHECK(cudaMemcpy(d.weight, l.weight.data(), l.weight.size() * sizeof(float),
-                                   cudaMemcpyHostToDevice));
-      DTRAIN_CUDA_CHECK(
-          cudaMemcpy(d.bias, l.bias.data(), l.bias.size() * sizeof(float), cudaMemcpyHostToDevice));
+      upload(d.weight, l.weight, stream);
+      upload(d.bias, l.bias, stream);
       widest = std::max({widest, l.in, l.out});
       layers_.push_back(std::move(d));
     }
@@ -234,15 +246,11 @@ class device_mlp {
     grad_b_ = memory_.alloc<float>(max_rows * widest);
     labels_ = memory_.alloc<int>(max_rows);
     TRAIN_CUBLAS_CHECK(cublasCreate(&blas_));
+    TRAIN_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
   }
   device_mlp(const device_mlp&) = delete;
   device_mlp& operator=(const device_mlp&) = delete;
   ~device_mlp() { (void)cublasDestroy(blas_); }
-
-  void set_stream(cudaStream_t stream) {
-    stream_ = stream;
-    TRAIN_CUBLAS_CHECK(cublasSetStream(blas_, stream));
-  }
 
   // fc1.weight, fc1.bias, fc2.weight, ...: as the host model's parameters().
   [[nodiscard]] std::vector<dtrain::parameter> parameters() {
@@ -330,8 +338,9 @@ class device_mlp {
     std::vector<float> host;
     auto mix = [&](const float* values, std::size_t count) {
       host.resize(count);
-      DTRAIN_CUDA_CHECK(
-          cudaMemcpy(host.data(), values, count * sizeof(float), cudaMemcpyDeviceToHost));
+      DTRAIN_CUDA_CHECK(cudaMemcpyAsync(host.data(), values, count * sizeof(float),
+                                        cudaMemcpyDeviceToHost, stream_));
+      DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream_));
       const auto* bytes = reinterpret_cast<const unsigned char*>(host.data());
       for (std::size_t i = 0; i < count * sizeof(float); ++i) h = (h ^ bytes[i]) * 0x100000001b3ULL;
     };
@@ -393,13 +402,13 @@ struct device_dataset {
   float* x = nullptr;
   int* y = nullptr;
   int rows = 0;
+  // On `memory`'s stream.
   device_dataset(const mlp::dataset& d, device_memory& memory)
       : x(memory.alloc<float>(d.x.size())),
         y(memory.alloc<int>(d.y.size())),
         rows(static_cast<int>(d.size())) {
-    DTRAIN_CUDA_CHECK(
-        cudaMemcpy(x, d.x.data(), d.x.size() * sizeof(float), cudaMemcpyHostToDevice));
-    DTRAIN_CUDA_CHECK(cudaMemcpy(y, d.y.data(), d.y.size() * sizeof(int), cudaMemcpyHostToDevice));
+    upload(x, d.x, memory.stream);
+    upload(y, d.y, memory.stream);
   }
 };
 
@@ -410,19 +419,18 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   const mlp::dataset train_host = mlp::dataset::generate(problem, s.samples, 0);
   const mlp::dataset test_host = mlp::dataset::generate(problem, s.samples / 4, 1);
 
-  device_memory memory;
+  const owned_stream compute;  // outlives the memory, the model and DDP, which use it
+  const cudaStream_t stream = compute.get();
+  device_memory memory(stream);
   const device_dataset train_set(train_host, memory);
   const device_dataset test_set(test_host, memory);
   // Every rank builds the same model; DDP broadcasts rank 0's weights anyway.
   const mlp::model initial(s.widths(), s.seed);
-  const owned_stream compute;  // outlives the model and DDP, which use it
-  const cudaStream_t stream = compute.get();
-  device_mlp model(initial, device, std::max(s.batch_size, test_host.size()));
-  model.set_stream(stream);
-  // The uploads above ran on the legacy stream: done before anything else
-  // touches the weights. DDP's broadcast of rank 0's weights is ordered after
-  // `stream` (.stream), and complete when the constructor returns.
-  DTRAIN_CUDA_CHECK(cudaDeviceSynchronize());
+  device_mlp model(initial, device, std::max(s.batch_size, test_host.size()), stream);
+  // The memsets and uploads above are on `stream`, which DDP's broadcast of
+  // rank 0's weights is ordered after (.stream); waited for here, so that a
+  // failed copy is reported as one, before DDP starts.
+  DTRAIN_CUDA_CHECK(cudaStreamSynchronize(stream));
   dtrain::DistributedDataParallel<device_mlp, Policy> ddp(ctx, model, {.stream = stream});
   dtrain::distributed_sampler sampler(train_host.size(), ctx.world(), {.seed = s.seed});
 

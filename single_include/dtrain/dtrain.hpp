@@ -1408,6 +1408,11 @@ class work_state {
   /// A wait gave up: abort what the engine can abort, and mark the
   /// communicator unusable where it cannot.
   virtual void on_timeout() noexcept {}
+  /// The rank gives up on this work before it ended (its owner fails, or is
+  /// destroyed while an exception unwinds): abort what the engine can, now,
+  /// so that waiting for it takes no timeout. The default does nothing (the
+  /// wait stays bounded by the collective timeout).
+  virtual void on_abandon() noexcept {}
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
   /// The collective's fields (empty for work described by a text).
@@ -1492,6 +1497,13 @@ class work {
   /// After finish_within(timeout) returned false: aborts what the engine can
   /// abort (or marks the communicator unusable) and throws timeout_exception().
   [[noreturn]] void give_up(std::chrono::milliseconds timeout);
+
+  /// The rank gives up on this collective before it ended (see
+  /// work_state::on_abandon): NCCL aborts its communicators at once; other
+  /// engines leave the wait bounded by the timeout. No-op when complete.
+  void abandon() noexcept {
+    if (state_ && !state_->seen_done()) state_->on_abandon();
+  }
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
@@ -2262,6 +2274,10 @@ struct cuda_library {
     return ::cudaMallocHost(data, bytes);
   }
   static cudaError_t cudaFreeHost(void* data) { return ::cudaFreeHost(data); }
+  /// Stream-ordered: unlike cudaFree, does not wait for the whole device.
+  static cudaError_t cudaFreeAsync(void* data, cudaStream_t stream) {
+    return ::cudaFreeAsync(data, stream);
+  }
   static cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes,
                                      cudaMemcpyKind kind, cudaStream_t stream) {
     return ::cudaMemcpyAsync(dst, src, bytes, kind, stream);
@@ -7051,6 +7067,18 @@ class mpi_relay {
   int rank_ = -1;
 };
 
+/// This process's rank in `comm`, and `comm`'s size (throw backend_error
+/// where `comm` returns errors).
+DTRAIN_DETAIL_INLINE int mpi_rank(MPI_Comm comm);
+DTRAIN_DETAIL_INLINE int mpi_size(MPI_Comm comm);
+
+/// Every rank's `mine`, gathered to `root` in rank order (MPI_Gather of the
+/// lengths, then MPI_Gatherv); empty on the other ranks. Every rank of `comm`
+/// calls it; `what` names it in errors.
+DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
+                                                              const std::string& mine, int root,
+                                                              const std::string& what);
+
 }  // namespace detail
 
 }  // namespace dtrain
@@ -7485,6 +7513,41 @@ DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::stri
   }
 }
 
+DTRAIN_DETAIL_INLINE int mpi_rank(MPI_Comm comm) {
+  int rank = -1;
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  return rank;
+}
+
+DTRAIN_DETAIL_INLINE int mpi_size(MPI_Comm comm) {
+  int size = 0;
+  DTRAIN_MPI_CHECK(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  return size;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
+                                                              const std::string& mine, int root,
+                                                              const std::string& what) {
+  const bool is_root = mpi_rank(comm) == root;
+  const int length = static_cast<int>(mine.size());
+  std::vector<int> lengths(is_root ? static_cast<std::size_t>(mpi_size(comm)) : 0);
+  DTRAIN_MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, root, comm), what);
+  std::vector<int> offsets(lengths.size());
+  std::string all;
+  for (std::size_t r = 0; r < lengths.size(); ++r) {
+    offsets[r] = static_cast<int>(all.size());
+    all.resize(all.size() + static_cast<std::size_t>(lengths[r]));
+  }
+  DTRAIN_MPI_CHECK(MPI_Gatherv(mine.data(), length, MPI_BYTE, all.data(), lengths.data(),
+                               offsets.data(), MPI_BYTE, root, comm),
+                   what);
+  std::vector<std::string> out;
+  for (std::size_t r = 0; r < lengths.size(); ++r)
+    out.push_back(all.substr(static_cast<std::size_t>(offsets[r]),
+                             static_cast<std::size_t>(lengths[r])));
+  return out;
+}
+
 }  // namespace detail
 }  // namespace dtrain
 #endif
@@ -7568,6 +7631,16 @@ struct nccl_library : cuda_library {
     return ::ncclCommGetAsyncError(comm, state);
   }
   static ncclResult_t ncclCommAbort(ncclComm_t comm) { return ::ncclCommAbort(comm); }
+#if defined(NCCL_REVOKE_DEFAULT)
+  /// NCCL 2.28 and later: stops the communicator's work without freeing it
+  /// (and without waiting for other communicators' kernels).
+  static constexpr bool has_revoke = true;
+  static ncclResult_t ncclCommRevoke(ncclComm_t comm, int flags) {
+    return ::ncclCommRevoke(comm, flags);
+  }
+#else
+  static constexpr bool has_revoke = false;
+#endif
   static ncclResult_t ncclCommFinalize(ncclComm_t comm) { return ::ncclCommFinalize(comm); }
   static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ::ncclCommDestroy(comm); }
   static ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* out,
@@ -7807,22 +7880,95 @@ template <class Api>
   return true;
 }
 
+template <class Api>
+struct nccl_shared;
+
+/// Every live NCCL communicator of the process (of one runtime `Api`): they
+/// fail as one family. An abort in NCCL is not local to its communicator:
+/// ncclCommAbort synchronizes NCCL's device stream, which follows the user's
+/// streams, and cudaFree waits for the whole device; with two communicators
+/// busy on one GPU (the hierarchical topology's local and cross, DDP's beside
+/// a user's), aborting one can wait for ever behind the other's kernel
+/// spinning on a dead peer. So the first failure (a timeout, an asynchronous
+/// error, abort(), a rank that gives up) marks every member aborted, then
+/// stops each one's work (ncclCommRevoke where NCCL has it; otherwise one
+/// ncclCommAbort per member, on threads of their own, so that none waits for
+/// another's kernels to be told), and only then frees them.
+template <class Api>
+class nccl_family {
+ public:
+  static nccl_family& get() noexcept {
+    static nccl_family* family = new nccl_family();  // never destroyed: aborts come at exit too
+    return *family;
+  }
+
+  /// `member` fails with the others from now on.
+  void join(const std::shared_ptr<nccl_shared<Api>>& member) {
+    std::lock_guard lock(mutex_);
+    std::erase_if(members_, [](const std::weak_ptr<nccl_shared<Api>>& m) { return m.expired(); });
+    members_.push_back(member);
+  }
+
+  /// Aborts every member, `origin` first with `why` (what
+  /// failure_cause::set takes), the others saying that `origin` failed.
+  /// From any thread, once or many times (a member aborts once).
+  template <class... Why>
+  void abort_all(nccl_shared<Api>& origin, int code, bool timed_out, Why&&... why) noexcept {
+    std::lock_guard lock(mutex_);  // a second failure waits for the first abort
+    origin.mark_aborted(&origin, code, timed_out, std::forward<Why>(why)...);
+    for_others(origin, [&](nccl_shared<Api>& m) { m.mark_aborted(&origin, code, timed_out); });
+    // Every member is marked (its callers throw, its waits end) before NCCL hears of any.
+    if constexpr (Api::has_revoke) {
+      origin.stop();
+      for_others(origin, [](nccl_shared<Api>& m) { m.stop(); });
+      origin.release();
+      for_others(origin, [](nccl_shared<Api>& m) { m.release(); });
+    } else {
+      std::vector<std::thread> aborts;
+      auto release_apart = [&](nccl_shared<Api>& m) {
+        try {
+          aborts.emplace_back([&m] { m.release(); });
+        } catch (...) {
+          m.release();  // no thread: in turn
+        }
+      };
+      for_others(origin, release_apart);
+      origin.release();
+      for (std::thread& t : aborts) t.join();
+    }
+    origin.finish_abort();
+    for_others(origin, [](nccl_shared<Api>& m) { m.finish_abort(); });
+  }
+
+ private:
+  template <class Each>
+  void for_others(const nccl_shared<Api>& origin, Each&& each) noexcept {
+    for (const std::weak_ptr<nccl_shared<Api>>& weak : members_) {
+      const std::shared_ptr<nccl_shared<Api>> m = weak.lock();
+      if (m && m.get() != &origin) each(*m);
+    }
+  }
+
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<nccl_shared<Api>>> members_;
+};
+
 /// What a communicator and its work handles share: the NCCL communicator, its
 /// stream and scratch memory, and whether (and why) it was aborted.
 ///
 /// Locking: `mutex` guards dtrain's bookkeeping only (the handle `comm`, the
-/// abort state) and is never held across a CUDA or NCCL call that can block.
-/// The thread that issues collectives takes the handle under the lock, makes
-/// its calls without it, and checks `aborted` again after every call returns
-/// (call()). An abort (a timeout on a watchdog thread, abort(), an NCCL error
-/// seen by any poll) takes the handle under the lock and calls ncclCommAbort
-/// outside it, so that it never waits for the thread it is meant to free: a
-/// thread blocked inside an enqueue (a full launch queue, a peer that never
-/// connects) is released by the abort, as NCCL's abort flag intends and as
-/// PyTorch's watchdog does. Quick queries (ncclCommGetAsyncError) run under
-/// the lock, so that an abort cannot free the communicator under them.
+/// abort state, the callers inside NCCL) and is never held across a CUDA or
+/// NCCL call that can block. A thread that makes calls (call()) counts itself
+/// in under the lock, makes them without it, and counts itself out; an abort
+/// (a timeout on a watchdog thread, abort(), an NCCL error seen by any poll,
+/// a sibling's failure: nccl_family) marks the communicator aborted under the
+/// lock, stops its work (ncclCommRevoke, which frees a thread blocked inside
+/// an enqueue), and frees it with ncclCommAbort only once no caller is inside
+/// NCCL: the last caller to leave does it otherwise. So an abort never waits
+/// for the thread it is meant to free, and never frees the communicator
+/// under a call. Quick queries (ncclCommGetAsyncError) run under the lock.
 template <class Api>
-struct nccl_shared {
+struct nccl_shared : std::enable_shared_from_this<nccl_shared<Api>> {
   // Set before anyone else can see this state, and then only read:
   int rank = 0;
   int size = 0;
@@ -7840,6 +7986,7 @@ struct nccl_shared {
   bool abort_timed_out = false;  // the abort came from a timeout: later calls say timeout_error
   failure_cause abort_reason;    // recorded without allocating (abort() and timeouts are noexcept)
   int abort_code = 0;
+  std::weak_ptr<nccl_shared> abort_origin;  // the family member whose failure aborted this one
 
   nccl_shared() = default;
   nccl_shared(const nccl_shared&) = delete;
@@ -7883,7 +8030,9 @@ struct nccl_shared {
   /// Makes `engine_call(comm)` (one CUDA or NCCL call, or a few that form one
   /// step) without holding the lock: throws if the communicator was aborted
   /// before, and again if it was aborted while the call ran (another thread's
-  /// abort is what frees a call that blocked). `what` names the operation.
+  /// abort is what frees a call that blocked). While it runs, an abort stops
+  /// the communicator but does not free it: the last caller to leave does.
+  /// `what` names the operation.
   template <class What, class Call>
   void call(const What& what, Call&& engine_call) {
     ncclComm_t handle = nullptr;
@@ -7891,7 +8040,12 @@ struct nccl_shared {
       std::lock_guard lock(mutex);
       throw_if_aborted(what);
       handle = comm;
+      ++callers_;
     }
+    struct leave {
+      nccl_shared& s;
+      ~leave() { s.leave_call(); }
+    } counted{*this};
     try {
       engine_call(handle);
     } catch (const backend_error&) {
@@ -7924,30 +8078,105 @@ struct nccl_shared {
   void throw_if_aborted(const What& what) const {
     if (!aborted) return;
     std::string text =
-        what_text(what) + ": the communicator was aborted (" + abort_reason.text() +
+        what_text(what) + ": the communicator was aborted (" + abort_text() +
         "); its collectives cannot run any more: create a new communicator (restart the job)";
     if (abort_timed_out) throw timeout_error(text);
     throw backend_error(text, abort_code);
   }
 
-  /// ncclCommAbort, once, from any thread, without waiting for a thread that
-  /// is inside a CUDA or NCCL call; later calls see `aborted`, `abort_code`
-  /// and the first reason, `why`: what failure_cause::set takes (a text moved
-  /// in, a collective and how it ended, what was done on which rank).
-  /// Allocates nothing, as abort() and the timeout hook need. Call WITHOUT
+  /// Why this communicator was aborted: its own first reason, or its
+  /// family's. Call with `mutex` held.
+  [[nodiscard]] std::string abort_text() const {
+    if (const std::shared_ptr<nccl_shared> origin = abort_origin.lock()) {
+      std::lock_guard lock(origin->mutex);
+      return "another NCCL communicator of this process failed first: " +
+             origin->abort_reason.text();
+    }
+    if (by_sibling_) return "another NCCL communicator of this process failed first";
+    return abort_reason.text();
+  }
+
+  /// Aborts this communicator and every other of the process (nccl_family),
+  /// once, from any thread, without waiting for a thread that is inside a
+  /// CUDA or NCCL call; later calls see `aborted`, `abort_code` and the first
+  /// reason, `why`: what failure_cause::set takes (a text moved in, a
+  /// collective and how it ended, what was done on which rank). Allocates
+  /// nothing on the way, as abort() and the timeout hook need. Call WITHOUT
   /// `mutex` held.
   template <class... Why>
   void abort(int code, bool timed_out, Why&&... why) noexcept {
+    nccl_family<Api>::get().abort_all(*this, code, timed_out, std::forward<Why>(why)...);
+  }
+
+  // The steps of a family abort (nccl_family::abort_all), each on every
+  // member before the next.
+
+  /// 1. Later calls throw, waits end; `why` is the reason, or (none given)
+  /// `origin` failed first.
+  template <class... Why>
+  void mark_aborted(nccl_shared* origin, int code, bool timed_out, Why&&... why) noexcept {
+    std::lock_guard lock(mutex);
+    if (aborted) return;
+    aborted = true;
+    abort_timed_out = timed_out;
+    abort_code = code;
+    if constexpr (sizeof...(Why) == 0) {
+      abort_origin = origin->weak_from_this();
+      by_sibling_ = true;
+    } else {
+      abort_reason.set(std::forward<Why>(why)...);
+    }
+    doomed_ = std::exchange(comm, nullptr);
+    aborting_ = true;  // the family frees it; a caller leaving meanwhile does not
+  }
+
+  /// 2. NCCL stops this communicator's work (ncclCommRevoke): its kernels
+  /// end, and a thread blocked inside an enqueue returns. Frees nothing.
+  void stop() noexcept {
     ncclComm_t handle = nullptr;
     {
       std::lock_guard lock(mutex);
-      handle = std::exchange(comm, nullptr);
-      if (!aborted) {
-        aborted = true;
-        abort_timed_out = timed_out;
-        abort_code = code;
-        abort_reason.set(std::forward<Why>(why)...);
+      handle = doomed_;
+    }
+    if constexpr (Api::has_revoke) {
+      if (handle) {
+        basic_device_guard<Api> guard(device, std::nothrow);
+        (void)Api::ncclCommRevoke(handle, 0);
       }
+    }
+  }
+
+  /// 3. ncclCommAbort, unless a caller is still inside NCCL with the handle:
+  /// the last one to leave frees it (leave_call()).
+  void release() noexcept {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      if (callers_ == 0) handle = std::exchange(doomed_, nullptr);
+    }
+    if (handle) {
+      basic_device_guard<Api> guard(device, std::nothrow);
+      (void)Api::ncclCommAbort(handle);
+    }
+  }
+
+  /// 4. The family is done with this one: a caller leaving from now on frees
+  /// what is left.
+  void finish_abort() noexcept {
+    {
+      std::lock_guard lock(mutex);
+      aborting_ = false;
+    }
+    release();
+  }
+
+  /// A caller leaves NCCL (call()): the last one frees an aborted
+  /// communicator that the family left to it.
+  void leave_call() noexcept {
+    ncclComm_t handle = nullptr;
+    {
+      std::lock_guard lock(mutex);
+      if (--callers_ == 0 && !aborting_) handle = std::exchange(doomed_, nullptr);
     }
     if (handle) {
       basic_device_guard<Api> guard(device, std::nothrow);
@@ -8053,14 +8282,16 @@ struct nccl_shared {
   }
 
   /// Lets the collectives finish (at most the collective timeout), then
-  /// ncclCommFinalize + ncclCommDestroy; ncclCommAbort when they do not, and
-  /// at once while an exception unwinds (a peer may be gone: waiting could
-  /// take the whole timeout). An aborted communicator has nothing left.
+  /// ncclCommFinalize + ncclCommDestroy; aborts (with the whole family:
+  /// nccl_family) when they do not, and at once while an exception unwinds
+  /// (a peer may be gone: waiting could take the whole timeout). An aborted
+  /// communicator has nothing left. The scratch memory is freed on the
+  /// communicator's stream, not with cudaFree, which would wait for the whole
+  /// device (another communicator's kernel spinning on a dead peer included).
   ~nccl_shared() {
     basic_device_guard<Api> guard(device, std::nothrow);
     if (comm && std::uncaught_exceptions() > 0) {
-      (void)Api::ncclCommAbort(comm);
-      comm = nullptr;
+      abort(0, false, "the communicator was destroyed while an exception unwound", rank);
     }
     if (comm) {
       const auto deadline = std::chrono::steady_clock::now() + options.collectives.timeout;
@@ -8082,14 +8313,18 @@ struct nccl_shared {
                 });
       }
       if (clean) {
-        (void)Api::ncclCommDestroy(comm);
+        (void)Api::ncclCommDestroy(std::exchange(comm, nullptr));
       } else {
-        (void)Api::ncclCommAbort(comm);
+        abort(0, true, "its collectives did not finish before it was destroyed", rank);
       }
-      comm = nullptr;
     }
-    if (host_table_) (void)Api::cudaFreeHost(host_table_);
-    if (scratch) (void)Api::cudaFree(scratch);
+    // Pinned host memory is freed only where nothing was aborted: cudaFreeHost
+    // waits for the device, which a sibling's stuck kernel may hold for ever.
+    if (host_table_ && !aborted) (void)Api::cudaFreeHost(host_table_);
+    if (scratch && Api::cudaFreeAsync(scratch, stream.get()) != cudaSuccess) {
+      (void)Api::cudaGetLastError();
+      if (!aborted) (void)Api::cudaFree(scratch);
+    }
     for (cudaEvent_t e : free_events_) (void)Api::cudaEventDestroy(e);
     for (cudaEvent_t e : fences_) (void)Api::cudaEventDestroy(e);
   }
@@ -8114,6 +8349,10 @@ struct nccl_shared {
   }
 
   std::int64_t* host_table_ = nullptr;
+  int callers_ = 0;              // threads inside call() (mutex)
+  ncclComm_t doomed_ = nullptr;  // aborted, not yet freed: a caller was inside NCCL (mutex)
+  bool aborting_ = false;        // a family abort is under way: it frees doomed_ (mutex)
+  bool by_sibling_ = false;      // aborted for abort_origin's failure (mutex)
   std::mutex events_mutex_;
   std::vector<cudaEvent_t> free_events_;  // capacity >= events_made_
   std::size_t events_made_ = 0;
@@ -8160,7 +8399,7 @@ class nccl_work final : public work_state {
       std::lock_guard lock(shared_->mutex);
       if (shared_->aborted) {
         std::string text = description() + " did not complete: the communicator was aborted (" +
-                           shared_->abort_reason.text() + ")";
+                           shared_->abort_text() + ")";
         if (shared_->abort_timed_out) {
           fail(std::make_exception_ptr(timeout_error(text)));
         } else {
@@ -8193,6 +8432,12 @@ class nccl_work final : public work_state {
   // Called by whoever waited (a watchdog thread included): aborts at once,
   // without waiting for a thread that may be blocked inside an NCCL call.
   void on_timeout() noexcept override { shared_->abort(0, true, info(), "timed out"); }
+
+  // The rank failed with this collective in flight: the communicators are
+  // aborted now, not after the collective timeout (a peer may never join it).
+  void on_abandon() noexcept override {
+    shared_->abort(0, false, info(), "was abandoned: its rank failed while it was in flight");
+  }
 
  private:
   std::shared_ptr<nccl_shared<Api>> shared_;
@@ -8273,6 +8518,12 @@ DTRAIN_DETAIL_INLINE std::string nccl_seconds(std::chrono::milliseconds t) {
 // ---- end dtrain/backend/nccl/engine-inl.hpp ----
 #endif
 // ---- end dtrain/backend/nccl/engine.hpp ----
+// ---- begin dtrain/backend/nccl/init_outcomes.hpp ----
+/// @file
+/// How each rank's NCCL initialisation ended, told to the other ranks through
+/// the store: a rank whose init fails says so, and the others, still waiting
+/// for init (a peer that failed never joins), stop waiting and name it.
+
 // ---- begin dtrain/rendezvous/broadcast.hpp ----
 /// @file
 /// broadcast_or_fail: one rank produces a value that every rank needs to
@@ -8419,6 +8670,147 @@ template <broadcast_relay Relay, class Produce>
 }  // namespace dtrain::detail
 // ---- end dtrain/rendezvous/broadcast.hpp ----
 
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <stop_token>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace dtrain::detail {
+
+/// How often a rank waiting for NCCL's init asks the store whether a peer's
+/// init failed: one request per rank per period while init runs.
+inline constexpr std::chrono::milliseconds nccl_init_poll{200};
+
+/// The store constructor's view of the other ranks' NCCL init. Each rank sets
+/// how its init ended under "<key>/init/<rank>" (a wire::outcome: ok, or its
+/// error) and counts a failure under "<key>/init/failures". While a rank waits
+/// for init, watch() polls that count from a thread of its own (every
+/// nccl_init_poll) and, at the first failure, reads which rank failed and
+/// why, and calls `on_failure` once; peer_failure() says it afterwards.
+///
+/// The watching thread uses the store while the constructor's thread waits
+/// on NCCL and does not (a store shared with other threads must be
+/// thread-safe, as store_client is). A store that fails while watched ends
+/// the watch: init_timeout still bounds the wait.
+template <store Store>
+class nccl_init_outcomes {
+ public:
+  nccl_init_outcomes(Store& store, const std::string& key, int rank, int size)
+      : store_(store), base_(key + "/init/"), rank_(rank), size_(size) {}
+  nccl_init_outcomes(const nccl_init_outcomes&) = delete;
+  nccl_init_outcomes& operator=(const nccl_init_outcomes&) = delete;
+  ~nccl_init_outcomes() { stop(); }
+
+  /// Starts watching the other ranks; `on_failure()` (noexcept) runs on the
+  /// watching thread, once, when one of them has failed.
+  template <class OnFailure>
+  void watch(OnFailure on_failure) {
+    watcher_ = std::jthread([this, on_failure](std::stop_token stop) mutable {
+      std::mutex mutex;
+      std::condition_variable_any pause;
+      std::unique_lock lock(mutex);
+      while (!stop.stop_requested()) {
+        try {
+          if (find_failure()) {
+            on_failure();
+            return;
+          }
+        } catch (...) {
+          return;  // the store is failing: the init's own timeout decides
+        }
+        pause.wait_for(lock, stop, nccl_init_poll, [] { return false; });
+      }
+    });
+  }
+
+  /// Stops watching (and waits for the thread): peer_failure() is final then.
+  void stop() noexcept {
+    if (!watcher_.joinable()) return;
+    watcher_.request_stop();
+    watcher_.join();
+  }
+
+  /// "rank R failed: <its message>" for the first failed peer watch() saw;
+  /// empty when it saw none. Read after stop().
+  [[nodiscard]] const std::string& peer_failure() const noexcept { return failure_; }
+
+  /// This rank's init ended well. Never throws: nobody waits for it.
+  void succeeded() noexcept {
+    try {
+      store_.set(own_key(), wire::outcome{true, {}}.encode());
+    } catch (...) {
+      // A store that is failing now fails the next thing that needs it.
+    }
+  }
+
+  /// This rank's init failed with `message`: says so; rank 0, which may host
+  /// the store, then waits (at most store_relay's linger) until the others
+  /// have read it. Never throws: this rank's own failure is what counts.
+  void failed(const std::string& message) noexcept {
+    try {
+      store_.set(own_key(), wire::outcome{false, message}.encode());
+      (void)store_.add(base_ + "failures", 1);  // after the set: a count finds its key
+      // Not on other ranks: rank 0 leaves once it has read, and the store with it.
+      if (rank_ == 0) relay(rank_).failure_carried();
+    } catch (...) {
+      // The store is gone: the others end with their init timeout.
+    }
+  }
+
+ private:
+  [[nodiscard]] std::string own_key() const { return base_ + std::to_string(rank_); }
+  // A failure under "<key>/init/<root>", as broadcast_or_fail's store relay
+  // counts its readers, so that a failed rank that hosts the store stays for them.
+  [[nodiscard]] store_relay<Store> relay(int root) {
+    return store_relay<Store>(store_, base_ + std::to_string(root), rank_, size_, root);
+  }
+
+  // On the watching thread: whether a peer has failed (then failure_ says which).
+  bool find_failure() {
+    if (store_.add(base_ + "failures", 0) == 0) return false;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const std::array<std::string, 1> key{base_ + std::to_string(r)};
+      if (!store_.check(key)) continue;
+      const wire::outcome got = wire::outcome::decode("store key \"" + key[0] + "\"",
+                                                      store_.get(key[0]), "a rank's NCCL init");
+      if (got.ok) continue;
+      failure_ = "rank " + std::to_string(r) + " failed: " + got.text;
+      relay(r).failure_read();
+      return true;
+    }
+    return false;
+  }
+
+  Store& store_;
+  std::string base_;
+  int rank_;
+  int size_;
+  std::string failure_;
+  std::jthread watcher_;  // last: stopped before the rest goes
+};
+
+/// The id constructor's: there is no store, so no rank hears of another's init.
+struct nccl_init_alone {
+  template <class OnFailure>
+  void watch(OnFailure) {}
+  void stop() noexcept {}
+  [[nodiscard]] const std::string& peer_failure() const noexcept {
+    static const std::string none;
+    return none;
+  }
+  void succeeded() noexcept {}
+  void failed(const std::string&) noexcept {}
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/backend/nccl/init_outcomes.hpp ----
+
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -8471,6 +8863,11 @@ struct nccl_gpu {
 /// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
 /// config_error's text; empty when every rank has its own.
 DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus);
+/// The same from every rank's record (indexed by rank: where it was read,
+/// and the wire::outcome the rank published). Throws rendezvous_error
+/// "rank R cannot use its GPU: <why>" for a rank that has none.
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(
+    const std::vector<std::pair<std::string, std::string>>& records);
 }  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
@@ -8520,48 +8917,65 @@ class basic_nccl_communicator {
   /// config_error on every rank that names the GPU, both ranks and their
   /// CUDA_VISIBLE_DEVICES (NCCL would refuse them later, or run them slowly).
   ///
+  /// Then every rank publishes how its init ended, under
+  /// "<store_key>/init/<rank>" (ok, or its error), and while it waits for
+  /// init it looks for a peer's failure (every 0.2 s, from a thread of its
+  /// own): a rank whose init failed never joins, so the others stop waiting
+  /// and fail at once naming it, rather than at init_timeout.
+  ///
   /// Throws config_error for a bad rank, size or device, and for a GPU
   /// shared by two ranks; timeout_error (the store's, or the init's) when a
   /// rank does not show up; rendezvous_error for a malformed id in the
-  /// store, and on every other rank at once when rank 0 cannot select its
-  /// device or create the id (with rank 0's own message); backend_error for
-  /// CUDA and NCCL failures.
+  /// store, on every other rank at once when rank 0 cannot select its
+  /// device or create the id (with rank 0's own message), and when another
+  /// rank's init failed ("rank R failed: " and its message); backend_error
+  /// for CUDA and NCCL failures.
   template <store Store>
   basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
       : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
-                                options) {}
+                                options,
+                                detail::nccl_init_outcomes<Store>(store, options.store_key, rank,
+                                                                  size)) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
-  /// under MPI). Throws as the constructor above.
+  /// under MPI). Throws as the constructor above; with no store, no rank
+  /// hears of another's failed init (it waits init_timeout).
   basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
                           nccl_options options = {})
-      : rank_(rank), size_(size) {
-    detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
-    const std::string what = detail::nccl_creating(rank, size, device);
-    try {
-      auto s = detail::nccl_shared<Api>::create(rank, size, device, std::move(options));
-      ncclConfig_t config = s->config();
-      try {
-        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
-      } catch (...) {
-        if (s->comm) (void)Api::ncclCommAbort(s->comm);
-        s->comm = nullptr;
-        throw;
-      }
-      // Non-blocking: NCCL connects the ranks in the background; a rank that
-      // never comes would otherwise hang this call for ever.
-      s->wait(what, s->options.init_timeout,
-              "every rank must start and reach the others' network interfaces "
-              "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
-              [] { return true; });
-      shared_ = std::move(s);
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
-    }
+      : basic_nccl_communicator(id, rank, size, device, std::move(options),
+                                detail::nccl_init_alone{}) {}
+
+#if DTRAIN_HAS_MPI()
+  /// Creates the communicator of every rank of `comm` (collective: rank and
+  /// size are `comm`'s), for jobs started by mpirun that have no store. Rank
+  /// 0 selects its device, creates the id and MPI_Bcasts it (when it cannot,
+  /// every rank fails at once with its message); then every rank's GPU is
+  /// gathered to rank 0, and two ranks on one GPU are the store constructor's
+  /// config_error on every rank. Then init, as the id constructor. MPI
+  /// errors are checked only if `comm` returns them (MPI_ERRORS_RETURN).
+  /// Throws as the id constructor, and what MPI reports.
+  basic_nccl_communicator(MPI_Comm comm, int device, nccl_options options = {})
+      : basic_nccl_communicator(meet(comm, device, options), detail::mpi_rank(comm),
+                                detail::mpi_size(comm), device, options) {}
+
+  /// Rank `root` of `comm` calls `prepare()`, creates an id and MPI_Bcasts
+  /// it; every rank returns it. When the root fails, it throws its own error
+  /// and every other rank rendezvous_error with the root's message, at once
+  /// (broadcast_or_fail). Collective; throws what MPI reports.
+  template <class Prepare = void (*)()>
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(MPI_Comm comm, int root = 0,
+                                                       Prepare&& prepare = [] {}) {
+    detail::mpi_relay relay(comm, root);
+    const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [&] {
+      prepare();
+      return detail::nccl_unique_id_text(new_unique_id());
+    });
+    return detail::nccl_unique_id_from(value, relay.where());
   }
+#endif  // DTRAIN_HAS_MPI()
 
   basic_nccl_communicator(basic_nccl_communicator&&) noexcept = default;
   basic_nccl_communicator& operator=(basic_nccl_communicator&&) noexcept = default;
@@ -8622,11 +9036,13 @@ class basic_nccl_communicator {
     return shared_->aborted;
   }
 
-  /// ncclCommAbort now: pending collectives end (their work fails) and every
-  /// later call throws. For a rank that learns a peer is gone, or that failed
-  /// itself (run() does this when the training function throws). Safe from
-  /// any thread, while another is inside a collective: it does not wait for
-  /// that call, which the abort ends.
+  /// Aborts now: pending collectives end (their work fails) and every later
+  /// call throws. For a rank that learns a peer is gone, or that failed
+  /// itself (run() does this when the training function throws). Every other
+  /// NCCL communicator of the process is aborted with it (NCCL's abort is not
+  /// local to one communicator: detail::nccl_family), as on a timeout or an
+  /// asynchronous error. Safe from any thread, while another is inside a
+  /// collective: it does not wait for that call, which the abort ends.
   void abort() noexcept {
     if (!shared_) return;
     shared_->abort(0, false, "abort() was called", rank_);
@@ -8760,6 +9176,7 @@ class basic_nccl_communicator {
       s.wait(what, s.options.init_timeout, detail::nccl_timeout_hint, [] { return true; });
       child->comm = s.split_slot;
       s.split_slot = nullptr;
+      if (child->comm) detail::nccl_family<Api>::get().join(child);
       if (!child->comm) {
         settle(detail::call_state::completed);
         return basic_nccl_communicator(nullptr, -1, 0);
@@ -8794,6 +9211,66 @@ class basic_nccl_communicator {
                           int size) noexcept
       : shared_(std::move(shared)), rank_(rank), size_(size) {}
 
+  // Both public constructors end here: `peers` (nccl_init_outcomes, or
+  // nccl_init_alone) hears how this rank's init ended, and watches the others'.
+  template <class Peers>
+  basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                          nccl_options options, Peers&& peers)
+      : rank_(rank), size_(size) {
+    try {
+      shared_ = start(id, device, std::move(options), peers);
+    } catch (...) {
+      // A rank that fails because a peer did has nothing of its own to tell.
+      if (peers.peer_failure().empty()) peers.failed(detail::current_failure().second);
+      throw;
+    }
+    peers.succeeded();
+  }
+
+  // ncclCommInitRankConfig on `device`, waited for (at most init_timeout, or
+  // until `peers` sees another rank's init fail).
+  template <class Peers>
+  std::shared_ptr<detail::nccl_shared<Api>> start(const ncclUniqueId& id, int device,
+                                                  nccl_options options, Peers& peers) {
+    detail::nccl_claim_device<Api>(rank_, size_, device, options.cuda_visible_devices);
+    const std::string what = detail::nccl_creating(rank_, size_, device);
+    try {
+      auto s = detail::nccl_shared<Api>::create(rank_, size_, device, std::move(options));
+      ncclConfig_t config = s->config();
+      try {
+        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size_, id, rank_, &config));
+        detail::nccl_family<Api>::get().join(s);  // from now on it fails with the others
+      } catch (...) {
+        if (s->comm) (void)Api::ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        throw;
+      }
+      // Non-blocking: NCCL connects the ranks in the background; a rank that
+      // never comes would otherwise hang this call for ever. A peer whose
+      // init failed never comes: the abort from the watch ends the wait.
+      peers.watch([s]() noexcept {
+        s->abort(0, false, "another rank's NCCL init failed", s->rank);
+      });
+      std::exception_ptr ended;
+      try {
+        s->wait(what, s->options.init_timeout,
+                "every rank must start and reach the others' network interfaces "
+                "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+                [] { return true; });
+      } catch (...) {
+        ended = std::current_exception();
+      }
+      peers.stop();
+      // A peer's failure explains this rank's, however its wait ended.
+      if (!peers.peer_failure().empty())
+        throw rendezvous_error(what + " stopped: " + peers.peer_failure());
+      if (ended) std::rethrow_exception(ended);
+      return s;
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
   // The store constructor's meeting: the id from rank 0 (which claims its
   // device first: if it has none, nobody waits for its id), then the check
   // that no two ranks share a GPU.
@@ -8807,6 +9284,18 @@ class basic_nccl_communicator {
     return id;
   }
 
+#if DTRAIN_HAS_MPI()
+  // The MPI constructor's meeting, as the store's.
+  static ncclUniqueId meet(MPI_Comm comm, int device, const nccl_options& options) {
+    const int rank = detail::mpi_rank(comm), size = detail::mpi_size(comm);
+    const ncclUniqueId id = exchange_unique_id(comm, 0, [&] {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+    });
+    check_own_gpus(comm, rank, size, device, options);
+    return id;
+  }
+#endif  // DTRAIN_HAS_MPI()
+
   // Each rank sets its GPU, or why it has none, under "<store_key>/gpu/<rank>";
   // rank 0 reads them all and says (broadcast_or_fail) which two share one.
   template <store Store>
@@ -8814,21 +9303,7 @@ class basic_nccl_communicator {
                              const nccl_options& options) {
     const std::string base = options.store_key + "/gpu/";
     std::exception_ptr failed;
-    std::string record;
-    try {
-      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
-      detail::nccl_gpu gpu{.uuid = {},
-                           .pci_bus = {},
-                           .host = detail::host_name().value_or("<unknown host>"),
-                           .device = device,
-                           .visible = options.cuda_visible_devices.value_or("<unset>")};
-      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
-      record = detail::wire::outcome{true, gpu.encode()}.encode();
-    } catch (...) {
-      failed = std::current_exception();
-      record = detail::wire::outcome{false, detail::current_failure().second}.encode();
-    }
-    store.set(base + std::to_string(rank), record);
+    store.set(base + std::to_string(rank), own_gpu(rank, size, device, options, failed));
     detail::store_relay<Store> relay(store, base + "verdict", rank, size);
     // A rank other than the root fails now (the root reads why); the root
     // fails through the verdict, so that nobody waits for it.
@@ -8853,17 +9328,12 @@ class basic_nccl_communicator {
                                 "or is slower than nccl_options::init_timeout, " +
                                 std::string(nccl_init_timeout_variable) + "): " + e.what());
           }
-          std::vector<detail::nccl_gpu> gpus;
+          std::vector<std::pair<std::string, std::string>> records;
           for (int r = 0; r < size; ++r) {
             const std::string key = base + std::to_string(r);
-            const detail::wire::outcome got = detail::wire::outcome::decode(
-                "store key \"" + key + "\"", store.get(key), "a rank's GPU");
-            if (!got.ok)
-              throw rendezvous_error("rank " + std::to_string(r) +
-                                     " cannot use its GPU: " + got.text);
-            gpus.push_back(detail::nccl_gpu::decode("store key \"" + key + "\"", got.text));
+            records.emplace_back("store key \"" + key + "\"", store.get(key));
           }
-          return detail::nccl_shared_gpu_problem(gpus);
+          return detail::nccl_shared_gpu_problem(records);
         });
     if (problem.empty()) return;
     // Every rank fails with the same config_error; rank 0, which may host the
@@ -8875,6 +9345,49 @@ class basic_nccl_communicator {
     }
     throw config_error(problem);
   }
+
+  // This rank's GPU as the checks publish it: a wire::outcome of its
+  // nccl_gpu, or of why it has none (then `failed` holds that error).
+  static std::string own_gpu(int rank, int size, int device, const nccl_options& options,
+                             std::exception_ptr& failed) {
+    try {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+      detail::nccl_gpu gpu{.uuid = {},
+                           .pci_bus = {},
+                           .host = detail::host_name().value_or("<unknown host>"),
+                           .device = device,
+                           .visible = options.cuda_visible_devices.value_or("<unset>")};
+      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
+      return detail::wire::outcome{true, gpu.encode()}.encode();
+    } catch (...) {
+      failed = std::current_exception();
+      return detail::wire::outcome{false, detail::current_failure().second}.encode();
+    }
+  }
+
+#if DTRAIN_HAS_MPI()
+  // check_own_gpus over MPI: every rank's record gathered to rank 0, which
+  // says (broadcast_or_fail) which two share a GPU. Every rank takes part in
+  // both steps, even one without a GPU, which then throws its own error.
+  static void check_own_gpus(MPI_Comm comm, int rank, int size, int device,
+                             const nccl_options& options) {
+    std::exception_ptr failed;
+    const std::vector<std::string> records =
+        detail::mpi_gather_text(comm, own_gpu(rank, size, device, options, failed), 0,
+                                "gathering every rank's GPU for the NCCL communicator");
+    const std::string problem = detail::broadcast_or_fail(
+        detail::mpi_relay(comm, 0), "the check that every rank has a GPU of its own", [&] {
+          if (failed) std::rethrow_exception(failed);
+          std::vector<std::pair<std::string, std::string>> named;
+          for (std::size_t r = 0; r < records.size(); ++r)
+            named.emplace_back("rank " + std::to_string(r) + "'s GPU in the MPI gather",
+                               records[r]);
+          return detail::nccl_shared_gpu_problem(named);
+        });
+    if (failed) std::rethrow_exception(failed);
+    if (!problem.empty()) throw config_error(problem);
+  }
+#endif  // DTRAIN_HAS_MPI()
 
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
@@ -9064,6 +9577,19 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
   }
   return {};
 }
+
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(
+    const std::vector<std::pair<std::string, std::string>>& records) {
+  std::vector<nccl_gpu> gpus;
+  for (std::size_t r = 0; r < records.size(); ++r) {
+    const auto& [where, record] = records[r];
+    const wire::outcome got = wire::outcome::decode(where, record, "a rank's GPU");
+    if (!got.ok)
+      throw rendezvous_error("rank " + std::to_string(r) + " cannot use its GPU: " + got.text);
+    gpus.push_back(nccl_gpu::decode(where, got.text));
+  }
+  return nccl_shared_gpu_problem(gpus);
+}
 }  // namespace detail
 }  // namespace dtrain
 #endif
@@ -9073,11 +9599,7 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root) {
-  detail::mpi_relay relay(comm, root);
-  const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
-    return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
-  });
-  return detail::nccl_unique_id_from(value, relay.where());
+  return nccl_communicator::exchange_unique_id(comm, root);
 }
 
 }  // namespace dtrain
@@ -9117,8 +9639,15 @@ class watchdog {
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
   /// Waits for the work still watched (each within what is left of its
-  /// timeout), then stops the thread.
+  /// timeout), then stops the thread. Destroyed while an exception unwinds
+  /// (its owner failed), it abandons that work first (abandon()): a failing
+  /// rank does not wait out a collective timeout for peers that may be gone.
   ~watchdog();
+
+  /// Gives up on every piece of work watched and not yet finished
+  /// (work::abandon(): NCCL aborts its communicators at once). The owner's
+  /// failure, not the work's, is then the one to report.
+  void abandon() noexcept;
 
   /// Follows `w` from now on: it must finish within its timeout (work::timeout()).
   /// Work is waited for in the order it was handed over (one stream runs it in order).
@@ -9151,6 +9680,8 @@ class watchdog {
   std::uint64_t finished_ = 0;
   bool stopping_ = false;
   std::exception_ptr failure_;
+  work current_;  // the work the thread follows now (mutex_)
+  int unwinding_at_start_ = std::uncaught_exceptions();
   std::thread thread_;
 };
 
@@ -9167,6 +9698,7 @@ class watchdog {
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
+  if (std::uncaught_exceptions() > unwinding_at_start_) abandon();
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -9184,6 +9716,21 @@ DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
     if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
   }
   wake_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::abandon() noexcept {
+  std::deque<work> left;
+  {
+    std::lock_guard lock(mutex_);
+    try {
+      left.push_back(current_);
+      for (const entry& e : queue_) left.push_back(e.handle);
+    } catch (...) {
+      // No memory to copy the handles: what was copied is abandoned below,
+      // the rest stays bounded by its timeout.
+    }
+  }
+  for (work& w : left) w.abandon();
 }
 
 DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::failure() const {
@@ -9207,6 +9754,7 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
       if (queue_.empty()) return;
       next = std::move(queue_.front());
       queue_.pop_front();
+      current_ = next.handle;
     }
     const auto left =
         std::max(std::chrono::milliseconds(0),
@@ -9244,6 +9792,7 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
 DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
   {
     std::lock_guard lock(mutex_);
+    current_ = work();
     if (failed && !failure_) failure_ = failed;
     ++finished_;
   }
@@ -13864,6 +14413,10 @@ void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t co
 
 template <class Policy>
 void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
+  // The update failed on this rank: its peers wait for gathers it will not
+  // send. NCCL aborts the communicators now (work::abandon), so that these
+  // waits end at once, not after the collective timeout.
+  for (work& w : gathers) w.abandon();
   for (work& w : gathers) {
     try {
       w.wait();

@@ -45,6 +45,8 @@
 //     asynchronous error (ncclRemoteError, a peer's network went away)
 //     instead of completing;
 //   - FAKE_NCCL_ID_FAILS=1: ncclGetUniqueId fails (ncclSystemError);
+//   - FAKE_NCCL_INIT_FAILS_RANK=r: on the process whose RANK is r,
+//     ncclCommInitRankConfig fails (ncclSystemError) and the rank never joins;
 //   - FAKE_CUDA_NO_DEVICE_RANK=r: the process whose RANK is r sees no device;
 //   - FAKE_CUDA_IDENTITY_FAILS_RANK=r: that process cannot read its GPU's
 //     properties (an uncorrectable ECC error);
@@ -503,6 +505,7 @@ struct api {
   }
   static ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int size, ncclUniqueId id, int rank,
                                              ncclConfig_t* config) {
+    if (env_int("FAKE_NCCL_INIT_FAILS_RANK", -1) == env_int("RANK", -2)) return ncclSystemError;
     const std::string base = env_text("FAKE_NCCL_DIR");
     if (base.empty()) return ncclInvalidUsage;
     auto c = join(std::string(id.internal), rank, size, blocking(config));

@@ -13,6 +13,8 @@
 //     every rank fail with rank 0's message, not wait for an id.
 // The store's timeout is 60 s: a rank that waited for the id instead would
 // end with a timeout_error, which fails the checks below.
+#include "mpi_checks.hpp"
+
 #include <dtrain/backend/nccl/nccl.hpp>
 #include <dtrain/rendezvous/client.hpp>
 #include <dtrain/rendezvous/server.hpp>
@@ -31,18 +33,7 @@
 
 namespace {
 
-int rank = 0, size = 0;
-int failed = 0;
-
-void check(bool holds, const std::string& what) {
-  if (holds) return;
-  std::printf("rank %d: %s\n", rank, what.c_str());
-  failed = 1;
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using namespace mpi_checks;
 
 /// Every rank gets the same non-zero id (gathered to rank 0).
 void check_same_id(const ncclUniqueId& id, const std::string& how) {
@@ -86,10 +77,7 @@ void check_root_failure(int root, const std::string& how, const std::string& roo
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  start(argc, argv);
   const int last = size - 1;
   try {
     // 1. Over MPI, from the last rank.
@@ -142,8 +130,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     check(false, std::string("unexpected: ") + e.what());
   }
-  int any_failed = 0;
-  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  const int any_failed = mpi_checks::any_failed();
   if (rank == 0 && any_failed == 0) {
     std::printf("the NCCL unique id reached all %d ranks, and so did its root's failures\n", size);
   }

@@ -105,6 +105,19 @@ nccl_ranks_test(gpu_unreadable_rank0 2 start NO_KILL STATUS 1
 nccl_ranks_test(own_gpus 2 start NO_KILL STATUS 0
   EXPECT "rank 1 of 2: the communicator is up on device 1"
   ENVIRONMENT CUDA_VISIBLE_DEVICES=2,3)
+# A rank whose NCCL init fails (after the id and the GPU check) publishes its
+# error in the store; the others, still waiting for init, fail naming it at
+# once instead of after DTRAIN_NCCL_INIT_TIMEOUT (300 s, past this test's TIMEOUT).
+nccl_ranks_test(init_fails_rank1 3 start NO_KILL STATUS 1
+  EXPECT "[[]rank 0/3[]] dtrain: creating the NCCL communicator of rank 0 of 3[^\n]*: rank 1 failed[^\n]*ncclCommInitRankConfig[^\n]*unhandled system error"
+         "[[]rank 2/3[]] dtrain: creating the NCCL communicator of rank 2 of 3[^\n]*: rank 1 failed[^\n]*ncclCommInitRankConfig"
+         "[[]rank 1/3[]] dtrain: creating the NCCL communicator of rank 1 of 3[^\n]*ncclCommInitRankConfig"
+  ENVIRONMENT FAKE_NCCL_INIT_FAILS_RANK=1 DTRAIN_NCCL_INIT_TIMEOUT=300)
+# Rank 0 hosts the store: when its init fails, it stays until the others have read why.
+nccl_ranks_test(init_fails_rank0 3 start NO_KILL STATUS 1
+  EXPECT "[[]rank 1/3[]] dtrain: creating the NCCL communicator of rank 1 of 3[^\n]*: rank 0 failed[^\n]*ncclCommInitRankConfig"
+         "[[]rank 2/3[]] dtrain: creating the NCCL communicator of rank 2 of 3[^\n]*: rank 0 failed[^\n]*ncclCommInitRankConfig"
+  ENVIRONMENT FAKE_NCCL_INIT_FAILS_RANK=0 DTRAIN_NCCL_INIT_TIMEOUT=300)
 
 # Issue 47: DistributedDataParallel through the NCCL engine (its split, device
 # memory, non-blocking launches, groups): every step's means, and ZeRO's

@@ -24,7 +24,7 @@
 //                    its own waiting for rank 1: its process exits at once
 //   start            creates the communicator and exits (for the start-up failures
 //                    the environment injects: FAKE_CUDA_NO_DEVICE_RANK, FAKE_NCCL_ID_FAILS,
-//                    FAKE_CUDA_GPUS with CUDA_VISIBLE_DEVICES)
+//                    FAKE_NCCL_INIT_FAILS_RANK, FAKE_CUDA_GPUS with CUDA_VISIBLE_DEVICES)
 // NCCL_RANKS_LATE_PEERS_MS=n: every rank but 0 starts n ms late.
 //
 // On a machine with a GPU per rank (tools/gpu-check --ranks N), the same

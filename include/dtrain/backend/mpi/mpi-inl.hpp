@@ -426,6 +426,41 @@ DTRAIN_DETAIL_INLINE void mpi_relay::carry(std::string& message, const std::stri
   }
 }
 
+DTRAIN_DETAIL_INLINE int mpi_rank(MPI_Comm comm) {
+  int rank = -1;
+  DTRAIN_MPI_CHECK(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  return rank;
+}
+
+DTRAIN_DETAIL_INLINE int mpi_size(MPI_Comm comm) {
+  int size = 0;
+  DTRAIN_MPI_CHECK(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  return size;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
+                                                              const std::string& mine, int root,
+                                                              const std::string& what) {
+  const bool is_root = mpi_rank(comm) == root;
+  const int length = static_cast<int>(mine.size());
+  std::vector<int> lengths(is_root ? static_cast<std::size_t>(mpi_size(comm)) : 0);
+  DTRAIN_MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, root, comm), what);
+  std::vector<int> offsets(lengths.size());
+  std::string all;
+  for (std::size_t r = 0; r < lengths.size(); ++r) {
+    offsets[r] = static_cast<int>(all.size());
+    all.resize(all.size() + static_cast<std::size_t>(lengths[r]));
+  }
+  DTRAIN_MPI_CHECK(MPI_Gatherv(mine.data(), length, MPI_BYTE, all.data(), lengths.data(),
+                               offsets.data(), MPI_BYTE, root, comm),
+                   what);
+  std::vector<std::string> out;
+  for (std::size_t r = 0; r < lengths.size(); ++r)
+    out.push_back(all.substr(static_cast<std::size_t>(offsets[r]),
+                             static_cast<std::size_t>(lengths[r])));
+  return out;
+}
+
 }  // namespace detail
 }  // namespace dtrain
 #endif

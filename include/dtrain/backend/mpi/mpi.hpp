@@ -338,6 +338,18 @@ class mpi_relay {
   int rank_ = -1;
 };
 
+/// This process's rank in `comm`, and `comm`'s size (throw backend_error
+/// where `comm` returns errors).
+DTRAIN_DETAIL_INLINE int mpi_rank(MPI_Comm comm);
+DTRAIN_DETAIL_INLINE int mpi_size(MPI_Comm comm);
+
+/// Every rank's `mine`, gathered to `root` in rank order (MPI_Gather of the
+/// lengths, then MPI_Gatherv); empty on the other ranks. Every rank of `comm`
+/// calls it; `what` names it in errors.
+DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
+                                                              const std::string& mine, int root,
+                                                              const std::string& what);
+
 }  // namespace detail
 
 }  // namespace dtrain

@@ -51,6 +51,19 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
   }
   return {};
 }
+
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(
+    const std::vector<std::pair<std::string, std::string>>& records) {
+  std::vector<nccl_gpu> gpus;
+  for (std::size_t r = 0; r < records.size(); ++r) {
+    const auto& [where, record] = records[r];
+    const wire::outcome got = wire::outcome::decode(where, record, "a rank's GPU");
+    if (!got.ok)
+      throw rendezvous_error("rank " + std::to_string(r) + " cannot use its GPU: " + got.text);
+    gpus.push_back(nccl_gpu::decode(where, got.text));
+  }
+  return nccl_shared_gpu_problem(gpus);
+}
 }  // namespace detail
 }  // namespace dtrain
 #endif
@@ -60,11 +73,7 @@ DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int root) {
-  detail::mpi_relay relay(comm, root);
-  const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [] {
-    return detail::nccl_unique_id_text(nccl_communicator::new_unique_id());
-  });
-  return detail::nccl_unique_id_from(value, relay.where());
+  return nccl_communicator::exchange_unique_id(comm, root);
 }
 
 }  // namespace dtrain

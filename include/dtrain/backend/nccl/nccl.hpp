@@ -9,6 +9,7 @@
 #include <dtrain/backend/cuda.hpp>
 #include <dtrain/backend/mpi/mpi.hpp>
 #include <dtrain/backend/nccl/engine.hpp>
+#include <dtrain/backend/nccl/init_outcomes.hpp>
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
@@ -70,6 +71,11 @@ struct nccl_gpu {
 /// The first two ranks of `gpus` (indexed by rank) on one GPU, as a
 /// config_error's text; empty when every rank has its own.
 DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(const std::vector<nccl_gpu>& gpus);
+/// The same from every rank's record (indexed by rank: where it was read,
+/// and the wire::outcome the rank published). Throws rendezvous_error
+/// "rank R cannot use its GPU: <why>" for a rank that has none.
+DTRAIN_DETAIL_INLINE std::string nccl_shared_gpu_problem(
+    const std::vector<std::pair<std::string, std::string>>& records);
 }  // namespace detail
 
 /// A group of ranks, one CUDA device each, that runs NCCL collectives.
@@ -119,49 +125,65 @@ class basic_nccl_communicator {
   /// config_error on every rank that names the GPU, both ranks and their
   /// CUDA_VISIBLE_DEVICES (NCCL would refuse them later, or run them slowly).
   ///
+  /// Then every rank publishes how its init ended, under
+  /// "<store_key>/init/<rank>" (ok, or its error), and while it waits for
+  /// init it looks for a peer's failure (every 0.2 s, from a thread of its
+  /// own): a rank whose init failed never joins, so the others stop waiting
+  /// and fail at once naming it, rather than at init_timeout.
+  ///
   /// Throws config_error for a bad rank, size or device, and for a GPU
   /// shared by two ranks; timeout_error (the store's, or the init's) when a
   /// rank does not show up; rendezvous_error for a malformed id in the
-  /// store, and on every other rank at once when rank 0 cannot select its
-  /// device or create the id (with rank 0's own message); backend_error for
-  /// CUDA and NCCL failures.
+  /// store, on every other rank at once when rank 0 cannot select its
+  /// device or create the id (with rank 0's own message), and when another
+  /// rank's init failed ("rank R failed: " and its message); backend_error
+  /// for CUDA and NCCL failures.
   template <store Store>
   basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
       : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
-                                options) {}
+                                options,
+                                detail::nccl_init_outcomes<Store>(store, options.store_key, rank,
+                                                                  size)) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
-  /// under MPI). Throws as the constructor above.
+  /// under MPI). Throws as the constructor above; with no store, no rank
+  /// hears of another's failed init (it waits init_timeout).
   basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
                           nccl_options options = {})
-      : rank_(rank), size_(size) {
-    detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
-    const std::string what = detail::nccl_creating(rank, size, device);
-    try {
-      auto s = detail::nccl_shared<Api>::create(rank, size, device, std::move(options));
-      ncclConfig_t config = s->config();
-      try {
-        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size, id, rank, &config));
-        detail::nccl_family<Api>::get().join(s);  // from now on it fails with the others
-      } catch (...) {
-        if (s->comm) (void)Api::ncclCommAbort(s->comm);
-        s->comm = nullptr;
-        throw;
-      }
-      // Non-blocking: NCCL connects the ranks in the background; a rank that
-      // never comes would otherwise hang this call for ever.
-      s->wait(what, s->options.init_timeout,
-              "every rank must start and reach the others' network interfaces "
-              "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
-              [] { return true; });
-      shared_ = std::move(s);
-    } catch (const backend_error& e) {
-      throw detail::nccl_with_context(what, e);
-    }
+      : basic_nccl_communicator(id, rank, size, device, std::move(options),
+                                detail::nccl_init_alone{}) {}
+
+#if DTRAIN_HAS_MPI()
+  /// Creates the communicator of every rank of `comm` (collective: rank and
+  /// size are `comm`'s), for jobs started by mpirun that have no store. Rank
+  /// 0 selects its device, creates the id and MPI_Bcasts it (when it cannot,
+  /// every rank fails at once with its message); then every rank's GPU is
+  /// gathered to rank 0, and two ranks on one GPU are the store constructor's
+  /// config_error on every rank. Then init, as the id constructor. MPI
+  /// errors are checked only if `comm` returns them (MPI_ERRORS_RETURN).
+  /// Throws as the id constructor, and what MPI reports.
+  basic_nccl_communicator(MPI_Comm comm, int device, nccl_options options = {})
+      : basic_nccl_communicator(meet(comm, device, options), detail::mpi_rank(comm),
+                                detail::mpi_size(comm), device, options) {}
+
+  /// Rank `root` of `comm` calls `prepare()`, creates an id and MPI_Bcasts
+  /// it; every rank returns it. When the root fails, it throws its own error
+  /// and every other rank rendezvous_error with the root's message, at once
+  /// (broadcast_or_fail). Collective; throws what MPI reports.
+  template <class Prepare = void (*)()>
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(MPI_Comm comm, int root = 0,
+                                                       Prepare&& prepare = [] {}) {
+    detail::mpi_relay relay(comm, root);
+    const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [&] {
+      prepare();
+      return detail::nccl_unique_id_text(new_unique_id());
+    });
+    return detail::nccl_unique_id_from(value, relay.where());
   }
+#endif  // DTRAIN_HAS_MPI()
 
   basic_nccl_communicator(basic_nccl_communicator&&) noexcept = default;
   basic_nccl_communicator& operator=(basic_nccl_communicator&&) noexcept = default;
@@ -397,6 +419,66 @@ class basic_nccl_communicator {
                           int size) noexcept
       : shared_(std::move(shared)), rank_(rank), size_(size) {}
 
+  // Both public constructors end here: `peers` (nccl_init_outcomes, or
+  // nccl_init_alone) hears how this rank's init ended, and watches the others'.
+  template <class Peers>
+  basic_nccl_communicator(const ncclUniqueId& id, int rank, int size, int device,
+                          nccl_options options, Peers&& peers)
+      : rank_(rank), size_(size) {
+    try {
+      shared_ = start(id, device, std::move(options), peers);
+    } catch (...) {
+      // A rank that fails because a peer did has nothing of its own to tell.
+      if (peers.peer_failure().empty()) peers.failed(detail::current_failure().second);
+      throw;
+    }
+    peers.succeeded();
+  }
+
+  // ncclCommInitRankConfig on `device`, waited for (at most init_timeout, or
+  // until `peers` sees another rank's init fail).
+  template <class Peers>
+  std::shared_ptr<detail::nccl_shared<Api>> start(const ncclUniqueId& id, int device,
+                                                  nccl_options options, Peers& peers) {
+    detail::nccl_claim_device<Api>(rank_, size_, device, options.cuda_visible_devices);
+    const std::string what = detail::nccl_creating(rank_, size_, device);
+    try {
+      auto s = detail::nccl_shared<Api>::create(rank_, size_, device, std::move(options));
+      ncclConfig_t config = s->config();
+      try {
+        DTRAIN_NCCL_CHECK(Api::ncclCommInitRankConfig(&s->comm, size_, id, rank_, &config));
+        detail::nccl_family<Api>::get().join(s);  // from now on it fails with the others
+      } catch (...) {
+        if (s->comm) (void)Api::ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        throw;
+      }
+      // Non-blocking: NCCL connects the ranks in the background; a rank that
+      // never comes would otherwise hang this call for ever. A peer whose
+      // init failed never comes: the abort from the watch ends the wait.
+      peers.watch([s]() noexcept {
+        s->abort(0, false, "another rank's NCCL init failed", s->rank);
+      });
+      std::exception_ptr ended;
+      try {
+        s->wait(what, s->options.init_timeout,
+                "every rank must start and reach the others' network interfaces "
+                "(NCCL_SOCKET_IFNAME); NCCL_DEBUG=INFO shows where it stopped",
+                [] { return true; });
+      } catch (...) {
+        ended = std::current_exception();
+      }
+      peers.stop();
+      // A peer's failure explains this rank's, however its wait ended.
+      if (!peers.peer_failure().empty())
+        throw rendezvous_error(what + " stopped: " + peers.peer_failure());
+      if (ended) std::rethrow_exception(ended);
+      return s;
+    } catch (const backend_error& e) {
+      throw detail::nccl_with_context(what, e);
+    }
+  }
+
   // The store constructor's meeting: the id from rank 0 (which claims its
   // device first: if it has none, nobody waits for its id), then the check
   // that no two ranks share a GPU.
@@ -410,6 +492,18 @@ class basic_nccl_communicator {
     return id;
   }
 
+#if DTRAIN_HAS_MPI()
+  // The MPI constructor's meeting, as the store's.
+  static ncclUniqueId meet(MPI_Comm comm, int device, const nccl_options& options) {
+    const int rank = detail::mpi_rank(comm), size = detail::mpi_size(comm);
+    const ncclUniqueId id = exchange_unique_id(comm, 0, [&] {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+    });
+    check_own_gpus(comm, rank, size, device, options);
+    return id;
+  }
+#endif  // DTRAIN_HAS_MPI()
+
   // Each rank sets its GPU, or why it has none, under "<store_key>/gpu/<rank>";
   // rank 0 reads them all and says (broadcast_or_fail) which two share one.
   template <store Store>
@@ -417,21 +511,7 @@ class basic_nccl_communicator {
                              const nccl_options& options) {
     const std::string base = options.store_key + "/gpu/";
     std::exception_ptr failed;
-    std::string record;
-    try {
-      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
-      detail::nccl_gpu gpu{.uuid = {},
-                           .pci_bus = {},
-                           .host = detail::host_name().value_or("<unknown host>"),
-                           .device = device,
-                           .visible = options.cuda_visible_devices.value_or("<unset>")};
-      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
-      record = detail::wire::outcome{true, gpu.encode()}.encode();
-    } catch (...) {
-      failed = std::current_exception();
-      record = detail::wire::outcome{false, detail::current_failure().second}.encode();
-    }
-    store.set(base + std::to_string(rank), record);
+    store.set(base + std::to_string(rank), own_gpu(rank, size, device, options, failed));
     detail::store_relay<Store> relay(store, base + "verdict", rank, size);
     // A rank other than the root fails now (the root reads why); the root
     // fails through the verdict, so that nobody waits for it.
@@ -456,17 +536,12 @@ class basic_nccl_communicator {
                                 "or is slower than nccl_options::init_timeout, " +
                                 std::string(nccl_init_timeout_variable) + "): " + e.what());
           }
-          std::vector<detail::nccl_gpu> gpus;
+          std::vector<std::pair<std::string, std::string>> records;
           for (int r = 0; r < size; ++r) {
             const std::string key = base + std::to_string(r);
-            const detail::wire::outcome got = detail::wire::outcome::decode(
-                "store key \"" + key + "\"", store.get(key), "a rank's GPU");
-            if (!got.ok)
-              throw rendezvous_error("rank " + std::to_string(r) +
-                                     " cannot use its GPU: " + got.text);
-            gpus.push_back(detail::nccl_gpu::decode("store key \"" + key + "\"", got.text));
+            records.emplace_back("store key \"" + key + "\"", store.get(key));
           }
-          return detail::nccl_shared_gpu_problem(gpus);
+          return detail::nccl_shared_gpu_problem(records);
         });
     if (problem.empty()) return;
     // Every rank fails with the same config_error; rank 0, which may host the
@@ -478,6 +553,49 @@ class basic_nccl_communicator {
     }
     throw config_error(problem);
   }
+
+  // This rank's GPU as the checks publish it: a wire::outcome of its
+  // nccl_gpu, or of why it has none (then `failed` holds that error).
+  static std::string own_gpu(int rank, int size, int device, const nccl_options& options,
+                             std::exception_ptr& failed) {
+    try {
+      detail::nccl_claim_device<Api>(rank, size, device, options.cuda_visible_devices);
+      detail::nccl_gpu gpu{.uuid = {},
+                           .pci_bus = {},
+                           .host = detail::host_name().value_or("<unknown host>"),
+                           .device = device,
+                           .visible = options.cuda_visible_devices.value_or("<unset>")};
+      DTRAIN_CUDA_CHECK(Api::device_identity(device, gpu.uuid, gpu.pci_bus));
+      return detail::wire::outcome{true, gpu.encode()}.encode();
+    } catch (...) {
+      failed = std::current_exception();
+      return detail::wire::outcome{false, detail::current_failure().second}.encode();
+    }
+  }
+
+#if DTRAIN_HAS_MPI()
+  // check_own_gpus over MPI: every rank's record gathered to rank 0, which
+  // says (broadcast_or_fail) which two share a GPU. Every rank takes part in
+  // both steps, even one without a GPU, which then throws its own error.
+  static void check_own_gpus(MPI_Comm comm, int rank, int size, int device,
+                             const nccl_options& options) {
+    std::exception_ptr failed;
+    const std::vector<std::string> records =
+        detail::mpi_gather_text(comm, own_gpu(rank, size, device, options, failed), 0,
+                                "gathering every rank's GPU for the NCCL communicator");
+    const std::string problem = detail::broadcast_or_fail(
+        detail::mpi_relay(comm, 0), "the check that every rank has a GPU of its own", [&] {
+          if (failed) std::rethrow_exception(failed);
+          std::vector<std::pair<std::string, std::string>> named;
+          for (std::size_t r = 0; r < records.size(); ++r)
+            named.emplace_back("rank " + std::to_string(r) + "'s GPU in the MPI gather",
+                               records[r]);
+          return detail::nccl_shared_gpu_problem(named);
+        });
+    if (failed) std::rethrow_exception(failed);
+    if (!problem.empty()) throw config_error(problem);
+  }
+#endif  // DTRAIN_HAS_MPI()
 
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
