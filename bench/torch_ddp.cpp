@@ -256,7 +256,9 @@ int main(int argc, char** argv) {
   }
   int status = 0;
   for (int ranks : s.ranks) {
-    std::string command = "'" + std::string(self.data(), static_cast<std::size_t>(length)) + "'";
+    std::string command = "'";  // appended, not "'" + string: GCC 12's -Wrestrict misfires at -O3
+    command.append(self.data(), static_cast<std::size_t>(length));
+    command += "'";
     for (int i = 1; i < argc; ++i) command += std::string(" '") + argv[i] + "'";
     command += " --nproc-per-node " + std::to_string(ranks);
     const int rc = std::system(command.c_str());
