@@ -6411,6 +6411,10 @@ struct device_casts {
   void (*compress)(void* out, const float* in, std::size_t n, float scale, dtype wire,
                    cudaStream_t stream);
   void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
+  /// out[i] = Half(float(in[i]) / divisor), 16-bit `type` (in place or not):
+  /// the NCCL engine's average of 16-bit data (each element divided, then summed).
+  void (*divide)(void* out, const void* in, std::size_t n, dtype type, float divisor,
+                 cudaStream_t stream);
 };
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
@@ -6518,6 +6522,14 @@ __global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, st
     out[i] = dtrain_from_half_bits<Half>(in[i]);
   }
 }
+template <class Half>
+__global__ void dtrain_divide_kernel(std::uint16_t* out, const std::uint16_t* in, std::size_t n,
+                                     float divisor) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(dtrain_from_half_bits<Half>(in[i]) / divisor);
+  }
+}
 inline unsigned cast_blocks(std::size_t n) {
   return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
 }
@@ -6541,7 +6553,19 @@ inline void launch_decompress(float* out, const void* in, std::size_t n, dtype w
     dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 }
-inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
+inline void launch_divide(void* out, const void* in, std::size_t n, dtype type, float divisor,
+                          cudaStream_t stream) {
+  if (n == 0) return;
+  auto* o = static_cast<std::uint16_t*>(out);
+  const auto* i16 = static_cast<const std::uint16_t*>(in);
+  if (type == dtype::bfloat16)
+    dtrain_divide_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, i16, n, divisor);
+  else
+    dtrain_divide_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, i16, n, divisor);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress,
+                                                &launch_divide};
 /// Registers the kernels at start-up in every program with an nvcc unit.
 inline const bool nvcc_device_casts_registered =
     (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
@@ -7672,6 +7696,17 @@ struct nccl_library : cuda_library {
                                         cudaStream_t stream) {
     return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
   }
+  /// dtrain's own kernel, not NCCL's: out[i] = in[i] / divisor for 16-bit
+  /// `type`, on `stream` (the average of 16-bit data divides each element
+  /// first). The kernel exists where a unit of the program was compiled by
+  /// nvcc (detail::device_casts); config_error otherwise.
+  static cudaError_t divide(void* out, const void* in, std::size_t count, dtype type,
+                            float divisor, cudaStream_t stream) {
+    registered_device_casts().divide(out, in, count, type, divisor, stream);
+    return cudaSuccess;
+  }
+  /// Whether divide() can run (some unit of the program was compiled by nvcc).
+  [[nodiscard]] static bool can_divide() noexcept { return device_casts_available(); }
   static ncclResult_t ncclGroupStart() { return ::ncclGroupStart(); }
   static ncclResult_t ncclGroupEnd() { return ::ncclGroupEnd(); }
 };
@@ -7804,6 +7839,21 @@ namespace dtrain::detail {
   }
   return ncclSum;
 }
+
+/// Whether the average of `type` over `ranks` divides each element first and
+/// then sums (as PyTorch's Reducer), instead of ncclAvg: NCCL averages a
+/// 16-bit type by multiplying each element by 1/n rounded to that type
+/// (bf16(1/3) = 0.333984, +0.195 %; fp16 up to 2^-11), so the mean would
+/// depend on the job size. Exact, and left to ncclAvg, where n is a power of two.
+[[nodiscard]] constexpr bool nccl_divides_first(reduce_op op, dtype type, int ranks) noexcept {
+  return op == reduce_op::avg && (type == dtype::float16 || type == dtype::bfloat16) &&
+         ranks > 1 && (ranks & (ranks - 1)) != 0;
+}
+
+/// The config_error when a 16-bit average needs dtrain's divide kernel and
+/// the program has none.
+[[nodiscard]] DTRAIN_DETAIL_INLINE config_error nccl_no_divide(const std::string& what, dtype type,
+                                                               int ranks);
 
 /// Prefixes an engine error with the operation it interrupted (once).
 [[nodiscard]] DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
@@ -8476,6 +8526,19 @@ DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
   return backend_error(what + ": " + e.what(), e.engine_code());
 }
 
+DTRAIN_DETAIL_INLINE config_error nccl_no_divide(const std::string& what, dtype type, int ranks) {
+  const std::string n = std::to_string(ranks);
+  return config_error(
+      what + ": the average of " + std::string(to_string(type)) + " data over " + n +
+      " ranks divides each element by " + n +
+      " before the sum (NCCL's own average multiplies by 1/" + n + " rounded to " +
+      std::string(to_string(type)) +
+      ", which is off by up to 0.2 % and makes the mean depend on the job size), and that needs "
+      "dtrain's CUDA kernel, which exists only where a unit of the program was compiled by nvcc: "
+      "include <dtrain/dtrain.hpp> in one .cu file linked into the program, or average float32 "
+      "data, or reduce with sum and divide yourself");
+}
+
 DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size) {
   if (size < 1)
     throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");
@@ -9049,13 +9112,23 @@ class basic_nccl_communicator {
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
-  /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
+  /// becomes the reduction over all ranks of `in`. avg is ncclAvg, except on
+  /// float16 and bfloat16 over a number of ranks that is not a power of two:
+  /// each element is divided first (into `out`), then summed
+  /// (detail::nccl_divides_first; needs dtrain's kernel, an nvcc unit).
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
+    const bool divide = divides_first(op, in.type, "allreduce");
     return collective(detail::collective_call::allreduce(in, out, op), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
+                        const void* from = in.data;
+                        if (divide) {
+                          DTRAIN_CUDA_CHECK(Api::divide(out.data, in.data, in.count, in.type,
+                                                        static_cast<float>(size_), own));
+                          from = out.data;
+                        }
                         DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
-                            in.data, out.data, in.count, detail::nccl_type(in.type),
-                            detail::nccl_op(op, size_), comm, own));
+                            from, out.data, in.count, detail::nccl_type(in.type),
+                            divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
                       });
   }
 
@@ -9079,14 +9152,23 @@ class basic_nccl_communicator {
                       });
   }
 
-  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets
+  /// block r in `out`. avg as allreduce's, except that the 16-bit average
+  /// divides the summed block (`in` is left as it was).
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
-                      [&](ncclComm_t comm, cudaStream_t own) {
-                        DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
-                            in.data, out.data, out.count, detail::nccl_type(out.type),
-                            detail::nccl_op(op, size_), comm, own));
-                      });
+    const bool divide = divides_first(op, out.type, "reduce_scatter");
+    return collective(
+        detail::collective_call::reduce_scatter(in, out, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
+              in.data, out.data, out.count, detail::nccl_type(out.type),
+              divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
+        },
+        [&](cudaStream_t own) {
+          if (divide)
+            DTRAIN_CUDA_CHECK(Api::divide(out.data, out.data, out.count, out.type,
+                                          static_cast<float>(size_), own));
+        });
   }
 
   /// Completes once every rank has reached it (and this rank's earlier
@@ -9105,15 +9187,20 @@ class basic_nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
+    for (const buffer& b : buffers) (void)divides_first(op, b.type, "allreduce_many");
     return collective(detail::collective_call::allreduce_many(buffers, op), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
                         DTRAIN_NCCL_CHECK(Api::ncclGroupStart());
                         try {
                           for (const buffer& b : buffers) {
                             if (b.count == 0) continue;
+                            const bool divide = detail::nccl_divides_first(op, b.type, size_);
+                            if (divide)
+                              DTRAIN_CUDA_CHECK(Api::divide(b.data, b.data, b.count, b.type,
+                                                            static_cast<float>(size_), own));
                             DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
                                 b.data, b.data, b.count, detail::nccl_type(b.type),
-                                detail::nccl_op(op, size_), comm, own));
+                                divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
                           }
                         } catch (...) {
                           (void)Api::ncclGroupEnd();  // a group left open would swallow this
@@ -9389,6 +9476,16 @@ class basic_nccl_communicator {
   }
 #endif  // DTRAIN_HAS_MPI()
 
+  // Whether `op` on `type` divides each element first (nccl_divides_first);
+  // config_error, before anything runs, when the program has no divide kernel.
+  [[nodiscard]] bool divides_first(reduce_op op, dtype type, std::string_view what) const {
+    if (!detail::nccl_divides_first(op, type, size_)) return false;
+    if (!Api::can_divide())
+      throw detail::nccl_no_divide(describe(what, "avg, " + std::string(to_string(type))), type,
+                                   size_);
+    return true;
+  }
+
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
   }
@@ -9449,8 +9546,11 @@ class basic_nccl_communicator {
   // (the own stream waits for what `caller` holds now); last the engine's
   // call, `enqueue(comm, own stream)`, and the event the work polls. Nothing
   // is built into words here: `what` describes the call on failure only.
-  template <class Enqueue>
-  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
+  // `finish(own stream)` runs after NCCL's enqueue has completed, before the
+  // completion event: device work that must follow the collective.
+  template <class Enqueue, class Finish = void (*)(cudaStream_t)>
+  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue,
+                  Finish&& finish = [](cudaStream_t) {}) {
     const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared<Api>& s = usable(what);
     detail::check_arguments(call, what, detail::nccl_memory);
@@ -9487,6 +9587,7 @@ class basic_nccl_communicator {
       s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
       detail::nccl_pooled_event<Api> done(s);
       s.call(what, [&](ncclComm_t) {
+        finish(s.stream.get());
         DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
         s.fenced();
       });

@@ -492,6 +492,25 @@ struct api {
     return cudaSuccess;
   }
 
+  /// dtrain's divide kernel (nccl_library::divide), on the stream.
+  static cudaError_t divide(void* out, const void* in, std::size_t count, dtrain::dtype type,
+                            float divisor, cudaStream_t stream) {
+    auto s = registry::get().stream(stream);
+    if (!s) return cudaErrorInvalidResourceHandle;
+    const bool bf16 = type == dtrain::dtype::bfloat16;
+    s->enqueue({}, [=] {
+      for (std::size_t i = 0; i < count; ++i) {
+        std::uint16_t b;
+        std::memcpy(&b, static_cast<const char*>(in) + 2 * i, 2);
+        const float x = (bf16 ? from_bf16(b) : from_fp16(b)) / divisor;
+        b = bf16 ? to_bf16(x) : to_fp16(x);
+        std::memcpy(static_cast<char*>(out) + 2 * i, &b, 2);
+      }
+    });
+    return cudaSuccess;
+  }
+  [[nodiscard]] static bool can_divide() noexcept { return true; }
+
   // --- NCCL ---
   static constexpr bool has_revoke = true;
 

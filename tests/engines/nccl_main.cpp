@@ -94,6 +94,23 @@ TEST_SUITE("nccl_host") {
     CHECK(nccl_op(reduce_op::prod, 2) == ncclProd);
   }
 
+  TEST_CASE("a 16-bit average over a number of ranks that is not a power of two divides first") {
+    using dtrain::dtype;
+    using dtrain::reduce_op;
+    using dtrain::detail::nccl_divides_first;
+    CHECK(nccl_divides_first(reduce_op::avg, dtype::bfloat16, 3));
+    CHECK(nccl_divides_first(reduce_op::avg, dtype::float16, 6));
+    CHECK_FALSE(nccl_divides_first(reduce_op::avg, dtype::bfloat16, 4));  // 1/4 is exact
+    CHECK_FALSE(nccl_divides_first(reduce_op::avg, dtype::bfloat16, 1));
+    CHECK_FALSE(nccl_divides_first(reduce_op::avg, dtype::float32, 3));  // ncclAvg in fp32
+    CHECK_FALSE(nccl_divides_first(reduce_op::sum, dtype::bfloat16, 3));
+    // Without an nvcc unit there is no kernel: the error says what to do.
+    const dtrain::config_error e =
+        dtrain::detail::nccl_no_divide("allreduce on rank 2 of 3", dtype::bfloat16, 3);
+    CHECK_CONTAINS(e.what(), "allreduce on rank 2 of 3: the average of bfloat16 data over 3 ranks");
+    CHECK_CONTAINS(e.what(), "include <dtrain/dtrain.hpp> in one .cu file");
+  }
+
   TEST_CASE("nccl_communicator models the communicator concept and reaches device memory") {
     static_assert(dtrain::communicator<dtrain::nccl_communicator>);
     static_assert(dtrain::nccl_communicator::reaches_device_memory);

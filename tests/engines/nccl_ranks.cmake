@@ -147,3 +147,9 @@ nccl_ranks_test(ddp_throws 2 ddp-throws STATUS "[1-9][0-9]*"
   EXPECT "[[]rank 0/2[]] dtrain: rank 0 fails on purpose in the middle of a DDP step"
          "dtrain_test_launch: rank 0 exited with status 1"
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=300)
+# Item 4: 16-bit means that do not depend on the job size: at 3 ranks ncclAvg
+# would multiply by bf16(1/3) = 0.333984 (+0.195 %); at 4, 1/4 is exact.
+foreach(ranks IN ITEMS 3 4)
+  nccl_ranks_test(mean16 ${ranks} mean16 STATUS 0
+    EXPECT "rank 0 of ${ranks}: 16-bit means are unbiased")
+endforeach()

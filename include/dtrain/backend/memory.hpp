@@ -131,6 +131,10 @@ struct device_casts {
   void (*compress)(void* out, const float* in, std::size_t n, float scale, dtype wire,
                    cudaStream_t stream);
   void (*decompress)(float* out, const void* in, std::size_t n, dtype wire, cudaStream_t stream);
+  /// out[i] = Half(float(in[i]) / divisor), 16-bit `type` (in place or not):
+  /// the NCCL engine's average of 16-bit data (each element divided, then summed).
+  void (*divide)(void* out, const void* in, std::size_t n, dtype type, float divisor,
+                 cudaStream_t stream);
 };
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
@@ -238,6 +242,14 @@ __global__ void dtrain_decompress_kernel(float* out, const std::uint16_t* in, st
     out[i] = dtrain_from_half_bits<Half>(in[i]);
   }
 }
+template <class Half>
+__global__ void dtrain_divide_kernel(std::uint16_t* out, const std::uint16_t* in, std::size_t n,
+                                     float divisor) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    out[i] = dtrain_to_half_bits<Half>(dtrain_from_half_bits<Half>(in[i]) / divisor);
+  }
+}
 inline unsigned cast_blocks(std::size_t n) {
   return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
 }
@@ -261,7 +273,19 @@ inline void launch_decompress(float* out, const void* in, std::size_t n, dtype w
     dtrain_decompress_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(out, i16, n);
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 }
-inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress};
+inline void launch_divide(void* out, const void* in, std::size_t n, dtype type, float divisor,
+                          cudaStream_t stream) {
+  if (n == 0) return;
+  auto* o = static_cast<std::uint16_t*>(out);
+  const auto* i16 = static_cast<const std::uint16_t*>(in);
+  if (type == dtype::bfloat16)
+    dtrain_divide_kernel<bfloat16><<<cast_blocks(n), 256, 0, stream>>>(o, i16, n, divisor);
+  else
+    dtrain_divide_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, i16, n, divisor);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
+inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress,
+                                                &launch_divide};
 /// Registers the kernels at start-up in every program with an nvcc unit.
 inline const bool nvcc_device_casts_registered =
     (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);

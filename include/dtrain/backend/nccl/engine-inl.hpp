@@ -26,6 +26,19 @@ DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
   return backend_error(what + ": " + e.what(), e.engine_code());
 }
 
+DTRAIN_DETAIL_INLINE config_error nccl_no_divide(const std::string& what, dtype type, int ranks) {
+  const std::string n = std::to_string(ranks);
+  return config_error(
+      what + ": the average of " + std::string(to_string(type)) + " data over " + n +
+      " ranks divides each element by " + n +
+      " before the sum (NCCL's own average multiplies by 1/" + n + " rounded to " +
+      std::string(to_string(type)) +
+      ", which is off by up to 0.2 % and makes the mean depend on the job size), and that needs "
+      "dtrain's CUDA kernel, which exists only where a unit of the program was compiled by nvcc: "
+      "include <dtrain/dtrain.hpp> in one .cu file linked into the program, or average float32 "
+      "data, or reduce with sum and divide yourself");
+}
+
 DTRAIN_DETAIL_INLINE void nccl_check_rank(int rank, int size) {
   if (size < 1)
     throw config_error("NCCL communicator size " + std::to_string(size) + " is not at least 1");

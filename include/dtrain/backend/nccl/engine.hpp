@@ -116,6 +116,21 @@ namespace dtrain::detail {
   return ncclSum;
 }
 
+/// Whether the average of `type` over `ranks` divides each element first and
+/// then sums (as PyTorch's Reducer), instead of ncclAvg: NCCL averages a
+/// 16-bit type by multiplying each element by 1/n rounded to that type
+/// (bf16(1/3) = 0.333984, +0.195 %; fp16 up to 2^-11), so the mean would
+/// depend on the job size. Exact, and left to ncclAvg, where n is a power of two.
+[[nodiscard]] constexpr bool nccl_divides_first(reduce_op op, dtype type, int ranks) noexcept {
+  return op == reduce_op::avg && (type == dtype::float16 || type == dtype::bfloat16) &&
+         ranks > 1 && (ranks & (ranks - 1)) != 0;
+}
+
+/// The config_error when a 16-bit average needs dtrain's divide kernel and
+/// the program has none.
+[[nodiscard]] DTRAIN_DETAIL_INLINE config_error nccl_no_divide(const std::string& what, dtype type,
+                                                               int ranks);
+
 /// Prefixes an engine error with the operation it interrupted (once).
 [[nodiscard]] DTRAIN_DETAIL_INLINE backend_error nccl_with_context(const std::string& what,
                                                                    const backend_error& e);

@@ -8,6 +8,8 @@
 /// Compiles to nothing unless DTRAIN_HAS_NCCL().
 
 #include <dtrain/backend/cuda.hpp>
+#include <dtrain/backend/memory.hpp>
+#include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/error.hpp>
 
@@ -102,6 +104,17 @@ struct nccl_library : cuda_library {
                                         cudaStream_t stream) {
     return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
   }
+  /// dtrain's own kernel, not NCCL's: out[i] = in[i] / divisor for 16-bit
+  /// `type`, on `stream` (the average of 16-bit data divides each element
+  /// first). The kernel exists where a unit of the program was compiled by
+  /// nvcc (detail::device_casts); config_error otherwise.
+  static cudaError_t divide(void* out, const void* in, std::size_t count, dtype type,
+                            float divisor, cudaStream_t stream) {
+    registered_device_casts().divide(out, in, count, type, divisor, stream);
+    return cudaSuccess;
+  }
+  /// Whether divide() can run (some unit of the program was compiled by nvcc).
+  [[nodiscard]] static bool can_divide() noexcept { return device_casts_available(); }
   static ncclResult_t ncclGroupStart() { return ::ncclGroupStart(); }
   static ncclResult_t ncclGroupEnd() { return ::ncclGroupEnd(); }
 };

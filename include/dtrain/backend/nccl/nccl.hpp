@@ -257,13 +257,23 @@ class basic_nccl_communicator {
   }
 
   /// In place or out of place (`in` and `out` may be the same buffer): `out`
-  /// becomes the reduction over all ranks of `in`. avg is ncclAvg.
+  /// becomes the reduction over all ranks of `in`. avg is ncclAvg, except on
+  /// float16 and bfloat16 over a number of ranks that is not a power of two:
+  /// each element is divided first (into `out`), then summed
+  /// (detail::nccl_divides_first; needs dtrain's kernel, an nvcc unit).
   work allreduce(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
+    const bool divide = divides_first(op, in.type, "allreduce");
     return collective(detail::collective_call::allreduce(in, out, op), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
+                        const void* from = in.data;
+                        if (divide) {
+                          DTRAIN_CUDA_CHECK(Api::divide(out.data, in.data, in.count, in.type,
+                                                        static_cast<float>(size_), own));
+                          from = out.data;
+                        }
                         DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
-                            in.data, out.data, in.count, detail::nccl_type(in.type),
-                            detail::nccl_op(op, size_), comm, own));
+                            from, out.data, in.count, detail::nccl_type(in.type),
+                            divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
                       });
   }
 
@@ -287,14 +297,23 @@ class basic_nccl_communicator {
                       });
   }
 
-  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets block r in `out`.
+  /// `in` (size() × out.count elements) is reduced over ranks; rank r gets
+  /// block r in `out`. avg as allreduce's, except that the 16-bit average
+  /// divides the summed block (`in` is left as it was).
   work reduce_scatter(buffer in, buffer out, reduce_op op, cudaStream_t stream = nullptr) {
-    return collective(detail::collective_call::reduce_scatter(in, out, op), stream,
-                      [&](ncclComm_t comm, cudaStream_t own) {
-                        DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
-                            in.data, out.data, out.count, detail::nccl_type(out.type),
-                            detail::nccl_op(op, size_), comm, own));
-                      });
+    const bool divide = divides_first(op, out.type, "reduce_scatter");
+    return collective(
+        detail::collective_call::reduce_scatter(in, out, op), stream,
+        [&](ncclComm_t comm, cudaStream_t own) {
+          DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
+              in.data, out.data, out.count, detail::nccl_type(out.type),
+              divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
+        },
+        [&](cudaStream_t own) {
+          if (divide)
+            DTRAIN_CUDA_CHECK(Api::divide(out.data, out.data, out.count, out.type,
+                                          static_cast<float>(size_), own));
+        });
   }
 
   /// Completes once every rank has reached it (and this rank's earlier
@@ -313,15 +332,20 @@ class basic_nccl_communicator {
   /// Check mode compares the op, the number of elements and the first type.
   work allreduce_many(std::span<const buffer> buffers, reduce_op op,
                       cudaStream_t stream = nullptr) {
+    for (const buffer& b : buffers) (void)divides_first(op, b.type, "allreduce_many");
     return collective(detail::collective_call::allreduce_many(buffers, op), stream,
                       [&](ncclComm_t comm, cudaStream_t own) {
                         DTRAIN_NCCL_CHECK(Api::ncclGroupStart());
                         try {
                           for (const buffer& b : buffers) {
                             if (b.count == 0) continue;
+                            const bool divide = detail::nccl_divides_first(op, b.type, size_);
+                            if (divide)
+                              DTRAIN_CUDA_CHECK(Api::divide(b.data, b.data, b.count, b.type,
+                                                            static_cast<float>(size_), own));
                             DTRAIN_NCCL_CHECK(Api::ncclAllReduce(
                                 b.data, b.data, b.count, detail::nccl_type(b.type),
-                                detail::nccl_op(op, size_), comm, own));
+                                divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
                           }
                         } catch (...) {
                           (void)Api::ncclGroupEnd();  // a group left open would swallow this
@@ -597,6 +621,16 @@ class basic_nccl_communicator {
   }
 #endif  // DTRAIN_HAS_MPI()
 
+  // Whether `op` on `type` divides each element first (nccl_divides_first);
+  // config_error, before anything runs, when the program has no divide kernel.
+  [[nodiscard]] bool divides_first(reduce_op op, dtype type, std::string_view what) const {
+    if (!detail::nccl_divides_first(op, type, size_)) return false;
+    if (!Api::can_divide())
+      throw detail::nccl_no_divide(describe(what, "avg, " + std::string(to_string(type))), type,
+                                   size_);
+    return true;
+  }
+
   [[nodiscard]] std::string describe(std::string_view what, std::string_view args) const {
     return detail::describe(what, args, rank_, size_, name);
   }
@@ -657,8 +691,11 @@ class basic_nccl_communicator {
   // (the own stream waits for what `caller` holds now); last the engine's
   // call, `enqueue(comm, own stream)`, and the event the work polls. Nothing
   // is built into words here: `what` describes the call on failure only.
-  template <class Enqueue>
-  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue) {
+  // `finish(own stream)` runs after NCCL's enqueue has completed, before the
+  // completion event: device work that must follow the collective.
+  template <class Enqueue, class Finish = void (*)(cudaStream_t)>
+  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue,
+                  Finish&& finish = [](cudaStream_t) {}) {
     const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared<Api>& s = usable(what);
     detail::check_arguments(call, what, detail::nccl_memory);
@@ -695,6 +732,7 @@ class basic_nccl_communicator {
       s.wait(what, s.options.collectives.timeout, detail::nccl_timeout_hint, [] { return true; });
       detail::nccl_pooled_event<Api> done(s);
       s.call(what, [&](ncclComm_t) {
+        finish(s.stream.get());
         DTRAIN_CUDA_CHECK(Api::cudaEventRecord(done.get(), s.stream.get()));
         s.fenced();
       });
