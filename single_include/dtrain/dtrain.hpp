@@ -21589,7 +21589,8 @@ struct hierarchical {
       C& cross = *cross_;
       std::vector<detail::work_sequence::step> steps;
       steps.push_back({"node-local reduce_scatter over " + std::to_string(local.size()) + " ranks",
-                       [&local, data, part, op, stream] {
+                       [&local, &cross, data, part, op, stream] {
+                         after_other_level(local, cross);
                          return detail::reduce_scatter_on(local, data, part, op, stream);
                        },
                        1, -1});
@@ -21616,8 +21617,11 @@ struct hierarchical {
       std::vector<detail::work_sequence::step> steps;
       steps.push_back(
           {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
-           [&cross, in, part, stream] { return detail::allgather_on(cross, in, part, stream); }, 2,
-           -1});
+           [&local, &cross, in, part, stream] {
+             after_other_level(cross, local);
+             return detail::allgather_on(cross, in, part, stream);
+           },
+           2, -1});
       steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
                        [&local, &cross, part, data] {
                          return detail::allgather_on(local, part, data,
@@ -21641,6 +21645,17 @@ struct hierarchical {
     }
 
    private:
+    // Engines on streams: `next`'s collectives from now on wait, on the
+    // device, for `other`'s so far. The two levels' kernels then never run
+    // at once on one GPU (NCCL's guide: two communicators' collectives in
+    // flight together on a device can deadlock), also across buckets: a
+    // bucket's first step waits for the previous bucket's last one, which ran
+    // on the other level (allreduce's pipeline ends on the level it starts
+    // on, and needs no such wait).
+    static void after_other_level(C& next, C& other) {
+      if constexpr (detail::stream_ordered<C>) other.stream_wait(next.stream());
+    }
+
     [[nodiscard]] std::string describe_call(const buffer& data, reduce_op op) const {
       return detail::describe("hierarchical allreduce",
                               std::string(to_string(op)) + ", " + detail::shape(data),

@@ -30,6 +30,9 @@
 //   - float16 and bfloat16 reduce in their own precision, each partial sum
 //     rounded in rank order, and avg is NCCL's PreMulSum: every element times
 //     1/n rounded to the type, then the sum (bf16(1/3) = 0.333984);
+//   - FAKE_NCCL_ONE_COMM_AT_A_TIME=1: a collective that starts while another
+//     communicator's runs (kernels of two communicators at once on one GPU,
+//     which NCCL's guide says can deadlock) ends the process with a message;
 //   - an enqueue blocks, in the calling thread, while FAKE_NCCL_LAUNCH_QUEUE
 //     collectives are unfinished on the stream (NCCL's work FIFO, CUDA's
 //     launch queue), until they finish or the communicator is revoked or aborted,
@@ -185,6 +188,21 @@ struct registry {
     if (it == device.begin()) return false;
     --it;
     return c >= it->first && c + bytes <= it->first + it->second;
+  }
+  /// FAKE_NCCL_ONE_COMM_AT_A_TIME=1: a collective of `c` starts while one of
+  /// another communicator runs on this GPU, which NCCL's guide says can
+  /// deadlock: the process ends with a message.
+  void check_alone(const comm_state& c) {
+    std::lock_guard lock(mutex);
+    for (const auto& [handle, other] : comms) {
+      if (other.get() != &c && other->running > 0 && !other->aborted) {
+        std::fprintf(stderr,
+                     "fake NCCL: collectives of two communicators (%s and %s) run at once on one "
+                     "GPU, which can deadlock\n",
+                     c.id.c_str(), other->id.c_str());
+        std::abort();
+      }
+    }
   }
   /// Waits until no collective of any communicator is running: what a
   /// device-wide synchronization waits for.
@@ -776,6 +794,7 @@ struct api {
         ~done() { --c.running; }
       } running{*c};
       if (c->aborted) return;
+      if (env_int("FAKE_NCCL_ONE_COMM_AT_A_TIME", 0) == 1) registry::get().check_alone(*c);
       if (error_at > 0 && seq == static_cast<std::uint64_t>(error_at)) {
         c->async_error = ncclRemoteError;
         while (!c->aborted) std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -135,9 +135,13 @@ foreach(ranks IN ITEMS 2 3 4)
       EXPECT "rank 0 of ${ranks}: 3 DDP steps [(]sharding ${sharding_name}[)] averaged right")
   endforeach()
 endforeach()
-foreach(mode IN ITEMS ddp zero2)
+# Item 6: FAKE_NCCL_ONE_COMM_AT_A_TIME ends a rank whose local and cross
+# collectives run at once (ZeRO's reduce-scatter and allgather pipelines did,
+# across buckets).
+foreach(mode IN ITEMS ddp zero1 zero2)
   nccl_ranks_test(${mode}_hierarchical 4 ${mode}-hierarchical NODES 2,2 STATUS 0
-    EXPECT "rank 0 of 4: 3 DDP steps [^\n]* on 2 node[(]s[)], hierarchical")
+    EXPECT "rank 0 of 4: 3 DDP steps [^\n]* on 2 node[(]s[)], hierarchical"
+    ENVIRONMENT FAKE_NCCL_ONE_COMM_AT_A_TIME=1)
 endforeach()
 # Item 1: rank 0 throws mid-step with a DDP bucket and a collective of its own
 # waiting for rank 1, under a 300 s collective timeout: it exits within the

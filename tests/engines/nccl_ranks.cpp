@@ -19,7 +19,7 @@
 //   mean16           16-bit allreduce and reduce_scatter avg: no bias at any size
 //   ddp, zero1, zero2  DistributedDataParallel through the engine (ddp_steps:
 //                    every step's means, and the values after ZeRO's gathers)
-//   ddp-hierarchical, zero2-hierarchical  the same with topology::hierarchical
+//   ddp-hierarchical, zero1-hierarchical, zero2-hierarchical  the same with topology::hierarchical
 //                    (run the ranks as nodes: dtrain_test_launch --nodes 2,2)
 //   ddp-throws       rank 0 throws mid-step with a bucket and a collective of
 //                    its own waiting for rank 1: its process exits at once
@@ -529,13 +529,17 @@ int main(int argc, char** argv) {
   if (mode == "ddp-throws") fn = ddp_throws;
   if (mode == "ddp-hierarchical")
     return dtrain::run<hierarchical_policy>(argc, argv, ddp_fake_hierarchical<dtrain::sharding::none>);
+  if (mode == "zero1-hierarchical")
+    return dtrain::run<hierarchical_policy>(argc, argv,
+                                            ddp_fake_hierarchical<dtrain::sharding::optimizer>);
   if (mode == "zero2-hierarchical")
     return dtrain::run<hierarchical_policy>(argc, argv,
                                             ddp_fake_hierarchical<dtrain::sharding::gradients>);
   if (!fn) {
     std::fprintf(stderr,
                  "usage: %s collectives|blocked-enqueue|throws|in-flight|async-error|start|"
-                 "mean16|ddp|zero1|zero2|ddp-hierarchical|zero2-hierarchical|ddp-throws\n",
+                 "mean16|ddp|zero1|zero2|ddp-hierarchical|zero1-hierarchical|zero2-hierarchical|"
+                 "ddp-throws\n",
                  argv[0]);
     return 2;
   }
