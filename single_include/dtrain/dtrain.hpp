@@ -13892,6 +13892,11 @@ class basic_ddp {
   void order_after_buckets() {
     if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
   }
+  /// Every rank's `mine`, in rank order (a per-step scalar: a norm's part, a
+  /// flag). Over the control plane where DDP's communicator reaches host
+  /// memory (its own channel); otherwise on the device through DDP's
+  /// communicator, one allgather and one host sync (NCCL: never the store).
+  std::vector<std::int64_t> gather_scalar(std::int64_t mine);
   /// `data` summed over DDP's communicator in place, ordered after the compute stream.
   work sum_in_place(const buffer& data) {
     if constexpr (memory_space::on_stream) {
@@ -14359,6 +14364,7 @@ std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
 /// for the next step's gradients.
 
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -14538,35 +14544,46 @@ double basic_ddp<Policy>::gradient_norm() {
     check_usable_locked();
     check_updatable("gradient_norm()");
   }
-  // Streams: the buckets' collectives are done before the host reads what they wrote.
-  if constexpr (memory_space::on_stream) wait();
-  double squares = 0;
-  std::vector<std::byte> staged;
   for (const shard_piece& piece : pieces_) {
     const buffer& g = piece.gradients;
-    const void* data = g.data;
-    if (g.where == memory::device) {
-      staged.resize(g.bytes());
-      memory_space::download(staged.data(), g.data, g.bytes(), device_, stream_);
-      memory_space::synchronize(device_, stream_);
-      data = staged.data();
-    }
-    if (g.type == dtype::float32) {
-      for (const float x : std::span(static_cast<const float*>(data), g.count))
-        squares += static_cast<double>(x) * static_cast<double>(x);
-    } else if (g.type == dtype::float64) {
-      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
-    } else {
+    if (g.type != dtype::float32 && g.type != dtype::float64) {
       throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
                          ": parameter '" + vars_[piece.parameter].param.name + "' is " +
                          std::string(to_string(g.type)) + "; the norm reads float32 and float64");
     }
   }
+  // Streams: the buckets' collectives are done before the host reads what they
+  // wrote; every piece is downloaded, then the host waits once.
+  if constexpr (memory_space::on_stream) wait();
+  std::vector<std::byte> staged;
+  std::vector<std::size_t> at(pieces_.size(), 0);
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    if (pieces_[k].gradients.where != memory::device) continue;
+    at[k] = staged.size();
+    staged.resize(staged.size() + pieces_[k].gradients.bytes());
+  }
+  if (!staged.empty()) {
+    for (std::size_t k = 0; k < pieces_.size(); ++k) {
+      const buffer& g = pieces_[k].gradients;
+      if (g.where == memory::device)
+        memory_space::download(staged.data() + at[k], g.data, g.bytes(), device_, stream_);
+    }
+    memory_space::synchronize(device_, stream_);
+  }
+  double squares = 0;
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const buffer& g = pieces_[k].gradients;
+    const void* data = g.where == memory::device ? staged.data() + at[k] : g.data;
+    if (g.type == dtype::float32) {
+      for (const float x : std::span(static_cast<const float*>(data), g.count))
+        squares += static_cast<double>(x) * static_cast<double>(x);
+    } else {
+      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
+    }
+  }
   if (owns_bucket_shards()) {
     // Every rank's sum, added in rank order: the same norm on every rank.
-    const std::int64_t mine = std::bit_cast<std::int64_t>(squares);
-    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
-    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+    const std::vector<std::int64_t> all = gather_scalar(std::bit_cast<std::int64_t>(squares));
     squares = 0;
     for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
   }
@@ -14576,7 +14593,36 @@ double basic_ddp<Policy>::gradient_norm() {
 template <class Policy>
 bool basic_ddp<Policy>::any_rank(bool mine) {
   check_usable();
-  return !flagged_ranks(control_, mine).empty();
+  if constexpr (communicator_type::reaches_host_memory) {
+    return !flagged_ranks(control_, mine).empty();
+  } else {
+    const std::vector<std::int64_t> all = gather_scalar(mine ? 1 : 0);
+    return std::any_of(all.begin(), all.end(), [](std::int64_t f) { return f != 0; });
+  }
+}
+
+template <class Policy>
+std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+  if constexpr (communicator_type::reaches_host_memory) {
+    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  } else {
+    if (size_ == 1) {
+      all[0] = mine;
+      return all;
+    }
+    const std::size_t bytes = all.size() * sizeof(std::int64_t);
+    const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
+    std::byte* slot = staged.data() + static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
+    memory_space::upload(slot, &mine, sizeof mine, device_, stream_);
+    comm_
+        .allgather({slot, 1, dtype::int64, memory::device, device_},
+                   {staged.data(), all.size(), dtype::int64, memory::device, device_}, stream_)
+        .wait();
+    memory_space::download(all.data(), staged.data(), bytes, device_, stream_);
+    memory_space::synchronize(device_, stream_);
+  }
+  return all;
 }
 
 }  // namespace dtrain

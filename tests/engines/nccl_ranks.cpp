@@ -313,7 +313,8 @@ using gpu_hierarchical_policy = dtrain::policy<dtrain::launch::per_process, dtra
 /// sharding or with ZeRO stage 1 or 2. Each rank's gradients differ; every
 /// step's means are checked against the host's (sharded: the rank's shard),
 /// and with sharding the optimizer (values -= mean, on the shard) must leave
-/// every rank with the same, expected values after its gathers.
+/// every rank with the same, expected values after its gathers;
+/// gradient_norm() and any_rank() give the whole model's answer on every rank.
 template <class Api, class Context>
 int ddp_steps(Context& ctx, dtrain::sharding sharding) {
   using Policy = typename Context::policy_type;
@@ -382,6 +383,17 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
       }
       continue;
     }
+    // Per-step scalars on DDP's communicator (the device under NCCL, not the store).
+    double want_squares = 0;
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      for (std::size_t i = 0; i < sizes[p]; ++i)
+        want_squares += static_cast<double>(mean_of(step, i)) * mean_of(step, i);
+    const double norm = ddp.gradient_norm();
+    expect(std::fabs(norm - std::sqrt(want_squares)) <= 1e-9 * std::sqrt(want_squares),
+           at + ": gradient_norm() is " + std::to_string(norm) + ", not " +
+               std::to_string(std::sqrt(want_squares)));
+    expect(ddp.any_rank(r == n - 1 && step == 1) == (step == 1),
+           at + ": any_rank() of a flag only the last rank raises in step 1");
     ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
       std::vector<float> g(piece.gradients.count), v(piece.values.count);
       DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(g.data(), piece.gradients.data, g.size() * 4,

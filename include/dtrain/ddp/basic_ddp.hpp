@@ -571,6 +571,11 @@ class basic_ddp {
   void order_after_buckets() {
     if constexpr (memory_space::on_stream) topo_.stream_wait(stream_);
   }
+  /// Every rank's `mine`, in rank order (a per-step scalar: a norm's part, a
+  /// flag). Over the control plane where DDP's communicator reaches host
+  /// memory (its own channel); otherwise on the device through DDP's
+  /// communicator, one allgather and one host sync (NCCL: never the store).
+  std::vector<std::int64_t> gather_scalar(std::int64_t mine);
   /// `data` summed over DDP's communicator in place, ordered after the compute stream.
   work sum_in_place(const buffer& data) {
     if constexpr (memory_space::on_stream) {
