@@ -1082,6 +1082,9 @@ inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT
 inline constexpr std::string_view collective_timeout_variable = "DTRAIN_COLLECTIVE_TIMEOUT";
 /// Switch: compare every collective's signature across ranks before it runs.
 inline constexpr std::string_view check_collectives_variable = "DTRAIN_CHECK_COLLECTIVES";
+/// Seconds a watchdog may stay stuck past a collective's deadline (its abort,
+/// or the device, not returning) before it ends the process.
+inline constexpr std::string_view watchdog_heartbeat_variable = "DTRAIN_WATCHDOG_HEARTBEAT";
 /// Seconds NCCL's communicator set-up may take.
 inline constexpr std::string_view nccl_init_timeout_variable = "DTRAIN_NCCL_INIT_TIMEOUT";
 /// The network interface Gloo uses (before GLOO_SOCKET_IFNAME).
@@ -1129,6 +1132,7 @@ inline constexpr std::array dtrain_variables{
     restart_count_variable,
     collective_timeout_variable,
     check_collectives_variable,
+    watchdog_heartbeat_variable,
     nccl_init_timeout_variable,
     gloo_ifname_variable,
     gloo_shm_variable,
@@ -1503,6 +1507,11 @@ class work {
   /// engines leave the wait bounded by the timeout. No-op when complete.
   void abandon() noexcept {
     if (state_ && !state_->seen_done()) state_->on_abandon();
+  }
+
+  /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (nccl)"; "no collective" for a complete handle.
+  [[nodiscard]] std::string description() const {
+    return state_ ? state_->description() : std::string("no collective");
   }
 
   /// The limit wait() without an argument allows (the communicator's collective timeout).
@@ -7567,8 +7576,8 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
                    what);
   std::vector<std::string> out;
   for (std::size_t r = 0; r < lengths.size(); ++r)
-    out.push_back(all.substr(static_cast<std::size_t>(offsets[r]),
-                             static_cast<std::size_t>(lengths[r])));
+    out.push_back(
+        all.substr(static_cast<std::size_t>(offsets[r]), static_cast<std::size_t>(lengths[r])));
   return out;
 }
 
@@ -7700,8 +7709,8 @@ struct nccl_library : cuda_library {
   /// `type`, on `stream` (the average of 16-bit data divides each element
   /// first). The kernel exists where a unit of the program was compiled by
   /// nvcc (detail::device_casts); config_error otherwise.
-  static cudaError_t divide(void* out, const void* in, std::size_t count, dtype type,
-                            float divisor, cudaStream_t stream) {
+  static cudaError_t divide(void* out, const void* in, std::size_t count, dtype type, float divisor,
+                            cudaStream_t stream) {
     registered_device_casts().divide(out, in, count, type, divisor, stream);
     return cudaSuccess;
   }
@@ -7846,8 +7855,8 @@ namespace dtrain::detail {
 /// (bf16(1/3) = 0.333984, +0.195 %; fp16 up to 2^-11), so the mean would
 /// depend on the job size. Exact, and left to ncclAvg, where n is a power of two.
 [[nodiscard]] constexpr bool nccl_divides_first(reduce_op op, dtype type, int ranks) noexcept {
-  return op == reduce_op::avg && (type == dtype::float16 || type == dtype::bfloat16) &&
-         ranks > 1 && (ranks & (ranks - 1)) != 0;
+  return op == reduce_op::avg && (type == dtype::float16 || type == dtype::bfloat16) && ranks > 1 &&
+         (ranks & (ranks - 1)) != 0;
 }
 
 /// The config_error when a 16-bit average needs dtrain's divide kernel and
@@ -8997,10 +9006,9 @@ class basic_nccl_communicator {
   basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
-      : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
-                                options,
-                                detail::nccl_init_outcomes<Store>(store, options.store_key, rank,
-                                                                  size)) {}
+      : basic_nccl_communicator(
+            meet(store, rank, size, device, options), rank, size, device, options,
+            detail::nccl_init_outcomes<Store>(store, options.store_key, rank, size)) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
@@ -9029,8 +9037,8 @@ class basic_nccl_communicator {
   /// and every other rank rendezvous_error with the root's message, at once
   /// (broadcast_or_fail). Collective; throws what MPI reports.
   template <class Prepare = void (*)()>
-  [[nodiscard]] static ncclUniqueId exchange_unique_id(MPI_Comm comm, int root = 0,
-                                                       Prepare&& prepare = [] {}) {
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(
+      MPI_Comm comm, int root = 0, Prepare&& prepare = [] {}) {
     detail::mpi_relay relay(comm, root);
     const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [&] {
       prepare();
@@ -9160,9 +9168,9 @@ class basic_nccl_communicator {
     return collective(
         detail::collective_call::reduce_scatter(in, out, op), stream,
         [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
-              in.data, out.data, out.count, detail::nccl_type(out.type),
-              divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
+          DTRAIN_NCCL_CHECK(
+              Api::ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.type),
+                                     divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
         },
         [&](cudaStream_t own) {
           if (divide)
@@ -9335,9 +9343,8 @@ class basic_nccl_communicator {
       // Non-blocking: NCCL connects the ranks in the background; a rank that
       // never comes would otherwise hang this call for ever. A peer whose
       // init failed never comes: the abort from the watch ends the wait.
-      peers.watch([s]() noexcept {
-        s->abort(0, false, "another rank's NCCL init failed", s->rank);
-      });
+      peers.watch(
+          [s]() noexcept { s->abort(0, false, "another rank's NCCL init failed", s->rank); });
       std::exception_ptr ended;
       try {
         s->wait(what, s->options.init_timeout,
@@ -9549,8 +9556,9 @@ class basic_nccl_communicator {
   // `finish(own stream)` runs after NCCL's enqueue has completed, before the
   // completion event: device work that must follow the collective.
   template <class Enqueue, class Finish = void (*)(cudaStream_t)>
-  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue,
-                  Finish&& finish = [](cudaStream_t) {}) {
+  work collective(
+      const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue,
+      Finish&& finish = [](cudaStream_t) {}) {
     const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared<Api>& s = usable(what);
     detail::check_arguments(call, what, detail::nccl_memory);
@@ -9736,7 +9744,12 @@ class watchdog {
  public:
   using clock = std::chrono::steady_clock;
 
-  watchdog() = default;
+  /// Reads DTRAIN_WATCHDOG_HEARTBEAT (seconds; config_error naming it when
+  /// malformed): how long the thread may stay stuck past a collective's
+  /// deadline (an abort or a device query that does not return: NCCL's own
+  /// threads, a driver hang) before a monitor ends the process with a
+  /// message, as ProcessGroupNCCL's heartbeat monitor does. Default 60 s.
+  watchdog();
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
   /// Waits for the work still watched (each within what is left of its
@@ -9770,6 +9783,7 @@ class watchdog {
   };
 
   void follow();
+  void monitor();
 
   void settle(std::exception_ptr failed);
 
@@ -9782,8 +9796,14 @@ class watchdog {
   bool stopping_ = false;
   std::exception_ptr failure_;
   work current_;  // the work the thread follows now (mutex_)
+  // The thread must be done with current_ by then (deadline + heartbeat), or
+  // the monitor ends the process; max() while it follows nothing (mutex_).
+  clock::time_point stuck_after_ = clock::time_point::max();
+  std::chrono::milliseconds heartbeat_{60'000};
   int unwinding_at_start_ = std::uncaught_exceptions();
+  std::condition_variable monitor_wake_;
   std::thread thread_;
+  std::thread monitor_;
 };
 
 }  // namespace dtrain
@@ -9796,7 +9816,15 @@ class watchdog {
 /// dtrain/config.hpp). Include dtrain/backend/watchdog.hpp, not this file.
 
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace dtrain {
+
+DTRAIN_DETAIL_INLINE watchdog::watchdog() {
+  if (auto t = detail::read_seconds(environment::from_process(), watchdog_heartbeat_variable))
+    heartbeat_ = *t;
+}
 
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
   if (std::uncaught_exceptions() > unwinding_at_start_) abandon();
@@ -9805,7 +9833,9 @@ DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
     stopping_ = true;
   }
   wake_.notify_all();
+  monitor_wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (monitor_.joinable()) monitor_.join();
 }
 
 DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
@@ -9814,7 +9844,10 @@ DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
     std::lock_guard lock(mutex_);
     queue_.push_back({std::move(w), clock::now() + timeout, timeout});
     ++watched_;
-    if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] { follow(); });
+      monitor_ = std::thread([this] { monitor(); });
+    }
   }
   wake_.notify_all();
 }
@@ -9856,6 +9889,7 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
       next = std::move(queue_.front());
       queue_.pop_front();
       current_ = next.handle;
+      stuck_after_ = next.deadline + heartbeat_;
     }
     const auto left =
         std::max(std::chrono::milliseconds(0),
@@ -9887,13 +9921,37 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
         // Reported above.
       }
     }
+    std::lock_guard lock(mutex_);
+    stuck_after_ = clock::time_point::max();
+    current_ = work();
+  }
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::monitor() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    const auto tick = std::min(heartbeat_ / 4, std::chrono::milliseconds(1000));
+    monitor_wake_.wait_for(lock, std::max(tick, std::chrono::milliseconds(10)));
+    if (stopping_ && queue_.empty() && stuck_after_ == clock::time_point::max()) return;
+    if (clock::now() < stuck_after_) continue;
+    // The thread is stuck inside an engine's poll or abort: nothing dtrain
+    // can do reaches it any more. The launcher can only restart a process
+    // that ends.
+    const std::string what = current_.description();
+    std::fprintf(stderr,
+                 "dtrain: the watchdog following %s is stuck %.1f s past its deadline: "
+                 "the engine's abort or the device does not return (NCCL's threads, a "
+                 "driver hang); ending the process (%s)\n",
+                 what.c_str(), static_cast<double>(heartbeat_.count()) / 1000.0,
+                 std::string(watchdog_heartbeat_variable).c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
   }
 }
 
 DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
   {
     std::lock_guard lock(mutex_);
-    current_ = work();
     if (failed && !failure_) failure_ = failed;
     ++finished_;
   }
@@ -21661,13 +21719,12 @@ struct hierarchical {
       C& local = *local_;
       C& cross = *cross_;
       std::vector<detail::work_sequence::step> steps;
-      steps.push_back(
-          {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
-           [&local, &cross, in, part, stream] {
-             after_other_level(cross, local);
-             return detail::allgather_on(cross, in, part, stream);
-           },
-           2, -1});
+      steps.push_back({"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+                       [&local, &cross, in, part, stream] {
+                         after_other_level(cross, local);
+                         return detail::allgather_on(cross, in, part, stream);
+                       },
+                       2, -1});
       steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
                        [&local, &cross, part, data] {
                          return detail::allgather_on(local, part, data,

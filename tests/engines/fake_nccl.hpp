@@ -44,6 +44,7 @@
 //     (default 20) more, and frees the communicator: a later call with its
 //     handle is a use after free, which ends the process with a message
 //     (SIGABRT);
+//   - FAKE_NCCL_ABORT_HANGS=1: ncclCommRevoke and ncclCommAbort never return;
 //   - FAKE_NCCL_ASYNC_ERROR_AT=k: the k-th collective (from 1) raises an
 //     asynchronous error (ncclRemoteError, a peer's network went away)
 //     instead of completing;
@@ -73,14 +74,14 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <cstdio>
-#include <functional>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -118,18 +119,20 @@ struct comm_state {
   bool blocking = true;
   std::atomic<bool> aborted{false};  // revoked or aborted: collectives stop
   std::atomic<int> async_error{ncclSuccess};
-  std::atomic<int> running{0};         // collectives running on a stream now (spinning ones too)
-  std::atomic<int> background{0};      // a split still working (non-blocking)
+  std::atomic<int> running{0};     // collectives running on a stream now (spinning ones too)
+  std::atomic<int> background{0};  // a split still working (non-blocking)
   std::atomic<clock::rep> launch_until{0};  // a non-blocking launch completes at this time
-  std::uint64_t issued = 0;  // collectives enqueued (the caller's thread only)
-  int splits = 0;            // splits made from it (the caller's thread only)
+  std::uint64_t issued = 0;                 // collectives enqueued (the caller's thread only)
+  int splits = 0;                           // splits made from it (the caller's thread only)
 
   [[nodiscard]] bool everyone_joined() const {
     for (int r = 0; r < size; ++r)
       if (!std::filesystem::exists(dir + "/join." + std::to_string(r))) return false;
     return true;
   }
-  [[nodiscard]] bool launching() const { return clock::now().time_since_epoch().count() < launch_until; }
+  [[nodiscard]] bool launching() const {
+    return clock::now().time_since_epoch().count() < launch_until;
+  }
   /// A non-blocking call returned ncclInProgress: its launch completes shortly.
   void launched() {
     launch_until = (clock::now() + std::chrono::microseconds(300)).time_since_epoch().count();
@@ -564,6 +567,7 @@ struct api {
   }
   /// Stops the communicator's collectives; frees nothing.
   static ncclResult_t ncclCommRevoke(ncclComm_t comm, int flags) {
+    stuck_if_asked();
     auto c = registry::get().comm(comm, "ncclCommRevoke");
     if (!c || flags != 0) return ncclInvalidArgument;
     c->aborted = true;
@@ -572,6 +576,7 @@ struct api {
   /// Stops its collectives, waits for the device (every running collective,
   /// as NCCL's stream synchronization does), then frees the communicator.
   static ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    stuck_if_asked();
     auto c = registry::get().comm(comm, "ncclCommAbort");
     if (!c) return ncclInvalidArgument;
     c->aborted = true;
@@ -585,7 +590,8 @@ struct api {
   static ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     auto c = registry::get().comm(comm, "ncclCommFinalize");
     if (!c) return ncclInvalidArgument;
-    if (!c->blocking && c->launching()) return misuse("ncclCommFinalize while a launch is in progress");
+    if (!c->blocking && c->launching())
+      return misuse("ncclCommFinalize while a launch is in progress");
     return ncclSuccess;
   }
   static ncclResult_t ncclCommDestroy(ncclComm_t comm) { return ncclCommAbort(comm); }
@@ -593,7 +599,8 @@ struct api {
                                     ncclConfig_t* config) {
     auto c = registry::get().comm(comm, "ncclCommSplit");
     if (!c) return ncclInvalidArgument;
-    if (!c->blocking && c->launching()) return misuse("ncclCommSplit while a launch is in progress");
+    if (!c->blocking && c->launching())
+      return misuse("ncclCommSplit while a launch is in progress");
     const int k = ++c->splits;
     const bool blocking = api::blocking(config);
     const std::string stem = c->dir + "/split" + std::to_string(k) + ".r";
@@ -623,9 +630,9 @@ struct api {
       }
       std::sort(keys.begin(), keys.end());
       const auto mine = std::find(keys.begin(), keys.end(), std::pair{key, c->rank});
-      auto child = join(c->id + "-s" + std::to_string(k) + "c" + std::to_string(color),
-                        static_cast<int>(mine - keys.begin()), static_cast<int>(keys.size()),
-                        blocking);
+      auto child =
+          join(c->id + "-s" + std::to_string(k) + "c" + std::to_string(color),
+               static_cast<int>(mine - keys.begin()), static_cast<int>(keys.size()), blocking);
       *out = reinterpret_cast<ncclComm_t>(child.get());
     };
     *out = nullptr;
@@ -701,6 +708,12 @@ struct api {
   }
 
  private:
+  /// FAKE_NCCL_ABORT_HANGS=1: revoke and abort never return (NCCL's threads stuck).
+  static void stuck_if_asked() {
+    if (env_int("FAKE_NCCL_ABORT_HANGS", 0) != 1) return;
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+
   /// NCCL_COMM_BLOCKING overrides the config, as in NCCL.
   static bool blocking(const ncclConfig_t* config) {
     const int forced = env_int("NCCL_COMM_BLOCKING", -1);
@@ -778,7 +791,8 @@ struct api {
       // As NCCL's: the call goes on with the communicator it was given, which
       // an abort must not have freed meanwhile (a use after free ends the
       // process). It takes longer to notice than the abort takes to free.
-      std::this_thread::sleep_for(std::chrono::milliseconds(2 * env_int("FAKE_NCCL_ABORT_MS", 20) + 50));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(2 * env_int("FAKE_NCCL_ABORT_MS", 20) + 50));
       (void)registry::get().comm(handle, "a collective that waited for its launch queue");
     }
     if (c->aborted) return ncclSystemError;

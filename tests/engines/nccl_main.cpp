@@ -813,8 +813,9 @@ std::atomic<bool> host_function_released{false};
       finish(false, mode, report + "\na barrier ran on the aborted communicator");
     } catch (const dtrain::timeout_error& e) {
       // After an abort that a timeout caused, every call says so with the first reason.
-      const bool says = std::string_view(e.what()).find("aborted (allreduce") != std::string_view::npos &&
-                        std::string_view(e.what()).find("timed out") != std::string_view::npos;
+      const bool says =
+          std::string_view(e.what()).find("aborted (allreduce") != std::string_view::npos &&
+          std::string_view(e.what()).find("timed out") != std::string_view::npos;
       finish(says, mode, report + "\n" + e.what());
     }
   } catch (const std::exception& e) {

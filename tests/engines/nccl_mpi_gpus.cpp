@@ -62,8 +62,8 @@ int main(int argc, char** argv) {
   // 1. Two ranks on GPU 2.
   {
     const auto [kind, text] = create("2,2");
-    check(kind == "config_error", "a shared GPU: expected a config_error, got " + kind + " \"" +
-                                      text + "\"");
+    check(kind == "config_error",
+          "a shared GPU: expected a config_error, got " + kind + " \"" + text + "\"");
     check(contains(text, "ranks 0 and 1 on host ") && contains(text, "both use GPU GPU-fake2-") &&
               contains(text, "rank 1 as CUDA device 1 (CUDA_VISIBLE_DEVICES=2,2)"),
           "a shared GPU: \"" + text + "\" does not name the GPU and both ranks");

@@ -63,6 +63,14 @@ nccl_ranks_test(blocked_enqueue_blocking 2 blocked-enqueue STATUS "[1-9][0-9]*"
   EXPECT "[[]rank 0/2[]] dtrain: allreduce[^\n]*the communicator was aborted [(][^\n]*timed out[)]"
          "collective diagnostics, round 1, after a timeout on rank 0"
   ENVIRONMENT FAKE_NCCL_LAUNCH_QUEUE=2 DTRAIN_COLLECTIVE_TIMEOUT=2 NCCL_COMM_BLOCKING=1)
+# Item 2: a watchdog stuck in an abort that never returns (NCCL's threads)
+# ends the process with a message DTRAIN_WATCHDOG_HEARTBEAT after the
+# deadline, instead of holding it for ever.
+nccl_ranks_test(watchdog_stuck 2 blocked-enqueue STATUS "[1-9][0-9]*"
+  EXPECT "dtrain: the watchdog following allreduce[^\n]*on rank 0 of 2[^\n]*is stuck 2.0 s past its deadline[^\n]*ending the process [(]DTRAIN_WATCHDOG_HEARTBEAT[)]"
+         "dtrain_test_launch: rank 0 exited with status 1"
+  ENVIRONMENT FAKE_NCCL_LAUNCH_QUEUE=2 DTRAIN_COLLECTIVE_TIMEOUT=2 DTRAIN_WATCHDOG_HEARTBEAT=2
+              FAKE_NCCL_ABORT_HANGS=1)
 # Item 1: the host runs at most max_in_flight (64) collectives ahead of the device.
 nccl_ranks_test(in_flight_bound 2 in-flight STATUS "[1-9][0-9]*"
   EXPECT "[[]rank 0/2[]] dtrain: [^\n]*at most nccl_options::max_in_flight = 64 unfinished[^\n]*did not finish within 2.0 s"

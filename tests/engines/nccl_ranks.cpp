@@ -230,7 +230,8 @@ int mean16(context& ctx) {
   const int r = ctx.rank(), n = ctx.size(), dev = ctx.device();
   constexpr std::size_t count = 4096;
   auto value = [](int rank, std::size_t i) {
-    std::uint64_t x = (static_cast<std::uint64_t>(rank) + 1) * 0x9E3779B97F4A7C15ull ^ (i * 0xBF58476D1CE4E5B9ull);
+    std::uint64_t x = (static_cast<std::uint64_t>(rank) + 1) * 0x9E3779B97F4A7C15ull ^
+                      (i * 0xBF58476D1CE4E5B9ull);
     x ^= x >> 29;
     x *= 0x94D049BB133111EBull;
     x ^= x >> 32;
@@ -349,7 +350,8 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
   auto mean_of = [&](int step, std::size_t i) {
     return static_cast<float>(n + 1) / 2.0f + static_cast<float>(step) + static_cast<float>(i % 7);
   };
-  auto check = [&](const std::vector<float>& got, std::size_t from, auto want, const std::string& what) {
+  auto check = [&](const std::vector<float>& got, std::size_t from, auto want,
+                   const std::string& what) {
     for (std::size_t i = 0; i < got.size(); ++i) {
       const float w = want(from + i);
       if (std::fabs(got[i] - w) > 1e-5f * std::fabs(w) + 1e-6f)
@@ -375,11 +377,12 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
       for (std::size_t p = 0; p < sizes.size(); ++p) {
         std::vector<float> mean(sizes[p]);
         DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(mean.data(), m.grad_ptrs[p],
-                                               mean.size() * sizeof(float),
-                                               cudaMemcpyDeviceToHost, nullptr));
+                                               mean.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                               nullptr));
         settle<Api>();
-        check(mean, 0, [&](std::size_t i) { return mean_of(step, i); },
-              at + ", layer" + std::to_string(p));
+        check(
+            mean, 0, [&](std::size_t i) { return mean_of(step, i); },
+            at + ", layer" + std::to_string(p));
       }
       continue;
     }
@@ -401,8 +404,9 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
       DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(v.data(), piece.values.data, v.size() * 4,
                                              cudaMemcpyDeviceToHost, nullptr));
       settle<Api>();
-      check(g, piece.offset, [&](std::size_t i) { return mean_of(step, i); },
-            at + ", layer" + std::to_string(piece.parameter) + "'s shard");
+      check(
+          g, piece.offset, [&](std::size_t i) { return mean_of(step, i); },
+          at + ", layer" + std::to_string(piece.parameter) + "'s shard");
       for (std::size_t i = 0; i < v.size(); ++i) v[i] -= g[i];
       DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(piece.values.data, v.data(), v.size() * 4,
                                              cudaMemcpyHostToDevice, nullptr));
@@ -411,13 +415,14 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
     settle<Api>();
     for (std::size_t p = 0; p < sizes.size(); ++p) {
       const std::vector<float> v = m.values[p]->download();
-      check(v, 0,
-            [&](std::size_t i) {
-              float w = 0.5f;
-              for (int s2 = 0; s2 <= step; ++s2) w -= mean_of(s2, i);
-              return w;
-            },
-            at + ", layer" + std::to_string(p) + "'s values after the gathers");
+      check(
+          v, 0,
+          [&](std::size_t i) {
+            float w = 0.5f;
+            for (int s2 = 0; s2 <= step; ++s2) w -= mean_of(s2, i);
+            return w;
+          },
+          at + ", layer" + std::to_string(p) + "'s values after the gathers");
     }
   }
   std::printf("rank %d of %d: %d DDP steps (sharding %s) averaged right on %d node(s), %s\n", r, n,
@@ -540,7 +545,8 @@ int main(int argc, char** argv) {
   if (mode == "zero2") fn = ddp_fake<dtrain::sharding::gradients>;
   if (mode == "ddp-throws") fn = ddp_throws;
   if (mode == "ddp-hierarchical")
-    return dtrain::run<hierarchical_policy>(argc, argv, ddp_fake_hierarchical<dtrain::sharding::none>);
+    return dtrain::run<hierarchical_policy>(argc, argv,
+                                            ddp_fake_hierarchical<dtrain::sharding::none>);
   if (mode == "zero1-hierarchical")
     return dtrain::run<hierarchical_policy>(argc, argv,
                                             ddp_fake_hierarchical<dtrain::sharding::optimizer>);

@@ -6,7 +6,15 @@
 
 #include <dtrain/backend/watchdog.hpp>
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace dtrain {
+
+DTRAIN_DETAIL_INLINE watchdog::watchdog() {
+  if (auto t = detail::read_seconds(environment::from_process(), watchdog_heartbeat_variable))
+    heartbeat_ = *t;
+}
 
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
   if (std::uncaught_exceptions() > unwinding_at_start_) abandon();
@@ -15,7 +23,9 @@ DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
     stopping_ = true;
   }
   wake_.notify_all();
+  monitor_wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (monitor_.joinable()) monitor_.join();
 }
 
 DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
@@ -24,7 +34,10 @@ DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
     std::lock_guard lock(mutex_);
     queue_.push_back({std::move(w), clock::now() + timeout, timeout});
     ++watched_;
-    if (!thread_.joinable()) thread_ = std::thread([this] { follow(); });
+    if (!thread_.joinable()) {
+      thread_ = std::thread([this] { follow(); });
+      monitor_ = std::thread([this] { monitor(); });
+    }
   }
   wake_.notify_all();
 }
@@ -66,6 +79,7 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
       next = std::move(queue_.front());
       queue_.pop_front();
       current_ = next.handle;
+      stuck_after_ = next.deadline + heartbeat_;
     }
     const auto left =
         std::max(std::chrono::milliseconds(0),
@@ -97,13 +111,37 @@ DTRAIN_DETAIL_INLINE void watchdog::follow() {
         // Reported above.
       }
     }
+    std::lock_guard lock(mutex_);
+    stuck_after_ = clock::time_point::max();
+    current_ = work();
+  }
+}
+
+DTRAIN_DETAIL_INLINE void watchdog::monitor() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    const auto tick = std::min(heartbeat_ / 4, std::chrono::milliseconds(1000));
+    monitor_wake_.wait_for(lock, std::max(tick, std::chrono::milliseconds(10)));
+    if (stopping_ && queue_.empty() && stuck_after_ == clock::time_point::max()) return;
+    if (clock::now() < stuck_after_) continue;
+    // The thread is stuck inside an engine's poll or abort: nothing dtrain
+    // can do reaches it any more. The launcher can only restart a process
+    // that ends.
+    const std::string what = current_.description();
+    std::fprintf(stderr,
+                 "dtrain: the watchdog following %s is stuck %.1f s past its deadline: "
+                 "the engine's abort or the device does not return (NCCL's threads, a "
+                 "driver hang); ending the process (%s)\n",
+                 what.c_str(), static_cast<double>(heartbeat_.count()) / 1000.0,
+                 std::string(watchdog_heartbeat_variable).c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
   }
 }
 
 DTRAIN_DETAIL_INLINE void watchdog::settle(std::exception_ptr failed) {
   {
     std::lock_guard lock(mutex_);
-    current_ = work();
     if (failed && !failure_) failure_ = failed;
     ++finished_;
   }

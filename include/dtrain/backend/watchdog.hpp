@@ -9,6 +9,9 @@
 
 #include <dtrain/backend/work.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/env/names.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>
@@ -28,7 +31,12 @@ class watchdog {
  public:
   using clock = std::chrono::steady_clock;
 
-  watchdog() = default;
+  /// Reads DTRAIN_WATCHDOG_HEARTBEAT (seconds; config_error naming it when
+  /// malformed): how long the thread may stay stuck past a collective's
+  /// deadline (an abort or a device query that does not return: NCCL's own
+  /// threads, a driver hang) before a monitor ends the process with a
+  /// message, as ProcessGroupNCCL's heartbeat monitor does. Default 60 s.
+  watchdog();
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
   /// Waits for the work still watched (each within what is left of its
@@ -62,6 +70,7 @@ class watchdog {
   };
 
   void follow();
+  void monitor();
 
   void settle(std::exception_ptr failed);
 
@@ -74,8 +83,14 @@ class watchdog {
   bool stopping_ = false;
   std::exception_ptr failure_;
   work current_;  // the work the thread follows now (mutex_)
+  // The thread must be done with current_ by then (deadline + heartbeat), or
+  // the monitor ends the process; max() while it follows nothing (mutex_).
+  clock::time_point stuck_after_ = clock::time_point::max();
+  std::chrono::milliseconds heartbeat_{60'000};
   int unwinding_at_start_ = std::uncaught_exceptions();
+  std::condition_variable monitor_wake_;
   std::thread thread_;
+  std::thread monitor_;
 };
 
 }  // namespace dtrain

@@ -247,6 +247,11 @@ class work {
     if (state_ && !state_->seen_done()) state_->on_abandon();
   }
 
+  /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (nccl)"; "no collective" for a complete handle.
+  [[nodiscard]] std::string description() const {
+    return state_ ? state_->description() : std::string("no collective");
+  }
+
   /// The limit wait() without an argument allows (the communicator's collective timeout).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
     return state_ ? state_->timeout() : std::chrono::milliseconds(0);

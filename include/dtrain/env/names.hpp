@@ -69,6 +69,9 @@ inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT
 inline constexpr std::string_view collective_timeout_variable = "DTRAIN_COLLECTIVE_TIMEOUT";
 /// Switch: compare every collective's signature across ranks before it runs.
 inline constexpr std::string_view check_collectives_variable = "DTRAIN_CHECK_COLLECTIVES";
+/// Seconds a watchdog may stay stuck past a collective's deadline (its abort,
+/// or the device, not returning) before it ends the process.
+inline constexpr std::string_view watchdog_heartbeat_variable = "DTRAIN_WATCHDOG_HEARTBEAT";
 /// Seconds NCCL's communicator set-up may take.
 inline constexpr std::string_view nccl_init_timeout_variable = "DTRAIN_NCCL_INIT_TIMEOUT";
 /// The network interface Gloo uses (before GLOO_SOCKET_IFNAME).
@@ -116,6 +119,7 @@ inline constexpr std::array dtrain_variables{
     restart_count_variable,
     collective_timeout_variable,
     check_collectives_variable,
+    watchdog_heartbeat_variable,
     nccl_init_timeout_variable,
     gloo_ifname_variable,
     gloo_shm_variable,

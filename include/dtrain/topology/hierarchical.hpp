@@ -193,13 +193,12 @@ struct hierarchical {
       C& local = *local_;
       C& cross = *cross_;
       std::vector<detail::work_sequence::step> steps;
-      steps.push_back(
-          {"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
-           [&local, &cross, in, part, stream] {
-             after_other_level(cross, local);
-             return detail::allgather_on(cross, in, part, stream);
-           },
-           2, -1});
+      steps.push_back({"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+                       [&local, &cross, in, part, stream] {
+                         after_other_level(cross, local);
+                         return detail::allgather_on(cross, in, part, stream);
+                       },
+                       2, -1});
       steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
                        [&local, &cross, part, data] {
                          return detail::allgather_on(local, part, data,

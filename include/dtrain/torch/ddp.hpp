@@ -185,9 +185,14 @@ class DistributedDataParallel {
   /// The optimizer's step on this rank's shard (`optimizer` built on
   /// shard_parameters()), then the allgather of the updated values:
   /// once after each backward() (or synchronize()); dtrain::error naming the
-  /// rank otherwise, before the optimizer has changed anything.
+  /// rank otherwise, before the optimizer has changed anything. On CUDA the
+  /// allgathers are ordered after the current stream at the call (the one
+  /// the optimizer runs on, under a CUDAStreamGuard too). With ZeRO stage 2,
+  /// from this step until the next backward() a shard tensor's .grad() is
+  /// not a gradient: the allgather reused that bucket memory for the values.
   void step(::torch::optim::Optimizer& optimizer) {
     (void)shard_parameters();
+    ddp_.follow_current_stream();
     bool stepped = false;
     ddp_.core().optimizer_step([&](const shard_piece&) {
       if (std::exchange(stepped, true)) return;  // the optimizer steps over every piece at once

@@ -146,6 +146,13 @@ class module_ddp {
   /// tensors, the device's own for CUDA) once autograd wrote parameter i's gradient.
   void gradient_written(std::size_t i);
 
+  /// On CUDA streams: the core's compute stream becomes the caller's current
+  /// stream (c10's), which its next work (the optimizer step's allgathers
+  /// included) is ordered after, as before each forward. Between steps only.
+  void follow_current_stream() {
+    if constexpr (memory_space::on_stream) core_->set_stream(current_stream());
+  }
+
  private:
   /// What the module holds, per trained parameter, indexed like core().parameters().
   struct slot {

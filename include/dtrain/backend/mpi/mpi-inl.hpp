@@ -456,8 +456,8 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> mpi_gather_text(MPI_Comm comm,
                    what);
   std::vector<std::string> out;
   for (std::size_t r = 0; r < lengths.size(); ++r)
-    out.push_back(all.substr(static_cast<std::size_t>(offsets[r]),
-                             static_cast<std::size_t>(lengths[r])));
+    out.push_back(
+        all.substr(static_cast<std::size_t>(offsets[r]), static_cast<std::size_t>(lengths[r])));
   return out;
 }
 

@@ -122,8 +122,8 @@ namespace dtrain::detail {
 /// (bf16(1/3) = 0.333984, +0.195 %; fp16 up to 2^-11), so the mean would
 /// depend on the job size. Exact, and left to ncclAvg, where n is a power of two.
 [[nodiscard]] constexpr bool nccl_divides_first(reduce_op op, dtype type, int ranks) noexcept {
-  return op == reduce_op::avg && (type == dtype::float16 || type == dtype::bfloat16) &&
-         ranks > 1 && (ranks & (ranks - 1)) != 0;
+  return op == reduce_op::avg && (type == dtype::float16 || type == dtype::bfloat16) && ranks > 1 &&
+         (ranks & (ranks - 1)) != 0;
 }
 
 /// The config_error when a 16-bit average needs dtrain's divide kernel and

@@ -108,8 +108,8 @@ struct nccl_library : cuda_library {
   /// `type`, on `stream` (the average of 16-bit data divides each element
   /// first). The kernel exists where a unit of the program was compiled by
   /// nvcc (detail::device_casts); config_error otherwise.
-  static cudaError_t divide(void* out, const void* in, std::size_t count, dtype type,
-                            float divisor, cudaStream_t stream) {
+  static cudaError_t divide(void* out, const void* in, std::size_t count, dtype type, float divisor,
+                            cudaStream_t stream) {
     registered_device_casts().divide(out, in, count, type, divisor, stream);
     return cudaSuccess;
   }

@@ -142,10 +142,9 @@ class basic_nccl_communicator {
   basic_nccl_communicator(Store& store, int rank, int size, int device, nccl_options options = {})
       // `options` is copied, not moved: the arguments are evaluated in no set order.
       // Rank 0 claims its device first: if it has none, nobody waits for its id.
-      : basic_nccl_communicator(meet(store, rank, size, device, options), rank, size, device,
-                                options,
-                                detail::nccl_init_outcomes<Store>(store, options.store_key, rank,
-                                                                  size)) {}
+      : basic_nccl_communicator(
+            meet(store, rank, size, device, options), rank, size, device, options,
+            detail::nccl_init_outcomes<Store>(store, options.store_key, rank, size)) {}
 
   /// Creates the communicator from an id every rank already has (from
   /// new_unique_id() on one rank, shared by any means: broadcast_nccl_unique_id
@@ -174,8 +173,8 @@ class basic_nccl_communicator {
   /// and every other rank rendezvous_error with the root's message, at once
   /// (broadcast_or_fail). Collective; throws what MPI reports.
   template <class Prepare = void (*)()>
-  [[nodiscard]] static ncclUniqueId exchange_unique_id(MPI_Comm comm, int root = 0,
-                                                       Prepare&& prepare = [] {}) {
+  [[nodiscard]] static ncclUniqueId exchange_unique_id(
+      MPI_Comm comm, int root = 0, Prepare&& prepare = [] {}) {
     detail::mpi_relay relay(comm, root);
     const std::string value = detail::broadcast_or_fail(relay, "the NCCL unique id", [&] {
       prepare();
@@ -305,9 +304,9 @@ class basic_nccl_communicator {
     return collective(
         detail::collective_call::reduce_scatter(in, out, op), stream,
         [&](ncclComm_t comm, cudaStream_t own) {
-          DTRAIN_NCCL_CHECK(Api::ncclReduceScatter(
-              in.data, out.data, out.count, detail::nccl_type(out.type),
-              divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
+          DTRAIN_NCCL_CHECK(
+              Api::ncclReduceScatter(in.data, out.data, out.count, detail::nccl_type(out.type),
+                                     divide ? ncclSum : detail::nccl_op(op, size_), comm, own));
         },
         [&](cudaStream_t own) {
           if (divide)
@@ -480,9 +479,8 @@ class basic_nccl_communicator {
       // Non-blocking: NCCL connects the ranks in the background; a rank that
       // never comes would otherwise hang this call for ever. A peer whose
       // init failed never comes: the abort from the watch ends the wait.
-      peers.watch([s]() noexcept {
-        s->abort(0, false, "another rank's NCCL init failed", s->rank);
-      });
+      peers.watch(
+          [s]() noexcept { s->abort(0, false, "another rank's NCCL init failed", s->rank); });
       std::exception_ptr ended;
       try {
         s->wait(what, s->options.init_timeout,
@@ -694,8 +692,9 @@ class basic_nccl_communicator {
   // `finish(own stream)` runs after NCCL's enqueue has completed, before the
   // completion event: device work that must follow the collective.
   template <class Enqueue, class Finish = void (*)(cudaStream_t)>
-  work collective(const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue,
-                  Finish&& finish = [](cudaStream_t) {}) {
+  work collective(
+      const detail::collective_call& call, cudaStream_t caller, Enqueue&& enqueue,
+      Finish&& finish = [](cudaStream_t) {}) {
     const detail::collective_info what = call.info(name, rank_, size_);
     detail::nccl_shared<Api>& s = usable(what);
     detail::check_arguments(call, what, detail::nccl_memory);
