@@ -7986,7 +7986,7 @@ class nccl_family {
       std::vector<std::thread> aborts;
       auto release_apart = [&](nccl_shared<Api>& m) {
         try {
-          aborts.emplace_back([&m] { m.release(); });
+          aborts.emplace_back([keep = m.shared_from_this()] { keep->release(); });
         } catch (...) {
           m.release();  // no thread: in turn
         }

@@ -431,6 +431,16 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
   return 0;
 }
 
+// NCCL before 2.28 has no ncclCommRevoke: the family abort then frees each
+// communicator on a thread of its own. Instantiated here so that this path
+// compiles too (the fake and NCCL 2.28 take the revoke path).
+struct api_without_revoke : fake_nccl::api {
+  static constexpr bool has_revoke = false;
+};
+[[maybe_unused]] void abort_without_revoke(dtrain::detail::nccl_shared<api_without_revoke>& s) {
+  s.abort(0, false, "a family abort without ncclCommRevoke", 0);
+}
+
 // --- DDP through the engine on the fake.
 
 using hierarchical_policy =
