@@ -9800,6 +9800,7 @@ class watchdog {
   // the monitor ends the process; max() while it follows nothing (mutex_).
   clock::time_point stuck_after_ = clock::time_point::max();
   std::chrono::milliseconds heartbeat_{60'000};
+  bool followed_out_ = false;  // the thread has ended: the monitor ends too (mutex_)
   int unwinding_at_start_ = std::uncaught_exceptions();
   std::condition_variable monitor_wake_;
   std::thread thread_;
@@ -9833,8 +9834,14 @@ DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
     stopping_ = true;
   }
   wake_.notify_all();
-  monitor_wake_.notify_all();
+  // The monitor still watches the thread while it finishes (or is stuck),
+  // and stops as soon as it has.
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard lock(mutex_);
+    followed_out_ = true;
+  }
+  monitor_wake_.notify_all();
   if (monitor_.joinable()) monitor_.join();
 }
 
@@ -9931,8 +9938,9 @@ DTRAIN_DETAIL_INLINE void watchdog::monitor() {
   std::unique_lock lock(mutex_);
   for (;;) {
     const auto tick = std::min(heartbeat_ / 4, std::chrono::milliseconds(1000));
-    monitor_wake_.wait_for(lock, std::max(tick, std::chrono::milliseconds(10)));
-    if (stopping_ && queue_.empty() && stuck_after_ == clock::time_point::max()) return;
+    monitor_wake_.wait_for(lock, std::max(tick, std::chrono::milliseconds(10)),
+                           [&] { return followed_out_; });
+    if (followed_out_) return;
     if (clock::now() < stuck_after_) continue;
     // The thread is stuck inside an engine's poll or abort: nothing dtrain
     // can do reaches it any more. The launcher can only restart a process

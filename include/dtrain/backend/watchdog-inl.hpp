@@ -23,8 +23,14 @@ DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
     stopping_ = true;
   }
   wake_.notify_all();
-  monitor_wake_.notify_all();
+  // The monitor still watches the thread while it finishes (or is stuck),
+  // and stops as soon as it has.
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard lock(mutex_);
+    followed_out_ = true;
+  }
+  monitor_wake_.notify_all();
   if (monitor_.joinable()) monitor_.join();
 }
 
@@ -121,8 +127,9 @@ DTRAIN_DETAIL_INLINE void watchdog::monitor() {
   std::unique_lock lock(mutex_);
   for (;;) {
     const auto tick = std::min(heartbeat_ / 4, std::chrono::milliseconds(1000));
-    monitor_wake_.wait_for(lock, std::max(tick, std::chrono::milliseconds(10)));
-    if (stopping_ && queue_.empty() && stuck_after_ == clock::time_point::max()) return;
+    monitor_wake_.wait_for(lock, std::max(tick, std::chrono::milliseconds(10)),
+                           [&] { return followed_out_; });
+    if (followed_out_) return;
     if (clock::now() < stuck_after_) continue;
     // The thread is stuck inside an engine's poll or abort: nothing dtrain
     // can do reaches it any more. The launcher can only restart a process

@@ -87,6 +87,7 @@ class watchdog {
   // the monitor ends the process; max() while it follows nothing (mutex_).
   clock::time_point stuck_after_ = clock::time_point::max();
   std::chrono::milliseconds heartbeat_{60'000};
+  bool followed_out_ = false;  // the thread has ended: the monitor ends too (mutex_)
   int unwinding_at_start_ = std::uncaught_exceptions();
   std::condition_variable monitor_wake_;
   std::thread thread_;
