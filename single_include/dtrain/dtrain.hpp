@@ -2926,6 +2926,9 @@ class prefix_store {
 
   prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
 
+  /// The store under the prefix.
+  [[nodiscard]] S& inner() noexcept { return inner_; }
+
   void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
   [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
   [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
@@ -4921,6 +4924,7 @@ DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive
 // ---- end dtrain/rendezvous/socket.hpp ----
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -5005,6 +5009,13 @@ class store_client {
   void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
   void barrier(std::string_view name, int count, milliseconds timeout);
 
+  /// How many requests this client has sent (each operation above is one,
+  /// the handshake none): what a loop costs the store's server, for tests and
+  /// diagnostics.
+  [[nodiscard]] std::uint64_t requests() const noexcept {
+    return requests_.load(std::memory_order_relaxed);
+  }
+
   /// Round trip without effect; a liveness check.
   void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
 
@@ -5070,6 +5081,7 @@ class store_client {
   bool refused_ = false;        // the server answered the handshake with a refusal
   bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
   steady::time_point last_reply_ = steady::now();
+  std::atomic<std::uint64_t> requests_{0};
 };
 
 // The client is a store, alone and under a prefix (checked here, next to it:
@@ -5346,6 +5358,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> store_client::call(const std::st
   // reopen it rather than fail. If it closes just as this request leaves,
   // no reply byte arrives, and the request is sent again once.
   const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+  requests_.fetch_add(1, std::memory_order_relaxed);
   if (closed_by_server()) reopen(what);
   try {
     auto reply = exchange(body, server_wait, what);

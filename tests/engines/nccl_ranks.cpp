@@ -29,10 +29,9 @@
 // NCCL_RANKS_LATE_PEERS_MS=n: every rank but 0 starts n ms late.
 //
 // On a machine with a GPU per rank (tools/gpu-check --ranks N), the same
-// program runs NCCL itself:
-//   --gpu collectives  `collectives` on the GPUs, backend::nccl
-//   --gpu ddp          DistributedDataParallel with topology::hierarchical on the
-//                      GPUs (run the ranks as nodes: dtrain_test_launch --nodes A,B)
+// program runs NCCL itself, backend::nccl:
+//   --gpu collectives|mean16|ddp|zero1|zero2|ddp-hierarchical|zero1-hierarchical|
+//         zero2-hierarchical|ddp-throws   the modes above, on the GPUs
 //   --gpu bandwidth    allreduce from 8 B to 256 MiB, timed and checked, as a
 //                      table in nccl-tests' columns (algbw, busbw)
 #include "fake_nccl.hpp"
@@ -47,6 +46,7 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -226,7 +226,8 @@ int async_error(context& ctx) {
 /// 0.333984), which shifts every mean by +0.195 % at 3 ranks. The mean signed
 /// relative error over 4096 elements must stay within 0.02 % (bf16) and
 /// 0.005 % (fp16); each element within 2 units in the last place.
-int mean16(context& ctx) {
+template <class Api, class Context>
+int mean16(Context& ctx) {
   const int r = ctx.rank(), n = ctx.size(), dev = ctx.device();
   constexpr std::size_t count = 4096;
   auto value = [](int rank, std::size_t i) {
@@ -251,11 +252,11 @@ int mean16(context& ctx) {
       for (std::size_t i = 0; i < in_count; ++i) mine[i] = to16(value(r, i));
       void* in = nullptr;
       void* out = nullptr;
-      DTRAIN_CUDA_CHECK(fake_nccl::api::cudaMalloc(&in, in_count * 2));
-      DTRAIN_CUDA_CHECK(fake_nccl::api::cudaMalloc(&out, count * 2));
-      DTRAIN_CUDA_CHECK(fake_nccl::api::cudaMemcpyAsync(in, mine.data(), in_count * 2,
-                                                        cudaMemcpyHostToDevice, nullptr));
-      settle<fake_nccl::api>();
+      DTRAIN_CUDA_CHECK(Api::cudaMalloc(&in, in_count * 2));
+      DTRAIN_CUDA_CHECK(Api::cudaMalloc(&out, count * 2));
+      DTRAIN_CUDA_CHECK(
+          Api::cudaMemcpyAsync(in, mine.data(), in_count * 2, cudaMemcpyHostToDevice, nullptr));
+      settle<Api>();
       const dtrain::buffer bin{in, in_count, type, dtrain::memory::device, dev};
       const dtrain::buffer bout{out, count, type, dtrain::memory::device, dev};
       if (scatter) {
@@ -264,11 +265,11 @@ int mean16(context& ctx) {
         ctx.communicator().allreduce(bin, bout, dtrain::reduce_op::avg).wait();
       }
       std::vector<std::uint16_t> got(count);
-      DTRAIN_CUDA_CHECK(fake_nccl::api::cudaMemcpyAsync(got.data(), out, count * 2,
-                                                        cudaMemcpyDeviceToHost, nullptr));
-      settle<fake_nccl::api>();
-      (void)fake_nccl::api::cudaFree(in);
-      (void)fake_nccl::api::cudaFree(out);
+      DTRAIN_CUDA_CHECK(
+          Api::cudaMemcpyAsync(got.data(), out, count * 2, cudaMemcpyDeviceToHost, nullptr));
+      settle<Api>();
+      (void)Api::cudaFree(in);
+      (void)Api::cudaFree(out);
       double bias = 0;
       const std::size_t first = scatter ? static_cast<std::size_t>(r) * count : 0;
       for (std::size_t i = 0; i < count; ++i) {
@@ -305,8 +306,6 @@ int start(context& ctx) {
 // --- On real GPUs (tools/gpu-check --ranks N): NCCL itself, one GPU per rank.
 
 using gpu_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl>;
-using gpu_hierarchical_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::nccl,
-                                               dtrain::topology::hierarchical>;
 
 /// DistributedDataParallel through the NCCL engine: on the fake (Api =
 /// fake_nccl::api) or on GPUs (Api = nccl_library), flat or hierarchical
@@ -359,8 +358,14 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
                           std::to_string(got[i]) + ", not " + std::to_string(w));
     }
   };
+  // Item 7: the steps after the first, gradient_norm() and any_rank()
+  // included, ask nothing of the store (the control plane on NCCL: n^2
+  // requests on rank 0's server per step, before). The first step may agree
+  // once on the order the gradients came in (the buckets laid out again).
+  std::uint64_t store_requests = 0;
   const int steps = 3;
   for (int step = 0; step < steps; ++step) {
+    if (step == 1) store_requests = ctx.store().inner().requests();
     for (std::size_t p = sizes.size(); p-- > 0;) {
       std::vector<float> g(sizes[p]);
       for (std::size_t i = 0; i < g.size(); ++i)
@@ -425,6 +430,10 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
           at + ", layer" + std::to_string(p) + "'s values after the gathers");
     }
   }
+  const std::uint64_t asked = ctx.store().inner().requests() - store_requests;
+  expect(asked == 0, std::to_string(asked) + " store requests in DDP steps 1 to " +
+                         std::to_string(steps - 1) +
+                         ": per-step scalars must travel on DDP's communicator");
   std::printf("rank %d of %d: %d DDP steps (sharding %s) averaged right on %d node(s), %s\n", r, n,
               steps, std::string(dtrain::to_string(sharding)).c_str(), ctx.num_nodes(),
               ddp.topology().describe().c_str());
@@ -441,27 +450,14 @@ struct api_without_revoke : fake_nccl::api {
   s.abort(0, false, "a family abort without ncclCommRevoke", 0);
 }
 
-// --- DDP through the engine on the fake.
-
-using hierarchical_policy =
-    dtrain::policy<dtrain::launch::per_process, fake_nccl::backend, dtrain::topology::hierarchical>;
-
-template <dtrain::sharding Sharding>
-int ddp_fake(context& ctx) {
-  return ddp_steps<fake_nccl::api>(ctx, Sharding);
-}
-template <dtrain::sharding Sharding>
-int ddp_fake_hierarchical(dtrain::context<hierarchical_policy>& ctx) {
-  return ddp_steps<fake_nccl::api>(ctx, Sharding);
-}
-
 /// Rank 0 fails in the middle of a step with collectives waiting for rank 1
 /// on two communicators at once (a bucket on DDP's, the user's own on the
 /// context's), under a collective timeout of 300 s: it must exit within
 /// seconds (DDP's watchdog abandons the bucket, every communicator of the
 /// process is aborted as one family). Rank 1 stays away once its DDP is up.
-int ddp_throws(context& ctx) {
-  using floats = device_floats<fake_nccl::api>;
+template <class Api, class Context>
+int ddp_throws(Context& ctx) {
+  using floats = device_floats<Api>;
   struct model {
     floats values{4096}, grads{4096};
     float* grad = grads.data();
@@ -472,7 +468,7 @@ int ddp_throws(context& ctx) {
   };
   static model m;  // the collectives may read it until the communicators are aborted
   m.device = ctx.device();
-  dtrain::DistributedDataParallel<model, policy> ddp(ctx, m, {});
+  dtrain::DistributedDataParallel<model, typename Context::policy_type> ddp(ctx, m, {});
   if (ctx.rank() != 0) stay_away();
   static floats mine(16);
   auto user = ctx.communicator().allreduce(mine.buffer(ctx.device()), mine.buffer(ctx.device()),
@@ -480,10 +476,6 @@ int ddp_throws(context& ctx) {
   ddp.mark_ready(std::size_t{0});  // the bucket travels: rank 1 never sends its part
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   throw std::runtime_error("rank 0 fails on purpose in the middle of a DDP step");
-}
-
-int ddp_on_gpus(dtrain::context<gpu_hierarchical_policy>& ctx) {
-  return ddp_steps<dtrain::detail::nccl_library>(ctx, dtrain::sharding::none);
 }
 
 /// allreduce (sum, float32, out of place) from 8 B to 256 MiB on the GPUs,
@@ -528,53 +520,68 @@ int bandwidth(dtrain::context<gpu_policy>& ctx) {
   return 0;
 }
 
+/// The modes that run alike on the fake (Api = fake_nccl::api, the policies
+/// of fake_nccl::backend) and on GPUs (nccl_library, backend::nccl): runs
+/// `mode` under dtrain::run, or returns -1 when it is not one of them.
+template <class Api, class Backend>
+int common_mode(std::string_view mode, int argc, char** argv) {
+  using flat = dtrain::policy<dtrain::launch::per_process, Backend>;
+  using hierarchical =
+      dtrain::policy<dtrain::launch::per_process, Backend, dtrain::topology::hierarchical>;
+  using flat_context = dtrain::context<flat>;
+  using hierarchical_context = dtrain::context<hierarchical>;
+  if (mode == "collectives") return dtrain::run<flat>(argc, argv, collectives<Api, flat_context>);
+  if (mode == "mean16") return dtrain::run<flat>(argc, argv, mean16<Api, flat_context>);
+  if (mode == "ddp-throws") return dtrain::run<flat>(argc, argv, ddp_throws<Api, flat_context>);
+  constexpr std::pair<std::string_view, dtrain::sharding> ddp_modes[] = {
+      {"ddp", dtrain::sharding::none},
+      {"zero1", dtrain::sharding::optimizer},
+      {"zero2", dtrain::sharding::gradients}};
+  for (const auto& [name, sharding] : ddp_modes) {
+    if (mode == name) {
+      return dtrain::run<flat>(argc, argv,
+                               [s = sharding](flat_context& c) { return ddp_steps<Api>(c, s); });
+    }
+    if (mode.starts_with(name) && mode.substr(name.size()) == "-hierarchical") {
+      return dtrain::run<hierarchical>(
+          argc, argv, [s = sharding](hierarchical_context& c) { return ddp_steps<Api>(c, s); });
+    }
+  }
+  return -1;
+}
+
+constexpr const char* common_modes =
+    "collectives|mean16|ddp|zero1|zero2|ddp-hierarchical|zero1-hierarchical|"
+    "zero2-hierarchical|ddp-throws";
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 2 && std::string_view(argv[1]) == "--gpu") {
-    const std::string_view gpu_mode = argv[2];
-    if (gpu_mode == "collectives")
-      return dtrain::run<gpu_policy>(
-          argc, argv, collectives<dtrain::detail::nccl_library, dtrain::context<gpu_policy>>);
-    if (gpu_mode == "ddp") return dtrain::run<gpu_hierarchical_policy>(argc, argv, ddp_on_gpus);
-    if (gpu_mode == "bandwidth") return dtrain::run<gpu_policy>(argc, argv, bandwidth);
-    std::fprintf(stderr, "usage: %s --gpu collectives|ddp|bandwidth\n", argv[0]);
-    return 2;
-  }
-  const std::string_view mode = argc > 1 ? argv[1] : "";
-  int (*fn)(context&) = nullptr;
-  if (mode == "collectives") fn = collectives<fake_nccl::api, context>;
-  if (mode == "blocked-enqueue") fn = blocked_enqueue;
-  if (mode == "throws") fn = throws;
-  if (mode == "in-flight") fn = in_flight;
-  if (mode == "async-error") fn = async_error;
-  if (mode == "start") fn = start;
-  if (mode == "mean16") fn = mean16;
-  if (mode == "ddp") fn = ddp_fake<dtrain::sharding::none>;
-  if (mode == "zero1") fn = ddp_fake<dtrain::sharding::optimizer>;
-  if (mode == "zero2") fn = ddp_fake<dtrain::sharding::gradients>;
-  if (mode == "ddp-throws") fn = ddp_throws;
-  if (mode == "ddp-hierarchical")
-    return dtrain::run<hierarchical_policy>(argc, argv,
-                                            ddp_fake_hierarchical<dtrain::sharding::none>);
-  if (mode == "zero1-hierarchical")
-    return dtrain::run<hierarchical_policy>(argc, argv,
-                                            ddp_fake_hierarchical<dtrain::sharding::optimizer>);
-  if (mode == "zero2-hierarchical")
-    return dtrain::run<hierarchical_policy>(argc, argv,
-                                            ddp_fake_hierarchical<dtrain::sharding::gradients>);
-  if (!fn) {
-    std::fprintf(stderr,
-                 "usage: %s collectives|blocked-enqueue|throws|in-flight|async-error|start|"
-                 "mean16|ddp|zero1|zero2|ddp-hierarchical|zero1-hierarchical|zero2-hierarchical|"
-                 "ddp-throws\n",
-                 argv[0]);
-    return 2;
-  }
   // Peers that start late (as under a slow launcher): rank 0 has failed and
   // would be gone before they ask the store, unless it stays for them.
   if (const char* late = std::getenv("NCCL_RANKS_LATE_PEERS_MS");
       late && std::string_view(std::getenv("RANK") ? std::getenv("RANK") : "0") != "0")
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(late)));
-  return dtrain::run<policy>(argc, argv, fn);
+  if (argc > 2 && std::string_view(argv[1]) == "--gpu") {
+    const std::string_view gpu_mode = argv[2];
+    if (gpu_mode == "bandwidth") return dtrain::run<gpu_policy>(argc, argv, bandwidth);
+    const int status =
+        common_mode<dtrain::detail::nccl_library, dtrain::backend::nccl>(gpu_mode, argc, argv);
+    if (status >= 0) return status;
+    std::fprintf(stderr, "usage: %s --gpu %s|bandwidth\n", argv[0], common_modes);
+    return 2;
+  }
+  const std::string_view mode = argc > 1 ? argv[1] : "";
+  int (*fn)(context&) = nullptr;
+  if (mode == "blocked-enqueue") fn = blocked_enqueue;
+  if (mode == "throws") fn = throws;
+  if (mode == "in-flight") fn = in_flight;
+  if (mode == "async-error") fn = async_error;
+  if (mode == "start") fn = start;
+  if (fn) return dtrain::run<policy>(argc, argv, fn);
+  const int status = common_mode<fake_nccl::api, fake_nccl::backend>(mode, argc, argv);
+  if (status >= 0) return status;
+  std::fprintf(stderr, "usage: %s %s|blocked-enqueue|throws|in-flight|async-error|start\n", argv[0],
+               common_modes);
+  return 2;
 }

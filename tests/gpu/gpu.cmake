@@ -33,6 +33,14 @@ else()
   dtrain_add_skipped_test(gpu.mpi_device.2ranks "needs MPI (DTRAIN_WITH_MPI is OFF)")
 endif()
 
+# dtrain_nccl_ranks --gpu mean16 (tools/gpu-check --ranks N) divides 16-bit
+# data on the GPUs at a job size that is not a power of 2: dtrain's kernel
+# comes with an nvcc unit, the same one.
+if(TARGET dtrain_nccl_ranks)
+  target_sources(dtrain_nccl_ranks PRIVATE gpu/gpu_casts.cu)
+  dtrain_cuda_program(dtrain_nccl_ranks)
+endif()
+
 if(TARGET dtrain_train_mlp_cuda)
   # A rank whose gradients were not averaged, or not applied, leaves the test
   # accuracy near chance (1/8); the weights check fails the run on its own.

@@ -1,6 +1,7 @@
-// The nvcc unit of dtrain_gpu_tests: including dtrain here registers its CUDA
-// casts (gradient compression of GPU buckets) for the whole program, the way
-// a user's own .cu file does.
+// The nvcc unit of dtrain_gpu_tests and dtrain_nccl_ranks: including dtrain
+// here registers its CUDA kernels (gradient compression of GPU buckets, the
+// division of 16-bit averages) for the whole program, the way a user's own
+// .cu file does.
 #include <dtrain/dtrain.hpp>
 
 // The program asks for this, so that the linker keeps this unit.

@@ -265,6 +265,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> store_client::call(const std::st
   // reopen it rather than fail. If it closes just as this request leaves,
   // no reply byte arrives, and the request is sent again once.
   const bool was_idle = steady::now() - last_reply_ > milliseconds(100);
+  requests_.fetch_add(1, std::memory_order_relaxed);
   if (closed_by_server()) reopen(what);
   try {
     auto reply = exchange(body, server_wait, what);

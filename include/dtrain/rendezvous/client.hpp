@@ -12,6 +12,7 @@
 #include <dtrain/rendezvous/store.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -96,6 +97,13 @@ class store_client {
   void barrier(std::string_view name, int count) { barrier(name, count, options_.timeout); }
   void barrier(std::string_view name, int count, milliseconds timeout);
 
+  /// How many requests this client has sent (each operation above is one,
+  /// the handshake none): what a loop costs the store's server, for tests and
+  /// diagnostics.
+  [[nodiscard]] std::uint64_t requests() const noexcept {
+    return requests_.load(std::memory_order_relaxed);
+  }
+
   /// Round trip without effect; a liveness check.
   void ping() { call(begin(detail::wire::op::ping), milliseconds(0), "ping()"); }
 
@@ -161,6 +169,7 @@ class store_client {
   bool refused_ = false;        // the server answered the handshake with a refusal
   bool reply_started_ = false;  // a byte of the current reply (or the handshake's) arrived
   steady::time_point last_reply_ = steady::now();
+  std::atomic<std::uint64_t> requests_{0};
 };
 
 // The client is a store, alone and under a prefix (checked here, next to it:

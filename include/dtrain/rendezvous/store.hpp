@@ -44,6 +44,9 @@ class prefix_store {
 
   prefix_store(S& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {}
 
+  /// The store under the prefix.
+  [[nodiscard]] S& inner() noexcept { return inner_; }
+
   void set(std::string_view key, std::string_view value) { inner_.set(full(key), value); }
   [[nodiscard]] std::string get(std::string_view key) { return inner_.get(full(key)); }
   [[nodiscard]] std::string get(std::string_view key, milliseconds timeout) {
