@@ -9753,6 +9753,27 @@ DTRAIN_DETAIL_INLINE ncclUniqueId broadcast_nccl_unique_id(MPI_Comm comm, int ro
 
 namespace dtrain {
 
+namespace detail {
+/// Where a watchdog's failure goes when nothing reported it: its owner was
+/// destroyed normally after its last call (a training function that returns
+/// right after a step on CUDA streams, whose buckets then time out while the
+/// owner's destructor follows them). While a late_failure_hold exists (run()
+/// holds one around the training function), the first such failure is kept
+/// for it to take(), and run() fails the rank with it, as if the training
+/// function had thrown it; with none, the watchdog prints it to stderr.
+class late_failure_hold {
+ public:
+  late_failure_hold();
+  late_failure_hold(const late_failure_hold&) = delete;
+  late_failure_hold& operator=(const late_failure_hold&) = delete;
+  ~late_failure_hold();
+  /// The first failure kept since, or null; it is then no longer kept.
+  [[nodiscard]] std::exception_ptr take() noexcept;
+};
+/// Keeps `e` for a late_failure_hold; false when there is none.
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool keep_late_failure(std::exception_ptr e) noexcept;
+}  // namespace detail
+
 class watchdog {
  public:
   using clock = std::chrono::steady_clock;
@@ -9769,6 +9790,9 @@ class watchdog {
   /// timeout), then stops the thread. Destroyed while an exception unwinds
   /// (its owner failed), it abandons that work first (abandon()): a failing
   /// rank does not wait out a collective timeout for peers that may be gone.
+  /// Otherwise a failure that failure() and drain() never returned is not
+  /// lost: it goes to run() (detail::late_failure_hold), which fails the
+  /// rank with it, or without run() to stderr.
   ~watchdog();
 
   /// Gives up on every piece of work watched and not yet finished
@@ -9808,7 +9832,8 @@ class watchdog {
   std::uint64_t finished_ = 0;
   bool stopping_ = false;
   std::exception_ptr failure_;
-  work current_;  // the work the thread follows now (mutex_)
+  mutable bool reported_ = false;  // failure() or drain() returned failure_ (mutex_)
+  work current_;                   // the work the thread follows now (mutex_)
   // The thread must be done with current_ by then (deadline + heartbeat), or
   // the monitor ends the process; max() while it follows nothing (mutex_).
   clock::time_point stuck_after_ = clock::time_point::max();
@@ -9832,12 +9857,58 @@ class watchdog {
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <utility>
 
 namespace dtrain {
 
+namespace detail {
+
+struct late_failures {
+  std::mutex mutex;
+  int holds = 0;
+  std::exception_ptr first;
+};
+
+DTRAIN_DETAIL_INLINE late_failures& the_late_failures() {
+  static late_failures slot;
+  return slot;
+}
+
+DTRAIN_DETAIL_INLINE late_failure_hold::late_failure_hold() {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  ++slot.holds;
+}
+
+DTRAIN_DETAIL_INLINE late_failure_hold::~late_failure_hold() {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  if (--slot.holds == 0) slot.first = nullptr;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr late_failure_hold::take() noexcept {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  return std::exchange(slot.first, nullptr);
+}
+
+DTRAIN_DETAIL_INLINE bool keep_late_failure(std::exception_ptr e) noexcept {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  if (slot.holds == 0) return false;
+  if (!slot.first) slot.first = std::move(e);
+  return true;
+}
+
+}  // namespace detail
+
 DTRAIN_DETAIL_INLINE watchdog::watchdog() {
-  if (auto t = detail::read_seconds(environment::from_process(), watchdog_heartbeat_variable))
-    heartbeat_ = *t;
+  // This one variable, not a copy of the whole environment per watchdog.
+  const std::string name(watchdog_heartbeat_variable);
+  if (const char* value = std::getenv(name.c_str())) {
+    if (auto t = detail::read_seconds(environment{{name, value}}, name)) heartbeat_ = *t;
+  }
 }
 
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
@@ -9856,6 +9927,18 @@ DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
   }
   monitor_wake_.notify_all();
   if (monitor_.joinable()) monitor_.join();
+  if (!failure_ || reported_ || std::uncaught_exceptions() > unwinding_at_start_) return;
+  if (detail::keep_late_failure(failure_)) return;
+  try {
+    std::rethrow_exception(failure_);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "dtrain: %s (found by a watchdog after its owner's last call, which could not "
+                 "report it: wait for the work before destroying its owner, or use dtrain::run)\n",
+                 e.what());
+  } catch (...) {
+    std::fprintf(stderr, "dtrain: a watchdog's work failed after its owner's last call\n");
+  }
 }
 
 DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
@@ -9889,6 +9972,7 @@ DTRAIN_DETAIL_INLINE void watchdog::abandon() noexcept {
 
 DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::failure() const {
   std::lock_guard lock(mutex_);
+  if (failure_) reported_ = true;
   return failure_;
 }
 
@@ -9896,6 +9980,7 @@ DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::drain() {
   std::unique_lock lock(mutex_);
   const std::uint64_t target = watched_;
   settled_.wait(lock, [&] { return finished_ >= target || failure_; });
+  if (failure_) reported_ = true;
   return failure_;
 }
 
@@ -23573,7 +23658,12 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
     w = ctx.world();
     int status = 0;
     try {
+      // A watchdog's failure found after the training function's last call
+      // that could report it (its buckets timed out while DDP's destructor
+      // followed them) fails the rank as if the function had thrown it.
+      detail::late_failure_hold late;
       status = fn(ctx);
+      if (std::exception_ptr e = late.take()) std::rethrow_exception(e);
     } catch (...) {
       auto failure = detail::current_failure();
       if (auto summary = ctx.explain_failure(std::current_exception()))

@@ -8,12 +8,58 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <utility>
 
 namespace dtrain {
 
+namespace detail {
+
+struct late_failures {
+  std::mutex mutex;
+  int holds = 0;
+  std::exception_ptr first;
+};
+
+DTRAIN_DETAIL_INLINE late_failures& the_late_failures() {
+  static late_failures slot;
+  return slot;
+}
+
+DTRAIN_DETAIL_INLINE late_failure_hold::late_failure_hold() {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  ++slot.holds;
+}
+
+DTRAIN_DETAIL_INLINE late_failure_hold::~late_failure_hold() {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  if (--slot.holds == 0) slot.first = nullptr;
+}
+
+DTRAIN_DETAIL_INLINE std::exception_ptr late_failure_hold::take() noexcept {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  return std::exchange(slot.first, nullptr);
+}
+
+DTRAIN_DETAIL_INLINE bool keep_late_failure(std::exception_ptr e) noexcept {
+  late_failures& slot = the_late_failures();
+  std::lock_guard lock(slot.mutex);
+  if (slot.holds == 0) return false;
+  if (!slot.first) slot.first = std::move(e);
+  return true;
+}
+
+}  // namespace detail
+
 DTRAIN_DETAIL_INLINE watchdog::watchdog() {
-  if (auto t = detail::read_seconds(environment::from_process(), watchdog_heartbeat_variable))
-    heartbeat_ = *t;
+  // This one variable, not a copy of the whole environment per watchdog.
+  const std::string name(watchdog_heartbeat_variable);
+  if (const char* value = std::getenv(name.c_str())) {
+    if (auto t = detail::read_seconds(environment{{name, value}}, name)) heartbeat_ = *t;
+  }
 }
 
 DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
@@ -32,6 +78,18 @@ DTRAIN_DETAIL_INLINE watchdog::~watchdog() {
   }
   monitor_wake_.notify_all();
   if (monitor_.joinable()) monitor_.join();
+  if (!failure_ || reported_ || std::uncaught_exceptions() > unwinding_at_start_) return;
+  if (detail::keep_late_failure(failure_)) return;
+  try {
+    std::rethrow_exception(failure_);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "dtrain: %s (found by a watchdog after its owner's last call, which could not "
+                 "report it: wait for the work before destroying its owner, or use dtrain::run)\n",
+                 e.what());
+  } catch (...) {
+    std::fprintf(stderr, "dtrain: a watchdog's work failed after its owner's last call\n");
+  }
 }
 
 DTRAIN_DETAIL_INLINE void watchdog::watch(work w) {
@@ -65,6 +123,7 @@ DTRAIN_DETAIL_INLINE void watchdog::abandon() noexcept {
 
 DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::failure() const {
   std::lock_guard lock(mutex_);
+  if (failure_) reported_ = true;
   return failure_;
 }
 
@@ -72,6 +131,7 @@ DTRAIN_DETAIL_INLINE std::exception_ptr watchdog::drain() {
   std::unique_lock lock(mutex_);
   const std::uint64_t target = watched_;
   settled_.wait(lock, [&] { return finished_ >= target || failure_; });
+  if (failure_) reported_ = true;
   return failure_;
 }
 

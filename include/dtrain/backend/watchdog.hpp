@@ -27,6 +27,27 @@
 
 namespace dtrain {
 
+namespace detail {
+/// Where a watchdog's failure goes when nothing reported it: its owner was
+/// destroyed normally after its last call (a training function that returns
+/// right after a step on CUDA streams, whose buckets then time out while the
+/// owner's destructor follows them). While a late_failure_hold exists (run()
+/// holds one around the training function), the first such failure is kept
+/// for it to take(), and run() fails the rank with it, as if the training
+/// function had thrown it; with none, the watchdog prints it to stderr.
+class late_failure_hold {
+ public:
+  late_failure_hold();
+  late_failure_hold(const late_failure_hold&) = delete;
+  late_failure_hold& operator=(const late_failure_hold&) = delete;
+  ~late_failure_hold();
+  /// The first failure kept since, or null; it is then no longer kept.
+  [[nodiscard]] std::exception_ptr take() noexcept;
+};
+/// Keeps `e` for a late_failure_hold; false when there is none.
+[[nodiscard]] DTRAIN_DETAIL_INLINE bool keep_late_failure(std::exception_ptr e) noexcept;
+}  // namespace detail
+
 class watchdog {
  public:
   using clock = std::chrono::steady_clock;
@@ -43,6 +64,9 @@ class watchdog {
   /// timeout), then stops the thread. Destroyed while an exception unwinds
   /// (its owner failed), it abandons that work first (abandon()): a failing
   /// rank does not wait out a collective timeout for peers that may be gone.
+  /// Otherwise a failure that failure() and drain() never returned is not
+  /// lost: it goes to run() (detail::late_failure_hold), which fails the
+  /// rank with it, or without run() to stderr.
   ~watchdog();
 
   /// Gives up on every piece of work watched and not yet finished
@@ -82,7 +106,8 @@ class watchdog {
   std::uint64_t finished_ = 0;
   bool stopping_ = false;
   std::exception_ptr failure_;
-  work current_;  // the work the thread follows now (mutex_)
+  mutable bool reported_ = false;  // failure() or drain() returned failure_ (mutex_)
+  work current_;                   // the work the thread follows now (mutex_)
   // The thread must be done with current_ by then (deadline + heartbeat), or
   // the monitor ends the process; max() while it follows nothing (mutex_).
   clock::time_point stuck_after_ = clock::time_point::max();

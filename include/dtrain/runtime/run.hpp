@@ -7,6 +7,7 @@
 /// program as the node's workers. Every failure becomes one rank-prefixed
 /// line on stderr and a non-zero exit status.
 
+#include <dtrain/backend/watchdog.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/detail/parse.hpp>
 #include <dtrain/env/device.hpp>
@@ -188,7 +189,12 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
     w = ctx.world();
     int status = 0;
     try {
+      // A watchdog's failure found after the training function's last call
+      // that could report it (its buckets timed out while DDP's destructor
+      // followed them) fails the rank as if the function had thrown it.
+      detail::late_failure_hold late;
       status = fn(ctx);
+      if (std::exception_ptr e = late.take()) std::rethrow_exception(e);
     } catch (...) {
       auto failure = detail::current_failure();
       if (auto summary = ctx.explain_failure(std::current_exception()))
