@@ -14061,6 +14061,22 @@ class basic_ddp {
   /// memory (its own channel); otherwise on the device through DDP's
   /// communicator, one allgather and one host sync (NCCL: never the store).
   std::vector<std::int64_t> gather_scalar(std::int64_t mine);
+  /// Host values through a collective of DDP's communicator: `collective` gets
+  /// them as a buffer in the engine's memory space (the values themselves in
+  /// host memory; else a device copy, brought back after one host sync).
+  template <class T, class Collective>
+  void through_engine(std::span<T> values, dtype type, Collective&& collective) {
+    if constexpr (memory_space::where == memory::host) {
+      collective(buffer{values.data(), values.size(), type, memory::host, -1});
+    } else {
+      const std::size_t bytes = values.size_bytes();
+      const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
+      memory_space::upload(staged.data(), values.data(), bytes, device_, stream_);
+      collective(buffer{staged.data(), values.size(), type, memory::device, device_});
+      memory_space::download(values.data(), staged.data(), bytes, device_, stream_);
+      memory_space::synchronize(device_, stream_);
+    }
+  }
   /// `data` summed over DDP's communicator in place, ordered after the compute stream.
   work sum_in_place(const buffer& data) {
     if constexpr (memory_space::on_stream) {
@@ -14775,16 +14791,14 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
       all[0] = mine;
       return all;
     }
-    const std::size_t bytes = all.size() * sizeof(std::int64_t);
-    const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
-    std::byte* slot = staged.data() + static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
-    memory_space::upload(slot, &mine, sizeof mine, device_, stream_);
-    comm_
-        .allgather({slot, 1, dtype::int64, memory::device, device_},
-                   {staged.data(), all.size(), dtype::int64, memory::device, device_}, stream_)
-        .wait();
-    memory_space::download(all.data(), staged.data(), bytes, device_, stream_);
-    memory_space::synchronize(device_, stream_);
+    all[static_cast<std::size_t>(rank_)] = mine;
+    through_engine(std::span(all), dtype::int64, [&](const buffer& whole) {
+      buffer slot = whole;  // in place: this rank's part of the whole
+      slot.data = static_cast<std::byte*>(whole.data) +
+                  static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
+      slot.count = 1;
+      comm_.allgather(slot, whole, stream_).wait();
+    });
   }
   return all;
 }
@@ -15138,16 +15152,8 @@ std::vector<bool> basic_ddp<Policy>::used_anywhere_locked() {
     if (size_ > 1 && !counts.empty()) {
       const detail::label_scope label("parameters used in step",
                                       static_cast<std::int64_t>(steps_) - 1);
-      const std::size_t bytes = counts.size() * sizeof(std::int32_t);
-      if constexpr (memory_space::where == memory::host) {
-        sum_in_place({counts.data(), counts.size(), dtype::int32, memory::host, -1}).wait();
-      } else {
-        const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
-        memory_space::upload(staged.data(), counts.data(), bytes, device_, stream_);
-        sum_in_place({staged.data(), counts.size(), dtype::int32, memory::device, device_}).wait();
-        memory_space::download(counts.data(), staged.data(), bytes, device_, stream_);
-        memory_space::synchronize(device_, stream_);
-      }
+      through_engine(std::span(counts), dtype::int32,
+                     [&](const buffer& b) { sum_in_place(b).wait(); });
     }
     used_counts_ = std::move(counts);
     used_step_ = steps_;

@@ -449,6 +449,33 @@ TEST_CASE("watchdog: the deadline counts from launch, work is followed in order,
   CHECK(quiet.drain() == nullptr);
 }
 
+TEST_CASE("watchdog: a failure its owner never asked for goes to run(), once") {
+  std::atomic<int> aborted{0};
+  dtrain::detail::late_failure_hold hold;
+  {
+    dtrain::watchdog dog;  // destroyed normally, with its work still running
+    dog.watch(dtrain::work(std::make_shared<stuck_work>(200ms, aborted, false)));
+  }
+  const std::exception_ptr late = hold.take();
+  REQUIRE(late != nullptr);
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(late),
+                       doctest::Contains("did not finish within 0.2 s"), dtrain::timeout_error);
+  CHECK(hold.take() == nullptr);  // taken
+  {
+    dtrain::watchdog asked;  // its owner saw the failure: nothing more to report
+    asked.watch(dtrain::work(std::make_shared<stuck_work>(200ms, aborted, false)));
+    CHECK(asked.drain() != nullptr);
+  }
+  CHECK(hold.take() == nullptr);
+  try {
+    dtrain::watchdog failing;  // its owner failed: that failure is the one reported
+    failing.watch(dtrain::work(std::make_shared<stuck_work>(200ms, aborted, false)));
+    throw std::runtime_error("the owner's own failure");
+  } catch (const std::runtime_error&) {
+  }
+  CHECK(hold.take() == nullptr);
+}
+
 TEST_CASE("watchdog: a timeout is reported before the abort, which may block") {
   std::atomic<bool> released{false};
   dtrain::watchdog dog;

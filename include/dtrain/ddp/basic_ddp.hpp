@@ -576,6 +576,22 @@ class basic_ddp {
   /// memory (its own channel); otherwise on the device through DDP's
   /// communicator, one allgather and one host sync (NCCL: never the store).
   std::vector<std::int64_t> gather_scalar(std::int64_t mine);
+  /// Host values through a collective of DDP's communicator: `collective` gets
+  /// them as a buffer in the engine's memory space (the values themselves in
+  /// host memory; else a device copy, brought back after one host sync).
+  template <class T, class Collective>
+  void through_engine(std::span<T> values, dtype type, Collective&& collective) {
+    if constexpr (memory_space::where == memory::host) {
+      collective(buffer{values.data(), values.size(), type, memory::host, -1});
+    } else {
+      const std::size_t bytes = values.size_bytes();
+      const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
+      memory_space::upload(staged.data(), values.data(), bytes, device_, stream_);
+      collective(buffer{staged.data(), values.size(), type, memory::device, device_});
+      memory_space::download(values.data(), staged.data(), bytes, device_, stream_);
+      memory_space::synchronize(device_, stream_);
+    }
+  }
   /// `data` summed over DDP's communicator in place, ordered after the compute stream.
   work sum_in_place(const buffer& data) {
     if constexpr (memory_space::on_stream) {

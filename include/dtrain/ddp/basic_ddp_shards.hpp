@@ -267,16 +267,14 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
       all[0] = mine;
       return all;
     }
-    const std::size_t bytes = all.size() * sizeof(std::int64_t);
-    const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
-    std::byte* slot = staged.data() + static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
-    memory_space::upload(slot, &mine, sizeof mine, device_, stream_);
-    comm_
-        .allgather({slot, 1, dtype::int64, memory::device, device_},
-                   {staged.data(), all.size(), dtype::int64, memory::device, device_}, stream_)
-        .wait();
-    memory_space::download(all.data(), staged.data(), bytes, device_, stream_);
-    memory_space::synchronize(device_, stream_);
+    all[static_cast<std::size_t>(rank_)] = mine;
+    through_engine(std::span(all), dtype::int64, [&](const buffer& whole) {
+      buffer slot = whole;  // in place: this rank's part of the whole
+      slot.data = static_cast<std::byte*>(whole.data) +
+                  static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
+      slot.count = 1;
+      comm_.allgather(slot, whole, stream_).wait();
+    });
   }
   return all;
 }

@@ -346,16 +346,8 @@ std::vector<bool> basic_ddp<Policy>::used_anywhere_locked() {
     if (size_ > 1 && !counts.empty()) {
       const detail::label_scope label("parameters used in step",
                                       static_cast<std::int64_t>(steps_) - 1);
-      const std::size_t bytes = counts.size() * sizeof(std::int32_t);
-      if constexpr (memory_space::where == memory::host) {
-        sum_in_place({counts.data(), counts.size(), dtype::int32, memory::host, -1}).wait();
-      } else {
-        const detail::flat_storage<memory_space> staged(bytes, device_, stream_);
-        memory_space::upload(staged.data(), counts.data(), bytes, device_, stream_);
-        sum_in_place({staged.data(), counts.size(), dtype::int32, memory::device, device_}).wait();
-        memory_space::download(counts.data(), staged.data(), bytes, device_, stream_);
-        memory_space::synchronize(device_, stream_);
-      }
+      through_engine(std::span(counts), dtype::int32,
+                     [&](const buffer& b) { sum_in_place(b).wait(); });
     }
     used_counts_ = std::move(counts);
     used_step_ = steps_;
