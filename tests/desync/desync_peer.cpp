@@ -65,10 +65,11 @@ struct toy_model {
 };
 
 #if DTRAIN_HAS_NCCL()
-/// The same in the fake's device memory (NCCL through its host fake): the
-/// gradients are uploaded on the legacy stream, which DDP's collectives follow.
+/// The same in the fake's device memory (NCCL through its host fake), through
+/// the fake's memory space: the gradients are uploaded on the legacy stream,
+/// which DDP's collectives follow.
 struct device_toy_model {
-  using api = fake_nccl::api;
+  using space = fake_nccl::memory;
   int device = 0;
   float* w0 = alloc(layer0_size);
   float* g0 = alloc(layer0_size);
@@ -96,18 +97,12 @@ struct device_toy_model {
 
  private:
   static float* alloc(std::size_t n) {
-    void* p = nullptr;
-    DTRAIN_CUDA_CHECK(api::cudaMalloc(&p, n * sizeof(float)));
-    return static_cast<float*>(p);
+    return static_cast<float*>(space::allocate(n * sizeof(float), 0, nullptr));
   }
-  static void upload(float* to, std::size_t n, float value) {
+  void upload(float* to, std::size_t n, float value) const {
     const std::vector<float> v(n, value);
-    DTRAIN_CUDA_CHECK(
-        api::cudaMemcpyAsync(to, v.data(), n * sizeof(float), cudaMemcpyHostToDevice, nullptr));
-    cudaError_t e;
-    while ((e = api::cudaStreamQuery(nullptr)) == cudaErrorNotReady)
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    DTRAIN_CUDA_CHECK(e);
+    space::upload(to, v.data(), n * sizeof(float), device, nullptr);
+    space::synchronize(device, nullptr);
   }
 };
 #endif
