@@ -34,8 +34,8 @@
 // collective at the start of forward, as the blocking loop has none).
 // Internal: --nproc-per-node N runs one rank count and prints its row.
 
+#include "torch_bench.hpp"
 #include "torch_cnn.hpp"
-#include "train_program.hpp"
 
 #include <dtrain/torch.hpp>
 
@@ -55,17 +55,13 @@ namespace {
 
 using Policy = dtrain::policy<dtrain::launch::per_node, dtrain::backend::gloo>;
 
-struct settings {
+struct settings : cnn::loop_settings {
+  settings() {
+    bucket_cap_mb = 0.25;  // the example's caps
+    first_bucket_cap_mb = 0.05;
+  }
   std::vector<int> ranks{1, 2, 4};
   int nproc_per_node = 0;  // 0: the driver, which runs each rank count
-  std::int64_t batch_size = 32;
-  std::int64_t channels = 16;
-  std::int64_t hidden = 128;
-  int steps = 20;
-  int warmup = 3;
-  int rounds = 9;
-  double bucket_cap_mb = 0.25;  // the example's caps
-  double first_bucket_cap_mb = 0.05;
   bool overlap = true;
   bool broadcast_buffers = true;
 };
@@ -81,6 +77,7 @@ settings parse(int argc, char** argv) {
   const mlp::command_line line("dtrain_bench_torch_ddp", "", "");
   settings s;
   line.each_flag(argc, argv, usage, [&](std::string_view flag, auto& value) {
+    if (cnn::read_loop_flag(line, s, flag, value)) return true;
     if (flag == "--ranks") {
       s.ranks.clear();
       const std::string_view list = value();
@@ -91,22 +88,6 @@ settings parse(int argc, char** argv) {
       }
     } else if (flag == "--nproc-per-node") {
       s.nproc_per_node = line.number<int>(flag, value(), 1);
-    } else if (flag == "--batch-size") {
-      s.batch_size = line.number<std::int64_t>(flag, value(), 1);
-    } else if (flag == "--channels") {
-      s.channels = line.number<std::int64_t>(flag, value(), 2);
-    } else if (flag == "--hidden") {
-      s.hidden = line.number<std::int64_t>(flag, value(), 1);
-    } else if (flag == "--steps") {
-      s.steps = line.number<int>(flag, value(), 1);
-    } else if (flag == "--warmup") {
-      s.warmup = line.number<int>(flag, value(), 0);
-    } else if (flag == "--rounds") {
-      s.rounds = line.number<int>(flag, value(), 1);
-    } else if (flag == "--bucket-cap-mb") {
-      s.bucket_cap_mb = line.number<double>(flag, value(), 0.0);
-    } else if (flag == "--first-bucket-cap-mb") {
-      s.first_bucket_cap_mb = line.number<double>(flag, value(), 0.0);
     } else if (flag == "--no-overlap") {
       s.overlap = false;
     } else if (flag == "--no-broadcast-buffers") {

@@ -4,7 +4,7 @@
 #
 #   /usr/bin/python3 bench/vs_pytorch.py [--demo build/examples/dtrain_train_mlp]
 #       [--demo-mpi build/examples/dtrain_train_mlp_mpi] [--ranks 1,2,4] [--repeats 3]
-#       [--models default,wide] [--epochs N] [--depth N] [--timeout S]
+#       [--models default,wide] [--epochs N] [--samples N] [--depth N] [--timeout S]
 #
 # The demo over Gloo is the like-for-like column (PyTorch's engine; on one
 # host dtrain's Gloo communicator allreduces through shared memory where
@@ -30,7 +30,8 @@
 #
 # Models: default = the demo's defaults (32-64-64-8, 8,192 samples, 5 epochs);
 # wide = 1024-1024-1024-8 (1,024 samples, 3 epochs: enough for a steady rate,
-# short enough for the bench). --depth N (hidden layers, 2) is passed
+# short enough for the bench; at 8 ranks that is 4 steps an epoch, so
+# tools/gpu-check --host gives --samples 8192). --depth N (hidden layers, 2) is passed
 # to the demo only when it is not 2, so binaries without the flag still run.
 #
 # For each model and rank count the demo and the twin run --repeats times
@@ -43,7 +44,10 @@
 # many VMs' CPUs for a 2004 Pentium 4 otherwise; both load the same
 # libopenblas) and a world on the loopback interface only. Both flush
 # denormals to zero (the demo always; the twin with torch.set_flush_denormal).
-# Goal: dtrain / PyTorch >= 1.3 at every rank count, for both models.
+# Goal: dtrain / PyTorch >= 1.3 at every rank count, for both models. With 1
+# among --ranks, a second table gives each program's scaling efficiency,
+# samples/s at N ranks / (N x samples/s at 1 rank); goal at the most ranks:
+# at least 0.9, and above PyTorch DDP's.
 #
 # The whole default bench takes 2-3 minutes on 2 cores (PyTorch's runs are
 # most of it). Timings never fail it; losses that differ
@@ -293,6 +297,10 @@ FOREIGN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "DTRAIN_NPROC_PER_NODE",
                "DTRAIN_NNODES", "DTRAIN_NODE_RANK")
 FOREIGN_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
+# Open MPI's own settings (OMPI_MCA_*) stay: they tell mpirun how to start
+# (a container's OMPI_MCA_plm_rsh_agent, say, without which mpirun looks for
+# ssh and fails), and say nothing about a rank of an enclosing job.
+KEPT_PREFIXES = ("OMPI_MCA_",)
 
 
 def losses_agree(mine, theirs):
@@ -334,7 +342,8 @@ def openblas_coretype():
 
 def child_env():
     env = {k: v for k, v in os.environ.items()
-           if k not in FOREIGN_ENV and not k.startswith(FOREIGN_PREFIXES)}
+           if k not in FOREIGN_ENV and (k.startswith(KEPT_PREFIXES)
+                                        or not k.startswith(FOREIGN_PREFIXES))}
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     if openblas_coretype():
         env["OPENBLAS_CORETYPE"] = openblas_coretype()
@@ -415,6 +424,7 @@ def runner_main(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--models", default="default,wide")
     p.add_argument("--epochs", type=int, help="overrides each model's epochs")
+    p.add_argument("--samples", type=int, help="overrides each model's samples")
     p.add_argument("--depth", type=int, default=2, help="hidden layers of both models (2)")
     p.add_argument("--timeout", type=int, default=RUN_TIMEOUT_S, help="seconds per run (300)")
     a = p.parse_args(argv)
@@ -450,6 +460,8 @@ def runner_main(argv):
         settings = dict(MODELS[m])
         if a.epochs:
             settings["epochs"] = a.epochs
+        if a.samples:
+            settings["samples"] = a.samples
         flags = model_flags(settings, a.depth)
         for n in ranks:
             programs = {
@@ -502,6 +514,27 @@ def runner_main(argv):
         print(f"| {m} | {n} | {v['dtrain']:,.0f} |{mpi_cell} {v['PyTorch']:,.0f} | "
               f"{v['dtrain'] / v['PyTorch']:.2f} |{mpi_ratio}")
     print("\ngoal: dtrain / PyTorch >= 1.3 at every rank count, for both models")
+    if 1 in ranks and len(ranks) > 1:
+        # Scaling: an epoch of 100 s on one rank should take 100 / N s on N
+        # (the guide's 100 s -> 50 s -> 25 s); efficiency = rate(N) / (N x rate(1)).
+        print("\nscaling efficiency, samples/s at N ranks / (N x samples/s at 1 rank):\n")
+        print("| model | ranks | " + " | ".join(f"{name} efficiency" for name in names) + " |")
+        print("|---|---:|" + "---:|" * len(names))
+        single = {m: v for m, n, v in rows if n == 1}
+        for m, n, v in rows:
+            if n != 1:
+                print(f"| {m} | {n} | " + " | ".join(
+                    f"{v[name] / (n * single[m][name]):.2f}" for name in names) + " |")
+        top = max(ranks)
+        verdicts = []
+        for m, n, v in rows:
+            if n == top:
+                ours, theirs = (v[name] / (n * single[m][name]) for name in ("dtrain", "PyTorch"))
+                ok = ours >= 0.9 and ours > theirs
+                verdicts.append(f"{m} {ours:.2f} against PyTorch's {theirs:.2f}: "
+                                f"{'met' if ok else 'not met'}")
+        print(f"\ngoal: dtrain's efficiency at {top} ranks >= 0.9 and above PyTorch DDP's: "
+              + "; ".join(verdicts))
     for name, what in (("dtrain", "the demo over Gloo (PyTorch's engine too)"),
                        ("dtrain MPI", "the demo over MPI (Debian's torch has no MPI backend)")):
         if name not in names:

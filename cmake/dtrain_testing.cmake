@@ -217,8 +217,11 @@ function(dtrain_add_multirank_test prefix)
       if(arg_NO_KILL)
         set(options NO_KILL)
       endif()
+      if(arg_NODES)  # not an empty NODES: CMake 3.31+ warns of it (CMP0174)
+        list(APPEND options NODES ${arg_NODES})
+      endif()
       dtrain_multirank_command(job PROGRAM ${arg_PROGRAM} ENGINE ${engine} RANKS ${ranks}
-                               NODES ${arg_NODES} ${options} ARGS ${args})
+                               ${options} ARGS ${args})
       set(env ${arg_ENVIRONMENT})
       if(NOT env MATCHES "(^|;)DTRAIN_COLLECTIVE_TIMEOUT=")
         list(PREPEND env DTRAIN_COLLECTIVE_TIMEOUT=120)  # a hang fails well within TIMEOUT

@@ -4,13 +4,16 @@
 # otherwise. Debian: apt-get install libtorch-dev (1.13); elsewhere point
 # CMAKE_PREFIX_PATH (or Torch_DIR) at a LibTorch download.
 #
-# Defines DTRAIN_TORCH_FOUND, DTRAIN_TORCH_VERSION and, when found, the
+# Defines DTRAIN_TORCH_FOUND, DTRAIN_TORCH_VERSION, DTRAIN_TORCH_CUDA (LibTorch
+# has its CUDA headers: a CPU-only build, Debian's, lacks them or ships them
+# incomplete) and, when found, the
 # targets dtrain_torch_libraries (LibTorch's libraries and include dirs, with
 # its own compile flags; link it beside a dtrain engine target) and
 # dtrain_torch_part_<engine> (below).
 option(DTRAIN_WITH_TORCH "Build the LibTorch integration's tests, example and benchmark when LibTorch is found" ON)
 set(DTRAIN_TORCH_FOUND OFF)
 set(DTRAIN_TORCH_VERSION "")
+set(DTRAIN_TORCH_CUDA OFF)
 set(DTRAIN_TORCH_MISSING "")
 if(NOT DTRAIN_WITH_TORCH)
   set(DTRAIN_TORCH_MISSING "DTRAIN_WITH_TORCH is OFF")
@@ -21,6 +24,12 @@ else()
   else()
     set(DTRAIN_TORCH_FOUND ON)
     set(DTRAIN_TORCH_VERSION "${Torch_VERSION}")
+    foreach(_dtrain_dir IN LISTS TORCH_INCLUDE_DIRS)
+      if(EXISTS "${_dtrain_dir}/c10/cuda/impl/cuda_cmake_macros.h")
+        set(DTRAIN_TORCH_CUDA ON)
+      endif()
+    endforeach()
+    unset(_dtrain_dir)
     add_library(dtrain_torch_libraries INTERFACE)
     target_link_libraries(dtrain_torch_libraries INTERFACE ${TORCH_LIBRARIES})
     # SYSTEM: LibTorch's headers do not pass dtrain's -Wpedantic -Werror.

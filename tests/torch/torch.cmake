@@ -28,14 +28,6 @@ if(NOT DTRAIN_TORCH_FOUND)
   return()
 endif()
 
-# LibTorch's CUDA headers: a CPU-only LibTorch (Debian's) lacks them or ships them incomplete.
-set(torch_cuda_headers OFF)
-foreach(dir IN LISTS TORCH_INCLUDE_DIRS)
-  if(EXISTS "${dir}/c10/cuda/impl/cuda_cmake_macros.h")
-    set(torch_cuda_headers ON)
-  endif()
-endforeach()
-
 # Each header under dtrain/torch/ on its own, as dtrain_header_checks does the others.
 if(TARGET dtrain::gloo)
   file(GLOB torch_headers CONFIGURE_DEPENDS RELATIVE "${PROJECT_SOURCE_DIR}/include"
@@ -90,7 +82,7 @@ foreach(engine IN ITEMS GLOO NCCL)
   string(TOLOWER "${engine}" component)
   if(NOT TARGET dtrain::${component})
     dtrain_add_skipped_test(compile.torch_strict_${component} "DTRAIN_WITH_${engine} is OFF")
-  elseif(engine STREQUAL "NCCL" AND NOT torch_cuda_headers)
+  elseif(engine STREQUAL "NCCL" AND NOT DTRAIN_TORCH_CUDA)
     dtrain_add_skipped_test(compile.torch_strict_${component}
       "LibTorch ${DTRAIN_TORCH_VERSION} has no CUDA headers (a CPU-only build)")
   elseif(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
@@ -130,7 +122,7 @@ else()
             -P "${PROJECT_SOURCE_DIR}/tests/compiled/check_thin_tu.cmake")
 endif()
 
-if(TARGET dtrain::nccl AND torch_cuda_headers)
+if(TARGET dtrain::nccl AND DTRAIN_TORCH_CUDA)
   add_torch_test_program(dtrain_torch_ddp_nccl nccl)
   # bf16 compression of GPU buckets runs dtrain's kernels, which a .cu file brings.
   if(CMAKE_CUDA_COMPILER)
