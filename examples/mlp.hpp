@@ -165,13 +165,19 @@ struct dataset {
   }
 };
 
-/// y = x Wᵀ + b. Weights are `out × in`, row-major. The gradients are
-/// reached through `grad_weight` and `grad_bias` only: DistributedDataParallel
-/// may repoint them into its buckets (dtrain::param's bucket view).
+/// y = x Wᵀ + b. Weights are `out × in`, row-major. The values are reached
+/// through `weight_values` and `bias_values`, the gradients through
+/// `grad_weight` and `grad_bias` only: DistributedDataParallel may repoint the
+/// gradients into its buckets (dtrain::param's bucket view), and with ZeRO
+/// stage 3 (sharding::parameters) the values into its gathered buckets (null
+/// between). `weight` and `bias` hold the initial values (and, below stage 3,
+/// the values: the pointers point there).
 struct linear {
   std::string name;
   std::size_t in = 0, out = 0;
   std::vector<float> weight, bias;
+  float* weight_values = nullptr;
+  float* bias_values = nullptr;
   float* grad_weight = nullptr;
   float* grad_bias = nullptr;
 
@@ -183,13 +189,15 @@ struct linear {
         bias(outputs, 0.0f),
         own_grad_weight_(weight.size(), 0.0f),
         own_grad_bias_(bias.size(), 0.0f) {
+    weight_values = weight.data();
+    bias_values = bias.data();
     grad_weight = own_grad_weight_.data();
     grad_bias = own_grad_bias_.data();
     // He (Kaiming) uniform initialisation, suited to ReLU.
     const double bound = std::sqrt(6.0 / static_cast<double>(in));
     for (float& w : weight) w = static_cast<float>(init.uniform(-bound, bound));
   }
-  // The gradient pointers point into this object's own storage: no copies.
+  // The value and gradient pointers point into this object's own storage: no copies.
   linear(const linear&) = delete;
   linear& operator=(const linear&) = delete;
   linear(linear&&) noexcept = default;  // vectors keep their storage when moved
@@ -205,6 +213,12 @@ struct batch_result {
   double loss = 0;  ///< mean cross-entropy over the batch
   std::size_t correct = 0;
   std::size_t count = 0;
+};
+
+/// What forward() and backward() hold around each layer by default: nothing.
+/// With ZeRO stage 3, `[&](std::size_t l) { return ddp.gather(...layer l...); }`.
+struct hold_nothing {
+  int operator()(std::size_t /*layer*/) const noexcept { return 0; }
 };
 
 /// An MLP: linear → ReLU → ... → linear, then softmax cross-entropy.
@@ -224,22 +238,35 @@ class model {
   [[nodiscard]] const std::vector<linear>& layers() const noexcept { return layers_; }
 
   /// Every parameter in forward order ("fc1.weight", "fc1.bias", "fc2.weight", ...),
-  /// gradients as bucket views: what DistributedDataParallel reduces.
+  /// values and gradients as pointers DDP may repoint (gradients: bucket
+  /// views; values: at ZeRO stage 3): what DistributedDataParallel reduces.
   [[nodiscard]] std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
     for (linear& l : layers_) {
-      out.push_back(dtrain::param(l.name + ".weight", l.weight, l.grad_weight));
-      out.push_back(dtrain::param(l.name + ".bias", l.bias, l.grad_bias));
+      out.push_back(
+          dtrain::param(l.name + ".weight", l.weight_values, l.in * l.out, l.grad_weight));
+      out.push_back(dtrain::param(l.name + ".bias", l.bias_values, l.out, l.grad_bias));
     }
     return out;
+  }
+  /// ZeRO stage 3: frees the initial values, which DDP has copied (its shard)
+  /// at construction; the model holds no values from here on.
+  void drop_initial_values() {
+    for (linear& l : layers_) {
+      l.weight = {};
+      l.bias = {};
+    }
   }
   /// Positions of layer `l`'s parameters in parameters().
   [[nodiscard]] static std::array<std::size_t, 2> parameter_indices(std::size_t l) {
     return {2 * l, 2 * l + 1};
   }
 
-  /// Runs the batch `indices` of `data` forward, keeping what backward() needs.
-  batch_result forward(const dataset& data, std::span<const std::size_t> indices) {
+  /// Runs the batch `indices` of `data` forward, keeping what backward() needs;
+  /// `hold(l)`'s result lives while layer l computes (ZeRO stage 3's gather).
+  template <class Hold = hold_nothing>
+  batch_result forward(const dataset& data, std::span<const std::size_t> indices,
+                       Hold&& hold = {}) {
     const std::size_t n = indices.size();
     labels_.resize(n);
     activations_.resize(layers_.size() + 1);
@@ -251,14 +278,16 @@ class model {
       labels_[i] = data.y[indices[i]];
     }
     for (std::size_t l = 0; l < layers_.size(); ++l) {
+      [[maybe_unused]] const auto held = hold(l);  // lives while layer l computes
       const linear& layer = layers_[l];
       const auto& x = activations_[l];
       auto& y = activations_[l + 1];
       y.resize(n * layer.out);
       for (std::size_t i = 0; i < n; ++i)
-        std::ranges::copy(layer.bias, y.begin() + static_cast<std::ptrdiff_t>(i * layer.out));
+        std::copy_n(layer.bias_values, layer.out,
+                    y.begin() + static_cast<std::ptrdiff_t>(i * layer.out));
       // y = x Wᵀ + b
-      gemm(false, true, n, layer.out, layer.in, 1.0f, x.data(), layer.in, layer.weight.data(),
+      gemm(false, true, n, layer.out, layer.in, 1.0f, x.data(), layer.in, layer.weight_values,
            layer.in, 1.0f, y.data(), layer.out);
       if (l + 1 < layers_.size()) {
         for (float& v : y) v = std::max(v, 0.0f);
@@ -274,9 +303,10 @@ class model {
   /// passes the size of the whole step's batch instead.
   ///
   /// Layers are done last to first; `on_layer_ready(l)` is called as soon as
-  /// layer l's gradients are final, and they are not touched after it.
-  template <class OnLayerReady>
-  void backward(OnLayerReady&& on_layer_ready, std::size_t mean_over = 0) {
+  /// layer l's gradients are final, and they are not touched after it;
+  /// `hold(l)`'s result lives while layer l computes (ZeRO stage 3's gather).
+  template <class OnLayerReady, class Hold = hold_nothing>
+  void backward(OnLayerReady&& on_layer_ready, std::size_t mean_over = 0, Hold&& hold = {}) {
     const std::size_t n = labels_.size();
     const float scale = 1.0f / static_cast<float>(mean_over ? mean_over : n);
     std::vector<float> grad_out(probabilities_.size());  // d loss / d logits
@@ -288,6 +318,7 @@ class model {
       }
     }
     for (std::size_t l = layers_.size(); l-- > 0;) {
+      [[maybe_unused]] const auto held = hold(l);  // lives while layer l computes
       linear& layer = layers_[l];
       const auto& x = activations_[l];
       for (std::size_t o = 0; o < layer.out; ++o) {
@@ -303,7 +334,7 @@ class model {
       // Through the weights (grad_in = grad_out W), then through the previous layer's ReLU (x > 0).
       std::vector<float> grad_in(n * layer.in);
       gemm(false, false, n, layer.in, layer.out, 1.0f, grad_out.data(), layer.out,
-           layer.weight.data(), layer.in, 0.0f, grad_in.data(), layer.in);
+           layer.weight_values, layer.in, 0.0f, grad_in.data(), layer.in);
       for (std::size_t j = 0; j < grad_in.size(); ++j) {
         if (x[j] <= 0.0f) grad_in[j] = 0.0f;
       }
@@ -314,16 +345,17 @@ class model {
   /// Sets every gradient to zero (through the current gradient pointers).
   void zero_grad() {
     for (linear& l : layers_) {
-      std::fill_n(l.grad_weight, l.weight.size(), 0.0f);
-      std::fill_n(l.grad_bias, l.bias.size(), 0.0f);
+      std::fill_n(l.grad_weight, l.in * l.out, 0.0f);
+      std::fill_n(l.grad_bias, l.out, 0.0f);
     }
   }
 
   /// Accuracy (fraction correct) and mean loss over the whole of `data`.
-  batch_result evaluate(const dataset& data) {
+  template <class Hold = hold_nothing>
+  batch_result evaluate(const dataset& data, Hold&& hold = {}) {
     std::vector<std::size_t> all(data.size());
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
-    return forward(data, all);
+    return forward(data, all, hold);
   }
 
  private:
@@ -420,10 +452,10 @@ class optimizer {
     begin_step();
     std::size_t offset = 0;
     for (linear& l : m.layers()) {
-      update(l.weight, {l.grad_weight, l.weight.size()}, offset);
-      offset += l.weight.size();
-      update(l.bias, {l.grad_bias, l.bias.size()}, offset);
-      offset += l.bias.size();
+      update({l.weight_values, l.in * l.out}, {l.grad_weight, l.in * l.out}, offset);
+      offset += l.in * l.out;
+      update({l.bias_values, l.out}, {l.grad_bias, l.out}, offset);
+      offset += l.out;
     }
   }
 
@@ -494,15 +526,15 @@ using sgd = optimizer;
 /// checksums mean (barring a 2⁻⁶⁴ accident) bit-identical models.
 inline std::uint64_t checksum(const model& m) {
   std::uint64_t h = 0xcbf29ce484222325ULL;
-  auto mix = [&](const std::vector<float>& values) {
-    const auto* bytes = reinterpret_cast<const unsigned char*>(values.data());
-    for (std::size_t i = 0; i < values.size() * sizeof(float); ++i) {
+  auto mix = [&](const float* values, std::size_t count) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(values);
+    for (std::size_t i = 0; i < count * sizeof(float); ++i) {
       h = (h ^ bytes[i]) * 0x100000001b3ULL;
     }
   };
-  for (const linear& l : m.layers()) {
-    mix(l.weight);
-    mix(l.bias);
+  for (const linear& l : m.layers()) {  // the values (stage 3: held by a gather)
+    mix(l.weight_values, l.in * l.out);
+    mix(l.bias_values, l.out);
   }
   return h;
 }

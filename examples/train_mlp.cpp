@@ -51,15 +51,16 @@ constexpr std::string_view program = "dtrain_train_mlp";
 
 // This program's own flag; command_line describes and parses the shared ones.
 constexpr const char* own_synopsis =
-    " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2]\n"
+    " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2|3]\n"
     "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sample-log DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
     "                      not in the MPI build, where mpirun starts the ranks\n"
     "  --optimizer sgd|adam  SGD with --momentum, or Adam (torch's defaults; give it a\n"
     "                      smaller --lr, e.g. 0.003) (sgd)\n"
-    "  --sharding 0|1|2    ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
-    "                      ranks, 2 the averaged gradients too (ddp_options::sharding) (0)\n"
+    "  --sharding 0|1|2|3  ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
+    "                      ranks, 2 the averaged gradients too, 3 the values too\n"
+    "                      (ddp_options::sharding; 3: not with checkpoints yet) (0)\n"
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
@@ -99,8 +100,8 @@ demo_settings parse_flags(int argc, char** argv) {
     }
     if (flag == "--sharding") {
       const std::string_view stage = value();
-      if (stage != "0" && stage != "1" && stage != "2")
-        line.bad_flag("--sharding " + std::string(stage) + ": 0 (DDP), 1 or 2 (ZeRO's stages)");
+      if (stage != "0" && stage != "1" && stage != "2" && stage != "3")
+        line.bad_flag("--sharding " + std::string(stage) + ": 0 (DDP), 1, 2 or 3 (ZeRO's stages)");
       d.sharding = static_cast<dtrain::sharding>(stage[0] - '0');
       return true;
     }
@@ -120,6 +121,11 @@ demo_settings parse_flags(int argc, char** argv) {
     line.bad_flag("--checkpoint-every " + std::to_string(d.checkpoint_every) +
                   " needs a --checkpoint-dir to save into");
   }
+  if (d.sharding == dtrain::sharding::parameters && !d.checkpoint_dir.empty()) {
+    line.bad_flag(
+        "--sharding 3 with --checkpoint-dir: checkpoints of ZeRO stage 3's sharded "
+        "values are not there yet (use --sharding 2)");
+  }
   return d;
 }
 
@@ -137,6 +143,11 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   dtrain::DistributedDataParallel<mlp::model, Policy> ddp(
       ctx, model,
       {.bucket_cap_mb = 16.0 / 1024, .first_bucket_cap_mb = 4.0 / 1024, .sharding = d.sharding});
+  // ZeRO stage 3: DDP holds this rank's shard of the values, whole only while a
+  // layer computes (hold); the model's own copy of the initial values can go.
+  const bool stage3 = d.sharding == dtrain::sharding::parameters;
+  if (stage3) model.drop_initial_values();
+  auto hold = [&](std::size_t layer) { return ddp.gather(mlp::model::parameter_indices(layer)); };
   // Its state covers this rank's shard (ddp.shard(): every parameter without sharding).
   mlp::optimizer optimizer(d.optimizer, s.lr, s.momentum);
   dtrain::distributed_sampler sampler(train_set.size(), ctx.world(), {.seed = s.seed});
@@ -208,9 +219,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     std::array<double, 3> totals{};  // summed loss, correct predictions, samples
     for (auto batch = sampler.next_batch(s.batch_size); !batch.empty();
          batch = sampler.next_batch(s.batch_size)) {
-      const mlp::batch_result r = model.forward(train_set, batch);
+      const mlp::batch_result r = model.forward(train_set, batch, hold);
       model.backward(
-          [&](std::size_t layer) { ddp.mark_ready(mlp::model::parameter_indices(layer)); });
+          [&](std::size_t layer) { ddp.mark_ready(mlp::model::parameter_indices(layer)); }, 0,
+          hold);
       ddp.synchronize();  // gradients now hold the mean over every rank's batch
       optimizer.begin_step();
       ddp.optimizer_step([&](const dtrain::shard_piece& piece) {  // this rank's shard, then
@@ -237,8 +249,10 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     }
     dtrain::allreduce(ctx.communicator(), totals, dtrain::reduce_op::sum).wait();
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    // Stage 3: every rank gathers each layer (collective), so every rank evaluates.
+    const mlp::batch_result test =
+        stage3 || ctx.is_main() ? model.evaluate(test_set, hold) : mlp::batch_result{};
     if (ctx.is_main()) {
-      const mlp::batch_result test = model.evaluate(test_set);
       std::printf(
           "epoch %zu/%zu  loss %.4f  train accuracy %5.1f%%  test accuracy %5.1f%%  %.0f "
           "samples/s (all ranks)\n",
@@ -250,10 +264,16 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   }
 
   if (ctx.is_main()) {
-    std::printf("optimizer state per rank: %zu bytes\n", optimizer.state_bytes());
+    // The values this rank holds between steps: stage 3's shard, else the whole model.
+    const std::size_t values =
+        stage3 ? ddp.memory_use().values : ddp.model_elements() * sizeof(float);
+    std::printf("optimizer state per rank: %zu bytes\nparameters per rank: %zu bytes\n",
+                optimizer.state_bytes(), values);
     std::fflush(stdout);
   }
-  // Same data-parallel steps from the same start: the weights must be bit-identical.
+  // Same data-parallel steps from the same start: the weights must be bit-identical
+  // (stage 3: the whole model gathered for it, as an export would).
+  const auto whole = ddp.gather(ddp.parameters());
   const auto mine = std::bit_cast<std::int64_t>(mlp::checksum(model));
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array{mine}, all).wait();

@@ -10432,6 +10432,11 @@ struct parameter {
   /// pointer dtrain may repoint into its own flat bucket storage.
   void* gradient_slot = nullptr;
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+  /// Set by param(name, T*& values, count, T*& gradient): the model's
+  /// pointer to its values, which sharding::parameters (ZeRO stage 3) points
+  /// into DDP's storage while the values are gathered, and sets to null
+  /// between (through `rebind`).
+  void* values_slot = nullptr;
   /// The dimensions the model gives the values (a tensor's sizes), for
   /// messages: a model that differs across ranks is named by them
   /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
@@ -10439,6 +10444,9 @@ struct parameter {
 
   [[nodiscard]] bool rebindable() const noexcept {
     return gradient_slot != nullptr && rebind != nullptr;
+  }
+  [[nodiscard]] bool values_rebindable() const noexcept {
+    return values_slot != nullptr && rebindable();
   }
   [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
 };
@@ -10516,6 +10524,25 @@ template <detail::element_range V>
           .device = -1,
           .gradient_slot = &gradient,
           .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A host parameter whose values and gradient the model keeps as pointers
+/// (`float* w; float* grad_w;`), for ddp_options::sharding = parameters (ZeRO
+/// stage 3): DDP copies the `count` values `values` points to at construction
+/// (the model may free that storage afterwards), keeps this rank's shard of
+/// them, and points `values` at the whole values while
+/// DistributedDataParallel::gather() holds them (null otherwise). The
+/// gradient is a bucket view, as with param(name, values, gradient). Other
+/// stages use it as param(name, std::span(values, count), gradient).
+template <element T>
+[[nodiscard]] parameter param(std::string name, T*& values, std::size_t count, T*& gradient) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::host},
+          .gradient = gradient,
+          .device = -1,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>,
+          .values_slot = &values};
 }
 
 /// A host parameter whose gradient buffer the model owns and keeps: dtrain
@@ -10815,6 +10842,14 @@ enum class sharding : std::uint8_t {
   /// rank keeps only its shard of the averaged gradients (the optimizer
   /// state too, as stage 1).
   gradients = 2,
+  /// Stage 3 (FSDP's FULL_SHARD): as stage 2, and between uses a rank holds
+  /// only its shard of the parameters' values too. The model declares its
+  /// values with param(name, T*& values, count, T*& gradient), and holds
+  /// DistributedDataParallel::gather(...) around each part's forward and
+  /// backward: the values are whole (allgathered) while the guard lives, and
+  /// the model's pointers are null otherwise. The optimizer updates the
+  /// shard; nothing is allgathered after it. Host memory (Gloo, MPI) only.
+  parameters = 3,
 };
 
 [[nodiscard]] constexpr std::string_view to_string(sharding s) noexcept {
@@ -10822,6 +10857,7 @@ enum class sharding : std::uint8_t {
     case sharding::none: return "none";
     case sharding::optimizer: return "optimizer";
     case sharding::gradients: return "gradients";
+    case sharding::parameters: return "parameters";
   }
   return "unknown";
 }
@@ -10855,12 +10891,15 @@ struct ddp_memory_use {
   std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
   std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
   std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  /// Stage 3 (sharding::parameters): this rank's shard of the values, and the
+  /// whole values of the buckets gather() holds now (the model holds none).
+  std::size_t values = 0;
   /// Stage 2 on the host: the buckets' pages are resident only while a
   /// bucket is being filled or is in flight (given back after its
   /// reduce-scatter and after its allgather), so `buckets` is address space
   /// and held() leaves it out.
   bool transient_buckets = false;
-  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch + values; }
   /// What stays allocated between steps.
   [[nodiscard]] std::size_t held() const noexcept {
     return total() - (transient_buckets ? buckets : 0);
@@ -10917,10 +10956,11 @@ struct ddp_options {
   /// over what arrives; set_stream() changes it later. Null: the legacy default
   /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
   stream_handle stream = nullptr;
-  /// Shard the optimizer state (and the averaged gradients) across the ranks:
-  /// ZeRO stage 1 or 2 (see dtrain::sharding). The bucket layout is then the
-  /// first one (no rebuild): a rank's shard, and its optimizer state, stay
-  /// where they are. Not with compression or a comm hook at stage 2.
+  /// Shard the optimizer state (and the averaged gradients, and the values)
+  /// across the ranks: ZeRO stage 1, 2 or 3 (see dtrain::sharding). The
+  /// bucket layout is then the first one (no rebuild): a rank's shard, and
+  /// its optimizer state, stay where they are. Not with compression or a comm
+  /// hook at stages 2 and 3.
   dtrain::sharding sharding = dtrain::sharding::none;
 };
 
@@ -11129,17 +11169,32 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
              " reaches host memory only";
     }
   }
-  if (options.sharding == sharding::gradients &&
+  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
+      options.sharding != sharding::gradients && options.sharding != sharding::parameters) {
+    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
+           ", not none (0), optimizer (1), gradients (2) or parameters (3)";
+  }
+  if ((options.sharding == sharding::gradients || options.sharding == sharding::parameters) &&
       options.compression != gradient_compression::none) {
-    return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
-           std::string(to_string(options.compression)) +
+    return who + "ddp_options::sharding is " + std::string(to_string(options.sharding)) +
+           " and ddp_options::compression is " + std::string(to_string(options.compression)) +
            ": a compressed reduce-scatter is not there yet (use sharding::optimizer, "
            "or no compression)";
   }
-  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
-      options.sharding != sharding::gradients) {
-    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
-           ", not none (0), optimizer (1) or gradients (2)";
+  if (options.sharding == sharding::parameters) {
+    // Stage 3: DDP holds the values, and points the model's values there.
+    if (on_device) {
+      return who + "ddp_options::sharding is parameters, which is not there yet on GPUs (" +
+             std::string(backend) + "): use sharding::gradients";
+    }
+    for (const parameter& p : params) {
+      if (!p.values_rebindable()) {
+        return who + "parameter '" + p.name +
+               "' gives its values as storage, but ddp_options::sharding = parameters holds "
+               "the values itself: declare it with dtrain::param(name, values_pointer, count, "
+               "gradient_pointer)";
+      }
+    }
   }
   try {
     (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
@@ -11282,6 +11337,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& cont
 #include <cstddef>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -11318,10 +11374,45 @@ class thread_runner {
     bool idle = false;
     {
       std::lock_guard lock(mutex_);
-      queue_.push_back(bucket);
+      queue_.push_back({bucket, {}});
       idle = !busy_;
     }
     if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
+  }
+
+  /// Runs `task` (a collective of the owner's, as stage 3's allgather of a
+  /// bucket's values) after everything launched before it, in queue order,
+  /// so that every rank issues its collectives in the same order; returns
+  /// once it ran, rethrowing what it threw. The caller runs queued work
+  /// itself while the thread is idle. After a failure the task does not run
+  /// and the failure is thrown.
+  void run_in_order(std::function<void()> task) {
+    std::unique_lock lock(mutex_);
+    bool ran = false;
+    std::exception_ptr thrown;
+    queue_.push_back({0, [&] {
+                        try {
+                          task();
+                        } catch (...) {
+                          thrown = std::current_exception();
+                        }
+                        ran = true;
+                      }});
+    ++tasks_waiting_;
+    while (!ran && !failure_) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        done_wake_.wait(lock);
+      }
+    }
+    --tasks_waiting_;
+    if (thrown) std::rethrow_exception(thrown);
+    if (!ran) {
+      // Failed before its turn: the task is dropped from the queue unrun.
+      std::erase_if(queue_, [](const item& i) { return static_cast<bool>(i.task); });
+      std::rethrow_exception(failure_);
+    }
   }
 
   /// Blocks the caller while more than `most` launched buckets are not yet
@@ -11377,8 +11468,20 @@ class thread_runner {
   /// Reduces the bucket at the front of the queue; `lock` is held on entry
   /// and on return, and released while the bucket travels.
   void run_front(std::unique_lock<std::mutex>& lock) {
-    const std::size_t b = queue_.front();
+    item front = std::move(queue_.front());
     queue_.pop_front();
+    if (front.task) {  // run_in_order's: not a bucket of the step
+      if (!failure_) {
+        busy_ = true;
+        lock.unlock();
+        front.task();  // keeps what it throws for its caller
+        lock.lock();
+        busy_ = false;
+      }
+      done_wake_.notify_all();
+      return;
+    }
+    const std::size_t b = front.bucket;
     std::exception_ptr failed;
     if (!failure_) {  // once the communicator failed, do not wait for it again
       busy_ = true;
@@ -11398,18 +11501,24 @@ class thread_runner {
     ++done_;
     // Once the caller waits in complete(), the queue is the caller's: the
     // thread finishes the bucket it holds and hands over (one wake-up).
-    if (completing_ || throttled_ > 0) done_wake_.notify_all();
+    if (completing_ || throttled_ > 0 || tasks_waiting_ > 0) done_wake_.notify_all();
   }
+
+  struct item {
+    std::size_t bucket = 0;
+    std::function<void()> task;  ///< set: run_in_order's task instead of a bucket
+  };
 
   Owner& owner_;
   std::mutex mutex_;
   std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
   std::condition_variable done_wake_;  // the caller in complete(): the thread let go of a bucket
-  std::deque<std::size_t> queue_;
+  std::deque<item> queue_;
   std::size_t done_ = 0;
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
   bool completing_ = false;  // the caller is in complete(): the queue is its own
   int throttled_ = 0;        // callers waiting in throttle()
+  int tasks_waiting_ = 0;    // callers waiting in run_in_order()
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -11456,6 +11565,12 @@ class stream_runner {
 
   /// The device orders the buckets; the host does not wait for them.
   void throttle(std::size_t /*most*/) noexcept {}
+
+  /// Enqueues `task` now: the device keeps the order of what is enqueued.
+  void run_in_order(const std::function<void()>& task) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+    task();
+  }
 
  private:
   Owner& owner_;
@@ -11628,6 +11743,13 @@ struct ddp_bucket {
   /// gradients (stage 2) and the updated values wait for the allgather.
   flat_storage<Memory> owned;
   std::size_t owned_count = 0;
+  /// Stage 3 (sharding::parameters): this rank's shard of the values
+  /// (`owned_count` elements, all of them on one rank), the master copy the
+  /// optimizer updates; and, while gather() holds the bucket (`holders` > 0),
+  /// the whole values, allgathered, which the model's value pointers point into.
+  flat_storage<Memory> owned_values;
+  flat_storage<Memory> unsharded;
+  std::size_t holders = 0;
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
   std::size_t pending = 0;  ///< its parameters not yet marked in this step
   bool ready = false;       ///< every parameter marked: may be launched in its turn
@@ -13669,12 +13791,9 @@ class basic_ddp {
     if (it == by_name_.end()) no_such_name(name);
     mark(it->second);
   }
-  /// Marks `p` ready, found by its values' address.
-  void mark_ready(const parameter& p) {
-    auto it = by_data_.find(p.values.data);
-    if (it == by_data_.end()) not_a_parameter(p);
-    mark(it->second);
-  }
+  /// Marks `p` ready, found by its values' address (by its name with
+  /// sharding::parameters, whose values move).
+  void mark_ready(const parameter& p) { mark(index_of(p)); }
   /// Marks each of a braced list ready: `mark_ready({"fc2.w", "fc2.b"})`.
   /// (Without these, `{"a", "b"}` would build one string_view from the two
   /// pointers as an iterator range.)
@@ -13787,7 +13906,7 @@ class basic_ddp {
   /// without it, or at world size 1, nothing is communicated.
   [[nodiscard]] std::vector<bool> used_anywhere();
 
-  // Sharding (ddp_options::sharding, ZeRO stages 1 and 2; ddp/basic_ddp_shards.hpp).
+  // Sharding (ddp_options::sharding, ZeRO stages 1, 2 and 3; ddp/basic_ddp_shards.hpp).
   // The same calls work without sharding, where a rank's shard is every parameter.
 
   /// The pieces of the parameters this rank updates, with their averaged
@@ -13822,6 +13941,7 @@ class basic_ddp {
       use.buckets += b.grads.bytes();
       use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
+      use.values += b.owned_values.bytes() + b.unsharded.bytes();
     }
     use.scratch += staging_[0].bytes() + staging_[1].bytes();
     use.transient_buckets = transient_buckets();
@@ -13853,6 +13973,57 @@ class basic_ddp {
   /// Collective: whether `mine` is true on any rank, on every rank (to skip a
   /// step together when some rank found an inf or a NaN).
   [[nodiscard]] bool any_rank(bool mine);
+
+  /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
+  /// buckets it holds are whole on this rank, and the model's value pointers
+  /// point at them; when the last one holding a bucket goes, the pointers are
+  /// set to null and the memory is given back. Made by gather().
+  class gathered_parameters {
+   public:
+    gathered_parameters(gathered_parameters&& other) noexcept
+        : ddp_(std::exchange(other.ddp_, nullptr)), buckets_(std::move(other.buckets_)) {}
+    gathered_parameters(const gathered_parameters&) = delete;
+    gathered_parameters& operator=(const gathered_parameters&) = delete;
+    gathered_parameters& operator=(gathered_parameters&&) = delete;
+    ~gathered_parameters() {
+      if (ddp_) ddp_->release(buckets_);
+    }
+
+   private:
+    friend class basic_ddp;
+    gathered_parameters(basic_ddp& ddp, std::vector<std::size_t> buckets) noexcept
+        : ddp_(&ddp), buckets_(std::move(buckets)) {}
+    basic_ddp* ddp_;
+    std::vector<std::size_t> buckets_;
+  };
+  /// Collective, with sharding::parameters: allgathers the values of the
+  /// buckets that hold `params` (parameters, indices into parameters(), or
+  /// names), unless a live guard holds them already, and points the model's
+  /// value pointers there until the returned guard goes. Hold one around a
+  /// part's forward and around its backward up to and past its mark_ready:
+  /// `{ auto held = ddp.gather(model.layer_parameters(l)); ...layer l... }`.
+  /// Every rank gathers the same parts in the same order (the allgathers
+  /// run in order with the buckets' reduce-scatters). Other stages: the
+  /// values are whole already, and the guard does nothing.
+  template <std::ranges::input_range R>
+  requires(!std::convertible_to<R, std::string_view>) [[nodiscard]] gathered_parameters
+      gather(R&& params) {
+    std::vector<std::size_t> indices;
+    for (auto&& p : params) indices.push_back(index_of(p));
+    return gather_indices(indices);
+  }
+  /// gather({"fc1.weight", "fc1.bias"}).
+  [[nodiscard]] gathered_parameters gather(std::initializer_list<std::string_view> names) {
+    std::vector<std::size_t> indices;
+    for (std::string_view n : names) indices.push_back(index_of(n));
+    return gather_indices(indices);
+  }
+  /// gather({4, 5}): by index.
+  [[nodiscard]] gathered_parameters gather(std::initializer_list<std::size_t> indices) {
+    std::vector<std::size_t> checked;
+    for (std::size_t i : indices) checked.push_back(index_of(i));
+    return gather_indices(checked);
+  }
 
   /// Throws dtrain::error naming the failure after which this DDP cannot be
   /// used (an engine's error, a timeout); nothing when it is usable.
@@ -13961,6 +14132,32 @@ class basic_ddp {
   [[noreturn]] void marked_twice(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
+  std::size_t index_of(std::size_t index) const {
+    if (index >= vars_.size()) no_such_index(index);
+    return index;
+  }
+  std::size_t index_of(std::string_view name) const {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) no_such_name(name);
+    return it->second;
+  }
+  std::size_t index_of(const parameter& p) const {
+    if (shards_parameters()) {
+      auto it = by_name_.find(p.name);
+      if (it == by_name_.end()) not_a_parameter(p);
+      return it->second;
+    }
+    auto it = by_data_.find(p.values.data);
+    if (it == by_data_.end()) not_a_parameter(p);
+    return it->second;
+  }
+
+  // Stage 3 (ddp/basic_ddp_shards.hpp).
+  gathered_parameters gather_indices(std::span<const std::size_t> indices);
+  void release(std::span<const std::size_t> buckets) noexcept;
+  void take_values();
+  void point_values(std::size_t b, std::byte* whole) noexcept;
+
   bool recording() const noexcept {
     return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
   }
@@ -13970,12 +14167,17 @@ class basic_ddp {
   /// Sharding over more than one rank: each rank owns a shard of every
   /// bucket (padded to size() equal shards), and the updated values come
   /// back by allgather.
-  bool owns_bucket_shards() const noexcept { return shards_optimizer_state() && size_ > 1; }
+  bool owns_bucket_shards() const noexcept {
+    return shards_optimizer_state() && (size_ > 1 || shards_parameters());
+  }
+  /// Stage 3: DDP holds each bucket's values as this rank's shard
+  /// (owned_values), whole only while gather() holds the bucket.
+  bool shards_parameters() const noexcept { return options_.sharding == sharding::parameters; }
   /// Stage 2 over more than one rank: this rank's averaged gradients are its
   /// shard's only, in `owned` (buckets are reduce-scattered there by the
   /// topology: hierarchical, node-local first).
   bool shards_gradients() const noexcept {
-    return options_.sharding == sharding::gradients && size_ > 1;
+    return (options_.sharding == sharding::gradients || shards_parameters()) && size_ > 1;
   }
   /// Stage 2 where memory can give pages back (the host): each bucket's
   /// gradient pages are returned once it is reduce-scattered, and again once
@@ -14006,7 +14208,7 @@ class basic_ddp {
     try {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (owns_bucket_shards()) {
+        if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
           gathers.push_back(launch_gather(b));
           if (transient_buckets() && b > 0) {
             gathers[b - 1].wait();
@@ -14211,6 +14413,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
   lay_out(detail::reverse_order(vars_.size()));
+  if (shards_parameters()) take_values();
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
   runner_.emplace(*this);
@@ -14222,6 +14425,8 @@ basic_ddp<Policy>::~basic_ddp() {
   timeline_.write_at_exit();
   try {
     for (variable& v : vars_) {
+      // Stage 3: the values go with this object; the model's pointer is null.
+      if (shards_parameters()) v.param.rebind(v.param.values_slot, nullptr);
       if (!v.view) continue;
       parameter& p = v.param;
       if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
@@ -14332,8 +14537,15 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     s.moved = (info.count + unit - 1) / unit * unit;
     if (owns_bucket_shards()) {
       s.owned_count = s.moved / static_cast<std::size_t>(size_);
-      s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
-                                                   stream_);
+      // Stage 3 on one rank averages nothing: its gradients stay in the bucket.
+      if (!shards_parameters() || shards_gradients()) {
+        s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
+                                                     info.device, stream_);
+      }
+      if (shards_parameters()) {
+        s.owned_values = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
+                                                            info.device, stream_);
+      }
     }
     try {
       s.grads = transient_buckets()
@@ -14366,7 +14578,7 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       }
     }
   }
-  if (transient_buckets()) {
+  if (transient_buckets() && !shards_parameters()) {  // stage 2's allgathers land there
     std::size_t largest = 0;
     for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
     for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
@@ -14525,7 +14737,7 @@ std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
 // ---- end dtrain/ddp/basic_ddp_buckets.hpp ----
 // ---- begin dtrain/ddp/basic_ddp_shards.hpp ----
 /// @file
-/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1 and 2): the
+/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1, 2 and 3): the
 /// pieces of the parameters a rank owns, the allgather of the updated values,
 /// and the two helpers every trainer needs beside them (the global gradient
 /// norm, a decision all ranks take together). Out-of-class members of
@@ -14584,7 +14796,9 @@ void basic_ddp<Policy>::make_pieces() {
       const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
       if (lo >= hi) continue;
       buffer values = p.values;
-      values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
+      // Stage 3: the shard of the values is DDP's (owned_values), not the model's.
+      values.data = shards_parameters() ? s.owned_values.data() + (lo - first) * elem
+                                        : static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
       values.count = hi - lo;
       std::byte* gradients =
           shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
@@ -14715,6 +14929,106 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
   broken_ = true;
   broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
                     ") in the middle of its update and allgathers: the ranks' values may differ";
+}
+
+// ---- Stage 3 (sharding::parameters) -----------------------------------------
+// Each bucket's values live as this rank's shard in owned_values (the pieces'
+// values: the optimizer updates them there); gather() allgathers a bucket's
+// shards into `unsharded`, the whole values, and points the model's value
+// pointers into it; the last guard's release frees it and sets them to null.
+// The allgathers run on the bucket runner, in order with the buckets'
+// reduce-scatters (run_in_order): every rank issues its collectives in the
+// same order, whichever thread runs them.
+
+/// Construction: this rank's shard of the values (rank 0's, broadcast) into
+/// owned_values; the model's value pointers are null from here on.
+template <class Policy>
+void basic_ddp<Policy>::take_values() {
+  for (bucket& s : buckets_) {
+    const std::size_t elem = size_of(s.info.type);
+    const std::size_t first = shard_first(s), last = first + s.owned_count;
+    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
+      const parameter& p = vars_[s.info.parameters[k]].param;
+      const std::size_t at = s.info.offsets[k] / elem;
+      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
+      if (lo >= hi) continue;
+      memory_space::copy(s.owned_values.data() + (lo - first) * elem,
+                         static_cast<const std::byte*>(p.values.data) + (lo - at) * elem,
+                         (hi - lo) * elem, s.info.device, stream_);
+    }
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) point_values(b, nullptr);
+}
+
+/// The model's values of bucket b's parameters at `whole` (their places in
+/// the bucket's layout), or null.
+template <class Policy>
+void basic_ddp<Policy>::point_values(std::size_t b, std::byte* whole) noexcept {
+  for (const std::size_t i : buckets_[b].info.parameters) {
+    parameter& p = vars_[i].param;
+    p.values.data = whole ? whole + vars_[i].offset : nullptr;
+    p.rebind(p.values_slot, p.values.data);
+  }
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indices(
+    std::span<const std::size_t> indices) {
+  if (!shards_parameters()) return gathered_parameters(*this, {});
+  std::vector<std::size_t> held;
+  for (const std::size_t i : indices) held.push_back(vars_[i].bucket);
+  std::sort(held.begin(), held.end());
+  held.erase(std::unique(held.begin(), held.end()), held.end());
+  std::vector<std::size_t> fetch;  // not held by a live guard yet
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    for (const std::size_t b : held) {
+      if (buckets_[b].holders++ == 0) fetch.push_back(b);
+    }
+  }
+  gathered_parameters guard(*this, std::move(held));  // releases the counts if this throws
+  for (const std::size_t b : fetch) {
+    bucket& s = buckets_[b];
+    const std::size_t elem = size_of(s.info.type);
+    // Host: fresh zero pages (no memset: the allgather writes them all), unmapped at release.
+    s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
+                                                     detail::droppable_pages);
+    if (size_ == 1) {
+      memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
+                         stream_);
+    } else {
+      auto allgather = [&] {
+        const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
+        const buffer mine{s.owned_values.data(), s.owned_count, s.info.type, memory_space::where,
+                          s.grads.device()};
+        const buffer all{s.unsharded.data(), s.moved, s.info.type, memory_space::where,
+                         s.grads.device()};
+        const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type,
+                             memory_space::where, s.grads.device()};
+        topo_.allgather(mine, scratch, all, on_stream_or_null()).wait();
+      };
+      try {
+        runner_->run_in_order(allgather);
+      } catch (...) {
+        const std::lock_guard lock(mutex_);
+        fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+      }
+    }
+    point_values(b, s.unsharded.data());
+  }
+  return guard;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
+  const std::lock_guard lock(mutex_);
+  for (const std::size_t b : held) {
+    bucket& s = buckets_[b];
+    if (s.holders == 0 || --s.holders > 0) continue;
+    point_values(b, nullptr);
+    s.unsharded = {};
+  }
 }
 
 template <class Policy>
@@ -15058,10 +15372,11 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
                        " (after mark_ready, before synchronize()): register it between steps");
   }
-  if (options_.sharding == sharding::gradients) {
+  if (options_.sharding == sharding::gradients || options_.sharding == sharding::parameters) {
     throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) +
-                       ": ddp_options::sharding is gradients, "
+                       std::to_string(rank_) + ": ddp_options::sharding is " +
+                       std::string(to_string(options_.sharding)) +
+                       ", "
                        "whose buckets are reduce-scattered, not allreduced; "
                        "a hook replaces an allreduce (use sharding::optimizer)");
   }
@@ -24742,6 +25057,12 @@ class checkpoint {
   requires detail::parameter_list<Params> checkpoint& add(const Params& params) {
     for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
       const parameter& p = detail::parameter_at(params, i);
+      if (!p.values.data && p.values.count > 0) {  // ZeRO stage 3 holds them sharded
+        throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": parameter '" +
+                           p.name +
+                           "' has no values here (ddp_options::sharding = parameters holds "
+                           "them as shards; checkpoints of those are not there yet)");
+      }
       add(p.name, p.values, checkpoint_scope::replicated, p.shape);
     }
     return *this;

@@ -1,5 +1,5 @@
-// dtrain_ddp_shard: the sharding test (ddp_options::sharding, ZeRO stages 1
-// and 2), doctest case "sharding" run in every rank through dtrain::run
+// dtrain_ddp_shard: the sharding test (ddp_options::sharding, ZeRO stages 1,
+// 2 and 3), doctest case "sharding" run in every rank through dtrain::run
 // (tests/support/multirank.hpp; tests/ddp/ddp.cmake registers it):
 //
 //   mpirun -n N dtrain_ddp_shard --engine=mpi --test-case=sharding
@@ -11,7 +11,9 @@
 // more, one that keeps its own gradient buffer, one that no rank ever marks)
 // trains 6 steps on each rank's own samples, step 3 accumulating two
 // micro-batches in no_sync(), with gradient clipping by the global norm. It
-// is trained with DDP (sharding none), stage 1 and stage 2, each with
+// is trained with DDP (sharding none), stages 1, 2 and 3 (at stage 3 the
+// values are DDP's: the model's pointers are null outside ddp.gather(), which
+// holds them around the backward pass and the marks), each with
 // SGD-momentum and with Adam written against shard() (state of
 // shard_elements()), and by one process on the whole batch in double. Each
 // variant's weights must match DDP's within 1e-5 and the single process's
@@ -20,6 +22,8 @@
 // error naming the rank. Prints one line per rank; what differs fails the case.
 
 #include "../support/multirank.hpp"
+
+#include <dtrain/checkpoint.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -71,11 +75,17 @@ struct linear_model {
   std::vector<std::vector<float>> w;
   std::vector<float*> view;  // gradients dtrain repoints into its buckets
   std::vector<float> own = std::vector<float>(sizes[copy_mode]);  // the copy-mode gradient
+  /// Stage 3 (sharding::parameters): the values as pointers DDP holds
+  /// (null outside gather()); w keeps the initial values it copies.
+  bool values_held = false;
+  std::vector<float*> held;
 
-  linear_model() : w(parameter_count), view(parameter_count, nullptr) {
+  explicit linear_model(bool stage3 = false)
+      : w(parameter_count), view(parameter_count, nullptr), values_held(stage3) {
     for (std::size_t p = 0; p < parameter_count; ++p) {
       for (std::size_t i = 0; i < sizes[p]; ++i)
         w[p].push_back(static_cast<float>(0.1 * hash_unit(p, i)));
+      held.push_back(w[p].data());
     }
   }
   std::vector<dtrain::parameter> parameters() {
@@ -83,7 +93,9 @@ struct linear_model {
     for (std::size_t p = 0; p < parameter_count; ++p) {
       std::string name = "w";  // (not "w" + to_string: GCC 12's -Wrestrict misfires at -O2)
       name += std::to_string(p);
-      if (p == copy_mode) {
+      if (values_held) {
+        out.push_back(dtrain::param(name, held[p], sizes[p], view[p]));
+      } else if (p == copy_mode) {
         out.push_back(dtrain::param(name, w[p], own));
       } else {
         out.push_back(dtrain::param(name, w[p], view[p]));
@@ -91,7 +103,8 @@ struct linear_model {
     }
     return out;
   }
-  float* grad(std::size_t p) { return p == copy_mode ? own.data() : view[p]; }
+  float* grad(std::size_t p) { return p == copy_mode && !values_held ? own.data() : view[p]; }
+  const float* values(std::size_t p) const { return values_held ? held[p] : w[p].data(); }
 
   /// Adds this micro-batch's mean gradient of 0.5 (w.x - t)^2 into the gradients.
   void backward(int step, int micro, int rank, int size) {
@@ -100,8 +113,9 @@ struct linear_model {
       double y = 0;
       for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
         if (p == unused) continue;
+        const float* v = values(p);
         for (std::size_t i = 0; i < sizes[p]; ++i)
-          y += static_cast<double>(w[p][i]) * feature(s, d + i);
+          y += static_cast<double>(v[i]) * feature(s, d + i);
       }
       const double r = (y - target(s)) / static_cast<double>(batch);
       for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
@@ -186,7 +200,8 @@ bool pages_gone(const void* data, std::size_t bytes, std::string& why) {
 template <class Context>
 result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
   using Policy = typename Context::policy_type;
-  linear_model model;
+  const bool stage3 = sharding == dtrain::sharding::parameters;
+  linear_model model(stage3);
   dtrain::DistributedDataParallel<linear_model, Policy> ddp(ctx, model,
                                                             {.bucket_cap_mb = 0.004,
                                                              .first_bucket_cap_mb = 0.002,
@@ -197,7 +212,11 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
   result out;
   out.shard_elements = ddp.shard_elements();
   out.topology = ddp.topology().describe();
-  const bool transient = sharding == dtrain::sharding::gradients && ctx.size() > 1;
+  const bool transient = sharding != dtrain::sharding::none &&
+                         sharding != dtrain::sharding::optimizer && ctx.size() > 1;
+  if (stage3 && std::any_of(model.held.begin(), model.held.end(), [](float* v) { return v; })) {
+    out.page_problem = "stage 3: a value pointer is not null outside gather()";
+  }
   if (ddp.memory_use().transient_buckets != transient) {
     out.page_problem = "memory_use().transient_buckets is wrong";
   }
@@ -206,13 +225,21 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
     for (std::size_t p = 0; p < parameter_count; ++p) {
       if (p != unused) std::fill_n(model.grad(p), sizes[p], 0.0f);
     }
-    if (step == accumulating_step) {
-      auto guard = ddp.no_sync();
-      model.backward(step, 1, ctx.rank(), ctx.size());
+    {
+      // Stage 3: the values are whole while `held` lives (the model is one
+      // part: its backward reads every parameter); elsewhere it does nothing.
+      auto held = ddp.gather(ddp.parameters());
+      if (step == accumulating_step) {
+        auto guard = ddp.no_sync();
+        model.backward(step, 1, ctx.rank(), ctx.size());
+      }
+      model.backward(step, 0, ctx.rank(), ctx.size());
+      for (std::size_t p = parameter_count; p-- > 0;) {
+        if (p != unused) ddp.mark_ready(p);
+      }
     }
-    model.backward(step, 0, ctx.rank(), ctx.size());
-    for (std::size_t p = parameter_count; p-- > 0;) {
-      if (p != unused) ddp.mark_ready(p);
+    if (stage3 && model.held[0] != nullptr) {
+      out.page_problem = "stage 3: the value pointers are not null once the guard is gone";
     }
     ddp.synchronize();
     // Stage 2 on the host: the buckets' pages went back after their reduce-scatter.
@@ -229,7 +256,26 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
                  piece.state_offset, scale);
     });
   }
-  out.w = model.w;
+  if (stage3) {
+    // A checkpoint of the values is not there yet at stage 3: refused by
+    // name when the parameters are added, not a crash at the first save.
+    dtrain::checkpoint ck(ctx.control_plane(), {.dir = "unused"});
+    try {
+      ck.add(ddp.parameters());
+      out.page_problem = "stage 3: checkpoint::add took parameters without values";
+    } catch (const dtrain::config_error& e) {
+      if (std::string(e.what()).find("parameter 'w0' has no values here") == std::string::npos)
+        out.page_problem = std::string("stage 3: checkpoint::add said: ") + e.what();
+    }
+  }
+  if (stage3) {  // the whole model, gathered, as an export for inference would take it
+    auto held = ddp.gather(ddp.parameters());
+    out.w.assign(parameter_count, {});
+    for (std::size_t p = 0; p < parameter_count; ++p)
+      out.w[p].assign(model.held[p], model.held[p] + sizes[p]);
+  } else {
+    out.w = model.w;
+  }
 
   // The pieces of every rank cover each parameter once (without sharding,
   // each rank's cover it whole).
@@ -342,6 +388,25 @@ double distance(const result& got, const result& expected) {
 template <class Context>
 int run_case(Context& ctx, std::string_view topology) {
   int failures = 0;
+  {
+    // Stage 3 holds the values itself: a parameter given as storage is
+    // refused by name, on every rank.
+    using Policy = typename Context::policy_type;
+    linear_model plain;
+    try {
+      dtrain::DistributedDataParallel<linear_model, Policy> ddp(
+          ctx, plain, {.sharding = dtrain::sharding::parameters});
+      std::fprintf(stderr, "rank %d: stage 3 took values given as storage\n", ctx.rank());
+      ++failures;
+    } catch (const dtrain::config_error& e) {
+      const std::string what = e.what();
+      const bool named =
+          what.find("parameter 'w0' gives its values as storage") != std::string::npos &&
+          what.find("rank " + std::to_string(ctx.rank())) != std::string::npos;
+      CHECK_MESSAGE(named, "rank " << ctx.rank() << ": stage 3 refusal: " << what);
+      failures += named ? 0 : 1;
+    }
+  }
   for (const optimizer_kind kind : {optimizer_kind::sgd, optimizer_kind::adam}) {
     const char* name = kind == optimizer_kind::sgd ? "sgd-momentum" : "adam";
     const result ddp = train(ctx, dtrain::sharding::none, kind);
@@ -351,13 +416,13 @@ int run_case(Context& ctx, std::string_view topology) {
                                              << ": DDP differs from one process by " << to_single);
     if (!(to_single <= 1e-4)) ++failures;
     for (const dtrain::sharding stage :
-         {dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+         {dtrain::sharding::optimizer, dtrain::sharding::gradients, dtrain::sharding::parameters}) {
       const result sharded = train(ctx, stage, kind);
       const double to_ddp = distance(sharded, ddp), to_one = distance(sharded, single);
       // A hierarchical job must really run hierarchically (2 nodes x 2 ranks).
       const bool layered = topology != "hierarchical" ||
                            sharded.topology.find("2 nodes x 2 ranks") != std::string::npos;
-      const bool transient = stage == dtrain::sharding::gradients && ctx.size() > 1;
+      const bool transient = stage != dtrain::sharding::optimizer && ctx.size() > 1;
       const bool ok = layered && to_ddp <= 1e-5 && to_one <= 1e-4 &&
                       (ctx.size() == 1 || sharded.shard_elements < ddp.shard_elements) &&
                       sharded.page_problem.empty() && sharded.pages_returned == transient;

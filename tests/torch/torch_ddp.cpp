@@ -417,6 +417,20 @@ void check_local_refusal(dtrain::context<Policy>& ctx) {
   }
 }
 
+// ZeRO stage 3 is not there for modules yet: refused by name on every rank.
+void check_stage3_refusal(dtrain::context<Policy>& ctx) {
+  Net net = make_net(1001);
+  try {
+    dtrain::torch::DistributedDataParallel ddp(ctx, net,
+                                               {.sharding = dtrain::sharding::parameters});
+    check(false, ctx.rank(), "sharding::parameters on a module was accepted");
+  } catch (const dtrain::config_error& e) {
+    const std::string what = e.what();
+    check(what.find("sharding = parameters (ZeRO stage 3) is not there yet") != std::string::npos,
+          ctx.rank(), "stage 3 refusal: " + what);
+  }
+}
+
 // `call` must throw dtrain::error with every one of `words` in its message.
 template <class Call>
 void expect_error(int rank, const std::string& what, Call&& call,
@@ -847,6 +861,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_mismatch(ctx);
   check_no_sync_guard(ctx);
   check_local_refusal(ctx);
+  check_stage3_refusal(ctx);
   check_incomplete_step(ctx);
   check_undefined_gradient(ctx);
   check_failure_in_backward(ctx);

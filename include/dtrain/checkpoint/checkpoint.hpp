@@ -171,6 +171,12 @@ class checkpoint {
   requires detail::parameter_list<Params> checkpoint& add(const Params& params) {
     for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
       const parameter& p = detail::parameter_at(params, i);
+      if (!p.values.data && p.values.count > 0) {  // ZeRO stage 3 holds them sharded
+        throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": parameter '" +
+                           p.name +
+                           "' has no values here (ddp_options::sharding = parameters holds "
+                           "them as shards; checkpoints of those are not there yet)");
+      }
       add(p.name, p.values, checkpoint_scope::replicated, p.shape);
     }
     return *this;

@@ -90,17 +90,32 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
              " reaches host memory only";
     }
   }
-  if (options.sharding == sharding::gradients &&
+  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
+      options.sharding != sharding::gradients && options.sharding != sharding::parameters) {
+    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
+           ", not none (0), optimizer (1), gradients (2) or parameters (3)";
+  }
+  if ((options.sharding == sharding::gradients || options.sharding == sharding::parameters) &&
       options.compression != gradient_compression::none) {
-    return who + "ddp_options::sharding is gradients and ddp_options::compression is " +
-           std::string(to_string(options.compression)) +
+    return who + "ddp_options::sharding is " + std::string(to_string(options.sharding)) +
+           " and ddp_options::compression is " + std::string(to_string(options.compression)) +
            ": a compressed reduce-scatter is not there yet (use sharding::optimizer, "
            "or no compression)";
   }
-  if (options.sharding != sharding::none && options.sharding != sharding::optimizer &&
-      options.sharding != sharding::gradients) {
-    return who + "ddp_options::sharding is " + std::to_string(static_cast<int>(options.sharding)) +
-           ", not none (0), optimizer (1) or gradients (2)";
+  if (options.sharding == sharding::parameters) {
+    // Stage 3: DDP holds the values, and points the model's values there.
+    if (on_device) {
+      return who + "ddp_options::sharding is parameters, which is not there yet on GPUs (" +
+             std::string(backend) + "): use sharding::gradients";
+    }
+    for (const parameter& p : params) {
+      if (!p.values_rebindable()) {
+        return who + "parameter '" + p.name +
+               "' gives its values as storage, but ddp_options::sharding = parameters holds "
+               "the values itself: declare it with dtrain::param(name, values_pointer, count, "
+               "gradient_pointer)";
+      }
+    }
   }
   try {
     (void)mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");

@@ -184,12 +184,9 @@ class basic_ddp {
     if (it == by_name_.end()) no_such_name(name);
     mark(it->second);
   }
-  /// Marks `p` ready, found by its values' address.
-  void mark_ready(const parameter& p) {
-    auto it = by_data_.find(p.values.data);
-    if (it == by_data_.end()) not_a_parameter(p);
-    mark(it->second);
-  }
+  /// Marks `p` ready, found by its values' address (by its name with
+  /// sharding::parameters, whose values move).
+  void mark_ready(const parameter& p) { mark(index_of(p)); }
   /// Marks each of a braced list ready: `mark_ready({"fc2.w", "fc2.b"})`.
   /// (Without these, `{"a", "b"}` would build one string_view from the two
   /// pointers as an iterator range.)
@@ -302,7 +299,7 @@ class basic_ddp {
   /// without it, or at world size 1, nothing is communicated.
   [[nodiscard]] std::vector<bool> used_anywhere();
 
-  // Sharding (ddp_options::sharding, ZeRO stages 1 and 2; ddp/basic_ddp_shards.hpp).
+  // Sharding (ddp_options::sharding, ZeRO stages 1, 2 and 3; ddp/basic_ddp_shards.hpp).
   // The same calls work without sharding, where a rank's shard is every parameter.
 
   /// The pieces of the parameters this rank updates, with their averaged
@@ -337,6 +334,7 @@ class basic_ddp {
       use.buckets += b.grads.bytes();
       use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
+      use.values += b.owned_values.bytes() + b.unsharded.bytes();
     }
     use.scratch += staging_[0].bytes() + staging_[1].bytes();
     use.transient_buckets = transient_buckets();
@@ -368,6 +366,57 @@ class basic_ddp {
   /// Collective: whether `mine` is true on any rank, on every rank (to skip a
   /// step together when some rank found an inf or a NaN).
   [[nodiscard]] bool any_rank(bool mine);
+
+  /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
+  /// buckets it holds are whole on this rank, and the model's value pointers
+  /// point at them; when the last one holding a bucket goes, the pointers are
+  /// set to null and the memory is given back. Made by gather().
+  class gathered_parameters {
+   public:
+    gathered_parameters(gathered_parameters&& other) noexcept
+        : ddp_(std::exchange(other.ddp_, nullptr)), buckets_(std::move(other.buckets_)) {}
+    gathered_parameters(const gathered_parameters&) = delete;
+    gathered_parameters& operator=(const gathered_parameters&) = delete;
+    gathered_parameters& operator=(gathered_parameters&&) = delete;
+    ~gathered_parameters() {
+      if (ddp_) ddp_->release(buckets_);
+    }
+
+   private:
+    friend class basic_ddp;
+    gathered_parameters(basic_ddp& ddp, std::vector<std::size_t> buckets) noexcept
+        : ddp_(&ddp), buckets_(std::move(buckets)) {}
+    basic_ddp* ddp_;
+    std::vector<std::size_t> buckets_;
+  };
+  /// Collective, with sharding::parameters: allgathers the values of the
+  /// buckets that hold `params` (parameters, indices into parameters(), or
+  /// names), unless a live guard holds them already, and points the model's
+  /// value pointers there until the returned guard goes. Hold one around a
+  /// part's forward and around its backward up to and past its mark_ready:
+  /// `{ auto held = ddp.gather(model.layer_parameters(l)); ...layer l... }`.
+  /// Every rank gathers the same parts in the same order (the allgathers
+  /// run in order with the buckets' reduce-scatters). Other stages: the
+  /// values are whole already, and the guard does nothing.
+  template <std::ranges::input_range R>
+  requires(!std::convertible_to<R, std::string_view>) [[nodiscard]] gathered_parameters
+      gather(R&& params) {
+    std::vector<std::size_t> indices;
+    for (auto&& p : params) indices.push_back(index_of(p));
+    return gather_indices(indices);
+  }
+  /// gather({"fc1.weight", "fc1.bias"}).
+  [[nodiscard]] gathered_parameters gather(std::initializer_list<std::string_view> names) {
+    std::vector<std::size_t> indices;
+    for (std::string_view n : names) indices.push_back(index_of(n));
+    return gather_indices(indices);
+  }
+  /// gather({4, 5}): by index.
+  [[nodiscard]] gathered_parameters gather(std::initializer_list<std::size_t> indices) {
+    std::vector<std::size_t> checked;
+    for (std::size_t i : indices) checked.push_back(index_of(i));
+    return gather_indices(checked);
+  }
 
   /// Throws dtrain::error naming the failure after which this DDP cannot be
   /// used (an engine's error, a timeout); nothing when it is usable.
@@ -476,6 +525,32 @@ class basic_ddp {
   [[noreturn]] void marked_twice(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
+  std::size_t index_of(std::size_t index) const {
+    if (index >= vars_.size()) no_such_index(index);
+    return index;
+  }
+  std::size_t index_of(std::string_view name) const {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) no_such_name(name);
+    return it->second;
+  }
+  std::size_t index_of(const parameter& p) const {
+    if (shards_parameters()) {
+      auto it = by_name_.find(p.name);
+      if (it == by_name_.end()) not_a_parameter(p);
+      return it->second;
+    }
+    auto it = by_data_.find(p.values.data);
+    if (it == by_data_.end()) not_a_parameter(p);
+    return it->second;
+  }
+
+  // Stage 3 (ddp/basic_ddp_shards.hpp).
+  gathered_parameters gather_indices(std::span<const std::size_t> indices);
+  void release(std::span<const std::size_t> buckets) noexcept;
+  void take_values();
+  void point_values(std::size_t b, std::byte* whole) noexcept;
+
   bool recording() const noexcept {
     return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
   }
@@ -485,12 +560,17 @@ class basic_ddp {
   /// Sharding over more than one rank: each rank owns a shard of every
   /// bucket (padded to size() equal shards), and the updated values come
   /// back by allgather.
-  bool owns_bucket_shards() const noexcept { return shards_optimizer_state() && size_ > 1; }
+  bool owns_bucket_shards() const noexcept {
+    return shards_optimizer_state() && (size_ > 1 || shards_parameters());
+  }
+  /// Stage 3: DDP holds each bucket's values as this rank's shard
+  /// (owned_values), whole only while gather() holds the bucket.
+  bool shards_parameters() const noexcept { return options_.sharding == sharding::parameters; }
   /// Stage 2 over more than one rank: this rank's averaged gradients are its
   /// shard's only, in `owned` (buckets are reduce-scattered there by the
   /// topology: hierarchical, node-local first).
   bool shards_gradients() const noexcept {
-    return options_.sharding == sharding::gradients && size_ > 1;
+    return (options_.sharding == sharding::gradients || shards_parameters()) && size_ > 1;
   }
   /// Stage 2 where memory can give pages back (the host): each bucket's
   /// gradient pages are returned once it is reduce-scattered, and again once
@@ -521,7 +601,7 @@ class basic_ddp {
     try {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (owns_bucket_shards()) {
+        if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
           gathers.push_back(launch_gather(b));
           if (transient_buckets() && b > 0) {
             gathers[b - 1].wait();
@@ -726,6 +806,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
   lay_out(detail::reverse_order(vars_.size()));
+  if (shards_parameters()) take_values();
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
   runner_.emplace(*this);
@@ -737,6 +818,8 @@ basic_ddp<Policy>::~basic_ddp() {
   timeline_.write_at_exit();
   try {
     for (variable& v : vars_) {
+      // Stage 3: the values go with this object; the model's pointer is null.
+      if (shards_parameters()) v.param.rebind(v.param.values_slot, nullptr);
       if (!v.view) continue;
       parameter& p = v.param;
       if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);

@@ -54,8 +54,15 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     s.moved = (info.count + unit - 1) / unit * unit;
     if (owns_bucket_shards()) {
       s.owned_count = s.moved / static_cast<std::size_t>(size_);
-      s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type), info.device,
-                                                   stream_);
+      // Stage 3 on one rank averages nothing: its gradients stay in the bucket.
+      if (!shards_parameters() || shards_gradients()) {
+        s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
+                                                     info.device, stream_);
+      }
+      if (shards_parameters()) {
+        s.owned_values = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
+                                                            info.device, stream_);
+      }
     }
     try {
       s.grads = transient_buckets()
@@ -88,7 +95,7 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       }
     }
   }
-  if (transient_buckets()) {
+  if (transient_buckets() && !shards_parameters()) {  // stage 2's allgathers land there
     std::size_t largest = 0;
     for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
     for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);

@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1 and 2): the
+/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1, 2 and 3): the
 /// pieces of the parameters a rank owns, the allgather of the updated values,
 /// and the two helpers every trainer needs beside them (the global gradient
 /// norm, a decision all ranks take together). Out-of-class members of
@@ -60,7 +60,9 @@ void basic_ddp<Policy>::make_pieces() {
       const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
       if (lo >= hi) continue;
       buffer values = p.values;
-      values.data = static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
+      // Stage 3: the shard of the values is DDP's (owned_values), not the model's.
+      values.data = shards_parameters() ? s.owned_values.data() + (lo - first) * elem
+                                        : static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
       values.count = hi - lo;
       std::byte* gradients =
           shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
@@ -191,6 +193,106 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
   broken_ = true;
   broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
                     ") in the middle of its update and allgathers: the ranks' values may differ";
+}
+
+// ---- Stage 3 (sharding::parameters) -----------------------------------------
+// Each bucket's values live as this rank's shard in owned_values (the pieces'
+// values: the optimizer updates them there); gather() allgathers a bucket's
+// shards into `unsharded`, the whole values, and points the model's value
+// pointers into it; the last guard's release frees it and sets them to null.
+// The allgathers run on the bucket runner, in order with the buckets'
+// reduce-scatters (run_in_order): every rank issues its collectives in the
+// same order, whichever thread runs them.
+
+/// Construction: this rank's shard of the values (rank 0's, broadcast) into
+/// owned_values; the model's value pointers are null from here on.
+template <class Policy>
+void basic_ddp<Policy>::take_values() {
+  for (bucket& s : buckets_) {
+    const std::size_t elem = size_of(s.info.type);
+    const std::size_t first = shard_first(s), last = first + s.owned_count;
+    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
+      const parameter& p = vars_[s.info.parameters[k]].param;
+      const std::size_t at = s.info.offsets[k] / elem;
+      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
+      if (lo >= hi) continue;
+      memory_space::copy(s.owned_values.data() + (lo - first) * elem,
+                         static_cast<const std::byte*>(p.values.data) + (lo - at) * elem,
+                         (hi - lo) * elem, s.info.device, stream_);
+    }
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) point_values(b, nullptr);
+}
+
+/// The model's values of bucket b's parameters at `whole` (their places in
+/// the bucket's layout), or null.
+template <class Policy>
+void basic_ddp<Policy>::point_values(std::size_t b, std::byte* whole) noexcept {
+  for (const std::size_t i : buckets_[b].info.parameters) {
+    parameter& p = vars_[i].param;
+    p.values.data = whole ? whole + vars_[i].offset : nullptr;
+    p.rebind(p.values_slot, p.values.data);
+  }
+}
+
+template <class Policy>
+typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indices(
+    std::span<const std::size_t> indices) {
+  if (!shards_parameters()) return gathered_parameters(*this, {});
+  std::vector<std::size_t> held;
+  for (const std::size_t i : indices) held.push_back(vars_[i].bucket);
+  std::sort(held.begin(), held.end());
+  held.erase(std::unique(held.begin(), held.end()), held.end());
+  std::vector<std::size_t> fetch;  // not held by a live guard yet
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    for (const std::size_t b : held) {
+      if (buckets_[b].holders++ == 0) fetch.push_back(b);
+    }
+  }
+  gathered_parameters guard(*this, std::move(held));  // releases the counts if this throws
+  for (const std::size_t b : fetch) {
+    bucket& s = buckets_[b];
+    const std::size_t elem = size_of(s.info.type);
+    // Host: fresh zero pages (no memset: the allgather writes them all), unmapped at release.
+    s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
+                                                     detail::droppable_pages);
+    if (size_ == 1) {
+      memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
+                         stream_);
+    } else {
+      auto allgather = [&] {
+        const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
+        const buffer mine{s.owned_values.data(), s.owned_count, s.info.type, memory_space::where,
+                          s.grads.device()};
+        const buffer all{s.unsharded.data(), s.moved, s.info.type, memory_space::where,
+                         s.grads.device()};
+        const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type,
+                             memory_space::where, s.grads.device()};
+        topo_.allgather(mine, scratch, all, on_stream_or_null()).wait();
+      };
+      try {
+        runner_->run_in_order(allgather);
+      } catch (...) {
+        const std::lock_guard lock(mutex_);
+        fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+      }
+    }
+    point_values(b, s.unsharded.data());
+  }
+  return guard;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
+  const std::lock_guard lock(mutex_);
+  for (const std::size_t b : held) {
+    bucket& s = buckets_[b];
+    if (s.holders == 0 || --s.holders > 0) continue;
+    point_values(b, nullptr);
+    s.unsharded = {};
+  }
 }
 
 template <class Policy>

@@ -252,10 +252,11 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
                        " (after mark_ready, before synchronize()): register it between steps");
   }
-  if (options_.sharding == sharding::gradients) {
+  if (options_.sharding == sharding::gradients || options_.sharding == sharding::parameters) {
     throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) +
-                       ": ddp_options::sharding is gradients, "
+                       std::to_string(rank_) + ": ddp_options::sharding is " +
+                       std::string(to_string(options_.sharding)) +
+                       ", "
                        "whose buckets are reduce-scattered, not allreduced; "
                        "a hook replaces an allreduce (use sharding::optimizer)");
   }

@@ -44,6 +44,14 @@ enum class sharding : std::uint8_t {
   /// rank keeps only its shard of the averaged gradients (the optimizer
   /// state too, as stage 1).
   gradients = 2,
+  /// Stage 3 (FSDP's FULL_SHARD): as stage 2, and between uses a rank holds
+  /// only its shard of the parameters' values too. The model declares its
+  /// values with param(name, T*& values, count, T*& gradient), and holds
+  /// DistributedDataParallel::gather(...) around each part's forward and
+  /// backward: the values are whole (allgathered) while the guard lives, and
+  /// the model's pointers are null otherwise. The optimizer updates the
+  /// shard; nothing is allgathered after it. Host memory (Gloo, MPI) only.
+  parameters = 3,
 };
 
 [[nodiscard]] constexpr std::string_view to_string(sharding s) noexcept {
@@ -51,6 +59,7 @@ enum class sharding : std::uint8_t {
     case sharding::none: return "none";
     case sharding::optimizer: return "optimizer";
     case sharding::gradients: return "gradients";
+    case sharding::parameters: return "parameters";
   }
   return "unknown";
 }
@@ -84,12 +93,15 @@ struct ddp_memory_use {
   std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
   std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
   std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
+  /// Stage 3 (sharding::parameters): this rank's shard of the values, and the
+  /// whole values of the buckets gather() holds now (the model holds none).
+  std::size_t values = 0;
   /// Stage 2 on the host: the buckets' pages are resident only while a
   /// bucket is being filled or is in flight (given back after its
   /// reduce-scatter and after its allgather), so `buckets` is address space
   /// and held() leaves it out.
   bool transient_buckets = false;
-  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch; }
+  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch + values; }
   /// What stays allocated between steps.
   [[nodiscard]] std::size_t held() const noexcept {
     return total() - (transient_buckets ? buckets : 0);
@@ -146,10 +158,11 @@ struct ddp_options {
   /// over what arrives; set_stream() changes it later. Null: the legacy default
   /// stream. Host backends (Gloo, MPI) have no stream: leave it null.
   stream_handle stream = nullptr;
-  /// Shard the optimizer state (and the averaged gradients) across the ranks:
-  /// ZeRO stage 1 or 2 (see dtrain::sharding). The bucket layout is then the
-  /// first one (no rebuild): a rank's shard, and its optimizer state, stay
-  /// where they are. Not with compression or a comm hook at stage 2.
+  /// Shard the optimizer state (and the averaged gradients, and the values)
+  /// across the ranks: ZeRO stage 1, 2 or 3 (see dtrain::sharding). The
+  /// bucket layout is then the first one (no rebuild): a rank's shard, and
+  /// its optimizer state, stay where they are. Not with compression or a comm
+  /// hook at stages 2 and 3.
   dtrain::sharding sharding = dtrain::sharding::none;
 };
 

@@ -36,6 +36,11 @@ struct parameter {
   /// pointer dtrain may repoint into its own flat bucket storage.
   void* gradient_slot = nullptr;
   void (*rebind)(void* slot, void* storage) noexcept = nullptr;
+  /// Set by param(name, T*& values, count, T*& gradient): the model's
+  /// pointer to its values, which sharding::parameters (ZeRO stage 3) points
+  /// into DDP's storage while the values are gathered, and sets to null
+  /// between (through `rebind`).
+  void* values_slot = nullptr;
   /// The dimensions the model gives the values (a tensor's sizes), for
   /// messages: a model that differs across ranks is named by them
   /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
@@ -43,6 +48,9 @@ struct parameter {
 
   [[nodiscard]] bool rebindable() const noexcept {
     return gradient_slot != nullptr && rebind != nullptr;
+  }
+  [[nodiscard]] bool values_rebindable() const noexcept {
+    return values_slot != nullptr && rebindable();
   }
   [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
 };
@@ -120,6 +128,25 @@ template <detail::element_range V>
           .device = -1,
           .gradient_slot = &gradient,
           .rebind = &detail::rebind_pointer<T>};
+}
+
+/// A host parameter whose values and gradient the model keeps as pointers
+/// (`float* w; float* grad_w;`), for ddp_options::sharding = parameters (ZeRO
+/// stage 3): DDP copies the `count` values `values` points to at construction
+/// (the model may free that storage afterwards), keeps this rank's shard of
+/// them, and points `values` at the whole values while
+/// DistributedDataParallel::gather() holds them (null otherwise). The
+/// gradient is a bucket view, as with param(name, values, gradient). Other
+/// stages use it as param(name, std::span(values, count), gradient).
+template <element T>
+[[nodiscard]] parameter param(std::string name, T*& values, std::size_t count, T*& gradient) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::host},
+          .gradient = gradient,
+          .device = -1,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>,
+          .values_slot = &values};
 }
 
 /// A host parameter whose gradient buffer the model owns and keeps: dtrain

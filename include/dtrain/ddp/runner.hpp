@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -52,10 +53,45 @@ class thread_runner {
     bool idle = false;
     {
       std::lock_guard lock(mutex_);
-      queue_.push_back(bucket);
+      queue_.push_back({bucket, {}});
       idle = !busy_;
     }
     if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
+  }
+
+  /// Runs `task` (a collective of the owner's, as stage 3's allgather of a
+  /// bucket's values) after everything launched before it, in queue order,
+  /// so that every rank issues its collectives in the same order; returns
+  /// once it ran, rethrowing what it threw. The caller runs queued work
+  /// itself while the thread is idle. After a failure the task does not run
+  /// and the failure is thrown.
+  void run_in_order(std::function<void()> task) {
+    std::unique_lock lock(mutex_);
+    bool ran = false;
+    std::exception_ptr thrown;
+    queue_.push_back({0, [&] {
+                        try {
+                          task();
+                        } catch (...) {
+                          thrown = std::current_exception();
+                        }
+                        ran = true;
+                      }});
+    ++tasks_waiting_;
+    while (!ran && !failure_) {
+      if (!busy_ && !queue_.empty()) {
+        run_front(lock);
+      } else {
+        done_wake_.wait(lock);
+      }
+    }
+    --tasks_waiting_;
+    if (thrown) std::rethrow_exception(thrown);
+    if (!ran) {
+      // Failed before its turn: the task is dropped from the queue unrun.
+      std::erase_if(queue_, [](const item& i) { return static_cast<bool>(i.task); });
+      std::rethrow_exception(failure_);
+    }
   }
 
   /// Blocks the caller while more than `most` launched buckets are not yet
@@ -111,8 +147,20 @@ class thread_runner {
   /// Reduces the bucket at the front of the queue; `lock` is held on entry
   /// and on return, and released while the bucket travels.
   void run_front(std::unique_lock<std::mutex>& lock) {
-    const std::size_t b = queue_.front();
+    item front = std::move(queue_.front());
     queue_.pop_front();
+    if (front.task) {  // run_in_order's: not a bucket of the step
+      if (!failure_) {
+        busy_ = true;
+        lock.unlock();
+        front.task();  // keeps what it throws for its caller
+        lock.lock();
+        busy_ = false;
+      }
+      done_wake_.notify_all();
+      return;
+    }
+    const std::size_t b = front.bucket;
     std::exception_ptr failed;
     if (!failure_) {  // once the communicator failed, do not wait for it again
       busy_ = true;
@@ -132,18 +180,24 @@ class thread_runner {
     ++done_;
     // Once the caller waits in complete(), the queue is the caller's: the
     // thread finishes the bucket it holds and hands over (one wake-up).
-    if (completing_ || throttled_ > 0) done_wake_.notify_all();
+    if (completing_ || throttled_ > 0 || tasks_waiting_ > 0) done_wake_.notify_all();
   }
+
+  struct item {
+    std::size_t bucket = 0;
+    std::function<void()> task;  ///< set: run_in_order's task instead of a bucket
+  };
 
   Owner& owner_;
   std::mutex mutex_;
   std::condition_variable wake_;       // the thread: a bucket to reduce, or stop
   std::condition_variable done_wake_;  // the caller in complete(): the thread let go of a bucket
-  std::deque<std::size_t> queue_;
+  std::deque<item> queue_;
   std::size_t done_ = 0;
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
   bool completing_ = false;  // the caller is in complete(): the queue is its own
   int throttled_ = 0;        // callers waiting in throttle()
+  int tasks_waiting_ = 0;    // callers waiting in run_in_order()
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -190,6 +244,12 @@ class stream_runner {
 
   /// The device orders the buckets; the host does not wait for them.
   void throttle(std::size_t /*most*/) noexcept {}
+
+  /// Enqueues `task` now: the device keeps the order of what is enqueued.
+  void run_in_order(const std::function<void()>& task) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+    task();
+  }
 
  private:
   Owner& owner_;

@@ -46,6 +46,13 @@ struct ddp_bucket {
   /// gradients (stage 2) and the updated values wait for the allgather.
   flat_storage<Memory> owned;
   std::size_t owned_count = 0;
+  /// Stage 3 (sharding::parameters): this rank's shard of the values
+  /// (`owned_count` elements, all of them on one rank), the master copy the
+  /// optimizer updates; and, while gather() holds the bucket (`holders` > 0),
+  /// the whole values, allgathered, which the model's value pointers point into.
+  flat_storage<Memory> owned_values;
+  flat_storage<Memory> unsharded;
+  std::size_t holders = 0;
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
   std::size_t pending = 0;  ///< its parameters not yet marked in this step
   bool ready = false;       ///< every parameter marked: may be launched in its turn

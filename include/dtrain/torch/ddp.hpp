@@ -157,7 +157,8 @@ class DistributedDataParallel {
     ddp_.core().register_comm_hook(std::move(hook));
   }
 
-  /// Sharding (ddp_options::sharding, ZeRO stages 1 and 2; docs/sharding.md):
+  /// Sharding (ddp_options::sharding, ZeRO stages 1 and 2; stage 3 is not
+  /// there yet for modules, a config_error; docs/sharding.md):
   /// this rank's shard as tensors for a torch::optim optimizer, one 1-D tensor
   /// per piece of core().shard(), over the module's own values (shared
   /// memory), its .grad() the piece's mean over the ranks. Build the optimizer

@@ -200,6 +200,11 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
   std::vector<parameter> params;
   std::vector<parameter> buffers;
   std::string problem = collect(options, params, buffers);
+  if (problem.empty() && options.sharding == sharding::parameters) {
+    problem = "dtrain::torch::DistributedDataParallel on rank " + std::to_string(ctx.rank()) +
+              ": ddp_options::sharding = parameters (ZeRO stage 3) is not there yet for "
+              "LibTorch modules (docs/sharding.md): use sharding::gradients";
+  }
   // A module this rank cannot take stops every rank, each with a message (not only this one,
   // leaving the others to find it gone), over the control plane the core agrees on next.
   control_plane control = ctx.control_plane();
