@@ -1,5 +1,5 @@
-// bench/sharding: what ddp_options::sharding (ZeRO stages 1 and 2) saves and
-// costs against DDP (issue 34). Its own per-node launcher with Gloo workers
+// bench/sharding: what ddp_options::sharding (ZeRO stages 1, 2 and 3) saves
+// and costs against DDP (issues 34 and 48). Its own per-node launcher with Gloo workers
 // (4 by default; DTRAIN_NPROC_PER_NODE=N for N):
 //
 //   build/bench/sharding [--layers 32] [--floats 65536] [--compute-us 500]
@@ -15,21 +15,27 @@
 // held between steps (DistributedDataParallel::memory_use().held(): the
 // gradient buckets, padding included, and the shards; at stage 2 the buckets'
 // pages are given back after each reduce-scatter and allgather, so they are
-// not held) and the optimizer state, in bytes, for sharding none, optimizer
-// (stage 1) and gradients (stage 2), at 1, 2, 4 (and 8) ranks; beside them,
+// not held; at stage 3 the rank's shard of the values, the model holding
+// none) and the optimizer state, in bytes, for sharding none, optimizer
+// (stage 1), gradients (stage 2) and parameters (stage 3), at 1, 2, 4 (and 8)
+// ranks; beside them,
 // what the run really took: the growth of the process's peak resident memory
 // (VmHWM) while the model was built and trained 2 steps. Goal: stage 2's
 // optimizer state at most DDP's / N plus the padding.
 //
-// Table 2, step time (2 ranks and more): a step is each layer's backward
-// (`--compute-us` of sleep: a GPU computing while the CPU is free), marking it
-// ready, synchronize(), then Adam on the rank's shard and (sharded) the
-// allgather of the updated values. Rounds interleave the three; the median of
-// the slowest rank's mean step. ratio = step / DDP's; goal at most 1.1.
+// Table 2, step time (2 ranks and more): a step is each layer's forward (half
+// of `--compute-us` of sleep: a GPU computing while the CPU is free), each
+// layer's backward (`--compute-us`), marking it ready, synchronize(), then
+// Adam on the rank's shard and (stages 1 and 2) the allgather of the updated
+// values; at stage 3 each layer is gathered (an allgather of its values)
+// around its forward and its backward, without prefetch yet. Rounds
+// interleave the four; the median of the slowest rank's mean step. ratio =
+// step / DDP's; goal at most 1.1.
 //
 // Table 3, the largest model within --budget-mib per rank (the largest
 // group): from the measured bytes per parameter of table 1 (peak resident
-// growth), the most parameters that fit for DDP and for stage 2; each is then
+// growth), the most parameters that fit for DDP, stage 2 and stage 3 (ZeRO's
+// bounds for Adam in fp32 printed beside: 16 / (4 + 12/N) and N); each is then
 // built and trained 2 steps and rescaled by the peak it took, three times,
 // and the last size and its peak resident growth are printed beside the
 // budget.
@@ -105,20 +111,33 @@ settings parse(int argc, char** argv) {
   return s;
 }
 
-/// L layers of P floats, gradients as pointers DDP points into its buckets.
+/// L layers of P floats, values and gradients as pointers DDP may repoint
+/// (gradients into its buckets; values, at stage 3, into its gathered ones).
 struct layered_model {
   std::vector<std::vector<float>> values;
+  std::vector<float*> held;  // where the values are: `values`, or DDP's at stage 3
   std::vector<float*> grads;
-  layered_model(std::size_t layers, std::size_t floats)
-      : values(layers, std::vector<float>(floats, 0.5f)), grads(layers, nullptr) {}
+  std::size_t floats;
+  layered_model(std::size_t layers, std::size_t per_layer)
+      : values(layers, std::vector<float>(per_layer, 0.5f)),
+        grads(layers, nullptr),
+        floats(per_layer) {
+    for (auto& v : values) held.push_back(v.data());
+  }
   std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
     for (std::size_t l = 0; l < values.size(); ++l) {
       std::string name = "layer";  // (not "layer" + to_string: GCC 12's -Wrestrict at -O2)
       name += std::to_string(l);
-      out.push_back(dtrain::param(name, values[l], grads[l]));
+      out.push_back(dtrain::param(name, held[l], floats, grads[l]));
     }
     return out;
+  }
+  /// Stage 3: DDP holds the values (its shard) once constructed.
+  [[nodiscard]] std::size_t bytes() const {
+    std::size_t n = 0;
+    for (const auto& v : values) n += v.size() * sizeof(float);
+    return n;
   }
 };
 
@@ -170,9 +189,18 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
                {.bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
                 .first_bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
                 .sharding = mode});
+  const bool stage3 = mode == sharding::parameters;
+  if (stage3) model.values = {};  // DDP holds the values now (its shard)
   adam opt(ddp.shard_elements());
   auto step = [&] {
+    // The forward pass (half a layer's backward each): at stage 3 each
+    // layer's values are whole while it computes (gather() does nothing below).
+    for (std::size_t l = 0; l < layers; ++l) {
+      const auto held = ddp.gather({l});
+      std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_us / 2));
+    }
     for (std::size_t l = layers; l-- > 0;) {
+      const auto held = ddp.gather({l});  // nothing below stage 3
       std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(compute_us));
       std::fill_n(model.grads[l], floats, 1e-3f * static_cast<float>(l + 1));
       ddp.mark_ready(l);
@@ -187,7 +215,7 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
   for (int s = 0; s < steps; ++s) step();
   run_result out;
   out.step_seconds = std::chrono::duration<double>(clock_type::now() - start).count() / steps;
-  out.memory = {model.values.size() * floats * sizeof(float), ddp.memory_use().held(), opt.bytes(),
+  out.memory = {model.bytes(), ddp.memory_use().held(), opt.bytes(),
                 measured ? peak_resident() - before : 0};
   return out;
 }
@@ -216,12 +244,14 @@ std::size_t peak_resident() {
 const char* name_of(sharding mode) {
   return mode == sharding::none        ? "DDP (none)"
          : mode == sharding::optimizer ? "stage 1 (optimizer)"
-                                       : "stage 2 (gradients)";
+         : mode == sharding::gradients ? "stage 2 (gradients)"
+                                       : "stage 3 (parameters)";
 }
 
 int bench(dtrain::context<Policy>& ctx, const settings& s) {
   const bool main = ctx.is_main();
-  constexpr std::array modes{sharding::none, sharding::optimizer, sharding::gradients};
+  constexpr std::array modes{sharding::none, sharding::optimizer, sharding::gradients,
+                             sharding::parameters};
   std::vector<int> sizes;
   for (int n : {1, 2, 4, 8}) {
     if (n <= ctx.size()) sizes.push_back(n);
@@ -232,7 +262,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     groups.push_back(ctx.communicator().split(ctx.rank() < n ? 0 : -1, ctx.rank()));
 
   // Table 1.
-  std::vector<std::array<memory_row, 3>> memory(sizes.size());
+  std::vector<std::array<memory_row, modes.size()>> memory(sizes.size());
   for (std::size_t g = 0; g < sizes.size(); ++g) {
     for (std::size_t m = 0; m < modes.size(); ++m) {
       if (groups[g].valid())
@@ -272,7 +302,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   }
   for (std::size_t g = 0; g < sizes.size(); ++g) {
     if (sizes[g] < 2) continue;
-    std::array<std::vector<double>, 3> times;
+    std::array<std::vector<double>, modes.size()> times;
     for (int round = 0; round < s.rounds; ++round) {
       for (std::size_t k = 0; k < modes.size(); ++k) {
         const std::size_t m = (k + static_cast<std::size_t>(round)) % modes.size();
@@ -298,28 +328,31 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   const std::size_t g = sizes.size() - 1;
   const double elements = static_cast<double>(s.layers * s.floats);
   const auto budget = static_cast<double>(s.budget_mib) * mib;
-  std::array<std::size_t, 2> fits{};  // floats per layer: DDP, stage 2
+  // DDP, stage 2 and stage 3: their modes and rows of table 1.
+  constexpr std::array<sharding, 3> largest{sharding::none, sharding::gradients,
+                                            sharding::parameters};
+  constexpr std::array<std::size_t, 3> row{0, 2, 3};
+  std::array<std::size_t, 3> fits{};  // floats per layer
   // Bytes per parameter as measured (peak resident growth); as counted where
   // the peak could not be measured.
   auto per_element = [&](const memory_row& r) {
     return static_cast<double>(r.peak > 0 ? r.peak : r.total()) / elements;
   };
-  for (std::size_t k = 0; k < 2; ++k) {
+  for (std::size_t k = 0; k < largest.size(); ++k) {
     // Every rank the same model: the most bytes per parameter any rank took.
-    std::array<double, 1> most{groups[g].valid() ? per_element(memory[g][k == 0 ? 0 : 2]) : 0.0};
+    std::array<double, 1> most{groups[g].valid() ? per_element(memory[g][row[k]]) : 0.0};
     dtrain::allreduce(ctx.communicator(), most, dtrain::reduce_op::max).wait();
     fits[k] = static_cast<std::size_t>(budget / most[0] / static_cast<double>(s.layers));
   }
   // Measured, a model's bytes per parameter depend a little on its size (the
   // buckets in flight, the allocator): each size is trained and rescaled to
   // the budget by what it took, three times, and the last is reported.
-  std::array<std::size_t, 2> grown{};
-  for (std::size_t k = 0; k < 2; ++k) {
+  std::array<std::size_t, 3> grown{};
+  for (std::size_t k = 0; k < largest.size(); ++k) {
     for (int attempt = 0; attempt < 3; ++attempt) {
       std::array<double, 1> growth{0};
       if (groups[g].valid()) {
-        const run_result r = train(groups[g], k == 0 ? sharding::none : sharding::gradients,
-                                   s.layers, fits[k], s.compute_us, 1);
+        const run_result r = train(groups[g], largest[k], s.layers, fits[k], s.compute_us, 1);
         growth[0] = r.memory.peak > 0 ? static_cast<double>(r.memory.peak) : -1;
       }
       dtrain::allreduce(ctx.communicator(), growth, dtrain::reduce_op::max).wait();
@@ -339,19 +372,23 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
         "| sharding | parameters | bytes per parameter (measured) | peak resident growth, "
         "trained 2 steps |\n| --- | ---: | ---: | ---: |\n",
         s.budget_mib, sizes[g]);
-    for (std::size_t k = 0; k < 2; ++k) {
+    for (std::size_t k = 0; k < largest.size(); ++k) {
       const std::string growth = grown[k] == static_cast<std::size_t>(-1)
                                      ? std::string("n/a (no /proc/self/clear_refs)")
                                      : std::to_string(grown[k] >> 20) + " MiB";
-      std::printf("| %s | %zu | %.2f | %s |\n",
-                  name_of(k == 0 ? sharding::none : sharding::gradients), fits[k] * s.layers,
+      std::printf("| %s | %zu | %.2f | %s |\n", name_of(largest[k]), fits[k] * s.layers,
                   grown[k] == static_cast<std::size_t>(-1)
                       ? 0.0
                       : static_cast<double>(grown[k]) / static_cast<double>(fits[k] * s.layers),
                   growth.c_str());
     }
-    std::printf("\nratio (stage 2 / DDP): %.2f\n",
-                static_cast<double>(fits[1]) / static_cast<double>(fits[0]));
+    // ZeRO's bound with Adam in fp32: 16 bytes a parameter under DDP, 4 + 12/N
+    // at stage 2, 16/N at stage 3 (plus the buckets in flight and gathered).
+    const auto n = static_cast<double>(sizes[g]);
+    std::printf("\nratio (stage 2 / DDP): %.2f (ZeRO's bound %.2f)\n",
+                static_cast<double>(fits[1]) / static_cast<double>(fits[0]), 16 / (4 + 12 / n));
+    std::printf("ratio (stage 3 / DDP): %.2f (ZeRO's bound %.2f)\n",
+                static_cast<double>(fits[2]) / static_cast<double>(fits[0]), n);
     std::fflush(stdout);
   }
   ctx.barrier();
