@@ -34,6 +34,7 @@
 // collective at the start of forward, as the blocking loop has none).
 // Internal: --nproc-per-node N runs one rank count and prints its row.
 
+#include "flags.hpp"
 #include "torch_bench.hpp"
 #include "torch_cnn.hpp"
 
@@ -181,14 +182,11 @@ int measure(dtrain::context<Policy>& ctx, const settings& s) {
       }
     }
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   if (ctx.is_main()) {
     std::size_t floats = 0;
     for (const torch::Tensor& p : model->parameters())
       floats += static_cast<std::size_t>(p.numel());
+    using dtrain_bench::median;
     const double a = median(alone), f = median(lowest), d = median(ours), b = median(theirs);
     std::printf(
         "| %5d | %10zu | %7zu | %12.0f | %11.0f | %15.0f | %13.0f | %5.2f | %7.2f | %4.0f%% | "

@@ -25,6 +25,7 @@
 // DTRAIN_BENCH_TORCH_GPU_ON_CPU=1 builds the same loops over Gloo on the CPU
 // (a check that the program compiles and runs where LibTorch is CPU-only).
 
+#include "flags.hpp"
 #include "torch_bench.hpp"
 #include "torch_cnn.hpp"
 
@@ -34,7 +35,6 @@
 #include <torch/cuda.h>
 #endif
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -146,13 +146,9 @@ int measure(dtrain::context<Policy>& ctx, const settings& s) {
       ours.push_back(round(ddp_step));
     }
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   std::size_t floats = 0;
   for (const torch::Tensor& p : model->parameters()) floats += static_cast<std::size_t>(p.numel());
-  const double a = median(alone), d = median(ours);
+  const double a = dtrain_bench::median(alone), d = dtrain_bench::median(ours);
   std::printf(
       "LibTorch %s CNN (4 conv blocks %lld-%lld, fc %lld-%lld, %zu parameters), batch %lld, on "
       "%s, %s at world size %d with always_reduce (%zu buckets); step time in us, median of %d "

@@ -14230,6 +14230,7 @@ class basic_ddp {
     finish_gather(gathers, completed);
   }
   work launch_gather(std::size_t b);
+  work allgather_bucket(std::size_t b, std::byte* mine, std::byte* all);
   std::byte* gathered(std::size_t b);
   void complete_gather(std::size_t b);
   void finish_gather(std::vector<work>& gathers, std::size_t completed);
@@ -14848,12 +14849,20 @@ work basic_ddp<Policy>::launch_gather(std::size_t b) {
                        s.info.device, stream_);
   }
   const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
-  const buffer mine{s.owned.data(), s.owned_count, s.info.type, memory_space::where,
-                    s.grads.device()};
-  const buffer all{gathered(b), s.moved, s.info.type, memory_space::where, s.grads.device()};
-  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where,
-                       s.grads.device()};
-  return topo_.allgather(mine, scratch, all, on_stream_or_null());
+  return allgather_bucket(b, s.owned.data(), gathered(b));
+}
+
+/// Every rank's `owned_count` elements of bucket b at `mine` into `all`
+/// (the whole bucket, `moved` elements, in shard order), through the
+/// topology, ordered after the compute stream where the engine takes one.
+template <class Policy>
+work basic_ddp<Policy>::allgather_bucket(std::size_t b, std::byte* mine, std::byte* all) {
+  bucket& s = buckets_[b];
+  const int device = s.grads.device();
+  return topo_.allgather(
+      buffer{mine, s.owned_count, s.info.type, memory_space::where, device},
+      buffer{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where, device},
+      buffer{all, s.moved, s.info.type, memory_space::where, device}, on_stream_or_null());
 }
 
 /// Where bucket b's allgather lands: the bucket itself (its gradients are
@@ -14941,21 +14950,16 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // same order, whichever thread runs them.
 
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
-/// owned_values; the model's value pointers are null from here on.
+/// owned_values, where make_pieces() put the pieces' values; the model's
+/// value pointers are null from here on.
 template <class Policy>
 void basic_ddp<Policy>::take_values() {
-  for (bucket& s : buckets_) {
-    const std::size_t elem = size_of(s.info.type);
-    const std::size_t first = shard_first(s), last = first + s.owned_count;
-    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
-      const parameter& p = vars_[s.info.parameters[k]].param;
-      const std::size_t at = s.info.offsets[k] / elem;
-      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
-      if (lo >= hi) continue;
-      memory_space::copy(s.owned_values.data() + (lo - first) * elem,
-                         static_cast<const std::byte*>(p.values.data) + (lo - at) * elem,
-                         (hi - lo) * elem, s.info.device, stream_);
-    }
+  for (const shard_piece& piece : pieces_) {
+    const parameter& p = vars_[piece.parameter].param;
+    memory_space::copy(
+        piece.values.data,
+        static_cast<const std::byte*>(p.values.data) + piece.offset * size_of(p.values.type),
+        piece.values.bytes(), p.device, stream_);
   }
   for (std::size_t b = 0; b < buckets_.size(); ++b) point_values(b, nullptr);
 }
@@ -15000,13 +15004,7 @@ typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indice
     } else {
       auto allgather = [&] {
         const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
-        const buffer mine{s.owned_values.data(), s.owned_count, s.info.type, memory_space::where,
-                          s.grads.device()};
-        const buffer all{s.unsharded.data(), s.moved, s.info.type, memory_space::where,
-                         s.grads.device()};
-        const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), s.info.type,
-                             memory_space::where, s.grads.device()};
-        topo_.allgather(mine, scratch, all, on_stream_or_null()).wait();
+        allgather_bucket(b, s.owned_values.data(), s.unsharded.data()).wait();
       };
       try {
         runner_->run_in_order(allgather);

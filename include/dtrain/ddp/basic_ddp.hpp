@@ -623,6 +623,7 @@ class basic_ddp {
     finish_gather(gathers, completed);
   }
   work launch_gather(std::size_t b);
+  work allgather_bucket(std::size_t b, std::byte* mine, std::byte* all);
   std::byte* gathered(std::size_t b);
   void complete_gather(std::size_t b);
   void finish_gather(std::vector<work>& gathers, std::size_t completed);
