@@ -16,7 +16,8 @@
 // gradient buckets, padding included, and the shards; at stage 2 the buckets'
 // pages are given back after each reduce-scatter and allgather, so they are
 // not held; at stage 3 the rank's shard of the values, the model holding
-// none) and the optimizer state, in bytes, for sharding none, optimizer
+// none: it is built without values, and each rank writes its shard's
+// initial values through shard()) and the optimizer state, in bytes, for sharding none, optimizer
 // (stage 1), gradients (stage 2) and parameters (stage 3), at 1, 2, 4 (and 8)
 // ranks; beside them,
 // what the run really took: the growth of the process's peak resident memory
@@ -28,9 +29,14 @@
 // layer's backward (`--compute-us`), marking it ready, synchronize(), then
 // Adam on the rank's shard and (stages 1 and 2) the allgather of the updated
 // values; at stage 3 each layer is gathered (an allgather of its values)
-// around its forward and its backward, without prefetch yet. Rounds
-// interleave the four; the median of the slowest rank's mean step. ratio =
-// step / DDP's; goal at most 1.1.
+// around its forward and its backward, the next layer's allgather prefetched
+// (ddp_options::prefetch_units = 1), and once more with prefetch off. Rounds
+// interleave the five; the median of the slowest rank's mean step. ratio =
+// step / DDP's; goal at stage 3 (with prefetch) at most 1.1.
+//
+// Table 4, bytes into a rank per step at stage 3 (its allgathers counted by
+// gather_counts(), its reduce-scatter as a ring moves it) against DDP's
+// allreduce: ZeRO-3 moves 1.5x.
 //
 // Table 3, the largest model within --budget-mib per rank (the largest
 // group): from the measured bytes per parameter of table 1 (peak resident
@@ -118,15 +124,18 @@ struct layered_model {
   std::vector<float*> held;  // where the values are: `values`, or DDP's at stage 3
   std::vector<float*> grads;
   std::size_t floats;
-  layered_model(std::size_t layers, std::size_t per_layer)
-      : values(layers, std::vector<float>(per_layer, 0.5f)),
+  /// `deferred` (stage 3): no values here; DDP's shards are written through
+  /// shard() (no rank ever holds the model whole).
+  layered_model(std::size_t layers, std::size_t per_layer, bool deferred = false)
+      : values(deferred ? 0 : layers, std::vector<float>(per_layer, 0.5f)),
+        held(layers, nullptr),
         grads(layers, nullptr),
         floats(per_layer) {
-    for (auto& v : values) held.push_back(v.data());
+    for (std::size_t l = 0; l < values.size(); ++l) held[l] = values[l].data();
   }
   std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
-    for (std::size_t l = 0; l < values.size(); ++l) {
+    for (std::size_t l = 0; l < held.size(); ++l) {
       std::string name = "layer";  // (not "layer" + to_string: GCC 12's -Wrestrict at -O2)
       name += std::to_string(l);
       out.push_back(dtrain::param(name, held[l], floats, grads[l]));
@@ -181,16 +190,22 @@ struct run_result {
 };
 
 run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t layers,
-                 std::size_t floats, double compute_us, int steps) {
+                 std::size_t floats, double compute_us, int steps, std::size_t prefetch = 1,
+                 dtrain::gather_counts* counts = nullptr) {
   const bool measured = reset_peak_resident();
   const std::size_t before = peak_resident();
-  layered_model model(layers, floats);
+  const bool stage3 = mode == sharding::parameters;
+  layered_model model(layers, floats, stage3);
   ddp_type ddp(comm, model.parameters(), {},
                {.bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
                 .first_bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
-                .sharding = mode});
-  const bool stage3 = mode == sharding::parameters;
-  if (stage3) model.values = {};  // DDP holds the values now (its shard)
+                .sharding = mode,
+                .prefetch_units = prefetch});
+  if (stage3) {
+    // The initial values, written into this rank's shard (deferred).
+    for (const dtrain::shard_piece& p : ddp.shard())
+      std::fill_n(static_cast<float*>(p.values.data), p.values.count, 0.5f);
+  }
   adam opt(ddp.shard_elements());
   auto step = [&] {
     // The forward pass (half a layer's backward each): at stage 3 each
@@ -211,9 +226,17 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
   };
   step();  // the first step touches the optimizer state and the buckets
   comm.barrier().wait();
+  const dtrain::gather_counts first = ddp.gather_counts();
   const auto start = clock_type::now();
   for (int s = 0; s < steps; ++s) step();
   run_result out;
+  if (counts) {
+    *counts = ddp.gather_counts();  // the timed steps' only
+    counts->on_demand -= first.on_demand;
+    counts->prefetched -= first.prefetched;
+    counts->unused -= first.unused;
+    counts->bytes -= first.bytes;
+  }
   out.step_seconds = std::chrono::duration<double>(clock_type::now() - start).count() / steps;
   out.memory = {model.bytes(), ddp.memory_use().held(), opt.bytes(),
                 measured ? peak_resident() - before : 0};
@@ -292,7 +315,17 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     std::fflush(stdout);
   }
 
-  // Table 2.
+  // Table 2: the four modes, and stage 3 without prefetch.
+  struct variant {
+    sharding mode;
+    std::size_t prefetch;
+    const char* name;
+  };
+  constexpr std::array variants{variant{sharding::none, 1, "DDP (none)"},
+                                variant{sharding::optimizer, 1, "stage 1 (optimizer)"},
+                                variant{sharding::gradients, 1, "stage 2 (gradients)"},
+                                variant{sharding::parameters, 1, "stage 3 (parameters)"},
+                                variant{sharding::parameters, 0, "stage 3, prefetch off"}};
   if (main) {
     std::printf(
         "\nStep time (%zu layers, %.0f us of backward each, sleep), median of %d rounds "
@@ -300,15 +333,19 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
         "| ---: | --- | ---: | ---: |\n",
         s.layers, s.compute_us, s.rounds, s.steps);
   }
+  std::vector<std::string> traffic;  // table 4's rows
   for (std::size_t g = 0; g < sizes.size(); ++g) {
     if (sizes[g] < 2) continue;
-    std::array<std::vector<double>, modes.size()> times;
+    std::array<std::vector<double>, variants.size()> times;
+    dtrain::gather_counts stage3_counts;
     for (int round = 0; round < s.rounds; ++round) {
-      for (std::size_t k = 0; k < modes.size(); ++k) {
-        const std::size_t m = (k + static_cast<std::size_t>(round)) % modes.size();
+      for (std::size_t k = 0; k < variants.size(); ++k) {
+        const std::size_t m = (k + static_cast<std::size_t>(round)) % variants.size();
         std::array<double, 1> t{0};
         if (groups[g].valid()) {
-          t[0] = train(groups[g], modes[m], s.layers, s.floats, s.compute_us, s.steps).step_seconds;
+          t[0] = train(groups[g], variants[m].mode, s.layers, s.floats, s.compute_us, s.steps,
+                       variants[m].prefetch, m == 3 ? &stage3_counts : nullptr)
+                     .step_seconds;
         }
         dtrain::allreduce(ctx.communicator(), t, dtrain::reduce_op::max).wait();
         times[m].push_back(t[0]);
@@ -316,12 +353,37 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     }
     if (main) {
       const double base = median(times[0]);
-      for (std::size_t m = 0; m < modes.size(); ++m) {
-        std::printf("| %d | %s | %.2f ms | %.3f |\n", sizes[g], name_of(modes[m]),
+      for (std::size_t m = 0; m < variants.size(); ++m) {
+        std::printf("| %d | %s | %.2f ms | %.3f |\n", sizes[g], variants[m].name,
                     1e3 * median(times[m]), median(times[m]) / base);
       }
       std::fflush(stdout);
+      // Bytes into rank 0 per step: stage 3's allgathers as gather_counts()
+      // counted them, its reduce-scatter and DDP's allreduce as a ring moves
+      // them ((n-1)/n of the gradients, and twice that).
+      const double n = sizes[g];
+      const double grads = static_cast<double>(s.layers * s.floats * sizeof(float));
+      const double gathered = static_cast<double>(stage3_counts.bytes) / s.steps;
+      const double scattered = grads * (n - 1) / n, allreduce = 2 * grads * (n - 1) / n;
+      char row[256];
+      std::snprintf(row, sizeof row, "| %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", sizes[g],
+                    allreduce / mib, gathered / mib, scattered / mib, (gathered + scattered) / mib,
+                    (gathered + scattered) / allreduce,
+                    static_cast<double>(stage3_counts.prefetched) /
+                        static_cast<double>(stage3_counts.prefetched + stage3_counts.on_demand));
+      traffic.emplace_back(row);
     }
+  }
+  if (main && !traffic.empty()) {
+    std::printf(
+        "\nBytes into a rank per step, MiB (stage 3: its allgathers as gather_counts() "
+        "counted them in the timed steps; the reduce-scatter and DDP's allreduce as a ring "
+        "moves them):\n\n| ranks | DDP allreduce | stage 3 allgathers | stage 3 "
+        "reduce-scatter | stage 3 total | stage 3 / DDP | allgathers prefetched |\n"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    for (const std::string& row : traffic) std::printf("%s", row.c_str());
+    std::printf("ZeRO-3 moves 1.5x an allreduce (two allgathers and a reduce-scatter)\n");
+    std::fflush(stdout);
   }
 
   // Table 3: the largest model within the budget, on the largest group.

@@ -60,7 +60,7 @@ constexpr const char* own_options =
     "                      smaller --lr, e.g. 0.003) (sgd)\n"
     "  --sharding 0|1|2|3  ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
     "                      ranks, 2 the averaged gradients too, 3 the values too\n"
-    "                      (ddp_options::sharding; 3: not with checkpoints yet) (0)\n"
+    "                      (ddp_options::sharding) (0)\n"
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
@@ -121,11 +121,6 @@ demo_settings parse_flags(int argc, char** argv) {
     line.bad_flag("--checkpoint-every " + std::to_string(d.checkpoint_every) +
                   " needs a --checkpoint-dir to save into");
   }
-  if (d.sharding == dtrain::sharding::parameters && !d.checkpoint_dir.empty()) {
-    line.bad_flag(
-        "--sharding 3 with --checkpoint-dir: checkpoints of ZeRO stage 3's sharded "
-        "values are not there yet (use --sharding 2)");
-  }
   return d;
 }
 
@@ -176,7 +171,14 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   if (!d.checkpoint_dir.empty()) {
     checkpoint.emplace(
         ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir, .every = d.checkpoint_every});
-    checkpoint->add(ddp.parameters()).add(sampler);
+    if (d.sharding == dtrain::sharding::parameters) {
+      // ZeRO stage 3: only DDP holds the values, each rank its shard: saved
+      // so, and re-cut for another number of ranks, as the optimizer state.
+      checkpoint->add_sharded("parameters", ddp);
+    } else {
+      checkpoint->add(ddp.parameters());
+    }
+    checkpoint->add(sampler);
     if (d.sharding == dtrain::sharding::none) {
       checkpoint->add(
           "optimizer", [&] { return optimizer.state(); },

@@ -10891,19 +10891,33 @@ struct ddp_memory_use {
   std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
   std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
   std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
-  /// Stage 3 (sharding::parameters): this rank's shard of the values, and the
-  /// whole values of the buckets gather() holds now (the model holds none).
+  /// Stage 3 (sharding::parameters): this rank's shard of the values (the
+  /// model holds none).
   std::size_t values = 0;
+  /// Stage 3: the whole values of the buckets whole now (those gather()
+  /// holds, and the prefetched ones: at most prefetch_units units more).
+  std::size_t gathered = 0;
   /// Stage 2 on the host: the buckets' pages are resident only while a
   /// bucket is being filled or is in flight (given back after its
   /// reduce-scatter and after its allgather), so `buckets` is address space
   /// and held() leaves it out.
   bool transient_buckets = false;
-  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch + values; }
+  [[nodiscard]] std::size_t total() const noexcept {
+    return buckets + shards + scratch + values + gathered;
+  }
   /// What stays allocated between steps.
   [[nodiscard]] std::size_t held() const noexcept {
     return total() - (transient_buckets ? buckets : 0);
   }
+};
+
+/// Stage 3's allgathers of values on this rank since construction
+/// (DistributedDataParallel::gather_counts()), counted in buckets.
+struct gather_counts {
+  std::uint64_t on_demand = 0;   ///< where a gather() asked for them
+  std::uint64_t prefetched = 0;  ///< ahead of the gather() that used them (prefetch_units)
+  std::uint64_t unused = 0;      ///< of those, freed unused (a pass in another order)
+  std::uint64_t bytes = 0;       ///< arrived: the whole buckets, less this rank's shard
 };
 
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
@@ -10962,6 +10976,14 @@ struct ddp_options {
   /// its optimizer state, stay where they are. Not with compression or a comm
   /// hook at stages 2 and 3.
   dtrain::sharding sharding = dtrain::sharding::none;
+  /// Stage 3: how many units (gather() calls) ahead of the one in use DDP
+  /// allgathers while the model computes, in the order of gather() calls
+  /// recorded in the step before (FSDP's forward and backward prefetch; at
+  /// most 1 + prefetch_units units whole at once besides those the model
+  /// holds). A step whose order differs gathers on demand from where it
+  /// differs, and is the order followed from the next step. 0: on demand
+  /// only. The same on every rank.
+  std::size_t prefetch_units = 1;
 };
 
 /// One bucket, as a communication hook sees it.
@@ -11039,7 +11061,10 @@ void broadcast_values(control_plane& control, std::span<const parameter> params,
                       std::size_t window = broadcast_window_bytes) {
   std::vector<const parameter*> host, device;
   for (auto list : {params, buffers}) {
-    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+    for (const parameter& p : list) {
+      if (!p.values.data) continue;  // stage 3's deferred values: written through shard()
+      (p.values.where == memory::host ? host : device).push_back(&p);
+    }
   }
   std::size_t total = 0;
   for (const parameter* p : host) total += p->bytes();
@@ -11100,7 +11125,8 @@ DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string
     entry += "] ";
   }
   entry += to_string(p.values.type);
-  entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
+  entry += p.values.where == memory::host ? " on the host" : " on a GPU";
+  entry += p.values.data ? ")" : ", values from the shard)";  // stage 3's deferred values
   return entry;
 }
 
@@ -11137,9 +11163,20 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
       return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
              " and #" + std::to_string(i) + ")";
     }
-    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
-    if (!data.emplace(p.values.data, i).second)
+    if (p.values.count == 0) return who + what + " has no values";
+    if (!p.values.data) {
+      // Stage 3 may start from the shard (deferred initialisation): the
+      // values are written through shard(), no rank ever holds them whole.
+      if (options.sharding != sharding::parameters || !p.values_rebindable()) {
+        return who + what + " has no values" +
+               (options.sharding == sharding::parameters
+                    ? ""
+                    : " (null values are for ddp_options::sharding = parameters, which starts "
+                      "them at zero in each rank's shard)");
+      }
+    } else if (!data.emplace(p.values.data, i).second) {
       return who + what + " shares its values with another parameter";
+    }
     if (!is_floating(p.values.type)) {
       return who + what + " is " + std::string(to_string(p.values.type)) +
              ": only floating-point parameters have gradients to average (declare it in buffers())";
@@ -11338,10 +11375,19 @@ DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& cont
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 namespace dtrain::detail {
+
+/// A task of the owner's queued in order with the buckets (post_in_order()):
+/// `done` once it ran, or was dropped after a failure; what it threw is kept
+/// for wait(). The runner's lock guards both.
+struct posted_task {
+  bool done = false;
+  std::exception_ptr thrown;
+};
 
 /// Buckets are reduced one at a time, in launch order: each is prepared,
 /// reduced and waited for (within the collective timeout), then finished.
@@ -11374,45 +11420,55 @@ class thread_runner {
     bool idle = false;
     {
       std::lock_guard lock(mutex_);
-      queue_.push_back({bucket, {}});
+      queue_.push_back({bucket, {}, {}});
       idle = !busy_;
     }
     if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
-  /// Runs `task` (a collective of the owner's, as stage 3's allgather of a
-  /// bucket's values) after everything launched before it, in queue order,
-  /// so that every rank issues its collectives in the same order; returns
-  /// once it ran, rethrowing what it threw. The caller runs queued work
-  /// itself while the thread is idle. After a failure the task does not run
-  /// and the failure is thrown.
-  void run_in_order(std::function<void()> task) {
+  /// Queues `task` (a collective of the owner's, as stage 3's allgather of a
+  /// bucket's values) after everything launched before it, so that every
+  /// rank issues its collectives in the same order, and returns at once: the
+  /// thread runs it while the caller computes (stage 3's prefetch), or the
+  /// caller in wait(). A task that throws fails the runner (the ranks'
+  /// collectives are out of step): nothing queued after it runs. After a
+  /// failure the task does not run.
+  std::shared_ptr<posted_task> post_in_order(std::function<void()> task) {
+    auto posted = std::make_shared<posted_task>();
+    bool idle = false;
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back({0, std::move(task), posted});
+      idle = !busy_;
+    }
+    if (idle) wake_.notify_one();
+    return posted;
+  }
+
+  /// Returns once `posted` ran, rethrowing what it threw, or the failure
+  /// that dropped it; runs queued work itself while the thread is idle.
+  void wait(const std::shared_ptr<posted_task>& posted) {
     std::unique_lock lock(mutex_);
-    bool ran = false;
-    std::exception_ptr thrown;
-    queue_.push_back({0, [&] {
-                        try {
-                          task();
-                        } catch (...) {
-                          thrown = std::current_exception();
-                        }
-                        ran = true;
-                      }});
     ++tasks_waiting_;
-    while (!ran && !failure_) {
+    while (!posted->done) {
       if (!busy_ && !queue_.empty()) {
         run_front(lock);
+      } else if (failure_ && !busy_) {
+        break;  // dropped, or never to run: nothing runs after a failure
       } else {
         done_wake_.wait(lock);
       }
     }
     --tasks_waiting_;
-    if (thrown) std::rethrow_exception(thrown);
-    if (!ran) {
-      // Failed before its turn: the task is dropped from the queue unrun.
-      std::erase_if(queue_, [](const item& i) { return static_cast<bool>(i.task); });
-      std::rethrow_exception(failure_);
-    }
+    if (posted->thrown) std::rethrow_exception(posted->thrown);
+    if (!posted->done) std::rethrow_exception(failure_);
+  }
+
+  /// Whether `posted` ran or will never run (a failure): its buffers are
+  /// free to go.
+  bool settled(const std::shared_ptr<posted_task>& posted) {
+    std::lock_guard lock(mutex_);
+    return posted->done || (failure_ && !busy_);
   }
 
   /// Blocks the caller while more than `most` launched buckets are not yet
@@ -11470,14 +11526,26 @@ class thread_runner {
   void run_front(std::unique_lock<std::mutex>& lock) {
     item front = std::move(queue_.front());
     queue_.pop_front();
-    if (front.task) {  // run_in_order's: not a bucket of the step
+    if (front.task) {  // post_in_order's: not a bucket of the step
       if (!failure_) {
         busy_ = true;
         lock.unlock();
-        front.task();  // keeps what it throws for its caller
+        std::exception_ptr thrown;
+        try {
+          front.task();
+        } catch (...) {
+          thrown = std::current_exception();
+        }
         lock.lock();
         busy_ = false;
+        if (thrown) {
+          front.posted->thrown = thrown;  // for its waiter
+          if (!failure_) failure_ = thrown;
+        }
+      } else {
+        front.posted->thrown = failure_;  // dropped unrun
       }
+      front.posted->done = true;
       done_wake_.notify_all();
       return;
     }
@@ -11506,7 +11574,8 @@ class thread_runner {
 
   struct item {
     std::size_t bucket = 0;
-    std::function<void()> task;  ///< set: run_in_order's task instead of a bucket
+    std::function<void()> task;  ///< set: post_in_order's task instead of a bucket
+    std::shared_ptr<posted_task> posted;
   };
 
   Owner& owner_;
@@ -11518,7 +11587,7 @@ class thread_runner {
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
   bool completing_ = false;  // the caller is in complete(): the queue is its own
   int throttled_ = 0;        // callers waiting in throttle()
-  int tasks_waiting_ = 0;    // callers waiting in run_in_order()
+  int tasks_waiting_ = 0;    // callers waiting in wait()
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -11567,10 +11636,19 @@ class stream_runner {
   void throttle(std::size_t /*most*/) noexcept {}
 
   /// Enqueues `task` now: the device keeps the order of what is enqueued.
-  void run_in_order(const std::function<void()>& task) {
+  std::shared_ptr<posted_task> post_in_order(const std::function<void()>& task) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
     task();
+    auto posted = std::make_shared<posted_task>();
+    posted->done = true;
+    return posted;
   }
+  /// The task is enqueued already: the watchdog's failure, if any, is thrown.
+  void wait(const std::shared_ptr<posted_task>& /*posted*/) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+  }
+  /// The device orders what follows after the task: its buffers may go.
+  bool settled(const std::shared_ptr<posted_task>& /*posted*/) const noexcept { return true; }
 
  private:
   Owner& owner_;
@@ -11709,6 +11787,7 @@ class flat_storage {
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <vector>
 
 namespace dtrain::detail {
@@ -11750,6 +11829,13 @@ struct ddp_bucket {
   flat_storage<Memory> owned_values;
   flat_storage<Memory> unsharded;
   std::size_t holders = 0;
+  /// Stage 3: the allgather into `unsharded`, posted to the runner (a
+  /// prefetch runs while the model computes); null once waited for.
+  std::shared_ptr<posted_task> gathering;
+  /// Stage 3: in the prefetch window (the units expected next): kept whole
+  /// when its last guard goes, instead of freed.
+  bool wanted = false;
+  bool ahead = false;       ///< stage 3: prefetched, and no guard has held it since
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
   std::size_t pending = 0;  ///< its parameters not yet marked in this step
   bool ready = false;       ///< every parameter marked: may be launched in its turn
@@ -13941,11 +14027,17 @@ class basic_ddp {
       use.buckets += b.grads.bytes();
       use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
-      use.values += b.owned_values.bytes() + b.unsharded.bytes();
+      use.values += b.owned_values.bytes();
+      use.gathered += b.unsharded.bytes();
     }
     use.scratch += staging_[0].bytes() + staging_[1].bytes();
     use.transient_buckets = transient_buckets();
     return use;
+  }
+  /// Stage 3: the allgathers of values so far on this rank (gather_counts).
+  [[nodiscard]] dtrain::gather_counts gather_counts() const {
+    const std::lock_guard lock(mutex_);
+    return gather_counts_;
   }
   /// Elements of this rank's shard: the size of an elementwise optimizer's
   /// state array (per state: Adam keeps two).
@@ -14157,6 +14249,14 @@ class basic_ddp {
   void release(std::span<const std::size_t> buckets) noexcept;
   void take_values();
   void point_values(std::size_t b, std::byte* whole) noexcept;
+  void post_gather_locked(std::size_t b, bool ahead);
+  void settle_gather(std::size_t b);
+  void follow_order_locked(const std::vector<std::size_t>& unit);
+  std::vector<std::size_t> refresh_window_locked();
+  void drop_unwanted(std::span<const std::size_t> candidates);
+  void end_gather_pass_locked();
+  void drop_whole_locked();
+  void free_whole_locked(bucket& s) noexcept;
 
   bool recording() const noexcept {
     return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
@@ -14201,6 +14301,9 @@ class basic_ddp {
       const std::lock_guard lock(mutex_);
       check_usable_locked();
       check_updatable(what);
+      // Stage 3: no whole copy outlives the values it was gathered from
+      // (a prefetch posted since the step's end), no allgather reads them.
+      if (shards_parameters()) drop_whole_locked();
     }
     std::vector<work> gathers;
     std::size_t k = 0;          // pieces_ are in bucket order
@@ -14348,6 +14451,18 @@ class basic_ddp {
   std::vector<shard_piece> pieces_;
   std::size_t shard_elements_ = 0;
   bool updatable_ = false;
+  /// Stage 3's prefetch: the units (each gather() call's buckets) of the
+  /// last pass through the model, in order, and where this pass is in them.
+  /// A pass is a step, or the calls from the recorded first unit on (an
+  /// evaluation, a no_sync() micro-batch). Touched under the lock.
+  struct gather_order {
+    std::vector<std::vector<std::size_t>> recorded;
+    std::vector<std::vector<std::size_t>> current;  ///< this pass's units so far
+    std::size_t next = 0;   ///< the position in `recorded` of the unit expected next
+    bool in_order = true;   ///< this pass has followed `recorded` so far
+    bool overflow = false;  ///< this pass made more calls than are kept
+  } order_;
+  dtrain::gather_counts gather_counts_;
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
@@ -14392,8 +14507,11 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                                     on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  detail::agree_on_model(control_, parameters, buffers_,
-                         "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
+  std::string agreed = "ddp_options::sharding = " + std::string(to_string(options_.sharding));
+  if (shards_parameters()) {
+    agreed += ", ddp_options::prefetch_units = " + std::to_string(options_.prefetch_units);
+  }
+  detail::agree_on_model(control_, parameters, buffers_, agreed);
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -14410,7 +14528,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   for (std::size_t i = 0; i < vars_.size(); ++i) {
     by_name_.emplace(vars_[i].param.name, i);
-    by_data_.emplace(vars_[i].param.values.data, i);
+    if (vars_[i].param.values.data) by_data_.emplace(vars_[i].param.values.data, i);
   }
   used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
   lay_out(detail::reverse_order(vars_.size()));
@@ -14762,6 +14880,7 @@ std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -14946,16 +15065,22 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // shards into `unsharded`, the whole values, and points the model's value
 // pointers into it; the last guard's release frees it and sets them to null.
 // The allgathers run on the bucket runner, in order with the buckets'
-// reduce-scatters (run_in_order): every rank issues its collectives in the
-// same order, whichever thread runs them.
+// reduce-scatters (post_in_order): every rank issues its collectives in the
+// same order, whichever thread runs them. Prefetch: the gather() calls of a
+// step are recorded, and from the next step on each call also posts the
+// allgathers of the next prefetch_units units, which the runner's thread
+// runs while the model computes; a bucket in that window stays whole when
+// its guard goes (the last layer's forward, then its backward).
 
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
-/// owned_values, where make_pieces() put the pieces' values; the model's
-/// value pointers are null from here on.
+/// owned_values, where make_pieces() put the pieces' values (a parameter
+/// declared without values starts at zero there); the model's value
+/// pointers are null from here on.
 template <class Policy>
 void basic_ddp<Policy>::take_values() {
   for (const shard_piece& piece : pieces_) {
     const parameter& p = vars_[piece.parameter].param;
+    if (!p.values.data) continue;  // deferred: the shard starts at zero
     memory_space::copy(
         piece.values.data,
         static_cast<const std::byte*>(p.values.data) + piece.offset * size_of(p.values.type),
@@ -14983,39 +15108,195 @@ typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indice
   for (const std::size_t i : indices) held.push_back(vars_[i].bucket);
   std::sort(held.begin(), held.end());
   held.erase(std::unique(held.begin(), held.end()), held.end());
-  std::vector<std::size_t> fetch;  // not held by a live guard yet
+  std::vector<std::size_t> unwanted;
+  std::optional<gathered_parameters> guard;
   {
     const std::lock_guard lock(mutex_);
     check_usable_locked();
+    guard.emplace(gathered_parameters(*this, held));  // releases the counts if this throws
     for (const std::size_t b : held) {
-      if (buckets_[b].holders++ == 0) fetch.push_back(b);
+      buckets_[b].holders++;
+      buckets_[b].ahead = false;
     }
+    // Every rank posts the same allgathers in the same order: this unit's
+    // buckets not yet whole (nor on their way), then the window's.
+    for (const std::size_t b : held) {
+      if (buckets_[b].unsharded.data() == nullptr) post_gather_locked(b, false);
+    }
+    follow_order_locked(held);
+    unwanted = refresh_window_locked();
   }
-  gathered_parameters guard(*this, std::move(held));  // releases the counts if this throws
-  for (const std::size_t b : fetch) {
-    bucket& s = buckets_[b];
-    const std::size_t elem = size_of(s.info.type);
-    // Host: fresh zero pages (no memset: the allgather writes them all), unmapped at release.
-    s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
-                                                     detail::droppable_pages);
-    if (size_ == 1) {
-      memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
-                         stream_);
-    } else {
-      auto allgather = [&] {
-        const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
-        allgather_bucket(b, s.owned_values.data(), s.unsharded.data()).wait();
-      };
-      try {
-        runner_->run_in_order(allgather);
-      } catch (...) {
-        const std::lock_guard lock(mutex_);
-        fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+  for (const std::size_t b : held) settle_gather(b);
+  drop_unwanted(unwanted);
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    for (const std::size_t b : held) point_values(b, buckets_[b].unsharded.data());
+  }
+  return std::move(*guard);
+}
+
+/// Bucket b's values whole into `unsharded`: fresh zero pages on the host
+/// (no memset: the allgather writes them all), unmapped when dropped; on one
+/// rank a copy, elsewhere an allgather posted to the runner, in order with
+/// the buckets' reduce-scatters.
+template <class Policy>
+void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  ++(ahead ? gather_counts_.prefetched : gather_counts_.on_demand);
+  if (size_ > 1) gather_counts_.bytes += (s.moved - s.owned_count) * elem;
+  s.ahead = ahead;
+  s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
+                                                   detail::droppable_pages);
+  if (size_ == 1) {
+    memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
+                       stream_);
+    return;
+  }
+  std::byte* mine = s.owned_values.data();
+  std::byte* all = s.unsharded.data();
+  try {
+    s.gathering = runner_->post_in_order([this, b, mine, all] {
+      const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
+      allgather_bucket(b, mine, all).wait();
+    });
+  } catch (...) {
+    fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+  }
+}
+
+/// Waits for bucket b's posted allgather, if any (the caller does not hold
+/// the lock); a failure makes DDP unusable and is thrown.
+template <class Policy>
+void basic_ddp<Policy>::settle_gather(std::size_t b) {
+  std::shared_ptr<detail::posted_task> posted;
+  {
+    const std::lock_guard lock(mutex_);
+    posted = buckets_[b].gathering;
+  }
+  if (!posted) return;
+  try {
+    runner_->wait(posted);
+  } catch (...) {
+    const std::lock_guard lock(mutex_);
+    if (broken_) unusable();
+    fail(std::current_exception());
+  }
+  const std::lock_guard lock(mutex_);
+  if (buckets_[b].gathering == posted) buckets_[b].gathering.reset();
+}
+
+/// This pass's place in the recorded order, after a gather() of `unit`.
+template <class Policy>
+void basic_ddp<Policy>::follow_order_locked(const std::vector<std::size_t>& unit) {
+  gather_order& o = order_;
+  // A pass keeps at most this many units (an evaluation of many batches is
+  // one long pass until it starts over at the recorded first unit).
+  const std::size_t most = 64 * buckets_.size() + 1024;
+  if (o.current.size() < most) {
+    o.current.push_back(unit);
+  } else {
+    o.overflow = true;
+  }
+  if (o.recorded.empty()) return;  // the first pass: recording only
+  if (o.in_order && o.next < o.recorded.size() && o.recorded[o.next] == unit) {
+    ++o.next;
+  } else if (o.recorded.front() == unit) {
+    // A new pass from the first unit (the next batch of an evaluation, a
+    // no_sync() micro-batch): follow the order from there.
+    o.next = 1;
+    o.in_order = true;
+    o.current.assign(1, unit);
+    o.overflow = false;
+  } else {
+    o.in_order = false;  // on demand until the pass starts over
+  }
+}
+
+/// Marks the buckets of the next prefetch_units recorded units (the window)
+/// wanted, posts the allgathers of those not whole yet, in order, and
+/// returns the buckets whole, unheld and no longer wanted (to drop).
+template <class Policy>
+std::vector<std::size_t> basic_ddp<Policy>::refresh_window_locked() {
+  const gather_order& o = order_;
+  std::vector<std::size_t> window;  // in the recorded order: the order of the posts
+  std::vector<bool> in_window(buckets_.size(), false);
+  if (size_ > 1 && o.in_order && !o.recorded.empty()) {
+    const std::size_t end = std::min(o.recorded.size(), o.next + options_.prefetch_units);
+    for (std::size_t u = o.next; u < end; ++u) {
+      for (const std::size_t b : o.recorded[u]) {
+        if (!in_window[b]) window.push_back(b);
+        in_window[b] = true;
       }
     }
-    point_values(b, s.unsharded.data());
   }
-  return guard;
+  std::vector<std::size_t> unwanted;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    bucket& s = buckets_[b];
+    s.wanted = in_window[b];
+    if (s.holders == 0 && s.unsharded.data() != nullptr && !s.wanted) unwanted.push_back(b);
+  }
+  for (const std::size_t b : window) {
+    if (buckets_[b].unsharded.data() == nullptr) post_gather_locked(b, true);
+  }
+  return unwanted;
+}
+
+/// Frees the whole values of `candidates` still unheld and unwanted, once
+/// their allgathers are done (the caller does not hold the lock).
+template <class Policy>
+void basic_ddp<Policy>::drop_unwanted(std::span<const std::size_t> candidates) {
+  for (const std::size_t b : candidates) {
+    settle_gather(b);
+    const std::lock_guard lock(mutex_);
+    bucket& s = buckets_[b];
+    if (s.holders == 0 && !s.wanted) free_whole_locked(s);
+  }
+}
+
+/// The end of a step (under the lock): the values are about to change
+/// (optimizer_step()), so nothing stays whole but what a guard holds; the
+/// pass just ended is the order followed from here on, unless it followed
+/// the recorded one to its end.
+template <class Policy>
+void basic_ddp<Policy>::end_gather_pass_locked() {
+  gather_order& o = order_;
+  const bool followed = !o.recorded.empty() && o.in_order && o.next == o.recorded.size();
+  if (!followed && !o.overflow && !o.current.empty()) o.recorded = std::move(o.current);
+  o.current.clear();
+  o.next = 0;
+  o.in_order = true;
+  o.overflow = false;
+  drop_whole_locked();
+}
+
+/// Frees the whole values of every bucket no guard holds (the window's
+/// too), once their allgathers are done: before the values change.
+template <class Policy>
+void basic_ddp<Policy>::drop_whole_locked() {
+  for (bucket& s : buckets_) {
+    s.wanted = false;
+    if (s.holders > 0 || s.unsharded.data() == nullptr) continue;
+    if (s.gathering) {
+      try {
+        runner_->wait(s.gathering);  // the runner's tasks never take this lock
+      } catch (...) {
+        fail(std::current_exception());
+      }
+      s.gathering.reset();
+    }
+    free_whole_locked(s);
+  }
+}
+
+/// Frees bucket `s`'s whole values (its allgather done), counting a
+/// prefetch no guard used.
+template <class Policy>
+void basic_ddp<Policy>::free_whole_locked(bucket& s) noexcept {
+  if (s.ahead) ++gather_counts_.unused;
+  s.ahead = false;
+  s.unsharded = {};
 }
 
 template <class Policy>
@@ -15025,7 +15306,11 @@ void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
     bucket& s = buckets_[b];
     if (s.holders == 0 || --s.holders > 0) continue;
     point_values(b, nullptr);
-    s.unsharded = {};
+    if (s.wanted) continue;  // the next units need it: kept whole
+    // An allgather that failed may not have settled: its buffer stays until DDP goes.
+    if (s.gathering && !runner_->settled(s.gathering)) continue;
+    s.gathering.reset();
+    free_whole_locked(s);
   }
 }
 
@@ -15533,6 +15818,7 @@ void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
   updatable_ = true;  // shard() holds the mean: the optimizer may run once
+  if (shards_parameters()) end_gather_pass_locked();  // before the values change
   for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.
@@ -24930,6 +25216,7 @@ DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir)
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -25059,7 +25346,7 @@ class checkpoint {
         throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": parameter '" +
                            p.name +
                            "' has no values here (ddp_options::sharding = parameters holds "
-                           "them as shards; checkpoints of those are not there yet)");
+                           "them as shards: add them with add_sharded(\"parameters\", ddp))");
       }
       add(p.name, p.values, checkpoint_scope::replicated, p.shape);
     }
@@ -25087,6 +25374,50 @@ class checkpoint {
         std::move(name),
         host_buffer(std::span<T>(std::ranges::data(values), std::ranges::size(values))),
         ddp.shard_ranges(), ddp.model_elements());
+  }
+
+  /// The values of a sharded DDP's shard (`ddp.shard()`'s pieces): ZeRO
+  /// stage 3's values, which only DDP holds, each rank its shard. Saved as
+  /// the sharded entry `name` over the whole model's elements, as the
+  /// optimizer state is, and re-cut on restore for another world size.
+  /// They travel through a shard-sized array of this checkpoint's, copied
+  /// from the pieces before each save and back after a restore. The pieces
+  /// must be in host memory and of one type.
+  template <class DDP>
+  requires requires(const DDP& d) {
+    { d.shard() } -> std::convertible_to<std::span<const shard_piece>>;
+    { d.shard_ranges() } -> std::convertible_to<std::vector<shard_range>>;
+    { d.model_elements() } -> std::convertible_to<std::uint64_t>;
+    { d.shard_elements() } -> std::convertible_to<std::size_t>;
+  }
+  checkpoint& add_sharded(std::string name, const DDP& ddp) {
+    const std::span<const shard_piece> pieces = ddp.shard();
+    const dtype type = pieces.empty() ? dtype::float32 : pieces.front().values.type;
+    for (const shard_piece& piece : pieces) {
+      if (piece.values.type != type || piece.values.where != memory::host) {
+        throw config_error(
+            "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
+            "\", ddp) takes the pieces of one type in host memory, and "
+            "parameter #" +
+            std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.values.type)) +
+            (piece.values.where == memory::host ? "" : " on a GPU"));
+      }
+    }
+    const std::size_t elem = size_of(type);
+    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * elem);
+    std::byte* base = scratch.data();
+    std::vector<shard_piece> copy(pieces.begin(), pieces.end());
+    add_sharded(std::move(name), buffer{base, ddp.shard_elements(), type, memory::host},
+                ddp.shard_ranges(), ddp.model_elements());
+    return add_hooks(
+        [copy, base, elem] {
+          for (const shard_piece& p : copy)
+            std::memcpy(base + p.state_offset * elem, p.values.data, p.values.count * elem);
+        },
+        [copy, base, elem] {
+          for (const shard_piece& p : copy)
+            std::memcpy(p.values.data, base + p.state_offset * elem, p.values.count * elem);
+        });
   }
 
   /// Functions run around the entries, on this rank: `before_save()` at each
@@ -25154,7 +25485,8 @@ class checkpoint {
   struct hook {
     std::function<void()> before_save, after_restore;
   };
-  std::vector<hook> hooks_;  // add_hooks()
+  std::vector<hook> hooks_;                         // add_hooks()
+  std::list<std::vector<std::byte>> shard_copies_;  // add_sharded(name, ddp)'s arrays
 
   struct entry {
     std::string name;

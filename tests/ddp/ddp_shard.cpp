@@ -19,7 +19,13 @@
 // variant's weights must match DDP's within 1e-5 and the single process's
 // within 1e-4; the norms too. Then: the shard pieces of all ranks cover the
 // model exactly once; optimizer_step() without a synchronized step is an
-// error naming the rank. Prints one line per rank; what differs fails the case.
+// error naming the rank. Stage 3 layer by layer (train_layered: each
+// parameter gathered around its forward and its backward, evaluation passes,
+// one step in another order), with ddp_options::prefetch_units 0, 1 and 2 and
+// deferred values, must give the one-unit stage 3's bits and prefetch (fewer
+// allgathers on demand). Refused by name: stages or prefetch_units that
+// differ across ranks, null values below stage 3. Prints one line per rank;
+// what differs fails the case.
 
 #include "../support/multirank.hpp"
 
@@ -173,6 +179,21 @@ struct result {
   std::string page_problem;  ///< why not, when they should have been
 };
 
+/// After synchronize(): the global norm into `out`, then the optimizer on
+/// the shard with the gradients clipped to max_norm.
+template <class DDP>
+void clipped_step(DDP& ddp, optimizer& opt, result& out) {
+  const double norm = ddp.gradient_norm();
+  out.norms.push_back(norm);
+  opt.begin_step();
+  const float scale = clip_scale(norm);
+  ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+    opt.update(static_cast<float*>(piece.values.data),
+               static_cast<const float*>(piece.gradients.data), piece.values.count,
+               piece.state_offset, scale);
+  });
+}
+
 /// Whether none of the whole pages inside [data, data + bytes) is resident.
 bool pages_gone(const void* data, std::size_t bytes, std::string& why) {
   const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
@@ -246,15 +267,7 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
     if (transient && out.pages_returned) {
       out.pages_returned = pages_gone(model.grad(2), sizes[2] * sizeof(float), out.page_problem);
     }
-    const double norm = ddp.gradient_norm();
-    out.norms.push_back(norm);
-    opt.begin_step();
-    const float scale = clip_scale(norm);
-    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
-      opt.update(static_cast<float*>(piece.values.data),
-                 static_cast<const float*>(piece.gradients.data), piece.values.count,
-                 piece.state_offset, scale);
-    });
+    clipped_step(ddp, opt, out);
   }
   if (stage3) {
     // A checkpoint of the values is not there yet at stage 3: refused by
@@ -307,6 +320,103 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
       out.w.clear();
     }
   }
+  return out;
+}
+
+/// Stage 3 as a layered model would run it: each parameter a unit gathered
+/// around its forward (its share of every sample's prediction) and again
+/// around its backward (its gradient, then its mark), in reverse; step 2
+/// runs the backward in another order once; an evaluation pass (forward
+/// only) after steps 1 and 4; step 3 accumulates a micro-batch in no_sync().
+/// The float operations are train()'s at stage 3 in the same order, so the
+/// weights must be the same bits, whatever `prefetch`, and `deferred` (no
+/// values at construction, each rank's shard written through shard()) too.
+/// `counts` gets
+/// gather_counts(); `problem` what went wrong besides the weights.
+template <class Context>
+result train_layered(Context& ctx, optimizer_kind kind, std::size_t prefetch, bool deferred,
+                     dtrain::gather_counts& counts, std::string& problem) {
+  using Policy = typename Context::policy_type;
+  linear_model model(true);
+  // Deferred: no values at construction (no rank holds the model whole);
+  // each rank writes the initial values of its shard through shard().
+  if (deferred) std::fill(model.held.begin(), model.held.end(), nullptr);
+  dtrain::DistributedDataParallel<linear_model, Policy> ddp(
+      ctx, model,
+      {.bucket_cap_mb = 0.004,
+       .first_bucket_cap_mb = 0.002,
+       .find_unused_parameters = true,
+       .report_unused_parameters = false,
+       .sharding = dtrain::sharding::parameters,
+       .prefetch_units = prefetch});
+  if (deferred) {
+    for (const dtrain::shard_piece& piece : ddp.shard()) {
+      auto* v = static_cast<float*>(piece.values.data);
+      for (std::size_t k = 0; k < piece.values.count; ++k)
+        v[k] = static_cast<float>(0.1 * hash_unit(piece.parameter, piece.offset + k));
+    }
+  }
+  optimizer opt(kind, ddp.shard_elements());
+  result out;
+  std::vector<double> y(batch);
+  auto forward = [&](int step, int micro) {
+    std::fill(y.begin(), y.end(), 0.0);
+    for (std::size_t p = 0, d = 0; p < parameter_count; d += sizes[p], ++p) {
+      auto held = ddp.gather({p});
+      if (p == unused) continue;
+      const float* v = model.values(p);
+      if (v == nullptr) {
+        problem = "a gathered parameter's values are null";
+        return;
+      }
+      for (std::size_t k = 0; k < batch; ++k) {
+        const std::uint64_t s = sample(step, micro, ctx.rank(), ctx.size(), k);
+        for (std::size_t i = 0; i < sizes[p]; ++i)
+          y[k] += static_cast<double>(v[i]) * feature(s, d + i);
+      }
+    }
+  };
+  std::size_t offsets[parameter_count] = {};
+  for (std::size_t p = 1; p < parameter_count; ++p) offsets[p] = offsets[p - 1] + sizes[p - 1];
+  auto backward = [&](int step, int micro, bool shuffled, bool mark) {
+    constexpr std::size_t reverse[] = {6, 5, 4, 3, 2, 1, 0};
+    constexpr std::size_t other[] = {6, 4, 5, 1, 3, 2, 0};
+    for (const std::size_t p : shuffled ? other : reverse) {
+      auto held = ddp.gather({p});
+      if (p == unused) continue;
+      float* g = model.grad(p);
+      for (std::size_t k = 0; k < batch; ++k) {
+        const std::uint64_t s = sample(step, micro, ctx.rank(), ctx.size(), k);
+        const double r = (y[k] - target(s)) / static_cast<double>(batch);
+        for (std::size_t i = 0; i < sizes[p]; ++i)
+          g[i] += static_cast<float>(r * feature(s, offsets[p] + i));
+      }
+      if (mark) ddp.mark_ready(p);
+    }
+  };
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t p = 0; p < parameter_count; ++p) {
+      if (p != unused) std::fill_n(model.grad(p), sizes[p], 0.0f);
+    }
+    if (step == accumulating_step) {
+      auto guard = ddp.no_sync();
+      forward(step, 1);
+      backward(step, 1, false, false);
+    }
+    forward(step, 0);
+    backward(step, 0, step == 2, true);
+    ddp.synchronize();
+    if (ddp.memory_use().gathered != 0) problem = "values stayed whole after synchronize()";
+    clipped_step(ddp, opt, out);
+    if (step == 1 || step == 4) forward(steps + step, 0);  // an evaluation pass
+  }
+  {
+    auto held = ddp.gather(ddp.parameters());
+    out.w.assign(parameter_count, {});
+    for (std::size_t p = 0; p < parameter_count; ++p)
+      out.w[p].assign(model.held[p], model.held[p] + sizes[p]);
+  }
+  counts = ddp.gather_counts();
   return out;
 }
 
@@ -407,6 +517,48 @@ int run_case(Context& ctx, std::string_view topology) {
       failures += named ? 0 : 1;
     }
   }
+  {
+    // Refused by name on every rank: ranks that differ in the stage or in
+    // prefetch_units (their allgathers would not pair up), and null values
+    // below stage 3.
+    using Policy = typename Context::policy_type;
+    using stage = dtrain::sharding;
+    const bool first = ctx.rank() == 0;
+    struct refusal {
+      stage mine;
+      std::size_t prefetch;
+      bool null_values;
+      std::string expected;
+    };
+    std::vector<refusal> refusals{
+        {stage::gradients, 1, true,
+         "parameter #0 'w0' has no values (null values are for ddp_options::sharding = "
+         "parameters"}};
+    if (ctx.size() > 1) {
+      refusals.push_back({first ? stage::parameters : stage::gradients, 1, false,
+                          "rank 0 has ddp_options::sharding = parameters, "
+                          "ddp_options::prefetch_units = 1, rank 1 has ddp_options::sharding = "
+                          "gradients"});
+      refusals.push_back({stage::parameters, first ? std::size_t{1} : std::size_t{2}, false,
+                          "ddp_options::prefetch_units = 1, rank 1 has ddp_options::sharding = "
+                          "parameters, ddp_options::prefetch_units = 2"});
+    }
+    for (const refusal& r : refusals) {
+      linear_model model(true);
+      if (r.null_values) model.held[0] = nullptr;
+      std::string what = "nothing was thrown";
+      try {
+        dtrain::DistributedDataParallel<linear_model, Policy> ddp(
+            ctx, model, {.sharding = r.mine, .prefetch_units = r.prefetch});
+      } catch (const dtrain::config_error& e) {
+        what = e.what();
+      }
+      const bool named = what.find(r.expected) != std::string::npos;
+      CHECK_MESSAGE(named,
+                    "rank " << ctx.rank() << ": expected \"" << r.expected << "\", got: " << what);
+      failures += named ? 0 : 1;
+    }
+  }
   for (const optimizer_kind kind : {optimizer_kind::sgd, optimizer_kind::adam}) {
     const char* name = kind == optimizer_kind::sgd ? "sgd-momentum" : "adam";
     const result ddp = train(ctx, dtrain::sharding::none, kind);
@@ -437,6 +589,40 @@ int run_case(Context& ctx, std::string_view topology) {
           ok ? "" : ": FAILED");
       CHECK_MESSAGE(ok, "rank " << ctx.rank() << ": " << name << ", sharding "
                                 << dtrain::to_string(stage) << " (the line above)");
+      failures += ok ? 0 : 1;
+    }
+  }
+  // Stage 3 layer by layer, prefetch off and on: the same bits as the
+  // one-unit stage 3 above; prefetch must gather ahead, and on demand less.
+  for (const optimizer_kind kind : {optimizer_kind::sgd, optimizer_kind::adam}) {
+    const char* name = kind == optimizer_kind::sgd ? "sgd-momentum" : "adam";
+    const result whole = train(ctx, dtrain::sharding::parameters, kind);
+    std::uint64_t on_demand_without = 0;
+    for (const std::size_t prefetch : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+      dtrain::gather_counts counts;
+      std::string problem;
+      // Prefetch 2 also starts from deferred values, written through shard().
+      const bool deferred = prefetch == 2;
+      const result layered = train_layered(ctx, kind, prefetch, deferred, counts, problem);
+      const double to_whole = distance(layered, whole);
+      if (prefetch == 0) on_demand_without = counts.on_demand;
+      const bool ahead = ctx.size() == 1 ? counts.prefetched == 0
+                         : prefetch == 0
+                             ? counts.prefetched == 0
+                             : counts.prefetched > 0 && counts.on_demand < on_demand_without;
+      const bool ok = to_whole == 0 && problem.empty() && ahead;
+      std::printf(
+          "rank %d of %d: %s, stage 3 layer by layer, prefetch_units %zu%s: weights %s the "
+          "one-unit run's; allgathers on demand %llu, ahead %llu (unused %llu), %llu bytes in%s%s%s\n",
+          ctx.rank(), ctx.size(), name, prefetch, deferred ? ", values deferred" : "",
+          to_whole == 0 ? "bit-identical to" : "differ from",
+          static_cast<unsigned long long>(counts.on_demand),
+          static_cast<unsigned long long>(counts.prefetched),
+          static_cast<unsigned long long>(counts.unused),
+          static_cast<unsigned long long>(counts.bytes), problem.empty() ? "" : "; ",
+          problem.c_str(), ok ? "" : ": FAILED");
+      CHECK_MESSAGE(ok, "rank " << ctx.rank() << ": " << name << ", layered stage 3, prefetch "
+                                << prefetch << " (the line above)");
       failures += ok ? 0 : 1;
     }
   }

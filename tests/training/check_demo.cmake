@@ -208,13 +208,56 @@ elseif(CASE STREQUAL "sharding" OR CASE STREQUAL "torch_sharding")
   file(REMOVE_RECURSE "${dir}" "${dir}-copy")
   string(APPEND summary "saved on 4 ranks (sharding 2), resumed on 2 (sharding 2 and 1): "
                         "checksum ${at_two} both\n")
+  if(CASE STREQUAL "sharding")
+    # ZeRO stage 3: the values are a sharded entry too (checkpoint::add_sharded(
+    # "parameters", ddp)). Saved on 4 ranks after one epoch: resumed on 2 it must
+    # end as the stage-2 checkpoint resumed on 2 (the stages give the same bits),
+    # resumed on 4 as the run that never stopped.
+    set(ENV{DTRAIN_NPROC_PER_NODE} 4)
+    execute_process(COMMAND "${TRAIN}" --epochs 1 --samples 2048 --seed 5 ${flags}
+                            --sharding 3 --checkpoint-dir "${dir}" --checkpoint-every 5
+                    OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 150)
+    expect(0 "epoch 1/1 .*samples/s")
+    file(COPY "${dir}/" DESTINATION "${dir}-copy")
+    set(stage3 "")
+    foreach(run IN ITEMS resumed-4 uninterrupted-4 resumed-2)
+      set(resume --checkpoint-dir "${dir}-copy" --checkpoint-every 5)
+      set(ranks 4)
+      if(run STREQUAL "uninterrupted-4")
+        set(resume "")
+      elseif(run STREQUAL "resumed-2")
+        set(resume --checkpoint-dir "${dir}" --checkpoint-every 5)
+        set(ranks 2)
+      endif()
+      set(ENV{DTRAIN_NPROC_PER_NODE} ${ranks})
+      execute_process(COMMAND "${TRAIN}" ${small} ${flags} --sharding 3 ${resume}
+                      OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 150)
+      expect(0 "epoch 2/2 .*samples/s"
+             "all ${ranks} ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+      if(NOT run STREQUAL "uninterrupted-4" AND NOT out MATCHES "resumed at step [0-9]+: epoch")
+        fail("sharding 3, ${run}: it did not resume from the stage-3 checkpoint")
+      endif()
+      string(REGEX MATCH "checksum ([0-9a-f]+)" ignored "${out}")
+      list(APPEND stage3 ${CMAKE_MATCH_1})
+    endforeach()
+    list(GET stage3 0 resumed_four)
+    list(GET stage3 1 uninterrupted_four)
+    list(GET stage3 2 resumed_two)
+    if(NOT resumed_four STREQUAL uninterrupted_four)
+      fail("sharding 3 saved on 4 ranks and resumed on 4 ends with checksum ${resumed_four}, "
+           "the uninterrupted run with ${uninterrupted_four}")
+    endif()
+    if(NOT resumed_two STREQUAL at_two)
+      fail("sharding 3 saved on 4 ranks and resumed on 2 ends with checksum ${resumed_two}, "
+           "the stage-2 checkpoint resumed on 2 with ${at_two}")
+    endif()
+    file(REMOVE_RECURSE "${dir}" "${dir}-copy")
+    string(APPEND summary "saved on 4 ranks (sharding 3): resumed on 4, checksum "
+                          "${resumed_four} as uninterrupted; on 2, ${resumed_two} as sharding 2\n")
+  endif()
   message("${summary}training.demo (${CASE}): ok")
   return()
 elseif(CASE STREQUAL "bad_flag")
-  # ZeRO stage 3's values have no checkpoint yet: refused by name, not lost.
-  execute_process(COMMAND "${TRAIN}" --sharding 3 --checkpoint-dir unused
-                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 100)
-  expect(2 "--sharding 3 with --checkpoint-dir: checkpoints of ZeRO stage 3")
   set(command "${TRAIN}" --epochs many)
   set(expected 2 "--epochs many: expected a number")
 else()

@@ -46,6 +46,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -175,7 +176,7 @@ class checkpoint {
         throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": parameter '" +
                            p.name +
                            "' has no values here (ddp_options::sharding = parameters holds "
-                           "them as shards; checkpoints of those are not there yet)");
+                           "them as shards: add them with add_sharded(\"parameters\", ddp))");
       }
       add(p.name, p.values, checkpoint_scope::replicated, p.shape);
     }
@@ -203,6 +204,50 @@ class checkpoint {
         std::move(name),
         host_buffer(std::span<T>(std::ranges::data(values), std::ranges::size(values))),
         ddp.shard_ranges(), ddp.model_elements());
+  }
+
+  /// The values of a sharded DDP's shard (`ddp.shard()`'s pieces): ZeRO
+  /// stage 3's values, which only DDP holds, each rank its shard. Saved as
+  /// the sharded entry `name` over the whole model's elements, as the
+  /// optimizer state is, and re-cut on restore for another world size.
+  /// They travel through a shard-sized array of this checkpoint's, copied
+  /// from the pieces before each save and back after a restore. The pieces
+  /// must be in host memory and of one type.
+  template <class DDP>
+  requires requires(const DDP& d) {
+    { d.shard() } -> std::convertible_to<std::span<const shard_piece>>;
+    { d.shard_ranges() } -> std::convertible_to<std::vector<shard_range>>;
+    { d.model_elements() } -> std::convertible_to<std::uint64_t>;
+    { d.shard_elements() } -> std::convertible_to<std::size_t>;
+  }
+  checkpoint& add_sharded(std::string name, const DDP& ddp) {
+    const std::span<const shard_piece> pieces = ddp.shard();
+    const dtype type = pieces.empty() ? dtype::float32 : pieces.front().values.type;
+    for (const shard_piece& piece : pieces) {
+      if (piece.values.type != type || piece.values.where != memory::host) {
+        throw config_error(
+            "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
+            "\", ddp) takes the pieces of one type in host memory, and "
+            "parameter #" +
+            std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.values.type)) +
+            (piece.values.where == memory::host ? "" : " on a GPU"));
+      }
+    }
+    const std::size_t elem = size_of(type);
+    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * elem);
+    std::byte* base = scratch.data();
+    std::vector<shard_piece> copy(pieces.begin(), pieces.end());
+    add_sharded(std::move(name), buffer{base, ddp.shard_elements(), type, memory::host},
+                ddp.shard_ranges(), ddp.model_elements());
+    return add_hooks(
+        [copy, base, elem] {
+          for (const shard_piece& p : copy)
+            std::memcpy(base + p.state_offset * elem, p.values.data, p.values.count * elem);
+        },
+        [copy, base, elem] {
+          for (const shard_piece& p : copy)
+            std::memcpy(p.values.data, base + p.state_offset * elem, p.values.count * elem);
+        });
   }
 
   /// Functions run around the entries, on this rank: `before_save()` at each
@@ -270,7 +315,8 @@ class checkpoint {
   struct hook {
     std::function<void()> before_save, after_restore;
   };
-  std::vector<hook> hooks_;  // add_hooks()
+  std::vector<hook> hooks_;                         // add_hooks()
+  std::list<std::vector<std::byte>> shard_copies_;  // add_sharded(name, ddp)'s arrays
 
   struct entry {
     std::string name;

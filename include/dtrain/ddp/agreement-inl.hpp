@@ -21,7 +21,8 @@ DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string
     entry += "] ";
   }
   entry += to_string(p.values.type);
-  entry += p.values.where == memory::host ? " on the host)" : " on a GPU)";
+  entry += p.values.where == memory::host ? " on the host" : " on a GPU";
+  entry += p.values.data ? ")" : ", values from the shard)";  // stage 3's deferred values
   return entry;
 }
 
@@ -58,9 +59,20 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
       return who + "two parameters are called '" + p.name + "' (#" + std::to_string(it->second) +
              " and #" + std::to_string(i) + ")";
     }
-    if (!p.values.data || p.values.count == 0) return who + what + " has no values";
-    if (!data.emplace(p.values.data, i).second)
+    if (p.values.count == 0) return who + what + " has no values";
+    if (!p.values.data) {
+      // Stage 3 may start from the shard (deferred initialisation): the
+      // values are written through shard(), no rank ever holds them whole.
+      if (options.sharding != sharding::parameters || !p.values_rebindable()) {
+        return who + what + " has no values" +
+               (options.sharding == sharding::parameters
+                    ? ""
+                    : " (null values are for ddp_options::sharding = parameters, which starts "
+                      "them at zero in each rank's shard)");
+      }
+    } else if (!data.emplace(p.values.data, i).second) {
       return who + what + " shares its values with another parameter";
+    }
     if (!is_floating(p.values.type)) {
       return who + what + " is " + std::string(to_string(p.values.type)) +
              ": only floating-point parameters have gradients to average (declare it in buffers())";

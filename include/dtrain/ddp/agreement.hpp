@@ -75,7 +75,10 @@ void broadcast_values(control_plane& control, std::span<const parameter> params,
                       std::size_t window = broadcast_window_bytes) {
   std::vector<const parameter*> host, device;
   for (auto list : {params, buffers}) {
-    for (const parameter& p : list) (p.values.where == memory::host ? host : device).push_back(&p);
+    for (const parameter& p : list) {
+      if (!p.values.data) continue;  // stage 3's deferred values: written through shard()
+      (p.values.where == memory::host ? host : device).push_back(&p);
+    }
   }
   std::size_t total = 0;
   for (const parameter* p : host) total += p->bytes();

@@ -334,11 +334,17 @@ class basic_ddp {
       use.buckets += b.grads.bytes();
       use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
-      use.values += b.owned_values.bytes() + b.unsharded.bytes();
+      use.values += b.owned_values.bytes();
+      use.gathered += b.unsharded.bytes();
     }
     use.scratch += staging_[0].bytes() + staging_[1].bytes();
     use.transient_buckets = transient_buckets();
     return use;
+  }
+  /// Stage 3: the allgathers of values so far on this rank (gather_counts).
+  [[nodiscard]] dtrain::gather_counts gather_counts() const {
+    const std::lock_guard lock(mutex_);
+    return gather_counts_;
   }
   /// Elements of this rank's shard: the size of an elementwise optimizer's
   /// state array (per state: Adam keeps two).
@@ -550,6 +556,14 @@ class basic_ddp {
   void release(std::span<const std::size_t> buckets) noexcept;
   void take_values();
   void point_values(std::size_t b, std::byte* whole) noexcept;
+  void post_gather_locked(std::size_t b, bool ahead);
+  void settle_gather(std::size_t b);
+  void follow_order_locked(const std::vector<std::size_t>& unit);
+  std::vector<std::size_t> refresh_window_locked();
+  void drop_unwanted(std::span<const std::size_t> candidates);
+  void end_gather_pass_locked();
+  void drop_whole_locked();
+  void free_whole_locked(bucket& s) noexcept;
 
   bool recording() const noexcept {
     return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
@@ -594,6 +608,9 @@ class basic_ddp {
       const std::lock_guard lock(mutex_);
       check_usable_locked();
       check_updatable(what);
+      // Stage 3: no whole copy outlives the values it was gathered from
+      // (a prefetch posted since the step's end), no allgather reads them.
+      if (shards_parameters()) drop_whole_locked();
     }
     std::vector<work> gathers;
     std::size_t k = 0;          // pieces_ are in bucket order
@@ -741,6 +758,18 @@ class basic_ddp {
   std::vector<shard_piece> pieces_;
   std::size_t shard_elements_ = 0;
   bool updatable_ = false;
+  /// Stage 3's prefetch: the units (each gather() call's buckets) of the
+  /// last pass through the model, in order, and where this pass is in them.
+  /// A pass is a step, or the calls from the recorded first unit on (an
+  /// evaluation, a no_sync() micro-batch). Touched under the lock.
+  struct gather_order {
+    std::vector<std::vector<std::size_t>> recorded;
+    std::vector<std::vector<std::size_t>> current;  ///< this pass's units so far
+    std::size_t next = 0;   ///< the position in `recorded` of the unit expected next
+    bool in_order = true;   ///< this pass has followed `recorded` so far
+    bool overflow = false;  ///< this pass made more calls than are kept
+  } order_;
+  dtrain::gather_counts gather_counts_;
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
@@ -785,8 +814,11 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                                     on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  detail::agree_on_model(control_, parameters, buffers_,
-                         "ddp_options::sharding = " + std::string(to_string(options_.sharding)));
+  std::string agreed = "ddp_options::sharding = " + std::string(to_string(options_.sharding));
+  if (shards_parameters()) {
+    agreed += ", ddp_options::prefetch_units = " + std::to_string(options_.prefetch_units);
+  }
+  detail::agree_on_model(control_, parameters, buffers_, agreed);
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -803,7 +835,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   for (std::size_t i = 0; i < vars_.size(); ++i) {
     by_name_.emplace(vars_[i].param.name, i);
-    by_data_.emplace(vars_[i].param.values.data, i);
+    if (vars_[i].param.values.data) by_data_.emplace(vars_[i].param.values.data, i);
   }
   used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
   lay_out(detail::reverse_order(vars_.size()));

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -209,16 +210,22 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // shards into `unsharded`, the whole values, and points the model's value
 // pointers into it; the last guard's release frees it and sets them to null.
 // The allgathers run on the bucket runner, in order with the buckets'
-// reduce-scatters (run_in_order): every rank issues its collectives in the
-// same order, whichever thread runs them.
+// reduce-scatters (post_in_order): every rank issues its collectives in the
+// same order, whichever thread runs them. Prefetch: the gather() calls of a
+// step are recorded, and from the next step on each call also posts the
+// allgathers of the next prefetch_units units, which the runner's thread
+// runs while the model computes; a bucket in that window stays whole when
+// its guard goes (the last layer's forward, then its backward).
 
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
-/// owned_values, where make_pieces() put the pieces' values; the model's
-/// value pointers are null from here on.
+/// owned_values, where make_pieces() put the pieces' values (a parameter
+/// declared without values starts at zero there); the model's value
+/// pointers are null from here on.
 template <class Policy>
 void basic_ddp<Policy>::take_values() {
   for (const shard_piece& piece : pieces_) {
     const parameter& p = vars_[piece.parameter].param;
+    if (!p.values.data) continue;  // deferred: the shard starts at zero
     memory_space::copy(
         piece.values.data,
         static_cast<const std::byte*>(p.values.data) + piece.offset * size_of(p.values.type),
@@ -246,39 +253,195 @@ typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indice
   for (const std::size_t i : indices) held.push_back(vars_[i].bucket);
   std::sort(held.begin(), held.end());
   held.erase(std::unique(held.begin(), held.end()), held.end());
-  std::vector<std::size_t> fetch;  // not held by a live guard yet
+  std::vector<std::size_t> unwanted;
+  std::optional<gathered_parameters> guard;
   {
     const std::lock_guard lock(mutex_);
     check_usable_locked();
+    guard.emplace(gathered_parameters(*this, held));  // releases the counts if this throws
     for (const std::size_t b : held) {
-      if (buckets_[b].holders++ == 0) fetch.push_back(b);
+      buckets_[b].holders++;
+      buckets_[b].ahead = false;
     }
+    // Every rank posts the same allgathers in the same order: this unit's
+    // buckets not yet whole (nor on their way), then the window's.
+    for (const std::size_t b : held) {
+      if (buckets_[b].unsharded.data() == nullptr) post_gather_locked(b, false);
+    }
+    follow_order_locked(held);
+    unwanted = refresh_window_locked();
   }
-  gathered_parameters guard(*this, std::move(held));  // releases the counts if this throws
-  for (const std::size_t b : fetch) {
-    bucket& s = buckets_[b];
-    const std::size_t elem = size_of(s.info.type);
-    // Host: fresh zero pages (no memset: the allgather writes them all), unmapped at release.
-    s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
-                                                     detail::droppable_pages);
-    if (size_ == 1) {
-      memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
-                         stream_);
-    } else {
-      auto allgather = [&] {
-        const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
-        allgather_bucket(b, s.owned_values.data(), s.unsharded.data()).wait();
-      };
-      try {
-        runner_->run_in_order(allgather);
-      } catch (...) {
-        const std::lock_guard lock(mutex_);
-        fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+  for (const std::size_t b : held) settle_gather(b);
+  drop_unwanted(unwanted);
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    for (const std::size_t b : held) point_values(b, buckets_[b].unsharded.data());
+  }
+  return std::move(*guard);
+}
+
+/// Bucket b's values whole into `unsharded`: fresh zero pages on the host
+/// (no memset: the allgather writes them all), unmapped when dropped; on one
+/// rank a copy, elsewhere an allgather posted to the runner, in order with
+/// the buckets' reduce-scatters.
+template <class Policy>
+void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
+  bucket& s = buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  ++(ahead ? gather_counts_.prefetched : gather_counts_.on_demand);
+  if (size_ > 1) gather_counts_.bytes += (s.moved - s.owned_count) * elem;
+  s.ahead = ahead;
+  s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
+                                                   detail::droppable_pages);
+  if (size_ == 1) {
+    memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
+                       stream_);
+    return;
+  }
+  std::byte* mine = s.owned_values.data();
+  std::byte* all = s.unsharded.data();
+  try {
+    s.gathering = runner_->post_in_order([this, b, mine, all] {
+      const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
+      allgather_bucket(b, mine, all).wait();
+    });
+  } catch (...) {
+    fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+  }
+}
+
+/// Waits for bucket b's posted allgather, if any (the caller does not hold
+/// the lock); a failure makes DDP unusable and is thrown.
+template <class Policy>
+void basic_ddp<Policy>::settle_gather(std::size_t b) {
+  std::shared_ptr<detail::posted_task> posted;
+  {
+    const std::lock_guard lock(mutex_);
+    posted = buckets_[b].gathering;
+  }
+  if (!posted) return;
+  try {
+    runner_->wait(posted);
+  } catch (...) {
+    const std::lock_guard lock(mutex_);
+    if (broken_) unusable();
+    fail(std::current_exception());
+  }
+  const std::lock_guard lock(mutex_);
+  if (buckets_[b].gathering == posted) buckets_[b].gathering.reset();
+}
+
+/// This pass's place in the recorded order, after a gather() of `unit`.
+template <class Policy>
+void basic_ddp<Policy>::follow_order_locked(const std::vector<std::size_t>& unit) {
+  gather_order& o = order_;
+  // A pass keeps at most this many units (an evaluation of many batches is
+  // one long pass until it starts over at the recorded first unit).
+  const std::size_t most = 64 * buckets_.size() + 1024;
+  if (o.current.size() < most) {
+    o.current.push_back(unit);
+  } else {
+    o.overflow = true;
+  }
+  if (o.recorded.empty()) return;  // the first pass: recording only
+  if (o.in_order && o.next < o.recorded.size() && o.recorded[o.next] == unit) {
+    ++o.next;
+  } else if (o.recorded.front() == unit) {
+    // A new pass from the first unit (the next batch of an evaluation, a
+    // no_sync() micro-batch): follow the order from there.
+    o.next = 1;
+    o.in_order = true;
+    o.current.assign(1, unit);
+    o.overflow = false;
+  } else {
+    o.in_order = false;  // on demand until the pass starts over
+  }
+}
+
+/// Marks the buckets of the next prefetch_units recorded units (the window)
+/// wanted, posts the allgathers of those not whole yet, in order, and
+/// returns the buckets whole, unheld and no longer wanted (to drop).
+template <class Policy>
+std::vector<std::size_t> basic_ddp<Policy>::refresh_window_locked() {
+  const gather_order& o = order_;
+  std::vector<std::size_t> window;  // in the recorded order: the order of the posts
+  std::vector<bool> in_window(buckets_.size(), false);
+  if (size_ > 1 && o.in_order && !o.recorded.empty()) {
+    const std::size_t end = std::min(o.recorded.size(), o.next + options_.prefetch_units);
+    for (std::size_t u = o.next; u < end; ++u) {
+      for (const std::size_t b : o.recorded[u]) {
+        if (!in_window[b]) window.push_back(b);
+        in_window[b] = true;
       }
     }
-    point_values(b, s.unsharded.data());
   }
-  return guard;
+  std::vector<std::size_t> unwanted;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    bucket& s = buckets_[b];
+    s.wanted = in_window[b];
+    if (s.holders == 0 && s.unsharded.data() != nullptr && !s.wanted) unwanted.push_back(b);
+  }
+  for (const std::size_t b : window) {
+    if (buckets_[b].unsharded.data() == nullptr) post_gather_locked(b, true);
+  }
+  return unwanted;
+}
+
+/// Frees the whole values of `candidates` still unheld and unwanted, once
+/// their allgathers are done (the caller does not hold the lock).
+template <class Policy>
+void basic_ddp<Policy>::drop_unwanted(std::span<const std::size_t> candidates) {
+  for (const std::size_t b : candidates) {
+    settle_gather(b);
+    const std::lock_guard lock(mutex_);
+    bucket& s = buckets_[b];
+    if (s.holders == 0 && !s.wanted) free_whole_locked(s);
+  }
+}
+
+/// The end of a step (under the lock): the values are about to change
+/// (optimizer_step()), so nothing stays whole but what a guard holds; the
+/// pass just ended is the order followed from here on, unless it followed
+/// the recorded one to its end.
+template <class Policy>
+void basic_ddp<Policy>::end_gather_pass_locked() {
+  gather_order& o = order_;
+  const bool followed = !o.recorded.empty() && o.in_order && o.next == o.recorded.size();
+  if (!followed && !o.overflow && !o.current.empty()) o.recorded = std::move(o.current);
+  o.current.clear();
+  o.next = 0;
+  o.in_order = true;
+  o.overflow = false;
+  drop_whole_locked();
+}
+
+/// Frees the whole values of every bucket no guard holds (the window's
+/// too), once their allgathers are done: before the values change.
+template <class Policy>
+void basic_ddp<Policy>::drop_whole_locked() {
+  for (bucket& s : buckets_) {
+    s.wanted = false;
+    if (s.holders > 0 || s.unsharded.data() == nullptr) continue;
+    if (s.gathering) {
+      try {
+        runner_->wait(s.gathering);  // the runner's tasks never take this lock
+      } catch (...) {
+        fail(std::current_exception());
+      }
+      s.gathering.reset();
+    }
+    free_whole_locked(s);
+  }
+}
+
+/// Frees bucket `s`'s whole values (its allgather done), counting a
+/// prefetch no guard used.
+template <class Policy>
+void basic_ddp<Policy>::free_whole_locked(bucket& s) noexcept {
+  if (s.ahead) ++gather_counts_.unused;
+  s.ahead = false;
+  s.unsharded = {};
 }
 
 template <class Policy>
@@ -288,7 +451,11 @@ void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
     bucket& s = buckets_[b];
     if (s.holders == 0 || --s.holders > 0) continue;
     point_values(b, nullptr);
-    s.unsharded = {};
+    if (s.wanted) continue;  // the next units need it: kept whole
+    // An allgather that failed may not have settled: its buffer stays until DDP goes.
+    if (s.gathering && !runner_->settled(s.gathering)) continue;
+    s.gathering.reset();
+    free_whole_locked(s);
   }
 }
 

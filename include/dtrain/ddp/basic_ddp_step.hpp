@@ -415,6 +415,7 @@ void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
   updatable_ = true;  // shard() holds the mean: the optimizer may run once
+  if (shards_parameters()) end_gather_pass_locked();  // before the values change
   for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.

@@ -93,19 +93,33 @@ struct ddp_memory_use {
   std::size_t buckets = 0;  ///< the gradient buckets (views point into them), padding included
   std::size_t shards = 0;   ///< sharding: this rank's shard of each bucket
   std::size_t scratch = 0;  ///< compression's 16-bit copies, the hierarchical topology's scratch
-  /// Stage 3 (sharding::parameters): this rank's shard of the values, and the
-  /// whole values of the buckets gather() holds now (the model holds none).
+  /// Stage 3 (sharding::parameters): this rank's shard of the values (the
+  /// model holds none).
   std::size_t values = 0;
+  /// Stage 3: the whole values of the buckets whole now (those gather()
+  /// holds, and the prefetched ones: at most prefetch_units units more).
+  std::size_t gathered = 0;
   /// Stage 2 on the host: the buckets' pages are resident only while a
   /// bucket is being filled or is in flight (given back after its
   /// reduce-scatter and after its allgather), so `buckets` is address space
   /// and held() leaves it out.
   bool transient_buckets = false;
-  [[nodiscard]] std::size_t total() const noexcept { return buckets + shards + scratch + values; }
+  [[nodiscard]] std::size_t total() const noexcept {
+    return buckets + shards + scratch + values + gathered;
+  }
   /// What stays allocated between steps.
   [[nodiscard]] std::size_t held() const noexcept {
     return total() - (transient_buckets ? buckets : 0);
   }
+};
+
+/// Stage 3's allgathers of values on this rank since construction
+/// (DistributedDataParallel::gather_counts()), counted in buckets.
+struct gather_counts {
+  std::uint64_t on_demand = 0;   ///< where a gather() asked for them
+  std::uint64_t prefetched = 0;  ///< ahead of the gather() that used them (prefetch_units)
+  std::uint64_t unused = 0;      ///< of those, freed unused (a pass in another order)
+  std::uint64_t bytes = 0;       ///< arrived: the whole buckets, less this rank's shard
 };
 
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
@@ -164,6 +178,14 @@ struct ddp_options {
   /// its optimizer state, stay where they are. Not with compression or a comm
   /// hook at stages 2 and 3.
   dtrain::sharding sharding = dtrain::sharding::none;
+  /// Stage 3: how many units (gather() calls) ahead of the one in use DDP
+  /// allgathers while the model computes, in the order of gather() calls
+  /// recorded in the step before (FSDP's forward and backward prefetch; at
+  /// most 1 + prefetch_units units whole at once besides those the model
+  /// holds). A step whose order differs gathers on demand from where it
+  /// differs, and is the order followed from the next step. 0: on demand
+  /// only. The same on every rank.
+  std::size_t prefetch_units = 1;
 };
 
 /// One bucket, as a communication hook sees it.

@@ -17,10 +17,19 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 namespace dtrain::detail {
+
+/// A task of the owner's queued in order with the buckets (post_in_order()):
+/// `done` once it ran, or was dropped after a failure; what it threw is kept
+/// for wait(). The runner's lock guards both.
+struct posted_task {
+  bool done = false;
+  std::exception_ptr thrown;
+};
 
 /// Buckets are reduced one at a time, in launch order: each is prepared,
 /// reduced and waited for (within the collective timeout), then finished.
@@ -53,45 +62,55 @@ class thread_runner {
     bool idle = false;
     {
       std::lock_guard lock(mutex_);
-      queue_.push_back({bucket, {}});
+      queue_.push_back({bucket, {}, {}});
       idle = !busy_;
     }
     if (idle && wake) wake_.notify_one();  // a busy thread takes it next by itself
   }
 
-  /// Runs `task` (a collective of the owner's, as stage 3's allgather of a
-  /// bucket's values) after everything launched before it, in queue order,
-  /// so that every rank issues its collectives in the same order; returns
-  /// once it ran, rethrowing what it threw. The caller runs queued work
-  /// itself while the thread is idle. After a failure the task does not run
-  /// and the failure is thrown.
-  void run_in_order(std::function<void()> task) {
+  /// Queues `task` (a collective of the owner's, as stage 3's allgather of a
+  /// bucket's values) after everything launched before it, so that every
+  /// rank issues its collectives in the same order, and returns at once: the
+  /// thread runs it while the caller computes (stage 3's prefetch), or the
+  /// caller in wait(). A task that throws fails the runner (the ranks'
+  /// collectives are out of step): nothing queued after it runs. After a
+  /// failure the task does not run.
+  std::shared_ptr<posted_task> post_in_order(std::function<void()> task) {
+    auto posted = std::make_shared<posted_task>();
+    bool idle = false;
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back({0, std::move(task), posted});
+      idle = !busy_;
+    }
+    if (idle) wake_.notify_one();
+    return posted;
+  }
+
+  /// Returns once `posted` ran, rethrowing what it threw, or the failure
+  /// that dropped it; runs queued work itself while the thread is idle.
+  void wait(const std::shared_ptr<posted_task>& posted) {
     std::unique_lock lock(mutex_);
-    bool ran = false;
-    std::exception_ptr thrown;
-    queue_.push_back({0, [&] {
-                        try {
-                          task();
-                        } catch (...) {
-                          thrown = std::current_exception();
-                        }
-                        ran = true;
-                      }});
     ++tasks_waiting_;
-    while (!ran && !failure_) {
+    while (!posted->done) {
       if (!busy_ && !queue_.empty()) {
         run_front(lock);
+      } else if (failure_ && !busy_) {
+        break;  // dropped, or never to run: nothing runs after a failure
       } else {
         done_wake_.wait(lock);
       }
     }
     --tasks_waiting_;
-    if (thrown) std::rethrow_exception(thrown);
-    if (!ran) {
-      // Failed before its turn: the task is dropped from the queue unrun.
-      std::erase_if(queue_, [](const item& i) { return static_cast<bool>(i.task); });
-      std::rethrow_exception(failure_);
-    }
+    if (posted->thrown) std::rethrow_exception(posted->thrown);
+    if (!posted->done) std::rethrow_exception(failure_);
+  }
+
+  /// Whether `posted` ran or will never run (a failure): its buffers are
+  /// free to go.
+  bool settled(const std::shared_ptr<posted_task>& posted) {
+    std::lock_guard lock(mutex_);
+    return posted->done || (failure_ && !busy_);
   }
 
   /// Blocks the caller while more than `most` launched buckets are not yet
@@ -149,14 +168,26 @@ class thread_runner {
   void run_front(std::unique_lock<std::mutex>& lock) {
     item front = std::move(queue_.front());
     queue_.pop_front();
-    if (front.task) {  // run_in_order's: not a bucket of the step
+    if (front.task) {  // post_in_order's: not a bucket of the step
       if (!failure_) {
         busy_ = true;
         lock.unlock();
-        front.task();  // keeps what it throws for its caller
+        std::exception_ptr thrown;
+        try {
+          front.task();
+        } catch (...) {
+          thrown = std::current_exception();
+        }
         lock.lock();
         busy_ = false;
+        if (thrown) {
+          front.posted->thrown = thrown;  // for its waiter
+          if (!failure_) failure_ = thrown;
+        }
+      } else {
+        front.posted->thrown = failure_;  // dropped unrun
       }
+      front.posted->done = true;
       done_wake_.notify_all();
       return;
     }
@@ -185,7 +216,8 @@ class thread_runner {
 
   struct item {
     std::size_t bucket = 0;
-    std::function<void()> task;  ///< set: run_in_order's task instead of a bucket
+    std::function<void()> task;  ///< set: post_in_order's task instead of a bucket
+    std::shared_ptr<posted_task> posted;
   };
 
   Owner& owner_;
@@ -197,7 +229,7 @@ class thread_runner {
   bool busy_ = false;        // a bucket is being reduced (by the thread or the caller)
   bool completing_ = false;  // the caller is in complete(): the queue is its own
   int throttled_ = 0;        // callers waiting in throttle()
-  int tasks_waiting_ = 0;    // callers waiting in run_in_order()
+  int tasks_waiting_ = 0;    // callers waiting in wait()
   bool stopping_ = false;
   std::exception_ptr failure_;
   std::thread thread_;  // last: starts once everything above exists
@@ -246,10 +278,19 @@ class stream_runner {
   void throttle(std::size_t /*most*/) noexcept {}
 
   /// Enqueues `task` now: the device keeps the order of what is enqueued.
-  void run_in_order(const std::function<void()>& task) {
+  std::shared_ptr<posted_task> post_in_order(const std::function<void()>& task) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
     task();
+    auto posted = std::make_shared<posted_task>();
+    posted->done = true;
+    return posted;
   }
+  /// The task is enqueued already: the watchdog's failure, if any, is thrown.
+  void wait(const std::shared_ptr<posted_task>& /*posted*/) {
+    if (auto e = watchdog_.failure()) std::rethrow_exception(e);
+  }
+  /// The device orders what follows after the task: its buffers may go.
+  bool settled(const std::shared_ptr<posted_task>& /*posted*/) const noexcept { return true; }
 
  private:
   Owner& owner_;

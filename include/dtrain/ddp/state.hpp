@@ -6,12 +6,14 @@
 
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/parameter.hpp>
+#include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/storage.hpp>
 
 #include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <vector>
 
 namespace dtrain::detail {
@@ -53,6 +55,13 @@ struct ddp_bucket {
   flat_storage<Memory> owned_values;
   flat_storage<Memory> unsharded;
   std::size_t holders = 0;
+  /// Stage 3: the allgather into `unsharded`, posted to the runner (a
+  /// prefetch runs while the model computes); null once waited for.
+  std::shared_ptr<posted_task> gathering;
+  /// Stage 3: in the prefetch window (the units expected next): kept whole
+  /// when its last guard goes, instead of freed.
+  bool wanted = false;
+  bool ahead = false;       ///< stage 3: prefetched, and no guard has held it since
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
   std::size_t pending = 0;  ///< its parameters not yet marked in this step
   bool ready = false;       ///< every parameter marked: may be launched in its turn
