@@ -319,13 +319,13 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
   struct variant {
     sharding mode;
     std::size_t prefetch;
-    const char* name;
+    [[nodiscard]] const char* name() const {
+      return prefetch == 0 ? "stage 3, prefetch off" : name_of(mode);
+    }
   };
-  constexpr std::array variants{variant{sharding::none, 1, "DDP (none)"},
-                                variant{sharding::optimizer, 1, "stage 1 (optimizer)"},
-                                variant{sharding::gradients, 1, "stage 2 (gradients)"},
-                                variant{sharding::parameters, 1, "stage 3 (parameters)"},
-                                variant{sharding::parameters, 0, "stage 3, prefetch off"}};
+  constexpr std::array variants{variant{sharding::none, 1}, variant{sharding::optimizer, 1},
+                                variant{sharding::gradients, 1}, variant{sharding::parameters, 1},
+                                variant{sharding::parameters, 0}};
   if (main) {
     std::printf(
         "\nStep time (%zu layers, %.0f us of backward each, sleep), median of %d rounds "
@@ -354,7 +354,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     if (main) {
       const double base = median(times[0]);
       for (std::size_t m = 0; m < variants.size(); ++m) {
-        std::printf("| %d | %s | %.2f ms | %.3f |\n", sizes[g], variants[m].name,
+        std::printf("| %d | %s | %.2f ms | %.3f |\n", sizes[g], variants[m].name(),
                     1e3 * median(times[m]), median(times[m]) / base);
       }
       std::fflush(stdout);

@@ -10529,7 +10529,8 @@ template <detail::element_range V>
 /// A host parameter whose values and gradient the model keeps as pointers
 /// (`float* w; float* grad_w;`), for ddp_options::sharding = parameters (ZeRO
 /// stage 3): DDP copies the `count` values `values` points to at construction
-/// (the model may free that storage afterwards), keeps this rank's shard of
+/// (the model may free that storage afterwards; null: the shard starts at
+/// zero, for the model to write through shard()), keeps this rank's shard of
 /// them, and points `values` at the whole values while
 /// DistributedDataParallel::gather() holds them (null otherwise). The
 /// gradient is a bucket view, as with param(name, values, gradient). Other
