@@ -10546,6 +10546,23 @@ template <element T>
           .values_slot = &values};
 }
 
+/// The same for CUDA memory of `device` (ZeRO stage 3 on GPUs): `values`
+/// and `gradient` are device pointers; DDP copies the values on its stream
+/// at construction, holds its shard in GPU memory and points `values` into
+/// its gathered bucket (GPU memory) while gather() holds it. Other stages
+/// use it as param(name, device_span<T>{values, count, device}, gradient).
+template <element T>
+[[nodiscard]] parameter param(std::string name, T*& values, std::size_t count, T*& gradient,
+                              int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device, device},
+          .gradient = gradient,
+          .device = device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>,
+          .values_slot = &values};
+}
+
 /// A host parameter whose gradient buffer the model owns and keeps: dtrain
 /// copies it in before the reduction and the mean back after.
 template <detail::element_range V, detail::element_range G>
@@ -11221,16 +11238,13 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
   }
   if (options.sharding == sharding::parameters) {
     // Stage 3: DDP holds the values, and points the model's values there.
-    if (on_device) {
-      return who + "ddp_options::sharding is parameters, which is not there yet on GPUs (" +
-             std::string(backend) + "): use sharding::gradients";
-    }
     for (const parameter& p : params) {
       if (!p.values_rebindable()) {
         return who + "parameter '" + p.name +
                "' gives its values as storage, but ddp_options::sharding = parameters holds "
                "the values itself: declare it with dtrain::param(name, values_pointer, count, "
-               "gradient_pointer)";
+               "gradient_pointer" +
+               (p.values.where == memory::device ? ", device)" : ")");
       }
     }
   }
@@ -11428,13 +11442,14 @@ class thread_runner {
   }
 
   /// Queues `task` (a collective of the owner's, as stage 3's allgather of a
-  /// bucket's values) after everything launched before it, so that every
-  /// rank issues its collectives in the same order, and returns at once: the
-  /// thread runs it while the caller computes (stage 3's prefetch), or the
-  /// caller in wait(). A task that throws fails the runner (the ranks'
-  /// collectives are out of step): nothing queued after it runs. After a
-  /// failure the task does not run.
-  std::shared_ptr<posted_task> post_in_order(std::function<void()> task) {
+  /// bucket's values: it returns the collective's work, which the runner
+  /// waits for within its timeout) after everything launched before it, so
+  /// that every rank issues its collectives in the same order, and returns
+  /// at once: the thread runs it while the caller computes (stage 3's
+  /// prefetch), or the caller in wait(). A task that throws fails the runner
+  /// (the ranks' collectives are out of step): nothing queued after it runs.
+  /// After a failure the task does not run.
+  std::shared_ptr<posted_task> post_in_order(std::function<work()> task) {
     auto posted = std::make_shared<posted_task>();
     bool idle = false;
     {
@@ -11533,7 +11548,7 @@ class thread_runner {
         lock.unlock();
         std::exception_ptr thrown;
         try {
-          front.task();
+          front.task().wait();  // bounded by the collective timeout
         } catch (...) {
           thrown = std::current_exception();
         }
@@ -11575,7 +11590,7 @@ class thread_runner {
 
   struct item {
     std::size_t bucket = 0;
-    std::function<void()> task;  ///< set: post_in_order's task instead of a bucket
+    std::function<work()> task;  ///< set: post_in_order's task instead of a bucket
     std::shared_ptr<posted_task> posted;
   };
 
@@ -11636,19 +11651,23 @@ class stream_runner {
   /// The device orders the buckets; the host does not wait for them.
   void throttle(std::size_t /*most*/) noexcept {}
 
-  /// Enqueues `task` now: the device keeps the order of what is enqueued.
-  std::shared_ptr<posted_task> post_in_order(const std::function<void()>& task) {
+  /// Enqueues `task`'s collective now (the device keeps the order of what is
+  /// enqueued) under the watchdog, as a bucket's; the host does not wait.
+  std::shared_ptr<posted_task> post_in_order(const std::function<work()>& task) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
-    task();
+    watchdog_.watch(task());
     auto posted = std::make_shared<posted_task>();
     posted->done = true;
     return posted;
   }
-  /// The task is enqueued already: the watchdog's failure, if any, is thrown.
+  /// The task is enqueued already: the watchdog's failure, if any, is
+  /// thrown. The owner orders its compute stream after the collective
+  /// (order_after_buckets()) before using what it wrote.
   void wait(const std::shared_ptr<posted_task>& /*posted*/) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
   }
-  /// The device orders what follows after the task: its buffers may go.
+  /// Enqueued: once the owner's compute stream is ordered after it, its
+  /// buffers may go (a stream-ordered free on that stream).
   bool settled(const std::shared_ptr<posted_task>& /*posted*/) const noexcept { return true; }
 
  private:
@@ -11805,6 +11824,7 @@ struct ddp_variable {
   bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
   bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
   bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
+  bool gathered = false;  ///< stage 3: a gather() asked for it in this step (its values were whole)
   // Across steps.
   bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
   bool used = false;          ///< some rank used it in the steps reported on (report_unused)
@@ -14043,6 +14063,50 @@ class basic_ddp {
   /// Elements of this rank's shard: the size of an elementwise optimizer's
   /// state array (per state: Adam keeps two).
   [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// The values of this rank's pieces (shard()), each at its state_offset,
+  /// copied into `out` in host memory: shard_elements() elements of the
+  /// pieces' type (one type: a config_error names the rank otherwise). At
+  /// stage 3 DDP's shard of the values, for checkpoint::add_sharded(name,
+  /// ddp). On a GPU after the compute stream, which the host waits for.
+  void download_shard_values(std::span<std::byte> out);
+  /// `in` (as download_shard_values() writes it) into the pieces' values;
+  /// on a GPU on the compute stream, which the host waits for. At stage 3
+  /// the whole copies of the old values (prefetched) are dropped; while a
+  /// gather() guard holds some it throws config_error, naming the rank.
+  void upload_shard_values(std::span<const std::byte> in);
+  /// Collective, between steps: the whole model's values on rank `root`
+  /// (an export for inference, FSDP's full state dict with rank0_only and
+  /// offload_to_cpu), in bounded memory: one bucket at a time is made whole
+  /// (at stage 3 an allgather of that bucket alone; other stages hold the
+  /// values whole already) and copied to host memory on `root`, where
+  /// `visit(param, bytes)` is called for each of its parameters (bytes:
+  /// param.values.bytes() of host memory, valid during the call). Every
+  /// parameter once, bucket by bucket; other ranks call nothing. At most
+  /// one bucket (bucket_cap_mb, or the largest parameter) is whole beyond
+  /// what gather() guards hold.
+  template <class Visit>
+  requires std::invocable<Visit&, const parameter&, std::span<const std::byte>>
+  void export_parameters(Visit&& visit, int root = 0) {
+    if (root < 0 || root >= size_) {
+      throw config_error("DistributedDataParallel::export_parameters on rank " +
+                         std::to_string(rank_) + ": root " + std::to_string(root) +
+                         " is not a rank of " + std::to_string(size_));
+    }
+    {
+      const std::lock_guard lock(mutex_);
+      check_usable_locked();
+      check_between_steps("export_parameters()");
+    }
+    std::vector<std::byte> host;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      whole_bucket_to_host(b, host, rank_ == root);
+      if (rank_ != root) continue;
+      for (const std::size_t i : buckets_[b].info.parameters) {
+        const parameter& p = vars_[i].param;
+        visit(p, std::span<const std::byte>(host.data() + vars_[i].offset, p.values.bytes()));
+      }
+    }
+  }
   /// The optimizer's step over this rank's shard, then the values' allgather:
   /// `update(piece)` for each piece of shard(), then gather_parameters().
   /// Once after each synchronize() (dtrain::error otherwise, naming the rank:
@@ -14223,6 +14287,7 @@ class basic_ddp {
   [[noreturn]] void no_such_name(std::string_view name) const;
   [[noreturn]] void not_a_parameter(const parameter& p) const;
   [[noreturn]] void marked_twice(std::size_t i) const;
+  [[noreturn]] void not_gathered(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
   std::size_t index_of(std::size_t index) const {
@@ -14291,6 +14356,8 @@ class basic_ddp {
   static constexpr std::size_t transient_in_flight = 2;
 
   void make_pieces();
+  std::size_t shard_value_size(const char* what, std::size_t bytes) const;
+  void whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host, bool here);
   void check_updatable(const char* what) const;
   /// optimizer_step() and gather_parameters(): `update(piece)` for each
   /// piece, bucket by bucket, each bucket's allgather launched once its
@@ -14935,6 +15002,106 @@ void basic_ddp<Policy>::make_pieces() {
   }
 }
 
+/// The pieces' element size, once checked that they have one type and
+/// that `bytes` holds shard_elements() of them.
+template <class Policy>
+std::size_t basic_ddp<Policy>::shard_value_size(const char* what, std::size_t bytes) const {
+  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().values.type;
+  for (const shard_piece& piece : pieces_) {
+    if (piece.values.type != type) {
+      throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                         std::to_string(rank_) + ": the shard holds " +
+                         std::string(to_string(type)) + " and " +
+                         std::string(to_string(piece.values.type)) + " (parameter '" +
+                         vars_[piece.parameter].param.name + "'); it copies one type");
+    }
+  }
+  if (bytes != shard_elements_ * size_of(type)) {
+    throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                       std::to_string(rank_) + ": " + std::to_string(bytes) +
+                       " bytes given for a shard of " + std::to_string(shard_elements_) + " " +
+                       std::string(to_string(type)) + " elements");
+  }
+  return size_of(type);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::download_shard_values(std::span<std::byte> out) {
+  const std::size_t elem = shard_value_size("download_shard_values()", out.size());
+  for (const shard_piece& p : pieces_) {
+    memory_space::download(out.data() + p.state_offset * elem, p.values.data, p.values.bytes(),
+                           device_, stream_);
+  }
+  if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::upload_shard_values(std::span<const std::byte> in) {
+  const std::size_t elem = shard_value_size("upload_shard_values()", in.size());
+  if (shards_parameters()) {
+    // The values change: no whole copy of the old ones may outlive this
+    // (a prefetched bucket), and none may be held.
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    for (const bucket& s : buckets_) {
+      if (s.holders == 0) continue;
+      throw config_error("DistributedDataParallel::upload_shard_values() on rank " +
+                         std::to_string(rank_) + " while a gather() guard holds parameter '" +
+                         vars_[s.info.parameters.front()].param.name +
+                         "': its whole values would be stale; let the guards go first");
+    }
+    drop_whole_locked();
+  }
+  for (const shard_piece& p : pieces_) {
+    memory_space::upload(p.values.data, in.data() + p.state_offset * elem, p.values.bytes(),
+                         device_, stream_);
+  }
+  if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+}
+
+/// export_parameters()' step for bucket b: its values whole in `host` at
+/// their bucket offsets, where `here` (the root); at stage 3 allgathered
+/// alone (no prefetch, the recorded order untouched) and freed after,
+/// unless a guard or the prefetch window holds it.
+template <class Policy>
+void basic_ddp<Policy>::whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host,
+                                             bool here) {
+  const bucket& s = buckets_[b];
+  std::size_t bytes = 0;
+  for (const std::size_t i : s.info.parameters)
+    bytes = std::max(bytes, vars_[i].offset + vars_[i].param.values.bytes());
+  if (here) host.resize(std::max(host.size(), bytes));
+  if (!shards_parameters()) {  // the values are whole, in the model's memory
+    if (!here) return;
+    for (const std::size_t i : s.info.parameters) {
+      const parameter& p = vars_[i].param;
+      memory_space::download(host.data() + vars_[i].offset, p.values.data, p.values.bytes(),
+                             device_, stream_);
+    }
+    if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+    return;
+  }
+  bool posted = false;
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    if (buckets_[b].unsharded.data() == nullptr) {
+      post_gather_locked(b, false);
+      posted = true;
+    }
+  }
+  settle_gather(b);
+  if (here) {
+    memory_space::download(host.data(), s.unsharded.data(), bytes, device_, stream_);
+    if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+  }
+  if (posted) {
+    const std::lock_guard lock(mutex_);
+    bucket& mine = buckets_[b];
+    if (mine.holders == 0 && !mine.wanted) free_whole_locked(mine);
+  }
+}
+
 template <class Policy>
 void basic_ddp<Policy>::check_updatable(const char* what) const {
   if (updatable_) return;
@@ -15072,6 +15239,13 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // allgathers of the next prefetch_units units, which the runner's thread
 // runs while the model computes; a bucket in that window stays whole when
 // its guard goes (the last layer's forward, then its backward).
+// On streams (NCCL, GPU memory) the allgathers are enqueued at once on DDP's
+// communicator, after the compute stream (the optimizer's update of the
+// shard), under the runner's watchdog; gather() orders the compute stream
+// after them (an event, no host wait) before the unit computes, and the
+// whole values come from the stream-ordered allocator (cudaMallocAsync's
+// pool) and go back on the compute stream after the last kernel that reads
+// them: at most the held units plus the window are allocated at once.
 
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
 /// owned_values, where make_pieces() put the pieces' values (a parameter
@@ -15115,6 +15289,7 @@ typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indice
     const std::lock_guard lock(mutex_);
     check_usable_locked();
     guard.emplace(gathered_parameters(*this, held));  // releases the counts if this throws
+    for (const std::size_t i : indices) vars_[i].gathered = true;  // for mark_ready's check
     for (const std::size_t b : held) {
       buckets_[b].holders++;
       buckets_[b].ahead = false;
@@ -15160,7 +15335,7 @@ void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
   try {
     s.gathering = runner_->post_in_order([this, b, mine, all] {
       const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
-      allgather_bucket(b, mine, all).wait();
+      return allgather_bucket(b, mine, all);
     });
   } catch (...) {
     fail(std::current_exception());  // the ranks' collectives are out of step: unusable
@@ -15168,7 +15343,10 @@ void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
 }
 
 /// Waits for bucket b's posted allgather, if any (the caller does not hold
-/// the lock); a failure makes DDP unusable and is thrown.
+/// the lock); on streams the compute stream is ordered after it instead
+/// (an event, no host wait): the unit's compute, and the stream-ordered
+/// free of its whole values, come after the allgather that wrote them. A
+/// failure makes DDP unusable and is thrown.
 template <class Policy>
 void basic_ddp<Policy>::settle_gather(std::size_t b) {
   std::shared_ptr<detail::posted_task> posted;
@@ -15179,6 +15357,7 @@ void basic_ddp<Policy>::settle_gather(std::size_t b) {
   if (!posted) return;
   try {
     runner_->wait(posted);
+    order_after_buckets();
   } catch (...) {
     const std::lock_guard lock(mutex_);
     if (broken_) unusable();
@@ -15269,6 +15448,7 @@ void basic_ddp<Policy>::end_gather_pass_locked() {
   o.next = 0;
   o.in_order = true;
   o.overflow = false;
+  for (variable& v : vars_) v.gathered = false;  // the next step's passes gather them again
   drop_whole_locked();
 }
 
@@ -15282,6 +15462,7 @@ void basic_ddp<Policy>::drop_whole_locked() {
     if (s.gathering) {
       try {
         runner_->wait(s.gathering);  // the runner's tasks never take this lock
+        order_after_buckets();       // streams: the free is ordered after the allgather
       } catch (...) {
         fail(std::current_exception());
       }
@@ -15310,6 +15491,13 @@ void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
     if (s.wanted) continue;  // the next units need it: kept whole
     // An allgather that failed may not have settled: its buffer stays until DDP goes.
     if (s.gathering && !runner_->settled(s.gathering)) continue;
+    if (s.gathering) {  // a guard whose gather() threw before settling it
+      try {
+        order_after_buckets();  // streams: the free after the allgather, or none
+      } catch (...) {
+        continue;
+      }
+    }
     s.gathering.reset();
     free_whole_locked(s);
   }
@@ -15439,6 +15627,7 @@ template <class Policy>
 bool basic_ddp<Policy>::ready(std::size_t i) {
   check_usable_locked();
   variable& v = vars_[i];
+  if (shards_parameters() && !v.gathered) not_gathered(i);
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
   updatable_ = false;  // a new step: the last one's update (if any) is behind
@@ -15510,6 +15699,16 @@ void basic_ddp<Policy>::marked_twice(std::size_t i) const {
               std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
               " on rank " + std::to_string(rank_) +
               "; mark each gradient once per step (accumulate inside no_sync())");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::not_gathered(std::size_t i) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
+              std::to_string(i) + ") on rank " + std::to_string(rank_) +
+              " has a gradient, but no gather() held its values in step " + std::to_string(steps_) +
+              " (ddp_options::sharding = parameters: they are null outside one, so the pass "
+              "that computed the gradient did not read them); hold ddp.gather() of its part "
+              "around the part's forward and backward");
 }
 
 /// What may only happen between steps (after synchronize(), before the next mark).
@@ -25381,44 +25580,38 @@ class checkpoint {
   /// stage 3's values, which only DDP holds, each rank its shard. Saved as
   /// the sharded entry `name` over the whole model's elements, as the
   /// optimizer state is, and re-cut on restore for another world size.
-  /// They travel through a shard-sized array of this checkpoint's, copied
-  /// from the pieces before each save and back after a restore. The pieces
-  /// must be in host memory and of one type.
+  /// They travel through a shard-sized host array of this checkpoint's,
+  /// copied from the pieces before each save and back after a restore
+  /// (ddp.download_shard_values / upload_shard_values: from and to GPU
+  /// memory too). The pieces must be of one type; the DDP must outlive
+  /// this checkpoint's saves and restores.
   template <class DDP>
-  requires requires(const DDP& d) {
+  requires requires(DDP& d, std::span<std::byte> out, std::span<const std::byte> in) {
     { d.shard() } -> std::convertible_to<std::span<const shard_piece>>;
     { d.shard_ranges() } -> std::convertible_to<std::vector<shard_range>>;
     { d.model_elements() } -> std::convertible_to<std::uint64_t>;
     { d.shard_elements() } -> std::convertible_to<std::size_t>;
+    d.download_shard_values(out);
+    d.upload_shard_values(in);
   }
-  checkpoint& add_sharded(std::string name, const DDP& ddp) {
+  checkpoint& add_sharded(std::string name, DDP& ddp) {
     const std::span<const shard_piece> pieces = ddp.shard();
     const dtype type = pieces.empty() ? dtype::float32 : pieces.front().values.type;
     for (const shard_piece& piece : pieces) {
-      if (piece.values.type != type || piece.values.where != memory::host) {
+      if (piece.values.type != type) {
         throw config_error(
             "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
-            "\", ddp) takes the pieces of one type in host memory, and "
-            "parameter #" +
+            "\", ddp) takes the pieces of one type, and parameter #" +
             std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.values.type)) +
-            (piece.values.where == memory::host ? "" : " on a GPU"));
+            ", not " + std::string(to_string(type)));
       }
     }
-    const std::size_t elem = size_of(type);
-    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * elem);
-    std::byte* base = scratch.data();
-    std::vector<shard_piece> copy(pieces.begin(), pieces.end());
-    add_sharded(std::move(name), buffer{base, ddp.shard_elements(), type, memory::host},
+    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * size_of(type));
+    const std::span<std::byte> host(scratch.data(), scratch.size());
+    add_sharded(std::move(name), buffer{host.data(), ddp.shard_elements(), type, memory::host},
                 ddp.shard_ranges(), ddp.model_elements());
-    return add_hooks(
-        [copy, base, elem] {
-          for (const shard_piece& p : copy)
-            std::memcpy(base + p.state_offset * elem, p.values.data, p.values.count * elem);
-        },
-        [copy, base, elem] {
-          for (const shard_piece& p : copy)
-            std::memcpy(p.values.data, base + p.state_offset * elem, p.values.count * elem);
-        });
+    return add_hooks([&ddp, host] { ddp.download_shard_values(host); },
+                     [&ddp, host] { ddp.upload_shard_values(host); });
   }
 
   /// Functions run around the entries, on this rank: `before_save()` at each

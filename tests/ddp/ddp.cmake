@@ -76,7 +76,7 @@ dtrain_add_multirank_test(ddp.topology PROGRAM dtrain_ddp_peer CASE topology
 if(DTRAIN_WITH_GLOO)
   dtrain_add_multirank_program(dtrain_ddp_device_rules ddp/ddp_device_rules.cpp)
 endif()
-foreach(case IN ITEMS mean shard)
+foreach(case IN ITEMS mean shard stage3)
   dtrain_add_multirank_test(ddp.device_rules.${case} PROGRAM dtrain_ddp_device_rules CASE ${case}
                             ENGINES gloo ENGINE_NOT_IN_NAME RANKS 1 2 3 TIMEOUT 180
                             ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60)
@@ -87,6 +87,12 @@ dtrain_add_multirank_test(ddp.device_rules.shard PROGRAM dtrain_ddp_device_rules
   ENGINES gloo ENGINE_NOT_IN_NAME RANKS 4 NODES 2,2 TIMEOUT 180
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
   "rank 1 of 4: sharding gradients: 3 steps[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks")
+# Stage 3 on streams over topology::hierarchical: the values' allgathers
+# across the nodes, then within each, enqueued at once on two streams.
+dtrain_add_multirank_test(ddp.device_rules.stage3 PROGRAM dtrain_ddp_device_rules CASE stage3
+  ENGINES gloo ENGINE_NOT_IN_NAME RANKS 4 NODES 2,2 TIMEOUT 180
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
+  "rank 2 of 4: stage 3 on streams, prefetch 2: 4 steps[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks")
 # topology::hierarchical on streams (NCCL's way): 2 nodes x 2 ranks.
 dtrain_add_multirank_test(ddp.device_rules.mean PROGRAM dtrain_ddp_device_rules CASE mean
   ENGINES gloo ENGINE_NOT_IN_NAME RANKS 4 NODES 2,2 TIMEOUT 180

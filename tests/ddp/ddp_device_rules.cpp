@@ -18,6 +18,9 @@
 //                agreement's message (the job's status and output are checked)
 //   hung-peer    rank 1 never steps: rank 0's synchronize() (or its next call)
 //                throws timeout_error within the timeout plus one second
+//   stage3       sharding::parameters (ZeRO stage 3): the values' allgathers on
+//                streams, prefetched 0, 1 and 2 layers ahead, each value read in
+//                a gather() exact (the compute ordered after the allgather)
 //   stream-init  each rank writes its parameters on a compute stream of its
 //                own, late, then builds DDP with ddp_options::stream: every rank
 //                starts from what rank 0 wrote there (the first broadcast is
@@ -31,7 +34,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -245,6 +251,155 @@ int shard_case(dtrain::context<Policy>& ctx, dtrain::sharding stage) {
   return 0;
 }
 
+// ZeRO stage 3 on streams (issue 48): each layer's values held as the
+// rank's shard in "device" memory, allgathered on the communicator's stream
+// by gather() (prefetched ahead by 0, 1 or 2 layers), the compute ordered
+// after the allgather before any value is read. Every value read inside a
+// guard is checked against the exact expected value (rank 0's start minus
+// half the sum of the exact means so far): a read before the allgather has
+// landed sees zeros or a mix. Then the shard's values through the host and
+// back (download_shard_values / upload_shard_values: what a checkpoint of
+// GPU values does), and nothing stays gathered past synchronize().
+struct layered_model {
+  std::vector<std::vector<float>> init;  // "device" memory: DDP copies it, then it is freed
+  std::vector<float*> w, g;              // stage 3: DDP points both
+  explicit layered_model(int rank) {
+    for (std::size_t l = 0; l < 7; ++l) {
+      const std::size_t count = 40 + (l * 211) % 600 + (l == 3 ? 3000 : 0);
+      init.emplace_back(count, static_cast<float>(rank * 1000 + l));
+      w.push_back(init.back().data());
+      g.push_back(nullptr);
+    }
+  }
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t l = 0; l < init.size(); ++l)
+      out.push_back(dtrain::param("layer" + std::to_string(l), w[l], init[l].size(), g[l], 0));
+    return out;
+  }
+};
+
+// The value of element i of layer l at the start of step `step`.
+float stage3_value(int size, std::size_t l, std::size_t i, int step) {
+  float value = static_cast<float>(l);  // rank 0's start, broadcast
+  for (int s = 0; s < step; ++s) {
+    float mean = 0;
+    for (int r = 0; r < size; ++r) mean += gradient(r, l, i, s);
+    value -= 0.5f * (mean / static_cast<float>(size));
+  }
+  return value;
+}
+
+template <class Policy>
+int stage3_case(dtrain::context<Policy>& ctx, std::size_t prefetch) {
+  const int rank = ctx.rank(), size = ctx.size();
+  layered_model m(rank);
+  const std::vector<std::size_t> counts = [&] {
+    std::vector<std::size_t> c;
+    for (const auto& v : m.init) c.push_back(v.size());
+    return c;
+  }();
+  dtrain::DistributedDataParallel<layered_model, Policy> ddp(
+      ctx, m,
+      {.bucket_cap_mb = 0.002,
+       .first_bucket_cap_mb = 0.002,
+       .sharding = dtrain::sharding::parameters,
+       .prefetch_units = prefetch});
+  m.init.clear();  // DDP holds the values now
+  for (float* w : m.w) {
+    if (w != nullptr) return fail("a value pointer is not null after construction at stage 3");
+  }
+  auto check_layer = [&](std::size_t l, int step, const char* pass) -> int {
+    if (m.w[l] == nullptr) return fail(std::string(pass) + ": layer's values are null");
+    for (std::size_t i = 0; i < counts[l]; ++i) {
+      const float expected = stage3_value(size, l, i, step);
+      if (m.w[l][i] != expected) {
+        return fail("prefetch " + std::to_string(prefetch) + ", step " + std::to_string(step) +
+                    ", " + pass + ": layer " + std::to_string(l) + "[" + std::to_string(i) +
+                    "] reads " + std::to_string(m.w[l][i]) + ", expected " +
+                    std::to_string(expected) +
+                    " (the compute was not ordered after the allgather)");
+      }
+    }
+    return 0;
+  };
+  constexpr int steps = 4;
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t l = 0; l < counts.size(); ++l) {  // forward
+      auto held = ddp.gather({l});
+      if (int status = check_layer(l, step, "forward")) return status;
+    }
+    for (std::size_t l = counts.size(); l-- > 0;) {  // backward
+      auto held = ddp.gather({l});
+      if (int status = check_layer(l, step, "backward")) return status;
+      for (std::size_t i = 0; i < counts[l]; ++i) m.g[l][i] = gradient(rank, l, i, step);
+      ddp.mark_ready(l);
+    }
+    ddp.synchronize(nullptr);
+    if (ddp.memory_use().gathered != 0) return fail("values stay gathered past synchronize()");
+    ddp.wait();
+    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+      if (piece.values.where != dtrain::memory::device)
+        throw std::runtime_error("a stage-3 piece's values are not in device memory");
+      auto* w = static_cast<float*>(piece.values.data);
+      const auto* grad = static_cast<const float*>(piece.gradients.data);
+      for (std::size_t k = 0; k < piece.values.count; ++k) w[k] -= 0.5f * grad[k];
+    });
+    ddp.wait();
+  }
+  for (float* w : m.w) {
+    if (w != nullptr) return fail("a value pointer is not null between steps");
+  }
+  // The shard through the host and back, as a checkpoint of GPU values moves it.
+  std::vector<std::byte> host(ddp.shard_elements() * sizeof(float));
+  ddp.download_shard_values(host);
+  std::vector<std::byte> zeros(host.size());
+  ddp.upload_shard_values(zeros);
+  {
+    auto held = ddp.gather({std::size_t{0}});
+    for (std::size_t i = 0; i < counts[0]; ++i) {
+      if (m.w[0][i] != 0.0f) return fail("upload_shard_values() did not reach the values");
+    }
+  }
+  ddp.upload_shard_values(host);
+  for (std::size_t l = 0; l < counts.size(); ++l) {
+    auto held = ddp.gather({l});
+    if (int status = check_layer(l, steps, "after the shard's round trip")) return status;
+  }
+  // The export for inference: rank 0 gets every layer once, one bucket at a
+  // time, and leaves whole only what was (the prefetch window of the pass above).
+  const std::size_t whole_before = ddp.memory_use().gathered;
+  std::size_t exported = 0;
+  std::string wrong;
+  ddp.export_parameters([&](const dtrain::parameter& p, std::span<const std::byte> bytes) {
+    const std::size_t l = std::stoul(p.name.substr(5));  // "layer<l>"
+    std::vector<float> values(bytes.size() / sizeof(float));
+    std::memcpy(values.data(), bytes.data(), bytes.size());
+    ++exported;
+    for (std::size_t i = 0; i < values.size() && wrong.empty(); ++i) {
+      if (values.size() != counts[l] || values[i] != stage3_value(size, l, i, steps))
+        wrong = "export_parameters(): " + p.name + "[" + std::to_string(i) + "] is wrong";
+    }
+  });
+  if (!wrong.empty()) return fail(wrong);
+  if (exported != (rank == 0 ? counts.size() : 0))
+    return fail("export_parameters() visited " + std::to_string(exported) + " parameters");
+  if (ddp.memory_use().gathered != whole_before)
+    return fail("export_parameters() left values whole");
+  const dtrain::gather_counts counted = ddp.gather_counts();
+  if (size > 1 && prefetch > 0 && counted.prefetched == 0)
+    return fail("prefetch " + std::to_string(prefetch) + ": nothing was prefetched");
+  if (prefetch == 0 && counted.prefetched != 0) return fail("prefetch 0 prefetched");
+  if (device_rules::communicator::host_buffers_seen() != 0)
+    return fail("DDP sent host memory to the device-only communicator");
+  std::printf(
+      "rank %d of %d: stage 3 on streams, prefetch %zu: %d steps, every value read in a "
+      "gather() exact (%llu gathers on demand, %llu prefetched); %s\n",
+      rank, size, prefetch, steps, static_cast<unsigned long long>(counted.on_demand),
+      static_cast<unsigned long long>(counted.prefetched), ddp.topology().describe().c_str());
+  return 0;
+}
+
 // What rank `rank` writes on its compute stream before DDP is built.
 float late_value(int rank, std::size_t p) {
   return static_cast<float>(100000 + rank * 1000) + static_cast<float>(p);
@@ -377,6 +532,21 @@ TEST_CASE("shard") {
           }
           return status;
         }) == 0);
+}
+
+TEST_CASE("stage3") {
+  auto all_prefetches = [](auto& ctx) {
+    int status = 0;
+    for (const std::size_t prefetch : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+      if (status == 0) status = stage3_case(ctx, prefetch);
+    }
+    return status;
+  };
+  if (hierarchical()) {
+    CHECK(dtrain_test::run_with<hierarchical_policy>(all_prefetches) == 0);
+    return;
+  }
+  CHECK(dtrain_test::run_with<policy>(all_prefetches) == 0);
 }
 
 TEST_CASE("stream-init") {

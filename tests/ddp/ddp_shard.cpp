@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -179,6 +180,30 @@ struct result {
   std::string page_problem;  ///< why not, when they should have been
 };
 
+/// export_parameters() to rank 0, one bucket at a time: every parameter
+/// once, equal to `w` (the values whole), nothing on other ranks, nothing
+/// left whole after. Returns what went wrong, or "".
+template <class DDP>
+std::string check_export(DDP& ddp, const std::vector<std::vector<float>>& w, int rank) {
+  std::vector<int> seen(parameter_count, 0);
+  std::string problem;
+  ddp.export_parameters([&](const dtrain::parameter& p, std::span<const std::byte> bytes) {
+    const std::size_t k = std::stoul(p.name.substr(1));  // "w<k>"
+    ++seen[k];
+    if (bytes.size() != w[k].size() * sizeof(float) ||
+        std::memcmp(bytes.data(), w[k].data(), bytes.size()) != 0)
+      problem = "export_parameters(): " + p.name + " differs from the gathered values";
+  });
+  for (std::size_t k = 0; k < parameter_count && problem.empty(); ++k) {
+    if (seen[k] != (rank == 0 ? 1 : 0))
+      problem = "export_parameters(): w" + std::to_string(k) + " visited " +
+                std::to_string(seen[k]) + " times on rank " + std::to_string(rank);
+  }
+  if (problem.empty() && ddp.memory_use().gathered != 0)
+    problem = "export_parameters() left values whole";
+  return problem;
+}
+
 /// After synchronize(): the global norm into `out`, then the optimizer on
 /// the shard with the gradients clipped to max_norm.
 template <class DDP>
@@ -270,8 +295,9 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
     clipped_step(ddp, opt, out);
   }
   if (stage3) {
-    // A checkpoint of the values is not there yet at stage 3: refused by
-    // name when the parameters are added, not a crash at the first save.
+    // The parameters' values are DDP's shards at stage 3: adding them whole
+    // to a checkpoint is refused by name when they are added (add_sharded(
+    // "parameters", ddp) is the way), not a crash at the first save.
     dtrain::checkpoint ck(ctx.control_plane(), {.dir = "unused"});
     try {
       ck.add(ddp.parameters());
@@ -289,6 +315,7 @@ result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
   } else {
     out.w = model.w;
   }
+  if (const std::string e = check_export(ddp, out.w, ctx.rank()); !e.empty()) out.page_problem = e;
 
   // The pieces of every rank cover each parameter once (without sharding,
   // each rank's cover it whole).
@@ -356,6 +383,19 @@ result train_layered(Context& ctx, optimizer_kind kind, std::size_t prefetch, bo
         v[k] = static_cast<float>(0.1 * hash_unit(piece.parameter, piece.offset + k));
     }
   }
+  // A gradient marked while no gather() held its part's values in the step
+  // (a layer computed outside its guard) is refused by name, before the
+  // mark counts: the steps below run as if it had not been tried.
+  try {
+    ddp.mark_ready(std::size_t{1});
+    problem = "mark_ready of a parameter no gather() held was taken";
+  } catch (const dtrain::error& e) {
+    const std::string said = e.what();
+    if (said.find("parameter 'w1' (#1) on rank " + std::to_string(ctx.rank()) +
+                  " has a gradient, but no gather() held its values in step 0") ==
+        std::string::npos)
+      problem = "mark_ready without a gather() said: " + said;
+  }
   optimizer opt(kind, ddp.shard_elements());
   result out;
   std::vector<double> y(batch);
@@ -416,6 +456,7 @@ result train_layered(Context& ctx, optimizer_kind kind, std::size_t prefetch, bo
     for (std::size_t p = 0; p < parameter_count; ++p)
       out.w[p].assign(model.held[p], model.held[p] + sizes[p]);
   }
+  if (const std::string e = check_export(ddp, out.w, ctx.rank()); !e.empty()) problem = e;
   counts = ddp.gather_counts();
   return out;
 }

@@ -26,6 +26,7 @@
 
 #include <dtrain/dtrain.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -317,6 +318,111 @@ TEST_SUITE("gpu") {
         CHECK(wrong == 0);
       }
       CHECK_THROWS_AS(ddp.optimizer_step([](const dtrain::shard_piece&) {}), dtrain::error);
+    }
+  }
+
+  TEST_CASE(
+      "stage 3 at world size 1 on the GPU: the shard in device memory, gathers on the stream") {
+    // (Two and more ranks of the same code: ddp.device_rules.stage3, NCCL's rules on the host.)
+    const test_stream owned;
+    const cudaStream_t stream = owned.stream;
+    auto on_stream = [&](const float* device, std::size_t n) {
+      std::vector<float> out(n);
+      GPU_CHECK(
+          cudaMemcpyAsync(out.data(), device, n * sizeof(float), cudaMemcpyDeviceToHost, stream));
+      GPU_CHECK(cudaStreamSynchronize(stream));
+      return out;
+    };
+    auto to_stream = [&](float* device, const std::vector<float>& values) {
+      GPU_CHECK(cudaMemcpyAsync(device, values.data(), values.size() * sizeof(float),
+                                cudaMemcpyHostToDevice, stream));
+      GPU_CHECK(cudaStreamSynchronize(stream));
+    };
+    struct layers {
+      std::vector<std::size_t> sizes = {3000, 17, 70000, 513};
+      std::vector<std::unique_ptr<device_floats>> init;
+      std::vector<float*> w, g;
+      int device = 0;
+      std::vector<dtrain::parameter> parameters() {
+        std::vector<dtrain::parameter> out;
+        for (std::size_t l = 0; l < sizes.size(); ++l)
+          out.push_back(dtrain::param("layer" + std::to_string(l), w[l], sizes[l], g[l], device));
+        return out;
+      }
+    } model;
+    GPU_CHECK(cudaGetDevice(&model.device));
+    for (std::size_t l = 0; l < model.sizes.size(); ++l) {
+      model.init.push_back(std::make_unique<device_floats>(model.sizes[l]));
+      upload(model.init.back()->data,
+             std::vector<float>(model.sizes[l], static_cast<float>(l + 1)));
+      model.w.push_back(model.init.back()->data);
+      model.g.push_back(nullptr);
+    }
+    world_of_one world;
+    dtrain::DistributedDataParallel<layers, policy> ddp(world.comm, world.control, model,
+                                                        {.bucket_cap_mb = 0.1,
+                                                         .first_bucket_cap_mb = 0.01,
+                                                         .always_reduce = true,
+                                                         .sharding = dtrain::sharding::parameters,
+                                                         .prefetch_units = 1});
+    ddp.set_stream(stream);
+    GPU_CHECK(cudaDeviceSynchronize());
+    model.init.clear();  // DDP holds the values: the model's memory may go
+    for (float* w : model.w) CHECK(w == nullptr);
+    for (const dtrain::shard_piece& piece : ddp.shard())
+      CHECK(piece.values.where == dtrain::memory::device);
+    auto expected = [](std::size_t l, std::size_t i, int step) {
+      float value = static_cast<float>(l + 1);
+      for (int s = 0; s < step; ++s) value -= 0.5f * gradient(l, i, s);
+      return value;
+    };
+    auto check_layer = [&](std::size_t l, int step) {
+      REQUIRE(model.w[l] != nullptr);
+      const std::vector<float> w = on_stream(model.w[l], model.sizes[l]);
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < w.size(); ++i) wrong += w[i] == expected(l, i, step) ? 0 : 1;
+      INFO("step ", step, ", layer ", l);
+      CHECK(wrong == 0);
+    };
+    constexpr int steps = 3;
+    for (int step = 0; step < steps; ++step) {
+      for (std::size_t l = 0; l < model.sizes.size(); ++l) {
+        auto held = ddp.gather({l});
+        check_layer(l, step);
+      }
+      for (std::size_t l = model.sizes.size(); l-- > 0;) {
+        auto held = ddp.gather({l});
+        check_layer(l, step);
+        std::vector<float> grad(model.sizes[l]);
+        for (std::size_t i = 0; i < grad.size(); ++i) grad[i] = gradient(l, i, step);
+        to_stream(model.g[l], grad);
+        ddp.mark_ready(l);
+      }
+      ddp.synchronize();
+      CHECK(ddp.memory_use().gathered == 0);
+      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+        auto* values = static_cast<float*>(piece.values.data);
+        std::vector<float> w = on_stream(values, piece.values.count);
+        const std::vector<float> grad =
+            on_stream(static_cast<const float*>(piece.gradients.data), piece.values.count);
+        for (std::size_t k = 0; k < w.size(); ++k) w[k] -= 0.5f * grad[k];
+        to_stream(values, w);
+      });
+    }
+    CHECK(ddp.gather_counts().on_demand > 0);
+    // The shard through the host and back, as checkpoint::add_sharded("parameters", ddp).
+    std::vector<std::byte> host(ddp.shard_elements() * sizeof(float));
+    ddp.download_shard_values(host);
+    ddp.upload_shard_values(std::vector<std::byte>(host.size()));
+    {
+      auto held = ddp.gather({std::size_t{0}});
+      const std::vector<float> zero = on_stream(model.w[0], model.sizes[0]);
+      CHECK(std::all_of(zero.begin(), zero.end(), [](float x) { return x == 0.0f; }));
+    }
+    ddp.upload_shard_values(host);
+    for (std::size_t l = 0; l < model.sizes.size(); ++l) {
+      auto held = ddp.gather({l});
+      check_layer(l, steps);
     }
   }
 

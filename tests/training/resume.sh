@@ -12,6 +12,8 @@
 #                the uninterrupted run's. Then the newest checkpoint is
 #                truncated and the run repeated: it resumes from the one before,
 #                naming the file, and ends with the same checksum again.
+#   kill_worker_stage3  kill_worker at ZeRO stage 3 (--sharding 3): the values
+#                and the optimizer state saved as shards, each rank its own.
 #   kill_in_save the same, with the kill as soon as a save is seen in progress
 #                (a step-N.partial directory): that save is never used.
 #   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
@@ -115,9 +117,10 @@ reference() {  # <log> <command>...: an uninterrupted run's checksum
 }
 
 case $case_name in
-  kill_worker | kill_in_save | torch_kill_worker)
+  kill_worker | kill_worker_stage3 | kill_in_save | torch_kill_worker)
     cmd=("$train" --nproc-per-node 4 "${model[@]}")
     every=20
+    [[ $case_name == kill_worker_stage3 ]] && cmd+=(--sharding 3)
     if [[ $case_name == torch_kill_worker ]]; then
       cmd=("$train" --nproc-per-node 2 --epochs 4 --samples 2048)
       every=10

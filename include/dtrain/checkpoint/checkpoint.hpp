@@ -210,44 +210,38 @@ class checkpoint {
   /// stage 3's values, which only DDP holds, each rank its shard. Saved as
   /// the sharded entry `name` over the whole model's elements, as the
   /// optimizer state is, and re-cut on restore for another world size.
-  /// They travel through a shard-sized array of this checkpoint's, copied
-  /// from the pieces before each save and back after a restore. The pieces
-  /// must be in host memory and of one type.
+  /// They travel through a shard-sized host array of this checkpoint's,
+  /// copied from the pieces before each save and back after a restore
+  /// (ddp.download_shard_values / upload_shard_values: from and to GPU
+  /// memory too). The pieces must be of one type; the DDP must outlive
+  /// this checkpoint's saves and restores.
   template <class DDP>
-  requires requires(const DDP& d) {
+  requires requires(DDP& d, std::span<std::byte> out, std::span<const std::byte> in) {
     { d.shard() } -> std::convertible_to<std::span<const shard_piece>>;
     { d.shard_ranges() } -> std::convertible_to<std::vector<shard_range>>;
     { d.model_elements() } -> std::convertible_to<std::uint64_t>;
     { d.shard_elements() } -> std::convertible_to<std::size_t>;
+    d.download_shard_values(out);
+    d.upload_shard_values(in);
   }
-  checkpoint& add_sharded(std::string name, const DDP& ddp) {
+  checkpoint& add_sharded(std::string name, DDP& ddp) {
     const std::span<const shard_piece> pieces = ddp.shard();
     const dtype type = pieces.empty() ? dtype::float32 : pieces.front().values.type;
     for (const shard_piece& piece : pieces) {
-      if (piece.values.type != type || piece.values.where != memory::host) {
+      if (piece.values.type != type) {
         throw config_error(
             "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
-            "\", ddp) takes the pieces of one type in host memory, and "
-            "parameter #" +
+            "\", ddp) takes the pieces of one type, and parameter #" +
             std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.values.type)) +
-            (piece.values.where == memory::host ? "" : " on a GPU"));
+            ", not " + std::string(to_string(type)));
       }
     }
-    const std::size_t elem = size_of(type);
-    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * elem);
-    std::byte* base = scratch.data();
-    std::vector<shard_piece> copy(pieces.begin(), pieces.end());
-    add_sharded(std::move(name), buffer{base, ddp.shard_elements(), type, memory::host},
+    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * size_of(type));
+    const std::span<std::byte> host(scratch.data(), scratch.size());
+    add_sharded(std::move(name), buffer{host.data(), ddp.shard_elements(), type, memory::host},
                 ddp.shard_ranges(), ddp.model_elements());
-    return add_hooks(
-        [copy, base, elem] {
-          for (const shard_piece& p : copy)
-            std::memcpy(base + p.state_offset * elem, p.values.data, p.values.count * elem);
-        },
-        [copy, base, elem] {
-          for (const shard_piece& p : copy)
-            std::memcpy(p.values.data, base + p.state_offset * elem, p.values.count * elem);
-        });
+    return add_hooks([&ddp, host] { ddp.download_shard_values(host); },
+                     [&ddp, host] { ddp.upload_shard_values(host); });
   }
 
   /// Functions run around the entries, on this rank: `before_save()` at each

@@ -116,16 +116,13 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
   }
   if (options.sharding == sharding::parameters) {
     // Stage 3: DDP holds the values, and points the model's values there.
-    if (on_device) {
-      return who + "ddp_options::sharding is parameters, which is not there yet on GPUs (" +
-             std::string(backend) + "): use sharding::gradients";
-    }
     for (const parameter& p : params) {
       if (!p.values_rebindable()) {
         return who + "parameter '" + p.name +
                "' gives its values as storage, but ddp_options::sharding = parameters holds "
                "the values itself: declare it with dtrain::param(name, values_pointer, count, "
-               "gradient_pointer)";
+               "gradient_pointer" +
+               (p.values.where == memory::device ? ", device)" : ")");
       }
     }
   }

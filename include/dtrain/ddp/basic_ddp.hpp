@@ -349,6 +349,50 @@ class basic_ddp {
   /// Elements of this rank's shard: the size of an elementwise optimizer's
   /// state array (per state: Adam keeps two).
   [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// The values of this rank's pieces (shard()), each at its state_offset,
+  /// copied into `out` in host memory: shard_elements() elements of the
+  /// pieces' type (one type: a config_error names the rank otherwise). At
+  /// stage 3 DDP's shard of the values, for checkpoint::add_sharded(name,
+  /// ddp). On a GPU after the compute stream, which the host waits for.
+  void download_shard_values(std::span<std::byte> out);
+  /// `in` (as download_shard_values() writes it) into the pieces' values;
+  /// on a GPU on the compute stream, which the host waits for. At stage 3
+  /// the whole copies of the old values (prefetched) are dropped; while a
+  /// gather() guard holds some it throws config_error, naming the rank.
+  void upload_shard_values(std::span<const std::byte> in);
+  /// Collective, between steps: the whole model's values on rank `root`
+  /// (an export for inference, FSDP's full state dict with rank0_only and
+  /// offload_to_cpu), in bounded memory: one bucket at a time is made whole
+  /// (at stage 3 an allgather of that bucket alone; other stages hold the
+  /// values whole already) and copied to host memory on `root`, where
+  /// `visit(param, bytes)` is called for each of its parameters (bytes:
+  /// param.values.bytes() of host memory, valid during the call). Every
+  /// parameter once, bucket by bucket; other ranks call nothing. At most
+  /// one bucket (bucket_cap_mb, or the largest parameter) is whole beyond
+  /// what gather() guards hold.
+  template <class Visit>
+  requires std::invocable<Visit&, const parameter&, std::span<const std::byte>>
+  void export_parameters(Visit&& visit, int root = 0) {
+    if (root < 0 || root >= size_) {
+      throw config_error("DistributedDataParallel::export_parameters on rank " +
+                         std::to_string(rank_) + ": root " + std::to_string(root) +
+                         " is not a rank of " + std::to_string(size_));
+    }
+    {
+      const std::lock_guard lock(mutex_);
+      check_usable_locked();
+      check_between_steps("export_parameters()");
+    }
+    std::vector<std::byte> host;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      whole_bucket_to_host(b, host, rank_ == root);
+      if (rank_ != root) continue;
+      for (const std::size_t i : buckets_[b].info.parameters) {
+        const parameter& p = vars_[i].param;
+        visit(p, std::span<const std::byte>(host.data() + vars_[i].offset, p.values.bytes()));
+      }
+    }
+  }
   /// The optimizer's step over this rank's shard, then the values' allgather:
   /// `update(piece)` for each piece of shard(), then gather_parameters().
   /// Once after each synchronize() (dtrain::error otherwise, naming the rank:
@@ -529,6 +573,7 @@ class basic_ddp {
   [[noreturn]] void no_such_name(std::string_view name) const;
   [[noreturn]] void not_a_parameter(const parameter& p) const;
   [[noreturn]] void marked_twice(std::size_t i) const;
+  [[noreturn]] void not_gathered(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
   std::size_t index_of(std::size_t index) const {
@@ -597,6 +642,8 @@ class basic_ddp {
   static constexpr std::size_t transient_in_flight = 2;
 
   void make_pieces();
+  std::size_t shard_value_size(const char* what, std::size_t bytes) const;
+  void whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host, bool here);
   void check_updatable(const char* what) const;
   /// optimizer_step() and gather_parameters(): `update(piece)` for each
   /// piece, bucket by bucket, each bucket's allgather launched once its

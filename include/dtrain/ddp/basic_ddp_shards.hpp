@@ -79,6 +79,106 @@ void basic_ddp<Policy>::make_pieces() {
   }
 }
 
+/// The pieces' element size, once checked that they have one type and
+/// that `bytes` holds shard_elements() of them.
+template <class Policy>
+std::size_t basic_ddp<Policy>::shard_value_size(const char* what, std::size_t bytes) const {
+  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().values.type;
+  for (const shard_piece& piece : pieces_) {
+    if (piece.values.type != type) {
+      throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                         std::to_string(rank_) + ": the shard holds " +
+                         std::string(to_string(type)) + " and " +
+                         std::string(to_string(piece.values.type)) + " (parameter '" +
+                         vars_[piece.parameter].param.name + "'); it copies one type");
+    }
+  }
+  if (bytes != shard_elements_ * size_of(type)) {
+    throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                       std::to_string(rank_) + ": " + std::to_string(bytes) +
+                       " bytes given for a shard of " + std::to_string(shard_elements_) + " " +
+                       std::string(to_string(type)) + " elements");
+  }
+  return size_of(type);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::download_shard_values(std::span<std::byte> out) {
+  const std::size_t elem = shard_value_size("download_shard_values()", out.size());
+  for (const shard_piece& p : pieces_) {
+    memory_space::download(out.data() + p.state_offset * elem, p.values.data, p.values.bytes(),
+                           device_, stream_);
+  }
+  if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::upload_shard_values(std::span<const std::byte> in) {
+  const std::size_t elem = shard_value_size("upload_shard_values()", in.size());
+  if (shards_parameters()) {
+    // The values change: no whole copy of the old ones may outlive this
+    // (a prefetched bucket), and none may be held.
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    for (const bucket& s : buckets_) {
+      if (s.holders == 0) continue;
+      throw config_error("DistributedDataParallel::upload_shard_values() on rank " +
+                         std::to_string(rank_) + " while a gather() guard holds parameter '" +
+                         vars_[s.info.parameters.front()].param.name +
+                         "': its whole values would be stale; let the guards go first");
+    }
+    drop_whole_locked();
+  }
+  for (const shard_piece& p : pieces_) {
+    memory_space::upload(p.values.data, in.data() + p.state_offset * elem, p.values.bytes(),
+                         device_, stream_);
+  }
+  if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+}
+
+/// export_parameters()' step for bucket b: its values whole in `host` at
+/// their bucket offsets, where `here` (the root); at stage 3 allgathered
+/// alone (no prefetch, the recorded order untouched) and freed after,
+/// unless a guard or the prefetch window holds it.
+template <class Policy>
+void basic_ddp<Policy>::whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host,
+                                             bool here) {
+  const bucket& s = buckets_[b];
+  std::size_t bytes = 0;
+  for (const std::size_t i : s.info.parameters)
+    bytes = std::max(bytes, vars_[i].offset + vars_[i].param.values.bytes());
+  if (here) host.resize(std::max(host.size(), bytes));
+  if (!shards_parameters()) {  // the values are whole, in the model's memory
+    if (!here) return;
+    for (const std::size_t i : s.info.parameters) {
+      const parameter& p = vars_[i].param;
+      memory_space::download(host.data() + vars_[i].offset, p.values.data, p.values.bytes(),
+                             device_, stream_);
+    }
+    if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+    return;
+  }
+  bool posted = false;
+  {
+    const std::lock_guard lock(mutex_);
+    check_usable_locked();
+    if (buckets_[b].unsharded.data() == nullptr) {
+      post_gather_locked(b, false);
+      posted = true;
+    }
+  }
+  settle_gather(b);
+  if (here) {
+    memory_space::download(host.data(), s.unsharded.data(), bytes, device_, stream_);
+    if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
+  }
+  if (posted) {
+    const std::lock_guard lock(mutex_);
+    bucket& mine = buckets_[b];
+    if (mine.holders == 0 && !mine.wanted) free_whole_locked(mine);
+  }
+}
+
 template <class Policy>
 void basic_ddp<Policy>::check_updatable(const char* what) const {
   if (updatable_) return;
@@ -216,6 +316,13 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // allgathers of the next prefetch_units units, which the runner's thread
 // runs while the model computes; a bucket in that window stays whole when
 // its guard goes (the last layer's forward, then its backward).
+// On streams (NCCL, GPU memory) the allgathers are enqueued at once on DDP's
+// communicator, after the compute stream (the optimizer's update of the
+// shard), under the runner's watchdog; gather() orders the compute stream
+// after them (an event, no host wait) before the unit computes, and the
+// whole values come from the stream-ordered allocator (cudaMallocAsync's
+// pool) and go back on the compute stream after the last kernel that reads
+// them: at most the held units plus the window are allocated at once.
 
 /// Construction: this rank's shard of the values (rank 0's, broadcast) into
 /// owned_values, where make_pieces() put the pieces' values (a parameter
@@ -259,6 +366,7 @@ typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indice
     const std::lock_guard lock(mutex_);
     check_usable_locked();
     guard.emplace(gathered_parameters(*this, held));  // releases the counts if this throws
+    for (const std::size_t i : indices) vars_[i].gathered = true;  // for mark_ready's check
     for (const std::size_t b : held) {
       buckets_[b].holders++;
       buckets_[b].ahead = false;
@@ -304,7 +412,7 @@ void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
   try {
     s.gathering = runner_->post_in_order([this, b, mine, all] {
       const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
-      allgather_bucket(b, mine, all).wait();
+      return allgather_bucket(b, mine, all);
     });
   } catch (...) {
     fail(std::current_exception());  // the ranks' collectives are out of step: unusable
@@ -312,7 +420,10 @@ void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
 }
 
 /// Waits for bucket b's posted allgather, if any (the caller does not hold
-/// the lock); a failure makes DDP unusable and is thrown.
+/// the lock); on streams the compute stream is ordered after it instead
+/// (an event, no host wait): the unit's compute, and the stream-ordered
+/// free of its whole values, come after the allgather that wrote them. A
+/// failure makes DDP unusable and is thrown.
 template <class Policy>
 void basic_ddp<Policy>::settle_gather(std::size_t b) {
   std::shared_ptr<detail::posted_task> posted;
@@ -323,6 +434,7 @@ void basic_ddp<Policy>::settle_gather(std::size_t b) {
   if (!posted) return;
   try {
     runner_->wait(posted);
+    order_after_buckets();
   } catch (...) {
     const std::lock_guard lock(mutex_);
     if (broken_) unusable();
@@ -413,6 +525,7 @@ void basic_ddp<Policy>::end_gather_pass_locked() {
   o.next = 0;
   o.in_order = true;
   o.overflow = false;
+  for (variable& v : vars_) v.gathered = false;  // the next step's passes gather them again
   drop_whole_locked();
 }
 
@@ -426,6 +539,7 @@ void basic_ddp<Policy>::drop_whole_locked() {
     if (s.gathering) {
       try {
         runner_->wait(s.gathering);  // the runner's tasks never take this lock
+        order_after_buckets();       // streams: the free is ordered after the allgather
       } catch (...) {
         fail(std::current_exception());
       }
@@ -454,6 +568,13 @@ void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
     if (s.wanted) continue;  // the next units need it: kept whole
     // An allgather that failed may not have settled: its buffer stays until DDP goes.
     if (s.gathering && !runner_->settled(s.gathering)) continue;
+    if (s.gathering) {  // a guard whose gather() threw before settling it
+      try {
+        order_after_buckets();  // streams: the free after the allgather, or none
+      } catch (...) {
+        continue;
+      }
+    }
     s.gathering.reset();
     free_whole_locked(s);
   }

@@ -35,6 +35,7 @@ template <class Policy>
 bool basic_ddp<Policy>::ready(std::size_t i) {
   check_usable_locked();
   variable& v = vars_[i];
+  if (shards_parameters() && !v.gathered) not_gathered(i);
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
   updatable_ = false;  // a new step: the last one's update (if any) is behind
@@ -106,6 +107,16 @@ void basic_ddp<Policy>::marked_twice(std::size_t i) const {
               std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
               " on rank " + std::to_string(rank_) +
               "; mark each gradient once per step (accumulate inside no_sync())");
+}
+
+template <class Policy>
+void basic_ddp<Policy>::not_gathered(std::size_t i) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
+              std::to_string(i) + ") on rank " + std::to_string(rank_) +
+              " has a gradient, but no gather() held its values in step " + std::to_string(steps_) +
+              " (ddp_options::sharding = parameters: they are null outside one, so the pass "
+              "that computed the gradient did not read them); hold ddp.gather() of its part "
+              "around the part's forward and backward");
 }
 
 /// What may only happen between steps (after synchronize(), before the next mark).

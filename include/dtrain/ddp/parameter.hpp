@@ -150,6 +150,23 @@ template <element T>
           .values_slot = &values};
 }
 
+/// The same for CUDA memory of `device` (ZeRO stage 3 on GPUs): `values`
+/// and `gradient` are device pointers; DDP copies the values on its stream
+/// at construction, holds its shard in GPU memory and points `values` into
+/// its gathered bucket (GPU memory) while gather() holds it. Other stages
+/// use it as param(name, device_span<T>{values, count, device}, gradient).
+template <element T>
+[[nodiscard]] parameter param(std::string name, T*& values, std::size_t count, T*& gradient,
+                              int device) {
+  return {.name = std::move(name),
+          .values = {values, count, dtype_of<T>, memory::device, device},
+          .gradient = gradient,
+          .device = device,
+          .gradient_slot = &gradient,
+          .rebind = &detail::rebind_pointer<T>,
+          .values_slot = &values};
+}
+
 /// A host parameter whose gradient buffer the model owns and keeps: dtrain
 /// copies it in before the reduction and the mean back after.
 template <detail::element_range V, detail::element_range G>

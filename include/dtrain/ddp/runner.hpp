@@ -69,13 +69,14 @@ class thread_runner {
   }
 
   /// Queues `task` (a collective of the owner's, as stage 3's allgather of a
-  /// bucket's values) after everything launched before it, so that every
-  /// rank issues its collectives in the same order, and returns at once: the
-  /// thread runs it while the caller computes (stage 3's prefetch), or the
-  /// caller in wait(). A task that throws fails the runner (the ranks'
-  /// collectives are out of step): nothing queued after it runs. After a
-  /// failure the task does not run.
-  std::shared_ptr<posted_task> post_in_order(std::function<void()> task) {
+  /// bucket's values: it returns the collective's work, which the runner
+  /// waits for within its timeout) after everything launched before it, so
+  /// that every rank issues its collectives in the same order, and returns
+  /// at once: the thread runs it while the caller computes (stage 3's
+  /// prefetch), or the caller in wait(). A task that throws fails the runner
+  /// (the ranks' collectives are out of step): nothing queued after it runs.
+  /// After a failure the task does not run.
+  std::shared_ptr<posted_task> post_in_order(std::function<work()> task) {
     auto posted = std::make_shared<posted_task>();
     bool idle = false;
     {
@@ -174,7 +175,7 @@ class thread_runner {
         lock.unlock();
         std::exception_ptr thrown;
         try {
-          front.task();
+          front.task().wait();  // bounded by the collective timeout
         } catch (...) {
           thrown = std::current_exception();
         }
@@ -216,7 +217,7 @@ class thread_runner {
 
   struct item {
     std::size_t bucket = 0;
-    std::function<void()> task;  ///< set: post_in_order's task instead of a bucket
+    std::function<work()> task;  ///< set: post_in_order's task instead of a bucket
     std::shared_ptr<posted_task> posted;
   };
 
@@ -277,19 +278,23 @@ class stream_runner {
   /// The device orders the buckets; the host does not wait for them.
   void throttle(std::size_t /*most*/) noexcept {}
 
-  /// Enqueues `task` now: the device keeps the order of what is enqueued.
-  std::shared_ptr<posted_task> post_in_order(const std::function<void()>& task) {
+  /// Enqueues `task`'s collective now (the device keeps the order of what is
+  /// enqueued) under the watchdog, as a bucket's; the host does not wait.
+  std::shared_ptr<posted_task> post_in_order(const std::function<work()>& task) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
-    task();
+    watchdog_.watch(task());
     auto posted = std::make_shared<posted_task>();
     posted->done = true;
     return posted;
   }
-  /// The task is enqueued already: the watchdog's failure, if any, is thrown.
+  /// The task is enqueued already: the watchdog's failure, if any, is
+  /// thrown. The owner orders its compute stream after the collective
+  /// (order_after_buckets()) before using what it wrote.
   void wait(const std::shared_ptr<posted_task>& /*posted*/) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
   }
-  /// The device orders what follows after the task: its buffers may go.
+  /// Enqueued: once the owner's compute stream is ordered after it, its
+  /// buffers may go (a stream-ordered free on that stream).
   bool settled(const std::shared_ptr<posted_task>& /*posted*/) const noexcept { return true; }
 
  private:

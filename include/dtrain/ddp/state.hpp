@@ -30,6 +30,7 @@ struct ddp_variable {
   bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
   bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
   bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
+  bool gathered = false;  ///< stage 3: a gather() asked for it in this step (its values were whole)
   // Across steps.
   bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
   bool used = false;          ///< some rank used it in the steps reported on (report_unused)
