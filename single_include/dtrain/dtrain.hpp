@@ -1417,6 +1417,11 @@ class work_state {
   /// so that waiting for it takes no timeout. The default does nothing (the
   /// wait stays bounded by the collective timeout).
   virtual void on_abandon() noexcept {}
+  /// Engines on streams: makes `stream` wait, on the device, for this
+  /// collective's end alone (an event recorded after it), not for what was
+  /// enqueued after it; false where the engine cannot (then order after
+  /// everything, the communicator's stream_wait()).
+  virtual bool stream_wait(stream_handle /*stream*/) { return false; }
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
   /// The collective's fields (empty for work described by a text).
@@ -1508,6 +1513,11 @@ class work {
   void abandon() noexcept {
     if (state_ && !state_->seen_done()) state_->on_abandon();
   }
+
+  /// Engines on streams: `stream` waits, on the device, for this collective
+  /// alone (work_state::stream_wait); false where the engine cannot. A
+  /// complete handle has nothing to wait for (true).
+  bool stream_wait(stream_handle stream) { return state_ ? state_->stream_wait(stream) : true; }
 
   /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (nccl)"; "no collective" for a complete handle.
   [[nodiscard]] std::string description() const {
@@ -8511,6 +8521,22 @@ class nccl_work final : public work_state {
     shared_->abort(0, false, info(), "was abandoned: its rank failed while it was in flight");
   }
 
+  // `stream` waits for the event recorded after this collective (and for
+  // nothing enqueued on the communicator's stream since).
+  bool stream_wait(stream_handle stream) override {
+    {
+      std::lock_guard lock(shared_->mutex);
+      if (shared_->aborted) {
+        throw backend_error(
+            description() + ": the communicator was aborted (" + shared_->abort_text() + ")",
+            shared_->abort_code);
+      }
+    }
+    basic_device_guard<Api> guard(shared_->device);
+    DTRAIN_CUDA_CHECK(Api::cudaStreamWaitEvent(stream, done_, 0));
+    return true;
+  }
+
  private:
   std::shared_ptr<nccl_shared<Api>> shared_;
   cudaEvent_t done_;
@@ -11402,6 +11428,7 @@ namespace dtrain::detail {
 struct posted_task {
   bool done = false;
   std::exception_ptr thrown;
+  work collective;  ///< streams: the collective enqueued, for its owner to order after it
 };
 
 /// Buckets are reduced one at a time, in launch order: each is prepared,
@@ -11655,14 +11682,16 @@ class stream_runner {
   /// enqueued) under the watchdog, as a bucket's; the host does not wait.
   std::shared_ptr<posted_task> post_in_order(const std::function<work()>& task) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
-    watchdog_.watch(task());
     auto posted = std::make_shared<posted_task>();
+    posted->collective = task();
+    watchdog_.watch(posted->collective);
     posted->done = true;
     return posted;
   }
   /// The task is enqueued already: the watchdog's failure, if any, is
   /// thrown. The owner orders its compute stream after the collective
-  /// (order_after_buckets()) before using what it wrote.
+  /// (posted->collective.stream_wait(), or order_after_buckets()) before
+  /// using what it wrote.
   void wait(const std::shared_ptr<posted_task>& /*posted*/) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
   }
@@ -13477,6 +13506,10 @@ class work_sequence final : public work_state {
 
   void on_timeout() noexcept override;
 
+  /// Every step started (an eager sequence on streams): `stream` waits for
+  /// each step's collective alone; false otherwise, or where a step cannot.
+  bool stream_wait(stream_handle stream) override;
+
  private:
   // What the sequence knows of one step.
   struct slot {
@@ -13584,6 +13617,17 @@ DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
     } catch (...) {
     }
   }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::stream_wait(stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  for (slot& s : slots_) {
+    if (!s.started) return false;  // a lazy sequence: its later steps are not enqueued yet
+  }
+  for (slot& s : slots_) {
+    if (!s.handle.stream_wait(stream)) return false;
+  }
+  return true;
 }
 
 DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
@@ -14317,6 +14361,7 @@ class basic_ddp {
   void point_values(std::size_t b, std::byte* whole) noexcept;
   void post_gather_locked(std::size_t b, bool ahead);
   void settle_gather(std::size_t b);
+  void order_after_gather(detail::posted_task& posted);
   void follow_order_locked(const std::vector<std::size_t>& unit);
   std::vector<std::size_t> refresh_window_locked();
   void drop_unwanted(std::span<const std::size_t> candidates);
@@ -15242,7 +15287,8 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // On streams (NCCL, GPU memory) the allgathers are enqueued at once on DDP's
 // communicator, after the compute stream (the optimizer's update of the
 // shard), under the runner's watchdog; gather() orders the compute stream
-// after them (an event, no host wait) before the unit computes, and the
+// after its allgathers alone (their events, no host wait; not after the
+// reduce-scatters enqueued since) before the unit computes, and the
 // whole values come from the stream-ordered allocator (cudaMallocAsync's
 // pool) and go back on the compute stream after the last kernel that reads
 // them: at most the held units plus the window are allocated at once.
@@ -15357,7 +15403,7 @@ void basic_ddp<Policy>::settle_gather(std::size_t b) {
   if (!posted) return;
   try {
     runner_->wait(posted);
-    order_after_buckets();
+    order_after_gather(*posted);
   } catch (...) {
     const std::lock_guard lock(mutex_);
     if (broken_) unusable();
@@ -15365,6 +15411,18 @@ void basic_ddp<Policy>::settle_gather(std::size_t b) {
   }
   const std::lock_guard lock(mutex_);
   if (buckets_[b].gathering == posted) buckets_[b].gathering.reset();
+}
+
+/// Streams: the compute stream waits, on the device, for the posted
+/// allgather alone (an event recorded after it), not for the reduce-scatters
+/// enqueued since (a backward pass's part then overlaps the reduce-scatter
+/// of the part before it); where the engine cannot, for every collective so
+/// far. Host memory: the runner waited for it already.
+template <class Policy>
+void basic_ddp<Policy>::order_after_gather(detail::posted_task& posted) {
+  if constexpr (memory_space::on_stream) {
+    if (!posted.collective.stream_wait(stream_)) order_after_buckets();
+  }
 }
 
 /// This pass's place in the recorded order, after a gather() of `unit`.
@@ -15461,8 +15519,8 @@ void basic_ddp<Policy>::drop_whole_locked() {
     if (s.holders > 0 || s.unsharded.data() == nullptr) continue;
     if (s.gathering) {
       try {
-        runner_->wait(s.gathering);  // the runner's tasks never take this lock
-        order_after_buckets();       // streams: the free is ordered after the allgather
+        runner_->wait(s.gathering);        // the runner's tasks never take this lock
+        order_after_gather(*s.gathering);  // streams: the free is ordered after the allgather
       } catch (...) {
         fail(std::current_exception());
       }
@@ -15493,7 +15551,7 @@ void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
     if (s.gathering && !runner_->settled(s.gathering)) continue;
     if (s.gathering) {  // a guard whose gather() threw before settling it
       try {
-        order_after_buckets();  // streams: the free after the allgather, or none
+        order_after_gather(*s.gathering);  // streams: the free after the allgather, or none
       } catch (...) {
         continue;
       }

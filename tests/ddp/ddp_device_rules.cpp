@@ -330,7 +330,13 @@ int stage3_case(dtrain::context<Policy>& ctx, std::size_t prefetch) {
       if (int status = check_layer(l, step, "forward")) return status;
     }
     for (std::size_t l = counts.size(); l-- > 0;) {  // backward
+      // The reduce-scatter of the layer before is in flight: the compute
+      // waits for this layer's allgather alone (work::stream_wait), not for
+      // every collective so far (the communicator's stream_wait).
+      const int waits = device_rules::communicator::waits_for_all();
       auto held = ddp.gather({l});
+      if (device_rules::communicator::waits_for_all() != waits)
+        return fail("gather() ordered the compute after every collective, not its allgather alone");
       if (int status = check_layer(l, step, "backward")) return status;
       for (std::size_t i = 0; i < counts[l]; ++i) m.g[l][i] = gradient(rank, l, i, step);
       ddp.mark_ready(l);
@@ -387,6 +393,8 @@ int stage3_case(dtrain::context<Policy>& ctx, std::size_t prefetch) {
   if (ddp.memory_use().gathered != whole_before)
     return fail("export_parameters() left values whole");
   const dtrain::gather_counts counted = ddp.gather_counts();
+  if (size > 1 && device_rules::rules_work::waits_for_one() == 0)
+    return fail("no gather() waited for its allgather (work::stream_wait)");
   if (size > 1 && prefetch > 0 && counted.prefetched == 0)
     return fail("prefetch " + std::to_string(prefetch) + ": nothing was prefetched");
   if (prefetch == 0 && counted.prefetched != 0) return fail("prefetch 0 prefetched");

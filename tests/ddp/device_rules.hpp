@@ -18,6 +18,7 @@
 
 #include "../support/fake_stream.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -62,6 +63,23 @@ class rules_work final : public dtrain::detail::work_state {
     return false;
   }
   void on_timeout() noexcept override { state_->aborted = true; }
+  /// The "device" (the host) waits for this collective alone, not for what
+  /// its stream took after it; counted (waits_for_one()).
+  bool stream_wait(dtrain::stream_handle) override {
+    ++waits_for_one();
+    while (!done_) {
+      if (state_->aborted) {
+        throw dtrain::backend_error(description() + ": the communicator was aborted", 0);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return true;
+  }
+  /// How many times a stream waited for one collective (work::stream_wait).
+  [[nodiscard]] static std::atomic<int>& waits_for_one() {
+    static std::atomic<int> count{0};
+    return count;
+  }
   void finish(std::exception_ptr e) {
     if (e) {
       std::lock_guard lock(mutex_);
@@ -88,6 +106,8 @@ class communicator {
   communicator(dtrain::gloo_communicator inner, std::chrono::milliseconds timeout)
       : inner_(std::make_unique<dtrain::gloo_communicator>(std::move(inner))), timeout_(timeout) {
     register_stream(stream_);
+    const std::lock_guard lock(communicator_streams_mutex());
+    communicator_streams().push_back(handle_of(stream_));
   }
   communicator(communicator&&) noexcept = default;
   communicator& operator=(communicator&&) noexcept = default;
@@ -101,6 +121,18 @@ class communicator {
   [[nodiscard]] int size() const { return inner_->size(); }
   [[nodiscard]] bool valid() const { return inner_ && inner_->valid(); }
   [[nodiscard]] int device() const noexcept { return 0; }
+  /// How many times a stream other than a communicator's (a compute stream)
+  /// waited for every collective so far (stream_wait()); the hierarchical
+  /// topology's waits of one level's stream for the other's are not counted.
+  [[nodiscard]] static std::atomic<int>& waits_for_all() {
+    static std::atomic<int> count{0};
+    return count;
+  }
+  [[nodiscard]] static bool is_communicator_stream(stream_type s) {
+    const std::lock_guard lock(communicator_streams_mutex());
+    const auto& all = communicator_streams();
+    return std::find(all.begin(), all.end(), s) != all.end();
+  }
   /// Every host buffer any of DDP's code sent here.
   [[nodiscard]] static std::atomic<int>& host_buffers_seen() {
     static std::atomic<int> seen{0};
@@ -146,7 +178,8 @@ class communicator {
 
   /// The "device" catches up: blocks until every collective so far is done,
   /// or throws once the communicator was aborted (by the watchdog).
-  void stream_wait(stream_type) {
+  void stream_wait(stream_type waiter) {
+    if (!is_communicator_stream(waiter)) ++waits_for_all();
     stream_->synchronize(state_->aborted);
     if (state_->aborted) {
       throw dtrain::backend_error(
@@ -197,6 +230,16 @@ class communicator {
 
   std::unique_ptr<dtrain::gloo_communicator> inner_;
   std::chrono::milliseconds timeout_;
+  // The handles of every communicator's stream so far, for waits_for_all().
+  static std::mutex& communicator_streams_mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<stream_type>& communicator_streams() {
+    static std::vector<stream_type> all;
+    return all;
+  }
+
   std::shared_ptr<shared_state> state_ = std::make_shared<shared_state>();
   std::shared_ptr<fake_stream> stream_ =
       std::make_shared<fake_stream>();  // last: its tasks use inner_

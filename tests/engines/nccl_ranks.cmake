@@ -132,12 +132,14 @@ nccl_ranks_test(init_fails_rank0 3 start NO_KILL STATUS 1
 # values after the gathers, flat at 2-4 ranks and hierarchical on 2 nodes of 2;
 # item 7: the steps after the first send no request to the store.
 foreach(ranks IN ITEMS 2 3 4)
-  foreach(mode IN ITEMS ddp zero1 zero2)
+  foreach(mode IN ITEMS ddp zero1 zero2 zero3)
     set(sharding_name none)
     if(mode STREQUAL "zero1")
       set(sharding_name optimizer)
     elseif(mode STREQUAL "zero2")
       set(sharding_name gradients)
+    elseif(mode STREQUAL "zero3")
+      set(sharding_name parameters)
     endif()
     nccl_ranks_test(${mode} ${ranks} ${mode} STATUS 0
       EXPECT "rank 0 of ${ranks}: 3 DDP steps [(]sharding ${sharding_name}[)] averaged right")
@@ -146,7 +148,7 @@ endforeach()
 # Item 6: FAKE_NCCL_ONE_COMM_AT_A_TIME ends a rank whose local and cross
 # collectives run at once (ZeRO's reduce-scatter and allgather pipelines did,
 # across buckets).
-foreach(mode IN ITEMS ddp zero1 zero2)
+foreach(mode IN ITEMS ddp zero1 zero2 zero3)
   nccl_ranks_test(${mode}_hierarchical 4 ${mode}-hierarchical NODES 2,2 STATUS 0
     EXPECT "rank 0 of 4: 3 DDP steps [^\n]* on 2 node[(]s[)], hierarchical"
     ENVIRONMENT FAKE_NCCL_ONE_COMM_AT_A_TIME=1)

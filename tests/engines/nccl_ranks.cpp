@@ -19,7 +19,10 @@
 //   mean16           16-bit allreduce and reduce_scatter avg: no bias at any size
 //   ddp, zero1, zero2  DistributedDataParallel through the engine (ddp_steps:
 //                    every step's means, and the values after ZeRO's gathers)
-//   ddp-hierarchical, zero1-hierarchical, zero2-hierarchical  the same with topology::hierarchical
+//   zero3            ZeRO stage 3 through the engine (zero3_steps: every value
+//                    read inside a gather(), the shard's means, the export)
+//   ddp-hierarchical, zero1-hierarchical, zero2-hierarchical, zero3-hierarchical
+//                    the same with topology::hierarchical
 //                    (run the ranks as nodes: dtrain_test_launch --nodes 2,2)
 //   ddp-throws       rank 0 throws mid-step with a bucket and a collective of
 //                    its own waiting for rank 1: its process exits at once
@@ -30,8 +33,8 @@
 //
 // On a machine with a GPU per rank (tools/gpu-check --ranks N), the same
 // program runs NCCL itself, backend::nccl:
-//   --gpu collectives|mean16|ddp|zero1|zero2|ddp-hierarchical|zero1-hierarchical|
-//         zero2-hierarchical|ddp-throws   the modes above, on the GPUs
+//   --gpu collectives|mean16|ddp|zero1|zero2|zero3|ddp-hierarchical|zero1-hierarchical|
+//         zero2-hierarchical|zero3-hierarchical|ddp-throws   the modes above, on the GPUs
 //   --gpu bandwidth    allreduce from 8 B to 256 MiB, timed and checked, as a
 //                      table in nccl-tests' columns (algbw, busbw)
 #include "fake_nccl.hpp"
@@ -40,7 +43,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -440,6 +445,129 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
   return 0;
 }
 
+/// ZeRO stage 3 through the NCCL engine (issue 48), on the fake or on GPUs,
+/// flat or hierarchical: each layer's values are the rank's shard in device
+/// memory, gathered around a forward and a backward read of every layer
+/// (prefetch 1: the next layer's allgather in flight meanwhile), and every
+/// value read inside a guard is checked on the legacy stream, which the
+/// gathers order after their allgathers (nccl_work's events); the optimizer
+/// updates the shard; at the end export_parameters() gives rank 0 the whole
+/// model one bucket at a time.
+template <class Api, class Context>
+int zero3_steps(Context& ctx) {
+  using Policy = typename Context::policy_type;
+  using floats = device_floats<Api>;
+  const bool fake = std::is_same_v<Api, fake_nccl::api>;
+  const std::vector<std::size_t> sizes{1000, 3, fake ? 4099 : (std::size_t{1} << 20) + 7, 257};
+  struct model {
+    std::vector<std::unique_ptr<floats>> init;
+    std::vector<float*> w, g;  // DDP points both (values: null outside a gather)
+    std::vector<std::size_t> sizes;
+    int device = 0;
+    std::vector<dtrain::parameter> parameters() {
+      std::vector<dtrain::parameter> out;
+      for (std::size_t p = 0; p < sizes.size(); ++p)
+        out.push_back(dtrain::param("layer" + std::to_string(p), w[p], sizes[p], g[p], device));
+      return out;
+    }
+  } m;
+  m.sizes = sizes;
+  m.device = ctx.device();
+  for (std::size_t n : sizes) {
+    m.init.push_back(std::make_unique<floats>(n));
+    m.init.back()->upload(std::vector<float>(n, 0.5f));
+    m.w.push_back(m.init.back()->data());
+    m.g.push_back(nullptr);
+  }
+  const double cap = fake ? 0.004 : 1.0;
+  dtrain::DistributedDataParallel<model, Policy> ddp(ctx, m,
+                                                     {.bucket_cap_mb = cap,
+                                                      .first_bucket_cap_mb = cap / 10,
+                                                      .sharding = dtrain::sharding::parameters,
+                                                      .prefetch_units = 1});
+  settle<Api>();  // DDP copied the values on its stream (the legacy one here)
+  m.init.clear();
+  const int r = ctx.rank(), n = ctx.size();
+  auto mean_of = [&](int step, std::size_t i) {
+    return static_cast<float>(n + 1) / 2.0f + static_cast<float>(step) + static_cast<float>(i % 7);
+  };
+  auto value_at = [&](int step, std::size_t i) {  // at the start of `step`
+    float w = 0.5f;
+    for (int s = 0; s < step; ++s) w -= mean_of(s, i);
+    return w;
+  };
+  auto read = [&](const void* device, std::size_t count) {
+    std::vector<float> out(count);
+    DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(out.data(), device, count * sizeof(float),
+                                           cudaMemcpyDeviceToHost, nullptr));
+    settle<Api>();
+    return out;
+  };
+  auto check_values = [&](const std::vector<float>& got, std::size_t from, int step,
+                          const std::string& what) {
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const float want = value_at(step, from + i);
+      if (std::fabs(got[i] - want) > 1e-5f * std::fabs(want) + 1e-6f) {
+        expect(false, what + ", element " + std::to_string(from + i) + ": " +
+                          std::to_string(got[i]) + ", not " + std::to_string(want));
+        return;
+      }
+    }
+  };
+  const int steps = 3;
+  for (int step = 0; step < steps; ++step) {
+    const std::string at = "step " + std::to_string(step);
+    for (std::size_t p = 0; p < sizes.size(); ++p) {
+      auto held = ddp.gather({p});
+      check_values(read(m.w[p], sizes[p]), 0, step, at + ", forward, layer" + std::to_string(p));
+    }
+    for (std::size_t p = sizes.size(); p-- > 0;) {
+      auto held = ddp.gather({p});
+      check_values(read(m.w[p], sizes[p]), 0, step, at + ", backward, layer" + std::to_string(p));
+      std::vector<float> g(sizes[p]);
+      for (std::size_t i = 0; i < g.size(); ++i)
+        g[i] = static_cast<float>(r + 1 + step) + static_cast<float>(i % 7);
+      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(m.g[p], g.data(), g.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, nullptr));
+      settle<Api>();
+      ddp.mark_ready(p);
+    }
+    ddp.synchronize();
+    settle<Api>();
+    expect(ddp.memory_use().gathered == 0, at + ": values stay gathered past synchronize()");
+    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+      const std::vector<float> g = read(piece.gradients.data, piece.gradients.count);
+      std::vector<float> v = read(piece.values.data, piece.values.count);
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        const float want = mean_of(step, piece.offset + i);
+        if (std::fabs(g[i] - want) > 1e-5f * want) {
+          expect(false, at + ", layer" + std::to_string(piece.parameter) + "'s shard, element " +
+                            std::to_string(piece.offset + i) + ": " + std::to_string(g[i]) +
+                            ", not " + std::to_string(want));
+          break;
+        }
+      }
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] -= g[i];
+      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(piece.values.data, v.data(), v.size() * 4,
+                                             cudaMemcpyHostToDevice, nullptr));
+      settle<Api>();
+    });
+  }
+  std::size_t exported = 0;
+  ddp.export_parameters([&](const dtrain::parameter& p, std::span<const std::byte> bytes) {
+    std::vector<float> v(bytes.size() / sizeof(float));
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    check_values(v, 0, steps, "export_parameters(), " + p.name);
+    ++exported;
+  });
+  expect(exported == (r == 0 ? sizes.size() : 0),
+         "export_parameters() visited " + std::to_string(exported) + " parameters");
+  std::printf(
+      "rank %d of %d: %d DDP steps (sharding parameters) averaged right on %d node(s), %s\n", r, n,
+      steps, ctx.num_nodes(), ddp.topology().describe().c_str());
+  return 0;
+}
+
 // NCCL before 2.28 has no ncclCommRevoke: the family abort then frees each
 // communicator on a thread of its own. Instantiated here so that this path
 // compiles too (the fake and NCCL 2.28 take the revoke path).
@@ -537,6 +665,9 @@ int common_mode(std::string_view mode, int argc, char** argv) {
       {"ddp", dtrain::sharding::none},
       {"zero1", dtrain::sharding::optimizer},
       {"zero2", dtrain::sharding::gradients}};
+  if (mode == "zero3") return dtrain::run<flat>(argc, argv, zero3_steps<Api, flat_context>);
+  if (mode == "zero3-hierarchical")
+    return dtrain::run<hierarchical>(argc, argv, zero3_steps<Api, hierarchical_context>);
   for (const auto& [name, sharding] : ddp_modes) {
     if (mode == name) {
       return dtrain::run<flat>(argc, argv,
@@ -551,8 +682,8 @@ int common_mode(std::string_view mode, int argc, char** argv) {
 }
 
 constexpr const char* common_modes =
-    "collectives|mean16|ddp|zero1|zero2|ddp-hierarchical|zero1-hierarchical|"
-    "zero2-hierarchical|ddp-throws";
+    "collectives|mean16|ddp|zero1|zero2|zero3|ddp-hierarchical|zero1-hierarchical|"
+    "zero2-hierarchical|zero3-hierarchical|ddp-throws";
 
 }  // namespace
 

@@ -155,6 +155,11 @@ class work_state {
   /// so that waiting for it takes no timeout. The default does nothing (the
   /// wait stays bounded by the collective timeout).
   virtual void on_abandon() noexcept {}
+  /// Engines on streams: makes `stream` wait, on the device, for this
+  /// collective's end alone (an event recorded after it), not for what was
+  /// enqueued after it; false where the engine cannot (then order after
+  /// everything, the communicator's stream_wait()).
+  virtual bool stream_wait(stream_handle /*stream*/) { return false; }
 
   [[nodiscard]] std::exception_ptr error() const noexcept { return error_; }
   /// The collective's fields (empty for work described by a text).
@@ -246,6 +251,11 @@ class work {
   void abandon() noexcept {
     if (state_ && !state_->seen_done()) state_->on_abandon();
   }
+
+  /// Engines on streams: `stream` waits, on the device, for this collective
+  /// alone (work_state::stream_wait); false where the engine cannot. A
+  /// complete handle has nothing to wait for (true).
+  bool stream_wait(stream_handle stream) { return state_ ? state_->stream_wait(stream) : true; }
 
   /// "allreduce(sum, 1024 x float32) on rank 1 of 4 (nccl)"; "no collective" for a complete handle.
   [[nodiscard]] std::string description() const {

@@ -603,6 +603,7 @@ class basic_ddp {
   void point_values(std::size_t b, std::byte* whole) noexcept;
   void post_gather_locked(std::size_t b, bool ahead);
   void settle_gather(std::size_t b);
+  void order_after_gather(detail::posted_task& posted);
   void follow_order_locked(const std::vector<std::size_t>& unit);
   std::vector<std::size_t> refresh_window_locked();
   void drop_unwanted(std::span<const std::size_t> candidates);

@@ -319,7 +319,8 @@ void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::s
 // On streams (NCCL, GPU memory) the allgathers are enqueued at once on DDP's
 // communicator, after the compute stream (the optimizer's update of the
 // shard), under the runner's watchdog; gather() orders the compute stream
-// after them (an event, no host wait) before the unit computes, and the
+// after its allgathers alone (their events, no host wait; not after the
+// reduce-scatters enqueued since) before the unit computes, and the
 // whole values come from the stream-ordered allocator (cudaMallocAsync's
 // pool) and go back on the compute stream after the last kernel that reads
 // them: at most the held units plus the window are allocated at once.
@@ -434,7 +435,7 @@ void basic_ddp<Policy>::settle_gather(std::size_t b) {
   if (!posted) return;
   try {
     runner_->wait(posted);
-    order_after_buckets();
+    order_after_gather(*posted);
   } catch (...) {
     const std::lock_guard lock(mutex_);
     if (broken_) unusable();
@@ -442,6 +443,18 @@ void basic_ddp<Policy>::settle_gather(std::size_t b) {
   }
   const std::lock_guard lock(mutex_);
   if (buckets_[b].gathering == posted) buckets_[b].gathering.reset();
+}
+
+/// Streams: the compute stream waits, on the device, for the posted
+/// allgather alone (an event recorded after it), not for the reduce-scatters
+/// enqueued since (a backward pass's part then overlaps the reduce-scatter
+/// of the part before it); where the engine cannot, for every collective so
+/// far. Host memory: the runner waited for it already.
+template <class Policy>
+void basic_ddp<Policy>::order_after_gather(detail::posted_task& posted) {
+  if constexpr (memory_space::on_stream) {
+    if (!posted.collective.stream_wait(stream_)) order_after_buckets();
+  }
 }
 
 /// This pass's place in the recorded order, after a gather() of `unit`.
@@ -538,8 +551,8 @@ void basic_ddp<Policy>::drop_whole_locked() {
     if (s.holders > 0 || s.unsharded.data() == nullptr) continue;
     if (s.gathering) {
       try {
-        runner_->wait(s.gathering);  // the runner's tasks never take this lock
-        order_after_buckets();       // streams: the free is ordered after the allgather
+        runner_->wait(s.gathering);        // the runner's tasks never take this lock
+        order_after_gather(*s.gathering);  // streams: the free is ordered after the allgather
       } catch (...) {
         fail(std::current_exception());
       }
@@ -570,7 +583,7 @@ void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
     if (s.gathering && !runner_->settled(s.gathering)) continue;
     if (s.gathering) {  // a guard whose gather() threw before settling it
       try {
-        order_after_buckets();  // streams: the free after the allgather, or none
+        order_after_gather(*s.gathering);  // streams: the free after the allgather, or none
       } catch (...) {
         continue;
       }

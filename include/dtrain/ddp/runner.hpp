@@ -29,6 +29,7 @@ namespace dtrain::detail {
 struct posted_task {
   bool done = false;
   std::exception_ptr thrown;
+  work collective;  ///< streams: the collective enqueued, for its owner to order after it
 };
 
 /// Buckets are reduced one at a time, in launch order: each is prepared,
@@ -282,14 +283,16 @@ class stream_runner {
   /// enqueued) under the watchdog, as a bucket's; the host does not wait.
   std::shared_ptr<posted_task> post_in_order(const std::function<work()>& task) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
-    watchdog_.watch(task());
     auto posted = std::make_shared<posted_task>();
+    posted->collective = task();
+    watchdog_.watch(posted->collective);
     posted->done = true;
     return posted;
   }
   /// The task is enqueued already: the watchdog's failure, if any, is
   /// thrown. The owner orders its compute stream after the collective
-  /// (order_after_buckets()) before using what it wrote.
+  /// (posted->collective.stream_wait(), or order_after_buckets()) before
+  /// using what it wrote.
   void wait(const std::shared_ptr<posted_task>& /*posted*/) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
   }

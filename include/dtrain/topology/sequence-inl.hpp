@@ -73,6 +73,17 @@ DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
   }
 }
 
+DTRAIN_DETAIL_INLINE bool work_sequence::stream_wait(stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  for (slot& s : slots_) {
+    if (!s.started) return false;  // a lazy sequence: its later steps are not enqueued yet
+  }
+  for (slot& s : slots_) {
+    if (!s.handle.stream_wait(stream)) return false;
+  }
+  return true;
+}
+
 DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
   slot& s = slots_[i];
   label_scope label(

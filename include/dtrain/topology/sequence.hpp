@@ -116,6 +116,10 @@ class work_sequence final : public work_state {
 
   void on_timeout() noexcept override;
 
+  /// Every step started (an eager sequence on streams): `stream` waits for
+  /// each step's collective alone; false otherwise, or where a step cannot.
+  bool stream_wait(stream_handle stream) override;
+
  private:
   // What the sequence knows of one step.
   struct slot {

@@ -765,6 +765,22 @@ class nccl_work final : public work_state {
     shared_->abort(0, false, info(), "was abandoned: its rank failed while it was in flight");
   }
 
+  // `stream` waits for the event recorded after this collective (and for
+  // nothing enqueued on the communicator's stream since).
+  bool stream_wait(stream_handle stream) override {
+    {
+      std::lock_guard lock(shared_->mutex);
+      if (shared_->aborted) {
+        throw backend_error(
+            description() + ": the communicator was aborted (" + shared_->abort_text() + ")",
+            shared_->abort_code);
+      }
+    }
+    basic_device_guard<Api> guard(shared_->device);
+    DTRAIN_CUDA_CHECK(Api::cudaStreamWaitEvent(stream, done_, 0));
+    return true;
+  }
+
  private:
   std::shared_ptr<nccl_shared<Api>> shared_;
   cudaEvent_t done_;
