@@ -392,6 +392,22 @@ int stage3_case(dtrain::context<Policy>& ctx, std::size_t prefetch) {
     return fail("export_parameters() visited " + std::to_string(exported) + " parameters");
   if (ddp.memory_use().gathered != whole_before)
     return fail("export_parameters() left values whole");
+  // Steps whose pass uses the first layer only: mark_all_ready() marks the
+  // others without the named error. (The first such step follows the
+  // gathers of every layer above, in the same step; the second has only its own.)
+  for (int pass = 0; pass < 2; ++pass) {
+    {
+      auto held = ddp.gather({std::size_t{0}});
+      ddp.mark_ready(std::size_t{0});
+    }
+    try {
+      ddp.mark_all_ready();
+    } catch (const std::exception& e) {
+      return fail(std::string("mark_all_ready() after a pass over one layer threw: ") + e.what());
+    }
+    ddp.synchronize(nullptr);
+    ddp.wait();
+  }
   const dtrain::gather_counts counted = ddp.gather_counts();
   if (size > 1 && device_rules::rules_work::waits_for_one() == 0)
     return fail("no gather() waited for its allgather (work::stream_wait)");

@@ -35,7 +35,9 @@ template <class Policy>
 bool basic_ddp<Policy>::ready(std::size_t i) {
   check_usable_locked();
   variable& v = vars_[i];
-  if (shards_parameters() && !v.gathered) not_gathered(i);
+  // Stage 3: a gradient the user marks must come from values a gather()
+  // held (mark_all_ready() marks the rest too: a part no pass used gives zero).
+  if (shards_parameters() && !v.gathered && !in_bulk_) not_gathered(i);
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
   updatable_ = false;  // a new step: the last one's update (if any) is behind
