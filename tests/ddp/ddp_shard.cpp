@@ -38,6 +38,7 @@
 #include <cstdio>
 #include <cstring>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -201,6 +202,21 @@ std::string check_export(DDP& ddp, const std::vector<std::vector<float>>& w, int
   }
   if (problem.empty() && ddp.memory_use().gathered != 0)
     problem = "export_parameters() left values whole";
+  // A visit that throws: rethrown on rank 0 once every bucket went round, so
+  // that no rank is left waiting in an allgather (the collectives after this
+  // one would be out of step otherwise).
+  int calls = 0;
+  bool threw = false;
+  try {
+    ddp.export_parameters([&](const dtrain::parameter&, std::span<const std::byte>) {
+      if (++calls == 2) throw std::runtime_error("visit fails on purpose");
+    });
+  } catch (const std::runtime_error& e) {
+    threw = std::string(e.what()) == "visit fails on purpose";
+  }
+  if (problem.empty() && (threw != (rank == 0) || calls != (rank == 0 ? 2 : 0)))
+    problem = "export_parameters() with a throwing visit: rethrown " + std::to_string(threw) +
+              ", visits " + std::to_string(calls) + " on rank " + std::to_string(rank);
   return problem;
 }
 

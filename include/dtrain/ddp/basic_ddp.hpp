@@ -369,7 +369,8 @@ class basic_ddp {
   /// param.values.bytes() of host memory, valid during the call). Every
   /// parameter once, bucket by bucket; other ranks call nothing. At most
   /// one bucket (bucket_cap_mb, or the largest parameter) is whole beyond
-  /// what gather() guards hold.
+  /// what gather() guards hold. What `visit` throws is rethrown on `root`
+  /// once every bucket's collective is done (no rank is left waiting).
   template <class Visit>
   requires std::invocable<Visit&, const parameter&, std::span<const std::byte>>
   void export_parameters(Visit&& visit, int root = 0) {
@@ -384,14 +385,20 @@ class basic_ddp {
       check_between_steps("export_parameters()");
     }
     std::vector<std::byte> host;
+    std::exception_ptr thrown;  // visit's: the other ranks' allgathers still get this rank's part
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      whole_bucket_to_host(b, host, rank_ == root);
-      if (rank_ != root) continue;
-      for (const std::size_t i : buckets_[b].info.parameters) {
-        const parameter& p = vars_[i].param;
-        visit(p, std::span<const std::byte>(host.data() + vars_[i].offset, p.values.bytes()));
+      whole_bucket_to_host(b, host, rank_ == root && !thrown);
+      if (rank_ != root || thrown) continue;
+      try {
+        for (const std::size_t i : buckets_[b].info.parameters) {
+          const parameter& p = vars_[i].param;
+          visit(p, std::span<const std::byte>(host.data() + vars_[i].offset, p.values.bytes()));
+        }
+      } catch (...) {
+        thrown = std::current_exception();
       }
     }
+    if (thrown) std::rethrow_exception(thrown);
   }
   /// The optimizer's step over this rank's shard, then the values' allgather:
   /// `update(piece)` for each piece of shard(), then gather_parameters().
