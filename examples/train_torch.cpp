@@ -61,7 +61,7 @@ struct settings {
 constexpr const char* usage =
     "usage: dtrain_train_torch [--nproc-per-node N] [--epochs N] [--batch-size N] [--lr X]\n"
     "          [--momentum X] [--samples N] [--seed N] [--channels N] [--hidden N]\n"
-    "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sharding 0|1|2]\n"
+    "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sharding 0|1|2|3]\n"
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4)\n"
     "  --epochs N          passes over the training set (5)\n"
     "  --batch-size N      images per step on each rank (32)\n"
@@ -74,8 +74,9 @@ constexpr const char* usage =
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
-    "  --sharding 0|1|2    ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
-    "                      ranks, 2 the averaged gradients too (ddp_options::sharding) (0)\n";
+    "  --sharding 0|1|2|3  ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
+    "                      ranks, 2 the averaged gradients too, 3 the parameters' values\n"
+    "                      too (ddp_options::sharding) (0)\n";
 
 settings parse_flags(int argc, char** argv) {
   const mlp::command_line line(program, "", "");
@@ -106,8 +107,8 @@ settings parse_flags(int argc, char** argv) {
       s.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
     } else if (flag == "--sharding") {
       const std::string_view stage = value();
-      if (stage != "0" && stage != "1" && stage != "2")
-        line.bad_flag("--sharding " + std::string(stage) + ": 0 (DDP), 1 or 2 (ZeRO's stages)");
+      if (stage != "0" && stage != "1" && stage != "2" && stage != "3")
+        line.bad_flag("--sharding " + std::string(stage) + ": 0 (DDP), 1, 2 or 3 (ZeRO's stages)");
       s.sharding = static_cast<dtrain::sharding>(stage[0] - '0');
     } else {
       return false;
@@ -132,7 +133,9 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   cnn::Cnn model(s.channels, s.hidden);
   auto ddp = dtrain::torch::DistributedDataParallel(
       ctx, model, {.bucket_cap_mb = 0.25, .first_bucket_cap_mb = 0.05, .sharding = s.sharding});
-  // Sharded (--sharding 1|2), the optimizer holds state for this rank's shard only.
+  // Sharded (--sharding 1|2|3), the optimizer holds state for this rank's shard only;
+  // at 3 DDP holds this rank's shard of the values too (the CNN, not a
+  // torch::nn::Sequential, is one unit: gathered whole for each step).
   const bool sharded = s.sharding != dtrain::sharding::none;
   torch::optim::SGD optimizer(sharded ? ddp.shard_parameters() : model->parameters(),
                               torch::optim::SGDOptions(s.lr).momentum(s.momentum));
@@ -155,7 +158,7 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
   if (!s.checkpoint_dir.empty()) {
     checkpoint.emplace(
         ctx, dtrain::checkpoint_options{.dir = s.checkpoint_dir, .every = s.checkpoint_every});
-    dtrain::torch::add_module(*checkpoint, model);
+    dtrain::torch::add_module(*checkpoint, ddp);  // stage 3: the values' shards
     // Sharded, each rank saves its shard of the momentum; a job of another
     // size re-cuts it (without sharding: the optimizer, replicated).
     dtrain::torch::add_optimizer(*checkpoint, optimizer, ddp);
@@ -196,6 +199,8 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     }
     dtrain::allreduce(ctx.communicator(), totals, dtrain::reduce_op::sum).wait();
     const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    // Stage 3: every rank gathers the whole model (collective) for rank 0's evaluation.
+    const auto whole = ddp.core().gather(ddp.core().parameters());
     if (ctx.is_main()) {
       torch::NoGradGuard no_grad;
       model->eval();  // batch norm: the running statistics, which every rank shares (rank 0's)
@@ -211,7 +216,23 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     }
   }
 
-  // Same data-parallel steps from the same start: the weights must be bit-identical.
+  if (ctx.is_main()) {
+    // What this rank holds between steps: stage 3's shard of the values, else the whole model.
+    std::size_t state = 0;
+    for (const auto& item : optimizer.state()) {
+      const auto& momentum = static_cast<const torch::optim::SGDParamState&>(*item.second);
+      if (momentum.momentum_buffer().defined()) state += momentum.momentum_buffer().nbytes();
+    }
+    const std::size_t values = s.sharding == dtrain::sharding::parameters
+                                   ? ddp.core().memory_use().values
+                                   : ddp.core().model_elements() * sizeof(float);
+    std::printf("optimizer state per rank: %zu bytes\nparameters per rank: %zu bytes\n", state,
+                values);
+    std::fflush(stdout);
+  }
+  // Same data-parallel steps from the same start: the weights must be bit-identical
+  // (stage 3: the whole model gathered for it, as an export would).
+  const auto whole = ddp.core().gather(ddp.core().parameters());
   const auto mine = std::bit_cast<std::int64_t>(cnn::checksum(model));
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array{mine}, all).wait();

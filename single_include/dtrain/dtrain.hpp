@@ -10461,8 +10461,10 @@ struct parameter {
   /// Set by param(name, T*& values, count, T*& gradient): the model's
   /// pointer to its values, which sharding::parameters (ZeRO stage 3) points
   /// into DDP's storage while the values are gathered, and sets to null
-  /// between (through `rebind`).
+  /// between (through `rebind_values`; a pointer's is `rebind`'s, a
+  /// LibTorch tensor's moves the tensor's storage).
   void* values_slot = nullptr;
+  void (*rebind_values)(void* slot, void* storage) noexcept = nullptr;
   /// The dimensions the model gives the values (a tensor's sizes), for
   /// messages: a model that differs across ranks is named by them
   /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
@@ -10472,7 +10474,7 @@ struct parameter {
     return gradient_slot != nullptr && rebind != nullptr;
   }
   [[nodiscard]] bool values_rebindable() const noexcept {
-    return values_slot != nullptr && rebindable();
+    return values_slot != nullptr && rebind_values != nullptr && rebindable();
   }
   [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
 };
@@ -10569,7 +10571,8 @@ template <element T>
           .device = -1,
           .gradient_slot = &gradient,
           .rebind = &detail::rebind_pointer<T>,
-          .values_slot = &values};
+          .values_slot = &values,
+          .rebind_values = &detail::rebind_pointer<T>};
 }
 
 /// The same for CUDA memory of `device` (ZeRO stage 3 on GPUs): `values`
@@ -10586,7 +10589,8 @@ template <element T>
           .device = device,
           .gradient_slot = &gradient,
           .rebind = &detail::rebind_pointer<T>,
-          .values_slot = &values};
+          .values_slot = &values,
+          .rebind_values = &detail::rebind_pointer<T>};
 }
 
 /// A host parameter whose gradient buffer the model owns and keeps: dtrain
@@ -14665,7 +14669,7 @@ basic_ddp<Policy>::~basic_ddp() {
   try {
     for (variable& v : vars_) {
       // Stage 3: the values go with this object; the model's pointer is null.
-      if (shards_parameters()) v.param.rebind(v.param.values_slot, nullptr);
+      if (shards_parameters()) v.param.rebind_values(v.param.values_slot, nullptr);
       if (!v.view) continue;
       parameter& p = v.param;
       if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
@@ -15324,7 +15328,7 @@ void basic_ddp<Policy>::point_values(std::size_t b, std::byte* whole) noexcept {
   for (const std::size_t i : buckets_[b].info.parameters) {
     parameter& p = vars_[i].param;
     p.values.data = whole ? whole + vars_[i].offset : nullptr;
-    p.rebind(p.values_slot, p.values.data);
+    p.rebind_values(p.values_slot, p.values.data);
   }
 }
 

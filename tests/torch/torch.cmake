@@ -17,7 +17,8 @@
 set(torch_ranks 2 4)
 set(torch_tests torch.ddp.gloo.1rank torch.ddp.mpi.2ranks torch.ddp.mpi.4ranks torch.demo
                 compile.torch_strict_gloo compile.torch_strict_nccl torch.ddp.nccl.1rank
-                compiled.thin_torch_tu torch.resume.kill_worker.2ranks)
+                compiled.thin_torch_tu torch.resume.kill_worker.2ranks
+                torch.resume.kill_worker_stage3.2ranks)
 foreach(ranks IN LISTS torch_ranks)
   list(APPEND torch_tests torch.ddp.gloo.${ranks}ranks)
 endforeach()
@@ -113,7 +114,8 @@ else()
   dtrain_target_warnings(dtrain_compiled_thin_torch_tu)
   set(torch_part_members "~module_ddp|before_forward|walks_graph|prepare_for_backward|synchronize"
                          "no_sync|zero_grad|gradient_written|collect|attach|complete_step|expose"
-                         "broadcast_buffers|check_step_closed")
+                         "broadcast_buffers|check_step_closed|find_units|enter_unit|leave_unit"
+                         "unit_backward|release_units")
   list(JOIN torch_part_members "|" torch_part_members)
   dtrain_add_test(compiled.thin_torch_tu
     COMMAND "${CMAKE_COMMAND}" "-DOBJECTS=$<TARGET_OBJECTS:dtrain_compiled_thin_torch_tu>"
@@ -139,15 +141,18 @@ endif()
 
 # torch.resume.kill_worker.2ranks (issue 33): the LibTorch example on 2 workers,
 # one killed after its first checkpoint, resumes (module, optimizer, sampler
-# through dtrain::torch) and ends bit-identical to an uninterrupted run.
+# through dtrain::torch) and ends bit-identical to an uninterrupted run;
+# torch.resume.kill_worker_stage3.2ranks the same at ZeRO stage 3 (issue 48).
 find_program(DTRAIN_BASH bash)
-if(TARGET dtrain_train_torch AND DTRAIN_BASH)
-  dtrain_add_test(torch.resume.kill_worker.2ranks
-    COMMAND "${DTRAIN_BASH}" "${PROJECT_SOURCE_DIR}/tests/training/resume.sh" torch_kill_worker
-            "$<TARGET_FILE:dtrain_train_torch>"
-    TIMEOUT 180
-    PROPERTIES PROCESSORS 2)
-else()
-  dtrain_add_skipped_test(torch.resume.kill_worker.2ranks
-    "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES), or no bash")
-endif()
+foreach(case IN ITEMS kill_worker kill_worker_stage3)
+  if(TARGET dtrain_train_torch AND DTRAIN_BASH)
+    dtrain_add_test(torch.resume.${case}.2ranks
+      COMMAND "${DTRAIN_BASH}" "${PROJECT_SOURCE_DIR}/tests/training/resume.sh" torch_${case}
+              "$<TARGET_FILE:dtrain_train_torch>"
+      TIMEOUT 180
+      PROPERTIES PROCESSORS 2)
+  else()
+    dtrain_add_skipped_test(torch.resume.${case}.2ranks
+      "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES), or no bash")
+  endif()
+endforeach()

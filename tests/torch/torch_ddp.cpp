@@ -417,18 +417,196 @@ void check_local_refusal(dtrain::context<Policy>& ctx) {
   }
 }
 
-// ZeRO stage 3 is not there for modules yet: refused by name on every rank.
-void check_stage3_refusal(dtrain::context<Policy>& ctx) {
-  Net net = make_net(1001);
-  try {
-    dtrain::torch::DistributedDataParallel ddp(ctx, net,
-                                               {.sharding = dtrain::sharding::parameters});
-    check(false, ctx.rank(), "sharding::parameters on a module was accepted");
-  } catch (const dtrain::config_error& e) {
-    const std::string what = e.what();
-    check(what.find("sharding = parameters (ZeRO stage 3) is not there yet") != std::string::npos,
-          ctx.rank(), "stage 3 refusal: " + what);
+// ZeRO stage 3 on modules (issue 48). A torch::nn::Sequential of uneven
+// layers (each child a unit), and Net (not a Sequential: one unit), trained
+// with Adam over shard_parameters() at stage 3 end bit-identical to stage 2
+// (the same reduce-scatters and the same update on the same shard) and
+// within float noise of one process on the whole batch; with
+// reshard_after_forward on and off, prefetch 0-2, no_sync() accumulation.
+// Between steps no rank holds a parameter's values (the tensors' storage is
+// empty), the shard of the values is about 1/N of the model, and from the
+// second step on the gathers are prefetched (prefetch_units > 0).
+torch::nn::Sequential make_layers(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential seq(torch::nn::Linear(12, 20), torch::nn::Tanh(), torch::nn::Linear(20, 33),
+                            torch::nn::Tanh(), torch::nn::Linear(33, 6));
+  seq->to(device());
+  return seq;
+}
+
+struct stage3_case {
+  const char* name;
+  dtrain::sharding stage = dtrain::sharding::parameters;
+  bool reshard = true;
+  std::size_t prefetch = 1;
+  int micro = 1;
+};
+
+// The parameters' values after `steps` Adam steps on `seq` (or on Net with
+// `net`), gathered whole at stage 3.
+template <class Module>
+std::vector<torch::Tensor> train_sharded(dtrain::context<Policy>& ctx, Module module,
+                                         const stage3_case& c) {
+  const int rank = ctx.rank(), size = ctx.size();
+  const std::int64_t shard = global_batch / size;
+  auto ddp = dtrain::torch::DistributedDataParallel(
+      ctx, module,
+      // A bucket per parameter: a unit is its own buckets (prefetch has something to fetch).
+      {.bucket_cap_mb = 1.0 / 8192,
+       .first_bucket_cap_mb = 1.0 / 8192,
+       .sharding = c.stage,
+       .prefetch_units = c.prefetch},
+      {.reshard_after_forward = c.reshard});
+  torch::optim::Adam opt(ddp.shard_parameters(), torch::optim::AdamOptions(0.01));
+  const bool stage3 = c.stage == dtrain::sharding::parameters;
+  for (int step = 0; step < steps; ++step) {
+    for (int m = 0; m < c.micro; ++m) {
+      torch::manual_seed(static_cast<std::uint64_t>(9000 + 31 * step + m));
+      const torch::Tensor x = torch::randn({global_batch, 12}).to(device());
+      const torch::Tensor y = torch::randint(0, 6, {global_batch}).to(device());
+      auto loss = [&] {
+        torch::Tensor in = x.narrow(0, rank * shard, shard);
+        if constexpr (std::is_same_v<Module, Net>)
+          in = in.narrow(1, 0, 1).repeat({1, 64}).view({shard, 1, 8, 8});
+        return torch::nn::functional::cross_entropy(ddp(in), y.narrow(0, rank * shard, shard));
+      };
+      if (m + 1 < c.micro) {
+        auto guard = ddp.no_sync();
+        loss().backward();
+      } else {
+        loss().backward();
+      }
+    }
+    ddp.step(opt);
+    ddp.zero_grad();
+    if (stage3) {
+      for (const auto& p : ddp->parameters()) {
+        check(p.numel() > 0 && !p.storage().data(), rank,
+              std::string(c.name) + ": a parameter holds values between steps");
+      }
+    }
   }
+  if (stage3) {
+    const auto use = ddp.core().memory_use();
+    const std::size_t whole = ddp.core().model_elements() * sizeof(float);
+    check(use.values * static_cast<std::size_t>(size) <= whole + 64 * 1024, rank,
+          std::string(c.name) + ": the shard of the values is " + std::to_string(use.values) +
+              " bytes of a model of " + std::to_string(whole));
+    check(use.gathered == 0, rank, std::string(c.name) + ": values stay whole past the step");
+    const auto counts = ddp.core().gather_counts();
+    const bool one_unit = std::is_same_v<Module, Net>;  // nothing ahead to prefetch
+    check(size == 1 || c.prefetch == 0 || one_unit || counts.prefetched > 0, rank,
+          std::string(c.name) + ": no gather was prefetched (" + std::to_string(counts.on_demand) +
+              " on demand)");
+    check(c.prefetch > 0 || counts.prefetched == 0, rank,
+          std::string(c.name) + ": prefetched with prefetch_units = 0");
+    if (rank == 0 && c.micro == 1) {
+      std::printf("%-40s %d ranks: gathers %llu on demand, %llu prefetched, %llu unused\n", c.name,
+                  size, static_cast<unsigned long long>(counts.on_demand),
+                  static_cast<unsigned long long>(counts.prefetched),
+                  static_cast<unsigned long long>(counts.unused));
+    }
+  }
+  auto all = ddp.core().gather(ddp.core().parameters());
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ddp->parameters()) out.push_back(p.detach().clone().cpu());
+  return out;
+}
+
+void check_stage3(dtrain::context<Policy>& ctx) {
+  const int rank = ctx.rank();
+  auto same = [&](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                  const std::string& what, double tolerance) {
+    bool ok = a.size() == b.size();
+    for (std::size_t i = 0; ok && i < a.size(); ++i)
+      ok = tolerance == 0 ? torch::equal(a[i], b[i])
+                          : (a[i] - b[i]).abs().max().item<double>() <= tolerance;
+    check(ok, rank, what);
+  };
+  const std::vector<torch::Tensor> stage2 = train_sharded(
+      ctx, make_layers(77), {.name = "stage 2", .stage = dtrain::sharding::gradients});
+  {
+    // One process on the whole batch (SGD's reference, with Adam).
+    torch::nn::Sequential ref = make_layers(77);
+    torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < steps; ++step) {
+      torch::manual_seed(static_cast<std::uint64_t>(9000 + 31 * step));
+      const torch::Tensor x = torch::randn({global_batch, 12}).to(device());
+      const torch::Tensor y = torch::randint(0, 6, {global_batch}).to(device());
+      torch::nn::functional::cross_entropy(ref->forward(x), y).backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    std::vector<torch::Tensor> whole;
+    for (const auto& p : ref->parameters()) whole.push_back(p.detach().clone().cpu());
+    same(stage2, whole, "stage 2 is not one process's Adam", 1e-5);
+  }
+  const double exact = on_gpu ? 1e-6 : 0;
+  const stage3_case cases[] = {
+      {.name = "stage 3"},
+      {.name = "stage 3, reshard_after_forward = false", .reshard = false},
+      {.name = "stage 3, prefetch 0", .prefetch = 0},
+      {.name = "stage 3, prefetch 2", .prefetch = 2},
+  };
+  for (const stage3_case& c : cases) {
+    same(train_sharded(ctx, make_layers(77 + static_cast<std::uint64_t>(rank)), c), stage2,
+         std::string(c.name) + " does not end with stage 2's values", exact);
+  }
+  same(
+      train_sharded(ctx, make_layers(77), {.name = "stage 3, no_sync", .micro = 2}),
+      train_sharded(ctx, make_layers(77),
+                    {.name = "stage 2, no_sync", .stage = dtrain::sharding::gradients, .micro = 2}),
+      "stage 3 with no_sync() does not end with stage 2's values", exact);
+  // Net is no Sequential: one unit, gathered for its forward and kept for its backward.
+  same(
+      train_sharded(ctx, make_net(1001), {.name = "stage 3, one unit"}),
+      train_sharded(ctx, make_net(1001), {.name = "stage 2", .stage = dtrain::sharding::gradients}),
+      "stage 3 on a module of one unit does not end with stage 2's values", exact);
+  {
+    torch::nn::Sequential seq = make_layers(5);
+    auto ddp = dtrain::torch::DistributedDataParallel(ctx, seq,
+                                                      {.sharding = dtrain::sharding::parameters});
+    // Evaluation unit by unit (every rank, no gradients) gives the whole model's output.
+    const torch::Tensor x = torch::randn({4, 12}).to(device());
+    torch::Tensor by_units, whole;
+    {
+      const torch::NoGradGuard no_grad;
+      by_units = ddp(x);
+      auto all = ddp.core().gather(ddp.core().parameters());
+      whole = ddp->forward(x);
+    }
+    check(torch::equal(by_units, whole), rank,
+          "stage 3: ddp(x) unit by unit differs from the whole model's forward");
+    check(ddp.core().memory_use().gathered == 0, rank, "stage 3: evaluation left values whole");
+    // The module alone has no values to save: refused by name.
+    dtrain::checkpoint ckpt(ctx, {.dir = "unused-stage3-ckpt", .quiet = true});
+    try {
+      dtrain::torch::add_module(ckpt, seq);
+      check(false, rank, "stage 3: add_module(ckpt, module) took a module without values");
+    } catch (const dtrain::config_error& e) {
+      check(std::string(e.what()).find("tensor '0.weight' has no values on this rank") !=
+                std::string::npos,
+            rank, std::string("stage 3: add_module's refusal: ") + e.what());
+    }
+  }
+  {
+    // A parameter over another tensor's storage cannot give its storage to DDP.
+    torch::nn::Sequential seq = make_layers(6);
+    {
+      const torch::NoGradGuard no_grad;
+      torch::Tensor& w = seq[0]->as<torch::nn::Linear>()->weight;
+      w.set_data(torch::cat({w.flatten(), w.flatten()}).narrow(0, 0, w.numel()).view(w.sizes()));
+    }
+    try {
+      dtrain::torch::DistributedDataParallel ddp(ctx, seq,
+                                                 {.sharding = dtrain::sharding::parameters});
+      check(false, rank, "stage 3: a parameter over a shared storage was taken");
+    } catch (const dtrain::config_error& e) {
+      check(std::string(e.what()).find("'0.weight' shares its storage") != std::string::npos, rank,
+            std::string("stage 3: the shared storage refusal: ") + e.what());
+    }
+  }
+  if (rank == 0) std::printf("ZeRO stage 3 on a Sequential and on a module: stage 2's values\n");
 }
 
 // `call` must throw dtrain::error with every one of `words` in its message.
@@ -861,7 +1039,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_mismatch(ctx);
   check_no_sync_guard(ctx);
   check_local_refusal(ctx);
-  check_stage3_refusal(ctx);
+  check_stage3(ctx);
   check_incomplete_step(ctx);
   check_undefined_gradient(ctx);
   check_failure_in_backward(ctx);

@@ -18,6 +18,8 @@
 #                (a step-N.partial directory): that save is never used.
 #   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
 #                on 2 workers: module, optimizer and sampler through dtrain::torch.
+#   torch_kill_worker_stage3  torch_kill_worker at ZeRO stage 3: the module's
+#                values as shards (dtrain::torch::add_module(ckpt, ddp)).
 #   mpi          2 MPI ranks: one killed after the first checkpoint ends the
 #                mpirun job (it cannot restart a rank); the same command run
 #                again resumes and ends with the uninterrupted run's checksum.
@@ -117,13 +119,14 @@ reference() {  # <log> <command>...: an uninterrupted run's checksum
 }
 
 case $case_name in
-  kill_worker | kill_worker_stage3 | kill_in_save | torch_kill_worker)
+  kill_worker | kill_worker_stage3 | kill_in_save | torch_kill_worker | torch_kill_worker_stage3)
     cmd=("$train" --nproc-per-node 4 "${model[@]}")
     every=20
     [[ $case_name == kill_worker_stage3 ]] && cmd+=(--sharding 3)
-    if [[ $case_name == torch_kill_worker ]]; then
+    if [[ $case_name == torch_kill_worker* ]]; then
       cmd=("$train" --nproc-per-node 2 --epochs 4 --samples 2048)
       every=10
+      [[ $case_name == torch_kill_worker_stage3 ]] && cmd+=(--sharding 3)
     fi
     want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
     echo "uninterrupted: checksum $want"

@@ -907,7 +907,7 @@ basic_ddp<Policy>::~basic_ddp() {
   try {
     for (variable& v : vars_) {
       // Stage 3: the values go with this object; the model's pointer is null.
-      if (shards_parameters()) v.param.rebind(v.param.values_slot, nullptr);
+      if (shards_parameters()) v.param.rebind_values(v.param.values_slot, nullptr);
       if (!v.view) continue;
       parameter& p = v.param;
       if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);

@@ -349,7 +349,7 @@ void basic_ddp<Policy>::point_values(std::size_t b, std::byte* whole) noexcept {
   for (const std::size_t i : buckets_[b].info.parameters) {
     parameter& p = vars_[i].param;
     p.values.data = whole ? whole + vars_[i].offset : nullptr;
-    p.rebind(p.values_slot, p.values.data);
+    p.rebind_values(p.values_slot, p.values.data);
   }
 }
 

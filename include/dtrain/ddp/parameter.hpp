@@ -39,8 +39,10 @@ struct parameter {
   /// Set by param(name, T*& values, count, T*& gradient): the model's
   /// pointer to its values, which sharding::parameters (ZeRO stage 3) points
   /// into DDP's storage while the values are gathered, and sets to null
-  /// between (through `rebind`).
+  /// between (through `rebind_values`; a pointer's is `rebind`'s, a
+  /// LibTorch tensor's moves the tensor's storage).
   void* values_slot = nullptr;
+  void (*rebind_values)(void* slot, void* storage) noexcept = nullptr;
   /// The dimensions the model gives the values (a tensor's sizes), for
   /// messages: a model that differs across ranks is named by them
   /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
@@ -50,7 +52,7 @@ struct parameter {
     return gradient_slot != nullptr && rebind != nullptr;
   }
   [[nodiscard]] bool values_rebindable() const noexcept {
-    return values_slot != nullptr && rebindable();
+    return values_slot != nullptr && rebind_values != nullptr && rebindable();
   }
   [[nodiscard]] std::size_t bytes() const noexcept { return values.bytes(); }
 };
@@ -147,7 +149,8 @@ template <element T>
           .device = -1,
           .gradient_slot = &gradient,
           .rebind = &detail::rebind_pointer<T>,
-          .values_slot = &values};
+          .values_slot = &values,
+          .rebind_values = &detail::rebind_pointer<T>};
 }
 
 /// The same for CUDA memory of `device` (ZeRO stage 3 on GPUs): `values`
@@ -164,7 +167,8 @@ template <element T>
           .device = device,
           .gradient_slot = &gradient,
           .rebind = &detail::rebind_pointer<T>,
-          .values_slot = &values};
+          .values_slot = &values,
+          .rebind_values = &detail::rebind_pointer<T>};
 }
 
 /// A host parameter whose gradient buffer the model owns and keeps: dtrain

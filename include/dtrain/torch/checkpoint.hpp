@@ -79,6 +79,33 @@ inline void load_device_tensor(::torch::Tensor& t, std::string_view bytes,
   t.copy_(host);
 }
 
+/// One tensor of a module as the entry `full`: typed values on the host,
+/// bytes (copied to and from the host) otherwise.
+inline void add_tensor(dtrain::checkpoint& ckpt, const std::string& full,
+                       const ::torch::Tensor& t) {
+  if (!t.defined()) return;
+  if (t.numel() > 0 && t.storage().data() == nullptr) {
+    // ZeRO stage 3: DDP holds the values, each rank its shard.
+    throw config_error("dtrain::torch::add_module: tensor '" + full +
+                       "' has no values on this rank (ddp_options::sharding = parameters "
+                       "holds them in DDP, each rank its shard): register the module with "
+                       "add_module(ckpt, ddp), which saves them as one sharded entry");
+  }
+  const bool plain = t.is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() &&
+                     element_of(t.scalar_type()).has_value();
+  if (!plain) {  // on a GPU, strided, or of a type dtrain has no name for: as bytes
+    ::torch::Tensor target = t;
+    ckpt.add(
+        full, [target] { return device_tensor_bytes(target); },
+        [target, full](std::string_view bytes) mutable {
+          load_device_tensor(target, bytes, full);
+        });
+    return;
+  }
+  ckpt.add(full, buffer_of(t, "tensor '" + full + "'", 0), checkpoint_scope::replicated,
+           shape_of(t));
+}
+
 }  // namespace detail
 
 /// Registers every parameter and buffer of `module` (named as
@@ -86,33 +113,42 @@ inline void load_device_tensor(::torch::Tensor& t, std::string_view bytes,
 /// replicated state: DDP keeps them equal on every rank.
 inline void add_module(dtrain::checkpoint& ckpt, const ::torch::nn::Module& module,
                        const std::string& prefix = "") {
-  auto add_tensor = [&](const std::string& name, const ::torch::Tensor& t) {
-    const std::string full = prefix + name;
-    if (!t.defined()) return;
-    const bool plain = t.is_cpu() && t.layout() == c10::kStrided && t.is_contiguous() &&
-                       dtrain::torch::detail::element_of(t.scalar_type()).has_value();
-    if (!plain) {  // on a GPU, strided, or of a type dtrain has no name for: as bytes
-      ::torch::Tensor target = t;
-      ckpt.add(
-          full, [target] { return detail::device_tensor_bytes(target); },
-          [target, full](std::string_view bytes) mutable {
-            detail::load_device_tensor(target, bytes, full);
-          });
-      return;
-    }
-    ckpt.add(full, dtrain::torch::detail::buffer_of(t, "tensor '" + full + "'", 0),
-             checkpoint_scope::replicated, dtrain::torch::detail::shape_of(t));
-  };
   for (const auto& item : module.named_parameters(/*recurse=*/true))
-    add_tensor(item.key(), item.value());
+    detail::add_tensor(ckpt, prefix + item.key(), item.value());
   for (const auto& item : module.named_buffers(/*recurse=*/true))
-    add_tensor(item.key(), item.value());
+    detail::add_tensor(ckpt, prefix + item.key(), item.value());
 }
 /// The same for a module holder (`Net model;` made with TORCH_MODULE).
 template <class Holder>
 requires requires(const Holder& h) { h.ptr(); }
 void add_module(dtrain::checkpoint& ckpt, const Holder& module, const std::string& prefix = "") {
   add_module(ckpt, *module.ptr(), prefix);
+}
+
+/// Registers the module of a dtrain::torch::DistributedDataParallel. With
+/// ddp_options::sharding = parameters (ZeRO stage 3), where each rank holds
+/// only its shard of the trained parameters' values, they are one sharded
+/// entry `prefix + "parameters"` (each rank saves its ranges, and a job of
+/// another world size re-cuts them: checkpoint::add_sharded(name, ddp)),
+/// beside the frozen parameters and the buffers, replicated; at the other
+/// stages, add_module(ckpt, ddp.module(), prefix).
+template <class DDP>
+requires requires(DDP& d) {
+  d.operator->();
+  d.core().shard_ranges();
+}
+void add_module(dtrain::checkpoint& ckpt, DDP& ddp, const std::string& prefix = "") {
+  const ::torch::nn::Module& module = *ddp.operator->();
+  if (ddp.core().options().sharding != sharding::parameters) {
+    add_module(ckpt, module, prefix);
+    return;
+  }
+  ckpt.add_sharded(prefix + "parameters", ddp.core());
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) detail::add_tensor(ckpt, prefix + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true))
+    detail::add_tensor(ckpt, prefix + item.key(), item.value());
 }
 
 /// Registers a torch::optim optimizer's state (momentum buffers, Adam's

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -41,6 +42,19 @@ void collect_outputs(const std::tuple<T...>& t, std::vector<::torch::Tensor>& ou
 template <class T>
 void collect_outputs(const T&, std::vector<::torch::Tensor>&) {}  // not a tensor: nothing to walk
 
+/// Whether Module (a holder or a shared_ptr) is a torch::nn::Sequential,
+/// whose children DistributedDataParallel runs itself at ZeRO stage 3.
+template <class Module>
+constexpr bool is_sequential = [] {
+  if constexpr (requires { typename Module::ContainedType; }) {
+    return std::is_base_of_v<::torch::nn::SequentialImpl, typename Module::ContainedType>;
+  } else if constexpr (requires { typename Module::element_type; }) {
+    return std::is_base_of_v<::torch::nn::SequentialImpl, typename Module::element_type>;
+  } else {
+    return false;
+  }
+}();
+
 /// The module behind a holder (`Net`, `torch::nn::Sequential`) or a shared_ptr.
 template <class Module>
 std::shared_ptr<::torch::nn::Module> module_pointer(const Module& m) {
@@ -60,7 +74,8 @@ std::shared_ptr<::torch::nn::Module> module_pointer(const Module& m) {
 /// Per step, as with PyTorch's DDP: `ddp(x)`, then backward(), which returns
 /// once every .grad() holds the mean over ranks; then the optimizer.
 /// `ddp->forward(x)` calls the module alone (no buffer broadcast, no graph
-/// walk for find_unused_parameters). synchronize() completes a step that
+/// walk for find_unused_parameters; at ZeRO stage 3 no gather: the values
+/// are not there). synchronize() completes a step that
 /// backward() could not: one with parameters that got no gradient.
 template <class Policy, class Module>
 class DistributedDataParallel {
@@ -111,7 +126,7 @@ class DistributedDataParallel {
   template <class... Args>
   decltype(auto) forward(Args&&... args) {
     ddp_.before_forward();
-    decltype(auto) out = module_->forward(std::forward<Args>(args)...);
+    decltype(auto) out = call_module(std::forward<Args>(args)...);
     if (ddp_.walks_graph()) {
       std::vector<::torch::Tensor> outputs;
       detail::collect_outputs(out, outputs);
@@ -157,11 +172,11 @@ class DistributedDataParallel {
     ddp_.core().register_comm_hook(std::move(hook));
   }
 
-  /// Sharding (ddp_options::sharding, ZeRO stages 1 and 2; stage 3 is not
-  /// there yet for modules, a config_error; docs/sharding.md):
+  /// Sharding (ddp_options::sharding, ZeRO stages 1-3; docs/sharding.md):
   /// this rank's shard as tensors for a torch::optim optimizer, one 1-D tensor
   /// per piece of core().shard(), over the module's own values (shared
-  /// memory), its .grad() the piece's mean over the ranks. Build the optimizer
+  /// memory; at stage 3 DDP's shard of them), its .grad() the piece's mean
+  /// over the ranks. Build the optimizer
   /// on them (`torch::optim::Adam opt(ddp.shard_parameters(), ...)`): its state
   /// is the shard's size. The shard is cut in flat slices of the buckets, as
   /// DeepSpeed's ZeRO, not parameter by parameter as PyTorch's
@@ -184,7 +199,8 @@ class DistributedDataParallel {
     return shard_tensors_;
   }
   /// The optimizer's step on this rank's shard (`optimizer` built on
-  /// shard_parameters()), then the allgather of the updated values:
+  /// shard_parameters()), then the allgather of the updated values (at
+  /// stage 3 none: the next step's gathers read the shard):
   /// once after each backward() (or synchronize()); dtrain::error naming the
   /// rank otherwise, before the optimizer has changed anything. On CUDA the
   /// allgathers are ordered after the current stream at the call (the one
@@ -215,6 +231,71 @@ class DistributedDataParallel {
   void flush_timeline() const { ddp_.core().flush_timeline(); }
 
  private:
+  /// The module's forward; at ZeRO stage 3 each unit inside its gather: a
+  /// torch::nn::Sequential's children one by one (as its forward() runs
+  /// them), any other module as one unit.
+  template <class... Args>
+  decltype(auto) call_module(Args&&... args) {
+    if (ddp_.shards_values()) {
+      if constexpr (detail::is_sequential<Module>) {
+        return run_units(std::forward<Args>(args)...);
+      } else {
+        unit_scope scope(ddp_, 0);
+        decltype(auto) out = module_->forward(std::forward<Args>(args)...);
+        std::vector<::torch::Tensor> outputs;
+        detail::collect_outputs(out, outputs);
+        scope.leave(outputs);
+        return out;
+      }
+    }
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  /// Stage 3: unit u gathered while one lives (given back if its forward throws).
+  class unit_scope {
+   public:
+    unit_scope(module_ddp<Policy>& ddp, std::size_t u) : ddp_(ddp), unit_(u) {
+      ddp_.enter_unit(unit_);
+    }
+    unit_scope(const unit_scope&) = delete;
+    unit_scope& operator=(const unit_scope&) = delete;
+    ~unit_scope() {
+      if (!left_) ddp_.release_units();
+    }
+    void leave(const std::vector<::torch::Tensor>& outputs) {
+      left_ = true;
+      ddp_.leave_unit(unit_, outputs);
+    }
+
+   private:
+    module_ddp<Policy>& ddp_;
+    std::size_t unit_;
+    bool left_ = false;
+  };
+
+  /// Stage 3 over a torch::nn::Sequential: SequentialImpl::forward's loop,
+  /// each child inside its unit's gather.
+  template <class... Args>
+  ::torch::Tensor run_units(Args&&... args) {
+    auto& seq = *module_;
+    if (seq.is_empty()) return module_->forward(std::forward<Args>(args)...);  // its error
+    std::size_t u = 0;
+    std::optional<::torch::nn::AnyValue> value;
+    for (auto it = seq.begin(); it != seq.end(); ++it, ++u) {
+      unit_scope scope(ddp_, u);
+      if (u == 0) {
+        value.emplace(it->any_forward(std::forward<Args>(args)...));
+      } else {
+        value.emplace(it->any_forward(std::move(*value)));
+      }
+      std::vector<::torch::Tensor> outputs;
+      if (const ::torch::Tensor* t = value->template try_get<::torch::Tensor>())
+        outputs.push_back(*t);
+      scope.leave(outputs);
+    }
+    return value->template get<::torch::Tensor>();
+  }
+
   Module module_;
   module_ddp<Policy> ddp_;
   std::vector<::torch::Tensor> shard_tensors_, shard_gradients_;  // shard_parameters()

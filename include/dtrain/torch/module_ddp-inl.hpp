@@ -45,6 +45,7 @@ module_ddp<Policy>::module_ddp(dtrain::context<Policy>& ctx,
 
 template <class Policy>
 module_ddp<Policy>::~module_ddp() {
+  release_units();  // before the core goes (the gathers point at it)
   for (slot& s : slots_) {
     if (s.accumulator) s.accumulator->del_post_hook(s.hook_key);
   }
@@ -114,13 +115,30 @@ std::string module_ddp<Policy>::collect(const ddp_options& options, std::vector<
         }
         place = g.data;
       }
-      params.push_back({.name = key,
-                        .values = values,
-                        .gradient = place,
-                        .device = values.device,
-                        .gradient_slot = &gradient,
-                        .rebind = &detail::rebind_gradient,
-                        .shape = detail::shape_of(t)});
+      parameter p{.name = key,
+                  .values = values,
+                  .gradient = place,
+                  .device = values.device,
+                  .gradient_slot = &gradient,
+                  .rebind = &detail::rebind_gradient,
+                  .shape = detail::shape_of(t)};
+      if (options.sharding == sharding::parameters) {
+        // Stage 3: DDP keeps the values and moves the tensor's storage, which
+        // must then be the tensor's alone.
+        if (t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes()) {
+          throw config_error("dtrain::torch::DistributedDataParallel on rank " +
+                             std::to_string(rank_) + ": " + what +
+                             " shares its storage with other tensors (a view or a slice), "
+                             "which ddp_options::sharding = parameters cannot take from it: "
+                             "give it storage of its own (.clone())");
+        }
+        detail::value_slot& v = slots_[params.size()].values;
+        v.storage = t.storage();
+        v.device = t.device();
+        p.values_slot = &v;
+        p.rebind_values = &detail::rebind_values;
+      }
+      params.push_back(std::move(p));
     }
     for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
       // An optional buffer left unset, or one registered twice.
@@ -214,12 +232,95 @@ void module_ddp<Policy>::gradient_written(std::size_t i) {
   }
   expose(i, true);
   core_->mark_ready(i);  // the step's last one queues complete_step() (on_all_marked)
+  if (units_of_.empty()) return;
+  // Stage 3: a unit whose gradients are all written is done with its values.
+  for (const std::size_t u : units_of_[i]) {
+    unit& part = units_[u];
+    if (part.in_backward && ++part.written == part.members.size()) {
+      part.held.clear();
+      part.in_backward = false;
+      part.written = 0;
+    }
+  }
+}
+
+/// Stage 3: the units, in the order of the module's forward.
+template <class Policy>
+void module_ddp<Policy>::find_units() {
+  std::unordered_map<const void*, std::size_t> index;  // a parameter's TensorImpl: its index
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    index.emplace(slots_[i].gradient.param.unsafeGetTensorImpl(), i);
+  units_of_.assign(slots_.size(), {});
+  auto add_unit = [&](std::string name, const ::torch::nn::Module& part) {
+    unit u;
+    u.name = std::move(name);
+    for (const ::torch::Tensor& p : part.parameters(/*recurse=*/true)) {
+      const auto it = index.find(p.unsafeGetTensorImpl());
+      if (it == index.end()) continue;  // frozen: whole on every rank
+      if (std::find(u.members.begin(), u.members.end(), it->second) == u.members.end())
+        u.members.push_back(it->second);
+    }
+    for (const std::size_t i : u.members) units_of_[i].push_back(units_.size());
+    units_.push_back(std::move(u));
+  };
+  if (const auto seq = std::dynamic_pointer_cast<::torch::nn::SequentialImpl>(module_)) {
+    for (const auto& item : seq->named_children()) add_unit(item.key(), *item.value());
+  } else {
+    add_unit("the module", *module_);
+  }
+  // A torch::nn::Sequential without children: one unit all the same, so
+  // that shards_values() says stage 3.
+  if (units_.empty()) add_unit("the module", *module_);
+}
+
+template <class Policy>
+void module_ddp<Policy>::enter_unit(std::size_t u) {
+  unit& part = units_[u];
+  if (part.members.empty()) return;
+  part.held.push_back(core_->gather(part.members));
+}
+
+template <class Policy>
+void module_ddp<Policy>::leave_unit(std::size_t u, const std::vector<::torch::Tensor>& outputs) {
+  unit& part = units_[u];
+  if (part.members.empty() || part.held.empty()) return;
+  bool backward = false;
+  if (::torch::GradMode::is_enabled()) {
+    for (const ::torch::Tensor& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      backward = true;
+      // Before autograd runs the unit's last operation backward: its values whole again.
+      t.register_hook([this, u](const ::torch::Tensor&) { unit_backward(u); });
+    }
+  }
+  // Given back now, unless the backward needs them and keeps them (a module of one unit).
+  if (!backward || (extra_.reshard_after_forward && units_.size() > 1)) part.held.pop_back();
+}
+
+/// Stage 3: unit u's backward begins (a hook on its output, on autograd's thread).
+template <class Policy>
+void module_ddp<Policy>::unit_backward(std::size_t u) {
+  unit& part = units_[u];
+  if (part.in_backward) return;  // another of its outputs got there first
+  part.held.push_back(core_->gather(part.members));
+  part.in_backward = true;
+  part.written = 0;
+}
+
+template <class Policy>
+void module_ddp<Policy>::release_units() noexcept {
+  for (unit& part : units_) {
+    part.held.clear();
+    part.in_backward = false;
+    part.written = 0;
+  }
 }
 
 /// Ends the step: the buckets are averaged, and every .grad() of a parameter
 /// some rank used is its bucket view again.
 template <class Policy>
 void module_ddp<Policy>::complete_step() {
+  release_units();  // nothing stays whole past the step (the optimizer changes the shard)
   if constexpr (memory_space::on_stream) {
     core_->synchronize(current_stream());
   } else {
@@ -294,6 +395,7 @@ std::string module_ddp<Policy>::no_gradient_message(const std::string& what) con
 template <class Policy>
 void module_ddp<Policy>::before_forward() {
   check_step_closed("ddp(x) began the next one");
+  release_units();  // a forward whose backward never came (evaluation, an abandoned loss)
   if constexpr (memory_space::on_stream) core_->set_stream(current_stream());
   // Not under NoGradGuard: evaluation often runs on one rank only.
   if (extra_.broadcast_buffers && core_->size() > 1 && !buffer_tensors_.empty() &&

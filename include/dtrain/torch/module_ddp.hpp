@@ -41,12 +41,14 @@
 #define DTRAIN_TORCH_CUDA() 0
 #endif
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -81,6 +83,14 @@ struct module_options {
   /// running statistics) to every rank. Construction copies them, and the
   /// frozen parameters, anyway (ddp_options::broadcast_parameters).
   bool broadcast_buffers = true;
+  /// ZeRO stage 3 (ddp_options::sharding = parameters), FSDP's
+  /// reshard_after_forward: true, a unit's whole values are given back as
+  /// soon as its forward returns and gathered again when its backward
+  /// begins (the least memory); false, they stay whole from its forward to
+  /// the end of its backward (one allgather fewer per unit and step). A
+  /// module that is one unit (not a torch::nn::Sequential) keeps them
+  /// either way, as FSDP's root does.
+  bool reshard_after_forward = true;
 };
 
 namespace detail {
@@ -153,6 +163,23 @@ class module_ddp {
     if constexpr (memory_space::on_stream) core_->set_stream(current_stream());
   }
 
+  /// ZeRO stage 3 (ddp_options::sharding = parameters): the module's units,
+  /// whose values DDP holds as this rank's shard between uses. A
+  /// torch::nn::Sequential's children are one unit each, run one at a time
+  /// by DistributedDataParallel::forward; any other module is one unit.
+  [[nodiscard]] bool shards_values() const noexcept { return !units_.empty(); }
+  /// Before unit u's forward: collective, its values gathered (their
+  /// tensors' storage points at them) until leave_unit().
+  void enter_unit(std::size_t u);
+  /// After unit u's forward, whose tensors are `outputs`: where a backward
+  /// will follow (gradients enabled, an output that requires one), a hook on
+  /// each such output gathers the unit again when autograd reaches it, held
+  /// until the unit's last gradient is written; its forward's gather is
+  /// released now (reshard_after_forward) or with it.
+  void leave_unit(std::size_t u, const std::vector<::torch::Tensor>& outputs);
+  /// Gives back every unit's gathers (before a step ends, before a forward).
+  void release_units() noexcept;
+
  private:
   /// What the module holds, per trained parameter, indexed like core().parameters().
   struct slot {
@@ -162,6 +189,16 @@ class module_ddp {
     decltype(::torch::autograd::impl::grad_accumulator(
         std::declval<const ::torch::Tensor&>())) accumulator;
     std::uintptr_t hook_key = 0;
+    detail::value_slot values;  // stage 3: the parameter's value_slot points here
+  };
+  /// Stage 3: a part of the module gathered as one, with the gathers that
+  /// hold it now (its forward's, its backward's).
+  struct unit {
+    std::string name;                  // the Sequential's child's name, or "the module"
+    std::vector<std::size_t> members;  // indices into core().parameters()
+    std::vector<typename core_type::gathered_parameters> held;
+    bool in_backward = false;  // a backward gather holds it
+    std::size_t written = 0;   // of members, gradients written since that gather
   };
 
   template <class Context>
@@ -178,6 +215,8 @@ class module_ddp {
   [[nodiscard]] std::string no_gradient_message(const std::string& what) const;
   void broadcast_buffers();
   void sum_in_place(const buffer& b);
+  void find_units();
+  void unit_backward(std::size_t u);
 
   // Declared in this order: the slots outlive core_, whose destructor gives
   // the gradients back through them.
@@ -186,6 +225,8 @@ class module_ddp {
   int rank_;
   std::vector<slot> slots_;  // never resized after construction: rebind points into it
   std::vector<::torch::Tensor> buffer_tensors_;
+  std::vector<unit> units_;                         // stage 3 only
+  std::vector<std::vector<std::size_t>> units_of_;  // stage 3: per parameter, its units
   std::optional<core_type> core_;
 };
 
@@ -200,11 +241,6 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
   std::vector<parameter> params;
   std::vector<parameter> buffers;
   std::string problem = collect(options, params, buffers);
-  if (problem.empty() && options.sharding == sharding::parameters) {
-    problem = "dtrain::torch::DistributedDataParallel on rank " + std::to_string(ctx.rank()) +
-              ": ddp_options::sharding = parameters (ZeRO stage 3) is not there yet for "
-              "LibTorch modules (docs/sharding.md): use sharding::gradients";
-  }
   // A module this rank cannot take stops every rank, each with a message (not only this one,
   // leaving the others to find it gone), over the control plane the core agrees on next.
   control_plane control = ctx.control_plane();
@@ -217,7 +253,9 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
   // The core's report names parameters nobody marked, against a forgotten
   // mark_ready; autograd marks here, and PyTorch reports nothing either.
   options.report_unused_parameters = false;
+  const bool stage3 = options.sharding == sharding::parameters;
   core_.emplace(ctx, std::move(params), std::move(buffers), std::move(options));
+  if (stage3) find_units();
   attach(stream);
 }
 

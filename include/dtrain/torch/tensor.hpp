@@ -124,4 +124,23 @@ inline void rebind_gradient(void* slot, void* storage) noexcept {
   }
 }
 
+/// Where a parameter's values live at ZeRO stage 3 (ddp_options::sharding =
+/// parameters): the tensor's storage, which rebind_values points at DDP's
+/// whole values while a unit's gather holds them, and at nothing between (a
+/// kernel that reads the tensor then throws LibTorch's "data is not
+/// allocated" error). The tensor keeps its sizes; its storage, not owned
+/// any more, never outlives DDP's memory in use.
+struct value_slot {
+  c10::Storage storage;
+  c10::Device device{c10::kCPU};
+};
+
+/// dtrain::parameter::rebind_values for a LibTorch parameter: the storage's
+/// data becomes `place` (not owned); the first call frees the module's own
+/// allocation, whose values DDP has copied into its shard.
+inline void rebind_values(void* slot, void* place) noexcept {
+  auto& s = *static_cast<value_slot*>(slot);
+  s.storage.set_data_ptr_noswap(c10::DataPtr(place, s.device));
+}
+
 }  // namespace dtrain::torch::detail
