@@ -10433,6 +10433,7 @@ DTRAIN_DETAIL_INLINE verdict gather_verdict(control_plane& plane, std::string_vi
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <ranges>
 #include <span>
 #include <string>
@@ -10469,6 +10470,12 @@ struct parameter {
   /// messages: a model that differs across ranks is named by them
   /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
   std::vector<std::size_t> shape = {};
+  /// ZeRO stage 3 (ddp_options::sharding = parameters): the unit of the
+  /// model (a layer, a block) this parameter belongs to, whatever label the
+  /// model gives it (the same on every rank); no bucket holds parameters of
+  /// two units, so a unit's gather() makes no other unit's values whole.
+  /// -1 (none): buckets are cut by bucket_cap_mb only. Other stages ignore it.
+  std::int64_t unit = -1;
 
   [[nodiscard]] bool rebindable() const noexcept {
     return gradient_slot != nullptr && rebind != nullptr;
@@ -10702,6 +10709,7 @@ concept model_with_buffers = trainable_model<M> && requires(M& m) {
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <span>
 #include <string>
@@ -10748,15 +10756,20 @@ DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::s
 /// after the parameter that passes the cap, never before it, and only a
 /// group's last bucket may hold less than its cap. Buckets are returned in the
 /// order of their first parameter in `order`, which is the launch order.
+/// `by_unit` (ZeRO stage 3): a bucket also closes before a parameter of
+/// another unit than its last one's (parameter::unit), so that no bucket
+/// holds two units.
 template <parameter_list Params>
 [[nodiscard]] std::vector<bucket_info> assign_buckets(const Params& params,
                                                       std::span<const std::size_t> order,
-                                                      std::size_t first_cap, std::size_t cap) {
+                                                      std::size_t first_cap, std::size_t cap,
+                                                      bool by_unit = false) {
   check_order(order, std::ranges::size(params), "the bucket order");
   struct open_bucket {
     bucket_info bucket;
     std::size_t first_position = 0;
-    bool first = true;  // still the group's first bucket
+    bool first = true;       // still the group's first bucket
+    std::int64_t unit = -1;  // its last parameter's (by_unit)
   };
   std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
   std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
@@ -10764,6 +10777,12 @@ template <parameter_list Params>
     const parameter& p = parameter_at(params, order[position]);
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
+    if (by_unit && !b.bucket.parameters.empty() && b.unit != p.unit) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
+    b.unit = p.unit;
     if (b.bucket.parameters.empty()) {
       b.bucket.type = p.values.type;
       b.bucket.device = p.device;
@@ -11174,6 +11193,7 @@ DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string
   }
   entry += to_string(p.values.type);
   entry += p.values.where == memory::host ? " on the host" : " on a GPU";
+  if (p.unit >= 0) entry += ", unit " + std::to_string(p.unit);
   entry += p.values.data ? ")" : ", values from the shard)";  // stage 3's deferred values
   return entry;
 }
@@ -14761,7 +14781,7 @@ template <class Policy>
 void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   std::vector<bucket_info> layout = detail::assign_buckets(
       parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
-      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
+      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"), shards_parameters());
   std::vector<bucket> buckets(layout.size());
   for (std::size_t b = 0; b < layout.size(); ++b) {
     bucket& s = buckets[b];

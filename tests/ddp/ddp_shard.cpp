@@ -87,6 +87,7 @@ struct linear_model {
   /// (null outside gather()); w keeps the initial values it copies.
   bool values_held = false;
   std::vector<float*> held;
+  bool units = false;  // each parameter a unit of its own (parameter::unit)
 
   explicit linear_model(bool stage3 = false)
       : w(parameter_count), view(parameter_count, nullptr), values_held(stage3) {
@@ -103,6 +104,7 @@ struct linear_model {
       name += std::to_string(p);
       if (values_held) {
         out.push_back(dtrain::param(name, held[p], sizes[p], view[p]));
+        if (units) out.back().unit = static_cast<std::int64_t>(p);
       } else if (p == copy_mode) {
         out.push_back(dtrain::param(name, w[p], own));
       } else {
@@ -564,7 +566,7 @@ int run_case(Context& ctx, std::string_view topology) {
     using stage = dtrain::sharding;
     const bool first = ctx.rank() == 0;
     const std::string on_rank = "on rank " + std::to_string(ctx.rank()) + ": ";
-    enum class values { storage, pointers, first_null };
+    enum class values { storage, pointers, first_null, units_on_others };
     struct refusal {
       stage mine;
       std::size_t prefetch;
@@ -586,10 +588,14 @@ int run_case(Context& ctx, std::string_view topology) {
                           values::pointers,
                           "ddp_options::prefetch_units = 1, rank 1 has ddp_options::sharding = "
                           "parameters, ddp_options::prefetch_units = 2"});
+      // Units that differ would lay the buckets out differently.
+      refusals.push_back(
+          {stage::parameters, 1, values::units_on_others, "float32 on the host, unit 0)"});
     }
     for (const refusal& r : refusals) {
       linear_model model(r.given != values::storage);
       if (r.given == values::first_null) model.held[0] = nullptr;
+      model.units = r.given == values::units_on_others && !first;
       std::string what = "nothing was thrown";
       try {
         dtrain::DistributedDataParallel<linear_model, Policy> ddp(

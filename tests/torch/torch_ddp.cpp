@@ -440,6 +440,7 @@ struct stage3_case {
   bool reshard = true;
   std::size_t prefetch = 1;
   int micro = 1;
+  bool default_buckets = false;  // 25 MiB: every unit's own bucket only because units cut them
 };
 
 // The parameters' values after `steps` Adam steps on `seq` (or on Net with
@@ -449,16 +450,28 @@ std::vector<torch::Tensor> train_sharded(dtrain::context<Policy>& ctx, Module mo
                                          const stage3_case& c) {
   const int rank = ctx.rank(), size = ctx.size();
   const std::int64_t shard = global_batch / size;
-  auto ddp = dtrain::torch::DistributedDataParallel(
-      ctx, module,
-      // A bucket per parameter: a unit is its own buckets (prefetch has something to fetch).
-      {.bucket_cap_mb = 1.0 / 8192,
-       .first_bucket_cap_mb = 1.0 / 8192,
-       .sharding = c.stage,
-       .prefetch_units = c.prefetch},
-      {.reshard_after_forward = c.reshard});
-  torch::optim::Adam opt(ddp.shard_parameters(), torch::optim::AdamOptions(0.01));
   const bool stage3 = c.stage == dtrain::sharding::parameters;
+  // A bucket per parameter (a unit is several), or the defaults (at stage 3
+  // a bucket per unit: no bucket holds two).
+  dtrain::ddp_options options{.bucket_cap_mb = 1.0 / 8192,
+                              .first_bucket_cap_mb = 1.0 / 8192,
+                              .sharding = c.stage,
+                              .prefetch_units = c.prefetch};
+  if (c.default_buckets) options = {.sharding = c.stage, .prefetch_units = c.prefetch};
+  auto ddp = dtrain::torch::DistributedDataParallel(ctx, module, options,
+                                                    {.reshard_after_forward = c.reshard});
+  if (stage3 && !std::is_same_v<Module, Net>) {
+    // No bucket holds parameters of two units (children of the Sequential).
+    for (const dtrain::bucket_info& b : ddp.buckets()) {
+      const std::string first = ddp.core().parameters()[b.parameters.front()].name;
+      for (const std::size_t i : b.parameters) {
+        const std::string name = ddp.core().parameters()[i].name;
+        check(name.substr(0, name.find('.')) == first.substr(0, first.find('.')), rank,
+              std::string(c.name) + ": a bucket holds '" + first + "' and '" + name + "'");
+      }
+    }
+  }
+  torch::optim::Adam opt(ddp.shard_parameters(), torch::optim::AdamOptions(0.01));
   for (int step = 0; step < steps; ++step) {
     for (int m = 0; m < c.micro; ++m) {
       torch::manual_seed(static_cast<std::uint64_t>(9000 + 31 * step + m));
@@ -552,6 +565,10 @@ void check_stage3(dtrain::context<Policy>& ctx) {
     same(train_sharded(ctx, make_layers(77 + static_cast<std::uint64_t>(rank)), c), stage2,
          std::string(c.name) + " does not end with stage 2's values", exact);
   }
+  // Other buckets: other reduce-scatters, so float noise apart from stage 2's.
+  same(train_sharded(ctx, make_layers(77),
+                     {.name = "stage 3, default bucket sizes", .default_buckets = true}),
+       stage2, "stage 3 with the default bucket sizes does not end near stage 2's values", 1e-5);
   same(
       train_sharded(ctx, make_layers(77), {.name = "stage 3, no_sync", .micro = 2}),
       train_sharded(ctx, make_layers(77),

@@ -174,6 +174,24 @@ TEST_CASE("assign_buckets: caps larger than the model give one bucket in the fil
   CHECK_MESSAGE((layout(buckets) == layout_t{{6, 5, 4, 3, 2, 1, 0}}), show(buckets));
 }
 
+TEST_CASE("assign_buckets: by unit (stage 3), no bucket holds two units, caps still apply") {
+  // Units 0 0 1 1 1 2 (-1 counts as a unit of its own), 10 floats each; reverse order.
+  auto ps = floats(7, 10);
+  const std::int64_t units[] = {0, 0, 1, 1, 1, 2, -1};
+  for (std::size_t i = 0; i < ps.size(); ++i) ps[i].unit = units[i];
+  const auto order = dtrain::detail::reverse_order(7);
+  auto buckets = dtrain::detail::assign_buckets(ps, order, 1 << 20, 25 << 20, true);
+  check_partition(ps, buckets);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{6}, {5}, {4, 3, 2}, {1, 0}}), show(buckets));
+  // Within a unit the cap still closes buckets: 80 bytes close after two.
+  buckets = dtrain::detail::assign_buckets(ps, order, 80, 80, true);
+  check_partition(ps, buckets);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{6}, {5}, {4, 3}, {2}, {1, 0}}), show(buckets));
+  // Without by_unit the units are ignored (stages 0-2).
+  buckets = dtrain::detail::assign_buckets(ps, order, 1 << 20, 25 << 20);
+  CHECK_MESSAGE((layout(buckets) == layout_t{{6, 5, 4, 3, 2, 1, 0}}), show(buckets));
+}
+
 TEST_CASE("assign_buckets: a one-byte cap gives one bucket per parameter, in the fill order") {
   const auto ps = floats(4, 10);
   const std::vector<std::size_t> order{2, 0, 3, 1};

@@ -22,6 +22,7 @@ DTRAIN_DETAIL_INLINE std::string parameter_entry(const parameter& p, std::string
   }
   entry += to_string(p.values.type);
   entry += p.values.where == memory::host ? " on the host" : " on a GPU";
+  if (p.unit >= 0) entry += ", unit " + std::to_string(p.unit);
   entry += p.values.data ? ")" : ", values from the shard)";  // stage 3's deferred values
   return entry;
 }

@@ -35,7 +35,7 @@ template <class Policy>
 void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   std::vector<bucket_info> layout = detail::assign_buckets(
       parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
-      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"));
+      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"), shards_parameters());
   std::vector<bucket> buckets(layout.size());
   for (std::size_t b = 0; b < layout.size(); ++b) {
     bucket& s = buckets[b];

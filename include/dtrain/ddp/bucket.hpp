@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <span>
 #include <string>
@@ -57,15 +58,20 @@ DTRAIN_DETAIL_INLINE void check_order(std::span<const std::size_t> order, std::s
 /// after the parameter that passes the cap, never before it, and only a
 /// group's last bucket may hold less than its cap. Buckets are returned in the
 /// order of their first parameter in `order`, which is the launch order.
+/// `by_unit` (ZeRO stage 3): a bucket also closes before a parameter of
+/// another unit than its last one's (parameter::unit), so that no bucket
+/// holds two units.
 template <parameter_list Params>
 [[nodiscard]] std::vector<bucket_info> assign_buckets(const Params& params,
                                                       std::span<const std::size_t> order,
-                                                      std::size_t first_cap, std::size_t cap) {
+                                                      std::size_t first_cap, std::size_t cap,
+                                                      bool by_unit = false) {
   check_order(order, std::ranges::size(params), "the bucket order");
   struct open_bucket {
     bucket_info bucket;
     std::size_t first_position = 0;
-    bool first = true;  // still the group's first bucket
+    bool first = true;       // still the group's first bucket
+    std::int64_t unit = -1;  // its last parameter's (by_unit)
   };
   std::map<std::pair<int, int>, open_bucket> open;  // (type, device) -> its bucket being filled
   std::vector<std::pair<std::size_t, bucket_info>> closed;  // (position of first parameter, bucket)
@@ -73,6 +79,12 @@ template <parameter_list Params>
     const parameter& p = parameter_at(params, order[position]);
     auto [it, fresh] = open.try_emplace({static_cast<int>(p.values.type), p.device});
     open_bucket& b = it->second;
+    if (by_unit && !b.bucket.parameters.empty() && b.unit != p.unit) {
+      closed.emplace_back(b.first_position, std::move(b.bucket));
+      b.bucket = bucket_info{};
+      b.first = false;
+    }
+    b.unit = p.unit;
     if (b.bucket.parameters.empty()) {
       b.bucket.type = p.values.type;
       b.bucket.device = p.device;

@@ -11,6 +11,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <ranges>
 #include <span>
 #include <string>
@@ -47,6 +48,12 @@ struct parameter {
   /// messages: a model that differs across ranks is named by them
   /// (`[64, 16]` against `[65, 16]`). Empty: a flat list of values.count.
   std::vector<std::size_t> shape = {};
+  /// ZeRO stage 3 (ddp_options::sharding = parameters): the unit of the
+  /// model (a layer, a block) this parameter belongs to, whatever label the
+  /// model gives it (the same on every rank); no bucket holds parameters of
+  /// two units, so a unit's gather() makes no other unit's values whole.
+  /// -1 (none): buckets are cut by bucket_cap_mb only. Other stages ignore it.
+  std::int64_t unit = -1;
 
   [[nodiscard]] bool rebindable() const noexcept {
     return gradient_slot != nullptr && rebind != nullptr;

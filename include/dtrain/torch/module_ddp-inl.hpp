@@ -140,6 +140,13 @@ std::string module_ddp<Policy>::collect(const ddp_options& options, std::vector<
       }
       params.push_back(std::move(p));
     }
+    if (options.sharding == sharding::parameters) {
+      // Stage 3: no bucket holds two units (a unit's gather brings it alone).
+      find_units();
+      for (std::size_t i = 0; i < params.size(); ++i)
+        params[i].unit =
+            units_of_[i].empty() ? -1 : static_cast<std::int64_t>(units_of_[i].front());
+    }
     for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
       // An optional buffer left unset, or one registered twice.
       if (!item.value().defined() || !seen.insert(item.value().unsafeGetTensorImpl()).second)
@@ -244,7 +251,8 @@ void module_ddp<Policy>::gradient_written(std::size_t i) {
   }
 }
 
-/// Stage 3: the units, in the order of the module's forward.
+/// Stage 3: the units, in the order of the module's forward (from slots_,
+/// before the core exists).
 template <class Policy>
 void module_ddp<Policy>::find_units() {
   std::unordered_map<const void*, std::size_t> index;  // a parameter's TensorImpl: its index

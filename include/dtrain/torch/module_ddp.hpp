@@ -253,9 +253,7 @@ void module_ddp<Policy>::build(Context& ctx, ddp_options options) {
   // The core's report names parameters nobody marked, against a forgotten
   // mark_ready; autograd marks here, and PyTorch reports nothing either.
   options.report_unused_parameters = false;
-  const bool stage3 = options.sharding == sharding::parameters;
   core_.emplace(ctx, std::move(params), std::move(buffers), std::move(options));
-  if (stage3) find_units();
   attach(stream);
 }
 
