@@ -1,13 +1,18 @@
-// What the benchmarks share: reading their flags, and the median of the rounds.
+// What the benchmarks share: reading their flags, the median of the rounds,
+// the peak resident memory, and starting themselves again with more flags.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <unistd.h>
 
 namespace dtrain_bench {
 
@@ -49,6 +54,44 @@ struct flag_reader {
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+/// Starts counting the peak resident memory again from now (Linux: "5" to
+/// /proc/self/clear_refs resets VmHWM); false where it cannot.
+inline bool reset_peak_resident() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+/// The process's peak resident memory (VmHWM), in bytes.
+inline std::size_t peak_resident() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+  }
+  return 0;
+}
+
+/// Runs this program again (/proc/self/exe) with its own arguments and
+/// `more` appended, and waits: std::system's status, or -1 (with a message
+/// naming `program`) when it cannot find itself.
+inline int run_self(std::string_view program, int argc, char** argv, const std::string& more) {
+  std::array<char, 4096> self{};
+  const ssize_t length = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  if (length <= 0) {
+    std::fprintf(stderr, "%s: cannot find its own executable (/proc/self/exe)\n",
+                 std::string(program).c_str());
+    return -1;
+  }
+  std::string command = "'";  // appended, not "'" + string: GCC 12's -Wrestrict misfires at -O3
+  command.append(self.data(), static_cast<std::size_t>(length));
+  command += "'";
+  for (int i = 1; i < argc; ++i) command += std::string(" '") + argv[i] + "'";
+  command += " " + more;
+  return std::system(command.c_str());
 }
 
 }  // namespace dtrain_bench

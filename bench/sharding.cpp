@@ -59,7 +59,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -179,8 +178,8 @@ struct memory_row {
   [[nodiscard]] std::size_t total() const { return parameters + ddp + optimizer; }
 };
 
-bool reset_peak_resident();
-std::size_t peak_resident();
+using dtrain_bench::peak_resident;
+using dtrain_bench::reset_peak_resident;
 
 /// One DDP of `mode` over `comm` on a model of layers x floats; `steps` steps;
 /// returns the mean step time and the memory.
@@ -244,25 +243,6 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
 }
 
 using dtrain_bench::median;
-
-/// Starts counting the peak resident memory again from now (Linux: "5" to
-/// /proc/self/clear_refs resets VmHWM); false where it cannot.
-bool reset_peak_resident() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.flush();
-  return static_cast<bool>(clear);
-}
-
-/// The process's peak resident memory (VmHWM), in bytes.
-std::size_t peak_resident() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
-  }
-  return 0;
-}
 
 const char* name_of(sharding mode) {
   return mode == sharding::none        ? "DDP (none)"

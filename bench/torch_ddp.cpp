@@ -226,21 +226,11 @@ int main(int argc, char** argv) {
       "|------:|-----------:|--------:|-------------:|------------:|----------------:|"
       "--------------:|------:|--------:|------:|------:|\n");
   std::fflush(stdout);
-  std::array<char, 4096> self{};
-  const ssize_t length = readlink("/proc/self/exe", self.data(), self.size() - 1);
-  if (length <= 0) {
-    std::fprintf(stderr,
-                 "dtrain_bench_torch_ddp: cannot find its own executable (/proc/self/exe)\n");
-    return 1;
-  }
   int status = 0;
   for (int ranks : s.ranks) {
-    std::string command = "'";  // appended, not "'" + string: GCC 12's -Wrestrict misfires at -O3
-    command.append(self.data(), static_cast<std::size_t>(length));
-    command += "'";
-    for (int i = 1; i < argc; ++i) command += std::string(" '") + argv[i] + "'";
-    command += " --nproc-per-node " + std::to_string(ranks);
-    const int rc = std::system(command.c_str());
+    const int rc = dtrain_bench::run_self("dtrain_bench_torch_ddp", argc, argv,
+                                          "--nproc-per-node " + std::to_string(ranks));
+    if (rc < 0) return 1;
     if (rc != 0) {
       std::fprintf(stderr, "dtrain_bench_torch_ddp: the run with %d ranks failed (status %d)\n",
                    ranks, rc);

@@ -338,6 +338,10 @@ class basic_ddp {
       use.gathered += b.unsharded.bytes();
     }
     use.scratch += staging_[0].bytes() + staging_[1].bytes();
+    {
+      const std::lock_guard lock(mutex_);
+      for (const auto& spare : spare_whole_) use.scratch += spare.bytes();
+    }
     use.transient_buckets = transient_buckets();
     return use;
   }
@@ -617,6 +621,10 @@ class basic_ddp {
   void end_gather_pass_locked();
   void drop_whole_locked();
   void free_whole_locked(bucket& s) noexcept;
+  detail::flat_storage<memory_space> whole_buffer_locked(std::size_t bytes, int device);
+  /// Stage 3 on the host: freed whole-value buffers kept for reuse, at most
+  /// the prefetch window's worth and one more.
+  std::size_t spare_whole_most() const noexcept { return options_.prefetch_units + 1; }
 
   bool recording() const noexcept {
     return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
@@ -792,6 +800,7 @@ class basic_ddp {
   std::vector<bucket> buckets_;
   /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
   std::array<detail::flat_storage<memory_space>, 2> staging_;
+  std::vector<detail::flat_storage<memory_space>> spare_whole_;  // stage 3, host: under mutex_
   // The current step.
   std::vector<std::size_t> ready_order_;  // recorded for the rebuild
   std::size_t next_launch_ = 0;

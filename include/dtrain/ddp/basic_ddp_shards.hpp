@@ -390,8 +390,9 @@ typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indice
   return std::move(*guard);
 }
 
-/// Bucket b's values whole into `unsharded`: fresh zero pages on the host
-/// (no memset: the allgather writes them all), unmapped when dropped; on one
+/// Bucket b's values whole into `unsharded`: on the host a spare buffer of
+/// its size or fresh pages (no memset: the allgather writes them all),
+/// kept as a spare or unmapped when dropped (free_whole_locked); on one
 /// rank a copy, elsewhere an allgather posted to the runner, in order with
 /// the buckets' reduce-scatters.
 template <class Policy>
@@ -401,8 +402,7 @@ void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
   ++(ahead ? gather_counts_.prefetched : gather_counts_.on_demand);
   if (size_ > 1) gather_counts_.bytes += (s.moved - s.owned_count) * elem;
   s.ahead = ahead;
-  s.unsharded = detail::flat_storage<memory_space>(s.moved * elem, s.info.device, stream_,
-                                                   detail::droppable_pages);
+  s.unsharded = whole_buffer_locked(s.moved * elem, s.info.device);
   if (size_ == 1) {
     memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
                        stream_);
@@ -568,7 +568,33 @@ template <class Policy>
 void basic_ddp<Policy>::free_whole_locked(bucket& s) noexcept {
   if (s.ahead) ++gather_counts_.unused;
   s.ahead = false;
+  // Host memory: kept for the next gather of a bucket this size (up to
+  // spare_whole_most of them), whose allgather writes over it, rather than
+  // unmapped and faulted in again page by page. GPU memory comes from the
+  // stream-ordered allocator's pool already.
+  if constexpr (detail::pages_droppable<memory_space>) {
+    if (s.unsharded.data() && spare_whole_.size() < spare_whole_most()) {
+      spare_whole_.push_back(std::move(s.unsharded));
+      return;
+    }
+  }
   s.unsharded = {};
+}
+
+/// Memory for a bucket's whole values of `bytes`: a spare one of that size
+/// (host memory), or fresh.
+template <class Policy>
+detail::flat_storage<typename Policy::memory_space> basic_ddp<Policy>::whole_buffer_locked(
+    std::size_t bytes, int device) {
+  for (auto it = spare_whole_.begin(); it != spare_whole_.end(); ++it) {
+    if (it->bytes() != bytes) continue;
+    detail::flat_storage<memory_space> reused = std::move(*it);
+    spare_whole_.erase(it);
+    return reused;
+  }
+  if (spare_whole_.size() >= spare_whole_most() && !spare_whole_.empty())
+    spare_whole_.erase(spare_whole_.begin());  // none of this size: the oldest goes
+  return detail::flat_storage<memory_space>(bytes, device, stream_, detail::droppable_pages);
 }
 
 template <class Policy>

@@ -259,9 +259,8 @@ void module_ddp<Policy>::find_units() {
   for (std::size_t i = 0; i < slots_.size(); ++i)
     index.emplace(slots_[i].gradient.param.unsafeGetTensorImpl(), i);
   units_of_.assign(slots_.size(), {});
-  auto add_unit = [&](std::string name, const ::torch::nn::Module& part) {
+  auto add_unit = [&](const ::torch::nn::Module& part) {
     unit u;
-    u.name = std::move(name);
     for (const ::torch::Tensor& p : part.parameters(/*recurse=*/true)) {
       const auto it = index.find(p.unsafeGetTensorImpl());
       if (it == index.end()) continue;  // frozen: whole on every rank
@@ -272,13 +271,14 @@ void module_ddp<Policy>::find_units() {
     units_.push_back(std::move(u));
   };
   if (const auto seq = std::dynamic_pointer_cast<::torch::nn::SequentialImpl>(module_)) {
-    for (const auto& item : seq->named_children()) add_unit(item.key(), *item.value());
+    // In the order its forward() runs them (that of begin(), not of children()).
+    for (const ::torch::nn::AnyModule& child : *seq) add_unit(*child.ptr());
   } else {
-    add_unit("the module", *module_);
+    add_unit(*module_);
   }
   // A torch::nn::Sequential without children: one unit all the same, so
   // that shards_values() says stage 3.
-  if (units_.empty()) add_unit("the module", *module_);
+  if (units_.empty()) add_unit(*module_);
 }
 
 template <class Policy>

@@ -194,7 +194,6 @@ class module_ddp {
   /// Stage 3: a part of the module gathered as one, with the gathers that
   /// hold it now (its forward's, its backward's).
   struct unit {
-    std::string name;                  // the Sequential's child's name, or "the module"
     std::vector<std::size_t> members;  // indices into core().parameters()
     std::vector<typename core_type::gathered_parameters> held;
     bool in_backward = false;  // a backward gather holds it
