@@ -443,8 +443,8 @@ struct stage3_case {
   bool default_buckets = false;  // 25 MiB: every unit's own bucket only because units cut them
 };
 
-// The parameters' values after `steps` Adam steps on `seq` (or on Net with
-// `net`), gathered whole at stage 3.
+// The parameters' values after `steps` Adam steps on `module` (a Sequential
+// of make_layers(), or Net: one unit), gathered whole at stage 3.
 template <class Module>
 std::vector<torch::Tensor> train_sharded(dtrain::context<Policy>& ctx, Module module,
                                          const stage3_case& c) {
