@@ -21,6 +21,13 @@
 ///   outputs (prepare_for_backward) tells the core which parameters the
 ///   backward pass will not reach; after the step a parameter no rank used
 ///   keeps the .grad() it had (undefined when it had none), as in PyTorch.
+/// - ZeRO stage 3 (ddp_options::sharding = parameters): the units are a
+///   torch::nn::Sequential's children (else the whole module); each
+///   parameter's storage points into the core's whole bucket while a unit's
+///   gather holds it (detail::value_slot), and holds no data between. The
+///   wrapper's forward enters and leaves each unit; a hook on a unit's
+///   output gathers it again for its backward, given back once autograd has
+///   written the unit's last gradient.
 ///
 /// Its members are defined out of the class and not inline, so that a compiled
 /// part (src/torch.cpp, DTRAIN_TORCH_SEPARATE_COMPILATION) holds them once;
