@@ -7,7 +7,15 @@
 //
 //   build/bench/torch_gpu [--batch-size N] [--channels N] [--hidden N]
 //       [--steps N] [--warmup N] [--rounds N] [--bucket-cap-mb MB]
-//       [--first-bucket-cap-mb MB] [--threads N]
+//       [--first-bucket-cap-mb MB] [--threads N] [--layers N] [--sharding 0|2|3]
+//
+// --layers N: instead of the CNN, a torch::nn::Sequential of N
+// Linear(--hidden, --hidden) layers with ReLU between and a last
+// Linear(--hidden, 4) (the model of a ZeRO-3 / FSDP comparison: each Linear
+// a unit). --sharding 2 or 3: dtrain's ZeRO stage 2 or 3 instead of DDP
+// (the optimizer on shard_parameters(), ddp.step(optimizer)); at stage 3 each
+// child of the Sequential is a unit (one unit for the CNN), with the default
+// prefetch of one unit and reshard_after_forward.
 //
 // The loops alternate, in rounds of --steps steps (50) after --warmup steps
 // (10) each; a round is timed from a device synchronize to the next, and the
@@ -58,11 +66,14 @@ struct settings : cnn::loop_settings {
     rounds = 7;
   }
   int threads = 1;
+  std::int64_t layers = 0;  // 0: the CNN
+  int sharding = 0;
 };
 
 constexpr const char* usage =
     "usage: torch_gpu [--batch-size N] [--channels N] [--hidden N] [--steps N] [--warmup N]\n"
     "          [--rounds N] [--bucket-cap-mb MB] [--first-bucket-cap-mb MB] [--threads N]\n"
+    "          [--layers N] [--sharding 0|2|3]\n"
     "  (see the comment at the top of bench/torch_gpu.cpp)\n";
 
 settings parse(int argc, char** argv) {
@@ -72,6 +83,14 @@ settings parse(int argc, char** argv) {
     if (cnn::read_loop_flag(line, s, flag, value)) return true;
     if (flag == "--threads") {
       s.threads = line.number<int>(flag, value(), 1);
+    } else if (flag == "--layers") {
+      s.layers = line.number<std::int64_t>(flag, value(), 0);
+    } else if (flag == "--sharding") {
+      s.sharding = line.number<int>(flag, value(), 0);
+      if (s.sharding == 1 || s.sharding > 3) {
+        line.bad_flag(std::string(flag) + " is 0 (DDP), 2 (ZeRO stage 2) or 3 (stage 3), not " +
+                      std::to_string(s.sharding));
+      }
     } else {
       return false;
     }
@@ -86,23 +105,32 @@ void wait_for_device() {
 #endif
 }
 
-int measure(dtrain::context<Policy>& ctx, const settings& s) {
-  torch::set_num_threads(s.threads);
-  const torch::Device device = on_gpu ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  const cnn::images host = cnn::generate(static_cast<std::size_t>(s.batch_size) * 8, 1);
-  const torch::Tensor xs = host.x.to(device), ys = host.y.to(device);
-  // Two models from the same start: one wrapped, one not.
-  torch::manual_seed(1);
-  cnn::Cnn model(s.channels, s.hidden);
-  model->to(device);
-  torch::manual_seed(1);
-  cnn::Cnn plain(s.channels, s.hidden);
-  plain->to(device);
+// The --layers model: a Sequential of Linear(hidden, hidden) with ReLU
+// between, then Linear(hidden, classes).
+torch::nn::Sequential make_mlp(const settings& s) {
+  torch::nn::Sequential mlp;
+  for (std::int64_t l = 0; l < s.layers; ++l) {
+    mlp->push_back(torch::nn::Linear(s.hidden, s.hidden));
+    mlp->push_back(torch::nn::ReLU());
+  }
+  mlp->push_back(torch::nn::Linear(s.hidden, cnn::classes));
+  return mlp;
+}
+
+// Times the wrapped `model` against `plain` (the same model, unwrapped) on
+// the batches xs/ys (8 of them, batch_size each).
+template <class Module>
+int measure_model(dtrain::context<Policy>& ctx, const settings& s, Module model, Module plain,
+                  const torch::Tensor& xs, const torch::Tensor& ys, const std::string& what) {
+  const auto stage = static_cast<dtrain::sharding>(s.sharding);
+  const bool sharded = stage != dtrain::sharding::none;
   auto ddp = dtrain::torch::DistributedDataParallel(ctx, model,
                                                     {.bucket_cap_mb = s.bucket_cap_mb,
                                                      .first_bucket_cap_mb = s.first_bucket_cap_mb,
-                                                     .always_reduce = true});
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+                                                     .always_reduce = true,
+                                                     .sharding = stage});
+  torch::optim::SGD optimizer(sharded ? ddp.shard_parameters() : model->parameters(),
+                              torch::optim::SGDOptions(0.01).momentum(0.9));
   torch::optim::SGD plain_optimizer(plain->parameters(),
                                     torch::optim::SGDOptions(0.01).momentum(0.9));
   std::int64_t at = 0;
@@ -114,8 +142,13 @@ int measure(dtrain::context<Policy>& ctx, const settings& s) {
   auto ddp_step = [&] {
     const auto [x, y] = batch();
     torch::nn::functional::cross_entropy(ddp(x), y).backward();  // returns with averaged grads
-    optimizer.step();
-    optimizer.zero_grad();
+    if (sharded) {
+      ddp.step(optimizer);  // the optimizer on the shard, then (stage 2) the allgather
+      ddp.zero_grad();
+    } else {
+      optimizer.step();
+      optimizer.zero_grad();
+    }
   };
   auto plain_step = [&] {
     const auto [x, y] = batch();
@@ -147,27 +180,67 @@ int measure(dtrain::context<Policy>& ctx, const settings& s) {
     }
   }
   std::size_t floats = 0;
-  for (const torch::Tensor& p : model->parameters()) floats += static_cast<std::size_t>(p.numel());
+  for (const torch::Tensor& p : plain->parameters()) floats += static_cast<std::size_t>(p.numel());
   const double a = dtrain_bench::median(alone), d = dtrain_bench::median(ours);
+  const std::string wrapper = sharded ? "ZeRO stage " + std::to_string(s.sharding) : "DDP";
   std::printf(
-      "LibTorch %s CNN (4 conv blocks %lld-%lld, fc %lld-%lld, %zu parameters), batch %lld, on "
-      "%s, %s at world size %d with always_reduce (%zu buckets); step time in us, median of %d "
-      "rounds of %d steps\n",
-      TORCH_VERSION, static_cast<long long>(s.channels / 2), static_cast<long long>(s.channels),
-      static_cast<long long>(s.hidden), static_cast<long long>(cnn::classes), floats,
-      static_cast<long long>(s.batch_size), on_gpu ? "cuda:0" : "the CPU", on_gpu ? "NCCL" : "Gloo",
-      ctx.size(), ddp.buckets().size(), s.rounds, s.steps);
+      "LibTorch %s %s (%zu parameters), batch %lld, on %s, dtrain %s over %s at world size %d "
+      "with always_reduce (%zu buckets); step time in us, median of %d rounds of %d steps\n",
+      TORCH_VERSION, what.c_str(), floats, static_cast<long long>(s.batch_size),
+      on_gpu ? "cuda:0" : "the CPU", wrapper.c_str(), on_gpu ? "NCCL" : "Gloo", ctx.size(),
+      ddp.buckets().size(), s.rounds, s.steps);
+  if (stage == dtrain::sharding::parameters) {
+    const auto counts = ddp.core().gather_counts();
+    std::printf("stage 3: gathers %llu on demand, %llu prefetched\n",
+                static_cast<unsigned long long>(counts.on_demand),
+                static_cast<unsigned long long>(counts.prefetched));
+  }
   std::printf("| loop | step (us) | over plain |\n|---|---:|---:|\n");
   std::printf("| plain (no DDP) | %.1f | |\n", a);
-  std::printf("| dtrain DDP | %.1f | %+.1f%% |\n", d, 100 * (d / a - 1));
+  std::printf("| dtrain %s | %.1f | %+.1f%% |\n", wrapper.c_str(), d, 100 * (d / a - 1));
   std::printf("rounds (us): plain");
   for (double v : alone) std::printf(" %.1f", v);
-  std::printf("; dtrain DDP");
+  std::printf("; dtrain %s", wrapper.c_str());
   for (double v : ours) std::printf(" %.1f", v);
   std::printf("\nfigures: plain_us=%.3f ddp_us=%.3f parameters=%zu buckets=%zu\n", a, d, floats,
               ddp.buckets().size());
   std::fflush(stdout);
   return 0;
+}
+
+int measure(dtrain::context<Policy>& ctx, const settings& s) {
+  torch::set_num_threads(s.threads);
+  const torch::Device device = on_gpu ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  const auto n = s.batch_size * 8;
+  if (s.layers > 0) {
+    torch::manual_seed(2);
+    const torch::Tensor xs = torch::randn({n, s.hidden}).to(device);
+    const torch::Tensor ys = torch::randint(0, cnn::classes, {n}).to(device);
+    // Two models from the same start: one wrapped, one not.
+    torch::manual_seed(1);
+    torch::nn::Sequential model = make_mlp(s);
+    model->to(device);
+    torch::manual_seed(1);
+    torch::nn::Sequential plain = make_mlp(s);
+    plain->to(device);
+    const std::string what = "Sequential of " + std::to_string(s.layers) + " Linear(" +
+                             std::to_string(s.hidden) + ", " + std::to_string(s.hidden) +
+                             ") + ReLU, Linear(" + std::to_string(s.hidden) + ", " +
+                             std::to_string(cnn::classes) + ")";
+    return measure_model(ctx, s, model, plain, xs, ys, what);
+  }
+  const cnn::images host = cnn::generate(static_cast<std::size_t>(n), 1);
+  const torch::Tensor xs = host.x.to(device), ys = host.y.to(device);
+  torch::manual_seed(1);
+  cnn::Cnn model(s.channels, s.hidden);
+  model->to(device);
+  torch::manual_seed(1);
+  cnn::Cnn plain(s.channels, s.hidden);
+  plain->to(device);
+  const std::string what = "CNN (4 conv blocks " + std::to_string(s.channels / 2) + "-" +
+                           std::to_string(s.channels) + ", fc " + std::to_string(s.hidden) + "-" +
+                           std::to_string(cnn::classes) + ")";
+  return measure_model(ctx, s, model, plain, xs, ys, what);
 }
 
 }  // namespace

@@ -6,16 +6,24 @@
 #     world size 1, always_reduce): bench/torch_gpu, run as a child;
 #   - PyTorch alone and PyTorch with torch.nn.parallel.DistributedDataParallel
 #     (NCCL, world size 1): the same model in this process.
-# Each DDP's overhead is over its own plain loop (LibTorch's C++ loop and
+# And ZeRO stage 3 against FSDP2 (model "sharded"): a Sequential of Linear
+# layers, LibTorch alone and with dtrain's stage 3 (each child a unit, one
+# unit prefetched), PyTorch alone and with torch.distributed.fsdp.fully_shard
+# on each Linear and on the whole (FSDP2's per-layer wrapping).
+# Each wrapper's overhead is over its own plain loop (LibTorch's C++ loop and
 # Python's eager loop differ by the interpreter's cost, so their step times
 # are not what is compared); goal: dtrain's overhead no more than PyTorch's.
 #
 #   python3 bench/vs_pytorch_gpu.py [--bench build/bench/torch_gpu]
-#       [--models example,wide] [--steps N] [--warmup N] [--rounds N]
+#       [--models example,wide,mlp,sharded] [--steps N] [--warmup N] [--rounds N]
 #
 # Models: example = the example's (batch 32, channels 16, fc 128: 0.2 M
 # parameters, kernel-launch bound); wide = batch 256, channels 64, fc 2048
-# (2.2 M parameters, 8.6 MB of gradients in the buckets). Both sides: SGD with
+# (2.2 M parameters, 8.6 MB of gradients in the buckets); mlp = batch 256,
+# 8 Linear(2048, 2048) with ReLU between and Linear(2048, 4) (33.6 M
+# parameters), DDP on both sides; sharded = the same MLP, dtrain's stage 3
+# against FSDP2 (needs PyTorch 2.6 or later for fully_shard; older: that row
+# says so). Both sides: SGD with
 # momentum 0.9, cross entropy, the optimizer's zero_grad (gradients dropped),
 # DDP's default bucket caps (25 MiB, the first 1 MiB), cuDNN's defaults, one
 # CPU thread for intra-op work. The protocol is bench/torch_gpu's: --warmup
@@ -36,7 +44,10 @@ SKIPPED = 77
 MODELS = {
     "example": {"batch_size": 32, "channels": 16, "hidden": 128},
     "wide": {"batch_size": 256, "channels": 64, "hidden": 2048},
+    "mlp": {"batch_size": 256, "hidden": 2048, "layers": 8, "sharding": 0},
+    "sharded": {"batch_size": 256, "hidden": 2048, "layers": 8, "sharding": 3},
 }
+WRAPPERS = {0: ("DDP", "DDP"), 3: ("stage 3", "FSDP2")}  # dtrain's, PyTorch's
 SIDE = 16
 CLASSES = 4
 
@@ -63,18 +74,49 @@ def make_cnn(torch, channels, hidden):
     return Cnn()
 
 
+def make_mlp(torch, hidden, layers):
+    """bench/torch_gpu's --layers model, layer for layer."""
+    nn = torch.nn
+    children = []
+    for _ in range(layers):
+        children += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*children, nn.Linear(hidden, CLASSES))
+
+
+def make_model(torch, settings):
+    if settings.get("layers"):
+        return make_mlp(torch, settings["hidden"], settings["layers"])
+    return make_cnn(torch, settings["channels"], settings["hidden"])
+
+
+def wrap(torch, model, settings):
+    """PyTorch's wrapper: DDP, or FSDP2 (fully_shard on each Linear, then the whole)."""
+    if settings.get("sharding", 0) == 0:
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    from torch.distributed.fsdp import fully_shard  # PyTorch 2.6+
+    for child in model:
+        if isinstance(child, torch.nn.Linear):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
 def pytorch_figures(torch, settings, a):
     """PyTorch's plain loop and its DDP, as bench/torch_gpu times dtrain's."""
     device = torch.device("cuda", 0)
     n = settings["batch_size"]
     torch.manual_seed(1)
-    xs = torch.randn(8 * n, 1, SIDE, SIDE, device=device)
+    if settings.get("layers"):
+        xs = torch.randn(8 * n, settings["hidden"], device=device)
+    else:
+        xs = torch.randn(8 * n, 1, SIDE, SIDE, device=device)
     ys = torch.randint(0, CLASSES, (8 * n,), device=device)
     torch.manual_seed(1)
-    model = make_cnn(torch, settings["channels"], settings["hidden"]).to(device)
+    model = make_model(torch, settings).to(device)
     torch.manual_seed(1)
-    plain = make_cnn(torch, settings["channels"], settings["hidden"]).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    plain = make_model(torch, settings).to(device)
+    parameters = sum(p.numel() for p in plain.parameters())
+    ddp = wrap(torch, model, settings)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     plain_sgd = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
     at = [0]
@@ -114,7 +156,6 @@ def pytorch_figures(torch, settings, a):
         else:
             alone.append(timed(plain_step))
             ours.append(timed(ddp_step))
-    parameters = sum(p.numel() for p in model.parameters())
     return statistics.median(alone), statistics.median(ours), parameters
 
 
@@ -124,8 +165,10 @@ FIGURES = re.compile(r"^figures: plain_us=([0-9.]+) ddp_us=([0-9.]+) parameters=
 
 def dtrain_figures(a, settings):
     command = [a.bench, "--batch-size", str(settings["batch_size"]),
-               "--channels", str(settings["channels"]), "--hidden", str(settings["hidden"]),
+               "--channels", str(settings.get("channels", 16)), "--hidden", str(settings["hidden"]),
                "--steps", str(a.steps), "--warmup", str(a.warmup), "--rounds", str(a.rounds)]
+    if settings.get("layers"):
+        command += ["--layers", str(settings["layers"]), "--sharding", str(settings["sharding"])]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_COMM", "DTRAIN_"))}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=a.timeout, env=env)
@@ -144,7 +187,7 @@ def main(argv):
     p = argparse.ArgumentParser(prog="vs_pytorch_gpu.py",
                                 description="dtrain's DDP against PyTorch's on the same GPU")
     p.add_argument("--bench", default=os.path.join(here, "..", "build", "bench", "torch_gpu"))
-    p.add_argument("--models", default="example,wide")
+    p.add_argument("--models", default="example,wide,mlp,sharded")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=7)
@@ -174,31 +217,51 @@ def main(argv):
         print(f"{torch.cuda.get_device_name(0)}; PyTorch {torch.__version__}, CUDA "
               f"{torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; "
               f"median of {a.rounds} rounds of {a.steps} steps, step time in us", flush=True)
-        rows = []
+        rows, failed = [], []
         for m in models:
             settings = MODELS[m]
-            ours, said = dtrain_figures(a, settings)
+            ours_name, theirs_name = WRAPPERS[settings.get("sharding", 0)]
+            # A model that fails on one side is reported and the others still run.
+            try:
+                ours, said = dtrain_figures(a, settings)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"  {m}: dtrain {ours_name} failed: {e}", flush=True)
+                failed.append(m)
+                continue
             if ours is None:
                 print(said)
                 return SKIPPED
             print(f"  {m}: {said}", flush=True)
-            theirs = pytorch_figures(torch, settings, a)
-            rows.append((m, ours, theirs))
-            print(f"  {m}: LibTorch plain {ours[0]:.1f}, dtrain DDP {ours[1]:.1f}; PyTorch plain "
-                  f"{theirs[0]:.1f}, PyTorch DDP {theirs[1]:.1f}", flush=True)
+            try:
+                theirs = pytorch_figures(torch, settings, a)
+            except ImportError as e:  # no fully_shard before PyTorch 2.6
+                print(f"  {m}: no PyTorch figures: PyTorch {torch.__version__} has no "
+                      f"{theirs_name} ({e})", flush=True)
+                continue
+            except Exception as e:  # noqa: BLE001 (reported, and the run fails)
+                print(f"  {m}: PyTorch {theirs_name} failed: {type(e).__name__}: {e}", flush=True)
+                failed.append(m)
+                continue
+            rows.append((m, ours_name, theirs_name, ours, theirs))
+            print(f"  {m}: LibTorch plain {ours[0]:.1f}, dtrain {ours_name} {ours[1]:.1f}; "
+                  f"PyTorch plain {theirs[0]:.1f}, PyTorch {theirs_name} {theirs[1]:.1f}", flush=True)
         dist.destroy_process_group()
-    print("\n| model | parameters | LibTorch plain | dtrain DDP | dtrain's overhead | "
-          "PyTorch plain | PyTorch DDP | PyTorch's overhead | dtrain DDP / PyTorch DDP |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| model | dtrain / PyTorch wrapper | parameters | LibTorch plain | dtrain | "
+          "dtrain's overhead | PyTorch plain | PyTorch | PyTorch's overhead | dtrain / PyTorch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     met = []
-    for m, (lp, ld, params, buckets), (pp, pd, _) in rows:
+    for m, ours_name, theirs_name, (lp, ld, params, buckets), (pp, pd, _) in rows:
         mine, theirs = ld / lp - 1, pd / pp - 1
         met.append(mine <= max(theirs, 0.0))
-        print(f"| {m} | {params:,} ({buckets} buckets) | {lp:.1f} | {ld:.1f} | {100 * mine:+.1f}% | "
-              f"{pp:.1f} | {pd:.1f} | {100 * theirs:+.1f}% | {ld / pd:.2f} |")
+        print(f"| {m} | {ours_name} / {theirs_name} | {params:,} ({buckets} buckets) | {lp:.1f} | "
+              f"{ld:.1f} | {100 * mine:+.1f}% | {pp:.1f} | {pd:.1f} | {100 * theirs:+.1f}% | "
+              f"{ld / pd:.2f} |")
     verdicts = ", ".join(m + (" met" if ok else " not met") for (m, *_), ok in zip(rows, met))
     print("\ngoal: dtrain's overhead over its plain loop no more than PyTorch's over its own: "
           f"{'met' if all(met) else 'not met'} ({verdicts})")
+    if failed:
+        print(f"failed: {', '.join(failed)} (see above)")
+        return 1
     return 0
 
 

@@ -1,6 +1,6 @@
 # tools/gpu-check --ranks N where this machine has fewer than N GPUs (issue 31):
 # it must say how many it needs and has, exit 77, and build nothing; a bad
-# --ranks (or DEADLINE) is exit status 2 naming the value. Where nvidia-smi lists two GPUs or
+# --ranks (or DEADLINE, or SKIP_ROWS) is exit status 2 naming the value. Where nvidia-smi lists two GPUs or
 # more, this check is skipped (the real run builds and takes minutes).
 #   cmake -DSOURCE_DIR=<repo> -P check_gpu_check_ranks.cmake
 execute_process(COMMAND nvidia-smi -L OUTPUT_VARIABLE gpus ERROR_QUIET RESULT_VARIABLE smi)
@@ -37,6 +37,13 @@ execute_process(COMMAND "${CMAKE_COMMAND}" -E env "BUILD_DIR=${scratch}" DEADLIN
 message("DEADLINE=10m gpu-check: exit ${status}: ${out}${err}")
 if(NOT status EQUAL 2 OR NOT "${out}${err}" MATCHES "DEADLINE is a number of seconds, not '10m'")
   message(FATAL_ERROR "DEADLINE=10m gpu-check exited ${status} without naming DEADLINE")
+endif()
+# A SKIP_ROWS that grep -E cannot read: exit 2, naming it, before any build.
+execute_process(COMMAND "${CMAKE_COMMAND}" -E env "BUILD_DIR=${scratch}" "SKIP_ROWS=vs_pytorch[" bash "${tool}"
+                RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+message("SKIP_ROWS=vs_pytorch[ gpu-check: exit ${status}: ${out}${err}")
+if(NOT status EQUAL 2 OR NOT "${out}${err}" MATCHES "SKIP_ROWS is not a regular expression grep -E reads: 'vs_pytorch\\['")
+  message(FATAL_ERROR "SKIP_ROWS=vs_pytorch[ gpu-check exited ${status} without naming SKIP_ROWS")
 endif()
 if(EXISTS "${scratch}")
   message(FATAL_ERROR "gpu-check --ranks built into ${scratch} on a machine without the GPUs")
