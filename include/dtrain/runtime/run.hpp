@@ -199,21 +199,24 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
       auto failure = detail::current_failure();
       if (auto summary = ctx.explain_failure(std::current_exception()))
         failure.second += "; diagnostics: " + *summary;
-      ctx.record_failure(failure.first, failure.second);
+      // The rank's own line first: once the agent has the record it ends the
+      // job, this rank included, and a line not yet written would be lost.
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
+      ctx.record_failure(failure.first, failure.second);
       detail::abort_mpi_job(code);
       ctx.abort_communicator();  // exit now, not after the collectives peers will never join
       return code;
     }
     if (status != 0) {
-      ctx.record_failure(status, {});
-      ctx.abort_communicator();
-      if (detail::mpi_is_running()) {
+      const bool mpi = detail::mpi_is_running();
+      if (mpi) {  // the line before the record, as above
         detail::report_failure(detail::rank_label(&*w),
                                {status, "the training function returned " + std::to_string(status) +
                                             "; aborting the MPI job"});
-        detail::abort_mpi_job(status);
       }
+      ctx.record_failure(status, {});
+      ctx.abort_communicator();
+      if (mpi) detail::abort_mpi_job(status);
       return status;
     }
     ctx.finish();
