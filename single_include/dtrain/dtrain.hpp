@@ -14204,7 +14204,8 @@ class basic_ddp {
   /// The L2 norm of the averaged gradients of the whole model, the same on
   /// every rank (collective with sharding: each rank sums its shard's
   /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
-  /// After synchronize(), before gather_parameters(). float32 and float64.
+  /// After synchronize(), before gather_parameters(). float32, float64,
+  /// bfloat16 and float16 gradients, their squares summed in double.
   [[nodiscard]] double gradient_norm();
   /// Collective: whether `mine` is true on any rank, on every rank (to skip a
   /// step together when some rank found an inf or a NaN).
@@ -15636,10 +15637,12 @@ double basic_ddp<Policy>::gradient_norm() {
   }
   for (const shard_piece& piece : pieces_) {
     const buffer& g = piece.gradients;
-    if (g.type != dtype::float32 && g.type != dtype::float64) {
+    if (g.type != dtype::float32 && g.type != dtype::float64 && g.type != dtype::bfloat16 &&
+        g.type != dtype::float16) {
       throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
                          ": parameter '" + vars_[piece.parameter].param.name + "' is " +
-                         std::string(to_string(g.type)) + "; the norm reads float32 and float64");
+                         std::string(to_string(g.type)) +
+                         "; the norm reads float32, float64, bfloat16 and float16");
     }
   }
   // Streams: the buckets' collectives are done before the host reads what they
@@ -15660,15 +15663,34 @@ double basic_ddp<Policy>::gradient_norm() {
     }
     memory_space::synchronize(device_, stream_);
   }
+  // Squares summed in double whatever the type (16-bit gradients too: no
+  // square is rounded to 16 bits, none overflows fp16's range).
   double squares = 0;
+  auto add_squares = [&squares](auto values, auto to_double) {
+    for (const auto x : values) {
+      const double d = to_double(x);
+      squares += d * d;
+    }
+  };
   for (std::size_t k = 0; k < pieces_.size(); ++k) {
     const buffer& g = pieces_[k].gradients;
     const void* data = g.where == memory::device ? staged.data() + at[k] : g.data;
-    if (g.type == dtype::float32) {
-      for (const float x : std::span(static_cast<const float*>(data), g.count))
-        squares += static_cast<double>(x) * static_cast<double>(x);
-    } else {
-      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
+    const auto bits = std::span(static_cast<const std::uint16_t*>(data), g.count);
+    switch (g.type) {
+      case dtype::float32:
+        add_squares(std::span(static_cast<const float*>(data), g.count),
+                    [](float x) { return double{x}; });
+        break;
+      case dtype::bfloat16:
+        add_squares(bits, [](std::uint16_t x) { return double{bfloat16::to_float(x)}; });
+        break;
+      case dtype::float16:
+        add_squares(bits, [](std::uint16_t x) { return double{float16::to_float(x)}; });
+        break;
+      default:  // float64 (checked above)
+        add_squares(std::span(static_cast<const double*>(data), g.count),
+                    [](double x) { return x; });
+        break;
     }
   }
   if (owns_bucket_shards()) {
@@ -24599,21 +24621,24 @@ int detail::run_process(int argc, char** argv, training_function<Policy> fn,
       auto failure = detail::current_failure();
       if (auto summary = ctx.explain_failure(std::current_exception()))
         failure.second += "; diagnostics: " + *summary;
-      ctx.record_failure(failure.first, failure.second);
+      // The rank's own line first: once the agent has the record it ends the
+      // job, this rank included, and a line not yet written would be lost.
       const int code = detail::report_failure(detail::rank_label(&*w), failure);
+      ctx.record_failure(failure.first, failure.second);
       detail::abort_mpi_job(code);
       ctx.abort_communicator();  // exit now, not after the collectives peers will never join
       return code;
     }
     if (status != 0) {
-      ctx.record_failure(status, {});
-      ctx.abort_communicator();
-      if (detail::mpi_is_running()) {
+      const bool mpi = detail::mpi_is_running();
+      if (mpi) {  // the line before the record, as above
         detail::report_failure(detail::rank_label(&*w),
                                {status, "the training function returned " + std::to_string(status) +
                                             "; aborting the MPI job"});
-        detail::abort_mpi_job(status);
       }
+      ctx.record_failure(status, {});
+      ctx.abort_communicator();
+      if (mpi) detail::abort_mpi_job(status);
       return status;
     }
     ctx.finish();

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -354,4 +355,36 @@ TEST_CASE("run reads --nproc-per-node from the command line, torchrun's spelling
   CHECK_CONTAINS(dtrain_test::config_error_text(
                      [] { (void)nproc_per_node_from_args(args{"--nproc-per-node"}); }),
                  "--nproc-per-node on the command line needs a value");
+}
+
+TEST_CASE(
+    "ddp.gradient_norm reads bfloat16 and float16 gradients, their squares summed in double") {
+  // Issue 49: a 16-bit model clips by the global norm as a float32 one does.
+  // 1e30 in bfloat16 squares to 1e60, past float32's range (a sum in float
+  // would be inf), and 60000 in float16 squares past float16's.
+  using dtrain::bfloat16;
+  using dtrain::float16;
+  solo comm;
+  for (const dtrain::sharding stage :
+       {dtrain::sharding::none, dtrain::sharding::optimizer, dtrain::sharding::gradients}) {
+    CAPTURE(dtrain::to_string(stage));
+    std::vector<bfloat16> wb(3, bfloat16(1.0f)),
+        gb = {bfloat16(1.5f), bfloat16(-2.0f), bfloat16(1e30f)};
+    std::vector<float16> wh(2, float16(1.0f)), gh = {float16(60000.0f), float16(-0.5f)};
+    std::vector<float> wf = {1.0f}, gf = {3.0f};
+    dtrain::basic_ddp<solo_policy> ddp(
+        comm, {dtrain::param("b", wb, gb), dtrain::param("h", wh, gh), dtrain::param("f", wf, gf)},
+        {}, {.sharding = stage});
+    ddp.mark_all_ready();
+    ddp.synchronize();
+    double want = 0;
+    for (const bfloat16 x : gb) want += static_cast<double>(float(x)) * float(x);
+    for (const float16 x : gh) want += static_cast<double>(float(x)) * float(x);
+    want += 9.0;
+    want = std::sqrt(want);
+    const double norm = ddp.gradient_norm();
+    CHECK(std::isfinite(norm));
+    CHECK(norm == doctest::Approx(want).epsilon(1e-12));
+    CHECK(norm > 1e29);
+  }
 }

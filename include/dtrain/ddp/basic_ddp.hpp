@@ -422,7 +422,8 @@ class basic_ddp {
   /// The L2 norm of the averaged gradients of the whole model, the same on
   /// every rank (collective with sharding: each rank sums its shard's
   /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
-  /// After synchronize(), before gather_parameters(). float32 and float64.
+  /// After synchronize(), before gather_parameters(). float32, float64,
+  /// bfloat16 and float16 gradients, their squares summed in double.
   [[nodiscard]] double gradient_norm();
   /// Collective: whether `mine` is true on any rank, on every rank (to skip a
   /// step together when some rank found an inf or a NaN).

@@ -628,10 +628,12 @@ double basic_ddp<Policy>::gradient_norm() {
   }
   for (const shard_piece& piece : pieces_) {
     const buffer& g = piece.gradients;
-    if (g.type != dtype::float32 && g.type != dtype::float64) {
+    if (g.type != dtype::float32 && g.type != dtype::float64 && g.type != dtype::bfloat16 &&
+        g.type != dtype::float16) {
       throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
                          ": parameter '" + vars_[piece.parameter].param.name + "' is " +
-                         std::string(to_string(g.type)) + "; the norm reads float32 and float64");
+                         std::string(to_string(g.type)) +
+                         "; the norm reads float32, float64, bfloat16 and float16");
     }
   }
   // Streams: the buckets' collectives are done before the host reads what they
@@ -652,15 +654,34 @@ double basic_ddp<Policy>::gradient_norm() {
     }
     memory_space::synchronize(device_, stream_);
   }
+  // Squares summed in double whatever the type (16-bit gradients too: no
+  // square is rounded to 16 bits, none overflows fp16's range).
   double squares = 0;
+  auto add_squares = [&squares](auto values, auto to_double) {
+    for (const auto x : values) {
+      const double d = to_double(x);
+      squares += d * d;
+    }
+  };
   for (std::size_t k = 0; k < pieces_.size(); ++k) {
     const buffer& g = pieces_[k].gradients;
     const void* data = g.where == memory::device ? staged.data() + at[k] : g.data;
-    if (g.type == dtype::float32) {
-      for (const float x : std::span(static_cast<const float*>(data), g.count))
-        squares += static_cast<double>(x) * static_cast<double>(x);
-    } else {
-      for (const double x : std::span(static_cast<const double*>(data), g.count)) squares += x * x;
+    const auto bits = std::span(static_cast<const std::uint16_t*>(data), g.count);
+    switch (g.type) {
+      case dtype::float32:
+        add_squares(std::span(static_cast<const float*>(data), g.count),
+                    [](float x) { return double{x}; });
+        break;
+      case dtype::bfloat16:
+        add_squares(bits, [](std::uint16_t x) { return double{bfloat16::to_float(x)}; });
+        break;
+      case dtype::float16:
+        add_squares(bits, [](std::uint16_t x) { return double{float16::to_float(x)}; });
+        break;
+      default:  // float64 (checked above)
+        add_squares(std::span(static_cast<const double*>(data), g.count),
+                    [](double x) { return x; });
+        break;
     }
   }
   if (owns_bucket_shards()) {
