@@ -7,13 +7,13 @@
 //
 //   build/bench/torch_gpu [--batch-size N] [--channels N] [--hidden N]
 //       [--steps N] [--warmup N] [--rounds N] [--bucket-cap-mb MB]
-//       [--first-bucket-cap-mb MB] [--threads N] [--layers N] [--sharding 0|2|3]
+//       [--first-bucket-cap-mb MB] [--threads N] [--layers N] [--sharding 0|1|2|3]
 //
 // --layers N: instead of the CNN, a torch::nn::Sequential of N
 // Linear(--hidden, --hidden) layers with ReLU between and a last
 // Linear(--hidden, 4) (the model of a ZeRO-3 / FSDP comparison: each Linear
-// a unit). --sharding 2 or 3: dtrain's ZeRO stage 2 or 3 instead of DDP
-// (the optimizer on shard_parameters(), ddp.step(optimizer)); at stage 3 each
+// a unit). --sharding 1, 2 or 3: dtrain's ZeRO stage instead of DDP (the
+// optimizer on shard_parameters(), ddp.step(optimizer)); at stage 3 each
 // child of the Sequential is a unit (one unit for the CNN), with the default
 // prefetch of one unit and reshard_after_forward.
 //
@@ -73,7 +73,7 @@ struct settings : cnn::loop_settings {
 constexpr const char* usage =
     "usage: torch_gpu [--batch-size N] [--channels N] [--hidden N] [--steps N] [--warmup N]\n"
     "          [--rounds N] [--bucket-cap-mb MB] [--first-bucket-cap-mb MB] [--threads N]\n"
-    "          [--layers N] [--sharding 0|2|3]\n"
+    "          [--layers N] [--sharding 0|1|2|3]\n"
     "  (see the comment at the top of bench/torch_gpu.cpp)\n";
 
 settings parse(int argc, char** argv) {
@@ -87,8 +87,8 @@ settings parse(int argc, char** argv) {
       s.layers = line.number<std::int64_t>(flag, value(), 0);
     } else if (flag == "--sharding") {
       s.sharding = line.number<int>(flag, value(), 0);
-      if (s.sharding == 1 || s.sharding > 3) {
-        line.bad_flag(std::string(flag) + " is 0 (DDP), 2 (ZeRO stage 2) or 3 (stage 3), not " +
+      if (s.sharding > 3) {
+        line.bad_flag(std::string(flag) + " is 0 (DDP) or a ZeRO stage, 1 to 3, not " +
                       std::to_string(s.sharding));
       }
     } else {

@@ -7,9 +7,10 @@
 #   - PyTorch alone and PyTorch with torch.nn.parallel.DistributedDataParallel
 #     (NCCL, world size 1): the same model in this process.
 # And ZeRO stage 3 against FSDP2 (model "sharded"): a Sequential of Linear
-# layers, LibTorch alone and with dtrain's stage 3 (each child a unit, one
-# unit prefetched), PyTorch alone and with torch.distributed.fsdp.fully_shard
-# on each Linear and on the whole (FSDP2's per-layer wrapping).
+# layers, LibTorch alone and with dtrain's stage 3 (each child a unit; at
+# world size 1 a gather is a copy), PyTorch alone and with
+# torch.distributed.fsdp.fully_shard on each Linear and on the whole (FSDP2's
+# per-layer wrapping).
 # Each wrapper's overhead is over its own plain loop (LibTorch's C++ loop and
 # Python's eager loop differ by the interpreter's cost, so their step times
 # are not what is compared); goal: dtrain's overhead no more than PyTorch's.
@@ -244,7 +245,8 @@ def main(argv):
                 continue
             rows.append((m, ours_name, theirs_name, ours, theirs))
             print(f"  {m}: LibTorch plain {ours[0]:.1f}, dtrain {ours_name} {ours[1]:.1f}; "
-                  f"PyTorch plain {theirs[0]:.1f}, PyTorch {theirs_name} {theirs[1]:.1f}", flush=True)
+                  f"PyTorch plain {theirs[0]:.1f}, PyTorch {theirs_name} {theirs[1]:.1f}",
+                  flush=True)
         dist.destroy_process_group()
     print("\n| model | dtrain / PyTorch wrapper | parameters | LibTorch plain | dtrain | "
           "dtrain's overhead | PyTorch plain | PyTorch | PyTorch's overhead | dtrain / PyTorch |")
@@ -256,6 +258,9 @@ def main(argv):
         print(f"| {m} | {ours_name} / {theirs_name} | {params:,} ({buckets} buckets) | {lp:.1f} | "
               f"{ld:.1f} | {100 * mine:+.1f}% | {pp:.1f} | {pd:.1f} | {100 * theirs:+.1f}% | "
               f"{ld / pd:.2f} |")
+    if not rows:
+        print("\ngoal: nothing measured (see above)")
+        return 1
     verdicts = ", ".join(m + (" met" if ok else " not met") for (m, *_), ok in zip(rows, met))
     print("\ngoal: dtrain's overhead over its plain loop no more than PyTorch's over its own: "
           f"{'met' if all(met) else 'not met'} ({verdicts})")
