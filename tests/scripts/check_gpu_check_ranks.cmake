@@ -1,7 +1,8 @@
 # tools/gpu-check --ranks N where this machine has fewer than N GPUs (issue 31):
 # it must say how many it needs and has, exit 77, and build nothing; a bad
-# --ranks (or DEADLINE, or SKIP_ROWS) is exit status 2 naming the value. Where nvidia-smi lists two GPUs or
-# more, this check is skipped (the real run builds and takes minutes).
+# --ranks (or DEADLINE, or SKIP_ROWS) is exit status 2 naming the value. Where
+# nvidia-smi lists two GPUs or more, this check is skipped (the real run builds
+# and takes minutes).
 #   cmake -DSOURCE_DIR=<repo> -P check_gpu_check_ranks.cmake
 execute_process(COMMAND nvidia-smi -L OUTPUT_VARIABLE gpus ERROR_QUIET RESULT_VARIABLE smi)
 string(REGEX MATCHALL "(^|\n)GPU " listed "${gpus}")

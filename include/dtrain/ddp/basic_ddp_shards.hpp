@@ -654,8 +654,8 @@ double basic_ddp<Policy>::gradient_norm() {
     }
     memory_space::synchronize(device_, stream_);
   }
-  // Squares summed in double whatever the type (16-bit gradients too: no
-  // square is rounded to 16 bits, none overflows fp16's range).
+  // Squares summed in double whatever the type: a 16-bit gradient's square
+  // is not rounded to 16 bits, and no square goes past float32's range.
   double squares = 0;
   auto add_squares = [&squares](auto values, auto to_double) {
     for (const auto x : values) {
