@@ -32,20 +32,17 @@ foreach(case IN ITEMS "2|77|needs 2 GPUs, one per rank, and this machine has [0-
     message(FATAL_ERROR "gpu-check --ranks ${ranks} did not say \"${want_text}\"")
   endif()
 endforeach()
-# A DEADLINE that is not a number of seconds: exit 2, naming it, before any build.
-execute_process(COMMAND "${CMAKE_COMMAND}" -E env "BUILD_DIR=${scratch}" DEADLINE=10m bash "${tool}"
-                RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-message("DEADLINE=10m gpu-check: exit ${status}: ${out}${err}")
-if(NOT status EQUAL 2 OR NOT "${out}${err}" MATCHES "DEADLINE is a number of seconds, not '10m'")
-  message(FATAL_ERROR "DEADLINE=10m gpu-check exited ${status} without naming DEADLINE")
-endif()
-# A SKIP_ROWS that grep -E cannot read: exit 2, naming it, before any build.
-execute_process(COMMAND "${CMAKE_COMMAND}" -E env "BUILD_DIR=${scratch}" "SKIP_ROWS=vs_pytorch[" bash "${tool}"
-                RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-message("SKIP_ROWS=vs_pytorch[ gpu-check: exit ${status}: ${out}${err}")
-if(NOT status EQUAL 2 OR NOT "${out}${err}" MATCHES "SKIP_ROWS is not a regular expression grep -E reads: 'vs_pytorch\\['")
-  message(FATAL_ERROR "SKIP_ROWS=vs_pytorch[ gpu-check exited ${status} without naming SKIP_ROWS")
-endif()
+# A setting gpu-check cannot read: exit 2, naming it, before any build.
+function(expect_refused setting want)
+  execute_process(COMMAND "${CMAKE_COMMAND}" -E env "BUILD_DIR=${scratch}" "${setting}" bash "${tool}"
+                  RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+  message("${setting} gpu-check: exit ${status}: ${out}${err}")
+  if(NOT status EQUAL 2 OR NOT "${out}${err}" MATCHES "${want}")
+    message(FATAL_ERROR "${setting} gpu-check exited ${status} without saying \"${want}\"")
+  endif()
+endfunction()
+expect_refused("DEADLINE=10m" "DEADLINE is a number of seconds, not '10m'")
+expect_refused("SKIP_ROWS=vs_pytorch[" "SKIP_ROWS is not a regular expression grep -E reads: 'vs_pytorch\\['")
 if(EXISTS "${scratch}")
   message(FATAL_ERROR "gpu-check --ranks built into ${scratch} on a machine without the GPUs")
 endif()
