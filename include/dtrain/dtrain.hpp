@@ -21,6 +21,7 @@
 #include <dtrain/ddp/basic_ddp.hpp>
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/ddp.hpp>
+#include <dtrain/ddp/loss_scaler.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/runner.hpp>

@@ -16290,6 +16290,320 @@ class DistributedDataParallel : public basic_ddp<Policy> {
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/ddp.hpp ----
+// ---- begin dtrain/ddp/loss_scaler.hpp ----
+/// @file
+/// dtrain::loss_scaler: dynamic loss scaling for float16 training, as
+/// PyTorch's `torch.amp.GradScaler`, across ranks. float16's range ends at
+/// 65504 and its normal numbers at 6.1e-5: small gradients underflow to zero
+/// unless the loss is multiplied by a large scale before the backward pass.
+/// The scaler picks that scale: it halves it (backoff) at a step whose
+/// averaged gradients hold an inf or a NaN, which every rank then skips
+/// together, and doubles it (growth) after `growth_interval` steps without
+/// one.
+///
+///   dtrain::loss_scaler scaler;             // 65536, x2 every 2000 clean steps
+///   ckpt.add(scaler);                       // its state in the checkpoint
+///   ... forward; loss * scaler.scale(); backward; ddp.synchronize();
+///   if (scaler.unscale(ddp))                // every rank the same answer
+///     ddp.optimizer_step(update);           // on the unscaled gradients
+///   else
+///     ddp.gather_parameters();              // skipped: the values stay as they were
+///   scaler.update();                        // backoff or growth
+///
+/// unscale() reads the averaged gradients of this rank's pieces
+/// (ddp.shard(): the whole model without sharding, the rank's shard at ZeRO
+/// stages 1-3) through ddp.gradient_norm() (one collective with sharding),
+/// agrees through ddp.any_rank() (one collective), and divides the gradients
+/// by the scale in place (host memory; float32, float64, bfloat16, float16).
+
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dtrain {
+
+/// Options of dtrain::loss_scaler (PyTorch's GradScaler defaults).
+/// Aggregate: `{.init_scale = 1024, .growth_interval = 100}`.
+struct loss_scaler_options {
+  /// The first scale: finite and at least 2^-24 (lowest_scale).
+  double init_scale = 65536.0;
+  /// The scale is multiplied by it after growth_interval steps without an
+  /// inf or a NaN: more than 1.
+  double growth_factor = 2.0;
+  /// The scale is multiplied by it at a step with an inf or a NaN: between 0
+  /// and 1.
+  double backoff_factor = 0.5;
+  /// Steps without an inf or a NaN before the scale grows: at least 1.
+  std::uint64_t growth_interval = 2000;
+  /// false: scale() is 1, unscale() changes nothing and skips nothing (no
+  /// collective), update() does nothing; the same program runs in float32.
+  bool enabled = true;
+};
+
+/// Dynamic loss scaling across the ranks of one DistributedDataParallel: see
+/// the file's comment for the step it is used in.
+class loss_scaler {
+ public:
+  /// The scale falls no lower than this: below it, a step with an inf or a
+  /// NaN is not an overflow any scale can cure (a NaN in the model or the
+  /// loss), and update() throws instead of scaling the loss to nothing.
+  static constexpr double lowest_scale = 0x1p-24;
+
+  /// Throws config_error naming the option and its value when one is out of
+  /// its range.
+  explicit loss_scaler(loss_scaler_options options = {});
+
+  /// What to multiply the loss by before the backward pass (1 when disabled).
+  [[nodiscard]] double scale() const noexcept { return options_.enabled ? scale_ : 1.0; }
+  /// Once per step, after ddp.synchronize(), before the optimizer's step:
+  /// whether the averaged gradients are finite on every rank (the same
+  /// answer on every rank), and if they are, divides them by the scale, in
+  /// place, in this rank's pieces (ddp.shard()). If not, they are left as
+  /// they are and the step is to be skipped (ddp.gather_parameters() keeps
+  /// the values). Collective. Throws config_error for gradients in device
+  /// memory (there: check(), and 1 / scale() in the optimizer's update) or
+  /// of an integer type, naming the parameter and the rank.
+  template <class DDP>
+  [[nodiscard]] bool unscale(DDP& ddp) {
+    if (!check(ddp)) return false;
+    if (options_.enabled) {
+      const auto parameters = ddp.parameters();
+      for (const shard_piece& piece : ddp.shard())  // all refusals before any division
+        divisible(piece.gradients, parameters[piece.parameter].name);
+      for (const shard_piece& piece : ddp.shard()) divide(piece.gradients);
+    }
+    return true;
+  }
+  /// unscale() without the division: whether the step may be taken, the
+  /// gradients left scaled (multiply them by 1 / scale() in the optimizer's
+  /// update: the way on a GPU, and one pass over the gradients fewer).
+  /// Collective; once per step, instead of unscale().
+  template <class DDP>
+  [[nodiscard]] bool check(DDP& ddp) {
+    rank_ = ddp.rank();
+    if (checked_) throw_twice();
+    found_inf_ = false;
+    if (options_.enabled) {
+      const double norm = ddp.gradient_norm();  // what these throw leaves the step unchecked
+      found_inf_ = ddp.any_rank(!std::isfinite(norm));
+      norm_ = norm / scale_;
+    }
+    checked_ = true;
+    return !found_inf_;
+  }
+  /// Once per step, after unscale() or check() (and the step, taken or skipped): the
+  /// scale backs off after an inf or a NaN, grows after growth_interval
+  /// steps without. Throws dtrain::error without unscale() or check() first, and when
+  /// the scale would fall below lowest_scale.
+  void update();
+
+  /// The L2 norm of the averaged gradients, unscaled, at the last check()
+  /// (for clipping: no second collective); inf or NaN at a skipped step, 0
+  /// when disabled.
+  [[nodiscard]] double gradient_norm() const noexcept { return norm_; }
+  /// Whether the last check() found an inf or a NaN (its step is skipped).
+  [[nodiscard]] bool found_inf() const noexcept { return found_inf_; }
+  /// Steps skipped since the start (a resumed job: since the first start).
+  [[nodiscard]] std::uint64_t skipped_steps() const noexcept { return skipped_; }
+  /// Steps since the last growth or backoff without an inf or a NaN.
+  [[nodiscard]] std::uint64_t growth_tracker() const noexcept { return tracker_; }
+  [[nodiscard]] const loss_scaler_options& options() const noexcept { return options_; }
+
+  /// The scaler's state as text (the scale exactly, the growth tracker, the
+  /// skipped steps): what checkpoint::add(scaler) saves. Between steps.
+  [[nodiscard]] std::string state() const;
+  /// Restores state(); throws config_error naming what is wrong with `text`
+  /// (and nothing changes).
+  void load_state(std::string_view text);
+
+ private:
+  void divisible(const buffer& gradients, std::string_view name) const;
+  void divide(const buffer& gradients) const noexcept;
+  [[noreturn]] void throw_twice() const;
+  std::string who() const;
+
+  loss_scaler_options options_;
+  double scale_;
+  std::uint64_t tracker_ = 0;
+  std::uint64_t skipped_ = 0;
+  double norm_ = 0;
+  bool found_inf_ = false;
+  bool checked_ = false;  // unscale() or check() called, update() not yet
+  int rank_ = -1;         // known from the first check()
+};
+
+}  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/loss_scaler-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/loss_scaler.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/loss_scaler.hpp, not this file.
+
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <system_error>
+#include <vector>
+
+namespace dtrain {
+
+namespace detail {
+
+/// `value` as C's %a prints it: every bit of a double, read back by strtod.
+DTRAIN_DETAIL_INLINE std::string exact_double(double value) {
+  char text[64];
+  const int n = std::snprintf(text, sizeof text, "%a", value);
+  return std::string(text, n > 0 ? static_cast<std::size_t>(n) : 0);
+}
+
+}  // namespace detail
+
+DTRAIN_DETAIL_INLINE loss_scaler::loss_scaler(loss_scaler_options options)
+    : options_(options), scale_(options.init_scale) {
+  const auto bad = [](const char* field, const std::string& value, const char* rule) {
+    throw config_error(std::string("loss_scaler: loss_scaler_options::") + field + " = " + value +
+                       ": " + rule);
+  };
+  const auto text = [](double v) { return std::to_string(v); };
+  if (!(std::isfinite(options.init_scale) && options.init_scale >= lowest_scale))
+    bad("init_scale", text(options.init_scale), "must be finite and at least 2^-24");
+  if (!(std::isfinite(options.growth_factor) && options.growth_factor > 1))
+    bad("growth_factor", text(options.growth_factor), "must be finite and more than 1");
+  if (!(options.backoff_factor > 0 && options.backoff_factor < 1))
+    bad("backoff_factor", text(options.backoff_factor), "must be between 0 and 1 (both excluded)");
+  if (options.growth_interval == 0) bad("growth_interval", "0", "must be at least 1 step");
+}
+
+DTRAIN_DETAIL_INLINE std::string loss_scaler::who() const {
+  return rank_ >= 0 ? "loss_scaler on rank " + std::to_string(rank_) : std::string("loss_scaler");
+}
+
+DTRAIN_DETAIL_INLINE void loss_scaler::throw_twice() const {
+  throw error(who() +
+              ": unscale() or check() called twice in one step (call update() after each "
+              "step's: the gradients would be divided by the scale twice)");
+}
+
+DTRAIN_DETAIL_INLINE void loss_scaler::divisible(const buffer& g, std::string_view name) const {
+  if (g.count == 0) return;
+  if (g.where != memory::host) {
+    throw config_error(who() + ": parameter '" + std::string(name) +
+                       "' has its gradients in device memory; unscale() divides host memory "
+                       "only: on a GPU, call check(ddp) instead and multiply the gradients "
+                       "by 1 / scale() in the optimizer's update");
+  }
+  if (!is_floating(g.type)) {
+    throw config_error(who() + ": parameter '" + std::string(name) + "' has " +
+                       std::string(to_string(g.type)) +
+                       " gradients; unscale() reads float32, float64, bfloat16 and float16");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void loss_scaler::divide(const buffer& g) const noexcept {
+  const double inverse = 1.0 / scale_;  // a power of 2 on the default schedule: exact
+  switch (g.type) {
+    case dtype::float32:
+      for (float& x : std::span(static_cast<float*>(g.data), g.count))
+        x = static_cast<float>(static_cast<double>(x) * inverse);
+      return;
+    case dtype::float64:
+      for (double& x : std::span(static_cast<double*>(g.data), g.count)) x *= inverse;
+      return;
+    case dtype::bfloat16:
+      for (bfloat16& x : std::span(static_cast<bfloat16*>(g.data), g.count))
+        x = bfloat16(static_cast<float>(static_cast<double>(static_cast<float>(x)) * inverse));
+      return;
+    case dtype::float16:
+      for (float16& x : std::span(static_cast<float16*>(g.data), g.count))
+        x = float16(static_cast<float>(static_cast<double>(static_cast<float>(x)) * inverse));
+      return;
+    default: return;  // refused by divisible()
+  }
+}
+
+DTRAIN_DETAIL_INLINE void loss_scaler::update() {
+  if (!checked_) {
+    throw error(who() +
+                ": update() without unscale(ddp) or check(ddp) in this step (they tell "
+                "whether the step had an inf or a NaN, which update() needs)");
+  }
+  checked_ = false;
+  if (!options_.enabled) return;
+  if (found_inf_) {
+    ++skipped_;
+    tracker_ = 0;
+    const double next = scale_ * options_.backoff_factor;
+    if (next < lowest_scale) {
+      throw error(who() +
+                  ": the averaged gradients held an inf or a NaN at every step while the "
+                  "loss scale fell from " +
+                  std::to_string(options_.init_scale) + " to " + detail::exact_double(scale_) +
+                  " (" + std::to_string(skipped_) +
+                  " steps skipped in all): no scale cures that; look for a NaN in the model, "
+                  "its inputs or its loss");
+    }
+    scale_ = next;
+    return;
+  }
+  if (++tracker_ >= options_.growth_interval) {
+    tracker_ = 0;
+    // As GradScaler: a growth that would overflow a double is not taken.
+    if (const double next = scale_ * options_.growth_factor; std::isfinite(next)) scale_ = next;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string loss_scaler::state() const {
+  return "dtrain.loss_scaler 1 scale " + detail::exact_double(scale_) + " growth_tracker " +
+         std::to_string(tracker_) + " skipped " + std::to_string(skipped_);
+}
+
+DTRAIN_DETAIL_INLINE void loss_scaler::load_state(std::string_view text) {
+  const auto refuse = [&](const std::string& why) {
+    throw config_error(who() + ": the saved state '" + std::string(text.substr(0, 120)) +
+                       "' is not a loss scaler's: " + why);
+  };
+  std::vector<std::string> words;
+  for (std::size_t at = 0; at < text.size();) {
+    const std::size_t end = std::min(text.find(' ', at), text.size());
+    if (end > at) words.emplace_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  if (words.size() != 8 || words[0] != "dtrain.loss_scaler" || words[2] != "scale" ||
+      words[4] != "growth_tracker" || words[6] != "skipped")
+    refuse("expected 'dtrain.loss_scaler 1 scale <hex float> growth_tracker <n> skipped <n>'");
+  if (words[1] != "1") refuse("version " + words[1] + " (this dtrain reads version 1)");
+  char* end = nullptr;
+  const double scale = std::strtod(words[3].c_str(), &end);
+  if (end != words[3].c_str() + words[3].size() || !std::isfinite(scale) || scale < lowest_scale)
+    refuse("the scale '" + words[3] + "' is not a finite number of at least 2^-24");
+  const auto count = [&](const std::string& word, const char* what) {
+    std::uint64_t n = 0;
+    const auto [p, ec] = std::from_chars(word.data(), word.data() + word.size(), n);
+    if (ec != std::errc() || p != word.data() + word.size())
+      refuse(std::string("the ") + what + " '" + word + "' is not a count");
+    return n;
+  };
+  const std::uint64_t tracker = count(words[5], "growth tracker");
+  const std::uint64_t skipped = count(words[7], "skipped steps");
+  scale_ = scale;
+  tracker_ = tracker;
+  skipped_ = skipped;
+  checked_ = false;
+  found_inf_ = false;
+}
+
+}  // namespace dtrain
+// ---- end dtrain/ddp/loss_scaler-inl.hpp ----
+#endif
+// ---- end dtrain/ddp/loss_scaler.hpp ----
 // ---- begin dtrain/ddp/sampler.hpp ----
 /// @file
 /// distributed_sampler: each rank's share of a dataset's indices, as
@@ -25776,6 +26090,10 @@ class checkpoint {
   /// The sampler's position in the global order (replicated: it is the same
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler");
+  /// The loss scaler's scale, growth tracker and skipped steps (replicated:
+  /// every rank's scaler took the same decisions). Saved between steps, so
+  /// after the step's update().
+  checkpoint& add(loss_scaler& scaler, std::string name = "loss_scaler");
   /// State the program serialises itself (an optimizer's, a data loader's):
   /// save() returns its bytes at a save; load(bytes) gets them back at restore().
   checkpoint& add(std::string name, std::function<std::string()> save,
@@ -26087,6 +26405,18 @@ DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(distributed_sampler& sampler, s
         std::memcpy(&p.epoch, bytes.data(), sizeof p.epoch);
         std::memcpy(&p.offset, bytes.data() + sizeof p.epoch, sizeof p.offset);
         sampler.set_position(p);
+      });
+}
+
+DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(loss_scaler& scaler, std::string name) {
+  return add(
+      name, [&scaler] { return scaler.state(); },
+      [&scaler, name](std::string_view text) {
+        try {
+          scaler.load_state(text);
+        } catch (const config_error& e) {
+          throw checkpoint_error("checkpoint: entry '" + name + "': " + e.what());
+        }
       });
 }
 

@@ -32,11 +32,13 @@
 #include <dtrain/checkpoint.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -261,17 +263,22 @@ bool pages_gone(const void* data, std::size_t bytes, std::string& why) {
   return true;
 }
 
+/// Buckets of a few KiB (several buckets, parameters across their edges),
+/// w5 never marked, at `sharding`.
+dtrain::ddp_options small_buckets(dtrain::sharding sharding) {
+  return {.bucket_cap_mb = 0.004,
+          .first_bucket_cap_mb = 0.002,
+          .find_unused_parameters = true,
+          .report_unused_parameters = false,
+          .sharding = sharding};
+}
+
 template <class Context>
 result train(Context& ctx, dtrain::sharding sharding, optimizer_kind kind) {
   using Policy = typename Context::policy_type;
   const bool stage3 = sharding == dtrain::sharding::parameters;
   linear_model model(stage3);
-  dtrain::DistributedDataParallel<linear_model, Policy> ddp(ctx, model,
-                                                            {.bucket_cap_mb = 0.004,
-                                                             .first_bucket_cap_mb = 0.002,
-                                                             .find_unused_parameters = true,
-                                                             .report_unused_parameters = false,
-                                                             .sharding = sharding});
+  dtrain::DistributedDataParallel<linear_model, Policy> ddp(ctx, model, small_buckets(sharding));
   optimizer opt(kind, ddp.shard_elements());
   result out;
   out.shard_elements = ddp.shard_elements();
@@ -680,9 +687,122 @@ int run_case(Context& ctx, std::string_view topology) {
   return failures == 0 ? 0 : 1;
 }
 
+/// fp16-style training under dtrain::loss_scaler (issue 49), for `sharding`:
+/// the gradients leave backward multiplied by the scale (as a scaled loss
+/// makes them), unscale() divides the averaged ones back. At step 1 the last
+/// rank's own gradient of w0 is inf before synchronize() (the average spreads
+/// it); at step 4 its averaged gradient (its first piece) is NaN after
+/// synchronize(), which only it sees (any_rank() must tell the others).
+/// With `scaled` false: no scaler, no inf, steps 1 and 4 skipped by hand, the
+/// reference: the scales are powers of 2, so the weights must be its bits.
+/// `decisions` gets unscale()'s answer per step, `scales` the scale before
+/// each step and after the last.
+template <class Context>
+std::vector<std::vector<float>> train_scaled(Context& ctx, dtrain::sharding sharding, bool scaled,
+                                             std::vector<bool>& decisions,
+                                             std::vector<double>& scales) {
+  using Policy = typename Context::policy_type;
+  constexpr int scaled_steps = 7;
+  const bool stage3 = sharding == dtrain::sharding::parameters;
+  const bool last = ctx.rank() == ctx.size() - 1;
+  linear_model model(stage3);
+  dtrain::DistributedDataParallel<linear_model, Policy> ddp(ctx, model, small_buckets(sharding));
+  dtrain::loss_scaler scaler({.init_scale = 1024, .growth_interval = 2, .enabled = scaled});
+  optimizer opt(optimizer_kind::sgd, ddp.shard_elements());
+  for (int step = 0; step < scaled_steps; ++step) {
+    scales.push_back(scaler.scale());
+    for (std::size_t p = 0; p < parameter_count; ++p) {
+      if (p != unused) std::fill_n(model.grad(p), sizes[p], 0.0f);
+    }
+    {
+      auto held = ddp.gather(ddp.parameters());
+      model.backward(step, 0, ctx.rank(), ctx.size());
+      const auto factor = static_cast<float>(scaler.scale());
+      for (std::size_t p = 0; p < parameter_count; ++p) {
+        if (p == unused) continue;
+        for (std::size_t i = 0; i < sizes[p]; ++i) model.grad(p)[i] *= factor;
+      }
+      if (scaled && step == 1 && last) model.grad(0)[0] = std::numeric_limits<float>::infinity();
+      for (std::size_t p = parameter_count; p-- > 0;) {
+        if (p != unused) ddp.mark_ready(p);
+      }
+    }
+    ddp.synchronize();
+    if (scaled && step == 4 && last && !ddp.shard().empty())
+      static_cast<float*>(ddp.shard()[0].gradients.data)[0] =
+          std::numeric_limits<float>::quiet_NaN();
+    const bool take = scaled ? scaler.unscale(ddp) : step != 1 && step != 4;
+    decisions.push_back(take);
+    if (take) {
+      opt.begin_step();
+      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+        opt.update(static_cast<float*>(piece.values.data),
+                   static_cast<const float*>(piece.gradients.data), piece.values.count,
+                   piece.state_offset, 1.0f);
+      });
+    } else {
+      ddp.gather_parameters();  // the step skipped: the values stay
+    }
+    if (scaled) scaler.update();
+  }
+  scales.push_back(scaler.scale());
+  if (!stage3) return model.w;
+  auto held = ddp.gather(ddp.parameters());
+  std::vector<std::vector<float>> w(parameter_count);
+  for (std::size_t p = 0; p < parameter_count; ++p)
+    w[p].assign(model.held[p], model.held[p] + sizes[p]);
+  return w;
+}
+
+template <class Context>
+int run_scaled(Context& ctx) {
+  int failures = 0;
+  const std::vector<bool> want_decisions = {true, false, true, true, false, true, true};
+  const std::vector<double> want_scales = {1024, 1024, 512, 512, 1024, 512, 512, 1024};
+  for (const dtrain::sharding stage : {dtrain::sharding::none, dtrain::sharding::optimizer,
+                                       dtrain::sharding::gradients, dtrain::sharding::parameters}) {
+    std::vector<bool> decisions, unused_decisions;
+    std::vector<double> scales, unused_scales;
+    const auto got = train_scaled(ctx, stage, true, decisions, scales);
+    const auto want = train_scaled(ctx, stage, false, unused_decisions, unused_scales);
+    const bool same = got == want;
+    // Every rank the same weights: the sum of each rank's bits over the ranks
+    // equals size() times this rank's.
+    std::vector<std::int64_t> checksum = {0};
+    for (const auto& w : got)
+      for (const float x : w) checksum[0] += std::bit_cast<std::int32_t>(x);
+    const std::int64_t mine = checksum[0];
+    dtrain::allreduce(ctx.communicator(), checksum, dtrain::reduce_op::sum).wait();
+    const bool everywhere = checksum[0] == mine * ctx.size();
+    const bool ok = same && everywhere && decisions == want_decisions && scales == want_scales;
+    std::string trace;
+    for (const double x : scales) {  // (not " " + to_string: GCC 12's -Wrestrict misfires)
+      trace += ' ';
+      trace += std::to_string(static_cast<int>(x));
+    }
+    std::printf(
+        "rank %d of %d: loss_scaler, sharding %s: steps 1 and 4 %s, scales%s; weights %s the "
+        "unscaled run's with those steps skipped%s%s\n",
+        ctx.rank(), ctx.size(), std::string(dtrain::to_string(stage)).c_str(),
+        decisions == want_decisions ? "skipped on this rank, the others taken"
+                                    : "NOT skipped as they should be",
+        trace.c_str(), same ? "bit-identical to" : "differ from",
+        everywhere ? "" : "; the ranks' weights differ", ok ? "" : ": FAILED");
+    CHECK_MESSAGE(ok, "rank " << ctx.rank() << ": loss_scaler, sharding "
+                              << dtrain::to_string(stage) << " (the line above)");
+    failures += ok ? 0 : 1;
+  }
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 TEST_CASE("sharding") {
   CHECK(dtrain_test::run_job(
             [](auto& ctx) { return run_case(ctx, dtrain_test::job().topology); }) == 0);
+}
+
+TEST_CASE("loss_scaler") {
+  CHECK(dtrain_test::run_job([](auto& ctx) { return run_scaled(ctx); }) == 0);
 }

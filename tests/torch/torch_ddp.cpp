@@ -10,7 +10,8 @@
 // module that differs across ranks, or that one rank cannot take, is refused
 // on every rank, naming the parameter; a step left incomplete (parameters
 // without a gradient) is an error naming them; an undefined gradient is a
-// zero contribution.
+// zero contribution. dtrain::loss_scaler over the module skips a step with an
+// inf on one rank on every rank (check_loss_scaler).
 //
 // One doctest case, "ddp", run in every rank (tests/support/multirank.hpp;
 // tests/torch/torch.cmake registers it): a failed check fails the rank.
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -1021,6 +1023,68 @@ void check_sharded_checkpoint(dtrain::context<Policy>& ctx) {
   }
 }
 
+// dtrain::loss_scaler over a LibTorch module (issue 49): the loss times
+// scale() before backward(); after it, the last rank's averaged gradient of
+// the first parameter is made inf at step 1 (only that rank sees it), so
+// every rank must skip that step, and the scale halve. On the CPU
+// unscale(ddp.core()) divides the .grad() tensors (they are the core's
+// pieces); on a GPU, check() decides and the program divides with mul_.
+// Against the same run without the scaler that skips step 1 by hand: the
+// same weights (bit for bit on the CPU: the scales are powers of 2).
+void check_loss_scaler(dtrain::context<Policy>& ctx) {
+  const int rank = ctx.rank();
+  const bool last = rank == ctx.size() - 1;
+  std::vector<std::vector<torch::Tensor>> weights;
+  std::vector<bool> taken;
+  std::vector<double> scales;
+  for (const bool scaled : {true, false}) {
+    Net net = make_net(13);
+    auto ddp = dtrain::torch::DistributedDataParallel(ctx, net);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    dtrain::loss_scaler scaler({.init_scale = 1024, .growth_interval = 2, .enabled = scaled});
+    for (int step = 0; step < 5; ++step) {
+      (rank_loss(ddp, step, rank, ctx.size()) * scaler.scale()).backward();
+      if (scaled && step == 1 && last) {
+        torch::NoGradGuard no_grad;
+        net->parameters()[0].mutable_grad().view(-1)[0].fill_(
+            std::numeric_limits<float>::infinity());
+      }
+      bool take = step != 1;
+      if (scaled && on_gpu) {
+        take = scaler.check(ddp.core());
+        torch::NoGradGuard no_grad;
+        if (take)
+          for (auto& p : net->parameters()) p.mutable_grad().mul_(1.0 / scaler.scale());
+      } else if (scaled) {
+        take = scaler.unscale(ddp.core());
+      }
+      if (scaled) {
+        taken.push_back(take);
+        scaler.update();
+        scales.push_back(scaler.scale());
+      }
+      if (take) opt.step();
+      ddp.zero_grad();
+    }
+    std::vector<torch::Tensor> w;
+    for (const auto& p : net->parameters()) w.push_back(p.detach().clone());
+    weights.push_back(std::move(w));
+  }
+  bool same = weights[0].size() == weights[1].size();
+  for (std::size_t i = 0; same && i < weights[0].size(); ++i)
+    same = on_gpu ? torch::allclose(weights[0][i], weights[1][i], 1e-5, 1e-6)
+                  : torch::equal(weights[0][i], weights[1][i]);
+  const bool schedule = taken == std::vector<bool>{true, false, true, true, true} &&
+                        scales == std::vector<double>{1024, 512, 512, 1024, 1024};
+  check(same && schedule, rank,
+        "loss_scaler: an inf on the last rank at step 1 skips it on every rank (" +
+            std::string(schedule ? "as it should" : "NOT as it should") + "), weights " +
+            (same ? "equal to" : "differ from") + " the run that skips it by hand");
+  if (rank == 0 && same && schedule)
+    std::printf("loss_scaler: step 1 skipped on every rank, the weights %s\n",
+                on_gpu ? "within 1e-5" : "bit-identical");
+}
+
 int run_checks(dtrain::context<Policy>& ctx) {
   torch::set_num_threads(1);
   const variant variants[] = {
@@ -1064,6 +1128,7 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_sampler_in_loader(ctx.rank());
   check_checkpoint(ctx);
   check_sharded_checkpoint(ctx);
+  check_loss_scaler(ctx);
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   ctx.control_plane().allgather(std::array<std::int64_t, 1>{failures},
                                 all);  // host memory, every engine

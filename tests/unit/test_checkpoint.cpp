@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -698,4 +699,71 @@ TEST_CASE("checkpoint: bad options are config errors") {
     CHECK_THROWS_WITH_AS(c.add("v", v), doctest::Contains("'v' is added twice"),
                          dtrain::config_error);
   });
+}
+
+TEST_CASE(
+    "checkpoint: a loss scaler's state is saved and restored, and a bad one is refused by name") {
+  scratch_dir dir;
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    dtrain::loss_scaler scaler({.init_scale = 3.0 / 7.0, .growth_interval = 7});
+    // Two updates: one skipped step, one clean (the state a fp16 job carries).
+    struct stand_in {
+      bool inf = true;
+      std::vector<dtrain::parameter> none;
+      std::vector<dtrain::shard_piece> pieces;
+      int rank() const { return 0; }
+      double gradient_norm() const { return inf ? std::numeric_limits<double>::infinity() : 1.0; }
+      bool any_rank(bool mine) const { return mine; }
+      const std::vector<dtrain::parameter>& parameters() const { return none; }
+      const std::vector<dtrain::shard_piece>& shard() const { return pieces; }
+    } ddp;
+    CHECK_FALSE(scaler.unscale(ddp));
+    scaler.update();
+    ddp.inf = false;
+    CHECK(scaler.unscale(ddp));
+    scaler.update();
+    {
+      dtrain::checkpoint c(plane, {.dir = dir.path, .quiet = true});
+      c.add(scaler);
+      c.step();
+      c.save();
+    }
+    dtrain::loss_scaler again;
+    dtrain::checkpoint d(plane, {.dir = dir.path, .quiet = true});
+    d.add(again);
+    CHECK(d.restore() == 1u);
+    CHECK(again.state() == scaler.state());
+    CHECK(again.scale() == scaler.scale());
+    CHECK(again.skipped_steps() == 1u);
+    CHECK(again.growth_tracker() == 1u);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+
+  // A checkpoint whose "loss_scaler" entry is not a scaler's state.
+  scratch_dir bad;
+  const auto refused = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    {
+      dtrain::checkpoint c(plane, {.dir = bad.path, .quiet = true});
+      c.add(
+          "loss_scaler", [] { return std::string("dtrain.loss_scaler 1 scale nan"); },
+          [](std::string_view) {});
+      c.step();
+      c.save();
+    }
+    dtrain::loss_scaler scaler;
+    const std::string before = scaler.state();
+    dtrain::checkpoint d(plane, {.dir = bad.path, .quiet = true});
+    d.add(scaler);
+    try {
+      static_cast<void>(d.restore());
+      CHECK(false);
+    } catch (const dtrain::error& e) {
+      const std::string what = e.what();
+      CAPTURE(what);
+      CHECK(what.find("entry 'loss_scaler'") != std::string::npos);
+      CHECK(what.find("is not a loss scaler's") != std::string::npos);
+    }
+    CHECK(scaler.state() == before);
+  });
+  for (const auto& f : refused) CHECK(f == "");
 }

@@ -132,6 +132,18 @@ DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(distributed_sampler& sampler, s
       });
 }
 
+DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(loss_scaler& scaler, std::string name) {
+  return add(
+      name, [&scaler] { return scaler.state(); },
+      [&scaler, name](std::string_view text) {
+        try {
+          scaler.load_state(text);
+        } catch (const config_error& e) {
+          throw checkpoint_error("checkpoint: entry '" + name + "': " + e.what());
+        }
+      });
+}
+
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name,
                                                  std::function<std::string()> save,
                                                  std::function<void(std::string_view)> load,

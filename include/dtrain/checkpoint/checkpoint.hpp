@@ -29,6 +29,7 @@
 #include <dtrain/config.hpp>
 #include <dtrain/control/plane.hpp>
 #include <dtrain/control/verdict.hpp>
+#include <dtrain/ddp/loss_scaler.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/sampler.hpp>
@@ -255,6 +256,10 @@ class checkpoint {
   /// The sampler's position in the global order (replicated: it is the same
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler");
+  /// The loss scaler's scale, growth tracker and skipped steps (replicated:
+  /// every rank's scaler took the same decisions). Saved between steps, so
+  /// after the step's update().
+  checkpoint& add(loss_scaler& scaler, std::string name = "loss_scaler");
   /// State the program serialises itself (an optimizer's, a data loader's):
   /// save() returns its bytes at a save; load(bytes) gets them back at restore().
   checkpoint& add(std::string name, std::function<std::string()> save,
