@@ -16413,13 +16413,20 @@ class loss_scaler {
   [[nodiscard]] const loss_scaler_options& options() const noexcept { return options_; }
 
   /// The scaler's state as text (the scale exactly, the growth tracker, the
-  /// skipped steps): what checkpoint::add(scaler) saves. Between steps.
+  /// skipped steps): what checkpoint::add(scaler) saves. Between check() and
+  /// update() it is the state this step's update() will leave (a checkpoint
+  /// of the step taken before update() resumes as one taken after it).
   [[nodiscard]] std::string state() const;
   /// Restores state(); throws config_error naming what is wrong with `text`
   /// (and nothing changes).
   void load_state(std::string_view text);
 
  private:
+  struct counters {
+    double scale;
+    std::uint64_t tracker, skipped;
+  };
+  counters updated(bool& floor) const;
   void divisible(const buffer& gradients, std::string_view name) const;
   void divide(const buffer& gradients) const noexcept;
   [[noreturn]] void throw_twice() const;
@@ -16529,40 +16536,58 @@ DTRAIN_DETAIL_INLINE void loss_scaler::divide(const buffer& g) const noexcept {
   }
 }
 
+/// What update() makes of the state after this step's decision; `floor`:
+/// the scale would fall below lowest_scale (the state is left as it was).
+DTRAIN_DETAIL_INLINE loss_scaler::counters loss_scaler::updated(bool& floor) const {
+  counters next{scale_, tracker_, skipped_};
+  floor = false;
+  if (!options_.enabled || !checked_) return next;
+  if (found_inf_) {
+    ++next.skipped;
+    next.tracker = 0;
+    const double backed_off = scale_ * options_.backoff_factor;
+    floor = backed_off < lowest_scale;
+    if (!floor) next.scale = backed_off;
+    return next;
+  }
+  if (++next.tracker >= options_.growth_interval) {
+    next.tracker = 0;
+    // As GradScaler: a growth that would overflow a double is not taken.
+    if (const double grown = scale_ * options_.growth_factor; std::isfinite(grown))
+      next.scale = grown;
+  }
+  return next;
+}
+
 DTRAIN_DETAIL_INLINE void loss_scaler::update() {
   if (!checked_) {
     throw error(who() +
                 ": update() without unscale(ddp) or check(ddp) in this step (they tell "
                 "whether the step had an inf or a NaN, which update() needs)");
   }
+  bool floor = false;
+  const counters next = updated(floor);
   checked_ = false;
-  if (!options_.enabled) return;
-  if (found_inf_) {
-    ++skipped_;
-    tracker_ = 0;
-    const double next = scale_ * options_.backoff_factor;
-    if (next < lowest_scale) {
-      throw error(who() +
-                  ": the averaged gradients held an inf or a NaN at every step while the "
-                  "loss scale fell from " +
-                  std::to_string(options_.init_scale) + " to " + detail::exact_double(scale_) +
-                  " (" + std::to_string(skipped_) +
-                  " steps skipped in all): no scale cures that; look for a NaN in the model, "
-                  "its inputs or its loss");
-    }
-    scale_ = next;
-    return;
+  if (floor) {
+    skipped_ = next.skipped;
+    throw error(who() +
+                ": the averaged gradients held an inf or a NaN at every step while the "
+                "loss scale fell from " +
+                std::to_string(options_.init_scale) + " to " + detail::exact_double(scale_) + " (" +
+                std::to_string(skipped_) +
+                " steps skipped in all): no scale cures that; look for a NaN in the model, "
+                "its inputs or its loss");
   }
-  if (++tracker_ >= options_.growth_interval) {
-    tracker_ = 0;
-    // As GradScaler: a growth that would overflow a double is not taken.
-    if (const double next = scale_ * options_.growth_factor; std::isfinite(next)) scale_ = next;
-  }
+  scale_ = next.scale;
+  tracker_ = next.tracker;
+  skipped_ = next.skipped;
 }
 
 DTRAIN_DETAIL_INLINE std::string loss_scaler::state() const {
-  return "dtrain.loss_scaler 1 scale " + detail::exact_double(scale_) + " growth_tracker " +
-         std::to_string(tracker_) + " skipped " + std::to_string(skipped_);
+  bool floor = false;
+  const counters next = updated(floor);  // mid-step: as this step's update() will leave it
+  return "dtrain.loss_scaler 1 scale " + detail::exact_double(next.scale) + " growth_tracker " +
+         std::to_string(next.tracker) + " skipped " + std::to_string(next.skipped);
 }
 
 DTRAIN_DETAIL_INLINE void loss_scaler::load_state(std::string_view text) {
@@ -26091,8 +26116,8 @@ class checkpoint {
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler");
   /// The loss scaler's scale, growth tracker and skipped steps (replicated:
-  /// every rank's scaler took the same decisions). Saved between steps, so
-  /// after the step's update().
+  /// every rank's scaler took the same decisions), as the step's update()
+  /// leaves them, whether the save comes before update() or after it.
   checkpoint& add(loss_scaler& scaler, std::string name = "loss_scaler");
   /// State the program serialises itself (an optimizer's, a data loader's):
   /// save() returns its bytes at a save; load(bytes) gets them back at restore().

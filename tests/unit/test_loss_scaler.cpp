@@ -205,3 +205,20 @@ TEST_CASE("loss_scaler: its state as text round-trips exactly, and bad text is r
   }
   CHECK(b.state() == a.state());  // nothing changed
 }
+
+TEST_CASE("loss_scaler: state() between check and update is what update() will leave") {
+  for (const bool inf : {false, true}) {
+    CAPTURE(inf);
+    dtrain::loss_scaler scaler({.init_scale = 64, .growth_interval = 1});
+    scaler_fake_ddp ddp;
+    ddp.others_found_inf = inf;
+    static_cast<void>(scaler.check(ddp));
+    const std::string mid_step = scaler.state();
+    dtrain::loss_scaler resumed;
+    resumed.load_state(mid_step);
+    scaler.update();
+    CHECK(scaler.state() == mid_step);
+    CHECK(resumed.scale() == (inf ? 32.0 : 128.0));
+    CHECK(resumed.skipped_steps() == (inf ? 1u : 0u));
+  }
+}

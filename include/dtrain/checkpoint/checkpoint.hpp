@@ -257,8 +257,8 @@ class checkpoint {
   /// on every rank, and a job of another size continues it).
   checkpoint& add(distributed_sampler& sampler, std::string name = "sampler");
   /// The loss scaler's scale, growth tracker and skipped steps (replicated:
-  /// every rank's scaler took the same decisions). Saved between steps, so
-  /// after the step's update().
+  /// every rank's scaler took the same decisions), as the step's update()
+  /// leaves them, whether the save comes before update() or after it.
   checkpoint& add(loss_scaler& scaler, std::string name = "loss_scaler");
   /// State the program serialises itself (an optimizer's, a data loader's):
   /// save() returns its bytes at a save; load(bytes) gets them back at restore().

@@ -124,13 +124,20 @@ class loss_scaler {
   [[nodiscard]] const loss_scaler_options& options() const noexcept { return options_; }
 
   /// The scaler's state as text (the scale exactly, the growth tracker, the
-  /// skipped steps): what checkpoint::add(scaler) saves. Between steps.
+  /// skipped steps): what checkpoint::add(scaler) saves. Between check() and
+  /// update() it is the state this step's update() will leave (a checkpoint
+  /// of the step taken before update() resumes as one taken after it).
   [[nodiscard]] std::string state() const;
   /// Restores state(); throws config_error naming what is wrong with `text`
   /// (and nothing changes).
   void load_state(std::string_view text);
 
  private:
+  struct counters {
+    double scale;
+    std::uint64_t tracker, skipped;
+  };
+  counters updated(bool& floor) const;
   void divisible(const buffer& gradients, std::string_view name) const;
   void divide(const buffer& gradients) const noexcept;
   [[noreturn]] void throw_twice() const;
