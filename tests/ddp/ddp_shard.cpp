@@ -26,6 +26,12 @@
 // allgathers on demand). Refused by name: stages or prefetch_units that
 // differ across ranks, null values below stage 3. Prints one line per rank;
 // what differs fails the case.
+//
+// Case "loss_scaler" (--test-case=loss_scaler, issue 49): the same model at
+// every stage under dtrain::loss_scaler, with an inf before the average and
+// a NaN after it on the last rank only: both steps skipped on every rank,
+// the scale's schedule, and the weights bit-identical to the run without
+// the scaler that skips those steps by hand (run_scaled).
 
 #include "../support/multirank.hpp"
 
