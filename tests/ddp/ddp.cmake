@@ -60,6 +60,8 @@ dtrain_add_multirank_test(ddp.sharding PROGRAM dtrain_ddp_shard CASE sharding
 # rank before the average and a NaN after it skip the step on every rank.
 dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_scaler
                           ENGINES mpi gloo RANKS 1 2 3 4)
+dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_scaler
+                          ENGINES gloo RANKS 4 NODES 2,2)
 
 # topology::hierarchical (issue 12) on ranks that play 2 nodes of 2 (dtrain_test_launch
 # --nodes: DTRAIN_NODE_NAME per rank, grouped at rendezvous): the same cases must

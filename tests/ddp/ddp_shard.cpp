@@ -706,13 +706,14 @@ int run_case(Context& ctx, std::string_view topology) {
 template <class Context>
 std::vector<std::vector<float>> train_scaled(Context& ctx, dtrain::sharding sharding, bool scaled,
                                              std::vector<bool>& decisions,
-                                             std::vector<double>& scales) {
+                                             std::vector<double>& scales, std::string& topology) {
   using Policy = typename Context::policy_type;
   constexpr int scaled_steps = 7;
   const bool stage3 = sharding == dtrain::sharding::parameters;
   const bool last = ctx.rank() == ctx.size() - 1;
   linear_model model(stage3);
   dtrain::DistributedDataParallel<linear_model, Policy> ddp(ctx, model, small_buckets(sharding));
+  topology = ddp.topology().describe();
   dtrain::loss_scaler scaler({.init_scale = 1024, .growth_interval = 2, .enabled = scaled});
   optimizer opt(optimizer_kind::sgd, ddp.shard_elements());
   for (int step = 0; step < scaled_steps; ++step) {
@@ -769,8 +770,9 @@ int run_scaled(Context& ctx) {
                                        dtrain::sharding::gradients, dtrain::sharding::parameters}) {
     std::vector<bool> decisions, unused_decisions;
     std::vector<double> scales, unused_scales;
-    const auto got = train_scaled(ctx, stage, true, decisions, scales);
-    const auto want = train_scaled(ctx, stage, false, unused_decisions, unused_scales);
+    std::string topology;
+    const auto got = train_scaled(ctx, stage, true, decisions, scales, topology);
+    const auto want = train_scaled(ctx, stage, false, unused_decisions, unused_scales, topology);
     const bool same = got == want;
     // Every rank the same weights: the sum of each rank's bits over the ranks
     // equals size() times this rank's.
@@ -787,9 +789,9 @@ int run_scaled(Context& ctx) {
       trace += std::to_string(static_cast<int>(x));
     }
     std::printf(
-        "rank %d of %d: loss_scaler, sharding %s: steps 1 and 4 %s, scales%s; weights %s the "
-        "unscaled run's with those steps skipped%s%s\n",
-        ctx.rank(), ctx.size(), std::string(dtrain::to_string(stage)).c_str(),
+        "rank %d of %d: loss_scaler, sharding %s, %s: steps 1 and 4 %s, scales%s; weights %s "
+        "the unscaled run's with those steps skipped%s%s\n",
+        ctx.rank(), ctx.size(), std::string(dtrain::to_string(stage)).c_str(), topology.c_str(),
         decisions == want_decisions ? "skipped on this rank, the others taken"
                                     : "NOT skipped as they should be",
         trace.c_str(), same ? "bit-identical to" : "differ from",
