@@ -5,9 +5,10 @@
 /// dtrain/config.hpp). Include dtrain/ddp/loss_scaler.hpp, not this file.
 
 #include <dtrain/ddp/loss_scaler.hpp>
+#include <dtrain/detail/parse.hpp>
 
-#include <algorithm>
 #include <charconv>
+#include <concepts>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -70,24 +71,15 @@ DTRAIN_DETAIL_INLINE void loss_scaler::divisible(const buffer& g, std::string_vi
 
 DTRAIN_DETAIL_INLINE void loss_scaler::divide(const buffer& g) const noexcept {
   const double inverse = 1.0 / scale_;  // a power of 2 on the default schedule: exact
-  switch (g.type) {
-    case dtype::float32:
-      for (float& x : std::span(static_cast<float*>(g.data), g.count))
-        x = static_cast<float>(static_cast<double>(x) * inverse);
-      return;
-    case dtype::float64:
+  detail::visit(g.type, [&]<class T>() {
+    if constexpr (std::same_as<T, double>) {
       for (double& x : std::span(static_cast<double*>(g.data), g.count)) x *= inverse;
-      return;
-    case dtype::bfloat16:
-      for (bfloat16& x : std::span(static_cast<bfloat16*>(g.data), g.count))
-        x = bfloat16(static_cast<float>(static_cast<double>(static_cast<float>(x)) * inverse));
-      return;
-    case dtype::float16:
-      for (float16& x : std::span(static_cast<float16*>(g.data), g.count))
-        x = float16(static_cast<float>(static_cast<double>(static_cast<float>(x)) * inverse));
-      return;
-    default: return;  // refused by divisible()
-  }
+    } else if constexpr (std::same_as<T, float> || std::same_as<T, float16> ||
+                         std::same_as<T, bfloat16>) {           // others: refused by divisible()
+      for (T& x : std::span(static_cast<T*>(g.data), g.count))  // rounded once to T
+        x = T(static_cast<float>(static_cast<double>(static_cast<float>(x)) * inverse));
+    }
+  });
 }
 
 /// What update() makes of the state after this step's decision; `floor`:
@@ -149,12 +141,7 @@ DTRAIN_DETAIL_INLINE void loss_scaler::load_state(std::string_view text) {
     throw config_error(who() + ": the saved state '" + std::string(text.substr(0, 120)) +
                        "' is not a loss scaler's: " + why);
   };
-  std::vector<std::string> words;
-  for (std::size_t at = 0; at < text.size();) {
-    const std::size_t end = std::min(text.find(' ', at), text.size());
-    if (end > at) words.emplace_back(text.substr(at, end - at));
-    at = end + 1;
-  }
+  const std::vector<std::string> words = detail::split(text, ' ');
   if (words.size() != 8 || words[0] != "dtrain.loss_scaler" || words[2] != "scale" ||
       words[4] != "growth_tracker" || words[6] != "skipped")
     refuse("expected 'dtrain.loss_scaler 1 scale <hex float> growth_tracker <n> skipped <n>'");
