@@ -11415,8 +11415,14 @@ DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& cont
 /// DistributedDataParallel<Model, Policy> and dtrain::torch's wrapper are thin
 /// layers over it: they feed it parameters and marks, and ask it the rest.
 ///
+/// What a sharding stage (ZeRO 1-3) changes lives in one part behind one seam,
+/// detail::ddp_sharding (ddp/sharding.hpp): the core asks it to reduce a
+/// ready bucket and tells it where the step ends, and never branches on the
+/// stage itself.
+///
 /// Every member that is more than a line or two is defined out of the class
-/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp), as a
+/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp; the
+/// sharding part's in ddp/sharding_part.hpp), as a
 /// non-inline template member: a compiled library may then hold `template
 /// class dtrain::basic_ddp<P>;` and its users `extern template class
 /// dtrain::basic_ddp<P>;`, and none of those bodies is compiled again in the
@@ -11730,6 +11736,29 @@ class stream_runner {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/runner.hpp ----
+// ---- begin dtrain/ddp/sharding.hpp ----
+/// @file
+/// DDP's sharding part (ddp_options::sharding: none, and ZeRO stages 1, 2
+/// and 3), behind the one seam of the reduction: what happens to a bucket
+/// once it is ready (reduce(): an allreduce, or a reduce-scatter into this
+/// rank's shard), and at the step's end (step_end(): the shard may be
+/// updated once; stage 3's values are dropped and its pass recorded). The
+/// core (basic_ddp) keeps the buckets, their overlap, no_sync() and the
+/// step's marks, and asks this part the few things a stage changes (how a
+/// bucket is padded, where its gradients live, whether the mean comes back
+/// whole), never which stage it is: no stage adds a branch to the core.
+///
+/// What the part holds: this rank's pieces of the parameters (shard()),
+/// each bucket's shard (bucket_shard: the averaged gradients at stage 2, the
+/// values at stage 3, and stage 3's whole values while gathered), the
+/// allgather of the updated values after the optimizer's step, and stage 3's
+/// gathers with their prefetch in the order the first pass recorded. It
+/// reads the core's layout (buckets, variables, topology) and uses its lock,
+/// runner and stream; the core's runner thread never calls it.
+///
+/// Bodies out of class in ddp/sharding_part.hpp (see ddp/basic_ddp.hpp for
+/// why: the compiled library instantiates this class with basic_ddp).
+
 // ---- begin dtrain/ddp/state.hpp ----
 /// @file
 /// What DistributedDataParallel keeps per parameter and per bucket, each in
@@ -11860,7 +11889,6 @@ class flat_storage {
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
-#include <memory>
 #include <vector>
 
 namespace dtrain::detail {
@@ -11877,7 +11905,6 @@ struct ddp_variable {
   bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
   bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
   bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
-  bool gathered = false;  ///< stage 3: a gather() asked for it in this step (its values were whole)
   // Across steps.
   bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
   bool used = false;          ///< some rank used it in the steps reported on (report_unused)
@@ -11891,25 +11918,8 @@ struct ddp_bucket {
   flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
   flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
   flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
-  /// With sharding, over more than one rank: this rank's shard of the bucket
-  /// (`owned_count` elements), where a reduce-scatter leaves the averaged
-  /// gradients (stage 2) and the updated values wait for the allgather.
-  flat_storage<Memory> owned;
-  std::size_t owned_count = 0;
-  /// Stage 3 (sharding::parameters): this rank's shard of the values
-  /// (`owned_count` elements, all of them on one rank), the master copy the
-  /// optimizer updates; and, while gather() holds the bucket (`holders` > 0),
-  /// the whole values, allgathered, which the model's value pointers point into.
-  flat_storage<Memory> owned_values;
-  flat_storage<Memory> unsharded;
-  std::size_t holders = 0;
-  /// Stage 3: the allgather into `unsharded`, posted to the runner (a
-  /// prefetch runs while the model computes); null once waited for.
-  std::shared_ptr<posted_task> gathering;
-  /// Stage 3: in the prefetch window (the units expected next): kept whole
-  /// when its last guard goes, instead of freed.
-  bool wanted = false;
-  bool ahead = false;       ///< stage 3: prefetched, and no guard has held it since
+  // What a sharding stage keeps per bucket is the sharding part's
+  // (detail::bucket_shard, ddp/sharding.hpp).
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
   std::size_t pending = 0;  ///< its parameters not yet marked in this step
   bool ready = false;       ///< every parameter marked: may be launched in its turn
@@ -11976,6 +11986,246 @@ class parameter_view {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/state.hpp ----
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain {
+
+template <class Policy>
+class basic_ddp;
+
+namespace detail {
+
+/// What the sharding part holds of one bucket, beside the core's ddp_bucket.
+template <class Memory>
+struct bucket_shard {
+  /// This rank's shard of the bucket (`owned_count` elements), where a
+  /// reduce-scatter leaves the averaged gradients (stage 2) and the updated
+  /// values wait for the allgather (stages 1 and 2, over more than one rank).
+  flat_storage<Memory> owned;
+  std::size_t owned_count = 0;
+  /// Stage 3: this rank's shard of the values (`owned_count` elements, all
+  /// of them on one rank), the master copy the optimizer updates; and, while
+  /// gather() holds the bucket (`holders` > 0) or the prefetch window wants
+  /// it, the whole values, allgathered, which the model's value pointers
+  /// point into while held.
+  flat_storage<Memory> owned_values;
+  flat_storage<Memory> unsharded;
+  std::size_t holders = 0;
+  /// Stage 3: the allgather into `unsharded`, posted to the runner (a
+  /// prefetch runs while the model computes); null once waited for.
+  std::shared_ptr<posted_task> gathering;
+  /// Stage 3: in the prefetch window (the units expected next): kept whole
+  /// when its last guard goes, instead of freed.
+  bool wanted = false;
+  bool ahead = false;  ///< stage 3: prefetched, and no guard has held it since
+};
+
+/// The sharding part of basic_ddp<Policy> (see the file comment). Made and
+/// owned by the core, which it refers to. The core calls a member with its
+/// lock held where the name ends in `_locked` (and add_memory(),
+/// gather_counts()), without it otherwise; reduce() runs on the runner's
+/// thread or enqueues on the streams, and reads only bucket b's shard.
+template <class Policy>
+class ddp_sharding {
+ public:
+  using core_type = basic_ddp<Policy>;
+  using memory_space = typename Policy::memory_space;
+  using storage = flat_storage<memory_space>;
+
+  explicit ddp_sharding(core_type& core) noexcept : core_(core) {}
+  ddp_sharding(const ddp_sharding&) = delete;
+  ddp_sharding& operator=(const ddp_sharding&) = delete;
+
+  /// sharding::parameters (ZeRO stage 3): while one lives, the values of the
+  /// buckets it holds are whole on this rank, and the model's value pointers
+  /// point at them; when the last one holding a bucket goes, the pointers are
+  /// set to null and the memory is given back. Made by gather().
+  class held_values {
+   public:
+    held_values(held_values&& other) noexcept
+        : part_(std::exchange(other.part_, nullptr)), buckets_(std::move(other.buckets_)) {}
+    held_values(const held_values&) = delete;
+    held_values& operator=(const held_values&) = delete;
+    held_values& operator=(held_values&&) = delete;
+    ~held_values() {
+      if (part_) part_->release(buckets_);
+    }
+
+   private:
+    friend class ddp_sharding;
+    held_values(ddp_sharding& part, std::vector<std::size_t> buckets) noexcept
+        : part_(&part), buckets_(std::move(buckets)) {}
+    ddp_sharding* part_;
+    std::vector<std::size_t> buckets_;
+  };
+
+  // ---- What the core asks while it lays the buckets out --------------------
+
+  /// The options every rank must agree on, as the model agreement prints them.
+  std::string agreed_options() const;
+  /// Stage 3: no bucket holds two units (a unit's gather makes no other whole).
+  bool buckets_by_unit() const noexcept { return shards_parameters(); }
+  /// The elements a bucket of `info` is padded to a multiple of, from the
+  /// topology's `unit`: sharded, size() equal shards (each on
+  /// bucket_alignment on a GPU).
+  std::size_t padding(const bucket_info& info, std::size_t unit) const;
+  /// A bucket's gradient storage: transient (stage 2 on the host: pages given
+  /// back once reduced) or held.
+  storage gradient_storage(std::size_t bytes, int device) const;
+  /// The core's buckets are new (construction, the rebuild): each bucket's
+  /// shard, the staging buffers and this rank's pieces.
+  void laid_out();
+  /// Construction, after the first layout: stage 3 takes the values into
+  /// its shards (the model's value pointers are null from here on).
+  void take_values();
+  /// The layout stays as built (no rebuild moves a shard): stages 1-3.
+  bool fixed_layout() const noexcept { return shards_optimizer_state(); }
+  /// Stage 3: a parameter is found by name, its values' address moves.
+  bool values_move() const noexcept { return shards_parameters(); }
+  /// A comm hook replaces an allreduce: refused where buckets are reduce-scattered.
+  void check_hook() const;
+
+  // ---- The step -------------------------------------------------------------
+
+  /// Parameter i is marked (under the lock; `bulk`: by mark_all_ready() or
+  /// synchronize(), which mark what no pass used). Stage 3: refused when no
+  /// gather() held its values in this step. A new step: the last one's
+  /// update is behind.
+  void on_mark_locked(std::size_t i, bool bulk);
+  /// Transient buckets: a backward pass that outruns the buckets waits
+  /// (runner::throttle) so that at most this many launched buckets hold pages.
+  bool throttles() const noexcept { return transient_buckets(); }
+  static constexpr std::size_t in_flight = 2;
+  /// The seam: bucket b's gradients (`data`, `moved` elements; `scratch` the
+  /// topology's) reduced over the ranks: averaged in place, or
+  /// reduce-scattered into this rank's shard. Runner thread or stream; no lock.
+  work reduce(std::size_t b, const buffer& data, const buffer& scratch, reduce_op op);
+  /// Whether reduce() leaves the whole mean in the bucket (else only this
+  /// rank's shard, in shard()), for the copy-out to copy-mode gradients.
+  bool mean_is_whole() const noexcept { return !shards_gradients(); }
+  /// Bucket b's mean is copied out: a transient bucket gives its pages back.
+  void reduced(std::size_t b);
+  /// Every bucket is averaged (under the lock): the shard may be updated
+  /// once; stage 3 drops what is whole and keeps the pass's order.
+  void step_end_locked();
+
+  // ---- What DDP's users call through the core ------------------------------
+
+  std::span<const shard_piece> pieces() const noexcept { return pieces_; }
+  std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// Sums that each rank made over its own pieces must be added over the ranks.
+  bool partial() const noexcept { return owns_bucket_shards(); }
+  void add_memory(ddp_memory_use& use) const;                                      // under the lock
+  dtrain::gather_counts gather_counts() const noexcept { return gather_counts_; }  // under the lock
+  void download_values(std::span<std::byte> out);
+  void upload_values(std::span<const std::byte> in);
+  void whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host, bool here);
+  double gradient_norm();
+  /// Streams: the part's storage is released on `compute` from now on.
+  void set_stream(typename memory_space::stream_type compute);
+  /// The destructor: stage 3's values go with DDP; the model's pointers are null.
+  void give_back_values() noexcept;
+  /// optimizer_step() and gather_parameters(): `update(piece)` for each
+  /// piece, bucket by bucket, each bucket's allgather launched once its
+  /// pieces are updated (transient buckets: the one before completed while
+  /// it travels, so that at most two hold their pages at once), then the rest.
+  template <class Update>
+  void update_and_gather(const char* what, Update& update);
+  /// Stage 3's gather() of parameters `indices` (checked); other stages: a
+  /// guard that holds nothing.
+  held_values gather(std::span<const std::size_t> indices);
+
+ private:
+  using bucket = detail::ddp_bucket<memory_space>;
+  using shard = bucket_shard<memory_space>;
+
+  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
+  /// the bucket layout stays as built (no rebuild moves a shard).
+  bool shards_optimizer_state() const noexcept;
+  /// Stage 3: DDP holds each bucket's values as this rank's shard
+  /// (owned_values), whole only while gather() holds the bucket.
+  bool shards_parameters() const noexcept;
+  /// Stage 2 over more than one rank: this rank's averaged gradients are its
+  /// shard's only, in `owned` (buckets are reduce-scattered there by the
+  /// topology: hierarchical, node-local first).
+  bool shards_gradients() const noexcept;
+  /// Sharding over more than one rank (or stage 3): each rank owns a shard
+  /// of every bucket (padded to size() equal shards), and the updated values
+  /// come back by allgather.
+  bool owns_bucket_shards() const noexcept;
+  /// Stage 2 where memory can give pages back (the host): each bucket's
+  /// gradient pages are returned once it is reduce-scattered, and again once
+  /// its allgather is copied out, so that gradients take memory only while a
+  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
+  bool transient_buckets() const noexcept;
+  /// The first element of this rank's shard in bucket b: its part is the
+  /// topology's shard_position() (the rank, flat; local rank x nodes + node
+  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
+  std::size_t shard_first(std::size_t b) const;
+  /// Stage 3 on the host: freed whole-value buffers kept for reuse, at most
+  /// the prefetch window's worth and one more.
+  std::size_t spare_whole_most() const noexcept;
+
+  void make_pieces();
+  std::size_t shard_value_size(const char* what, std::size_t bytes) const;
+  void check_updatable(const char* what) const;
+  work launch_gather(std::size_t b);
+  work allgather_bucket(std::size_t b, std::byte* mine, std::byte* all);
+  std::byte* gathered(std::size_t b);
+  void complete_gather(std::size_t b);
+  void finish_gather(std::vector<work>& gathers, std::size_t completed);
+  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
+  [[noreturn]] void not_gathered(std::size_t i) const;
+
+  // Stage 3.
+  void release(std::span<const std::size_t> buckets) noexcept;
+  void point_values(std::size_t b, std::byte* whole) noexcept;
+  void post_gather_locked(std::size_t b, bool ahead);
+  void settle_gather(std::size_t b);
+  void order_after_gather(detail::posted_task& posted);
+  void follow_order_locked(const std::vector<std::size_t>& unit);
+  std::vector<std::size_t> refresh_window_locked();
+  void drop_unwanted(std::span<const std::size_t> candidates);
+  void end_gather_pass_locked();
+  void drop_whole_locked();
+  void free_whole_locked(shard& s) noexcept;
+  storage whole_buffer_locked(std::size_t bytes, int device);
+
+  core_type& core_;
+  std::vector<shard> shards_;  // per bucket of the core's current layout
+  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
+  std::array<storage, 2> staging_;
+  std::vector<storage> spare_whole_;  // stage 3, host: under the core's lock
+  // This rank's pieces (whole parameters without sharding), and whether the
+  // last step was synchronized and not yet updated (optimizer_step()).
+  std::vector<shard_piece> pieces_;
+  std::size_t shard_elements_ = 0;
+  bool updatable_ = false;
+  std::vector<bool> gathered_;  // stage 3: a gather() asked for parameter i in this step
+  /// Stage 3's prefetch: the units (each gather() call's buckets) of the
+  /// last pass through the model, in order, and where this pass is in them.
+  /// A pass is a step, or the calls from the recorded first unit on (an
+  /// evaluation, a no_sync() micro-batch). Touched under the lock.
+  struct gather_order {
+    std::vector<std::vector<std::size_t>> recorded;
+    std::vector<std::vector<std::size_t>> current;  ///< this pass's units so far
+    std::size_t next = 0;   ///< the position in `recorded` of the unit expected next
+    bool in_order = true;   ///< this pass has followed `recorded` so far
+    bool overflow = false;  ///< this pass made more calls than are kept
+  } order_;
+  dtrain::gather_counts gather_counts_;
+};
+
+}  // namespace detail
+}  // namespace dtrain
+// ---- end dtrain/ddp/sharding.hpp ----
 // ---- begin dtrain/ddp/timeline.hpp ----
 /// @file
 /// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
@@ -13823,7 +14073,6 @@ struct flat {
 }  // namespace dtrain::topology
 // ---- end dtrain/topology/flat.hpp ----
 
-#include <array>
 #include <atomic>
 #include <concepts>
 #include <cstddef>
@@ -14081,14 +14330,15 @@ class basic_ddp {
   /// without it, or at world size 1, nothing is communicated.
   [[nodiscard]] std::vector<bool> used_anywhere();
 
-  // Sharding (ddp_options::sharding, ZeRO stages 1, 2 and 3; ddp/basic_ddp_shards.hpp).
+  // Sharding (ddp_options::sharding, ZeRO stages 1, 2 and 3): the sharding part
+  // (detail::ddp_sharding, ddp/sharding.hpp) answers these.
   // The same calls work without sharding, where a rank's shard is every parameter.
 
   /// The pieces of the parameters this rank updates, with their averaged
   /// gradients: after synchronize(), an elementwise optimizer updates each
   /// piece's values (state at piece.state_offset), then gather_parameters().
   /// Without sharding (or on one rank): every parameter, whole.
-  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
+  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return shards_.pieces(); }
   /// This rank's shard as ranges of the whole model's elements (the
   /// parameters concatenated in index order): `global` where a piece starts
   /// there, `local` its state_offset. For checkpoint::add_sharded, which
@@ -14098,8 +14348,8 @@ class basic_ddp {
     for (std::size_t i = 0; i < vars_.size(); ++i)
       first[i + 1] = first[i] + vars_[i].param.values.count;
     std::vector<shard_range> out;
-    out.reserve(pieces_.size());
-    for (const shard_piece& p : pieces_)
+    out.reserve(shard().size());
+    for (const shard_piece& p : shard())
       out.push_back({first[p.parameter] + p.offset, p.state_offset, p.values.count});
     return out;
   }
@@ -14114,38 +14364,31 @@ class basic_ddp {
     ddp_memory_use use;
     for (const bucket& b : buckets_) {
       use.buckets += b.grads.bytes();
-      use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
-      use.values += b.owned_values.bytes();
-      use.gathered += b.unsharded.bytes();
     }
-    use.scratch += staging_[0].bytes() + staging_[1].bytes();
-    {
-      const std::lock_guard lock(mutex_);
-      for (const auto& spare : spare_whole_) use.scratch += spare.bytes();
-    }
-    use.transient_buckets = transient_buckets();
+    const std::lock_guard lock(mutex_);
+    shards_.add_memory(use);
     return use;
   }
   /// Stage 3: the allgathers of values so far on this rank (gather_counts).
   [[nodiscard]] dtrain::gather_counts gather_counts() const {
     const std::lock_guard lock(mutex_);
-    return gather_counts_;
+    return shards_.gather_counts();
   }
   /// Elements of this rank's shard: the size of an elementwise optimizer's
   /// state array (per state: Adam keeps two).
-  [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  [[nodiscard]] std::size_t shard_elements() const noexcept { return shards_.shard_elements(); }
   /// The values of this rank's pieces (shard()), each at its state_offset,
   /// copied into `out` in host memory: shard_elements() elements of the
   /// pieces' type (one type: a config_error names the rank otherwise). At
   /// stage 3 DDP's shard of the values, for checkpoint::add_sharded(name,
   /// ddp). On a GPU after the compute stream, which the host waits for.
-  void download_shard_values(std::span<std::byte> out);
+  void download_shard_values(std::span<std::byte> out) { shards_.download_values(out); }
   /// `in` (as download_shard_values() writes it) into the pieces' values;
   /// on a GPU on the compute stream, which the host waits for. At stage 3
   /// the whole copies of the old values (prefetched) are dropped; while a
   /// gather() guard holds some it throws config_error, naming the rank.
-  void upload_shard_values(std::span<const std::byte> in);
+  void upload_shard_values(std::span<const std::byte> in) { shards_.upload_values(in); }
   /// Collective, between steps: the whole model's values on rank `root`
   /// (an export for inference, FSDP's full state dict with rank0_only and
   /// offload_to_cpu), in bounded memory: one bucket at a time is made whole
@@ -14173,7 +14416,7 @@ class basic_ddp {
     std::vector<std::byte> host;
     std::exception_ptr thrown;  // visit's: the other ranks' allgathers still get this rank's part
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      whole_bucket_to_host(b, host, rank_ == root && !thrown);
+      shards_.whole_bucket_to_host(b, host, rank_ == root && !thrown);
       if (rank_ != root || thrown) continue;
       try {
         for (const std::size_t i : buckets_[b].info.parameters) {
@@ -14194,19 +14437,22 @@ class basic_ddp {
   /// updated, while the update goes on with the next bucket's.
   template <class Update>
   requires std::invocable<Update&, const shard_piece&>
-  void optimizer_step(Update&& update) { update_and_gather("optimizer_step()", update); }
+  void optimizer_step(Update&& update) { shards_.update_and_gather("optimizer_step()", update); }
   /// Collective: every rank's updated shard to every rank (an allgather per
   /// bucket), so that every rank holds all the values again; DDP's gradient
   /// buckets are its scratch and are zeroed after. Once after each
   /// synchronize(), after this rank's update of its shard. Nothing to send
   /// without sharding or on one rank.
-  void gather_parameters();
+  void gather_parameters() {
+    auto nothing = [](const shard_piece&) {};  // this rank updated its pieces itself
+    shards_.update_and_gather("gather_parameters()", nothing);
+  }
   /// The L2 norm of the averaged gradients of the whole model, the same on
   /// every rank (collective with sharding: each rank sums its shard's
   /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
   /// After synchronize(), before gather_parameters(). float32, float64,
   /// bfloat16 and float16 gradients, their squares summed in double.
-  [[nodiscard]] double gradient_norm();
+  [[nodiscard]] double gradient_norm() { return shards_.gradient_norm(); }
   /// Collective: whether `mine` is true on any rank, on every rank (to skip a
   /// step together when some rank found an inf or a NaN).
   [[nodiscard]] bool any_rank(bool mine);
@@ -14215,24 +14461,7 @@ class basic_ddp {
   /// buckets it holds are whole on this rank, and the model's value pointers
   /// point at them; when the last one holding a bucket goes, the pointers are
   /// set to null and the memory is given back. Made by gather().
-  class gathered_parameters {
-   public:
-    gathered_parameters(gathered_parameters&& other) noexcept
-        : ddp_(std::exchange(other.ddp_, nullptr)), buckets_(std::move(other.buckets_)) {}
-    gathered_parameters(const gathered_parameters&) = delete;
-    gathered_parameters& operator=(const gathered_parameters&) = delete;
-    gathered_parameters& operator=(gathered_parameters&&) = delete;
-    ~gathered_parameters() {
-      if (ddp_) ddp_->release(buckets_);
-    }
-
-   private:
-    friend class basic_ddp;
-    gathered_parameters(basic_ddp& ddp, std::vector<std::size_t> buckets) noexcept
-        : ddp_(&ddp), buckets_(std::move(buckets)) {}
-    basic_ddp* ddp_;
-    std::vector<std::size_t> buckets_;
-  };
+  using gathered_parameters = typename detail::ddp_sharding<Policy>::held_values;
   /// Collective, with sharding::parameters: allgathers the values of the
   /// buckets that hold `params` (parameters, indices into parameters(), or
   /// names), unless a live guard holds them already, and points the model's
@@ -14247,19 +14476,19 @@ class basic_ddp {
       gather(R&& params) {
     std::vector<std::size_t> indices;
     for (auto&& p : params) indices.push_back(index_of(p));
-    return gather_indices(indices);
+    return shards_.gather(indices);
   }
   /// gather({"fc1.weight", "fc1.bias"}).
   [[nodiscard]] gathered_parameters gather(std::initializer_list<std::string_view> names) {
     std::vector<std::size_t> indices;
     for (std::string_view n : names) indices.push_back(index_of(n));
-    return gather_indices(indices);
+    return shards_.gather(indices);
   }
   /// gather({4, 5}): by index.
   [[nodiscard]] gathered_parameters gather(std::initializer_list<std::size_t> indices) {
     std::vector<std::size_t> checked;
     for (std::size_t i : indices) checked.push_back(index_of(i));
-    return gather_indices(checked);
+    return shards_.gather(checked);
   }
 
   /// Throws dtrain::error naming the failure after which this DDP cannot be
@@ -14330,13 +14559,10 @@ class basic_ddp {
   friend class detail::thread_runner;
   template <class>
   friend class detail::stream_runner;
+  friend class detail::ddp_sharding<Policy>;
 
   using variable = detail::ddp_variable;
   using bucket = detail::ddp_bucket<memory_space>;
-  /// The first element of this rank's shard in a bucket: its part is the
-  /// topology's shard_position() (the rank, flat; local rank x nodes + node
-  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
-  std::size_t shard_first(const bucket& s) const { return topo_.shard_position() * s.owned_count; }
   using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
                                          detail::thread_runner<basic_ddp>>;
   // The control plane DDP makes for itself over its own communicator (host backends).
@@ -14367,7 +14593,6 @@ class basic_ddp {
   [[noreturn]] void no_such_name(std::string_view name) const;
   [[noreturn]] void not_a_parameter(const parameter& p) const;
   [[noreturn]] void marked_twice(std::size_t i) const;
-  [[noreturn]] void not_gathered(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
   std::size_t index_of(std::size_t index) const {
@@ -14380,7 +14605,7 @@ class basic_ddp {
     return it->second;
   }
   std::size_t index_of(const parameter& p) const {
-    if (shards_parameters()) {
+    if (shards_.values_move()) {
       auto it = by_name_.find(p.name);
       if (it == by_name_.end()) not_a_parameter(p);
       return it->second;
@@ -14390,107 +14615,11 @@ class basic_ddp {
     return it->second;
   }
 
-  // Stage 3 (ddp/basic_ddp_shards.hpp).
-  gathered_parameters gather_indices(std::span<const std::size_t> indices);
-  void release(std::span<const std::size_t> buckets) noexcept;
-  void take_values();
-  void point_values(std::size_t b, std::byte* whole) noexcept;
-  void post_gather_locked(std::size_t b, bool ahead);
-  void settle_gather(std::size_t b);
-  void order_after_gather(detail::posted_task& posted);
-  void follow_order_locked(const std::vector<std::size_t>& unit);
-  std::vector<std::size_t> refresh_window_locked();
-  void drop_unwanted(std::span<const std::size_t> candidates);
-  void end_gather_pass_locked();
-  void drop_whole_locked();
-  void free_whole_locked(bucket& s) noexcept;
-  detail::flat_storage<memory_space> whole_buffer_locked(std::size_t bytes, int device);
-  /// Stage 3 on the host: freed whole-value buffers kept for reuse, at most
-  /// the prefetch window's worth and one more.
-  std::size_t spare_whole_most() const noexcept { return options_.prefetch_units + 1; }
-
+  /// The first step's ready order lays the buckets out again, once
+  /// (not where the sharding part keeps the layout it was built with).
   bool recording() const noexcept {
-    return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
+    return options_.rebuild_buckets && !shards_.fixed_layout() && !rebuilt_ && steps_ == 0;
   }
-  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
-  /// the bucket layout stays as built (no rebuild moves a shard).
-  bool shards_optimizer_state() const noexcept { return options_.sharding != sharding::none; }
-  /// Sharding over more than one rank: each rank owns a shard of every
-  /// bucket (padded to size() equal shards), and the updated values come
-  /// back by allgather.
-  bool owns_bucket_shards() const noexcept {
-    return shards_optimizer_state() && (size_ > 1 || shards_parameters());
-  }
-  /// Stage 3: DDP holds each bucket's values as this rank's shard
-  /// (owned_values), whole only while gather() holds the bucket.
-  bool shards_parameters() const noexcept { return options_.sharding == sharding::parameters; }
-  /// Stage 2 over more than one rank: this rank's averaged gradients are its
-  /// shard's only, in `owned` (buckets are reduce-scattered there by the
-  /// topology: hierarchical, node-local first).
-  bool shards_gradients() const noexcept {
-    return (options_.sharding == sharding::gradients || shards_parameters()) && size_ > 1;
-  }
-  /// Stage 2 where memory can give pages back (the host): each bucket's
-  /// gradient pages are returned once it is reduce-scattered, and again once
-  /// its allgather is copied out, so that gradients take memory only while a
-  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
-  bool transient_buckets() const noexcept {
-    return shards_gradients() && detail::pages_droppable<memory_space>;
-  }
-  /// Transient buckets launched and not yet reduced before mark_ready waits.
-  static constexpr std::size_t transient_in_flight = 2;
-
-  void make_pieces();
-  std::size_t shard_value_size(const char* what, std::size_t bytes) const;
-  void whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host, bool here);
-  void check_updatable(const char* what) const;
-  /// optimizer_step() and gather_parameters(): `update(piece)` for each
-  /// piece, bucket by bucket, each bucket's allgather launched once its
-  /// pieces are updated (transient buckets: the one before completed while
-  /// it travels, so that at most two hold their pages at once), then the rest.
-  template <class Update>
-  void update_and_gather(const char* what, Update& update) {
-    {
-      const std::lock_guard lock(mutex_);
-      check_usable_locked();
-      check_updatable(what);
-      // Stage 3: no whole copy outlives the values it was gathered from
-      // (a prefetch posted since the step's end), no allgather reads them.
-      if (shards_parameters()) drop_whole_locked();
-    }
-    std::vector<work> gathers;
-    std::size_t k = 0;          // pieces_ are in bucket order
-    std::size_t completed = 0;  // buckets whose allgather is copied out already
-    try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
-          gathers.push_back(launch_gather(b));
-          if (transient_buckets() && b > 0) {
-            gathers[b - 1].wait();
-            complete_gather(b - 1);
-            completed = b;
-          }
-        }
-      }
-      for (; k < pieces_.size(); ++k) update(pieces_[k]);
-    } catch (const std::exception& e) {
-      // The update (or an allgather) failed on this rank: what was launched
-      // completes (or fails), and this DDP is not usable for another step.
-      abandon_gathers(gathers, e.what());
-      throw;
-    } catch (...) {
-      abandon_gathers(gathers, "an exception that is not a std::exception");
-      throw;
-    }
-    finish_gather(gathers, completed);
-  }
-  work launch_gather(std::size_t b);
-  work allgather_bucket(std::size_t b, std::byte* mine, std::byte* all);
-  std::byte* gathered(std::size_t b);
-  void complete_gather(std::size_t b);
-  void finish_gather(std::vector<work>& gathers, std::size_t completed);
-  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
   /// World size 1 without a hook (nor ddp_options::always_reduce): no bucket travels.
   bool sends_nothing() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
@@ -14581,9 +14710,6 @@ class basic_ddp {
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
   std::vector<bucket> buckets_;
-  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
-  std::array<detail::flat_storage<memory_space>, 2> staging_;
-  std::vector<detail::flat_storage<memory_space>> spare_whole_;  // stage 3, host: under mutex_
   // The current step.
   std::vector<std::size_t> ready_order_;  // recorded for the rebuild
   std::size_t next_launch_ = 0;
@@ -14600,23 +14726,9 @@ class basic_ddp {
   std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
   bool broken_ = false;
   std::string broken_message_;
-  // Sharding: this rank's pieces (whole parameters without it), and whether
-  // the last step was synchronized and not yet updated (optimizer_step()).
-  std::vector<shard_piece> pieces_;
-  std::size_t shard_elements_ = 0;
-  bool updatable_ = false;
-  /// Stage 3's prefetch: the units (each gather() call's buckets) of the
-  /// last pass through the model, in order, and where this pass is in them.
-  /// A pass is a step, or the calls from the recorded first unit on (an
-  /// evaluation, a no_sync() micro-batch). Touched under the lock.
-  struct gather_order {
-    std::vector<std::vector<std::size_t>> recorded;
-    std::vector<std::vector<std::size_t>> current;  ///< this pass's units so far
-    std::size_t next = 0;   ///< the position in `recorded` of the unit expected next
-    bool in_order = true;   ///< this pass has followed `recorded` so far
-    bool overflow = false;  ///< this pass made more calls than are kept
-  } order_;
-  dtrain::gather_counts gather_counts_;
+  /// ZeRO's stages (none too): the reduction of a ready bucket, the shard,
+  /// stage 3's gathers. After the state above, which it reads.
+  detail::ddp_sharding<Policy> shards_{*this};
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
@@ -14661,11 +14773,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                                     on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  std::string agreed = "ddp_options::sharding = " + std::string(to_string(options_.sharding));
-  if (shards_parameters()) {
-    agreed += ", ddp_options::prefetch_units = " + std::to_string(options_.prefetch_units);
-  }
-  detail::agree_on_model(control_, parameters, buffers_, agreed);
+  detail::agree_on_model(control_, parameters, buffers_, shards_.agreed_options());
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -14686,7 +14794,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
   lay_out(detail::reverse_order(vars_.size()));
-  if (shards_parameters()) take_values();
+  shards_.take_values();
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
   runner_.emplace(*this);
@@ -14697,9 +14805,8 @@ basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
   timeline_.write_at_exit();
   try {
+    shards_.give_back_values();  // stage 3: the values go with this object
     for (variable& v : vars_) {
-      // Stage 3: the values go with this object; the model's pointer is null.
-      if (shards_parameters()) v.param.rebind_values(v.param.values_slot, nullptr);
       if (!v.view) continue;
       parameter& p = v.param;
       if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
@@ -14769,7 +14876,6 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
@@ -14791,7 +14897,7 @@ template <class Policy>
 void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   std::vector<bucket_info> layout = detail::assign_buckets(
       parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
-      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"), shards_parameters());
+      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"), shards_.buckets_by_unit());
   std::vector<bucket> buckets(layout.size());
   for (std::size_t b = 0; b < layout.size(); ++b) {
     bucket& s = buckets[b];
@@ -14802,30 +14908,10 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
-    // Sharded: size() equal shards, each on bucket_alignment on a GPU.
-    if (owns_bucket_shards()) {
-      const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
-      unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
-    }
+    unit = shards_.padding(info, unit);  // sharded: size() equal shards
     s.moved = (info.count + unit - 1) / unit * unit;
-    if (owns_bucket_shards()) {
-      s.owned_count = s.moved / static_cast<std::size_t>(size_);
-      // Stage 3 on one rank averages nothing: its gradients stay in the bucket.
-      if (!shards_parameters() || shards_gradients()) {
-        s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
-                                                     info.device, stream_);
-      }
-      if (shards_parameters()) {
-        s.owned_values = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
-                                                            info.device, stream_);
-      }
-    }
     try {
-      s.grads = transient_buckets()
-                    ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                         stream_, detail::droppable_pages)
-                    : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                         stream_);
+      s.grads = shards_.gradient_storage(s.moved * size_of(info.type), info.device);
     } catch (const backend_error& e) {
       throw backend_error("DistributedDataParallel on rank " + std::to_string(rank_) +
                               ": the gradients of bucket " + std::to_string(b) + ": " + e.what(),
@@ -14851,17 +14937,12 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       }
     }
   }
-  if (transient_buckets() && !shards_parameters()) {  // stage 2's allgathers land there
-    std::size_t largest = 0;
-    for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
-    for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
-  }
   // The old buckets are released on the compute stream, after the copies
   // out of them and (streams) after every collective on them: the compute
   // stream waits for those already (order_after_buckets). The host does not
   // wait, with CUDA as without.
   buckets_ = std::move(buckets);
-  make_pieces();
+  shards_.laid_out();
   reset_step();
 }
 
@@ -14950,14 +15031,9 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
-  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
-                     s.grads.device()};
-  if (shards_gradients()) {  // stage 2: this rank keeps the mean of its shard only
-    const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
-                      s.grads.device()};
-    return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
-  }
-  return topo_.allreduce(data, shard, op, on_stream_or_null());
+  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                       s.grads.device()};
+  return shards_.reduce(b, data, scratch, op);  // the seam: averaged, or reduce-scattered
 }
 
 /// Decompression and copy-out: what must happen after the collective.
@@ -14970,14 +15046,14 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
   }
   // Stage 2 averaged only this rank's shard (shard() has it): the model's
   // own gradients keep what this rank computed.
+  const bool whole = shards_.mean_is_whole();
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
-    if (v.view || shards_gradients()) continue;
+    if (v.view || !whole) continue;
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
-  // A transient bucket's pages go back now: its gradients read zero from here on.
-  if (transient_buckets()) s.grads.clear(stream_);
+  shards_.reduced(b);
   timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
 }
 
@@ -15008,735 +15084,6 @@ std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
 
 }  // namespace dtrain
 // ---- end dtrain/ddp/basic_ddp_buckets.hpp ----
-// ---- begin dtrain/ddp/basic_ddp_shards.hpp ----
-/// @file
-/// basic_ddp's sharding (ddp_options::sharding: ZeRO stages 1, 2 and 3): the
-/// pieces of the parameters a rank owns, the allgather of the updated values,
-/// and the two helpers every trainer needs beside them (the global gradient
-/// norm, a decision all ranks take together). Out-of-class members of
-/// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
-///
-/// A bucket of `moved` elements (padded so that `size()` divides it, each
-/// shard on bucket_alignment on a GPU) has `moved / size()` per shard; rank r
-/// owns elements [r q, (r + 1) q). A parameter may straddle shards: each rank
-/// gets the piece of it that falls in its own. Stage 1 averages whole buckets
-/// (an allreduce in place, as DDP); stage 2 reduce-scatters each bucket into
-/// the rank's `owned` buffer the moment it is ready. After the optimizer has
-/// updated its pieces (in the model's own memory), each rank copies them into
-/// `owned`, and an allgather per bucket brings every rank's into the bucket's
-/// gradient storage (free once the optimizer has read the gradients), from
-/// where every parameter's values are copied back; the bucket is then zeroed
-/// for the next step's gradients.
-
-
-#include <algorithm>
-#include <bit>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <optional>
-#include <span>
-#include <string>
-#include <vector>
-
-namespace dtrain {
-
-template <class Policy>
-void basic_ddp<Policy>::make_pieces() {
-  pieces_.clear();
-  shard_elements_ = 0;
-  if (!owns_bucket_shards()) {  // every parameter is this rank's, its gradient where it is
-    for (std::size_t i = 0; i < vars_.size(); ++i) {
-      const parameter& p = vars_[i].param;
-      pieces_.push_back({.parameter = i,
-                         .offset = 0,
-                         .state_offset = shard_elements_,
-                         .bucket = vars_[i].bucket,
-                         .values = p.values,
-                         .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
-                                       p.values.device}});
-      shard_elements_ += p.values.count;
-    }
-    return;
-  }
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    bucket& s = buckets_[b];
-    const std::size_t elem = size_of(s.info.type);
-    const std::size_t first = shard_first(s), last = first + s.owned_count;
-    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
-      const std::size_t i = s.info.parameters[k];
-      const parameter& p = vars_[i].param;
-      const std::size_t at = s.info.offsets[k] / elem;  // the parameter's first element
-      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
-      if (lo >= hi) continue;
-      buffer values = p.values;
-      // Stage 3: the shard of the values is DDP's (owned_values), not the model's.
-      values.data = shards_parameters() ? s.owned_values.data() + (lo - first) * elem
-                                        : static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
-      values.count = hi - lo;
-      std::byte* gradients =
-          shards_gradients() ? s.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
-      pieces_.push_back(
-          {.parameter = i,
-           .offset = lo - at,
-           .state_offset = shard_elements_,
-           .bucket = b,
-           .values = values,
-           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
-      shard_elements_ += hi - lo;
-    }
-  }
-}
-
-/// The pieces' element size, once checked that they have one type and
-/// that `bytes` holds shard_elements() of them.
-template <class Policy>
-std::size_t basic_ddp<Policy>::shard_value_size(const char* what, std::size_t bytes) const {
-  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().values.type;
-  for (const shard_piece& piece : pieces_) {
-    if (piece.values.type != type) {
-      throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
-                         std::to_string(rank_) + ": the shard holds " +
-                         std::string(to_string(type)) + " and " +
-                         std::string(to_string(piece.values.type)) + " (parameter '" +
-                         vars_[piece.parameter].param.name + "'); it copies one type");
-    }
-  }
-  if (bytes != shard_elements_ * size_of(type)) {
-    throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
-                       std::to_string(rank_) + ": " + std::to_string(bytes) +
-                       " bytes given for a shard of " + std::to_string(shard_elements_) + " " +
-                       std::string(to_string(type)) + " elements");
-  }
-  return size_of(type);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::download_shard_values(std::span<std::byte> out) {
-  const std::size_t elem = shard_value_size("download_shard_values()", out.size());
-  for (const shard_piece& p : pieces_) {
-    memory_space::download(out.data() + p.state_offset * elem, p.values.data, p.values.bytes(),
-                           device_, stream_);
-  }
-  if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::upload_shard_values(std::span<const std::byte> in) {
-  const std::size_t elem = shard_value_size("upload_shard_values()", in.size());
-  if (shards_parameters()) {
-    // The values change: no whole copy of the old ones may outlive this
-    // (a prefetched bucket), and none may be held.
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    for (const bucket& s : buckets_) {
-      if (s.holders == 0) continue;
-      throw config_error("DistributedDataParallel::upload_shard_values() on rank " +
-                         std::to_string(rank_) + " while a gather() guard holds parameter '" +
-                         vars_[s.info.parameters.front()].param.name +
-                         "': its whole values would be stale; let the guards go first");
-    }
-    drop_whole_locked();
-  }
-  for (const shard_piece& p : pieces_) {
-    memory_space::upload(p.values.data, in.data() + p.state_offset * elem, p.values.bytes(),
-                         device_, stream_);
-  }
-  if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
-}
-
-/// export_parameters()' step for bucket b: its values whole in `host` at
-/// their bucket offsets, where `here` (the root); at stage 3 allgathered
-/// alone (no prefetch, the recorded order untouched) and freed after,
-/// unless a guard or the prefetch window holds it.
-template <class Policy>
-void basic_ddp<Policy>::whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host,
-                                             bool here) {
-  const bucket& s = buckets_[b];
-  std::size_t bytes = 0;
-  for (const std::size_t i : s.info.parameters)
-    bytes = std::max(bytes, vars_[i].offset + vars_[i].param.values.bytes());
-  if (here) host.resize(std::max(host.size(), bytes));
-  if (!shards_parameters()) {  // the values are whole, in the model's memory
-    if (!here) return;
-    for (const std::size_t i : s.info.parameters) {
-      const parameter& p = vars_[i].param;
-      memory_space::download(host.data() + vars_[i].offset, p.values.data, p.values.bytes(),
-                             device_, stream_);
-    }
-    if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
-    return;
-  }
-  bool posted = false;
-  {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    if (buckets_[b].unsharded.data() == nullptr) {
-      post_gather_locked(b, false);
-      posted = true;
-    }
-  }
-  settle_gather(b);
-  if (here) {
-    memory_space::download(host.data(), s.unsharded.data(), bytes, device_, stream_);
-    if constexpr (memory_space::on_stream) memory_space::synchronize(device_, stream_);
-  }
-  if (posted) {
-    const std::lock_guard lock(mutex_);
-    bucket& mine = buckets_[b];
-    if (mine.holders == 0 && !mine.wanted) free_whole_locked(mine);
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::check_updatable(const char* what) const {
-  if (updatable_) return;
-  throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
-              std::to_string(rank_) + " with no averaged gradients to use: " +
-              (any_touched_ ? "step " + std::to_string(steps_) + " is not synchronized yet"
-                            : "step " + std::to_string(steps_) +
-                                  " has not started, and the one before was updated already") +
-              " (sharding " + std::string(to_string(options_.sharding)) +
-              "). Call synchronize() after the backward pass, then the optimizer once");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::gather_parameters() {
-  auto nothing = [](const shard_piece&) {};  // this rank updated its pieces itself
-  update_and_gather("gather_parameters()", nothing);
-}
-
-/// This rank's updated values of bucket b into its shard, and the
-/// allgather of every rank's into the bucket (its gradients are used up),
-/// ordered after the compute stream where the engine takes one.
-template <class Policy>
-work basic_ddp<Policy>::launch_gather(std::size_t b) {
-  bucket& s = buckets_[b];
-  const std::size_t elem = size_of(s.info.type);
-  const std::size_t first = shard_first(s);
-  for (std::size_t k = 0; k < pieces_.size(); ++k) {
-    const shard_piece& piece = pieces_[k];
-    if (piece.bucket != b) continue;
-    const std::size_t at = vars_[piece.parameter].offset / elem + piece.offset - first;
-    memory_space::copy(s.owned.data() + at * elem, piece.values.data, piece.values.bytes(),
-                       s.info.device, stream_);
-  }
-  const detail::label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
-  return allgather_bucket(b, s.owned.data(), gathered(b));
-}
-
-/// Every rank's `owned_count` elements of bucket b at `mine` into `all`
-/// (the whole bucket, `moved` elements, in shard order), through the
-/// topology, ordered after the compute stream where the engine takes one.
-template <class Policy>
-work basic_ddp<Policy>::allgather_bucket(std::size_t b, std::byte* mine, std::byte* all) {
-  bucket& s = buckets_[b];
-  const int device = s.grads.device();
-  return topo_.allgather(
-      buffer{mine, s.owned_count, s.info.type, memory_space::where, device},
-      buffer{s.shard.data(), topo_.shard_count(s.moved), s.info.type, memory_space::where, device},
-      buffer{all, s.moved, s.info.type, memory_space::where, device}, on_stream_or_null());
-}
-
-/// Where bucket b's allgather lands: the bucket itself (its gradients are
-/// used up), or with transient buckets, whose pages were given back after
-/// the reduce-scatter, one of two staging buffers, taken in turn (a bucket's
-/// is free again once the bucket two before it is complete).
-template <class Policy>
-std::byte* basic_ddp<Policy>::gathered(std::size_t b) {
-  return transient_buckets() ? staging_[b % 2].data() : buckets_[b].grads.data();
-}
-
-/// Bucket b's allgather is complete (and, on streams, the compute stream
-/// ordered after it): the values other ranks updated are copied out of where
-/// it landed into the parameters, and the bucket is zeroed for the next
-/// step's gradients.
-template <class Policy>
-void basic_ddp<Policy>::complete_gather(std::size_t b) {
-  bucket& s = buckets_[b];
-  const std::size_t elem = size_of(s.info.type);
-  const std::size_t first = shard_first(s), last = first + s.owned_count;
-  for (const std::size_t i : s.info.parameters) {
-    const variable& v = vars_[i];
-    // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
-    const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
-    auto copy_out = [&](std::size_t from, std::size_t to) {
-      if (from >= to) return;
-      memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
-                         gathered(b) + from * elem, (to - from) * elem, s.info.device, stream_);
-    };
-    copy_out(lo, std::min(hi, first));
-    copy_out(std::max(lo, last), hi);
-  }
-  // The next step's gradients start from zero (a transient bucket's pages
-  // were given back after its reduce-scatter; its staging buffer is
-  // overwritten whole by the next allgather).
-  if (!transient_buckets()) s.grads.clear(stream_);
-}
-
-/// Waits for the allgathers from `completed` on (each within the collective
-/// timeout), then completes each (complete_gather).
-template <class Policy>
-void basic_ddp<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
-  const std::lock_guard lock(mutex_);
-  updatable_ = false;
-  if (!shards_optimizer_state()) return;
-  try {
-    if (size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
-      for (bucket& s : buckets_) s.grads.clear(stream_);
-      return;
-    }
-    for (std::size_t b = completed; b < gathers.size(); ++b) gathers[b].wait();
-    order_after_buckets();
-    for (std::size_t b = completed; b < gathers.size(); ++b) complete_gather(b);
-  } catch (...) {
-    fail(std::current_exception());
-  }
-}
-
-template <class Policy>
-void basic_ddp<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
-  // The update failed on this rank: its peers wait for gathers it will not
-  // send. NCCL aborts the communicators now (work::abandon), so that these
-  // waits end at once, not after the collective timeout.
-  for (work& w : gathers) w.abandon();
-  for (work& w : gathers) {
-    try {
-      w.wait();
-    } catch (...) {  // the update's exception is the one to report
-    }
-  }
-  const std::lock_guard lock(mutex_);
-  updatable_ = false;
-  broken_ = true;
-  broken_message_ = "the optimizer's step failed on rank " + std::to_string(rank_) + " (" + why +
-                    ") in the middle of its update and allgathers: the ranks' values may differ";
-}
-
-// ---- Stage 3 (sharding::parameters) -----------------------------------------
-// Each bucket's values live as this rank's shard in owned_values (the pieces'
-// values: the optimizer updates them there); gather() allgathers a bucket's
-// shards into `unsharded`, the whole values, and points the model's value
-// pointers into it; the last guard's release frees it and sets them to null.
-// The allgathers run on the bucket runner, in order with the buckets'
-// reduce-scatters (post_in_order): every rank issues its collectives in the
-// same order, whichever thread runs them. Prefetch: the gather() calls of a
-// step are recorded, and from the next step on each call also posts the
-// allgathers of the next prefetch_units units, which the runner's thread
-// runs while the model computes; a bucket in that window stays whole when
-// its guard goes (the last layer's forward, then its backward).
-// On streams (NCCL, GPU memory) the allgathers are enqueued at once on DDP's
-// communicator, after the compute stream (the optimizer's update of the
-// shard), under the runner's watchdog; gather() orders the compute stream
-// after its allgathers alone (their events, no host wait; not after the
-// reduce-scatters enqueued since) before the unit computes, and the
-// whole values come from the stream-ordered allocator (cudaMallocAsync's
-// pool) and go back on the compute stream after the last kernel that reads
-// them: at most the held units plus the window are allocated at once.
-
-/// Construction: this rank's shard of the values (rank 0's, broadcast) into
-/// owned_values, where make_pieces() put the pieces' values (a parameter
-/// declared without values starts at zero there); the model's value
-/// pointers are null from here on.
-template <class Policy>
-void basic_ddp<Policy>::take_values() {
-  for (const shard_piece& piece : pieces_) {
-    const parameter& p = vars_[piece.parameter].param;
-    if (!p.values.data) continue;  // deferred: the shard starts at zero
-    memory_space::copy(
-        piece.values.data,
-        static_cast<const std::byte*>(p.values.data) + piece.offset * size_of(p.values.type),
-        piece.values.bytes(), p.device, stream_);
-  }
-  for (std::size_t b = 0; b < buckets_.size(); ++b) point_values(b, nullptr);
-}
-
-/// The model's values of bucket b's parameters at `whole` (their places in
-/// the bucket's layout), or null.
-template <class Policy>
-void basic_ddp<Policy>::point_values(std::size_t b, std::byte* whole) noexcept {
-  for (const std::size_t i : buckets_[b].info.parameters) {
-    parameter& p = vars_[i].param;
-    p.values.data = whole ? whole + vars_[i].offset : nullptr;
-    p.rebind_values(p.values_slot, p.values.data);
-  }
-}
-
-template <class Policy>
-typename basic_ddp<Policy>::gathered_parameters basic_ddp<Policy>::gather_indices(
-    std::span<const std::size_t> indices) {
-  if (!shards_parameters()) return gathered_parameters(*this, {});
-  std::vector<std::size_t> held;
-  for (const std::size_t i : indices) held.push_back(vars_[i].bucket);
-  std::sort(held.begin(), held.end());
-  held.erase(std::unique(held.begin(), held.end()), held.end());
-  std::vector<std::size_t> unwanted;
-  std::optional<gathered_parameters> guard;
-  {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    guard.emplace(gathered_parameters(*this, held));  // releases the counts if this throws
-    for (const std::size_t i : indices) vars_[i].gathered = true;  // for mark_ready's check
-    for (const std::size_t b : held) {
-      buckets_[b].holders++;
-      buckets_[b].ahead = false;
-    }
-    // Every rank posts the same allgathers in the same order: this unit's
-    // buckets not yet whole (nor on their way), then the window's.
-    for (const std::size_t b : held) {
-      if (buckets_[b].unsharded.data() == nullptr) post_gather_locked(b, false);
-    }
-    follow_order_locked(held);
-    unwanted = refresh_window_locked();
-  }
-  for (const std::size_t b : held) settle_gather(b);
-  drop_unwanted(unwanted);
-  {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    for (const std::size_t b : held) point_values(b, buckets_[b].unsharded.data());
-  }
-  return std::move(*guard);
-}
-
-/// Bucket b's values whole into `unsharded`: on the host a spare buffer of
-/// its size or fresh pages (no memset: the allgather writes them all),
-/// kept as a spare or unmapped when dropped (free_whole_locked); on one
-/// rank a copy, elsewhere an allgather posted to the runner, in order with
-/// the buckets' reduce-scatters.
-template <class Policy>
-void basic_ddp<Policy>::post_gather_locked(std::size_t b, bool ahead) {
-  bucket& s = buckets_[b];
-  const std::size_t elem = size_of(s.info.type);
-  ++(ahead ? gather_counts_.prefetched : gather_counts_.on_demand);
-  if (size_ > 1) gather_counts_.bytes += (s.moved - s.owned_count) * elem;
-  s.ahead = ahead;
-  s.unsharded = whole_buffer_locked(s.moved * elem, s.info.device);
-  if (size_ == 1) {
-    memory_space::copy(s.unsharded.data(), s.owned_values.data(), s.moved * elem, s.info.device,
-                       stream_);
-    return;
-  }
-  std::byte* mine = s.owned_values.data();
-  std::byte* all = s.unsharded.data();
-  try {
-    s.gathering = runner_->post_in_order([this, b, mine, all] {
-      const detail::label_scope label("values of bucket", static_cast<std::int64_t>(b));
-      return allgather_bucket(b, mine, all);
-    });
-  } catch (...) {
-    fail(std::current_exception());  // the ranks' collectives are out of step: unusable
-  }
-}
-
-/// Waits for bucket b's posted allgather, if any (the caller does not hold
-/// the lock); on streams the compute stream is ordered after it instead
-/// (an event, no host wait): the unit's compute, and the stream-ordered
-/// free of its whole values, come after the allgather that wrote them. A
-/// failure makes DDP unusable and is thrown.
-template <class Policy>
-void basic_ddp<Policy>::settle_gather(std::size_t b) {
-  std::shared_ptr<detail::posted_task> posted;
-  {
-    const std::lock_guard lock(mutex_);
-    posted = buckets_[b].gathering;
-  }
-  if (!posted) return;
-  try {
-    runner_->wait(posted);
-    order_after_gather(*posted);
-  } catch (...) {
-    const std::lock_guard lock(mutex_);
-    if (broken_) unusable();
-    fail(std::current_exception());
-  }
-  const std::lock_guard lock(mutex_);
-  if (buckets_[b].gathering == posted) buckets_[b].gathering.reset();
-}
-
-/// Streams: the compute stream waits, on the device, for the posted
-/// allgather alone (an event recorded after it), not for the reduce-scatters
-/// enqueued since (a backward pass's part then overlaps the reduce-scatter
-/// of the part before it); where the engine cannot, for every collective so
-/// far. Host memory: the runner waited for it already.
-template <class Policy>
-void basic_ddp<Policy>::order_after_gather(detail::posted_task& posted) {
-  if constexpr (memory_space::on_stream) {
-    if (!posted.collective.stream_wait(stream_)) order_after_buckets();
-  }
-}
-
-/// This pass's place in the recorded order, after a gather() of `unit`.
-template <class Policy>
-void basic_ddp<Policy>::follow_order_locked(const std::vector<std::size_t>& unit) {
-  gather_order& o = order_;
-  // A pass keeps at most this many units (an evaluation of many batches is
-  // one long pass until it starts over at the recorded first unit).
-  const std::size_t most = 64 * buckets_.size() + 1024;
-  if (o.current.size() < most) {
-    o.current.push_back(unit);
-  } else {
-    o.overflow = true;
-  }
-  if (o.recorded.empty()) return;  // the first pass: recording only
-  if (o.in_order && o.next < o.recorded.size() && o.recorded[o.next] == unit) {
-    ++o.next;
-  } else if (o.recorded.front() == unit) {
-    // A new pass from the first unit (the next batch of an evaluation, a
-    // no_sync() micro-batch): follow the order from there.
-    o.next = 1;
-    o.in_order = true;
-    o.current.assign(1, unit);
-    o.overflow = false;
-  } else {
-    o.in_order = false;  // on demand until the pass starts over
-  }
-}
-
-/// Marks the buckets of the next prefetch_units recorded units (the window)
-/// wanted, posts the allgathers of those not whole yet, in order, and
-/// returns the buckets whole, unheld and no longer wanted (to drop).
-template <class Policy>
-std::vector<std::size_t> basic_ddp<Policy>::refresh_window_locked() {
-  const gather_order& o = order_;
-  std::vector<std::size_t> window;  // in the recorded order: the order of the posts
-  std::vector<bool> in_window(buckets_.size(), false);
-  if (size_ > 1 && o.in_order && !o.recorded.empty()) {
-    const std::size_t end = std::min(o.recorded.size(), o.next + options_.prefetch_units);
-    for (std::size_t u = o.next; u < end; ++u) {
-      for (const std::size_t b : o.recorded[u]) {
-        if (!in_window[b]) window.push_back(b);
-        in_window[b] = true;
-      }
-    }
-  }
-  std::vector<std::size_t> unwanted;
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    bucket& s = buckets_[b];
-    s.wanted = in_window[b];
-    if (s.holders == 0 && s.unsharded.data() != nullptr && !s.wanted) unwanted.push_back(b);
-  }
-  for (const std::size_t b : window) {
-    if (buckets_[b].unsharded.data() == nullptr) post_gather_locked(b, true);
-  }
-  return unwanted;
-}
-
-/// Frees the whole values of `candidates` still unheld and unwanted, once
-/// their allgathers are done (the caller does not hold the lock).
-template <class Policy>
-void basic_ddp<Policy>::drop_unwanted(std::span<const std::size_t> candidates) {
-  for (const std::size_t b : candidates) {
-    settle_gather(b);
-    const std::lock_guard lock(mutex_);
-    bucket& s = buckets_[b];
-    if (s.holders == 0 && !s.wanted) free_whole_locked(s);
-  }
-}
-
-/// The end of a step (under the lock): the values are about to change
-/// (optimizer_step()), so nothing stays whole but what a guard holds; the
-/// pass just ended is the order followed from here on, unless it followed
-/// the recorded one to its end.
-template <class Policy>
-void basic_ddp<Policy>::end_gather_pass_locked() {
-  gather_order& o = order_;
-  const bool followed = !o.recorded.empty() && o.in_order && o.next == o.recorded.size();
-  if (!followed && !o.overflow && !o.current.empty()) o.recorded = std::move(o.current);
-  o.current.clear();
-  o.next = 0;
-  o.in_order = true;
-  o.overflow = false;
-  for (variable& v : vars_) v.gathered = false;  // the next step's passes gather them again
-  drop_whole_locked();
-}
-
-/// Frees the whole values of every bucket no guard holds (the window's
-/// too), once their allgathers are done: before the values change.
-template <class Policy>
-void basic_ddp<Policy>::drop_whole_locked() {
-  for (bucket& s : buckets_) {
-    s.wanted = false;
-    if (s.holders > 0 || s.unsharded.data() == nullptr) continue;
-    if (s.gathering) {
-      try {
-        runner_->wait(s.gathering);        // the runner's tasks never take this lock
-        order_after_gather(*s.gathering);  // streams: the free is ordered after the allgather
-      } catch (...) {
-        fail(std::current_exception());
-      }
-      s.gathering.reset();
-    }
-    free_whole_locked(s);
-  }
-}
-
-/// Frees bucket `s`'s whole values (its allgather done), counting a
-/// prefetch no guard used.
-template <class Policy>
-void basic_ddp<Policy>::free_whole_locked(bucket& s) noexcept {
-  if (s.ahead) ++gather_counts_.unused;
-  s.ahead = false;
-  // Host memory: kept for the next gather of a bucket this size (up to
-  // spare_whole_most of them), whose allgather writes over it, rather than
-  // unmapped and faulted in again page by page. GPU memory comes from the
-  // stream-ordered allocator's pool already.
-  if constexpr (detail::pages_droppable<memory_space>) {
-    if (s.unsharded.data() && spare_whole_.size() < spare_whole_most()) {
-      spare_whole_.push_back(std::move(s.unsharded));
-      return;
-    }
-  }
-  s.unsharded = {};
-}
-
-/// Memory for a bucket's whole values of `bytes`: a spare one of that size
-/// (host memory), or fresh.
-template <class Policy>
-detail::flat_storage<typename Policy::memory_space> basic_ddp<Policy>::whole_buffer_locked(
-    std::size_t bytes, int device) {
-  for (auto it = spare_whole_.begin(); it != spare_whole_.end(); ++it) {
-    if (it->bytes() != bytes) continue;
-    detail::flat_storage<memory_space> reused = std::move(*it);
-    spare_whole_.erase(it);
-    return reused;
-  }
-  if (spare_whole_.size() >= spare_whole_most() && !spare_whole_.empty())
-    spare_whole_.erase(spare_whole_.begin());  // none of this size: the oldest goes
-  return detail::flat_storage<memory_space>(bytes, device, stream_, detail::droppable_pages);
-}
-
-template <class Policy>
-void basic_ddp<Policy>::release(std::span<const std::size_t> held) noexcept {
-  const std::lock_guard lock(mutex_);
-  for (const std::size_t b : held) {
-    bucket& s = buckets_[b];
-    if (s.holders == 0 || --s.holders > 0) continue;
-    point_values(b, nullptr);
-    if (s.wanted) continue;  // the next units need it: kept whole
-    // An allgather that failed may not have settled: its buffer stays until DDP goes.
-    if (s.gathering && !runner_->settled(s.gathering)) continue;
-    if (s.gathering) {  // a guard whose gather() threw before settling it
-      try {
-        order_after_gather(*s.gathering);  // streams: the free after the allgather, or none
-      } catch (...) {
-        continue;
-      }
-    }
-    s.gathering.reset();
-    free_whole_locked(s);
-  }
-}
-
-template <class Policy>
-double basic_ddp<Policy>::gradient_norm() {
-  {
-    const std::lock_guard lock(mutex_);
-    check_usable_locked();
-    check_updatable("gradient_norm()");
-  }
-  for (const shard_piece& piece : pieces_) {
-    const buffer& g = piece.gradients;
-    if (g.type != dtype::float32 && g.type != dtype::float64 && g.type != dtype::bfloat16 &&
-        g.type != dtype::float16) {
-      throw config_error("DistributedDataParallel::gradient_norm on rank " + std::to_string(rank_) +
-                         ": parameter '" + vars_[piece.parameter].param.name + "' is " +
-                         std::string(to_string(g.type)) +
-                         "; the norm reads float32, float64, bfloat16 and float16");
-    }
-  }
-  // Streams: the buckets' collectives are done before the host reads what they
-  // wrote; every piece is downloaded, then the host waits once.
-  if constexpr (memory_space::on_stream) wait();
-  std::vector<std::byte> staged;
-  std::vector<std::size_t> at(pieces_.size(), 0);
-  for (std::size_t k = 0; k < pieces_.size(); ++k) {
-    if (pieces_[k].gradients.where != memory::device) continue;
-    at[k] = staged.size();
-    staged.resize(staged.size() + pieces_[k].gradients.bytes());
-  }
-  if (!staged.empty()) {
-    for (std::size_t k = 0; k < pieces_.size(); ++k) {
-      const buffer& g = pieces_[k].gradients;
-      if (g.where == memory::device)
-        memory_space::download(staged.data() + at[k], g.data, g.bytes(), device_, stream_);
-    }
-    memory_space::synchronize(device_, stream_);
-  }
-  // Squares summed in double whatever the type: a 16-bit gradient's square
-  // is not rounded to 16 bits, and no square goes past float32's range.
-  double squares = 0;
-  auto add_squares = [&squares](auto values, auto to_double) {
-    for (const auto x : values) {
-      const double d = to_double(x);
-      squares += d * d;
-    }
-  };
-  for (std::size_t k = 0; k < pieces_.size(); ++k) {
-    const buffer& g = pieces_[k].gradients;
-    const void* data = g.where == memory::device ? staged.data() + at[k] : g.data;
-    const auto bits = std::span(static_cast<const std::uint16_t*>(data), g.count);
-    switch (g.type) {
-      case dtype::float32:
-        add_squares(std::span(static_cast<const float*>(data), g.count),
-                    [](float x) { return double{x}; });
-        break;
-      case dtype::bfloat16:
-        add_squares(bits, [](std::uint16_t x) { return double{bfloat16::to_float(x)}; });
-        break;
-      case dtype::float16:
-        add_squares(bits, [](std::uint16_t x) { return double{float16::to_float(x)}; });
-        break;
-      default:  // float64 (checked above)
-        add_squares(std::span(static_cast<const double*>(data), g.count),
-                    [](double x) { return x; });
-        break;
-    }
-  }
-  if (owns_bucket_shards()) {
-    // Every rank's sum, added in rank order: the same norm on every rank.
-    const std::vector<std::int64_t> all = gather_scalar(std::bit_cast<std::int64_t>(squares));
-    squares = 0;
-    for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
-  }
-  return std::sqrt(squares);
-}
-
-template <class Policy>
-bool basic_ddp<Policy>::any_rank(bool mine) {
-  check_usable();
-  if constexpr (communicator_type::reaches_host_memory) {
-    return !flagged_ranks(control_, mine).empty();
-  } else {
-    const std::vector<std::int64_t> all = gather_scalar(mine ? 1 : 0);
-    return std::any_of(all.begin(), all.end(), [](std::int64_t f) { return f != 0; });
-  }
-}
-
-template <class Policy>
-std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
-  if constexpr (communicator_type::reaches_host_memory) {
-    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
-  } else {
-    if (size_ == 1) {
-      all[0] = mine;
-      return all;
-    }
-    all[static_cast<std::size_t>(rank_)] = mine;
-    through_engine(std::span(all), dtype::int64, [&](const buffer& whole) {
-      buffer slot = whole;  // in place: this rank's part of the whole
-      slot.data = static_cast<std::byte*>(whole.data) +
-                  static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
-      slot.count = 1;
-      comm_.allgather(slot, whole, stream_).wait();
-    });
-  }
-  return all;
-}
-
-}  // namespace dtrain
-// ---- end dtrain/ddp/basic_ddp_shards.hpp ----
 // ---- begin dtrain/ddp/basic_ddp_step.hpp ----
 /// @file
 /// basic_ddp's step, as a state machine under its lock: parameters are marked
@@ -15746,8 +15093,12 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
 /// basic_ddp (see ddp/basic_ddp.hpp for why out of class).
 
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
+#include <span>
+#include <vector>
 
 namespace dtrain {
 
@@ -15758,12 +15109,12 @@ void basic_ddp<Policy>::mark(std::size_t i) {
   {
     const std::lock_guard lock(mutex_);
     last = ready(i);
-    throttle = transient_buckets() && no_sync_depth_ == 0 && !sends_nothing();
+    throttle = shards_.throttles() && no_sync_depth_ == 0 && !sends_nothing();
   }
   // Transient buckets: a backward pass that writes gradients faster than the
   // buckets travel waits here, so that at most two buckets launched and not
   // yet reduced hold their pages (besides those being written).
-  if (throttle) runner_->throttle(transient_in_flight);
+  if (throttle) runner_->throttle(shards_.in_flight);
   if (last && all_marked_) all_marked_();
 }
 
@@ -15773,12 +15124,9 @@ template <class Policy>
 bool basic_ddp<Policy>::ready(std::size_t i) {
   check_usable_locked();
   variable& v = vars_[i];
-  // Stage 3: a gradient the user marks must come from values a gather()
-  // held (mark_all_ready() marks the rest too: a part no pass used gives zero).
-  if (shards_parameters() && !v.gathered && !in_bulk_) not_gathered(i);
+  shards_.on_mark_locked(i, in_bulk_);  // stage 3: refused where no gather() held it
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
-  updatable_ = false;  // a new step: the last one's update (if any) is behind
   if (no_sync_depth_ > 0) {
     v.touched = true;
     return false;
@@ -15847,16 +15195,6 @@ void basic_ddp<Policy>::marked_twice(std::size_t i) const {
               std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
               " on rank " + std::to_string(rank_) +
               "; mark each gradient once per step (accumulate inside no_sync())");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::not_gathered(std::size_t i) const {
-  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
-              std::to_string(i) + ") on rank " + std::to_string(rank_) +
-              " has a gradient, but no gather() held its values in step " + std::to_string(steps_) +
-              " (ddp_options::sharding = parameters: they are null outside one, so the pass "
-              "that computed the gradient did not read them); hold ddp.gather() of its part "
-              "around the part's forward and backward");
 }
 
 /// What may only happen between steps (after synchronize(), before the next mark).
@@ -15949,8 +15287,8 @@ void basic_ddp<Policy>::change_stream(stream_type compute) {
     b.grads.set_stream(compute);
     b.wire.set_stream(compute);
     b.shard.set_stream(compute);
-    b.owned.set_stream(compute);
   }
+  shards_.set_stream(compute);
   stream_ = compute;
 }
 
@@ -16003,14 +15341,7 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
                        " (after mark_ready, before synchronize()): register it between steps");
   }
-  if (options_.sharding == sharding::gradients || options_.sharding == sharding::parameters) {
-    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) + ": ddp_options::sharding is " +
-                       std::string(to_string(options_.sharding)) +
-                       ", "
-                       "whose buckets are reduce-scattered, not allreduced; "
-                       "a hook replaces an allreduce (use sharding::optimizer)");
-  }
+  shards_.check_hook();
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
@@ -16165,8 +15496,7 @@ template <class Policy>
 void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
-  updatable_ = true;  // shard() holds the mean: the optimizer may run once
-  if (shards_parameters()) end_gather_pass_locked();  // before the values change
+  shards_.step_end_locked();  // the shard may be updated once; stage 3's values dropped
   for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.
@@ -16211,8 +15541,959 @@ void basic_ddp<Policy>::fail(std::exception_ptr e) {
   }
 }
 
+template <class Policy>
+bool basic_ddp<Policy>::any_rank(bool mine) {
+  check_usable();
+  if constexpr (communicator_type::reaches_host_memory) {
+    return !flagged_ranks(control_, mine).empty();
+  } else {
+    const std::vector<std::int64_t> all = gather_scalar(mine ? 1 : 0);
+    return std::any_of(all.begin(), all.end(), [](std::int64_t f) { return f != 0; });
+  }
+}
+
+template <class Policy>
+std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+  if constexpr (communicator_type::reaches_host_memory) {
+    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  } else {
+    if (size_ == 1) {
+      all[0] = mine;
+      return all;
+    }
+    all[static_cast<std::size_t>(rank_)] = mine;
+    through_engine(std::span(all), dtype::int64, [&](const buffer& whole) {
+      buffer slot = whole;  // in place: this rank's part of the whole
+      slot.data = static_cast<std::byte*>(whole.data) +
+                  static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
+      slot.count = 1;
+      comm_.allgather(slot, whole, stream_).wait();
+    });
+  }
+  return all;
+}
+
 }  // namespace dtrain
 // ---- end dtrain/ddp/basic_ddp_step.hpp ----
+// ---- begin dtrain/ddp/sharding_part.hpp ----
+/// @file
+/// The bodies of DDP's sharding part (ddp/sharding.hpp): ddp_options::sharding
+/// none and ZeRO stages 1, 2 and 3. Out-of-class members of
+/// detail::ddp_sharding (see ddp/basic_ddp.hpp for why out of class).
+///
+/// A bucket of `moved` elements (padded so that `size()` divides it, each
+/// shard on bucket_alignment on a GPU) has `moved / size()` per shard; rank r
+/// owns elements [r q, (r + 1) q). A parameter may straddle shards: each rank
+/// gets the piece of it that falls in its own. Without sharding, and at stage
+/// 1, reduce() averages whole buckets (an allreduce in place, as DDP); at
+/// stage 2 it reduce-scatters each bucket into the rank's `owned` buffer the
+/// moment it is ready. After the optimizer has updated its pieces (in the
+/// model's own memory), each rank copies them into `owned`, and an allgather
+/// per bucket brings every rank's into the bucket's gradient storage (free
+/// once the optimizer has read the gradients), from where every parameter's
+/// values are copied back; the bucket is then zeroed for the next step's
+/// gradients.
+
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace dtrain::detail {
+
+// ---- What a stage is ---------------------------------------------------------
+
+template <class Policy>
+bool ddp_sharding<Policy>::shards_optimizer_state() const noexcept {
+  return core_.options_.sharding != sharding::none;
+}
+
+template <class Policy>
+bool ddp_sharding<Policy>::shards_parameters() const noexcept {
+  return core_.options_.sharding == sharding::parameters;
+}
+
+template <class Policy>
+bool ddp_sharding<Policy>::shards_gradients() const noexcept {
+  return (core_.options_.sharding == sharding::gradients || shards_parameters()) && core_.size_ > 1;
+}
+
+template <class Policy>
+bool ddp_sharding<Policy>::owns_bucket_shards() const noexcept {
+  return shards_optimizer_state() && (core_.size_ > 1 || shards_parameters());
+}
+
+template <class Policy>
+bool ddp_sharding<Policy>::transient_buckets() const noexcept {
+  return shards_gradients() && pages_droppable<memory_space>;
+}
+
+template <class Policy>
+std::size_t ddp_sharding<Policy>::shard_first(std::size_t b) const {
+  return core_.topo_.shard_position() * shards_[b].owned_count;
+}
+
+template <class Policy>
+std::size_t ddp_sharding<Policy>::spare_whole_most() const noexcept {
+  return core_.options_.prefetch_units + 1;
+}
+
+// ---- The layout ----------------------------------------------------------------
+
+template <class Policy>
+std::string ddp_sharding<Policy>::agreed_options() const {
+  std::string agreed = "ddp_options::sharding = " + std::string(to_string(core_.options_.sharding));
+  if (shards_parameters()) {
+    agreed += ", ddp_options::prefetch_units = " + std::to_string(core_.options_.prefetch_units);
+  }
+  return agreed;
+}
+
+template <class Policy>
+std::size_t ddp_sharding<Policy>::padding(const bucket_info& info, std::size_t unit) const {
+  if (!owns_bucket_shards()) return unit;
+  const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
+  return std::lcm(unit, shard_unit * static_cast<std::size_t>(core_.size_));
+}
+
+template <class Policy>
+typename ddp_sharding<Policy>::storage ddp_sharding<Policy>::gradient_storage(std::size_t bytes,
+                                                                              int device) const {
+  if (transient_buckets()) return storage(bytes, device, core_.stream_, droppable_pages);
+  return storage(bytes, device, core_.stream_);
+}
+
+/// Each bucket's shard (its `owned_count`: `moved` split in size() equal
+/// parts), the staging buffers of stage 2's allgathers, and this rank's pieces.
+template <class Policy>
+void ddp_sharding<Policy>::laid_out() {
+  std::vector<shard> shards(core_.buckets_.size());
+  for (std::size_t b = 0; b < shards.size(); ++b) {
+    const bucket& s = core_.buckets_[b];
+    shard& mine = shards[b];
+    if (!owns_bucket_shards()) continue;
+    const std::size_t elem = size_of(s.info.type);
+    mine.owned_count = s.moved / static_cast<std::size_t>(core_.size_);
+    // Stage 3 on one rank averages nothing: its gradients stay in the bucket.
+    if (!shards_parameters() || shards_gradients())
+      mine.owned = storage(mine.owned_count * elem, s.info.device, core_.stream_);
+    if (shards_parameters())
+      mine.owned_values = storage(mine.owned_count * elem, s.info.device, core_.stream_);
+  }
+  shards_ = std::move(shards);
+  if (transient_buckets() && !shards_parameters()) {  // stage 2's allgathers land there
+    std::size_t largest = 0;
+    for (const bucket& s : core_.buckets_) largest = std::max(largest, s.grads.bytes());
+    for (auto& staged : staging_) staged = storage(largest, -1, core_.stream_);
+  }
+  gathered_.assign(core_.vars_.size(), false);
+  make_pieces();
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::check_hook() const {
+  if (core_.options_.sharding != sharding::gradients && !shards_parameters()) return;
+  throw config_error("DistributedDataParallel::register_comm_hook on rank " +
+                     std::to_string(core_.rank_) + ": ddp_options::sharding is " +
+                     std::string(to_string(core_.options_.sharding)) +
+                     ", whose buckets are reduce-scattered, not allreduced; "
+                     "a hook replaces an allreduce (use sharding::optimizer)");
+}
+
+// ---- The step --------------------------------------------------------------------
+
+template <class Policy>
+void ddp_sharding<Policy>::on_mark_locked(std::size_t i, bool bulk) {
+  // Stage 3: a gradient the user marks must come from values a gather()
+  // held (mark_all_ready() marks the rest too: a part no pass used gives zero).
+  if (shards_parameters() && !gathered_[i] && !bulk) not_gathered(i);
+  updatable_ = false;  // a new step: the last one's update (if any) is behind
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::not_gathered(std::size_t i) const {
+  throw error("DistributedDataParallel::mark_ready: parameter '" + core_.vars_[i].param.name +
+              "' (#" + std::to_string(i) + ") on rank " + std::to_string(core_.rank_) +
+              " has a gradient, but no gather() held its values in step " +
+              std::to_string(core_.steps_) +
+              " (ddp_options::sharding = parameters: they are null outside one, so the pass "
+              "that computed the gradient did not read them); hold ddp.gather() of its part "
+              "around the part's forward and backward");
+}
+
+/// The seam. Stage 2 (and 3): this rank keeps the mean of its shard only,
+/// reduce-scattered by the topology (hierarchical: node-local first); else
+/// the whole bucket is averaged in place.
+template <class Policy>
+work ddp_sharding<Policy>::reduce(std::size_t b, const buffer& data, const buffer& scratch,
+                                  reduce_op op) {
+  if (shards_gradients()) {
+    const buffer mine{shards_[b].owned.data(), shards_[b].owned_count, data.type,
+                      memory_space::where, data.device};
+    return core_.topo_.reduce_scatter(data, scratch, mine, op, core_.on_stream_or_null());
+  }
+  return core_.topo_.allreduce(data, scratch, op, core_.on_stream_or_null());
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::reduced(std::size_t b) {
+  // A transient bucket's pages go back now: its gradients read zero from here on.
+  if (transient_buckets()) core_.buckets_[b].grads.clear(core_.stream_);
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::step_end_locked() {
+  updatable_ = true;  // shard() holds the mean: the optimizer may run once
+  if (shards_parameters()) end_gather_pass_locked();  // before the values change
+}
+
+// ---- For DDP's users -----------------------------------------------------------
+
+template <class Policy>
+void ddp_sharding<Policy>::add_memory(ddp_memory_use& use) const {
+  for (const shard& s : shards_) {
+    use.shards += s.owned.bytes();
+    use.values += s.owned_values.bytes();
+    use.gathered += s.unsharded.bytes();
+  }
+  use.scratch += staging_[0].bytes() + staging_[1].bytes();
+  for (const storage& spare : spare_whole_) use.scratch += spare.bytes();
+  use.transient_buckets = transient_buckets();
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::set_stream(typename memory_space::stream_type compute) {
+  for (shard& s : shards_) {
+    s.owned.set_stream(compute);
+    s.owned_values.set_stream(compute);
+    s.unsharded.set_stream(compute);
+  }
+  for (storage& staged : staging_) staged.set_stream(compute);
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::give_back_values() noexcept {
+  if (!shards_parameters()) return;
+  for (ddp_variable& v : core_.vars_) v.param.rebind_values(v.param.values_slot, nullptr);
+}
+
+template <class Policy>
+template <class Update>
+void ddp_sharding<Policy>::update_and_gather(const char* what, Update& update) {
+  {
+    const std::lock_guard lock(core_.mutex_);
+    core_.check_usable_locked();
+    check_updatable(what);
+    // Stage 3: no whole copy outlives the values it was gathered from
+    // (a prefetch posted since the step's end), no allgather reads them.
+    if (shards_parameters()) drop_whole_locked();
+  }
+  std::vector<work> gathers;
+  std::size_t k = 0;          // pieces_ are in bucket order
+  std::size_t completed = 0;  // buckets whose allgather is copied out already
+  try {
+    for (std::size_t b = 0; b < core_.buckets_.size(); ++b) {
+      for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
+      if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
+        gathers.push_back(launch_gather(b));
+        if (transient_buckets() && b > 0) {
+          gathers[b - 1].wait();
+          complete_gather(b - 1);
+          completed = b;
+        }
+      }
+    }
+    for (; k < pieces_.size(); ++k) update(pieces_[k]);
+  } catch (const std::exception& e) {
+    // The update (or an allgather) failed on this rank: what was launched
+    // completes (or fails), and this DDP is not usable for another step.
+    abandon_gathers(gathers, e.what());
+    throw;
+  } catch (...) {
+    abandon_gathers(gathers, "an exception that is not a std::exception");
+    throw;
+  }
+  finish_gather(gathers, completed);
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::make_pieces() {
+  pieces_.clear();
+  shard_elements_ = 0;
+  if (!owns_bucket_shards()) {  // every parameter is this rank's, its gradient where it is
+    for (std::size_t i = 0; i < core_.vars_.size(); ++i) {
+      const parameter& p = core_.vars_[i].param;
+      pieces_.push_back({.parameter = i,
+                         .offset = 0,
+                         .state_offset = shard_elements_,
+                         .bucket = core_.vars_[i].bucket,
+                         .values = p.values,
+                         .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
+                                       p.values.device}});
+      shard_elements_ += p.values.count;
+    }
+    return;
+  }
+  for (std::size_t b = 0; b < core_.buckets_.size(); ++b) {
+    const bucket& s = core_.buckets_[b];
+    shard& mine = shards_[b];
+    const std::size_t elem = size_of(s.info.type);
+    const std::size_t first = shard_first(b), last = first + mine.owned_count;
+    for (std::size_t k = 0; k < s.info.parameters.size(); ++k) {
+      const std::size_t i = s.info.parameters[k];
+      const parameter& p = core_.vars_[i].param;
+      const std::size_t at = s.info.offsets[k] / elem;  // the parameter's first element
+      const std::size_t lo = std::max(at, first), hi = std::min(at + p.values.count, last);
+      if (lo >= hi) continue;
+      buffer values = p.values;
+      // Stage 3: the shard of the values is DDP's (owned_values), not the model's.
+      values.data = shards_parameters() ? mine.owned_values.data() + (lo - first) * elem
+                                        : static_cast<std::byte*>(p.values.data) + (lo - at) * elem;
+      values.count = hi - lo;
+      std::byte* gradients =
+          shards_gradients() ? mine.owned.data() + (lo - first) * elem : s.grads.data() + lo * elem;
+      pieces_.push_back(
+          {.parameter = i,
+           .offset = lo - at,
+           .state_offset = shard_elements_,
+           .bucket = b,
+           .values = values,
+           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
+      shard_elements_ += hi - lo;
+    }
+  }
+}
+
+/// The pieces' element size, once checked that they have one type and
+/// that `bytes` holds shard_elements() of them.
+template <class Policy>
+std::size_t ddp_sharding<Policy>::shard_value_size(const char* what, std::size_t bytes) const {
+  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().values.type;
+  for (const shard_piece& piece : pieces_) {
+    if (piece.values.type != type) {
+      throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                         std::to_string(core_.rank_) + ": the shard holds " +
+                         std::string(to_string(type)) + " and " +
+                         std::string(to_string(piece.values.type)) + " (parameter '" +
+                         core_.vars_[piece.parameter].param.name + "'); it copies one type");
+    }
+  }
+  if (bytes != shard_elements_ * size_of(type)) {
+    throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
+                       std::to_string(core_.rank_) + ": " + std::to_string(bytes) +
+                       " bytes given for a shard of " + std::to_string(shard_elements_) + " " +
+                       std::string(to_string(type)) + " elements");
+  }
+  return size_of(type);
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::download_values(std::span<std::byte> out) {
+  const std::size_t elem = shard_value_size("download_shard_values()", out.size());
+  for (const shard_piece& p : pieces_) {
+    memory_space::download(out.data() + p.state_offset * elem, p.values.data, p.values.bytes(),
+                           core_.device_, core_.stream_);
+  }
+  if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::upload_values(std::span<const std::byte> in) {
+  const std::size_t elem = shard_value_size("upload_shard_values()", in.size());
+  if (shards_parameters()) {
+    // The values change: no whole copy of the old ones may outlive this
+    // (a prefetched bucket), and none may be held.
+    const std::lock_guard lock(core_.mutex_);
+    core_.check_usable_locked();
+    for (std::size_t b = 0; b < shards_.size(); ++b) {
+      if (shards_[b].holders == 0) continue;
+      throw config_error("DistributedDataParallel::upload_shard_values() on rank " +
+                         std::to_string(core_.rank_) + " while a gather() guard holds parameter '" +
+                         core_.vars_[core_.buckets_[b].info.parameters.front()].param.name +
+                         "': its whole values would be stale; let the guards go first");
+    }
+    drop_whole_locked();
+  }
+  for (const shard_piece& p : pieces_) {
+    memory_space::upload(p.values.data, in.data() + p.state_offset * elem, p.values.bytes(),
+                         core_.device_, core_.stream_);
+  }
+  if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
+}
+
+/// export_parameters()' step for bucket b: its values whole in `host` at
+/// their bucket offsets, where `here` (the root); at stage 3 allgathered
+/// alone (no prefetch, the recorded order untouched) and freed after,
+/// unless a guard or the prefetch window holds it.
+template <class Policy>
+void ddp_sharding<Policy>::whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host,
+                                                bool here) {
+  const bucket& s = core_.buckets_[b];
+  std::size_t bytes = 0;
+  for (const std::size_t i : s.info.parameters)
+    bytes = std::max(bytes, core_.vars_[i].offset + core_.vars_[i].param.values.bytes());
+  if (here) host.resize(std::max(host.size(), bytes));
+  if (!shards_parameters()) {  // the values are whole, in the model's memory
+    if (!here) return;
+    for (const std::size_t i : s.info.parameters) {
+      const parameter& p = core_.vars_[i].param;
+      memory_space::download(host.data() + core_.vars_[i].offset, p.values.data, p.values.bytes(),
+                             core_.device_, core_.stream_);
+    }
+    if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
+    return;
+  }
+  bool posted = false;
+  {
+    const std::lock_guard lock(core_.mutex_);
+    core_.check_usable_locked();
+    if (shards_[b].unsharded.data() == nullptr) {
+      post_gather_locked(b, false);
+      posted = true;
+    }
+  }
+  settle_gather(b);
+  if (here) {
+    memory_space::download(host.data(), shards_[b].unsharded.data(), bytes, core_.device_,
+                           core_.stream_);
+    if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
+  }
+  if (posted) {
+    const std::lock_guard lock(core_.mutex_);
+    shard& mine = shards_[b];
+    if (mine.holders == 0 && !mine.wanted) free_whole_locked(mine);
+  }
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::check_updatable(const char* what) const {
+  if (updatable_) return;
+  throw error("DistributedDataParallel::" + std::string(what) + " on rank " +
+              std::to_string(core_.rank_) + " with no averaged gradients to use: " +
+              (core_.any_touched_
+                   ? "step " + std::to_string(core_.steps_) + " is not synchronized yet"
+                   : "step " + std::to_string(core_.steps_) +
+                         " has not started, and the one before was updated already") +
+              " (sharding " + std::string(to_string(core_.options_.sharding)) +
+              "). Call synchronize() after the backward pass, then the optimizer once");
+}
+
+/// This rank's updated values of bucket b into its shard, and the
+/// allgather of every rank's into the bucket (its gradients are used up),
+/// ordered after the compute stream where the engine takes one.
+template <class Policy>
+work ddp_sharding<Policy>::launch_gather(std::size_t b) {
+  const bucket& s = core_.buckets_[b];
+  shard& mine = shards_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = shard_first(b);
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const shard_piece& piece = pieces_[k];
+    if (piece.bucket != b) continue;
+    const std::size_t at = core_.vars_[piece.parameter].offset / elem + piece.offset - first;
+    memory_space::copy(mine.owned.data() + at * elem, piece.values.data, piece.values.bytes(),
+                       s.info.device, core_.stream_);
+  }
+  const label_scope label("parameters of bucket", static_cast<std::int64_t>(b));
+  return allgather_bucket(b, mine.owned.data(), gathered(b));
+}
+
+/// Every rank's `owned_count` elements of bucket b at `mine` into `all`
+/// (the whole bucket, `moved` elements, in shard order), through the
+/// topology, ordered after the compute stream where the engine takes one.
+template <class Policy>
+work ddp_sharding<Policy>::allgather_bucket(std::size_t b, std::byte* mine, std::byte* all) {
+  const bucket& s = core_.buckets_[b];
+  const int device = s.grads.device();
+  return core_.topo_.allgather(
+      buffer{mine, shards_[b].owned_count, s.info.type, memory_space::where, device},
+      buffer{s.shard.data(), core_.topo_.shard_count(s.moved), s.info.type, memory_space::where,
+             device},
+      buffer{all, s.moved, s.info.type, memory_space::where, device}, core_.on_stream_or_null());
+}
+
+/// Where bucket b's allgather lands: the bucket itself (its gradients are
+/// used up), or with transient buckets, whose pages were given back after
+/// the reduce-scatter, one of two staging buffers, taken in turn (a bucket's
+/// is free again once the bucket two before it is complete).
+template <class Policy>
+std::byte* ddp_sharding<Policy>::gathered(std::size_t b) {
+  return transient_buckets() ? staging_[b % 2].data() : core_.buckets_[b].grads.data();
+}
+
+/// Bucket b's allgather is complete (and, on streams, the compute stream
+/// ordered after it): the values other ranks updated are copied out of where
+/// it landed into the parameters, and the bucket is zeroed for the next
+/// step's gradients.
+template <class Policy>
+void ddp_sharding<Policy>::complete_gather(std::size_t b) {
+  bucket& s = core_.buckets_[b];
+  const std::size_t elem = size_of(s.info.type);
+  const std::size_t first = shard_first(b), last = first + shards_[b].owned_count;
+  for (const std::size_t i : s.info.parameters) {
+    const ddp_variable& v = core_.vars_[i];
+    // The parameter's elements [lo, hi) in the bucket, but for this rank's shard [first, last).
+    const std::size_t lo = v.offset / elem, hi = lo + v.param.values.count;
+    auto copy_out = [&](std::size_t from, std::size_t to) {
+      if (from >= to) return;
+      memory_space::copy(static_cast<std::byte*>(v.param.values.data) + (from - lo) * elem,
+                         gathered(b) + from * elem, (to - from) * elem, s.info.device,
+                         core_.stream_);
+    };
+    copy_out(lo, std::min(hi, first));
+    copy_out(std::max(lo, last), hi);
+  }
+  // The next step's gradients start from zero (a transient bucket's pages
+  // were given back after its reduce-scatter; its staging buffer is
+  // overwritten whole by the next allgather).
+  if (!transient_buckets()) s.grads.clear(core_.stream_);
+}
+
+/// Waits for the allgathers from `completed` on (each within the collective
+/// timeout), then completes each (complete_gather).
+template <class Policy>
+void ddp_sharding<Policy>::finish_gather(std::vector<work>& gathers, std::size_t completed) {
+  const std::lock_guard lock(core_.mutex_);
+  updatable_ = false;
+  if (!shards_optimizer_state()) return;
+  try {
+    if (core_.size_ == 1) {  // nothing to gather; the gradients are cleared as on more ranks
+      for (bucket& s : core_.buckets_) s.grads.clear(core_.stream_);
+      return;
+    }
+    for (std::size_t b = completed; b < gathers.size(); ++b) gathers[b].wait();
+    core_.order_after_buckets();
+    for (std::size_t b = completed; b < gathers.size(); ++b) complete_gather(b);
+  } catch (...) {
+    core_.fail(std::current_exception());
+  }
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std::string& why) {
+  // The update failed on this rank: its peers wait for gathers it will not
+  // send. NCCL aborts the communicators now (work::abandon), so that these
+  // waits end at once, not after the collective timeout.
+  for (work& w : gathers) w.abandon();
+  for (work& w : gathers) {
+    try {
+      w.wait();
+    } catch (...) {  // the update's exception is the one to report
+    }
+  }
+  const std::lock_guard lock(core_.mutex_);
+  updatable_ = false;
+  core_.broken_ = true;
+  core_.broken_message_ =
+      "the optimizer's step failed on rank " + std::to_string(core_.rank_) + " (" + why +
+      ") in the middle of its update and allgathers: the ranks' values may differ";
+}
+
+// ---- Stage 3 (sharding::parameters) -----------------------------------------
+// Each bucket's values live as this rank's shard in owned_values (the pieces'
+// values: the optimizer updates them there); gather() allgathers a bucket's
+// shards into `unsharded`, the whole values, and points the model's value
+// pointers into it; the last guard's release frees it and sets them to null.
+// The allgathers run on the bucket runner, in order with the buckets'
+// reduce-scatters (post_in_order): every rank issues its collectives in the
+// same order, whichever thread runs them. Prefetch: the gather() calls of a
+// step are recorded, and from the next step on each call also posts the
+// allgathers of the next prefetch_units units, which the runner's thread
+// runs while the model computes; a bucket in that window stays whole when
+// its guard goes (the last layer's forward, then its backward).
+// On streams (NCCL, GPU memory) the allgathers are enqueued at once on DDP's
+// communicator, after the compute stream (the optimizer's update of the
+// shard), under the runner's watchdog; gather() orders the compute stream
+// after its allgathers alone (their events, no host wait; not after the
+// reduce-scatters enqueued since) before the unit computes, and the
+// whole values come from the stream-ordered allocator (cudaMallocAsync's
+// pool) and go back on the compute stream after the last kernel that reads
+// them: at most the held units plus the window are allocated at once.
+
+/// Construction: this rank's shard of the values (rank 0's, broadcast) into
+/// owned_values, where make_pieces() put the pieces' values (a parameter
+/// declared without values starts at zero there); the model's value
+/// pointers are null from here on.
+template <class Policy>
+void ddp_sharding<Policy>::take_values() {
+  if (!shards_parameters()) return;
+  for (const shard_piece& piece : pieces_) {
+    const parameter& p = core_.vars_[piece.parameter].param;
+    if (!p.values.data) continue;  // deferred: the shard starts at zero
+    memory_space::copy(
+        piece.values.data,
+        static_cast<const std::byte*>(p.values.data) + piece.offset * size_of(p.values.type),
+        piece.values.bytes(), p.device, core_.stream_);
+  }
+  for (std::size_t b = 0; b < core_.buckets_.size(); ++b) point_values(b, nullptr);
+}
+
+/// The model's values of bucket b's parameters at `whole` (their places in
+/// the bucket's layout), or null.
+template <class Policy>
+void ddp_sharding<Policy>::point_values(std::size_t b, std::byte* whole) noexcept {
+  for (const std::size_t i : core_.buckets_[b].info.parameters) {
+    parameter& p = core_.vars_[i].param;
+    p.values.data = whole ? whole + core_.vars_[i].offset : nullptr;
+    p.rebind_values(p.values_slot, p.values.data);
+  }
+}
+
+template <class Policy>
+typename ddp_sharding<Policy>::held_values ddp_sharding<Policy>::gather(
+    std::span<const std::size_t> indices) {
+  if (!shards_parameters()) return held_values(*this, {});
+  std::vector<std::size_t> held;
+  for (const std::size_t i : indices) held.push_back(core_.vars_[i].bucket);
+  std::sort(held.begin(), held.end());
+  held.erase(std::unique(held.begin(), held.end()), held.end());
+  std::vector<std::size_t> unwanted;
+  std::optional<held_values> guard;
+  {
+    const std::lock_guard lock(core_.mutex_);
+    core_.check_usable_locked();
+    guard.emplace(held_values(*this, held));                  // releases the counts if this throws
+    for (const std::size_t i : indices) gathered_[i] = true;  // for mark_ready's check
+    for (const std::size_t b : held) {
+      shards_[b].holders++;
+      shards_[b].ahead = false;
+    }
+    // Every rank posts the same allgathers in the same order: this unit's
+    // buckets not yet whole (nor on their way), then the window's.
+    for (const std::size_t b : held) {
+      if (shards_[b].unsharded.data() == nullptr) post_gather_locked(b, false);
+    }
+    follow_order_locked(held);
+    unwanted = refresh_window_locked();
+  }
+  for (const std::size_t b : held) settle_gather(b);
+  drop_unwanted(unwanted);
+  {
+    const std::lock_guard lock(core_.mutex_);
+    core_.check_usable_locked();
+    for (const std::size_t b : held) point_values(b, shards_[b].unsharded.data());
+  }
+  return std::move(*guard);
+}
+
+/// Bucket b's values whole into `unsharded`: on the host a spare buffer of
+/// its size or fresh pages (no memset: the allgather writes them all),
+/// kept as a spare or unmapped when dropped (free_whole_locked); on one
+/// rank a copy, elsewhere an allgather posted to the runner, in order with
+/// the buckets' reduce-scatters.
+template <class Policy>
+void ddp_sharding<Policy>::post_gather_locked(std::size_t b, bool ahead) {
+  const bucket& layout = core_.buckets_[b];
+  shard& s = shards_[b];
+  const std::size_t elem = size_of(layout.info.type);
+  ++(ahead ? gather_counts_.prefetched : gather_counts_.on_demand);
+  if (core_.size_ > 1) gather_counts_.bytes += (layout.moved - s.owned_count) * elem;
+  s.ahead = ahead;
+  s.unsharded = whole_buffer_locked(layout.moved * elem, layout.info.device);
+  if (core_.size_ == 1) {
+    memory_space::copy(s.unsharded.data(), s.owned_values.data(), layout.moved * elem,
+                       layout.info.device, core_.stream_);
+    return;
+  }
+  std::byte* mine = s.owned_values.data();
+  std::byte* all = s.unsharded.data();
+  try {
+    s.gathering = core_.runner_->post_in_order([this, b, mine, all] {
+      const label_scope label("values of bucket", static_cast<std::int64_t>(b));
+      return allgather_bucket(b, mine, all);
+    });
+  } catch (...) {
+    core_.fail(std::current_exception());  // the ranks' collectives are out of step: unusable
+  }
+}
+
+/// Waits for bucket b's posted allgather, if any (the caller does not hold
+/// the lock); on streams the compute stream is ordered after it instead
+/// (an event, no host wait): the unit's compute, and the stream-ordered
+/// free of its whole values, come after the allgather that wrote them. A
+/// failure makes DDP unusable and is thrown.
+template <class Policy>
+void ddp_sharding<Policy>::settle_gather(std::size_t b) {
+  std::shared_ptr<posted_task> posted;
+  {
+    const std::lock_guard lock(core_.mutex_);
+    posted = shards_[b].gathering;
+  }
+  if (!posted) return;
+  try {
+    core_.runner_->wait(posted);
+    order_after_gather(*posted);
+  } catch (...) {
+    const std::lock_guard lock(core_.mutex_);
+    if (core_.broken_) core_.unusable();
+    core_.fail(std::current_exception());
+  }
+  const std::lock_guard lock(core_.mutex_);
+  if (shards_[b].gathering == posted) shards_[b].gathering.reset();
+}
+
+/// Streams: the compute stream waits, on the device, for the posted
+/// allgather alone (an event recorded after it), not for the reduce-scatters
+/// enqueued since (a backward pass's part then overlaps the reduce-scatter
+/// of the part before it); where the engine cannot, for every collective so
+/// far. Host memory: the runner waited for it already.
+template <class Policy>
+void ddp_sharding<Policy>::order_after_gather(posted_task& posted) {
+  if constexpr (memory_space::on_stream) {
+    if (!posted.collective.stream_wait(core_.stream_)) core_.order_after_buckets();
+  }
+}
+
+/// This pass's place in the recorded order, after a gather() of `unit`.
+template <class Policy>
+void ddp_sharding<Policy>::follow_order_locked(const std::vector<std::size_t>& unit) {
+  gather_order& o = order_;
+  // A pass keeps at most this many units (an evaluation of many batches is
+  // one long pass until it starts over at the recorded first unit).
+  const std::size_t most = 64 * core_.buckets_.size() + 1024;
+  if (o.current.size() < most) {
+    o.current.push_back(unit);
+  } else {
+    o.overflow = true;
+  }
+  if (o.recorded.empty()) return;  // the first pass: recording only
+  if (o.in_order && o.next < o.recorded.size() && o.recorded[o.next] == unit) {
+    ++o.next;
+  } else if (o.recorded.front() == unit) {
+    // A new pass from the first unit (the next batch of an evaluation, a
+    // no_sync() micro-batch): follow the order from there.
+    o.next = 1;
+    o.in_order = true;
+    o.current.assign(1, unit);
+    o.overflow = false;
+  } else {
+    o.in_order = false;  // on demand until the pass starts over
+  }
+}
+
+/// Marks the buckets of the next prefetch_units recorded units (the window)
+/// wanted, posts the allgathers of those not whole yet, in order, and
+/// returns the buckets whole, unheld and no longer wanted (to drop).
+template <class Policy>
+std::vector<std::size_t> ddp_sharding<Policy>::refresh_window_locked() {
+  const gather_order& o = order_;
+  std::vector<std::size_t> window;  // in the recorded order: the order of the posts
+  std::vector<bool> in_window(core_.buckets_.size(), false);
+  if (core_.size_ > 1 && o.in_order && !o.recorded.empty()) {
+    const std::size_t end = std::min(o.recorded.size(), o.next + core_.options_.prefetch_units);
+    for (std::size_t u = o.next; u < end; ++u) {
+      for (const std::size_t b : o.recorded[u]) {
+        if (!in_window[b]) window.push_back(b);
+        in_window[b] = true;
+      }
+    }
+  }
+  std::vector<std::size_t> unwanted;
+  for (std::size_t b = 0; b < shards_.size(); ++b) {
+    shard& s = shards_[b];
+    s.wanted = in_window[b];
+    if (s.holders == 0 && s.unsharded.data() != nullptr && !s.wanted) unwanted.push_back(b);
+  }
+  for (const std::size_t b : window) {
+    if (shards_[b].unsharded.data() == nullptr) post_gather_locked(b, true);
+  }
+  return unwanted;
+}
+
+/// Frees the whole values of `candidates` still unheld and unwanted, once
+/// their allgathers are done (the caller does not hold the lock).
+template <class Policy>
+void ddp_sharding<Policy>::drop_unwanted(std::span<const std::size_t> candidates) {
+  for (const std::size_t b : candidates) {
+    settle_gather(b);
+    const std::lock_guard lock(core_.mutex_);
+    shard& s = shards_[b];
+    if (s.holders == 0 && !s.wanted) free_whole_locked(s);
+  }
+}
+
+/// The end of a step (under the lock): the values are about to change
+/// (optimizer_step()), so nothing stays whole but what a guard holds; the
+/// pass just ended is the order followed from here on, unless it followed
+/// the recorded one to its end.
+template <class Policy>
+void ddp_sharding<Policy>::end_gather_pass_locked() {
+  gather_order& o = order_;
+  const bool followed = !o.recorded.empty() && o.in_order && o.next == o.recorded.size();
+  if (!followed && !o.overflow && !o.current.empty()) o.recorded = std::move(o.current);
+  o.current.clear();
+  o.next = 0;
+  o.in_order = true;
+  o.overflow = false;
+  gathered_.assign(gathered_.size(), false);  // the next step's passes gather them again
+  drop_whole_locked();
+}
+
+/// Frees the whole values of every bucket no guard holds (the window's
+/// too), once their allgathers are done: before the values change.
+template <class Policy>
+void ddp_sharding<Policy>::drop_whole_locked() {
+  for (shard& s : shards_) {
+    s.wanted = false;
+    if (s.holders > 0 || s.unsharded.data() == nullptr) continue;
+    if (s.gathering) {
+      try {
+        core_.runner_->wait(s.gathering);  // the runner's tasks never take this lock
+        order_after_gather(*s.gathering);  // streams: the free is ordered after the allgather
+      } catch (...) {
+        core_.fail(std::current_exception());
+      }
+      s.gathering.reset();
+    }
+    free_whole_locked(s);
+  }
+}
+
+/// Frees bucket `s`'s whole values (its allgather done), counting a
+/// prefetch no guard used.
+template <class Policy>
+void ddp_sharding<Policy>::free_whole_locked(shard& s) noexcept {
+  if (s.ahead) ++gather_counts_.unused;
+  s.ahead = false;
+  // Host memory: kept for the next gather of a bucket this size (up to
+  // spare_whole_most of them), whose allgather writes over it, rather than
+  // unmapped and faulted in again page by page. GPU memory comes from the
+  // stream-ordered allocator's pool already.
+  if constexpr (pages_droppable<memory_space>) {
+    if (s.unsharded.data() && spare_whole_.size() < spare_whole_most()) {
+      spare_whole_.push_back(std::move(s.unsharded));
+      return;
+    }
+  }
+  s.unsharded = {};
+}
+
+/// Memory for a bucket's whole values of `bytes`: a spare one of that size
+/// (host memory), or fresh.
+template <class Policy>
+typename ddp_sharding<Policy>::storage ddp_sharding<Policy>::whole_buffer_locked(std::size_t bytes,
+                                                                                 int device) {
+  for (auto it = spare_whole_.begin(); it != spare_whole_.end(); ++it) {
+    if (it->bytes() != bytes) continue;
+    flat_storage<memory_space> reused = std::move(*it);
+    spare_whole_.erase(it);
+    return reused;
+  }
+  if (spare_whole_.size() >= spare_whole_most() && !spare_whole_.empty())
+    spare_whole_.erase(spare_whole_.begin());  // none of this size: the oldest goes
+  return flat_storage<memory_space>(bytes, device, core_.stream_, droppable_pages);
+}
+
+template <class Policy>
+void ddp_sharding<Policy>::release(std::span<const std::size_t> held) noexcept {
+  const std::lock_guard lock(core_.mutex_);
+  for (const std::size_t b : held) {
+    shard& s = shards_[b];
+    if (s.holders == 0 || --s.holders > 0) continue;
+    point_values(b, nullptr);
+    if (s.wanted) continue;  // the next units need it: kept whole
+    // An allgather that failed may not have settled: its buffer stays until DDP goes.
+    if (s.gathering && !core_.runner_->settled(s.gathering)) continue;
+    if (s.gathering) {  // a guard whose gather() threw before settling it
+      try {
+        order_after_gather(*s.gathering);  // streams: the free after the allgather, or none
+      } catch (...) {
+        continue;
+      }
+    }
+    s.gathering.reset();
+    free_whole_locked(s);
+  }
+}
+
+template <class Policy>
+double ddp_sharding<Policy>::gradient_norm() {
+  {
+    const std::lock_guard lock(core_.mutex_);
+    core_.check_usable_locked();
+    check_updatable("gradient_norm()");
+  }
+  for (const shard_piece& piece : pieces_) {
+    const buffer& g = piece.gradients;
+    if (g.type != dtype::float32 && g.type != dtype::float64 && g.type != dtype::bfloat16 &&
+        g.type != dtype::float16) {
+      throw config_error("DistributedDataParallel::gradient_norm on rank " +
+                         std::to_string(core_.rank_) + ": parameter '" +
+                         core_.vars_[piece.parameter].param.name + "' is " +
+                         std::string(to_string(g.type)) +
+                         "; the norm reads float32, float64, bfloat16 and float16");
+    }
+  }
+  // Streams: the buckets' collectives are done before the host reads what they
+  // wrote; every piece is downloaded, then the host waits once.
+  if constexpr (memory_space::on_stream) core_.wait();
+  std::vector<std::byte> staged;
+  std::vector<std::size_t> at(pieces_.size(), 0);
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    if (pieces_[k].gradients.where != memory::device) continue;
+    at[k] = staged.size();
+    staged.resize(staged.size() + pieces_[k].gradients.bytes());
+  }
+  if (!staged.empty()) {
+    for (std::size_t k = 0; k < pieces_.size(); ++k) {
+      const buffer& g = pieces_[k].gradients;
+      if (g.where == memory::device)
+        memory_space::download(staged.data() + at[k], g.data, g.bytes(), core_.device_,
+                               core_.stream_);
+    }
+    memory_space::synchronize(core_.device_, core_.stream_);
+  }
+  // Squares summed in double whatever the type: a 16-bit gradient's square
+  // is not rounded to 16 bits, and no square goes past float32's range.
+  double squares = 0;
+  auto add_squares = [&squares](auto values, auto to_double) {
+    for (const auto x : values) {
+      const double d = to_double(x);
+      squares += d * d;
+    }
+  };
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const buffer& g = pieces_[k].gradients;
+    const void* data = g.where == memory::device ? staged.data() + at[k] : g.data;
+    const auto bits = std::span(static_cast<const std::uint16_t*>(data), g.count);
+    switch (g.type) {
+      case dtype::float32:
+        add_squares(std::span(static_cast<const float*>(data), g.count),
+                    [](float x) { return double{x}; });
+        break;
+      case dtype::bfloat16:
+        add_squares(bits, [](std::uint16_t x) { return double{bfloat16::to_float(x)}; });
+        break;
+      case dtype::float16:
+        add_squares(bits, [](std::uint16_t x) { return double{float16::to_float(x)}; });
+        break;
+      default:  // float64 (checked above)
+        add_squares(std::span(static_cast<const double*>(data), g.count),
+                    [](double x) { return x; });
+        break;
+    }
+  }
+  if (partial()) {
+    // Every rank's sum, added in rank order: the same norm on every rank.
+    const std::vector<std::int64_t> all = core_.gather_scalar(std::bit_cast<std::int64_t>(squares));
+    squares = 0;
+    for (const std::int64_t s : all) squares += std::bit_cast<double>(s);
+  }
+  return std::sqrt(squares);
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/sharding_part.hpp ----
 // ---- end dtrain/ddp/basic_ddp.hpp ----
 // ---- begin dtrain/ddp/ddp.hpp ----
 /// @file
@@ -25043,10 +25324,12 @@ DTRAIN_DETAIL_INLINE std::string own_executable() {
 /// `extern` (a declaration, in every user TU) or empty (the definition, in the
 /// library). A class template here must define its heavy members out of the
 /// class and not inline, or GCC still compiles them in every TU (basic_ddp is
-/// DistributedDataParallel's Model-free part, which holds all its machinery).
+/// DistributedDataParallel's Model-free part, which holds all its machinery;
+/// detail::ddp_sharding its sharding part).
 #define DTRAIN_DETAIL_COMPILED_TEMPLATES(EXTERN, ...)                \
   EXTERN template class ::dtrain::context<__VA_ARGS__>;              \
   EXTERN template class ::dtrain::basic_ddp<__VA_ARGS__>;            \
+  EXTERN template class ::dtrain::detail::ddp_sharding<__VA_ARGS__>; \
   EXTERN template int ::dtrain::detail::run_process<__VA_ARGS__>(    \
       int, char**, ::dtrain::detail::training_function<__VA_ARGS__>, \
       const ::dtrain::run_options&);

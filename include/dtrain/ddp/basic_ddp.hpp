@@ -11,8 +11,14 @@
 /// DistributedDataParallel<Model, Policy> and dtrain::torch's wrapper are thin
 /// layers over it: they feed it parameters and marks, and ask it the rest.
 ///
+/// What a sharding stage (ZeRO 1-3) changes lives in one part behind one seam,
+/// detail::ddp_sharding (ddp/sharding.hpp): the core asks it to reduce a
+/// ready bucket and tells it where the step ends, and never branches on the
+/// stage itself.
+///
 /// Every member that is more than a line or two is defined out of the class
-/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp), as a
+/// (here, in ddp/basic_ddp_buckets.hpp and in ddp/basic_ddp_step.hpp; the
+/// sharding part's in ddp/sharding_part.hpp), as a
 /// non-inline template member: a compiled library may then hold `template
 /// class dtrain::basic_ddp<P>;` and its users `extern template class
 /// dtrain::basic_ddp<P>;`, and none of those bodies is compiled again in the
@@ -30,6 +36,7 @@
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/runner.hpp>
+#include <dtrain/ddp/sharding.hpp>
 #include <dtrain/ddp/state.hpp>
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/ddp/timeline.hpp>
@@ -41,7 +48,6 @@
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/layout.hpp>
 
-#include <array>
 #include <atomic>
 #include <concepts>
 #include <cstddef>
@@ -299,14 +305,15 @@ class basic_ddp {
   /// without it, or at world size 1, nothing is communicated.
   [[nodiscard]] std::vector<bool> used_anywhere();
 
-  // Sharding (ddp_options::sharding, ZeRO stages 1, 2 and 3; ddp/basic_ddp_shards.hpp).
+  // Sharding (ddp_options::sharding, ZeRO stages 1, 2 and 3): the sharding part
+  // (detail::ddp_sharding, ddp/sharding.hpp) answers these.
   // The same calls work without sharding, where a rank's shard is every parameter.
 
   /// The pieces of the parameters this rank updates, with their averaged
   /// gradients: after synchronize(), an elementwise optimizer updates each
   /// piece's values (state at piece.state_offset), then gather_parameters().
   /// Without sharding (or on one rank): every parameter, whole.
-  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return pieces_; }
+  [[nodiscard]] std::span<const shard_piece> shard() const noexcept { return shards_.pieces(); }
   /// This rank's shard as ranges of the whole model's elements (the
   /// parameters concatenated in index order): `global` where a piece starts
   /// there, `local` its state_offset. For checkpoint::add_sharded, which
@@ -316,8 +323,8 @@ class basic_ddp {
     for (std::size_t i = 0; i < vars_.size(); ++i)
       first[i + 1] = first[i] + vars_[i].param.values.count;
     std::vector<shard_range> out;
-    out.reserve(pieces_.size());
-    for (const shard_piece& p : pieces_)
+    out.reserve(shard().size());
+    for (const shard_piece& p : shard())
       out.push_back({first[p.parameter] + p.offset, p.state_offset, p.values.count});
     return out;
   }
@@ -332,38 +339,31 @@ class basic_ddp {
     ddp_memory_use use;
     for (const bucket& b : buckets_) {
       use.buckets += b.grads.bytes();
-      use.shards += b.owned.bytes();
       use.scratch += b.wire.bytes() + b.shard.bytes();
-      use.values += b.owned_values.bytes();
-      use.gathered += b.unsharded.bytes();
     }
-    use.scratch += staging_[0].bytes() + staging_[1].bytes();
-    {
-      const std::lock_guard lock(mutex_);
-      for (const auto& spare : spare_whole_) use.scratch += spare.bytes();
-    }
-    use.transient_buckets = transient_buckets();
+    const std::lock_guard lock(mutex_);
+    shards_.add_memory(use);
     return use;
   }
   /// Stage 3: the allgathers of values so far on this rank (gather_counts).
   [[nodiscard]] dtrain::gather_counts gather_counts() const {
     const std::lock_guard lock(mutex_);
-    return gather_counts_;
+    return shards_.gather_counts();
   }
   /// Elements of this rank's shard: the size of an elementwise optimizer's
   /// state array (per state: Adam keeps two).
-  [[nodiscard]] std::size_t shard_elements() const noexcept { return shard_elements_; }
+  [[nodiscard]] std::size_t shard_elements() const noexcept { return shards_.shard_elements(); }
   /// The values of this rank's pieces (shard()), each at its state_offset,
   /// copied into `out` in host memory: shard_elements() elements of the
   /// pieces' type (one type: a config_error names the rank otherwise). At
   /// stage 3 DDP's shard of the values, for checkpoint::add_sharded(name,
   /// ddp). On a GPU after the compute stream, which the host waits for.
-  void download_shard_values(std::span<std::byte> out);
+  void download_shard_values(std::span<std::byte> out) { shards_.download_values(out); }
   /// `in` (as download_shard_values() writes it) into the pieces' values;
   /// on a GPU on the compute stream, which the host waits for. At stage 3
   /// the whole copies of the old values (prefetched) are dropped; while a
   /// gather() guard holds some it throws config_error, naming the rank.
-  void upload_shard_values(std::span<const std::byte> in);
+  void upload_shard_values(std::span<const std::byte> in) { shards_.upload_values(in); }
   /// Collective, between steps: the whole model's values on rank `root`
   /// (an export for inference, FSDP's full state dict with rank0_only and
   /// offload_to_cpu), in bounded memory: one bucket at a time is made whole
@@ -391,7 +391,7 @@ class basic_ddp {
     std::vector<std::byte> host;
     std::exception_ptr thrown;  // visit's: the other ranks' allgathers still get this rank's part
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      whole_bucket_to_host(b, host, rank_ == root && !thrown);
+      shards_.whole_bucket_to_host(b, host, rank_ == root && !thrown);
       if (rank_ != root || thrown) continue;
       try {
         for (const std::size_t i : buckets_[b].info.parameters) {
@@ -412,19 +412,22 @@ class basic_ddp {
   /// updated, while the update goes on with the next bucket's.
   template <class Update>
   requires std::invocable<Update&, const shard_piece&>
-  void optimizer_step(Update&& update) { update_and_gather("optimizer_step()", update); }
+  void optimizer_step(Update&& update) { shards_.update_and_gather("optimizer_step()", update); }
   /// Collective: every rank's updated shard to every rank (an allgather per
   /// bucket), so that every rank holds all the values again; DDP's gradient
   /// buckets are its scratch and are zeroed after. Once after each
   /// synchronize(), after this rank's update of its shard. Nothing to send
   /// without sharding or on one rank.
-  void gather_parameters();
+  void gather_parameters() {
+    auto nothing = [](const shard_piece&) {};  // this rank updated its pieces itself
+    shards_.update_and_gather("gather_parameters()", nothing);
+  }
   /// The L2 norm of the averaged gradients of the whole model, the same on
   /// every rank (collective with sharding: each rank sums its shard's
   /// squares). For clipping: scale the pieces' gradients by max_norm / norm.
   /// After synchronize(), before gather_parameters(). float32, float64,
   /// bfloat16 and float16 gradients, their squares summed in double.
-  [[nodiscard]] double gradient_norm();
+  [[nodiscard]] double gradient_norm() { return shards_.gradient_norm(); }
   /// Collective: whether `mine` is true on any rank, on every rank (to skip a
   /// step together when some rank found an inf or a NaN).
   [[nodiscard]] bool any_rank(bool mine);
@@ -433,24 +436,7 @@ class basic_ddp {
   /// buckets it holds are whole on this rank, and the model's value pointers
   /// point at them; when the last one holding a bucket goes, the pointers are
   /// set to null and the memory is given back. Made by gather().
-  class gathered_parameters {
-   public:
-    gathered_parameters(gathered_parameters&& other) noexcept
-        : ddp_(std::exchange(other.ddp_, nullptr)), buckets_(std::move(other.buckets_)) {}
-    gathered_parameters(const gathered_parameters&) = delete;
-    gathered_parameters& operator=(const gathered_parameters&) = delete;
-    gathered_parameters& operator=(gathered_parameters&&) = delete;
-    ~gathered_parameters() {
-      if (ddp_) ddp_->release(buckets_);
-    }
-
-   private:
-    friend class basic_ddp;
-    gathered_parameters(basic_ddp& ddp, std::vector<std::size_t> buckets) noexcept
-        : ddp_(&ddp), buckets_(std::move(buckets)) {}
-    basic_ddp* ddp_;
-    std::vector<std::size_t> buckets_;
-  };
+  using gathered_parameters = typename detail::ddp_sharding<Policy>::held_values;
   /// Collective, with sharding::parameters: allgathers the values of the
   /// buckets that hold `params` (parameters, indices into parameters(), or
   /// names), unless a live guard holds them already, and points the model's
@@ -465,19 +451,19 @@ class basic_ddp {
       gather(R&& params) {
     std::vector<std::size_t> indices;
     for (auto&& p : params) indices.push_back(index_of(p));
-    return gather_indices(indices);
+    return shards_.gather(indices);
   }
   /// gather({"fc1.weight", "fc1.bias"}).
   [[nodiscard]] gathered_parameters gather(std::initializer_list<std::string_view> names) {
     std::vector<std::size_t> indices;
     for (std::string_view n : names) indices.push_back(index_of(n));
-    return gather_indices(indices);
+    return shards_.gather(indices);
   }
   /// gather({4, 5}): by index.
   [[nodiscard]] gathered_parameters gather(std::initializer_list<std::size_t> indices) {
     std::vector<std::size_t> checked;
     for (std::size_t i : indices) checked.push_back(index_of(i));
-    return gather_indices(checked);
+    return shards_.gather(checked);
   }
 
   /// Throws dtrain::error naming the failure after which this DDP cannot be
@@ -548,13 +534,10 @@ class basic_ddp {
   friend class detail::thread_runner;
   template <class>
   friend class detail::stream_runner;
+  friend class detail::ddp_sharding<Policy>;
 
   using variable = detail::ddp_variable;
   using bucket = detail::ddp_bucket<memory_space>;
-  /// The first element of this rank's shard in a bucket: its part is the
-  /// topology's shard_position() (the rank, flat; local rank x nodes + node
-  /// rank, hierarchical), where a two-level reduce-scatter leaves it.
-  std::size_t shard_first(const bucket& s) const { return topo_.shard_position() * s.owned_count; }
   using runner_type = std::conditional_t<memory_space::on_stream, detail::stream_runner<basic_ddp>,
                                          detail::thread_runner<basic_ddp>>;
   // The control plane DDP makes for itself over its own communicator (host backends).
@@ -585,7 +568,6 @@ class basic_ddp {
   [[noreturn]] void no_such_name(std::string_view name) const;
   [[noreturn]] void not_a_parameter(const parameter& p) const;
   [[noreturn]] void marked_twice(std::size_t i) const;
-  [[noreturn]] void not_gathered(std::size_t i) const;
   void check_between_steps(const char* what) const;
 
   std::size_t index_of(std::size_t index) const {
@@ -598,7 +580,7 @@ class basic_ddp {
     return it->second;
   }
   std::size_t index_of(const parameter& p) const {
-    if (shards_parameters()) {
+    if (shards_.values_move()) {
       auto it = by_name_.find(p.name);
       if (it == by_name_.end()) not_a_parameter(p);
       return it->second;
@@ -608,107 +590,11 @@ class basic_ddp {
     return it->second;
   }
 
-  // Stage 3 (ddp/basic_ddp_shards.hpp).
-  gathered_parameters gather_indices(std::span<const std::size_t> indices);
-  void release(std::span<const std::size_t> buckets) noexcept;
-  void take_values();
-  void point_values(std::size_t b, std::byte* whole) noexcept;
-  void post_gather_locked(std::size_t b, bool ahead);
-  void settle_gather(std::size_t b);
-  void order_after_gather(detail::posted_task& posted);
-  void follow_order_locked(const std::vector<std::size_t>& unit);
-  std::vector<std::size_t> refresh_window_locked();
-  void drop_unwanted(std::span<const std::size_t> candidates);
-  void end_gather_pass_locked();
-  void drop_whole_locked();
-  void free_whole_locked(bucket& s) noexcept;
-  detail::flat_storage<memory_space> whole_buffer_locked(std::size_t bytes, int device);
-  /// Stage 3 on the host: freed whole-value buffers kept for reuse, at most
-  /// the prefetch window's worth and one more.
-  std::size_t spare_whole_most() const noexcept { return options_.prefetch_units + 1; }
-
+  /// The first step's ready order lays the buckets out again, once
+  /// (not where the sharding part keeps the layout it was built with).
   bool recording() const noexcept {
-    return options_.rebuild_buckets && !shards_optimizer_state() && !rebuilt_ && steps_ == 0;
+    return options_.rebuild_buckets && !shards_.fixed_layout() && !rebuilt_ && steps_ == 0;
   }
-  /// Stage 1 or 2: the optimizer updates this rank's pieces (shard()), and
-  /// the bucket layout stays as built (no rebuild moves a shard).
-  bool shards_optimizer_state() const noexcept { return options_.sharding != sharding::none; }
-  /// Sharding over more than one rank: each rank owns a shard of every
-  /// bucket (padded to size() equal shards), and the updated values come
-  /// back by allgather.
-  bool owns_bucket_shards() const noexcept {
-    return shards_optimizer_state() && (size_ > 1 || shards_parameters());
-  }
-  /// Stage 3: DDP holds each bucket's values as this rank's shard
-  /// (owned_values), whole only while gather() holds the bucket.
-  bool shards_parameters() const noexcept { return options_.sharding == sharding::parameters; }
-  /// Stage 2 over more than one rank: this rank's averaged gradients are its
-  /// shard's only, in `owned` (buckets are reduce-scattered there by the
-  /// topology: hierarchical, node-local first).
-  bool shards_gradients() const noexcept {
-    return (options_.sharding == sharding::gradients || shards_parameters()) && size_ > 1;
-  }
-  /// Stage 2 where memory can give pages back (the host): each bucket's
-  /// gradient pages are returned once it is reduce-scattered, and again once
-  /// its allgather is copied out, so that gradients take memory only while a
-  /// bucket is being filled or is in flight (ZeRO stage 2's gradient memory).
-  bool transient_buckets() const noexcept {
-    return shards_gradients() && detail::pages_droppable<memory_space>;
-  }
-  /// Transient buckets launched and not yet reduced before mark_ready waits.
-  static constexpr std::size_t transient_in_flight = 2;
-
-  void make_pieces();
-  std::size_t shard_value_size(const char* what, std::size_t bytes) const;
-  void whole_bucket_to_host(std::size_t b, std::vector<std::byte>& host, bool here);
-  void check_updatable(const char* what) const;
-  /// optimizer_step() and gather_parameters(): `update(piece)` for each
-  /// piece, bucket by bucket, each bucket's allgather launched once its
-  /// pieces are updated (transient buckets: the one before completed while
-  /// it travels, so that at most two hold their pages at once), then the rest.
-  template <class Update>
-  void update_and_gather(const char* what, Update& update) {
-    {
-      const std::lock_guard lock(mutex_);
-      check_usable_locked();
-      check_updatable(what);
-      // Stage 3: no whole copy outlives the values it was gathered from
-      // (a prefetch posted since the step's end), no allgather reads them.
-      if (shards_parameters()) drop_whole_locked();
-    }
-    std::vector<work> gathers;
-    std::size_t k = 0;          // pieces_ are in bucket order
-    std::size_t completed = 0;  // buckets whose allgather is copied out already
-    try {
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-        if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
-          gathers.push_back(launch_gather(b));
-          if (transient_buckets() && b > 0) {
-            gathers[b - 1].wait();
-            complete_gather(b - 1);
-            completed = b;
-          }
-        }
-      }
-      for (; k < pieces_.size(); ++k) update(pieces_[k]);
-    } catch (const std::exception& e) {
-      // The update (or an allgather) failed on this rank: what was launched
-      // completes (or fails), and this DDP is not usable for another step.
-      abandon_gathers(gathers, e.what());
-      throw;
-    } catch (...) {
-      abandon_gathers(gathers, "an exception that is not a std::exception");
-      throw;
-    }
-    finish_gather(gathers, completed);
-  }
-  work launch_gather(std::size_t b);
-  work allgather_bucket(std::size_t b, std::byte* mine, std::byte* all);
-  std::byte* gathered(std::size_t b);
-  void complete_gather(std::size_t b);
-  void finish_gather(std::vector<work>& gathers, std::size_t completed);
-  void abandon_gathers(std::vector<work>& gathers, const std::string& why);
   /// World size 1 without a hook (nor ddp_options::always_reduce): no bucket travels.
   bool sends_nothing() const noexcept { return size_ == 1 && !hook_ && !options_.always_reduce; }
 
@@ -799,9 +685,6 @@ class basic_ddp {
   std::unordered_map<std::string_view, std::size_t> by_name_;
   std::unordered_map<const void*, std::size_t> by_data_;
   std::vector<bucket> buckets_;
-  /// Transient buckets: where the allgathers land, two in turn (the largest bucket's size).
-  std::array<detail::flat_storage<memory_space>, 2> staging_;
-  std::vector<detail::flat_storage<memory_space>> spare_whole_;  // stage 3, host: under mutex_
   // The current step.
   std::vector<std::size_t> ready_order_;  // recorded for the rebuild
   std::size_t next_launch_ = 0;
@@ -818,23 +701,9 @@ class basic_ddp {
   std::size_t used_step_ = 0;              // 0: none yet (a step's count is taken after it)
   bool broken_ = false;
   std::string broken_message_;
-  // Sharding: this rank's pieces (whole parameters without it), and whether
-  // the last step was synchronized and not yet updated (optimizer_step()).
-  std::vector<shard_piece> pieces_;
-  std::size_t shard_elements_ = 0;
-  bool updatable_ = false;
-  /// Stage 3's prefetch: the units (each gather() call's buckets) of the
-  /// last pass through the model, in order, and where this pass is in them.
-  /// A pass is a step, or the calls from the recorded first unit on (an
-  /// evaluation, a no_sync() micro-batch). Touched under the lock.
-  struct gather_order {
-    std::vector<std::vector<std::size_t>> recorded;
-    std::vector<std::vector<std::size_t>> current;  ///< this pass's units so far
-    std::size_t next = 0;   ///< the position in `recorded` of the unit expected next
-    bool in_order = true;   ///< this pass has followed `recorded` so far
-    bool overflow = false;  ///< this pass made more calls than are kept
-  } order_;
-  dtrain::gather_counts gather_counts_;
+  /// ZeRO's stages (none too): the reduction of a ready bucket, the shard,
+  /// stage 3's gathers. After the state above, which it reads.
+  detail::ddp_sharding<Policy> shards_{*this};
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
@@ -879,11 +748,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                                     on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  std::string agreed = "ddp_options::sharding = " + std::string(to_string(options_.sharding));
-  if (shards_parameters()) {
-    agreed += ", ddp_options::prefetch_units = " + std::to_string(options_.prefetch_units);
-  }
-  detail::agree_on_model(control_, parameters, buffers_, agreed);
+  detail::agree_on_model(control_, parameters, buffers_, shards_.agreed_options());
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -904,7 +769,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   used_counts_.assign(vars_.size(), 0);  // no step yet: nothing used
   lay_out(detail::reverse_order(vars_.size()));
-  if (shards_parameters()) take_values();
+  shards_.take_values();
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
   runner_.emplace(*this);
@@ -915,9 +780,8 @@ basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
   timeline_.write_at_exit();
   try {
+    shards_.give_back_values();  // stage 3: the values go with this object
     for (variable& v : vars_) {
-      // Stage 3: the values go with this object; the model's pointer is null.
-      if (shards_parameters()) v.param.rebind_values(v.param.values_slot, nullptr);
       if (!v.view) continue;
       parameter& p = v.param;
       if (v.original) memory_space::copy(v.original, p.gradient, p.bytes(), p.device, stream_);
@@ -974,5 +838,5 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
 }  // namespace dtrain
 
 #include <dtrain/ddp/basic_ddp_buckets.hpp>
-#include <dtrain/ddp/basic_ddp_shards.hpp>
 #include <dtrain/ddp/basic_ddp_step.hpp>
+#include <dtrain/ddp/sharding_part.hpp>

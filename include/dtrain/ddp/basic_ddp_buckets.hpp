@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
@@ -35,7 +34,7 @@ template <class Policy>
 void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
   std::vector<bucket_info> layout = detail::assign_buckets(
       parameters(), order, mib_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
-      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"), shards_parameters());
+      mib_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"), shards_.buckets_by_unit());
   std::vector<bucket> buckets(layout.size());
   for (std::size_t b = 0; b < layout.size(); ++b) {
     bucket& s = buckets[b];
@@ -46,30 +45,10 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
-    // Sharded: size() equal shards, each on bucket_alignment on a GPU.
-    if (owns_bucket_shards()) {
-      const std::size_t shard_unit = info.device >= 0 ? bucket_alignment / size_of(info.type) : 1;
-      unit = std::lcm(unit, shard_unit * static_cast<std::size_t>(size_));
-    }
+    unit = shards_.padding(info, unit);  // sharded: size() equal shards
     s.moved = (info.count + unit - 1) / unit * unit;
-    if (owns_bucket_shards()) {
-      s.owned_count = s.moved / static_cast<std::size_t>(size_);
-      // Stage 3 on one rank averages nothing: its gradients stay in the bucket.
-      if (!shards_parameters() || shards_gradients()) {
-        s.owned = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
-                                                     info.device, stream_);
-      }
-      if (shards_parameters()) {
-        s.owned_values = detail::flat_storage<memory_space>(s.owned_count * size_of(info.type),
-                                                            info.device, stream_);
-      }
-    }
     try {
-      s.grads = transient_buckets()
-                    ? detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                         stream_, detail::droppable_pages)
-                    : detail::flat_storage<memory_space>(s.moved * size_of(info.type), info.device,
-                                                         stream_);
+      s.grads = shards_.gradient_storage(s.moved * size_of(info.type), info.device);
     } catch (const backend_error& e) {
       throw backend_error("DistributedDataParallel on rank " + std::to_string(rank_) +
                               ": the gradients of bucket " + std::to_string(b) + ": " + e.what(),
@@ -95,17 +74,12 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
       }
     }
   }
-  if (transient_buckets() && !shards_parameters()) {  // stage 2's allgathers land there
-    std::size_t largest = 0;
-    for (const bucket& s : buckets) largest = std::max(largest, s.grads.bytes());
-    for (auto& staged : staging_) staged = detail::flat_storage<memory_space>(largest, -1, stream_);
-  }
   // The old buckets are released on the compute stream, after the copies
   // out of them and (streams) after every collective on them: the compute
   // stream waits for those already (order_after_buckets). The host does not
   // wait, with CUDA as without.
   buckets_ = std::move(buckets);
-  make_pieces();
+  shards_.laid_out();
   reset_step();
 }
 
@@ -194,14 +168,9 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
-  const buffer shard{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
-                     s.grads.device()};
-  if (shards_gradients()) {  // stage 2: this rank keeps the mean of its shard only
-    const buffer mine{s.owned.data(), s.owned_count, data.type, memory_space::where,
-                      s.grads.device()};
-    return topo_.reduce_scatter(data, shard, mine, op, on_stream_or_null());
-  }
-  return topo_.allreduce(data, shard, op, on_stream_or_null());
+  const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
+                       s.grads.device()};
+  return shards_.reduce(b, data, scratch, op);  // the seam: averaged, or reduce-scattered
 }
 
 /// Decompression and copy-out: what must happen after the collective.
@@ -214,14 +183,14 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
   }
   // Stage 2 averaged only this rank's shard (shard() has it): the model's
   // own gradients keep what this rank computed.
+  const bool whole = shards_.mean_is_whole();
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
-    if (v.view || shards_gradients()) continue;
+    if (v.view || !whole) continue;
     memory_space::copy(v.param.gradient, s.grads.data() + v.offset, v.param.bytes(), s.info.device,
                        stream_);
   }
-  // A transient bucket's pages go back now: its gradients read zero from here on.
-  if (transient_buckets()) s.grads.clear(stream_);
+  shards_.reduced(b);
   timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
 }
 

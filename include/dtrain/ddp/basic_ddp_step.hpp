@@ -8,8 +8,12 @@
 
 #include <dtrain/ddp/basic_ddp.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
+#include <span>
+#include <vector>
 
 namespace dtrain {
 
@@ -20,12 +24,12 @@ void basic_ddp<Policy>::mark(std::size_t i) {
   {
     const std::lock_guard lock(mutex_);
     last = ready(i);
-    throttle = transient_buckets() && no_sync_depth_ == 0 && !sends_nothing();
+    throttle = shards_.throttles() && no_sync_depth_ == 0 && !sends_nothing();
   }
   // Transient buckets: a backward pass that writes gradients faster than the
   // buckets travel waits here, so that at most two buckets launched and not
   // yet reduced hold their pages (besides those being written).
-  if (throttle) runner_->throttle(transient_in_flight);
+  if (throttle) runner_->throttle(shards_.in_flight);
   if (last && all_marked_) all_marked_();
 }
 
@@ -35,12 +39,9 @@ template <class Policy>
 bool basic_ddp<Policy>::ready(std::size_t i) {
   check_usable_locked();
   variable& v = vars_[i];
-  // Stage 3: a gradient the user marks must come from values a gather()
-  // held (mark_all_ready() marks the rest too: a part no pass used gives zero).
-  if (shards_parameters() && !v.gathered && !in_bulk_) not_gathered(i);
+  shards_.on_mark_locked(i, in_bulk_);  // stage 3: refused where no gather() held it
   const auto span = timeline_.mark_ready(i, v.bucket);
   any_touched_ = true;
-  updatable_ = false;  // a new step: the last one's update (if any) is behind
   if (no_sync_depth_ > 0) {
     v.touched = true;
     return false;
@@ -109,16 +110,6 @@ void basic_ddp<Policy>::marked_twice(std::size_t i) const {
               std::to_string(i) + ") was marked ready twice in step " + std::to_string(steps_) +
               " on rank " + std::to_string(rank_) +
               "; mark each gradient once per step (accumulate inside no_sync())");
-}
-
-template <class Policy>
-void basic_ddp<Policy>::not_gathered(std::size_t i) const {
-  throw error("DistributedDataParallel::mark_ready: parameter '" + vars_[i].param.name + "' (#" +
-              std::to_string(i) + ") on rank " + std::to_string(rank_) +
-              " has a gradient, but no gather() held its values in step " + std::to_string(steps_) +
-              " (ddp_options::sharding = parameters: they are null outside one, so the pass "
-              "that computed the gradient did not read them); hold ddp.gather() of its part "
-              "around the part's forward and backward");
 }
 
 /// What may only happen between steps (after synchronize(), before the next mark).
@@ -211,8 +202,8 @@ void basic_ddp<Policy>::change_stream(stream_type compute) {
     b.grads.set_stream(compute);
     b.wire.set_stream(compute);
     b.shard.set_stream(compute);
-    b.owned.set_stream(compute);
   }
+  shards_.set_stream(compute);
   stream_ = compute;
 }
 
@@ -265,14 +256,7 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::to_string(rank_) + " in the middle of step " + std::to_string(steps_) +
                        " (after mark_ready, before synchronize()): register it between steps");
   }
-  if (options_.sharding == sharding::gradients || options_.sharding == sharding::parameters) {
-    throw config_error("DistributedDataParallel::register_comm_hook on rank " +
-                       std::to_string(rank_) + ": ddp_options::sharding is " +
-                       std::string(to_string(options_.sharding)) +
-                       ", "
-                       "whose buckets are reduce-scattered, not allreduced; "
-                       "a hook replaces an allreduce (use sharding::optimizer)");
-  }
+  shards_.check_hook();
   if (options_.compression != gradient_compression::none) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
@@ -427,8 +411,7 @@ template <class Policy>
 void basic_ddp<Policy>::end_step() {
   const bool rebuild = recording();
   ++steps_;
-  updatable_ = true;  // shard() holds the mean: the optimizer may run once
-  if (shards_parameters()) end_gather_pass_locked();  // before the values change
+  shards_.step_end_locked();  // the shard may be updated once; stage 3's values dropped
   for (variable& v : vars_) v.touched_last = v.touched;
   if (rebuild) {
     // Rank 0's order wins, so that every rank lays its buckets out alike.
@@ -471,6 +454,39 @@ void basic_ddp<Policy>::fail(std::exception_ptr e) {
     broken_message_ = x.what();
     throw;
   }
+}
+
+template <class Policy>
+bool basic_ddp<Policy>::any_rank(bool mine) {
+  check_usable();
+  if constexpr (communicator_type::reaches_host_memory) {
+    return !flagged_ranks(control_, mine).empty();
+  } else {
+    const std::vector<std::int64_t> all = gather_scalar(mine ? 1 : 0);
+    return std::any_of(all.begin(), all.end(), [](std::int64_t f) { return f != 0; });
+  }
+}
+
+template <class Policy>
+std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+  if constexpr (communicator_type::reaches_host_memory) {
+    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  } else {
+    if (size_ == 1) {
+      all[0] = mine;
+      return all;
+    }
+    all[static_cast<std::size_t>(rank_)] = mine;
+    through_engine(std::span(all), dtype::int64, [&](const buffer& whole) {
+      buffer slot = whole;  // in place: this rank's part of the whole
+      slot.data = static_cast<std::byte*>(whole.data) +
+                  static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
+      slot.count = 1;
+      comm_.allgather(slot, whole, stream_).wait();
+    });
+  }
+  return all;
 }
 
 }  // namespace dtrain

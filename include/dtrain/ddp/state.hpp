@@ -6,14 +6,12 @@
 
 #include <dtrain/ddp/bucket.hpp>
 #include <dtrain/ddp/parameter.hpp>
-#include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/storage.hpp>
 
 #include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
-#include <memory>
 #include <vector>
 
 namespace dtrain::detail {
@@ -30,7 +28,6 @@ struct ddp_variable {
   bool touched = false;  ///< this rank gave it a gradient (a mark, or one inside no_sync())
   bool zeroed = false;   ///< contributes zero: its bucket slice was zeroed, nothing to copy in
   bool unused = false;   ///< prepare_for_backward() said the coming backward pass does not reach it
-  bool gathered = false;  ///< stage 3: a gather() asked for it in this step (its values were whole)
   // Across steps.
   bool touched_last = false;  ///< `touched` in the last completed step (used_anywhere())
   bool used = false;          ///< some rank used it in the steps reported on (report_unused)
@@ -44,25 +41,8 @@ struct ddp_bucket {
   flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
   flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
   flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
-  /// With sharding, over more than one rank: this rank's shard of the bucket
-  /// (`owned_count` elements), where a reduce-scatter leaves the averaged
-  /// gradients (stage 2) and the updated values wait for the allgather.
-  flat_storage<Memory> owned;
-  std::size_t owned_count = 0;
-  /// Stage 3 (sharding::parameters): this rank's shard of the values
-  /// (`owned_count` elements, all of them on one rank), the master copy the
-  /// optimizer updates; and, while gather() holds the bucket (`holders` > 0),
-  /// the whole values, allgathered, which the model's value pointers point into.
-  flat_storage<Memory> owned_values;
-  flat_storage<Memory> unsharded;
-  std::size_t holders = 0;
-  /// Stage 3: the allgather into `unsharded`, posted to the runner (a
-  /// prefetch runs while the model computes); null once waited for.
-  std::shared_ptr<posted_task> gathering;
-  /// Stage 3: in the prefetch window (the units expected next): kept whole
-  /// when its last guard goes, instead of freed.
-  bool wanted = false;
-  bool ahead = false;       ///< stage 3: prefetched, and no guard has held it since
+  // What a sharding stage keeps per bucket is the sharding part's
+  // (detail::bucket_shard, ddp/sharding.hpp).
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
   std::size_t pending = 0;  ///< its parameters not yet marked in this step
   bool ready = false;       ///< every parameter marked: may be launched in its turn

@@ -69,10 +69,12 @@
 /// `extern` (a declaration, in every user TU) or empty (the definition, in the
 /// library). A class template here must define its heavy members out of the
 /// class and not inline, or GCC still compiles them in every TU (basic_ddp is
-/// DistributedDataParallel's Model-free part, which holds all its machinery).
+/// DistributedDataParallel's Model-free part, which holds all its machinery;
+/// detail::ddp_sharding its sharding part).
 #define DTRAIN_DETAIL_COMPILED_TEMPLATES(EXTERN, ...)                \
   EXTERN template class ::dtrain::context<__VA_ARGS__>;              \
   EXTERN template class ::dtrain::basic_ddp<__VA_ARGS__>;            \
+  EXTERN template class ::dtrain::detail::ddp_sharding<__VA_ARGS__>; \
   EXTERN template int ::dtrain::detail::run_process<__VA_ARGS__>(    \
       int, char**, ::dtrain::detail::training_function<__VA_ARGS__>, \
       const ::dtrain::run_options&);

@@ -1,0 +1,2 @@
+#pragma once
+// sharding::parameters named in a comment is fine.
