@@ -49,6 +49,7 @@
 #include <dtrain/dtrain.hpp>
 
 #include "flags.hpp"
+#include "layered.hpp"
 
 #include <malloc.h>
 #include <algorithm>
@@ -116,59 +117,8 @@ settings parse(int argc, char** argv) {
   return s;
 }
 
-/// L layers of P floats, values and gradients as pointers DDP may repoint
-/// (gradients into its buckets; values, at stage 3, into its gathered ones).
-struct layered_model {
-  std::vector<std::vector<float>> values;
-  std::vector<float*> held;  // where the values are: `values`, or DDP's at stage 3
-  std::vector<float*> grads;
-  std::size_t floats;
-  /// `deferred` (stage 3): no values here; DDP's shards are written through
-  /// shard() (no rank ever holds the model whole).
-  layered_model(std::size_t layers, std::size_t per_layer, bool deferred = false)
-      : values(deferred ? 0 : layers, std::vector<float>(per_layer, 0.5f)),
-        held(layers, nullptr),
-        grads(layers, nullptr),
-        floats(per_layer) {
-    for (std::size_t l = 0; l < values.size(); ++l) held[l] = values[l].data();
-  }
-  std::vector<dtrain::parameter> parameters() {
-    std::vector<dtrain::parameter> out;
-    for (std::size_t l = 0; l < held.size(); ++l) {
-      std::string name = "layer";  // (not "layer" + to_string: GCC 12's -Wrestrict at -O2)
-      name += std::to_string(l);
-      out.push_back(dtrain::param(name, held[l], floats, grads[l]));
-    }
-    return out;
-  }
-  /// Stage 3: DDP holds the values (its shard) once constructed.
-  [[nodiscard]] std::size_t bytes() const {
-    std::size_t n = 0;
-    for (const auto& v : values) n += v.size() * sizeof(float);
-    return n;
-  }
-};
-
-/// Adam's two moments over the rank's shard.
-struct adam {
-  std::vector<float> m, v;
-  int t = 0;
-  explicit adam(std::size_t elements) : m(elements), v(elements) {}
-  void update(const dtrain::shard_piece& piece) {
-    auto* w = static_cast<float*>(piece.values.data);
-    const auto* g = static_cast<const float*>(piece.gradients.data);
-    const float c1 = 1.0f - std::pow(0.9f, static_cast<float>(t));
-    const float c2 = std::sqrt(1.0f - std::pow(0.999f, static_cast<float>(t)));
-    float* mk = m.data() + piece.state_offset;
-    float* vk = v.data() + piece.state_offset;
-    for (std::size_t k = 0; k < piece.values.count; ++k) {
-      mk[k] = 0.9f * mk[k] + 0.1f * g[k];
-      vk[k] = 0.999f * vk[k] + 0.001f * g[k] * g[k];
-      w[k] -= 1e-3f / c1 * mk[k] / (std::sqrt(vk[k]) / c2 + 1e-8f);
-    }
-  }
-  [[nodiscard]] std::size_t bytes() const { return (m.size() + v.size()) * sizeof(float); }
-};
+using dtrain_bench::adam;
+using dtrain_bench::layered_model;
 
 using ddp_type = dtrain::basic_ddp<Policy>;
 
@@ -194,7 +144,7 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
   const bool measured = reset_peak_resident();
   const std::size_t before = peak_resident();
   const bool stage3 = mode == sharding::parameters;
-  layered_model model(layers, floats, stage3);
+  layered_model<float> model(layers, floats, stage3);
   ddp_type ddp(comm, model.parameters(), {},
                {.bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
                 .first_bucket_cap_mb = static_cast<double>(floats * sizeof(float)) / (1 << 20),
@@ -205,7 +155,7 @@ run_result train(dtrain::gloo_communicator& comm, sharding mode, std::size_t lay
     for (const dtrain::shard_piece& p : ddp.shard())
       std::fill_n(static_cast<float*>(p.values.data), p.values.count, 0.5f);
   }
-  adam opt(ddp.shard_elements());
+  adam<float> opt(ddp.shard_elements());
   auto step = [&] {
     // The forward pass (half a layer's backward each): at stage 3 each
     // layer's values are whole while it computes (gather() does nothing below).

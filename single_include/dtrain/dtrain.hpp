@@ -6350,7 +6350,8 @@ namespace dtrain {
 namespace detail {
 
 inline constexpr std::string_view device_casts_missing =
-    "gradient compression of GPU buckets needs CUDA kernels, "
+    "the 16-bit casts of GPU memory (gradient compression, ddp_options::master_weights) need "
+    "CUDA kernels, "
     "and no translation unit of this program was compiled by nvcc: "
     "include <dtrain/dtrain.hpp> in at least one .cu file that is linked into the program "
     "(any one: the kernels are shared)";
@@ -10931,7 +10932,7 @@ enum class sharding : std::uint8_t {
 
 /// One piece of the shard a rank owns (DistributedDataParallel::shard()):
 /// the part of one parameter that falls in one bucket's shard. An
-/// elementwise optimizer updates `values` from `gradients` (the mean over
+/// elementwise optimizer updates `master` from `gradients` (the mean over
 /// ranks), with its state at `state_offset` of an array of shard_elements().
 struct shard_piece {
   std::size_t parameter = 0;     ///< index into parameters()
@@ -10940,6 +10941,10 @@ struct shard_piece {
   std::size_t bucket = 0;        ///< the bucket it belongs to
   buffer values;                 ///< the parameter's values (the model's memory)
   buffer gradients;              ///< their averaged gradients (DDP's memory), same count
+  /// What the optimizer updates: `values` itself, or (ddp_options::
+  /// master_weights, a bfloat16 or float16 parameter) a float32 copy of them
+  /// in DDP's memory, rounded into `values` once the piece is updated.
+  buffer master;
 };
 
 /// One range of a sharded array that this rank holds (DistributedDataParallel::
@@ -10964,13 +10969,16 @@ struct ddp_memory_use {
   /// Stage 3: the whole values of the buckets whole now (those gather()
   /// holds, and the prefetched ones: at most prefetch_units units more).
   std::size_t gathered = 0;
+  /// ddp_options::master_weights: the float32 copy of this rank's pieces of
+  /// 16-bit parameters.
+  std::size_t master = 0;
   /// Stage 2 on the host: the buckets' pages are resident only while a
   /// bucket is being filled or is in flight (given back after its
   /// reduce-scatter and after its allgather), so `buckets` is address space
   /// and held() leaves it out.
   bool transient_buckets = false;
   [[nodiscard]] std::size_t total() const noexcept {
-    return buckets + shards + scratch + values + gathered;
+    return buckets + shards + scratch + values + gathered + master;
   }
   /// What stays allocated between steps.
   [[nodiscard]] std::size_t held() const noexcept {
@@ -11051,6 +11059,16 @@ struct ddp_options {
   /// differs, and is the order followed from the next step. 0: on demand
   /// only. The same on every rank.
   std::size_t prefetch_units = 1;
+  /// 16-bit models (bfloat16, float16 parameters and gradients): DDP keeps a
+  /// float32 copy of this rank's shard of their values (the master weights;
+  /// every parameter without sharding or on one rank), which the optimizer
+  /// updates (shard_piece::master) and which DDP rounds into the 16-bit
+  /// values, once, before they are gathered: updates too small for 16 bits
+  /// add up (Megatron's and DeepSpeed's fp32 main parameters, FSDP's sharded
+  /// fp32 parameters). float32 and float64 parameters are their own master.
+  /// Checkpoints of the shard (checkpoint::add_sharded(name, ddp)) hold the
+  /// master copy. The same on every rank.
+  bool master_weights = false;
 };
 
 /// One bucket, as a communication hook sees it.
@@ -12083,7 +12101,8 @@ class ddp_sharding {
   /// shard, the staging buffers and this rank's pieces.
   void laid_out();
   /// Construction, after the first layout: stage 3 takes the values into
-  /// its shards (the model's value pointers are null from here on).
+  /// its shards (the model's value pointers are null from here on); the
+  /// master weights start as the values in float32.
   void take_values();
   /// The layout stays as built (no rebuild moves a shard): stages 1-3.
   bool fixed_layout() const noexcept { return shards_optimizer_state(); }
@@ -12120,6 +12139,8 @@ class ddp_sharding {
 
   std::span<const shard_piece> pieces() const noexcept { return pieces_; }
   std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// Whether some piece has a float32 master copy apart from its values.
+  bool has_master() const noexcept { return master_.bytes() > 0; }
   /// Sums that each rank made over its own pieces must be added over the ranks.
   bool partial() const noexcept { return owns_bucket_shards(); }
   void add_memory(ddp_memory_use& use) const;                                      // under the lock
@@ -12174,6 +12195,8 @@ class ddp_sharding {
   std::size_t spare_whole_most() const noexcept;
 
   void make_pieces();
+  void add_master();
+  void round_master(std::span<const shard_piece> pieces);
   std::size_t shard_value_size(const char* what, std::size_t bytes) const;
   void check_updatable(const char* what) const;
   work launch_gather(std::size_t b);
@@ -12207,6 +12230,10 @@ class ddp_sharding {
   // last step was synchronized and not yet updated (optimizer_step()).
   std::vector<shard_piece> pieces_;
   std::size_t shard_elements_ = 0;
+  /// ddp_options::master_weights: the float32 copies of the 16-bit pieces,
+  /// one after another (kept across a rebuild: the pieces are then whole
+  /// parameters in index order, whatever the buckets).
+  storage master_;
   bool updatable_ = false;
   std::vector<bool> gathered_;  // stage 3: a gather() asked for parameter i in this step
   /// Stage 3's prefetch: the units (each gather() call's buckets) of the
@@ -14382,9 +14409,12 @@ class basic_ddp {
   /// copied into `out` in host memory: shard_elements() elements of the
   /// pieces' type (one type: a config_error names the rank otherwise). At
   /// stage 3 DDP's shard of the values, for checkpoint::add_sharded(name,
-  /// ddp). On a GPU after the compute stream, which the host waits for.
+  /// ddp). With ddp_options::master_weights the pieces' `master` (float32
+  /// for 16-bit parameters). On a GPU after the compute stream, which the
+  /// host waits for.
   void download_shard_values(std::span<std::byte> out) { shards_.download_values(out); }
-  /// `in` (as download_shard_values() writes it) into the pieces' values;
+  /// `in` (as download_shard_values() writes it) into the pieces' values
+  /// (their `master`, then rounded into the 16-bit values);
   /// on a GPU on the compute stream, which the host waits for. At stage 3
   /// the whole copies of the old values (prefetched) are dropped; while a
   /// gather() guard holds some it throws config_error, naming the rank.
@@ -14757,7 +14787,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
       buffers_(std::move(buffers)) {
   device_ = device_of(comm_);
   std::string problem = take_stream();
-  if (problem.empty() && options_.compression != gradient_compression::none &&
+  if (problem.empty() &&
+      (options_.compression != gradient_compression::none || options_.master_weights) &&
       !compression_available()) {
     // Every rank of the same program sees the same; the agreement below stops them all alike.
     problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
@@ -15656,6 +15687,7 @@ std::string ddp_sharding<Policy>::agreed_options() const {
   if (shards_parameters()) {
     agreed += ", ddp_options::prefetch_units = " + std::to_string(core_.options_.prefetch_units);
   }
+  if (core_.options_.master_weights) agreed += ", ddp_options::master_weights = true";
   return agreed;
 }
 
@@ -15698,6 +15730,7 @@ void ddp_sharding<Policy>::laid_out() {
   }
   gathered_.assign(core_.vars_.size(), false);
   make_pieces();
+  add_master();
 }
 
 template <class Policy>
@@ -15768,6 +15801,7 @@ void ddp_sharding<Policy>::add_memory(ddp_memory_use& use) const {
   }
   use.scratch += staging_[0].bytes() + staging_[1].bytes();
   for (const storage& spare : spare_whole_) use.scratch += spare.bytes();
+  use.master += master_.bytes();
   use.transient_buckets = transient_buckets();
 }
 
@@ -15779,6 +15813,7 @@ void ddp_sharding<Policy>::set_stream(typename memory_space::stream_type compute
     s.unsharded.set_stream(compute);
   }
   for (storage& staged : staging_) staged.set_stream(compute);
+  master_.set_stream(compute);
 }
 
 template <class Policy>
@@ -15803,8 +15838,10 @@ void ddp_sharding<Policy>::update_and_gather(const char* what, Update& update) {
   std::size_t completed = 0;  // buckets whose allgather is copied out already
   try {
     for (std::size_t b = 0; b < core_.buckets_.size(); ++b) {
+      const std::size_t first = k;
       for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-      if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
+      round_master(std::span(pieces_).subspan(first, k - first));  // before its allgather
+      if (owns_bucket_shards() && !shards_parameters()) {          // stage 3 keeps its shard
         gathers.push_back(launch_gather(b));
         if (transient_buckets() && b > 0) {
           gathers[b - 1].wait();
@@ -15813,7 +15850,9 @@ void ddp_sharding<Policy>::update_and_gather(const char* what, Update& update) {
         }
       }
     }
+    const std::size_t rest = k;
     for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    round_master(std::span(pieces_).subspan(rest));
   } catch (const std::exception& e) {
     // The update (or an allgather) failed on this rank: what was launched
     // completes (or fails), and this DDP is not usable for another step.
@@ -15839,7 +15878,8 @@ void ddp_sharding<Policy>::make_pieces() {
                          .bucket = core_.vars_[i].bucket,
                          .values = p.values,
                          .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
-                                       p.values.device}});
+                                       p.values.device},
+                         .master = p.values});
       shard_elements_ += p.values.count;
     }
     return;
@@ -15868,7 +15908,8 @@ void ddp_sharding<Policy>::make_pieces() {
            .state_offset = shard_elements_,
            .bucket = b,
            .values = values,
-           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
+           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device},
+           .master = values});
       shard_elements_ += hi - lo;
     }
   }
@@ -15878,13 +15919,13 @@ void ddp_sharding<Policy>::make_pieces() {
 /// that `bytes` holds shard_elements() of them.
 template <class Policy>
 std::size_t ddp_sharding<Policy>::shard_value_size(const char* what, std::size_t bytes) const {
-  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().values.type;
+  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().master.type;
   for (const shard_piece& piece : pieces_) {
-    if (piece.values.type != type) {
+    if (piece.master.type != type) {
       throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
                          std::to_string(core_.rank_) + ": the shard holds " +
                          std::string(to_string(type)) + " and " +
-                         std::string(to_string(piece.values.type)) + " (parameter '" +
+                         std::string(to_string(piece.master.type)) + " (parameter '" +
                          core_.vars_[piece.parameter].param.name + "'); it copies one type");
     }
   }
@@ -15901,7 +15942,7 @@ template <class Policy>
 void ddp_sharding<Policy>::download_values(std::span<std::byte> out) {
   const std::size_t elem = shard_value_size("download_shard_values()", out.size());
   for (const shard_piece& p : pieces_) {
-    memory_space::download(out.data() + p.state_offset * elem, p.values.data, p.values.bytes(),
+    memory_space::download(out.data() + p.state_offset * elem, p.master.data, p.master.bytes(),
                            core_.device_, core_.stream_);
   }
   if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
@@ -15925,9 +15966,10 @@ void ddp_sharding<Policy>::upload_values(std::span<const std::byte> in) {
     drop_whole_locked();
   }
   for (const shard_piece& p : pieces_) {
-    memory_space::upload(p.values.data, in.data() + p.state_offset * elem, p.values.bytes(),
+    memory_space::upload(p.master.data, in.data() + p.state_offset * elem, p.master.bytes(),
                          core_.device_, core_.stream_);
   }
+  round_master(pieces_);  // the 16-bit values from the master weights loaded
   if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
 }
 
@@ -16126,7 +16168,18 @@ void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std
 /// pointers are null from here on.
 template <class Policy>
 void ddp_sharding<Policy>::take_values() {
-  if (!shards_parameters()) return;
+  // The master weights start as the values (at stage 3 the shard just taken).
+  auto start_master = [this] {
+    for (const shard_piece& p : pieces_) {
+      if (p.master.data == p.values.data) continue;
+      memory_space::decompress(static_cast<float*>(p.master.data), p.values.data, p.values.count,
+                               p.values.type, core_.device_, core_.stream_);
+    }
+  };
+  if (!shards_parameters()) {
+    start_master();
+    return;
+  }
   for (const shard_piece& piece : pieces_) {
     const parameter& p = core_.vars_[piece.parameter].param;
     if (!p.values.data) continue;  // deferred: the shard starts at zero
@@ -16136,6 +16189,40 @@ void ddp_sharding<Policy>::take_values() {
         piece.values.bytes(), p.device, core_.stream_);
   }
   for (std::size_t b = 0; b < core_.buckets_.size(); ++b) point_values(b, nullptr);
+  start_master();
+}
+
+/// ddp_options::master_weights: a float32 copy for each piece of a 16-bit
+/// parameter (shard_piece::master), one after another in master_; kept
+/// where it has the size already (a rebuild without sharding: the same
+/// pieces, whole parameters in index order).
+template <class Policy>
+void ddp_sharding<Policy>::add_master() {
+  if (!core_.options_.master_weights) return;
+  auto sixteen = [](dtype t) { return t == dtype::bfloat16 || t == dtype::float16; };
+  std::size_t count = 0;
+  for (const shard_piece& p : pieces_) count += sixteen(p.values.type) ? p.values.count : 0;
+  if (master_.bytes() != count * sizeof(float))
+    master_ = count == 0 ? storage() : storage(count * sizeof(float), core_.device_, core_.stream_);
+  std::size_t at = 0;
+  for (shard_piece& p : pieces_) {
+    if (!sixteen(p.values.type)) continue;
+    p.master = buffer{master_.data() + at * sizeof(float), p.values.count, dtype::float32,
+                      p.values.where, p.values.device};
+    at += p.values.count;
+  }
+}
+
+/// The updated master weights of `pieces` into their 16-bit values, rounded
+/// once (to nearest even), on the compute stream: before a bucket's
+/// allgather reads them, and before the model's next forward.
+template <class Policy>
+void ddp_sharding<Policy>::round_master(std::span<const shard_piece> pieces) {
+  for (const shard_piece& p : pieces) {
+    if (p.master.data == p.values.data) continue;
+    memory_space::compress(p.values.data, static_cast<const float*>(p.master.data), p.values.count,
+                           1.0f, p.values.type, core_.device_, core_.stream_);
+  }
 }
 
 /// The model's values of bucket b's parameters at `whole` (their places in
@@ -26336,7 +26423,9 @@ class checkpoint {
   }
 
   /// The values of a sharded DDP's shard (`ddp.shard()`'s pieces): ZeRO
-  /// stage 3's values, which only DDP holds, each rank its shard. Saved as
+  /// stage 3's values, which only DDP holds, each rank its shard; with
+  /// ddp_options::master_weights the float32 master copy (the pieces'
+  /// `master`), from which a restore rounds the 16-bit values again. Saved as
   /// the sharded entry `name` over the whole model's elements, as the
   /// optimizer state is, and re-cut on restore for another world size.
   /// They travel through a shard-sized host array of this checkpoint's,
@@ -26355,13 +26444,13 @@ class checkpoint {
   }
   checkpoint& add_sharded(std::string name, DDP& ddp) {
     const std::span<const shard_piece> pieces = ddp.shard();
-    const dtype type = pieces.empty() ? dtype::float32 : pieces.front().values.type;
+    const dtype type = pieces.empty() ? dtype::float32 : pieces.front().master.type;
     for (const shard_piece& piece : pieces) {
-      if (piece.values.type != type) {
+      if (piece.master.type != type) {
         throw config_error(
             "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
             "\", ddp) takes the pieces of one type, and parameter #" +
-            std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.values.type)) +
+            std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.master.type)) +
             ", not " + std::string(to_string(type)));
       }
     }

@@ -62,6 +62,12 @@ dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_sca
                           ENGINES mpi gloo RANKS 1 2 3 4)
 dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_scaler
                           ENGINES gloo RANKS 4 NODES 2,2)
+# ddp_options::master_weights (issue 49): a 16-bit model's float32 master
+# weights at every stage, rounded into the values once per step.
+dtrain_add_multirank_test(ddp.master_weights PROGRAM dtrain_ddp_shard CASE master_weights
+                          ENGINES mpi gloo RANKS 1 2 3 4)
+dtrain_add_multirank_test(ddp.master_weights PROGRAM dtrain_ddp_shard CASE master_weights
+                          ENGINES gloo RANKS 4 NODES 2,2)
 
 # topology::hierarchical (issue 12) on ranks that play 2 nodes of 2 (dtrain_test_launch
 # --nodes: DTRAIN_NODE_NAME per rank, grouped at rendezvous): the same cases must

@@ -32,6 +32,14 @@
 // a NaN after it on the last rank only: both steps skipped on every rank,
 // the scale's schedule, and the weights bit-identical to the run without
 // the scaler that skips those steps by hand (run_scaled).
+//
+// Case "master_weights" (--test-case=master_weights, issue 49): a model of
+// bfloat16 (then float16) parameters with ddp_options::master_weights at
+// every stage, SGD on the pieces' float32 master: the master within 2e-4 of
+// the exact SGD, the 16-bit values the master rounded once and the same on
+// every rank, every value moved; the shard's master taken at step 3 and put
+// back gives the same bits again (run_master). Without master weights the
+// same bfloat16 SGD does not move a value (the stall they fix).
 
 #include "../support/multirank.hpp"
 
@@ -804,6 +812,208 @@ int run_scaled(Context& ctx) {
   return failures == 0 ? 0 : 1;
 }
 
+// ---- Case "master_weights" (issue 49): 16-bit models with float32 master weights.
+
+/// A model of 16-bit parameters (bfloat16 or float16; sizes no world size
+/// divides, one larger than a shard), every value 1.0 at the start; at
+/// stage 3 the value pointers are DDP's (null outside a gather()).
+template <class T>
+struct half_model {
+  static constexpr std::size_t half_sizes[] = {1, 700, 3001, 33};
+  std::vector<std::vector<T>> w, g;
+  std::vector<T*> values, grads;
+  half_model() {
+    for (const std::size_t n : half_sizes) {
+      w.emplace_back(n, T(1.0f));
+      g.emplace_back(n, T(0.0f));
+    }
+    for (std::size_t p = 0; p < w.size(); ++p) {
+      values.push_back(w[p].data());
+      grads.push_back(g[p].data());
+    }
+  }
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t p = 0; p < w.size(); ++p)
+      out.push_back(dtrain::param("h" + std::to_string(p), values[p], half_sizes[p], grads[p]));
+    return out;
+  }
+};
+
+/// Rank r's gradient of element i at `step`: 0.5, 0.75, 1 or 1.25 (exact in 16 bits).
+float half_gradient(std::size_t i, int rank, int step) {
+  return 0.5f +
+         0.25f * static_cast<float>(
+                     (i + static_cast<std::size_t>(rank) + static_cast<std::size_t>(step)) % 4);
+}
+
+constexpr int half_steps = 7;           // not a whole number of the gradients' 4-step cycle
+constexpr float half_lr = 1.0f / 1024;  // below half a bfloat16 step at 1.0: 16-bit SGD stalls
+
+/// Element i after `steps` SGD steps on the exact mean (double): what
+/// float32 master weights must follow.
+double half_reference(std::size_t i, int size, int steps) {
+  double v = 1.0;
+  for (int step = 0; step < steps; ++step) {
+    double sum = 0;
+    for (int r = 0; r < size; ++r) sum += half_gradient(i, r, step);
+    v -= static_cast<double>(half_lr) * (sum / size);
+  }
+  return v;
+}
+
+struct half_result {
+  std::vector<std::vector<std::uint16_t>> values;  // every parameter, whole, as bits
+  std::vector<float> master;                       // this rank's pieces', in shard order
+  std::size_t master_bytes = 0;
+  double worst = 0;     // the largest |master - reference| over this rank's pieces
+  bool rounded = true;  // every piece's values are its master rounded once
+  std::string topology;
+};
+
+/// Trains a half_model<T> `half_steps` steps at `sharding`, master weights
+/// on or off (off: SGD on the 16-bit values themselves). `restart_at` >= 0:
+/// the shard (its master weights, download_shard_values) and, below stage
+/// 3, the model's values are taken after that many steps, the run goes on
+/// to the end, then both are put back (upload_shard_values) and the steps
+/// after it run again: the result must be the same bits.
+template <class T, class Context>
+half_result train_half(Context& ctx, dtrain::sharding sharding, bool master, int restart_at) {
+  using Policy = typename Context::policy_type;
+  const bool stage3 = sharding == dtrain::sharding::parameters;
+  half_model<T> model;
+  dtrain::ddp_options options = small_buckets(sharding);
+  options.master_weights = master;
+  dtrain::DistributedDataParallel<half_model<T>, Policy> ddp(ctx, model, options);
+  half_result out;
+  out.topology = ddp.topology().describe();
+  out.master_bytes = ddp.memory_use().master;
+  auto run = [&](int from, int to) {
+    for (int step = from; step < to; ++step) {
+      {
+        auto held = ddp.gather(ddp.parameters());
+        for (std::size_t p = 0; p < model.g.size(); ++p) {
+          for (std::size_t i = 0; i < model.g[p].size(); ++i)
+            model.grads[p][i] = T(half_gradient(i, ctx.rank(), step));
+        }
+        for (std::size_t p = model.g.size(); p-- > 0;) ddp.mark_ready(p);
+      }
+      ddp.synchronize();
+      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+        const T* mean = static_cast<const T*>(piece.gradients.data);
+        if (piece.master.type == dtrain::dtype::float32) {
+          float* w = static_cast<float*>(piece.master.data);
+          for (std::size_t i = 0; i < piece.master.count; ++i)
+            w[i] -= half_lr * static_cast<float>(mean[i]);
+        } else {  // no master copy: SGD in 16 bits
+          T* w = static_cast<T*>(piece.values.data);
+          for (std::size_t i = 0; i < piece.values.count; ++i)
+            w[i] = T(static_cast<float>(w[i]) - half_lr * static_cast<float>(mean[i]));
+        }
+      });
+    }
+  };
+  auto whole_values = [&] {
+    std::vector<std::vector<T>> whole(model.w.size());
+    auto held = ddp.gather(ddp.parameters());
+    for (std::size_t p = 0; p < whole.size(); ++p)
+      whole[p].assign(model.values[p], model.values[p] + model.w[p].size());
+    return whole;
+  };
+  if (restart_at < 0) {
+    run(0, half_steps);
+  } else {
+    run(0, restart_at);
+    std::vector<std::byte> shard(ddp.shard().empty()
+                                     ? 0
+                                     : ddp.shard_elements() *
+                                           dtrain::size_of(ddp.shard().front().master.type));
+    ddp.download_shard_values(shard);
+    const std::vector<std::vector<T>> saved = stage3 ? std::vector<std::vector<T>>{} : model.w;
+    run(restart_at, half_steps);
+    if (!stage3) model.w = saved;  // the model's own values, as a checkpoint of them restores
+    ddp.upload_shard_values(shard);
+    run(restart_at, half_steps);
+  }
+  for (const auto& whole : whole_values()) {
+    out.values.emplace_back();
+    for (const T x : whole) out.values.back().push_back(x.bits);
+  }
+  for (const dtrain::shard_piece& piece : ddp.shard()) {
+    const T* v = static_cast<const T*>(piece.values.data);
+    for (std::size_t i = 0; i < piece.values.count; ++i) {
+      const float m = piece.master.type == dtrain::dtype::float32
+                          ? static_cast<const float*>(piece.master.data)[i]
+                          : static_cast<float>(v[i]);
+      out.master.push_back(m);
+      out.rounded = out.rounded && T(m) == v[i];
+      const double want = half_reference(piece.offset + i, ctx.size(), half_steps);
+      out.worst = std::max(out.worst, std::fabs(static_cast<double>(m) - want));
+    }
+  }
+  return out;
+}
+
+template <class T, class Context>
+int run_half(Context& ctx, const char* type_name) {
+  int failures = 0;
+  constexpr double tolerance = 2e-4;  // 7 steps of a mean rounded in 16 bits, times half_lr
+  for (const dtrain::sharding stage : {dtrain::sharding::none, dtrain::sharding::optimizer,
+                                       dtrain::sharding::gradients, dtrain::sharding::parameters}) {
+    const half_result got = train_half<T>(ctx, stage, true, -1);
+    const half_result again = train_half<T>(ctx, stage, true, half_steps / 2);
+    // Every rank the same values: the sum of each rank's bits over the ranks
+    // equals size() times this rank's.
+    std::vector<std::int64_t> checksum = {0};
+    std::size_t moved = 0, total = 0;
+    for (const auto& w : got.values) {
+      for (const std::uint16_t x : w) {
+        checksum[0] += x;
+        moved += x != T(1.0f).bits ? 1 : 0;
+        ++total;
+      }
+    }
+    const std::int64_t mine = checksum[0];
+    dtrain::allreduce(ctx.communicator(), checksum, dtrain::reduce_op::sum).wait();
+    const bool everywhere = checksum[0] == mine * ctx.size();
+    const bool resumed = again.values == got.values && again.master == got.master;
+    const bool ok = got.worst <= tolerance && got.rounded && everywhere && resumed &&
+                    moved == total && got.master_bytes > 0;
+    std::printf(
+        "rank %d of %d: master_weights, %s, sharding %s, %s: master %zu bytes, within %.2g of "
+        "the exact SGD (tolerance %.0e), values %s, %zu of %zu moved from 1.0%s; resumed from "
+        "step %d: %s%s\n",
+        ctx.rank(), ctx.size(), type_name, std::string(dtrain::to_string(stage)).c_str(),
+        got.topology.c_str(), got.master_bytes, got.worst, tolerance,
+        got.rounded ? "the master rounded once" : "NOT the master rounded", moved, total,
+        everywhere ? ", the same on every rank" : ", DIFFERENT across ranks", half_steps / 2,
+        resumed ? "the same bits" : "DIFFERENT bits", ok ? "" : ": FAILED");
+    CHECK_MESSAGE(ok, "rank " << ctx.rank() << ": master_weights, " << type_name << ", sharding "
+                              << dtrain::to_string(stage) << " (the line above)");
+    failures += ok ? 0 : 1;
+  }
+  return failures;
+}
+
+template <class Context>
+int run_master(Context& ctx) {
+  int failures =
+      run_half<dtrain::bfloat16>(ctx, "bfloat16") + run_half<dtrain::float16>(ctx, "float16");
+  // Why: the same SGD on bfloat16 values without a master copy never moves
+  // them (each update is below half a bfloat16 step at 1.0, and rounds away).
+  const half_result stalled =
+      train_half<dtrain::bfloat16>(ctx, dtrain::sharding::gradients, false, -1);
+  std::size_t moved = 0;
+  for (const auto& w : stalled.values)
+    for (const std::uint16_t x : w) moved += x != dtrain::bfloat16(1.0f).bits ? 1 : 0;
+  const bool stalls = moved == 0 && stalled.master_bytes == 0;
+  std::printf("rank %d of %d: without master_weights, bfloat16 SGD moved %zu values from 1.0%s\n",
+              ctx.rank(), ctx.size(), moved, stalls ? " (as expected: it stalls)" : ": UNEXPECTED");
+  CHECK_MESSAGE(stalls, "rank " << ctx.rank() << ": bfloat16 without master weights");
+  failures += stalls ? 0 : 1;
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}
 }  // namespace
 
 TEST_CASE("sharding") {
@@ -813,4 +1023,8 @@ TEST_CASE("sharding") {
 
 TEST_CASE("loss_scaler") {
   CHECK(dtrain_test::run_job([](auto& ctx) { return run_scaled(ctx); }) == 0);
+}
+
+TEST_CASE("master_weights") {
+  CHECK(dtrain_test::run_job([](auto& ctx) { return run_master(ctx); }) == 0);
 }

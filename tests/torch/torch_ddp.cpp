@@ -11,7 +11,9 @@
 // on every rank, naming the parameter; a step left incomplete (parameters
 // without a gradient) is an error naming them; an undefined gradient is a
 // zero contribution. dtrain::loss_scaler over the module skips a step with an
-// inf on one rank on every rank (check_loss_scaler).
+// inf on one rank on every rank (check_loss_scaler); a bfloat16 module with
+// ddp_options::master_weights steps float32 masters and holds them rounded,
+// at every stage (check_master_weights).
 //
 // One doctest case, "ddp", run in every rank (tests/support/multirank.hpp;
 // tests/torch/torch.cmake registers it): a failed check fails the rank.
@@ -1085,6 +1087,66 @@ void check_loss_scaler(dtrain::context<Policy>& ctx) {
                 on_gpu ? "within 1e-5" : "bit-identical");
 }
 
+// ddp_options::master_weights over a LibTorch module in bfloat16 (issue 49),
+// at every stage: shard_parameters() are float32 master copies (with a
+// float32 .grad()), SGD steps them, and after each step the module's
+// bfloat16 values are the master rounded once, piece by piece; the master
+// moved from where it started; every stage ends near stage 0 (the same
+// bfloat16 means, summed in another order at stages 2 and 3).
+void check_master_weights(dtrain::context<Policy>& ctx) {
+  const int rank = ctx.rank(), size = ctx.size();
+  const std::int64_t shard = global_batch / size;
+  std::vector<torch::Tensor> reference;
+  for (const dtrain::sharding stage : {dtrain::sharding::none, dtrain::sharding::optimizer,
+                                       dtrain::sharding::gradients, dtrain::sharding::parameters}) {
+    const std::string name = "master_weights, sharding " + std::string(dtrain::to_string(stage));
+    torch::nn::Sequential layers = make_layers(31);
+    layers->to(torch::kBFloat16);
+    auto ddp = dtrain::torch::DistributedDataParallel(ctx, layers,
+                                                      {.bucket_cap_mb = 1.0 / 8192,
+                                                       .first_bucket_cap_mb = 1.0 / 8192,
+                                                       .sharding = stage,
+                                                       .master_weights = true});
+    std::vector<torch::Tensor> start;
+    for (const torch::Tensor& t : ddp.shard_parameters()) {
+      check(t.scalar_type() == torch::kFloat, rank, name + ": a shard tensor is not float32");
+      start.push_back(t.detach().clone());
+    }
+    torch::optim::SGD opt(ddp.shard_parameters(), torch::optim::SGDOptions(1.0 / 1024));
+    for (int step = 0; step < steps; ++step) {
+      torch::manual_seed(static_cast<std::uint64_t>(7000 + 31 * step));
+      const torch::Tensor x = torch::randn({global_batch, 12}).to(device());
+      const torch::Tensor y = torch::randint(0, 6, {global_batch}).to(device());
+      const torch::Tensor out =
+          ddp(x.narrow(0, rank * shard, shard).to(torch::kBFloat16)).to(torch::kFloat);
+      torch::nn::functional::cross_entropy(out, y.narrow(0, rank * shard, shard)).backward();
+      ddp.step(opt);
+      ddp.zero_grad();
+    }
+    bool rounded = true, moved = start.empty();
+    const auto pieces = ddp.core().shard();
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const torch::Tensor master = dtrain::torch::detail::tensor_over(pieces[k].master);
+      const torch::Tensor values = dtrain::torch::detail::tensor_over(pieces[k].values);
+      rounded = rounded && torch::equal(master.to(torch::kBFloat16), values);
+      moved = moved || !torch::equal(master, start[k]);
+    }
+    check(rounded, rank, name + ": the module's values are not the master rounded once");
+    check(moved, rank, name + ": the master weights did not move");
+    auto all = ddp.core().gather(ddp.core().parameters());
+    std::vector<torch::Tensor> got;
+    for (const auto& p : ddp->parameters()) got.push_back(p.detach().to(torch::kFloat).cpu());
+    if (reference.empty()) reference = got;
+    bool near = got.size() == reference.size();
+    for (std::size_t i = 0; near && i < got.size(); ++i)
+      near = torch::allclose(got[i], reference[i], 1e-2, 1e-3);
+    check(near, rank, name + ": the values are far from stage 0's");
+    if (rank == 0 && rounded && moved && near)
+      std::printf("%-40s %d ranks: float32 master, values rounded from it, near stage 0\n",
+                  name.c_str(), size);
+  }
+}
+
 int run_checks(dtrain::context<Policy>& ctx) {
   torch::set_num_threads(1);
   const variant variants[] = {
@@ -1129,6 +1191,16 @@ int run_checks(dtrain::context<Policy>& ctx) {
   check_checkpoint(ctx);
   check_sharded_checkpoint(ctx);
   check_loss_scaler(ctx);
+#if !DTRAIN_TEST_TORCH_CUDA_KERNELS
+  // GPU master weights are rounded by dtrain's kernels, which only an nvcc unit brings.
+  if (on_gpu) {
+    if (ctx.rank() == 0) std::printf("master_weights skipped: no nvcc unit in this program\n");
+  } else {
+    check_master_weights(ctx);
+  }
+#else
+  check_master_weights(ctx);
+#endif
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   ctx.control_plane().allgather(std::array<std::int64_t, 1>{failures},
                                 all);  // host memory, every engine

@@ -38,7 +38,8 @@ namespace dtrain {
 namespace detail {
 
 inline constexpr std::string_view device_casts_missing =
-    "gradient compression of GPU buckets needs CUDA kernels, "
+    "the 16-bit casts of GPU memory (gradient compression, ddp_options::master_weights) need "
+    "CUDA kernels, "
     "and no translation unit of this program was compiled by nvcc: "
     "include <dtrain/dtrain.hpp> in at least one .cu file that is linked into the program "
     "(any one: the kernels are shared)";

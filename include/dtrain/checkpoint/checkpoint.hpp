@@ -208,7 +208,9 @@ class checkpoint {
   }
 
   /// The values of a sharded DDP's shard (`ddp.shard()`'s pieces): ZeRO
-  /// stage 3's values, which only DDP holds, each rank its shard. Saved as
+  /// stage 3's values, which only DDP holds, each rank its shard; with
+  /// ddp_options::master_weights the float32 master copy (the pieces'
+  /// `master`), from which a restore rounds the 16-bit values again. Saved as
   /// the sharded entry `name` over the whole model's elements, as the
   /// optimizer state is, and re-cut on restore for another world size.
   /// They travel through a shard-sized host array of this checkpoint's,
@@ -227,13 +229,13 @@ class checkpoint {
   }
   checkpoint& add_sharded(std::string name, DDP& ddp) {
     const std::span<const shard_piece> pieces = ddp.shard();
-    const dtype type = pieces.empty() ? dtype::float32 : pieces.front().values.type;
+    const dtype type = pieces.empty() ? dtype::float32 : pieces.front().master.type;
     for (const shard_piece& piece : pieces) {
-      if (piece.values.type != type) {
+      if (piece.master.type != type) {
         throw config_error(
             "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
             "\", ddp) takes the pieces of one type, and parameter #" +
-            std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.values.type)) +
+            std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.master.type)) +
             ", not " + std::string(to_string(type)));
       }
     }

@@ -357,9 +357,12 @@ class basic_ddp {
   /// copied into `out` in host memory: shard_elements() elements of the
   /// pieces' type (one type: a config_error names the rank otherwise). At
   /// stage 3 DDP's shard of the values, for checkpoint::add_sharded(name,
-  /// ddp). On a GPU after the compute stream, which the host waits for.
+  /// ddp). With ddp_options::master_weights the pieces' `master` (float32
+  /// for 16-bit parameters). On a GPU after the compute stream, which the
+  /// host waits for.
   void download_shard_values(std::span<std::byte> out) { shards_.download_values(out); }
-  /// `in` (as download_shard_values() writes it) into the pieces' values;
+  /// `in` (as download_shard_values() writes it) into the pieces' values
+  /// (their `master`, then rounded into the 16-bit values);
   /// on a GPU on the compute stream, which the host waits for. At stage 3
   /// the whole copies of the old values (prefetched) are dropped; while a
   /// gather() guard holds some it throws config_error, naming the rank.
@@ -732,7 +735,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
       buffers_(std::move(buffers)) {
   device_ = device_of(comm_);
   std::string problem = take_stream();
-  if (problem.empty() && options_.compression != gradient_compression::none &&
+  if (problem.empty() &&
+      (options_.compression != gradient_compression::none || options_.master_weights) &&
       !compression_available()) {
     // Every rank of the same program sees the same; the agreement below stops them all alike.
     problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +

@@ -66,7 +66,7 @@ enum class sharding : std::uint8_t {
 
 /// One piece of the shard a rank owns (DistributedDataParallel::shard()):
 /// the part of one parameter that falls in one bucket's shard. An
-/// elementwise optimizer updates `values` from `gradients` (the mean over
+/// elementwise optimizer updates `master` from `gradients` (the mean over
 /// ranks), with its state at `state_offset` of an array of shard_elements().
 struct shard_piece {
   std::size_t parameter = 0;     ///< index into parameters()
@@ -75,6 +75,10 @@ struct shard_piece {
   std::size_t bucket = 0;        ///< the bucket it belongs to
   buffer values;                 ///< the parameter's values (the model's memory)
   buffer gradients;              ///< their averaged gradients (DDP's memory), same count
+  /// What the optimizer updates: `values` itself, or (ddp_options::
+  /// master_weights, a bfloat16 or float16 parameter) a float32 copy of them
+  /// in DDP's memory, rounded into `values` once the piece is updated.
+  buffer master;
 };
 
 /// One range of a sharded array that this rank holds (DistributedDataParallel::
@@ -99,13 +103,16 @@ struct ddp_memory_use {
   /// Stage 3: the whole values of the buckets whole now (those gather()
   /// holds, and the prefetched ones: at most prefetch_units units more).
   std::size_t gathered = 0;
+  /// ddp_options::master_weights: the float32 copy of this rank's pieces of
+  /// 16-bit parameters.
+  std::size_t master = 0;
   /// Stage 2 on the host: the buckets' pages are resident only while a
   /// bucket is being filled or is in flight (given back after its
   /// reduce-scatter and after its allgather), so `buckets` is address space
   /// and held() leaves it out.
   bool transient_buckets = false;
   [[nodiscard]] std::size_t total() const noexcept {
-    return buckets + shards + scratch + values + gathered;
+    return buckets + shards + scratch + values + gathered + master;
   }
   /// What stays allocated between steps.
   [[nodiscard]] std::size_t held() const noexcept {
@@ -186,6 +193,16 @@ struct ddp_options {
   /// differs, and is the order followed from the next step. 0: on demand
   /// only. The same on every rank.
   std::size_t prefetch_units = 1;
+  /// 16-bit models (bfloat16, float16 parameters and gradients): DDP keeps a
+  /// float32 copy of this rank's shard of their values (the master weights;
+  /// every parameter without sharding or on one rank), which the optimizer
+  /// updates (shard_piece::master) and which DDP rounds into the 16-bit
+  /// values, once, before they are gathered: updates too small for 16 bits
+  /// add up (Megatron's and DeepSpeed's fp32 main parameters, FSDP's sharded
+  /// fp32 parameters). float32 and float64 parameters are their own master.
+  /// Checkpoints of the shard (checkpoint::add_sharded(name, ddp)) hold the
+  /// master copy. The same on every rank.
+  bool master_weights = false;
 };
 
 /// One bucket, as a communication hook sees it.

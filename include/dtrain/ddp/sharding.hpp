@@ -124,7 +124,8 @@ class ddp_sharding {
   /// shard, the staging buffers and this rank's pieces.
   void laid_out();
   /// Construction, after the first layout: stage 3 takes the values into
-  /// its shards (the model's value pointers are null from here on).
+  /// its shards (the model's value pointers are null from here on); the
+  /// master weights start as the values in float32.
   void take_values();
   /// The layout stays as built (no rebuild moves a shard): stages 1-3.
   bool fixed_layout() const noexcept { return shards_optimizer_state(); }
@@ -161,6 +162,8 @@ class ddp_sharding {
 
   std::span<const shard_piece> pieces() const noexcept { return pieces_; }
   std::size_t shard_elements() const noexcept { return shard_elements_; }
+  /// Whether some piece has a float32 master copy apart from its values.
+  bool has_master() const noexcept { return master_.bytes() > 0; }
   /// Sums that each rank made over its own pieces must be added over the ranks.
   bool partial() const noexcept { return owns_bucket_shards(); }
   void add_memory(ddp_memory_use& use) const;                                      // under the lock
@@ -215,6 +218,8 @@ class ddp_sharding {
   std::size_t spare_whole_most() const noexcept;
 
   void make_pieces();
+  void add_master();
+  void round_master(std::span<const shard_piece> pieces);
   std::size_t shard_value_size(const char* what, std::size_t bytes) const;
   void check_updatable(const char* what) const;
   work launch_gather(std::size_t b);
@@ -248,6 +253,10 @@ class ddp_sharding {
   // last step was synchronized and not yet updated (optimizer_step()).
   std::vector<shard_piece> pieces_;
   std::size_t shard_elements_ = 0;
+  /// ddp_options::master_weights: the float32 copies of the 16-bit pieces,
+  /// one after another (kept across a rebuild: the pieces are then whole
+  /// parameters in index order, whatever the buckets).
+  storage master_;
   bool updatable_ = false;
   std::vector<bool> gathered_;  // stage 3: a gather() asked for parameter i in this step
   /// Stage 3's prefetch: the units (each gather() call's buckets) of the

@@ -79,6 +79,7 @@ std::string ddp_sharding<Policy>::agreed_options() const {
   if (shards_parameters()) {
     agreed += ", ddp_options::prefetch_units = " + std::to_string(core_.options_.prefetch_units);
   }
+  if (core_.options_.master_weights) agreed += ", ddp_options::master_weights = true";
   return agreed;
 }
 
@@ -121,6 +122,7 @@ void ddp_sharding<Policy>::laid_out() {
   }
   gathered_.assign(core_.vars_.size(), false);
   make_pieces();
+  add_master();
 }
 
 template <class Policy>
@@ -191,6 +193,7 @@ void ddp_sharding<Policy>::add_memory(ddp_memory_use& use) const {
   }
   use.scratch += staging_[0].bytes() + staging_[1].bytes();
   for (const storage& spare : spare_whole_) use.scratch += spare.bytes();
+  use.master += master_.bytes();
   use.transient_buckets = transient_buckets();
 }
 
@@ -202,6 +205,7 @@ void ddp_sharding<Policy>::set_stream(typename memory_space::stream_type compute
     s.unsharded.set_stream(compute);
   }
   for (storage& staged : staging_) staged.set_stream(compute);
+  master_.set_stream(compute);
 }
 
 template <class Policy>
@@ -226,8 +230,10 @@ void ddp_sharding<Policy>::update_and_gather(const char* what, Update& update) {
   std::size_t completed = 0;  // buckets whose allgather is copied out already
   try {
     for (std::size_t b = 0; b < core_.buckets_.size(); ++b) {
+      const std::size_t first = k;
       for (; k < pieces_.size() && pieces_[k].bucket == b; ++k) update(pieces_[k]);
-      if (owns_bucket_shards() && !shards_parameters()) {  // stage 3 keeps its shard
+      round_master(std::span(pieces_).subspan(first, k - first));  // before its allgather
+      if (owns_bucket_shards() && !shards_parameters()) {          // stage 3 keeps its shard
         gathers.push_back(launch_gather(b));
         if (transient_buckets() && b > 0) {
           gathers[b - 1].wait();
@@ -236,7 +242,9 @@ void ddp_sharding<Policy>::update_and_gather(const char* what, Update& update) {
         }
       }
     }
+    const std::size_t rest = k;
     for (; k < pieces_.size(); ++k) update(pieces_[k]);
+    round_master(std::span(pieces_).subspan(rest));
   } catch (const std::exception& e) {
     // The update (or an allgather) failed on this rank: what was launched
     // completes (or fails), and this DDP is not usable for another step.
@@ -262,7 +270,8 @@ void ddp_sharding<Policy>::make_pieces() {
                          .bucket = core_.vars_[i].bucket,
                          .values = p.values,
                          .gradients = {p.gradient, p.values.count, p.values.type, p.values.where,
-                                       p.values.device}});
+                                       p.values.device},
+                         .master = p.values});
       shard_elements_ += p.values.count;
     }
     return;
@@ -291,7 +300,8 @@ void ddp_sharding<Policy>::make_pieces() {
            .state_offset = shard_elements_,
            .bucket = b,
            .values = values,
-           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device}});
+           .gradients = {gradients, hi - lo, p.values.type, p.values.where, p.values.device},
+           .master = values});
       shard_elements_ += hi - lo;
     }
   }
@@ -301,13 +311,13 @@ void ddp_sharding<Policy>::make_pieces() {
 /// that `bytes` holds shard_elements() of them.
 template <class Policy>
 std::size_t ddp_sharding<Policy>::shard_value_size(const char* what, std::size_t bytes) const {
-  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().values.type;
+  const dtype type = pieces_.empty() ? dtype::float32 : pieces_.front().master.type;
   for (const shard_piece& piece : pieces_) {
-    if (piece.values.type != type) {
+    if (piece.master.type != type) {
       throw config_error("DistributedDataParallel::" + std::string(what) + " on rank " +
                          std::to_string(core_.rank_) + ": the shard holds " +
                          std::string(to_string(type)) + " and " +
-                         std::string(to_string(piece.values.type)) + " (parameter '" +
+                         std::string(to_string(piece.master.type)) + " (parameter '" +
                          core_.vars_[piece.parameter].param.name + "'); it copies one type");
     }
   }
@@ -324,7 +334,7 @@ template <class Policy>
 void ddp_sharding<Policy>::download_values(std::span<std::byte> out) {
   const std::size_t elem = shard_value_size("download_shard_values()", out.size());
   for (const shard_piece& p : pieces_) {
-    memory_space::download(out.data() + p.state_offset * elem, p.values.data, p.values.bytes(),
+    memory_space::download(out.data() + p.state_offset * elem, p.master.data, p.master.bytes(),
                            core_.device_, core_.stream_);
   }
   if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
@@ -348,9 +358,10 @@ void ddp_sharding<Policy>::upload_values(std::span<const std::byte> in) {
     drop_whole_locked();
   }
   for (const shard_piece& p : pieces_) {
-    memory_space::upload(p.values.data, in.data() + p.state_offset * elem, p.values.bytes(),
+    memory_space::upload(p.master.data, in.data() + p.state_offset * elem, p.master.bytes(),
                          core_.device_, core_.stream_);
   }
+  round_master(pieces_);  // the 16-bit values from the master weights loaded
   if constexpr (memory_space::on_stream) memory_space::synchronize(core_.device_, core_.stream_);
 }
 
@@ -549,7 +560,18 @@ void ddp_sharding<Policy>::abandon_gathers(std::vector<work>& gathers, const std
 /// pointers are null from here on.
 template <class Policy>
 void ddp_sharding<Policy>::take_values() {
-  if (!shards_parameters()) return;
+  // The master weights start as the values (at stage 3 the shard just taken).
+  auto start_master = [this] {
+    for (const shard_piece& p : pieces_) {
+      if (p.master.data == p.values.data) continue;
+      memory_space::decompress(static_cast<float*>(p.master.data), p.values.data, p.values.count,
+                               p.values.type, core_.device_, core_.stream_);
+    }
+  };
+  if (!shards_parameters()) {
+    start_master();
+    return;
+  }
   for (const shard_piece& piece : pieces_) {
     const parameter& p = core_.vars_[piece.parameter].param;
     if (!p.values.data) continue;  // deferred: the shard starts at zero
@@ -559,6 +581,40 @@ void ddp_sharding<Policy>::take_values() {
         piece.values.bytes(), p.device, core_.stream_);
   }
   for (std::size_t b = 0; b < core_.buckets_.size(); ++b) point_values(b, nullptr);
+  start_master();
+}
+
+/// ddp_options::master_weights: a float32 copy for each piece of a 16-bit
+/// parameter (shard_piece::master), one after another in master_; kept
+/// where it has the size already (a rebuild without sharding: the same
+/// pieces, whole parameters in index order).
+template <class Policy>
+void ddp_sharding<Policy>::add_master() {
+  if (!core_.options_.master_weights) return;
+  auto sixteen = [](dtype t) { return t == dtype::bfloat16 || t == dtype::float16; };
+  std::size_t count = 0;
+  for (const shard_piece& p : pieces_) count += sixteen(p.values.type) ? p.values.count : 0;
+  if (master_.bytes() != count * sizeof(float))
+    master_ = count == 0 ? storage() : storage(count * sizeof(float), core_.device_, core_.stream_);
+  std::size_t at = 0;
+  for (shard_piece& p : pieces_) {
+    if (!sixteen(p.values.type)) continue;
+    p.master = buffer{master_.data() + at * sizeof(float), p.values.count, dtype::float32,
+                      p.values.where, p.values.device};
+    at += p.values.count;
+  }
+}
+
+/// The updated master weights of `pieces` into their 16-bit values, rounded
+/// once (to nearest even), on the compute stream: before a bucket's
+/// allgather reads them, and before the model's next forward.
+template <class Policy>
+void ddp_sharding<Policy>::round_master(std::span<const shard_piece> pieces) {
+  for (const shard_piece& p : pieces) {
+    if (p.master.data == p.values.data) continue;
+    memory_space::compress(p.values.data, static_cast<const float*>(p.master.data), p.values.count,
+                           1.0f, p.values.type, core_.device_, core_.stream_);
+  }
 }
 
 /// The model's values of bucket b's parameters at `whole` (their places in

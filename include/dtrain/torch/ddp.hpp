@@ -184,16 +184,22 @@ class DistributedDataParallel {
   /// uneven the parameters are, and it is the core's layout, reduce-scattered
   /// during backward(). Without sharding: every parameter, flattened.
   /// Per-parameter options (param groups) do not carry over: the pieces of
-  /// one parameter are separate tensors.
+  /// one parameter are separate tensors. With ddp_options::master_weights a
+  /// 16-bit parameter's pieces are their float32 master copies (DDP rounds
+  /// them into the module's values after the step), whose .grad() is a
+  /// float32 copy of the 16-bit mean, made by step() before the optimizer runs.
   [[nodiscard]] const std::vector<::torch::Tensor>& shard_parameters() {
     if (shard_tensors_.empty()) {
       for (const shard_piece& piece : ddp_.core().shard()) {
-        ::torch::Tensor values = detail::tensor_over(piece.values);
+        ::torch::Tensor values = detail::tensor_over(piece.master);
         values.set_requires_grad(true);  // a leaf over the module's memory, as a parameter is
-        ::torch::Tensor gradients = detail::tensor_over(piece.gradients);
+        ::torch::Tensor mean = detail::tensor_over(piece.gradients);
+        ::torch::Tensor gradients =
+            mean.scalar_type() == values.scalar_type() ? mean : ::torch::empty_like(values);
         values.mutable_grad() = gradients;  // the piece's mean after backward(), for clipping
         shard_tensors_.push_back(values);
         shard_gradients_.push_back(gradients);
+        shard_means_.push_back(mean);
       }
     }
     return shard_tensors_;
@@ -215,8 +221,12 @@ class DistributedDataParallel {
       if (std::exchange(stepped, true)) return;  // the optimizer steps over every piece at once
       ::torch::NoGradGuard no_grad;
       // zero_grad() may have dropped them (set_to_none): the gradients are the core's.
-      for (std::size_t k = 0; k < shard_tensors_.size(); ++k)
+      for (std::size_t k = 0; k < shard_tensors_.size(); ++k) {
+        // Master weights: the float32 copy of the 16-bit mean the optimizer reads.
+        if (!shard_gradients_[k].is_same(shard_means_[k]))
+          shard_gradients_[k].copy_(shard_means_[k]);
         shard_tensors_[k].mutable_grad() = shard_gradients_[k];
+      }
       optimizer.step();
     });
   }
@@ -299,6 +309,8 @@ class DistributedDataParallel {
   Module module_;
   module_ddp<Policy> ddp_;
   std::vector<::torch::Tensor> shard_tensors_, shard_gradients_;  // shard_parameters()
+  std::vector<::torch::Tensor>
+      shard_means_;  // the core's means (gradients but with master weights)
 };
 
 template <class Context, class Module>
