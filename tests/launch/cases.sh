@@ -697,7 +697,8 @@ torchrun_flags)
   mkdir -p "$work/py/tinypkg"
   : >"$work/py/tinypkg/__init__.py"
   printf '%s\n' 'import os, sys' \
-    'print("module", __name__, os.environ["RANK"], os.environ["WORLD_SIZE"], " ".join(sys.argv[1:]))' \
+    'line = " ".join(["module", __name__, os.environ["RANK"], os.environ["WORLD_SIZE"]] + sys.argv[1:])' \
+    'sys.stdout.write(line + "\n")  # one write: the two workers share the file (python -u)' \
     >"$work/py/tinypkg/hello.py"
   PYTHONPATH="$work/py" "$DTRUN" --nproc-per-node 2 -m tinypkg.hello --epochs 3 >"$work/py.out" 2>"$work/py.err"
   expect_status 0 $? "dtrun -m tinypkg.hello"
