@@ -46,12 +46,14 @@
 #include <dtrain/checkpoint.hpp>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <span>
 #include <stdexcept>
@@ -834,8 +836,11 @@ struct half_model {
   }
   std::vector<dtrain::parameter> parameters() {
     std::vector<dtrain::parameter> out;
-    for (std::size_t p = 0; p < w.size(); ++p)
-      out.push_back(dtrain::param("h" + std::to_string(p), values[p], half_sizes[p], grads[p]));
+    for (std::size_t p = 0; p < w.size(); ++p) {
+      std::string name = "h";  // (not "h" + to_string: GCC 12's -Wrestrict misfires at -O2)
+      name += std::to_string(p);
+      out.push_back(dtrain::param(name, values[p], half_sizes[p], grads[p]));
+    }
     return out;
   }
 };
@@ -873,10 +878,11 @@ struct half_result {
 
 /// Trains a half_model<T> `half_steps` steps at `sharding`, master weights
 /// on or off (off: SGD on the 16-bit values themselves). `restart_at` >= 0:
-/// the shard (its master weights, download_shard_values) and, below stage
-/// 3, the model's values are taken after that many steps, the run goes on
-/// to the end, then both are put back (upload_shard_values) and the steps
-/// after it run again: the result must be the same bits.
+/// a checkpoint (dtrain::checkpoint: the shard's master weights,
+/// add_sharded("master", ddp), and below stage 3 the model's 16-bit values)
+/// is saved after that many steps, the run goes on to the end, the model's
+/// values are zeroed, the checkpoint restored and the steps after it run
+/// again: the result must be the same bits.
 template <class T, class Context>
 half_result train_half(Context& ctx, dtrain::sharding sharding, bool master, int restart_at) {
   using Policy = typename Context::policy_type;
@@ -923,17 +929,30 @@ half_result train_half(Context& ctx, dtrain::sharding sharding, bool master, int
   if (restart_at < 0) {
     run(0, half_steps);
   } else {
-    run(0, restart_at);
-    std::vector<std::byte> shard(ddp.shard().empty()
-                                     ? 0
-                                     : ddp.shard_elements() *
-                                           dtrain::size_of(ddp.shard().front().master.type));
-    ddp.download_shard_values(shard);
-    const std::vector<std::vector<T>> saved = stage3 ? std::vector<std::vector<T>>{} : model.w;
-    run(restart_at, half_steps);
-    if (!stage3) model.w = saved;  // the model's own values, as a checkpoint of them restores
-    ddp.upload_shard_values(shard);
-    run(restart_at, half_steps);
+    // A checkpoint as a 16-bit job writes one: the master weights of the
+    // shard (float32, sharded) and, below stage 3, the model's values.
+    std::array<std::int64_t, 1> id{static_cast<std::int64_t>(::getpid())};
+    std::vector<std::int64_t> ids(static_cast<std::size_t>(ctx.size()));
+    ctx.control_plane().allgather(id, ids);
+    std::string dir = "/tmp/dtrain-master-";  // (one piece at a time: GCC 12's -Wrestrict)
+    dir += std::to_string(ids[0]);
+    dir += '-';
+    dir += dtrain::to_string(sharding);
+    dir += '-';
+    dir += std::to_string(sizeof(T));
+    {
+      dtrain::checkpoint ckpt(ctx.control_plane(), {.dir = dir, .quiet = true});
+      if (!stage3) ckpt.add(model.parameters());
+      ckpt.add_sharded("master", ddp);
+      run(0, restart_at);
+      ckpt.save();
+      run(restart_at, half_steps);
+      for (auto& w : model.w) std::fill(w.begin(), w.end(), T(0.0f));  // what the restore replaces
+      CHECK(ckpt.restore().has_value());
+      run(restart_at, half_steps);
+    }
+    ctx.barrier();
+    if (ctx.rank() == 0) std::filesystem::remove_all(dir);
   }
   for (const auto& whole : whole_values()) {
     out.values.emplace_back();

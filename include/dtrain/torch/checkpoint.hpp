@@ -131,7 +131,10 @@ void add_module(dtrain::checkpoint& ckpt, const Holder& module, const std::strin
 /// entry `prefix + "parameters"` (each rank saves its ranges, and a job of
 /// another world size re-cuts them: checkpoint::add_sharded(name, ddp)),
 /// beside the frozen parameters and the buffers, replicated; at the other
-/// stages, add_module(ckpt, ddp.module(), prefix).
+/// stages, add_module(ckpt, ddp.module(), prefix). With
+/// ddp_options::master_weights the sharded entry holds the float32 master
+/// weights (at stages 0-2 it is `prefix + "master"`, beside the module's
+/// 16-bit values), from which a restore rounds the values again.
 template <class DDP>
 requires requires(DDP& d) {
   d.operator->();
@@ -141,6 +144,7 @@ void add_module(dtrain::checkpoint& ckpt, DDP& ddp, const std::string& prefix = 
   const ::torch::nn::Module& module = *ddp.operator->();
   if (ddp.core().options().sharding != sharding::parameters) {
     add_module(ckpt, module, prefix);
+    if (ddp.core().options().master_weights) ckpt.add_sharded(prefix + "master", ddp.core());
     return;
   }
   ckpt.add_sharded(prefix + "parameters", ddp.core());
