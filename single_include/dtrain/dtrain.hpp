@@ -12197,6 +12197,7 @@ class ddp_sharding {
   void make_pieces();
   void add_master();
   void round_master(std::span<const shard_piece> pieces);
+  void adopt_changed_values();
   std::size_t shard_value_size(const char* what, std::size_t bytes) const;
   void check_updatable(const char* what) const;
   work launch_gather(std::size_t b);
@@ -15630,6 +15631,7 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -15833,6 +15835,7 @@ void ddp_sharding<Policy>::update_and_gather(const char* what, Update& update) {
     // (a prefetch posted since the step's end), no allgather reads them.
     if (shards_parameters()) drop_whole_locked();
   }
+  adopt_changed_values();  // before the update reads the master
   std::vector<work> gathers;
   std::size_t k = 0;          // pieces_ are in bucket order
   std::size_t completed = 0;  // buckets whose allgather is copied out already
@@ -16210,6 +16213,30 @@ void ddp_sharding<Policy>::add_master() {
     p.master = buffer{master_.data() + at * sizeof(float), p.values.count, dtype::float32,
                       p.values.where, p.values.device};
     at += p.values.count;
+  }
+}
+
+/// Host memory: where a piece's 16-bit value is no longer its master
+/// rounded (written since by the program: a restore of the values alone,
+/// an initialisation through shard()), the master starts again from the
+/// value, element by element: the values the program wrote are never
+/// rounded over by a stale master. (GPU memory: not checked; write the
+/// master too, or upload_shard_values().)
+template <class Policy>
+void ddp_sharding<Policy>::adopt_changed_values() {
+  if constexpr (memory_space::where == memory::host) {
+    for (const shard_piece& p : pieces_) {
+      if (p.master.data == p.values.data) continue;
+      visit(p.values.type, [&]<class Half>() {
+        if constexpr (std::same_as<Half, float16> || std::same_as<Half, bfloat16>) {
+          auto* master = static_cast<float*>(p.master.data);
+          const auto* values = static_cast<const Half*>(p.values.data);
+          for (std::size_t i = 0; i < p.values.count; ++i) {
+            if (!(Half(master[i]) == values[i])) master[i] = static_cast<float>(values[i]);
+          }
+        }
+      });
+    }
   }
 }
 

@@ -39,7 +39,8 @@
 // the exact SGD, the 16-bit values the master rounded once and the same on
 // every rank, every value moved; the shard's master taken at step 3 and put
 // back gives the same bits again (run_master). Without master weights the
-// same bfloat16 SGD does not move a value (the stall they fix).
+// same bfloat16 SGD does not move a value (the stall they fix). Values the
+// program writes between steps are adopted: the next step starts from them.
 
 #include "../support/multirank.hpp"
 
@@ -1014,6 +1015,54 @@ int run_half(Context& ctx, const char* type_name) {
   return failures;
 }
 
+/// Values written by the program between steps (a restore of the 16-bit
+/// values alone, an initialisation through shard()) are adopted on the
+/// host: after 3 steps every value of the rank's pieces is set to 2.0, and
+/// one more step must start from it (the master 2 - lr * mean, the value
+/// 2.0 again), not from the stale master near 0.99.
+template <class Context>
+bool adopts_written_values(Context& ctx, dtrain::sharding sharding) {
+  using Policy = typename Context::policy_type;
+  using T = dtrain::bfloat16;
+  half_model<T> model;
+  dtrain::ddp_options options = small_buckets(sharding);
+  options.master_weights = true;
+  dtrain::DistributedDataParallel<half_model<T>, Policy> ddp(ctx, model, options);
+  auto step = [&](int s) {
+    {
+      auto held = ddp.gather(ddp.parameters());
+      for (std::size_t p = 0; p < model.g.size(); ++p) {
+        for (std::size_t i = 0; i < model.g[p].size(); ++i)
+          model.grads[p][i] = T(half_gradient(i, ctx.rank(), s));
+      }
+      for (std::size_t p = model.g.size(); p-- > 0;) ddp.mark_ready(p);
+    }
+    ddp.synchronize();
+    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+      float* w = static_cast<float*>(piece.master.data);
+      const T* mean = static_cast<const T*>(piece.gradients.data);
+      for (std::size_t i = 0; i < piece.master.count; ++i)
+        w[i] -= half_lr * static_cast<float>(mean[i]);
+    });
+  };
+  for (int s = 0; s < 3; ++s) step(s);
+  for (const dtrain::shard_piece& piece : ddp.shard())
+    std::fill_n(static_cast<T*>(piece.values.data), piece.values.count, T(2.0f));
+  step(3);
+  bool ok = true;
+  for (const dtrain::shard_piece& piece : ddp.shard()) {
+    const auto* w = static_cast<const float*>(piece.master.data);
+    const auto* v = static_cast<const T*>(piece.values.data);
+    for (std::size_t i = 0; i < piece.values.count; ++i) {
+      double sum = 0;
+      for (int r = 0; r < ctx.size(); ++r) sum += half_gradient(piece.offset + i, r, 3);
+      const double want = 2.0 - static_cast<double>(half_lr) * sum / ctx.size();
+      ok = ok && std::fabs(static_cast<double>(w[i]) - want) <= 1e-5 && v[i] == T(2.0f);
+    }
+  }
+  return ok;
+}
+
 template <class Context>
 int run_master(Context& ctx) {
   int failures =
@@ -1030,6 +1079,17 @@ int run_master(Context& ctx) {
               ctx.rank(), ctx.size(), moved, stalls ? " (as expected: it stalls)" : ": UNEXPECTED");
   CHECK_MESSAGE(stalls, "rank " << ctx.rank() << ": bfloat16 without master weights");
   failures += stalls ? 0 : 1;
+  for (const dtrain::sharding stage : {dtrain::sharding::none, dtrain::sharding::optimizer,
+                                       dtrain::sharding::gradients, dtrain::sharding::parameters}) {
+    const bool adopted = adopts_written_values(ctx, stage);
+    std::printf("rank %d of %d: master_weights, sharding %s: values written between steps %s\n",
+                ctx.rank(), ctx.size(), std::string(dtrain::to_string(stage)).c_str(),
+                adopted ? "adopted (the master starts again from them)"
+                        : "NOT adopted: a stale master rounded over them");
+    CHECK_MESSAGE(adopted, "rank " << ctx.rank() << ": written values, sharding "
+                                   << dtrain::to_string(stage));
+    failures += adopted ? 0 : 1;
+  }
   std::fflush(stdout);
   return failures == 0 ? 0 : 1;
 }

@@ -220,6 +220,7 @@ class ddp_sharding {
   void make_pieces();
   void add_master();
   void round_master(std::span<const shard_piece> pieces);
+  void adopt_changed_values();
   std::size_t shard_value_size(const char* what, std::size_t bytes) const;
   void check_updatable(const char* what) const;
   work launch_gather(std::size_t b);
