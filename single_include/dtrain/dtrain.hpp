@@ -11759,8 +11759,8 @@ class stream_runner {
 /// DDP's sharding part (ddp_options::sharding: none, and ZeRO stages 1, 2
 /// and 3), behind the one seam of the reduction: what happens to a bucket
 /// once it is ready (reduce(): an allreduce, or a reduce-scatter into this
-/// rank's shard), and at the step's end (step_end(): the shard may be
-/// updated once; stage 3's values are dropped and its pass recorded). The
+/// rank's shard), and at the step's end (step_end_locked(): the shard may
+/// be updated once; stage 3's values are dropped and its pass recorded). The
 /// core (basic_ddp) keeps the buckets, their overlap, no_sync() and the
 /// step's marks, and asks this part the few things a stage changes (how a
 /// bucket is padded, where its gradients live, whether the mean comes back
@@ -11772,7 +11772,8 @@ class stream_runner {
 /// allgather of the updated values after the optimizer's step, and stage 3's
 /// gathers with their prefetch in the order the first pass recorded. It
 /// reads the core's layout (buckets, variables, topology) and uses its lock,
-/// runner and stream; the core's runner thread never calls it.
+/// runner and stream; the runner's thread calls only reduce() (through the
+/// core) and the allgathers the part posts, and never takes the lock.
 ///
 /// Bodies out of class in ddp/sharding_part.hpp (see ddp/basic_ddp.hpp for
 /// why: the compiled library instantiates this class with basic_ddp).

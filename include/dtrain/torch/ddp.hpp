@@ -196,7 +196,8 @@ class DistributedDataParallel {
         ::torch::Tensor mean = detail::tensor_over(piece.gradients);
         ::torch::Tensor gradients =
             mean.scalar_type() == values.scalar_type() ? mean : ::torch::empty_like(values);
-        values.mutable_grad() = gradients;  // the piece's mean after backward(), for clipping
+        // The piece's mean after backward(), for clipping (master weights: after step()).
+        values.mutable_grad() = gradients;
         shard_tensors_.push_back(values);
         shard_gradients_.push_back(gradients);
         shard_means_.push_back(mean);
