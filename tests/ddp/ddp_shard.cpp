@@ -868,6 +868,34 @@ double half_reference(std::size_t i, int size, int steps) {
   return v;
 }
 
+/// One step of a half_model: each rank's gradients of `step` (inside a
+/// gather(), as stage 3 needs), the mean, then SGD on each piece's float32
+/// master, or (no master copy) on its 16-bit values.
+template <class Context, class DDP, class T>
+void half_step(Context& ctx, DDP& ddp, half_model<T>& model, int step) {
+  {
+    auto held = ddp.gather(ddp.parameters());
+    for (std::size_t p = 0; p < model.g.size(); ++p) {
+      for (std::size_t i = 0; i < model.g[p].size(); ++i)
+        model.grads[p][i] = T(half_gradient(i, ctx.rank(), step));
+    }
+    for (std::size_t p = model.g.size(); p-- > 0;) ddp.mark_ready(p);
+  }
+  ddp.synchronize();
+  ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
+    const T* mean = static_cast<const T*>(piece.gradients.data);
+    if (piece.master.type == dtrain::dtype::float32) {
+      float* w = static_cast<float*>(piece.master.data);
+      for (std::size_t i = 0; i < piece.master.count; ++i)
+        w[i] -= half_lr * static_cast<float>(mean[i]);
+    } else {  // no master copy: SGD in 16 bits
+      T* w = static_cast<T*>(piece.values.data);
+      for (std::size_t i = 0; i < piece.values.count; ++i)
+        w[i] = T(static_cast<float>(w[i]) - half_lr * static_cast<float>(mean[i]));
+    }
+  });
+}
+
 struct half_result {
   std::vector<std::vector<std::uint16_t>> values;  // every parameter, whole, as bits
   std::vector<float> master;                       // this rank's pieces', in shard order
@@ -896,29 +924,7 @@ half_result train_half(Context& ctx, dtrain::sharding sharding, bool master, int
   out.topology = ddp.topology().describe();
   out.master_bytes = ddp.memory_use().master;
   auto run = [&](int from, int to) {
-    for (int step = from; step < to; ++step) {
-      {
-        auto held = ddp.gather(ddp.parameters());
-        for (std::size_t p = 0; p < model.g.size(); ++p) {
-          for (std::size_t i = 0; i < model.g[p].size(); ++i)
-            model.grads[p][i] = T(half_gradient(i, ctx.rank(), step));
-        }
-        for (std::size_t p = model.g.size(); p-- > 0;) ddp.mark_ready(p);
-      }
-      ddp.synchronize();
-      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
-        const T* mean = static_cast<const T*>(piece.gradients.data);
-        if (piece.master.type == dtrain::dtype::float32) {
-          float* w = static_cast<float*>(piece.master.data);
-          for (std::size_t i = 0; i < piece.master.count; ++i)
-            w[i] -= half_lr * static_cast<float>(mean[i]);
-        } else {  // no master copy: SGD in 16 bits
-          T* w = static_cast<T*>(piece.values.data);
-          for (std::size_t i = 0; i < piece.values.count; ++i)
-            w[i] = T(static_cast<float>(w[i]) - half_lr * static_cast<float>(mean[i]));
-        }
-      });
-    }
+    for (int step = from; step < to; ++step) half_step(ctx, ddp, model, step);
   };
   auto whole_values = [&] {
     std::vector<std::vector<T>> whole(model.w.size());
@@ -1028,27 +1034,10 @@ bool adopts_written_values(Context& ctx, dtrain::sharding sharding) {
   dtrain::ddp_options options = small_buckets(sharding);
   options.master_weights = true;
   dtrain::DistributedDataParallel<half_model<T>, Policy> ddp(ctx, model, options);
-  auto step = [&](int s) {
-    {
-      auto held = ddp.gather(ddp.parameters());
-      for (std::size_t p = 0; p < model.g.size(); ++p) {
-        for (std::size_t i = 0; i < model.g[p].size(); ++i)
-          model.grads[p][i] = T(half_gradient(i, ctx.rank(), s));
-      }
-      for (std::size_t p = model.g.size(); p-- > 0;) ddp.mark_ready(p);
-    }
-    ddp.synchronize();
-    ddp.optimizer_step([&](const dtrain::shard_piece& piece) {
-      float* w = static_cast<float*>(piece.master.data);
-      const T* mean = static_cast<const T*>(piece.gradients.data);
-      for (std::size_t i = 0; i < piece.master.count; ++i)
-        w[i] -= half_lr * static_cast<float>(mean[i]);
-    });
-  };
-  for (int s = 0; s < 3; ++s) step(s);
+  for (int s = 0; s < 3; ++s) half_step(ctx, ddp, model, s);
   for (const dtrain::shard_piece& piece : ddp.shard())
     std::fill_n(static_cast<T*>(piece.values.data), piece.values.count, T(2.0f));
-  step(3);
+  half_step(ctx, ddp, model, 3);
   bool ok = true;
   for (const dtrain::shard_piece& piece : ddp.shard()) {
     const auto* w = static_cast<const float*>(piece.master.data);
