@@ -57,6 +57,11 @@ class nccl_init_outcomes {
         try {
           if (find_failure()) {
             on_failure();
+            // Rank 0 may host the store: it stays (at most the relay's
+            // linger) until every other rank has read the failure too, or
+            // one that polls a moment later finds the store gone and waits
+            // for its init timeout. stop() waits for this.
+            if (rank_ == 0) relay(failed_rank_).failure_carried();
             return;
           }
         } catch (...) {
@@ -68,6 +73,7 @@ class nccl_init_outcomes {
   }
 
   /// Stops watching (and waits for the thread): peer_failure() is final then.
+  /// On rank 0 after a peer's failure, that is once the others have read it.
   void stop() noexcept {
     if (!watcher_.joinable()) return;
     watcher_.request_stop();
@@ -120,6 +126,7 @@ class nccl_init_outcomes {
                                                       store_.get(key[0]), "a rank's NCCL init");
       if (got.ok) continue;
       failure_ = "rank " + std::to_string(r) + " failed: " + got.text;
+      failed_rank_ = r;
       relay(r).failure_read();
       return true;
     }
@@ -131,6 +138,7 @@ class nccl_init_outcomes {
   int rank_;
   int size_;
   std::string failure_;
+  int failed_rank_ = -1;
   std::jthread watcher_;  // last: stopped before the rest goes
 };
 
