@@ -57,6 +57,14 @@ run_logged() {
   "$@" >"$log" 2>&1
 }
 
+# past_third: $dir (the checkpoints' directory) holds the checkpoint of step
+# 3 x $every or a later one.
+past_third() {
+  local newest
+  newest=$(compgen -G "$dir/step-*[0-9]" | sed 's/.*step-//' | sort -n | tail -n 1)
+  ((${newest:-0} >= 3 * every))
+}
+
 # kill_worker_after <dir> <pid of the agent> <mode: random|in_save> <steps between saves>:
 # kills one of the agent's workers once <dir> holds a committed checkpoint.
 kill_worker_after() {
@@ -69,11 +77,6 @@ kill_worker_after() {
   local what="at a random moment"
   # Never later than the third checkpoint: a fast machine trains the whole
   # run in well under a second (CI's did), and then no worker is left to kill.
-  past_third() {
-    local newest
-    newest=$(compgen -G "$dir/step-*[0-9]" | sed 's/.*step-//' | sort -n | tail -n 1)
-    ((${newest:-0} >= 3 * every))
-  }
   if [[ $mode == in_save ]]; then
     # Catch a save in progress: its partial directory exists. Saves take
     # milliseconds, so look often; if none is seen in 3 s, kill anyway.
@@ -176,7 +179,11 @@ case $case_name in
       kill -0 "$launcher" 2>/dev/null || { cat "$work/killed.log"; fail "the job ended before its first checkpoint"; }
       sleep 0.01
     done
-    sleep "0.$((RANDOM % 50))"
+    # A random moment up to 0.5 s later, but never after the third checkpoint:
+    # the whole run takes about 0.6 s here, and a kill after its end finds no rank.
+    every=20
+    until=$(($(date +%s%3N) + RANDOM % 500))
+    while (($(date +%s%3N) < until)) && ! past_third; do sleep 0.01; done
     victim=$(pgrep -f "^$mpi_train " | head -n 1)
     [[ -n $victim ]] || fail "no rank of $mpi_train to kill"
     kill -KILL "$victim"
