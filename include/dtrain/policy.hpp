@@ -164,6 +164,7 @@ struct missing_backend_traits {
     work broadcast(buffer, int);
     work allgather(buffer, buffer);
     work reduce_scatter(buffer, buffer, reduce_op);
+    work alltoall(buffer, buffer);
     work barrier();
     communicator split(int, int);
   };

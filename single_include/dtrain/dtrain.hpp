@@ -1729,6 +1729,10 @@ namespace dtrain {
 /// returns a work handle; buffers must stay alive until it completes. All
 /// ranks must call the same collectives in the same order.
 ///
+/// `alltoall(in, out)`: `in` and `out` hold size() blocks of the same count;
+/// block j of `in` goes to rank j, and block i of `out` comes from rank i (out
+/// of place: `in` and `out` must not overlap).
+///
 /// `split(color, key)` is collective: the ranks that pass the same color form
 /// a new communicator, ranked by key (then by rank here). A negative color
 /// means the same on every engine (MPI_UNDEFINED, NCCL_SPLIT_NOCOLOR): this
@@ -1742,6 +1746,7 @@ concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int r
   { c.broadcast(b, root) } -> std::same_as<work>;
   { c.allgather(b, b) } -> std::same_as<work>;
   { c.reduce_scatter(b, b, op) } -> std::same_as<work>;
+  { c.alltoall(b, b) } -> std::same_as<work>;
   { c.barrier() } -> std::same_as<work>;
   { c.split(root, root) } -> std::same_as<C>;
   { cc.valid() } -> std::convertible_to<bool>;
@@ -1769,13 +1774,14 @@ enum class collective_kind : std::uint8_t {
   reduce_scatter,
   barrier,
   allreduce_many,
-  split
+  split,
+  alltoall
 };
 
 /// Their names, indexed by collective_kind ("?": another).
 inline constexpr std::string_view collective_kinds[] = {
     "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
-    "barrier", "allreduce_many", "split"};
+    "barrier", "allreduce_many", "split",     "alltoall"};
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(
     std::string_view kind) noexcept;
@@ -1804,6 +1810,8 @@ struct argument_check {
   void reachable(const buffer& b, std::string_view which, const memory_reach& reach,
                  std::ptrdiff_t index = -1) const;
   void root(int r, int size) const;
+  /// `in` and `out` share no byte (a collective that cannot run in place).
+  void apart(const buffer& in, const buffer& out) const;
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
@@ -1837,6 +1845,9 @@ struct collective_call {
   [[nodiscard]] static collective_call reduce_scatter(buffer in, buffer out,
                                                       reduce_op op) noexcept {
     return {collective_kind::reduce_scatter, in, out, static_cast<int>(op), -1, {}};
+  }
+  [[nodiscard]] static collective_call alltoall(buffer in, buffer out) noexcept {
+    return {collective_kind::alltoall, in, out, -1, -1, {}};
   }
   [[nodiscard]] static collective_call barrier() noexcept { return {}; }
   [[nodiscard]] static collective_call allreduce_many(std::span<const buffer> buffers,
@@ -2018,6 +2029,22 @@ work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op =
   return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);
 }
 
+/// `in` and `out` (size() blocks of the same count each, apart): block j of
+/// `in` goes to rank j; block i of `out` comes from rank i.
+template <communicator C, detail::host_range In, detail::host_range Out>
+work alltoall(C& c, const In& in, Out&& out) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "alltoall: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "alltoall writes `out`: pass it non-const");
+  return c.alltoall(detail::host_view(in), detail::host_view(out));
+}
+template <communicator C, element T, detail::element_or_const<T> In>
+work alltoall(C& c, device_span<In> in, device_span<T> out) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.alltoall(in.as_buffer(), out.as_buffer());
+}
+
 #undef DTRAIN_HOST_ONLY_MESSAGE
 #undef DTRAIN_DEVICE_ONLY_MESSAGE
 
@@ -2085,6 +2112,14 @@ DTRAIN_DETAIL_INLINE void argument_check::root(int r, int size) const {
   if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
 }
 
+DTRAIN_DETAIL_INLINE void argument_check::apart(const buffer& in, const buffer& out) const {
+  if (in.bytes() == 0 || out.bytes() == 0) return;
+  const auto* a = static_cast<const std::byte*>(in.data);
+  const auto* b = static_cast<const std::byte*>(out.data);
+  if (a < b + out.bytes() && b < a + in.bytes())
+    fail("input and output overlap; it runs out of place: pass separate buffers");
+}
+
 DTRAIN_DETAIL_INLINE collective_info collective_call::info(std::string_view engine, int rank,
                                                            int size) const noexcept {
   buffer counted = kind == collective_kind::reduce_scatter ? out : in;
@@ -2104,7 +2139,8 @@ DTRAIN_DETAIL_INLINE bool collective_call::moves_data() const noexcept {
     case collective_kind::other: return true;
     case collective_kind::allreduce:
     case collective_kind::broadcast:
-    case collective_kind::allgather: return in.count > 0;
+    case collective_kind::allgather:
+    case collective_kind::alltoall: return in.count > 0;
     case collective_kind::reduce_scatter: return out.count > 0;
     case collective_kind::allreduce_many:
       for (const buffer& b : many) {
@@ -2144,6 +2180,18 @@ DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const col
       check.same_type(call.in, call.out);
       check.count(call.in, call.out.count * ranks, "input");
       check.op_fits(op, call.out.type);
+      return;
+    case collective_kind::alltoall:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count, "output");
+      if (ranks > 0 && call.in.count % ranks != 0) {
+        check.fail("input has " + std::to_string(call.in.count) +
+                   " elements, not a multiple of the " + std::to_string(ranks) +
+                   " ranks (one block each)");
+      }
+      check.apart(call.in, call.out);
       return;
     case collective_kind::allreduce_many:
       for (std::size_t i = 0; i < call.many.size(); ++i) {
@@ -3543,6 +3591,44 @@ class shm_segment {
     }
   }
 
+  /// Block j of `in` (size() blocks of `block` bytes) to rank j, and rank i's
+  /// block for this rank into block i of `out` (out of place). Every rank
+  /// calls it with the same `block`, in the same order among its collectives
+  /// on the segment. In chunks: each rank copies its chunk of every other
+  /// rank's block into its slot (at q x n, as reduce_scatter() does), and once
+  /// all have, its own chunk out of every slot. Throws shm_failure as allreduce.
+  void alltoall(const void* in, void* out, std::size_t block, std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    const auto* from = static_cast<const unsigned char*>(in);
+    auto* to = static_cast<unsigned char*>(out);
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    if (block > 0) std::memcpy(to + me * block, from + me * block, block);  // its own block
+    if (size_ == 1) return;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const std::size_t chunk = std::max<std::size_t>(1, slot_ / ranks);  // bytes per block
+    const std::size_t chunks = (block + chunk - 1) / chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * chunk;
+      const std::size_t n = block - offset < chunk ? block - offset : chunk;
+      const std::uint32_t k = ++chunk_;
+      // 1. This chunk of every other rank's block into this rank's slot, at
+      //    q x n. Every rank finished reading the slots of the previous chunk
+      //    before it announced that chunk copied out.
+      for (std::size_t q = 0; q < ranks; ++q) {
+        if (q != me) std::memcpy(slot<unsigned char>(me) + q * n, from + q * block + offset, n);
+      }
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. What every other rank put there for this one.
+      for (std::size_t q = 0; q < ranks; ++q) {
+        if (q != me) std::memcpy(to + q * block + offset, slot<unsigned char>(q) + me * n, n);
+      }
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "copy out", c, chunks);
+    }
+  }
+
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
   /// The first rank to give up is the one they name; `timed_out` (it gave up
   /// at the timeout) makes their failures timeouts too.
@@ -3841,6 +3927,7 @@ DTRAIN_DETAIL_INLINE void shm_segment::swap(shm_segment& o) noexcept {
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/logging.h>
@@ -4073,6 +4160,11 @@ DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer ou
 
 DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout);
 
+/// Block j of `in` to rank j, block i of `out` from rank i: through the
+/// shared-memory segment when there is one, else Gloo's alltoall over TCP.
+DTRAIN_DETAIL_INLINE void gloo_run_alltoall(gloo_state& s, buffer in, buffer out,
+                                            std::chrono::milliseconds timeout);
+
 // Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
 // and on 3 ranks it returned corrupted blocks when two ran back to back (a
 // race between consecutive instances: a barrier before or after each one hid
@@ -4257,6 +4349,25 @@ DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer ou
   }
 #endif
   gloo_run_allgather_tcp(s, in, out, timeout);
+}
+
+DTRAIN_DETAIL_INLINE void gloo_run_alltoall(gloo_state& s, buffer in, buffer out,
+                                            std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.size > 1 && s.shm.valid()) {  // every rank on this host: no TCP
+    s.shm.alltoall(in.data, out.data, in.bytes() / static_cast<std::size_t>(s.size), timeout);
+    return;
+  }
+#endif
+  if (s.size == 1) {
+    std::memcpy(out.data, in.data, in.bytes());
+    return;
+  }
+  ::gloo::AlltoallOptions opts(s.context);
+  opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
+  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::alltoall(opts));
 }
 
 DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
@@ -5900,6 +6011,13 @@ class gloo_communicator {
   /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
   work reduce_scatter(buffer in, buffer out, reduce_op op);
 
+  /// Block j of `in` (size() blocks) to rank j; block i of `out` from rank i
+  /// (out of place). Through the shared-memory segment on one host, else
+  /// Gloo's alltoall over its TCP pairs.
+  work alltoall(buffer in, buffer out) {
+    return collective(detail::collective_call::alltoall(in, out), &run_alltoall);
+  }
+
   /// Completes once every rank has called barrier().
   work barrier();
 
@@ -5931,6 +6049,10 @@ class gloo_communicator {
 
   static void run_allgather(detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
     detail::gloo_run_allgather(s, c.in, c.out, timeout);
+  }
+
+  static void run_alltoall(detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+    detail::gloo_run_alltoall(s, c.in, c.out, timeout);
   }
 
   static constexpr detail::memory_reach host_memory{
@@ -6361,6 +6483,15 @@ DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t 
                                         dtype wire);
 DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire);
 
+/// The float32 sum of a reduction with float32 accumulation: out[j] =
+/// Out(acc_j / divisor), acc_j = float(in[j]) + float(in[count + j]) + ...
+/// over `blocks` blocks of `count` elements, added in block order in float32;
+/// `in` and `out` float32, float16 or bfloat16 (one rounding to Out, none
+/// for float32). `out` may be `in`'s first block (each element is read
+/// before it is written).
+DTRAIN_DETAIL_INLINE void host_accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                                          std::size_t blocks, std::size_t count, float divisor);
+
 }  // namespace detail
 
 /// Host memory: allocation with operator new, memcpy, loops. The `stream`
@@ -6424,6 +6555,12 @@ struct host_memory {
                          stream_type) {
     detail::host_decompress(out, in, n, wire);
   }
+  /// detail::host_accumulate: `blocks` blocks summed in float32, in order, into `out`.
+  static void accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                         std::size_t blocks, std::size_t count, float divisor, int /*device*/,
+                         stream_type) {
+    detail::host_accumulate(out, out_type, in, in_type, blocks, count, divisor);
+  }
   /// Everything above has happened by the time it returns.
   static void synchronize(int /*device*/, stream_type) noexcept {}
   /// Whether compress() and decompress() can run here.
@@ -6448,6 +6585,9 @@ struct device_casts {
   /// the NCCL engine's average of 16-bit data (each element divided, then summed).
   void (*divide)(void* out, const void* in, std::size_t n, dtype type, float divisor,
                  cudaStream_t stream);
+  /// detail::host_accumulate's sum on the device (the same bits).
+  void (*accumulate)(void* out, dtype out_type, const void* in, dtype in_type, std::size_t blocks,
+                     std::size_t count, float divisor, cudaStream_t stream);
 };
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
@@ -6488,6 +6628,10 @@ struct cuda_memory {
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
                        int device, stream_type stream);
   static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
+                         stream_type stream);
+  /// detail::host_accumulate as a kernel on `stream`.
+  static void accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                         std::size_t blocks, std::size_t count, float divisor, int device,
                          stream_type stream);
   /// The kernels exist when some unit of the program was compiled by nvcc.
   [[nodiscard]] static bool casts_available() noexcept;
@@ -6563,6 +6707,31 @@ __global__ void dtrain_divide_kernel(std::uint16_t* out, const std::uint16_t* in
     out[i] = dtrain_to_half_bits<Half>(dtrain_from_half_bits<Half>(in[i]) / divisor);
   }
 }
+// An element of a float32, float16 or bfloat16 array as float32, and back (rounded once).
+__device__ inline float dtrain_load_float(const void* p, std::size_t i, dtype t) {
+  if (t == dtype::float32) return static_cast<const float*>(p)[i];
+  const std::uint16_t b = static_cast<const std::uint16_t*>(p)[i];
+  return t == dtype::bfloat16 ? dtrain_from_half_bits<bfloat16>(b)
+                              : dtrain_from_half_bits<float16>(b);
+}
+__device__ inline void dtrain_store_float(void* p, std::size_t i, dtype t, float x) {
+  if (t == dtype::float32) {
+    static_cast<float*>(p)[i] = x;
+  } else {
+    static_cast<std::uint16_t*>(p)[i] =
+        t == dtype::bfloat16 ? dtrain_to_half_bits<bfloat16>(x) : dtrain_to_half_bits<float16>(x);
+  }
+}
+__global__ void dtrain_accumulate_kernel(void* out, dtype out_type, const void* in, dtype in_type,
+                                         std::size_t blocks, std::size_t count, float divisor) {
+  for (std::size_t j = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; j < count;
+       j += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    float acc = dtrain_load_float(in, j, in_type);
+    for (std::size_t i = 1; i < blocks; ++i)
+      acc = __fadd_rn(acc, dtrain_load_float(in, i * count + j, in_type));
+    dtrain_store_float(out, j, out_type, __fdiv_rn(acc, divisor));
+  }
+}
 inline unsigned cast_blocks(std::size_t n) {
   return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
 }
@@ -6597,8 +6766,16 @@ inline void launch_divide(void* out, const void* in, std::size_t n, dtype type, 
     dtrain_divide_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, i16, n, divisor);
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 }
+inline void launch_accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                              std::size_t blocks, std::size_t count, float divisor,
+                              cudaStream_t stream) {
+  if (count == 0) return;
+  dtrain_accumulate_kernel<<<cast_blocks(count), 256, 0, stream>>>(out, out_type, in, in_type,
+                                                                   blocks, count, divisor);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
 inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress,
-                                                &launch_divide};
+                                                &launch_divide, &launch_accumulate};
 /// Registers the kernels at start-up in every program with an nvcc unit.
 inline const bool nvcc_device_casts_registered =
     (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);
@@ -6644,6 +6821,28 @@ DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_
       for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(i16[i]);
     }
   });
+}
+
+DTRAIN_DETAIL_INLINE void host_accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                                          std::size_t blocks, std::size_t count, float divisor) {
+  const auto load = [&](std::size_t i) -> float {
+    switch (in_type) {
+      case dtype::bfloat16: return static_cast<float>(static_cast<const bfloat16*>(in)[i]);
+      case dtype::float16: return static_cast<float>(static_cast<const float16*>(in)[i]);
+      default: return static_cast<const float*>(in)[i];
+    }
+  };
+  // Each partial sum a float32, in block order (no reassociation: not -ffast-math).
+  for (std::size_t j = 0; j < count; ++j) {
+    float acc = load(j);
+    for (std::size_t i = 1; i < blocks; ++i) acc = acc + load(i * count + j);
+    const float mean = acc / divisor;
+    switch (out_type) {
+      case dtype::bfloat16: static_cast<bfloat16*>(out)[j] = bfloat16(mean); break;
+      case dtype::float16: static_cast<float16*>(out)[j] = float16(mean); break;
+      default: static_cast<float*>(out)[j] = mean; break;
+    }
+  }
 }
 }  // namespace detail
 }  // namespace dtrain
@@ -6735,6 +6934,15 @@ DTRAIN_DETAIL_INLINE void cuda_memory::decompress(float* out, const void* in, st
   const detail::device_casts& casts = detail::registered_device_casts();
   detail::device_guard on(device);
   casts.decompress(out, in, n, wire, stream);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::accumulate(void* out, dtype out_type, const void* in,
+                                                  dtype in_type, std::size_t blocks,
+                                                  std::size_t count, float divisor, int device,
+                                                  stream_type stream) {
+  const detail::device_casts& casts = detail::registered_device_casts();
+  detail::device_guard on(device);
+  casts.accumulate(out, out_type, in, in_type, blocks, count, divisor, stream);
 }
 
 DTRAIN_DETAIL_INLINE void cuda_memory::synchronize(int device, stream_type stream) {
@@ -6944,6 +7152,10 @@ class mpi_communicator {
   work allgather(buffer in, buffer out, stream_handle stream = nullptr);
 
   work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr);
+
+  /// Block j of `in` (size() blocks) to rank j; block i of `out` from rank i
+  /// (MPI_Ialltoall; out of place).
+  work alltoall(buffer in, buffer out, stream_handle stream = nullptr);
 
   work barrier();
 
@@ -7326,6 +7538,24 @@ DTRAIN_DETAIL_INLINE work mpi_communicator::reduce_scatter(buffer in, buffer out
               what);
         }
       });
+}
+
+DTRAIN_DETAIL_INLINE work mpi_communicator::alltoall(buffer in, buffer out, stream_handle stream) {
+  return collective(detail::collective_call::alltoall(in, out), stream,
+                    [&](request& w, const detail::collective_info& what) {
+                      buffer block = in;
+                      block.count = in.count / static_cast<std::size_t>(size_);
+                      const int n = count(block, what);
+                      if (w.direct) {
+                        DTRAIN_MPI_CHECK(MPI_Alltoall(w.src.data, n, datatype(in.type), w.dst.data,
+                                                      n, datatype(in.type), comm_),
+                                         what);
+                      } else {
+                        DTRAIN_MPI_CHECK(MPI_Ialltoall(w.src.data, n, datatype(in.type), w.dst.data,
+                                                       n, datatype(in.type), comm_, &w.req),
+                                         what);
+                      }
+                    });
 }
 
 DTRAIN_DETAIL_INLINE work mpi_communicator::barrier() {
@@ -7728,6 +7958,22 @@ struct nccl_library : cuda_library {
                                         ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
                                         cudaStream_t stream) {
     return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
+  }
+  /// Block j of `in` (size blocks of `count`) to rank j, block i of `out`
+  /// from rank i: one NCCL group of a send and a receive per peer (NCCL 2.7's
+  /// point-to-point calls; ncclAlltoAll is newer than the NCCL dtrain supports).
+  static ncclResult_t alltoall(const void* in, void* out, std::size_t count, ncclDataType_t type,
+                               std::size_t width, int size, ncclComm_t comm, cudaStream_t stream) {
+    ncclResult_t r = ::ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    for (int peer = 0; peer < size && r == ncclSuccess; ++peer) {
+      const std::size_t at = static_cast<std::size_t>(peer) * count * width;
+      r = ::ncclSend(static_cast<const char*>(in) + at, count, type, peer, comm, stream);
+      if (r == ncclSuccess)
+        r = ::ncclRecv(static_cast<char*>(out) + at, count, type, peer, comm, stream);
+    }
+    const ncclResult_t end = ::ncclGroupEnd();  // a group left open would swallow later calls
+    return r != ncclSuccess ? r : end;
   }
   /// dtrain's own kernel, not NCCL's: out[i] = in[i] / divisor for 16-bit
   /// `type`, on `stream` (the average of 16-bit data divides each element
@@ -8830,6 +9076,11 @@ class nccl_init_outcomes {
         try {
           if (find_failure()) {
             on_failure();
+            // Rank 0 may host the store: it stays (at most the relay's
+            // linger) until every other rank has read the failure too, or
+            // one that polls a moment later finds the store gone and waits
+            // for its init timeout. stop() waits for this.
+            if (rank_ == 0) relay(failed_rank_).failure_carried();
             return;
           }
         } catch (...) {
@@ -8841,6 +9092,7 @@ class nccl_init_outcomes {
   }
 
   /// Stops watching (and waits for the thread): peer_failure() is final then.
+  /// On rank 0 after a peer's failure, that is once the others have read it.
   void stop() noexcept {
     if (!watcher_.joinable()) return;
     watcher_.request_stop();
@@ -8893,6 +9145,7 @@ class nccl_init_outcomes {
                                                       store_.get(key[0]), "a rank's NCCL init");
       if (got.ok) continue;
       failure_ = "rank " + std::to_string(r) + " failed: " + got.text;
+      failed_rank_ = r;
       relay(r).failure_read();
       return true;
     }
@@ -8904,6 +9157,7 @@ class nccl_init_outcomes {
   int rank_;
   int size_;
   std::string failure_;
+  int failed_rank_ = -1;
   std::jthread watcher_;  // last: stopped before the rest goes
 };
 
@@ -9216,6 +9470,17 @@ class basic_nccl_communicator {
           if (divide)
             DTRAIN_CUDA_CHECK(Api::divide(out.data, out.data, out.count, out.type,
                                           static_cast<float>(size_), own));
+        });
+  }
+
+  /// Block j of `in` (size() blocks) to rank j; block i of `out` from rank i
+  /// (out of place): one group of point-to-point sends and receives.
+  work alltoall(buffer in, buffer out, cudaStream_t stream = nullptr) {
+    return collective(
+        detail::collective_call::alltoall(in, out), stream, [&](ncclComm_t comm, cudaStream_t own) {
+          const std::size_t block = in.count / static_cast<std::size_t>(size_);
+          DTRAIN_NCCL_CHECK(Api::alltoall(in.data, out.data, block, detail::nccl_type(in.type),
+                                          size_of(in.type), size_, comm, own));
         });
   }
 
@@ -10896,6 +11161,23 @@ enum class gradient_compression : std::uint8_t {
   return "unknown";
 }
 
+/// Where the sums of a 16-bit reduction are kept: in 16 bits (the engine's
+/// own reduction, every partial sum rounded: the error of the mean grows with
+/// the number of ranks), or in float32 (Megatron-LM's reduce-scatter with
+/// float32 accumulation).
+enum class accumulation : std::uint8_t {
+  wire,     ///< in the type on the wire: the engine's allreduce or reduce-scatter
+  float32,  ///< every rank sums the 16-bit blocks of its part in float32, rounded once
+};
+
+[[nodiscard]] constexpr std::string_view to_string(accumulation a) noexcept {
+  switch (a) {
+    case accumulation::wire: return "wire";
+    case accumulation::float32: return "float32";
+  }
+  return "unknown";
+}
+
 /// What DistributedDataParallel shards across the ranks (ZeRO's stages, as
 /// DeepSpeed numbers them; PyTorch: ZeroRedundancyOptimizer is stage 1, FSDP's
 /// SHARD_GRAD_OP stage 2). Each bucket is cut into `size()` equal contiguous
@@ -11026,6 +11308,22 @@ struct ddp_options {
   bool broadcast_parameters = true;
   /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
   gradient_compression compression = gradient_compression::none;
+  /// Where the sums of 16-bit gradients (a bfloat16 or float16 model's, or
+  /// float32 ones sent compressed) are kept. `wire`: the engine's reduction
+  /// in 16 bits (compression divides each gradient by the world size first,
+  /// so that the sum cannot overflow). `float32`: the 16-bit blocks of each
+  /// rank's part of a bucket are exchanged all-to-all, summed in float32 in
+  /// rank order (hierarchical topology: node-local order on each node, then
+  /// node order, the partial sums crossing the nodes in float32), divided by
+  /// the world size and rounded once; the parts travel back in 16 bits (an
+  /// allgather; stages 2 and 3 keep their part, unrounded where the
+  /// gradients are float32). 16-bit bytes on the wire, one rounding whatever
+  /// the world size, the same bits on every rank; buckets are padded to a
+  /// multiple of the world size, and each holds scratch for the exchange
+  /// (memory_use().scratch). Allows compression at stages 2 and 3. float32
+  /// and float64 buckets without compression are reduced as they are. The
+  /// same on every rank.
+  accumulation accumulate = accumulation::wire;
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
   /// At world size 1 DDP communicates nothing: the mean over one rank is its
@@ -11048,8 +11346,8 @@ struct ddp_options {
   /// Shard the optimizer state (and the averaged gradients, and the values)
   /// across the ranks: ZeRO stage 1, 2 or 3 (see dtrain::sharding). The
   /// bucket layout is then the first one (no rebuild): a rank's shard, and
-  /// its optimizer state, stay where they are. Not with compression or a comm
-  /// hook at stages 2 and 3.
+  /// its optimizer state, stay where they are. Not with a comm hook at
+  /// stages 2 and 3, nor compression there without accumulate = float32.
   dtrain::sharding sharding = dtrain::sharding::none;
   /// Stage 3: how many units (gather() calls) ahead of the one in use DDP
   /// allgathers while the model computes, in the order of gather() calls
@@ -11298,11 +11596,17 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
            ", not none (0), optimizer (1), gradients (2) or parameters (3)";
   }
   if ((options.sharding == sharding::gradients || options.sharding == sharding::parameters) &&
-      options.compression != gradient_compression::none) {
+      options.compression != gradient_compression::none &&
+      options.accumulate != accumulation::float32) {
     return who + "ddp_options::sharding is " + std::string(to_string(options.sharding)) +
            " and ddp_options::compression is " + std::string(to_string(options.compression)) +
-           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, "
+           ": a compressed reduce-scatter keeps this rank's part of the mean in float32, "
+           "which needs ddp_options::accumulate = accumulation::float32 (or sharding::optimizer, "
            "or no compression)";
+  }
+  if (options.accumulate != accumulation::wire && options.accumulate != accumulation::float32) {
+    return who + "ddp_options::accumulate is " +
+           std::to_string(static_cast<int>(options.accumulate)) + ", not wire (0) or float32 (1)";
   }
   if (options.sharding == sharding::parameters) {
     // Stage 3: DDP holds the values, and points the model's values there.
@@ -11937,6 +12241,8 @@ struct ddp_bucket {
   flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
   flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
   flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
+  /// The scratch of a reduction with float32 accumulation (ddp_options::accumulate).
+  flat_storage<Memory> accumulate;
   // What a sharding stage keeps per bucket is the sharding part's
   // (detail::bucket_shard, ddp/sharding.hpp).
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology
@@ -12005,6 +12311,483 @@ class parameter_view {
 
 }  // namespace dtrain::detail
 // ---- end dtrain/ddp/state.hpp ----
+// ---- begin dtrain/topology/accumulate.hpp ----
+/// @file
+/// Reductions with float32 accumulation, for 16-bit data: each rank receives
+/// the 16-bit blocks of its part from every rank (an alltoall), sums them in
+/// float32 in rank order, and (an allreduce) the results travel back in 16
+/// bits by an allgather. Half of float32's bytes on the wire, one rounding
+/// whatever the number of ranks, the same bits on every rank (each part is
+/// summed by one rank). Megatron-LM's reduce-scatter with float32
+/// accumulation; the engines' own 16-bit reductions round every partial sum.
+///
+/// The sum is the caller's (`accumulate_sum`: DistributedDataParallel passes
+/// its memory space's accumulate(), a loop on the host, a kernel on a GPU):
+/// on an engine that orders collectives on streams it is enqueued on the
+/// stream of the communicator whose alltoall it follows, so every step is
+/// enqueued at once; otherwise it runs on the thread that drives the work,
+/// once the alltoall has finished. topology::flat and topology::hierarchical
+/// call these; the hierarchical topology runs one level per communicator
+/// (node-local, then cross-node, the partial sums crossing in float32).
+
+// ---- begin dtrain/topology/sequence.hpp ----
+/// @file
+/// How a topology runs one collective as several on different communicators:
+/// `detail::work_sequence`, one work for the steps, and the calls that pass a
+/// stream only to engines that take one. Steps on engines that order their
+/// collectives on CUDA streams are all enqueued at once, each after the
+/// previous one's stream; on host engines each step starts when the one
+/// before it has finished, inside test() / wait() of the sequence.
+
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// Whether C enqueues its collectives on a device stream of its own, ordered
+/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
+/// steps of a sequence can then all be enqueued at once.
+template <class C>
+concept stream_ordered = requires(const C& c) {
+  requires C::stream_ordered;
+  { c.stream() } -> std::convertible_to<stream_handle>;
+};
+
+/// The stream that the next step must follow after a step on `c`: its own
+/// stream where it has one, else none (the step has finished on the host).
+template <communicator C>
+stream_handle stream_after(const C& c) noexcept {
+  if constexpr (stream_ordered<C>) {
+    return c.stream();
+  } else {
+    (void)c;
+    return nullptr;
+  }
+}
+
+// The collectives with the caller's stream, for the engines that take one
+// (NCCL, MPI with device buffers); the others never see it.
+template <communicator C>
+work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
+    return c.allreduce(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.allreduce(in, out, op);
+  }
+}
+template <communicator C>
+work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
+  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
+    return c.reduce_scatter(in, out, op, stream);
+  } else {
+    (void)stream;
+    return c.reduce_scatter(in, out, op);
+  }
+}
+template <communicator C>
+work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
+  if constexpr (requires { c.allgather(in, out, stream); }) {
+    return c.allgather(in, out, stream);
+  } else {
+    (void)stream;
+    return c.allgather(in, out);
+  }
+}
+
+/// One work for several collectives. `steps[i]` starts collective i and
+/// returns its work; it runs on communicator `lane` and needs step `after`
+/// finished first (`chain`: the step before it; -1: nothing). Steps of one
+/// lane start in list order, whatever finishes when, so every rank issues the
+/// same collectives on every communicator in the same order: a lane is a
+/// queue, and independent lanes overlap (a pipeline: step k+1 on one
+/// communicator while step k runs on another).
+///
+/// Eager: every step is started now, in list order (engines that order
+/// collectives on streams). Otherwise a step starts once it may, from
+/// whichever thread tests or waits on the sequence: drive a rank's sequences
+/// from one thread, in one order, as it issues collectives. The first failure
+/// ends the sequence, with `label` (the whole collective) and the step in its
+/// message. A timeout gives up every step still running (NCCL: aborts their
+/// communicators).
+class work_sequence final : public work_state {
+ public:
+  static constexpr int chain = -2;
+  struct step {
+    std::string name;             ///< "cross-node allreduce", for messages
+    std::function<work()> start;  ///< starts the collective; may throw
+    int lane = 0;                 ///< the communicator it runs on
+    int after = chain;            ///< the step it waits for: an index, chain, or -1
+  };
+
+  /// Starts what may start now (eager: every step); what a start throws
+  /// reaches the caller. The sequence's timeout is its steps' (the
+  /// communicators' collective timeout), counted for the whole sequence.
+  work_sequence(std::string label, std::vector<step> steps, bool eager,
+                std::shared_ptr<void> keep_alive = {});
+
+  bool poll() override;
+
+  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
+
+  void on_timeout() noexcept override;
+
+  /// Every step started (an eager sequence on streams): `stream` waits for
+  /// each step's collective alone; false otherwise, or where a step cannot.
+  bool stream_wait(stream_handle stream) override;
+
+ private:
+  // What the sequence knows of one step.
+  struct slot {
+    step what;
+    work handle;
+    bool started = false;
+    bool finished = false;
+  };
+
+  void start(std::size_t i);
+
+  // Starts, in list order, every step whose predecessor has finished and
+  // whose lane has started everything listed before it.
+  void start_ready();
+
+  // The one step in flight when exactly one is.
+  std::optional<work> only_running_locked();
+
+  // True once every step has finished or one has failed; starts the steps
+  // that finished ones let start.
+  bool advance_locked();
+
+  // The step's error, with the sequence and the step named; same exception type.
+  bool end(const std::exception_ptr& e, std::size_t i);
+
+  std::mutex mutex_;  // the watchdog and the owner may poll at once
+  std::vector<slot> slots_;
+  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
+  call_label call_label_;             // the caller's, for the steps started later
+  bool finished_ = false;
+};
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/topology/sequence-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/topology/sequence.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/topology/sequence.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE work_sequence::work_sequence(std::string label, std::vector<step> steps,
+                                                  bool eager, std::shared_ptr<void> keep_alive)
+    : work_state(std::move(label), std::chrono::milliseconds(0)),
+      keep_alive_(std::move(keep_alive)),
+      call_label_(current_call_label()) {
+  if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    int& a = steps[i].after;
+    if (a == chain) a = static_cast<int>(i) - 1;
+    if (a >= static_cast<int>(i)) {
+      throw dtrain::error("work_sequence: step " + std::to_string(i) + " waits for a later one (" +
+                          description() + ")");
+    }
+    slots_.push_back({std::move(steps[i]), {}, false, false});
+  }
+  if (eager) {
+    for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
+  } else {
+    start_ready();
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::poll() {
+  std::lock_guard lock(mutex_);
+  return advance_locked();
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::wait_until(
+    std::chrono::steady_clock::time_point deadline) {
+  backoff pause;
+  for (;;) {
+    std::optional<work> only;
+    {
+      std::lock_guard lock(mutex_);
+      if (advance_locked()) return true;
+      only = only_running_locked();
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      std::lock_guard lock(mutex_);
+      return advance_locked();
+    }
+    if (only) {
+      // One step in flight, and nothing else can start before it ends: the
+      // engine's own wait (Gloo runs a collective that is next in line on
+      // this thread; MPI progresses inside its test).
+      (void)only->finish_within(left);
+    } else {
+      pause();  // several in flight: poll them all, so that each finished one lets the next start
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
+  std::lock_guard lock(mutex_);
+  for (slot& s : slots_) {
+    if (!s.started || s.handle.test()) continue;
+    try {
+      s.handle.give_up(s.handle.timeout());  // the engine's abort
+    } catch (...) {
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::stream_wait(stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  for (slot& s : slots_) {
+    if (!s.started) return false;  // a lazy sequence: its later steps are not enqueued yet
+  }
+  for (slot& s : slots_) {
+    if (!s.handle.stream_wait(stream)) return false;
+  }
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
+  slot& s = slots_[i];
+  label_scope label(
+      call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
+  s.handle = s.what.start();
+  s.started = true;
+  // A step that completed at once (nothing to move) has no limit of its own.
+  if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
+}
+
+DTRAIN_DETAIL_INLINE void work_sequence::start_ready() {
+  std::vector<char> lane_blocked;
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
+    if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
+    if (slots_[i].started) continue;
+    const int a = slots_[i].what.after;
+    const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
+    if (ready && !lane_blocked[lane]) {
+      start(i);
+    } else {
+      lane_blocked[lane] = 1;
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<work> work_sequence::only_running_locked() {
+  std::optional<work> found;
+  int running = 0;
+  for (const slot& s : slots_) {
+    if (s.started && !s.finished) {
+      found = s.handle;
+      ++running;
+    }
+  }
+  if (running != 1) return std::nullopt;
+  return found;
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::advance_locked() {
+  if (finished_) return true;
+  for (;;) {
+    bool progress = false;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      slot& s = slots_[i];
+      if (!s.started || s.finished || !s.handle.test()) continue;
+      if (auto e = s.handle.exception()) return end(e, i);
+      s.finished = true;
+      progress = true;
+    }
+    if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
+      finished_ = true;
+      return true;
+    }
+    if (!progress) return false;
+    try {
+      start_ready();
+    } catch (...) {
+      std::size_t failed = 0;
+      while (failed < slots_.size() && slots_[failed].started) ++failed;
+      return end(std::current_exception(), failed);
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool work_sequence::end(const std::exception_ptr& e, std::size_t i) {
+  const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
+                            std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
+  try {
+    std::rethrow_exception(e);
+  } catch (const config_error& x) {
+    fail(std::make_exception_ptr(config_error(where + x.what())));
+  } catch (const timeout_error& x) {
+    fail(std::make_exception_ptr(timeout_error(where + x.what())));
+  } catch (const backend_error& x) {
+    fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
+  } catch (const rendezvous_error& x) {
+    fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
+  } catch (const std::exception& x) {
+    fail(std::make_exception_ptr(dtrain::error(where + x.what())));
+  } catch (...) {
+    fail(e);
+  }
+  finished_ = true;
+  return true;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/topology/sequence-inl.hpp ----
+#endif
+// ---- end dtrain/topology/sequence.hpp ----
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// out[j] = Out(sum over `blocks` blocks of `in` (out.count elements each),
+/// added in block order in float32, / divisor), enqueued on `stream` where
+/// the memory has streams. out.type and in.type: float32, float16 or bfloat16.
+using accumulate_sum =
+    std::function<void(buffer out, buffer in, std::size_t blocks, float divisor, stream_handle)>;
+
+/// Scratch offsets are kept on this alignment (device kernels read whole words).
+inline constexpr std::size_t accumulate_alignment = 256;
+
+[[nodiscard]] constexpr std::size_t accumulate_align(std::size_t bytes) noexcept {
+  return (bytes + accumulate_alignment - 1) / accumulate_alignment * accumulate_alignment;
+}
+
+/// A byte range of `scratch` as `count` elements of `type`.
+[[nodiscard]] inline buffer scratch_part(const buffer& scratch, std::size_t offset,
+                                         std::size_t count, dtype type) noexcept {
+  return {static_cast<std::byte*>(scratch.data) + offset, count, type, scratch.where,
+          scratch.device};
+}
+
+/// The checks every accumulated reduction shares: op, types, counts, scratch.
+inline void check_accumulated(const argument_check& check, const buffer& data,
+                              const buffer& scratch, std::size_t needed, reduce_op op,
+                              std::size_t ranks) {
+  if (op != reduce_op::sum && op != reduce_op::avg)
+    check.fail("float32 accumulation sums: the op must be sum or avg");
+  if (data.type != dtype::float16 && data.type != dtype::bfloat16 && data.type != dtype::float32)
+    check.fail("float32 accumulation takes float16, bfloat16 or float32 data, not " +
+               std::string(to_string(data.type)));
+  if (data.count % ranks != 0)
+    check.fail("the data has " + std::to_string(data.count) + " elements, not a multiple of the " +
+               std::to_string(ranks) + " ranks (one part each)");
+  check.reachable(scratch, "scratch", memory_reach{});
+  if (scratch.where != data.where)
+    check.fail("scratch and data live in different memories (host and device)");
+  if (scratch.bytes() < needed)
+    check.fail("scratch has " + std::to_string(scratch.bytes()) + " bytes, needs " +
+               std::to_string(needed));
+}
+
+/// Appends one level's two steps on `c` (lane `lane`): the alltoall of `in`
+/// into `received` (after `after` where the engine takes a stream), then the
+/// float32 sum of its c.size() blocks into `out`, divided by `divisor`.
+template <communicator C>
+void push_accumulated_level(std::vector<work_sequence::step>& steps, C& c, int lane,
+                            const std::string& where, buffer in, buffer received, buffer out,
+                            float divisor, stream_handle after, const accumulate_sum& sum,
+                            std::function<void()> before = {}) {
+  const std::string level = where.empty() ? where : where + " ";
+  steps.push_back({level + "alltoall over " + std::to_string(c.size()) + " ranks",
+                   [&c, in, received, after, before = std::move(before)] {
+                     if (before) before();
+                     if constexpr (requires { c.alltoall(in, received, after); }) {
+                       return c.alltoall(in, received, after);
+                     } else {
+                       (void)after;
+                       return c.alltoall(in, received);
+                     }
+                   },
+                   lane, work_sequence::chain});
+  steps.push_back({level + "float32 sum of " + std::to_string(c.size()) + " blocks",
+                   [&c, received, out, divisor, sum] {
+                     sum(out, received, static_cast<std::size_t>(c.size()), divisor,
+                         stream_after(c));
+                     return work{};  // on the host: done; on a stream: ordered before what follows
+                   },
+                   lane, work_sequence::chain});
+}
+
+/// Scratch bytes of a flat accumulated reduction of `count` elements of `wire`.
+[[nodiscard]] constexpr std::size_t flat_accumulate_bytes(std::size_t count, dtype wire) noexcept {
+  return accumulate_align(count * size_of(wire));
+}
+
+/// In place on `data` (size() parts): alltoall into scratch, the float32 sum
+/// of this rank's part (divided by size() for avg) rounded once into
+/// scratch, allgather of the parts back into `data`.
+template <communicator C>
+work accumulated_allreduce(C& world, buffer data, buffer scratch, reduce_op op,
+                           stream_handle stream, const accumulate_sum& sum) {
+  const auto ranks = static_cast<std::size_t>(world.size());
+  const std::string what = describe("allreduce with float32 accumulation",
+                                    std::string(to_string(op)) + ", " + shape(data), world.rank(),
+                                    world.size(), C::name);
+  check_accumulated(argument_check{what}, data, scratch,
+                    flat_accumulate_bytes(data.count, data.type), op, ranks);
+  const std::size_t q = data.count / ranks;
+  const buffer received = scratch_part(scratch, 0, data.count, data.type);
+  const buffer mine = scratch_part(scratch, 0, q, data.type);  // block 0, summed in place
+  const float divisor = op == reduce_op::avg ? static_cast<float>(ranks) : 1.0f;
+  std::vector<work_sequence::step> steps;
+  push_accumulated_level(steps, world, 0, "", data, received, mine, divisor, stream, sum);
+  steps.push_back(
+      {"allgather over " + std::to_string(world.size()) + " ranks",
+       [&world, mine, data] { return allgather_on(world, mine, data, stream_after(world)); }, 0,
+       work_sequence::chain});
+  return work(std::make_shared<work_sequence>(what, std::move(steps), stream_ordered<C>, nullptr));
+}
+
+/// This rank's part (part world.rank() of size()) of the reduction of `data`
+/// into `out` (its own type: float32 keeps the sum unrounded).
+template <communicator C>
+work accumulated_reduce_scatter(C& world, buffer data, buffer scratch, buffer out, reduce_op op,
+                                stream_handle stream, const accumulate_sum& sum) {
+  const auto ranks = static_cast<std::size_t>(world.size());
+  const std::string what = describe("reduce_scatter with float32 accumulation",
+                                    std::string(to_string(op)) + ", " + shape(data), world.rank(),
+                                    world.size(), C::name);
+  const argument_check check{what};
+  check_accumulated(check, data, scratch, flat_accumulate_bytes(data.count, data.type), op, ranks);
+  check.count(out, data.count / ranks, "output");
+  const buffer received = scratch_part(scratch, 0, data.count, data.type);
+  const float divisor = op == reduce_op::avg ? static_cast<float>(ranks) : 1.0f;
+  std::vector<work_sequence::step> steps;
+  push_accumulated_level(steps, world, 0, "", data, received, out, divisor, stream, sum);
+  return work(std::make_shared<work_sequence>(what, std::move(steps), stream_ordered<C>, nullptr));
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/topology/accumulate.hpp ----
 
 #include <array>
 #include <cstddef>
@@ -12125,8 +12908,12 @@ class ddp_sharding {
   static constexpr std::size_t in_flight = 2;
   /// The seam: bucket b's gradients (`data`, `moved` elements; `scratch` the
   /// topology's) reduced over the ranks: averaged in place, or
-  /// reduce-scattered into this rank's shard. Runner thread or stream; no lock.
-  work reduce(std::size_t b, const buffer& data, const buffer& scratch, reduce_op op);
+  /// reduce-scattered into this rank's shard (in the bucket's type). With
+  /// `accumulate` (ddp_options::accumulate), summed in float32 by the
+  /// topology's accumulated reductions, `scratch` their bytes. Runner thread
+  /// or stream; no lock.
+  work reduce(std::size_t b, const buffer& data, const buffer& scratch, reduce_op op,
+              const detail::accumulate_sum* accumulate);
   /// Whether reduce() leaves the whole mean in the bucket (else only this
   /// rank's shard, in shard()), for the copy-out to copy-mode gradients.
   bool mean_is_whole() const noexcept { return !shards_gradients(); }
@@ -13696,334 +14483,6 @@ DTRAIN_DETAIL_INLINE node_layout layout_from_node_names(control_plane& control,
 // ---- end dtrain/topology/layout-inl.hpp ----
 #endif
 // ---- end dtrain/topology/layout.hpp ----
-// ---- begin dtrain/topology/sequence.hpp ----
-/// @file
-/// How a topology runs one collective as several on different communicators:
-/// `detail::work_sequence`, one work for the steps, and the calls that pass a
-/// stream only to engines that take one. Steps on engines that order their
-/// collectives on CUDA streams are all enqueued at once, each after the
-/// previous one's stream; on host engines each step starts when the one
-/// before it has finished, inside test() / wait() of the sequence.
-
-
-#include <algorithm>
-#include <chrono>
-#include <concepts>
-#include <cstddef>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// Whether C enqueues its collectives on a device stream of its own, ordered
-/// after the stream passed in (NCCL: `stream_ordered`, and `stream()`): the
-/// steps of a sequence can then all be enqueued at once.
-template <class C>
-concept stream_ordered = requires(const C& c) {
-  requires C::stream_ordered;
-  { c.stream() } -> std::convertible_to<stream_handle>;
-};
-
-/// The stream that the next step must follow after a step on `c`: its own
-/// stream where it has one, else none (the step has finished on the host).
-template <communicator C>
-stream_handle stream_after(const C& c) noexcept {
-  if constexpr (stream_ordered<C>) {
-    return c.stream();
-  } else {
-    (void)c;
-    return nullptr;
-  }
-}
-
-// The collectives with the caller's stream, for the engines that take one
-// (NCCL, MPI with device buffers); the others never see it.
-template <communicator C>
-work allreduce_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
-  if constexpr (requires { c.allreduce(in, out, op, stream); }) {
-    return c.allreduce(in, out, op, stream);
-  } else {
-    (void)stream;
-    return c.allreduce(in, out, op);
-  }
-}
-template <communicator C>
-work reduce_scatter_on(C& c, buffer in, buffer out, reduce_op op, stream_handle stream) {
-  if constexpr (requires { c.reduce_scatter(in, out, op, stream); }) {
-    return c.reduce_scatter(in, out, op, stream);
-  } else {
-    (void)stream;
-    return c.reduce_scatter(in, out, op);
-  }
-}
-template <communicator C>
-work allgather_on(C& c, buffer in, buffer out, stream_handle stream) {
-  if constexpr (requires { c.allgather(in, out, stream); }) {
-    return c.allgather(in, out, stream);
-  } else {
-    (void)stream;
-    return c.allgather(in, out);
-  }
-}
-
-/// One work for several collectives. `steps[i]` starts collective i and
-/// returns its work; it runs on communicator `lane` and needs step `after`
-/// finished first (`chain`: the step before it; -1: nothing). Steps of one
-/// lane start in list order, whatever finishes when, so every rank issues the
-/// same collectives on every communicator in the same order: a lane is a
-/// queue, and independent lanes overlap (a pipeline: step k+1 on one
-/// communicator while step k runs on another).
-///
-/// Eager: every step is started now, in list order (engines that order
-/// collectives on streams). Otherwise a step starts once it may, from
-/// whichever thread tests or waits on the sequence: drive a rank's sequences
-/// from one thread, in one order, as it issues collectives. The first failure
-/// ends the sequence, with `label` (the whole collective) and the step in its
-/// message. A timeout gives up every step still running (NCCL: aborts their
-/// communicators).
-class work_sequence final : public work_state {
- public:
-  static constexpr int chain = -2;
-  struct step {
-    std::string name;             ///< "cross-node allreduce", for messages
-    std::function<work()> start;  ///< starts the collective; may throw
-    int lane = 0;                 ///< the communicator it runs on
-    int after = chain;            ///< the step it waits for: an index, chain, or -1
-  };
-
-  /// Starts what may start now (eager: every step); what a start throws
-  /// reaches the caller. The sequence's timeout is its steps' (the
-  /// communicators' collective timeout), counted for the whole sequence.
-  work_sequence(std::string label, std::vector<step> steps, bool eager,
-                std::shared_ptr<void> keep_alive = {});
-
-  bool poll() override;
-
-  bool wait_until(std::chrono::steady_clock::time_point deadline) override;
-
-  void on_timeout() noexcept override;
-
-  /// Every step started (an eager sequence on streams): `stream` waits for
-  /// each step's collective alone; false otherwise, or where a step cannot.
-  bool stream_wait(stream_handle stream) override;
-
- private:
-  // What the sequence knows of one step.
-  struct slot {
-    step what;
-    work handle;
-    bool started = false;
-    bool finished = false;
-  };
-
-  void start(std::size_t i);
-
-  // Starts, in list order, every step whose predecessor has finished and
-  // whose lane has started everything listed before it.
-  void start_ready();
-
-  // The one step in flight when exactly one is.
-  std::optional<work> only_running_locked();
-
-  // True once every step has finished or one has failed; starts the steps
-  // that finished ones let start.
-  bool advance_locked();
-
-  // The step's error, with the sequence and the step named; same exception type.
-  bool end(const std::exception_ptr& e, std::size_t i);
-
-  std::mutex mutex_;  // the watchdog and the owner may poll at once
-  std::vector<slot> slots_;
-  std::shared_ptr<void> keep_alive_;  // scratch memory the steps use
-  call_label call_label_;             // the caller's, for the steps started later
-  bool finished_ = false;
-};
-
-}  // namespace dtrain::detail
-
-#if DTRAIN_DETAIL_BODIES()
-// ---- begin dtrain/topology/sequence-inl.hpp ----
-/// @file
-/// The non-template bodies of dtrain/topology/sequence.hpp: included by it in header-only
-/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
-/// dtrain/config.hpp). Include dtrain/topology/sequence.hpp, not this file.
-
-
-namespace dtrain::detail {
-
-DTRAIN_DETAIL_INLINE work_sequence::work_sequence(std::string label, std::vector<step> steps,
-                                                  bool eager, std::shared_ptr<void> keep_alive)
-    : work_state(std::move(label), std::chrono::milliseconds(0)),
-      keep_alive_(std::move(keep_alive)),
-      call_label_(current_call_label()) {
-  if (steps.empty()) throw dtrain::error("work_sequence: no steps (" + description() + ")");
-  for (std::size_t i = 0; i < steps.size(); ++i) {
-    int& a = steps[i].after;
-    if (a == chain) a = static_cast<int>(i) - 1;
-    if (a >= static_cast<int>(i)) {
-      throw dtrain::error("work_sequence: step " + std::to_string(i) + " waits for a later one (" +
-                          description() + ")");
-    }
-    slots_.push_back({std::move(steps[i]), {}, false, false});
-  }
-  if (eager) {
-    for (std::size_t i = 0; i < slots_.size(); ++i) start(i);
-  } else {
-    start_ready();
-  }
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::poll() {
-  std::lock_guard lock(mutex_);
-  return advance_locked();
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::wait_until(
-    std::chrono::steady_clock::time_point deadline) {
-  backoff pause;
-  for (;;) {
-    std::optional<work> only;
-    {
-      std::lock_guard lock(mutex_);
-      if (advance_locked()) return true;
-      only = only_running_locked();
-    }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      std::lock_guard lock(mutex_);
-      return advance_locked();
-    }
-    if (only) {
-      // One step in flight, and nothing else can start before it ends: the
-      // engine's own wait (Gloo runs a collective that is next in line on
-      // this thread; MPI progresses inside its test).
-      (void)only->finish_within(left);
-    } else {
-      pause();  // several in flight: poll them all, so that each finished one lets the next start
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE void work_sequence::on_timeout() noexcept {
-  std::lock_guard lock(mutex_);
-  for (slot& s : slots_) {
-    if (!s.started || s.handle.test()) continue;
-    try {
-      s.handle.give_up(s.handle.timeout());  // the engine's abort
-    } catch (...) {
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::stream_wait(stream_handle stream) {
-  std::lock_guard lock(mutex_);
-  for (slot& s : slots_) {
-    if (!s.started) return false;  // a lazy sequence: its later steps are not enqueued yet
-  }
-  for (slot& s : slots_) {
-    if (!s.handle.stream_wait(stream)) return false;
-  }
-  return true;
-}
-
-DTRAIN_DETAIL_INLINE void work_sequence::start(std::size_t i) {
-  slot& s = slots_[i];
-  label_scope label(
-      call_label_);  // a later step, started by whichever thread polls, keeps the caller's label
-  s.handle = s.what.start();
-  s.started = true;
-  // A step that completed at once (nothing to move) has no limit of its own.
-  if (s.handle.timeout() > timeout()) set_timeout(s.handle.timeout());
-}
-
-DTRAIN_DETAIL_INLINE void work_sequence::start_ready() {
-  std::vector<char> lane_blocked;
-  for (std::size_t i = 0; i < slots_.size(); ++i) {
-    const auto lane = static_cast<std::size_t>(slots_[i].what.lane);
-    if (lane >= lane_blocked.size()) lane_blocked.resize(lane + 1, 0);
-    if (slots_[i].started) continue;
-    const int a = slots_[i].what.after;
-    const bool ready = a < 0 || slots_[static_cast<std::size_t>(a)].finished;
-    if (ready && !lane_blocked[lane]) {
-      start(i);
-    } else {
-      lane_blocked[lane] = 1;
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::optional<work> work_sequence::only_running_locked() {
-  std::optional<work> found;
-  int running = 0;
-  for (const slot& s : slots_) {
-    if (s.started && !s.finished) {
-      found = s.handle;
-      ++running;
-    }
-  }
-  if (running != 1) return std::nullopt;
-  return found;
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::advance_locked() {
-  if (finished_) return true;
-  for (;;) {
-    bool progress = false;
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      slot& s = slots_[i];
-      if (!s.started || s.finished || !s.handle.test()) continue;
-      if (auto e = s.handle.exception()) return end(e, i);
-      s.finished = true;
-      progress = true;
-    }
-    if (std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.finished; })) {
-      finished_ = true;
-      return true;
-    }
-    if (!progress) return false;
-    try {
-      start_ready();
-    } catch (...) {
-      std::size_t failed = 0;
-      while (failed < slots_.size() && slots_[failed].started) ++failed;
-      return end(std::current_exception(), failed);
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE bool work_sequence::end(const std::exception_ptr& e, std::size_t i) {
-  const std::string where = description() + ", step " + std::to_string(i + 1) + " of " +
-                            std::to_string(slots_.size()) + " (" + slots_[i].what.name + "): ";
-  try {
-    std::rethrow_exception(e);
-  } catch (const config_error& x) {
-    fail(std::make_exception_ptr(config_error(where + x.what())));
-  } catch (const timeout_error& x) {
-    fail(std::make_exception_ptr(timeout_error(where + x.what())));
-  } catch (const backend_error& x) {
-    fail(std::make_exception_ptr(backend_error(where + x.what(), x.engine_code())));
-  } catch (const rendezvous_error& x) {
-    fail(std::make_exception_ptr(rendezvous_error(where + x.what())));
-  } catch (const std::exception& x) {
-    fail(std::make_exception_ptr(dtrain::error(where + x.what())));
-  } catch (...) {
-    fail(e);
-  }
-  finished_ = true;
-  return true;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/topology/sequence-inl.hpp ----
-#endif
-// ---- end dtrain/topology/sequence.hpp ----
 
 #include <cstddef>
 #include <string>
@@ -14088,6 +14547,26 @@ struct flat {
     work allgather(buffer in, buffer /*shard*/, buffer data, stream_handle stream = nullptr) {
       return detail::allgather_on(*world_, in, data, stream);
     }
+
+    // With float32 accumulation (topology/accumulate.hpp): `data` is size()
+    // parts of 16-bit (or float32) elements; `scratch` holds at least
+    // accumulate_scratch_bytes() bytes in data's memory; `sum` is the memory
+    // space's float32 sum.
+
+    /// Bytes of scratch an accumulated reduction of `count` elements of `wire` needs.
+    [[nodiscard]] std::size_t accumulate_scratch_bytes(std::size_t count, dtype wire) const {
+      return detail::flat_accumulate_bytes(count, wire);
+    }
+    /// In place on `data`: the mean (avg) or sum, summed in float32, rounded once.
+    work allreduce_accumulated(buffer data, buffer scratch, reduce_op op, stream_handle stream,
+                               const detail::accumulate_sum& sum) {
+      return detail::accumulated_allreduce(*world_, data, scratch, op, stream, sum);
+    }
+    /// This rank's part (shard_position()) into `out`, in out's type.
+    work reduce_scatter_accumulated(buffer data, buffer scratch, buffer out, reduce_op op,
+                                    stream_handle stream, const detail::accumulate_sum& sum) {
+      return detail::accumulated_reduce_scatter(*world_, data, scratch, out, op, stream, sum);
+    }
     /// Makes `stream` wait for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);
@@ -14102,6 +14581,7 @@ struct flat {
 }  // namespace dtrain::topology
 // ---- end dtrain/topology/flat.hpp ----
 
+#include <algorithm>
 #include <atomic>
 #include <concepts>
 #include <cstddef>
@@ -14393,7 +14873,7 @@ class basic_ddp {
     ddp_memory_use use;
     for (const bucket& b : buckets_) {
       use.buckets += b.grads.bytes();
-      use.scratch += b.wire.bytes() + b.shard.bytes();
+      use.scratch += b.wire.bytes() + b.shard.bytes() + b.accumulate.bytes();
     }
     const std::lock_guard lock(mutex_);
     shards_.add_memory(use);
@@ -14615,6 +15095,43 @@ class basic_ddp {
   bool compressed(const bucket_info& b) const noexcept {
     return options_.compression != gradient_compression::none && b.type == dtype::float32;
   }
+  static bool has_16bit(const std::vector<parameter>& parameters) noexcept {
+    return std::ranges::any_of(parameters, [](const parameter& p) {
+      return p.values.type == dtype::bfloat16 || p.values.type == dtype::float16;
+    });
+  }
+  /// The options every rank must share, compared at construction (with the model).
+  std::string agreed_options() const {
+    std::string agreed = shards_.agreed_options();
+    if (options_.compression != gradient_compression::none)
+      agreed += ", ddp_options::compression = " + std::string(to_string(options_.compression));
+    if (options_.accumulate != accumulation::wire)
+      agreed += ", ddp_options::accumulate = " + std::string(to_string(options_.accumulate));
+    return agreed;
+  }
+  /// The type bucket `b` travels in: compression's, else its own.
+  dtype wire_type(const bucket_info& b) const noexcept {
+    return compressed(b) ? detail::wire_type(options_.compression) : b.type;
+  }
+  /// Whether bucket `b` is reduced with float32 accumulation (16-bit on the wire).
+  bool accumulated(const bucket_info& b) const noexcept {
+    const dtype wire = wire_type(b);
+    return options_.accumulate == accumulation::float32 &&
+           (wire == dtype::bfloat16 || wire == dtype::float16);
+  }
+  /// The float32 sum of an accumulated reduction: the memory space's, on the stream it is given.
+  detail::accumulate_sum accumulate_sum() const {
+    return [device = device_](buffer out, buffer in, std::size_t blocks, float divisor,
+                              stream_handle stream) {
+      typename memory_space::stream_type on{};
+      if constexpr (!std::is_same_v<typename memory_space::stream_type, std::nullptr_t>)
+        on = static_cast<typename memory_space::stream_type>(stream);
+      else
+        (void)stream;
+      memory_space::accumulate(out.data, out.type, in.data, in.type, blocks, out.count, divisor,
+                               device, on);
+    };
+  }
 
   // Marking (ddp/basic_ddp_step.hpp). mark() takes the lock and runs the
   // all-marked callback after releasing it; the others run under the lock.
@@ -14790,7 +15307,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   device_ = device_of(comm_);
   std::string problem = take_stream();
   if (problem.empty() &&
-      (options_.compression != gradient_compression::none || options_.master_weights) &&
+      (options_.compression != gradient_compression::none || options_.master_weights ||
+       (options_.accumulate == accumulation::float32 && has_16bit(parameters))) &&
       !compression_available()) {
     // Every rank of the same program sees the same; the agreement below stops them all alike.
     problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
@@ -14806,7 +15324,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                                     on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  detail::agree_on_model(control_, parameters, buffers_, shards_.agreed_options());
+  detail::agree_on_model(control_, parameters, buffers_, agreed_options());
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {
@@ -14909,6 +15427,7 @@ int basic_ddp<Policy>::device_of(communicator_type& comm) {
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
@@ -14941,6 +15460,8 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
+    // Float32 accumulation exchanges size() equal parts.
+    if (accumulated(info)) unit = std::lcm(unit, static_cast<std::size_t>(size_));
     unit = shards_.padding(info, unit);  // sharded: size() equal shards
     s.moved = (info.count + unit - 1) / unit * unit;
     try {
@@ -14953,7 +15474,11 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     if (compressed(info))
       s.wire = detail::flat_storage<memory_space>(
           s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
-    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)
+    if (accumulated(info)) {
+      s.accumulate = detail::flat_storage<memory_space>(
+          topo_.accumulate_scratch_bytes(s.moved, wire_type(info)), info.device, stream_);
+    }
+    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)  // also the allgathers'
       s.shard =
           detail::flat_storage<memory_space>(shard * size_of(info.type), info.device, stream_);
     for (std::size_t k = 0; k < info.parameters.size(); ++k) {
@@ -15036,7 +15561,9 @@ void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
                        stream_);
   }
   if (!compressed(s.info)) return;
-  const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
+  // Pre-divide, so that the 16-bit sum is the mean and cannot overflow; a
+  // float32 accumulation divides its sum instead.
+  const float scale = accumulated(s.info) ? 1.0f : 1.0f / static_cast<float>(size_);
   memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
                          s.info.count, scale, detail::wire_type(options_.compression),
                          s.info.device, stream_);
@@ -15053,7 +15580,7 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
   if (compressed(s.info)) {
     data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
             s.grads.device()};
-    op = reduce_op::sum;
+    if (!accumulated(s.info)) op = reduce_op::sum;  // pre-divided
   }
   if (hook_) {
     gradient_bucket view{.index = b,
@@ -15064,22 +15591,28 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
+  if (accumulated(s.info)) {
+    const buffer scratch{s.accumulate.data(), s.accumulate.bytes(), dtype::uint8,
+                         memory_space::where, s.grads.device()};
+    const detail::accumulate_sum sum = accumulate_sum();
+    return shards_.reduce(b, data, scratch, op, &sum);  // the seam, summed in float32
+  }
   const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
                        s.grads.device()};
-  return shards_.reduce(b, data, scratch, op);  // the seam: averaged, or reduce-scattered
+  return shards_.reduce(b, data, scratch, op, nullptr);  // the seam: averaged, or reduce-scattered
 }
 
 /// Decompression and copy-out: what must happen after the collective.
 template <class Policy>
 void basic_ddp<Policy>::finish_bucket(std::size_t b) {
   bucket& s = buckets_[b];
-  if (compressed(s.info)) {
-    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
-                             detail::wire_type(options_.compression), s.info.device, stream_);
-  }
   // Stage 2 averaged only this rank's shard (shard() has it): the model's
   // own gradients keep what this rank computed.
   const bool whole = shards_.mean_is_whole();
+  if (compressed(s.info) && whole) {
+    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
+                             detail::wire_type(options_.compression), s.info.device, stream_);
+  }
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
     if (v.view || !whole) continue;
@@ -15379,6 +15912,12 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
     throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::compression is " +
                        std::string(to_string(options_.compression)) +
                        "; a hook replaces the reduction, so compress inside the hook instead");
+  }
+  if (options_.accumulate != accumulation::wire) {
+    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::accumulate is " +
+                       std::string(to_string(options_.accumulate)) +
+                       "; a hook replaces the reduction, so sum in float32 inside the hook "
+                       "(topology::flat's allreduce_accumulated) instead");
   }
   hook_ = std::move(hook);
 }
@@ -15772,13 +16311,17 @@ void ddp_sharding<Policy>::not_gathered(std::size_t i) const {
 /// the whole bucket is averaged in place.
 template <class Policy>
 work ddp_sharding<Policy>::reduce(std::size_t b, const buffer& data, const buffer& scratch,
-                                  reduce_op op) {
+                                  reduce_op op, const detail::accumulate_sum* accumulate) {
+  const stream_handle stream = core_.on_stream_or_null();
   if (shards_gradients()) {
-    const buffer mine{shards_[b].owned.data(), shards_[b].owned_count, data.type,
+    const buffer mine{shards_[b].owned.data(), shards_[b].owned_count, core_.buckets_[b].info.type,
                       memory_space::where, data.device};
-    return core_.topo_.reduce_scatter(data, scratch, mine, op, core_.on_stream_or_null());
+    if (accumulate)
+      return core_.topo_.reduce_scatter_accumulated(data, scratch, mine, op, stream, *accumulate);
+    return core_.topo_.reduce_scatter(data, scratch, mine, op, stream);
   }
-  return core_.topo_.allreduce(data, scratch, op, core_.on_stream_or_null());
+  if (accumulate) return core_.topo_.allreduce_accumulated(data, scratch, op, stream, *accumulate);
+  return core_.topo_.allreduce(data, scratch, op, stream);
 }
 
 template <class Policy>
@@ -23515,6 +24058,71 @@ struct hierarchical {
                                                           detail::stream_ordered<C>, nullptr));
     }
 
+    // With float32 accumulation (topology/accumulate.hpp), at each level: the
+    // node-local alltoall of the 16-bit parts and their float32 sum (one part
+    // of L per rank), the cross-node alltoall of those float32 partial sums
+    // and their sum (one part of N), rounded once; for allreduce() the
+    // cross-node and then node-local allgathers in 16 bits. The slow links
+    // carry the partial sums in float32 (1/L of the data per rank), so that
+    // nothing is rounded before the end. The sum of element i: the node's
+    // ranks in local order on each node, then the nodes in node order.
+
+    /// Bytes of scratch an accumulated reduction of `count` elements of `wire` needs.
+    [[nodiscard]] std::size_t accumulate_scratch_bytes(std::size_t count, dtype wire) const {
+      if (!local_) return detail::flat_accumulate_bytes(count, wire);
+      const std::size_t q = count / granularity();
+      return accumulate_layout(count, wire).gathered + detail::accumulate_align(q * size_of(wire));
+    }
+
+    /// In place on `data` (world().size() parts): the mean (avg) or sum, summed
+    /// in float32 at both levels, rounded once.
+    work allreduce_accumulated(buffer data, buffer scratch, reduce_op op, stream_handle stream,
+                               const detail::accumulate_sum& sum) {
+      if (!local_) return detail::accumulated_allreduce(*world_, data, scratch, op, stream, sum);
+      const std::string what =
+          detail::describe("hierarchical allreduce with float32 accumulation",
+                           std::string(to_string(op)) + ", " + detail::shape(data), world_->rank(),
+                           world_->size(), C::name);
+      std::vector<detail::work_sequence::step> steps;
+      const buffer result =
+          accumulated_levels(steps, what, data, scratch, op, stream, sum, nullptr);
+      const accumulate_offsets at = accumulate_layout(data.count, data.type);
+      const buffer gathered =
+          detail::scratch_part(scratch, at.gathered, data.count / granularity(), data.type);
+      C& local = *local_;
+      C& cross = *cross_;
+      steps.push_back({"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+                       [&cross, result, gathered] {
+                         return detail::allgather_on(cross, result, gathered,
+                                                     detail::stream_after(cross));
+                       },
+                       2, detail::work_sequence::chain});
+      steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
+                       [&local, &cross, gathered, data] {
+                         return detail::allgather_on(local, gathered, data,
+                                                     detail::stream_after(cross));
+                       },
+                       1, detail::work_sequence::chain});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
+    /// This rank's part (shard_position()) of the reduction into `out`, in
+    /// out's type (float32 keeps the sum unrounded).
+    work reduce_scatter_accumulated(buffer data, buffer scratch, buffer out, reduce_op op,
+                                    stream_handle stream, const detail::accumulate_sum& sum) {
+      if (!local_)
+        return detail::accumulated_reduce_scatter(*world_, data, scratch, out, op, stream, sum);
+      const std::string what =
+          detail::describe("hierarchical reduce_scatter with float32 accumulation",
+                           std::string(to_string(op)) + ", " + detail::shape(data), world_->rank(),
+                           world_->size(), C::name);
+      std::vector<detail::work_sequence::step> steps;
+      (void)accumulated_levels(steps, what, data, scratch, op, stream, sum, &out);
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
     /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);
@@ -23634,6 +24242,54 @@ struct hierarchical {
       return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
                                                           detail::stream_ordered<C>,
                                                           std::move(keep_alive)));
+    }
+
+    // Where an accumulated reduction of `count` elements of `wire` keeps its
+    // parts in the scratch: what the node-local alltoall receives (later the
+    // cross-node one's float32 blocks), the node-local float32 partial sums
+    // (later the rounded result), the cross-node allgather's output.
+    struct accumulate_offsets {
+      std::size_t partial = 0;
+      std::size_t gathered = 0;
+    };
+    [[nodiscard]] accumulate_offsets accumulate_layout(std::size_t count, dtype wire) const {
+      const std::size_t q = count / granularity();
+      const std::size_t received = std::max(count * size_of(wire), q * size_of(dtype::float32));
+      const std::size_t partial = detail::accumulate_align(received);
+      return {partial, partial + detail::accumulate_align(q * size_of(dtype::float32))};
+    }
+
+    // The two levels' alltoalls and sums of an accumulated reduction; the
+    // result (this rank's part, rounded to data's type) goes to `*out`, or
+    // to the scratch (returned) for the allgathers that follow.
+    buffer accumulated_levels(std::vector<detail::work_sequence::step>& steps,
+                              const std::string& what, const buffer& data, const buffer& scratch,
+                              reduce_op op, stream_handle stream, const detail::accumulate_sum& sum,
+                              const buffer* out) {
+      const std::size_t ranks = static_cast<std::size_t>(world_->size());
+      const detail::argument_check check{what};
+      detail::check_accumulated(check, data, scratch,
+                                accumulate_scratch_bytes(data.count, data.type), op, ranks);
+      const std::size_t q = data.count / granularity();  // the node-local part
+      const std::size_t r = data.count / ranks;          // this rank's part
+      const accumulate_offsets at = accumulate_layout(data.count, data.type);
+      const buffer received = detail::scratch_part(scratch, 0, data.count, data.type);
+      const buffer partial = detail::scratch_part(scratch, at.partial, q, dtype::float32);
+      const buffer crossed = detail::scratch_part(scratch, 0, q, dtype::float32);
+      buffer result = detail::scratch_part(scratch, at.partial, r, data.type);
+      if (out) {
+        check.count(*out, r, "output");
+        result = *out;
+      }
+      C& local = *local_;
+      C& cross = *cross_;
+      const float divisor = op == reduce_op::avg ? static_cast<float>(ranks) : 1.0f;
+      detail::push_accumulated_level(steps, local, 1, "node-local", data, received, partial, 1.0f,
+                                     stream, sum,
+                                     [&local, &cross] { after_other_level(local, cross); });
+      detail::push_accumulated_level(steps, cross, 2, "cross-node", partial, crossed, result,
+                                     divisor, detail::stream_after(local), sum);
+      return result;
     }
 
     // The node's part of `data` in `shard` for a two-level reduce_scatter or
@@ -23825,6 +24481,7 @@ struct missing_backend_traits {
     work broadcast(buffer, int);
     work allgather(buffer, buffer);
     work reduce_scatter(buffer, buffer, reduce_op);
+    work alltoall(buffer, buffer);
     work barrier();
     communicator split(int, int);
   };

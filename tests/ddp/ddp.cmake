@@ -62,6 +62,16 @@ dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_sca
                           ENGINES mpi gloo RANKS 1 2 3 4)
 dtrain_add_multirank_test(ddp.loss_scaler PROGRAM dtrain_ddp_shard CASE loss_scaler
                           ENGINES gloo RANKS 4 NODES 2,2)
+# ddp_options::accumulate = float32 (issue 49): every mean of 16-bit gradients
+# (bfloat16, float16, float32 compressed) is the float32 sum of the 16-bit
+# inputs in the topology's order rounded once, bit for bit, at every stage;
+# accumulation::wire must differ from it at 3 ranks and more.
+dtrain_add_multirank_test(ddp.accumulate PROGRAM dtrain_ddp_shard CASE accumulate
+                          ENGINES mpi gloo RANKS 1 2 3 4
+                          EXPECT_STATUS 0 EXPECT "float32 accumulation, flat: every mean")
+dtrain_add_multirank_test(ddp.accumulate PROGRAM dtrain_ddp_shard CASE accumulate
+                          ENGINES gloo RANKS 4 NODES 2,2 EXPECT_STATUS 0
+                          EXPECT "rank 0 of 4: float32 accumulation, hierarchical: every mean")
 # ddp_options::master_weights (issue 49): a 16-bit model's float32 master
 # weights at every stage, rounded into the values once per step.
 dtrain_add_multirank_test(ddp.master_weights PROGRAM dtrain_ddp_shard CASE master_weights
@@ -88,7 +98,7 @@ dtrain_add_multirank_test(ddp.topology PROGRAM dtrain_ddp_peer CASE topology
 if(DTRAIN_WITH_GLOO)
   dtrain_add_multirank_program(dtrain_ddp_device_rules ddp/ddp_device_rules.cpp)
 endif()
-foreach(case IN ITEMS mean shard stage3)
+foreach(case IN ITEMS mean shard stage3 accumulate)
   dtrain_add_multirank_test(ddp.device_rules.${case} PROGRAM dtrain_ddp_device_rules CASE ${case}
                             ENGINES gloo ENGINE_NOT_IN_NAME RANKS 1 2 3 TIMEOUT 180
                             ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60)
@@ -111,6 +121,12 @@ dtrain_add_multirank_test(ddp.device_rules.mean PROGRAM dtrain_ddp_device_rules 
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
   "rank 0 of 4: 4 steps averaged exactly [(]compression none[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks"
   "rank 3 of 4: 4 steps averaged exactly [(]compression bfloat16[^\n]*hierarchical [(]device-rules[)]: 2 nodes x 2 ranks")
+# Float32 accumulation on streams over topology::hierarchical: each level's
+# alltoall on its communicator's stream, its sum enqueued after it.
+dtrain_add_multirank_test(ddp.device_rules.accumulate PROGRAM dtrain_ddp_device_rules
+  CASE accumulate ENGINES gloo ENGINE_NOT_IN_NAME RANKS 4 NODES 2,2 TIMEOUT 180
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 EXPECT_STATUS 0 EXPECT
+  "rank 0 of 4: float32 accumulation, hierarchical: every mean is the float32 sum")
 dtrain_add_multirank_test(ddp.device_rules.hung_peer PROGRAM dtrain_ddp_device_rules CASE hung-peer
   ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 NO_KILL TIMEOUT 60
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3

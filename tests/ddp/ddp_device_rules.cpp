@@ -26,6 +26,7 @@
 //                starts from what rank 0 wrote there (the first broadcast is
 //                ordered after that stream)
 #include "../support/multirank.hpp"
+#include "accumulate_case.hpp"
 #include "device_rules.hpp"
 
 #include <algorithm>
@@ -532,6 +533,24 @@ TEST_CASE("mean") {
           if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::bfloat16, false);
           if (status == 0) status = mean_case(ctx, dtrain::gradient_compression::none, true);
           return status;
+        }) == 0);
+}
+
+TEST_CASE("accumulate") {
+  // Float32 accumulation with NCCL's rules: the alltoalls on the
+  // communicators' streams, each sum enqueued on the stream after its
+  // alltoall (device_rules::memory::accumulate), never before the blocks arrive.
+  const dtrain_test::accumulate_memory memory{.device = true, .device_id = 0};
+  const std::vector<dtrain::sharding> stages{dtrain::sharding::none, dtrain::sharding::optimizer,
+                                             dtrain::sharding::gradients};
+  if (hierarchical()) {
+    CHECK(dtrain_test::run_with<hierarchical_policy>([&](auto& ctx) {
+            return dtrain_test::accumulate_case(ctx, memory, true, stages);
+          }) == 0);
+    return;
+  }
+  CHECK(dtrain_test::run_with<policy>([&](auto& ctx) {
+          return dtrain_test::accumulate_case(ctx, memory, false, stages);
         }) == 0);
 }
 

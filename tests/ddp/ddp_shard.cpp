@@ -43,6 +43,7 @@
 // program writes between steps are adopted: the next step starts from them.
 
 #include "../support/multirank.hpp"
+#include "accumulate_case.hpp"
 
 #include <dtrain/checkpoint.hpp>
 
@@ -1091,6 +1092,15 @@ TEST_CASE("sharding") {
 
 TEST_CASE("loss_scaler") {
   CHECK(dtrain_test::run_job([](auto& ctx) { return run_scaled(ctx); }) == 0);
+}
+
+TEST_CASE("accumulate") {
+  CHECK(dtrain_test::run_job([](auto& ctx) {
+          return dtrain_test::accumulate_case(
+              ctx, {}, dtrain_test::job().topology == "hierarchical",
+              {dtrain::sharding::none, dtrain::sharding::optimizer, dtrain::sharding::gradients,
+               dtrain::sharding::parameters});
+        }) == 0);
 }
 
 TEST_CASE("master_weights") {

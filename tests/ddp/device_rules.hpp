@@ -164,6 +164,12 @@ class communicator {
     return enqueue("reduce_scatter", after,
                    [=, g = inner_.get()] { return g->reduce_scatter(host(in), host(out), op); });
   }
+  dtrain::work alltoall(dtrain::buffer in, dtrain::buffer out, stream_type after = nullptr) {
+    check(in, "alltoall");
+    check(out, "alltoall");
+    return enqueue("alltoall", after,
+                   [=, g = inner_.get()] { return g->alltoall(host(in), host(out)); });
+  }
   dtrain::work barrier(stream_type after = nullptr) {
     return enqueue("barrier", after, [g = inner_.get()] { return g->barrier(); });
   }
@@ -283,6 +289,20 @@ struct memory {
   static void decompress(float* out, const void* in, std::size_t n, dtrain::dtype wire, int device,
                          stream_type) {
     host::decompress(out, in, n, wire, device, nullptr);
+  }
+  /// On the stream it is given (a communicator's, after its alltoall), as a
+  /// kernel is: the sum must not run before the blocks arrive.
+  static void accumulate(void* out, dtrain::dtype out_type, const void* in, dtrain::dtype in_type,
+                         std::size_t blocks, std::size_t count, float divisor, int,
+                         stream_type stream) {
+    auto sum = [=] {
+      dtrain::detail::host_accumulate(out, out_type, in, in_type, blocks, count, divisor);
+    };
+    if (auto s = stream_of(stream)) {
+      s->enqueue({}, sum);
+    } else {
+      sum();
+    }
   }
   static void synchronize(int, stream_type stream) {
     static const std::atomic<bool> never{false};

@@ -133,6 +133,23 @@ void data_movement_cases(C& comm, std::size_t n) {
                       false) == "",
                   "allgather");
   }
+  {
+    // Block j of every rank's input goes to rank j: rank r's block i of the
+    // output is rank i's block r, each element where it was in its block.
+    const std::size_t all = n * static_cast<std::size_t>(size);
+    std::vector<T> in(all), out(all);
+    for (std::size_t j = 0; j < all; ++j) in[j] = make<T>(input_value(sum, rank, j));
+    dtrain::alltoall(comm, std::span<const T>(in), std::span(out)).wait();
+    const std::size_t block = std::max<std::size_t>(n, 1);
+    CHECK_MESSAGE(first_mismatch<T>(
+                      out,
+                      [&](std::size_t j) {
+                        return input_value(sum, static_cast<int>(j / block),
+                                           static_cast<std::size_t>(rank) * n + j % block);
+                      },
+                      false) == "",
+                  "alltoall");
+  }
   for (auto op : {dtrain::reduce_op::sum, dtrain::reduce_op::max}) {
     std::vector<T> in(n * static_cast<std::size_t>(size)), out(n);
     for (std::size_t j = 0; j < in.size(); ++j) in[j] = make<T>(input_value(op, rank, j));
@@ -204,6 +221,17 @@ void run_collective_suite(C& comm) {
   CHECK_THROWS_WITH_AS(comm.broadcast(null4, 0),
                        doctest::Contains("data is a null pointer with 4 elements"),
                        dtrain::config_error);
+  // alltoall runs out of place, on whole blocks.
+  std::vector<float> blocks(static_cast<std::size_t>(comm.size()) * 2, 1.0f);
+  const dtrain::buffer whole = dtrain::host_buffer(std::span(blocks));
+  CHECK_THROWS_WITH_AS(comm.alltoall(whole, whole), doctest::Contains("input and output overlap"),
+                       dtrain::config_error);
+  if (comm.size() > 1) {
+    std::vector<float> odd(static_cast<std::size_t>(comm.size()) + 1), odd_out(odd.size());
+    const std::string uneven = "not a multiple of the " + std::to_string(comm.size()) + " ranks";
+    CHECK_THROWS_WITH_AS(dtrain::alltoall(comm, std::span<const float>(odd), std::span(odd_out)),
+                         doctest::Contains(uneven.c_str()), dtrain::config_error);
+  }
   // Nothing was started by the refused calls: the communicator still works.
   std::vector<std::int32_t> ones(3, 1);
   dtrain::allreduce(comm, std::span(ones)).wait();

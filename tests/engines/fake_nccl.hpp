@@ -686,7 +686,7 @@ struct api {
     return result == ncclSuccess && in_progress ? ncclInProgress : result;
   }
 
-  enum class kind { allreduce, broadcast, allgather, reduce_scatter };
+  enum class kind { allreduce, broadcast, allgather, reduce_scatter, alltoall };
   static ncclResult_t ncclAllReduce(const void* in, void* out, std::size_t count,
                                     ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
                                     cudaStream_t stream) {
@@ -705,6 +705,13 @@ struct api {
                                         ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
                                         cudaStream_t stream) {
     return enqueue(kind::reduce_scatter, in, out, count, type, op, 0, comm, stream);
+  }
+  /// The engine's seam for alltoall (the real one groups ncclSend/ncclRecv):
+  /// one meeting, `count` elements per block.
+  static ncclResult_t alltoall(const void* in, void* out, std::size_t count, ncclDataType_t type,
+                               std::size_t /*width*/, int /*size*/, ncclComm_t comm,
+                               cudaStream_t stream) {
+    return enqueue(kind::alltoall, in, out, count, type, ncclSum, 0, comm, stream);
   }
 
  private:
@@ -762,8 +769,10 @@ struct api {
       return misuse("a collective while the previous call's launch is in progress");
     const std::size_t width = type_size(type);
     const std::size_t ranks = static_cast<std::size_t>(c->size);
-    const std::size_t in_bytes = (k == kind::reduce_scatter ? count * ranks : count) * width;
-    const std::size_t out_bytes = (k == kind::allgather ? count * ranks : count) * width;
+    const bool blocks_in = k == kind::reduce_scatter || k == kind::alltoall;
+    const std::size_t in_bytes = (blocks_in ? count * ranks : count) * width;
+    const std::size_t out_bytes =
+        (k == kind::allgather || k == kind::alltoall ? count * ranks : count) * width;
     if (!registry::get().on_device(in, in_bytes) || !registry::get().on_device(out, out_bytes)) {
       std::fprintf(stderr, "fake NCCL: a collective's buffer is not device memory\n");
       return ncclInvalidArgument;
@@ -798,8 +807,10 @@ struct api {
     if (c->aborted) return ncclSystemError;
     const std::uint64_t seq = ++c->issued;
     const std::size_t width = type_size(type);
-    const std::size_t in_bytes =
-        (k == kind::reduce_scatter ? count * static_cast<std::size_t>(c->size) : count) * width;
+    const std::size_t in_bytes = (k == kind::reduce_scatter || k == kind::alltoall
+                                      ? count * static_cast<std::size_t>(c->size)
+                                      : count) *
+                                 width;
     const int error_at = env_int("FAKE_NCCL_ASYNC_ERROR_AT", 0);
     s->enqueue({}, [=] {
       ++c->running;
@@ -849,6 +860,12 @@ struct api {
           break;
         case kind::reduce_scatter:
           reduce_typed(type, out, parts, static_cast<std::size_t>(c->rank) * count, count, op);
+          break;
+        case kind::alltoall:
+          for (std::size_t r = 0; r < parts.size(); ++r)
+            std::memcpy(static_cast<char*>(out) + r * count * width,
+                        parts[r].data() + static_cast<std::size_t>(c->rank) * count * width,
+                        count * width);
           break;
       }
     });
@@ -900,6 +917,14 @@ struct memory {
                          stream_type stream) {
     auto s = registry::get().stream(stream);
     s->enqueue({}, [=] { dtrain::detail::host_decompress(out, in, n, wire); });
+  }
+  static void accumulate(void* out, dtrain::dtype out_type, const void* in, dtrain::dtype in_type,
+                         std::size_t blocks, std::size_t count, float divisor, int,
+                         stream_type stream) {
+    auto s = registry::get().stream(stream);
+    s->enqueue({}, [=] {
+      dtrain::detail::host_accumulate(out, out_type, in, in_type, blocks, count, divisor);
+    });
   }
   [[nodiscard]] static bool casts_available() noexcept { return true; }
   static void synchronize(int, stream_type stream) {

@@ -161,6 +161,16 @@ nccl_ranks_test(ddp_throws 2 ddp-throws STATUS "[1-9][0-9]*"
   EXPECT "[[]rank 0/2[]] dtrain: rank 0 fails on purpose in the middle of a DDP step"
          "dtrain_test_launch: rank 0 exited with status 1"
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=300)
+# Issue 49: ddp_options::accumulate = float32 through the engine's alltoall,
+# each rank's sum on the communicator's stream: every mean the float32 sum of
+# the 16-bit inputs rounded once, bit for bit, flat and on 2 nodes of 2.
+foreach(ranks IN ITEMS 2 3 4)
+  nccl_ranks_test(accumulate ${ranks} accumulate STATUS 0
+    EXPECT "rank 0 of ${ranks}: float32 accumulation, flat: every mean is the float32 sum")
+endforeach()
+nccl_ranks_test(accumulate_hierarchical 4 accumulate-hierarchical NODES 2,2 STATUS 0
+  EXPECT "rank 0 of 4: float32 accumulation, hierarchical: every mean is the float32 sum"
+  ENVIRONMENT FAKE_NCCL_ONE_COMM_AT_A_TIME=1)
 # Item 4: 16-bit means that do not depend on the job size: at 3 ranks ncclAvg
 # would multiply by bf16(1/3) = 0.333984 (+0.195 %); at 4, 1/4 is exact.
 foreach(ranks IN ITEMS 3 4)

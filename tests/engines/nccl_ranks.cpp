@@ -37,6 +37,7 @@
 //         zero2-hierarchical|zero3-hierarchical|ddp-throws   the modes above, on the GPUs
 //   --gpu bandwidth    allreduce from 8 B to 256 MiB, timed and checked, as a
 //                      table in nccl-tests' columns (algbw, busbw)
+#include "../ddp/accumulate_case.hpp"
 #include "fake_nccl.hpp"
 
 #include <chrono>
@@ -165,6 +166,17 @@ int collectives(Context& ctx) {
   whole.upload(std::vector<float>(2 * static_cast<std::size_t>(n), 1.0f));
   comm.reduce_scatter(whole.buffer(dev), block.buffer(dev), dtrain::reduce_op::sum).wait();
   for (float x : block.download()) expect(x == static_cast<float>(n), "reduce_scatter sum");
+  // alltoall: rank r sends 10 * r + j to rank j, twice per block
+  floats sent(2 * static_cast<std::size_t>(n)), got(2 * static_cast<std::size_t>(n));
+  std::vector<float> outgoing(2 * static_cast<std::size_t>(n));
+  for (std::size_t j = 0; j < outgoing.size(); ++j)
+    outgoing[j] = static_cast<float>(10 * r) + static_cast<float>(j / 2);
+  sent.upload(outgoing);
+  comm.alltoall(sent.buffer(dev), got.buffer(dev)).wait();
+  const std::vector<float> incoming = got.download();
+  for (std::size_t i = 0; i < incoming.size(); ++i)
+    expect(incoming[i] == static_cast<float>(10 * static_cast<int>(i / 2) + r),
+           "alltoall block order");
   comm.barrier().wait();
   std::printf("rank %d of %d: every collective matches the serial answer\n", r, n);
   return 0;
@@ -661,6 +673,19 @@ int common_mode(std::string_view mode, int argc, char** argv) {
   if (mode == "collectives") return dtrain::run<flat>(argc, argv, collectives<Api, flat_context>);
   if (mode == "mean16") return dtrain::run<flat>(argc, argv, mean16<Api, flat_context>);
   if (mode == "ddp-throws") return dtrain::run<flat>(argc, argv, ddp_throws<Api, flat_context>);
+  if (mode == "accumulate" || mode == "accumulate-hierarchical") {
+    // Float32 accumulation through the engine's alltoall (grouped
+    // send/receive on GPUs) and the sum on the communicator's stream.
+    auto body = [hierarchical = mode != "accumulate"](auto& ctx) {
+      const dtrain_test::accumulate_memory memory{
+          .device = true, .device_id = ctx.device(), .settle = [] { settle<Api>(); }};
+      return dtrain_test::accumulate_case(
+          ctx, memory, hierarchical,
+          {dtrain::sharding::none, dtrain::sharding::optimizer, dtrain::sharding::gradients});
+    };
+    if (mode == "accumulate") return dtrain::run<flat>(argc, argv, body);
+    return dtrain::run<hierarchical>(argc, argv, body);
+  }
   constexpr std::pair<std::string_view, dtrain::sharding> ddp_modes[] = {
       {"ddp", dtrain::sharding::none},
       {"zero1", dtrain::sharding::optimizer},
@@ -683,7 +708,7 @@ int common_mode(std::string_view mode, int argc, char** argv) {
 
 constexpr const char* common_modes =
     "collectives|mean16|ddp|zero1|zero2|zero3|ddp-hierarchical|zero1-hierarchical|"
-    "zero2-hierarchical|zero3-hierarchical|ddp-throws";
+    "zero2-hierarchical|zero3-hierarchical|ddp-throws|accumulate|accumulate-hierarchical";
 
 }  // namespace
 

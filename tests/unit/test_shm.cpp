@@ -163,6 +163,43 @@ TEST_CASE("shm: allreduce of every type and op across the slots, on 2 and 3 proc
   }
 }
 
+TEST_CASE("shm: alltoall across the slots, on 2 and 3 processes") {
+  for (int size : {2, 3}) {
+    CAPTURE(size);
+    group g{size, {}, {}};
+    const int mine = g.run([size](shm_segment& s, int rank) {
+      const auto ranks = static_cast<std::size_t>(size);
+      // Blocks below, at and across a slot's share per rank (slot / ranks).
+      const std::size_t share = s.slot_bytes() / ranks;
+      for (const std::size_t block :
+           {std::size_t{1}, std::size_t{7}, share - 1, share, 2 * share + 13}) {
+        // The byte rank `from` sends to rank `to` at offset i of its block.
+        auto byte = [](std::size_t from, std::size_t to, std::size_t i) {
+          return static_cast<unsigned char>((from * 131 + to * 17 + i * 7 + i / 251) % 256);
+        };
+        const auto me = static_cast<std::size_t>(rank);
+        std::vector<unsigned char> in(ranks * block), out(ranks * block, 0);
+        for (std::size_t to = 0; to < ranks; ++to)
+          for (std::size_t i = 0; i < block; ++i) in[to * block + i] = byte(me, to, i);
+        s.alltoall(in.data(), out.data(), block, 10s);
+        for (std::size_t from = 0; from < ranks; ++from) {
+          for (std::size_t i = 0; i < block; ++i) {
+            if (out[from * block + i] != byte(from, me, i)) {
+              std::fprintf(stderr,
+                           "rank %d: alltoall of %zu-byte blocks: rank %zu's byte %zu wrong\n",
+                           rank, block, from, i);
+              return 1;
+            }
+          }
+        }
+      }
+      return 0;
+    });
+    CHECK(mine == 0);
+    CHECK(g.statuses == std::vector<int>(static_cast<std::size_t>(size - 1), 0));
+  }
+}
+
 TEST_CASE("shm: allgather across the slots, in place and not, on 2 and 3 processes") {
   for (int size : {2, 3}) {
     CAPTURE(size);

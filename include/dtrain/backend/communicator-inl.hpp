@@ -60,6 +60,14 @@ DTRAIN_DETAIL_INLINE void argument_check::root(int r, int size) const {
   if (r < 0 || r >= size) fail("root " + std::to_string(r) + " is not a rank of this communicator");
 }
 
+DTRAIN_DETAIL_INLINE void argument_check::apart(const buffer& in, const buffer& out) const {
+  if (in.bytes() == 0 || out.bytes() == 0) return;
+  const auto* a = static_cast<const std::byte*>(in.data);
+  const auto* b = static_cast<const std::byte*>(out.data);
+  if (a < b + out.bytes() && b < a + in.bytes())
+    fail("input and output overlap; it runs out of place: pass separate buffers");
+}
+
 DTRAIN_DETAIL_INLINE collective_info collective_call::info(std::string_view engine, int rank,
                                                            int size) const noexcept {
   buffer counted = kind == collective_kind::reduce_scatter ? out : in;
@@ -79,7 +87,8 @@ DTRAIN_DETAIL_INLINE bool collective_call::moves_data() const noexcept {
     case collective_kind::other: return true;
     case collective_kind::allreduce:
     case collective_kind::broadcast:
-    case collective_kind::allgather: return in.count > 0;
+    case collective_kind::allgather:
+    case collective_kind::alltoall: return in.count > 0;
     case collective_kind::reduce_scatter: return out.count > 0;
     case collective_kind::allreduce_many:
       for (const buffer& b : many) {
@@ -119,6 +128,18 @@ DTRAIN_DETAIL_INLINE void check_arguments(const collective_call& call, const col
       check.same_type(call.in, call.out);
       check.count(call.in, call.out.count * ranks, "input");
       check.op_fits(op, call.out.type);
+      return;
+    case collective_kind::alltoall:
+      check.reachable(call.in, "input", reach);
+      check.reachable(call.out, "output", reach);
+      check.same_type(call.in, call.out);
+      check.count(call.out, call.in.count, "output");
+      if (ranks > 0 && call.in.count % ranks != 0) {
+        check.fail("input has " + std::to_string(call.in.count) +
+                   " elements, not a multiple of the " + std::to_string(ranks) +
+                   " ranks (one block each)");
+      }
+      check.apart(call.in, call.out);
       return;
     case collective_kind::allreduce_many:
       for (std::size_t i = 0; i < call.many.size(); ++i) {

@@ -26,6 +26,10 @@ namespace dtrain {
 /// returns a work handle; buffers must stay alive until it completes. All
 /// ranks must call the same collectives in the same order.
 ///
+/// `alltoall(in, out)`: `in` and `out` hold size() blocks of the same count;
+/// block j of `in` goes to rank j, and block i of `out` comes from rank i (out
+/// of place: `in` and `out` must not overlap).
+///
 /// `split(color, key)` is collective: the ranks that pass the same color form
 /// a new communicator, ranked by key (then by rank here). A negative color
 /// means the same on every engine (MPI_UNDEFINED, NCCL_SPLIT_NOCOLOR): this
@@ -39,6 +43,7 @@ concept communicator = requires(C& c, const C& cc, buffer b, reduce_op op, int r
   { c.broadcast(b, root) } -> std::same_as<work>;
   { c.allgather(b, b) } -> std::same_as<work>;
   { c.reduce_scatter(b, b, op) } -> std::same_as<work>;
+  { c.alltoall(b, b) } -> std::same_as<work>;
   { c.barrier() } -> std::same_as<work>;
   { c.split(root, root) } -> std::same_as<C>;
   { cc.valid() } -> std::convertible_to<bool>;
@@ -66,13 +71,14 @@ enum class collective_kind : std::uint8_t {
   reduce_scatter,
   barrier,
   allreduce_many,
-  split
+  split,
+  alltoall
 };
 
 /// Their names, indexed by collective_kind ("?": another).
 inline constexpr std::string_view collective_kinds[] = {
     "?",       "allreduce",      "broadcast", "allgather", "reduce_scatter",
-    "barrier", "allreduce_many", "split"};
+    "barrier", "allreduce_many", "split",     "alltoall"};
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::int64_t collective_kind_code(
     std::string_view kind) noexcept;
@@ -101,6 +107,8 @@ struct argument_check {
   void reachable(const buffer& b, std::string_view which, const memory_reach& reach,
                  std::ptrdiff_t index = -1) const;
   void root(int r, int size) const;
+  /// `in` and `out` share no byte (a collective that cannot run in place).
+  void apart(const buffer& in, const buffer& out) const;
   [[noreturn]] void fail(const std::string& why) const {
     throw config_error((info ? describe(*info) : what) + ": " + why);
   }
@@ -134,6 +142,9 @@ struct collective_call {
   [[nodiscard]] static collective_call reduce_scatter(buffer in, buffer out,
                                                       reduce_op op) noexcept {
     return {collective_kind::reduce_scatter, in, out, static_cast<int>(op), -1, {}};
+  }
+  [[nodiscard]] static collective_call alltoall(buffer in, buffer out) noexcept {
+    return {collective_kind::alltoall, in, out, -1, -1, {}};
   }
   [[nodiscard]] static collective_call barrier() noexcept { return {}; }
   [[nodiscard]] static collective_call allreduce_many(std::span<const buffer> buffers,
@@ -313,6 +324,22 @@ template <communicator C, element T, detail::element_or_const<T> In>
 work reduce_scatter(C& c, device_span<In> in, device_span<T> out, reduce_op op = reduce_op::sum) {
   static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
   return c.reduce_scatter(in.as_buffer(), out.as_buffer(), op);
+}
+
+/// `in` and `out` (size() blocks of the same count each, apart): block j of
+/// `in` goes to rank j; block i of `out` comes from rank i.
+template <communicator C, detail::host_range In, detail::host_range Out>
+work alltoall(C& c, const In& in, Out&& out) {
+  static_assert(detail::host_ok<C>, DTRAIN_DEVICE_ONLY_MESSAGE);
+  static_assert(std::same_as<detail::host_element<In>, detail::host_element<Out>>,
+                "alltoall: `in` and `out` must have the same element type");
+  static_assert(detail::writable_host_range<Out>, "alltoall writes `out`: pass it non-const");
+  return c.alltoall(detail::host_view(in), detail::host_view(out));
+}
+template <communicator C, element T, detail::element_or_const<T> In>
+work alltoall(C& c, device_span<In> in, device_span<T> out) {
+  static_assert(detail::device_ok<C>, DTRAIN_HOST_ONLY_MESSAGE);
+  return c.alltoall(in.as_buffer(), out.as_buffer());
 }
 
 #undef DTRAIN_HOST_ONLY_MESSAGE

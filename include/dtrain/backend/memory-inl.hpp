@@ -27,6 +27,28 @@ DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_
     }
   });
 }
+
+DTRAIN_DETAIL_INLINE void host_accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                                          std::size_t blocks, std::size_t count, float divisor) {
+  const auto load = [&](std::size_t i) -> float {
+    switch (in_type) {
+      case dtype::bfloat16: return static_cast<float>(static_cast<const bfloat16*>(in)[i]);
+      case dtype::float16: return static_cast<float>(static_cast<const float16*>(in)[i]);
+      default: return static_cast<const float*>(in)[i];
+    }
+  };
+  // Each partial sum a float32, in block order (no reassociation: not -ffast-math).
+  for (std::size_t j = 0; j < count; ++j) {
+    float acc = load(j);
+    for (std::size_t i = 1; i < blocks; ++i) acc = acc + load(i * count + j);
+    const float mean = acc / divisor;
+    switch (out_type) {
+      case dtype::bfloat16: static_cast<bfloat16*>(out)[j] = bfloat16(mean); break;
+      case dtype::float16: static_cast<float16*>(out)[j] = float16(mean); break;
+      default: static_cast<float*>(out)[j] = mean; break;
+    }
+  }
+}
 }  // namespace detail
 }  // namespace dtrain
 
@@ -117,6 +139,15 @@ DTRAIN_DETAIL_INLINE void cuda_memory::decompress(float* out, const void* in, st
   const detail::device_casts& casts = detail::registered_device_casts();
   detail::device_guard on(device);
   casts.decompress(out, in, n, wire, stream);
+}
+
+DTRAIN_DETAIL_INLINE void cuda_memory::accumulate(void* out, dtype out_type, const void* in,
+                                                  dtype in_type, std::size_t blocks,
+                                                  std::size_t count, float divisor, int device,
+                                                  stream_type stream) {
+  const detail::device_casts& casts = detail::registered_device_casts();
+  detail::device_guard on(device);
+  casts.accumulate(out, out_type, in, in_type, blocks, count, divisor, stream);
 }
 
 DTRAIN_DETAIL_INLINE void cuda_memory::synchronize(int device, stream_type stream) {

@@ -49,6 +49,15 @@ DTRAIN_DETAIL_INLINE void host_compress(void* out, const float* in, std::size_t 
                                         dtype wire);
 DTRAIN_DETAIL_INLINE void host_decompress(float* out, const void* in, std::size_t n, dtype wire);
 
+/// The float32 sum of a reduction with float32 accumulation: out[j] =
+/// Out(acc_j / divisor), acc_j = float(in[j]) + float(in[count + j]) + ...
+/// over `blocks` blocks of `count` elements, added in block order in float32;
+/// `in` and `out` float32, float16 or bfloat16 (one rounding to Out, none
+/// for float32). `out` may be `in`'s first block (each element is read
+/// before it is written).
+DTRAIN_DETAIL_INLINE void host_accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                                          std::size_t blocks, std::size_t count, float divisor);
+
 }  // namespace detail
 
 /// Host memory: allocation with operator new, memcpy, loops. The `stream`
@@ -112,6 +121,12 @@ struct host_memory {
                          stream_type) {
     detail::host_decompress(out, in, n, wire);
   }
+  /// detail::host_accumulate: `blocks` blocks summed in float32, in order, into `out`.
+  static void accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                         std::size_t blocks, std::size_t count, float divisor, int /*device*/,
+                         stream_type) {
+    detail::host_accumulate(out, out_type, in, in_type, blocks, count, divisor);
+  }
   /// Everything above has happened by the time it returns.
   static void synchronize(int /*device*/, stream_type) noexcept {}
   /// Whether compress() and decompress() can run here.
@@ -136,6 +151,9 @@ struct device_casts {
   /// the NCCL engine's average of 16-bit data (each element divided, then summed).
   void (*divide)(void* out, const void* in, std::size_t n, dtype type, float divisor,
                  cudaStream_t stream);
+  /// detail::host_accumulate's sum on the device (the same bits).
+  void (*accumulate)(void* out, dtype out_type, const void* in, dtype in_type, std::size_t blocks,
+                     std::size_t count, float divisor, cudaStream_t stream);
 };
 
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::atomic<const device_casts*>& device_casts_slot() noexcept;
@@ -176,6 +194,10 @@ struct cuda_memory {
   static void compress(void* out, const float* in, std::size_t n, float scale, dtype wire,
                        int device, stream_type stream);
   static void decompress(float* out, const void* in, std::size_t n, dtype wire, int device,
+                         stream_type stream);
+  /// detail::host_accumulate as a kernel on `stream`.
+  static void accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                         std::size_t blocks, std::size_t count, float divisor, int device,
                          stream_type stream);
   /// The kernels exist when some unit of the program was compiled by nvcc.
   [[nodiscard]] static bool casts_available() noexcept;
@@ -251,6 +273,31 @@ __global__ void dtrain_divide_kernel(std::uint16_t* out, const std::uint16_t* in
     out[i] = dtrain_to_half_bits<Half>(dtrain_from_half_bits<Half>(in[i]) / divisor);
   }
 }
+// An element of a float32, float16 or bfloat16 array as float32, and back (rounded once).
+__device__ inline float dtrain_load_float(const void* p, std::size_t i, dtype t) {
+  if (t == dtype::float32) return static_cast<const float*>(p)[i];
+  const std::uint16_t b = static_cast<const std::uint16_t*>(p)[i];
+  return t == dtype::bfloat16 ? dtrain_from_half_bits<bfloat16>(b)
+                              : dtrain_from_half_bits<float16>(b);
+}
+__device__ inline void dtrain_store_float(void* p, std::size_t i, dtype t, float x) {
+  if (t == dtype::float32) {
+    static_cast<float*>(p)[i] = x;
+  } else {
+    static_cast<std::uint16_t*>(p)[i] =
+        t == dtype::bfloat16 ? dtrain_to_half_bits<bfloat16>(x) : dtrain_to_half_bits<float16>(x);
+  }
+}
+__global__ void dtrain_accumulate_kernel(void* out, dtype out_type, const void* in, dtype in_type,
+                                         std::size_t blocks, std::size_t count, float divisor) {
+  for (std::size_t j = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; j < count;
+       j += static_cast<std::size_t>(blockDim.x) * gridDim.x) {
+    float acc = dtrain_load_float(in, j, in_type);
+    for (std::size_t i = 1; i < blocks; ++i)
+      acc = __fadd_rn(acc, dtrain_load_float(in, i * count + j, in_type));
+    dtrain_store_float(out, j, out_type, __fdiv_rn(acc, divisor));
+  }
+}
 inline unsigned cast_blocks(std::size_t n) {
   return static_cast<unsigned>(n / 256 + 1 > 4096 ? 4096 : n / 256 + 1);
 }
@@ -285,8 +332,16 @@ inline void launch_divide(void* out, const void* in, std::size_t n, dtype type, 
     dtrain_divide_kernel<float16><<<cast_blocks(n), 256, 0, stream>>>(o, i16, n, divisor);
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 }
+inline void launch_accumulate(void* out, dtype out_type, const void* in, dtype in_type,
+                              std::size_t blocks, std::size_t count, float divisor,
+                              cudaStream_t stream) {
+  if (count == 0) return;
+  dtrain_accumulate_kernel<<<cast_blocks(count), 256, 0, stream>>>(out, out_type, in, in_type,
+                                                                   blocks, count, divisor);
+  DTRAIN_CUDA_CHECK(cudaGetLastError());
+}
 inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress,
-                                                &launch_divide};
+                                                &launch_divide, &launch_accumulate};
 /// Registers the kernels at start-up in every program with an nvcc unit.
 inline const bool nvcc_device_casts_registered =
     (device_casts_slot().store(&nvcc_device_casts, std::memory_order_release), true);

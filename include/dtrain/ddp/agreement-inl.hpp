@@ -109,11 +109,17 @@ DTRAIN_DETAIL_INLINE std::string model_problem(std::span<const parameter> params
            ", not none (0), optimizer (1), gradients (2) or parameters (3)";
   }
   if ((options.sharding == sharding::gradients || options.sharding == sharding::parameters) &&
-      options.compression != gradient_compression::none) {
+      options.compression != gradient_compression::none &&
+      options.accumulate != accumulation::float32) {
     return who + "ddp_options::sharding is " + std::string(to_string(options.sharding)) +
            " and ddp_options::compression is " + std::string(to_string(options.compression)) +
-           ": a compressed reduce-scatter is not there yet (use sharding::optimizer, "
+           ": a compressed reduce-scatter keeps this rank's part of the mean in float32, "
+           "which needs ddp_options::accumulate = accumulation::float32 (or sharding::optimizer, "
            "or no compression)";
+  }
+  if (options.accumulate != accumulation::wire && options.accumulate != accumulation::float32) {
+    return who + "ddp_options::accumulate is " +
+           std::to_string(static_cast<int>(options.accumulate)) + ", not wire (0) or float32 (1)";
   }
   if (options.sharding == sharding::parameters) {
     // Stage 3: DDP holds the values, and points the model's values there.

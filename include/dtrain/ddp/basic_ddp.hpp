@@ -48,6 +48,7 @@
 #include <dtrain/topology/flat.hpp>
 #include <dtrain/topology/layout.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <concepts>
 #include <cstddef>
@@ -339,7 +340,7 @@ class basic_ddp {
     ddp_memory_use use;
     for (const bucket& b : buckets_) {
       use.buckets += b.grads.bytes();
-      use.scratch += b.wire.bytes() + b.shard.bytes();
+      use.scratch += b.wire.bytes() + b.shard.bytes() + b.accumulate.bytes();
     }
     const std::lock_guard lock(mutex_);
     shards_.add_memory(use);
@@ -561,6 +562,43 @@ class basic_ddp {
   bool compressed(const bucket_info& b) const noexcept {
     return options_.compression != gradient_compression::none && b.type == dtype::float32;
   }
+  static bool has_16bit(const std::vector<parameter>& parameters) noexcept {
+    return std::ranges::any_of(parameters, [](const parameter& p) {
+      return p.values.type == dtype::bfloat16 || p.values.type == dtype::float16;
+    });
+  }
+  /// The options every rank must share, compared at construction (with the model).
+  std::string agreed_options() const {
+    std::string agreed = shards_.agreed_options();
+    if (options_.compression != gradient_compression::none)
+      agreed += ", ddp_options::compression = " + std::string(to_string(options_.compression));
+    if (options_.accumulate != accumulation::wire)
+      agreed += ", ddp_options::accumulate = " + std::string(to_string(options_.accumulate));
+    return agreed;
+  }
+  /// The type bucket `b` travels in: compression's, else its own.
+  dtype wire_type(const bucket_info& b) const noexcept {
+    return compressed(b) ? detail::wire_type(options_.compression) : b.type;
+  }
+  /// Whether bucket `b` is reduced with float32 accumulation (16-bit on the wire).
+  bool accumulated(const bucket_info& b) const noexcept {
+    const dtype wire = wire_type(b);
+    return options_.accumulate == accumulation::float32 &&
+           (wire == dtype::bfloat16 || wire == dtype::float16);
+  }
+  /// The float32 sum of an accumulated reduction: the memory space's, on the stream it is given.
+  detail::accumulate_sum accumulate_sum() const {
+    return [device = device_](buffer out, buffer in, std::size_t blocks, float divisor,
+                              stream_handle stream) {
+      typename memory_space::stream_type on{};
+      if constexpr (!std::is_same_v<typename memory_space::stream_type, std::nullptr_t>)
+        on = static_cast<typename memory_space::stream_type>(stream);
+      else
+        (void)stream;
+      memory_space::accumulate(out.data, out.type, in.data, in.type, blocks, out.count, divisor,
+                               device, on);
+    };
+  }
 
   // Marking (ddp/basic_ddp_step.hpp). mark() takes the lock and runs the
   // all-marked callback after releasing it; the others run under the lock.
@@ -736,7 +774,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   device_ = device_of(comm_);
   std::string problem = take_stream();
   if (problem.empty() &&
-      (options_.compression != gradient_compression::none || options_.master_weights) &&
+      (options_.compression != gradient_compression::none || options_.master_weights ||
+       (options_.accumulate == accumulation::float32 && has_16bit(parameters))) &&
       !compression_available()) {
     // Every rank of the same program sees the same; the agreement below stops them all alike.
     problem = "DistributedDataParallel on rank " + std::to_string(rank_) + ": " +
@@ -752,7 +791,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
                                     on_device, device_);
   }
   agree_or_throw<config_error>(control_, "set up DistributedDataParallel", problem);
-  detail::agree_on_model(control_, parameters, buffers_, shards_.agreed_options());
+  detail::agree_on_model(control_, parameters, buffers_, agreed_options());
   if (options_.broadcast_parameters) {
     detail::broadcast_values(control_, parameters, buffers_, [&](const buffer& values) {
       if constexpr (memory_space::on_stream) {

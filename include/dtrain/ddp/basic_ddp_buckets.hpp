@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <numeric>
 #include <span>
 #include <utility>
 #include <vector>
@@ -45,6 +46,8 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     // shard on bucket_alignment too). The padding stays zero.
     std::size_t unit = topo_.granularity();
     if (unit > 1 && info.device >= 0) unit *= bucket_alignment / size_of(info.type);
+    // Float32 accumulation exchanges size() equal parts.
+    if (accumulated(info)) unit = std::lcm(unit, static_cast<std::size_t>(size_));
     unit = shards_.padding(info, unit);  // sharded: size() equal shards
     s.moved = (info.count + unit - 1) / unit * unit;
     try {
@@ -57,7 +60,11 @@ void basic_ddp<Policy>::lay_out(std::span<const std::size_t> order) {
     if (compressed(info))
       s.wire = detail::flat_storage<memory_space>(
           s.moved * size_of(detail::wire_type(options_.compression)), info.device, stream_);
-    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)
+    if (accumulated(info)) {
+      s.accumulate = detail::flat_storage<memory_space>(
+          topo_.accumulate_scratch_bytes(s.moved, wire_type(info)), info.device, stream_);
+    }
+    if (const std::size_t shard = topo_.shard_count(s.moved); shard > 0)  // also the allgathers'
       s.shard =
           detail::flat_storage<memory_space>(shard * size_of(info.type), info.device, stream_);
     for (std::size_t k = 0; k < info.parameters.size(); ++k) {
@@ -140,7 +147,9 @@ void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
                        stream_);
   }
   if (!compressed(s.info)) return;
-  const float scale = 1.0f / static_cast<float>(size_);  // pre-divide: the sum is the mean
+  // Pre-divide, so that the 16-bit sum is the mean and cannot overflow; a
+  // float32 accumulation divides its sum instead.
+  const float scale = accumulated(s.info) ? 1.0f : 1.0f / static_cast<float>(size_);
   memory_space::compress(s.wire.data(), reinterpret_cast<const float*>(s.grads.data()),
                          s.info.count, scale, detail::wire_type(options_.compression),
                          s.info.device, stream_);
@@ -157,7 +166,7 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
   if (compressed(s.info)) {
     data = {s.wire.data(), s.moved, detail::wire_type(options_.compression), memory_space::where,
             s.grads.device()};
-    op = reduce_op::sum;
+    if (!accumulated(s.info)) op = reduce_op::sum;  // pre-divided
   }
   if (hook_) {
     gradient_bucket view{.index = b,
@@ -168,22 +177,28 @@ work basic_ddp<Policy>::reduce(std::size_t b) {
     view.data.count = s.info.count;  // the hook sees the slots, not the topology's padding
     return hook_(comm_, view);
   }
+  if (accumulated(s.info)) {
+    const buffer scratch{s.accumulate.data(), s.accumulate.bytes(), dtype::uint8,
+                         memory_space::where, s.grads.device()};
+    const detail::accumulate_sum sum = accumulate_sum();
+    return shards_.reduce(b, data, scratch, op, &sum);  // the seam, summed in float32
+  }
   const buffer scratch{s.shard.data(), topo_.shard_count(s.moved), data.type, memory_space::where,
                        s.grads.device()};
-  return shards_.reduce(b, data, scratch, op);  // the seam: averaged, or reduce-scattered
+  return shards_.reduce(b, data, scratch, op, nullptr);  // the seam: averaged, or reduce-scattered
 }
 
 /// Decompression and copy-out: what must happen after the collective.
 template <class Policy>
 void basic_ddp<Policy>::finish_bucket(std::size_t b) {
   bucket& s = buckets_[b];
-  if (compressed(s.info)) {
-    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
-                             detail::wire_type(options_.compression), s.info.device, stream_);
-  }
   // Stage 2 averaged only this rank's shard (shard() has it): the model's
   // own gradients keep what this rank computed.
   const bool whole = shards_.mean_is_whole();
+  if (compressed(s.info) && whole) {
+    memory_space::decompress(reinterpret_cast<float*>(s.grads.data()), s.wire.data(), s.info.count,
+                             detail::wire_type(options_.compression), s.info.device, stream_);
+  }
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
     if (v.view || !whole) continue;

@@ -262,6 +262,12 @@ void basic_ddp<Policy>::register_comm_hook(comm_hook hook) {
                        std::string(to_string(options_.compression)) +
                        "; a hook replaces the reduction, so compress inside the hook instead");
   }
+  if (options_.accumulate != accumulation::wire) {
+    throw config_error("DistributedDataParallel::register_comm_hook: ddp_options::accumulate is " +
+                       std::string(to_string(options_.accumulate)) +
+                       "; a hook replaces the reduction, so sum in float32 inside the hook "
+                       "(topology::flat's allreduce_accumulated) instead");
+  }
   hook_ = std::move(hook);
 }
 

@@ -30,6 +30,23 @@ enum class gradient_compression : std::uint8_t {
   return "unknown";
 }
 
+/// Where the sums of a 16-bit reduction are kept: in 16 bits (the engine's
+/// own reduction, every partial sum rounded: the error of the mean grows with
+/// the number of ranks), or in float32 (Megatron-LM's reduce-scatter with
+/// float32 accumulation).
+enum class accumulation : std::uint8_t {
+  wire,     ///< in the type on the wire: the engine's allreduce or reduce-scatter
+  float32,  ///< every rank sums the 16-bit blocks of its part in float32, rounded once
+};
+
+[[nodiscard]] constexpr std::string_view to_string(accumulation a) noexcept {
+  switch (a) {
+    case accumulation::wire: return "wire";
+    case accumulation::float32: return "float32";
+  }
+  return "unknown";
+}
+
 /// What DistributedDataParallel shards across the ranks (ZeRO's stages, as
 /// DeepSpeed numbers them; PyTorch: ZeroRedundancyOptimizer is stage 1, FSDP's
 /// SHARD_GRAD_OP stage 2). Each bucket is cut into `size()` equal contiguous
@@ -160,6 +177,22 @@ struct ddp_options {
   bool broadcast_parameters = true;
   /// Send float32 gradients as 16-bit floats (cast, reduce, cast back).
   gradient_compression compression = gradient_compression::none;
+  /// Where the sums of 16-bit gradients (a bfloat16 or float16 model's, or
+  /// float32 ones sent compressed) are kept. `wire`: the engine's reduction
+  /// in 16 bits (compression divides each gradient by the world size first,
+  /// so that the sum cannot overflow). `float32`: the 16-bit blocks of each
+  /// rank's part of a bucket are exchanged all-to-all, summed in float32 in
+  /// rank order (hierarchical topology: node-local order on each node, then
+  /// node order, the partial sums crossing the nodes in float32), divided by
+  /// the world size and rounded once; the parts travel back in 16 bits (an
+  /// allgather; stages 2 and 3 keep their part, unrounded where the
+  /// gradients are float32). 16-bit bytes on the wire, one rounding whatever
+  /// the world size, the same bits on every rank; buckets are padded to a
+  /// multiple of the world size, and each holds scratch for the exchange
+  /// (memory_use().scratch). Allows compression at stages 2 and 3. float32
+  /// and float64 buckets without compression are reduced as they are. The
+  /// same on every rank.
+  accumulation accumulate = accumulation::wire;
   /// false: nothing is sent before synchronize() (for measuring what overlap buys).
   bool overlap = true;
   /// At world size 1 DDP communicates nothing: the mean over one rank is its
@@ -182,8 +215,8 @@ struct ddp_options {
   /// Shard the optimizer state (and the averaged gradients, and the values)
   /// across the ranks: ZeRO stage 1, 2 or 3 (see dtrain::sharding). The
   /// bucket layout is then the first one (no rebuild): a rank's shard, and
-  /// its optimizer state, stay where they are. Not with compression or a comm
-  /// hook at stages 2 and 3.
+  /// its optimizer state, stay where they are. Not with a comm hook at
+  /// stages 2 and 3, nor compression there without accumulate = float32.
   dtrain::sharding sharding = dtrain::sharding::none;
   /// Stage 3: how many units (gather() calls) ahead of the one in use DDP
   /// allgathers while the model computes, in the order of gather() calls

@@ -28,6 +28,7 @@
 #include <dtrain/ddp/runner.hpp>
 #include <dtrain/ddp/state.hpp>
 #include <dtrain/ddp/storage.hpp>
+#include <dtrain/topology/accumulate.hpp>
 
 #include <array>
 #include <cstddef>
@@ -148,8 +149,12 @@ class ddp_sharding {
   static constexpr std::size_t in_flight = 2;
   /// The seam: bucket b's gradients (`data`, `moved` elements; `scratch` the
   /// topology's) reduced over the ranks: averaged in place, or
-  /// reduce-scattered into this rank's shard. Runner thread or stream; no lock.
-  work reduce(std::size_t b, const buffer& data, const buffer& scratch, reduce_op op);
+  /// reduce-scattered into this rank's shard (in the bucket's type). With
+  /// `accumulate` (ddp_options::accumulate), summed in float32 by the
+  /// topology's accumulated reductions, `scratch` their bytes. Runner thread
+  /// or stream; no lock.
+  work reduce(std::size_t b, const buffer& data, const buffer& scratch, reduce_op op,
+              const detail::accumulate_sum* accumulate);
   /// Whether reduce() leaves the whole mean in the bucket (else only this
   /// rank's shard, in shard()), for the copy-out to copy-mode gradients.
   bool mean_is_whole() const noexcept { return !shards_gradients(); }

@@ -162,13 +162,17 @@ void ddp_sharding<Policy>::not_gathered(std::size_t i) const {
 /// the whole bucket is averaged in place.
 template <class Policy>
 work ddp_sharding<Policy>::reduce(std::size_t b, const buffer& data, const buffer& scratch,
-                                  reduce_op op) {
+                                  reduce_op op, const detail::accumulate_sum* accumulate) {
+  const stream_handle stream = core_.on_stream_or_null();
   if (shards_gradients()) {
-    const buffer mine{shards_[b].owned.data(), shards_[b].owned_count, data.type,
+    const buffer mine{shards_[b].owned.data(), shards_[b].owned_count, core_.buckets_[b].info.type,
                       memory_space::where, data.device};
-    return core_.topo_.reduce_scatter(data, scratch, mine, op, core_.on_stream_or_null());
+    if (accumulate)
+      return core_.topo_.reduce_scatter_accumulated(data, scratch, mine, op, stream, *accumulate);
+    return core_.topo_.reduce_scatter(data, scratch, mine, op, stream);
   }
-  return core_.topo_.allreduce(data, scratch, op, core_.on_stream_or_null());
+  if (accumulate) return core_.topo_.allreduce_accumulated(data, scratch, op, stream, *accumulate);
+  return core_.topo_.allreduce(data, scratch, op, stream);
 }
 
 template <class Policy>

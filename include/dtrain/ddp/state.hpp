@@ -41,6 +41,8 @@ struct ddp_bucket {
   flat_storage<Memory> grads;  ///< the gradients, laid out as `info` says
   flat_storage<Memory> wire;   ///< their 16-bit copy, with gradient compression
   flat_storage<Memory> shard;  ///< the topology's scratch (hierarchical)
+  /// The scratch of a reduction with float32 accumulation (ddp_options::accumulate).
+  flat_storage<Memory> accumulate;
   // What a sharding stage keeps per bucket is the sharding part's
   // (detail::bucket_shard, ddp/sharding.hpp).
   std::size_t moved = 0;    ///< elements the collective moves: the slots, padded to the topology

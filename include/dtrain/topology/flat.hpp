@@ -7,6 +7,7 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/backend/work.hpp>
 #include <dtrain/control/plane.hpp>
+#include <dtrain/topology/accumulate.hpp>
 #include <dtrain/topology/layout.hpp>
 #include <dtrain/topology/sequence.hpp>
 
@@ -72,6 +73,26 @@ struct flat {
     /// Every rank's `in` into `data`, each at its shard_position().
     work allgather(buffer in, buffer /*shard*/, buffer data, stream_handle stream = nullptr) {
       return detail::allgather_on(*world_, in, data, stream);
+    }
+
+    // With float32 accumulation (topology/accumulate.hpp): `data` is size()
+    // parts of 16-bit (or float32) elements; `scratch` holds at least
+    // accumulate_scratch_bytes() bytes in data's memory; `sum` is the memory
+    // space's float32 sum.
+
+    /// Bytes of scratch an accumulated reduction of `count` elements of `wire` needs.
+    [[nodiscard]] std::size_t accumulate_scratch_bytes(std::size_t count, dtype wire) const {
+      return detail::flat_accumulate_bytes(count, wire);
+    }
+    /// In place on `data`: the mean (avg) or sum, summed in float32, rounded once.
+    work allreduce_accumulated(buffer data, buffer scratch, reduce_op op, stream_handle stream,
+                               const detail::accumulate_sum& sum) {
+      return detail::accumulated_allreduce(*world_, data, scratch, op, stream, sum);
+    }
+    /// This rank's part (shard_position()) into `out`, in out's type.
+    work reduce_scatter_accumulated(buffer data, buffer scratch, buffer out, reduce_op op,
+                                    stream_handle stream, const detail::accumulate_sum& sum) {
+      return detail::accumulated_reduce_scatter(*world_, data, scratch, out, op, stream, sum);
     }
     /// Makes `stream` wait for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {

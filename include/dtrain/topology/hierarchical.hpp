@@ -12,6 +12,7 @@
 #include <dtrain/backend/work.hpp>
 #include <dtrain/control/plane.hpp>
 #include <dtrain/error.hpp>
+#include <dtrain/topology/accumulate.hpp>
 #include <dtrain/topology/layout.hpp>
 #include <dtrain/topology/sequence.hpp>
 
@@ -209,6 +210,71 @@ struct hierarchical {
                                                           detail::stream_ordered<C>, nullptr));
     }
 
+    // With float32 accumulation (topology/accumulate.hpp), at each level: the
+    // node-local alltoall of the 16-bit parts and their float32 sum (one part
+    // of L per rank), the cross-node alltoall of those float32 partial sums
+    // and their sum (one part of N), rounded once; for allreduce() the
+    // cross-node and then node-local allgathers in 16 bits. The slow links
+    // carry the partial sums in float32 (1/L of the data per rank), so that
+    // nothing is rounded before the end. The sum of element i: the node's
+    // ranks in local order on each node, then the nodes in node order.
+
+    /// Bytes of scratch an accumulated reduction of `count` elements of `wire` needs.
+    [[nodiscard]] std::size_t accumulate_scratch_bytes(std::size_t count, dtype wire) const {
+      if (!local_) return detail::flat_accumulate_bytes(count, wire);
+      const std::size_t q = count / granularity();
+      return accumulate_layout(count, wire).gathered + detail::accumulate_align(q * size_of(wire));
+    }
+
+    /// In place on `data` (world().size() parts): the mean (avg) or sum, summed
+    /// in float32 at both levels, rounded once.
+    work allreduce_accumulated(buffer data, buffer scratch, reduce_op op, stream_handle stream,
+                               const detail::accumulate_sum& sum) {
+      if (!local_) return detail::accumulated_allreduce(*world_, data, scratch, op, stream, sum);
+      const std::string what =
+          detail::describe("hierarchical allreduce with float32 accumulation",
+                           std::string(to_string(op)) + ", " + detail::shape(data), world_->rank(),
+                           world_->size(), C::name);
+      std::vector<detail::work_sequence::step> steps;
+      const buffer result =
+          accumulated_levels(steps, what, data, scratch, op, stream, sum, nullptr);
+      const accumulate_offsets at = accumulate_layout(data.count, data.type);
+      const buffer gathered =
+          detail::scratch_part(scratch, at.gathered, data.count / granularity(), data.type);
+      C& local = *local_;
+      C& cross = *cross_;
+      steps.push_back({"cross-node allgather over " + std::to_string(cross.size()) + " nodes",
+                       [&cross, result, gathered] {
+                         return detail::allgather_on(cross, result, gathered,
+                                                     detail::stream_after(cross));
+                       },
+                       2, detail::work_sequence::chain});
+      steps.push_back({"node-local allgather over " + std::to_string(local.size()) + " ranks",
+                       [&local, &cross, gathered, data] {
+                         return detail::allgather_on(local, gathered, data,
+                                                     detail::stream_after(cross));
+                       },
+                       1, detail::work_sequence::chain});
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
+    /// This rank's part (shard_position()) of the reduction into `out`, in
+    /// out's type (float32 keeps the sum unrounded).
+    work reduce_scatter_accumulated(buffer data, buffer scratch, buffer out, reduce_op op,
+                                    stream_handle stream, const detail::accumulate_sum& sum) {
+      if (!local_)
+        return detail::accumulated_reduce_scatter(*world_, data, scratch, out, op, stream, sum);
+      const std::string what =
+          detail::describe("hierarchical reduce_scatter with float32 accumulation",
+                           std::string(to_string(op)) + ", " + detail::shape(data), world_->rank(),
+                           world_->size(), C::name);
+      std::vector<detail::work_sequence::step> steps;
+      (void)accumulated_levels(steps, what, data, scratch, op, stream, sum, &out);
+      return work(std::make_shared<detail::work_sequence>(what, std::move(steps),
+                                                          detail::stream_ordered<C>, nullptr));
+    }
+
     /// Makes `stream` wait, on the device, for every collective so far (engines on streams).
     void stream_wait(stream_handle stream) requires requires(C& c, stream_handle s) {
       c.stream_wait(s);
@@ -328,6 +394,54 @@ struct hierarchical {
       return work(std::make_shared<detail::work_sequence>(describe_call(data, op), std::move(steps),
                                                           detail::stream_ordered<C>,
                                                           std::move(keep_alive)));
+    }
+
+    // Where an accumulated reduction of `count` elements of `wire` keeps its
+    // parts in the scratch: what the node-local alltoall receives (later the
+    // cross-node one's float32 blocks), the node-local float32 partial sums
+    // (later the rounded result), the cross-node allgather's output.
+    struct accumulate_offsets {
+      std::size_t partial = 0;
+      std::size_t gathered = 0;
+    };
+    [[nodiscard]] accumulate_offsets accumulate_layout(std::size_t count, dtype wire) const {
+      const std::size_t q = count / granularity();
+      const std::size_t received = std::max(count * size_of(wire), q * size_of(dtype::float32));
+      const std::size_t partial = detail::accumulate_align(received);
+      return {partial, partial + detail::accumulate_align(q * size_of(dtype::float32))};
+    }
+
+    // The two levels' alltoalls and sums of an accumulated reduction; the
+    // result (this rank's part, rounded to data's type) goes to `*out`, or
+    // to the scratch (returned) for the allgathers that follow.
+    buffer accumulated_levels(std::vector<detail::work_sequence::step>& steps,
+                              const std::string& what, const buffer& data, const buffer& scratch,
+                              reduce_op op, stream_handle stream, const detail::accumulate_sum& sum,
+                              const buffer* out) {
+      const std::size_t ranks = static_cast<std::size_t>(world_->size());
+      const detail::argument_check check{what};
+      detail::check_accumulated(check, data, scratch,
+                                accumulate_scratch_bytes(data.count, data.type), op, ranks);
+      const std::size_t q = data.count / granularity();  // the node-local part
+      const std::size_t r = data.count / ranks;          // this rank's part
+      const accumulate_offsets at = accumulate_layout(data.count, data.type);
+      const buffer received = detail::scratch_part(scratch, 0, data.count, data.type);
+      const buffer partial = detail::scratch_part(scratch, at.partial, q, dtype::float32);
+      const buffer crossed = detail::scratch_part(scratch, 0, q, dtype::float32);
+      buffer result = detail::scratch_part(scratch, at.partial, r, data.type);
+      if (out) {
+        check.count(*out, r, "output");
+        result = *out;
+      }
+      C& local = *local_;
+      C& cross = *cross_;
+      const float divisor = op == reduce_op::avg ? static_cast<float>(ranks) : 1.0f;
+      detail::push_accumulated_level(steps, local, 1, "node-local", data, received, partial, 1.0f,
+                                     stream, sum,
+                                     [&local, &cross] { after_other_level(local, cross); });
+      detail::push_accumulated_level(steps, cross, 2, "cross-node", partial, crossed, result,
+                                     divisor, detail::stream_after(local), sum);
+      return result;
     }
 
     // The node's part of `data` in `shard` for a two-level reduce_scatter or

@@ -216,6 +216,13 @@ class gloo_communicator {
   /// `in` (size() × out.count elements) is reduced over ranks; rank r receives block r.
   work reduce_scatter(buffer in, buffer out, reduce_op op);
 
+  /// Block j of `in` (size() blocks) to rank j; block i of `out` from rank i
+  /// (out of place). Through the shared-memory segment on one host, else
+  /// Gloo's alltoall over its TCP pairs.
+  work alltoall(buffer in, buffer out) {
+    return collective(detail::collective_call::alltoall(in, out), &run_alltoall);
+  }
+
   /// Completes once every rank has called barrier().
   work barrier();
 
@@ -247,6 +254,10 @@ class gloo_communicator {
 
   static void run_allgather(detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
     detail::gloo_run_allgather(s, c.in, c.out, timeout);
+  }
+
+  static void run_alltoall(detail::gloo_state& s, const detail::collective_call& c, ms timeout) {
+    detail::gloo_run_alltoall(s, c.in, c.out, timeout);
   }
 
   static constexpr detail::memory_reach host_memory{

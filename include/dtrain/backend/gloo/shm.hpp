@@ -308,6 +308,44 @@ class shm_segment {
     }
   }
 
+  /// Block j of `in` (size() blocks of `block` bytes) to rank j, and rank i's
+  /// block for this rank into block i of `out` (out of place). Every rank
+  /// calls it with the same `block`, in the same order among its collectives
+  /// on the segment. In chunks: each rank copies its chunk of every other
+  /// rank's block into its slot (at q x n, as reduce_scatter() does), and once
+  /// all have, its own chunk out of every slot. Throws shm_failure as allreduce.
+  void alltoall(const void* in, void* out, std::size_t block, std::chrono::milliseconds timeout) {
+    if (!base_) throw shm_failure("the shared-memory segment is not mapped", false);
+    const auto* from = static_cast<const unsigned char*>(in);
+    auto* to = static_cast<unsigned char*>(out);
+    const auto ranks = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    if (block > 0) std::memcpy(to + me * block, from + me * block, block);  // its own block
+    if (size_ == 1) return;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const std::size_t chunk = std::max<std::size_t>(1, slot_ / ranks);  // bytes per block
+    const std::size_t chunks = (block + chunk - 1) / chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t offset = c * chunk;
+      const std::size_t n = block - offset < chunk ? block - offset : chunk;
+      const std::uint32_t k = ++chunk_;
+      // 1. This chunk of every other rank's block into this rank's slot, at
+      //    q x n. Every rank finished reading the slots of the previous chunk
+      //    before it announced that chunk copied out.
+      for (std::size_t q = 0; q < ranks; ++q) {
+        if (q != me) std::memcpy(slot<unsigned char>(me) + q * n, from + q * block + offset, n);
+      }
+      publish(flags(rank_).arrived, k);
+      wait_all(&rank_flags::arrived, k, deadline, timeout, "copy in", c, chunks);
+      // 2. What every other rank put there for this one.
+      for (std::size_t q = 0; q < ranks; ++q) {
+        if (q != me) std::memcpy(to + q * block + offset, slot<unsigned char>(q) + me * n, n);
+      }
+      publish(flags(rank_).reduced, k);
+      wait_all(&rank_flags::reduced, k, deadline, timeout, "copy out", c, chunks);
+    }
+  }
+
   /// Tells the peers that this rank gave up, and `why`, waking any that wait.
   /// The first rank to give up is the one they name; `timed_out` (it gave up
   /// at the timeout) makes their failures timeouts too.

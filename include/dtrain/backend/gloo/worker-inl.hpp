@@ -130,6 +130,25 @@ DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer ou
   gloo_run_allgather_tcp(s, in, out, timeout);
 }
 
+DTRAIN_DETAIL_INLINE void gloo_run_alltoall(gloo_state& s, buffer in, buffer out,
+                                            std::chrono::milliseconds timeout) {
+#if DTRAIN_HAS_SHM()
+  if (s.size > 1 && s.shm.valid()) {  // every rank on this host: no TCP
+    s.shm.alltoall(in.data, out.data, in.bytes() / static_cast<std::size_t>(s.size), timeout);
+    return;
+  }
+#endif
+  if (s.size == 1) {
+    std::memcpy(out.data, in.data, in.bytes());
+    return;
+  }
+  ::gloo::AlltoallOptions opts(s.context);
+  opts.setInput(static_cast<std::uint8_t*>(in.data), in.bytes());
+  opts.setOutput(static_cast<std::uint8_t*>(out.data), out.bytes());
+  opts.setTimeout(timeout);
+  DTRAIN_GLOO_CHECK(::gloo::alltoall(opts));
+}
+
 DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout) {
   if (s.size == 1) return;
   ::gloo::BarrierOptions opts(s.context);

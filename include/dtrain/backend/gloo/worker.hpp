@@ -18,6 +18,7 @@
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/logging.h>
@@ -249,6 +250,11 @@ DTRAIN_DETAIL_INLINE void gloo_run_allgather(gloo_state& s, buffer in, buffer ou
                                              std::chrono::milliseconds timeout);
 
 DTRAIN_DETAIL_INLINE void gloo_run_barrier(gloo_state& s, std::chrono::milliseconds timeout);
+
+/// Block j of `in` to rank j, block i of `out` from rank i: through the
+/// shared-memory segment when there is one, else Gloo's alltoall over TCP.
+DTRAIN_DETAIL_INLINE void gloo_run_alltoall(gloo_state& s, buffer in, buffer out,
+                                            std::chrono::milliseconds timeout);
 
 // Gloo 0.5.0's only reduce-scatter is the older ReduceScatterHalvingDoubling,
 // and on 3 ranks it returned corrupted blocks when two ran back to back (a

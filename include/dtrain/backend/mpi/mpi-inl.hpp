@@ -184,6 +184,24 @@ DTRAIN_DETAIL_INLINE work mpi_communicator::reduce_scatter(buffer in, buffer out
       });
 }
 
+DTRAIN_DETAIL_INLINE work mpi_communicator::alltoall(buffer in, buffer out, stream_handle stream) {
+  return collective(detail::collective_call::alltoall(in, out), stream,
+                    [&](request& w, const detail::collective_info& what) {
+                      buffer block = in;
+                      block.count = in.count / static_cast<std::size_t>(size_);
+                      const int n = count(block, what);
+                      if (w.direct) {
+                        DTRAIN_MPI_CHECK(MPI_Alltoall(w.src.data, n, datatype(in.type), w.dst.data,
+                                                      n, datatype(in.type), comm_),
+                                         what);
+                      } else {
+                        DTRAIN_MPI_CHECK(MPI_Ialltoall(w.src.data, n, datatype(in.type), w.dst.data,
+                                                       n, datatype(in.type), comm_, &w.req),
+                                         what);
+                      }
+                    });
+}
+
 DTRAIN_DETAIL_INLINE work mpi_communicator::barrier() {
   return collective(detail::collective_call::barrier(), nullptr,
                     [&](request& w, const detail::collective_info& what) {

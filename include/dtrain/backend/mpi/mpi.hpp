@@ -159,6 +159,10 @@ class mpi_communicator {
 
   work reduce_scatter(buffer in, buffer out, reduce_op op, stream_handle stream = nullptr);
 
+  /// Block j of `in` (size() blocks) to rank j; block i of `out` from rank i
+  /// (MPI_Ialltoall; out of place).
+  work alltoall(buffer in, buffer out, stream_handle stream = nullptr);
+
   work barrier();
 
   /// The ranks with the same color, ordered by key (then by rank). Collective.

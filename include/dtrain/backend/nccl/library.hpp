@@ -104,6 +104,22 @@ struct nccl_library : cuda_library {
                                         cudaStream_t stream) {
     return ::ncclReduceScatter(in, out, count, type, op, comm, stream);
   }
+  /// Block j of `in` (size blocks of `count`) to rank j, block i of `out`
+  /// from rank i: one NCCL group of a send and a receive per peer (NCCL 2.7's
+  /// point-to-point calls; ncclAlltoAll is newer than the NCCL dtrain supports).
+  static ncclResult_t alltoall(const void* in, void* out, std::size_t count, ncclDataType_t type,
+                               std::size_t width, int size, ncclComm_t comm, cudaStream_t stream) {
+    ncclResult_t r = ::ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    for (int peer = 0; peer < size && r == ncclSuccess; ++peer) {
+      const std::size_t at = static_cast<std::size_t>(peer) * count * width;
+      r = ::ncclSend(static_cast<const char*>(in) + at, count, type, peer, comm, stream);
+      if (r == ncclSuccess)
+        r = ::ncclRecv(static_cast<char*>(out) + at, count, type, peer, comm, stream);
+    }
+    const ncclResult_t end = ::ncclGroupEnd();  // a group left open would swallow later calls
+    return r != ncclSuccess ? r : end;
+  }
   /// dtrain's own kernel, not NCCL's: out[i] = in[i] / divisor for 16-bit
   /// `type`, on `stream` (the average of 16-bit data divides each element
   /// first). The kernel exists where a unit of the program was compiled by

@@ -315,6 +315,17 @@ class basic_nccl_communicator {
         });
   }
 
+  /// Block j of `in` (size() blocks) to rank j; block i of `out` from rank i
+  /// (out of place): one group of point-to-point sends and receives.
+  work alltoall(buffer in, buffer out, cudaStream_t stream = nullptr) {
+    return collective(
+        detail::collective_call::alltoall(in, out), stream, [&](ncclComm_t comm, cudaStream_t own) {
+          const std::size_t block = in.count / static_cast<std::size_t>(size_);
+          DTRAIN_NCCL_CHECK(Api::alltoall(in.data, out.data, block, detail::nccl_type(in.type),
+                                          size_of(in.type), size_, comm, own));
+        });
+  }
+
   /// Completes once every rank has reached it (and this rank's earlier
   /// collectives, and its work on `stream` before the call, are done): an
   /// allreduce of one int on the device.
