@@ -16,6 +16,13 @@
 // A job whose worker died and was restarted (--max-restarts, or a rerun
 // after mpirun ended the job) ends with the weights of one that never stopped.
 //
+// With --precision bf16 or fp16 the model's values and gradients, as
+// DistributedDataParallel sees them, are 16-bit: averaged in 16 bits on the
+// wire with float32 sums (ddp_options::accumulate), and updated through
+// float32 master weights of the rank's shard (ddp_options::master_weights);
+// fp16 scales the loss (dtrain::loss_scaler). The MLP computes in float32
+// from the 16-bit values, as a GPU's 16-bit kernels accumulate in float32.
+//
 // Exit status: 0; 1 when the ranks' weights differ or a rank fails; 2 for a
 // bad flag or environment.
 
@@ -35,6 +42,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -52,6 +61,7 @@ constexpr std::string_view program = "dtrain_train_mlp";
 // This program's own flag; command_line describes and parses the shared ones.
 constexpr const char* own_synopsis =
     " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2|3]\n"
+    "          [--precision fp32|bf16|fp16]\n"
     "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sample-log DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
@@ -61,6 +71,9 @@ constexpr const char* own_options =
     "  --sharding 0|1|2|3  ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
     "                      ranks, 2 the averaged gradients too, 3 the values too\n"
     "                      (ddp_options::sharding) (0)\n"
+    "  --precision fp32|bf16|fp16  the values and gradients DDP averages and updates:\n"
+    "                      float32, or 16-bit with float32 sums and float32 master\n"
+    "                      weights (fp16 with a loss scaler) (fp32)\n"
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
@@ -76,6 +89,7 @@ struct demo_settings {
   std::string sample_log;
   mlp::optimizer::kind optimizer = mlp::optimizer::kind::sgd;
   dtrain::sharding sharding = dtrain::sharding::none;
+  dtrain::dtype precision = dtrain::dtype::float32;
 };
 
 demo_settings parse_flags(int argc, char** argv) {
@@ -105,6 +119,19 @@ demo_settings parse_flags(int argc, char** argv) {
       d.sharding = static_cast<dtrain::sharding>(stage[0] - '0');
       return true;
     }
+    if (flag == "--precision") {
+      const std::string_view name = value();
+      if (name == "fp32") {
+        d.precision = dtrain::dtype::float32;
+      } else if (name == "bf16") {
+        d.precision = dtrain::dtype::bfloat16;
+      } else if (name == "fp16") {
+        d.precision = dtrain::dtype::float16;
+      } else {
+        line.bad_flag("--precision " + std::string(name) + ": fp32, bf16 or fp16");
+      }
+      return true;
+    }
     if (flag == "--sample-log") {
       d.sample_log = std::string(value());
       if (d.sample_log.empty()) line.bad_flag("--sample-log needs a directory");
@@ -124,7 +151,62 @@ demo_settings parse_flags(int argc, char** argv) {
   return d;
 }
 
+/// --precision bf16|fp16: what DistributedDataParallel sees of the MLP, in
+/// 16 bits (Half): each weight and bias as a 16-bit copy of values and
+/// gradients. The MLP computes in float32 from the 16-bit values (to_model():
+/// widened before each layer's use), and its float32 gradients are rounded
+/// into the 16-bit ones as each layer finishes (from_model()), times the
+/// loss scale.
+template <class Half>
+struct half_model {
+  mlp::model& m;
+  std::vector<std::vector<Half>> values, gradients;
+  std::vector<Half*> held, grads;  // pointers DDP may repoint (buckets; stage 3's values)
+  explicit half_model(mlp::model& model) : m(model) {
+    for (mlp::linear& l : m.layers()) {
+      for (const auto& [from, count] :
+           {std::pair{l.weight_values, l.in * l.out}, std::pair{l.bias_values, l.out}}) {
+        values.emplace_back(count);
+        for (std::size_t i = 0; i < count; ++i) values.back()[i] = Half(from[i]);
+        gradients.emplace_back(count, Half(0.0f));
+      }
+    }
+    for (std::size_t p = 0; p < values.size(); ++p) {
+      held.push_back(values[p].data());
+      grads.push_back(gradients[p].data());
+    }
+  }
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    const std::vector<dtrain::parameter> names = m.parameters();
+    for (std::size_t p = 0; p < held.size(); ++p)
+      out.push_back(dtrain::param(names[p].name, held[p], values[p].size(), grads[p]));
+    return out;
+  }
+  /// Layer l's float32 values from its 16-bit ones (wherever DDP keeps them).
+  void to_model(std::size_t l) {
+    mlp::linear& layer = m.layers()[l];
+    const auto [w, b] = mlp::model::parameter_indices(l);
+    for (std::size_t i = 0; i < layer.in * layer.out; ++i)
+      layer.weight_values[i] = static_cast<float>(held[w][i]);
+    for (std::size_t i = 0; i < layer.out; ++i)
+      layer.bias_values[i] = static_cast<float>(held[b][i]);
+  }
+  /// Layer l's float32 gradients, times `scale`, rounded into its 16-bit ones.
+  void from_model(std::size_t l, float scale) {
+    const mlp::linear& layer = m.layers()[l];
+    const auto [w, b] = mlp::model::parameter_indices(l);
+    for (std::size_t i = 0; i < layer.in * layer.out; ++i)
+      grads[w][i] = Half(layer.grad_weight[i] * scale);
+    for (std::size_t i = 0; i < layer.out; ++i) grads[b][i] = Half(layer.grad_bias[i] * scale);
+  }
+};
+
+/// Trains with the values and gradients DDP averages in T: float (the MLP's
+/// own arrays), or a 16-bit type (a half_model over them).
+template <class T>
 int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
+  constexpr bool sixteen = !std::is_same_v<T, float>;
   const mlp::settings& s = d.s;
   mlp::flush_denormals();  // this thread does (and, one BLAS thread per rank, has) the arithmetic
   const mlp::problem problem{.features = s.features, .classes = s.classes, .seed = s.seed};
@@ -133,16 +215,45 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
 
   // Every rank builds the same model; DDP broadcasts rank 0's weights anyway.
   mlp::model model(s.widths(), s.seed);
+  using Trained = std::conditional_t<sixteen, half_model<T>, mlp::model>;
+  std::optional<half_model<T>> half;  // 16-bit: what DDP sees
+  if constexpr (sixteen) half.emplace(model);
+  auto trained = [&]() -> Trained& {
+    if constexpr (sixteen) {
+      return *half;
+    } else {
+      return model;
+    }
+  };
+  // 16-bit below stage 3: the MLP's float32 values, widened from DDP's 16-bit ones.
+  auto widen_all = [&] {
+    if constexpr (sixteen) {
+      for (std::size_t l = 0; l < model.layers().size(); ++l) trained().to_model(l);
+    }
+  };
   // A model this small fits one default (25 MiB) bucket; small buckets let the
   // last layers' gradients travel while backward is still busy, as in a real model.
-  dtrain::DistributedDataParallel<mlp::model, Policy> ddp(
-      ctx, model,
-      {.bucket_cap_mb = 16.0 / 1024, .first_bucket_cap_mb = 4.0 / 1024, .sharding = d.sharding});
+  // 16-bit: float32 sums of the 16-bit gradients, float32 master weights.
+  dtrain::DistributedDataParallel<Trained, Policy> ddp(
+      ctx, trained(),
+      {.bucket_cap_mb = 16.0 / 1024,
+       .first_bucket_cap_mb = 4.0 / 1024,
+       .accumulate = sixteen ? dtrain::accumulation::float32 : dtrain::accumulation::wire,
+       .sharding = d.sharding,
+       .master_weights = sixteen});
   // ZeRO stage 3: DDP holds this rank's shard of the values, whole only while a
-  // layer computes (hold); the model's own copy of the initial values can go.
+  // layer computes (hold); the model's own copy of the initial values can go
+  // (16-bit: the MLP keeps its float32 working copy, widened from DDP's values).
   const bool stage3 = d.sharding == dtrain::sharding::parameters;
-  if (stage3) model.drop_initial_values();
-  auto hold = [&](std::size_t layer) { return ddp.gather(mlp::model::parameter_indices(layer)); };
+  if (stage3 && !sixteen) model.drop_initial_values();
+  auto hold = [&](std::size_t layer) {
+    auto held = ddp.gather(mlp::model::parameter_indices(layer));
+    if constexpr (sixteen) trained().to_model(layer);  // the 16-bit values, widened
+    return held;
+  };
+  // fp16 scales the loss (so that small gradients do not flush to zero) and
+  // skips a step whose gradients overflowed on any rank; off otherwise.
+  dtrain::loss_scaler scaler({.enabled = std::is_same_v<T, dtrain::float16>});
   // Its state covers this rank's shard (ddp.shard(): every parameter without sharding).
   mlp::optimizer optimizer(d.optimizer, s.lr, s.momentum);
   dtrain::distributed_sampler sampler(train_set.size(), ctx.world(), {.seed = s.seed});
@@ -162,6 +273,13 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
           std::string(dtrain::to_string(d.sharding)).c_str(), static_cast<int>(d.sharding),
           ddp.shard_elements());
     }
+    if (sixteen) {
+      std::printf(
+          "precision %s: 16-bit values and gradients, averaged with float32 sums, "
+          "float32 master weights (%zu bytes on this rank)%s\n",
+          std::string(dtrain::to_string(dtrain::dtype_of<T>)).c_str(), ddp.memory_use().master,
+          std::is_same_v<T, dtrain::float16> ? ", loss scaling" : "");
+    }
     std::fflush(stdout);
   }
 
@@ -173,11 +291,14 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
         ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir, .every = d.checkpoint_every});
     if (d.sharding == dtrain::sharding::parameters) {
       // ZeRO stage 3: only DDP holds the values, each rank its shard: saved
-      // so, and re-cut for another number of ranks, as the optimizer state.
+      // so, and re-cut for another number of ranks, as the optimizer state
+      // (16-bit: the float32 master weights, from which the values are rounded).
       checkpoint->add_sharded("parameters", ddp);
     } else {
       checkpoint->add(ddp.parameters());
+      if (sixteen) checkpoint->add_sharded("master", ddp);  // float32, the 16-bit values' source
     }
+    if (sixteen) checkpoint->add(scaler);
     checkpoint->add(sampler);
     if (d.sharding == dtrain::sharding::none) {
       checkpoint->add(
@@ -214,6 +335,8 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     }
   }
   std::uint64_t steps = checkpoint ? checkpoint->steps() : 0;
+  if (!stage3) widen_all();    // the values rank 0 sent, or the checkpoint's
+  std::vector<float> widened;  // a 16-bit piece's mean gradients, as float32
 
   for (; sampler.epoch() < s.epochs; sampler.set_epoch(sampler.epoch() + 1)) {
     const std::size_t epoch = sampler.epoch();
@@ -223,16 +346,36 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
          batch = sampler.next_batch(s.batch_size)) {
       const mlp::batch_result r = model.forward(train_set, batch, hold);
       model.backward(
-          [&](std::size_t layer) { ddp.mark_ready(mlp::model::parameter_indices(layer)); }, 0,
-          hold);
-      ddp.synchronize();  // gradients now hold the mean over every rank's batch
-      optimizer.begin_step();
-      ddp.optimizer_step([&](const dtrain::shard_piece& piece) {  // this rank's shard, then
-        optimizer.update({static_cast<float*>(piece.values.data), piece.values.count},  // the
-                         {static_cast<const float*>(piece.gradients.data), piece.values.count},
-                         piece.state_offset);  // allgather of the updated values (sharding)
-      });
+          [&](std::size_t layer) {
+            if constexpr (sixteen) trained().from_model(layer, static_cast<float>(scaler.scale()));
+            ddp.mark_ready(mlp::model::parameter_indices(layer));
+          },
+          0, hold);
+      ddp.synchronize();          // gradients now hold the mean over every rank's batch
+      if (scaler.unscale(ddp)) {  // (fp16: unless an inf or a NaN came out on some rank)
+        optimizer.begin_step();
+        ddp.optimizer_step([&](const dtrain::shard_piece& piece) {  // this rank's shard, then
+          std::span<const float> mean(static_cast<const float*>(piece.gradients.data),
+                                      piece.gradients.count);  // the allgather of the updated
+          if constexpr (sixteen) {                             // values (sharding)
+            const auto* g = static_cast<const T*>(piece.gradients.data);
+            widened.assign(piece.gradients.count, 0.0f);
+            for (std::size_t i = 0; i < widened.size(); ++i) widened[i] = static_cast<float>(g[i]);
+            mean = widened;
+          }
+          // piece.master: the float32 master weights (16-bit), or the values themselves
+          optimizer.update({static_cast<float*>(piece.master.data), piece.master.count}, mean,
+                           piece.state_offset);
+        });
+      } else {
+        ddp.gather_parameters();  // skipped on every rank: the values stay as they were
+      }
+      scaler.update();
       ddp.zero_grad();
+      if constexpr (sixteen) {
+        model.zero_grad();         // the MLP's own float32 gradients (DDP's are the 16-bit ones)
+        if (!stage3) widen_all();  // the updated values
+      }
       totals[0] += r.loss * static_cast<double>(r.count);
       totals[1] += static_cast<double>(r.correct);
       totals[2] += static_cast<double>(r.count);
@@ -267,15 +410,16 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
 
   if (ctx.is_main()) {
     // The values this rank holds between steps: stage 3's shard, else the whole model.
-    const std::size_t values =
-        stage3 ? ddp.memory_use().values : ddp.model_elements() * sizeof(float);
+    const std::size_t values = stage3 ? ddp.memory_use().values : ddp.model_elements() * sizeof(T);
     std::printf("optimizer state per rank: %zu bytes\nparameters per rank: %zu bytes\n",
                 optimizer.state_bytes(), values);
     std::fflush(stdout);
   }
   // Same data-parallel steps from the same start: the weights must be bit-identical
-  // (stage 3: the whole model gathered for it, as an export would).
+  // (stage 3: the whole model gathered for it, as an export would; 16-bit: the
+  // values widened, as the MLP reads them).
   const auto whole = ddp.gather(ddp.parameters());
+  widen_all();
   const auto mine = std::bit_cast<std::int64_t>(mlp::checksum(model));
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   dtrain::allgather(ctx.communicator(), std::array{mine}, all).wait();
@@ -289,5 +433,13 @@ int main(int argc, char** argv) {
   dtrain::run_options options;
   options.agent.nproc_per_node = d.s.nproc_per_node.value_or(4);
   return dtrain::run<Policy>(
-      argc, argv, [&](dtrain::context<Policy>& ctx) { return train(ctx, d); }, options);
+      argc, argv,
+      [&](dtrain::context<Policy>& ctx) {
+        switch (d.precision) {
+          case dtrain::dtype::bfloat16: return train<dtrain::bfloat16>(ctx, d);
+          case dtrain::dtype::float16: return train<dtrain::float16>(ctx, d);
+          default: return train<float>(ctx, d);
+        }
+      },
+      options);
 }

@@ -88,6 +88,42 @@ elseif(CASE STREQUAL "cuda_vs_cpu")
   endif()
   message("training.demo (cuda_vs_cpu): ok")
   return()
+elseif(CASE STREQUAL "precision")
+  # --precision (issue 49): the values and gradients DDP averages and updates
+  # in bfloat16 and float16 (float32 sums, float32 master weights, fp16's
+  # loss scaler), at DDP and at stages 2 and 3: every run ends with identical
+  # weights on every rank, and its final test accuracy within half a point of
+  # the float32 run's (the runs are deterministic: the same samples, seeds).
+  set(ENV{DTRAIN_NPROC_PER_NODE} 4)
+  set(same --epochs 3 --samples 4096 --seed 5)
+  set(summary "")
+  foreach(stage 0 2 3)
+    foreach(precision fp32 bf16 fp16)
+      execute_process(COMMAND "${TRAIN}" ${same} --precision ${precision} --sharding ${stage}
+                      OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 150)
+      expect(0 "all 4 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+      if(NOT precision STREQUAL "fp32")
+        expect(0 "precision [a-z0-9]+: 16-bit values and gradients, averaged with float32 sums")
+      endif()
+      if(NOT out MATCHES "epoch 3/3 [^\n]*test accuracy +([0-9.]+)%")
+        fail("--precision ${precision} --sharding ${stage}: no test accuracy in the last epoch")
+      endif()
+      set(accuracy ${CMAKE_MATCH_1})
+      string(APPEND summary " ${precision}@${stage}=${accuracy}%")
+      string(REPLACE "." "" tenths "${accuracy}")  # CMake has no floating point
+      if(precision STREQUAL "fp32")
+        set(reference ${tenths})
+      else()
+        math(EXPR gap "${tenths} - ${reference}")
+        if(gap GREATER 5 OR gap LESS -5)
+          fail("--precision ${precision} --sharding ${stage}: test accuracy ${accuracy}%, "
+               "more than half a point from float32's")
+        endif()
+      endif()
+    endforeach()
+  endforeach()
+  message("training.demo (precision):${summary}")
+  return()
 elseif(CASE STREQUAL "sharding" OR CASE STREQUAL "torch_sharding")
   # ZeRO stages (issues 34 and 48): 4 Gloo workers, --sharding 0, 1, 2 and 3;
   # the MLP demo with SGD and with Adam, the LibTorch example with

@@ -45,7 +45,7 @@ endif()
 # The demo: its own per-node launcher with 4 Gloo workers, the MPI build under
 # mpirun, and a bad flag (exit status 2, the flag named).
 if(TARGET dtrain_train_mlp)
-  foreach(case IN ITEMS gloo bad_flag sharding)
+  foreach(case IN ITEMS gloo bad_flag sharding precision)
     dtrain_add_test(training.demo.${case}
       COMMAND "${CMAKE_COMMAND}" -DCASE=${case} "-DTRAIN=$<TARGET_FILE:dtrain_train_mlp>"
               -P "${training_dir}/check_demo.cmake"
@@ -53,7 +53,7 @@ if(TARGET dtrain_train_mlp)
       PROPERTIES PROCESSORS 4)
   endforeach()
 else()
-  foreach(case IN ITEMS gloo bad_flag sharding)
+  foreach(case IN ITEMS gloo bad_flag sharding precision)
     dtrain_add_skipped_test(training.demo.${case}
       "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
   endforeach()
