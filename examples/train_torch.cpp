@@ -56,12 +56,14 @@ struct settings {
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
   dtrain::sharding sharding = dtrain::sharding::none;
+  torch::Dtype precision = torch::kFloat;
 };
 
 constexpr const char* usage =
     "usage: dtrain_train_torch [--nproc-per-node N] [--epochs N] [--batch-size N] [--lr X]\n"
     "          [--momentum X] [--samples N] [--seed N] [--channels N] [--hidden N]\n"
     "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sharding 0|1|2|3]\n"
+    "          [--precision fp32|bf16|fp16]\n"
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4)\n"
     "  --epochs N          passes over the training set (5)\n"
     "  --batch-size N      images per step on each rank (32)\n"
@@ -76,7 +78,10 @@ constexpr const char* usage =
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
     "  --sharding 0|1|2|3  ZeRO stage: 0 DDP, 1 the optimizer state sharded across the\n"
     "                      ranks, 2 the averaged gradients too, 3 the parameters' values\n"
-    "                      too (ddp_options::sharding) (0)\n";
+    "                      too (ddp_options::sharding) (0)\n"
+    "  --precision fp32|bf16|fp16  the module's values and gradients: float32, or\n"
+    "                      16-bit, averaged with float32 sums and updated through\n"
+    "                      float32 master weights (fp16 with a loss scaler) (fp32)\n";
 
 settings parse_flags(int argc, char** argv) {
   const mlp::command_line line(program, "", "");
@@ -105,6 +110,17 @@ settings parse_flags(int argc, char** argv) {
       if (s.checkpoint_dir.empty()) line.bad_flag("--checkpoint-dir needs a directory");
     } else if (flag == "--checkpoint-every") {
       s.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+    } else if (flag == "--precision") {
+      const std::string_view name = value();
+      if (name == "fp32") {
+        s.precision = torch::kFloat;
+      } else if (name == "bf16") {
+        s.precision = torch::kBFloat16;
+      } else if (name == "fp16") {
+        s.precision = torch::kHalf;
+      } else {
+        line.bad_flag("--precision " + std::string(name) + ": fp32, bf16 or fp16");
+      }
     } else if (flag == "--sharding") {
       const std::string_view stage = value();
       if (stage != "0" && stage != "1" && stage != "2" && stage != "3")
@@ -124,21 +140,54 @@ settings parse_flags(int argc, char** argv) {
   return s;
 }
 
+/// LibTorch builds whose CPU kernels lack a 16-bit type (1.13 has no float16
+/// convolution on the CPU) fail in the first forward pass; say so up front,
+/// naming the flag, with LibTorch's own first line.
+void check_precision(const settings& s) {
+  if (s.precision == torch::kFloat) return;
+  try {
+    torch::NoGradGuard no_grad;
+    cnn::Cnn probe(2, 4);
+    probe->to(s.precision);
+    (void)probe->forward(torch::zeros({1, 1, side, side}).to(s.precision));
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    throw dtrain::config_error("--precision " +
+                               std::string(s.precision == torch::kHalf ? "fp16" : "bf16") +
+                               ": this LibTorch cannot run the CNN in that type on the CPU (" +
+                               what.substr(0, what.find('\n')) + "); use bf16 or fp32");
+  }
+}
+
 int train(dtrain::context<Policy>& ctx, const settings& s) {
   torch::set_num_threads(1);  // one rank per core; LibTorch would start a thread per core in each
+  check_precision(s);
   const cnn::images train_set = cnn::generate(s.samples, s.seed);
   const cnn::images test_set = cnn::generate(s.samples / 4, s.seed + 1);
 
   torch::manual_seed(s.seed);  // every rank builds the same model; DDP broadcasts rank 0's anyway
   cnn::Cnn model(s.channels, s.hidden);
+  // 16-bit (--precision bf16|fp16): the module in that type; DDP sums its
+  // gradients in float32 and keeps float32 master weights of the shard.
+  const bool sixteen = s.precision != torch::kFloat;
+  if (sixteen) model->to(s.precision);
   auto ddp = dtrain::torch::DistributedDataParallel(
-      ctx, model, {.bucket_cap_mb = 0.25, .first_bucket_cap_mb = 0.05, .sharding = s.sharding});
+      ctx, model,
+      {.bucket_cap_mb = 0.25,
+       .first_bucket_cap_mb = 0.05,
+       .accumulate = sixteen ? dtrain::accumulation::float32 : dtrain::accumulation::wire,
+       .sharding = s.sharding,
+       .master_weights = sixteen});
   // Sharded (--sharding 1|2|3), the optimizer holds state for this rank's shard only;
   // at 3 DDP holds this rank's shard of the values too (the CNN, not a
-  // torch::nn::Sequential, is one unit: gathered whole for each step).
+  // torch::nn::Sequential, is one unit: gathered whole for each step). 16-bit:
+  // the optimizer updates the float32 masters (shard_parameters()), whole without sharding.
   const bool sharded = s.sharding != dtrain::sharding::none;
-  torch::optim::SGD optimizer(sharded ? ddp.shard_parameters() : model->parameters(),
+  const bool on_shard = sharded || sixteen;
+  torch::optim::SGD optimizer(on_shard ? ddp.shard_parameters() : model->parameters(),
                               torch::optim::SGDOptions(s.lr).momentum(s.momentum));
+  // fp16 scales the loss and skips a step whose gradients overflowed on any rank.
+  dtrain::loss_scaler scaler({.enabled = s.precision == torch::kHalf});
   dtrain::torch::distributed_sampler sampler(s.samples, ctx.world(), {.seed = s.seed});
 
   if (ctx.is_main()) {
@@ -151,6 +200,13 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
         static_cast<long long>(side), static_cast<long long>(side), ctx.size(), s.batch_size,
         s.batch_size * static_cast<std::size_t>(ctx.size()), s.lr, s.momentum, ddp.buckets().size(),
         Policy::backend_type::name.data(), TORCH_VERSION);
+    if (sixteen) {
+      std::printf(
+          "precision %s: 16-bit values and gradients, averaged with float32 sums, "
+          "float32 master weights%s\n",
+          s.precision == torch::kHalf ? "float16" : "bfloat16",
+          s.precision == torch::kHalf ? ", loss scaling" : "");
+    }
     std::fflush(stdout);
   }
 
@@ -163,6 +219,7 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     // size re-cuts it (without sharding: the optimizer, replicated).
     dtrain::torch::add_optimizer(*checkpoint, optimizer, ddp);
     dtrain::torch::add_sampler(*checkpoint, sampler);
+    if (sixteen) checkpoint->add(scaler);
     if (const auto step = checkpoint->restore(); step && ctx.is_main()) {
       std::printf("resumed at step %llu: epoch %llu, %llu samples into it\n",
                   static_cast<unsigned long long>(*step),
@@ -179,18 +236,22 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     while (auto indices = sampler.next(s.batch_size)) {
       const torch::Tensor index =
           torch::tensor(std::vector<std::int64_t>(indices->begin(), indices->end()));
-      const torch::Tensor x = train_set.x.index_select(0, index),
+      const torch::Tensor x = train_set.x.index_select(0, index).to(s.precision),
                           y = train_set.y.index_select(0, index);
-      const torch::Tensor logits = ddp(x);
+      // 16-bit: the logits widened for the loss, as autocast does.
+      const torch::Tensor logits = ddp(x).to(torch::kFloat);
       const torch::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
       // Buckets are averaged as autograd finishes their gradients; when backward() returns,
       // every .grad() holds the mean over every rank's batch, as with PyTorch's DDP.
-      loss.backward();
-      if (sharded) {
-        ddp.step(optimizer);  // this rank's shard, then the allgather of the updated values
+      (loss * scaler.scale()).backward();
+      if (!scaler.unscale(ddp.core())) {  // fp16: an inf or a NaN on some rank skips the step
+        ddp.core().gather_parameters();
+      } else if (on_shard) {
+        ddp.step(optimizer);  // this rank's shard (its masters), then the allgather of the values
       } else {
         optimizer.step();
       }
+      scaler.update();
       ddp.zero_grad();
       totals[0] += loss.item<double>() * static_cast<double>(x.size(0));
       totals[1] += logits.argmax(1).eq(y).sum().item<double>();
@@ -205,7 +266,7 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
       torch::NoGradGuard no_grad;
       model->eval();  // batch norm: the running statistics, which every rank shares (rank 0's)
       const double correct =
-          model->forward(test_set.x).argmax(1).eq(test_set.y).sum().item<double>();
+          model->forward(test_set.x.to(s.precision)).argmax(1).eq(test_set.y).sum().item<double>();
       std::printf(
           "epoch %zu/%zu  loss %.4f  train accuracy %5.1f%%  test accuracy %5.1f%%  %.0f "
           "samples/s (all ranks)\n",
@@ -225,7 +286,7 @@ int train(dtrain::context<Policy>& ctx, const settings& s) {
     }
     const std::size_t values = s.sharding == dtrain::sharding::parameters
                                    ? ddp.core().memory_use().values
-                                   : ddp.core().model_elements() * sizeof(float);
+                                   : ddp.core().model_elements() * c10::elementSize(s.precision);
     std::printf("optimizer state per rank: %zu bytes\nparameters per rank: %zu bytes\n", state,
                 values);
     std::fflush(stdout);

@@ -73,9 +73,18 @@ if(TARGET dtrain_train_torch)
             -P "${CMAKE_CURRENT_SOURCE_DIR}/training/check_demo.cmake"
     TIMEOUT 400
     PROPERTIES PROCESSORS 4)
+  # --precision bf16 (and fp16 where LibTorch has its CPU kernels): float32
+  # sums and master weights, within half a point of float32's accuracy.
+  dtrain_add_test(torch.demo.precision
+    COMMAND "${CMAKE_COMMAND}" -DCASE=torch_precision "-DTRAIN=$<TARGET_FILE:dtrain_train_torch>"
+            -P "${CMAKE_CURRENT_SOURCE_DIR}/training/check_demo.cmake"
+    TIMEOUT 600
+    PROPERTIES PROCESSORS 4)
 else()
   dtrain_add_skipped_test(torch.demo "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
   dtrain_add_skipped_test(torch.demo.sharding
+                          "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
+  dtrain_add_skipped_test(torch.demo.precision
                           "dtrain_train_torch is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES)")
 endif()
 

@@ -124,6 +124,42 @@ elseif(CASE STREQUAL "precision")
   endforeach()
   message("training.demo (precision):${summary}")
   return()
+elseif(CASE STREQUAL "torch_precision")
+  # The LibTorch example's --precision (issue 49): the module in bfloat16 (and
+  # float16 where this LibTorch's CPU kernels have it; otherwise exit status
+  # 2 naming the flag), DDP summing in float32 with float32 master weights:
+  # the final test accuracy within half a point of float32's, every rank's
+  # weights identical.
+  set(ENV{DTRAIN_NPROC_PER_NODE} 4)
+  set(summary "")
+  foreach(precision fp32 bf16 fp16)
+    execute_process(COMMAND "${TRAIN}" ${small} --precision ${precision}
+                    OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 300)
+    if(precision STREQUAL "fp16" AND rc EQUAL 2)
+      expect(2 "--precision fp16: this LibTorch cannot run the CNN in that type on the CPU")
+      string(APPEND summary " fp16: refused by name (no float16 CPU kernels)")
+      continue()
+    endif()
+    expect(0 "all 4 ranks hold identical weights \\(checksum [0-9a-f]+\\)")
+    if(NOT out MATCHES "epoch 2/2 [^\n]*test accuracy +([0-9.]+)%")
+      fail("--precision ${precision}: no test accuracy in the last epoch")
+    endif()
+    set(accuracy ${CMAKE_MATCH_1})
+    string(APPEND summary " ${precision}=${accuracy}%")
+    string(REPLACE "." "" tenths "${accuracy}")
+    if(precision STREQUAL "fp32")
+      set(reference ${tenths})
+    else()
+      expect(0 "precision [a-z0-9]+: 16-bit values and gradients, averaged with float32 sums")
+      math(EXPR gap "${tenths} - ${reference}")
+      if(gap GREATER 5 OR gap LESS -5)
+        fail("--precision ${precision}: test accuracy ${accuracy}%, more than half a point "
+             "from float32's")
+      endif()
+    endif()
+  endforeach()
+  message("training.demo (torch_precision):${summary}")
+  return()
 elseif(CASE STREQUAL "sharding" OR CASE STREQUAL "torch_sharding")
   # ZeRO stages (issues 34 and 48): 4 Gloo workers, --sharding 0, 1, 2 and 3;
   # the MLP demo with SGD and with Adam, the LibTorch example with

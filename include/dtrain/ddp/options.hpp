@@ -234,7 +234,8 @@ struct ddp_options {
   /// add up (Megatron's and DeepSpeed's fp32 main parameters, FSDP's sharded
   /// fp32 parameters). float32 and float64 parameters are their own master.
   /// Checkpoints of the shard (checkpoint::add_sharded(name, ddp)) hold the
-  /// master copy. The same on every rank.
+  /// master copy. The bucket layout is then the first one (no rebuild), as
+  /// with sharding. The same on every rank.
   bool master_weights = false;
 };
 

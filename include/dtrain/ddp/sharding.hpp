@@ -129,8 +129,12 @@ class ddp_sharding {
   /// its shards (the model's value pointers are null from here on); the
   /// master weights start as the values in float32.
   void take_values();
-  /// The layout stays as built (no rebuild moves a shard): stages 1-3.
-  bool fixed_layout() const noexcept { return shards_optimizer_state(); }
+  /// The layout stays as built (no rebuild moves a shard): stages 1-3, and
+  /// master weights at any stage (the pieces an optimizer holds, LibTorch's
+  /// shard_parameters() with their gradients, stay where they are).
+  bool fixed_layout() const noexcept {
+    return shards_optimizer_state() || core_.options_.master_weights;
+  }
   /// Stage 3: a parameter is found by name, its values' address moves.
   bool values_move() const noexcept { return shards_parameters(); }
   /// A comm hook replaces an allreduce: refused where buckets are reduce-scattered.
