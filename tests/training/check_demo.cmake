@@ -122,7 +122,27 @@ elseif(CASE STREQUAL "precision")
       endif()
     endforeach()
   endforeach()
-  message("training.demo (precision):${summary}")
+  # A 16-bit job resumed from its checkpoint (the 16-bit values, the float32
+  # master weights, the loss scaler's state) ends with the uninterrupted
+  # run's weights.
+  set(dir "${CMAKE_CURRENT_BINARY_DIR}/precision-resume-${CMAKE_CURRENT_LIST_LINE}")
+  file(REMOVE_RECURSE "${dir}")
+  execute_process(COMMAND "${TRAIN}" ${same} --precision fp16
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 150)
+  expect(0 "identical weights")
+  string(REGEX MATCH "checksum ([0-9a-f]+)" ignored "${out}")
+  set(want ${CMAKE_MATCH_1})
+  execute_process(COMMAND "${TRAIN}" --epochs 1 --samples 4096 --seed 5 --precision fp16
+                          --checkpoint-dir "${dir}" --checkpoint-every 10
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 150)
+  expect(0 "identical weights")
+  execute_process(COMMAND "${TRAIN}" ${same} --precision fp16 --checkpoint-dir "${dir}"
+                          --checkpoint-every 10
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc TIMEOUT 150)
+  file(REMOVE_RECURSE "${dir}")
+  expect(0 "resumed at step" "identical weights \\(checksum ${want}\\)")
+  message("training.demo (precision):${summary}; fp16 resumed from its checkpoint: checksum ${want}, "
+          "bit-identical")
   return()
 elseif(CASE STREQUAL "torch_precision")
   # The LibTorch example's --precision (issue 49): the module in bfloat16 (and
