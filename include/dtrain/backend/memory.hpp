@@ -288,6 +288,9 @@ __device__ inline void dtrain_store_float(void* p, std::size_t i, dtype t, float
         t == dtype::bfloat16 ? dtrain_to_half_bits<bfloat16>(x) : dtrain_to_half_bits<float16>(x);
   }
 }
+// A template (as the other kernels), so that every nvcc unit that includes
+// this header may define it: one kernel, whatever the number of .cu files.
+template <int = 0>
 __global__ void dtrain_accumulate_kernel(void* out, dtype out_type, const void* in, dtype in_type,
                                          std::size_t blocks, std::size_t count, float divisor) {
   for (std::size_t j = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; j < count;
@@ -336,8 +339,8 @@ inline void launch_accumulate(void* out, dtype out_type, const void* in, dtype i
                               std::size_t blocks, std::size_t count, float divisor,
                               cudaStream_t stream) {
   if (count == 0) return;
-  dtrain_accumulate_kernel<<<cast_blocks(count), 256, 0, stream>>>(out, out_type, in, in_type,
-                                                                   blocks, count, divisor);
+  dtrain_accumulate_kernel<0>
+      <<<cast_blocks(count), 256, 0, stream>>>(out, out_type, in, in_type, blocks, count, divisor);
   DTRAIN_CUDA_CHECK(cudaGetLastError());
 }
 inline constexpr device_casts nvcc_device_casts{&launch_compress, &launch_decompress,
