@@ -4874,6 +4874,7 @@ DTRAIN_DETAIL_INLINE outcome outcome::decode(std::string_view where, std::string
 #endif
 // ---- end dtrain/detail/wire.hpp ----
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -4894,7 +4895,11 @@ enum class op : std::uint8_t {
   erase = 7,        ///< key → ok + u8 (existed)
   num_keys = 8,     ///< → ok + u64
   ping = 9,         ///< → ok
+  lease = 10,       ///< key, value → ok: set, and erased when this connection closes
 };
+
+/// Leased keys one connection may hold (op::lease): a node agent needs one.
+inline constexpr std::size_t max_leases_per_connection = 4;
 
 enum class status : std::uint8_t {
   ok = 0,
@@ -5056,6 +5061,7 @@ DTRAIN_DETAIL_INLINE int resolve(const std::string& host, int port, bool passive
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -5121,6 +5127,14 @@ class store_client {
   /// Removes key; returns whether it existed.
   bool erase(std::string_view key);
 
+  /// Sets key to value for as long as this client's connection lives: the
+  /// server erases it when the connection closes, however it closes (the
+  /// process ended or was killed, its host went away). Others check() it to
+  /// learn at once that this client is gone. A connection reopened after an
+  /// idle close leases its keys again. At most
+  /// detail::wire::max_leases_per_connection keys (the server refuses more).
+  void lease(std::string_view key, std::string_view value);
+
   /// Number of keys in the store (all prefixes).
   [[nodiscard]] std::int64_t num_keys();
 
@@ -5150,6 +5164,8 @@ class store_client {
   static std::string seconds(milliseconds t);
 
   static std::string key_list(std::span<const std::string> keys);
+
+  static std::string lease_body(std::string_view key, std::string_view value);
 
   using steady = std::chrono::steady_clock;
 
@@ -5181,6 +5197,8 @@ class store_client {
 
   // A new connection within the io timeout; the old one is dropped unread.
   void reopen(const std::string& what);
+  // lease()'s keys and values, leased again by reopen().
+  std::vector<std::pair<std::string, std::string>> leases_;
 
   std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
                                       const std::string& what);
@@ -5286,6 +5304,27 @@ DTRAIN_DETAIL_INLINE bool store_client::erase(std::string_view key) {
   detail::wire::writer(body).bytes32(key);
   auto reply = call(body, milliseconds(0), "erase(\"" + std::string(key) + "\")");
   return detail::wire::reader(*reply).u8("existed") != 0;
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::lease_body(std::string_view key,
+                                                          std::string_view value) {
+  std::string body = begin(detail::wire::op::lease);
+  detail::wire::writer w(body);
+  w.bytes32(key);
+  w.bytes32(value);
+  return body;
+}
+
+DTRAIN_DETAIL_INLINE void store_client::lease(std::string_view key, std::string_view value) {
+  call(lease_body(key, value), milliseconds(0), "lease(\"" + std::string(key) + "\")");
+  std::lock_guard lock(mutex_);
+  auto held =
+      std::find_if(leases_.begin(), leases_.end(), [&](const auto& kv) { return kv.first == key; });
+  if (held == leases_.end()) {
+    leases_.emplace_back(std::string(key), std::string(value));
+  } else {
+    held->second = value;
+  }
 }
 
 DTRAIN_DETAIL_INLINE std::int64_t store_client::num_keys() {
@@ -5505,6 +5544,9 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   broken_ = false;
   try {
     connect(options_.io_timeout);
+    for (const auto& [key, value] : leases_) {
+      (void)exchange(lease_body(key, value), milliseconds(0), "lease(\"" + key + "\")");
+    }
   } catch (const error& e) {
     broken_ = true;
     throw rendezvous_error(what + ": the store at " + endpoint() +
@@ -18189,7 +18231,8 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 ///                                   rdzv_id bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
-///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its connection
+///     closes dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
 ///                                   communicator bytes32
@@ -18259,6 +18302,9 @@ struct agent_keys {
   static constexpr std::string_view current_round = "dtrain/agent/current_round";
   static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
   static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+  // Leased by node `node`'s agent (store_client::lease): gone the moment its
+  // connection to the store closes.
+  static std::string alive(int node) { return "dtrain/agent/alive/" + std::to_string(node); }
   static constexpr std::string_view joined = "dtrain/agent/joined";
   static constexpr std::string_view left = "dtrain/agent/left";
 };
@@ -20934,6 +20980,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::string> rejection_log::summary(clock::ti
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -21017,6 +21064,13 @@ class server_connection {
   /// the server went away.
   void say_goodbye();
 
+  /// The keys this client leased (wire::op::lease) and their values: the
+  /// server erases each when the connection ends, however it ends, unless
+  /// another client has set the key to another value since.
+  [[nodiscard]] std::vector<std::pair<std::string, std::string>>& leases() noexcept {
+    return leases_;
+  }
+
  private:
   reactor& reactor_;
   byte_budget& budget_;
@@ -21025,6 +21079,7 @@ class server_connection {
   std::string peer_;
   std::chrono::milliseconds io_timeout_;
   kv_waiter waiter_;
+  std::vector<std::pair<std::string, std::string>> leases_;
 };
 
 }  // namespace dtrain::detail
@@ -21201,6 +21256,9 @@ class store_operations {
   /// Connections suspended in a get or wait. Callable from any thread.
   [[nodiscard]] std::size_t waiting() const noexcept { return waiting_.load(); }
 
+  /// Erases the keys connection `c` leased (wire::op::lease), as it ends.
+  void release(server_connection& c);
+
   /// The reply that tells a client the store refused its request.
   static std::string refusal(std::string_view message);
 
@@ -21253,6 +21311,8 @@ class store_operations {
   task<std::string> num_keys(store_request& q);
 
   task<std::string> ping(store_request& q);
+
+  task<std::string> lease(store_request& q);
 
   // Reserves, before a reply that copies the value at `key` is built, what
   // that reply will hold until the client reads it. False when the key is
@@ -21315,6 +21375,7 @@ DTRAIN_DETAIL_INLINE auto store_operations::make_handlers() -> std::array<handle
   t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
   t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
   t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
+  t[static_cast<std::uint8_t>(op::lease)] = &store_operations::lease;
   return t;
 }
 
@@ -21397,6 +21458,36 @@ DTRAIN_DETAIL_INLINE task<std::string> store_operations::num_keys(store_request&
 DTRAIN_DETAIL_INLINE task<std::string> store_operations::ping(store_request& q) {
   q.fields.finish("ping request");
   co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::lease(store_request& q) {
+  auto key = read_key(q);
+  auto value = q.fields.bytes32("value", limits_.max_value_size);
+  q.fields.finish("lease request");
+  auto& held = q.c.leases();
+  auto mine =
+      std::find_if(held.begin(), held.end(), [&](const auto& kv) { return kv.first == key; });
+  if (mine == held.end() && held.size() >= wire::max_leases_per_connection) {
+    throw store_refusal("lease(\"" + std::string(key) + "\"): this connection holds " +
+                        std::to_string(held.size()) + " leased keys, the most one may");
+  }
+  state_.set(key, value);
+  changed();
+  if (mine == held.end()) {
+    held.emplace_back(std::string(key), std::string(value));
+  } else {
+    mine->second = value;
+  }
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE void store_operations::release(server_connection& c) {
+  for (const auto& [key, value] : c.leases()) {
+    const std::string* now = state_.find(key);
+    if (now != nullptr && *now == value) state_.erase(key);
+  }
+  c.leases().clear();
+  changed();
 }
 
 DTRAIN_DETAIL_INLINE task<bool> store_operations::reserve_value(store_request& q,
@@ -21823,6 +21914,7 @@ DTRAIN_DETAIL_INLINE detail::task<void> store_server::serve(connection& c) {
     }
   }
   if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
+  operations_.release(c.io);  // its leased keys end with it
   finished_.push_back(&c);
 }
 
@@ -21904,6 +21996,7 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {
 #endif
 // ---- end dtrain/rendezvous/server.hpp ----
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -22053,14 +22146,23 @@ class agent_store {
   /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
   void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
 
+  /// Of `nodes`, those (but this one) whose agent is gone: its lease
+  /// (agent_keys::alive, taken when it joined) ended with its connection to
+  /// the store, so it was killed or its host went away. Known at once, where
+  /// the heartbeat takes DTRAIN_HEARTBEAT_TIMEOUT; a host that vanishes
+  /// without closing its connections is left to the heartbeat.
+  [[nodiscard]] std::vector<int> gone_nodes(const std::vector<int>& nodes);
+
   // ---- elastic jobs (dtrun --nnodes MIN:MAX) ----------------------------
 
   /// Registers this node without waiting for the others (a node may come
   /// and go), after checking that it runs the job's shape (node 0's record;
   /// config_error naming what differs). A node that comes back takes its old
-  /// place once the agent that held it is found silent for `window` (its
-  /// heartbeat, which every agent beats while it waits or runs a round); an
-  /// agent still beating holds it, and this one is refused by name.
+  /// place at once when the agent that held it is gone (its lease,
+  /// agent_keys::alive, ended with its connection), else once that agent is
+  /// found silent for `window` (its heartbeat, which every agent beats while
+  /// it waits or runs a round); an agent still beating holds it, and this
+  /// one is refused by name. Then it takes its own lease.
   void join_elastic(const node_record& me,
                     std::chrono::milliseconds window = std::chrono::milliseconds(2500));
 
@@ -22070,10 +22172,17 @@ class agent_store {
 
   /// Says that this node is ready for round `restart` and returns the
   /// round's nodes (ascending), which node 0 chooses: once at least
-  /// `min_nodes` are ready, every node ready within `last_call` after that
-  /// (at once when all nnodes are). Every agent counts the round's nodes from
-  /// then on (success, leaving). A node not among them joins a later round.
+  /// `min_nodes` are ready, every node ready within `last_call` after that.
+  /// The last call is for nodes still starting: it ends at once when all
+  /// nnodes are ready, and, for every round after node 0's first, when every
+  /// node whose agent is connected (its lease) is ready: survivors of a lost
+  /// node do not wait for it. Every agent counts the round's nodes from then
+  /// on (success, leaving). A node not among them joins a later round.
   std::vector<int> form_round(int restart, int min_nodes, std::chrono::milliseconds last_call);
+
+  /// Node 0, after form_round(): the nodes it did not wait for because their
+  /// agents were gone.
+  [[nodiscard]] const std::vector<int>& passed_over() const noexcept { return passed_over_; }
 
   /// Whether a node is ready for the round after `restart`: one waits to join.
   [[nodiscard]] bool node_waiting(int restart) {
@@ -22085,6 +22194,9 @@ class agent_store {
   void leave(std::chrono::milliseconds grace);
 
  private:
+  // Leases agent_keys::alive for this node, valued with its record.
+  void take_lease(const node_record& me);
+
   // config_error when node `n`'s record (`other`) runs another job shape than `me`.
   static void check_same_shape(int n, const node_record& other, const node_record& me);
 
@@ -22100,6 +22212,8 @@ class agent_store {
   int port_;
   store_client client_;
   int lost_nodes_ = 0;
+  bool formed_ = false;           // node 0: it formed a round before
+  std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
 };
 
@@ -22188,10 +22302,28 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
   }
   const std::string mine = agent_keys::node(node_rank_);
   const std::string holder = client_.compare_set(mine, "", me.encode());
-  if (holder == me.encode()) return;
+  if (holder == me.encode()) {
+    take_lease(me);
+    return;
+  }
   // Held before: by an agent of this node that is gone (it comes back), or
   // by another agent started with this node rank, which still beats.
   const node_record other = node_record::decode(mine, holder);
+  auto gone = [&] {  // its lease ended (the holder leases right after it registers)
+    const std::string alive = agent_keys::alive(node_rank_);
+    return !client_.check(std::span<const std::string>(&alive, 1));
+  };
+  if (gone()) {
+    poll_until(
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(200), [] { return false; },
+        "the agent that held node_rank " + std::to_string(node_rank_) + " to take its lease",
+        false);
+    if (gone()) {
+      client_.set(mine, me.encode());
+      take_lease(me);
+      return;
+    }
+  }
   const std::string beats = agent_keys::beat(node_rank_);
   const std::int64_t before = client_.add(beats, 0);
   // Without beating: only the holder's beats may move the count.
@@ -22204,6 +22336,25 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
                        ") asks for it too; give each agent its own --node-rank / NODE_RANK");
   }
   client_.set(mine, me.encode());
+  take_lease(me);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::take_lease(const node_record& me) {
+  client_.lease(agent_keys::alive(node_rank_), me.encode());
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::gone_nodes(const std::vector<int>& nodes) {
+  std::vector<std::string> keys;
+  for (const int n : nodes) {
+    if (n != node_rank_) keys.push_back(agent_keys::alive(n));
+  }
+  std::vector<int> gone;
+  if (keys.empty() || client_.check(keys)) return gone;  // one request while all are there
+  for (const int n : nodes) {
+    const std::string key = agent_keys::alive(n);
+    if (n != node_rank_ && !client_.check(std::span<const std::string>(&key, 1))) gone.push_back(n);
+  }
+  return gone;
 }
 
 DTRAIN_DETAIL_INLINE int agent_store::first_round() {
@@ -22227,14 +22378,37 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
                                                        " of " + std::to_string(nnodes_) +
                                                        " nodes to be ready for " + round);
-    // The last call: a time-out here is no failure, the round is who came.
+    // The last call, for nodes still starting: a time-out here is no
+    // failure, the round is who came. After node 0's first round, the nodes
+    // whose agents are gone are not waited for: every one connected is.
+    std::vector<int> everyone(static_cast<std::size_t>(nnodes_));
+    for (int n = 0; n < nnodes_; ++n) everyone[static_cast<std::size_t>(n)] = n;
+    auto connected_ready = [&] {
+      if (!formed_) return false;
+      const std::vector<int> gone = gone_nodes(everyone);
+      for (int n = 0; n < nnodes_; ++n) {
+        if (std::find(gone.begin(), gone.end(), n) != gone.end()) continue;
+        const std::string key = agent_keys::ready_node(restart, n);
+        if (!client_.check(std::span<const std::string>(&key, 1))) return false;
+      }
+      return true;
+    };
     static_cast<void>(poll_until(
-        std::chrono::steady_clock::now() + last_call, [&] { return ready() >= nnodes_; },
+        std::chrono::steady_clock::now() + last_call,
+        [&] { return ready() >= nnodes_ || connected_ready(); },
         "the other nodes to be ready for " + round));
+    const bool first = !std::exchange(formed_, true);
     std::vector<int> nodes;
     for (int n = 0; n < nnodes_; ++n) {
       const std::string key = agent_keys::ready_node(restart, n);
       if (client_.check(std::span<const std::string>(&key, 1))) nodes.push_back(n);
+    }
+    // A node ready and then gone is a member: the round ends at once (agent_round::watch_peers).
+    passed_over_.clear();
+    if (!first) {
+      for (const int n : gone_nodes(everyone)) {
+        if (std::find(nodes.begin(), nodes.end(), n) == nodes.end()) passed_over_.push_back(n);
+      }
     }
     client_.set(members_key, encode_members(nodes));
     client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
@@ -22257,6 +22431,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
                        " and by this one (" + me.who() +
                        "); give each agent its own --node-rank / NODE_RANK");
   }
+  take_lease(me);
   meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);
@@ -23335,7 +23510,9 @@ class agent_round {
     agent_say(settings_.node_rank, settings_.nnodes, text);
   }
 
-  // A node whose agent went silent fails the round for everyone (read by on_failure).
+  // A node whose agent is gone (its lease ended with its connection: at
+  // once) or went silent (its heartbeat) fails the round for everyone (read
+  // by on_failure).
   void watch_peers(agent_store& store);
   // Elastic, node 0: a node waiting for the next round ends this one (a regroup).
   void watch_joiners(agent_store& store);
@@ -23363,6 +23540,8 @@ class agent_round {
   std::vector<worker_process> workers_;
   heartbeat beats_;
   std::chrono::steady_clock::time_point last_join_check_{};
+  std::chrono::steady_clock::time_point last_lease_check_{};
+  bool peer_lost_ = false;  // recorded: no more checks this round
   bool reported_success_ = false;
   state state_ = state::starting;
 };
@@ -23426,11 +23605,28 @@ DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
 
 DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
   store.beat();
+  if (peer_lost_) return;
+  // Elastic: the round ends, and the next one is formed of the nodes present.
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_lease_check_ >= std::chrono::milliseconds(100)) {
+    last_lease_check_ = now;
+    const std::vector<int> gone = store.gone_nodes(settings_.members);
+    // An agent leaves once every node's workers succeeded: then it is done, not lost.
+    if (!gone.empty() && !store.all_succeeded(settings_.restart)) {
+      peer_lost_ = true;
+      store.lose_nodes(static_cast<int>(gone.size()));
+      store.record_failure(settings_.restart, 1, !settings_.elastic,
+                           "node " + std::to_string(gone.front()) +
+                               "'s agent is gone: its connection to the store closed (the "
+                               "agent was killed, or its host went away)");
+      return;
+    }
+  }
   const auto silent =
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
+  peer_lost_ = true;
   store.lose_nodes(beats_.silent());
-  // Elastic: the round ends, and the next one is formed of the nodes present.
   store.record_failure(
       settings_.restart, 1, !settings_.elastic,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
@@ -23764,9 +23960,16 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
           " before this one was ready: joining the next");
       continue;
     }
+    std::string passed;
+    for (const int n : store.passed_over())
+      passed += (passed.empty() ? "" : ", ") + std::to_string(n);
     say("round " + std::to_string(restart) + ": nodes " + names + " (" +
         std::to_string(members.size()) + " of at most " + std::to_string(nnodes()) + "), " +
-        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers");
+        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers" +
+        (passed.empty() ? std::string()
+                        : "; formed without waiting for node" +
+                              std::string(store.passed_over().size() == 1 ? " " : "s ") + passed +
+                              " (agent gone)"));
     const detail::round_end end = run_round(store, restart, members);
     if (end.succeeded) return 0;
     if (end.regroup) {

@@ -178,7 +178,7 @@ case $case_name in
     # node N's agent (the demo launches itself) for an elastic job of 1 to 2 nodes.
     start_node() {  # <n> <output suffix>
       cluster_run node$1 env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$(($1 - 1)) MASTER_ADDR=node1 \
-        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=2 DTRAIN_HEARTBEAT_TIMEOUT=5 DTRAIN_GRACE_PERIOD=1 \
+        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=2 DTRAIN_HEARTBEAT_TIMEOUT=600 DTRAIN_GRACE_PERIOD=1 \
         timeout "$limit" \
         "${elastic[@]}" >"$work/node$1$2.out" 2>"$work/node$1$2.err" &
     }
@@ -201,6 +201,12 @@ case $case_name in
     kill -KILL "$agent2"
     echo "killed node2's agent (pid $agent2) after $(ls -d "$work"/ckpt/step-*[0-9] | wc -l) checkpoint(s)"
     wait_for "node1 to go on alone" grep -q "nodes 0 (1 of at most 2)" "$work/node1.err"
+    # Known at once from node2's lease on the store, and the next round formed without
+    # waiting for node2 (no heartbeat time-out, no last call: DTRAIN_HEARTBEAT_TIMEOUT is 600 s).
+    grep -q "node 1's agent is gone: its connection to the store closed" "$work/node1.err" ||
+      fail "node1 did not learn from node2's lease that node2's agent is gone"
+    grep -q "nodes 0 (1 of at most 2), 2 workers; formed without waiting for node 1 (agent gone)" \
+      "$work/node1.err" || fail "node1 waited for node2's agent, which was gone"
     solo=$(grep -o "round [0-9]*: nodes 0 (1 of" "$work/node1.err" | tail -n 1 | awk '{print $2}')
     solo=${solo%:}
     wait_for "node1's round $solo to train" test -s "$work/samples/round-$solo-rank-0.txt"

@@ -49,6 +49,19 @@ expect_all_gone() {
   done
   fail "workers still alive: $(for f in "$1"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && echo "$(basename "$f" .pid)"; done | xargs)"
 }
+# start_two_hanging_agents <heartbeat s>: node 0 (grace period 100 s, ended by `timeout` after 60 s)
+# and node 1, one hanging worker each (their pids in $work/pids); sets n0 and n1.
+start_two_hanging_agents() {
+  mkdir "$work/pids"
+  local port
+  port=$(free_port)
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_HEARTBEAT_TIMEOUT=$1
+  timeout 60 "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 100 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 1 --hang "$work/pids" >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  wait_for_pids "$work/pids" 2
+}
 # One `peer {...}` line per rank with the expected placement: check_world <file> <world size> <nproc>
 check_world() {
   local file=$1 size=$2 nproc=$3
@@ -285,21 +298,28 @@ no_restarts_left)
   ;;
 
 remote_agent_dies)
-  # Node 1's agent is SIGKILLed while node 0's workers are busy: node 0 notices the missing
-  # heartbeat (DTRAIN_HEARTBEAT_TIMEOUT) and ends instead of waiting forever. Node 0 does not wait
-  # for the lost agent to leave: with a grace period of 100 s it would still be waiting when
-  # `timeout` ends it.
-  mkdir "$work/pids"
-  port=$(free_port)
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT=$port DTRAIN_HEARTBEAT_TIMEOUT=2
-  timeout 60 "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 0 --grace-period 100 --hang "$work/pids" >"$work/n0.out" 2>"$work/n0.err" &
-  n0=$!
-  "$PEER" node-gloo --nproc-per-node 1 --nnodes 2 --node-rank 1 --hang "$work/pids" >"$work/n1.out" 2>"$work/n1.err" &
-  n1=$!
-  wait_for_pids "$work/pids" 2
+  # Node 1's agent is SIGKILLed while node 0's workers are busy: its lease on the store ends with
+  # its connection, so node 0 knows at once (no heartbeat wait) and ends instead of waiting
+  # forever. Node 0 does not wait for the lost agent to leave: with a grace period of 100 s it
+  # would still be waiting when `timeout` ends it.
+  start_two_hanging_agents 600
   kill -KILL $n1
   wait $n0
   expect_status 1 $? "node 0's agent"
+  expect_line "$work/n0.err" "node 1's agent is gone: its connection to the store closed \(the agent was killed, or its host went away\); ending the job" "node 0's message"
+  expect_all_gone "$work/pids"
+  ;;
+
+remote_agent_frozen)
+  # Node 1's agent is frozen (SIGSTOP: its connection stays open, as a host that vanishes without
+  # closing it): node 0 notices the missing heartbeat (DTRAIN_HEARTBEAT_TIMEOUT) and ends.
+  start_two_hanging_agents 2
+  kill -STOP $n1
+  wait $n0
+  status=$?
+  kill -KILL $n1
+  wait $n1 2>/dev/null
+  expect_status 1 $status "node 0's agent"
   expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_HEARTBEAT_TIMEOUT\); ending the job" "node 0's message"
   expect_all_gone "$work/pids"
   ;;

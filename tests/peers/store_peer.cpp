@@ -1,7 +1,10 @@
 // A separate process for the store tests.
 //   dtrain_store_peer serve               serve on 127.0.0.1 (free port), print the port, wait to
-//   be killed dtrain_store_peer work PORT RANK N    one of N ranks: meet, exchange, elect; exit 0
-//   when all checks hold
+//                                         be killed
+//   dtrain_store_peer work PORT RANK N    one of N ranks: meet, exchange, elect; exit 0
+//                                         when all checks hold
+//   dtrain_store_peer lease PORT KEY      lease KEY (value "held"), print "leased", wait to be
+//                                         killed
 #include <dtrain/dtrain.hpp>
 
 #include "store_workload.hpp"
@@ -39,9 +42,16 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       for (;;) ::pause();
     }
+    if (mode == "lease" && argc == 4) {
+      dtrain::store_client client("127.0.0.1", std::stoi(argv[2]), {.timeout = 60s});
+      client.lease(argv[3], "held");
+      std::printf("leased\n");
+      std::fflush(stdout);
+      for (;;) ::pause();
+    }
     if (mode == "work" && argc == 5)
       return work(std::stoi(argv[2]), std::stoi(argv[3]), std::stoi(argv[4]));
-    std::cerr << "usage: dtrain_store_peer serve | work PORT RANK N\n";
+    std::cerr << "usage: dtrain_store_peer serve | work PORT RANK N | lease PORT KEY\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "dtrain_store_peer: " << e.what() << '\n';

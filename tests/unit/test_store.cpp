@@ -3,7 +3,10 @@
 #include "store_support.hpp"
 
 #include <atomic>
+#include <csignal>
 #include <set>
+#include <span>
+#include <thread>
 
 using dtrain::store_client;
 using dtrain::store_options;
@@ -169,6 +172,80 @@ TEST_CASE("store: every operation from ranks in separate processes") {
   for (int r = 0; r < world; ++r) leaders.insert(job.get("saw/" + std::to_string(r)));
   REQUIRE(leaders.size() == 1);
   CHECK(std::stoi(*leaders.begin()) < world);
+}
+
+namespace {
+// Polls (bounded) until `key`'s presence is `present`; the server drops a
+// closed connection's leases on its own thread, a moment after the close.
+bool becomes(store_client& c, const std::string& key, bool present) {
+  for (int i = 0; i < 1000; ++i) {
+    if (c.check(std::span<const std::string>(&key, 1)) == present) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+}  // namespace
+
+TEST_CASE("store: a leased key lives as long as its client's connection, however that ends") {
+  store_server server("127.0.0.1", 0, quick);
+  store_client watcher("127.0.0.1", server.port(), quick);
+  {
+    store_client holder("127.0.0.1", server.port(), quick);
+    holder.lease("alive/0", "agent 0");
+    CHECK(watcher.get("alive/0") == "agent 0");
+    holder.lease("alive/0", "agent 0, again");  // the same key: leased once, its value changed
+    CHECK(watcher.get("alive/0") == "agent 0, again");
+    CHECK(holder.add("plain", 1) == 1);
+  }
+  CHECK(becomes(watcher, "alive/0", false));
+  CHECK(watcher.get("plain") == "1");  // a key set the ordinary way stays
+
+  // A process killed with SIGKILL: its kernel closes the connection.
+  dtrain_test::child peer = dtrain_test::spawn(
+      {dtrain_test::store_peer(), "lease", std::to_string(server.port()), "alive/1"}, true);
+  REQUIRE(peer.read_line() == "leased");
+  CHECK(watcher.get("alive/1") == "held");
+  ::kill(peer.pid, SIGKILL);
+  CHECK(peer.wait() == 128 + SIGKILL);
+  CHECK(becomes(watcher, "alive/1", false));
+
+  // A key another client set to its own value since is not the lease's any more.
+  {
+    store_client holder("127.0.0.1", server.port(), quick);
+    holder.lease("alive/2", "old agent");
+    watcher.set("alive/2", "new agent");
+  }
+  store_client probe("127.0.0.1", server.port(), quick);  // a connection after the close
+  probe.ping();
+  std::this_thread::sleep_for(100ms);
+  CHECK(watcher.get("alive/2") == "new agent");
+}
+
+TEST_CASE("store: a connection holds a bounded number of leases, and the refusal says so") {
+  store_server server("127.0.0.1", 0, quick);
+  store_client c("127.0.0.1", server.port(), quick);
+  for (std::size_t i = 0; i < dtrain::detail::wire::max_leases_per_connection; ++i) {
+    c.lease("lease/" + std::to_string(i), "x");
+  }
+  try {
+    c.lease("one/too/many", "x");
+    FAIL("a lease beyond the bound succeeded");
+  } catch (const dtrain::rendezvous_error& e) {
+    CHECK_CONTAINS(e.what(), "lease(\"one/too/many\"): this connection holds 4 leased keys");
+  }
+  CHECK_FALSE(c.check(std::vector<std::string>{"one/too/many"}));
+  c.lease("lease/0", "y");  // one it holds: still allowed
+  CHECK(c.get("lease/0") == "y");
+}
+
+TEST_CASE("store: a connection the server closed as idle is reopened with its leases") {
+  store_server server("127.0.0.1", 0, {.timeout = 20s, .idle_timeout = 200ms});
+  store_client watcher("127.0.0.1", server.port(), quick);
+  store_client holder("127.0.0.1", server.port(), {.timeout = 20s});
+  holder.lease("alive/0", "agent 0");
+  CHECK(becomes(watcher, "alive/0", false));  // idle: closed, and the lease with it
+  holder.ping();                              // reopens, leasing again
+  CHECK(watcher.get("alive/0") == "agent 0");
 }
 
 TEST_CASE("prefix_store: namespaces nest and do not see each other") {

@@ -152,9 +152,16 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
           " before this one was ready: joining the next");
       continue;
     }
+    std::string passed;
+    for (const int n : store.passed_over())
+      passed += (passed.empty() ? "" : ", ") + std::to_string(n);
     say("round " + std::to_string(restart) + ": nodes " + names + " (" +
         std::to_string(members.size()) + " of at most " + std::to_string(nnodes()) + "), " +
-        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers");
+        std::to_string(members.size() * static_cast<std::size_t>(nproc_)) + " workers" +
+        (passed.empty() ? std::string()
+                        : "; formed without waiting for node" +
+                              std::string(store.passed_over().size() == 1 ? " " : "s ") + passed +
+                              " (agent gone)"));
     const detail::round_end end = run_round(store, restart, members);
     if (end.succeeded) return 0;
     if (end.regroup) {

@@ -81,10 +81,28 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
   }
   const std::string mine = agent_keys::node(node_rank_);
   const std::string holder = client_.compare_set(mine, "", me.encode());
-  if (holder == me.encode()) return;
+  if (holder == me.encode()) {
+    take_lease(me);
+    return;
+  }
   // Held before: by an agent of this node that is gone (it comes back), or
   // by another agent started with this node rank, which still beats.
   const node_record other = node_record::decode(mine, holder);
+  auto gone = [&] {  // its lease ended (the holder leases right after it registers)
+    const std::string alive = agent_keys::alive(node_rank_);
+    return !client_.check(std::span<const std::string>(&alive, 1));
+  };
+  if (gone()) {
+    poll_until(
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(200), [] { return false; },
+        "the agent that held node_rank " + std::to_string(node_rank_) + " to take its lease",
+        false);
+    if (gone()) {
+      client_.set(mine, me.encode());
+      take_lease(me);
+      return;
+    }
+  }
   const std::string beats = agent_keys::beat(node_rank_);
   const std::int64_t before = client_.add(beats, 0);
   // Without beating: only the holder's beats may move the count.
@@ -97,6 +115,25 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
                        ") asks for it too; give each agent its own --node-rank / NODE_RANK");
   }
   client_.set(mine, me.encode());
+  take_lease(me);
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::take_lease(const node_record& me) {
+  client_.lease(agent_keys::alive(node_rank_), me.encode());
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::gone_nodes(const std::vector<int>& nodes) {
+  std::vector<std::string> keys;
+  for (const int n : nodes) {
+    if (n != node_rank_) keys.push_back(agent_keys::alive(n));
+  }
+  std::vector<int> gone;
+  if (keys.empty() || client_.check(keys)) return gone;  // one request while all are there
+  for (const int n : nodes) {
+    const std::string key = agent_keys::alive(n);
+    if (n != node_rank_ && !client_.check(std::span<const std::string>(&key, 1))) gone.push_back(n);
+  }
+  return gone;
 }
 
 DTRAIN_DETAIL_INLINE int agent_store::first_round() {
@@ -120,14 +157,37 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     wait_for([&] { return ready() >= min_nodes; }, "at least " + std::to_string(min_nodes) +
                                                        " of " + std::to_string(nnodes_) +
                                                        " nodes to be ready for " + round);
-    // The last call: a time-out here is no failure, the round is who came.
+    // The last call, for nodes still starting: a time-out here is no
+    // failure, the round is who came. After node 0's first round, the nodes
+    // whose agents are gone are not waited for: every one connected is.
+    std::vector<int> everyone(static_cast<std::size_t>(nnodes_));
+    for (int n = 0; n < nnodes_; ++n) everyone[static_cast<std::size_t>(n)] = n;
+    auto connected_ready = [&] {
+      if (!formed_) return false;
+      const std::vector<int> gone = gone_nodes(everyone);
+      for (int n = 0; n < nnodes_; ++n) {
+        if (std::find(gone.begin(), gone.end(), n) != gone.end()) continue;
+        const std::string key = agent_keys::ready_node(restart, n);
+        if (!client_.check(std::span<const std::string>(&key, 1))) return false;
+      }
+      return true;
+    };
     static_cast<void>(poll_until(
-        std::chrono::steady_clock::now() + last_call, [&] { return ready() >= nnodes_; },
+        std::chrono::steady_clock::now() + last_call,
+        [&] { return ready() >= nnodes_ || connected_ready(); },
         "the other nodes to be ready for " + round));
+    const bool first = !std::exchange(formed_, true);
     std::vector<int> nodes;
     for (int n = 0; n < nnodes_; ++n) {
       const std::string key = agent_keys::ready_node(restart, n);
       if (client_.check(std::span<const std::string>(&key, 1))) nodes.push_back(n);
+    }
+    // A node ready and then gone is a member: the round ends at once (agent_round::watch_peers).
+    passed_over_.clear();
+    if (!first) {
+      for (const int n : gone_nodes(everyone)) {
+        if (std::find(nodes.begin(), nodes.end(), n) == nodes.end()) passed_over_.push_back(n);
+      }
     }
     client_.set(members_key, encode_members(nodes));
     client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
@@ -150,6 +210,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
                        " and by this one (" + me.who() +
                        "); give each agent its own --node-rank / NODE_RANK");
   }
+  take_lease(me);
   meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);

@@ -16,6 +16,7 @@
 #include <dtrain/rendezvous/security.hpp>
 #include <dtrain/rendezvous/server.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -165,14 +166,23 @@ class agent_store {
   /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
   void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
 
+  /// Of `nodes`, those (but this one) whose agent is gone: its lease
+  /// (agent_keys::alive, taken when it joined) ended with its connection to
+  /// the store, so it was killed or its host went away. Known at once, where
+  /// the heartbeat takes DTRAIN_HEARTBEAT_TIMEOUT; a host that vanishes
+  /// without closing its connections is left to the heartbeat.
+  [[nodiscard]] std::vector<int> gone_nodes(const std::vector<int>& nodes);
+
   // ---- elastic jobs (dtrun --nnodes MIN:MAX) ----------------------------
 
   /// Registers this node without waiting for the others (a node may come
   /// and go), after checking that it runs the job's shape (node 0's record;
   /// config_error naming what differs). A node that comes back takes its old
-  /// place once the agent that held it is found silent for `window` (its
-  /// heartbeat, which every agent beats while it waits or runs a round); an
-  /// agent still beating holds it, and this one is refused by name.
+  /// place at once when the agent that held it is gone (its lease,
+  /// agent_keys::alive, ended with its connection), else once that agent is
+  /// found silent for `window` (its heartbeat, which every agent beats while
+  /// it waits or runs a round); an agent still beating holds it, and this
+  /// one is refused by name. Then it takes its own lease.
   void join_elastic(const node_record& me,
                     std::chrono::milliseconds window = std::chrono::milliseconds(2500));
 
@@ -182,10 +192,17 @@ class agent_store {
 
   /// Says that this node is ready for round `restart` and returns the
   /// round's nodes (ascending), which node 0 chooses: once at least
-  /// `min_nodes` are ready, every node ready within `last_call` after that
-  /// (at once when all nnodes are). Every agent counts the round's nodes from
-  /// then on (success, leaving). A node not among them joins a later round.
+  /// `min_nodes` are ready, every node ready within `last_call` after that.
+  /// The last call is for nodes still starting: it ends at once when all
+  /// nnodes are ready, and, for every round after node 0's first, when every
+  /// node whose agent is connected (its lease) is ready: survivors of a lost
+  /// node do not wait for it. Every agent counts the round's nodes from then
+  /// on (success, leaving). A node not among them joins a later round.
   std::vector<int> form_round(int restart, int min_nodes, std::chrono::milliseconds last_call);
+
+  /// Node 0, after form_round(): the nodes it did not wait for because their
+  /// agents were gone.
+  [[nodiscard]] const std::vector<int>& passed_over() const noexcept { return passed_over_; }
 
   /// Whether a node is ready for the round after `restart`: one waits to join.
   [[nodiscard]] bool node_waiting(int restart) {
@@ -197,6 +214,9 @@ class agent_store {
   void leave(std::chrono::milliseconds grace);
 
  private:
+  // Leases agent_keys::alive for this node, valued with its record.
+  void take_lease(const node_record& me);
+
   // config_error when node `n`'s record (`other`) runs another job shape than `me`.
   static void check_same_shape(int n, const node_record& other, const node_record& me);
 
@@ -212,6 +232,8 @@ class agent_store {
   int port_;
   store_client client_;
   int lost_nodes_ = 0;
+  bool formed_ = false;           // node 0: it formed a round before
+  std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
 };
 

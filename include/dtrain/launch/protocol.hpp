@@ -15,7 +15,8 @@
 ///                                   rdzv_id bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
-///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its connection
+///     closes dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
 ///                                   communicator bytes32
@@ -91,6 +92,9 @@ struct agent_keys {
   static constexpr std::string_view current_round = "dtrain/agent/current_round";
   static std::string node(int node) { return "dtrain/agent/node/" + std::to_string(node); }
   static std::string beat(int node) { return "dtrain/agent/beat/" + std::to_string(node); }
+  // Leased by node `node`'s agent (store_client::lease): gone the moment its
+  // connection to the store closes.
+  static std::string alive(int node) { return "dtrain/agent/alive/" + std::to_string(node); }
   static constexpr std::string_view joined = "dtrain/agent/joined";
   static constexpr std::string_view left = "dtrain/agent/left";
 };

@@ -55,11 +55,28 @@ DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
 
 DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
   store.beat();
+  if (peer_lost_) return;
+  // Elastic: the round ends, and the next one is formed of the nodes present.
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_lease_check_ >= std::chrono::milliseconds(100)) {
+    last_lease_check_ = now;
+    const std::vector<int> gone = store.gone_nodes(settings_.members);
+    // An agent leaves once every node's workers succeeded: then it is done, not lost.
+    if (!gone.empty() && !store.all_succeeded(settings_.restart)) {
+      peer_lost_ = true;
+      store.lose_nodes(static_cast<int>(gone.size()));
+      store.record_failure(settings_.restart, 1, !settings_.elastic,
+                           "node " + std::to_string(gone.front()) +
+                               "'s agent is gone: its connection to the store closed (the "
+                               "agent was killed, or its host went away)");
+      return;
+    }
+  }
   const auto silent =
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
+  peer_lost_ = true;
   store.lose_nodes(beats_.silent());
-  // Elastic: the round ends, and the next one is formed of the nodes present.
   store.record_failure(
       settings_.restart, 1, !settings_.elastic,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +

@@ -106,7 +106,9 @@ class agent_round {
     agent_say(settings_.node_rank, settings_.nnodes, text);
   }
 
-  // A node whose agent went silent fails the round for everyone (read by on_failure).
+  // A node whose agent is gone (its lease ended with its connection: at
+  // once) or went silent (its heartbeat) fails the round for everyone (read
+  // by on_failure).
   void watch_peers(agent_store& store);
   // Elastic, node 0: a node waiting for the next round ends this one (a regroup).
   void watch_joiners(agent_store& store);
@@ -134,6 +136,8 @@ class agent_round {
   std::vector<worker_process> workers_;
   heartbeat beats_;
   std::chrono::steady_clock::time_point last_join_check_{};
+  std::chrono::steady_clock::time_point last_lease_check_{};
+  bool peer_lost_ = false;  // recorded: no more checks this round
   bool reported_success_ = false;
   state state_ = state::starting;
 };

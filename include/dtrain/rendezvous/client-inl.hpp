@@ -74,6 +74,27 @@ DTRAIN_DETAIL_INLINE bool store_client::erase(std::string_view key) {
   return detail::wire::reader(*reply).u8("existed") != 0;
 }
 
+DTRAIN_DETAIL_INLINE std::string store_client::lease_body(std::string_view key,
+                                                          std::string_view value) {
+  std::string body = begin(detail::wire::op::lease);
+  detail::wire::writer w(body);
+  w.bytes32(key);
+  w.bytes32(value);
+  return body;
+}
+
+DTRAIN_DETAIL_INLINE void store_client::lease(std::string_view key, std::string_view value) {
+  call(lease_body(key, value), milliseconds(0), "lease(\"" + std::string(key) + "\")");
+  std::lock_guard lock(mutex_);
+  auto held =
+      std::find_if(leases_.begin(), leases_.end(), [&](const auto& kv) { return kv.first == key; });
+  if (held == leases_.end()) {
+    leases_.emplace_back(std::string(key), std::string(value));
+  } else {
+    held->second = value;
+  }
+}
+
 DTRAIN_DETAIL_INLINE std::int64_t store_client::num_keys() {
   auto reply = call(begin(detail::wire::op::num_keys), milliseconds(0), "num_keys()");
   return static_cast<std::int64_t>(detail::wire::reader(*reply).u64("count"));
@@ -291,6 +312,9 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   broken_ = false;
   try {
     connect(options_.io_timeout);
+    for (const auto& [key, value] : leases_) {
+      (void)exchange(lease_body(key, value), milliseconds(0), "lease(\"" + key + "\")");
+    }
   } catch (const error& e) {
     broken_ = true;
     throw rendezvous_error(what + ": the store at " + endpoint() +

@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -88,6 +89,14 @@ class store_client {
   /// Removes key; returns whether it existed.
   bool erase(std::string_view key);
 
+  /// Sets key to value for as long as this client's connection lives: the
+  /// server erases it when the connection closes, however it closes (the
+  /// process ended or was killed, its host went away). Others check() it to
+  /// learn at once that this client is gone. A connection reopened after an
+  /// idle close leases its keys again. At most
+  /// detail::wire::max_leases_per_connection keys (the server refuses more).
+  void lease(std::string_view key, std::string_view value);
+
   /// Number of keys in the store (all prefixes).
   [[nodiscard]] std::int64_t num_keys();
 
@@ -117,6 +126,8 @@ class store_client {
   static std::string seconds(milliseconds t);
 
   static std::string key_list(std::span<const std::string> keys);
+
+  static std::string lease_body(std::string_view key, std::string_view value);
 
   using steady = std::chrono::steady_clock;
 
@@ -148,6 +159,8 @@ class store_client {
 
   // A new connection within the io timeout; the old one is dropped unread.
   void reopen(const std::string& what);
+  // lease()'s keys and values, leased again by reopen().
+  std::vector<std::pair<std::string, std::string>> leases_;
 
   std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
                                       const std::string& what);

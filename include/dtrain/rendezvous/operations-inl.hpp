@@ -38,6 +38,7 @@ DTRAIN_DETAIL_INLINE auto store_operations::make_handlers() -> std::array<handle
   t[static_cast<std::uint8_t>(op::erase)] = &store_operations::erase;
   t[static_cast<std::uint8_t>(op::num_keys)] = &store_operations::num_keys;
   t[static_cast<std::uint8_t>(op::ping)] = &store_operations::ping;
+  t[static_cast<std::uint8_t>(op::lease)] = &store_operations::lease;
   return t;
 }
 
@@ -120,6 +121,36 @@ DTRAIN_DETAIL_INLINE task<std::string> store_operations::num_keys(store_request&
 DTRAIN_DETAIL_INLINE task<std::string> store_operations::ping(store_request& q) {
   q.fields.finish("ping request");
   co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE task<std::string> store_operations::lease(store_request& q) {
+  auto key = read_key(q);
+  auto value = q.fields.bytes32("value", limits_.max_value_size);
+  q.fields.finish("lease request");
+  auto& held = q.c.leases();
+  auto mine =
+      std::find_if(held.begin(), held.end(), [&](const auto& kv) { return kv.first == key; });
+  if (mine == held.end() && held.size() >= wire::max_leases_per_connection) {
+    throw store_refusal("lease(\"" + std::string(key) + "\"): this connection holds " +
+                        std::to_string(held.size()) + " leased keys, the most one may");
+  }
+  state_.set(key, value);
+  changed();
+  if (mine == held.end()) {
+    held.emplace_back(std::string(key), std::string(value));
+  } else {
+    mine->second = value;
+  }
+  co_return reply(status::ok);
+}
+
+DTRAIN_DETAIL_INLINE void store_operations::release(server_connection& c) {
+  for (const auto& [key, value] : c.leases()) {
+    const std::string* now = state_.find(key);
+    if (now != nullptr && *now == value) state_.erase(key);
+  }
+  c.leases().clear();
+  changed();
 }
 
 DTRAIN_DETAIL_INLINE task<bool> store_operations::reserve_value(store_request& q,

@@ -55,6 +55,9 @@ class store_operations {
   /// Connections suspended in a get or wait. Callable from any thread.
   [[nodiscard]] std::size_t waiting() const noexcept { return waiting_.load(); }
 
+  /// Erases the keys connection `c` leased (wire::op::lease), as it ends.
+  void release(server_connection& c);
+
   /// The reply that tells a client the store refused its request.
   static std::string refusal(std::string_view message);
 
@@ -107,6 +110,8 @@ class store_operations {
   task<std::string> num_keys(store_request& q);
 
   task<std::string> ping(store_request& q);
+
+  task<std::string> lease(store_request& q);
 
   // Reserves, before a reply that copies the value at `key` is built, what
   // that reply will hold until the client reads it. False when the key is

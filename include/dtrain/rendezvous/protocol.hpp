@@ -15,6 +15,7 @@
 #include <dtrain/detail/wire.hpp>
 #include <dtrain/rendezvous/options.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -35,7 +36,11 @@ enum class op : std::uint8_t {
   erase = 7,        ///< key → ok + u8 (existed)
   num_keys = 8,     ///< → ok + u64
   ping = 9,         ///< → ok
+  lease = 10,       ///< key, value → ok: set, and erased when this connection closes
 };
+
+/// Leased keys one connection may hold (op::lease): a node agent needs one.
+inline constexpr std::size_t max_leases_per_connection = 4;
 
 enum class status : std::uint8_t {
   ok = 0,

@@ -213,6 +213,7 @@ DTRAIN_DETAIL_INLINE detail::task<void> store_server::serve(connection& c) {
     }
   }
   if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
+  operations_.release(c.io);  // its leased keys end with it
   finished_.push_back(&c);
 }
 

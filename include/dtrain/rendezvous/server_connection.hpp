@@ -22,6 +22,7 @@
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -105,6 +106,13 @@ class server_connection {
   /// the server went away.
   void say_goodbye();
 
+  /// The keys this client leased (wire::op::lease) and their values: the
+  /// server erases each when the connection ends, however it ends, unless
+  /// another client has set the key to another value since.
+  [[nodiscard]] std::vector<std::pair<std::string, std::string>>& leases() noexcept {
+    return leases_;
+  }
+
  private:
   reactor& reactor_;
   byte_budget& budget_;
@@ -113,6 +121,7 @@ class server_connection {
   std::string peer_;
   std::chrono::milliseconds io_timeout_;
   kv_waiter waiter_;
+  std::vector<std::pair<std::string, std::string>> leases_;
 };
 
 }  // namespace dtrain::detail
