@@ -62,7 +62,8 @@ constexpr std::string_view program = "dtrain_train_mlp";
 constexpr const char* own_synopsis =
     " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2|3]\n"
     "          [--precision fp32|bf16|fp16]\n"
-    "          [--checkpoint-dir DIR [--checkpoint-every N]] [--sample-log DIR]\n";
+    "          [--checkpoint-dir DIR [--checkpoint-every N] [--memory-every N]]\n"
+    "          [--sample-log DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
     "                      not in the MPI build, where mpirun starts the ranks\n"
@@ -77,6 +78,9 @@ constexpr const char* own_options =
     "  --checkpoint-dir DIR  resume from DIR's newest checkpoint on start, and save\n"
     "                      checkpoints there (every rank must see DIR)\n"
     "  --checkpoint-every N  save a checkpoint every N steps (0: never; 0)\n"
+    "  --memory-every N    also save into memory every N steps (the memory tier: a\n"
+    "                      worker restarted on its node resumes from there, and\n"
+    "                      loses at most N steps; under dtrun) (0: never; 0)\n"
     "  --sample-log DIR    each rank writes the samples of each step it trains to\n"
     "                      DIR/round-R-rank-N.txt (\"step epoch index...\"), R the\n"
     "                      agent's round: to count them across restarts\n";
@@ -86,6 +90,7 @@ struct demo_settings {
   mlp::settings s;
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
+  std::uint64_t memory_every = 0;
   std::string sample_log;
   mlp::optimizer::kind optimizer = mlp::optimizer::kind::sgd;
   dtrain::sharding sharding = dtrain::sharding::none;
@@ -103,6 +108,10 @@ demo_settings parse_flags(int argc, char** argv) {
     }
     if (flag == "--checkpoint-every") {
       d.checkpoint_every = line.number<std::uint64_t>(flag, value(), 0);
+      return true;
+    }
+    if (flag == "--memory-every") {
+      d.memory_every = line.number<std::uint64_t>(flag, value(), 0);
       return true;
     }
     if (flag == "--optimizer") {
@@ -147,6 +156,10 @@ demo_settings parse_flags(int argc, char** argv) {
   if (d.checkpoint_every > 0 && d.checkpoint_dir.empty()) {
     line.bad_flag("--checkpoint-every " + std::to_string(d.checkpoint_every) +
                   " needs a --checkpoint-dir to save into");
+  }
+  if (d.memory_every > 0 && d.checkpoint_dir.empty()) {
+    line.bad_flag("--memory-every " + std::to_string(d.memory_every) +
+                  " needs a --checkpoint-dir (the disk tier, its fallback)");
   }
   return d;
 }
@@ -287,8 +300,9 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   // sampler's place and the step (the data and the model are made from --seed).
   std::optional<dtrain::checkpoint> checkpoint;
   if (!d.checkpoint_dir.empty()) {
-    checkpoint.emplace(
-        ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir, .every = d.checkpoint_every});
+    checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir,
+                                                       .every = d.checkpoint_every,
+                                                       .memory_every = d.memory_every});
     if (d.sharding == dtrain::sharding::parameters) {
       // ZeRO stage 3: only DDP holds the values, each rank its shard: saved
       // so, and re-cut for another number of ranks, as the optimizer state

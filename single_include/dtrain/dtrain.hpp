@@ -1075,6 +1075,9 @@ inline constexpr std::string_view local_rank_arg_variable = "DTRAIN_LOCAL_RANK_A
 inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
 /// Set by the agent for its workers: how many times the job was restarted.
 inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+/// Set by the node agent for its workers: its directory in memory for the
+/// checkpoints' memory tier (checkpoint_options::memory_dir).
+inline constexpr std::string_view memory_checkpoint_variable = "DTRAIN_MEMORY_CHECKPOINT_DIR";
 
 // --- collectives and engines (backend/)
 
@@ -23720,15 +23723,20 @@ DTRAIN_DETAIL_INLINE void agent_round::stop(int sig) {
 // ---- end dtrain/launch/round.hpp ----
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace dtrain {
@@ -23750,6 +23758,26 @@ namespace dtrain {
 /// node 0's agent picks for the workers in each round (a PyTorch worker's
 /// rank 0 binds its own store there); dtrain workers meet at the agent's
 /// store instead, which outlives restarts.
+namespace detail {
+/// A node's directory for the checkpoints' memory tier (DTRAIN_MEMORY_CHECKPOINT_DIR
+/// of its workers): made in /dev/shm (else the temporary directory), private
+/// to this user, and removed with all in it when its agent ends, so that it
+/// outlives every worker but not the job. Empty when neither can hold one.
+/// Its name carries the agent's pid: an agent removes the directories that
+/// agents of this user which are gone (SIGKILLed) left behind.
+class memory_directory {
+ public:
+  explicit memory_directory(int node_rank);
+  memory_directory(const memory_directory&) = delete;
+  memory_directory& operator=(const memory_directory&) = delete;
+  ~memory_directory();
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+ private:
+  std::string path_;
+};
+}  // namespace detail
+
 class node_agent {
  public:
   /// `command` is the worker's argv; `env` the environment the workers
@@ -23802,6 +23830,7 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
+  std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
 };
 
 }  // namespace dtrain
@@ -23874,6 +23903,13 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     store_options_.token = detail::new_store_token();
   }
   detail::agent_signal_scope signals;
+  // The memory tier's copies outlive the workers in this agent's directory,
+  // unless the user chose one (the variable in the agent's environment).
+  std::optional<detail::memory_directory> memory;
+  if (!env_.get(memory_checkpoint_variable)) {
+    memory.emplace(node_rank());
+    memory_dir_ = memory->path();
+  }
   // Orphans of the workers come to this agent, which kills and reaps them.
   detail::become_subreaper();
   detail::agent_store store(node_rank(), nnodes(),
@@ -23918,6 +23954,39 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     say(what + "; stopped this node's workers");
     return status;
   }
+}
+
+DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> places{"/dev/shm"};
+  if (auto tmp = std::filesystem::temp_directory_path(ec); !ec) places.push_back(tmp);
+  for (const std::filesystem::path& place : places) {
+    // Those of agents that are gone: "dtrain-memory-<pid>-node<N>-XXXXXX".
+    for (std::filesystem::directory_iterator it(place, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      const std::string left = it->path().filename().string();
+      constexpr std::string_view prefix = "dtrain-memory-";
+      if (!left.starts_with(prefix)) continue;
+      const long pid = std::strtol(left.c_str() + prefix.size(), nullptr, 10);
+      struct stat st {};
+      if (pid <= 0 || ::lstat(it->path().c_str(), &st) != 0 || st.st_uid != ::getuid()) continue;
+      if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        static_cast<void>(detail::remove_tree(it->path().c_str()));
+      }
+    }
+    ec.clear();
+    std::string name = (place / ("dtrain-memory-" + std::to_string(::getpid()) + "-node" +
+                                 std::to_string(node_rank) + "-XXXXXX"))
+                           .string();
+    if (::mkdtemp(name.data()) != nullptr) {  // mode 0700
+      path_ = std::move(name);
+      return;
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE detail::memory_directory::~memory_directory() {
+  if (!path_.empty()) static_cast<void>(detail::remove_tree(path_.c_str()));
 }
 
 DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
@@ -24043,6 +24112,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
   set(std::string(restart_count_variable), std::to_string(restart));
+  if (!memory_dir_.empty()) set(std::string(memory_checkpoint_variable), memory_dir_);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);
@@ -26383,6 +26453,11 @@ DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 /// check out (naming each one it skips), checks that its entries are the
 /// registered ones (names, types, shapes), and only then changes memory.
 /// Every rank must see the same DIR (one machine, or a shared file system).
+///
+/// The memory tier (checkpoint_options::memory_every) saves as often as every
+/// step into memory each node keeps beyond its workers' lives (dtrun's agent
+/// owns it), in the same format, so that a restarted worker loses at most a
+/// step and reads no disk.
 
 // ---- begin dtrain/checkpoint/format.hpp ----
 /// @file
@@ -27154,6 +27229,7 @@ DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir)
 #include <concepts>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -27202,6 +27278,19 @@ struct checkpoint_options {
   /// 0: automatic, the machine's cores per local rank when built from a
   /// dtrain::context (at most 8), else 1.
   int copy_threads = 0;
+  /// The memory tier: step() also saves every `memory_every`-th step into
+  /// `memory_dir`, memory that outlives this process but not its node. A
+  /// worker restarted on the node resumes from there when that copy is at
+  /// least as new as the newest on disk (no read of `dir`); the disk stays
+  /// the fallback and the tier for whole-job restarts. Each node keeps its
+  /// own ranks' parts (and the replicated entries), committed when every rank
+  /// wrote its part, the 2 newest; a copy that is torn, older than the disk's,
+  /// or missing on some node is not used, and rank 0 says why. 0: off.
+  std::uint64_t memory_every = 0;
+  /// The memory tier's directory, one per node. Empty: the environment's
+  /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
+  /// directory in /dev/shm that it owns (and removes when the job ends).
+  std::filesystem::path memory_dir{};
 };
 
 /// Where a checkpoint's time on the training thread went, summed over its
@@ -27220,6 +27309,9 @@ struct checkpoint_timings {
   /// still writing when the next save() came: more than a little means saves
   /// come faster than the disk takes them (rank 0 says so once).
   double writer_wait_seconds = 0;
+  /// The memory tier's saves (checkpoint_options::memory_every), whole: on
+  /// the training thread, as they are synchronous.
+  double memory_seconds = 0;
 };
 
 /// A committed checkpoint found on disk.
@@ -27228,6 +27320,14 @@ struct checkpoint_found {
   std::filesystem::path path;  ///< `DIR/step-<N>`
   int world_size = 0;          ///< of the job that wrote it
 };
+
+namespace detail::ckpt {
+/// The committed step directories of `dir` (`step-<N>`, by name, unchecked),
+/// newest first; none when `dir` does not exist. Throws checkpoint_error when
+/// it cannot be read.
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>> committed_steps(
+    const std::filesystem::path& dir);
+}  // namespace detail::ckpt
 
 /// The newest checkpoint in `dir` whose manifest and files check out (sizes
 /// and checksums), or nullopt. Each newer one that does not is skipped, with a
@@ -27386,9 +27486,19 @@ class checkpoint {
   /// another world size).
   std::optional<std::uint64_t> restore();
 
-  /// Counts a finished training step; saves when `every` divides the count.
-  /// Returns whether it saved.
+  /// Counts a finished training step; saves when `every` divides the count,
+  /// into memory when `memory_every` does. Returns whether it saved to disk.
   bool step();
+
+  /// Saves now into the memory tier (checkpoint_options::memory_every), on
+  /// every rank together. A node whose copy could not be written or committed
+  /// keeps its older ones and says so on stderr; the training goes on (the
+  /// disk is the fallback). Throws config_error when the tier has no
+  /// directory.
+  void save_to_memory();
+
+  /// Where the memory tier keeps this node's copies (empty: none).
+  [[nodiscard]] const std::filesystem::path& memory_dir() const noexcept { return memory_dir_; }
 
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
@@ -27482,7 +27592,7 @@ class checkpoint {
   static detail::ckpt::file_record write_part(const std::filesystem::path& path,
                                               const part_snapshot& part);
   /// Writes this rank's files of `p` (on the training thread, or the writer's).
-  static void write_parts(pending_save& p, int rank);
+  static void write_parts(pending_save& p, int rank, bool replicated);
 
   /// Phases 2 and 3 of the save in flight: all ranks learn what every rank
   /// wrote; rank 0 commits it (manifest, rename) or removes it; all hear which.
@@ -27492,9 +27602,27 @@ class checkpoint {
 
   static std::string not_committed(const std::string& what, const std::string& failed_ranks);
 
-  /// Rank 0: the manifest into the partial directory, which is renamed to
-  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
-  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all);
+  /// Rank 0 (a node's first rank for the memory tier): the manifest into the
+  /// partial directory, which is renamed to `dir`/step-<N> (the commit), each
+  /// fsync'd. `all` holds each rank's (ok, has a file, bytes, checksum); only
+  /// the files of `ranks` (empty: every rank's) are listed. Returns the
+  /// checkpoint's bytes.
+  std::uint64_t commit_on_disk(const std::filesystem::path& dir, const pending_save& p,
+                               const std::vector<std::int64_t>& all,
+                               const std::vector<int>& ranks = {});
+
+  /// The memory tier: the ranks that share this rank's memory directory
+  /// (its node), found once by every rank together.
+  const std::vector<int>& memory_node();
+  /// This rank's newest memory copy that checks out and fits this job, or -1;
+  /// each one it skips is said, naming the copy and why.
+  std::int64_t newest_memory_copy();
+  /// restore()'s choice between the memory tier and the disk's `disk` step
+  /// (or none): the memory copy's step when every rank has the same one, at
+  /// least as new as the disk's; else rank 0 says why not.
+  std::optional<std::uint64_t> choose_memory_copy(std::int64_t disk);
+  /// Loads `step_dir` on every rank (checked first, then read), as restore() does.
+  void load(const std::filesystem::path& step_dir);
 
   /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
   void join_committer();
@@ -27533,7 +27661,10 @@ class checkpoint {
   /// is renamed to NAME.removing at once (so no resume reads it) and removed
   /// by a thread beside the training (joined at the next prune, or at the
   /// end). A failure here is reported, not thrown: the new checkpoint is committed.
-  void prune(std::uint64_t newest);
+  /// `dir`: the disk's, or the memory tier's; `beside`: removed by the
+  /// cleaner thread (else here, as for the memory tier, whose saves may run
+  /// while rank 0's committer prunes the disk).
+  void prune(const std::filesystem::path& dir, std::uint64_t newest, bool beside = true);
 
   void say(const std::string& line) const;
 
@@ -27548,7 +27679,9 @@ class checkpoint {
   bool warned_slow_writer_ = false;
   // restore(): the global intervals each sharded entry got, of the elements this rank holds
   std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
-  std::string commit_failure_;  // what it could not do
+  std::string commit_failure_;        // what it could not do
+  std::filesystem::path memory_dir_;  // the memory tier's (empty: off)
+  std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
 };
 
 }  // namespace dtrain
@@ -27563,11 +27696,11 @@ class checkpoint {
 
 namespace dtrain {
 
-DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
-    const std::filesystem::path& dir, std::vector<std::string>* skipped) {
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>>
+detail::ckpt::committed_steps(const std::filesystem::path& dir) {
   std::error_code ec;
-  if (!std::filesystem::exists(dir, ec)) return std::nullopt;
   std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
+  if (!std::filesystem::exists(dir, ec)) return steps;
   std::filesystem::directory_iterator it(dir, ec);
   if (ec) {
     throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
@@ -27585,6 +27718,12 @@ DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
   }
   std::sort(steps.begin(), steps.end(),
             [](const auto& a, const auto& b) { return a.first > b.first; });
+  return steps;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped) {
+  const auto steps = detail::ckpt::committed_steps(dir);
   for (const auto& [step, path] : steps) {
     try {
       const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
@@ -27627,6 +27766,11 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        std::to_string(options_.copy_threads) + "; 0 (automatic) or more");
   }
   if (options_.copy_threads == 0) options_.copy_threads = 1;
+  memory_dir_ = options_.memory_dir;
+  if (memory_dir_.empty()) {
+    const std::string name(memory_checkpoint_variable);
+    if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir_ = dir;
+  }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
 }
@@ -27718,6 +27862,30 @@ DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name,
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   wait();
+  if (options_.memory_every > 0 && !memory_dir_.empty()) {
+    // The memory copy when it is as new as the newest step on disk (by its
+    // name: nothing on disk is read then), else the disk's, checked.
+    std::int64_t on_disk = no_checkpoint;
+    if (plane_.rank() == 0) {
+      try {
+        const auto steps = detail::ckpt::committed_steps(options_.dir);
+        if (!steps.empty()) on_disk = static_cast<std::int64_t>(steps.front().first);
+      } catch (const std::exception&) {
+        on_disk = failed;  // the disk's own look below says why
+      }
+    }
+    broadcast_value(on_disk);
+    if (on_disk != failed) {
+      if (const auto step = choose_memory_copy(on_disk)) {
+        const std::filesystem::path step_dir = memory_dir_ / detail::ckpt::step_name(*step);
+        load(step_dir);
+        steps_ = static_cast<std::int64_t>(*step);
+        say("resumed from the memory copy " + step_dir.string() + " (step " +
+            std::to_string(*step) + "; nothing read from " + options_.dir.string() + ")");
+        return step;
+      }
+    }
+  }
   // Rank 0 finds the newest checkpoint whose files check out; every rank hears the verdict.
   std::int64_t chosen = no_checkpoint;
   std::string problem;
@@ -27745,10 +27913,17 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   }
   const auto step = static_cast<std::uint64_t>(chosen);
   const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
+  load(step_dir);
+  steps_ = static_cast<std::int64_t>(step);
+  say("resumed from " + step_dir.string() + " (step " + std::to_string(step) + ")");
+  return step;
+}
 
+DTRAIN_DETAIL_INLINE void checkpoint::load(const std::filesystem::path& step_dir) {
   // Each rank checks what it will read against what it registered; all agree before anything
   // changes.
   std::vector<std::filesystem::path> files;
+  std::string problem;
   std::int64_t ok = 1;
   try {
     files = check_for_load(step_dir);
@@ -27771,18 +27946,159 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
     problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
   }
   agree(ok, problem, "load " + step_dir.string());
-  steps_ = static_cast<std::int64_t>(step);
-  say("resumed from " + step_dir.string() + " (step " + std::to_string(step) + ")");
-  return step;
+}
+
+DTRAIN_DETAIL_INLINE const std::vector<int>& checkpoint::memory_node() {
+  if (!memory_node_.empty()) return memory_node_;
+  // Ranks with the same host name and memory directory are on one node
+  // (each agent makes its own directory, its pid in the name).
+  const std::int64_t mine = static_cast<std::int64_t>(std::hash<std::string>{}(
+      detail::host_name().value_or("") + ":" + memory_dir_.lexically_normal().string()));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  for (int r = 0; r < plane_.size(); ++r) {
+    if (all[static_cast<std::size_t>(r)] == mine) memory_node_.push_back(r);
+  }
+  return memory_node_;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t checkpoint::newest_memory_copy() {
+  auto skip = [&](const std::string& why) {
+    if (options_.quiet) return;
+    std::fprintf(stderr, "dtrain checkpoint on rank %d: memory copy %s; not used\n", plane_.rank(),
+                 why.c_str());
+    std::fflush(stderr);
+  };
+  try {
+    std::vector<std::string> skipped;
+    const auto found = latest_checkpoint(memory_dir_, &skipped);
+    for (const std::string& line : skipped) skip(line);
+    if (!found) return -1;
+    if (found->world_size != plane_.size()) {
+      skip(found->path.string() + " was written by " + std::to_string(found->world_size) +
+           " ranks and this job has " + std::to_string(plane_.size()));
+      return -1;
+    }
+    if (has_scope(checkpoint_scope::per_rank)) {
+      const detail::ckpt::manifest m = detail::ckpt::read_manifest(found->path);
+      if (!m.find(detail::ckpt::rank_part_name(plane_.rank()))) {
+        skip(found->path.string() + " holds no part of rank " + std::to_string(plane_.rank()) +
+             " (another node's ranks wrote it)");
+        return -1;
+      }
+    }
+    return static_cast<std::int64_t>(found->step);
+  } catch (const std::exception& e) {
+    skip(memory_dir_.string() + ": " + e.what());
+    return -1;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::choose_memory_copy(
+    std::int64_t disk) {
+  const std::int64_t mine = newest_memory_copy();
+  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  const auto [low, high] = std::minmax_element(all.begin(), all.end());
+  if (*high < 0) return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  const std::string fallback = "using " + options_.dir.string() + " instead";
+  if (*low < 0) {
+    std::string ranks;
+    for (int r = 0; r < plane_.size(); ++r) {
+      if (all[static_cast<std::size_t>(r)] < 0)
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    say("memory tier: rank(s) " + ranks +
+        " have no whole memory copy of this job (their node is new, or lost its copies): " +
+        fallback);
+    return std::nullopt;
+  }
+  if (*low != *high) {
+    say("memory tier: the nodes' newest memory copies differ (steps " + std::to_string(*low) +
+        " to " + std::to_string(*high) + "): " + fallback);
+    return std::nullopt;
+  }
+  if (*low < disk) {
+    say("memory tier: the memory copies (step " + std::to_string(*low) +
+        ") are older than the disk checkpoint (step " + std::to_string(disk) + "): " + fallback);
+    return std::nullopt;
+  }
+  return static_cast<std::uint64_t>(*low);
 }
 
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   ++steps_;
-  if (options_.every > 0 && static_cast<std::uint64_t>(steps_) % options_.every == 0) {
+  const auto n = static_cast<std::uint64_t>(steps_);
+  if (options_.memory_every > 0 && n % options_.memory_every == 0) save_to_memory();
+  if (options_.every > 0 && n % options_.every == 0) {
     save();
     return true;
   }
   return false;
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
+  if (memory_dir_.empty()) {
+    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                       ": the memory tier has no directory: run under dtrun (its node agent "
+                       "sets " +
+                       std::string(memory_checkpoint_variable) +
+                       "), or set checkpoint_options::memory_dir");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<int>& node = memory_node();
+  const bool leader = node.front() == plane_.rank();  // writes the replicated part and commits
+  pending_save p;
+  p.step = static_cast<std::uint64_t>(steps_);
+  p.start = start;
+  p.partial =
+      memory_dir_ / (detail::ckpt::step_name(p.step) + std::string(detail::ckpt::partial_suffix));
+  try {
+    make_directory(p.partial, false);
+    for (const hook& h : hooks_) {
+      if (h.before_save) h.before_save();
+    }
+    p.per_rank = snapshot(checkpoint_scope::per_rank, false);
+    if (leader) p.replicated = snapshot(checkpoint_scope::replicated, false);
+    write_parts(p, plane_.rank(), leader);
+  } catch (const std::exception& e) {
+    if (p.problem.empty()) p.problem = e.what();
+  }
+  // Every rank learns what every rank wrote; each node's first rank commits its node's copy.
+  std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
+  if (!p.problem.empty()) {
+    mine[0] = 0;
+  } else if (p.per_rank_file) {
+    mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
+            std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
+  }
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(mine, all);
+  bool whole = true;
+  for (const int r : node) whole = whole && all[4 * static_cast<std::size_t>(r)] != 0;
+  std::string problem = p.problem;
+  if (leader) {
+    try {
+      if (whole) {
+        static_cast<void>(commit_on_disk(memory_dir_, p, all, node));
+        prune(memory_dir_, p.step, false);  // memory: removed at once
+      } else {
+        remove_tree(p.partial);
+      }
+    } catch (const std::exception& e) {
+      if (problem.empty()) problem = e.what();
+    }
+  }
+  if (!problem.empty() || (leader && !whole)) {
+    std::fprintf(
+        stderr,
+        "dtrain checkpoint on rank %d: the memory copy of step %llu was not committed "
+        "on this node (%s); its older copies and the disk stay\n",
+        plane_.rank(), static_cast<unsigned long long>(p.step),
+        problem.empty() ? "a rank of this node could not write its part" : problem.c_str());
+    std::fflush(stderr);
+  }
+  timings_.memory_seconds += detail::ckpt::seconds_since(start);
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save() {
@@ -27826,10 +28142,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save() {
     p.problem = e.what();
   }
   if (options_.asynchronous && p.problem.empty()) {
-    p.writer = std::thread([&p, rank = plane_.rank()] { write_parts(p, rank); });
+    p.writer = std::thread([&p, rank = plane_.rank()] { write_parts(p, rank, rank == 0); });
     return;
   }
-  if (p.problem.empty()) write_parts(p, plane_.rank());
+  if (p.problem.empty()) write_parts(p, plane_.rank(), plane_.rank() == 0);
   commit();
 }
 
@@ -27974,12 +28290,12 @@ DTRAIN_DETAIL_INLINE detail::ckpt::file_record checkpoint::write_part(
   return file.finish();
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::write_parts(pending_save& p, int rank) {
+DTRAIN_DETAIL_INLINE void checkpoint::write_parts(pending_save& p, int rank, bool replicated) {
   try {
     if (!p.per_rank.records.empty()) {
       p.per_rank_file = write_part(p.partial / detail::ckpt::rank_part_name(rank), p.per_rank);
     }
-    if (rank == 0)
+    if (replicated)
       p.replicated_file = write_part(p.partial / detail::ckpt::replicated_name, p.replicated);
   } catch (const std::exception& e) {
     p.problem = e.what();
@@ -28049,8 +28365,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::commit(bool next_save) {
     std::string problem = q.problem;
     try {
       if (failed_ranks.empty()) {
-        const std::uint64_t bytes = commit_on_disk(q, all);
-        prune(q.step);
+        const std::uint64_t bytes = commit_on_disk(options_.dir, q, all);
+        prune(options_.dir, q.step);
         const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
         char line[160];
         std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)",
@@ -28087,13 +28403,16 @@ DTRAIN_DETAIL_INLINE std::string checkpoint::not_committed(const std::string& wh
          "; the checkpoints before it are kept";
 }
 
-DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(
-    const pending_save& p, const std::vector<std::int64_t>& all) {
-  const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
+DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(const std::filesystem::path& dir,
+                                                              const pending_save& p,
+                                                              const std::vector<std::int64_t>& all,
+                                                              const std::vector<int>& ranks) {
+  const std::filesystem::path step_dir = dir / detail::ckpt::step_name(p.step);
   detail::ckpt::manifest m{p.step, plane_.size(), {*p.replicated_file}};
   std::uint64_t bytes = p.replicated_file->bytes;
   for (std::size_t r = 0; 4 * r < all.size(); ++r) {
     if (all[4 * r + 1] == 0) continue;
+    if (!ranks.empty() && std::ranges::find(ranks, static_cast<int>(r)) == ranks.end()) continue;
     m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
                        static_cast<std::uint64_t>(all[4 * r + 2]),
                        std::bit_cast<std::uint64_t>(all[4 * r + 3])});
@@ -28111,7 +28430,7 @@ DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(
     remove_tree(aside);
   }
   detail::ckpt::rename_path(p.partial, step_dir);
-  detail::ckpt::sync_directory(options_.dir);
+  detail::ckpt::sync_directory(dir);
   return bytes;
 }
 
@@ -28319,13 +28638,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::remove_tree(const std::filesystem::path& p
   }
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
-  if (cleaner_.joinable()) cleaner_.join();
+DTRAIN_DETAIL_INLINE void checkpoint::prune(const std::filesystem::path& dir, std::uint64_t newest,
+                                            bool beside) {
+  if (beside && cleaner_.joinable()) cleaner_.join();
   std::vector<std::uint64_t> kept;
   std::vector<std::filesystem::path> stale;
   std::error_code ec;
-  for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end;
-       it.increment(ec)) {
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (auto step = detail::ckpt::step_of(name)) {
       if (*step > newest) {
@@ -28345,7 +28664,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
   }
   std::sort(kept.begin(), kept.end(), std::greater<>());
   for (std::size_t i = static_cast<std::size_t>(options_.keep); i < kept.size(); ++i) {
-    stale.push_back(options_.dir / detail::ckpt::step_name(kept[i]));
+    stale.push_back(dir / detail::ckpt::step_name(kept[i]));
   }
   std::vector<std::filesystem::path> doomed;
   for (const std::filesystem::path& path : stale) {
@@ -28362,13 +28681,18 @@ DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
     }
   }
   if (doomed.empty()) return;
-  cleaner_ = std::thread([this, doomed = std::move(doomed)] {
+  auto remove = [this, doomed = std::move(doomed)] {
     for (const std::filesystem::path& path : doomed) {
       if (const int err = detail::remove_tree(path.c_str()); err != 0) {
         say("could not remove " + path.string() + ": " + std::strerror(err));
       }
     }
-  });
+  };
+  if (!beside) {
+    remove();
+    return;
+  }
+  cleaner_ = std::thread(std::move(remove));
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::say(const std::string& line) const {

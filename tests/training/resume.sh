@@ -14,6 +14,12 @@
 #                naming the file, and ends with the same checksum again.
 #   kill_worker_stage3  kill_worker at ZeRO stage 3 (--sharding 3): the values
 #                and the optimizer state saved as shards, each rank its own.
+#   kill_worker_memory  kill_worker with the memory tier (--memory-every 1, the
+#                disk every 20): the restarted workers resume from their node
+#                agent's memory copy (nothing read from the checkpoint directory),
+#                at most one step is trained twice (counted from --sample-log), the
+#                checksum is the uninterrupted run's, and the agent's directory in
+#                memory is gone after the job.
 #   kill_in_save the same, with the kill as soon as a save is seen in progress
 #                (a step-N.partial directory): that save is never used.
 #   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
@@ -162,6 +168,44 @@ case $case_name in
     got=$(checksum_of "$work/damaged.log")
     [[ $got == "$want" ]] || fail "after the damaged checkpoint: checksum $got, uninterrupted $want"
     echo "resumed past the damaged $newest: checksum $got, bit-identical"
+    ;;
+
+  kill_worker_memory)
+    cmd=("$train" --nproc-per-node 4 "${model[@]}")
+    want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
+    echo "uninterrupted: checksum $want"
+    dir="$work/ckpt"
+    mkdir "$work/samples"
+    DTRAIN_MAX_RESTARTS=1 "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 20 --memory-every 1 \
+      --sample-log "$work/samples" >"$work/killed.log" 2>&1 &
+    agent=$!
+    kill_worker_after "$dir" "$agent" random 20
+    wait "$agent"
+    status=$?
+    grep -E "restarting|resumed|memory|checksum|Error|error" "$work/killed.log"
+    ((status == 0)) || { cat "$work/killed.log"; fail "the killed job exited $status"; }
+    grep -q "resumed from the memory copy /.*/step-[0-9]* (step [0-9]*; nothing read from $dir)" \
+      "$work/killed.log" || fail "the restarted workers did not resume from their memory copy"
+    got=$(checksum_of "$work/killed.log")
+    [[ $got == "$want" ]] || fail "resumed run's checksum $got, uninterrupted $want"
+    echo "resumed from memory after the kill: checksum $got, bit-identical"
+    # Steps trained twice: round 0's steps at or after round 1's first.
+    again=$(python3 - "$work/samples" <<'PY'
+import glob, os, sys
+steps = {}
+for path in glob.glob(os.path.join(sys.argv[1], "round-*-rank-*.txt")):
+    rnd = int(os.path.basename(path).split("-")[1])
+    for line in open(path):
+        if line.endswith("\n"):
+            steps.setdefault(rnd, set()).add(int(line.split()[0]))
+first_after = min(steps[1])
+print(len([s for s in steps[0] if s >= first_after]))
+PY
+)
+    echo "steps trained twice: $again"
+    ((again <= 1)) || fail "$again steps were trained twice (the memory tier allows 1)"
+    leftovers=$(compgen -G "/dev/shm/dtrain-memory-$agent-*")
+    [[ -z $leftovers ]] || fail "the agent's memory directory is left: $leftovers"
     ;;
 
   mpi)

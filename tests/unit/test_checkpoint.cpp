@@ -767,3 +767,94 @@ TEST_CASE(
   });
   for (const auto& f : refused) CHECK(f == "");
 }
+
+namespace {
+/// 4 ranks on 2 "nodes" (a memory directory each, as two node agents would
+/// make), a memory copy every step and a disk checkpoint every 4: trains
+/// `steps` steps, then restores in a new checkpoint object; returns what each
+/// rank's restore() gave (-1: none) and checks the state matches that step.
+std::vector<std::int64_t> memory_tier_run(const fs::path& disk, const fs::path& memory, int steps,
+                                          const std::function<void()>& between = {}) {
+  std::vector<std::int64_t> restored(4, -2);
+  auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    std::int64_t own = 0;
+    const fs::path node = memory / ("node" + std::to_string(rank / 2));
+    dtrain::checkpoint c(
+        plane, {.dir = disk, .every = 4, .quiet = true, .memory_every = 1, .memory_dir = node});
+    state.add_to(c);
+    c.add("own", own, dtrain::checkpoint_scope::per_rank);
+    for (int step = 1; step <= steps; ++step) {
+      state.fill(static_cast<float>(step));
+      own = rank * 100 + step;
+      c.step();
+    }
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  if (between) between();
+  failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    toy_state again;
+    std::int64_t own = -1;
+    const fs::path node = memory / ("node" + std::to_string(rank / 2));
+    dtrain::checkpoint d(
+        plane, {.dir = disk, .every = 4, .quiet = true, .memory_every = 1, .memory_dir = node});
+    again.add_to(d);
+    d.add("own", own, dtrain::checkpoint_scope::per_rank);
+    const auto step = d.restore();
+    restored[static_cast<std::size_t>(rank)] = step ? static_cast<std::int64_t>(*step) : -1;
+    if (step) {
+      CHECK(again.optimizer == "adam:" + std::to_string(*step));
+      CHECK(own == rank * 100 + static_cast<std::int64_t>(*step));
+    }
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  return restored;
+}
+}  // namespace
+
+TEST_CASE("checkpoint: the memory tier resumes from each node's copy, and reads nothing on disk") {
+  scratch_dir disk, memory;
+  // Step 6 is in memory, step 4 the newest on disk: the disk's files are
+  // damaged, so a restore that read them would fail.
+  const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
+    for (const auto& file : fs::directory_iterator(disk.path / "step-4")) {
+      fs::resize_file(file.path(), 1);
+    }
+  });
+  CHECK(restored == std::vector<std::int64_t>(4, 6));
+  // Each node holds its own ranks' parts, the replicated part and a manifest, the 2 newest.
+  CHECK(fs::exists(memory.path / "node0" / "step-6" / "rank-1.dtck"));
+  CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6" / "rank-2.dtck"));
+  CHECK(fs::exists(memory.path / "node1" / "step-6" / "rank-3.dtck"));
+  CHECK(fs::exists(memory.path / "node1" / "step-6" / "replicated.dtck"));
+  CHECK(fs::exists(memory.path / "node1" / "step-5" / "MANIFEST"));
+  CHECK_FALSE(fs::exists(memory.path / "node1" / "step-4"));
+}
+
+TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not used") {
+  SUBCASE("a node lost its copies: the disk's") {
+    scratch_dir disk, memory;
+    const auto restored =
+        memory_tier_run(disk.path, memory.path, 6, [&] { fs::remove_all(memory.path / "node1"); });
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
+  }
+  SUBCASE("a torn copy: skipped by name; the nodes then differ, and the disk's is used") {
+    scratch_dir disk, memory;
+    const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
+      fs::resize_file(memory.path / "node0" / "step-6" / "rank-0.dtck", 10);
+    });
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
+  }
+  SUBCASE("older than the disk's: the disk's") {
+    scratch_dir disk, memory;
+    const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
+      // As if the copies of steps 5 and 6 were gone and only older ones were left.
+      for (const char* node : {"node0", "node1"}) {
+        fs::remove_all(memory.path / node / "step-6");
+        fs::rename(memory.path / node / "step-5", memory.path / node / "step-3");
+        // (its manifest still says step 5: refused as torn, by name)
+      }
+    });
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
+  }
+}

@@ -8,11 +8,11 @@
 
 namespace dtrain {
 
-DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
-    const std::filesystem::path& dir, std::vector<std::string>* skipped) {
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>>
+detail::ckpt::committed_steps(const std::filesystem::path& dir) {
   std::error_code ec;
-  if (!std::filesystem::exists(dir, ec)) return std::nullopt;
   std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
+  if (!std::filesystem::exists(dir, ec)) return steps;
   std::filesystem::directory_iterator it(dir, ec);
   if (ec) {
     throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
@@ -30,6 +30,12 @@ DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
   }
   std::sort(steps.begin(), steps.end(),
             [](const auto& a, const auto& b) { return a.first > b.first; });
+  return steps;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped) {
+  const auto steps = detail::ckpt::committed_steps(dir);
   for (const auto& [step, path] : steps) {
     try {
       const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
@@ -72,6 +78,11 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        std::to_string(options_.copy_threads) + "; 0 (automatic) or more");
   }
   if (options_.copy_threads == 0) options_.copy_threads = 1;
+  memory_dir_ = options_.memory_dir;
+  if (memory_dir_.empty()) {
+    const std::string name(memory_checkpoint_variable);
+    if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir_ = dir;
+  }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
 }
@@ -163,6 +174,30 @@ DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name,
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   wait();
+  if (options_.memory_every > 0 && !memory_dir_.empty()) {
+    // The memory copy when it is as new as the newest step on disk (by its
+    // name: nothing on disk is read then), else the disk's, checked.
+    std::int64_t on_disk = no_checkpoint;
+    if (plane_.rank() == 0) {
+      try {
+        const auto steps = detail::ckpt::committed_steps(options_.dir);
+        if (!steps.empty()) on_disk = static_cast<std::int64_t>(steps.front().first);
+      } catch (const std::exception&) {
+        on_disk = failed;  // the disk's own look below says why
+      }
+    }
+    broadcast_value(on_disk);
+    if (on_disk != failed) {
+      if (const auto step = choose_memory_copy(on_disk)) {
+        const std::filesystem::path step_dir = memory_dir_ / detail::ckpt::step_name(*step);
+        load(step_dir);
+        steps_ = static_cast<std::int64_t>(*step);
+        say("resumed from the memory copy " + step_dir.string() + " (step " +
+            std::to_string(*step) + "; nothing read from " + options_.dir.string() + ")");
+        return step;
+      }
+    }
+  }
   // Rank 0 finds the newest checkpoint whose files check out; every rank hears the verdict.
   std::int64_t chosen = no_checkpoint;
   std::string problem;
@@ -190,10 +225,17 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   }
   const auto step = static_cast<std::uint64_t>(chosen);
   const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
+  load(step_dir);
+  steps_ = static_cast<std::int64_t>(step);
+  say("resumed from " + step_dir.string() + " (step " + std::to_string(step) + ")");
+  return step;
+}
 
+DTRAIN_DETAIL_INLINE void checkpoint::load(const std::filesystem::path& step_dir) {
   // Each rank checks what it will read against what it registered; all agree before anything
   // changes.
   std::vector<std::filesystem::path> files;
+  std::string problem;
   std::int64_t ok = 1;
   try {
     files = check_for_load(step_dir);
@@ -216,18 +258,159 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
     problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
   }
   agree(ok, problem, "load " + step_dir.string());
-  steps_ = static_cast<std::int64_t>(step);
-  say("resumed from " + step_dir.string() + " (step " + std::to_string(step) + ")");
-  return step;
+}
+
+DTRAIN_DETAIL_INLINE const std::vector<int>& checkpoint::memory_node() {
+  if (!memory_node_.empty()) return memory_node_;
+  // Ranks with the same host name and memory directory are on one node
+  // (each agent makes its own directory, its pid in the name).
+  const std::int64_t mine = static_cast<std::int64_t>(std::hash<std::string>{}(
+      detail::host_name().value_or("") + ":" + memory_dir_.lexically_normal().string()));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  for (int r = 0; r < plane_.size(); ++r) {
+    if (all[static_cast<std::size_t>(r)] == mine) memory_node_.push_back(r);
+  }
+  return memory_node_;
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t checkpoint::newest_memory_copy() {
+  auto skip = [&](const std::string& why) {
+    if (options_.quiet) return;
+    std::fprintf(stderr, "dtrain checkpoint on rank %d: memory copy %s; not used\n", plane_.rank(),
+                 why.c_str());
+    std::fflush(stderr);
+  };
+  try {
+    std::vector<std::string> skipped;
+    const auto found = latest_checkpoint(memory_dir_, &skipped);
+    for (const std::string& line : skipped) skip(line);
+    if (!found) return -1;
+    if (found->world_size != plane_.size()) {
+      skip(found->path.string() + " was written by " + std::to_string(found->world_size) +
+           " ranks and this job has " + std::to_string(plane_.size()));
+      return -1;
+    }
+    if (has_scope(checkpoint_scope::per_rank)) {
+      const detail::ckpt::manifest m = detail::ckpt::read_manifest(found->path);
+      if (!m.find(detail::ckpt::rank_part_name(plane_.rank()))) {
+        skip(found->path.string() + " holds no part of rank " + std::to_string(plane_.rank()) +
+             " (another node's ranks wrote it)");
+        return -1;
+      }
+    }
+    return static_cast<std::int64_t>(found->step);
+  } catch (const std::exception& e) {
+    skip(memory_dir_.string() + ": " + e.what());
+    return -1;
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::choose_memory_copy(
+    std::int64_t disk) {
+  const std::int64_t mine = newest_memory_copy();
+  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  const auto [low, high] = std::minmax_element(all.begin(), all.end());
+  if (*high < 0) return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  const std::string fallback = "using " + options_.dir.string() + " instead";
+  if (*low < 0) {
+    std::string ranks;
+    for (int r = 0; r < plane_.size(); ++r) {
+      if (all[static_cast<std::size_t>(r)] < 0)
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    say("memory tier: rank(s) " + ranks +
+        " have no whole memory copy of this job (their node is new, or lost its copies): " +
+        fallback);
+    return std::nullopt;
+  }
+  if (*low != *high) {
+    say("memory tier: the nodes' newest memory copies differ (steps " + std::to_string(*low) +
+        " to " + std::to_string(*high) + "): " + fallback);
+    return std::nullopt;
+  }
+  if (*low < disk) {
+    say("memory tier: the memory copies (step " + std::to_string(*low) +
+        ") are older than the disk checkpoint (step " + std::to_string(disk) + "): " + fallback);
+    return std::nullopt;
+  }
+  return static_cast<std::uint64_t>(*low);
 }
 
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   ++steps_;
-  if (options_.every > 0 && static_cast<std::uint64_t>(steps_) % options_.every == 0) {
+  const auto n = static_cast<std::uint64_t>(steps_);
+  if (options_.memory_every > 0 && n % options_.memory_every == 0) save_to_memory();
+  if (options_.every > 0 && n % options_.every == 0) {
     save();
     return true;
   }
   return false;
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
+  if (memory_dir_.empty()) {
+    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+                       ": the memory tier has no directory: run under dtrun (its node agent "
+                       "sets " +
+                       std::string(memory_checkpoint_variable) +
+                       "), or set checkpoint_options::memory_dir");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<int>& node = memory_node();
+  const bool leader = node.front() == plane_.rank();  // writes the replicated part and commits
+  pending_save p;
+  p.step = static_cast<std::uint64_t>(steps_);
+  p.start = start;
+  p.partial =
+      memory_dir_ / (detail::ckpt::step_name(p.step) + std::string(detail::ckpt::partial_suffix));
+  try {
+    make_directory(p.partial, false);
+    for (const hook& h : hooks_) {
+      if (h.before_save) h.before_save();
+    }
+    p.per_rank = snapshot(checkpoint_scope::per_rank, false);
+    if (leader) p.replicated = snapshot(checkpoint_scope::replicated, false);
+    write_parts(p, plane_.rank(), leader);
+  } catch (const std::exception& e) {
+    if (p.problem.empty()) p.problem = e.what();
+  }
+  // Every rank learns what every rank wrote; each node's first rank commits its node's copy.
+  std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
+  if (!p.problem.empty()) {
+    mine[0] = 0;
+  } else if (p.per_rank_file) {
+    mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
+            std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
+  }
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(mine, all);
+  bool whole = true;
+  for (const int r : node) whole = whole && all[4 * static_cast<std::size_t>(r)] != 0;
+  std::string problem = p.problem;
+  if (leader) {
+    try {
+      if (whole) {
+        static_cast<void>(commit_on_disk(memory_dir_, p, all, node));
+        prune(memory_dir_, p.step, false);  // memory: removed at once
+      } else {
+        remove_tree(p.partial);
+      }
+    } catch (const std::exception& e) {
+      if (problem.empty()) problem = e.what();
+    }
+  }
+  if (!problem.empty() || (leader && !whole)) {
+    std::fprintf(
+        stderr,
+        "dtrain checkpoint on rank %d: the memory copy of step %llu was not committed "
+        "on this node (%s); its older copies and the disk stay\n",
+        plane_.rank(), static_cast<unsigned long long>(p.step),
+        problem.empty() ? "a rank of this node could not write its part" : problem.c_str());
+    std::fflush(stderr);
+  }
+  timings_.memory_seconds += detail::ckpt::seconds_since(start);
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save() {
@@ -271,10 +454,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save() {
     p.problem = e.what();
   }
   if (options_.asynchronous && p.problem.empty()) {
-    p.writer = std::thread([&p, rank = plane_.rank()] { write_parts(p, rank); });
+    p.writer = std::thread([&p, rank = plane_.rank()] { write_parts(p, rank, rank == 0); });
     return;
   }
-  if (p.problem.empty()) write_parts(p, plane_.rank());
+  if (p.problem.empty()) write_parts(p, plane_.rank(), plane_.rank() == 0);
   commit();
 }
 
@@ -419,12 +602,12 @@ DTRAIN_DETAIL_INLINE detail::ckpt::file_record checkpoint::write_part(
   return file.finish();
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::write_parts(pending_save& p, int rank) {
+DTRAIN_DETAIL_INLINE void checkpoint::write_parts(pending_save& p, int rank, bool replicated) {
   try {
     if (!p.per_rank.records.empty()) {
       p.per_rank_file = write_part(p.partial / detail::ckpt::rank_part_name(rank), p.per_rank);
     }
-    if (rank == 0)
+    if (replicated)
       p.replicated_file = write_part(p.partial / detail::ckpt::replicated_name, p.replicated);
   } catch (const std::exception& e) {
     p.problem = e.what();
@@ -494,8 +677,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::commit(bool next_save) {
     std::string problem = q.problem;
     try {
       if (failed_ranks.empty()) {
-        const std::uint64_t bytes = commit_on_disk(q, all);
-        prune(q.step);
+        const std::uint64_t bytes = commit_on_disk(options_.dir, q, all);
+        prune(options_.dir, q.step);
         const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
         char line[160];
         std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)",
@@ -532,13 +715,16 @@ DTRAIN_DETAIL_INLINE std::string checkpoint::not_committed(const std::string& wh
          "; the checkpoints before it are kept";
 }
 
-DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(
-    const pending_save& p, const std::vector<std::int64_t>& all) {
-  const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
+DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(const std::filesystem::path& dir,
+                                                              const pending_save& p,
+                                                              const std::vector<std::int64_t>& all,
+                                                              const std::vector<int>& ranks) {
+  const std::filesystem::path step_dir = dir / detail::ckpt::step_name(p.step);
   detail::ckpt::manifest m{p.step, plane_.size(), {*p.replicated_file}};
   std::uint64_t bytes = p.replicated_file->bytes;
   for (std::size_t r = 0; 4 * r < all.size(); ++r) {
     if (all[4 * r + 1] == 0) continue;
+    if (!ranks.empty() && std::ranges::find(ranks, static_cast<int>(r)) == ranks.end()) continue;
     m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
                        static_cast<std::uint64_t>(all[4 * r + 2]),
                        std::bit_cast<std::uint64_t>(all[4 * r + 3])});
@@ -556,7 +742,7 @@ DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(
     remove_tree(aside);
   }
   detail::ckpt::rename_path(p.partial, step_dir);
-  detail::ckpt::sync_directory(options_.dir);
+  detail::ckpt::sync_directory(dir);
   return bytes;
 }
 
@@ -764,13 +950,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::remove_tree(const std::filesystem::path& p
   }
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
-  if (cleaner_.joinable()) cleaner_.join();
+DTRAIN_DETAIL_INLINE void checkpoint::prune(const std::filesystem::path& dir, std::uint64_t newest,
+                                            bool beside) {
+  if (beside && cleaner_.joinable()) cleaner_.join();
   std::vector<std::uint64_t> kept;
   std::vector<std::filesystem::path> stale;
   std::error_code ec;
-  for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end;
-       it.increment(ec)) {
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (auto step = detail::ckpt::step_of(name)) {
       if (*step > newest) {
@@ -790,7 +976,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
   }
   std::sort(kept.begin(), kept.end(), std::greater<>());
   for (std::size_t i = static_cast<std::size_t>(options_.keep); i < kept.size(); ++i) {
-    stale.push_back(options_.dir / detail::ckpt::step_name(kept[i]));
+    stale.push_back(dir / detail::ckpt::step_name(kept[i]));
   }
   std::vector<std::filesystem::path> doomed;
   for (const std::filesystem::path& path : stale) {
@@ -807,13 +993,18 @@ DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
     }
   }
   if (doomed.empty()) return;
-  cleaner_ = std::thread([this, doomed = std::move(doomed)] {
+  auto remove = [this, doomed = std::move(doomed)] {
     for (const std::filesystem::path& path : doomed) {
       if (const int err = detail::remove_tree(path.c_str()); err != 0) {
         say("could not remove " + path.string() + ": " + std::strerror(err));
       }
     }
-  });
+  };
+  if (!beside) {
+    remove();
+    return;
+  }
+  cleaner_ = std::thread(std::move(remove));
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::say(const std::string& line) const {

@@ -23,6 +23,11 @@
 /// check out (naming each one it skips), checks that its entries are the
 /// registered ones (names, types, shapes), and only then changes memory.
 /// Every rank must see the same DIR (one machine, or a shared file system).
+///
+/// The memory tier (checkpoint_options::memory_every) saves as often as every
+/// step into memory each node keeps beyond its workers' lives (dtrun's agent
+/// owns it), in the same format, so that a restarted worker loses at most a
+/// step and reads no disk.
 
 #include <dtrain/backend/types.hpp>
 #include <dtrain/checkpoint/format.hpp>
@@ -34,6 +39,7 @@
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/sampler.hpp>
 #include <dtrain/detail/sys.hpp>
+#include <dtrain/env/names.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>
@@ -43,6 +49,7 @@
 #include <concepts>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -91,6 +98,19 @@ struct checkpoint_options {
   /// 0: automatic, the machine's cores per local rank when built from a
   /// dtrain::context (at most 8), else 1.
   int copy_threads = 0;
+  /// The memory tier: step() also saves every `memory_every`-th step into
+  /// `memory_dir`, memory that outlives this process but not its node. A
+  /// worker restarted on the node resumes from there when that copy is at
+  /// least as new as the newest on disk (no read of `dir`); the disk stays
+  /// the fallback and the tier for whole-job restarts. Each node keeps its
+  /// own ranks' parts (and the replicated entries), committed when every rank
+  /// wrote its part, the 2 newest; a copy that is torn, older than the disk's,
+  /// or missing on some node is not used, and rank 0 says why. 0: off.
+  std::uint64_t memory_every = 0;
+  /// The memory tier's directory, one per node. Empty: the environment's
+  /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
+  /// directory in /dev/shm that it owns (and removes when the job ends).
+  std::filesystem::path memory_dir{};
 };
 
 /// Where a checkpoint's time on the training thread went, summed over its
@@ -109,6 +129,9 @@ struct checkpoint_timings {
   /// still writing when the next save() came: more than a little means saves
   /// come faster than the disk takes them (rank 0 says so once).
   double writer_wait_seconds = 0;
+  /// The memory tier's saves (checkpoint_options::memory_every), whole: on
+  /// the training thread, as they are synchronous.
+  double memory_seconds = 0;
 };
 
 /// A committed checkpoint found on disk.
@@ -117,6 +140,14 @@ struct checkpoint_found {
   std::filesystem::path path;  ///< `DIR/step-<N>`
   int world_size = 0;          ///< of the job that wrote it
 };
+
+namespace detail::ckpt {
+/// The committed step directories of `dir` (`step-<N>`, by name, unchecked),
+/// newest first; none when `dir` does not exist. Throws checkpoint_error when
+/// it cannot be read.
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>> committed_steps(
+    const std::filesystem::path& dir);
+}  // namespace detail::ckpt
 
 /// The newest checkpoint in `dir` whose manifest and files check out (sizes
 /// and checksums), or nullopt. Each newer one that does not is skipped, with a
@@ -275,9 +306,19 @@ class checkpoint {
   /// another world size).
   std::optional<std::uint64_t> restore();
 
-  /// Counts a finished training step; saves when `every` divides the count.
-  /// Returns whether it saved.
+  /// Counts a finished training step; saves when `every` divides the count,
+  /// into memory when `memory_every` does. Returns whether it saved to disk.
   bool step();
+
+  /// Saves now into the memory tier (checkpoint_options::memory_every), on
+  /// every rank together. A node whose copy could not be written or committed
+  /// keeps its older ones and says so on stderr; the training goes on (the
+  /// disk is the fallback). Throws config_error when the tier has no
+  /// directory.
+  void save_to_memory();
+
+  /// Where the memory tier keeps this node's copies (empty: none).
+  [[nodiscard]] const std::filesystem::path& memory_dir() const noexcept { return memory_dir_; }
 
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
@@ -371,7 +412,7 @@ class checkpoint {
   static detail::ckpt::file_record write_part(const std::filesystem::path& path,
                                               const part_snapshot& part);
   /// Writes this rank's files of `p` (on the training thread, or the writer's).
-  static void write_parts(pending_save& p, int rank);
+  static void write_parts(pending_save& p, int rank, bool replicated);
 
   /// Phases 2 and 3 of the save in flight: all ranks learn what every rank
   /// wrote; rank 0 commits it (manifest, rename) or removes it; all hear which.
@@ -381,9 +422,27 @@ class checkpoint {
 
   static std::string not_committed(const std::string& what, const std::string& failed_ranks);
 
-  /// Rank 0: the manifest into the partial directory, which is renamed to
-  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
-  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all);
+  /// Rank 0 (a node's first rank for the memory tier): the manifest into the
+  /// partial directory, which is renamed to `dir`/step-<N> (the commit), each
+  /// fsync'd. `all` holds each rank's (ok, has a file, bytes, checksum); only
+  /// the files of `ranks` (empty: every rank's) are listed. Returns the
+  /// checkpoint's bytes.
+  std::uint64_t commit_on_disk(const std::filesystem::path& dir, const pending_save& p,
+                               const std::vector<std::int64_t>& all,
+                               const std::vector<int>& ranks = {});
+
+  /// The memory tier: the ranks that share this rank's memory directory
+  /// (its node), found once by every rank together.
+  const std::vector<int>& memory_node();
+  /// This rank's newest memory copy that checks out and fits this job, or -1;
+  /// each one it skips is said, naming the copy and why.
+  std::int64_t newest_memory_copy();
+  /// restore()'s choice between the memory tier and the disk's `disk` step
+  /// (or none): the memory copy's step when every rank has the same one, at
+  /// least as new as the disk's; else rank 0 says why not.
+  std::optional<std::uint64_t> choose_memory_copy(std::int64_t disk);
+  /// Loads `step_dir` on every rank (checked first, then read), as restore() does.
+  void load(const std::filesystem::path& step_dir);
 
   /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
   void join_committer();
@@ -422,7 +481,10 @@ class checkpoint {
   /// is renamed to NAME.removing at once (so no resume reads it) and removed
   /// by a thread beside the training (joined at the next prune, or at the
   /// end). A failure here is reported, not thrown: the new checkpoint is committed.
-  void prune(std::uint64_t newest);
+  /// `dir`: the disk's, or the memory tier's; `beside`: removed by the
+  /// cleaner thread (else here, as for the memory tier, whose saves may run
+  /// while rank 0's committer prunes the disk).
+  void prune(const std::filesystem::path& dir, std::uint64_t newest, bool beside = true);
 
   void say(const std::string& line) const;
 
@@ -437,7 +499,9 @@ class checkpoint {
   bool warned_slow_writer_ = false;
   // restore(): the global intervals each sharded entry got, of the elements this rank holds
   std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
-  std::string commit_failure_;  // what it could not do
+  std::string commit_failure_;        // what it could not do
+  std::filesystem::path memory_dir_;  // the memory tier's (empty: off)
+  std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
 };
 
 }  // namespace dtrain

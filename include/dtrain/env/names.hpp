@@ -62,6 +62,9 @@ inline constexpr std::string_view local_rank_arg_variable = "DTRAIN_LOCAL_RANK_A
 inline constexpr std::string_view agent_store_variable = "DTRAIN_AGENT_STORE";
 /// Set by the agent for its workers: how many times the job was restarted.
 inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT";
+/// Set by the node agent for its workers: its directory in memory for the
+/// checkpoints' memory tier (checkpoint_options::memory_dir).
+inline constexpr std::string_view memory_checkpoint_variable = "DTRAIN_MEMORY_CHECKPOINT_DIR";
 
 // --- collectives and engines (backend/)
 

@@ -66,6 +66,13 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     store_options_.token = detail::new_store_token();
   }
   detail::agent_signal_scope signals;
+  // The memory tier's copies outlive the workers in this agent's directory,
+  // unless the user chose one (the variable in the agent's environment).
+  std::optional<detail::memory_directory> memory;
+  if (!env_.get(memory_checkpoint_variable)) {
+    memory.emplace(node_rank());
+    memory_dir_ = memory->path();
+  }
   // Orphans of the workers come to this agent, which kills and reaps them.
   detail::become_subreaper();
   detail::agent_store store(node_rank(), nnodes(),
@@ -110,6 +117,39 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     say(what + "; stopped this node's workers");
     return status;
   }
+}
+
+DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> places{"/dev/shm"};
+  if (auto tmp = std::filesystem::temp_directory_path(ec); !ec) places.push_back(tmp);
+  for (const std::filesystem::path& place : places) {
+    // Those of agents that are gone: "dtrain-memory-<pid>-node<N>-XXXXXX".
+    for (std::filesystem::directory_iterator it(place, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      const std::string left = it->path().filename().string();
+      constexpr std::string_view prefix = "dtrain-memory-";
+      if (!left.starts_with(prefix)) continue;
+      const long pid = std::strtol(left.c_str() + prefix.size(), nullptr, 10);
+      struct stat st {};
+      if (pid <= 0 || ::lstat(it->path().c_str(), &st) != 0 || st.st_uid != ::getuid()) continue;
+      if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        static_cast<void>(detail::remove_tree(it->path().c_str()));
+      }
+    }
+    ec.clear();
+    std::string name = (place / ("dtrain-memory-" + std::to_string(::getpid()) + "-node" +
+                                 std::to_string(node_rank) + "-XXXXXX"))
+                           .string();
+    if (::mkdtemp(name.data()) != nullptr) {  // mode 0700
+      path_ = std::move(name);
+      return;
+    }
+  }
+}
+
+DTRAIN_DETAIL_INLINE detail::memory_directory::~memory_directory() {
+  if (!path_.empty()) static_cast<void>(detail::remove_tree(path_.c_str()));
 }
 
 DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
@@ -235,6 +275,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
   set(std::string(restart_count_variable), std::to_string(restart));
+  if (!memory_dir_.empty()) set(std::string(memory_checkpoint_variable), memory_dir_);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);

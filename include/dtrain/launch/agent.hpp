@@ -21,15 +21,20 @@
 #include <dtrain/rendezvous/security.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace dtrain {
@@ -51,6 +56,26 @@ namespace dtrain {
 /// node 0's agent picks for the workers in each round (a PyTorch worker's
 /// rank 0 binds its own store there); dtrain workers meet at the agent's
 /// store instead, which outlives restarts.
+namespace detail {
+/// A node's directory for the checkpoints' memory tier (DTRAIN_MEMORY_CHECKPOINT_DIR
+/// of its workers): made in /dev/shm (else the temporary directory), private
+/// to this user, and removed with all in it when its agent ends, so that it
+/// outlives every worker but not the job. Empty when neither can hold one.
+/// Its name carries the agent's pid: an agent removes the directories that
+/// agents of this user which are gone (SIGKILLed) left behind.
+class memory_directory {
+ public:
+  explicit memory_directory(int node_rank);
+  memory_directory(const memory_directory&) = delete;
+  memory_directory& operator=(const memory_directory&) = delete;
+  ~memory_directory();
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+ private:
+  std::string path_;
+};
+}  // namespace detail
+
 class node_agent {
  public:
   /// `command` is the worker's argv; `env` the environment the workers
@@ -103,6 +128,7 @@ class node_agent {
   int nproc_ = 1;
   std::string master_addr_;
   int master_port_ = 0;
+  std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
 };
 
 }  // namespace dtrain
