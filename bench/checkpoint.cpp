@@ -23,8 +23,9 @@
 // where a save's time on the training thread went (checkpoint::timings(): the
 // copy on --copy-threads threads, default automatic, and the commit of the
 // save before).
-// The last row: the memory tier (checkpoint_options::memory_every = 1), a
-// copy of the state into the node agent's directory in /dev/shm at every step.
+// The last rows: the memory tier (checkpoint_options::memory_every = 1), a
+// copy of the state into the node agent's directory in /dev/shm at every
+// step, written on the training thread and (asynchronous) beside it.
 //
 // DIR defaults to a new directory under TMPDIR (or /tmp); what the table
 // measures is that file system, with its page cache: say which in a report.
@@ -245,7 +246,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     return out;
   };
   const auto every = static_cast<std::uint64_t>(s.every);
-  std::vector<run_result> none, sync, async, memory;
+  std::vector<run_result> none, sync, async, memory, memory_async;
   for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
     none.push_back(run_steps(nullptr));
     {
@@ -264,17 +265,19 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
       async.push_back(run_steps(&c));
     }
-    {
+    for (const bool asynchronous : {false, true}) {
       // The memory tier, a copy every step (in the agent's directory in /dev/shm).
       dtrain::checkpoint c(
           ctx, {.dir = dir / "table2-memory-disk",
                 .keep = 1,
                 .quiet = true,
+                .asynchronous = asynchronous,
+                .copy_threads = s.copy_threads,
                 .memory_every = 1,
                 .memory_dir = std::getenv("DTRAIN_MEMORY_CHECKPOINT_DIR") ? std::filesystem::path()
                                                                           : dir / "table2-memory"});
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
-      memory.push_back(run_steps(&c));
+      (asynchronous ? memory_async : memory).push_back(run_steps(&c));
     }
   }
   if (main) {
@@ -301,8 +304,10 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     std::printf("| asynchronous save | %.2f ms | %.3f |\n", 1e3 * a, a / n);
     std::printf("| asynchronous, the steps beside its writer | %.2f ms | %.3f |\n", 1e3 * ab,
                 ab / nb);
-    const double m = pick(memory, all);
+    const double m = pick(memory, all), ma = pick(memory_async, all);
     std::printf("| memory tier, a copy every step | %.2f ms | %.3f |\n", 1e3 * m, m / n);
+    std::printf("| memory tier, a copy every step, asynchronous | %.2f ms | %.3f |\n", 1e3 * ma,
+                ma / n);
     auto ms = [&](const std::vector<run_result>& runs, auto field) {
       return 1e3 * pick(runs, [&](const run_result& r) { return field(r.timings); });
     };

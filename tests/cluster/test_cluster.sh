@@ -17,8 +17,10 @@
 #   hierarchical_gloo  DistributedDataParallel with topology::hierarchical under dtrun,
 #                      2 nodes x 2 workers: exact means, and the group equals flat
 #   hierarchical_mpi   the same under mpirun --map-by node (ranks not contiguous per node)
-#   elastic_1_2        the demo under --nnodes 1:2 (2 nodes x 2, checkpoints): node2's agent
-#                      killed -> node1 goes on alone from the last checkpoint; node2 started
+#   elastic_1_2        the demo under --nnodes 1:2 (2 nodes x 2, checkpoints on disk and in
+#                      memory): node2's agent killed -> node1 knows at once (its lease) and
+#                      goes on alone from the last checkpoint on disk (its memory copies are
+#                      of 4 ranks: not used, and it says so); node2 started
 #                      again -> the job grows back to 2 nodes and finishes. Every sample of
 #                      every epoch is trained exactly once across the changes (counted from
 #                      the demo's --sample-log), and the accuracy is within a point of an
@@ -174,7 +176,7 @@ case $case_name in
       fail "the uninterrupted demo (1 node x 4) exited with $?"
     mkdir -p "$work/samples"
     elastic=("${demo[@]}" --nproc-per-node 2 --checkpoint-dir "$work/ckpt" --checkpoint-every 10
-             --sample-log "$work/samples")
+             --memory-every 5 --sample-log "$work/samples")
     # node N's agent (the demo launches itself) for an elastic job of 1 to 2 nodes.
     start_node() {  # <n> <output suffix>
       cluster_run node$1 env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$(($1 - 1)) MASTER_ADDR=node1 \
@@ -207,6 +209,11 @@ case $case_name in
       fail "node1 did not learn from node2's lease that node2's agent is gone"
     grep -q "nodes 0 (1 of at most 2), 2 workers; formed without waiting for node 1 (agent gone)" \
       "$work/node1.err" || fail "node1 waited for node2's agent, which was gone"
+    # Node1's memory copies were written by 4 ranks: the round of 2 does not use them, says so,
+    # and resumes from the disk.
+    wait_for "node1's round to resume" grep -q "resumed from $work/ckpt/step-" "$work/node1.err"
+    grep -q "memory copy: .* of 4 ranks, and this job has 2; not used" "$work/node1.err" ||
+      fail "node1 did not say why its memory copies were not used"
     solo=$(grep -o "round [0-9]*: nodes 0 (1 of" "$work/node1.err" | tail -n 1 | awk '{print $2}')
     solo=${solo%:}
     wait_for "node1's round $solo to train" test -s "$work/samples/round-$solo-rank-0.txt"

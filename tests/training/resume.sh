@@ -184,7 +184,7 @@ case $case_name in
     status=$?
     grep -E "restarting|resumed|memory|checksum|Error|error" "$work/killed.log"
     ((status == 0)) || { cat "$work/killed.log"; fail "the killed job exited $status"; }
-    grep -q "resumed from the memory copy /.*/step-[0-9]* (step [0-9]*; nothing read from $dir)" \
+    grep -q "resumed from the memory copy of step [0-9]* in /.* (nothing read from $dir)" \
       "$work/killed.log" || fail "the restarted workers did not resume from their memory copy"
     got=$(checksum_of "$work/killed.log")
     [[ $got == "$want" ]] || fail "resumed run's checksum $got, uninterrupted $want"

@@ -774,14 +774,19 @@ namespace {
 /// `steps` steps, then restores in a new checkpoint object; returns what each
 /// rank's restore() gave (-1: none) and checks the state matches that step.
 std::vector<std::int64_t> memory_tier_run(const fs::path& disk, const fs::path& memory, int steps,
-                                          const std::function<void()>& between = {}) {
+                                          const std::function<void()>& between = {},
+                                          bool asynchronous = false) {
   std::vector<std::int64_t> restored(4, -2);
   auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
     toy_state state;
     std::int64_t own = 0;
     const fs::path node = memory / ("node" + std::to_string(rank / 2));
-    dtrain::checkpoint c(
-        plane, {.dir = disk, .every = 4, .quiet = true, .memory_every = 1, .memory_dir = node});
+    dtrain::checkpoint c(plane, {.dir = disk,
+                                 .every = 4,
+                                 .quiet = true,
+                                 .asynchronous = asynchronous,
+                                 .memory_every = 1,
+                                 .memory_dir = node});
     state.add_to(c);
     c.add("own", own, dtrain::checkpoint_scope::per_rank);
     for (int step = 1; step <= steps; ++step) {
@@ -822,13 +827,30 @@ TEST_CASE("checkpoint: the memory tier resumes from each node's copy, and reads 
     }
   });
   CHECK(restored == std::vector<std::int64_t>(4, 6));
-  // Each node holds its own ranks' parts, the replicated part and a manifest, the 2 newest.
-  CHECK(fs::exists(memory.path / "node0" / "step-6" / "rank-1.dtck"));
-  CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6" / "rank-2.dtck"));
-  CHECK(fs::exists(memory.path / "node1" / "step-6" / "rank-3.dtck"));
-  CHECK(fs::exists(memory.path / "node1" / "step-6" / "replicated.dtck"));
-  CHECK(fs::exists(memory.path / "node1" / "step-5" / "MANIFEST"));
-  CHECK_FALSE(fs::exists(memory.path / "node1" / "step-4"));
+  // Each rank keeps its own copies, the 2 newest (a node's first rank with
+  // the replicated part), each with its manifest, in its node's directory.
+  CHECK(fs::exists(memory.path / "node0" / "step-6.rank-1" / "rank-1.dtck"));
+  CHECK(fs::exists(memory.path / "node0" / "step-6.rank-0" / "replicated.dtck"));
+  CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6.rank-1" / "replicated.dtck"));
+  CHECK(fs::exists(memory.path / "node1" / "step-6.rank-3" / "MANIFEST"));
+  CHECK(fs::exists(memory.path / "node1" / "step-6.rank-2" / "replicated.dtck"));
+  CHECK(fs::exists(memory.path / "node1" / "step-5.rank-3" / "MANIFEST"));
+  CHECK_FALSE(fs::exists(memory.path / "node1" / "step-4.rank-3"));
+  CHECK_FALSE(fs::exists(memory.path / "node0" / "step-6.rank-2"));
+}
+
+TEST_CASE("checkpoint: asynchronous memory copies are written beside the steps, whole") {
+  scratch_dir disk, memory;
+  CHECK(memory_tier_run(disk.path, memory.path, 7, {}, true) == std::vector<std::int64_t>(4, 7));
+  CHECK(fs::exists(memory.path / "node1" / "step-7.rank-2" / "replicated.dtck"));
+}
+
+TEST_CASE("checkpoint: a rank whose newest memory copy is torn resumes all at the step before") {
+  scratch_dir disk, memory;
+  const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
+    fs::resize_file(memory.path / "node0" / "step-6.rank-1" / "rank-1.dtck", 10);
+  });
+  CHECK(restored == std::vector<std::int64_t>(4, 5));
 }
 
 TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not used") {
@@ -838,23 +860,40 @@ TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not 
         memory_tier_run(disk.path, memory.path, 6, [&] { fs::remove_all(memory.path / "node1"); });
     CHECK(restored == std::vector<std::int64_t>(4, 4));
   }
-  SUBCASE("a torn copy: skipped by name; the nodes then differ, and the disk's is used") {
+  SUBCASE("both copies of a rank torn: the disk's") {
     scratch_dir disk, memory;
     const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
-      fs::resize_file(memory.path / "node0" / "step-6" / "rank-0.dtck", 10);
+      fs::resize_file(memory.path / "node1" / "step-6.rank-3" / "rank-3.dtck", 10);
+      fs::remove(memory.path / "node1" / "step-5.rank-3" / "MANIFEST");
     });
     CHECK(restored == std::vector<std::int64_t>(4, 4));
   }
   SUBCASE("older than the disk's: the disk's") {
     scratch_dir disk, memory;
-    const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
-      // As if the copies of steps 5 and 6 were gone and only older ones were left.
-      for (const char* node : {"node0", "node1"}) {
-        fs::remove_all(memory.path / node / "step-6");
-        fs::rename(memory.path / node / "step-5", memory.path / node / "step-3");
-        // (its manifest still says step 5: refused as torn, by name)
+    // A copy every 3 steps, the disk every 4: after 8 steps, memory holds 6, the disk 8.
+    std::vector<std::int64_t> restored;
+    on_ranks(2, [&](dtrain::control_plane plane, int) {
+      toy_state state;
+      dtrain::checkpoint c(plane, {.dir = disk.path,
+                                   .every = 4,
+                                   .quiet = true,
+                                   .memory_every = 3,
+                                   .memory_dir = memory.path});
+      state.add_to(c);
+      for (int step = 1; step <= 8; ++step) {
+        state.fill(static_cast<float>(step));
+        c.step();
       }
     });
-    CHECK(restored == std::vector<std::int64_t>(4, 4));
+    const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+      toy_state again;
+      dtrain::checkpoint d(
+          plane, {.dir = disk.path, .quiet = true, .memory_every = 3, .memory_dir = memory.path});
+      again.add_to(d);
+      CHECK(d.restore() == 8u);
+      CHECK(again.optimizer == "adam:8");
+    });
+    for (const auto& f : failures) CHECK(f == "");
+    CHECK(fs::exists(memory.path / "step-6.rank-1" / "MANIFEST"));
   }
 }

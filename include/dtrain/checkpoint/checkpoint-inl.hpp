@@ -189,11 +189,28 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
     broadcast_value(on_disk);
     if (on_disk != failed) {
       if (const auto step = choose_memory_copy(on_disk)) {
-        const std::filesystem::path step_dir = memory_dir_ / detail::ckpt::step_name(*step);
-        load(step_dir);
+        const std::filesystem::path mine = memory_copy_dir(*step, plane_.rank());
+        const std::filesystem::path leader = memory_copy_dir(*step, memory_node().front());
+        load(
+            [&] {
+              // This rank's manifest, and the replicated part from its node's first rank's.
+              detail::ckpt::manifest m = detail::ckpt::read_manifest(mine);
+              const detail::ckpt::manifest theirs = detail::ckpt::read_manifest(leader);
+              const std::string replicated(detail::ckpt::replicated_name);
+              if (const auto* r = theirs.find(replicated); r && !m.find(replicated)) {
+                m.files.push_back(*r);
+              }
+              return check_for_load(
+                  m,
+                  [&](const std::string& name) {
+                    return (name == replicated ? leader : mine) / name;
+                  },
+                  mine);
+            },
+            mine);
         steps_ = static_cast<std::int64_t>(*step);
-        say("resumed from the memory copy " + step_dir.string() + " (step " +
-            std::to_string(*step) + "; nothing read from " + options_.dir.string() + ")");
+        say("resumed from the memory copy of step " + std::to_string(*step) + " in " +
+            memory_dir_.string() + " (nothing read from " + options_.dir.string() + ")");
         return step;
       }
     }
@@ -232,13 +249,19 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::load(const std::filesystem::path& step_dir) {
+  load([&] { return check_for_load(step_dir); }, step_dir);
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::load(
+    const std::function<std::vector<std::filesystem::path>()>& check,
+    const std::filesystem::path& step_dir) {
   // Each rank checks what it will read against what it registered; all agree before anything
   // changes.
   std::vector<std::filesystem::path> files;
   std::string problem;
   std::int64_t ok = 1;
   try {
-    files = check_for_load(step_dir);
+    files = check();
   } catch (const std::exception& e) {
     ok = 0;
     problem = e.what();
@@ -274,68 +297,103 @@ DTRAIN_DETAIL_INLINE const std::vector<int>& checkpoint::memory_node() {
   return memory_node_;
 }
 
-DTRAIN_DETAIL_INLINE std::int64_t checkpoint::newest_memory_copy() {
-  auto skip = [&](const std::string& why) {
-    if (options_.quiet) return;
-    std::fprintf(stderr, "dtrain checkpoint on rank %d: memory copy %s; not used\n", plane_.rank(),
-                 why.c_str());
-    std::fflush(stderr);
-  };
-  try {
-    std::vector<std::string> skipped;
-    const auto found = latest_checkpoint(memory_dir_, &skipped);
-    for (const std::string& line : skipped) skip(line);
-    if (!found) return -1;
-    if (found->world_size != plane_.size()) {
-      skip(found->path.string() + " was written by " + std::to_string(found->world_size) +
-           " ranks and this job has " + std::to_string(plane_.size()));
-      return -1;
-    }
-    if (has_scope(checkpoint_scope::per_rank)) {
-      const detail::ckpt::manifest m = detail::ckpt::read_manifest(found->path);
-      if (!m.find(detail::ckpt::rank_part_name(plane_.rank()))) {
-        skip(found->path.string() + " holds no part of rank " + std::to_string(plane_.rank()) +
-             " (another node's ranks wrote it)");
-        return -1;
+DTRAIN_DETAIL_INLINE std::filesystem::path checkpoint::memory_copy_dir(std::uint64_t step,
+                                                                       int rank) const {
+  return memory_dir_ / (detail::ckpt::step_name(step) + ".rank-" + std::to_string(rank));
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::uint64_t> checkpoint::memory_copies(int rank,
+                                                                          bool partial) const {
+  std::vector<std::uint64_t> steps;
+  const std::string suffix = ".rank-" + std::to_string(rank) +
+                             (partial ? std::string(detail::ckpt::partial_suffix) : std::string());
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(memory_dir_, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.ends_with(suffix)) continue;
+    if (auto step =
+            detail::ckpt::step_of(std::string_view(name).substr(0, name.size() - suffix.size())))
+      steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end(), std::greater<>());
+  return steps;
+}
+
+DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> checkpoint::usable_memory_copies() {
+  std::array<std::int64_t, 2> out{-1, -1};
+  const int leader = memory_node().front();
+  std::size_t found = 0;
+  for (const std::uint64_t step : memory_copies(plane_.rank())) {
+    if (found == out.size()) break;
+    try {
+      const detail::ckpt::manifest m =
+          detail::ckpt::verify_step(memory_copy_dir(step, plane_.rank()));
+      if (m.step != step || m.world_size != plane_.size()) {
+        throw checkpoint_error("checkpoint: " + memory_copy_dir(step, plane_.rank()).string() +
+                               " holds step " + std::to_string(m.step) + " of " +
+                               std::to_string(m.world_size) + " ranks, and this job has " +
+                               std::to_string(plane_.size()));
+      }
+      if (leader != plane_.rank()) {  // the replicated part, from the node's first rank
+        const detail::ckpt::manifest l = detail::ckpt::verify_step(memory_copy_dir(step, leader));
+        if (l.step != step || !l.find(detail::ckpt::replicated_name)) {
+          throw checkpoint_error("checkpoint: " + memory_copy_dir(step, leader).string() +
+                                 " holds no replicated part of step " + std::to_string(step));
+        }
+      }
+      out[found++] = static_cast<std::int64_t>(step);
+    } catch (const std::exception& e) {
+      if (!options_.quiet) {
+        std::fprintf(stderr, "dtrain checkpoint on rank %d: memory copy: %s; not used\n",
+                     plane_.rank(), e.what());
+        std::fflush(stderr);
       }
     }
-    return static_cast<std::int64_t>(found->step);
-  } catch (const std::exception& e) {
-    skip(memory_dir_.string() + ": " + e.what());
-    return -1;
   }
+  return out;
 }
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::choose_memory_copy(
     std::int64_t disk) {
-  const std::int64_t mine = newest_memory_copy();
-  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
-  plane_.allgather(std::span<const std::int64_t>(&mine, 1), all);
-  const auto [low, high] = std::minmax_element(all.begin(), all.end());
-  if (*high < 0) return std::nullopt;  // no memory copy anywhere: the disk's, as ever
-  const std::string fallback = "using " + options_.dir.string() + " instead";
-  if (*low < 0) {
-    std::string ranks;
+  const std::array<std::int64_t, 2> mine = usable_memory_copies();
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(plane_.size()));
+  plane_.allgather(mine, all);
+  // The newest step that every rank holds whole (a rank killed in its save
+  // has the one before, which the others still keep).
+  std::int64_t best = -1;
+  std::string missing;
+  for (const std::int64_t candidate : {all[0], all[1]}) {
+    if (candidate < 0) continue;
+    std::string without;
     for (int r = 0; r < plane_.size(); ++r) {
-      if (all[static_cast<std::size_t>(r)] < 0)
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      const auto at = 2 * static_cast<std::size_t>(r);
+      if (all[at] != candidate && all[at + 1] != candidate)
+        without += (without.empty() ? "" : ", ") + std::to_string(r);
     }
-    say("memory tier: rank(s) " + ranks +
-        " have no whole memory copy of this job (their node is new, or lost its copies): " +
-        fallback);
+    if (without.empty()) {
+      best = std::max(best, candidate);
+    } else if (missing.empty()) {
+      missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + without;
+    }
+  }
+  bool any = false;
+  for (const std::int64_t v : all) any = any || v >= 0;
+  if (!any) return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  const std::string fallback = "using " + options_.dir.string() + " instead";
+  if (best < 0) {
+    say("memory tier: no step is whole in every rank's memory copies (" +
+        (missing.empty() ? std::string("some ranks have none: their node is new, or lost them")
+                         : missing) +
+        "): " + fallback);
     return std::nullopt;
   }
-  if (*low != *high) {
-    say("memory tier: the nodes' newest memory copies differ (steps " + std::to_string(*low) +
-        " to " + std::to_string(*high) + "): " + fallback);
-    return std::nullopt;
-  }
-  if (*low < disk) {
-    say("memory tier: the memory copies (step " + std::to_string(*low) +
+  if (best < disk) {
+    say("memory tier: the memory copies (step " + std::to_string(best) +
         ") are older than the disk checkpoint (step " + std::to_string(disk) + "): " + fallback);
     return std::nullopt;
   }
-  return static_cast<std::uint64_t>(*low);
+  return static_cast<std::uint64_t>(best);
 }
 
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
@@ -358,59 +416,80 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
                        "), or set checkpoint_options::memory_dir");
   }
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<int>& node = memory_node();
-  const bool leader = node.front() == plane_.rank();  // writes the replicated part and commits
-  pending_save p;
+  const bool leader = memory_node().front() == plane_.rank();  // writes the replicated part
+  join_memory_writer();
+  // Each rank commits its own copy (no collective): restore() takes the
+  // newest step whole on every rank. Asynchronous: the copy here, the files
+  // on a thread beside the next step (a rank killed then loses two steps).
+  memory_pending_ = std::make_unique<pending_save>();
+  pending_save& p = *memory_pending_;
   p.step = static_cast<std::uint64_t>(steps_);
   p.start = start;
   p.partial =
-      memory_dir_ / (detail::ckpt::step_name(p.step) + std::string(detail::ckpt::partial_suffix));
+      memory_copy_dir(p.step, plane_.rank()).string() + std::string(detail::ckpt::partial_suffix);
   try {
-    make_directory(p.partial, false);
     for (const hook& h : hooks_) {
       if (h.before_save) h.before_save();
     }
-    p.per_rank = snapshot(checkpoint_scope::per_rank, false);
-    if (leader) p.replicated = snapshot(checkpoint_scope::replicated, false);
-    write_parts(p, plane_.rank(), leader);
+    const bool copy = options_.asynchronous;
+    p.per_rank = snapshot(checkpoint_scope::per_rank, copy, true);
+    if (leader) p.replicated = snapshot(checkpoint_scope::replicated, copy, true);
   } catch (const std::exception& e) {
-    if (p.problem.empty()) p.problem = e.what();
+    p.problem = e.what();
   }
-  // Every rank learns what every rank wrote; each node's first rank commits its node's copy.
-  std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
-  if (!p.problem.empty()) {
-    mine[0] = 0;
-  } else if (p.per_rank_file) {
-    mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
-            std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
-  }
-  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(plane_.size()));
-  plane_.allgather(mine, all);
-  bool whole = true;
-  for (const int r : node) whole = whole && all[4 * static_cast<std::size_t>(r)] != 0;
-  std::string problem = p.problem;
-  if (leader) {
-    try {
-      if (whole) {
-        static_cast<void>(commit_on_disk(memory_dir_, p, all, node));
-        prune(memory_dir_, p.step, false);  // memory: removed at once
-      } else {
-        remove_tree(p.partial);
+  if (p.problem.empty()) {
+    auto write = [this, &p, leader] {
+      try {
+        make_directory(p.partial, false);
+        write_parts(p, plane_.rank(), leader);
+        if (!p.problem.empty()) throw checkpoint_error(p.problem);
+        detail::ckpt::manifest m{p.step, plane_.size(), {}};
+        if (p.replicated_file) m.files.push_back(*p.replicated_file);
+        if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
+        const std::string text = detail::ckpt::render(m);
+        detail::ckpt::atomic_file manifest(p.partial / detail::ckpt::manifest_name);
+        manifest.write(text.data(), text.size());
+        static_cast<void>(manifest.finish());
+        const std::filesystem::path done = memory_copy_dir(p.step, plane_.rank());
+        remove_tree(done);  // an older run's copy of this step
+        detail::ckpt::rename_path(p.partial, done);
+        // This rank's copies beyond the 2 newest (and any numbered after this
+        // one: an older run's), and its saves that died.
+        const std::vector<std::uint64_t> kept = memory_copies(plane_.rank());
+        for (std::size_t i = 0; i < kept.size(); ++i) {
+          if (i >= 2 || kept[i] > p.step) remove_tree(memory_copy_dir(kept[i], plane_.rank()));
+        }
+        for (const std::uint64_t died : memory_copies(plane_.rank(), true)) {
+          remove_tree(memory_copy_dir(died, plane_.rank()).string() +
+                      std::string(detail::ckpt::partial_suffix));
+        }
+      } catch (const std::exception& e) {
+        p.problem = e.what();
+        static_cast<void>(detail::remove_tree(p.partial.c_str()));
       }
-    } catch (const std::exception& e) {
-      if (problem.empty()) problem = e.what();
+    };
+    if (options_.asynchronous) {
+      memory_writer_ = std::thread(std::move(write));
+    } else {
+      write();
     }
   }
-  if (!problem.empty() || (leader && !whole)) {
-    std::fprintf(
-        stderr,
-        "dtrain checkpoint on rank %d: the memory copy of step %llu was not committed "
-        "on this node (%s); its older copies and the disk stay\n",
-        plane_.rank(), static_cast<unsigned long long>(p.step),
-        problem.empty() ? "a rank of this node could not write its part" : problem.c_str());
+  if (!options_.asynchronous) join_memory_writer();
+  timings_.memory_seconds += detail::ckpt::seconds_since(start);
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::join_memory_writer() noexcept {
+  if (!memory_pending_) return;
+  if (memory_writer_.joinable()) memory_writer_.join();
+  const pending_save& p = *memory_pending_;
+  if (!p.problem.empty() && !options_.quiet) {
+    std::fprintf(stderr,
+                 "dtrain checkpoint on rank %d: its memory copy of step %llu was not written "
+                 "(%s); its older copies and the disk stay\n",
+                 plane_.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
     std::fflush(stderr);
   }
-  timings_.memory_seconds += detail::ckpt::seconds_since(start);
+  memory_pending_.reset();
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save() {
@@ -463,11 +542,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::save() {
 
 DTRAIN_DETAIL_INLINE void checkpoint::wait() {
   const auto start = std::chrono::steady_clock::now();
+  join_memory_writer();
   wait_pending();
   timings_.blocked_seconds += detail::ckpt::seconds_since(start);
 }
 
 DTRAIN_DETAIL_INLINE checkpoint::~checkpoint() {
+  join_memory_writer();
   finish_pending();
   if (committer_.joinable()) committer_.join();
   if (!commit_failure_.empty()) {
@@ -540,7 +621,7 @@ DTRAIN_DETAIL_INLINE bool checkpoint::has_scope(checkpoint_scope scope) const {
 }
 
 DTRAIN_DETAIL_INLINE checkpoint::part_snapshot checkpoint::snapshot(checkpoint_scope scope,
-                                                                    bool copy) {
+                                                                    bool copy, bool memory) {
   part_snapshot out;
   std::size_t owned = 0;
   for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
@@ -561,7 +642,7 @@ DTRAIN_DETAIL_INLINE checkpoint::part_snapshot checkpoint::snapshot(checkpoint_s
     } else if (copy && r.bytes > 0) {
       // The entry's own copy, reused by each save (one is in flight at a
       // time): its pages are touched once per job, not at every save.
-      void* to = e.staged.reserve(e.values.bytes());
+      void* to = (memory ? e.memory_staged : e.staged).reserve(e.values.bytes());
       copies.push_back({to, e.values.data, e.values.bytes()});
       r.data = to;
     }
@@ -677,8 +758,8 @@ DTRAIN_DETAIL_INLINE void checkpoint::commit(bool next_save) {
     std::string problem = q.problem;
     try {
       if (failed_ranks.empty()) {
-        const std::uint64_t bytes = commit_on_disk(options_.dir, q, all);
-        prune(options_.dir, q.step);
+        const std::uint64_t bytes = commit_on_disk(q, all);
+        prune(q.step);
         const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
         char line[160];
         std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)",
@@ -715,16 +796,13 @@ DTRAIN_DETAIL_INLINE std::string checkpoint::not_committed(const std::string& wh
          "; the checkpoints before it are kept";
 }
 
-DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(const std::filesystem::path& dir,
-                                                              const pending_save& p,
-                                                              const std::vector<std::int64_t>& all,
-                                                              const std::vector<int>& ranks) {
-  const std::filesystem::path step_dir = dir / detail::ckpt::step_name(p.step);
+DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(
+    const pending_save& p, const std::vector<std::int64_t>& all) {
+  const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
   detail::ckpt::manifest m{p.step, plane_.size(), {*p.replicated_file}};
   std::uint64_t bytes = p.replicated_file->bytes;
   for (std::size_t r = 0; 4 * r < all.size(); ++r) {
     if (all[4 * r + 1] == 0) continue;
-    if (!ranks.empty() && std::ranges::find(ranks, static_cast<int>(r)) == ranks.end()) continue;
     m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
                        static_cast<std::uint64_t>(all[4 * r + 2]),
                        std::bit_cast<std::uint64_t>(all[4 * r + 3])});
@@ -742,7 +820,7 @@ DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(const std::filesys
     remove_tree(aside);
   }
   detail::ckpt::rename_path(p.partial, step_dir);
-  detail::ckpt::sync_directory(dir);
+  detail::ckpt::sync_directory(options_.dir);
   return bytes;
 }
 
@@ -778,7 +856,15 @@ DTRAIN_DETAIL_INLINE std::string checkpoint::describe(detail::ckpt::entry_kind k
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> checkpoint::check_for_load(
     const std::filesystem::path& step_dir) {
-  const detail::ckpt::manifest m = detail::ckpt::read_manifest(step_dir);
+  return check_for_load(
+      detail::ckpt::read_manifest(step_dir),
+      [&](const std::string& name) { return step_dir / name; }, step_dir);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> checkpoint::check_for_load(
+    const detail::ckpt::manifest& m,
+    const std::function<std::filesystem::path(const std::string&)>& path_of,
+    const std::filesystem::path& step_dir) {
   std::vector<std::pair<std::string, checkpoint_scope>> wanted{
       {std::string(detail::ckpt::replicated_name), checkpoint_scope::replicated}};
   if (has_scope(checkpoint_scope::per_rank)) {
@@ -804,7 +890,7 @@ DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> checkpoint::check_for_lo
   std::vector<std::filesystem::path> files;
   std::string problems;
   for (const auto& [name, scope] : wanted) {
-    const std::filesystem::path path = step_dir / name;
+    const std::filesystem::path path = path_of(name);
     const detail::ckpt::file_record* record = m.find(name);
     if (!record)
       throw checkpoint_error("checkpoint: " + (step_dir / detail::ckpt::manifest_name).string() +
@@ -950,13 +1036,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::remove_tree(const std::filesystem::path& p
   }
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::prune(const std::filesystem::path& dir, std::uint64_t newest,
-                                            bool beside) {
-  if (beside && cleaner_.joinable()) cleaner_.join();
+DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
+  if (cleaner_.joinable()) cleaner_.join();
   std::vector<std::uint64_t> kept;
   std::vector<std::filesystem::path> stale;
   std::error_code ec;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+  for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (auto step = detail::ckpt::step_of(name)) {
       if (*step > newest) {
@@ -976,7 +1062,7 @@ DTRAIN_DETAIL_INLINE void checkpoint::prune(const std::filesystem::path& dir, st
   }
   std::sort(kept.begin(), kept.end(), std::greater<>());
   for (std::size_t i = static_cast<std::size_t>(options_.keep); i < kept.size(); ++i) {
-    stale.push_back(dir / detail::ckpt::step_name(kept[i]));
+    stale.push_back(options_.dir / detail::ckpt::step_name(kept[i]));
   }
   std::vector<std::filesystem::path> doomed;
   for (const std::filesystem::path& path : stale) {
@@ -993,18 +1079,13 @@ DTRAIN_DETAIL_INLINE void checkpoint::prune(const std::filesystem::path& dir, st
     }
   }
   if (doomed.empty()) return;
-  auto remove = [this, doomed = std::move(doomed)] {
+  cleaner_ = std::thread([this, doomed = std::move(doomed)] {
     for (const std::filesystem::path& path : doomed) {
       if (const int err = detail::remove_tree(path.c_str()); err != 0) {
         say("could not remove " + path.string() + ": " + std::strerror(err));
       }
     }
-  };
-  if (!beside) {
-    remove();
-    return;
-  }
-  cleaner_ = std::thread(std::move(remove));
+  });
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::say(const std::string& line) const {

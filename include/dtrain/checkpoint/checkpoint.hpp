@@ -102,10 +102,13 @@ struct checkpoint_options {
   /// `memory_dir`, memory that outlives this process but not its node. A
   /// worker restarted on the node resumes from there when that copy is at
   /// least as new as the newest on disk (no read of `dir`); the disk stays
-  /// the fallback and the tier for whole-job restarts. Each node keeps its
-  /// own ranks' parts (and the replicated entries), committed when every rank
-  /// wrote its part, the 2 newest; a copy that is torn, older than the disk's,
-  /// or missing on some node is not used, and rank 0 says why. 0: off.
+  /// the fallback and the tier for whole-job restarts. Each rank writes and
+  /// commits its own copy (no collective), keeping its 2 newest; a node's
+  /// first rank adds the replicated entries. With `asynchronous`, the state
+  /// is copied on the training thread and written on a thread beside the next
+  /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
+  /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
+  /// not used, and the message says which and why. 0: off.
   std::uint64_t memory_every = 0;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
@@ -129,8 +132,9 @@ struct checkpoint_timings {
   /// still writing when the next save() came: more than a little means saves
   /// come faster than the disk takes them (rank 0 says so once).
   double writer_wait_seconds = 0;
-  /// The memory tier's saves (checkpoint_options::memory_every), whole: on
-  /// the training thread, as they are synchronous.
+  /// The memory tier's saves (checkpoint_options::memory_every) on the
+  /// training thread (asynchronous: the copy of the state, and the wait for
+  /// the writer of the copy before when it was still writing).
   double memory_seconds = 0;
 };
 
@@ -311,10 +315,11 @@ class checkpoint {
   bool step();
 
   /// Saves now into the memory tier (checkpoint_options::memory_every), on
-  /// every rank together. A node whose copy could not be written or committed
-  /// keeps its older ones and says so on stderr; the training goes on (the
-  /// disk is the fallback). Throws config_error when the tier has no
-  /// directory.
+  /// every rank together (with checkpoint_options::asynchronous: copies the
+  /// state and returns, and a thread writes it).
+  /// A rank whose copy could not be written keeps its older ones and says so
+  /// on stderr; the training goes on (the disk is the fallback). Throws
+  /// config_error when the tier has no directory.
   void save_to_memory();
 
   /// Where the memory tier keeps this node's copies (empty: none).
@@ -368,9 +373,10 @@ class checkpoint {
     std::vector<std::uint64_t> shape;
     std::function<std::string()> save;
     std::function<void(std::string_view)> load;
-    detail::ckpt::staging staged;     // an asynchronous save's copy of `values`
-    std::vector<shard_range> ranges;  // a sharded entry's: what this rank holds
-    std::uint64_t total = 0;          // of the whole sharded array
+    detail::ckpt::staging staged;         // an asynchronous save's copy of `values`
+    detail::ckpt::staging memory_staged;  // the memory tier's copy of `values`
+    std::vector<shard_range> ranges;      // a sharded entry's: what this rank holds
+    std::uint64_t total = 0;              // of the whole sharded array
   };
 
   checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
@@ -404,8 +410,9 @@ class checkpoint {
   };
 
   /// The records of `scope`'s entries; `copy`: into owned memory (an
-  /// asynchronous save, whose training goes on while the files are written).
-  part_snapshot snapshot(checkpoint_scope scope, bool copy);
+  /// asynchronous save, whose training goes on while the files are written),
+  /// the entries' memory-tier copies when `memory`.
+  part_snapshot snapshot(checkpoint_scope scope, bool copy, bool memory = false);
   /// A sharded entry as it is written: the whole's size, the ranges, their values.
   static std::string sharded_payload(const entry& e);
 
@@ -422,26 +429,33 @@ class checkpoint {
 
   static std::string not_committed(const std::string& what, const std::string& failed_ranks);
 
-  /// Rank 0 (a node's first rank for the memory tier): the manifest into the
-  /// partial directory, which is renamed to `dir`/step-<N> (the commit), each
-  /// fsync'd. `all` holds each rank's (ok, has a file, bytes, checksum); only
-  /// the files of `ranks` (empty: every rank's) are listed. Returns the
-  /// checkpoint's bytes.
-  std::uint64_t commit_on_disk(const std::filesystem::path& dir, const pending_save& p,
-                               const std::vector<std::int64_t>& all,
-                               const std::vector<int>& ranks = {});
+  /// Rank 0: the manifest into the partial directory, which is renamed to
+  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
+  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all);
 
   /// The memory tier: the ranks that share this rank's memory directory
-  /// (its node), found once by every rank together.
+  /// (its node: the same host and directory), found once by every rank together.
   const std::vector<int>& memory_node();
-  /// This rank's newest memory copy that checks out and fits this job, or -1;
-  /// each one it skips is said, naming the copy and why.
-  std::int64_t newest_memory_copy();
-  /// restore()'s choice between the memory tier and the disk's `disk` step
-  /// (or none): the memory copy's step when every rank has the same one, at
+  /// Rank `rank`'s copy of `step` in the memory directory: `step-<N>.rank-<R>`,
+  /// its part (and, for the node's first rank, the replicated part) and a
+  /// manifest of them. Each rank commits its own (the rename), without the others.
+  [[nodiscard]] std::filesystem::path memory_copy_dir(std::uint64_t step, int rank) const;
+  /// The steps of `rank`'s copies (`partial`: of its saves that died), newest first.
+  [[nodiscard]] std::vector<std::uint64_t> memory_copies(int rank, bool partial = false) const;
+  /// This rank's 2 newest copies that check out (its own and its node's
+  /// replicated part) and fit this job, newest first, -1 for none; each one
+  /// skipped is said on stderr, naming the copy and why.
+  std::array<std::int64_t, 2> usable_memory_copies();
+  /// restore()'s choice between the memory tier and the disk's newest step
+  /// `disk` (-1: none): the newest step whole on every rank, when it is at
   /// least as new as the disk's; else rank 0 says why not.
   std::optional<std::uint64_t> choose_memory_copy(std::int64_t disk);
-  /// Loads `step_dir` on every rank (checked first, then read), as restore() does.
+  /// Waits for the memory writer; what it could not do is said, not thrown.
+  void join_memory_writer() noexcept;
+  /// Loads on every rank what `check` returns (the files, checked), as
+  /// restore() does; `step_dir` names it in errors.
+  void load(const std::function<std::vector<std::filesystem::path>()>& check,
+            const std::filesystem::path& step_dir);
   void load(const std::filesystem::path& step_dir);
 
   /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
@@ -457,6 +471,11 @@ class checkpoint {
   /// The files this rank loads from `step_dir`, checked: the manifest, each
   /// file's size and checksum, and every entry against the registered ones.
   std::vector<std::filesystem::path> check_for_load(const std::filesystem::path& step_dir);
+  /// The same for manifest `m`, whose files are at path_of(name).
+  std::vector<std::filesystem::path> check_for_load(
+      const detail::ckpt::manifest& m,
+      const std::function<std::filesystem::path(const std::string&)>& path_of,
+      const std::filesystem::path& step_dir);
 
   /// Reads a checked file into the registered entries.
   void apply(const std::filesystem::path& path);
@@ -481,10 +500,7 @@ class checkpoint {
   /// is renamed to NAME.removing at once (so no resume reads it) and removed
   /// by a thread beside the training (joined at the next prune, or at the
   /// end). A failure here is reported, not thrown: the new checkpoint is committed.
-  /// `dir`: the disk's, or the memory tier's; `beside`: removed by the
-  /// cleaner thread (else here, as for the memory tier, whose saves may run
-  /// while rank 0's committer prunes the disk).
-  void prune(const std::filesystem::path& dir, std::uint64_t newest, bool beside = true);
+  void prune(std::uint64_t newest);
 
   void say(const std::string& line) const;
 
@@ -502,6 +518,8 @@ class checkpoint {
   std::string commit_failure_;        // what it could not do
   std::filesystem::path memory_dir_;  // the memory tier's (empty: off)
   std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
+  std::unique_ptr<pending_save> memory_pending_;  // the memory copy being written
+  std::thread memory_writer_;                     // writes it beside the training
 };
 
 }  // namespace dtrain
