@@ -120,6 +120,7 @@ inline constexpr std::array dtrain_variables{
     local_rank_arg_variable,
     agent_store_variable,
     restart_count_variable,
+    memory_checkpoint_variable,
     collective_timeout_variable,
     check_collectives_variable,
     watchdog_heartbeat_variable,
