@@ -27505,6 +27505,8 @@ class checkpoint {
 
   /// Where the memory tier keeps this node's copies (empty: none).
   [[nodiscard]] const std::filesystem::path& memory_dir() const noexcept { return memory_dir_; }
+  /// This rank's memory copies that could not be written (the first is said on stderr).
+  [[nodiscard]] std::uint64_t memory_failures() const noexcept { return memory_failures_; }
 
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
@@ -27701,6 +27703,7 @@ class checkpoint {
   std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
   std::unique_ptr<pending_save> memory_pending_;  // the memory copy being written
   std::thread memory_writer_;                     // writes it beside the training
+  std::uint64_t memory_failures_ = 0;             // copies not written
 };
 
 }  // namespace dtrain
@@ -28189,10 +28192,12 @@ DTRAIN_DETAIL_INLINE void checkpoint::join_memory_writer() noexcept {
   if (!memory_pending_) return;
   if (memory_writer_.joinable()) memory_writer_.join();
   const pending_save& p = *memory_pending_;
-  if (!p.problem.empty() && !options_.quiet) {
+  if (!p.problem.empty()) ++memory_failures_;
+  if (!p.problem.empty() && !options_.quiet && memory_failures_ == 1) {
     std::fprintf(stderr,
                  "dtrain checkpoint on rank %d: its memory copy of step %llu was not written "
-                 "(%s); its older copies and the disk stay\n",
+                 "(%s); its older copies and the disk stay. Said once; "
+                 "checkpoint::memory_failures() counts them all\n",
                  plane_.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
     std::fflush(stderr);
   }

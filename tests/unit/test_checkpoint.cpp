@@ -897,3 +897,26 @@ TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not 
     CHECK(fs::exists(memory.path / "step-6.rank-1" / "MANIFEST"));
   }
 }
+
+TEST_CASE("checkpoint: a memory copy that cannot be written is counted, and the training goes on") {
+  scratch_dir disk, memory;
+  const fs::path blocked = memory.path / "a-file";
+  std::ofstream(blocked) << "not a directory";
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    std::int64_t own = 0;
+    dtrain::checkpoint c(plane, {.dir = disk.path,
+                                 .every = 2,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_dir = blocked / "memory"});
+    c.add("own", own, dtrain::checkpoint_scope::per_rank);
+    for (int step = 1; step <= 4; ++step) {
+      own = step;
+      c.step();
+    }
+    CHECK(c.memory_failures() == 4u);
+    CHECK(c.steps() == 4u);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  CHECK(fs::exists(disk.path / "step-4" / "MANIFEST"));  // the disk tier is untouched
+}

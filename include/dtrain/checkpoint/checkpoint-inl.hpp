@@ -482,10 +482,12 @@ DTRAIN_DETAIL_INLINE void checkpoint::join_memory_writer() noexcept {
   if (!memory_pending_) return;
   if (memory_writer_.joinable()) memory_writer_.join();
   const pending_save& p = *memory_pending_;
-  if (!p.problem.empty() && !options_.quiet) {
+  if (!p.problem.empty()) ++memory_failures_;
+  if (!p.problem.empty() && !options_.quiet && memory_failures_ == 1) {
     std::fprintf(stderr,
                  "dtrain checkpoint on rank %d: its memory copy of step %llu was not written "
-                 "(%s); its older copies and the disk stay\n",
+                 "(%s); its older copies and the disk stay. Said once; "
+                 "checkpoint::memory_failures() counts them all\n",
                  plane_.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
     std::fflush(stderr);
   }

@@ -324,6 +324,8 @@ class checkpoint {
 
   /// Where the memory tier keeps this node's copies (empty: none).
   [[nodiscard]] const std::filesystem::path& memory_dir() const noexcept { return memory_dir_; }
+  /// This rank's memory copies that could not be written (the first is said on stderr).
+  [[nodiscard]] std::uint64_t memory_failures() const noexcept { return memory_failures_; }
 
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
@@ -520,6 +522,7 @@ class checkpoint {
   std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
   std::unique_ptr<pending_save> memory_pending_;  // the memory copy being written
   std::thread memory_writer_;                     // writes it beside the training
+  std::uint64_t memory_failures_ = 0;             // copies not written
 };
 
 }  // namespace dtrain
