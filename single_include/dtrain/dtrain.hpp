@@ -4904,6 +4904,8 @@ enum class op : std::uint8_t {
 
 /// Leased keys one connection may hold (op::lease): a node agent needs one.
 inline constexpr std::size_t max_leases_per_connection = 4;
+/// The largest value of a leased key: the connection keeps a copy of it.
+inline constexpr std::size_t max_lease_value = 4096;
 
 enum class status : std::uint8_t {
   ok = 0,
@@ -21474,6 +21476,11 @@ DTRAIN_DETAIL_INLINE task<std::string> store_operations::lease(store_request& q)
   if (mine == held.end() && held.size() >= wire::max_leases_per_connection) {
     throw store_refusal("lease(\"" + std::string(key) + "\"): this connection holds " +
                         std::to_string(held.size()) + " leased keys, the most one may");
+  }
+  if (value.size() > wire::max_lease_value) {
+    throw store_refusal("lease(\"" + std::string(key) + "\"): a value of " +
+                        std::to_string(value.size()) + " bytes; a leased key holds at most " +
+                        std::to_string(wire::max_lease_value));
   }
   state_.set(key, value);
   changed();

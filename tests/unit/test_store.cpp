@@ -221,7 +221,7 @@ TEST_CASE("store: a leased key lives as long as its client's connection, however
   CHECK(watcher.get("alive/2") == "new agent");
 }
 
-TEST_CASE("store: a connection holds a bounded number of leases, and the refusal says so") {
+TEST_CASE("store: a connection holds a bounded number of small leases, and the refusal says so") {
   store_server server("127.0.0.1", 0, quick);
   store_client c("127.0.0.1", server.port(), quick);
   for (std::size_t i = 0; i < dtrain::detail::wire::max_leases_per_connection; ++i) {
@@ -234,6 +234,12 @@ TEST_CASE("store: a connection holds a bounded number of leases, and the refusal
     CHECK_CONTAINS(e.what(), "lease(\"one/too/many\"): this connection holds 4 leased keys");
   }
   CHECK_FALSE(c.check(std::vector<std::string>{"one/too/many"}));
+  try {
+    c.lease("lease/0", std::string(dtrain::detail::wire::max_lease_value + 1, 'x'));
+    FAIL("a lease of a large value succeeded");
+  } catch (const dtrain::rendezvous_error& e) {
+    CHECK_CONTAINS(e.what(), "a leased key holds at most 4096");
+  }
   c.lease("lease/0", "y");  // one it holds: still allowed
   CHECK(c.get("lease/0") == "y");
 }

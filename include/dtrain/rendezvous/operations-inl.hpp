@@ -134,6 +134,11 @@ DTRAIN_DETAIL_INLINE task<std::string> store_operations::lease(store_request& q)
     throw store_refusal("lease(\"" + std::string(key) + "\"): this connection holds " +
                         std::to_string(held.size()) + " leased keys, the most one may");
   }
+  if (value.size() > wire::max_lease_value) {
+    throw store_refusal("lease(\"" + std::string(key) + "\"): a value of " +
+                        std::to_string(value.size()) + " bytes; a leased key holds at most " +
+                        std::to_string(wire::max_lease_value));
+  }
   state_.set(key, value);
   changed();
   if (mine == held.end()) {

@@ -41,6 +41,8 @@ enum class op : std::uint8_t {
 
 /// Leased keys one connection may hold (op::lease): a node agent needs one.
 inline constexpr std::size_t max_leases_per_connection = 4;
+/// The largest value of a leased key: the connection keeps a copy of it.
+inline constexpr std::size_t max_lease_value = 4096;
 
 enum class status : std::uint8_t {
   ok = 0,
