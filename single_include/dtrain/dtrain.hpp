@@ -26466,6 +26466,118 @@ DTRAIN_DETAIL_REQUIRE_LINK_CHECK()
 /// step into memory each node keeps beyond its workers' lives (dtrun's agent
 /// owns it), in the same format, so that a restarted worker loses at most a
 /// step and reads no disk.
+///
+/// The parts: the entries and what a save takes of them (registry.hpp), the
+/// storage seam (tier.hpp) and its tiers (disk_tier.hpp, memory_tier.hpp),
+/// what a directory keeps (retention.hpp), the files (format.hpp); this
+/// class says when to save and which tier a restore takes.
+
+// ---- begin dtrain/checkpoint/disk_tier.hpp ----
+/// @file
+/// The shared directory's tier (checkpoint_options::dir): every rank writes
+/// its part into `DIR/step-<N>.partial`; the ranks agree that all parts were
+/// written, and only then rank 0 writes the manifest and renames the
+/// directory to `DIR/step-<N>` (a two-phase commit over the control plane);
+/// the checkpoints beyond `keep` are removed beside the training after that.
+/// An asynchronous save is committed at the next save, restore() or wait().
+/// A restore takes the newest step whose manifest and files check out.
+
+// ---- begin dtrain/checkpoint/options.hpp ----
+/// @file
+/// The options of dtrain::checkpoint and what it reports: which state an entry
+/// is (its scope), where and how often it saves, where its time went, and a
+/// checkpoint found on disk.
+
+#include <cstdint>
+#include <filesystem>
+
+namespace dtrain {
+
+/// Whose state an entry is: the same on every rank (written once, by rank 0,
+/// and loaded by every rank, whatever the world size) or each rank's own.
+enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
+
+/// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
+struct checkpoint_options {
+  /// Where the checkpoints go (created if missing). Every rank must see the
+  /// same directory: one machine, or a file system that every node shares.
+  std::filesystem::path dir;
+  /// step() saves after every `every`-th step; 0: only save() saves.
+  std::uint64_t every = 0;
+  /// Committed checkpoints kept (at least 1); older ones are removed once a
+  /// newer one is committed. With 2 or more, a newest checkpoint damaged on
+  /// disk still leaves one to resume from.
+  int keep = 2;
+  /// No line on rank 0's stderr per save and restore.
+  bool quiet = false;
+  /// save() copies the state (host memory: the size of the checkpoint) and
+  /// returns; a thread writes the files beside the next steps, and the
+  /// checkpoint is committed at the next save(), restore() or wait(), or when
+  /// the checkpoint object is destroyed. Until then the one before it is the
+  /// newest.
+  bool asynchronous = false;
+  /// Threads that copy the state at an asynchronous save (the training
+  /// thread is one of them); a copy under 1 MiB per thread is not split.
+  /// 0: automatic, the machine's cores per local rank when built from a
+  /// dtrain::context (at most 8), else 1.
+  int copy_threads = 0;
+  /// The memory tier: step() also saves every `memory_every`-th step into
+  /// `memory_dir`, memory that outlives this process but not its node. A
+  /// worker restarted on the node resumes from there when that copy is at
+  /// least as new as the newest on disk (no read of `dir`); the disk stays
+  /// the fallback and the tier for whole-job restarts. Each rank writes and
+  /// commits its own copy (no collective), keeping its 2 newest; a node's
+  /// first rank adds the replicated entries. With `asynchronous`, the state
+  /// is copied on the training thread and written on a thread beside the next
+  /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
+  /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
+  /// not used, and the message says which and why. When all the state is replicated, a rank
+  /// needs only its node's replicated part, whatever the size of the job that wrote it (an
+  /// elastic job's smaller round after a lost node resumes from memory). 0: off.
+  std::uint64_t memory_every = 0;
+  /// The memory tier's directory, one per node. Empty: the environment's
+  /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
+  /// directory in /dev/shm that it owns (and removes when the job ends).
+  std::filesystem::path memory_dir{};
+};
+
+/// Where a checkpoint's time on the training thread went, summed over its
+/// saves on this rank (dtrain::checkpoint::timings()).
+struct checkpoint_timings {
+  std::uint64_t saves = 0;  ///< save() calls
+  /// In save() (and, for an asynchronous checkpoint, in wait()): what the
+  /// training waited for in all.
+  double blocked_seconds = 0;
+  /// The asynchronous save's copy of the state (its "staging").
+  double copy_seconds = 0;
+  /// Committing the save before: waiting for its writer, and the
+  /// control-plane rounds of its commit.
+  double commit_seconds = 0;
+  /// Of commit_seconds, the wait for an asynchronous save's writer, which was
+  /// still writing when the next save() came: more than a little means saves
+  /// come faster than the disk takes them (rank 0 says so once).
+  double writer_wait_seconds = 0;
+  /// The memory tier's saves (checkpoint_options::memory_every) on the
+  /// training thread (asynchronous: the copy of the state, and the wait for
+  /// the writer of the copy before when it was still writing).
+  double memory_seconds = 0;
+};
+
+/// A committed checkpoint found on disk.
+struct checkpoint_found {
+  std::uint64_t step = 0;
+  std::filesystem::path path;  ///< `DIR/step-<N>`
+  int world_size = 0;          ///< of the job that wrote it
+};
+
+}  // namespace dtrain
+// ---- end dtrain/checkpoint/options.hpp ----
+// ---- begin dtrain/checkpoint/retention.hpp ----
+/// @file
+/// What a checkpoint directory keeps: its committed steps, found by name, and
+/// what no resume can use any more (steps beyond the newest kept ones, steps
+/// numbered after the newest, saves that died), removed by each tier its own
+/// way: the shared directory's beside the training, a memory copy's at once.
 
 // ---- begin dtrain/checkpoint/format.hpp ----
 /// @file
@@ -27230,6 +27342,1493 @@ DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir)
 #endif
 // ---- end dtrain/checkpoint/format.hpp ----
 
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// The committed step directories of `dir` named `step-<N><suffix>` (by
+/// name, unchecked), newest first; none when `dir` does not exist. Throws
+/// checkpoint_error when it cannot be read.
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>> committed_steps(
+    const std::filesystem::path& dir, std::string_view suffix = {});
+
+/// What no resume can use any more of the copies named `step-<N><suffix>` in
+/// `dir`: committed steps beyond the newest `keep` up to `newest`, steps
+/// numbered after it (left by a run that this one resumed before), saves
+/// that died (`.partial`, up to `newest`: a later one may be in flight), and
+/// what an earlier removal left (`.removing`, `.replaced`); directories
+/// only (anything else is not a checkpoint's). Unreadable: none.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> stale_steps(
+    const std::filesystem::path& dir, std::uint64_t newest, int keep, std::string_view suffix = {});
+
+/// Creates `dir` (and its parents); with `fresh`, `dir` itself must not exist yet.
+DTRAIN_DETAIL_INLINE void make_directory(const std::filesystem::path& dir, bool fresh);
+/// Removes `path` and what is under it; throws checkpoint_error naming it when it cannot.
+DTRAIN_DETAIL_INLINE void remove_checkpoint_tree(const std::filesystem::path& path);
+
+/// Removes directories on a thread beside the training, one batch at a time
+/// (the next batch waits for the one before); each is renamed to
+/// NAME.removing first, so that no resume reads it. What it cannot remove
+/// is said through `say`, not thrown: the checkpoint that made it stale is committed.
+class cleaner {
+ public:
+  explicit cleaner(std::function<void(const std::string&)> say) : say_(std::move(say)) {}
+  cleaner(const cleaner&) = delete;
+  cleaner& operator=(const cleaner&) = delete;
+  ~cleaner() { join(); }
+
+  void remove(const std::vector<std::filesystem::path>& stale);
+  void join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::function<void(const std::string&)> say_;
+  std::thread thread_;
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/retention-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/retention.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/retention.hpp, not this file.
+
+
+#include <algorithm>
+#include <cstring>
+#include <system_error>
+
+namespace dtrain::detail::ckpt {
+
+namespace retention_detail {
+/// The step of `name` when it is `step-<N><suffix><tail>`.
+inline std::optional<std::uint64_t> step_with(std::string_view name, std::string_view suffix,
+                                              std::string_view tail = {}) {
+  if (!name.ends_with(tail)) return std::nullopt;
+  name.remove_suffix(tail.size());
+  if (!name.ends_with(suffix)) return std::nullopt;
+  name.remove_suffix(suffix.size());
+  return step_of(name);
+}
+}  // namespace retention_detail
+
+DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>> committed_steps(
+    const std::filesystem::path& dir, std::string_view suffix) {
+  std::error_code ec;
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
+  if (!std::filesystem::exists(dir, ec)) return steps;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) {
+    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
+                           ec.message());
+  }
+  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    if (auto step = retention_detail::step_with(it->path().filename().string(), suffix)) {
+      if (it->is_directory(ec)) steps.emplace_back(*step, it->path());
+    }
+  }
+  if (ec) {
+    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
+                           ec.message());
+  }
+  std::sort(steps.begin(), steps.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  return steps;
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> stale_steps(
+    const std::filesystem::path& dir, std::uint64_t newest, int keep, std::string_view suffix) {
+  std::vector<std::uint64_t> kept;
+  std::vector<std::filesystem::path> stale;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code not_a_directory;
+    if (!it->is_directory(not_a_directory)) continue;  // not a checkpoint's: left alone
+    const std::string name = it->path().filename().string();
+    if (auto step = retention_detail::step_with(name, suffix)) {
+      if (*step > newest) {
+        stale.push_back(it->path());
+      } else {
+        kept.push_back(*step);
+      }
+    } else if (name.ends_with(".replaced") || name.ends_with(".removing")) {
+      // What an earlier removal left: a step, or a save that died, renamed.
+      std::string_view was = std::string_view(name).substr(0, name.size() - 9);
+      if (was.ends_with(partial_suffix)) was.remove_suffix(partial_suffix.size());
+      if (retention_detail::step_with(was, suffix)) stale.push_back(it->path());
+    } else if (auto died = retention_detail::step_with(name, suffix, partial_suffix)) {
+      if (*died <= newest) stale.push_back(it->path());
+    }
+  }
+  std::sort(kept.begin(), kept.end(), std::greater<>());
+  for (std::size_t i = static_cast<std::size_t>(std::max(keep, 0)); i < kept.size(); ++i) {
+    stale.push_back(dir / (step_name(kept[i]) + std::string(suffix)));
+  }
+  return stale;
+}
+
+DTRAIN_DETAIL_INLINE void make_directory(const std::filesystem::path& dir, bool fresh) {
+  std::error_code ec;
+  if (fresh) {
+    if (!std::filesystem::create_directory(dir, ec) && !ec) {
+      ec = std::make_error_code(std::errc::file_exists);
+    }
+  } else {
+    std::filesystem::create_directories(dir, ec);
+  }
+  if (ec) {
+    throw checkpoint_error("checkpoint: cannot create directory " + dir.string() + ": " +
+                           ec.message());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void remove_checkpoint_tree(const std::filesystem::path& path) {
+  if (const int err = remove_tree(path.c_str()); err != 0) {
+    throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " +
+                           std::strerror(err));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void cleaner::remove(const std::vector<std::filesystem::path>& stale) {
+  join();
+  std::vector<std::filesystem::path> doomed;
+  std::error_code ec;
+  for (const std::filesystem::path& path : stale) {
+    if (path.string().ends_with(".removing")) {
+      doomed.push_back(path);
+      continue;
+    }
+    const std::filesystem::path renamed = path.string() + ".removing";
+    std::filesystem::rename(path, renamed, ec);
+    if (ec) {
+      say_("could not remove " + path.string() + ": " + ec.message());
+    } else {
+      doomed.push_back(renamed);
+    }
+  }
+  if (doomed.empty()) return;
+  thread_ = std::thread([this, doomed = std::move(doomed)] {
+    for (const std::filesystem::path& path : doomed) {
+      if (const int err = detail::remove_tree(path.c_str()); err != 0) {
+        say_("could not remove " + path.string() + ": " + std::strerror(err));
+      }
+    }
+  });
+}
+
+}  // namespace dtrain::detail::ckpt
+// ---- end dtrain/checkpoint/retention-inl.hpp ----
+#endif
+// ---- end dtrain/checkpoint/retention.hpp ----
+// ---- begin dtrain/checkpoint/tier.hpp ----
+/// @file
+/// The storage seam of dtrain::checkpoint. A tier is where a save's parts go
+/// and where a restore finds them: the shared directory (disk_tier.hpp), the
+/// node's memory (memory_tier.hpp), and, one day, an object store. The
+/// checkpoint takes each save's snapshot from its registry and hands it to a
+/// tier, which writes it (now, or on a thread), commits it its own way
+/// (all ranks together, or each rank alone), keeps what its retention says,
+/// and at a restore names the newest step every rank can load from it and
+/// this rank's files of that step.
+
+// ---- begin dtrain/checkpoint/registry.hpp ----
+/// @file
+/// What a checkpoint holds, apart from where it goes: the registry of its
+/// entries (values in host memory, a program's own bytes, sharded arrays) and
+/// the hooks around them; what a save writes of them (a snapshot), and how a
+/// checked part is read back into them, a sharded entry re-cut for this
+/// rank. Where the parts go is a storage tier's (checkpoint/tier.hpp).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <list>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// One entry's bytes to write: the live memory, or a copy of it.
+struct part_record {
+  std::string_view name;
+  entry_kind kind = entry_kind::values;
+  dtype type = dtype::uint8;
+  std::span<const std::uint64_t> shape;
+  const void* data = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+/// What one rank writes for one scope: the records, and what they point into.
+struct part_snapshot {
+  std::vector<part_record> records;
+  std::vector<std::string> owned;  // bytes entries' save() results
+};
+
+/// The entries one rank registered with its checkpoint, in the order added.
+class registry {
+ public:
+  /// `rank` names this rank in errors; `copy_threads` copy an asynchronous save's state.
+  registry(int rank, int copy_threads) : rank_(rank), copy_threads_(copy_threads) {}
+
+  /// Values in host memory, restored in place.
+  void add_values(std::string name, buffer values, checkpoint_scope scope,
+                  std::vector<std::uint64_t> shape);
+  /// This rank's `ranges` of a whole array of `total` elements, in `values`.
+  void add_sharded(std::string name, buffer values, std::vector<shard_range> ranges,
+                   std::uint64_t total);
+  /// Bytes the program makes (`save`) and takes back (`load`).
+  void add_bytes(std::string name, std::function<std::string()> save,
+                 std::function<void(std::string_view)> load, checkpoint_scope scope);
+  /// Functions run before each save reads the entries, and after a restore wrote them.
+  void add_hooks(std::function<void()> before_save, std::function<void()> after_restore);
+  /// Host memory of `bytes` that lives as long as the registry (add_sharded(name, ddp)'s array).
+  std::span<std::byte> scratch(std::size_t bytes);
+
+  [[nodiscard]] bool has_scope(checkpoint_scope scope) const;
+
+  /// Runs the before_save hooks.
+  void before_save() const;
+  /// The records of `scope`'s entries; `copy`: into owned memory (an
+  /// asynchronous save, whose training goes on while the files are written),
+  /// each entry's copy number `slot` (one per storage tier: each tier has
+  /// one save in flight at a time). Adds the copy's time to `copy_seconds`.
+  part_snapshot snapshot(checkpoint_scope scope, bool copy, std::size_t slot, double& copy_seconds);
+
+  /// The files this rank loads of manifest `m`, whose files are at
+  /// path_of(name), checked: each file's size and checksum, and every entry
+  /// against the registered ones; `where` names the copy in errors.
+  /// `world_size`: this job's (sharded entries are re-cut from every rank's
+  /// part when the checkpoint's differs; other per-rank state cannot be).
+  [[nodiscard]] std::vector<std::filesystem::path> check(
+      const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
+      const std::filesystem::path& where, int world_size) const;
+  /// Reads checked `files` into the entries (each sharded entry must get
+  /// every element this rank holds), then runs the after_restore hooks.
+  void load(const std::vector<std::filesystem::path>& files);
+
+ private:
+  struct entry {
+    std::string name;
+    checkpoint_scope scope = checkpoint_scope::replicated;
+    entry_kind kind = entry_kind::values;
+    buffer values;
+    std::vector<std::uint64_t> shape;
+    std::function<std::string()> save;
+    std::function<void(std::string_view)> load;
+    std::vector<staging> staged;      // a copy of `values` per storage tier (snapshot's slot)
+    std::vector<shard_range> ranges;  // a sharded entry's: what this rank holds
+    std::uint64_t total = 0;          // of the whole sharded array
+  };
+  struct hook {
+    std::function<void()> before_save, after_restore;
+  };
+
+  entry& push(entry e);
+  /// A sharded entry as it is written: the whole's size, the ranges, their values.
+  static std::string sharded_payload(const entry& e);
+  /// "[64, 16] float32" (or "1024 float32" without a shape).
+  static std::string describe(entry_kind kind, dtype type, const std::vector<std::uint64_t>& shape,
+                              std::uint64_t bytes);
+  /// Reads a checked file into the registered entries.
+  void apply(const std::filesystem::path& path);
+  /// The parts of a saved sharded entry (`payload`, from `file`) that fall in
+  /// the ranges this rank holds, copied into its values; counted in `recut_`.
+  void recut(entry& e, std::string_view payload, const std::filesystem::path& file);
+  /// After every part is read: each sharded entry got every element this rank holds.
+  void check_recut() const;
+
+  int rank_ = 0;
+  int copy_threads_ = 1;
+  std::vector<entry> entries_;
+  std::vector<hook> hooks_;
+  std::list<std::vector<std::byte>> scratch_;  // scratch()'s arrays (a list: they never move)
+  // load(): the global intervals each sharded entry got, of the elements this rank holds
+  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/registry-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/registry.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/registry.hpp, not this file.
+
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace dtrain::detail::ckpt {
+
+DTRAIN_DETAIL_INLINE void registry::add_values(std::string name, buffer values,
+                                               checkpoint_scope scope,
+                                               std::vector<std::uint64_t> shape) {
+  if (values.where != memory::host) {
+    throw config_error("checkpoint on rank " + std::to_string(rank_) + ": entry '" + name +
+                       "' is in device memory; checkpoints hold host memory (copy it to the host "
+                       "and add that copy)");
+  }
+  if (values.count > 0 && values.data == nullptr) {
+    throw config_error("checkpoint on rank " + std::to_string(rank_) + ": entry '" + name +
+                       "' has " + std::to_string(values.count) + " values and no data");
+  }
+  entry e;
+  e.name = std::move(name);
+  e.scope = scope;
+  e.values = values;
+  e.shape = std::move(shape);
+  push(std::move(e));
+}
+
+DTRAIN_DETAIL_INLINE registry::entry& registry::push(entry e) {
+  if (e.name.empty() || e.name.size() > max_name) {
+    throw config_error("checkpoint on rank " + std::to_string(rank_) +
+                       ": an entry's name must have 1 to " + std::to_string(max_name) + " bytes");
+  }
+  for (const entry& other : entries_) {
+    if (other.name == e.name) {
+      throw config_error("checkpoint on rank " + std::to_string(rank_) + ": entry '" + e.name +
+                         "' is added twice");
+    }
+  }
+  return entries_.emplace_back(std::move(e));
+}
+
+DTRAIN_DETAIL_INLINE void registry::add_sharded(std::string name, buffer values,
+                                                std::vector<shard_range> ranges,
+                                                std::uint64_t total) {
+  for (const shard_range& r : ranges) {
+    if (r.local > values.count || r.count > values.count - r.local || r.global > total ||
+        r.count > total - r.global) {
+      throw config_error("checkpoint on rank " + std::to_string(rank_) + ": sharded entry '" +
+                         name + "': range " + std::to_string(r.global) + "+" +
+                         std::to_string(r.count) + " (at " + std::to_string(r.local) +
+                         " here) does not fit " + std::to_string(values.count) +
+                         " values of a whole of " + std::to_string(total));
+    }
+  }
+  add_values(name, values, checkpoint_scope::per_rank, {});
+  entry& e = entries_.back();
+  e.kind = entry_kind::sharded;
+  e.ranges = std::move(ranges);
+  e.total = total;
+}
+
+DTRAIN_DETAIL_INLINE void registry::add_bytes(std::string name, std::function<std::string()> save,
+                                              std::function<void(std::string_view)> load,
+                                              checkpoint_scope scope) {
+  if (!save || !load) {
+    throw config_error("checkpoint on rank " + std::to_string(rank_) + ": entry '" + name +
+                       "' needs both a save and a load function");
+  }
+  entry e;
+  e.name = std::move(name);
+  e.scope = scope;
+  e.kind = entry_kind::bytes;
+  e.save = std::move(save);
+  e.load = std::move(load);
+  push(std::move(e));
+}
+
+DTRAIN_DETAIL_INLINE void registry::add_hooks(std::function<void()> before_save,
+                                              std::function<void()> after_restore) {
+  hooks_.push_back({std::move(before_save), std::move(after_restore)});
+}
+
+DTRAIN_DETAIL_INLINE std::span<std::byte> registry::scratch(std::size_t bytes) {
+  auto& array = scratch_.emplace_back(bytes);
+  return {array.data(), array.size()};
+}
+
+DTRAIN_DETAIL_INLINE void registry::before_save() const {
+  for (const hook& h : hooks_) {
+    if (h.before_save) h.before_save();
+  }
+}
+
+DTRAIN_DETAIL_INLINE void registry::load(const std::vector<std::filesystem::path>& files) {
+  recut_.clear();
+  for (const std::filesystem::path& file : files) apply(file);
+  check_recut();
+  for (const hook& h : hooks_) {
+    if (h.after_restore) h.after_restore();
+  }
+}
+
+DTRAIN_DETAIL_INLINE bool registry::has_scope(checkpoint_scope scope) const {
+  return std::ranges::any_of(entries_, [&](const entry& e) { return e.scope == scope; });
+}
+
+DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, bool copy,
+                                                      std::size_t slot, double& copy_seconds) {
+  part_snapshot out;
+  std::size_t owned = 0;
+  for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
+  out.owned.reserve(owned);  // the records point into these strings: no reallocation
+  std::vector<copy_job> copies;
+  for (entry& e : entries_) {
+    if (e.scope != scope) continue;
+    part_record r{e.name, e.kind, e.values.type, e.shape, e.values.data, e.values.bytes()};
+    if (e.kind == entry_kind::bytes) {
+      r.type = dtype::uint8;
+      out.owned.push_back(e.save());
+      r.data = out.owned.back().data();
+      r.bytes = out.owned.back().size();
+    } else if (e.kind == entry_kind::sharded) {
+      out.owned.push_back(sharded_payload(e));
+      r.data = out.owned.back().data();
+      r.bytes = out.owned.back().size();
+    } else if (copy && r.bytes > 0) {
+      // The entry's own copy, reused by each save (one is in flight at a
+      // time): its pages are touched once per job, not at every save.
+      if (e.staged.size() <= slot) e.staged.resize(slot + 1);
+      void* to = e.staged[slot].reserve(e.values.bytes());
+      copies.push_back({to, e.values.data, e.values.bytes()});
+      r.data = to;
+    }
+    out.records.push_back(r);
+  }
+  if (!copies.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    copy_parallel(copies, copy_threads_);
+    copy_seconds += seconds_since(start);
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::string registry::sharded_payload(const entry& e) {
+  const std::size_t element = size_of(e.values.type);
+  std::string out;
+  auto word = [&](std::uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  word(e.total);
+  word(e.ranges.size());
+  for (const shard_range& r : e.ranges) {
+    word(r.global);
+    word(r.count);
+  }
+  for (const shard_range& r : e.ranges) {
+    out.append(static_cast<const char*>(e.values.data) + r.local * element,
+               static_cast<std::size_t>(r.count * element));
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::string registry::describe(entry_kind kind, dtype type,
+                                                    const std::vector<std::uint64_t>& shape,
+                                                    std::uint64_t bytes) {
+  if (kind == entry_kind::bytes) return std::to_string(bytes) + " bytes of its own format";
+  std::string out;
+  if (shape.empty()) {
+    out = std::to_string(bytes / size_of(type));
+  } else {
+    out = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i)
+      out += (i ? ", " : "") + std::to_string(shape[i]);
+    out += "]";
+  }
+  return out + " " + std::string(to_string(type));
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> registry::check(
+    const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
+    const std::filesystem::path& where, int world_size) const {
+  std::vector<std::pair<std::string, checkpoint_scope>> wanted{
+      {std::string(replicated_name), checkpoint_scope::replicated}};
+  if (has_scope(checkpoint_scope::per_rank)) {
+    if (m.world_size != world_size) {
+      // Sharded entries are re-cut from every rank's part; other per-rank state cannot be.
+      std::string names;
+      for (const entry& e : entries_) {
+        if (e.scope == checkpoint_scope::per_rank && e.kind != entry_kind::sharded)
+          names += (names.empty() ? "'" : ", '") + e.name + "'";
+      }
+      if (!names.empty()) {
+        throw checkpoint_error("checkpoint: " + where.string() + " was written by " +
+                               std::to_string(m.world_size) + " ranks and this job has " +
+                               std::to_string(world_size) + "; its per-rank state (" + names +
+                               ") cannot be re-cut for another world size");
+      }
+      for (int r = 0; r < m.world_size; ++r)
+        wanted.emplace_back(rank_part_name(r), checkpoint_scope::per_rank);
+    } else {
+      wanted.emplace_back(rank_part_name(rank_), checkpoint_scope::per_rank);
+    }
+  }
+  std::vector<std::filesystem::path> files;
+  std::string problems;
+  for (const auto& [name, scope] : wanted) {
+    const std::filesystem::path path = path_of(name);
+    const file_record* record = m.find(name);
+    if (!record)
+      throw checkpoint_error("checkpoint: " + (where / manifest_name).string() + " lists no " +
+                             name);
+    const part_contents got = read_checked_part(path, *record);
+    std::vector<bool> matched(got.entries.size(), false);
+    for (const entry& e : entries_) {
+      if (e.scope != scope) continue;
+      const auto it = std::ranges::find(got.entries, e.name, &entry_header::name);
+      if (it == got.entries.end()) {
+        problems += "\n  '" + e.name + "' is registered here and not in the checkpoint";
+        continue;
+      }
+      matched[static_cast<std::size_t>(it - got.entries.begin())] = true;
+      const bool same_kind = it->kind == e.kind;
+      const bool same_values = e.kind == entry_kind::bytes ||
+                               (e.kind == entry_kind::sharded && it->type == e.values.type) ||
+                               (it->type == e.values.type && it->bytes == e.values.bytes() &&
+                                (it->shape.empty() || e.shape.empty() || it->shape == e.shape));
+      if (!same_kind || !same_values) {
+        problems += "\n  '" + e.name + "' is " +
+                    describe(it->kind, it->type, it->shape, it->bytes) + " in the checkpoint and " +
+                    describe(e.kind, e.values.type, e.shape,
+                             e.kind == entry_kind::bytes ? 0 : e.values.bytes()) +
+                    " here";
+      }
+    }
+    for (std::size_t i = 0; i < got.entries.size(); ++i) {
+      if (!matched[i]) {
+        problems +=
+            "\n  '" + got.entries[i].name + "' is in the checkpoint and not registered here";
+      }
+    }
+    files.push_back(path);
+  }
+  if (!problems.empty()) {
+    throw checkpoint_error("checkpoint: " + where.string() + " does not fit what rank " +
+                           std::to_string(rank_) +
+                           " registered (another model, or other state):" + problems);
+  }
+  return files;
+}
+
+DTRAIN_DETAIL_INLINE void registry::apply(const std::filesystem::path& path) {
+  read_part(path, [&](const entry_header& h, checked_reader& in) {
+    const auto it = std::ranges::find(entries_, h.name, &entry::name);
+    if (it == entries_.end()) {
+      in.read(nullptr, h.bytes, "entry '" + h.name + "'");
+      return;
+    }
+    if (it->kind == entry_kind::bytes) {
+      std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+      in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+      it->load(bytes);
+    } else if (it->kind == entry_kind::sharded) {
+      std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
+      in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
+      recut(*it, bytes, path);
+    } else {
+      in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
+    }
+  });
+}
+
+DTRAIN_DETAIL_INLINE void registry::recut(entry& e, std::string_view payload,
+                                          const std::filesystem::path& file) {
+  const std::size_t element = size_of(e.values.type);
+  const dtrain::detail::ckpt::sharded_payload saved =
+      parse_sharded(payload, element, "entry '" + e.name + "' of " + file.string());
+  if (saved.total != e.total) {
+    throw checkpoint_error("checkpoint: sharded entry '" + e.name + "' of " + file.string() +
+                           " is a whole of " + std::to_string(saved.total) +
+                           " elements, and here of " + std::to_string(e.total));
+  }
+  auto& covered = recut_[e.name];    // the global intervals of this rank's elements it got
+  std::size_t at = saved.values_at;  // the saved range's values in the payload
+  for (const auto& [global, count] : saved.ranges) {
+    for (const shard_range& mine : e.ranges) {
+      const std::uint64_t lo = std::max(global, mine.global);
+      const std::uint64_t hi = std::min(global + count, mine.global + mine.count);
+      if (lo >= hi) continue;
+      std::memcpy(static_cast<char*>(e.values.data) + (mine.local + lo - mine.global) * element,
+                  payload.data() + at + (lo - global) * element, (hi - lo) * element);
+      covered.emplace_back(lo, hi);
+    }
+    at += static_cast<std::size_t>(count * element);
+  }
+}
+
+DTRAIN_DETAIL_INLINE void registry::check_recut() const {
+  for (const entry& e : entries_) {
+    if (e.kind != entry_kind::sharded) continue;
+    std::uint64_t needed = 0;
+    for (const shard_range& r : e.ranges) needed += r.count;
+    // Saved ranges may overlap (every rank held everything): count each element once.
+    std::uint64_t got = 0;
+    if (auto it = recut_.find(e.name); it != recut_.end()) {
+      auto intervals = it->second;
+      std::ranges::sort(intervals);
+      std::uint64_t reached = 0;
+      for (const auto& [lo, hi] : intervals) {
+        const std::uint64_t from = std::max(lo, reached);
+        if (hi > from) got += hi - from;
+        reached = std::max(reached, hi);
+      }
+    }
+    if (got != needed) {
+      throw checkpoint_error("checkpoint: sharded entry '" + e.name +
+                             "': the checkpoint's ranks held " + std::to_string(got) + " of the " +
+                             std::to_string(needed) + " elements rank " + std::to_string(rank_) +
+                             " holds now (saved with another cut of the same whole?)");
+    }
+  }
+}
+
+}  // namespace dtrain::detail::ckpt
+// ---- end dtrain/checkpoint/registry-inl.hpp ----
+#endif
+// ---- end dtrain/checkpoint/registry.hpp ----
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// One rank's save of one step into one tier, from its snapshot to its commit.
+struct pending_save {
+  std::uint64_t step = 0;
+  std::chrono::steady_clock::time_point start;
+  std::filesystem::path partial;   // where this rank writes its parts (tier::staging)
+  bool writes_replicated = false;  // this rank writes the replicated part too
+  part_snapshot per_rank, replicated;
+  std::optional<file_record> per_rank_file, replicated_file;
+  std::string problem;  // this rank's, from its snapshot or its write
+  std::thread writer;   // an asynchronous save's
+};
+
+/// What a checkpoint's tiers share with it.
+struct tier_context {
+  dtrain::control_plane plane;
+  checkpoint_options options;
+  checkpoint_timings timings;
+
+  /// A line on rank 0's stderr ("dtrain checkpoint: ..."), unless quiet.
+  void say(const std::string& line) const;
+  /// Rank 0's value reaches every rank.
+  void broadcast_value(std::int64_t& value);
+};
+
+/// A storage tier (the file's comment). Each has at most one save in flight.
+class tier {
+ public:
+  explicit tier(tier_context& context) : context_(context) {}
+  tier(const tier&) = delete;
+  tier& operator=(const tier&) = delete;
+  virtual ~tier() = default;
+
+  /// Where this rank writes its parts of `step` (the tier commits or drops them).
+  [[nodiscard]] virtual std::filesystem::path staging(std::uint64_t step) const = 0;
+  /// Whether this rank writes the replicated part (every rank calls it, together).
+  [[nodiscard]] virtual bool writes_replicated() = 0;
+
+  /// Takes this rank's save `p` (its snapshot taken, or p.problem): writes
+  /// its parts into staging and seals them, now or, `asynchronous`, on a
+  /// thread beside the training. The save before must be complete()d.
+  void write(std::unique_ptr<pending_save> p, bool asynchronous);
+  /// Ends the save in flight, if any: its writer joined and its commit
+  /// (finish()). `next_save`: called by the next save, the wait is the training's.
+  void complete(bool next_save = false) {
+    if (pending_) finish(std::move(pending_), next_save);
+  }
+
+  /// restore(): the newest step whose copy every rank can load into
+  /// `entries` from this tier, not older than `floor` (-1: any), agreed by
+  /// every rank together; nullopt when there is none (what was skipped, and
+  /// why, is said).
+  [[nodiscard]] virtual std::optional<std::uint64_t> newest(std::int64_t floor,
+                                                            const registry& entries) = 0;
+  /// This rank's files of `step`, checked against `entries` (registry::check).
+  [[nodiscard]] virtual std::vector<std::filesystem::path> files(std::uint64_t step,
+                                                                 const registry& entries) = 0;
+  /// Where `step` is, for messages.
+  [[nodiscard]] virtual std::filesystem::path where(std::uint64_t step) const = 0;
+  /// restore()'s line once `step` is loaded from here.
+  [[nodiscard]] virtual std::string resumed(std::uint64_t step) const = 0;
+
+ protected:
+  /// After this rank's parts of `p` are written, or failed (p.problem), on
+  /// the writer's thread: what the tier does alone (a memory copy commits here).
+  virtual void seal(pending_save& p) { static_cast<void>(p); }
+  /// On the training thread: the commit of `p` (the writer may still run).
+  virtual void finish(std::unique_ptr<pending_save> p, bool next_save) = 0;
+  /// Joins `p`'s writer; returns the seconds waited.
+  static double join_writer(pending_save& p);
+
+  tier_context& context_;
+  std::unique_ptr<pending_save> pending_;  // the save in flight
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/tier-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/tier.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/tier.hpp, not this file.
+
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <utility>
+
+namespace dtrain::detail::ckpt {
+
+DTRAIN_DETAIL_INLINE void tier_context::say(const std::string& line) const {
+  if (options.quiet || plane.rank() != 0) return;
+  std::fprintf(stderr, "dtrain checkpoint: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+DTRAIN_DETAIL_INLINE void tier_context::broadcast_value(std::int64_t& value) {
+  std::array<std::uint8_t, sizeof(std::int64_t)> bytes{};
+  std::memcpy(bytes.data(), &value, sizeof value);
+  plane.broadcast(bytes, 0);
+  std::memcpy(&value, bytes.data(), sizeof value);
+}
+
+namespace tier_detail {
+inline file_record write_part(const std::filesystem::path& path, const part_snapshot& part) {
+  atomic_file file(path);
+  write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
+  for (const part_record& r : part.records) {
+    write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
+  }
+  return file.finish();
+}
+}  // namespace tier_detail
+
+DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asynchronous) {
+  pending_ = std::move(p);
+  if (!pending_->problem.empty()) return;
+  auto job = [this, &p = *pending_, rank = context_.plane.rank()] {
+    try {
+      // A save of this step that died before may have left the directory:
+      // its files are overwritten, and the manifest lists only this save's.
+      make_directory(p.partial, false);
+      if (!p.per_rank.records.empty()) {
+        p.per_rank_file = tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank);
+      }
+      if (p.writes_replicated)
+        p.replicated_file = tier_detail::write_part(p.partial / replicated_name, p.replicated);
+    } catch (const std::exception& e) {
+      p.problem = e.what();
+    }
+    seal(p);
+  };
+  if (asynchronous) {
+    pending_->writer = std::thread(std::move(job));
+  } else {
+    job();
+  }
+}
+
+DTRAIN_DETAIL_INLINE double tier::join_writer(pending_save& p) {
+  if (!p.writer.joinable()) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  p.writer.join();
+  return seconds_since(start);
+}
+
+}  // namespace dtrain::detail::ckpt
+// ---- end dtrain/checkpoint/tier-inl.hpp ----
+#endif
+// ---- end dtrain/checkpoint/tier.hpp ----
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dtrain {
+
+/// The newest checkpoint in `dir` whose manifest and files check out (sizes
+/// and checksums), or nullopt. Each newer one that does not is skipped, with a
+/// line naming the file and what is wrong appended to `skipped` when given.
+/// Throws checkpoint_error when `dir` exists but cannot be read.
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped = nullptr);
+
+namespace detail::ckpt {
+
+/// The shared directory's tier (the file's comment).
+class disk_tier final : public tier {
+ public:
+  explicit disk_tier(tier_context& context);
+  ~disk_tier() override;
+
+  [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
+  [[nodiscard]] bool writes_replicated() override { return context_.plane.rank() == 0; }
+  /// Rank 0 checks the steps, newest first, naming each one skipped; all hear
+  /// its choice. Throws checkpoint_error on every rank when it cannot read the directory.
+  [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,
+                                                    const registry& entries) override;
+  /// The newest committed step by its name alone (nothing read), as rank 0
+  /// sees it, on every rank: -1 for none, -2 when rank 0 cannot read the
+  /// directory (a restore's own look says why).
+  [[nodiscard]] std::int64_t newest_by_name();
+  [[nodiscard]] std::vector<std::filesystem::path> files(std::uint64_t step,
+                                                         const registry& entries) override;
+  [[nodiscard]] std::filesystem::path where(std::uint64_t step) const override;
+  [[nodiscard]] std::string resumed(std::uint64_t step) const override;
+
+  /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
+  void join_committer();
+
+ protected:
+  /// Phases 2 and 3: all ranks learn what every rank wrote; rank 0 commits
+  /// it (manifest, rename) or removes it; all hear which (asynchronous: rank
+  /// 0 commits on a thread, and the next complete() hears it).
+  void finish(std::unique_ptr<pending_save> p, bool next_save) override;
+
+ private:
+  static std::string not_committed(const std::string& what, const std::string& failed_ranks);
+  /// Rank 0: the manifest into the partial directory, which is renamed to
+  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
+  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all);
+
+  std::thread committer_;       // rank 0's commit of an asynchronous save
+  std::string commit_failure_;  // what it could not do
+  bool warned_slow_writer_ = false;
+  cleaner cleaner_;  // removes what retention finds stale
+};
+
+}  // namespace detail::ckpt
+}  // namespace dtrain
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/disk_tier-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/disk_tier.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/disk_tier.hpp, not this file.
+
+
+#include <array>
+#include <bit>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <utility>
+
+namespace dtrain {
+
+DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
+    const std::filesystem::path& dir, std::vector<std::string>* skipped) {
+  const auto steps = detail::ckpt::committed_steps(dir);
+  for (const auto& [step, path] : steps) {
+    try {
+      const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
+      if (m.step != step) {
+        throw checkpoint_error("checkpoint: " + (path / detail::ckpt::manifest_name).string() +
+                               " says step " + std::to_string(m.step) +
+                               " in a directory for step " + std::to_string(step));
+      }
+      return checkpoint_found{step, path, m.world_size};
+    } catch (const checkpoint_error& e) {
+      if (skipped) skipped->push_back(std::string(e.what()) + "; skipped");
+    }
+  }
+  return std::nullopt;
+}
+
+namespace detail::ckpt {
+
+DTRAIN_DETAIL_INLINE disk_tier::disk_tier(tier_context& context)
+    : tier(context), cleaner_([&context](const std::string& line) { context.say(line); }) {}
+
+DTRAIN_DETAIL_INLINE disk_tier::~disk_tier() {
+  if (pending_) {
+    // Unwinding (this rank failed): the other ranks are not here to agree,
+    // so the save in flight is left uncommitted; the next save removes it.
+    if (std::uncaught_exceptions() > 0) {
+      static_cast<void>(join_writer(*pending_));
+    } else {
+      try {
+        complete();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", context_.plane.rank(), e.what());
+      }
+    }
+  }
+  if (committer_.joinable()) committer_.join();
+  if (!commit_failure_.empty()) {
+    std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", context_.plane.rank(),
+                 commit_failure_.c_str());
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path disk_tier::staging(std::uint64_t step) const {
+  return context_.options.dir / (step_name(step) + std::string(partial_suffix));
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path disk_tier::where(std::uint64_t step) const {
+  return context_.options.dir / step_name(step);
+}
+
+DTRAIN_DETAIL_INLINE std::string disk_tier::resumed(std::uint64_t step) const {
+  return "resumed from " + where(step).string() + " (step " + std::to_string(step) + ")";
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t disk_tier::newest_by_name() {
+  std::int64_t newest = -1;
+  if (context_.plane.rank() == 0) {
+    try {
+      const auto steps = committed_steps(context_.options.dir);
+      if (!steps.empty()) newest = static_cast<std::int64_t>(steps.front().first);
+    } catch (const std::exception&) {
+      newest = -2;
+    }
+  }
+  context_.broadcast_value(newest);
+  return newest;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> disk_tier::newest(std::int64_t floor,
+                                                                    const registry& entries) {
+  static_cast<void>(entries);  // the step is chosen by its files; load() checks the entries
+  constexpr std::int64_t failed = -2;
+  std::int64_t chosen = -1;
+  std::string problem;
+  if (context_.plane.rank() == 0) {
+    try {
+      std::vector<std::string> skipped;
+      const auto found = latest_checkpoint(context_.options.dir, &skipped);
+      for (const std::string& line : skipped) context_.say(line);
+      if (found) chosen = static_cast<std::int64_t>(found->step);
+    } catch (const std::exception& e) {
+      chosen = failed;
+      problem = e.what();
+    }
+  }
+  context_.broadcast_value(chosen);
+  if (chosen == failed) {
+    throw checkpoint_error(context_.plane.rank() == 0
+                               ? problem
+                               : "checkpoint: rank 0 could not look for checkpoints in " +
+                                     context_.options.dir.string() + " (its error says why)");
+  }
+  if (chosen < 0 || chosen < floor) return std::nullopt;
+  return static_cast<std::uint64_t>(chosen);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> disk_tier::files(std::uint64_t step,
+                                                                         const registry& entries) {
+  const std::filesystem::path step_dir = where(step);
+  return entries.check(
+      read_manifest(step_dir), [&](const std::string& name) { return step_dir / name; }, step_dir,
+      context_.plane.size());
+}
+
+DTRAIN_DETAIL_INLINE void disk_tier::finish(std::unique_ptr<pending_save> owned, bool next_save) {
+  pending_save& p = *owned;
+  if (p.writer.joinable()) {
+    const double waited = join_writer(p);
+    if (next_save) context_.timings.writer_wait_seconds += waited;
+    if (next_save && waited > 0.001 && !warned_slow_writer_ && context_.plane.rank() == 0) {
+      warned_slow_writer_ = true;
+      std::fprintf(stderr,
+                   "dtrain checkpoint: the asynchronous save of step %llu was still being "
+                   "written when the next save came; the training waited %.0f ms "
+                   "for it. Saves come faster than %s takes them: save less often "
+                   "(checkpoint_options::every is %llu). Said once; "
+                   "checkpoint::timings().writer_wait_seconds counts them all\n",
+                   static_cast<unsigned long long>(p.step), 1e3 * waited,
+                   context_.options.dir.string().c_str(),
+                   static_cast<unsigned long long>(context_.options.every));
+    }
+  }
+  join_committer();  // rank 0: the save before this one is committed (or this throws)
+  const std::filesystem::path step_dir = context_.options.dir / step_name(p.step);
+  const std::string what = "save step " + std::to_string(p.step) + " to " + step_dir.string();
+  std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
+  if (!p.problem.empty()) {
+    mine[0] = 0;
+    // Said before the agreement below, which no rank leaves before this one
+    // joins it: the others then fail naming this rank, and their exit may
+    // end the job (the node agent stops the rest) before this rank's own error.
+    std::fprintf(stderr,
+                 "dtrain checkpoint on rank %d: could not write its part of step %llu: %s\n",
+                 context_.plane.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
+    std::fflush(stderr);
+  } else if (p.per_rank_file) {
+    mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
+            std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
+  }
+  const auto size = static_cast<std::size_t>(context_.plane.size());
+  std::vector<std::int64_t> all(4 * size);
+  context_.plane.allgather(mine, all);
+  std::string failed_ranks;
+  for (std::size_t r = 0; r < size; ++r) {
+    if (all[4 * r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+  }
+
+  if (context_.plane.rank() != 0) {
+    if (context_.options.asynchronous) return;  // rank 0 commits beside the training; it reports
+    std::int64_t committed = 0;
+    context_.broadcast_value(committed);
+    if (!committed) {
+      throw checkpoint_error(!p.problem.empty() ? p.problem + " (rank " +
+                                                      std::to_string(context_.plane.rank()) + ")"
+                                                : not_committed(what, failed_ranks));
+    }
+    return;
+  }
+  // Rank 0: the manifest and the rename, then the checkpoints beyond `keep`.
+  auto commit = [this, owned = std::move(owned), all = std::move(all), failed_ranks,
+                 what]() -> std::string {
+    pending_save& q = *owned;
+    std::string problem = q.problem;
+    try {
+      if (failed_ranks.empty()) {
+        const std::uint64_t bytes = commit_on_disk(q, all);
+        cleaner_.remove(stale_steps(context_.options.dir, q.step, context_.options.keep));
+        const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
+        char line[160];
+        std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)",
+                      static_cast<unsigned long long>(bytes), took.count(),
+                      context_.options.asynchronous ? " until committed" : "");
+        context_.say("saved " + (context_.options.dir / step_name(q.step)).string() + line);
+        return "";
+      }
+      remove_checkpoint_tree(q.partial);
+    } catch (const std::exception& e) {
+      if (problem.empty()) problem = e.what();
+      static_cast<void>(detail::remove_tree(q.partial.c_str()));
+    }
+    return !problem.empty() ? problem + " (rank 0)" : not_committed(what, failed_ranks);
+  };
+  if (context_.options.asynchronous) {
+    committer_ =
+        std::thread([this, commit = std::move(commit)]() mutable { commit_failure_ = commit(); });
+    return;
+  }
+  const std::string problem = commit();
+  std::int64_t committed = problem.empty() ? 1 : 0;
+  context_.broadcast_value(committed);
+  if (!committed) throw checkpoint_error(problem);
+}
+
+DTRAIN_DETAIL_INLINE std::string disk_tier::not_committed(const std::string& what,
+                                                          const std::string& failed_ranks) {
+  return "checkpoint: could not " + what +
+         (failed_ranks.empty() ? ": rank 0 could not commit it (its error says why)"
+                               : ": rank(s) " + failed_ranks +
+                                     " could not write their part (each said why above, "
+                                     "'dtrain checkpoint on rank N')") +
+         "; the checkpoints before it are kept";
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t disk_tier::commit_on_disk(const pending_save& p,
+                                                             const std::vector<std::int64_t>& all) {
+  const std::filesystem::path step_dir = context_.options.dir / step_name(p.step);
+  manifest m{p.step, context_.plane.size(), {*p.replicated_file}};
+  std::uint64_t bytes = p.replicated_file->bytes;
+  for (std::size_t r = 0; 4 * r < all.size(); ++r) {
+    if (all[4 * r + 1] == 0) continue;
+    m.files.push_back({rank_part_name(static_cast<int>(r)),
+                       static_cast<std::uint64_t>(all[4 * r + 2]),
+                       std::bit_cast<std::uint64_t>(all[4 * r + 3])});
+    bytes += static_cast<std::uint64_t>(all[4 * r + 2]);
+  }
+  const std::string text = render(m);
+  atomic_file manifest(p.partial / manifest_name);
+  manifest.write(text.data(), text.size());
+  static_cast<void>(manifest.finish());
+  sync_directory(p.partial);
+  if (std::filesystem::exists(step_dir)) {  // an older run's (its newest was damaged)
+    const std::filesystem::path aside = step_dir.string() + ".replaced";
+    remove_checkpoint_tree(aside);
+    rename_path(step_dir, aside);
+    remove_checkpoint_tree(aside);
+  }
+  rename_path(p.partial, step_dir);
+  sync_directory(context_.options.dir);
+  return bytes;
+}
+
+DTRAIN_DETAIL_INLINE void disk_tier::join_committer() {
+  if (committer_.joinable()) committer_.join();
+  if (!commit_failure_.empty())
+    throw checkpoint_error(std::exchange(commit_failure_, std::string()));
+}
+
+}  // namespace detail::ckpt
+}  // namespace dtrain
+// ---- end dtrain/checkpoint/disk_tier-inl.hpp ----
+#endif
+// ---- end dtrain/checkpoint/disk_tier.hpp ----
+// ---- begin dtrain/checkpoint/memory_tier.hpp ----
+/// @file
+/// The memory tier (checkpoint_options::memory_every): copies in a directory
+/// of the node's memory that outlives the workers (dtrun's node agent owns
+/// it, in /dev/shm), in the disk's format. Each rank writes and commits its
+/// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
+/// replicated part, and a manifest), without the other ranks, and keeps its
+/// 2 newest. A restore takes the newest step that every rank holds whole.
+
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// The node-memory tier (the file's comment).
+class memory_tier final : public tier {
+ public:
+  /// Copies in `dir`, one per node.
+  memory_tier(tier_context& context, std::filesystem::path dir);
+  ~memory_tier() override { complete(); }
+
+  [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
+  /// The node's first rank writes the replicated part (its node is found at the first call).
+  [[nodiscard]] bool writes_replicated() override;
+  /// The newest step whole on every rank (a rank killed in its save has the
+  /// one before, which the others still keep), when it is at least `floor`
+  /// (the disk's newest); else rank 0 says why not. Each copy of this rank
+  /// skipped (torn, of another job) is said on its stderr, naming it and why.
+  /// With per-rank entries a rank needs its own copy, of a job of this size;
+  /// without (all of the state replicated, as a DDP's), any copy on its node
+  /// with the step's replicated part serves, whatever the size of the job
+  /// that wrote it (an elastic job's round after it lost a node).
+  [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,
+                                                    const registry& entries) override;
+  /// This rank's copy of `step`, with the replicated part from its node's
+  /// first rank's; without per-rank entries, the copy newest() found.
+  [[nodiscard]] std::vector<std::filesystem::path> files(std::uint64_t step,
+                                                         const registry& entries) override;
+  [[nodiscard]] std::filesystem::path where(std::uint64_t step) const override;
+  [[nodiscard]] std::string resumed(std::uint64_t step) const override;
+
+  [[nodiscard]] const std::filesystem::path& dir() const noexcept { return dir_; }
+  /// This rank's copies that could not be written (the first is said on stderr).
+  [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
+
+ protected:
+  /// The copy's manifest, its commit (the rename), and this rank's copies
+  /// beyond the 2 newest removed; a copy that fails is removed.
+  void seal(pending_save& p) override;
+  /// Joins the writer; what it could not do is counted and said once, not thrown.
+  void finish(std::unique_ptr<pending_save> p, bool next_save) override;
+
+ private:
+  /// The ranks that share this rank's directory (its node: the same host
+  /// and directory), found once by every rank together.
+  const std::vector<int>& node();
+  /// Rank `rank`'s copy of `step`: `DIR/step-<N>.rank-<R>`.
+  [[nodiscard]] std::filesystem::path copy_dir(std::uint64_t step, int rank) const;
+  /// This rank's 2 newest copies that check out (its own and its node's
+  /// replicated part) and fit this job, newest first, -1 for none.
+  std::array<std::int64_t, 2> usable();
+  /// The 2 newest steps of which a copy on this node holds the replicated
+  /// part whole (any rank's, any job size), newest first, -1 for none; each
+  /// one's copy in `replicated_copy_`.
+  std::array<std::int64_t, 2> usable_replicated();
+  /// A line on this rank's stderr, unless quiet.
+  void tell(const std::string& line) const;
+
+  std::filesystem::path dir_;
+  std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
+  std::uint64_t failures_ = 0;  // copies not written
+  std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/checkpoint/memory_tier-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/checkpoint/memory_tier.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/memory_tier.hpp, not this file.
+
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <map>
+#include <span>
+#include <string_view>
+#include <utility>
+
+namespace dtrain::detail::ckpt {
+
+DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir)
+    : tier(context), dir_(std::move(dir)) {}
+
+DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
+  if (!node_.empty()) return node_;
+  // Ranks with the same host name and memory directory are on one node
+  // (each agent makes its own directory, its pid in the name).
+  const std::int64_t mine = static_cast<std::int64_t>(std::hash<std::string>{}(
+      detail::host_name().value_or("") + ":" + dir_.lexically_normal().string()));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  for (int r = 0; r < context_.plane.size(); ++r) {
+    if (all[static_cast<std::size_t>(r)] == mine) node_.push_back(r);
+  }
+  return node_;
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::writes_replicated() {
+  return node().front() == context_.plane.rank();
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::copy_dir(std::uint64_t step,
+                                                                 int rank) const {
+  return dir_ / (step_name(step) + ".rank-" + std::to_string(rank));
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::where(std::uint64_t step) const {
+  const auto found = replicated_copy_.find(step);  // a restore without per-rank entries
+  return found != replicated_copy_.end() ? found->second : copy_dir(step, context_.plane.rank());
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::staging(std::uint64_t step) const {
+  return copy_dir(step, context_.plane.rank()).string() + std::string(partial_suffix);
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::resumed(std::uint64_t step) const {
+  return "resumed from the memory copy of step " + std::to_string(step) + " in " + dir_.string() +
+         " (nothing read from " + context_.options.dir.string() + ")";
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
+  try {
+    if (!p.problem.empty()) throw checkpoint_error(p.problem);
+    manifest m{p.step, context_.plane.size(), {}};
+    if (p.replicated_file) m.files.push_back(*p.replicated_file);
+    if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
+    const std::string text = render(m);
+    atomic_file written(p.partial / manifest_name);
+    written.write(text.data(), text.size());
+    static_cast<void>(written.finish());
+    const std::filesystem::path done = copy_dir(p.step, context_.plane.rank());
+    remove_checkpoint_tree(done);  // an older run's copy of this step
+    rename_path(p.partial, done);
+    // This rank's copies beyond the 2 newest (and any numbered after this
+    // one: an older run's), and its saves that died.
+    const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
+    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix))
+      remove_checkpoint_tree(stale);
+  } catch (const std::exception& e) {
+    p.problem = e.what();
+    static_cast<void>(detail::remove_tree(p.partial.c_str()));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::finish(std::unique_ptr<pending_save> p, bool next_save) {
+  static_cast<void>(next_save);
+  static_cast<void>(join_writer(*p));
+  if (p->problem.empty()) return;
+  if (++failures_ == 1 && !context_.options.quiet) {
+    std::fprintf(stderr,
+                 "dtrain checkpoint on rank %d: its memory copy of step %llu was not written "
+                 "(%s); its older copies and the disk stay. Said once; "
+                 "checkpoint::memory_failures() counts them all\n",
+                 context_.plane.rank(), static_cast<unsigned long long>(p->step),
+                 p->problem.c_str());
+    std::fflush(stderr);
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable() {
+  std::array<std::int64_t, 2> out{-1, -1};
+  const int rank = context_.plane.rank();
+  const int leader = node().front();
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> copies;
+  try {
+    copies = committed_steps(dir_, ".rank-" + std::to_string(rank));
+  } catch (const std::exception&) {
+    // No copies here that can be read: as none (the disk's, as ever).
+  }
+  std::size_t found = 0;
+  for (const auto& [step, path] : copies) {
+    if (found == out.size()) break;
+    try {
+      const manifest m = verify_step(path);
+      if (m.step != step || m.world_size != context_.plane.size()) {
+        throw checkpoint_error("checkpoint: " + path.string() + " holds step " +
+                               std::to_string(m.step) + " of " + std::to_string(m.world_size) +
+                               " ranks, and this job has " + std::to_string(context_.plane.size()));
+      }
+      if (leader != rank) {  // the replicated part, from the node's first rank
+        const manifest l = verify_step(copy_dir(step, leader));
+        if (l.step != step || !l.find(replicated_name)) {
+          throw checkpoint_error("checkpoint: " + copy_dir(step, leader).string() +
+                                 " holds no replicated part of step " + std::to_string(step));
+        }
+      }
+      out[found++] = static_cast<std::int64_t>(step);
+    } catch (const std::exception& e) {
+      tell(std::string("memory copy: ") + e.what() + "; not used");
+    }
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable_replicated() {
+  std::array<std::int64_t, 2> out{-1, -1};
+  replicated_copy_.clear();
+  // Every copy in the directory by step, of any rank: of this job, or of a
+  // round of another size that ran on this node before.
+  std::map<std::uint64_t, std::vector<std::filesystem::path>, std::greater<>> copies;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const std::size_t at = name.find(".rank-");
+    if (at == std::string::npos) continue;
+    const std::string_view rank = std::string_view(name).substr(at + 6);
+    if (rank.empty() || !std::ranges::all_of(rank, [](char c) { return c >= '0' && c <= '9'; }))
+      continue;  // a save that died (.partial), or not a copy
+    if (auto step = step_of(std::string_view(name).substr(0, at)))
+      copies[*step].push_back(it->path());
+  }
+  std::size_t found = 0;
+  for (auto& [step, paths] : copies) {
+    if (found == out.size()) break;
+    std::sort(paths.begin(), paths.end());
+    std::string why;
+    for (const std::filesystem::path& path : paths) {
+      try {
+        const manifest m = verify_step(path);
+        if (m.step == step && m.find(replicated_name)) {
+          replicated_copy_[step] = path;
+          break;
+        }
+      } catch (const std::exception& e) {
+        if (why.empty()) why = e.what();
+      }
+    }
+    if (replicated_copy_.contains(step)) {
+      out[found++] = static_cast<std::int64_t>(step);
+    } else {
+      tell("memory copy: " +
+           (why.empty() ? "no copy of step " + std::to_string(step) + " in " + dir_.string() +
+                              " holds its replicated part"
+                        : why) +
+           "; not used");
+    }
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
+  if (context_.options.quiet) return;
+  std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", context_.plane.rank(), line.c_str());
+  std::fflush(stderr);
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
+                                                                      const registry& entries) {
+  const std::array<std::int64_t, 2> mine =
+      entries.has_scope(checkpoint_scope::per_rank) ? usable() : usable_replicated();
+  const int size = context_.plane.size();
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
+  context_.plane.allgather(mine, all);
+  // The newest step that every rank holds whole.
+  std::int64_t best = -1;
+  std::string missing;
+  for (const std::int64_t candidate : {all[0], all[1]}) {
+    if (candidate < 0) continue;
+    std::string without;
+    for (int r = 0; r < size; ++r) {
+      const auto at = 2 * static_cast<std::size_t>(r);
+      if (all[at] != candidate && all[at + 1] != candidate)
+        without += (without.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (without.empty()) {
+      best = std::max(best, candidate);
+    } else if (missing.empty()) {
+      missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + without;
+    }
+  }
+  if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; }))
+    return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  const std::string fallback = "using " + context_.options.dir.string() + " instead";
+  if (best < 0) {
+    context_.say("memory tier: no step is whole in every rank's memory copies (" +
+                 (missing.empty()
+                      ? std::string("some ranks have none: their node is new, or lost them")
+                      : missing) +
+                 "): " + fallback);
+    return std::nullopt;
+  }
+  if (best < floor) {
+    context_.say("memory tier: the memory copies (step " + std::to_string(best) +
+                 ") are older than the disk checkpoint (step " + std::to_string(floor) +
+                 "): " + fallback);
+    return std::nullopt;
+  }
+  return static_cast<std::uint64_t>(best);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
+    std::uint64_t step, const registry& entries) {
+  if (!entries.has_scope(checkpoint_scope::per_rank)) {
+    const auto found = replicated_copy_.find(step);
+    if (found == replicated_copy_.end()) {
+      throw checkpoint_error("checkpoint: no copy of step " + std::to_string(step) + " in " +
+                             dir_.string() + " holds its replicated part");
+    }
+    const std::filesystem::path copy = found->second;
+    return entries.check(
+        read_manifest(copy), [&](const std::string& name) { return copy / name; }, copy,
+        context_.plane.size());
+  }
+  const std::filesystem::path mine = copy_dir(step, context_.plane.rank());
+  const std::filesystem::path leader = copy_dir(step, node().front());
+  // This rank's manifest, and the replicated part from its node's first rank's.
+  manifest m = read_manifest(mine);
+  const manifest theirs = read_manifest(leader);
+  const std::string replicated(replicated_name);
+  if (const auto* r = theirs.find(replicated); r && !m.find(replicated)) m.files.push_back(*r);
+  return entries.check(
+      m, [&](const std::string& name) { return (name == replicated ? leader : mine) / name; }, mine,
+      context_.plane.size());
+}
+
+}  // namespace dtrain::detail::ckpt
+// ---- end dtrain/checkpoint/memory_tier-inl.hpp ----
+#endif
+// ---- end dtrain/checkpoint/memory_tier.hpp ----
+
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -27257,96 +28856,6 @@ DTRAIN_DETAIL_INLINE manifest verify_step(const std::filesystem::path& step_dir)
 #include <vector>
 
 namespace dtrain {
-
-/// Whose state an entry is: the same on every rank (written once, by rank 0,
-/// and loaded by every rank, whatever the world size) or each rank's own.
-enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
-
-/// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
-struct checkpoint_options {
-  /// Where the checkpoints go (created if missing). Every rank must see the
-  /// same directory: one machine, or a file system that every node shares.
-  std::filesystem::path dir;
-  /// step() saves after every `every`-th step; 0: only save() saves.
-  std::uint64_t every = 0;
-  /// Committed checkpoints kept (at least 1); older ones are removed once a
-  /// newer one is committed. With 2 or more, a newest checkpoint damaged on
-  /// disk still leaves one to resume from.
-  int keep = 2;
-  /// No line on rank 0's stderr per save and restore.
-  bool quiet = false;
-  /// save() copies the state (host memory: the size of the checkpoint) and
-  /// returns; a thread writes the files beside the next steps, and the
-  /// checkpoint is committed at the next save(), restore() or wait(), or when
-  /// the checkpoint object is destroyed. Until then the one before it is the
-  /// newest.
-  bool asynchronous = false;
-  /// Threads that copy the state at an asynchronous save (the training
-  /// thread is one of them); a copy under 1 MiB per thread is not split.
-  /// 0: automatic, the machine's cores per local rank when built from a
-  /// dtrain::context (at most 8), else 1.
-  int copy_threads = 0;
-  /// The memory tier: step() also saves every `memory_every`-th step into
-  /// `memory_dir`, memory that outlives this process but not its node. A
-  /// worker restarted on the node resumes from there when that copy is at
-  /// least as new as the newest on disk (no read of `dir`); the disk stays
-  /// the fallback and the tier for whole-job restarts. Each rank writes and
-  /// commits its own copy (no collective), keeping its 2 newest; a node's
-  /// first rank adds the replicated entries. With `asynchronous`, the state
-  /// is copied on the training thread and written on a thread beside the next
-  /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
-  /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
-  /// not used, and the message says which and why. 0: off.
-  std::uint64_t memory_every = 0;
-  /// The memory tier's directory, one per node. Empty: the environment's
-  /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
-  /// directory in /dev/shm that it owns (and removes when the job ends).
-  std::filesystem::path memory_dir{};
-};
-
-/// Where a checkpoint's time on the training thread went, summed over its
-/// saves on this rank (dtrain::checkpoint::timings()).
-struct checkpoint_timings {
-  std::uint64_t saves = 0;  ///< save() calls
-  /// In save() (and, for an asynchronous checkpoint, in wait()): what the
-  /// training waited for in all.
-  double blocked_seconds = 0;
-  /// The asynchronous save's copy of the state (its "staging").
-  double copy_seconds = 0;
-  /// Committing the save before: waiting for its writer, and the
-  /// control-plane rounds of its commit.
-  double commit_seconds = 0;
-  /// Of commit_seconds, the wait for an asynchronous save's writer, which was
-  /// still writing when the next save() came: more than a little means saves
-  /// come faster than the disk takes them (rank 0 says so once).
-  double writer_wait_seconds = 0;
-  /// The memory tier's saves (checkpoint_options::memory_every) on the
-  /// training thread (asynchronous: the copy of the state, and the wait for
-  /// the writer of the copy before when it was still writing).
-  double memory_seconds = 0;
-};
-
-/// A committed checkpoint found on disk.
-struct checkpoint_found {
-  std::uint64_t step = 0;
-  std::filesystem::path path;  ///< `DIR/step-<N>`
-  int world_size = 0;          ///< of the job that wrote it
-};
-
-namespace detail::ckpt {
-/// The committed step directories of `dir` (`step-<N>`, by name, unchecked),
-/// newest first; none when `dir` does not exist. Throws checkpoint_error when
-/// it cannot be read.
-DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>> committed_steps(
-    const std::filesystem::path& dir);
-}  // namespace detail::ckpt
-
-/// The newest checkpoint in `dir` whose manifest and files check out (sizes
-/// and checksums), or nullopt. Each newer one that does not is skipped, with a
-/// line naming the file and what is wrong appended to `skipped` when given.
-/// Throws checkpoint_error when `dir` exists but cannot be read.
-DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
-    const std::filesystem::path& dir, std::vector<std::string>* skipped = nullptr);
 
 /// One step's state of every rank: saved consistently, resumed from. See the
 /// file's comment. Every rank constructs it, registers the same entries (per
@@ -27397,8 +28906,8 @@ class checkpoint {
     for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
       const parameter& p = detail::parameter_at(params, i);
       if (!p.values.data && p.values.count > 0) {  // ZeRO stage 3 holds them sharded
-        throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": parameter '" +
-                           p.name +
+        throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
+                           ": parameter '" + p.name +
                            "' has no values here (ddp_options::sharding = parameters holds "
                            "them as shards: add them with add_sharded(\"parameters\", ddp))");
       }
@@ -27456,14 +28965,13 @@ class checkpoint {
     for (const shard_piece& piece : pieces) {
       if (piece.master.type != type) {
         throw config_error(
-            "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
-            "\", ddp) takes the pieces of one type, and parameter #" +
+            "checkpoint on rank " + std::to_string(context_.plane.rank()) + ": add_sharded(\"" +
+            name + "\", ddp) takes the pieces of one type, and parameter #" +
             std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.master.type)) +
             ", not " + std::string(to_string(type)));
       }
     }
-    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * size_of(type));
-    const std::span<std::byte> host(scratch.data(), scratch.size());
+    const std::span<std::byte> host = entries_.scratch(ddp.shard_elements() * size_of(type));
     add_sharded(std::move(name), buffer{host.data(), ddp.shard_elements(), type, memory::host},
                 ddp.shard_ranges(), ddp.model_elements());
     return add_hooks([&ddp, host] { ddp.download_shard_values(host); },
@@ -27511,9 +29019,13 @@ class checkpoint {
   void save_to_memory();
 
   /// Where the memory tier keeps this node's copies (empty: none).
-  [[nodiscard]] const std::filesystem::path& memory_dir() const noexcept { return memory_dir_; }
+  [[nodiscard]] std::filesystem::path memory_dir() const {
+    return memory_ ? memory_->dir() : std::filesystem::path();
+  }
   /// This rank's memory copies that could not be written (the first is said on stderr).
-  [[nodiscard]] std::uint64_t memory_failures() const noexcept { return memory_failures_; }
+  [[nodiscard]] std::uint64_t memory_failures() const noexcept {
+    return memory_ ? memory_->failures() : 0;
+  }
 
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
@@ -27529,10 +29041,10 @@ class checkpoint {
   void wait();
 
   /// Where this rank's training thread spent its time in save() and wait().
-  [[nodiscard]] const checkpoint_timings& timings() const noexcept { return timings_; }
+  [[nodiscard]] const checkpoint_timings& timings() const noexcept { return context_.timings; }
   /// Steps counted by step() (and restored by restore()).
   [[nodiscard]] std::uint64_t steps() const noexcept { return static_cast<std::uint64_t>(steps_); }
-  [[nodiscard]] const checkpoint_options& options() const noexcept { return options_; }
+  [[nodiscard]] const checkpoint_options& options() const noexcept { return context_.options; }
 
   ~checkpoint();
 
@@ -27543,174 +29055,31 @@ class checkpoint {
   }
   /// copy_threads 0 (automatic): the machine's cores per local rank, 1 to 8.
   static checkpoint_options with_copy_threads(checkpoint_options options, int local_size);
-  void finish_pending() noexcept;
-  void wait_pending(bool next_save = false);
-
-  static constexpr std::int64_t no_checkpoint = -1;
-  static constexpr std::int64_t failed = -2;
-
-  struct hook {
-    std::function<void()> before_save, after_restore;
-  };
-  std::vector<hook> hooks_;                         // add_hooks()
-  std::list<std::vector<std::byte>> shard_copies_;  // add_sharded(name, ddp)'s arrays
-
-  struct entry {
-    std::string name;
-    checkpoint_scope scope = checkpoint_scope::replicated;
-    detail::ckpt::entry_kind kind = detail::ckpt::entry_kind::values;
-    buffer values;
-    std::vector<std::uint64_t> shape;
-    std::function<std::string()> save;
-    std::function<void(std::string_view)> load;
-    detail::ckpt::staging staged;         // an asynchronous save's copy of `values`
-    detail::ckpt::staging memory_staged;  // the memory tier's copy of `values`
-    std::vector<shard_range> ranges;      // a sharded entry's: what this rank holds
-    std::uint64_t total = 0;              // of the whole sharded array
-  };
 
   checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
-                         std::vector<std::uint64_t> shape);
-  checkpoint& push(entry e);
-  [[nodiscard]] bool has_scope(checkpoint_scope scope) const;
-
-  /// One entry's bytes to write: the live memory, or a copy of it.
-  struct part_record {
-    std::string_view name;
-    detail::ckpt::entry_kind kind = detail::ckpt::entry_kind::values;
-    dtype type = dtype::uint8;
-    std::span<const std::uint64_t> shape;
-    const void* data = nullptr;
-    std::uint64_t bytes = 0;
-  };
-  /// What one rank writes for one scope: the records, and what they point into.
-  struct part_snapshot {
-    std::vector<part_record> records;
-    std::vector<std::string> owned;  // bytes entries' save() results
-  };
-  /// A save from its start to its commit.
-  struct pending_save {
-    std::uint64_t step = 0;
-    std::chrono::steady_clock::time_point start;
-    std::filesystem::path partial;
-    part_snapshot per_rank, replicated;
-    std::optional<detail::ckpt::file_record> per_rank_file, replicated_file;
-    std::string problem;  // this rank's, from its snapshot or its write
-    std::thread writer;
-  };
-
-  /// The records of `scope`'s entries; `copy`: into owned memory (an
-  /// asynchronous save, whose training goes on while the files are written),
-  /// the entries' memory-tier copies when `memory`.
-  part_snapshot snapshot(checkpoint_scope scope, bool copy, bool memory = false);
-  /// A sharded entry as it is written: the whole's size, the ranges, their values.
-  static std::string sharded_payload(const entry& e);
-
-  static detail::ckpt::file_record write_part(const std::filesystem::path& path,
-                                              const part_snapshot& part);
-  /// Writes this rank's files of `p` (on the training thread, or the writer's).
-  static void write_parts(pending_save& p, int rank, bool replicated);
-
-  /// Phases 2 and 3 of the save in flight: all ranks learn what every rank
-  /// wrote; rank 0 commits it (manifest, rename) or removes it; all hear which.
-  /// `next_save`: called by save() (the wait for the writer is then the
-  /// training's; at wait(), restore() or the end it is expected).
-  void commit(bool next_save = false);
-
-  static std::string not_committed(const std::string& what, const std::string& failed_ranks);
-
-  /// Rank 0: the manifest into the partial directory, which is renamed to
-  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
-  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all);
-
-  /// The memory tier: the ranks that share this rank's memory directory
-  /// (its node: the same host and directory), found once by every rank together.
-  const std::vector<int>& memory_node();
-  /// Rank `rank`'s copy of `step` in the memory directory: `step-<N>.rank-<R>`,
-  /// its part (and, for the node's first rank, the replicated part) and a
-  /// manifest of them. Each rank commits its own (the rename), without the others.
-  [[nodiscard]] std::filesystem::path memory_copy_dir(std::uint64_t step, int rank) const;
-  /// The steps of `rank`'s copies (`partial`: of its saves that died), newest first.
-  [[nodiscard]] std::vector<std::uint64_t> memory_copies(int rank, bool partial = false) const;
-  /// This rank's 2 newest copies that check out (its own and its node's
-  /// replicated part) and fit this job, newest first, -1 for none; each one
-  /// skipped is said on stderr, naming the copy and why.
-  std::array<std::int64_t, 2> usable_memory_copies();
-  /// restore()'s choice between the memory tier and the disk's newest step
-  /// `disk` (-1: none): the newest step whole on every rank, when it is at
-  /// least as new as the disk's; else rank 0 says why not.
-  std::optional<std::uint64_t> choose_memory_copy(std::int64_t disk);
-  /// Waits for the memory writer; what it could not do is said, not thrown.
-  void join_memory_writer() noexcept;
-  /// Loads on every rank what `check` returns (the files, checked), as
-  /// restore() does; `step_dir` names it in errors.
-  void load(const std::function<std::vector<std::filesystem::path>()>& check,
-            const std::filesystem::path& step_dir);
-  void load(const std::filesystem::path& step_dir);
-
-  /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
-  void join_committer();
-
-  /// Rank 0's value reaches every rank.
-  void broadcast_value(std::int64_t& value);
-
-  /// "[64, 16] float32" (or "1024 float32" without a shape).
-  static std::string describe(detail::ckpt::entry_kind kind, dtype type,
-                              const std::vector<std::uint64_t>& shape, std::uint64_t bytes);
-
-  /// The files this rank loads from `step_dir`, checked: the manifest, each
-  /// file's size and checksum, and every entry against the registered ones.
-  std::vector<std::filesystem::path> check_for_load(const std::filesystem::path& step_dir);
-  /// The same for manifest `m`, whose files are at path_of(name).
-  std::vector<std::filesystem::path> check_for_load(
-      const detail::ckpt::manifest& m,
-      const std::function<std::filesystem::path(const std::string&)>& path_of,
-      const std::filesystem::path& step_dir);
-
-  /// Reads a checked file into the registered entries.
-  void apply(const std::filesystem::path& path);
-
-  /// The parts of a saved sharded entry (`payload`, from `file`) that fall in
-  /// the ranges this rank holds, copied into its values; counted in `recut_`.
-  void recut(entry& e, std::string_view payload, const std::filesystem::path& file);
-  /// After every part is read: each sharded entry got every element this rank holds.
-  void check_recut() const;
-
+                         std::vector<std::uint64_t> shape) {
+    entries_.add_values(std::move(name), values, scope, std::move(shape));
+    return *this;
+  }
+  /// This step's save into tier `t`: the entries' snapshot (their copy
+  /// number `slot` when asynchronous), written by the tier. The tier's save
+  /// before this one is completed first (`next_save`: the training's wait).
+  void save_into(detail::ckpt::tier& t, std::size_t slot);
+  /// Loads `step` from tier `t` on every rank: each rank checks its files
+  /// against what it registered, all agree, and only then memory changes.
+  void load(detail::ckpt::tier& t, std::uint64_t step);
   /// All ranks learn whether every rank could `what` (the verdict,
   /// control/verdict.hpp); throws checkpoint_error on every rank if not.
-  void agree(std::int64_t ok, const std::string& problem, const std::string& what);
+  void agree(bool ok, const std::string& problem, const std::string& what);
 
-  /// Creates `dir` (and its parents); with `fresh`, `dir` itself must not exist yet.
-  static void make_directory(const std::filesystem::path& dir, bool fresh);
-  static void remove_tree(const std::filesystem::path& path);
+  // The entries' copies for asynchronous saves: one per tier (registry::snapshot).
+  static constexpr std::size_t disk_slot = 0, memory_slot = 1;
 
-  /// Removes what no resume can use any more: committed steps beyond the
-  /// newest `keep` up to `newest`, steps numbered after it (left by a run
-  /// that this one resumed before), and directories of saves that died. Each
-  /// is renamed to NAME.removing at once (so no resume reads it) and removed
-  /// by a thread beside the training (joined at the next prune, or at the
-  /// end). A failure here is reported, not thrown: the new checkpoint is committed.
-  void prune(std::uint64_t newest);
-
-  void say(const std::string& line) const;
-
-  dtrain::control_plane plane_;
-  checkpoint_options options_;
-  std::vector<entry> entries_;
+  detail::ckpt::tier_context context_;  // the plane, the options, the timings
+  detail::ckpt::registry entries_;
   std::int64_t steps_ = 0;
-  std::unique_ptr<pending_save> pending_;  // a save not yet committed (asynchronous)
-  std::thread cleaner_;                    // removes what prune() renamed
-  std::thread committer_;                  // rank 0's commit of an asynchronous save
-  checkpoint_timings timings_;
-  bool warned_slow_writer_ = false;
-  // restore(): the global intervals each sharded entry got, of the elements this rank holds
-  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
-  std::string commit_failure_;        // what it could not do
-  std::filesystem::path memory_dir_;  // the memory tier's (empty: off)
-  std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
-  std::unique_ptr<pending_save> memory_pending_;  // the memory copy being written
-  std::thread memory_writer_;                     // writes it beside the training
-  std::uint64_t memory_failures_ = 0;             // copies not written
+  detail::ckpt::disk_tier disk_;
+  std::unique_ptr<detail::ckpt::memory_tier> memory_;  // null: no memory directory
 };
 
 }  // namespace dtrain
@@ -27725,50 +29094,6 @@ class checkpoint {
 
 namespace dtrain {
 
-DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>>
-detail::ckpt::committed_steps(const std::filesystem::path& dir) {
-  std::error_code ec;
-  std::vector<std::pair<std::uint64_t, std::filesystem::path>> steps;
-  if (!std::filesystem::exists(dir, ec)) return steps;
-  std::filesystem::directory_iterator it(dir, ec);
-  if (ec) {
-    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
-                           ec.message());
-  }
-  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    if (ec) break;
-    if (auto step = detail::ckpt::step_of(it->path().filename().string())) {
-      if (it->is_directory(ec)) steps.emplace_back(*step, it->path());
-    }
-  }
-  if (ec) {
-    throw checkpoint_error("checkpoint: cannot read directory " + dir.string() + ": " +
-                           ec.message());
-  }
-  std::sort(steps.begin(), steps.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
-  return steps;
-}
-
-DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
-    const std::filesystem::path& dir, std::vector<std::string>* skipped) {
-  const auto steps = detail::ckpt::committed_steps(dir);
-  for (const auto& [step, path] : steps) {
-    try {
-      const detail::ckpt::manifest m = detail::ckpt::verify_step(path);
-      if (m.step != step) {
-        throw checkpoint_error("checkpoint: " + (path / detail::ckpt::manifest_name).string() +
-                               " says step " + std::to_string(m.step) +
-                               " in a directory for step " + std::to_string(step));
-      }
-      return checkpoint_found{step, path, m.world_size};
-    } catch (const checkpoint_error& e) {
-      if (skipped) skipped->push_back(std::string(e.what()) + "; skipped");
-    }
-  }
-  return std::nullopt;
-}
-
 DTRAIN_DETAIL_INLINE checkpoint_options checkpoint::with_copy_threads(checkpoint_options options,
                                                                       int local_size) {
   if (options.copy_threads == 0) {
@@ -27779,27 +29104,32 @@ DTRAIN_DETAIL_INLINE checkpoint_options checkpoint::with_copy_threads(checkpoint
 }
 
 DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpoint_options options)
-    : plane_(plane), options_(std::move(options)) {
-  if (options_.dir.empty()) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+    : context_{plane, std::move(options), {}},
+      entries_(plane.rank(), std::max(1, context_.options.copy_threads)),
+      disk_(context_) {
+  const checkpoint_options& o = context_.options;
+  if (o.dir.empty()) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
                        ": checkpoint_options::dir is empty");
   }
-  if (options_.keep < 1) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
-                       ": checkpoint_options::keep is " + std::to_string(options_.keep) +
+  if (o.keep < 1) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::keep is " + std::to_string(o.keep) +
                        "; at least 1 checkpoint must be kept");
   }
-  if (options_.copy_threads < 0) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
-                       ": checkpoint_options::copy_threads is " +
-                       std::to_string(options_.copy_threads) + "; 0 (automatic) or more");
+  if (o.copy_threads < 0) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::copy_threads is " + std::to_string(o.copy_threads) +
+                       "; 0 (automatic) or more");
   }
-  if (options_.copy_threads == 0) options_.copy_threads = 1;
-  memory_dir_ = options_.memory_dir;
-  if (memory_dir_.empty()) {
+  if (o.copy_threads == 0) context_.options.copy_threads = 1;
+  std::filesystem::path memory_dir = o.memory_dir;
+  if (memory_dir.empty()) {
     const std::string name(memory_checkpoint_variable);
-    if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir_ = dir;
+    if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir = dir;
   }
+  if (!memory_dir.empty())
+    memory_ = std::make_unique<detail::ckpt::memory_tier>(context_, std::move(memory_dir));
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
 }
@@ -27814,27 +29144,13 @@ DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name, buffer values
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add_sharded(std::string name, buffer values,
                                                          std::vector<shard_range> ranges,
                                                          std::uint64_t total) {
-  for (const shard_range& r : ranges) {
-    if (r.local > values.count || r.count > values.count - r.local || r.global > total ||
-        r.count > total - r.global) {
-      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
-                         ": sharded entry '" + name + "': range " + std::to_string(r.global) + "+" +
-                         std::to_string(r.count) + " (at " + std::to_string(r.local) +
-                         " here) does not fit " + std::to_string(values.count) +
-                         " values of a whole of " + std::to_string(total));
-    }
-  }
-  add_values(name, values, checkpoint_scope::per_rank, {});
-  entry& e = entries_.back();
-  e.kind = detail::ckpt::entry_kind::sharded;
-  e.ranges = std::move(ranges);
-  e.total = total;
+  entries_.add_sharded(std::move(name), values, std::move(ranges), total);
   return *this;
 }
 
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add_hooks(std::function<void()> before_save,
                                                        std::function<void()> after_restore) {
-  hooks_.push_back({std::move(before_save), std::move(after_restore)});
+  entries_.add_hooks(std::move(before_save), std::move(after_restore));
   return *this;
 }
 
@@ -27876,941 +29192,141 @@ DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name,
                                                  std::function<std::string()> save,
                                                  std::function<void(std::string_view)> load,
                                                  checkpoint_scope scope) {
-  if (!save || !load) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
-                       "' needs both a save and a load function");
-  }
-  entry e;
-  e.name = std::move(name);
-  e.scope = scope;
-  e.kind = detail::ckpt::entry_kind::bytes;
-  e.save = std::move(save);
-  e.load = std::move(load);
-  return push(std::move(e));
+  entries_.add_bytes(std::move(name), std::move(save), std::move(load), scope);
+  return *this;
 }
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::restore() {
   wait();
-  if (options_.memory_every > 0 && !memory_dir_.empty()) {
-    // The memory copy when it is as new as the newest step on disk (by its
-    // name: nothing on disk is read then), else the disk's, checked.
-    std::int64_t on_disk = no_checkpoint;
-    if (plane_.rank() == 0) {
-      try {
-        const auto steps = detail::ckpt::committed_steps(options_.dir);
-        if (!steps.empty()) on_disk = static_cast<std::int64_t>(steps.front().first);
-      } catch (const std::exception&) {
-        on_disk = failed;  // the disk's own look below says why
-      }
-    }
-    broadcast_value(on_disk);
-    if (on_disk != failed) {
-      if (const auto step = choose_memory_copy(on_disk)) {
-        const std::filesystem::path mine = memory_copy_dir(*step, plane_.rank());
-        const std::filesystem::path leader = memory_copy_dir(*step, memory_node().front());
-        load(
-            [&] {
-              // This rank's manifest, and the replicated part from its node's first rank's.
-              detail::ckpt::manifest m = detail::ckpt::read_manifest(mine);
-              const detail::ckpt::manifest theirs = detail::ckpt::read_manifest(leader);
-              const std::string replicated(detail::ckpt::replicated_name);
-              if (const auto* r = theirs.find(replicated); r && !m.find(replicated)) {
-                m.files.push_back(*r);
-              }
-              return check_for_load(
-                  m,
-                  [&](const std::string& name) {
-                    return (name == replicated ? leader : mine) / name;
-                  },
-                  mine);
-            },
-            mine);
-        steps_ = static_cast<std::int64_t>(*step);
-        say("resumed from the memory copy of step " + std::to_string(*step) + " in " +
-            memory_dir_.string() + " (nothing read from " + options_.dir.string() + ")");
+  // The memory copy when it is as new as the newest step on disk (by its
+  // name: nothing on disk is read then), else the disk's, checked.
+  if (memory_ && context_.options.memory_every > 0) {
+    if (const std::int64_t on_disk = disk_.newest_by_name(); on_disk != -2) {
+      if (const auto step = memory_->newest(on_disk, entries_)) {
+        load(*memory_, *step);
         return step;
       }
-    }
+    }  // else the disk's own look below says why it cannot be read
   }
-  // Rank 0 finds the newest checkpoint whose files check out; every rank hears the verdict.
-  std::int64_t chosen = no_checkpoint;
-  std::string problem;
-  if ((plane_.rank() == 0)) {
-    try {
-      std::vector<std::string> skipped;
-      const auto found = latest_checkpoint(options_.dir, &skipped);
-      for (const std::string& line : skipped) say(line);
-      if (found) chosen = static_cast<std::int64_t>(found->step);
-    } catch (const std::exception& e) {
-      chosen = failed;
-      problem = e.what();
-    }
-  }
-  broadcast_value(chosen);
-  if (chosen == failed) {
-    throw checkpoint_error((plane_.rank() == 0)
-                               ? problem
-                               : "checkpoint: rank 0 could not look for checkpoints in " +
-                                     options_.dir.string() + " (its error says why)");
-  }
-  if (chosen == no_checkpoint) {
-    say("no checkpoint in " + options_.dir.string() + ": starting from the beginning");
+  const auto step = disk_.newest(-1, entries_);
+  if (!step) {
+    context_.say("no checkpoint in " + context_.options.dir.string() +
+                 ": starting from the beginning");
     return std::nullopt;
   }
-  const auto step = static_cast<std::uint64_t>(chosen);
-  const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(step);
-  load(step_dir);
-  steps_ = static_cast<std::int64_t>(step);
-  say("resumed from " + step_dir.string() + " (step " + std::to_string(step) + ")");
+  load(disk_, *step);
   return step;
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::load(const std::filesystem::path& step_dir) {
-  load([&] { return check_for_load(step_dir); }, step_dir);
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::load(
-    const std::function<std::vector<std::filesystem::path>()>& check,
-    const std::filesystem::path& step_dir) {
-  // Each rank checks what it will read against what it registered; all agree before anything
-  // changes.
+DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t step) {
+  const std::string what = "load " + t.where(step).string();
   std::vector<std::filesystem::path> files;
   std::string problem;
-  std::int64_t ok = 1;
+  bool ok = true;
   try {
-    files = check();
+    files = t.files(step, entries_);
   } catch (const std::exception& e) {
-    ok = 0;
+    ok = false;
     problem = e.what();
   }
-  agree(ok, problem, "load " + step_dir.string());
-
-  ok = 1;
+  agree(ok, problem, what);
   try {
-    recut_.clear();
-    for (const std::filesystem::path& file : files) apply(file);
-    check_recut();
-    for (const hook& h : hooks_) {
-      if (h.after_restore) h.after_restore();
-    }
+    entries_.load(files);
   } catch (const std::exception& e) {
-    ok = 0;
+    ok = false;
     problem = std::string(e.what()) + " (while loading: this rank's state is now partly loaded)";
   }
-  agree(ok, problem, "load " + step_dir.string());
-}
-
-DTRAIN_DETAIL_INLINE const std::vector<int>& checkpoint::memory_node() {
-  if (!memory_node_.empty()) return memory_node_;
-  // Ranks with the same host name and memory directory are on one node
-  // (each agent makes its own directory, its pid in the name).
-  const std::int64_t mine = static_cast<std::int64_t>(std::hash<std::string>{}(
-      detail::host_name().value_or("") + ":" + memory_dir_.lexically_normal().string()));
-  std::vector<std::int64_t> all(static_cast<std::size_t>(plane_.size()));
-  plane_.allgather(std::span<const std::int64_t>(&mine, 1), all);
-  for (int r = 0; r < plane_.size(); ++r) {
-    if (all[static_cast<std::size_t>(r)] == mine) memory_node_.push_back(r);
-  }
-  return memory_node_;
-}
-
-DTRAIN_DETAIL_INLINE std::filesystem::path checkpoint::memory_copy_dir(std::uint64_t step,
-                                                                       int rank) const {
-  return memory_dir_ / (detail::ckpt::step_name(step) + ".rank-" + std::to_string(rank));
-}
-
-DTRAIN_DETAIL_INLINE std::vector<std::uint64_t> checkpoint::memory_copies(int rank,
-                                                                          bool partial) const {
-  std::vector<std::uint64_t> steps;
-  const std::string suffix = ".rank-" + std::to_string(rank) +
-                             (partial ? std::string(detail::ckpt::partial_suffix) : std::string());
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(memory_dir_, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (!name.ends_with(suffix)) continue;
-    if (auto step =
-            detail::ckpt::step_of(std::string_view(name).substr(0, name.size() - suffix.size())))
-      steps.push_back(*step);
-  }
-  std::sort(steps.begin(), steps.end(), std::greater<>());
-  return steps;
-}
-
-DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> checkpoint::usable_memory_copies() {
-  std::array<std::int64_t, 2> out{-1, -1};
-  const int leader = memory_node().front();
-  std::size_t found = 0;
-  for (const std::uint64_t step : memory_copies(plane_.rank())) {
-    if (found == out.size()) break;
-    try {
-      const detail::ckpt::manifest m =
-          detail::ckpt::verify_step(memory_copy_dir(step, plane_.rank()));
-      if (m.step != step || m.world_size != plane_.size()) {
-        throw checkpoint_error("checkpoint: " + memory_copy_dir(step, plane_.rank()).string() +
-                               " holds step " + std::to_string(m.step) + " of " +
-                               std::to_string(m.world_size) + " ranks, and this job has " +
-                               std::to_string(plane_.size()));
-      }
-      if (leader != plane_.rank()) {  // the replicated part, from the node's first rank
-        const detail::ckpt::manifest l = detail::ckpt::verify_step(memory_copy_dir(step, leader));
-        if (l.step != step || !l.find(detail::ckpt::replicated_name)) {
-          throw checkpoint_error("checkpoint: " + memory_copy_dir(step, leader).string() +
-                                 " holds no replicated part of step " + std::to_string(step));
-        }
-      }
-      out[found++] = static_cast<std::int64_t>(step);
-    } catch (const std::exception& e) {
-      if (!options_.quiet) {
-        std::fprintf(stderr, "dtrain checkpoint on rank %d: memory copy: %s; not used\n",
-                     plane_.rank(), e.what());
-        std::fflush(stderr);
-      }
-    }
-  }
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> checkpoint::choose_memory_copy(
-    std::int64_t disk) {
-  const std::array<std::int64_t, 2> mine = usable_memory_copies();
-  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(plane_.size()));
-  plane_.allgather(mine, all);
-  // The newest step that every rank holds whole (a rank killed in its save
-  // has the one before, which the others still keep).
-  std::int64_t best = -1;
-  std::string missing;
-  for (const std::int64_t candidate : {all[0], all[1]}) {
-    if (candidate < 0) continue;
-    std::string without;
-    for (int r = 0; r < plane_.size(); ++r) {
-      const auto at = 2 * static_cast<std::size_t>(r);
-      if (all[at] != candidate && all[at + 1] != candidate)
-        without += (without.empty() ? "" : ", ") + std::to_string(r);
-    }
-    if (without.empty()) {
-      best = std::max(best, candidate);
-    } else if (missing.empty()) {
-      missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + without;
-    }
-  }
-  bool any = false;
-  for (const std::int64_t v : all) any = any || v >= 0;
-  if (!any) return std::nullopt;  // no memory copy anywhere: the disk's, as ever
-  const std::string fallback = "using " + options_.dir.string() + " instead";
-  if (best < 0) {
-    say("memory tier: no step is whole in every rank's memory copies (" +
-        (missing.empty() ? std::string("some ranks have none: their node is new, or lost them")
-                         : missing) +
-        "): " + fallback);
-    return std::nullopt;
-  }
-  if (best < disk) {
-    say("memory tier: the memory copies (step " + std::to_string(best) +
-        ") are older than the disk checkpoint (step " + std::to_string(disk) + "): " + fallback);
-    return std::nullopt;
-  }
-  return static_cast<std::uint64_t>(best);
+  agree(ok, problem, what);
+  steps_ = static_cast<std::int64_t>(step);
+  context_.say(t.resumed(step));
 }
 
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
-  if (options_.memory_every > 0 && n % options_.memory_every == 0) save_to_memory();
-  if (options_.every > 0 && n % options_.every == 0) {
+  if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) save_to_memory();
+  if (context_.options.every > 0 && n % context_.options.every == 0) {
     save();
     return true;
   }
   return false;
 }
 
+DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size_t slot) {
+  const auto start = std::chrono::steady_clock::now();
+  t.complete(true);
+  auto p = std::make_unique<detail::ckpt::pending_save>();
+  p->step = static_cast<std::uint64_t>(steps_);
+  p->start = start;
+  p->partial = t.staging(p->step);
+  p->writes_replicated = t.writes_replicated();
+  const bool copy = context_.options.asynchronous;
+  try {
+    entries_.before_save();
+    p->per_rank =
+        entries_.snapshot(checkpoint_scope::per_rank, copy, slot, context_.timings.copy_seconds);
+    if (p->writes_replicated) {
+      p->replicated = entries_.snapshot(checkpoint_scope::replicated, copy, slot,
+                                        context_.timings.copy_seconds);
+    }
+  } catch (const std::exception& e) {
+    p->problem = e.what();
+  }
+  t.write(std::move(p), copy);
+  if (!copy) t.complete();
+}
+
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
-  if (memory_dir_.empty()) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
+  if (!memory_) {
+    throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
                        ": the memory tier has no directory: run under dtrun (its node agent "
                        "sets " +
                        std::string(memory_checkpoint_variable) +
                        "), or set checkpoint_options::memory_dir");
   }
-  const auto start = std::chrono::steady_clock::now();
-  const bool leader = memory_node().front() == plane_.rank();  // writes the replicated part
-  join_memory_writer();
   // Each rank commits its own copy (no collective): restore() takes the
   // newest step whole on every rank. Asynchronous: the copy here, the files
   // on a thread beside the next step (a rank killed then loses two steps).
-  memory_pending_ = std::make_unique<pending_save>();
-  pending_save& p = *memory_pending_;
-  p.step = static_cast<std::uint64_t>(steps_);
-  p.start = start;
-  p.partial =
-      memory_copy_dir(p.step, plane_.rank()).string() + std::string(detail::ckpt::partial_suffix);
-  try {
-    for (const hook& h : hooks_) {
-      if (h.before_save) h.before_save();
-    }
-    const bool copy = options_.asynchronous;
-    p.per_rank = snapshot(checkpoint_scope::per_rank, copy, true);
-    if (leader) p.replicated = snapshot(checkpoint_scope::replicated, copy, true);
-  } catch (const std::exception& e) {
-    p.problem = e.what();
-  }
-  if (p.problem.empty()) {
-    auto write = [this, &p, leader] {
-      try {
-        make_directory(p.partial, false);
-        write_parts(p, plane_.rank(), leader);
-        if (!p.problem.empty()) throw checkpoint_error(p.problem);
-        detail::ckpt::manifest m{p.step, plane_.size(), {}};
-        if (p.replicated_file) m.files.push_back(*p.replicated_file);
-        if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
-        const std::string text = detail::ckpt::render(m);
-        detail::ckpt::atomic_file manifest(p.partial / detail::ckpt::manifest_name);
-        manifest.write(text.data(), text.size());
-        static_cast<void>(manifest.finish());
-        const std::filesystem::path done = memory_copy_dir(p.step, plane_.rank());
-        remove_tree(done);  // an older run's copy of this step
-        detail::ckpt::rename_path(p.partial, done);
-        // This rank's copies beyond the 2 newest (and any numbered after this
-        // one: an older run's), and its saves that died.
-        const std::vector<std::uint64_t> kept = memory_copies(plane_.rank());
-        for (std::size_t i = 0; i < kept.size(); ++i) {
-          if (i >= 2 || kept[i] > p.step) remove_tree(memory_copy_dir(kept[i], plane_.rank()));
-        }
-        for (const std::uint64_t died : memory_copies(plane_.rank(), true)) {
-          remove_tree(memory_copy_dir(died, plane_.rank()).string() +
-                      std::string(detail::ckpt::partial_suffix));
-        }
-      } catch (const std::exception& e) {
-        p.problem = e.what();
-        static_cast<void>(detail::remove_tree(p.partial.c_str()));
-      }
-    };
-    if (options_.asynchronous) {
-      memory_writer_ = std::thread(std::move(write));
-    } else {
-      write();
-    }
-  }
-  if (!options_.asynchronous) join_memory_writer();
-  timings_.memory_seconds += detail::ckpt::seconds_since(start);
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::join_memory_writer() noexcept {
-  if (!memory_pending_) return;
-  if (memory_writer_.joinable()) memory_writer_.join();
-  const pending_save& p = *memory_pending_;
-  if (!p.problem.empty()) ++memory_failures_;
-  if (!p.problem.empty() && !options_.quiet && memory_failures_ == 1) {
-    std::fprintf(stderr,
-                 "dtrain checkpoint on rank %d: its memory copy of step %llu was not written "
-                 "(%s); its older copies and the disk stay. Said once; "
-                 "checkpoint::memory_failures() counts them all\n",
-                 plane_.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
-    std::fflush(stderr);
-  }
-  memory_pending_.reset();
+  const auto start = std::chrono::steady_clock::now();
+  save_into(*memory_, memory_slot);
+  context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save() {
   const auto start = std::chrono::steady_clock::now();
-  ++timings_.saves;
+  ++context_.timings.saves;
   // What the training thread spends here, whatever way it leaves.
   struct blocked_clock {
     checkpoint_timings& t;
     std::chrono::steady_clock::time_point start;
     ~blocked_clock() { t.blocked_seconds += detail::ckpt::seconds_since(start); }
-  } blocked{timings_, start};
-  wait_pending(true);
-  const auto step = static_cast<std::uint64_t>(steps_);
-  pending_ = std::make_unique<pending_save>();
-  pending_save& p = *pending_;
-  p.step = step;
-  p.start = start;
-  p.partial =
-      options_.dir / (detail::ckpt::step_name(step) + std::string(detail::ckpt::partial_suffix));
-
-  // 1. Every rank makes the partial directory (a save of this step that
-  // died before may have left it: its files are overwritten, and the
-  // manifest lists only this save's).
-  try {
-    make_directory(p.partial, false);
-  } catch (const std::exception& e) {
-    p.problem = e.what();
+  } blocked{context_.timings, start};
+  {
+    const auto commit_start = std::chrono::steady_clock::now();
+    disk_.complete(true);  // the asynchronous save before this one
+    disk_.join_committer();
+    context_.timings.commit_seconds += detail::ckpt::seconds_since(commit_start);
   }
-
-  // 2. Every rank writes its part (now, or from a copy on a thread).
-  try {
-    if (p.problem.empty()) {
-      for (const hook& h : hooks_) {
-        if (h.before_save) h.before_save();
-      }
-      p.per_rank = snapshot(checkpoint_scope::per_rank, options_.asynchronous);
-      if (plane_.rank() == 0)
-        p.replicated = snapshot(checkpoint_scope::replicated, options_.asynchronous);
-    }
-  } catch (const std::exception& e) {
-    p.problem = e.what();
-  }
-  if (options_.asynchronous && p.problem.empty()) {
-    p.writer = std::thread([&p, rank = plane_.rank()] { write_parts(p, rank, rank == 0); });
-    return;
-  }
-  if (p.problem.empty()) write_parts(p, plane_.rank(), plane_.rank() == 0);
-  commit();
+  save_into(disk_, disk_slot);
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::wait() {
   const auto start = std::chrono::steady_clock::now();
-  join_memory_writer();
-  wait_pending();
-  timings_.blocked_seconds += detail::ckpt::seconds_since(start);
+  if (memory_) memory_->complete();
+  const auto commit_start = std::chrono::steady_clock::now();
+  disk_.complete();
+  disk_.join_committer();
+  context_.timings.commit_seconds += detail::ckpt::seconds_since(commit_start);
+  context_.timings.blocked_seconds += detail::ckpt::seconds_since(start);
 }
 
-DTRAIN_DETAIL_INLINE checkpoint::~checkpoint() {
-  join_memory_writer();
-  finish_pending();
-  if (committer_.joinable()) committer_.join();
-  if (!commit_failure_.empty()) {
-    std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", plane_.rank(),
-                 commit_failure_.c_str());
-  }
-  if (cleaner_.joinable()) cleaner_.join();
-}
+DTRAIN_DETAIL_INLINE checkpoint::~checkpoint() = default;
 
-DTRAIN_DETAIL_INLINE void checkpoint::finish_pending() noexcept {
-  if (!pending_) return;
-  // Unwinding (this rank failed): the other ranks are not here to agree,
-  // so the save in flight is left uncommitted; the next save removes it.
-  if (std::uncaught_exceptions() > 0) {
-    if (pending_->writer.joinable()) pending_->writer.join();
-    return;
-  }
-  try {
-    commit();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", plane_.rank(), e.what());
-  }
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::wait_pending(bool next_save) {
-  const auto start = std::chrono::steady_clock::now();
-  if (pending_) commit(next_save);
-  join_committer();
-  timings_.commit_seconds += detail::ckpt::seconds_since(start);
-}
-
-DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add_values(std::string name, buffer values,
-                                                        checkpoint_scope scope,
-                                                        std::vector<std::uint64_t> shape) {
-  if (values.where != memory::host) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
-                       "' is in device memory; checkpoints hold host memory (copy it to the host "
-                       "and add that copy)");
-  }
-  if (values.count > 0 && values.data == nullptr) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" + name +
-                       "' has " + std::to_string(values.count) + " values and no data");
-  }
-  entry e;
-  e.name = std::move(name);
-  e.scope = scope;
-  e.values = values;
-  e.shape = std::move(shape);
-  return push(std::move(e));
-}
-
-DTRAIN_DETAIL_INLINE checkpoint& checkpoint::push(entry e) {
-  if (e.name.empty() || e.name.size() > detail::ckpt::max_name) {
-    throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) +
-                       ": an entry's name must have 1 to " +
-                       std::to_string(detail::ckpt::max_name) + " bytes");
-  }
-  for (const entry& other : entries_) {
-    if (other.name == e.name) {
-      throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": entry '" +
-                         e.name + "' is added twice");
-    }
-  }
-  entries_.push_back(std::move(e));
-  return *this;
-}
-
-DTRAIN_DETAIL_INLINE bool checkpoint::has_scope(checkpoint_scope scope) const {
-  return std::ranges::any_of(entries_, [&](const entry& e) { return e.scope == scope; });
-}
-
-DTRAIN_DETAIL_INLINE checkpoint::part_snapshot checkpoint::snapshot(checkpoint_scope scope,
-                                                                    bool copy, bool memory) {
-  part_snapshot out;
-  std::size_t owned = 0;
-  for (const entry& e : entries_) owned += e.scope == scope ? 1 : 0;
-  out.owned.reserve(owned);  // the records point into these strings: no reallocation
-  std::vector<detail::ckpt::copy_job> copies;
-  for (entry& e : entries_) {
-    if (e.scope != scope) continue;
-    part_record r{e.name, e.kind, e.values.type, e.shape, e.values.data, e.values.bytes()};
-    if (e.kind == detail::ckpt::entry_kind::bytes) {
-      r.type = dtype::uint8;
-      out.owned.push_back(e.save());
-      r.data = out.owned.back().data();
-      r.bytes = out.owned.back().size();
-    } else if (e.kind == detail::ckpt::entry_kind::sharded) {
-      out.owned.push_back(sharded_payload(e));
-      r.data = out.owned.back().data();
-      r.bytes = out.owned.back().size();
-    } else if (copy && r.bytes > 0) {
-      // The entry's own copy, reused by each save (one is in flight at a
-      // time): its pages are touched once per job, not at every save.
-      void* to = (memory ? e.memory_staged : e.staged).reserve(e.values.bytes());
-      copies.push_back({to, e.values.data, e.values.bytes()});
-      r.data = to;
-    }
-    out.records.push_back(r);
-  }
-  if (!copies.empty()) {
-    const auto start = std::chrono::steady_clock::now();
-    detail::ckpt::copy_parallel(copies, options_.copy_threads);
-    timings_.copy_seconds += detail::ckpt::seconds_since(start);
-  }
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE std::string checkpoint::sharded_payload(const entry& e) {
-  const std::size_t element = size_of(e.values.type);
-  std::string out;
-  auto word = [&](std::uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
-  word(e.total);
-  word(e.ranges.size());
-  for (const shard_range& r : e.ranges) {
-    word(r.global);
-    word(r.count);
-  }
-  for (const shard_range& r : e.ranges) {
-    out.append(static_cast<const char*>(e.values.data) + r.local * element,
-               static_cast<std::size_t>(r.count * element));
-  }
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE detail::ckpt::file_record checkpoint::write_part(
-    const std::filesystem::path& path, const part_snapshot& part) {
-  detail::ckpt::atomic_file file(path);
-  detail::ckpt::write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
-  for (const part_record& r : part.records) {
-    detail::ckpt::write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
-  }
-  return file.finish();
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::write_parts(pending_save& p, int rank, bool replicated) {
-  try {
-    if (!p.per_rank.records.empty()) {
-      p.per_rank_file = write_part(p.partial / detail::ckpt::rank_part_name(rank), p.per_rank);
-    }
-    if (replicated)
-      p.replicated_file = write_part(p.partial / detail::ckpt::replicated_name, p.replicated);
-  } catch (const std::exception& e) {
-    p.problem = e.what();
-  }
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::commit(bool next_save) {
-  std::unique_ptr<pending_save> owned = std::move(pending_);
-  pending_save& p = *owned;
-  if (p.writer.joinable()) {
-    const auto start = std::chrono::steady_clock::now();
-    p.writer.join();
-    const double waited = detail::ckpt::seconds_since(start);
-    if (next_save) timings_.writer_wait_seconds += waited;
-    if (next_save && waited > 0.001 && !warned_slow_writer_ && plane_.rank() == 0) {
-      warned_slow_writer_ = true;
-      std::fprintf(stderr,
-                   "dtrain checkpoint: the asynchronous save of step %llu was still being "
-                   "written when the next save came; the training waited %.0f ms "
-                   "for it. Saves come faster than %s takes them: save less often "
-                   "(checkpoint_options::every is %llu). Said once; "
-                   "checkpoint::timings().writer_wait_seconds counts them all\n",
-                   static_cast<unsigned long long>(p.step), 1e3 * waited,
-                   options_.dir.string().c_str(), static_cast<unsigned long long>(options_.every));
-    }
-  }
-  join_committer();  // rank 0: the save before this one is committed (or this throws)
-  const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
-  const std::string what = "save step " + std::to_string(p.step) + " to " + step_dir.string();
-  std::array<std::int64_t, 4> mine{1, 0, 0, 0};  // ok, has a file, bytes, checksum
-  if (!p.problem.empty()) {
-    mine[0] = 0;
-    // Said before the agreement below, which no rank leaves before this one
-    // joins it: the others then fail naming this rank, and their exit may
-    // end the job (the node agent stops the rest) before this rank's own error.
-    std::fprintf(stderr,
-                 "dtrain checkpoint on rank %d: could not write its part of step %llu: %s\n",
-                 plane_.rank(), static_cast<unsigned long long>(p.step), p.problem.c_str());
-    std::fflush(stderr);
-  } else if (p.per_rank_file) {
-    mine = {1, 1, static_cast<std::int64_t>(p.per_rank_file->bytes),
-            std::bit_cast<std::int64_t>(p.per_rank_file->checksum)};
-  }
-  const auto size = static_cast<std::size_t>(plane_.size());
-  std::vector<std::int64_t> all(4 * size);
-  plane_.allgather(mine, all);
-  std::string failed_ranks;
-  for (std::size_t r = 0; r < size; ++r) {
-    if (all[4 * r] == 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
-  }
-
-  if (plane_.rank() != 0) {
-    if (options_.asynchronous) return;  // rank 0 commits beside the training; it reports
-    std::int64_t committed = 0;
-    broadcast_value(committed);
-    if (!committed) {
-      throw checkpoint_error(!p.problem.empty()
-                                 ? p.problem + " (rank " + std::to_string(plane_.rank()) + ")"
-                                 : not_committed(what, failed_ranks));
-    }
-    return;
-  }
-  // Rank 0: the manifest and the rename, then the checkpoints beyond `keep`.
-  auto finish = [this, owned = std::move(owned), all = std::move(all), failed_ranks,
-                 what]() -> std::string {
-    pending_save& q = *owned;
-    std::string problem = q.problem;
-    try {
-      if (failed_ranks.empty()) {
-        const std::uint64_t bytes = commit_on_disk(q, all);
-        prune(q.step);
-        const std::chrono::duration<double> took = std::chrono::steady_clock::now() - q.start;
-        char line[160];
-        std::snprintf(line, sizeof line, " (%llu bytes, %.3f s%s)",
-                      static_cast<unsigned long long>(bytes), took.count(),
-                      options_.asynchronous ? " until committed" : "");
-        say("saved " + (options_.dir / detail::ckpt::step_name(q.step)).string() + line);
-        return "";
-      }
-      remove_tree(q.partial);
-    } catch (const std::exception& e) {
-      if (problem.empty()) problem = e.what();
-      static_cast<void>(detail::remove_tree(q.partial.c_str()));
-    }
-    return !problem.empty() ? problem + " (rank 0)" : not_committed(what, failed_ranks);
-  };
-  if (options_.asynchronous) {
-    committer_ =
-        std::thread([this, finish = std::move(finish)]() mutable { commit_failure_ = finish(); });
-    return;
-  }
-  const std::string problem = finish();
-  std::int64_t committed = problem.empty() ? 1 : 0;
-  broadcast_value(committed);
-  if (!committed) throw checkpoint_error(problem);
-}
-
-DTRAIN_DETAIL_INLINE std::string checkpoint::not_committed(const std::string& what,
-                                                           const std::string& failed_ranks) {
-  return "checkpoint: could not " + what +
-         (failed_ranks.empty() ? ": rank 0 could not commit it (its error says why)"
-                               : ": rank(s) " + failed_ranks +
-                                     " could not write their part (each said why above, "
-                                     "'dtrain checkpoint on rank N')") +
-         "; the checkpoints before it are kept";
-}
-
-DTRAIN_DETAIL_INLINE std::uint64_t checkpoint::commit_on_disk(
-    const pending_save& p, const std::vector<std::int64_t>& all) {
-  const std::filesystem::path step_dir = options_.dir / detail::ckpt::step_name(p.step);
-  detail::ckpt::manifest m{p.step, plane_.size(), {*p.replicated_file}};
-  std::uint64_t bytes = p.replicated_file->bytes;
-  for (std::size_t r = 0; 4 * r < all.size(); ++r) {
-    if (all[4 * r + 1] == 0) continue;
-    m.files.push_back({detail::ckpt::rank_part_name(static_cast<int>(r)),
-                       static_cast<std::uint64_t>(all[4 * r + 2]),
-                       std::bit_cast<std::uint64_t>(all[4 * r + 3])});
-    bytes += static_cast<std::uint64_t>(all[4 * r + 2]);
-  }
-  const std::string text = detail::ckpt::render(m);
-  detail::ckpt::atomic_file manifest(p.partial / detail::ckpt::manifest_name);
-  manifest.write(text.data(), text.size());
-  static_cast<void>(manifest.finish());
-  detail::ckpt::sync_directory(p.partial);
-  if (std::filesystem::exists(step_dir)) {  // an older run's (its newest was damaged)
-    const std::filesystem::path aside = step_dir.string() + ".replaced";
-    remove_tree(aside);
-    detail::ckpt::rename_path(step_dir, aside);
-    remove_tree(aside);
-  }
-  detail::ckpt::rename_path(p.partial, step_dir);
-  detail::ckpt::sync_directory(options_.dir);
-  return bytes;
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::join_committer() {
-  if (committer_.joinable()) committer_.join();
-  if (!commit_failure_.empty())
-    throw checkpoint_error(std::exchange(commit_failure_, std::string()));
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::broadcast_value(std::int64_t& value) {
-  std::array<std::uint8_t, sizeof(std::int64_t)> bytes{};
-  std::memcpy(bytes.data(), &value, sizeof value);
-  plane_.broadcast(bytes, 0);
-  std::memcpy(&value, bytes.data(), sizeof value);
-}
-
-DTRAIN_DETAIL_INLINE std::string checkpoint::describe(detail::ckpt::entry_kind kind, dtype type,
-                                                      const std::vector<std::uint64_t>& shape,
-                                                      std::uint64_t bytes) {
-  if (kind == detail::ckpt::entry_kind::bytes)
-    return std::to_string(bytes) + " bytes of its own format";
-  std::string out;
-  if (shape.empty()) {
-    out = std::to_string(bytes / size_of(type));
-  } else {
-    out = "[";
-    for (std::size_t i = 0; i < shape.size(); ++i)
-      out += (i ? ", " : "") + std::to_string(shape[i]);
-    out += "]";
-  }
-  return out + " " + std::string(to_string(type));
-}
-
-DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> checkpoint::check_for_load(
-    const std::filesystem::path& step_dir) {
-  return check_for_load(
-      detail::ckpt::read_manifest(step_dir),
-      [&](const std::string& name) { return step_dir / name; }, step_dir);
-}
-
-DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> checkpoint::check_for_load(
-    const detail::ckpt::manifest& m,
-    const std::function<std::filesystem::path(const std::string&)>& path_of,
-    const std::filesystem::path& step_dir) {
-  std::vector<std::pair<std::string, checkpoint_scope>> wanted{
-      {std::string(detail::ckpt::replicated_name), checkpoint_scope::replicated}};
-  if (has_scope(checkpoint_scope::per_rank)) {
-    if (m.world_size != plane_.size()) {
-      // Sharded entries are re-cut from every rank's part; other per-rank state cannot be.
-      std::string names;
-      for (const entry& e : entries_) {
-        if (e.scope == checkpoint_scope::per_rank && e.kind != detail::ckpt::entry_kind::sharded)
-          names += (names.empty() ? "'" : ", '") + e.name + "'";
-      }
-      if (!names.empty()) {
-        throw checkpoint_error("checkpoint: " + step_dir.string() + " was written by " +
-                               std::to_string(m.world_size) + " ranks and this job has " +
-                               std::to_string(plane_.size()) + "; its per-rank state (" + names +
-                               ") cannot be re-cut for another world size");
-      }
-      for (int r = 0; r < m.world_size; ++r)
-        wanted.emplace_back(detail::ckpt::rank_part_name(r), checkpoint_scope::per_rank);
-    } else {
-      wanted.emplace_back(detail::ckpt::rank_part_name(plane_.rank()), checkpoint_scope::per_rank);
-    }
-  }
-  std::vector<std::filesystem::path> files;
-  std::string problems;
-  for (const auto& [name, scope] : wanted) {
-    const std::filesystem::path path = path_of(name);
-    const detail::ckpt::file_record* record = m.find(name);
-    if (!record)
-      throw checkpoint_error("checkpoint: " + (step_dir / detail::ckpt::manifest_name).string() +
-                             " lists no " + name);
-    const detail::ckpt::part_contents got = detail::ckpt::read_checked_part(path, *record);
-    std::vector<bool> matched(got.entries.size(), false);
-    for (const entry& e : entries_) {
-      if (e.scope != scope) continue;
-      const auto it = std::ranges::find(got.entries, e.name, &detail::ckpt::entry_header::name);
-      if (it == got.entries.end()) {
-        problems += "\n  '" + e.name + "' is registered here and not in the checkpoint";
-        continue;
-      }
-      matched[static_cast<std::size_t>(it - got.entries.begin())] = true;
-      const bool same_kind = it->kind == e.kind;
-      const bool same_values =
-          e.kind == detail::ckpt::entry_kind::bytes ||
-          (e.kind == detail::ckpt::entry_kind::sharded && it->type == e.values.type) ||
-          (it->type == e.values.type && it->bytes == e.values.bytes() &&
-           (it->shape.empty() || e.shape.empty() || it->shape == e.shape));
-      if (!same_kind || !same_values) {
-        problems += "\n  '" + e.name + "' is " +
-                    describe(it->kind, it->type, it->shape, it->bytes) + " in the checkpoint and " +
-                    describe(e.kind, e.values.type, e.shape,
-                             e.kind == detail::ckpt::entry_kind::bytes ? 0 : e.values.bytes()) +
-                    " here";
-      }
-    }
-    for (std::size_t i = 0; i < got.entries.size(); ++i) {
-      if (!matched[i]) {
-        problems +=
-            "\n  '" + got.entries[i].name + "' is in the checkpoint and not registered here";
-      }
-    }
-    files.push_back(path);
-  }
-  if (!problems.empty()) {
-    throw checkpoint_error("checkpoint: " + step_dir.string() + " does not fit what rank " +
-                           std::to_string(plane_.rank()) +
-                           " registered (another model, or other state):" + problems);
-  }
-  return files;
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::apply(const std::filesystem::path& path) {
-  detail::ckpt::read_part(
-      path, [&](const detail::ckpt::entry_header& h, detail::ckpt::checked_reader& in) {
-        const auto it = std::ranges::find(entries_, h.name, &entry::name);
-        if (it == entries_.end()) {
-          in.read(nullptr, h.bytes, "entry '" + h.name + "'");
-          return;
-        }
-        if (it->kind == detail::ckpt::entry_kind::bytes) {
-          std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-          in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-          it->load(bytes);
-        } else if (it->kind == detail::ckpt::entry_kind::sharded) {
-          std::string bytes(static_cast<std::size_t>(h.bytes), '\0');
-          in.read(bytes.data(), h.bytes, "entry '" + h.name + "'");
-          recut(*it, bytes, path);
-        } else {
-          in.read(it->values.data, h.bytes, "entry '" + h.name + "'");
-        }
-      });
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::recut(entry& e, std::string_view payload,
-                                            const std::filesystem::path& file) {
-  const std::size_t element = size_of(e.values.type);
-  const detail::ckpt::sharded_payload saved =
-      detail::ckpt::parse_sharded(payload, element, "entry '" + e.name + "' of " + file.string());
-  if (saved.total != e.total) {
-    throw checkpoint_error("checkpoint: sharded entry '" + e.name + "' of " + file.string() +
-                           " is a whole of " + std::to_string(saved.total) +
-                           " elements, and here of " + std::to_string(e.total));
-  }
-  auto& covered = recut_[e.name];    // the global intervals of this rank's elements it got
-  std::size_t at = saved.values_at;  // the saved range's values in the payload
-  for (const auto& [global, count] : saved.ranges) {
-    for (const shard_range& mine : e.ranges) {
-      const std::uint64_t lo = std::max(global, mine.global);
-      const std::uint64_t hi = std::min(global + count, mine.global + mine.count);
-      if (lo >= hi) continue;
-      std::memcpy(static_cast<char*>(e.values.data) + (mine.local + lo - mine.global) * element,
-                  payload.data() + at + (lo - global) * element, (hi - lo) * element);
-      covered.emplace_back(lo, hi);
-    }
-    at += static_cast<std::size_t>(count * element);
-  }
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::check_recut() const {
-  for (const entry& e : entries_) {
-    if (e.kind != detail::ckpt::entry_kind::sharded) continue;
-    std::uint64_t needed = 0;
-    for (const shard_range& r : e.ranges) needed += r.count;
-    // Saved ranges may overlap (every rank held everything): count each element once.
-    std::uint64_t got = 0;
-    if (auto it = recut_.find(e.name); it != recut_.end()) {
-      auto intervals = it->second;
-      std::ranges::sort(intervals);
-      std::uint64_t reached = 0;
-      for (const auto& [lo, hi] : intervals) {
-        const std::uint64_t from = std::max(lo, reached);
-        if (hi > from) got += hi - from;
-        reached = std::max(reached, hi);
-      }
-    }
-    if (got != needed) {
-      throw checkpoint_error(
-          "checkpoint: sharded entry '" + e.name + "': the checkpoint's ranks held " +
-          std::to_string(got) + " of the " + std::to_string(needed) + " elements rank " +
-          std::to_string(plane_.rank()) + " holds now (saved with another cut of the same whole?)");
-    }
-  }
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::agree(std::int64_t ok, const std::string& problem,
+DTRAIN_DETAIL_INLINE void checkpoint::agree(bool ok, const std::string& problem,
                                             const std::string& what) {
   agree_or_throw<checkpoint_error>(
-      plane_, what, ok ? std::string() : problem + " (rank " + std::to_string(plane_.rank()) + ")");
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::make_directory(const std::filesystem::path& dir, bool fresh) {
-  std::error_code ec;
-  if (fresh) {
-    if (!std::filesystem::create_directory(dir, ec) && !ec) {
-      ec = std::make_error_code(std::errc::file_exists);
-    }
-  } else {
-    std::filesystem::create_directories(dir, ec);
-  }
-  if (ec) {
-    throw checkpoint_error("checkpoint: cannot create directory " + dir.string() + ": " +
-                           ec.message());
-  }
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::remove_tree(const std::filesystem::path& path) {
-  if (const int err = detail::remove_tree(path.c_str()); err != 0) {
-    throw checkpoint_error("checkpoint: cannot remove " + path.string() + ": " +
-                           std::strerror(err));
-  }
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::prune(std::uint64_t newest) {
-  if (cleaner_.joinable()) cleaner_.join();
-  std::vector<std::uint64_t> kept;
-  std::vector<std::filesystem::path> stale;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(options_.dir, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (auto step = detail::ckpt::step_of(name)) {
-      if (*step > newest) {
-        stale.push_back(it->path());
-      } else {
-        kept.push_back(*step);
-      }
-    } else if (name.ends_with(".replaced") || name.ends_with(".removing")) {
-      if (name.starts_with("step-")) stale.push_back(it->path());
-    } else if (name.ends_with(detail::ckpt::partial_suffix)) {
-      // A save that died; not one in flight (an asynchronous save's next
-      // step is being written by the other ranks while this runs).
-      const auto of = detail::ckpt::step_of(
-          std::string_view(name).substr(0, name.size() - detail::ckpt::partial_suffix.size()));
-      if (of && *of <= newest) stale.push_back(it->path());
-    }
-  }
-  std::sort(kept.begin(), kept.end(), std::greater<>());
-  for (std::size_t i = static_cast<std::size_t>(options_.keep); i < kept.size(); ++i) {
-    stale.push_back(options_.dir / detail::ckpt::step_name(kept[i]));
-  }
-  std::vector<std::filesystem::path> doomed;
-  for (const std::filesystem::path& path : stale) {
-    if (path.string().ends_with(".removing")) {
-      doomed.push_back(path);
-      continue;
-    }
-    const std::filesystem::path renamed = path.string() + ".removing";
-    std::filesystem::rename(path, renamed, ec);
-    if (ec) {
-      say("could not remove " + path.string() + ": " + ec.message());
-    } else {
-      doomed.push_back(renamed);
-    }
-  }
-  if (doomed.empty()) return;
-  cleaner_ = std::thread([this, doomed = std::move(doomed)] {
-    for (const std::filesystem::path& path : doomed) {
-      if (const int err = detail::remove_tree(path.c_str()); err != 0) {
-        say("could not remove " + path.string() + ": " + std::strerror(err));
-      }
-    }
-  });
-}
-
-DTRAIN_DETAIL_INLINE void checkpoint::say(const std::string& line) const {
-  if (options_.quiet || !(plane_.rank() == 0)) return;
-  std::fprintf(stderr, "dtrain checkpoint: %s\n", line.c_str());
-  std::fflush(stderr);
+      context_.plane, what,
+      ok ? std::string() : problem + " (rank " + std::to_string(context_.plane.rank()) + ")");
 }
 
 }  // namespace dtrain

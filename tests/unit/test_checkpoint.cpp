@@ -118,6 +118,44 @@ TEST_CASE("checkpoint: remove_tree removes a tree as rm -rf does, links not foll
   CHECK_FALSE(fs::exists(dir.path / "plain-file"));
 }
 
+TEST_CASE(
+    "checkpoint retention: what a directory keeps, for the disk's names and a rank's copies") {
+  scratch_dir dir;
+  for (const char* name :
+       {"step-1", "step-2", "step-3", "step-4", "step-9", "step-5.partial", "step-2.partial",
+        "step-6.removing", "step-7.partial.removing", "step-8.replaced", "other", "step-x",
+        "step-1.rank-0", "step-2.rank-0", "step-3.rank-0", "step-3.rank-0.partial", "step-4.rank-1",
+        "step-1.rank-10"})
+    fs::create_directories(dir.path / name);
+  std::ofstream(dir.path / "step-10") << "a file, not a step";
+
+  auto names = [&](const std::vector<fs::path>& paths) {
+    std::set<std::string> out;
+    for (const fs::path& p : paths) out.insert(p.filename().string());
+    return out;
+  };
+  // The disk's names: step-<N>, newest first; the rank copies are not steps.
+  std::vector<std::uint64_t> committed;
+  for (const auto& [step, path] : ckpt::committed_steps(dir.path)) committed.push_back(step);
+  CHECK(committed == std::vector<std::uint64_t>{9, 4, 3, 2, 1});
+  // Newest 4, keep 2: steps 1 and 2 beyond it, 9 after it, the save of 2 that
+  // died (not 5's: it may be in flight), and what removals left.
+  CHECK(names(ckpt::stale_steps(dir.path, 4, 2)) ==
+        std::set<std::string>{"step-1", "step-2", "step-9", "step-2.partial", "step-6.removing",
+                              "step-7.partial.removing", "step-8.replaced"});
+  // Rank 0's memory copies: only its own, by the same rules.
+  committed.clear();
+  for (const auto& [step, path] : ckpt::committed_steps(dir.path, ".rank-0"))
+    committed.push_back(step);
+  CHECK(committed == std::vector<std::uint64_t>{3, 2, 1});
+  CHECK(names(ckpt::stale_steps(dir.path, 3, 2, ".rank-0")) ==
+        std::set<std::string>{"step-1.rank-0", "step-3.rank-0.partial"});
+  CHECK(names(ckpt::stale_steps(dir.path, 2, 2, ".rank-0")) ==
+        std::set<std::string>{"step-3.rank-0"});
+  CHECK(ckpt::committed_steps(dir.path / "none").empty());
+  CHECK(ckpt::stale_steps(dir.path / "none", 3, 1).empty());
+}
+
 TEST_CASE("checkpoint format: the checksum is the same however the stream is cut") {
   std::vector<unsigned char> data(1000);
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 7 + 3);
@@ -896,6 +934,63 @@ TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not 
     for (const auto& f : failures) CHECK(f == "");
     CHECK(fs::exists(memory.path / "step-6.rank-1" / "MANIFEST"));
   }
+}
+
+TEST_CASE(
+    "checkpoint: a job of another size resumes from memory when all its state is replicated") {
+  // 4 ranks on 2 "nodes" train 6 steps (memory every step, the disk every
+  // 4); node 1 is lost, and a round of node 0's 2 ranks resumes.
+  scratch_dir disk, memory;
+  const auto trained = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = disk.path,
+                                 .every = 4,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_dir = memory.path / ("node" + std::to_string(rank / 2))});
+    state.add_to(c);
+    for (int step = 1; step <= 6; ++step) {
+      state.fill(static_cast<float>(step));
+      c.step();
+    }
+  });
+  for (const auto& f : trained) CHECK(f == "");
+  fs::remove_all(memory.path / "node1");
+  // With per-rank state registered, the copies of 4 ranks do not fit 2: the
+  // disk's is taken, and refused by name (its per-rank state cannot be re-cut).
+  const auto refused = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    toy_state again;
+    std::int64_t own = -1;
+    dtrain::checkpoint d(
+        plane,
+        {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = memory.path / "node0"});
+    again.add_to(d);
+    d.add("own", own, dtrain::checkpoint_scope::per_rank);
+    try {
+      static_cast<void>(d.restore());
+      CHECK(false);
+    } catch (const dtrain::checkpoint_error& e) {
+      const std::string what = e.what();
+      CAPTURE(what);
+      CHECK(what.find("step-4") != std::string::npos);
+    }
+  });
+  for (const auto& f : refused) CHECK(f == "");
+  // The replicated state alone: step 6 from node 0's memory, though 4 ranks
+  // wrote it, and nothing read on disk (its files are damaged now).
+  for (const auto& file : fs::directory_iterator(disk.path / "step-4"))
+    fs::resize_file(file.path(), 1);
+  const auto resumed = on_ranks(2, [&](dtrain::control_plane plane, int) {
+    toy_state again;
+    dtrain::checkpoint d(
+        plane,
+        {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = memory.path / "node0"});
+    again.add_to(d);
+    CHECK(d.restore() == 6u);
+    CHECK(again.optimizer == "adam:6");
+    CHECK(again.weight[3] == 9.0f);
+  });
+  for (const auto& f : resumed) CHECK(f == "");
 }
 
 TEST_CASE("checkpoint: a memory copy that cannot be written is counted, and the training goes on") {

@@ -28,9 +28,19 @@
 /// step into memory each node keeps beyond its workers' lives (dtrun's agent
 /// owns it), in the same format, so that a restarted worker loses at most a
 /// step and reads no disk.
+///
+/// The parts: the entries and what a save takes of them (registry.hpp), the
+/// storage seam (tier.hpp) and its tiers (disk_tier.hpp, memory_tier.hpp),
+/// what a directory keeps (retention.hpp), the files (format.hpp); this
+/// class says when to save and which tier a restore takes.
 
 #include <dtrain/backend/types.hpp>
+#include <dtrain/checkpoint/disk_tier.hpp>
 #include <dtrain/checkpoint/format.hpp>
+#include <dtrain/checkpoint/memory_tier.hpp>
+#include <dtrain/checkpoint/options.hpp>
+#include <dtrain/checkpoint/registry.hpp>
+#include <dtrain/checkpoint/tier.hpp>
 #include <dtrain/config.hpp>
 #include <dtrain/control/plane.hpp>
 #include <dtrain/control/verdict.hpp>
@@ -69,96 +79,6 @@
 #include <vector>
 
 namespace dtrain {
-
-/// Whose state an entry is: the same on every rank (written once, by rank 0,
-/// and loaded by every rank, whatever the world size) or each rank's own.
-enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
-
-/// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
-struct checkpoint_options {
-  /// Where the checkpoints go (created if missing). Every rank must see the
-  /// same directory: one machine, or a file system that every node shares.
-  std::filesystem::path dir;
-  /// step() saves after every `every`-th step; 0: only save() saves.
-  std::uint64_t every = 0;
-  /// Committed checkpoints kept (at least 1); older ones are removed once a
-  /// newer one is committed. With 2 or more, a newest checkpoint damaged on
-  /// disk still leaves one to resume from.
-  int keep = 2;
-  /// No line on rank 0's stderr per save and restore.
-  bool quiet = false;
-  /// save() copies the state (host memory: the size of the checkpoint) and
-  /// returns; a thread writes the files beside the next steps, and the
-  /// checkpoint is committed at the next save(), restore() or wait(), or when
-  /// the checkpoint object is destroyed. Until then the one before it is the
-  /// newest.
-  bool asynchronous = false;
-  /// Threads that copy the state at an asynchronous save (the training
-  /// thread is one of them); a copy under 1 MiB per thread is not split.
-  /// 0: automatic, the machine's cores per local rank when built from a
-  /// dtrain::context (at most 8), else 1.
-  int copy_threads = 0;
-  /// The memory tier: step() also saves every `memory_every`-th step into
-  /// `memory_dir`, memory that outlives this process but not its node. A
-  /// worker restarted on the node resumes from there when that copy is at
-  /// least as new as the newest on disk (no read of `dir`); the disk stays
-  /// the fallback and the tier for whole-job restarts. Each rank writes and
-  /// commits its own copy (no collective), keeping its 2 newest; a node's
-  /// first rank adds the replicated entries. With `asynchronous`, the state
-  /// is copied on the training thread and written on a thread beside the next
-  /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
-  /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
-  /// not used, and the message says which and why. 0: off.
-  std::uint64_t memory_every = 0;
-  /// The memory tier's directory, one per node. Empty: the environment's
-  /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
-  /// directory in /dev/shm that it owns (and removes when the job ends).
-  std::filesystem::path memory_dir{};
-};
-
-/// Where a checkpoint's time on the training thread went, summed over its
-/// saves on this rank (dtrain::checkpoint::timings()).
-struct checkpoint_timings {
-  std::uint64_t saves = 0;  ///< save() calls
-  /// In save() (and, for an asynchronous checkpoint, in wait()): what the
-  /// training waited for in all.
-  double blocked_seconds = 0;
-  /// The asynchronous save's copy of the state (its "staging").
-  double copy_seconds = 0;
-  /// Committing the save before: waiting for its writer, and the
-  /// control-plane rounds of its commit.
-  double commit_seconds = 0;
-  /// Of commit_seconds, the wait for an asynchronous save's writer, which was
-  /// still writing when the next save() came: more than a little means saves
-  /// come faster than the disk takes them (rank 0 says so once).
-  double writer_wait_seconds = 0;
-  /// The memory tier's saves (checkpoint_options::memory_every) on the
-  /// training thread (asynchronous: the copy of the state, and the wait for
-  /// the writer of the copy before when it was still writing).
-  double memory_seconds = 0;
-};
-
-/// A committed checkpoint found on disk.
-struct checkpoint_found {
-  std::uint64_t step = 0;
-  std::filesystem::path path;  ///< `DIR/step-<N>`
-  int world_size = 0;          ///< of the job that wrote it
-};
-
-namespace detail::ckpt {
-/// The committed step directories of `dir` (`step-<N>`, by name, unchecked),
-/// newest first; none when `dir` does not exist. Throws checkpoint_error when
-/// it cannot be read.
-DTRAIN_DETAIL_INLINE std::vector<std::pair<std::uint64_t, std::filesystem::path>> committed_steps(
-    const std::filesystem::path& dir);
-}  // namespace detail::ckpt
-
-/// The newest checkpoint in `dir` whose manifest and files check out (sizes
-/// and checksums), or nullopt. Each newer one that does not is skipped, with a
-/// line naming the file and what is wrong appended to `skipped` when given.
-/// Throws checkpoint_error when `dir` exists but cannot be read.
-DTRAIN_DETAIL_INLINE std::optional<checkpoint_found> latest_checkpoint(
-    const std::filesystem::path& dir, std::vector<std::string>* skipped = nullptr);
 
 /// One step's state of every rank: saved consistently, resumed from. See the
 /// file's comment. Every rank constructs it, registers the same entries (per
@@ -209,8 +129,8 @@ class checkpoint {
     for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
       const parameter& p = detail::parameter_at(params, i);
       if (!p.values.data && p.values.count > 0) {  // ZeRO stage 3 holds them sharded
-        throw config_error("checkpoint on rank " + std::to_string(plane_.rank()) + ": parameter '" +
-                           p.name +
+        throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
+                           ": parameter '" + p.name +
                            "' has no values here (ddp_options::sharding = parameters holds "
                            "them as shards: add them with add_sharded(\"parameters\", ddp))");
       }
@@ -268,14 +188,13 @@ class checkpoint {
     for (const shard_piece& piece : pieces) {
       if (piece.master.type != type) {
         throw config_error(
-            "checkpoint on rank " + std::to_string(plane_.rank()) + ": add_sharded(\"" + name +
-            "\", ddp) takes the pieces of one type, and parameter #" +
+            "checkpoint on rank " + std::to_string(context_.plane.rank()) + ": add_sharded(\"" +
+            name + "\", ddp) takes the pieces of one type, and parameter #" +
             std::to_string(piece.parameter) + "'s is " + std::string(to_string(piece.master.type)) +
             ", not " + std::string(to_string(type)));
       }
     }
-    auto& scratch = shard_copies_.emplace_back(ddp.shard_elements() * size_of(type));
-    const std::span<std::byte> host(scratch.data(), scratch.size());
+    const std::span<std::byte> host = entries_.scratch(ddp.shard_elements() * size_of(type));
     add_sharded(std::move(name), buffer{host.data(), ddp.shard_elements(), type, memory::host},
                 ddp.shard_ranges(), ddp.model_elements());
     return add_hooks([&ddp, host] { ddp.download_shard_values(host); },
@@ -323,9 +242,13 @@ class checkpoint {
   void save_to_memory();
 
   /// Where the memory tier keeps this node's copies (empty: none).
-  [[nodiscard]] const std::filesystem::path& memory_dir() const noexcept { return memory_dir_; }
+  [[nodiscard]] std::filesystem::path memory_dir() const {
+    return memory_ ? memory_->dir() : std::filesystem::path();
+  }
   /// This rank's memory copies that could not be written (the first is said on stderr).
-  [[nodiscard]] std::uint64_t memory_failures() const noexcept { return memory_failures_; }
+  [[nodiscard]] std::uint64_t memory_failures() const noexcept {
+    return memory_ ? memory_->failures() : 0;
+  }
 
   /// Saves now, as step steps(): on every rank, together. Throws
   /// checkpoint_error on every rank when any rank's part could not be written
@@ -341,10 +264,10 @@ class checkpoint {
   void wait();
 
   /// Where this rank's training thread spent its time in save() and wait().
-  [[nodiscard]] const checkpoint_timings& timings() const noexcept { return timings_; }
+  [[nodiscard]] const checkpoint_timings& timings() const noexcept { return context_.timings; }
   /// Steps counted by step() (and restored by restore()).
   [[nodiscard]] std::uint64_t steps() const noexcept { return static_cast<std::uint64_t>(steps_); }
-  [[nodiscard]] const checkpoint_options& options() const noexcept { return options_; }
+  [[nodiscard]] const checkpoint_options& options() const noexcept { return context_.options; }
 
   ~checkpoint();
 
@@ -355,174 +278,31 @@ class checkpoint {
   }
   /// copy_threads 0 (automatic): the machine's cores per local rank, 1 to 8.
   static checkpoint_options with_copy_threads(checkpoint_options options, int local_size);
-  void finish_pending() noexcept;
-  void wait_pending(bool next_save = false);
-
-  static constexpr std::int64_t no_checkpoint = -1;
-  static constexpr std::int64_t failed = -2;
-
-  struct hook {
-    std::function<void()> before_save, after_restore;
-  };
-  std::vector<hook> hooks_;                         // add_hooks()
-  std::list<std::vector<std::byte>> shard_copies_;  // add_sharded(name, ddp)'s arrays
-
-  struct entry {
-    std::string name;
-    checkpoint_scope scope = checkpoint_scope::replicated;
-    detail::ckpt::entry_kind kind = detail::ckpt::entry_kind::values;
-    buffer values;
-    std::vector<std::uint64_t> shape;
-    std::function<std::string()> save;
-    std::function<void(std::string_view)> load;
-    detail::ckpt::staging staged;         // an asynchronous save's copy of `values`
-    detail::ckpt::staging memory_staged;  // the memory tier's copy of `values`
-    std::vector<shard_range> ranges;      // a sharded entry's: what this rank holds
-    std::uint64_t total = 0;              // of the whole sharded array
-  };
 
   checkpoint& add_values(std::string name, buffer values, checkpoint_scope scope,
-                         std::vector<std::uint64_t> shape);
-  checkpoint& push(entry e);
-  [[nodiscard]] bool has_scope(checkpoint_scope scope) const;
-
-  /// One entry's bytes to write: the live memory, or a copy of it.
-  struct part_record {
-    std::string_view name;
-    detail::ckpt::entry_kind kind = detail::ckpt::entry_kind::values;
-    dtype type = dtype::uint8;
-    std::span<const std::uint64_t> shape;
-    const void* data = nullptr;
-    std::uint64_t bytes = 0;
-  };
-  /// What one rank writes for one scope: the records, and what they point into.
-  struct part_snapshot {
-    std::vector<part_record> records;
-    std::vector<std::string> owned;  // bytes entries' save() results
-  };
-  /// A save from its start to its commit.
-  struct pending_save {
-    std::uint64_t step = 0;
-    std::chrono::steady_clock::time_point start;
-    std::filesystem::path partial;
-    part_snapshot per_rank, replicated;
-    std::optional<detail::ckpt::file_record> per_rank_file, replicated_file;
-    std::string problem;  // this rank's, from its snapshot or its write
-    std::thread writer;
-  };
-
-  /// The records of `scope`'s entries; `copy`: into owned memory (an
-  /// asynchronous save, whose training goes on while the files are written),
-  /// the entries' memory-tier copies when `memory`.
-  part_snapshot snapshot(checkpoint_scope scope, bool copy, bool memory = false);
-  /// A sharded entry as it is written: the whole's size, the ranges, their values.
-  static std::string sharded_payload(const entry& e);
-
-  static detail::ckpt::file_record write_part(const std::filesystem::path& path,
-                                              const part_snapshot& part);
-  /// Writes this rank's files of `p` (on the training thread, or the writer's).
-  static void write_parts(pending_save& p, int rank, bool replicated);
-
-  /// Phases 2 and 3 of the save in flight: all ranks learn what every rank
-  /// wrote; rank 0 commits it (manifest, rename) or removes it; all hear which.
-  /// `next_save`: called by save() (the wait for the writer is then the
-  /// training's; at wait(), restore() or the end it is expected).
-  void commit(bool next_save = false);
-
-  static std::string not_committed(const std::string& what, const std::string& failed_ranks);
-
-  /// Rank 0: the manifest into the partial directory, which is renamed to
-  /// step-<N> (the commit), each fsync'd. Returns the checkpoint's bytes.
-  std::uint64_t commit_on_disk(const pending_save& p, const std::vector<std::int64_t>& all);
-
-  /// The memory tier: the ranks that share this rank's memory directory
-  /// (its node: the same host and directory), found once by every rank together.
-  const std::vector<int>& memory_node();
-  /// Rank `rank`'s copy of `step` in the memory directory: `step-<N>.rank-<R>`,
-  /// its part (and, for the node's first rank, the replicated part) and a
-  /// manifest of them. Each rank commits its own (the rename), without the others.
-  [[nodiscard]] std::filesystem::path memory_copy_dir(std::uint64_t step, int rank) const;
-  /// The steps of `rank`'s copies (`partial`: of its saves that died), newest first.
-  [[nodiscard]] std::vector<std::uint64_t> memory_copies(int rank, bool partial = false) const;
-  /// This rank's 2 newest copies that check out (its own and its node's
-  /// replicated part) and fit this job, newest first, -1 for none; each one
-  /// skipped is said on stderr, naming the copy and why.
-  std::array<std::int64_t, 2> usable_memory_copies();
-  /// restore()'s choice between the memory tier and the disk's newest step
-  /// `disk` (-1: none): the newest step whole on every rank, when it is at
-  /// least as new as the disk's; else rank 0 says why not.
-  std::optional<std::uint64_t> choose_memory_copy(std::int64_t disk);
-  /// Waits for the memory writer; what it could not do is said, not thrown.
-  void join_memory_writer() noexcept;
-  /// Loads on every rank what `check` returns (the files, checked), as
-  /// restore() does; `step_dir` names it in errors.
-  void load(const std::function<std::vector<std::filesystem::path>()>& check,
-            const std::filesystem::path& step_dir);
-  void load(const std::filesystem::path& step_dir);
-
-  /// Waits for rank 0's commit of the last asynchronous save; throws what it could not do.
-  void join_committer();
-
-  /// Rank 0's value reaches every rank.
-  void broadcast_value(std::int64_t& value);
-
-  /// "[64, 16] float32" (or "1024 float32" without a shape).
-  static std::string describe(detail::ckpt::entry_kind kind, dtype type,
-                              const std::vector<std::uint64_t>& shape, std::uint64_t bytes);
-
-  /// The files this rank loads from `step_dir`, checked: the manifest, each
-  /// file's size and checksum, and every entry against the registered ones.
-  std::vector<std::filesystem::path> check_for_load(const std::filesystem::path& step_dir);
-  /// The same for manifest `m`, whose files are at path_of(name).
-  std::vector<std::filesystem::path> check_for_load(
-      const detail::ckpt::manifest& m,
-      const std::function<std::filesystem::path(const std::string&)>& path_of,
-      const std::filesystem::path& step_dir);
-
-  /// Reads a checked file into the registered entries.
-  void apply(const std::filesystem::path& path);
-
-  /// The parts of a saved sharded entry (`payload`, from `file`) that fall in
-  /// the ranges this rank holds, copied into its values; counted in `recut_`.
-  void recut(entry& e, std::string_view payload, const std::filesystem::path& file);
-  /// After every part is read: each sharded entry got every element this rank holds.
-  void check_recut() const;
-
+                         std::vector<std::uint64_t> shape) {
+    entries_.add_values(std::move(name), values, scope, std::move(shape));
+    return *this;
+  }
+  /// This step's save into tier `t`: the entries' snapshot (their copy
+  /// number `slot` when asynchronous), written by the tier. The tier's save
+  /// before this one is completed first (`next_save`: the training's wait).
+  void save_into(detail::ckpt::tier& t, std::size_t slot);
+  /// Loads `step` from tier `t` on every rank: each rank checks its files
+  /// against what it registered, all agree, and only then memory changes.
+  void load(detail::ckpt::tier& t, std::uint64_t step);
   /// All ranks learn whether every rank could `what` (the verdict,
   /// control/verdict.hpp); throws checkpoint_error on every rank if not.
-  void agree(std::int64_t ok, const std::string& problem, const std::string& what);
+  void agree(bool ok, const std::string& problem, const std::string& what);
 
-  /// Creates `dir` (and its parents); with `fresh`, `dir` itself must not exist yet.
-  static void make_directory(const std::filesystem::path& dir, bool fresh);
-  static void remove_tree(const std::filesystem::path& path);
+  // The entries' copies for asynchronous saves: one per tier (registry::snapshot).
+  static constexpr std::size_t disk_slot = 0, memory_slot = 1;
 
-  /// Removes what no resume can use any more: committed steps beyond the
-  /// newest `keep` up to `newest`, steps numbered after it (left by a run
-  /// that this one resumed before), and directories of saves that died. Each
-  /// is renamed to NAME.removing at once (so no resume reads it) and removed
-  /// by a thread beside the training (joined at the next prune, or at the
-  /// end). A failure here is reported, not thrown: the new checkpoint is committed.
-  void prune(std::uint64_t newest);
-
-  void say(const std::string& line) const;
-
-  dtrain::control_plane plane_;
-  checkpoint_options options_;
-  std::vector<entry> entries_;
+  detail::ckpt::tier_context context_;  // the plane, the options, the timings
+  detail::ckpt::registry entries_;
   std::int64_t steps_ = 0;
-  std::unique_ptr<pending_save> pending_;  // a save not yet committed (asynchronous)
-  std::thread cleaner_;                    // removes what prune() renamed
-  std::thread committer_;                  // rank 0's commit of an asynchronous save
-  checkpoint_timings timings_;
-  bool warned_slow_writer_ = false;
-  // restore(): the global intervals each sharded entry got, of the elements this rank holds
-  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
-  std::string commit_failure_;        // what it could not do
-  std::filesystem::path memory_dir_;  // the memory tier's (empty: off)
-  std::vector<int> memory_node_;      // the ranks sharing memory_dir_ (found at first use)
-  std::unique_ptr<pending_save> memory_pending_;  // the memory copy being written
-  std::thread memory_writer_;                     // writes it beside the training
-  std::uint64_t memory_failures_ = 0;             // copies not written
+  detail::ckpt::disk_tier disk_;
+  std::unique_ptr<detail::ckpt::memory_tier> memory_;  // null: no memory directory
 };
 
 }  // namespace dtrain

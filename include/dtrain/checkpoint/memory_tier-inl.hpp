@@ -1,0 +1,257 @@
+#pragma once
+/// @file
+/// The non-template bodies of dtrain/checkpoint/memory_tier.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/checkpoint/memory_tier.hpp, not this file.
+
+#include <dtrain/checkpoint/memory_tier.hpp>
+#include <dtrain/checkpoint/retention.hpp>
+#include <dtrain/detail/sys.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <map>
+#include <span>
+#include <string_view>
+#include <utility>
+
+namespace dtrain::detail::ckpt {
+
+DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir)
+    : tier(context), dir_(std::move(dir)) {}
+
+DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
+  if (!node_.empty()) return node_;
+  // Ranks with the same host name and memory directory are on one node
+  // (each agent makes its own directory, its pid in the name).
+  const std::int64_t mine = static_cast<std::int64_t>(std::hash<std::string>{}(
+      detail::host_name().value_or("") + ":" + dir_.lexically_normal().string()));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(std::span<const std::int64_t>(&mine, 1), all);
+  for (int r = 0; r < context_.plane.size(); ++r) {
+    if (all[static_cast<std::size_t>(r)] == mine) node_.push_back(r);
+  }
+  return node_;
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::writes_replicated() {
+  return node().front() == context_.plane.rank();
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::copy_dir(std::uint64_t step,
+                                                                 int rank) const {
+  return dir_ / (step_name(step) + ".rank-" + std::to_string(rank));
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::where(std::uint64_t step) const {
+  const auto found = replicated_copy_.find(step);  // a restore without per-rank entries
+  return found != replicated_copy_.end() ? found->second : copy_dir(step, context_.plane.rank());
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::staging(std::uint64_t step) const {
+  return copy_dir(step, context_.plane.rank()).string() + std::string(partial_suffix);
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::resumed(std::uint64_t step) const {
+  return "resumed from the memory copy of step " + std::to_string(step) + " in " + dir_.string() +
+         " (nothing read from " + context_.options.dir.string() + ")";
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
+  try {
+    if (!p.problem.empty()) throw checkpoint_error(p.problem);
+    manifest m{p.step, context_.plane.size(), {}};
+    if (p.replicated_file) m.files.push_back(*p.replicated_file);
+    if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
+    const std::string text = render(m);
+    atomic_file written(p.partial / manifest_name);
+    written.write(text.data(), text.size());
+    static_cast<void>(written.finish());
+    const std::filesystem::path done = copy_dir(p.step, context_.plane.rank());
+    remove_checkpoint_tree(done);  // an older run's copy of this step
+    rename_path(p.partial, done);
+    // This rank's copies beyond the 2 newest (and any numbered after this
+    // one: an older run's), and its saves that died.
+    const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
+    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix))
+      remove_checkpoint_tree(stale);
+  } catch (const std::exception& e) {
+    p.problem = e.what();
+    static_cast<void>(detail::remove_tree(p.partial.c_str()));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::finish(std::unique_ptr<pending_save> p, bool next_save) {
+  static_cast<void>(next_save);
+  static_cast<void>(join_writer(*p));
+  if (p->problem.empty()) return;
+  if (++failures_ == 1 && !context_.options.quiet) {
+    std::fprintf(stderr,
+                 "dtrain checkpoint on rank %d: its memory copy of step %llu was not written "
+                 "(%s); its older copies and the disk stay. Said once; "
+                 "checkpoint::memory_failures() counts them all\n",
+                 context_.plane.rank(), static_cast<unsigned long long>(p->step),
+                 p->problem.c_str());
+    std::fflush(stderr);
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable() {
+  std::array<std::int64_t, 2> out{-1, -1};
+  const int rank = context_.plane.rank();
+  const int leader = node().front();
+  std::vector<std::pair<std::uint64_t, std::filesystem::path>> copies;
+  try {
+    copies = committed_steps(dir_, ".rank-" + std::to_string(rank));
+  } catch (const std::exception&) {
+    // No copies here that can be read: as none (the disk's, as ever).
+  }
+  std::size_t found = 0;
+  for (const auto& [step, path] : copies) {
+    if (found == out.size()) break;
+    try {
+      const manifest m = verify_step(path);
+      if (m.step != step || m.world_size != context_.plane.size()) {
+        throw checkpoint_error("checkpoint: " + path.string() + " holds step " +
+                               std::to_string(m.step) + " of " + std::to_string(m.world_size) +
+                               " ranks, and this job has " + std::to_string(context_.plane.size()));
+      }
+      if (leader != rank) {  // the replicated part, from the node's first rank
+        const manifest l = verify_step(copy_dir(step, leader));
+        if (l.step != step || !l.find(replicated_name)) {
+          throw checkpoint_error("checkpoint: " + copy_dir(step, leader).string() +
+                                 " holds no replicated part of step " + std::to_string(step));
+        }
+      }
+      out[found++] = static_cast<std::int64_t>(step);
+    } catch (const std::exception& e) {
+      tell(std::string("memory copy: ") + e.what() + "; not used");
+    }
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable_replicated() {
+  std::array<std::int64_t, 2> out{-1, -1};
+  replicated_copy_.clear();
+  // Every copy in the directory by step, of any rank: of this job, or of a
+  // round of another size that ran on this node before.
+  std::map<std::uint64_t, std::vector<std::filesystem::path>, std::greater<>> copies;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const std::size_t at = name.find(".rank-");
+    if (at == std::string::npos) continue;
+    const std::string_view rank = std::string_view(name).substr(at + 6);
+    if (rank.empty() || !std::ranges::all_of(rank, [](char c) { return c >= '0' && c <= '9'; }))
+      continue;  // a save that died (.partial), or not a copy
+    if (auto step = step_of(std::string_view(name).substr(0, at)))
+      copies[*step].push_back(it->path());
+  }
+  std::size_t found = 0;
+  for (auto& [step, paths] : copies) {
+    if (found == out.size()) break;
+    std::sort(paths.begin(), paths.end());
+    std::string why;
+    for (const std::filesystem::path& path : paths) {
+      try {
+        const manifest m = verify_step(path);
+        if (m.step == step && m.find(replicated_name)) {
+          replicated_copy_[step] = path;
+          break;
+        }
+      } catch (const std::exception& e) {
+        if (why.empty()) why = e.what();
+      }
+    }
+    if (replicated_copy_.contains(step)) {
+      out[found++] = static_cast<std::int64_t>(step);
+    } else {
+      tell("memory copy: " +
+           (why.empty() ? "no copy of step " + std::to_string(step) + " in " + dir_.string() +
+                              " holds its replicated part"
+                        : why) +
+           "; not used");
+    }
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
+  if (context_.options.quiet) return;
+  std::fprintf(stderr, "dtrain checkpoint on rank %d: %s\n", context_.plane.rank(), line.c_str());
+  std::fflush(stderr);
+}
+
+DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
+                                                                      const registry& entries) {
+  const std::array<std::int64_t, 2> mine =
+      entries.has_scope(checkpoint_scope::per_rank) ? usable() : usable_replicated();
+  const int size = context_.plane.size();
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
+  context_.plane.allgather(mine, all);
+  // The newest step that every rank holds whole.
+  std::int64_t best = -1;
+  std::string missing;
+  for (const std::int64_t candidate : {all[0], all[1]}) {
+    if (candidate < 0) continue;
+    std::string without;
+    for (int r = 0; r < size; ++r) {
+      const auto at = 2 * static_cast<std::size_t>(r);
+      if (all[at] != candidate && all[at + 1] != candidate)
+        without += (without.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (without.empty()) {
+      best = std::max(best, candidate);
+    } else if (missing.empty()) {
+      missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + without;
+    }
+  }
+  if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; }))
+    return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  const std::string fallback = "using " + context_.options.dir.string() + " instead";
+  if (best < 0) {
+    context_.say("memory tier: no step is whole in every rank's memory copies (" +
+                 (missing.empty()
+                      ? std::string("some ranks have none: their node is new, or lost them")
+                      : missing) +
+                 "): " + fallback);
+    return std::nullopt;
+  }
+  if (best < floor) {
+    context_.say("memory tier: the memory copies (step " + std::to_string(best) +
+                 ") are older than the disk checkpoint (step " + std::to_string(floor) +
+                 "): " + fallback);
+    return std::nullopt;
+  }
+  return static_cast<std::uint64_t>(best);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
+    std::uint64_t step, const registry& entries) {
+  if (!entries.has_scope(checkpoint_scope::per_rank)) {
+    const auto found = replicated_copy_.find(step);
+    if (found == replicated_copy_.end()) {
+      throw checkpoint_error("checkpoint: no copy of step " + std::to_string(step) + " in " +
+                             dir_.string() + " holds its replicated part");
+    }
+    const std::filesystem::path copy = found->second;
+    return entries.check(
+        read_manifest(copy), [&](const std::string& name) { return copy / name; }, copy,
+        context_.plane.size());
+  }
+  const std::filesystem::path mine = copy_dir(step, context_.plane.rank());
+  const std::filesystem::path leader = copy_dir(step, node().front());
+  // This rank's manifest, and the replicated part from its node's first rank's.
+  manifest m = read_manifest(mine);
+  const manifest theirs = read_manifest(leader);
+  const std::string replicated(replicated_name);
+  if (const auto* r = theirs.find(replicated); r && !m.find(replicated)) m.files.push_back(*r);
+  return entries.check(
+      m, [&](const std::string& name) { return (name == replicated ? leader : mine) / name; }, mine,
+      context_.plane.size());
+}
+
+}  // namespace dtrain::detail::ckpt

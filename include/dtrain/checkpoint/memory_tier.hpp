@@ -1,0 +1,88 @@
+#pragma once
+/// @file
+/// The memory tier (checkpoint_options::memory_every): copies in a directory
+/// of the node's memory that outlives the workers (dtrun's node agent owns
+/// it, in /dev/shm), in the disk's format. Each rank writes and commits its
+/// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
+/// replicated part, and a manifest), without the other ranks, and keeps its
+/// 2 newest. A restore takes the newest step that every rank holds whole.
+
+#include <dtrain/checkpoint/tier.hpp>
+#include <dtrain/config.hpp>
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// The node-memory tier (the file's comment).
+class memory_tier final : public tier {
+ public:
+  /// Copies in `dir`, one per node.
+  memory_tier(tier_context& context, std::filesystem::path dir);
+  ~memory_tier() override { complete(); }
+
+  [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
+  /// The node's first rank writes the replicated part (its node is found at the first call).
+  [[nodiscard]] bool writes_replicated() override;
+  /// The newest step whole on every rank (a rank killed in its save has the
+  /// one before, which the others still keep), when it is at least `floor`
+  /// (the disk's newest); else rank 0 says why not. Each copy of this rank
+  /// skipped (torn, of another job) is said on its stderr, naming it and why.
+  /// With per-rank entries a rank needs its own copy, of a job of this size;
+  /// without (all of the state replicated, as a DDP's), any copy on its node
+  /// with the step's replicated part serves, whatever the size of the job
+  /// that wrote it (an elastic job's round after it lost a node).
+  [[nodiscard]] std::optional<std::uint64_t> newest(std::int64_t floor,
+                                                    const registry& entries) override;
+  /// This rank's copy of `step`, with the replicated part from its node's
+  /// first rank's; without per-rank entries, the copy newest() found.
+  [[nodiscard]] std::vector<std::filesystem::path> files(std::uint64_t step,
+                                                         const registry& entries) override;
+  [[nodiscard]] std::filesystem::path where(std::uint64_t step) const override;
+  [[nodiscard]] std::string resumed(std::uint64_t step) const override;
+
+  [[nodiscard]] const std::filesystem::path& dir() const noexcept { return dir_; }
+  /// This rank's copies that could not be written (the first is said on stderr).
+  [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
+
+ protected:
+  /// The copy's manifest, its commit (the rename), and this rank's copies
+  /// beyond the 2 newest removed; a copy that fails is removed.
+  void seal(pending_save& p) override;
+  /// Joins the writer; what it could not do is counted and said once, not thrown.
+  void finish(std::unique_ptr<pending_save> p, bool next_save) override;
+
+ private:
+  /// The ranks that share this rank's directory (its node: the same host
+  /// and directory), found once by every rank together.
+  const std::vector<int>& node();
+  /// Rank `rank`'s copy of `step`: `DIR/step-<N>.rank-<R>`.
+  [[nodiscard]] std::filesystem::path copy_dir(std::uint64_t step, int rank) const;
+  /// This rank's 2 newest copies that check out (its own and its node's
+  /// replicated part) and fit this job, newest first, -1 for none.
+  std::array<std::int64_t, 2> usable();
+  /// The 2 newest steps of which a copy on this node holds the replicated
+  /// part whole (any rank's, any job size), newest first, -1 for none; each
+  /// one's copy in `replicated_copy_`.
+  std::array<std::int64_t, 2> usable_replicated();
+  /// A line on this rank's stderr, unless quiet.
+  void tell(const std::string& line) const;
+
+  std::filesystem::path dir_;
+  std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
+  std::uint64_t failures_ = 0;  // copies not written
+  std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/checkpoint/memory_tier-inl.hpp>
+#endif

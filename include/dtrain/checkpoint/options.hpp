@@ -1,0 +1,89 @@
+#pragma once
+/// @file
+/// The options of dtrain::checkpoint and what it reports: which state an entry
+/// is (its scope), where and how often it saves, where its time went, and a
+/// checkpoint found on disk.
+
+#include <cstdint>
+#include <filesystem>
+
+namespace dtrain {
+
+/// Whose state an entry is: the same on every rank (written once, by rank 0,
+/// and loaded by every rank, whatever the world size) or each rank's own.
+enum class checkpoint_scope : std::uint8_t { replicated, per_rank };
+
+/// Options of dtrain::checkpoint. Aggregate: `{.dir = "ckpt", .every = 100}`.
+struct checkpoint_options {
+  /// Where the checkpoints go (created if missing). Every rank must see the
+  /// same directory: one machine, or a file system that every node shares.
+  std::filesystem::path dir;
+  /// step() saves after every `every`-th step; 0: only save() saves.
+  std::uint64_t every = 0;
+  /// Committed checkpoints kept (at least 1); older ones are removed once a
+  /// newer one is committed. With 2 or more, a newest checkpoint damaged on
+  /// disk still leaves one to resume from.
+  int keep = 2;
+  /// No line on rank 0's stderr per save and restore.
+  bool quiet = false;
+  /// save() copies the state (host memory: the size of the checkpoint) and
+  /// returns; a thread writes the files beside the next steps, and the
+  /// checkpoint is committed at the next save(), restore() or wait(), or when
+  /// the checkpoint object is destroyed. Until then the one before it is the
+  /// newest.
+  bool asynchronous = false;
+  /// Threads that copy the state at an asynchronous save (the training
+  /// thread is one of them); a copy under 1 MiB per thread is not split.
+  /// 0: automatic, the machine's cores per local rank when built from a
+  /// dtrain::context (at most 8), else 1.
+  int copy_threads = 0;
+  /// The memory tier: step() also saves every `memory_every`-th step into
+  /// `memory_dir`, memory that outlives this process but not its node. A
+  /// worker restarted on the node resumes from there when that copy is at
+  /// least as new as the newest on disk (no read of `dir`); the disk stays
+  /// the fallback and the tier for whole-job restarts. Each rank writes and
+  /// commits its own copy (no collective), keeping its 2 newest; a node's
+  /// first rank adds the replicated entries. With `asynchronous`, the state
+  /// is copied on the training thread and written on a thread beside the next
+  /// step (cheaper; a rank killed during it loses that step too). restore() takes the newest step
+  /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
+  /// not used, and the message says which and why. When all the state is replicated, a rank
+  /// needs only its node's replicated part, whatever the size of the job that wrote it (an
+  /// elastic job's smaller round after a lost node resumes from memory). 0: off.
+  std::uint64_t memory_every = 0;
+  /// The memory tier's directory, one per node. Empty: the environment's
+  /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
+  /// directory in /dev/shm that it owns (and removes when the job ends).
+  std::filesystem::path memory_dir{};
+};
+
+/// Where a checkpoint's time on the training thread went, summed over its
+/// saves on this rank (dtrain::checkpoint::timings()).
+struct checkpoint_timings {
+  std::uint64_t saves = 0;  ///< save() calls
+  /// In save() (and, for an asynchronous checkpoint, in wait()): what the
+  /// training waited for in all.
+  double blocked_seconds = 0;
+  /// The asynchronous save's copy of the state (its "staging").
+  double copy_seconds = 0;
+  /// Committing the save before: waiting for its writer, and the
+  /// control-plane rounds of its commit.
+  double commit_seconds = 0;
+  /// Of commit_seconds, the wait for an asynchronous save's writer, which was
+  /// still writing when the next save() came: more than a little means saves
+  /// come faster than the disk takes them (rank 0 says so once).
+  double writer_wait_seconds = 0;
+  /// The memory tier's saves (checkpoint_options::memory_every) on the
+  /// training thread (asynchronous: the copy of the state, and the wait for
+  /// the writer of the copy before when it was still writing).
+  double memory_seconds = 0;
+};
+
+/// A committed checkpoint found on disk.
+struct checkpoint_found {
+  std::uint64_t step = 0;
+  std::filesystem::path path;  ///< `DIR/step-<N>`
+  int world_size = 0;          ///< of the job that wrote it
+};
+
+}  // namespace dtrain

@@ -1,0 +1,132 @@
+#pragma once
+/// @file
+/// What a checkpoint holds, apart from where it goes: the registry of its
+/// entries (values in host memory, a program's own bytes, sharded arrays) and
+/// the hooks around them; what a save writes of them (a snapshot), and how a
+/// checked part is read back into them, a sharded entry re-cut for this
+/// rank. Where the parts go is a storage tier's (checkpoint/tier.hpp).
+
+#include <dtrain/backend/types.hpp>
+#include <dtrain/checkpoint/format.hpp>
+#include <dtrain/checkpoint/options.hpp>
+#include <dtrain/config.hpp>
+#include <dtrain/ddp/options.hpp>
+#include <dtrain/error.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <list>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// One entry's bytes to write: the live memory, or a copy of it.
+struct part_record {
+  std::string_view name;
+  entry_kind kind = entry_kind::values;
+  dtype type = dtype::uint8;
+  std::span<const std::uint64_t> shape;
+  const void* data = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+/// What one rank writes for one scope: the records, and what they point into.
+struct part_snapshot {
+  std::vector<part_record> records;
+  std::vector<std::string> owned;  // bytes entries' save() results
+};
+
+/// The entries one rank registered with its checkpoint, in the order added.
+class registry {
+ public:
+  /// `rank` names this rank in errors; `copy_threads` copy an asynchronous save's state.
+  registry(int rank, int copy_threads) : rank_(rank), copy_threads_(copy_threads) {}
+
+  /// Values in host memory, restored in place.
+  void add_values(std::string name, buffer values, checkpoint_scope scope,
+                  std::vector<std::uint64_t> shape);
+  /// This rank's `ranges` of a whole array of `total` elements, in `values`.
+  void add_sharded(std::string name, buffer values, std::vector<shard_range> ranges,
+                   std::uint64_t total);
+  /// Bytes the program makes (`save`) and takes back (`load`).
+  void add_bytes(std::string name, std::function<std::string()> save,
+                 std::function<void(std::string_view)> load, checkpoint_scope scope);
+  /// Functions run before each save reads the entries, and after a restore wrote them.
+  void add_hooks(std::function<void()> before_save, std::function<void()> after_restore);
+  /// Host memory of `bytes` that lives as long as the registry (add_sharded(name, ddp)'s array).
+  std::span<std::byte> scratch(std::size_t bytes);
+
+  [[nodiscard]] bool has_scope(checkpoint_scope scope) const;
+
+  /// Runs the before_save hooks.
+  void before_save() const;
+  /// The records of `scope`'s entries; `copy`: into owned memory (an
+  /// asynchronous save, whose training goes on while the files are written),
+  /// each entry's copy number `slot` (one per storage tier: each tier has
+  /// one save in flight at a time). Adds the copy's time to `copy_seconds`.
+  part_snapshot snapshot(checkpoint_scope scope, bool copy, std::size_t slot, double& copy_seconds);
+
+  /// The files this rank loads of manifest `m`, whose files are at
+  /// path_of(name), checked: each file's size and checksum, and every entry
+  /// against the registered ones; `where` names the copy in errors.
+  /// `world_size`: this job's (sharded entries are re-cut from every rank's
+  /// part when the checkpoint's differs; other per-rank state cannot be).
+  [[nodiscard]] std::vector<std::filesystem::path> check(
+      const manifest& m, const std::function<std::filesystem::path(const std::string&)>& path_of,
+      const std::filesystem::path& where, int world_size) const;
+  /// Reads checked `files` into the entries (each sharded entry must get
+  /// every element this rank holds), then runs the after_restore hooks.
+  void load(const std::vector<std::filesystem::path>& files);
+
+ private:
+  struct entry {
+    std::string name;
+    checkpoint_scope scope = checkpoint_scope::replicated;
+    entry_kind kind = entry_kind::values;
+    buffer values;
+    std::vector<std::uint64_t> shape;
+    std::function<std::string()> save;
+    std::function<void(std::string_view)> load;
+    std::vector<staging> staged;      // a copy of `values` per storage tier (snapshot's slot)
+    std::vector<shard_range> ranges;  // a sharded entry's: what this rank holds
+    std::uint64_t total = 0;          // of the whole sharded array
+  };
+  struct hook {
+    std::function<void()> before_save, after_restore;
+  };
+
+  entry& push(entry e);
+  /// A sharded entry as it is written: the whole's size, the ranges, their values.
+  static std::string sharded_payload(const entry& e);
+  /// "[64, 16] float32" (or "1024 float32" without a shape).
+  static std::string describe(entry_kind kind, dtype type, const std::vector<std::uint64_t>& shape,
+                              std::uint64_t bytes);
+  /// Reads a checked file into the registered entries.
+  void apply(const std::filesystem::path& path);
+  /// The parts of a saved sharded entry (`payload`, from `file`) that fall in
+  /// the ranges this rank holds, copied into its values; counted in `recut_`.
+  void recut(entry& e, std::string_view payload, const std::filesystem::path& file);
+  /// After every part is read: each sharded entry got every element this rank holds.
+  void check_recut() const;
+
+  int rank_ = 0;
+  int copy_threads_ = 1;
+  std::vector<entry> entries_;
+  std::vector<hook> hooks_;
+  std::list<std::vector<std::byte>> scratch_;  // scratch()'s arrays (a list: they never move)
+  // load(): the global intervals each sharded entry got, of the elements this rank holds
+  std::map<std::string, std::vector<std::pair<std::uint64_t, std::uint64_t>>> recut_;
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/checkpoint/registry-inl.hpp>
+#endif

@@ -1,0 +1,107 @@
+#pragma once
+/// @file
+/// The storage seam of dtrain::checkpoint. A tier is where a save's parts go
+/// and where a restore finds them: the shared directory (disk_tier.hpp), the
+/// node's memory (memory_tier.hpp), and, one day, an object store. The
+/// checkpoint takes each save's snapshot from its registry and hands it to a
+/// tier, which writes it (now, or on a thread), commits it its own way
+/// (all ranks together, or each rank alone), keeps what its retention says,
+/// and at a restore names the newest step every rank can load from it and
+/// this rank's files of that step.
+
+#include <dtrain/checkpoint/format.hpp>
+#include <dtrain/checkpoint/options.hpp>
+#include <dtrain/checkpoint/registry.hpp>
+#include <dtrain/config.hpp>
+#include <dtrain/control/plane.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dtrain::detail::ckpt {
+
+/// One rank's save of one step into one tier, from its snapshot to its commit.
+struct pending_save {
+  std::uint64_t step = 0;
+  std::chrono::steady_clock::time_point start;
+  std::filesystem::path partial;   // where this rank writes its parts (tier::staging)
+  bool writes_replicated = false;  // this rank writes the replicated part too
+  part_snapshot per_rank, replicated;
+  std::optional<file_record> per_rank_file, replicated_file;
+  std::string problem;  // this rank's, from its snapshot or its write
+  std::thread writer;   // an asynchronous save's
+};
+
+/// What a checkpoint's tiers share with it.
+struct tier_context {
+  dtrain::control_plane plane;
+  checkpoint_options options;
+  checkpoint_timings timings;
+
+  /// A line on rank 0's stderr ("dtrain checkpoint: ..."), unless quiet.
+  void say(const std::string& line) const;
+  /// Rank 0's value reaches every rank.
+  void broadcast_value(std::int64_t& value);
+};
+
+/// A storage tier (the file's comment). Each has at most one save in flight.
+class tier {
+ public:
+  explicit tier(tier_context& context) : context_(context) {}
+  tier(const tier&) = delete;
+  tier& operator=(const tier&) = delete;
+  virtual ~tier() = default;
+
+  /// Where this rank writes its parts of `step` (the tier commits or drops them).
+  [[nodiscard]] virtual std::filesystem::path staging(std::uint64_t step) const = 0;
+  /// Whether this rank writes the replicated part (every rank calls it, together).
+  [[nodiscard]] virtual bool writes_replicated() = 0;
+
+  /// Takes this rank's save `p` (its snapshot taken, or p.problem): writes
+  /// its parts into staging and seals them, now or, `asynchronous`, on a
+  /// thread beside the training. The save before must be complete()d.
+  void write(std::unique_ptr<pending_save> p, bool asynchronous);
+  /// Ends the save in flight, if any: its writer joined and its commit
+  /// (finish()). `next_save`: called by the next save, the wait is the training's.
+  void complete(bool next_save = false) {
+    if (pending_) finish(std::move(pending_), next_save);
+  }
+
+  /// restore(): the newest step whose copy every rank can load into
+  /// `entries` from this tier, not older than `floor` (-1: any), agreed by
+  /// every rank together; nullopt when there is none (what was skipped, and
+  /// why, is said).
+  [[nodiscard]] virtual std::optional<std::uint64_t> newest(std::int64_t floor,
+                                                            const registry& entries) = 0;
+  /// This rank's files of `step`, checked against `entries` (registry::check).
+  [[nodiscard]] virtual std::vector<std::filesystem::path> files(std::uint64_t step,
+                                                                 const registry& entries) = 0;
+  /// Where `step` is, for messages.
+  [[nodiscard]] virtual std::filesystem::path where(std::uint64_t step) const = 0;
+  /// restore()'s line once `step` is loaded from here.
+  [[nodiscard]] virtual std::string resumed(std::uint64_t step) const = 0;
+
+ protected:
+  /// After this rank's parts of `p` are written, or failed (p.problem), on
+  /// the writer's thread: what the tier does alone (a memory copy commits here).
+  virtual void seal(pending_save& p) { static_cast<void>(p); }
+  /// On the training thread: the commit of `p` (the writer may still run).
+  virtual void finish(std::unique_ptr<pending_save> p, bool next_save) = 0;
+  /// Joins `p`'s writer; returns the seconds waited.
+  static double join_writer(pending_save& p);
+
+  tier_context& context_;
+  std::unique_ptr<pending_save> pending_;  // the save in flight
+};
+
+}  // namespace dtrain::detail::ckpt
+
+#if DTRAIN_DETAIL_BODIES()
+#include <dtrain/checkpoint/tier-inl.hpp>
+#endif
