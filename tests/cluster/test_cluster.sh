@@ -21,8 +21,9 @@
 #                      memory every step): node2's agent killed -> node1 knows at once (its
 #                      lease) and goes on alone from its own memory copy (the demo's state is
 #                      replicated: copies of 4 ranks serve a round of 2), with at most one
-#                      step trained twice; node2 started
-#                      again -> the job grows back to 2 nodes and finishes. Every sample of
+#                      step trained twice; node2 started again -> the job grows back to 2
+#                      nodes, node2's new ranks get the memory copy from rank 0 (at most one
+#                      step trained twice again), and finishes. Every sample of
 #                      every epoch is trained exactly once across the changes (counted from
 #                      the demo's --sample-log), and the accuracy is within a point of an
 #                      uninterrupted run
@@ -236,6 +237,13 @@ case $case_name in
     ((status1 == 0 && status2 == 0)) || fail "node1 exited with $status1, node2 (again) with $status2"
     grep -q "nodes 0, 1 (2 of at most 2)" "$work/node2.again.err" ||
       fail "node2 did not rejoin the job"
+    # Node2 came back without copies: rank 0 sent its ranks the replicated
+    # part, and that round resumed from memory too.
+    grep -q "memory tier: rank(s) 2, 3 had no copy of step [0-9]* (their node is new, or came back): rank 0 sent them its replicated part" \
+      "$work/node1.err" || fail "node2's ranks did not get the memory copy from rank 0"
+    grep -h "sent them its replicated part" "$work/node1.err"
+    (($(grep -c "resumed from the memory copy of step" "$work/node1.err") >= 2)) ||
+      fail "the round with node2 back did not resume from memory"
     # Every epoch's samples exactly once across the rounds: a round resumed at
     # its checkpoint supersedes what an earlier round trained after it.
     python3 - "$work/samples" 8192 4 "$solo" <<'PY' || fail "the samples do not add up"
@@ -260,10 +268,14 @@ for r, by_step in steps.items():
         for epoch, idx in parts:
             seen[epoch].update(idx)
 rounds = sorted(steps)
-# The loss of node2: the steps that rounds before node1's solo round trained
-# and it trained again (its memory copy of every step: at most the one under way).
-again = sorted({s for r in rounds if r < solo for s in steps[r] if s >= first[solo]})
-print(f"steps trained twice at the loss of node2: {len(again)} {again}")
+# At each change (node2 lost, node2 back): the steps that earlier rounds
+# trained and the new round trained again. A memory copy of every step: at
+# most the one under way.
+again = {r: sorted({s for r0 in rounds if r0 < r for s in steps[r0] if s >= first[r]})
+         for r in rounds[1:]}
+for r, twice in again.items():
+    what = "the loss of node2" if r == solo else "node2's return"
+    print(f"steps trained twice at {what} (round {r}): {len(twice)} {twice}")
 print("rounds with steps:", ", ".join(f"{r} (steps {first[r]}..{max(steps[r])}, "
       f"up to {max(len(p) for p in steps[r].values())} ranks a step)" for r in rounds))
 ok = len(seen) == epochs
@@ -274,7 +286,7 @@ for epoch in sorted(seen):
     print(f"epoch {epoch}: {len(c)} distinct samples of {size}, {extra} repeated (padding), "
           f"{len(missing)} missing")
     ok = ok and not missing and 0 <= extra <= 3 * len(rounds)
-sys.exit(0 if ok and len(again) <= 1 else 1)
+sys.exit(0 if ok and all(len(t) <= 1 for t in again.values()) else 1)
 PY
     accuracy() { grep -o 'test accuracy *[0-9.]*' "$1" | tail -n 1 | grep -o '[0-9.]*$'; }
     want=$(accuracy "$work/reference.out")

@@ -993,6 +993,46 @@ TEST_CASE(
   for (const auto& f : resumed) CHECK(f == "");
 }
 
+TEST_CASE("checkpoint: ranks without a memory copy get the replicated part from a rank with one") {
+  // A node lost (or replaced) in a job of the same size: its new ranks have
+  // no copies; the state is replicated, so rank 0 sends them its part.
+  scratch_dir disk, memory;
+  auto node_of = [&](int rank) { return memory.path / ("node" + std::to_string(rank / 2)); };
+  const auto trained = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = disk.path,
+                                 .every = 4,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_dir = node_of(rank)});
+    state.add_to(c);
+    for (int step = 1; step <= 6; ++step) {
+      state.fill(static_cast<float>(step));
+      c.step();
+    }
+  });
+  for (const auto& f : trained) CHECK(f == "");
+  fs::remove_all(memory.path / "node1");
+  fs::create_directories(memory.path / "node1");  // the replacement node's, empty
+  for (const auto& file : fs::directory_iterator(disk.path / "step-4"))
+    fs::resize_file(file.path(), 1);  // a restore that read the disk would fail
+  const auto resumed = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    toy_state again;
+    dtrain::checkpoint d(
+        plane, {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = node_of(rank)});
+    again.add_to(d);
+    CHECK(d.restore() == 6u);
+    CHECK(again.optimizer == "adam:6");
+    CHECK(again.weight[5] == 11.0f);
+  });
+  for (const auto& f : resumed) CHECK(f == "");
+  // Each of them committed what it got as its own copy, whole.
+  for (const int rank : {2, 3}) {
+    const fs::path copy = node_of(rank) / ("step-6.rank-" + std::to_string(rank));
+    CHECK(ckpt::verify_step(copy).find(ckpt::replicated_name) != nullptr);
+  }
+}
+
 TEST_CASE("checkpoint: a memory copy that cannot be written is counted, and the training goes on") {
   scratch_dir disk, memory;
   const fs::path blocked = memory.path / "a-file";

@@ -9,8 +9,11 @@
 #include <dtrain/detail/sys.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <span>
@@ -187,36 +190,42 @@ DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
 
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
                                                                       const registry& entries) {
-  const std::array<std::int64_t, 2> mine =
-      entries.has_scope(checkpoint_scope::per_rank) ? usable() : usable_replicated();
+  const bool own = entries.has_scope(checkpoint_scope::per_rank);
+  const std::array<std::int64_t, 2> mine = own ? usable() : usable_replicated();
   const int size = context_.plane.size();
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
   context_.plane.allgather(mine, all);
-  // The newest step that every rank holds whole.
-  std::int64_t best = -1;
-  std::string missing;
-  for (const std::int64_t candidate : {all[0], all[1]}) {
-    if (candidate < 0) continue;
-    std::string without;
-    for (int r = 0; r < size; ++r) {
-      const auto at = 2 * static_cast<std::size_t>(r);
-      if (all[at] != candidate && all[at + 1] != candidate)
-        without += (without.empty() ? "" : ", ") + std::to_string(r);
-    }
-    if (without.empty()) {
-      best = std::max(best, candidate);
-    } else if (missing.empty()) {
-      missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + without;
-    }
-  }
   if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; }))
     return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  auto without = [&](std::int64_t step) {
+    std::vector<int> ranks;
+    for (int r = 0; r < size; ++r) {
+      const auto at = 2 * static_cast<std::size_t>(r);
+      if (all[at] != step && all[at + 1] != step) ranks.push_back(r);
+    }
+    return ranks;
+  };
+  // With per-rank entries, the newest step that every rank holds whole (a
+  // rank killed in its save has the one before, which the others keep).
+  // Without, the newest that any rank holds: the ranks without it (their node
+  // is new, or came back) get its replicated part from one that has it.
+  std::vector<std::int64_t> candidates(all.begin(), all.end());
+  std::ranges::sort(candidates, std::greater<>());
+  std::int64_t best = -1;
+  std::string missing;
+  for (const std::int64_t candidate : candidates) {
+    if (candidate < 0) break;
+    const std::vector<int> lacking = without(candidate);
+    if (lacking.empty() || !own) {
+      best = candidate;
+      break;
+    }
+    if (missing.empty())
+      missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + list(lacking);
+  }
   const std::string fallback = "using " + context_.options.dir.string() + " instead";
   if (best < 0) {
-    context_.say("memory tier: no step is whole in every rank's memory copies (" +
-                 (missing.empty()
-                      ? std::string("some ranks have none: their node is new, or lost them")
-                      : missing) +
+    context_.say("memory tier: no step is whole in every rank's memory copies (" + missing +
                  "): " + fallback);
     return std::nullopt;
   }
@@ -226,7 +235,126 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
                  "): " + fallback);
     return std::nullopt;
   }
+  if (const std::vector<int> lacking = without(best); !lacking.empty()) {
+    int root = 0;
+    while (std::ranges::find(lacking, root) != lacking.end()) ++root;
+    if (!share(static_cast<std::uint64_t>(best), root, lacking)) return std::nullopt;
+  }
   return static_cast<std::uint64_t>(best);
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
+                                             const std::vector<int>& lacking) {
+  const int rank = context_.plane.rank();
+  const bool receiving = std::ranges::find(lacking, rank) != lacking.end();
+  const std::string fallback = "using " + context_.options.dir.string() + " instead";
+  // The root's replicated part: its size, checksum and the world size of the job that wrote it.
+  std::array<std::int64_t, 3> head{-1, 0, 0};
+  std::ifstream in;
+  std::string problem;
+  if (rank == root) {
+    try {
+      const std::filesystem::path copy = replicated_copy_.at(step);
+      const manifest m = read_manifest(copy);
+      const file_record* r = m.find(replicated_name);
+      if (!r) throw checkpoint_error("checkpoint: " + copy.string() + " lists no replicated part");
+      in.open(copy / replicated_name, std::ios::binary);
+      if (!in)
+        throw checkpoint_error("checkpoint: cannot open " + (copy / replicated_name).string());
+      head = {static_cast<std::int64_t>(r->bytes), std::bit_cast<std::int64_t>(r->checksum),
+              m.world_size};
+    } catch (const std::exception& e) {
+      problem = e.what();
+      tell("memory copy: cannot send step " + std::to_string(step) + ": " + problem);
+    }
+  }
+  std::array<std::uint8_t, sizeof head> wire{};
+  std::memcpy(wire.data(), head.data(), sizeof head);
+  context_.plane.broadcast(wire, root);
+  std::memcpy(head.data(), wire.data(), sizeof head);
+  if (head[0] < 0) {
+    context_.say("memory tier: rank " + std::to_string(root) + " could not send its copy of step " +
+                 std::to_string(step) + " to rank(s) " + list(lacking) +
+                 " (its error says why): " + fallback);
+    return false;
+  }
+  // In pieces of at most 4 MiB: what the control plane holds at a time
+  // (through the store, for NCCL's jobs) stays bounded.
+  const auto bytes = static_cast<std::uint64_t>(head[0]);
+  const std::filesystem::path partial = staging(step);
+  std::optional<atomic_file> out;
+  if (receiving) {
+    try {
+      make_directory(partial, false);
+      out.emplace(partial / replicated_name);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  std::vector<std::uint8_t> piece(
+      static_cast<std::size_t>(std::min<std::uint64_t>(bytes, 4u << 20)));
+  for (std::uint64_t at = 0; at < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), bytes - at));
+    if (rank == root &&
+        !in.read(reinterpret_cast<char*>(piece.data()), static_cast<std::streamsize>(n)))
+      std::fill_n(piece.begin(), n, std::uint8_t{0});  // its checksum fails where it arrives
+    context_.plane.broadcast(std::span<std::uint8_t>(piece.data(), n), root);
+    if (out && problem.empty()) {
+      try {
+        out->write(piece.data(), n);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+    }
+    at += n;
+  }
+  if (receiving && problem.empty()) {
+    try {
+      file_record got = out->finish();
+      if (got.bytes != bytes || got.checksum != std::bit_cast<std::uint64_t>(head[1])) {
+        throw checkpoint_error("checkpoint: the replicated part of step " + std::to_string(step) +
+                               " from rank " + std::to_string(root) + " arrived damaged (" +
+                               std::to_string(got.bytes) + " bytes, checksum differs)");
+      }
+      got.name = std::string(replicated_name);
+      const std::string text = render(manifest{step, static_cast<int>(head[2]), {got}});
+      atomic_file written(partial / manifest_name);
+      written.write(text.data(), text.size());
+      static_cast<void>(written.finish());
+      const std::filesystem::path copy = copy_dir(step, rank);
+      remove_checkpoint_tree(copy);
+      rename_path(partial, copy);
+      replicated_copy_[step] = copy;
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  out.reset();
+  if (receiving && !problem.empty()) {
+    static_cast<void>(detail::remove_tree(partial.c_str()));
+    tell("memory copy: could not take step " + std::to_string(step) + " from rank " +
+         std::to_string(root) + ": " + problem + "; not used");
+  }
+  const std::int64_t ok = problem.empty() ? 1 : 0;
+  std::vector<std::int64_t> oks(static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(std::span<const std::int64_t>(&ok, 1), oks);
+  if (std::ranges::find(oks, 0) != oks.end()) {
+    context_.say("memory tier: rank(s) " + list(lacking) + " could not take step " +
+                 std::to_string(step) + " from rank " + std::to_string(root) +
+                 " (each said why): " + fallback);
+    return false;
+  }
+  context_.say("memory tier: rank(s) " + list(lacking) + " had no copy of step " +
+               std::to_string(step) + " (their node is new, or came back): rank " +
+               std::to_string(root) + " sent them its replicated part (" + std::to_string(bytes) +
+               " bytes)");
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::list(const std::vector<int>& ranks) {
+  std::string out;
+  for (const int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
 }
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(

@@ -74,6 +74,13 @@ class memory_tier final : public tier {
   std::array<std::int64_t, 2> usable_replicated();
   /// A line on this rank's stderr, unless quiet.
   void tell(const std::string& line) const;
+  /// Every rank together: `root` sends the replicated part of its copy of
+  /// `step` (in pieces, over the control plane) to the `lacking` ranks, which
+  /// commit it as their own copy. Whether every one of them has it now
+  /// (else rank 0 says why, and the disk is the fallback).
+  bool share(std::uint64_t step, int root, const std::vector<int>& lacking);
+  /// "2, 3"
+  static std::string list(const std::vector<int>& ranks);
 
   std::filesystem::path dir_;
   std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
