@@ -855,6 +855,27 @@ std::vector<std::int64_t> memory_tier_run(const fs::path& disk, const fs::path& 
 }
 }  // namespace
 
+namespace {
+/// 4 ranks on 2 "nodes" (memory.path/node0, node1) train 6 steps of a toy
+/// state, all of it replicated: a memory copy every step, the disk every 4.
+void train_replicated_on_two_nodes(const fs::path& disk, const fs::path& memory) {
+  const auto trained = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
+    toy_state state;
+    dtrain::checkpoint c(plane, {.dir = disk,
+                                 .every = 4,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_dir = memory / ("node" + std::to_string(rank / 2))});
+    state.add_to(c);
+    for (int step = 1; step <= 6; ++step) {
+      state.fill(static_cast<float>(step));
+      c.step();
+    }
+  });
+  for (const auto& f : trained) CHECK(f == "");
+}
+}  // namespace
+
 TEST_CASE("checkpoint: the memory tier resumes from each node's copy, and reads nothing on disk") {
   scratch_dir disk, memory;
   // Step 6 is in memory, step 4 the newest on disk: the disk's files are
@@ -941,20 +962,7 @@ TEST_CASE(
   // 4 ranks on 2 "nodes" train 6 steps (memory every step, the disk every
   // 4); node 1 is lost, and a round of node 0's 2 ranks resumes.
   scratch_dir disk, memory;
-  const auto trained = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
-    toy_state state;
-    dtrain::checkpoint c(plane, {.dir = disk.path,
-                                 .every = 4,
-                                 .quiet = true,
-                                 .memory_every = 1,
-                                 .memory_dir = memory.path / ("node" + std::to_string(rank / 2))});
-    state.add_to(c);
-    for (int step = 1; step <= 6; ++step) {
-      state.fill(static_cast<float>(step));
-      c.step();
-    }
-  });
-  for (const auto& f : trained) CHECK(f == "");
+  train_replicated_on_two_nodes(disk.path, memory.path);
   fs::remove_all(memory.path / "node1");
   // With per-rank state registered, the copies of 4 ranks do not fit 2: the
   // disk's is taken, and refused by name (its per-rank state cannot be re-cut).
@@ -998,20 +1006,7 @@ TEST_CASE("checkpoint: ranks without a memory copy get the replicated part from 
   // no copies; the state is replicated, so rank 0 sends them its part.
   scratch_dir disk, memory;
   auto node_of = [&](int rank) { return memory.path / ("node" + std::to_string(rank / 2)); };
-  const auto trained = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
-    toy_state state;
-    dtrain::checkpoint c(plane, {.dir = disk.path,
-                                 .every = 4,
-                                 .quiet = true,
-                                 .memory_every = 1,
-                                 .memory_dir = node_of(rank)});
-    state.add_to(c);
-    for (int step = 1; step <= 6; ++step) {
-      state.fill(static_cast<float>(step));
-      c.step();
-    }
-  });
-  for (const auto& f : trained) CHECK(f == "");
+  train_replicated_on_two_nodes(disk.path, memory.path);
   fs::remove_all(memory.path / "node1");
   fs::create_directories(memory.path / "node1");  // the replacement node's, empty
   for (const auto& file : fs::directory_iterator(disk.path / "step-4"))
