@@ -10,6 +10,7 @@
 #                    goes on alone. On a simulated cluster (tests/cluster/
 #                    cluster.sh: root and network namespaces; skipped without)
 #
+# each from the disk alone and with the memory tier every step (--memory-every 1),
 # and times, from the agents' and workers' output lines (stamped as they
 # arrive) and the sample log:
 #   detection   kill -> the agent says the round ended (names the failure)
@@ -17,7 +18,9 @@
 #                  (the demo's "training a ..." line)
 #   load        -> the checkpoint is loaded ("dtrain checkpoint: resumed from")
 #   first step  -> the first step of the new round is trained (its sample log)
-# Median of RUNS runs (default 3), in milliseconds. Figures, not a test.
+# and the steps trained again: those the killed round trained and the new one
+# trains again (from the sample logs). Median of RUNS runs (default 3), in
+# milliseconds. Figures, not a test.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -55,7 +58,17 @@ new_round_started() {  # <dir> <list of files before>
   return 1
 }
 
-# measure <log> <samples dir> <kill time> <files before>: prints "detect restart load first".
+# again <dir> <list of files before>: the steps that the rounds before trained
+# and the new round (its rank 0's sample log) trained again.
+again() {
+  local f new=
+  for f in "$1"/round-*-rank-0.txt; do [[ " $2 " == *" $f "* ]] || new=$f; done
+  local from
+  from=$(head -n 1 "$new" | awk '{print $1}')
+  # shellcheck disable=SC2086
+  cat $2 | awk -v from="$from" '$1 >= from { print $1 }' | sort -u | wc -l
+}
+# measure <log> <samples dir> <kill time> <files before>: prints "detect restart load first again".
 measure() {
   local log=$1 samples=$2 killed=$3 before=$4 first
   wait_until 60 new_round_started "$samples" "$before" || { echo "no step after the kill" >&2; return 1; }
@@ -65,7 +78,8 @@ measure() {
   started=$(first_after "$log" "${detected:-0}" "training a ")
   loaded=$(first_after "$log" "${started:-0}" "dtrain checkpoint: resumed from")
   [[ -n $detected && -n $started && -n $loaded ]] || { echo "missing lines in $log" >&2; return 1; }
-  echo "$((detected - killed)) $((started - detected)) $((loaded - started)) $((first - loaded))"
+  echo "$((detected - killed)) $((started - detected)) $((loaded - started)) $((first - loaded))" \
+    "$(again "$samples" "$before")"
 }
 
 declare -A results
@@ -85,12 +99,17 @@ kill_and_measure() {
   record "$setup" "$row"
 }
 
+# tier_flags <tier>: the demo's flags for "disk" (a checkpoint every 10 steps) or
+# "memory" (and a memory copy every step).
+tier_flags() { [[ $1 == memory ]] && echo "--memory-every 1"; }
+
 one_node() {
-  local run=$1
-  local dir=$work/one-$run
+  local run=$1 tier=$2
+  local dir=$work/one-$tier-$run
   mkdir -p "$dir/samples"
-  DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 4 "${model[@]}" --checkpoint-dir "$dir/ckpt" \
-    --sample-log "$dir/samples" > >(stamp >"$dir/log") 2>&1 &
+  # shellcheck disable=SC2046
+  DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 4 "${model[@]}" $(tier_flags "$tier") \
+    --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" > >(stamp >"$dir/log") 2>&1 &
   local agent=$!
   wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
   local workers=() child
@@ -99,18 +118,20 @@ one_node() {
   done
   ((${#workers[@]} > 0)) || { echo "no worker to kill" >&2; return 1; }
   kill_and_measure "${workers[$((RANDOM % ${#workers[@]}))]}" "$dir/log" "$dir/samples" "$agent" \
-    "1 node x 4, a worker SIGKILLed"
+    "1 node x 4, a worker SIGKILLed, $tier"
 }
 
 two_nodes() {
-  local run=$1
-  local dir=$work/two-$run
+  local run=$1 tier=$2
+  local dir=$work/two-$tier-$run
   mkdir -p "$dir/samples"
   local n pids=()
   for n in 1 2; do
+    # shellcheck disable=SC2046
     cluster_run node$n env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
       MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=2 "$demo" --nproc-per-node 2 "${model[@]}" \
-      --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" > >(stamp >"$dir/node$n.log") 2>&1 &
+      $(tier_flags "$tier") --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" \
+      > >(stamp >"$dir/node$n.log") 2>&1 &
     pids+=($!)
   done
   wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
@@ -118,11 +139,14 @@ two_nodes() {
   agent2=$(cluster_agent node2 "$demo")
   [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
   kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "${pids[0]}" \
-    "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"
+    "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed, $tier"
 }
 
 echo "bench/recovery.sh: $(nproc) cores, median of $runs runs, milliseconds"
-for ((r = 0; r < runs; ++r)); do one_node "$r" || exit 1; done
+tiers=(disk memory)
+for tier in "${tiers[@]}"; do
+  for ((r = 0; r < runs; ++r)); do one_node "$r" "$tier" || exit 1; done
+done
 cluster=yes
 if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null; then
   cluster="skipped (needs root and ip for the simulated cluster)"
@@ -131,23 +155,27 @@ else
   source "$root/tests/cluster/cluster.sh"
   cluster_exit_hook='rm -rf "$work"'
   cluster_up 2 1gbit
-  for ((r = 0; r < runs; ++r)); do two_nodes "$r" || exit 1; done
+  for tier in "${tiers[@]}"; do
+    for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" || exit 1; done
+  done
 fi
 
 echo
-echo "| setup | detection | restart | load | first step | total |"
-echo "| --- | ---: | ---: | ---: | ---: | ---: |"
+echo "| setup | tier | detection | restart | load | first step | total | steps trained again |"
+echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"; do
-  [[ -n ${results[$setup]:-} ]] || { echo "| $setup | $cluster | | | | |"; continue; }
-  IFS=';' read -r -a rows <<<"${results[$setup]}"
-  cols=()
-  for c in 0 1 2 3 4; do
-    vals=()
-    for row in "${rows[@]}"; do
-      read -r -a f <<<"$row"
-      if ((c == 4)); then vals+=($((f[0] + f[1] + f[2] + f[3]))); else vals+=("${f[$c]}"); fi
+  for tier in "${tiers[@]}"; do
+    [[ -n ${results[$setup, $tier]:-} ]] || { echo "| $setup | $tier | $cluster | | | | | |"; continue; }
+    IFS=';' read -r -a rows <<<"${results[$setup, $tier]}"
+    cols=()
+    for c in 0 1 2 3 5 4; do
+      vals=()
+      for row in "${rows[@]}"; do
+        read -r -a f <<<"$row"
+        if ((c == 5)); then vals+=($((f[0] + f[1] + f[2] + f[3]))); else vals+=("${f[$c]}"); fi
+      done
+      cols+=("$(median "${vals[@]}")")
     done
-    cols+=("$(median "${vals[@]}")")
+    echo "| $setup | $tier | ${cols[0]} | ${cols[1]} | ${cols[2]} | ${cols[3]} | ${cols[4]} | ${cols[5]} |"
   done
-  echo "| $setup | ${cols[0]} | ${cols[1]} | ${cols[2]} | ${cols[3]} | ${cols[4]} |"
 done

@@ -18237,8 +18237,11 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 ///                                   rdzv_id bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
-///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its connection
-///     closes dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
+///                                   connection closes
+///     dtrain/agent/current_round    i64: the newest round formed (elastic) or started (fixed:
+///                                   a replacement agent comes into the round after it)
+///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
 ///                                   communicator bytes32
@@ -18246,7 +18249,6 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 ///     dtrain/agent/<r>/ready        counter: nodes ready for round r
 ///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
 ///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
-///     dtrain/agent/current_round    i64: the newest round formed
 ///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
 ///                                   bytes32, collectives i64): the first worker of round r
 ///                                   that ended well
@@ -22131,7 +22133,15 @@ class agent_store {
 
   /// Registers this node, waits for every node, and checks that they all
   /// run the same job shape (config_error naming the node that differs).
-  void join(const node_record& me);
+  /// An agent started with the --node-rank of a node whose agent is gone
+  /// takes its place, as join_elastic() says (a replacement node: replacing()).
+  void join(const node_record& me,
+            std::chrono::milliseconds window = std::chrono::milliseconds(2500));
+  /// Whether join() took the place of a node whose agent was gone.
+  [[nodiscard]] bool replacing() const noexcept { return replacing_; }
+  /// Node 0: round `restart` of a fixed-size job starts (agent_keys::current_round,
+  /// which a replacement reads to learn the round it comes into).
+  void start_round(int restart);
 
   /// The MASTER_PORT of round `restart`'s workers: node 0 picks a free port,
   /// every node reads it.
@@ -22207,6 +22217,10 @@ class agent_store {
  private:
   // Leases agent_keys::alive for this node, valued with its record.
   void take_lease(const node_record& me);
+  // Registers this node at agent_keys::node and takes its lease; when the
+  // place is held (`holder`'s record), takes it from an agent that is gone,
+  // else throws config_error naming both. Returns whether it took it from one.
+  bool take_place(const node_record& me, std::chrono::milliseconds window);
 
   // config_error when node `n`'s record (`other`) runs another job shape than `me`.
   static void check_same_shape(int n, const node_record& other, const node_record& me);
@@ -22224,6 +22238,7 @@ class agent_store {
   store_client client_;
   int lost_nodes_ = 0;
   bool formed_ = false;           // node 0: it formed a round before
+  bool replacing_ = false;        // join() took a gone agent's place
   std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
 };
@@ -22311,14 +22326,19 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
              "node 0's agent to register");
     check_same_shape(0, node_record::decode(key, client_.get(key)), me);
   }
+  static_cast<void>(take_place(me, window));
+}
+
+DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
+                                                  std::chrono::milliseconds window) {
   const std::string mine = agent_keys::node(node_rank_);
   const std::string holder = client_.compare_set(mine, "", me.encode());
   if (holder == me.encode()) {
     take_lease(me);
-    return;
+    return false;
   }
-  // Held before: by an agent of this node that is gone (it comes back), or
-  // by another agent started with this node rank, which still beats.
+  // Held before: by an agent of this node that is gone (it comes back, or a
+  // replacement comes), or by another agent started with this node rank, which still beats.
   const node_record other = node_record::decode(mine, holder);
   auto gone = [&] {  // its lease ended (the holder leases right after it registers)
     const std::string alive = agent_keys::alive(node_rank_);
@@ -22332,7 +22352,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
     if (gone()) {
       client_.set(mine, me.encode());
       take_lease(me);
-      return;
+      return true;
     }
   }
   const std::string beats = agent_keys::beat(node_rank_);
@@ -22348,6 +22368,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
   }
   client_.set(mine, me.encode());
   take_lease(me);
+  return true;
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::take_lease(const node_record& me) {
@@ -22433,21 +22454,25 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
   return nodes;
 }
 
-DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
-  const std::string key = agent_keys::node(node_rank_);
-  const std::string holder = client_.compare_set(key, "", me.encode());
-  if (holder != me.encode()) {
-    throw config_error("node_rank " + std::to_string(node_rank_) +
-                       " is taken twice: by the agent " + node_record::decode(key, holder).who() +
-                       " and by this one (" + me.who() +
-                       "); give each agent its own --node-rank / NODE_RANK");
+DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me,
+                                            std::chrono::milliseconds window) {
+  replacing_ = take_place(me, window);
+  const std::string joined(agent_keys::joined);
+  const std::string what = "all " + std::to_string(nnodes_) + " node agents to join";
+  if (replacing_) {
+    // The agent it replaces was counted.
+    wait_for([&] { return client_.add(joined, 0) >= nnodes_; }, what);
+  } else {
+    meet(joined, what);
   }
-  take_lease(me);
-  meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);
     check_same_shape(n, node_record::decode(other_key, client_.get(other_key)), me);
   }
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::start_round(int restart) {
+  client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::check_same_shape(int n, const node_record& other,
@@ -23626,7 +23651,9 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
     if (!gone.empty() && !store.all_succeeded(settings_.restart)) {
       peer_lost_ = true;
       store.lose_nodes(static_cast<int>(gone.size()));
-      store.record_failure(settings_.restart, 1, !settings_.elastic,
+      // Restartable: an elastic job goes on without it; a fixed-size one
+      // waits for an agent that takes its place (a replacement node).
+      store.record_failure(settings_.restart, 1, false,
                            "node " + std::to_string(gone.front()) +
                                "'s agent is gone: its connection to the store closed (the "
                                "agent was killed, or its host went away)");
@@ -23639,7 +23666,7 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
   peer_lost_ = true;
   store.lose_nodes(beats_.silent());
   store.record_failure(
-      settings_.restart, 1, !settings_.elastic,
+      settings_.restart, 1, false,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
           seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
 }
@@ -24014,13 +24041,41 @@ DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
   std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
   for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
-  for (restart = 0;; ++restart) {
+  restart = 0;
+  if (store.replacing()) {
+    // This agent takes the place of one that is gone: it comes into the
+    // job when the round under way, which had that agent's workers, ends.
+    if (const int under_way = store.first_round() - 1; under_way >= 0) {
+      say("takes the place of node " + std::to_string(node_rank()) +
+          "'s agent, which is gone: waiting for round " + std::to_string(under_way) + " to end");
+      store.wait_for([&] { return store.failure(under_way).has_value(); },
+                     "round " + std::to_string(under_way) + " to end");
+      const detail::failure_record f = *store.failure(under_way);
+      if (ends_job({false, f.status, f.final, false, f.message}, under_way)) return f.status;
+      store.meet(detail::agent_keys::stopped(under_way), "every node to stop its workers");
+      restart = under_way + 1;
+    }
+  }
+  for (;; ++restart) {
+    if (node_rank() == 0) store.start_round(restart);
     const detail::round_end end = run_round(store, restart, everyone);
     if (end.succeeded) return 0;
     if (ends_job(end, restart)) return end.status;
     say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
         " of " + std::to_string(options_.max_restarts) + ")");
-    store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
+    std::string gone;
+    for (const int n : store.gone_nodes(everyone))
+      gone += (gone.empty() ? "" : ", ") + std::to_string(n);
+    if (!gone.empty()) {
+      // A fixed-size job needs every node: a replacement takes the lost one's place.
+      say("waiting for an agent to take the place of node " + gone +
+          " (start one there or on another host, with --node-rank " + gone +
+          "), at most the store timeout (DTRAIN_STORE_TIMEOUT)");
+    }
+    store.meet(detail::agent_keys::stopped(restart),
+               gone.empty() ? "every node to stop its workers"
+                            : "an agent to take the place of node " + gone);
+    store.lose_nodes(0);  // every node met: none is lost now
   }
 }
 

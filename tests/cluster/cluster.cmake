@@ -3,21 +3,21 @@
 # links. They need root (network and UTS namespaces) and skip without it.
 # RUN_SERIAL: each starts 4+ processes that move real data over the links.
 set(cluster_dir "${CMAKE_CURRENT_LIST_DIR}")
+set(cluster_cases dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname killed_worker
+                  hierarchical_gloo hierarchical_mpi doctor elastic_1_2 replace_node)
 if(TARGET dtrun AND TARGET dtrain_whoami)
   set(peer_dir "")
   if(TARGET dtrain_ddp_peer)
     set(peer_dir "$<TARGET_FILE_DIR:dtrain_ddp_peer>")
   endif()
-  foreach(case IN ITEMS dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname
-                        killed_worker hierarchical_gloo hierarchical_mpi doctor elastic_1_2)
+  foreach(case IN LISTS cluster_cases)
     dtrain_add_test(cluster.${case}
       COMMAND bash "${cluster_dir}/test_cluster.sh" ${case} "$<TARGET_FILE_DIR:dtrun>" "${peer_dir}"
       TIMEOUT 150
       PROPERTIES RUN_SERIAL TRUE)
   endforeach()
 else()
-  foreach(case IN ITEMS dtrun_2x2 mpirun_by_node mpirun_by_slot demo_2x2 loopback_hostname
-                        killed_worker hierarchical_gloo hierarchical_mpi doctor elastic_1_2)
+  foreach(case IN LISTS cluster_cases)
     dtrain_add_skipped_test(cluster.${case} "dtrun and dtrain_whoami are not built (DTRAIN_BUILD_EXAMPLES=OFF)")
   endforeach()
 endif()

@@ -27,6 +27,11 @@
 #                      every epoch is trained exactly once across the changes (counted from
 #                      the demo's --sample-log), and the accuracy is within a point of an
 #                      uninterrupted run
+#   replace_node       the demo as a fixed job of 2 nodes x 2 (memory copies every step):
+#                      node2's agent SIGKILLed at a random step; node1 waits for an agent to
+#                      take its place, one started again on node2 does, its ranks get the
+#                      memory copy from rank 0, and the job ends with the uninterrupted
+#                      run's checksum, with at most one step trained twice
 #   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
 #                      trap and its fix; on a healthy node it finds none
 set -uo pipefail
@@ -72,6 +77,67 @@ for rank, (host, node, local) in expected.items():
 sys.exit(0 if ok else 1)
 PY
 }
+
+# check_samples FOLDER SIZE EPOCHS: the demo's --sample-log files of a job of
+# several rounds: every sample of every epoch trained exactly once (a round
+# resumed at its checkpoint supersedes what an earlier round trained after
+# it), and at most one step trained twice at each change of round.
+check_samples() {
+  python3 - "$@" <<'PY' || fail "the samples do not add up"
+import collections, glob, os, re, sys
+folder, size, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+steps = collections.defaultdict(dict)  # round -> step -> [(epoch, indices)]
+for path in glob.glob(os.path.join(folder, "round-*-rank-*.txt")):
+    rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
+    for line in open(path):
+        if not line.endswith("\n"):
+            continue  # cut by the kill
+        step, epoch, *idx = map(int, line.split())
+        steps[rnd].setdefault(step, []).append((epoch, idx))
+first = {r: min(s) for r, s in steps.items()}
+seen = collections.defaultdict(collections.Counter)
+kept = 0
+for r, by_step in steps.items():
+    for step, parts in by_step.items():
+        if any(r2 > r and first[r2] <= step for r2 in steps):
+            continue  # redone by a later round
+        kept += 1
+        for epoch, idx in parts:
+            seen[epoch].update(idx)
+rounds = sorted(steps)
+# At each change of round (a node lost, back, replaced): the steps that
+# earlier rounds trained and the new round trained again. A memory copy of
+# every step: at most the one under way.
+again = {r: sorted({s for r0 in rounds if r0 < r for s in steps[r0] if s >= first[r]})
+         for r in rounds[1:]}
+for r, twice in again.items():
+    print(f"steps trained twice when round {r} began: {len(twice)} {twice}")
+print("rounds with steps:", ", ".join(f"{r} (steps {first[r]}..{max(steps[r])}, "
+      f"up to {max(len(p) for p in steps[r].values())} ranks a step)" for r in rounds))
+ok = len(seen) == epochs
+for epoch in sorted(seen):
+    c = seen[epoch]
+    missing = [i for i in range(size) if c[i] == 0]
+    extra = sum(c.values()) - size
+    print(f"epoch {epoch}: {len(c)} distinct samples of {size}, {extra} repeated (padding), "
+          f"{len(missing)} missing")
+    ok = ok and not missing and 0 <= extra <= 3 * len(rounds)
+sys.exit(0 if ok and all(len(t) <= 1 for t in again.values()) else 1)
+PY
+}
+
+# wait_for WHAT COMMAND...: polls the command for up to 60 s.
+wait_for() {
+  local what=$1 deadline=$((SECONDS + 60))
+  shift
+  until "$@"; do
+    ((SECONDS < deadline)) || fail "waited 60 s for $what"
+    sleep 0.02
+  done
+}
+
+# The demo's weight checksum (its last "hold identical weights" line) in FILE.
+checksum_of() { sed -n 's/.*hold identical weights (checksum \([0-9a-f]*\)).*/\1/p' "$1" | tail -n 1; }
 
 # dtrun_on NODE NODE_RANK ARGS...: dtrun for a 2-node job whose store is on node1.
 dtrun_on() {
@@ -186,15 +252,6 @@ case $case_name in
         timeout "$limit" \
         "${elastic[@]}" >"$work/node$1$2.out" 2>"$work/node$1$2.err" &
     }
-    # wait_for <what> <command...>: polls the command for up to 60 s.
-    wait_for() {
-      local what=$1 deadline=$((SECONDS + 60))
-      shift
-      until "$@"; do
-        ((SECONDS < deadline)) || fail "waited 60 s for $what"
-        sleep 0.05
-      done
-    }
     cluster_up 2 1gbit
     start_node 1 ""
     first=$!
@@ -246,48 +303,7 @@ case $case_name in
       fail "the round with node2 back did not resume from memory"
     # Every epoch's samples exactly once across the rounds: a round resumed at
     # its checkpoint supersedes what an earlier round trained after it.
-    python3 - "$work/samples" 8192 4 "$solo" <<'PY' || fail "the samples do not add up"
-import collections, glob, os, re, sys
-folder, size, epochs, solo = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-steps = collections.defaultdict(dict)  # round -> step -> [(epoch, indices)]
-for path in glob.glob(os.path.join(folder, "round-*-rank-*.txt")):
-    rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
-    for line in open(path):
-        if not line.endswith("\n"):
-            continue  # cut by the kill
-        step, epoch, *idx = map(int, line.split())
-        steps[rnd].setdefault(step, []).append((epoch, idx))
-first = {r: min(s) for r, s in steps.items()}
-seen = collections.defaultdict(collections.Counter)
-kept = 0
-for r, by_step in steps.items():
-    for step, parts in by_step.items():
-        if any(r2 > r and first[r2] <= step for r2 in steps):
-            continue  # redone by a later round
-        kept += 1
-        for epoch, idx in parts:
-            seen[epoch].update(idx)
-rounds = sorted(steps)
-# At each change (node2 lost, node2 back): the steps that earlier rounds
-# trained and the new round trained again. A memory copy of every step: at
-# most the one under way.
-again = {r: sorted({s for r0 in rounds if r0 < r for s in steps[r0] if s >= first[r]})
-         for r in rounds[1:]}
-for r, twice in again.items():
-    what = "the loss of node2" if r == solo else "node2's return"
-    print(f"steps trained twice at {what} (round {r}): {len(twice)} {twice}")
-print("rounds with steps:", ", ".join(f"{r} (steps {first[r]}..{max(steps[r])}, "
-      f"up to {max(len(p) for p in steps[r].values())} ranks a step)" for r in rounds))
-ok = len(seen) == epochs
-for epoch in sorted(seen):
-    c = seen[epoch]
-    missing = [i for i in range(size) if c[i] == 0]
-    extra = sum(c.values()) - size
-    print(f"epoch {epoch}: {len(c)} distinct samples of {size}, {extra} repeated (padding), "
-          f"{len(missing)} missing")
-    ok = ok and not missing and 0 <= extra <= 3 * len(rounds)
-sys.exit(0 if ok and all(len(t) <= 1 for t in again.values()) else 1)
-PY
+    check_samples "$work/samples" 8192 4
     accuracy() { grep -o 'test accuracy *[0-9.]*' "$1" | tail -n 1 | grep -o '[0-9.]*$'; }
     want=$(accuracy "$work/reference.out")
     got=$(accuracy "$work/node1.out")
@@ -295,6 +311,67 @@ PY
     [[ -n $want && -n $got ]] || fail "no accuracy printed"
     python3 -c "import sys; sys.exit(0 if abs($got - $want) <= 1.0 else 1)" ||
       fail "the accuracy $got % is not within a point of $want %"
+    ;;
+  replace_node)
+    [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
+    demo=("$bin/dtrain_train_mlp" --epochs 3 --samples 8192 --features 64 --hidden 256
+          --batch-size 32 --nproc-per-node 2)
+    # node N's agent (the demo launches itself) of a fixed job of 2 nodes: start_node N SUFFIX ARGS...
+    start_node() {
+      local n=$1 suffix=$2
+      shift 2
+      cluster_run node$n env DTRAIN_NNODES=2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=1 DTRAIN_HEARTBEAT_TIMEOUT=600 DTRAIN_GRACE_PERIOD=1 \
+        timeout "$limit" "${demo[@]}" "$@" >"$work/node$n$suffix.out" 2>"$work/node$n$suffix.err" &
+    }
+    cluster_up 2 1gbit
+    start_node 1 .reference
+    a=$!
+    start_node 2 .reference
+    b=$!
+    wait "$a"; s1=$?; wait "$b"; s2=$?
+    ((s1 == 0 && s2 == 0)) || fail "the uninterrupted job exited with $s1 / $s2"
+    want=$(checksum_of "$work/node1.reference.out")
+    [[ -n $want ]] || fail "the uninterrupted job printed no checksum"
+    # The same job with a memory copy every step and the disk every 10; node2's
+    # agent is SIGKILLed at a random step past the first checkpoint, and an agent
+    # started again on node2 takes its place.
+    port=$((port + 1))
+    mkdir -p "$work/samples"
+    job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
+         --sample-log "$work/samples")
+    start_node 1 "" "${job[@]}"
+    first=$!
+    start_node 2 "" "${job[@]}"
+    wait_for "a checkpoint" compgen -G "$work/ckpt/step-*[0-9]"
+    at=$((10 + RANDOM % 40))
+    logged() { (($(cat "$work"/samples/round-0-rank-0.txt 2>/dev/null | wc -l) >= $1)); }
+    wait_for "step $at in the sample log" logged "$at"
+    agent2=$(cluster_agent node2 "$bin/dtrain_train_mlp")
+    [[ -n $agent2 ]] || fail "no agent found on node2"
+    kill -KILL "$agent2"
+    echo "killed node2's agent (pid $agent2) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
+    wait_for "node1 to wait for a replacement" \
+      grep -q "waiting for an agent to take the place of node 1" "$work/node1.err"
+    start_node 2 .replacement "${job[@]}"
+    second=$!
+    wait "$first"; status1=$?
+    wait "$second"; status2=$?
+    grep -h "dtrain agent\|resumed\|memory tier" "$work/node1.err" "$work/node2.replacement.err" |
+      grep -v "^dtrain checkpoint: saved" | head -20
+    ((status1 == 0 && status2 == 0)) || fail "node1 exited with $status1, the replacement with $status2"
+    grep -q "takes the place of node 1's agent, which is gone" "$work/node2.replacement.err" ||
+      fail "the replacement did not say whose place it took"
+    # Node2's new ranks had no copies: rank 0 sent them the replicated part,
+    # and every rank resumed from memory (nothing read from the disk).
+    grep -q "memory tier: rank(s) 2, 3 had no copy of step" "$work/node1.err" ||
+      fail "the replacement's ranks did not get the memory copy from rank 0"
+    grep -q "resumed from the memory copy of step" "$work/node1.err" ||
+      fail "the job did not resume from memory"
+    check_samples "$work/samples" 8192 3
+    got=$(checksum_of "$work/node1.out")
+    [[ $got == "$want" ]] || fail "checksum $got after the replacement, $want uninterrupted"
+    echo "replaced node2 and resumed from memory: checksum $got, the uninterrupted run's"
     ;;
   loopback_hostname)
     cluster_up 2 1gbit

@@ -5,6 +5,7 @@
 #include "support.hpp"
 
 #include <atomic>
+#include <functional>
 #include <chrono>
 #include <csignal>
 #include <future>
@@ -735,6 +736,22 @@ dtrain::detail::worker_start shell(int rank, std::string script) {
 
 bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
+/// What `join` throws while `holder` beats node 1's heartbeat, as a running agent does.
+std::string refused_while_beating(dtrain::detail::agent_store& holder,
+                                  const std::function<void()>& join) {
+  std::atomic<bool> beating = true;
+  std::thread heart([&] {
+    while (beating) {
+      holder.client().add(dtrain::detail::agent_keys::beat(1), 1);
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  std::string text = config_error_text(join);
+  beating = false;
+  heart.join();
+  return text;
+}
+
 }  // namespace
 
 TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to a second one") {
@@ -749,19 +766,10 @@ TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to
     agent_store a{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
     a.join_elastic(first);  // the first to ask: no wait
     // While `a` beats (as it does waiting or in a round), its place is taken.
-    std::atomic<bool> beating = true;
-    std::thread heart([&] {
-      while (beating) {
-        a.client().add(agent_keys::beat(1), 1);
-        std::this_thread::sleep_for(20ms);
-      }
-    });
     agent_store b{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
-    CHECK(config_error_text([&] { b.join_elastic(second, 300ms); }) ==
+    CHECK(refused_while_beating(a, [&] { b.join_elastic(second, 300ms); }) ==
           "node_rank 1 is held by the agent host-1:200, which is running, and this one "
           "(host-1b:300) asks for it too; give each agent its own --node-rank / NODE_RANK");
-    beating = false;
-    heart.join();
   }
   // Silent now (its agent is gone): an agent of node 1 that comes back takes the place.
   agent_store back{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
@@ -775,6 +783,38 @@ TEST_CASE("elastic join: a node's place goes to an agent that comes back, not to
             .find("node 0 (host-0:100) runs 2 workers, this node 4; every node must run the "
                   "same nproc_per_node") != std::string::npos);
   CHECK(node_record::decode("k", back.client().get(agent_keys::node(1))).pid == 300);
+}
+
+TEST_CASE(
+    "fixed join: a replacement takes the place of an agent that is gone, not of one that runs") {
+  using dtrain::detail::agent_keys;
+  using dtrain::detail::agent_store;
+  using dtrain::detail::node_record;
+  const dtrain::store_options options{.timeout = 20s, .token = "unit-test-fixed-join"};
+  agent_store node0{0, 2, "127.0.0.1", "127.0.0.1", 0, options};
+  std::thread join0([&] { node0.join({2, 1, "host-0", 100}); });
+  const node_record first{2, 1, "host-1", 200}, second{2, 1, "host-1b", 300};
+  {
+    agent_store a{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+    a.join(first);
+    join0.join();
+    CHECK_FALSE(a.replacing());
+    CHECK_FALSE(node0.replacing());
+    agent_store b{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+    CHECK(refused_while_beating(a, [&] { b.join(second, 300ms); }) ==
+          "node_rank 1 is held by the agent host-1:200, which is running, and this one "
+          "(host-1b:300) asks for it too; give each agent its own --node-rank / NODE_RANK");
+  }
+  // `a`'s connection closed (its agent was killed): its lease is gone, and an
+  // agent started with its node rank takes the place at once, without a new join round.
+  for (int i = 0; i < 500 && node0.gone_nodes({0, 1}).empty(); ++i)
+    std::this_thread::sleep_for(10ms);  // the store sees the connection close
+  CHECK(node0.gone_nodes({0, 1}) == std::vector<int>{1});
+  agent_store replacement{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+  replacement.join(second, 300ms);
+  CHECK(replacement.replacing());
+  CHECK(node_record::decode("k", replacement.client().get(agent_keys::node(1))).pid == 300);
+  CHECK(node0.gone_nodes({0, 1}).empty());
 }
 
 TEST_CASE("agent round: starting, running, ended, and how it ended") {

@@ -169,13 +169,41 @@ DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
   std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
   for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
-  for (restart = 0;; ++restart) {
+  restart = 0;
+  if (store.replacing()) {
+    // This agent takes the place of one that is gone: it comes into the
+    // job when the round under way, which had that agent's workers, ends.
+    if (const int under_way = store.first_round() - 1; under_way >= 0) {
+      say("takes the place of node " + std::to_string(node_rank()) +
+          "'s agent, which is gone: waiting for round " + std::to_string(under_way) + " to end");
+      store.wait_for([&] { return store.failure(under_way).has_value(); },
+                     "round " + std::to_string(under_way) + " to end");
+      const detail::failure_record f = *store.failure(under_way);
+      if (ends_job({false, f.status, f.final, false, f.message}, under_way)) return f.status;
+      store.meet(detail::agent_keys::stopped(under_way), "every node to stop its workers");
+      restart = under_way + 1;
+    }
+  }
+  for (;; ++restart) {
+    if (node_rank() == 0) store.start_round(restart);
     const detail::round_end end = run_round(store, restart, everyone);
     if (end.succeeded) return 0;
     if (ends_job(end, restart)) return end.status;
     say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
         " of " + std::to_string(options_.max_restarts) + ")");
-    store.meet(detail::agent_keys::stopped(restart), "every node to stop its workers");
+    std::string gone;
+    for (const int n : store.gone_nodes(everyone))
+      gone += (gone.empty() ? "" : ", ") + std::to_string(n);
+    if (!gone.empty()) {
+      // A fixed-size job needs every node: a replacement takes the lost one's place.
+      say("waiting for an agent to take the place of node " + gone +
+          " (start one there or on another host, with --node-rank " + gone +
+          "), at most the store timeout (DTRAIN_STORE_TIMEOUT)");
+    }
+    store.meet(detail::agent_keys::stopped(restart),
+               gone.empty() ? "every node to stop its workers"
+                            : "an agent to take the place of node " + gone);
+    store.lose_nodes(0);  // every node met: none is lost now
   }
 }
 

@@ -79,14 +79,19 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
              "node 0's agent to register");
     check_same_shape(0, node_record::decode(key, client_.get(key)), me);
   }
+  static_cast<void>(take_place(me, window));
+}
+
+DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
+                                                  std::chrono::milliseconds window) {
   const std::string mine = agent_keys::node(node_rank_);
   const std::string holder = client_.compare_set(mine, "", me.encode());
   if (holder == me.encode()) {
     take_lease(me);
-    return;
+    return false;
   }
-  // Held before: by an agent of this node that is gone (it comes back), or
-  // by another agent started with this node rank, which still beats.
+  // Held before: by an agent of this node that is gone (it comes back, or a
+  // replacement comes), or by another agent started with this node rank, which still beats.
   const node_record other = node_record::decode(mine, holder);
   auto gone = [&] {  // its lease ended (the holder leases right after it registers)
     const std::string alive = agent_keys::alive(node_rank_);
@@ -100,7 +105,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
     if (gone()) {
       client_.set(mine, me.encode());
       take_lease(me);
-      return;
+      return true;
     }
   }
   const std::string beats = agent_keys::beat(node_rank_);
@@ -116,6 +121,7 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
   }
   client_.set(mine, me.encode());
   take_lease(me);
+  return true;
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::take_lease(const node_record& me) {
@@ -201,21 +207,25 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
   return nodes;
 }
 
-DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me) {
-  const std::string key = agent_keys::node(node_rank_);
-  const std::string holder = client_.compare_set(key, "", me.encode());
-  if (holder != me.encode()) {
-    throw config_error("node_rank " + std::to_string(node_rank_) +
-                       " is taken twice: by the agent " + node_record::decode(key, holder).who() +
-                       " and by this one (" + me.who() +
-                       "); give each agent its own --node-rank / NODE_RANK");
+DTRAIN_DETAIL_INLINE void agent_store::join(const node_record& me,
+                                            std::chrono::milliseconds window) {
+  replacing_ = take_place(me, window);
+  const std::string joined(agent_keys::joined);
+  const std::string what = "all " + std::to_string(nnodes_) + " node agents to join";
+  if (replacing_) {
+    // The agent it replaces was counted.
+    wait_for([&] { return client_.add(joined, 0) >= nnodes_; }, what);
+  } else {
+    meet(joined, what);
   }
-  take_lease(me);
-  meet(std::string(agent_keys::joined), "all " + std::to_string(nnodes_) + " node agents to join");
   for (int n = 0; n < nnodes_; ++n) {
     const std::string other_key = agent_keys::node(n);
     check_same_shape(n, node_record::decode(other_key, client_.get(other_key)), me);
   }
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::start_round(int restart) {
+  client_.set(std::string(agent_keys::current_round), wire::encode_int(restart));
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::check_same_shape(int n, const node_record& other,

@@ -140,7 +140,15 @@ class agent_store {
 
   /// Registers this node, waits for every node, and checks that they all
   /// run the same job shape (config_error naming the node that differs).
-  void join(const node_record& me);
+  /// An agent started with the --node-rank of a node whose agent is gone
+  /// takes its place, as join_elastic() says (a replacement node: replacing()).
+  void join(const node_record& me,
+            std::chrono::milliseconds window = std::chrono::milliseconds(2500));
+  /// Whether join() took the place of a node whose agent was gone.
+  [[nodiscard]] bool replacing() const noexcept { return replacing_; }
+  /// Node 0: round `restart` of a fixed-size job starts (agent_keys::current_round,
+  /// which a replacement reads to learn the round it comes into).
+  void start_round(int restart);
 
   /// The MASTER_PORT of round `restart`'s workers: node 0 picks a free port,
   /// every node reads it.
@@ -216,6 +224,10 @@ class agent_store {
  private:
   // Leases agent_keys::alive for this node, valued with its record.
   void take_lease(const node_record& me);
+  // Registers this node at agent_keys::node and takes its lease; when the
+  // place is held (`holder`'s record), takes it from an agent that is gone,
+  // else throws config_error naming both. Returns whether it took it from one.
+  bool take_place(const node_record& me, std::chrono::milliseconds window);
 
   // config_error when node `n`'s record (`other`) runs another job shape than `me`.
   static void check_same_shape(int n, const node_record& other, const node_record& me);
@@ -233,6 +245,7 @@ class agent_store {
   store_client client_;
   int lost_nodes_ = 0;
   bool formed_ = false;           // node 0: it formed a round before
+  bool replacing_ = false;        // join() took a gone agent's place
   std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
 };

@@ -15,8 +15,11 @@
 ///                                   rdzv_id bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
-///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its connection
-///     closes dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
+///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
+///                                   connection closes
+///     dtrain/agent/current_round    i64: the newest round formed (elastic) or started (fixed:
+///                                   a replacement agent comes into the round after it)
+///     dtrain/agent/<r>/worker_port  i64: MASTER_PORT of round r's workers
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
 ///                                   communicator bytes32
@@ -24,7 +27,6 @@
 ///     dtrain/agent/<r>/ready        counter: nodes ready for round r
 ///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
 ///     dtrain/agent/<r>/members      n u32, n x node i64 (ascending): round r's nodes
-///     dtrain/agent/current_round    i64: the newest round formed
 ///     dtrain/agent/<r>/exited       rank i64, label bytes32, n u32, n x (communicator
 ///                                   bytes32, collectives i64): the first worker of round r
 ///                                   that ended well

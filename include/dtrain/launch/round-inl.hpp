@@ -65,7 +65,9 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
     if (!gone.empty() && !store.all_succeeded(settings_.restart)) {
       peer_lost_ = true;
       store.lose_nodes(static_cast<int>(gone.size()));
-      store.record_failure(settings_.restart, 1, !settings_.elastic,
+      // Restartable: an elastic job goes on without it; a fixed-size one
+      // waits for an agent that takes its place (a replacement node).
+      store.record_failure(settings_.restart, 1, false,
                            "node " + std::to_string(gone.front()) +
                                "'s agent is gone: its connection to the store closed (the "
                                "agent was killed, or its host went away)");
@@ -78,7 +80,7 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
   peer_lost_ = true;
   store.lose_nodes(beats_.silent());
   store.record_failure(
-      settings_.restart, 1, !settings_.elastic,
+      settings_.restart, 1, false,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
           seconds_text(settings_.heartbeat_timeout) + " s (DTRAIN_HEARTBEAT_TIMEOUT)");
 }
