@@ -29462,8 +29462,10 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   } catch (const std::exception& e) {
     p->problem = e.what();
   }
+  // A snapshot that failed is committed (refused on every rank) now, as a synchronous save is.
+  const bool failed = !p->problem.empty();
   t.write(std::move(p), copy);
-  if (!copy) t.complete();
+  if (!copy || failed) t.complete();
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {

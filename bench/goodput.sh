@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# bench/goodput.sh [BUILD_DIR]: how much of a job's time a lost node costs
+# (issue 50). The demo (dtrain_train_mlp, Gloo) trains a fixed number of steps
+# as a fixed-size job of 2 simulated nodes x 2 workers (tests/cluster/
+# cluster.sh: root and network namespaces; "SKIPPED" and exit 77 without),
+# with a disk checkpoint every 10 steps, from the disk alone or with the
+# memory tier every step (--memory-every 1). Each runs once without failures
+# and once with node 2 lost every PERIOD seconds (default 20): its agent
+# SIGKILLed (its workers go with it) and a new agent started on node 2 at
+# once, which takes the lost one's place (dtrun's replacement node,
+# docs/launching.md). No loss is injected in the last tenth of the
+# failure-free time, so that every loss lands inside the job.
+#
+# Prints a table: the seconds of each run, the losses, the steps trained
+# twice (from the demo's --sample-log), goodput (the tier's failure-free time
+# over its time with losses: 1.0, a loss costs nothing) and the time with
+# losses over the disk's failure-free time (what the memory tier's copies
+# cost too). Goal (issue 50): with memory, the job with a loss every 20 s
+# takes at most 1.2x the failure-free time. Figures, not a test.
+#
+# Knobs: PERIOD (s between losses), EPOCHS (15: about 40 s without losses on
+# 2 cores), HIDDEN (512: the model's width; wider steps make the steps trained
+# twice costlier).
+#
+# PyTorch's torchrun (--nnodes 1:2 --max-restarts, a checkpoint every 10
+# steps) is not measured here yet: its column is left out.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/.." && pwd)
+build=$(cd "${1:-$root/build}" && pwd) || exit 2
+demo=$build/examples/dtrain_train_mlp
+[[ -x $demo ]] || { echo "goodput.sh: build dtrain_train_mlp first (needs Gloo)" >&2; exit 2; }
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null; then
+  echo "SKIPPED: goodput.sh needs root and ip (the simulated cluster)"
+  exit 77
+fi
+period=${PERIOD:-20}
+model=(--epochs "${EPOCHS:-15}" --samples 16384 --features 64 --hidden "${HIDDEN:-512}"
+       --batch-size 32 --nproc-per-node 2 --checkpoint-every 10)
+export DTRAIN_STORE_TOKEN=${DTRAIN_STORE_TOKEN:-goodput-bench-secret}
+work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-goodput.XXXXXX")
+# shellcheck source=../tests/cluster/cluster.sh
+source "$root/tests/cluster/cluster.sh"
+cluster_exit_hook='kill $(jobs -p) 2>/dev/null; rm -rf "$work"'
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+cluster_up 2 1gbit
+port=29600
+
+# start_node N DIR SUFFIX FLAGS...: node N's agent of the job (the demo launches itself).
+start_node() {
+  local n=$1 dir=$2 suffix=$3
+  shift 3
+  cluster_run node"$n" env DTRAIN_NNODES=2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+    MASTER_PORT=$port DTRAIN_MAX_RESTARTS=100 DTRAIN_GRACE_PERIOD=1 \
+    "$demo" "$@" >"$dir/node$n$suffix.out" 2>"$dir/node$n$suffix.err" &
+}
+
+# since T: seconds from T ($EPOCHREALTIME) to now.
+since() { awk -v now="$EPOCHREALTIME" -v then="$1" 'BEGIN { printf "%.3f", now - then }'; }
+
+# twice DIR: the steps that a round trained and a later one trained again.
+twice() {
+  python3 - "$1/samples" <<'PY'
+import collections, glob, os, re, sys
+steps = collections.defaultdict(set)
+for path in glob.glob(os.path.join(sys.argv[1], "round-*-rank-0.txt")):
+    rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
+    steps[rnd] = {int(l.split()[0]) for l in open(path) if l.endswith("\n")}
+rounds = sorted(steps)
+print(sum(len({s for r0 in rounds if r0 < r for s in steps[r0] if s >= min(steps[r])})
+          for r in rounds[1:] if steps[r]))
+PY
+}
+
+# run NAME TIER LOSSES_UNTIL: one job; losses every PERIOD s while the job is
+# younger than LOSSES_UNTIL s (0: none). Prints "seconds losses twice".
+run() {
+  local name=$1 tier=$2 until=$3 dir=$work/$1
+  mkdir -p "$dir/samples"
+  port=$((port + 1))
+  local flags=("${model[@]}" --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples")
+  [[ $tier == memory ]] && flags+=(--memory-every 1)
+  local start=$EPOCHREALTIME
+  start_node 1 "$dir" "" "${flags[@]}"
+  local first=$!
+  start_node 2 "$dir" "" "${flags[@]}"
+  local losses=0 next=$period agent
+  while kill -0 "$first" 2>/dev/null; do
+    sleep 0.1
+    if awk -v age="$(since "$start")" -v next_loss="$next" -v until="$until" \
+      'BEGIN { exit !(age >= next_loss && age < until) }'; then
+      agent=$(cluster_agent node2 "$demo")
+      if [[ -n $agent ]]; then
+        kill -KILL "$agent"
+        losses=$((losses + 1))
+        start_node 2 "$dir" ".$losses" "${flags[@]}"
+      fi
+      next=$((next + period))
+    fi
+  done
+  wait "$first" || { echo "goodput.sh: $name: node 1 exited with $? (see $dir)" >&2; tail -n 5 "$dir"/node1.err >&2; return 1; }
+  wait
+  local took
+  took=$(since "$start")
+  printf '%.2f %d %d\n' "$took" "$losses" "$(twice "$dir")"
+}
+
+echo "bench/goodput.sh: $(nproc) cores, 2 simulated nodes x 2, a node lost every $period s"
+declare -A result
+for tier in disk memory; do
+  result[$tier,free]=$(run "$tier-free" "$tier" 0) || exit 1
+  read -r free _ <<<"${result[$tier,free]}"
+  result[$tier,lossy]=$(run "$tier-lossy" "$tier" "$(awk -v f="$free" 'BEGIN { print f * 0.9 }')") ||
+    exit 1
+done
+echo
+echo "| tier | failure-free (s) | with losses (s) | losses | steps trained twice | goodput | with losses / disk's failure-free |"
+echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+read -r disk_free _ <<<"${result[disk,free]}"
+for tier in disk memory; do
+  read -r free _ _ <<<"${result[$tier,free]}"
+  read -r lossy losses again <<<"${result[$tier,lossy]}"
+  printf '| %s | %s | %s | %s | %s | %.3f | %.3f |\n' "$tier" "$free" "$lossy" "$losses" "$again" \
+    "$(awk -v f="$free" -v l="$lossy" 'BEGIN { print f / l }')" \
+    "$(awk -v d="$disk_free" -v l="$lossy" 'BEGIN { print l / d }')"
+done
