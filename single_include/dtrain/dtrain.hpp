@@ -22088,6 +22088,12 @@ class agent_store {
   agent_store(const agent_store&) = delete;
   agent_store& operator=(const agent_store&) = delete;
 
+  /// Every node of the job: 0 .. nnodes - 1 (the most, in an elastic one).
+  [[nodiscard]] std::vector<int> all_nodes() const {
+    std::vector<int> nodes(static_cast<std::size_t>(nnodes_));
+    for (int n = 0; n < nnodes_; ++n) nodes[static_cast<std::size_t>(n)] = n;
+    return nodes;
+  }
   /// The port of the store (node 0's choice when it was 0).
   [[nodiscard]] int port() const noexcept { return port_; }
   [[nodiscard]] store_client& client() noexcept { return client_; }
@@ -22413,8 +22419,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     // The last call, for nodes still starting: a time-out here is no
     // failure, the round is who came. After node 0's first round, the nodes
     // whose agents are gone are not waited for: every one connected is.
-    std::vector<int> everyone(static_cast<std::size_t>(nnodes_));
-    for (int n = 0; n < nnodes_; ++n) everyone[static_cast<std::size_t>(n)] = n;
+    const std::vector<int> everyone = all_nodes();
     auto connected_ready = [&] {
       if (!formed_) return false;
       const std::vector<int> gone = gone_nodes(everyone);
@@ -24039,8 +24044,7 @@ DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int
 }
 
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
-  std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
-  for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
+  const std::vector<int> everyone = store.all_nodes();
   restart = 0;
   if (store.replacing()) {
     // This agent takes the place of one that is gone: it comes into the

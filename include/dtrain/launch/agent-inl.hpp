@@ -167,8 +167,7 @@ DTRAIN_DETAIL_INLINE bool node_agent::ends_job(const detail::round_end& end, int
 }
 
 DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int& restart) {
-  std::vector<int> everyone(static_cast<std::size_t>(nnodes()));
-  for (int n = 0; n < nnodes(); ++n) everyone[static_cast<std::size_t>(n)] = n;
+  const std::vector<int> everyone = store.all_nodes();
   restart = 0;
   if (store.replacing()) {
     // This agent takes the place of one that is gone: it comes into the

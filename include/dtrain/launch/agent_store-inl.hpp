@@ -166,8 +166,7 @@ DTRAIN_DETAIL_INLINE std::vector<int> agent_store::form_round(int restart, int m
     // The last call, for nodes still starting: a time-out here is no
     // failure, the round is who came. After node 0's first round, the nodes
     // whose agents are gone are not waited for: every one connected is.
-    std::vector<int> everyone(static_cast<std::size_t>(nnodes_));
-    for (int n = 0; n < nnodes_; ++n) everyone[static_cast<std::size_t>(n)] = n;
+    const std::vector<int> everyone = all_nodes();
     auto connected_ready = [&] {
       if (!formed_) return false;
       const std::vector<int> gone = gone_nodes(everyone);

@@ -95,6 +95,12 @@ class agent_store {
   agent_store(const agent_store&) = delete;
   agent_store& operator=(const agent_store&) = delete;
 
+  /// Every node of the job: 0 .. nnodes - 1 (the most, in an elastic one).
+  [[nodiscard]] std::vector<int> all_nodes() const {
+    std::vector<int> nodes(static_cast<std::size_t>(nnodes_));
+    for (int n = 0; n < nnodes_; ++n) nodes[static_cast<std::size_t>(n)] = n;
+    return nodes;
+  }
   /// The port of the store (node 0's choice when it was 0).
   [[nodiscard]] int port() const noexcept { return port_; }
   [[nodiscard]] store_client& client() noexcept { return client_; }
