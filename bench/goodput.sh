@@ -90,7 +90,9 @@ for path in glob.glob(os.path.join(sys.argv[1], "round-*-rank-0.txt")):
     rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
     steps[rnd] = {int(l.split()[0]) for l in open(path) if l.endswith("\n")}
 rounds = sorted(steps)
-print(sum(len({s for r0 in rounds if r0 < r for s in steps[r0] if s >= min(steps[r])})
+# (a step was trained when the next one began: its line is written as it begins)
+print(sum(len({s for r0 in rounds if r0 < r for s in steps[r0]
+               if s >= min(steps[r]) and s + 1 in steps[r0]})
           for r in rounds[1:] if steps[r]))
 PY
 }

@@ -65,8 +65,9 @@ again() {
   for f in "$1"/round-*-rank-0.txt; do [[ " $2 " == *" $f "* ]] || new=$f; done
   local from
   from=$(head -n 1 "$new" | awk '{print $1}')
+  # A step was trained when the next one began (a line is written as a step begins).
   # shellcheck disable=SC2086
-  cat $2 | awk -v from="$from" '$1 >= from { print $1 }' | sort -u | wc -l
+  cat $2 | awk -v from="$from" '{ seen[$1] = 1 } END { n = 0; for (s in seen) if (s + 0 >= from && (s + 1) in seen) ++n; print n }' 
 }
 # measure <log> <samples dir> <kill time> <files before>: prints "detect restart load first again".
 measure() {

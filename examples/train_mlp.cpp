@@ -81,7 +81,7 @@ constexpr const char* own_options =
     "  --memory-every N    also save into memory every N steps (the memory tier: a\n"
     "                      worker restarted on its node resumes from there, and\n"
     "                      loses at most N steps; under dtrun) (0: never; 0)\n"
-    "  --sample-log DIR    each rank writes the samples of each step it trains to\n"
+    "  --sample-log DIR    each rank writes the samples of each step it begins to\n"
     "                      DIR/round-R-rank-N.txt (\"step epoch index...\"), R the\n"
     "                      agent's round: to count them across restarts\n";
 
@@ -358,6 +358,19 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
     std::array<double, 3> totals{};  // summed loss, correct predictions, samples
     for (auto batch = sampler.next_batch(s.batch_size); !batch.empty();
          batch = sampler.next_batch(s.batch_size)) {
+      if (sample_log) {
+        // Before the step: a rank killed after the step, before a line written
+        // after it, would leave a step that the job kept (its checkpoint has
+        // it) and no line for it; a step begun and lost is trained again.
+        std::string text = std::to_string(steps + 1) + " " + std::to_string(epoch);
+        for (const std::size_t i : batch) {
+          text += ' ';  // (not " " + to_string: GCC 12's -Wrestrict misfires on it at -O2)
+          text += std::to_string(i);
+        }
+        text += "\n";
+        std::fputs(text.c_str(), sample_log.get());
+        std::fflush(sample_log.get());
+      }
       const mlp::batch_result r = model.forward(train_set, batch, hold);
       model.backward(
           [&](std::size_t layer) {
@@ -393,16 +406,6 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
       totals[0] += r.loss * static_cast<double>(r.count);
       totals[1] += static_cast<double>(r.correct);
       totals[2] += static_cast<double>(r.count);
-      if (sample_log) {
-        std::string text = std::to_string(steps + 1) + " " + std::to_string(epoch);
-        for (const std::size_t i : batch) {
-          text += ' ';  // (not " " + to_string: GCC 12's -Wrestrict misfires on it at -O2)
-          text += std::to_string(i);
-        }
-        text += "\n";
-        std::fputs(text.c_str(), sample_log.get());
-        std::fflush(sample_log.get());
-      }
       ++steps;
       if (checkpoint) checkpoint->step();
     }

@@ -28831,8 +28831,15 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
   const int size = context_.plane.size();
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
   context_.plane.allgather(mine, all);
-  if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; }))
-    return std::nullopt;  // no memory copy anywhere: the disk's, as ever
+  if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {
+    // A job's first start, or every node's copies gone (the whole job
+    // restarted, or every node that held one lost): the disk's, as ever.
+    context_.say(
+        "memory tier: no rank has a memory copy (a new job, or every node that held "
+        "one is gone): using " +
+        context_.options.dir.string());
+    return std::nullopt;
+  }
   auto without = [&](std::int64_t step) {
     std::vector<int> ranks;
     for (int r = 0; r < size; ++r) {

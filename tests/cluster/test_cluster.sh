@@ -106,9 +106,11 @@ for r, by_step in steps.items():
             seen[epoch].update(idx)
 rounds = sorted(steps)
 # At each change of round (a node lost, back, replaced): the steps that
-# earlier rounds trained and the new round trained again. A memory copy of
-# every step: at most the one under way.
-again = {r: sorted({s for r0 in rounds if r0 < r for s in steps[r0] if s >= first[r]})
+# earlier rounds trained and the new round trained again. A line is written
+# as a step begins; a step was trained when some rank began the next one (its
+# collectives done). A memory copy of every step: at most the one under way.
+again = {r: sorted({s for r0 in rounds if r0 < r for s in steps[r0]
+                    if s >= first[r] and s + 1 in steps[r0]})
          for r in rounds[1:]}
 for r, twice in again.items():
     print(f"steps trained twice when round {r} began: {len(twice)} {twice}")

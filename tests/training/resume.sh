@@ -189,7 +189,9 @@ case $case_name in
     got=$(checksum_of "$work/killed.log")
     [[ $got == "$want" ]] || fail "resumed run's checksum $got, uninterrupted $want"
     echo "resumed from memory after the kill: checksum $got, bit-identical"
-    # Steps trained twice: round 0's steps at or after round 1's first.
+    # Steps trained twice: round 0's steps at or after round 1's first that
+    # round 0 trained (a line is written as a step begins: trained when the
+    # next one began).
     again=$(python3 - "$work/samples" <<'PY'
 import glob, os, sys
 steps = {}
@@ -199,7 +201,7 @@ for path in glob.glob(os.path.join(sys.argv[1], "round-*-rank-*.txt")):
         if line.endswith("\n"):
             steps.setdefault(rnd, set()).add(int(line.split()[0]))
 first_after = min(steps[1])
-print(len([s for s in steps[0] if s >= first_after]))
+print(len([s for s in steps[0] if s >= first_after and s + 1 in steps[0]]))
 PY
 )
     echo "steps trained twice: $again"

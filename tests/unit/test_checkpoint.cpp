@@ -919,6 +919,14 @@ TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not 
         memory_tier_run(disk.path, memory.path, 6, [&] { fs::remove_all(memory.path / "node1"); });
     CHECK(restored == std::vector<std::int64_t>(4, 4));
   }
+  SUBCASE("every node lost its copies: the disk's") {
+    scratch_dir disk, memory;
+    const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
+      fs::remove_all(memory.path / "node0");
+      fs::remove_all(memory.path / "node1");
+    });
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
+  }
   SUBCASE("both copies of a rank torn: the disk's") {
     scratch_dir disk, memory;
     const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
