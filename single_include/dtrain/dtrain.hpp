@@ -22223,9 +22223,10 @@ class agent_store {
  private:
   // Leases agent_keys::alive for this node, valued with its record.
   void take_lease(const node_record& me);
-  // Registers this node at agent_keys::node and takes its lease; when the
-  // place is held (`holder`'s record), takes it from an agent that is gone,
-  // else throws config_error naming both. Returns whether it took it from one.
+  // Registers this node at agent_keys::node and takes its lease. When the
+  // place is held, takes it from an agent that is gone (its lease ended, or
+  // its heartbeat silent for `window`), else throws config_error naming both.
+  // Returns whether it took the place from another agent.
   bool take_place(const node_record& me, std::chrono::milliseconds window);
 
   // config_error when node `n`'s record (`other`) runs another job shape than `me`.
@@ -26592,7 +26593,8 @@ struct checkpoint_options {
   /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
   /// not used, and the message says which and why. When all the state is replicated, a rank
   /// needs only its node's replicated part, whatever the size of the job that wrote it (an
-  /// elastic job's smaller round after a lost node resumes from memory). 0: off.
+  /// elastic job's smaller round after a lost node resumes from memory), and ranks with no
+  /// copy (a new or replacement node) get it from a rank with one. 0: off.
   std::uint64_t memory_every = 0;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a

@@ -49,7 +49,8 @@ struct checkpoint_options {
   /// whole on every rank; a copy that is torn, older than the disk's, or missing on some rank is
   /// not used, and the message says which and why. When all the state is replicated, a rank
   /// needs only its node's replicated part, whatever the size of the job that wrote it (an
-  /// elastic job's smaller round after a lost node resumes from memory). 0: off.
+  /// elastic job's smaller round after a lost node resumes from memory), and ranks with no
+  /// copy (a new or replacement node) get it from a rank with one. 0: off.
   std::uint64_t memory_every = 0;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a

@@ -230,9 +230,10 @@ class agent_store {
  private:
   // Leases agent_keys::alive for this node, valued with its record.
   void take_lease(const node_record& me);
-  // Registers this node at agent_keys::node and takes its lease; when the
-  // place is held (`holder`'s record), takes it from an agent that is gone,
-  // else throws config_error naming both. Returns whether it took it from one.
+  // Registers this node at agent_keys::node and takes its lease. When the
+  // place is held, takes it from an agent that is gone (its lease ended, or
+  // its heartbeat silent for `window`), else throws config_error naming both.
+  // Returns whether it took the place from another agent.
   bool take_place(const node_record& me, std::chrono::milliseconds window);
 
   // config_error when node `n`'s record (`other`) runs another job shape than `me`.
