@@ -24053,9 +24053,10 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
     if (const int under_way = store.first_round() - 1; under_way >= 0) {
       say("takes the place of node " + std::to_string(node_rank()) +
           "'s agent, which is gone: waiting for round " + std::to_string(under_way) + " to end");
-      store.wait_for([&] { return store.failure(under_way).has_value(); },
+      std::optional<detail::failure_record> ended;
+      store.wait_for([&] { return (ended = store.failure(under_way)).has_value(); },
                      "round " + std::to_string(under_way) + " to end");
-      const detail::failure_record f = *store.failure(under_way);
+      const detail::failure_record& f = *ended;
       if (ends_job({false, f.status, f.final, false, f.message}, under_way)) return f.status;
       store.meet(detail::agent_keys::stopped(under_way), "every node to stop its workers");
       restart = under_way + 1;

@@ -138,6 +138,17 @@ wait_for() {
   done
 }
 
+# demo_node N NNODES MAX_RESTARTS SUFFIX COMMAND...: node N's agent (a program
+# that launches itself) of a job whose store is on node1, in the background;
+# its output in $work/nodeN<SUFFIX>.out and .err.
+demo_node() {
+  local n=$1 nnodes=$2 restarts=$3 suffix=$4
+  shift 4
+  cluster_run node"$n" env DTRAIN_NNODES="$nnodes" DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+    MASTER_PORT=$port DTRAIN_MAX_RESTARTS="$restarts" DTRAIN_HEARTBEAT_TIMEOUT=600 \
+    DTRAIN_GRACE_PERIOD=1 timeout "$limit" "$@" >"$work/node$n$suffix.out" 2>"$work/node$n$suffix.err" &
+}
+
 # The demo's weight checksum (its last "hold identical weights" line) in FILE.
 checksum_of() { sed -n 's/.*hold identical weights (checksum \([0-9a-f]*\)).*/\1/p' "$1" | tail -n 1; }
 
@@ -248,12 +259,7 @@ case $case_name in
     elastic=("${demo[@]}" --nproc-per-node 2 --checkpoint-dir "$work/ckpt" --checkpoint-every 10
              --memory-every 1 --sample-log "$work/samples")
     # node N's agent (the demo launches itself) for an elastic job of 1 to 2 nodes.
-    start_node() {  # <n> <output suffix>
-      cluster_run node$1 env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$(($1 - 1)) MASTER_ADDR=node1 \
-        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=2 DTRAIN_HEARTBEAT_TIMEOUT=600 DTRAIN_GRACE_PERIOD=1 \
-        timeout "$limit" \
-        "${elastic[@]}" >"$work/node$1$2.out" 2>"$work/node$1$2.err" &
-    }
+    start_node() { demo_node "$1" 1:2 2 "$2" "${elastic[@]}"; }  # <n> <output suffix>
     cluster_up 2 1gbit
     start_node 1 ""
     first=$!
@@ -319,12 +325,10 @@ case $case_name in
     demo=("$bin/dtrain_train_mlp" --epochs 3 --samples 8192 --features 64 --hidden 256
           --batch-size 32 --nproc-per-node 2)
     # node N's agent (the demo launches itself) of a fixed job of 2 nodes: start_node N SUFFIX ARGS...
-    start_node() {
+    start_node() {  # <n> <output suffix> <the demo's flags...>
       local n=$1 suffix=$2
       shift 2
-      cluster_run node$n env DTRAIN_NNODES=2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
-        MASTER_PORT=$port DTRAIN_MAX_RESTARTS=1 DTRAIN_HEARTBEAT_TIMEOUT=600 DTRAIN_GRACE_PERIOD=1 \
-        timeout "$limit" "${demo[@]}" "$@" >"$work/node$n$suffix.out" 2>"$work/node$n$suffix.err" &
+      demo_node "$n" 2 1 "$suffix" "${demo[@]}" "$@"
     }
     cluster_up 2 1gbit
     start_node 1 .reference
