@@ -1078,6 +1078,10 @@ inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT
 /// Set by the node agent for its workers: its directory in memory for the
 /// checkpoints' memory tier (checkpoint_options::memory_dir).
 inline constexpr std::string_view memory_checkpoint_variable = "DTRAIN_MEMORY_CHECKPOINT_DIR";
+/// Set by the node agent for its workers in a job of several nodes: the
+/// store (HOST:PORT) of the next node's agent, which holds their memory
+/// copies of per-rank state (checkpoint_options::memory_buddy).
+inline constexpr std::string_view memory_buddy_variable = "DTRAIN_MEMORY_BUDDY";
 
 // --- collectives and engines (backend/)
 
@@ -1134,6 +1138,7 @@ inline constexpr std::array dtrain_variables{
     agent_store_variable,
     restart_count_variable,
     memory_checkpoint_variable,
+    memory_buddy_variable,
     collective_timeout_variable,
     check_collectives_variable,
     watchdog_heartbeat_variable,
@@ -18234,7 +18239,7 @@ DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication>
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32
+///                                   rdzv_id bytes32, buddy bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
@@ -18400,6 +18405,9 @@ struct node_record {
   std::string host;
   std::int64_t pid = 0;
   std::string rdzv_id{};  // empty: none given
+  /// HOST:PORT where this agent holds the memory copies that the workers of
+  /// the node before it send (checkpoint_options::memory_buddy); empty: none.
+  std::string buddy{};
 
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
@@ -18528,7 +18536,13 @@ DTRAIN_DETAIL_INLINE exit_record exit_record::decode(const std::string& key,
 
 DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
   std::string out;
-  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid).bytes32(rdzv_id);
+  wire::writer(out)
+      .i64(nproc)
+      .i64(max_restarts)
+      .bytes32(host)
+      .i64(pid)
+      .bytes32(rdzv_id)
+      .bytes32(buddy);
   return out;
 }
 
@@ -18542,6 +18556,7 @@ DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                               n.host = r.bytes32("the host name");
                               n.pid = r.i64("the pid");
                               n.rdzv_id = r.bytes32("the rdzv id");
+                              n.buddy = r.bytes32("the buddy store");
                               return n;
                             });
 }
@@ -22153,6 +22168,9 @@ class agent_store {
   /// every node reads it.
   int worker_port(int restart);
 
+  /// Node `node`'s record, as its agent registered it (join()).
+  node_record record(int node);
+
   /// Records a failure of round `restart` unless one is recorded already.
   void record_failure(int restart, int status, bool final, const std::string& message) {
     detail::record_failure(client_, restart, {status, final, message});
@@ -22508,6 +22526,11 @@ DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {
   wait_for([&] { return client_.check(std::span<const std::string>(&key, 1)); },
            "node 0 to pick the workers' port");
   return decode_port(key, client_.get(key));
+}
+
+DTRAIN_DETAIL_INLINE node_record agent_store::record(int node) {
+  const std::string key = agent_keys::node(node);
+  return node_record::decode(key, client_.get(key));
 }
 
 DTRAIN_DETAIL_INLINE std::optional<failure_record> agent_store::failure(int restart) {
@@ -23859,9 +23882,15 @@ class node_agent {
                               const std::vector<int>& members);
 
   /// The environment of a worker: `group` is this node's place among the
-  /// round's `groups` nodes (its node rank, unless elastic).
+  /// round's `groups` nodes (its node rank, unless elastic); `buddy` the
+  /// store that holds its memory copies (DTRAIN_MEMORY_BUDDY; empty: none).
   std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
-                                              int worker_port, int group, int groups) const;
+                                              int worker_port, int group, int groups,
+                                              const std::string& buddy) const;
+  /// Starts `server`, where this agent holds the memory copies of the node
+  /// before it (checkpoint_options::memory_buddy), and returns its HOST:PORT;
+  /// empty (said why) when it cannot.
+  std::string serve_buddies(std::optional<store_server>& server);
 
   std::vector<std::string> command_;
   agent_options options_;
@@ -23961,10 +23990,16 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
           std::to_string(nproc_) + " workers, store at " +
           detail::endpoint_text(master_addr_, master_port_),
       true);
+  // Several nodes: this agent holds, in its memory, the newest memory copy
+  // of each worker of the node before it (their buddy), for a node that
+  // replaces a lost one; the address goes into its node record.
+  std::optional<store_server> buddies;
+  const std::string buddy_at = nnodes() > 1 ? serve_buddies(buddies) : std::string();
   int restart = 0;  // the round under way, for a failure outside it
   try {
-    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
-                                 ::getpid(), options_.rdzv_id};
+    const detail::node_record me{
+        nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
+        ::getpid(), options_.rdzv_id,      buddy_at};
     if (elastic()) {
       store.join_elastic(me);
     } else {
@@ -24028,6 +24063,31 @@ DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
 
 DTRAIN_DETAIL_INLINE detail::memory_directory::~memory_directory() {
   if (!path_.empty()) static_cast<void>(detail::remove_tree(path_.c_str()));
+}
+
+DTRAIN_DETAIL_INLINE std::string node_agent::serve_buddies(std::optional<store_server>& server) {
+  // On the address that reaches node 0's store: the other nodes reach it too.
+  const detail::route_source route = detail::local_address_to(master_addr_, master_port_);
+  const std::string lost = "; a lost node's per-rank state (a ZeRO shard) resumes from the disk";
+  if (!route.error.empty()) {
+    say("holds no memory copies for the node before it: no address of this host reaches "
+        "node 0's store (" +
+        route.error + ")" + lost);
+    return {};
+  }
+  store_options options = store_options_;
+  options.log = [this](std::string_view line) {
+    say("memory copies' store: " + std::string(line), true);
+  };
+  try {
+    server.emplace(route.address, 0, options);
+  } catch (const std::exception& e) {
+    say("holds no memory copies for the node before it: " + std::string(e.what()) + lost);
+    return {};
+  }
+  const std::string at = detail::endpoint_text(route.address, server->port());
+  say("holds the memory copies of the node before it at " + at, true);
+  return at;
 }
 
 DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
@@ -24128,6 +24188,19 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
       static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
   const int groups = static_cast<int>(members.size());
   const int worker_port = store.worker_port(restart);
+  // The workers' buddy: the next node of the round (a ring), whose agent
+  // holds their memory copies of per-rank state.
+  std::string buddy;
+  if (groups > 1) {
+    const int next = members[static_cast<std::size_t>((group + 1) % groups)];
+    buddy = store.record(next).buddy;
+    if (buddy.empty()) {
+      say("node " + std::to_string(next) +
+              "'s agent holds no memory copies (it said why): a loss of this node resumes its "
+              "per-rank state from the disk",
+          true);
+    }
+  }
   const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
   std::vector<detail::worker_start> workers;
   for (int local = 0; local < nproc_; ++local) {
@@ -24138,7 +24211,7 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
     w.command.argv.front() = program;
     if (options_.local_rank_arg)
       w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups);
+    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups, buddy);
   }
   detail::agent_round round({.restart = restart,
                              .node_rank = node_rank(),
@@ -24155,7 +24228,8 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
 }
 
 DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
-    int rank, int local_rank, int restart, int worker_port, int group, int groups) const {
+    int rank, int local_rank, int restart, int worker_port, int group, int groups,
+    const std::string& buddy) const {
   const int world_size = groups * nproc_;
   auto vars = env_.vars();
   auto set = [&](std::string name, const std::string& value) {
@@ -24182,6 +24256,8 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
   set(std::string(restart_count_variable), std::to_string(restart));
   if (!memory_dir_.empty()) set(std::string(memory_checkpoint_variable), memory_dir_);
+  if (!buddy.empty() && !env_.get(memory_buddy_variable))
+    set(std::string(memory_buddy_variable), buddy);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);
@@ -26601,6 +26677,14 @@ struct checkpoint_options {
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
   /// directory in /dev/shm that it owns (and removes when the job ends).
   std::filesystem::path memory_dir{};
+  /// The memory tier's buddy (HOST:PORT): a store on another node that holds
+  /// each rank's newest memory copy when the job has per-rank state (a ZeRO
+  /// shard, add(..., per_rank)), so that the ranks of a node that replaces a
+  /// lost one resume from memory too. Each rank sends each copy it commits
+  /// there on its writer thread; the store's token is DTRAIN_STORE_TOKEN's.
+  /// Empty: the environment's DTRAIN_MEMORY_BUDDY, which dtrun's node agent
+  /// sets to the next node's agent (none on one node: no buddy).
+  std::string memory_buddy{};
 };
 
 /// Where a checkpoint's time on the training thread went, summed over its
@@ -28557,6 +28641,14 @@ DTRAIN_DETAIL_INLINE void disk_tier::join_committer() {
 /// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
 /// replicated part, and a manifest), without the other ranks, and keeps its
 /// 2 newest. A restore takes the newest step that every rank holds whole.
+///
+/// Per-rank state (a ZeRO rank's shard, a program's own) is lost with its
+/// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
+/// the next node's agent), each rank also sends each copy it commits, on its
+/// writer thread, to that agent's store, which holds the newest whole one
+/// per rank in its memory. A rank that has no copy of the newest step its
+/// buddy holds (its node is new: it replaces a lost one) takes it from there
+/// at restore(), checked, and commits it as its own.
 
 
 #include <array>
@@ -28573,8 +28665,9 @@ namespace dtrain::detail::ckpt {
 /// The node-memory tier (the file's comment).
 class memory_tier final : public tier {
  public:
-  /// Copies in `dir`, one per node.
-  memory_tier(tier_context& context, std::filesystem::path dir);
+  /// Copies in `dir`, one per node; `buddy` (HOST:PORT, or empty) the store
+  /// on another node that holds this rank's newest copy.
+  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy);
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
@@ -28631,10 +28724,30 @@ class memory_tier final : public tier {
   /// "2, 3"
   static std::string list(const std::vector<int>& ranks);
 
+  /// The buddy's store, connected at first use (within 5 s).
+  store_client& buddy();
+  /// The buddy's keys of this rank's copy of `step`: "dtrain/memory/rank-R/step-N/".
+  [[nodiscard]] std::string held_prefix(std::uint64_t step) const;
+  /// The buddy's key that names the newest step it holds of this rank.
+  [[nodiscard]] std::string held_newest() const;
+  /// On the writer thread, after `copy` (of `step`) is committed: sends it to
+  /// the buddy (its files in pieces, then its manifest, then the newest's
+  /// key) and drops the one sent before. A failure is said once, and no
+  /// copy is sent again: this rank's copies are on its node only.
+  void send_to_buddy(std::uint64_t step, const std::filesystem::path& copy);
+  /// restore(), with per-rank entries: when the buddy holds a newer step of
+  /// this rank than its node does, takes it (checked against its manifest)
+  /// and commits it as this rank's copy. The step taken, or -1.
+  std::int64_t take_from_buddy();
+
   std::filesystem::path dir_;
   std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
   std::uint64_t failures_ = 0;  // copies not written
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
+  std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
+  std::optional<store_client> buddy_;                               // connected at first use
+  bool buddy_lost_ = false;            // a send failed: none is tried again
+  std::optional<std::uint64_t> held_;  // the step the buddy holds of this rank, once known
 };
 
 }  // namespace dtrain::detail::ckpt
@@ -28649,11 +28762,13 @@ class memory_tier final : public tier {
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <span>
 #include <string_view>
@@ -28661,8 +28776,9 @@ class memory_tier final : public tier {
 
 namespace dtrain::detail::ckpt {
 
-DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir)
-    : tier(context), dir_(std::move(dir)) {}
+DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir,
+                                              std::string buddy)
+    : tier(context), dir_(std::move(dir)), buddy_endpoint_(std::move(buddy)) {}
 
 DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
   if (!node_.empty()) return node_;
@@ -28722,6 +28838,156 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   } catch (const std::exception& e) {
     p.problem = e.what();
     static_cast<void>(detail::remove_tree(p.partial.c_str()));
+    return;
+  }
+  // Replicated state needs no buddy: any node's copy serves (share()).
+  if (p.per_rank_file) send_to_buddy(p.step, copy_dir(p.step, context_.plane.rank()));
+}
+
+DTRAIN_DETAIL_INLINE store_client& memory_tier::buddy() {
+  if (!buddy_) {
+    const detail::host_port at = detail::split_host_port(
+        "checkpoint_options::memory_buddy=" + buddy_endpoint_, buddy_endpoint_);
+    if (!at.port) {
+      throw config_error("checkpoint_options::memory_buddy=" + buddy_endpoint_ +
+                         " has no port (HOST:PORT)");
+    }
+    // The job's token (DTRAIN_STORE_TOKEN); short waits: a buddy that is
+    // gone must not hold a save, or a restore, for the store's timeout.
+    store_options options = store_options{}.with_env(environment::from_process());
+    options.timeout = std::chrono::seconds(5);
+    options.io_timeout = std::chrono::seconds(5);
+    options.progress_interval = std::chrono::milliseconds(0);
+    buddy_.emplace(at.host, *at.port, std::move(options));
+  }
+  return *buddy_;
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(std::uint64_t step) const {
+  return "dtrain/memory/rank-" + std::to_string(context_.plane.rank()) + "/" + step_name(step) +
+         "/";
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_newest() const {
+  return "dtrain/memory/rank-" + std::to_string(context_.plane.rank()) + "/newest";
+}
+
+namespace memory_detail {
+/// The buddy's pieces of a file: at most 4 MiB each (a store value may be 64).
+inline constexpr std::uint64_t piece_bytes = std::uint64_t{4} << 20;
+inline std::string piece_key(const std::string& prefix, const std::string& file,
+                             std::uint64_t piece) {
+  return prefix + file + "/" + std::to_string(piece);
+}
+inline std::string read_text(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) throw checkpoint_error("checkpoint: cannot read " + file.string());
+  return text;
+}
+}  // namespace memory_detail
+
+DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
+                                                     const std::filesystem::path& copy) {
+  if (buddy_endpoint_.empty() || buddy_lost_) return;
+  using memory_detail::piece_bytes;
+  try {
+    store_client& store = buddy();
+    if (!held_) {  // what an earlier worker of this rank left there, dropped below
+      const std::string newest = held_newest();
+      if (store.check(std::span(&newest, 1))) held_ = std::stoull(store.get(newest));
+    }
+    const std::string text = memory_detail::read_text(copy / manifest_name);
+    const manifest m = parse_manifest(text, copy / manifest_name);
+    const std::string prefix = held_prefix(step);
+    std::string piece;
+    for (const file_record& f : m.files) {
+      std::ifstream in(copy / f.name, std::ios::binary);
+      for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
+        piece.resize(static_cast<std::size_t>(std::min(piece_bytes, f.bytes - at)));
+        if (!in.read(piece.data(), static_cast<std::streamsize>(piece.size())))
+          throw checkpoint_error("checkpoint: cannot read " + (copy / f.name).string());
+        store.set(memory_detail::piece_key(prefix, f.name, i), piece);
+        at += piece.size();
+      }
+    }
+    // The manifest last: a copy is whole at the buddy once the newest names it.
+    store.set(prefix + std::string(manifest_name), text);
+    store.set(held_newest(), std::to_string(step));
+    const std::optional<std::uint64_t> before = std::exchange(held_, step);
+    if (before && *before != step) {
+      const std::string old = held_prefix(*before);
+      const std::string key = old + std::string(manifest_name);
+      if (store.check(std::span(&key, 1))) {
+        const manifest gone = parse_manifest(store.get(key), key);
+        store.erase(key);
+        for (const file_record& f : gone.files) {
+          for (std::uint64_t i = 0; i * piece_bytes < f.bytes; ++i)
+            store.erase(memory_detail::piece_key(old, f.name, i));
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    buddy_lost_ = true;
+    buddy_.reset();
+    tell("its memory copy of step " + std::to_string(step) + " was not sent to its buddy (" +
+         buddy_endpoint_ + ", another node's agent): " + e.what() +
+         "; from now on this rank's copies are on its own node only (said once)");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
+  if (buddy_endpoint_.empty()) return -1;
+  const int rank = context_.plane.rank();
+  std::optional<std::uint64_t> step;
+  std::filesystem::path partial;
+  try {
+    store_client& store = buddy();
+    const std::string newest = held_newest();
+    if (!store.check(std::span(&newest, 1))) return -1;  // it holds none of this rank
+    step = std::stoull(store.get(newest));
+    held_ = step;
+    // A copy on this node at least as new: nothing to take (a worker restarted on its node).
+    const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
+    if (!own.empty() && own.front().first >= *step) return -1;
+    const std::string prefix = held_prefix(*step);
+    const std::string text = store.get(prefix + std::string(manifest_name));
+    const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
+    if (m.step != *step || m.world_size != context_.plane.size()) {
+      throw checkpoint_error("it holds step " + std::to_string(m.step) + " of " +
+                             std::to_string(m.world_size) + " ranks, and this job has " +
+                             std::to_string(context_.plane.size()));
+    }
+    partial = staging(*step);
+    make_directory(partial, false);
+    for (const file_record& f : m.files) {
+      atomic_file out(partial / f.name);
+      for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
+        const std::string piece = store.get(memory_detail::piece_key(prefix, f.name, i));
+        out.write(piece.data(), piece.size());
+        at += std::max<std::uint64_t>(piece.size(), 1);
+      }
+      const file_record got = out.finish();
+      if (got.bytes != f.bytes || got.checksum != f.checksum) {
+        throw checkpoint_error(f.name + " arrived damaged (" + std::to_string(got.bytes) + " of " +
+                               std::to_string(f.bytes) + " bytes, checksum " +
+                               (got.checksum == f.checksum ? "the same)" : "differs)"));
+      }
+    }
+    atomic_file written(partial / manifest_name);
+    written.write(text.data(), text.size());
+    static_cast<void>(written.finish());
+    const std::filesystem::path copy = copy_dir(*step, rank);
+    remove_checkpoint_tree(copy);
+    rename_path(partial, copy);
+    return static_cast<std::int64_t>(*step);
+  } catch (const std::exception& e) {
+    if (!partial.empty()) static_cast<void>(detail::remove_tree(partial.c_str()));
+    buddy_.reset();
+    tell("memory copy: rank " + std::to_string(rank) + "'s copy" +
+         (step ? " of step " + std::to_string(*step) : std::string()) + " at its buddy (" +
+         buddy_endpoint_ + ", another node's agent): " + e.what() + "; not used");
+    return -1;
   }
 }
 
@@ -28830,8 +29096,27 @@ DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
                                                                       const registry& entries) {
   const bool own = entries.has_scope(checkpoint_scope::per_rank);
-  const std::array<std::int64_t, 2> mine = own ? usable() : usable_replicated();
   const int size = context_.plane.size();
+  if (own) {
+    // Ranks whose node lost their copies (it replaces a lost one) take them
+    // from their buddies, before any rank looks at its node's (a node's
+    // first rank's copy holds the replicated part the others read).
+    const std::int64_t took = take_from_buddy();
+    std::vector<std::int64_t> taken(static_cast<std::size_t>(size));
+    context_.plane.allgather(std::span<const std::int64_t>(&took, 1), taken);
+    std::vector<int> takers;
+    for (int r = 0; r < size; ++r) {
+      if (taken[static_cast<std::size_t>(r)] >= 0) takers.push_back(r);
+    }
+    if (!takers.empty()) {
+      context_.say("memory tier: rank(s) " + list(takers) +
+                   " had no copy of their newest step on their node (it is new, or came "
+                   "back): each took its own (step " +
+                   std::to_string(taken[static_cast<std::size_t>(takers.front())]) +
+                   ") from its buddy, another node's agent");
+    }
+  }
+  const std::array<std::int64_t, 2> mine = own ? usable() : usable_replicated();
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
   context_.plane.allgather(mine, all);
   if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {
@@ -29332,8 +29617,15 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     const std::string name(memory_checkpoint_variable);
     if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir = dir;
   }
-  if (!memory_dir.empty())
-    memory_ = std::make_unique<detail::ckpt::memory_tier>(context_, std::move(memory_dir));
+  std::string buddy = o.memory_buddy;
+  if (buddy.empty()) {
+    const std::string name(memory_buddy_variable);
+    if (const char* at = std::getenv(name.c_str()); at != nullptr) buddy = at;
+  }
+  if (!memory_dir.empty()) {
+    memory_ = std::make_unique<detail::ckpt::memory_tier>(context_, std::move(memory_dir),
+                                                          std::move(buddy));
+  }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
 }

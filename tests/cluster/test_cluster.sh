@@ -27,11 +27,12 @@
 #                      every epoch is trained exactly once across the changes (counted from
 #                      the demo's --sample-log), and the accuracy is within a point of an
 #                      uninterrupted run
-#   replace_node       the demo as a fixed job of 2 nodes x 2 (memory copies every step):
+#   replace_node       the demo as a fixed job of 2 nodes x 2 with ZeRO stage 1 (each rank's
+#                      shard of the optimizer state is its own; memory copies every step):
 #                      node2's agent SIGKILLed at a random step; node1 waits for an agent to
-#                      take its place, one started again on node2 does, its ranks get the
-#                      memory copy from rank 0, and the job ends with the uninterrupted
-#                      run's checksum, with at most one step trained twice
+#                      take its place, one started again on node2 does, its ranks take their
+#                      copies from their buddy (node1's agent), and the job ends with the
+#                      uninterrupted run's checksum, with at most one step trained twice
 #   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
 #                      trap and its fix; on a healthy node it finds none
 set -uo pipefail
@@ -322,8 +323,10 @@ case $case_name in
     ;;
   replace_node)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
+    # ZeRO stage 1: a lost node's shards of the optimizer state are on no other node's disk
+    # or memory but its buddy's.
     demo=("$bin/dtrain_train_mlp" --epochs 3 --samples 8192 --features 64 --hidden 256
-          --batch-size 32 --nproc-per-node 2)
+          --batch-size 32 --nproc-per-node 2 --sharding 1)
     # node N's agent (the demo launches itself) of a fixed job of 2 nodes: start_node N SUFFIX ARGS...
     start_node() {  # <n> <output suffix> <the demo's flags...>
       local n=$1 suffix=$2
@@ -368,10 +371,10 @@ case $case_name in
     ((status1 == 0 && status2 == 0)) || fail "node1 exited with $status1, the replacement with $status2"
     grep -q "takes the place of node 1's agent, which is gone" "$work/node2.replacement.err" ||
       fail "the replacement did not say whose place it took"
-    # Node2's new ranks had no copies: rank 0 sent them the replicated part,
+    # Node2's new ranks had no copies: each took its own from node1's agent,
     # and every rank resumed from memory (nothing read from the disk).
-    grep -q "memory tier: rank(s) 2, 3 had no copy of step" "$work/node1.err" ||
-      fail "the replacement's ranks did not get the memory copy from rank 0"
+    grep -q "memory tier: rank(s) 2, 3 had no copy of their newest step on their node.*from its buddy" \
+      "$work/node1.err" || fail "the replacement's ranks did not take their copies from their buddy"
     grep -q "resumed from the memory copy of step" "$work/node1.err" ||
       fail "the job did not resume from memory"
     check_samples "$work/samples" 8192 3

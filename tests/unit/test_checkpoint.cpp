@@ -15,7 +15,9 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <set>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -811,9 +813,11 @@ namespace {
 /// make), a memory copy every step and a disk checkpoint every 4: trains
 /// `steps` steps, then restores in a new checkpoint object; returns what each
 /// rank's restore() gave (-1: none) and checks the state matches that step.
+/// `buddy(rank)`: the rank's checkpoint_options::memory_buddy.
 std::vector<std::int64_t> memory_tier_run(const fs::path& disk, const fs::path& memory, int steps,
                                           const std::function<void()>& between = {},
-                                          bool asynchronous = false) {
+                                          bool asynchronous = false,
+                                          const std::function<std::string(int)>& buddy = {}) {
   std::vector<std::int64_t> restored(4, -2);
   auto failures = on_ranks(4, [&](dtrain::control_plane plane, int rank) {
     toy_state state;
@@ -824,7 +828,8 @@ std::vector<std::int64_t> memory_tier_run(const fs::path& disk, const fs::path& 
                                  .quiet = true,
                                  .asynchronous = asynchronous,
                                  .memory_every = 1,
-                                 .memory_dir = node});
+                                 .memory_dir = node,
+                                 .memory_buddy = buddy ? buddy(rank) : std::string()});
     state.add_to(c);
     c.add("own", own, dtrain::checkpoint_scope::per_rank);
     for (int step = 1; step <= steps; ++step) {
@@ -839,8 +844,12 @@ std::vector<std::int64_t> memory_tier_run(const fs::path& disk, const fs::path& 
     toy_state again;
     std::int64_t own = -1;
     const fs::path node = memory / ("node" + std::to_string(rank / 2));
-    dtrain::checkpoint d(
-        plane, {.dir = disk, .every = 4, .quiet = true, .memory_every = 1, .memory_dir = node});
+    dtrain::checkpoint d(plane, {.dir = disk,
+                                 .every = 4,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_dir = node,
+                                 .memory_buddy = buddy ? buddy(rank) : std::string()});
     again.add_to(d);
     d.add("own", own, dtrain::checkpoint_scope::per_rank);
     const auto step = d.restore();
@@ -962,6 +971,86 @@ TEST_CASE("checkpoint: a memory copy lost, torn or older than the disk's is not 
     });
     for (const auto& f : failures) CHECK(f == "");
     CHECK(fs::exists(memory.path / "step-6.rank-1" / "MANIFEST"));
+  }
+}
+
+TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from their buddy") {
+  // As dtrun's agents do: each node's agent serves a store that holds the
+  // copies of the node before it (2 nodes: each the other's buddy).
+  const dtrain::store_options options{.timeout = 20s, .log = [](std::string_view) {}};
+  std::optional<dtrain::store_server> holds_node0, holds_node1;
+  holds_node0.emplace("127.0.0.1", 0, options);  // node 1's agent's
+  holds_node1.emplace("127.0.0.1", 0, options);  // node 0's agent's
+  auto buddy = [&](int rank) {
+    return "127.0.0.1:" + std::to_string((rank / 2 == 0 ? holds_node0 : holds_node1)->port());
+  };
+  auto held = [&](std::optional<dtrain::store_server>& server, const std::string& key) {
+    dtrain::store_client client("127.0.0.1", server->port(), options);
+    return client.check(std::span<const std::string>(&key, 1));
+  };
+  auto damage_disk = [](const fs::path& disk) {
+    for (const auto& file : fs::directory_iterator(disk / "step-4"))
+      fs::resize_file(file.path(), 1);  // a restore that read the disk would fail
+  };
+  scratch_dir disk, memory;
+  SUBCASE("node 1 lost and replaced: its ranks resume from their buddy's copies") {
+    const auto restored = memory_tier_run(
+        disk.path, memory.path, 6,
+        [&] {
+          // Each rank's newest copy is held, the one before dropped.
+          CHECK(held(holds_node1, "dtrain/memory/rank-3/step-6/MANIFEST"));
+          CHECK(held(holds_node0, "dtrain/memory/rank-0/step-6/replicated.dtck/0"));
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/step-5/MANIFEST"));
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-0/newest"));
+          fs::remove_all(memory.path / "node1");
+          damage_disk(disk.path);
+        },
+        true, buddy);
+    CHECK(restored == std::vector<std::int64_t>(4, 6));
+    // Each committed what it took as its own copy, whole (the node's first
+    // rank's with the replicated part the other reads).
+    CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.rank-2").find(ckpt::replicated_name) !=
+          nullptr);
+    CHECK(ckpt::verify_step(memory.path / "node1" / "step-6.rank-3").find("rank-3.dtck") !=
+          nullptr);
+  }
+  SUBCASE("a copy damaged at the buddy is not used: the disk's") {
+    const auto restored = memory_tier_run(
+        disk.path, memory.path, 6,
+        [&] {
+          fs::remove_all(memory.path / "node1");
+          dtrain::store_client client("127.0.0.1", holds_node1->port(), options);
+          client.set("dtrain/memory/rank-3/step-6/rank-3.dtck/0", "not the copy");
+        },
+        false, buddy);
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
+    CHECK_FALSE(fs::exists(memory.path / "node1" / "step-6.rank-3"));
+  }
+  SUBCASE("a buddy that cannot hold the copies: the training goes on, and the disk serves") {
+    dtrain::store_options small = options;
+    small.limits.max_stored_bytes = 64;  // not one copy
+    holds_node1.emplace("127.0.0.1", 0, small);
+    const auto restored = memory_tier_run(
+        disk.path, memory.path, 6,
+        [&] {
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/newest"));
+          fs::remove_all(memory.path / "node1");
+        },
+        false, buddy);
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
+  }
+  SUBCASE("the node and its buddy lost: the disk's") {
+    const auto restored = memory_tier_run(
+        disk.path, memory.path, 6,
+        [&] {
+          // Both nodes replaced: empty directories, agents holding nothing.
+          fs::remove_all(memory.path / "node0");
+          fs::remove_all(memory.path / "node1");
+          holds_node0.emplace("127.0.0.1", 0, options);
+          holds_node1.emplace("127.0.0.1", 0, options);
+        },
+        false, buddy);
+    CHECK(restored == std::vector<std::int64_t>(4, 4));
   }
 }
 

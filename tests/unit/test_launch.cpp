@@ -271,11 +271,13 @@ TEST_CASE("agent protocol: failure and node records survive the store, garbage n
       (void)failure_record::decode("dtrain/agent/0/failure", "3 0 old format"),
       doctest::Contains("store key dtrain/agent/0/failure does not hold a failure record"),
       dtrain::rendezvous_error);
-  const node_record n{4, 2, "host-a", 1234};
+  const node_record n{4, 2, "host-a", 1234, "job-7", "10.0.0.2:41234"};
   const node_record m = node_record::decode("k", n.encode());
   CHECK(m.nproc == 4);
   CHECK(m.max_restarts == 2);
   CHECK(m.who() == "host-a:1234");
+  CHECK(m.rdzv_id == "job-7");
+  CHECK(m.buddy == "10.0.0.2:41234");
   CHECK_THROWS_AS((void)node_record::decode("k", n.encode() + "!"), dtrain::rendezvous_error);
   CHECK(dtrain::detail::decode_port("k", dtrain::detail::encode_port(29500)) == 29500);
   CHECK_THROWS_WITH_AS((void)dtrain::detail::decode_port("dtrain/agent/0/worker_port",

@@ -42,8 +42,15 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     const std::string name(memory_checkpoint_variable);
     if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir = dir;
   }
-  if (!memory_dir.empty())
-    memory_ = std::make_unique<detail::ckpt::memory_tier>(context_, std::move(memory_dir));
+  std::string buddy = o.memory_buddy;
+  if (buddy.empty()) {
+    const std::string name(memory_buddy_variable);
+    if (const char* at = std::getenv(name.c_str()); at != nullptr) buddy = at;
+  }
+  if (!memory_dir.empty()) {
+    memory_ = std::make_unique<detail::ckpt::memory_tier>(context_, std::move(memory_dir),
+                                                          std::move(buddy));
+  }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
 }

@@ -6,15 +6,20 @@
 
 #include <dtrain/checkpoint/memory_tier.hpp>
 #include <dtrain/checkpoint/retention.hpp>
+#include <dtrain/detail/parse.hpp>
 #include <dtrain/detail/sys.hpp>
+#include <dtrain/env/environment.hpp>
+#include <dtrain/rendezvous/options.hpp>
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <span>
 #include <string_view>
@@ -22,8 +27,9 @@
 
 namespace dtrain::detail::ckpt {
 
-DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir)
-    : tier(context), dir_(std::move(dir)) {}
+DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir,
+                                              std::string buddy)
+    : tier(context), dir_(std::move(dir)), buddy_endpoint_(std::move(buddy)) {}
 
 DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
   if (!node_.empty()) return node_;
@@ -83,6 +89,156 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   } catch (const std::exception& e) {
     p.problem = e.what();
     static_cast<void>(detail::remove_tree(p.partial.c_str()));
+    return;
+  }
+  // Replicated state needs no buddy: any node's copy serves (share()).
+  if (p.per_rank_file) send_to_buddy(p.step, copy_dir(p.step, context_.plane.rank()));
+}
+
+DTRAIN_DETAIL_INLINE store_client& memory_tier::buddy() {
+  if (!buddy_) {
+    const detail::host_port at = detail::split_host_port(
+        "checkpoint_options::memory_buddy=" + buddy_endpoint_, buddy_endpoint_);
+    if (!at.port) {
+      throw config_error("checkpoint_options::memory_buddy=" + buddy_endpoint_ +
+                         " has no port (HOST:PORT)");
+    }
+    // The job's token (DTRAIN_STORE_TOKEN); short waits: a buddy that is
+    // gone must not hold a save, or a restore, for the store's timeout.
+    store_options options = store_options{}.with_env(environment::from_process());
+    options.timeout = std::chrono::seconds(5);
+    options.io_timeout = std::chrono::seconds(5);
+    options.progress_interval = std::chrono::milliseconds(0);
+    buddy_.emplace(at.host, *at.port, std::move(options));
+  }
+  return *buddy_;
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(std::uint64_t step) const {
+  return "dtrain/memory/rank-" + std::to_string(context_.plane.rank()) + "/" + step_name(step) +
+         "/";
+}
+
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_newest() const {
+  return "dtrain/memory/rank-" + std::to_string(context_.plane.rank()) + "/newest";
+}
+
+namespace memory_detail {
+/// The buddy's pieces of a file: at most 4 MiB each (a store value may be 64).
+inline constexpr std::uint64_t piece_bytes = std::uint64_t{4} << 20;
+inline std::string piece_key(const std::string& prefix, const std::string& file,
+                             std::uint64_t piece) {
+  return prefix + file + "/" + std::to_string(piece);
+}
+inline std::string read_text(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) throw checkpoint_error("checkpoint: cannot read " + file.string());
+  return text;
+}
+}  // namespace memory_detail
+
+DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
+                                                     const std::filesystem::path& copy) {
+  if (buddy_endpoint_.empty() || buddy_lost_) return;
+  using memory_detail::piece_bytes;
+  try {
+    store_client& store = buddy();
+    if (!held_) {  // what an earlier worker of this rank left there, dropped below
+      const std::string newest = held_newest();
+      if (store.check(std::span(&newest, 1))) held_ = std::stoull(store.get(newest));
+    }
+    const std::string text = memory_detail::read_text(copy / manifest_name);
+    const manifest m = parse_manifest(text, copy / manifest_name);
+    const std::string prefix = held_prefix(step);
+    std::string piece;
+    for (const file_record& f : m.files) {
+      std::ifstream in(copy / f.name, std::ios::binary);
+      for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
+        piece.resize(static_cast<std::size_t>(std::min(piece_bytes, f.bytes - at)));
+        if (!in.read(piece.data(), static_cast<std::streamsize>(piece.size())))
+          throw checkpoint_error("checkpoint: cannot read " + (copy / f.name).string());
+        store.set(memory_detail::piece_key(prefix, f.name, i), piece);
+        at += piece.size();
+      }
+    }
+    // The manifest last: a copy is whole at the buddy once the newest names it.
+    store.set(prefix + std::string(manifest_name), text);
+    store.set(held_newest(), std::to_string(step));
+    const std::optional<std::uint64_t> before = std::exchange(held_, step);
+    if (before && *before != step) {
+      const std::string old = held_prefix(*before);
+      const std::string key = old + std::string(manifest_name);
+      if (store.check(std::span(&key, 1))) {
+        const manifest gone = parse_manifest(store.get(key), key);
+        store.erase(key);
+        for (const file_record& f : gone.files) {
+          for (std::uint64_t i = 0; i * piece_bytes < f.bytes; ++i)
+            store.erase(memory_detail::piece_key(old, f.name, i));
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    buddy_lost_ = true;
+    buddy_.reset();
+    tell("its memory copy of step " + std::to_string(step) + " was not sent to its buddy (" +
+         buddy_endpoint_ + ", another node's agent): " + e.what() +
+         "; from now on this rank's copies are on its own node only (said once)");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
+  if (buddy_endpoint_.empty()) return -1;
+  const int rank = context_.plane.rank();
+  std::optional<std::uint64_t> step;
+  std::filesystem::path partial;
+  try {
+    store_client& store = buddy();
+    const std::string newest = held_newest();
+    if (!store.check(std::span(&newest, 1))) return -1;  // it holds none of this rank
+    step = std::stoull(store.get(newest));
+    held_ = step;
+    // A copy on this node at least as new: nothing to take (a worker restarted on its node).
+    const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
+    if (!own.empty() && own.front().first >= *step) return -1;
+    const std::string prefix = held_prefix(*step);
+    const std::string text = store.get(prefix + std::string(manifest_name));
+    const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
+    if (m.step != *step || m.world_size != context_.plane.size()) {
+      throw checkpoint_error("it holds step " + std::to_string(m.step) + " of " +
+                             std::to_string(m.world_size) + " ranks, and this job has " +
+                             std::to_string(context_.plane.size()));
+    }
+    partial = staging(*step);
+    make_directory(partial, false);
+    for (const file_record& f : m.files) {
+      atomic_file out(partial / f.name);
+      for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
+        const std::string piece = store.get(memory_detail::piece_key(prefix, f.name, i));
+        out.write(piece.data(), piece.size());
+        at += std::max<std::uint64_t>(piece.size(), 1);
+      }
+      const file_record got = out.finish();
+      if (got.bytes != f.bytes || got.checksum != f.checksum) {
+        throw checkpoint_error(f.name + " arrived damaged (" + std::to_string(got.bytes) + " of " +
+                               std::to_string(f.bytes) + " bytes, checksum " +
+                               (got.checksum == f.checksum ? "the same)" : "differs)"));
+      }
+    }
+    atomic_file written(partial / manifest_name);
+    written.write(text.data(), text.size());
+    static_cast<void>(written.finish());
+    const std::filesystem::path copy = copy_dir(*step, rank);
+    remove_checkpoint_tree(copy);
+    rename_path(partial, copy);
+    return static_cast<std::int64_t>(*step);
+  } catch (const std::exception& e) {
+    if (!partial.empty()) static_cast<void>(detail::remove_tree(partial.c_str()));
+    buddy_.reset();
+    tell("memory copy: rank " + std::to_string(rank) + "'s copy" +
+         (step ? " of step " + std::to_string(*step) : std::string()) + " at its buddy (" +
+         buddy_endpoint_ + ", another node's agent): " + e.what() + "; not used");
+    return -1;
   }
 }
 
@@ -191,8 +347,27 @@ DTRAIN_DETAIL_INLINE void memory_tier::tell(const std::string& line) const {
 DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64_t floor,
                                                                       const registry& entries) {
   const bool own = entries.has_scope(checkpoint_scope::per_rank);
-  const std::array<std::int64_t, 2> mine = own ? usable() : usable_replicated();
   const int size = context_.plane.size();
+  if (own) {
+    // Ranks whose node lost their copies (it replaces a lost one) take them
+    // from their buddies, before any rank looks at its node's (a node's
+    // first rank's copy holds the replicated part the others read).
+    const std::int64_t took = take_from_buddy();
+    std::vector<std::int64_t> taken(static_cast<std::size_t>(size));
+    context_.plane.allgather(std::span<const std::int64_t>(&took, 1), taken);
+    std::vector<int> takers;
+    for (int r = 0; r < size; ++r) {
+      if (taken[static_cast<std::size_t>(r)] >= 0) takers.push_back(r);
+    }
+    if (!takers.empty()) {
+      context_.say("memory tier: rank(s) " + list(takers) +
+                   " had no copy of their newest step on their node (it is new, or came "
+                   "back): each took its own (step " +
+                   std::to_string(taken[static_cast<std::size_t>(takers.front())]) +
+                   ") from its buddy, another node's agent");
+    }
+  }
+  const std::array<std::int64_t, 2> mine = own ? usable() : usable_replicated();
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
   context_.plane.allgather(mine, all);
   if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {

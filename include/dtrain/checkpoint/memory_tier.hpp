@@ -6,9 +6,18 @@
 /// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
 /// replicated part, and a manifest), without the other ranks, and keeps its
 /// 2 newest. A restore takes the newest step that every rank holds whole.
+///
+/// Per-rank state (a ZeRO rank's shard, a program's own) is lost with its
+/// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
+/// the next node's agent), each rank also sends each copy it commits, on its
+/// writer thread, to that agent's store, which holds the newest whole one
+/// per rank in its memory. A rank that has no copy of the newest step its
+/// buddy holds (its node is new: it replaces a lost one) takes it from there
+/// at restore(), checked, and commits it as its own.
 
 #include <dtrain/checkpoint/tier.hpp>
 #include <dtrain/config.hpp>
+#include <dtrain/rendezvous/client.hpp>
 
 #include <array>
 #include <cstdint>
@@ -24,8 +33,9 @@ namespace dtrain::detail::ckpt {
 /// The node-memory tier (the file's comment).
 class memory_tier final : public tier {
  public:
-  /// Copies in `dir`, one per node.
-  memory_tier(tier_context& context, std::filesystem::path dir);
+  /// Copies in `dir`, one per node; `buddy` (HOST:PORT, or empty) the store
+  /// on another node that holds this rank's newest copy.
+  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy);
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
@@ -82,10 +92,30 @@ class memory_tier final : public tier {
   /// "2, 3"
   static std::string list(const std::vector<int>& ranks);
 
+  /// The buddy's store, connected at first use (within 5 s).
+  store_client& buddy();
+  /// The buddy's keys of this rank's copy of `step`: "dtrain/memory/rank-R/step-N/".
+  [[nodiscard]] std::string held_prefix(std::uint64_t step) const;
+  /// The buddy's key that names the newest step it holds of this rank.
+  [[nodiscard]] std::string held_newest() const;
+  /// On the writer thread, after `copy` (of `step`) is committed: sends it to
+  /// the buddy (its files in pieces, then its manifest, then the newest's
+  /// key) and drops the one sent before. A failure is said once, and no
+  /// copy is sent again: this rank's copies are on its node only.
+  void send_to_buddy(std::uint64_t step, const std::filesystem::path& copy);
+  /// restore(), with per-rank entries: when the buddy holds a newer step of
+  /// this rank than its node does, takes it (checked against its manifest)
+  /// and commits it as this rank's copy. The step taken, or -1.
+  std::int64_t take_from_buddy();
+
   std::filesystem::path dir_;
   std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
   std::uint64_t failures_ = 0;  // copies not written
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
+  std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
+  std::optional<store_client> buddy_;                               // connected at first use
+  bool buddy_lost_ = false;            // a send failed: none is tried again
+  std::optional<std::uint64_t> held_;  // the step the buddy holds of this rank, once known
 };
 
 }  // namespace dtrain::detail::ckpt

@@ -56,6 +56,14 @@ struct checkpoint_options {
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
   /// directory in /dev/shm that it owns (and removes when the job ends).
   std::filesystem::path memory_dir{};
+  /// The memory tier's buddy (HOST:PORT): a store on another node that holds
+  /// each rank's newest memory copy when the job has per-rank state (a ZeRO
+  /// shard, add(..., per_rank)), so that the ranks of a node that replaces a
+  /// lost one resume from memory too. Each rank sends each copy it commits
+  /// there on its writer thread; the store's token is DTRAIN_STORE_TOKEN's.
+  /// Empty: the environment's DTRAIN_MEMORY_BUDDY, which dtrun's node agent
+  /// sets to the next node's agent (none on one node: no buddy).
+  std::string memory_buddy{};
 };
 
 /// Where a checkpoint's time on the training thread went, summed over its

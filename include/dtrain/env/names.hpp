@@ -65,6 +65,10 @@ inline constexpr std::string_view restart_count_variable = "DTRAIN_RESTART_COUNT
 /// Set by the node agent for its workers: its directory in memory for the
 /// checkpoints' memory tier (checkpoint_options::memory_dir).
 inline constexpr std::string_view memory_checkpoint_variable = "DTRAIN_MEMORY_CHECKPOINT_DIR";
+/// Set by the node agent for its workers in a job of several nodes: the
+/// store (HOST:PORT) of the next node's agent, which holds their memory
+/// copies of per-rank state (checkpoint_options::memory_buddy).
+inline constexpr std::string_view memory_buddy_variable = "DTRAIN_MEMORY_BUDDY";
 
 // --- collectives and engines (backend/)
 
@@ -121,6 +125,7 @@ inline constexpr std::array dtrain_variables{
     agent_store_variable,
     restart_count_variable,
     memory_checkpoint_variable,
+    memory_buddy_variable,
     collective_timeout_variable,
     check_collectives_variable,
     watchdog_heartbeat_variable,

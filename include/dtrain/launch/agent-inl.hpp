@@ -83,10 +83,16 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
           std::to_string(nproc_) + " workers, store at " +
           detail::endpoint_text(master_addr_, master_port_),
       true);
+  // Several nodes: this agent holds, in its memory, the newest memory copy
+  // of each worker of the node before it (their buddy), for a node that
+  // replaces a lost one; the address goes into its node record.
+  std::optional<store_server> buddies;
+  const std::string buddy_at = nnodes() > 1 ? serve_buddies(buddies) : std::string();
   int restart = 0;  // the round under way, for a failure outside it
   try {
-    const detail::node_record me{nproc_, options_.max_restarts, detail::host_name().value_or("?"),
-                                 ::getpid(), options_.rdzv_id};
+    const detail::node_record me{
+        nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
+        ::getpid(), options_.rdzv_id,      buddy_at};
     if (elastic()) {
       store.join_elastic(me);
     } else {
@@ -150,6 +156,31 @@ DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
 
 DTRAIN_DETAIL_INLINE detail::memory_directory::~memory_directory() {
   if (!path_.empty()) static_cast<void>(detail::remove_tree(path_.c_str()));
+}
+
+DTRAIN_DETAIL_INLINE std::string node_agent::serve_buddies(std::optional<store_server>& server) {
+  // On the address that reaches node 0's store: the other nodes reach it too.
+  const detail::route_source route = detail::local_address_to(master_addr_, master_port_);
+  const std::string lost = "; a lost node's per-rank state (a ZeRO shard) resumes from the disk";
+  if (!route.error.empty()) {
+    say("holds no memory copies for the node before it: no address of this host reaches "
+        "node 0's store (" +
+        route.error + ")" + lost);
+    return {};
+  }
+  store_options options = store_options_;
+  options.log = [this](std::string_view line) {
+    say("memory copies' store: " + std::string(line), true);
+  };
+  try {
+    server.emplace(route.address, 0, options);
+  } catch (const std::exception& e) {
+    say("holds no memory copies for the node before it: " + std::string(e.what()) + lost);
+    return {};
+  }
+  const std::string at = detail::endpoint_text(route.address, server->port());
+  say("holds the memory copies of the node before it at " + at, true);
+  return at;
 }
 
 DTRAIN_DETAIL_INLINE void node_agent::say(const std::string& text, bool verbose) const {
@@ -250,6 +281,19 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
       static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
   const int groups = static_cast<int>(members.size());
   const int worker_port = store.worker_port(restart);
+  // The workers' buddy: the next node of the round (a ring), whose agent
+  // holds their memory copies of per-rank state.
+  std::string buddy;
+  if (groups > 1) {
+    const int next = members[static_cast<std::size_t>((group + 1) % groups)];
+    buddy = store.record(next).buddy;
+    if (buddy.empty()) {
+      say("node " + std::to_string(next) +
+              "'s agent holds no memory copies (it said why): a loss of this node resumes its "
+              "per-rank state from the disk",
+          true);
+    }
+  }
   const std::string program = detail::find_program(command_.front(), env_.get("PATH"));
   std::vector<detail::worker_start> workers;
   for (int local = 0; local < nproc_; ++local) {
@@ -260,7 +304,7 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
     w.command.argv.front() = program;
     if (options_.local_rank_arg)
       w.command.argv.insert(w.command.argv.begin() + 1, "--local_rank=" + std::to_string(local));
-    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups);
+    w.command.env = worker_environment(w.rank, local, restart, worker_port, group, groups, buddy);
   }
   detail::agent_round round({.restart = restart,
                              .node_rank = node_rank(),
@@ -277,7 +321,8 @@ DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store
 }
 
 DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
-    int rank, int local_rank, int restart, int worker_port, int group, int groups) const {
+    int rank, int local_rank, int restart, int worker_port, int group, int groups,
+    const std::string& buddy) const {
   const int world_size = groups * nproc_;
   auto vars = env_.vars();
   auto set = [&](std::string name, const std::string& value) {
@@ -304,6 +349,8 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   if (!options_.rdzv_id.empty()) set("TORCHELASTIC_RUN_ID", options_.rdzv_id);
   set(std::string(restart_count_variable), std::to_string(restart));
   if (!memory_dir_.empty()) set(std::string(memory_checkpoint_variable), memory_dir_);
+  if (!buddy.empty() && !env_.get(memory_buddy_variable))
+    set(std::string(memory_buddy_variable), buddy);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);

@@ -8,6 +8,7 @@
 /// through agent_store (launch/agent_store.hpp).
 
 #include <dtrain/config.hpp>
+#include <dtrain/detail/net.hpp>
 #include <dtrain/env/discover.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
@@ -19,6 +20,7 @@
 #include <dtrain/launch/signals.hpp>
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/security.hpp>
+#include <dtrain/rendezvous/server.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -116,9 +118,15 @@ class node_agent {
                               const std::vector<int>& members);
 
   /// The environment of a worker: `group` is this node's place among the
-  /// round's `groups` nodes (its node rank, unless elastic).
+  /// round's `groups` nodes (its node rank, unless elastic); `buddy` the
+  /// store that holds its memory copies (DTRAIN_MEMORY_BUDDY; empty: none).
   std::vector<std::string> worker_environment(int rank, int local_rank, int restart,
-                                              int worker_port, int group, int groups) const;
+                                              int worker_port, int group, int groups,
+                                              const std::string& buddy) const;
+  /// Starts `server`, where this agent holds the memory copies of the node
+  /// before it (checkpoint_options::memory_buddy), and returns its HOST:PORT;
+  /// empty (said why) when it cannot.
+  std::string serve_buddies(std::optional<store_server>& server);
 
   std::vector<std::string> command_;
   agent_options options_;

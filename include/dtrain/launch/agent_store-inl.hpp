@@ -256,6 +256,11 @@ DTRAIN_DETAIL_INLINE int agent_store::worker_port(int restart) {
   return decode_port(key, client_.get(key));
 }
 
+DTRAIN_DETAIL_INLINE node_record agent_store::record(int node) {
+  const std::string key = agent_keys::node(node);
+  return node_record::decode(key, client_.get(key));
+}
+
 DTRAIN_DETAIL_INLINE std::optional<failure_record> agent_store::failure(int restart) {
   const std::string key = agent_keys::failure(restart);
   if (!client_.check(std::span<const std::string>(&key, 1))) return std::nullopt;

@@ -160,6 +160,9 @@ class agent_store {
   /// every node reads it.
   int worker_port(int restart);
 
+  /// Node `node`'s record, as its agent registered it (join()).
+  node_record record(int node);
+
   /// Records a failure of round `restart` unless one is recorded already.
   void record_failure(int restart, int status, bool final, const std::string& message) {
     detail::record_failure(client_, restart, {status, final, message});

@@ -90,7 +90,13 @@ DTRAIN_DETAIL_INLINE exit_record exit_record::decode(const std::string& key,
 
 DTRAIN_DETAIL_INLINE std::string node_record::encode() const {
   std::string out;
-  wire::writer(out).i64(nproc).i64(max_restarts).bytes32(host).i64(pid).bytes32(rdzv_id);
+  wire::writer(out)
+      .i64(nproc)
+      .i64(max_restarts)
+      .bytes32(host)
+      .i64(pid)
+      .bytes32(rdzv_id)
+      .bytes32(buddy);
   return out;
 }
 
@@ -104,6 +110,7 @@ DTRAIN_DETAIL_INLINE node_record node_record::decode(const std::string& key,
                               n.host = r.bytes32("the host name");
                               n.pid = r.i64("the pid");
                               n.rdzv_id = r.bytes32("the rdzv id");
+                              n.buddy = r.bytes32("the buddy store");
                               return n;
                             });
 }

@@ -12,7 +12,7 @@
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32
+///                                   rdzv_id bytes32, buddy bytes32
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
@@ -184,6 +184,9 @@ struct node_record {
   std::string host;
   std::int64_t pid = 0;
   std::string rdzv_id{};  // empty: none given
+  /// HOST:PORT where this agent holds the memory copies that the workers of
+  /// the node before it send (checkpoint_options::memory_buddy); empty: none.
+  std::string buddy{};
 
   /// "host:pid", how messages name the agent.
   [[nodiscard]] std::string who() const { return host + ":" + std::to_string(pid); }
