@@ -12,11 +12,13 @@
 # failure-free time, so that every loss lands inside the job.
 #
 # Prints a table: the seconds of each run, the losses, the seconds each loss
-# cost, the steps trained twice (from the sample logs), goodput (the tier's
-# failure-free time over its time with losses: 1.0, a loss costs nothing)
-# and the time with losses over the disk's failure-free time (what the
-# memory tier's copies cost too). Goal (issue 50): with memory, the job with a loss every 20 s
-# takes at most 1.2x the failure-free time. Figures, not a test.
+# cost, the steps trained twice (from the sample logs, counted by
+# tests/scripts/sample_log.py: a step was trained when the next one began),
+# goodput (the tier's failure-free time over its time with losses: 1.0, a
+# loss costs nothing) and the time with losses over the disk's failure-free
+# time (what the memory tier's copies cost too). Goal (issue 50): with
+# memory, the job with a loss every 20 s takes at most 1.2x the failure-free
+# time. Figures, not a test.
 #
 # Knobs: PERIOD (s between losses), EPOCHS (15: about 40 s without losses on
 # 2 cores), HIDDEN (512: the model's width; wider steps make the steps trained
@@ -81,21 +83,9 @@ lose_node2() {
 # since T: seconds from T ($EPOCHREALTIME) to now.
 since() { awk -v now="$EPOCHREALTIME" -v then="$1" 'BEGIN { printf "%.3f", now - then }'; }
 
-# twice DIR: the steps that a round trained and a later one trained again.
-twice() {
-  python3 - "$1/samples" <<'PY'
-import collections, glob, os, re, sys
-steps = collections.defaultdict(set)
-for path in glob.glob(os.path.join(sys.argv[1], "round-*-rank-0.txt")):
-    rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
-    steps[rnd] = {int(l.split()[0]) for l in open(path) if l.endswith("\n")}
-rounds = sorted(steps)
-# (a step was trained when the next one began: its line is written as it begins)
-print(sum(len({s for r0 in rounds if r0 < r for s in steps[r0]
-               if s >= min(steps[r]) and s + 1 in steps[r0]})
-          for r in rounds[1:] if steps[r]))
-PY
-}
+# twice DIR: the steps that a round trained and a later one trained again,
+# summed over the changes of round (tests/scripts/sample_log.py).
+twice() { python3 "$here/../tests/scripts/sample_log.py" twice "$1/samples"; }
 
 # run NAME KIND LOSSES_UNTIL: one job (KIND: disk, memory or torchrun);
 # node 2 lost every PERIOD s while the job is younger than LOSSES_UNTIL s (0:
@@ -125,9 +115,10 @@ run() {
   done
   wait "$first" || { echo "goodput.sh: $name: node 1 exited with $? (see $dir)" >&2; tail -n 5 "$dir"/node1.err >&2; return 1; }
   wait
-  local took
+  local took again
   took=$(since "$start")
-  printf '%.2f %d %d\n' "$took" "$losses" "$(twice "$dir")"
+  again=$(twice "$dir") || return 1
+  printf '%.2f %d %d\n' "$took" "$losses" "$again"
 }
 
 echo "bench/goodput.sh: $(nproc) cores, 2 simulated nodes x 2, a node lost every $period s"

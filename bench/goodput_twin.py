@@ -5,9 +5,11 @@
 # samples: rank 0 saves a checkpoint (model, optimizer, progress) every
 # --checkpoint-every steps to a shared directory (torch.save to a temporary
 # file, then a rename), and every worker resumes from it at start, as a
-# torchrun job that survives restarts must. Rank 0 logs each step it trains
-# to --sample-log/round-<restart>-rank-0.txt (line-buffered), for the steps
-# trained twice. Run by torchrun; not a program of its own.
+# torchrun job that survives restarts must. Rank 0 logs each step as it
+# begins it, as the demo does, to --sample-log/round-<restart>-rank-0.txt
+# (line-buffered), for the steps trained twice (tests/scripts/sample_log.py:
+# a step was trained when the next one began). Run by torchrun; not a
+# program of its own.
 import argparse
 import datetime
 import os
@@ -67,14 +69,14 @@ def main():
         mine = orders[epoch][at + rank * s.batch_size:at + (rank + 1) * s.batch_size]
         if len(mine) == 0:
             mine = orders[epoch][:s.batch_size]
+        if log:
+            log.write(f"{step + 1}\n")  # as the step begins, as the demo does
         loss = F.cross_entropy(ddp(x[mine]), y[mine])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         step += 1
         done += min(s.batch_size * world, s.samples - at)
-        if log:
-            log.write(f"{step}\n")
         if rank == 0 and step % s.checkpoint_every == 0:
             tmp = path + ".tmp"
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -19,8 +19,8 @@
 #   load        -> the checkpoint is loaded ("dtrain checkpoint: resumed from")
 #   first step  -> the first step of the new round is trained (its sample log)
 # and the steps trained again: those the killed round trained and the new one
-# trains again (from the sample logs). Median of RUNS runs (default 3), in
-# milliseconds. Figures, not a test.
+# trains again (from the sample logs, tests/scripts/sample_log.py). Median of
+# RUNS runs (default 3), in milliseconds. Figures, not a test.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -58,17 +58,6 @@ new_round_started() {  # <dir> <list of files before>
   return 1
 }
 
-# again <dir> <list of files before>: the steps that the rounds before trained
-# and the new round (its rank 0's sample log) trained again.
-again() {
-  local f new=
-  for f in "$1"/round-*-rank-0.txt; do [[ " $2 " == *" $f "* ]] || new=$f; done
-  local from
-  from=$(head -n 1 "$new" | awk '{print $1}')
-  # A step was trained when the next one began (a line is written as a step begins).
-  # shellcheck disable=SC2086
-  cat $2 | awk -v from="$from" '{ seen[$1] = 1 } END { n = 0; for (s in seen) if (s + 0 >= from && (s + 1) in seen) ++n; print n }' 
-}
 # measure <log> <samples dir> <kill time> <files before>: prints "detect restart load first again".
 measure() {
   local log=$1 samples=$2 killed=$3 before=$4 first
@@ -79,8 +68,11 @@ measure() {
   started=$(first_after "$log" "${detected:-0}" "training a ")
   loaded=$(first_after "$log" "${started:-0}" "dtrain checkpoint: resumed from")
   [[ -n $detected && -n $started && -n $loaded ]] || { echo "missing lines in $log" >&2; return 1; }
-  echo "$((detected - killed)) $((started - detected)) $((loaded - started)) $((first - loaded))" \
-    "$(again "$samples" "$before")"
+  # The steps trained again (one change of round here: the killed round's
+  # steps at or after the new round's first that it trained).
+  local twice
+  twice=$(python3 "$here/../tests/scripts/sample_log.py" twice "$samples") || return 1
+  echo "$((detected - killed)) $((started - detected)) $((loaded - started)) $((first - loaded)) $twice"
 }
 
 declare -A results

@@ -82,51 +82,11 @@ PY
 # check_samples FOLDER SIZE EPOCHS: the demo's --sample-log files of a job of
 # several rounds: every sample of every epoch trained exactly once (a round
 # resumed at its checkpoint supersedes what an earlier round trained after
-# it), and at most one step trained twice at each change of round.
+# it), and at most one step trained twice at each change of round
+# (tests/scripts/sample_log.py check: it names the sample, step or round that fails).
 check_samples() {
-  python3 - "$@" <<'PY' || fail "the samples do not add up"
-import collections, glob, os, re, sys
-folder, size, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-steps = collections.defaultdict(dict)  # round -> step -> [(epoch, indices)]
-for path in glob.glob(os.path.join(folder, "round-*-rank-*.txt")):
-    rnd = int(re.search(r"round-(\d+)-rank", path).group(1))
-    for line in open(path):
-        if not line.endswith("\n"):
-            continue  # cut by the kill
-        step, epoch, *idx = map(int, line.split())
-        steps[rnd].setdefault(step, []).append((epoch, idx))
-first = {r: min(s) for r, s in steps.items()}
-seen = collections.defaultdict(collections.Counter)
-kept = 0
-for r, by_step in steps.items():
-    for step, parts in by_step.items():
-        if any(r2 > r and first[r2] <= step for r2 in steps):
-            continue  # redone by a later round
-        kept += 1
-        for epoch, idx in parts:
-            seen[epoch].update(idx)
-rounds = sorted(steps)
-# At each change of round (a node lost, back, replaced): the steps that
-# earlier rounds trained and the new round trained again. A line is written
-# as a step begins; a step was trained when some rank began the next one (its
-# collectives done). A memory copy of every step: at most the one under way.
-again = {r: sorted({s for r0 in rounds if r0 < r for s in steps[r0]
-                    if s >= first[r] and s + 1 in steps[r0]})
-         for r in rounds[1:]}
-for r, twice in again.items():
-    print(f"steps trained twice when round {r} began: {len(twice)} {twice}")
-print("rounds with steps:", ", ".join(f"{r} (steps {first[r]}..{max(steps[r])}, "
-      f"up to {max(len(p) for p in steps[r].values())} ranks a step)" for r in rounds))
-ok = len(seen) == epochs
-for epoch in sorted(seen):
-    c = seen[epoch]
-    missing = [i for i in range(size) if c[i] == 0]
-    extra = sum(c.values()) - size
-    print(f"epoch {epoch}: {len(c)} distinct samples of {size}, {extra} repeated (padding), "
-          f"{len(missing)} missing")
-    ok = ok and not missing and 0 <= extra <= 3 * len(rounds)
-sys.exit(0 if ok and all(len(t) <= 1 for t in again.values()) else 1)
-PY
+  python3 "$here/../scripts/sample_log.py" check "$1" --samples "$2" --epochs "$3" --most-twice 1 ||
+    fail "the samples do not add up"
 }
 
 # wait_for WHAT COMMAND...: polls the command for up to 60 s.

@@ -54,6 +54,8 @@ fail() {
 }
 # A model large enough that a run lasts about two seconds and a save some milliseconds.
 model=(--epochs 4 --samples 8192 --features 64 --hidden 256 --batch-size 32)
+# Counts the demo's --sample-log: the steps trained twice across the restart.
+sample_log="$(dirname "${BASH_SOURCE[0]}")/../scripts/sample_log.py"
 checksum_of() { sed -n 's/.*hold identical weights (checksum \([0-9a-f]*\)).*/\1/p' "$1" | tail -n 1; }
 
 # run_logged <log> <command>...: the command's output in <log>; its exit status.
@@ -189,21 +191,11 @@ case $case_name in
     got=$(checksum_of "$work/killed.log")
     [[ $got == "$want" ]] || fail "resumed run's checksum $got, uninterrupted $want"
     echo "resumed from memory after the kill: checksum $got, bit-identical"
-    # Steps trained twice: round 0's steps at or after round 1's first that
-    # round 0 trained (a line is written as a step begins: trained when the
-    # next one began).
-    again=$(python3 - "$work/samples" <<'PY'
-import glob, os, sys
-steps = {}
-for path in glob.glob(os.path.join(sys.argv[1], "round-*-rank-*.txt")):
-    rnd = int(os.path.basename(path).split("-")[1])
-    for line in open(path):
-        if line.endswith("\n"):
-            steps.setdefault(rnd, set()).add(int(line.split()[0]))
-first_after = min(steps[1])
-print(len([s for s in steps[0] if s >= first_after and s + 1 in steps[0]]))
-PY
-)
+    # Steps trained twice (one restart: round 0's steps at or after round 1's
+    # first that round 0 trained; a line is written as a step begins, so a
+    # step was trained when the next one began).
+    again=$(python3 "$sample_log" twice "$work/samples") ||
+      fail "could not count the steps trained twice in $work/samples"
     echo "steps trained twice: $again"
     ((again <= 1)) || fail "$again steps were trained twice (the memory tier allows 1)"
     leftovers=$(compgen -G "/dev/shm/dtrain-memory-$agent-*")

@@ -186,3 +186,39 @@ else()
   dtrain_add_skipped_test(training.resume.mpi.2ranks
     "dtrain_train_mlp_mpi is not built (needs MPI, mpiexec and DTRAIN_BUILD_EXAMPLES)")
 endif()
+# tests/scripts/sample_log.py counts the demo's --sample-log for resume.sh, the
+# cluster tests and bench/recovery.sh and goodput.sh: the steps trained twice
+# (a step is trained once some rank of its round began the next) and every
+# sample once. On 3 rounds of 2, 1 and 2 ranks (sample_logs/resumed: one step
+# trained twice at each change, a line cut by the kill), and on a job where it
+# must fail (sample_logs/lost: 2 steps trained twice, a rank's line missing).
+if(Python3_Interpreter_FOUND)
+  set(sample_log "${Python3_EXECUTABLE}|${scripts}/sample_log.py")
+  set(sample_logs "${training_dir}/sample_logs")
+  dtrain_add_test(training.sample_log
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=${sample_log}|check|${sample_logs}/resumed|--samples|16|--epochs|2|--most-twice|1"
+            -DEXPECT_STATUS=0
+            "-DEXPECT_1=steps trained twice when round 1 began: 1 \\[5\\]"
+            "-DEXPECT_2=steps trained twice when round 2 began: 1 \\[7\\]"
+            "-DEXPECT_3=epoch 1: 16 distinct samples of 16, 0 repeated [(]padding[)], 0 missing"
+            -P "${scripts}/check_job.cmake"
+    TIMEOUT 60)
+  dtrain_add_test(training.sample_log.twice
+    COMMAND "${CMAKE_COMMAND}" "-DCOMMAND=${sample_log}|twice|${sample_logs}/resumed"
+            -DEXPECT_STATUS=0 "-DEXPECT_1=^2[^0-9]*$" -P "${scripts}/check_job.cmake"
+    TIMEOUT 60)
+  dtrain_add_test(training.sample_log.catches_lost_samples
+    COMMAND "${CMAKE_COMMAND}"
+            "-DCOMMAND=${sample_log}|check|${sample_logs}/lost|--samples|16|--epochs|2|--most-twice|1"
+            -DEXPECT_STATUS=1
+            "-DEXPECT_1=FAILED: round 1 began at step 4 and trained again 2 steps that earlier rounds had trained [(]4, 5[)]: at most 1 allowed"
+            "-DEXPECT_2=FAILED: epoch 1: sample 0 was trained by no step the job kept: begun in step 6 of round 0 [(]rank 1, [^)]*round-0-rank-1.txt:6[)], superseded by round 1, which began at step 4"
+            -P "${scripts}/check_job.cmake"
+    TIMEOUT 60)
+else()
+  foreach(name IN ITEMS training.sample_log training.sample_log.twice
+                        training.sample_log.catches_lost_samples)
+    dtrain_add_skipped_test(${name} "needs python3 (Debian: apt-get install python3)")
+  endforeach()
+endif()
