@@ -22,10 +22,11 @@ prints one number: the steps trained twice, summed over the changes of round.
 
 prints the steps trained twice at each change of round, the rounds, and each
 epoch's samples, counted from the steps the job kept (a round resumed at its
-checkpoint supersedes what earlier rounds began from there on). Exits 1, naming the epoch, sample, step and round, unless every sample
-0..N-1 of every epoch 0..E-1 is trained, none more often than the sampler's
-padding allows, and (with --most-twice) at most K steps are trained twice at
-each change. Exits 2 on a folder or line it cannot read.
+checkpoint supersedes what earlier rounds began from there on). Exits 1,
+naming the epoch, sample, step and round, unless every sample 0..N-1 of every
+epoch 0..E-1 is trained, none more often than the sampler's padding allows,
+and (with --most-twice) at most K steps are trained twice at each change.
+Exits 2 on a folder or line it cannot read.
 """
 import argparse
 import collections
