@@ -9,6 +9,11 @@
 #   2 nodes x 2      node 2's agent (SIGKILL), elastic (--nnodes 1:2): node 1
 #                    goes on alone. On a simulated cluster (tests/cluster/
 #                    cluster.sh: root and network namespaces; skipped without)
+#   2 nodes x 2      the same as a fixed job with ZeRO stage 1 (--sharding 1:
+#   replaced         each rank's shard of the optimizer state is its own):
+#                    node 2's agent SIGKILLed and a new one started on node 2
+#                    at once; with the memory tier its ranks take their
+#                    copies back from their buddy, node 1's agent
 #
 # each from the disk alone and with the memory tier every step (--memory-every 1),
 # and times, from the agents' and workers' output lines (stamped as they
@@ -82,11 +87,13 @@ record() {  # <setup> <detect restart load first>
 
 # kill_and_measure <pid to kill> <log> <samples dir> <job to wait for> <setup>:
 # SIGKILLs the process, measures the recovery, waits for the job to succeed.
+# A 6th argument is a command run right after the kill (a replacement's start).
 kill_and_measure() {
-  local victim=$1 log=$2 samples=$3 job=$4 setup=$5 before killed row
+  local victim=$1 log=$2 samples=$3 job=$4 setup=$5 after=${6:-} before killed row
   before=$(echo "$samples"/round-*-rank-0.txt)
   killed=$(now_ms)
   kill -KILL "$victim"
+  [[ -z $after ]] || $after
   row=$(measure "$log" "$samples" "$killed" "$before") || return 1
   wait "$job" || { echo "the job failed after the kill (see $log)" >&2; return 1; }
   record "$setup" "$row"
@@ -135,6 +142,39 @@ two_nodes() {
     "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed, $tier"
 }
 
+# fixed_agent <dir> <n> <log suffix> <tier>: node n's agent (the demo) of a
+# fixed job of 2 nodes with ZeRO stage 1 on the simulated cluster.
+fixed_agent() {
+  local dir=$1 n=$2 suffix=$3 tier=$4
+  # shellcheck disable=SC2046
+  cluster_run node$n env DTRAIN_NNODES=2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
+    MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=1 "$demo" --nproc-per-node 2 --sharding 1 "${model[@]}" \
+    $(tier_flags "$tier") --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" \
+    > >(stamp >"$dir/node$n$suffix.log") 2>&1 &
+}
+
+replaced() {
+  local run=$1 tier=$2
+  local dir=$work/replaced-$tier-$run
+  mkdir -p "$dir/samples"
+  fixed_agent "$dir" 1 "" "$tier"
+  local first=$!
+  fixed_agent "$dir" 2 "" "$tier"
+  wait_until 60 compgen -G "$dir/ckpt/step-*[0-9]" >/dev/null || { echo "no checkpoint" >&2; return 1; }
+  local agent2
+  agent2=$(cluster_agent node2 "$demo")
+  [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
+  # shellcheck disable=SC2317  # run by kill_and_measure, right after the kill
+  replacement() {
+    fixed_agent "$dir" 2 .replacement "$tier"
+    replacement_pid=$!
+  }
+  kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "$first" \
+    "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced, $tier" replacement ||
+    return 1
+  wait "$replacement_pid" || { echo "the replacement failed (see $dir/node2.replacement.log)" >&2; return 1; }
+}
+
 echo "bench/recovery.sh: $(nproc) cores, median of $runs runs, milliseconds"
 tiers=(disk memory)
 for tier in "${tiers[@]}"; do
@@ -150,13 +190,15 @@ else
   cluster_up 2 1gbit
   for tier in "${tiers[@]}"; do
     for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" || exit 1; done
+    for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" || exit 1; done
   done
 fi
 
 echo
 echo "| setup | tier | detection | restart | load | first step | total | steps trained again |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
-for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"; do
+for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed" \
+  "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced"; do
   for tier in "${tiers[@]}"; do
     [[ -n ${results[$setup, $tier]:-} ]] || { echo "| $setup | $tier | $cluster | | | | | |"; continue; }
     IFS=';' read -r -a rows <<<"${results[$setup, $tier]}"
