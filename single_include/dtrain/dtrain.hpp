@@ -26681,7 +26681,8 @@ struct checkpoint_options {
   /// each rank's newest memory copy when the job has per-rank state (a ZeRO
   /// shard, add(..., per_rank)), so that the ranks of a node that replaces a
   /// lost one resume from memory too. Each rank sends each copy it commits
-  /// there on its writer thread; the store's token is DTRAIN_STORE_TOKEN's.
+  /// there (beside the training with `asynchronous`, else within the save);
+  /// the store's token is DTRAIN_STORE_TOKEN's.
   /// Empty: the environment's DTRAIN_MEMORY_BUDDY, which dtrun's node agent
   /// sets to the next node's agent (none on one node: no buddy).
   std::string memory_buddy{};
@@ -28644,8 +28645,9 @@ DTRAIN_DETAIL_INLINE void disk_tier::join_committer() {
 ///
 /// Per-rank state (a ZeRO rank's shard, a program's own) is lost with its
 /// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
-/// the next node's agent), each rank also sends each copy it commits, on its
-/// writer thread, to that agent's store, which holds the newest whole one
+/// the next node's agent), each rank also sends each copy it commits (where
+/// it commits it: on an asynchronous save's writer thread) to that agent's
+/// store, which holds the newest whole one
 /// per rank in its memory. A rank that has no copy of the newest step its
 /// buddy holds (its node is new: it replaces a lost one) takes it from there
 /// at restore(), checked, and commits it as its own.
@@ -28730,7 +28732,7 @@ class memory_tier final : public tier {
   [[nodiscard]] std::string held_prefix(std::uint64_t step) const;
   /// The buddy's key that names the newest step it holds of this rank.
   [[nodiscard]] std::string held_newest() const;
-  /// On the writer thread, after `copy` (of `step`) is committed: sends it to
+  /// Where `copy` (of `step`) was committed (seal()): sends it to
   /// the buddy (its files in pieces, then its manifest, then the newest's
   /// key) and drops the one sent before. A failure is said once, and no
   /// copy is sent again: this rank's copies are on its node only.

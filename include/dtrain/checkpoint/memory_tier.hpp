@@ -9,8 +9,9 @@
 ///
 /// Per-rank state (a ZeRO rank's shard, a program's own) is lost with its
 /// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
-/// the next node's agent), each rank also sends each copy it commits, on its
-/// writer thread, to that agent's store, which holds the newest whole one
+/// the next node's agent), each rank also sends each copy it commits (where
+/// it commits it: on an asynchronous save's writer thread) to that agent's
+/// store, which holds the newest whole one
 /// per rank in its memory. A rank that has no copy of the newest step its
 /// buddy holds (its node is new: it replaces a lost one) takes it from there
 /// at restore(), checked, and commits it as its own.
@@ -98,7 +99,7 @@ class memory_tier final : public tier {
   [[nodiscard]] std::string held_prefix(std::uint64_t step) const;
   /// The buddy's key that names the newest step it holds of this rank.
   [[nodiscard]] std::string held_newest() const;
-  /// On the writer thread, after `copy` (of `step`) is committed: sends it to
+  /// Where `copy` (of `step`) was committed (seal()): sends it to
   /// the buddy (its files in pieces, then its manifest, then the newest's
   /// key) and drops the one sent before. A failure is said once, and no
   /// copy is sent again: this rank's copies are on its node only.

@@ -60,7 +60,8 @@ struct checkpoint_options {
   /// each rank's newest memory copy when the job has per-rank state (a ZeRO
   /// shard, add(..., per_rank)), so that the ranks of a node that replaces a
   /// lost one resume from memory too. Each rank sends each copy it commits
-  /// there on its writer thread; the store's token is DTRAIN_STORE_TOKEN's.
+  /// there (beside the training with `asynchronous`, else within the save);
+  /// the store's token is DTRAIN_STORE_TOKEN's.
   /// Empty: the environment's DTRAIN_MEMORY_BUDDY, which dtrun's node agent
   /// sets to the next node's agent (none on one node: no buddy).
   std::string memory_buddy{};
