@@ -27,6 +27,9 @@
 #                      every epoch is trained exactly once across the changes (counted from
 #                      the demo's --sample-log), and the accuracy is within a point of an
 #                      uninterrupted run
+#   elastic_1_2_zero1  the same with ZeRO stage 1: each change re-cuts the ranks' shards of
+#                      the optimizer state from the memory copies (node1's, and node2's
+#                      that node1's agent holds), gathered to every rank
 #   replace_node       the demo as a fixed job of 2 nodes x 2 with ZeRO stage 1 (each rank's
 #                      shard of the optimizer state is its own; memory copies every step):
 #                      node2's agent SIGKILLed at a random step; node1 waits for an agent to
@@ -211,9 +214,11 @@ case $case_name in
     [[ -n $(losses "$work/one_node_shm.out") && $(losses "$work/one_node_shm.out") == "$(losses "$work/node1.out")" ]] ||
       fail "the losses through shared memory differ from those over TCP"
     ;;
-  elastic_1_2)
+  elastic_1_2 | elastic_1_2_zero1)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
     demo=("$bin/dtrain_train_mlp" --epochs 4 --samples 8192 --features 64 --hidden 256 --batch-size 32)
+    # ZeRO stage 1: each rank's shard of the optimizer state is its own, re-cut at each change.
+    [[ $case_name == elastic_1_2_zero1 ]] && demo+=(--sharding 1)
     DTRAIN_GLOO_SHM=0 timeout "$limit" "${demo[@]}" --nproc-per-node 4 >"$work/reference.out" 2>&1 ||
       fail "the uninterrupted demo (1 node x 4) exited with $?"
     mkdir -p "$work/samples"
@@ -239,9 +244,15 @@ case $case_name in
       "$work/node1.err" || fail "node1 waited for node2's agent, which was gone"
     # Node1's memory copies were written by 4 ranks; the demo's state is all
     # replicated, so the round of 2 resumes from them, reading nothing on disk.
+    # With ZeRO, node1's ranks gather the shards of the 4 ranks (2 on node1, 2 at
+    # node1's agent, node2's buddy) and re-cut them.
     wait_for "node1's round to resume" grep -q "resumed from the memory copy of step" \
       "$work/node1.err"
-    grep -h "resumed from" "$work/node1.err"
+    grep -h "resumed from\|gathered from" "$work/node1.err"
+    if [[ $case_name == elastic_1_2_zero1 ]]; then
+      grep -q "no rank had a copy for a job of 2 ranks: step [0-9]* of the job of 4 ranks gathered" \
+        "$work/node1.err" || fail "node1's round of 2 did not gather the 4 ranks' shards"
+    fi
     solo=$(grep -o "round [0-9]*: nodes 0 (1 of" "$work/node1.err" | tail -n 1 | awk '{print $2}')
     solo=${solo%:}
     wait_for "node1's round $solo to train" test -s "$work/samples/round-$solo-rank-0.txt"
@@ -264,10 +275,17 @@ case $case_name in
     grep -q "nodes 0, 1 (2 of at most 2)" "$work/node2.again.err" ||
       fail "node2 did not rejoin the job"
     # Node2 came back without copies: rank 0 sent its ranks the replicated
-    # part, and that round resumed from memory too.
-    grep -q "memory tier: rank(s) 2, 3 had no copy of step [0-9]* (their node is new, or came back): rank 0 sent them its replicated part" \
-      "$work/node1.err" || fail "node2's ranks did not get the memory copy from rank 0"
-    grep -h "sent them its replicated part" "$work/node1.err"
+    # part (with ZeRO: every rank the 2 ranks' parts, re-cut for 4), and that
+    # round resumed from memory too.
+    if [[ $case_name == elastic_1_2_zero1 ]]; then
+      grep -q "no rank had a copy for a job of 4 ranks: step [0-9]* of the job of 2 ranks gathered" \
+        "$work/node1.err" || fail "the round of 4 did not gather the 2 ranks' shards"
+      grep -h "gathered from" "$work/node1.err"
+    else
+      grep -q "memory tier: rank(s) 2, 3 had no copy of step [0-9]* (their node is new, or came back): rank 0 sent them its replicated part" \
+        "$work/node1.err" || fail "node2's ranks did not get the memory copy from rank 0"
+      grep -h "sent them its replicated part" "$work/node1.err"
+    fi
     (($(grep -c "resumed from the memory copy of step" "$work/node1.err") >= 2)) ||
       fail "the round with node2 back did not resume from memory"
     # Every epoch's samples exactly once across the rounds: a round resumed at

@@ -1054,6 +1054,93 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
   }
 }
 
+TEST_CASE("checkpoint: sharded state is re-cut from memory when an elastic job's size changes") {
+  // 4 ranks on 2 "nodes" with a ZeRO-like sharded entry; each node's agent
+  // holds the other's copies (2 nodes: each the other's buddy).
+  const dtrain::store_options options{.timeout = 20s, .log = [](std::string_view) {}};
+  dtrain::store_server holds_node0("127.0.0.1", 0, options), holds_node1("127.0.0.1", 0, options);
+  auto at = [](const dtrain::store_server& server) {
+    return "127.0.0.1:" + std::to_string(server.port());
+  };
+  constexpr std::uint64_t total = 1001;
+  scratch_dir disk, memory;
+  // `size` ranks (nodes of 2) train steps first..last, or restore (last 0);
+  // returns what each restore gave. Node 0's agent holds node 1's copies.
+  auto run = [&](int size, int first, int last, const std::vector<std::string>& buddy,
+                 const std::vector<std::string>& held) {
+    std::vector<std::int64_t> restored(static_cast<std::size_t>(size), -2);
+    const auto failures = on_ranks(size, [&](dtrain::control_plane plane, int rank) {
+      const auto ranges = cut(rank, size, total, 1);
+      std::vector<float> mine(1 + total / static_cast<std::uint64_t>(size) + 1, -7.0f);
+      std::int64_t counter = 0;
+      const auto node = static_cast<std::size_t>(rank / 2);
+      dtrain::checkpoint c(plane, {.dir = disk.path,
+                                   .every = 4,
+                                   .quiet = true,
+                                   .memory_every = 1,
+                                   .memory_dir = memory.path / ("node" + std::to_string(node)),
+                                   .memory_buddy = buddy[node],
+                                   .memory_held = held[node]});
+      c.add_sharded("adam.m", dtrain::host_buffer(std::span<float>(mine)), ranges, total);
+      c.add("counter", counter);
+      if (last == 0) {
+        const auto step = c.restore();
+        restored[static_cast<std::size_t>(rank)] = step ? static_cast<std::int64_t>(*step) : -1;
+        if (!step) return;
+        CHECK(counter == static_cast<std::int64_t>(*step));
+        bool same = true;
+        for (const auto& r : ranges) {
+          for (std::uint64_t k = 0; k < r.count; ++k)
+            same =
+                same && mine[r.local + k] == whole_value(r.global + k) + static_cast<float>(*step);
+        }
+        CHECK(same);
+        return;
+      }
+      if (first > 1) CHECK(c.restore() == static_cast<std::uint64_t>(first - 1));
+      for (int step = first; step <= last; ++step) {
+        for (const auto& r : ranges) {
+          for (std::uint64_t k = 0; k < r.count; ++k)
+            mine[r.local + k] = whole_value(r.global + k) + static_cast<float>(step);
+        }
+        counter = step;
+        c.step();
+      }
+    });
+    for (const auto& f : failures) CHECK(f == "");
+    return restored;
+  };
+  auto damage_disk = [&] {
+    for (const auto& dir : fs::directory_iterator(disk.path)) {
+      for (const auto& file : fs::directory_iterator(dir.path())) fs::resize_file(file.path(), 1);
+    }
+  };
+  run(4, 1, 6, {at(holds_node0), at(holds_node1)}, {at(holds_node1), at(holds_node0)});
+  // Node 1 lost: a round of node 0's 2 ranks. Ranks 0, 1's copies are on
+  // node 0, ranks 2, 3's at node 0's agent: every part is sent to both
+  // ranks, which re-cut it; nothing is read on disk (it is damaged).
+  fs::remove_all(memory.path / "node1");
+  damage_disk();
+  CHECK(run(2, 0, 0, {"", ""}, {at(holds_node1), ""}) == std::vector<std::int64_t>(2, 6));
+  // The round of 2 trains on (the disk is whole again at step 8); then node
+  // 1 is back, empty, and a round of 4 re-cuts the 2 ranks' copies: of step
+  // 8, for rank 1 was killed in its copy of step 9.
+  fs::remove_all(disk.path);
+  run(2, 7, 9, {"", ""}, {at(holds_node1), ""});
+  fs::create_directories(memory.path / "node1");
+  fs::remove(memory.path / "node0" / "step-9.rank-1" / "MANIFEST");
+  damage_disk();
+  CHECK(run(4, 0, 0, {at(holds_node0), at(holds_node1)}, {at(holds_node1), at(holds_node0)}) ==
+        std::vector<std::int64_t>(4, 8));
+  // Both nodes' copies gone: the disk's (whole again).
+  fs::remove_all(disk.path);
+  run(4, 1, 5, {at(holds_node0), at(holds_node1)}, {at(holds_node1), at(holds_node0)});
+  fs::remove_all(memory.path / "node1");
+  fs::remove_all(memory.path / "node0");
+  dtrain::store_server fresh("127.0.0.1", 0, options);  // node 0's agent is new too
+  CHECK(run(2, 0, 0, {"", ""}, {at(fresh), ""}) == std::vector<std::int64_t>(2, 4));
+}
+
 TEST_CASE(
     "checkpoint: a job of another size resumes from memory when all its state is replicated") {
   // 4 ranks on 2 "nodes" train 6 steps (memory every step, the disk every

@@ -42,14 +42,16 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     const std::string name(memory_checkpoint_variable);
     if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir = dir;
   }
-  std::string buddy = o.memory_buddy;
-  if (buddy.empty()) {
-    const std::string name(memory_buddy_variable);
-    if (const char* at = std::getenv(name.c_str()); at != nullptr) buddy = at;
-  }
+  // An option, else the variable dtrun's agent sets.
+  auto endpoint = [](const std::string& option, std::string_view variable) {
+    if (!option.empty()) return option;
+    const char* at = std::getenv(std::string(variable).c_str());
+    return at != nullptr ? std::string(at) : std::string();
+  };
   if (!memory_dir.empty()) {
-    memory_ = std::make_unique<detail::ckpt::memory_tier>(context_, std::move(memory_dir),
-                                                          std::move(buddy));
+    memory_ = std::make_unique<detail::ckpt::memory_tier>(
+        context_, std::move(memory_dir), endpoint(o.memory_buddy, memory_buddy_variable),
+        endpoint(o.memory_held, memory_held_variable));
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});

@@ -21,6 +21,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <set>
 #include <span>
 #include <string_view>
 #include <utility>
@@ -28,8 +29,11 @@
 namespace dtrain::detail::ckpt {
 
 DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir,
-                                              std::string buddy)
-    : tier(context), dir_(std::move(dir)), buddy_endpoint_(std::move(buddy)) {}
+                                              std::string buddy, std::string held)
+    : tier(context),
+      dir_(std::move(dir)),
+      buddy_endpoint_(std::move(buddy)),
+      held_endpoint_(std::move(held)) {}
 
 DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
   if (!node_.empty()) return node_;
@@ -55,6 +59,7 @@ DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::copy_dir(std::uint64_t s
 }
 
 DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::where(std::uint64_t step) const {
+  if (!recut_dir_.empty()) return recut_dir_;      // gathered for a re-cut
   const auto found = replicated_copy_.find(step);  // a restore without per-rank entries
   return found != replicated_copy_.end() ? found->second : copy_dir(step, context_.plane.rank());
 }
@@ -86,6 +91,10 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
     for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix))
       remove_checkpoint_tree(stale);
+    if (!recut_dir_.empty()) {  // loaded at the restore: the copies are newer now
+      remove_checkpoint_tree(recut_dir_);
+      recut_dir_.clear();
+    }
   } catch (const std::exception& e) {
     p.problem = e.what();
     static_cast<void>(detail::remove_tree(p.partial.c_str()));
@@ -95,32 +104,30 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   if (p.per_rank_file) send_to_buddy(p.step, copy_dir(p.step, context_.plane.rank()));
 }
 
-DTRAIN_DETAIL_INLINE store_client& memory_tier::buddy() {
-  if (!buddy_) {
-    const detail::host_port at = detail::split_host_port(
-        "checkpoint_options::memory_buddy=" + buddy_endpoint_, buddy_endpoint_);
-    if (!at.port) {
-      throw config_error("checkpoint_options::memory_buddy=" + buddy_endpoint_ +
-                         " has no port (HOST:PORT)");
-    }
-    // The job's token (DTRAIN_STORE_TOKEN); short waits: a buddy that is
+DTRAIN_DETAIL_INLINE store_client& memory_tier::open(std::optional<store_client>& client,
+                                                     const std::string& endpoint,
+                                                     std::string_view option) {
+  if (!client) {
+    const std::string what = "checkpoint_options::" + std::string(option) + "=" + endpoint;
+    const detail::host_port at = detail::split_host_port(what, endpoint);
+    if (!at.port) throw config_error(what + " has no port (HOST:PORT)");
+    // The job's token (DTRAIN_STORE_TOKEN); short waits: an agent that is
     // gone must not hold a save, or a restore, for the store's timeout.
     store_options options = store_options{}.with_env(environment::from_process());
     options.timeout = std::chrono::seconds(5);
     options.io_timeout = std::chrono::seconds(5);
     options.progress_interval = std::chrono::milliseconds(0);
-    buddy_.emplace(at.host, *at.port, std::move(options));
+    client.emplace(at.host, *at.port, std::move(options));
   }
-  return *buddy_;
+  return *client;
 }
 
-DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(std::uint64_t step) const {
-  return "dtrain/memory/rank-" + std::to_string(context_.plane.rank()) + "/" + step_name(step) +
-         "/";
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(int rank, std::uint64_t step) {
+  return "dtrain/memory/rank-" + std::to_string(rank) + "/" + step_name(step) + "/";
 }
 
-DTRAIN_DETAIL_INLINE std::string memory_tier::held_newest() const {
-  return "dtrain/memory/rank-" + std::to_string(context_.plane.rank()) + "/newest";
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_newest(int rank) {
+  return "dtrain/memory/rank-" + std::to_string(rank) + "/newest";
 }
 
 namespace memory_detail {
@@ -143,14 +150,14 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
   if (buddy_endpoint_.empty() || buddy_lost_) return;
   using memory_detail::piece_bytes;
   try {
-    store_client& store = buddy();
-    if (!held_) {  // what an earlier worker of this rank left there, dropped below
-      const std::string newest = held_newest();
-      if (store.check(std::span(&newest, 1))) held_ = std::stoull(store.get(newest));
+    store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
+    if (!buddy_step_) {  // what an earlier worker of this rank left there, dropped below
+      const std::string newest = held_newest(context_.plane.rank());
+      if (store.check(std::span(&newest, 1))) buddy_step_ = std::stoull(store.get(newest));
     }
     const std::string text = memory_detail::read_text(copy / manifest_name);
     const manifest m = parse_manifest(text, copy / manifest_name);
-    const std::string prefix = held_prefix(step);
+    const std::string prefix = held_prefix(context_.plane.rank(), step);
     std::string piece;
     for (const file_record& f : m.files) {
       std::ifstream in(copy / f.name, std::ios::binary);
@@ -164,10 +171,10 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
     }
     // The manifest last: a copy is whole at the buddy once the newest names it.
     store.set(prefix + std::string(manifest_name), text);
-    store.set(held_newest(), std::to_string(step));
-    const std::optional<std::uint64_t> before = std::exchange(held_, step);
+    store.set(held_newest(context_.plane.rank()), std::to_string(step));
+    const std::optional<std::uint64_t> before = std::exchange(buddy_step_, step);
     if (before && *before != step) {
-      const std::string old = held_prefix(*before);
+      const std::string old = held_prefix(context_.plane.rank(), *before);
       const std::string key = old + std::string(manifest_name);
       if (store.check(std::span(&key, 1))) {
         const manifest gone = parse_manifest(store.get(key), key);
@@ -193,15 +200,15 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
   std::optional<std::uint64_t> step;
   std::filesystem::path partial;
   try {
-    store_client& store = buddy();
-    const std::string newest = held_newest();
+    store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
+    const std::string newest = held_newest(context_.plane.rank());
     if (!store.check(std::span(&newest, 1))) return -1;  // it holds none of this rank
     step = std::stoull(store.get(newest));
-    held_ = step;
+    buddy_step_ = step;
     // A copy on this node at least as new: nothing to take (a worker restarted on its node).
     const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
     if (!own.empty() && own.front().first >= *step) return -1;
-    const std::string prefix = held_prefix(*step);
+    const std::string prefix = held_prefix(context_.plane.rank(), *step);
     const std::string text = store.get(prefix + std::string(manifest_name));
     const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
     if (m.step != *step || m.world_size != context_.plane.size()) {
@@ -257,7 +264,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::finish(std::unique_ptr<pending_save> p, b
   }
 }
 
-DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable() {
+DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable(bool recuts) {
   std::array<std::int64_t, 2> out{-1, -1};
   const int rank = context_.plane.rank();
   const int leader = node().front();
@@ -272,6 +279,8 @@ DTRAIN_DETAIL_INLINE std::array<std::int64_t, 2> memory_tier::usable() {
     if (found == out.size()) break;
     try {
       const manifest m = verify_step(path);
+      if (recuts && m.step == step && m.world_size != context_.plane.size())
+        continue;  // of a job of another size: recut() may gather it
       if (m.step != step || m.world_size != context_.plane.size()) {
         throw checkpoint_error("checkpoint: " + path.string() + " holds step " +
                                std::to_string(m.step) + " of " + std::to_string(m.world_size) +
@@ -367,18 +376,10 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
                    ") from its buddy, another node's agent");
     }
   }
-  const std::array<std::int64_t, 2> mine = own ? usable() : usable_replicated();
+  const bool recuts = own && entries.per_rank_recuts();
+  const std::array<std::int64_t, 2> mine = own ? usable(recuts) : usable_replicated();
   std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size));
   context_.plane.allgather(mine, all);
-  if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {
-    // A job's first start, or every node's copies gone (the whole job
-    // restarted, or every node that held one lost): the disk's, as ever.
-    context_.say(
-        "memory tier: no rank has a memory copy (a new job, or every node that held "
-        "one is gone): using " +
-        context_.options.dir.string());
-    return std::nullopt;
-  }
   auto without = [&](std::int64_t step) {
     std::vector<int> ranks;
     for (int r = 0; r < size; ++r) {
@@ -405,6 +406,22 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
     if (missing.empty())
       missing = "step " + std::to_string(candidate) + " is not whole on rank(s) " + list(lacking);
   }
+  if (best < 0 && recuts) {
+    // No step whole on every rank in copies of this job's size (its size
+    // changed, or a node replaced): the newest copies of any job, wherever
+    // the ranks reach them, gathered and re-cut, as the disk's would be.
+    const recut_result gathered = recut(floor);
+    if (gathered.said) return gathered.step;
+  }
+  if (std::ranges::none_of(all, [](std::int64_t v) { return v >= 0; })) {
+    // A job's first start, or every node's copies gone (the whole job
+    // restarted, or every node that held one lost): the disk's, as ever.
+    context_.say(
+        "memory tier: no rank has a memory copy (a new job, or every node that held "
+        "one is gone): using " +
+        context_.options.dir.string());
+    return std::nullopt;
+  }
   const std::string fallback = "using " + context_.options.dir.string() + " instead";
   if (best < 0) {
     context_.say("memory tier: no step is whole in every rank's memory copies (" + missing +
@@ -425,62 +442,49 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
   return static_cast<std::uint64_t>(best);
 }
 
-DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
-                                             const std::vector<int>& lacking) {
+DTRAIN_DETAIL_INLINE bool memory_tier::send_part(int root, const part_source& source,
+                                                 const std::filesystem::path& into,
+                                                 file_record& got, std::int64_t& extra,
+                                                 std::string& problem) {
   const int rank = context_.plane.rank();
-  const bool receiving = std::ranges::find(lacking, rank) != lacking.end();
-  const std::string fallback = "using " + context_.options.dir.string() + " instead";
-  // The root's replicated part: its size, checksum and the world size of the job that wrote it.
+  // The root's part: its size and checksum (-1: it cannot send it), and its `extra`.
   std::array<std::int64_t, 3> head{-1, 0, 0};
-  std::ifstream in;
-  std::string problem;
-  if (rank == root) {
-    try {
-      const std::filesystem::path copy = replicated_copy_.at(step);
-      const manifest m = read_manifest(copy);
-      const file_record* r = m.find(replicated_name);
-      if (!r) throw checkpoint_error("checkpoint: " + copy.string() + " lists no replicated part");
-      in.open(copy / replicated_name, std::ios::binary);
-      if (!in)
-        throw checkpoint_error("checkpoint: cannot open " + (copy / replicated_name).string());
-      head = {static_cast<std::int64_t>(r->bytes), std::bit_cast<std::int64_t>(r->checksum),
-              m.world_size};
-    } catch (const std::exception& e) {
-      problem = e.what();
-      tell("memory copy: cannot send step " + std::to_string(step) + ": " + problem);
-    }
+  if (rank == root && source.record && problem.empty()) {
+    head = {static_cast<std::int64_t>(source.record->bytes),
+            std::bit_cast<std::int64_t>(source.record->checksum), source.extra};
   }
   std::array<std::uint8_t, sizeof head> wire{};
   std::memcpy(wire.data(), head.data(), sizeof head);
   context_.plane.broadcast(wire, root);
   std::memcpy(head.data(), wire.data(), sizeof head);
-  if (head[0] < 0) {
-    context_.say("memory tier: rank " + std::to_string(root) + " could not send its copy of step " +
-                 std::to_string(step) + " to rank(s) " + list(lacking) +
-                 " (its error says why): " + fallback);
-    return false;
-  }
+  if (head[0] < 0) return false;
   // In pieces of at most 4 MiB: what the control plane holds at a time
   // (through the store, for NCCL's jobs) stays bounded.
   const auto bytes = static_cast<std::uint64_t>(head[0]);
-  const std::filesystem::path partial = staging(step);
   std::optional<atomic_file> out;
-  if (receiving) {
+  if (!into.empty() && problem.empty()) {
     try {
-      make_directory(partial, false);
-      out.emplace(partial / replicated_name);
+      out.emplace(into);
     } catch (const std::exception& e) {
       problem = e.what();
     }
   }
-  std::vector<std::uint8_t> piece(
-      static_cast<std::size_t>(std::min<std::uint64_t>(bytes, 4u << 20)));
-  for (std::uint64_t at = 0; at < bytes;) {
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), bytes - at));
-    if (rank == root &&
-        !in.read(reinterpret_cast<char*>(piece.data()), static_cast<std::streamsize>(n)))
-      std::fill_n(piece.begin(), n, std::uint8_t{0});  // its checksum fails where it arrives
-    context_.plane.broadcast(std::span<std::uint8_t>(piece.data(), n), root);
+  std::string piece;
+  std::uint64_t index = 0;
+  for (std::uint64_t at = 0; at < bytes; ++index) {
+    const auto n = static_cast<std::size_t>(std::min(memory_detail::piece_bytes, bytes - at));
+    if (rank == root) {
+      try {
+        piece = source.read(index);
+      } catch (const std::exception&) {
+        piece.clear();
+      }
+      piece.resize(n);  // a short read: its checksum fails where it arrives
+    } else {
+      piece.assign(n, '\0');
+    }
+    context_.plane.broadcast(
+        std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(piece.data()), n), root);
     if (out && problem.empty()) {
       try {
         out->write(piece.data(), n);
@@ -490,16 +494,80 @@ DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
     }
     at += n;
   }
+  if (out && problem.empty()) {
+    try {
+      got = out->finish();
+      if (got.bytes != bytes || got.checksum != std::bit_cast<std::uint64_t>(head[1])) {
+        problem = into.filename().string() + " from rank " + std::to_string(root) +
+                  " arrived damaged (" + std::to_string(got.bytes) + " bytes, checksum differs)";
+      }
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  got.bytes = bytes;
+  got.checksum = std::bit_cast<std::uint64_t>(head[1]);
+  extra = head[2];
+  return true;
+}
+
+DTRAIN_DETAIL_INLINE memory_tier::part_source memory_tier::file_source(
+    const std::filesystem::path& copy, const std::string& name) {
+  part_source source;
+  const manifest m = read_manifest(copy);
+  const file_record* r = m.find(name);
+  if (!r) throw checkpoint_error("checkpoint: " + copy.string() + " lists no " + name);
+  source.record = *r;
+  source.extra = m.world_size;
+  const std::filesystem::path file = copy / name;
+  source.read = [file](std::uint64_t index) {
+    std::ifstream in(file, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(index * memory_detail::piece_bytes));
+    std::string piece(static_cast<std::size_t>(memory_detail::piece_bytes), '\0');
+    in.read(piece.data(), static_cast<std::streamsize>(piece.size()));
+    piece.resize(static_cast<std::size_t>(in.gcount()));
+    return piece;
+  };
+  return source;
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
+                                             const std::vector<int>& lacking) {
+  const int rank = context_.plane.rank();
+  const bool receiving = std::ranges::find(lacking, rank) != lacking.end();
+  const std::string fallback = "using " + context_.options.dir.string() + " instead";
+  // The root's replicated part, and the world size of the job that wrote it.
+  part_source source;
+  std::string problem;
+  if (rank == root) {
+    try {
+      source = file_source(replicated_copy_.at(step), std::string(replicated_name));
+    } catch (const std::exception& e) {
+      problem = e.what();
+      tell("memory copy: cannot send step " + std::to_string(step) + ": " + problem);
+    }
+  }
+  const std::filesystem::path partial = staging(step);
+  if (receiving) {
+    try {
+      make_directory(partial, false);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  file_record got;
+  std::int64_t world = 0;  // of the job that wrote the part
+  if (!send_part(root, source, receiving ? partial / replicated_name : std::filesystem::path(), got,
+                 world, problem)) {
+    context_.say("memory tier: rank " + std::to_string(root) + " could not send its copy of step " +
+                 std::to_string(step) + " to rank(s) " + list(lacking) +
+                 " (its error says why): " + fallback);
+    return false;
+  }
   if (receiving && problem.empty()) {
     try {
-      file_record got = out->finish();
-      if (got.bytes != bytes || got.checksum != std::bit_cast<std::uint64_t>(head[1])) {
-        throw checkpoint_error("checkpoint: the replicated part of step " + std::to_string(step) +
-                               " from rank " + std::to_string(root) + " arrived damaged (" +
-                               std::to_string(got.bytes) + " bytes, checksum differs)");
-      }
       got.name = std::string(replicated_name);
-      const std::string text = render(manifest{step, static_cast<int>(head[2]), {got}});
+      const std::string text = render(manifest{step, static_cast<int>(world), {got}});
       atomic_file written(partial / manifest_name);
       written.write(text.data(), text.size());
       static_cast<void>(written.finish());
@@ -511,16 +579,12 @@ DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
       problem = e.what();
     }
   }
-  out.reset();
   if (receiving && !problem.empty()) {
     static_cast<void>(detail::remove_tree(partial.c_str()));
     tell("memory copy: could not take step " + std::to_string(step) + " from rank " +
          std::to_string(root) + ": " + problem + "; not used");
   }
-  const std::int64_t ok = problem.empty() ? 1 : 0;
-  std::vector<std::int64_t> oks(static_cast<std::size_t>(context_.plane.size()));
-  context_.plane.allgather(std::span<const std::int64_t>(&ok, 1), oks);
-  if (std::ranges::find(oks, 0) != oks.end()) {
+  if (!all_ok(problem.empty() || !receiving)) {
     context_.say("memory tier: rank(s) " + list(lacking) + " could not take step " +
                  std::to_string(step) + " from rank " + std::to_string(root) +
                  " (each said why): " + fallback);
@@ -528,9 +592,235 @@ DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
   }
   context_.say("memory tier: rank(s) " + list(lacking) + " had no copy of step " +
                std::to_string(step) + " (their node is new, or came back): rank " +
-               std::to_string(root) + " sent them its replicated part (" + std::to_string(bytes) +
-               " bytes)");
+               std::to_string(root) + " sent them its replicated part (" +
+               std::to_string(got.bytes) + " bytes)");
   return true;
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::all_ok(bool mine) {
+  const std::int64_t ok = mine ? 1 : 0;
+  std::vector<std::int64_t> oks(static_cast<std::size_t>(context_.plane.size()));
+  context_.plane.allgather(std::span<const std::int64_t>(&ok, 1), oks);
+  return std::ranges::find(oks, 0) == oks.end();
+}
+
+DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t floor) {
+  const int rank = context_.plane.rank();
+  const int size = context_.plane.size();
+  const std::string fallback = "using " + context_.options.dir.string() + " instead";
+  const std::string mine = ".recut-" + std::to_string(rank);
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().filename().string().find(mine) != std::string::npos)
+      remove_checkpoint_tree(it->path());  // an assembly of a restore before
+  }
+  // 1. The copies this rank can reach, of a job of any size, by (step, that
+  // job's size, its rank): its node's, and those its agent holds for the
+  // node before it.
+  struct reached {
+    std::filesystem::path copy;  // in dir_; empty: at the agent (held_prefix)
+    manifest m;
+  };
+  std::map<std::pair<std::uint64_t, int>, std::map<int, reached>, std::greater<>> seen;
+  for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const std::size_t at = name.find(".rank-");
+    if (at == std::string::npos) continue;
+    const std::string_view of = std::string_view(name).substr(at + 6);
+    const auto step = step_of(std::string_view(name).substr(0, at));
+    if (!step || of.empty() ||
+        !std::ranges::all_of(of, [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    try {
+      manifest m = read_manifest(it->path());
+      if (m.step == *step)
+        seen[{m.step, m.world_size}][std::stoi(std::string(of))] = {it->path(), std::move(m)};
+    } catch (const std::exception&) {
+      // A torn copy: as none (the one who sends it would fail the checksum anyway).
+    }
+  }
+  std::int64_t widest = 0;
+  for (const auto& [key, ranks] : seen) widest = std::max<std::int64_t>(widest, key.second);
+  std::vector<std::int64_t> widths(static_cast<std::size_t>(size));
+  context_.plane.allgather(std::span<const std::int64_t>(&widest, 1), widths);
+  widest = *std::ranges::max_element(widths);
+  if (!held_endpoint_.empty() && widest > 0) {
+    try {
+      store_client& store = open(held_, held_endpoint_, "memory_held");
+      for (int r = 0; r < widest; ++r) {
+        const std::string newest = held_newest(r);
+        if (!store.check(std::span(&newest, 1))) continue;
+        const std::uint64_t step = std::stoull(store.get(newest));
+        const std::string key = held_prefix(r, step) + std::string(manifest_name);
+        manifest m = parse_manifest(store.get(key), key);
+        auto& at = seen[{m.step, m.world_size}];
+        if (!at.contains(r)) at[r] = {{}, std::move(m)};
+      }
+    } catch (const std::exception& e) {
+      tell("memory copy: the copies its node's agent holds (" + held_endpoint_ + "): " + e.what() +
+           "; not used");
+    }
+  }
+  // 2. The steps the ranks reached (each its 4 newest, with the size of
+  // their job), newest first: the first whose every rank's copy some rank
+  // reaches is gathered (a rank killed in its copy leaves the one before).
+  constexpr std::size_t newest_few = 4;
+  std::array<std::int64_t, 2 * newest_few> few{};
+  std::ranges::fill(few, -1);
+  std::size_t n = 0;
+  for (auto it = seen.begin(); it != seen.end() && n < newest_few; ++it, ++n) {
+    few[2 * n] = static_cast<std::int64_t>(it->first.first);
+    few[2 * n + 1] = it->first.second;
+  }
+  std::vector<std::int64_t> fews(few.size() * static_cast<std::size_t>(size));
+  context_.plane.allgather(few, fews);
+  std::set<std::pair<std::int64_t, std::int64_t>, std::greater<>> candidates;
+  for (std::size_t i = 0; i + 1 < fews.size(); i += 2) {
+    if (fews[i] >= 0) candidates.emplace(fews[i], fews[i + 1]);
+  }
+  if (candidates.empty()) return {};  // no copy anywhere: newest() says so
+  const std::map<int, reached> none;
+  std::uint64_t step = 0;
+  int world = 0;
+  std::string which, missing;
+  const std::map<int, reached>* here = &none;
+  int replicated_of = -1;  // the old rank whose copy holds the replicated part, here
+  std::size_t words = 0;
+  std::vector<std::int64_t> reaches;
+  // The lowest rank that reaches bit `bit` (an old rank; `world`: the replicated part), or -1.
+  auto holder = [&](int bit) {
+    for (int r = 0; r < size; ++r) {
+      if ((reaches[static_cast<std::size_t>(r) * words + static_cast<std::size_t>(bit / 64)] >>
+           (bit % 64)) &
+          1)
+        return r;
+    }
+    return -1;
+  };
+  bool whole = false;
+  for (const auto& [candidate, of] : candidates) {
+    step = static_cast<std::uint64_t>(candidate);
+    world = static_cast<int>(of);
+    which = "step " + std::to_string(step) + " of the job of " + std::to_string(world) + " ranks";
+    if (candidate < floor) {
+      context_.say("memory tier: the memory copies (" + which + ") are older than the disk " +
+                   "checkpoint (step " + std::to_string(floor) + ")" +
+                   (missing.empty() ? std::string() : "; " + missing) + ": " + fallback);
+      return {std::nullopt, true};
+    }
+    // 3. Who reaches which of its ranks' copies, and which holds its replicated part.
+    words = static_cast<std::size_t>(world / 64 + 1);
+    std::vector<std::int64_t> reach(words, 0);
+    const auto found = seen.find({step, world});
+    here = found == seen.end() ? &none : &found->second;
+    replicated_of = -1;
+    for (const auto& [r, copy] : *here) {
+      if (r >= world) continue;
+      reach[static_cast<std::size_t>(r / 64)] |= std::int64_t{1} << (r % 64);
+      if (replicated_of < 0 && copy.m.find(replicated_name)) replicated_of = r;
+    }
+    if (replicated_of >= 0)
+      reach[static_cast<std::size_t>(world / 64)] |= std::int64_t{1} << (world % 64);
+    reaches.assign(words * static_cast<std::size_t>(size), 0);
+    context_.plane.allgather(reach, reaches);
+    std::vector<int> lost;
+    for (int r = 0; r < world; ++r) {
+      if (holder(r) < 0) lost.push_back(r);
+    }
+    if (lost.empty() && holder(world) >= 0) {
+      whole = true;
+      break;
+    }
+    if (missing.empty()) {
+      missing = "no rank reaches the copies of rank(s) " +
+                (lost.empty() ? std::string("any with the replicated part") : list(lost)) + " of " +
+                which;
+    }
+  }
+  if (!whole) {
+    context_.say("memory tier: " + missing +
+                 " (their node and its buddy are gone, or it was killed in its copy), nor "
+                 "all of an older one: " +
+                 fallback);
+    return {std::nullopt, true};
+  }
+  // 4. Every part from the lowest rank that reaches it, to every rank, which
+  // writes them all into one copy of its own (a sharded entry is re-cut
+  // from every rank's part, as from the disk's).
+  const std::filesystem::path partial =
+      dir_ / (step_name(step) + mine + std::string(partial_suffix));
+  std::string problem;
+  try {
+    make_directory(partial, false);
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  auto source_of = [&](int r, const std::string& name) {
+    part_source source;
+    const reached& copy = here->at(r);
+    if (!copy.copy.empty()) return file_source(copy.copy, name);
+    const file_record* record = copy.m.find(name);
+    if (!record)
+      throw checkpoint_error("the copy of rank " + std::to_string(r) + " lists no " + name);
+    source.record = *record;
+    source.read = [this, prefix = held_prefix(r, step), name](std::uint64_t index) {
+      return open(held_, held_endpoint_, "memory_held")
+          .get(memory_detail::piece_key(prefix, name, index));
+    };
+    return source;
+  };
+  manifest assembled{step, world, {}};
+  std::uint64_t sent = 0;
+  for (int part = -1; part < world; ++part) {  // the replicated part first
+    const std::string name = part < 0 ? std::string(replicated_name) : rank_part_name(part);
+    const int root = holder(part < 0 ? world : part);
+    part_source source;
+    if (rank == root) {
+      try {
+        source = source_of(part < 0 ? replicated_of : part, name);
+      } catch (const std::exception& e) {
+        tell("memory copy: cannot send " + name + " of " + which + ": " + e.what());
+      }
+    }
+    file_record got;
+    std::int64_t unused = 0;
+    if (!send_part(root, source, problem.empty() ? partial / name : std::filesystem::path(), got,
+                   unused, problem)) {
+      static_cast<void>(detail::remove_tree(partial.c_str()));
+      context_.say("memory tier: rank " + std::to_string(root) + " could not send " + name +
+                   " of " + which + " (its error says why): " + fallback);
+      return {std::nullopt, true};
+    }
+    got.name = name;
+    assembled.files.push_back(got);
+    sent += got.bytes;
+  }
+  const std::filesystem::path copy = dir_ / (step_name(step) + mine);
+  if (problem.empty()) {
+    try {
+      const std::string text = render(assembled);
+      atomic_file written(partial / manifest_name);
+      written.write(text.data(), text.size());
+      static_cast<void>(written.finish());
+      rename_path(partial, copy);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  if (!problem.empty()) {
+    static_cast<void>(detail::remove_tree(partial.c_str()));
+    tell("memory copy: could not gather " + which + ": " + problem + "; not used");
+  }
+  if (!all_ok(problem.empty())) {
+    context_.say("memory tier: some rank could not gather " + which +
+                 " (each said why): " + fallback);
+    return {std::nullopt, true};
+  }
+  recut_dir_ = copy;
+  context_.say("memory tier: no rank had a copy for a job of " + std::to_string(size) +
+               " ranks: " + which + " gathered from the ranks that reach its copies (" +
+               std::to_string(sent) + " bytes to every rank), to be re-cut");
+  return {step, true};
 }
 
 DTRAIN_DETAIL_INLINE std::string memory_tier::list(const std::vector<int>& ranks) {
@@ -541,6 +831,14 @@ DTRAIN_DETAIL_INLINE std::string memory_tier::list(const std::vector<int>& ranks
 
 DTRAIN_DETAIL_INLINE std::vector<std::filesystem::path> memory_tier::files(
     std::uint64_t step, const registry& entries) {
+  if (!recut_dir_.empty()) {
+    const manifest m = read_manifest(recut_dir_);
+    if (m.step == step) {
+      return entries.check(
+          m, [&](const std::string& name) { return recut_dir_ / name; }, recut_dir_,
+          context_.plane.size());
+    }
+  }
   if (!entries.has_scope(checkpoint_scope::per_rank)) {
     const auto found = replicated_copy_.find(step);
     if (found == replicated_copy_.end()) {

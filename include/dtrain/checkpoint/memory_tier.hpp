@@ -36,7 +36,8 @@ class memory_tier final : public tier {
  public:
   /// Copies in `dir`, one per node; `buddy` (HOST:PORT, or empty) the store
   /// on another node that holds this rank's newest copy.
-  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy);
+  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy,
+              std::string held);
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
@@ -77,8 +78,9 @@ class memory_tier final : public tier {
   /// Rank `rank`'s copy of `step`: `DIR/step-<N>.rank-<R>`.
   [[nodiscard]] std::filesystem::path copy_dir(std::uint64_t step, int rank) const;
   /// This rank's 2 newest copies that check out (its own and its node's
-  /// replicated part) and fit this job, newest first, -1 for none.
-  std::array<std::int64_t, 2> usable();
+  /// replicated part) and fit this job, newest first, -1 for none. Copies of
+  /// a job of another size are said to be skipped, unless the state `recuts`.
+  std::array<std::int64_t, 2> usable(bool recuts);
   /// The 2 newest steps of which a copy on this node holds the replicated
   /// part whole (any rank's, any job size), newest first, -1 for none; each
   /// one's copy in `replicated_copy_`.
@@ -93,12 +95,14 @@ class memory_tier final : public tier {
   /// "2, 3"
   static std::string list(const std::vector<int>& ranks);
 
-  /// The buddy's store, connected at first use (within 5 s).
-  store_client& buddy();
-  /// The buddy's keys of this rank's copy of `step`: "dtrain/memory/rank-R/step-N/".
-  [[nodiscard]] std::string held_prefix(std::uint64_t step) const;
-  /// The buddy's key that names the newest step it holds of this rank.
-  [[nodiscard]] std::string held_newest() const;
+  /// `client`, connected to `endpoint` (checkpoint_options::`option`) at
+  /// first use, within 5 s.
+  static store_client& open(std::optional<store_client>& client, const std::string& endpoint,
+                            std::string_view option);
+  /// An agent's keys of rank `rank`'s copy of `step`: "dtrain/memory/rank-R/step-N/".
+  [[nodiscard]] static std::string held_prefix(int rank, std::uint64_t step);
+  /// An agent's key that names the newest step it holds of rank `rank`.
+  [[nodiscard]] static std::string held_newest(int rank);
   /// Where `copy` (of `step`) was committed (seal()): sends it to
   /// the buddy (its files in pieces, then its manifest, then the newest's
   /// key) and drops the one sent before. A failure is said once, and no
@@ -109,14 +113,47 @@ class memory_tier final : public tier {
   /// and commits it as this rank's copy. The step taken, or -1.
   std::int64_t take_from_buddy();
 
+  /// A part that one rank sends to all (send_part): its record, a number
+  /// that goes with it, and its piece `i` (4 MiB each).
+  struct part_source {
+    std::optional<file_record> record;
+    std::int64_t extra = 0;
+    std::function<std::string(std::uint64_t)> read;
+  };
+  /// The part `name` of the copy in `copy`, with its job's size as `extra`.
+  static part_source file_source(const std::filesystem::path& copy, const std::string& name);
+  /// Every rank together: `root` sends `source` over the control plane, in
+  /// pieces; each rank writes it into `into` (unless empty) and checks it.
+  /// False when the root cannot send it (every rank knows); else `got`
+  /// holds its size and checksum and `extra` the root's number, and
+  /// `problem` this rank's error, if any.
+  bool send_part(int root, const part_source& source, const std::filesystem::path& into,
+                 file_record& got, std::int64_t& extra, std::string& problem);
+  /// Every rank together: whether `mine` holds on every rank.
+  bool all_ok(bool mine);
+
+  struct recut_result {
+    std::optional<std::uint64_t> step;  // gathered: recut_dir_ holds it
+    bool said = false;                  // copies were found, and why not is said
+  };
+  /// restore(), with sharded per-rank state, when no rank has a copy of this
+  /// job's size: the newest step of the job before whose every rank's copy
+  /// some rank reaches (on its node, or held by its node's agent for the
+  /// node before it) is sent, part by part, to every rank, which assembles
+  /// it in recut_dir_ for files() to re-cut. Every rank together.
+  recut_result recut(std::int64_t floor);
+
   std::filesystem::path dir_;
   std::vector<int> node_;       // the ranks sharing dir_ (found at first use)
   std::uint64_t failures_ = 0;  // copies not written
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
   std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
   std::optional<store_client> buddy_;                               // connected at first use
-  bool buddy_lost_ = false;            // a send failed: none is tried again
-  std::optional<std::uint64_t> held_;  // the step the buddy holds of this rank, once known
+  bool buddy_lost_ = false;                  // a send failed: none is tried again
+  std::optional<std::uint64_t> buddy_step_;  // the step the buddy holds of this rank, once known
+  std::string held_endpoint_;                // HOST:PORT of this node's agent's store; empty: none
+  std::optional<store_client> held_;
+  std::filesystem::path recut_dir_;  // recut()'s assembly, until the next copy
 };
 
 }  // namespace dtrain::detail::ckpt

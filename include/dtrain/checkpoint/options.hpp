@@ -65,6 +65,12 @@ struct checkpoint_options {
   /// Empty: the environment's DTRAIN_MEMORY_BUDDY, which dtrun's node agent
   /// sets to the next node's agent (none on one node: no buddy).
   std::string memory_buddy{};
+  /// The store (HOST:PORT) where this node's agent holds the copies that the
+  /// node before it sends (its buddy): when the job's size changes (an
+  /// elastic round without that node), the sharded state is re-cut from
+  /// every old rank's copy, on the nodes and there. Empty: the environment's
+  /// DTRAIN_MEMORY_HELD, which dtrun's node agent sets.
+  std::string memory_held{};
 };
 
 /// Where a checkpoint's time on the training thread went, summed over its

@@ -111,6 +111,12 @@ DTRAIN_DETAIL_INLINE bool registry::has_scope(checkpoint_scope scope) const {
   return std::ranges::any_of(entries_, [&](const entry& e) { return e.scope == scope; });
 }
 
+DTRAIN_DETAIL_INLINE bool registry::per_rank_recuts() const {
+  return std::ranges::all_of(entries_, [](const entry& e) {
+    return e.scope != checkpoint_scope::per_rank || e.kind == entry_kind::sharded;
+  });
+}
+
 DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, bool copy,
                                                       std::size_t slot, double& copy_seconds) {
   part_snapshot out;

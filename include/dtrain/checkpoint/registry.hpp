@@ -64,6 +64,8 @@ class registry {
   std::span<std::byte> scratch(std::size_t bytes);
 
   [[nodiscard]] bool has_scope(checkpoint_scope scope) const;
+  /// Whether every per-rank entry is sharded (re-cut for another world size).
+  [[nodiscard]] bool per_rank_recuts() const;
 
   /// Runs the before_save hooks.
   void before_save() const;

@@ -69,6 +69,10 @@ inline constexpr std::string_view memory_checkpoint_variable = "DTRAIN_MEMORY_CH
 /// store (HOST:PORT) of the next node's agent, which holds their memory
 /// copies of per-rank state (checkpoint_options::memory_buddy).
 inline constexpr std::string_view memory_buddy_variable = "DTRAIN_MEMORY_BUDDY";
+/// Set by the node agent for its workers in a job of several nodes: its own
+/// store (HOST:PORT) of the copies the node before it sent
+/// (checkpoint_options::memory_held).
+inline constexpr std::string_view memory_held_variable = "DTRAIN_MEMORY_HELD";
 
 // --- collectives and engines (backend/)
 
@@ -126,6 +130,7 @@ inline constexpr std::array dtrain_variables{
     restart_count_variable,
     memory_checkpoint_variable,
     memory_buddy_variable,
+    memory_held_variable,
     collective_timeout_variable,
     check_collectives_variable,
     watchdog_heartbeat_variable,

@@ -85,14 +85,15 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
       true);
   // Several nodes: this agent holds, in its memory, the newest memory copy
   // of each worker of the node before it (their buddy), for a node that
-  // replaces a lost one; the address goes into its node record.
+  // replaces a lost one, or a round without it that re-cuts their shards;
+  // the address goes into its node record, and to its own workers.
   std::optional<store_server> buddies;
-  const std::string buddy_at = nnodes() > 1 ? serve_buddies(buddies) : std::string();
+  buddy_at_ = nnodes() > 1 ? serve_buddies(buddies) : std::string();
   int restart = 0;  // the round under way, for a failure outside it
   try {
     const detail::node_record me{
         nproc_,     options_.max_restarts, detail::host_name().value_or("?"),
-        ::getpid(), options_.rdzv_id,      buddy_at};
+        ::getpid(), options_.rdzv_id,      buddy_at_};
     if (elastic()) {
       store.join_elastic(me);
     } else {
@@ -351,6 +352,8 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   if (!memory_dir_.empty()) set(std::string(memory_checkpoint_variable), memory_dir_);
   if (!buddy.empty() && !env_.get(memory_buddy_variable))
     set(std::string(memory_buddy_variable), buddy);
+  if (!buddy_at_.empty() && !env_.get(memory_held_variable))
+    set(std::string(memory_held_variable), buddy_at_);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);

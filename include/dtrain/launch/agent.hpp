@@ -137,6 +137,7 @@ class node_agent {
   std::string master_addr_;
   int master_port_ = 0;
   std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
+  std::string buddy_at_;  // where this agent holds the copies of the node before it (serve_buddies)
 };
 
 }  // namespace dtrain
