@@ -8,7 +8,10 @@
 #                    (DTRAIN_MAX_RESTARTS=1) on the same node
 #   2 nodes x 2      node 2's agent (SIGKILL), elastic (--nnodes 1:2): node 1
 #                    goes on alone. On a simulated cluster (tests/cluster/
-#                    cluster.sh: root and network namespaces; skipped without)
+#                    cluster.sh: root and network namespaces; skipped without).
+#                    The same with ZeRO stage 1 (--sharding 1): with the memory
+#                    tier node 1's ranks gather the 4 ranks' shards (node 2's
+#                    from node 1's agent) and re-cut them for 2
 #   2 nodes x 2      the same as a fixed job with ZeRO stage 1 (--sharding 1:
 #   replaced         each rank's shard of the optimizer state is its own):
 #                    node 2's agent SIGKILLed and a new one started on node 2
@@ -121,16 +124,16 @@ one_node() {
     "1 node x 4, a worker SIGKILLed, $tier"
 }
 
-two_nodes() {
-  local run=$1 tier=$2
-  local dir=$work/two-$tier-$run
+two_nodes() {  # <run> <tier> [ZeRO stage]
+  local run=$1 tier=$2 zero=${3:-0}
+  local dir=$work/two-$tier-$zero-$run
   mkdir -p "$dir/samples"
   local n pids=()
   for n in 1 2; do
     # shellcheck disable=SC2046
     cluster_run node$n env DTRAIN_NNODES=1:2 DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
-      MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=2 "$demo" --nproc-per-node 2 "${model[@]}" \
-      $(tier_flags "$tier") --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" \
+      MASTER_PORT=29500 DTRAIN_MAX_RESTARTS=2 "$demo" --nproc-per-node 2 --sharding "$zero" \
+      "${model[@]}" $(tier_flags "$tier") --checkpoint-dir "$dir/ckpt" --sample-log "$dir/samples" \
       > >(stamp >"$dir/node$n.log") 2>&1 &
     pids+=($!)
   done
@@ -138,8 +141,9 @@ two_nodes() {
   local agent2
   agent2=$(cluster_agent node2 "$demo")
   [[ -n $agent2 ]] || { echo "no agent on node2" >&2; return 1; }
-  kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "${pids[0]}" \
-    "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed, $tier"
+  local setup="2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed"
+  ((zero == 0)) || setup="2 nodes x 2 (elastic 1:2, ZeRO-1), node 2's agent SIGKILLed"
+  kill_and_measure "$agent2" "$dir/node1.log" "$dir/samples" "${pids[0]}" "$setup, $tier"
 }
 
 # fixed_agent <dir> <n> <log suffix> <tier>: node n's agent (the demo) of a
@@ -190,6 +194,7 @@ else
   cluster_up 2 1gbit
   for tier in "${tiers[@]}"; do
     for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" || exit 1; done
+    for ((r = 0; r < runs; ++r)); do two_nodes "$r" "$tier" 1 || exit 1; done
     for ((r = 0; r < runs; ++r)); do replaced "$r" "$tier" || exit 1; done
   done
 fi
@@ -198,6 +203,7 @@ echo
 echo "| setup | tier | detection | restart | load | first step | total | steps trained again |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 for setup in "1 node x 4, a worker SIGKILLed" "2 nodes x 2 (elastic 1:2), node 2's agent SIGKILLed" \
+  "2 nodes x 2 (elastic 1:2, ZeRO-1), node 2's agent SIGKILLed" \
   "2 nodes x 2 (fixed, ZeRO-1), node 2's agent SIGKILLed and replaced"; do
   for tier in "${tiers[@]}"; do
     [[ -n ${results[$setup, $tier]:-} ]] || { echo "| $setup | $tier | $cluster | | | | | |"; continue; }

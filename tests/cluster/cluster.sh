@@ -42,7 +42,8 @@ cluster_skip() {
 cluster_fail() {
   echo "FAILED: $*"
   for f in "$work"/*.out "$work"/*.err; do
-    [[ -s $f ]] && { echo "--- $(basename "$f")"; tail -n 30 "$f"; }
+    # Without the line of each checkpoint saved, which would hide what went wrong.
+    [[ -s $f ]] && { echo "--- $(basename "$f")"; grep -v "^dtrain checkpoint: saved " "$f" | tail -n 30; }
   done
   exit 1
 }

@@ -997,11 +997,12 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
     const auto restored = memory_tier_run(
         disk.path, memory.path, 6,
         [&] {
-          // Each rank's newest copy is held, the one before dropped.
+          // Each rank's 2 newest copies are held, the ones before dropped.
           CHECK(held(holds_node1, "dtrain/memory/rank-3/step-6/MANIFEST"));
+          CHECK(held(holds_node1, "dtrain/memory/rank-3/step-5/MANIFEST"));
           CHECK(held(holds_node0, "dtrain/memory/rank-0/step-6/replicated.dtck/0"));
-          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/step-5/MANIFEST"));
-          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-0/newest"));
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/step-4/MANIFEST"));
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-0/steps"));
           fs::remove_all(memory.path / "node1");
           damage_disk(disk.path);
         },
@@ -1033,7 +1034,7 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
     const auto restored = memory_tier_run(
         disk.path, memory.path, 6,
         [&] {
-          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/newest"));
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/steps"));
           fs::remove_all(memory.path / "node1");
         },
         false, buddy);

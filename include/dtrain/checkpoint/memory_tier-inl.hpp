@@ -126,8 +126,8 @@ DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(int rank, std::uint64_
   return "dtrain/memory/rank-" + std::to_string(rank) + "/" + step_name(step) + "/";
 }
 
-DTRAIN_DETAIL_INLINE std::string memory_tier::held_newest(int rank) {
-  return "dtrain/memory/rank-" + std::to_string(rank) + "/newest";
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_list(int rank) {
+  return "dtrain/memory/rank-" + std::to_string(rank) + "/steps";
 }
 
 namespace memory_detail {
@@ -145,19 +145,29 @@ inline std::string read_text(const std::filesystem::path& file) {
 }
 }  // namespace memory_detail
 
+DTRAIN_DETAIL_INLINE std::vector<std::uint64_t> memory_tier::held_steps(store_client& store,
+                                                                        int rank) {
+  const std::string key = held_list(rank);
+  std::vector<std::uint64_t> steps;
+  if (!store.check(std::span(&key, 1))) return steps;
+  for (const std::string& step : detail::split(store.get(key), ' ')) {
+    if (!step.empty()) steps.push_back(std::stoull(step));
+  }
+  return steps;
+}
+
 DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
                                                      const std::filesystem::path& copy) {
   if (buddy_endpoint_.empty() || buddy_lost_) return;
   using memory_detail::piece_bytes;
+  const int rank = context_.plane.rank();
   try {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
-    if (!buddy_step_) {  // what an earlier worker of this rank left there, dropped below
-      const std::string newest = held_newest(context_.plane.rank());
-      if (store.check(std::span(&newest, 1))) buddy_step_ = std::stoull(store.get(newest));
-    }
+    // What an earlier worker of this rank left there, dropped below.
+    if (!buddy_steps_) buddy_steps_ = held_steps(store, rank);
     const std::string text = memory_detail::read_text(copy / manifest_name);
     const manifest m = parse_manifest(text, copy / manifest_name);
-    const std::string prefix = held_prefix(context_.plane.rank(), step);
+    const std::string prefix = held_prefix(rank, step);
     std::string piece;
     for (const file_record& f : m.files) {
       std::ifstream in(copy / f.name, std::ios::binary);
@@ -169,20 +179,28 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
         at += piece.size();
       }
     }
-    // The manifest last: a copy is whole at the buddy once the newest names it.
+    // The manifest last: a copy is whole at the buddy once the list names
+    // it. The 2 newest are kept, as on the node: a rank killed in its copy
+    // leaves the step before, which the others still hold.
     store.set(prefix + std::string(manifest_name), text);
-    store.set(held_newest(context_.plane.rank()), std::to_string(step));
-    const std::optional<std::uint64_t> before = std::exchange(buddy_step_, step);
-    if (before && *before != step) {
-      const std::string old = held_prefix(context_.plane.rank(), *before);
+    std::vector<std::uint64_t> kept{step};
+    for (const std::uint64_t held : *buddy_steps_) {
+      if (held < step && kept.size() < 2) kept.push_back(held);
+    }
+    std::string list_text;
+    for (const std::uint64_t held : kept)
+      list_text += (list_text.empty() ? "" : " ") + std::to_string(held);
+    store.set(held_list(rank), list_text);
+    for (const std::uint64_t gone : std::exchange(*buddy_steps_, kept)) {
+      if (std::ranges::find(kept, gone) != kept.end()) continue;
+      const std::string old = held_prefix(rank, gone);
       const std::string key = old + std::string(manifest_name);
-      if (store.check(std::span(&key, 1))) {
-        const manifest gone = parse_manifest(store.get(key), key);
-        store.erase(key);
-        for (const file_record& f : gone.files) {
-          for (std::uint64_t i = 0; i * piece_bytes < f.bytes; ++i)
-            store.erase(memory_detail::piece_key(old, f.name, i));
-        }
+      if (!store.check(std::span(&key, 1))) continue;
+      const manifest dropped = parse_manifest(store.get(key), key);
+      store.erase(key);
+      for (const file_record& f : dropped.files) {
+        for (std::uint64_t i = 0; i * piece_bytes < f.bytes; ++i)
+          store.erase(memory_detail::piece_key(old, f.name, i));
       }
     }
   } catch (const std::exception& e) {
@@ -197,56 +215,59 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
 DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
   if (buddy_endpoint_.empty()) return -1;
   const int rank = context_.plane.rank();
+  std::int64_t taken = -1;
   std::optional<std::uint64_t> step;
   std::filesystem::path partial;
   try {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
-    const std::string newest = held_newest(context_.plane.rank());
-    if (!store.check(std::span(&newest, 1))) return -1;  // it holds none of this rank
-    step = std::stoull(store.get(newest));
-    buddy_step_ = step;
-    // A copy on this node at least as new: nothing to take (a worker restarted on its node).
+    buddy_steps_ = held_steps(store, rank);
+    // Only copies newer than this node's newest (none for a new node; a
+    // worker restarted on its node has its own).
     const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
-    if (!own.empty() && own.front().first >= *step) return -1;
-    const std::string prefix = held_prefix(context_.plane.rank(), *step);
-    const std::string text = store.get(prefix + std::string(manifest_name));
-    const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
-    if (m.step != *step || m.world_size != context_.plane.size()) {
-      throw checkpoint_error("it holds step " + std::to_string(m.step) + " of " +
-                             std::to_string(m.world_size) + " ranks, and this job has " +
-                             std::to_string(context_.plane.size()));
-    }
-    partial = staging(*step);
-    make_directory(partial, false);
-    for (const file_record& f : m.files) {
-      atomic_file out(partial / f.name);
-      for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
-        const std::string piece = store.get(memory_detail::piece_key(prefix, f.name, i));
-        out.write(piece.data(), piece.size());
-        at += std::max<std::uint64_t>(piece.size(), 1);
+    for (const std::uint64_t held : *buddy_steps_) {
+      step = held;
+      if (!own.empty() && own.front().first >= held) continue;
+      const std::string prefix = held_prefix(rank, held);
+      const std::string text = store.get(prefix + std::string(manifest_name));
+      const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
+      if (m.step != held || m.world_size != context_.plane.size()) {
+        throw checkpoint_error("it holds step " + std::to_string(m.step) + " of " +
+                               std::to_string(m.world_size) + " ranks, and this job has " +
+                               std::to_string(context_.plane.size()));
       }
-      const file_record got = out.finish();
-      if (got.bytes != f.bytes || got.checksum != f.checksum) {
-        throw checkpoint_error(f.name + " arrived damaged (" + std::to_string(got.bytes) + " of " +
-                               std::to_string(f.bytes) + " bytes, checksum " +
-                               (got.checksum == f.checksum ? "the same)" : "differs)"));
+      partial = staging(held);
+      make_directory(partial, false);
+      for (const file_record& f : m.files) {
+        atomic_file out(partial / f.name);
+        for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
+          const std::string piece = store.get(memory_detail::piece_key(prefix, f.name, i));
+          out.write(piece.data(), piece.size());
+          at += std::max<std::uint64_t>(piece.size(), 1);
+        }
+        const file_record got = out.finish();
+        if (got.bytes != f.bytes || got.checksum != f.checksum) {
+          throw checkpoint_error(f.name + " arrived damaged (" + std::to_string(got.bytes) +
+                                 " of " + std::to_string(f.bytes) + " bytes, checksum " +
+                                 (got.checksum == f.checksum ? "the same)" : "differs)"));
+        }
       }
+      atomic_file written(partial / manifest_name);
+      written.write(text.data(), text.size());
+      static_cast<void>(written.finish());
+      const std::filesystem::path copy = copy_dir(held, rank);
+      remove_checkpoint_tree(copy);
+      rename_path(partial, copy);
+      partial.clear();
+      taken = std::max(taken, static_cast<std::int64_t>(held));
     }
-    atomic_file written(partial / manifest_name);
-    written.write(text.data(), text.size());
-    static_cast<void>(written.finish());
-    const std::filesystem::path copy = copy_dir(*step, rank);
-    remove_checkpoint_tree(copy);
-    rename_path(partial, copy);
-    return static_cast<std::int64_t>(*step);
   } catch (const std::exception& e) {
     if (!partial.empty()) static_cast<void>(detail::remove_tree(partial.c_str()));
     buddy_.reset();
     tell("memory copy: rank " + std::to_string(rank) + "'s copy" +
          (step ? " of step " + std::to_string(*step) : std::string()) + " at its buddy (" +
          buddy_endpoint_ + ", another node's agent): " + e.what() + "; not used");
-    return -1;
   }
+  return taken;
 }
 
 DTRAIN_DETAIL_INLINE void memory_tier::finish(std::unique_ptr<pending_save> p, bool next_save) {
@@ -648,13 +669,12 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     try {
       store_client& store = open(held_, held_endpoint_, "memory_held");
       for (int r = 0; r < widest; ++r) {
-        const std::string newest = held_newest(r);
-        if (!store.check(std::span(&newest, 1))) continue;
-        const std::uint64_t step = std::stoull(store.get(newest));
-        const std::string key = held_prefix(r, step) + std::string(manifest_name);
-        manifest m = parse_manifest(store.get(key), key);
-        auto& at = seen[{m.step, m.world_size}];
-        if (!at.contains(r)) at[r] = {{}, std::move(m)};
+        for (const std::uint64_t step : held_steps(store, r)) {
+          const std::string key = held_prefix(r, step) + std::string(manifest_name);
+          manifest m = parse_manifest(store.get(key), key);
+          auto& at = seen[{m.step, m.world_size}];
+          if (!at.contains(r)) at[r] = {{}, std::move(m)};
+        }
       }
     } catch (const std::exception& e) {
       tell("memory copy: the copies its node's agent holds (" + held_endpoint_ + "): " + e.what() +

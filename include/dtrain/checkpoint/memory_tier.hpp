@@ -11,7 +11,7 @@
 /// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
 /// the next node's agent), each rank also sends each copy it commits (where
 /// it commits it: on an asynchronous save's writer thread) to that agent's
-/// store, which holds the newest whole one
+/// store, which holds the 2 newest whole ones
 /// per rank in its memory. A rank that has no copy of the newest step its
 /// buddy holds (its node is new: it replaces a lost one) takes it from there
 /// at restore(), checked, and commits it as its own.
@@ -35,7 +35,7 @@ namespace dtrain::detail::ckpt {
 class memory_tier final : public tier {
  public:
   /// Copies in `dir`, one per node; `buddy` (HOST:PORT, or empty) the store
-  /// on another node that holds this rank's newest copy.
+  /// on another node that holds this rank's 2 newest copies.
   memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy,
               std::string held);
   ~memory_tier() override { complete(); }
@@ -101,16 +101,19 @@ class memory_tier final : public tier {
                             std::string_view option);
   /// An agent's keys of rank `rank`'s copy of `step`: "dtrain/memory/rank-R/step-N/".
   [[nodiscard]] static std::string held_prefix(int rank, std::uint64_t step);
-  /// An agent's key that names the newest step it holds of rank `rank`.
-  [[nodiscard]] static std::string held_newest(int rank);
+  /// An agent's key that lists the steps it holds of rank `rank`, newest
+  /// first ("41 40": its 2 newest whole copies).
+  [[nodiscard]] static std::string held_list(int rank);
+  /// What `store` holds of rank `rank` (held_list's list).
+  static std::vector<std::uint64_t> held_steps(store_client& store, int rank);
   /// Where `copy` (of `step`) was committed (seal()): sends it to
-  /// the buddy (its files in pieces, then its manifest, then the newest's
-  /// key) and drops the one sent before. A failure is said once, and no
+  /// the buddy (its files in pieces, then its manifest, then the list of
+  /// the steps held) and drops the one that leaves the 2 newest. A failure is said once, and no
   /// copy is sent again: this rank's copies are on its node only.
   void send_to_buddy(std::uint64_t step, const std::filesystem::path& copy);
-  /// restore(), with per-rank entries: when the buddy holds a newer step of
-  /// this rank than its node does, takes it (checked against its manifest)
-  /// and commits it as this rank's copy. The step taken, or -1.
+  /// restore(), with per-rank entries: the copies of this rank the buddy
+  /// holds that are newer than its node's, taken (checked against their
+  /// manifests) and committed as this rank's. The newest taken, or -1.
   std::int64_t take_from_buddy();
 
   /// A part that one rank sends to all (send_part): its record, a number
@@ -149,9 +152,9 @@ class memory_tier final : public tier {
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
   std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
   std::optional<store_client> buddy_;                               // connected at first use
-  bool buddy_lost_ = false;                  // a send failed: none is tried again
-  std::optional<std::uint64_t> buddy_step_;  // the step the buddy holds of this rank, once known
-  std::string held_endpoint_;                // HOST:PORT of this node's agent's store; empty: none
+  bool buddy_lost_ = false;                                // a send failed: none is tried again
+  std::optional<std::vector<std::uint64_t>> buddy_steps_;  // what the buddy holds of this rank
+  std::string held_endpoint_;  // HOST:PORT of this node's agent's store; empty: none
   std::optional<store_client> held_;
   std::filesystem::path recut_dir_;  // recut()'s assembly, until the next copy
 };

@@ -57,7 +57,7 @@ struct checkpoint_options {
   /// directory in /dev/shm that it owns (and removes when the job ends).
   std::filesystem::path memory_dir{};
   /// The memory tier's buddy (HOST:PORT): a store on another node that holds
-  /// each rank's newest memory copy when the job has per-rank state (a ZeRO
+  /// each rank's 2 newest memory copies when the job has per-rank state (a ZeRO
   /// shard, add(..., per_rank)), so that the ranks of a node that replaces a
   /// lost one resume from memory too. Each rank sends each copy it commits
   /// there (beside the training with `asynchronous`, else within the save);

@@ -83,7 +83,7 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
           std::to_string(nproc_) + " workers, store at " +
           detail::endpoint_text(master_addr_, master_port_),
       true);
-  // Several nodes: this agent holds, in its memory, the newest memory copy
+  // Several nodes: this agent holds, in its memory, the 2 newest memory copies
   // of each worker of the node before it (their buddy), for a node that
   // replaces a lost one, or a round without it that re-cuts their shards;
   // the address goes into its node record, and to its own workers.
