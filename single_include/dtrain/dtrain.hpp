@@ -23823,7 +23823,9 @@ namespace dtrain {
 /// ROLE_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
 /// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS (and
 /// TORCHELASTIC_RUN_ID, the rdzv_id, when one is given), plus
-/// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE. MASTER_PORT is a port that
+/// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE, and for the checkpoints'
+/// memory tier DTRAIN_MEMORY_CHECKPOINT_DIR and (several nodes)
+/// DTRAIN_MEMORY_BUDDY and DTRAIN_MEMORY_HELD. MASTER_PORT is a port that
 /// node 0's agent picks for the workers in each round (a PyTorch worker's
 /// rank 0 binds its own store there); dtrain workers meet at the agent's
 /// store instead, which outlives restarts.
@@ -28768,9 +28770,10 @@ class memory_tier final : public tier {
   /// copy is sent again: this rank's copies are on its node only.
   void send_to_buddy(std::uint64_t step, const std::filesystem::path& copy);
   /// restore(), with per-rank entries: the copies of this rank the buddy
-  /// holds that are newer than its node's, taken (checked against their
-  /// manifests) and committed as this rank's. The newest taken, or -1.
-  std::int64_t take_from_buddy();
+  /// holds that are newer than its node's and not older than `floor` (the
+  /// disk's), taken (checked against their manifests) and committed as this
+  /// rank's. The newest taken, or -1.
+  std::int64_t take_from_buddy(std::int64_t floor);
 
   /// A part that one rank sends to all (send_part): its record, a number
   /// that goes with it, and its piece `i` (4 MiB each).
@@ -29026,7 +29029,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
   }
 }
 
-DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
+DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floor) {
   if (buddy_endpoint_.empty()) return -1;
   const int rank = context_.plane.rank();
   std::int64_t taken = -1;
@@ -29036,11 +29039,13 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
     buddy_steps_ = held_steps(store, rank);
     // Only copies newer than this node's newest (none for a new node; a
-    // worker restarted on its node has its own).
+    // worker restarted on its node has its own) and than the disk's (a
+    // node back after a round without it finds its old ones there).
     const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
     for (const std::uint64_t held : *buddy_steps_) {
       step = held;
-      if (!own.empty() && own.front().first >= held) continue;
+      if ((!own.empty() && own.front().first >= held) || static_cast<std::int64_t>(held) < floor)
+        continue;
       const std::string prefix = held_prefix(rank, held);
       const std::string text = store.get(prefix + std::string(manifest_name));
       const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
@@ -29196,7 +29201,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
     // Ranks whose node lost their copies (it replaces a lost one) take them
     // from their buddies, before any rank looks at its node's (a node's
     // first rank's copy holds the replicated part the others read).
-    const std::int64_t took = take_from_buddy();
+    const std::int64_t took = take_from_buddy(floor);
     std::vector<std::int64_t> taken(static_cast<std::size_t>(size));
     context_.plane.allgather(std::span<const std::int64_t>(&took, 1), taken);
     std::vector<int> takers;
@@ -29995,21 +30000,17 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        "; 0 (automatic) or more");
   }
   if (o.copy_threads == 0) context_.options.copy_threads = 1;
-  std::filesystem::path memory_dir = o.memory_dir;
-  if (memory_dir.empty()) {
-    const std::string name(memory_checkpoint_variable);
-    if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir = dir;
-  }
-  // An option, else the variable dtrun's agent sets.
-  auto endpoint = [](const std::string& option, std::string_view variable) {
+  // The memory tier's places: an option, else the variable dtrun's agent sets.
+  auto given = [](const std::string& option, std::string_view variable) {
     if (!option.empty()) return option;
-    const char* at = std::getenv(std::string(variable).c_str());
-    return at != nullptr ? std::string(at) : std::string();
+    const char* value = std::getenv(std::string(variable).c_str());
+    return value != nullptr ? std::string(value) : std::string();
   };
-  if (!memory_dir.empty()) {
+  if (const std::string dir = given(o.memory_dir.string(), memory_checkpoint_variable);
+      !dir.empty()) {
     memory_ = std::make_unique<detail::ckpt::memory_tier>(
-        context_, std::move(memory_dir), endpoint(o.memory_buddy, memory_buddy_variable),
-        endpoint(o.memory_held, memory_held_variable));
+        context_, dir, given(o.memory_buddy, memory_buddy_variable),
+        given(o.memory_held, memory_held_variable));
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});

@@ -37,21 +37,17 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        "; 0 (automatic) or more");
   }
   if (o.copy_threads == 0) context_.options.copy_threads = 1;
-  std::filesystem::path memory_dir = o.memory_dir;
-  if (memory_dir.empty()) {
-    const std::string name(memory_checkpoint_variable);
-    if (const char* dir = std::getenv(name.c_str()); dir != nullptr) memory_dir = dir;
-  }
-  // An option, else the variable dtrun's agent sets.
-  auto endpoint = [](const std::string& option, std::string_view variable) {
+  // The memory tier's places: an option, else the variable dtrun's agent sets.
+  auto given = [](const std::string& option, std::string_view variable) {
     if (!option.empty()) return option;
-    const char* at = std::getenv(std::string(variable).c_str());
-    return at != nullptr ? std::string(at) : std::string();
+    const char* value = std::getenv(std::string(variable).c_str());
+    return value != nullptr ? std::string(value) : std::string();
   };
-  if (!memory_dir.empty()) {
+  if (const std::string dir = given(o.memory_dir.string(), memory_checkpoint_variable);
+      !dir.empty()) {
     memory_ = std::make_unique<detail::ckpt::memory_tier>(
-        context_, std::move(memory_dir), endpoint(o.memory_buddy, memory_buddy_variable),
-        endpoint(o.memory_held, memory_held_variable));
+        context_, dir, given(o.memory_buddy, memory_buddy_variable),
+        given(o.memory_held, memory_held_variable));
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});

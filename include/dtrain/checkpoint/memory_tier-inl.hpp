@@ -212,7 +212,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
   }
 }
 
-DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
+DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floor) {
   if (buddy_endpoint_.empty()) return -1;
   const int rank = context_.plane.rank();
   std::int64_t taken = -1;
@@ -222,11 +222,13 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy() {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
     buddy_steps_ = held_steps(store, rank);
     // Only copies newer than this node's newest (none for a new node; a
-    // worker restarted on its node has its own).
+    // worker restarted on its node has its own) and than the disk's (a
+    // node back after a round without it finds its old ones there).
     const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
     for (const std::uint64_t held : *buddy_steps_) {
       step = held;
-      if (!own.empty() && own.front().first >= held) continue;
+      if ((!own.empty() && own.front().first >= held) || static_cast<std::int64_t>(held) < floor)
+        continue;
       const std::string prefix = held_prefix(rank, held);
       const std::string text = store.get(prefix + std::string(manifest_name));
       const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
@@ -382,7 +384,7 @@ DTRAIN_DETAIL_INLINE std::optional<std::uint64_t> memory_tier::newest(std::int64
     // Ranks whose node lost their copies (it replaces a lost one) take them
     // from their buddies, before any rank looks at its node's (a node's
     // first rank's copy holds the replicated part the others read).
-    const std::int64_t took = take_from_buddy();
+    const std::int64_t took = take_from_buddy(floor);
     std::vector<std::int64_t> taken(static_cast<std::size_t>(size));
     context_.plane.allgather(std::span<const std::int64_t>(&took, 1), taken);
     std::vector<int> takers;

@@ -112,9 +112,10 @@ class memory_tier final : public tier {
   /// copy is sent again: this rank's copies are on its node only.
   void send_to_buddy(std::uint64_t step, const std::filesystem::path& copy);
   /// restore(), with per-rank entries: the copies of this rank the buddy
-  /// holds that are newer than its node's, taken (checked against their
-  /// manifests) and committed as this rank's. The newest taken, or -1.
-  std::int64_t take_from_buddy();
+  /// holds that are newer than its node's and not older than `floor` (the
+  /// disk's), taken (checked against their manifests) and committed as this
+  /// rank's. The newest taken, or -1.
+  std::int64_t take_from_buddy(std::int64_t floor);
 
   /// A part that one rank sends to all (send_part): its record, a number
   /// that goes with it, and its piece `i` (4 MiB each).

@@ -54,7 +54,9 @@ namespace dtrain {
 /// ROLE_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
 /// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS (and
 /// TORCHELASTIC_RUN_ID, the rdzv_id, when one is given), plus
-/// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE. MASTER_PORT is a port that
+/// DTRAIN_RESTART_COUNT and DTRAIN_AGENT_STORE, and for the checkpoints'
+/// memory tier DTRAIN_MEMORY_CHECKPOINT_DIR and (several nodes)
+/// DTRAIN_MEMORY_BUDDY and DTRAIN_MEMORY_HELD. MASTER_PORT is a port that
 /// node 0's agent picks for the workers in each round (a PyTorch worker's
 /// rank 0 binds its own store there); dtrain workers meet at the agent's
 /// store instead, which outlives restarts.
