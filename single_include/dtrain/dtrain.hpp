@@ -28784,6 +28784,17 @@ class memory_tier final : public tier {
   };
   /// The part `name` of the copy in `copy`, with its job's size as `extra`.
   static part_source file_source(const std::filesystem::path& copy, const std::string& name);
+  /// The part `record` of a copy an agent holds at `prefix` (held_prefix),
+  /// read through `store` (connected at first use).
+  static part_source held_source(std::function<store_client&()> store, std::string prefix,
+                                 const file_record& record);
+  /// `source`, read whole into `file` and checked against its record.
+  static void write_part(const part_source& source, const std::filesystem::path& file);
+  /// `partial` (its parts written) with `manifest_text` as its manifest,
+  /// renamed to `copy` (an older copy there removed first): the one way a
+  /// copy is committed.
+  static void commit_copy(const std::filesystem::path& partial, std::string_view manifest_text,
+                          const std::filesystem::path& copy);
   /// Every rank together: `root` sends `source` over the control plane, in
   /// pieces; each rank writes it into `into` (unless empty) and checks it.
   /// False when the root cannot send it (every rank knows); else `got`
@@ -28896,13 +28907,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     manifest m{p.step, context_.plane.size(), {}};
     if (p.replicated_file) m.files.push_back(*p.replicated_file);
     if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
-    const std::string text = render(m);
-    atomic_file written(p.partial / manifest_name);
-    written.write(text.data(), text.size());
-    static_cast<void>(written.finish());
-    const std::filesystem::path done = copy_dir(p.step, context_.plane.rank());
-    remove_checkpoint_tree(done);  // an older run's copy of this step
-    rename_path(p.partial, done);
+    commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
     // This rank's copies beyond the 2 newest (and any numbered after this
     // one: an older run's), and its saves that died.
     const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
@@ -29056,26 +29061,10 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floo
       }
       partial = staging(held);
       make_directory(partial, false);
-      for (const file_record& f : m.files) {
-        atomic_file out(partial / f.name);
-        for (std::uint64_t at = 0, i = 0; at < f.bytes; ++i) {
-          const std::string piece = store.get(memory_detail::piece_key(prefix, f.name, i));
-          out.write(piece.data(), piece.size());
-          at += std::max<std::uint64_t>(piece.size(), 1);
-        }
-        const file_record got = out.finish();
-        if (got.bytes != f.bytes || got.checksum != f.checksum) {
-          throw checkpoint_error(f.name + " arrived damaged (" + std::to_string(got.bytes) +
-                                 " of " + std::to_string(f.bytes) + " bytes, checksum " +
-                                 (got.checksum == f.checksum ? "the same)" : "differs)"));
-        }
-      }
-      atomic_file written(partial / manifest_name);
-      written.write(text.data(), text.size());
-      static_cast<void>(written.finish());
-      const std::filesystem::path copy = copy_dir(held, rank);
-      remove_checkpoint_tree(copy);
-      rename_path(partial, copy);
+      for (const file_record& f : m.files)
+        write_part(held_source([&]() -> store_client& { return store; }, prefix, f),
+                   partial / f.name);
+      commit_copy(partial, text, copy_dir(held, rank));
       partial.clear();
       taken = std::max(taken, static_cast<std::int64_t>(held));
     }
@@ -29371,6 +29360,45 @@ DTRAIN_DETAIL_INLINE memory_tier::part_source memory_tier::file_source(
   return source;
 }
 
+DTRAIN_DETAIL_INLINE memory_tier::part_source memory_tier::held_source(
+    std::function<store_client&()> store, std::string prefix, const file_record& record) {
+  part_source source;
+  source.record = record;
+  source.read = [store = std::move(store), prefix = std::move(prefix),
+                 name = record.name](std::uint64_t index) {
+    return store().get(memory_detail::piece_key(prefix, name, index));
+  };
+  return source;
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::write_part(const part_source& source,
+                                                  const std::filesystem::path& file) {
+  const file_record& want = *source.record;
+  atomic_file out(file);
+  for (std::uint64_t at = 0, i = 0; at < want.bytes; ++i) {
+    const std::string piece = source.read(i);
+    if (piece.empty()) break;  // short: the check below says so
+    out.write(piece.data(), piece.size());
+    at += piece.size();
+  }
+  const file_record got = out.finish();
+  if (got.bytes != want.bytes || got.checksum != want.checksum) {
+    throw checkpoint_error(want.name + " arrived damaged (" + std::to_string(got.bytes) + " of " +
+                           std::to_string(want.bytes) + " bytes, checksum " +
+                           (got.checksum == want.checksum ? "the same)" : "differs)"));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::commit_copy(const std::filesystem::path& partial,
+                                                   std::string_view manifest_text,
+                                                   const std::filesystem::path& copy) {
+  atomic_file written(partial / manifest_name);
+  written.write(manifest_text.data(), manifest_text.size());
+  static_cast<void>(written.finish());
+  remove_checkpoint_tree(copy);  // an older run's copy of this step
+  rename_path(partial, copy);
+}
+
 DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
                                              const std::vector<int>& lacking) {
   const int rank = context_.plane.rank();
@@ -29407,13 +29435,8 @@ DTRAIN_DETAIL_INLINE bool memory_tier::share(std::uint64_t step, int root,
   if (receiving && problem.empty()) {
     try {
       got.name = std::string(replicated_name);
-      const std::string text = render(manifest{step, static_cast<int>(world), {got}});
-      atomic_file written(partial / manifest_name);
-      written.write(text.data(), text.size());
-      static_cast<void>(written.finish());
       const std::filesystem::path copy = copy_dir(step, rank);
-      remove_checkpoint_tree(copy);
-      rename_path(partial, copy);
+      commit_copy(partial, render(manifest{step, static_cast<int>(world), {got}}), copy);
       replicated_copy_[step] = copy;
     } catch (const std::exception& e) {
       problem = e.what();
@@ -29595,18 +29618,14 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     problem = e.what();
   }
   auto source_of = [&](int r, const std::string& name) {
-    part_source source;
     const reached& copy = here->at(r);
     if (!copy.copy.empty()) return file_source(copy.copy, name);
     const file_record* record = copy.m.find(name);
     if (!record)
       throw checkpoint_error("the copy of rank " + std::to_string(r) + " lists no " + name);
-    source.record = *record;
-    source.read = [this, prefix = held_prefix(r, step), name](std::uint64_t index) {
-      return open(held_, held_endpoint_, "memory_held")
-          .get(memory_detail::piece_key(prefix, name, index));
-    };
-    return source;
+    return held_source(
+        [this]() -> store_client& { return open(held_, held_endpoint_, "memory_held"); },
+        held_prefix(r, step), *record);
   };
   manifest assembled{step, world, {}};
   std::uint64_t sent = 0;
@@ -29637,11 +29656,7 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
   const std::filesystem::path copy = dir_ / (step_name(step) + mine);
   if (problem.empty()) {
     try {
-      const std::string text = render(assembled);
-      atomic_file written(partial / manifest_name);
-      written.write(text.data(), text.size());
-      static_cast<void>(written.finish());
-      rename_path(partial, copy);
+      commit_copy(partial, render(assembled), copy);
     } catch (const std::exception& e) {
       problem = e.what();
     }

@@ -126,6 +126,17 @@ class memory_tier final : public tier {
   };
   /// The part `name` of the copy in `copy`, with its job's size as `extra`.
   static part_source file_source(const std::filesystem::path& copy, const std::string& name);
+  /// The part `record` of a copy an agent holds at `prefix` (held_prefix),
+  /// read through `store` (connected at first use).
+  static part_source held_source(std::function<store_client&()> store, std::string prefix,
+                                 const file_record& record);
+  /// `source`, read whole into `file` and checked against its record.
+  static void write_part(const part_source& source, const std::filesystem::path& file);
+  /// `partial` (its parts written) with `manifest_text` as its manifest,
+  /// renamed to `copy` (an older copy there removed first): the one way a
+  /// copy is committed.
+  static void commit_copy(const std::filesystem::path& partial, std::string_view manifest_text,
+                          const std::filesystem::path& copy);
   /// Every rank together: `root` sends `source` over the control plane, in
   /// pieces; each rank writes it into `into` (unless empty) and checks it.
   /// False when the root cannot send it (every rank knows); else `got`
