@@ -15,6 +15,13 @@
 //                      interleaved (the order alternates), slowest rank;
 //   write              the time to write the file at the end, and its size.
 // Ratios (on / off) are the figures; timings never fail the run.
+//
+// Then the straggler watch (ddp_options::stragglers, on by default; issue 51):
+// steps of --compute-ms of "compute" (a sleep: a GPU computing while the CPU is
+// free) then the marks and synchronize(), with the watch off, automatic (the
+// default) and exchanging every step, interleaved; the mean of S steps each,
+// slowest rank; the added time as a share of the step (goal: at most 1 %).
+// The timeline's DDPs above have the watch off.
 
 #include <dtrain/dtrain.hpp>
 
@@ -25,6 +32,7 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -38,12 +46,13 @@ struct bench_options {
   std::size_t floats = 256;
   int steps = 200;
   std::size_t marks = 100000;
+  int compute_ms = 10;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "timeline_cost: %s\nusage: timeline_cost [--params N] [--floats P] [--steps S] "
-               "[--marks M]\n",
+               "[--marks M] [--compute-ms C]\n",
                why.c_str());
   std::exit(2);
 }
@@ -69,6 +78,8 @@ bench_options parse(int argc, char** argv) {
       o.steps = static_cast<int>(n);
     } else if (arg == "--marks") {
       o.marks = n;
+    } else if (arg == "--compute-ms") {
+      o.compute_ms = static_cast<int>(n);
     } else {
       usage("unknown argument " + std::string(arg));
     }
@@ -99,6 +110,61 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+/// The straggler watch's cost: `off` (the watch off) against the same model
+/// with it automatic and every step, each step after --compute-ms of sleep.
+template <class DDP, class Model, class Step>
+int stragglers(dtrain::context<policy>& ctx, const bench_options& o, DDP& off, const Model&,
+               Step& step) {
+  Model model_auto(o.params, o.floats), model_every(o.params, o.floats);
+  DDP automatic(ctx, model_auto);
+  DDP every(ctx, model_every, {.stragglers = {.every = 1}});
+  const auto compute = std::chrono::milliseconds(o.compute_ms);
+  auto timed = [&](DDP& d) {
+    std::this_thread::sleep_for(compute);
+    return step(d) + std::chrono::duration<double>(compute).count();
+  };
+  for (int i = 0; i < 3; ++i) {
+    step(automatic);
+    step(every);
+  }
+  std::vector<double> t_off, t_auto, t_every;
+  for (int s = 0; s < o.steps; ++s) {  // the order turns, so that none always goes first
+    DDP* order[3] = {&off, &automatic, &every};
+    std::vector<double>* into[3] = {&t_off, &t_auto, &t_every};
+    for (int k = 0; k < 3; ++k) {
+      const int i = (k + s) % 3;
+      into[i]->push_back(timed(*order[i]));
+    }
+  }
+  if (ctx.is_main()) {
+    // The mean, not the median: an exchange every few steps is in the mean only.
+    auto mean = [](const std::vector<double>& v) {
+      double sum = 0;
+      for (double x : v) sum += x;
+      return sum / static_cast<double>(v.size());
+    };
+    const double base = mean(t_off) * 1e3;
+    std::printf(
+        "\nstraggler watch, Gloo, %d ranks: steps of %d ms of compute (a sleep), then the "
+        "marks and synchronize(); mean of %d steps, slowest rank\n",
+        ctx.size(), o.compute_ms, o.steps);
+    std::printf(
+        "| watch | exchanges | step | added | share of the step |\n| --- | ---: | ---: | ---: | ---: |\n");
+    std::printf("| off | 0 | %.3f ms | | |\n", base);
+    const std::pair<const char*, std::pair<DDP*, std::vector<double>*>> rows[] = {
+        {"automatic (the default)", {&automatic, &t_auto}}, {"every step", {&every, &t_every}}};
+    for (const auto& [name, row] : rows) {
+      const double t = mean(*row.second) * 1e3;
+      const dtrain::straggler_figures f = row.first->stragglers();
+      std::printf("| %s (every %zu) | %llu | %.3f ms | %+.3f ms | %+.2f %% |\n", name, f.every,
+                  static_cast<unsigned long long>(f.exchanges), t, t - base,
+                  (t - base) / base * 100);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 int bench(dtrain::context<policy>& ctx, const bench_options& o) {
   if (std::getenv("DTRAIN_TIMELINE") != nullptr) {
     std::fprintf(stderr, "timeline_cost: unset DTRAIN_TIMELINE (it would turn both DDPs on)\n");
@@ -108,8 +174,8 @@ int bench(dtrain::context<policy>& ctx, const bench_options& o) {
   const std::string trace = (dir / "dtrain_timeline_cost.json").string();
   flat_model model_on(o.params, o.floats), model_off(o.params, o.floats);
   using ddp_type = dtrain::DistributedDataParallel<flat_model, policy>;
-  ddp_type on(ctx, model_on, {.timeline = trace});
-  ddp_type off(ctx, model_off);
+  ddp_type on(ctx, model_on, {.timeline = trace, .stragglers = {.enabled = false}});
+  ddp_type off(ctx, model_off, {.stragglers = {.enabled = false}});
   auto& comm = ctx.communicator();
 
   auto step = [&](ddp_type& d) {
@@ -178,7 +244,7 @@ int bench(dtrain::context<policy>& ctx, const bench_options& o) {
         write_s * 1e3, static_cast<double>(bytes) / (1 << 20), 5 * o.marks);
     std::fflush(stdout);
   }
-  return 0;
+  return stragglers(ctx, o, off, model_off, step);
 }
 
 }  // namespace

@@ -139,3 +139,24 @@ dtrain_add_multirank_test(ddp.device_rules.mismatch PROGRAM dtrain_ddp_device_ru
   ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 NO_KILL TIMEOUT 120
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=30 EXPECT_STATUS 2 EXPECT
   "\\[rank 0/2\\] dtrain: [^\n]*layer5[.]view" "\\[rank 1/2\\] dtrain: [^\n]*layer5[.]renamed")
+
+# The straggler watch (issue 51, ddp_options::stragglers; tests/ddp/ddp_straggler.cpp):
+# a rank drawn at random, 20 % of the step late for 50 steps, is named within
+# 5 steps and keeps pace again after; 1,000 clean steps name no one; a late
+# collective on one rank (its comm hook) is the collectives', not a rank's. On
+# 8 ranks of one host, and of 2 (DTRAIN_NODE_NAME) for the names in the lines.
+if(ddp_backends)
+  dtrain_add_multirank_program(dtrain_ddp_straggler ddp/ddp_straggler.cpp)
+endif()
+dtrain_add_multirank_test(ddp.straggler PROGRAM dtrain_ddp_straggler CASE straggler
+                          ENGINES gloo RANKS 8 TIMEOUT 120
+                          EXPECT "\\[rank 0/8\\] dtrain: straggler: rank [0-7] \\(.*, local rank [0-7]\\) is slow since step [0-9]+: its gradients are ready"
+                                 "\\[rank 0/8\\] dtrain: straggler: rank [0-7] \\(.*\\) keeps pace again at step")
+dtrain_add_multirank_test(ddp.straggler PROGRAM dtrain_ddp_straggler CASE straggler
+                          ENGINES gloo RANKS 8 NODES 4,4 TIMEOUT 120
+                          EXPECT "dtrain: straggler: rank [0-7] \\([^,]+, local rank [0-3]\\) is slow since step")
+dtrain_add_multirank_test(ddp.straggler.clean PROGRAM dtrain_ddp_straggler CASE clean
+                          ENGINES gloo RANKS 8 TIMEOUT 200)
+dtrain_add_multirank_test(ddp.straggler.slow_link PROGRAM dtrain_ddp_straggler CASE slow_link
+                          ENGINES gloo RANKS 8 TIMEOUT 120
+                          EXPECT "dtrain: straggler: the collectives are slow since step [0-9]+, with every rank's gradients on time")

@@ -39,6 +39,7 @@
 #include <dtrain/ddp/sharding.hpp>
 #include <dtrain/ddp/state.hpp>
 #include <dtrain/ddp/storage.hpp>
+#include <dtrain/ddp/straggler.hpp>
 #include <dtrain/ddp/timeline.hpp>
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
@@ -234,6 +235,15 @@ class basic_ddp {
   /// far; the destructor writes it too. Call it between steps. Throws
   /// dtrain::error naming the file and the rank when it cannot be written.
   void flush_timeline() const { timeline_.write(); }
+
+  /// Which rank the others wait for, as of the last exchange of the ranks'
+  /// step records (ddp_options::stragglers; the same figures on every rank).
+  /// Rank 0 also says on stderr when a rank becomes slow and when it keeps
+  /// pace again. Empty `ranks` when off, at world size 1, or before the first exchange.
+  [[nodiscard]] straggler_figures stragglers() const {
+    const std::lock_guard lock(mutex_);
+    return pace_.figures();
+  }
 
   /// The stream the backward pass runs on (CUDA; default: ddp_options::stream,
   /// whose null is the legacy default stream). Set it before a step, not between mark_ready and
@@ -570,6 +580,7 @@ class basic_ddp {
   /// The options every rank must share, compared at construction (with the model).
   std::string agreed_options() const {
     std::string agreed = shards_.agreed_options();
+    if (!pace_.setting().automatic()) agreed += ", " + pace_.setting().describe();
     if (options_.compression != gradient_compression::none)
       agreed += ", ddp_options::compression = " + std::string(to_string(options_.compression));
     if (options_.accumulate != accumulation::wire)
@@ -664,7 +675,23 @@ class basic_ddp {
   /// flag). Over the control plane where DDP's communicator reaches host
   /// memory (its own channel); otherwise on the device through DDP's
   /// communicator, one allgather and one host sync (NCCL: never the store).
-  std::vector<std::int64_t> gather_scalar(std::int64_t mine);
+  std::vector<std::int64_t> gather_scalar(std::int64_t mine) {
+    return gather_values(std::span<const std::int64_t>(&mine, 1));
+  }
+  /// gather_scalar() of several: every rank's `mine` (the same length on
+  /// every rank), one after the other in rank order.
+  std::vector<std::int64_t> gather_values(std::span<const std::int64_t> mine);
+  /// The straggler watch's exchange after a step (every rank together).
+  void exchange_pace();
+  /// node_name(env) for the straggler watch's lines; "?" when there is none
+  /// (a name in a report is not worth failing the training for).
+  static std::string node_or_unknown(const environment& env) {
+    try {
+      return node_name(env);
+    } catch (const error&) {
+      return "?";
+    }
+  }
   /// Host values through a collective of DDP's communicator: `collective` gets
   /// them as a buffer in the engine's memory space (the values themselves in
   /// host memory; else a device copy, brought back after one host sync).
@@ -749,6 +776,7 @@ class basic_ddp {
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
   detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
+  detail::straggler_watch pace_;       // off when options_.stragglers is, or at world size 1
   mutable std::mutex mutex_;           // everything above that changes during a step
   std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
@@ -783,6 +811,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   try {
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
+    pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
+                                    options_.stragglers, rank_, size_, node_or_unknown(env));
   } catch (const config_error& e) {
     if (problem.empty()) problem = e.what();  // the agreement stops every rank
   }

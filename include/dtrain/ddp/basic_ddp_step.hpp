@@ -80,6 +80,7 @@ void basic_ddp<Policy>::record_mark(std::size_t i, bool by_rank) {
   bucket& b = buckets_[v.bucket];
   if (--b.pending == 0) {
     b.ready = true;
+    pace_.bucket_ready();
     if (options_.overlap) launch_ready();
   }
 }
@@ -157,6 +158,7 @@ void basic_ddp<Policy>::synchronize_locked() {
     if (auto e = complete_buckets()) fail(e);
     end_step();
   }
+  if (pace_.step_done(steps_)) exchange_pace();
   if (options_.find_unused_parameters && options_.report_unused_parameters &&
       steps_ <= unused_report_steps)
     report_unused();
@@ -474,25 +476,44 @@ bool basic_ddp<Policy>::any_rank(bool mine) {
 }
 
 template <class Policy>
-std::vector<std::int64_t> basic_ddp<Policy>::gather_scalar(std::int64_t mine) {
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+std::vector<std::int64_t> basic_ddp<Policy>::gather_values(std::span<const std::int64_t> mine) {
+  const std::size_t n = mine.size();
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_) * n);
   if constexpr (communicator_type::reaches_host_memory) {
-    control_.allgather(std::span<const std::int64_t>(&mine, 1), all);
+    control_.allgather(mine, all);
   } else {
-    if (size_ == 1) {
-      all[0] = mine;
-      return all;
-    }
-    all[static_cast<std::size_t>(rank_)] = mine;
+    std::copy(mine.begin(), mine.end(),
+              all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank_) * n));
+    if (size_ == 1 || n == 0) return all;
     through_engine(std::span(all), dtype::int64, [&](const buffer& whole) {
       buffer slot = whole;  // in place: this rank's part of the whole
       slot.data = static_cast<std::byte*>(whole.data) +
-                  static_cast<std::size_t>(rank_) * sizeof(std::int64_t);
-      slot.count = 1;
+                  static_cast<std::size_t>(rank_) * n * sizeof(std::int64_t);
+      slot.count = n;
       comm_.allgather(slot, whole, stream_).wait();
     });
   }
   return all;
+}
+
+/// The ranks' step records, exchanged and judged alike everywhere; rank 0
+/// says what changed. A failure here is the step's: DDP is unusable after it.
+template <class Policy>
+void basic_ddp<Policy>::exchange_pace() {
+  try {
+    const detail::label_scope label("straggler records after step",
+                                    static_cast<std::int64_t>(steps_));
+    const std::int64_t start = detail::straggler_watch::now();
+    const std::vector<std::int64_t> all = gather_values(pace_.pack());
+    const std::vector<std::string> lines =
+        pace_.absorb(all, detail::straggler_watch::now() - start);
+    if (rank_ != 0 || !options_.stragglers.report) return;
+    for (const std::string& line : lines)
+      std::fprintf(stderr, "[rank 0/%d] dtrain: straggler: %s\n", size_, line.c_str());
+    if (!lines.empty()) std::fflush(stderr);
+  } catch (...) {
+    fail(std::current_exception());
+  }
 }
 
 }  // namespace dtrain

@@ -6,6 +6,7 @@
 #include <dtrain/backend/types.hpp>
 #include <dtrain/config.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -146,6 +147,35 @@ struct gather_counts {
   std::uint64_t bytes = 0;       ///< arrived: the whole buckets, less this rank's shard
 };
 
+/// Straggler detection while training is healthy: which rank the others
+/// wait for (DistributedDataParallel::stragglers(), ddp/straggler.hpp).
+/// Aggregate: `{.stragglers = {.every = 1, .threshold = 0.2}}`.
+struct straggler_options {
+  /// false: nothing recorded, nothing exchanged (DTRAIN_STRAGGLERS=off too).
+  bool enabled = true;
+  /// Steps between the ranks' exchanges of their records (one allgather of
+  /// two numbers per rank and step). 0: automatic, the fewest steps that keep
+  /// an exchange under 0.5 % of the time they span (at most 50), chosen again
+  /// at each exchange from what the last one cost. DTRAIN_STRAGGLERS (a
+  /// number, "auto" or "off") wins. The same on every rank.
+  std::size_t every = 0;
+  /// A rank is slow when the median of its delay over the last `steps` steps
+  /// is above this share of the median step time, and keeps pace again below
+  /// half of it. The collectives are slow when their median time after the
+  /// last rank's arrival is this share of a step above its lowest.
+  double threshold = 0.1;
+  /// The steps each judgement looks back over (3 to 1000): a rank is named
+  /// once more than half of them were late.
+  std::size_t steps = 5;
+  /// Delays (and collectives' extra time) shorter than this are never
+  /// reported, whatever their share: on steps of a fraction of a
+  /// millisecond, the host's scheduler alone makes them.
+  std::chrono::microseconds min_delay{1000};
+  /// Rank 0 says on stderr when a rank becomes slow and when it keeps pace
+  /// again (false: only stragglers() tells).
+  bool report = true;
+};
+
 /// Options of DistributedDataParallel, PyTorch DDP's names where they exist.
 /// Aggregate: `{.bucket_cap_mb = 4, .find_unused_parameters = true}`.
 struct ddp_options {
@@ -237,6 +267,8 @@ struct ddp_options {
   /// master copy. The bucket layout is then the first one (no rebuild), as
   /// with sharding. The same on every rank.
   bool master_weights = false;
+  /// Which rank is slow while training is healthy (straggler_options).
+  straggler_options stragglers = {};
 };
 
 /// One bucket, as a communication hook sees it.

@@ -98,6 +98,8 @@ inline constexpr std::string_view diagnostics_variable = "DTRAIN_DIAGNOSTICS";
 inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTICS_WAIT";
 /// A file for DDP's timeline (one per rank); empty: none.
 inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
+/// DDP's straggler watch: "off", "auto", or the steps between its exchanges.
+inline constexpr std::string_view stragglers_variable = "DTRAIN_STRAGGLERS";
 
 // --- the doctor (examples/doctor.cpp)
 
@@ -140,6 +142,7 @@ inline constexpr std::array dtrain_variables{
     diagnostics_variable,
     diagnostics_wait_variable,
     timeline_variable,
+    stragglers_variable,
     sysfs_root_variable,
 };
 

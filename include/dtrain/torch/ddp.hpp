@@ -240,6 +240,8 @@ class DistributedDataParallel {
   [[nodiscard]] std::size_t steps() const noexcept { return ddp_.core().steps(); }
   /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) so far.
   void flush_timeline() const { ddp_.core().flush_timeline(); }
+  /// Which rank the others wait for (ddp_options::stragglers; see basic_ddp::stragglers()).
+  [[nodiscard]] straggler_figures stragglers() const { return ddp_.core().stragglers(); }
 
  private:
   /// The module's forward; at ZeRO stage 3 each unit inside its gather: a

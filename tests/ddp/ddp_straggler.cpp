@@ -1,0 +1,190 @@
+// dtrain_ddp_straggler: the straggler watch (issue 51, ddp_options::stragglers)
+// on a real DistributedDataParallel, doctest cases run in every rank through
+// dtrain::run (tests/support/multirank.hpp; tests/ddp/ddp.cmake registers them).
+//
+// Each step "computes" by sleeping (a GPU computing while the CPU is free:
+// 8 ranks share 2 cores here), marks 4 parameters ready from the last, a
+// little apart, and synchronizes; the exchange is every step.
+//
+// Case "straggler": a rank drawn at random (rank 0 draws, and broadcasts it
+// with the first step of its delay) sleeps 20 % of the step longer for 50
+// steps. stragglers() must name it slow within 5 steps of the delay's start,
+// once, and keeping pace again within 10 steps of its end; no other rank is
+// ever slow, and the collectives never. Rank 0's stderr has the report lines
+// (ddp.cmake matches them).
+// Case "clean": 1,000 steps without a delay: no rank, and not the
+// collectives, is ever called slow.
+// Case "slow_link": a comm hook on a drawn rank sleeps 25 % of the step
+// before it reduces the last bucket, for 50 steps: every rank's gradients are
+// on time, the collectives are late. The collectives must be called slow
+// within 5 steps, and no rank.
+
+#include "../support/multirank.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr auto compute = 12ms;  // the step's "forward and backward"
+constexpr int delay_steps = 50;
+
+struct toy_model {
+  std::vector<std::vector<float>> values{4, std::vector<float>(2048, 1.0F)};
+  std::vector<std::vector<float>> grads{4, std::vector<float>(2048, 0.0F)};
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      out.push_back(dtrain::param("layer" + std::to_string(i), values[i], grads[i]));
+    }
+    return out;
+  }
+};
+
+/// Rank 0's random pick of a rank and a first step, the same on every rank.
+template <class Context>
+std::pair<int, int> draw(Context& ctx, int first_low, int first_high) {
+  std::array<std::uint8_t, 8> wire{};
+  if (ctx.rank() == 0) {
+    std::random_device seed;
+    std::mt19937 gen(seed());
+    const int rank = std::uniform_int_distribution<int>(0, ctx.size() - 1)(gen);
+    const int first = std::uniform_int_distribution<int>(first_low, first_high)(gen);
+    std::memcpy(wire.data(), &rank, 4);
+    std::memcpy(wire.data() + 4, &first, 4);
+  }
+  ctx.control_plane().broadcast(wire, 0);
+  int rank = 0;
+  int first = 0;
+  std::memcpy(&rank, wire.data(), 4);
+  std::memcpy(&first, wire.data() + 4, 4);
+  return {rank, first};
+}
+
+/// What the run saw of stragglers() after each step.
+struct watched {
+  std::vector<int> times_named;  // per rank: how often it turned slow
+  int first_named = -1;          // the step the delayed rank was first slow at
+  int recovered = -1;            // the first step after that it was not
+  int collectives_named = -1;    // the first step the collectives were slow at
+  int collectives_recovered = -1;
+};
+
+void watch(const dtrain::straggler_figures& f, int step, int delayed, std::vector<bool>& was,
+           bool& link_was, watched& w) {
+  if (f.ranks.empty()) return;
+  for (const dtrain::rank_pace& p : f.ranks) {
+    const auto r = static_cast<std::size_t>(p.rank);
+    if (p.slow && !was[r]) {
+      ++w.times_named[r];
+      if (p.rank == delayed && w.first_named < 0) w.first_named = step;
+    }
+    if (!p.slow && was[r] && p.rank == delayed && w.recovered < 0) w.recovered = step;
+    was[r] = p.slow;
+  }
+  if (f.communication_slow && !link_was && w.collectives_named < 0) w.collectives_named = step;
+  if (!f.communication_slow && link_was && w.collectives_recovered < 0)
+    w.collectives_recovered = step;
+  link_was = f.communication_slow;
+}
+
+enum class inject { none, compute, link };
+
+template <class Context>
+int run(Context& ctx, inject what, int steps) {
+  const int rank = ctx.rank();
+  const int size = ctx.size();
+  const auto [delayed, first] = what == inject::none ? std::pair{-1, -1} : draw(ctx, 20, 60);
+  const int last = first + delay_steps - 1;
+  toy_model model;
+  using ddp_type = dtrain::DistributedDataParallel<toy_model, typename Context::policy_type>;
+  ddp_type ddp(ctx, model, {.stragglers = {.every = 1}});
+  int step = 0;
+  const auto late = std::chrono::duration_cast<std::chrono::microseconds>(
+      compute * (what == inject::link ? 0.25 : 0.2));
+  if (what == inject::link) {
+    ddp.register_comm_hook([&](auto& comm, dtrain::gradient_bucket& b) {
+      if (rank == delayed && step >= first && step <= last && b.index + 1 == ddp.buckets().size())
+        std::this_thread::sleep_for(late);
+      return comm.allreduce(b.data, b.data, dtrain::reduce_op::avg);
+    });
+  }
+  watched w;
+  w.times_named.assign(static_cast<std::size_t>(size), 0);
+  std::vector<bool> was(static_cast<std::size_t>(size), false);
+  bool link_was = false;
+  for (step = 1; step <= steps; ++step) {
+    std::this_thread::sleep_for(compute);
+    if (what == inject::compute && rank == delayed && step >= first && step <= last)
+      std::this_thread::sleep_for(late);
+    for (std::size_t i = model.values.size(); i-- > 0;) {
+      std::this_thread::sleep_for(200us);
+      ddp.mark_ready(i);
+    }
+    ddp.synchronize();
+    watch(ddp.stragglers(), step, delayed, was, link_was, w);
+  }
+  const dtrain::straggler_figures f = ddp.stragglers();
+  std::printf("rank %d of %d: %zu exchanges, step %.2f ms, collectives %.2f ms (best %.2f)", rank,
+              size, static_cast<std::size_t>(f.exchanges), f.step_seconds * 1e3,
+              f.communication_seconds * 1e3, f.communication_baseline_seconds * 1e3);
+  if (what != inject::none) {
+    std::printf(
+        "; rank %d delayed (%s) in steps %d-%d: named at %d, recovered at %d; "
+        "collectives named at %d, recovered at %d",
+        delayed, what == inject::link ? "link" : "compute", first, last, w.first_named, w.recovered,
+        w.collectives_named, w.collectives_recovered);
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+  CHECK(f.exchanges >= static_cast<std::uint64_t>(steps - 2));
+  CHECK(f.ranks.size() == static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    const int named = w.times_named[static_cast<std::size_t>(r)];
+    if (what == inject::compute && r == delayed) {
+      CHECK_MESSAGE(named == 1, "rank " << r << " named " << named << " times");
+    } else {
+      CHECK_MESSAGE(named == 0, "rank " << r << " named " << named << " times, not delayed");
+    }
+  }
+  if (what == inject::compute) {
+    CHECK(w.first_named >= first);
+    CHECK(w.first_named <= first + 5);
+    CHECK(w.recovered > last);
+    CHECK(w.recovered <= last + 10);
+    CHECK(w.collectives_named < 0);
+  } else if (what == inject::link) {
+    CHECK(w.collectives_named >= first);
+    CHECK(w.collectives_named <= first + 5);
+    CHECK(w.collectives_recovered > last);
+    CHECK(w.collectives_recovered <= last + 10);
+  } else {
+    CHECK(w.collectives_named < 0);
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("straggler") {
+  CHECK(dtrain_test::run_job([](auto& ctx) { return run(ctx, inject::compute, 130); }) == 0);
+}
+
+TEST_CASE("clean") {
+  CHECK(dtrain_test::run_job([](auto& ctx) { return run(ctx, inject::none, 1000); }) == 0);
+}
+
+TEST_CASE("slow_link") {
+  CHECK(dtrain_test::run_job([](auto& ctx) { return run(ctx, inject::link, 130); }) == 0);
+}
