@@ -1113,6 +1113,8 @@ inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTIC
 inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
 /// DDP's straggler watch: "off", "auto", or the steps between its exchanges.
 inline constexpr std::string_view stragglers_variable = "DTRAIN_STRAGGLERS";
+/// A directory where DDP writes each rank's metrics file (dtrain_rank<R>.prom).
+inline constexpr std::string_view metrics_dir_variable = "DTRAIN_METRICS_DIR";
 
 // --- the doctor (examples/doctor.cpp)
 
@@ -1156,6 +1158,7 @@ inline constexpr std::array dtrain_variables{
     diagnostics_wait_variable,
     timeline_variable,
     stragglers_variable,
+    metrics_dir_variable,
     sysfs_root_variable,
 };
 
@@ -11430,6 +11433,11 @@ struct ddp_options {
   /// the waits in synchronize()) goes to this file, the rank inserted
   /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
   std::string timeline = {};
+  /// A directory where each rank writes its metrics (dtrain_rank<R>.prom, the
+  /// Prometheus text format that node-exporter's textfile collector reads) at
+  /// the end of a step, at most once a second, and at destruction; empty:
+  /// none. DTRAIN_METRICS_DIR wins.
+  std::string metrics_dir = {};
   /// Backends on CUDA streams (NCCL): the compute stream, the one that wrote
   /// the parameters and will run the backward pass (a cudaStream_t). The first
   /// broadcast of rank 0's values is ordered after it, so that values written
@@ -14427,6 +14435,111 @@ DTRAIN_DETAIL_INLINE std::string timeline::render() const {
 // ---- end dtrain/ddp/timeline-inl.hpp ----
 #endif
 // ---- end dtrain/ddp/timeline.hpp ----
+// ---- begin dtrain/diagnostics/metrics.hpp ----
+/// @file
+/// A rank's metrics as a text file that Prometheus's node-exporter textfile
+/// collector reads (the Prometheus text format, version 0.0.4): written
+/// whole beside itself and renamed into place, so that a scrape never reads
+/// half of one. DistributedDataParallel writes one per rank when
+/// DTRAIN_METRICS_DIR (or ddp_options::metrics_dir) names a directory.
+
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+namespace dtrain::detail {
+
+/// The directory: DTRAIN_METRICS_DIR wins over `option`; empty: none.
+DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env, const std::string& option);
+
+/// The text of one file: families of one sample each, every sample with the
+/// same labels (`rank="3",node="n1",local_rank="1"`).
+class metrics_text {
+ public:
+  explicit metrics_text(std::string labels) : labels_(std::move(labels)) {}
+  /// `name`'s HELP and TYPE ("gauge" or "counter"; a counter's name ends in _total), and its value.
+  void add(std::string_view name, std::string_view type, std::string_view help, double value);
+  [[nodiscard]] const std::string& str() const noexcept { return text_; }
+  /// `value` quoted as a label value (backslash, quote and newline escaped).
+  [[nodiscard]] static std::string quoted(std::string_view value);
+
+ private:
+  std::string labels_;
+  std::string text_;
+};
+
+/// Writes `text` to `file` through `file`.tmp and a rename. Throws
+/// dtrain::error naming the file, the setting and `rank`.
+DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const std::string& text,
+                                        int rank);
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/diagnostics/metrics-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/diagnostics/metrics.hpp: included by it in
+/// header-only mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics/metrics.hpp, not this file.
+
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env,
+                                                 const std::string& option) {
+  if (auto v = env.get(metrics_dir_variable)) return std::string(*v);
+  return option;
+}
+
+DTRAIN_DETAIL_INLINE void metrics_text::add(std::string_view name, std::string_view type,
+                                            std::string_view help, double value) {
+  char number[64];
+  std::snprintf(number, sizeof number, "%.15g", value);
+  const std::string n(name);
+  text_ += "# HELP " + n + " " + std::string(help) + "\n# TYPE " + n + " " + std::string(type) +
+           "\n" + n + "{" + labels_ + "} " + number + "\n";
+}
+
+DTRAIN_DETAIL_INLINE std::string metrics_text::quoted(std::string_view value) {
+  std::string out = "\"";
+  for (const char c : value) {
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const std::string& text,
+                                        int rank) {
+  const std::string temporary = file.string() + ".tmp";
+  auto fail = [&](const char* what) {
+    const int saved = errno;
+    throw error(std::string(metrics_dir_variable) + ": rank " + std::to_string(rank) + " cannot " +
+                what + " " + temporary + ": " + std::strerror(saved));
+  };
+  std::FILE* f = std::fopen(temporary.c_str(), "w");
+  if (!f) fail("create");
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !written) fail("write");
+  if (std::rename(temporary.c_str(), file.c_str()) != 0) fail("rename");
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/diagnostics/metrics-inl.hpp ----
+#endif
+// ---- end dtrain/diagnostics/metrics.hpp ----
 // ---- begin dtrain/env/placement.hpp ----
 /// @file
 /// Completing the world at rendezvous: every rank reports what its launcher
@@ -15144,10 +15257,14 @@ struct flat {
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <initializer_list>
 #include <mutex>
@@ -15776,6 +15893,9 @@ class basic_ddp {
   std::vector<std::int64_t> gather_values(std::span<const std::int64_t> mine);
   /// The straggler watch's exchange after a step (every rank together).
   void exchange_pace();
+  /// This rank's metrics file (ddp_options::metrics_dir), when a second has
+  /// passed since the last (`always`: now). Throws dtrain::error naming it.
+  void write_metrics(bool always);
   /// node_name(env) for the straggler watch's lines; "?" when there is none
   /// (a name in a report is not worth failing the training for).
   static std::string node_or_unknown(const environment& env) {
@@ -15868,8 +15988,16 @@ class basic_ddp {
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
-  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
-  detail::straggler_watch pace_;       // off when options_.stragglers is, or at world size 1
+  detail::timeline timeline_;     // off unless DTRAIN_TIMELINE or options_.timeline
+  detail::straggler_watch pace_;  // off when options_.stragglers is, or at world size 1
+  struct metrics_state {
+    std::string file;              // empty: off
+    std::string labels;            // rank="0",node="n1"
+    double restarts = 0;           // DTRAIN_RESTART_COUNT
+    std::int64_t written = 0;      // steady ns of the last write; 0: none yet
+    std::uint64_t step_bytes = 0;  // the gradients' bytes, averaged each step
+    std::uint64_t bytes = 0;       // so far
+  } metrics_;
   mutable std::mutex mutex_;           // everything above that changes during a step
   std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
@@ -15906,6 +16034,20 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
                                     options_.stragglers, rank_, size_, node_or_unknown(env));
+    if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
+      metrics_.file =
+          (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
+      metrics_.labels = "rank=\"" + std::to_string(rank_) +
+                        "\",node=" + detail::metrics_text::quoted(node_or_unknown(env));
+      if (auto restarts = env.get(restart_count_variable))
+        metrics_.restarts = std::strtod(std::string(*restarts).c_str(), nullptr);
+      try {
+        detail::write_metrics(metrics_.file, "",
+                              rank_);  // a directory that cannot take it fails now
+      } catch (const error& e) {
+        throw config_error(e.what());
+      }
+    }
   } catch (const config_error& e) {
     if (problem.empty()) problem = e.what();  // the agreement stops every rank
   }
@@ -15938,6 +16080,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   shards_.take_values();
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
+  for (const variable& v : vars_) metrics_.step_bytes += v.param.bytes();
   runner_.emplace(*this);
 }
 
@@ -15945,6 +16088,13 @@ template <class Policy>
 basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
   timeline_.write_at_exit();
+  if (!metrics_.file.empty()) {
+    try {
+      write_metrics(true);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d/%d] dtrain: %s\n", rank_, size_, e.what());
+    }
+  }
   try {
     shards_.give_back_values();  // stage 3: the values go with this object
     for (variable& v : vars_) {
@@ -16250,6 +16400,7 @@ std::vector<std::size_t> basic_ddp<Policy>::layout_order() const {
 
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -16400,6 +16551,14 @@ void basic_ddp<Policy>::synchronize_locked() {
     end_step();
   }
   if (pace_.step_done(steps_)) exchange_pace();
+  if (!metrics_.file.empty()) {
+    if (!sends_nothing()) metrics_.bytes += metrics_.step_bytes;
+    try {
+      write_metrics(false);
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
   if (options_.find_unused_parameters && options_.report_unused_parameters &&
       steps_ <= unused_report_steps)
     report_unused();
@@ -16735,6 +16894,42 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_values(std::span<const std::
     });
   }
   return all;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::write_metrics(bool always) {
+  const std::int64_t now = detail::straggler_watch::now();
+  if (!always && metrics_.written != 0 && now - metrics_.written < 1'000'000'000) return;
+  metrics_.written = now;
+  const straggler_figures& f = pace_.figures();
+  const rank_pace mine = f.ranks.empty() ? rank_pace{} : f.ranks[static_cast<std::size_t>(rank_)];
+  detail::metrics_text m(metrics_.labels);
+  m.add("dtrain_step", "gauge", "The last step this rank completed (synchronize()).",
+        static_cast<double>(steps_));
+  m.add("dtrain_step_timestamp_seconds", "gauge",
+        "When this file was written, at the end of a step (Unix time): alert when it stops moving.",
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  m.add("dtrain_world_size", "gauge", "The ranks of the job.", size_);
+  m.add("dtrain_restarts", "gauge",
+        "The node agent's restarts of the workers (DTRAIN_RESTART_COUNT).", metrics_.restarts);
+  m.add("dtrain_gradient_bytes_total", "counter",
+        "The gradient bytes this rank averaged over the ranks (its buckets' payload).",
+        static_cast<double>(metrics_.bytes));
+  m.add("dtrain_step_seconds", "gauge",
+        "The median step time over the ranks and the straggler watch's last steps.",
+        f.step_seconds);
+  m.add("dtrain_exposed_communication_seconds", "gauge",
+        "The median time from the last rank's gradients to the end of a step.",
+        f.communication_seconds);
+  m.add("dtrain_straggler_delay_seconds", "gauge",
+        "How long after the other ranks' this rank's last gradients are ready (median).",
+        mine.delay_seconds);
+  m.add("dtrain_straggler_share", "gauge", "That delay as a share of the step time.", mine.share);
+  m.add("dtrain_straggler_slow", "gauge", "1 while this rank is reported slow.", mine.slow ? 1 : 0);
+  m.add("dtrain_collectives_slow", "gauge",
+        "1 while the collectives are reported slow with every rank on time.",
+        f.communication_slow ? 1 : 0);
+  detail::write_metrics(metrics_.file, m.str(), rank_);
 }
 
 /// The ranks' step records, exchanged and judged alike everywhere; rank 0

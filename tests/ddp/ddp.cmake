@@ -160,3 +160,32 @@ dtrain_add_multirank_test(ddp.straggler.clean PROGRAM dtrain_ddp_straggler CASE 
 dtrain_add_multirank_test(ddp.straggler.slow_link PROGRAM dtrain_ddp_straggler CASE slow_link
                           ENGINES gloo RANKS 8 TIMEOUT 120
                           EXPECT "dtrain: straggler: the collectives are slow since step [0-9]+, with every rank's gradients on time")
+
+# DTRAIN_METRICS_DIR (issue 51): each rank's metrics file parses with
+# prometheus_client (Debian's python3-prometheus-client) and holds the rank's
+# steps and bytes (tests/scripts/check_metrics.py).
+# Debian's python3 first: another on PATH (pyenv, a venv) may lack the module.
+if(TARGET dtrain_ddp_straggler)
+  set(metrics_python "")
+  find_program(_dtrain_python3 python3)
+  foreach(candidate IN ITEMS /usr/bin/python3 ${_dtrain_python3})
+    execute_process(COMMAND "${candidate}" -c "import prometheus_client"
+                    RESULT_VARIABLE no_prometheus_client OUTPUT_QUIET ERROR_QUIET)
+    if(no_prometheus_client EQUAL 0)
+      set(metrics_python "${candidate}")
+      break()
+    endif()
+  endforeach()
+  if(NOT metrics_python)
+    dtrain_add_skipped_test(ddp.metrics.gloo.4ranks
+                            "needs python3 with prometheus_client (python3-prometheus-client)")
+  else()
+    dtrain_multirank_register_case(dtrain_ddp_straggler metrics)
+    dtrain_multirank_command(job PROGRAM dtrain_ddp_straggler ENGINE gloo RANKS 4
+                             ARGS --test-case=metrics)
+    dtrain_add_test(ddp.metrics.gloo.4ranks
+      COMMAND "${metrics_python}" "${PROJECT_SOURCE_DIR}/tests/scripts/check_metrics.py"
+              "${CMAKE_CURRENT_BINARY_DIR}/ddp-metrics" 4 -- ${job}
+      TIMEOUT 120 PROPERTIES PROCESSORS 4)
+  endif()
+endif()

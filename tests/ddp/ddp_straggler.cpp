@@ -18,6 +18,9 @@
 // before it reduces the last bucket, for 50 steps: every rank's gradients are
 // on time, the collectives are late. The collectives must be called slow
 // within 5 steps, and no rank.
+// Case "metrics": 40 steps with DTRAIN_METRICS_DIR set (by the test); each
+// rank prints its step count and the gradient bytes it averaged, which
+// tests/scripts/check_metrics.py compares with the files it parses.
 
 #include "../support/multirank.hpp"
 
@@ -31,6 +34,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -176,6 +180,30 @@ int run(Context& ctx, inject what, int steps) {
 }
 
 }  // namespace
+
+TEST_CASE("metrics") {
+  CHECK(dtrain_test::run_job([](auto& ctx) {
+          toy_model model;
+          std::size_t steps = 0;
+          {
+            dtrain::DistributedDataParallel<
+                toy_model, typename std::remove_reference_t<decltype(ctx)>::policy_type>
+                ddp(ctx, model, {.stragglers = {.every = 1}});
+            for (int step = 1; step <= 40; ++step) {
+              std::this_thread::sleep_for(compute);
+              ddp.mark_all_ready();
+              ddp.synchronize();
+            }
+            steps = ddp.steps();
+          }  // the last write
+          std::size_t bytes = 0;
+          for (const auto& v : model.values) bytes += v.size() * sizeof(float);
+          std::printf("metrics: rank %d step %zu gradient_bytes %zu\n", ctx.rank(), steps,
+                      steps * bytes);
+          std::fflush(stdout);
+          return 0;
+        }) == 0);
+}
 
 TEST_CASE("straggler") {
   CHECK(dtrain_test::run_job([](auto& ctx) { return run(ctx, inject::compute, 130); }) == 0);

@@ -176,7 +176,8 @@ namespace {
 /// broadcast_or_fail under store key "boot/value": the value, or its error.
 struct bootstrap_results {
   std::vector<std::string> values, errors;
-  std::vector<bool> was_rendezvous_error, was_config_error;
+  // Not vector<bool>: its elements share words, and each rank's thread writes its own.
+  std::vector<char> was_rendezvous_error, was_config_error;
   std::chrono::steady_clock::time_point root_ended{};            // when rank 0 returned or threw
   std::vector<std::chrono::steady_clock::time_point> started{};  // when each rank began its call
   std::int64_t failure_reads = 0;  // ranks that counted themselves as having read it
@@ -188,7 +189,7 @@ bootstrap_results bootstrap_over_store(int size, Produce produce,
   dtrain::store_server server("127.0.0.1", 0, {.timeout = 20s, .log = [](std::string_view) {}});
   const auto n = static_cast<std::size_t>(size);
   bootstrap_results out{std::vector<std::string>(n), std::vector<std::string>(n),
-                        std::vector<bool>(n), std::vector<bool>(n)};
+                        std::vector<char>(n), std::vector<char>(n)};
   out.started.resize(n);
   std::vector<std::thread> ranks;
   for (int r = 0; r < size; ++r) {
@@ -307,7 +308,8 @@ namespace {
 struct verdict_results {
   std::vector<dtrain::verdict> verdicts;
   std::vector<std::string> errors;
-  std::vector<bool> was_checkpoint_error;
+  // Not vector<bool>: its elements share words, and each rank's thread writes its own.
+  std::vector<char> was_checkpoint_error;
   std::int64_t keys_left = -1;  // what the control plane left in the store
 };
 verdict_results verdict_among_threads(const std::vector<std::string>& problems) {
@@ -315,7 +317,7 @@ verdict_results verdict_among_threads(const std::vector<std::string>& problems) 
   const int size = static_cast<int>(problems.size());
   const auto n = problems.size();
   verdict_results out{std::vector<dtrain::verdict>(n), std::vector<std::string>(n),
-                      std::vector<bool>(n)};
+                      std::vector<char>(n)};
   std::vector<std::thread> ranks;
   for (int r = 0; r < size; ++r) {
     ranks.emplace_back([&, r] {
@@ -355,7 +357,7 @@ TEST_CASE("verdict: when every rank is ok, every rank returns and the store is l
 TEST_CASE("verdict: the rank that failed throws its own message, every other rank names it") {
   const auto got = verdict_among_threads({"", "", "checkpoint: disk full (rank 2)", ""});
   for (std::size_t r = 0; r < 4; ++r) {
-    INFO("rank " << r);
+    INFO("rank " << r << ": " << got.errors[r]);
     CHECK(got.was_checkpoint_error[r]);  // the caller's type, on every rank
     CHECK(got.verdicts[r].failed == std::vector<int>{2});
     CHECK(got.verdicts[r].first_problem == "checkpoint: disk full (rank 2)");

@@ -1,13 +1,17 @@
 // The straggler watch's judgement (ddp/straggler.hpp), on step records made
-// up here: what it names, when, and what it leaves alone.
+// up here: what it names, when, and what it leaves alone; and the metrics
+// file's text (diagnostics/metrics.hpp).
 #include "support.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 using dtrain::detail::straggler_setting;
 using dtrain::detail::straggler_watch;
@@ -240,4 +244,28 @@ TEST_CASE("straggler watch: delays under min_delay are the scheduler's, not repo
                            dtrain::environment{}, {.min_delay = std::chrono::microseconds(-1)}, 2)),
                        doctest::Contains("ddp_options::stragglers.min_delay = -1 us on rank 2"),
                        dtrain::config_error);
+}
+
+TEST_CASE("metrics file: Prometheus text, label values escaped, written whole or not at all") {
+  using dtrain::detail::metrics_text;
+  CHECK(metrics_text::quoted("a\"b\\c\nd") == "\"a\\\"b\\\\c\\nd\"");
+  metrics_text m("rank=\"1\",node=" + metrics_text::quoted("n1"));
+  m.add("dtrain_step", "gauge", "The last step.", 40);
+  m.add("dtrain_gradient_bytes_total", "counter", "Bytes.", 1310720);
+  CHECK(m.str() ==
+        "# HELP dtrain_step The last step.\n# TYPE dtrain_step gauge\n"
+        "dtrain_step{rank=\"1\",node=\"n1\"} 40\n"
+        "# HELP dtrain_gradient_bytes_total Bytes.\n# TYPE dtrain_gradient_bytes_total counter\n"
+        "dtrain_gradient_bytes_total{rank=\"1\",node=\"n1\"} 1310720\n");
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("dtrain_metrics_test." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  dtrain::detail::write_metrics(dir / "dtrain_rank1.prom", m.str(), 1);
+  CHECK(std::filesystem::file_size(dir / "dtrain_rank1.prom") == m.str().size());
+  CHECK_FALSE(std::filesystem::exists(dir / "dtrain_rank1.prom.tmp"));
+  CHECK_THROWS_WITH_AS(dtrain::detail::write_metrics(dir / "missing" / "f.prom", m.str(), 3),
+                       doctest::Contains("DTRAIN_METRICS_DIR: rank 3 cannot create"),
+                       dtrain::error);
+  std::filesystem::remove_all(dir);
 }

@@ -41,6 +41,7 @@
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/ddp/straggler.hpp>
 #include <dtrain/ddp/timeline.hpp>
+#include <dtrain/diagnostics/metrics.hpp>
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/placement.hpp>
@@ -51,10 +52,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <initializer_list>
 #include <mutex>
@@ -683,6 +688,9 @@ class basic_ddp {
   std::vector<std::int64_t> gather_values(std::span<const std::int64_t> mine);
   /// The straggler watch's exchange after a step (every rank together).
   void exchange_pace();
+  /// This rank's metrics file (ddp_options::metrics_dir), when a second has
+  /// passed since the last (`always`: now). Throws dtrain::error naming it.
+  void write_metrics(bool always);
   /// node_name(env) for the straggler watch's lines; "?" when there is none
   /// (a name in a report is not worth failing the training for).
   static std::string node_or_unknown(const environment& env) {
@@ -775,8 +783,16 @@ class basic_ddp {
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
-  detail::timeline timeline_;          // off unless DTRAIN_TIMELINE or options_.timeline
-  detail::straggler_watch pace_;       // off when options_.stragglers is, or at world size 1
+  detail::timeline timeline_;     // off unless DTRAIN_TIMELINE or options_.timeline
+  detail::straggler_watch pace_;  // off when options_.stragglers is, or at world size 1
+  struct metrics_state {
+    std::string file;              // empty: off
+    std::string labels;            // rank="0",node="n1"
+    double restarts = 0;           // DTRAIN_RESTART_COUNT
+    std::int64_t written = 0;      // steady ns of the last write; 0: none yet
+    std::uint64_t step_bytes = 0;  // the gradients' bytes, averaged each step
+    std::uint64_t bytes = 0;       // so far
+  } metrics_;
   mutable std::mutex mutex_;           // everything above that changes during a step
   std::optional<runner_type> runner_;  // last: it calls back into everything above
 };
@@ -813,6 +829,20 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
                                     options_.stragglers, rank_, size_, node_or_unknown(env));
+    if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
+      metrics_.file =
+          (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
+      metrics_.labels = "rank=\"" + std::to_string(rank_) +
+                        "\",node=" + detail::metrics_text::quoted(node_or_unknown(env));
+      if (auto restarts = env.get(restart_count_variable))
+        metrics_.restarts = std::strtod(std::string(*restarts).c_str(), nullptr);
+      try {
+        detail::write_metrics(metrics_.file, "",
+                              rank_);  // a directory that cannot take it fails now
+      } catch (const error& e) {
+        throw config_error(e.what());
+      }
+    }
   } catch (const config_error& e) {
     if (problem.empty()) problem = e.what();  // the agreement stops every rank
   }
@@ -845,6 +875,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   shards_.take_values();
   // The buckets were zeroed and filled on the compute stream: complete before the first step.
   memory_space::synchronize(device_, stream_);
+  for (const variable& v : vars_) metrics_.step_bytes += v.param.bytes();
   runner_.emplace(*this);
 }
 
@@ -852,6 +883,13 @@ template <class Policy>
 basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
   timeline_.write_at_exit();
+  if (!metrics_.file.empty()) {
+    try {
+      write_metrics(true);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d/%d] dtrain: %s\n", rank_, size_, e.what());
+    }
+  }
   try {
     shards_.give_back_values();  // stage 3: the values go with this object
     for (variable& v : vars_) {

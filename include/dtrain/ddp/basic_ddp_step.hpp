@@ -9,6 +9,7 @@
 #include <dtrain/ddp/basic_ddp.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -159,6 +160,14 @@ void basic_ddp<Policy>::synchronize_locked() {
     end_step();
   }
   if (pace_.step_done(steps_)) exchange_pace();
+  if (!metrics_.file.empty()) {
+    if (!sends_nothing()) metrics_.bytes += metrics_.step_bytes;
+    try {
+      write_metrics(false);
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
   if (options_.find_unused_parameters && options_.report_unused_parameters &&
       steps_ <= unused_report_steps)
     report_unused();
@@ -494,6 +503,42 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_values(std::span<const std::
     });
   }
   return all;
+}
+
+template <class Policy>
+void basic_ddp<Policy>::write_metrics(bool always) {
+  const std::int64_t now = detail::straggler_watch::now();
+  if (!always && metrics_.written != 0 && now - metrics_.written < 1'000'000'000) return;
+  metrics_.written = now;
+  const straggler_figures& f = pace_.figures();
+  const rank_pace mine = f.ranks.empty() ? rank_pace{} : f.ranks[static_cast<std::size_t>(rank_)];
+  detail::metrics_text m(metrics_.labels);
+  m.add("dtrain_step", "gauge", "The last step this rank completed (synchronize()).",
+        static_cast<double>(steps_));
+  m.add("dtrain_step_timestamp_seconds", "gauge",
+        "When this file was written, at the end of a step (Unix time): alert when it stops moving.",
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  m.add("dtrain_world_size", "gauge", "The ranks of the job.", size_);
+  m.add("dtrain_restarts", "gauge",
+        "The node agent's restarts of the workers (DTRAIN_RESTART_COUNT).", metrics_.restarts);
+  m.add("dtrain_gradient_bytes_total", "counter",
+        "The gradient bytes this rank averaged over the ranks (its buckets' payload).",
+        static_cast<double>(metrics_.bytes));
+  m.add("dtrain_step_seconds", "gauge",
+        "The median step time over the ranks and the straggler watch's last steps.",
+        f.step_seconds);
+  m.add("dtrain_exposed_communication_seconds", "gauge",
+        "The median time from the last rank's gradients to the end of a step.",
+        f.communication_seconds);
+  m.add("dtrain_straggler_delay_seconds", "gauge",
+        "How long after the other ranks' this rank's last gradients are ready (median).",
+        mine.delay_seconds);
+  m.add("dtrain_straggler_share", "gauge", "That delay as a share of the step time.", mine.share);
+  m.add("dtrain_straggler_slow", "gauge", "1 while this rank is reported slow.", mine.slow ? 1 : 0);
+  m.add("dtrain_collectives_slow", "gauge",
+        "1 while the collectives are reported slow with every rank on time.",
+        f.communication_slow ? 1 : 0);
+  detail::write_metrics(metrics_.file, m.str(), rank_);
 }
 
 /// The ranks' step records, exchanged and judged alike everywhere; rank 0

@@ -235,6 +235,11 @@ struct ddp_options {
   /// the waits in synchronize()) goes to this file, the rank inserted
   /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
   std::string timeline = {};
+  /// A directory where each rank writes its metrics (dtrain_rank<R>.prom, the
+  /// Prometheus text format that node-exporter's textfile collector reads) at
+  /// the end of a step, at most once a second, and at destruction; empty:
+  /// none. DTRAIN_METRICS_DIR wins.
+  std::string metrics_dir = {};
   /// Backends on CUDA streams (NCCL): the compute stream, the one that wrote
   /// the parameters and will run the backward pass (a cudaStream_t). The first
   /// broadcast of rank 0's values is ordered after it, so that values written

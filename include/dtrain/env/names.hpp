@@ -100,6 +100,8 @@ inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTIC
 inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
 /// DDP's straggler watch: "off", "auto", or the steps between its exchanges.
 inline constexpr std::string_view stragglers_variable = "DTRAIN_STRAGGLERS";
+/// A directory where DDP writes each rank's metrics file (dtrain_rank<R>.prom).
+inline constexpr std::string_view metrics_dir_variable = "DTRAIN_METRICS_DIR";
 
 // --- the doctor (examples/doctor.cpp)
 
@@ -143,6 +145,7 @@ inline constexpr std::array dtrain_variables{
     diagnostics_wait_variable,
     timeline_variable,
     stragglers_variable,
+    metrics_dir_variable,
     sysfs_root_variable,
 };
 

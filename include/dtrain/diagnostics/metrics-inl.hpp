@@ -1,0 +1,62 @@
+#pragma once
+/// @file
+/// The non-template bodies of dtrain/diagnostics/metrics.hpp: included by it in
+/// header-only mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics/metrics.hpp, not this file.
+
+#include <dtrain/diagnostics/metrics.hpp>
+#include <dtrain/env/names.hpp>
+#include <dtrain/error.hpp>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env,
+                                                 const std::string& option) {
+  if (auto v = env.get(metrics_dir_variable)) return std::string(*v);
+  return option;
+}
+
+DTRAIN_DETAIL_INLINE void metrics_text::add(std::string_view name, std::string_view type,
+                                            std::string_view help, double value) {
+  char number[64];
+  std::snprintf(number, sizeof number, "%.15g", value);
+  const std::string n(name);
+  text_ += "# HELP " + n + " " + std::string(help) + "\n# TYPE " + n + " " + std::string(type) +
+           "\n" + n + "{" + labels_ + "} " + number + "\n";
+}
+
+DTRAIN_DETAIL_INLINE std::string metrics_text::quoted(std::string_view value) {
+  std::string out = "\"";
+  for (const char c : value) {
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const std::string& text,
+                                        int rank) {
+  const std::string temporary = file.string() + ".tmp";
+  auto fail = [&](const char* what) {
+    const int saved = errno;
+    throw error(std::string(metrics_dir_variable) + ": rank " + std::to_string(rank) + " cannot " +
+                what + " " + temporary + ": " + std::strerror(saved));
+  };
+  std::FILE* f = std::fopen(temporary.c_str(), "w");
+  if (!f) fail("create");
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !written) fail("write");
+  if (std::rename(temporary.c_str(), file.c_str()) != 0) fail("rename");
+}
+
+}  // namespace dtrain::detail
