@@ -11360,7 +11360,7 @@ struct straggler_options {
   /// A rank is slow when the median of its delay over the last `steps` steps
   /// is above this share of the median step time, and keeps pace again below
   /// half of it. The collectives are slow when their median time after the
-  /// last rank's arrival is this share of a step above its lowest.
+  /// last rank's arrival, over 3 times `steps`, is this share of a step above its lowest.
   double threshold = 0.1;
   /// The steps each judgement looks back over (3 to 1000): a rank is named
   /// once more than half of them were late.
@@ -13260,6 +13260,8 @@ class straggler_watch {
   static constexpr std::size_t max_every = 50;
   /// The share of a step the automatic exchange may cost.
   static constexpr double exchange_budget = 0.005;
+  /// The collectives are judged over this many times straggler_options::steps.
+  static constexpr std::size_t communication_steps = 3;
   /// The node name's bytes sent at the first exchange.
   static constexpr std::size_t name_words = 8;
 
@@ -13508,9 +13510,9 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
   // The first steps warm up (allocators, thread pools, caches) on each rank
   // at its own pace: judged from the window after them.
   if (step <= keep) return;
-  auto push = [keep](std::deque<std::int64_t>& d, std::int64_t v) {
+  auto push = [](std::deque<std::int64_t>& d, std::int64_t v, std::size_t most) {
     d.push_back(v);
-    if (d.size() > keep) d.pop_front();
+    if (d.size() > most) d.pop_front();
   };
   std::vector<std::int64_t> lengths(size);
   std::int64_t communication = -1;
@@ -13520,8 +13522,10 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
     communication = communication < 0 ? after : std::min(communication, after);
   }
   const std::int64_t length = median(lengths);
-  push(step_lengths_, length);
-  push(communication_, communication);
+  push(step_lengths_, length, keep);
+  // The collectives are judged over 3 times as many steps: a busy host slows
+  // every rank's collectives for a few steps at a time, and that is no link's doing.
+  push(communication_, communication, communication_steps * keep);
   const std::int64_t floor =
       std::chrono::duration_cast<std::chrono::nanoseconds>(options_.min_delay).count();
   const std::int64_t bar =
@@ -13533,7 +13537,7 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
       if (q != r) others.push_back(by_rank[q].arrival);
     const std::int64_t late = std::max<std::int64_t>(by_rank[r].arrival - median(others), 0);
     rank_history& h = history_[r];
-    push(h.late, late);
+    push(h.late, late, keep);
     if (late <= bar) {
       h.run_start = 0;
     } else if (h.run_start == 0) {
@@ -13572,6 +13576,7 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
 
   // The collectives after the last arrival: slower than at their best while
   // every rank arrives on time is the link's (or the network's) doing.
+  if (communication_.size() < communication_steps * keep) return;
   const std::int64_t after = median({communication_.begin(), communication_.end()});
   figures_.communication_seconds = static_cast<double>(after) / 1e9;
   if (!any_slow && !figures_.communication_slow)
@@ -14526,8 +14531,9 @@ DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const
   const std::string temporary = file.string() + ".tmp";
   auto fail = [&](const char* what) {
     const int saved = errno;
-    throw error(std::string(metrics_dir_variable) + ": rank " + std::to_string(rank) + " cannot " +
-                what + " " + temporary + ": " + std::strerror(saved));
+    throw error(std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir): rank " +
+                std::to_string(rank) + " cannot " + what + " " + temporary + ": " +
+                std::strerror(saved));
   };
   std::FILE* f = std::fopen(temporary.c_str(), "w");
   if (!f) fail("create");
@@ -15894,7 +15900,8 @@ class basic_ddp {
   /// The straggler watch's exchange after a step (every rank together).
   void exchange_pace();
   /// This rank's metrics file (ddp_options::metrics_dir), when a second has
-  /// passed since the last (`always`: now). Throws dtrain::error naming it.
+  /// passed since the last (`always`: now). Throws dtrain::error naming it;
+  /// after a step, a failure is said once and the metrics stop (not the training).
   void write_metrics(bool always);
   /// node_name(env) for the straggler watch's lines; "?" when there is none
   /// (a name in a report is not worth failing the training for).
@@ -16042,8 +16049,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
       if (auto restarts = env.get(restart_count_variable))
         metrics_.restarts = std::strtod(std::string(*restarts).c_str(), nullptr);
       try {
-        detail::write_metrics(metrics_.file, "",
-                              rank_);  // a directory that cannot take it fails now
+        // A directory that cannot take the file fails now, on every rank.
+        detail::write_metrics(metrics_.file, "", rank_);
       } catch (const error& e) {
         throw config_error(e.what());
       }
@@ -16555,8 +16562,11 @@ void basic_ddp<Policy>::synchronize_locked() {
     if (!sends_nothing()) metrics_.bytes += metrics_.step_bytes;
     try {
       write_metrics(false);
-    } catch (...) {
-      fail(std::current_exception());
+    } catch (const std::exception& e) {
+      // The training matters more than its metrics: said once, and no more files.
+      std::fprintf(stderr, "[rank %d/%d] dtrain: %s; this rank writes no more metrics\n", rank_,
+                   size_, e.what());
+      metrics_.file.clear();
     }
   }
   if (options_.find_unused_parameters && options_.report_unused_parameters &&

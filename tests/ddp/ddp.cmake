@@ -189,3 +189,14 @@ if(TARGET dtrain_ddp_straggler)
       TIMEOUT 120 PROPERTIES PROCESSORS 4)
   endif()
 endif()
+# Bad settings stop every rank at construction, named (exit status 2: a config_error).
+dtrain_add_multirank_test(ddp.metrics.bad_dir PROGRAM dtrain_ddp_straggler CASE metrics
+                          ENGINES gloo RANKS 2 NO_KILL TIMEOUT 120
+                          ENVIRONMENT DTRAIN_METRICS_DIR=/nonexistent/dtrain-metrics
+                          EXPECT_STATUS 2
+                          EXPECT "DTRAIN_METRICS_DIR \\(or ddp_options::metrics_dir\\): rank [01] cannot create /nonexistent/dtrain-metrics/dtrain_rank[01]\\.prom\\.tmp")
+dtrain_add_multirank_test(ddp.straggler.bad_env PROGRAM dtrain_ddp_straggler CASE metrics
+                          ENGINES gloo RANKS 2 NO_KILL TIMEOUT 120
+                          ENVIRONMENT DTRAIN_STRAGGLERS=sometimes
+                          EXPECT_STATUS 2
+                          EXPECT "DTRAIN_STRAGGLERS=sometimes on rank [01]: expected off, auto")

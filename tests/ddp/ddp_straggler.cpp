@@ -17,7 +17,7 @@
 // Case "slow_link": a comm hook on a drawn rank sleeps 25 % of the step
 // before it reduces the last bucket, for 50 steps: every rank's gradients are
 // on time, the collectives are late. The collectives must be called slow
-// within 5 steps, and no rank.
+// within 10 steps (they are judged over 15), and no rank.
 // Case "metrics": 40 steps with DTRAIN_METRICS_DIR set (by the test); each
 // rank prints its step count and the gradient bytes it averaged, which
 // tests/scripts/check_metrics.py compares with the files it parses.
@@ -170,9 +170,9 @@ int run(Context& ctx, inject what, int steps) {
     CHECK(w.collectives_named < 0);
   } else if (what == inject::link) {
     CHECK(w.collectives_named >= first);
-    CHECK(w.collectives_named <= first + 5);
+    CHECK(w.collectives_named <= first + 10);  // the collectives are judged over 15 steps
     CHECK(w.collectives_recovered > last);
-    CHECK(w.collectives_recovered <= last + 10);
+    CHECK(w.collectives_recovered <= last + 15);
   } else {
     CHECK(w.collectives_named < 0);
   }

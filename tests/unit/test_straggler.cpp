@@ -264,8 +264,9 @@ TEST_CASE("metrics file: Prometheus text, label values escaped, written whole or
   dtrain::detail::write_metrics(dir / "dtrain_rank1.prom", m.str(), 1);
   CHECK(std::filesystem::file_size(dir / "dtrain_rank1.prom") == m.str().size());
   CHECK_FALSE(std::filesystem::exists(dir / "dtrain_rank1.prom.tmp"));
-  CHECK_THROWS_WITH_AS(dtrain::detail::write_metrics(dir / "missing" / "f.prom", m.str(), 3),
-                       doctest::Contains("DTRAIN_METRICS_DIR: rank 3 cannot create"),
-                       dtrain::error);
+  CHECK_THROWS_WITH_AS(
+      dtrain::detail::write_metrics(dir / "missing" / "f.prom", m.str(), 3),
+      doctest::Contains("DTRAIN_METRICS_DIR (or ddp_options::metrics_dir): rank 3 cannot create"),
+      dtrain::error);
   std::filesystem::remove_all(dir);
 }

@@ -689,7 +689,8 @@ class basic_ddp {
   /// The straggler watch's exchange after a step (every rank together).
   void exchange_pace();
   /// This rank's metrics file (ddp_options::metrics_dir), when a second has
-  /// passed since the last (`always`: now). Throws dtrain::error naming it.
+  /// passed since the last (`always`: now). Throws dtrain::error naming it;
+  /// after a step, a failure is said once and the metrics stop (not the training).
   void write_metrics(bool always);
   /// node_name(env) for the straggler watch's lines; "?" when there is none
   /// (a name in a report is not worth failing the training for).
@@ -837,8 +838,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
       if (auto restarts = env.get(restart_count_variable))
         metrics_.restarts = std::strtod(std::string(*restarts).c_str(), nullptr);
       try {
-        detail::write_metrics(metrics_.file, "",
-                              rank_);  // a directory that cannot take it fails now
+        // A directory that cannot take the file fails now, on every rank.
+        detail::write_metrics(metrics_.file, "", rank_);
       } catch (const error& e) {
         throw config_error(e.what());
       }

@@ -164,8 +164,11 @@ void basic_ddp<Policy>::synchronize_locked() {
     if (!sends_nothing()) metrics_.bytes += metrics_.step_bytes;
     try {
       write_metrics(false);
-    } catch (...) {
-      fail(std::current_exception());
+    } catch (const std::exception& e) {
+      // The training matters more than its metrics: said once, and no more files.
+      std::fprintf(stderr, "[rank %d/%d] dtrain: %s; this rank writes no more metrics\n", rank_,
+                   size_, e.what());
+      metrics_.file.clear();
     }
   }
   if (options_.find_unused_parameters && options_.report_unused_parameters &&

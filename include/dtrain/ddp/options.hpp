@@ -162,7 +162,7 @@ struct straggler_options {
   /// A rank is slow when the median of its delay over the last `steps` steps
   /// is above this share of the median step time, and keeps pace again below
   /// half of it. The collectives are slow when their median time after the
-  /// last rank's arrival is this share of a step above its lowest.
+  /// last rank's arrival, over 3 times `steps`, is this share of a step above its lowest.
   double threshold = 0.1;
   /// The steps each judgement looks back over (3 to 1000): a rank is named
   /// once more than half of them were late.

@@ -207,9 +207,9 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
   // The first steps warm up (allocators, thread pools, caches) on each rank
   // at its own pace: judged from the window after them.
   if (step <= keep) return;
-  auto push = [keep](std::deque<std::int64_t>& d, std::int64_t v) {
+  auto push = [](std::deque<std::int64_t>& d, std::int64_t v, std::size_t most) {
     d.push_back(v);
-    if (d.size() > keep) d.pop_front();
+    if (d.size() > most) d.pop_front();
   };
   std::vector<std::int64_t> lengths(size);
   std::int64_t communication = -1;
@@ -219,8 +219,10 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
     communication = communication < 0 ? after : std::min(communication, after);
   }
   const std::int64_t length = median(lengths);
-  push(step_lengths_, length);
-  push(communication_, communication);
+  push(step_lengths_, length, keep);
+  // The collectives are judged over 3 times as many steps: a busy host slows
+  // every rank's collectives for a few steps at a time, and that is no link's doing.
+  push(communication_, communication, communication_steps * keep);
   const std::int64_t floor =
       std::chrono::duration_cast<std::chrono::nanoseconds>(options_.min_delay).count();
   const std::int64_t bar =
@@ -232,7 +234,7 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
       if (q != r) others.push_back(by_rank[q].arrival);
     const std::int64_t late = std::max<std::int64_t>(by_rank[r].arrival - median(others), 0);
     rank_history& h = history_[r];
-    push(h.late, late);
+    push(h.late, late, keep);
     if (late <= bar) {
       h.run_start = 0;
     } else if (h.run_start == 0) {
@@ -271,6 +273,7 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
 
   // The collectives after the last arrival: slower than at their best while
   // every rank arrives on time is the link's (or the network's) doing.
+  if (communication_.size() < communication_steps * keep) return;
   const std::int64_t after = median({communication_.begin(), communication_.end()});
   figures_.communication_seconds = static_cast<double>(after) / 1e9;
   if (!any_slow && !figures_.communication_slow)

@@ -110,6 +110,8 @@ class straggler_watch {
   static constexpr std::size_t max_every = 50;
   /// The share of a step the automatic exchange may cost.
   static constexpr double exchange_budget = 0.005;
+  /// The collectives are judged over this many times straggler_options::steps.
+  static constexpr std::size_t communication_steps = 3;
   /// The node name's bytes sent at the first exchange.
   static constexpr std::size_t name_words = 8;
 

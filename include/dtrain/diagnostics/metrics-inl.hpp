@@ -49,8 +49,9 @@ DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const
   const std::string temporary = file.string() + ".tmp";
   auto fail = [&](const char* what) {
     const int saved = errno;
-    throw error(std::string(metrics_dir_variable) + ": rank " + std::to_string(rank) + " cannot " +
-                what + " " + temporary + ": " + std::strerror(saved));
+    throw error(std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir): rank " +
+                std::to_string(rank) + " cannot " + what + " " + temporary + ": " +
+                std::strerror(saved));
   };
   std::FILE* f = std::fopen(temporary.c_str(), "w");
   if (!f) fail("create");
