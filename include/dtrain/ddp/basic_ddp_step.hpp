@@ -510,7 +510,7 @@ std::vector<std::int64_t> basic_ddp<Policy>::gather_values(std::span<const std::
 
 template <class Policy>
 void basic_ddp<Policy>::write_metrics(bool always) {
-  const std::int64_t now = detail::straggler_watch::now();
+  const std::int64_t now = detail::timeline::now();
   if (!always && metrics_.written != 0 && now - metrics_.written < 1'000'000'000) return;
   metrics_.written = now;
   const straggler_figures& f = pace_.figures();
@@ -551,10 +551,9 @@ void basic_ddp<Policy>::exchange_pace() {
   try {
     const detail::label_scope label("straggler records after step",
                                     static_cast<std::int64_t>(steps_));
-    const std::int64_t start = detail::straggler_watch::now();
+    const std::int64_t start = detail::timeline::now();
     const std::vector<std::int64_t> all = gather_values(pace_.pack());
-    const std::vector<std::string> lines =
-        pace_.absorb(all, detail::straggler_watch::now() - start);
+    const std::vector<std::string> lines = pace_.absorb(all, detail::timeline::now() - start);
     if (rank_ != 0 || !options_.stragglers.report) return;
     for (const std::string& line : lines)
       std::fprintf(stderr, "[rank 0/%d] dtrain: straggler: %s\n", size_, line.c_str());

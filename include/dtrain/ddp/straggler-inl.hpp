@@ -72,12 +72,6 @@ DTRAIN_DETAIL_INLINE straggler_watch::straggler_watch(straggler_setting setting,
   if (size_ < 2) setting_.on = false;  // no one to wait for
 }
 
-DTRAIN_DETAIL_INLINE std::int64_t straggler_watch::now() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 DTRAIN_DETAIL_INLINE std::int64_t straggler_watch::median(std::vector<std::int64_t> values) {
   if (values.empty()) return 0;
   const auto mid = values.begin() + static_cast<std::ptrdiff_t>((values.size() - 1) / 2);
@@ -87,7 +81,7 @@ DTRAIN_DETAIL_INLINE std::int64_t straggler_watch::median(std::vector<std::int64
 
 DTRAIN_DETAIL_INLINE bool straggler_watch::step_done(std::uint64_t step) {
   if (!setting_.on) return false;
-  const std::int64_t t = now();
+  const std::int64_t t = timeline::now();
   // The first step (and its rebuild of the buckets) starts at no common
   // moment: the records begin with the second.
   if (step_end_ != 0) {
@@ -193,7 +187,8 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> straggler_watch::absorb(
   figures_.every = every_;
   exchange_ns_ = exchange_ns;
   steps_.clear();
-  step_end_ = now();  // the allgather ended together everywhere: the next step starts here
+  step_end_ =
+      timeline::now();  // the allgather ended together everywhere: the next step starts here
   return lines;
 }
 

@@ -13,6 +13,7 @@
 
 #include <dtrain/config.hpp>
 #include <dtrain/ddp/options.hpp>
+#include <dtrain/ddp/timeline.hpp>
 #include <dtrain/env/environment.hpp>
 
 #include <cstddef>
@@ -88,7 +89,7 @@ class straggler_watch {
 
   /// A bucket became ready (its last gradient marked): this step's arrival so far.
   void bucket_ready() noexcept {
-    if (setting_.on) last_ready_ = now();
+    if (setting_.on) last_ready_ = timeline::now();
   }
   /// The step `step` (1 for the first) is complete on this rank; whether an
   /// exchange is due now (the same answer on every rank).
@@ -101,8 +102,6 @@ class straggler_watch {
 
   [[nodiscard]] const straggler_figures& figures() const noexcept { return figures_; }
 
-  /// Steady-clock nanoseconds.
-  [[nodiscard]] static std::int64_t now() noexcept;
   /// The median of `values` (the lower of the two middle ones for an even count).
   [[nodiscard]] static std::int64_t median(std::vector<std::int64_t> values);
 

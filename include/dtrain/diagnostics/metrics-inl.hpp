@@ -49,6 +49,7 @@ DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const
   const std::string temporary = file.string() + ".tmp";
   auto fail = [&](const char* what) {
     const int saved = errno;
+    static_cast<void>(std::remove(temporary.c_str()));  // no half file left beside the whole ones
     throw error(std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir): rank " +
                 std::to_string(rank) + " cannot " + what + " " + temporary + ": " +
                 std::strerror(saved));
