@@ -4,6 +4,7 @@
 //   dtrun --nnodes 2 --node-rank 0 --master-addr node0 --nproc-per-node 8 -- ./train
 //   dtrun --nproc-per-node 2 -- script.py args...   (runs under python3 -u, as torchrun)
 //   dtrun --nproc-per-node gpu -m pkg.train args... (python3 -u -m pkg.train, one per GPU)
+//   dtrun --flight-records DIR   (a failed job's diagnostics table, from its ranks' flight records)
 //
 // A program built on dtrain::run with launch::per_node takes the same flags on its own command
 // line (./train --nproc-per-node 2 --epochs 3): both read them with dtrain's one parser.
@@ -29,6 +30,7 @@ namespace {
 
 constexpr std::string_view usage = R"(usage: dtrun [options] [--] program [args...]
        dtrun [options] -m module [args...]
+       dtrun --flight-records DIR
 
 Starts the workers of one node and supervises them (dtrain's per-node agent).
 Options (torchrun's names; `_` may replace `-`; environment variables in brackets,
@@ -62,16 +64,38 @@ the flag wins over them; two variables that are set must agree):
                                                                [DTRAIN_HEARTBEAT_TIMEOUT] (10)
   --tee                 prefix each output line with [rank N]  [DTRAIN_TEE=1]
   --log-dir DIR         also write DIR/restart_K/rank_N.log    [DTRAIN_LOG_DIR]
+                        (and the ranks' flight records there, for --flight-records)
+  --metrics-port PORT   serve the workers' metrics (DTRAIN_METRICS_DIR) for Prometheus at
+                        http://127.0.0.1:PORT/metrics; 0: a free port. Another address
+                        (DTRAIN_METRICS_BIND) needs DTRAIN_METRICS_TOKEN  [DTRAIN_METRICS_PORT]
   --pass-local-rank     give workers --local_rank=N (Hugging Face / torch.distributed.launch style)
                                                                [DTRAIN_LOCAL_RANK_ARG=1]
   --no-python           run a .py program directly instead of under python3 -u
   --module, -m          the program is a Python module: python3 -u -m module args...
+  --flight-records DIR  start nothing: print the collective diagnostics table
+                        from the flight records a job's ranks wrote in DIR
+                        (DTRAIN_DIAGNOSTICS_DIR; --log-dir's restart_K) on a
+                        timeout, a failed collective or SIGUSR1. Exit status 0,
+                        or 2 when a record could not be used or none was found
 )";
 
 struct cli {
   dtrain::agent_options options;
   std::vector<std::string> command;
 };
+
+// dtrun --flight-records DIR: the table, the files not used, and the exit status.
+int print_flight_records(const std::string& dir) {
+  const dtrain::detail::flight_reading read = dtrain::detail::read_flight_records(dir);
+  std::cout << read.table << std::flush;
+  for (const std::string& problem : read.problems) std::cerr << "dtrun: " << problem << '\n';
+  if (read.table.empty()) {
+    std::cerr << "dtrun: no flight record (dtrain_flight_rank<R>.bin) in " << dir
+              << ": the ranks write them where DTRAIN_DIAGNOSTICS_DIR says, when a diagnostics "
+                 "round runs\n";
+  }
+  return read.table.empty() || !read.problems.empty() ? 2 : 0;
+}
 
 // The flags are dtrain's own parser's (dtrain/launch/command_line.hpp), the one a self-launching
 // program (dtrain::run under launch::per_node) reads its command line with.
@@ -82,6 +106,7 @@ cli parse(int argc, char** argv, const dtrain::environment& env) {
     std::cout << usage;
     std::exit(0);
   }
+  if (!flags.flight_records().empty()) std::exit(print_flight_records(flags.flight_records()));
   cli c;
   c.options = dtrain::agent_options{}.with_env(env);
   flags.apply(c.options);  // the flags win over the environment

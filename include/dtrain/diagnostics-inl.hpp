@@ -6,6 +6,10 @@
 
 #include <dtrain/diagnostics.hpp>
 
+#include <ctime>
+#include <filesystem>
+#include <system_error>
+
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE diagnostics_options
@@ -13,6 +17,7 @@ diagnostics_options::with_env(const environment& env) const {
   diagnostics_options out = *this;
   if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
   if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
+  if (auto d = env.get(diagnostics_dir_variable)) out.dir = std::string(*d);
   return out;
 }
 }  // namespace dtrain
@@ -30,14 +35,30 @@ DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int) {
 
 DTRAIN_DETAIL_INLINE rank_diagnostics::rank_diagnostics(
     const std::string& host, int port, store_options store, std::string prefix, int rank, int size,
-    std::shared_ptr<collective_ring> ring, std::string name, diagnostics_options options)
+    std::shared_ptr<collective_ring> ring, std::string name, diagnostics_options options,
+    std::string node, std::shared_ptr<const flight_note> note)
     : client_(host, port, bounded(std::move(store), options.wait)),
       store_(client_, std::move(prefix)),
       rank_(rank),
       size_(size),
       ring_(std::move(ring)),
       name_(std::move(name)),
-      options_(options) {
+      options_(std::move(options)),
+      node_(std::move(node)),
+      note_(std::move(note)) {
+  if (!options_.dir.empty()) {
+    std::error_code ec;
+    const bool directory = std::filesystem::is_directory(options_.dir, ec);
+    if (!directory || ::access(options_.dir.c_str(), W_OK) != 0) {
+      const int saved = errno;
+      throw config_error(
+          std::string(diagnostics_dir_variable) + " (or diagnostics_options::dir) = " +
+          options_.dir + " on rank " + std::to_string(rank_) + ": " +
+          (directory ? std::string("this rank cannot write there: ") + std::strerror(saved)
+                     : std::string("not a directory")) +
+          " (each rank writes its flight record there)");
+    }
+  }
   wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   previous_fd_ = diagnostics_signal_fd.exchange(wake_);
   struct sigaction sa {};
@@ -70,12 +91,13 @@ DTRAIN_DETAIL_INLINE bool rank_diagnostics::collective_failed() const {
 
 DTRAIN_DETAIL_INLINE std::string rank_diagnostics::explain(const std::string& reason) noexcept {
   try {
+    record(reason);  // first: the store may be gone
     const std::int64_t round = join_round();
     const std::string reason_key = diagnostics_keys::of(round, "reason");
     const std::string why = wire::decode_text(
         "store key " + store_.prefix() + reason_key,
         store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
-    publish(round);
+    publish(round, reason);
     const desync_report report = analyse_job(gather(round));
     const std::string header = "collective diagnostics, round " + std::to_string(round) +
                                ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
@@ -121,9 +143,34 @@ DTRAIN_DETAIL_INLINE std::int64_t rank_diagnostics::join_round() {
   return next;
 }
 
-DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round) {
+DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round, const std::string& reason) {
+  record(reason);
   store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
   published_ = std::max(published_.load(), round);
+}
+
+DTRAIN_DETAIL_INLINE void rank_diagnostics::record(const std::string& reason) noexcept {
+  if (options_.dir.empty()) return;
+  const std::lock_guard lock(record_mutex_);
+  if (record_failed_) return;
+  try {
+    const flight_record r{rank_,
+                          size_,
+                          name_,
+                          node_,
+                          reason,
+                          static_cast<std::int64_t>(std::time(nullptr)),
+                          ring_->snapshot_all(),
+                          note_ ? note_->get() : std::string()};
+    write_file_whole(flight_record_file(options_.dir, rank_).string(), encode_flight_record(r),
+                     std::string(diagnostics_dir_variable) + " (or diagnostics_options::dir)",
+                     rank_);
+  } catch (const std::exception& e) {
+    record_failed_ = true;
+    std::fprintf(stderr, "[rank %d/%d] dtrain: no flight record: %s (said once)\n", rank_, size_,
+                 e.what());
+    std::fflush(stderr);
+  }
 }
 
 DTRAIN_DETAIL_INLINE std::vector<rank_publication> rank_diagnostics::gather(std::int64_t round) {
@@ -167,7 +214,7 @@ DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
     if (!store_ok) continue;
     try {
       const std::int64_t round = store_.add("round", 0);
-      if (round > published_) publish(round);
+      if (round > published_) publish(round, "");
     } catch (const std::exception&) {
       store_ok = false;
     }

@@ -5,11 +5,15 @@
 /// every live rank publishes its communicator's ring of last collectives
 /// through the store; the rank that asked gathers them for a bounded time and
 /// one rank prints one table naming the rank that is behind, the collective
-/// it is missing, mismatched calls, and the ranks that did not answer.
+/// it is missing, mismatched calls, and the ranks that did not answer. With a
+/// diagnostics directory, each rank also writes its ring there whenever it
+/// takes part in a round (diagnostics/flight.hpp): `dtrun --flight-records
+/// DIR` prints the same table after the job and its store are gone.
 
 #include <dtrain/config.hpp>
 #include <dtrain/detail/sys.hpp>
 #include <dtrain/diagnostics/desync.hpp>
+#include <dtrain/diagnostics/flight.hpp>
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/variables.hpp>
@@ -27,6 +31,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -51,6 +56,12 @@ struct diagnostics_options {
   std::chrono::milliseconds wait{5000};
   /// How often each rank's thread looks for a request in the store.
   std::chrono::milliseconds poll{200};
+  /// A directory where each rank writes its flight record
+  /// (dtrain_flight_rank<R>.bin: its rings, why and when) whenever it takes
+  /// part in a round, even when the store is gone; `dtrun --flight-records
+  /// DIR` prints the round's table from them. Empty: none. It must exist.
+  /// Environment: DTRAIN_DIAGNOSTICS_DIR.
+  std::string dir;
 
   [[nodiscard]] diagnostics_options with_env(const environment& env) const;
 };
@@ -70,10 +81,14 @@ class rank_diagnostics {
  public:
   /// Connects to the store at host:port (keys under `prefix`), starts the
   /// thread and catches SIGUSR1 until destroyed. `name` says which
-  /// communicator the ring is ("gloo"). Throws what connecting throws.
+  /// communicator the ring is ("gloo"); `node` is the rank's node name and
+  /// `note` what the training adds (DDP's straggler window), for its flight
+  /// record. Throws what connecting throws, and config_error when
+  /// options.dir is not a directory this rank can write.
   rank_diagnostics(const std::string& host, int port, store_options store, std::string prefix,
                    int rank, int size, std::shared_ptr<collective_ring> ring, std::string name,
-                   diagnostics_options options);
+                   diagnostics_options options, std::string node,
+                   std::shared_ptr<const flight_note> note = nullptr);
   rank_diagnostics(const rank_diagnostics&) = delete;
   rank_diagnostics& operator=(const rank_diagnostics&) = delete;
   /// Stops the thread: at most one store operation, each bounded by the wait.
@@ -100,7 +115,12 @@ class rank_diagnostics {
   // The open round, or a new one; one rank opens each round, the others join it.
   std::int64_t join_round();
 
-  void publish(std::int64_t round);
+  // Publishes this rank's rings for `round`, and writes its flight record
+  // (`reason`: why this rank asked; empty when it answers another's round).
+  void publish(std::int64_t round, const std::string& reason);
+
+  // Writes the flight record, when a directory is set; a failure is said once.
+  void record(const std::string& reason) noexcept;
 
   // Every rank's ring that arrives within the wait; the others did not answer.
   std::vector<rank_publication> gather(std::int64_t round);
@@ -116,6 +136,10 @@ class rank_diagnostics {
   std::shared_ptr<collective_ring> ring_;
   std::string name_;
   diagnostics_options options_;
+  std::string node_;
+  std::shared_ptr<const flight_note> note_;
+  std::mutex record_mutex_;  // the explaining thread and the serving one both write
+  bool record_failed_ = false;
   int wake_ = -1;
   int previous_fd_ = -1;
   struct sigaction previous_action_ {};

@@ -30,6 +30,7 @@
 #include <dtrain/ddp/timeline.hpp>
 #include <dtrain/diagnostics.hpp>
 #include <dtrain/diagnostics/desync.hpp>
+#include <dtrain/diagnostics/flight.hpp>
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/device.hpp>
 #include <dtrain/env/discover.hpp>

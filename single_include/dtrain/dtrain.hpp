@@ -1109,12 +1109,21 @@ inline constexpr std::string_view gloo_shm_variable = "DTRAIN_GLOO_SHM";
 inline constexpr std::string_view diagnostics_variable = "DTRAIN_DIAGNOSTICS";
 /// Seconds a failing rank waits for the other ranks' tables.
 inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTICS_WAIT";
+/// A directory where each rank writes its flight record (dtrain_flight_rank<R>.bin)
+/// whenever a diagnostics round runs; `dtrun --flight-records DIR` reads them.
+inline constexpr std::string_view diagnostics_dir_variable = "DTRAIN_DIAGNOSTICS_DIR";
 /// A file for DDP's timeline (one per rank); empty: none.
 inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
 /// DDP's straggler watch: "off", "auto", or the steps between its exchanges.
 inline constexpr std::string_view stragglers_variable = "DTRAIN_STRAGGLERS";
 /// A directory where DDP writes each rank's metrics file (dtrain_rank<R>.prom).
 inline constexpr std::string_view metrics_dir_variable = "DTRAIN_METRICS_DIR";
+/// The node agent's metrics endpoint: its port (dtrun --metrics-port; 0: a free one).
+inline constexpr std::string_view metrics_port_variable = "DTRAIN_METRICS_PORT";
+/// The address the metrics endpoint listens on (127.0.0.1 unless set).
+inline constexpr std::string_view metrics_bind_variable = "DTRAIN_METRICS_BIND";
+/// The token every scrape of the metrics endpoint must send (Authorization: Bearer).
+inline constexpr std::string_view metrics_token_variable = "DTRAIN_METRICS_TOKEN";
 
 // --- the doctor (examples/doctor.cpp)
 
@@ -1156,9 +1165,13 @@ inline constexpr std::array dtrain_variables{
     gloo_shm_variable,
     diagnostics_variable,
     diagnostics_wait_variable,
+    diagnostics_dir_variable,
     timeline_variable,
     stragglers_variable,
     metrics_dir_variable,
+    metrics_port_variable,
+    metrics_bind_variable,
+    metrics_token_variable,
     sysfs_root_variable,
 };
 
@@ -2849,6 +2862,7 @@ DTRAIN_DETAIL_INLINE route_source local_address_to(const std::string& host, int 
 #include <cstring>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <ftw.h>
@@ -2888,6 +2902,12 @@ class unique_fd {
 /// decides what that means for it).
 DTRAIN_DETAIL_INLINE std::optional<std::string> host_name();
 
+/// Writes `bytes` to `file` through `file`.tmp and a rename, so that a reader
+/// finds the whole file or the one before. Throws dtrain::error: "`setting`:
+/// rank R cannot create|write|rename FILE.tmp: why" (no .tmp is left).
+DTRAIN_DETAIL_INLINE void write_file_whole(const std::string& file, std::string_view bytes,
+                                           std::string_view setting, int rank);
+
 /// Removes `path` and everything under it, as `rm -rf` does (symbolic links
 /// are removed, not followed); a path that does not exist is no error.
 /// Returns 0, or the errno of the first failure. POSIX (nftw), not
@@ -2919,6 +2939,7 @@ DTRAIN_DETAIL_INLINE int remove_tree(const char* path);
 /// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
 /// dtrain/config.hpp). Include dtrain/detail/sys.hpp, not this file.
 
+#include <cstdio>
 
 namespace dtrain::detail {
 
@@ -2951,6 +2972,22 @@ DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
     return errno == ENOENT ? 0 : errno;
   }
   return first_error;
+}
+
+DTRAIN_DETAIL_INLINE void write_file_whole(const std::string& file, std::string_view bytes,
+                                           std::string_view setting, int rank) {
+  const std::string temporary = file + ".tmp";
+  auto fail = [&](const char* what) {
+    const int saved = errno;
+    static_cast<void>(std::remove(temporary.c_str()));  // no half file left beside the whole ones
+    throw error(std::string(setting) + ": rank " + std::to_string(rank) + " cannot " + what + " " +
+                temporary + ": " + std::strerror(saved));
+  };
+  std::FILE* f = std::fopen(temporary.c_str(), "wb");
+  if (!f) fail("create");
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  if (std::fclose(f) != 0 || !written) fail("write");
+  if (std::rename(temporary.c_str(), file.c_str()) != 0) fail("rename");
 }
 
 }  // namespace dtrain::detail
@@ -5699,6 +5736,10 @@ namespace detail {
 /// 128 random bits from the kernel, as 32 hex digits.
 DTRAIN_DETAIL_INLINE std::string new_store_token();
 
+/// Whether two secrets are equal, compared without an early exit, so that
+/// the time taken does not reveal how much of a guess was right.
+DTRAIN_DETAIL_INLINE bool same_secret(std::string_view a, std::string_view b);
+
 /// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
 /// if set, else the local address that `master` names. Every interface ("0.0.0.0")
 /// only when that name is not an address of this host, or when it resolves to
@@ -5763,6 +5804,14 @@ DTRAIN_DETAIL_INLINE void connect_with_token_file(std::optional<store_client>& c
 
 namespace dtrain {
 namespace detail {
+
+DTRAIN_DETAIL_INLINE bool same_secret(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
 
 DTRAIN_DETAIL_INLINE std::string new_store_token() {
   unsigned char bytes[16];
@@ -11357,13 +11406,15 @@ struct straggler_options {
   /// at each exchange from what the last one cost. DTRAIN_STRAGGLERS (a
   /// number, "auto" or "off") wins. The same on every rank.
   std::size_t every = 0;
-  /// A rank is slow when the median of its delay over the last `steps` steps
-  /// is above this share of the median step time, and keeps pace again below
+  /// A rank is slow when it was late in each of the last `steps` steps (by
+  /// at least half this share of the median step time, their median above
+  /// it), or when the median of its delay over the last 3 times `steps` steps
+  /// is above it; it keeps pace again when the median of the last `steps` is below
   /// half of it. The collectives are slow when their median time after the
   /// last rank's arrival, over 3 times `steps`, is this share of a step above its lowest.
   double threshold = 0.1;
-  /// The steps each judgement looks back over (3 to 1000): a rank is named
-  /// once more than half of them were late.
+  /// The steps each judgement looks back over (3 to 1000): a rank late in
+  /// each of them is named; one late in most is named after 3 times as many.
   std::size_t steps = 5;
   /// Delays (and collectives' extra time) shorter than this are never
   /// reported, whatever their share: on steps of a fraction of a
@@ -14074,6 +14125,11 @@ class straggler_watch {
   std::vector<std::string> absorb(std::span<const std::int64_t> all, std::int64_t exchange_ns);
 
   [[nodiscard]] const straggler_figures& figures() const noexcept { return figures_; }
+  /// The figures as one line, for a flight record: "straggler watch at step
+  /// 120 (exchanged every 5 steps): step 15.9 ms, collectives 0.3 ms after the
+  /// last rank (best 0.2 ms); latest: rank 4 (n1, local rank 0) 2.4 ms (15 %,
+  /// slow since step 59), ..." (the 4 latest ranks; empty before the first judgement).
+  [[nodiscard]] std::string window() const;
 
   /// The median of `values` (the lower of the two middle ones for an even count).
   [[nodiscard]] static std::int64_t median(std::vector<std::int64_t> values);
@@ -14093,7 +14149,7 @@ class straggler_watch {
     std::int64_t length = 0;   // from the end of the step before to its end
   };
   struct rank_history {
-    std::deque<std::int64_t> late;  // ns after the median of the others, per step
+    std::deque<std::int64_t> late;  // ns after the median of the others, per step (3 x steps)
     std::uint64_t run_start = 0;    // first step of the present run of late steps
   };
 
@@ -14259,6 +14315,35 @@ inline std::string percent(std::int64_t part, std::int64_t whole) {
 }
 }  // namespace straggler_text
 
+DTRAIN_DETAIL_INLINE std::string straggler_watch::window() const {
+  using straggler_text::ms;
+  using straggler_text::percent;
+  if (figures_.step_seconds <= 0) return {};
+  auto ns = [](double seconds) { return static_cast<std::int64_t>(seconds * 1e9); };
+  const std::int64_t step = ns(figures_.step_seconds);
+  std::string out = "straggler watch at step " + std::to_string(figures_.step) +
+                    " (exchanged every " + std::to_string(figures_.every) + " steps): step " +
+                    ms(step) + ", collectives " + ms(ns(figures_.communication_seconds)) +
+                    " after the last rank (best " +
+                    ms(ns(figures_.communication_baseline_seconds)) + ")";
+  if (figures_.communication_slow) {
+    out += ", slow since step " + std::to_string(figures_.communication_slow_since);
+  }
+  std::vector<const rank_pace*> latest;
+  for (const rank_pace& p : figures_.ranks) latest.push_back(&p);
+  std::stable_sort(latest.begin(), latest.end(), [](const rank_pace* a, const rank_pace* b) {
+    return a->delay_seconds > b->delay_seconds;
+  });
+  latest.resize(std::min<std::size_t>(latest.size(), 4));
+  out += "; latest:";
+  for (const rank_pace* p : latest) {
+    out += (p == latest.front() ? " " : ", ") + who(p->rank) + " " + ms(ns(p->delay_seconds)) +
+           " (" + percent(ns(p->delay_seconds), step) +
+           (p->slow ? ", slow since step " + std::to_string(p->slow_since) : std::string()) + ")";
+  }
+  return out;
+}
+
 DTRAIN_DETAIL_INLINE std::vector<std::string> straggler_watch::absorb(
     std::span<const std::int64_t> all, std::int64_t exchange_ns) {
   std::vector<std::string> lines;
@@ -14354,7 +14439,7 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
       if (q != r) others.push_back(by_rank[q].arrival);
     const std::int64_t late = std::max<std::int64_t>(by_rank[r].arrival - median(others), 0);
     rank_history& h = history_[r];
-    push(h.late, late, keep);
+    push(h.late, late, communication_steps * keep);
     if (late <= bar) {
       h.run_start = 0;
     } else if (h.run_start == 0) {
@@ -14366,21 +14451,39 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
   const std::int64_t typical = median({step_lengths_.begin(), step_lengths_.end()});
   const double whole = static_cast<double>(typical);
   figures_.step_seconds = whole / 1e9;
+  // A rank is named slow in one of two ways. Soon: late in every step of the
+  // last `steps` (each by at least half the bar, their median above it),
+  // which is what a rank late by one cause (a slower device, a throttled
+  // core, a sleep) looks like. Later: late in most of the last 3 x `steps`
+  // (their median above the bar, and the last `steps`' too: still late), for
+  // a rank late most of the time but not every step. A host busy with other work delays each rank
+  // now and then, for a few steps in a row: the median of 5 steps alone named such ranks (8 ranks
+  // on 2 cores beside a build, CI at 9fb7422).
+  const std::int64_t bar_now =
+      std::max(static_cast<std::int64_t>(options_.threshold * whole), floor);
   bool any_slow = false;
   for (std::size_t r = 0; r < size; ++r) {
     rank_pace& p = figures_.ranks[r];
     const rank_history& h = history_[r];
-    const std::int64_t delay = median({h.late.begin(), h.late.end()});
+    const auto recent = h.late.end() - static_cast<std::ptrdiff_t>(std::min(keep, h.late.size()));
+    const std::int64_t delay = median({recent, h.late.end()});
+    const std::int64_t lowest = *std::min_element(recent, h.late.end());
+    const bool long_full = h.late.size() == communication_steps * keep;
+    const std::int64_t long_delay = long_full ? median({h.late.begin(), h.late.end()}) : 0;
     p.delay_seconds = static_cast<double>(delay) / 1e9;
     p.share = whole > 0 ? static_cast<double>(delay) / whole : 0;
-    if (!p.slow && p.share > options_.threshold && delay >= floor) {
+    const bool every_step = delay > bar_now && lowest > bar_now / 2;
+    const bool most_steps = long_full && long_delay > bar_now && delay > bar_now;
+    if (!p.slow && (every_step || most_steps)) {
+      const std::int64_t shown = every_step ? delay : long_delay;
       p.slow = true;
       p.slow_since = h.run_start != 0 ? h.run_start : step;
       lines.push_back(who(static_cast<int>(r)) + " is slow since step " +
-                      std::to_string(p.slow_since) + ": its gradients are ready " + ms(delay) +
-                      " after the other ranks' (the median of the last " + std::to_string(keep) +
-                      " steps), which costs the job about " + ms(delay) + " of each " +
-                      ms(typical) + " step (" + percent(delay, typical) + ")");
+                      std::to_string(p.slow_since) + ": its gradients are ready " + ms(shown) +
+                      " after the other ranks' (the median of the last " +
+                      std::to_string(every_step ? keep : communication_steps * keep) +
+                      " steps), which costs the job about " + ms(shown) + " of each " +
+                      ms(typical) + " step (" + percent(shown, typical) + ")");
     } else if (p.slow && (p.share < options_.threshold / 2 || delay < floor / 2)) {
       p.slow = false;
       lines.push_back(who(static_cast<int>(r)) + " keeps pace again at step " +
@@ -14433,6 +14536,691 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
 // ---- end dtrain/ddp/straggler-inl.hpp ----
 #endif
 // ---- end dtrain/ddp/straggler.hpp ----
+// ---- begin dtrain/diagnostics/flight.hpp ----
+/// @file
+/// Flight records: each rank's ring of last collectives written to a file of
+/// its own whenever a diagnostics round runs (a timeout, a failed collective,
+/// SIGUSR1), so that the table a live round prints can be printed again after
+/// the job, and its store, are gone: `dtrun --flight-records DIR` reads a
+/// job's files and analyses them as the live round does (analyse_job).
+
+// ---- begin dtrain/diagnostics/desync.hpp ----
+/// @file
+/// Desync analysis: from every rank's ring of last collectives (or its
+/// silence), which rank is behind, which collective it never started, what
+/// the others wait in, and which sequence numbers were called with different
+/// arguments. Pure functions over the rings, so they are unit-tested on the
+/// host; diagnostics.hpp gathers the rings through the store and prints.
+
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// One rank's ring as the diagnostics round received it; `answered` false
+/// when the rank did not publish in time (its process is gone or frozen).
+struct rank_ring {
+  int rank = 0;
+  bool answered = false;
+  std::vector<call_record> calls;  ///< oldest first
+};
+
+/// What the analysis found: one line for the person at 3 a.m., and the details.
+struct desync_report {
+  std::string
+      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
+  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
+  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
+  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
+  int severity = 0;
+};
+
+/// "rank 2", "ranks 0, 1, 3".
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
+
+namespace desync {
+
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
+
+// What differs between two calls with the same sequence number, for the summary.
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
+
+// Ranks grouped by what they called as number `seq`, the largest group first
+// (on a tie the group of the lowest rank): the odd ones out come after.
+struct call_group {
+  const call_record* call;
+  std::vector<int> ranks;
+};
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq);
+
+}  // namespace desync
+
+/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
+/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
+/// missing; what cannot be decided is said so.
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
+
+/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report);
+
+/// The rings one rank publishes: its world communicator's and its splits', by name.
+using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
+
+/// What one rank published in a diagnostics round (`answered` false: nothing in time).
+struct rank_publication {
+  int rank = 0;
+  bool answered = false;
+  named_rings rings;
+};
+
+/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
+/// ring count u32, then per communicator its name bytes32, call count u32 and
+/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
+/// state u8, label bytes32.
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
+
+/// The rings of encode_rings' value; nothing when it is not such a value (the
+/// rank then counts as not answering: diagnostics never throw).
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
+
+/// Analyses every communicator the ranks published (the world's first, then
+/// the splits, by name) and returns the report of the one that explains most
+/// (a mismatch, then a rank behind, then silent ranks), its details preceded
+/// by the others' findings. Silent ranks count as members of the world and
+/// of every split that all answering ranks have (DistributedDataParallel's
+/// own split); a split that only some ranks have (a node's) is analysed over them.
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/diagnostics/desync-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/diagnostics/desync.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics/desync.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
+  return out;
+}
+}  // namespace dtrain::detail
+
+namespace dtrain::detail {
+namespace desync {
+
+DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
+  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
+  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
+  std::string out = "#";
+  out += std::to_string(r.seq);
+  out += ' ';
+  out += describe_call(r, with_op);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
+  if (a.kind != b.kind) return "the collectives differ";
+  if (a.type != b.type) return "the types differ";
+  if (a.count != b.count) return "the sizes differ";
+  if (a.op != b.op) return "the reduce ops differ";
+  return "the roots differ";
+}
+
+DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
+                                                         std::int64_t seq) {
+  std::vector<call_group> groups;
+  for (const rank_ring& r : rings) {
+    for (const call_record& c : r.calls) {
+      if (c.seq != seq) continue;
+      auto same = std::find_if(groups.begin(), groups.end(),
+                               [&](const call_group& g) { return g.call->same_call(c); });
+      if (same == groups.end()) {
+        groups.push_back({&c, {r.rank}});
+      } else {
+        same->ranks.push_back(r.rank);
+      }
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
+    return a.ranks.size() > b.ranks.size();
+  });
+  return groups;
+}
+}  // namespace desync
+}  // namespace dtrain::detail
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
+  desync_report report;
+  std::vector<int> silent;
+  std::vector<const rank_ring*> live;
+  for (const rank_ring& r : rings) {
+    if (r.answered) {
+      live.push_back(&r);
+    } else {
+      silent.push_back(r.rank);
+    }
+  }
+  auto top = [](const rank_ring& r) -> std::int64_t {
+    return r.calls.empty() ? 0 : r.calls.back().seq;
+  };
+
+  // One row per rank: the last collective it issued and how far it got.
+  for (const rank_ring& r : rings) {
+    std::string row = "rank " + std::to_string(r.rank) + ": ";
+    if (!r.answered) {
+      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
+    } else if (r.calls.empty()) {
+      row += "no collective issued yet";
+    } else {
+      const call_record& last = r.calls.back();
+      row += desync::at(last) + " " + std::string(to_string(last.state));
+      if (r.calls.size() > 1) {
+        const call_record& before = r.calls[r.calls.size() - 2];
+        row +=
+            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
+      }
+    }
+    report.details.push_back(std::move(row));
+  }
+
+  // Sequence numbers called with different arguments, oldest first.
+  std::string mismatch;
+  std::int64_t lowest = 0, highest = 0;
+  for (const rank_ring* r : live) {
+    if (r->calls.empty()) continue;
+    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
+    highest = std::max(highest, top(*r));
+  }
+  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
+    auto groups = desync::group_calls(rings, seq);
+    if (groups.size() < 2) continue;
+    bool ops = false;
+    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
+    std::string line;
+    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
+      if (!line.empty()) line += "; ";
+      line += name_ranks(groups[i].ranks);
+      line += groups[i].ranks.size() == 1 ? " is in " : " are in ";
+      line += desync::at(*groups[i].call, ops);
+    }
+    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
+            " for the same collective";
+    report.details.push_back("mismatch: " + line);
+    if (mismatch.empty()) mismatch = line;
+  }
+
+  // The rank(s) behind: the lowest last sequence number among those that answered.
+  std::string behind;
+  if (!live.empty()) {
+    std::int64_t low = top(*live.front()), high = low;
+    for (const rank_ring* r : live) {
+      low = std::min(low, top(*r));
+      high = std::max(high, top(*r));
+    }
+    if (low < high) {
+      std::vector<int> late, waiting, past;
+      const call_record* missing = nullptr;
+      const call_record* last_late = nullptr;
+      for (const rank_ring* r : live) {
+        if (top(*r) == low) {
+          late.push_back(r->rank);
+          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
+          continue;
+        }
+        for (const call_record& c : r->calls) {
+          if (c.seq != low + 1) continue;
+          if (!missing) missing = &c;
+          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
+        }
+      }
+      const bool one = late.size() == 1;
+      behind = name_ranks(late) + (one ? " is at " : " are at ") +
+               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
+      if (!waiting.empty())
+        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
+      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
+      if (missing) {
+        behind += desync::at(*missing);
+      } else {
+        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
+      }
+      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
+    }
+  }
+
+  std::string gone;
+  if (!silent.empty()) {
+    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
+    std::vector<int> waiting;
+    const call_record* in = nullptr;
+    for (const rank_ring* r : live) {
+      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
+      waiting.push_back(r->rank);
+      if (!in) in = &r->calls.back();
+    }
+    if (in)
+      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
+              desync::at(*in);
+  }
+
+  if (!mismatch.empty()) {
+    report.summary = mismatch;
+    report.severity = 4;
+  } else if (!behind.empty()) {
+    report.summary = behind;
+    report.severity = 3;
+  } else if (!gone.empty()) {
+    report.summary = gone;
+    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
+  } else if (!live.empty() && !live.front()->calls.empty()) {
+    const call_record& last = live.front()->calls.back();
+    report.summary =
+        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
+  } else {
+    report.summary = "no rank has issued a collective yet";
+  }
+  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
+  return report;
+}
+
+DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
+                                               const desync_report& report) {
+  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
+  for (const std::string& d : report.details) out += "    " + d + "\n";
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
+  std::string out;
+  wire::writer w(out);
+  w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
+  for (const auto& [name, calls] : rings) {
+    w.bytes32(name).u32(static_cast<std::uint32_t>(calls.size()));
+    for (const call_record& c : calls) {
+      w.i64(c.seq)
+          .bytes32(c.kind)
+          .u8(static_cast<std::uint8_t>(c.type))
+          .u64(c.count)
+          .i64(c.op)
+          .i64(c.root)
+          .u8(static_cast<std::uint8_t>(c.state))
+          .bytes32(c.label);
+    }
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
+  try {
+    return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
+      if (const auto version = r.u8("the version"); version != 1) {
+        throw wire::violation("version " + std::to_string(version) + " is not 1");
+      }
+      named_rings rings;
+      const std::uint32_t count = r.u32("the ring count");
+      for (std::uint32_t i = 0; i < count; ++i) {
+        auto& [name, calls] =
+            rings.emplace_back(std::string(r.bytes32("a ring's name")), std::vector<call_record>{});
+        const std::uint32_t n = r.u32("the call count");
+        for (std::uint32_t k = 0; k < n; ++k) {
+          call_record c;
+          c.seq = r.i64("seq");
+          c.kind = r.bytes32("kind");
+          const std::uint8_t type = r.u8("type");
+          if (type > static_cast<std::uint8_t>(dtype::uint8)) throw wire::violation("a bad type");
+          c.type = static_cast<dtype>(type);
+          c.count = static_cast<std::size_t>(r.u64("count"));
+          c.op = static_cast<int>(r.i64("op"));
+          c.root = static_cast<int>(r.i64("root"));
+          const std::uint8_t state = r.u8("state");
+          if (state > static_cast<std::uint8_t>(call_state::timed_out)) {
+            throw wire::violation("a bad state");
+          }
+          c.state = static_cast<call_state>(state);
+          c.label = r.bytes32("label");
+          calls.push_back(std::move(c));
+        }
+      }
+      return rings;
+    });
+  } catch (const rendezvous_error&) {
+    return std::nullopt;
+  }
+}
+
+DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
+  std::vector<std::string> names;
+  int answering = 0;
+  for (const rank_publication& p : ranks) {
+    answering += p.answered ? 1 : 0;
+    for (const auto& entry : p.rings) {
+      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
+        names.push_back(entry.first);
+    }
+  }
+  if (names.empty()) names.push_back("world");
+  std::vector<std::pair<std::string, desync_report>> reports;
+  for (const std::string& name : names) {
+    std::vector<rank_ring> rings;
+    for (const rank_publication& p : ranks) {
+      if (!p.answered) {
+        rings.push_back({p.rank, false, {}});
+        continue;
+      }
+      for (const auto& entry : p.rings) {
+        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
+      }
+    }
+    const auto members =
+        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
+    if (members < answering) {
+      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
+    }
+    reports.emplace_back(name, analyse(rings));
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < reports.size(); ++i) {
+    if (reports[i].second.severity > reports[best].second.severity) best = i;
+  }
+  desync_report out = reports[best].second;
+  if (reports.size() > 1) {
+    out.summary += " (on communicator " + reports[best].first + ")";
+    out.details.clear();
+    for (const auto& [name, report] : reports) {
+      out.details.push_back("communicator " + name + ":" +
+                            (report.severity > 0 ? " " + report.summary : ""));
+      for (const std::string& d : report.details) out.details.push_back("  " + d);
+    }
+  }
+  return out;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/diagnostics/desync-inl.hpp ----
+#endif
+// ---- end dtrain/diagnostics/desync.hpp ----
+
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// A line that a part of the training adds to its rank's flight records
+/// (DistributedDataParallel: its straggler watch's last window): set on the
+/// training thread, read by the diagnostics thread.
+class flight_note {
+ public:
+  void set(std::string text) {
+    const std::lock_guard lock(mutex_);
+    text_ = std::move(text);
+  }
+  [[nodiscard]] std::string get() const {
+    const std::lock_guard lock(mutex_);
+    return text_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string text_;
+};
+
+/// What one rank wrote: who it is, why, when, and its rings.
+struct flight_record {
+  int rank = 0;
+  int size = 0;
+  std::string communicator;    ///< the engine's name ("gloo")
+  std::string host;            ///< the rank's node (DTRAIN_NODE_NAME, else the host name)
+  std::string reason;          ///< "a timeout on rank 0", "SIGUSR1 on rank 2"
+  std::int64_t unix_time = 0;  ///< seconds since 1970, when it was written
+  named_rings rings;
+  std::string note;  ///< flight_note's text then (the straggler window); empty: none
+};
+
+/// The file's bytes (detail/wire.hpp): the text "dtrain flight record", version
+/// u8 (1), rank i64, size i64, communicator, host and reason bytes32, unix
+/// time i64, encode_rings' value as bytes32, then the note as bytes32.
+DTRAIN_DETAIL_INLINE std::string encode_flight_record(const flight_record& record);
+
+/// The record in `value`; throws dtrain::error naming `where` (the file) and
+/// what is wrong when it is not one.
+DTRAIN_DETAIL_INLINE flight_record decode_flight_record(std::string_view where,
+                                                        std::string_view value);
+
+/// `dir`/dtrain_flight_rank<R>.bin
+DTRAIN_DETAIL_INLINE std::filesystem::path flight_record_file(const std::filesystem::path& dir,
+                                                              int rank);
+
+/// What a directory of flight records says.
+struct flight_reading {
+  std::string table;    ///< the diagnostics table, as a live round prints it; empty: no record read
+  std::string summary;  ///< its one line
+  std::vector<std::string> problems;  ///< files not used, each named with why
+};
+
+/// Reads every dtrain_flight_rank<R>.bin in `dir` and analyses them as one
+/// job's diagnostics round: the job is the newest record's (its size and
+/// communicator); a rank without a record is one that did not answer; a file
+/// that is damaged or of another job is named in `problems`, not used. The
+/// newest record's note (the straggler window) follows the table.
+/// Throws config_error naming `dir` when it cannot be listed.
+DTRAIN_DETAIL_INLINE flight_reading read_flight_records(const std::filesystem::path& dir);
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/diagnostics/flight-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/diagnostics/flight.hpp: included by it in
+/// header-only mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/diagnostics/flight.hpp, not this file.
+
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <system_error>
+#include <utility>
+
+namespace dtrain::detail {
+
+namespace flight {
+inline constexpr std::string_view magic = "dtrain flight record";
+/// A record holds rings of at most a few thousand calls: far below this.
+inline constexpr std::uintmax_t most_bytes = 64u << 20;
+
+/// "2026-11-28 18:50:01 UTC"
+inline std::string utc(std::int64_t unix_time) {
+  const auto t = static_cast<std::time_t>(unix_time);
+  std::tm tm{};
+  char out[40] = "?";
+  if (::gmtime_r(&t, &tm) != nullptr) std::strftime(out, sizeof out, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return out;
+}
+}  // namespace flight
+
+DTRAIN_DETAIL_INLINE std::string encode_flight_record(const flight_record& record) {
+  std::string out(flight::magic);
+  wire::writer w(out);
+  w.u8(1)
+      .i64(record.rank)
+      .i64(record.size)
+      .bytes32(record.communicator)
+      .bytes32(record.host)
+      .bytes32(record.reason)
+      .i64(record.unix_time)
+      .bytes32(encode_rings(record.rings))
+      .bytes32(record.note);
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE flight_record decode_flight_record(std::string_view where,
+                                                        std::string_view value) {
+  auto bad = [&](const std::string& why) {
+    return error(std::string(where) + " is not a whole dtrain flight record (" +
+                 std::to_string(value.size()) + " bytes): " + why);
+  };
+  if (!value.starts_with(flight::magic))
+    throw bad("it does not begin with \"dtrain flight record\"");
+  flight_record record;
+  std::string rings;
+  try {
+    wire::reader r(value.substr(flight::magic.size()));
+    if (const auto version = r.u8("the version"); version != 1) {
+      throw wire::violation("version " + std::to_string(version) + " is not 1");
+    }
+    const std::int64_t rank = r.i64("the rank");
+    const std::int64_t size = r.i64("the size");
+    if (size < 1 || size > (1 << 24) || rank < 0 || rank >= size) {
+      throw wire::violation("rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                            " ranks");
+    }
+    record.rank = static_cast<int>(rank);
+    record.size = static_cast<int>(size);
+    record.communicator = r.bytes32("the communicator", 256);
+    record.host = r.bytes32("the host", 4096);
+    record.reason = r.bytes32("the reason", 1 << 16);
+    record.unix_time = r.i64("the time");
+    rings = r.bytes32("the rings");
+    record.note = r.bytes32("the note", 1 << 16);
+    r.finish("the record");
+  } catch (const wire::violation& e) {
+    throw bad(e.what());
+  }
+  auto decoded = decode_rings(rings);
+  if (!decoded) throw bad("its rings are damaged");
+  record.rings = std::move(*decoded);
+  return record;
+}
+
+DTRAIN_DETAIL_INLINE std::filesystem::path flight_record_file(const std::filesystem::path& dir,
+                                                              int rank) {
+  return dir / ("dtrain_flight_rank" + std::to_string(rank) + ".bin");
+}
+
+DTRAIN_DETAIL_INLINE flight_reading read_flight_records(const std::filesystem::path& dir) {
+  flight_reading out;
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) {
+    throw config_error("flight records: cannot list " + dir.string() + ": " + ec.message());
+  }
+  std::vector<flight_record> records;
+  for (const auto& entry : it) {
+    const std::string name = entry.path().filename().string();
+    constexpr std::string_view prefix = "dtrain_flight_rank";
+    if (!name.starts_with(prefix) || !name.ends_with(".bin")) continue;
+    const std::string where = entry.path().string();
+    int rank = -1;
+    const char* first = name.data() + prefix.size();
+    const char* last = name.data() + name.size() - 4;
+    const auto [end, parse] = std::from_chars(first, last, rank);
+    if (parse != std::errc{} || end != last) continue;  // not one of ours
+    try {
+      const std::uintmax_t bytes = std::filesystem::file_size(entry.path());
+      if (bytes > flight::most_bytes) {
+        throw error(where + " is " + std::to_string(bytes) + " bytes, more than a flight record " +
+                    "holds (" + std::to_string(flight::most_bytes) + ")");
+      }
+      std::ifstream in(entry.path(), std::ios::binary);
+      std::string value((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (!in.good() && !in.eof()) throw error("cannot read " + where);
+      flight_record record = decode_flight_record(where, value);
+      if (record.rank != rank) {
+        throw error(where + " holds rank " + std::to_string(record.rank) + "'s record, not rank " +
+                    std::to_string(rank) + "'s");
+      }
+      records.push_back(std::move(record));
+    } catch (const std::exception& e) {
+      out.problems.push_back(std::string(e.what()) + "; not used");
+    }
+  }
+  if (records.empty()) return out;
+  // The job is the newest record's: a record of another size or engine is an
+  // older job's (or another's) in the same directory.
+  const flight_record& newest = *std::max_element(
+      records.begin(), records.end(),
+      [](const flight_record& a, const flight_record& b) { return a.unix_time < b.unix_time; });
+  const int size = newest.size;
+  const std::string communicator = newest.communicator;
+  std::vector<rank_publication> ranks(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[static_cast<std::size_t>(r)].rank = r;
+  std::int64_t earliest = 0;
+  std::int64_t latest = 0;
+  std::vector<int> present;
+  std::vector<std::pair<std::int64_t, std::string>> asked;  // (when, why) of the ranks that asked
+  for (flight_record& record : records) {
+    if (record.size != size || record.communicator != communicator) {
+      out.problems.push_back(flight_record_file(dir, record.rank).string() + " is of a job of " +
+                             std::to_string(record.size) + " ranks on " + record.communicator +
+                             ", not the newest record's (" + std::to_string(size) + " on " +
+                             communicator + "); not used");
+      continue;
+    }
+    rank_publication& p = ranks[static_cast<std::size_t>(record.rank)];
+    p.answered = true;
+    p.rings = std::move(record.rings);
+    if (!record.reason.empty()) asked.emplace_back(record.unix_time, record.reason);
+    earliest = present.empty() ? record.unix_time : std::min(earliest, record.unix_time);
+    latest = present.empty() ? record.unix_time : std::max(latest, record.unix_time);
+    present.push_back(record.rank);
+  }
+  std::sort(present.begin(), present.end());
+  std::sort(asked.begin(), asked.end());
+  std::string why;
+  for (const auto& [when, reason] : asked) {
+    if (why.find(reason) == std::string::npos) why += (why.empty() ? "" : "; ") + reason;
+  }
+  if (why.empty()) why = "a round no record's rank asked for";
+  const desync_report report = analyse_job(ranks);
+  const std::string when = earliest == latest
+                               ? flight::utc(latest)
+                               : flight::utc(earliest) + " to " + flight::utc(latest);
+  const std::string header = "collective diagnostics from the flight records in " + dir.string() +
+                             ", after " + why + " (" + communicator + ", " + std::to_string(size) +
+                             " ranks; records of " + name_ranks(present) + ", written " + when +
+                             ")";
+  out.table = format_report(header, report);
+  if (!newest.note.empty()) {
+    out.table += "  rank " + std::to_string(newest.rank) + "'s note: " + newest.note + "\n";
+  }
+  out.summary = report.summary;
+  return out;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/diagnostics/flight-inl.hpp ----
+#endif
+// ---- end dtrain/diagnostics/flight.hpp ----
 // ---- begin dtrain/diagnostics/metrics.hpp ----
 /// @file
 /// A rank's metrics as a text file that Prometheus's node-exporter textfile
@@ -14521,19 +15309,8 @@ DTRAIN_DETAIL_INLINE std::string metrics_text::quoted(std::string_view value) {
 
 DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const std::string& text,
                                         int rank) {
-  const std::string temporary = file.string() + ".tmp";
-  auto fail = [&](const char* what) {
-    const int saved = errno;
-    static_cast<void>(std::remove(temporary.c_str()));  // no half file left beside the whole ones
-    throw error(std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir): rank " +
-                std::to_string(rank) + " cannot " + what + " " + temporary + ": " +
-                std::strerror(saved));
-  };
-  std::FILE* f = std::fopen(temporary.c_str(), "w");
-  if (!f) fail("create");
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  if (std::fclose(f) != 0 || !written) fail("write");
-  if (std::rename(temporary.c_str(), file.c_str()) != 0) fail("rename");
+  write_file_whole(file.string(), text,
+                   std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir)", rank);
 }
 
 }  // namespace dtrain::detail
@@ -15346,7 +16123,9 @@ class basic_ddp {
             ddp_options options = {})
       : basic_ddp(ctx.communicator(), ctx.control_plane(), std::move(parameters),
                   std::move(buffers), std::move(options), node_layout::of(ctx.world()),
-                  detail::environment_of(ctx)) {}
+                  detail::environment_of(ctx)) {
+    if constexpr (requires { ctx.flight_note(); }) flight_note_ = ctx.flight_note();
+  }
 
   /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
   /// communicator that reaches host memory). A device-only backend (NCCL)
@@ -15991,6 +16770,8 @@ class basic_ddp {
   stream_type stream_ = nullptr;
   detail::timeline timeline_;     // off unless DTRAIN_TIMELINE or options_.timeline
   detail::straggler_watch pace_;  // off when options_.stragglers is, or at world size 1
+  // The context's line in this rank's flight records: the watch's last window (null: none).
+  std::shared_ptr<detail::flight_note> flight_note_;
   struct metrics_state {
     std::string file;              // empty: off
     std::string labels;            // rank="0",node="n1"
@@ -16040,8 +16821,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
           (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
       metrics_.labels = "rank=\"" + std::to_string(rank_) +
                         "\",node=" + detail::metrics_text::quoted(node_or_unknown(env));
-      if (auto restarts = env.get(restart_count_variable))
-        metrics_.restarts = std::strtod(std::string(*restarts).c_str(), nullptr);
+      if (auto restarts = detail::read_int(env, restart_count_variable))
+        metrics_.restarts = restarts->value;
       try {
         // A directory that cannot take the file fails now, on every rank.
         detail::write_metrics(metrics_.file, "", rank_);
@@ -16946,6 +17727,7 @@ void basic_ddp<Policy>::exchange_pace() {
     const std::int64_t start = detail::timeline::now();
     const std::vector<std::int64_t> all = gather_values(pace_.pack());
     const std::vector<std::string> lines = pace_.absorb(all, detail::timeline::now() - start);
+    if (flight_note_) flight_note_->set(pace_.window());
     if (rank_ != 0 || !options_.stragglers.report) return;
     for (const std::string& line : lines)
       std::fprintf(stderr, "[rank 0/%d] dtrain: straggler: %s\n", size_, line.c_str());
@@ -18557,422 +19339,11 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 /// every live rank publishes its communicator's ring of last collectives
 /// through the store; the rank that asked gathers them for a bounded time and
 /// one rank prints one table naming the rank that is behind, the collective
-/// it is missing, mismatched calls, and the ranks that did not answer.
+/// it is missing, mismatched calls, and the ranks that did not answer. With a
+/// diagnostics directory, each rank also writes its ring there whenever it
+/// takes part in a round (diagnostics/flight.hpp): `dtrun --flight-records
+/// DIR` prints the same table after the job and its store are gone.
 
-// ---- begin dtrain/diagnostics/desync.hpp ----
-/// @file
-/// Desync analysis: from every rank's ring of last collectives (or its
-/// silence), which rank is behind, which collective it never started, what
-/// the others wait in, and which sequence numbers were called with different
-/// arguments. Pure functions over the rings, so they are unit-tested on the
-/// host; diagnostics.hpp gathers the rings through the store and prints.
-
-
-#include <algorithm>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// One rank's ring as the diagnostics round received it; `answered` false
-/// when the rank did not publish in time (its process is gone or frozen).
-struct rank_ring {
-  int rank = 0;
-  bool answered = false;
-  std::vector<call_record> calls;  ///< oldest first
-};
-
-/// What the analysis found: one line for the person at 3 a.m., and the details.
-struct desync_report {
-  std::string
-      summary;  ///< "rank 2 is at #41 ...; ranks 0, 1, 3 wait in #42 ...: rank 2 never started #42"
-  std::vector<std::string> details;  ///< one line per rank, then one per mismatched sequence number
-  /// How much the summary explains: 4 a mismatch, 3 a rank behind, 2 a silent
-  /// rank while others wait, 1 a silent rank, 0 nothing wrong seen.
-  int severity = 0;
-};
-
-/// "rank 2", "ranks 0, 1, 3".
-DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks);
-
-namespace desync {
-
-DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op = false);
-
-// What differs between two calls with the same sequence number, for the summary.
-DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b);
-
-// Ranks grouped by what they called as number `seq`, the largest group first
-// (on a tie the group of the lowest rank): the odd ones out come after.
-struct call_group {
-  const call_record* call;
-  std::vector<int> ranks;
-};
-DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
-                                                         std::int64_t seq);
-
-}  // namespace desync
-
-/// Analyses the rings of every rank of a communicator (`rings[i]` is rank
-/// rings[i].rank). Never throws on odd input: a ring may be empty, partial or
-/// missing; what cannot be decided is said so.
-DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings);
-
-/// The table a diagnostics round prints: `header`, the summary, then the details, indented.
-DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
-                                               const desync_report& report);
-
-/// The rings one rank publishes: its world communicator's and its splits', by name.
-using named_rings = std::vector<std::pair<std::string, std::vector<call_record>>>;
-
-/// What one rank published in a diagnostics round (`answered` false: nothing in time).
-struct rank_publication {
-  int rank = 0;
-  bool answered = false;
-  named_rings rings;
-};
-
-/// Rings as they travel through the store (detail/wire.hpp): version u8 (1),
-/// ring count u32, then per communicator its name bytes32, call count u32 and
-/// per call seq i64, kind bytes32, type u8, count u64, op i64, root i64,
-/// state u8, label bytes32.
-DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings);
-
-/// The rings of encode_rings' value; nothing when it is not such a value (the
-/// rank then counts as not answering: diagnostics never throw).
-DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value);
-
-/// Analyses every communicator the ranks published (the world's first, then
-/// the splits, by name) and returns the report of the one that explains most
-/// (a mismatch, then a rank behind, then silent ranks), its details preceded
-/// by the others' findings. Silent ranks count as members of the world and
-/// of every split that all answering ranks have (DistributedDataParallel's
-/// own split); a split that only some ranks have (a node's) is analysed over them.
-DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks);
-
-}  // namespace dtrain::detail
-
-#if DTRAIN_DETAIL_BODIES()
-// ---- begin dtrain/diagnostics/desync-inl.hpp ----
-/// @file
-/// The non-template bodies of dtrain/diagnostics/desync.hpp: included by it in header-only
-/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
-/// dtrain/config.hpp). Include dtrain/diagnostics/desync.hpp, not this file.
-
-
-namespace dtrain::detail {
-
-DTRAIN_DETAIL_INLINE std::string name_ranks(std::span<const int> ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(ranks[i]);
-  }
-  return out;
-}
-}  // namespace dtrain::detail
-
-namespace dtrain::detail {
-namespace desync {
-
-DTRAIN_DETAIL_INLINE std::string at(const call_record& r, bool with_op) {
-  // Appended, not `"#" + std::to_string(...)`: GCC 12 reports a false -Wrestrict for that shape
-  // at -O2 (bug 105329), which users' -Werror builds would turn into an error.
-  std::string out = "#";
-  out += std::to_string(r.seq);
-  out += ' ';
-  out += describe_call(r, with_op);
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE std::string difference(const call_record& a, const call_record& b) {
-  if (a.kind != b.kind) return "the collectives differ";
-  if (a.type != b.type) return "the types differ";
-  if (a.count != b.count) return "the sizes differ";
-  if (a.op != b.op) return "the reduce ops differ";
-  return "the roots differ";
-}
-
-DTRAIN_DETAIL_INLINE std::vector<call_group> group_calls(std::span<const rank_ring> rings,
-                                                         std::int64_t seq) {
-  std::vector<call_group> groups;
-  for (const rank_ring& r : rings) {
-    for (const call_record& c : r.calls) {
-      if (c.seq != seq) continue;
-      auto same = std::find_if(groups.begin(), groups.end(),
-                               [&](const call_group& g) { return g.call->same_call(c); });
-      if (same == groups.end()) {
-        groups.push_back({&c, {r.rank}});
-      } else {
-        same->ranks.push_back(r.rank);
-      }
-    }
-  }
-  std::stable_sort(groups.begin(), groups.end(), [](const call_group& a, const call_group& b) {
-    return a.ranks.size() > b.ranks.size();
-  });
-  return groups;
-}
-}  // namespace desync
-}  // namespace dtrain::detail
-
-namespace dtrain::detail {
-
-DTRAIN_DETAIL_INLINE desync_report analyse(std::span<const rank_ring> rings) {
-  desync_report report;
-  std::vector<int> silent;
-  std::vector<const rank_ring*> live;
-  for (const rank_ring& r : rings) {
-    if (r.answered) {
-      live.push_back(&r);
-    } else {
-      silent.push_back(r.rank);
-    }
-  }
-  auto top = [](const rank_ring& r) -> std::int64_t {
-    return r.calls.empty() ? 0 : r.calls.back().seq;
-  };
-
-  // One row per rank: the last collective it issued and how far it got.
-  for (const rank_ring& r : rings) {
-    std::string row = "rank " + std::to_string(r.rank) + ": ";
-    if (!r.answered) {
-      row += "no answer (process gone, or frozen where its diagnostics thread cannot run)";
-    } else if (r.calls.empty()) {
-      row += "no collective issued yet";
-    } else {
-      const call_record& last = r.calls.back();
-      row += desync::at(last) + " " + std::string(to_string(last.state));
-      if (r.calls.size() > 1) {
-        const call_record& before = r.calls[r.calls.size() - 2];
-        row +=
-            " (before it " + desync::at(before) + " " + std::string(to_string(before.state)) + ")";
-      }
-    }
-    report.details.push_back(std::move(row));
-  }
-
-  // Sequence numbers called with different arguments, oldest first.
-  std::string mismatch;
-  std::int64_t lowest = 0, highest = 0;
-  for (const rank_ring* r : live) {
-    if (r->calls.empty()) continue;
-    lowest = lowest == 0 ? r->calls.front().seq : std::min(lowest, r->calls.front().seq);
-    highest = std::max(highest, top(*r));
-  }
-  for (std::int64_t seq = lowest; seq > 0 && seq <= highest; ++seq) {
-    auto groups = desync::group_calls(rings, seq);
-    if (groups.size() < 2) continue;
-    bool ops = false;
-    for (const auto& g : groups) ops = ops || g.call->op != groups[0].call->op;
-    std::string line;
-    for (std::size_t i = groups.size(); i-- > 0;) {  // the odd ones out first
-      if (!line.empty()) line += "; ";
-      line += name_ranks(groups[i].ranks);
-      line += groups[i].ranks.size() == 1 ? " is in " : " are in ";
-      line += desync::at(*groups[i].call, ops);
-    }
-    line += ": " + desync::difference(*groups.back().call, *groups[0].call) +
-            " for the same collective";
-    report.details.push_back("mismatch: " + line);
-    if (mismatch.empty()) mismatch = line;
-  }
-
-  // The rank(s) behind: the lowest last sequence number among those that answered.
-  std::string behind;
-  if (!live.empty()) {
-    std::int64_t low = top(*live.front()), high = low;
-    for (const rank_ring* r : live) {
-      low = std::min(low, top(*r));
-      high = std::max(high, top(*r));
-    }
-    if (low < high) {
-      std::vector<int> late, waiting, past;
-      const call_record* missing = nullptr;
-      const call_record* last_late = nullptr;
-      for (const rank_ring* r : live) {
-        if (top(*r) == low) {
-          late.push_back(r->rank);
-          if (!r->calls.empty() && !last_late) last_late = &r->calls.back();
-          continue;
-        }
-        for (const call_record& c : r->calls) {
-          if (c.seq != low + 1) continue;
-          if (!missing) missing = &c;
-          (c.state == call_state::completed ? past : waiting).push_back(r->rank);
-        }
-      }
-      const bool one = late.size() == 1;
-      behind = name_ranks(late) + (one ? " is at " : " are at ") +
-               (last_late ? desync::at(*last_late) : std::string("no collective yet"));
-      if (!waiting.empty())
-        behind += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ");
-      if (waiting.empty() && !past.empty()) behind += "; " + name_ranks(past) + " finished ";
-      if (missing) {
-        behind += desync::at(*missing);
-      } else {
-        behind += "; the others are past #" + std::to_string(low + 1) + " (it left their rings)";
-      }
-      behind += ": " + name_ranks(late) + " never started #" + std::to_string(low + 1);
-    }
-  }
-
-  std::string gone;
-  if (!silent.empty()) {
-    gone = name_ranks(silent) + " did not answer (process gone, or frozen)";
-    std::vector<int> waiting;
-    const call_record* in = nullptr;
-    for (const rank_ring* r : live) {
-      if (r->calls.empty() || r->calls.back().state == call_state::completed) continue;
-      waiting.push_back(r->rank);
-      if (!in) in = &r->calls.back();
-    }
-    if (in)
-      gone += "; " + name_ranks(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
-              desync::at(*in);
-  }
-
-  if (!mismatch.empty()) {
-    report.summary = mismatch;
-    report.severity = 4;
-  } else if (!behind.empty()) {
-    report.summary = behind;
-    report.severity = 3;
-  } else if (!gone.empty()) {
-    report.summary = gone;
-    report.severity = gone.find(" wait") != std::string::npos ? 2 : 1;
-  } else if (!live.empty() && !live.front()->calls.empty()) {
-    const call_record& last = live.front()->calls.back();
-    report.summary =
-        "every rank is at " + desync::at(last) + ": none is behind, and the calls match";
-  } else {
-    report.summary = "no rank has issued a collective yet";
-  }
-  if (!gone.empty() && report.summary != gone) report.details.push_back("also: " + gone);
-  return report;
-}
-
-DTRAIN_DETAIL_INLINE std::string format_report(std::string_view header,
-                                               const desync_report& report) {
-  std::string out = "dtrain: " + std::string(header) + "\n  " + report.summary + "\n";
-  for (const std::string& d : report.details) out += "    " + d + "\n";
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE std::string encode_rings(const named_rings& rings) {
-  std::string out;
-  wire::writer w(out);
-  w.u8(1).u32(static_cast<std::uint32_t>(rings.size()));
-  for (const auto& [name, calls] : rings) {
-    w.bytes32(name).u32(static_cast<std::uint32_t>(calls.size()));
-    for (const call_record& c : calls) {
-      w.i64(c.seq)
-          .bytes32(c.kind)
-          .u8(static_cast<std::uint8_t>(c.type))
-          .u64(c.count)
-          .i64(c.op)
-          .i64(c.root)
-          .u8(static_cast<std::uint8_t>(c.state))
-          .bytes32(c.label);
-    }
-  }
-  return out;
-}
-
-DTRAIN_DETAIL_INLINE std::optional<named_rings> decode_rings(std::string_view value) {
-  try {
-    return wire::decode_value("a diagnostics ring", value, "rings", [](wire::reader& r) {
-      if (const auto version = r.u8("the version"); version != 1) {
-        throw wire::violation("version " + std::to_string(version) + " is not 1");
-      }
-      named_rings rings;
-      const std::uint32_t count = r.u32("the ring count");
-      for (std::uint32_t i = 0; i < count; ++i) {
-        auto& [name, calls] =
-            rings.emplace_back(std::string(r.bytes32("a ring's name")), std::vector<call_record>{});
-        const std::uint32_t n = r.u32("the call count");
-        for (std::uint32_t k = 0; k < n; ++k) {
-          call_record c;
-          c.seq = r.i64("seq");
-          c.kind = r.bytes32("kind");
-          const std::uint8_t type = r.u8("type");
-          if (type > static_cast<std::uint8_t>(dtype::uint8)) throw wire::violation("a bad type");
-          c.type = static_cast<dtype>(type);
-          c.count = static_cast<std::size_t>(r.u64("count"));
-          c.op = static_cast<int>(r.i64("op"));
-          c.root = static_cast<int>(r.i64("root"));
-          const std::uint8_t state = r.u8("state");
-          if (state > static_cast<std::uint8_t>(call_state::timed_out)) {
-            throw wire::violation("a bad state");
-          }
-          c.state = static_cast<call_state>(state);
-          c.label = r.bytes32("label");
-          calls.push_back(std::move(c));
-        }
-      }
-      return rings;
-    });
-  } catch (const rendezvous_error&) {
-    return std::nullopt;
-  }
-}
-
-DTRAIN_DETAIL_INLINE desync_report analyse_job(std::span<const rank_publication> ranks) {
-  std::vector<std::string> names;
-  int answering = 0;
-  for (const rank_publication& p : ranks) {
-    answering += p.answered ? 1 : 0;
-    for (const auto& entry : p.rings) {
-      if (p.answered && std::find(names.begin(), names.end(), entry.first) == names.end())
-        names.push_back(entry.first);
-    }
-  }
-  if (names.empty()) names.push_back("world");
-  std::vector<std::pair<std::string, desync_report>> reports;
-  for (const std::string& name : names) {
-    std::vector<rank_ring> rings;
-    for (const rank_publication& p : ranks) {
-      if (!p.answered) {
-        rings.push_back({p.rank, false, {}});
-        continue;
-      }
-      for (const auto& entry : p.rings) {
-        if (entry.first == name) rings.push_back({p.rank, true, entry.second});
-      }
-    }
-    const auto members =
-        std::count_if(rings.begin(), rings.end(), [](const rank_ring& r) { return r.answered; });
-    if (members < answering) {
-      std::erase_if(rings, [](const rank_ring& r) { return !r.answered; });
-    }
-    reports.emplace_back(name, analyse(rings));
-  }
-  std::size_t best = 0;
-  for (std::size_t i = 1; i < reports.size(); ++i) {
-    if (reports[i].second.severity > reports[best].second.severity) best = i;
-  }
-  desync_report out = reports[best].second;
-  if (reports.size() > 1) {
-    out.summary += " (on communicator " + reports[best].first + ")";
-    out.details.clear();
-    for (const auto& [name, report] : reports) {
-      out.details.push_back("communicator " + name + ":" +
-                            (report.severity > 0 ? " " + report.summary : ""));
-      for (const std::string& d : report.details) out.details.push_back("  " + d);
-    }
-  }
-  return out;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/diagnostics/desync-inl.hpp ----
-#endif
-// ---- end dtrain/diagnostics/desync.hpp ----
 // ---- begin dtrain/launch/protocol.hpp ----
 /// @file
 /// The job's protocol: the variables a node agent hands its workers
@@ -19392,6 +19763,7 @@ DTRAIN_DETAIL_INLINE std::string worker_label(int rank, int node_rank, int local
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -19416,6 +19788,12 @@ struct diagnostics_options {
   std::chrono::milliseconds wait{5000};
   /// How often each rank's thread looks for a request in the store.
   std::chrono::milliseconds poll{200};
+  /// A directory where each rank writes its flight record
+  /// (dtrain_flight_rank<R>.bin: its rings, why and when) whenever it takes
+  /// part in a round, even when the store is gone; `dtrun --flight-records
+  /// DIR` prints the round's table from them. Empty: none. It must exist.
+  /// Environment: DTRAIN_DIAGNOSTICS_DIR.
+  std::string dir;
 
   [[nodiscard]] diagnostics_options with_env(const environment& env) const;
 };
@@ -19435,10 +19813,14 @@ class rank_diagnostics {
  public:
   /// Connects to the store at host:port (keys under `prefix`), starts the
   /// thread and catches SIGUSR1 until destroyed. `name` says which
-  /// communicator the ring is ("gloo"). Throws what connecting throws.
+  /// communicator the ring is ("gloo"); `node` is the rank's node name and
+  /// `note` what the training adds (DDP's straggler window), for its flight
+  /// record. Throws what connecting throws, and config_error when
+  /// options.dir is not a directory this rank can write.
   rank_diagnostics(const std::string& host, int port, store_options store, std::string prefix,
                    int rank, int size, std::shared_ptr<collective_ring> ring, std::string name,
-                   diagnostics_options options);
+                   diagnostics_options options, std::string node,
+                   std::shared_ptr<const flight_note> note = nullptr);
   rank_diagnostics(const rank_diagnostics&) = delete;
   rank_diagnostics& operator=(const rank_diagnostics&) = delete;
   /// Stops the thread: at most one store operation, each bounded by the wait.
@@ -19465,7 +19847,12 @@ class rank_diagnostics {
   // The open round, or a new one; one rank opens each round, the others join it.
   std::int64_t join_round();
 
-  void publish(std::int64_t round);
+  // Publishes this rank's rings for `round`, and writes its flight record
+  // (`reason`: why this rank asked; empty when it answers another's round).
+  void publish(std::int64_t round, const std::string& reason);
+
+  // Writes the flight record, when a directory is set; a failure is said once.
+  void record(const std::string& reason) noexcept;
 
   // Every rank's ring that arrives within the wait; the others did not answer.
   std::vector<rank_publication> gather(std::int64_t round);
@@ -19481,6 +19868,10 @@ class rank_diagnostics {
   std::shared_ptr<collective_ring> ring_;
   std::string name_;
   diagnostics_options options_;
+  std::string node_;
+  std::shared_ptr<const flight_note> note_;
+  std::mutex record_mutex_;  // the explaining thread and the serving one both write
+  bool record_failed_ = false;
   int wake_ = -1;
   int previous_fd_ = -1;
   struct sigaction previous_action_ {};
@@ -19500,6 +19891,10 @@ class rank_diagnostics {
 /// dtrain/config.hpp). Include dtrain/diagnostics.hpp, not this file.
 
 
+#include <ctime>
+#include <filesystem>
+#include <system_error>
+
 namespace dtrain {
 
 DTRAIN_DETAIL_INLINE diagnostics_options
@@ -19507,6 +19902,7 @@ diagnostics_options::with_env(const environment& env) const {
   diagnostics_options out = *this;
   if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
   if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
+  if (auto d = env.get(diagnostics_dir_variable)) out.dir = std::string(*d);
   return out;
 }
 }  // namespace dtrain
@@ -19524,14 +19920,30 @@ DTRAIN_DETAIL_INLINE void on_diagnostics_signal(int) {
 
 DTRAIN_DETAIL_INLINE rank_diagnostics::rank_diagnostics(
     const std::string& host, int port, store_options store, std::string prefix, int rank, int size,
-    std::shared_ptr<collective_ring> ring, std::string name, diagnostics_options options)
+    std::shared_ptr<collective_ring> ring, std::string name, diagnostics_options options,
+    std::string node, std::shared_ptr<const flight_note> note)
     : client_(host, port, bounded(std::move(store), options.wait)),
       store_(client_, std::move(prefix)),
       rank_(rank),
       size_(size),
       ring_(std::move(ring)),
       name_(std::move(name)),
-      options_(options) {
+      options_(std::move(options)),
+      node_(std::move(node)),
+      note_(std::move(note)) {
+  if (!options_.dir.empty()) {
+    std::error_code ec;
+    const bool directory = std::filesystem::is_directory(options_.dir, ec);
+    if (!directory || ::access(options_.dir.c_str(), W_OK) != 0) {
+      const int saved = errno;
+      throw config_error(
+          std::string(diagnostics_dir_variable) + " (or diagnostics_options::dir) = " +
+          options_.dir + " on rank " + std::to_string(rank_) + ": " +
+          (directory ? std::string("this rank cannot write there: ") + std::strerror(saved)
+                     : std::string("not a directory")) +
+          " (each rank writes its flight record there)");
+    }
+  }
   wake_ = DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   previous_fd_ = diagnostics_signal_fd.exchange(wake_);
   struct sigaction sa {};
@@ -19564,12 +19976,13 @@ DTRAIN_DETAIL_INLINE bool rank_diagnostics::collective_failed() const {
 
 DTRAIN_DETAIL_INLINE std::string rank_diagnostics::explain(const std::string& reason) noexcept {
   try {
+    record(reason);  // first: the store may be gone
     const std::int64_t round = join_round();
     const std::string reason_key = diagnostics_keys::of(round, "reason");
     const std::string why = wire::decode_text(
         "store key " + store_.prefix() + reason_key,
         store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
-    publish(round);
+    publish(round, reason);
     const desync_report report = analyse_job(gather(round));
     const std::string header = "collective diagnostics, round " + std::to_string(round) +
                                ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
@@ -19615,9 +20028,34 @@ DTRAIN_DETAIL_INLINE std::int64_t rank_diagnostics::join_round() {
   return next;
 }
 
-DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round) {
+DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round, const std::string& reason) {
+  record(reason);
   store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
   published_ = std::max(published_.load(), round);
+}
+
+DTRAIN_DETAIL_INLINE void rank_diagnostics::record(const std::string& reason) noexcept {
+  if (options_.dir.empty()) return;
+  const std::lock_guard lock(record_mutex_);
+  if (record_failed_) return;
+  try {
+    const flight_record r{rank_,
+                          size_,
+                          name_,
+                          node_,
+                          reason,
+                          static_cast<std::int64_t>(std::time(nullptr)),
+                          ring_->snapshot_all(),
+                          note_ ? note_->get() : std::string()};
+    write_file_whole(flight_record_file(options_.dir, rank_).string(), encode_flight_record(r),
+                     std::string(diagnostics_dir_variable) + " (or diagnostics_options::dir)",
+                     rank_);
+  } catch (const std::exception& e) {
+    record_failed_ = true;
+    std::fprintf(stderr, "[rank %d/%d] dtrain: no flight record: %s (said once)\n", rank_, size_,
+                 e.what());
+    std::fflush(stderr);
+  }
 }
 
 DTRAIN_DETAIL_INLINE std::vector<rank_publication> rank_diagnostics::gather(std::int64_t round) {
@@ -19661,7 +20099,7 @@ DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
     if (!store_ok) continue;
     try {
       const std::int64_t round = store_.add("round", 0);
-      if (round > published_) publish(round);
+      if (round > published_) publish(round, "");
     } catch (const std::exception&) {
       store_ok = false;
     }
@@ -22429,9 +22867,6 @@ class store_server {
 
   detail::task<bool> handshake(connection& c);
 
-  // Compares without an early exit, so timing does not reveal the token.
-  static bool same_secret(std::string_view a, std::string_view b);
-
   // The handshake's answer: a status and the server's protocol version. (A
   // function, not a lambda: a coroutine frame that holds a lambda's type
   // trips -Wsubobject-linkage where the body is compiled out of line.)
@@ -22718,7 +23153,7 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::handshake(connection& c) {
     throw violation("client speaks protocol version " + std::to_string(version) + ", this server " +
                     std::to_string(detail::wire::version));
   }
-  if (!same_secret(token, options_.token)) {
+  if (!detail::same_secret(token, options_.token)) {
     co_await c.io.write_all(reply(status::bad_token));
     throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
   }
@@ -22726,14 +23161,6 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::handshake(connection& c) {
   c.authenticated = true;
   if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
   co_return true;
-}
-
-DTRAIN_DETAIL_INLINE bool store_server::same_secret(std::string_view a, std::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
 }
 
 DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {
@@ -23324,6 +23751,331 @@ DTRAIN_DETAIL_INLINE std::optional<exit_record> agent_store::first_exit(int rest
 // ---- end dtrain/launch/agent_store-inl.hpp ----
 #endif
 // ---- end dtrain/launch/agent_store.hpp ----
+// ---- begin dtrain/launch/metrics_endpoint.hpp ----
+/// @file
+/// A node agent's metrics endpoint (dtrun --metrics-port): Prometheus scrapes
+/// GET /metrics, answered with the metrics files its workers write
+/// (DTRAIN_METRICS_DIR: DDP's dtrain_rank<R>.prom, the checkpoint's
+/// dtrain_checkpoint_rank<R>.prom) merged into one exposition. Safe as the
+/// store is: on a loopback address by default; on any other only with a
+/// token, which every request must carry (Authorization: Bearer TOKEN). It
+/// holds one connection at a time, at most 8 KiB of its request, for at most
+/// 5 seconds.
+
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <thread>
+
+namespace dtrain::detail {
+
+/// The metric files (*.prom) of `dir` as one exposition in the Prometheus
+/// text format: each family once (its HELP and TYPE from the first file that
+/// has it), followed by every file's samples of it, the files in name order.
+/// A file that cannot be read is left out (a writer's .tmp is not *.prom).
+DTRAIN_DETAIL_INLINE std::string merge_metric_files(const std::filesystem::path& dir);
+
+/// The endpoint (the file's comment).
+class metrics_endpoint {
+ public:
+  /// The most bytes of a request's line and headers.
+  static constexpr std::size_t most_request_bytes = 8192;
+  /// How long one client may take to send its request and read the answer.
+  static constexpr std::chrono::seconds client_time{5};
+
+  /// Listens on `bind`:`port` (0: a free one) and serves `dir` on a thread of
+  /// its own. Throws config_error when `bind` is not a loopback address and
+  /// `token` is empty, or when it cannot listen there (both named).
+  metrics_endpoint(const std::string& bind, int port, std::filesystem::path dir, std::string token);
+  metrics_endpoint(const metrics_endpoint&) = delete;
+  metrics_endpoint& operator=(const metrics_endpoint&) = delete;
+  ~metrics_endpoint();
+
+  [[nodiscard]] int port() const noexcept { return port_; }
+
+  /// The whole HTTP response to the request `head` (its line and headers):
+  /// 200 with the merged files for GET /metrics with the token (when one is
+  /// set), 401 without it, 404 for another path, 405 for another method, 400
+  /// for what is not an HTTP request.
+  [[nodiscard]] std::string answer(std::string_view head) const;
+
+ private:
+  void serve();
+  void handle(int client) const;
+
+  std::filesystem::path dir_;
+  std::string token_;
+  unique_fd listen_;
+  unique_fd wake_;  // an eventfd: the destructor stops the thread
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;  // last: starts once everything above exists
+};
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/launch/metrics_endpoint-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/launch/metrics_endpoint.hpp: included by it in
+/// header-only mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/launch/metrics_endpoint.hpp, not this file.
+
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string merge_metric_files(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() == ".prom") files.push_back(it->path());
+  }
+  std::sort(files.begin(), files.end());
+  struct family {
+    std::string help, type, samples;
+  };
+  std::vector<std::string> order;  // families as first seen
+  std::map<std::string, family> families;
+  auto named = [&](const std::string& name) -> family& {
+    auto [it, added] = families.try_emplace(name);
+    if (added) order.push_back(name);
+    return it->second;
+  };
+  for (const std::filesystem::path& file : files) {
+    std::ifstream in(file);
+    std::string line;
+    std::string current;  // the family of the samples that follow
+    while (std::getline(in, line)) {
+      if (line.starts_with("# HELP ") || line.starts_with("# TYPE ")) {
+        const std::size_t name_end = line.find(' ', 7);
+        current = line.substr(7, name_end == std::string::npos ? std::string::npos : name_end - 7);
+        std::string& kept = line[2] == 'H' ? named(current).help : named(current).type;
+        if (kept.empty()) kept = line;
+      } else if (!line.empty() && line.front() != '#') {
+        const std::string name = line.substr(0, line.find_first_of("{ "));
+        named(current.empty() ? name : current).samples += line + "\n";
+      }
+    }
+  }
+  std::string out;
+  for (const std::string& name : order) {
+    const family& f = families[name];
+    if (f.samples.empty()) continue;
+    if (!f.help.empty()) out += f.help + "\n";
+    if (!f.type.empty()) out += f.type + "\n";
+    out += f.samples;
+  }
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE metrics_endpoint::metrics_endpoint(const std::string& bind, int port,
+                                                        std::filesystem::path dir,
+                                                        std::string token)
+    : dir_(std::move(dir)), token_(std::move(token)) {
+  const std::string where = endpoint_text(bind, port);
+  if (token_.empty() && !is_loopback_address(bind)) {
+    throw config_error(std::string(metrics_bind_variable) + "=" + bind +
+                       ": the metrics endpoint listens on another address than loopback only "
+                       "with a token that every scrape must send (" +
+                       std::string(metrics_token_variable) +
+                       "; Prometheus: authorization: {credentials: TOKEN})");
+  }
+  address_list addrs;
+  if (const int rc = resolve(bind, port, true, addrs); rc != 0) {
+    throw config_error("the metrics endpoint cannot listen on " + where + ": " +
+                       ::gai_strerror(rc) + " (" + std::string(metrics_bind_variable) + ")");
+  }
+  const addrinfo* a = addrs.head;
+  // Non-blocking: a client gone between poll() and accept() must not hold the thread.
+  listen_.reset(
+      DTRAIN_SYSCALL(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)));
+  int one = 1;
+  DTRAIN_SYSCALL(::setsockopt(listen_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
+  if (::bind(listen_.get(), a->ai_addr, a->ai_addrlen) != 0) {
+    const int err = errno;
+    throw config_error("the metrics endpoint cannot listen on " + where + ": " +
+                       std::strerror(err) + " (--metrics-port, " +
+                       std::string(metrics_bind_variable) + ")");
+  }
+  DTRAIN_SYSCALL(::listen(listen_.get(), 16));
+  sockaddr_storage bound{};
+  socklen_t length = sizeof bound;
+  DTRAIN_SYSCALL(::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&bound), &length));
+  port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                      : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  wake_.reset(DTRAIN_SYSCALL(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));
+  thread_ = std::thread([this] { serve(); });
+}
+
+DTRAIN_DETAIL_INLINE metrics_endpoint::~metrics_endpoint() {
+  stopping_ = true;
+  const std::uint64_t one = 1;
+  static_cast<void>(!::write(wake_.get(), &one, sizeof one));
+  thread_.join();
+}
+
+namespace metrics_http {
+inline std::string response(std::string_view status, std::string_view extra_headers,
+                            std::string_view body, std::string_view type = "text/plain") {
+  std::string out = "HTTP/1.1 " + std::string(status) + "\r\nContent-Type: " + std::string(type) +
+                    "\r\nContent-Length: " + std::to_string(body.size()) +
+                    "\r\nConnection: close\r\n" + std::string(extra_headers) + "\r\n";
+  out += body;
+  return out;
+}
+inline std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+inline std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r'))
+    s.remove_suffix(1);
+  return s;
+}
+}  // namespace metrics_http
+
+DTRAIN_DETAIL_INLINE std::string metrics_endpoint::answer(std::string_view head) const {
+  using metrics_http::response;
+  const std::size_t line_end = head.find("\r\n");
+  const std::string_view line = head.substr(0, line_end);
+  const std::size_t first = line.find(' ');
+  const std::size_t second = first == std::string_view::npos ? first : line.find(' ', first + 1);
+  if (second == std::string_view::npos || !line.substr(second + 1).starts_with("HTTP/1.")) {
+    return response("400 Bad Request", "", "not an HTTP/1 request\n");
+  }
+  const std::string_view method = line.substr(0, first);
+  std::string_view path = line.substr(first + 1, second - first - 1);
+  path = path.substr(0, path.find('?'));
+  if (method != "GET") return response("405 Method Not Allowed", "Allow: GET\r\n", "GET only\n");
+  if (!token_.empty()) {
+    std::string_view credentials;
+    std::string_view rest = line_end == std::string_view::npos ? "" : head.substr(line_end + 2);
+    while (!rest.empty()) {
+      const std::size_t end = rest.find("\r\n");
+      const std::string_view header = rest.substr(0, end);
+      rest = end == std::string_view::npos ? "" : rest.substr(end + 2);
+      const std::size_t colon = header.find(':');
+      if (colon == std::string_view::npos) continue;
+      if (metrics_http::lower(header.substr(0, colon)) != "authorization") continue;
+      const std::string_view value = metrics_http::trim(header.substr(colon + 1));
+      if (metrics_http::lower(value.substr(0, 7)) == "bearer ")
+        credentials = metrics_http::trim(value.substr(7));
+    }
+    if (!same_secret(credentials, token_)) {
+      return response("401 Unauthorized", "WWW-Authenticate: Bearer realm=\"dtrain\"\r\n",
+                      "a token is needed (Authorization: Bearer TOKEN)\n");
+    }
+  }
+  if (path != "/metrics") return response("404 Not Found", "", "GET /metrics\n");
+  return response("200 OK", "", merge_metric_files(dir_),
+                  "text/plain; version=0.0.4; charset=utf-8");
+}
+
+DTRAIN_DETAIL_INLINE void metrics_endpoint::serve() {
+  while (!stopping_) {
+    pollfd fds[2] = {{listen_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (stopping_ || (fds[1].revents & POLLIN) != 0) return;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    unique_fd client(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!client) {
+      // Gone before it was taken (EAGAIN): the next. Out of descriptors: the
+      // client waits in the queue; try again in a moment, not in a spin.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        pollfd wake{wake_.get(), POLLIN, 0};
+        static_cast<void>(::poll(&wake, 1, 100));
+      }
+      continue;
+    }
+    handle(client.get());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void metrics_endpoint::handle(int client) const {
+  const auto deadline = std::chrono::steady_clock::now() + client_time;
+  // Waits until `client` is ready for `events` within the deadline (and the endpoint runs).
+  auto ready = [&](short events) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0 || stopping_) return false;
+      pollfd fds[2] = {{client, events, 0}, {wake_.get(), POLLIN, 0}};
+      const int n = ::poll(fds, 2, static_cast<int>(left.count()));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0 || (fds[1].revents & POLLIN) != 0) return false;
+      return (fds[0].revents & (events | POLLHUP | POLLERR)) != 0;
+    }
+  };
+  std::string head;
+  std::string reply;
+  while (reply.empty()) {
+    if (head.find("\r\n\r\n") != std::string::npos) {
+      reply = answer(head.substr(0, head.find("\r\n\r\n") + 2));
+    } else if (head.size() > most_request_bytes) {
+      reply = metrics_http::response("431 Request Header Fields Too Large", "",
+                                     "at most 8192 bytes of request\n");
+    } else {
+      if (!ready(POLLIN)) return;  // too slow, or stopping: closed unanswered
+      char buffer[2048];
+      const ssize_t n = ::recv(client, buffer, sizeof buffer, 0);
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (n <= 0) return;  // gone
+      head.append(buffer, static_cast<std::size_t>(n));
+    }
+  }
+  std::string_view rest = reply;
+  while (!rest.empty()) {
+    if (!ready(POLLOUT)) return;
+    const ssize_t n = ::send(client, rest.data(), rest.size(), MSG_NOSIGNAL);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n <= 0) return;
+    rest.remove_prefix(static_cast<std::size_t>(n));
+  }
+  // A lingering close: what the client still sends (a request cut off at the
+  // limit) is read and dropped for a moment, so that the close does not
+  // reset the connection before the client has read the answer.
+  ::shutdown(client, SHUT_WR);
+  const auto linger_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  for (std::size_t dropped = 0; dropped < 16 * most_request_bytes;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        linger_until - std::chrono::steady_clock::now());
+    pollfd fds{client, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&fds, 1, static_cast<int>(left.count())) <= 0) return;
+    char buffer[2048];
+    const ssize_t n = ::recv(client, buffer, sizeof buffer, 0);
+    if (n <= 0) return;
+    dropped += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/launch/metrics_endpoint-inl.hpp ----
+#endif
+// ---- end dtrain/launch/metrics_endpoint.hpp ----
 // ---- begin dtrain/launch/options.hpp ----
 /// @file
 /// agent_options: what a per-node agent (launch::per_node, dtrun) is told.
@@ -23443,7 +24195,8 @@ struct agent_options {
   /// Environment: DTRAIN_TEE=1.
   bool tee = false;
   /// When set, each worker's output (stdout and stderr) also goes to
-  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
+  /// `<log_dir>/restart_<k>/rank_<N>.log`; the workers' flight records go
+  /// there too (DTRAIN_DIAGNOSTICS_DIR, unless set). Environment: DTRAIN_LOG_DIR.
   std::string log_dir{};
   /// Pass `--local_rank=N` as the workers' first argument, as
   /// torch.distributed.launch did for Hugging Face style scripts.
@@ -23454,11 +24207,19 @@ struct agent_options {
   /// that reached this store is named); the workers get it as
   /// TORCHELASTIC_RUN_ID. Environment: PET_RDZV_ID.
   std::string rdzv_id{};
+  /// Serve this node's workers' metrics (DTRAIN_METRICS_DIR: DDP's and the
+  /// checkpoint's files, in a directory the agent owns unless set) for
+  /// Prometheus, at http://HOST:PORT/metrics; 0: a free port (said on
+  /// stderr). HOST is DTRAIN_METRICS_BIND, 127.0.0.1 unless set; another
+  /// address needs DTRAIN_METRICS_TOKEN, which every scrape must send
+  /// (Authorization: Bearer TOKEN). Unset: no endpoint.
+  /// Environment: DTRAIN_METRICS_PORT.
+  std::optional<int> metrics_port{};
 
   /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
   /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
-  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
-  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
+  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE, DTRAIN_LOG_DIR,
+  /// DTRAIN_LOCAL_RANK_ARG and DTRAIN_METRICS_PORT applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
   /// rebuilding it. torchrun's variables are read as dtrun's (Kubeflow
   /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their
@@ -23601,6 +24362,7 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
   if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
   if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
   if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
+  if (auto v = detail::read_int(env, metrics_port_variable)) out.metrics_port = v->value;
   out.check();
   return out;
 }
@@ -23642,6 +24404,9 @@ DTRAIN_DETAIL_INLINE void agent_options::check() const {
     detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
   }
   if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+  if (metrics_port && *metrics_port != 0) {
+    detail::check_port("option metrics_port=" + std::to_string(*metrics_port), *metrics_port);
+  }
 }
 
 }  // namespace dtrain
@@ -24578,10 +25343,12 @@ namespace detail {
 /// to this user, and removed with all in it when its agent ends, so that it
 /// outlives every worker but not the job. Empty when neither can hold one.
 /// Its name carries the agent's pid: an agent removes the directories that
-/// agents of this user which are gone (SIGKILLed) left behind.
+/// agents of this user which are gone (SIGKILLed) left behind. `what` names
+/// what it holds ("memory"; "metrics": the workers' DTRAIN_METRICS_DIR, which
+/// the agent's metrics endpoint serves).
 class memory_directory {
  public:
-  explicit memory_directory(int node_rank);
+  explicit memory_directory(int node_rank, std::string_view what = "memory");
   memory_directory(const memory_directory&) = delete;
   memory_directory& operator=(const memory_directory&) = delete;
   ~memory_directory();
@@ -24652,6 +25419,7 @@ class node_agent {
   int master_port_ = 0;
   std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
   std::string buddy_at_;  // where this agent holds the copies of the node before it (serve_buddies)
+  std::string metrics_dir_;  // the workers' DTRAIN_METRICS_DIR, which the endpoint serves
 };
 
 }  // namespace dtrain
@@ -24731,6 +25499,28 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     memory.emplace(node_rank());
     memory_dir_ = memory->path();
   }
+  // The metrics endpoint serves the files the workers write in a directory
+  // of this agent's, unless the user chose one.
+  std::optional<detail::memory_directory> metrics_files;
+  std::optional<detail::metrics_endpoint> endpoint;
+  if (options_.metrics_port) {
+    if (auto dir = env_.get(metrics_dir_variable); dir && !dir->empty()) {
+      metrics_dir_ = std::string(*dir);
+    } else {
+      metrics_dir_ = metrics_files.emplace(node_rank(), "metrics").path();
+      if (metrics_dir_.empty()) {
+        throw config_error(
+            "--metrics-port: no directory for the workers' metrics files in "
+            "/dev/shm or the temporary directory; set DTRAIN_METRICS_DIR");
+      }
+    }
+    const std::string bind = std::string(env_.get(metrics_bind_variable).value_or("127.0.0.1"));
+    endpoint.emplace(bind, *options_.metrics_port, metrics_dir_,
+                     std::string(env_.get(metrics_token_variable).value_or("")));
+    say("node " + std::to_string(node_rank()) + "'s workers' metrics at http://" +
+        detail::endpoint_text(bind, endpoint->port()) + "/metrics" +
+        (env_.get(metrics_token_variable) ? " (a token is needed)" : ""));
+  }
   // Orphans of the workers come to this agent, which kills and reaps them.
   detail::become_subreaper();
   detail::agent_store store(node_rank(), nnodes(),
@@ -24784,16 +25574,17 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   }
 }
 
-DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
+DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank,
+                                                                std::string_view what) {
+  const std::string prefix = "dtrain-" + std::string(what) + "-";
   std::error_code ec;
   std::vector<std::filesystem::path> places{"/dev/shm"};
   if (auto tmp = std::filesystem::temp_directory_path(ec); !ec) places.push_back(tmp);
   for (const std::filesystem::path& place : places) {
-    // Those of agents that are gone: "dtrain-memory-<pid>-node<N>-XXXXXX".
+    // Those of agents that are gone: "dtrain-<what>-<pid>-node<N>-XXXXXX".
     for (std::filesystem::directory_iterator it(place, ec), end; !ec && it != end;
          it.increment(ec)) {
       const std::string left = it->path().filename().string();
-      constexpr std::string_view prefix = "dtrain-memory-";
       if (!left.starts_with(prefix)) continue;
       const long pid = std::strtol(left.c_str() + prefix.size(), nullptr, 10);
       struct stat st {};
@@ -24803,7 +25594,7 @@ DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
       }
     }
     ec.clear();
-    std::string name = (place / ("dtrain-memory-" + std::to_string(::getpid()) + "-node" +
+    std::string name = (place / (prefix + std::to_string(::getpid()) + "-node" +
                                  std::to_string(node_rank) + "-XXXXXX"))
                            .string();
     if (::mkdtemp(name.data()) != nullptr) {  // mode 0700
@@ -25013,6 +25804,14 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   if (!buddy_at_.empty() && !env_.get(memory_held_variable))
     set(std::string(memory_held_variable), buddy_at_);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+  if (!metrics_dir_.empty()) set(std::string(metrics_dir_variable), metrics_dir_);
+  // With logs, each restart's directory also takes the ranks' flight records
+  // (dtrun --flight-records <log_dir>/restart_<k>), unless the user chose a place.
+  if (!options_.log_dir.empty() && !env_.get(diagnostics_dir_variable)) {
+    set(std::string(diagnostics_dir_variable),
+        (std::filesystem::path(options_.log_dir) / ("restart_" + std::to_string(restart)))
+            .string());
+  }
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);
   // As torchrun: one thread per worker unless the user chose, so N workers
@@ -26191,6 +26990,11 @@ class context {
   [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
   /// How many times a per-node agent has restarted the job (0 at first).
   [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
+  /// The line DistributedDataParallel keeps in this rank's flight records
+  /// (diagnostics_options::dir): its straggler watch's last window.
+  [[nodiscard]] const std::shared_ptr<detail::flight_note>& flight_note() const noexcept {
+    return flight_note_;
+  }
   /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
   /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -26439,15 +27243,17 @@ class context {
   }
 
   /// Every rank watches for diagnostics rounds on a connection of its own.
-  void start_diagnostics(const diagnostics_options& options) {
+  void start_diagnostics(const diagnostics_options& options, const dtrain::environment& env) {
     if constexpr (requires { communicator_->ring(); }) {
       if (!options.enabled) return;
       std::string prefix = store_->prefix();
       diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_,
                            prefix + "diag", rank(), size(), communicator_->ring(),
-                           std::string(Policy::backend_type::name), options);
+                           std::string(Policy::backend_type::name), options, node_name(env),
+                           flight_note_);
     } else {
       (void)options;
+      (void)env;
     }
   }
 
@@ -26488,6 +27294,8 @@ class context {
   std::optional<communicator_type> communicator_;
   std::optional<store_channel<store_type>> control_;
   std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
+  // What DDP adds to this rank's flight records (its straggler window).
+  std::shared_ptr<detail::flight_note> flight_note_ = std::make_shared<detail::flight_note>();
   std::optional<detail::rank_diagnostics> diagnostics_;
 };
 
@@ -26525,7 +27333,7 @@ context<Policy>::context(dtrain::world w, const dtrain::environment& env,
     make_communicator(env);
   }
   control_.emplace(*store_, rank(), size(), "control");
-  start_diagnostics(options.diagnostics.with_env(env));
+  start_diagnostics(options.diagnostics.with_env(env), env);
 }
 
 template <class Policy>
@@ -26647,6 +27455,7 @@ enum class agent_field : unsigned {
   log_dir,
   local_rank_arg,
   rdzv_id,
+  metrics_port,
   count
 };
 
@@ -26666,6 +27475,7 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
     case agent_field::tee: return fn(&agent_options::tee);
     case agent_field::log_dir: return fn(&agent_options::log_dir);
     case agent_field::rdzv_id: return fn(&agent_options::rdzv_id);
+    case agent_field::metrics_port: return fn(&agent_options::metrics_port);
     case agent_field::local_rank_arg:
     case agent_field::count: break;
   }
@@ -26683,7 +27493,8 @@ class agent_flags {
  public:
   /// dtrun's command line: flags first; `--`, or the first argument that is
   /// not a flag, begins the program, which gets every argument after it. An
-  /// unknown flag is a config_error; `--help` (or `-h`) ends the parsing.
+  /// unknown flag is a config_error; `--help` (or `-h`) and
+  /// `--flight-records DIR` end the parsing.
   [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args);
 
   /// A self-launching program's command line: dtrun's flags wherever they
@@ -26709,6 +27520,9 @@ class agent_flags {
   }
   /// dtrun: `--help` or `-h` was given.
   [[nodiscard]] bool help() const noexcept { return help_; }
+  /// dtrun: the directory of `--flight-records DIR` (read a job's flight
+  /// records and print its diagnostics table); empty when not given.
+  [[nodiscard]] const std::string& flight_records() const noexcept { return flight_records_; }
   /// dtrun: `--no-python` was given (run a .py program directly).
   [[nodiscard]] bool no_python() const noexcept { return no_python_; }
   /// dtrun: `-m` or `--module` was given (the program is a Python module).
@@ -26759,6 +27573,7 @@ class agent_flags {
   agent_options values_{};
   std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
   bool help_ = false;
+  std::string flight_records_;
   bool no_python_ = false;
   bool module_ = false;
   std::optional<store_source> addr_from_;
@@ -26803,7 +27618,7 @@ DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::s
     if (!flags.read(args, i, true)) {
       throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
     }
-    if (flags.help_) return flags;
+    if (flags.help_ || !flags.flight_records_.empty()) return flags;
   }
   for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
   if (flags.module_ && flags.no_python_) {
@@ -26851,6 +27666,18 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
   }
   if (launcher && (name == "--help" || name == "-h")) return help_ = true;
   if (launcher && name == "--no-python") return no_python_ = true;
+  if (launcher && name == "--flight-records") {
+    if (eq != std::string_view::npos) {
+      flight_records_ = std::string(arg.substr(eq + 1));
+    } else if (i + 1 < args.size()) {
+      flight_records_ = std::string(args[++i]);
+    }
+    if (flight_records_.empty()) {
+      throw config_error(std::string(arg) +
+                         " on the command line: needs a directory (--flight-records DIR)");
+    }
+    return true;
+  }
   if (launcher && (name == "-m" || name == "--module")) {
     if (eq != std::string_view::npos) {
       throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
@@ -26916,6 +27743,7 @@ DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valu
       {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
       {"--log-dir", agent_field::log_dir, "a directory", "logs"},
       {"--rdzv-id", agent_field::rdzv_id, "the job's id, the same on every node", "job42"},
+      {"--metrics-port", agent_field::metrics_port, "the metrics endpoint's port", "9400"},
       // No option of their own (agent_field::count): take_rdzv() reads them.
       {"--rdzv-backend", agent_field::count, "c10d: node 0's store", "c10d"},
       {"--rdzv-endpoint", agent_field::count, "node 0's store as HOST[:PORT]", "node0:29400"},
@@ -26972,6 +27800,12 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       break;
     case agent_field::log_dir: values_.log_dir = text(); break;
     case agent_field::rdzv_id: values_.rdzv_id = text(); break;
+    case agent_field::metrics_port: {
+      const int port = parse_non_negative(origin, value);
+      if (port != 0) check_port(origin, port);  // 0: a free one
+      values_.metrics_port = port;
+      break;
+    }
     case agent_field::min_nnodes:  // comes with --nnodes
     case agent_field::tee:
     case agent_field::local_rank_arg:
@@ -27401,6 +28235,12 @@ struct checkpoint_options {
   int keep = 2;
   /// No line on rank 0's stderr per save and restore.
   bool quiet = false;
+  /// A directory where each rank writes dtrain_checkpoint_rank<R>.prom, in
+  /// the Prometheus text format (as DDP's metrics, ddp_options::metrics_dir):
+  /// the newest step committed to disk (rank 0's file) and to this rank's
+  /// memory copy, and when: alert on their age. Empty: DTRAIN_METRICS_DIR's,
+  /// which wins when set; neither: none.
+  std::string metrics_dir{};
   /// save() copies the state (host memory: the size of the checkpoint) and
   /// returns; a thread writes the files beside the next steps, and the
   /// checkpoint is committed at the next save(), restore() or wait(), or when
@@ -28916,8 +29756,10 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -28935,6 +29777,10 @@ struct pending_save {
   std::thread writer;   // an asynchronous save's
 };
 
+/// Where the checkpoint's metrics file goes, as its errors name it.
+inline constexpr std::string_view metrics_setting_name =
+    "DTRAIN_METRICS_DIR (or checkpoint_options::metrics_dir)";
+
 /// What a checkpoint's tiers share with it.
 struct tier_context {
   dtrain::control_plane plane;
@@ -28945,6 +29791,26 @@ struct tier_context {
   void say(const std::string& line) const;
   /// Rank 0's value reaches every rank.
   void broadcast_value(std::int64_t& value);
+
+  /// This rank's checkpoint metrics file (dtrain_checkpoint_rank<R>.prom in
+  /// DTRAIN_METRICS_DIR, else checkpoint_options::metrics_dir;
+  /// diagnostics/metrics.hpp) and its labels; empty: none.
+  std::string metrics_file{};
+  std::string metrics_labels{};
+  /// A tier committed `step` on this rank (`memory`: this rank's memory
+  /// copy; else the job's checkpoint on disk, which rank 0 commits): the
+  /// metrics file is written again. Called on the writer and committer
+  /// threads too; never throws: a failed write is said once, and the metrics stop.
+  void committed(bool memory, std::uint64_t step) noexcept;
+
+  // committed()'s (an aggregate still: the checkpoint makes it so).
+  struct commit_mark {
+    std::uint64_t step = 0;
+    double unix_time = 0;  // 0: none yet
+  };
+  std::mutex metrics_mutex_{};
+  commit_mark disk_commit_{}, memory_commit_{};
+  bool metrics_failed_ = false;
 };
 
 /// A storage tier (the file's comment). Each has at most one save in flight.
@@ -29008,6 +29874,7 @@ class tier {
 
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -29019,6 +29886,37 @@ DTRAIN_DETAIL_INLINE void tier_context::say(const std::string& line) const {
   if (options.quiet || plane.rank() != 0) return;
   std::fprintf(stderr, "dtrain checkpoint: %s\n", line.c_str());
   std::fflush(stderr);
+}
+
+DTRAIN_DETAIL_INLINE void tier_context::committed(bool memory, std::uint64_t step) noexcept {
+  if (metrics_file.empty()) return;
+  const std::lock_guard lock(metrics_mutex_);
+  if (metrics_failed_) return;
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  (memory ? memory_commit_ : disk_commit_) = {step, now};
+  try {
+    metrics_text m(metrics_labels);
+    auto add = [&m](const std::string& tier, const std::string& what, const commit_mark& c) {
+      if (c.unix_time == 0) return;
+      m.add("dtrain_checkpoint_" + tier + "_step", "gauge", "The newest step of " + what + ".",
+            static_cast<double>(c.step));
+      m.add("dtrain_checkpoint_" + tier + "_timestamp_seconds", "gauge",
+            "When the newest step of " + what +
+                " was committed (Unix time): its age is time() minus this.",
+            c.unix_time);
+    };
+    add("disk", "the job's checkpoint on disk (checkpoint_options::dir, committed by rank 0)",
+        disk_commit_);
+    add("memory", "this rank's memory copy (checkpoint_options::memory_every)", memory_commit_);
+    write_file_whole(metrics_file, m.str(), metrics_setting_name, plane.rank());
+  } catch (const std::exception& e) {
+    metrics_failed_ = true;
+    std::fprintf(stderr,
+                 "dtrain checkpoint on rank %d: %s; its checkpoint metrics stop (said once)\n",
+                 plane.rank(), e.what());
+    std::fflush(stderr);
+  }
 }
 
 DTRAIN_DETAIL_INLINE void tier_context::broadcast_value(std::int64_t& value) {
@@ -29333,6 +30231,7 @@ DTRAIN_DETAIL_INLINE void disk_tier::finish(std::unique_ptr<pending_save> owned,
                       static_cast<unsigned long long>(bytes), took.count(),
                       context_.options.asynchronous ? " until committed" : "");
         context_.say("saved " + (context_.options.dir / step_name(q.step)).string() + line);
+        context_.committed(false, q.step);
         return "";
       }
       remove_checkpoint_tree(q.partial);
@@ -29651,6 +30550,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     if (p.replicated_file) m.files.push_back(*p.replicated_file);
     if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
     commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
+    context_.committed(true, p.step);
     // This rank's copies beyond the 2 newest (and any numbered after this
     // one: an older run's), and its saves that died.
     const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
@@ -30772,6 +31672,29 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
+  // The metrics file: a directory that cannot take it fails now, on every rank.
+  const environment env = environment::from_process();
+  std::string problem;
+  if (const std::string dir = detail::metrics_setting(env, o.metrics_dir); !dir.empty()) {
+    const int rank = context_.plane.rank();
+    context_.metrics_file =
+        (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))
+            .string();
+    std::string node = "?";
+    try {
+      node = node_name(env);
+    } catch (const std::exception&) {
+      // No name: the label says so.
+    }
+    context_.metrics_labels =
+        "rank=\"" + std::to_string(rank) + "\",node=" + detail::metrics_text::quoted(node);
+    try {
+      detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  agree_or_throw<config_error>(context_.plane, "open the checkpoint's metrics file", problem);
 }
 
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name, buffer values,

@@ -38,6 +38,10 @@
 #                      uninterrupted run's checksum, with at most one step trained twice
 #   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
 #                      trap and its fix; on a healthy node it finds none
+#   metrics_endpoint   dtrun --metrics-port on node1, its 2 workers writing metrics files:
+#                      on node1's own address with DTRAIN_METRICS_TOKEN, node2 gets 401
+#                      without the token and both workers' samples, merged, with it; on the
+#                      default address (loopback), node2 cannot connect and node1 can
 set -uo pipefail
 case_name=${1:?case}
 bin=${2:?bin dir}
@@ -387,6 +391,70 @@ case $case_name in
     cat "$work"/rank?.out >"$work/per_process.out"
     check_world "$work/per_process.out" "0:node1:0:0 1:node1:0:1 2:node2:1:0 3:node2:1:1"
     echo "per-process launch works with node1 on 127.0.1.1"
+    ;;
+  metrics_endpoint)
+    cluster_up 2 1gbit
+    # Each worker writes a metrics file where the agent says (DTRAIN_METRICS_DIR), then waits.
+    worker=(bash -c 'printf "# HELP dtrain_step The last step.\n# TYPE dtrain_step gauge\ndtrain_step{rank=\"%s\"} 7\n" "$RANK" >"$DTRAIN_METRICS_DIR/dtrain_rank$RANK.prom"; exec sleep 60')
+    ip1=$(cluster_ip node1)
+    # get NODE URL [TOKEN]: prints the HTTP status of a GET from NODE ("000": no connection);
+    # the body in $work/body.
+    get() {
+      cluster_run "$1" python3 - "$2" "${3:-}" "$work/body" <<'PY'
+import sys, urllib.error, urllib.request
+url, token, body = sys.argv[1:4]
+request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token} if token else {})
+try:
+    with urllib.request.urlopen(request, timeout=5) as r:
+        status, data = r.status, r.read()
+except urllib.error.HTTPError as e:
+    status, data = e.code, e.read()
+except OSError:
+    status, data = 0, b""
+open(body, "wb").write(data)
+print(f"{status:03d}")
+PY
+    }
+    # wait_served URL: waits until both workers' samples are served on node1 (with the token).
+    wait_served() {
+      for _ in $(seq 300); do
+        [[ $(get node1 "$1" "${2:-}") == 200 ]] && (($(grep -c '^dtrain_step{' "$work/body") == 2)) && return 0
+        sleep 0.1
+      done
+      fail "the endpoint $1 never served both workers' samples"
+    }
+    cluster_run node1 env DTRAIN_METRICS_BIND="$ip1" DTRAIN_METRICS_TOKEN=metrics-secret \
+      timeout "$limit" "$bin/dtrun" --nproc-per-node 2 --metrics-port 9400 -- "${worker[@]}" \
+      >"$work/guarded.out" 2>"$work/guarded.err" &
+    guarded=$!
+    url=http://$ip1:9400/metrics
+    wait_served "$url" metrics-secret
+    grep -q "node 0's workers' metrics at http://$ip1:9400/metrics (a token is needed)" "$work/guarded.err" ||
+      fail "dtrun did not say where the metrics are"
+    [[ $(get node2 "$url") == 401 ]] || fail "node2 without the token was not refused (401)"
+    [[ $(get node2 "$url" wrong-secret) == 401 ]] || fail "node2 with a wrong token was not refused"
+    [[ $(get node2 "$url" metrics-secret) == 200 ]] || fail "node2 with the token was refused"
+    [[ $(grep -c '^# TYPE dtrain_step gauge$' "$work/body") == 1 ]] || fail "the family is not declared once"
+    grep -q '^dtrain_step{rank="0"} 7$' "$work/body" && grep -q '^dtrain_step{rank="1"} 7$' "$work/body" ||
+      fail "node2 did not get both workers' samples: $(cat "$work/body")"
+    kill -TERM "$guarded"
+    wait "$guarded"
+    # The default: loopback only, without a token.
+    cluster_run node1 timeout "$limit" "$bin/dtrun" --nproc-per-node 2 --metrics-port 9401 -- "${worker[@]}" \
+      >"$work/loopback.out" 2>"$work/loopback.err" &
+    loopback=$!
+    wait_served http://127.0.0.1:9401/metrics
+    [[ $(get node2 "http://$ip1:9401/metrics") == 000 ]] || fail "node2 reached the loopback-only endpoint"
+    kill -TERM "$loopback"
+    wait "$loopback"
+    # Off loopback without a token: refused at the start, named.
+    cluster_run node1 env DTRAIN_METRICS_BIND="$ip1" timeout "$limit" "$bin/dtrun" --nproc-per-node 1 \
+      --metrics-port 9402 -- true >"$work/open.out" 2>"$work/open.err"
+    status=$?
+    ((status == 2)) || fail "dtrun with DTRAIN_METRICS_BIND off loopback and no token exited with $status, not 2"
+    grep -q "DTRAIN_METRICS_BIND=$ip1: the metrics endpoint listens on another address than loopback only with a token" "$work/open.err" ||
+      fail "the refusal does not name DTRAIN_METRICS_BIND"
+    echo "node2: 401 without the token, 200 with it (2 workers' samples, one family); loopback-only by default"
     ;;
   killed_worker)
     cluster_up 2 1gbit

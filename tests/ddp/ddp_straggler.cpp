@@ -18,17 +18,22 @@
 // before it reduces the last bucket, for 50 steps: every rank's gradients are
 // on time, the collectives are late. The collectives must be called slow
 // within 10 steps (they are judged over 15), and no rank.
-// Case "metrics": 40 steps with DTRAIN_METRICS_DIR set (by the test); each
-// rank prints its step count and the gradient bytes it averaged, which
-// tests/scripts/check_metrics.py compares with the files it parses.
+// Case "metrics": 40 steps with DTRAIN_METRICS_DIR set (by the test), and a
+// checkpoint saved to disk every 15 steps and to memory every 5; each rank
+// prints its step count, the gradient bytes it averaged and its checkpoints'
+// newest steps, which tests/scripts/check_metrics.py compares with the files
+// it parses.
 
 #include "../support/multirank.hpp"
+
+#include <dtrain/checkpoint.hpp>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <span>
@@ -189,17 +194,27 @@ TEST_CASE("metrics") {
             dtrain::DistributedDataParallel<
                 toy_model, typename std::remove_reference_t<decltype(ctx)>::policy_type>
                 ddp(ctx, model, {.stragglers = {.every = 1}});
+            // The checkpoint's metrics file is beside DDP's (DTRAIN_METRICS_DIR).
+            const char* metrics = std::getenv("DTRAIN_METRICS_DIR");
+            const std::string dir = metrics != nullptr ? metrics : "";
+            dtrain::checkpoint ckpt(ctx, {.dir = dir + "/ckpt",
+                                          .every = 15,
+                                          .quiet = true,
+                                          .memory_every = 5,
+                                          .memory_dir = dir + "/memory-node0"});
+            ckpt.add(model.parameters());
             for (int step = 1; step <= 40; ++step) {
               std::this_thread::sleep_for(compute);
               ddp.mark_all_ready();
               ddp.synchronize();
+              static_cast<void>(ckpt.step());
             }
             steps = ddp.steps();
           }  // the last write
           std::size_t bytes = 0;
           for (const auto& v : model.values) bytes += v.size() * sizeof(float);
-          std::printf("metrics: rank %d step %zu gradient_bytes %zu\n", ctx.rank(), steps,
-                      steps * bytes);
+          std::printf("metrics: rank %d step %zu gradient_bytes %zu checkpoint disk %d memory %d\n",
+                      ctx.rank(), steps, steps * bytes, ctx.rank() == 0 ? 30 : 0, 40);
           std::fflush(stdout);
           return 0;
         }) == 0);

@@ -104,6 +104,11 @@ if("gloo" IN_LIST desync_backends AND DTRAIN_BASH AND TARGET dtrun)
   dtrain_add_test(desync.sigusr1.dtrun.4ranks COMMAND "${DTRAIN_BASH}" "${launch_cases}" dtrun_sigusr1
     TIMEOUT 120 ENVIRONMENT DTRUN=$<TARGET_FILE:dtrun> DESYNC=$<TARGET_FILE:dtrain_desync_peer>
     PROPERTIES PROCESSORS 4)
+  # Rank 2 stops calling collectives: the flight records it and the others wrote
+  # (dtrun --log-dir) name it after the job as the live table did (issue 51).
+  dtrain_add_test(desync.flight.dtrun.4ranks COMMAND "${DTRAIN_BASH}" "${launch_cases}" dtrun_flight
+    TIMEOUT 120 ENVIRONMENT DTRUN=$<TARGET_FILE:dtrun> DESYNC=$<TARGET_FILE:dtrain_desync_peer>
+    PROPERTIES PROCESSORS 4)
   # Rank 2 returns 0 one step short: dtrun's summary names it before the rank that waited for it.
   dtrain_add_test(desync.exit.dtrun.4ranks COMMAND "${DTRAIN_BASH}" "${launch_cases}" dtrun_exit
     TIMEOUT 120 ENVIRONMENT DTRUN=$<TARGET_FILE:dtrun> DESYNC=$<TARGET_FILE:dtrain_desync_peer>
@@ -111,4 +116,5 @@ if("gloo" IN_LIST desync_backends AND DTRAIN_BASH AND TARGET dtrun)
 else()
   dtrain_add_skipped_test(desync.sigusr1.dtrun.4ranks "needs Gloo, bash and the example dtrun")
   dtrain_add_skipped_test(desync.exit.dtrun.4ranks "needs Gloo, bash and the example dtrun")
+  dtrain_add_skipped_test(desync.flight.dtrun.4ranks "needs Gloo, bash and the example dtrun")
 endif()

@@ -406,6 +406,40 @@ dtrun_sigusr1)
   cat "$work/dtrun.err"
   ;;
 
+dtrun_flight)
+  # Rank 2 of dtrain_desync_peer (DESYNC) stops calling collectives (it sleeps past the timeout);
+  # the others time out and print the live table. Under --log-dir every rank also writes its
+  # flight record in logs/restart_0 (DTRAIN_DIAGNOSTICS_DIR); after the job, and its store, are
+  # gone, dtrun --flight-records reads them and names the same rank, with the same summary.
+  DTRAIN_COLLECTIVE_TIMEOUT=4 DTRAIN_DIAGNOSTICS_WAIT=3 "$DTRUN" --nproc-per-node 4 --log-dir "$work/logs" \
+    -- "$DESYNC" gloo sleep >"$work/dtrun.out" 2>"$work/dtrun.err"
+  expect_status 1 $? "dtrun"
+  # The table is on the printing rank's stderr (and so in its log).
+  live=$(cat "$work/dtrun.err" "$work"/logs/restart_0/rank_*.log |
+    grep -E -A1 "collective diagnostics, round 1, after a (timeout|failed collective) on rank" | sed -n 2p)
+  [[ $live == "  rank 2 is at #"*"rank 2 never started"* ]] || fail "the live table's summary: '$live'"
+  records="$work/logs/restart_0"
+  for r in 0 1 2 3; do
+    [[ -s $records/dtrain_flight_rank$r.bin ]] || fail "no flight record of rank $r in $records"
+  done
+  "$DTRUN" --flight-records "$records" >"$work/flight.out" 2>"$work/flight.err"
+  expect_status 0 $? "dtrun --flight-records"
+  expect_line "$work/flight.out" "^dtrain: collective diagnostics from the flight records in $records, after a (timeout|failed collective) on rank [013][^(]*\(gloo, 4 ranks; records of ranks 0, 1, 2, 3, written " "the offline table's header"
+  offline=$(sed -n 2p "$work/flight.out")
+  [[ $offline == "$live" ]] || fail "the offline summary '$offline' is not the live one '$live'"
+  # A record cut short is named and not used (exit 2); a directory without records is said so.
+  truncate -s -5 "$records/dtrain_flight_rank2.bin"
+  "$DTRUN" --flight-records "$records" >"$work/cut.out" 2>"$work/cut.err"
+  expect_status 2 $? "dtrun --flight-records with a damaged record"
+  expect_line "$work/cut.err" "^dtrun: $records/dtrain_flight_rank2.bin is not a whole dtrain flight record \([0-9]+ bytes\): .*; not used$" "the damaged record named"
+  expect_line "$work/cut.out" "rank 2 did not answer" "the table without rank 2's record"
+  mkdir "$work/empty"
+  "$DTRUN" --flight-records "$work/empty" >"$work/empty.out" 2>"$work/empty.err"
+  expect_status 2 $? "dtrun --flight-records on an empty directory"
+  expect_line "$work/empty.err" "^dtrun: no flight record \(dtrain_flight_rank<R>.bin\) in $work/empty" "the empty directory named"
+  cat "$work/flight.out"
+  ;;
+
 dtrun_exit)
   # Rank 2 of dtrain_desync_peer (DESYNC) skips the last step and returns 0, as a rank that skipped
   # a backward(); the others fail in the bucket's allreduce it never started. dtrun's summary

@@ -280,6 +280,41 @@ TEST_CASE(
   CHECK(repeated == 1);  // the one padding sample
 }
 
+TEST_CASE(
+    "checkpoint: each commit is in its metrics file, and a metrics directory that cannot take it "
+    "stops every rank, named") {
+  scratch_dir dir;
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    {
+      std::int64_t own = rank;
+      dtrain::checkpoint c(
+          plane,
+          {.dir = dir.path / "ckpt", .every = 1, .quiet = true, .metrics_dir = dir.path.string()});
+      c.add("own", own, dtrain::checkpoint_scope::per_rank);
+      CHECK(c.step());
+      CHECK(c.step());
+    }
+    const fs::path file = dir.path / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom");
+    std::ifstream in(file);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    // Rank 0 commits the job's checkpoint on disk: its file says so; no memory tier here.
+    CHECK((text.find("dtrain_checkpoint_disk_step{rank=\"0\",node=") != std::string::npos) ==
+          (rank == 0));
+    if (rank == 0)
+      CHECK(text.find("\"} 2\n# HELP dtrain_checkpoint_disk_timestamp") != std::string::npos);
+    CHECK(text.find("memory") == std::string::npos);
+    // Rank 1's directory is missing: both ranks stop at construction, naming it.
+    const std::string metrics = rank == 0 ? dir.path.string() : (dir.path / "missing").string();
+    CHECK_THROWS_WITH_AS(
+        dtrain::checkpoint(plane,
+                           {.dir = dir.path / "ckpt", .quiet = true, .metrics_dir = metrics}),
+        doctest::Contains("DTRAIN_METRICS_DIR (or checkpoint_options::metrics_dir): rank 1 cannot "
+                          "create"),
+        dtrain::config_error);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+}
+
 TEST_CASE("checkpoint: 3 ranks save and restore, keep prunes, and the step counts on") {
   scratch_dir dir;
   const auto failures = on_ranks(3, [&](dtrain::control_plane plane, int rank) {

@@ -9,12 +9,16 @@
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <memory>
 #include <span>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -250,17 +254,62 @@ TEST_CASE(
     if (r != 2) ring->issue("allreduce", dtype::float32, 65536, 1, -1);
     rings.push_back(std::move(ring));
   }
+  // Each rank also writes its flight record in `dir`.
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("dtrain_flight_test." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
   std::vector<std::unique_ptr<dtrain::detail::rank_diagnostics>> ranks;
+  auto note = std::make_shared<dtrain::detail::flight_note>();  // DDP's line, on every rank
+  note->set("straggler watch at step 7: nothing late");
   for (int r = 0; r < 3; ++r) {
     ranks.push_back(std::make_unique<dtrain::detail::rank_diagnostics>(
         "127.0.0.1", server.port(), quick, "job/diag", r, 4, rings[static_cast<std::size_t>(r)],
-        "test", dtrain::diagnostics_options{.wait = 2s, .poll = 20ms}));
+        "test", dtrain::diagnostics_options{.wait = 2s, .poll = 20ms, .dir = dir.string()},
+        "node-" + std::to_string(r), note));
   }
   const std::string summary = ranks[1]->explain("a test on rank 1");
   CHECK(summary ==
         "rank 2 is at #1 allreduce(float32 \u00d7 262144); ranks 0, 1 wait in #2 allreduce(float32 "
         "\u00d7 65536): "
         "rank 2 never started #2");
+
+  // Read after the job: the same summary, rank 3 (no record) as not answering.
+  // Ranks 0 and 2 wrote theirs when their threads saw the round: wait for them.
+  for (int i = 0;
+       i < 200 && !(std::filesystem::exists(dtrain::detail::flight_record_file(dir, 0)) &&
+                    std::filesystem::exists(dtrain::detail::flight_record_file(dir, 2)));
+       ++i)
+    std::this_thread::sleep_for(20ms);
+  const dtrain::detail::flight_reading read = dtrain::detail::read_flight_records(dir);
+  CHECK(read.summary == summary);
+  CHECK(read.problems.empty());
+  INFO(read.table);
+  CHECK(read.table.find(
+            "dtrain: collective diagnostics from the flight records in " + dir.string() +
+            ", after a test on rank 1 (test, 4 ranks; records of ranks 0, 1, 2, written ") == 0);
+  CHECK(read.table.find("rank 3") != std::string::npos);
+  CHECK(read.table.find("'s note: straggler watch at step 7: nothing late\n") != std::string::npos);
+  {
+    // A damaged record is named and not used; the rest are still read.
+    const auto file = dtrain::detail::flight_record_file(dir, 2);
+    std::filesystem::resize_file(file, std::filesystem::file_size(file) - 3);
+    std::ofstream(dir / "notes.txt") << "not a record";
+    const dtrain::detail::flight_reading damaged = dtrain::detail::read_flight_records(dir);
+    REQUIRE(damaged.problems.size() == 1);
+    CHECK(damaged.problems[0].find(file.string() + " is not a whole dtrain flight record (") == 0);
+    CHECK(damaged.summary != summary);  // rank 2 now did not answer
+  }
+  CHECK_THROWS_WITH_AS(dtrain::detail::read_flight_records(dir / "missing"),
+                       doctest::Contains("flight records: cannot list"), dtrain::error);
+  const std::string not_a_directory =
+      "DTRAIN_DIAGNOSTICS_DIR (or diagnostics_options::dir) = " + (dir / "missing").string() +
+      " on rank 5: not a directory";
+  CHECK_THROWS_WITH_AS(
+      dtrain::detail::rank_diagnostics(
+          "127.0.0.1", server.port(), quick, "job/diag", 5, 6, rings[0], "test",
+          dtrain::diagnostics_options{.dir = (dir / "missing").string()}, "node-5"),
+      doctest::Contains(not_a_directory.c_str()), dtrain::config_error);
 
   dtrain::store_client client("127.0.0.1", server.port(), quick);
   dtrain::prefix_store<dtrain::store_client> diag(client, "job/diag");
@@ -277,6 +326,33 @@ TEST_CASE(
         "SIGUSR1 on rank 2");
   while (!ranks.empty())
     ranks.pop_back();  // newest first: each gives SIGUSR1 back to the one before
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("rank_diagnostics: a rank whose store is gone still writes its flight record") {
+  using namespace std::chrono_literals;
+  const dtrain::store_options quick{.timeout = 2s};
+  auto server = std::make_unique<dtrain::store_server>("127.0.0.1", 0, quick);
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("dtrain_flight_gone." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto ring = std::make_shared<dtrain::detail::collective_ring>();
+  ring->issue("allreduce", dtype::float32, 1024, 1, -1);
+  {
+    dtrain::detail::rank_diagnostics rank(
+        "127.0.0.1", server->port(), quick, "job/diag", 1, 2, ring, "test",
+        dtrain::diagnostics_options{.wait = 500ms, .poll = 20ms, .dir = dir.string()}, "node-1");
+    server.reset();
+    CHECK(rank.explain("a timeout on rank 1").starts_with("no diagnostics: "));
+  }
+  const dtrain::detail::flight_reading read = dtrain::detail::read_flight_records(dir);
+  CHECK(read.problems.empty());
+  INFO(read.table);
+  CHECK(read.table.find("after a timeout on rank 1 (test, 2 ranks; records of rank 1, written") !=
+        std::string::npos);
+  CHECK(read.summary.find("rank 0") != std::string::npos);  // silent: no record
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("check mode: every engine names a mismatched call as the ring does") {

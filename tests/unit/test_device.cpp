@@ -60,7 +60,8 @@ TEST_CASE("staging_block_bytes: powers of two from 64 KiB, never smaller than as
   CHECK(staging_block_bytes(huge) == huge);
 }
 
-TEST_CASE("host_memory: pages the system refuses are a backend_error with errno, not a config_error") {
+TEST_CASE(
+    "host_memory: pages the system refuses are a backend_error with errno, not a config_error") {
   // More than any address space: mmap says ENOMEM whatever the machine has.
   const std::size_t too_many = std::size_t{1} << 62;
   try {

@@ -5,9 +5,9 @@
 #include "support.hpp"
 
 #include <atomic>
-#include <functional>
 #include <chrono>
 #include <csignal>
+#include <functional>
 #include <future>
 #include <memory>
 #include <optional>

@@ -7,10 +7,14 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 using dtrain::detail::straggler_setting;
@@ -140,6 +144,40 @@ TEST_CASE("straggler watch: noise of +-5 % names no one in 1,000 steps") {
   }
 }
 
+TEST_CASE("straggler watch: a busy host's bursts (a rank late 3 steps in a row) name no one") {
+  // What 8 ranks on 2 cores beside a build look like: every 10 steps one rank
+  // (each in turn) loses its core for 3 steps in a row, and most steps some
+  // other rank is late once. The median of 5 steps alone named the burst's rank.
+  judged_job job(8);
+  std::mt19937 draw{11};
+  std::uniform_int_distribution<int> any_rank(0, 7);
+  std::uniform_int_distribution<std::int64_t> how_late(2 * ms, 6 * ms);
+  std::bernoulli_distribution once(0.3);
+  std::vector<std::string> all;
+  for (int s = 0; s < 1000; ++s) {
+    std::vector<std::int64_t> arrival(8, 8 * ms);
+    const int burst = (s / 10) % 8;
+    if (s % 10 < 3) arrival[static_cast<std::size_t>(burst)] += 4 * ms;
+    const int other = any_rank(draw);
+    if (once(draw) && other != burst) arrival[static_cast<std::size_t>(other)] += how_late(draw);
+    const std::int64_t last = *std::max_element(arrival.begin(), arrival.end());
+    for (const std::string& line : job.run_exact(arrival, last + 2 * ms)) all.push_back(line);
+  }
+  CHECK_MESSAGE(count_with(all, " is slow") == 0, (all.empty() ? "" : all[0]));
+}
+
+TEST_CASE("straggler watch: a rank late in 4 steps of 5 is named within 15 steps") {
+  judged_job job(8);
+  std::uint64_t named_at = 0;
+  for (int s = 0; s < 200; ++s) {
+    const bool late = s >= 100 && s < 150 && s % 5 != 4;  // steps 102..151, on time every 5th
+    for (const std::string& line : job.run(8 * ms, late ? 2 * ms : 0, 5, 2 * ms))
+      if (line.find("rank 5 (node-b, local rank 1) is slow since step") == 0) named_at = job.step;
+  }
+  CHECK(named_at >= 102);
+  CHECK(named_at <= 102 + 15);  // late in most of the last 15 steps, not in every one of 5
+}
+
 TEST_CASE("straggler watch: late collectives after timely arrivals are the link's, not a rank's") {
   judged_job job(4);
   std::vector<std::string> all;
@@ -168,6 +206,14 @@ TEST_CASE("straggler watch: two late ranks of 8 are both named") {
   CHECK(count_with(all, "rank 2 (node-a, local rank 2) is slow") == 1);
   CHECK(count_with(all, "rank 6 (node-b, local rank 2) is slow") == 1);
   CHECK(all.size() == 2);
+  // The window a flight record keeps: the latest ranks first.
+  const std::string window = job.watch.window();
+  INFO(window);
+  CHECK(
+      window.starts_with("straggler watch at step 61 (exchanged every 1 steps): step 13.0 ms, "
+                         "collectives 2.0 ms after the last rank (best 2.0 ms); latest: rank 2 "
+                         "(node-a, local rank 2) 3.0 ms (23 %, slow since step 22), rank 6 "
+                         "(node-b, local rank 2) 3.0 ms (23 %, slow since step 22), rank 0 "));
 }
 
 TEST_CASE("straggler watch: exchanges every few steps, chosen alike from their cost") {
@@ -268,5 +314,83 @@ TEST_CASE("metrics file: Prometheus text, label values escaped, written whole or
       dtrain::detail::write_metrics(dir / "missing" / "f.prom", m.str(), 3),
       doctest::Contains("DTRAIN_METRICS_DIR (or ddp_options::metrics_dir): rank 3 cannot create"),
       dtrain::error);
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+/// One HTTP exchange with 127.0.0.1:`port`: sends `request`, returns all it answers.
+std::string http_exchange(int port, const std::string& request) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<std::uint16_t>(port));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0);
+  std::size_t sent = 0;
+  while (sent < request.size()) {
+    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;  // the endpoint answered (431) and closed before all of it
+    sent += static_cast<std::size_t>(n);
+  }
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; (n = ::recv(fd, buffer, sizeof buffer, 0)) > 0;)
+    answer.append(buffer, static_cast<std::size_t>(n));
+  ::close(fd);
+  return answer;
+}
+}  // namespace
+
+TEST_CASE(
+    "metrics endpoint: the node's files merged, one family each, behind a token off loopback") {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("dtrain_endpoint_test." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  for (int rank = 0; rank < 2; ++rank) {
+    dtrain::detail::metrics_text m("rank=\"" + std::to_string(rank) + "\",node=\"n1\"");
+    m.add("dtrain_step", "gauge", "The last step.", 40 + rank);
+    m.add("dtrain_gradient_bytes_total", "counter", "Bytes.", 1000);
+    dtrain::detail::write_metrics(dir / ("dtrain_rank" + std::to_string(rank) + ".prom"), m.str(),
+                                  rank);
+  }
+  std::ofstream(dir / "dtrain_rank2.prom.tmp") << "dtrain_step{rank=\"2\"} 1\n";  // half written
+  const std::string merged = dtrain::detail::merge_metric_files(dir);
+  CHECK(merged ==
+        "# HELP dtrain_step The last step.\n# TYPE dtrain_step gauge\n"
+        "dtrain_step{rank=\"0\",node=\"n1\"} 40\ndtrain_step{rank=\"1\",node=\"n1\"} 41\n"
+        "# HELP dtrain_gradient_bytes_total Bytes.\n# TYPE dtrain_gradient_bytes_total counter\n"
+        "dtrain_gradient_bytes_total{rank=\"0\",node=\"n1\"} 1000\n"
+        "dtrain_gradient_bytes_total{rank=\"1\",node=\"n1\"} 1000\n");
+  {
+    dtrain::detail::metrics_endpoint open("127.0.0.1", 0, dir, "");
+    const std::string ok = http_exchange(open.port(), "GET /metrics HTTP/1.1\r\nHost: n1\r\n\r\n");
+    CHECK(ok.starts_with("HTTP/1.1 200 OK\r\n"));
+    CHECK(ok.find("Content-Type: text/plain; version=0.0.4") != std::string::npos);
+    CHECK(ok.ends_with("\r\n\r\n" + merged));
+    CHECK(http_exchange(open.port(), "GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
+    CHECK(
+        http_exchange(open.port(), "POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
+    CHECK(http_exchange(open.port(), "hello\r\n\r\n").starts_with("HTTP/1.1 400 "));
+    CHECK(http_exchange(open.port(), "GET /metrics HTTP/1.1\r\nX: " + std::string(9000, 'x'))
+              .starts_with("HTTP/1.1 431 "));
+  }
+  {
+    dtrain::detail::metrics_endpoint guarded("127.0.0.1", 0, dir, "s3cret");
+    const int port = guarded.port();
+    CHECK(http_exchange(port, "GET /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 401 "));
+    CHECK(http_exchange(port, "GET /metrics HTTP/1.1\r\nAuthorization: Bearer s3cre\r\n\r\n")
+              .starts_with("HTTP/1.1 401 "));
+    CHECK(http_exchange(port, "GET /nothing HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 401 "));
+    CHECK(http_exchange(port, "GET /metrics HTTP/1.1\r\nauthorization: bearer s3cret\r\n\r\n")
+              .ends_with("\r\n\r\n" + merged));
+  }
+  // Off loopback only with a token.
+  CHECK_THROWS_WITH_AS(dtrain::detail::metrics_endpoint("0.0.0.0", 0, dir, ""),
+                       doctest::Contains("DTRAIN_METRICS_BIND=0.0.0.0: the metrics endpoint "
+                                         "listens on another address than loopback only with a "
+                                         "token"),
+                       dtrain::config_error);
   std::filesystem::remove_all(dir);
 }

@@ -51,6 +51,29 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
+  // The metrics file: a directory that cannot take it fails now, on every rank.
+  const environment env = environment::from_process();
+  std::string problem;
+  if (const std::string dir = detail::metrics_setting(env, o.metrics_dir); !dir.empty()) {
+    const int rank = context_.plane.rank();
+    context_.metrics_file =
+        (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))
+            .string();
+    std::string node = "?";
+    try {
+      node = node_name(env);
+    } catch (const std::exception&) {
+      // No name: the label says so.
+    }
+    context_.metrics_labels =
+        "rank=\"" + std::to_string(rank) + "\",node=" + detail::metrics_text::quoted(node);
+    try {
+      detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  agree_or_throw<config_error>(context_.plane, "open the checkpoint's metrics file", problem);
 }
 
 DTRAIN_DETAIL_INLINE checkpoint& checkpoint::add(std::string name, buffer values,

@@ -49,7 +49,9 @@
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/sampler.hpp>
 #include <dtrain/detail/sys.hpp>
+#include <dtrain/diagnostics/metrics.hpp>
 #include <dtrain/env/names.hpp>
+#include <dtrain/env/placement.hpp>
 #include <dtrain/error.hpp>
 
 #include <algorithm>

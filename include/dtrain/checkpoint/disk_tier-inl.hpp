@@ -191,6 +191,7 @@ DTRAIN_DETAIL_INLINE void disk_tier::finish(std::unique_ptr<pending_save> owned,
                       static_cast<unsigned long long>(bytes), took.count(),
                       context_.options.asynchronous ? " until committed" : "");
         context_.say("saved " + (context_.options.dir / step_name(q.step)).string() + line);
+        context_.committed(false, q.step);
         return "";
       }
       remove_checkpoint_tree(q.partial);

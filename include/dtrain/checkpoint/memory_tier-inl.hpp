@@ -80,6 +80,7 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     if (p.replicated_file) m.files.push_back(*p.replicated_file);
     if (p.per_rank_file) m.files.push_back(*p.per_rank_file);
     commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
+    context_.committed(true, p.step);
     // This rank's copies beyond the 2 newest (and any numbered after this
     // one: an older run's), and its saves that died.
     const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());

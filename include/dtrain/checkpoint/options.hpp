@@ -26,6 +26,12 @@ struct checkpoint_options {
   int keep = 2;
   /// No line on rank 0's stderr per save and restore.
   bool quiet = false;
+  /// A directory where each rank writes dtrain_checkpoint_rank<R>.prom, in
+  /// the Prometheus text format (as DDP's metrics, ddp_options::metrics_dir):
+  /// the newest step committed to disk (rank 0's file) and to this rank's
+  /// memory copy, and when: alert on their age. Empty: DTRAIN_METRICS_DIR's,
+  /// which wins when set; neither: none.
+  std::string metrics_dir{};
   /// save() copies the state (host memory: the size of the checkpoint) and
   /// returns; a thread writes the files beside the next steps, and the
   /// checkpoint is committed at the next save(), restore() or wait(), or when

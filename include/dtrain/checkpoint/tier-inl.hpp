@@ -6,8 +6,10 @@
 
 #include <dtrain/checkpoint/retention.hpp>
 #include <dtrain/checkpoint/tier.hpp>
+#include <dtrain/diagnostics/metrics.hpp>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -19,6 +21,37 @@ DTRAIN_DETAIL_INLINE void tier_context::say(const std::string& line) const {
   if (options.quiet || plane.rank() != 0) return;
   std::fprintf(stderr, "dtrain checkpoint: %s\n", line.c_str());
   std::fflush(stderr);
+}
+
+DTRAIN_DETAIL_INLINE void tier_context::committed(bool memory, std::uint64_t step) noexcept {
+  if (metrics_file.empty()) return;
+  const std::lock_guard lock(metrics_mutex_);
+  if (metrics_failed_) return;
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  (memory ? memory_commit_ : disk_commit_) = {step, now};
+  try {
+    metrics_text m(metrics_labels);
+    auto add = [&m](const std::string& tier, const std::string& what, const commit_mark& c) {
+      if (c.unix_time == 0) return;
+      m.add("dtrain_checkpoint_" + tier + "_step", "gauge", "The newest step of " + what + ".",
+            static_cast<double>(c.step));
+      m.add("dtrain_checkpoint_" + tier + "_timestamp_seconds", "gauge",
+            "When the newest step of " + what +
+                " was committed (Unix time): its age is time() minus this.",
+            c.unix_time);
+    };
+    add("disk", "the job's checkpoint on disk (checkpoint_options::dir, committed by rank 0)",
+        disk_commit_);
+    add("memory", "this rank's memory copy (checkpoint_options::memory_every)", memory_commit_);
+    write_file_whole(metrics_file, m.str(), metrics_setting_name, plane.rank());
+  } catch (const std::exception& e) {
+    metrics_failed_ = true;
+    std::fprintf(stderr,
+                 "dtrain checkpoint on rank %d: %s; its checkpoint metrics stop (said once)\n",
+                 plane.rank(), e.what());
+    std::fflush(stderr);
+  }
 }
 
 DTRAIN_DETAIL_INLINE void tier_context::broadcast_value(std::int64_t& value) {

@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -38,6 +40,10 @@ struct pending_save {
   std::thread writer;   // an asynchronous save's
 };
 
+/// Where the checkpoint's metrics file goes, as its errors name it.
+inline constexpr std::string_view metrics_setting_name =
+    "DTRAIN_METRICS_DIR (or checkpoint_options::metrics_dir)";
+
 /// What a checkpoint's tiers share with it.
 struct tier_context {
   dtrain::control_plane plane;
@@ -48,6 +54,26 @@ struct tier_context {
   void say(const std::string& line) const;
   /// Rank 0's value reaches every rank.
   void broadcast_value(std::int64_t& value);
+
+  /// This rank's checkpoint metrics file (dtrain_checkpoint_rank<R>.prom in
+  /// DTRAIN_METRICS_DIR, else checkpoint_options::metrics_dir;
+  /// diagnostics/metrics.hpp) and its labels; empty: none.
+  std::string metrics_file{};
+  std::string metrics_labels{};
+  /// A tier committed `step` on this rank (`memory`: this rank's memory
+  /// copy; else the job's checkpoint on disk, which rank 0 commits): the
+  /// metrics file is written again. Called on the writer and committer
+  /// threads too; never throws: a failed write is said once, and the metrics stop.
+  void committed(bool memory, std::uint64_t step) noexcept;
+
+  // committed()'s (an aggregate still: the checkpoint makes it so).
+  struct commit_mark {
+    std::uint64_t step = 0;
+    double unix_time = 0;  // 0: none yet
+  };
+  std::mutex metrics_mutex_{};
+  commit_mark disk_commit_{}, memory_commit_{};
+  bool metrics_failed_ = false;
 };
 
 /// A storage tier (the file's comment). Each has at most one save in flight.

@@ -41,6 +41,7 @@
 #include <dtrain/ddp/storage.hpp>
 #include <dtrain/ddp/straggler.hpp>
 #include <dtrain/ddp/timeline.hpp>
+#include <dtrain/diagnostics/flight.hpp>
 #include <dtrain/diagnostics/metrics.hpp>
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
@@ -141,7 +142,9 @@ class basic_ddp {
             ddp_options options = {})
       : basic_ddp(ctx.communicator(), ctx.control_plane(), std::move(parameters),
                   std::move(buffers), std::move(options), node_layout::of(ctx.world()),
-                  detail::environment_of(ctx)) {}
+                  detail::environment_of(ctx)) {
+    if constexpr (requires { ctx.flight_note(); }) flight_note_ = ctx.flight_note();
+  }
 
   /// Collective over `comm`, which carries the metadata too (MPI, Gloo: a
   /// communicator that reaches host memory). A device-only backend (NCCL)
@@ -786,6 +789,8 @@ class basic_ddp {
   stream_type stream_ = nullptr;
   detail::timeline timeline_;     // off unless DTRAIN_TIMELINE or options_.timeline
   detail::straggler_watch pace_;  // off when options_.stragglers is, or at world size 1
+  // The context's line in this rank's flight records: the watch's last window (null: none).
+  std::shared_ptr<detail::flight_note> flight_note_;
   struct metrics_state {
     std::string file;              // empty: off
     std::string labels;            // rank="0",node="n1"
@@ -835,8 +840,8 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
           (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
       metrics_.labels = "rank=\"" + std::to_string(rank_) +
                         "\",node=" + detail::metrics_text::quoted(node_or_unknown(env));
-      if (auto restarts = env.get(restart_count_variable))
-        metrics_.restarts = std::strtod(std::string(*restarts).c_str(), nullptr);
+      if (auto restarts = detail::read_int(env, restart_count_variable))
+        metrics_.restarts = restarts->value;
       try {
         // A directory that cannot take the file fails now, on every rank.
         detail::write_metrics(metrics_.file, "", rank_);

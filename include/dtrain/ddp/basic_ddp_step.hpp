@@ -554,6 +554,7 @@ void basic_ddp<Policy>::exchange_pace() {
     const std::int64_t start = detail::timeline::now();
     const std::vector<std::int64_t> all = gather_values(pace_.pack());
     const std::vector<std::string> lines = pace_.absorb(all, detail::timeline::now() - start);
+    if (flight_note_) flight_note_->set(pace_.window());
     if (rank_ != 0 || !options_.stragglers.report) return;
     for (const std::string& line : lines)
       std::fprintf(stderr, "[rank 0/%d] dtrain: straggler: %s\n", size_, line.c_str());

@@ -159,13 +159,15 @@ struct straggler_options {
   /// at each exchange from what the last one cost. DTRAIN_STRAGGLERS (a
   /// number, "auto" or "off") wins. The same on every rank.
   std::size_t every = 0;
-  /// A rank is slow when the median of its delay over the last `steps` steps
-  /// is above this share of the median step time, and keeps pace again below
+  /// A rank is slow when it was late in each of the last `steps` steps (by
+  /// at least half this share of the median step time, their median above
+  /// it), or when the median of its delay over the last 3 times `steps` steps
+  /// is above it; it keeps pace again when the median of the last `steps` is below
   /// half of it. The collectives are slow when their median time after the
   /// last rank's arrival, over 3 times `steps`, is this share of a step above its lowest.
   double threshold = 0.1;
-  /// The steps each judgement looks back over (3 to 1000): a rank is named
-  /// once more than half of them were late.
+  /// The steps each judgement looks back over (3 to 1000): a rank late in
+  /// each of them is named; one late in most is named after 3 times as many.
   std::size_t steps = 5;
   /// Delays (and collectives' extra time) shorter than this are never
   /// reported, whatever their share: on steps of a fraction of a

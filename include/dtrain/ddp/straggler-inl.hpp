@@ -134,6 +134,35 @@ inline std::string percent(std::int64_t part, std::int64_t whole) {
 }
 }  // namespace straggler_text
 
+DTRAIN_DETAIL_INLINE std::string straggler_watch::window() const {
+  using straggler_text::ms;
+  using straggler_text::percent;
+  if (figures_.step_seconds <= 0) return {};
+  auto ns = [](double seconds) { return static_cast<std::int64_t>(seconds * 1e9); };
+  const std::int64_t step = ns(figures_.step_seconds);
+  std::string out = "straggler watch at step " + std::to_string(figures_.step) +
+                    " (exchanged every " + std::to_string(figures_.every) + " steps): step " +
+                    ms(step) + ", collectives " + ms(ns(figures_.communication_seconds)) +
+                    " after the last rank (best " +
+                    ms(ns(figures_.communication_baseline_seconds)) + ")";
+  if (figures_.communication_slow) {
+    out += ", slow since step " + std::to_string(figures_.communication_slow_since);
+  }
+  std::vector<const rank_pace*> latest;
+  for (const rank_pace& p : figures_.ranks) latest.push_back(&p);
+  std::stable_sort(latest.begin(), latest.end(), [](const rank_pace* a, const rank_pace* b) {
+    return a->delay_seconds > b->delay_seconds;
+  });
+  latest.resize(std::min<std::size_t>(latest.size(), 4));
+  out += "; latest:";
+  for (const rank_pace* p : latest) {
+    out += (p == latest.front() ? " " : ", ") + who(p->rank) + " " + ms(ns(p->delay_seconds)) +
+           " (" + percent(ns(p->delay_seconds), step) +
+           (p->slow ? ", slow since step " + std::to_string(p->slow_since) : std::string()) + ")";
+  }
+  return out;
+}
+
 DTRAIN_DETAIL_INLINE std::vector<std::string> straggler_watch::absorb(
     std::span<const std::int64_t> all, std::int64_t exchange_ns) {
   std::vector<std::string> lines;
@@ -229,7 +258,7 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
       if (q != r) others.push_back(by_rank[q].arrival);
     const std::int64_t late = std::max<std::int64_t>(by_rank[r].arrival - median(others), 0);
     rank_history& h = history_[r];
-    push(h.late, late, keep);
+    push(h.late, late, communication_steps * keep);
     if (late <= bar) {
       h.run_start = 0;
     } else if (h.run_start == 0) {
@@ -241,21 +270,39 @@ DTRAIN_DETAIL_INLINE void straggler_watch::analyse_step(std::uint64_t step,
   const std::int64_t typical = median({step_lengths_.begin(), step_lengths_.end()});
   const double whole = static_cast<double>(typical);
   figures_.step_seconds = whole / 1e9;
+  // A rank is named slow in one of two ways. Soon: late in every step of the
+  // last `steps` (each by at least half the bar, their median above it),
+  // which is what a rank late by one cause (a slower device, a throttled
+  // core, a sleep) looks like. Later: late in most of the last 3 x `steps`
+  // (their median above the bar, and the last `steps`' too: still late), for
+  // a rank late most of the time but not every step. A host busy with other work delays each rank
+  // now and then, for a few steps in a row: the median of 5 steps alone named such ranks (8 ranks
+  // on 2 cores beside a build, CI at 9fb7422).
+  const std::int64_t bar_now =
+      std::max(static_cast<std::int64_t>(options_.threshold * whole), floor);
   bool any_slow = false;
   for (std::size_t r = 0; r < size; ++r) {
     rank_pace& p = figures_.ranks[r];
     const rank_history& h = history_[r];
-    const std::int64_t delay = median({h.late.begin(), h.late.end()});
+    const auto recent = h.late.end() - static_cast<std::ptrdiff_t>(std::min(keep, h.late.size()));
+    const std::int64_t delay = median({recent, h.late.end()});
+    const std::int64_t lowest = *std::min_element(recent, h.late.end());
+    const bool long_full = h.late.size() == communication_steps * keep;
+    const std::int64_t long_delay = long_full ? median({h.late.begin(), h.late.end()}) : 0;
     p.delay_seconds = static_cast<double>(delay) / 1e9;
     p.share = whole > 0 ? static_cast<double>(delay) / whole : 0;
-    if (!p.slow && p.share > options_.threshold && delay >= floor) {
+    const bool every_step = delay > bar_now && lowest > bar_now / 2;
+    const bool most_steps = long_full && long_delay > bar_now && delay > bar_now;
+    if (!p.slow && (every_step || most_steps)) {
+      const std::int64_t shown = every_step ? delay : long_delay;
       p.slow = true;
       p.slow_since = h.run_start != 0 ? h.run_start : step;
       lines.push_back(who(static_cast<int>(r)) + " is slow since step " +
-                      std::to_string(p.slow_since) + ": its gradients are ready " + ms(delay) +
-                      " after the other ranks' (the median of the last " + std::to_string(keep) +
-                      " steps), which costs the job about " + ms(delay) + " of each " +
-                      ms(typical) + " step (" + percent(delay, typical) + ")");
+                      std::to_string(p.slow_since) + ": its gradients are ready " + ms(shown) +
+                      " after the other ranks' (the median of the last " +
+                      std::to_string(every_step ? keep : communication_steps * keep) +
+                      " steps), which costs the job about " + ms(shown) + " of each " +
+                      ms(typical) + " step (" + percent(shown, typical) + ")");
     } else if (p.slow && (p.share < options_.threshold / 2 || delay < floor / 2)) {
       p.slow = false;
       lines.push_back(who(static_cast<int>(r)) + " keeps pace again at step " +

@@ -4,6 +4,7 @@
 /// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
 /// dtrain/config.hpp). Include dtrain/detail/sys.hpp, not this file.
 
+#include <cstdio>
 #include <dtrain/detail/sys.hpp>
 
 namespace dtrain::detail {
@@ -37,6 +38,22 @@ DTRAIN_DETAIL_INLINE int remove_tree(const char* path) {
     return errno == ENOENT ? 0 : errno;
   }
   return first_error;
+}
+
+DTRAIN_DETAIL_INLINE void write_file_whole(const std::string& file, std::string_view bytes,
+                                           std::string_view setting, int rank) {
+  const std::string temporary = file + ".tmp";
+  auto fail = [&](const char* what) {
+    const int saved = errno;
+    static_cast<void>(std::remove(temporary.c_str()));  // no half file left beside the whole ones
+    throw error(std::string(setting) + ": rank " + std::to_string(rank) + " cannot " + what + " " +
+                temporary + ": " + std::strerror(saved));
+  };
+  std::FILE* f = std::fopen(temporary.c_str(), "wb");
+  if (!f) fail("create");
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  if (std::fclose(f) != 0 || !written) fail("write");
+  if (std::rename(temporary.c_str(), file.c_str()) != 0) fail("rename");
 }
 
 }  // namespace dtrain::detail

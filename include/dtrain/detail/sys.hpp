@@ -10,6 +10,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <ftw.h>
@@ -48,6 +49,12 @@ class unique_fd {
 /// This machine's host name; nullopt when gethostname fails (each caller
 /// decides what that means for it).
 DTRAIN_DETAIL_INLINE std::optional<std::string> host_name();
+
+/// Writes `bytes` to `file` through `file`.tmp and a rename, so that a reader
+/// finds the whole file or the one before. Throws dtrain::error: "`setting`:
+/// rank R cannot create|write|rename FILE.tmp: why" (no .tmp is left).
+DTRAIN_DETAIL_INLINE void write_file_whole(const std::string& file, std::string_view bytes,
+                                           std::string_view setting, int rank);
 
 /// Removes `path` and everything under it, as `rm -rf` does (symbolic links
 /// are removed, not followed); a path that does not exist is no error.

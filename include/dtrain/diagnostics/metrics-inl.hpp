@@ -4,6 +4,7 @@
 /// header-only mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
 /// dtrain/config.hpp). Include dtrain/diagnostics/metrics.hpp, not this file.
 
+#include <dtrain/detail/sys.hpp>
 #include <dtrain/diagnostics/metrics.hpp>
 #include <dtrain/env/names.hpp>
 #include <dtrain/error.hpp>
@@ -46,19 +47,8 @@ DTRAIN_DETAIL_INLINE std::string metrics_text::quoted(std::string_view value) {
 
 DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const std::string& text,
                                         int rank) {
-  const std::string temporary = file.string() + ".tmp";
-  auto fail = [&](const char* what) {
-    const int saved = errno;
-    static_cast<void>(std::remove(temporary.c_str()));  // no half file left beside the whole ones
-    throw error(std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir): rank " +
-                std::to_string(rank) + " cannot " + what + " " + temporary + ": " +
-                std::strerror(saved));
-  };
-  std::FILE* f = std::fopen(temporary.c_str(), "w");
-  if (!f) fail("create");
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  if (std::fclose(f) != 0 || !written) fail("write");
-  if (std::rename(temporary.c_str(), file.c_str()) != 0) fail("rename");
+  write_file_whole(file.string(), text,
+                   std::string(metrics_dir_variable) + " (or ddp_options::metrics_dir)", rank);
 }
 
 }  // namespace dtrain::detail

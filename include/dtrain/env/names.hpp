@@ -96,12 +96,21 @@ inline constexpr std::string_view gloo_shm_variable = "DTRAIN_GLOO_SHM";
 inline constexpr std::string_view diagnostics_variable = "DTRAIN_DIAGNOSTICS";
 /// Seconds a failing rank waits for the other ranks' tables.
 inline constexpr std::string_view diagnostics_wait_variable = "DTRAIN_DIAGNOSTICS_WAIT";
+/// A directory where each rank writes its flight record (dtrain_flight_rank<R>.bin)
+/// whenever a diagnostics round runs; `dtrun --flight-records DIR` reads them.
+inline constexpr std::string_view diagnostics_dir_variable = "DTRAIN_DIAGNOSTICS_DIR";
 /// A file for DDP's timeline (one per rank); empty: none.
 inline constexpr std::string_view timeline_variable = "DTRAIN_TIMELINE";
 /// DDP's straggler watch: "off", "auto", or the steps between its exchanges.
 inline constexpr std::string_view stragglers_variable = "DTRAIN_STRAGGLERS";
 /// A directory where DDP writes each rank's metrics file (dtrain_rank<R>.prom).
 inline constexpr std::string_view metrics_dir_variable = "DTRAIN_METRICS_DIR";
+/// The node agent's metrics endpoint: its port (dtrun --metrics-port; 0: a free one).
+inline constexpr std::string_view metrics_port_variable = "DTRAIN_METRICS_PORT";
+/// The address the metrics endpoint listens on (127.0.0.1 unless set).
+inline constexpr std::string_view metrics_bind_variable = "DTRAIN_METRICS_BIND";
+/// The token every scrape of the metrics endpoint must send (Authorization: Bearer).
+inline constexpr std::string_view metrics_token_variable = "DTRAIN_METRICS_TOKEN";
 
 // --- the doctor (examples/doctor.cpp)
 
@@ -143,9 +152,13 @@ inline constexpr std::array dtrain_variables{
     gloo_shm_variable,
     diagnostics_variable,
     diagnostics_wait_variable,
+    diagnostics_dir_variable,
     timeline_variable,
     stragglers_variable,
     metrics_dir_variable,
+    metrics_port_variable,
+    metrics_bind_variable,
+    metrics_token_variable,
     sysfs_root_variable,
 };
 

@@ -73,6 +73,28 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     memory.emplace(node_rank());
     memory_dir_ = memory->path();
   }
+  // The metrics endpoint serves the files the workers write in a directory
+  // of this agent's, unless the user chose one.
+  std::optional<detail::memory_directory> metrics_files;
+  std::optional<detail::metrics_endpoint> endpoint;
+  if (options_.metrics_port) {
+    if (auto dir = env_.get(metrics_dir_variable); dir && !dir->empty()) {
+      metrics_dir_ = std::string(*dir);
+    } else {
+      metrics_dir_ = metrics_files.emplace(node_rank(), "metrics").path();
+      if (metrics_dir_.empty()) {
+        throw config_error(
+            "--metrics-port: no directory for the workers' metrics files in "
+            "/dev/shm or the temporary directory; set DTRAIN_METRICS_DIR");
+      }
+    }
+    const std::string bind = std::string(env_.get(metrics_bind_variable).value_or("127.0.0.1"));
+    endpoint.emplace(bind, *options_.metrics_port, metrics_dir_,
+                     std::string(env_.get(metrics_token_variable).value_or("")));
+    say("node " + std::to_string(node_rank()) + "'s workers' metrics at http://" +
+        detail::endpoint_text(bind, endpoint->port()) + "/metrics" +
+        (env_.get(metrics_token_variable) ? " (a token is needed)" : ""));
+  }
   // Orphans of the workers come to this agent, which kills and reaps them.
   detail::become_subreaper();
   detail::agent_store store(node_rank(), nnodes(),
@@ -126,16 +148,17 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
   }
 }
 
-DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
+DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank,
+                                                                std::string_view what) {
+  const std::string prefix = "dtrain-" + std::string(what) + "-";
   std::error_code ec;
   std::vector<std::filesystem::path> places{"/dev/shm"};
   if (auto tmp = std::filesystem::temp_directory_path(ec); !ec) places.push_back(tmp);
   for (const std::filesystem::path& place : places) {
-    // Those of agents that are gone: "dtrain-memory-<pid>-node<N>-XXXXXX".
+    // Those of agents that are gone: "dtrain-<what>-<pid>-node<N>-XXXXXX".
     for (std::filesystem::directory_iterator it(place, ec), end; !ec && it != end;
          it.increment(ec)) {
       const std::string left = it->path().filename().string();
-      constexpr std::string_view prefix = "dtrain-memory-";
       if (!left.starts_with(prefix)) continue;
       const long pid = std::strtol(left.c_str() + prefix.size(), nullptr, 10);
       struct stat st {};
@@ -145,7 +168,7 @@ DTRAIN_DETAIL_INLINE detail::memory_directory::memory_directory(int node_rank) {
       }
     }
     ec.clear();
-    std::string name = (place / ("dtrain-memory-" + std::to_string(::getpid()) + "-node" +
+    std::string name = (place / (prefix + std::to_string(::getpid()) + "-node" +
                                  std::to_string(node_rank) + "-XXXXXX"))
                            .string();
     if (::mkdtemp(name.data()) != nullptr) {  // mode 0700
@@ -355,6 +378,14 @@ DTRAIN_DETAIL_INLINE std::vector<std::string> node_agent::worker_environment(
   if (!buddy_at_.empty() && !env_.get(memory_held_variable))
     set(std::string(memory_held_variable), buddy_at_);
   set(std::string(agent_store_variable), detail::endpoint_text(master_addr_, master_port_));
+  if (!metrics_dir_.empty()) set(std::string(metrics_dir_variable), metrics_dir_);
+  // With logs, each restart's directory also takes the ranks' flight records
+  // (dtrun --flight-records <log_dir>/restart_<k>), unless the user chose a place.
+  if (!options_.log_dir.empty() && !env_.get(diagnostics_dir_variable)) {
+    set(std::string(diagnostics_dir_variable),
+        (std::filesystem::path(options_.log_dir) / ("restart_" + std::to_string(restart)))
+            .string());
+  }
   // The token goes in the environment only: never on argv or in a log.
   set(std::string(store_token_variable), store_options_.token);
   // As torchrun: one thread per worker unless the user chose, so N workers

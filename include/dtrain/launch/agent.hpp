@@ -13,6 +13,7 @@
 #include <dtrain/env/environment.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/launch/agent_store.hpp>
+#include <dtrain/launch/metrics_endpoint.hpp>
 #include <dtrain/launch/options.hpp>
 #include <dtrain/launch/process.hpp>
 #include <dtrain/launch/protocol.hpp>
@@ -66,10 +67,12 @@ namespace detail {
 /// to this user, and removed with all in it when its agent ends, so that it
 /// outlives every worker but not the job. Empty when neither can hold one.
 /// Its name carries the agent's pid: an agent removes the directories that
-/// agents of this user which are gone (SIGKILLed) left behind.
+/// agents of this user which are gone (SIGKILLed) left behind. `what` names
+/// what it holds ("memory"; "metrics": the workers' DTRAIN_METRICS_DIR, which
+/// the agent's metrics endpoint serves).
 class memory_directory {
  public:
-  explicit memory_directory(int node_rank);
+  explicit memory_directory(int node_rank, std::string_view what = "memory");
   memory_directory(const memory_directory&) = delete;
   memory_directory& operator=(const memory_directory&) = delete;
   ~memory_directory();
@@ -140,6 +143,7 @@ class node_agent {
   int master_port_ = 0;
   std::string memory_dir_;  // the workers' DTRAIN_MEMORY_CHECKPOINT_DIR, while run() runs
   std::string buddy_at_;  // where this agent holds the copies of the node before it (serve_buddies)
+  std::string metrics_dir_;  // the workers' DTRAIN_METRICS_DIR, which the endpoint serves
 };
 
 }  // namespace dtrain

@@ -20,7 +20,7 @@ DTRAIN_DETAIL_INLINE agent_flags agent_flags::of_launcher(std::span<const std::s
     if (!flags.read(args, i, true)) {
       throw config_error("unknown option " + std::string(args[i]) + " (see dtrun --help)");
     }
-    if (flags.help_) return flags;
+    if (flags.help_ || !flags.flight_records_.empty()) return flags;
   }
   for (; i < args.size(); ++i) flags.program_.emplace_back(args[i]);
   if (flags.module_ && flags.no_python_) {
@@ -68,6 +68,18 @@ DTRAIN_DETAIL_INLINE bool agent_flags::read(std::span<const std::string_view> ar
   }
   if (launcher && (name == "--help" || name == "-h")) return help_ = true;
   if (launcher && name == "--no-python") return no_python_ = true;
+  if (launcher && name == "--flight-records") {
+    if (eq != std::string_view::npos) {
+      flight_records_ = std::string(arg.substr(eq + 1));
+    } else if (i + 1 < args.size()) {
+      flight_records_ = std::string(args[++i]);
+    }
+    if (flight_records_.empty()) {
+      throw config_error(std::string(arg) +
+                         " on the command line: needs a directory (--flight-records DIR)");
+    }
+    return true;
+  }
   if (launcher && (name == "-m" || name == "--module")) {
     if (eq != std::string_view::npos) {
       throw config_error(std::string(arg) + " on the command line: " + std::string(typed) +
@@ -133,6 +145,7 @@ DTRAIN_DETAIL_INLINE auto agent_flags::find(std::string_view name) -> const valu
       {"--heartbeat-timeout", agent_field::heartbeat_timeout, "seconds", "10"},
       {"--log-dir", agent_field::log_dir, "a directory", "logs"},
       {"--rdzv-id", agent_field::rdzv_id, "the job's id, the same on every node", "job42"},
+      {"--metrics-port", agent_field::metrics_port, "the metrics endpoint's port", "9400"},
       // No option of their own (agent_field::count): take_rdzv() reads them.
       {"--rdzv-backend", agent_field::count, "c10d: node 0's store", "c10d"},
       {"--rdzv-endpoint", agent_field::count, "node 0's store as HOST[:PORT]", "node0:29400"},
@@ -189,6 +202,12 @@ DTRAIN_DETAIL_INLINE void agent_flags::take(agent_field option, const std::strin
       break;
     case agent_field::log_dir: values_.log_dir = text(); break;
     case agent_field::rdzv_id: values_.rdzv_id = text(); break;
+    case agent_field::metrics_port: {
+      const int port = parse_non_negative(origin, value);
+      if (port != 0) check_port(origin, port);  // 0: a free one
+      values_.metrics_port = port;
+      break;
+    }
     case agent_field::min_nnodes:  // comes with --nnodes
     case agent_field::tee:
     case agent_field::local_rank_arg:

@@ -39,6 +39,7 @@ enum class agent_field : unsigned {
   log_dir,
   local_rank_arg,
   rdzv_id,
+  metrics_port,
   count
 };
 
@@ -58,6 +59,7 @@ decltype(auto) visit_field(agent_field option, Fn&& fn) {
     case agent_field::tee: return fn(&agent_options::tee);
     case agent_field::log_dir: return fn(&agent_options::log_dir);
     case agent_field::rdzv_id: return fn(&agent_options::rdzv_id);
+    case agent_field::metrics_port: return fn(&agent_options::metrics_port);
     case agent_field::local_rank_arg:
     case agent_field::count: break;
   }
@@ -75,7 +77,8 @@ class agent_flags {
  public:
   /// dtrun's command line: flags first; `--`, or the first argument that is
   /// not a flag, begins the program, which gets every argument after it. An
-  /// unknown flag is a config_error; `--help` (or `-h`) ends the parsing.
+  /// unknown flag is a config_error; `--help` (or `-h`) and
+  /// `--flight-records DIR` end the parsing.
   [[nodiscard]] static agent_flags of_launcher(std::span<const std::string_view> args);
 
   /// A self-launching program's command line: dtrun's flags wherever they
@@ -101,6 +104,9 @@ class agent_flags {
   }
   /// dtrun: `--help` or `-h` was given.
   [[nodiscard]] bool help() const noexcept { return help_; }
+  /// dtrun: the directory of `--flight-records DIR` (read a job's flight
+  /// records and print its diagnostics table); empty when not given.
+  [[nodiscard]] const std::string& flight_records() const noexcept { return flight_records_; }
   /// dtrun: `--no-python` was given (run a .py program directly).
   [[nodiscard]] bool no_python() const noexcept { return no_python_; }
   /// dtrun: `-m` or `--module` was given (the program is a Python module).
@@ -151,6 +157,7 @@ class agent_flags {
   agent_options values_{};
   std::bitset<static_cast<std::size_t>(agent_field::count)> given_{};
   bool help_ = false;
+  std::string flight_records_;
   bool no_python_ = false;
   bool module_ = false;
   std::optional<store_source> addr_from_;

@@ -124,6 +124,7 @@ DTRAIN_DETAIL_INLINE agent_options agent_options::with_env(const environment& en
   if (auto f = detail::read_flag(env, tee_variable)) out.tee = *f;
   if (auto dir = env.get(log_dir_variable); dir && !dir->empty()) out.log_dir = std::string(*dir);
   if (auto f = detail::read_flag(env, local_rank_arg_variable)) out.local_rank_arg = *f;
+  if (auto v = detail::read_int(env, metrics_port_variable)) out.metrics_port = v->value;
   out.check();
   return out;
 }
@@ -165,6 +166,9 @@ DTRAIN_DETAIL_INLINE void agent_options::check() const {
     detail::check_port("option master_port=" + std::to_string(*master_port), *master_port);
   }
   if (master_addr && master_addr->empty()) throw config_error("option master_addr is empty");
+  if (metrics_port && *metrics_port != 0) {
+    detail::check_port("option metrics_port=" + std::to_string(*metrics_port), *metrics_port);
+  }
 }
 
 }  // namespace dtrain

@@ -126,7 +126,8 @@ struct agent_options {
   /// Environment: DTRAIN_TEE=1.
   bool tee = false;
   /// When set, each worker's output (stdout and stderr) also goes to
-  /// `<log_dir>/restart_<k>/rank_<N>.log`. Environment: DTRAIN_LOG_DIR.
+  /// `<log_dir>/restart_<k>/rank_<N>.log`; the workers' flight records go
+  /// there too (DTRAIN_DIAGNOSTICS_DIR, unless set). Environment: DTRAIN_LOG_DIR.
   std::string log_dir{};
   /// Pass `--local_rank=N` as the workers' first argument, as
   /// torch.distributed.launch did for Hugging Face style scripts.
@@ -137,11 +138,19 @@ struct agent_options {
   /// that reached this store is named); the workers get it as
   /// TORCHELASTIC_RUN_ID. Environment: PET_RDZV_ID.
   std::string rdzv_id{};
+  /// Serve this node's workers' metrics (DTRAIN_METRICS_DIR: DDP's and the
+  /// checkpoint's files, in a directory the agent owns unless set) for
+  /// Prometheus, at http://HOST:PORT/metrics; 0: a free port (said on
+  /// stderr). HOST is DTRAIN_METRICS_BIND, 127.0.0.1 unless set; another
+  /// address needs DTRAIN_METRICS_TOKEN, which every scrape must send
+  /// (Authorization: Bearer TOKEN). Unset: no endpoint.
+  /// Environment: DTRAIN_METRICS_PORT.
+  std::optional<int> metrics_port{};
 
   /// These options with DTRAIN_NPROC_PER_NODE, DTRAIN_NNODES,
   /// DTRAIN_NODE_RANK, DTRAIN_MAX_RESTARTS, DTRAIN_GRACE_PERIOD,
-  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE,
-  /// DTRAIN_LOG_DIR and DTRAIN_LOCAL_RANK_ARG applied on top: the environment
+  /// DTRAIN_HEARTBEAT_TIMEOUT, DTRAIN_TEE, DTRAIN_LOG_DIR,
+  /// DTRAIN_LOCAL_RANK_ARG and DTRAIN_METRICS_PORT applied on top: the environment
   /// wins, as for every dtrain option, so an operator can change a job without
   /// rebuilding it. torchrun's variables are read as dtrun's (Kubeflow
   /// Trainer sets them): PET_NPROC_PER_NODE and PET_NNODES beside their

@@ -9,6 +9,14 @@
 namespace dtrain {
 namespace detail {
 
+DTRAIN_DETAIL_INLINE bool same_secret(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
 DTRAIN_DETAIL_INLINE std::string new_store_token() {
   unsigned char bytes[16];
   std::size_t got = 0;

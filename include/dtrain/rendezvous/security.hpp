@@ -32,6 +32,10 @@ namespace detail {
 /// 128 random bits from the kernel, as 32 hex digits.
 DTRAIN_DETAIL_INLINE std::string new_store_token();
 
+/// Whether two secrets are equal, compared without an early exit, so that
+/// the time taken does not reveal how much of a guess was right.
+DTRAIN_DETAIL_INLINE bool same_secret(std::string_view a, std::string_view b);
+
 /// Where the store of a job whose ranks meet at `master` listens: DTRAIN_STORE_BIND
 /// if set, else the local address that `master` names. Every interface ("0.0.0.0")
 /// only when that name is not an address of this host, or when it resolves to

@@ -241,7 +241,7 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::handshake(connection& c) {
     throw violation("client speaks protocol version " + std::to_string(version) + ", this server " +
                     std::to_string(detail::wire::version));
   }
-  if (!same_secret(token, options_.token)) {
+  if (!detail::same_secret(token, options_.token)) {
     co_await c.io.write_all(reply(status::bad_token));
     throw violation("wrong token (DTRAIN_STORE_TOKEN differs)");
   }
@@ -249,14 +249,6 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::handshake(connection& c) {
   c.authenticated = true;
   if (std::exchange(c.listed, false)) unproven_.erase(c.unproven);
   co_return true;
-}
-
-DTRAIN_DETAIL_INLINE bool store_server::same_secret(std::string_view a, std::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
 }
 
 DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {

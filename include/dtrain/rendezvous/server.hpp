@@ -14,6 +14,7 @@
 #include <dtrain/rendezvous/options.hpp>
 #include <dtrain/rendezvous/protocol.hpp>
 #include <dtrain/rendezvous/reactor.hpp>
+#include <dtrain/rendezvous/security.hpp>
 #include <dtrain/rendezvous/server_connection.hpp>
 #include <dtrain/rendezvous/server_limits.hpp>
 #include <dtrain/rendezvous/socket.hpp>
@@ -125,9 +126,6 @@ class store_server {
   detail::task<void> serve(connection& c);
 
   detail::task<bool> handshake(connection& c);
-
-  // Compares without an early exit, so timing does not reveal the token.
-  static bool same_secret(std::string_view a, std::string_view b);
 
   // The handshake's answer: a status and the server's protocol version. (A
   // function, not a lambda: a coroutine frame that holds a lambda's type

@@ -92,6 +92,11 @@ class context {
   [[nodiscard]] bool is_local_main() const noexcept { return local_rank() == 0; }
   /// How many times a per-node agent has restarted the job (0 at first).
   [[nodiscard]] int restart_count() const noexcept { return restart_count_; }
+  /// The line DistributedDataParallel keeps in this rank's flight records
+  /// (diagnostics_options::dir): its straggler watch's last window.
+  [[nodiscard]] const std::shared_ptr<detail::flight_note>& flight_note() const noexcept {
+    return flight_note_;
+  }
   /// The CUDA device this rank uses with a backend on GPUs (NCCL), chosen by
   /// select_device(): its local rank, or 0 when it sees one GPU; -1 otherwise.
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -340,15 +345,17 @@ class context {
   }
 
   /// Every rank watches for diagnostics rounds on a connection of its own.
-  void start_diagnostics(const diagnostics_options& options) {
+  void start_diagnostics(const diagnostics_options& options, const dtrain::environment& env) {
     if constexpr (requires { communicator_->ring(); }) {
       if (!options.enabled) return;
       std::string prefix = store_->prefix();
       diagnostics_.emplace(store_endpoint_.first, store_endpoint_.second, store_options_,
                            prefix + "diag", rank(), size(), communicator_->ring(),
-                           std::string(Policy::backend_type::name), options);
+                           std::string(Policy::backend_type::name), options, node_name(env),
+                           flight_note_);
     } else {
       (void)options;
+      (void)env;
     }
   }
 
@@ -389,6 +396,8 @@ class context {
   std::optional<communicator_type> communicator_;
   std::optional<store_channel<store_type>> control_;
   std::pair<std::string, int> store_endpoint_;  // for the diagnostics' own connection
+  // What DDP adds to this rank's flight records (its straggler window).
+  std::shared_ptr<detail::flight_note> flight_note_ = std::make_shared<detail::flight_note>();
   std::optional<detail::rank_diagnostics> diagnostics_;
 };
 
@@ -426,7 +435,7 @@ context<Policy>::context(dtrain::world w, const dtrain::environment& env,
     make_communicator(env);
   }
   control_.emplace(*store_, rank(), size(), "control");
-  start_diagnostics(options.diagnostics.with_env(env));
+  start_diagnostics(options.diagnostics.with_env(env), env);
 }
 
 template <class Policy>
