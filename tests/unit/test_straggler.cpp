@@ -1,6 +1,7 @@
 // The straggler watch's judgement (ddp/straggler.hpp), on step records made
 // up here: what it names, when, and what it leaves alone; and the metrics
 // file's text (diagnostics/metrics.hpp).
+#include "store_support.hpp"
 #include "support.hpp"
 
 #include <algorithm>
@@ -8,13 +9,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 using dtrain::detail::straggler_setting;
@@ -320,25 +319,9 @@ TEST_CASE("metrics file: Prometheus text, label values escaped, written whole or
 namespace {
 /// One HTTP exchange with 127.0.0.1:`port`: sends `request`, returns all it answers.
 std::string http_exchange(int port, const std::string& request) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<std::uint16_t>(port));
-  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0);
-  std::size_t sent = 0;
-  while (sent < request.size()) {
-    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) break;  // the endpoint answered (431) and closed before all of it
-    sent += static_cast<std::size_t>(n);
-  }
-  std::string answer;
-  char buffer[4096];
-  for (ssize_t n; (n = ::recv(fd, buffer, sizeof buffer, 0)) > 0;)
-    answer.append(buffer, static_cast<std::size_t>(n));
-  ::close(fd);
-  return answer;
+  raw_socket client(port);
+  client.send(request);  // stops early when the endpoint answered (431) and closed
+  return client.receive(std::numeric_limits<std::size_t>::max());
 }
 }  // namespace
 
