@@ -5190,7 +5190,8 @@ class store_client {
   /// server erases it when the connection closes, however it closes (the
   /// process ended or was killed, its host went away). Others check() it to
   /// learn at once that this client is gone. A connection reopened after an
-  /// idle close leases its keys again. At most
+  /// idle close leases its keys again, but not a key another client has set
+  /// since (it is theirs now, and no longer this client's lease). At most
   /// detail::wire::max_leases_per_connection keys (the server refuses more).
   void lease(std::string_view key, std::string_view value);
 
@@ -5256,7 +5257,7 @@ class store_client {
 
   // A new connection within the io timeout; the old one is dropped unread.
   void reopen(const std::string& what);
-  // lease()'s keys and values, leased again by reopen().
+  // lease()'s keys and values, leased again by reopen() (those nobody took).
   std::vector<std::pair<std::string, std::string>> leases_;
 
   std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
@@ -5603,8 +5604,21 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   broken_ = false;
   try {
     connect(options_.io_timeout);
-    for (const auto& [key, value] : leases_) {
-      (void)exchange(lease_body(key, value), milliseconds(0), "lease(\"" + key + "\")");
+    // The close released them. Each is leased again unless another client
+    // set its key since (a node agent that took this one's place while it
+    // was frozen): the key is theirs then, and no longer this client's lease.
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      const auto& [key, value] = *it;
+      const std::string what_key = "lease(\"" + key + "\")";
+      std::string claim = begin(detail::wire::op::compare_set);
+      detail::wire::writer(claim).bytes32(key).bytes32("").bytes32(value);
+      const auto now = exchange(claim, milliseconds(0), what_key);
+      if (detail::wire::reader(*now).bytes32("value", UINT32_MAX) != value) {
+        it = leases_.erase(it);
+        continue;
+      }
+      (void)exchange(lease_body(key, value), milliseconds(0), what_key);
+      ++it;
     }
   } catch (const error& e) {
     broken_ = true;
@@ -15250,6 +15264,10 @@ class metrics_text {
   [[nodiscard]] const std::string& str() const noexcept { return text_; }
   /// `value` quoted as a label value (backslash, quote and newline escaped).
   [[nodiscard]] static std::string quoted(std::string_view value);
+  /// The labels of a rank's samples: `rank="3",node="vm"` (`node` quoted).
+  [[nodiscard]] static std::string labels(int rank, std::string_view node) {
+    return "rank=\"" + std::to_string(rank) + "\",node=" + quoted(node);
+  }
 
  private:
   std::string labels_;
@@ -15543,6 +15561,9 @@ namespace dtrain {
 
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
+/// node_name(env), or "?" where there is none: for a name in a report or a
+/// metrics label, which is not worth failing the training for.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name_or_unknown(const environment& env);
 
 /// What one rank says about itself at rendezvous.
 struct rank_report {
@@ -15623,6 +15644,14 @@ DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
   auto host = detail::host_name();
   if (!host) throw error("gethostname failed; set DTRAIN_NODE_NAME");
   return *host;
+}
+
+DTRAIN_DETAIL_INLINE std::string node_name_or_unknown(const environment& env) {
+  try {
+    return node_name(env);
+  } catch (const error&) {
+    return "?";
+  }
 }
 
 DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
@@ -16676,15 +16705,6 @@ class basic_ddp {
   /// passed since the last (`always`: now). Throws dtrain::error naming it;
   /// after a step, a failure is said once and the metrics stop (not the training).
   void write_metrics(bool always);
-  /// node_name(env) for the straggler watch's lines; "?" when there is none
-  /// (a name in a report is not worth failing the training for).
-  static std::string node_or_unknown(const environment& env) {
-    try {
-      return node_name(env);
-    } catch (const error&) {
-      return "?";
-    }
-  }
   /// Host values through a collective of DDP's communicator: `collective` gets
   /// them as a buffer in the engine's memory space (the values themselves in
   /// host memory; else a device copy, brought back after one host sync).
@@ -16815,12 +16835,11 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   try {
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
-                                    options_.stragglers, rank_, size_, node_or_unknown(env));
+                                    options_.stragglers, rank_, size_, node_name_or_unknown(env));
     if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
       metrics_.file =
           (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
-      metrics_.labels = "rank=\"" + std::to_string(rank_) +
-                        "\",node=" + detail::metrics_text::quoted(node_or_unknown(env));
+      metrics_.labels = detail::metrics_text::labels(rank_, node_name_or_unknown(env));
       if (auto restarts = detail::read_int(env, restart_count_variable))
         metrics_.restarts = restarts->value;
       try {
@@ -19358,7 +19377,9 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32, buddy bytes32
+///                                   rdzv_id bytes32, buddy bytes32: the node's place; an
+///                                   agent that finds another's record here leaves the job
+///                                   (agent_store::check_place)
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its
@@ -23204,6 +23225,7 @@ DTRAIN_DETAIL_INLINE detail::task<bool> store_server::serve_one(connection& c) {
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -23230,6 +23252,14 @@ DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t);
 /// and the failure is the consequence.
 DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
                                                   const std::optional<exit_record>& first_exit);
+
+/// What agent_store::check_place() throws: another agent took this node's
+/// place while this one was silent, and the job goes on with that one. Not a
+/// dtrain::error: the agent stops its workers and leaves, recording no
+/// failure (which would end the others' round) and counting in nothing.
+struct agent_replaced : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 /// Every agent bumps its counter about once a second and watches the
 /// others': a node whose agent died (and with it its workers) is noticed
@@ -23335,6 +23365,13 @@ class agent_store {
             std::chrono::milliseconds window = std::chrono::milliseconds(2500));
   /// Whether join() took the place of a node whose agent was gone.
   [[nodiscard]] bool replacing() const noexcept { return replacing_; }
+  /// Throws agent_replaced when this node's place (agent_keys::node) holds
+  /// another agent's record: that one took it while this agent did not beat
+  /// (frozen, or cut off from the store) for the replacement's window, and the
+  /// job goes on with it. This agent must then act no more as the node: not
+  /// beat, start workers or count itself in a round. Nothing to check before
+  /// join() or join_elastic().
+  void check_place();
   /// Node 0: round `restart` of a fixed-size job starts (agent_keys::current_round,
   /// which a replacement reads to learn the round it comes into).
   void start_round(int restart);
@@ -23439,6 +23476,7 @@ class agent_store {
   int lost_nodes_ = 0;
   bool formed_ = false;           // node 0: it formed a round before
   bool replacing_ = false;        // join() took a gone agent's place
+  std::string place_;             // this agent's record, as take_place() registered it
   std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
 };
@@ -23532,8 +23570,9 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
 DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
                                                   std::chrono::milliseconds window) {
   const std::string mine = agent_keys::node(node_rank_);
-  const std::string holder = client_.compare_set(mine, "", me.encode());
-  if (holder == me.encode()) {
+  place_ = me.encode();
+  const std::string holder = client_.compare_set(mine, "", place_);
+  if (holder == place_) {
     take_lease(me);
     return false;
   }
@@ -23569,6 +23608,23 @@ DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
   client_.set(mine, me.encode());
   take_lease(me);
   return true;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::check_place() {
+  if (place_.empty()) return;
+  const std::string key = agent_keys::node(node_rank_);
+  const std::string holder = client_.get(key);
+  if (holder == place_) return;
+  std::string by = "another agent";
+  try {
+    by = "the agent " + node_record::decode(key, holder).who();
+  } catch (const rendezvous_error&) {
+    // A record this agent cannot read is still not its own.
+  }
+  throw agent_replaced("node " + std::to_string(node_rank_) + "'s place was taken by " + by +
+                       " while this agent (" + node_record::decode(key, place_).who() +
+                       ") did not respond (frozen, or cut off from the store): the job goes on "
+                       "with that agent, and this one stops its workers and leaves");
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::take_lease(const node_record& me) {
@@ -25090,7 +25146,9 @@ class agent_round {
 
   // A node whose agent is gone (its lease ended with its connection: at
   // once) or went silent (its heartbeat) fails the round for everyone (read
-  // by on_failure).
+  // by on_failure). First, about once a second, whether this agent still
+  // holds its node's place (agent_store::check_place(): agent_replaced; and
+  // on_failure, before the round ends).
   void watch_peers(agent_store& store);
   // Elastic, node 0: a node waiting for the next round ends this one (a regroup).
   void watch_joiners(agent_store& store);
@@ -25119,7 +25177,8 @@ class agent_round {
   heartbeat beats_;
   std::chrono::steady_clock::time_point last_join_check_{};
   std::chrono::steady_clock::time_point last_lease_check_{};
-  bool peer_lost_ = false;  // recorded: no more checks this round
+  std::chrono::steady_clock::time_point last_place_check_{};  // agent_store::check_place()
+  bool peer_lost_ = false;                                    // recorded: no more checks this round
   bool reported_success_ = false;
   state state_ = state::starting;
 };
@@ -25182,10 +25241,16 @@ DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
 }
 
 DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
+  const auto now = std::chrono::steady_clock::now();
+  // Before anything else after a silence: an agent frozen for long enough
+  // that another took its place must not beat, or act, as this node.
+  if (now - last_place_check_ >= std::chrono::seconds(1)) {
+    last_place_check_ = now;
+    store.check_place();
+  }
   store.beat();
   if (peer_lost_) return;
   // Elastic: the round ends, and the next one is formed of the nodes present.
-  const auto now = std::chrono::steady_clock::now();
   if (now - last_lease_check_ >= std::chrono::milliseconds(100)) {
     last_lease_check_ = now;
     const std::vector<int> gone = store.gone_nodes(settings_.members);
@@ -25265,6 +25330,8 @@ DTRAIN_DETAIL_INLINE void agent_round::note_exits(agent_store& store) {
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_store& store) {
   const auto failure = store.failure(settings_.restart);
   if (!failure) return std::nullopt;
+  // Failed while this agent was silent, maybe: and another took its place.
+  store.check_place();
   stop(SIGTERM);
   return round_end{false, failure->status, failure->final, failure->regroup, failure->message};
 }
@@ -25550,6 +25617,11 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
     store.leave(options_.grace_period);
     return status;
+  } catch (const detail::agent_replaced& e) {
+    // The round (if one ran) stopped its workers while unwinding; the job is
+    // the other agent's now: nothing goes to the store.
+    say(e.what());
+    return 1;
   } catch (const rendezvous_error& e) {
     say(std::string("lost the rendezvous store (node 0's agent) at ") +
         detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
@@ -25727,6 +25799,8 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
 DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
                                                              int restart,
                                                              const std::vector<int>& members) {
+  // An agent that was frozen in a wait may have been replaced meanwhile.
+  store.check_place();
   const int group =
       static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
   const int groups = static_cast<int>(members.size());
@@ -30697,10 +30771,11 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floo
       const std::string prefix = held_prefix(rank, held);
       const std::string text = store.get(prefix + std::string(manifest_name));
       const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
-      if (m.step != held || m.world_size != context_.plane.size()) {
-        throw checkpoint_error("it holds step " + std::to_string(m.step) + " of " +
-                               std::to_string(m.world_size) + " ranks, and this job has " +
-                               std::to_string(context_.plane.size()));
+      // Of a round of another size (an elastic job's): not this rank's to
+      // load, and no fault; a re-cut gathers what it needs (recut()).
+      if (m.step == held && m.world_size != context_.plane.size()) continue;
+      if (m.step != held) {
+        throw checkpoint_error("its manifest says step " + std::to_string(m.step));
       }
       partial = staging(held);
       make_directory(partial, false);
@@ -31680,14 +31755,7 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     context_.metrics_file =
         (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))
             .string();
-    std::string node = "?";
-    try {
-      node = node_name(env);
-    } catch (const std::exception&) {
-      // No name: the label says so.
-    }
-    context_.metrics_labels =
-        "rank=\"" + std::to_string(rank) + "\",node=" + detail::metrics_text::quoted(node);
+    context_.metrics_labels = detail::metrics_text::labels(rank, node_name_or_unknown(env));
     try {
       detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
     } catch (const std::exception& e) {

@@ -324,6 +324,53 @@ remote_agent_frozen)
   expect_all_gone "$work/pids"
   ;;
 
+replaced_agent_wakes)
+  # A fixed job of 2 nodes with a restart left. Node 1's agent is frozen (SIGSTOP, its connection
+  # open): node 0 finds it silent, and an agent started with --node-rank 1 takes its place; the
+  # next round runs with it. Then the frozen agent wakes (SIGCONT): it must find its place taken,
+  # stop its worker and leave with status 1, touching nothing of the job, which ends 0.
+  mkdir "$work/pids"
+  port=$(free_port)
+  export DTRAIN_HEARTBEAT_TIMEOUT=2 PIDS="$work/pids"
+  worker='echo $$ >"$PIDS/r$TORCHELASTIC_RESTART_COUNT.$RANK.pid"
+if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exec sleep 60; fi
+sleep 4; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT"'
+  agent() {  # started with &: exec, so that $! is dtrun's pid
+    exec "$DTRUN" --nnodes 2 --node-rank "$1" --max-restarts 1 --grace-period 1 \
+      --master-addr 127.0.0.1 --master-port "$port" -- sh -c "$worker"
+  }
+  agent 0 >"$work/n0.out" 2>"$work/n0.err" &
+  n0=$!
+  agent 1 >"$work/n1.out" 2>"$work/n1.err" &
+  n1=$!
+  wait_for_pids "$work/pids" 2
+  kill -STOP $n1
+  for _ in $(seq 300); do
+    grep -q "restarting every node's workers" "$work/n0.err" && break
+    sleep 0.1
+  done
+  expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_HEARTBEAT_TIMEOUT\); restarting every node's workers \(restart 1 of 1\)" "node 0's message"
+  agent 1 >"$work/n1b.out" 2>"$work/n1b.err" &
+  n1b=$!
+  wait_for_pids "$work/pids" 4  # round 1's workers: node 0's and the replacement's
+  kill -CONT $n1
+  wait $n1
+  expect_status 1 $? "the frozen agent, once awake"
+  expect_line "$work/n1.err" "node 1's place was taken by the agent [^ ]+ while this agent \([^)]+\) did not respond \(frozen, or cut off from the store\): the job goes on with that agent, and this one stops its workers and leaves" "the frozen agent's message"
+  # Nothing else: it did not go on to the next round, nor start a worker there.
+  [[ $(wc -l <"$work/n1.err") == 1 ]] || fail "the frozen agent said more than that once awake"
+  [[ -s $work/n1.out ]] && fail "the frozen agent started workers after it woke: $(cat "$work/n1.out")"
+  wait $n0
+  expect_status 0 $? "node 0's agent"
+  wait $n1b
+  expect_status 0 $? "the replacement"
+  expect_line "$work/n1b.err" "takes the place of node 1's agent, which is gone: waiting for round 0 to end" "the replacement's message"
+  expect_line "$work/n0.out" "^rank 0 done in round 1$" "node 0's worker"
+  expect_line "$work/n1b.out" "^rank 1 done in round 1$" "the replacement's worker"
+  [[ $(ls "$work/pids" | wc -l) == 4 ]] || fail "workers started: $(ls "$work/pids" | xargs), expected r0.0 r0.1 r1.0 r1.1"
+  expect_all_gone "$work/pids"
+  ;;
+
 remote_agent_fails)
   # Node 1's agent cannot start its workers: node 0 ends with node 1's reason.
   port=$(free_port)

@@ -819,6 +819,43 @@ TEST_CASE(
   CHECK(node0.gone_nodes({0, 1}).empty());
 }
 
+TEST_CASE(
+    "fixed join: an agent whose place was taken while it was silent is told so, and leaves the "
+    "place to the other") {
+  using dtrain::detail::agent_keys;
+  using dtrain::detail::agent_store;
+  using dtrain::detail::node_record;
+  const dtrain::store_options options{.timeout = 20s, .token = "unit-test-frozen-agent"};
+  agent_store node0{0, 2, "127.0.0.1", "127.0.0.1", 0, options};
+  std::thread join0([&] { node0.join({2, 1, "host-0", 100}); });
+  std::optional<agent_store> frozen(std::in_place, 1, 2, "127.0.0.1", "127.0.0.1", node0.port(),
+                                    options);
+  frozen->join({2, 1, "host-1", 200});
+  join0.join();
+  frozen->check_place();  // its own
+  // It does not beat (frozen, its connection open): a replacement takes the place.
+  agent_store replacement{1, 2, "127.0.0.1", "127.0.0.1", node0.port(), options};
+  replacement.join({2, 1, "host-1b", 300}, 300ms);
+  CHECK(replacement.replacing());
+  replacement.check_place();
+  node0.check_place();
+  std::string told;
+  try {
+    frozen->check_place();  // it wakes up
+  } catch (const dtrain::detail::agent_replaced& e) {
+    told = e.what();
+  }
+  CHECK(told ==
+        "node 1's place was taken by the agent host-1b:300 while this agent (host-1:200) did not "
+        "respond (frozen, or cut off from the store): the job goes on with that agent, and this "
+        "one stops its workers and leaves");
+  // Its connection closes: the replacement's lease stays, node 1 is not gone.
+  frozen.reset();
+  std::this_thread::sleep_for(200ms);
+  CHECK(node0.gone_nodes({0, 1}).empty());
+  CHECK(node_record::decode("k", node0.client().get(agent_keys::alive(1))).pid == 300);
+}
+
 TEST_CASE("agent round: starting, running, ended, and how it ended") {
   using state = dtrain::detail::agent_round::state;
   one_node_store s;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <optional>
 #include <set>
 #include <span>
 #include <thread>
@@ -252,6 +253,24 @@ TEST_CASE("store: a connection the server closed as idle is reopened with its le
   CHECK(becomes(watcher, "alive/0", false));  // idle: closed, and the lease with it
   holder.ping();                              // reopens, leasing again
   CHECK(watcher.get("alive/0") == "agent 0");
+
+  // A key another client took while the connection was closed is not taken
+  // back (a node agent that replaced a frozen one), nor erased when the first
+  // client ends. (The server closes idle connections after 200 ms: each step
+  // below is quicker.)
+  const std::vector<std::string> alive1{"alive/1"};
+  std::optional<store_client> frozen(std::in_place, "127.0.0.1", server.port(),
+                                     store_options{.timeout = 20s});
+  frozen->lease("alive/1", "old agent");
+  CHECK(becomes(watcher, "alive/1", false));  // idle: closed
+  store_client replacement("127.0.0.1", server.port(), quick);
+  replacement.lease("alive/1", "new agent");
+  frozen->ping();  // reopens: alive/1 is not its lease any more
+  CHECK(watcher.get("alive/1") == "new agent");
+  frozen.reset();
+  std::this_thread::sleep_for(50ms);  // the server has seen the close
+  CHECK(watcher.check(alive1));
+  CHECK(watcher.get("alive/1") == "new agent");
 }
 
 TEST_CASE("prefix_store: namespaces nest and do not see each other") {

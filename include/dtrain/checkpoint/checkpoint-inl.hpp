@@ -59,14 +59,7 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     context_.metrics_file =
         (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))
             .string();
-    std::string node = "?";
-    try {
-      node = node_name(env);
-    } catch (const std::exception&) {
-      // No name: the label says so.
-    }
-    context_.metrics_labels =
-        "rank=\"" + std::to_string(rank) + "\",node=" + detail::metrics_text::quoted(node);
+    context_.metrics_labels = detail::metrics_text::labels(rank, node_name_or_unknown(env));
     try {
       detail::write_file_whole(context_.metrics_file, "", detail::ckpt::metrics_setting_name, rank);
     } catch (const std::exception& e) {

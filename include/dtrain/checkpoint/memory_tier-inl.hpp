@@ -227,10 +227,11 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floo
       const std::string prefix = held_prefix(rank, held);
       const std::string text = store.get(prefix + std::string(manifest_name));
       const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
-      if (m.step != held || m.world_size != context_.plane.size()) {
-        throw checkpoint_error("it holds step " + std::to_string(m.step) + " of " +
-                               std::to_string(m.world_size) + " ranks, and this job has " +
-                               std::to_string(context_.plane.size()));
+      // Of a round of another size (an elastic job's): not this rank's to
+      // load, and no fault; a re-cut gathers what it needs (recut()).
+      if (m.step == held && m.world_size != context_.plane.size()) continue;
+      if (m.step != held) {
+        throw checkpoint_error("its manifest says step " + std::to_string(m.step));
       }
       partial = staging(held);
       make_directory(partial, false);

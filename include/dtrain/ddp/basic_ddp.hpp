@@ -695,15 +695,6 @@ class basic_ddp {
   /// passed since the last (`always`: now). Throws dtrain::error naming it;
   /// after a step, a failure is said once and the metrics stop (not the training).
   void write_metrics(bool always);
-  /// node_name(env) for the straggler watch's lines; "?" when there is none
-  /// (a name in a report is not worth failing the training for).
-  static std::string node_or_unknown(const environment& env) {
-    try {
-      return node_name(env);
-    } catch (const error&) {
-      return "?";
-    }
-  }
   /// Host values through a collective of DDP's communicator: `collective` gets
   /// them as a buffer in the engine's memory space (the values themselves in
   /// host memory; else a device copy, brought back after one host sync).
@@ -834,12 +825,11 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   try {
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
-                                    options_.stragglers, rank_, size_, node_or_unknown(env));
+                                    options_.stragglers, rank_, size_, node_name_or_unknown(env));
     if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
       metrics_.file =
           (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
-      metrics_.labels = "rank=\"" + std::to_string(rank_) +
-                        "\",node=" + detail::metrics_text::quoted(node_or_unknown(env));
+      metrics_.labels = detail::metrics_text::labels(rank_, node_name_or_unknown(env));
       if (auto restarts = detail::read_int(env, restart_count_variable))
         metrics_.restarts = restarts->value;
       try {

@@ -29,6 +29,10 @@ class metrics_text {
   [[nodiscard]] const std::string& str() const noexcept { return text_; }
   /// `value` quoted as a label value (backslash, quote and newline escaped).
   [[nodiscard]] static std::string quoted(std::string_view value);
+  /// The labels of a rank's samples: `rank="3",node="vm"` (`node` quoted).
+  [[nodiscard]] static std::string labels(int rank, std::string_view node) {
+    return "rank=\"" + std::to_string(rank) + "\",node=" + quoted(node);
+  }
 
  private:
   std::string labels_;

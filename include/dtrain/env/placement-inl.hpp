@@ -15,6 +15,14 @@ DTRAIN_DETAIL_INLINE std::string node_name(const environment& env) {
   return *host;
 }
 
+DTRAIN_DETAIL_INLINE std::string node_name_or_unknown(const environment& env) {
+  try {
+    return node_name(env);
+  } catch (const error&) {
+    return "?";
+  }
+}
+
 DTRAIN_DETAIL_INLINE std::string rank_report::encode() const {
   std::string out;
   detail::wire::writer w(out);

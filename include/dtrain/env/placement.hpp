@@ -28,6 +28,9 @@ namespace dtrain {
 
 /// This process's node name: DTRAIN_NODE_NAME, else the host name.
 [[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name(const environment& env);
+/// node_name(env), or "?" where there is none: for a name in a report or a
+/// metrics label, which is not worth failing the training for.
+[[nodiscard]] DTRAIN_DETAIL_INLINE std::string node_name_or_unknown(const environment& env);
 
 /// What one rank says about itself at rendezvous.
 struct rank_report {

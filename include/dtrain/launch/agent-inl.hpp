@@ -124,6 +124,11 @@ DTRAIN_DETAIL_INLINE int node_agent::run() {
     const int status = elastic() ? run_elastic_rounds(store, restart) : run_rounds(store, restart);
     store.leave(options_.grace_period);
     return status;
+  } catch (const detail::agent_replaced& e) {
+    // The round (if one ran) stopped its workers while unwinding; the job is
+    // the other agent's now: nothing goes to the store.
+    say(e.what());
+    return 1;
   } catch (const rendezvous_error& e) {
     say(std::string("lost the rendezvous store (node 0's agent) at ") +
         detail::endpoint_text(master_addr_, master_port_) + ": " + e.what());
@@ -301,6 +306,8 @@ DTRAIN_DETAIL_INLINE int node_agent::run_elastic_rounds(detail::agent_store& sto
 DTRAIN_DETAIL_INLINE detail::round_end node_agent::run_round(detail::agent_store& store,
                                                              int restart,
                                                              const std::vector<int>& members) {
+  // An agent that was frozen in a wait may have been replaced meanwhile.
+  store.check_place();
   const int group =
       static_cast<int>(std::find(members.begin(), members.end(), node_rank()) - members.begin());
   const int groups = static_cast<int>(members.size());

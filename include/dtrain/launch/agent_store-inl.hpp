@@ -85,8 +85,9 @@ DTRAIN_DETAIL_INLINE void agent_store::join_elastic(const node_record& me,
 DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
                                                   std::chrono::milliseconds window) {
   const std::string mine = agent_keys::node(node_rank_);
-  const std::string holder = client_.compare_set(mine, "", me.encode());
-  if (holder == me.encode()) {
+  place_ = me.encode();
+  const std::string holder = client_.compare_set(mine, "", place_);
+  if (holder == place_) {
     take_lease(me);
     return false;
   }
@@ -122,6 +123,23 @@ DTRAIN_DETAIL_INLINE bool agent_store::take_place(const node_record& me,
   client_.set(mine, me.encode());
   take_lease(me);
   return true;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::check_place() {
+  if (place_.empty()) return;
+  const std::string key = agent_keys::node(node_rank_);
+  const std::string holder = client_.get(key);
+  if (holder == place_) return;
+  std::string by = "another agent";
+  try {
+    by = "the agent " + node_record::decode(key, holder).who();
+  } catch (const rendezvous_error&) {
+    // A record this agent cannot read is still not its own.
+  }
+  throw agent_replaced("node " + std::to_string(node_rank_) + "'s place was taken by " + by +
+                       " while this agent (" + node_record::decode(key, place_).who() +
+                       ") did not respond (frozen, or cut off from the store): the job goes on "
+                       "with that agent, and this one stops its workers and leaves");
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::take_lease(const node_record& me) {

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -47,6 +48,14 @@ DTRAIN_DETAIL_INLINE std::string seconds_text(std::chrono::milliseconds t);
 /// and the failure is the consequence.
 DTRAIN_DETAIL_INLINE std::string describe_failure(const failure_record& failure,
                                                   const std::optional<exit_record>& first_exit);
+
+/// What agent_store::check_place() throws: another agent took this node's
+/// place while this one was silent, and the job goes on with that one. Not a
+/// dtrain::error: the agent stops its workers and leaves, recording no
+/// failure (which would end the others' round) and counting in nothing.
+struct agent_replaced : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 /// Every agent bumps its counter about once a second and watches the
 /// others': a node whose agent died (and with it its workers) is noticed
@@ -152,6 +161,13 @@ class agent_store {
             std::chrono::milliseconds window = std::chrono::milliseconds(2500));
   /// Whether join() took the place of a node whose agent was gone.
   [[nodiscard]] bool replacing() const noexcept { return replacing_; }
+  /// Throws agent_replaced when this node's place (agent_keys::node) holds
+  /// another agent's record: that one took it while this agent did not beat
+  /// (frozen, or cut off from the store) for the replacement's window, and the
+  /// job goes on with it. This agent must then act no more as the node: not
+  /// beat, start workers or count itself in a round. Nothing to check before
+  /// join() or join_elastic().
+  void check_place();
   /// Node 0: round `restart` of a fixed-size job starts (agent_keys::current_round,
   /// which a replacement reads to learn the round it comes into).
   void start_round(int restart);
@@ -256,6 +272,7 @@ class agent_store {
   int lost_nodes_ = 0;
   bool formed_ = false;           // node 0: it formed a round before
   bool replacing_ = false;        // join() took a gone agent's place
+  std::string place_;             // this agent's record, as take_place() registered it
   std::vector<int> passed_over_;  // node 0: form_round()'s nodes whose agents were gone
   std::chrono::steady_clock::time_point last_beat_{};
 };

@@ -12,7 +12,9 @@
 /// ```text
 ///   agent keys (unprefixed; one store per job, outliving restarts)
 ///     dtrain/agent/node/<n>         nproc i64, max_restarts i64, host bytes32, pid i64,
-///                                   rdzv_id bytes32, buddy bytes32
+///                                   rdzv_id bytes32, buddy bytes32: the node's place; an
+///                                   agent that finds another's record here leaves the job
+///                                   (agent_store::check_place)
 ///     dtrain/agent/joined, left     counters (store add)
 ///     dtrain/agent/beat/<n>         counter: node n's heartbeat
 ///     dtrain/agent/alive/<n>        i64 1, leased by node n's agent: erased when its

@@ -54,10 +54,16 @@ DTRAIN_DETAIL_INLINE round_end agent_round::supervise(agent_store& store) {
 }
 
 DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
+  const auto now = std::chrono::steady_clock::now();
+  // Before anything else after a silence: an agent frozen for long enough
+  // that another took its place must not beat, or act, as this node.
+  if (now - last_place_check_ >= std::chrono::seconds(1)) {
+    last_place_check_ = now;
+    store.check_place();
+  }
   store.beat();
   if (peer_lost_) return;
   // Elastic: the round ends, and the next one is formed of the nodes present.
-  const auto now = std::chrono::steady_clock::now();
   if (now - last_lease_check_ >= std::chrono::milliseconds(100)) {
     last_lease_check_ = now;
     const std::vector<int> gone = store.gone_nodes(settings_.members);
@@ -137,6 +143,8 @@ DTRAIN_DETAIL_INLINE void agent_round::note_exits(agent_store& store) {
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_store& store) {
   const auto failure = store.failure(settings_.restart);
   if (!failure) return std::nullopt;
+  // Failed while this agent was silent, maybe: and another took its place.
+  store.check_place();
   stop(SIGTERM);
   return round_end{false, failure->status, failure->final, failure->regroup, failure->message};
 }

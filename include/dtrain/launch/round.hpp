@@ -108,7 +108,9 @@ class agent_round {
 
   // A node whose agent is gone (its lease ended with its connection: at
   // once) or went silent (its heartbeat) fails the round for everyone (read
-  // by on_failure).
+  // by on_failure). First, about once a second, whether this agent still
+  // holds its node's place (agent_store::check_place(): agent_replaced; and
+  // on_failure, before the round ends).
   void watch_peers(agent_store& store);
   // Elastic, node 0: a node waiting for the next round ends this one (a regroup).
   void watch_joiners(agent_store& store);
@@ -137,7 +139,8 @@ class agent_round {
   heartbeat beats_;
   std::chrono::steady_clock::time_point last_join_check_{};
   std::chrono::steady_clock::time_point last_lease_check_{};
-  bool peer_lost_ = false;  // recorded: no more checks this round
+  std::chrono::steady_clock::time_point last_place_check_{};  // agent_store::check_place()
+  bool peer_lost_ = false;                                    // recorded: no more checks this round
   bool reported_success_ = false;
   state state_ = state::starting;
 };

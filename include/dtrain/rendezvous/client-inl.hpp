@@ -312,8 +312,21 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
   broken_ = false;
   try {
     connect(options_.io_timeout);
-    for (const auto& [key, value] : leases_) {
-      (void)exchange(lease_body(key, value), milliseconds(0), "lease(\"" + key + "\")");
+    // The close released them. Each is leased again unless another client
+    // set its key since (a node agent that took this one's place while it
+    // was frozen): the key is theirs then, and no longer this client's lease.
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      const auto& [key, value] = *it;
+      const std::string what_key = "lease(\"" + key + "\")";
+      std::string claim = begin(detail::wire::op::compare_set);
+      detail::wire::writer(claim).bytes32(key).bytes32("").bytes32(value);
+      const auto now = exchange(claim, milliseconds(0), what_key);
+      if (detail::wire::reader(*now).bytes32("value", UINT32_MAX) != value) {
+        it = leases_.erase(it);
+        continue;
+      }
+      (void)exchange(lease_body(key, value), milliseconds(0), what_key);
+      ++it;
     }
   } catch (const error& e) {
     broken_ = true;

@@ -93,7 +93,8 @@ class store_client {
   /// server erases it when the connection closes, however it closes (the
   /// process ended or was killed, its host went away). Others check() it to
   /// learn at once that this client is gone. A connection reopened after an
-  /// idle close leases its keys again. At most
+  /// idle close leases its keys again, but not a key another client has set
+  /// since (it is theirs now, and no longer this client's lease). At most
   /// detail::wire::max_leases_per_connection keys (the server refuses more).
   void lease(std::string_view key, std::string_view value);
 
@@ -159,7 +160,7 @@ class store_client {
 
   // A new connection within the io timeout; the old one is dropped unread.
   void reopen(const std::string& what);
-  // lease()'s keys and values, leased again by reopen().
+  // lease()'s keys and values, leased again by reopen() (those nobody took).
   std::vector<std::pair<std::string, std::string>> leases_;
 
   std::optional<std::string> exchange(const std::string& body, milliseconds server_wait,
