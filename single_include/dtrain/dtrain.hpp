@@ -23276,15 +23276,15 @@ class heartbeat {
   /// through agent_store::beat()); returns the first node silent for longer than `limit`.
   std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
 
-  /// How many nodes the last check() found silent.
-  [[nodiscard]] int silent() const noexcept { return silent_; }
+  /// The nodes the last check() found silent.
+  [[nodiscard]] const std::vector<int>& silent() const noexcept { return silent_; }
 
  private:
   std::vector<int> nodes_;
   std::vector<std::int64_t> seen_;
   std::vector<std::chrono::steady_clock::time_point> since_;
   std::chrono::steady_clock::time_point last_{};
-  int silent_ = 0;
+  std::vector<int> silent_;
 };
 
 /// One agent's connection to the job's store, which node 0's agent also
@@ -23535,7 +23535,7 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
   if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
   last_ = now;
   std::optional<int> first;
-  silent_ = 0;
+  silent_.clear();
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     const int n = nodes_[i];
     if (n == me) continue;
@@ -23545,7 +23545,7 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
       since_[i] = now;
     } else if (now - since_[i] > limit) {
       if (!first) first = n;
-      ++silent_;
+      silent_.push_back(n);
     }
   }
   return first;
@@ -25076,6 +25076,9 @@ struct round_end {
   bool final = false;    ///< no restart: a signal or a lost peer ended the job
   bool regroup = false;  ///< elastic: the nodes change; the next round, no restart counted
   std::string message;   ///< who failed how
+  /// The nodes this agent found gone (their lease) or silent (their
+  /// heartbeat) in the round: a fixed-size job waits for agents in their places.
+  std::vector<int> lost{};
 };
 
 /// One worker of a round: its place in the job and what it runs.
@@ -25178,7 +25181,8 @@ class agent_round {
   std::chrono::steady_clock::time_point last_join_check_{};
   std::chrono::steady_clock::time_point last_lease_check_{};
   std::chrono::steady_clock::time_point last_place_check_{};  // agent_store::check_place()
-  bool peer_lost_ = false;                                    // recorded: no more checks this round
+  std::vector<int> lost_;   // the nodes watch_peers() found gone or silent
+  bool peer_lost_ = false;  // recorded: no more checks this round
   bool reported_success_ = false;
   state state_ = state::starting;
 };
@@ -25257,6 +25261,7 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
     // An agent leaves once every node's workers succeeded: then it is done, not lost.
     if (!gone.empty() && !store.all_succeeded(settings_.restart)) {
       peer_lost_ = true;
+      lost_ = gone;
       store.lose_nodes(static_cast<int>(gone.size()));
       // Restartable: an elastic job goes on without it; a fixed-size one
       // waits for an agent that takes its place (a replacement node).
@@ -25271,7 +25276,8 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
   peer_lost_ = true;
-  store.lose_nodes(beats_.silent());
+  lost_ = beats_.silent();
+  store.lose_nodes(static_cast<int>(lost_.size()));
   store.record_failure(
       settings_.restart, 1, false,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
@@ -25333,7 +25339,8 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_stor
   // Failed while this agent was silent, maybe: and another took its place.
   store.check_place();
   stop(SIGTERM);
-  return round_end{false, failure->status, failure->final, failure->regroup, failure->message};
+  return round_end{false, failure->status, failure->final, failure->regroup, failure->message,
+                   lost_};
 }
 
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_store& store) {
@@ -25744,9 +25751,14 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
     if (ends_job(end, restart)) return end.status;
     say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
         " of " + std::to_string(options_.max_restarts) + ")");
+    // Those whose agents are gone, and those this agent found silent (a
+    // frozen agent keeps its connection open: unless it wakes, a replacement).
+    std::vector<int> lost = store.gone_nodes(everyone);
+    lost.insert(lost.end(), end.lost.begin(), end.lost.end());
+    std::sort(lost.begin(), lost.end());
+    lost.erase(std::unique(lost.begin(), lost.end()), lost.end());
     std::string gone;
-    for (const int n : store.gone_nodes(everyone))
-      gone += (gone.empty() ? "" : ", ") + std::to_string(n);
+    for (const int n : lost) gone += (gone.empty() ? "" : ", ") + std::to_string(n);
     if (!gone.empty()) {
       // A fixed-size job needs every node: a replacement takes the lost one's place.
       say("waiting for an agent to take the place of node " + gone +

@@ -346,10 +346,12 @@ sleep 4; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT"'
   wait_for_pids "$work/pids" 2
   kill -STOP $n1
   for _ in $(seq 300); do
-    grep -q "restarting every node's workers" "$work/n0.err" && break
+    grep -q "waiting for an agent to take the place of node 1" "$work/n0.err" && break
     sleep 0.1
   done
   expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_HEARTBEAT_TIMEOUT\); restarting every node's workers \(restart 1 of 1\)" "node 0's message"
+  # A silent node, too, is named as one to replace (its connection is open: its lease holds).
+  expect_line "$work/n0.err" "waiting for an agent to take the place of node 1 \(start one there or on another host, with --node-rank 1\)" "node 0's call for a replacement"
   agent 1 >"$work/n1b.out" 2>"$work/n1b.err" &
   n1b=$!
   wait_for_pids "$work/pids" 4  # round 1's workers: node 0's and the replacement's

@@ -251,9 +251,14 @@ DTRAIN_DETAIL_INLINE int node_agent::run_rounds(detail::agent_store& store, int&
     if (ends_job(end, restart)) return end.status;
     say(end.message + "; restarting every node's workers (restart " + std::to_string(restart + 1) +
         " of " + std::to_string(options_.max_restarts) + ")");
+    // Those whose agents are gone, and those this agent found silent (a
+    // frozen agent keeps its connection open: unless it wakes, a replacement).
+    std::vector<int> lost = store.gone_nodes(everyone);
+    lost.insert(lost.end(), end.lost.begin(), end.lost.end());
+    std::sort(lost.begin(), lost.end());
+    lost.erase(std::unique(lost.begin(), lost.end()), lost.end());
     std::string gone;
-    for (const int n : store.gone_nodes(everyone))
-      gone += (gone.empty() ? "" : ", ") + std::to_string(n);
+    for (const int n : lost) gone += (gone.empty() ? "" : ", ") + std::to_string(n);
     if (!gone.empty()) {
       // A fixed-size job needs every node: a replacement takes the lost one's place.
       say("waiting for an agent to take the place of node " + gone +

@@ -50,7 +50,7 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
   if (now - last_ < std::chrono::seconds(1)) return std::nullopt;
   last_ = now;
   std::optional<int> first;
-  silent_ = 0;
+  silent_.clear();
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     const int n = nodes_[i];
     if (n == me) continue;
@@ -60,7 +60,7 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
       since_[i] = now;
     } else if (now - since_[i] > limit) {
       if (!first) first = n;
-      ++silent_;
+      silent_.push_back(n);
     }
   }
   return first;

@@ -72,15 +72,15 @@ class heartbeat {
   /// through agent_store::beat()); returns the first node silent for longer than `limit`.
   std::optional<int> check(store_client& store, int me, std::chrono::milliseconds limit);
 
-  /// How many nodes the last check() found silent.
-  [[nodiscard]] int silent() const noexcept { return silent_; }
+  /// The nodes the last check() found silent.
+  [[nodiscard]] const std::vector<int>& silent() const noexcept { return silent_; }
 
  private:
   std::vector<int> nodes_;
   std::vector<std::int64_t> seen_;
   std::vector<std::chrono::steady_clock::time_point> since_;
   std::chrono::steady_clock::time_point last_{};
-  int silent_ = 0;
+  std::vector<int> silent_;
 };
 
 /// One agent's connection to the job's store, which node 0's agent also

@@ -70,6 +70,7 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
     // An agent leaves once every node's workers succeeded: then it is done, not lost.
     if (!gone.empty() && !store.all_succeeded(settings_.restart)) {
       peer_lost_ = true;
+      lost_ = gone;
       store.lose_nodes(static_cast<int>(gone.size()));
       // Restartable: an elastic job goes on without it; a fixed-size one
       // waits for an agent that takes its place (a replacement node).
@@ -84,7 +85,8 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
       beats_.check(store.client(), settings_.node_rank, settings_.heartbeat_timeout);
   if (!silent) return;
   peer_lost_ = true;
-  store.lose_nodes(beats_.silent());
+  lost_ = beats_.silent();
+  store.lose_nodes(static_cast<int>(lost_.size()));
   store.record_failure(
       settings_.restart, 1, false,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
@@ -146,7 +148,8 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_stor
   // Failed while this agent was silent, maybe: and another took its place.
   store.check_place();
   stop(SIGTERM);
-  return round_end{false, failure->status, failure->final, failure->regroup, failure->message};
+  return round_end{false, failure->status, failure->final, failure->regroup, failure->message,
+                   lost_};
 }
 
 DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_success(agent_store& store) {

@@ -38,6 +38,9 @@ struct round_end {
   bool final = false;    ///< no restart: a signal or a lost peer ended the job
   bool regroup = false;  ///< elastic: the nodes change; the next round, no restart counted
   std::string message;   ///< who failed how
+  /// The nodes this agent found gone (their lease) or silent (their
+  /// heartbeat) in the round: a fixed-size job waits for agents in their places.
+  std::vector<int> lost{};
 };
 
 /// One worker of a round: its place in the job and what it runs.
@@ -140,7 +143,8 @@ class agent_round {
   std::chrono::steady_clock::time_point last_join_check_{};
   std::chrono::steady_clock::time_point last_lease_check_{};
   std::chrono::steady_clock::time_point last_place_check_{};  // agent_store::check_place()
-  bool peer_lost_ = false;                                    // recorded: no more checks this round
+  std::vector<int> lost_;   // the nodes watch_peers() found gone or silent
+  bool peer_lost_ = false;  // recorded: no more checks this round
   bool reported_success_ = false;
   state state_ = state::starting;
 };
