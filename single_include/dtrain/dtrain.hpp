@@ -28573,9 +28573,15 @@ struct file_record {
 /// Writes one file atomically: to PATH.part, fsync'd, then renamed to PATH by
 /// finish(). Everything written goes through the checksum. Destroyed before
 /// finish(), it removes PATH.part.
+///
+/// `in_place`: a file already at PATH (of a copy taken apart to be written
+/// again: the memory tier's) becomes PATH.part and is written over, not
+/// truncated first, and cut to its new length at finish(): in a tmpfs its
+/// pages are used again, where a new file's are allocated and zeroed (and
+/// the old one's freed), which costs more than the write itself.
 class atomic_file {
  public:
-  explicit atomic_file(std::filesystem::path path);
+  explicit atomic_file(std::filesystem::path path, bool in_place = false);
   atomic_file(const atomic_file&) = delete;
   atomic_file& operator=(const atomic_file&) = delete;
   ~atomic_file();
@@ -28600,6 +28606,7 @@ class atomic_file {
   std::string pending_;
   checksum64 checksum_;
   std::uint64_t bytes_ = 0;
+  bool in_place_ = false;
 };
 
 /// What a part file says about one entry.
@@ -28888,9 +28895,15 @@ DTRAIN_DETAIL_INLINE void rename_path(const std::filesystem::path& from,
   }
 }
 
-DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path)
-    : path_(std::move(path)), part_(path_.string() + ".part") {
-  fd_.reset(::open(part_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+DTRAIN_DETAIL_INLINE atomic_file::atomic_file(std::filesystem::path path, bool in_place)
+    : path_(std::move(path)), part_(path_.string() + ".part"), in_place_(in_place) {
+  // In place: PATH, if there is one, is the file written over (a rename:
+  // whatever happens next, PATH is never a file half written).
+  if (in_place_ && ::rename(path_.c_str(), part_.c_str()) != 0 && errno != ENOENT) {
+    fail_os("cannot rename, to write over,", path_, errno);
+  }
+  fd_.reset(
+      ::open(part_.c_str(), O_WRONLY | O_CREAT | (in_place_ ? 0 : O_TRUNC) | O_CLOEXEC, 0644));
   if (!fd_) fail_os("cannot create", part_, errno);
 }
 
@@ -28914,6 +28927,9 @@ DTRAIN_DETAIL_INLINE void atomic_file::write(const void* data, std::size_t n) {
 
 DTRAIN_DETAIL_INLINE file_record atomic_file::finish() {
   flush();
+  if (in_place_ && ::ftruncate(fd_.get(), static_cast<::off_t>(bytes_)) != 0) {
+    fail_os("cannot cut to its length", part_, errno);
+  }
   if (::fsync(fd_.get()) != 0) fail_os("cannot sync", part_, errno);
   if (::close(fd_.get()) != 0) {
     const int err = errno;
@@ -29937,6 +29953,10 @@ class tier {
   [[nodiscard]] virtual std::string resumed(std::uint64_t step) const = 0;
 
  protected:
+  /// On the writer's thread, before this rank's parts of `p` are written:
+  /// makes p.partial, and says whether files there are written over in
+  /// place (atomic_file's `in_place`) rather than made anew.
+  virtual bool open_staging(const pending_save& p);
   /// After this rank's parts of `p` are written, or failed (p.problem), on
   /// the writer's thread: what the tier does alone (a memory copy commits here).
   virtual void seal(pending_save& p) { static_cast<void>(p); }
@@ -30013,8 +30033,9 @@ DTRAIN_DETAIL_INLINE void tier_context::broadcast_value(std::int64_t& value) {
 }
 
 namespace tier_detail {
-inline file_record write_part(const std::filesystem::path& path, const part_snapshot& part) {
-  atomic_file file(path);
+inline file_record write_part(const std::filesystem::path& path, const part_snapshot& part,
+                              bool in_place) {
+  atomic_file file(path, in_place);
   write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
   for (const part_record& r : part.records) {
     write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
@@ -30028,14 +30049,15 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
   if (!pending_->problem.empty()) return;
   auto job = [this, &p = *pending_, rank = context_.plane.rank()] {
     try {
-      // A save of this step that died before may have left the directory:
-      // its files are overwritten, and the manifest lists only this save's.
-      make_directory(p.partial, false);
+      const bool in_place = open_staging(p);
       if (!p.per_rank.records.empty()) {
-        p.per_rank_file = tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank);
+        p.per_rank_file =
+            tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank, in_place);
       }
-      if (p.writes_replicated)
-        p.replicated_file = tier_detail::write_part(p.partial / replicated_name, p.replicated);
+      if (p.writes_replicated) {
+        p.replicated_file =
+            tier_detail::write_part(p.partial / replicated_name, p.replicated, in_place);
+      }
     } catch (const std::exception& e) {
       p.problem = e.what();
     }
@@ -30046,6 +30068,13 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
   } else {
     job();
   }
+}
+
+DTRAIN_DETAIL_INLINE bool tier::open_staging(const pending_save& p) {
+  // A save of this step that died before may have left the directory:
+  // its files are overwritten, and the manifest lists only this save's.
+  make_directory(p.partial, false);
+  return false;
 }
 
 DTRAIN_DETAIL_INLINE double tier::join_writer(pending_save& p) {
@@ -30395,6 +30424,10 @@ DTRAIN_DETAIL_INLINE void disk_tier::join_committer() {
 /// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
 /// replicated part, and a manifest), without the other ranks, and keeps its
 /// 2 newest. A restore takes the newest step that every rank holds whole.
+/// The copy older than those is not freed but set aside (`spare.rank-<R>`)
+/// and written over by the next save: its pages are mapped already, and
+/// a tmpfs file made anew costs more than the copy's bytes (the node holds
+/// 3 copies of each rank's state, as it does during a save without this).
 ///
 /// Per-rank state (a ZeRO rank's shard, a program's own) is lost with its
 /// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
@@ -30421,9 +30454,11 @@ namespace dtrain::detail::ckpt {
 class memory_tier final : public tier {
  public:
   /// Copies in `dir`, one per node; `buddy` (HOST:PORT, or empty) the store
-  /// on another node that holds this rank's 2 newest copies.
-  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy,
-              std::string held);
+  /// on another node that holds this rank's 2 newest copies; `round` this
+  /// worker's (DTRAIN_RESTART_COUNT: the buddy takes no copy from a worker
+  /// of a round before the one that wrote there last).
+  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy, std::string held,
+              std::int64_t round);
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
@@ -30451,8 +30486,11 @@ class memory_tier final : public tier {
   [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
 
  protected:
+  /// Writes into the copy seal() set aside, when there is one, in place.
+  bool open_staging(const pending_save& p) override;
   /// The copy's manifest, its commit (the rename), and this rank's copies
-  /// beyond the 2 newest removed; a copy that fails is removed.
+  /// beyond the 2 newest removed, but one, set aside for the next save to
+  /// write over; a copy that fails is removed.
   void seal(pending_save& p) override;
   /// Joins the writer; what it could not do is counted and said once, not thrown.
   void finish(std::unique_ptr<pending_save> p, bool next_save) override;
@@ -30461,6 +30499,9 @@ class memory_tier final : public tier {
   /// The ranks that share this rank's directory (its node: the same host
   /// and directory), found once by every rank together.
   const std::vector<int>& node();
+  /// Where seal() sets aside a copy for the next save: `DIR/spare.rank-<R>`
+  /// (never read as a copy).
+  [[nodiscard]] std::filesystem::path spare_dir() const;
   /// Rank `rank`'s copy of `step`: `DIR/step-<N>.rank-<R>`.
   [[nodiscard]] std::filesystem::path copy_dir(std::uint64_t step, int rank) const;
   /// This rank's 2 newest copies that check out (its own and its node's
@@ -30485,13 +30526,41 @@ class memory_tier final : public tier {
   /// first use, within 5 s.
   static store_client& open(std::optional<store_client>& client, const std::string& endpoint,
                             std::string_view option);
-  /// An agent's keys of rank `rank`'s copy of `step`: "dtrain/memory/rank-R/step-N/".
-  [[nodiscard]] static std::string held_prefix(int rank, std::uint64_t step);
-  /// An agent's key that lists the steps it holds of rank `rank`, newest
-  /// first ("41 40": its 2 newest whole copies).
+  /// A copy an agent holds: its step, and the round of the worker that sent it.
+  struct held_copy {
+    std::uint64_t step = 0;
+    std::int64_t round = 0;
+    bool operator==(const held_copy&) const = default;
+  };
+  /// An agent's keys of rank `rank`'s copy `copy`:
+  /// "dtrain/memory/rank-R/round-K/step-N/" (each worker's its own).
+  [[nodiscard]] static std::string held_prefix(int rank, const held_copy& copy);
+  /// An agent's key that lists the copies it holds of rank `rank`, newest
+  /// first, after the round of the worker that wrote it last ("round 3:
+  /// 41@3 40@2": its 2 newest whole copies, each step@round).
   [[nodiscard]] static std::string held_list(int rank);
-  /// What `store` holds of rank `rank` (held_list's list).
-  static std::vector<std::uint64_t> held_steps(store_client& store, int rank);
+  /// held_list's value, as read (`text` empty: there is none).
+  struct held_value {
+    std::int64_t round = -1;
+    std::vector<held_copy> copies;
+    std::string text;
+  };
+  /// What `store` holds of rank `rank` (held_list's list); a list that does
+  /// not parse is a checkpoint_error naming it.
+  static held_value held_steps(store_client& store, int rank);
+  /// Writes this rank's list at its buddy, under this worker's round:
+  /// `step` (sent by this worker) first (nullopt: the copies it names
+  /// already), then the newest below it that the list names, unless the list is of a later round
+  /// (a newer worker of this rank wrote it: then false, and nothing is
+  /// written). A compare-and-set from `seen` (the list as this rank last
+  /// read or wrote it, updated), so that a worker of an earlier round that
+  /// wakes (its host was frozen, and replaced) cannot write over it.
+  /// `dropped`: the copies the list named before and no longer does.
+  bool name_held(store_client& store, held_value& seen, std::optional<std::uint64_t> step,
+                 std::vector<held_copy>& dropped);
+  /// Says once that this worker's copies at its buddy are a later round's
+  /// (`later`), and sends no more.
+  void superseded(std::int64_t later);
   /// Where `copy` (of `step`) was committed (seal()): sends it to
   /// the buddy (its files in pieces, then its manifest, then the list of
   /// the steps held) and drops the one that leaves the 2 newest. A failure is said once, and no
@@ -30512,7 +30581,7 @@ class memory_tier final : public tier {
   };
   /// The part `name` of the copy in `copy`, with its job's size as `extra`.
   static part_source file_source(const std::filesystem::path& copy, const std::string& name);
-  /// The part `record` of a copy an agent holds at `prefix` (held_prefix),
+  /// The part `record` of a copy an agent holds at `prefix` (held_prefix()),
   /// read through `store` (connected at first use).
   static part_source held_source(std::function<store_client&()> store, std::string prefix,
                                  const file_record& record);
@@ -30550,9 +30619,10 @@ class memory_tier final : public tier {
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
   std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
   std::optional<store_client> buddy_;                               // connected at first use
-  bool buddy_lost_ = false;                                // a send failed: none is tried again
-  std::optional<std::vector<std::uint64_t>> buddy_steps_;  // what the buddy holds of this rank
-  std::string held_endpoint_;  // HOST:PORT of this node's agent's store; empty: none
+  bool buddy_lost_ = false;               // a send failed: none is tried again
+  std::optional<held_value> buddy_held_;  // what the buddy holds of this rank, as last seen
+  std::string held_endpoint_;             // HOST:PORT of this node's agent's store; empty: none
+  std::int64_t round_ = 0;                // this worker's (DTRAIN_RESTART_COUNT)
   std::optional<store_client> held_;
   std::filesystem::path recut_dir_;  // recut()'s assembly, until the next copy
 };
@@ -30569,6 +30639,7 @@ class memory_tier final : public tier {
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -30585,11 +30656,13 @@ class memory_tier final : public tier {
 namespace dtrain::detail::ckpt {
 
 DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir,
-                                              std::string buddy, std::string held)
+                                              std::string buddy, std::string held,
+                                              std::int64_t round)
     : tier(context),
       dir_(std::move(dir)),
       buddy_endpoint_(std::move(buddy)),
-      held_endpoint_(std::move(held)) {}
+      held_endpoint_(std::move(held)),
+      round_(round) {}
 
 DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
   if (!node_.empty()) return node_;
@@ -30629,6 +30702,34 @@ DTRAIN_DETAIL_INLINE std::string memory_tier::resumed(std::uint64_t step) const 
          " (nothing read from " + context_.options.dir.string() + ")";
 }
 
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::spare_dir() const {
+  return dir_ / ("spare.rank-" + std::to_string(context_.plane.rank()));
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(const pending_save& p) {
+  const std::filesystem::path spare = spare_dir();
+  std::error_code ec;
+  if (!std::filesystem::is_directory(spare, ec)) {
+    make_directory(p.partial, false);
+    return true;  // nothing to write over yet: each file is new
+  }
+  // The copy seal() set aside is this one's: its files are written over.
+  remove_checkpoint_tree(p.partial);  // a save of this step that died before
+  rename_path(spare, p.partial);
+  const std::string mine = rank_part_name(context_.plane.rank());
+  std::vector<std::filesystem::path> others;
+  for (std::filesystem::directory_iterator it(p.partial, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool written = (name == mine && !p.per_rank.records.empty()) ||
+                         (name == replicated_name && p.writes_replicated);
+    if (!written) others.push_back(it->path());  // its manifest, a part not written now
+  }
+  if (ec) fail_os("cannot list", p.partial, ec.value());
+  for (const std::filesystem::path& other : others) remove_checkpoint_tree(other);
+  return true;
+}
+
 DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   try {
     if (!p.problem.empty()) throw checkpoint_error(p.problem);
@@ -30638,10 +30739,20 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
     context_.committed(true, p.step);
     // This rank's copies beyond the 2 newest (and any numbered after this
-    // one: an older run's), and its saves that died.
+    // one: an older run's), and its saves that died. One copy is set aside,
+    // renamed, for the next save to write over (open_staging()).
     const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
-    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix))
-      remove_checkpoint_tree(stale);
+    const std::filesystem::path spare = spare_dir();
+    std::error_code ec;
+    bool set_aside = std::filesystem::exists(spare, ec);
+    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix)) {
+      if (!set_aside && stale.filename().string().ends_with(suffix)) {
+        rename_path(stale, spare);
+        set_aside = true;
+      } else {
+        remove_checkpoint_tree(stale);
+      }
+    }
     if (!recut_dir_.empty()) {  // loaded at the restore: the copies are newer now
       remove_checkpoint_tree(recut_dir_);
       recut_dir_.clear();
@@ -30673,8 +30784,9 @@ DTRAIN_DETAIL_INLINE store_client& memory_tier::open(std::optional<store_client>
   return *client;
 }
 
-DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(int rank, std::uint64_t step) {
-  return "dtrain/memory/rank-" + std::to_string(rank) + "/" + step_name(step) + "/";
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(int rank, const held_copy& copy) {
+  return "dtrain/memory/rank-" + std::to_string(rank) + "/round-" + std::to_string(copy.round) +
+         "/" + step_name(copy.step) + "/";
 }
 
 DTRAIN_DETAIL_INLINE std::string memory_tier::held_list(int rank) {
@@ -30696,15 +30808,75 @@ inline std::string read_text(const std::filesystem::path& file) {
 }
 }  // namespace memory_detail
 
-DTRAIN_DETAIL_INLINE std::vector<std::uint64_t> memory_tier::held_steps(store_client& store,
-                                                                        int rank) {
+DTRAIN_DETAIL_INLINE memory_tier::held_value memory_tier::held_steps(store_client& store,
+                                                                     int rank) {
   const std::string key = held_list(rank);
-  std::vector<std::uint64_t> steps;
-  if (!store.check(std::span(&key, 1))) return steps;
-  for (const std::string& step : detail::split(store.get(key), ' ')) {
-    if (!step.empty()) steps.push_back(std::stoull(step));
+  held_value out;
+  if (!store.check(std::span(&key, 1))) return out;
+  out.text = store.get(key);
+  // "round <K>: <step>@<round> <step>@<round>"
+  auto number = [&](std::string_view digits) -> std::uint64_t {
+    std::uint64_t v = 0;
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+    if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size() ||
+        v > std::uint64_t{1} << 62) {
+      throw checkpoint_error("checkpoint: the store's " + key + " is \"" + out.text +
+                             "\", not \"round <K>: <step>@<round> <step>@<round>\"");
+    }
+    return v;
+  };
+  const std::string_view text = out.text;
+  const std::size_t colon = text.find(':');
+  if (!text.starts_with("round ") || colon == std::string_view::npos) number("");
+  out.round = static_cast<std::int64_t>(number(text.substr(6, colon - 6)));
+  for (const std::string& copy : detail::split(text.substr(colon + 1), ' ')) {
+    if (copy.empty()) continue;
+    const std::size_t at = copy.find('@');
+    if (at == std::string::npos) number("");
+    out.copies.push_back(
+        {number(std::string_view(copy).substr(0, at)),
+         static_cast<std::int64_t>(number(std::string_view(copy).substr(at + 1)))});
   }
-  return steps;
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::name_held(store_client& store, held_value& seen,
+                                                 std::optional<std::uint64_t> step,
+                                                 std::vector<held_copy>& dropped) {
+  const std::string key = held_list(context_.plane.rank());
+  for (;;) {
+    if (seen.round > round_) return false;
+    std::vector<held_copy> kept;
+    if (step) kept.push_back({*step, round_});
+    for (const held_copy& held : seen.copies) {
+      if ((!step || held.step < *step) && kept.size() < 2) kept.push_back(held);
+    }
+    std::string desired = "round " + std::to_string(round_) + ":";
+    for (const held_copy& held : kept) {
+      desired.append(" ").append(std::to_string(held.step));
+      desired.append("@").append(std::to_string(held.round));
+    }
+    const std::string now = store.compare_set(key, seen.text, desired);
+    if (now == desired) {
+      dropped.clear();
+      for (const held_copy& held : seen.copies) {
+        if (std::ranges::find(kept, held) == kept.end()) dropped.push_back(held);
+      }
+      seen = {round_, std::move(kept), std::move(desired)};
+      return true;
+    }
+    seen = held_steps(store, context_.plane.rank());  // written meanwhile: again, from that
+  }
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::superseded(std::int64_t later) {
+  buddy_lost_ = true;
+  buddy_.reset();
+  tell("its memory copies at its buddy (" + buddy_endpoint_ +
+       ", another node's agent) are a later worker's, of round " + std::to_string(later) +
+       ", and this worker is of round " + std::to_string(round_) +
+       " (its host did not respond, and its node was replaced; or it outlived its round): it "
+       "sends no more copies there, and leaves them be (said once)");
 }
 
 DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
@@ -30715,10 +30887,11 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
   try {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
     // What an earlier worker of this rank left there, dropped below.
-    if (!buddy_steps_) buddy_steps_ = held_steps(store, rank);
+    if (!buddy_held_) buddy_held_ = held_steps(store, rank);
+    if (buddy_held_->round > round_) return superseded(buddy_held_->round);
     const std::string text = memory_detail::read_text(copy / manifest_name);
     const manifest m = parse_manifest(text, copy / manifest_name);
-    const std::string prefix = held_prefix(rank, step);
+    const std::string prefix = held_prefix(rank, {step, round_});
     std::string piece;
     for (const file_record& f : m.files) {
       std::ifstream in(copy / f.name, std::ios::binary);
@@ -30734,26 +30907,23 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
     // it. The 2 newest are kept, as on the node: a rank killed in its copy
     // leaves the step before, which the others still hold.
     store.set(prefix + std::string(manifest_name), text);
-    std::vector<std::uint64_t> kept{step};
-    for (const std::uint64_t held : *buddy_steps_) {
-      if (held < step && kept.size() < 2) kept.push_back(held);
-    }
-    std::string list_text;
-    for (const std::uint64_t held : kept)
-      list_text += (list_text.empty() ? "" : " ") + std::to_string(held);
-    store.set(held_list(rank), list_text);
-    for (const std::uint64_t gone : std::exchange(*buddy_steps_, kept)) {
-      if (std::ranges::find(kept, gone) != kept.end()) continue;
+    // Not named: a later worker holds the list, and what this one sent is
+    // no one's (its keys are its own: held_prefix has its round).
+    std::vector<held_copy> dropped;
+    const bool named = name_held(store, *buddy_held_, step, dropped);
+    if (!named) dropped = {{step, round_}};
+    for (const held_copy& gone : dropped) {
       const std::string old = held_prefix(rank, gone);
       const std::string key = old + std::string(manifest_name);
       if (!store.check(std::span(&key, 1))) continue;
-      const manifest dropped = parse_manifest(store.get(key), key);
+      const manifest dropped_copy = parse_manifest(store.get(key), key);
       store.erase(key);
-      for (const file_record& f : dropped.files) {
+      for (const file_record& f : dropped_copy.files) {
         for (std::uint64_t i = 0; i * piece_bytes < f.bytes; ++i)
           store.erase(memory_detail::piece_key(old, f.name, i));
       }
     }
+    if (!named) superseded(buddy_held_->round);  // closes `store`: last
   } catch (const std::exception& e) {
     buddy_lost_ = true;
     buddy_.reset();
@@ -30771,16 +30941,23 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floo
   std::filesystem::path partial;
   try {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
-    buddy_steps_ = held_steps(store, rank);
+    buddy_held_ = held_steps(store, rank);
+    // The list is this worker's round's from now on: a worker of an earlier
+    // round that wakes cannot name its copies there any more.
+    std::vector<held_copy> unchanged;
+    if (!name_held(store, *buddy_held_, std::nullopt, unchanged)) {
+      superseded(buddy_held_->round);
+      return -1;
+    }
     // Only copies newer than this node's newest (none for a new node; a
     // worker restarted on its node has its own) and than the disk's (a
     // node back after a round without it finds its old ones there).
     const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
-    for (const std::uint64_t held : *buddy_steps_) {
+    for (const auto& [held, by] : buddy_held_->copies) {
       step = held;
       if ((!own.empty() && own.front().first >= held) || static_cast<std::int64_t>(held) < floor)
         continue;
-      const std::string prefix = held_prefix(rank, held);
+      const std::string prefix = held_prefix(rank, {held, by});
       const std::string text = store.get(prefix + std::string(manifest_name));
       const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
       // Of a round of another size (an elastic job's): not this rank's to
@@ -31211,8 +31388,9 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
   // job's size, its rank): its node's, and those its agent holds for the
   // node before it.
   struct reached {
-    std::filesystem::path copy;  // in dir_; empty: at the agent (held_prefix)
+    std::filesystem::path copy;  // in dir_; empty: at the agent, under `prefix` (held_prefix())
     manifest m;
+    std::string prefix{};
   };
   std::map<std::pair<std::uint64_t, int>, std::map<int, reached>, std::greater<>> seen;
   for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
@@ -31241,11 +31419,12 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     try {
       store_client& store = open(held_, held_endpoint_, "memory_held");
       for (int r = 0; r < widest; ++r) {
-        for (const std::uint64_t step : held_steps(store, r)) {
-          const std::string key = held_prefix(r, step) + std::string(manifest_name);
+        for (const held_copy& held : held_steps(store, r).copies) {
+          std::string prefix = held_prefix(r, held);
+          const std::string key = prefix + std::string(manifest_name);
           manifest m = parse_manifest(store.get(key), key);
           auto& at = seen[{m.step, m.world_size}];
-          if (!at.contains(r)) at[r] = {{}, std::move(m)};
+          if (!at.contains(r)) at[r] = {{}, std::move(m), std::move(prefix)};
         }
       }
     } catch (const std::exception& e) {
@@ -31355,7 +31534,7 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
       throw checkpoint_error("the copy of rank " + std::to_string(r) + " lists no " + name);
     return held_source(
         [this]() -> store_client& { return open(held_, held_endpoint_, "memory_held"); },
-        held_prefix(r, step), *record);
+        copy.prefix, *record);
   };
   manifest assembled{step, world, {}};
   std::uint64_t sent = 0;
@@ -31751,16 +31930,24 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     const char* value = std::getenv(std::string(variable).c_str());
     return value != nullptr ? std::string(value) : std::string();
   };
+  const environment env = environment::from_process();
   if (const std::string dir = given(o.memory_dir.string(), memory_checkpoint_variable);
       !dir.empty()) {
+    // The round (dtrun's agent numbers them): the buddy's fence against a
+    // worker of an earlier one.
+    std::int64_t round = 0;
+    try {
+      if (const auto r = detail::read_int(env, restart_count_variable)) round = r->value;
+    } catch (const config_error& e) {
+      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) + ": " + e.what());
+    }
     memory_ = std::make_unique<detail::ckpt::memory_tier>(
         context_, dir, given(o.memory_buddy, memory_buddy_variable),
-        given(o.memory_held, memory_held_variable));
+        given(o.memory_held, memory_held_variable), round);
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
   // The metrics file: a directory that cannot take it fails now, on every rank.
-  const environment env = environment::from_process();
   std::string problem;
   if (const std::string dir = detail::metrics_setting(env, o.metrics_dir); !dir.empty()) {
     const int rank = context_.plane.rank();

@@ -15,6 +15,8 @@
 #   cluster_exit_hook=CMD        also run CMD when the shell exits (set before cluster_up)
 #   cluster_workers NODE         pids of the dtrain workers running in NODE (RANK in
 #                                their environment)
+#   cluster_pids NODE            pids of every process in NODE (a whole host, to
+#                                freeze with SIGSTOP)
 #   cluster_agent NODE PROGRAM   pid of the agent PROGRAM runs in NODE: the oldest
 #                                process running PROGRAM without RANK (not a worker)
 #   cluster_rsh                  path of an ssh stand-in for mpirun
@@ -170,6 +172,12 @@ cluster_run() {
   i=$(cluster_node_index "$node") || return 1
   ip netns exec "$(cluster_ns "$cluster_id" "$i")" unshare --uts \
     bash -c 'hostname "$0" && exec "$@"' "$node" "$@"
+}
+
+cluster_pids() {
+  local i
+  i=$(cluster_node_index "$1") || return 1
+  ip netns pids "$(cluster_ns "$cluster_id" "$i")"
 }
 
 cluster_workers() {

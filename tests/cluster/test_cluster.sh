@@ -36,6 +36,14 @@
 #                      take its place, one started again on node2 does, its ranks take their
 #                      copies from their buddy (node1's agent), and the job ends with the
 #                      uninterrupted run's checksum, with at most one step trained twice
+#   freeze_node        the same fixed job, node2 frozen whole at a random step (its agent,
+#                      workers and all: SIGSTOP, its connections open): node1 finds it silent
+#                      (DTRAIN_HEARTBEAT_TIMEOUT 2 s) and waits for an agent to take its place,
+#                      one started on node2 does, the job resumes from memory; then node2's
+#                      old processes wake (SIGCONT): its agent finds its place taken and exits
+#                      1 (its workers, should they save once more, cannot name a copy at their
+#                      buddy: a later round holds the list; unit test "a worker of an earlier
+#                      round ..."), and the job ends with the uninterrupted run's checksum
 #   doctor             dtrain_doctor on a node whose name is on 127.0.1.1 names the
 #                      trap and its fix; on a healthy node it finds none
 #   metrics_endpoint   dtrun --metrics-port on node1, its 2 workers writing metrics files:
@@ -108,12 +116,13 @@ wait_for() {
 
 # demo_node N NNODES MAX_RESTARTS SUFFIX COMMAND...: node N's agent (a program
 # that launches itself) of a job whose store is on node1, in the background;
-# its output in $work/nodeN<SUFFIX>.out and .err.
+# its output in $work/nodeN<SUFFIX>.out and .err. Its heartbeat time-out is
+# $heartbeat seconds (600 if unset: a silent node is never the point).
 demo_node() {
   local n=$1 nnodes=$2 restarts=$3 suffix=$4
   shift 4
   cluster_run node"$n" env DTRAIN_NNODES="$nnodes" DTRAIN_NODE_RANK=$((n - 1)) MASTER_ADDR=node1 \
-    MASTER_PORT=$port DTRAIN_MAX_RESTARTS="$restarts" DTRAIN_HEARTBEAT_TIMEOUT=600 \
+    MASTER_PORT=$port DTRAIN_MAX_RESTARTS="$restarts" DTRAIN_HEARTBEAT_TIMEOUT="${heartbeat:-600}" \
     DTRAIN_GRACE_PERIOD=1 timeout "$limit" "$@" >"$work/node$n$suffix.out" 2>"$work/node$n$suffix.err" &
 }
 
@@ -303,7 +312,7 @@ case $case_name in
     python3 -c "import sys; sys.exit(0 if abs($got - $want) <= 1.0 else 1)" ||
       fail "the accuracy $got % is not within a point of $want %"
     ;;
-  replace_node)
+  replace_node | freeze_node)
     [[ -x $bin/dtrain_train_mlp ]] || { echo "SKIPPED: dtrain_train_mlp is not built (needs Gloo)"; exit 77; }
     # ZeRO stage 1: a lost node's shards of the optimizer state are on no other node's disk
     # or memory but its buddy's.
@@ -331,21 +340,43 @@ case $case_name in
     mkdir -p "$work/samples"
     job=(--checkpoint-dir "$work/ckpt" --checkpoint-every 10 --memory-every 1
          --sample-log "$work/samples")
+    [[ $case_name == freeze_node ]] && heartbeat=2
     start_node 1 "" "${job[@]}"
     first=$!
     start_node 2 "" "${job[@]}"
+    old=$!
     wait_for "a checkpoint" compgen -G "$work/ckpt/step-*[0-9]"
     at=$((10 + RANDOM % 40))
     logged() { (($(cat "$work"/samples/round-0-rank-0.txt 2>/dev/null | wc -l) >= $1)); }
     wait_for "step $at in the sample log" logged "$at"
     agent2=$(cluster_agent node2 "$bin/dtrain_train_mlp")
     [[ -n $agent2 ]] || fail "no agent found on node2"
-    kill -KILL "$agent2"
-    echo "killed node2's agent (pid $agent2) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
+    if [[ $case_name == replace_node ]]; then
+      kill -KILL "$agent2"
+      echo "killed node2's agent (pid $agent2) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
+    else
+      frozen=$(cluster_pids node2 | xargs)
+      kill -STOP $frozen
+      echo "froze node2 (pids $frozen) at step $(wc -l <"$work/samples/round-0-rank-0.txt")"
+    fi
     wait_for "node1 to wait for a replacement" \
       grep -q "waiting for an agent to take the place of node 1" "$work/node1.err"
     start_node 2 .replacement "${job[@]}"
     second=$!
+    if [[ $case_name == freeze_node ]]; then
+      grep -q "node 1's agent stopped responding: no heartbeat for 2 s" "$work/node1.err" ||
+        fail "node1 did not find node2 silent"
+      # The replacement's round trains, then the old node2 wakes in the middle of it.
+      resumed() { (($(cat "$work"/samples/round-1-rank-2.txt 2>/dev/null | wc -l) >= 5)); }
+      wait_for "the replacement's round to train" resumed
+      kill -CONT $frozen 2>/dev/null
+      wait "$old"
+      status=$?
+      ((status == 1)) || fail "node2's old agent exited with $status once awake, not 1"
+      grep -q "node 1's place was taken by the agent [^ ]* while this agent ([^)]*) did not respond" \
+        "$work/node2.err" || fail "node2's old agent did not say that its place was taken"
+      grep -h "place was taken\|later worker's" "$work/node2.err"
+    fi
     wait "$first"; status1=$?
     wait "$second"; status2=$?
     grep -h "dtrain agent\|resumed\|memory tier" "$work/node1.err" "$work/node2.replacement.err" |

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -23,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 using namespace std::chrono_literals;
@@ -948,6 +950,74 @@ TEST_CASE("checkpoint: asynchronous memory copies are written beside the steps, 
   CHECK(fs::exists(memory.path / "node1" / "step-7.rank-2" / "replicated.dtck"));
 }
 
+TEST_CASE("checkpoint: a memory copy is written over the one set aside, whole at its new length") {
+  scratch_dir disk, memory;
+  // A per-rank entry of bytes whose length changes from step to step: long
+  // at odd steps, short at even ones.
+  auto text_of = [](int step) {
+    return std::string(step % 2 == 1 ? 5000 : 50, static_cast<char>('a' + step));
+  };
+  auto inode = [](const fs::path& file) {
+    struct ::stat st {};
+    REQUIRE(::stat(file.c_str(), &st) == 0);
+    return st.st_ino;
+  };
+  // body(checkpoint, its entry) on rank 0 of a 1-rank job; true when it threw nothing.
+  auto on_rank = [&](const std::function<void(dtrain::checkpoint&, std::string&)>& body) {
+    return on_ranks(1, [&](dtrain::control_plane plane, int) {
+             std::string text;
+             dtrain::checkpoint c(
+                 plane,
+                 {.dir = disk.path, .quiet = true, .memory_every = 1, .memory_dir = memory.path});
+             c.add(
+                 "text", [&] { return text; }, [&](std::string_view b) { text = b; },
+                 dtrain::checkpoint_scope::per_rank);
+             body(c, text);
+           }).front() == "";
+  };
+  const fs::path spare = memory.path / "spare.rank-0";
+  CHECK(on_rank([&](dtrain::checkpoint& c, std::string& text) {
+    for (int step = 1; step <= 3; ++step) {
+      text = text_of(step);
+      c.step();
+    }
+    // Steps 3 and 2 kept; step 1's copy set aside, without being read as one.
+    CHECK(fs::exists(memory.path / "step-3.rank-0" / "MANIFEST"));
+    CHECK(fs::exists(memory.path / "step-2.rank-0" / "MANIFEST"));
+    CHECK_FALSE(fs::exists(memory.path / "step-1.rank-0"));
+    REQUIRE(fs::exists(spare / "rank-0.dtck"));
+    const auto pages = inode(spare / "rank-0.dtck");
+    const auto long_size = fs::file_size(spare / "rank-0.dtck");
+    text = text_of(4);
+    c.step();
+    // Step 4 went into step 1's file, cut to its own (shorter) length, and
+    // step 2's copy is the one set aside now.
+    const fs::path written = memory.path / "step-4.rank-0" / "rank-0.dtck";
+    CHECK(inode(written) == pages);
+    CHECK(fs::file_size(written) < long_size);
+    CHECK(fs::exists(spare / "rank-0.dtck"));
+    CHECK_FALSE(fs::exists(memory.path / "step-2.rank-0"));
+    for (int step = 5; step <= 6; ++step) {
+      text = text_of(step);
+      c.step();
+    }
+  }));
+  // Each copy written over another loads whole, at its own length.
+  for (const int drop : {0, 6}) {
+    if (drop > 0) fs::remove_all(memory.path / ("step-" + std::to_string(drop) + ".rank-0"));
+    CHECK(on_rank([&](dtrain::checkpoint& d, std::string& text) {
+      const auto step = d.restore();
+      REQUIRE(step);
+      CHECK(*step == static_cast<std::uint64_t>(drop > 0 ? 5 : 6));
+      CHECK(text == text_of(static_cast<int>(*step)));
+    }));
+  }
+  // The copy set aside is never read as one: with the two copies gone, there is none.
+  fs::remove_all(memory.path / "step-5.rank-0");
+  REQUIRE(fs::exists(spare / "MANIFEST"));
+  CHECK(on_rank([&](dtrain::checkpoint& d, std::string&) { CHECK_FALSE(d.restore()); }));
+}
+
 TEST_CASE("checkpoint: a rank whose newest memory copy is torn resumes all at the step before") {
   scratch_dir disk, memory;
   const auto restored = memory_tier_run(disk.path, memory.path, 6, [&] {
@@ -1033,10 +1103,10 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
         disk.path, memory.path, 6,
         [&] {
           // Each rank's 2 newest copies are held, the ones before dropped.
-          CHECK(held(holds_node1, "dtrain/memory/rank-3/step-6/MANIFEST"));
-          CHECK(held(holds_node1, "dtrain/memory/rank-3/step-5/MANIFEST"));
-          CHECK(held(holds_node0, "dtrain/memory/rank-0/step-6/replicated.dtck/0"));
-          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/step-4/MANIFEST"));
+          CHECK(held(holds_node1, "dtrain/memory/rank-3/round-0/step-6/MANIFEST"));
+          CHECK(held(holds_node1, "dtrain/memory/rank-3/round-0/step-5/MANIFEST"));
+          CHECK(held(holds_node0, "dtrain/memory/rank-0/round-0/step-6/replicated.dtck/0"));
+          CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-3/round-0/step-4/MANIFEST"));
           CHECK_FALSE(held(holds_node1, "dtrain/memory/rank-0/steps"));
           fs::remove_all(memory.path / "node1");
           damage_disk(disk.path);
@@ -1056,7 +1126,7 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
         [&] {
           fs::remove_all(memory.path / "node1");
           dtrain::store_client client("127.0.0.1", holds_node1->port(), options);
-          client.set("dtrain/memory/rank-3/step-6/rank-3.dtck/0", "not the copy");
+          client.set("dtrain/memory/rank-3/round-0/step-6/rank-3.dtck/0", "not the copy");
         },
         false, buddy);
     CHECK(restored == std::vector<std::int64_t>(4, 4));
@@ -1088,6 +1158,83 @@ TEST_CASE("checkpoint: a replaced node's ranks take their per-rank copies from t
         false, buddy);
     CHECK(restored == std::vector<std::int64_t>(4, 4));
   }
+}
+
+TEST_CASE("checkpoint: a worker of an earlier round cannot name its copies at the buddy") {
+  // A host frozen (its agent and its workers) is replaced; the replacement's
+  // worker of rank 0 (round 1) takes its copies from the buddy and goes on.
+  // When the frozen worker (round 0) wakes and saves, the buddy's list stays
+  // the replacement's.
+  const dtrain::store_options options{.timeout = 20s, .log = [](std::string_view) {}};
+  dtrain::store_server buddy("127.0.0.1", 0, options);
+  dtrain::store_client look("127.0.0.1", buddy.port(), options);
+  const std::string list = "dtrain/memory/rank-0/steps";
+  scratch_dir disk, frozen_node, new_node, third_node;
+  // Rank 0 of a 1-rank job in round `round` (DTRAIN_RESTART_COUNT, as dtrun
+  // sets it) on `node`, its per-rank entry `own`; restores when `restore`
+  // is set, then saves a memory copy of each of `steps` (own = its value),
+  // and runs `frozen` (its host frozen) before the last one.
+  auto worker = [&](const char* round, const fs::path& node, std::int64_t& own, bool restore,
+                    const std::vector<std::int64_t>& steps,
+                    const std::function<void()>& frozen = {}) {
+    return on_ranks(1,
+                    [&](dtrain::control_plane plane, int) {
+                      std::optional<dtrain::checkpoint> c;
+                      ::setenv("DTRAIN_RESTART_COUNT", round, 1);
+                      c.emplace(plane,
+                                dtrain::checkpoint_options{
+                                    .dir = disk.path,
+                                    .quiet = true,
+                                    .memory_every = 1,
+                                    .memory_dir = node,
+                                    .memory_buddy = "127.0.0.1:" + std::to_string(buddy.port())});
+                      ::unsetenv("DTRAIN_RESTART_COUNT");
+                      c->add("own", own, dtrain::checkpoint_scope::per_rank);
+                      if (restore) {
+                        const auto step = c->restore();
+                        own = step ? static_cast<std::int64_t>(*step) * 1000 + own : -1;
+                      }
+                      for (const std::int64_t value : steps) {
+                        if (frozen && value == steps.back()) frozen();
+                        own = value;
+                        c->step();
+                      }
+                      CHECK(c->memory_failures() == 0);
+                    })
+        .front();
+  };
+  std::int64_t old = 0, replacement = 0, third = 0;
+  // The worker of round 0 saves steps 1 to 3, and is frozen before step 4.
+  CHECK(worker("0", frozen_node.path, old, false, {1, 2, 3, 4}, [&] {
+          CHECK(look.get(list) == "round 0: 3@0 2@0");
+          // The replacement takes step 3 (own 3), then trains steps 4, 5 (own 40, 50).
+          CHECK(worker("1", new_node.path, replacement, true, {}) == "");
+          CHECK(replacement == 3003);
+          CHECK(look.get(list) == "round 1: 3@0 2@0");  // claimed at the restore
+          CHECK(worker("1", new_node.path, replacement, true, {40, 50}) == "");
+          CHECK(look.get(list) == "round 1: 5@1 4@1");
+          // The frozen worker wakes, and saves its step 4 (own 4).
+        }) == "");
+  // Its copy is on its node, and not named at the buddy.
+  CHECK(fs::exists(frozen_node.path / "step-4.rank-0" / "MANIFEST"));
+  CHECK(look.get(list) == "round 1: 5@1 4@1");
+  CHECK(look.check(std::vector<std::string>{"dtrain/memory/rank-0/round-1/step-5/MANIFEST",
+                                            "dtrain/memory/rank-0/round-1/step-4/MANIFEST"}));
+  // What the woken worker sent of its step 4 is gone (its keys, which no
+  // list names), and so are the round-0 copies the replacement took.
+  for (const std::string gone : {"dtrain/memory/rank-0/round-0/step-4/MANIFEST",
+                                 "dtrain/memory/rank-0/round-0/step-4/rank-0.dtck/0",
+                                 "dtrain/memory/rank-0/round-0/step-3/MANIFEST"}) {
+    CAPTURE(gone);
+    CHECK_FALSE(look.check(std::span<const std::string>(&gone, 1)));
+  }
+  // A new node's worker of round 2 resumes from them: step 5, the replacement's.
+  CHECK(worker("2", third_node.path, third, true, {}) == "");
+  CHECK(third == 5050);
+  // A list that is not one is refused by name, and the training goes on.
+  look.set(list, "five and four");
+  CHECK(worker("3", third_node.path, third, false, {6}) == "");
+  CHECK(look.get(list) == "five and four");
 }
 
 TEST_CASE("checkpoint: sharded state is re-cut from memory when an elastic job's size changes") {

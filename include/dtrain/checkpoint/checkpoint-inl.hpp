@@ -5,6 +5,7 @@
 /// dtrain/config.hpp). Include dtrain/checkpoint/checkpoint.hpp, not this file.
 
 #include <dtrain/checkpoint/checkpoint.hpp>
+#include <dtrain/env/variables.hpp>
 
 namespace dtrain {
 
@@ -43,16 +44,24 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
     const char* value = std::getenv(std::string(variable).c_str());
     return value != nullptr ? std::string(value) : std::string();
   };
+  const environment env = environment::from_process();
   if (const std::string dir = given(o.memory_dir.string(), memory_checkpoint_variable);
       !dir.empty()) {
+    // The round (dtrun's agent numbers them): the buddy's fence against a
+    // worker of an earlier one.
+    std::int64_t round = 0;
+    try {
+      if (const auto r = detail::read_int(env, restart_count_variable)) round = r->value;
+    } catch (const config_error& e) {
+      throw config_error("checkpoint on rank " + std::to_string(plane.rank()) + ": " + e.what());
+    }
     memory_ = std::make_unique<detail::ckpt::memory_tier>(
         context_, dir, given(o.memory_buddy, memory_buddy_variable),
-        given(o.memory_held, memory_held_variable));
+        given(o.memory_held, memory_held_variable), round);
   }
   add_values("dtrain.step", {&steps_, 1, dtype::int64, memory::host}, checkpoint_scope::replicated,
              {});
   // The metrics file: a directory that cannot take it fails now, on every rank.
-  const environment env = environment::from_process();
   std::string problem;
   if (const std::string dir = detail::metrics_setting(env, o.metrics_dir); !dir.empty()) {
     const int rank = context_.plane.rank();

@@ -163,9 +163,15 @@ struct file_record {
 /// Writes one file atomically: to PATH.part, fsync'd, then renamed to PATH by
 /// finish(). Everything written goes through the checksum. Destroyed before
 /// finish(), it removes PATH.part.
+///
+/// `in_place`: a file already at PATH (of a copy taken apart to be written
+/// again: the memory tier's) becomes PATH.part and is written over, not
+/// truncated first, and cut to its new length at finish(): in a tmpfs its
+/// pages are used again, where a new file's are allocated and zeroed (and
+/// the old one's freed), which costs more than the write itself.
 class atomic_file {
  public:
-  explicit atomic_file(std::filesystem::path path);
+  explicit atomic_file(std::filesystem::path path, bool in_place = false);
   atomic_file(const atomic_file&) = delete;
   atomic_file& operator=(const atomic_file&) = delete;
   ~atomic_file();
@@ -190,6 +196,7 @@ class atomic_file {
   std::string pending_;
   checksum64 checksum_;
   std::uint64_t bytes_ = 0;
+  bool in_place_ = false;
 };
 
 /// What a part file says about one entry.

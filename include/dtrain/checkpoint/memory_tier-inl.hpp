@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -29,11 +30,13 @@
 namespace dtrain::detail::ckpt {
 
 DTRAIN_DETAIL_INLINE memory_tier::memory_tier(tier_context& context, std::filesystem::path dir,
-                                              std::string buddy, std::string held)
+                                              std::string buddy, std::string held,
+                                              std::int64_t round)
     : tier(context),
       dir_(std::move(dir)),
       buddy_endpoint_(std::move(buddy)),
-      held_endpoint_(std::move(held)) {}
+      held_endpoint_(std::move(held)),
+      round_(round) {}
 
 DTRAIN_DETAIL_INLINE const std::vector<int>& memory_tier::node() {
   if (!node_.empty()) return node_;
@@ -73,6 +76,34 @@ DTRAIN_DETAIL_INLINE std::string memory_tier::resumed(std::uint64_t step) const 
          " (nothing read from " + context_.options.dir.string() + ")";
 }
 
+DTRAIN_DETAIL_INLINE std::filesystem::path memory_tier::spare_dir() const {
+  return dir_ / ("spare.rank-" + std::to_string(context_.plane.rank()));
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::open_staging(const pending_save& p) {
+  const std::filesystem::path spare = spare_dir();
+  std::error_code ec;
+  if (!std::filesystem::is_directory(spare, ec)) {
+    make_directory(p.partial, false);
+    return true;  // nothing to write over yet: each file is new
+  }
+  // The copy seal() set aside is this one's: its files are written over.
+  remove_checkpoint_tree(p.partial);  // a save of this step that died before
+  rename_path(spare, p.partial);
+  const std::string mine = rank_part_name(context_.plane.rank());
+  std::vector<std::filesystem::path> others;
+  for (std::filesystem::directory_iterator it(p.partial, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool written = (name == mine && !p.per_rank.records.empty()) ||
+                         (name == replicated_name && p.writes_replicated);
+    if (!written) others.push_back(it->path());  // its manifest, a part not written now
+  }
+  if (ec) fail_os("cannot list", p.partial, ec.value());
+  for (const std::filesystem::path& other : others) remove_checkpoint_tree(other);
+  return true;
+}
+
 DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
   try {
     if (!p.problem.empty()) throw checkpoint_error(p.problem);
@@ -82,10 +113,20 @@ DTRAIN_DETAIL_INLINE void memory_tier::seal(pending_save& p) {
     commit_copy(p.partial, render(m), copy_dir(p.step, context_.plane.rank()));
     context_.committed(true, p.step);
     // This rank's copies beyond the 2 newest (and any numbered after this
-    // one: an older run's), and its saves that died.
+    // one: an older run's), and its saves that died. One copy is set aside,
+    // renamed, for the next save to write over (open_staging()).
     const std::string suffix = ".rank-" + std::to_string(context_.plane.rank());
-    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix))
-      remove_checkpoint_tree(stale);
+    const std::filesystem::path spare = spare_dir();
+    std::error_code ec;
+    bool set_aside = std::filesystem::exists(spare, ec);
+    for (const std::filesystem::path& stale : stale_steps(dir_, p.step, 2, suffix)) {
+      if (!set_aside && stale.filename().string().ends_with(suffix)) {
+        rename_path(stale, spare);
+        set_aside = true;
+      } else {
+        remove_checkpoint_tree(stale);
+      }
+    }
     if (!recut_dir_.empty()) {  // loaded at the restore: the copies are newer now
       remove_checkpoint_tree(recut_dir_);
       recut_dir_.clear();
@@ -117,8 +158,9 @@ DTRAIN_DETAIL_INLINE store_client& memory_tier::open(std::optional<store_client>
   return *client;
 }
 
-DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(int rank, std::uint64_t step) {
-  return "dtrain/memory/rank-" + std::to_string(rank) + "/" + step_name(step) + "/";
+DTRAIN_DETAIL_INLINE std::string memory_tier::held_prefix(int rank, const held_copy& copy) {
+  return "dtrain/memory/rank-" + std::to_string(rank) + "/round-" + std::to_string(copy.round) +
+         "/" + step_name(copy.step) + "/";
 }
 
 DTRAIN_DETAIL_INLINE std::string memory_tier::held_list(int rank) {
@@ -140,15 +182,75 @@ inline std::string read_text(const std::filesystem::path& file) {
 }
 }  // namespace memory_detail
 
-DTRAIN_DETAIL_INLINE std::vector<std::uint64_t> memory_tier::held_steps(store_client& store,
-                                                                        int rank) {
+DTRAIN_DETAIL_INLINE memory_tier::held_value memory_tier::held_steps(store_client& store,
+                                                                     int rank) {
   const std::string key = held_list(rank);
-  std::vector<std::uint64_t> steps;
-  if (!store.check(std::span(&key, 1))) return steps;
-  for (const std::string& step : detail::split(store.get(key), ' ')) {
-    if (!step.empty()) steps.push_back(std::stoull(step));
+  held_value out;
+  if (!store.check(std::span(&key, 1))) return out;
+  out.text = store.get(key);
+  // "round <K>: <step>@<round> <step>@<round>"
+  auto number = [&](std::string_view digits) -> std::uint64_t {
+    std::uint64_t v = 0;
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+    if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size() ||
+        v > std::uint64_t{1} << 62) {
+      throw checkpoint_error("checkpoint: the store's " + key + " is \"" + out.text +
+                             "\", not \"round <K>: <step>@<round> <step>@<round>\"");
+    }
+    return v;
+  };
+  const std::string_view text = out.text;
+  const std::size_t colon = text.find(':');
+  if (!text.starts_with("round ") || colon == std::string_view::npos) number("");
+  out.round = static_cast<std::int64_t>(number(text.substr(6, colon - 6)));
+  for (const std::string& copy : detail::split(text.substr(colon + 1), ' ')) {
+    if (copy.empty()) continue;
+    const std::size_t at = copy.find('@');
+    if (at == std::string::npos) number("");
+    out.copies.push_back(
+        {number(std::string_view(copy).substr(0, at)),
+         static_cast<std::int64_t>(number(std::string_view(copy).substr(at + 1)))});
   }
-  return steps;
+  return out;
+}
+
+DTRAIN_DETAIL_INLINE bool memory_tier::name_held(store_client& store, held_value& seen,
+                                                 std::optional<std::uint64_t> step,
+                                                 std::vector<held_copy>& dropped) {
+  const std::string key = held_list(context_.plane.rank());
+  for (;;) {
+    if (seen.round > round_) return false;
+    std::vector<held_copy> kept;
+    if (step) kept.push_back({*step, round_});
+    for (const held_copy& held : seen.copies) {
+      if ((!step || held.step < *step) && kept.size() < 2) kept.push_back(held);
+    }
+    std::string desired = "round " + std::to_string(round_) + ":";
+    for (const held_copy& held : kept) {
+      desired.append(" ").append(std::to_string(held.step));
+      desired.append("@").append(std::to_string(held.round));
+    }
+    const std::string now = store.compare_set(key, seen.text, desired);
+    if (now == desired) {
+      dropped.clear();
+      for (const held_copy& held : seen.copies) {
+        if (std::ranges::find(kept, held) == kept.end()) dropped.push_back(held);
+      }
+      seen = {round_, std::move(kept), std::move(desired)};
+      return true;
+    }
+    seen = held_steps(store, context_.plane.rank());  // written meanwhile: again, from that
+  }
+}
+
+DTRAIN_DETAIL_INLINE void memory_tier::superseded(std::int64_t later) {
+  buddy_lost_ = true;
+  buddy_.reset();
+  tell("its memory copies at its buddy (" + buddy_endpoint_ +
+       ", another node's agent) are a later worker's, of round " + std::to_string(later) +
+       ", and this worker is of round " + std::to_string(round_) +
+       " (its host did not respond, and its node was replaced; or it outlived its round): it "
+       "sends no more copies there, and leaves them be (said once)");
 }
 
 DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
@@ -159,10 +261,11 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
   try {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
     // What an earlier worker of this rank left there, dropped below.
-    if (!buddy_steps_) buddy_steps_ = held_steps(store, rank);
+    if (!buddy_held_) buddy_held_ = held_steps(store, rank);
+    if (buddy_held_->round > round_) return superseded(buddy_held_->round);
     const std::string text = memory_detail::read_text(copy / manifest_name);
     const manifest m = parse_manifest(text, copy / manifest_name);
-    const std::string prefix = held_prefix(rank, step);
+    const std::string prefix = held_prefix(rank, {step, round_});
     std::string piece;
     for (const file_record& f : m.files) {
       std::ifstream in(copy / f.name, std::ios::binary);
@@ -178,26 +281,23 @@ DTRAIN_DETAIL_INLINE void memory_tier::send_to_buddy(std::uint64_t step,
     // it. The 2 newest are kept, as on the node: a rank killed in its copy
     // leaves the step before, which the others still hold.
     store.set(prefix + std::string(manifest_name), text);
-    std::vector<std::uint64_t> kept{step};
-    for (const std::uint64_t held : *buddy_steps_) {
-      if (held < step && kept.size() < 2) kept.push_back(held);
-    }
-    std::string list_text;
-    for (const std::uint64_t held : kept)
-      list_text += (list_text.empty() ? "" : " ") + std::to_string(held);
-    store.set(held_list(rank), list_text);
-    for (const std::uint64_t gone : std::exchange(*buddy_steps_, kept)) {
-      if (std::ranges::find(kept, gone) != kept.end()) continue;
+    // Not named: a later worker holds the list, and what this one sent is
+    // no one's (its keys are its own: held_prefix has its round).
+    std::vector<held_copy> dropped;
+    const bool named = name_held(store, *buddy_held_, step, dropped);
+    if (!named) dropped = {{step, round_}};
+    for (const held_copy& gone : dropped) {
       const std::string old = held_prefix(rank, gone);
       const std::string key = old + std::string(manifest_name);
       if (!store.check(std::span(&key, 1))) continue;
-      const manifest dropped = parse_manifest(store.get(key), key);
+      const manifest dropped_copy = parse_manifest(store.get(key), key);
       store.erase(key);
-      for (const file_record& f : dropped.files) {
+      for (const file_record& f : dropped_copy.files) {
         for (std::uint64_t i = 0; i * piece_bytes < f.bytes; ++i)
           store.erase(memory_detail::piece_key(old, f.name, i));
       }
     }
+    if (!named) superseded(buddy_held_->round);  // closes `store`: last
   } catch (const std::exception& e) {
     buddy_lost_ = true;
     buddy_.reset();
@@ -215,16 +315,23 @@ DTRAIN_DETAIL_INLINE std::int64_t memory_tier::take_from_buddy(std::int64_t floo
   std::filesystem::path partial;
   try {
     store_client& store = open(buddy_, buddy_endpoint_, "memory_buddy");
-    buddy_steps_ = held_steps(store, rank);
+    buddy_held_ = held_steps(store, rank);
+    // The list is this worker's round's from now on: a worker of an earlier
+    // round that wakes cannot name its copies there any more.
+    std::vector<held_copy> unchanged;
+    if (!name_held(store, *buddy_held_, std::nullopt, unchanged)) {
+      superseded(buddy_held_->round);
+      return -1;
+    }
     // Only copies newer than this node's newest (none for a new node; a
     // worker restarted on its node has its own) and than the disk's (a
     // node back after a round without it finds its old ones there).
     const auto own = committed_steps(dir_, ".rank-" + std::to_string(rank));
-    for (const std::uint64_t held : *buddy_steps_) {
+    for (const auto& [held, by] : buddy_held_->copies) {
       step = held;
       if ((!own.empty() && own.front().first >= held) || static_cast<std::int64_t>(held) < floor)
         continue;
-      const std::string prefix = held_prefix(rank, held);
+      const std::string prefix = held_prefix(rank, {held, by});
       const std::string text = store.get(prefix + std::string(manifest_name));
       const manifest m = parse_manifest(text, prefix + std::string(manifest_name));
       // Of a round of another size (an elastic job's): not this rank's to
@@ -655,8 +762,9 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
   // job's size, its rank): its node's, and those its agent holds for the
   // node before it.
   struct reached {
-    std::filesystem::path copy;  // in dir_; empty: at the agent (held_prefix)
+    std::filesystem::path copy;  // in dir_; empty: at the agent, under `prefix` (held_prefix())
     manifest m;
+    std::string prefix{};
   };
   std::map<std::pair<std::uint64_t, int>, std::map<int, reached>, std::greater<>> seen;
   for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
@@ -685,11 +793,12 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
     try {
       store_client& store = open(held_, held_endpoint_, "memory_held");
       for (int r = 0; r < widest; ++r) {
-        for (const std::uint64_t step : held_steps(store, r)) {
-          const std::string key = held_prefix(r, step) + std::string(manifest_name);
+        for (const held_copy& held : held_steps(store, r).copies) {
+          std::string prefix = held_prefix(r, held);
+          const std::string key = prefix + std::string(manifest_name);
           manifest m = parse_manifest(store.get(key), key);
           auto& at = seen[{m.step, m.world_size}];
-          if (!at.contains(r)) at[r] = {{}, std::move(m)};
+          if (!at.contains(r)) at[r] = {{}, std::move(m), std::move(prefix)};
         }
       }
     } catch (const std::exception& e) {
@@ -799,7 +908,7 @@ DTRAIN_DETAIL_INLINE memory_tier::recut_result memory_tier::recut(std::int64_t f
       throw checkpoint_error("the copy of rank " + std::to_string(r) + " lists no " + name);
     return held_source(
         [this]() -> store_client& { return open(held_, held_endpoint_, "memory_held"); },
-        held_prefix(r, step), *record);
+        copy.prefix, *record);
   };
   manifest assembled{step, world, {}};
   std::uint64_t sent = 0;

@@ -6,6 +6,10 @@
 /// own copy, `step-<N>.rank-<R>` (its part, the node's first rank's with the
 /// replicated part, and a manifest), without the other ranks, and keeps its
 /// 2 newest. A restore takes the newest step that every rank holds whole.
+/// The copy older than those is not freed but set aside (`spare.rank-<R>`)
+/// and written over by the next save: its pages are mapped already, and
+/// a tmpfs file made anew costs more than the copy's bytes (the node holds
+/// 3 copies of each rank's state, as it does during a save without this).
 ///
 /// Per-rank state (a ZeRO rank's shard, a program's own) is lost with its
 /// node: with a buddy (checkpoint_options::memory_buddy, which dtrun sets to
@@ -35,9 +39,11 @@ namespace dtrain::detail::ckpt {
 class memory_tier final : public tier {
  public:
   /// Copies in `dir`, one per node; `buddy` (HOST:PORT, or empty) the store
-  /// on another node that holds this rank's 2 newest copies.
-  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy,
-              std::string held);
+  /// on another node that holds this rank's 2 newest copies; `round` this
+  /// worker's (DTRAIN_RESTART_COUNT: the buddy takes no copy from a worker
+  /// of a round before the one that wrote there last).
+  memory_tier(tier_context& context, std::filesystem::path dir, std::string buddy, std::string held,
+              std::int64_t round);
   ~memory_tier() override { complete(); }
 
   [[nodiscard]] std::filesystem::path staging(std::uint64_t step) const override;
@@ -65,8 +71,11 @@ class memory_tier final : public tier {
   [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
 
  protected:
+  /// Writes into the copy seal() set aside, when there is one, in place.
+  bool open_staging(const pending_save& p) override;
   /// The copy's manifest, its commit (the rename), and this rank's copies
-  /// beyond the 2 newest removed; a copy that fails is removed.
+  /// beyond the 2 newest removed, but one, set aside for the next save to
+  /// write over; a copy that fails is removed.
   void seal(pending_save& p) override;
   /// Joins the writer; what it could not do is counted and said once, not thrown.
   void finish(std::unique_ptr<pending_save> p, bool next_save) override;
@@ -75,6 +84,9 @@ class memory_tier final : public tier {
   /// The ranks that share this rank's directory (its node: the same host
   /// and directory), found once by every rank together.
   const std::vector<int>& node();
+  /// Where seal() sets aside a copy for the next save: `DIR/spare.rank-<R>`
+  /// (never read as a copy).
+  [[nodiscard]] std::filesystem::path spare_dir() const;
   /// Rank `rank`'s copy of `step`: `DIR/step-<N>.rank-<R>`.
   [[nodiscard]] std::filesystem::path copy_dir(std::uint64_t step, int rank) const;
   /// This rank's 2 newest copies that check out (its own and its node's
@@ -99,13 +111,41 @@ class memory_tier final : public tier {
   /// first use, within 5 s.
   static store_client& open(std::optional<store_client>& client, const std::string& endpoint,
                             std::string_view option);
-  /// An agent's keys of rank `rank`'s copy of `step`: "dtrain/memory/rank-R/step-N/".
-  [[nodiscard]] static std::string held_prefix(int rank, std::uint64_t step);
-  /// An agent's key that lists the steps it holds of rank `rank`, newest
-  /// first ("41 40": its 2 newest whole copies).
+  /// A copy an agent holds: its step, and the round of the worker that sent it.
+  struct held_copy {
+    std::uint64_t step = 0;
+    std::int64_t round = 0;
+    bool operator==(const held_copy&) const = default;
+  };
+  /// An agent's keys of rank `rank`'s copy `copy`:
+  /// "dtrain/memory/rank-R/round-K/step-N/" (each worker's its own).
+  [[nodiscard]] static std::string held_prefix(int rank, const held_copy& copy);
+  /// An agent's key that lists the copies it holds of rank `rank`, newest
+  /// first, after the round of the worker that wrote it last ("round 3:
+  /// 41@3 40@2": its 2 newest whole copies, each step@round).
   [[nodiscard]] static std::string held_list(int rank);
-  /// What `store` holds of rank `rank` (held_list's list).
-  static std::vector<std::uint64_t> held_steps(store_client& store, int rank);
+  /// held_list's value, as read (`text` empty: there is none).
+  struct held_value {
+    std::int64_t round = -1;
+    std::vector<held_copy> copies;
+    std::string text;
+  };
+  /// What `store` holds of rank `rank` (held_list's list); a list that does
+  /// not parse is a checkpoint_error naming it.
+  static held_value held_steps(store_client& store, int rank);
+  /// Writes this rank's list at its buddy, under this worker's round:
+  /// `step` (sent by this worker) first (nullopt: the copies it names
+  /// already), then the newest below it that the list names, unless the list is of a later round
+  /// (a newer worker of this rank wrote it: then false, and nothing is
+  /// written). A compare-and-set from `seen` (the list as this rank last
+  /// read or wrote it, updated), so that a worker of an earlier round that
+  /// wakes (its host was frozen, and replaced) cannot write over it.
+  /// `dropped`: the copies the list named before and no longer does.
+  bool name_held(store_client& store, held_value& seen, std::optional<std::uint64_t> step,
+                 std::vector<held_copy>& dropped);
+  /// Says once that this worker's copies at its buddy are a later round's
+  /// (`later`), and sends no more.
+  void superseded(std::int64_t later);
   /// Where `copy` (of `step`) was committed (seal()): sends it to
   /// the buddy (its files in pieces, then its manifest, then the list of
   /// the steps held) and drops the one that leaves the 2 newest. A failure is said once, and no
@@ -126,7 +166,7 @@ class memory_tier final : public tier {
   };
   /// The part `name` of the copy in `copy`, with its job's size as `extra`.
   static part_source file_source(const std::filesystem::path& copy, const std::string& name);
-  /// The part `record` of a copy an agent holds at `prefix` (held_prefix),
+  /// The part `record` of a copy an agent holds at `prefix` (held_prefix()),
   /// read through `store` (connected at first use).
   static part_source held_source(std::function<store_client&()> store, std::string prefix,
                                  const file_record& record);
@@ -164,9 +204,10 @@ class memory_tier final : public tier {
   std::map<std::uint64_t, std::filesystem::path> replicated_copy_;  // usable_replicated()'s
   std::string buddy_endpoint_;                                      // HOST:PORT; empty: none
   std::optional<store_client> buddy_;                               // connected at first use
-  bool buddy_lost_ = false;                                // a send failed: none is tried again
-  std::optional<std::vector<std::uint64_t>> buddy_steps_;  // what the buddy holds of this rank
-  std::string held_endpoint_;  // HOST:PORT of this node's agent's store; empty: none
+  bool buddy_lost_ = false;               // a send failed: none is tried again
+  std::optional<held_value> buddy_held_;  // what the buddy holds of this rank, as last seen
+  std::string held_endpoint_;             // HOST:PORT of this node's agent's store; empty: none
+  std::int64_t round_ = 0;                // this worker's (DTRAIN_RESTART_COUNT)
   std::optional<store_client> held_;
   std::filesystem::path recut_dir_;  // recut()'s assembly, until the next copy
 };

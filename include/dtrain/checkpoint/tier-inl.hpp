@@ -62,8 +62,9 @@ DTRAIN_DETAIL_INLINE void tier_context::broadcast_value(std::int64_t& value) {
 }
 
 namespace tier_detail {
-inline file_record write_part(const std::filesystem::path& path, const part_snapshot& part) {
-  atomic_file file(path);
+inline file_record write_part(const std::filesystem::path& path, const part_snapshot& part,
+                              bool in_place) {
+  atomic_file file(path, in_place);
   write_part_header(file, static_cast<std::uint32_t>(part.records.size()));
   for (const part_record& r : part.records) {
     write_entry(file, r.name, r.kind, r.type, r.shape, r.data, r.bytes);
@@ -77,14 +78,15 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
   if (!pending_->problem.empty()) return;
   auto job = [this, &p = *pending_, rank = context_.plane.rank()] {
     try {
-      // A save of this step that died before may have left the directory:
-      // its files are overwritten, and the manifest lists only this save's.
-      make_directory(p.partial, false);
+      const bool in_place = open_staging(p);
       if (!p.per_rank.records.empty()) {
-        p.per_rank_file = tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank);
+        p.per_rank_file =
+            tier_detail::write_part(p.partial / rank_part_name(rank), p.per_rank, in_place);
       }
-      if (p.writes_replicated)
-        p.replicated_file = tier_detail::write_part(p.partial / replicated_name, p.replicated);
+      if (p.writes_replicated) {
+        p.replicated_file =
+            tier_detail::write_part(p.partial / replicated_name, p.replicated, in_place);
+      }
     } catch (const std::exception& e) {
       p.problem = e.what();
     }
@@ -95,6 +97,13 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
   } else {
     job();
   }
+}
+
+DTRAIN_DETAIL_INLINE bool tier::open_staging(const pending_save& p) {
+  // A save of this step that died before may have left the directory:
+  // its files are overwritten, and the manifest lists only this save's.
+  make_directory(p.partial, false);
+  return false;
 }
 
 DTRAIN_DETAIL_INLINE double tier::join_writer(pending_save& p) {

@@ -114,6 +114,10 @@ class tier {
   [[nodiscard]] virtual std::string resumed(std::uint64_t step) const = 0;
 
  protected:
+  /// On the writer's thread, before this rank's parts of `p` are written:
+  /// makes p.partial, and says whether files there are written over in
+  /// place (atomic_file's `in_place`) rather than made anew.
+  virtual bool open_staging(const pending_save& p);
   /// After this rank's parts of `p` are written, or failed (p.problem), on
   /// the writer's thread: what the tier does alone (a memory copy commits here).
   virtual void seal(pending_save& p) { static_cast<void>(p); }
