@@ -5226,6 +5226,9 @@ class store_client {
   static std::string key_list(std::span<const std::string> keys);
 
   static std::string lease_body(std::string_view key, std::string_view value);
+  // The request of compare_set(), which reopen() sends too.
+  static std::string compare_set_body(std::string_view key, std::string_view expected,
+                                      std::string_view desired);
 
   using steady = std::chrono::steady_clock;
 
@@ -5329,9 +5332,8 @@ DTRAIN_DETAIL_INLINE std::int64_t store_client::add(std::string_view key, std::i
 DTRAIN_DETAIL_INLINE std::string store_client::compare_set(std::string_view key,
                                                            std::string_view expected,
                                                            std::string_view desired) {
-  std::string body = begin(detail::wire::op::compare_set);
-  detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
-  auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+  auto reply = call(compare_set_body(key, expected, desired), milliseconds(0),
+                    "compare_set(\"" + std::string(key) + "\")");
   detail::wire::reader r(*reply);
   return std::string(r.bytes32("value", UINT32_MAX));
 }
@@ -5372,6 +5374,14 @@ DTRAIN_DETAIL_INLINE std::string store_client::lease_body(std::string_view key,
   detail::wire::writer w(body);
   w.bytes32(key);
   w.bytes32(value);
+  return body;
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::compare_set_body(std::string_view key,
+                                                                std::string_view expected,
+                                                                std::string_view desired) {
+  std::string body = begin(detail::wire::op::compare_set);
+  detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
   return body;
 }
 
@@ -5610,9 +5620,7 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
     for (auto it = leases_.begin(); it != leases_.end();) {
       const auto& [key, value] = *it;
       const std::string what_key = "lease(\"" + key + "\")";
-      std::string claim = begin(detail::wire::op::compare_set);
-      detail::wire::writer(claim).bytes32(key).bytes32("").bytes32(value);
-      const auto now = exchange(claim, milliseconds(0), what_key);
+      const auto now = exchange(compare_set_body(key, "", value), milliseconds(0), what_key);
       if (detail::wire::reader(*now).bytes32("value", UINT32_MAX) != value) {
         it = leases_.erase(it);
         continue;
@@ -31924,13 +31932,12 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        "; 0 (automatic) or more");
   }
   if (o.copy_threads == 0) context_.options.copy_threads = 1;
-  // The memory tier's places: an option, else the variable dtrun's agent sets.
-  auto given = [](const std::string& option, std::string_view variable) {
-    if (!option.empty()) return option;
-    const char* value = std::getenv(std::string(variable).c_str());
-    return value != nullptr ? std::string(value) : std::string();
-  };
   const environment env = environment::from_process();
+  // The memory tier's places: an option, else the variable dtrun's agent sets.
+  auto given = [&env](const std::string& option, std::string_view variable) {
+    if (!option.empty()) return option;
+    return std::string(env.get(variable).value_or(""));
+  };
   if (const std::string dir = given(o.memory_dir.string(), memory_checkpoint_variable);
       !dir.empty()) {
     // The round (dtrun's agent numbers them): the buddy's fence against a

@@ -38,13 +38,12 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        "; 0 (automatic) or more");
   }
   if (o.copy_threads == 0) context_.options.copy_threads = 1;
-  // The memory tier's places: an option, else the variable dtrun's agent sets.
-  auto given = [](const std::string& option, std::string_view variable) {
-    if (!option.empty()) return option;
-    const char* value = std::getenv(std::string(variable).c_str());
-    return value != nullptr ? std::string(value) : std::string();
-  };
   const environment env = environment::from_process();
+  // The memory tier's places: an option, else the variable dtrun's agent sets.
+  auto given = [&env](const std::string& option, std::string_view variable) {
+    if (!option.empty()) return option;
+    return std::string(env.get(variable).value_or(""));
+  };
   if (const std::string dir = given(o.memory_dir.string(), memory_checkpoint_variable);
       !dir.empty()) {
     // The round (dtrun's agent numbers them): the buddy's fence against a

@@ -37,9 +37,8 @@ DTRAIN_DETAIL_INLINE std::int64_t store_client::add(std::string_view key, std::i
 DTRAIN_DETAIL_INLINE std::string store_client::compare_set(std::string_view key,
                                                            std::string_view expected,
                                                            std::string_view desired) {
-  std::string body = begin(detail::wire::op::compare_set);
-  detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
-  auto reply = call(body, milliseconds(0), "compare_set(\"" + std::string(key) + "\")");
+  auto reply = call(compare_set_body(key, expected, desired), milliseconds(0),
+                    "compare_set(\"" + std::string(key) + "\")");
   detail::wire::reader r(*reply);
   return std::string(r.bytes32("value", UINT32_MAX));
 }
@@ -80,6 +79,14 @@ DTRAIN_DETAIL_INLINE std::string store_client::lease_body(std::string_view key,
   detail::wire::writer w(body);
   w.bytes32(key);
   w.bytes32(value);
+  return body;
+}
+
+DTRAIN_DETAIL_INLINE std::string store_client::compare_set_body(std::string_view key,
+                                                                std::string_view expected,
+                                                                std::string_view desired) {
+  std::string body = begin(detail::wire::op::compare_set);
+  detail::wire::writer(body).bytes32(key).bytes32(expected).bytes32(desired);
   return body;
 }
 
@@ -318,9 +325,7 @@ DTRAIN_DETAIL_INLINE void store_client::reopen(const std::string& what) {
     for (auto it = leases_.begin(); it != leases_.end();) {
       const auto& [key, value] = *it;
       const std::string what_key = "lease(\"" + key + "\")";
-      std::string claim = begin(detail::wire::op::compare_set);
-      detail::wire::writer(claim).bytes32(key).bytes32("").bytes32(value);
-      const auto now = exchange(claim, milliseconds(0), what_key);
+      const auto now = exchange(compare_set_body(key, "", value), milliseconds(0), what_key);
       if (detail::wire::reader(*now).bytes32("value", UINT32_MAX) != value) {
         it = leases_.erase(it);
         continue;

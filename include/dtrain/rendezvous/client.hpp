@@ -129,6 +129,9 @@ class store_client {
   static std::string key_list(std::span<const std::string> keys);
 
   static std::string lease_body(std::string_view key, std::string_view value);
+  // The request of compare_set(), which reopen() sends too.
+  static std::string compare_set_body(std::string_view key, std::string_view expected,
+                                      std::string_view desired);
 
   using steady = std::chrono::steady_clock;
 
