@@ -8,7 +8,8 @@
       are offset by the hosts' boot times.
   tools/timeline.py render trace.rank*.json -o docs/timeline.png [--steps A:B]
       a Perfetto-like picture with matplotlib: ranks as groups, the training
-      and communication threads and the bucket spans as rows, spans as bars
+      and communication threads (and the device track, on CUDA streams) and
+      the bucket spans as rows, spans as bars
       with their names; --steps picks the steps shown (default: the 3 after
       the first 2). Needs matplotlib (Debian: python3-matplotlib).
 """
@@ -17,7 +18,7 @@ import json
 import sys
 
 COLOURS = {"step": "#c9d7ee", "mark_ready": "#f2a65a", "synchronize": "#9ccc65",
-           "bucket": "#5c9bd6", "wait": "#e57373"}
+           "bucket": "#5c9bd6", "wait": "#e57373", "device": "#8e7cc3"}
 
 
 def load(paths):
@@ -58,7 +59,9 @@ def render(args):
     rows = []  # (label, [(start, duration, name, category, depth)])
     for rank in ranks:
         mine = [e for e in events if e["pid"] == rank]
-        for tid, label in ((1, "training"), (2, "communication")):
+        for tid, label in ((1, "training"), (2, "communication"), (3, "device")):
+            if tid == 3 and not any(e.get("tid") == 3 for e in mine):
+                continue  # device time: CUDA streams only
             spans = [e for e in mine if e["ph"] == "X" and e["tid"] == tid
                      and e["ts"] + e["dur"] >= t0 and e["ts"] <= t1]
             spans.sort(key=lambda e: (e["ts"], -e["dur"]))

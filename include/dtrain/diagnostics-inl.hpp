@@ -97,7 +97,7 @@ DTRAIN_DETAIL_INLINE std::string rank_diagnostics::explain(const std::string& re
     const std::string why = wire::decode_text(
         "store key " + store_.prefix() + reason_key,
         store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
-    publish(round, reason);
+    publish(round);
     const desync_report report = analyse_job(gather(round));
     const std::string header = "collective diagnostics, round " + std::to_string(round) +
                                ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
@@ -143,8 +143,7 @@ DTRAIN_DETAIL_INLINE std::int64_t rank_diagnostics::join_round() {
   return next;
 }
 
-DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round, const std::string& reason) {
-  record(reason);
+DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round) {
   store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
   published_ = std::max(published_.load(), round);
 }
@@ -214,7 +213,10 @@ DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
     if (!store_ok) continue;
     try {
       const std::int64_t round = store_.add("round", 0);
-      if (round > published_) publish(round, "");
+      if (round > published_) {
+        record("");  // another rank's round: this rank's flight record too
+        publish(round);
+      }
     } catch (const std::exception&) {
       store_ok = false;
     }

@@ -115,11 +115,12 @@ class rank_diagnostics {
   // The open round, or a new one; one rank opens each round, the others join it.
   std::int64_t join_round();
 
-  // Publishes this rank's rings for `round`, and writes its flight record
-  // (`reason`: why this rank asked; empty when it answers another's round).
-  void publish(std::int64_t round, const std::string& reason);
+  // Publishes this rank's rings for `round` (its flight record is written
+  // before, once: by explain() with its reason, by serve() for another's round).
+  void publish(std::int64_t round);
 
-  // Writes the flight record, when a directory is set; a failure is said once.
+  // Writes the flight record, when a directory is set (`reason`: why this
+  // rank asked; empty when it answers another's round); a failure is said once.
   void record(const std::string& reason) noexcept;
 
   // Every rank's ring that arrives within the wait; the others did not answer.

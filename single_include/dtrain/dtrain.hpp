@@ -2281,6 +2281,7 @@ DTRAIN_DETAIL_INLINE std::string describe_collective(const signature& s) {
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace dtrain::detail {
 
@@ -2366,6 +2367,9 @@ struct cuda_library {
     return ::cudaEventRecord(event, stream);
   }
   static cudaError_t cudaEventQuery(cudaEvent_t event) { return ::cudaEventQuery(event); }
+  static cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+    return ::cudaEventElapsedTime(ms, start, end);
+  }
   static cudaError_t cudaMalloc(void** data, std::size_t bytes) {
     return ::cudaMalloc(data, bytes);
   }
@@ -2501,6 +2505,80 @@ class basic_device_guard {
   bool switched_ = false;
 };
 using device_guard = basic_device_guard<>;
+
+/// Device time for DistributedDataParallel's timeline (DTRAIN_TIMELINE):
+/// timing events, recorded on the caller's streams or on a stream of the
+/// timer's own that waits for a collective's completion event (so that the
+/// completion is timed without the compute stream waiting for it). Events are
+/// pooled; every call runs with `device` current. For one thread (the one that
+/// enqueues DDP's buckets).
+template <class Api = cuda_library>
+class basic_device_timer {
+ public:
+  using stream_type = cudaStream_t;
+  using event = cudaEvent_t;
+
+  explicit basic_device_timer(int device) : device_(device) {
+    basic_device_guard<Api> guard(device_);
+    stream_ = basic_cuda_stream<Api>::non_blocking();
+  }
+  basic_device_timer(const basic_device_timer&) = delete;
+  basic_device_timer& operator=(const basic_device_timer&) = delete;
+  /// Events still out (not given back) are the caller's to release first.
+  ~basic_device_timer() {
+    basic_device_guard<Api> guard(device_, std::nothrow);
+    for (event e : free_) (void)Api::cudaEventDestroy(e);
+  }
+
+  /// The timer's own stream, for work::stream_wait().
+  [[nodiscard]] stream_type stream() const noexcept { return stream_.get(); }
+
+  /// A timing event recorded on `on` now: the device reaches it once
+  /// everything enqueued there before it is done.
+  [[nodiscard]] event record(stream_type on) {
+    basic_device_guard<Api> guard(device_);
+    event e = nullptr;
+    if (free_.empty()) {
+      DTRAIN_CUDA_CHECK(Api::cudaEventCreateWithFlags(&e, cudaEventDefault));
+    } else {
+      e = free_.back();
+      free_.pop_back();
+    }
+    const cudaError_t status = Api::cudaEventRecord(e, on);
+    if (status != cudaSuccess) {
+      free_.push_back(e);
+      throw_cuda_error(status, "cudaEventRecord(event, stream)", __FILE__, __LINE__);
+    }
+    return e;
+  }
+  /// Whether the device reached `e` (never blocks).
+  [[nodiscard]] bool reached(event e) {
+    basic_device_guard<Api> guard(device_);
+    const cudaError_t status = Api::cudaEventQuery(e);
+    if (status == cudaErrorNotReady) return false;
+    if (status != cudaSuccess)
+      throw_cuda_error(status, "cudaEventQuery(event)", __FILE__, __LINE__);
+    return true;
+  }
+  /// Nanoseconds on the device's clock from `from` to `to`, both reached
+  /// (about 0.5 us resolution; negative when `to` came first).
+  [[nodiscard]] double elapsed_ns(event from, event to) {
+    basic_device_guard<Api> guard(device_);
+    float ms = 0;
+    DTRAIN_CUDA_CHECK(Api::cudaEventElapsedTime(&ms, from, to));
+    return static_cast<double>(ms) * 1e6;
+  }
+  /// Gives `e` back to the pool.
+  void release(event e) noexcept {
+    if (e) free_.push_back(e);
+  }
+
+ private:
+  int device_;
+  basic_cuda_stream<Api> stream_;
+  std::vector<event> free_;
+};
+using device_timer = basic_device_timer<>;
 
 /// Pinned (page-locked) host blocks for staging device buffers through host
 /// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens
@@ -6740,6 +6818,8 @@ struct cuda_memory {
   static constexpr memory where = memory::device;
   /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
   static constexpr bool on_stream = true;
+  /// The timeline's device time (timing events; a stream that waits for collectives).
+  using device_timer = detail::device_timer;
 
   /// Stream-ordered: allocated on `stream` (cudaMallocAsync where the device
   /// has memory pools, else cudaMalloc), then zeroed there (never on the
@@ -11503,8 +11583,9 @@ struct ddp_options {
   /// engine's path with one GPU).
   bool always_reduce = false;
   /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
-  /// the waits in synchronize()) goes to this file, the rank inserted
-  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
+  /// the waits in synchronize(); on CUDA streams each bucket's device time)
+  /// goes to this file, the rank inserted (trace.json -> trace.rank0.json);
+  /// empty: none. DTRAIN_TIMELINE wins.
   std::string timeline = {};
   /// A directory where each rank writes its metrics (dtrain_rank<R>.prom, the
   /// Prometheus text format that node-exporter's textfile collector reads) at
@@ -11929,6 +12010,1159 @@ DTRAIN_DETAIL_INLINE std::vector<std::size_t> agree_on_order(control_plane& cont
 /// users' translation units (GCC instantiates in-class members of an extern
 /// template at -O2 anyway, out-of-class ones not).
 
+// ---- begin dtrain/ddp/device_spans.hpp ----
+/// @file
+/// Device time in DistributedDataParallel's timeline, for memory spaces on
+/// streams that name a `device_timer` (CUDA's: backend/cuda.hpp; the tests'
+/// fakes have their own). The host only enqueues a bucket's collective, so a
+/// span the host closes ends before the device has done anything. Here each
+/// bucket gets a span on the timeline's device track, from the point its
+/// gradients are ready on the compute stream (an event recorded there when it
+/// is launched) to the completion of its collective (an event recorded on the
+/// timer's own stream after work::stream_wait(): the compute stream waits for
+/// nothing more than before). The events are read without blocking the step
+/// (polled at each synchronize()) and waited for, one second at most, only
+/// when the timeline is written.
+///
+/// The clock: a device times its events relative to each other
+/// (cudaEventElapsedTime). At start-up, an event reached on an idle stream ties
+/// them to the host's steady clock (timeline::now()), within the time the host
+/// took to see it reached (the best of a few tries: the uncertainty the file
+/// states). Each resolved span moves that reference forward to its own start
+/// event, so that the intervals measured stay short (a float's milliseconds
+/// keep their precision). Two bounds hold the mapping against drift between
+/// the clocks: an event cannot be reached before the host recorded it, nor
+/// after the host saw it reached; a time mapped outside them moves the
+/// reference by the difference.
+
+// ---- begin dtrain/ddp/timeline.hpp ----
+/// @file
+/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
+/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
+/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
+/// On CUDA streams a third track holds device time: each bucket from the
+/// point its gradients are ready on the compute stream to its collective's
+/// completion (ddp/device_spans.hpp times them), on the host's clock.
+/// Off, a recorder is one null pointer: no allocation and no clock read, one
+/// branch per recording point. On, spans go into a buffer per track, each
+/// with its own (uncontended: one thread per track) mutex, and the file is
+/// written at the end, so nothing is formatted or written during a step.
+
+// ---- begin dtrain/detail/json.hpp ----
+/// @file
+/// A small strict JSON reader (RFC 8259) for TF_CONFIG, and a string writer
+/// for the files dtrain writes. A whole JSON library as a dependency of a
+/// single-header library, for one variable, is not worth it.
+/// Errors are config_errors that quote the input's name and the position.
+
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dtrain::detail::json {
+
+struct member;
+
+/// A parsed JSON value. Numbers keep their text; as_index() reads the integers
+/// that TF_CONFIG needs without a round trip through double.
+struct value {
+  enum class kind { null, boolean, number, string, array, object };
+
+  kind type = kind::null;
+  bool boolean = false;
+  std::string text;  // the string's content, or the number as written
+  std::vector<value> items;
+  std::vector<member> members;  // in document order; keys are unique
+
+  [[nodiscard]] const value* find(std::string_view key) const;
+  [[nodiscard]] bool is(kind k) const noexcept { return type == k; }
+};
+
+struct member {
+  std::string key;
+  value val;
+};
+
+/// The name of a kind, for messages ("expected an array, found a string").
+DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k);
+
+namespace impl {
+
+class reader {
+ public:
+  reader(std::string_view text, std::string_view what) : text_(text), what_(what) {}
+
+  value document();
+
+ private:
+  static constexpr int max_depth = 64;
+
+  [[noreturn]] void fail(const std::string& why) const;
+
+  void skip_blanks();
+
+  bool at_end() const { return pos_ >= text_.size(); }
+  char peek() const { return text_[pos_]; }
+
+  void expect_word(std::string_view word);
+
+  value parse_value(int depth);
+
+  void parse_object(value& v, int depth);
+
+  void parse_array(value& v, int depth);
+
+  std::string parse_number();
+
+  unsigned read_hex4();
+
+  static void append_utf8(std::string& out, std::uint32_t cp);
+
+  std::string parse_string();
+
+  std::string_view text_;
+  std::string_view what_;
+  std::size_t pos_ = 0;
+};
+
+}  // namespace impl
+
+/// Parses one JSON document. `what` names the input in messages ("TF_CONFIG").
+/// Throws config_error quoting the offset, line and column of the first error.
+inline value parse(std::string_view text, std::string_view what) {
+  return impl::reader(text, what).document();
+}
+
+/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
+/// files dtrain writes, such as the DDP timeline).
+DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text);
+
+}  // namespace dtrain::detail::json
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/detail/json-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/detail/json.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/detail/json.hpp, not this file.
+
+
+namespace dtrain::detail::json {
+
+DTRAIN_DETAIL_INLINE const value* value::find(std::string_view key) const {
+  for (const auto& m : members) {
+    if (m.key == key) return &m.val;
+  }
+  return nullptr;
+}
+
+DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k) {
+  switch (k) {
+    case value::kind::null: return "null";
+    case value::kind::boolean: return "a boolean";
+    case value::kind::number: return "a number";
+    case value::kind::string: return "a string";
+    case value::kind::array: return "an array";
+    case value::kind::object: return "an object";
+  }
+  return "a value";
+}
+}  // namespace dtrain::detail::json
+
+namespace dtrain::detail::json {
+namespace impl {
+
+DTRAIN_DETAIL_INLINE value reader::document() {
+  skip_blanks();
+  value v = parse_value(0);
+  skip_blanks();
+  if (pos_ != text_.size()) fail("unexpected text after the JSON value");
+  return v;
+}
+
+DTRAIN_DETAIL_INLINE void reader::fail(const std::string& why) const {
+  std::size_t line = 1, column = 1;
+  for (std::size_t i = 0; i < pos_ && i < text_.size(); ++i) {
+    if (text_[i] == '\n') {
+      ++line;
+      column = 1;
+    } else {
+      ++column;
+    }
+  }
+  std::string near(text_.substr(pos_ < text_.size() ? pos_ : text_.size(), 16));
+  for (char& c : near) {
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+  }
+  throw config_error(
+      std::string(what_) + " is not valid JSON: " + why + " at offset " + std::to_string(pos_) +
+      " (line " + std::to_string(line) + ", column " + std::to_string(column) + ")" +
+      (near.empty() ? std::string(", at the end of the text") : ", near '" + near + "'"));
+}
+
+DTRAIN_DETAIL_INLINE void reader::skip_blanks() {
+  while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' ||
+                                 text_[pos_] == '\r')) {
+    ++pos_;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void reader::expect_word(std::string_view word) {
+  if (text_.substr(pos_, word.size()) != word) fail("expected '" + std::string(word) + "'");
+  pos_ += word.size();
+}
+
+DTRAIN_DETAIL_INLINE value reader::parse_value(int depth) {
+  if (depth > max_depth) fail("nesting deeper than " + std::to_string(max_depth) + " levels");
+  if (at_end()) fail("expected a value");
+  value v;
+  switch (peek()) {
+    case '{': parse_object(v, depth); break;
+    case '[': parse_array(v, depth); break;
+    case '"':
+      v.type = value::kind::string;
+      v.text = parse_string();
+      break;
+    case 't':
+      expect_word("true");
+      v.type = value::kind::boolean;
+      v.boolean = true;
+      break;
+    case 'f':
+      expect_word("false");
+      v.type = value::kind::boolean;
+      break;
+    case 'n': expect_word("null"); break;
+    default:
+      if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
+        v.type = value::kind::number;
+        v.text = parse_number();
+      } else {
+        fail("expected a value");
+      }
+  }
+  return v;
+}
+
+DTRAIN_DETAIL_INLINE void reader::parse_object(value& v, int depth) {
+  v.type = value::kind::object;
+  ++pos_;  // '{'
+  skip_blanks();
+  if (!at_end() && peek() == '}') {
+    ++pos_;
+    return;
+  }
+  for (;;) {
+    skip_blanks();
+    if (at_end() || peek() != '"') fail("expected a string key");
+    std::size_t key_pos = pos_;
+    std::string key = parse_string();
+    if (v.find(key) != nullptr) {
+      pos_ = key_pos;
+      fail("duplicate key \"" + key + "\"");
+    }
+    skip_blanks();
+    if (at_end() || peek() != ':') fail("expected ':' after an object key");
+    ++pos_;
+    skip_blanks();
+    value item = parse_value(depth + 1);
+    v.members.push_back(member{std::move(key), std::move(item)});
+    skip_blanks();
+    if (at_end()) fail("expected ',' or '}'");
+    if (peek() == ',') {
+      ++pos_;
+      continue;
+    }
+    if (peek() == '}') {
+      ++pos_;
+      return;
+    }
+    fail("expected ',' or '}'");
+  }
+}
+
+DTRAIN_DETAIL_INLINE void reader::parse_array(value& v, int depth) {
+  v.type = value::kind::array;
+  ++pos_;  // '['
+  skip_blanks();
+  if (!at_end() && peek() == ']') {
+    ++pos_;
+    return;
+  }
+  for (;;) {
+    skip_blanks();
+    v.items.push_back(parse_value(depth + 1));
+    skip_blanks();
+    if (at_end()) fail("expected ',' or ']'");
+    if (peek() == ',') {
+      ++pos_;
+      continue;
+    }
+    if (peek() == ']') {
+      ++pos_;
+      return;
+    }
+    fail("expected ',' or ']'");
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string reader::parse_number() {
+  std::size_t start = pos_;
+  auto digits = [&] {
+    std::size_t first = pos_;
+    while (!at_end() && peek() >= '0' && peek() <= '9') ++pos_;
+    return pos_ - first;
+  };
+  if (peek() == '-') ++pos_;
+  if (at_end()) fail("expected a digit");
+  if (peek() == '0') {
+    ++pos_;
+    if (!at_end() && peek() >= '0' && peek() <= '9') fail("leading zeros are not allowed");
+  } else if (digits() == 0) {
+    fail("expected a digit");
+  }
+  if (!at_end() && peek() == '.') {
+    ++pos_;
+    if (digits() == 0) fail("expected a digit after '.'");
+  }
+  if (!at_end() && (peek() == 'e' || peek() == 'E')) {
+    ++pos_;
+    if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
+    if (digits() == 0) fail("expected a digit in the exponent");
+  }
+  return std::string(text_.substr(start, pos_ - start));
+}
+
+DTRAIN_DETAIL_INLINE unsigned reader::read_hex4() {
+  if (text_.size() - pos_ < 4) fail("expected four hex digits after \\u");
+  unsigned code = 0;
+  for (int i = 0; i < 4; ++i) {
+    char c = text_[pos_++];
+    code <<= 4;
+    if (c >= '0' && c <= '9') {
+      code |= static_cast<unsigned>(c - '0');
+    } else if (c >= 'a' && c <= 'f') {
+      code |= static_cast<unsigned>(c - 'a' + 10);
+    } else if (c >= 'A' && c <= 'F') {
+      code |= static_cast<unsigned>(c - 'A' + 10);
+    } else {
+      --pos_;
+      fail("expected four hex digits after \\u");
+    }
+  }
+  return code;
+}
+
+DTRAIN_DETAIL_INLINE void reader::append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::string reader::parse_string() {
+  ++pos_;  // opening quote
+  std::string out;
+  for (;;) {
+    if (at_end()) fail("unterminated string");
+    char c = text_[pos_];
+    if (c == '"') {
+      ++pos_;
+      return out;
+    }
+    if (static_cast<unsigned char>(c) < 0x20) fail("unescaped control character in a string");
+    if (c != '\\') {
+      out += c;
+      ++pos_;
+      continue;
+    }
+    ++pos_;
+    if (at_end()) fail("unterminated escape");
+    char e = text_[pos_++];
+    switch (e) {
+      case '"': out += '"'; break;
+      case '\\': out += '\\'; break;
+      case '/': out += '/'; break;
+      case 'b': out += '\b'; break;
+      case 'f': out += '\f'; break;
+      case 'n': out += '\n'; break;
+      case 'r': out += '\r'; break;
+      case 't': out += '\t'; break;
+      case 'u': {
+        std::uint32_t cp = read_hex4();
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+          if (text_.substr(pos_, 2) != "\\u") fail("a high surrogate must be followed by \\u");
+          pos_ += 2;
+          std::uint32_t low = read_hex4();
+          if (low < 0xDC00 || low > 0xDFFF) fail("invalid low surrogate");
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+        } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+          fail("a low surrogate without a high one");
+        }
+        append_utf8(out, cp);
+        break;
+      }
+      default: --pos_; fail(std::string("invalid escape '\\") + e + "'");
+    }
+  }
+}
+}  // namespace impl
+}  // namespace dtrain::detail::json
+
+namespace dtrain::detail::json {
+
+DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text) {
+  out += '"';
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          constexpr char hex[] = "0123456789abcdef";
+          out += "\\u00";
+          out += hex[(c >> 4) & 0xF];
+          out += hex[c & 0xF];
+        } else {
+          out += c;
+        }
+    }
+  }
+  out += '"';
+}
+
+}  // namespace dtrain::detail::json
+// ---- end dtrain/detail/json-inl.hpp ----
+#endif
+// ---- end dtrain/detail/json.hpp ----
+
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
+/// the extension of the file name (trace.json -> trace.rank3.json), or is
+/// appended with ".json" when the name has none (trace -> trace.rank3.json).
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
+
+/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
+/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option);
+
+/// One rank's recorder. Default-constructed it is off and records nothing.
+/// Recording is thread-safe; write() must not race with recording of the same
+/// step (call it between steps, or after the communication thread is joined).
+class timeline {
+ public:
+  /// The tracks, as Chrome trace threads of the rank's process.
+  enum class track : std::uint8_t { training = 1, communication = 2, device = 3 };
+
+  timeline() noexcept = default;
+
+  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
+  /// Creates the file now, so that a path that cannot be written is a
+  /// config_error before training starts (naming the path and the rank).
+  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names);
+
+  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
+  /// `env` (which wins) or `option` names a file, naming the spans of `params`
+  /// by their names.
+  template <class Parameters>
+  static timeline of(const environment& env, const std::string& option, int rank, int size,
+                     const Parameters& params) {
+    const std::string path = timeline_setting(env, option);
+    if (path.empty()) return {};
+    std::vector<std::string> names;
+    for (const auto& p : params) names.push_back(p.name);
+    return timeline(path, rank, size, std::move(names));
+  }
+
+  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
+  /// The file this rank writes; empty when off.
+  [[nodiscard]] std::string_view file() const noexcept {
+    return state_ ? std::string_view(state_->file) : std::string_view();
+  }
+
+  /// Nanoseconds on the steady clock (shared by the processes of a host, so
+  /// that their traces line up when merged).
+  [[nodiscard]] static std::int64_t now() noexcept;
+
+  /// A span from its construction to its destruction; nothing when off.
+  class scope {
+   public:
+    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
+          std::uint64_t index, std::uint64_t detail = 0) noexcept
+        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
+      if (t_) start_ = now();
+    }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope() {
+      if (t_) (t_->*done_)(start_, index_, detail_);
+    }
+
+   private:
+    timeline* t_;
+    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
+    std::uint64_t index_;
+    std::uint64_t detail_;
+    std::int64_t start_ = 0;
+  };
+
+  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
+  /// first mark of a step opens the step's span.
+  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
+    return scope(*this, &timeline::mark_done, index, bucket);
+  }
+  /// synchronize() of step `step`; when it ends, the step's span ends too.
+  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
+    return scope(*this, &timeline::synchronize_done, step);
+  }
+  /// The wait for the buckets inside synchronize().
+  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
+    return scope(*this, &timeline::wait_done, buckets);
+  }
+
+  /// Bucket `bucket` of `elements` is launched: returns the id of its span
+  /// (0 when off), which bucket_done() closes.
+  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements);
+  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
+  /// to now (finished); `on_thread`: on the communication thread, which gets a
+  /// span of its own (on CUDA streams the host only enqueues, so no such span).
+  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
+  /// Bucket `bucket` (span `id`) on the device, times on this clock (now()):
+  /// ready on the compute stream at `start`, its collective complete at
+  /// `end`. A span on the device track; the bucket's span ends at `end`.
+  void device_done(std::size_t bucket, std::uint64_t id, std::int64_t start, std::int64_t end);
+  /// How far the device clock's tie to this one may be off (ns), for the file.
+  void device_clock(std::int64_t uncertainty_ns);
+
+  /// Writes the file (everything recorded so far). Throws dtrain::error naming
+  /// the file and the rank when it cannot be written.
+  void write() const;
+  /// write(), for destructors: a failure is one line on stderr, never an exception.
+  void write_at_exit() const noexcept;
+
+  /// At most this many events per track are kept (about 48 MiB); the rest are
+  /// counted, and the file says how many were dropped.
+  static constexpr std::size_t max_events = std::size_t{1} << 20;
+  static constexpr std::size_t chunk_events = 4096;
+
+ private:
+  enum class kind : std::uint8_t {
+    step,
+    mark,
+    synchronize,
+    wait,
+    reduce,
+    bucket_begin,
+    bucket_end,
+    device
+  };
+
+  struct event {
+    kind what = kind::step;
+    std::int64_t start = 0;  // ns, steady clock
+    std::int64_t end = 0;
+    std::uint64_t index = 0;   // step, parameter or bucket
+    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
+    std::uint64_t id = 0;      // bucket_begin / bucket_end
+  };
+
+  struct buffer {
+    mutable std::mutex mutex;
+    // Fixed chunks, not one vector: growing never copies what was recorded
+    // (a doubling vector costs a step its whole history once in a while).
+    std::vector<std::vector<event>> chunks;
+    std::size_t count = 0;
+    std::size_t dropped = 0;
+  };
+
+  struct state {
+    std::string file;
+    std::string setting;
+    int rank = 0;
+    int size = 1;
+    std::vector<std::string> names;
+    std::array<buffer, 3> tracks;
+    std::int64_t device_clock = -1;  // ns; -1: no device track
+    std::int64_t step_start = -1;    // training thread only
+    std::uint64_t launches = 0;      // training thread only
+  };
+
+  void append(track t, const event& e);
+
+  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket);
+  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
+    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
+  }
+  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t);
+
+  static void microseconds(std::string& out, std::int64_t ns);
+
+  std::string name_of(const event& e) const;
+
+  static const char* category_of(kind k);
+
+  void render_event(std::string& out, track t, const event& e) const;
+
+  void metadata(std::string& out, const char* what, int tid, std::string_view name) const;
+
+  std::string render() const;
+
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace dtrain::detail
+
+#if DTRAIN_DETAIL_BODIES()
+// ---- begin dtrain/ddp/timeline-inl.hpp ----
+/// @file
+/// The non-template bodies of dtrain/ddp/timeline.hpp: included by it in header-only
+/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
+/// dtrain/config.hpp). Include dtrain/ddp/timeline.hpp, not this file.
+
+
+namespace dtrain::detail {
+
+DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
+  const std::size_t dot = path.rfind('.');
+  const std::string tag = ".rank" + std::to_string(rank);
+  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
+  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
+                                                  const std::string& option) {
+  if (auto v = env.get(timeline_variable)) return std::string(*v);
+  return option;
+}
+
+DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
+                                        std::vector<std::string> parameter_names)
+    : state_(std::make_unique<state>()) {
+  state_->file = timeline_file(path, rank);
+  state_->setting = std::string(timeline_variable) + "=" + std::string(path);
+  state_->rank = rank;
+  state_->size = size;
+  state_->names = std::move(parameter_names);
+  if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
+    std::fclose(f);
+  } else {
+    throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
+                       state_->file + ": " + std::strerror(errno));
+  }
+}
+
+DTRAIN_DETAIL_INLINE std::int64_t timeline::now() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+DTRAIN_DETAIL_INLINE std::uint64_t timeline::bucket_launched(std::size_t bucket,
+                                                             std::size_t elements) {
+  if (!state_) return 0;
+  const std::uint64_t id = ++state_->launches;
+  append(
+      track::training,
+      {.what = kind::bucket_begin, .start = now(), .index = bucket, .detail = elements, .id = id});
+  return id;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_t id,
+                                                std::int64_t started, bool on_thread) {
+  if (!state_) return;
+  const std::int64_t end = now();
+  if (on_thread) {
+    append(track::communication,
+           {.what = kind::reduce, .start = started, .end = end, .index = bucket});
+  }
+  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::device_done(std::size_t bucket, std::uint64_t id,
+                                                std::int64_t start, std::int64_t end) {
+  if (!state_) return;
+  append(track::device, {.what = kind::device, .start = start, .end = end, .index = bucket});
+  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::device_clock(std::int64_t uncertainty_ns) {
+  if (state_) state_->device_clock = uncertainty_ns;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write() const {
+  if (!state_) return;
+  const std::string text = render();
+  std::FILE* f = std::fopen(state_->file.c_str(), "w");
+  bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int code = errno;
+  if (f != nullptr && std::fclose(f) != 0) ok = false;
+  if (!ok) {
+    throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
+                state_->file + " (" + state_->setting + "): " + std::strerror(code));
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::write_at_exit() const noexcept {
+  try {
+    write();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::append(track t, const event& e) {
+  buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
+  std::lock_guard lock(b.mutex);
+  if (b.count < max_events) {
+    if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
+      b.chunks.emplace_back().reserve(chunk_events);
+    }
+    b.chunks.back().push_back(e);
+    ++b.count;
+  } else {
+    ++b.dropped;
+  }
+}
+
+DTRAIN_DETAIL_INLINE void timeline::mark_done(std::int64_t start, std::uint64_t index,
+                                              std::uint64_t bucket) {
+  if (state_->step_start < 0) state_->step_start = start;
+  append(track::training,
+         {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::synchronize_done(std::int64_t start, std::uint64_t step,
+                                                     std::uint64_t) {
+  const std::int64_t end = now();
+  append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
+  // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
+  const std::int64_t from =
+      state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
+  append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
+  state_->step_start = -1;
+}
+
+DTRAIN_DETAIL_INLINE void timeline::microseconds(std::string& out, std::int64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
+                static_cast<long long>(ns % 1000));
+  out += text;
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
+  switch (e.what) {
+    case kind::step: return "step " + std::to_string(e.index);
+    case kind::mark:
+      return e.index < state_->names.size() ? state_->names[e.index]
+                                            : "parameter #" + std::to_string(e.index);
+    case kind::synchronize: return "synchronize";
+    case kind::wait: return "wait for buckets";
+    case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket " + std::to_string(e.index);
+    case kind::device: return "bucket " + std::to_string(e.index) + " on the device";
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
+  switch (k) {
+    case kind::step: return "step";
+    case kind::mark: return "mark_ready";
+    case kind::synchronize:
+    case kind::wait: return "synchronize";
+    case kind::reduce:
+    case kind::bucket_begin:
+    case kind::bucket_end: return "bucket";
+    case kind::device: return "device";
+  }
+  return "?";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, const event& e) const {
+  out += ",\n{\"name\":";
+  json::write_string(out, name_of(e));
+  out += ",\"cat\":\"";
+  out += category_of(e.what);
+  out += "\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
+  microseconds(out, e.start);
+  if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
+    out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
+    out += ",\"id\":" + std::to_string(e.id);
+  } else {
+    out += ",\"ph\":\"X\",\"dur\":";
+    microseconds(out, e.end - e.start);
+  }
+  switch (e.what) {
+    case kind::mark:
+      out += ",\"args\":{\"index\":" + std::to_string(e.index) +
+             ",\"bucket\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::bucket_begin:
+      out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
+      break;
+    case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+    case kind::device: out += ",\"args\":{\"bucket\":" + std::to_string(e.index) + "}"; break;
+    default: break;
+  }
+  out += "}";
+}
+
+DTRAIN_DETAIL_INLINE void timeline::metadata(std::string& out, const char* what, int tid,
+                                             std::string_view name) const {
+  out += ",\n{\"name\":\"";
+  out += what;
+  out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
+  json::write_string(out, name);
+  out += "}}";
+}
+
+DTRAIN_DETAIL_INLINE std::string timeline::render() const {
+  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
+  std::size_t dropped = 0;
+  for (const buffer& b : state_->tracks) {
+    std::lock_guard lock(b.mutex);
+    dropped += b.dropped;
+  }
+  out += "\"rank\":" + std::to_string(state_->rank) +
+         ",\"world_size\":" + std::to_string(state_->size) +
+         ",\"dropped_events\":" + std::to_string(dropped);
+  if (state_->device_clock >= 0) {
+    // The device track's times are tied to the host's clock within this.
+    out += ",\"device_clock_uncertainty_us\":";
+    microseconds(out, state_->device_clock);
+  }
+  out += "},\n\"traceEvents\":[";
+  out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
+         ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
+  metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
+  metadata(out, "thread_name", static_cast<int>(track::training), "training");
+  metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+  if (state_->device_clock >= 0)
+    metadata(out, "thread_name", static_cast<int>(track::device), "device");
+  for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
+    const buffer& b = state_->tracks[t];
+    std::lock_guard lock(b.mutex);
+    for (const std::vector<event>& chunk : b.chunks) {
+      for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
+    }
+  }
+  out += "\n]}\n";
+  return out;
+}
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/timeline-inl.hpp ----
+#endif
+// ---- end dtrain/ddp/timeline.hpp ----
+
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace dtrain::detail {
+
+/// A memory space whose device can time its streams (a `device_timer` type).
+template <class Space>
+concept times_device = requires {
+  typename Space::device_timer;
+};
+
+/// Off: spaces without a timer (host memory; a user's space on streams
+/// without one) keep the host's spans.
+template <class Space>
+class device_spans {
+ public:
+  using stream_type = typename Space::stream_type;
+  [[nodiscard]] bool on() const noexcept { return false; }
+  void start(int /*device*/, int /*rank*/, timeline& /*t*/) noexcept {}
+  void begin(std::size_t /*bucket*/, stream_type /*compute*/) noexcept {}
+  [[nodiscard]] bool end(std::size_t /*bucket*/, std::uint64_t /*id*/, work& /*w*/) noexcept {
+    return false;
+  }
+  void poll() noexcept {}
+  void flush() noexcept {}
+};
+
+template <times_device Space>
+class device_spans<Space> {
+ public:
+  using timer = typename Space::device_timer;
+  using event = typename timer::event;
+  using stream_type = typename Space::stream_type;
+
+  /// How long flush() waits for the device (a hung device leaves host spans).
+  static constexpr std::chrono::milliseconds flush_wait{1000};
+  /// Calibration tries (the one the host saw soonest is kept).
+  static constexpr int calibrations = 5;
+
+  device_spans() = default;
+  device_spans(device_spans&&) noexcept = default;
+  device_spans& operator=(device_spans&&) noexcept = default;
+  ~device_spans() { stop(); }
+
+  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
+
+  /// Device time on, for the timeline `t` of rank `rank` on `device` (`t`
+  /// outlives this object): the timer's stream and the tie of its clock to
+  /// the host's. A device that cannot be timed leaves the timeline with host
+  /// spans, said on stderr.
+  void start(int device, int rank, timeline& t) noexcept {
+    if (!t.on()) return;
+    try {
+      auto s = std::make_unique<state>(device, rank, t);
+      std::int64_t best = -1;
+      for (int i = 0; i < calibrations; ++i) {
+        const std::int64_t recorded = timeline::now();
+        const event e = s->clock.record(s->clock.stream());
+        const std::int64_t deadline = recorded + 10'000'000'000;  // 10 s: an idle stream
+        while (!s->clock.reached(e)) {
+          if (timeline::now() > deadline) {
+            s->clock.release(e);
+            throw error("an event on an idle stream was not reached within 10 s");
+          }
+          std::this_thread::yield();
+        }
+        const std::int64_t seen = timeline::now();
+        if (best < 0 || seen - recorded < best) {
+          best = seen - recorded;
+          if (s->ref) s->clock.release(s->ref);
+          s->ref = e;
+          s->ref_host = static_cast<double>(recorded) + static_cast<double>(best) / 2;
+        } else {
+          s->clock.release(e);
+        }
+      }
+      s->uncertainty = (best + 1) / 2;
+      t.device_clock(s->uncertainty);
+      state_ = std::move(s);
+    } catch (const std::exception& e) {
+      say(rank, e.what());
+    }
+  }
+
+  /// Bucket `bucket` is launched: its gradients are ready on `compute` from here.
+  void begin(std::size_t bucket, stream_type compute) noexcept {
+    if (!state_) return;
+    try {
+      if (state_->open.size() <= bucket) state_->open.resize(bucket + 1);
+      mark& m = state_->open[bucket];
+      if (m.e) state_->clock.release(m.e);  // launched before, never reduced (a failure)
+      m.recorded = timeline::now();
+      m.e = state_->clock.record(compute);
+    } catch (const std::exception& e) {
+      give_up(e.what());
+    }
+  }
+
+  /// The collective of `bucket` (timeline span `id`) is `w`: its completion
+  /// is timed. False when `w` cannot order a stream after it (a hook's work
+  /// on the host): the caller closes the span itself. What
+  /// work::stream_wait() throws (an aborted communicator) goes to the caller.
+  [[nodiscard]] bool end(std::size_t bucket, std::uint64_t id, work& w) {
+    if (!state_ || bucket >= state_->open.size() || !state_->open[bucket].e) return false;
+    const mark begun = std::exchange(state_->open[bucket], mark{});
+    bool waits = false;
+    try {
+      waits = w.stream_wait(state_->clock.stream());
+    } catch (...) {
+      state_->clock.release(begun.e);
+      throw;
+    }
+    if (!waits) {
+      state_->clock.release(begun.e);
+      return false;
+    }
+    try {
+      const std::int64_t recorded = timeline::now();
+      const event done = state_->clock.record(state_->clock.stream());
+      state_->pending.push_back({bucket, id, begun, {done, recorded}});
+      return true;
+    } catch (const std::exception& e) {
+      state_->clock.release(begun.e);
+      give_up(e.what());
+      return false;
+    }
+  }
+
+  /// The spans whose events the device has reached go to the timeline (never blocks).
+  void poll() noexcept {
+    if (!state_) return;
+    try {
+      resolve();
+    } catch (const std::exception& e) {
+      give_up(e.what());
+    }
+  }
+
+  /// Waits (flush_wait at most) for the spans still on the device, for a
+  /// timeline about to be written; those the device has not reached by then
+  /// end at the host's time, said on stderr.
+  void flush() noexcept {
+    if (!state_) return;
+    try {
+      const auto deadline = std::chrono::steady_clock::now() + flush_wait;
+      resolve();
+      while (!state_->pending.empty() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        resolve();
+      }
+      if (!state_->pending.empty()) {
+        const std::string what = std::to_string(state_->pending.size()) +
+                                 " bucket(s) not complete on the device after " +
+                                 std::to_string(flush_wait.count()) +
+                                 " ms: their spans end at the host's time";
+        std::fprintf(stderr, "[rank %d] dtrain: timeline: %s\n", state_->rank, what.c_str());
+        close_pending();
+      }
+    } catch (const std::exception& e) {
+      give_up(e.what());
+    }
+  }
+
+ private:
+  struct mark {
+    event e{};
+    std::int64_t recorded = 0;  // host time just before the record: a lower bound
+  };
+  struct span {
+    std::size_t bucket;
+    std::uint64_t id;
+    mark begin, end;
+  };
+  struct state {
+    state(int device, int r, timeline& t) : clock(device), rank(r), spans(t) {}
+    timer clock;
+    int rank;
+    timeline& spans;
+    event ref{};          // the reference event, reached
+    double ref_host = 0;  // its time on the host's clock (ns)
+    std::int64_t uncertainty = 0;
+    std::vector<mark> open;  // per bucket: launched, not yet reduced
+    std::deque<span> pending;
+  };
+
+  /// `m`'s time on the host's clock; `seen`: when the host saw it reached.
+  std::int64_t map(const mark& m, std::int64_t seen) {
+    double t = state_->ref_host + state_->clock.elapsed_ns(state_->ref, m.e);
+    const auto low = static_cast<double>(m.recorded), high = static_cast<double>(seen);
+    if (t < low) {
+      state_->ref_host += low - t;
+      t = low;
+    } else if (t > high) {
+      state_->ref_host -= t - high;
+      t = high;
+    }
+    return std::llround(t);
+  }
+
+  void resolve() {
+    while (!state_->pending.empty()) {
+      span& p = state_->pending.front();
+      if (!state_->clock.reached(p.end.e) || !state_->clock.reached(p.begin.e)) return;
+      const std::int64_t seen = timeline::now();
+      const std::int64_t start = map(p.begin, seen);
+      std::int64_t finish = map(p.end, seen);
+      if (finish < start) finish = start;
+      state_->spans.device_done(p.bucket, p.id, start, finish);
+      // The reference moves to this span's start (later events are after it).
+      state_->clock.release(state_->ref);
+      state_->ref = p.begin.e;
+      state_->ref_host = static_cast<double>(start);
+      state_->clock.release(p.end.e);
+      state_->pending.pop_front();
+    }
+  }
+
+  void close_pending() noexcept {
+    for (span& p : state_->pending) {
+      try {
+        state_->spans.bucket_done(p.bucket, p.id, 0, false);
+      } catch (...) {  // out of memory: the span stays open in the file
+      }
+      state_->clock.release(p.begin.e);
+      state_->clock.release(p.end.e);
+    }
+    state_->pending.clear();
+  }
+
+  static void say(int rank, const char* what) noexcept {
+    std::fprintf(stderr,
+                 "[rank %d] dtrain: timeline: device time is off (%s); buckets keep host spans\n",
+                 rank, what);
+  }
+
+  /// A timing call failed: said once, the spans left end at the host's
+  /// time, and there is no more device time.
+  void give_up(const char* what) noexcept {
+    say(state_->rank, what);
+    close_pending();
+    stop();
+  }
+
+  void stop() noexcept {
+    if (!state_) return;
+    for (mark& m : state_->open)
+      if (m.e) state_->clock.release(m.e);
+    for (span& p : state_->pending) {
+      state_->clock.release(p.begin.e);
+      state_->clock.release(p.end.e);
+    }
+    if (state_->ref) state_->clock.release(state_->ref);
+    state_.reset();
+  }
+
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace dtrain::detail
+// ---- end dtrain/ddp/device_spans.hpp ----
 // ---- begin dtrain/ddp/runner.hpp ----
 /// @file
 /// How DistributedDataParallel's buckets travel, chosen from the memory space
@@ -12181,7 +13415,9 @@ class stream_runner {
   void launch(std::size_t bucket, bool /*wake*/ = true) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
     owner_.prepare_bucket(bucket);
-    watchdog_.watch(owner_.reduce(bucket));
+    work collective = owner_.reduce(bucket);
+    watchdog_.watch(collective);  // first: followed even if what comes next throws
+    owner_.reduce_enqueued(bucket, collective);
   }
 
   /// Orders the compute stream after every bucket and enqueues their
@@ -12428,6 +13664,7 @@ struct ddp_bucket {
   bool ready = false;       ///< every parameter marked: may be launched in its turn
   std::uint64_t span = 0;   ///< its timeline span, from launch to completion
   std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
+  bool span_on_device = false;   ///< its span ends with its device time (ddp/device_spans.hpp)
 };
 
 /// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).
@@ -13237,830 +14474,6 @@ class ddp_sharding {
 /// one small allgather, and each rank analyses the same figures alike (only
 /// rank 0 speaks).
 
-// ---- begin dtrain/ddp/timeline.hpp ----
-/// @file
-/// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
-/// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
-/// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
-/// Off, a recorder is one null pointer: no allocation and no clock read, one
-/// branch per recording point. On, spans go into a buffer per track, each
-/// with its own (uncontended: one thread per track) mutex, and the file is
-/// written at the end, so nothing is formatted or written during a step.
-
-// ---- begin dtrain/detail/json.hpp ----
-/// @file
-/// A small strict JSON reader (RFC 8259) for TF_CONFIG, and a string writer
-/// for the files dtrain writes. A whole JSON library as a dependency of a
-/// single-header library, for one variable, is not worth it.
-/// Errors are config_errors that quote the input's name and the position.
-
-
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace dtrain::detail::json {
-
-struct member;
-
-/// A parsed JSON value. Numbers keep their text; as_index() reads the integers
-/// that TF_CONFIG needs without a round trip through double.
-struct value {
-  enum class kind { null, boolean, number, string, array, object };
-
-  kind type = kind::null;
-  bool boolean = false;
-  std::string text;  // the string's content, or the number as written
-  std::vector<value> items;
-  std::vector<member> members;  // in document order; keys are unique
-
-  [[nodiscard]] const value* find(std::string_view key) const;
-  [[nodiscard]] bool is(kind k) const noexcept { return type == k; }
-};
-
-struct member {
-  std::string key;
-  value val;
-};
-
-/// The name of a kind, for messages ("expected an array, found a string").
-DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k);
-
-namespace impl {
-
-class reader {
- public:
-  reader(std::string_view text, std::string_view what) : text_(text), what_(what) {}
-
-  value document();
-
- private:
-  static constexpr int max_depth = 64;
-
-  [[noreturn]] void fail(const std::string& why) const;
-
-  void skip_blanks();
-
-  bool at_end() const { return pos_ >= text_.size(); }
-  char peek() const { return text_[pos_]; }
-
-  void expect_word(std::string_view word);
-
-  value parse_value(int depth);
-
-  void parse_object(value& v, int depth);
-
-  void parse_array(value& v, int depth);
-
-  std::string parse_number();
-
-  unsigned read_hex4();
-
-  static void append_utf8(std::string& out, std::uint32_t cp);
-
-  std::string parse_string();
-
-  std::string_view text_;
-  std::string_view what_;
-  std::size_t pos_ = 0;
-};
-
-}  // namespace impl
-
-/// Parses one JSON document. `what` names the input in messages ("TF_CONFIG").
-/// Throws config_error quoting the offset, line and column of the first error.
-inline value parse(std::string_view text, std::string_view what) {
-  return impl::reader(text, what).document();
-}
-
-/// Appends `text` to `out` as a JSON string, quoted and escaped (for the
-/// files dtrain writes, such as the DDP timeline).
-DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text);
-
-}  // namespace dtrain::detail::json
-
-#if DTRAIN_DETAIL_BODIES()
-// ---- begin dtrain/detail/json-inl.hpp ----
-/// @file
-/// The non-template bodies of dtrain/detail/json.hpp: included by it in header-only
-/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
-/// dtrain/config.hpp). Include dtrain/detail/json.hpp, not this file.
-
-
-namespace dtrain::detail::json {
-
-DTRAIN_DETAIL_INLINE const value* value::find(std::string_view key) const {
-  for (const auto& m : members) {
-    if (m.key == key) return &m.val;
-  }
-  return nullptr;
-}
-
-DTRAIN_DETAIL_INLINE const char* kind_name(value::kind k) {
-  switch (k) {
-    case value::kind::null: return "null";
-    case value::kind::boolean: return "a boolean";
-    case value::kind::number: return "a number";
-    case value::kind::string: return "a string";
-    case value::kind::array: return "an array";
-    case value::kind::object: return "an object";
-  }
-  return "a value";
-}
-}  // namespace dtrain::detail::json
-
-namespace dtrain::detail::json {
-namespace impl {
-
-DTRAIN_DETAIL_INLINE value reader::document() {
-  skip_blanks();
-  value v = parse_value(0);
-  skip_blanks();
-  if (pos_ != text_.size()) fail("unexpected text after the JSON value");
-  return v;
-}
-
-DTRAIN_DETAIL_INLINE void reader::fail(const std::string& why) const {
-  std::size_t line = 1, column = 1;
-  for (std::size_t i = 0; i < pos_ && i < text_.size(); ++i) {
-    if (text_[i] == '\n') {
-      ++line;
-      column = 1;
-    } else {
-      ++column;
-    }
-  }
-  std::string near(text_.substr(pos_ < text_.size() ? pos_ : text_.size(), 16));
-  for (char& c : near) {
-    if (static_cast<unsigned char>(c) < 0x20) c = ' ';
-  }
-  throw config_error(
-      std::string(what_) + " is not valid JSON: " + why + " at offset " + std::to_string(pos_) +
-      " (line " + std::to_string(line) + ", column " + std::to_string(column) + ")" +
-      (near.empty() ? std::string(", at the end of the text") : ", near '" + near + "'"));
-}
-
-DTRAIN_DETAIL_INLINE void reader::skip_blanks() {
-  while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' ||
-                                 text_[pos_] == '\r')) {
-    ++pos_;
-  }
-}
-
-DTRAIN_DETAIL_INLINE void reader::expect_word(std::string_view word) {
-  if (text_.substr(pos_, word.size()) != word) fail("expected '" + std::string(word) + "'");
-  pos_ += word.size();
-}
-
-DTRAIN_DETAIL_INLINE value reader::parse_value(int depth) {
-  if (depth > max_depth) fail("nesting deeper than " + std::to_string(max_depth) + " levels");
-  if (at_end()) fail("expected a value");
-  value v;
-  switch (peek()) {
-    case '{': parse_object(v, depth); break;
-    case '[': parse_array(v, depth); break;
-    case '"':
-      v.type = value::kind::string;
-      v.text = parse_string();
-      break;
-    case 't':
-      expect_word("true");
-      v.type = value::kind::boolean;
-      v.boolean = true;
-      break;
-    case 'f':
-      expect_word("false");
-      v.type = value::kind::boolean;
-      break;
-    case 'n': expect_word("null"); break;
-    default:
-      if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
-        v.type = value::kind::number;
-        v.text = parse_number();
-      } else {
-        fail("expected a value");
-      }
-  }
-  return v;
-}
-
-DTRAIN_DETAIL_INLINE void reader::parse_object(value& v, int depth) {
-  v.type = value::kind::object;
-  ++pos_;  // '{'
-  skip_blanks();
-  if (!at_end() && peek() == '}') {
-    ++pos_;
-    return;
-  }
-  for (;;) {
-    skip_blanks();
-    if (at_end() || peek() != '"') fail("expected a string key");
-    std::size_t key_pos = pos_;
-    std::string key = parse_string();
-    if (v.find(key) != nullptr) {
-      pos_ = key_pos;
-      fail("duplicate key \"" + key + "\"");
-    }
-    skip_blanks();
-    if (at_end() || peek() != ':') fail("expected ':' after an object key");
-    ++pos_;
-    skip_blanks();
-    value item = parse_value(depth + 1);
-    v.members.push_back(member{std::move(key), std::move(item)});
-    skip_blanks();
-    if (at_end()) fail("expected ',' or '}'");
-    if (peek() == ',') {
-      ++pos_;
-      continue;
-    }
-    if (peek() == '}') {
-      ++pos_;
-      return;
-    }
-    fail("expected ',' or '}'");
-  }
-}
-
-DTRAIN_DETAIL_INLINE void reader::parse_array(value& v, int depth) {
-  v.type = value::kind::array;
-  ++pos_;  // '['
-  skip_blanks();
-  if (!at_end() && peek() == ']') {
-    ++pos_;
-    return;
-  }
-  for (;;) {
-    skip_blanks();
-    v.items.push_back(parse_value(depth + 1));
-    skip_blanks();
-    if (at_end()) fail("expected ',' or ']'");
-    if (peek() == ',') {
-      ++pos_;
-      continue;
-    }
-    if (peek() == ']') {
-      ++pos_;
-      return;
-    }
-    fail("expected ',' or ']'");
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::string reader::parse_number() {
-  std::size_t start = pos_;
-  auto digits = [&] {
-    std::size_t first = pos_;
-    while (!at_end() && peek() >= '0' && peek() <= '9') ++pos_;
-    return pos_ - first;
-  };
-  if (peek() == '-') ++pos_;
-  if (at_end()) fail("expected a digit");
-  if (peek() == '0') {
-    ++pos_;
-    if (!at_end() && peek() >= '0' && peek() <= '9') fail("leading zeros are not allowed");
-  } else if (digits() == 0) {
-    fail("expected a digit");
-  }
-  if (!at_end() && peek() == '.') {
-    ++pos_;
-    if (digits() == 0) fail("expected a digit after '.'");
-  }
-  if (!at_end() && (peek() == 'e' || peek() == 'E')) {
-    ++pos_;
-    if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
-    if (digits() == 0) fail("expected a digit in the exponent");
-  }
-  return std::string(text_.substr(start, pos_ - start));
-}
-
-DTRAIN_DETAIL_INLINE unsigned reader::read_hex4() {
-  if (text_.size() - pos_ < 4) fail("expected four hex digits after \\u");
-  unsigned code = 0;
-  for (int i = 0; i < 4; ++i) {
-    char c = text_[pos_++];
-    code <<= 4;
-    if (c >= '0' && c <= '9') {
-      code |= static_cast<unsigned>(c - '0');
-    } else if (c >= 'a' && c <= 'f') {
-      code |= static_cast<unsigned>(c - 'a' + 10);
-    } else if (c >= 'A' && c <= 'F') {
-      code |= static_cast<unsigned>(c - 'A' + 10);
-    } else {
-      --pos_;
-      fail("expected four hex digits after \\u");
-    }
-  }
-  return code;
-}
-
-DTRAIN_DETAIL_INLINE void reader::append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::string reader::parse_string() {
-  ++pos_;  // opening quote
-  std::string out;
-  for (;;) {
-    if (at_end()) fail("unterminated string");
-    char c = text_[pos_];
-    if (c == '"') {
-      ++pos_;
-      return out;
-    }
-    if (static_cast<unsigned char>(c) < 0x20) fail("unescaped control character in a string");
-    if (c != '\\') {
-      out += c;
-      ++pos_;
-      continue;
-    }
-    ++pos_;
-    if (at_end()) fail("unterminated escape");
-    char e = text_[pos_++];
-    switch (e) {
-      case '"': out += '"'; break;
-      case '\\': out += '\\'; break;
-      case '/': out += '/'; break;
-      case 'b': out += '\b'; break;
-      case 'f': out += '\f'; break;
-      case 'n': out += '\n'; break;
-      case 'r': out += '\r'; break;
-      case 't': out += '\t'; break;
-      case 'u': {
-        std::uint32_t cp = read_hex4();
-        if (cp >= 0xD800 && cp <= 0xDBFF) {
-          if (text_.substr(pos_, 2) != "\\u") fail("a high surrogate must be followed by \\u");
-          pos_ += 2;
-          std::uint32_t low = read_hex4();
-          if (low < 0xDC00 || low > 0xDFFF) fail("invalid low surrogate");
-          cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-        } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-          fail("a low surrogate without a high one");
-        }
-        append_utf8(out, cp);
-        break;
-      }
-      default: --pos_; fail(std::string("invalid escape '\\") + e + "'");
-    }
-  }
-}
-}  // namespace impl
-}  // namespace dtrain::detail::json
-
-namespace dtrain::detail::json {
-
-DTRAIN_DETAIL_INLINE void write_string(std::string& out, std::string_view text) {
-  out += '"';
-  for (char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          constexpr char hex[] = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[(c >> 4) & 0xF];
-          out += hex[c & 0xF];
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += '"';
-}
-
-}  // namespace dtrain::detail::json
-// ---- end dtrain/detail/json-inl.hpp ----
-#endif
-// ---- end dtrain/detail/json.hpp ----
-
-#include <array>
-#include <cerrno>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-namespace dtrain::detail {
-
-/// The file rank `rank` writes for DTRAIN_TIMELINE=`path`: the rank goes before
-/// the extension of the file name (trace.json -> trace.rank3.json), or is
-/// appended with ".json" when the name has none (trace -> trace.rank3.json).
-DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
-
-/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
-/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option);
-
-/// One rank's recorder. Default-constructed it is off and records nothing.
-/// Recording is thread-safe; write() must not race with recording of the same
-/// step (call it between steps, or after the communication thread is joined).
-class timeline {
- public:
-  /// The tracks, as Chrome trace threads of the rank's process.
-  enum class track : std::uint8_t { training = 1, communication = 2 };
-
-  timeline() noexcept = default;
-
-  /// On: records for `rank` of `size` and writes timeline_file(path, rank).
-  /// Creates the file now, so that a path that cannot be written is a
-  /// config_error before training starts (naming the path and the rank).
-  timeline(std::string_view path, int rank, int size, std::vector<std::string> parameter_names);
-
-  /// The recorder DistributedDataParallel gets: on when DTRAIN_TIMELINE in
-  /// `env` (which wins) or `option` names a file, naming the spans of `params`
-  /// by their names.
-  template <class Parameters>
-  static timeline of(const environment& env, const std::string& option, int rank, int size,
-                     const Parameters& params) {
-    const std::string path = timeline_setting(env, option);
-    if (path.empty()) return {};
-    std::vector<std::string> names;
-    for (const auto& p : params) names.push_back(p.name);
-    return timeline(path, rank, size, std::move(names));
-  }
-
-  [[nodiscard]] bool on() const noexcept { return state_ != nullptr; }
-  /// The file this rank writes; empty when off.
-  [[nodiscard]] std::string_view file() const noexcept {
-    return state_ ? std::string_view(state_->file) : std::string_view();
-  }
-
-  /// Nanoseconds on the steady clock (shared by the processes of a host, so
-  /// that their traces line up when merged).
-  [[nodiscard]] static std::int64_t now() noexcept;
-
-  /// A span from its construction to its destruction; nothing when off.
-  class scope {
-   public:
-    scope(timeline& t, void (timeline::*done)(std::int64_t, std::uint64_t, std::uint64_t),
-          std::uint64_t index, std::uint64_t detail = 0) noexcept
-        : t_(t.on() ? &t : nullptr), done_(done), index_(index), detail_(detail) {
-      if (t_) start_ = now();
-    }
-    scope(const scope&) = delete;
-    scope& operator=(const scope&) = delete;
-    ~scope() {
-      if (t_) (t_->*done_)(start_, index_, detail_);
-    }
-
-   private:
-    timeline* t_;
-    void (timeline::*done_)(std::int64_t, std::uint64_t, std::uint64_t);
-    std::uint64_t index_;
-    std::uint64_t detail_;
-    std::int64_t start_ = 0;
-  };
-
-  /// mark_ready of parameter `index` (in `bucket`), on the training track. The
-  /// first mark of a step opens the step's span.
-  [[nodiscard]] scope mark_ready(std::size_t index, std::size_t bucket) noexcept {
-    return scope(*this, &timeline::mark_done, index, bucket);
-  }
-  /// synchronize() of step `step`; when it ends, the step's span ends too.
-  [[nodiscard]] scope synchronize(std::size_t step) noexcept {
-    return scope(*this, &timeline::synchronize_done, step);
-  }
-  /// The wait for the buckets inside synchronize().
-  [[nodiscard]] scope wait(std::size_t buckets) noexcept {
-    return scope(*this, &timeline::wait_done, buckets);
-  }
-
-  /// Bucket `bucket` of `elements` is launched: returns the id of its span
-  /// (0 when off), which bucket_done() closes.
-  std::uint64_t bucket_launched(std::size_t bucket, std::size_t elements);
-  /// The reduction of bucket `bucket` (span `id`) ran from `started` (prepare)
-  /// to now (finished); `on_thread`: on the communication thread, which gets a
-  /// span of its own (on CUDA streams the host only enqueues, so no such span).
-  void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
-
-  /// Writes the file (everything recorded so far). Throws dtrain::error naming
-  /// the file and the rank when it cannot be written.
-  void write() const;
-  /// write(), for destructors: a failure is one line on stderr, never an exception.
-  void write_at_exit() const noexcept;
-
-  /// At most this many events per track are kept (about 48 MiB); the rest are
-  /// counted, and the file says how many were dropped.
-  static constexpr std::size_t max_events = std::size_t{1} << 20;
-  static constexpr std::size_t chunk_events = 4096;
-
- private:
-  enum class kind : std::uint8_t {
-    step,
-    mark,
-    synchronize,
-    wait,
-    reduce,
-    bucket_begin,
-    bucket_end
-  };
-
-  struct event {
-    kind what = kind::step;
-    std::int64_t start = 0;  // ns, steady clock
-    std::int64_t end = 0;
-    std::uint64_t index = 0;   // step, parameter or bucket
-    std::uint64_t detail = 0;  // mark: its bucket; bucket_begin: elements; wait: buckets
-    std::uint64_t id = 0;      // bucket_begin / bucket_end
-  };
-
-  struct buffer {
-    mutable std::mutex mutex;
-    // Fixed chunks, not one vector: growing never copies what was recorded
-    // (a doubling vector costs a step its whole history once in a while).
-    std::vector<std::vector<event>> chunks;
-    std::size_t count = 0;
-    std::size_t dropped = 0;
-  };
-
-  struct state {
-    std::string file;
-    std::string setting;
-    int rank = 0;
-    int size = 1;
-    std::vector<std::string> names;
-    std::array<buffer, 2> tracks;
-    std::int64_t step_start = -1;  // training thread only
-    std::uint64_t launches = 0;    // training thread only
-  };
-
-  void append(track t, const event& e);
-
-  void mark_done(std::int64_t start, std::uint64_t index, std::uint64_t bucket);
-  void wait_done(std::int64_t start, std::uint64_t, std::uint64_t buckets) {
-    append(track::training, {.what = kind::wait, .start = start, .end = now(), .detail = buckets});
-  }
-  void synchronize_done(std::int64_t start, std::uint64_t step, std::uint64_t);
-
-  static void microseconds(std::string& out, std::int64_t ns);
-
-  std::string name_of(const event& e) const;
-
-  static const char* category_of(kind k);
-
-  void render_event(std::string& out, track t, const event& e) const;
-
-  void metadata(std::string& out, const char* what, int tid, std::string_view name) const;
-
-  std::string render() const;
-
-  std::unique_ptr<state> state_;
-};
-
-}  // namespace dtrain::detail
-
-#if DTRAIN_DETAIL_BODIES()
-// ---- begin dtrain/ddp/timeline-inl.hpp ----
-/// @file
-/// The non-template bodies of dtrain/ddp/timeline.hpp: included by it in header-only
-/// mode, compiled once in the library otherwise (DTRAIN_DETAIL_BODIES(),
-/// dtrain/config.hpp). Include dtrain/ddp/timeline.hpp, not this file.
-
-
-namespace dtrain::detail {
-
-DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) {
-  const std::size_t slash = path.rfind('/');
-  const std::size_t name = slash == std::string_view::npos ? 0 : slash + 1;
-  const std::size_t dot = path.rfind('.');
-  const std::string tag = ".rank" + std::to_string(rank);
-  if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
-  return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
-}
-
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option) {
-  if (auto v = env.get(timeline_variable)) return std::string(*v);
-  return option;
-}
-
-DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
-                                        std::vector<std::string> parameter_names)
-    : state_(std::make_unique<state>()) {
-  state_->file = timeline_file(path, rank);
-  state_->setting = std::string(timeline_variable) + "=" + std::string(path);
-  state_->rank = rank;
-  state_->size = size;
-  state_->names = std::move(parameter_names);
-  if (std::FILE* f = std::fopen(state_->file.c_str(), "w")) {
-    std::fclose(f);
-  } else {
-    throw config_error(state_->setting + ": rank " + std::to_string(rank) + " cannot write " +
-                       state_->file + ": " + std::strerror(errno));
-  }
-}
-
-DTRAIN_DETAIL_INLINE std::int64_t timeline::now() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-DTRAIN_DETAIL_INLINE std::uint64_t timeline::bucket_launched(std::size_t bucket,
-                                                             std::size_t elements) {
-  if (!state_) return 0;
-  const std::uint64_t id = ++state_->launches;
-  append(
-      track::training,
-      {.what = kind::bucket_begin, .start = now(), .index = bucket, .detail = elements, .id = id});
-  return id;
-}
-
-DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_t id,
-                                                std::int64_t started, bool on_thread) {
-  if (!state_) return;
-  const std::int64_t end = now();
-  if (on_thread) {
-    append(track::communication,
-           {.what = kind::reduce, .start = started, .end = end, .index = bucket});
-  }
-  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
-}
-
-DTRAIN_DETAIL_INLINE void timeline::write() const {
-  if (!state_) return;
-  const std::string text = render();
-  std::FILE* f = std::fopen(state_->file.c_str(), "w");
-  bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const int code = errno;
-  if (f != nullptr && std::fclose(f) != 0) ok = false;
-  if (!ok) {
-    throw error("rank " + std::to_string(state_->rank) + " could not write its timeline to " +
-                state_->file + " (" + state_->setting + "): " + std::strerror(code));
-  }
-}
-
-DTRAIN_DETAIL_INLINE void timeline::write_at_exit() const noexcept {
-  try {
-    write();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "[rank %d] dtrain: %s\n", state_->rank, e.what());
-  }
-}
-
-DTRAIN_DETAIL_INLINE void timeline::append(track t, const event& e) {
-  buffer& b = state_->tracks[static_cast<std::size_t>(t) - 1];
-  std::lock_guard lock(b.mutex);
-  if (b.count < max_events) {
-    if (b.chunks.empty() || b.chunks.back().size() == chunk_events) {
-      b.chunks.emplace_back().reserve(chunk_events);
-    }
-    b.chunks.back().push_back(e);
-    ++b.count;
-  } else {
-    ++b.dropped;
-  }
-}
-
-DTRAIN_DETAIL_INLINE void timeline::mark_done(std::int64_t start, std::uint64_t index,
-                                              std::uint64_t bucket) {
-  if (state_->step_start < 0) state_->step_start = start;
-  append(track::training,
-         {.what = kind::mark, .start = start, .end = now(), .index = index, .detail = bucket});
-}
-
-DTRAIN_DETAIL_INLINE void timeline::synchronize_done(std::int64_t start, std::uint64_t step,
-                                                     std::uint64_t) {
-  const std::int64_t end = now();
-  append(track::training, {.what = kind::synchronize, .start = start, .end = end, .index = step});
-  // A step runs from its first mark_ready (or synchronize(), when it marked them all) to here.
-  const std::int64_t from =
-      state_->step_start >= 0 && state_->step_start < start ? state_->step_start : start;
-  append(track::training, {.what = kind::step, .start = from, .end = end, .index = step});
-  state_->step_start = -1;
-}
-
-DTRAIN_DETAIL_INLINE void timeline::microseconds(std::string& out, std::int64_t ns) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(ns / 1000),
-                static_cast<long long>(ns % 1000));
-  out += text;
-}
-
-DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
-  switch (e.what) {
-    case kind::step: return "step " + std::to_string(e.index);
-    case kind::mark:
-      return e.index < state_->names.size() ? state_->names[e.index]
-                                            : "parameter #" + std::to_string(e.index);
-    case kind::synchronize: return "synchronize";
-    case kind::wait: return "wait for buckets";
-    case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
-    case kind::bucket_begin:
-    case kind::bucket_end: return "bucket " + std::to_string(e.index);
-  }
-  return "?";
-}
-
-DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
-  switch (k) {
-    case kind::step: return "step";
-    case kind::mark: return "mark_ready";
-    case kind::synchronize:
-    case kind::wait: return "synchronize";
-    case kind::reduce:
-    case kind::bucket_begin:
-    case kind::bucket_end: return "bucket";
-  }
-  return "?";
-}
-
-DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, const event& e) const {
-  out += ",\n{\"name\":";
-  json::write_string(out, name_of(e));
-  out += ",\"cat\":\"";
-  out += category_of(e.what);
-  out += "\",\"pid\":" + std::to_string(state_->rank) +
-         ",\"tid\":" + std::to_string(static_cast<int>(t)) + ",\"ts\":";
-  microseconds(out, e.start);
-  if (e.what == kind::bucket_begin || e.what == kind::bucket_end) {
-    out += e.what == kind::bucket_begin ? ",\"ph\":\"b\"" : ",\"ph\":\"e\"";
-    out += ",\"id\":" + std::to_string(e.id);
-  } else {
-    out += ",\"ph\":\"X\",\"dur\":";
-    microseconds(out, e.end - e.start);
-  }
-  switch (e.what) {
-    case kind::mark:
-      out += ",\"args\":{\"index\":" + std::to_string(e.index) +
-             ",\"bucket\":" + std::to_string(e.detail) + "}";
-      break;
-    case kind::bucket_begin:
-      out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
-      break;
-    case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
-    default: break;
-  }
-  out += "}";
-}
-
-DTRAIN_DETAIL_INLINE void timeline::metadata(std::string& out, const char* what, int tid,
-                                             std::string_view name) const {
-  out += ",\n{\"name\":\"";
-  out += what;
-  out += "\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-         ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":";
-  json::write_string(out, name);
-  out += "}}";
-}
-
-DTRAIN_DETAIL_INLINE std::string timeline::render() const {
-  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"dtrain\",";
-  std::size_t dropped = 0;
-  for (const buffer& b : state_->tracks) {
-    std::lock_guard lock(b.mutex);
-    dropped += b.dropped;
-  }
-  out += "\"rank\":" + std::to_string(state_->rank) +
-         ",\"world_size\":" + std::to_string(state_->size) +
-         ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
-  out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
-         ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
-  metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
-  metadata(out, "thread_name", static_cast<int>(track::training), "training");
-  metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
-  for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
-    const buffer& b = state_->tracks[t];
-    std::lock_guard lock(b.mutex);
-    for (const std::vector<event>& chunk : b.chunks) {
-      for (const event& e : chunk) render_event(out, static_cast<track>(t + 1), e);
-    }
-  }
-  out += "\n]}\n";
-  return out;
-}
-
-}  // namespace dtrain::detail
-// ---- end dtrain/ddp/timeline-inl.hpp ----
-#endif
-// ---- end dtrain/ddp/timeline.hpp ----
 
 #include <cstddef>
 #include <cstdint>
@@ -16260,7 +16673,11 @@ class basic_ddp {
   /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
   /// far; the destructor writes it too. Call it between steps. Throws
   /// dtrain::error naming the file and the rank when it cannot be written.
-  void flush_timeline() const { timeline_.write(); }
+  void flush_timeline() const {
+    const std::lock_guard lock(mutex_);
+    device_spans_.flush();  // the buckets still on the device, a second at most
+    timeline_.write();
+  }
 
   /// Which rank the others wait for, as of the last exchange of the ranks'
   /// step records (ddp_options::stragglers; the same figures on every rank).
@@ -16692,6 +17109,8 @@ class basic_ddp {
   // places, which nothing changes while b is in flight.
   void prepare_bucket(std::size_t b);
   work reduce(std::size_t b);
+  /// Streams: bucket b's collective `w` is enqueued (its device span, timeline on).
+  void reduce_enqueued(std::size_t b, work& w);
   void finish_bucket(std::size_t b);
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
@@ -16796,7 +17215,9 @@ class basic_ddp {
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
-  detail::timeline timeline_;     // off unless DTRAIN_TIMELINE or options_.timeline
+  detail::timeline timeline_;  // off unless DTRAIN_TIMELINE or options_.timeline
+  // The buckets' device time (streams with a device timer, timeline on); after timeline_.
+  mutable detail::device_spans<memory_space> device_spans_;
   detail::straggler_watch pace_;  // off when options_.stragglers is, or at world size 1
   // The context's line in this rank's flight records: the watch's last window (null: none).
   std::shared_ptr<detail::flight_note> flight_note_;
@@ -16842,6 +17263,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   try {
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
+    device_spans_.start(device_, rank_, timeline_);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
                                     options_.stragglers, rank_, size_, node_name_or_unknown(env));
     if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
@@ -16896,6 +17318,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
 template <class Policy>
 basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
+  device_spans_.flush();
   timeline_.write_at_exit();
   if (!metrics_.file.empty()) {
     try {
@@ -17103,6 +17526,8 @@ template <class Policy>
 void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
   bucket& s = buckets_[b];
   if (timeline_.on()) s.span_reduce = detail::timeline::now();
+  // Streams: the gradients are ready on the compute stream from here.
+  if (!sends_nothing()) device_spans_.begin(b, stream_);
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
     if (v.view || v.zeroed) continue;
@@ -17169,7 +17594,14 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
                        stream_);
   }
   shards_.reduced(b);
-  timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
+  // Timed on the device, the span ends when the device says (device_spans_.poll()).
+  if (!std::exchange(s.span_on_device, false))
+    timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::reduce_enqueued(std::size_t b, work& w) {
+  buckets_[b].span_on_device = device_spans_.end(b, buckets_[b].span, w);
 }
 
 template <class Policy>
@@ -17354,6 +17786,7 @@ void basic_ddp<Policy>::synchronize_locked() {
   if (no_sync_depth_ > 0) return;
   {
     const auto span = timeline_.synchronize(steps_);
+    device_spans_.poll();  // the device times of earlier buckets, without waiting
     check_usable_locked();
     complete_marks();
     if (auto e = complete_buckets()) fail(e);
@@ -19876,11 +20309,12 @@ class rank_diagnostics {
   // The open round, or a new one; one rank opens each round, the others join it.
   std::int64_t join_round();
 
-  // Publishes this rank's rings for `round`, and writes its flight record
-  // (`reason`: why this rank asked; empty when it answers another's round).
-  void publish(std::int64_t round, const std::string& reason);
+  // Publishes this rank's rings for `round` (its flight record is written
+  // before, once: by explain() with its reason, by serve() for another's round).
+  void publish(std::int64_t round);
 
-  // Writes the flight record, when a directory is set; a failure is said once.
+  // Writes the flight record, when a directory is set (`reason`: why this
+  // rank asked; empty when it answers another's round); a failure is said once.
   void record(const std::string& reason) noexcept;
 
   // Every rank's ring that arrives within the wait; the others did not answer.
@@ -20011,7 +20445,7 @@ DTRAIN_DETAIL_INLINE std::string rank_diagnostics::explain(const std::string& re
     const std::string why = wire::decode_text(
         "store key " + store_.prefix() + reason_key,
         store_.compare_set(reason_key, "", wire::encode_text(reason)), "a diagnostics reason");
-    publish(round, reason);
+    publish(round);
     const desync_report report = analyse_job(gather(round));
     const std::string header = "collective diagnostics, round " + std::to_string(round) +
                                ", after " + why + " (" + name_ + ", " + std::to_string(size_) +
@@ -20057,8 +20491,7 @@ DTRAIN_DETAIL_INLINE std::int64_t rank_diagnostics::join_round() {
   return next;
 }
 
-DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round, const std::string& reason) {
-  record(reason);
+DTRAIN_DETAIL_INLINE void rank_diagnostics::publish(std::int64_t round) {
   store_.set(diagnostics_keys::ring(round, rank_), encode_rings(ring_->snapshot_all()));
   published_ = std::max(published_.load(), round);
 }
@@ -20128,7 +20561,10 @@ DTRAIN_DETAIL_INLINE void rank_diagnostics::serve() {
     if (!store_ok) continue;
     try {
       const std::int64_t round = store_.add("round", 0);
-      if (round > published_) publish(round, "");
+      if (round > published_) {
+        record("");  // another rank's round: this rank's flight record too
+        publish(round);
+      }
     } catch (const std::exception&) {
       store_ok = false;
     }

@@ -131,6 +131,11 @@ dtrain_add_multirank_test(ddp.device_rules.hung_peer PROGRAM dtrain_ddp_device_r
   ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 NO_KILL TIMEOUT 60
   ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=3
   EXPECT_STATUS "[0-9]+" EXPECT "the watchdog reported the hung peer in time")
+# Issue 51: the timeline's device track on streams; each collective 20 ms on its stream.
+dtrain_add_multirank_test(ddp.device_rules.timeline PROGRAM dtrain_ddp_device_rules CASE timeline
+  ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 3 TIMEOUT 120
+  ENVIRONMENT DTRAIN_COLLECTIVE_TIMEOUT=60 DEVICE_RULES_COLLECTIVE_MS=20 EXPECT_STATUS 0 EXPECT
+  "rank 0 of [23]: [0-9]+ bucket spans end with their device time, each after its collective completed")
 # NCCL's first broadcast at two ranks and more (issue 31): ordered after ddp_options::stream.
 dtrain_add_multirank_test(nccl.ranks.broadcast_after_stream PROGRAM dtrain_ddp_device_rules
   CASE stream-init ENGINES gloo ENGINE_NOT_IN_NAME RANKS 2 TIMEOUT 120

@@ -21,10 +21,15 @@
 //   stage3       sharding::parameters (ZeRO stage 3): the values' allgathers on
 //                streams, prefetched 0, 1 and 2 layers ahead, each value read in
 //                a gather() exact (the compute ordered after the allgather)
+//   timeline     DTRAIN_TIMELINE's device track on a compute stream: each bucket's
+//                span holds its collective (DEVICE_RULES_COLLECTIVE_MS), to its
+//                completion
 //   stream-init  each rank writes its parameters on a compute stream of its
 //                own, late, then builds DDP with ddp_options::stream: every rank
 //                starts from what rank 0 wrote there (the first broadcast is
 //                ordered after that stream)
+#include <unistd.h>
+
 #include "../support/multirank.hpp"
 #include "accumulate_case.hpp"
 #include "device_rules.hpp"
@@ -36,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -466,6 +472,56 @@ int stream_init_case(dtrain::context<policy>& ctx) {
   return 0;
 }
 
+// The timeline's device time (issue 51), on a compute stream of the rank's
+// own: every bucket's span ends with its span on the device track, and each
+// device span holds the collective it times, up to its completion
+// (DEVICE_RULES_COLLECTIVE_MS makes each last that long after the host
+// enqueued it).
+int timeline_case(dtrain::context<policy>& ctx) {
+  const int rank = ctx.rank();
+  model m(rank);
+  auto compute = std::make_shared<device_rules::fake_stream>();
+  const dtrain::stream_handle handle = device_rules::register_stream(compute);
+  const std::string path =
+      (std::filesystem::temp_directory_path() /
+       ("dtrain_device_rules_timeline_" + std::to_string(::getpid()) + ".json"))
+          .string();
+  const std::string file = dtrain::detail::timeline_file(path, rank);
+  {
+    dtrain::DistributedDataParallel<model, policy> ddp(
+        ctx, m,
+        {.bucket_cap_mb = 0.004, .first_bucket_cap_mb = 0.001, .timeline = path, .stream = handle});
+    for (int step = 0; step < 3; ++step) {
+      for (std::size_t p = 0; p < m.values.size(); ++p) {
+        float* g = m.grad(p);
+        for (std::size_t i = 0; i < m.values[p].size(); ++i) g[i] = gradient(rank, p, i, step);
+      }
+      for (std::size_t p = m.values.size(); p-- > 0;) ddp.mark_ready(p);
+      ddp.synchronize(handle);
+      ddp.wait();
+    }
+    ddp.flush_timeline();
+  }
+  std::vector<dtrain_test::collective_run> ran;
+  {
+    const std::lock_guard lock(device_rules::communicator::ran_mutex());
+    ran = device_rules::communicator::ran();
+  }
+  dtrain_test::device_span_check checked;
+  try {
+    checked = dtrain_test::check_device_spans(file, &ran);
+  } catch (const std::exception& e) {
+    std::filesystem::remove(file);
+    return fail(e.what());
+  }
+  std::filesystem::remove(file);
+  std::printf(
+      "rank %d of %d: %zu bucket spans end with their device time, each after its collective "
+      "completed (clock within %.3f us)\n",
+      rank, ctx.size(), checked.spans, checked.uncertainty_us);
+  return 0;
+}
+
 int mismatch_case(dtrain::context<policy>& ctx) {
   model m(ctx.rank());
   if (ctx.rank() == ctx.size() - 1) m.renamed = "layer5.renamed";
@@ -594,6 +650,10 @@ TEST_CASE("stage3") {
 
 TEST_CASE("stream-init") {
   CHECK(dtrain_test::run_with<policy>([](auto& ctx) { return stream_init_case(ctx); }) == 0);
+}
+
+TEST_CASE("timeline") {
+  CHECK(dtrain_test::run_with<policy>([](auto& ctx) { return timeline_case(ctx); }) == 0);
 }
 
 // The job must fail: its status and output are the test's (check_job.cmake).

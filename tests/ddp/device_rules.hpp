@@ -10,19 +10,24 @@
 //     enqueues its steps at once as it does on NCCL; stream_wait() is where
 //     the "device" catches up; on_timeout() aborts, as ncclCommAbort does;
 //   - buckets live in `device_rules_memory`: host bytes tagged memory::device,
-//     handled by the stream runner with its watchdog.
+//     handled by the stream runner with its watchdog;
+//   - DEVICE_RULES_COLLECTIVE_MS=n: each collective takes n ms more on its
+//     stream, and those that complete are logged with their times
+//     (communicator::ran(), for the timeline's device spans).
 // Underneath, a Gloo communicator moves the bytes.
 #pragma once
 
 #include <dtrain/dtrain.hpp>
 
 #include "../support/fake_stream.hpp"
+#include "../support/trace_check.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdlib>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -53,7 +58,7 @@ class rules_work final : public dtrain::detail::work_state {
              std::shared_ptr<shared_state> state)
       : work_state(std::move(what), timeout), state_(std::move(state)) {}
   bool poll() override {
-    if (done_) return true;
+    if (*done_) return true;
     if (state_->aborted) {
       std::lock_guard lock(mutex_);
       fail(std::make_exception_ptr(
@@ -63,11 +68,20 @@ class rules_work final : public dtrain::detail::work_state {
     return false;
   }
   void on_timeout() noexcept override { state_->aborted = true; }
-  /// The "device" (the host) waits for this collective alone, not for what
-  /// its stream took after it; counted (waits_for_one()).
-  bool stream_wait(dtrain::stream_handle) override {
+  /// `waiter` waits for this collective alone, not for what its stream took
+  /// after it; counted (waits_for_one()). A fake stream waits as CUDA's does
+  /// for an event (a task of its own, the host goes on); the null stream is
+  /// the host, which waits here.
+  bool stream_wait(dtrain::stream_handle waiter) override {
     ++waits_for_one();
-    while (!done_) {
+    if (auto s = stream_of(waiter)) {
+      s->enqueue({}, [done = done_, state = state_] {
+        while (!*done && !state->aborted)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+      });
+      return true;
+    }
+    while (!*done_) {
       if (state_->aborted) {
         throw dtrain::backend_error(description() + ": the communicator was aborted", 0);
       }
@@ -85,12 +99,13 @@ class rules_work final : public dtrain::detail::work_state {
       std::lock_guard lock(mutex_);
       fail(e);
     }
-    done_ = true;
+    *done_ = true;
   }
 
  private:
   std::mutex mutex_;
-  std::atomic<bool> done_{false};
+  // Shared with the stream tasks that wait for it (stream_wait), which may outlive this.
+  std::shared_ptr<std::atomic<bool>> done_ = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<shared_state> state_;
 };
 
@@ -132,6 +147,15 @@ class communicator {
     const std::lock_guard lock(communicator_streams_mutex());
     const auto& all = communicator_streams();
     return std::find(all.begin(), all.end(), s) != all.end();
+  }
+  /// The collectives that completed, with their times (DEVICE_RULES_COLLECTIVE_MS).
+  [[nodiscard]] static std::vector<dtrain_test::collective_run>& ran() {
+    static std::vector<dtrain_test::collective_run> all;
+    return all;
+  }
+  [[nodiscard]] static std::mutex& ran_mutex() {
+    static std::mutex m;
+    return m;
   }
   /// Every host buffer any of DDP's code sent here.
   [[nodiscard]] static std::atomic<int>& host_buffers_seen() {
@@ -215,17 +239,25 @@ class communicator {
     fake_stream::marker wait_for;
     if (auto s = stream_of(after)) wait_for = s->now(s);
     auto state = state_;
-    stream_->enqueue(wait_for, [w, state, wait_for, launch] {
+    const char* slow = std::getenv("DEVICE_RULES_COLLECTIVE_MS");
+    const int slow_ms = slow ? std::atoi(slow) : 0;
+    stream_->enqueue(wait_for, [w, state, wait_for, launch, slow_ms] {
       if (auto other = wait_for.stream.lock()) other->reached(wait_for.count, state->aborted);
       std::exception_ptr failure;
       try {
         if (state->aborted) throw dtrain::backend_error("aborted before it ran", 0);
+        const std::int64_t started = dtrain::detail::timeline::now();
         dtrain::work inner = launch();
         while (!inner.test()) {
           if (state->aborted) throw dtrain::backend_error("aborted while it ran", 0);
           std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
         failure = inner.exception();
+        if (slow_ms > 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+          const std::lock_guard lock(ran_mutex());
+          ran().push_back({started, dtrain::detail::timeline::now()});
+        }
       } catch (...) {
         failure = std::current_exception();
       }
@@ -263,6 +295,38 @@ struct memory {
   using host = dtrain::host_memory;
   static constexpr dtrain::memory where = dtrain::memory::device;
   static constexpr bool on_stream = true;
+
+  /// The timeline's device time on fake streams (cuda_memory's device_timer
+  /// over events): an event is a stamp of the host's steady clock, taken when
+  /// its stream reaches it (at once on the null stream, which is the host).
+  class device_timer {
+   public:
+    struct stamp {
+      std::atomic<std::int64_t> ns{-1};
+    };
+    using event = std::shared_ptr<stamp>;  // shared with the task that stamps it
+    explicit device_timer(int /*device*/) : stream_(std::make_shared<fake_stream>()) {
+      register_stream(stream_);
+    }
+    [[nodiscard]] stream_type stream() const noexcept { return handle_of(stream_); }
+    [[nodiscard]] event record(stream_type on) {
+      auto e = std::make_shared<stamp>();
+      if (auto s = stream_of(on)) {
+        s->enqueue({}, [e] { e->ns = dtrain::detail::timeline::now(); });
+      } else {
+        e->ns = dtrain::detail::timeline::now();
+      }
+      return e;
+    }
+    [[nodiscard]] bool reached(const event& e) const noexcept { return e->ns >= 0; }
+    [[nodiscard]] double elapsed_ns(const event& from, const event& to) const noexcept {
+      return static_cast<double>(to->ns - from->ns);
+    }
+    void release(const event&) noexcept {}  // the last owner frees it
+
+   private:
+    std::shared_ptr<fake_stream> stream_;
+  };
 
   [[nodiscard]] static void* allocate(std::size_t bytes, int device, stream_type) {
     return host::allocate(bytes, device, nullptr);

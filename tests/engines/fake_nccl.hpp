@@ -48,6 +48,12 @@
 //   - FAKE_NCCL_ASYNC_ERROR_AT=k: the k-th collective (from 1) raises an
 //     asynchronous error (ncclRemoteError, a peer's network went away)
 //     instead of completing;
+//   - FAKE_NCCL_COLLECTIVE_MS=n: each collective takes n ms more on its
+//     stream (a slow link), and every collective that completes is logged
+//     with its times on the host's steady clock (registry::ran), for the
+//     timeline's device spans to be checked against;
+//   - timing events: cudaEventRecord stamps the host's steady clock when the
+//     stream reaches the event, cudaEventElapsedTime subtracts the stamps;
 //   - FAKE_NCCL_ID_FAILS=1: ncclGetUniqueId fails (ncclSystemError);
 //   - FAKE_NCCL_INIT_FAILS_RANK=r: on the process whose RANK is r,
 //     ncclCommInitRankConfig fails (ncclSystemError) and the rank never joins;
@@ -149,8 +155,16 @@ struct registry {
   struct event_state {
     std::weak_ptr<fake_device::fake_stream> stream;
     std::uint64_t count = 0;
+    std::atomic<std::int64_t> stamp{-1};    // steady ns when the stream reached it; -1: not yet
+    std::atomic<std::uint64_t> records{0};  // a stamp is the latest record's only
   };
   std::map<const void*, std::shared_ptr<event_state>> events;
+  /// A collective that completed on a stream (FAKE_NCCL_COLLECTIVE_MS).
+  struct collective_run {
+    int kind;
+    std::int64_t start, end;  // steady ns
+  };
+  std::vector<collective_run> ran;
   std::shared_ptr<fake_device::fake_stream> legacy = std::make_shared<fake_device::fake_stream>();
 
   static registry& get() {
@@ -449,11 +463,28 @@ struct api {
     auto s = registry::get().stream(stream);
     auto e = registry::get().event(event);
     if (!s || !e) return cudaErrorInvalidResourceHandle;
+    e->stamp = -1;
+    s->enqueue({}, [e, record = ++e->records] {
+      if (e->records == record) e->stamp = steady_ns();
+    });
     const auto marker = s->now(s);
     std::lock_guard lock(registry::get().mutex);
     e->stream = s;
     e->count = marker.count;
     return cudaSuccess;
+  }
+  static cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+    auto a = registry::get().event(start);
+    auto b = registry::get().event(end);
+    if (!a || !b) return cudaErrorInvalidResourceHandle;
+    const std::int64_t from = a->stamp, to = b->stamp;
+    if (from < 0 || to < 0) return cudaErrorNotReady;
+    *ms = static_cast<float>(static_cast<double>(to - from) / 1e6);
+    return cudaSuccess;
+  }
+  static std::int64_t steady_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now().time_since_epoch())
+        .count();
   }
   static cudaError_t cudaEventQuery(cudaEvent_t event) {
     auto e = registry::get().event(event);
@@ -812,7 +843,9 @@ struct api {
                                       : count) *
                                  width;
     const int error_at = env_int("FAKE_NCCL_ASYNC_ERROR_AT", 0);
+    const int slow_ms = env_int("FAKE_NCCL_COLLECTIVE_MS", 0);
     s->enqueue({}, [=] {
+      const std::int64_t started = steady_ns();
       ++c->running;
       struct done {
         comm_state& c;
@@ -868,6 +901,11 @@ struct api {
                         count * width);
           break;
       }
+      if (slow_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+        std::lock_guard lock(registry::get().mutex);
+        registry::get().ran.push_back({static_cast<int>(k), started, steady_ns()});
+      }
     });
     return ncclSuccess;
   }
@@ -879,6 +917,8 @@ struct memory {
   using stream_type = cudaStream_t;
   static constexpr dtrain::memory where = dtrain::memory::device;
   static constexpr bool on_stream = true;
+  /// cuda_memory's timer, on the fake's events (stamped by the host's clock).
+  using device_timer = dtrain::detail::basic_device_timer<api>;
 
   [[nodiscard]] static void* allocate(std::size_t bytes, int, stream_type stream) {
     void* data = nullptr;

@@ -177,3 +177,15 @@ foreach(ranks IN ITEMS 3 4)
   nccl_ranks_test(mean16 ${ranks} mean16 STATUS 0
     EXPECT "rank 0 of ${ranks}: 16-bit means are unbiased")
 endforeach()
+# Issue 51: the timeline's device time through the engine. Each collective
+# takes 20 ms on the fake's stream: every bucket's span ends with its device
+# span, which holds the collective it times, from its start to its completion
+# (the host enqueues at once, before the collective has even started).
+nccl_ranks_test(timeline 2 timeline STATUS 0
+  EXPECT "rank 0 of 2: [0-9]+ bucket spans end with their device time, each after its collective completed"
+  ENVIRONMENT FAKE_NCCL_COLLECTIVE_MS=20)
+# The same over topology::hierarchical, whose steps (node-local and
+# cross-node, on two streams) are enqueued at once: the span ends with the last.
+nccl_ranks_test(timeline_hierarchical 4 timeline-hierarchical NODES 2,2 STATUS 0
+  EXPECT "rank 0 of 4: [0-9]+ bucket spans end with their device time, each after its collective completed"
+  ENVIRONMENT FAKE_NCCL_COLLECTIVE_MS=20)

@@ -26,6 +26,11 @@
 //                    (run the ranks as nodes: dtrain_test_launch --nodes 2,2)
 //   ddp-throws       rank 0 throws mid-step with a bucket and a collective of
 //                    its own waiting for rank 1: its process exits at once
+//   timeline, timeline-hierarchical
+//                    DDP with the timeline on: each bucket's span ends with
+//                    its device time (FAKE_NCCL_COLLECTIVE_MS: after its
+//                    collective completed on the fake's stream; hierarchical:
+//                    the last of its steps, local and cross-node)
 //   start            creates the communicator and exits (for the start-up failures
 //                    the environment injects: FAKE_CUDA_NO_DEVICE_RANK, FAKE_NCCL_ID_FAILS,
 //                    FAKE_NCCL_INIT_FAILS_RANK, FAKE_CUDA_GPUS with CUDA_VISIBLE_DEVICES)
@@ -34,17 +39,22 @@
 // On a machine with a GPU per rank (tools/gpu-check --ranks N), the same
 // program runs NCCL itself, backend::nccl:
 //   --gpu collectives|mean16|ddp|zero1|zero2|zero3|ddp-hierarchical|zero1-hierarchical|
-//         zero2-hierarchical|zero3-hierarchical|ddp-throws   the modes above, on the GPUs
+//         zero2-hierarchical|zero3-hierarchical|ddp-throws|timeline|timeline-hierarchical
+//                      the modes above, on the GPUs
 //   --gpu bandwidth    allreduce from 8 B to 256 MiB, timed and checked, as a
 //                      table in nccl-tests' columns (algbw, busbw)
 #include "../ddp/accumulate_case.hpp"
+#include "../support/trace_check.hpp"
 #include "fake_nccl.hpp"
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -108,11 +118,43 @@ class device_floats {
     return {data_, n_, dtrain::dtype::float32, dtrain::memory::device, device};
   }
   float* data() { return data_; }
+  [[nodiscard]] std::size_t size() const { return n_; }
 
  private:
   static void settle() { ::settle<Api>(); }
   float* data_ = nullptr;
   std::size_t n_;
+};
+
+/// A model of float32 layers in device memory (device_floats), gradients as
+/// views: DDP points `grad_ptrs` into its buckets.
+template <class Api>
+struct layered_model {
+  std::vector<std::unique_ptr<device_floats<Api>>> values, grads;
+  std::vector<float*> grad_ptrs;
+  std::vector<std::size_t> sizes;
+  int device = 0;
+  layered_model(const std::vector<std::size_t>& layer_sizes, int on)
+      : sizes(layer_sizes), device(on) {
+    for (std::size_t n : sizes) {
+      values.push_back(std::make_unique<device_floats<Api>>(n));
+      grads.push_back(std::make_unique<device_floats<Api>>(n));
+      grad_ptrs.push_back(grads.back()->data());
+    }
+  }
+  std::vector<dtrain::parameter> parameters() {
+    std::vector<dtrain::parameter> out;
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      out.push_back(dtrain::device_param("layer" + std::to_string(p), values[p]->data(),
+                                         grad_ptrs[p], sizes[p], device));
+    return out;
+  }
+  /// Layer p's gradient (where DDP points it now), written and settled.
+  void set_gradient(std::size_t p, const std::vector<float>& g) {
+    DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(grad_ptrs[p], g.data(), g.size() * sizeof(float),
+                                           cudaMemcpyHostToDevice, nullptr));
+    settle<Api>();
+  }
 };
 
 /// Every collective against the serial answer, under the fake (Api =
@@ -335,30 +377,11 @@ using gpu_policy = dtrain::policy<dtrain::launch::per_process, dtrain::backend::
 template <class Api, class Context>
 int ddp_steps(Context& ctx, dtrain::sharding sharding) {
   using Policy = typename Context::policy_type;
-  using floats = device_floats<Api>;
   const bool fake = std::is_same_v<Api, fake_nccl::api>;
   const std::vector<std::size_t> sizes{1000, 3, fake ? 4099 : (std::size_t{1} << 20) + 7, 257};
-  struct model {
-    std::vector<std::unique_ptr<floats>> values, grads;
-    std::vector<float*> grad_ptrs;
-    std::vector<std::size_t> sizes;
-    int device = 0;
-    std::vector<dtrain::parameter> parameters() {
-      std::vector<dtrain::parameter> out;
-      for (std::size_t p = 0; p < sizes.size(); ++p)
-        out.push_back(dtrain::device_param("layer" + std::to_string(p), values[p]->data(),
-                                           grad_ptrs[p], sizes[p], device));
-      return out;
-    }
-  } m;
-  m.sizes = sizes;
-  m.device = ctx.device();
-  for (std::size_t n : sizes) {
-    m.values.push_back(std::make_unique<floats>(n));
-    m.values.back()->upload(std::vector<float>(n, 0.5f));
-    m.grads.push_back(std::make_unique<floats>(n));
-    m.grad_ptrs.push_back(m.grads.back()->data());
-  }
+  using model = layered_model<Api>;
+  model m(sizes, ctx.device());
+  for (const auto& v : m.values) v->upload(std::vector<float>(v->size(), 0.5f));
   const double cap = fake ? 0.004 : 1.0;
   dtrain::DistributedDataParallel<model, Policy> ddp(
       ctx, m, {.bucket_cap_mb = cap, .first_bucket_cap_mb = cap / 10, .sharding = sharding});
@@ -387,9 +410,7 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
       std::vector<float> g(sizes[p]);
       for (std::size_t i = 0; i < g.size(); ++i)
         g[i] = static_cast<float>(r + 1 + step) + static_cast<float>(i % 7);
-      DTRAIN_CUDA_CHECK(Api::cudaMemcpyAsync(m.grad_ptrs[p], g.data(), g.size() * sizeof(float),
-                                             cudaMemcpyHostToDevice, nullptr));
-      settle<Api>();
+      m.set_gradient(p, g);
       ddp.mark_ready(p);
     }
     ddp.synchronize();
@@ -454,6 +475,57 @@ int ddp_steps(Context& ctx, dtrain::sharding sharding) {
   std::printf("rank %d of %d: %d DDP steps (sharding %s) averaged right on %d node(s), %s\n", r, n,
               steps, std::string(dtrain::to_string(sharding)).c_str(), ctx.num_nodes(),
               ddp.topology().describe().c_str());
+  return 0;
+}
+
+/// The timeline's device time through the NCCL engine (issue 51): a DDP
+/// job with DTRAIN_TIMELINE's option on, each bucket's span read back from the
+/// rank's trace. Every bucket launched has a span on the device track, and its
+/// span on the communication track ends where the device span ends. On the
+/// fake, with FAKE_NCCL_COLLECTIVE_MS (each collective that long on its
+/// stream, and logged with its times), each device span holds a collective
+/// the fake ran, from its start to its completion, within the clock's stated
+/// uncertainty: the span ends when the device finished, not when the host
+/// enqueued (which is before the collective even started).
+template <class Api, class Context>
+int timeline_steps(Context& ctx) {
+  using Policy = typename Context::policy_type;
+  constexpr bool fake = std::is_same_v<Api, fake_nccl::api>;
+  const std::vector<std::size_t> sizes{1000, 3, 4099, 257};
+  using model = layered_model<Api>;
+  model m(sizes, ctx.device());
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("dtrain_nccl_timeline_" + std::to_string(::getpid()) + ".json"))
+                               .string();
+  const std::string file = dtrain::detail::timeline_file(path, ctx.rank());
+  const int steps = 3;
+  {
+    dtrain::DistributedDataParallel<model, Policy> ddp(
+        ctx, m, {.bucket_cap_mb = 0.004, .first_bucket_cap_mb = 0.004, .timeline = path});
+    for (int step = 0; step < steps; ++step) {
+      for (std::size_t p = sizes.size(); p-- > 0;) {
+        m.set_gradient(p, std::vector<float>(sizes[p], static_cast<float>(ctx.rank() + step)));
+        ddp.mark_ready(p);
+      }
+      ddp.synchronize();
+      settle<Api>();
+    }
+    ddp.flush_timeline();
+  }
+  std::vector<dtrain_test::collective_run> ran;
+  if constexpr (fake) {
+    expect(fake_nccl::env_int("FAKE_NCCL_COLLECTIVE_MS", 0) > 0,
+           "set FAKE_NCCL_COLLECTIVE_MS for the timeline mode");
+    std::lock_guard lock(fake_nccl::registry::get().mutex);
+    for (const auto& r : fake_nccl::registry::get().ran) ran.push_back({r.start, r.end});
+  }
+  const dtrain_test::device_span_check checked =
+      dtrain_test::check_device_spans(file, fake ? &ran : nullptr);
+  std::filesystem::remove(file);
+  std::printf(
+      "rank %d of %d: %zu bucket spans end with their device time%s (clock within %.3f us)\n",
+      ctx.rank(), ctx.size(), checked.spans, fake ? ", each after its collective completed" : "",
+      checked.uncertainty_us);
   return 0;
 }
 
@@ -691,6 +763,9 @@ int common_mode(std::string_view mode, int argc, char** argv) {
       {"zero1", dtrain::sharding::optimizer},
       {"zero2", dtrain::sharding::gradients}};
   if (mode == "zero3") return dtrain::run<flat>(argc, argv, zero3_steps<Api, flat_context>);
+  if (mode == "timeline") return dtrain::run<flat>(argc, argv, timeline_steps<Api, flat_context>);
+  if (mode == "timeline-hierarchical")
+    return dtrain::run<hierarchical>(argc, argv, timeline_steps<Api, hierarchical_context>);
   if (mode == "zero3-hierarchical")
     return dtrain::run<hierarchical>(argc, argv, zero3_steps<Api, hierarchical_context>);
   for (const auto& [name, sharding] : ddp_modes) {
@@ -708,7 +783,8 @@ int common_mode(std::string_view mode, int argc, char** argv) {
 
 constexpr const char* common_modes =
     "collectives|mean16|ddp|zero1|zero2|zero3|ddp-hierarchical|zero1-hierarchical|"
-    "zero2-hierarchical|zero3-hierarchical|ddp-throws|accumulate|accumulate-hierarchical";
+    "zero2-hierarchical|zero3-hierarchical|ddp-throws|accumulate|accumulate-hierarchical|timeline|"
+    "timeline-hierarchical";
 
 }  // namespace
 

@@ -8,7 +8,8 @@
 //                                 stream held by cudaLaunchHostFunc, comm hooks with
 //                                 and without a stream (each with always_reduce, so
 //                                 that NCCL runs), and world size 1 as users get it (no
-//                                 collective). Registered as gpu.ddp.1rank.
+//                                 collective), the timeline's device spans behind a held
+//                                 compute stream. Registered as gpu.ddp.1rank.
 //   dtrain_gpu_tests --hang       the watchdog on a real hang: the compute stream is
 //                                 held past the collective timeout; wait() must throw
 //                                 timeout_error naming the allreduce within the timeout
@@ -23,8 +24,11 @@
 // (gradient compression on the device).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <dtrain/dtrain.hpp>
+
+#include "../support/trace_check.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -33,7 +37,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -498,6 +505,65 @@ TEST_SUITE("gpu") {
       INFO("layer", p);
       CHECK(wrong == 0);
     }
+  }
+
+  TEST_CASE("the timeline's device spans start when the held compute stream lets them go") {
+    // Issue 51: the host launches every bucket at once; the device reaches
+    // them only after the host function holding the compute stream returns.
+    // Their device spans say so, on the host's clock.
+    const test_stream owned;
+    cudaStream_t stream = owned.stream;
+    world_of_one world;
+    device_model model(true);
+    const std::string path = (std::filesystem::temp_directory_path() /
+                              ("dtrain_gpu_timeline_" + std::to_string(::getpid()) + ".json"))
+                                 .string();
+    const std::string file = dtrain::detail::timeline_file(path, 0);
+    static std::atomic<bool> release{false};
+    static std::atomic<std::int64_t> released_ns{0};
+    release = false;
+    {
+      dtrain::DistributedDataParallel<device_model, policy> ddp(
+          world.comm, world.control, model,
+          {.gradient_as_bucket_view = false, .always_reduce = true, .timeline = path});
+      ddp.set_stream(stream);
+      GPU_CHECK(cudaLaunchHostFunc(
+          stream,
+          [](void*) {
+            while (!release.load()) std::this_thread::sleep_for(1ms);
+            released_ns = dtrain::detail::timeline::now();
+          },
+          nullptr));
+      std::thread safety([] {
+        for (int i = 0; i < 200 && !release.load(); ++i) std::this_thread::sleep_for(100ms);
+        release = true;
+      });
+      for (std::size_t p = 0; p < model.sizes.size(); ++p) ddp.mark_ready(p);
+      ddp.synchronize();  // the host does not wait
+      std::this_thread::sleep_for(200ms);
+      release = true;
+      safety.join();
+      GPU_CHECK(cudaStreamSynchronize(stream));
+      ddp.flush_timeline();
+    }
+    dtrain_test::device_span_check checked;
+    CHECK_NOTHROW(checked = dtrain_test::check_device_spans(file, nullptr));
+    CHECK(checked.spans > 0);
+    // Every device span starts after the release (the host launched them 200 ms before).
+    std::ifstream in(file);
+    const std::string text{std::istreambuf_iterator<char>(in), {}};
+    const auto trace = dtrain::detail::json::parse(text, file);
+    const double released_us = static_cast<double>(released_ns.load()) / 1e3;
+    for (const auto& e : trace.find("traceEvents")->items) {
+      const auto* cat = e.find("cat");
+      if (!cat) continue;
+      const double ts = std::stod(e.find("ts")->text);
+      if (cat->text == "device") CHECK(ts >= released_us - checked.uncertainty_us - 0.002);
+      if (cat->text == "bucket" && e.find("ph")->text == "b") CHECK(ts < released_us);
+    }
+    std::printf("timeline on the GPU: %zu device spans, clock within %.3f us\n", checked.spans,
+                checked.uncertainty_us);
+    std::filesystem::remove(file);
   }
 
   TEST_CASE("a stream under graph capture is refused with a clear error") {

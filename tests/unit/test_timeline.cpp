@@ -4,7 +4,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include <unistd.h>
 
@@ -105,4 +109,107 @@ TEST_CASE("timeline: a file that cannot be written names the file and the rank")
                    "rank 2 could not write its timeline to " + (dir / "trace.rank2.json").string());
   }
   CHECK_NOTHROW(t.write_at_exit());
+}
+
+namespace {
+
+// A device whose clock the test sets: each event's device time and whether
+// it was reached are the test's (device_spans' seam, ddp/device_spans.hpp).
+struct scripted_device {
+  using stream_type = dtrain::stream_handle;
+  class device_timer {
+   public:
+    struct stamp {
+      double device_ns = 0;
+      bool reached = false;
+    };
+    using event = std::shared_ptr<stamp>;
+    // Events recorded at start-up (calibration) are reached at device time 0.
+    static inline bool calibrating = true;
+    static inline std::vector<event> recorded;
+    explicit device_timer(int /*device*/) {}
+    [[nodiscard]] stream_type stream() const noexcept { return nullptr; }
+    [[nodiscard]] event record(stream_type) {
+      auto e = std::make_shared<stamp>();
+      e->reached = calibrating;
+      if (!calibrating) recorded.push_back(e);
+      return e;
+    }
+    [[nodiscard]] bool reached(const event& e) const noexcept { return e->reached; }
+    [[nodiscard]] double elapsed_ns(const event& from, const event& to) const noexcept {
+      return to->device_ns - from->device_ns;
+    }
+    void release(const event&) noexcept {}
+  };
+};
+
+// A collective that any stream can wait for.
+struct waitable final : dtrain::detail::work_state {
+  waitable() : work_state("test collective", std::chrono::milliseconds(1000)) {}
+  bool poll() override { return true; }
+  bool stream_wait(dtrain::stream_handle) override { return true; }
+};
+
+}  // namespace
+
+TEST_CASE("timeline: device spans stay between the host's record and the host's sight") {
+  // The device's clock drifts against the host's: a span mapped before the
+  // host recorded its event, or after the host saw it reached, is held to
+  // those bounds (and the tie moves), never drawn where it cannot have been.
+  const auto dir = fresh_dir("dtrain_device_spans");
+  const std::string path = (dir / "trace.json").string();
+  timeline t(path, 0, 2, {"w"});
+  using timer = scripted_device::device_timer;
+  timer::calibrating = true;
+  timer::recorded.clear();
+  dtrain::detail::device_spans<scripted_device> spans;
+  spans.start(0, 0, t);
+  REQUIRE(spans.on());
+  timer::calibrating = false;
+  dtrain::work collective(std::make_shared<waitable>());
+  struct bounds {
+    std::int64_t before_begin, after_end, before_poll, after_poll;
+  };
+  auto step = [&](std::size_t bucket, double device_begin, double device_end) {
+    bounds b{};
+    b.before_begin = timeline::now();
+    const std::uint64_t id = t.bucket_launched(bucket, 10);
+    spans.begin(bucket, nullptr);
+    REQUIRE(spans.end(bucket, id, collective));
+    b.after_end = timeline::now();
+    REQUIRE(timer::recorded.size() >= 2);
+    auto& begin = *timer::recorded[timer::recorded.size() - 2];
+    auto& end = *timer::recorded.back();
+    spans.poll();  // not reached yet: nothing resolves, nothing blocks
+    begin.device_ns = device_begin;
+    end.device_ns = device_end;
+    begin.reached = end.reached = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    b.before_poll = timeline::now();
+    spans.poll();
+    b.after_poll = timeline::now();
+    return b;
+  };
+  // A device clock 1000 s behind the host's: mapped before the host recorded them.
+  const bounds slow = step(0, -1e12, -1e12 + 1e6);
+  // Then 1000 s ahead: mapped after the host saw them.
+  const bounds fast = step(1, 2e12, 2e12 + 1e6);
+  t.write();
+  const auto trace = json::parse(read_all(t.file().data()), "trace");
+  std::vector<std::pair<double, double>> device;  // us
+  for (const auto& e : trace.find("traceEvents")->items) {
+    if (const auto* cat = e.find("cat"); cat && cat->text == "device") {
+      const double ts = std::stod(e.find("ts")->text);
+      device.emplace_back(ts, ts + std::stod(e.find("dur")->text));
+    }
+  }
+  REQUIRE(device.size() == 2);
+  CHECK(trace.find("otherData")->find("device_clock_uncertainty_us") != nullptr);
+  auto us = [](std::int64_t ns) { return static_cast<double>(ns) / 1e3; };
+  for (const auto& [span, b] : {std::pair{device[0], slow}, std::pair{device[1], fast}}) {
+    CHECK(span.first >= us(b.before_begin) - 0.002);  // not before its event was recorded
+    CHECK(span.second <= us(b.after_poll) + 0.002);   // not after the host saw it reached
+    CHECK(span.first <= span.second);
+  }
+  std::filesystem::remove_all(dir);
 }

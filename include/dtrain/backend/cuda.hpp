@@ -16,6 +16,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace dtrain::detail {
 
@@ -101,6 +102,9 @@ struct cuda_library {
     return ::cudaEventRecord(event, stream);
   }
   static cudaError_t cudaEventQuery(cudaEvent_t event) { return ::cudaEventQuery(event); }
+  static cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+    return ::cudaEventElapsedTime(ms, start, end);
+  }
   static cudaError_t cudaMalloc(void** data, std::size_t bytes) {
     return ::cudaMalloc(data, bytes);
   }
@@ -236,6 +240,80 @@ class basic_device_guard {
   bool switched_ = false;
 };
 using device_guard = basic_device_guard<>;
+
+/// Device time for DistributedDataParallel's timeline (DTRAIN_TIMELINE):
+/// timing events, recorded on the caller's streams or on a stream of the
+/// timer's own that waits for a collective's completion event (so that the
+/// completion is timed without the compute stream waiting for it). Events are
+/// pooled; every call runs with `device` current. For one thread (the one that
+/// enqueues DDP's buckets).
+template <class Api = cuda_library>
+class basic_device_timer {
+ public:
+  using stream_type = cudaStream_t;
+  using event = cudaEvent_t;
+
+  explicit basic_device_timer(int device) : device_(device) {
+    basic_device_guard<Api> guard(device_);
+    stream_ = basic_cuda_stream<Api>::non_blocking();
+  }
+  basic_device_timer(const basic_device_timer&) = delete;
+  basic_device_timer& operator=(const basic_device_timer&) = delete;
+  /// Events still out (not given back) are the caller's to release first.
+  ~basic_device_timer() {
+    basic_device_guard<Api> guard(device_, std::nothrow);
+    for (event e : free_) (void)Api::cudaEventDestroy(e);
+  }
+
+  /// The timer's own stream, for work::stream_wait().
+  [[nodiscard]] stream_type stream() const noexcept { return stream_.get(); }
+
+  /// A timing event recorded on `on` now: the device reaches it once
+  /// everything enqueued there before it is done.
+  [[nodiscard]] event record(stream_type on) {
+    basic_device_guard<Api> guard(device_);
+    event e = nullptr;
+    if (free_.empty()) {
+      DTRAIN_CUDA_CHECK(Api::cudaEventCreateWithFlags(&e, cudaEventDefault));
+    } else {
+      e = free_.back();
+      free_.pop_back();
+    }
+    const cudaError_t status = Api::cudaEventRecord(e, on);
+    if (status != cudaSuccess) {
+      free_.push_back(e);
+      throw_cuda_error(status, "cudaEventRecord(event, stream)", __FILE__, __LINE__);
+    }
+    return e;
+  }
+  /// Whether the device reached `e` (never blocks).
+  [[nodiscard]] bool reached(event e) {
+    basic_device_guard<Api> guard(device_);
+    const cudaError_t status = Api::cudaEventQuery(e);
+    if (status == cudaErrorNotReady) return false;
+    if (status != cudaSuccess)
+      throw_cuda_error(status, "cudaEventQuery(event)", __FILE__, __LINE__);
+    return true;
+  }
+  /// Nanoseconds on the device's clock from `from` to `to`, both reached
+  /// (about 0.5 us resolution; negative when `to` came first).
+  [[nodiscard]] double elapsed_ns(event from, event to) {
+    basic_device_guard<Api> guard(device_);
+    float ms = 0;
+    DTRAIN_CUDA_CHECK(Api::cudaEventElapsedTime(&ms, from, to));
+    return static_cast<double>(ms) * 1e6;
+  }
+  /// Gives `e` back to the pool.
+  void release(event e) noexcept {
+    if (e) free_.push_back(e);
+  }
+
+ private:
+  int device_;
+  basic_cuda_stream<Api> stream_;
+  std::vector<event> free_;
+};
+using device_timer = basic_device_timer<>;
 
 /// Pinned (page-locked) host blocks for staging device buffers through host
 /// memory, kept for reuse: a cudaMallocHost costs milliseconds, so it happens

@@ -171,6 +171,8 @@ struct cuda_memory {
   static constexpr memory where = memory::device;
   /// Buckets travel on CUDA streams, ordered by events; the host does not wait.
   static constexpr bool on_stream = true;
+  /// The timeline's device time (timing events; a stream that waits for collectives).
+  using device_timer = detail::device_timer;
 
   /// Stream-ordered: allocated on `stream` (cudaMallocAsync where the device
   /// has memory pools, else cudaMalloc), then zeroed there (never on the

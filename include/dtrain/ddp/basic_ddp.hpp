@@ -33,6 +33,7 @@
 #include <dtrain/control/verdict.hpp>
 #include <dtrain/ddp/agreement.hpp>
 #include <dtrain/ddp/bucket.hpp>
+#include <dtrain/ddp/device_spans.hpp>
 #include <dtrain/ddp/options.hpp>
 #include <dtrain/ddp/parameter.hpp>
 #include <dtrain/ddp/runner.hpp>
@@ -242,7 +243,11 @@ class basic_ddp {
   /// Writes the timeline (DTRAIN_TIMELINE, ddp_options::timeline) recorded so
   /// far; the destructor writes it too. Call it between steps. Throws
   /// dtrain::error naming the file and the rank when it cannot be written.
-  void flush_timeline() const { timeline_.write(); }
+  void flush_timeline() const {
+    const std::lock_guard lock(mutex_);
+    device_spans_.flush();  // the buckets still on the device, a second at most
+    timeline_.write();
+  }
 
   /// Which rank the others wait for, as of the last exchange of the ranks'
   /// step records (ddp_options::stragglers; the same figures on every rank).
@@ -674,6 +679,8 @@ class basic_ddp {
   // places, which nothing changes while b is in flight.
   void prepare_bucket(std::size_t b);
   work reduce(std::size_t b);
+  /// Streams: bucket b's collective `w` is enqueued (its device span, timeline on).
+  void reduce_enqueued(std::size_t b, work& w);
   void finish_bucket(std::size_t b);
   /// Streams: the compute stream waits (on the device) for every collective so far.
   void order_after_buckets() {
@@ -778,7 +785,9 @@ class basic_ddp {
   comm_hook hook_;
   std::function<void()> all_marked_;
   stream_type stream_ = nullptr;
-  detail::timeline timeline_;     // off unless DTRAIN_TIMELINE or options_.timeline
+  detail::timeline timeline_;  // off unless DTRAIN_TIMELINE or options_.timeline
+  // The buckets' device time (streams with a device timer, timeline on); after timeline_.
+  mutable detail::device_spans<memory_space> device_spans_;
   detail::straggler_watch pace_;  // off when options_.stragglers is, or at world size 1
   // The context's line in this rank's flight records: the watch's last window (null: none).
   std::shared_ptr<detail::flight_note> flight_note_;
@@ -824,6 +833,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
   }
   try {
     timeline_ = detail::timeline::of(env, options_.timeline, rank_, size_, parameters);
+    device_spans_.start(device_, rank_, timeline_);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
                                     options_.stragglers, rank_, size_, node_name_or_unknown(env));
     if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
@@ -878,6 +888,7 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
 template <class Policy>
 basic_ddp<Policy>::~basic_ddp() {
   runner_.reset();  // joins the thread, or waits out the watchdog
+  device_spans_.flush();
   timeline_.write_at_exit();
   if (!metrics_.file.empty()) {
     try {

@@ -140,6 +140,8 @@ template <class Policy>
 void basic_ddp<Policy>::prepare_bucket(std::size_t b) {
   bucket& s = buckets_[b];
   if (timeline_.on()) s.span_reduce = detail::timeline::now();
+  // Streams: the gradients are ready on the compute stream from here.
+  if (!sends_nothing()) device_spans_.begin(b, stream_);
   for (std::size_t i : s.info.parameters) {
     const variable& v = vars_[i];
     if (v.view || v.zeroed) continue;
@@ -206,7 +208,14 @@ void basic_ddp<Policy>::finish_bucket(std::size_t b) {
                        stream_);
   }
   shards_.reduced(b);
-  timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
+  // Timed on the device, the span ends when the device says (device_spans_.poll()).
+  if (!std::exchange(s.span_on_device, false))
+    timeline_.bucket_done(b, s.span, s.span_reduce, !memory_space::on_stream);
+}
+
+template <class Policy>
+void basic_ddp<Policy>::reduce_enqueued(std::size_t b, work& w) {
+  buckets_[b].span_on_device = device_spans_.end(b, buckets_[b].span, w);
 }
 
 template <class Policy>

@@ -154,6 +154,7 @@ void basic_ddp<Policy>::synchronize_locked() {
   if (no_sync_depth_ > 0) return;
   {
     const auto span = timeline_.synchronize(steps_);
+    device_spans_.poll();  // the device times of earlier buckets, without waiting
     check_usable_locked();
     complete_marks();
     if (auto e = complete_buckets()) fail(e);

@@ -234,8 +234,9 @@ struct ddp_options {
   /// engine's path with one GPU).
   bool always_reduce = false;
   /// A Chrome trace of every step (steps, mark_ready per parameter, buckets,
-  /// the waits in synchronize()) goes to this file, the rank inserted
-  /// (trace.json -> trace.rank0.json); empty: none. DTRAIN_TIMELINE wins.
+  /// the waits in synchronize(); on CUDA streams each bucket's device time)
+  /// goes to this file, the rank inserted (trace.json -> trace.rank0.json);
+  /// empty: none. DTRAIN_TIMELINE wins.
   std::string timeline = {};
   /// A directory where each rank writes its metrics (dtrain_rank<R>.prom, the
   /// Prometheus text format that node-exporter's textfile collector reads) at

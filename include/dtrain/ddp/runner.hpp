@@ -252,7 +252,9 @@ class stream_runner {
   void launch(std::size_t bucket, bool /*wake*/ = true) {
     if (auto e = watchdog_.failure()) std::rethrow_exception(e);
     owner_.prepare_bucket(bucket);
-    watchdog_.watch(owner_.reduce(bucket));
+    work collective = owner_.reduce(bucket);
+    watchdog_.watch(collective);  // first: followed even if what comes next throws
+    owner_.reduce_enqueued(bucket, collective);
   }
 
   /// Orders the compute stream after every bucket and enqueues their

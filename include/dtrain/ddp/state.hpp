@@ -50,6 +50,7 @@ struct ddp_bucket {
   bool ready = false;       ///< every parameter marked: may be launched in its turn
   std::uint64_t span = 0;   ///< its timeline span, from launch to completion
   std::int64_t span_reduce = 0;  ///< when its reduction started (timeline on)
+  bool span_on_device = false;   ///< its span ends with its device time (ddp/device_spans.hpp)
 };
 
 /// The parameters of `variables`, as a random-access view (basic_ddp::parameters()).

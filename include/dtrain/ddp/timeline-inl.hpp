@@ -66,6 +66,17 @@ DTRAIN_DETAIL_INLINE void timeline::bucket_done(std::size_t bucket, std::uint64_
   append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
 }
 
+DTRAIN_DETAIL_INLINE void timeline::device_done(std::size_t bucket, std::uint64_t id,
+                                                std::int64_t start, std::int64_t end) {
+  if (!state_) return;
+  append(track::device, {.what = kind::device, .start = start, .end = end, .index = bucket});
+  append(track::communication, {.what = kind::bucket_end, .start = end, .index = bucket, .id = id});
+}
+
+DTRAIN_DETAIL_INLINE void timeline::device_clock(std::int64_t uncertainty_ns) {
+  if (state_) state_->device_clock = uncertainty_ns;
+}
+
 DTRAIN_DETAIL_INLINE void timeline::write() const {
   if (!state_) return;
   const std::string text = render();
@@ -137,6 +148,7 @@ DTRAIN_DETAIL_INLINE std::string timeline::name_of(const event& e) const {
     case kind::reduce: return "allreduce bucket " + std::to_string(e.index);
     case kind::bucket_begin:
     case kind::bucket_end: return "bucket " + std::to_string(e.index);
+    case kind::device: return "bucket " + std::to_string(e.index) + " on the device";
   }
   return "?";
 }
@@ -150,6 +162,7 @@ DTRAIN_DETAIL_INLINE const char* timeline::category_of(kind k) {
     case kind::reduce:
     case kind::bucket_begin:
     case kind::bucket_end: return "bucket";
+    case kind::device: return "device";
   }
   return "?";
 }
@@ -178,6 +191,7 @@ DTRAIN_DETAIL_INLINE void timeline::render_event(std::string& out, track t, cons
       out += ",\"args\":{\"elements\":" + std::to_string(e.detail) + "}";
       break;
     case kind::wait: out += ",\"args\":{\"buckets\":" + std::to_string(e.detail) + "}"; break;
+    case kind::device: out += ",\"args\":{\"bucket\":" + std::to_string(e.index) + "}"; break;
     default: break;
   }
   out += "}";
@@ -202,12 +216,20 @@ DTRAIN_DETAIL_INLINE std::string timeline::render() const {
   }
   out += "\"rank\":" + std::to_string(state_->rank) +
          ",\"world_size\":" + std::to_string(state_->size) +
-         ",\"dropped_events\":" + std::to_string(dropped) + "},\n\"traceEvents\":[";
+         ",\"dropped_events\":" + std::to_string(dropped);
+  if (state_->device_clock >= 0) {
+    // The device track's times are tied to the host's clock within this.
+    out += ",\"device_clock_uncertainty_us\":";
+    microseconds(out, state_->device_clock);
+  }
+  out += "},\n\"traceEvents\":[";
   out += "\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(state_->rank) +
          ",\"tid\":0,\"args\":{\"sort_index\":" + std::to_string(state_->rank) + "}}";
   metadata(out, "process_name", 0, "rank " + std::to_string(state_->rank));
   metadata(out, "thread_name", static_cast<int>(track::training), "training");
   metadata(out, "thread_name", static_cast<int>(track::communication), "communication");
+  if (state_->device_clock >= 0)
+    metadata(out, "thread_name", static_cast<int>(track::device), "device");
   for (std::size_t t = 0; t < state_->tracks.size(); ++t) {
     const buffer& b = state_->tracks[t];
     std::lock_guard lock(b.mutex);

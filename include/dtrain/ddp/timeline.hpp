@@ -3,6 +3,9 @@
 /// DistributedDataParallel's timeline: a Chrome trace (JSON that Perfetto and
 /// chrome://tracing open) of one rank's steps, mark_ready calls, buckets and
 /// waits, written when DTRAIN_TIMELINE (or ddp_options::timeline) names a file.
+/// On CUDA streams a third track holds device time: each bucket from the
+/// point its gradients are ready on the compute stream to its collective's
+/// completion (ddp/device_spans.hpp times them), on the host's clock.
 /// Off, a recorder is one null pointer: no allocation and no clock read, one
 /// branch per recording point. On, spans go into a buffer per track, each
 /// with its own (uncontended: one thread per track) mutex, and the file is
@@ -47,7 +50,7 @@ DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
 class timeline {
  public:
   /// The tracks, as Chrome trace threads of the rank's process.
-  enum class track : std::uint8_t { training = 1, communication = 2 };
+  enum class track : std::uint8_t { training = 1, communication = 2, device = 3 };
 
   timeline() noexcept = default;
 
@@ -122,6 +125,12 @@ class timeline {
   /// to now (finished); `on_thread`: on the communication thread, which gets a
   /// span of its own (on CUDA streams the host only enqueues, so no such span).
   void bucket_done(std::size_t bucket, std::uint64_t id, std::int64_t started, bool on_thread);
+  /// Bucket `bucket` (span `id`) on the device, times on this clock (now()):
+  /// ready on the compute stream at `start`, its collective complete at
+  /// `end`. A span on the device track; the bucket's span ends at `end`.
+  void device_done(std::size_t bucket, std::uint64_t id, std::int64_t start, std::int64_t end);
+  /// How far the device clock's tie to this one may be off (ns), for the file.
+  void device_clock(std::int64_t uncertainty_ns);
 
   /// Writes the file (everything recorded so far). Throws dtrain::error naming
   /// the file and the rank when it cannot be written.
@@ -142,7 +151,8 @@ class timeline {
     wait,
     reduce,
     bucket_begin,
-    bucket_end
+    bucket_end,
+    device
   };
 
   struct event {
@@ -169,9 +179,10 @@ class timeline {
     int rank = 0;
     int size = 1;
     std::vector<std::string> names;
-    std::array<buffer, 2> tracks;
-    std::int64_t step_start = -1;  // training thread only
-    std::uint64_t launches = 0;    // training thread only
+    std::array<buffer, 3> tracks;
+    std::int64_t device_clock = -1;  // ns; -1: no device track
+    std::int64_t step_start = -1;    // training thread only
+    std::uint64_t launches = 0;      // training thread only
   };
 
   void append(track t, const event& e);
