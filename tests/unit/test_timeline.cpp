@@ -150,23 +150,44 @@ struct waitable final : dtrain::detail::work_state {
   bool stream_wait(dtrain::stream_handle) override { return true; }
 };
 
+// A timeline (in a directory of its own) with device spans on the scripted
+// device, started: its clock tied to the host's.
+struct scripted_timeline {
+  std::filesystem::path dir;
+  timeline t;
+  dtrain::detail::device_spans<scripted_device> spans;  // after t: it writes there
+  dtrain::work collective{std::make_shared<waitable>()};
+  explicit scripted_timeline(const char* name)
+      : dir(fresh_dir(name)), t((dir / "trace.json").string(), 0, 2, {"w"}) {
+    scripted_device::device_timer::calibrating = true;
+    scripted_device::device_timer::recorded.clear();
+    spans.start(0, 0, t);
+    scripted_device::device_timer::calibrating = false;
+  }
+  scripted_timeline(const scripted_timeline&) = delete;
+  scripted_timeline& operator=(const scripted_timeline&) = delete;
+  ~scripted_timeline() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+  /// The file, written now and parsed.
+  json::value written() {
+    t.write();
+    return json::parse(read_all(std::string(t.file())), "trace");
+  }
+};
+
 }  // namespace
 
 TEST_CASE("timeline: device spans stay between the host's record and the host's sight") {
   // The device's clock drifts against the host's: a span mapped before the
   // host recorded its event, or after the host saw it reached, is held to
   // those bounds (and the tie moves), never drawn where it cannot have been.
-  const auto dir = fresh_dir("dtrain_device_spans");
-  const std::string path = (dir / "trace.json").string();
-  timeline t(path, 0, 2, {"w"});
+  scripted_timeline s("dtrain_device_spans");
+  REQUIRE(s.spans.on());
+  timeline& t = s.t;
+  auto& spans = s.spans;
   using timer = scripted_device::device_timer;
-  timer::calibrating = true;
-  timer::recorded.clear();
-  dtrain::detail::device_spans<scripted_device> spans;
-  spans.start(0, 0, t);
-  REQUIRE(spans.on());
-  timer::calibrating = false;
-  dtrain::work collective(std::make_shared<waitable>());
   struct bounds {
     std::int64_t before_begin, after_end, before_poll, after_poll;
   };
@@ -175,7 +196,7 @@ TEST_CASE("timeline: device spans stay between the host's record and the host's 
     b.before_begin = timeline::now();
     const std::uint64_t id = t.bucket_launched(bucket, 10);
     spans.begin(bucket, nullptr);
-    REQUIRE(spans.end(bucket, id, collective));
+    REQUIRE(spans.end(bucket, id, s.collective));
     b.after_end = timeline::now();
     REQUIRE(timer::recorded.size() >= 2);
     auto& begin = *timer::recorded[timer::recorded.size() - 2];
@@ -194,8 +215,7 @@ TEST_CASE("timeline: device spans stay between the host's record and the host's 
   const bounds slow = step(0, -1e12, -1e12 + 1e6);
   // Then 1000 s ahead: mapped after the host saw them.
   const bounds fast = step(1, 2e12, 2e12 + 1e6);
-  t.write();
-  const auto trace = json::parse(read_all(t.file().data()), "trace");
+  const auto trace = s.written();
   std::vector<std::pair<double, double>> device;  // us
   for (const auto& e : trace.find("traceEvents")->items) {
     if (const auto* cat = e.find("cat"); cat && cat->text == "device") {
@@ -211,5 +231,28 @@ TEST_CASE("timeline: device spans stay between the host's record and the host's 
     CHECK(span.second <= us(b.after_poll) + 0.002);   // not after the host saw it reached
     CHECK(span.first <= span.second);
   }
-  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("timeline: a device that never reaches its events delays the write a second at most") {
+  // A hung device: flush() (flush_timeline(), the destructor) waits one
+  // second, then the buckets' spans end at the host's time, said on stderr.
+  scripted_timeline s("dtrain_device_spans_hung");
+  REQUIRE(s.spans.on());
+  const std::uint64_t id = s.t.bucket_launched(0, 10);
+  s.spans.begin(0, nullptr);
+  REQUIRE(s.spans.end(0, id, s.collective));
+  const auto before = std::chrono::steady_clock::now();
+  s.spans.flush();
+  const auto waited = std::chrono::steady_clock::now() - before;
+  // It waited its second for the device (a hang would meet the test's timeout).
+  CHECK(waited >= dtrain::detail::device_spans<scripted_device>::flush_wait);
+  const auto trace = s.written();
+  int device = 0, ended = 0;
+  for (const auto& e : trace.find("traceEvents")->items) {
+    const auto* cat = e.find("cat");
+    if (cat && cat->text == "device") ++device;
+    if (cat && cat->text == "bucket" && e.find("ph")->text == "e") ++ended;
+  }
+  CHECK(device == 0);  // never reached: no device time is made up
+  CHECK(ended == 1);   // the bucket's span is closed, at the host's time
 }
