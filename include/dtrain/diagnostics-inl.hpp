@@ -17,7 +17,7 @@ diagnostics_options::with_env(const environment& env) const {
   diagnostics_options out = *this;
   if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
   if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
-  if (auto d = env.get(diagnostics_dir_variable)) out.dir = std::string(*d);
+  out.dir = detail::read_setting(env, diagnostics_dir_variable, out.dir);
   return out;
 }
 }  // namespace dtrain

@@ -1230,6 +1230,12 @@ DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const
 /// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
 DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name);
 
+/// A setting that a variable and an option both give (a file, a directory):
+/// the variable when set, which wins, even empty (`DTRAIN_TIMELINE=` turns an
+/// option's timeline off); else the option.
+DTRAIN_DETAIL_INLINE std::string read_setting(const environment& env, std::string_view name,
+                                              const std::string& option);
+
 /// Reads MASTER_PORT-style variables: an integer in 1..65535.
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
                                                           std::string_view name);
@@ -1290,6 +1296,12 @@ DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::
     if (*text == no) return false;
   }
   throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
+}
+
+DTRAIN_DETAIL_INLINE std::string read_setting(const environment& env, std::string_view name,
+                                              const std::string& option) {
+  if (auto v = env.get(name)) return std::string(*v);
+  return option;
 }
 
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
@@ -12474,11 +12486,6 @@ namespace dtrain::detail {
 /// appended with ".json" when the name has none (trace -> trace.rank3.json).
 DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
 
-/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
-/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option);
-
 /// One rank's recorder. Default-constructed it is off and records nothing.
 /// Recording is thread-safe; write() must not race with recording of the same
 /// step (call it between steps, or after the communication thread is joined).
@@ -12500,7 +12507,7 @@ class timeline {
   template <class Parameters>
   static timeline of(const environment& env, const std::string& option, int rank, int size,
                      const Parameters& params) {
-    const std::string path = timeline_setting(env, option);
+    const std::string path = read_setting(env, timeline_variable, option);
     if (path.empty()) return {};
     std::vector<std::string> names;
     for (const auto& p : params) names.push_back(p.name);
@@ -12662,12 +12669,6 @@ DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) 
   const std::string tag = ".rank" + std::to_string(rank);
   if (dot == std::string_view::npos || dot <= name) return std::string(path) + tag + ".json";
   return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
-}
-
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option) {
-  if (auto v = env.get(timeline_variable)) return std::string(*v);
-  return option;
 }
 
 DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
@@ -15672,9 +15673,6 @@ DTRAIN_DETAIL_INLINE flight_reading read_flight_records(const std::filesystem::p
 
 namespace dtrain::detail {
 
-/// The directory: DTRAIN_METRICS_DIR wins over `option`; empty: none.
-DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env, const std::string& option);
-
 /// The text of one file: families of one sample each, every sample with the
 /// same labels (`rank="3",node="n1",local_rank="1"`).
 class metrics_text {
@@ -15715,12 +15713,6 @@ DTRAIN_DETAIL_INLINE void write_metrics(const std::filesystem::path& file, const
 #include <cstring>
 
 namespace dtrain::detail {
-
-DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env,
-                                                 const std::string& option) {
-  if (auto v = env.get(metrics_dir_variable)) return std::string(*v);
-  return option;
-}
 
 DTRAIN_DETAIL_INLINE void metrics_text::add(std::string_view name, std::string_view type,
                                             std::string_view help, double value) {
@@ -17266,7 +17258,9 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
     device_spans_.start(device_, rank_, timeline_);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
                                     options_.stragglers, rank_, size_, node_name_or_unknown(env));
-    if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
+    if (const std::string dir =
+            detail::read_setting(env, metrics_dir_variable, options_.metrics_dir);
+        !dir.empty()) {
       metrics_.file =
           (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
       metrics_.labels = detail::metrics_text::labels(rank_, node_name_or_unknown(env));
@@ -19831,6 +19825,8 @@ DTRAIN_DETAIL_INLINE void distributed_sampler::shuffle(std::vector<std::size_t>&
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
 ///                                   communicator bytes32
+///     dtrain/agent/<r>/silent/<n>   counter: agents that found node n silent in round r (no
+///                                   heartbeat): every agent then names it as lost
 ///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
 ///     dtrain/agent/<r>/ready        counter: nodes ready for round r
 ///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
@@ -19885,6 +19881,9 @@ struct agent_keys {
   static std::string stopped(int restart) { return of_round(restart, "stopped"); }
   static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
   static std::string exited(int restart) { return of_round(restart, "exited"); }
+  static std::string silent(int restart, int node) {
+    return of_round(restart, "silent/" + std::to_string(node));
+  }
   // Elastic jobs (dtrun --nnodes MIN:MAX): the nodes ready for a round (a
   // counter, and one key per node), the members node 0 chose ("0,2"), and
   // the newest round formed.
@@ -20365,7 +20364,7 @@ diagnostics_options::with_env(const environment& env) const {
   diagnostics_options out = *this;
   if (auto on = detail::read_flag(env, diagnostics_variable)) out.enabled = *on;
   if (auto t = detail::read_seconds(env, diagnostics_wait_variable)) out.wait = *t;
-  if (auto d = env.get(diagnostics_dir_variable)) out.dir = std::string(*d);
+  out.dir = detail::read_setting(env, diagnostics_dir_variable, out.dir);
   return out;
 }
 }  // namespace dtrain
@@ -23847,6 +23846,13 @@ class agent_store {
   /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
   void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
 
+  /// Tells every agent that this one found `nodes` silent in round `restart`
+  /// (the heartbeat: a frozen agent keeps its connection, so gone_nodes() does
+  /// not see it); call it before recording the failure that it causes.
+  void report_silent(int restart, const std::vector<int>& nodes);
+  /// Of `nodes`, those that some agent found silent in round `restart`.
+  [[nodiscard]] std::vector<int> silent_nodes(int restart, const std::vector<int>& nodes);
+
   /// Of `nodes`, those (but this one) whose agent is gone: its lease
   /// (agent_keys::alive, taken when it joined) ended with its connection to
   /// the store, so it was killed or its host went away. Known at once, where
@@ -23993,6 +23999,20 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
     }
   }
   return first;
+}
+
+DTRAIN_DETAIL_INLINE void agent_store::report_silent(int restart, const std::vector<int>& nodes) {
+  for (const int n : nodes) client_.add(agent_keys::silent(restart, n), 1);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::silent_nodes(int restart,
+                                                                const std::vector<int>& nodes) {
+  std::vector<int> out;
+  for (const int n : nodes) {
+    const std::string key = agent_keys::silent(restart, n);
+    if (client_.check(std::span<const std::string>(&key, 1))) out.push_back(n);
+  }
+  return out;
 }
 
 DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
@@ -25722,6 +25742,7 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
   peer_lost_ = true;
   lost_ = beats_.silent();
   store.lose_nodes(static_cast<int>(lost_.size()));
+  store.report_silent(settings_.restart, lost_);  // before the failure: others read it after
   store.record_failure(
       settings_.restart, 1, false,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
@@ -25782,6 +25803,15 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_stor
   if (!failure) return std::nullopt;
   // Failed while this agent was silent, maybe: and another took its place.
   store.check_place();
+  // The nodes another agent found silent first: lost here too (named in the
+  // call for a replacement; node 0 does not wait for them to leave).
+  std::vector<int> silent = store.silent_nodes(settings_.restart, settings_.members);
+  std::erase(silent, settings_.node_rank);
+  for (const int n : silent) {
+    if (std::find(lost_.begin(), lost_.end(), n) == lost_.end()) lost_.push_back(n);
+  }
+  std::sort(lost_.begin(), lost_.end());
+  if (!silent.empty()) store.lose_nodes(static_cast<int>(lost_.size()));
   stop(SIGTERM);
   return round_end{false, failure->status, failure->final, failure->regroup, failure->message,
                    lost_};
@@ -32392,7 +32422,8 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
              {});
   // The metrics file: a directory that cannot take it fails now, on every rank.
   std::string problem;
-  if (const std::string dir = detail::metrics_setting(env, o.metrics_dir); !dir.empty()) {
+  if (const std::string dir = detail::read_setting(env, metrics_dir_variable, o.metrics_dir);
+      !dir.empty()) {
     const int rank = context_.plane.rank();
     context_.metrics_file =
         (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))

@@ -325,36 +325,42 @@ remote_agent_frozen)
   ;;
 
 replaced_agent_wakes)
-  # A fixed job of 2 nodes with a restart left. Node 1's agent is frozen (SIGSTOP, its connection
-  # open): node 0 finds it silent, and an agent started with --node-rank 1 takes its place; the
-  # next round runs with it. Then the frozen agent wakes (SIGCONT): it must find its place taken,
-  # stop its worker and leave with status 1, touching nothing of the job, which ends 0.
+  # A fixed job of 3 nodes with a restart left. Node 1's agent is frozen (SIGSTOP, its connection
+  # open): node 2 finds it silent (node 0's heartbeat timeout is long: it does not), and every
+  # agent, node 0 among them, names node 1 as the one to replace; an agent started with
+  # --node-rank 1 takes its place, and the next round runs with it. Then the frozen agent wakes
+  # (SIGCONT): it must find its place taken, stop its worker and leave with status 1, touching
+  # nothing of the job, which ends 0.
   mkdir "$work/pids"
   port=$(free_port)
-  export DTRAIN_HEARTBEAT_TIMEOUT=2 PIDS="$work/pids"
+  export PIDS="$work/pids"
   worker='echo $$ >"$PIDS/r$TORCHELASTIC_RESTART_COUNT.$RANK.pid"
 if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exec sleep 60; fi
 sleep 4; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT"'
-  agent() {  # started with &: exec, so that $! is dtrun's pid
-    exec "$DTRUN" --nnodes 2 --node-rank "$1" --max-restarts 1 --grace-period 1 \
-      --master-addr 127.0.0.1 --master-port "$port" -- sh -c "$worker"
+  agent() {  # agent <node rank> <heartbeat timeout>, started with &: exec, so that $! is dtrun's pid
+    DTRAIN_HEARTBEAT_TIMEOUT=$2 exec "$DTRUN" --nnodes 3 --node-rank "$1" --max-restarts 1 \
+      --grace-period 1 --master-addr 127.0.0.1 --master-port "$port" -- sh -c "$worker"
   }
-  agent 0 >"$work/n0.out" 2>"$work/n0.err" &
+  agent 0 60 >"$work/n0.out" 2>"$work/n0.err" &
   n0=$!
-  agent 1 >"$work/n1.out" 2>"$work/n1.err" &
+  agent 1 2 >"$work/n1.out" 2>"$work/n1.err" &
   n1=$!
-  wait_for_pids "$work/pids" 2
+  agent 2 2 >"$work/n2.out" 2>"$work/n2.err" &
+  n2=$!
+  wait_for_pids "$work/pids" 3
   kill -STOP $n1
   for _ in $(seq 300); do
     grep -q "waiting for an agent to take the place of node 1" "$work/n0.err" && break
     sleep 0.1
   done
   expect_line "$work/n0.err" "node 1's agent stopped responding: no heartbeat for 2 s \(DTRAIN_HEARTBEAT_TIMEOUT\); restarting every node's workers \(restart 1 of 1\)" "node 0's message"
-  # A silent node, too, is named as one to replace (its connection is open: its lease holds).
+  # A silent node, too, is named as one to replace (its connection is open: its lease holds),
+  # by node 0 as well, which did not find it silent itself.
   expect_line "$work/n0.err" "waiting for an agent to take the place of node 1 \(start one there or on another host, with --node-rank 1\)" "node 0's call for a replacement"
-  agent 1 >"$work/n1b.out" 2>"$work/n1b.err" &
+  agent 1 2 >"$work/n1b.out" 2>"$work/n1b.err" &
   n1b=$!
-  wait_for_pids "$work/pids" 4  # round 1's workers: node 0's and the replacement's
+  wait_for_pids "$work/pids" 6  # round 1's workers: nodes 0 and 2's, and the replacement's
+  expect_line "$work/n2.err" "waiting for an agent to take the place of node 1 " "node 2's call for a replacement"
   kill -CONT $n1
   wait $n1
   expect_status 1 $? "the frozen agent, once awake"
@@ -364,12 +370,15 @@ sleep 4; echo "rank $RANK done in round $TORCHELASTIC_RESTART_COUNT"'
   [[ -s $work/n1.out ]] && fail "the frozen agent started workers after it woke: $(cat "$work/n1.out")"
   wait $n0
   expect_status 0 $? "node 0's agent"
+  wait $n2
+  expect_status 0 $? "node 2's agent"
   wait $n1b
   expect_status 0 $? "the replacement"
   expect_line "$work/n1b.err" "takes the place of node 1's agent, which is gone: waiting for round 0 to end" "the replacement's message"
   expect_line "$work/n0.out" "^rank 0 done in round 1$" "node 0's worker"
   expect_line "$work/n1b.out" "^rank 1 done in round 1$" "the replacement's worker"
-  [[ $(ls "$work/pids" | wc -l) == 4 ]] || fail "workers started: $(ls "$work/pids" | xargs), expected r0.0 r0.1 r1.0 r1.1"
+  expect_line "$work/n2.out" "^rank 2 done in round 1$" "node 2's worker"
+  [[ $(ls "$work/pids" | wc -l) == 6 ]] || fail "workers started: $(ls "$work/pids" | xargs), expected r0.0-2 and r1.0-2"
   expect_all_gone "$work/pids"
   ;;
 

@@ -80,7 +80,9 @@ inline device_span_check check_device_spans(const std::string& file,
         device, [&](const span& d) { return std::fabs(d.end - end) <= rounding; });
     expect(on_device, "bucket span " + id + " ends at " + std::to_string(end) +
                           " us, where no device span ends");
-    expect(launched[id] <= end, "bucket span " + id + " ends before it starts");
+    const auto begun = launched.find(id);
+    expect(begun != launched.end(), "bucket span " + id + " ends but never began");
+    expect(begun->second <= end, "bucket span " + id + " ends before it starts");
   }
   if (ran) {
     const double slack = out.uncertainty_us + rounding;

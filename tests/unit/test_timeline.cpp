@@ -42,7 +42,9 @@ TEST_CASE("timeline: the rank goes before the file name's extension") {
 }
 
 TEST_CASE("timeline: DTRAIN_TIMELINE wins over the option, empty turns it off") {
-  using dtrain::detail::timeline_setting;
+  auto timeline_setting = [](const dtrain::environment& env, const std::string& option) {
+    return dtrain::detail::read_setting(env, dtrain::timeline_variable, option);
+  };
   CHECK(timeline_setting(dtrain::environment{}, "opt.json") == "opt.json");
   CHECK(timeline_setting(dtrain::environment{{"DTRAIN_TIMELINE", "env.json"}}, "opt.json") ==
         "env.json");

@@ -62,7 +62,8 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
              {});
   // The metrics file: a directory that cannot take it fails now, on every rank.
   std::string problem;
-  if (const std::string dir = detail::metrics_setting(env, o.metrics_dir); !dir.empty()) {
+  if (const std::string dir = detail::read_setting(env, metrics_dir_variable, o.metrics_dir);
+      !dir.empty()) {
     const int rank = context_.plane.rank();
     context_.metrics_file =
         (std::filesystem::path(dir) / ("dtrain_checkpoint_rank" + std::to_string(rank) + ".prom"))

@@ -47,6 +47,7 @@
 #include <dtrain/diagnostics/ring.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/placement.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/env/world.hpp>
 #include <dtrain/error.hpp>
 #include <dtrain/topology/flat.hpp>
@@ -836,7 +837,9 @@ basic_ddp<Policy>::basic_ddp(communicator_type& comm, control_plane* given,
     device_spans_.start(device_, rank_, timeline_);
     pace_ = detail::straggler_watch(detail::straggler_setting::of(env, options_.stragglers, rank_),
                                     options_.stragglers, rank_, size_, node_name_or_unknown(env));
-    if (const std::string dir = detail::metrics_setting(env, options_.metrics_dir); !dir.empty()) {
+    if (const std::string dir =
+            detail::read_setting(env, metrics_dir_variable, options_.metrics_dir);
+        !dir.empty()) {
       metrics_.file =
           (std::filesystem::path(dir) / ("dtrain_rank" + std::to_string(rank_) + ".prom")).string();
       metrics_.labels = detail::metrics_text::labels(rank_, node_name_or_unknown(env));

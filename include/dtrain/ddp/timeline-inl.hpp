@@ -17,12 +17,6 @@ DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank) 
   return std::string(path.substr(0, dot)) + tag + std::string(path.substr(dot));
 }
 
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option) {
-  if (auto v = env.get(timeline_variable)) return std::string(*v);
-  return option;
-}
-
 DTRAIN_DETAIL_INLINE timeline::timeline(std::string_view path, int rank, int size,
                                         std::vector<std::string> parameter_names)
     : state_(std::make_unique<state>()) {

@@ -15,6 +15,7 @@
 #include <dtrain/detail/json.hpp>
 #include <dtrain/env/environment.hpp>
 #include <dtrain/env/names.hpp>
+#include <dtrain/env/variables.hpp>
 #include <dtrain/error.hpp>
 
 #include <array>
@@ -39,11 +40,6 @@ namespace dtrain::detail {
 /// appended with ".json" when the name has none (trace -> trace.rank3.json).
 DTRAIN_DETAIL_INLINE std::string timeline_file(std::string_view path, int rank);
 
-/// The timeline's path: DTRAIN_TIMELINE wins over the option; an empty value
-/// (`DTRAIN_TIMELINE=`) turns an option's timeline off.
-DTRAIN_DETAIL_INLINE std::string timeline_setting(const environment& env,
-                                                  const std::string& option);
-
 /// One rank's recorder. Default-constructed it is off and records nothing.
 /// Recording is thread-safe; write() must not race with recording of the same
 /// step (call it between steps, or after the communication thread is joined).
@@ -65,7 +61,7 @@ class timeline {
   template <class Parameters>
   static timeline of(const environment& env, const std::string& option, int rank, int size,
                      const Parameters& params) {
-    const std::string path = timeline_setting(env, option);
+    const std::string path = read_setting(env, timeline_variable, option);
     if (path.empty()) return {};
     std::vector<std::string> names;
     for (const auto& p : params) names.push_back(p.name);

@@ -15,12 +15,6 @@
 
 namespace dtrain::detail {
 
-DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env,
-                                                 const std::string& option) {
-  if (auto v = env.get(metrics_dir_variable)) return std::string(*v);
-  return option;
-}
-
 DTRAIN_DETAIL_INLINE void metrics_text::add(std::string_view name, std::string_view type,
                                             std::string_view help, double value) {
   char number[64];

@@ -7,7 +7,6 @@
 /// DTRAIN_METRICS_DIR (or ddp_options::metrics_dir) names a directory.
 
 #include <dtrain/config.hpp>
-#include <dtrain/env/environment.hpp>
 
 #include <cstdint>
 #include <filesystem>
@@ -15,9 +14,6 @@
 #include <string_view>
 
 namespace dtrain::detail {
-
-/// The directory: DTRAIN_METRICS_DIR wins over `option`; empty: none.
-DTRAIN_DETAIL_INLINE std::string metrics_setting(const environment& env, const std::string& option);
 
 /// The text of one file: families of one sample each, every sample with the
 /// same labels (`rank="3",node="n1",local_rank="1"`).

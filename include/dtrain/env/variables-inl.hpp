@@ -54,6 +54,12 @@ DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::
   throw config_error(assignment(name, *text) + " is not 0, 1, true, false, yes, no, on or off");
 }
 
+DTRAIN_DETAIL_INLINE std::string read_setting(const environment& env, std::string_view name,
+                                              const std::string& option) {
+  if (auto v = env.get(name)) return std::string(*v);
+  return option;
+}
+
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
                                                           std::string_view name) {
   auto port = read_int(env, name);

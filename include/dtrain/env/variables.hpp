@@ -39,6 +39,12 @@ DTRAIN_DETAIL_INLINE std::optional<std::chrono::milliseconds> read_seconds(const
 /// Reads a switch: 1/true/yes/on or 0/false/no/off; nullopt when unset.
 DTRAIN_DETAIL_INLINE std::optional<bool> read_flag(const environment& env, std::string_view name);
 
+/// A setting that a variable and an option both give (a file, a directory):
+/// the variable when set, which wins, even empty (`DTRAIN_TIMELINE=` turns an
+/// option's timeline off); else the option.
+DTRAIN_DETAIL_INLINE std::string read_setting(const environment& env, std::string_view name,
+                                              const std::string& option);
+
 /// Reads MASTER_PORT-style variables: an integer in 1..65535.
 DTRAIN_DETAIL_INLINE std::optional<sourced_int> read_port(const environment& env,
                                                           std::string_view name);

@@ -66,6 +66,20 @@ DTRAIN_DETAIL_INLINE std::optional<int> heartbeat::check(store_client& store, in
   return first;
 }
 
+DTRAIN_DETAIL_INLINE void agent_store::report_silent(int restart, const std::vector<int>& nodes) {
+  for (const int n : nodes) client_.add(agent_keys::silent(restart, n), 1);
+}
+
+DTRAIN_DETAIL_INLINE std::vector<int> agent_store::silent_nodes(int restart,
+                                                                const std::vector<int>& nodes) {
+  std::vector<int> out;
+  for (const int n : nodes) {
+    const std::string key = agent_keys::silent(restart, n);
+    if (client_.check(std::span<const std::string>(&key, 1))) out.push_back(n);
+  }
+  return out;
+}
+
 DTRAIN_DETAIL_INLINE void agent_store::meet(const std::string& key, const std::string& what) {
   client_.add(key, 1);
   wait_for([&] { return client_.add(key, 0) >= round_size_; }, what);

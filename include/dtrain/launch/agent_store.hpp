@@ -199,6 +199,13 @@ class agent_store {
   /// Nodes found silent (their agents will never leave()): node 0 does not wait for them.
   void lose_nodes(int nodes) noexcept { lost_nodes_ = nodes; }
 
+  /// Tells every agent that this one found `nodes` silent in round `restart`
+  /// (the heartbeat: a frozen agent keeps its connection, so gone_nodes() does
+  /// not see it); call it before recording the failure that it causes.
+  void report_silent(int restart, const std::vector<int>& nodes);
+  /// Of `nodes`, those that some agent found silent in round `restart`.
+  [[nodiscard]] std::vector<int> silent_nodes(int restart, const std::vector<int>& nodes);
+
   /// Of `nodes`, those (but this one) whose agent is gone: its lease
   /// (agent_keys::alive, taken when it joined) ended with its connection to
   /// the store, so it was killed or its host went away. Known at once, where

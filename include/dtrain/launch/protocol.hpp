@@ -25,6 +25,8 @@
 ///     dtrain/agent/<r>/failure      status i64, kind u8 (0 restartable, 1 final, 2 regroup),
 ///                                   message bytes32, rank i64, collective i64,
 ///                                   communicator bytes32
+///     dtrain/agent/<r>/silent/<n>   counter: agents that found node n silent in round r (no
+///                                   heartbeat): every agent then names it as lost
 ///   and in elastic jobs (dtrun --nnodes MIN:MAX; node 0 forms each round):
 ///     dtrain/agent/<r>/ready        counter: nodes ready for round r
 ///     dtrain/agent/<r>/ready/<n>    i64 1: node n is ready for round r
@@ -85,6 +87,9 @@ struct agent_keys {
   static std::string stopped(int restart) { return of_round(restart, "stopped"); }
   static std::string succeeded(int restart) { return of_round(restart, "succeeded"); }
   static std::string exited(int restart) { return of_round(restart, "exited"); }
+  static std::string silent(int restart, int node) {
+    return of_round(restart, "silent/" + std::to_string(node));
+  }
   // Elastic jobs (dtrun --nnodes MIN:MAX): the nodes ready for a round (a
   // counter, and one key per node), the members node 0 chose ("0,2"), and
   // the newest round formed.

@@ -87,6 +87,7 @@ DTRAIN_DETAIL_INLINE void agent_round::watch_peers(agent_store& store) {
   peer_lost_ = true;
   lost_ = beats_.silent();
   store.lose_nodes(static_cast<int>(lost_.size()));
+  store.report_silent(settings_.restart, lost_);  // before the failure: others read it after
   store.record_failure(
       settings_.restart, 1, false,
       "node " + std::to_string(*silent) + "'s agent stopped responding: no heartbeat for " +
@@ -147,6 +148,15 @@ DTRAIN_DETAIL_INLINE std::optional<round_end> agent_round::on_failure(agent_stor
   if (!failure) return std::nullopt;
   // Failed while this agent was silent, maybe: and another took its place.
   store.check_place();
+  // The nodes another agent found silent first: lost here too (named in the
+  // call for a replacement; node 0 does not wait for them to leave).
+  std::vector<int> silent = store.silent_nodes(settings_.restart, settings_.members);
+  std::erase(silent, settings_.node_rank);
+  for (const int n : silent) {
+    if (std::find(lost_.begin(), lost_.end(), n) == lost_.end()) lost_.push_back(n);
+  }
+  std::sort(lost_.begin(), lost_.end());
+  if (!silent.empty()) store.lose_nodes(static_cast<int>(lost_.size()));
   stop(SIGTERM);
   return round_end{false, failure->status, failure->final, failure->regroup, failure->message,
                    lost_};
