@@ -25,7 +25,10 @@
 // save before).
 // The last rows: the memory tier (checkpoint_options::memory_every = 1), a
 // copy of the state into the node agent's directory in /dev/shm at every
-// step, written on the training thread and (asynchronous) beside it.
+// step, written on the training thread, (asynchronous) copied on it and
+// written beside it, and (memory_beside_step) read and written beside the
+// next step, which calls checkpoint::before_update() before it changes the
+// state.
 //
 // DIR defaults to a new directory under TMPDIR (or /tmp); what the table
 // measures is that file system, with its page cache: say which in a report.
@@ -220,6 +223,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
       } else {
         std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(s.step_ms));
       }
+      if (ckpt) ckpt->before_update();  // a no-op unless the memory copy is read beside the step
       state[static_cast<std::size_t>(step) % state.size()] += 1.0f;
       dtrain::allreduce(ctx.communicator(), sync_value, dtrain::reduce_op::sum).wait();
       if (!ckpt || !ckpt->step()) {
@@ -246,7 +250,7 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     return out;
   };
   const auto every = static_cast<std::uint64_t>(s.every);
-  std::vector<run_result> none, sync, async, memory, memory_async;
+  std::vector<run_result> none, sync, async, memory, memory_async, memory_beside;
   for (int round = 0; round < std::max(1, s.rounds / 2); ++round) {
     none.push_back(run_steps(nullptr));
     {
@@ -265,19 +269,20 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
       async.push_back(run_steps(&c));
     }
-    for (const bool asynchronous : {false, true}) {
+    for (std::vector<run_result>* runs : {&memory, &memory_async, &memory_beside}) {
       // The memory tier, a copy every step (in the agent's directory in /dev/shm).
       dtrain::checkpoint c(
           ctx, {.dir = dir / "table2-memory-disk",
                 .keep = 1,
                 .quiet = true,
-                .asynchronous = asynchronous,
+                .asynchronous = runs == &memory_async,
                 .copy_threads = s.copy_threads,
                 .memory_every = 1,
+                .memory_beside_step = runs == &memory_beside,
                 .memory_dir = std::getenv("DTRAIN_MEMORY_CHECKPOINT_DIR") ? std::filesystem::path()
                                                                           : dir / "table2-memory"});
       c.add("state", state, dtrain::checkpoint_scope::per_rank);
-      (asynchronous ? memory_async : memory).push_back(run_steps(&c));
+      runs->push_back(run_steps(&c));
     }
   }
   if (main) {
@@ -304,10 +309,12 @@ int bench(dtrain::context<Policy>& ctx, const settings& s) {
     std::printf("| asynchronous save | %.2f ms | %.3f |\n", 1e3 * a, a / n);
     std::printf("| asynchronous, the steps beside its writer | %.2f ms | %.3f |\n", 1e3 * ab,
                 ab / nb);
-    const double m = pick(memory, all), ma = pick(memory_async, all);
+    const double m = pick(memory, all), ma = pick(memory_async, all), mb = pick(memory_beside, all);
     std::printf("| memory tier, a copy every step | %.2f ms | %.3f |\n", 1e3 * m, m / n);
     std::printf("| memory tier, a copy every step, asynchronous | %.2f ms | %.3f |\n", 1e3 * ma,
                 ma / n);
+    std::printf("| memory tier, a copy every step, read beside the step | %.2f ms | %.3f |\n",
+                1e3 * mb, mb / n);
     auto ms = [&](const std::vector<run_result>& runs, auto field) {
       return 1e3 * pick(runs, [&](const run_result& r) { return field(r.timings); });
     };

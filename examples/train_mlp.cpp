@@ -62,7 +62,8 @@ constexpr std::string_view program = "dtrain_train_mlp";
 constexpr const char* own_synopsis =
     " [--nproc-per-node N]\n          [--optimizer sgd|adam] [--sharding 0|1|2|3]\n"
     "          [--precision fp32|bf16|fp16]\n"
-    "          [--checkpoint-dir DIR [--checkpoint-every N] [--memory-every N]]\n"
+    "          [--checkpoint-dir DIR [--checkpoint-every N]\n"
+    "           [--memory-every N [--memory-beside-step]]]\n"
     "          [--sample-log DIR]\n";
 constexpr const char* own_options =
     "  --nproc-per-node N  workers the node agent starts (DTRAIN_NPROC_PER_NODE wins; 4);\n"
@@ -81,6 +82,9 @@ constexpr const char* own_options =
     "  --memory-every N    also save into memory every N steps (the memory tier: a\n"
     "                      worker restarted on its node resumes from there, and\n"
     "                      loses at most N steps; under dtrun) (0: never; 0)\n"
+    "  --memory-beside-step  the memory copy reads the weights beside the next step's\n"
+    "                      forward and backward, not in step() (checkpoint_options::\n"
+    "                      memory_beside_step)\n"
     "  --sample-log DIR    each rank writes the samples of each step it begins to\n"
     "                      DIR/round-R-rank-N.txt (\"step epoch index...\"), R the\n"
     "                      agent's round: to count them across restarts\n";
@@ -91,6 +95,7 @@ struct demo_settings {
   std::string checkpoint_dir;
   std::uint64_t checkpoint_every = 0;
   std::uint64_t memory_every = 0;
+  bool memory_beside_step = false;
   std::string sample_log;
   mlp::optimizer::kind optimizer = mlp::optimizer::kind::sgd;
   dtrain::sharding sharding = dtrain::sharding::none;
@@ -112,6 +117,10 @@ demo_settings parse_flags(int argc, char** argv) {
     }
     if (flag == "--memory-every") {
       d.memory_every = line.number<std::uint64_t>(flag, value(), 0);
+      return true;
+    }
+    if (flag == "--memory-beside-step") {
+      d.memory_beside_step = true;
       return true;
     }
     if (flag == "--optimizer") {
@@ -160,6 +169,9 @@ demo_settings parse_flags(int argc, char** argv) {
   if (d.memory_every > 0 && d.checkpoint_dir.empty()) {
     line.bad_flag("--memory-every " + std::to_string(d.memory_every) +
                   " needs a --checkpoint-dir (the disk tier, its fallback)");
+  }
+  if (d.memory_beside_step && d.memory_every == 0) {
+    line.bad_flag("--memory-beside-step needs --memory-every N (a memory copy to read)");
   }
   return d;
 }
@@ -302,7 +314,8 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
   if (!d.checkpoint_dir.empty()) {
     checkpoint.emplace(ctx, dtrain::checkpoint_options{.dir = d.checkpoint_dir,
                                                        .every = d.checkpoint_every,
-                                                       .memory_every = d.memory_every});
+                                                       .memory_every = d.memory_every,
+                                                       .memory_beside_step = d.memory_beside_step});
     if (d.sharding == dtrain::sharding::parameters) {
       // ZeRO stage 3: only DDP holds the values, each rank its shard: saved
       // so, and re-cut for another number of ranks, as the optimizer state
@@ -378,7 +391,9 @@ int train(dtrain::context<Policy>& ctx, const demo_settings& d) {
             ddp.mark_ready(mlp::model::parameter_indices(layer));
           },
           0, hold);
-      ddp.synchronize();          // gradients now hold the mean over every rank's batch
+      ddp.synchronize();  // gradients now hold the mean over every rank's batch
+      // The state changes from here: a memory copy read beside this step has read it.
+      if (checkpoint) checkpoint->before_update();
       if (scaler.unscale(ddp)) {  // (fp16: unless an inf or a NaN came out on some rank)
         optimizer.begin_step();
         ddp.optimizer_step([&](const dtrain::shard_piece& piece) {  // this rank's shard, then

@@ -28827,6 +28827,20 @@ struct checkpoint_options {
   /// elastic job's smaller round after a lost node resumes from memory), and ranks with no
   /// copy (a new or replacement node) get it from a rank with one. 0: off.
   std::uint64_t memory_every = 0;
+  /// The memory tier's copy costs the training thread next to nothing:
+  /// step() copies only the values under 64 KiB (a counter, an RNG's state),
+  /// the sampler, byte entries and shards, and a thread reads the larger
+  /// values where they are, beside the next step's forward and backward,
+  /// which only read them. The program calls before_update() before it
+  /// changes any registered value (the optimizer's step), every step: it
+  /// waits until the thread has read them. A step() (or save_to_memory())
+  /// with no before_update() since the step that began a copy throws
+  /// config_error, and that copy is not used. State that the forward or
+  /// backward changes (a batch norm's running statistics, an EMA updated in
+  /// the forward) must not be a registered value of 64 KiB or more: save it
+  /// through add(name, save, load), which step() calls. Needs memory_every;
+  /// independent of `asynchronous` (which is the disk's saves' then).
+  bool memory_beside_step = false;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
   /// directory in /dev/shm that it owns (and removes when the job ends).
@@ -29930,11 +29944,17 @@ class registry {
 
   /// Runs the before_save hooks.
   void before_save() const;
-  /// The records of `scope`'s entries; `copy`: into owned memory (an
-  /// asynchronous save, whose training goes on while the files are written),
-  /// each entry's copy number `slot` (one per storage tier: each tier has
-  /// one save in flight at a time). Adds the copy's time to `copy_seconds`.
-  part_snapshot snapshot(checkpoint_scope scope, bool copy, std::size_t slot, double& copy_seconds);
+  /// The records of `scope`'s entries. A values entry of `live_from` bytes
+  /// or more is recorded where it lives (read by the writer: a synchronous
+  /// save, 0; or a memory copy read beside the step, whose training changes
+  /// nothing until it is released); a smaller one is copied into owned memory
+  /// (an asynchronous save's, whose training goes on while the files are
+  /// written: never_live), each entry's copy number `slot` (one per storage
+  /// tier: each tier has one save in flight at a time). Adds the copy's time
+  /// to `copy_seconds`.
+  part_snapshot snapshot(checkpoint_scope scope, std::size_t live_from, std::size_t slot,
+                         double& copy_seconds);
+  static constexpr std::size_t never_live = static_cast<std::size_t>(-1);
 
   /// The files this rank loads of manifest `m`, whose files are at
   /// path_of(name), checked: each file's size and checksum, and every entry
@@ -30109,7 +30129,7 @@ DTRAIN_DETAIL_INLINE bool registry::per_rank_recuts() const {
   });
 }
 
-DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, bool copy,
+DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, std::size_t live_from,
                                                       std::size_t slot, double& copy_seconds) {
   part_snapshot out;
   std::size_t owned = 0;
@@ -30128,7 +30148,7 @@ DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, bo
       out.owned.push_back(sharded_payload(e));
       r.data = out.owned.back().data();
       r.bytes = out.owned.back().size();
-    } else if (copy && r.bytes > 0) {
+    } else if (r.bytes > 0 && r.bytes < live_from) {
       // The entry's own copy, reused by each save (one is in flight at a
       // time): its pages are touched once per job, not at every save.
       if (e.staged.size() <= slot) e.staged.resize(slot + 1);
@@ -30329,6 +30349,7 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
 // ---- end dtrain/checkpoint/registry.hpp ----
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -30341,6 +30362,31 @@ DTRAIN_DETAIL_INLINE void registry::check_recut() const {
 
 namespace dtrain::detail::ckpt {
 
+/// A save whose writer reads the state itself beside the training
+/// (checkpoint_options::memory_beside_step): once the writer has read all of
+/// it, it waits here for the training's word on whether the state stayed
+/// unchanged meanwhile (released: the copy is sealed) or may not have
+/// (revoked: it is dropped). Thread-safe.
+class read_gate {
+ public:
+  /// The writer: every byte of the state is read (or the write failed).
+  void read_done();
+  /// The writer: waits for the training's word; true: released.
+  [[nodiscard]] bool wait_word();
+  /// The training: waits until the writer has read the state; returns the seconds waited.
+  double await_read();
+  /// The training: its word, once (later words are ignored).
+  void decide(bool released);
+  /// Whether the training has given its word.
+  [[nodiscard]] bool decided() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  bool read_ = false;
+  std::optional<bool> word_;
+};
+
 /// One rank's save of one step into one tier, from its snapshot to its commit.
 struct pending_save {
   std::uint64_t step = 0;
@@ -30351,6 +30397,8 @@ struct pending_save {
   std::optional<file_record> per_rank_file, replicated_file;
   std::string problem;  // this rank's, from its snapshot or its write
   std::thread writer;   // an asynchronous save's
+  /// Set when the writer reads the state itself (read_gate): sealed once released.
+  std::unique_ptr<read_gate> gate;
 };
 
 /// Where the checkpoint's metrics file goes, as its errors name it.
@@ -30408,8 +30456,30 @@ class tier {
   void write(std::unique_ptr<pending_save> p, bool asynchronous);
   /// Ends the save in flight, if any: its writer joined and its commit
   /// (finish()). `next_save`: called by the next save, the wait is the training's.
+  /// A writer that reads the state itself is released first: the training
+  /// waits here, so the state does not change until it has read it.
   void complete(bool next_save = false) {
-    if (pending_) finish(std::move(pending_), next_save);
+    if (!pending_) return;
+    if (pending_->gate) pending_->gate->decide(true);
+    finish(std::move(pending_), next_save);
+  }
+  /// Whether the save in flight has a writer that reads the state itself
+  /// and has not had the training's word yet.
+  [[nodiscard]] bool awaits_word() const {
+    return pending_ && pending_->gate && !pending_->gate->decided();
+  }
+  /// Waits until the writer of the save in flight (if it reads the state
+  /// itself) has read it, and releases it; returns the seconds waited.
+  double release_reads() {
+    if (!awaits_word()) return 0;
+    const double waited = pending_->gate->await_read();
+    pending_->gate->decide(true);
+    return waited;
+  }
+  /// Drops the save in flight whose writer reads the state itself: the state
+  /// may have changed under it. complete() then ends it.
+  void revoke_reads() {
+    if (awaits_word()) pending_->gate->decide(false);
   }
 
   /// restore(): the newest step whose copy every rank can load into
@@ -30518,6 +30588,41 @@ inline file_record write_part(const std::filesystem::path& path, const part_snap
 }
 }  // namespace tier_detail
 
+DTRAIN_DETAIL_INLINE void read_gate::read_done() {
+  {
+    const std::lock_guard lock(mutex_);
+    read_ = true;
+  }
+  changed_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE bool read_gate::wait_word() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [this] { return word_.has_value(); });
+  return *word_;
+}
+
+DTRAIN_DETAIL_INLINE double read_gate::await_read() {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [this] { return read_; });
+  return seconds_since(start);
+}
+
+DTRAIN_DETAIL_INLINE void read_gate::decide(bool released) {
+  {
+    const std::lock_guard lock(mutex_);
+    if (word_) return;
+    word_ = released;
+  }
+  changed_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE bool read_gate::decided() const {
+  const std::lock_guard lock(mutex_);
+  return word_.has_value();
+}
+
 DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asynchronous) {
   pending_ = std::move(p);
   if (!pending_->problem.empty()) return;
@@ -30534,6 +30639,15 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
       }
     } catch (const std::exception& e) {
       p.problem = e.what();
+    }
+    if (p.gate) {
+      p.gate->read_done();
+      if (!p.gate->wait_word() && p.problem.empty()) {
+        p.problem =
+            "the state may have changed while it was read: no checkpoint::before_update() came "
+            "between the step() that began it and the next (checkpoint_options::"
+            "memory_beside_step)";
+      }
     }
     seal(p);
   };
@@ -32283,7 +32397,18 @@ class checkpoint {
 
   /// Counts a finished training step; saves when `every` divides the count,
   /// into memory when `memory_every` does. Returns whether it saved to disk.
+  /// With checkpoint_options::memory_beside_step, throws config_error (and
+  /// drops that copy) when the step before began a memory copy and no
+  /// before_update() came since.
   bool step();
+
+  /// With checkpoint_options::memory_beside_step: waits until the memory
+  /// copy that the last step() began has read the state, so that the caller
+  /// may change it. Call it after the forward and backward passes and before
+  /// the first change to a registered value (the optimizer's step, a ZeRO
+  /// gather of updated values), on every step. Returns at once when no copy
+  /// is being read (and without the option).
+  void before_update();
 
   /// Saves now into the memory tier (checkpoint_options::memory_every), on
   /// every rank together (with checkpoint_options::asynchronous: copies the
@@ -32339,7 +32464,12 @@ class checkpoint {
   /// This step's save into tier `t`: the entries' snapshot (their copy
   /// number `slot` when asynchronous), written by the tier. The tier's save
   /// before this one is completed first (`next_save`: the training's wait).
-  void save_into(detail::ckpt::tier& t, std::size_t slot);
+  /// `beside`: the large values are read by the writer, beside the next step,
+  /// until before_update() (checkpoint_options::memory_beside_step).
+  void save_into(detail::ckpt::tier& t, std::size_t slot, bool beside = false);
+  /// Throws config_error, naming `call`, when the memory copy begun at the
+  /// last step is read beside the step and had no before_update() (it is dropped).
+  void check_released(std::string_view call);
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
   void load(detail::ckpt::tier& t, std::uint64_t step);
@@ -32349,6 +32479,9 @@ class checkpoint {
 
   // The entries' copies for asynchronous saves: one per tier (registry::snapshot).
   static constexpr std::size_t disk_slot = 0, memory_slot = 1;
+  // A memory copy read beside the step still copies its values entries under
+  // this size at step() (a counter, an RNG's state): the next step may change them.
+  static constexpr std::size_t beside_copy_below = std::size_t{64} << 10;
 
   detail::ckpt::tier_context context_;  // the plane, the options, the timings
   detail::ckpt::registry entries_;
@@ -32398,6 +32531,11 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        "; 0 (automatic) or more");
   }
   if (o.copy_threads == 0) context_.options.copy_threads = 1;
+  if (o.memory_beside_step && o.memory_every == 0) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_beside_step is set and memory_every is 0: "
+                       "there is no memory copy to read beside the step (set memory_every)");
+  }
   const environment env = environment::from_process();
   // The memory tier's places: an option, else the variable dtrun's agent sets.
   auto given = [&env](const std::string& option, std::string_view variable) {
@@ -32545,7 +32683,24 @@ DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t 
   context_.say(t.resumed(step));
 }
 
+DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {
+  if (!memory_ || !memory_->awaits_word()) return;
+  // The state may have changed under the copy's reader: the copy is dropped.
+  memory_->revoke_reads();
+  memory_->complete();
+  throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
+                     ": checkpoint_options::memory_beside_step reads the state for the memory "
+                     "copy of step " +
+                     std::to_string(steps_) +
+                     " beside the next step, and no before_update() came "
+                     "before this " +
+                     std::string(call) +
+                     ": call ckpt.before_update() before the state changes (the optimizer's "
+                     "step); that copy is not used");
+}
+
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
+  check_released("step()");
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
   if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) save_to_memory();
@@ -32556,7 +32711,15 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   return false;
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size_t slot) {
+DTRAIN_DETAIL_INLINE void checkpoint::before_update() {
+  if (!memory_ || !memory_->awaits_word()) return;
+  const double waited = memory_->release_reads();
+  context_.timings.blocked_seconds += waited;
+  context_.timings.memory_seconds += waited;
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size_t slot,
+                                                bool beside) {
   const auto start = std::chrono::steady_clock::now();
   t.complete(true);
   auto p = std::make_unique<detail::ckpt::pending_save>();
@@ -32564,22 +32727,28 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   p->start = start;
   p->partial = t.staging(p->step);
   p->writes_replicated = t.writes_replicated();
-  const bool copy = context_.options.asynchronous;
+  // Where the writer reads each entry: copied now (asynchronous), where it
+  // lives (synchronous), or where it lives if large (beside the step).
+  const bool asynchronous = beside || context_.options.asynchronous;
+  const std::size_t live_from = beside                          ? beside_copy_below
+                                : context_.options.asynchronous ? detail::ckpt::registry::never_live
+                                                                : 0;
   try {
     entries_.before_save();
-    p->per_rank =
-        entries_.snapshot(checkpoint_scope::per_rank, copy, slot, context_.timings.copy_seconds);
+    p->per_rank = entries_.snapshot(checkpoint_scope::per_rank, live_from, slot,
+                                    context_.timings.copy_seconds);
     if (p->writes_replicated) {
-      p->replicated = entries_.snapshot(checkpoint_scope::replicated, copy, slot,
+      p->replicated = entries_.snapshot(checkpoint_scope::replicated, live_from, slot,
                                         context_.timings.copy_seconds);
     }
   } catch (const std::exception& e) {
     p->problem = e.what();
   }
+  if (beside) p->gate = std::make_unique<detail::ckpt::read_gate>();
   // A snapshot that failed is committed (refused on every rank) now, as a synchronous save is.
   const bool failed = !p->problem.empty();
-  t.write(std::move(p), copy);
-  if (!copy || failed) t.complete();
+  t.write(std::move(p), asynchronous);
+  if (!asynchronous || failed) t.complete();
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
@@ -32590,11 +32759,12 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
                        std::string(memory_checkpoint_variable) +
                        "), or set checkpoint_options::memory_dir");
   }
+  check_released("save_to_memory()");
   // Each rank commits its own copy (no collective): restore() takes the
   // newest step whole on every rank. Asynchronous: the copy here, the files
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
-  save_into(*memory_, memory_slot);
+  save_into(*memory_, memory_slot, context_.options.memory_beside_step);
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 

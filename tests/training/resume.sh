@@ -20,6 +20,9 @@
 #                at most one step is trained twice (counted from --sample-log), the
 #                checksum is the uninterrupted run's, and the agent's directory in
 #                memory is gone after the job.
+#   kill_worker_memory_beside  the same with --memory-beside-step: the copy
+#                read beside the next step, until before_update() (a worker
+#                killed then loses that copy: at most one step trained twice still).
 #   kill_in_save the same, with the kill as soon as a save is seen in progress
 #                (a step-N.partial directory): that save is never used.
 #   torch_kill_worker  kill_worker for the LibTorch example (dtrain_train_torch)
@@ -172,14 +175,16 @@ case $case_name in
     echo "resumed past the damaged $newest: checksum $got, bit-identical"
     ;;
 
-  kill_worker_memory)
+  kill_worker_memory | kill_worker_memory_beside)
     cmd=("$train" --nproc-per-node 4 "${model[@]}")
     want=$(reference "$work/reference.log" "${cmd[@]}") || exit 1
     echo "uninterrupted: checksum $want"
     dir="$work/ckpt"
     mkdir "$work/samples"
+    beside=()
+    [[ $case_name == kill_worker_memory_beside ]] && beside=(--memory-beside-step)
     DTRAIN_MAX_RESTARTS=1 "${cmd[@]}" --checkpoint-dir "$dir" --checkpoint-every 20 --memory-every 1 \
-      --sample-log "$work/samples" >"$work/killed.log" 2>&1 &
+      "${beside[@]}" --sample-log "$work/samples" >"$work/killed.log" 2>&1 &
     agent=$!
     kill_worker_after "$dir" "$agent" random 20
     wait "$agent"

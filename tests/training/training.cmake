@@ -162,14 +162,16 @@ endif()
 # ends bit-identical to an uninterrupted run (resume.sh says each case).
 find_program(DTRAIN_BASH bash)
 if(TARGET dtrain_train_mlp AND DTRAIN_BASH)
-  foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory kill_in_save disk_full)
+  foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory kill_worker_memory_beside
+                       kill_in_save disk_full)
     dtrain_add_test(training.resume.${case}
       COMMAND "${DTRAIN_BASH}" "${training_dir}/resume.sh" ${case} "$<TARGET_FILE:dtrain_train_mlp>"
       TIMEOUT 180
       PROPERTIES PROCESSORS 4)
   endforeach()
 else()
-  foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory kill_in_save disk_full)
+  foreach(case IN ITEMS kill_worker kill_worker_stage3 kill_worker_memory kill_worker_memory_beside
+                       kill_in_save disk_full)
     dtrain_add_skipped_test(training.resume.${case}
       "dtrain_train_mlp is not built (needs Gloo and DTRAIN_BUILD_EXAMPLES), or no bash")
   endforeach()

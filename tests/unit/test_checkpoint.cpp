@@ -950,6 +950,114 @@ TEST_CASE("checkpoint: asynchronous memory copies are written beside the steps, 
   CHECK(fs::exists(memory.path / "node1" / "step-7.rank-2" / "replicated.dtck"));
 }
 
+namespace {
+/// The memory copy rank `rank` commits of `step` (each rank its own "node" here).
+fs::path memory_copy(const fs::path& memory, int rank, int step) {
+  return memory / ("node" + std::to_string(rank)) /
+         ("step-" + std::to_string(step) + ".rank-" + std::to_string(rank));
+}
+
+/// Restores 2 ranks from `disk` and `memory` (node<rank>) with a state of
+/// `large` floats and a counter; returns each rank's step, weight[0] and counter.
+std::vector<std::array<double, 3>> restore_beside(const fs::path& disk, const fs::path& memory,
+                                                  std::size_t large, int ranks) {
+  std::vector<std::array<double, 3>> got(static_cast<std::size_t>(ranks));
+  const auto failures = on_ranks(ranks, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> weight(large, -1.0f);
+    std::int64_t counter = -1;
+    dtrain::checkpoint c(plane, {.dir = disk,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_dir = memory / ("node" + std::to_string(rank))});
+    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
+    const auto step = c.restore();
+    const bool same = std::ranges::all_of(weight, [&](float w) { return w == weight.front(); });
+    CHECK(same);
+    got[static_cast<std::size_t>(rank)] = {step ? static_cast<double>(*step) : -1.0, weight.front(),
+                                           static_cast<double>(counter)};
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  return got;
+}
+}  // namespace
+
+TEST_CASE("checkpoint: a memory copy read beside the step holds the state step() saw") {
+  scratch_dir disk, memory;
+  constexpr std::size_t large = 32768;  // 128 KiB of floats: read where it lives, beside the step
+  const auto failures = on_ranks(2, [&](dtrain::control_plane plane, int rank) {
+    std::vector<float> weight(large);
+    std::int64_t counter = 0;  // 8 bytes: copied in step()
+    dtrain::checkpoint c(plane, {.dir = disk.path,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_beside_step = true,
+                                 .memory_dir = memory.path / ("node" + std::to_string(rank))});
+    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
+    for (int step = 1; step <= 4; ++step) {
+      std::ranges::fill(weight, static_cast<float>(step));  // the optimizer's step
+      counter = step;
+      c.step();
+      // The next step's forward changes the small state at once: its copy was taken.
+      counter = -step;
+      // Nothing is sealed before the word: the copy's reader may still be reading.
+      std::this_thread::sleep_for(20ms);
+      CHECK_FALSE(fs::exists(memory_copy(memory.path, rank, step) / "MANIFEST"));
+      if (step > 1) CHECK(fs::exists(memory_copy(memory.path, rank, step - 1) / "MANIFEST"));
+      c.before_update();  // then the state may change
+    }
+    c.wait();
+    CHECK(fs::exists(memory_copy(memory.path, rank, 4) / "MANIFEST"));
+    CHECK(c.memory_failures() == 0);
+  });
+  for (const auto& f : failures) CHECK(f == "");
+  const auto got = restore_beside(disk.path, memory.path, large, 2);
+  for (const auto& g : got) CHECK(g == std::array<double, 3>{4, 4, 4});
+}
+
+TEST_CASE("checkpoint: a memory copy read beside the step with no before_update() is refused") {
+  scratch_dir disk, memory;
+  constexpr std::size_t large = 32768;
+  const auto failures = on_ranks(1, [&](dtrain::control_plane plane, int) {
+    std::vector<float> weight(large);
+    std::int64_t counter = 0;
+    dtrain::checkpoint c(plane, {.dir = disk.path,
+                                 .quiet = true,
+                                 .memory_every = 1,
+                                 .memory_beside_step = true,
+                                 .memory_dir = memory.path / "node0"});
+    c.add("weight", weight).add("counter", counter, dtrain::checkpoint_scope::per_rank);
+    for (int step = 1; step <= 3; ++step) {
+      std::ranges::fill(weight, static_cast<float>(step));
+      counter = step;
+      c.step();
+      if (step < 3) c.before_update();
+    }
+    // Step 3's copy had no word: the state changes under its reader.
+    std::ranges::fill(weight, 99.0f);
+    CHECK_THROWS_WITH_AS(c.step(),
+                         doctest::Contains("no before_update() came before this step(): call "
+                                           "ckpt.before_update() before the state changes"),
+                         dtrain::config_error);
+    CHECK(c.memory_failures() == 1);
+    CHECK(c.steps() == 3);
+    CHECK_FALSE(fs::exists(memory_copy(memory.path, 0, 3)));
+    // The same for a save into memory called by hand.
+    c.save_to_memory();
+    CHECK_THROWS_WITH_AS(c.save_to_memory(), doctest::Contains("before this save_to_memory()"),
+                         dtrain::config_error);
+  });
+  CHECK(failures == std::vector<std::string>{""});
+  // Step 2's copy is the newest: step 3's was not used.
+  const auto got = restore_beside(disk.path, memory.path, large, 1);
+  CHECK(got.front() == std::array<double, 3>{2, 2, 2});
+  // The option needs a memory copy to read.
+  const auto refused = on_ranks(1, [&](dtrain::control_plane plane, int) {
+    dtrain::checkpoint c(plane, {.dir = disk.path, .memory_beside_step = true});
+  });
+  CHECK(refused.front().find("memory_beside_step is set and memory_every is 0") !=
+        std::string::npos);
+}
+
 TEST_CASE("checkpoint: a memory copy is written over the one set aside, whole at its new length") {
   scratch_dir disk, memory;
   // A per-rank entry of bytes whose length changes from step to step: long

@@ -38,6 +38,11 @@ DTRAIN_DETAIL_INLINE checkpoint::checkpoint(dtrain::control_plane plane, checkpo
                        "; 0 (automatic) or more");
   }
   if (o.copy_threads == 0) context_.options.copy_threads = 1;
+  if (o.memory_beside_step && o.memory_every == 0) {
+    throw config_error("checkpoint on rank " + std::to_string(plane.rank()) +
+                       ": checkpoint_options::memory_beside_step is set and memory_every is 0: "
+                       "there is no memory copy to read beside the step (set memory_every)");
+  }
   const environment env = environment::from_process();
   // The memory tier's places: an option, else the variable dtrun's agent sets.
   auto given = [&env](const std::string& option, std::string_view variable) {
@@ -185,7 +190,24 @@ DTRAIN_DETAIL_INLINE void checkpoint::load(detail::ckpt::tier& t, std::uint64_t 
   context_.say(t.resumed(step));
 }
 
+DTRAIN_DETAIL_INLINE void checkpoint::check_released(std::string_view call) {
+  if (!memory_ || !memory_->awaits_word()) return;
+  // The state may have changed under the copy's reader: the copy is dropped.
+  memory_->revoke_reads();
+  memory_->complete();
+  throw config_error("checkpoint on rank " + std::to_string(context_.plane.rank()) +
+                     ": checkpoint_options::memory_beside_step reads the state for the memory "
+                     "copy of step " +
+                     std::to_string(steps_) +
+                     " beside the next step, and no before_update() came "
+                     "before this " +
+                     std::string(call) +
+                     ": call ckpt.before_update() before the state changes (the optimizer's "
+                     "step); that copy is not used");
+}
+
 DTRAIN_DETAIL_INLINE bool checkpoint::step() {
+  check_released("step()");
   ++steps_;
   const auto n = static_cast<std::uint64_t>(steps_);
   if (context_.options.memory_every > 0 && n % context_.options.memory_every == 0) save_to_memory();
@@ -196,7 +218,15 @@ DTRAIN_DETAIL_INLINE bool checkpoint::step() {
   return false;
 }
 
-DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size_t slot) {
+DTRAIN_DETAIL_INLINE void checkpoint::before_update() {
+  if (!memory_ || !memory_->awaits_word()) return;
+  const double waited = memory_->release_reads();
+  context_.timings.blocked_seconds += waited;
+  context_.timings.memory_seconds += waited;
+}
+
+DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size_t slot,
+                                                bool beside) {
   const auto start = std::chrono::steady_clock::now();
   t.complete(true);
   auto p = std::make_unique<detail::ckpt::pending_save>();
@@ -204,22 +234,28 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_into(detail::ckpt::tier& t, std::size
   p->start = start;
   p->partial = t.staging(p->step);
   p->writes_replicated = t.writes_replicated();
-  const bool copy = context_.options.asynchronous;
+  // Where the writer reads each entry: copied now (asynchronous), where it
+  // lives (synchronous), or where it lives if large (beside the step).
+  const bool asynchronous = beside || context_.options.asynchronous;
+  const std::size_t live_from = beside                          ? beside_copy_below
+                                : context_.options.asynchronous ? detail::ckpt::registry::never_live
+                                                                : 0;
   try {
     entries_.before_save();
-    p->per_rank =
-        entries_.snapshot(checkpoint_scope::per_rank, copy, slot, context_.timings.copy_seconds);
+    p->per_rank = entries_.snapshot(checkpoint_scope::per_rank, live_from, slot,
+                                    context_.timings.copy_seconds);
     if (p->writes_replicated) {
-      p->replicated = entries_.snapshot(checkpoint_scope::replicated, copy, slot,
+      p->replicated = entries_.snapshot(checkpoint_scope::replicated, live_from, slot,
                                         context_.timings.copy_seconds);
     }
   } catch (const std::exception& e) {
     p->problem = e.what();
   }
+  if (beside) p->gate = std::make_unique<detail::ckpt::read_gate>();
   // A snapshot that failed is committed (refused on every rank) now, as a synchronous save is.
   const bool failed = !p->problem.empty();
-  t.write(std::move(p), copy);
-  if (!copy || failed) t.complete();
+  t.write(std::move(p), asynchronous);
+  if (!asynchronous || failed) t.complete();
 }
 
 DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
@@ -230,11 +266,12 @@ DTRAIN_DETAIL_INLINE void checkpoint::save_to_memory() {
                        std::string(memory_checkpoint_variable) +
                        "), or set checkpoint_options::memory_dir");
   }
+  check_released("save_to_memory()");
   // Each rank commits its own copy (no collective): restore() takes the
   // newest step whole on every rank. Asynchronous: the copy here, the files
   // on a thread beside the next step (a rank killed then loses two steps).
   const auto start = std::chrono::steady_clock::now();
-  save_into(*memory_, memory_slot);
+  save_into(*memory_, memory_slot, context_.options.memory_beside_step);
   context_.timings.memory_seconds += detail::ckpt::seconds_since(start);
 }
 

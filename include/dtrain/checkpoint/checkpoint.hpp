@@ -233,7 +233,18 @@ class checkpoint {
 
   /// Counts a finished training step; saves when `every` divides the count,
   /// into memory when `memory_every` does. Returns whether it saved to disk.
+  /// With checkpoint_options::memory_beside_step, throws config_error (and
+  /// drops that copy) when the step before began a memory copy and no
+  /// before_update() came since.
   bool step();
+
+  /// With checkpoint_options::memory_beside_step: waits until the memory
+  /// copy that the last step() began has read the state, so that the caller
+  /// may change it. Call it after the forward and backward passes and before
+  /// the first change to a registered value (the optimizer's step, a ZeRO
+  /// gather of updated values), on every step. Returns at once when no copy
+  /// is being read (and without the option).
+  void before_update();
 
   /// Saves now into the memory tier (checkpoint_options::memory_every), on
   /// every rank together (with checkpoint_options::asynchronous: copies the
@@ -289,7 +300,12 @@ class checkpoint {
   /// This step's save into tier `t`: the entries' snapshot (their copy
   /// number `slot` when asynchronous), written by the tier. The tier's save
   /// before this one is completed first (`next_save`: the training's wait).
-  void save_into(detail::ckpt::tier& t, std::size_t slot);
+  /// `beside`: the large values are read by the writer, beside the next step,
+  /// until before_update() (checkpoint_options::memory_beside_step).
+  void save_into(detail::ckpt::tier& t, std::size_t slot, bool beside = false);
+  /// Throws config_error, naming `call`, when the memory copy begun at the
+  /// last step is read beside the step and had no before_update() (it is dropped).
+  void check_released(std::string_view call);
   /// Loads `step` from tier `t` on every rank: each rank checks its files
   /// against what it registered, all agree, and only then memory changes.
   void load(detail::ckpt::tier& t, std::uint64_t step);
@@ -299,6 +315,9 @@ class checkpoint {
 
   // The entries' copies for asynchronous saves: one per tier (registry::snapshot).
   static constexpr std::size_t disk_slot = 0, memory_slot = 1;
+  // A memory copy read beside the step still copies its values entries under
+  // this size at step() (a counter, an RNG's state): the next step may change them.
+  static constexpr std::size_t beside_copy_below = std::size_t{64} << 10;
 
   detail::ckpt::tier_context context_;  // the plane, the options, the timings
   detail::ckpt::registry entries_;

@@ -58,6 +58,20 @@ struct checkpoint_options {
   /// elastic job's smaller round after a lost node resumes from memory), and ranks with no
   /// copy (a new or replacement node) get it from a rank with one. 0: off.
   std::uint64_t memory_every = 0;
+  /// The memory tier's copy costs the training thread next to nothing:
+  /// step() copies only the values under 64 KiB (a counter, an RNG's state),
+  /// the sampler, byte entries and shards, and a thread reads the larger
+  /// values where they are, beside the next step's forward and backward,
+  /// which only read them. The program calls before_update() before it
+  /// changes any registered value (the optimizer's step), every step: it
+  /// waits until the thread has read them. A step() (or save_to_memory())
+  /// with no before_update() since the step that began a copy throws
+  /// config_error, and that copy is not used. State that the forward or
+  /// backward changes (a batch norm's running statistics, an EMA updated in
+  /// the forward) must not be a registered value of 64 KiB or more: save it
+  /// through add(name, save, load), which step() calls. Needs memory_every;
+  /// independent of `asynchronous` (which is the disk's saves' then).
+  bool memory_beside_step = false;
   /// The memory tier's directory, one per node. Empty: the environment's
   /// DTRAIN_MEMORY_CHECKPOINT_DIR, which dtrun's node agent sets to a
   /// directory in /dev/shm that it owns (and removes when the job ends).

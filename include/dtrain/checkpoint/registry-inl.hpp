@@ -117,7 +117,7 @@ DTRAIN_DETAIL_INLINE bool registry::per_rank_recuts() const {
   });
 }
 
-DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, bool copy,
+DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, std::size_t live_from,
                                                       std::size_t slot, double& copy_seconds) {
   part_snapshot out;
   std::size_t owned = 0;
@@ -136,7 +136,7 @@ DTRAIN_DETAIL_INLINE part_snapshot registry::snapshot(checkpoint_scope scope, bo
       out.owned.push_back(sharded_payload(e));
       r.data = out.owned.back().data();
       r.bytes = out.owned.back().size();
-    } else if (copy && r.bytes > 0) {
+    } else if (r.bytes > 0 && r.bytes < live_from) {
       // The entry's own copy, reused by each save (one is in flight at a
       // time): its pages are touched once per job, not at every save.
       if (e.staged.size() <= slot) e.staged.resize(slot + 1);

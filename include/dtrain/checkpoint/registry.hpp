@@ -69,11 +69,17 @@ class registry {
 
   /// Runs the before_save hooks.
   void before_save() const;
-  /// The records of `scope`'s entries; `copy`: into owned memory (an
-  /// asynchronous save, whose training goes on while the files are written),
-  /// each entry's copy number `slot` (one per storage tier: each tier has
-  /// one save in flight at a time). Adds the copy's time to `copy_seconds`.
-  part_snapshot snapshot(checkpoint_scope scope, bool copy, std::size_t slot, double& copy_seconds);
+  /// The records of `scope`'s entries. A values entry of `live_from` bytes
+  /// or more is recorded where it lives (read by the writer: a synchronous
+  /// save, 0; or a memory copy read beside the step, whose training changes
+  /// nothing until it is released); a smaller one is copied into owned memory
+  /// (an asynchronous save's, whose training goes on while the files are
+  /// written: never_live), each entry's copy number `slot` (one per storage
+  /// tier: each tier has one save in flight at a time). Adds the copy's time
+  /// to `copy_seconds`.
+  part_snapshot snapshot(checkpoint_scope scope, std::size_t live_from, std::size_t slot,
+                         double& copy_seconds);
+  static constexpr std::size_t never_live = static_cast<std::size_t>(-1);
 
   /// The files this rank loads of manifest `m`, whose files are at
   /// path_of(name), checked: each file's size and checksum, and every entry

@@ -73,6 +73,41 @@ inline file_record write_part(const std::filesystem::path& path, const part_snap
 }
 }  // namespace tier_detail
 
+DTRAIN_DETAIL_INLINE void read_gate::read_done() {
+  {
+    const std::lock_guard lock(mutex_);
+    read_ = true;
+  }
+  changed_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE bool read_gate::wait_word() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [this] { return word_.has_value(); });
+  return *word_;
+}
+
+DTRAIN_DETAIL_INLINE double read_gate::await_read() {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [this] { return read_; });
+  return seconds_since(start);
+}
+
+DTRAIN_DETAIL_INLINE void read_gate::decide(bool released) {
+  {
+    const std::lock_guard lock(mutex_);
+    if (word_) return;
+    word_ = released;
+  }
+  changed_.notify_all();
+}
+
+DTRAIN_DETAIL_INLINE bool read_gate::decided() const {
+  const std::lock_guard lock(mutex_);
+  return word_.has_value();
+}
+
 DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asynchronous) {
   pending_ = std::move(p);
   if (!pending_->problem.empty()) return;
@@ -89,6 +124,15 @@ DTRAIN_DETAIL_INLINE void tier::write(std::unique_ptr<pending_save> p, bool asyn
       }
     } catch (const std::exception& e) {
       p.problem = e.what();
+    }
+    if (p.gate) {
+      p.gate->read_done();
+      if (!p.gate->wait_word() && p.problem.empty()) {
+        p.problem =
+            "the state may have changed while it was read: no checkpoint::before_update() came "
+            "between the step() that began it and the next (checkpoint_options::"
+            "memory_beside_step)";
+      }
     }
     seal(p);
   };

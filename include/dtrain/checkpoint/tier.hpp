@@ -16,6 +16,7 @@
 #include <dtrain/control/plane.hpp>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -28,6 +29,31 @@
 
 namespace dtrain::detail::ckpt {
 
+/// A save whose writer reads the state itself beside the training
+/// (checkpoint_options::memory_beside_step): once the writer has read all of
+/// it, it waits here for the training's word on whether the state stayed
+/// unchanged meanwhile (released: the copy is sealed) or may not have
+/// (revoked: it is dropped). Thread-safe.
+class read_gate {
+ public:
+  /// The writer: every byte of the state is read (or the write failed).
+  void read_done();
+  /// The writer: waits for the training's word; true: released.
+  [[nodiscard]] bool wait_word();
+  /// The training: waits until the writer has read the state; returns the seconds waited.
+  double await_read();
+  /// The training: its word, once (later words are ignored).
+  void decide(bool released);
+  /// Whether the training has given its word.
+  [[nodiscard]] bool decided() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  bool read_ = false;
+  std::optional<bool> word_;
+};
+
 /// One rank's save of one step into one tier, from its snapshot to its commit.
 struct pending_save {
   std::uint64_t step = 0;
@@ -38,6 +64,8 @@ struct pending_save {
   std::optional<file_record> per_rank_file, replicated_file;
   std::string problem;  // this rank's, from its snapshot or its write
   std::thread writer;   // an asynchronous save's
+  /// Set when the writer reads the state itself (read_gate): sealed once released.
+  std::unique_ptr<read_gate> gate;
 };
 
 /// Where the checkpoint's metrics file goes, as its errors name it.
@@ -95,8 +123,30 @@ class tier {
   void write(std::unique_ptr<pending_save> p, bool asynchronous);
   /// Ends the save in flight, if any: its writer joined and its commit
   /// (finish()). `next_save`: called by the next save, the wait is the training's.
+  /// A writer that reads the state itself is released first: the training
+  /// waits here, so the state does not change until it has read it.
   void complete(bool next_save = false) {
-    if (pending_) finish(std::move(pending_), next_save);
+    if (!pending_) return;
+    if (pending_->gate) pending_->gate->decide(true);
+    finish(std::move(pending_), next_save);
+  }
+  /// Whether the save in flight has a writer that reads the state itself
+  /// and has not had the training's word yet.
+  [[nodiscard]] bool awaits_word() const {
+    return pending_ && pending_->gate && !pending_->gate->decided();
+  }
+  /// Waits until the writer of the save in flight (if it reads the state
+  /// itself) has read it, and releases it; returns the seconds waited.
+  double release_reads() {
+    if (!awaits_word()) return 0;
+    const double waited = pending_->gate->await_read();
+    pending_->gate->decide(true);
+    return waited;
+  }
+  /// Drops the save in flight whose writer reads the state itself: the state
+  /// may have changed under it. complete() then ends it.
+  void revoke_reads() {
+    if (awaits_word()) pending_->gate->decide(false);
   }
 
   /// restore(): the newest step whose copy every rank can load into
